@@ -1,0 +1,195 @@
+"""Facts the resolver takes as given: the machine's GPUs and the model's shapes.
+
+Both are gathered *before* resolution (from the profile, a probe, a ``config.json`` or a preset), so that
+`resolve` stays a pure function. `ModelFacts` also knows the exact byte size of every tensor group, which
+the VRAM budget is built from.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .profile import Backend
+
+DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+class _Facts(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+class GpuFacts(_Facts):
+    """One GPU as the resolver sees it."""
+
+    index: int = Field(ge=0)
+    """CUDA device ordinal (or virtual CPU device number)."""
+    name: str
+    """Display name."""
+    vram_mib: int = Field(gt=0)
+    """Total memory in MiB."""
+    bandwidth_gbs: float = Field(gt=0)
+    """Memory bandwidth in GB/s, the GPU's speed for placement."""
+
+
+class MachineFacts(_Facts):
+    """The machine: its backend and GPUs."""
+
+    backend: Backend = "cuda"
+    """``cuda`` for real GPUs; ``cpu`` for virtual CPU devices running NumPy."""
+    gpus: tuple[GpuFacts, ...]
+    """GPUs in device order."""
+    source: Literal["profile", "probe"] = "profile"
+    """Where the GPU list came from."""
+    host: str = "local"
+    """The host these GPUs are on."""
+
+    def device_name(self, index: int) -> str:
+        """``cuda:N`` or ``cpu:N``."""
+        return f"{self.backend}:{index}"
+
+
+class ModelFacts(_Facts):
+    """A ``qwen3_moe`` model's shapes, enough to size and place it."""
+
+    source: str
+    """``synthetic:<preset>`` or the model directory."""
+    model_type: str = "qwen3_moe"
+    """The checkpoint's architecture id."""
+    dtype: Literal["float32", "float16", "bfloat16"]
+    """Weight precision as it will sit on the device."""
+    vocab_size: int = Field(gt=0)
+    hidden_size: int = Field(gt=0)
+    num_hidden_layers: int = Field(gt=0)
+    num_attention_heads: int = Field(gt=0)
+    num_key_value_heads: int = Field(gt=0)
+    head_dim: int = Field(gt=0)
+    intermediate_size: int = Field(ge=0)
+    """Width of dense (non-MoE) MLP layers."""
+    moe_intermediate_size: int = Field(ge=0)
+    """Width of one expert."""
+    num_experts: int = Field(ge=0)
+    num_experts_per_tok: int = Field(ge=0)
+    shared_expert_intermediate_size: int = Field(default=0, ge=0)
+    """Width of the shared expert; 0 means none."""
+    decoder_sparse_step: int = Field(default=1, ge=1)
+    mlp_only_layers: tuple[int, ...] = ()
+    max_position_embeddings: int = Field(default=32768, gt=0)
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mtp_layers: int = Field(default=0, ge=0)
+    """MTP decoder layers present in the weights (0: the model cannot draft)."""
+
+    @classmethod
+    def from_config(
+        cls, config: dict[str, Any], *, source: str, dtype: str, mtp_layers: int | None = None
+    ) -> ModelFacts:
+        """Build facts from a ``config.json`` dictionary (either transformers spelling of the expert count)."""
+        n_experts = config.get("num_experts", config.get("num_local_experts", 0)) or 0
+        n_heads = config["num_attention_heads"]
+        head_dim = config.get("head_dim") or config["hidden_size"] // n_heads
+        if mtp_layers is None:
+            mtp_layers = int(config.get("num_nextn_predict_layers", config.get("mtp_num_hidden_layers", 0)))
+        return cls(
+            source=source,
+            model_type=config.get("model_type", "qwen3_moe"),
+            dtype=dtype,  # type: ignore[arg-type]
+            vocab_size=config["vocab_size"],
+            hidden_size=config["hidden_size"],
+            num_hidden_layers=config["num_hidden_layers"],
+            num_attention_heads=n_heads,
+            num_key_value_heads=config.get("num_key_value_heads", n_heads),
+            head_dim=head_dim,
+            intermediate_size=config.get("intermediate_size", 0),
+            moe_intermediate_size=config.get("moe_intermediate_size", 0),
+            num_experts=n_experts,
+            num_experts_per_tok=config.get("num_experts_per_tok", 0),
+            shared_expert_intermediate_size=config.get("shared_expert_intermediate_size", 0) or 0,
+            decoder_sparse_step=config.get("decoder_sparse_step", 1) or 1,
+            mlp_only_layers=tuple(config.get("mlp_only_layers", ()) or ()),
+            max_position_embeddings=config.get("max_position_embeddings", 32768),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            attention_bias=bool(config.get("attention_bias", False)),
+            mtp_layers=mtp_layers,
+        )
+
+    # ---- structure -------------------------------------------------------------------------------
+
+    @property
+    def has_mtp(self) -> bool:
+        """Whether the weights include an MTP head that can draft."""
+        return self.mtp_layers > 0
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether main-model layer ``layer`` has an MoE block (transformers' Qwen3-MoE rule)."""
+        return (
+            layer not in self.mlp_only_layers
+            and self.num_experts > 0
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
+
+    # ---- sizes in bytes ----------------------------------------------------------------------------
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes per weight element."""
+        return DTYPE_BYTES[self.dtype]
+
+    def attention_bytes(self) -> int:
+        """One decoder layer's attention and norms: q/k/v/o projections, q/k norms, two RMSNorms."""
+        h, hd = self.hidden_size, self.head_dim
+        q, kv = self.num_attention_heads * hd, self.num_key_value_heads * hd
+        n = h * q + 2 * h * kv + q * h + 2 * hd + 2 * h
+        if self.attention_bias:
+            n += q + 2 * kv
+        return n * self.weight_bytes
+
+    def expert_bytes(self) -> int:
+        """One routed expert: gate, up and down projections."""
+        return 3 * self.hidden_size * self.moe_intermediate_size * self.weight_bytes
+
+    def moe_dense_bytes(self) -> int:
+        """The parts of an MoE block that are not routed experts: the router and the shared expert."""
+        h = self.hidden_size
+        n = self.num_experts * h
+        if self.shared_expert_intermediate_size:
+            n += 3 * h * self.shared_expert_intermediate_size + h
+        return n * self.weight_bytes
+
+    def dense_mlp_bytes(self) -> int:
+        """A dense (non-MoE) layer's SwiGLU MLP."""
+        return 3 * self.hidden_size * self.intermediate_size * self.weight_bytes
+
+    def layer_bytes(self, layer: int) -> tuple[int, int]:
+        """``(non-expert bytes, routed-expert bytes)`` of main-model layer ``layer``."""
+        if self.is_sparse(layer):
+            return self.attention_bytes() + self.moe_dense_bytes(), self.num_experts * self.expert_bytes()
+        return self.attention_bytes() + self.dense_mlp_bytes(), 0
+
+    def layer_experts(self, layer: int) -> int:
+        """Routed experts in layer ``layer`` (0 for a dense layer)."""
+        return self.num_experts if self.is_sparse(layer) else 0
+
+    def embedding_bytes(self) -> int:
+        """The token embedding."""
+        return self.vocab_size * self.hidden_size * self.weight_bytes
+
+    def head_bytes(self) -> int:
+        """The final norm and the LM head (the head is free when tied to the embedding)."""
+        head = 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
+        return (head + self.hidden_size) * self.weight_bytes
+
+    def mtp_bytes(self) -> tuple[int, int]:
+        """``(non-expert bytes, routed-expert bytes)`` of the MTP head: its norms, fc, layers and norm."""
+        if not self.has_mtp:
+            return 0, 0
+        h = self.hidden_size
+        own = (2 * h + 2 * h * h + h) * self.weight_bytes
+        dense = self.mtp_layers * (self.attention_bytes() + self.moe_dense_bytes())
+        experts = self.mtp_layers * self.num_experts * self.expert_bytes()
+        return own + dense, experts
+
+    def kv_bytes_per_token(self, kv_dtype: str) -> int:
+        """KV bytes one token occupies in one layer: keys and values."""
+        return 2 * self.num_key_value_heads * self.head_dim * DTYPE_BYTES[kv_dtype]

@@ -1,0 +1,203 @@
+"""The profile schema: what a user may write in a `*.toml` hardware profile.
+
+Every field is optional and defaults to ``None``, which means *unset*. Defaults are applied in one place,
+during resolution (`strata_cfg.resolve`), where each applied default is recorded as such. That keeps what
+the user wrote distinguishable from what the tool chose, all the way into the launch plan.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from .presets import PresetName
+
+Backend = Literal["cuda", "cpu"]
+DType = Literal["float32", "float16", "bfloat16"]
+KvDType = Literal["float32", "float16", "bfloat16"]
+
+_DEVICE_RE = re.compile(r"^(?:(?P<host>[A-Za-z0-9_.-]+):)?(?P<index>\d+)$")
+_ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+DeviceSpec = Annotated[int, Field(ge=0)] | Annotated[str, Field(pattern=_DEVICE_RE.pattern)]
+"""A GPU index (``1``), or ``"host:index"`` (``"local:1"``) naming the host that holds it."""
+
+
+def parse_device(spec: int | str) -> tuple[str, int]:
+    """Split a device spec into ``(host, index)``; a bare index is on host ``local``."""
+    if isinstance(spec, int):
+        return "local", spec
+    m = _DEVICE_RE.match(spec)
+    if m is None:  # the schema pattern already refused it; this guards direct callers
+        raise ValueError(f"not a device: {spec!r}")
+    return m.group("host") or "local", int(m.group("index"))
+
+
+class Section(BaseModel):
+    """Base of every profile table: strict, frozen, documented."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+class GpuSpec(Section):
+    """One GPU of the machine, as the resolver needs to know it."""
+
+    name: str = Field(min_length=1)
+    """Marketing name, for display only (``"RTX 3080 20GB"``)."""
+    vram_mib: int = Field(gt=0, le=4 * 1024 * 1024)
+    """Total memory of the card in MiB, as `nvidia-smi` reports it."""
+    bandwidth_gbs: float = Field(gt=0, le=100_000)
+    """Memory bandwidth in GB/s. Decode is memory-bound, so this is the GPU's speed for the auto split."""
+
+
+class MachineSection(Section):
+    """The machine this profile describes: its GPUs, written out or probed."""
+
+    gpus: list[GpuSpec] | None = Field(default=None, min_length=1, max_length=16)
+    """The GPUs, in CUDA device order. Give this, or ``probe = true``."""
+    probe: bool | None = None
+    """Fill the GPU list from the machine `strata` runs on (nvidia-smi), before resolving."""
+    backend: Backend | None = None
+    """``"cuda"`` (default) runs on real GPUs; ``"cpu"`` runs each listed GPU as a virtual CPU device on NumPy."""
+
+    @model_validator(mode="after")
+    def _gpus_or_probe(self) -> MachineSection:
+        if self.gpus is not None and self.probe:
+            raise ValueError("give either `gpus` or `probe = true`, not both")
+        return self
+
+
+class ModelSection(Section):
+    """Which model to run: a Hugging Face style directory or a built-in synthetic preset."""
+
+    path: str | None = Field(default=None, min_length=1)
+    """A model directory (``config.json`` plus safetensors), relative to the profile file or absolute."""
+    synthetic: PresetName | None = None
+    """A built-in seeded random model, generated in place on each device (no download)."""
+    dtype: DType | None = None
+    """Weight and activation precision on GPUs (default ``"float16"``); virtual CPU devices always use float32."""
+    seed: int | None = Field(default=None, ge=0, le=2**32 - 1)
+    """Synthetic models only: the seed the weights are generated from (default 0)."""
+    layer_scale: float | None = Field(default=None, ge=0.0, le=10.0)
+    """Synthetic models only: scale on each layer's output into the residual stream. Small values keep the
+    preset's planted token chain dominant, so MTP drafts are accepted often; large values let the random
+    layers change the next token, so drafts are rejected. Default: the preset's own."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelSection:
+        if self.path is not None and self.synthetic is not None:
+            raise ValueError("give either `path` or `synthetic`, not both")
+        return self
+
+
+class SplitSection(Section):
+    """How the model's layers are split into pipeline stages across GPUs (`--layer-split`)."""
+
+    layers: list[int] | Literal["auto"] | None = None
+    """The first layer of each later stage, rising (``[23]`` gives stages [0, 23) and [23, n)), or
+    ``"auto"`` to balance the stages by GPU speed and memory. Absent: one stage."""
+    devices: list[DeviceSpec] | None = Field(default=None, min_length=1, max_length=8)
+    """The GPU of each stage, in stage order (``--split-device``). Default: 0, 1, 2, ..."""
+    test_shared_gpu: bool | None = None
+    """Allow two stages on one GPU. For testing the split code paths on one card; turns batching off."""
+    pipeline_windows: Literal[0, 1, 2] | None = None
+    """Overlapped windows on a two-stage split for the solo path (``--pipeline-windows``); 0 is off."""
+
+
+class BatchSection(Section):
+    """Concurrent request slots and how they are scheduled through the stages."""
+
+    slots: int | None = Field(default=None, ge=0, le=64)
+    """Concurrent decode slots (``--batch``); 0 or 1 means no batching."""
+    groups: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] | None = None
+    """Slot groups pipelined through the stages (``--batch-groups``). Absent: chosen for you, and one group
+    when batch MTP can run. ``"auto"``: the largest divisor of the slots that is at most the stage count."""
+    mtp: bool | None = None
+    """Per-slot MTP drafters in batch windows (``--batch-mtp``): each slot sends its token and one drafted
+    proposal through every stage."""
+
+
+class SpecSection(Section):
+    """Speculative decoding with the model's MTP head on the solo path."""
+
+    draft_tokens: int | None = Field(default=None, ge=0, le=8)
+    """Speculative window (``--spec``): the token plus up to T-1 chained MTP proposals, verified in one
+    window of at most 8 rows. 2 or more enables MTP drafting; 0 or 1 turns it off."""
+
+
+class MemorySection(Section):
+    """VRAM reserve, context length and KV precision."""
+
+    vram_reserve_mib: int | None = Field(default=None, ge=0, le=1024 * 1024)
+    """VRAM left free on the first GPU, in MiB (default 700)."""
+    vram_reserve_later_mib: int | None = Field(default=None, ge=0, le=1024 * 1024)
+    """VRAM left free on every later GPU, in MiB (default: the same as ``vram_reserve_mib``)."""
+    context: int | None = Field(default=None, ge=16, le=1 << 20)
+    """Context length of each slot in tokens (``--max-context``); default 4096, capped by the model's own."""
+    kv_dtype: KvDType | None = None
+    """KV cache precision (``--kv``); default: the model's dtype."""
+    prefill_chunk: int | None = Field(default=None, ge=8, le=1 << 16)
+    """Prompt tokens read per prefill window (default 512). Bigger reads prompts faster and needs more
+    activation workspace."""
+
+
+class ExpertsSection(Section):
+    """Where the MoE experts live."""
+
+    cache: Annotated[int, Field(ge=0)] | Literal["auto"] | None = None
+    """VRAM expert-cache slots (``--expert-cache``); ``"auto"`` (default) is what fits after everything else."""
+    helper_devices: list[int] | None = Field(default=None, max_length=3)
+    """Helper GPUs that hold only experts, no stage (``--expert-cache-device1..3``)."""
+    remote_opt: bool | None = None
+    """Remote expert optimisation (``--remote-expert-opt``)."""
+    peer_device: int | None = Field(default=None, ge=0)
+    """A GPU holding a second adaptive expert cache over P2P (``--peer-device``)."""
+
+
+class ServeSection(Section):
+    """Serve requests over HTTP. Without this table the profile is a one-shot generation profile."""
+
+    host: str | None = Field(default=None, min_length=1)
+    """Address to bind (default ``127.0.0.1``). Anything but loopback exposes the model to the network."""
+    port: int | None = Field(default=None, ge=1, le=65535)
+    """TCP port (default 8000)."""
+    api_key_env: str | None = None
+    """Name of the environment variable that holds the API key. The key itself never goes in a profile."""
+    model_name: str | None = Field(default=None, min_length=1)
+    """Model id reported by ``/v1/models`` and accepted in requests (default: the profile's name)."""
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _env_name(cls, v: str | None) -> str | None:
+        if v is not None and not _ENV_NAME_RE.match(v):
+            raise ValueError("must be an environment variable name such as STRATA_API_KEY, not the key itself")
+        return v
+
+
+class Profile(Section):
+    """A hardware profile: one machine, one model, and how to run it."""
+
+    name: str | None = Field(default=None, min_length=1)
+    """A short name for the profile (default: the file's stem)."""
+    description: str | None = None
+    """Free text shown in listings."""
+    extends: str | None = None
+    """A base profile to inherit from, relative to this file. Keys here override the base's."""
+    machine: MachineSection | None = None
+    """The machine's GPUs."""
+    model: ModelSection | None = None
+    """The model to run."""
+    split: SplitSection | None = None
+    """The layer split over GPUs."""
+    batch: BatchSection | None = None
+    """Batch slots and groups."""
+    spec: SpecSection | None = None
+    """Speculative decoding."""
+    memory: MemorySection | None = None
+    """Memory settings."""
+    experts: ExpertsSection | None = None
+    """Expert placement."""
+    serve: ServeSection | None = None
+    """HTTP serving; present means the profile serves requests."""

@@ -1,0 +1,62 @@
+"""Window row layout: which rows (slot, offset) go through the stages together.
+
+A row is one token at one position of one slot. Offset 0 is the slot's current token; offset k > 0 is its
+k-th drafted proposal. This is part of the plan's contract: the resolver states the limits with it and the
+runtime schedules with it, so both read the same rules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+MAX_WINDOW_ROWS = 8
+"""At most this many rows go through the stages in one window (the verify limit)."""
+HANDOFF_ROWS = MAX_WINDOW_ROWS
+"""Rows handed from one stage to the next are bounded by the window, not by the slot count."""
+BATCH_MTP_ROWS_PER_SLOT = 2
+"""Batch MTP sends each slot's token and one proposal."""
+BATCH_MTP_SLOTS_PER_WINDOW = MAX_WINDOW_ROWS // BATCH_MTP_ROWS_PER_SLOT
+
+WindowKind = Literal["solo", "serial", "batch-mtp", "pipelined"]
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One row of a window: a slot and the offset of the token after its last accepted one."""
+
+    slot: int
+    offset: int = 0
+
+
+def solo_window(slot: int, proposals: int) -> tuple[Row, ...]:
+    """One slot's token plus ``proposals`` chained drafts."""
+    if not 0 <= proposals < MAX_WINDOW_ROWS:
+        raise ValueError(f"a solo window holds 1 + at most {MAX_WINDOW_ROWS - 1} proposals, not {proposals}")
+    return tuple(Row(slot, k) for k in range(1 + proposals))
+
+
+def plain_windows(slots: Sequence[int]) -> list[tuple[Row, ...]]:
+    """One row per slot, in windows of at most ``MAX_WINDOW_ROWS``."""
+    rows = [Row(s) for s in slots]
+    return [tuple(rows[i : i + MAX_WINDOW_ROWS]) for i in range(0, len(rows), MAX_WINDOW_ROWS)]
+
+
+def batch_mtp_window(slots: Sequence[int], start: int) -> tuple[Row, ...]:
+    """Token and proposal rows for at most ``BATCH_MTP_SLOTS_PER_WINDOW`` slots, starting at ``start``.
+
+    With more slots than fit, successive windows pass a rotating ``start`` so every slot gets its turn.
+    """
+    if not slots:
+        return ()
+    n = min(len(slots), BATCH_MTP_SLOTS_PER_WINDOW)
+    chosen = [slots[(start + i) % len(slots)] for i in range(n)]
+    return tuple(Row(s, k) for s in chosen for k in range(BATCH_MTP_ROWS_PER_SLOT))
+
+
+def next_rotation(start: int, n_slots: int) -> int:
+    """The start of the batch-MTP window after one that began at ``start``."""
+    if n_slots <= BATCH_MTP_SLOTS_PER_WINDOW:
+        return 0
+    return (start + BATCH_MTP_SLOTS_PER_WINDOW) % n_slots

@@ -1,0 +1,88 @@
+"""The engine's request interface: what the HTTP server, the bench harness and `strata generate` use.
+
+One thread owns the devices and calls `EngineCore.step()` in a loop; every other thread talks to the engine
+only through `submit` / `cancel` and the `RequestHandle` queue of events. Nothing here imports numpy or cupy.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token. ``temperature == 0`` is greedy."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    """0: no top-k cut."""
+    seed: int | None = None
+    """Seeds this request's sampler; None draws a fresh seed."""
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation request, already tokenized."""
+
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    stop_ids: tuple[int, ...] = ()
+    """Token ids that end generation (the model's EOS ids are added by the engine)."""
+    stop_strings: tuple[str, ...] = ()
+    """Strings that end generation; the text is cut before them."""
+    request_id: str = ""
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """Tokens accepted for a request in one window, or its end."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    """Newly decodable text for these tokens (may be empty while a UTF-8 sequence is incomplete)."""
+    finished: FinishReason | None = None
+    accepted_proposals: int = 0
+    """Drafted proposals accepted in this window for this request."""
+    error: str | None = None
+
+
+@dataclass
+class RequestHandle:
+    """The caller's side of a submitted request: a queue of `TokenEvent`s ending in one with ``finished``."""
+
+    request: Request
+    events: queue.Queue[TokenEvent] = field(default_factory=queue.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    slot: int | None = None
+    """The slot serving it, once admitted."""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    accepted_proposals: int = 0
+    proposals: int = 0
+
+    def cancel(self) -> None:
+        """Ask the engine to stop this request and free its slot at the next window."""
+        self.cancelled.set()
+
+
+class EngineCore(Protocol):
+    """What a running engine offers its callers."""
+
+    def submit(self, request: Request) -> RequestHandle:
+        """Queue a request (thread-safe). It is admitted when a slot is free."""
+        ...
+
+    def step(self) -> bool:
+        """Run one scheduling round on the engine thread. Returns False when there was nothing to do."""
+        ...
+
+    def stats(self) -> dict[str, Any]:
+        """Live slot, queue and window statistics (JSON-serialisable)."""
+        ...
