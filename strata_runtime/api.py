@@ -72,8 +72,25 @@ class RequestHandle:
         self.cancelled.set()
 
 
+class Tokenizer(Protocol):
+    """Text to token ids and back: byte-level for synthetic models, ``tokenizer.json`` for checkpoints."""
+
+    eos_ids: tuple[int, ...]
+    """Ids that end a generation."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a chat prompt ending where the assistant's reply begins."""
+        ...
+
+
 class EngineCore(Protocol):
     """What a running engine offers its callers."""
+
+    tokenizer: Tokenizer
 
     def submit(self, request: Request) -> RequestHandle:
         """Queue a request (thread-safe). It is admitted when a slot is free."""
