@@ -1,0 +1,109 @@
+"""`python -m strata_runtime serve --plan plan.json`: load the plan's engine and serve it over HTTP.
+
+Exit codes: 0 after a clean stop (SIGTERM / SIGINT), 1 when the engine fails to load or fails while serving,
+or the port cannot be bound, 2 for a bad plan file or a missing API key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from strata_cfg.schema.plan import LaunchPlan
+
+log = logging.getLogger("strata.serve")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--plan", required=True, type=Path, help="the resolved launch plan (plan.json)")
+    parser.add_argument("--host", help="override the plan's serve.host")
+    parser.add_argument("--port", type=int, help="override the plan's serve.port")
+    parser.add_argument(
+        "--drain-seconds",
+        type=float,
+        default=10.0,
+        help="on SIGTERM, how long in-flight requests may finish before they are cancelled (default 10)",
+    )
+
+
+def load_plan(path: Path) -> LaunchPlan:
+    """Read a plan file, or exit 2 with one line saying what is wrong with it."""
+    try:
+        return LaunchPlan.model_validate_json(path.read_bytes())
+    except OSError as exc:
+        sys.exit(_fatal(f"cannot read the plan {path}: {exc.strerror}"))
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        where = ".".join(str(x) for x in first["loc"])
+        sys.exit(_fatal(f"{path} is not a valid launch plan: {where}: {first['msg']}"))
+
+
+def api_key(plan: LaunchPlan) -> str | None:
+    """The key named by ``serve.api_key_env``, read once at start; a named but unset variable is an error."""
+    assert plan.serve is not None
+    name = plan.serve.api_key_env
+    if name is None:
+        return None
+    key = os.environ.get(name, "")
+    if not key:
+        sys.exit(_fatal(f"serve.api_key_env names ${name}, but it is not set (or empty) in the environment"))
+    return key
+
+
+def _fatal(message: str) -> int:
+    print(f"strata serve: {message}", file=sys.stderr)
+    return 2
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _factory(plan: LaunchPlan) -> Any:
+    def build(progress: Any) -> Any:
+        from strata_runtime.engine import Engine  # on the engine thread: it owns the devices
+
+        return Engine(plan, progress=progress)
+
+    return build
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+    )
+    plan = load_plan(args.plan)
+    if plan.serve is None:
+        return _fatal(
+            f"the plan of profile `{plan.profile}` has no [serve] table: it is not a serving profile"
+        )
+    from strata_runtime.server import ServeOptions, Server
+
+    options = ServeOptions(
+        host=args.host or plan.serve.host,
+        port=plan.serve.port if args.port is None else args.port,
+        model_name=plan.serve.model_name,
+        api_key=api_key(plan),
+        drain_s=args.drain_seconds,
+    )
+    if not _is_loopback(options.host) and options.api_key is None:
+        log.warning(
+            "binding %s without an API key: anyone who can reach this host can use the model", options.host
+        )
+    return asyncio.run(Server(plan, _factory(plan), options).serve())

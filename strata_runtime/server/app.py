@@ -1,0 +1,401 @@
+"""The OpenAI-compatible HTTP server: routes, authentication, streaming, and a clean SIGTERM.
+
+The server binds its port first and answers ``/health`` with 503 while the engine loads on its own thread,
+so a launcher can show progress. Every error a client can cause comes back as OpenAI's error JSON naming
+the field; an unexpected exception is logged and answered with a 500 that carries no traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from strata_cfg.schema.plan import LaunchPlan
+
+from . import protocol as p
+from .engine_loop import EngineFactory, EngineLoop, Stream
+from .metrics import ServerCounters, render
+
+log = logging.getLogger("strata.serve")
+
+MAX_BODY_BYTES = 32 << 20
+"""Largest request body accepted: a long prompt, with room to spare."""
+OPEN_PATHS = frozenset({"/health"})
+"""Paths answered without the API key, so a supervisor or load balancer can probe readiness."""
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@dataclass
+class ServeOptions:
+    host: str
+    port: int
+    model_name: str
+    api_key: str | None
+    drain_s: float = 10.0
+    """How long SIGTERM waits for in-flight requests before cancelling them."""
+
+
+class Server:
+    """One HTTP server around one engine thread."""
+
+    def __init__(self, plan: LaunchPlan, factory: EngineFactory, options: ServeOptions) -> None:
+        self.plan = plan
+        self.options = options
+        self.context = plan.memory.context
+        self.counters = ServerCounters()
+        self.started = time.time()
+        self.draining = False
+        self._factory = factory
+        self.engine: EngineLoop | None = None
+
+    # ---- application ---------------------------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(
+            middlewares=[self._errors, self._auth, self._admission], client_max_size=MAX_BODY_BYTES
+        )
+        app.add_routes(
+            [
+                web.get("/health", self.health),
+                web.get("/v1/models", self.models),
+                web.get("/v1/status", self.status),
+                web.get("/metrics", self.metrics),
+                web.post("/v1/completions", self.completions),
+                web.post("/v1/chat/completions", self.chat),
+            ]
+        )
+        return app
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except p.ApiError as exc:
+            return _error_response(exc)
+        except web.HTTPException as exc:  # aiohttp's own 404 / 405 / 413, in OpenAI's shape
+            if exc.status < 400:
+                raise
+            message = {
+                404: f"no route {request.method} {request.path}",
+                405: f"{request.method} is not allowed on {request.path}",
+                413: f"the request body is larger than {MAX_BODY_BYTES} bytes",
+            }.get(exc.status, exc.reason)
+            return _error_response(p.ApiError(exc.status, message))
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception:
+            log.exception("unexpected error serving %s %s", request.method, request.path)
+            return _error_response(
+                p.ApiError(500, "internal server error (logged by the server)", type_="server_error")
+            )
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        key = self.options.api_key
+        if key is None or request.path in OPEN_PATHS:
+            return await handler(request)
+        given = request.headers.get("Authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            what = "no API key given" if not given else "the API key is not valid"
+            raise p.ApiError(
+                401,
+                f"{what}: send `Authorization: Bearer <key>`",
+                "Authorization",
+                type_="authentication_error",
+                code="invalid_api_key",
+            )
+        return await handler(request)
+
+    @web.middleware
+    async def _admission(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.method == "POST":
+            engine = self.engine
+            if self.draining:
+                raise p.ApiError(503, "the server is shutting down", type_="server_error")
+            if engine is None or engine.state == "loading":
+                done = f" ({engine.fraction:.0%})" if engine and engine.fraction is not None else ""
+                raise p.ApiError(
+                    503, f"the model is still loading{done}; retry shortly", type_="server_error"
+                )
+            if engine.state != "ready":
+                raise p.ApiError(503, f"the engine is not running: {engine.error}", type_="server_error")
+        return await handler(request)
+
+    # ---- read-only endpoints -------------------------------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        engine = self.engine
+        if engine is None:
+            return web.json_response({"status": "loading", "progress": "starting"}, status=503)
+        if self.draining:
+            return web.json_response({"status": "stopping"}, status=503)
+        if engine.state == "ready":
+            return web.json_response({"status": "ok", "model": self.options.model_name})
+        body: dict[str, Any] = {
+            "status": engine.state,
+            "progress": engine.progress,
+            "fraction": engine.fraction,
+        }
+        if engine.error:
+            body["error"] = engine.error
+        return web.json_response(body, status=503)
+
+    async def models(self, request: web.Request) -> web.Response:
+        entry = {
+            "id": self.options.model_name,
+            "object": "model",
+            "created": int(self.started),
+            "owned_by": "strata",
+            "max_model_len": self.context,
+        }
+        return web.json_response({"object": "list", "data": [entry]})
+
+    async def status(self, request: web.Request) -> web.Response:
+        engine = self.engine
+        body = {
+            "state": "stopping" if self.draining else (engine.state if engine else "loading"),
+            "model": self.options.model_name,
+            "uptime_s": round(time.time() - self.started, 3),
+            "load_seconds": engine.load_seconds if engine else None,
+            "requests_in_flight": engine.in_flight if engine else 0,
+            "engine": engine.stats if engine else {},
+            "decisions": [d.model_dump(mode="json") for d in self.plan.decisions],
+            "plan": self.plan.to_json(),
+        }
+        return web.json_response(body)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        engine = self.engine
+        text = render(
+            self.counters,
+            engine.stats if engine else {},
+            ready=bool(engine and engine.state == "ready" and not self.draining),
+            in_flight=engine.in_flight if engine else 0,
+        )
+        return web.Response(
+            text=text, content_type="text/plain", charset="utf-8", headers={"X-Format": "0.0.4"}
+        )
+
+    # ---- generation ----------------------------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._counted("completions", request, self._completion)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._counted("chat", request, self._chat)
+
+    async def _counted(
+        self, endpoint: str, request: web.Request, run: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        outcome = "server_error"
+        try:
+            response = await run(request)
+            outcome = "ok"
+            return response
+        except p.ApiError as exc:
+            outcome = "client_error" if exc.status < 500 else "server_error"
+            raise
+        except (asyncio.CancelledError, ConnectionResetError):
+            outcome = "cancelled"
+            raise
+        finally:
+            self.counters.requests[endpoint, outcome] += 1
+
+    async def _completion(self, request: web.Request) -> web.StreamResponse:
+        body = p.parse_completion(await _json_body(request))
+        p.check_model(body.model, self.options.model_name)
+        engine = self._engine()
+        ids = p.prompt_ids(body, engine.tokenizer, self.plan.model.facts.vocab_size)
+        prepared = p.prepare(
+            body, ids, context=self.context, default_max_tokens=p.DEFAULT_COMPLETION_MAX_TOKENS
+        )
+        return await self._run(request, prepared, chat=False)
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        body = p.parse_chat(await _json_body(request))
+        p.check_model(body.model, self.options.model_name)
+        engine = self._engine()
+        ids = engine.tokenizer.apply_chat_template(p.chat_messages(body))
+        prepared = p.prepare(body, ids, context=self.context, default_max_tokens=None)
+        return await self._run(request, prepared, chat=True)
+
+    def _engine(self) -> Any:
+        assert self.engine is not None and self.engine.engine is not None
+        return self.engine.engine
+
+    async def _run(self, request: web.Request, prepared: p.Prepared, *, chat: bool) -> web.StreamResponse:
+        assert self.engine is not None
+        self.counters.prompt_tokens += prepared.prompt_tokens
+        stream = self.engine.submit(prepared.request)
+        try:
+            if prepared.stream:
+                return await self._stream(request, stream, prepared, chat=chat)
+            return await self._whole(stream, prepared, chat=chat)
+        finally:
+            stream.close()
+
+    async def _whole(self, stream: Stream, prepared: p.Prepared, *, chat: bool) -> web.Response:
+        texts: list[str] = []
+        n = 0
+        finish: str | None = None
+        async for event in stream.events():
+            texts.append(event.text)
+            n += len(event.token_ids)
+            self._count_event(event.token_ids, event.accepted_proposals)
+            finish = event.finished
+            if event.finished == "error":
+                raise p.ApiError(500, f"the engine failed this request: {event.error}", type_="server_error")
+            if event.finished == "cancelled":
+                raise p.ApiError(
+                    503, "the request was cancelled: the server is shutting down", type_="server_error"
+                )
+        self.counters.latency.observe(time.monotonic() - stream.submitted_at)
+        use = p.usage(prepared.prompt_tokens, n)
+        rid = prepared.request.request_id
+        make = p.chat_response if chat else p.completion_response
+        return web.json_response(make(rid, self.options.model_name, "".join(texts), _finish(finish), use))
+
+    async def _stream(
+        self, request: web.Request, stream: Stream, prepared: p.Prepared, *, chat: bool
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no",
+            }
+        )
+        await response.prepare(request)
+        rid, model, created = prepared.request.request_id, self.options.model_name, int(time.time())
+
+        def chunk(text: str | None, finish: str | None) -> dict[str, Any]:
+            if chat:
+                delta = (
+                    {"role": "assistant", "content": ""}
+                    if text is None
+                    else ({"content": text} if text else {})
+                )
+                return p.chat_chunk(rid, model, created, delta, _finish(finish) if finish else None)
+            return p.completion_chunk(rid, model, created, text or "", _finish(finish) if finish else None)
+
+        if chat:
+            await _send(response, chunk(None, None))
+        n = 0
+        async for event in stream.events():
+            n += len(event.token_ids)
+            self._count_event(event.token_ids, event.accepted_proposals)
+            if event.finished in ("error", "cancelled"):
+                why = event.error if event.finished == "error" else "the server is shutting down"
+                err = p.ApiError(500 if event.finished == "error" else 503, f"the request ended early: {why}")
+                await _send(response, err.body())
+                break
+            if event.text or event.finished:
+                await _send(response, chunk(event.text, event.finished))
+        else:
+            self.counters.latency.observe(time.monotonic() - stream.submitted_at)
+            if prepared.include_usage:
+                kind = "chat.completion.chunk" if chat else "text_completion"
+                await _send(
+                    response, p.usage_chunk(rid, model, created, kind, p.usage(prepared.prompt_tokens, n))
+                )
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    def _count_event(self, token_ids: tuple[int, ...], accepted: int) -> None:
+        self.counters.completion_tokens += len(token_ids)
+        self.counters.accepted_proposals += accepted
+
+    # ---- lifecycle -----------------------------------------------------------------------------------------
+
+    async def serve(self) -> int:
+        """Bind, load the engine, serve until SIGTERM / SIGINT or an engine failure; return the exit code."""
+        loop = asyncio.get_running_loop()
+        runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=log)
+        await runner.setup()
+        site = web.TCPSite(runner, self.options.host, self.options.port, shutdown_timeout=2.0)
+        try:
+            await site.start()
+        except OSError as exc:
+            await runner.cleanup()
+            log.error("cannot listen on %s:%d: %s", self.options.host, self.options.port, exc.strerror or exc)
+            return 1
+        log.info(
+            "listening on http://%s:%d (model `%s`)",
+            self.options.host,
+            self.options.port,
+            self.options.model_name,
+        )
+
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        self.engine = EngineLoop(self._factory, loop)
+        self.engine.start()
+        failed = asyncio.ensure_future(self._wait_failed())
+        stopped = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({failed, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        for task in (failed, stopped):
+            task.cancel()
+
+        code = 1 if self.engine.state == "failed" else 0
+        if code == 0:
+            log.info("stopping: no new requests; draining %d in flight", self.engine.in_flight)
+        await self._drain()
+        await runner.cleanup()
+        await self.engine.stop(timeout=5.0)
+        log.info("stopped")
+        return code
+
+    async def _wait_failed(self) -> None:
+        assert self.engine is not None
+        while self.engine.state != "failed":
+            await asyncio.sleep(0.2)
+
+    async def _drain(self) -> None:
+        """Stop admitting; let in-flight requests finish within the bound, then cancel what is left."""
+        assert self.engine is not None
+        self.draining = True
+        deadline = time.monotonic() + self.options.drain_s
+        while self.engine.in_flight and time.monotonic() < deadline and self.engine.state == "ready":
+            await asyncio.sleep(0.05)
+        if self.engine.in_flight:
+            log.info("cancelling %d requests still in flight", self.engine.in_flight)
+            self.engine.cancel_all()
+            cancel_deadline = time.monotonic() + 2.0
+            while self.engine.in_flight and time.monotonic() < cancel_deadline:
+                await asyncio.sleep(0.05)
+
+
+def _finish(reason: str | None) -> p.OpenAIFinish:
+    return "length" if reason == "length" else "stop"
+
+
+def _error_response(exc: p.ApiError) -> web.Response:
+    return web.json_response(exc.body(), status=exc.status)
+
+
+async def _json_body(request: web.Request) -> Any:
+    if request.content_type != "application/json":
+        got = request.headers.get("Content-Type", "none")
+        raise p.ApiError(415, f"`Content-Type` must be application/json (got {got})", "Content-Type")
+    raw = await request.read()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise p.ApiError(400, f"the request body is not valid JSON: {exc}") from None
+
+
+async def _send(response: web.StreamResponse, data: dict[str, Any]) -> None:
+    await response.write(b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n")

@@ -1,0 +1,180 @@
+"""The one engine thread, and the bridge that carries its events to the asyncio side.
+
+The engine thread builds the engine (so the devices are owned by the thread that uses them), then
+loops ``engine.step()``. The asyncio side only ever calls ``submit`` and ``RequestHandle.cancel()``. After
+every step that did work, the engine thread schedules one `_pump` on the event loop, which wakes every
+request waiting for events; the events themselves travel through each handle's thread-safe queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import traceback
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Literal
+
+from ..api import EngineCore, Request, RequestHandle, TokenEvent
+
+log = logging.getLogger("strata.serve")
+
+LoadState = Literal["loading", "ready", "failed", "stopped"]
+ProgressFn = Callable[..., None]
+EngineFactory = Callable[[ProgressFn], EngineCore]
+
+IDLE_WAIT_S = 0.25
+"""How long the idle engine thread sleeps between looks at its queue (`submit` and `cancel` wake it)."""
+
+
+class Stream:
+    """The asyncio side of one submitted request."""
+
+    def __init__(self, owner: EngineLoop, handle: RequestHandle) -> None:
+        self._owner = owner
+        self.handle = handle
+        self.finished = False
+        self.submitted_at = time.monotonic()
+        self._wakeup = asyncio.Event()
+
+    async def events(self) -> AsyncIterator[TokenEvent]:
+        """Yield the request's events as the engine produces them, ending with the one that finishes it."""
+        while not self.finished:
+            try:
+                event = self.handle.events.get_nowait()
+            except queue.Empty:
+                if self._owner.state == "failed":
+                    self.finished = True
+                    yield TokenEvent(
+                        (), "", finished="error", error=self._owner.error or "the engine stopped"
+                    )
+                    return
+                # No await between the empty read and clear(): the pump runs only while we wait, so an event
+                # put in between is announced by a pump scheduled after it.
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            if event.finished is not None:
+                self.finished = True
+            yield event
+
+    def close(self) -> None:
+        """Forget the request; cancel it first when it has not finished (the client went away)."""
+        if not self.finished:
+            self.handle.cancel()
+            self._owner.wake()
+        self._owner.forget(self)
+
+
+class EngineLoop:
+    """Owns the engine thread: load, step loop, progress, failure, and stop."""
+
+    def __init__(self, factory: EngineFactory, loop: asyncio.AbstractEventLoop) -> None:
+        self._factory = factory
+        self._loop = loop
+        self.engine: EngineCore | None = None
+        self.state: LoadState = "loading"
+        self.progress: str = "starting"
+        self.fraction: float | None = None
+        self.error: str | None = None
+        self.load_seconds: float | None = None
+        self.stats: dict[str, Any] = {}
+        """The engine's `stats()`, taken on the engine thread after each step, so readers never race it."""
+        self.settled = asyncio.Event()
+        """Set once the engine is ready or has failed."""
+        self._streams: set[Stream] = set()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._pump_scheduled = False
+        self._thread = threading.Thread(target=self._run, name="strata-engine", daemon=True)
+
+    # ---- asyncio side --------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, request: Request) -> Stream:
+        assert self.engine is not None and self.state == "ready"
+        stream = Stream(self, self.engine.submit(request))
+        self._streams.add(stream)
+        self.wake()
+        return stream
+
+    def forget(self, stream: Stream) -> None:
+        self._streams.discard(stream)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._streams)
+
+    def cancel_all(self) -> None:
+        for stream in list(self._streams):
+            stream.handle.cancel()
+        self.wake()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def stop(self, timeout: float) -> None:
+        """Stop stepping and wait (bounded) for the engine thread to end."""
+        self._stop.set()
+        self._wake.set()
+        await asyncio.to_thread(self._thread.join, timeout)
+        if self.state != "failed":
+            self.state = "stopped"
+
+    # ---- engine thread -------------------------------------------------------------------------------------
+
+    def _on_progress(self, message: Any = None, fraction: float | None = None, *_: Any, **__: Any) -> None:
+        self.progress = str(message) if message is not None else self.progress
+        self.fraction = fraction
+        done = f" {fraction:.0%}" if fraction is not None else ""
+        log.info("loading%s: %s", done, self.progress)
+
+    def _run(self) -> None:
+        started = time.monotonic()
+        try:
+            self.engine = self._factory(self._on_progress)
+            self.stats = self.engine.stats()
+        except BaseException as exc:  # a load failure of any kind must reach the server, not kill the thread
+            self._fail("the engine failed to load", exc)
+            return
+        self.load_seconds = time.monotonic() - started
+        self.state = "ready"
+        log.info("engine ready in %.1f s", self.load_seconds)
+        self._loop.call_soon_threadsafe(self.settled.set)
+        while not self._stop.is_set():
+            try:
+                busy = self.engine.step()
+                self.stats = self.engine.stats()
+            except BaseException as exc:
+                self._fail("the engine failed while stepping", exc)
+                return
+            if busy:
+                self._schedule_pump()
+            else:
+                self._wake.wait(IDLE_WAIT_S)
+                self._wake.clear()
+
+    def _fail(self, what: str, exc: BaseException) -> None:
+        self.error = f"{what}: {type(exc).__name__}: {exc}"
+        log.error("%s\n%s", what, "".join(traceback.format_exception(exc)).rstrip())
+        log.error("%s", self.error)
+        self.state = "failed"
+        try:
+            self._loop.call_soon_threadsafe(self.settled.set)
+            self._schedule_pump()
+        except RuntimeError:  # the event loop is already closed: nobody is waiting any more
+            pass
+
+    def _schedule_pump(self) -> None:
+        if not self._pump_scheduled:
+            self._pump_scheduled = True
+            self._loop.call_soon_threadsafe(self._pump)
+
+    def _pump(self) -> None:
+        self._pump_scheduled = False
+        for stream in self._streams:
+            stream._wakeup.set()

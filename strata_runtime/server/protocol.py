@@ -1,0 +1,357 @@
+"""The OpenAI wire format: request bodies in, engine `Request`s out, and the JSON the clients expect back.
+
+Pure functions and pydantic models, no I/O, so every rule about bad input is testable without a server.
+A body that cannot be served raises `ApiError`, whose message names the offending field and whose JSON is
+OpenAI's error shape (``{"error": {"message", "type", "param", "code"}}``), so clients surface it as-is.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..api import Request, SamplingParams, Tokenizer
+
+MAX_STOP_STRINGS = 4
+"""OpenAI's own limit on ``stop`` sequences."""
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+"""OpenAI's default for ``/v1/completions``; chat defaults to the rest of the context."""
+
+
+class ApiError(Exception):
+    """A request the server refuses, with the HTTP status and the field at fault."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        *,
+        type_: str = "invalid_request_error",
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.type = type_
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Request bodies. Strict types: "5" is not an int and true is not a number. Unknown fields are ignored, as
+# OpenAI-compatible servers do, so that clients sending newer optional fields keep working; fields that would
+# change the answer and are not implemented are refused by name in `_refuse_unsupported`.
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    model: str = Field(min_length=1)
+    """The served model's id (``/v1/models``)."""
+    max_tokens: int | None = Field(default=None, ge=1)
+    """Tokens to generate at most; checked against the context once the prompt is tokenized."""
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    """0 is greedy."""
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    """An extension: 0 is no top-k cut."""
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    include_usage: bool = False
+    """Send a last chunk carrying the usage counts."""
+
+
+class CompletionBody(_Body):
+    prompt: str | list[str] | list[int]
+    """One prompt: text, a one-element list of text, or token ids."""
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+
+class ChatBody(_Body):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    """The newer name of ``max_tokens`` for chat."""
+
+
+StreamOptions.model_rebuild()
+_Body.model_rebuild()
+CompletionBody.model_rebuild()
+ChatBody.model_rebuild()
+
+_FIELDS = frozenset(
+    name for m in (CompletionBody, ChatBody, ChatMessage, TextPart, StreamOptions) for name in m.model_fields
+)
+_EXPECTED = {
+    "prompt": "a string, a list of one string, or a list of token ids",
+    "stop": f"a string or a list of up to {MAX_STOP_STRINGS} strings",
+    "content": "a string or a list of text parts",
+}
+"""What a union-typed field takes, said once instead of once per union member."""
+
+
+def _field_path(loc: tuple[int | str, ...]) -> str:
+    # pydantic puts union member tags ("str", "list[int]") into the location; keep only real fields/indices.
+    parts = [str(p) for p in loc if isinstance(p, int) or p in _FIELDS]
+    return ".".join(parts)
+
+
+def _validation_error(exc: ValidationError) -> ApiError:
+    errors = exc.errors(include_url=False)
+    path = _field_path(errors[0]["loc"])
+    same = [e for e in errors if _field_path(e["loc"]) == path]
+    leaf = path.rsplit(".", 1)[-1]
+    if errors[0]["type"] == "missing":
+        message = f"`{path}` is required"
+    elif len(same) > 1 and leaf in _EXPECTED:
+        message = f"`{path}` must be {_EXPECTED[leaf]}"
+    else:
+        message = f"`{path}`: {errors[0]['msg']}"
+    return ApiError(400, message, path or None)
+
+
+def _parse(model: type[BaseModel], raw: Any) -> Any:
+    if not isinstance(raw, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+
+
+def parse_completion(raw: Any) -> CompletionBody:
+    """Validate a ``/v1/completions`` body."""
+    body: CompletionBody = _parse(CompletionBody, raw)
+    _refuse_unsupported(body, {"echo": False, "logprobs": None, "suffix": None, "best_of": 1})
+    return body
+
+
+def parse_chat(raw: Any) -> ChatBody:
+    """Validate a ``/v1/chat/completions`` body."""
+    body: ChatBody = _parse(ChatBody, raw)
+    _refuse_unsupported(body, {"logprobs": False, "top_logprobs": None, "tools": None, "functions": None})
+    return body
+
+
+def _refuse_unsupported(body: _Body, neutral: dict[str, Any]) -> None:
+    if body.n != 1:
+        raise ApiError(400, f"`n` must be 1: this server returns one choice per request (got {body.n})", "n")
+    extra = body.model_extra or {}
+    for name, neutral_value in neutral.items():
+        value = extra.get(name)
+        # An absent, null, empty or neutral value asks for nothing this server lacks.
+        if value is not None and value != neutral_value and value not in (False, [], {}):
+            raise ApiError(400, f"`{name}` is not supported by this server", name)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# From a validated body to an engine request.
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A validated request ready for the engine, with what the response needs to echo."""
+
+    request: Request
+    prompt_tokens: int
+    stream: bool
+    include_usage: bool
+
+
+def check_model(name: str, served: str) -> None:
+    if name != served:
+        raise ApiError(
+            404,
+            f"the model `{name}` does not exist; this server serves `{served}`",
+            "model",
+            code="model_not_found",
+        )
+
+
+def prompt_ids(body: CompletionBody, tokenizer: Tokenizer, vocab_size: int) -> list[int]:
+    """The token ids of a completion prompt."""
+    p = body.prompt
+    if isinstance(p, str):
+        return tokenizer.encode(p)
+    if not p:
+        raise ApiError(400, "`prompt` must not be empty", "prompt")
+    if all(isinstance(x, str) for x in p):
+        if len(p) != 1:
+            raise ApiError(
+                400, "`prompt`: send one prompt per request (batches of prompts are not supported)"
+            )
+        return tokenizer.encode(str(p[0]))
+    ids = [int(x) for x in p]
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise ApiError(
+            400, f"`prompt`: token id {bad[0]} is outside the vocabulary [0, {vocab_size})", "prompt"
+        )
+    return ids
+
+
+def chat_messages(body: ChatBody) -> list[dict[str, str]]:
+    """Messages as plain role/content strings, text parts joined."""
+    out = []
+    for m in body.messages:
+        parts = m.content if isinstance(m.content, list) else [TextPart(type="text", text=m.content or "")]
+        text = "".join(part.text for part in parts)
+        out.append({"role": m.role, "content": text})
+    return out
+
+
+def prepare(
+    body: _Body,
+    ids: list[int],
+    *,
+    context: int,
+    default_max_tokens: int | None,
+) -> Prepared:
+    """Check the prompt and ``max_tokens`` against the context and build the engine request.
+
+    ``default_max_tokens`` None means "the rest of the context" (chat's default).
+    """
+    n = len(ids)
+    if n == 0:
+        raise ApiError(400, "the prompt is empty after tokenization", "prompt")
+    room = context - n
+    param = "messages" if isinstance(body, ChatBody) else "prompt"
+    if room < 1:
+        raise ApiError(
+            400,
+            f"the prompt is {n} tokens, but the context is {context} tokens "
+            f"(the prompt must leave room for at least one generated token)",
+            param,
+            code="context_length_exceeded",
+        )
+    asked = body.max_tokens
+    name = "max_tokens"
+    if isinstance(body, ChatBody) and body.max_completion_tokens is not None:
+        asked, name = body.max_completion_tokens, "max_completion_tokens"
+    if asked is None:
+        max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
+    elif asked > room:
+        raise ApiError(
+            400,
+            f"`{name}` is {asked}, but the context is {context} tokens and the prompt uses {n}, "
+            f"so at most {room} can be generated",
+            name,
+            code="context_length_exceeded",
+        )
+    else:
+        max_tokens = asked
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if len(stop) > MAX_STOP_STRINGS or any(s == "" for s in stop):
+        raise ApiError(400, f"`stop` must be {_EXPECTED['stop']}, none of them empty", "stop")
+    request = Request(
+        prompt_ids=tuple(ids),
+        max_tokens=max_tokens,
+        sampling=SamplingParams(
+            temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed
+        ),
+        stop_strings=tuple(stop),
+        request_id=new_id("chatcmpl" if isinstance(body, ChatBody) else "cmpl"),
+    )
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    return Prepared(request=request, prompt_tokens=n, stream=body.stream, include_usage=include_usage)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Responses.
+
+OpenAIFinish = Literal["stop", "length"]
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def completion_response(
+    request_id: str, model: str, text: str, finish: OpenAIFinish, use: dict[str, int]
+) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
+        "usage": use,
+    }
+
+
+def chat_response(
+    request_id: str, model: str, text: str, finish: OpenAIFinish, use: dict[str, int]
+) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}],
+        "usage": use,
+    }
+
+
+def completion_chunk(
+    request_id: str, model: str, created: int, text: str, finish: OpenAIFinish | None
+) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
+    }
+
+
+def chat_chunk(
+    request_id: str, model: str, created: int, delta: dict[str, str], finish: OpenAIFinish | None
+) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+    }
+
+
+def usage_chunk(request_id: str, model: str, created: int, kind: str, use: dict[str, int]) -> dict[str, Any]:
+    """The last chunk of a stream with ``stream_options.include_usage``: no choices, only the counts."""
+    return {"id": request_id, "object": kind, "created": created, "model": model, "choices": [], "usage": use}
