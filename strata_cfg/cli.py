@@ -1,0 +1,86 @@
+"""The `strata` command: one subcommand per module, imported only when chosen.
+
+Each subcommand is a module exposing ``add_arguments(parser)`` and ``run(args) -> int``. It is registered
+here by name with its module path and a one-line help. Only the chosen command's module is imported, so
+``strata plan`` does not pay for the TUI, the server or the engine.
+
+Exit codes shared by every command: 0 success, 1 a profile was refused (or the command failed),
+2 usage error (bad arguments).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+from typing import Protocol, cast
+
+from . import __version__
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "schema": ("strata_cfg.commands.schema", "print the profile JSON Schema (for editors)"),
+}
+"""Subcommand name -> (module path, one-line help). Other parts of strata add their commands here."""
+
+EXIT_OK = 0
+EXIT_REFUSED = 1
+EXIT_USAGE = 2
+
+
+class Command(Protocol):
+    """What a subcommand module provides."""
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None: ...
+
+    def run(self, args: argparse.Namespace) -> int: ...
+
+
+def _usage() -> str:
+    width = max(len(n) for n in COMMANDS)
+    lines = [
+        f"usage: strata {{{','.join(COMMANDS)}}} ...",
+        "",
+        "Declarative hardware profiles for the strata MoE engine.",
+        "",
+        "commands:",
+        *(f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()),
+        "",
+        "Run `strata COMMAND --help` for a command's options. Exit codes: 0 ok, 1 refused, 2 usage.",
+    ]
+    return "\n".join(lines)
+
+
+def build_parser(name: str) -> tuple[argparse.ArgumentParser, Command]:
+    """Import command ``name`` and build its parser."""
+    module_path, help_ = COMMANDS[name]
+    module = cast(Command, importlib.import_module(module_path))
+    parser = argparse.ArgumentParser(prog=f"strata {name}", description=help_)
+    module.add_arguments(parser)
+    return parser, module
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``strata`` with ``argv`` (default: the process arguments) and return the exit code."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(_usage())
+        return EXIT_OK if args else EXIT_USAGE
+    if args[0] == "--version":
+        print(f"strata {__version__}")
+        return EXIT_OK
+    name = args[0]
+    if name not in COMMANDS:
+        print(_usage(), file=sys.stderr)
+        print(f"\nstrata: unknown command {name!r}", file=sys.stderr)
+        return EXIT_USAGE
+    parser, module = build_parser(name)
+    try:
+        parsed = parser.parse_args(args[1:])
+    except SystemExit as exc:  # argparse exits 0 for --help and 2 for usage errors
+        return int(exc.code or 0)
+    return int(module.run(parsed))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

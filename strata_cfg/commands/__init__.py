@@ -1,0 +1,1 @@
+"""`strata` subcommands, one module each (see `strata_cfg.cli.COMMANDS`)."""

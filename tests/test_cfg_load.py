@@ -1,0 +1,100 @@
+"""Loading profiles: the extends chain, --set overrides, origins, and errors that speak TOML."""
+
+from __future__ import annotations
+
+import pytest
+
+from strata_cfg.load import SET_ORIGIN, load_profile, load_profile_text, parse_set
+from strata_cfg.schema.errors import ProfileError
+
+
+def write(path, text):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def test_extends_merges_tables_and_child_wins(tmp_path):
+    base = 'name = "base"\n[batch]\nslots = 2\nmtp = true\n[spec]\ndraft_tokens = 3\n'
+    write(tmp_path / "base" / "common.toml", base)
+    child = write(tmp_path / "box.toml", 'extends = "base/common.toml"\n\n[batch]\nslots = 4\n')
+    lp = load_profile(child)
+    assert lp.profile.batch is not None
+    assert (lp.profile.batch.slots, lp.profile.batch.mtp) == (4, True)
+    assert lp.profile.spec is not None and lp.profile.spec.draft_tokens == 3
+    assert lp.origins["batch.slots"].file == str(child) and lp.origins["batch.slots"].line == 4
+    base_file = str(tmp_path / "base" / "common.toml")
+    assert lp.origins["batch.mtp"].file == base_file and lp.origins["batch.mtp"].line == 4
+    assert lp.files == (base_file, str(child))
+
+
+def test_name_is_not_inherited(tmp_path):
+    write(tmp_path / "base.toml", 'name = "base"\n')
+    lp = load_profile(write(tmp_path / "rig-7.toml", 'extends = "base.toml"\n'))
+    assert lp.profile.name is None
+    assert lp.name == "rig-7"
+
+
+def test_arrays_are_replaced_whole_with_their_origins(tmp_path):
+    write(tmp_path / "base.toml", "[split]\nlayers = [10, 20, 30]\n")
+    lp = load_profile(write(tmp_path / "c.toml", 'extends = "base.toml"\n[split]\nlayers = [17]\n'))
+    assert lp.profile.split is not None and lp.profile.split.layers == [17]
+    assert "split.layers.2" not in lp.origins
+    assert lp.origins["split.layers.0"].line == 3
+
+
+def test_extends_cycle_is_refused_with_the_chain(tmp_path):
+    write(tmp_path / "a.toml", 'extends = "b.toml"\n')
+    write(tmp_path / "b.toml", '# b\nextends = "a.toml"\n')
+    with pytest.raises(ProfileError) as err:
+        load_profile(tmp_path / "a.toml")
+    (p,) = err.value.problems
+    assert p.key == "extends" and p.line == 2 and p.file.endswith("b.toml")
+    assert "cycle" in p.message and "a.toml -> " in p.message
+
+
+def test_missing_base_names_the_extends_line(tmp_path):
+    f = write(tmp_path / "a.toml", '\n\nextends = "nope.toml"\n')
+    with pytest.raises(ProfileError) as err:
+        load_profile(f)
+    (p,) = err.value.problems
+    assert (p.file, p.line, p.key) == (str(f), 3, "extends")
+    assert "no such profile file" in p.message
+
+
+def test_set_overrides_with_toml_values_and_set_origin():
+    lp = load_profile_text(
+        "[batch]\nslots = 2\n", "p.toml", ["batch.slots=6", "split.layers=[3]", "model.synthetic=tiny"]
+    )
+    assert lp.profile.batch is not None and lp.profile.batch.slots == 6
+    assert lp.profile.split is not None and lp.profile.split.layers == [3]
+    assert lp.profile.model is not None and lp.profile.model.synthetic == "tiny"
+    assert lp.origins["batch.slots"].file == SET_ORIGIN
+    assert lp.origins["batch"].file == "p.toml"  # the table is still the file's
+    assert lp.origins["split.layers.0"].file == SET_ORIGIN
+
+
+@pytest.mark.parametrize("bad", ["batch.slots", "=4", "a..b=1", "x=[1,"])
+def test_malformed_set_is_rejected(bad):
+    with pytest.raises(ValueError, match="--set"):
+        parse_set(bad)
+
+
+def test_every_validation_problem_is_reported_with_line_and_did_you_mean():
+    text = (
+        '[batch]\nslot = 2\ngroups = "two"\n'
+        '[machine]\ngpus = [{name = "a", vram_mib = -1, bandwidth_gbs = 1}]\n'
+    )
+    with pytest.raises(ProfileError) as err:
+        load_profile_text(text, "p.toml")
+    got = {(p.key, p.line): p.message for p in err.value.problems}
+    assert "did you mean `slots`" in got[("batch.slot", 2)]
+    assert "'auto'" in got[("batch.groups", 3)] and "integer" in got[("batch.groups", 3)]
+    assert "greater than 0" in got[("machine.gpus.0.vram_mib", 5)]
+
+
+def test_toml_syntax_error_names_the_line():
+    with pytest.raises(ProfileError) as err:
+        load_profile_text('name = "x"\n[batch\n', "p.toml")
+    (p,) = err.value.problems
+    assert p.line == 2 and "not valid TOML" in p.message
