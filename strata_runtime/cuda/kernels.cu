@@ -1,0 +1,485 @@
+// Decode kernels for strata_runtime's CUDA path.
+//
+// Every kernel computes each row of a window independently, with a fixed reduction order, so a row's
+// result does not depend on which other rows share its window (batch invariance: greedy text is the same
+// solo, serial, pipelined or with batch MTP). Weights are fp16; the residual stream and every accumulator
+// are fp32. Each kernel has a NumPy twin in strata_runtime/cuda/twins.py that the gpu tests compare it to.
+//
+// Dimension letters: R rows of the window, H hidden, N output features, K reduction length, E experts,
+// A = R * topk assignments (row, expert), I expert width, D head dim, G query heads per KV head, T context.
+
+#include <cuda_fp16.h>
+
+#define STRATA_INF __int_as_float(0x7f800000)
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+__device__ __forceinline__ void unpack8(const uint4& p, float* f) {
+  const half2* h = reinterpret_cast<const half2*>(&p);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    float2 v = __half22float2(h[j]);
+    f[2 * j] = v.x;
+    f[2 * j + 1] = v.y;
+  }
+}
+
+// ---- GEMV: y[r, n] (+)= sum_k W[n, k] x[r, k] ---------------------------------------------------------
+// One warp per NR consecutive output features; each lane reads 16 bytes of a weight row per step, so a
+// warp streams 512 contiguous bytes. K is a multiple of 256 (the wide path); gemv_any handles the rest.
+template <int R, int K, int NR>
+__global__ void gemv_wide(const half* __restrict__ W, const float* __restrict__ x, float* __restrict__ y,
+                          int N, int accumulate) {
+  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  const int n0 = warp * NR;
+  if (n0 >= N) return;
+  constexpr int STEPS = K / 256;
+  float acc[NR][R];
+#pragma unroll
+  for (int j = 0; j < NR; ++j)
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[j][r] = 0.f;
+  if (NR == 1) {
+    // One row per warp: issue every load of the row first, so the whole row is in flight at once.
+    const uint4* w = reinterpret_cast<const uint4*>(W + (size_t)n0 * K);
+    uint4 pk[STEPS];
+#pragma unroll
+    for (int s = 0; s < STEPS; ++s) pk[s] = __ldg(w + s * 32 + lane);
+#pragma unroll
+    for (int s = 0; s < STEPS; ++s) {
+      float wf[8];
+      unpack8(pk[s], wf);
+      const int k0 = s * 256 + lane * 8;
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const float4* xr = reinterpret_cast<const float4*>(x + (size_t)r * K + k0);
+        const float4 a = xr[0], b = xr[1];
+        acc[0][r] += wf[0] * a.x + wf[1] * a.y + wf[2] * a.z + wf[3] * a.w + wf[4] * b.x + wf[5] * b.y +
+                     wf[6] * b.z + wf[7] * b.w;
+      }
+    }
+  } else {
+    // Several rows per warp: each x load is reused NR times, which matters once R > 2.
+#pragma unroll 2
+    for (int s = 0; s < STEPS; ++s) {
+      uint4 pk[NR];
+#pragma unroll
+      for (int j = 0; j < NR; ++j) {
+        const int n = min(n0 + j, N - 1);
+        pk[j] = __ldg(reinterpret_cast<const uint4*>(W + (size_t)n * K) + s * 32 + lane);
+      }
+      const int k0 = s * 256 + lane * 8;
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const float4* xr = reinterpret_cast<const float4*>(x + (size_t)r * K + k0);
+        const float4 a = xr[0], b = xr[1];
+#pragma unroll
+        for (int j = 0; j < NR; ++j) {
+          float wf[8];
+          unpack8(pk[j], wf);
+          acc[j][r] += wf[0] * a.x + wf[1] * a.y + wf[2] * a.z + wf[3] * a.w + wf[4] * b.x + wf[5] * b.y +
+                       wf[6] * b.z + wf[7] * b.w;
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < NR; ++j) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const float v = warp_sum(acc[j][r]);
+      const int n = n0 + j;
+      if (lane == 0 && n < N) {
+        float* dst = y + (size_t)r * N + n;
+        *dst = accumulate ? *dst + v : v;
+      }
+    }
+  }
+}
+
+// Any K (small models): one warp per output feature, scalar loads.
+__global__ void gemv_any(const half* __restrict__ W, const float* __restrict__ x, float* __restrict__ y,
+                         int R, int N, int K, int accumulate) {
+  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (warp >= N) return;
+  const half* w = W + (size_t)warp * K;
+  for (int r = 0; r < R; ++r) {
+    float acc = 0.f;
+    for (int k = lane; k < K; k += 32) acc += __half2float(w[k]) * x[(size_t)r * K + k];
+    acc = warp_sum(acc);
+    if (lane == 0) {
+      float* dst = y + (size_t)r * N + warp;
+      *dst = accumulate ? *dst + acc : acc;
+    }
+  }
+}
+
+// ---- residual add + RMSNorm ------------------------------------------------------------------------
+// resid[r] += delta[r] (when delta is given); out[r] = resid[r] * rsqrt(mean(resid[r]^2) + eps) * w.
+__global__ void add_rmsnorm(float* __restrict__ resid, const float* __restrict__ delta, const half* __restrict__ w,
+                            float* __restrict__ out, int H, float eps) {
+  const int r = blockIdx.x;
+  float* xr = resid + (size_t)r * H;
+  __shared__ float partial[32];
+  float ss = 0.f;
+  for (int i = threadIdx.x; i < H; i += blockDim.x) {
+    float v = xr[i];
+    if (delta != nullptr) {
+      v += delta[(size_t)r * H + i];
+      xr[i] = v;
+    }
+    ss += v * v;
+  }
+  ss = warp_sum(ss);
+  if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = ss;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    float t = threadIdx.x < (blockDim.x >> 5) ? partial[threadIdx.x] : 0.f;
+    t = warp_sum(t);
+    if (threadIdx.x == 0) partial[0] = rsqrtf(t / H + eps);
+  }
+  __syncthreads();
+  const float inv = partial[0];
+  for (int i = threadIdx.x; i < H; i += blockDim.x) out[(size_t)r * H + i] = xr[i] * inv * __half2float(w[i]);
+}
+
+// ---- q/k RMSNorm + NeoX RoPE + KV write ------------------------------------------------------------
+// qkv[r] = [q heads (NQ*D) | k heads (NKV*D) | v heads (NKV*D)]. Block (r, head) for NQ + NKV heads,
+// 32 * ceil(D/64) threads, one per rotation pair. q goes to q_out[r, h, :]; k and v go to the cache at (slot[r], kv head, pos[r]).
+// Cache layout per layer: [slots, NKV, T, D] fp16.
+__global__ void qk_norm_rope_kv(const float* __restrict__ qkv, const half* __restrict__ qn, const half* __restrict__ kn,
+                                const int* __restrict__ pos, const int* __restrict__ slot, float* __restrict__ q_out,
+                                half* __restrict__ kc, half* __restrict__ vc, int NQ, int NKV, int D, int T,
+                                float theta, float eps) {
+  const int r = blockIdx.x, h = blockIdx.y, i = threadIdx.x, half_d = D >> 1;
+  const float* row = qkv + (size_t)r * (NQ + 2 * NKV) * D;
+  const bool is_q = h < NQ, live = i < half_d;
+  const float* src = row + (size_t)h * D;
+  const float a = live ? src[i] : 0.f, b = live ? src[i + half_d] : 0.f;
+  __shared__ float red[33];
+  float ss = warp_sum(a * a + b * b);
+  if ((i & 31) == 0) red[i >> 5] = ss;
+  __syncthreads();
+  if (i == 0) {
+    float t = 0.f;
+    for (int w = 0; w < (int)(blockDim.x >> 5); ++w) t += red[w];
+    red[32] = rsqrtf(t / D + eps);
+  }
+  __syncthreads();
+  if (!live) return;
+  const float inv = red[32];
+  const half* nw = is_q ? qn : kn;
+  const float na = a * inv * __half2float(nw[i]), nb = b * inv * __half2float(nw[i + half_d]);
+  const int p = pos[r];
+  const float inv_freq = powf(theta, -2.f * (float)i / (float)D);
+  float s, c;
+  sincosf((float)p * inv_freq, &s, &c);
+  const float ra = na * c - nb * s, rb = nb * c + na * s;
+  if (is_q) {
+    float* dst = q_out + ((size_t)r * NQ + h) * D;
+    dst[i] = ra;
+    dst[i + half_d] = rb;
+  } else {
+    const int kvh = h - NQ;
+    const size_t off = (((size_t)slot[r] * NKV + kvh) * T + p) * D;
+    kc[off + i] = __float2half(ra);
+    kc[off + i + half_d] = __float2half(rb);
+    const float* v = row + (size_t)(NQ + NKV + kvh) * D;
+    vc[off + i] = __float2half(v[i]);
+    vc[off + i + half_d] = __float2half(v[i + half_d]);
+  }
+}
+
+// ---- decode attention ------------------------------------------------------------------------------
+// Block (r, kv head), B = 256 threads: the G query heads of that KV head attend over positions 0..pos[r]
+// of slot[r], in chunks of B positions with an online softmax. out[r, h*D + d].
+template <int D, int G>
+__global__ void __launch_bounds__(256) attn_decode(const float* __restrict__ q, const half* __restrict__ kc,
+                                                    const half* __restrict__ vc, const int* __restrict__ pos,
+                                                    const int* __restrict__ slot, float* __restrict__ out, int NKV,
+                                                    int T, float scale) {
+  constexpr int B = 256, ACC = (G * D + B - 1) / B;
+  __shared__ float qs[G * D];
+  __shared__ float sc[G * B];
+  __shared__ float stat[3 * G];  // running max, running sum, rescale of this chunk
+  const int r = blockIdx.x, kvh = blockIdx.y, tid = threadIdx.x, NQ = NKV * G;
+  for (int i = tid; i < G * D; i += B) qs[i] = q[((size_t)r * NQ + kvh * G) * D + i] * scale;
+  if (tid < G) { stat[tid] = -STRATA_INF; stat[G + tid] = 0.f; }
+  const size_t base = ((size_t)slot[r] * NKV + kvh) * T * D;
+  const int n = pos[r] + 1;
+  float acc[ACC];
+#pragma unroll
+  for (int u = 0; u < ACC; ++u) acc[u] = 0.f;
+  __syncthreads();
+  const int warp = tid >> 5, lane = tid & 31;
+  for (int t0 = 0; t0 < n; t0 += B) {
+    const int t = t0 + tid;
+    float s[G];
+#pragma unroll
+    for (int g = 0; g < G; ++g) s[g] = -STRATA_INF;
+    if (t < n) {
+#pragma unroll
+      for (int g = 0; g < G; ++g) s[g] = 0.f;
+      const uint4* kr = reinterpret_cast<const uint4*>(kc + base + (size_t)t * D);
+#pragma unroll
+      for (int c = 0; c < D / 8; ++c) {
+        float kf[8];
+        unpack8(kr[c], kf);
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+          const float* qg = qs + g * D + c * 8;
+#pragma unroll
+          for (int j = 0; j < 8; ++j) s[g] += qg[j] * kf[j];
+        }
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < G; ++g) sc[g * B + tid] = s[g];
+    __syncthreads();
+    // One warp per head: chunk max, new running max, probabilities in place, and their sum.
+    for (int g = warp; g < G; g += B / 32) {
+      float m = -STRATA_INF;
+      for (int j = lane; j < B; j += 32) m = fmaxf(m, sc[g * B + j]);
+      m = warp_max(m);
+      const float m_old = stat[g], m_new = fmaxf(m_old, m);
+      float l = 0.f;
+      for (int j = lane; j < B; j += 32) {
+        const float p = __expf(sc[g * B + j] - m_new);
+        sc[g * B + j] = p;
+        l += p;
+      }
+      l = warp_sum(l);
+      if (lane == 0) {
+        const float alpha = __expf(m_old - m_new);
+        stat[2 * G + g] = alpha;
+        stat[G + g] = stat[G + g] * alpha + l;
+        stat[g] = m_new;
+      }
+    }
+    __syncthreads();
+    const int tn = min(B, n - t0);
+#pragma unroll
+    for (int u = 0; u < ACC; ++u) {
+      const int idx = tid + u * B;
+      if (idx < G * D) {
+        const int g = idx / D, d = idx % D;
+        float a = acc[u] * stat[2 * G + g];
+        const half* vcol = vc + base + (size_t)t0 * D + d;
+        const float* pg = sc + g * B;
+        for (int j = 0; j < tn; ++j) a += pg[j] * __half2float(vcol[(size_t)j * D]);
+        acc[u] = a;
+      }
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int u = 0; u < ACC; ++u) {
+    const int idx = tid + u * B;
+    if (idx < G * D) {
+      const int g = idx / D, d = idx % D;
+      out[(size_t)r * NQ * D + (size_t)(kvh * G + g) * D + d] = acc[u] / stat[G + g];
+    }
+  }
+}
+
+// ---- router: softmax over E experts in fp32, top-k, optional renormalisation -----------------------
+// One warp per row. Ties go to the lower expert index.
+__global__ void router_topk(const float* __restrict__ logits, int R, int E, int k, int norm, int* __restrict__ idx,
+                            float* __restrict__ wts) {
+  const int r = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
+  if (r >= R) return;
+  const float* l = logits + (size_t)r * E;
+  float m = -STRATA_INF;
+  for (int e = lane; e < E; e += 32) m = fmaxf(m, l[e]);
+  m = warp_max(m);
+  float z = 0.f;
+  for (int e = lane; e < E; e += 32) z += __expf(l[e] - m);
+  z = warp_sum(z);
+  float picked_sum = 0.f;
+  unsigned long long taken[4] = {0ull, 0ull, 0ull, 0ull};  // up to 256 experts
+  for (int j = 0; j < k; ++j) {
+    float best = -STRATA_INF;
+    int best_e = 0x7fffffff;
+    for (int e = lane; e < E; e += 32) {
+      if ((taken[e >> 6] >> (e & 63)) & 1ull) continue;
+      const float v = l[e];
+      if (v > best || (v == best && e < best_e)) { best = v; best_e = e; }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, best, o);
+      const int oe = __shfl_xor_sync(0xffffffffu, best_e, o);
+      if (ov > best || (ov == best && oe < best_e)) { best = ov; best_e = oe; }
+    }
+    taken[best_e >> 6] |= 1ull << (best_e & 63);
+    const float p = __expf(best - m) / z;
+    picked_sum += p;
+    if (lane == 0) { idx[r * k + j] = best_e; wts[r * k + j] = p; }
+  }
+  __syncwarp();
+  if (norm && lane == 0)
+    for (int j = 0; j < k; ++j) wts[r * k + j] /= picked_sum;
+}
+
+// ---- routed experts -------------------------------------------------------------------------------
+// gate_up: [E, 2I, H] (gate rows then up rows); down: [E, H, I]. One warp per (assignment a, feature).
+template <int H, int I>
+__global__ void moe_gate_up(const half* __restrict__ GU, const float* __restrict__ x, const int* __restrict__ eid,
+                            int A, int topk, float* __restrict__ h) {
+  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
+  if (warp >= A * I) return;
+  const int a = warp / I, i = warp % I, r = a / topk;
+  const half* base = GU + (size_t)eid[a] * 2 * I * H;
+  const uint4* wg = reinterpret_cast<const uint4*>(base + (size_t)i * H);
+  const uint4* wu = reinterpret_cast<const uint4*>(base + (size_t)(I + i) * H);
+  constexpr int STEPS = H / 256;
+  uint4 pg[STEPS], pu[STEPS];
+#pragma unroll
+  for (int s = 0; s < STEPS; ++s) { pg[s] = __ldg(wg + s * 32 + lane); pu[s] = __ldg(wu + s * 32 + lane); }
+  float g = 0.f, u = 0.f;
+#pragma unroll
+  for (int s = 0; s < STEPS; ++s) {
+    float gf[8], uf[8];
+    unpack8(pg[s], gf);
+    unpack8(pu[s], uf);
+    const float4* xr = reinterpret_cast<const float4*>(x + (size_t)r * H + s * 256 + lane * 8);
+    const float4 xa = xr[0], xb = xr[1];
+    const float xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+#pragma unroll
+    for (int j = 0; j < 8; ++j) { g += gf[j] * xv[j]; u += uf[j] * xv[j]; }
+  }
+  g = warp_sum(g);
+  u = warp_sum(u);
+  if (lane == 0) h[(size_t)a * I + i] = g / (1.f + __expf(-g)) * u;
+}
+
+template <int H, int I>
+__global__ void moe_down(const half* __restrict__ Dw, const float* __restrict__ h, const int* __restrict__ eid, int A,
+                         float* __restrict__ y) {
+  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
+  if (warp >= A * H) return;
+  const int a = warp / H, n = warp % H;
+  const uint4* w = reinterpret_cast<const uint4*>(Dw + ((size_t)eid[a] * H + n) * I);
+  constexpr int STEPS = I / 256;
+  uint4 pk[STEPS];
+#pragma unroll
+  for (int s = 0; s < STEPS; ++s) pk[s] = __ldg(w + s * 32 + lane);
+  float acc = 0.f;
+#pragma unroll
+  for (int s = 0; s < STEPS; ++s) {
+    float wf[8];
+    unpack8(pk[s], wf);
+    const float4* hr = reinterpret_cast<const float4*>(h + (size_t)a * I + s * 256 + lane * 8);
+    const float4 p = hr[0], q = hr[1];
+    const float hv[8] = {p.x, p.y, p.z, p.w, q.x, q.y, q.z, q.w};
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc += wf[j] * hv[j];
+  }
+  acc = warp_sum(acc);
+  if (lane == 0) y[(size_t)a * H + n] = acc;
+}
+
+// Any H, I (small models): same contract, scalar loads.
+__global__ void moe_gate_up_any(const half* __restrict__ GU, const float* __restrict__ x, const int* __restrict__ eid,
+                                int A, int topk, int H, int I, float* __restrict__ h) {
+  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
+  if (warp >= A * I) return;
+  const int a = warp / I, i = warp % I, r = a / topk;
+  const half* base = GU + (size_t)eid[a] * 2 * I * H;
+  float g = 0.f, u = 0.f;
+  for (int k = lane; k < H; k += 32) {
+    const float xv = x[(size_t)r * H + k];
+    g += __half2float(base[(size_t)i * H + k]) * xv;
+    u += __half2float(base[(size_t)(I + i) * H + k]) * xv;
+  }
+  g = warp_sum(g);
+  u = warp_sum(u);
+  if (lane == 0) h[(size_t)a * I + i] = g / (1.f + __expf(-g)) * u;
+}
+
+__global__ void moe_down_any(const half* __restrict__ Dw, const float* __restrict__ h, const int* __restrict__ eid,
+                             int A, int H, int I, float* __restrict__ y) {
+  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
+  if (warp >= A * H) return;
+  const int a = warp / H, n = warp % H;
+  const half* w = Dw + ((size_t)eid[a] * H + n) * I;
+  float acc = 0.f;
+  for (int k = lane; k < I; k += 32) acc += __half2float(w[k]) * h[(size_t)a * I + k];
+  acc = warp_sum(acc);
+  if (lane == 0) y[(size_t)a * H + n] = acc;
+}
+
+// resid[r, n] += sum_j wts[r, j] * y[r * topk + j, n], in a fixed j order.
+__global__ void moe_combine(float* __restrict__ resid, const float* __restrict__ y, const float* __restrict__ wts,
+                            int R, int H, int topk) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= R * H) return;
+  const int r = i / H, n = i % H;
+  float s = 0.f;
+  for (int j = 0; j < topk; ++j) s += wts[r * topk + j] * y[((size_t)r * topk + j) * H + n];
+  resid[i] += s;
+}
+
+// out[r, i] = silu(gu[r, i]) * gu[r, I + i]: the SwiGLU of a dense MLP or shared expert.
+__global__ void silu_mul(const float* __restrict__ gu, float* __restrict__ out, int R, int I) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= R * I) return;
+  const int r = i / I, c = i % I;
+  const float g = gu[(size_t)r * 2 * I + c];
+  out[i] = g / (1.f + __expf(-g)) * gu[(size_t)r * 2 * I + I + c];
+}
+
+// resid[r, n] += scale(r) * y[r, n]; scale is sigmoid(gate[r]) when gate is given (the shared expert), else 1.
+__global__ void add_scaled(float* __restrict__ resid, const float* __restrict__ y, const float* __restrict__ gate,
+                           int R, int H) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= R * H) return;
+  const float s = gate == nullptr ? 1.f : 1.f / (1.f + __expf(-gate[i / H]));
+  resid[i] += s * y[i];
+}
+
+// ---- embedding gather and argmax --------------------------------------------------------------------
+__global__ void embed(const half* __restrict__ table, const int* __restrict__ ids, float* __restrict__ out, int H) {
+  const int r = blockIdx.x;
+  const half* row = table + (size_t)ids[r] * H;
+  for (int i = threadIdx.x; i < H; i += blockDim.x) out[(size_t)r * H + i] = __half2float(row[i]);
+}
+
+// One block per row; ties go to the lower index (as numpy.argmax).
+__global__ void argmax_rows(const float* __restrict__ logits, int V, int* __restrict__ out) {
+  const int r = blockIdx.x;
+  const float* l = logits + (size_t)r * V;
+  float best = -STRATA_INF;
+  int bi = 0x7fffffff;
+  for (int i = threadIdx.x; i < V; i += blockDim.x) {
+    const float v = l[i];
+    if (v > best || (v == best && i < bi)) { best = v; bi = i; }
+  }
+  __shared__ float sv[32];
+  __shared__ int si[32];
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, best, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+    if (ov > best || (ov == best && oi < bi)) { best = ov; bi = oi; }
+  }
+  if ((threadIdx.x & 31) == 0) { sv[threadIdx.x >> 5] = best; si[threadIdx.x >> 5] = bi; }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < (int)(blockDim.x >> 5); ++w)
+      if (sv[w] > best || (sv[w] == best && si[w] < bi)) { best = sv[w]; bi = si[w]; }
+    out[r] = bi;
+  }
+}

@@ -1,0 +1,206 @@
+"""Launchers for the decode kernels in ``kernels.cu``, on CuPy arrays with preallocated outputs.
+
+Nothing here allocates device memory, so every call can be captured into a CUDA graph. Each function has a
+NumPy twin of the same name and signature in `strata_runtime.cuda.twins`; the gpu tests compare them.
+Template instantiations are compiled on first use, or all at once with `Kernels.prepare` before capture.
+
+Shapes use the letters of kernels.cu: R rows, H hidden, N out features, K reduction, E experts, A = R * topk.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import cupy as cp
+import numpy as np
+
+_SOURCE = (Path(__file__).with_name("kernels.cu")).read_text()
+_OPTIONS = ("-std=c++17", "--use_fast_math")
+WARPS_PER_BLOCK = 8
+THREADS = WARPS_PER_BLOCK * 32
+MAX_ROWS = 8
+_NULL = np.uint64(0)  # a null pointer argument
+
+
+def _wide(k: int) -> bool:
+    return k % 256 == 0
+
+
+def gemv_rows_per_warp(rows: int) -> int:
+    """Output features per warp: one for 1–2 rows (all loads in flight), four beyond (reuse each x load)."""
+    return 1 if rows <= 2 else 4
+
+
+class Kernels:
+    """The compiled kernel set of one device. Create it with that device current."""
+
+    def __init__(self) -> None:
+        self._fns: dict[str, Any] = {}
+
+    def prepare(self, expressions: list[str]) -> None:
+        """Compile every listed template instantiation in one module (one NVRTC run)."""
+        todo = [e for e in dict.fromkeys(expressions) if e not in self._fns]
+        if not todo:
+            return
+        mod = cp.RawModule(code=_SOURCE, options=_OPTIONS, name_expressions=todo)
+        for e in todo:
+            self._fns[e] = mod.get_function(e)
+
+    def fn(self, expression: str) -> Any:
+        if expression not in self._fns:
+            self.prepare([expression])
+        return self._fns[expression]
+
+    # ---- expression names -----------------------------------------------------------------------
+
+    @staticmethod
+    def gemv_expr(rows: int, k: int) -> str:
+        return f"gemv_wide<{rows},{k},{gemv_rows_per_warp(rows)}>" if _wide(k) else "gemv_any"
+
+    @staticmethod
+    def moe_exprs(h: int, i: int) -> tuple[str, str]:
+        if _wide(h) and _wide(i):
+            return f"moe_gate_up<{h},{i}>", f"moe_down<{h},{i}>"
+        return "moe_gate_up_any", "moe_down_any"
+
+    @staticmethod
+    def attn_expr(head_dim: int, group: int) -> str:
+        return f"attn_decode<{head_dim},{group}>"
+
+    # ---- launchers -------------------------------------------------------------------------------
+
+    def gemv(self, w: cp.ndarray, x: cp.ndarray, out: cp.ndarray, accumulate: bool = False) -> None:
+        """out[R, N] (+)= x[R, K] @ w[N, K].T; w fp16, x and out fp32."""
+        n, k = w.shape
+        rows = x.shape[0]
+        expr = self.gemv_expr(rows, k)
+        if expr == "gemv_any":
+            warps = n
+            self.fn(expr)(
+                (math.ceil(warps / WARPS_PER_BLOCK),),
+                (THREADS,),
+                (w, x, out, np.int32(rows), np.int32(n), np.int32(k), np.int32(accumulate)),
+            )
+            return
+        warps = math.ceil(n / gemv_rows_per_warp(rows))
+        self.fn(expr)(
+            (math.ceil(warps / WARPS_PER_BLOCK),), (THREADS,), (w, x, out, np.int32(n), np.int32(accumulate))
+        )
+
+    def add_rmsnorm(
+        self, resid: cp.ndarray, delta: cp.ndarray | None, w: cp.ndarray, out: cp.ndarray, eps: float
+    ) -> None:
+        """resid += delta (if given); out = rmsnorm(resid) * w. resid, delta, out: [R, H] fp32; w: [H] fp16."""
+        rows, h = resid.shape
+        self.fn("add_rmsnorm")(
+            (rows,), (THREADS,), (resid, delta if delta is not None else _NULL, w, out, np.int32(h), np.float32(eps))
+        )
+
+    def qk_norm_rope_kv(
+        self,
+        qkv: cp.ndarray,
+        q_norm: cp.ndarray,
+        k_norm: cp.ndarray,
+        pos: cp.ndarray,
+        slot: cp.ndarray,
+        q_out: cp.ndarray,
+        k_cache: cp.ndarray,
+        v_cache: cp.ndarray,
+        theta: float,
+        eps: float,
+    ) -> None:
+        """Normalise and rotate q and k per head, write k and v into the cache at (slot, position).
+
+        qkv: [R, (NQ + 2 NKV) D] fp32; q_out: [R, NQ, D] fp32; caches: [S, NKV, T, D] fp16; pos, slot: [R] int32.
+        """
+        rows = qkv.shape[0]
+        _, n_q, d = q_out.shape
+        _, n_kv, t, _ = k_cache.shape
+        threads = 32 * math.ceil(d / 64)
+        self.fn("qk_norm_rope_kv")(
+            (rows, n_q + n_kv),
+            (threads,),
+            (qkv, q_norm, k_norm, pos, slot, q_out, k_cache, v_cache, np.int32(n_q), np.int32(n_kv), np.int32(d),
+             np.int32(t), np.float32(theta), np.float32(eps)),
+        )
+
+    def attention(
+        self, q: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray, pos: cp.ndarray, slot: cp.ndarray,
+        out: cp.ndarray,
+    ) -> None:
+        """Causal decode attention of each row over positions 0..pos[r] of its slot. out: [R, NQ * D] fp32."""
+        rows, n_q, d = q.shape
+        _, n_kv, t, _ = k_cache.shape
+        self.fn(self.attn_expr(d, n_q // n_kv))(
+            (rows, n_kv), (256,), (q, k_cache, v_cache, pos, slot, out, np.int32(n_kv), np.int32(t),
+                                   np.float32(1.0 / math.sqrt(d)))
+        )
+
+    def router_topk(self, logits: cp.ndarray, norm: bool, idx: cp.ndarray, wts: cp.ndarray) -> None:
+        """Softmax over experts in fp32 and top-k. logits: [R, E]; idx: [R, k] int32; wts: [R, k] fp32."""
+        rows, e = logits.shape
+        k = idx.shape[1]
+        self.fn("router_topk")(
+            (math.ceil(rows / WARPS_PER_BLOCK),), (THREADS,),
+            (logits, np.int32(rows), np.int32(e), np.int32(k), np.int32(norm), idx, wts),
+        )
+
+    def moe(
+        self, x: cp.ndarray, gate_up: cp.ndarray, down: cp.ndarray, idx: cp.ndarray, wts: cp.ndarray,
+        resid: cp.ndarray, h_buf: cp.ndarray, y_buf: cp.ndarray,
+    ) -> None:
+        """resid[R, H] += sum_j wts[r, j] * expert_{idx[r, j]}(x[r]).
+
+        gate_up: [E, 2I, H] fp16; down: [E, H, I] fp16; h_buf: [A, I] and y_buf: [A, H] fp32 scratch.
+        """
+        rows, h = x.shape
+        topk = idx.shape[1]
+        inter = down.shape[2]
+        a = rows * topk
+        gu_expr, down_expr = self.moe_exprs(h, inter)
+        blocks_gu = (math.ceil(a * inter / WARPS_PER_BLOCK),)
+        blocks_d = (math.ceil(a * h / WARPS_PER_BLOCK),)
+        if gu_expr == "moe_gate_up_any":
+            self.fn(gu_expr)(blocks_gu, (THREADS,), (gate_up, x, idx, np.int32(a), np.int32(topk), np.int32(h),
+                                                     np.int32(inter), h_buf))
+            self.fn(down_expr)(blocks_d, (THREADS,), (down, h_buf, idx, np.int32(a), np.int32(h), np.int32(inter),
+                                                      y_buf))
+        else:
+            self.fn(gu_expr)(blocks_gu, (THREADS,), (gate_up, x, idx, np.int32(a), np.int32(topk), h_buf))
+            self.fn(down_expr)(blocks_d, (THREADS,), (down, h_buf, idx, np.int32(a), y_buf))
+        self.fn("moe_combine")(
+            (math.ceil(rows * h / THREADS),), (THREADS,), (resid, y_buf, wts, np.int32(rows), np.int32(h),
+                                                           np.int32(topk))
+        )
+
+    def silu_mul(self, gu: cp.ndarray, out: cp.ndarray) -> None:
+        """out[R, I] = silu(gu[:, :I]) * gu[:, I:]."""
+        rows, inter = out.shape
+        self.fn("silu_mul")((math.ceil(rows * inter / THREADS),), (THREADS,), (gu, out, np.int32(rows),
+                                                                               np.int32(inter)))
+
+    def add_scaled(self, resid: cp.ndarray, y: cp.ndarray, gate: cp.ndarray | None = None) -> None:
+        """resid += y, or resid += sigmoid(gate[r]) * y when a per-row gate [R] is given."""
+        rows, h = resid.shape
+        self.fn("add_scaled")(
+            (math.ceil(rows * h / THREADS),), (THREADS,),
+            (resid, y, gate if gate is not None else _NULL, np.int32(rows), np.int32(h)),
+        )
+
+    def embed(self, table: cp.ndarray, ids: cp.ndarray, out: cp.ndarray) -> None:
+        """out[R, H] = table[ids] as fp32."""
+        self.fn("embed")((ids.shape[0],), (THREADS,), (table, ids, out, np.int32(table.shape[1])))
+
+    def argmax(self, logits: cp.ndarray, out: cp.ndarray) -> None:
+        """out[R] = argmax of each row of logits [R, V], lowest index on ties."""
+        self.fn("argmax_rows")((logits.shape[0],), (1024,), (logits, np.int32(logits.shape[1]), out))
+
+
+@cache
+def kernels_for(device_id: int) -> Kernels:
+    """The kernel set of CUDA device ``device_id`` (compiled functions are per context)."""
+    with cp.cuda.Device(device_id):
+        return Kernels()

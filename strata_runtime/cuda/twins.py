@@ -1,0 +1,120 @@
+"""NumPy twins of the CUDA decode kernels: the same contract, written plainly, for the gpu tests.
+
+Each function mirrors the launcher of the same name in `strata_runtime.cuda.ops`, takes NumPy arrays, and
+writes its outputs in place. Weights arrive as float16 and are widened to float32, as the kernels do.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def _f32(a: np.ndarray) -> np.ndarray:
+    return a.astype(np.float32)
+
+
+def _silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+def gemv(w: np.ndarray, x: np.ndarray, out: np.ndarray, accumulate: bool = False) -> None:
+    y = x @ _f32(w).T  # [R, N]
+    out[...] = out + y if accumulate else y
+
+
+def add_rmsnorm(resid: np.ndarray, delta: np.ndarray | None, w: np.ndarray, out: np.ndarray, eps: float) -> None:
+    if delta is not None:
+        resid += delta
+    inv = 1.0 / np.sqrt(np.mean(resid * resid, axis=-1, keepdims=True) + eps)  # [R, 1]
+    out[...] = resid * inv * _f32(w)
+
+
+def _rope(x: np.ndarray, pos: np.ndarray, theta: float) -> np.ndarray:
+    """NeoX rotate-half RoPE of x [R, heads, D] at positions pos [R]."""
+    d = x.shape[-1]
+    inv_freq = theta ** (-2.0 * np.arange(d // 2, dtype=np.float32) / d)  # [D/2]
+    ang = pos[:, None].astype(np.float32) * inv_freq[None, :]  # [R, D/2]
+    c, s = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    a, b = x[..., : d // 2], x[..., d // 2 :]
+    return np.concatenate([a * c - b * s, b * c + a * s], axis=-1)
+
+
+def _head_rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * _f32(w)
+
+
+def qk_norm_rope_kv(
+    qkv: np.ndarray, q_norm: np.ndarray, k_norm: np.ndarray, pos: np.ndarray, slot: np.ndarray, q_out: np.ndarray,
+    k_cache: np.ndarray, v_cache: np.ndarray, theta: float, eps: float,
+) -> None:
+    rows = qkv.shape[0]
+    _, n_q, d = q_out.shape
+    n_kv = k_cache.shape[1]
+    q = qkv[:, : n_q * d].reshape(rows, n_q, d)  # [R, NQ, D]
+    k = qkv[:, n_q * d : (n_q + n_kv) * d].reshape(rows, n_kv, d)  # [R, NKV, D]
+    v = qkv[:, (n_q + n_kv) * d :].reshape(rows, n_kv, d)  # [R, NKV, D]
+    q_out[...] = _rope(_head_rmsnorm(q, q_norm, eps), pos, theta)
+    k_rot = _rope(_head_rmsnorm(k, k_norm, eps), pos, theta)
+    for r in range(rows):
+        k_cache[slot[r], :, pos[r]] = k_rot[r]
+        v_cache[slot[r], :, pos[r]] = v[r]
+
+
+def attention(
+    q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, pos: np.ndarray, slot: np.ndarray, out: np.ndarray
+) -> None:
+    rows, n_q, d = q.shape
+    n_kv = k_cache.shape[1]
+    g = n_q // n_kv
+    for r in range(rows):
+        n = int(pos[r]) + 1
+        k = _f32(k_cache[slot[r], :, :n])  # [NKV, n, D]
+        v = _f32(v_cache[slot[r], :, :n])  # [NKV, n, D]
+        qr = q[r].reshape(n_kv, g, d)  # [NKV, G, D]
+        s = np.einsum("hgd,htd->hgt", qr, k) / np.sqrt(d)  # [NKV, G, n]
+        p = np.exp(s - s.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        out[r] = np.einsum("hgt,htd->hgd", p, v).reshape(n_q * d)
+
+
+def router_topk(logits: np.ndarray, norm: bool, idx: np.ndarray, wts: np.ndarray) -> None:
+    k = idx.shape[1]
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)  # [R, E]
+    order = np.argsort(-logits, axis=-1, kind="stable")[:, :k]  # ties: lower index first
+    idx[...] = order
+    w = np.take_along_axis(p, order, axis=-1)
+    wts[...] = w / w.sum(-1, keepdims=True) if norm else w
+
+
+def moe(
+    x: np.ndarray, gate_up: np.ndarray, down: np.ndarray, idx: np.ndarray, wts: np.ndarray, resid: np.ndarray,
+    h_buf: np.ndarray, y_buf: np.ndarray,
+) -> None:
+    rows, topk = idx.shape
+    inter = down.shape[2]
+    for r in range(rows):
+        for j in range(topk):
+            e = int(idx[r, j])
+            gu = _f32(gate_up[e]) @ x[r]  # [2I]
+            h = _silu(gu[:inter]) * gu[inter:]  # [I]
+            h_buf[r * topk + j] = h
+            y_buf[r * topk + j] = _f32(down[e]) @ h  # [H]
+    resid += np.einsum("rj,rjh->rh", wts, y_buf.reshape(rows, topk, -1))
+
+
+def silu_mul(gu: np.ndarray, out: np.ndarray) -> None:
+    inter = out.shape[1]
+    out[...] = _silu(gu[:, :inter]) * gu[:, inter:]
+
+
+def add_scaled(resid: np.ndarray, y: np.ndarray, gate: np.ndarray | None = None) -> None:
+    resid += y if gate is None else (1.0 / (1.0 + np.exp(-gate)))[:, None] * y
+
+
+def embed(table: np.ndarray, ids: np.ndarray, out: np.ndarray) -> None:
+    out[...] = _f32(table[ids])
+
+
+def argmax(logits: np.ndarray, out: np.ndarray) -> None:
+    out[...] = np.argmax(logits, axis=-1)

@@ -1,0 +1,180 @@
+"""Every CUDA decode kernel against its NumPy twin, on fresh random inputs of several shapes.
+
+Outputs are poisoned with NaN before each launch, so an element the kernel fails to write fails the test.
+Bounds are relative Frobenius errors: fp32 arithmetic on fp16 weights lands far under 1e-4.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+REL = 2e-4
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    cp = pytest.importorskip("cupy")
+    from strata_runtime.cuda import ops, twins
+
+    return cp, ops.kernels_for(0), twins
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert np.isfinite(a).all(), "kernel left unwritten (NaN) or non-finite output"
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def rng() -> np.random.Generator:
+    return np.random.default_rng()  # fresh inputs every run
+
+
+def half(a: np.ndarray) -> np.ndarray:
+    return a.astype(np.float16)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize(("n", "k"), [(512, 2048), (1000, 4096), (96, 768), (130, 64), (33, 200)])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_gemv_matches_twin(gpu, rows, n, k, accumulate):
+    cp, kern, twins = gpu
+    g = rng()
+    w = half(g.standard_normal((n, k)) * 0.05)
+    x = g.standard_normal((rows, k)).astype(np.float32)
+    base = g.standard_normal((rows, n)).astype(np.float32)
+    out_d = cp.asarray(base if accumulate else np.full((rows, n), np.nan, np.float32))
+    kern.gemv(cp.asarray(w), cp.asarray(x), out_d, accumulate)
+    ref = base.copy()
+    twins.gemv(w, x, ref, accumulate)
+    assert rel_err(out_d.get(), ref) < REL
+
+
+@pytest.mark.parametrize(("rows", "h"), [(1, 2048), (5, 64), (8, 4096)])
+@pytest.mark.parametrize("with_delta", [False, True])
+def test_add_rmsnorm_matches_twin(gpu, rows, h, with_delta):
+    cp, kern, twins = gpu
+    g = rng()
+    resid = g.standard_normal((rows, h)).astype(np.float32)
+    delta = g.standard_normal((rows, h)).astype(np.float32) if with_delta else None
+    w = half(1 + 0.1 * g.standard_normal(h))
+    r_d, out_d = cp.asarray(resid), cp.full((rows, h), cp.nan, cp.float32)
+    kern.add_rmsnorm(r_d, cp.asarray(delta) if delta is not None else None, cp.asarray(w), out_d, 1e-6)
+    out = np.empty_like(resid)
+    twins.add_rmsnorm(resid, delta, w, out, 1e-6)
+    assert rel_err(r_d.get(), resid) < REL
+    assert rel_err(out_d.get(), out) < REL
+
+
+@pytest.mark.parametrize(("n_q", "n_kv", "d"), [(32, 4, 128), (4, 2, 16), (8, 2, 32), (64, 4, 128)])
+def test_qk_norm_rope_kv_and_attention_match_twins(gpu, n_q, n_kv, d):
+    cp, kern, twins = gpu
+    g = rng()
+    slots, t, rows = 3, 700, 5
+    pos = g.integers(0, t, rows).astype(np.int32)
+    slot = g.integers(0, slots, rows).astype(np.int32)
+    # Distinct (slot, pos) per row so the cache writes do not overlap.
+    pos[:] = np.arange(rows) * 97 % t
+    qkv = g.standard_normal((rows, (n_q + 2 * n_kv) * d)).astype(np.float32)
+    qn, kn = half(1 + 0.1 * g.standard_normal(d)), half(1 + 0.1 * g.standard_normal(d))
+    kc = half(g.standard_normal((slots, n_kv, t, d)))
+    vc = half(g.standard_normal((slots, n_kv, t, d)))
+    kc_d, vc_d = cp.asarray(kc), cp.asarray(vc)
+    q_d = cp.full((rows, n_q, d), cp.nan, cp.float32)
+    kern.qk_norm_rope_kv(cp.asarray(qkv), cp.asarray(qn), cp.asarray(kn), cp.asarray(pos), cp.asarray(slot), q_d,
+                         kc_d, vc_d, 1e6, 1e-6)
+    q = np.empty((rows, n_q, d), np.float32)
+    twins.qk_norm_rope_kv(qkv, qn, kn, pos, slot, q, kc, vc, 1e6, 1e-6)
+    assert rel_err(q_d.get(), q) < 1e-3  # sincos of large angles in fp32
+    assert rel_err(kc_d.get(), kc) < 1e-3
+    assert rel_err(vc_d.get(), vc) < 1e-3
+
+    out_d = cp.full((rows, n_q * d), cp.nan, cp.float32)
+    kern.attention(cp.asarray(q), kc_d, vc_d, cp.asarray(pos), cp.asarray(slot), out_d)
+    out = np.empty((rows, n_q * d), np.float32)
+    twins.attention(q, kc_d.get(), vc_d.get(), pos, slot, out)
+    assert rel_err(out_d.get(), out) < REL
+
+
+@pytest.mark.parametrize(("rows", "e", "k"), [(1, 128, 8), (7, 8, 2), (8, 16, 4)])
+@pytest.mark.parametrize("norm", [True, False])
+def test_router_topk_matches_twin(gpu, rows, e, k, norm):
+    cp, kern, twins = gpu
+    logits = rng().standard_normal((rows, e)).astype(np.float32)
+    idx_d, w_d = cp.full((rows, k), -1, cp.int32), cp.full((rows, k), cp.nan, cp.float32)
+    kern.router_topk(cp.asarray(logits), norm, idx_d, w_d)
+    idx, w = np.empty((rows, k), np.int32), np.empty((rows, k), np.float32)
+    twins.router_topk(logits, norm, idx, w)
+    np.testing.assert_array_equal(idx_d.get(), idx)
+    assert rel_err(w_d.get(), w) < REL
+
+
+@pytest.mark.parametrize(("rows", "e", "k", "h", "inter"), [(1, 32, 8, 2048, 768), (3, 16, 4, 256, 128),
+                                                            (8, 8, 2, 64, 64)])
+def test_moe_matches_twin(gpu, rows, e, k, h, inter):
+    cp, kern, twins = gpu
+    g = rng()
+    x = g.standard_normal((rows, h)).astype(np.float32)
+    gate_up = half(g.standard_normal((e, 2 * inter, h)) * 0.03)
+    down = half(g.standard_normal((e, h, inter)) * 0.03)
+    idx = np.stack([g.choice(e, k, replace=False) for _ in range(rows)]).astype(np.int32)
+    wts = g.random((rows, k)).astype(np.float32)
+    resid = g.standard_normal((rows, h)).astype(np.float32)
+    r_d = cp.asarray(resid)
+    kern.moe(cp.asarray(x), cp.asarray(gate_up), cp.asarray(down), cp.asarray(idx), cp.asarray(wts), r_d,
+             cp.full((rows * k, inter), cp.nan, cp.float32), cp.full((rows * k, h), cp.nan, cp.float32))
+    twins.moe(x, gate_up, down, idx, wts, resid, np.empty((rows * k, inter), np.float32),
+              np.empty((rows * k, h), np.float32))
+    assert rel_err(r_d.get(), resid) < REL
+
+
+def test_small_elementwise_kernels_match_twins(gpu):
+    cp, kern, twins = gpu
+    g = rng()
+    rows, inter, h, v = 6, 96, 80, 5000
+    gu = g.standard_normal((rows, 2 * inter)).astype(np.float32)
+    out_d = cp.full((rows, inter), cp.nan, cp.float32)
+    kern.silu_mul(cp.asarray(gu), out_d)
+    out = np.empty((rows, inter), np.float32)
+    twins.silu_mul(gu, out)
+    assert rel_err(out_d.get(), out) < REL
+
+    resid, y, gate = (g.standard_normal((rows, h)).astype(np.float32), g.standard_normal((rows, h)).astype(np.float32),
+                      g.standard_normal(rows).astype(np.float32))
+    for gt in (None, gate):
+        r_d = cp.asarray(resid)
+        kern.add_scaled(r_d, cp.asarray(y), cp.asarray(gt) if gt is not None else None)
+        ref = resid.copy()
+        twins.add_scaled(ref, y, gt)
+        assert rel_err(r_d.get(), ref) < REL
+
+    table = half(g.standard_normal((v, h)))
+    ids = g.integers(0, v, rows).astype(np.int32)
+    emb_d = cp.full((rows, h), cp.nan, cp.float32)
+    kern.embed(cp.asarray(table), cp.asarray(ids), emb_d)
+    emb = np.empty((rows, h), np.float32)
+    twins.embed(table, ids, emb)
+    np.testing.assert_array_equal(emb_d.get(), emb)
+
+    logits = g.standard_normal((rows, v)).astype(np.float32)
+    am_d = cp.full(rows, -1, cp.int32)
+    kern.argmax(cp.asarray(logits), am_d)
+    am = np.empty(rows, np.int32)
+    twins.argmax(logits, am)
+    np.testing.assert_array_equal(am_d.get(), am)
+
+
+def test_gemv_rows_are_batch_invariant(gpu):
+    """A row's result must not depend on which rows share its window (greedy text equality across modes)."""
+    cp, kern, _ = gpu
+    g = rng()
+    w = cp.asarray(half(g.standard_normal((3000, 2048)) * 0.05))
+    x = cp.asarray(g.standard_normal((8, 2048)).astype(np.float32))
+    full = cp.empty((8, 3000), cp.float32)
+    kern.gemv(w, x, full)
+    for rows in (1, 2, 3, 5):
+        part = cp.empty((rows, 3000), cp.float32)
+        kern.gemv(w, x[:rows].copy(), part)
+        np.testing.assert_array_equal(part.get(), full[:rows].get())
