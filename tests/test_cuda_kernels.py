@@ -91,8 +91,11 @@ def test_qk_norm_rope_kv_and_attention_match_twins(gpu, n_q, n_kv, d):
     assert rel_err(kc_d.get(), kc) < 1e-3
     assert rel_err(vc_d.get(), vc) < 1e-3
 
+    from strata_runtime.cuda.ops import attention_scratch_size
+
     out_d = cp.full((rows, n_q * d), cp.nan, cp.float32)
-    kern.attention(cp.asarray(q), kc_d, vc_d, cp.asarray(pos), cp.asarray(slot), out_d)
+    scratch = cp.full(attention_scratch_size(rows, n_q, n_kv, d, t), cp.nan, cp.float32)
+    kern.attention(cp.asarray(q), kc_d, vc_d, cp.asarray(pos), cp.asarray(slot), out_d, scratch)
     out = np.empty((rows, n_q * d), np.float32)
     twins.attention(q, kc_d.get(), vc_d.get(), pos, slot, out)
     assert rel_err(out_d.get(), out) < REL

@@ -202,95 +202,114 @@ __global__ void qk_norm_rope_kv(const float* __restrict__ qkv, const half* __res
   }
 }
 
-// ---- decode attention ------------------------------------------------------------------------------
-// Block (r, kv head), B = 256 threads: the G query heads of that KV head attend over positions 0..pos[r]
-// of slot[r], in chunks of B positions with an online softmax. out[r, h*D + d].
+// ---- decode attention (split over position chunks) -------------------------------------------------
+// attn_partial: block (r, kv head, chunk c) of 128 threads handles positions [c*C, c*C + C) of slot[r] for
+// the G query heads of that KV head, and writes an unnormalised partial result with its max and sum.
+// attn_combine merges the live chunks of each row. Splitting positions over blocks keeps the whole GPU busy
+// for a handful of rows. Scratch layout: acc [R, NKV, NC, G, D], ml [R, NKV, NC, G, 2].
+constexpr int ATTN_CHUNK = 64;
+
 template <int D, int G>
-__global__ void __launch_bounds__(256) attn_decode(const float* __restrict__ q, const half* __restrict__ kc,
-                                                    const half* __restrict__ vc, const int* __restrict__ pos,
-                                                    const int* __restrict__ slot, float* __restrict__ out, int NKV,
-                                                    int T, float scale) {
-  constexpr int B = 256, ACC = (G * D + B - 1) / B;
+__global__ void __launch_bounds__(128) attn_partial(const float* __restrict__ q, const half* __restrict__ kc,
+                                                     const half* __restrict__ vc, const int* __restrict__ pos,
+                                                     const int* __restrict__ slot, float* __restrict__ part_acc,
+                                                     float* __restrict__ part_ml, int NKV, int T, int NC, float scale) {
+  constexpr int B = 128, C = ATTN_CHUNK, TG = B / D > 0 ? B / D : 1;
+  static_assert(D % 16 == 0 && D <= B, "head dim must be a multiple of 16, at most 128");
   __shared__ float qs[G * D];
-  __shared__ float sc[G * B];
-  __shared__ float stat[3 * G];  // running max, running sum, rescale of this chunk
-  const int r = blockIdx.x, kvh = blockIdx.y, tid = threadIdx.x, NQ = NKV * G;
+  __shared__ float sc[G * C];
+  __shared__ float red[TG * G * D];
+  const int r = blockIdx.x, kvh = blockIdx.y, c = blockIdx.z, tid = threadIdx.x, NQ = NKV * G;
+  const int n = pos[r] + 1, t0 = c * C;
+  if (t0 >= n) return;  // past this row's position: the combine never reads this chunk
+  const int tn = min(C, n - t0);
   for (int i = tid; i < G * D; i += B) qs[i] = q[((size_t)r * NQ + kvh * G) * D + i] * scale;
-  if (tid < G) { stat[tid] = -STRATA_INF; stat[G + tid] = 0.f; }
-  const size_t base = ((size_t)slot[r] * NKV + kvh) * T * D;
-  const int n = pos[r] + 1;
-  float acc[ACC];
-#pragma unroll
-  for (int u = 0; u < ACC; ++u) acc[u] = 0.f;
   __syncthreads();
-  const int warp = tid >> 5, lane = tid & 31;
-  for (int t0 = 0; t0 < n; t0 += B) {
-    const int t = t0 + tid;
+  const size_t base = ((size_t)slot[r] * NKV + kvh) * T * D + (size_t)t0 * D;
+  // Scores: two threads per position, each over half the head dim.
+  {
+    const int t = tid >> 1, part = tid & 1;
     float s[G];
 #pragma unroll
-    for (int g = 0; g < G; ++g) s[g] = -STRATA_INF;
-    if (t < n) {
+    for (int g = 0; g < G; ++g) s[g] = 0.f;
+    if (t < tn) {
+      const uint4* kr = reinterpret_cast<const uint4*>(kc + base + (size_t)t * D + part * (D / 2));
 #pragma unroll
-      for (int g = 0; g < G; ++g) s[g] = 0.f;
-      const uint4* kr = reinterpret_cast<const uint4*>(kc + base + (size_t)t * D);
-#pragma unroll
-      for (int c = 0; c < D / 8; ++c) {
+      for (int cc = 0; cc < D / 16; ++cc) {
         float kf[8];
-        unpack8(kr[c], kf);
+        unpack8(kr[cc], kf);
 #pragma unroll
         for (int g = 0; g < G; ++g) {
-          const float* qg = qs + g * D + c * 8;
+          const float* qg = qs + g * D + part * (D / 2) + cc * 8;
 #pragma unroll
           for (int j = 0; j < 8; ++j) s[g] += qg[j] * kf[j];
         }
       }
     }
 #pragma unroll
-    for (int g = 0; g < G; ++g) sc[g * B + tid] = s[g];
-    __syncthreads();
-    // One warp per head: chunk max, new running max, probabilities in place, and their sum.
-    for (int g = warp; g < G; g += B / 32) {
-      float m = -STRATA_INF;
-      for (int j = lane; j < B; j += 32) m = fmaxf(m, sc[g * B + j]);
-      m = warp_max(m);
-      const float m_old = stat[g], m_new = fmaxf(m_old, m);
-      float l = 0.f;
-      for (int j = lane; j < B; j += 32) {
-        const float p = __expf(sc[g * B + j] - m_new);
-        sc[g * B + j] = p;
-        l += p;
-      }
-      l = warp_sum(l);
-      if (lane == 0) {
-        const float alpha = __expf(m_old - m_new);
-        stat[2 * G + g] = alpha;
-        stat[G + g] = stat[G + g] * alpha + l;
-        stat[g] = m_new;
-      }
+    for (int g = 0; g < G; ++g) {
+      const float v = s[g] + __shfl_xor_sync(0xffffffffu, s[g], 1);
+      if (part == 0) sc[g * C + t] = t < tn ? v : -STRATA_INF;
     }
-    __syncthreads();
-    const int tn = min(B, n - t0);
-#pragma unroll
-    for (int u = 0; u < ACC; ++u) {
-      const int idx = tid + u * B;
-      if (idx < G * D) {
-        const int g = idx / D, d = idx % D;
-        float a = acc[u] * stat[2 * G + g];
-        const half* vcol = vc + base + (size_t)t0 * D + d;
-        const float* pg = sc + g * B;
-        for (int j = 0; j < tn; ++j) a += pg[j] * __half2float(vcol[(size_t)j * D]);
-        acc[u] = a;
-      }
-    }
-    __syncthreads();
   }
+  __syncthreads();
+  // Softmax statistics of the chunk: one warp per head.
+  const int warp = tid >> 5, lane = tid & 31;
+  float* ml = part_ml + (((size_t)r * NKV + kvh) * NC + c) * G * 2;
+  for (int g = warp; g < G; g += B / 32) {
+    float m = fmaxf(sc[g * C + lane], sc[g * C + lane + 32]);
+    m = warp_max(m);
+    const float p0 = __expf(sc[g * C + lane] - m), p1 = __expf(sc[g * C + lane + 32] - m);
+    sc[g * C + lane] = p0;
+    sc[g * C + lane + 32] = p1;
+    const float l = warp_sum(p0 + p1);
+    if (lane == 0) { ml[g * 2] = m; ml[g * 2 + 1] = l; }
+  }
+  __syncthreads();
+  // P @ V: thread (tg, d) sums positions tg, tg + TG, ... for every head, so one V load serves G heads.
+  const int d = tid % D, tg = tid / D;
+  float acc[G];
 #pragma unroll
-  for (int u = 0; u < ACC; ++u) {
-    const int idx = tid + u * B;
-    if (idx < G * D) {
-      const int g = idx / D, d = idx % D;
-      out[(size_t)r * NQ * D + (size_t)(kvh * G + g) * D + d] = acc[u] / stat[G + g];
+  for (int g = 0; g < G; ++g) acc[g] = 0.f;
+  if (tg < TG) {
+    const half* vcol = vc + base + d;
+#pragma unroll 8
+    for (int t = tg; t < tn; t += TG) {
+      const float v = __half2float(vcol[(size_t)t * D]);
+#pragma unroll
+      for (int g = 0; g < G; ++g) acc[g] += sc[g * C + t] * v;
     }
+#pragma unroll
+    for (int g = 0; g < G; ++g) red[(tg * G + g) * D + d] = acc[g];
+  }
+  __syncthreads();
+  float* dst = part_acc + (((size_t)r * NKV + kvh) * NC + c) * G * D;
+  for (int i = tid; i < G * D; i += B) {
+    float a = 0.f;
+    for (int k = 0; k < TG; ++k) a += red[k * G * D + i];
+    dst[i] = a;
+  }
+}
+
+// Block (r, kv head): out[r, (kvh*G + g)*D + d] = sum_c acc_c e^(m_c - M) / sum_c l_c e^(m_c - M).
+template <int D, int G>
+__global__ void attn_combine(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
+                             const int* __restrict__ pos, float* __restrict__ out, int NKV, int NC) {
+  const int r = blockIdx.x, kvh = blockIdx.y, NQ = NKV * G;
+  const int live = (pos[r] + ATTN_CHUNK) / ATTN_CHUNK;  // chunks holding positions 0..pos[r]
+  const float* ml = part_ml + ((size_t)r * NKV + kvh) * NC * G * 2;
+  const float* acc = part_acc + ((size_t)r * NKV + kvh) * NC * G * D;
+  for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
+    const int g = i / D;
+    float m = -STRATA_INF;
+    for (int c = 0; c < live; ++c) m = fmaxf(m, ml[(c * G + g) * 2]);
+    float l = 0.f, a = 0.f;
+    for (int c = 0; c < live; ++c) {
+      const float w = __expf(ml[(c * G + g) * 2] - m);
+      l += ml[(c * G + g) * 2 + 1] * w;
+      a += acc[(size_t)c * G * D + i] * w;
+    }
+    out[(size_t)r * NQ * D + (size_t)kvh * G * D + i] = a / l;
   }
 }
 

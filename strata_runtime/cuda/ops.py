@@ -22,11 +22,17 @@ _OPTIONS = ("-std=c++17", "--use_fast_math")
 WARPS_PER_BLOCK = 8
 THREADS = WARPS_PER_BLOCK * 32
 MAX_ROWS = 8
+ATTN_CHUNK = 64  # positions per attention block; kernels.cu's ATTN_CHUNK
 _NULL = np.uint64(0)  # a null pointer argument
 
 
 def _wide(k: int) -> bool:
     return k % 256 == 0
+
+
+def attention_scratch_size(rows: int, n_q: int, n_kv: int, head_dim: int, context: int) -> int:
+    """fp32 elements of attention scratch for a window of ``rows``: partial sums, maxima and totals."""
+    return rows * n_q * math.ceil(context / ATTN_CHUNK) * (head_dim + 2)
 
 
 def gemv_rows_per_warp(rows: int) -> int:
@@ -67,8 +73,8 @@ class Kernels:
         return "moe_gate_up_any", "moe_down_any"
 
     @staticmethod
-    def attn_expr(head_dim: int, group: int) -> str:
-        return f"attn_decode<{head_dim},{group}>"
+    def attn_exprs(head_dim: int, group: int) -> tuple[str, str]:
+        return f"attn_partial<{head_dim},{group}>", f"attn_combine<{head_dim},{group}>"
 
     # ---- launchers -------------------------------------------------------------------------------
 
@@ -129,15 +135,23 @@ class Kernels:
 
     def attention(
         self, q: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray, pos: cp.ndarray, slot: cp.ndarray,
-        out: cp.ndarray,
+        out: cp.ndarray, scratch: cp.ndarray,
     ) -> None:
-        """Causal decode attention of each row over positions 0..pos[r] of its slot. out: [R, NQ * D] fp32."""
+        """Causal decode attention of each row over positions 0..pos[r] of its slot. out: [R, NQ * D] fp32.
+
+        scratch: fp32, at least `attention_scratch_size(R, NQ, NKV, D, T)` elements.
+        """
         rows, n_q, d = q.shape
         _, n_kv, t, _ = k_cache.shape
-        self.fn(self.attn_expr(d, n_q // n_kv))(
-            (rows, n_kv), (256,), (q, k_cache, v_cache, pos, slot, out, np.int32(n_kv), np.int32(t),
-                                   np.float32(1.0 / math.sqrt(d)))
+        g = n_q // n_kv
+        nc = math.ceil(t / ATTN_CHUNK)
+        acc = scratch[: rows * n_kv * nc * g * d]
+        ml = scratch[rows * n_kv * nc * g * d : rows * n_kv * nc * g * (d + 2)]
+        self.fn(f"attn_partial<{d},{g}>")(
+            (rows, n_kv, nc), (128,), (q, k_cache, v_cache, pos, slot, acc, ml, np.int32(n_kv), np.int32(t),
+                                       np.int32(nc), np.float32(1.0 / math.sqrt(d)))
         )
+        self.fn(f"attn_combine<{d},{g}>")((rows, n_kv), (256,), (acc, ml, pos, out, np.int32(n_kv), np.int32(nc)))
 
     def router_topk(self, logits: cp.ndarray, norm: bool, idx: cp.ndarray, wts: cp.ndarray) -> None:
         """Softmax over experts in fp32 and top-k. logits: [R, E]; idx: [R, k] int32; wts: [R, k] fp32."""
