@@ -20,6 +20,9 @@ from . import __version__
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "schema": ("strata_cfg.commands.schema", "print the profile JSON Schema (for editors)"),
+    "serve": ("strata_cfg.commands.serve", "run the engine's HTTP server from a plan file, unsupervised"),
+    "stop": ("strata_cfg.commands.stop", "stop an engine started by `strata launch` (default: the latest)"),
+    "loadtest": ("strata_cfg.commands.loadtest", "N clients for T seconds against a running engine"),
 }
 """Subcommand name -> (module path, one-line help). Other parts of strata add their commands here."""
 

@@ -1,0 +1,59 @@
+"""`strata loadtest URL --clients N --seconds T`: a bounded load test against a running engine.
+
+N clients each send one completion request after another for T seconds; the command reports requests
+served, errors, p50/p95 latency and the aggregate token rate, and exits 1 when any request failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from ..http_bench import run_load
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("url", help="the engine's address, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--clients", type=int, default=4, help="concurrent clients (default 4)")
+    parser.add_argument("--seconds", type=float, default=10.0, help="how long to keep sending (default 10)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default 64)")
+    parser.add_argument(
+        "--prompt", default="Once upon a time", help="prompt text (made distinct per request)"
+    )
+    parser.add_argument("--stream", action="store_true", help="stream responses and measure the first token")
+    parser.add_argument(
+        "--api-key-env", help="environment variable holding the API key, if the engine needs one"
+    )
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.clients < 1 or args.seconds <= 0 or args.max_tokens < 1:
+        print("strata loadtest: --clients, --seconds and --max-tokens must be positive", file=sys.stderr)
+        return 2
+    key = None
+    if args.api_key_env:
+        key = os.environ.get(args.api_key_env)
+        if not key:
+            print(f"strata loadtest: ${args.api_key_env} is not set", file=sys.stderr)
+            return 2
+    try:
+        result = run_load(
+            args.url,
+            clients=args.clients,
+            seconds=args.seconds,
+            max_tokens=args.max_tokens,
+            prompt=args.prompt,
+            stream=args.stream,
+            api_key=key,
+        )
+    except (OSError, RuntimeError, ValueError) as exc:
+        print(f"strata loadtest: cannot reach the engine at {args.url}: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(result.to_json(), indent=2))
+    else:
+        print("\n".join(result.lines()))
+    return 1 if result.errors else 0

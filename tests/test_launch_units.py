@@ -1,0 +1,117 @@
+"""The launcher's small parts, without an engine: run directories, port checks, exit reasons, log tails,
+which run `strata stop` picks, and the load test's percentiles."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from strata_cfg import launch
+from strata_cfg.commands import stop
+from strata_cfg.http_bench import percentile
+
+
+def test_run_dirs_are_named_after_the_profile_and_never_reused(tmp_path):
+    now = time.time()
+    first = launch.new_run_dir("demo box", tmp_path, now)
+    first.mkdir()
+    second = launch.new_run_dir("demo box", tmp_path, now)
+    assert first != second
+    assert first.name.startswith("demo_box-") and second.name.startswith(first.name)
+    assert first.parent == tmp_path
+
+
+def test_a_listening_port_is_busy_and_a_free_one_is_not():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        problem = launch.port_problem("127.0.0.1", port)
+        assert problem is not None and f"port {port}" in problem and "already in use" in problem
+    assert launch.port_problem("127.0.0.1", port) is None
+
+
+def test_exit_reasons_name_the_signal_or_the_code():
+    assert launch.exit_reason(-signal.SIGKILL) == "was killed by SIGKILL"
+    assert launch.exit_reason(-signal.SIGSEGV) == "was killed by SIGSEGV"
+    code = random.randrange(1, 120)
+    assert launch.exit_reason(code) == f"exited with code {code}"
+
+
+def test_log_tail_reads_only_what_was_written_after_the_offset(tmp_path):
+    log = tmp_path / "engine.log"
+    old = [f"old {i}" for i in range(random.randrange(3, 9))]
+    log.write_text("".join(f"{x}\n" for x in old))
+    offset = log.stat().st_size
+    new = [f"new {i}" for i in range(random.randrange(20, 30))]
+    with log.open("a") as f:
+        f.write("".join(f"{x}\n" for x in new))
+    assert launch.log_tail(log, offset, lines=10) == new[-10:]
+    assert launch.log_tail(log, 0, lines=len(old) + len(new)) == old + new
+    assert launch.log_tail(tmp_path / "missing.log") == []
+
+
+def test_percentile_matches_the_inclusive_quantiles():
+    rng = random.Random()
+    xs = [rng.uniform(0.001, 5.0) for _ in range(rng.randrange(5, 200))]
+    cuts = statistics.quantiles(xs, n=20, method="inclusive")  # 5%, 10%, ..., 95%
+    assert percentile(xs, 0.50) == pytest.approx(cuts[9])
+    assert percentile(xs, 0.95) == pytest.approx(cuts[18])
+    assert percentile([], 0.5) is None
+
+
+def _fake_run(root: Path, name: str, profile: str, pid: int | None, age_s: float) -> launch.RunDir:
+    run = launch.RunDir(root / name)
+    run.path.mkdir(parents=True)
+    run.plan.write_text(json.dumps({"profile": profile}))
+    t = time.time() - age_s
+    os.utime(run.plan, (t, t))
+    if pid is not None:
+        run.launch_pid.write_text(f"{pid}\n")
+    return run
+
+
+@pytest.fixture
+def sleeper():
+    """A live process whose command line says `strata`, standing in for a supervisor's pid."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "strata"])
+    yield proc.pid
+    proc.kill()
+    proc.wait()
+
+
+def test_stop_picks_the_most_recent_running_launch(tmp_path, sleeper):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    old_demo = _fake_run(tmp_path, "demo-1", "demo", sleeper, age_s=300)
+    _fake_run(tmp_path, "demo-2", "demo", dead.pid, age_s=10)  # newest, but its supervisor is gone
+    box = _fake_run(tmp_path, "box-1", "box", sleeper, age_s=100)
+
+    assert stop.choose(None, tmp_path)[0] == box
+    assert stop.choose("demo", tmp_path)[0] == old_demo
+    assert stop.choose("profiles/demo.toml", tmp_path)[0] == old_demo
+    run, why = stop.choose(str(tmp_path / "demo-2"), tmp_path)
+    assert run is None and "nothing is running" in why
+    run, why = stop.choose("nosuch", tmp_path)
+    assert run is None and "`nosuch`" in why
+    assert stop.choose(None, tmp_path / "empty") == (None, f"no running launch under {tmp_path / 'empty'}/")
+
+
+def test_a_recycled_pid_that_is_not_strata_is_not_a_supervisor(tmp_path):
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        run = _fake_run(tmp_path, "demo-1", "demo", other.pid, age_s=0)
+        assert launch.live_supervisor(run) is None
+    finally:
+        other.kill()
+        other.wait()
