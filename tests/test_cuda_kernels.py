@@ -39,16 +39,18 @@ def half(a: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize(("n", "k"), [(512, 2048), (1000, 4096), (96, 768), (130, 64), (33, 200)])
 @pytest.mark.parametrize("accumulate", [False, True])
-def test_gemv_matches_twin(gpu, rows, n, k, accumulate):
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_gemv_matches_twin(gpu, rows, n, k, accumulate, with_norm):
     cp, kern, twins = gpu
     g = rng()
     w = half(g.standard_normal((n, k)) * 0.05)
-    x = g.standard_normal((rows, k)).astype(np.float32)
+    x = (g.standard_normal((rows, k)) * 3).astype(np.float32)
+    nw = half(1 + 0.1 * g.standard_normal(k)) if with_norm else None
     base = g.standard_normal((rows, n)).astype(np.float32)
     out_d = cp.asarray(base if accumulate else np.full((rows, n), np.nan, np.float32))
-    kern.gemv(cp.asarray(w), cp.asarray(x), out_d, accumulate)
+    kern.gemv(cp.asarray(w), cp.asarray(x), out_d, accumulate, cp.asarray(nw) if nw is not None else None)
     ref = base.copy()
-    twins.gemv(w, x, ref, accumulate)
+    twins.gemv(w, x, ref, accumulate, nw)
     assert rel_err(out_d.get(), ref) < REL
 
 
@@ -102,34 +104,39 @@ def test_qk_norm_rope_kv_and_attention_match_twins(gpu, n_q, n_kv, d):
 
 
 @pytest.mark.parametrize(("rows", "e", "k"), [(1, 128, 8), (7, 8, 2), (8, 16, 4)])
-@pytest.mark.parametrize("norm", [True, False])
-def test_router_topk_matches_twin(gpu, rows, e, k, norm):
+@pytest.mark.parametrize("norm_topk", [True, False])
+def test_moe_route_matches_twin(gpu, rows, e, k, norm_topk):
     cp, kern, twins = gpu
-    logits = rng().standard_normal((rows, e)).astype(np.float32)
+    g = rng()
+    logits = g.standard_normal((rows, e)).astype(np.float32)
+    x = (g.standard_normal((rows, 300)) * 2).astype(np.float32)
     idx_d, w_d = cp.full((rows, k), -1, cp.int32), cp.full((rows, k), cp.nan, cp.float32)
-    kern.router_topk(cp.asarray(logits), norm, idx_d, w_d)
-    idx, w = np.empty((rows, k), np.int32), np.empty((rows, k), np.float32)
-    twins.router_topk(logits, norm, idx, w)
+    inv_d = cp.full(rows, cp.nan, cp.float32)
+    kern.moe_route(cp.asarray(logits), cp.asarray(x), norm_topk, 1e-6, idx_d, w_d, inv_d)
+    idx, w, inv = np.empty((rows, k), np.int32), np.empty((rows, k), np.float32), np.empty(rows, np.float32)
+    twins.moe_route(logits, x, norm_topk, 1e-6, idx, w, inv)
     np.testing.assert_array_equal(idx_d.get(), idx)
     assert rel_err(w_d.get(), w) < REL
+    assert rel_err(inv_d.get(), inv) < REL
 
 
 @pytest.mark.parametrize(("rows", "e", "k", "h", "inter"), [(1, 32, 8, 2048, 768), (3, 16, 4, 256, 128),
-                                                            (8, 8, 2, 64, 64)])
+                                                            (8, 8, 2, 64, 64), (4, 16, 8, 2048, 768)])
 def test_moe_matches_twin(gpu, rows, e, k, h, inter):
     cp, kern, twins = gpu
     g = rng()
-    x = g.standard_normal((rows, h)).astype(np.float32)
+    x = (g.standard_normal((rows, h)) * 2).astype(np.float32)
+    nw = half(1 + 0.1 * g.standard_normal(h))
+    inv = (1.0 / np.sqrt(np.mean(x * x, axis=-1) + 1e-6)).astype(np.float32)
     gate_up = half(g.standard_normal((e, 2 * inter, h)) * 0.03)
     down = half(g.standard_normal((e, h, inter)) * 0.03)
     idx = np.stack([g.choice(e, k, replace=False) for _ in range(rows)]).astype(np.int32)
     wts = g.random((rows, k)).astype(np.float32)
     resid = g.standard_normal((rows, h)).astype(np.float32)
     r_d = cp.asarray(resid)
-    kern.moe(cp.asarray(x), cp.asarray(gate_up), cp.asarray(down), cp.asarray(idx), cp.asarray(wts), r_d,
-             cp.full((rows * k, inter), cp.nan, cp.float32), cp.full((rows * k, h), cp.nan, cp.float32))
-    twins.moe(x, gate_up, down, idx, wts, resid, np.empty((rows * k, inter), np.float32),
-              np.empty((rows * k, h), np.float32))
+    kern.moe(cp.asarray(x), cp.asarray(nw), cp.asarray(inv), cp.asarray(gate_up), cp.asarray(down), cp.asarray(idx),
+             cp.asarray(wts), r_d, cp.full((rows * k, inter), cp.nan, cp.float32))
+    twins.moe(x, nw, inv, gate_up, down, idx, wts, resid, np.empty((rows * k, inter), np.float32))
     assert rel_err(r_d.get(), resid) < REL
 
 
@@ -175,9 +182,11 @@ def test_gemv_rows_are_batch_invariant(gpu):
     g = rng()
     w = cp.asarray(half(g.standard_normal((3000, 2048)) * 0.05))
     x = cp.asarray(g.standard_normal((8, 2048)).astype(np.float32))
-    full = cp.empty((8, 3000), cp.float32)
-    kern.gemv(w, x, full)
-    for rows in (1, 2, 3, 5):
-        part = cp.empty((rows, 3000), cp.float32)
-        kern.gemv(w, x[:rows].copy(), part)
-        np.testing.assert_array_equal(part.get(), full[:rows].get())
+    nw = cp.asarray(half(1 + 0.1 * g.standard_normal(2048)))
+    for norm in (None, nw):
+        full = cp.empty((8, 3000), cp.float32)
+        kern.gemv(w, x, full, norm=norm)
+        for rows in (1, 2, 3, 5):
+            part = cp.empty((rows, 3000), cp.float32)
+            kern.gemv(w, x[:rows].copy(), part, norm=norm)
+            np.testing.assert_array_equal(part.get(), full[:rows].get())

@@ -34,12 +34,40 @@ __device__ __forceinline__ void unpack8(const uint4& p, float* f) {
   }
 }
 
-// ---- GEMV: y[r, n] (+)= sum_k W[n, k] x[r, k] ---------------------------------------------------------
-// One warp per NR consecutive output features; each lane reads 16 bytes of a weight row per step, so a
-// warp streams 512 contiguous bytes. K is a multiple of 256 (the wide path); gemv_any handles the rest.
-template <int R, int K, int NR>
-__global__ void gemv_wide(const half* __restrict__ W, const float* __restrict__ x, float* __restrict__ y,
-                          int N, int accumulate) {
+// ---- GEMV: y[r, n] (+)= sum_k W[n, k] x'[r, k] ---------------------------------------------------------
+// x' is x, or with NORM the RMS-normalised x'[r, k] = x[r, k] * nw[k] * inv_rms(x[r]) (the norm is fused:
+// each block computes the rows' inverse RMS itself, so no separate normalisation kernel runs).
+// One warp per NR consecutive output features; each lane reads 16 bytes of a weight row per step, so a warp
+// streams 512 contiguous bytes. K is a multiple of 256 here; gemv_any handles the rest.
+template <int R>
+__device__ __forceinline__ void block_inv_rms(const float* __restrict__ x, int K, float eps, float* inv) {
+  // inv[r] = rsqrt(mean(x[r]^2) + eps) for r < R, computed by the whole block into shared memory.
+  __shared__ float part[R][32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    float ss = 0.f;
+    for (int k = threadIdx.x; k < K; k += blockDim.x) {
+      const float v = x[(size_t)r * K + k];
+      ss += v * v;
+    }
+    ss = warp_sum(ss);
+    if (lane == 0) part[r][warp] = ss;
+  }
+  __syncthreads();
+  if (threadIdx.x < R) {
+    float t = 0.f;
+    for (int w = 0; w < nw; ++w) t += part[threadIdx.x][w];
+    inv[threadIdx.x] = rsqrtf(t / K + eps);
+  }
+  __syncthreads();
+}
+
+template <int R, int K, int NR, bool NORM>
+__global__ void gemv_wide(const half* __restrict__ W, const float* __restrict__ x, float* __restrict__ y, int N,
+                          int accumulate, const half* __restrict__ nw, float eps) {
+  __shared__ float inv[R];
+  if (NORM) block_inv_rms<R>(x, K, eps, inv);
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
   const int n0 = warp * NR;
@@ -61,6 +89,12 @@ __global__ void gemv_wide(const half* __restrict__ W, const float* __restrict__ 
       float wf[8];
       unpack8(pk[s], wf);
       const int k0 = s * 256 + lane * 8;
+      if (NORM) {
+        float nf[8];
+        unpack8(__ldg(reinterpret_cast<const uint4*>(nw + k0)), nf);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) wf[j] *= nf[j];
+      }
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         const float4* xr = reinterpret_cast<const float4*>(x + (size_t)r * K + k0);
@@ -80,10 +114,16 @@ __global__ void gemv_wide(const half* __restrict__ W, const float* __restrict__ 
         pk[j] = __ldg(reinterpret_cast<const uint4*>(W + (size_t)n * K) + s * 32 + lane);
       }
       const int k0 = s * 256 + lane * 8;
+      float nf[8];
+      if (NORM) unpack8(__ldg(reinterpret_cast<const uint4*>(nw + k0)), nf);
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         const float4* xr = reinterpret_cast<const float4*>(x + (size_t)r * K + k0);
-        const float4 a = xr[0], b = xr[1];
+        float4 a = xr[0], b = xr[1];
+        if (NORM) {
+          a.x *= nf[0]; a.y *= nf[1]; a.z *= nf[2]; a.w *= nf[3];
+          b.x *= nf[4]; b.y *= nf[5]; b.z *= nf[6]; b.w *= nf[7];
+        }
 #pragma unroll
         for (int j = 0; j < NR; ++j) {
           float wf[8];
@@ -98,7 +138,8 @@ __global__ void gemv_wide(const half* __restrict__ W, const float* __restrict__ 
   for (int j = 0; j < NR; ++j) {
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      const float v = warp_sum(acc[j][r]);
+      float v = warp_sum(acc[j][r]);
+      if (NORM) v *= inv[r];
       const int n = n0 + j;
       if (lane == 0 && n < N) {
         float* dst = y + (size_t)r * N + n;
@@ -108,17 +149,23 @@ __global__ void gemv_wide(const half* __restrict__ W, const float* __restrict__ 
   }
 }
 
-// Any K (small models): one warp per output feature, scalar loads.
-__global__ void gemv_any(const half* __restrict__ W, const float* __restrict__ x, float* __restrict__ y,
-                         int R, int N, int K, int accumulate) {
+// Any K (small models): one warp per output feature, scalar loads; nw == nullptr means no norm.
+__global__ void gemv_any(const half* __restrict__ W, const float* __restrict__ x, float* __restrict__ y, int R,
+                         int N, int K, int accumulate, const half* __restrict__ nw, float eps) {
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
   if (warp >= N) return;
   const half* w = W + (size_t)warp * K;
   for (int r = 0; r < R; ++r) {
-    float acc = 0.f;
-    for (int k = lane; k < K; k += 32) acc += __half2float(w[k]) * x[(size_t)r * K + k];
+    const float* xr = x + (size_t)r * K;
+    float acc = 0.f, ss = 0.f;
+    for (int k = lane; k < K; k += 32) {
+      const float xv = xr[k];
+      acc += __half2float(w[k]) * (nw != nullptr ? xv * __half2float(nw[k]) : xv);
+      ss += xv * xv;
+    }
     acc = warp_sum(acc);
+    if (nw != nullptr) acc *= rsqrtf(warp_sum(ss) / K + eps);
     if (lane == 0) {
       float* dst = y + (size_t)r * N + warp;
       *dst = accumulate ? *dst + acc : acc;
@@ -214,11 +261,11 @@ __global__ void __launch_bounds__(128) attn_partial(const float* __restrict__ q,
                                                      const half* __restrict__ vc, const int* __restrict__ pos,
                                                      const int* __restrict__ slot, float* __restrict__ part_acc,
                                                      float* __restrict__ part_ml, int NKV, int T, int NC, float scale) {
-  constexpr int B = 128, C = ATTN_CHUNK, TG = B / D > 0 ? B / D : 1;
-  static_assert(D % 16 == 0 && D <= B, "head dim must be a multiple of 16, at most 128");
+  constexpr int B = 128, C = ATTN_CHUNK, DG = D / 8, PG = B / DG;
+  static_assert(D % 16 == 0 && D <= 256 && DG <= 32, "head dim must be a multiple of 16, at most 256");
   __shared__ float qs[G * D];
   __shared__ float sc[G * C];
-  __shared__ float red[TG * G * D];
+  __shared__ float red[(B / 32) * G * D];
   const int r = blockIdx.x, kvh = blockIdx.y, c = blockIdx.z, tid = threadIdx.x, NQ = NKV * G;
   const int n = pos[r] + 1, t0 = c * C;
   if (t0 >= n) return;  // past this row's position: the combine never reads this chunk
@@ -266,27 +313,44 @@ __global__ void __launch_bounds__(128) attn_partial(const float* __restrict__ q,
     if (lane == 0) { ml[g * 2] = m; ml[g * 2 + 1] = l; }
   }
   __syncthreads();
-  // P @ V: thread (tg, d) sums positions tg, tg + TG, ... for every head, so one V load serves G heads.
-  const int d = tid % D, tg = tid / D;
-  float acc[G];
+  // P @ V: thread (pg, dg) sums positions pg, pg + PG, ... of 8 consecutive dims [dg*8, dg*8 + 8) for every
+  // head, so one 16-byte V load serves 8 dims of G heads. Position groups are then summed: first inside each
+  // warp with shuffles, then across the warps through shared memory.
+  const int dg = tid % DG, pg = tid / DG;
+  float acc[G][8];
 #pragma unroll
-  for (int g = 0; g < G; ++g) acc[g] = 0.f;
-  if (tg < TG) {
-    const half* vcol = vc + base + d;
-#pragma unroll 8
-    for (int t = tg; t < tn; t += TG) {
-      const float v = __half2float(vcol[(size_t)t * D]);
+  for (int g = 0; g < G; ++g)
 #pragma unroll
-      for (int g = 0; g < G; ++g) acc[g] += sc[g * C + t] * v;
+    for (int j = 0; j < 8; ++j) acc[g][j] = 0.f;
+  const half* vbase = vc + base + dg * 8;
+#pragma unroll 4
+  for (int t = pg; t < tn; t += PG) {
+    float vf[8];
+    unpack8(*reinterpret_cast<const uint4*>(vbase + (size_t)t * D), vf);
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      const float p = sc[g * C + t];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc[g][j] += p * vf[j];
     }
-#pragma unroll
-    for (int g = 0; g < G; ++g) red[(tg * G + g) * D + d] = acc[g];
   }
+#pragma unroll
+  for (int o = DG; o < 32; o <<= 1)
+#pragma unroll
+    for (int g = 0; g < G; ++g)
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc[g][j] += __shfl_xor_sync(0xffffffffu, acc[g][j], o);
+  if (lane < DG)
+#pragma unroll
+    for (int g = 0; g < G; ++g)
+#pragma unroll
+      for (int j = 0; j < 8; ++j) red[(warp * G + g) * D + dg * 8 + j] = acc[g][j];
   __syncthreads();
   float* dst = part_acc + (((size_t)r * NKV + kvh) * NC + c) * G * D;
   for (int i = tid; i < G * D; i += B) {
     float a = 0.f;
-    for (int k = 0; k < TG; ++k) a += red[k * G * D + i];
+#pragma unroll
+    for (int w = 0; w < B / 32; ++w) a += red[w * G * D + i];
     dst[i] = a;
   }
 }
@@ -313,12 +377,27 @@ __global__ void attn_combine(const float* __restrict__ part_acc, const float* __
   }
 }
 
-// ---- router: softmax over E experts in fp32, top-k, optional renormalisation -----------------------
-// One warp per row. Ties go to the lower expert index.
-__global__ void router_topk(const float* __restrict__ logits, int R, int E, int k, int norm, int* __restrict__ idx,
-                            float* __restrict__ wts) {
-  const int r = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
-  if (r >= R) return;
+// ---- router: softmax over E experts in fp32, top-k, optional renormalisation --------------------------
+// Block of 256 threads per row. Also writes inv[r], the inverse RMS of the (un-normalised) residual row
+// x[r], which the expert kernels apply on the fly. Ties go to the lower expert index.
+__global__ void moe_route(const float* __restrict__ logits, const float* __restrict__ x, int E, int k, int norm,
+                          int H, float eps, int* __restrict__ idx, float* __restrict__ wts, float* __restrict__ inv) {
+  const int r = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  __shared__ float part[32];
+  float ss = 0.f;
+  for (int i = threadIdx.x; i < H; i += blockDim.x) {
+    const float v = x[(size_t)r * H + i];
+    ss += v * v;
+  }
+  ss = warp_sum(ss);
+  if (lane == 0) part[warp] = ss;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float t = 0.f;
+    for (int w = 0; w < (int)(blockDim.x >> 5); ++w) t += part[w];
+    inv[r] = rsqrtf(t / H + eps);
+  }
+  if (warp != 0) return;
   const float* l = logits + (size_t)r * E;
   float m = -STRATA_INF;
   for (int e = lane; e < E; e += 32) m = fmaxf(m, l[e]);
@@ -352,11 +431,13 @@ __global__ void router_topk(const float* __restrict__ logits, int R, int E, int 
     for (int j = 0; j < k; ++j) wts[r * k + j] /= picked_sum;
 }
 
-// ---- routed experts -------------------------------------------------------------------------------
-// gate_up: [E, 2I, H] (gate rows then up rows); down: [E, H, I]. One warp per (assignment a, feature).
+// ---- routed experts -----------------------------------------------------------------------------------
+// gate_up: [E, 2I, H] (gate rows, then up rows); down: [E, H, I]. The expert input is the normalised row
+// x[r] * nw * inv[r]. h[a, i] = silu(gate . x') * (up . x') for assignment a = r * topk + j.
 template <int H, int I>
-__global__ void moe_gate_up(const half* __restrict__ GU, const float* __restrict__ x, const int* __restrict__ eid,
-                            int A, int topk, float* __restrict__ h) {
+__global__ void moe_gate_up(const half* __restrict__ GU, const float* __restrict__ x, const half* __restrict__ nw,
+                            const float* __restrict__ inv, const int* __restrict__ eid, int A, int topk,
+                            float* __restrict__ h) {
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
   if (warp >= A * I) return;
   const int a = warp / I, i = warp % I, r = a / topk;
@@ -370,85 +451,91 @@ __global__ void moe_gate_up(const half* __restrict__ GU, const float* __restrict
   float g = 0.f, u = 0.f;
 #pragma unroll
   for (int s = 0; s < STEPS; ++s) {
-    float gf[8], uf[8];
+    float gf[8], uf[8], nf[8];
     unpack8(pg[s], gf);
     unpack8(pu[s], uf);
-    const float4* xr = reinterpret_cast<const float4*>(x + (size_t)r * H + s * 256 + lane * 8);
+    const int k0 = s * 256 + lane * 8;
+    unpack8(__ldg(reinterpret_cast<const uint4*>(nw + k0)), nf);
+    const float4* xr = reinterpret_cast<const float4*>(x + (size_t)r * H + k0);
     const float4 xa = xr[0], xb = xr[1];
     const float xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
 #pragma unroll
-    for (int j = 0; j < 8; ++j) { g += gf[j] * xv[j]; u += uf[j] * xv[j]; }
+    for (int j = 0; j < 8; ++j) {
+      const float xn = xv[j] * nf[j];
+      g += gf[j] * xn;
+      u += uf[j] * xn;
+    }
   }
-  g = warp_sum(g);
-  u = warp_sum(u);
+  g = warp_sum(g) * inv[r];
+  u = warp_sum(u) * inv[r];
   if (lane == 0) h[(size_t)a * I + i] = g / (1.f + __expf(-g)) * u;
 }
 
+// resid[r, n] += sum_j wts[r, j] * (down[eid[r, j], n, :] . h[r * topk + j, :]), j in a fixed order.
 template <int H, int I>
-__global__ void moe_down(const half* __restrict__ Dw, const float* __restrict__ h, const int* __restrict__ eid, int A,
-                         float* __restrict__ y) {
+__global__ void moe_down(const half* __restrict__ Dw, const float* __restrict__ h, const int* __restrict__ eid,
+                         const float* __restrict__ wts, int R, int topk, float* __restrict__ resid) {
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
-  if (warp >= A * H) return;
-  const int a = warp / H, n = warp % H;
-  const uint4* w = reinterpret_cast<const uint4*>(Dw + ((size_t)eid[a] * H + n) * I);
+  if (warp >= R * H) return;
+  const int r = warp / H, n = warp % H;
   constexpr int STEPS = I / 256;
-  uint4 pk[STEPS];
+  float total = 0.f;
+  for (int j = 0; j < topk; ++j) {
+    const int a = r * topk + j;
+    const uint4* w = reinterpret_cast<const uint4*>(Dw + ((size_t)eid[a] * H + n) * I);
+    uint4 pk[STEPS];
 #pragma unroll
-  for (int s = 0; s < STEPS; ++s) pk[s] = __ldg(w + s * 32 + lane);
-  float acc = 0.f;
+    for (int s = 0; s < STEPS; ++s) pk[s] = __ldg(w + s * 32 + lane);
+    float acc = 0.f;
 #pragma unroll
-  for (int s = 0; s < STEPS; ++s) {
-    float wf[8];
-    unpack8(pk[s], wf);
-    const float4* hr = reinterpret_cast<const float4*>(h + (size_t)a * I + s * 256 + lane * 8);
-    const float4 p = hr[0], q = hr[1];
-    const float hv[8] = {p.x, p.y, p.z, p.w, q.x, q.y, q.z, q.w};
+    for (int s = 0; s < STEPS; ++s) {
+      float wf[8];
+      unpack8(pk[s], wf);
+      const float4* hr = reinterpret_cast<const float4*>(h + (size_t)a * I + s * 256 + lane * 8);
+      const float4 p = hr[0], q = hr[1];
+      const float hv[8] = {p.x, p.y, p.z, p.w, q.x, q.y, q.z, q.w};
 #pragma unroll
-    for (int j = 0; j < 8; ++j) acc += wf[j] * hv[j];
+      for (int t = 0; t < 8; ++t) acc += wf[t] * hv[t];
+    }
+    total += wts[a] * warp_sum(acc);
   }
-  acc = warp_sum(acc);
-  if (lane == 0) y[(size_t)a * H + n] = acc;
+  if (lane == 0) resid[(size_t)r * H + n] += total;
 }
 
-// Any H, I (small models): same contract, scalar loads.
-__global__ void moe_gate_up_any(const half* __restrict__ GU, const float* __restrict__ x, const int* __restrict__ eid,
-                                int A, int topk, int H, int I, float* __restrict__ h) {
+// Any H, I (small models): same contracts, scalar loads.
+__global__ void moe_gate_up_any(const half* __restrict__ GU, const float* __restrict__ x, const half* __restrict__ nw,
+                                const float* __restrict__ inv, const int* __restrict__ eid, int A, int topk, int H,
+                                int I, float* __restrict__ h) {
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
   if (warp >= A * I) return;
   const int a = warp / I, i = warp % I, r = a / topk;
   const half* base = GU + (size_t)eid[a] * 2 * I * H;
   float g = 0.f, u = 0.f;
   for (int k = lane; k < H; k += 32) {
-    const float xv = x[(size_t)r * H + k];
-    g += __half2float(base[(size_t)i * H + k]) * xv;
-    u += __half2float(base[(size_t)(I + i) * H + k]) * xv;
+    const float xn = x[(size_t)r * H + k] * __half2float(nw[k]);
+    g += __half2float(base[(size_t)i * H + k]) * xn;
+    u += __half2float(base[(size_t)(I + i) * H + k]) * xn;
   }
-  g = warp_sum(g);
-  u = warp_sum(u);
+  g = warp_sum(g) * inv[r];
+  u = warp_sum(u) * inv[r];
   if (lane == 0) h[(size_t)a * I + i] = g / (1.f + __expf(-g)) * u;
 }
 
 __global__ void moe_down_any(const half* __restrict__ Dw, const float* __restrict__ h, const int* __restrict__ eid,
-                             int A, int H, int I, float* __restrict__ y) {
+                             const float* __restrict__ wts, int R, int topk, int H, int I,
+                             float* __restrict__ resid) {
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
-  if (warp >= A * H) return;
-  const int a = warp / H, n = warp % H;
-  const half* w = Dw + ((size_t)eid[a] * H + n) * I;
-  float acc = 0.f;
-  for (int k = lane; k < I; k += 32) acc += __half2float(w[k]) * h[(size_t)a * I + k];
-  acc = warp_sum(acc);
-  if (lane == 0) y[(size_t)a * H + n] = acc;
-}
-
-// resid[r, n] += sum_j wts[r, j] * y[r * topk + j, n], in a fixed j order.
-__global__ void moe_combine(float* __restrict__ resid, const float* __restrict__ y, const float* __restrict__ wts,
-                            int R, int H, int topk) {
-  const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= R * H) return;
-  const int r = i / H, n = i % H;
-  float s = 0.f;
-  for (int j = 0; j < topk; ++j) s += wts[r * topk + j] * y[((size_t)r * topk + j) * H + n];
-  resid[i] += s;
+  if (warp >= R * H) return;
+  const int r = warp / H, n = warp % H;
+  float total = 0.f;
+  for (int j = 0; j < topk; ++j) {
+    const int a = r * topk + j;
+    const half* w = Dw + ((size_t)eid[a] * H + n) * I;
+    float acc = 0.f;
+    for (int k = lane; k < I; k += 32) acc += __half2float(w[k]) * h[(size_t)a * I + k];
+    total += wts[a] * warp_sum(acc);
+  }
+  if (lane == 0) resid[(size_t)r * H + n] += total;
 }
 
 // out[r, i] = silu(gu[r, i]) * gu[r, I + i]: the SwiGLU of a dense MLP or shared expert.

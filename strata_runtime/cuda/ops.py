@@ -63,8 +63,10 @@ class Kernels:
     # ---- expression names -----------------------------------------------------------------------
 
     @staticmethod
-    def gemv_expr(rows: int, k: int) -> str:
-        return f"gemv_wide<{rows},{k},{gemv_rows_per_warp(rows)}>" if _wide(k) else "gemv_any"
+    def gemv_expr(rows: int, k: int, norm: bool) -> str:
+        if not _wide(k):
+            return "gemv_any"
+        return f"gemv_wide<{rows},{k},{gemv_rows_per_warp(rows)},{'true' if norm else 'false'}>"
 
     @staticmethod
     def moe_exprs(h: int, i: int) -> tuple[str, str]:
@@ -78,22 +80,27 @@ class Kernels:
 
     # ---- launchers -------------------------------------------------------------------------------
 
-    def gemv(self, w: cp.ndarray, x: cp.ndarray, out: cp.ndarray, accumulate: bool = False) -> None:
-        """out[R, N] (+)= x[R, K] @ w[N, K].T; w fp16, x and out fp32."""
+    def gemv(
+        self, w: cp.ndarray, x: cp.ndarray, out: cp.ndarray, accumulate: bool = False,
+        norm: cp.ndarray | None = None, eps: float = 1e-6,
+    ) -> None:
+        """out[R, N] (+)= x'[R, K] @ w[N, K].T; w fp16, x and out fp32.
+
+        x' is x, or with ``norm`` ([K] fp16) the RMS-normalised x * norm * rsqrt(mean(x^2) + eps).
+        """
         n, k = w.shape
         rows = x.shape[0]
-        expr = self.gemv_expr(rows, k)
-        if expr == "gemv_any":
-            warps = n
-            self.fn(expr)(
-                (math.ceil(warps / WARPS_PER_BLOCK),),
-                (THREADS,),
-                (w, x, out, np.int32(rows), np.int32(n), np.int32(k), np.int32(accumulate)),
+        nw = norm if norm is not None else _NULL
+        if not _wide(k):
+            self.fn("gemv_any")(
+                (math.ceil(n / WARPS_PER_BLOCK),), (THREADS,),
+                (w, x, out, np.int32(rows), np.int32(n), np.int32(k), np.int32(accumulate), nw, np.float32(eps)),
             )
             return
         warps = math.ceil(n / gemv_rows_per_warp(rows))
-        self.fn(expr)(
-            (math.ceil(warps / WARPS_PER_BLOCK),), (THREADS,), (w, x, out, np.int32(n), np.int32(accumulate))
+        self.fn(self.gemv_expr(rows, k, norm is not None))(
+            (math.ceil(warps / WARPS_PER_BLOCK),), (THREADS,),
+            (w, x, out, np.int32(n), np.int32(accumulate), nw, np.float32(eps)),
         )
 
     def add_rmsnorm(
@@ -153,22 +160,28 @@ class Kernels:
         )
         self.fn(f"attn_combine<{d},{g}>")((rows, n_kv), (256,), (acc, ml, pos, out, np.int32(n_kv), np.int32(nc)))
 
-    def router_topk(self, logits: cp.ndarray, norm: bool, idx: cp.ndarray, wts: cp.ndarray) -> None:
-        """Softmax over experts in fp32 and top-k. logits: [R, E]; idx: [R, k] int32; wts: [R, k] fp32."""
+    def moe_route(
+        self, logits: cp.ndarray, x: cp.ndarray, norm_topk: bool, eps: float, idx: cp.ndarray, wts: cp.ndarray,
+        inv: cp.ndarray,
+    ) -> None:
+        """Softmax over experts in fp32 and top-k; also inv[r] = rsqrt(mean(x[r]^2) + eps).
+
+        logits: [R, E]; x: [R, H] the residual rows; idx: [R, k] int32; wts: [R, k] fp32; inv: [R] fp32.
+        """
         rows, e = logits.shape
-        k = idx.shape[1]
-        self.fn("router_topk")(
-            (math.ceil(rows / WARPS_PER_BLOCK),), (THREADS,),
-            (logits, np.int32(rows), np.int32(e), np.int32(k), np.int32(norm), idx, wts),
+        self.fn("moe_route")(
+            (rows,), (THREADS,),
+            (logits, x, np.int32(e), np.int32(idx.shape[1]), np.int32(norm_topk), np.int32(x.shape[1]),
+             np.float32(eps), idx, wts, inv),
         )
 
     def moe(
-        self, x: cp.ndarray, gate_up: cp.ndarray, down: cp.ndarray, idx: cp.ndarray, wts: cp.ndarray,
-        resid: cp.ndarray, h_buf: cp.ndarray, y_buf: cp.ndarray,
+        self, x: cp.ndarray, norm: cp.ndarray, inv: cp.ndarray, gate_up: cp.ndarray, down: cp.ndarray,
+        idx: cp.ndarray, wts: cp.ndarray, resid: cp.ndarray, h_buf: cp.ndarray,
     ) -> None:
-        """resid[R, H] += sum_j wts[r, j] * expert_{idx[r, j]}(x[r]).
+        """resid[R, H] += sum_j wts[r, j] * expert_{idx[r, j]}(x[r] * norm * inv[r]).
 
-        gate_up: [E, 2I, H] fp16; down: [E, H, I] fp16; h_buf: [A, I] and y_buf: [A, H] fp32 scratch.
+        gate_up: [E, 2I, H] fp16; down: [E, H, I] fp16; h_buf: [A, I] fp32 scratch.
         """
         rows, h = x.shape
         topk = idx.shape[1]
@@ -176,19 +189,15 @@ class Kernels:
         a = rows * topk
         gu_expr, down_expr = self.moe_exprs(h, inter)
         blocks_gu = (math.ceil(a * inter / WARPS_PER_BLOCK),)
-        blocks_d = (math.ceil(a * h / WARPS_PER_BLOCK),)
+        blocks_d = (math.ceil(rows * h / WARPS_PER_BLOCK),)
         if gu_expr == "moe_gate_up_any":
-            self.fn(gu_expr)(blocks_gu, (THREADS,), (gate_up, x, idx, np.int32(a), np.int32(topk), np.int32(h),
-                                                     np.int32(inter), h_buf))
-            self.fn(down_expr)(blocks_d, (THREADS,), (down, h_buf, idx, np.int32(a), np.int32(h), np.int32(inter),
-                                                      y_buf))
+            self.fn(gu_expr)(blocks_gu, (THREADS,), (gate_up, x, norm, inv, idx, np.int32(a), np.int32(topk),
+                                                     np.int32(h), np.int32(inter), h_buf))
+            self.fn(down_expr)(blocks_d, (THREADS,), (down, h_buf, idx, wts, np.int32(rows), np.int32(topk),
+                                                      np.int32(h), np.int32(inter), resid))
         else:
-            self.fn(gu_expr)(blocks_gu, (THREADS,), (gate_up, x, idx, np.int32(a), np.int32(topk), h_buf))
-            self.fn(down_expr)(blocks_d, (THREADS,), (down, h_buf, idx, np.int32(a), y_buf))
-        self.fn("moe_combine")(
-            (math.ceil(rows * h / THREADS),), (THREADS,), (resid, y_buf, wts, np.int32(rows), np.int32(h),
-                                                           np.int32(topk))
-        )
+            self.fn(gu_expr)(blocks_gu, (THREADS,), (gate_up, x, norm, inv, idx, np.int32(a), np.int32(topk), h_buf))
+            self.fn(down_expr)(blocks_d, (THREADS,), (down, h_buf, idx, wts, np.int32(rows), np.int32(topk), resid))
 
     def silu_mul(self, gu: cp.ndarray, out: cp.ndarray) -> None:
         """out[R, I] = silu(gu[:, :I]) * gu[:, I:]."""

@@ -17,7 +17,16 @@ def _silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
 
 
-def gemv(w: np.ndarray, x: np.ndarray, out: np.ndarray, accumulate: bool = False) -> None:
+def _rms_inv(x: np.ndarray, eps: float) -> np.ndarray:
+    return 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)  # [R, 1]
+
+
+def gemv(
+    w: np.ndarray, x: np.ndarray, out: np.ndarray, accumulate: bool = False, norm: np.ndarray | None = None,
+    eps: float = 1e-6,
+) -> None:
+    if norm is not None:
+        x = x * _rms_inv(x, eps) * _f32(norm)
     y = x @ _f32(w).T  # [R, N]
     out[...] = out + y if accumulate else y
 
@@ -77,30 +86,36 @@ def attention(
         out[r] = np.einsum("hgt,htd->hgd", p, v).reshape(n_q * d)
 
 
-def router_topk(logits: np.ndarray, norm: bool, idx: np.ndarray, wts: np.ndarray) -> None:
+def moe_route(
+    logits: np.ndarray, x: np.ndarray, norm_topk: bool, eps: float, idx: np.ndarray, wts: np.ndarray,
+    inv: np.ndarray,
+) -> None:
     k = idx.shape[1]
     p = np.exp(logits - logits.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)  # [R, E]
     order = np.argsort(-logits, axis=-1, kind="stable")[:, :k]  # ties: lower index first
     idx[...] = order
     w = np.take_along_axis(p, order, axis=-1)
-    wts[...] = w / w.sum(-1, keepdims=True) if norm else w
+    wts[...] = w / w.sum(-1, keepdims=True) if norm_topk else w
+    inv[...] = _rms_inv(x, eps)[:, 0]
 
 
 def moe(
-    x: np.ndarray, gate_up: np.ndarray, down: np.ndarray, idx: np.ndarray, wts: np.ndarray, resid: np.ndarray,
-    h_buf: np.ndarray, y_buf: np.ndarray,
+    x: np.ndarray, norm: np.ndarray, inv: np.ndarray, gate_up: np.ndarray, down: np.ndarray, idx: np.ndarray,
+    wts: np.ndarray, resid: np.ndarray, h_buf: np.ndarray,
 ) -> None:
     rows, topk = idx.shape
     inter = down.shape[2]
+    xn = x * inv[:, None] * _f32(norm)  # [R, H]
     for r in range(rows):
+        total = np.zeros(x.shape[1], np.float32)
         for j in range(topk):
             e = int(idx[r, j])
-            gu = _f32(gate_up[e]) @ x[r]  # [2I]
+            gu = _f32(gate_up[e]) @ xn[r]  # [2I]
             h = _silu(gu[:inter]) * gu[inter:]  # [I]
             h_buf[r * topk + j] = h
-            y_buf[r * topk + j] = _f32(down[e]) @ h  # [H]
-    resid += np.einsum("rj,rjh->rh", wts, y_buf.reshape(rows, topk, -1))
+            total += wts[r, j] * (_f32(down[e]) @ h)  # [H]
+        resid[r] += total
 
 
 def silu_mul(gu: np.ndarray, out: np.ndarray) -> None:
