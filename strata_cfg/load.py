@@ -23,6 +23,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from .resolve.ledger import find_origin
 from .schema.errors import Problem, ProfileError
 from .schema.plan import Origin
 from .schema.profile import Profile
@@ -59,17 +60,6 @@ class LoadedProfile:
     def origin(self, key: str) -> Origin | None:
         """Where ``key`` (or its nearest written parent table) was written."""
         return find_origin(self.origins, key)
-
-
-def find_origin(origins: Mapping[str, Origin], key: str) -> Origin | None:
-    """The origin of ``key``, falling back to its nearest parent that has one."""
-    parts = key.split(".")
-    while parts:
-        o = origins.get(".".join(parts))
-        if o is not None:
-            return o
-        parts.pop()
-    return None
 
 
 # ---- parsing one file ----------------------------------------------------------------------------

@@ -31,6 +31,8 @@ class GpuFacts(_Facts):
     """Total memory in MiB."""
     bandwidth_gbs: float = Field(gt=0)
     """Memory bandwidth in GB/s, the GPU's speed for placement."""
+    bandwidth_estimated: bool = False
+    """True when a probe did not know the card and ``bandwidth_gbs`` is a guess."""
 
 
 class MachineFacts(_Facts):
@@ -85,7 +87,7 @@ class ModelFacts(_Facts):
     def from_config(
         cls, config: dict[str, Any], *, source: str, dtype: str, mtp_layers: int | None = None
     ) -> ModelFacts:
-        """Build facts from a ``config.json`` dictionary (either transformers spelling of the expert count)."""
+        """Build facts from a ``config.json`` dictionary (either spelling of the expert count)."""
         n_experts = config.get("num_experts", config.get("num_local_experts", 0)) or 0
         n_heads = config["num_attention_heads"]
         head_dim = config.get("head_dim") or config["hidden_size"] // n_heads
@@ -94,7 +96,7 @@ class ModelFacts(_Facts):
         return cls(
             source=source,
             model_type=config.get("model_type", "qwen3_moe"),
-            dtype=dtype,  # type: ignore[arg-type]
+            dtype=dtype,
             vocab_size=config["vocab_size"],
             hidden_size=config["hidden_size"],
             num_hidden_layers=config["num_hidden_layers"],

@@ -1,0 +1,199 @@
+"""Step 7, the VRAM budget: every GPU's bytes by purpose, adding up exactly to its total.
+
+On a stage GPU: weights, KV, drafters (last stage only), workspace and reserve come first; the routed experts
+take what remains (all of them if they fit, else as many as fit, as an expert cache), and the rest is free.
+Helper and peer GPUs hold the experts the stages could not, after their reserve. Idle GPUs are all free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..schema.facts import GpuFacts, MachineFacts, ModelFacts
+from ..schema.plan import Budget, GpuPlan
+from . import sizes
+from .ledger import Ledger
+from .placement import Sizing, StageNeed, stage_need
+from .sizes import StageShape
+
+MIB = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class PlacedStage:
+    shape: StageShape
+    gpu: int
+
+
+def _mib(n: int) -> str:
+    return f"{n / MIB:.1f}"
+
+
+def _breakdown(need: StageNeed, reserve: int) -> str:
+    return (
+        f"weights {_mib(need.weights)} + kv {_mib(need.kv)} + drafters {_mib(need.drafters)} + "
+        f"workspace {_mib(need.workspace)} + reserve {_mib(reserve)} MiB"
+    )
+
+
+def _sum_needs(needs: Sequence[StageNeed]) -> StageNeed:
+    return StageNeed(
+        weights=sum(n.weights for n in needs),
+        kv=sum(n.kv for n in needs),
+        drafters=sum(n.drafters for n in needs),
+        workspace=sum(n.workspace for n in needs),
+        experts=sum(n.experts for n in needs),
+    )
+
+
+def _stage_gpu(
+    model: ModelFacts,
+    gpu: GpuFacts,
+    device: str,
+    placed: Sequence[tuple[int, PlacedStage]],
+    sz: Sizing,
+    led: Ledger,
+    *,
+    first_gpu: bool,
+) -> GpuPlan | None:
+    """A stage GPU's budget, or None (with the refusal in the ledger) when it does not fit."""
+    total = gpu.vram_mib * MIB
+    need = _sum_needs([stage_need(model, p.shape, sz) for _, p in placed])
+    reserve = sz.reserve_first if first_gpu else sz.reserve_later
+    fixed = need.weights + need.kv + need.drafters + need.workspace + reserve
+    avail = total - fixed
+    eb = model.expert_bytes()
+    label = f"GPU {gpu.index} ({gpu.name}, {gpu.vram_mib} MiB)"
+    resident = need.experts
+    if avail < 0:
+        led.refuse(
+            "budget.overflow",
+            "memory",
+            f"{label} is {_mib(-avail)} MiB short before any expert: {_breakdown(need, reserve)} "
+            f"= {_mib(fixed)} MiB, plus {need.experts} experts of {_mib(eb)} MiB; lower memory.context, "
+            "batch.slots or memory.vram_reserve_mib, or move layers to another GPU",
+        )
+        return None
+    if sz.cache is not None:
+        resident = min(sz.cache, need.experts)
+        if resident * eb > avail:
+            led.refuse(
+                "budget.overflow",
+                "experts.cache",
+                f"{label}: experts.cache = {sz.cache} needs {_mib(resident * eb)} MiB but only "
+                f"{_mib(avail)} MiB is left after {_breakdown(need, reserve)}",
+            )
+            return None
+    elif need.experts * eb > avail:
+        resident = avail // eb if eb else need.experts
+        smallest = sizes.min_cache_experts(model, need.experts)
+        if resident < smallest:
+            led.refuse(
+                "experts.cache-too-small",
+                "memory",
+                f"{label} has room for {resident} experts after {_breakdown(need, reserve)}, fewer than the "
+                f"{smallest} one window can route to in a layer; lower memory.context or batch.slots, or "
+                "move layers to another GPU",
+            )
+            return None
+    experts = resident * eb
+    budget = Budget(
+        total=total,
+        weights=need.weights,
+        kv=need.kv,
+        drafters=need.drafters,
+        workspace=need.workspace,
+        reserve=reserve,
+        experts=experts,
+        free=total - fixed - experts,
+    )
+    return GpuPlan(
+        index=gpu.index,
+        device=device,
+        name=gpu.name,
+        role="stage",
+        stages=tuple(i for i, _ in placed),
+        budget=budget,
+        experts_total=need.experts,
+        experts_resident=resident,
+    )
+
+
+def _helper_gpu(gpu: GpuFacts, device: str, holds: int, expert_bytes: int, reserve: int) -> GpuPlan:
+    total = gpu.vram_mib * MIB
+    experts = holds * expert_bytes
+    return GpuPlan(
+        index=gpu.index,
+        device=device,
+        name=gpu.name,
+        role="helper",
+        budget=Budget(
+            total=total,
+            weights=0,
+            kv=0,
+            drafters=0,
+            workspace=0,
+            reserve=reserve,
+            experts=experts,
+            free=total - reserve - experts,
+        ),
+        experts_total=holds,
+        experts_resident=holds,
+    )
+
+
+def _idle_gpu(gpu: GpuFacts, device: str) -> GpuPlan:
+    total = gpu.vram_mib * MIB
+    return GpuPlan(
+        index=gpu.index,
+        device=device,
+        name=gpu.name,
+        role="idle",
+        budget=Budget(
+            total=total, weights=0, kv=0, drafters=0, workspace=0, reserve=0, experts=0, free=total
+        ),
+    )
+
+
+def gpu_budgets(
+    model: ModelFacts,
+    machine: MachineFacts,
+    placed: Sequence[PlacedStage],
+    sz: Sizing,
+    led: Ledger,
+) -> list[GpuPlan] | None:
+    """Every GPU of the machine with its budget, in device order; None when a GPU does not fit (the
+    refusal is in the ledger)."""
+    helpers = list(led["experts.helper_devices"])
+    peer = led["experts.peer_device"]
+    if peer is not None:
+        helpers.append(peer)
+    first_gpu = placed[0].gpu if placed else -1
+    plans: dict[int, GpuPlan] = {}
+    refused = False
+    for gpu in machine.gpus:
+        mine = [(i, p) for i, p in enumerate(placed) if p.gpu == gpu.index]
+        if mine:
+            device = machine.device_name(gpu.index)
+            plan = _stage_gpu(model, gpu, device, mine, sz, led, first_gpu=gpu.index == first_gpu)
+            if plan is None:
+                refused = True
+            else:
+                plans[gpu.index] = plan
+    if refused:
+        return None
+    overflow = sum(p.experts_total - p.experts_resident for p in plans.values())
+    eb = model.expert_bytes()
+    for gpu in machine.gpus:
+        if gpu.index in plans:
+            continue
+        device = machine.device_name(gpu.index)
+        if gpu.index in helpers:
+            reserve = min(sz.reserve_later, gpu.vram_mib * MIB)
+            holds = min(overflow, (gpu.vram_mib * MIB - reserve) // eb) if eb else 0
+            overflow -= holds
+            plans[gpu.index] = _helper_gpu(gpu, device, holds, eb, reserve)
+        else:
+            plans[gpu.index] = _idle_gpu(gpu, device)
+    return [plans[g.index] for g in machine.gpus]

@@ -1,0 +1,139 @@
+"""Every resolution rule: a stable id, its step in RULES.md's order, its severity and a one-line summary.
+
+Ids never change once published: scripts match on them in ``strata plan --json`` and tests are named after
+them. `strata rules` prints this table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from ..schema.plan import Severity
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """One rule the resolver can fire."""
+
+    id: str
+    step: int
+    """Step of RULES.md's order of evaluation (0: defaults and ``auto`` values, resolved before any gate)."""
+    severity: Severity
+    summary: str
+
+
+STEPS: MappingProxyType[int, str] = MappingProxyType(
+    {
+        0: "defaults and auto values",
+        1: "parse-time refusals",
+        2: "batch gate",
+        3: "batch-MTP gate (reasons that do not depend on groups)",
+        4: "groups, then the group-dependent gate",
+        5: "pipeline-windows gate",
+        6: "placement",
+        7: "budget",
+        8: "windows",
+        9: "serving and strict mode",
+    }
+)
+
+_RULES = (
+    # 0: defaults and auto values
+    Rule("model.cpu-float32", 0, "note", "virtual CPU devices run in float32, whatever model.dtype asks"),
+    Rule("memory.context-cap", 0, "clamp", "memory.context is capped at the model's max positions"),
+    Rule("spec.needs-mtp-weights", 0, "off", "spec.draft_tokens >= 2 needs a model with MTP weights"),
+    Rule(
+        "machine.estimated-bandwidth", 0, "note", "a probed GPU's bandwidth is an estimate, not a known value"
+    ),
+    # 1: parse-time refusals
+    Rule(
+        "split.remote-host",
+        1,
+        "error",
+        "a device on a host other than `local`: multi-host stages are not built",
+    ),
+    Rule("experts.peer-with-split", 1, "error", "experts.peer_device cannot combine with a layer split"),
+    Rule("experts.peer-with-helpers", 1, "error", "experts.peer_device cannot combine with helper caches"),
+    Rule("split.rising", 1, "error", "split.layers boundaries must rise"),
+    Rule("split.range", 1, "error", "each split.layers boundary is >= 2 and below the model's layer count"),
+    Rule("split.max-stages", 1, "error", "at most 8 stages"),
+    Rule("split.too-many-devices", 1, "error", "more split devices than the machine has GPUs"),
+    Rule("split.device-count", 1, "error", "split.devices names one GPU per stage"),
+    Rule("machine.device-missing", 1, "error", "a device index that the machine does not have"),
+    Rule("split.shared-gpu", 1, "error", "two stages on one GPU need split.test_shared_gpu = true"),
+    Rule("experts.helper-is-stage", 1, "error", "a helper or peer GPU cannot also hold a stage"),
+    Rule("split.auto-single-gpu", 1, "note", 'split.layers = "auto" with one usable GPU gives no split'),
+    # 2: batch gate
+    Rule("batch.single-slot", 2, "note", "batch.slots below 2 means no batching"),
+    Rule("batch.test-split", 2, "off", "a single-GPU test split turns batching off"),
+    Rule("batch.max-slots", 2, "clamp", "more than 8 slots without batch MTP is clamped to 8"),
+    # 3: batch-MTP gate, first part (the first failing reason wins)
+    Rule("batch-mtp.needs-batching", 3, "off", "batch MTP needs batching (2 or more slots)"),
+    Rule("batch-mtp.needs-mtp-weights", 3, "off", "batch MTP needs a model with MTP weights"),
+    Rule("batch-mtp.needs-spec", 3, "off", "batch MTP needs spec.draft_tokens >= 2"),
+    Rule("batch-mtp.shared-gpu", 3, "off", "batch MTP does not run with two stages on one GPU"),
+    Rule("batch-mtp.needs-serve", 3, "off", "batch MTP needs a [serve] table (it is a serving feature)"),
+    Rule(
+        "batch-mtp.helper-caches", 3, "off", "on a split, batch MTP does not combine with helper-GPU caches"
+    ),
+    Rule("batch-mtp.remote-opt", 3, "off", "on a split, batch MTP does not combine with remote expert opt"),
+    # 4: groups
+    Rule(
+        "groups.auto", 4, "note", "groups = the largest divisor of the slots that is at most the stage count"
+    ),
+    Rule(
+        "groups.batch-mtp-yield",
+        4,
+        "note",
+        "groups left unset with batch MTP on: one group, so batch MTP runs",
+    ),
+    Rule("groups.no-split", 4, "warn", "more than one group needs a layer split; 1 group"),
+    Rule("groups.not-divisor", 4, "warn", "groups must divide the slots; 1 group"),
+    Rule("batch-mtp.pipelined-groups", 4, "off", "batch MTP does not combine with pipelined slot groups"),
+    # 5: pipeline-windows gate (the first failing reason wins)
+    Rule("pipeline-windows.needs-split", 5, "off", "pipeline windows need a layer split"),
+    Rule("pipeline-windows.shared-gpu", 5, "off", "pipeline windows do not run on a single-GPU test split"),
+    Rule("pipeline-windows.two-stages", 5, "off", "pipeline windows need exactly two stages"),
+    Rule("pipeline-windows.needs-mtp", 5, "off", "pipeline windows need MTP drafting on the solo path"),
+    Rule("pipeline-windows.batch", 5, "off", "pipeline windows do not run with batch slots"),
+    Rule("pipeline-windows.peer-device", 5, "off", "pipeline windows do not combine with a peer device"),
+    Rule("pipeline-windows.helper-caches", 5, "off", "pipeline windows do not combine with helper caches"),
+    # 6: placement
+    Rule(
+        "split.auto", 6, "note", 'split.layers = "auto": boundaries that minimise the slowest stage\'s time'
+    ),
+    Rule(
+        "split.auto-order",
+        6,
+        "note",
+        "auto split: the fastest GPU goes last, since it runs the head and drafters",
+    ),
+    Rule("split.auto-no-fit", 6, "error", "auto split: no split of the layers fits the GPUs"),
+    # 7: budget
+    Rule(
+        "budget.overflow", 7, "error", "a GPU's weights, KV, drafters, workspace and reserve exceed its VRAM"
+    ),
+    Rule("experts.cache-too-small", 7, "error", "the expert cache must hold one window's experts of a layer"),
+    Rule(
+        "experts.cache", 7, "note", "not every expert fits: the rest stream from host memory through a cache"
+    ),
+    Rule(
+        "batch-mtp.all-experts-resident",
+        7,
+        "note",
+        "batch MTP measured slower than pipelined with all experts resident",
+    ),
+    # 8: windows
+    Rule("windows.batch-mtp-rotation", 8, "note", "more than 4 batch-MTP slots take turns, 4 per window"),
+    # 9: serving and strict mode
+    Rule("serve.exposed", 9, "warn", "serving on a non-loopback address without serve.api_key_env"),
+)
+
+RULES: MappingProxyType[str, Rule] = MappingProxyType({r.id: r for r in _RULES})
+"""Every rule by id, in evaluation order."""
+
+
+def rule(rule_id: str) -> Rule:
+    """The rule with this id (a KeyError here is a bug: every fired rule must be registered)."""
+    return RULES[rule_id]

@@ -1,0 +1,116 @@
+"""Byte sizes the budget and the auto split are built from: pure functions of the model's shapes.
+
+Legend for the formulas (docs/PROFILES.md writes them out the same way):
+R rows per window (8), P prefill chunk, C context per slot, H hidden, Q = heads x head_dim,
+K = kv_heads x head_dim, nh heads, E experts, k experts per token, I expert width, Id dense MLP width,
+Is shared-expert width, V vocab, a activation bytes (the model dtype), f = 4 bytes (float32).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..schema.facts import DTYPE_BYTES, ModelFacts
+from ..schema.windows import MAX_WINDOW_ROWS
+
+F32 = 4
+
+
+@dataclass(frozen=True, slots=True)
+class StageShape:
+    """What a stage holds, for sizing: its layers and whether it is first and/or last."""
+
+    start: int
+    end: int
+    first: bool
+    last: bool
+
+
+def weight_bytes(model: ModelFacts, stage: StageShape, *, with_mtp: bool) -> int:
+    """Non-expert weights of the stage's layers, plus embedding (first) and head / MTP (last)."""
+    n = sum(model.layer_bytes(layer)[0] for layer in range(stage.start, stage.end))
+    if stage.first:
+        n += model.embedding_bytes()
+    if stage.last:
+        n += model.head_bytes()
+        if with_mtp:
+            n += model.mtp_bytes()[0]
+    return n
+
+
+def expert_count(model: ModelFacts, stage: StageShape, *, with_mtp: bool) -> int:
+    """Routed experts of the stage's layers (and of the MTP layers on the last stage)."""
+    n = sum(model.layer_experts(layer) for layer in range(stage.start, stage.end))
+    if stage.last and with_mtp:
+        n += model.mtp_layers * model.num_experts
+    return n
+
+
+def kv_bytes(model: ModelFacts, n_layers: int, *, context: int, kv_dtype: str, slots: int) -> int:
+    """KV cache: 2 x layers x kv_heads x head_dim x context x bytes(kv), for every slot."""
+    return n_layers * model.kv_bytes_per_token(kv_dtype) * context * slots
+
+
+def drafter_bytes(model: ModelFacts, *, context: int, kv_dtype: str, drafters: int) -> int:
+    """The slot drafters' private state: per drafter, its MTP layers' KV over the slot's context, plus the
+    draft-window buffers (residual rows [R, H] and logits [R, V], both float32)."""
+    mtp_kv = model.mtp_layers * model.kv_bytes_per_token(kv_dtype) * context
+    buffers = MAX_WINDOW_ROWS * model.hidden_size * F32 + MAX_WINDOW_ROWS * model.vocab_size * F32
+    return drafters * (mtp_kv + buffers)
+
+
+def row_activation_bytes(model: ModelFacts, *, context: int) -> int:
+    """Activations one row needs while it passes a layer.
+
+    a x (3H + Q + 2K + Q): residual, normed input and MLP output; q, k, v; attention output.
+    f x nh x C: attention scores over the context (float32).
+    f x E: router logits (float32).
+    a x (2kI + kH): each chosen expert's gate/up and its output.
+    a x 2 max(Id, Is): a dense layer's or the shared expert's gate/up, where the model has them.
+    """
+    a = DTYPE_BYTES[model.dtype]
+    h, hd = model.hidden_size, model.head_dim
+    q, kv = model.num_attention_heads * hd, model.num_key_value_heads * hd
+    n = a * (3 * h + q + 2 * kv + q) + F32 * model.num_attention_heads * context
+    if model.num_experts:
+        k, width = model.num_experts_per_tok, model.moe_intermediate_size
+        n += F32 * model.num_experts + a * (2 * k * width + k * h)
+    has_dense = any(not model.is_sparse(layer) for layer in range(model.num_hidden_layers))
+    dense = model.intermediate_size if has_dense else 0
+    n += a * 2 * max(dense, model.shared_expert_intermediate_size)
+    return n
+
+
+def workspace_bytes(model: ModelFacts, *, context: int, prefill_chunk: int, last: bool) -> int:
+    """Activation workspace: an R-row decode window plus a P-row prefill chunk, each at
+    `row_activation_bytes`; the last stage adds the window's logits [R, V] in float32."""
+    per_row = row_activation_bytes(model, context=context)
+    n = (MAX_WINDOW_ROWS + prefill_chunk) * per_row
+    if last:
+        n += MAX_WINDOW_ROWS * model.vocab_size * F32
+    return n
+
+
+def min_cache_experts(model: ModelFacts, n_experts: int) -> int:
+    """The smallest useful expert cache: every expert one full window can route to in one layer."""
+    return min(n_experts, model.num_experts, MAX_WINDOW_ROWS * model.num_experts_per_tok)
+
+
+def layer_step_bytes(model: ModelFacts, layer: int, *, context: int, kv_dtype: str, slots: int) -> int:
+    """Bytes one decode step reads in a main-model layer: its non-expert weights, the k experts one
+    token routes to, and every slot's KV over the full context (an upper bound)."""
+    dense, _ = model.layer_bytes(layer)
+    experts = model.num_experts_per_tok * model.expert_bytes() if model.is_sparse(layer) else 0
+    return dense + experts + model.kv_bytes_per_token(kv_dtype) * context * slots
+
+
+def head_step_bytes(model: ModelFacts, *, mtp_passes: int, context: int, kv_dtype: str, drafters: int) -> int:
+    """Bytes the last stage reads per decode step beyond its layers: the final norm and LM head, and
+    ``mtp_passes`` runs of the MTP head (its non-expert weights, k experts, and the drafters' MTP KV)."""
+    n = model.head_bytes()
+    if mtp_passes and model.has_mtp:
+        dense, _ = model.mtp_bytes()
+        experts = model.mtp_layers * model.num_experts_per_tok * model.expert_bytes()
+        mtp_kv = model.mtp_layers * model.kv_bytes_per_token(kv_dtype) * context * drafters
+        n += mtp_passes * (dense + experts + model.head_bytes()) + mtp_kv
+    return n

@@ -1,0 +1,25 @@
+"""Reaching the engine as a process: the plan file and the command line."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from strata_cfg import runner
+from strata_cfg.schema.plan import LaunchPlan
+
+
+def test_runtime_command_writes_the_plan_and_names_it(tmp_path):
+    plan = runner.resolve_profile(None)
+    argv = runner.runtime_command("generate", plan, ["--prompt", "hi"], run_dir=tmp_path / "run")
+    assert argv[:4] == [sys.executable, "-m", "strata_runtime", "generate"]
+    assert argv[4] == "--plan" and argv[6:] == ["--prompt", "hi"]
+    written = json.loads((tmp_path / "run" / "plan.json").read_text())
+    assert LaunchPlan.model_validate(written) == plan
+
+
+def test_default_run_dir_is_fresh(tmp_path):
+    plan = runner.resolve_profile(None)
+    a = runner.runtime_command("bench", plan)
+    b = runner.runtime_command("bench", plan)
+    assert a[5] != b[5]
