@@ -1,0 +1,50 @@
+"""Where each row of a window sits: which slot, which position.
+
+A window's rows are grouped in segments, one per slot, each a run of consecutive positions of that slot
+(its token, then its proposals, or a prefill chunk). Attention runs per segment over that slot's KV.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """``n`` consecutive rows of one slot, starting at window row ``row`` and at position ``pos``."""
+
+    slot: int
+    row: int
+    n: int
+    pos: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The segments of a window, in row order, covering every row exactly once."""
+
+    segments: tuple[Segment, ...]
+
+    @classmethod
+    def of(cls, runs: list[tuple[int, int, int]]) -> Layout:
+        """From ``(slot, n_rows, first_position)`` runs, in row order."""
+        segments, row = [], 0
+        for slot, n, pos in runs:
+            segments.append(Segment(slot, row, n, pos))
+            row += n
+        return cls(tuple(segments))
+
+    @property
+    def rows(self) -> int:
+        return sum(s.n for s in self.segments)
+
+    def positions(self) -> np.ndarray:
+        """The position of every row [R]."""
+        if not self.segments:
+            return np.zeros(0, dtype=np.int64)
+        return np.concatenate([np.arange(s.pos, s.pos + s.n, dtype=np.int64) for s in self.segments])
+
+    def slots(self) -> tuple[int, ...]:
+        return tuple(s.slot for s in self.segments)

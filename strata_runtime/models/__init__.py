@@ -1,0 +1,1 @@
+"""Model architectures, one module per checkpoint ``model_type``."""

@@ -1,0 +1,88 @@
+"""A pipeline stage: layers [a, b) of the main model on one device, with every slot's KV for them.
+
+The first stage also holds the token embedding; the last holds the final norm and the LM head (and, in
+`strata_runtime.mtp`, the MTP head and the slot drafters). ``forward`` takes the hidden rows of a window
+and returns them; hidden rows cross devices in `strata_runtime.model`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .backend import Device
+from .kernels.norm import rms_norm
+from .kvcache import KVCache
+from .layout import Layout
+from .models.qwen3_moe import DecoderLayer, ModelArgs, linear, rope_tables
+
+
+class Rope:
+    """cos/sin tables [T, D/2] (fp32) on one device, looked up by row position."""
+
+    def __init__(self, device: Device, args: ModelArgs, context: int) -> None:
+        cos, sin = rope_tables(args.rope_theta, args.head_dim, context)
+        self.device = device
+        self.cos, self.sin = device.asarray(cos), device.asarray(sin)  # [T, D/2] each
+
+    def at(self, layout: Layout) -> tuple[Any, Any]:
+        pos = self.device.xp.asarray(layout.positions())  # [R]
+        return self.cos[pos], self.sin[pos]  # [R, D/2] each
+
+
+class Stage:
+    """Layers [a, b) on one device, their per-slot KV, and the embedding / head where placed."""
+
+    def __init__(
+        self,
+        index: int,
+        device: Device,
+        layers: tuple[int, int],
+        args: ModelArgs,
+        tensors: dict[str, Any],
+        *,
+        first: bool,
+        last: bool,
+        slots: int,
+        context: int,
+        kv_dtype: Any,
+    ) -> None:
+        self.index, self.device, self.layer_range, self.args = index, device, layers, args
+        self.first, self.last = first, last
+        self.layers = [
+            DecoderLayer(tensors, f"model.layers.{i}.", args, args.is_sparse(i)) for i in range(*layers)
+        ]
+        self.kv = KVCache(
+            device, len(self.layers), slots, args.num_key_value_heads, context, args.head_dim, kv_dtype
+        )
+        self.rope = Rope(device, args, context)
+        self.embed_tokens = tensors.get("model.embed_tokens.weight")  # [V, H] on the first stage
+        self.norm = tensors.get("model.norm.weight")  # [H] on the last stage
+        self.lm_head = tensors.get("lm_head.weight")  # [V, H] on the last stage
+        self.weight_bytes = sum(int(t.nbytes) for t in tensors.values())
+
+    def embed(self, token_ids: np.ndarray) -> Any:
+        """The embedding rows [R, H] of ``token_ids`` (first stage only)."""
+        with self.device.use():
+            return self.embed_tokens[self.device.xp.asarray(token_ids)]  # [R, H]
+
+    def forward(self, hidden: Any, layout: Layout) -> Any:
+        """Run this stage's layers over a window's hidden rows [R, H], writing their KV."""
+        xp = self.device.xp
+        with self.device.use():
+            self.kv.begin(layout.segments)
+            cos, sin = self.rope.at(layout)  # [R, D/2] each
+            for j, layer in enumerate(self.layers):
+                hidden = layer(xp, hidden, layout, self.kv, j, cos, sin)  # [R, H]
+            return hidden
+
+    def final_norm(self, hidden: Any) -> Any:
+        """The post-final-norm hidden rows [R, H] (last stage only): the LM head's input and the MTP's."""
+        with self.device.use():
+            return rms_norm(hidden, self.norm, self.args.rms_norm_eps)
+
+    def logits(self, normed: Any) -> Any:
+        """Logits [R, V] in fp32 (last stage only)."""
+        with self.device.use():
+            return linear(normed, self.lm_head).astype(self.device.xp.float32)
