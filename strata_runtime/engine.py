@@ -1,0 +1,412 @@
+"""`Engine(plan)`: the plan's stages, slots and windows, behind the `strata_runtime.api.EngineCore` interface.
+
+The engine runs exactly what the plan says. At start it refuses a plan that needs something this runtime
+does not implement, naming it. Each `step` is one scheduling round:
+
+1. admit queued requests into free slots (staggered: whenever a slot is free);
+2. run either one prefill chunk (the oldest prefilling slot) or one decode round, alternating while both
+   kinds of work exist, so a long prompt never stalls the other slots' decoding;
+3. a decode round is, by the plan's batch mode:
+   * *solo*: one decoding slot and nothing prefilling: its token plus ``spec.draft_tokens - 1`` chained MTP
+     proposals (solo promotion; a newcomer demotes it again);
+   * *batch MTP* (serial, one group): 2 rows per slot (token + proposal), at most 4 slots per window, the
+     start rotating over the slots;
+   * *serial*: one row per slot, every decoding slot in one window (at most 8);
+   * *pipelined* (G > 1 groups): each group's window (its prefill chunk or its decode rows) enters the
+     stages one tick after the previous group's, so the groups are on different stages at once. No drafts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from strata_cfg.schema.plan import MIB, LaunchPlan
+from strata_cfg.schema.windows import (
+    BATCH_MTP_ROWS_PER_SLOT,
+    BATCH_MTP_SLOTS_PER_WINDOW,
+    MAX_WINDOW_ROWS,
+    batch_mtp_window,
+    next_rotation,
+    plain_windows,
+    solo_window,
+)
+
+from .api import Request, RequestHandle, TokenEvent
+from .execute import Entry, Executor, Job
+from .loader import Progress
+from .model import Model, PlanMismatch
+from .sampling import Sampler
+from .slot import Slot
+from .speculative import Proposals, draft
+
+log = logging.getLogger("strata_runtime")
+
+
+def refusals(plan: LaunchPlan) -> list[str]:
+    """Everything in ``plan`` this runtime does not implement (empty: it can run the plan as written)."""
+    out = []
+    ex = plan.experts
+    if ex.helper_devices:
+        out.append(
+            f"experts.helper_devices = {list(ex.helper_devices)}: "
+            "helper-GPU expert caches are not implemented"
+        )
+    if ex.remote_opt:
+        out.append("experts.remote_opt = true: remote expert optimisation is not implemented")
+    if ex.peer_device is not None:
+        out.append(f"experts.peer_device = {ex.peer_device}: a peer-device expert cache is not implemented")
+    if ex.cache is not None:
+        out.append(
+            f"experts.cache = {ex.cache}: an expert cache smaller than a stage's experts is not implemented"
+        )
+    for g in plan.gpus:
+        if g.role == "helper":
+            out.append(f"{g.device} is a helper GPU: helper-GPU expert caches are not implemented")
+        if g.experts_resident < g.experts_total:
+            out.append(
+                f"{g.device} holds {g.experts_total} routed experts but only {g.experts_resident} fit: "
+                "an expert cache smaller than a stage's experts is not implemented"
+            )
+    for s in plan.stages:
+        if s.host != "local":
+            out.append(f"stage {s.index} is on host {s.host!r}: only local stages are implemented")
+        if s.drafters and s.index != len(plan.stages) - 1:
+            out.append(f"stage {s.index} holds drafters: drafters live only on the last stage")
+    if plan.spec.pipeline_windows:
+        out.append(
+            f"split.pipeline_windows = {plan.spec.pipeline_windows}: "
+            "overlapped solo windows are not implemented"
+        )
+    if plan.batch.mtp:
+        if plan.batch.mode != "serial" or plan.batch.groups != 1:
+            out.append(
+                f"batch MTP with mode {plan.batch.mode!r} and {plan.batch.groups} groups: "
+                "it runs only in serial windows"
+            )
+        if (
+            plan.batch.rows_per_slot != BATCH_MTP_ROWS_PER_SLOT
+            or plan.batch.slots_per_window > BATCH_MTP_SLOTS_PER_WINDOW
+        ):
+            out.append("batch MTP windows must be 2 rows per slot and at most 4 slots")
+        if set(plan.last_stage.drafters) != set(range(plan.batch.slots)):
+            out.append(
+                f"batch MTP needs a drafter for every slot; the plan places {list(plan.last_stage.drafters)}"
+            )
+    if plan.windows.max_rows > MAX_WINDOW_ROWS or plan.windows.handoff_rows > MAX_WINDOW_ROWS:
+        out.append(f"windows of more than {MAX_WINDOW_ROWS} rows are not implemented")
+    if plan.batch.mode == "pipelined" and plan.batch.groups < 2:
+        out.append("pipelined mode with fewer than 2 groups")
+    return out
+
+
+@dataclass(frozen=True)
+class WindowStat:
+    """One window (or one pipelined round's share of it)."""
+
+    kind: str
+    rows: int
+    ms: float
+    proposals: int
+    accepted: int
+    slots: tuple[int, ...]
+
+
+class Engine:
+    """Executes a `LaunchPlan`; see the module docstring for the schedule."""
+
+    def __init__(self, plan: LaunchPlan, progress: Progress | None = None) -> None:
+        problems = refusals(plan)
+        if problems:
+            raise PlanMismatch("this runtime cannot run the plan as written:\n  " + "\n  ".join(problems))
+        self.plan = plan
+        self.model = Model.from_plan(plan, progress)
+        self.tokenizer = self.model.tokenizer
+        self.n_slots = max(plan.batch.slots, 1)
+        self.slots: list[Slot | None] = [None] * self.n_slots
+        self.tracked = self.model.mtp is not None
+        self.depth = min(plan.spec.draft_tokens - 1, MAX_WINDOW_ROWS - 1) if plan.spec.mtp else 0
+        self.executor = Executor(self.model, self.tracked)
+        self._queue: deque[RequestHandle] = deque()
+        self._lock = threading.Lock()
+        self._admitted = 0
+        self._rotation = 0
+        self._plain_turn = 0
+        self._prefill_turn: dict[int, bool] = {}
+        self.windows: deque[WindowStat] = deque(maxlen=1024)
+        self.totals = {"windows": 0, "rows": 0, "tokens": 0, "proposals": 0, "accepted": 0, "ms": 0.0}
+        self.startup = self._startup_lines()
+        for line in self.startup:
+            log.info(line)
+
+    # ---- EngineCore ----------------------------------------------------------------------------------
+
+    def submit(self, request: Request) -> RequestHandle:
+        handle = RequestHandle(request)
+        handle.prompt_tokens = len(request.prompt_ids)
+        problem = self._check(request)
+        if problem:
+            handle.events.put(TokenEvent((), "", "error", 0, problem))
+            return handle
+        with self._lock:
+            self._queue.append(handle)
+        return handle
+
+    def step(self) -> bool:
+        self._reap_cancelled()
+        self._admit()
+        active = [s for s in self.slots if s is not None]
+        if not active:
+            return False
+        decoding = [s for s in active if s.decoding]
+        prefilling = [s for s in active if s.prefilling]
+        solo = len(decoding) == 1 and not prefilling
+        if self.plan.batch.groups > 1 and not solo:
+            self._pipelined_round(active)
+        else:
+            self._serial_round(prefilling, decoding)
+        return True
+
+    def stats(self) -> dict[str, Any]:
+        recent = [asdict(w) for w in list(self.windows)[-32:]]
+        return {
+            "plan": {
+                "mode": self.plan.batch.mode,
+                "slots": self.n_slots,
+                "groups": self.plan.batch.groups,
+                "batch_mtp": self.plan.batch.mtp,
+                "draft_tokens": self.plan.spec.draft_tokens,
+                "stages": [s.device for s in self.plan.stages],
+            },
+            "queue": len(self._queue),
+            "slots": [self._slot_state(i, s) for i, s in enumerate(self.slots)],
+            "totals": dict(self.totals),
+            "acceptance": self.acceptance,
+            "recent_windows": recent,
+            "drafters": self.drafter_info(),
+        }
+
+    # ---- reporting -----------------------------------------------------------------------------------
+
+    @property
+    def acceptance(self) -> float | None:
+        made = self.totals["proposals"]
+        return None if not made else self.totals["accepted"] / made
+
+    def summary(self) -> str:
+        t = self.totals
+        rate = f"{t['accepted']}/{t['proposals']} proposals accepted"
+        if t["proposals"]:
+            rate += f" ({100 * t['accepted'] / t['proposals']:.1f}%)"
+        per = t["ms"] / t["windows"] if t["windows"] else 0.0
+        return (
+            f"{t['windows']} windows, {t['rows']} rows, {t['tokens']} tokens, {rate}, {per:.2f} ms per window"
+        )
+
+    def drafter_info(self) -> dict[str, Any]:
+        d = self.model.drafters
+        if not d:
+            return {"device": None, "slots": [], "bytes_each": 0}
+        first = next(iter(d.values()))
+        return {
+            "device": str(first.device),
+            "slots": sorted(d),
+            "bytes_each": first.nbytes,
+            "kv_bytes_each": first.kv.nbytes,
+        }
+
+    def _startup_lines(self) -> list[str]:
+        p = self.plan
+        stages = ", ".join(f"{s.device} layers [{s.layers[0]}, {s.layers[1]})" for s in p.stages)
+        lines = [
+            f"stages: {stages}",
+            f"slots: {self.n_slots}, mode {p.batch.mode}, {p.batch.groups} group(s), batch MTP "
+            f"{'on' if p.batch.mtp else 'off'}, solo drafting {self.depth} proposal(s)",
+        ]
+        info = self.drafter_info()
+        if info["device"] is None:
+            lines.append("drafters: none (the plan does not draft)")
+        else:
+            each = info["bytes_each"] / MIB
+            kv = info["kv_bytes_each"] / MIB
+            lines.append(
+                f"drafters: slots {info['slots']} on {info['device']} (last stage), {each:.2f} MiB each "
+                f"(MTP-layer KV {kv:.2f} MiB + draft-window buffers {each - kv:.2f} MiB)"
+            )
+        return lines
+
+    def _slot_state(self, i: int, s: Slot | None) -> dict[str, Any]:
+        if s is None:
+            return {"slot": i, "state": "free"}
+        return {
+            "slot": i,
+            "state": "prefill" if s.prefilling else "decode",
+            "request_id": s.handle.request.request_id,
+            "prompt_tokens": len(s.prompt),
+            "prefilled": s.prefilled,
+            "generated": len(s.generated),
+            "length": s.length,
+            "kv_lengths": self.model.kv_lengths(i),
+        }
+
+    # ---- admission and release ---------------------------------------------------------------------
+
+    def _check(self, r: Request) -> str | None:
+        vocab = self.model.args.vocab_size
+        if not r.prompt_ids:
+            return "prompt_ids: the prompt is empty"
+        if any(not 0 <= t < vocab for t in r.prompt_ids):
+            return f"prompt_ids: every id must be in [0, {vocab})"
+        if r.max_tokens < 1:
+            return "max_tokens: must be at least 1"
+        if len(r.prompt_ids) + 1 > self.plan.memory.context:
+            return (
+                f"prompt_ids: a prompt of {len(r.prompt_ids)} tokens does not fit the context of "
+                f"{self.plan.memory.context} tokens per slot"
+            )
+        return None
+
+    def _admit(self) -> None:
+        with self._lock:
+            while self._queue and None in self.slots:
+                handle = self._queue.popleft()
+                if handle.cancelled.is_set():
+                    handle.events.put(TokenEvent((), "", "cancelled"))
+                    continue
+                i = self.slots.index(None)
+                req = handle.request
+                seed = (
+                    req.sampling.seed
+                    if req.sampling.seed is not None
+                    else int.from_bytes(os.urandom(4), "little")
+                )
+                self._admitted += 1
+                handle.slot = i
+                self.slots[i] = Slot(
+                    i,
+                    handle,
+                    Sampler(req.sampling, seed),
+                    frozenset(req.stop_ids) | frozenset(self.tokenizer.eos_ids),
+                    self.tokenizer,
+                    self._admitted,
+                )
+
+    def _reap_cancelled(self) -> None:
+        for s in self.slots:
+            if s is not None and s.handle.cancelled.is_set():
+                s.handle.events.put(s.finish("cancelled"))
+                self._release(s)
+
+    def _release(self, slot: Slot) -> None:
+        """Free a slot for reuse: its KV on every stage and in its drafter is forgotten."""
+        self.model.rewind(slot.id, 0)
+        if slot.id in self.model.drafters:
+            self.model.drafters[slot.id].rewind(0)
+        self.slots[slot.id] = None
+
+    # ---- rounds --------------------------------------------------------------------------------------
+
+    def _serial_round(self, prefilling: list[Slot], decoding: list[Slot]) -> None:
+        job = self._next_job(0, prefilling, decoding)
+        if job is None:
+            return
+        t0 = time.perf_counter()
+        normed = self.executor.run_serial(job)
+        self._deliver(job, self.executor.finish(job, normed), t0)
+
+    def _pipelined_round(self, active: list[Slot]) -> None:
+        groups = self.plan.batch.groups
+        jobs = []
+        for g in range(groups):
+            members = [s for s in active if s.id % groups == g]
+            job = self._next_job(
+                g, [s for s in members if s.prefilling], [s for s in members if s.decoding], pipelined=True
+            )
+            if job is not None:
+                jobs.append(job)
+        if not jobs:
+            return
+        t0 = time.perf_counter()
+        normed = self.executor.run_pipelined(jobs)
+        for job, n in zip(jobs, normed, strict=True):
+            self._deliver(job, self.executor.finish(job, n), t0, share=len(jobs))
+
+    def _next_job(
+        self, group: int, prefilling: list[Slot], decoding: list[Slot], pipelined: bool = False
+    ) -> Job | None:
+        """A prefill chunk or a decode window, alternating while both are waiting."""
+        turn = self._prefill_turn.get(group, True)
+        if prefilling and (turn or not decoding):
+            self._prefill_turn[group] = False
+            return self._prefill_job(min(prefilling, key=lambda s: s.admitted_at))
+        self._prefill_turn[group] = True
+        if not decoding:
+            return None
+        return self._decode_job(decoding, prefilling, pipelined)
+
+    def _prefill_job(self, slot: Slot) -> Job:
+        n = min(self.plan.memory.prefill_chunk, len(slot.prompt) - slot.prefilled)
+        tokens = list(slot.prompt[slot.prefilled : slot.prefilled + n])
+        return Job("prefill", [Entry(slot, "prefill", tokens)])
+
+    def _decode_job(self, decoding: list[Slot], prefilling: list[Slot], pipelined: bool) -> Job | None:
+        decoding = [s for s in decoding if not self._out_of_context(s)]
+        if not decoding:
+            return None
+        ids = [s.id for s in decoding]
+        by_id = {s.id: s for s in decoding}
+        if len(decoding) == 1 and not prefilling and not pipelined:
+            rows = solo_window(ids[0], min(self.depth, self._room(decoding[0])))
+            kind = "solo"
+        elif self.plan.batch.mtp:
+            rows = batch_mtp_window(ids, self._rotation)
+            self._rotation = next_rotation(self._rotation, len(ids))
+            kind = "batch-mtp"
+        else:
+            windows = plain_windows(ids)
+            rows = windows[self._plain_turn % len(windows)]
+            self._plain_turn += 1
+            kind = "pipelined" if pipelined else "serial"
+        entries = []
+        for sid in dict.fromkeys(r.slot for r in rows):
+            slot = by_id[sid]
+            depth = min(sum(1 for r in rows if r.slot == sid) - 1, self._room(slot))
+            proposals = (
+                draft(self.model, sid, slot.token, depth, slot.sampler) if depth > 0 else Proposals([], [])
+            )
+            entries.append(Entry(slot, "decode", [slot.token, *proposals.tokens], proposals))  # type: ignore[list-item]
+        return Job(kind, entries)
+
+    def _room(self, slot: Slot) -> int:
+        """Proposals that still fit the slot's context after its token."""
+        return max(0, self.plan.memory.context - slot.length - 1)
+
+    def _out_of_context(self, slot: Slot) -> bool:
+        if slot.length + 1 <= self.plan.memory.context:
+            return False
+        slot.handle.events.put(slot.finish("length"))
+        self._release(slot)
+        return True
+
+    def _deliver(self, job: Job, events: list[tuple[Slot, TokenEvent]], t0: float, share: int = 1) -> None:
+        ms = (time.perf_counter() - t0) * 1000 / share
+        accepted = sum(ev.accepted_proposals for _, ev in events)
+        self.windows.append(
+            WindowStat(job.kind, job.rows, ms, job.proposals, accepted, tuple(e.slot.id for e in job.entries))
+        )
+        t = self.totals
+        t["windows"] += 1
+        t["rows"] += job.rows
+        t["tokens"] += sum(len(ev.token_ids) for _, ev in events)
+        t["proposals"] += job.proposals
+        t["accepted"] += accepted
+        t["ms"] += ms
+        for slot, ev in events:
+            slot.handle.events.put(ev)
+            if ev.finished is not None:
+                self._release(slot)

@@ -1,0 +1,169 @@
+"""Running windows: serially through the stages, or several pipelined at once; then deciding each slot.
+
+A `Job` is one window: a prefill chunk of one slot, or the decode rows (token plus proposals) of one or
+more slots. `run_serial` passes it through every stage in order. `run_pipelined` runs several jobs as a
+wavefront: at tick t, stage s works on job t - s, so different groups' windows are on different stages at
+the same time. On GPUs each stage's work runs in its own thread, on its own device and stream, so the
+devices really overlap; on virtual CPU devices the same ticks run one after another. `finish` verifies
+each slot's rows and commits (accept/rewind) through `strata_runtime.speculative`.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from .api import TokenEvent
+from .backend import Device, cupy_module, transfer
+from .layout import Layout
+from .model import Model
+from .sampling import distribution
+from .slot import Slot
+from .speculative import Proposals, commit, verify
+
+
+@dataclass
+class Entry:
+    """One slot's rows in a window."""
+
+    slot: Slot
+    kind: Literal["prefill", "decode"]
+    tokens: list[int]
+    proposals: Proposals = field(default_factory=lambda: Proposals([], []))
+
+
+@dataclass
+class Job:
+    """One window."""
+
+    kind: str
+    """``prefill``, ``solo``, ``serial``, ``batch-mtp`` or ``pipelined``."""
+    entries: list[Entry]
+
+    def layout(self) -> Layout:
+        return Layout.of([(e.slot.id, len(e.tokens), e.slot.length) for e in self.entries])
+
+    def token_array(self) -> np.ndarray:
+        return np.array([t for e in self.entries for t in e.tokens], dtype=np.int64)
+
+    @property
+    def rows(self) -> int:
+        return sum(len(e.tokens) for e in self.entries)
+
+    @property
+    def proposals(self) -> int:
+        return sum(len(e.proposals.tokens) for e in self.entries)
+
+
+class Executor:
+    """Runs jobs on a model; ``tracked`` keeps every slot's drafter caught up after each window."""
+
+    def __init__(self, model: Model, tracked: bool) -> None:
+        self.model, self.tracked = model, tracked
+        self.devices = [s.device for s in model.stages]
+        self._streams: dict[Device, Any] = {}
+        self._pool = (
+            ThreadPoolExecutor(max_workers=len(self.devices), thread_name_prefix="strata-stage")
+            if any(d.is_cuda for d in self.devices) and len(self.devices) > 1
+            else None
+        )
+        self._lock = threading.Lock()
+
+    def run_serial(self, job: Job) -> Any:
+        """The job's post-final-norm rows [R, H] on the last device."""
+        return self.model.forward(job.token_array(), job.layout())
+
+    def run_pipelined(self, jobs: list[Job]) -> list[Any]:
+        """Several jobs (different slot groups) in flight at once, one per stage at each tick."""
+        stages = self.model.stages
+        layouts = [j.layout() for j in jobs]
+        hidden: list[Any] = [None] * len(jobs)
+        where: list[Device | None] = [None] * len(jobs)
+
+        def work(s: int, w: int) -> None:
+            stage = stages[s]
+            with self._stream(stage.device):
+                h = (
+                    stage.embed(jobs[w].token_array())
+                    if s == 0
+                    else transfer(hidden[w], where[w], stage.device)
+                )
+                hidden[w] = stage.forward(h, layouts[w])
+                where[w] = stage.device
+                if stage.device.is_cuda:
+                    cupy_module().cuda.get_current_stream().synchronize()
+
+        for tick in range(len(jobs) + len(stages) - 1):
+            pairs = [(s, tick - s) for s in range(len(stages)) if 0 <= tick - s < len(jobs)]
+            if self._pool is None:
+                for s, w in reversed(pairs):
+                    work(s, w)
+            else:
+                for f in [self._pool.submit(work, s, w) for s, w in pairs]:
+                    f.result()
+        return [self.model.last.final_norm(h) for h in hidden]
+
+    def _stream(self, device: Device) -> Any:
+        """The device's own stream (GPUs), or a null context (CPU devices)."""
+        if not device.is_cuda:
+            import contextlib
+
+            return contextlib.nullcontext()
+        with self._lock:
+            if device not in self._streams:
+                with device.use():
+                    self._streams[device] = cupy_module().cuda.Stream(non_blocking=True)
+        return self._streams[device]
+
+    # ---- deciding a finished window ---------------------------------------------------------------
+
+    def finish(self, job: Job, normed: Any) -> list[tuple[Slot, TokenEvent]]:
+        """Verify and commit every slot's rows; return the events to send."""
+        last = self.model.last
+        logits = self.model.logits(normed)  # [R, V] fp32 on the last device
+        with last.device.use():
+            argmax = last.device.to_host(last.device.xp.argmax(logits, axis=-1))  # [R]
+        host_logits = None
+        if any(not e.slot.sampler.greedy for e in job.entries):
+            host_logits = last.device.to_host(logits)  # [R, V]
+        events = []
+        row = 0
+        for e in job.entries:
+            n, slot = len(e.tokens), e.slot
+            rows = slice(row, row + n)
+            target = argmax[rows] if slot.sampler.greedy else host_logits[rows]  # type: ignore[index]
+            if e.kind == "prefill":
+                events += self._finish_prefill(slot, n, target, normed[rows])
+            else:
+                verdict = verify(target, e.proposals, slot.sampler)
+                kept = verdict.accepted + 1
+                commit(self.model, slot.id, slot.length, kept, normed[rows], verdict.tokens, self.tracked)
+                slot.length += kept
+                slot.token = verdict.tokens[-1]
+                slot.handle.proposals += len(e.proposals.tokens)
+                events.append((slot, slot.emit(verdict.tokens, verdict.accepted)))
+            row += n
+        return events
+
+    def _finish_prefill(self, slot: Slot, n: int, target: Any, normed: Any) -> list[tuple[Slot, TokenEvent]]:
+        p, prompt = slot.prefilled, slot.prompt
+        done = p + n == len(prompt)
+        if done:
+            if slot.sampler.greedy:
+                first = int(target[-1])
+            else:
+                first = slot.sampler.draw(distribution(target[-1:], slot.sampler.params)[0])
+            following = [*prompt[p + 1 : p + n], first]
+        else:
+            following = list(prompt[p + 1 : p + n + 1])
+        commit(self.model, slot.id, slot.length, n, normed, following, self.tracked)
+        slot.length += n
+        slot.prefilled += n
+        if not done:
+            return []
+        slot.token = first
+        return [(slot, slot.emit([first], 0))]

@@ -1,0 +1,77 @@
+"""A slot: one request's decode state, and how its new tokens become `TokenEvent`s.
+
+A slot reads its prompt in prefill chunks, then decodes. Its KV length on every stage (and in its drafter)
+is ``length``; ``token`` is the next input, at position ``length``, not yet read by the model. Tokens are
+emitted through `Slot.emit`, which applies stop tokens, stop strings and max tokens, and sends only text
+that decodes completely.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .api import FinishReason, RequestHandle, TokenEvent
+from .sampling import Sampler
+
+
+@dataclass
+class Slot:
+    id: int
+    handle: RequestHandle
+    sampler: Sampler
+    stop_ids: frozenset[int]
+    tokenizer: Any
+    admitted_at: int
+    """The engine's admission counter when this request got the slot (oldest prefill goes first)."""
+    prefilled: int = 0
+    length: int = 0
+    token: int | None = None
+    generated: list[int] = field(default_factory=list)
+    sent_text: str = ""
+    finished: FinishReason | None = None
+
+    @property
+    def prompt(self) -> tuple[int, ...]:
+        return self.handle.request.prompt_ids
+
+    @property
+    def decoding(self) -> bool:
+        return self.token is not None and self.finished is None
+
+    @property
+    def prefilling(self) -> bool:
+        return self.token is None and self.finished is None
+
+    def emit(self, tokens: list[int], accepted: int) -> TokenEvent:
+        """Record a window's new tokens for this request and return the event to send.
+
+        Tokens after a stop token or past max tokens are dropped; the stop token itself is not emitted.
+        """
+        req = self.handle.request
+        kept: list[int] = []
+        for t in tokens:
+            if t in self.stop_ids:
+                self.finished = "stop"
+                break
+            kept.append(t)
+            if len(self.generated) + len(kept) >= req.max_tokens:
+                self.finished = "length"
+                break
+        self.generated.extend(kept)
+        self.handle.completion_tokens = len(self.generated)
+        self.handle.accepted_proposals += accepted
+        text = self.tokenizer.decode(self.generated)
+        for stop in req.stop_strings:
+            cut = text.find(stop)
+            if stop and cut >= 0:
+                text, self.finished = text[:cut], "stop"
+        if self.finished is None and text.endswith("\ufffd"):
+            text = text.rstrip("\ufffd")  # an incomplete UTF-8 sequence: wait for its next bytes
+        new = text[len(self.sent_text) :] if text.startswith(self.sent_text) else ""
+        self.sent_text += new
+        return TokenEvent(tuple(kept), new, self.finished, accepted)
+
+    def finish(self, reason: FinishReason, error: str | None = None) -> TokenEvent:
+        self.finished = reason
+        return TokenEvent((), "", reason, 0, error)
