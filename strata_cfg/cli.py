@@ -19,6 +19,14 @@ from typing import Protocol, cast
 from . import __version__
 
 COMMANDS: dict[str, tuple[str, str]] = {
+    "check": ("strata_cfg.commands.check", "validate and resolve profiles, reporting every problem"),
+    "plan": ("strata_cfg.commands.plan", "show what a profile resolves to: stages, batch, VRAM, decisions"),
+    "explain": (
+        "strata_cfg.commands.explain",
+        "one resolved key: its value, where it came from, which rules",
+    ),
+    "diff": ("strata_cfg.commands.diff", "what changes in the plan between two profiles or with --set"),
+    "rules": ("strata_cfg.commands.rules", "list every resolution rule with its id and severity"),
     "schema": ("strata_cfg.commands.schema", "print the profile JSON Schema (for editors)"),
     "serve": ("strata_cfg.commands.serve", "run the engine's HTTP server from a plan file, unsupervised"),
     "stop": ("strata_cfg.commands.stop", "stop an engine started by `strata launch` (default: the latest)"),
