@@ -146,8 +146,9 @@ Progress = Callable[[str, int], ProgressBar | None]
 """Makes a progress bar for (label, total bytes), or None for no bar."""
 
 
-def stderr_progress(label: str, total: int) -> ProgressBar:
-    return ProgressBar(label, total)
+def stderr_progress(label: str, total: int) -> ProgressBar | None:
+    """A bar on stderr when it is a terminal (a redrawn line makes no sense in a log file)."""
+    return ProgressBar(label, total) if sys.stderr.isatty() else None
 
 
 def load_tensors(

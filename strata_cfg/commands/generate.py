@@ -1,0 +1,88 @@
+"""`strata generate (PROFILE | --model DIR) ...`: resolve, then run one request in the engine process.
+
+The profile is resolved here (with ``--set`` overrides), written as a plan, and handed to
+``python -m strata_runtime generate``, which replaces this process. ``--model DIR`` resolves a minimal
+profile for a model directory: the GPUs nvidia-smi finds, or one virtual CPU device when there is none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+from ..pipeline import resolve_text
+from ..runner import exec_runtime
+from ..schema.errors import ProfileError
+from ._common import EXIT_USAGE, add_resolve_options, refused, resolve_args
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "profile", nargs="?", default=None, help="profile TOML file (default: the demo profile)"
+    )
+    parser.add_argument("--model", type=Path, help="a model directory instead of a profile")
+    add_resolve_options(parser)
+    what = parser.add_mutually_exclusive_group()
+    what.add_argument("--prompt", help="prompt text")
+    what.add_argument("--prompt-ids", help="prompt token ids, comma-separated (1,2,3)")
+    parser.add_argument("--chat", action="store_true", help="wrap --prompt in the model's chat template")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    parser.add_argument("--top-p", type=float)
+    parser.add_argument("--top-k", type=int)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    parser.add_argument("--json", action="store_true", help="print token_ids, text and accepted_proposals")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar, start-up log or summary")
+
+
+def model_profile_text(directory: Path) -> str:
+    """A one-shot profile for a model directory on this machine."""
+    cpu = '{ name = "virtual CPU device", vram_mib = 262144, bandwidth_gbs = 20 }'
+    machine = "probe = true" if shutil.which("nvidia-smi") else f'backend = "cpu"\ngpus = [{cpu}]'
+
+    name = json.dumps(directory.resolve().name or "model")
+    return (
+        f"name = {name}\n\n[machine]\n{machine}\n\n[model]\npath = {json.dumps(str(directory.resolve()))}\n"
+    )
+
+
+def runtime_args(args: argparse.Namespace) -> list[str]:
+    """The runtime command's own options, passed through."""
+    out = [
+        "--max-tokens",
+        str(args.max_tokens),
+        "--temperature",
+        str(args.temperature),
+        "--seed",
+        str(args.seed),
+    ]
+    if args.prompt_ids is not None:
+        out += ["--prompt-ids", args.prompt_ids]
+    elif args.prompt is not None:
+        out += ["--prompt", args.prompt]
+    for flag, value in (("--top-p", args.top_p), ("--top-k", args.top_k)):
+        if value is not None:
+            out += [flag, str(value)]
+    for s in args.stop:
+        out += ["--stop", s]
+    out += [
+        flag for flag, on in (("--chat", args.chat), ("--json", args.json), ("--quiet", args.quiet)) if on
+    ]
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.model is not None and args.profile is not None:
+        print("strata generate: give a PROFILE or --model DIR, not both")
+        return EXIT_USAGE
+    try:
+        if args.model is not None:
+            plan = resolve_text(model_profile_text(args.model), None, args.sets, strict=args.strict).plan
+        else:
+            plan = resolve_args(args).plan
+    except ProfileError as exc:
+        return refused(exc, as_json=args.json)
+    exec_runtime("generate", plan, runtime_args(args))

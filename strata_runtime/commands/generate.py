@@ -1,0 +1,109 @@
+"""`python -m strata_runtime generate --plan plan.json`: one request, printed as text or JSON.
+
+Text mode streams the reply to stdout as it is accepted, and ends with a summary line on stderr (windows,
+proposals accepted). ``--json`` prints one object with ``token_ids``, ``text`` and ``accepted_proposals``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+from strata_cfg.schema.plan import LaunchPlan
+
+from ..api import Request, SamplingParams
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--plan", required=True, type=Path, help="a resolved plan (strata plan --json)")
+    what = parser.add_mutually_exclusive_group()
+    what.add_argument("--prompt", default="Hello", help="prompt text (default: Hello)")
+    what.add_argument("--prompt-ids", help="prompt token ids, comma-separated (1,2,3)")
+    parser.add_argument("--chat", action="store_true", help="wrap --prompt in the model's chat template")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar, start-up log or summary")
+
+
+def load_plan(path: Path) -> LaunchPlan:
+    return LaunchPlan.model_validate_json(path.read_text(encoding="utf-8"))
+
+
+def parse_ids(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(t) for t in text.replace(" ", "").split(",") if t)
+    except ValueError:
+        raise SystemExit(f"--prompt-ids: expected comma-separated integers, got {text!r}") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..engine import Engine
+    from ..loader import stderr_progress
+    from ..model import PlanMismatch
+
+    if not args.quiet:
+        logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    try:
+        engine = Engine(load_plan(args.plan), progress=None if args.quiet else stderr_progress)
+    except (PlanMismatch, OSError, ValueError, RuntimeError) as exc:
+        print(f"strata_runtime generate: {exc}", file=sys.stderr)
+        return 1
+    tok = engine.tokenizer
+    if args.prompt_ids is not None:
+        prompt = parse_ids(args.prompt_ids)
+    elif args.chat:
+        prompt = tuple(tok.apply_chat_template([{"role": "user", "content": args.prompt}]))
+    else:
+        prompt = tuple(tok.encode(args.prompt))
+    sampling = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
+    )
+    handle = engine.submit(Request(prompt, args.max_tokens, sampling, stop_strings=tuple(args.stop)))
+    t0 = time.perf_counter()
+    ids: list[int] = []
+    text, finish, error = "", None, None
+    while finish is None:
+        engine.step()
+        while not handle.events.empty():
+            ev = handle.events.get()
+            ids += ev.token_ids
+            text += ev.text
+            if not args.json:
+                sys.stdout.write(ev.text)
+                sys.stdout.flush()
+            finish, error = ev.finished or finish, ev.error or error
+    seconds = time.perf_counter() - t0
+    if args.json:
+        out = {
+            "token_ids": ids,
+            "text": text,
+            "accepted_proposals": handle.accepted_proposals,
+            "proposals": handle.proposals,
+            "prompt_tokens": len(prompt),
+            "finish_reason": finish,
+            "error": error,
+            "seconds": round(seconds, 4),
+            "summary": engine.summary(),
+        }
+        print(json.dumps(out))
+    else:
+        print()
+        if not args.quiet:
+            rate = len(ids) / seconds if seconds else 0.0
+            print(
+                f"{engine.summary()}; {len(ids)} tokens in {seconds:.2f} s ({rate:.1f} tok/s)",
+                file=sys.stderr,
+            )
+    if error:
+        print(f"strata_runtime generate: {error}", file=sys.stderr)
+        return 1
+    return 0
