@@ -120,12 +120,14 @@ class WindowStat:
 class Engine:
     """Executes a `LaunchPlan`; see the module docstring for the schedule."""
 
-    def __init__(self, plan: LaunchPlan, progress: Progress | None = None) -> None:
+    def __init__(
+        self, plan: LaunchPlan, progress: Progress | None = None, weights: dict[Any, Any] | None = None
+    ) -> None:
         problems = refusals(plan)
         if problems:
             raise PlanMismatch("this runtime cannot run the plan as written:\n  " + "\n  ".join(problems))
         self.plan = plan
-        self.model = Model.from_plan(plan, progress)
+        self.model = Model.from_plan(plan, progress, weights)
         self.tokenizer = self.model.tokenizer
         self.n_slots = max(plan.batch.slots, 1)
         self.slots: list[Slot | None] = [None] * self.n_slots

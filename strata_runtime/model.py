@@ -80,7 +80,11 @@ class Model:
         return self.stages[-1]
 
     @classmethod
-    def from_plan(cls, plan: LaunchPlan, progress: Progress | None = None) -> Model:
+    def from_plan(
+        cls, plan: LaunchPlan, progress: Progress | None = None, weights: dict[Any, Any] | None = None
+    ) -> Model:
+        """Build the plan's model. ``weights`` (optional) shares tensors between models of the same stage
+        layout, so that benchmark arms of one profile hold one copy of the weights."""
         devices = [Device.parse(s.device) for s in plan.stages]
         for d in dict.fromkeys(devices):
             d.check()
@@ -107,11 +111,24 @@ class Model:
             dtype, kv_dtype = compute_dtypes(plan, device)
             shapes = stage_shapes(args, sp.layers, first=first, last=last, mtp=last and drafting)
             label = f"stage {sp.index} on {device}"
-            if synth is not None:
+            key = (
+                plan.model.model_dump_json(),
+                str(device),
+                sp.layers,
+                first,
+                last,
+                str(np.dtype(dtype)),
+                tuple(shapes),
+            )
+            if weights is not None and key in weights:
+                tensors = weights[key]
+            elif synth is not None:
                 tensors = synth.load(shapes, device, dtype, progress, label)
             else:
                 assert ckpt is not None
                 tensors = load_tensors(ckpt, shapes, device, dtype, progress, label)
+            if weights is not None:
+                weights[key] = tensors
             stages.append(
                 Stage(
                     sp.index,

@@ -1,0 +1,101 @@
+"""`strata bench PROFILE --workload W [--arms ...]`: the BENCH.md harness over arms of one profile.
+
+Each arm is the profile plus ``--set`` overrides, resolved here like any profile. An arm the resolver
+refuses is reported and skipped; an arm a rule changed (so it does not run what its name says) is run and
+reported as forced, with the rule's sentence. The plans go to ``python -m strata_runtime bench``, which runs
+the arms interleaved in one engine process and prints the table (or ``--json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from ..runner import write_plan
+from ..schema.errors import ProfileError
+from ..schema.plan import LaunchPlan
+from ._common import EXIT_REFUSED, EXIT_USAGE, add_profile_argument, add_resolve_options, resolve_args
+
+WORKLOADS = ("two-decodes", "clients", "read-beside-decode", "solo")
+ARMS: dict[str, tuple[tuple[str, Any], ...]] = {
+    "serial": (("batch.groups", 1), ("batch.mtp", False)),
+    "pipelined": (("batch.groups", "auto"), ("batch.mtp", False)),
+    "batch-mtp": (("batch.groups", 1), ("batch.mtp", True)),
+    "solo": (("batch.slots", 1), ("batch.mtp", False)),
+}
+"""Each arm as ``--set`` overrides of the profile."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_profile_argument(parser)
+    add_resolve_options(parser)
+    parser.add_argument("--workload", choices=WORKLOADS, default="two-decodes")
+    parser.add_argument(
+        "--arms", default=",".join(ARMS), help=f"comma-separated arms (default: all of {', '.join(ARMS)})"
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats per arm (default 3)")
+    parser.add_argument("--tokens", type=int, default=300, help="tokens per request (default 300)")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument(
+        "--run-dir", type=Path, help="where the arms' plans are written (default: a temp dir)"
+    )
+
+
+def arm_runs_as_named(name: str, plan: LaunchPlan) -> bool:
+    """Whether the resolved plan really is the arm its name says."""
+    b = plan.batch
+    return {
+        "serial": b.groups == 1 and not b.mtp,
+        "pipelined": b.groups > 1,
+        "batch-mtp": b.mtp,
+        "solo": b.slots <= 1,
+    }[name]
+
+
+def arm_note(name: str, plan: LaunchPlan) -> str | None:
+    """Why an arm does not run as named, from the decisions that changed what it asked for."""
+    if arm_runs_as_named(name, plan):
+        return None
+    keys = {k for k, _ in ARMS[name]}
+    why = [d.message for d in plan.decisions if d.key in keys and d.severity != "note" or d.requested]
+    b = plan.batch
+    runs = f"{b.mode}, {b.groups} group(s), batch MTP {'on' if b.mtp else 'off'}"
+    return f"forced: runs as {runs}" + (f" ({'; '.join(why)})" if why else "")
+
+
+def run(args: argparse.Namespace) -> int:
+    names = [a.strip() for a in args.arms.split(",") if a.strip()]
+    unknown = [a for a in names if a not in ARMS]
+    if unknown or not names:
+        print(f"strata bench: unknown arm(s) {unknown}; known: {', '.join(ARMS)}", file=sys.stderr)
+        return EXIT_USAGE
+    base_sets = list(args.sets)
+    run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="strata-bench-"))
+    argv = [sys.executable, "-m", "strata_runtime", "bench", "--workload", args.workload]
+    argv += ["--repeats", str(args.repeats), "--tokens", str(args.tokens)]
+    ran = 0
+    for name in names:
+        args.sets = [*base_sets, *ARMS[name]]
+        try:
+            plan = resolve_args(args).plan
+        except ProfileError as exc:
+            print(f"strata bench: arm {name} refused:", file=sys.stderr)
+            for p in exc.problems:
+                print(f"  {p}", file=sys.stderr)
+            continue
+        path = write_plan(plan, run_dir / f"{name}.json")
+        argv += ["--arm", f"{name}={path}"]
+        note = arm_note(name, plan)
+        if note:
+            print(f"strata bench: arm {name} {note}", file=sys.stderr)
+            argv += ["--note", f"{name}={note}"]
+        ran += 1
+    if not ran:
+        return EXIT_REFUSED
+    if args.json:
+        argv.append("--json")
+    return subprocess.run(argv, check=False).returncode
