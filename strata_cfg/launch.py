@@ -361,6 +361,8 @@ class Supervisor:
         self.url = base_url(plan.serve)
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
+        self.ready_s: float | None = None
+        """Seconds the first start took to become ready."""
         self._log_offset = 0
         self._stop_signal: int | None = None
 
@@ -446,11 +448,13 @@ class Supervisor:
     def run(self, on_ready: Callable[[], None] | None = None) -> int:
         """Start, wait until ready, supervise; return the exit code (0 after a requested stop)."""
         with self._signals(), self._pid_file():
+            started = time.monotonic()
             proc = self.start()
             self.say(f"starting the engine (pid {proc.pid}), log in {self.run_dir.engine_log}")
             outcome = self.wait_ready(proc)
             if outcome != "ready":
                 return self._failed_start(proc, outcome)
+            self.ready_s = time.monotonic() - started
             if on_ready is not None:
                 on_ready()
             return self._supervise(proc)

@@ -197,9 +197,18 @@ def test_metrics_exposition_counts_and_buckets():
         counters.latency.observe(s)
     counters.requests["chat", "ok"] += 3
     counters.requests["completions", "client_error"] += 2
-    text = metrics.render(
-        counters, {"windows": 17, "queue_depth": 2, "mode": "serial"}, ready=True, in_flight=4
-    )
+    windows, accepted = rng.randrange(1, 1000), rng.randrange(1, 500)
+    stats = {
+        "plan": {"mode": "serial"},
+        "queue": 2,
+        "slots": [
+            {"slot": 0, "state": "decode"},
+            {"slot": 1, "state": "free"},
+            {"slot": 2, "state": "prefill"},
+        ],
+        "totals": {"windows": windows, "accepted": accepted, "ms": 1500.0},
+    }
+    text = metrics.render(counters, stats, ready=True, in_flight=4)
     values: dict[str, float] = {}
     for line in text.splitlines():
         if not line.startswith("#"):
@@ -207,13 +216,17 @@ def test_metrics_exposition_counts_and_buckets():
             values[name] = float(value)
     assert values['strata_requests_total{endpoint="chat",outcome="ok"}'] == 3
     assert values['strata_requests_total{endpoint="completions",outcome="client_error"}'] == 2
-    assert values["strata_windows_total"] == 17
+    assert values["strata_windows_total"] == windows
+    assert values["strata_proposals_accepted_total"] == accepted
+    assert values["strata_window_seconds_total"] == 1.5
     assert values["strata_queue_depth"] == 2
+    assert values["strata_slots"] == 3
+    assert values["strata_slots_busy"] == 2
+    assert values['strata_slots_by_state{state="prefill"}'] == 1
     assert values["strata_requests_in_flight"] == 4
     assert values['strata_request_seconds_bucket{le="+Inf"}'] == len(latencies)
     for bound in metrics.LATENCY_BUCKETS_S:
         expected = sum(1 for s in latencies if s <= bound)
         assert values[f'strata_request_seconds_bucket{{le="{float(bound)!r}"}}'] == expected
     assert math.isclose(values["strata_request_seconds_sum"], sum(latencies))
-    assert "strata_engine_mode" not in text  # non-numeric statistics are not metrics
     assert "# TYPE strata_windows_total counter" in text

@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from aiohttp import web
+from aiohttp import web, web_log
 
 from strata_cfg.schema.plan import LaunchPlan
 
@@ -33,6 +33,14 @@ OPEN_PATHS = frozenset({"/health"})
 """Paths answered without the API key, so a supervisor or load balancer can probe readiness."""
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class _AccessLog(web_log.AccessLogger):
+    """The access log without the probes (``/health`` is polled while loading, ``/metrics`` is scraped)."""
+
+    def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
+        if request.path not in ("/health", "/metrics"):
+            super().log(request, response, time)
 
 
 @dataclass
@@ -124,7 +132,8 @@ class Server:
             if self.draining:
                 raise p.ApiError(503, "the server is shutting down", type_="server_error")
             if engine is None or engine.state == "loading":
-                done = f" ({engine.fraction:.0%})" if engine and engine.fraction is not None else ""
+                frac = engine.loading.fraction if engine else None
+                done = f" ({engine.loading.progress} {frac:.0%})" if engine and frac is not None else ""
                 raise p.ApiError(
                     503, f"the model is still loading{done}; retry shortly", type_="server_error"
                 )
@@ -144,8 +153,8 @@ class Server:
             return web.json_response({"status": "ok", "model": self.options.model_name})
         body: dict[str, Any] = {
             "status": engine.state,
-            "progress": engine.progress,
-            "fraction": engine.fraction,
+            "progress": engine.loading.progress,
+            "fraction": engine.loading.fraction,
         }
         if engine.error:
             body["error"] = engine.error
@@ -322,7 +331,13 @@ class Server:
     async def serve(self) -> int:
         """Bind, load the engine, serve until SIGTERM / SIGINT or an engine failure; return the exit code."""
         loop = asyncio.get_running_loop()
-        runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=log)
+        runner = web.AppRunner(
+            self.app(),
+            handler_cancellation=True,
+            access_log=log,
+            access_log_class=_AccessLog,
+            access_log_format='%a "%r" %s %b %Tfs',
+        )
         await runner.setup()
         site = web.TCPSite(runner, self.options.host, self.options.port, shutdown_timeout=2.0)
         try:

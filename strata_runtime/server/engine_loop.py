@@ -22,8 +22,7 @@ from ..api import EngineCore, Request, RequestHandle, TokenEvent
 log = logging.getLogger("strata.serve")
 
 LoadState = Literal["loading", "ready", "failed", "stopped"]
-ProgressFn = Callable[..., None]
-EngineFactory = Callable[[ProgressFn], EngineCore]
+EngineFactory = Callable[["LoadProgress"], EngineCore]
 
 IDLE_WAIT_S = 0.25
 """How long the idle engine thread sleeps between looks at its queue (`submit` and `cancel` wake it)."""
@@ -68,6 +67,39 @@ class Stream:
         self._owner.forget(self)
 
 
+class _Bar:
+    """One loading step (a label and its byte total), as the engine's loader reports it."""
+
+    def __init__(self, owner: LoadProgress, label: str, total: int) -> None:
+        self._owner, self.label, self.total, self.done = owner, label, max(total, 1), 0
+        self._logged = -1
+
+    def advance(self, n: int) -> None:
+        self.done += n
+        fraction = min(self.done / self.total, 1.0)
+        self._owner.progress, self._owner.fraction = self.label, fraction
+        tenth = int(fraction * 10)
+        if tenth != self._logged:  # the log gets a line per 10%, not one per tensor
+            self._logged = tenth
+            log.info("loading: %s %3.0f%% of %.1f MB", self.label, 100 * fraction, self.total / 1e6)
+
+    def close(self) -> None:
+        self._owner.progress, self._owner.fraction = f"{self.label}: done", 1.0
+
+
+class LoadProgress:
+    """The engine's progress callback (``Engine(plan, progress=...)``): it makes one bar per loading step
+    and keeps the latest label and fraction for ``/health``."""
+
+    def __init__(self) -> None:
+        self.progress = "starting"
+        self.fraction: float | None = None
+
+    def __call__(self, label: str, total: int) -> _Bar:
+        self.progress, self.fraction = label, 0.0
+        return _Bar(self, label, total)
+
+
 class EngineLoop:
     """Owns the engine thread: load, step loop, progress, failure, and stop."""
 
@@ -76,8 +108,7 @@ class EngineLoop:
         self._loop = loop
         self.engine: EngineCore | None = None
         self.state: LoadState = "loading"
-        self.progress: str = "starting"
-        self.fraction: float | None = None
+        self.loading = LoadProgress()
         self.error: str | None = None
         self.load_seconds: float | None = None
         self.stats: dict[str, Any] = {}
@@ -127,16 +158,10 @@ class EngineLoop:
 
     # ---- engine thread -------------------------------------------------------------------------------------
 
-    def _on_progress(self, message: Any = None, fraction: float | None = None, *_: Any, **__: Any) -> None:
-        self.progress = str(message) if message is not None else self.progress
-        self.fraction = fraction
-        done = f" {fraction:.0%}" if fraction is not None else ""
-        log.info("loading%s: %s", done, self.progress)
-
     def _run(self) -> None:
         started = time.monotonic()
         try:
-            self.engine = self._factory(self._on_progress)
+            self.engine = self._factory(self.loading)
             self.stats = self.engine.stats()
         except BaseException as exc:  # a load failure of any kind must reach the server, not kill the thread
             self._fail("the engine failed to load", exc)

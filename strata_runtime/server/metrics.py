@@ -43,18 +43,44 @@ class ServerCounters:
     """Seconds from a request's arrival to its last token, for requests that completed."""
 
 
-ENGINE_METRICS: dict[str, tuple[str, str, str]] = {
-    # engine stats key: (metric name, type, help)
-    "windows": ("strata_windows_total", "counter", "Windows run through all stages."),
-    "rows": ("strata_window_rows_total", "counter", "Rows run in all windows."),
-    "tokens": ("strata_engine_tokens_total", "counter", "Tokens the engine emitted."),
-    "proposals": ("strata_proposals_total", "counter", "MTP proposals drafted."),
-    "accepted_proposals": ("strata_proposals_accepted_total", "counter", "MTP proposals accepted."),
-    "queue_depth": ("strata_queue_depth", "gauge", "Requests waiting for a free slot."),
-    "slots_busy": ("strata_slots_busy", "gauge", "Slots serving a request."),
-    "slots_total": ("strata_slots", "gauge", "Slots the plan provides."),
+TOTALS: dict[str, tuple[str, str, float]] = {
+    # the engine's stats()["totals"] key: (metric, help, scale)
+    "windows": ("strata_windows_total", "Windows run through all stages.", 1),
+    "rows": ("strata_window_rows_total", "Rows run in all windows.", 1),
+    "tokens": ("strata_tokens_total", "Tokens the engine accepted, for every request.", 1),
+    "proposals": ("strata_proposals_total", "MTP proposals drafted.", 1),
+    "accepted": ("strata_proposals_accepted_total", "MTP proposals accepted.", 1),
+    "ms": ("strata_window_seconds_total", "Time spent running windows.", 1e-3),
 }
-"""Engine statistics exported under stable names; any other numeric key becomes ``strata_engine_<key>``."""
+"""Engine counters, exported under stable names."""
+
+
+def engine_lines(stats: dict[str, Any]) -> list[str]:
+    """Metrics from the engine's `stats()`: its totals, the queue, and the slots by state."""
+    out: list[str] = []
+    totals = stats.get("totals") or {}
+    for key, (name, help_, scale) in TOTALS.items():
+        if isinstance(totals.get(key), int | float):
+            out += _head(name, "counter", help_)
+            value = totals[key] * scale if scale != 1 else totals[key]
+            out.append(_line(name, value))
+    if isinstance(stats.get("queue"), int):
+        out += _head("strata_queue_depth", "gauge", "Requests waiting for a free slot.")
+        out.append(_line("strata_queue_depth", stats["queue"]))
+    slots = stats.get("slots")
+    if isinstance(slots, list):
+        states = Counter(str(s.get("state", "?")) for s in slots)
+        out += _head("strata_slots", "gauge", "Slots the plan provides.")
+        out.append(_line("strata_slots", len(slots)))
+        out += _head("strata_slots_busy", "gauge", "Slots serving a request (prefilling or decoding).")
+        out.append(_line("strata_slots_busy", len(slots) - states.get("free", 0)))
+        out += _head("strata_slots_by_state", "gauge", "Slots by state: free, prefill, decode.")
+        for state in sorted({"free", "prefill", "decode", *states}):
+            out.append(_line("strata_slots_by_state", states.get(state, 0), {"state": state}))
+    if isinstance(stats.get("acceptance"), int | float):
+        out += _head("strata_acceptance_ratio", "gauge", "Accepted over drafted proposals since start.")
+        out.append(_line("strata_acceptance_ratio", stats["acceptance"]))
+    return out
 
 
 def _line(name: str, value: float, labels: dict[str, str] | None = None) -> str:
@@ -112,12 +138,5 @@ def render(counters: ServerCounters, engine_stats: dict[str, Any], *, ready: boo
     out.append(_line("strata_request_seconds_sum", h.total))
     out.append(_line("strata_request_seconds_count", h.n))
 
-    for key, value in sorted(engine_stats.items()):
-        if not isinstance(value, int | float):
-            continue
-        name, kind, help_ = ENGINE_METRICS.get(
-            key, (f"strata_engine_{key}", "gauge", f"Engine statistic `{key}`.")
-        )
-        out += _head(name, kind, help_)
-        out.append(_line(name, value))
+    out += engine_lines(engine_stats)
     return "\n".join(out) + "\n"

@@ -1,0 +1,327 @@
+"""The real `openai` client against the demo engine started by `strata launch profiles/demo.toml` (CPU).
+
+One engine serves the whole module (with an API key, so every test also proves the key works); the last two
+tests kill its engine process (the launcher must restart it) and then stop the launcher (everything must
+exit cleanly). Tests run in file order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import signal
+import threading
+import time
+
+import openai
+import pytest
+from srv_helpers import Launched, alive, get_json, http, launch, strata, wait_for
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Launched:
+    launched = launch(tmp_path_factory.mktemp("srv"), key=secrets.token_urlsafe(16))
+    yield launched
+    launched.stop()
+
+
+@pytest.fixture(scope="module")
+def client(engine: Launched) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{engine.url}/v1", api_key=engine.key, max_retries=0, timeout=60)
+
+
+def _prompt() -> str:
+    return f"Once upon a time {secrets.token_hex(4)}"
+
+
+def _metrics(engine: Launched) -> dict[str, float]:
+    status, body = http("GET", f"{engine.url}/metrics", headers={"Authorization": f"Bearer {engine.key}"})
+    assert status == 200
+    out = {}
+    for line in body.decode().splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def _busy_slots(engine: Launched) -> int:
+    slots = get_json(f"{engine.url}/v1/status", engine.key)["engine"]["slots"]
+    return sum(1 for s in slots if s["state"] != "free")
+
+
+def test_completion_chat_and_streaming(client: openai.OpenAI):
+    prompt = _prompt()
+    whole = client.completions.create(model="demo", prompt=prompt, max_tokens=24, temperature=0)
+    text = whole.choices[0].text
+    assert whole.usage.completion_tokens == 24 and whole.choices[0].finish_reason == "length"
+    assert whole.usage.prompt_tokens == len(prompt.encode())  # the demo model's tokenizer is byte-level
+    assert text
+
+    chunks = list(
+        client.completions.create(model="demo", prompt=prompt, max_tokens=24, temperature=0, stream=True)
+    )
+    assert "".join(c.choices[0].text for c in chunks) == text  # greedy: streaming changes nothing
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+    # A stop string taken from the greedy text ends the reply just before it.
+    cut = len(text) // 2
+    stop = text[cut : cut + 2]
+    stopped = client.completions.create(
+        model="demo", prompt=prompt, max_tokens=24, temperature=0, stop=[stop]
+    )
+    assert stopped.choices[0].text == text[: text.index(stop)]
+    assert stopped.choices[0].finish_reason == "stop"
+
+    messages = [{"role": "user", "content": _prompt()}]
+    chat = client.chat.completions.create(model="demo", messages=messages, max_tokens=16, temperature=0)
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.usage.completion_tokens == 16
+    stream = client.chat.completions.create(
+        model="demo",
+        messages=messages,
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    parts = list(stream)
+    assert (
+        "".join(p.choices[0].delta.content or "" for p in parts if p.choices)
+        == chat.choices[0].message.content
+    )
+    assert (
+        parts[-1].usage.completion_tokens == 16 and parts[-1].usage.prompt_tokens == chat.usage.prompt_tokens
+    )
+
+
+def test_seeded_sampling_is_reproducible(client: openai.OpenAI):
+    prompt, seed = _prompt(), secrets.randbelow(2**31) + 1
+    texts = [
+        client.completions.create(
+            model="demo", prompt=prompt, max_tokens=20, temperature=0.9, top_p=0.95, seed=seed
+        )
+        .choices[0]
+        .text
+        for _ in range(2)
+    ]
+    assert texts[0] == texts[1]
+
+
+def test_models_and_status_show_the_plan(engine: Launched, client: openai.OpenAI):
+    plan = json.loads((engine.run_dir / "plan.json").read_text())
+    models = client.models.list().data
+    assert [m.id for m in models] == [plan["serve"]["model_name"]]
+    status = get_json(f"{engine.url}/v1/status", engine.key)
+    assert status["state"] == "ready"
+    assert status["plan"] == plan
+    assert status["decisions"] == plan["decisions"]
+    assert len(status["engine"]["slots"]) == plan["batch"]["slots"]
+
+
+def test_three_times_more_clients_than_slots_all_complete_whole(engine: Launched, client: openai.OpenAI):
+    slots = len(get_json(f"{engine.url}/v1/status", engine.key)["engine"]["slots"])
+    n = 3 * slots
+    prompts = [_prompt() for _ in range(n)]
+    results: dict[int, openai.types.Completion] = {}
+    start = threading.Barrier(n)
+
+    def one(i: int) -> None:
+        start.wait()
+        results[i] = client.completions.create(model="demo", prompt=prompts[i], max_tokens=48, temperature=0)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(results) == list(range(n))
+    for i, r in results.items():
+        assert r.usage.completion_tokens == 48 and r.choices[0].finish_reason == "length"
+        # Nothing lost or mixed up: each reply equals the same request served alone.
+        alone = client.completions.create(model="demo", prompt=prompts[i], max_tokens=48, temperature=0)
+        assert r.choices[0].text == alone.choices[0].text
+
+
+def test_a_client_that_disconnects_frees_its_slot(engine: Launched, client: openai.OpenAI):
+    before = _metrics(engine)
+    stream = client.completions.create(
+        model="demo", prompt=_prompt(), max_tokens=900, temperature=0, stream=True
+    )
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    assert _busy_slots(engine) == 1
+    stream.close()
+    wait_for(lambda: _busy_slots(engine) == 0, 10, "the slot to be freed")
+    after = _metrics(engine)
+    assert after['strata_requests_total{endpoint="completions",outcome="cancelled"}'] == (
+        before.get('strata_requests_total{endpoint="completions",outcome="cancelled"}', 0) + 1
+    )
+    # The request stopped early: far fewer than its 900 tokens were made.
+    assert after["strata_tokens_total"] - before["strata_tokens_total"] < 600
+    # And the freed slot serves the next request.
+    r = client.completions.create(model="demo", prompt=_prompt(), max_tokens=5)
+    assert r.usage.completion_tokens == 5
+
+
+def test_metrics_count_what_was_served(engine: Launched, client: openai.OpenAI):
+    before = _metrics(engine)
+    n = 7 + secrets.randbelow(10)
+    client.completions.create(model="demo", prompt=_prompt(), max_tokens=n, temperature=0)
+    after = _metrics(engine)
+    ok = 'strata_requests_total{endpoint="completions",outcome="ok"}'
+    assert after[ok] == before[ok] + 1
+    assert after["strata_completion_tokens_total"] == before["strata_completion_tokens_total"] + n
+    assert after["strata_tokens_total"] >= before["strata_tokens_total"] + n
+    assert after["strata_windows_total"] > before["strata_windows_total"]
+    assert after["strata_slots"] == 2 and after["strata_slots_busy"] == 0 and after["strata_queue_depth"] == 0
+    assert after["strata_ready"] == 1
+
+
+def test_requests_without_the_key_get_401(engine: Launched):
+    wrong = openai.OpenAI(base_url=f"{engine.url}/v1", api_key=secrets.token_hex(8), max_retries=0)
+    with pytest.raises(openai.AuthenticationError, match="the API key is not valid"):
+        wrong.completions.create(model="demo", prompt="hi", max_tokens=2)
+    for path in ("/v1/models", "/metrics", "/v1/status"):
+        status, body = http("GET", f"{engine.url}{path}")
+        assert status == 401
+        assert "no API key given" in json.loads(body)["error"]["message"]
+    status, body = http("POST", f"{engine.url}/v1/completions", b"{}", {"Content-Type": "application/json"})
+    assert status == 401
+    assert http("GET", f"{engine.url}/health")[0] == 200  # open, for supervisors and load balancers
+
+
+BAD_INPUTS = [
+    # (path, content type, raw body, status, param, words in the message)
+    ("/v1/completions", "application/json", b'{"model": "demo", "prompt": ', 400, None, "not valid JSON"),
+    (
+        "/v1/completions",
+        "text/plain",
+        b'{"model": "demo", "prompt": "hi"}',
+        415,
+        "Content-Type",
+        "application/json",
+    ),
+    ("/v1/completions", "application/json", b'{"prompt": "hi"}', 400, "model", "`model` is required"),
+    ("/v1/completions", "application/json", b'{"model": "demo"}', 400, "prompt", "`prompt` is required"),
+    (
+        "/v1/chat/completions",
+        "application/json",
+        b'{"model": "demo"}',
+        400,
+        "messages",
+        "`messages` is required",
+    ),
+    (
+        "/v1/completions",
+        "application/json",
+        b'{"model": "demo", "prompt": "hi", "max_tokens": "many"}',
+        400,
+        "max_tokens",
+        "valid integer",
+    ),
+    (
+        "/v1/completions",
+        "application/json",
+        b'{"model": "demo", "prompt": "hi", "max_tokens": -5}',
+        400,
+        "max_tokens",
+        "greater than or equal to 1",
+    ),
+    (
+        "/v1/completions",
+        "application/json",
+        b'{"model": "demo", "prompt": "hi", "max_tokens": 100000000}',
+        400,
+        "max_tokens",
+        "the context is 1024 tokens",
+    ),
+    (
+        "/v1/completions",
+        "application/json",
+        json.dumps({"model": "demo", "prompt": "x" * 1100}).encode(),
+        400,
+        "prompt",
+        "the prompt is 1100 tokens, but the context is 1024 tokens",
+    ),
+    (
+        "/v1/completions",
+        "application/json",
+        b'{"model": "gpt-9", "prompt": "hi"}',
+        404,
+        "model",
+        "`gpt-9` does not exist",
+    ),
+    (
+        "/v1/completions",
+        "application/json",
+        b'{"model": "demo", "prompt": "hi", "n": 2}',
+        400,
+        "n",
+        "`n` must be 1",
+    ),
+    (
+        "/v1/chat/completions",
+        "application/json",
+        b'{"model": "demo", "messages": [{"role": "user", "content": 7}]}',
+        400,
+        "messages.0.content",
+        "a string or a list of text parts",
+    ),
+    ("/v1/nothing", "application/json", b"{}", 404, None, "no route POST /v1/nothing"),
+]
+
+
+@pytest.mark.parametrize(("path", "ctype", "raw", "status", "param", "words"), BAD_INPUTS)
+def test_bad_input_gets_a_4xx_naming_the_field_and_the_engine_keeps_serving(
+    engine: Launched, client: openai.OpenAI, path, ctype, raw, status, param, words
+):
+    headers = {"Content-Type": ctype, "Authorization": f"Bearer {engine.key}"}
+    got, body = http("POST", f"{engine.url}{path}", raw, headers)
+    assert got == status
+    error = json.loads(body)["error"]
+    assert words in error["message"]
+    assert error["param"] == param
+    assert "Traceback" not in body.decode()
+    r = client.completions.create(model="demo", prompt=_prompt(), max_tokens=4)
+    assert r.usage.completion_tokens == 4
+
+
+def test_loadtest_reports_requests_errors_and_latency(engine: Launched):
+    proc = strata(
+        *("loadtest", engine.url, "--clients", "4", "--seconds", "2", "--max-tokens", "16", "--json"),
+        *("--api-key-env", "STRATA_TEST_KEY"),
+        env={"STRATA_TEST_KEY": engine.key},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["errors"] == 0
+    assert result["requests"] >= 4
+    assert result["tokens"] == 16 * result["requests"]
+    assert 0 < result["latency_p50_s"] <= result["latency_p95_s"]
+
+
+def test_a_killed_engine_is_restarted_by_the_launcher(engine: Launched, client: openai.OpenAI):
+    old = engine.engine_pid()
+    os.kill(old, signal.SIGKILL)
+    wait_for(lambda: "ready again" in engine.output(), 60, "the restarted engine")
+    out = engine.output()
+    assert "the engine was killed by SIGKILL" in out
+    assert re.search(r"restarting in \d+(\.\d+)? s \(restart 1 of at most \d+\)", out)
+    assert engine.engine_pid() != old and not alive(old)
+    r = client.completions.create(model="demo", prompt=_prompt(), max_tokens=6)
+    assert r.usage.completion_tokens == 6
+
+
+def test_sigterm_stops_the_launcher_and_the_engine_cleanly(engine: Launched):
+    engine_pid = engine.engine_pid()
+    started = time.monotonic()
+    assert engine.stop(timeout=30) == 0
+    assert time.monotonic() - started < 30
+    assert "the engine stopped cleanly" in engine.output()
+    assert not alive(engine_pid)
+    assert not (engine.run_dir / "launch.pid").exists()
+    assert not engine.healthy()
