@@ -103,40 +103,28 @@ def test_qk_norm_rope_kv_and_attention_match_twins(gpu, n_q, n_kv, d):
     assert rel_err(out_d.get(), out) < REL
 
 
-@pytest.mark.parametrize(("rows", "e", "k"), [(1, 128, 8), (7, 8, 2), (8, 16, 4)])
+@pytest.mark.parametrize(
+    ("rows", "e", "k", "h", "inter"),
+    [(1, 128, 8, 2048, 768), (3, 16, 4, 256, 128), (8, 8, 2, 64, 64), (4, 64, 8, 2048, 768), (2, 256, 8, 512, 256)],
+)
 @pytest.mark.parametrize("norm_topk", [True, False])
-def test_moe_route_matches_twin(gpu, rows, e, k, norm_topk):
-    cp, kern, twins = gpu
-    g = rng()
-    logits = g.standard_normal((rows, e)).astype(np.float32)
-    x = (g.standard_normal((rows, 300)) * 2).astype(np.float32)
-    idx_d, w_d = cp.full((rows, k), -1, cp.int32), cp.full((rows, k), cp.nan, cp.float32)
-    inv_d = cp.full(rows, cp.nan, cp.float32)
-    kern.moe_route(cp.asarray(logits), cp.asarray(x), norm_topk, 1e-6, idx_d, w_d, inv_d)
-    idx, w, inv = np.empty((rows, k), np.int32), np.empty((rows, k), np.float32), np.empty(rows, np.float32)
-    twins.moe_route(logits, x, norm_topk, 1e-6, idx, w, inv)
-    np.testing.assert_array_equal(idx_d.get(), idx)
-    assert rel_err(w_d.get(), w) < REL
-    assert rel_err(inv_d.get(), inv) < REL
-
-
-@pytest.mark.parametrize(("rows", "e", "k", "h", "inter"), [(1, 32, 8, 2048, 768), (3, 16, 4, 256, 128),
-                                                            (8, 8, 2, 64, 64), (4, 16, 8, 2048, 768)])
-def test_moe_matches_twin(gpu, rows, e, k, h, inter):
+def test_moe_matches_twin(gpu, rows, e, k, h, inter, norm_topk):
     cp, kern, twins = gpu
     g = rng()
     x = (g.standard_normal((rows, h)) * 2).astype(np.float32)
     nw = half(1 + 0.1 * g.standard_normal(h))
-    inv = (1.0 / np.sqrt(np.mean(x * x, axis=-1) + 1e-6)).astype(np.float32)
+    logits = g.standard_normal((rows, e)).astype(np.float32)
     gate_up = half(g.standard_normal((e, 2 * inter, h)) * 0.03)
     down = half(g.standard_normal((e, h, inter)) * 0.03)
-    idx = np.stack([g.choice(e, k, replace=False) for _ in range(rows)]).astype(np.int32)
-    wts = g.random((rows, k)).astype(np.float32)
     resid = g.standard_normal((rows, h)).astype(np.float32)
     r_d = cp.asarray(resid)
-    kern.moe(cp.asarray(x), cp.asarray(nw), cp.asarray(inv), cp.asarray(gate_up), cp.asarray(down), cp.asarray(idx),
-             cp.asarray(wts), r_d, cp.full((rows * k, inter), cp.nan, cp.float32))
-    twins.moe(x, nw, inv, gate_up, down, idx, wts, resid, np.empty((rows * k, inter), np.float32))
+    idx_d, w_d = cp.full((rows, k), -1, cp.int32), cp.full((rows, k), cp.nan, cp.float32)
+    kern.moe(cp.asarray(x), cp.asarray(nw), cp.asarray(logits), norm_topk, 1e-6, cp.asarray(gate_up),
+             cp.asarray(down), r_d, idx_d, w_d, cp.full((rows * k, inter), cp.nan, cp.float32))
+    idx, w = np.empty((rows, k), np.int32), np.empty((rows, k), np.float32)
+    twins.moe(x, nw, logits, norm_topk, 1e-6, gate_up, down, resid, idx, w, np.empty((rows * k, inter), np.float32))
+    np.testing.assert_array_equal(idx_d.get(), idx)
+    assert rel_err(w_d.get(), w) < REL
     assert rel_err(r_d.get(), resid) < REL
 
 

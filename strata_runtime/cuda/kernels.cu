@@ -39,15 +39,17 @@ __device__ __forceinline__ void unpack8(const uint4& p, float* f) {
 // each block computes the rows' inverse RMS itself, so no separate normalisation kernel runs).
 // One warp per NR consecutive output features; each lane reads 16 bytes of a weight row per step, so a warp
 // streams 512 contiguous bytes. K is a multiple of 256 here; gemv_any handles the rest.
-template <int R>
-__device__ __forceinline__ void block_inv_rms(const float* __restrict__ x, int K, float eps, float* inv) {
-  // inv[r] = rsqrt(mean(x[r]^2) + eps) for r < R, computed by the whole block into shared memory.
-  __shared__ float part[R][32];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+template <int R, int K>
+__device__ __forceinline__ void block_inv_rms(const float* __restrict__ x, float eps, float* inv) {
+  // inv[r] = rsqrt(mean(x[r]^2) + eps) for r < R, computed by the whole block (256 threads) into shared
+  // memory. K is a compile-time multiple of 256, so every load of a row is in flight at once.
+  __shared__ float part[R][8];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = 8;
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     float ss = 0.f;
-    for (int k = threadIdx.x; k < K; k += blockDim.x) {
+#pragma unroll
+    for (int k = threadIdx.x; k < K; k += 256) {
       const float v = x[(size_t)r * K + k];
       ss += v * v;
     }
@@ -67,7 +69,7 @@ template <int R, int K, int NR, bool NORM>
 __global__ void gemv_wide(const half* __restrict__ W, const float* __restrict__ x, float* __restrict__ y, int N,
                           int accumulate, const half* __restrict__ nw, float eps) {
   __shared__ float inv[R];
-  if (NORM) block_inv_rms<R>(x, K, eps, inv);
+  if (NORM) block_inv_rms<R, K>(x, eps, inv);
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
   const int n0 = warp * NR;
@@ -89,16 +91,16 @@ __global__ void gemv_wide(const half* __restrict__ W, const float* __restrict__ 
       float wf[8];
       unpack8(pk[s], wf);
       const int k0 = s * 256 + lane * 8;
-      if (NORM) {
-        float nf[8];
-        unpack8(__ldg(reinterpret_cast<const uint4*>(nw + k0)), nf);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) wf[j] *= nf[j];
-      }
+      float nf[8];
+      if (NORM) unpack8(__ldg(reinterpret_cast<const uint4*>(nw + k0)), nf);
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         const float4* xr = reinterpret_cast<const float4*>(x + (size_t)r * K + k0);
-        const float4 a = xr[0], b = xr[1];
+        float4 a = xr[0], b = xr[1];
+        if (NORM) {  // same order of operations as the NR > 1 path: results must not depend on R
+          a.x *= nf[0]; a.y *= nf[1]; a.z *= nf[2]; a.w *= nf[3];
+          b.x *= nf[4]; b.y *= nf[5]; b.z *= nf[6]; b.w *= nf[7];
+        }
         acc[0][r] += wf[0] * a.x + wf[1] * a.y + wf[2] * a.z + wf[3] * a.w + wf[4] * b.x + wf[5] * b.y +
                      wf[6] * b.z + wf[7] * b.w;
       }
@@ -357,91 +359,87 @@ __global__ void __launch_bounds__(128) attn_partial(const float* __restrict__ q,
 
 // Block (r, kv head): out[r, (kvh*G + g)*D + d] = sum_c acc_c e^(m_c - M) / sum_c l_c e^(m_c - M).
 template <int D, int G>
-__global__ void attn_combine(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
-                             const int* __restrict__ pos, float* __restrict__ out, int NKV, int NC) {
+__global__ void __launch_bounds__(256) attn_combine(const float* __restrict__ part_acc,
+                                                     const float* __restrict__ part_ml, const int* __restrict__ pos,
+                                                     float* __restrict__ out, int NKV, int NC) {
+  extern __shared__ float wsh[];  // [live, G]: each chunk's weight for each head
   const int r = blockIdx.x, kvh = blockIdx.y, NQ = NKV * G;
   const int live = (pos[r] + ATTN_CHUNK) / ATTN_CHUNK;  // chunks holding positions 0..pos[r]
   const float* ml = part_ml + ((size_t)r * NKV + kvh) * NC * G * 2;
   const float* acc = part_acc + ((size_t)r * NKV + kvh) * NC * G * D;
-  for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
-    const int g = i / D;
+  if (threadIdx.x < G) {
+    const int g = threadIdx.x;
     float m = -STRATA_INF;
     for (int c = 0; c < live; ++c) m = fmaxf(m, ml[(c * G + g) * 2]);
-    float l = 0.f, a = 0.f;
-    for (int c = 0; c < live; ++c) {
-      const float w = __expf(ml[(c * G + g) * 2] - m);
-      l += ml[(c * G + g) * 2 + 1] * w;
-      a += acc[(size_t)c * G * D + i] * w;
-    }
-    out[(size_t)r * NQ * D + (size_t)kvh * G * D + i] = a / l;
+    float l = 0.f;
+    for (int c = 0; c < live; ++c) l += ml[(c * G + g) * 2 + 1] * __expf(ml[(c * G + g) * 2] - m);
+    for (int c = 0; c < live; ++c) wsh[c * G + g] = __expf(ml[(c * G + g) * 2] - m) / l;
   }
-}
-
-// ---- router: softmax over E experts in fp32, top-k, optional renormalisation --------------------------
-// Block of 256 threads per row. Also writes inv[r], the inverse RMS of the (un-normalised) residual row
-// x[r], which the expert kernels apply on the fly. Ties go to the lower expert index.
-__global__ void moe_route(const float* __restrict__ logits, const float* __restrict__ x, int E, int k, int norm,
-                          int H, float eps, int* __restrict__ idx, float* __restrict__ wts, float* __restrict__ inv) {
-  const int r = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  __shared__ float part[32];
-  float ss = 0.f;
-  for (int i = threadIdx.x; i < H; i += blockDim.x) {
-    const float v = x[(size_t)r * H + i];
-    ss += v * v;
-  }
-  ss = warp_sum(ss);
-  if (lane == 0) part[warp] = ss;
   __syncthreads();
-  if (threadIdx.x == 0) {
-    float t = 0.f;
-    for (int w = 0; w < (int)(blockDim.x >> 5); ++w) t += part[w];
-    inv[r] = rsqrtf(t / H + eps);
+  for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
+    const int g = i / D;
+    float a = 0.f;
+#pragma unroll 8
+    for (int c = 0; c < live; ++c) a += acc[(size_t)c * G * D + i] * wsh[c * G + g];
+    out[(size_t)r * NQ * D + (size_t)kvh * G * D + i] = a;
   }
-  if (warp != 0) return;
-  const float* l = logits + (size_t)r * E;
-  float m = -STRATA_INF;
-  for (int e = lane; e < E; e += 32) m = fmaxf(m, l[e]);
-  m = warp_max(m);
-  float z = 0.f;
-  for (int e = lane; e < E; e += 32) z += __expf(l[e] - m);
-  z = warp_sum(z);
-  float picked_sum = 0.f;
-  unsigned long long taken[4] = {0ull, 0ull, 0ull, 0ull};  // up to 256 experts
-  for (int j = 0; j < k; ++j) {
-    float best = -STRATA_INF;
-    int best_e = 0x7fffffff;
-    for (int e = lane; e < E; e += 32) {
-      if ((taken[e >> 6] >> (e & 63)) & 1ull) continue;
-      const float v = l[e];
-      if (v > best || (v == best && e < best_e)) { best = v; best_e = e; }
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      const float ov = __shfl_xor_sync(0xffffffffu, best, o);
-      const int oe = __shfl_xor_sync(0xffffffffu, best_e, o);
-      if (ov > best || (ov == best && oe < best_e)) { best = ov; best_e = oe; }
-    }
-    taken[best_e >> 6] |= 1ull << (best_e & 63);
-    const float p = __expf(best - m) / z;
-    picked_sum += p;
-    if (lane == 0) { idx[r * k + j] = best_e; wts[r * k + j] = p; }
-  }
-  __syncwarp();
-  if (norm && lane == 0)
-    for (int j = 0; j < k; ++j) wts[r * k + j] /= picked_sum;
 }
 
 // ---- routed experts -----------------------------------------------------------------------------------
-// gate_up: [E, 2I, H] (gate rows, then up rows); down: [E, H, I]. The expert input is the normalised row
-// x[r] * nw * inv[r]. h[a, i] = silu(gate . x') * (up . x') for assignment a = r * topk + j.
+// gate_up: [E, 2I, H] (gate rows, then up rows); down: [E, H, I]; logits: [R, E] router logits.
+// Routing is the fp32 softmax over E, top-k by rank (ties to the lower expert index), weights renormalised
+// over the k chosen when norm_topk is set. It is computed inside the expert kernel by every block for its
+// own row, which costs a few hundred cycles and saves a launch; the blocks of feature tile 0 write idx and
+// wts for moe_down.
+__device__ __forceinline__ void block_route(const float* __restrict__ l, int E, int topk, int j, int norm_topk,
+                                            int* sel, float* weight) {
+  // Block-wide: *sel = the j-th ranked expert of logits l[E] (E <= 256), *weight its routing weight.
+  __shared__ float ls[256];
+  __shared__ float red[3][8];  // per warp: max, softmax total, top-k total
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const float v = tid < E ? l[tid] : -STRATA_INF;
+  ls[tid] = v;
+  float m = warp_max(v);
+  if (lane == 0) red[0][warp] = m;
+  __syncthreads();
+  m = red[0][0];
+#pragma unroll
+  for (int w = 1; w < 8; ++w) m = fmaxf(m, red[0][w]);
+  int rank = 0;
+  if (tid < E)
+    for (int e = 0; e < E; ++e) {
+      const float o = ls[e];
+      rank += (o > v) || (o == v && e < tid);
+    }
+  const float p = tid < E ? __expf(v - m) : 0.f;
+  float z = warp_sum(p), zk = warp_sum(tid < E && rank < topk ? p : 0.f);
+  if (lane == 0) { red[1][warp] = z; red[2][warp] = zk; }
+  if (tid < E && rank == j) *sel = tid;
+  __syncthreads();
+  if (tid == 0) {
+    float zt = 0.f, zkt = 0.f;
+    for (int w = 0; w < 8; ++w) { zt += red[1][w]; zkt += red[2][w]; }
+    *weight = __expf(ls[*sel] - m) / (norm_topk ? zkt : zt);
+  }
+  __syncthreads();
+}
+
+// Block (feature tile, assignment a = r * topk + j) of 8 warps; warp w computes feature i = tile * 8 + w:
+// h[a, i] = silu(gate_i . x') * (up_i . x'), with x' = x[r] * nw * inv_rms(x[r]) the normalised row.
 template <int H, int I>
-__global__ void moe_gate_up(const half* __restrict__ GU, const float* __restrict__ x, const half* __restrict__ nw,
-                            const float* __restrict__ inv, const int* __restrict__ eid, int A, int topk,
-                            float* __restrict__ h) {
-  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
-  if (warp >= A * I) return;
-  const int a = warp / I, i = warp % I, r = a / topk;
-  const half* base = GU + (size_t)eid[a] * 2 * I * H;
+__global__ void __launch_bounds__(256) moe_gate_up(const half* __restrict__ GU, const float* __restrict__ x,
+                                                    const half* __restrict__ nw, const float* __restrict__ logits,
+                                                    int E, int topk, int norm_topk, float eps, float* __restrict__ h,
+                                                    int* __restrict__ idx, float* __restrict__ wts) {
+  __shared__ int sel;
+  __shared__ float weight, inv[1];
+  const int a = blockIdx.y, r = a / topk, lane = threadIdx.x & 31;
+  block_route(logits + (size_t)r * E, E, topk, a % topk, norm_topk, &sel, &weight);
+  block_inv_rms<1, H>(x + (size_t)r * H, eps, inv);
+  if (blockIdx.x == 0 && threadIdx.x == 0) { idx[a] = sel; wts[a] = weight; }
+  const int i = blockIdx.x * 8 + (threadIdx.x >> 5);
+  if (i >= I) return;
+  const half* base = GU + (size_t)sel * 2 * I * H;
   const uint4* wg = reinterpret_cast<const uint4*>(base + (size_t)i * H);
   const uint4* wu = reinterpret_cast<const uint4*>(base + (size_t)(I + i) * H);
   constexpr int STEPS = H / 256;
@@ -460,68 +458,88 @@ __global__ void moe_gate_up(const half* __restrict__ GU, const float* __restrict
     const float4 xa = xr[0], xb = xr[1];
     const float xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const float xn = xv[j] * nf[j];
-      g += gf[j] * xn;
-      u += uf[j] * xn;
+    for (int t = 0; t < 8; ++t) {
+      const float xn = xv[t] * nf[t];
+      g += gf[t] * xn;
+      u += uf[t] * xn;
     }
   }
-  g = warp_sum(g) * inv[r];
-  u = warp_sum(u) * inv[r];
+  g = warp_sum(g) * inv[0];
+  u = warp_sum(u) * inv[0];
   if (lane == 0) h[(size_t)a * I + i] = g / (1.f + __expf(-g)) * u;
 }
 
-// resid[r, n] += sum_j wts[r, j] * (down[eid[r, j], n, :] . h[r * topk + j, :]), j in a fixed order.
-template <int H, int I>
-__global__ void moe_down(const half* __restrict__ Dw, const float* __restrict__ h, const int* __restrict__ eid,
-                         const float* __restrict__ wts, int R, int topk, float* __restrict__ resid) {
+// resid[r, n] += sum_j wts[r, j] * (down[idx[r, j], n, :] . h[r * K + j, :]), j in a fixed order. One warp
+// per (r, n); the rows of all K experts are loaded before any is used, so they are in flight together.
+template <int H, int I, int K>
+__global__ void __launch_bounds__(256) moe_down(const half* __restrict__ Dw, const float* __restrict__ h,
+                                                 const int* __restrict__ idx, const float* __restrict__ wts, int R,
+                                                 float* __restrict__ resid) {
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
   if (warp >= R * H) return;
   const int r = warp / H, n = warp % H;
   constexpr int STEPS = I / 256;
-  float total = 0.f;
-  for (int j = 0; j < topk; ++j) {
-    const int a = r * topk + j;
-    const uint4* w = reinterpret_cast<const uint4*>(Dw + ((size_t)eid[a] * H + n) * I);
-    uint4 pk[STEPS];
+  uint4 pk[K][STEPS];
 #pragma unroll
-    for (int s = 0; s < STEPS; ++s) pk[s] = __ldg(w + s * 32 + lane);
+  for (int j = 0; j < K; ++j) {
+    const uint4* w = reinterpret_cast<const uint4*>(Dw + ((size_t)idx[r * K + j] * H + n) * I);
+#pragma unroll
+    for (int s = 0; s < STEPS; ++s) pk[j][s] = __ldg(w + s * 32 + lane);
+  }
+  float total = 0.f;
+#pragma unroll
+  for (int j = 0; j < K; ++j) {
     float acc = 0.f;
 #pragma unroll
     for (int s = 0; s < STEPS; ++s) {
       float wf[8];
-      unpack8(pk[s], wf);
-      const float4* hr = reinterpret_cast<const float4*>(h + (size_t)a * I + s * 256 + lane * 8);
+      unpack8(pk[j][s], wf);
+      const float4* hr = reinterpret_cast<const float4*>(h + (size_t)(r * K + j) * I + s * 256 + lane * 8);
       const float4 p = hr[0], q = hr[1];
       const float hv[8] = {p.x, p.y, p.z, p.w, q.x, q.y, q.z, q.w};
 #pragma unroll
       for (int t = 0; t < 8; ++t) acc += wf[t] * hv[t];
     }
-    total += wts[a] * warp_sum(acc);
+    total += wts[r * K + j] * warp_sum(acc);
   }
   if (lane == 0) resid[(size_t)r * H + n] += total;
 }
 
 // Any H, I (small models): same contracts, scalar loads.
-__global__ void moe_gate_up_any(const half* __restrict__ GU, const float* __restrict__ x, const half* __restrict__ nw,
-                                const float* __restrict__ inv, const int* __restrict__ eid, int A, int topk, int H,
-                                int I, float* __restrict__ h) {
-  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
-  if (warp >= A * I) return;
-  const int a = warp / I, i = warp % I, r = a / topk;
-  const half* base = GU + (size_t)eid[a] * 2 * I * H;
+__global__ void __launch_bounds__(256) moe_gate_up_any(const half* __restrict__ GU, const float* __restrict__ x,
+                                                        const half* __restrict__ nw, const float* __restrict__ logits,
+                                                        int E, int topk, int norm_topk, float eps, int H, int I,
+                                                        float* __restrict__ h, int* __restrict__ idx,
+                                                        float* __restrict__ wts) {
+  __shared__ int sel;
+  __shared__ float weight, part[8];
+  const int a = blockIdx.y, r = a / topk, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  block_route(logits + (size_t)r * E, E, topk, a % topk, norm_topk, &sel, &weight);
+  const float* xr = x + (size_t)r * H;
+  float ss = 0.f;
+  for (int k = threadIdx.x; k < H; k += blockDim.x) ss += xr[k] * xr[k];
+  ss = warp_sum(ss);
+  if (lane == 0) part[warp] = ss;
+  __syncthreads();
+  float tot = 0.f;
+  for (int w = 0; w < 8; ++w) tot += part[w];
+  const float inv = rsqrtf(tot / H + eps);
+  if (blockIdx.x == 0 && threadIdx.x == 0) { idx[a] = sel; wts[a] = weight; }
+  const int i = blockIdx.x * 8 + warp;
+  if (i >= I) return;
+  const half* base = GU + (size_t)sel * 2 * I * H;
   float g = 0.f, u = 0.f;
   for (int k = lane; k < H; k += 32) {
-    const float xn = x[(size_t)r * H + k] * __half2float(nw[k]);
+    const float xn = xr[k] * __half2float(nw[k]);
     g += __half2float(base[(size_t)i * H + k]) * xn;
     u += __half2float(base[(size_t)(I + i) * H + k]) * xn;
   }
-  g = warp_sum(g) * inv[r];
-  u = warp_sum(u) * inv[r];
+  g = warp_sum(g) * inv;
+  u = warp_sum(u) * inv;
   if (lane == 0) h[(size_t)a * I + i] = g / (1.f + __expf(-g)) * u;
 }
 
-__global__ void moe_down_any(const half* __restrict__ Dw, const float* __restrict__ h, const int* __restrict__ eid,
+__global__ void moe_down_any(const half* __restrict__ Dw, const float* __restrict__ h, const int* __restrict__ idx,
                              const float* __restrict__ wts, int R, int topk, int H, int I,
                              float* __restrict__ resid) {
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
@@ -530,7 +548,7 @@ __global__ void moe_down_any(const half* __restrict__ Dw, const float* __restric
   float total = 0.f;
   for (int j = 0; j < topk; ++j) {
     const int a = r * topk + j;
-    const half* w = Dw + ((size_t)eid[a] * H + n) * I;
+    const half* w = Dw + ((size_t)idx[a] * H + n) * I;
     float acc = 0.f;
     for (int k = lane; k < I; k += 32) acc += __half2float(w[k]) * h[(size_t)a * I + k];
     total += wts[a] * warp_sum(acc);

@@ -69,9 +69,9 @@ class Kernels:
         return f"gemv_wide<{rows},{k},{gemv_rows_per_warp(rows)},{'true' if norm else 'false'}>"
 
     @staticmethod
-    def moe_exprs(h: int, i: int) -> tuple[str, str]:
-        if _wide(h) and _wide(i):
-            return f"moe_gate_up<{h},{i}>", f"moe_down<{h},{i}>"
+    def moe_exprs(h: int, i: int, topk: int) -> tuple[str, str]:
+        if _wide(h) and _wide(i) and topk <= 16:
+            return f"moe_gate_up<{h},{i}>", f"moe_down<{h},{i},{topk}>"
         return "moe_gate_up_any", "moe_down_any"
 
     @staticmethod
@@ -158,46 +158,39 @@ class Kernels:
             (rows, n_kv, nc), (128,), (q, k_cache, v_cache, pos, slot, acc, ml, np.int32(n_kv), np.int32(t),
                                        np.int32(nc), np.float32(1.0 / math.sqrt(d)))
         )
-        self.fn(f"attn_combine<{d},{g}>")((rows, n_kv), (256,), (acc, ml, pos, out, np.int32(n_kv), np.int32(nc)))
-
-    def moe_route(
-        self, logits: cp.ndarray, x: cp.ndarray, norm_topk: bool, eps: float, idx: cp.ndarray, wts: cp.ndarray,
-        inv: cp.ndarray,
-    ) -> None:
-        """Softmax over experts in fp32 and top-k; also inv[r] = rsqrt(mean(x[r]^2) + eps).
-
-        logits: [R, E]; x: [R, H] the residual rows; idx: [R, k] int32; wts: [R, k] fp32; inv: [R] fp32.
-        """
-        rows, e = logits.shape
-        self.fn("moe_route")(
-            (rows,), (THREADS,),
-            (logits, x, np.int32(e), np.int32(idx.shape[1]), np.int32(norm_topk), np.int32(x.shape[1]),
-             np.float32(eps), idx, wts, inv),
+        self.fn(f"attn_combine<{d},{g}>")(
+            (rows, n_kv), (256,), (acc, ml, pos, out, np.int32(n_kv), np.int32(nc)), shared_mem=nc * g * 4
         )
 
     def moe(
-        self, x: cp.ndarray, norm: cp.ndarray, inv: cp.ndarray, gate_up: cp.ndarray, down: cp.ndarray,
-        idx: cp.ndarray, wts: cp.ndarray, resid: cp.ndarray, h_buf: cp.ndarray,
+        self, x: cp.ndarray, norm: cp.ndarray, logits: cp.ndarray, norm_topk: bool, eps: float,
+        gate_up: cp.ndarray, down: cp.ndarray, resid: cp.ndarray, idx: cp.ndarray, wts: cp.ndarray,
+        h_buf: cp.ndarray,
     ) -> None:
-        """resid[R, H] += sum_j wts[r, j] * expert_{idx[r, j]}(x[r] * norm * inv[r]).
+        """Route and run the experts: resid[R, H] += sum_j wts[r, j] * expert_{idx[r, j]}(x'[r]).
 
-        gate_up: [E, 2I, H] fp16; down: [E, H, I] fp16; h_buf: [A, I] fp32 scratch.
+        x': x normalised by ``norm`` ([H] fp16); logits: [R, E] router logits (softmax in fp32, top-k, ties to
+        the lower index, renormalised over the k when ``norm_topk``); gate_up: [E, 2I, H] fp16; down: [E, H, I]
+        fp16. idx [R, k] int32 and wts [R, k] fp32 receive the routing; h_buf: [R * k, I] fp32 scratch.
         """
         rows, h = x.shape
         topk = idx.shape[1]
-        inter = down.shape[2]
+        n_exp, inter = gate_up.shape[0], down.shape[2]
+        if n_exp > 256:
+            raise ValueError(f"the expert kernels route at most 256 experts, not {n_exp}")
         a = rows * topk
-        gu_expr, down_expr = self.moe_exprs(h, inter)
-        blocks_gu = (math.ceil(a * inter / WARPS_PER_BLOCK),)
+        gu_expr, down_expr = self.moe_exprs(h, inter, topk)
+        tiles = (math.ceil(inter / WARPS_PER_BLOCK), a)
         blocks_d = (math.ceil(rows * h / WARPS_PER_BLOCK),)
+        common = (logits, np.int32(n_exp), np.int32(topk), np.int32(norm_topk), np.float32(eps))
         if gu_expr == "moe_gate_up_any":
-            self.fn(gu_expr)(blocks_gu, (THREADS,), (gate_up, x, norm, inv, idx, np.int32(a), np.int32(topk),
-                                                     np.int32(h), np.int32(inter), h_buf))
+            self.fn(gu_expr)(tiles, (THREADS,), (gate_up, x, norm, *common, np.int32(h), np.int32(inter), h_buf,
+                                                 idx, wts))
             self.fn(down_expr)(blocks_d, (THREADS,), (down, h_buf, idx, wts, np.int32(rows), np.int32(topk),
                                                       np.int32(h), np.int32(inter), resid))
         else:
-            self.fn(gu_expr)(blocks_gu, (THREADS,), (gate_up, x, norm, inv, idx, np.int32(a), np.int32(topk), h_buf))
-            self.fn(down_expr)(blocks_d, (THREADS,), (down, h_buf, idx, wts, np.int32(rows), np.int32(topk), resid))
+            self.fn(gu_expr)(tiles, (THREADS,), (gate_up, x, norm, *common, h_buf, idx, wts))
+            self.fn(down_expr)(blocks_d, (THREADS,), (down, h_buf, idx, wts, np.int32(rows), resid))
 
     def silu_mul(self, gu: cp.ndarray, out: cp.ndarray) -> None:
         """out[R, I] = silu(gu[:, :I]) * gu[:, I:]."""

@@ -86,27 +86,19 @@ def attention(
         out[r] = np.einsum("hgt,htd->hgd", p, v).reshape(n_q * d)
 
 
-def moe_route(
-    logits: np.ndarray, x: np.ndarray, norm_topk: bool, eps: float, idx: np.ndarray, wts: np.ndarray,
-    inv: np.ndarray,
-) -> None:
-    k = idx.shape[1]
-    p = np.exp(logits - logits.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)  # [R, E]
-    order = np.argsort(-logits, axis=-1, kind="stable")[:, :k]  # ties: lower index first
-    idx[...] = order
-    w = np.take_along_axis(p, order, axis=-1)
-    wts[...] = w / w.sum(-1, keepdims=True) if norm_topk else w
-    inv[...] = _rms_inv(x, eps)[:, 0]
-
-
 def moe(
-    x: np.ndarray, norm: np.ndarray, inv: np.ndarray, gate_up: np.ndarray, down: np.ndarray, idx: np.ndarray,
-    wts: np.ndarray, resid: np.ndarray, h_buf: np.ndarray,
+    x: np.ndarray, norm: np.ndarray, logits: np.ndarray, norm_topk: bool, eps: float, gate_up: np.ndarray,
+    down: np.ndarray, resid: np.ndarray, idx: np.ndarray, wts: np.ndarray, h_buf: np.ndarray,
 ) -> None:
     rows, topk = idx.shape
     inter = down.shape[2]
-    xn = x * inv[:, None] * _f32(norm)  # [R, H]
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)  # [R, E]
+    order = np.argsort(-logits, axis=-1, kind="stable")[:, :topk]  # ties: lower index first
+    idx[...] = order
+    w = np.take_along_axis(p, order, axis=-1)  # [R, k]
+    wts[...] = w / w.sum(-1, keepdims=True) if norm_topk else w
+    xn = x * _rms_inv(x, eps) * _f32(norm)  # [R, H]
     for r in range(rows):
         total = np.zeros(x.shape[1], np.float32)
         for j in range(topk):
