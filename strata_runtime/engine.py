@@ -32,7 +32,6 @@ from strata_cfg.schema.windows import (
     BATCH_MTP_SLOTS_PER_WINDOW,
     MAX_WINDOW_ROWS,
     batch_mtp_window,
-    next_rotation,
     plain_windows,
     solo_window,
 )
@@ -366,8 +365,10 @@ class Engine:
             rows = solo_window(ids[0], min(self.depth, self._room(decoding[0])))
             kind = "solo"
         elif self.plan.batch.mtp:
-            rows = batch_mtp_window(ids, self._rotation)
-            self._rotation = next_rotation(self._rotation, len(ids))
+            # Rotate by slot id, so that slots finishing or arriving do not make the others lose their turn.
+            start = next((i for i, sid in enumerate(ids) if sid >= self._rotation), 0)
+            rows = batch_mtp_window(ids, start)
+            self._rotation = rows[-1].slot + 1
             kind = "batch-mtp"
         else:
             windows = plain_windows(ids)

@@ -1,0 +1,235 @@
+"""The engine executes plans: every mode gives the same greedy text, slots stay apart, KV rolls back.
+
+Property tests run random staggered arrival schedules through solo, serial, pipelined and batch-MTP plans on
+1 to 4 virtual CPU stages, and compare each request's greedy tokens with the same request run alone on one
+stage without drafting. The lifecycle test follows slots through admission, solo promotion and demotion,
+a cancellation mid-run and reuse, and 8 slots through 4-slot batch-MTP windows.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from rt_plans import make_plan
+
+from strata_runtime.api import Request, SamplingParams
+from strata_runtime.engine import Engine
+from strata_runtime.model import PlanMismatch
+
+PRESET_FOR_STAGES = {1: "tiny", 2: "tiny", 3: "tiny", 4: "small"}
+MODES = {
+    "solo": {"slots": 1, "draft_tokens": 4},
+    "serial": {"slots": 4, "groups": 1},
+    "pipelined": {"slots": 4, "groups": 2},
+    "batch-mtp": {"slots": 4, "groups": 1, "batch_mtp": True, "draft_tokens": 3},
+}
+
+
+@functools.cache
+def engine(stages: int, mode: str) -> Engine:
+    kw = dict(MODES[mode])
+    if mode == "pipelined" and stages == 1:
+        kw["groups"] = None  # groups need a split; one stage keeps one group
+    return Engine(
+        make_plan(preset=PRESET_FOR_STAGES[stages], stages=stages, context=128, prefill_chunk=16, **kw)
+    )
+
+
+@functools.cache
+def reference(preset: str, prompt: tuple[int, ...], max_tokens: int) -> tuple[int, ...]:
+    """The request alone: one stage, one slot, no drafting."""
+    eng = _reference_engine(preset)
+    return tuple(collect(eng, [(0, Request(prompt, max_tokens))])[0])
+
+
+@functools.cache
+def _reference_engine(preset: str) -> Engine:
+    return Engine(make_plan(preset=preset, stages=1, context=128, prefill_chunk=16))
+
+
+def collect(eng: Engine, schedule: list[tuple[int, Request]], check_kv: bool = True) -> list[list[int]]:
+    """Submit each request at its step, run to the end, return each request's tokens."""
+    handles: list = [None] * len(schedule)
+    tokens: list[list[int]] = [[] for _ in schedule]
+    done = [False] * len(schedule)
+    step = 0
+    while not all(done):
+        for i, (at, req) in enumerate(schedule):
+            if handles[i] is None and at <= step:
+                handles[i] = eng.submit(req)
+        eng.step()
+        step += 1
+        assert step < 10_000
+        if check_kv:
+            assert_kv_consistent(eng)
+        for i, h in enumerate(handles):
+            while h is not None and not h.events.empty():
+                ev = h.events.get()
+                assert ev.error is None, ev.error
+                tokens[i] += ev.token_ids
+                done[i] = done[i] or ev.finished is not None
+    assert all(s is None for s in eng.slots), "every slot is released at the end"
+    return tokens
+
+
+def assert_kv_consistent(eng: Engine) -> None:
+    """Every stage (and the drafter) holds exactly the slot's committed positions."""
+    for i, slot in enumerate(eng.slots):
+        if slot is None:
+            assert eng.model.kv_lengths(i) == [0] * len(eng.model.stages)
+            continue
+        assert eng.model.kv_lengths(i) == [slot.length] * len(eng.model.stages)
+        if eng.tracked:
+            assert eng.model.drafters[i].length == slot.length
+
+
+arrivals = st.lists(
+    st.tuples(
+        st.integers(0, 12),  # arrival step
+        st.lists(st.integers(32, 126), min_size=1, max_size=24),  # prompt (printable bytes)
+        st.integers(1, 14),  # max tokens
+    ),
+    min_size=1,
+    max_size=5,
+)
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+@pytest.mark.parametrize("mode", list(MODES))
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(schedule=arrivals)
+def test_greedy_text_is_the_same_in_every_mode_and_slots_stay_apart(stages, mode, schedule) -> None:
+    eng = engine(stages, mode)
+    preset = PRESET_FOR_STAGES[stages]
+    reqs = [(at, Request(tuple(p), n, request_id=f"r{i}")) for i, (at, p, n) in enumerate(schedule)]
+    got = collect(eng, reqs)
+    for (_, req), tokens in zip(reqs, got, strict=True):
+        # Equal to the request run alone: no slot saw another slot's tokens, and drafting changed nothing.
+        assert tuple(tokens) == reference(preset, req.prompt_ids, req.max_tokens)
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+def test_drafters_live_only_on_the_last_stage(stages) -> None:
+    eng = engine(stages, "batch-mtp")
+    last = eng.model.stages[-1].device
+    assert sorted(eng.model.drafters) == list(range(eng.n_slots))
+    assert all(d.device == last for d in eng.model.drafters.values())
+    assert all(not s.drafters for s in eng.plan.stages[:-1])
+    assert "drafters: slots [0, 1, 2, 3] on cpu:" + str(last.index) in eng.startup[-1]
+
+
+@pytest.mark.parametrize("mode", ["solo", "serial", "batch-mtp"])
+def test_seeded_sampling_is_reproducible(mode) -> None:
+    sampling = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234)
+    req = Request(tuple(b"Sampled text"), 16, sampling)
+    other = Request(tuple(b"Another one"), 10, SamplingParams(temperature=1.0, seed=7))
+    first = collect(engine(2, mode), [(0, req), (2, other)])
+    again = collect(engine(2, mode), [(0, req), (2, other)])
+    assert first == again
+    differently = collect(
+        engine(2, mode), [(0, Request(req.prompt_ids, 16, SamplingParams(0.9, 0.95, 50, 99)))]
+    )
+    assert differently[0] != first[0]
+
+
+def test_lifecycle_promotion_demotion_cancellation_and_reuse() -> None:
+    eng = Engine(make_plan(stages=2, slots=2, batch_mtp=True, draft_tokens=4, context=128, prefill_chunk=8))
+    a = eng.submit(Request(tuple(b"First request"), 60))
+    for _ in range(6):
+        eng.step()
+    kinds = [w.kind for w in eng.windows]
+    assert kinds[:2] == ["prefill", "prefill"] and kinds[-1] == "solo"  # promoted: alone, full depth
+    assert max(w.rows for w in eng.windows if w.kind == "solo") == 4  # token + 3 proposals
+
+    b = eng.submit(Request(tuple(b"Second, a newcomer with a longer prompt"), 6))
+    mark = len(eng.windows)
+    while eng.slots[1] is not None or b.events.empty():
+        eng.step()
+    during = [w for w in list(eng.windows)[mark:]]
+    assert "prefill" in [w.kind for w in during]
+    assert "solo" not in [w.kind for w in during[:-1]]  # demoted while the newcomer is in
+    assert any(w.kind == "batch-mtp" and sorted(w.slots) == [0, 1] and w.rows == 4 for w in during)
+    # interleaved: a decode window of slot 0 runs between the newcomer's prefill chunks
+    first_pf = next(i for i, w in enumerate(during) if w.kind == "prefill")
+    assert during[first_pf + 1].kind != "prefill"
+
+    mark = len(eng.windows)
+    eng.step()
+    eng.step()
+    assert [w.kind for w in list(eng.windows)[mark:]] == ["solo", "solo"]  # promoted again
+
+    a.cancel()
+    eng.step()
+    events = []
+    while not a.events.empty():
+        events.append(a.events.get())
+    assert events[-1].finished == "cancelled"
+    assert eng.slots == [None, None]
+    assert eng.model.kv_lengths(0) == [0, 0] and eng.model.drafters[0].length == 0
+
+    c = Request(tuple(b"Reusing the freed slot"), 12)
+    assert tuple(collect(eng, [(0, c)])[0]) == reference("tiny", c.prompt_ids, 12)
+
+
+def test_eight_slots_rotate_through_four_slot_batch_mtp_windows() -> None:
+    eng = Engine(make_plan(stages=2, slots=8, batch_mtp=True, draft_tokens=2, context=128, prefill_chunk=32))
+    reqs = [(0, Request(tuple(f"prompt number {i}".encode()), 30)) for i in range(8)]
+    got = collect(eng, reqs)
+    for (_, r), tokens in zip(reqs, got, strict=True):
+        assert tuple(tokens) == reference("tiny", r.prompt_ids, 30)
+    windows = list(eng.windows)
+    batch = [w for w in windows if w.kind == "batch-mtp"]
+    assert batch and all(w.rows <= 8 and len(w.slots) <= 4 for w in batch)
+    assert all(w.rows == 2 * len(w.slots) for w in batch)  # token + proposal per slot
+    last_prefill = max(i for i, w in enumerate(windows) if w.kind == "prefill")
+    after = [w for w in windows[last_prefill + 1 :] if w.kind == "batch-mtp"]
+    for w1, w2 in zip(after[:6:2], after[1:6:2], strict=True):  # all 8 decoding: two windows serve each slot
+        assert sorted(w1.slots + w2.slots) == list(range(8))
+    assert sum(w.accepted for w in batch) > 0
+
+
+def test_stop_token_and_max_tokens_end_a_request() -> None:
+    eng = engine(1, "serial")
+    prompt = tuple(b"Stop here")
+    ref = reference("tiny", prompt, 8)
+    stop = ref[3]
+    h = eng.submit(Request(prompt, 8, stop_ids=(stop,)))
+    while eng.step():
+        pass
+    evs = [h.events.get() for _ in range(h.events.qsize())]
+    toks = [t for e in evs for t in e.token_ids]
+    assert toks == list(ref[: ref.index(stop)]) and evs[-1].finished == "stop"
+    h = eng.submit(Request(prompt, 5))
+    while eng.step():
+        pass
+    evs = [h.events.get() for _ in range(h.events.qsize())]
+    assert [t for e in evs for t in e.token_ids] == list(ref[:5]) and evs[-1].finished == "length"
+
+
+@pytest.mark.parametrize(
+    ("update", "needle"),
+    [
+        ({"helper_devices": (1,)}, "helper-GPU expert caches"),
+        ({"remote_opt": True}, "remote expert optimisation"),
+        ({"peer_device": 1}, "peer-device expert cache"),
+        ({"cache": 3}, "expert cache smaller than a stage's experts"),
+    ],
+)
+def test_plans_needing_unimplemented_features_are_refused_at_start(update, needle) -> None:
+    plan = make_plan(stages=2)
+    plan = plan.model_copy(update={"experts": plan.experts.model_copy(update=update)})
+    with pytest.raises(PlanMismatch, match=needle):
+        Engine(plan)
+
+
+def test_bad_requests_get_an_error_event_naming_the_field() -> None:
+    eng = engine(1, "serial")
+    h = eng.submit(Request((), 4))
+    assert "prompt_ids" in h.events.get().error
+    h = eng.submit(Request((1, 2, 10_000), 4))
+    assert "prompt_ids: every id must be in [0, 384)" in h.events.get().error
+    h = eng.submit(Request(tuple(range(1, 200)), 4))
+    assert "does not fit the context of 128" in h.events.get().error
