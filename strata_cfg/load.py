@@ -33,6 +33,7 @@ SET_ORIGIN = "--set"
 """The ``file`` of an `Origin` for a value given on the command line."""
 NOT_INHERITED = ("name", "description", "extends")
 """Keys a profile does not take from the profile it extends."""
+_DEVICE_EXPECTED = 'expected a GPU index or "host:index"'
 _TOML_POS = re.compile(r"\(at line (\d+), column (\d+)\)")
 
 
@@ -270,6 +271,9 @@ def _plain(msg: str) -> str:
     """Pydantic's message in the words of a profile: ``expected ...``."""
     msg = msg.removeprefix("Value error, ")
     msg = re.sub(r", unable to parse string as an? \w+", "", msg)
+    # The only patterned strings in a profile are device specs (`"local:1"`).
+    msg = re.sub(r"String should match pattern '[^']*'", _DEVICE_EXPECTED, msg)
+    msg = msg.replace(" after validation", "").replace("List should have", "expected")
     return msg.replace("Input should be ", "expected ").replace("Field required", "required")
 
 
@@ -303,6 +307,8 @@ def validation_problems(
             by_key[key].append(msg)
     problems = []
     for key, msgs in by_key.items():
+        if _DEVICE_EXPECTED in msgs:  # an int-or-device union: one message says both
+            msgs = [_DEVICE_EXPECTED]
         origin = find_origin(origins, key)
         message = " or ".join(msgs)
         if key in inputs and not isinstance(inputs[key], dict | list):

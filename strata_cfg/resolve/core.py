@@ -87,7 +87,7 @@ def resolve(
     gpus = gpu_budgets(model, machine, placed, sz, led)
     if gpus is None:
         raise ProfileError(led.problems)
-    _expert_notes(gpus, led)
+    _expert_notes(gpus, sz, led)
     # 8. windows
     windows = _windows(led)
     # 9. serving, strict
@@ -213,9 +213,13 @@ def _place(
 # ---- notes after the budget ---------------------------------------------------------------------
 
 
-def _expert_notes(gpus: list[GpuPlan], led: Ledger) -> None:
+def _expert_notes(gpus: list[GpuPlan], sz: Sizing, led: Ledger) -> None:
+    """Resolve ``experts.cache`` to the cache size (None: every expert resident) and say where experts are."""
     stage_gpus = [g for g in gpus if g.role == "stage"]
     partial = [g for g in stage_gpus if g.experts_resident < g.experts_total]
+    if sz.cache is None:
+        smallest = min((g.experts_resident for g in partial), default=None)
+        led.resolve_auto("experts.cache", smallest, "experts.cache")
     helper_held = sum(g.experts_resident for g in gpus if g.role == "helper")
     for g in partial:
         missing = g.experts_total - g.experts_resident
@@ -325,8 +329,6 @@ def _assemble(
                 drafters=drafters if p.shape.last else (),
             )
         )
-    partial = [g.experts_resident for g in gpus if g.role == "stage" and g.experts_resident < g.experts_total]
-    cache = sz.cache if sz.cache is not None and partial else (min(partial) if partial else None)
     m = profile.model
     return LaunchPlan(
         profile=name,
@@ -363,7 +365,7 @@ def _assemble(
             vram_reserve_later_mib=led["memory.vram_reserve_later_mib"],
         ),
         experts=ExpertsPlan(
-            cache=cache,
+            cache=led["experts.cache"] if any(g.experts_resident < g.experts_total for g in gpus) else None,
             helper_devices=tuple(led["experts.helper_devices"]),
             remote_opt=bool(led["experts.remote_opt"]),
             peer_device=led["experts.peer_device"],

@@ -48,7 +48,7 @@ class Topology:
     @property
     def shared_gpu(self) -> bool:
         """Two stages on one GPU."""
-        return len(set(self.devices)) < self.n_stages
+        return len(set(self.devices)) < len(self.devices)
 
 
 def run_dtype(backend: str, asked: str | None, default: str = "float16") -> str:
@@ -187,7 +187,7 @@ def _topology(
         devices=devices,
         hosts=hosts,
         auto=auto,
-        boundaries=() if auto else tuple(layers),
+        boundaries=() if auto else tuple(led["split.layers"]),
         usable=usable,
         devices_given=bool(asked_devices),
     )
@@ -273,7 +273,7 @@ def _device_refusals(
             led.refuse(
                 "split.device-count",
                 "split.devices",
-                f"{len(topo.devices)} devices for {topo.n_stages} stage{'s' * (topo.n_stages != 1)}: "
+                f"{_count(len(topo.devices), 'device')} for {_count(topo.n_stages, 'stage')}: "
                 "give one GPU per stage",
             )
     elif topo.n_stages > len(topo.usable) and not (topo.usable and led["split.test_shared_gpu"]):

@@ -1,0 +1,57 @@
+"""Helpers for the configuration tests: resolve fixture profiles by name, find decisions and problems."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from strata_cfg.pipeline import Resolved, load, resolve_loaded
+from strata_cfg.schema.errors import Problem, ProfileError
+from strata_cfg.schema.plan import Decision, LaunchPlan
+
+HERE = Path(__file__).parent
+FIXTURES = HERE / "profiles"
+RULES_DIR = FIXTURES / "rules"
+BAD_DIR = FIXTURES / "bad"
+REPO = HERE.parent
+PROFILES = REPO / "profiles"
+
+
+def no_probe() -> str:
+    raise OSError("no probe in this test")
+
+
+def resolve_file(path: Path | str, sets=(), *, strict: bool = False, probe=no_probe) -> Resolved:
+    return resolve_loaded(load(path, sets), strict=strict, probe=probe)
+
+
+def plan_of(path: Path | str, sets=(), *, strict: bool = False, probe=no_probe) -> LaunchPlan:
+    return resolve_file(path, sets, strict=strict, probe=probe).plan
+
+
+def problems_of(path: Path | str, sets=(), *, strict: bool = False, probe=no_probe) -> list[Problem]:
+    with pytest.raises(ProfileError) as err:
+        resolve_file(path, sets, strict=strict, probe=probe)
+    assert err.value.problems, "a ProfileError must carry at least one problem"
+    return err.value.problems
+
+
+def decision(plan: LaunchPlan, rule: str) -> Decision:
+    found = [d for d in plan.decisions if d.rule == rule]
+    assert len(found) >= 1, f"{rule} did not fire; fired: {[d.rule for d in plan.decisions]}"
+    return found[0]
+
+
+def problem(problems: list[Problem], rule: str) -> Problem:
+    found = [p for p in problems if p.rule == rule]
+    assert found, f"{rule} did not refuse; problems: {[str(p) for p in problems]}"
+    return found[0]
+
+
+def line_of(path: Path, text: str) -> int:
+    """1-based line of the first line of ``path`` that contains ``text`` (so tests don't hard-code lines)."""
+    for n, line in enumerate(path.read_text().splitlines(), start=1):
+        if text in line:
+            return n
+    raise AssertionError(f"{text!r} not in {path}")

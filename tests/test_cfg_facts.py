@@ -1,0 +1,126 @@
+"""The facts step: GPUs from the profile or nvidia-smi, model shapes from presets or checkpoint headers."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+
+import pytest
+from cfg_fixtures import FIXTURES, line_of
+
+from strata_cfg.facts_io import (
+    ESTIMATED_BANDWIDTH_GBS,
+    gather_facts,
+    known_bandwidth,
+    machine_facts,
+    model_facts,
+    parse_nvidia_smi,
+    read_safetensors_header,
+)
+from strata_cfg.load import load_profile, load_profile_text
+from strata_cfg.schema.errors import ProfileError
+from strata_cfg.schema.presets import preset_config
+
+MODELS = FIXTURES / "models"
+SMI = "0, NVIDIA H200, 143771\n1, NVIDIA GeForce RTX 3080 Ti, 12288\n2, Mystery Accelerator 9000, 24576\n"
+
+
+def test_nvidia_smi_output_becomes_gpu_facts_with_known_or_flagged_bandwidth():
+    gpus = parse_nvidia_smi(SMI)
+    assert [(g.index, g.vram_mib) for g in gpus] == [(0, 143771), (1, 12288), (2, 24576)]
+    assert [g.bandwidth_gbs for g in gpus] == [4800, 912, ESTIMATED_BANDWIDTH_GBS]
+    assert [g.bandwidth_estimated for g in gpus] == [False, False, True]
+
+
+def test_longest_known_name_wins():
+    assert known_bandwidth("NVIDIA GeForce RTX 3080") == 760
+    assert known_bandwidth("NVIDIA GeForce RTX 3080 Ti") == 912
+    assert known_bandwidth("NVIDIA H100 80GB HBM3") == 3350
+    assert known_bandwidth("Something Else") is None
+
+
+def test_probe_is_used_only_when_asked():
+    lp = load_profile_text('[machine]\nprobe = true\n[model]\nsynthetic = "tiny"\n', "p.toml")
+    machine = machine_facts(lp, probe=lambda: SMI)
+    assert machine.source == "probe" and len(machine.gpus) == 3 and machine.backend == "cuda"
+
+
+def test_failed_probe_names_the_probe_line():
+    lp = load_profile_text('[model]\nsynthetic = "tiny"\n[machine]\nprobe = true\n', "p.toml")
+
+    def broken() -> str:
+        raise OSError("nvidia-smi was not found on PATH")
+
+    with pytest.raises(ProfileError) as err:
+        machine_facts(lp, probe=broken)
+    (p,) = err.value.problems
+    assert (p.file, p.line, p.key) == ("p.toml", 4, "machine.probe")
+    assert "nvidia-smi was not found" in p.message and "[machine] gpus" in p.message
+
+
+def test_preset_facts_follow_the_preset_config():
+    lp = load_profile_text('[model]\nsynthetic = "qwen3-30b-a3b"\n', "p.toml")
+    facts = model_facts(lp, "cuda")
+    cfg = preset_config("qwen3-30b-a3b")
+    assert facts.dtype == "float16" and facts.source == "synthetic:qwen3-30b-a3b"
+    assert (facts.num_hidden_layers, facts.num_experts, facts.mtp_layers) == (
+        cfg["num_hidden_layers"],
+        128,
+        1,
+    )
+    assert model_facts(lp, "cpu").dtype == "float32"
+
+
+def test_safetensors_header_is_read_without_the_tensors():
+    header = read_safetensors_header(MODELS / "mtp-micro" / "model.safetensors")
+    assert header["model.embed_tokens.weight"]["shape"] == [48, 16]
+    assert header["mtp.fc.weight"]["dtype"] == "BF16"
+
+
+def test_model_dir_gives_mtp_layers_and_dtype_from_the_headers():
+    lp = load_profile(
+        FIXTURES / "rules" / "spec.needs-mtp-weights.toml", [("model.path", str(MODELS / "mtp-micro"))]
+    )
+    facts = model_facts(lp, "cuda")
+    assert facts.mtp_layers == 1 and facts.dtype == "bfloat16"
+    assert facts.source == str((MODELS / "mtp-micro").resolve())
+    assert (facts.hidden_size, facts.num_experts, facts.head_dim) == (16, 4, 8)
+
+
+def test_mtp_comes_from_the_weights_not_the_config(tmp_path):
+    # A config that promises an MTP layer over weights without one (transformers drops MTP weights on save).
+    shutil.copy(MODELS / "nomtp-micro" / "model.safetensors", tmp_path / "model.safetensors")
+    config = json.loads((MODELS / "nomtp-micro" / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    lp = load_profile_text(f'[model]\npath = "{tmp_path}"\n', "p.toml")
+    assert model_facts(lp, "cuda").mtp_layers == 0
+
+
+def test_model_path_is_relative_to_the_file_that_wrote_it(tmp_path):
+    base_dir = tmp_path / "bases"
+    base_dir.mkdir()
+    shutil.copytree(MODELS / "mtp-micro", base_dir / "weights")
+    (base_dir / "model.toml").write_text('[model]\npath = "weights"\n')
+    child = tmp_path / "box.toml"
+    child.write_text('extends = "bases/model.toml"\n')
+    facts = model_facts(load_profile(child), "cuda")
+    assert facts.source == str((base_dir / "weights").resolve())
+
+
+def test_corrupt_header_is_a_profile_error(tmp_path):
+    shutil.copy(MODELS / "mtp-micro" / "config.json", tmp_path / "config.json")
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", 10) + b"not json!!")
+    profile = tmp_path / "p.toml"
+    profile.write_text(f'[model]\npath = "{tmp_path}"\n')
+    with pytest.raises(ProfileError) as err:
+        model_facts(load_profile(profile), "cuda")
+    (p,) = err.value.problems
+    assert p.key == "model.path" and p.line == line_of(profile, "path") and "safetensors headers" in p.message
+
+
+def test_machine_and_model_problems_are_reported_together():
+    lp = load_profile_text('[model]\npath = "/no/such/model/dir"\n', "p.toml")
+    with pytest.raises(ProfileError) as err:
+        gather_facts(lp)
+    assert sorted(p.key for p in err.value.problems) == ["machine", "model.path"]

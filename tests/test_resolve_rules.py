@@ -1,0 +1,486 @@
+"""Every resolution rule, pinned by a test named after it and a profile under profiles/rules/ that fires it.
+
+Two rules cannot be reached from a profile, because an earlier step always decides first (see UNREACHABLE);
+they are pinned by calling their gate directly.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from cfg_fixtures import RULES_DIR, decision, line_of, plan_of, problem, problems_of
+
+from strata_cfg.resolve import RULES, gates
+from strata_cfg.resolve.ledger import Ledger
+
+UNREACHABLE = {
+    # Two stages on one GPU are refused unless it is a test split, and a test split turns batching off in
+    # step 2, so step 3's first reason (batching off) always wins.
+    "batch-mtp.shared-gpu",
+    # A peer device with a split is refused in step 1, and without a split the first reason wins.
+    "pipeline-windows.peer-device",
+}
+
+
+def rule_file(rule_id: str):
+    return RULES_DIR / f"{rule_id}.toml"
+
+
+def _slug(rule_id: str) -> str:
+    return "test_" + rule_id.replace(".", "_").replace("-", "_")
+
+
+def test_every_rule_has_a_test_named_after_it_and_a_profile_that_fires_it():
+    tests = [name for name in globals() if name.startswith("test_")]
+    for rule_id in RULES:
+        assert any(t.startswith(_slug(rule_id)) for t in tests), f"no test named after {rule_id}"
+        if rule_id not in UNREACHABLE:
+            path = rule_file(rule_id)
+            assert path.exists(), f"no profile fires {rule_id}"
+            assert f"# rule: {rule_id}" in path.read_text()
+
+
+@pytest.mark.parametrize("rule_id", sorted(set(RULES) - UNREACHABLE))
+def test_each_rule_profile_fires_its_rule(rule_id):
+    path = rule_file(rule_id)
+    probe = (
+        (lambda: "0, Mystery Accelerator 9000, 24576\n") if rule_id == "machine.estimated-bandwidth" else None
+    )
+    kwargs = {"probe": probe} if probe else {}
+    if RULES[rule_id].severity == "error":
+        assert any(p.rule == rule_id for p in problems_of(path, **kwargs))
+    else:
+        assert any(d.rule == rule_id for d in plan_of(path, **kwargs).decisions)
+
+
+# ---- step 0 -------------------------------------------------------------------------------------
+
+
+def test_model_cpu_float32_forces_float32_and_says_so():
+    plan = plan_of(rule_file("model.cpu-float32"))
+    assert plan.model.facts.dtype == "float32"
+    s = plan.settings["model.dtype"]
+    assert (s.value, s.source.kind, s.requested) == ("float32", "forced", "float16")
+    d = decision(plan, "model.cpu-float32")
+    assert (
+        d.requested
+        and d.origin is not None
+        and d.origin.line == line_of(rule_file("model.cpu-float32"), "dtype")
+    )
+
+
+def test_memory_context_cap_clamps_to_the_models_positions():
+    plan = plan_of(rule_file("memory.context-cap"))
+    assert plan.memory.context == plan.model.facts.max_position_embeddings == 4096
+    assert decision(plan, "memory.context-cap").severity == "clamp"
+    assert plan.settings["memory.context"].requested == 8192
+
+
+def test_spec_needs_mtp_weights_turns_drafting_off():
+    plan = plan_of(rule_file("spec.needs-mtp-weights"))
+    assert not plan.model.facts.has_mtp
+    assert (plan.spec.draft_tokens, plan.spec.mtp) == (0, False)
+    assert plan.windows.solo_rows == 1
+    assert decision(plan, "spec.needs-mtp-weights").requested
+
+
+def test_machine_estimated_bandwidth_flags_an_unknown_probed_card():
+    plan = plan_of(
+        rule_file("machine.estimated-bandwidth"), probe=lambda: "0, Mystery Accelerator 9000, 24576\n"
+    )
+    (gpu,) = plan.machine.gpus
+    assert plan.machine.source == "probe"
+    assert gpu.bandwidth_estimated and gpu.vram_mib == 24576
+    assert "estimate" in decision(plan, "machine.estimated-bandwidth").message
+
+
+# ---- step 1 -------------------------------------------------------------------------------------
+
+
+def test_split_remote_host_is_refused_as_not_built():
+    p = problem(problems_of(rule_file("split.remote-host")), "split.remote-host")
+    assert p.key == "split.devices.1" and p.line == line_of(rule_file("split.remote-host"), "devices")
+    assert "node2" in p.message and "not built" in p.message
+
+
+def test_experts_peer_with_split_is_refused():
+    p = problem(problems_of(rule_file("experts.peer-with-split")), "experts.peer-with-split")
+    assert p.key == "experts.peer_device" and p.line == line_of(
+        rule_file("experts.peer-with-split"), "peer_device"
+    )
+
+
+def test_experts_peer_with_helpers_is_refused():
+    p = problem(problems_of(rule_file("experts.peer-with-helpers")), "experts.peer-with-helpers")
+    assert "helper" in p.message and p.line == line_of(rule_file("experts.peer-with-helpers"), "peer_device")
+
+
+def test_split_rising_refuses_falling_boundaries():
+    p = problem(problems_of(rule_file("split.rising")), "split.rising")
+    assert p.key == "split.layers" and "[3, 2]" in p.message
+
+
+def test_split_range_names_the_boundary_outside_the_layers():
+    p = problem(problems_of(rule_file("split.range")), "split.range")
+    assert p.key == "split.layers.0" and "below 4" in p.message
+    assert p.line == line_of(rule_file("split.range"), "layers")
+
+
+def test_split_max_stages_refuses_more_than_eight():
+    p = problem(problems_of(rule_file("split.max-stages")), "split.max-stages")
+    assert "10 stages" in p.message and "at most 8" in p.message
+
+
+def test_split_too_many_devices_refuses_more_devices_than_gpus():
+    problems = problems_of(rule_file("split.too-many-devices"))
+    p = problem(problems, "split.too-many-devices")
+    assert "3 split devices" in p.message and "2 GPUs" in p.message
+    assert problem(problems, "machine.device-missing").key == "split.devices.2"
+
+
+def test_split_device_count_wants_one_gpu_per_stage():
+    problems = problems_of(rule_file("split.device-count"))
+    p = problem(problems, "split.device-count")
+    assert "1 device for 2 stages" in p.message
+    assert [q.rule for q in problems] == ["split.device-count"]
+
+
+def test_machine_device_missing_names_the_key():
+    p = problem(problems_of(rule_file("machine.device-missing")), "machine.device-missing")
+    assert p.key == "experts.helper_devices.0" and "GPU 5 does not exist" in p.message
+
+
+def test_split_shared_gpu_needs_the_test_flag():
+    p = problem(problems_of(rule_file("split.shared-gpu")), "split.shared-gpu")
+    assert "test_shared_gpu" in p.message
+
+
+def test_experts_helper_is_stage_is_refused():
+    p = problem(problems_of(rule_file("experts.helper-is-stage")), "experts.helper-is-stage")
+    assert p.key == "experts.helper_devices.0" and "GPU 1 holds a stage" in p.message
+
+
+def test_split_auto_single_gpu_gives_one_stage_with_a_note():
+    plan = plan_of(rule_file("split.auto-single-gpu"))
+    assert len(plan.stages) == 1 and plan.stages[0].layers == (0, 4)
+    assert decision(plan, "split.auto-single-gpu").severity == "note"
+    assert plan.settings["split.layers"].value == []
+
+
+# ---- step 2 -------------------------------------------------------------------------------------
+
+
+def test_batch_single_slot_means_no_batching():
+    plan = plan_of(rule_file("batch.single-slot"))
+    assert (plan.batch.mode, plan.batch.slots) == ("solo", 1)
+    assert decision(plan, "batch.single-slot").severity == "note"
+
+
+def test_batch_test_split_turns_batching_off():
+    plan = plan_of(rule_file("batch.test-split"))
+    assert plan.split_test_shared_gpu and plan.batch.mode == "solo"
+    assert [s.gpu for s in plan.stages] == [0, 0]
+    assert decision(plan, "batch.test-split").requested
+
+
+def test_batch_max_slots_clamps_plain_batching_to_eight():
+    plan = plan_of(rule_file("batch.max-slots"))
+    assert plan.batch.slots == 8 and not plan.batch.mtp
+    assert plan.settings["batch.slots"].requested == 12
+    assert decision(plan, "batch.max-slots").severity == "clamp"
+
+
+def test_batch_max_slots_leaves_batch_mtp_slots_alone():
+    plan = plan_of(rule_file("windows.batch-mtp-rotation"), ["batch.slots=12"])
+    assert plan.batch.slots == 12 and plan.batch.mtp
+    assert not any(d.rule == "batch.max-slots" for d in plan.decisions)
+
+
+# ---- step 3 -------------------------------------------------------------------------------------
+
+
+def _batch_mtp_off(rule_id: str, sets=()) -> str:
+    plan = plan_of(rule_file(rule_id), sets)
+    assert not plan.batch.mtp
+    off = [d for d in plan.decisions if d.key == "batch.mtp" and d.severity == "off"]
+    assert [d.rule for d in off] == [rule_id], "exactly one reason turns batch MTP off: the first failing one"
+    assert off[0].requested and off[0].origin is not None
+    assert plan.settings["batch.mtp"].source.kind == "forced"
+    return off[0].message
+
+
+def test_batch_mtp_needs_batching():
+    assert "batching is off" in _batch_mtp_off("batch-mtp.needs-batching")
+
+
+def test_batch_mtp_needs_mtp_weights():
+    assert "no MTP weights" in _batch_mtp_off("batch-mtp.needs-mtp-weights")
+
+
+def test_batch_mtp_needs_spec():
+    assert "spec.draft_tokens = 1" in _batch_mtp_off("batch-mtp.needs-spec")
+
+
+def test_batch_mtp_shared_gpu_is_a_reason_when_batching_survives():
+    led = Ledger()
+    led.take("batch.slots", 2, 1)
+    led.take("batch.mtp", True, False)
+    led.take("spec.draft_tokens", 4, 4)
+    led.take("experts.helper_devices", None, ())
+    led.take("experts.remote_opt", None, False)
+    topo = gates.Topology(
+        n_stages=2,
+        devices=(0, 0),
+        hosts=("local", "local"),
+        auto=False,
+        boundaries=(2,),
+        usable=(0,),
+        devices_given=True,
+    )
+    model = plan_of(rule_file("batch-mtp.needs-serve")).model.facts
+    gates.batch_mtp_gate(model, topo, led, serving=True)
+    assert led["batch.mtp"] is False
+    assert [d.rule for d in led.decisions] == ["batch-mtp.shared-gpu"]
+
+
+def test_batch_mtp_needs_serve():
+    assert "[serve]" in _batch_mtp_off("batch-mtp.needs-serve")
+
+
+def test_batch_mtp_helper_caches():
+    assert "helper" in _batch_mtp_off("batch-mtp.helper-caches")
+
+
+def test_batch_mtp_remote_opt():
+    assert "remote expert opt" in _batch_mtp_off("batch-mtp.remote-opt")
+
+
+def test_batch_mtp_first_failing_reason_wins():
+    # No serve table AND draft_tokens 1: needs-spec comes first in the order.
+    message = _batch_mtp_off("batch-mtp.needs-spec", ["serve.port=9000"])
+    assert "draft_tokens" in message
+
+
+# ---- step 4 -------------------------------------------------------------------------------------
+
+
+def test_groups_auto_takes_the_largest_divisor_up_to_the_stages():
+    plan = plan_of(rule_file("groups.auto"))
+    assert (plan.batch.groups, plan.batch.mode, plan.batch.slots_per_window) == (2, "pipelined", 2)
+    s = plan.settings["batch.groups"]
+    assert (s.value, s.source.kind, s.source.rule) == (2, "derived", "groups.auto")
+    assert s.source.origin is not None  # the user wrote "auto" there
+
+
+@pytest.mark.parametrize(
+    ("slots", "stages", "groups"), [(4, 2, 2), (3, 2, 1), (6, 4, 3), (8, 4, 4), (5, 8, 5)]
+)
+def test_groups_auto_function(slots, stages, groups):
+    assert gates.auto_groups(slots, stages) == groups
+
+
+def test_groups_batch_mtp_yield_keeps_one_group_and_says_why():
+    plan = plan_of(rule_file("groups.batch-mtp-yield"))
+    assert (plan.batch.groups, plan.batch.mode, plan.batch.mtp) == (1, "serial", True)
+    d = decision(plan, "groups.batch-mtp-yield")
+    assert not d.requested
+    assert "one group of 2 slots" in d.message and "batch.groups = 2" in d.message
+
+
+def test_groups_no_split_warns_and_uses_one_group():
+    plan = plan_of(rule_file("groups.no-split"))
+    assert plan.batch.groups == 1 and plan.batch.mode == "serial"
+    d = decision(plan, "groups.no-split")
+    assert d.severity == "warn" and d.requested
+
+
+def test_groups_not_divisor_warns_and_uses_one_group():
+    plan = plan_of(rule_file("groups.not-divisor"))
+    assert plan.batch.groups == 1 and plan.batch.slots == 3
+    assert "do not divide 3 slots" in decision(plan, "groups.not-divisor").message
+
+
+def test_batch_mtp_pipelined_groups():
+    message = _batch_mtp_off("batch-mtp.pipelined-groups")
+    plan = plan_of(rule_file("batch-mtp.pipelined-groups"))
+    assert (plan.batch.groups, plan.batch.mode) == (2, "pipelined")
+    assert "pipelined slot groups" in message
+
+
+# ---- step 5 -------------------------------------------------------------------------------------
+
+
+def _windows_off(rule_id: str) -> str:
+    plan = plan_of(rule_file(rule_id))
+    assert plan.spec.pipeline_windows == 0
+    off = [d for d in plan.decisions if d.key == "split.pipeline_windows"]
+    assert [d.rule for d in off] == [rule_id]
+    assert off[0].requested
+    return off[0].message
+
+
+def test_pipeline_windows_needs_split():
+    assert "no layer split" in _windows_off("pipeline-windows.needs-split")
+
+
+def test_pipeline_windows_shared_gpu():
+    assert "test split" in _windows_off("pipeline-windows.shared-gpu")
+
+
+def test_pipeline_windows_two_stages():
+    assert "3 stages" in _windows_off("pipeline-windows.two-stages")
+
+
+def test_pipeline_windows_needs_mtp():
+    assert "MTP" in _windows_off("pipeline-windows.needs-mtp")
+
+
+def test_pipeline_windows_batch():
+    assert "batch slots" in _windows_off("pipeline-windows.batch")
+
+
+def test_pipeline_windows_peer_device_is_a_reason_on_a_two_stage_split():
+    led = Ledger()
+    led.take("split.pipeline_windows", 1, 0)
+    led.take("spec.draft_tokens", 4, 4)
+    led.take("batch.slots", None, 1)
+    led.take("experts.peer_device", 3, None)
+    led.take("experts.helper_devices", None, ())
+    led.take("split.test_shared_gpu", None, False)
+    topo = gates.Topology(
+        n_stages=2,
+        devices=(0, 1),
+        hosts=("local", "local"),
+        auto=False,
+        boundaries=(2,),
+        usable=(0, 1, 2),
+        devices_given=False,
+    )
+    model = plan_of(rule_file("batch-mtp.needs-serve")).model.facts
+    gates.pipeline_windows_gate(model, topo, led)
+    assert led["split.pipeline_windows"] == 0
+    assert [d.rule for d in led.decisions] == ["pipeline-windows.peer-device"]
+
+
+def test_pipeline_windows_helper_caches():
+    assert "helper" in _windows_off("pipeline-windows.helper-caches")
+
+
+def test_pipeline_windows_stay_on_when_every_reason_passes():
+    plan = plan_of(rule_file("pipeline-windows.batch"), ["batch.slots=1"])
+    assert plan.spec.pipeline_windows == 1
+
+
+# ---- step 6 -------------------------------------------------------------------------------------
+
+
+def test_split_auto_balances_and_records_the_boundaries():
+    plan = plan_of(rule_file("split.auto"))
+    s = plan.settings["split.layers"]
+    assert s.source.kind == "derived" and s.source.rule == "split.auto"
+    assert [st.layers[0] for st in plan.stages[1:]] == s.value
+    assert "predicted decode step" in decision(plan, "split.auto").message
+
+
+def test_split_auto_order_puts_the_faster_gpu_last():
+    plan = plan_of(rule_file("split.auto-order"))
+    assert [s.gpu for s in plan.stages] == [1, 0]
+    assert plan.machine.gpus[plan.stages[-1].gpu].name == "fast virtual device"
+    assert plan.settings["split.devices"].value == [1, 0]
+    assert not decision(plan, "split.auto-order").requested
+
+
+def test_split_auto_no_fit_is_refused():
+    p = problem(problems_of(rule_file("split.auto-no-fit")), "split.auto-no-fit")
+    assert p.key == "split.layers" and "fits" in p.message
+
+
+# ---- step 7 -------------------------------------------------------------------------------------
+
+
+def test_budget_overflow_prints_the_whole_breakdown():
+    p = problem(problems_of(rule_file("budget.overflow")), "budget.overflow")
+    for term in ("weights", "kv", "drafters", "workspace", "reserve", "MiB short"):
+        assert term in p.message
+    assert p.line == line_of(rule_file("budget.overflow"), "[memory]")
+
+
+def test_experts_cache_too_small_is_refused():
+    p = problem(problems_of(rule_file("experts.cache-too-small")), "experts.cache-too-small")
+    assert "room for 7 experts" in p.message and "8 one window" in p.message
+
+
+def test_experts_cache_holds_what_fits():
+    plan = plan_of(rule_file("experts.cache"))
+    g0 = plan.gpus[0]
+    assert g0.experts_resident < g0.experts_total
+    assert g0.budget.experts == g0.experts_resident * plan.model.facts.expert_bytes()
+    assert g0.budget.free < plan.model.facts.expert_bytes()  # nothing that could hold one more expert
+    assert plan.experts.cache == g0.experts_resident == plan.settings["experts.cache"].value
+    assert f"holds {g0.experts_resident} of its {g0.experts_total}" in decision(plan, "experts.cache").message
+
+
+def test_batch_mtp_all_experts_resident_notes_the_measurement():
+    plan = plan_of(rule_file("batch-mtp.all-experts-resident"))
+    assert plan.batch.mtp and all(g.experts_resident == g.experts_total for g in plan.gpus)
+    assert "slower" in decision(plan, "batch-mtp.all-experts-resident").message
+    assert plan.experts.cache is None
+
+
+def test_batch_mtp_all_experts_resident_is_silent_when_experts_stream():
+    sets = ["batch.slots=2", "batch.mtp=true", "serve.port=8000", "memory.context=900"]
+    plan = plan_of(rule_file("experts.cache"), sets)
+    assert plan.gpus[0].experts_resident < plan.gpus[0].experts_total
+    assert plan.batch.mtp
+    assert not any(d.rule == "batch-mtp.all-experts-resident" for d in plan.decisions)
+
+
+# ---- steps 8 and 9 ------------------------------------------------------------------------------
+
+
+def test_windows_batch_mtp_rotation_over_more_than_four_slots():
+    plan = plan_of(rule_file("windows.batch-mtp-rotation"))
+    assert (plan.batch.slots, plan.batch.slots_per_window, plan.windows.batch_rows) == (6, 4, 8)
+    assert plan.windows.handoff_rows == 8
+    assert "take turns" in decision(plan, "windows.batch-mtp-rotation").message
+
+
+def test_serve_exposed_warns_and_strict_refuses():
+    plan = plan_of(rule_file("serve.exposed"))
+    assert decision(plan, "serve.exposed").severity == "warn"
+    p = problem(problems_of(rule_file("serve.exposed"), strict=True), "serve.exposed")
+    assert p.key == "serve.host" and "strict" in p.message
+
+
+def test_serve_exposed_is_quiet_with_an_api_key_env():
+    plan = plan_of(rule_file("serve.exposed"), ["serve.api_key_env=STRATA_KEY"])
+    assert not any(d.rule == "serve.exposed" for d in plan.decisions)
+    assert plan.serve is not None and plan.serve.api_key_env == "STRATA_KEY"
+
+
+# ---- strict mode --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "rule_id",
+    [
+        "batch-mtp.pipelined-groups",
+        "batch-mtp.needs-serve",
+        "memory.context-cap",
+        "groups.no-split",
+        "model.cpu-float32",
+    ],
+)
+def test_strict_refuses_what_overrode_an_explicit_ask(rule_id):
+    p = problem(problems_of(rule_file(rule_id), strict=True), rule_id)
+    assert p.message.startswith("strict: ") and p.line is not None
+
+
+def test_strict_accepts_notes_that_override_nothing():
+    plan = plan_of(rule_file("groups.batch-mtp-yield"), strict=True)
+    assert plan.strict and plan.batch.mtp
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__]))
