@@ -85,8 +85,18 @@ def test_qk_norm_rope_kv_and_attention_match_twins(gpu, n_q, n_kv, d):
     vc = half(g.standard_normal((slots, n_kv, t, d)))
     kc_d, vc_d = cp.asarray(kc), cp.asarray(vc)
     q_d = cp.full((rows, n_q, d), cp.nan, cp.float32)
-    kern.qk_norm_rope_kv(cp.asarray(qkv), cp.asarray(qn), cp.asarray(kn), cp.asarray(pos), cp.asarray(slot), q_d,
-                         kc_d, vc_d, 1e6, 1e-6)
+    kern.qk_norm_rope_kv(
+        cp.asarray(qkv),
+        cp.asarray(qn),
+        cp.asarray(kn),
+        cp.asarray(pos),
+        cp.asarray(slot),
+        q_d,
+        kc_d,
+        vc_d,
+        1e6,
+        1e-6,
+    )
     q = np.empty((rows, n_q, d), np.float32)
     twins.qk_norm_rope_kv(qkv, qn, kn, pos, slot, q, kc, vc, 1e6, 1e-6)
     assert rel_err(q_d.get(), q) < 1e-3  # sincos of large angles in fp32
@@ -105,7 +115,13 @@ def test_qk_norm_rope_kv_and_attention_match_twins(gpu, n_q, n_kv, d):
 
 @pytest.mark.parametrize(
     ("rows", "e", "k", "h", "inter"),
-    [(1, 128, 8, 2048, 768), (3, 16, 4, 256, 128), (8, 8, 2, 64, 64), (4, 64, 8, 2048, 768), (2, 256, 8, 512, 256)],
+    [
+        (1, 128, 8, 2048, 768),
+        (3, 16, 4, 256, 128),
+        (8, 8, 2, 64, 64),
+        (4, 64, 8, 2048, 768),
+        (2, 256, 8, 512, 256),
+    ],
 )
 @pytest.mark.parametrize("norm_topk", [True, False])
 def test_moe_matches_twin(gpu, rows, e, k, h, inter, norm_topk):
@@ -119,10 +135,23 @@ def test_moe_matches_twin(gpu, rows, e, k, h, inter, norm_topk):
     resid = g.standard_normal((rows, h)).astype(np.float32)
     r_d = cp.asarray(resid)
     idx_d, w_d = cp.full((rows, k), -1, cp.int32), cp.full((rows, k), cp.nan, cp.float32)
-    kern.moe(cp.asarray(x), cp.asarray(nw), cp.asarray(logits), norm_topk, 1e-6, cp.asarray(gate_up),
-             cp.asarray(down), r_d, idx_d, w_d, cp.full((rows * k, inter), cp.nan, cp.float32))
+    kern.moe(
+        cp.asarray(x),
+        cp.asarray(nw),
+        cp.asarray(logits),
+        norm_topk,
+        1e-6,
+        cp.asarray(gate_up),
+        cp.asarray(down),
+        r_d,
+        idx_d,
+        w_d,
+        cp.full((rows * k, inter), cp.nan, cp.float32),
+    )
     idx, w = np.empty((rows, k), np.int32), np.empty((rows, k), np.float32)
-    twins.moe(x, nw, logits, norm_topk, 1e-6, gate_up, down, resid, idx, w, np.empty((rows * k, inter), np.float32))
+    twins.moe(
+        x, nw, logits, norm_topk, 1e-6, gate_up, down, resid, idx, w, np.empty((rows * k, inter), np.float32)
+    )
     np.testing.assert_array_equal(idx_d.get(), idx)
     assert rel_err(w_d.get(), w) < REL
     assert rel_err(r_d.get(), resid) < REL
@@ -139,8 +168,11 @@ def test_small_elementwise_kernels_match_twins(gpu):
     twins.silu_mul(gu, out)
     assert rel_err(out_d.get(), out) < REL
 
-    resid, y, gate = (g.standard_normal((rows, h)).astype(np.float32), g.standard_normal((rows, h)).astype(np.float32),
-                      g.standard_normal(rows).astype(np.float32))
+    resid, y, gate = (
+        g.standard_normal((rows, h)).astype(np.float32),
+        g.standard_normal((rows, h)).astype(np.float32),
+        g.standard_normal(rows).astype(np.float32),
+    )
     for gt in (None, gate):
         r_d = cp.asarray(resid)
         kern.add_scaled(r_d, cp.asarray(y), cp.asarray(gt) if gt is not None else None)

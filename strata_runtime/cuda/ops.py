@@ -81,8 +81,13 @@ class Kernels:
     # ---- launchers -------------------------------------------------------------------------------
 
     def gemv(
-        self, w: cp.ndarray, x: cp.ndarray, out: cp.ndarray, accumulate: bool = False,
-        norm: cp.ndarray | None = None, eps: float = 1e-6,
+        self,
+        w: cp.ndarray,
+        x: cp.ndarray,
+        out: cp.ndarray,
+        accumulate: bool = False,
+        norm: cp.ndarray | None = None,
+        eps: float = 1e-6,
     ) -> None:
         """out[R, N] (+)= x'[R, K] @ w[N, K].T; w fp16, x and out fp32.
 
@@ -93,23 +98,40 @@ class Kernels:
         nw = norm if norm is not None else _NULL
         if not _wide(k):
             self.fn("gemv_any")(
-                (math.ceil(n / WARPS_PER_BLOCK),), (THREADS,),
-                (w, x, out, np.int32(rows), np.int32(n), np.int32(k), np.int32(accumulate), nw, np.float32(eps)),
+                (math.ceil(n / WARPS_PER_BLOCK),),
+                (THREADS,),
+                (
+                    w,
+                    x,
+                    out,
+                    np.int32(rows),
+                    np.int32(n),
+                    np.int32(k),
+                    np.int32(accumulate),
+                    nw,
+                    np.float32(eps),
+                ),
             )
             return
         warps = math.ceil(n / gemv_rows_per_warp(rows))
         self.fn(self.gemv_expr(rows, k, norm is not None))(
-            (math.ceil(warps / WARPS_PER_BLOCK),), (THREADS,),
+            (math.ceil(warps / WARPS_PER_BLOCK),),
+            (THREADS,),
             (w, x, out, np.int32(n), np.int32(accumulate), nw, np.float32(eps)),
         )
 
     def add_rmsnorm(
         self, resid: cp.ndarray, delta: cp.ndarray | None, w: cp.ndarray, out: cp.ndarray, eps: float
     ) -> None:
-        """resid += delta (if given); out = rmsnorm(resid) * w. resid, delta, out: [R, H] fp32; w: [H] fp16."""
+        """resid += delta (if given); out = rmsnorm(resid) * w.
+
+        resid, delta, out: [R, H] fp32; w: [H] fp16.
+        """
         rows, h = resid.shape
         self.fn("add_rmsnorm")(
-            (rows,), (THREADS,), (resid, delta if delta is not None else _NULL, w, out, np.int32(h), np.float32(eps))
+            (rows,),
+            (THREADS,),
+            (resid, delta if delta is not None else _NULL, w, out, np.int32(h), np.float32(eps)),
         )
 
     def qk_norm_rope_kv(
@@ -127,7 +149,8 @@ class Kernels:
     ) -> None:
         """Normalise and rotate q and k per head, write k and v into the cache at (slot, position).
 
-        qkv: [R, (NQ + 2 NKV) D] fp32; q_out: [R, NQ, D] fp32; caches: [S, NKV, T, D] fp16; pos, slot: [R] int32.
+        qkv: [R, (NQ + 2 NKV) D] fp32; q_out: [R, NQ, D] fp32; caches: [S, NKV, T, D] fp16;
+        pos, slot: [R] int32.
         """
         rows = qkv.shape[0]
         _, n_q, d = q_out.shape
@@ -136,13 +159,33 @@ class Kernels:
         self.fn("qk_norm_rope_kv")(
             (rows, n_q + n_kv),
             (threads,),
-            (qkv, q_norm, k_norm, pos, slot, q_out, k_cache, v_cache, np.int32(n_q), np.int32(n_kv), np.int32(d),
-             np.int32(t), np.float32(theta), np.float32(eps)),
+            (
+                qkv,
+                q_norm,
+                k_norm,
+                pos,
+                slot,
+                q_out,
+                k_cache,
+                v_cache,
+                np.int32(n_q),
+                np.int32(n_kv),
+                np.int32(d),
+                np.int32(t),
+                np.float32(theta),
+                np.float32(eps),
+            ),
         )
 
     def attention(
-        self, q: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray, pos: cp.ndarray, slot: cp.ndarray,
-        out: cp.ndarray, scratch: cp.ndarray,
+        self,
+        q: cp.ndarray,
+        k_cache: cp.ndarray,
+        v_cache: cp.ndarray,
+        pos: cp.ndarray,
+        slot: cp.ndarray,
+        out: cp.ndarray,
+        scratch: cp.ndarray,
     ) -> None:
         """Causal decode attention of each row over positions 0..pos[r] of its slot. out: [R, NQ * D] fp32.
 
@@ -155,23 +198,46 @@ class Kernels:
         acc = scratch[: rows * n_kv * nc * g * d]
         ml = scratch[rows * n_kv * nc * g * d : rows * n_kv * nc * g * (d + 2)]
         self.fn(f"attn_partial<{d},{g}>")(
-            (rows, n_kv, nc), (128,), (q, k_cache, v_cache, pos, slot, acc, ml, np.int32(n_kv), np.int32(t),
-                                       np.int32(nc), np.float32(1.0 / math.sqrt(d)))
+            (rows, n_kv, nc),
+            (128,),
+            (
+                q,
+                k_cache,
+                v_cache,
+                pos,
+                slot,
+                acc,
+                ml,
+                np.int32(n_kv),
+                np.int32(t),
+                np.int32(nc),
+                np.float32(1.0 / math.sqrt(d)),
+            ),
         )
         self.fn(f"attn_combine<{d},{g}>")(
             (rows, n_kv), (256,), (acc, ml, pos, out, np.int32(n_kv), np.int32(nc)), shared_mem=nc * g * 4
         )
 
     def moe(
-        self, x: cp.ndarray, norm: cp.ndarray, logits: cp.ndarray, norm_topk: bool, eps: float,
-        gate_up: cp.ndarray, down: cp.ndarray, resid: cp.ndarray, idx: cp.ndarray, wts: cp.ndarray,
+        self,
+        x: cp.ndarray,
+        norm: cp.ndarray,
+        logits: cp.ndarray,
+        norm_topk: bool,
+        eps: float,
+        gate_up: cp.ndarray,
+        down: cp.ndarray,
+        resid: cp.ndarray,
+        idx: cp.ndarray,
+        wts: cp.ndarray,
         h_buf: cp.ndarray,
     ) -> None:
         """Route and run the experts: resid[R, H] += sum_j wts[r, j] * expert_{idx[r, j]}(x'[r]).
 
-        x': x normalised by ``norm`` ([H] fp16); logits: [R, E] router logits (softmax in fp32, top-k, ties to
-        the lower index, renormalised over the k when ``norm_topk``); gate_up: [E, 2I, H] fp16; down: [E, H, I]
-        fp16. idx [R, k] int32 and wts [R, k] fp32 receive the routing; h_buf: [R * k, I] fp32 scratch.
+        x': x normalised by ``norm`` ([H] fp16); logits: [R, E] router logits (softmax in fp32, top-k, ties
+        to the lower index, renormalised over the k when ``norm_topk``); gate_up: [E, 2I, H] fp16;
+        down: [E, H, I] fp16. idx [R, k] int32 and wts [R, k] fp32 receive the routing;
+        h_buf: [R * k, I] fp32 scratch.
         """
         rows, h = x.shape
         topk = idx.shape[1]
@@ -184,10 +250,14 @@ class Kernels:
         blocks_d = (math.ceil(rows * h / WARPS_PER_BLOCK),)
         common = (logits, np.int32(n_exp), np.int32(topk), np.int32(norm_topk), np.float32(eps))
         if gu_expr == "moe_gate_up_any":
-            self.fn(gu_expr)(tiles, (THREADS,), (gate_up, x, norm, *common, np.int32(h), np.int32(inter), h_buf,
-                                                 idx, wts))
-            self.fn(down_expr)(blocks_d, (THREADS,), (down, h_buf, idx, wts, np.int32(rows), np.int32(topk),
-                                                      np.int32(h), np.int32(inter), resid))
+            self.fn(gu_expr)(
+                tiles, (THREADS,), (gate_up, x, norm, *common, np.int32(h), np.int32(inter), h_buf, idx, wts)
+            )
+            self.fn(down_expr)(
+                blocks_d,
+                (THREADS,),
+                (down, h_buf, idx, wts, np.int32(rows), np.int32(topk), np.int32(h), np.int32(inter), resid),
+            )
         else:
             self.fn(gu_expr)(tiles, (THREADS,), (gate_up, x, norm, *common, h_buf, idx, wts))
             self.fn(down_expr)(blocks_d, (THREADS,), (down, h_buf, idx, wts, np.int32(rows), resid))
@@ -195,14 +265,16 @@ class Kernels:
     def silu_mul(self, gu: cp.ndarray, out: cp.ndarray) -> None:
         """out[R, I] = silu(gu[:, :I]) * gu[:, I:]."""
         rows, inter = out.shape
-        self.fn("silu_mul")((math.ceil(rows * inter / THREADS),), (THREADS,), (gu, out, np.int32(rows),
-                                                                               np.int32(inter)))
+        self.fn("silu_mul")(
+            (math.ceil(rows * inter / THREADS),), (THREADS,), (gu, out, np.int32(rows), np.int32(inter))
+        )
 
     def add_scaled(self, resid: cp.ndarray, y: cp.ndarray, gate: cp.ndarray | None = None) -> None:
         """resid += y, or resid += sigmoid(gate[r]) * y when a per-row gate [R] is given."""
         rows, h = resid.shape
         self.fn("add_scaled")(
-            (math.ceil(rows * h / THREADS),), (THREADS,),
+            (math.ceil(rows * h / THREADS),),
+            (THREADS,),
             (resid, y, gate if gate is not None else _NULL, np.int32(rows), np.int32(h)),
         )
 

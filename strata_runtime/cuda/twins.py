@@ -22,7 +22,11 @@ def _rms_inv(x: np.ndarray, eps: float) -> np.ndarray:
 
 
 def gemv(
-    w: np.ndarray, x: np.ndarray, out: np.ndarray, accumulate: bool = False, norm: np.ndarray | None = None,
+    w: np.ndarray,
+    x: np.ndarray,
+    out: np.ndarray,
+    accumulate: bool = False,
+    norm: np.ndarray | None = None,
     eps: float = 1e-6,
 ) -> None:
     if norm is not None:
@@ -31,7 +35,9 @@ def gemv(
     out[...] = out + y if accumulate else y
 
 
-def add_rmsnorm(resid: np.ndarray, delta: np.ndarray | None, w: np.ndarray, out: np.ndarray, eps: float) -> None:
+def add_rmsnorm(
+    resid: np.ndarray, delta: np.ndarray | None, w: np.ndarray, out: np.ndarray, eps: float
+) -> None:
     if delta is not None:
         resid += delta
     inv = 1.0 / np.sqrt(np.mean(resid * resid, axis=-1, keepdims=True) + eps)  # [R, 1]
@@ -53,8 +59,16 @@ def _head_rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
 
 
 def qk_norm_rope_kv(
-    qkv: np.ndarray, q_norm: np.ndarray, k_norm: np.ndarray, pos: np.ndarray, slot: np.ndarray, q_out: np.ndarray,
-    k_cache: np.ndarray, v_cache: np.ndarray, theta: float, eps: float,
+    qkv: np.ndarray,
+    q_norm: np.ndarray,
+    k_norm: np.ndarray,
+    pos: np.ndarray,
+    slot: np.ndarray,
+    q_out: np.ndarray,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    theta: float,
+    eps: float,
 ) -> None:
     rows = qkv.shape[0]
     _, n_q, d = q_out.shape
@@ -70,7 +84,12 @@ def qk_norm_rope_kv(
 
 
 def attention(
-    q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, pos: np.ndarray, slot: np.ndarray, out: np.ndarray
+    q: np.ndarray,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    pos: np.ndarray,
+    slot: np.ndarray,
+    out: np.ndarray,
 ) -> None:
     rows, n_q, d = q.shape
     n_kv = k_cache.shape[1]
@@ -87,8 +106,17 @@ def attention(
 
 
 def moe(
-    x: np.ndarray, norm: np.ndarray, logits: np.ndarray, norm_topk: bool, eps: float, gate_up: np.ndarray,
-    down: np.ndarray, resid: np.ndarray, idx: np.ndarray, wts: np.ndarray, h_buf: np.ndarray,
+    x: np.ndarray,
+    norm: np.ndarray,
+    logits: np.ndarray,
+    norm_topk: bool,
+    eps: float,
+    gate_up: np.ndarray,
+    down: np.ndarray,
+    resid: np.ndarray,
+    idx: np.ndarray,
+    wts: np.ndarray,
+    h_buf: np.ndarray,
 ) -> None:
     rows, topk = idx.shape
     inter = down.shape[2]
