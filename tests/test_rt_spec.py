@@ -23,9 +23,9 @@ def solo_engine(draft_tokens: int, stages: int) -> Engine:
 
 
 def generate(
-    eng: Engine, prompt: tuple[int, ...], n: int, sampling: SamplingParams = SamplingParams()
+    eng: Engine, prompt: tuple[int, ...], n: int, sampling: SamplingParams | None = None
 ) -> list[int]:
-    h = eng.submit(Request(prompt, n, sampling))
+    h = eng.submit(Request(prompt, n, sampling or SamplingParams()))
     while eng.step():
         pass
     return [t for _ in range(h.events.qsize()) for t in h.events.get().token_ids]
