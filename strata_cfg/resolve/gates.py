@@ -142,11 +142,17 @@ def resolve_defaults(
     sp = p.split
     led.take("split.test_shared_gpu", sp.test_shared_gpu if sp else None, False)
     led.take("split.pipeline_windows", sp.pipeline_windows if sp else None, 0)
-    return model, _topology(p, machine, led, helpers=helpers, peer=peer)
+    return model, _topology(p, machine, led, helpers=helpers, peer=peer, n_layers=model.num_hidden_layers)
 
 
 def _topology(
-    p: Profile, machine: MachineFacts, led: Ledger, *, helpers: tuple[int, ...], peer: int | None
+    p: Profile,
+    machine: MachineFacts,
+    led: Ledger,
+    *,
+    helpers: tuple[int, ...],
+    peer: int | None,
+    n_layers: int,
 ) -> Topology:
     sp = p.split
     excluded = set(helpers) | ({peer} if peer is not None else set())
@@ -155,7 +161,9 @@ def _topology(
     asked_devices = sp.devices if sp else None
     auto = layers == "auto"
     if auto:
-        n_stages = len(asked_devices) if asked_devices else len(usable)
+        # Unnamed devices: every usable GPU, as far as the layers (two on the first stage) and the stage
+        # limit allow.
+        n_stages = len(asked_devices) if asked_devices else min(len(usable), n_layers - 1, MAX_STAGES)
         if n_stages <= 1:
             led.resolve_auto(
                 "split.layers",
