@@ -1,6 +1,6 @@
 """Properties of `resolve` over random profiles (Hypothesis): it only ever refuses with a ProfileError, and
-plan it returns is consistent (layers covered once, drafters on the last stage, budgets that add up, groups
-that divide the slots, batch MTP on a split in one group, deterministic, JSON round trip)."""
+every plan it returns is consistent (layers covered once, drafters on the last stage, budgets that add up,
+groups that divide the slots, batch MTP on a split in one group, deterministic, JSON round trip)."""
 
 from __future__ import annotations
 
