@@ -65,6 +65,8 @@ class Server:
         self.draining = False
         self._factory = factory
         self.engine: EngineLoop | None = None
+        self.port: int | None = None
+        """The port bound, once listening (``options.port`` may be 0: any free port)."""
 
     # ---- application ---------------------------------------------------------------------------------------
 
@@ -306,7 +308,11 @@ class Server:
             self._count_event(event.token_ids, event.accepted_proposals)
             if event.finished in ("error", "cancelled"):
                 why = event.error if event.finished == "error" else "the server is shutting down"
-                err = p.ApiError(500 if event.finished == "error" else 503, f"the request ended early: {why}")
+                err = p.ApiError(
+                    500 if event.finished == "error" else 503,
+                    f"the request ended early: {why}",
+                    type_="server_error",
+                )
                 await _send(response, err.body())
                 break
             if event.text or event.finished:
@@ -328,8 +334,9 @@ class Server:
 
     # ---- lifecycle -----------------------------------------------------------------------------------------
 
-    async def serve(self) -> int:
-        """Bind, load the engine, serve until SIGTERM / SIGINT or an engine failure; return the exit code."""
+    async def serve(self, stop: asyncio.Event | None = None) -> int:
+        """Bind, load the engine, serve until SIGTERM / SIGINT (or ``stop``, when given) or an engine
+        failure; return the exit code."""
         loop = asyncio.get_running_loop()
         runner = web.AppRunner(
             self.app(),
@@ -337,25 +344,25 @@ class Server:
             access_log=log,
             access_log_class=_AccessLog,
             access_log_format='%a "%r" %s %b %Tfs',
+            shutdown_timeout=2.0,
         )
         await runner.setup()
-        site = web.TCPSite(runner, self.options.host, self.options.port, shutdown_timeout=2.0)
+        site = web.TCPSite(runner, self.options.host, self.options.port)
         try:
             await site.start()
         except OSError as exc:
             await runner.cleanup()
             log.error("cannot listen on %s:%d: %s", self.options.host, self.options.port, exc.strerror or exc)
             return 1
+        self.port = int(runner.addresses[0][1])
         log.info(
-            "listening on http://%s:%d (model `%s`)",
-            self.options.host,
-            self.options.port,
-            self.options.model_name,
+            "listening on http://%s:%d (model `%s`)", self.options.host, self.port, self.options.model_name
         )
 
-        stop = asyncio.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+        if stop is None:
+            stop = asyncio.Event()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, stop.set)
         self.engine = EngineLoop(self._factory, loop)
         self.engine.start()
         failed = asyncio.ensure_future(self._wait_failed())

@@ -2,8 +2,9 @@
 
 The engine thread builds the engine (so the devices are owned by the thread that uses them), then
 loops ``engine.step()``. The asyncio side only ever calls ``submit`` and ``RequestHandle.cancel()``. After
-every step that did work, the engine thread schedules one `_pump` on the event loop, which wakes every
-request waiting for events; the events themselves travel through each handle's thread-safe queue.
+every step taken while requests are outstanding, the engine thread schedules one `_pump` on the event
+loop, which wakes every request waiting for events; the events themselves travel through each handle's
+thread-safe queue.
 """
 
 from __future__ import annotations
@@ -177,9 +178,11 @@ class EngineLoop:
             except BaseException as exc:
                 self._fail("the engine failed while stepping", exc)
                 return
-            if busy:
+            # A step that found nothing to run may still have finished requests (a cancelled one is
+            # answered as it is reaped), so every step with requests outstanding is followed by a pump.
+            if busy or self._streams:
                 self._schedule_pump()
-            else:
+            if not busy:
                 self._wake.wait(IDLE_WAIT_S)
                 self._wake.clear()
 

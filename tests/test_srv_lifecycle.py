@@ -1,0 +1,175 @@
+"""The server's life around the real demo engine, in process: loading, an engine failure, and SIGTERM.
+
+Two tests here control the engine from outside, because that is what they are about: one holds the real
+engine's construction behind a gate to observe the loading state, and one wraps the real engine so that its
+step raises, to check what the HTTP side does when the engine thread dies (the real engine has no way to
+fail on demand). The SIGTERM test runs the real server process, untouched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import threading
+from typing import Any
+
+import aiohttp
+import pytest
+from srv_helpers import DEMO, REPO, free_port
+
+from strata_cfg.runner import resolve_profile, write_plan
+from strata_runtime.engine import Engine
+from strata_runtime.server import ServeOptions, Server
+
+
+@pytest.fixture(scope="module")
+def plan():
+    return resolve_profile(DEMO)
+
+
+def _server(plan, factory) -> Server:
+    return Server(plan, factory, ServeOptions(host="127.0.0.1", port=0, model_name="demo", api_key=None))
+
+
+async def _started(server: Server, stop: asyncio.Event) -> asyncio.Task[int]:
+    task = asyncio.create_task(server.serve(stop))
+    while server.port is None:
+        assert not task.done(), "the server stopped before listening"
+        await asyncio.sleep(0.01)
+    return task
+
+
+async def _post(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    async with session.post(url, json=body) as r:
+        return r.status, await r.json()
+
+
+def test_health_and_requests_say_loading_until_the_engine_is_built(plan):
+    gate = threading.Event()
+
+    def gated(progress):
+        gate.wait(30)
+        return Engine(plan, progress=progress)
+
+    async def scenario() -> int:
+        server, stop = _server(plan, gated), asyncio.Event()
+        task = await _started(server, stop)
+        base = f"http://127.0.0.1:{server.port}"
+        async with aiohttp.ClientSession() as s:
+            async with s.get(f"{base}/health") as r:
+                assert r.status == 503
+                assert (await r.json())["status"] == "loading"
+            status, body = await _post(s, f"{base}/v1/completions", {"model": "demo", "prompt": "hi"})
+            assert status == 503 and "still loading" in body["error"]["message"]
+            gate.set()
+            for _ in range(600):
+                async with s.get(f"{base}/health") as r:
+                    if r.status == 200:
+                        break
+                await asyncio.sleep(0.05)
+            status, body = await _post(
+                s, f"{base}/v1/completions", {"model": "demo", "prompt": "hi", "max_tokens": 3}
+            )
+            assert status == 200 and body["usage"]["completion_tokens"] == 3
+        stop.set()
+        return await task
+
+    assert asyncio.run(scenario()) == 0
+
+
+class _FailingStep:
+    """The real engine, whose step raises once a request is being served."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self.tokenizer = engine.tokenizer
+
+    def submit(self, request):
+        return self._engine.submit(request)
+
+    def stats(self):
+        return self._engine.stats()
+
+    def step(self) -> bool:
+        busy = self._engine.step()
+        if busy and self._engine.totals["tokens"] >= 2:
+            raise RuntimeError("a device fell off the bus")
+        return busy
+
+
+def test_an_engine_that_fails_while_serving_gives_500s_and_a_nonzero_exit(plan):
+    async def scenario() -> int:
+        server = _server(plan, lambda progress: _FailingStep(Engine(plan, progress=progress)))
+        task = await _started(server, asyncio.Event())
+        base = f"http://127.0.0.1:{server.port}"
+        async with aiohttp.ClientSession() as s:
+            while True:
+                async with s.get(f"{base}/health") as r:
+                    if r.status == 200:
+                        break
+                await asyncio.sleep(0.05)
+            status, body = await _post(
+                s, f"{base}/v1/completions", {"model": "demo", "prompt": "hi", "max_tokens": 50}
+            )
+            assert status == 500
+            message = body["error"]["message"]
+            assert "the engine failed" in message and "a device fell off the bus" in message
+            assert "Traceback" not in json.dumps(body)
+        # The server ends by itself, with a failure code, so a supervisor restarts it.
+        return await asyncio.wait_for(task, 30)
+
+    assert asyncio.run(scenario()) == 1
+
+
+def test_sigterm_finishes_short_requests_and_cancels_long_ones_within_the_bound(plan, tmp_path):
+    port = free_port()
+    plan_file = write_plan(plan, tmp_path / "plan.json")
+    log_file = tmp_path / "engine.log"
+    with log_file.open("wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "strata_runtime", "serve", "--plan", str(plan_file), "--port", str(port)]
+            + ["--drain-seconds", "1.0"],
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    base = f"http://127.0.0.1:{port}"
+
+    async def scenario() -> tuple[str, dict[str, Any]]:
+        async with aiohttp.ClientSession() as s:
+            for _ in range(1200):
+                try:
+                    async with s.get(f"{base}/health") as r:
+                        if r.status == 200:
+                            break
+                except aiohttp.ClientConnectionError:
+                    pass
+                await asyncio.sleep(0.05)
+            long_body = {"model": "demo", "prompt": "Once upon a time", "max_tokens": 1000, "stream": True}
+            long_body["temperature"] = 0
+            async with s.post(f"{base}/v1/completions", json=long_body) as stream:
+                await stream.content.readline()  # the first chunk: the request is being served
+                short = asyncio.create_task(
+                    _post(s, f"{base}/v1/completions", {"model": "demo", "prompt": "Twice", "max_tokens": 16})
+                )
+                while not short.done():  # both requests are in the server before SIGTERM comes
+                    async with s.get(f"{base}/v1/status") as r:
+                        if (await r.json())["requests_in_flight"] == 2:
+                            break
+                proc.send_signal(signal.SIGTERM)
+                text = (await stream.read()).decode()
+            _, short_body = await short
+            return text, short_body
+
+    text, short_body = asyncio.run(scenario())
+    assert proc.wait(timeout=30) == 0
+    # The long stream was cut at the drain bound with an error chunk, and still ended properly.
+    assert '"error"' in text and "shutting down" in text
+    assert text.rstrip().endswith("data: [DONE]")
+    # The short request that was in flight when SIGTERM came finished whole.
+    assert short_body["choices"][0]["finish_reason"] in ("stop", "length")
+    assert 1 <= short_body["usage"]["completion_tokens"] <= 16
+    assert "cancelling 1 requests still in flight" in log_file.read_text()
