@@ -93,6 +93,8 @@ class Device:
 
     def asarray(self, host: np.ndarray, dtype: Any = None) -> Any:
         """Copy a host array onto this device (converting its dtype on the device side when asked)."""
+        if not self.is_cuda:  # a fresh array: never a view of a memory-mapped file or of another stage's data
+            return np.array(host, dtype=dtype or host.dtype, copy=True)
         with self.use():
             out = self.xp.asarray(host)
             if dtype is not None and out.dtype != dtype:

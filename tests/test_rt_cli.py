@@ -1,0 +1,66 @@
+"""`strata generate` and `strata bench` as a new user runs them, on the embedded demo profile."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def strata(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "strata_cfg", *args], capture_output=True, text=True, timeout=300
+    )
+
+
+def test_generate_prints_json_with_tokens_text_and_accepted_proposals() -> None:
+    out = strata(
+        "generate", "profiles/demo.toml", "--prompt", "Hello", "--max-tokens", "24", "--json", "--quiet"
+    )
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout)
+    assert len(res["token_ids"]) == 24 and res["finish_reason"] == "length"
+    assert res["text"] and res["accepted_proposals"] > 0
+
+
+def test_generate_from_prompt_ids_streams_text() -> None:
+    out = strata("generate", "--prompt-ids", "72,101,108", "--max-tokens", "12")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() and "proposals accepted" in out.stderr and "drafters: slots" in out.stderr
+
+
+@pytest.mark.parametrize("workload", ["two-decodes", "read-beside-decode"])
+def test_bench_runs_every_arm_with_equal_text(workload) -> None:
+    out = strata(
+        "bench", "profiles/demo.toml", "--workload", workload, "--tokens", "16", "--repeats", "2", "--json"
+    )
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout)
+    assert set(res["arms"]) == {"serial", "pipelined", "batch-mtp", "solo"}
+    for name, arm in res["arms"].items():
+        case = arm[workload]
+        assert case["repeats"] == 2 and case["median"]["tok_s"] > 0
+        if name != "serial":
+            assert case["text_equal_to_serial"] and "gain_ci95" in case
+    assert res["arms"]["batch-mtp"]["plan"]["batch_mtp"] and res["arms"]["pipelined"]["plan"]["groups"] == 2
+    if workload == "two-decodes":
+        assert res["arms"]["batch-mtp"][workload]["median"]["accepted_pct"] > 0
+
+
+def test_bench_table_says_when_an_arm_is_forced() -> None:
+    out = strata(
+        "bench",
+        "profiles/demo.toml",
+        "--set",
+        "spec.draft_tokens=0",
+        "--arms",
+        "serial,batch-mtp",
+        "--tokens",
+        "8",
+        "--repeats",
+        "1",
+    )
+    assert "arm batch-mtp forced: runs as serial, 1 group(s), batch MTP off" in out.stderr
+    assert "gain vs serial" in out.stdout

@@ -1,0 +1,86 @@
+"""Each fused CuPy kernel against its NumPy twin on fresh random inputs of several shapes (needs a GPU)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from strata_runtime.kernels.activation import silu_mul, silu_mul_reference
+from strata_runtime.kernels.norm import rms_norm, rms_norm_reference
+from strata_runtime.kernels.random import tensor_seed, uniform_
+from strata_runtime.kernels.rope import rope, rope_reference
+
+pytestmark = pytest.mark.gpu
+TOL = {np.float32: 2e-6, np.float16: 2e-3}
+"""Relative error bound (max |gpu - numpy| / max |numpy|) per dtype."""
+
+
+def _rel(got, want) -> float:
+    got = got.get().astype(np.float64)
+    want = want.astype(np.float64)
+    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("shape", [(1, 64), (7, 2048), (5, 4, 128), (3, 33)])
+def test_rms_norm(dtype, shape) -> None:
+    import cupy as cp
+
+    rng = np.random.default_rng()
+    x = (rng.standard_normal(shape) * 3).astype(dtype)
+    w = rng.uniform(0.5, 1.5, shape[-1]).astype(dtype)
+    assert _rel(rms_norm(cp.asarray(x), cp.asarray(w), 1e-6), rms_norm_reference(x, w, 1e-6)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("shape", [(1, 768), (8, 96), (300, 64)])
+def test_silu_mul(dtype, shape) -> None:
+    import cupy as cp
+
+    rng = np.random.default_rng()
+    h = (rng.standard_normal((shape[0], 2 * shape[1])) * 2).astype(dtype)
+    i = shape[1]
+    got = silu_mul(cp.asarray(h)[:, :i], cp.asarray(h)[:, i:])  # strided views, as the experts use them
+    assert _rel(got, silu_mul_reference(h[:, :i], h[:, i:])) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize(("rows", "heads", "dim"), [(1, 32, 128), (8, 4, 128), (37, 2, 16)])
+def test_rope(dtype, rows, heads, dim) -> None:
+    import cupy as cp
+
+    rng = np.random.default_rng()
+    x = rng.standard_normal((rows, heads, dim)).astype(dtype)
+    ang = rng.uniform(0, 100, (rows, dim // 2)).astype(np.float32)
+    cos, sin = np.cos(ang), np.sin(ang)
+    got = rope(cp.asarray(x), cp.asarray(cos), cp.asarray(sin))
+    assert _rel(got, rope_reference(x, cos, sin)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("size", [1, 1000, 1 << 20])
+def test_counter_random_weights_are_bit_identical(dtype, size) -> None:
+    import cupy as cp
+
+    seed = tensor_seed(int(np.random.default_rng().integers(1 << 30)), "w")
+    got = uniform_(cp.empty(size, dtype=dtype), seed, 0.37)
+    assert np.array_equal(got.get(), uniform_(np.empty(size, dtype=dtype), seed, 0.37))
+
+
+def test_tiny_model_on_the_gpu_matches_the_cpu_path() -> None:
+    from rt_plans import make_plan
+
+    from strata_runtime.layout import Layout
+    from strata_runtime.model import Model
+
+    cpu = make_plan(stages=2, draft_tokens=4)
+    gpu = cpu.model_copy(
+        update={"stages": tuple(s.model_copy(update={"device": "cuda:0"}) for s in cpu.stages)}
+    )
+    prompt = np.array(list(b"on the GPU"))
+    want = Model.from_plan(cpu)
+    got = Model.from_plan(gpu)
+    lay = Layout.of([(0, len(prompt), 0)])
+    a = want.logits(want.forward(prompt, lay))
+    b = got.logits(got.forward(prompt, lay)).get()
+    assert np.abs(a - b).max() / np.abs(a).max() < 1e-4
