@@ -86,7 +86,7 @@ class Executor:
 
         def work(s: int, w: int) -> None:
             stage = stages[s]
-            with self._stream(stage.device):
+            with stage.device.use(), self._stream(stage.device):
                 h = (
                     stage.embed(jobs[w].token_array())
                     if s == 0
