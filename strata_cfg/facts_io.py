@@ -13,9 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import struct
-import subprocess
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -118,10 +116,16 @@ def parse_nvidia_smi(text: str) -> list[GpuFacts]:
 
 def probe_nvidia_smi() -> str:
     """Run nvidia-smi and return its CSV; raises OSError when there is no usable nvidia-smi."""
+    import shutil  # only when probing: keeps `strata plan` on a written [machine] from paying for it
+    import subprocess
+
     exe = shutil.which("nvidia-smi")
     if exe is None:
         raise OSError("nvidia-smi was not found on PATH")
-    done = subprocess.run([exe, *_SMI_QUERY], capture_output=True, text=True, timeout=20, check=False)
+    try:
+        done = subprocess.run([exe, *_SMI_QUERY], capture_output=True, text=True, timeout=20, check=False)
+    except subprocess.TimeoutExpired:
+        raise OSError("nvidia-smi did not answer within 20 s") from None
     if done.returncode != 0:
         raise OSError(f"nvidia-smi failed: {done.stderr.strip() or done.returncode}")
     return done.stdout
@@ -147,7 +151,7 @@ def machine_facts(loaded: LoadedProfile, *, probe: Callable[[], str] = probe_nvi
         raise _problem(loaded, "machine.probe", "virtual CPU devices cannot be probed: write [machine] gpus")
     try:
         found = parse_nvidia_smi(probe())
-    except (OSError, subprocess.SubprocessError, ValueError, IndexError) as exc:
+    except (OSError, ValueError, IndexError) as exc:
         raise _problem(
             loaded, "machine.probe", f"cannot probe the GPUs ({exc}); write [machine] gpus instead"
         ) from None

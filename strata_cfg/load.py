@@ -10,7 +10,6 @@ replaced whole. ``name`` and ``description`` belong to each file and are not inh
 
 from __future__ import annotations
 
-import difflib
 import os
 import re
 import tomllib
@@ -292,6 +291,8 @@ def validation_problems(
         path = _loc_key(tuple(err["loc"]), data)
         key = ".".join(path)
         if err["type"] == "extra_forbidden":
+            import difflib  # only on errors
+
             valid = _fields_at(path[:-1])
             msg = f"unknown key `{path[-1]}`"
             close = difflib.get_close_matches(path[-1], valid, n=1)
