@@ -94,7 +94,8 @@ def resolve_defaults(
 
     mem = p.memory
     max_ctx = model.max_position_embeddings
-    context = led.take("memory.context", mem.context if mem else None, DEFAULT_CONTEXT)
+    # The default is already within the model's positions; only an asked-for context is clamped.
+    context = led.take("memory.context", mem.context if mem else None, min(DEFAULT_CONTEXT, max_ctx))
     if context > max_ctx:
         led.change(
             "memory.context",
