@@ -217,9 +217,31 @@ def estimated_bandwidth(machine: MachineFacts, topo: Topology, led: Ledger) -> N
 # ---- step 1 -------------------------------------------------------------------------------------
 
 
+_REFUSAL_READS = {
+    "split.layers": ("split.rising", "split.range", "split.max-stages", "split.too-many-devices"),
+    "split.devices": (
+        "split.remote-host",
+        "split.too-many-devices",
+        "split.device-count",
+        "machine.device-missing",
+        "split.shared-gpu",
+    ),
+    "experts.peer_device": ("experts.peer-with-split", "experts.peer-with-helpers", "machine.device-missing"),
+    "experts.helper_devices": (
+        "experts.peer-with-helpers",
+        "machine.device-missing",
+        "experts.helper-is-stage",
+    ),
+}
+"""Keys step 1 reads, and the rules that read them (for `strata explain`)."""
+
+
 def parse_time_refusals(machine: MachineFacts, model: ModelFacts, topo: Topology, led: Ledger) -> None:
     """Profiles the engine would refuse to start. Every refusal is collected."""
     n_gpus = len(machine.gpus)
+    for key, rules in _REFUSAL_READS.items():
+        for rule_id in rules:
+            led.get(key, rule_id)
     for i, host in enumerate(topo.hosts):
         if host != "local":
             led.refuse(
@@ -403,7 +425,7 @@ def auto_groups(slots: int, stages: int) -> int:
 def resolve_groups(topo: Topology, led: Ledger) -> None:
     """Groups resolved as a pure function of slots, stages and batch MTP, then the group-dependent gate."""
     asked = led.asked("batch.groups")
-    slots = max(led["batch.slots"], 1)
+    slots = max(led.get("batch.slots", "groups.auto"), 1)
     stages = topo.n_stages
     defaulted = asked is None and topo.split and slots > 1
     if asked == "auto" or defaulted:
