@@ -24,12 +24,25 @@ class KVCache:
     """Keys and values [layers, slots, K, T, D] on one device, and each slot's length."""
 
     def __init__(
-        self, device: Device, layers: int, slots: int, kv_heads: int, context: int, head_dim: int, dtype: Any
+        self,
+        device: Device,
+        layers: int,
+        slots: int,
+        kv_heads: int,
+        context: int,
+        head_dim: int,
+        dtype: Any,
+        arrays: tuple[Any, Any] | None = None,
     ) -> None:
+        """``arrays`` (optional): preallocated keys and values of the same shape, e.g. views of a cache
+        shared by several drafters so that one kernel launch can index all of them by slot."""
         self.device, self.context = device, context
         shape = (layers, slots, kv_heads, context, head_dim)
-        self.k = device.zeros(shape, dtype)  # [Ls, S, K, T, D]
-        self.v = device.zeros(shape, dtype)  # [Ls, S, K, T, D]
+        if arrays is None:
+            arrays = (device.zeros(shape, dtype), device.zeros(shape, dtype))
+        elif tuple(arrays[0].shape) != shape or tuple(arrays[1].shape) != shape:
+            raise ValueError(f"KV arrays of shape {arrays[0].shape} given for a cache of shape {shape}")
+        self.k, self.v = arrays  # [Ls, S, K, T, D] each
         self.lengths = np.zeros(slots, dtype=np.int64)
         self._layers = layers
 

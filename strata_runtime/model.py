@@ -153,10 +153,27 @@ class Model:
                 return transfer(first_stage.embed(ids), first_stage.device, last_stage.device)
 
             mtp = MtpHead(tensors, args, last_stage.device, last_stage.rope, last_stage.lm_head, embed)
+            ids = list(plan.last_stage.drafters) or list(range(slots))
+            shared = None
+            if last_stage.device.is_cuda:
+                # One MTP KV [1, S, K, T, D] for every drafter (each keeps a view of its slot), so that one
+                # CUDA graph can serve draft windows of any slots.
+                shape = (1, slots, args.num_key_value_heads, context, args.head_dim)
+                shared = (last_stage.device.zeros(shape, kv_dtype), last_stage.device.zeros(shape, kv_dtype))
+                if mtp.use_cuda(*shared) is not None:
+                    shared = None
             drafters = {
-                s: Drafter(s, last_stage.device, args, context, dtype, kv_dtype)
-                for s in plan.last_stage.drafters
-            } or {s: Drafter(s, last_stage.device, args, context, dtype, kv_dtype) for s in range(slots)}
+                s: Drafter(
+                    s,
+                    last_stage.device,
+                    args,
+                    context,
+                    dtype,
+                    kv_dtype,
+                    kv_arrays=(shared[0][:, s : s + 1], shared[1][:, s : s + 1]) if shared else None,
+                )
+                for s in ids
+            }
         if ckpt is not None:
             tokenizer = tokenizer_for(str(ckpt.directory), args.vocab_size, config)
         else:

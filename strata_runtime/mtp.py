@@ -37,10 +37,19 @@ class Drafter:
     """
 
     def __init__(
-        self, slot: int, device: Device, args: ModelArgs, context: int, dtype: Any, kv_dtype: Any
+        self,
+        slot: int,
+        device: Device,
+        args: ModelArgs,
+        context: int,
+        dtype: Any,
+        kv_dtype: Any,
+        kv_arrays: tuple[Any, Any] | None = None,
     ) -> None:
+        """``kv_arrays``: this slot's views [1, 1, K, T, D] of a KV cache shared by all drafters (GPUs)."""
         self.slot, self.device = slot, device
-        self.kv = KVCache(device, 1, 1, args.num_key_value_heads, context, args.head_dim, kv_dtype)
+        kv_heads, head_dim = args.num_key_value_heads, args.head_dim
+        self.kv = KVCache(device, 1, 1, kv_heads, context, head_dim, kv_dtype, arrays=kv_arrays)
         self.hidden = device.zeros((MAX_WINDOW_ROWS, args.hidden_size), dtype)  # [8, H]
         self.logits = device.zeros((MAX_WINDOW_ROWS, args.vocab_size), device.xp.float32)  # [8, V]
 
@@ -91,6 +100,17 @@ class MtpHead:
         self.lm_head = lm_head  # [V, H], the main model's
         self.embed = embed  # token ids -> embedding rows [R, H] on this device
         self.weight_bytes = sum(int(t.nbytes) for n, t in tensors.items() if n.startswith("mtp."))
+        self.cuda: Any = None  # CudaMtp, once `use_cuda` hands it the drafters' shared KV
+
+    def use_cuda(self, k_cache: Any, v_cache: Any) -> str | None:
+        """Run draft windows of at most 8 rows as CUDA graphs over the drafters' shared KV [1, S, K, T, D].
+        Returns why not, when the kernels cannot run this head."""
+        from .cuda import decode
+
+        why = decode.supported(self.args, self.fc.dtype, k_cache.dtype)
+        if why is None:
+            self.cuda = decode.CudaMtp(self.device.index, self, self.args, k_cache, v_cache)
+        return why
 
     def __call__(self, drafters: dict[int, Drafter], tokens: np.ndarray, hidden: Any, layout: Layout) -> Any:
         """The head's post-norm output [R, H] for rows (token t+1, hidden at t) at the layout's positions."""
@@ -98,6 +118,8 @@ class MtpHead:
         with self.device.use():
             kv = _DrafterKV(drafters)
             kv.begin(layout.segments)
+            if self.cuda is not None and 0 < layout.rows <= MAX_WINDOW_ROWS:
+                return self.cuda.forward(self.embed(tokens), hidden, layout)  # [R, H] fp32
             e = rms_norm(self.embed(tokens), self.pre_fc_norm_embedding, eps)  # [R, H]
             h = rms_norm(hidden, self.pre_fc_norm_hidden, eps)  # [R, H]
             x = linear(xp.concatenate([e, h], axis=-1), self.fc)  # [R, H]
@@ -107,5 +129,8 @@ class MtpHead:
 
     def logits(self, out: Any) -> Any:
         """Draft logits [R, V] in fp32 from the head's output rows."""
+        if self.cuda is not None and out.shape[0] <= MAX_WINDOW_ROWS:
+            return self.cuda.logits(out)  # [R, V] fp32
         with self.device.use():
-            return linear(out, self.lm_head).astype(self.device.xp.float32)
+            x = out.astype(self.lm_head.dtype, copy=False)
+            return linear(x, self.lm_head).astype(self.device.xp.float32)

@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from strata_cfg.schema.windows import MAX_WINDOW_ROWS
+
 from .backend import Device
 from .kernels.norm import rms_norm
 from .kvcache import KVCache
@@ -61,6 +63,23 @@ class Stage:
         self.norm = tensors.get("model.norm.weight")  # [H] on the last stage
         self.lm_head = tensors.get("lm_head.weight")  # [V, H] on the last stage
         self.weight_bytes = sum(int(t.nbytes) for t in tensors.values())
+        self.cuda: Any = None  # the CUDA decode path (strata_runtime.cuda.decode), on GPUs that can run it
+        self.cuda_head: Any = None
+        self.cuda_refused: str | None = None
+        if device.is_cuda:
+            self._build_cuda()
+
+    def _build_cuda(self) -> None:
+        from .cuda import decode
+
+        dtype = self.layers[0].input_layernorm.dtype if self.layers else self.kv.k.dtype
+        self.cuda_refused = decode.supported(self.args, dtype, self.kv.k.dtype)
+        if self.cuda_refused is not None:
+            return
+        gpu, eps = self.device.index, self.args.rms_norm_eps
+        self.cuda = decode.CudaLayers(gpu, self.layers, self.args, self.kv.k, self.kv.v)
+        if self.last:
+            self.cuda_head = decode.CudaHead(gpu, self.norm, self.lm_head, eps)
 
     def embed(self, token_ids: np.ndarray) -> Any:
         """The embedding rows [R, H] of ``token_ids`` (first stage only)."""
@@ -68,10 +87,16 @@ class Stage:
             return self.embed_tokens[self.device.xp.asarray(token_ids)]  # [R, H]
 
     def forward(self, hidden: Any, layout: Layout) -> Any:
-        """Run this stage's layers over a window's hidden rows [R, H], writing their KV."""
+        """Run this stage's layers over a window's hidden rows [R, H], writing their KV.
+
+        On a GPU a window of at most 8 rows (decode, drafts, short prompts) runs as one replayed CUDA graph
+        and comes back in fp32; longer prefill chunks run the array code below.
+        """
         xp = self.device.xp
         with self.device.use():
             self.kv.begin(layout.segments)
+            if self.cuda is not None and 0 < layout.rows <= MAX_WINDOW_ROWS:
+                return self.cuda.forward(hidden, layout)  # [R, H] fp32
             cos, sin = self.rope.at(layout)  # [R, D/2] each
             for j, layer in enumerate(self.layers):
                 hidden = layer(xp, hidden, layout, self.kv, j, cos, sin)  # [R, H]
@@ -79,10 +104,15 @@ class Stage:
 
     def final_norm(self, hidden: Any) -> Any:
         """The post-final-norm hidden rows [R, H] (last stage only): the LM head's input and the MTP's."""
+        if self.cuda_head is not None and hidden.shape[0] <= MAX_WINDOW_ROWS:
+            return self.cuda_head.final_norm(hidden)  # [R, H] fp32
         with self.device.use():
             return rms_norm(hidden, self.norm, self.args.rms_norm_eps)
 
     def logits(self, normed: Any) -> Any:
         """Logits [R, V] in fp32 (last stage only)."""
+        if self.cuda_head is not None and normed.shape[0] <= MAX_WINDOW_ROWS:
+            return self.cuda_head.logits(normed)  # [R, V] fp32
         with self.device.use():
-            return linear(normed, self.lm_head).astype(self.device.xp.float32)
+            x = normed.astype(self.lm_head.dtype, copy=False)
+            return linear(x, self.lm_head).astype(self.device.xp.float32)

@@ -39,10 +39,12 @@ def _fuse(mod: Any, names: tuple[str, ...]) -> cp.ndarray:
     return fused
 
 
-def supported(args: ModelArgs, layers: list[DecoderLayer], dtype: Any) -> str | None:
-    """Why the CUDA path cannot run these layers, or None when it can."""
+def supported(args: ModelArgs, dtype: Any, kv_dtype: Any) -> str | None:
+    """Why the CUDA path cannot run a model of these shapes and dtypes, or None when it can."""
     if np.dtype(dtype) != np.float16:
         return f"weights are {np.dtype(dtype)}, the kernels read float16"
+    if np.dtype(kv_dtype) != np.float16:
+        return f"the KV cache is {np.dtype(kv_dtype)}, the kernels write float16"
     if args.attention_bias:
         return "attention biases are not in the kernels"
     if args.num_experts > 256:
@@ -155,9 +157,26 @@ class CudaLayers:
             widths = [lay.mlp_down.shape[1] for lay in self.layers if lay.mlp_down is not None]
             self.mlp_width = max(widths, default=0)
             self.capture_stream = cp.cuda.Stream(non_blocking=True)
+            # Compile every kernel any window can need in one NVRTC run now, not window by window later.
+            self.kern.prepare(self.expressions())
         self._bufs: dict[int, _Buffers] = {}
         self._graphs: dict[int, Any] = {}
         self._seen: set[int] = set()
+
+    def expressions(self) -> list[str]:
+        """The kernel instantiations windows of 1 to 8 rows through these layers (and a head) use."""
+        a = self.args
+        h, q = a.hidden_size, a.num_attention_heads * a.head_dim
+        widths = {lay.mlp_down.shape[1] for lay in self.layers if lay.mlp_down is not None}
+        out = ["add_rmsnorm", "qk_norm_rope_kv", "silu_mul", "add_scaled", "argmax_rows", "gemv_any"]
+        out += self.kern.attn_exprs(a.head_dim, a.num_attention_heads // a.num_key_value_heads)
+        if a.num_experts:
+            out += self.kern.moe_exprs(h, a.moe_intermediate_size, a.num_experts_per_tok)
+        for rows in range(1, MAX_WINDOW_ROWS + 1):
+            out += [self.kern.gemv_expr(rows, h, True), self.kern.gemv_expr(rows, h, False)]
+            out += [self.kern.gemv_expr(rows, q, False)]
+            out += [self.kern.gemv_expr(rows, w, False) for w in widths]
+        return out
 
     def buffers(self, rows: int) -> _Buffers:
         if rows not in self._bufs:
@@ -283,6 +302,11 @@ class CudaMtp:
             )
             self.layers = CudaLayers(device_id, [head.layer], args, k_cache, v_cache)
         self.kern = self.layers.kern
+        self.head = CudaHead(device_id, head.norm, head.lm_head, args.rms_norm_eps)
+
+    def logits(self, out: Any) -> cp.ndarray:
+        """Draft logits [R, V] in fp32 from the head's output rows."""
+        return self.head.logits(out)
 
     def _body(self, b: _Buffers) -> None:
         k, eps = self.kern, self.args.rms_norm_eps
