@@ -34,6 +34,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "loadtest": ("strata_cfg.commands.loadtest", "N clients for T seconds against a running engine"),
     "generate": ("strata_cfg.commands.generate", "one request through the engine: text, or JSON with --json"),
     "bench": ("strata_cfg.commands.bench", "benchmark arms of a profile on a named workload (BENCH.md)"),
+    "tui": ("strata_cfg.commands.tui", "edit profiles and watch the resolved plan change as you type"),
 }
 """Subcommand name -> (module path, one-line help). Other parts of strata add their commands here."""
 

@@ -1,0 +1,329 @@
+"""`strata tui` driven with Pilot: keys pressed, state asserted, on copies of the repository's profiles."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+
+import pytest
+from textual.widgets import Static
+from tui_helpers import DEMO, PRODUCTION, copy_profiles, pilot_test, plain, row_of, settle
+
+from strata_cfg.tui.app import StrataApp
+from strata_cfg.tui.document import backup_path
+from strata_cfg.tui.screens.dialogs import ConfirmScreen, PageScreen
+from strata_cfg.tui.screens.diff import DiffScreen
+from strata_cfg.tui.screens.help import HelpScreen
+from strata_cfg.tui.screens.launch import LaunchScreen
+from strata_cfg.tui.screens.new_profile import NewProfileScreen
+
+SIZE = (160, 48)  # wide enough that a problem's message fits on its editor line
+
+
+@pytest.fixture
+def profiles(tmp_path, monkeypatch) -> Path:
+    monkeypatch.chdir(tmp_path)
+    copy_profiles(tmp_path)
+    return Path("profiles")
+
+
+def _app(first: str | None = DEMO, **kw) -> StrataApp:
+    kw.setdefault("debounce_s", 0.05)
+    return StrataApp(Path("profiles"), Path(first) if first else None, **kw)
+
+
+def _shown(app: StrataApp, part: str) -> str:
+    return plain(app.query_one(f"#plan-{part}", Static).content)
+
+
+async def _go_to_end_of(pilot, line: str) -> int:
+    app = pilot.app
+    row = row_of(app.editor.text, line)
+    app.editor.move_cursor((row, len(line)))
+    await pilot.pause()
+    return row
+
+
+@pilot_test
+async def test_setting_batch_groups_to_2_turns_batch_mtp_off_in_the_plan_view_with_its_reason(profiles):
+    app = _app(PRODUCTION)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        assert "batch MTP on" in _shown(app, "summary")
+        assert "batch-mtp.pipelined-groups" not in _shown(app, "decisions")
+
+        await _go_to_end_of(pilot, "mtp = true")
+        await pilot.press("enter", *"groups = 2")
+        await settle(pilot)
+
+        summary = _shown(app, "summary")
+        assert "2 groups · pipelined · ! batch MTP off [batch-mtp.pipelined-groups]" in summary
+        decisions = _shown(app, "decisions").splitlines()
+        # The asked-for feature a rule turned off comes first, marked, with its reason and where asked.
+        assert decisions[0].startswith("! OFF batch-mtp.pipelined-groups")
+        assert "does not combine with pipelined slot groups" in decisions[0]
+        assert f"asked at {PRODUCTION}:{row_of(app.editor.text, 'mtp = true') + 1}" in decisions[0]
+        assert app.outcome.resolved is not None and app.outcome.resolved.plan.batch.mtp is False
+        assert "● modified" in plain(app.query_one("#status", Static).content)
+
+        # Undo brings batch MTP back: the view follows the text both ways.
+        await pilot.press("ctrl+z")
+        await settle(pilot)
+        assert "batch MTP on" in _shown(app, "summary")
+
+
+@pilot_test
+async def test_a_key_typo_shows_the_did_you_mean_at_its_line_in_the_editor(profiles):
+    app = _app(DEMO)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        row = await _go_to_end_of(pilot, "slots = 2")
+        app.editor.move_cursor((row, len("slots")))
+        await pilot.press("backspace")  # slots -> slot
+        await settle(pilot)
+
+        message = "unknown key `slot`; did you mean `slots`?"
+        assert app.editor.problems == {row: message}
+        drawn = app.editor.render_line(row - app.editor.scroll_offset.y).text
+        assert drawn.lstrip().startswith(f"{row + 1}") and f"slot = 2  ◀ {message}" in drawn
+        assert f"line {row + 1}  batch.slot: {message}" in _shown(app, "problems")
+        assert app.plan_view.has_class("-stale")  # the last plan that resolved stays, dimmed
+        assert "refused: 1 problem" in plain(app.query_one("#status", Static).content)
+
+        await pilot.press("s")  # fixed: the mark goes
+        await settle(pilot)
+        assert app.editor.problems == {} and not app.plan_view.has_class("-stale")
+
+
+@pilot_test
+async def test_saving_writes_the_file_and_keeps_a_backup(profiles):
+    path = profiles / "demo.toml"
+    before = path.read_text()
+    app = _app(DEMO)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        port = 20000 + secrets.randbelow(20000)
+        row = row_of(app.editor.text, "port = 8000")
+        app.editor.move_cursor((row, len("port = ")))
+        await pilot.press("shift+end", *str(port))
+        await settle(pilot)
+        assert app.modified
+        await pilot.press("ctrl+s")
+        await pilot.pause()
+        assert path.read_text() == before.replace("port = 8000", f"port = {port}")
+        assert backup_path(path).read_text() == before
+        assert not app.modified
+        assert " saved" in plain(app.query_one("#status", Static).content)
+
+
+@pilot_test
+async def test_a_save_that_would_clobber_a_change_on_disk_is_refused(profiles):
+    path = profiles / "demo.toml"
+    app = _app(DEMO)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        elsewhere = path.read_text() + f"# changed in another editor {secrets.token_hex(4)}\n"
+        path.write_text(elsewhere)
+        await _go_to_end_of(pilot, "mtp = true")
+        await pilot.press("enter", *"groups = 2")
+        await pilot.press("ctrl+s")
+        await pilot.pause()
+        assert path.read_text() == elsewhere
+        assert not backup_path(path).exists()
+        assert app.modified  # the edits are still in the editor, not lost either
+
+        # The diff says why, and reloading takes the file as it is on disk now.
+        await pilot.press("ctrl+r")
+        await pilot.pause()
+        assert isinstance(app.screen, DiffScreen)
+        page = plain(app.screen.body)
+        assert "changed on disk since it was opened" in page and "+groups = 2" in page
+        await pilot.press("r")
+        await settle(pilot)
+        assert app.editor.text == elsewhere and not app.modified
+
+
+@pilot_test
+async def test_a_crash_during_save_leaves_the_original_intact(profiles, monkeypatch):
+    path = profiles / "demo.toml"
+    before = path.read_text()
+    app = _app(DEMO)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        await _go_to_end_of(pilot, "mtp = true")
+        await pilot.press("enter", *"groups = 2")
+
+        def crash(src, dst):
+            raise OSError(5, "Input/output error")
+
+        monkeypatch.setattr(os, "replace", crash)
+        await pilot.press("ctrl+s")
+        await pilot.pause()
+        assert path.read_text() == before
+        assert sorted(p.name for p in profiles.iterdir() if p.name.startswith(".")) == []  # no temp files
+        assert app.modified
+
+
+@pilot_test
+async def test_explain_shows_value_source_and_rules_of_the_key_under_the_cursor(profiles):
+    app = _app(DEMO)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        row = await _go_to_end_of(pilot, "mtp = true")
+        await pilot.press("ctrl+t")
+        await pilot.pause()
+        assert isinstance(app.screen, PageScreen)
+        page = plain(app.screen.body)
+        assert page.startswith("batch.mtp = true")
+        assert f"source     user ({DEMO}:{row + 1})" in page
+        assert "batch-mtp.needs-batching" in page and "batch-mtp.pipelined-groups" in page
+        await pilot.press("escape")
+        # On the table header: every key of the table, defaults and derived ones included.
+        await _go_to_end_of(pilot, "[batch]")
+        await pilot.press("f2")
+        await pilot.pause()
+        page = plain(app.screen.body)
+        assert "batch.groups = 1" in page and "derived by groups.batch-mtp-yield" in page
+
+
+@pilot_test
+async def test_diff_shows_text_and_plan_changes_against_the_saved_file(profiles):
+    app = _app(DEMO)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        await _go_to_end_of(pilot, "mtp = true")
+        await pilot.press("enter", *"groups = 2")
+        await settle(pilot)
+        await pilot.press("ctrl+r")
+        await pilot.pause()
+        page = plain(app.screen.body)
+        assert "+groups = 2" in page
+        assert "batch.mtp" in page and "true -> false" in page
+        assert "+ off   batch-mtp.pipelined-groups" in page
+
+
+@pilot_test
+async def test_new_profile_from_a_machine_probe_opens_unsaved_and_saves_into_the_list(profiles):
+    vram = [8192 + 1024 * secrets.randbelow(16) for _ in range(2)]
+    csv = "".join(f"{i}, NVIDIA GeForce RTX 3090, {v}\n" for i, v in enumerate(vram))
+    app = _app(DEMO, probe=lambda: csv)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        await pilot.press("ctrl+n")
+        await pilot.pause()
+        assert isinstance(app.screen, NewProfileScreen)
+        screen = app.screen
+        for _ in range(100):
+            if screen.result is not None:
+                break
+            await pilot.pause(0.02)
+        await pilot.press("ctrl+u", *"profiles/box", "enter")
+        await settle(pilot)
+        path = Path("profiles/box.toml")
+        assert not path.exists() and app.modified
+        assert f"vram_mib = {vram[1]}, bandwidth_gbs = 936" in app.editor.text
+        plan = app.outcome.resolved.plan
+        assert [g.vram_mib for g in plan.machine.gpus] == vram and len(plan.stages) == 2
+        await pilot.press("ctrl+s")
+        await pilot.pause()
+        assert path.read_text() == app.editor.text
+        assert path in app.profile_list.paths
+
+
+@pilot_test
+async def test_a_failed_probe_still_gives_a_profile_that_resolves(profiles):
+    def no_gpu() -> str:
+        raise OSError("nvidia-smi was not found on PATH")
+
+    app = _app(DEMO, probe=no_gpu)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        await pilot.press("f4")
+        await pilot.pause()
+        for _ in range(100):
+            if app.screen.result is not None:
+                break
+            await pilot.pause(0.02)
+        assert "nvidia-smi was not found" in plain(app.screen.query_one("#probe-result", Static).content)
+        await pilot.press("enter")
+        await settle(pilot)
+        assert "nvidia-smi was not found on PATH" in app.editor.text
+        assert app.outcome.resolved is not None and app.outcome.resolved.machine.backend == "cpu"
+
+
+@pilot_test
+async def test_switching_profiles_with_unsaved_edits_asks_first(profiles):
+    app = _app(None)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        assert app.file.path == Path(DEMO)  # the first profile in the list opens
+        app.editor.focus()
+        await pilot.press("x")
+        await pilot.press("ctrl+o")
+        assert app.profile_list.has_focus
+        await pilot.press("down", "enter")
+        assert isinstance(app.screen, ConfirmScreen)
+        await pilot.press("n")
+        assert app.file.path == Path(DEMO) and app.modified
+        await pilot.press("enter", "y")
+        await settle(pilot)
+        assert app.file.path == Path("profiles/gpu16-x4.toml") and not app.modified
+
+
+@pilot_test
+async def test_every_pane_is_reached_with_tab_and_every_action_has_a_key(profiles):
+    app = _app(DEMO)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settle(pilot)
+        assert not app.profile_list.display  # narrow: the list hides once a profile is open
+        focused = []
+        await pilot.press("ctrl+o")
+        for _ in range(3):
+            focused.append(app.focused.id if app.focused else None)
+            await pilot.press("tab")
+        assert focused == ["profiles", "editor", "plan"]
+        await pilot.press("f1")
+        await pilot.pause()
+        assert isinstance(app.screen, HelpScreen)
+        page = plain(app.screen.body)
+        for key in (
+            "Ctrl+O",
+            "Ctrl+S",
+            "Ctrl+T / F2",
+            "Ctrl+R / F3",
+            "Ctrl+N / F4",
+            "Ctrl+L / F5",
+            "F1",
+            "Ctrl+Q",
+        ):
+            assert key in page
+
+
+@pilot_test
+async def test_launch_refuses_a_profile_without_serve_and_starts_nothing(profiles, tmp_path):
+    oneshot = profiles / "oneshot.toml"
+    oneshot.write_text((profiles / "demo.toml").read_text().split("[serve]")[0])
+    app = _app(str(oneshot), runs_root=tmp_path / "runs")
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        await pilot.press("ctrl+l")
+        await pilot.pause()
+        assert isinstance(app.screen, LaunchScreen)
+        shown = plain(app.screen.query_one("#launch-summary", Static).content)
+        assert "has no [serve] table" in shown
+        await pilot.press("enter")
+        await pilot.pause()
+        assert not (tmp_path / "runs").exists()
+
+
+@pilot_test
+async def test_launch_asks_to_save_first(profiles):
+    app = _app(DEMO)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        app.editor.focus()
+        await pilot.press("x")
+        await pilot.press("ctrl+l")
+        await pilot.pause()
+        assert not isinstance(app.screen, LaunchScreen)
