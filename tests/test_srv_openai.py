@@ -36,6 +36,26 @@ def _prompt() -> str:
     return f"Once upon a time {secrets.token_hex(4)}"
 
 
+def _full_length_prompt(client: openai.OpenAI, max_tokens: int) -> tuple[str, str]:
+    """A fresh prompt whose greedy reply runs all ``max_tokens`` (the random demo model may emit its
+    end-of-text token early for some prompts), and that reply."""
+    for _ in range(50):
+        prompt = _prompt()
+        r = client.completions.create(model="demo", prompt=prompt, max_tokens=max_tokens, temperature=0)
+        if r.choices[0].finish_reason == "length":
+            assert r.usage.completion_tokens == max_tokens
+            return prompt, r.choices[0].text
+    raise AssertionError("no prompt ran to max_tokens in 50 tries")
+
+
+def _served(r: openai.types.Completion, max_tokens: int) -> None:
+    """A whole reply: it ended at max_tokens, or earlier at the model's end-of-text token."""
+    finish = r.choices[0].finish_reason
+    assert finish in ("length", "stop")
+    assert (r.usage.completion_tokens == max_tokens) == (finish == "length")
+    assert r.usage.completion_tokens <= max_tokens
+
+
 def _metrics(engine: Launched) -> dict[str, float]:
     status, body = http("GET", f"{engine.url}/metrics", headers={"Authorization": f"Bearer {engine.key}"})
     assert status == 200
@@ -53,12 +73,10 @@ def _busy_slots(engine: Launched) -> int:
 
 
 def test_completion_chat_and_streaming(client: openai.OpenAI):
-    prompt = _prompt()
+    prompt, text = _full_length_prompt(client, 24)
     whole = client.completions.create(model="demo", prompt=prompt, max_tokens=24, temperature=0)
-    text = whole.choices[0].text
-    assert whole.usage.completion_tokens == 24 and whole.choices[0].finish_reason == "length"
+    assert whole.choices[0].text == text  # greedy is deterministic
     assert whole.usage.prompt_tokens == len(prompt.encode())  # the demo model's tokenizer is byte-level
-    assert text
 
     chunks = list(
         client.completions.create(model="demo", prompt=prompt, max_tokens=24, temperature=0, stream=True)
@@ -78,7 +96,8 @@ def test_completion_chat_and_streaming(client: openai.OpenAI):
     messages = [{"role": "user", "content": _prompt()}]
     chat = client.chat.completions.create(model="demo", messages=messages, max_tokens=16, temperature=0)
     assert chat.choices[0].message.role == "assistant"
-    assert chat.usage.completion_tokens == 16
+    assert chat.choices[0].finish_reason in ("length", "stop")
+    assert chat.usage.prompt_tokens > 0 and chat.usage.completion_tokens <= 16
     stream = client.chat.completions.create(
         model="demo",
         messages=messages,
@@ -92,9 +111,7 @@ def test_completion_chat_and_streaming(client: openai.OpenAI):
         "".join(p.choices[0].delta.content or "" for p in parts if p.choices)
         == chat.choices[0].message.content
     )
-    assert (
-        parts[-1].usage.completion_tokens == 16 and parts[-1].usage.prompt_tokens == chat.usage.prompt_tokens
-    )
+    assert parts[-1].usage == chat.usage
 
 
 def test_seeded_sampling_is_reproducible(client: openai.OpenAI):
@@ -139,16 +156,22 @@ def test_three_times_more_clients_than_slots_all_complete_whole(engine: Launched
         t.join()
     assert sorted(results) == list(range(n))
     for i, r in results.items():
-        assert r.usage.completion_tokens == 48 and r.choices[0].finish_reason == "length"
+        _served(r, 48)
         # Nothing lost or mixed up: each reply equals the same request served alone.
         alone = client.completions.create(model="demo", prompt=prompts[i], max_tokens=48, temperature=0)
         assert r.choices[0].text == alone.choices[0].text
+        assert r.usage.completion_tokens == alone.usage.completion_tokens
 
 
 def test_a_client_that_disconnects_frees_its_slot(engine: Launched, client: openai.OpenAI):
     before = _metrics(engine)
     stream = client.completions.create(
-        model="demo", prompt=_prompt(), max_tokens=900, temperature=0, stream=True
+        # A greedy reply from this prompt runs past 900 tokens on the demo model.
+        model="demo",
+        prompt="Once upon a time",
+        max_tokens=900,
+        temperature=0,
+        stream=True,
     )
     for i, _ in enumerate(stream):
         if i == 3:
@@ -163,14 +186,15 @@ def test_a_client_that_disconnects_frees_its_slot(engine: Launched, client: open
     # The request stopped early: far fewer than its 900 tokens were made.
     assert after["strata_tokens_total"] - before["strata_tokens_total"] < 600
     # And the freed slot serves the next request.
-    r = client.completions.create(model="demo", prompt=_prompt(), max_tokens=5)
-    assert r.usage.completion_tokens == 5
+    _served(client.completions.create(model="demo", prompt=_prompt(), max_tokens=5), 5)
 
 
 def test_metrics_count_what_was_served(engine: Launched, client: openai.OpenAI):
     before = _metrics(engine)
-    n = 7 + secrets.randbelow(10)
-    client.completions.create(model="demo", prompt=_prompt(), max_tokens=n, temperature=0)
+    r = client.completions.create(
+        model="demo", prompt=_prompt(), max_tokens=7 + secrets.randbelow(10), temperature=0
+    )
+    n = r.usage.completion_tokens
     after = _metrics(engine)
     ok = 'strata_requests_total{endpoint="completions",outcome="ok"}'
     assert after[ok] == before[ok] + 1
@@ -286,8 +310,7 @@ def test_bad_input_gets_a_4xx_naming_the_field_and_the_engine_keeps_serving(
     assert words in error["message"]
     assert error["param"] == param
     assert "Traceback" not in body.decode()
-    r = client.completions.create(model="demo", prompt=_prompt(), max_tokens=4)
-    assert r.usage.completion_tokens == 4
+    _served(client.completions.create(model="demo", prompt=_prompt(), max_tokens=4), 4)
 
 
 def test_loadtest_reports_requests_errors_and_latency(engine: Launched):
@@ -304,6 +327,30 @@ def test_loadtest_reports_requests_errors_and_latency(engine: Launched):
     assert 0 < result["latency_p50_s"] <= result["latency_p95_s"]
 
 
+def test_bench_drives_the_launched_engine_over_http(engine: Launched):
+    before = _metrics(engine)
+    proc = strata(
+        *("bench", "--url", engine.url, "--workload", "two-decodes", "--repeats", "2", "--tokens", "24"),
+        *("--api-key-env", "STRATA_TEST_KEY", "--json"),
+        env={"STRATA_TEST_KEY": engine.key},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(proc.stdout)
+    plan = json.loads((engine.run_dir / "plan.json").read_text())
+    assert (
+        result["plan"]["mode"] == plan["batch"]["mode"]
+        and result["plan"]["batch_mtp"] == plan["batch"]["mtp"]
+    )
+    case = result["cases"]["two-decodes"]
+    assert len(case["runs"]) == 2
+    assert case["median"]["tok_s"] > 0 and case["median"]["rows_per_window"] >= 1
+    # Two runs of two 24-token streams went through the engine (greedy replies may end early at EOS).
+    after = _metrics(engine)
+    ok = 'strata_requests_total{endpoint="completions",outcome="ok"}'
+    assert after[ok] - before[ok] == 4
+    assert 0 < after["strata_completion_tokens_total"] - before["strata_completion_tokens_total"] <= 4 * 24
+
+
 def test_a_killed_engine_is_restarted_by_the_launcher(engine: Launched, client: openai.OpenAI):
     old = engine.engine_pid()
     os.kill(old, signal.SIGKILL)
@@ -312,8 +359,7 @@ def test_a_killed_engine_is_restarted_by_the_launcher(engine: Launched, client: 
     assert "the engine was killed by SIGKILL" in out
     assert re.search(r"restarting in \d+(\.\d+)? s \(restart 1 of at most \d+\)", out)
     assert engine.engine_pid() != old and not alive(old)
-    r = client.completions.create(model="demo", prompt=_prompt(), max_tokens=6)
-    assert r.usage.completion_tokens == 6
+    _served(client.completions.create(model="demo", prompt=_prompt(), max_tokens=6), 6)
 
 
 def test_sigterm_stops_the_launcher_and_the_engine_cleanly(engine: Launched):

@@ -4,6 +4,9 @@ Each arm is the profile plus ``--set`` overrides, resolved here like any profile
 refuses is reported and skipped; an arm a rule changed (so it does not run what its name says) is run and
 reported as forced, with the rule's sentence. The plans go to ``python -m strata_runtime bench``, which runs
 the arms interleaved in one engine process and prints the table (or ``--json``).
+
+With ``--url`` it measures a launched engine over HTTP instead, as its clients see it
+(`strata_cfg.http_bench`): the same workloads and figures, for the one plan that engine runs.
 """
 
 from __future__ import annotations
@@ -43,6 +46,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--run-dir", type=Path, help="where the arms' plans are written (default: a temp dir)"
     )
+    parser.add_argument(
+        "--url",
+        help="measure a launched engine over HTTP (strata launch) instead of arms in process; "
+        "the engine runs its one plan, so --arms does not apply",
+    )
+    parser.add_argument("--api-key-env", help="with --url: the variable holding the engine's API key")
 
 
 def arm_runs_as_named(name: str, plan: LaunchPlan) -> bool:
@@ -67,7 +76,26 @@ def arm_note(name: str, plan: LaunchPlan) -> str | None:
     return f"forced: runs as {runs}" + (f" ({'; '.join(why)})" if why else "")
 
 
+def run_url(args: argparse.Namespace) -> int:
+    """The workload against a launched engine, through the HTTP driver."""
+    import json
+    import os
+
+    from ..http_bench import bench_lines, bench_url
+
+    key = os.environ.get(args.api_key_env) if args.api_key_env else None
+    try:
+        result = bench_url(args.url, args.workload, tokens=args.tokens, repeats=args.repeats, api_key=key)
+    except (OSError, RuntimeError, ValueError) as exc:
+        print(f"strata bench: {args.url}: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
+    print(json.dumps(result, indent=2) if args.json else "\n".join(bench_lines(result)))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.url:
+        return run_url(args)
     names = [a.strip() for a in args.arms.split(",") if a.strip()]
     unknown = [a for a in names if a not in ARMS]
     if unknown or not names:

@@ -13,7 +13,7 @@ import json
 import logging
 import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +41,16 @@ class _AccessLog(web_log.AccessLogger):
     def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
         if request.path not in ("/health", "/metrics"):
             super().log(request, response, time)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A stretch of a request's reply: its text, the tokens it took, and how the request ended, if it did."""
+
+    text: str
+    finish: str | None
+    tokens: int
+    error: str | None = None
 
 
 @dataclass
@@ -256,21 +266,37 @@ class Server:
         finally:
             stream.close()
 
+    async def _pieces(self, stream: Stream, prepared: p.Prepared) -> AsyncIterator[Piece]:
+        """The request's text as the client may see it: stop strings cut, ending with its finish."""
+        stops = p.StopText(prepared.stop)
+        async for event in stream.events():
+            self._count_event(event.token_ids, event.accepted_proposals)
+            n = len(event.token_ids)
+            if event.finished in ("error", "cancelled"):
+                yield Piece("", event.finished, n, event.error)
+                return
+            text = stops.feed(event.text)
+            if stops.stopped:  # the engine request is cancelled when the stream closes
+                yield Piece(text, "stop", n)
+                return
+            if event.finished is not None:
+                text += stops.flush()
+            yield Piece(text, event.finished, n)
+
     async def _whole(self, stream: Stream, prepared: p.Prepared, *, chat: bool) -> web.Response:
         texts: list[str] = []
         n = 0
         finish: str | None = None
-        async for event in stream.events():
-            texts.append(event.text)
-            n += len(event.token_ids)
-            self._count_event(event.token_ids, event.accepted_proposals)
-            finish = event.finished
-            if event.finished == "error":
-                raise p.ApiError(500, f"the engine failed this request: {event.error}", type_="server_error")
-            if event.finished == "cancelled":
+        async for piece in self._pieces(stream, prepared):
+            if piece.finish == "error":
+                raise p.ApiError(500, f"the engine failed this request: {piece.error}", type_="server_error")
+            if piece.finish == "cancelled":
                 raise p.ApiError(
                     503, "the request was cancelled: the server is shutting down", type_="server_error"
                 )
+            texts.append(piece.text)
+            n += piece.tokens
+            finish = piece.finish
         self.counters.latency.observe(time.monotonic() - stream.submitted_at)
         use = p.usage(prepared.prompt_tokens, n)
         rid = prepared.request.request_id
@@ -303,21 +329,22 @@ class Server:
         if chat:
             await _send(response, chunk(None, None))
         n = 0
-        async for event in stream.events():
-            n += len(event.token_ids)
-            self._count_event(event.token_ids, event.accepted_proposals)
-            if event.finished in ("error", "cancelled"):
-                why = event.error if event.finished == "error" else "the server is shutting down"
+        finished = False
+        async for piece in self._pieces(stream, prepared):
+            n += piece.tokens
+            if piece.finish in ("error", "cancelled"):
+                why = piece.error if piece.finish == "error" else "the server is shutting down"
                 err = p.ApiError(
-                    500 if event.finished == "error" else 503,
+                    500 if piece.finish == "error" else 503,
                     f"the request ended early: {why}",
                     type_="server_error",
                 )
                 await _send(response, err.body())
                 break
-            if event.text or event.finished:
-                await _send(response, chunk(event.text, event.finished))
-        else:
+            if piece.text or piece.finish:
+                await _send(response, chunk(piece.text, piece.finish))
+            finished = piece.finish is not None
+        if finished:
             self.counters.latency.observe(time.monotonic() - stream.submitted_at)
             if prepared.include_usage:
                 kind = "chat.completion.chunk" if chat else "text_completion"
