@@ -98,8 +98,9 @@ PRESET_DEFAULTS: MappingProxyType[str, MappingProxyType[str, float]] = MappingPr
         # layer_scale: how strongly the random layers perturb the planted token chain (see ModelSection).
         "tiny": MappingProxyType({"layer_scale": 0.05}),
         "small": MappingProxyType({"layer_scale": 0.05}),
-        "qwen3-30b-a3b": MappingProxyType({"layer_scale": 0.02}),
-        "qwen3-235b-a22b": MappingProxyType({"layer_scale": 0.02}),
+        # Measured on an H200 (greedy, two streams): 0.035 accepted 75% of drafts, 0.04 accepted 47%.
+        "qwen3-30b-a3b": MappingProxyType({"layer_scale": 0.037}),
+        "qwen3-235b-a22b": MappingProxyType({"layer_scale": 0.037}),
     }
 )
 
