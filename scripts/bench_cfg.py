@@ -19,14 +19,35 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from strata_cfg.facts_io import gather_facts  # noqa: E402
-from strata_cfg.load import load_profile  # noqa: E402
+from strata_cfg.load import LoadedProfile, load_profile, load_profile_text  # noqa: E402
 from strata_cfg.resolve import resolve  # noqa: E402
+
+
+def _auto(preset: str, vram_mib: int, speeds: list[int]) -> str:
+    """A profile text with an auto split of ``preset`` over one GPU per speed."""
+    gpus = ", ".join(
+        f'{{ name = "g{i}", vram_mib = {vram_mib}, bandwidth_gbs = {bw} }}' for i, bw in enumerate(speeds)
+    )
+    tables = f'[model]\nsynthetic = "{preset}"\n[split]\nlayers = "auto"\n[batch]\nslots = 4\n'
+    return f"[machine]\ngpus = [{gpus}]\n{tables}"
+
+
+AUTO_CASES = {
+    # The auto split's heaviest cases: many stages, many layers, mixed speeds.
+    "auto 4x 16 GB qwen3-30b-a3b": _auto("qwen3-30b-a3b", 16376, [672] * 4),
+    "auto 4x mixed qwen3-30b-a3b": _auto("qwen3-30b-a3b", 24576, [500, 900, 700, 1000]),
+    "auto 8x 80 GB qwen3-235b-a22b": _auto("qwen3-235b-a22b", 81920, [2000] * 8),
+    "auto 8x mixed qwen3-235b-a22b": _auto(
+        "qwen3-235b-a22b", 81920, [2000, 3350, 2000, 1555, 2000, 3350, 2039, 2000]
+    ),
+}
 
 
 def per_call_ms(fn: Callable[[], object], *, repeats: int, inner: int) -> float:
@@ -41,24 +62,23 @@ def per_call_ms(fn: Callable[[], object], *, repeats: int, inner: int) -> float:
     return statistics.median(batches)
 
 
-def bench_resolve(profiles: list[Path], *, repeats: int, inner: int) -> list[tuple[str, float, float, float]]:
+def bench_resolve(
+    loaders: dict[str, Callable[[], LoadedProfile]], *, repeats: int, inner: int
+) -> list[tuple[str, float, float, float]]:
     rows = []
-    for path in profiles:
-        loaded = load_profile(path)
+    for name, load_one in loaders.items():
+        loaded = load_one()
         machine, model = gather_facts(loaded)
 
         def one(loaded=loaded, machine=machine, model=model) -> object:
             return resolve(loaded.profile, machine, model, origins=loaded.origins, profile_file=loaded.path)
-
-        def load_one(path=path) -> object:
-            return load_profile(path)
 
         def facts_one(loaded=loaded) -> object:
             return gather_facts(loaded)
 
         rows.append(
             (
-                path.stem,
+                name,
                 per_call_ms(load_one, repeats=repeats, inner=max(inner // 10, 5)),
                 per_call_ms(facts_one, repeats=repeats, inner=inner),
                 per_call_ms(one, repeats=repeats, inner=inner),
@@ -90,11 +110,14 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--inner", type=int, default=200)
     args = parser.parse_args()
-    profiles = sorted((REPO / "profiles").glob("*.toml"))
+    loaders: dict[str, Callable[[], LoadedProfile]] = {
+        p.stem: partial(load_profile, p) for p in sorted((REPO / "profiles").glob("*.toml"))
+    }
+    loaders |= {name: partial(load_profile_text, text, f"{name}.toml") for name, text in AUTO_CASES.items()}
 
     print("| profile | load (TOML + validate) ms | facts ms | resolve ms |")
     print("| --- | ---: | ---: | ---: |")
-    rows = bench_resolve(profiles, repeats=args.repeats, inner=args.inner)
+    rows = bench_resolve(loaders, repeats=args.repeats, inner=args.inner)
     for name, load_ms, facts_ms, resolve_ms in rows:
         print(f"| {name} | {load_ms:.2f} | {facts_ms:.3f} | {resolve_ms:.3f} |")
 

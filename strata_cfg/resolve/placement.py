@@ -4,14 +4,14 @@ The auto split minimises the slowest stage's predicted decode-step time (bytes t
 bandwidth; the last stage also reads the LM head and runs the MTP drafts), subject to every stage fitting its
 GPU. A split that keeps every expert resident is preferred over one that needs an expert cache.
 
-It runs on every keystroke in the TUI, so it is a bisection on the time bound with a greedy fill under each
-bound (each stage takes as many layers as the bound and its VRAM allow, the last stage takes the rest), over
-prefix sums: a few hundred O(1) checks, not a search over all splits.
+It runs on every keystroke in the TUI, so it is an exact dynamic programme over prefix sums (every stage's
+time and VRAM is O(1)) that stops scanning a stage's start as soon as the stage alone is no better than the
+best split found: a few thousand checks for 48 layers, not a search over all splits.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -20,7 +20,6 @@ from . import sizes
 from .sizes import StageShape
 
 MIB = 1 << 20
-_BISECT_STEPS = 60
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +132,116 @@ class _Prefix:
         self.n = n
 
 
+Cost = tuple[float, int]
+"""A stage's (predicted time, layer count). Comparing these orders by time, then by size, so the smallest
+maximum is the fastest split, and among equally fast ones the one whose slowest stage is smaller."""
+_NONE: Cost = (float("inf"), 0)
+
+
+@dataclass(frozen=True, slots=True)
+class _Limits:
+    """One stage position's constants, so that its time and fit over [a, b) are a few additions."""
+
+    seconds_per_byte: float
+    extra_bytes_read: int
+    """The LM head and MTP passes on the last stage."""
+    room: int
+    """VRAM left for its layers and experts after embedding/head/drafters/workspace/reserve."""
+    extra_experts: int
+    """The MTP layers' experts on the last stage."""
+    expert_cap: float
+    """At most this many experts need VRAM (all of them when resident; the smallest cache otherwise)."""
+
+
+def _proportional(pre: _Prefix, limits: Sequence[_Limits]) -> list[int] | None:
+    """A quick first guess: boundaries that give each stage a share of the bytes read in proportion to its
+    GPU's speed. Only used to bound the exact search."""
+    s, n = len(limits), pre.n
+    speed = [1 / lim.seconds_per_byte for lim in limits]
+    total, acc = sum(speed), 0.0
+    bounds: list[int] = []
+    for i in range(s - 1):
+        acc += speed[i]
+        target = pre.step[n] * acc / total
+        b = next((b for b in range(n + 1) if pre.step[b] >= target), n)
+        lo = (bounds[-1] + 1) if bounds else 2
+        bounds.append(min(max(b, lo), n - (s - 1 - i)))
+    return bounds if all(x < y for x, y in zip([0, *bounds], [*bounds, n], strict=True)) else None
+
+
+def _cost_of(pre: _Prefix, limits: Sequence[_Limits], expert_bytes: int, bounds: list[int]) -> Cost:
+    """The slowest stage of a given split, or `_NONE` when a stage does not fit."""
+    edges = [0, *bounds, pre.n]
+    worst = (0.0, 0)
+    for lim, a, b in zip(limits, edges, edges[1:], strict=False):
+        n_exp = min(pre.experts[b] - pre.experts[a] + lim.extra_experts, lim.expert_cap)
+        if pre.fixed[b] - pre.fixed[a] + n_exp * expert_bytes > lim.room:
+            return _NONE
+        worst = max(worst, ((pre.step[b] - pre.step[a] + lim.extra_bytes_read) * lim.seconds_per_byte, b - a))
+    return worst
+
+
+def _min_slowest(
+    pre: _Prefix, limits: Sequence[_Limits], expert_bytes: int, bound: Cost = _NONE
+) -> list[int] | None:
+    """Exact bottleneck DP: boundaries for the stages over the layers that minimise the slowest stage.
+
+    best[b] is the best slowest-stage cost of covering layers [0, b) with the stages so far. Stage i takes
+    [a, b); scanning a downward from b - 1, the stage only gets slower and bigger, so the scan stops as soon
+    as the stage alone is no better than the best found; it never goes below the lowest start that fits
+    (found once per end, since it only rises) nor below where an earlier stage can end. Costs above
+    ``bound`` (a split known to fit) are dropped early. Stage 0 holds at least two layers.
+    """
+    s, n = len(limits), pre.n
+    step, fixed, experts = pre.step, pre.fixed, pre.experts
+
+    def fits(lim: _Limits, a: int, b: int) -> bool:
+        n_exp = min(experts[b] - experts[a] + lim.extra_experts, lim.expert_cap)
+        return fixed[b] - fixed[a] + n_exp * expert_bytes <= lim.room
+
+    best = [_NONE] * (n + 1)
+    lim = limits[0]
+    for b in range(2, n - (s - 1) + 1):
+        if not fits(lim, 0, b):
+            break  # bigger stages need more VRAM
+        cost = ((step[b] + lim.extra_bytes_read) * lim.seconds_per_byte, b)
+        if cost > bound:
+            break  # and every bigger first stage is slower still
+        best[b] = cost
+    choice: list[list[int]] = [[-1] * (n + 1) for _ in range(s)]
+    for i in range(1, s):
+        lim = limits[i]
+        reach = [a for a in range(n + 1) if best[a] is not _NONE]
+        if not reach:
+            return None
+        first_a, last_a = reach[0], reach[-1]
+        nxt = [_NONE] * (n + 1)
+        ends = [n] if i == s - 1 else range(first_a + 1, n - (s - 1 - i) + 1)
+        lowest = first_a  # the lowest start that fits with this end; it only rises as the end does
+        for b in ends:
+            while lowest < b and not fits(lim, lowest, b):
+                lowest += 1
+            top, where = _NONE, -1
+            for a in range(min(b - 1, last_a), max(first_a, lowest) - 1, -1):
+                stage = ((step[b] - step[a] + lim.extra_bytes_read) * lim.seconds_per_byte, b - a)
+                if stage >= top or stage > bound:
+                    break
+                before = best[a]
+                cost = before if before > stage else stage
+                if cost < top:
+                    top, where = cost, a
+            if top <= bound:
+                nxt[b], choice[i][b] = top, where
+        best = nxt
+    if best[n] is _NONE:
+        return None
+    bounds, b = [], n
+    for i in range(s - 1, 0, -1):
+        b = choice[i][b]
+        bounds.append(b)
+    return bounds[::-1]
+
+
 def auto_split(model: ModelFacts, gpus: Sequence[GpuFacts], sz: Sizing) -> tuple[list[int], bool] | None:
     """Boundaries for ``len(gpus)`` stages in that order, and whether every expert is resident.
 
@@ -153,63 +262,31 @@ def auto_split(model: ModelFacts, gpus: Sequence[GpuFacts], sz: Sizing) -> tuple
     head = _head_step(model, sz)
     eb = model.expert_bytes()
 
-    def fits_fn(resident: bool) -> Callable[[int, int, int], bool]:
-        def fits(i: int, a: int, b: int) -> bool:
-            is_first, is_last = i == 0, i == s - 1
-            need = pre.fixed[b] - pre.fixed[a]
-            need += last_fixed if is_last else mid_ws
-            if is_first:
-                need += emb
-            need += sz.reserve_first if is_first else sz.reserve_later
-            n_exp = pre.experts[b] - pre.experts[a] + (mtp_experts if is_last else 0)
+    def limits(resident: bool) -> list[_Limits]:
+        out = []
+        for i, gpu in enumerate(gpus):
+            first, last = i == 0, i == s - 1
+            extras = (last_fixed if last else mid_ws) + (emb if first else 0)
+            extras += sz.reserve_first if first else sz.reserve_later
+            cap: float = float("inf") if resident else sizes.min_cache_experts(model, model.num_experts)
             if sz.cache is not None:
-                n_exp = min(n_exp, sz.cache)
-            elif not resident:
-                n_exp = sizes.min_cache_experts(model, n_exp)
-            return need + n_exp * eb <= gpus[i].vram_mib * MIB
-
-        return fits
-
-    def time(i: int, a: int, b: int) -> float:
-        n = pre.step[b] - pre.step[a] + (head if i == s - 1 else 0)
-        return n / gpus[i].bandwidth_gbs
-
-    def fill(bound: float, fits: Callable[[int, int, int], bool]) -> list[int] | None:
-        """Greedy: each stage but the last takes the most layers within ``bound`` and its VRAM."""
-        bounds: list[int] = []
-        a = 0
-        for i in range(s - 1):
-            lo = a + (2 if i == 0 else 1)
-            hi = pre.n - (s - 1 - i)
-            if lo > hi or not (time(i, a, lo) <= bound and fits(i, a, lo)):
-                return None
-            while lo < hi:  # largest b in [lo, hi] that passes; both checks rise with b
-                mid = (lo + hi + 1) // 2
-                if time(i, a, mid) <= bound and fits(i, a, mid):
-                    lo = mid
-                else:
-                    hi = mid - 1
-            bounds.append(lo)
-            a = lo
-        if time(s - 1, a, pre.n) <= bound and fits(s - 1, a, pre.n):
-            return bounds
-        return None
+                cap = min(cap, sz.cache)
+            out.append(
+                _Limits(
+                    seconds_per_byte=1 / (gpu.bandwidth_gbs * 1e9),
+                    extra_bytes_read=head if last else 0,
+                    room=gpu.vram_mib * MIB - extras,
+                    extra_experts=mtp_experts if last else 0,
+                    expert_cap=cap,
+                )
+            )
+        return out
 
     for resident in (True, False):
-        fits = fits_fn(resident)
-        hi = max(time(i, 0, pre.n) for i in range(s)) * 2 + 1.0
-        best = fill(hi, fits)
-        if best is None:
-            continue
-        lo = 0.0
-        for _ in range(_BISECT_STEPS):
-            mid = (lo + hi) / 2
-            found = fill(mid, fits)
-            if found is None:
-                lo = mid
-            else:
-                hi, best = mid, found
-            if hi - lo <= hi * 1e-12:
-                break
-        return best, resident
+        lims = limits(resident)
+        guess = _proportional(pre, lims)
+        bound = _cost_of(pre, lims, eb, guess) if guess is not None else _NONE
+        found = _min_slowest(pre, lims, eb, bound)
+        if found is not None:
+            return found, resident
     return None

@@ -75,10 +75,14 @@ def row_activation_bytes(model: ModelFacts, *, context: int) -> int:
     if model.num_experts:
         k, width = model.num_experts_per_tok, model.moe_intermediate_size
         n += F32 * model.num_experts + a * (2 * k * width + k * h)
-    has_dense = any(not model.is_sparse(layer) for layer in range(model.num_hidden_layers))
-    dense = model.intermediate_size if has_dense else 0
+    dense = model.intermediate_size if _has_dense_layer(model) else 0
     n += a * 2 * max(dense, model.shared_expert_intermediate_size)
     return n
+
+
+def _has_dense_layer(model: ModelFacts) -> bool:
+    """Whether any main-model layer is dense (``ModelFacts.is_sparse``'s rule, without a loop)."""
+    return bool(model.mlp_only_layers) or model.num_experts == 0 or model.decoder_sparse_step > 1
 
 
 def workspace_bytes(model: ModelFacts, *, context: int, prefill_chunk: int, last: bool) -> int:

@@ -1,0 +1,106 @@
+"""The auto split against brute force: it finds the smallest slowest-stage time among the splits that fit,
+and prefers a split that keeps every expert resident."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from strata_cfg.resolve.placement import (
+    MIB,
+    Sizing,
+    auto_split,
+    faster_last,
+    stage_need,
+    stage_shapes,
+    stage_times,
+)
+from strata_cfg.schema.facts import GpuFacts, ModelFacts
+from strata_cfg.schema.presets import preset_config
+
+
+def model(name: str) -> ModelFacts:
+    return ModelFacts.from_config(preset_config(name), source=f"synthetic:{name}", dtype="float16")
+
+
+def sizing(**over) -> Sizing:
+    base = dict(
+        context=2048,
+        kv_dtype="float16",
+        slots=2,
+        drafters=2,
+        with_mtp=True,
+        mtp_passes=1,
+        prefill_chunk=256,
+        reserve_first=700 * MIB,
+        reserve_later=700 * MIB,
+        cache=None,
+    )
+    return Sizing(**{**base, **over})
+
+
+def fits(m: ModelFacts, bounds, gpus, sz: Sizing, *, resident: bool) -> bool:
+    for i, (shape, gpu) in enumerate(zip(stage_shapes(bounds, m.num_hidden_layers), gpus, strict=True)):
+        need = stage_need(m, shape, sz)
+        reserve = sz.reserve_first if i == 0 else sz.reserve_later
+        experts = need.experts if resident else min(need.experts, m.num_experts_per_tok * 8, m.num_experts)
+        total = need.weights + need.kv + need.drafters + need.workspace + reserve + experts * m.expert_bytes()
+        if total > gpu.vram_mib * MIB:
+            return False
+    return True
+
+
+def brute_force(m: ModelFacts, gpus, sz: Sizing) -> tuple[float, bool] | None:
+    n, s = m.num_hidden_layers, len(gpus)
+    for resident in (True, False):
+        best = None
+        for bounds in itertools.combinations(range(2, n), s - 1):
+            if fits(m, bounds, gpus, sz, resident=resident):
+                t = max(stage_times(m, bounds, gpus, sz))
+                best = t if best is None else min(best, t)
+        if best is not None:
+            return best, resident
+    return None
+
+
+def gpu(i: int, vram_mib: int, bw: float) -> GpuFacts:
+    return GpuFacts(index=i, name=f"g{i}", vram_mib=vram_mib, bandwidth_gbs=bw)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_auto_split_is_as_fast_as_the_best_split(seed):
+    rng = random.Random(seed)
+    m = model(rng.choice(["small", "qwen3-30b-a3b"]))
+    n_gpus = rng.choice([2, 3]) if m.num_hidden_layers > 8 else rng.choice([2, 3, 4])
+    gpus = [gpu(i, 200_000, rng.uniform(200, 5000)) for i in range(n_gpus)]
+    sz = sizing(slots=rng.randint(1, 6), mtp_passes=rng.choice([0, 1, 3]), context=rng.choice([512, 4096]))
+    found = auto_split(m, gpus, sz)
+    assert found is not None
+    bounds, resident = found
+    best, best_resident = brute_force(m, gpus, sz)
+    assert resident == best_resident
+    assert max(stage_times(m, bounds, gpus, sz)) == pytest.approx(best, rel=1e-9)
+
+
+@pytest.mark.parametrize("vram_mib", [34_000, 40_000, 20_480])
+def test_auto_split_under_vram_prefers_every_expert_resident(vram_mib):
+    m = model("qwen3-30b-a3b")
+    gpus = [gpu(0, vram_mib, 760), gpu(1, vram_mib, 760)]
+    sz = sizing()
+    found = auto_split(m, gpus, sz)
+    expected = brute_force(m, gpus, sz)
+    assert (found is None) == (expected is None)
+    if found is not None:
+        bounds, resident = found
+        assert resident == expected[1]
+        assert fits(m, bounds, gpus, sz, resident=resident)
+        assert max(stage_times(m, bounds, gpus, sz)) == pytest.approx(expected[0], rel=1e-9)
+
+
+def test_faster_gpu_goes_last_only_beyond_five_percent():
+    a, b = gpu(0, 1000, 1000), gpu(1, 1000, 1040)
+    assert faster_last([b, a]) == [b, a]  # within 5%: device order kept
+    c = gpu(2, 1000, 2000)
+    assert faster_last([c, a, b]) == [a, b, c]
