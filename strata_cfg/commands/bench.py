@@ -44,6 +44,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, default=300, help="tokens per request (default 300)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument(
+        "--peer",
+        action="append",
+        default=[],
+        choices=("transformers",),
+        help="also run transformers' generate on the same weights (needs torch and transformers; one stage)",
+    )
+    parser.add_argument(
         "--run-dir", type=Path, help="where the arms' plans are written (default: a temp dir)"
     )
     parser.add_argument(
@@ -126,4 +133,6 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_REFUSED
     if args.json:
         argv.append("--json")
+    for peer in args.peer:
+        argv += ["--peer", peer]
     return subprocess.run(argv, check=False).returncode

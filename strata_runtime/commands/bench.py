@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..bench import WORKLOADS, run_bench, summarise
+from ..bench import WORKLOADS, InProcessDriver, run_bench, summarise
 from .generate import load_plan
 
 
@@ -28,6 +28,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=300, help="tokens generated per request (default 300)")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--peer",
+        action="append",
+        default=[],
+        choices=("transformers",),
+        help="also run a peer engine on the same weights (transformers: one GPU, one stage)",
+    )
 
 
 def _pairs(items: list[str], what: str) -> dict[str, str]:
@@ -59,12 +66,28 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
     context = min(p.memory.context for p in plans.values())
+    arms: dict[str, Any] = dict(engines)
+    if args.peer:
+        from ..peer import make_peer
+
+        first = next(iter(plans))
+        for peer in args.peer:
+            arms[peer] = make_peer(peer, plans[first], engines[first], weights)
+            print(
+                f"[{peer}] peer arm on the weights of arm {first!r}, shared through DLPack", file=sys.stderr
+            )
 
     def progress(arm: str, case: str, r: int, fig: dict[str, float]) -> None:
         print(f"  repeat {r + 1} {case:>14} {arm:>10}: {fig['tok_s']:9.1f} tok/s", file=sys.stderr)
 
     runs = run_bench(
-        engines, args.workload, tokens=args.tokens, repeats=args.repeats, context=context, on_run=progress
+        arms,
+        args.workload,
+        tokens=args.tokens,
+        repeats=args.repeats,
+        context=context,
+        driver=lambda e: e.driver() if hasattr(e, "driver") else InProcessDriver(e),
+        on_run=progress,
     )
     summary = summarise(runs)
     budgets = {
@@ -90,11 +113,13 @@ def run(args: argparse.Namespace) -> int:
                 }
                 for n, p in plans.items()
             },
+            "peers": {peer: summary[peer] for peer in args.peer},
         }
         print(json.dumps(out, indent=2))
     else:
         print(render_table(args.workload, plans, summary, notes, args.repeats, args.tokens))
-    equal = all(case.get("text_equal_to_serial", True) for arm in summary.values() for case in arm.values())
+    # A peer computes in other precision and order, so its text may drift; only the runtime's arms must agree.
+    equal = all(case.get("text_equal_to_serial", True) for n in plans for case in summary[n].values())
     return 0 if equal else 1
 
 
@@ -121,7 +146,9 @@ def render_table(
                 lo, hi = e["gain_ci95"]
                 gain = f"{100 * e['gain']:+.1f}% [{100 * lo:+.1f}, {100 * hi:+.1f}]"
             text = (
-                {True: "= serial", False: "DIFFERS", None: ""}[e.get("text_equal_to_serial")]
+                {True: "= serial", False: "differs (peer)" if name not in plans else "DIFFERS", None: ""}[
+                    e.get("text_equal_to_serial")
+                ]
                 if name != "serial"
                 else "(reference)"
             )
@@ -136,6 +163,9 @@ def render_table(
                 f"{name:<10} {case:<18} {m['tok_s']:9.1f} {gain:>28} {m['ms_per_window']:8.2f} "
                 f"{m['rows_per_window']:8.2f} {m['accepted_pct']:6.1f}%  {text}{extra}"
             )
+    for name in summary:
+        if name not in plans:
+            lines.append(f"\n{name}: peer engine on the same weights (greedy generate, one batch)")
     for name, plan in plans.items():
         b = plan.batch
         desc = f"{b.mode}, {b.groups} group(s), batch MTP {'on' if b.mtp else 'off'}, {b.slots} slot(s)"
