@@ -187,27 +187,42 @@ def parse_set(item: str) -> tuple[str, Any]:
 def apply_sets(
     data: Mapping[str, Any], origins: Mapping[str, Origin], sets: Iterable[tuple[str, Any] | str]
 ) -> tuple[dict[str, Any], dict[str, Origin]]:
-    """Apply command-line overrides, each replacing one dotted key, with origin ``--set``."""
-    out, out_origins = dict(data), dict(origins)
+    """Apply command-line overrides, each replacing one dotted key, with origin ``--set``.
+
+    A number in the key indexes an existing array (``machine.gpus.1.vram_mib=16384``); missing tables are
+    created. Parent tables keep the origin of the file that wrote them.
+    """
+    out: dict[str, Any] = dict(data)
+    out_origins = dict(origins)
     for item in sets:
         key, value = parse_set(item) if isinstance(item, str) else item
-        over: dict[str, Any] = {}
-        node = over
         parts = key.split(".")
-        for p in parts[:-1]:
-            node[p] = {}
-            node = node[p]
-        node[parts[-1]] = value
-        over_origins = {".".join(parts[:n]): Origin(file=SET_ORIGIN) for n in range(1, len(parts) + 1)}
-        for k in _flatten_keys(value, key):
-            over_origins[k] = Origin(file=SET_ORIGIN)
-        # Parent tables keep the origin of the file that wrote them.
+        out = _with_value(out, parts, value, key)
+        for k in [k for k in out_origins if k == key or k.startswith(key + ".")]:
+            del out_origins[k]
         for n in range(1, len(parts)):
-            parent = ".".join(parts[:n])
-            if parent in out_origins:
-                over_origins.pop(parent)
-        out, out_origins = merge(out, out_origins, over, over_origins)
+            out_origins.setdefault(".".join(parts[:n]), Origin(file=SET_ORIGIN))
+        out_origins[key] = Origin(file=SET_ORIGIN)
+        out_origins.update((k, Origin(file=SET_ORIGIN)) for k in _flatten_keys(value, key))
     return out, out_origins
+
+
+def _with_value(node: Any, parts: list[str], value: Any, key: str) -> Any:
+    """A copy of ``node`` with ``value`` at the path ``parts`` (copying only along the path)."""
+    if not parts:
+        return value
+    head, rest = parts[0], parts[1:]
+    if isinstance(node, list):
+        if not head.isdigit() or int(head) >= len(node):
+            raise ValueError(
+                f"--set {key}: {head!r} is not an index of that array (it has {len(node)} items)"
+            )
+        copy = list(node)
+        copy[int(head)] = _with_value(copy[int(head)], rest, value, key)
+        return copy
+    copy = dict(node) if isinstance(node, dict) else {}
+    copy[head] = _with_value(copy.get(head), rest, value, key)
+    return copy
 
 
 def _flatten_keys(value: Any, prefix: str) -> Iterable[str]:

@@ -98,3 +98,25 @@ def test_toml_syntax_error_names_the_line():
         load_profile_text('name = "x"\n[batch\n', "p.toml")
     (p,) = err.value.problems
     assert p.line == 2 and "not valid TOML" in p.message
+
+
+def test_set_indexes_into_an_array_and_keeps_the_rest(tmp_path):
+    f = tmp_path / "box.toml"
+    f.write_text(
+        '[machine]\ngpus = [\n  { name = "a", vram_mib = 1024, bandwidth_gbs = 20 },\n'
+        '  { name = "b", vram_mib = 2048, bandwidth_gbs = 30 },\n]\n'
+    )
+    lp = load_profile(f, ["machine.gpus.1.vram_mib=16384"])
+    assert lp.profile.machine is not None and lp.profile.machine.gpus is not None
+    assert [g.vram_mib for g in lp.profile.machine.gpus] == [1024, 16384]
+    assert lp.origins["machine.gpus.1.vram_mib"].file == SET_ORIGIN
+    assert lp.origins["machine.gpus.1.name"].line == 4  # the rest of that element is still the file's
+
+
+def test_set_with_an_index_past_the_array_is_refused(tmp_path):
+    f = tmp_path / "box.toml"
+    f.write_text('[machine]\ngpus = [{ name = "a", vram_mib = 1024, bandwidth_gbs = 20 }]\n')
+    with pytest.raises(ProfileError) as err:
+        load_profile(f, ["machine.gpus.3.vram_mib=1"])
+    (p,) = err.value.problems
+    assert p.file == SET_ORIGIN and "not an index" in p.message
