@@ -217,12 +217,12 @@ def _with_value(node: Any, parts: list[str], value: Any, key: str) -> Any:
             raise ValueError(
                 f"--set {key}: {head!r} is not an index of that array (it has {len(node)} items)"
             )
-        copy = list(node)
-        copy[int(head)] = _with_value(copy[int(head)], rest, value, key)
-        return copy
-    copy = dict(node) if isinstance(node, dict) else {}
-    copy[head] = _with_value(copy.get(head), rest, value, key)
-    return copy
+        items = list(node)
+        items[int(head)] = _with_value(items[int(head)], rest, value, key)
+        return items
+    table = dict(node) if isinstance(node, dict) else {}
+    table[head] = _with_value(table.get(head), rest, value, key)
+    return table
 
 
 def _flatten_keys(value: Any, prefix: str) -> Iterable[str]:
