@@ -58,7 +58,7 @@ async def test_setting_batch_groups_to_2_turns_batch_mtp_off_in_the_plan_view_wi
         await settle(pilot)
 
         summary = _shown(app, "summary")
-        assert "2 groups · pipelined · ! batch MTP off [batch-mtp.pipelined-groups]" in summary
+        assert "2 groups · pipelined · ! batch MTP off although asked for" in summary
         decisions = _shown(app, "decisions").splitlines()
         # The asked-for feature a rule turned off comes first, marked, with its reason and where asked.
         assert decisions[0].startswith("! OFF batch-mtp.pipelined-groups")
@@ -327,3 +327,50 @@ async def test_launch_asks_to_save_first(profiles):
         await pilot.press("ctrl+l")
         await pilot.pause()
         assert not isinstance(app.screen, LaunchScreen)
+
+
+@pilot_test
+async def test_launch_starts_the_engine_shows_its_health_and_log_and_stops_it(profiles, tmp_path):
+    from srv_helpers import free_port
+
+    from strata_cfg.launch import RunDir, find_runs, live_supervisor, stop_run
+
+    port = free_port()
+    demo = profiles / "demo.toml"
+    demo.write_text(demo.read_text().replace("port = 8000", f"port = {port}"))
+    runs = tmp_path / "runs"
+    app = _app(DEMO, runs_root=runs)
+    run: RunDir | None = None
+    try:
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            await pilot.press("ctrl+l")
+            await pilot.pause()
+            screen = app.screen
+            assert isinstance(screen, LaunchScreen)
+            assert "batch: 2 slot(s), 1 group(s), serial, batch MTP on" in plain(
+                screen.query_one("#launch-summary", Static).content
+            )
+            await pilot.press("enter")
+            run = screen.run_dir
+            assert run is not None and run.plan.is_file() and find_runs(runs) == [run]
+            for _ in range(600):  # the tiny engine loads in seconds; allow a slow CI machine
+                state = screen.state
+                if state is not None and state.health is not None and state.health[0] == 200:
+                    break
+                await pilot.pause(0.1)
+            health = plain(screen.query_one("#launch-health", Static).content)
+            assert f"ready at http://127.0.0.1:{port}/v1" in health
+            log = plain(screen.query_one("#launch-log", Static).content)
+            assert "starting the engine (pid" in log  # the supervisor's own output
+            assert "engine ready in" in log.split("engine log")[1]  # the engine log's tail
+            await pilot.press("s")
+            for _ in range(300):
+                if live_supervisor(run) is None:
+                    break
+                await pilot.pause(0.1)
+            assert live_supervisor(run) is None
+            assert "the engine stopped cleanly" in run.launch_log.read_text()
+    finally:
+        if run is not None:
+            stop_run(run, grace_s=20)

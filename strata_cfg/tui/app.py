@@ -4,7 +4,7 @@ Three panes: the profile list, the TOML editor and the plan view, with a status 
 under them. Every edit re-resolves the editor's text (after a short pause in typing) through the same
 functions as the CLI, `load_profile_text` then `resolve_loaded`, and the plan view, the editor's problem
 marks and the status line follow. Every action has a key, and Tab moves the focus, so it works without a
-mouse over SSH, at 80x24 too (below 110 columns the list hides once a profile is open; Ctrl+O shows it).
+mouse over SSH, at 80x24 too (below 140 columns the list hides once a profile is open; Ctrl+O shows it).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from .widgets.status_bar import StatusBar, status_text
 
 DEBOUNCE_S = 0.25
 """Pause in typing after which the editor's text is resolved again."""
-WIDE = 110
+WIDE = 140
 """From this many columns the profile list stays beside the editor."""
 
 
@@ -141,7 +141,6 @@ class StrataApp(App[None]):
         return self.query_one(ProfileList)
 
     def on_mount(self) -> None:
-        self.query_one("#plan").border_title = "plan"
         first = self.first or next(iter(self.profile_list.paths), None)
         if first is not None:
             self.open(ProfileFile.open(first))

@@ -1,8 +1,8 @@
 """The plan view: what the profile in the editor resolves to, redrawn after every edit.
 
 From the top: problems (when the profile is refused, above the last plan that resolved, which is dimmed), the
-summary with the batch line, the stage table, one VRAM bar per GPU, and the decisions. A feature the profile
-asked for that a rule turned off is marked ``!`` in red, in the batch line and in the decisions.
+summary with the batch line, the decisions, the stage table, and one VRAM bar per GPU. A feature the profile
+asked for that a rule turned off is marked ``!`` in red, in the batch line and first among the decisions.
 
 The text of each part is made by a small pure function of the plan, so tests can read it and the widgets
 only place it.
@@ -124,17 +124,16 @@ def batch_mtp_forced_off(plan: LaunchPlan) -> Decision | None:
 
 
 def batch_text(plan: LaunchPlan) -> Text:
-    """Slots, groups, mode, and batch MTP: on, off, or ``! off`` with the rule when it was asked for."""
+    """Slots, groups, mode, and batch MTP: on, off, or ``! off`` when the profile asked for it."""
     b = plan.batch
     text = Text(
         f"{b.slots} slot{'s' * (b.slots != 1)} · {b.groups} group{'s' * (b.groups != 1)} · {b.mode} · "
     )
-    forced = batch_mtp_forced_off(plan)
     if b.mtp:
         text.append("batch MTP on", style=ON_STYLE)
-    elif forced is not None:
+    elif batch_mtp_forced_off(plan) is not None:
         text.append("! batch MTP off", style=REQUESTED_STYLE)
-        text.append(f" [{forced.rule}]", style=SEVERITY_STYLE[forced.severity])
+        text.append(" although asked for", style=SEVERITY_STYLE["off"])
     else:
         text.append("batch MTP off", style="dim")
     return text
@@ -161,7 +160,6 @@ def summary_table(plan: LaunchPlan) -> Table:
     table = Table.grid(padding=(0, 1))
     table.add_column(style="bold", no_wrap=True)
     table.add_column(ratio=1)
-    table.add_row(Text(plan.profile, style="bold underline"), "")
     for label, text in summary_rows(plan):
         table.add_row(label, text)
     return table
@@ -251,12 +249,12 @@ class PlanView(VerticalScroll, can_focus=True):
     def compose(self) -> ComposeResult:
         yield Static(id="plan-problems", classes="plan-part")
         yield Static(id="plan-summary", classes="plan-part")
+        yield Static("[b]decisions[/b]", classes="plan-heading plan-part")
+        yield Static(id="plan-decisions", classes="plan-part")
         yield Static("[b]stages[/b]", classes="plan-heading plan-part")
         yield Static(id="plan-stages", classes="plan-part")
         yield Static("[b]VRAM by purpose[/b] (MiB)", classes="plan-heading plan-part")
         yield VramBars(id="plan-vram", classes="plan-part")
-        yield Static("[b]decisions[/b]", classes="plan-heading plan-part")
-        yield Static(id="plan-decisions", classes="plan-part")
 
     def show(
         self, plan: LaunchPlan | None, problems: Sequence[Problem] = (), path: str | None = None
@@ -270,7 +268,9 @@ class PlanView(VerticalScroll, can_focus=True):
             if part.id != "plan-problems":
                 part.display = plan is not None
         if plan is None:
+            self.border_title = "plan"
             return
+        self.border_title = f"plan: {plan.profile}" + (" (last that resolved)" if problems else "")
         self.query_one("#plan-summary", Static).update(summary_table(plan))
         self.query_one("#plan-stages", Static).update(stages_table(plan))
         self.query_one("#plan-vram", VramBars).show(plan)
