@@ -81,3 +81,34 @@ def test_invalid_text_keeps_what_came_before():
     lines = key_lines('name = "a"\n[batch]\nslots = \n')
     assert lines["name"] == 1
     assert lines["batch"] == 2
+
+
+def _walk(node, prefix=""):
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for k, v in items:
+        yield f"{prefix}{k}"
+        yield from _walk(v, f"{prefix}{k}.")
+
+
+def test_every_key_of_every_shipped_and_fixture_profile_is_indexed_on_a_line_holding_it():
+    from pathlib import Path
+
+    root = Path(__file__).parent.parent
+    files = [*root.glob("profiles/**/*.toml"), *root.glob("tests/profiles/**/*.toml")]
+    checked = 0
+    for path in files:
+        text = path.read_text()
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError:
+            continue  # the syntax-error fixture
+        lines = key_lines(text)
+        source = text.splitlines()
+        for key in _walk(data):
+            assert key in lines, f"{path.name}: {key}"
+            leaf = key.rsplit(".", 1)[-1]
+            assert leaf.isdigit() or leaf in source[lines[key] - 1], (
+                f"{path.name}: {key} on line {lines[key]}"
+            )
+            checked += 1
+    assert checked > 300
