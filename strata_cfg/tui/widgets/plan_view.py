@@ -200,7 +200,7 @@ def decisions_table(decisions: Sequence[Decision]) -> RenderableType:
         return Text("no rule changed anything", style="dim")
     table = Table.grid(padding=(0, 1))
     table.add_column(no_wrap=True)
-    table.add_column(ratio=1)
+    table.add_column(ratio=1, overflow="fold")  # a long path folds rather than ending in "..."
     # Asked-for settings that were turned off come first: they are what the user must see.
     for d in sorted(decisions, key=lambda d: not d.requested):
         table.add_row(*decision_row(d))
