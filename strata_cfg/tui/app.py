@@ -144,6 +144,8 @@ class StrataApp(App[None]):
         first = self.first or next(iter(self.profile_list.paths), None)
         if first is not None:
             self.open(ProfileFile.open(first))
+        else:
+            self.show_status()
         self._list_shown(first is None or self.size.width >= WIDE)
         (self.editor if first is not None else self.profile_list).focus()
 
