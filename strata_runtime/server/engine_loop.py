@@ -25,6 +25,8 @@ log = logging.getLogger("strata.serve")
 LoadState = Literal["loading", "ready", "failed", "stopped"]
 EngineFactory = Callable[["LoadProgress"], EngineCore]
 
+STATS_EVERY_S = 0.05
+"""How stale ``/v1/status`` and ``/metrics`` may be while the engine is busy."""
 IDLE_WAIT_S = 0.25
 """How long the idle engine thread sleeps between looks at its queue (`submit` and `cancel` wake it)."""
 
@@ -171,10 +173,15 @@ class EngineLoop:
         self.state = "ready"
         log.info("engine ready in %.1f s", self.load_seconds)
         self._loop.call_soon_threadsafe(self.settled.set)
+        taken = time.monotonic()
         while not self._stop.is_set():
             try:
                 busy = self.engine.step()
-                self.stats = self.engine.stats()
+                # Statistics are a few dictionaries per slot and window: taken at most every
+                # STATS_EVERY_S while busy (windows can be a millisecond), and always once idle.
+                now = time.monotonic()
+                if not busy or now - taken >= STATS_EVERY_S:
+                    self.stats, taken = self.engine.stats(), now
             except BaseException as exc:
                 self._fail("the engine failed while stepping", exc)
                 return
