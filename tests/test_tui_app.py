@@ -374,3 +374,28 @@ async def test_launch_starts_the_engine_shows_its_health_and_log_and_stops_it(pr
     finally:
         if run is not None:
             stop_run(run, grace_s=20)
+
+
+@pilot_test
+async def test_a_probed_machine_is_probed_once_not_on_every_edit(profiles):
+    vram = 8192 + 1024 * secrets.randbelow(24)
+    calls = []
+
+    def probe() -> str:
+        calls.append(1)
+        return f"0, NVIDIA GeForce RTX 4090, {vram}\n"
+
+    probed = profiles / "probed.toml"
+    probed.write_text(
+        'name = "probed"\n\n[machine]\nprobe = true\n\n[model]\nsynthetic = "tiny"\n\n[batch]\nslots = 2\n'
+    )
+    app = _app(str(probed), probe=probe)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        await _go_to_end_of(pilot, "slots = 2")
+        for n in "3456":
+            await pilot.press("backspace", n)
+            await settle(pilot)
+        plan = app.outcome.resolved.plan
+        assert plan.batch.slots == 6 and [g.vram_mib for g in plan.machine.gpus] == [vram]
+        assert len(calls) == 1

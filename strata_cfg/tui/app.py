@@ -9,6 +9,7 @@ mouse over SSH, at 80x24 too (below 140 columns the list hides once a profile is
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,7 @@ from ..render import problems_text
 from ..schema.errors import Problem, ProfileError
 from ..schema.plan import LaunchPlan
 from .document import ProfileFile, SaveFailed, SaveRefused, key_at, problems_by_row
-from .messages import ProfileChosen
+from .messages import LaunchStopped, ProfileChosen
 from .screens.dialogs import ConfirmScreen, PageScreen
 from .screens.diff import DiffScreen, diff_page
 from .screens.help import HelpScreen
@@ -52,6 +53,29 @@ class Outcome:
 
     resolved: Resolved | None
     problems: tuple[Problem, ...] = ()
+
+
+class ProbeOnce:
+    """The machine probe, run at most once per session: a profile with ``machine.probe = true`` is resolved
+    on every edit, and nvidia-smi can take seconds. Its failure is remembered too."""
+
+    def __init__(self, probe: Callable[[], str]) -> None:
+        self.probe = probe
+        self.calls = 0
+        self._answer: str | None = None
+        self._error: Exception | None = None
+
+    def __call__(self) -> str:
+        if self._answer is None and self._error is None:
+            self.calls += 1
+            try:
+                self._answer = self.probe()
+            except (OSError, subprocess.SubprocessError) as exc:
+                self._error = exc
+        if self._error is not None:
+            raise self._error
+        assert self._answer is not None
+        return self._answer
 
 
 def resolve_editor_text(text: str, path: Path, probe: Callable[[], str], strict: bool) -> Outcome:
@@ -110,6 +134,8 @@ class StrataApp(App[None]):
         self.first = first
         self.strict = strict
         self.probe = probe
+        """Runs afresh for a new profile; resolving uses `machine_probe`, which runs it once."""
+        self.machine_probe = ProbeOnce(probe)
         self.runs_root = runs_root
         self.launch_options = launch_options or LaunchOptions()
         self.debounce_s = debounce_s
@@ -199,7 +225,7 @@ class StrataApp(App[None]):
         self._pending = None
         if self.file is None:
             return
-        self.outcome = resolve_editor_text(self.editor.text, self.file.path, self.probe, self.strict)
+        self.outcome = resolve_editor_text(self.editor.text, self.file.path, self.machine_probe, self.strict)
         if self.outcome.resolved is not None:
             self.last_good = self.outcome.resolved
         path = self.file.path.as_posix()
@@ -226,10 +252,7 @@ class StrataApp(App[None]):
             return
         try:
             backup = self.file.save(self.editor.text)
-        except SaveRefused as exc:
-            self.notify(str(exc), title="not saved", severity="error", timeout=10)
-            return
-        except SaveFailed as exc:
+        except (SaveRefused, SaveFailed) as exc:
             self.notify(str(exc), title="not saved", severity="error", timeout=10)
             return
         kept = f"; the previous version is in {backup.name}" if backup else ""
@@ -276,7 +299,7 @@ class StrataApp(App[None]):
         name = self.file.path.as_posix()
         disk_plan: LaunchPlan | str | None = None
         if disk_text is not None:
-            old = resolve_editor_text(disk_text, self.file.path, self.probe, self.strict)
+            old = resolve_editor_text(disk_text, self.file.path, self.machine_probe, self.strict)
             disk_plan = old.resolved.plan if old.resolved else problems_text(old.problems)
         now = self.outcome.resolved.plan if self.outcome.resolved else problems_text(self.outcome.problems)
         page = diff_page(disk_text, self.editor.text, name, disk_plan, now, self.file.changed_on_disk())
@@ -322,6 +345,9 @@ class StrataApp(App[None]):
         self.push_screen(
             LaunchScreen(self.file.path, self.runs_root, self.launch_options, strict=self.strict)
         )
+
+    def on_launch_stopped(self, message: LaunchStopped) -> None:
+        self.notify(f"the engine of {message.run_dir.as_posix()} is stopped")
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen(b for b in self.BINDINGS if isinstance(b, Binding)))
