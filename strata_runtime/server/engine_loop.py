@@ -122,6 +122,8 @@ class EngineLoop:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._pump_scheduled = False
+        self._changed = False
+        """A request was submitted or let go since the last statistics."""
         self._thread = threading.Thread(target=self._run, name="strata-engine", daemon=True)
 
     # ---- asyncio side --------------------------------------------------------------------------------------
@@ -133,11 +135,13 @@ class EngineLoop:
         assert self.engine is not None and self.state == "ready"
         stream = Stream(self, self.engine.submit(request))
         self._streams.add(stream)
+        self._changed = True
         self.wake()
         return stream
 
     def forget(self, stream: Stream) -> None:
         self._streams.discard(stream)
+        self._changed = True
 
     @property
     def in_flight(self) -> int:
@@ -177,10 +181,12 @@ class EngineLoop:
         while not self._stop.is_set():
             try:
                 busy = self.engine.step()
-                # Statistics are a few dictionaries per slot and window: taken at most every
-                # STATS_EVERY_S while busy (windows can be a millisecond), and always once idle.
+                # Statistics are a few dictionaries per slot and window: taken after a step that admitted
+                # or released a request, after an idle one, and otherwise at most every STATS_EVERY_S
+                # (windows can be a millisecond).
                 now = time.monotonic()
-                if not busy or now - taken >= STATS_EVERY_S:
+                if self._changed or not busy or now - taken >= STATS_EVERY_S:
+                    self._changed = False
                     self.stats, taken = self.engine.stats(), now
             except BaseException as exc:
                 self._fail("the engine failed while stepping", exc)
