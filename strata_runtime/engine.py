@@ -319,6 +319,7 @@ class Engine:
         t0 = time.perf_counter()
         normed = self.executor.run_serial(job)
         self._deliver(job, self.executor.finish(job, normed), t0)
+        self.executor.release_workspace(job)
 
     def _pipelined_round(self, active: list[Slot]) -> None:
         groups = self.plan.batch.groups
@@ -336,6 +337,7 @@ class Engine:
         normed = self.executor.run_pipelined(jobs)
         for job, n in zip(jobs, normed, strict=True):
             self._deliver(job, self.executor.finish(job, n), t0, share=len(jobs))
+            self.executor.release_workspace(job)
 
     def _next_job(
         self, group: int, prefilling: list[Slot], decoding: list[Slot], pipelined: bool = False

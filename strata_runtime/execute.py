@@ -17,6 +17,8 @@ from typing import Any, Literal
 
 import numpy as np
 
+from strata_cfg.schema.windows import MAX_WINDOW_ROWS
+
 from .api import TokenEvent
 from .backend import Device, cupy_module, transfer
 from .layout import Layout
@@ -76,6 +78,15 @@ class Executor:
     def run_serial(self, job: Job) -> Any:
         """The job's post-final-norm rows [R, H] on the last device."""
         return self.model.forward(job.token_array(), job.layout())
+
+    def release_workspace(self, job: Job) -> None:
+        """Give a long prefill chunk's activation memory back to the driver.
+
+        Chunks attend over a growing prefix, so each allocates differently sized temporaries that a caching
+        pool cannot reuse; without this the pool grows with the prompt, far past the plan's workspace.
+        """
+        if job.kind == "prefill" and job.rows > MAX_WINDOW_ROWS and any(d.is_cuda for d in self.devices):
+            cupy_module().get_default_memory_pool().free_all_blocks()
 
     def run_pipelined(self, jobs: list[Job]) -> list[Any]:
         """Several jobs (different slot groups) in flight at once, one per stage at each tick."""

@@ -48,3 +48,12 @@ class Layout:
 
     def slots(self) -> tuple[int, ...]:
         return tuple(s.slot for s in self.segments)
+
+    def rows_between(self, start: int, stop: int) -> Layout:
+        """The layout of window rows [start, stop), renumbered from row 0 (segments clipped to the range)."""
+        out = []
+        for s in self.segments:
+            lo, hi = max(s.row, start), min(s.row + s.n, stop)
+            if lo < hi:
+                out.append(Segment(s.slot, lo - start, hi - lo, s.pos + lo - s.row))
+        return Layout(tuple(out))

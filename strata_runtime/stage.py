@@ -19,6 +19,9 @@ from .kvcache import KVCache
 from .layout import Layout
 from .models.qwen3_moe import DecoderLayer, ModelArgs, linear, rope_tables
 
+CUDA_PREFILL_ROWS = 64
+"""Prefill chunks of at most this many rows run as 8-row CUDA windows; longer ones take the array path."""
+
 
 class Rope:
     """cos/sin tables [T, D/2] (fp32) on one device, looked up by row position."""
@@ -95,8 +98,18 @@ class Stage:
         xp = self.device.xp
         with self.device.use():
             self.kv.begin(layout.segments)
-            if self.cuda is not None and 0 < layout.rows <= MAX_WINDOW_ROWS:
-                return self.cuda.forward(hidden, layout)  # [R, H] fp32
+            if self.cuda is not None and 0 < layout.rows <= CUDA_PREFILL_ROWS:
+                if layout.rows <= MAX_WINDOW_ROWS:
+                    return self.cuda.forward(hidden, layout)  # [R, H] fp32
+                # A short prompt: consecutive windows of 8 rows through the graphs beat the array path,
+                # whose per-layer launches and syncs cost the same for 9 rows as for 500.
+                parts = [
+                    self.cuda.forward(
+                        hidden[a : a + MAX_WINDOW_ROWS], layout.rows_between(a, a + MAX_WINDOW_ROWS)
+                    )
+                    for a in range(0, layout.rows, MAX_WINDOW_ROWS)
+                ]
+                return xp.concatenate(parts, axis=0)  # [R, H] fp32
             cos, sin = self.rope.at(layout)  # [R, D/2] each
             for j, layer in enumerate(self.layers):
                 hidden = layer(xp, hidden, layout, self.kv, j, cos, sin)  # [R, H]
