@@ -1,4 +1,4 @@
-"""Slicing a window's layout into consecutive row ranges (the CUDA path runs short prompts 8 rows at a time)."""
+"""Slicing a window's layout into row ranges (the CUDA path runs short prompts 8 rows at a time)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from strata_runtime.layout import Layout
 
 def test_rows_between_covers_every_row_once_with_its_position():
     g = np.random.default_rng()
-    runs = [(int(s), int(n), int(p)) for s, n, p in zip(range(4), g.integers(1, 20, 4), g.integers(0, 100, 4))]
+    sizes, starts = g.integers(1, 20, 4), g.integers(0, 100, 4)
+    runs = [(s, int(sizes[s]), int(starts[s])) for s in range(4)]
     layout = Layout.of(runs)
     step = int(g.integers(1, 9))
     slots, positions = [], []
