@@ -230,7 +230,8 @@ def summary(plan: LaunchPlan) -> list[str]:
     )
     if plan.serve is not None:
         key = f", API key from ${plan.serve.api_key_env}" if plan.serve.api_key_env else ", no API key"
-        lines.append(f"  serve: {base_url(plan.serve)}/v1 as model `{plan.serve.model_name}`{key}")
+        bind = "" if is_loopback(plan.serve.host) else f" (listening on {plan.serve.host}:{plan.serve.port})"
+        lines.append(f"  serve: {base_url(plan.serve)}/v1{bind} as model `{plan.serve.model_name}`{key}")
     return lines
 
 
@@ -241,10 +242,8 @@ def notices(plan: LaunchPlan) -> list[str]:
         if d.requested and d.severity in ("off", "clamp", "error"):
             where = f" (asked at {d.origin})" if d.origin else ""
             out.append(f"  {d.severity.upper()} {d.key}: {d.message}{where} [{d.rule}]")
-        elif d.severity == "warn":
+        elif d.severity == "warn":  # e.g. a non-loopback serve.host without an API key
             out.append(f"  WARN {d.key}: {d.message} [{d.rule}]")
-    if plan.serve is not None and not is_loopback(plan.serve.host) and plan.serve.api_key_env is None:
-        out.append(f"  WARN serve.host: {plan.serve.host} exposes the model to the network with no API key")
     return out
 
 

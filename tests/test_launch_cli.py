@@ -97,6 +97,17 @@ def test_dry_run_shows_the_plan_and_the_turned_off_features_and_starts_nothing(t
     assert not run.exists()
 
 
+def test_an_exposed_host_without_a_key_is_a_warning_and_strict_refuses_it(tmp_path):
+    sets = ("--set", 'serve.host="0.0.0.0"', "--set", f"serve.port={free_port()}")
+    result = strata("launch", str(DEMO), *sets, "--dry-run")
+    assert result.returncode == 0, result.stderr
+    assert "(listening on 0.0.0.0:" in result.stdout
+    assert "WARN serve.host:" in result.stdout and "no API key" in result.stdout
+    strict = strata("launch", str(DEMO), *sets, "--strict", "--run-dir", str(tmp_path / "run"))
+    _refused(strict, "serve.host", "the plan was refused")
+    assert not (tmp_path / "run").exists()
+
+
 def test_an_engine_that_dies_while_loading_fails_fast_with_its_log(tmp_path):
     # Remote expert optimisation resolves, but this runtime refuses it when the engine is built.
     started = time.monotonic()
