@@ -12,6 +12,7 @@ import os
 import re
 import secrets
 import signal
+import socket
 import threading
 import time
 
@@ -189,6 +190,23 @@ def test_a_client_that_disconnects_frees_its_slot(engine: Launched, client: open
     assert after["strata_tokens_total"] - before["strata_tokens_total"] < 600
     # And the freed slot serves the next request.
     _served(client.completions.create(model="demo", prompt=_prompt(), max_tokens=5), 5)
+
+
+def test_a_client_that_disconnects_before_a_whole_reply_frees_its_slot(engine: Launched):
+    cancelled = 'strata_requests_total{endpoint="completions",outcome="cancelled"}'
+    before = _metrics(engine).get(cancelled, 0)
+    body = json.dumps({"model": "demo", "prompt": "Once upon a time", "max_tokens": 900, "temperature": 0})
+    port = int(engine.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port)) as s:  # a client that gives up before the reply
+        s.sendall(
+            f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Authorization: Bearer {engine.key}\r\nContent-Length: {len(body)}\r\n\r\n{body}".encode()
+        )
+        wait_for(lambda: _busy_slots(engine) == 1, 10, "the request to hold a slot")
+    wait_for(lambda: _busy_slots(engine) == 0, 10, "the slot to be freed")
+    wait_for(
+        lambda: _metrics(engine).get(cancelled, 0) == before + 1, 10, "the cancelled request to be counted"
+    )
 
 
 def test_metrics_count_what_was_served(engine: Launched, client: openai.OpenAI):
