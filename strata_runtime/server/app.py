@@ -55,6 +55,8 @@ class Piece:
 
 @dataclass
 class ServeOptions:
+    """Where one server listens, what it calls its model, and how it guards and stops."""
+
     host: str
     port: int
     model_name: str
