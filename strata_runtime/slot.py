@@ -15,6 +15,17 @@ from .api import FinishReason, RequestHandle, TokenEvent
 from .sampling import Sampler
 
 
+def _stop_prefix_len(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest tail of ``text`` that is a proper prefix of one of ``stops``."""
+    best = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), best, -1):
+            if text.endswith(stop[:n]):
+                best = n
+                break
+    return best
+
+
 @dataclass
 class Slot:
     id: int
@@ -66,8 +77,11 @@ class Slot:
             cut = text.find(stop)
             if stop and cut >= 0:
                 text, self.finished = text[:cut], "stop"
-        if self.finished is None and text.endswith("\ufffd"):
-            text = text.rstrip("\ufffd")  # an incomplete UTF-8 sequence: wait for its next bytes
+        if self.finished is None:
+            if text.endswith("\ufffd"):
+                text = text.rstrip("\ufffd")  # an incomplete UTF-8 sequence: wait for its next bytes
+            # Hold back a tail that may be the start of a stop string arriving over several windows.
+            text = text[: len(text) - _stop_prefix_len(text, req.stop_strings)]
         new = text[len(self.sent_text) :] if text.startswith(self.sent_text) else ""
         self.sent_text += new
         return TokenEvent(tuple(kept), new, self.finished, accepted)
