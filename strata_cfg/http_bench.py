@@ -24,6 +24,8 @@ import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any
 
+from .schema.workloads import CLIENT_COUNTS, PROMPTS
+
 
 @dataclass
 class Sample:
@@ -288,20 +290,6 @@ def clients_workload(
 
 
 # ---- BENCH.md workloads against a launched engine (`strata bench --url`) ---------------------------------
-
-WORKLOADS = ("two-decodes", "clients", "read-beside-decode", "solo")
-CLIENT_COUNTS = (1, 2, 4, 8)
-PROMPTS = (
-    "The quick brown fox",
-    "Once upon a time",
-    "In the beginning",
-    "Hello, world",
-    "A long time ago",
-    "Dear reader",
-    "It was a dark night",
-    "Call me Ishmael",
-)
-"""The same prompts as the in-process harness, so that both measure the same requests."""
 
 
 @dataclass

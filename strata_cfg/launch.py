@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
-import ipaddress
 import json
 import os
 import signal
@@ -34,6 +33,7 @@ from types import FrameType
 from typing import Any, Literal
 
 from .schema.plan import LaunchPlan, ServePlan
+from .schema.profile import is_loopback
 
 PLAN_FILE = "plan.json"
 ENGINE_LOG = "engine.log"
@@ -167,15 +167,6 @@ def base_url(serve: ServePlan) -> str:
     if ":" in host:
         host = f"[{host}]"
     return f"http://{host}:{serve.port}"
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def port_problem(host: str, port: int) -> str | None:

@@ -16,20 +16,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .api import EngineCore, Request, SamplingParams
+from strata_cfg.schema.workloads import CLIENT_COUNTS, PROMPTS, WORKLOADS
 
-WORKLOADS = ("two-decodes", "clients", "read-beside-decode", "solo")
-CLIENT_COUNTS = (1, 2, 4, 8)
-PROMPTS = (
-    "The quick brown fox",
-    "Once upon a time",
-    "In the beginning",
-    "Hello, world",
-    "A long time ago",
-    "Dear reader",
-    "It was a dark night",
-    "Call me Ishmael",
-)
+from .api import EngineCore, Request, SamplingParams
 
 
 @dataclass(frozen=True)

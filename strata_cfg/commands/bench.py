@@ -21,9 +21,9 @@ from typing import Any
 from ..runner import write_plan
 from ..schema.errors import ProfileError
 from ..schema.plan import LaunchPlan
+from ..schema.workloads import WORKLOADS
 from ._common import EXIT_REFUSED, EXIT_USAGE, add_profile_argument, add_resolve_options, resolve_args
 
-WORKLOADS = ("two-decodes", "clients", "read-beside-decode", "solo")
 ARMS: dict[str, tuple[tuple[str, Any], ...]] = {
     "serial": (("batch.groups", 1), ("batch.mtp", False)),
     "pipelined": (("batch.groups", "auto"), ("batch.mtp", False)),

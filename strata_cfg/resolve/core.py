@@ -28,7 +28,7 @@ from ..schema.plan import (
     StagePlan,
     WindowPlan,
 )
-from ..schema.profile import Profile
+from ..schema.profile import Profile, is_loopback
 from ..schema.windows import (
     BATCH_MTP_ROWS_PER_SLOT,
     BATCH_MTP_SLOTS_PER_WINDOW,
@@ -242,7 +242,7 @@ def _expert_notes(gpus: list[GpuPlan], sz: Sizing, led: Ledger) -> None:
 
 def _serve_exposure(led: Ledger) -> None:
     host = led["serve.host"]
-    if host not in gates.LOOPBACK and not led["serve.api_key_env"]:
+    if not is_loopback(host) and not led["serve.api_key_env"]:
         led.note(
             "serve.exposed",
             "serve.host",

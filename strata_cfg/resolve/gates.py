@@ -22,7 +22,6 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_DRAFT_TOKENS = 4
 MAX_STAGES = 8
 MAX_PLAIN_SLOTS = 8
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,7 +22,8 @@ class Problem:
         return f"{where}: {self.key}: {self.message}" if self.key else f"{where}: {self.message}"
 
     def to_json(self) -> dict[str, object]:
-        out: dict[str, object] = {"file": self.file, "line": self.line, "key": self.key, "message": self.message}
+        out: dict[str, object] = {"file": self.file, "line": self.line, "key": self.key}
+        out["message"] = self.message
         if self.rule:
             out["rule"] = self.rule
         return out

@@ -128,7 +128,15 @@ class Budget(_Plan):
     free: int
     """What is left over."""
 
-    TERMS: ClassVar[tuple[str, ...]] = ("weights", "kv", "drafters", "workspace", "reserve", "experts", "free")
+    TERMS: ClassVar[tuple[str, ...]] = (
+        "weights",
+        "kv",
+        "drafters",
+        "workspace",
+        "reserve",
+        "experts",
+        "free",
+    )
 
     def mib(self) -> dict[str, float]:
         """The total and every term in MiB, rounded to 0.1."""

@@ -7,6 +7,7 @@ the user wrote distinguishable from what the tool chose, all the way into the la
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from typing import Annotated, Literal
 
@@ -23,6 +24,16 @@ _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 DeviceSpec = Annotated[int, Field(ge=0)] | Annotated[str, Field(pattern=_DEVICE_RE.pattern)]
 """A GPU index (``1``), or ``"host:index"`` (``"local:1"``) naming the host that holds it."""
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` keeps a server on this machine (``localhost`` or a loopback address)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def parse_device(spec: int | str) -> tuple[str, int]:
@@ -60,7 +71,7 @@ class MachineSection(Section):
     probe: bool | None = None
     """Fill the GPU list from the machine `strata` runs on (nvidia-smi), before resolving."""
     backend: Backend | None = None
-    """``"cuda"`` (default) runs on real GPUs; ``"cpu"`` runs each listed GPU as a virtual CPU device on NumPy."""
+    """``"cuda"`` (default) runs on real GPUs; ``"cpu"`` runs each listed GPU as a virtual NumPy device."""
 
     @model_validator(mode="after")
     def _gpus_or_probe(self) -> MachineSection:
@@ -148,7 +159,7 @@ class ExpertsSection(Section):
     """Where the MoE experts live."""
 
     cache: Annotated[int, Field(ge=0)] | Literal["auto"] | None = None
-    """VRAM expert-cache slots (``--expert-cache``); ``"auto"`` (default) is what fits after everything else."""
+    """VRAM expert-cache slots (``--expert-cache``); ``"auto"`` (default): what fits after everything else."""
     helper_devices: list[int] | None = Field(default=None, max_length=3)
     """Helper GPUs that hold only experts, no stage (``--expert-cache-device1..3``)."""
     remote_opt: bool | None = None
@@ -173,7 +184,9 @@ class ServeSection(Section):
     @classmethod
     def _env_name(cls, v: str | None) -> str | None:
         if v is not None and not _ENV_NAME_RE.match(v):
-            raise ValueError("must be an environment variable name such as STRATA_API_KEY, not the key itself")
+            raise ValueError(
+                "must be an environment variable name such as STRATA_API_KEY, not the key itself"
+            )
         return v
 
 

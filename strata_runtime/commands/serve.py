@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ipaddress
 import logging
 import os
 import sys
@@ -18,6 +17,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from strata_cfg.schema.plan import LaunchPlan
+from strata_cfg.schema.profile import is_loopback
 
 log = logging.getLogger("strata.serve")
 
@@ -63,15 +63,6 @@ def _fatal(message: str) -> int:
     return 2
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def _factory(plan: LaunchPlan) -> Any:
     def build(progress: Any) -> Any:
         from strata_runtime.engine import Engine  # on the engine thread: it owns the devices
@@ -102,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
         api_key=api_key(plan),
         drain_s=args.drain_seconds,
     )
-    if not _is_loopback(options.host) and options.api_key is None:
+    if not is_loopback(options.host) and options.api_key is None:
         log.warning(
             "binding %s without an API key: anyone who can reach this host can use the model", options.host
         )
