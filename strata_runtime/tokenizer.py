@@ -58,7 +58,9 @@ class ByteTokenizer:
         return "".join(out)
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        return self.encode(chatml(messages))
+        """A plain transcript ending in ``assistant: ``. A synthetic model has no chat template, and ending
+        on a printable byte keeps its planted token chain (and so the reply) in readable characters."""
+        return self.encode("".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: ")
 
 
 class HFTokenizer:

@@ -12,7 +12,9 @@ from strata_runtime.tokenizer import ByteTokenizer
 
 def _slot(stop: str, max_tokens: int = 100) -> Slot:
     req = Request((1, 2), max_tokens, stop_strings=(stop,))
-    return Slot(0, RequestHandle(req), Sampler(req.sampling, 0), frozenset(), ByteTokenizer(384), admitted_at=0)
+    return Slot(
+        0, RequestHandle(req), Sampler(req.sampling, 0), frozenset(), ByteTokenizer(384), admitted_at=0
+    )
 
 
 def test_a_stop_string_split_over_windows_is_never_partly_sent():
