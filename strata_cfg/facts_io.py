@@ -264,7 +264,8 @@ def model_facts(loaded: LoadedProfile, backend: str) -> ModelFacts:
         raise _problem(
             loaded, "model.path", f"model_type {config.get('model_type')!r} is not supported (qwen3_moe)"
         )
-    dtype = run_dtype(backend, m.dtype, ckpt_dtype)
+    # The runtime computes in float16 on GPUs; bfloat16 and float32 checkpoints are converted on load.
+    dtype = run_dtype(backend, m.dtype)
     try:
         return ModelFacts.from_config(
             config, source=str(directory), dtype=dtype, mtp_layers=header.mtp_layers

@@ -88,8 +88,8 @@ class ModelSection(Section):
     synthetic: PresetName | None = None
     """A built-in seeded random model, generated in place on each device (no download)."""
     dtype: DType | None = None
-    """Weight and activation precision on GPUs (default: the checkpoint's dtype for a model directory,
-    ``"float16"`` for a synthetic preset). Virtual CPU devices always use float32."""
+    """Weight and activation precision on GPUs (default ``"float16"``; a bfloat16 or float32 checkpoint is
+    converted on load). Virtual CPU devices always use float32."""
     seed: int | None = Field(default=None, ge=0, le=2**32 - 1)
     """Synthetic models only: the seed the weights are generated from (default 0)."""
     layer_scale: float | None = Field(default=None, ge=0.0, le=10.0)
