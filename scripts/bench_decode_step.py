@@ -81,15 +81,17 @@ def buffers(R):
     )
 
 
-def layer(b, ly):
-    kern.gemv(ly["qkv"], b["resid"], b["qkv"], norm=ly["ln1"])
-    kern.qk_norm_rope_kv(
+OPS = {
+    "qkv+norm": lambda b, ly: kern.gemv(ly["qkv"], b["resid"], b["qkv"], norm=ly["ln1"]),
+    "qknorm_rope": lambda b, ly: kern.qk_norm_rope_kv(
         b["qkv"], ly["qn"], ly["kn"], b["pos"], b["slot"], b["q"], ly["kc"], ly["vc"], 1e6, 1e-6
-    )
-    kern.attention(b["q"], ly["kc"], ly["vc"], b["pos"], b["slot"], b["attn"], b["scratch"])
-    kern.gemv(ly["o"], b["attn"], b["resid"], True)
-    kern.gemv(ly["router"], b["resid"], b["rl"], norm=ly["ln2"])
-    kern.moe(
+    ),
+    "attention": lambda b, ly: kern.attention(
+        b["q"], ly["kc"], ly["vc"], b["pos"], b["slot"], b["attn"], b["scratch"]
+    ),
+    "o_proj": lambda b, ly: kern.gemv(ly["o"], b["attn"], b["resid"], True),
+    "router+norm": lambda b, ly: kern.gemv(ly["router"], b["resid"], b["rl"], norm=ly["ln2"]),
+    "moe": lambda b, ly: kern.moe(
         b["resid"],
         ly["ln2"],
         b["rl"],
@@ -101,7 +103,14 @@ def layer(b, ly):
         b["idx"],
         b["wts"],
         b["hb"],
-    )
+    ),
+}
+
+
+def layer(b, ly):
+    """One decoder layer: the kernels of OPS in order."""
+    for op in OPS.values():
+        op(b, ly)
 
 
 def step(b):
@@ -162,30 +171,6 @@ for R in (1, 2, 4, 8):
         f"({nuniq} distinct experts in last layer) -> {roof / tg * 100:.0f}% of roofline; {R / tg:.0f} rows/s"
     )
 
-OPS = {
-    "qkv+norm": lambda b, ly: kern.gemv(ly["qkv"], b["resid"], b["qkv"], norm=ly["ln1"]),
-    "qknorm_rope": lambda b, ly: kern.qk_norm_rope_kv(
-        b["qkv"], ly["qn"], ly["kn"], b["pos"], b["slot"], b["q"], ly["kc"], ly["vc"], 1e6, 1e-6
-    ),
-    "attention": lambda b, ly: kern.attention(
-        b["q"], ly["kc"], ly["vc"], b["pos"], b["slot"], b["attn"], b["scratch"]
-    ),
-    "o_proj": lambda b, ly: kern.gemv(ly["o"], b["attn"], b["resid"], True),
-    "router+norm": lambda b, ly: kern.gemv(ly["router"], b["resid"], b["rl"], norm=ly["ln2"]),
-    "moe": lambda b, ly: kern.moe(
-        b["resid"],
-        ly["ln2"],
-        b["rl"],
-        True,
-        1e-6,
-        ly["gu"],
-        ly["dn"],
-        b["resid"],
-        b["idx"],
-        b["wts"],
-        b["hb"],
-    ),
-}
 for R in (1, 2, 4):
     b = buffers(R)
     b["ids"][:] = cp.asarray(np.random.default_rng(R).integers(0, V, R).astype(np.int32))
