@@ -239,6 +239,10 @@ class Engine:
                 f"drafters: slots {info['slots']} on {info['device']} (last stage), {each:.2f} MiB each "
                 f"(MTP-layer KV {kv:.2f} MiB + draft-window buffers {each - kv:.2f} MiB)"
             )
+        for stage in self.model.stages:
+            if stage.device.is_cuda:
+                path = "CUDA graphs" if stage.cuda is not None else f"array path ({stage.cuda_refused})"
+                lines.append(f"decode windows on {stage.device}: {path}")
         return lines
 
     def _slot_state(self, i: int, s: Slot | None) -> dict[str, Any]:
