@@ -21,6 +21,7 @@ import math
 import threading
 import time
 import urllib.parse
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -175,15 +176,10 @@ class Client:
         text = ""
         usage: dict[str, Any] | None = None
         done = False
-        for raw in r:
-            line = raw.decode().strip()
-            if not line.startswith("data: "):
-                continue
-            payload = line[len("data: ") :]
-            if payload == "[DONE]":
+        for chunk in _sse_chunks(r):
+            if chunk is None:
                 done = True
                 break
-            chunk = json.loads(payload)
             if "error" in chunk:
                 self.close()
                 return Sample(False, time.perf_counter() - start, error=str(chunk["error"].get("message")))
@@ -199,6 +195,19 @@ class Client:
         if not done or finish not in ("stop", "length") or usage is None:
             return Sample(False, seconds, error=f"incomplete stream (done={done}, finish={finish})")
         return Sample(True, seconds, tokens=int(usage["completion_tokens"]), first_token_s=first)
+
+
+def _sse_chunks(r: http.client.HTTPResponse) -> Iterator[dict[str, Any] | None]:
+    """The JSON chunks of a server-sent event stream, then None for its closing ``data: [DONE]``."""
+    for raw in r:
+        line = raw.decode().strip()
+        if not line.startswith("data: "):
+            continue
+        payload = line[len("data: ") :]
+        if payload == "[DONE]":
+            yield None
+            return
+        yield json.loads(payload)
 
 
 def _check_whole(data: dict[str, Any], seconds: float) -> Sample:
@@ -322,14 +331,9 @@ def _stream(
         if r.status != 200:
             out.error = f"HTTP {r.status}: {r.read()[:200]!r}"
             return
-        for raw in r:
-            line = raw.decode().strip()
-            if not line.startswith("data: "):
-                continue
-            payload = line[len("data: ") :]
-            if payload == "[DONE]":
+        for chunk in _sse_chunks(r):
+            if chunk is None:
                 break
-            chunk = json.loads(payload)
             if "error" in chunk:
                 out.error = str(chunk["error"].get("message"))
                 break
