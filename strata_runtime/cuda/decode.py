@@ -324,8 +324,3 @@ class CudaMtp:
             b.out[...] = hidden  # the hidden input; the body overwrites it with the output at the end
             self.layers.replay(b, self._body)
             return b.out.copy()
-
-
-def rows_fit(layout: Layout) -> bool:
-    """Whether a window is small enough for the CUDA decode path."""
-    return 0 < layout.rows <= MAX_WINDOW_ROWS

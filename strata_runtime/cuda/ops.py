@@ -21,7 +21,6 @@ _SOURCE = (Path(__file__).with_name("kernels.cu")).read_text()
 _OPTIONS = ("-std=c++17", "--use_fast_math")
 WARPS_PER_BLOCK = 8
 THREADS = WARPS_PER_BLOCK * 32
-MAX_ROWS = 8
 ATTN_CHUNK = 64  # positions per attention block; kernels.cu's ATTN_CHUNK
 _NULL = np.uint64(0)  # a null pointer argument
 
