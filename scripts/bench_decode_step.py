@@ -133,32 +133,45 @@ s1.synchronize()
 copy_bw = 10 * 2 * a.nbytes / (cp.cuda.get_elapsed_time(s0, s1) / 1e3)
 print(f"device-to-device copy: {copy_bw / 1e9:.0f} GB/s (read + write)")
 del a, b_
-for R in (1, 2, 4, 8):
+
+
+def graph_seconds(body, repeats):
+    """Capture ``body()`` as a CUDA graph, run it once; the median seconds of ``repeats`` replays."""
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        s.begin_capture()
+        body()
+        g = s.end_capture()
+    g.launch(s)
+    s.synchronize()
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        g.launch(s)
+        s.synchronize()
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts))
+
+
+def window(R):
+    """Buffers of an R-row window at position 300, run once eagerly (compiles the kernels)."""
     b = buffers(R)
     b["ids"][:] = cp.asarray(np.random.default_rng(R).integers(0, V, R).astype(np.int32))
     b["pos"][:] = 300
     step(b)
     cp.cuda.Device().synchronize()
+    return b
+
+
+for R in (1, 2, 4, 8):
+    b = window(R)
     # eager timing
     t0 = time.perf_counter()
     for _ in range(3):
         step(b)
     cp.cuda.Device().synchronize()
     te = (time.perf_counter() - t0) / 3
-    s = cp.cuda.Stream(non_blocking=True)
-    with s:
-        s.begin_capture()
-        step(b)
-        g = s.end_capture()
-    g.launch(s)
-    s.synchronize()
-    ts = []
-    for _ in range(20):
-        t0 = time.perf_counter()
-        g.launch(s)
-        s.synchronize()
-        ts.append(time.perf_counter() - t0)
-    tg = float(np.median(ts))
+    tg = graph_seconds(lambda b=b: step(b), 20)
     # bytes: attention+router per layer, distinct experts (use the last layer's routing as a proxy), head
     att = L * (((NQ + 2 * NKV) * D * H + H * NQ * D + E * H) * 2)
     nuniq = len(set(b["idx"].get().ravel().tolist()))
@@ -172,26 +185,9 @@ for R in (1, 2, 4, 8):
     )
 
 for R in (1, 2, 4):
-    b = buffers(R)
-    b["ids"][:] = cp.asarray(np.random.default_rng(R).integers(0, V, R).astype(np.int32))
-    b["pos"][:] = 300
-    step(b)
-    cp.cuda.Device().synchronize()
+    b = window(R)
     parts = []
     for name, op in OPS.items():
-        s = cp.cuda.Stream(non_blocking=True)
-        with s:
-            s.begin_capture()
-            for ly in layers:
-                op(b, ly)
-            g = s.end_capture()
-        g.launch(s)
-        s.synchronize()
-        ts = []
-        for _ in range(10):
-            t0 = time.perf_counter()
-            g.launch(s)
-            s.synchronize()
-            ts.append(time.perf_counter() - t0)
-        parts.append(f"{name} {np.median(ts) / len(layers) * 1e6:.1f}")
+        t = graph_seconds(lambda op=op, b=b: [op(b, ly) for ly in layers], 10)
+        parts.append(f"{name} {t / len(layers) * 1e6:.1f}")
     print(f"R={R} per-layer us (in graph): " + ", ".join(parts))
