@@ -1,0 +1,206 @@
+"""The ceilings benchmarks are measured against: the byte roofline of a decode step and the FLOPs of a prompt.
+
+A decode step at a few rows is bound by memory: it must read the weights of every layer (attention, router,
+shared expert or dense MLP), the *distinct* routed experts its rows go to, the LM head and the KV, and it can
+take no less than those bytes over the device-to-device copy bandwidth. Reading a prompt is bound by
+compute: two FLOPs per active parameter per token, plus causal attention, over the fp16 matrix rate. The
+arithmetic here is pure (a `ModelFacts` in, numbers out) so that it is tested on the CPU; the two rates are
+measured with CuPy on the GPU in the same run as the figure they divide.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from strata_cfg.schema.facts import ModelFacts
+
+
+def expected_distinct_experts(n_experts: int, top_k: int, rows: int) -> float:
+    """Distinct experts that ``rows`` rows route to under uniform random routing (exactly top-k at 1 row)."""
+    if n_experts == 0 or top_k == 0:
+        return 0.0
+    if rows <= 1:
+        return float(min(top_k, n_experts))
+    return n_experts * (1.0 - (1.0 - top_k / n_experts) ** rows)
+
+
+@dataclass(frozen=True)
+class StepBytes:
+    """Bytes one decode step of ``rows`` rows must read, by part."""
+
+    rows: int
+    layers: int
+    sparse_layers: int
+    distinct_experts: float
+    """Distinct routed experts per sparse layer."""
+    positions: int
+    """KV positions each row reads in each layer."""
+    dense: int
+    """Attention, norms, router and shared expert (or dense MLP) of every layer."""
+    experts: int
+    """The distinct routed experts of every sparse layer."""
+    head: int
+    """The final norm and the LM head."""
+    kv: int
+    """Keys and values each row reads, in every layer."""
+    expert_bytes: int
+    """One routed expert."""
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.experts + self.head + self.kv
+
+    def seconds(self, copy_bytes_per_s: float) -> float:
+        """The roofline: the step cannot take less than its bytes over the copy bandwidth."""
+        return self.total / copy_bytes_per_s
+
+    def arithmetic(self, copy_bytes_per_s: float | None = None) -> str:
+        """The sum written out, e.g. ``attention+router 48 x 38.3 MB = 1.84 GB; experts ...``."""
+        per_layer = self.dense / self.layers / 1e6
+        parts = [
+            f"attention+router {self.layers} x {per_layer:.1f} MB = {self.dense / 1e9:.2f} GB",
+            f"experts {self.sparse_layers} x {self.distinct_experts:.1f} x {self.expert_bytes / 1e6:.2f} MB "
+            f"= {self.experts / 1e9:.2f} GB",
+            f"LM head {self.head / 1e9:.2f} GB",
+            f"KV ({self.rows} row(s) x {self.positions} positions) {self.kv / 1e9:.3f} GB",
+        ]
+        text = f"{self.rows} row(s): " + "; ".join(parts) + f"; total {self.total / 1e9:.2f} GB"
+        if copy_bytes_per_s:
+            ms = self.seconds(copy_bytes_per_s) * 1e3
+            text += (
+                f" / {copy_bytes_per_s / 1e9:,.0f} GB/s = {ms:.3f} ms per step "
+                f"({self.rows / (ms / 1e3):,.0f} rows/s)"
+            )
+        return text
+
+
+def decode_step_bytes(
+    facts: ModelFacts,
+    *,
+    rows: int = 1,
+    positions: int,
+    kv_dtype: str = "float16",
+    distinct_experts: float | None = None,
+) -> StepBytes:
+    """The bytes of one decode step over the whole model at ``rows`` rows, each reading ``positions`` of KV.
+
+    ``distinct_experts`` (per sparse layer) defaults to what random routing gives
+    (`expected_distinct_experts`); a benchmark that knows its routing passes the count it saw.
+    """
+    layers = facts.num_hidden_layers
+    sparse = sum(facts.is_sparse(j) for j in range(layers))
+    dense = sum(facts.layer_bytes(j)[0] for j in range(layers))
+    if distinct_experts is None:
+        distinct_experts = expected_distinct_experts(facts.num_experts, facts.num_experts_per_tok, rows)
+    experts = round(sparse * distinct_experts * facts.expert_bytes())
+    # The head is read every step even when it is tied to the embedding (then it is just not stored twice).
+    head = (facts.vocab_size * facts.hidden_size + facts.hidden_size) * facts.weight_bytes
+    kv = layers * rows * positions * facts.kv_bytes_per_token(kv_dtype)
+    return StepBytes(
+        rows=rows,
+        layers=layers,
+        sparse_layers=sparse,
+        distinct_experts=float(distinct_experts),
+        positions=positions,
+        dense=dense,
+        experts=experts,
+        head=head,
+        kv=kv,
+        expert_bytes=facts.expert_bytes(),
+    )
+
+
+@dataclass(frozen=True)
+class PromptFlops:
+    """FLOPs per prompt token of reading an ``prompt_tokens``-token prompt, by part."""
+
+    prompt_tokens: int
+    weights: float
+    """2 x the parameters each token multiplies: attention projections, router, its top-k experts, shared
+    expert or dense MLP, in every layer."""
+    attention: float
+    """Causal attention (scores and weighted values) over the average context of the prompt."""
+    head: float
+    """The LM head, which only the prompt's last row runs, spread over the prompt's tokens."""
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.attention + self.head
+
+    def arithmetic(self) -> str:
+        return (
+            f"{self.total / 1e9:.2f} GFLOP per token (weights {self.weights / 1e9:.2f} + attention "
+            f"{self.attention / 1e9:.2f} at an average context of {(self.prompt_tokens + 1) / 2:.0f} + "
+            f"LM head {self.head / 1e9:.4f})"
+        )
+
+
+def prompt_flops(facts: ModelFacts, prompt_tokens: int) -> PromptFlops:
+    """FLOPs per token of reading a prompt of ``prompt_tokens`` tokens (the KV it writes is not counted)."""
+    h, hd = facts.hidden_size, facts.head_dim
+    q, kv = facts.num_attention_heads * hd, facts.num_key_value_heads * hd
+    attn_params = h * q + 2 * h * kv + q * h
+    shared = 3 * h * facts.shared_expert_intermediate_size + h if facts.shared_expert_intermediate_size else 0
+    params = 0
+    for j in range(facts.num_hidden_layers):
+        params += attn_params
+        if facts.is_sparse(j):
+            params += facts.num_experts * h + facts.num_experts_per_tok * 3 * h * facts.moe_intermediate_size
+            params += shared
+        else:
+            params += 3 * h * facts.intermediate_size
+    # Token i attends to i + 1 positions: on average (N + 1) / 2; q.k and p.v are 2 FLOPs each per element.
+    avg_context = (prompt_tokens + 1) / 2
+    attention = facts.num_hidden_layers * 2 * 2 * facts.num_attention_heads * hd * avg_context
+    head = 2 * facts.vocab_size * h / prompt_tokens
+    return PromptFlops(prompt_tokens, 2.0 * params, attention, head)
+
+
+# ---- the two rates, measured on the GPU --------------------------------------------------------------
+
+
+def _event_seconds(cp: Any, body: Any, reps: int) -> float:
+    """Seconds per call of ``body()`` over ``reps`` calls, timed with CUDA events after one warm-up call."""
+    body()
+    start, stop = cp.cuda.Event(), cp.cuda.Event()
+    start.record()
+    for _ in range(reps):
+        body()
+    stop.record()
+    stop.synchronize()
+    return cp.cuda.get_elapsed_time(start, stop) / 1e3 / reps
+
+
+def _copy_seconds(cp: Any, nbytes: int, reps: int) -> float:
+    a = cp.empty(nbytes // 4, cp.float32)
+    b = cp.empty_like(a)
+    return _event_seconds(cp, lambda: b.__setitem__(Ellipsis, a), reps)
+
+
+def _matmul_seconds(cp: Any, n: int, reps: int) -> float:
+    a = cp.random.standard_normal((n, n), dtype=cp.float32).astype(cp.float16)
+    b = cp.random.standard_normal((n, n), dtype=cp.float32).astype(cp.float16)
+    out = cp.empty((n, n), cp.float16)
+    cp.matmul(a, b, out=out)  # the first product picks the cuBLAS kernel
+    return _event_seconds(cp, lambda: cp.matmul(a, b, out=out), reps)
+
+
+def copy_bandwidth(device_index: int, nbytes: int = 1 << 31, reps: int = 10) -> float:
+    """Device-to-device copy rate of GPU ``device_index`` in bytes/s, counting the read and the write."""
+    import cupy as cp
+
+    with cp.cuda.Device(device_index):
+        s = _copy_seconds(cp, nbytes, reps)
+        cp.get_default_memory_pool().free_all_blocks()
+    return 2 * nbytes / s
+
+
+def matrix_rate(device_index: int, n: int = 8192, reps: int = 10) -> float:
+    """fp16 matrix-product rate of GPU ``device_index`` in FLOP/s: ``cupy.matmul`` of two n x n matrices."""
+    import cupy as cp
+
+    with cp.cuda.Device(device_index):
+        s = _matmul_seconds(cp, n, reps)
+        cp.get_default_memory_pool().free_all_blocks()
+    return 2 * n**3 / s
