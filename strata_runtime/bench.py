@@ -4,6 +4,8 @@ Each repeat runs every arm once (A B C A B C ...), so slow drifts of a shared ma
 Figures are medians over repeats; the gain of an arm over ``serial`` carries a bootstrap 95% interval; every
 arm's greedy token ids are checked against ``serial``'s. Requests reach an engine through a `Driver`: the
 in-process one steps an `Engine` here; a driver that talks HTTP to a launched engine fits the same seam.
+The GPU-only workloads (``step``, ``vram``) build no arms: `strata_runtime.bench_step` and
+`strata_runtime.bench_vram` run them on the plan's GPUs, which `cuda_devices` checks first.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import numpy as np
 from strata_cfg.schema.workloads import CLIENT_COUNTS, PROMPTS, WORKLOADS
 
 from .api import EngineCore, Request, SamplingParams
+from .backend import DeviceError, cupy_module
 
 
 @dataclass(frozen=True)
@@ -116,10 +119,28 @@ def _request(tokenizer: Any, i: int, tokens: int, prompt: str | None = None) -> 
     return Request(ids, tokens, SamplingParams(temperature=0.0), request_id=f"bench-{i}")
 
 
+def prompt_ids(length: int, vocab: int, seed: int) -> tuple[int, ...]:
+    """A prompt of fresh token ids, seeded and spread over the vocabulary (id 0 left out)."""
+    ids = np.random.default_rng(seed).integers(1, vocab, length)
+    return tuple(int(i) for i in ids)
+
+
 def workload_arrivals(
-    name: str, tokenizer: Any, tokens: int, context: int, clients: int = 1
+    name: str,
+    tokenizer: Any,
+    tokens: int,
+    context: int,
+    clients: int = 1,
+    *,
+    prompt_tokens: int = 0,
+    vocab: int = 0,
+    seed: int = 0,
 ) -> list[Arrival]:
-    """The requests of a workload (for ``clients``: of one client count)."""
+    """The requests of a workload (for ``clients``: of one client count; for ``prompt``: a prompt of
+    ``prompt_tokens`` ids drawn from ``vocab`` with ``seed``, generating one token)."""
+    if name == "prompt":
+        ids = prompt_ids(prompt_tokens, vocab, seed)
+        return [Arrival(Request(ids, 1, SamplingParams(temperature=0.0), request_id=f"bench-prompt-{seed}"))]
     if name == "two-decodes":
         return [Arrival(_request(tokenizer, i, tokens)) for i in range(2)]
     if name == "clients":
@@ -143,7 +164,13 @@ def measure(name: str, results: list[Result], stats: dict[str, Any], wall: float
         "rows_per_window": stats["rows_per_window"],
         "accepted_pct": 100.0 * stats["accepted"] / stats["proposals"] if stats["proposals"] else 0.0,
     }
-    if name == "read-beside-decode":
+    if name == "prompt":
+        (reader,) = results
+        read_span = (reader.first_token or reader.finished) - reader.submitted
+        out["prompt_tokens"] = reader.prompt_tokens
+        out["prompt_read_s"] = read_span
+        out["tok_s"] = reader.prompt_tokens / read_span if read_span > 0 else 0.0
+    elif name == "read-beside-decode":
         decode, reader = results
         read_span = (reader.first_token or reader.finished) - reader.submitted
         out["prompt_read_tok_s"] = reader.prompt_tokens / read_span if read_span > 0 else 0.0
@@ -193,15 +220,29 @@ def run_bench(
     context: int,
     driver: Callable[[Any], Driver] = InProcessDriver,
     on_run: Callable[[str, str, int, dict[str, float]], None] | None = None,
+    prompt_tokens: int = 0,
+    vocab: int = 0,
 ) -> dict[str, ArmRuns]:
-    """Every arm on the workload, interleaved, ``repeats`` times."""
+    """Every arm on the workload, interleaved, ``repeats`` times.
+
+    ``prompt`` gives every arm of a repeat the same prompt, and each repeat a fresh one (seeded by its index).
+    """
     cases = [f"{c} clients" for c in CLIENT_COUNTS] if workload == "clients" else [workload]
     out = {name: ArmRuns(name) for name in engines}
     for r in range(repeats):
         for case in cases:
             for name, engine in engines.items():
                 clients = int(case.split()[0]) if workload == "clients" else 1
-                arrivals = workload_arrivals(workload, engine.tokenizer, tokens, context, clients)
+                arrivals = workload_arrivals(
+                    workload,
+                    engine.tokenizer,
+                    tokens,
+                    context,
+                    clients,
+                    prompt_tokens=prompt_tokens,
+                    vocab=vocab,
+                    seed=r,
+                )
                 t0 = time.perf_counter()
                 results, stats = driver(engine).run(arrivals)
                 wall = time.perf_counter() - t0
@@ -221,7 +262,11 @@ def summarise(runs: dict[str, ArmRuns], base: str = "serial") -> dict[str, Any]:
         cases = {}
         for case, figures in arm.runs.items():
             med = {k: statistics.median(f[k] for f in figures) for k in figures[0]}
-            entry: dict[str, Any] = {"median": med, "repeats": len(figures)}
+            entry: dict[str, Any] = {
+                "median": med,
+                "repeats": len(figures),
+                "tok_s_repeats": [f["tok_s"] for f in figures],
+            }
             if base in runs and name != base and case in runs[base].runs:
                 base_rates = [f["tok_s"] for f in runs[base].runs[case]]
                 rates = [f["tok_s"] for f in figures]
@@ -232,3 +277,28 @@ def summarise(runs: dict[str, ArmRuns], base: str = "serial") -> dict[str, Any]:
             cases[case] = entry
         summary[name] = cases
     return summary
+
+
+def cuda_devices(plan: Any, workload: str) -> list[int]:
+    """The plan's GPU ordinals for a GPU-only workload, or a `DeviceError` saying why it cannot run here."""
+    used = [g for g in plan.gpus if g.role != "idle"]
+    if plan.machine.backend != "cuda":
+        names = ", ".join(g.device for g in used)
+        raise DeviceError(
+            f"--workload {workload} needs a CUDA GPU, but the plan's devices are virtual CPU devices "
+            f'({names}); use a profile with machine.backend = "cuda"'
+        )
+    try:
+        cp = cupy_module()
+    except DeviceError as exc:
+        raise DeviceError(f"--workload {workload} needs a CUDA GPU: {exc}") from None
+    try:
+        count = int(cp.cuda.runtime.getDeviceCount())
+    except Exception as exc:  # CuPy is installed but no driver or device answers
+        raise DeviceError(f"--workload {workload} needs a CUDA GPU, and none answers: {exc}") from None
+    missing = [g.device for g in used if g.index >= count]
+    if missing:
+        raise DeviceError(
+            f"--workload {workload}: the plan uses {', '.join(missing)}, but this machine has {count} GPU(s)"
+        )
+    return [g.index for g in used]

@@ -16,6 +16,26 @@ from typing import Any
 from strata_cfg.schema.facts import ModelFacts
 
 
+def si(value: float, unit: str) -> str:
+    """``value`` with the decimal prefix that suits it, 3 significant digits: ``6.11 GB``, ``1.46 ms``."""
+    if value == 0:
+        return f"0 {unit}"
+    prefixes = (
+        (1e15, "P"),
+        (1e12, "T"),
+        (1e9, "G"),
+        (1e6, "M"),
+        (1e3, "k"),
+        (1, ""),
+        (1e-3, "m"),
+        (1e-6, "µ"),
+    )
+    for scale, prefix in prefixes:
+        if abs(value) >= scale:
+            return f"{value / scale:.3g} {prefix}{unit}"
+    return f"{value / 1e-9:.3g} n{unit}"
+
+
 def expected_distinct_experts(n_experts: int, top_k: int, rows: int) -> float:
     """Distinct experts that ``rows`` rows route to under uniform random routing (exactly top-k at 1 row)."""
     if n_experts == 0 or top_k == 0:
@@ -57,21 +77,17 @@ class StepBytes:
 
     def arithmetic(self, copy_bytes_per_s: float | None = None) -> str:
         """The sum written out, e.g. ``attention+router 48 x 38.3 MB = 1.84 GB; experts ...``."""
-        per_layer = self.dense / self.layers / 1e6
         parts = [
-            f"attention+router {self.layers} x {per_layer:.1f} MB = {self.dense / 1e9:.2f} GB",
-            f"experts {self.sparse_layers} x {self.distinct_experts:.1f} x {self.expert_bytes / 1e6:.2f} MB "
-            f"= {self.experts / 1e9:.2f} GB",
-            f"LM head {self.head / 1e9:.2f} GB",
-            f"KV ({self.rows} row(s) x {self.positions} positions) {self.kv / 1e9:.3f} GB",
+            f"attention+router {self.layers} x {si(self.dense / self.layers, 'B')} = {si(self.dense, 'B')}",
+            f"experts {self.sparse_layers} x {self.distinct_experts:.1f} x {si(self.expert_bytes, 'B')} "
+            f"= {si(self.experts, 'B')}",
+            f"LM head {si(self.head, 'B')}",
+            f"KV ({self.rows} row(s) x {self.positions} positions) {si(self.kv, 'B')}",
         ]
-        text = f"{self.rows} row(s): " + "; ".join(parts) + f"; total {self.total / 1e9:.2f} GB"
+        text = f"{self.rows} row(s): " + "; ".join(parts) + f"; total {si(self.total, 'B')}"
         if copy_bytes_per_s:
-            ms = self.seconds(copy_bytes_per_s) * 1e3
-            text += (
-                f" / {copy_bytes_per_s / 1e9:,.0f} GB/s = {ms:.3f} ms per step "
-                f"({self.rows / (ms / 1e3):,.0f} rows/s)"
-            )
+            s = self.seconds(copy_bytes_per_s)
+            text += f" / {si(copy_bytes_per_s, 'B/s')} = {si(s, 's')} per step ({self.rows / s:,.0f} rows/s)"
         return text
 
 
@@ -130,9 +146,9 @@ class PromptFlops:
 
     def arithmetic(self) -> str:
         return (
-            f"{self.total / 1e9:.2f} GFLOP per token (weights {self.weights / 1e9:.2f} + attention "
-            f"{self.attention / 1e9:.2f} at an average context of {(self.prompt_tokens + 1) / 2:.0f} + "
-            f"LM head {self.head / 1e9:.4f})"
+            f"{si(self.total, 'FLOP')} per token (weights {si(self.weights, 'FLOP')} + attention "
+            f"{si(self.attention, 'FLOP')} at an average context of {(self.prompt_tokens + 1) / 2:.0f} + "
+            f"LM head {si(self.head, 'FLOP')})"
         )
 
 
@@ -175,7 +191,7 @@ def _event_seconds(cp: Any, body: Any, reps: int) -> float:
 def _copy_seconds(cp: Any, nbytes: int, reps: int) -> float:
     a = cp.empty(nbytes // 4, cp.float32)
     b = cp.empty_like(a)
-    return _event_seconds(cp, lambda: b.__setitem__(Ellipsis, a), reps)
+    return _event_seconds(cp, lambda: cp.copyto(b, a), reps)
 
 
 def _matmul_seconds(cp: Any, n: int, reps: int) -> float:

@@ -7,6 +7,10 @@ the arms interleaved in one engine process and prints the table (or ``--json``).
 
 With ``--url`` it measures a launched engine over HTTP instead, as its clients see it
 (`strata_cfg.http_bench`): the same workloads and figures, for the one plan that engine runs.
+
+``prompt`` reads one prompt of ``--prompt-tokens`` alone on the engine (arms: ``serial`` unless given).
+``step`` (the decode kernels against the byte roofline) and ``vram`` (what the engine holds against the
+plan's budget) measure the profile's own plan on its GPUs, without arms. These three run in process only.
 """
 
 from __future__ import annotations
@@ -21,8 +25,15 @@ from typing import Any
 from ..runner import write_plan
 from ..schema.errors import ProfileError
 from ..schema.plan import LaunchPlan
-from ..schema.workloads import WORKLOADS
-from ._common import EXIT_REFUSED, EXIT_USAGE, add_profile_argument, add_resolve_options, resolve_args
+from ..schema.workloads import GPU_WORKLOADS, HTTP_WORKLOADS, WORKLOADS, prompt_context_problem
+from ._common import (
+    EXIT_REFUSED,
+    EXIT_USAGE,
+    add_profile_argument,
+    add_resolve_options,
+    refused,
+    resolve_args,
+)
 
 ARMS: dict[str, tuple[tuple[str, Any], ...]] = {
     "serial": (("batch.groups", 1), ("batch.mtp", False)),
@@ -38,10 +49,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_resolve_options(parser)
     parser.add_argument("--workload", choices=WORKLOADS, default="two-decodes")
     parser.add_argument(
-        "--arms", default=",".join(ARMS), help=f"comma-separated arms (default: all of {', '.join(ARMS)})"
+        "--arms",
+        help=f"comma-separated arms (default: all of {', '.join(ARMS)}; for prompt: serial; "
+        "step and vram take no arms)",
     )
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats per arm (default 3)")
     parser.add_argument("--tokens", type=int, default=300, help="tokens per request (default 300)")
+    parser.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=4096,
+        help="prompt: the prompt's length; it and one generated token must fit memory.context (default 4096)",
+    )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument(
         "--peer",
@@ -100,18 +119,42 @@ def run_url(args: argparse.Namespace) -> int:
     return 0
 
 
+def usage_problem(args: argparse.Namespace) -> str | None:
+    """A combination of options the workload cannot run with."""
+    if args.url and args.workload not in HTTP_WORKLOADS:
+        return (
+            f"--workload {args.workload} runs in the engine's own process (it needs the plan and the GPU), "
+            f"not over --url; over HTTP: {', '.join(HTTP_WORKLOADS)}"
+        )
+    if args.workload in GPU_WORKLOADS and (args.arms or args.peer):
+        return f"--workload {args.workload} measures the profile's own plan: --arms and --peer do not apply"
+    return None
+
+
+def arm_names(args: argparse.Namespace) -> list[str]:
+    """The arms to run: as given, else ``serial`` for ``prompt`` and every arm for the others."""
+    if args.arms is not None:
+        return [a.strip() for a in args.arms.split(",") if a.strip()]
+    return ["serial"] if args.workload == "prompt" else list(ARMS)
+
+
 def run(args: argparse.Namespace) -> int:
+    problem = usage_problem(args)
+    if problem:
+        print(f"strata bench: {problem}", file=sys.stderr)
+        return EXIT_USAGE
     if args.url:
         return run_url(args)
-    names = [a.strip() for a in args.arms.split(",") if a.strip()]
+    if args.workload in GPU_WORKLOADS:
+        return run_plan(args)
+    names = arm_names(args)
     unknown = [a for a in names if a not in ARMS]
     if unknown or not names:
         print(f"strata bench: unknown arm(s) {unknown}; known: {', '.join(ARMS)}", file=sys.stderr)
         return EXIT_USAGE
     base_sets = list(args.sets)
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="strata-bench-"))
-    argv = [sys.executable, "-m", "strata_runtime", "bench", "--workload", args.workload]
-    argv += ["--repeats", str(args.repeats), "--tokens", str(args.tokens)]
+    argv = runtime_argv(args)
     ran = 0
     for name in names:
         args.sets = [*base_sets, *ARMS[name]]
@@ -122,6 +165,10 @@ def run(args: argparse.Namespace) -> int:
             for p in exc.problems:
                 print(f"  {p}", file=sys.stderr)
             continue
+        problem = prompt_context_problem(args.prompt_tokens, plan.memory.context)
+        if args.workload == "prompt" and problem:
+            print(f"strata bench: {problem}", file=sys.stderr)
+            return EXIT_USAGE
         path = write_plan(plan, run_dir / f"{name}.json")
         argv += ["--arm", f"{name}={path}"]
         note = arm_note(name, plan)
@@ -131,8 +178,25 @@ def run(args: argparse.Namespace) -> int:
         ran += 1
     if not ran:
         return EXIT_REFUSED
-    if args.json:
-        argv.append("--json")
     for peer in args.peer:
         argv += ["--peer", peer]
     return subprocess.run(argv, check=False).returncode
+
+
+def runtime_argv(args: argparse.Namespace) -> list[str]:
+    """``python -m strata_runtime bench`` with the workload's options, before the arms."""
+    argv = [sys.executable, "-m", "strata_runtime", "bench", "--workload", args.workload]
+    argv += ["--repeats", str(args.repeats), "--tokens", str(args.tokens)]
+    argv += ["--prompt-tokens", str(args.prompt_tokens)]
+    return argv + (["--json"] if args.json else [])
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """``step`` or ``vram``: the profile's plan as resolved, in the runtime, which refuses where no GPU is."""
+    try:
+        plan = resolve_args(args).plan
+    except ProfileError as exc:
+        return refused(exc)
+    run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="strata-bench-"))
+    path = write_plan(plan, run_dir / "profile.json")
+    return subprocess.run([*runtime_argv(args), "--arm", f"profile={path}"], check=False).returncode

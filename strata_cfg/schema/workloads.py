@@ -1,12 +1,18 @@
 """The benchmark workloads of BENCH.md, shared by the in-process harness and the HTTP driver.
 
-Both measure the same requests: the same workload names, client counts and prompts.
+Both measure the same requests: the same workload names, client counts and prompts. Some workloads only make
+sense in the engine's own process: ``prompt`` reports against the GPU's matrix rate measured in that run,
+``step`` times the CUDA kernels without an engine, and ``vram`` reads the driver's memory counters.
 """
 
 from __future__ import annotations
 
-WORKLOADS = ("two-decodes", "clients", "read-beside-decode", "solo")
+WORKLOADS = ("two-decodes", "clients", "read-beside-decode", "solo", "prompt", "step", "vram")
 """Workload names, as `strata bench --workload` takes them."""
+HTTP_WORKLOADS = ("two-decodes", "clients", "read-beside-decode", "solo")
+"""Workloads that also run against a launched engine (`strata bench --url`)."""
+GPU_WORKLOADS = ("step", "vram")
+"""Workloads that need CuPy and a CUDA GPU; they measure the profile's plan, not arms."""
 CLIENT_COUNTS = (1, 2, 4, 8)
 """Concurrent clients of the ``clients`` workload."""
 PROMPTS = (
@@ -20,3 +26,16 @@ PROMPTS = (
     "Call me Ishmael",
 )
 """Short prompts; request i uses prompt i modulo their number."""
+
+
+def prompt_context_problem(prompt_tokens: int, context: int) -> str | None:
+    """Why a ``prompt`` run of ``prompt_tokens`` (plus its one generated token) cannot fit ``context``."""
+    if prompt_tokens < 1:
+        return f"--prompt-tokens must be at least 1, not {prompt_tokens}"
+    if prompt_tokens + 1 > context:
+        return (
+            f"a prompt of {prompt_tokens} tokens and its generated token need a context of "
+            f"{prompt_tokens + 1}, but the plan's memory.context is {context}; "
+            f"pass --set memory.context={prompt_tokens + 1} (or more)"
+        )
+    return None

@@ -3,6 +3,10 @@
 `strata bench PROFILE` resolves one plan per arm and starts this command with them. Arms that share a stage
 layout share one copy of the weights. The table (or ``--json``) gives medians over the repeats, the gain
 over ``serial`` with a bootstrap 95% interval, and whether each arm's greedy tokens equal ``serial``'s.
+
+On a GPU the figures come with their ceiling, measured in the same run before the engines are built: ``solo``
+and ``two-decodes`` against the one-row byte roofline (copy bandwidth), ``prompt`` against the fp16 matrix
+rate (`strata_runtime.ceilings`). ``step`` and ``vram`` take one plan and build no arms.
 """
 
 from __future__ import annotations
@@ -13,8 +17,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..bench import WORKLOADS, InProcessDriver, run_bench, summarise
+from strata_cfg.schema.workloads import GPU_WORKLOADS, PROMPTS, prompt_context_problem
+
+from ..bench import WORKLOADS, Arrival, InProcessDriver, cuda_devices, prompt_ids, run_bench, summarise
+from ..ceilings import copy_bandwidth, decode_step_bytes, matrix_rate, prompt_flops, si
 from .generate import load_plan
+
+EXIT_REFUSED = 1
+EXIT_USAGE = 2
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,6 +37,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload", choices=WORKLOADS, default="two-decodes")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=300, help="tokens generated per request (default 300)")
+    parser.add_argument(
+        "--prompt-tokens", type=int, default=4096, help="prompt: the prompt's length in tokens (default 4096)"
+    )
+    parser.add_argument(
+        "--position", type=int, default=300, help="step: the KV position the rows decode at (default 300)"
+    )
     parser.add_argument("--json", action="store_true")
     parser.add_argument(
         "--peer",
@@ -55,6 +71,15 @@ def run(args: argparse.Namespace) -> int:
     arms = _pairs(args.arm, "arm")
     notes = _pairs(args.note, "note")
     plans = {name: load_plan(Path(path)) for name, path in arms.items()}
+    if args.workload in GPU_WORKLOADS:
+        return run_gpu_workload(args, next(iter(plans.values())))
+    if args.workload == "prompt":
+        for name, plan in plans.items():
+            problem = prompt_context_problem(args.prompt_tokens, plan.memory.context)
+            if problem:
+                print(f"strata bench: arm {name}: {problem}", file=sys.stderr)
+                return EXIT_USAGE
+    rates = measure_rates(args.workload, plans)
     weights: dict[Any, Any] = {}
     engines = {name: Engine(plan, progress=stderr_progress, weights=weights) for name, plan in plans.items()}
     for name, engine in engines.items():
@@ -80,6 +105,9 @@ def run(args: argparse.Namespace) -> int:
     def progress(arm: str, case: str, r: int, fig: dict[str, float]) -> None:
         print(f"  repeat {r + 1} {case:>14} {arm:>10}: {fig['tok_s']:9.1f} tok/s", file=sys.stderr)
 
+    vocab = next(iter(plans.values())).model.facts.vocab_size
+    if args.workload == "prompt":
+        warm_up(engines, args.prompt_tokens, vocab)
     runs = run_bench(
         arms,
         args.workload,
@@ -88,8 +116,12 @@ def run(args: argparse.Namespace) -> int:
         context=context,
         driver=lambda e: e.driver() if hasattr(e, "driver") else InProcessDriver(e),
         on_run=progress,
+        prompt_tokens=args.prompt_tokens,
+        vocab=vocab,
     )
     summary = summarise(runs)
+    first = next(iter(engines.values()))
+    ceiling = ceiling_report(args.workload, plans, summary, rates, args, first.tokenizer)
     budgets = {
         name: {g.device: g.budget_mib for g in plan.gpus if g.role != "idle"} for name, plan in plans.items()
     }
@@ -115,12 +147,128 @@ def run(args: argparse.Namespace) -> int:
             },
             "peers": {peer: summary[peer] for peer in args.peer},
         }
+        if args.workload == "prompt":
+            out["prompt_tokens"] = args.prompt_tokens
+        if ceiling:
+            out["ceiling"] = {k: v for k, v in ceiling.items() if k != "lines"}
         print(json.dumps(out, indent=2))
     else:
         print(render_table(args.workload, plans, summary, notes, args.repeats, args.tokens))
+        if ceiling:
+            print("\n" + "\n".join(ceiling["lines"]))
     # A peer computes in other precision and order, so its text may drift; only the runtime's arms must agree.
     equal = all(case.get("text_equal_to_serial", True) for n in plans for case in summary[n].values())
     return 0 if equal else 1
+
+
+def run_gpu_workload(args: argparse.Namespace, plan: Any) -> int:
+    """``step`` or ``vram`` on the plan's GPUs, refused in one line where there are none."""
+    from ..backend import DeviceError
+
+    try:
+        devices = cuda_devices(plan, args.workload)
+    except DeviceError as exc:
+        print(f"strata bench: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
+    if args.workload == "step":
+        from ..bench_step import render_step, run_step
+
+        try:
+            res = run_step(plan, plan.stages[0].gpu, position=args.position)
+        except (MemoryError, ValueError) as exc:
+            print(f"strata bench: {exc}", file=sys.stderr)
+            return EXIT_REFUSED
+        print(json.dumps(res, indent=2) if args.json else render_step(res))
+        return 0
+    from ..bench_vram import render_vram, run_vram
+
+    res = run_vram(plan, devices)
+    print(json.dumps(res, indent=2) if args.json else render_vram(res))
+    return 0
+
+
+def _first_gpu(plans: dict[str, Any]) -> int | None:
+    stage = next(iter(plans.values())).stages[0]
+    return stage.gpu if stage.device.startswith("cuda:") else None
+
+
+def measure_rates(workload: str, plans: dict[str, Any]) -> dict[str, float]:
+    """The ceiling a workload's figures are compared with, measured on the first stage's GPU before any
+    engine takes its memory; nothing on virtual CPU devices."""
+    gpu = _first_gpu(plans)
+    if gpu is None:
+        return {}
+    if workload == "prompt":
+        return {"matrix_flop_s": matrix_rate(gpu)}
+    if workload in ("solo", "two-decodes"):
+        return {"copy_bytes_s": copy_bandwidth(gpu)}
+    return {}
+
+
+def warm_up(engines: dict[str, Any], prompt_tokens: int, vocab: int) -> None:
+    """Read one short prompt on every arm first, so the first measured repeat pays no compilation."""
+    from ..api import Request, SamplingParams
+
+    ids = prompt_ids(min(prompt_tokens, 64), vocab, seed=1 << 20)  # not a seed any repeat uses
+    for engine in engines.values():
+        InProcessDriver(engine).run([Arrival(Request(ids, 1, SamplingParams(temperature=0.0)))])
+
+
+def ceiling_report(
+    workload: str,
+    plans: dict[str, Any],
+    summary: dict[str, Any],
+    rates: dict[str, float],
+    args: argparse.Namespace,
+    tokenizer: Any,
+) -> dict[str, Any]:
+    """Each arm's rate against its ceiling, the arithmetic written out (``lines``); {} when none applies."""
+    plan = next(iter(plans.values()))
+    facts = plan.model.facts
+    device = f"cuda:{_first_gpu(plans)}"
+    if workload == "prompt":
+        flops = prompt_flops(facts, args.prompt_tokens)
+        matrix = rates.get("matrix_flop_s")
+        head = f"prompt of {args.prompt_tokens} tokens: {flops.arithmetic()}"
+        if matrix:
+            head += f"; fp16 matrix rate {si(matrix, 'FLOP/s')} measured in this run on {device}"
+        lines, arms = [head], {}
+        for name, cases in summary.items():
+            e = cases["prompt"]
+            rate = e["median"]["tok_s"]
+            each = ", ".join(f"{r:,.0f}" for r in e["tok_s_repeats"])
+            line = f"  {name}: {rate:,.1f} prompt tok/s (repeats: {each})"
+            line += f" = {si(rate * flops.total, 'FLOP/s')}"
+            arm = {"tok_s": rate, "flop_s": rate * flops.total}
+            if matrix:
+                arm["of_matrix_rate"] = rate * flops.total / matrix
+                line += f" = {100 * arm['of_matrix_rate']:.2f}% of the matrix rate"
+            lines.append(line)
+            arms[name] = arm
+        return {"flops_per_token": flops.total, "matrix_flop_s": matrix, "arms": arms, "lines": lines}
+    copy = rates.get("copy_bytes_s")
+    if workload not in ("solo", "two-decodes") or not copy:
+        return {}
+    # The streams' KV grows from the prompt to prompt + tokens: on average it reads half way.
+    positions = len(tokenizer.encode(PROMPTS[0])) + args.tokens // 2
+    step = decode_step_bytes(facts, rows=1, positions=positions, kv_dtype=plan.memory.kv_dtype)
+    roof = copy / step.total
+    lines = [
+        f"one-row roofline on {device} (copy rate measured in this run): {step.arithmetic(copy)}",
+        f"= {roof:,.0f} tok/s for one stream without drafting",
+    ]
+    arms = {}
+    for name, cases in summary.items():
+        rate = cases[workload]["median"]["tok_s"]
+        arms[name] = {"tok_s": rate, "of_one_row_roofline": rate / roof}
+        lines.append(f"  {name}: {rate:,.1f} tok/s = {100 * rate / roof:.0f}% of the one-row roofline")
+    return {
+        "step_bytes": step.total,
+        "copy_bytes_s": copy,
+        "roofline_tok_s": roof,
+        "arms": arms,
+        "lines": lines,
+    }
 
 
 def render_table(
@@ -131,10 +279,11 @@ def render_table(
     repeats: int,
     tokens: int,
 ) -> str:
-    lines = [
-        f"workload {workload}: {tokens} tokens per request, medians of {repeats} interleaved repeats",
-        "",
-    ]
+    what = f"{tokens} tokens per request"
+    if workload == "prompt":
+        n = next(iter(summary.values()))["prompt"]["median"]["prompt_tokens"]
+        what = f"one prompt of {n:.0f} tokens alone on the engine, 1 token generated; tok/s = prompt tokens/s"
+    lines = [f"workload {workload}: {what}, medians of {repeats} interleaved repeats", ""]
     head = f"{'arm':<10} {'case':<18} {'tok/s':>9} {'gain vs serial [95% CI]':>28} "
     head += f"{'ms/win':>8} {'rows/win':>8} {'accept':>7}  text"
     lines += [head, "-" * len(head)]

@@ -1,0 +1,95 @@
+"""`strata bench`'s prompt, step and vram workloads on the CPU: what runs, and what is refused and why."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from strata_runtime.bench import prompt_ids
+
+
+def strata(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "strata_cfg", *args], capture_output=True, text=True, timeout=300
+    )
+
+
+def test_prompt_ids_are_fresh_ids_spread_over_the_vocabulary() -> None:
+    seed = int(np.random.default_rng().integers(1 << 30))
+    ids = prompt_ids(2000, 384, seed)
+    assert len(ids) == 2000 and min(ids) >= 1 and max(ids) < 384
+    assert len(set(ids)) > 300  # not a repeated letter
+    assert prompt_ids(2000, 384, seed) == ids and prompt_ids(2000, 384, seed + 1) != ids
+
+
+def test_prompt_workload_reads_the_whole_prompt_with_a_raised_context() -> None:
+    out = strata(
+        *("bench", "profiles/demo.toml", "--workload", "prompt", "--prompt-tokens", "1100"),
+        *("--set", "memory.context=1101", "--repeats", "2", "--json"),
+    )
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout)
+    assert set(res["arms"]) == {"serial"} and res["prompt_tokens"] == 1100
+    case = res["arms"]["serial"]["prompt"]
+    assert case["repeats"] == 2 and case["median"]["prompt_tokens"] == 1100
+    assert len(case["tok_s_repeats"]) == 2 and min(case["tok_s_repeats"]) > 0
+    assert case["median"]["tok_s"] == pytest.approx(float(np.median(case["tok_s_repeats"])))
+    ceiling = res["ceiling"]
+    assert ceiling["flops_per_token"] > 0 and ceiling["matrix_flop_s"] is None  # no GPU, no matrix rate
+    assert ceiling["arms"]["serial"]["flop_s"] == pytest.approx(
+        case["median"]["tok_s"] * ceiling["flops_per_token"]
+    )
+
+
+def test_prompt_workload_interleaves_arms_and_prints_its_arithmetic() -> None:
+    out = strata(
+        *("bench", "profiles/demo.toml", "--workload", "prompt", "--prompt-tokens", "200"),
+        *("--arms", "serial,pipelined", "--repeats", "1"),
+    )
+    assert out.returncode == 0, out.stderr
+    assert "one prompt of 200 tokens alone on the engine" in out.stdout
+    assert "FLOP per token (weights" in out.stdout and "average context of 100" in out.stdout
+    assert "pipelined: " in out.stdout and "= serial" in out.stdout
+
+
+def test_a_prompt_that_does_not_fit_the_context_is_refused_with_the_setting_to_change() -> None:
+    out = strata("bench", "profiles/demo.toml", "--workload", "prompt", "--prompt-tokens", "1024")
+    assert out.returncode == 2
+    assert "the plan's memory.context is 1024; pass --set memory.context=1025" in out.stderr
+    assert out.stdout == ""
+
+
+@pytest.mark.parametrize("workload", ["step", "vram"])
+def test_gpu_workloads_refuse_virtual_cpu_devices_in_one_line(workload: str) -> None:
+    out = strata("bench", "profiles/demo.toml", "--workload", workload)
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines() == [
+        f"strata bench: --workload {workload} needs a CUDA GPU, but the plan's devices are virtual CPU "
+        'devices (cpu:0, cpu:1); use a profile with machine.backend = "cuda"'
+    ]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("cupy") is not None, reason="CuPy is installed here")
+def test_gpu_workloads_refuse_a_cuda_plan_without_cupy() -> None:
+    out = strata("bench", "profiles/demo.toml", "--workload", "step", "--set", 'machine.backend="cuda"')
+    assert out.returncode == 1
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--workload step needs a CUDA GPU" in lines[0] and "CuPy" in lines[0]
+
+
+@pytest.mark.parametrize("workload", ["prompt", "step", "vram"])
+def test_in_process_workloads_are_refused_over_url(workload: str) -> None:
+    out = strata("bench", "--url", "http://127.0.0.1:9", "--workload", workload)
+    assert out.returncode == 2
+    assert f"--workload {workload} runs in the engine's own process" in out.stderr
+    assert "over HTTP: two-decodes, clients, read-beside-decode, solo" in out.stderr
+
+
+def test_gpu_workloads_take_no_arms() -> None:
+    out = strata("bench", "profiles/demo.toml", "--workload", "vram", "--arms", "serial")
+    assert out.returncode == 2 and "--arms and --peer do not apply" in out.stderr
