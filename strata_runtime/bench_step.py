@@ -72,10 +72,9 @@ def make_layer(cp: Any, f: ModelFacts, j: int, context: int) -> dict[str, Any]:
     return ly
 
 
-def make_buffers(cp: Any, f: ModelFacts, rows: int, context: int) -> dict[str, Any]:
-    """Every array a window of ``rows`` rows touches, allocated once (a graph replays fixed addresses)."""
-    from .cuda.ops import attention_scratch_size
-
+def make_buffers(cp: Any, f: ModelFacts, rows: int, scratch: int) -> dict[str, Any]:
+    """Every array a window of ``rows`` rows touches, allocated once (a graph replays fixed addresses);
+    ``scratch``: the attention kernel's fp32 scratch elements for that many rows."""
     h, d, nq, nkv = f.hidden_size, f.head_dim, f.num_attention_heads, f.num_key_value_heads
     k, width = max(f.num_experts_per_tok, 1), max(f.intermediate_size, f.shared_expert_intermediate_size, 1)
     f32 = cp.float32
@@ -97,7 +96,7 @@ def make_buffers(cp: Any, f: ModelFacts, rows: int, context: int) -> dict[str, A
         "gate": cp.zeros((rows, 1), f32),  # [R, 1]
         "logits": cp.zeros((rows, f.vocab_size), f32),  # [R, V]
         "out": cp.zeros(rows, cp.int32),  # [R]
-        "scratch": cp.zeros(attention_scratch_size(rows, nq, nkv, d, context), f32),
+        "scratch": cp.zeros(scratch, f32),
     }
 
 
@@ -191,13 +190,17 @@ def graph_seconds(cp: Any, body: Callable[[], None], repeats: int) -> float:
 
 
 class KernelModel:
-    """The plan's model as random fp16 weights on one GPU, run one decode step at a time by the kernels."""
+    """The plan's model as random fp16 weights on one GPU, run one decode step at a time by the kernels.
 
-    def __init__(self, cp: Any, f: ModelFacts, context: int, device_index: int) -> None:
-        from .cuda.ops import kernels_for
+    ``kern`` is the device's `strata_runtime.cuda.ops.Kernels` (anything with its launchers' signatures), and
+    ``scratch_size`` its `attention_scratch_size`.
+    """
 
+    def __init__(
+        self, cp: Any, f: ModelFacts, context: int, kern: Any, scratch_size: Callable[..., int]
+    ) -> None:
         self.cp, self.f, self.context = cp, f, context
-        self.kern = kernels_for(device_index)
+        self.kern, self.scratch_size = kern, scratch_size
         self.ops = layer_ops(self.kern, f)
         self.layers = [make_layer(cp, f, j, context) for j in range(f.num_hidden_layers)]
         self.emb = _rnd(cp, (f.vocab_size, f.hidden_size))  # [V, H]
@@ -218,7 +221,11 @@ class KernelModel:
         """Buffers of a ``rows``-row window of fresh token ids at ``position``, run once eagerly (which
         compiles the kernels)."""
         cp = self.cp
-        b = make_buffers(cp, self.f, rows, self.context)
+        f = self.f
+        scratch = self.scratch_size(
+            rows, f.num_attention_heads, f.num_key_value_heads, f.head_dim, self.context
+        )
+        b = make_buffers(cp, f, rows, scratch)
         b["ids"][:] = cp.asarray(
             np.random.default_rng().integers(1, self.f.vocab_size, rows).astype(np.int32)
         )
@@ -283,6 +290,8 @@ def run_step(
     """Time the kernel step of the plan's model on GPU ``device_index``; the figures as a JSON-able dict."""
     import cupy as cp
 
+    from .cuda.ops import attention_scratch_size, kernels_for
+
     f, context = plan.model.facts, plan.memory.context
     position = max(0, min(position, context - 1))
     need = step_memory_bytes(f, context)
@@ -295,7 +304,7 @@ def run_step(
             )
         copy = copy_bandwidth(device_index)
         t0 = time.perf_counter()
-        model = KernelModel(cp, f, context, device_index)
+        model = KernelModel(cp, f, context, kernels_for(device_index), attention_scratch_size)
         cp.cuda.Device().synchronize()
         made_s = time.perf_counter() - t0
         table = [model.time_rows(rows, position, repeats, copy) for rows in ROWS]
