@@ -1,0 +1,90 @@
+"""`strata bench` on a GPU, end to end: the step and vram workloads, and the ceilings of prompt and solo.
+
+The demo's tiny synthetic model on cuda:0, with the GPU's real memory in the profile; the figures are not
+judged (the model is far too small to say anything about speed), only that each is measured and reported.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def profile(tmp_path_factory) -> str:
+    cp = pytest.importorskip("cupy")
+    vram = cp.cuda.runtime.memGetInfo()[1] // (1 << 20)
+    path = tmp_path_factory.mktemp("bench") / "gpu-tiny.toml"
+    path.write_text(
+        f"""name = "gpu-tiny"
+[machine]
+backend = "cuda"
+gpus = [{{ name = "GPU", vram_mib = {vram}, bandwidth_gbs = 1000 }}]
+[model]
+synthetic = "tiny"
+dtype = "float16"
+[batch]
+slots = 2
+mtp = false
+[spec]
+draft_tokens = 0
+[memory]
+context = 512
+prefill_chunk = 64
+"""
+    )
+    return str(path)
+
+
+def bench(profile: str, *args: str) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-m", "strata_cfg", "bench", profile, *args, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_step_times_every_row_count_against_the_roofline(profile: str) -> None:
+    res = bench(profile, "--workload", "step")
+    assert res["device"] == "cuda:0" and res["model"]["layers"] == 4 and res["copy_gbs"] > 0
+    assert [r["rows"] for r in res["rows"]] == [1, 2, 4, 8]
+    for r in res["rows"]:
+        assert r["eager_ms"] > 0 and r["graph_ms"] > 0 and r["roofline_ms"] > 0
+        assert r["bytes"]["total"] == sum(r["bytes"][k] for k in ("dense", "experts", "head", "kv"))
+        assert 2 <= r["distinct_experts_last_layer"] <= 8  # tiny: top-2 of 8 experts
+    assert res["rows"][0]["distinct_experts_last_layer"] == 2
+    kernels = res["per_kernel_us_per_layer_1_row"]
+    assert {"qkv+norm", "attention", "moe"} <= set(kernels) and min(kernels.values()) > 0
+
+
+def test_vram_reads_what_the_engine_holds_after_load_and_a_full_context_request(profile: str) -> None:
+    res = bench(profile, "--workload", "vram")
+    assert res["context"] == 512 and res["prompt_tokens"] + res["generated_tokens"] == 511
+    (gpu,) = res["gpus"]
+    assert gpu["device"] == "cuda:0" and gpu["planned_in_use_mib"] > 0
+    assert gpu["after_load_mib"] > 0 and gpu["after_full_context_request_mib"] > 0
+    ratio = gpu["after_load_mib"] / gpu["planned_in_use_mib"]  # both rounded to 0.1 MiB
+    assert gpu["load_vs_plan"] + 1 == pytest.approx(ratio, rel=0.05)
+
+
+def test_prompt_reports_the_measured_matrix_rate(profile: str) -> None:
+    res = bench(profile, "--workload", "prompt", "--prompt-tokens", "400", "--repeats", "2")
+    ceiling = res["ceiling"]
+    assert ceiling["matrix_flop_s"] > 1e12 and ceiling["arms"]["serial"]["of_matrix_rate"] > 0
+    assert res["arms"]["serial"]["prompt"]["median"]["prompt_tokens"] == 400
+
+
+def test_solo_reports_its_fraction_of_the_one_row_roofline(profile: str) -> None:
+    res = bench(profile, "--workload", "solo", "--arms", "solo", "--tokens", "16", "--repeats", "1")
+    ceiling = res["ceiling"]
+    assert ceiling["copy_bytes_s"] > 1e11 and ceiling["roofline_tok_s"] > 0
+    rate = res["arms"]["solo"]["solo"]["median"]["tok_s"]
+    assert ceiling["arms"]["solo"]["of_one_row_roofline"] == pytest.approx(rate / ceiling["roofline_tok_s"])
