@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -171,6 +172,12 @@ def op_applies(name: str, ly: dict[str, Any]) -> bool:
     return True
 
 
+def _over(op: Op, b: dict[str, Any], layers: list[dict[str, Any]]) -> None:
+    """One op over several layers, as one body to capture."""
+    for ly in layers:
+        op(b, ly)
+
+
 def graph_seconds(cp: Any, body: Callable[[], None], repeats: int) -> float:
     """Capture ``body()`` as a CUDA graph, run it once; the median seconds of ``repeats`` replays."""
     s = cp.cuda.Stream(non_blocking=True)
@@ -274,8 +281,7 @@ class KernelModel:
         for name, op in self.ops.items():
             runs = [ly for ly in self.layers if op_applies(name, ly)]
             if runs:
-                t = graph_seconds(self.cp, lambda op=op, runs=runs: [op(b, ly) for ly in runs], repeats)
-                out[name] = t / len(runs) * 1e6
+                out[name] = graph_seconds(self.cp, partial(_over, op, b, runs), repeats) / len(runs) * 1e6
         return out
 
 

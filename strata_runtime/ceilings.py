@@ -185,7 +185,7 @@ def _event_seconds(cp: Any, body: Any, reps: int) -> float:
         body()
     stop.record()
     stop.synchronize()
-    return cp.cuda.get_elapsed_time(start, stop) / 1e3 / reps
+    return float(cp.cuda.get_elapsed_time(start, stop)) / 1e3 / reps
 
 
 def _copy_seconds(cp: Any, nbytes: int, reps: int) -> float:

@@ -122,8 +122,8 @@ def run(args: argparse.Namespace) -> int:
         vocab=vocab,
     )
     summary = summarise(runs)
-    first = next(iter(engines.values()))
-    ceiling = ceiling_report(args.workload, plans, summary, rates, args, first.tokenizer)
+    tokenizer = next(iter(engines.values())).tokenizer
+    ceiling = ceiling_report(args.workload, plans, summary, rates, args, tokenizer)
     budgets = {
         name: {g.device: g.budget_mib for g in plan.gpus if g.role != "idle"} for name, plan in plans.items()
     }
