@@ -1,0 +1,242 @@
+// Causal flash attention for long prefill chunks (FlashAttention-2 style, fp16 tensor cores, fp32 softmax).
+//
+// One block of 4 warps per (KV head, tile of BM = 64 flattened query rows). Flattened row m = i * G + g is
+// query row i of the chunk (position pos0 + i) and query head kvh * G + g, so the G heads of one KV head share
+// every K/V tile a block loads. Each warp owns 16 rows; its q fragments (hi and lo parts) stay in registers.
+// Key tiles of BN = 64 positions stream through shared memory with cp.async (V of tile j loads while the
+// scores of tile j are computed, K of tile j + 1 while P V runs). Per tile a warp computes
+// S = q_hi K^T + q_lo K^T (two m16n8k16 MMAs per step into one fp32 accumulator), masks keys past each
+// row's position (only in tiles that reach past the block's first row), updates the running max and sum,
+// rescales its fp32 output accumulator, and adds P V with P rounded to fp16 straight from the score
+// registers (the accumulator layout of S is the A-operand layout of P V). Tiles past the block's last row
+// are never loaded. Rows are normalised and written as fp16 at the end.
+//
+// Fragment layouts (PTX ISA, mma.m16n8k16 with .f16 inputs and .f32 accumulators; lane = 4 * gq + tq):
+//   A (16x16, row-major): reg0 (row gq, cols 2tq..+1), reg1 (row gq+8, same cols), reg2 (row gq, cols
+//     2tq+8..+9), reg3 (row gq+8, cols 2tq+8..+9).
+//   B (16x8, column n contiguous in k): reg0 (k 2tq..+1, col gq), reg1 (k 2tq+8..+9, col gq).
+//   C (16x8 fp32): c0, c1 (row gq, cols 2tq, 2tq+1), c2, c3 (row gq+8, same cols).
+// K tiles are read with ldmatrix (rows = keys, so B = K^T), V tiles with ldmatrix.trans (rows = keys, so
+// B = V). Shared rows are padded to D + 8 halves, which puts the 8 rows an ldmatrix reads in distinct banks.
+//
+// Layouts: q_hi, q_lo, out [n, NQ, D] fp16; k_cache, v_cache [S, NKV, T, D] fp16, contiguous.
+
+#include <cuda_fp16.h>
+
+#define FLASH_NEG_INF __int_as_float(0xff800000)
+
+namespace flash {
+
+constexpr int BM = 64, BN = 64, WARPS = 4, THREADS = WARPS * 32;
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+// 16 bytes global -> shared, asynchronously; zero-filled when !valid (src is then not read).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+               "r"(valid ? 16 : 0)
+               : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+// Wait until at most one committed group is still in flight.
+__device__ __forceinline__ void cp_async_wait_one() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
+
+__device__ __forceinline__ void ldsm_x4(unsigned* r, const half* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p))
+               : "memory");
+}
+
+__device__ __forceinline__ void ldsm_x4_trans(unsigned* r, const half* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p))
+               : "memory");
+}
+
+// c[16x8] += a[16x16] b[16x8], fp16 inputs, fp32 accumulation.
+__device__ __forceinline__ void mma16816(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
+  const half2 h = __floats2half2_rn(lo, hi);  // .x (lo) in the low 16 bits: the lower column
+  return *reinterpret_cast<const unsigned*>(&h);
+}
+
+// Rows [0, BN) of a [T, D] fp16 matrix from row t0 into a padded shared tile; rows at or past `end` are zeros
+// (the cache past the chunk may hold anything, and 0 * NaN would poison P V).
+template <int D>
+__device__ __forceinline__ void load_tile(half* dst, const half* __restrict__ src, int t0, int end) {
+  constexpr int LD = D + 8, CH = D / 8;  // 16-byte chunks per row
+#pragma unroll
+  for (int c = threadIdx.x; c < BN * CH; c += THREADS) {
+    const int r = c / CH, col = (c % CH) * 8;
+    const bool valid = t0 + r < end;
+    cp_async16(dst + r * LD + col, valid ? src + (size_t)(t0 + r) * D + col : src, valid);
+  }
+}
+
+}  // namespace flash
+
+// Grid (NKV, ceil(n G / BM)), 128 threads. scale_log2 = scale * log2(e): softmax runs in base 2.
+template <int D>
+__global__ void __launch_bounds__(flash::THREADS, 2)
+    flash_prefill(const half* __restrict__ q_hi, const half* __restrict__ q_lo, const half* __restrict__ kc,
+                  const half* __restrict__ vc, half* __restrict__ out, int n, int NQ, int NKV, int G, int T,
+                  int slot, int pos0, float scale_log2) {
+  using namespace flash;
+  static_assert(D % 16 == 0 && D <= 256, "head dim must be a multiple of 16, at most 256");
+  constexpr int LD = D + 8;  // shared row stride in halves
+  constexpr int KS = D / 16;  // k-steps of q K^T
+  constexpr int NT = BN / 8;  // 8-key column tiles of S
+  constexpr int DT = D / 8;   // 8-wide column tiles of the output
+  __shared__ __align__(16) half ks[BN * LD];
+  __shared__ __align__(16) half vs[BN * LD];
+
+  const int kvh = blockIdx.x;
+  const int m0 = (gridDim.y - 1 - blockIdx.y) * BM;  // the longest rows (most keys) start first
+  const int rows = n * G;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3;
+
+  // This thread's two rows (gq and gq + 8 of the warp's 16): element offset in q/out, last visible key.
+  size_t off[2];
+  int lim[2];
+  bool live[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int m = m0 + warp * 16 + gq + 8 * r, i = m / G;
+    live[r] = m < rows;
+    off[r] = live[r] ? ((size_t)i * NQ + kvh * G + (m - i * G)) * D : 0;
+    lim[r] = pos0 + i;
+  }
+
+  // q fragments (A layout), zero for rows past the chunk.
+  unsigned qh[KS][4], ql[KS][4];
+#pragma unroll
+  for (int k = 0; k < KS; ++k)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int r = j & 1;
+      const size_t at = off[r] + k * 16 + (j >> 1) * 8 + 2 * tq;
+      qh[k][j] = live[r] ? *reinterpret_cast<const unsigned*>(q_hi + at) : 0u;
+      ql[k][j] = live[r] ? *reinterpret_cast<const unsigned*>(q_lo + at) : 0u;
+    }
+
+  const int last_row = min(n - 1, (m0 + BM - 1) / G);
+  const int end = pos0 + last_row + 1;                // keys [0, end) are visible to some row of the block
+  const int tiles = (end + BN - 1) / BN;
+  const int mask_from = (pos0 + m0 / G + 1) / BN;     // earlier tiles are visible to every row of the block
+  const size_t head = ((size_t)slot * NKV + kvh) * T * D;
+  const half* kg = kc + head;
+  const half* vg = vc + head;
+
+  float o[DT][4];
+#pragma unroll
+  for (int t = 0; t < DT; ++t) o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.f;
+  float mx[2] = {FLASH_NEG_INF, FLASH_NEG_INF}, sum[2] = {0.f, 0.f};
+
+  // ldmatrix addresses: lane supplies one row of one of four 8x8 matrices (matrix lane / 8).
+  const int k_row = (lane & 7) + ((lane >> 4) << 3), k_col = ((lane >> 3) & 1) << 3;  // K: keys x dims
+  const int v_row = (lane & 7) + (((lane >> 3) & 1) << 3), v_col = (lane >> 4) << 3;  // V: keys x dims
+
+  load_tile<D>(ks, kg, 0, end);
+  cp_async_commit();
+  for (int j = 0; j < tiles; ++j) {
+    const int t0 = j * BN;
+    load_tile<D>(vs, vg, t0, end);
+    cp_async_commit();
+    cp_async_wait_one();  // K of tile j has landed
+    __syncthreads();
+
+    // S[16 x BN] = (q_hi + q_lo) K^T, unscaled.
+    float s[NT][4];
+#pragma unroll
+    for (int t = 0; t < NT; ++t) s[t][0] = s[t][1] = s[t][2] = s[t][3] = 0.f;
+#pragma unroll
+    for (int k = 0; k < KS; ++k)
+#pragma unroll
+      for (int t = 0; t < NT; t += 2) {
+        unsigned b[4];  // b[0..1]: keys t*8.., b[2..3]: keys t*8+8..
+        ldsm_x4(b, ks + (t * 8 + k_row) * LD + k * 16 + k_col);
+        mma16816(s[t], qh[k], b[0], b[1]);
+        mma16816(s[t], ql[k], b[0], b[1]);
+        mma16816(s[t + 1], qh[k], b[2], b[3]);
+        mma16816(s[t + 1], ql[k], b[2], b[3]);
+      }
+    if (j >= mask_from) {
+#pragma unroll
+      for (int t = 0; t < NT; ++t)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (t0 + t * 8 + 2 * tq + (e & 1) > lim[e >> 1]) s[t][e] = FLASH_NEG_INF;
+    }
+
+    // Online softmax per row; a row's max and sum are spread over the 4 lanes of its quad.
+    unsigned p[BN / 16][4];  // P in A layout, one fragment per 16 keys
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float m = mx[r];
+#pragma unroll
+      for (int t = 0; t < NT; ++t) m = fmaxf(m, fmaxf(s[t][2 * r], s[t][2 * r + 1]));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+      // Tile 0 holds key 0, visible to every row, so m is finite; the guard keeps exp2 of -inf - -inf out.
+      const float ms = m == FLASH_NEG_INF ? 0.f : m * scale_log2;
+      const float alpha = exp2f(mx[r] * scale_log2 - ms);  // 0 on the first tile (mx = -inf)
+      mx[r] = m;
+      sum[r] *= alpha;
+#pragma unroll
+      for (int t = 0; t < DT; ++t) {
+        o[t][2 * r] *= alpha;
+        o[t][2 * r + 1] *= alpha;
+      }
+#pragma unroll
+      for (int t = 0; t < NT; ++t) {
+        const float p0 = exp2f(s[t][2 * r] * scale_log2 - ms), p1 = exp2f(s[t][2 * r + 1] * scale_log2 - ms);
+        sum[r] += p0 + p1;
+        // Key tile t is half (t & 1) of 16-key step t / 2: A regs 0/1 for the first half, 2/3 for the second.
+        p[t >> 1][((t & 1) << 1) + r] = pack_half2(p0, p1);
+      }
+    }
+
+    __syncthreads();  // every warp is done with K of tile j
+    if (j + 1 < tiles) load_tile<D>(ks, kg, t0 + BN, end);
+    cp_async_commit();  // possibly empty, so that one wait count fits every tile
+    cp_async_wait_one();  // V of tile j has landed
+    __syncthreads();
+
+    // O[16 x D] += P[16 x BN] V[BN x D].
+#pragma unroll
+    for (int k = 0; k < BN / 16; ++k)
+#pragma unroll
+      for (int t = 0; t < DT; t += 2) {
+        unsigned b[4];  // b[0..1]: dims t*8.., b[2..3]: dims t*8+8..
+        ldsm_x4_trans(b, vs + (k * 16 + v_row) * LD + t * 8 + v_col);
+        mma16816(o[t], p[k], b[0], b[1]);
+        mma16816(o[t + 1], p[k], b[2], b[3]);
+      }
+    __syncthreads();  // every warp is done with V before the next tile overwrites it
+  }
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float z = sum[r];
+    z += __shfl_xor_sync(0xffffffffu, z, 1);
+    z += __shfl_xor_sync(0xffffffffu, z, 2);
+    if (!live[r]) continue;
+    const float inv = 1.f / z;
+#pragma unroll
+    for (int t = 0; t < DT; ++t)
+      *reinterpret_cast<half2*>(out + off[r] + t * 8 + 2 * tq) =
+          __floats2half2_rn(o[t][2 * r] * inv, o[t][2 * r + 1] * inv);
+  }
+}
