@@ -1,0 +1,98 @@
+"""The causal flash-attention prefill kernel (`strata_runtime.cuda.flash`) against its NumPy twin.
+
+Inputs are fresh random every run. The output is poisoned with NaN before each launch, and cache positions
+the chunk must not read (past its last row, other slots) hold NaN, so an unwritten element or a read past
+the causal limit fails. Bounds are relative Frobenius errors at fp16 level (`flash_inputs.REL`): P and the
+output are rounded to fp16, everything else is fp32. The twin itself is checked in test_rt_flash_twin.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from flash_inputs import REL, large_score_inputs, make_inputs, rel_err, rng, twin
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def cp():
+    return pytest.importorskip("cupy")
+
+
+def run_kernel(cp, hi, lo, kc, vc, slot, pos0, scale) -> np.ndarray:
+    from strata_runtime.cuda.flash import flash_prefill
+
+    n, n_q, d = hi.shape
+    out = cp.full((n, n_q * d), cp.nan, cp.float16)
+    flash_prefill(cp.asarray(hi), cp.asarray(lo), cp.asarray(kc), cp.asarray(vc), slot, pos0, scale, out)
+    return out.get()
+
+
+@pytest.mark.parametrize("d", [16, 64, 128])
+@pytest.mark.parametrize("group", [1, 2, 8])
+@pytest.mark.parametrize("n", [1, 17, 130])
+@pytest.mark.parametrize("pos0", [0, 5, 700])
+def test_kernel_matches_twin(cp, d, group, n, pos0):
+    g = rng()
+    n_kv = 2
+    hi, lo, kc, vc = make_inputs(g, n, n_kv * group, n_kv, d, pos0, q_scale=2.0)
+    scale = 1 / math.sqrt(d)
+    assert rel_err(run_kernel(cp, hi, lo, kc, vc, 1, pos0, scale), twin(hi, lo, kc, vc, 1, pos0, scale)) < REL
+
+
+@pytest.mark.parametrize(("n", "pos0", "d"), [(200, 2000, 128), (64, 64, 32), (3, 4093, 128)])
+def test_kernel_matches_twin_model_heads(cp, n, pos0, d):
+    """The production head layout (NQ = 32, NKV = 4, G = 8) over many key tiles, a tile-aligned chunk, and
+    a short chunk at the end of a 4k cache."""
+    g = rng()
+    hi, lo, kc, vc = make_inputs(g, n, 32, 4, d, pos0, slots=2, extra=0, q_scale=2.0)
+    scale = 1 / math.sqrt(d)
+    assert rel_err(run_kernel(cp, hi, lo, kc, vc, 1, pos0, scale), twin(hi, lo, kc, vc, 1, pos0, scale)) < REL
+
+
+@pytest.mark.parametrize(("d", "group"), [(16, 2), (128, 8), (64, 1)])
+def test_rows_see_only_their_past(cp, d, group):
+    g = rng()
+    n, n_kv, pos0 = 90, 2, 40
+    hi, lo, kc, vc = make_inputs(g, n, n_kv * group, n_kv, d, pos0)
+    scale = 1 / math.sqrt(d)
+    before = run_kernel(cp, hi, lo, kc, vc, 1, pos0, scale)
+    cut = int(g.integers(0, n - 1))  # rows 0..cut keep their keys; the positions of later rows change
+    kc2, vc2 = kc.copy(), vc.copy()
+    kc2[1, :, pos0 + cut + 1 : pos0 + n] = g.standard_normal((n_kv, n - cut - 1, d))
+    vc2[1, :, pos0 + cut + 1 : pos0 + n] = g.standard_normal((n_kv, n - cut - 1, d))
+    after = run_kernel(cp, hi, lo, kc2, vc2, 1, pos0, scale)
+    np.testing.assert_array_equal(after[: cut + 1], before[: cut + 1])
+    assert rel_err(after[cut + 1 :], before[cut + 1 :]) > 1e-2  # later rows do read those positions
+    assert rel_err(after, twin(hi, lo, kc2, vc2, 1, pos0, scale)) < REL
+
+
+@pytest.mark.parametrize("d", [16, 64, 128])
+def test_kernel_uses_q_lo(cp, d):
+    """With scores near 50, fp16 q alone is off by several times REL (test_rt_flash_twin checks the inputs
+    do that); q_hi + q_lo must match the fp32-q reference far better."""
+    g = rng()
+    n, n_kv, pos0 = 70, 2, 300
+    hi, lo, kc, vc, scale = large_score_inputs(g, n, 4 * n_kv, n_kv, d, pos0)
+    ref = twin(hi, lo, kc, vc, 1, pos0, scale)  # fp32 q
+    both = run_kernel(cp, hi, lo, kc, vc, 1, pos0, scale)
+    hi_only = run_kernel(cp, hi, np.zeros_like(lo), kc, vc, 1, pos0, scale)
+    assert rel_err(both, hi_only) > REL
+    assert rel_err(both, ref) < rel_err(hi_only, ref) / 4
+    assert rel_err(both, ref) < REL
+
+
+def test_launcher_names_bad_arguments(cp):
+    from strata_runtime.cuda.flash import flash_prefill
+
+    g = rng()
+    hi, lo, kc, vc = (cp.asarray(a) for a in make_inputs(g, 4, 4, 2, 16, 3))
+    with pytest.raises(ValueError, match="out"):
+        flash_prefill(hi, lo, kc, vc, 1, 3, 0.25, cp.empty((4, 64), cp.float32))
+    with pytest.raises(ValueError, match="v_cache"):
+        flash_prefill(hi, lo, kc, vc[:, :, 1:].copy(), 1, 3, 0.25, cp.empty((4, 64), cp.float16))
+    with pytest.raises(ValueError, match="q_lo"):
+        flash_prefill(hi, lo[:, :, :8].copy(), kc, vc, 1, 3, 0.25, cp.empty((4, 64), cp.float16))
