@@ -135,24 +135,44 @@ class Executor:
     def finish(self, job: Job, normed: Any) -> list[tuple[Slot, TokenEvent]]:
         """Verify and commit every slot's rows; return the events to send."""
         last = self.model.last
-        logits = self.model.logits(normed)  # [R, V] fp32 on the last device
-        with last.device.use():
-            argmax = last.device.to_host(last.device.xp.argmax(logits, axis=-1))  # [R]
-        host_logits = None
-        if any(not e.slot.sampler.greedy for e in job.entries):
-            host_logits = last.device.to_host(logits)  # [R, V]
+        # Logits only where a token is decided: every decode row, and the last row of a prompt's final
+        # chunk (a long chunk's other rows would cost an LM-head product of their own for nothing).
+        needed: list[int] = []
+        row = 0
+        for e in job.entries:
+            n = len(e.tokens)
+            if e.kind == "decode":
+                needed += range(row, row + n)
+            elif e.slot.prefilled + n == len(e.slot.prompt):
+                needed.append(row + n - 1)
+            row += n
+        logit_row = {r: i for i, r in enumerate(needed)}
+        argmax, host_logits = np.zeros(0, np.int64), None
+        if needed:
+            with last.device.use():
+                picked = normed if len(needed) == job.rows else normed[last.device.xp.asarray(needed)]
+            logits = self.model.logits(picked)  # [len(needed), V] fp32 on the last device
+            with last.device.use():
+                argmax = last.device.to_host(last.device.xp.argmax(logits, axis=-1))  # [len(needed)]
+            if any(not e.slot.sampler.greedy for e in job.entries):
+                host_logits = last.device.to_host(logits)  # [len(needed), V]
         events = []
         row = 0
         for e in job.entries:
             n, slot = len(e.tokens), e.slot
-            rows = slice(row, row + n)
-            target = argmax[rows] if slot.sampler.greedy else host_logits[rows]  # type: ignore[index]
+            if e.kind == "prefill":  # only its last row has logits, and only in the prompt's last chunk
+                at = logit_row.get(row + n - 1)
+                picks = slice(at, at + 1) if at is not None else slice(0, 0)
+            else:
+                picks = slice(logit_row[row], logit_row[row] + n)
+            target = argmax[picks] if slot.sampler.greedy else host_logits[picks]  # type: ignore[index]
             if e.kind == "prefill":
-                events += self._finish_prefill(slot, n, target, normed[rows])
+                events += self._finish_prefill(slot, n, target, normed[row : row + n])
             else:
                 verdict = verify(target, e.proposals, slot.sampler)
                 kept = verdict.accepted + 1
-                commit(self.model, slot.id, slot.length, kept, normed[rows], verdict.tokens, self.tracked)
+                mine = normed[row : row + n]
+                commit(self.model, slot.id, slot.length, kept, mine, verdict.tokens, self.tracked)
                 slot.length += kept
                 slot.token = verdict.tokens[-1]
                 slot.handle.proposals += len(e.proposals.tokens)

@@ -120,6 +120,8 @@ class MtpHead:
             kv.begin(layout.segments)
             if self.cuda is not None and 0 < layout.rows <= MAX_WINDOW_ROWS:
                 return self.cuda.forward(self.embed(tokens), hidden, layout)  # [R, H] fp32
+            if self.cuda is not None and layout.rows > MAX_WINDOW_ROWS:
+                return self.cuda.prefill(self.embed(tokens), hidden, layout)  # [R, H] fp32
             e = rms_norm(self.embed(tokens), self.pre_fc_norm_embedding, eps)  # [R, H]
             h = rms_norm(hidden, self.pre_fc_norm_hidden, eps)  # [R, H]
             x = linear(xp.concatenate([e, h], axis=-1), self.fc)  # [R, H]
@@ -129,7 +131,7 @@ class MtpHead:
 
     def logits(self, out: Any) -> Any:
         """Draft logits [R, V] in fp32 from the head's output rows."""
-        if self.cuda is not None and out.shape[0] <= MAX_WINDOW_ROWS:
+        if self.cuda is not None:
             return self.cuda.logits(out)  # [R, V] fp32
         with self.device.use():
             x = out.astype(self.lm_head.dtype, copy=False)

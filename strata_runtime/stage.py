@@ -20,7 +20,8 @@ from .layout import Layout
 from .models.qwen3_moe import DecoderLayer, ModelArgs, linear, rope_tables
 
 CUDA_PREFILL_ROWS = 64
-"""Prefill chunks of at most this many rows run as 8-row CUDA windows; longer ones take the array path."""
+"""Prefill chunks of at most this many rows run as 8-row CUDA graph windows; longer ones run the CUDA
+prefill path (`strata_runtime.cuda.prefill`: cuBLAS products, one host read per layer)."""
 
 
 class Rope:
@@ -67,13 +68,14 @@ class Stage:
         self.lm_head = tensors.get("lm_head.weight")  # [V, H] on the last stage
         self.weight_bytes = sum(int(t.nbytes) for t in tensors.values())
         self.cuda: Any = None  # the CUDA decode path (strata_runtime.cuda.decode), on GPUs that can run it
+        self.cuda_prefill: Any = None  # the CUDA path for long prefill chunks (strata_runtime.cuda.prefill)
         self.cuda_head: Any = None
         self.cuda_refused: str | None = None
         if device.is_cuda:
             self._build_cuda()
 
     def _build_cuda(self) -> None:
-        from .cuda import decode
+        from .cuda import decode, prefill
 
         dtype = self.layers[0].input_layernorm.dtype if self.layers else self.kv.k.dtype
         self.cuda_refused = decode.supported(self.args, dtype, self.kv.k.dtype)
@@ -81,6 +83,7 @@ class Stage:
             return
         gpu, eps = self.device.index, self.args.rms_norm_eps
         self.cuda = decode.CudaLayers(gpu, self.layers, self.args, self.kv.k, self.kv.v)
+        self.cuda_prefill = prefill.CudaPrefill(self.cuda)
         if self.last:
             self.cuda_head = decode.CudaHead(gpu, self.norm, self.lm_head, eps)
 
@@ -92,17 +95,20 @@ class Stage:
     def forward(self, hidden: Any, layout: Layout) -> Any:
         """Run this stage's layers over a window's hidden rows [R, H], writing their KV.
 
-        On a GPU a window of at most 8 rows (decode, drafts, short prompts) runs as one replayed CUDA graph
-        and comes back in fp32; longer prefill chunks run the array code below.
+        On a GPU a window of at most 8 rows (decode, drafts) runs as one replayed CUDA graph, a prompt
+        chunk of up to 64 rows as several, and a longer chunk through the CUDA prefill path; all come back
+        in fp32. CPU devices run the array code below.
         """
         xp = self.device.xp
         with self.device.use():
             self.kv.begin(layout.segments)
+            if self.cuda_prefill is not None and layout.rows > CUDA_PREFILL_ROWS:
+                return self.cuda_prefill.forward(hidden, layout)  # [R, H] fp32
             if self.cuda is not None and 0 < layout.rows <= CUDA_PREFILL_ROWS:
                 if layout.rows <= MAX_WINDOW_ROWS:
                     return self.cuda.forward(hidden, layout)  # [R, H] fp32
-                # A short prompt: consecutive windows of 8 rows through the graphs beat the array path,
-                # whose per-layer launches and syncs cost the same for 9 rows as for 500.
+                # A short prompt: consecutive windows of 8 rows through the graphs beat the prefill path,
+                # whose per-layer launches and host read cost the same for 9 rows as for 500.
                 parts = [
                     self.cuda.forward(
                         hidden[a : a + MAX_WINDOW_ROWS], layout.rows_between(a, a + MAX_WINDOW_ROWS)
@@ -117,14 +123,14 @@ class Stage:
 
     def final_norm(self, hidden: Any) -> Any:
         """The post-final-norm hidden rows [R, H] (last stage only): the LM head's input and the MTP's."""
-        if self.cuda_head is not None and hidden.shape[0] <= MAX_WINDOW_ROWS:
+        if self.cuda_head is not None:
             return self.cuda_head.final_norm(hidden)  # [R, H] fp32
         with self.device.use():
             return rms_norm(hidden, self.norm, self.args.rms_norm_eps)
 
     def logits(self, normed: Any) -> Any:
         """Logits [R, V] in fp32 (last stage only)."""
-        if self.cuda_head is not None and normed.shape[0] <= MAX_WINDOW_ROWS:
+        if self.cuda_head is not None:
             return self.cuda_head.logits(normed)  # [R, V] fp32
         with self.device.use():
             x = normed.astype(self.lm_head.dtype, copy=False)

@@ -56,7 +56,7 @@ def _wide_model_dir(tmp_path, seed: int) -> str:
     return str(tmp_path)
 
 
-def _plan(cp, *, model: str, slots: int = 1, batch_mtp: bool = False, draft_tokens: int = 0, backend="cuda"):
+def _plan(cp, *, model: str, slots=1, batch_mtp=False, draft_tokens=0, backend="cuda", chunk=64, context=512):
     from strata_cfg.pipeline import resolve_text
 
     vram = cp.cuda.runtime.memGetInfo()[1] // (1 << 20)
@@ -74,8 +74,8 @@ mtp = {"true" if batch_mtp else "false"}
 [spec]
 draft_tokens = {draft_tokens}
 [memory]
-context = 512
-prefill_chunk = 64
+context = {context}
+prefill_chunk = {chunk}
 [serve]
 """
     return resolve_text(text, "gpu-test.toml").plan
@@ -151,3 +151,42 @@ def test_greedy_text_on_gpu_does_not_depend_on_drafting_or_batching(cp):
     assert engine.totals["accepted"] > 0
     solo = [_generate(_plan(cp, model="tiny", slots=1, draft_tokens=6), [p])[0][0] for p in prompts]
     assert solo == plain
+
+
+def test_long_prefill_chunks_match_the_float32_reference(cp, model_src):
+    """Chunks of more than 64 rows take the CUDA prefill path (cuBLAS products, fp16 scores): their logits,
+    and the KV they leave for the decode windows after them, must match the float32 reference."""
+    from strata_runtime.model import Model
+
+    model = Model.from_plan(_plan(cp, model=model_src, slots=2))
+    reference = Model.from_plan(_plan(cp, model=model_src, slots=2, backend="cpu"))
+    calls = []
+    real = model.stages[0].cuda_prefill.forward
+    model.stages[0].cuda_prefill.forward = lambda h, lay: calls.append(lay.rows) or real(h, lay)
+    g = np.random.default_rng()
+    vocab = model.args.vocab_size
+    a, b = g.integers(1, vocab, 150).tolist(), g.integers(1, vocab, 90).tolist()
+    runs = [
+        ([(0, 150, 0)], a),  # one slot's first chunk
+        ([(0, 100, 150), (1, 90, 0)], g.integers(1, vocab, 100).tolist() + b),  # a later chunk beside another
+        ([(0, 2, 250), (1, 1, 90)], g.integers(1, vocab, 3).tolist()),  # decode rows over that KV
+    ]
+    for layout, tokens in runs:
+        got, expected = _window(model, layout, tokens), _window(reference, layout, tokens)
+        err = np.linalg.norm(got - expected) / np.linalg.norm(expected)
+        assert err < 2e-2, (layout, err)
+    assert calls == [150, 190]
+
+
+def test_long_prompts_keep_greedy_text_exact_with_drafting(cp):
+    """Prompts read in long chunks (the prefill path, MTP head included) then decoded: drafting must not
+    change greedy text."""
+    g = np.random.default_rng()
+    prompts = [g.integers(1, 250, int(n)).tolist() for n in g.integers(140, 300, 2)]
+    plain, _ = _generate(_plan(cp, model="tiny", slots=2, chunk=128), prompts)
+    drafted, engine = _generate(
+        _plan(cp, model="tiny", slots=2, batch_mtp=True, draft_tokens=4, chunk=128), prompts
+    )
+    assert all(len(t) == 24 for t in plain)
+    assert drafted == plain
+    assert engine.totals["accepted"] > 0

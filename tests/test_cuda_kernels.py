@@ -210,3 +210,141 @@ def test_gemv_rows_are_batch_invariant(gpu):
             part = cp.empty((rows, 3000), cp.float32)
             kern.gemv(w, x[:rows].copy(), part, norm=norm)
             np.testing.assert_array_equal(part.get(), full[:rows].get())
+
+
+# ---- the prefill path's kernels -------------------------------------------------------------------------
+
+HALF_REL = 2e-3  # fp16 outputs: one rounding of each element
+
+
+@pytest.mark.parametrize(("rows", "h"), [(1, 64), (70, 2048), (129, 200)])
+def test_rmsnorm_half_matches_twin(gpu, rows, h):
+    cp, kern, twins = gpu
+    g = rng()
+    x = (g.standard_normal((rows, h)) * 3).astype(np.float32)
+    w = half(1 + 0.1 * g.standard_normal(h))
+    out_d = cp.full((rows, h), cp.nan, cp.float16)
+    kern.rmsnorm_half(cp.asarray(x), cp.asarray(w), out_d, 1e-6)
+    out = np.empty((rows, h), np.float16)
+    twins.rmsnorm_half(x, w, out, 1e-6)
+    assert rel_err(out_d.get(), out) < HALF_REL
+
+
+@pytest.mark.parametrize(("rows", "e", "k"), [(1, 8, 2), (100, 128, 8), (33, 60, 4), (9, 256, 8)])
+@pytest.mark.parametrize("norm_topk", [False, True])
+def test_route_topk_matches_twin(gpu, rows, e, k, norm_topk):
+    cp, kern, twins = gpu
+    g = rng()
+    logits = g.standard_normal((rows, e)).astype(np.float32)
+    logits[0, 1] = logits[0, 0]  # a tie: the lower index ranks first
+    idx_d, w_d = cp.full((rows, k), -1, cp.int32), cp.full((rows, k), cp.nan, cp.float32)
+    kern.route_topk(cp.asarray(logits), norm_topk, idx_d, w_d)
+    idx, w = np.empty((rows, k), np.int32), np.empty((rows, k), np.float32)
+    twins.route_topk(logits, norm_topk, idx, w)
+    np.testing.assert_array_equal(idx_d.get(), idx)
+    assert rel_err(w_d.get(), w) < REL
+
+
+@pytest.mark.parametrize(
+    ("heads", "n", "pos", "group"), [(4, 1, 0, 1), (4, 70, 0, 8), (8, 65, 300, 4), (3, 130, 1000, 1)]
+)
+def test_softmax_causal_matches_twin(gpu, heads, n, pos, group):
+    cp, kern, twins = gpu
+    from strata_runtime.cuda.ops import padded_keys
+
+    g = rng()
+    rows, length = n * group, pos + n
+    ld = padded_keys(length)
+    scores = (g.standard_normal((heads, rows, length)) * 4).astype(np.float32)
+    s_d = cp.full((heads, rows, ld), cp.nan, cp.float32)[:, :, :length]  # rows padded, as the prefill path
+    s_d[...] = cp.asarray(scores)
+    p_d = cp.full((heads, rows, ld), cp.nan, cp.float16)[:, :, :length]
+    kern.softmax_causal(s_d, p_d, pos, group)
+    ref = np.full(scores.shape, np.nan, np.float16)
+    twins.softmax_causal(scores, ref, pos, group)
+    got = p_d.get()
+    assert rel_err(got, ref) < HALF_REL
+    for r in (0, rows - 1):  # nothing past the row's own position; each row sums to one
+        assert not got[:, r, pos + r // group + 1 :].any()
+        np.testing.assert_allclose(got[:, r].astype(np.float32).sum(-1), 1.0, rtol=1e-2)
+
+
+@pytest.mark.parametrize(("rows", "e", "k"), [(1, 8, 2), (2048, 128, 8), (333, 256, 8)])
+def test_moe_group_gives_every_assignment_a_distinct_place(gpu, rows, e, k):
+    cp, kern, twins = gpu
+    g = rng()
+    idx = np.stack([g.choice(e, k, replace=False) for _ in range(rows)]).astype(np.int32)  # [R, k]
+    rank_d, most_d = cp.full((rows, k), -1, cp.int32), cp.full(1, -1, cp.int32)
+    kern.moe_group(cp.asarray(idx), e, rank_d, most_d)
+    rank, most = np.empty((rows, k), np.int32), np.empty(1, np.int32)
+    twins.moe_group(idx, e, rank, most)
+    assert int(most_d.get()[0]) == int(most[0])
+    got = rank_d.get()
+    for ex in np.unique(idx):  # the places of one expert's assignments are exactly 0..count-1
+        np.testing.assert_array_equal(np.sort(got[idx == ex]), np.arange((idx == ex).sum()))
+
+
+def test_expert_grouping_kernels_match_twins(gpu):
+    cp, kern, twins = gpu
+    g = rng()
+    rows, k, e, h, inter = 37, 4, 16, 96, 48
+    idx = np.stack([g.choice(e, k, replace=False) for _ in range(rows)]).astype(np.int32)  # [R, k]
+    counts = np.bincount(idx.ravel(), minlength=e)
+    c = int(counts.max())
+    rank = np.empty(rows * k, np.int32)
+    seen = np.zeros(e, np.int32)
+    for a, ex in enumerate(idx.ravel()):
+        rank[a], seen[ex] = seen[ex], seen[ex] + 1
+    rank = rank.reshape(rows, k)
+    x = half(g.standard_normal((rows, h)))
+    xs_d = cp.zeros((e, c, h), cp.float16)
+    kern.moe_scatter_rows(cp.asarray(x), cp.asarray(idx), cp.asarray(rank), xs_d)
+    xs = np.zeros((e, c, h), np.float16)
+    twins.moe_scatter_rows(x, idx, rank, xs)
+    np.testing.assert_array_equal(xs_d.get(), xs)
+
+    gu = half(g.standard_normal((e * c, 2 * inter)))
+    hid_d = cp.full((e * c, inter), cp.nan, cp.float16)
+    kern.silu_mul_half(cp.asarray(gu), hid_d)
+    hid = np.empty((e * c, inter), np.float16)
+    twins.silu_mul_half(gu, hid)
+    assert rel_err(hid_d.get(), hid) < HALF_REL
+
+    ys = half(g.standard_normal((e, c, h)))
+    wts = g.random((rows, k)).astype(np.float32)
+    resid = g.standard_normal((rows, h)).astype(np.float32)
+    r_d = cp.asarray(resid)
+    kern.moe_gather_add(cp.asarray(ys), cp.asarray(idx), cp.asarray(rank), cp.asarray(wts), r_d)
+    twins.moe_gather_add(ys, idx, rank, wts, resid)
+    assert rel_err(r_d.get(), resid) < REL
+
+
+@pytest.mark.parametrize("out_dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("beta", [0.0, 1.0])
+def test_batched_products_match_numpy(gpu, out_dtype, beta):
+    """`blas.matmul_nt`/`matmul_nn` on strided views (a slot's keys in a cache, a slice of query rows)."""
+    cp, _, _ = gpu
+    from strata_runtime.cuda.blas import matmul_nn, matmul_nt
+
+    g = rng()
+    cache = half(g.standard_normal((3, 4, 50, 32)))  # [S, K, T, D]
+    q = half(g.standard_normal((4, 24, 32)))  # [K, rows, D]
+    keys, qv = cache[1, :, :37], q[:, 5:20]  # strided batch and row views
+    base = g.standard_normal((4, 15, 37)).astype(out_dtype)
+    c_d = cp.asarray(base)
+    matmul_nt(cp.asarray(q)[:, 5:20], cp.asarray(cache)[1, :, :37], c_d, alpha=0.5, beta=beta)
+    expected = 0.5 * np.einsum("bmk,bnk->bmn", qv.astype(np.float64), keys.astype(np.float64)) + beta * base
+    assert rel_err(c_d.get(), expected) < (HALF_REL if out_dtype == np.float16 else REL)
+
+    p = half(g.random((4, 15, 37)))
+    o_d = cp.asarray(np.zeros((4, 15, 32), out_dtype))
+    matmul_nn(cp.asarray(p), cp.asarray(cache)[1, :, :37], o_d)
+    expected = np.einsum("bml,bld->bmd", p.astype(np.float64), keys.astype(np.float64))
+    assert rel_err(o_d.get(), expected) < (HALF_REL if out_dtype == np.float16 else REL)
+
+    x, w = half(g.standard_normal((70, 96))), half(g.standard_normal((40, 96)))
+    y_d = cp.zeros((70, 40), out_dtype)
+    matmul_nt(cp.asarray(x), cp.asarray(w), y_d)
+    assert rel_err(y_d.get(), x.astype(np.float64) @ w.astype(np.float64).T) < HALF_REL
+    with pytest.raises(ValueError, match="do not agree"):
+        matmul_nt(cp.asarray(x), cp.asarray(w[:, :50]), y_d)

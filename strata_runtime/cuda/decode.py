@@ -7,7 +7,7 @@ rows' positions and slots are device data, so one graph serves every window of R
 
 The residual stream stays fp32 across a stage's layers. Weights are the stage's own arrays (fp16): q/k/v
 and gate/up are fused into one matrix each at build time, with the stage's tensors rebound to views of
-the fused copy, so no weight is held twice. Prefill chunks (more than 8 rows) take the array path.
+the fused copy, so no weight is held twice. Longer prefill chunks take `strata_runtime.cuda.prefill`.
 
 Dimension letters as in kernels.cu: R rows, H hidden, N query heads, K kv heads, D head dim, E experts,
 I expert width, S slots, T context, V vocab.
@@ -25,6 +25,7 @@ from strata_cfg.schema.windows import MAX_WINDOW_ROWS
 
 from ..layout import Layout
 from ..models.qwen3_moe import MLP, DecoderLayer, ModelArgs, SparseMoeBlock
+from .blas import matmul_nt
 from .ops import Kernels, attention_scratch_size, kernels_for
 
 
@@ -271,11 +272,14 @@ class CudaHead:
             return out
 
     def logits(self, normed: Any) -> cp.ndarray:
-        """Logits [R, V] in fp32."""
+        """Logits [R, V] in fp32: the GEMV kernel for a window's rows, a cuBLAS product (fp16 rows, fp32
+        accumulation and output) for more."""
         with cp.cuda.Device(self.device_id):
-            x = cp.ascontiguousarray(normed, dtype=cp.float32)
-            out = cp.empty((x.shape[0], self.lm_head.shape[0]), cp.float32)
-            self.kern.gemv(self.lm_head, x, out)
+            rows = normed.shape[0]
+            out = cp.empty((rows, self.lm_head.shape[0]), cp.float32)
+            if rows > MAX_WINDOW_ROWS:
+                return matmul_nt(cp.ascontiguousarray(normed, dtype=cp.float16), self.lm_head, out)
+            self.kern.gemv(self.lm_head, cp.ascontiguousarray(normed, dtype=cp.float32), out)
             return out
 
 
@@ -303,6 +307,9 @@ class CudaMtp:
             self.layers = CudaLayers(device_id, [head.layer], args, k_cache, v_cache)
         self.kern = self.layers.kern
         self.head = CudaHead(device_id, head.norm, head.lm_head, args.rms_norm_eps)
+        from .prefill import CudaPrefill
+
+        self._prefill = CudaPrefill(self.layers)
 
     def logits(self, out: Any) -> cp.ndarray:
         """Draft logits [R, V] in fp32 from the head's output rows."""
@@ -314,6 +321,21 @@ class CudaMtp:
         k.gemv(self.fc_h, b.out, b.resid, accumulate=True, norm=self.norm_h, eps=eps)
         self.layers.run_layers(b)
         k.add_rmsnorm(b.resid, None, self.norm, b.out, eps)
+
+    def prefill(self, emb: Any, hidden: Any, layout: Layout) -> cp.ndarray:
+        """`forward` for a prompt chunk of more than 8 rows, through the CUDA prefill path."""
+        with cp.cuda.Device(self.device_id):
+            k, eps = self.kern, self.args.rms_norm_eps
+            rows, h = hidden.shape
+            e16, h16 = cp.empty((rows, h), cp.float16), cp.empty((rows, h), cp.float16)
+            k.rmsnorm_half(cp.ascontiguousarray(emb, dtype=cp.float32), self.norm_e, e16, eps)
+            k.rmsnorm_half(cp.ascontiguousarray(hidden, dtype=cp.float32), self.norm_h, h16, eps)
+            resid = matmul_nt(e16, self.fc_e, cp.empty((rows, h), cp.float32))  # [R, H]
+            matmul_nt(h16, self.fc_h, resid, beta=1.0)
+            self._prefill.run(resid, layout)
+            out = cp.empty_like(resid)
+            k.add_rmsnorm(resid, None, self.norm, out, eps)
+            return out
 
     def forward(self, emb: Any, hidden: Any, layout: Layout) -> cp.ndarray:
         """The head's post-norm output [R, H] (fp32) for rows (embedding of token t+1, hidden at t)."""

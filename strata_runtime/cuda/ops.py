@@ -34,6 +34,11 @@ def attention_scratch_size(rows: int, n_q: int, n_kv: int, head_dim: int, contex
     return rows * n_q * math.ceil(context / ATTN_CHUNK) * (head_dim + 2)
 
 
+def padded_keys(length: int) -> int:
+    """Row stride of attention scores over ``length`` keys: rows start 16-byte aligned."""
+    return -(-length // 4) * 4
+
+
 def gemv_rows_per_warp(rows: int) -> int:
     """Output features per warp: one for 1–2 rows (all loads in flight), four beyond (reuse each x load)."""
     return 1 if rows <= 2 else 4
@@ -284,6 +289,66 @@ class Kernels:
     def argmax(self, logits: cp.ndarray, out: cp.ndarray) -> None:
         """out[R] = argmax of each row of logits [R, V], lowest index on ties."""
         self.fn("argmax_rows")((logits.shape[0],), (1024,), (logits, np.int32(logits.shape[1]), out))
+
+    # ---- prefill pieces (long chunks; the products run on cuBLAS) ---------------------------------
+
+    def rmsnorm_half(self, x: cp.ndarray, w: cp.ndarray, out: cp.ndarray, eps: float) -> None:
+        """out[R, H] (fp16) = rmsnorm(x) * w; x fp32, w fp16."""
+        rows, h = x.shape
+        self.fn("rmsnorm_half")((rows,), (THREADS,), (x, w, out, np.int32(h), np.float32(eps)))
+
+    def route_topk(self, logits: cp.ndarray, norm_topk: bool, idx: cp.ndarray, wts: cp.ndarray) -> None:
+        """idx[R, k] (int32), wts[R, k] (fp32): each row's top-k experts of logits [R, E] fp32, by the rule of
+        `moe` (softmax in fp32, ties to the lower index, renormalised over the k when ``norm_topk``)."""
+        rows, n_exp = logits.shape
+        topk = idx.shape[1]
+        self.fn("route_topk")(
+            (rows, topk), (THREADS,), (logits, np.int32(n_exp), np.int32(topk), np.int32(norm_topk), idx, wts)
+        )
+
+    def softmax_causal(self, scores: cp.ndarray, probs: cp.ndarray, pos: int, group: int) -> None:
+        """probs [B, R, L] fp16 = the causal softmax of scores [B, R, L] fp32, where row r is query row
+        r // group at position pos + r // group and sees keys [0, that position]; zeros beyond. Both may be
+        views of wider buffers whose rows are ``ld`` apart, ld a multiple of 4 (`padded_keys`)."""
+        b, rows, length = scores.shape
+        ld = scores.strides[1] // scores.itemsize
+        if ld % 4 or probs.strides[1] // probs.itemsize != ld or scores.strides[0] != rows * ld * 4:
+            raise ValueError("scores and probs need the same row stride, a multiple of 4, rows packed")
+        self.fn("softmax_causal")(
+            (rows, b),
+            (THREADS,),
+            (scores, probs, np.int32(rows), np.int32(length), np.int32(ld), np.int32(pos), np.int32(group)),
+        )
+
+    def moe_group(self, idx: cp.ndarray, n_exp: int, rank: cp.ndarray, most: cp.ndarray) -> None:
+        """rank[a]: a place for assignment a of idx [R, k] within its expert's group (0..count-1, any
+        order); most[0]: the largest group. int32 throughout; at most 256 experts."""
+        self.fn("moe_group")((1,), (1024,), (idx, np.int32(idx.size), np.int32(n_exp), rank, most))
+
+    def silu_mul_half(self, gu: cp.ndarray, out: cp.ndarray) -> None:
+        """out[M, I] = silu(gu[:, :I]) * gu[:, I:], fp16 in and out."""
+        m, inter = out.shape
+        blocks = math.ceil(m * inter / THREADS)
+        self.fn("silu_mul_half")((blocks,), (THREADS,), (gu, out, np.int64(m), np.int32(inter)))
+
+    def moe_scatter_rows(self, x: cp.ndarray, idx: cp.ndarray, rank: cp.ndarray, xs: cp.ndarray) -> None:
+        """xs[idx[a], rank[a]] = x[a // k] for each assignment a of idx [R, k]; x [R, H] and xs [E, C, H]
+        are fp16."""
+        rows, topk = idx.shape
+        _, c, h = xs.shape
+        self.fn("moe_scatter_rows")(
+            (rows * topk,), (THREADS,), (x, idx, rank, xs, np.int32(topk), np.int32(c), np.int32(h))
+        )
+
+    def moe_gather_add(
+        self, ys: cp.ndarray, idx: cp.ndarray, rank: cp.ndarray, wts: cp.ndarray, resid: cp.ndarray
+    ) -> None:
+        """resid[r] += sum_j wts[r, j] * ys[idx[r, j], rank[r, j]], j in order; ys [E, C, H] fp16."""
+        rows, topk = idx.shape
+        _, c, h = ys.shape
+        self.fn("moe_gather_add")(
+            (rows,), (THREADS,), (ys, idx, rank, wts, resid, np.int32(topk), np.int32(c), np.int32(h))
+        )
 
 
 @cache

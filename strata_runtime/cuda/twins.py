@@ -153,3 +153,55 @@ def embed(table: np.ndarray, ids: np.ndarray, out: np.ndarray) -> None:
 
 def argmax(logits: np.ndarray, out: np.ndarray) -> None:
     out[...] = np.argmax(logits, axis=-1)
+
+
+def rmsnorm_half(x: np.ndarray, w: np.ndarray, out: np.ndarray, eps: float) -> None:
+    out[...] = (x * _rms_inv(x, eps) * _f32(w)).astype(np.float16)
+
+
+def route_topk(logits: np.ndarray, norm_topk: bool, idx: np.ndarray, wts: np.ndarray) -> None:
+    topk = idx.shape[1]
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)  # [R, E]
+    idx[...] = np.argsort(-logits, axis=-1, kind="stable")[:, :topk]  # ties: lower index first
+    w = np.take_along_axis(p, idx, axis=-1)  # [R, k]
+    wts[...] = w / w.sum(-1, keepdims=True) if norm_topk else w
+
+
+def softmax_causal(scores: np.ndarray, probs: np.ndarray, pos: int, group: int) -> None:
+    _, rows, length = scores.shape
+    for r in range(rows):
+        valid = min(pos + r // group + 1, length)
+        s = scores[:, r, :valid]  # [B, valid]
+        p = np.exp(s - s.max(-1, keepdims=True))
+        probs[:, r, :valid] = (p / p.sum(-1, keepdims=True)).astype(np.float16)
+        probs[:, r, valid:] = 0
+
+
+def moe_group(idx: np.ndarray, n_exp: int, rank: np.ndarray, most: np.ndarray) -> None:
+    """Places in order of assignment (the kernel's order differs; any bijection onto 0..count-1 is valid)."""
+    seen = np.zeros(n_exp, np.int64)
+    for a, e in enumerate(idx.ravel()):
+        rank.flat[a], seen[e] = seen[e], seen[e] + 1
+    most[0] = seen.max()
+
+
+def silu_mul_half(gu: np.ndarray, out: np.ndarray) -> None:
+    inter = out.shape[1]
+    g = _f32(gu)
+    out[...] = (_silu(g[:, :inter]) * g[:, inter:]).astype(np.float16)
+
+
+def moe_scatter_rows(x: np.ndarray, idx: np.ndarray, rank: np.ndarray, xs: np.ndarray) -> None:
+    rows, topk = idx.shape
+    for a in range(rows * topk):
+        xs[idx.flat[a], rank.flat[a]] = x[a // topk]
+
+
+def moe_gather_add(
+    ys: np.ndarray, idx: np.ndarray, rank: np.ndarray, wts: np.ndarray, resid: np.ndarray
+) -> None:
+    rows, topk = idx.shape
+    for r in range(rows):
+        for j in range(topk):
+            resid[r] += wts[r, j] * _f32(ys[idx[r, j], rank[r, j]])

@@ -1,0 +1,176 @@
+"""The CUDA prefill path: prompt chunks of more than 64 rows through a stage's layers.
+
+A long chunk is compute-bound, so its products run on cuBLAS in fp16 (tensor cores): the q/k/v and output
+projections, the router, the attention scores and weighted sums, and the routed experts as two batched
+products over every expert at once. Rows are grouped by expert on the device: each assignment (row,
+choice) gets a rank within its expert, rows are copied into an [E, C, H] block (C = the most rows any one
+expert got), and after the products each row gathers its k results back in a fixed order. The only host
+synchronisation per layer is reading C. Attention runs in tiles of query rows whose fp32 scores and fp16
+probabilities fit in `ATTN_TILE_BYTES`.
+
+Everything between the products (norms, q/k norm with RoPE and the KV write, routing, causal softmax,
+SwiGLU, scatter and gather) is a kernel of `kernels.cu`, shared where possible with the decode path so that
+both read the same weights with the same rules. The residual stream, the attention scores and the router
+logits are fp32; products read fp16 and accumulate in fp32 (`strata_runtime.cuda.blas`).
+
+Letters: n rows of the chunk, H hidden, N query heads, K kv heads, G = N / K, D head dim, L keys,
+E experts, k experts per row, C rows per expert group, I expert width.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import cupy as cp
+
+from ..layout import Layout
+from .blas import matmul_nn, matmul_nt
+from .decode import CudaLayers, _Layer
+from .ops import padded_keys
+
+ATTN_TILE_BYTES = 1 << 30
+"""Scores (fp32) plus probabilities (fp16) of one attention tile stay under this; long prefixes are read
+in tiles of fewer query rows."""
+
+
+def attention_tile_rows(n_heads: int, keys: int) -> int:
+    """Query rows per attention tile over ``keys`` keys."""
+    return max(16, ATTN_TILE_BYTES // (n_heads * keys * 6))
+
+
+class CudaPrefill:
+    """Long prefill chunks through the layers (and KV) of a `CudaLayers`."""
+
+    def __init__(self, layers: CudaLayers) -> None:
+        self.layers, self.args, self.kern = layers, layers.args, layers.kern
+        self.device_id = layers.device_id
+        with cp.cuda.Device(self.device_id):
+            # The router in fp32, so that routing reads fp32 rows as the decode kernels do (a flipped
+            # top-k choice would change a row's output far more than rounding elsewhere does).
+            self.router32 = [
+                lay.router.astype(cp.float32) if lay.router is not None else None for lay in layers.layers
+            ]
+        self.kern.prepare(
+            [
+                "rmsnorm_half",
+                "add_rmsnorm",
+                "route_topk",
+                "softmax_causal",
+                "silu_mul_half",
+                "moe_group",
+                "moe_scatter_rows",
+                "moe_gather_add",
+                "qk_norm_rope_kv",
+                "add_scaled",
+            ]
+        )
+
+    def forward(self, hidden: Any, layout: Layout) -> cp.ndarray:
+        """The chunk's hidden rows [n, H] after these layers (fp32), writing their KV."""
+        with cp.cuda.Device(self.device_id):
+            resid = cp.array(hidden, dtype=cp.float32)  # [n, H]
+            self.run(resid, layout)
+            return resid
+
+    def run(self, resid: cp.ndarray, layout: Layout) -> None:
+        """Every layer on ``resid`` [n, H] fp32, in place."""
+        pos = cp.asarray(layout.positions(), dtype=cp.int32)  # [n]
+        slot = cp.concatenate([cp.full(s.n, s.slot, cp.int32) for s in layout.segments])  # [n]
+        for j, lay in enumerate(self.layers.layers):
+            self._attention(j, lay, resid, layout, pos, slot)
+            self._mlp(j, lay, resid)
+
+    # ---- attention -------------------------------------------------------------------------------
+
+    def _attention(
+        self, j: int, lay: _Layer, resid: cp.ndarray, layout: Layout, pos: cp.ndarray, slot: cp.ndarray
+    ) -> None:
+        a, kern = self.args, self.kern
+        n_rows, h = resid.shape
+        nq, nkv, d = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+        g = nq // nkv
+        kc, vc = self.layers.k_cache[j], self.layers.v_cache[j]  # [S, K, T, D]
+        x = cp.empty((n_rows, h), cp.float16)
+        kern.rmsnorm_half(resid, lay.ln1, x, a.rms_norm_eps)
+        qkv = matmul_nt(x, lay.qkv, cp.empty((n_rows, lay.qkv.shape[0]), cp.float32))  # [n, (N + 2K) D]
+        q = cp.empty((n_rows, nq, d), cp.float32)
+        kern.qk_norm_rope_kv(qkv, lay.q_norm, lay.k_norm, pos, slot, q, kc, vc, a.rope_theta, a.rms_norm_eps)
+        # q as two fp16 parts, q = hi + lo: fp16 alone would move a score by |score| * 2^-11, which for
+        # the large scores of sharp heads changes their weights by percents; the split keeps q's fp32
+        # precision for one more product over the keys.
+        hi = q.astype(cp.float16)
+        lo = (q - hi).astype(cp.float16)
+        out = cp.empty((n_rows, nq * d), cp.float16)  # [n, N D]
+        scale = 1.0 / math.sqrt(d)
+        for seg in layout.segments:
+            n = seg.n
+            # [K, n G, D]: the G query heads of each KV head, row r = query row r // G.
+            parts = [
+                cp.ascontiguousarray(
+                    p[seg.row : seg.row + n].reshape(n, nkv, g, d).transpose(1, 0, 2, 3)
+                ).reshape(nkv, n * g, d)
+                for p in (hi, lo)
+            ]
+            tile = attention_tile_rows(nq, seg.pos + n)
+            for i0 in range(0, n, tile):
+                i1 = min(n, i0 + tile)
+                rows, end = (i1 - i0) * g, seg.pos + i1  # keys past the tile's last row are all masked
+                keys, values = kc[seg.slot, :, :end], vc[seg.slot, :, :end]  # [K, L, D] each
+                ld = padded_keys(end)
+                scores = cp.empty((nkv, rows, ld), cp.float32)[:, :, :end]
+                for beta, part in enumerate(parts):
+                    matmul_nt(part[:, i0 * g : i1 * g], keys, scores, alpha=scale, beta=float(beta))
+                probs = cp.empty((nkv, rows, ld), cp.float16)[:, :, :end]
+                kern.softmax_causal(scores, probs, seg.pos + i0, g)
+                del scores
+                o = matmul_nn(probs, values, cp.empty((nkv, rows, d), cp.float16))  # [K, t G, D]
+                o = o.reshape(nkv, i1 - i0, g, d).transpose(1, 0, 2, 3).reshape(i1 - i0, nq * d)
+                out[seg.row + i0 : seg.row + i1] = o
+        matmul_nt(out, lay.o, resid, beta=1.0)  # resid [n, H] += out @ o^T
+
+    # ---- MLP: routed experts, shared expert, dense MLP ------------------------------------------
+
+    def _mlp(self, j: int, lay: _Layer, resid: cp.ndarray) -> None:
+        a, kern = self.args, self.kern
+        n_rows, h = resid.shape
+        x = cp.empty((n_rows, h), cp.float16)
+        kern.rmsnorm_half(resid, lay.ln2, x, a.rms_norm_eps)
+        dense = gate = None
+        if lay.mlp_gate_up is not None:  # read before the experts add to the residual
+            assert lay.mlp_down is not None
+            width = lay.mlp_down.shape[1]
+            gu = matmul_nt(x, lay.mlp_gate_up, cp.empty((n_rows, 2 * width), cp.float16))
+            hid = cp.empty((n_rows, width), cp.float16)
+            kern.silu_mul_half(gu, hid)
+            dense = matmul_nt(hid, lay.mlp_down, cp.empty((n_rows, h), cp.float32))  # [n, H]
+            if lay.shared_gate is not None:
+                gate = matmul_nt(x, lay.shared_gate, cp.empty((n_rows, 1), cp.float32)).reshape(n_rows)
+        if lay.gate_up is not None:
+            self._experts(j, lay, x, resid)
+        if dense is not None:
+            kern.add_scaled(resid, dense, gate)
+
+    def _experts(self, j: int, lay: _Layer, x: cp.ndarray, resid: cp.ndarray) -> None:
+        a, kern = self.args, self.kern
+        n_rows, h = x.shape
+        n_exp, topk = a.num_experts, a.num_experts_per_tok
+        assert lay.gate_up is not None and lay.down is not None
+        xf = cp.empty((n_rows, h), cp.float32)
+        kern.add_rmsnorm(resid, None, lay.ln2, xf, a.rms_norm_eps)
+        logits = xf @ self.router32[j].T  # [n, E] fp32
+        idx = cp.empty((n_rows, topk), cp.int32)
+        wts = cp.empty((n_rows, topk), cp.float32)
+        kern.route_topk(logits, a.norm_topk_prob, idx, wts)
+        rank = cp.empty((n_rows, topk), cp.int32)
+        most = cp.empty(1, cp.int32)
+        kern.moe_group(idx, n_exp, rank, most)
+        c = int(most.get()[0])  # the one host read of the layer: the group size
+        xs = cp.empty((n_exp, c, h), cp.float16)  # [E, C, H]; unused rows are never read back
+        kern.moe_scatter_rows(x, idx, rank, xs)
+        inter = lay.down.shape[2]
+        gu = matmul_nt(xs, lay.gate_up, cp.empty((n_exp, c, 2 * inter), cp.float16))  # [E, C, 2I]
+        hid = cp.empty((n_exp, c, inter), cp.float16)
+        kern.silu_mul_half(gu.reshape(n_exp * c, 2 * inter), hid.reshape(n_exp * c, inter))
+        ys = matmul_nt(hid, lay.down, cp.empty((n_exp, c, h), cp.float16))  # [E, C, H]
+        kern.moe_gather_add(ys, idx, rank, wts, resid)
