@@ -27,10 +27,13 @@
 
 namespace flash {
 
-constexpr int BM = 64, BN = 64, WARPS = 4, THREADS = WARPS * 32;
+inline constexpr int BM = 64, BN = 64, WARPS = 4, THREADS = WARPS * 32;
 
+// Shared-memory address of a generic pointer (inline PTX, so NVRTC needs no extra header).
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
-  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+  unsigned a;
+  asm("{ .reg .u64 s; cvta.to.shared.u64 s, %1; cvt.u32.u64 %0, s; }\n" : "=r"(a) : "l"(p));
+  return a;
 }
 
 // 16 bytes global -> shared, asynchronously; zero-filled when !valid (src is then not read).
