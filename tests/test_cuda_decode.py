@@ -190,3 +190,24 @@ def test_long_prompts_keep_greedy_text_exact_with_drafting(cp):
     assert all(len(t) == 24 for t in plain)
     assert drafted == plain
     assert engine.totals["accepted"] > 0
+
+
+def test_flash_and_cublas_attention_give_the_same_prefill(cp):
+    """The fused attention kernel and the cuBLAS products over materialised scores compute the same chunk."""
+    from strata_runtime.cuda.prefill import CudaPrefill
+    from strata_runtime.layout import Layout
+    from strata_runtime.model import Model
+
+    model = Model.from_plan(_plan(cp, model="small", slots=2))
+    stage = model.stages[0]
+    g = np.random.default_rng()
+    hidden = cp.asarray(g.standard_normal((200, model.args.hidden_size)).astype(np.float32))
+    outs = []
+    for flash in (True, False):
+        layout = Layout.of([(0, 120, 0), (1, 80, 0)])
+        stage.kv.begin(layout.segments)
+        outs.append(CudaPrefill(stage.cuda, flash=flash).forward(hidden, layout).get())
+        model.rewind(0, 0)
+        model.rewind(1, 0)
+    err = np.linalg.norm(outs[0] - outs[1]) / np.linalg.norm(outs[1])
+    assert err < 2e-3, err

@@ -5,8 +5,9 @@ projections, the router, the attention scores and weighted sums, and the routed 
 products over every expert at once. Rows are grouped by expert on the device: each assignment (row,
 choice) gets a rank within its expert, rows are copied into an [E, C, H] block (C = the most rows any one
 expert got), and after the products each row gathers its k results back in a fixed order. The only host
-synchronisation per layer is reading C. Attention runs in tiles of query rows whose fp32 scores and fp16
-probabilities fit in `ATTN_TILE_BYTES`.
+synchronisation per layer is reading C. Attention is one fused kernel (`strata_runtime.cuda.flash`: tensor
+cores, online softmax, no score matrix in memory); for head dims it lacks, cuBLAS products over tiles of query
+rows whose fp32 scores and fp16 probabilities fit in `ATTN_TILE_BYTES`.
 
 Everything between the products (norms, q/k norm with RoPE and the KV write, routing, causal softmax,
 SwiGLU, scatter and gather) is a kernel of `kernels.cu`, shared where possible with the decode path so that
@@ -27,6 +28,7 @@ import cupy as cp
 from ..layout import Layout
 from .blas import matmul_nn, matmul_nt
 from .decode import CudaLayers, _Layer
+from .flash import HEAD_DIMS, flash_kernels_for, flash_prefill
 from .ops import padded_keys
 
 ATTN_TILE_BYTES = 1 << 30
@@ -42,9 +44,14 @@ def attention_tile_rows(n_heads: int, keys: int) -> int:
 class CudaPrefill:
     """Long prefill chunks through the layers (and KV) of a `CudaLayers`."""
 
-    def __init__(self, layers: CudaLayers) -> None:
+    def __init__(self, layers: CudaLayers, flash: bool = True) -> None:
+        """``flash``: attention through the fused kernel of `strata_runtime.cuda.flash` where it has the head
+        dim; otherwise (or with False) through cuBLAS products over materialised scores."""
         self.layers, self.args, self.kern = layers, layers.args, layers.kern
         self.device_id = layers.device_id
+        self.flash = flash and self.args.head_dim in HEAD_DIMS
+        if self.flash:
+            flash_kernels_for(self.device_id).prepare([self.args.head_dim])
         with cp.cuda.Device(self.device_id):
             # The router in fp32, so that routing reads fp32 rows as the decode kernels do (a flipped
             # top-k choice would change a row's output far more than rounding elsewhere does).
@@ -103,6 +110,12 @@ class CudaPrefill:
         lo = (q - hi).astype(cp.float16)
         out = cp.empty((n_rows, nq * d), cp.float16)  # [n, N D]
         scale = 1.0 / math.sqrt(d)
+        if self.flash:
+            for seg in layout.segments:
+                rows = slice(seg.row, seg.row + seg.n)
+                flash_prefill(hi[rows], lo[rows], kc, vc, seg.slot, seg.pos, scale, out[rows])
+            matmul_nt(out, lay.o, resid, beta=1.0)  # resid [n, H] += out @ o^T
+            return
         for seg in layout.segments:
             n = seg.n
             # [K, n G, D]: the G query heads of each KV head, row r = query row r // G.
