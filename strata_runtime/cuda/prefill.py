@@ -110,7 +110,7 @@ class CudaPrefill:
         lo = (q - hi).astype(cp.float16)
         out = cp.empty((n_rows, nq * d), cp.float16)  # [n, N D]
         scale = 1.0 / math.sqrt(d)
-        if self.flash:
+        if self.flash and len(layout.segments) == 1:  # a prompt chunk is one slot's
             for seg in layout.segments:
                 rows = slice(seg.row, seg.row + seg.n)
                 flash_prefill(hi[rows], lo[rows], kc, vc, seg.slot, seg.pos, scale, out[rows])
