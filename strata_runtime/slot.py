@@ -41,6 +41,11 @@ class Slot:
     generated: list[int] = field(default_factory=list)
     sent_text: str = ""
     finished: FinishReason | None = None
+    _text: str = ""
+    """The text of ``generated[:_read]``, decoded incrementally (complete characters only)."""
+    _prefix: int = 0
+    """Where the next decode starts: tokens before ``_read`` kept as context for the tokenizer."""
+    _read: int = 0
 
     @property
     def prompt(self) -> tuple[int, ...]:
@@ -72,7 +77,7 @@ class Slot:
         self.generated.extend(kept)
         self.handle.completion_tokens = len(self.generated)
         self.handle.accepted_proposals += accepted
-        text = self.tokenizer.decode(self.generated)
+        text = self._decoded()
         for stop in req.stop_strings:
             cut = text.find(stop)
             if stop and cut >= 0:
@@ -85,6 +90,34 @@ class Slot:
         new = text[len(self.sent_text) :] if text.startswith(self.sent_text) else ""
         self.sent_text += new
         return TokenEvent(tuple(kept), new, self.finished, accepted)
+
+    def _decoded(self) -> str:
+        """The text of every generated token, as a whole decode would give it, without decoding them all.
+
+        Each call decodes only the tokens from ``_prefix``: those since the last complete text plus the
+        stretch before them as context (a tokenizer may render a piece differently at the start of a list,
+        e.g. a leading space), and keeps the difference. So a window costs the same at the 4,000th token as at
+        the 10th, where decoding the whole generation each window would grow with its length. An incomplete
+        UTF-8 sequence at the end (at most 3 tokens) is shown but not kept: it is decoded again with the next
+        tokens.
+        """
+        ids, dec = self.generated, self.tokenizer.decode
+        before, after = dec(ids[self._prefix : self._read]), dec(ids[self._prefix :])
+        if not after.startswith(before):  # the tokenizer rendered the context differently: decode it all
+            return dec(ids)
+        visible = self._text + after[len(before) :]
+        done, end = after, len(ids)
+        if after.endswith("\ufffd"):  # keep only what precedes the incomplete character's tokens
+            done = before
+            for k in range(1, min(3, end - self._read) + 1):
+                part = dec(ids[self._prefix : end - k])
+                if not part.endswith("\ufffd") and after.startswith(part):
+                    done, end = part, end - k
+                    break
+        if len(done) > len(before):
+            self._text += done[len(before) :]
+            self._prefix, self._read = self._read, end
+        return visible
 
     def finish(self, reason: FinishReason, error: str | None = None) -> TokenEvent:
         self.finished = reason
