@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -233,3 +234,17 @@ def test_bad_requests_get_an_error_event_naming_the_field() -> None:
     assert "prompt_ids: every id must be in [0, 384)" in h.events.get().error
     h = eng.submit(Request(tuple(range(1, 200)), 4))
     assert "does not fit the context of 128" in h.events.get().error
+
+
+def test_logits_are_computed_only_for_rows_that_decide_a_token() -> None:
+    """A prompt's chunks need no LM head except for the last row of its last chunk; decode rows all do."""
+    eng = Engine(make_plan(preset="tiny", stages=2, context=128, prefill_chunk=16, draft_tokens=3))
+    rows: list[int] = []
+    real = eng.model.logits
+    eng.model.logits = lambda normed: rows.append(int(normed.shape[0])) or real(normed)
+    g = np.random.default_rng()
+    prompt = tuple(int(t) for t in g.integers(1, 250, 40))  # chunks of 16, 16 and 8 rows
+    tokens = collect(eng, [(0, Request(prompt, 5))])[0]
+    assert rows[0] == 1  # the first LM-head call: the last prompt row only (none for the chunks before)
+    assert 1 < len(rows) <= 5 and all(r <= 4 for r in rows[1:])  # solo windows: a token + up to 3 drafts
+    assert tuple(tokens) == reference("tiny", prompt, 5)
