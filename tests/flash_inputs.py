@@ -16,16 +16,6 @@ REL = 3e-3
 """Relative Frobenius bound of the kernel against the twin: P and the output are rounded to fp16."""
 
 
-def rel_err(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    assert np.isfinite(a).all(), "unwritten (NaN) or non-finite output"
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
-def rng() -> np.random.Generator:
-    return np.random.default_rng()  # fresh inputs every run
-
-
 def split(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """q (fp32) as two fp16 parts hi + lo, as the prefill path splits it."""
     hi = q.astype(np.float16)

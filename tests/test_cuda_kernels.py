@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from kernel_checks import rel_err, rng
 
 pytestmark = pytest.mark.gpu
 
@@ -20,16 +21,6 @@ def gpu():
     from strata_runtime.cuda import ops, twins
 
     return cp, ops.kernels_for(0), twins
-
-
-def rel_err(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    assert np.isfinite(a).all(), "kernel left unwritten (NaN) or non-finite output"
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
-def rng() -> np.random.Generator:
-    return np.random.default_rng()  # fresh inputs every run
 
 
 def half(a: np.ndarray) -> np.ndarray:

@@ -10,7 +10,8 @@ import math
 
 import numpy as np
 import pytest
-from flash_inputs import REL, large_score_inputs, make_inputs, rel_err, rng, twin
+from flash_inputs import REL, large_score_inputs, make_inputs, twin
+from kernel_checks import rel_err, rng
 
 from strata_runtime.cuda.flash import check_args, flash_prefill_twin
 
