@@ -107,8 +107,9 @@ class Stage:
             if self.cuda is not None and 0 < layout.rows <= CUDA_PREFILL_ROWS:
                 if layout.rows <= MAX_WINDOW_ROWS:
                     return self.cuda.forward(hidden, layout)  # [R, H] fp32
-                # A short prompt: consecutive windows of 8 rows through the graphs beat the prefill path,
-                # whose per-layer launches and host read cost the same for 9 rows as for 500.
+                # A short prompt: consecutive windows of 8 rows through the graphs. The prefill path's
+                # per-layer launches and host read cost the same for 9 rows as for 500 (the 64-row cut-off
+                # was set against the array path and has not been re-measured against the prefill path).
                 parts = [
                     self.cuda.forward(
                         hidden[a : a + MAX_WINDOW_ROWS], layout.rows_between(a, a + MAX_WINDOW_ROWS)
