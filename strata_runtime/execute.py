@@ -160,16 +160,21 @@ class Executor:
         row = 0
         for e in job.entries:
             n, slot = len(e.tokens), e.slot
-            if e.kind == "prefill":  # only its last row has logits, and only in the prompt's last chunk
-                at = logit_row.get(row + n - 1)
-                picks = slice(at, at + 1) if at is not None else slice(0, 0)
-            else:
-                picks = slice(logit_row[row], logit_row[row] + n)
-            target = argmax[picks] if slot.sampler.greedy else host_logits[picks]  # type: ignore[index]
+
+            def target(first: int, count: int, slot: Slot = slot) -> Any:
+                """The target's rows [first, first + count) of ``needed``: argmax when greedy, else logits."""
+                if slot.sampler.greedy:
+                    return argmax[first : first + count]
+                assert host_logits is not None  # read above whenever a sampled slot is in the window
+                return host_logits[first : first + count]
+
             if e.kind == "prefill":
-                events += self._finish_prefill(slot, n, target, normed[row : row + n])
+                # Only the last row of the prompt's last chunk has logits; an earlier chunk decides nothing.
+                at = logit_row.get(row + n - 1)
+                decided = None if at is None else target(at, 1)
+                events += self._finish_prefill(slot, n, decided, normed[row : row + n])
             else:
-                verdict = verify(target, e.proposals, slot.sampler)
+                verdict = verify(target(logit_row[row], n), e.proposals, slot.sampler)
                 kept = verdict.accepted + 1
                 mine = normed[row : row + n]
                 commit(self.model, slot.id, slot.length, kept, mine, verdict.tokens, self.tracked)
@@ -180,10 +185,14 @@ class Executor:
             row += n
         return events
 
-    def _finish_prefill(self, slot: Slot, n: int, target: Any, normed: Any) -> list[tuple[Slot, TokenEvent]]:
+    def _finish_prefill(
+        self, slot: Slot, n: int, target: Any | None, normed: Any
+    ) -> list[tuple[Slot, TokenEvent]]:
+        """Commit a prompt chunk; ``target`` is its last row's argmax or logits, only in the last chunk."""
         p, prompt = slot.prefilled, slot.prompt
         done = p + n == len(prompt)
         if done:
+            assert target is not None
             if slot.sampler.greedy:
                 first = int(target[-1])
             else:

@@ -340,6 +340,21 @@ def test_bad_input_gets_a_4xx_naming_the_field_and_the_engine_keeps_serving(
     _served(client.completions.create(model="demo", prompt=_prompt(), max_tokens=4), 4)
 
 
+def test_long_prompts_at_the_default_temperature_are_served_and_the_engine_stays_up(
+    engine: Launched, client: openai.OpenAI
+):
+    """Prompts longer than one prefill chunk, sampled (temperature 1.0 is the API's default)."""
+    ids = [(i * 37) % 250 + 1 for i in range(513)]
+    r = client.completions.create(model="demo", prompt=ids, max_tokens=4)
+    _served(r, 4)
+    assert r.usage.prompt_tokens == 513
+    chat = client.chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": "x" * 1001}], max_tokens=3, temperature=0.7
+    )
+    assert chat.choices[0].finish_reason in ("length", "stop")
+    _served(client.completions.create(model="demo", prompt=_prompt(), max_tokens=4), 4)
+
+
 def test_loadtest_reports_requests_errors_and_latency(engine: Launched):
     proc = strata(
         *("loadtest", engine.url, "--clients", "4", "--seconds", "2", "--max-tokens", "16", "--json"),
