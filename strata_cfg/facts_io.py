@@ -4,7 +4,7 @@
   through CuPy, so that `strata plan` stays light). A probed card's bandwidth comes from a table of known
   cards; an unknown card gets an estimate, flagged as such.
 * `model_facts`: a synthetic preset's config, or a model directory's ``config.json`` plus its safetensors
-  *headers* (read in pure Python: an 8-byte length and a JSON table), from which the MTP layers and the
+  *headers* (`schema.safetensors_header`: an 8-byte length and a JSON table), from which the MTP layers and the
   checkpoint's dtype are taken.
 """
 
@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import struct
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from .resolve.gates import run_dtype
 from .schema.errors import Problem, ProfileError
 from .schema.facts import GpuFacts, MachineFacts, ModelFacts
 from .schema.presets import preset_config
+from .schema.safetensors_header import METADATA, read_header
 
 # Memory bandwidth of cards users run, in GB/s (vendor specifications). Longest matching name wins.
 KNOWN_BANDWIDTH_GBS: dict[str, float] = {
@@ -75,7 +75,6 @@ ESTIMATED_BANDWIDTH_GBS = 500.0
 _SMI_QUERY = ("--query-gpu=index,name,memory.total", "--format=csv,noheader,nounits")
 _MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
 _ST_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
-_MAX_HEADER = 100 << 20
 
 
 def _problem(loaded: LoadedProfile, key: str, message: str) -> ProfileError:
@@ -188,27 +187,12 @@ class CheckpointHeader:
         return _ST_DTYPES.get(name)
 
 
-def read_safetensors_header(path: Path) -> dict[str, Any]:
-    """The JSON header of one safetensors file: 8 bytes of little-endian length, then that much JSON."""
-    with path.open("rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise ValueError("file shorter than a safetensors header")
-        (n,) = struct.unpack("<Q", raw)
-        if n > _MAX_HEADER:
-            raise ValueError(f"header of {n} bytes is not plausible")
-        header = json.loads(f.read(n))
-    if not isinstance(header, dict):
-        raise ValueError("header is not a JSON object")
-    return header
-
-
 def read_checkpoint(files: Iterable[Path]) -> CheckpointHeader:
     names: list[str] = []
     dtype_bytes: Counter[str] = Counter()
     for path in files:
-        for name, info in read_safetensors_header(path).items():
-            if name == "__metadata__":
+        for name, info in read_header(path).items():
+            if name == METADATA:
                 continue
             names.append(name)
             start, end = info["data_offsets"]
@@ -250,7 +234,7 @@ def model_facts(loaded: LoadedProfile, backend: str) -> ModelFacts:
         raise _problem(loaded, "model.path", f"{directory} has no *.safetensors weights")
     try:
         header = read_checkpoint(shards)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError) as exc:
         raise _problem(
             loaded, "model.path", f"cannot read the safetensors headers in {directory}: {exc}"
         ) from None

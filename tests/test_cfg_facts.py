@@ -16,7 +16,6 @@ from strata_cfg.facts_io import (
     machine_facts,
     model_facts,
     parse_nvidia_smi,
-    read_safetensors_header,
 )
 from strata_cfg.load import load_profile, load_profile_text
 from strata_cfg.schema.errors import ProfileError
@@ -70,12 +69,6 @@ def test_preset_facts_follow_the_preset_config():
         1,
     )
     assert model_facts(lp, "cpu").dtype == "float32"
-
-
-def test_safetensors_header_is_read_without_the_tensors():
-    header = read_safetensors_header(MODELS / "mtp-micro" / "model.safetensors")
-    assert header["model.embed_tokens.weight"]["shape"] == [48, 16]
-    assert header["mtp.fc.weight"]["dtype"] == "BF16"
 
 
 def test_model_dir_gives_mtp_layers_and_dtype_from_the_headers():
