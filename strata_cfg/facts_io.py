@@ -4,8 +4,8 @@
   through CuPy, so that `strata plan` stays light). A probed card's bandwidth comes from a table of known
   cards; an unknown card gets an estimate, flagged as such.
 * `model_facts`: a synthetic preset's config, or a model directory's ``config.json`` plus its safetensors
-  *headers* (`schema.safetensors_header`: an 8-byte length and a JSON table), from which the MTP layers and the
-  checkpoint's dtype are taken.
+  *headers* (read by `schema.safetensors_header`: an 8-byte length and a JSON table), from which the MTP
+  layers and the checkpoint's dtype are taken.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from .load import LoadedProfile
 from .resolve.gates import run_dtype

@@ -28,7 +28,10 @@ def write_raw(path, header: object, data: bytes = b"") -> None:
 
 def test_reference_writer_headers_read_back_with_the_data_start(tmp_path):
     rng = np.random.default_rng(7)
-    tensors = {"a": rng.standard_normal((3, 5)).astype(np.float32), "b": rng.integers(1, 9, 4).astype(np.int64)}
+    tensors = {
+        "a": rng.standard_normal((3, 5)).astype(np.float32),
+        "b": rng.integers(1, 9, 4).astype(np.int64),
+    }
     path = tmp_path / "m.safetensors"
     save_file(tensors, str(path), metadata={"format": "np"})
     header, start = read_header_and_data_start(path)
@@ -56,11 +59,19 @@ GOOD = {"t": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}}
         ([1, 2], b"", "header is not a JSON object"),
         ({"t": [1]}, b"", "tensor 't': entry is not a JSON object"),
         ({"t": {"shape": [1], "data_offsets": [0, 4]}}, bytes(4), "tensor 't': no dtype"),
-        ({"t": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, bytes(4), "shape [-1] is not a list"),
+        (
+            {"t": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}},
+            bytes(4),
+            "shape [-1] is not a list",
+        ),
         ({"t": {"dtype": "F32", "shape": [1], "data_offsets": [0]}}, bytes(4), "data_offsets [0] is not"),
         ({"t": {"dtype": "F32", "shape": [1], "data_offsets": [4, 0]}}, bytes(4), "do not fit the 4 bytes"),
         (GOOD, bytes(12), "data_offsets [0, 16] do not fit the 12 bytes of data"),
-        ({"t": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 16]}}, bytes(16), "16 bytes do not hold"),
+        (
+            {"t": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 16]}},
+            bytes(16),
+            "16 bytes do not hold",
+        ),
     ],
 )
 def test_a_header_that_cannot_describe_its_file_is_refused(tmp_path, header, data, reason):
