@@ -33,9 +33,9 @@ from types import FrameType
 from typing import Any, Literal
 
 from .schema.plan import LaunchPlan, ServePlan
+from .schema.plan_file import PLAN_FILE, read_plan
 from .schema.profile import is_loopback
 
-PLAN_FILE = "plan.json"
 ENGINE_LOG = "engine.log"
 LAUNCH_LOG = "launch.log"
 LAUNCH_PID = "launch.pid"
@@ -100,7 +100,7 @@ class RunDir:
         return self.path / ENGINE_PID
 
     def load_plan(self) -> LaunchPlan:
-        return LaunchPlan.model_validate_json(self.plan.read_bytes())
+        return read_plan(self.plan)
 
 
 def new_run_dir(profile: str, root: Path = RUNS_ROOT, now: float | None = None) -> Path:

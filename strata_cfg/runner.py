@@ -6,7 +6,6 @@ profile here, write the plan as JSON, and start the runtime as a process.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -17,8 +16,7 @@ from typing import Any, NoReturn
 
 from .pipeline import Sets, resolve_path
 from .schema.plan import LaunchPlan
-
-PLAN_FILE = "plan.json"
+from .schema.plan_file import PLAN_FILE, write_plan
 
 
 def resolve_profile(
@@ -29,14 +27,6 @@ def resolve_profile(
     Raises `ProfileError` with every problem when the profile is refused.
     """
     return resolve_path(path, sets, strict=strict).plan
-
-
-def write_plan(plan: LaunchPlan, path: str | os.PathLike[str]) -> Path:
-    """Write the plan's public JSON to ``path`` (parents created) and return the path."""
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(plan.to_json(), indent=2) + "\n", encoding="utf-8")
-    return out
 
 
 def runtime_command(

@@ -22,9 +22,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ..runner import write_plan
 from ..schema.errors import ProfileError
 from ..schema.plan import LaunchPlan
+from ..schema.plan_file import write_plan
 from ..schema.workloads import GPU_WORKLOADS, HTTP_WORKLOADS, WORKLOADS, prompt_context_problem
 from ._common import (
     EXIT_REFUSED,

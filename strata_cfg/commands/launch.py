@@ -34,9 +34,9 @@ from ..launch import (
     summary,
     wait_ready,
 )
-from ..runner import write_plan
 from ..schema.errors import ProfileError
 from ..schema.plan import LaunchPlan
+from ..schema.plan_file import PLAN_FILE, write_plan
 from ._common import add_profile_argument, add_resolve_options, print_problems, resolve_args
 
 
@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--detach", action="store_true", help="keep running in the background (stop: strata stop)"
     )
     parser.add_argument(
-        "--run-dir", type=Path, help=f"where plan.json and engine.log go (default {RUNS_ROOT}/...)"
+        "--run-dir", type=Path, help=f"where {PLAN_FILE} and engine.log go (default {RUNS_ROOT}/...)"
     )
     defaults = LaunchOptions()
     parser.add_argument(

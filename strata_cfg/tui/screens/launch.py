@@ -37,9 +37,9 @@ from ...launch import (
 )
 from ...pipeline import resolve_path
 from ...render import problems_text
-from ...runner import write_plan
 from ...schema.errors import ProfileError
 from ...schema.plan import LaunchPlan
+from ...schema.plan_file import write_plan
 from ..messages import LaunchStopped
 
 POLL_S = 0.5
