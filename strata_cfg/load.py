@@ -22,9 +22,8 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from .resolve.ledger import find_origin
 from .schema.errors import Problem, ProfileError
-from .schema.plan import Origin
+from .schema.plan import Origin, find_origin
 from .schema.profile import Profile
 from .tomllines import key_lines
 
