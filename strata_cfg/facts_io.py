@@ -19,9 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .load import LoadedProfile
-from .resolve.gates import run_dtype
 from .schema.errors import Problem, ProfileError
-from .schema.facts import GpuFacts, MachineFacts, ModelFacts
+from .schema.facts import GpuFacts, MachineFacts, ModelFacts, run_dtype
 from .schema.presets import preset_config
 from .schema.safetensors_header import METADATA, read_header
 

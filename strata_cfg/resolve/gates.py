@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..schema.facts import MachineFacts, ModelFacts
+from ..schema.facts import MachineFacts, ModelFacts, run_dtype
 from ..schema.presets import PRESET_DEFAULTS
 from ..schema.profile import Profile, parse_device
 from .ledger import Ledger
@@ -48,13 +48,6 @@ class Topology:
     def shared_gpu(self) -> bool:
         """Two stages on one GPU."""
         return len(set(self.devices)) < len(self.devices)
-
-
-def run_dtype(backend: str, asked: str | None, default: str = "float16") -> str:
-    """The precision weights sit in on the device: float32 on virtual CPU devices, else as asked."""
-    if backend == "cpu":
-        return "float32"
-    return asked or default
 
 
 # ---- step 0 -------------------------------------------------------------------------------------
