@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .load import LoadedProfile
+from .profile.load import LoadedProfile
 from .schema.errors import Problem, ProfileError
 from .schema.facts import GpuFacts, MachineFacts, ModelFacts, run_dtype
 from .schema.presets import preset_config

@@ -12,7 +12,7 @@ from importlib import resources
 from typing import Any
 
 from .facts_io import gather_facts, probe_nvidia_smi
-from .load import LoadedProfile, load_profile, load_profile_text
+from .profile.load import LoadedProfile, load_profile, load_profile_text
 from .resolve import resolve
 from .schema.facts import MachineFacts, ModelFacts
 from .schema.plan import LaunchPlan

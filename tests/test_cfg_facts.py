@@ -17,7 +17,7 @@ from strata_cfg.facts_io import (
     model_facts,
     parse_nvidia_smi,
 )
-from strata_cfg.load import load_profile, load_profile_text
+from strata_cfg.profile.load import load_profile, load_profile_text
 from strata_cfg.schema.errors import ProfileError
 from strata_cfg.schema.presets import preset_config
 

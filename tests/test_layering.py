@@ -32,7 +32,7 @@ def _offenders(modules: set[str], banned: tuple[str, ...]) -> list[str]:
         ("strata_cfg.schema",),
         ("strata_cfg.resolve",),
         ("strata_cfg.cli",),
-        ("strata_cfg.load", "strata_cfg.facts_io", "strata_cfg.pipeline", "strata_cfg.runner"),
+        ("strata_cfg.profile.load", "strata_cfg.facts_io", "strata_cfg.pipeline", "strata_cfg.runner"),
     ],
 )
 def test_config_side_loads_no_array_library_tui_or_runtime(imports):
@@ -54,7 +54,12 @@ def test_schema_and_resolver_import_only_pydantic_and_the_stdlib():
     assert foreign == []
     # No I/O modules of our own: the loader, facts and runner stay out of the pure core.
     ours = {m for m in modules if m.startswith("strata_cfg.")}
-    assert not ours & {"strata_cfg.load", "strata_cfg.facts_io", "strata_cfg.pipeline", "strata_cfg.runner"}
+    assert not ours & {
+        "strata_cfg.profile.load",
+        "strata_cfg.facts_io",
+        "strata_cfg.pipeline",
+        "strata_cfg.runner",
+    }
 
 
 def test_strata_plan_imports_only_its_own_command():

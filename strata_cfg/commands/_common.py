@@ -7,8 +7,8 @@ import json
 import sys
 from typing import Any, TextIO
 
-from ..load import parse_set
 from ..pipeline import Resolved, resolve_path
+from ..profile.load import parse_set
 from ..render import problems_json, problems_text
 from ..schema.errors import Problem, ProfileError
 

@@ -24,8 +24,8 @@ from textual.widgets import Footer, TextArea
 from ..commands.explain import explain_text
 from ..facts_io import probe_nvidia_smi
 from ..launch import RUNS_ROOT, LaunchOptions
-from ..load import load_profile_text
 from ..pipeline import Resolved, resolve_loaded
+from ..profile.load import load_profile_text
 from ..render import problems_text
 from ..schema.errors import Problem, ProfileError
 from ..schema.plan import LaunchPlan

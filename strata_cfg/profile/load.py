@@ -22,10 +22,10 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from .schema.errors import Problem, ProfileError
-from .schema.plan import Origin, find_origin
-from .schema.profile import Profile
-from .tomllines import key_lines
+from ..schema.errors import Problem, ProfileError
+from ..schema.plan import Origin, find_origin
+from ..schema.profile import Profile
+from .toml_lines import key_lines
 
 SET_ORIGIN = "--set"
 """The ``file`` of an `Origin` for a value given on the command line."""
