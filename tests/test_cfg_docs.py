@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from cfg_fixtures import REPO
 
-from strata_cfg.profile.load import _section_model
+from strata_cfg.profile.validate import _section_model
 from strata_cfg.resolve import RULES
 from strata_cfg.schema.profile import Profile
 

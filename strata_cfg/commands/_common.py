@@ -8,7 +8,7 @@ import sys
 from typing import Any, TextIO
 
 from ..pipeline import Resolved, resolve_path
-from ..profile.load import parse_set
+from ..profile.overrides import parse_set
 from ..render import problems_json, problems_text
 from ..schema.errors import Problem, ProfileError
 
