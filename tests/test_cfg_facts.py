@@ -9,7 +9,7 @@ import struct
 import pytest
 from cfg_fixtures import FIXTURES, line_of
 
-from strata_cfg.facts_io import (
+from strata_cfg.facts.machine import (
     ESTIMATED_BANDWIDTH_GBS,
     gather_facts,
     known_bandwidth,

@@ -22,7 +22,7 @@ from textual.timer import Timer
 from textual.widgets import Footer, TextArea
 
 from ..commands.explain import explain_text
-from ..facts_io import probe_nvidia_smi
+from ..facts.machine import probe_nvidia_smi
 from ..launch import RUNS_ROOT, LaunchOptions
 from ..pipeline import Resolved, resolve_loaded
 from ..profile.load import load_profile_text

@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..facts_io import parse_nvidia_smi
+from ..facts.machine import parse_nvidia_smi
 from ..schema.facts import GpuFacts
 
 

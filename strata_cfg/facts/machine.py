@@ -18,11 +18,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .profile.load import LoadedProfile
-from .schema.errors import Problem, ProfileError
-from .schema.facts import GpuFacts, MachineFacts, ModelFacts, run_dtype
-from .schema.presets import preset_config
-from .schema.safetensors_header import METADATA, read_header
+from ..profile.load import LoadedProfile
+from ..schema.errors import Problem, ProfileError
+from ..schema.facts import GpuFacts, MachineFacts, ModelFacts, run_dtype
+from ..schema.presets import preset_config
+from ..schema.safetensors_header import METADATA, read_header
 
 # Memory bandwidth of cards users run, in GB/s (vendor specifications). Longest matching name wins.
 KNOWN_BANDWIDTH_GBS: dict[str, float] = {

@@ -1,0 +1,1 @@
+"""The facts step: everything the resolver takes as given, gathered (with I/O) before it runs."""
