@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
-from .facts.machine import gather_facts, probe_nvidia_smi
+from .facts.gather import gather_facts
+from .facts.machine import probe_nvidia_smi
 from .profile.load import LoadedProfile, load_profile, load_profile_text
 from .resolve import resolve
 from .schema.facts import MachineFacts, ModelFacts

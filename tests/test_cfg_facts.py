@@ -9,14 +9,9 @@ import struct
 import pytest
 from cfg_fixtures import FIXTURES, line_of
 
-from strata_cfg.facts.machine import (
-    ESTIMATED_BANDWIDTH_GBS,
-    gather_facts,
-    known_bandwidth,
-    machine_facts,
-    model_facts,
-    parse_nvidia_smi,
-)
+from strata_cfg.facts.gather import gather_facts
+from strata_cfg.facts.machine import ESTIMATED_BANDWIDTH_GBS, known_bandwidth, machine_facts, parse_nvidia_smi
+from strata_cfg.facts.model import model_facts
 from strata_cfg.profile.load import load_profile, load_profile_text
 from strata_cfg.schema.errors import ProfileError
 from strata_cfg.schema.presets import preset_config

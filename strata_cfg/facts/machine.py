@@ -1,30 +1,16 @@
-"""The facts step: everything the resolver takes as given, gathered (with I/O) before it runs.
+"""Machine facts: the GPUs from the profile's ``[machine]`` table, or probed with ``nvidia-smi``.
 
-* `machine_facts`: the GPUs from the profile's ``[machine]`` table, or probed with ``nvidia-smi`` (never
-  through CuPy, so that `strata plan` stays light). A probed card's bandwidth comes from a table of known
-  cards; an unknown card gets an estimate, flagged as such.
-* `model_facts`: a synthetic preset's config, or a model directory's ``config.json`` plus its safetensors
-  *headers* (read by `schema.safetensors_header`: an 8-byte length and a JSON table), from which the MTP
-  layers and the checkpoint's dtype are taken.
+The probe never goes through CuPy, so that `strata plan` stays light. A probed card's bandwidth comes from
+a table of known cards; an unknown card gets an estimate, flagged as such in the plan.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import re
-from collections import Counter
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Callable
 
 from ..profile.load import LoadedProfile
-from ..schema.errors import Problem, ProfileError
-from ..schema.facts import GpuFacts, MachineFacts, ModelFacts, run_dtype
-from ..schema.presets import preset_config
-from ..schema.safetensors_header import METADATA, read_header
+from ..schema.facts import GpuFacts, MachineFacts
 
-# Memory bandwidth of cards users run, in GB/s (vendor specifications). Longest matching name wins.
 KNOWN_BANDWIDTH_GBS: dict[str, float] = {
     "H200": 4800,
     "H100 NVL": 3900,
@@ -71,17 +57,6 @@ ESTIMATED_BANDWIDTH_GBS = 500.0
 """Bandwidth assumed for a card the table does not know (flagged as an estimate in the plan)."""
 
 _SMI_QUERY = ("--query-gpu=index,name,memory.total", "--format=csv,noheader,nounits")
-_MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
-_ST_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
-
-
-def _problem(loaded: LoadedProfile, key: str, message: str) -> ProfileError:
-    origin = loaded.origin(key)
-    file = origin.file if origin else loaded.path
-    return ProfileError(Problem(file, origin.line if origin else None, key, message))
-
-
-# ---- machine -------------------------------------------------------------------------------------
 
 
 def known_bandwidth(name: str) -> float | None:
@@ -132,8 +107,7 @@ def machine_facts(loaded: LoadedProfile, *, probe: Callable[[], str] = probe_nvi
     """The machine's GPUs from ``[machine]``, or from ``probe`` when it says ``probe = true``."""
     m = loaded.profile.machine
     if m is None or (m.gpus is None and not m.probe):
-        raise _problem(
-            loaded,
+        raise loaded.problem(
             "machine",
             "no GPUs given: write [machine] gpus = [{ name, vram_mib, bandwidth_gbs }, ...] or probe = true",
         )
@@ -145,136 +119,13 @@ def machine_facts(loaded: LoadedProfile, *, probe: Callable[[], str] = probe_nvi
         )
         return MachineFacts(backend=backend, gpus=gpus, source="profile")
     if backend == "cpu":
-        raise _problem(loaded, "machine.probe", "virtual CPU devices cannot be probed: write [machine] gpus")
+        raise loaded.problem("machine.probe", "virtual CPU devices cannot be probed: write [machine] gpus")
     try:
         found = parse_nvidia_smi(probe())
     except (OSError, ValueError, IndexError) as exc:
-        raise _problem(
-            loaded, "machine.probe", f"cannot probe the GPUs ({exc}); write [machine] gpus instead"
+        raise loaded.problem(
+            "machine.probe", f"cannot probe the GPUs ({exc}); write [machine] gpus instead"
         ) from None
     if not found:
-        raise _problem(loaded, "machine.probe", "the probe found no GPUs; write [machine] gpus instead")
+        raise loaded.problem("machine.probe", "the probe found no GPUs; write [machine] gpus instead")
     return MachineFacts(backend="cuda", gpus=tuple(found), source="probe")
-
-
-# ---- model ---------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class CheckpointHeader:
-    """What the safetensors headers of a model directory say, without reading any tensor."""
-
-    names: tuple[str, ...]
-    dtype_bytes: dict[str, int]
-    """Bytes of tensors by safetensors dtype name (``BF16``: 123)."""
-
-    @property
-    def mtp_layers(self) -> int:
-        """MTP decoder layers present (``mtp.layers.N.*``); 1 for MTP weights without numbered layers."""
-        layers = {int(m.group(1)) for n in self.names if (m := _MTP_LAYER.match(n))}
-        if layers:
-            return max(layers) + 1
-        return 1 if any(n.startswith("mtp.") for n in self.names) else 0
-
-    @property
-    def dtype(self) -> str | None:
-        """The floating dtype that holds most of the bytes, in profile spelling."""
-        if not self.dtype_bytes:
-            return None
-        name = max(self.dtype_bytes, key=lambda k: self.dtype_bytes[k])
-        return _ST_DTYPES.get(name)
-
-
-def read_checkpoint(files: Iterable[Path]) -> CheckpointHeader:
-    names: list[str] = []
-    dtype_bytes: Counter[str] = Counter()
-    for path in files:
-        for name, info in read_header(path).items():
-            if name == METADATA:
-                continue
-            names.append(name)
-            start, end = info["data_offsets"]
-            dtype_bytes[info["dtype"]] += end - start
-    return CheckpointHeader(tuple(names), dict(dtype_bytes))
-
-
-def model_dir(loaded: LoadedProfile) -> Path:
-    """``model.path`` as a directory, relative to the profile file that wrote it."""
-    m = loaded.profile.model
-    assert m is not None and m.path is not None
-    origin = loaded.origin("model.path")
-    base = Path(origin.file).parent if origin and origin.file != "--set" else Path.cwd()
-    return (base / os.path.expanduser(m.path)).resolve()
-
-
-def model_facts(loaded: LoadedProfile, backend: str) -> ModelFacts:
-    """The model's shapes: from a synthetic preset, or from a model directory's config and headers."""
-    m = loaded.profile.model
-    if m is None or (m.path is None and m.synthetic is None):
-        raise _problem(loaded, "model", 'no model given: write [model] synthetic = "tiny" or path = "..."')
-    if m.synthetic is not None:
-        dtype = run_dtype(backend, m.dtype)
-        return ModelFacts.from_config(
-            preset_config(m.synthetic), source=f"synthetic:{m.synthetic}", dtype=dtype
-        )
-    directory = model_dir(loaded)
-    if not directory.is_dir():
-        raise _problem(loaded, "model.path", f"no model directory at {directory}")
-    config_path = directory / "config.json"
-    try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise _problem(loaded, "model.path", f"{directory} has no config.json") from None
-    except (OSError, ValueError) as exc:
-        raise _problem(loaded, "model.path", f"cannot read {config_path}: {exc}") from None
-    shards = sorted(directory.glob("*.safetensors"))
-    if not shards:
-        raise _problem(loaded, "model.path", f"{directory} has no *.safetensors weights")
-    try:
-        header = read_checkpoint(shards)
-    except (OSError, ValueError) as exc:
-        raise _problem(
-            loaded, "model.path", f"cannot read the safetensors headers in {directory}: {exc}"
-        ) from None
-    ckpt_dtype = header.dtype
-    if ckpt_dtype is None:
-        kinds = ", ".join(sorted(header.dtype_bytes)) or "none"
-        raise _problem(
-            loaded, "model.path", f"weights in {directory} are not float32/float16/bfloat16 ({kinds})"
-        )
-    if config.get("model_type", "qwen3_moe") != "qwen3_moe":
-        raise _problem(
-            loaded, "model.path", f"model_type {config.get('model_type')!r} is not supported (qwen3_moe)"
-        )
-    # The runtime computes in float16 on GPUs; bfloat16 and float32 checkpoints are converted on load.
-    dtype = run_dtype(backend, m.dtype)
-    try:
-        return ModelFacts.from_config(
-            config, source=str(directory), dtype=dtype, mtp_layers=header.mtp_layers
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise _problem(
-            loaded, "model.path", f"{config_path} lacks what a qwen3_moe config needs: {exc}"
-        ) from None
-
-
-def gather_facts(
-    loaded: LoadedProfile, *, probe: Callable[[], str] = probe_nvidia_smi
-) -> tuple[MachineFacts, ModelFacts]:
-    """Machine and model facts for a loaded profile, reporting problems of both together."""
-    problems: list[Problem] = []
-    machine: MachineFacts | None = None
-    model: ModelFacts | None = None
-    try:
-        machine = machine_facts(loaded, probe=probe)
-    except ProfileError as exc:
-        problems += exc.problems
-    m = loaded.profile.machine
-    backend = machine.backend if machine else (m.backend if m and m.backend else "cuda")
-    try:
-        model = model_facts(loaded, backend)
-    except ProfileError as exc:
-        problems += exc.problems
-    if problems or machine is None or model is None:
-        raise ProfileError(problems)
-    return machine, model

@@ -48,6 +48,12 @@ class LoadedProfile:
         """Where ``key`` (or its nearest written parent table) was written."""
         return find_origin(self.origins, key)
 
+    def problem(self, key: str, message: str) -> ProfileError:
+        """A refusal of ``key`` at the file and line that wrote it (else at the profile file)."""
+        origin = self.origin(key)
+        file = origin.file if origin else self.path
+        return ProfileError(Problem(file, origin.line if origin else None, key, message))
+
 
 def load_profile_text(
     text: str, path: str | os.PathLike[str] | None = None, sets: Iterable[tuple[str, Any] | str] = ()
