@@ -11,7 +11,8 @@ import sys
 import pytest
 from cfg_fixtures import RULES_DIR, decision, line_of, plan_of, problem, problems_of
 
-from strata_cfg.resolve import RULES, gates
+from strata_cfg.resolve import RULES
+from strata_cfg.resolve import defaults as gates
 from strata_cfg.resolve.ledger import Ledger
 
 UNREACHABLE = {

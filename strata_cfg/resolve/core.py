@@ -35,9 +35,9 @@ from ..schema.windows import (
     HANDOFF_ROWS,
     MAX_WINDOW_ROWS,
 )
-from . import gates
+from . import defaults as gates
 from .budget import PlacedStage, gpu_budgets
-from .gates import Topology
+from .defaults import Topology
 from .ledger import Ledger
 from .placement import Sizing, auto_split, faster_last, stage_shapes, stage_times
 
