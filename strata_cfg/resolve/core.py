@@ -35,11 +35,15 @@ from ..schema.windows import (
     HANDOFF_ROWS,
     MAX_WINDOW_ROWS,
 )
-from . import defaults as gates
+from .batch_gates import batch_gate, batch_mtp_gate
 from .budget import PlacedStage, gpu_budgets
-from .defaults import Topology
+from .defaults import estimated_bandwidth, resolve_defaults
+from .groups import resolve_groups
 from .ledger import Ledger
+from .pipeline_windows import pipeline_windows_gate
 from .placement import Sizing, auto_split, faster_last, stage_shapes, stage_times
+from .refusals import parse_time_refusals
+from .topology import Topology, is_test_split
 
 
 def resolve(
@@ -65,16 +69,16 @@ def resolve(
         raise ProfileError(led.problems)
 
     # 0. every default and auto value, before any gate reads it
-    model, topo = gates.resolve_defaults(profile, machine, model, led, name=name)
-    gates.estimated_bandwidth(machine, topo, led)
+    model, topo = resolve_defaults(profile, machine, model, led, name=name)
+    estimated_bandwidth(machine, topo, led)
     # 1. refusals
-    gates.parse_time_refusals(machine, model, topo, led)
+    parse_time_refusals(machine, model, topo, led)
     _raise_if_refused(led)
     # 2.-5. gates, in order
-    gates.batch_gate(topo, led)
-    gates.batch_mtp_gate(model, topo, led, serving=serving)
-    gates.resolve_groups(topo, led)
-    gates.pipeline_windows_gate(model, topo, led)
+    batch_gate(topo, led)
+    batch_mtp_gate(model, topo, led, serving=serving)
+    resolve_groups(topo, led)
+    pipeline_windows_gate(model, topo, led)
     # 6. placement
     sz = _sizing(model, led)
     topo, boundaries = _place(model, machine, topo, sz, led)
@@ -381,7 +385,7 @@ def _assemble(
             if profile.serve is not None
             else None
         ),
-        split_test_shared_gpu=gates.is_test_split(topo, led),
+        split_test_shared_gpu=is_test_split(topo, led),
         decisions=tuple(led.decisions),
         settings=led.settings(),
     )
