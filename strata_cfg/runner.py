@@ -14,19 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from .pipeline import Sets, resolve_path
 from .schema.plan import LaunchPlan
 from .schema.plan_file import PLAN_FILE, write_plan
-
-
-def resolve_profile(
-    path: str | os.PathLike[str] | None = None, sets: Sets = (), *, strict: bool = False
-) -> LaunchPlan:
-    """Load, gather facts and resolve: the plan for a profile file (``None``: the embedded demo).
-
-    Raises `ProfileError` with every problem when the profile is refused.
-    """
-    return resolve_path(path, sets, strict=strict).plan
 
 
 def runtime_command(

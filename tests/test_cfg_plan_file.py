@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from strata_cfg.runner import resolve_profile
+from strata_cfg.plan.from_profile import resolve_profile
 from strata_cfg.schema.plan_file import PLAN_FILE, PlanFileError, read_plan, write_plan
 
 

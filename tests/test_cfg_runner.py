@@ -6,11 +6,12 @@ import json
 import sys
 
 from strata_cfg import runner
+from strata_cfg.plan.from_profile import resolve_profile
 from strata_cfg.schema.plan import LaunchPlan
 
 
 def test_runtime_command_writes_the_plan_and_names_it(tmp_path):
-    plan = runner.resolve_profile(None)
+    plan = resolve_profile(None)
     argv = runner.runtime_command("generate", plan, ["--prompt", "hi"], run_dir=tmp_path / "run")
     assert argv[:4] == [sys.executable, "-m", "strata_runtime", "generate"]
     assert argv[4] == "--plan" and argv[6:] == ["--prompt", "hi"]
@@ -19,7 +20,7 @@ def test_runtime_command_writes_the_plan_and_names_it(tmp_path):
 
 
 def test_default_run_dir_is_fresh(tmp_path):
-    plan = runner.resolve_profile(None)
+    plan = resolve_profile(None)
     a = runner.runtime_command("bench", plan)
     b = runner.runtime_command("bench", plan)
     assert a[5] != b[5]

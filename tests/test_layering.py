@@ -32,7 +32,12 @@ def _offenders(modules: set[str], banned: tuple[str, ...]) -> list[str]:
         ("strata_cfg.schema",),
         ("strata_cfg.resolve",),
         ("strata_cfg.cli",),
-        ("strata_cfg.profile.load", "strata_cfg.facts.gather", "strata_cfg.pipeline", "strata_cfg.runner"),
+        (
+            "strata_cfg.profile.load",
+            "strata_cfg.facts.gather",
+            "strata_cfg.plan.from_profile",
+            "strata_cfg.runner",
+        ),
     ],
 )
 def test_config_side_loads_no_array_library_tui_or_runtime(imports):
@@ -57,7 +62,7 @@ def test_schema_and_resolver_import_only_pydantic_and_the_stdlib():
     assert not ours & {
         "strata_cfg.profile.load",
         "strata_cfg.facts.gather",
-        "strata_cfg.pipeline",
+        "strata_cfg.plan.from_profile",
         "strata_cfg.runner",
     }
 

@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any, TextIO
 
-from ..pipeline import Resolved, resolve_path
+from ..plan.from_profile import Resolved, resolve_path
 from ..profile.overrides import parse_set
 from ..render import problems_json, problems_text
 from ..schema.errors import Problem, ProfileError

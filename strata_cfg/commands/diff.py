@@ -10,7 +10,7 @@ import argparse
 import json
 from typing import Any
 
-from ..pipeline import resolve_path
+from ..plan.from_profile import resolve_path
 from ..schema.errors import ProfileError
 from ..schema.plan import LaunchPlan
 from ._common import EXIT_OK, add_resolve_options, refused

@@ -7,7 +7,7 @@ import difflib
 import json
 import sys
 
-from ..pipeline import resolve_path
+from ..plan.from_profile import resolve_path
 from ..render import decision_lines
 from ..schema.errors import ProfileError
 from ..schema.plan import LaunchPlan

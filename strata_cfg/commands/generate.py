@@ -12,7 +12,7 @@ import json
 import shutil
 from pathlib import Path
 
-from ..pipeline import resolve_text
+from ..plan.from_profile import resolve_text
 from ..runner import exec_runtime
 from ..schema.errors import ProfileError
 from ._common import EXIT_USAGE, add_resolve_options, refused, resolve_args

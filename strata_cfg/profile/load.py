@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import os
 import types
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +19,12 @@ from ..schema.errors import Problem, ProfileError
 from ..schema.plan import Origin, find_origin
 from ..schema.profile import Profile
 from .extends import load_chain
-from .overrides import SET_ORIGIN, apply_sets
+from .overrides import SET_ORIGIN, Sets, apply_sets
 from .toml_file import read_text
 from .validate import validate
+
+DEMO_LABEL = "<embedded>/demo.toml"
+"""How the embedded demo profile is named in origins and messages."""
 
 
 @dataclass(frozen=True)
@@ -56,7 +60,7 @@ class LoadedProfile:
 
 
 def load_profile_text(
-    text: str, path: str | os.PathLike[str] | None = None, sets: Iterable[tuple[str, Any] | str] = ()
+    text: str, path: str | os.PathLike[str] | None = None, sets: Sets = ()
 ) -> LoadedProfile:
     """Load a profile from ``text`` as if it were the file ``path`` (for relative ``extends``)."""
     file = os.fspath(path) if path is not None else "<profile>"
@@ -76,7 +80,19 @@ def load_profile_text(
     )
 
 
-def load_profile(path: str | os.PathLike[str], sets: Iterable[tuple[str, Any] | str] = ()) -> LoadedProfile:
+def load_profile(path: str | os.PathLike[str], sets: Sets = ()) -> LoadedProfile:
     """Load the profile file ``path`` with its ``extends`` chain and ``--set`` overrides."""
     file = os.fspath(path)
     return load_profile_text(read_text(file, None, ""), file, sets)
+
+
+def demo_text() -> str:
+    """The embedded demo profile's TOML."""
+    return resources.files("strata_cfg").joinpath("data", "demo.toml").read_text(encoding="utf-8")
+
+
+def load(path: str | os.PathLike[str] | None, sets: Sets = ()) -> LoadedProfile:
+    """Load a profile file, or the embedded demo for ``None`` (so `strata plan` alone shows a real plan)."""
+    if path is None:
+        return load_profile_text(demo_text(), DEMO_LABEL, sets)
+    return load_profile(path, sets)

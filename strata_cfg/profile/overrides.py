@@ -12,6 +12,9 @@ from ..schema.plan import Origin
 SET_ORIGIN = "--set"
 """The ``file`` of an `Origin` for a value given on the command line."""
 
+Sets = Iterable[tuple[str, Any] | str]
+"""Overrides as given: ``("batch.slots", 4)`` pairs, or ``"batch.slots=4"`` text."""
+
 
 def parse_set(item: str) -> tuple[str, Any]:
     """``"batch.slots=4"`` -> ``("batch.slots", 4)``. Values are TOML; a bare word is a string.
@@ -32,7 +35,7 @@ def parse_set(item: str) -> tuple[str, Any]:
 
 
 def apply_sets(
-    data: Mapping[str, Any], origins: Mapping[str, Origin], sets: Iterable[tuple[str, Any] | str]
+    data: Mapping[str, Any], origins: Mapping[str, Origin], sets: Sets
 ) -> tuple[dict[str, Any], dict[str, Origin]]:
     """Apply command-line overrides, each replacing one dotted key, with origin ``--set``.
 

@@ -24,7 +24,7 @@ from textual.widgets import Footer, TextArea
 from ..commands.explain import explain_text
 from ..facts.machine import probe_nvidia_smi
 from ..launch import RUNS_ROOT, LaunchOptions
-from ..pipeline import Resolved, resolve_loaded
+from ..plan.from_profile import Resolved, resolve_loaded
 from ..profile.load import load_profile_text
 from ..render import problems_text
 from ..schema.errors import Problem, ProfileError

@@ -35,7 +35,7 @@ from ...launch import (
     stop_run,
     summary,
 )
-from ...pipeline import resolve_path
+from ...plan.from_profile import resolve_path
 from ...render import problems_text
 from ...schema.errors import ProfileError
 from ...schema.plan import LaunchPlan
