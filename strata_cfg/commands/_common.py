@@ -9,7 +9,7 @@ from typing import Any, TextIO
 
 from ..plan.from_profile import Resolved, resolve_path
 from ..profile.overrides import parse_set
-from ..render import problems_json, problems_text
+from ..report.problems import problems_json, problems_text
 from ..schema.errors import Problem, ProfileError
 
 EXIT_OK = 0

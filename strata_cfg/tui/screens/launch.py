@@ -36,7 +36,7 @@ from ...launch import (
     summary,
 )
 from ...plan.from_profile import resolve_path
-from ...render import problems_text
+from ...report.problems import problems_text
 from ...schema.errors import ProfileError
 from ...schema.plan import LaunchPlan
 from ...schema.plan_file import write_plan
