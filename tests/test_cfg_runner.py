@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from strata_cfg import runner
+from strata_cfg.launch import engine_process as runner
 from strata_cfg.plan.from_profile import resolve_profile
 from strata_cfg.schema.plan import LaunchPlan
 

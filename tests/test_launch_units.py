@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from strata_cfg import launch
 from strata_cfg.commands import stop
 from strata_cfg.http_bench import percentile
+from strata_cfg.launch import supervisor as launch
 
 
 def test_run_dirs_are_named_after_the_profile_and_never_reused(tmp_path):

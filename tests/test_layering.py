@@ -36,7 +36,7 @@ def _offenders(modules: set[str], banned: tuple[str, ...]) -> list[str]:
             "strata_cfg.profile.load",
             "strata_cfg.facts.gather",
             "strata_cfg.plan.from_profile",
-            "strata_cfg.runner",
+            "strata_cfg.launch.engine_process",
         ),
     ],
 )
@@ -63,7 +63,7 @@ def test_schema_and_resolver_import_only_pydantic_and_the_stdlib():
         "strata_cfg.profile.load",
         "strata_cfg.facts.gather",
         "strata_cfg.plan.from_profile",
-        "strata_cfg.runner",
+        "strata_cfg.launch.engine_process",
     }
 
 

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..launch import (
+from ..launch.supervisor import (
     RUNS_ROOT,
     LaunchOptions,
     RunDir,

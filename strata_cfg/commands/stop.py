@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..launch import RUNS_ROOT, RunDir, find_runs, live_supervisor, run_profile_name, stop_run
+from ..launch.supervisor import RUNS_ROOT, RunDir, find_runs, live_supervisor, run_profile_name, stop_run
 from ..schema.plan_file import PLAN_FILE
 
 

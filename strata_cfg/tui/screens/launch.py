@@ -21,7 +21,7 @@ from textual.screen import ModalScreen
 from textual.timer import Timer
 from textual.widgets import Static
 
-from ...launch import (
+from ...launch.supervisor import (
     LaunchOptions,
     RunDir,
     base_url,

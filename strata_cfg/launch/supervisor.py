@@ -32,9 +32,9 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Literal
 
-from .schema.plan import LaunchPlan, ServePlan
-from .schema.plan_file import PLAN_FILE, read_plan
-from .schema.profile import is_loopback
+from ..schema.plan import LaunchPlan, ServePlan
+from ..schema.plan_file import PLAN_FILE, read_plan
+from ..schema.profile import is_loopback
 
 ENGINE_LOG = "engine.log"
 LAUNCH_LOG = "launch.log"

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from .schema.plan import LaunchPlan
-from .schema.plan_file import PLAN_FILE, write_plan
+from ..schema.plan import LaunchPlan
+from ..schema.plan_file import PLAN_FILE, write_plan
 
 
 def runtime_command(
