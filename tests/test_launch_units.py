@@ -18,14 +18,16 @@ import pytest
 
 from strata_cfg.commands import stop
 from strata_cfg.http_bench import percentile
-from strata_cfg.launch import supervisor as launch
+from strata_cfg.launch.engine_process import exit_reason, log_tail
+from strata_cfg.launch.preflight import port_problem
+from strata_cfg.launch.run_dir import RunDir, live_supervisor, new_run_dir
 
 
 def test_run_dirs_are_named_after_the_profile_and_never_reused(tmp_path):
     now = time.time()
-    first = launch.new_run_dir("demo box", tmp_path, now)
+    first = new_run_dir("demo box", tmp_path, now)
     first.mkdir()
-    second = launch.new_run_dir("demo box", tmp_path, now)
+    second = new_run_dir("demo box", tmp_path, now)
     assert first != second
     assert first.name.startswith("demo_box-") and second.name.startswith(first.name)
     assert first.parent == tmp_path
@@ -36,16 +38,16 @@ def test_a_listening_port_is_busy_and_a_free_one_is_not():
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        problem = launch.port_problem("127.0.0.1", port)
+        problem = port_problem("127.0.0.1", port)
         assert problem is not None and f"port {port}" in problem and "already in use" in problem
-    assert launch.port_problem("127.0.0.1", port) is None
+    assert port_problem("127.0.0.1", port) is None
 
 
 def test_exit_reasons_name_the_signal_or_the_code():
-    assert launch.exit_reason(-signal.SIGKILL) == "was killed by SIGKILL"
-    assert launch.exit_reason(-signal.SIGSEGV) == "was killed by SIGSEGV"
+    assert exit_reason(-signal.SIGKILL) == "was killed by SIGKILL"
+    assert exit_reason(-signal.SIGSEGV) == "was killed by SIGSEGV"
     code = random.randrange(1, 120)
-    assert launch.exit_reason(code) == f"exited with code {code}"
+    assert exit_reason(code) == f"exited with code {code}"
 
 
 def test_log_tail_reads_only_what_was_written_after_the_offset(tmp_path):
@@ -56,9 +58,9 @@ def test_log_tail_reads_only_what_was_written_after_the_offset(tmp_path):
     new = [f"new {i}" for i in range(random.randrange(20, 30))]
     with log.open("a") as f:
         f.write("".join(f"{x}\n" for x in new))
-    assert launch.log_tail(log, offset, lines=10) == new[-10:]
-    assert launch.log_tail(log, 0, lines=len(old) + len(new)) == old + new
-    assert launch.log_tail(tmp_path / "missing.log") == []
+    assert log_tail(log, offset, lines=10) == new[-10:]
+    assert log_tail(log, 0, lines=len(old) + len(new)) == old + new
+    assert log_tail(tmp_path / "missing.log") == []
 
 
 def test_percentile_matches_the_inclusive_quantiles():
@@ -70,8 +72,8 @@ def test_percentile_matches_the_inclusive_quantiles():
     assert percentile([], 0.5) is None
 
 
-def _fake_run(root: Path, name: str, profile: str, pid: int | None, age_s: float) -> launch.RunDir:
-    run = launch.RunDir(root / name)
+def _fake_run(root: Path, name: str, profile: str, pid: int | None, age_s: float) -> RunDir:
+    run = RunDir(root / name)
     run.path.mkdir(parents=True)
     run.plan.write_text(json.dumps({"profile": profile}))
     t = time.time() - age_s
@@ -111,7 +113,7 @@ def test_a_recycled_pid_that_is_not_strata_is_not_a_supervisor(tmp_path):
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         run = _fake_run(tmp_path, "demo-1", "demo", other.pid, age_s=0)
-        assert launch.live_supervisor(run) is None
+        assert live_supervisor(run) is None
     finally:
         other.kill()
         other.wait()

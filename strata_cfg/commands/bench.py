@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from ..launch.engine_process import runtime_argv
 from ..schema.errors import ProfileError
 from ..schema.plan import LaunchPlan
 from ..schema.plan_file import write_plan
@@ -154,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     base_sets = list(args.sets)
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="strata-bench-"))
-    argv = runtime_argv(args)
+    argv = bench_argv(args)
     ran = 0
     for name in names:
         args.sets = [*base_sets, *ARMS[name]]
@@ -183,9 +184,9 @@ def run(args: argparse.Namespace) -> int:
     return subprocess.run(argv, check=False).returncode
 
 
-def runtime_argv(args: argparse.Namespace) -> list[str]:
+def bench_argv(args: argparse.Namespace) -> list[str]:
     """``python -m strata_runtime bench`` with the workload's options, before the arms."""
-    argv = [sys.executable, "-m", "strata_runtime", "bench", "--workload", args.workload]
+    argv = runtime_argv("bench", "--workload", args.workload)
     argv += ["--repeats", str(args.repeats), "--tokens", str(args.tokens)]
     argv += ["--prompt-tokens", str(args.prompt_tokens)]
     return argv + (["--json"] if args.json else [])
@@ -199,4 +200,4 @@ def run_plan(args: argparse.Namespace) -> int:
         return refused(exc)
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="strata-bench-"))
     path = write_plan(plan, run_dir / "profile.json")
-    return subprocess.run([*runtime_argv(args), "--arm", f"profile={path}"], check=False).returncode
+    return subprocess.run([*bench_argv(args), "--arm", f"profile={path}"], check=False).returncode

@@ -17,23 +17,13 @@ import sys
 import time
 from pathlib import Path
 
-from ..launch.supervisor import (
-    RUNS_ROOT,
-    LaunchOptions,
-    RunDir,
-    Supervisor,
-    base_url,
-    client_snippet,
-    engine_command,
-    log_tail,
-    new_run_dir,
-    notices,
-    preflight,
-    spawn_detached,
-    stop_run,
-    summary,
-    wait_ready,
-)
+from ..launch.engine_process import engine_command, log_tail
+from ..launch.health import wait_ready
+from ..launch.options import LaunchOptions
+from ..launch.preflight import base_url, preflight
+from ..launch.run_dir import RUNS_ROOT, RunDir, new_run_dir
+from ..launch.summary import client_snippet, notices, summary
+from ..launch.supervisor import Supervisor, spawn_detached, stop_run
 from ..schema.errors import ProfileError
 from ..schema.plan import LaunchPlan
 from ..schema.plan_file import PLAN_FILE, write_plan

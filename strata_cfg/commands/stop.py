@@ -10,7 +10,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..launch.supervisor import RUNS_ROOT, RunDir, find_runs, live_supervisor, run_profile_name, stop_run
+from ..launch.run_dir import RUNS_ROOT, RunDir, find_runs, live_supervisor, run_profile_name
+from ..launch.supervisor import stop_run
 from ..schema.plan_file import PLAN_FILE
 
 

@@ -22,7 +22,8 @@ from textual.timer import Timer
 from textual.widgets import Footer, TextArea
 
 from ..facts.machine import probe_nvidia_smi
-from ..launch.supervisor import RUNS_ROOT, LaunchOptions
+from ..launch.options import LaunchOptions
+from ..launch.run_dir import RUNS_ROOT
 from ..plan.from_profile import Resolved, resolve_loaded
 from ..profile.load import load_profile_text
 from ..report.explain import explain_text
