@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from strata_cfg.bench.http_driver import percentile
 from strata_cfg.commands import stop
-from strata_cfg.http_bench import percentile
 from strata_cfg.launch.engine_process import exit_reason, log_tail
 from strata_cfg.launch.preflight import port_problem
 from strata_cfg.launch.run_dir import RunDir, live_supervisor, new_run_dir

@@ -6,7 +6,7 @@ reported as forced, with the rule's sentence. The plans go to ``python -m strata
 the arms interleaved in one engine process and prints the table (or ``--json``).
 
 With ``--url`` it measures a launched engine over HTTP instead, as its clients see it
-(`strata_cfg.http_bench`): the same workloads and figures, for the one plan that engine runs.
+(`strata_cfg.bench`): the same workloads and figures, for the one plan that engine runs.
 
 ``prompt`` reads one prompt of ``--prompt-tokens`` alone on the engine (arms: ``serial`` unless given).
 ``step`` (the decode kernels against the byte roofline) and ``vram`` (what the engine holds against the
@@ -108,7 +108,7 @@ def run_url(args: argparse.Namespace) -> int:
     import json
     import os
 
-    from ..http_bench import bench_lines, bench_url
+    from ..bench.http_driver import bench_lines, bench_url
 
     key = os.environ.get(args.api_key_env) if args.api_key_env else None
     try:

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from .schema.workloads import CLIENT_COUNTS, PROMPTS
+from ..schema.workloads import CLIENT_COUNTS, PROMPTS
 
 
 @dataclass
