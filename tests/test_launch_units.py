@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from strata_cfg.bench.http_driver import percentile
+from strata_cfg.bench.stats import percentile
 from strata_cfg.commands import stop
 from strata_cfg.launch.engine_process import exit_reason, log_tail
 from strata_cfg.launch.preflight import port_problem

@@ -20,11 +20,10 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
 
+from ..bench.arms import ARMS, arm_note
 from ..launch.engine_process import runtime_argv
 from ..schema.errors import ProfileError
-from ..schema.plan import LaunchPlan
 from ..schema.plan_file import write_plan
 from ..schema.workloads import GPU_WORKLOADS, HTTP_WORKLOADS, WORKLOADS, prompt_context_problem
 from ._common import (
@@ -35,14 +34,6 @@ from ._common import (
     refused,
     resolve_args,
 )
-
-ARMS: dict[str, tuple[tuple[str, Any], ...]] = {
-    "serial": (("batch.groups", 1), ("batch.mtp", False)),
-    "pipelined": (("batch.groups", "auto"), ("batch.mtp", False)),
-    "batch-mtp": (("batch.groups", 1), ("batch.mtp", True)),
-    "solo": (("batch.slots", 1), ("batch.mtp", False)),
-}
-"""Each arm as ``--set`` overrides of the profile."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -81,34 +72,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key-env", help="with --url: the variable holding the engine's API key")
 
 
-def arm_runs_as_named(name: str, plan: LaunchPlan) -> bool:
-    """Whether the resolved plan really is the arm its name says."""
-    b = plan.batch
-    return {
-        "serial": b.groups == 1 and not b.mtp,
-        "pipelined": b.groups > 1,
-        "batch-mtp": b.mtp,
-        "solo": b.slots <= 1,
-    }[name]
-
-
-def arm_note(name: str, plan: LaunchPlan) -> str | None:
-    """Why an arm does not run as named, from the decisions that changed what it asked for."""
-    if arm_runs_as_named(name, plan):
-        return None
-    keys = {k for k, _ in ARMS[name]}
-    why = [d.message for d in plan.decisions if d.key in keys and d.severity != "note" or d.requested]
-    b = plan.batch
-    runs = f"{b.mode}, {b.groups} group(s), batch MTP {'on' if b.mtp else 'off'}"
-    return f"forced: runs as {runs}" + (f" ({'; '.join(why)})" if why else "")
-
-
 def run_url(args: argparse.Namespace) -> int:
     """The workload against a launched engine, through the HTTP driver."""
     import json
     import os
 
-    from ..bench.http_driver import bench_lines, bench_url
+    from ..bench.http_workloads import bench_lines, bench_url
 
     key = os.environ.get(args.api_key_env) if args.api_key_env else None
     try:
