@@ -1,4 +1,6 @@
-"""`strata bench PROFILE --workload W [--arms ...]`: the BENCH.md harness over arms of one profile.
+"""`strata bench PROFILE --workload W [--arms ...]`: the bench harness over arms of one profile.
+
+The workloads and arms are described in docs/PERFORMANCE.md.
 
 Each arm is the profile plus ``--set`` overrides, resolved here like any profile. An arm the resolver
 refuses is reported and skipped; an arm a rule changed (so it does not run what its name says) is run and

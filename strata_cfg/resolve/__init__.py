@@ -1,4 +1,4 @@
-"""The pure resolver: profile + machine facts + model facts -> `LaunchPlan`, following RULES.md in order.
+"""The pure resolver: profile + machine facts + model facts -> `LaunchPlan`, step by step.
 
 Imports only pydantic and the standard library, and does no I/O.
 """

@@ -1,9 +1,11 @@
 """`resolve`: a pure function from (profile, machine facts, model facts) to a `LaunchPlan`.
 
-It runs RULES.md's steps in their order: defaults and ``auto`` values (0), parse-time refusals (1), the
-batch gate (2), the batch-MTP gate (3), groups and the group-dependent gate (4), the pipeline-windows gate
-(5), placement (6), the budget (7) and the windows (8); then serving checks and strict mode (9). No I/O, no
-clock, no randomness: the same inputs give the same plan.
+It runs the steps in their order (docs/PROFILES.md, "How a profile is resolved"): defaults and ``auto``
+values (0, `defaults`), parse-time refusals (1, `refusals`), the batch gate (2) and the batch-MTP gate (3,
+`batch_gates`), groups and the group-dependent gate (4, `groups`), the pipeline-windows gate (5,
+`pipeline_windows`), placement (6, here with `placement`), the budget (7, `budget`) and the windows (8);
+then serving checks and strict mode (9). No I/O, no clock, no randomness: the same inputs give the same
+plan.
 """
 
 from __future__ import annotations
