@@ -3,7 +3,6 @@ which run `strata stop` picks, and the load test's percentiles."""
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
@@ -21,6 +20,8 @@ from strata_cfg.commands import stop
 from strata_cfg.launch.engine_process import exit_reason, log_tail
 from strata_cfg.launch.preflight import port_problem
 from strata_cfg.launch.run_dir import RunDir, live_supervisor, new_run_dir
+from strata_cfg.plan.from_profile import resolve_profile
+from strata_cfg.schema.plan_file import write_plan
 
 
 def test_run_dirs_are_named_after_the_profile_and_never_reused(tmp_path):
@@ -72,10 +73,15 @@ def test_percentile_matches_the_inclusive_quantiles():
     assert percentile([], 0.5) is None
 
 
-def _fake_run(root: Path, name: str, profile: str, pid: int | None, age_s: float) -> RunDir:
+@pytest.fixture(scope="module")
+def demo_plan():
+    return resolve_profile(None)
+
+
+def _fake_run(root: Path, name: str, profile: str, pid: int | None, age_s: float, plan) -> RunDir:
     run = RunDir(root / name)
     run.path.mkdir(parents=True)
-    run.plan.write_text(json.dumps({"profile": profile}))
+    write_plan(plan.model_copy(update={"profile": profile}), run.plan)
     t = time.time() - age_s
     os.utime(run.plan, (t, t))
     if pid is not None:
@@ -92,14 +98,17 @@ def sleeper():
     proc.wait()
 
 
-def test_stop_picks_the_most_recent_running_launch(tmp_path, sleeper):
+def test_stop_picks_the_most_recent_running_launch(tmp_path, sleeper, demo_plan):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    old_demo = _fake_run(tmp_path, "demo-1", "demo", sleeper, age_s=300)
-    _fake_run(tmp_path, "demo-2", "demo", dead.pid, age_s=10)  # newest, but its supervisor is gone
-    box = _fake_run(tmp_path, "box-1", "box", sleeper, age_s=100)
+    old_demo = _fake_run(tmp_path, "demo-1", "demo", sleeper, age_s=300, plan=demo_plan)
+    # newest, but its supervisor is gone
+    _fake_run(tmp_path, "demo-2", "demo", dead.pid, age_s=10, plan=demo_plan)
+    # named by its plan only: the directory was given with --run-dir
+    box = _fake_run(tmp_path, "my-run", "box", sleeper, age_s=100, plan=demo_plan)
 
     assert stop.choose(None, tmp_path)[0] == box
+    assert stop.choose("box", tmp_path)[0] == box
     assert stop.choose("demo", tmp_path)[0] == old_demo
     assert stop.choose("profiles/demo.toml", tmp_path)[0] == old_demo
     run, why = stop.choose(str(tmp_path / "demo-2"), tmp_path)
@@ -109,10 +118,10 @@ def test_stop_picks_the_most_recent_running_launch(tmp_path, sleeper):
     assert stop.choose(None, tmp_path / "empty") == (None, f"no running launch under {tmp_path / 'empty'}/")
 
 
-def test_a_recycled_pid_that_is_not_strata_is_not_a_supervisor(tmp_path):
+def test_a_recycled_pid_that_is_not_strata_is_not_a_supervisor(tmp_path, demo_plan):
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        run = _fake_run(tmp_path, "demo-1", "demo", other.pid, age_s=0)
+        run = _fake_run(tmp_path, "demo-1", "demo", other.pid, age_s=0, plan=demo_plan)
         assert live_supervisor(run) is None
     finally:
         other.kill()

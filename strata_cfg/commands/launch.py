@@ -26,7 +26,7 @@ from ..launch.summary import client_snippet, notices, summary
 from ..launch.supervisor import Supervisor, spawn_detached, stop_run
 from ..schema.errors import ProfileError
 from ..schema.plan import LaunchPlan
-from ..schema.plan_file import PLAN_FILE, write_plan
+from ..schema.plan_file import PLAN_FILE, PlanFileError, write_plan
 from ._common import add_profile_argument, add_resolve_options, print_problems, resolve_args
 
 
@@ -151,6 +151,9 @@ def _detach(run_dir: RunDir, plan: LaunchPlan, options: LaunchOptions) -> int:
 
 def _supervise_detached(run_dir: RunDir, options: LaunchOptions) -> int:
     """The background half of ``--detach``: supervise the plan already written into ``run_dir``."""
-    plan = run_dir.load_plan()
+    try:
+        plan = run_dir.load_plan()
+    except PlanFileError as exc:
+        return _error(str(exc))
     supervisor = Supervisor(run_dir, plan, options, say=_say)
     return supervisor.run(on_ready=lambda: _say(f"engine ready: {base_url(plan.serve)}/v1"))  # type: ignore[arg-type]

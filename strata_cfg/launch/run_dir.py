@@ -9,14 +9,13 @@ supervisor still lives.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..schema.plan import LaunchPlan
-from ..schema.plan_file import PLAN_FILE, read_plan
+from ..schema.plan_file import PLAN_FILE, PlanFileError, read_plan
 
 ENGINE_LOG = "engine.log"
 LAUNCH_LOG = "launch.log"
@@ -110,7 +109,8 @@ def find_runs(root: Path = RUNS_ROOT) -> list[RunDir]:
 
 
 def run_profile_name(run: RunDir) -> str | None:
+    """The profile a run directory's plan was resolved from; None when its plan cannot be read."""
     try:
-        return str(json.loads(run.plan.read_text())["profile"])
-    except (OSError, ValueError, KeyError):
+        return run.load_plan().profile
+    except PlanFileError:
         return None
