@@ -16,8 +16,11 @@ from pathlib import Path
 import pytest
 
 from strata_cfg.bench.stats import percentile
+from strata_cfg.cli import build_parser
 from strata_cfg.commands import stop
+from strata_cfg.commands.launch import launch_options
 from strata_cfg.launch.engine_process import exit_reason, log_tail
+from strata_cfg.launch.options import LaunchOptions
 from strata_cfg.launch.preflight import port_problem
 from strata_cfg.launch.run_dir import RunDir, live_supervisor, new_run_dir
 from strata_cfg.plan.from_profile import resolve_profile
@@ -126,3 +129,11 @@ def test_a_recycled_pid_that_is_not_strata_is_not_a_supervisor(tmp_path, demo_pl
     finally:
         other.kill()
         other.wait()
+
+
+def test_a_detached_supervisor_is_given_the_options_of_the_launch():
+    # `strata launch --detach` hands its options on as flags; parsed back they must be the same options.
+    options = LaunchOptions(max_restarts=2, grace_s=3.5, start_timeout_s=77.0)
+    parser, _ = build_parser("launch")
+    args = parser.parse_args(["--supervise", "runs/x", *options.argv()])
+    assert launch_options(args) == options

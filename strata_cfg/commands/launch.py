@@ -73,10 +73,15 @@ def _error(message: str) -> int:
     return 1
 
 
-def run(args: argparse.Namespace) -> int:
-    options = LaunchOptions(
+def launch_options(args: argparse.Namespace) -> LaunchOptions:
+    """The supervisor's options from the flags (`LaunchOptions.argv` writes them back for ``--detach``)."""
+    return LaunchOptions(
         max_restarts=args.max_restarts, grace_s=args.grace, start_timeout_s=args.start_timeout
     )
+
+
+def run(args: argparse.Namespace) -> int:
+    options = launch_options(args)
     if args.supervise is not None:
         return _supervise_detached(RunDir(args.supervise), options)
     try:
