@@ -196,3 +196,30 @@ def gpu_budgets(
         else:
             plans[gpu.index] = _off_stage_gpu(gpu, device, "idle")
     return [plans[g.index] for g in machine.gpus]
+
+
+def expert_notes(gpus: list[GpuPlan], sz: Sizing, led: Ledger) -> None:
+    """Resolve ``experts.cache`` to the cache size (None: every expert resident) and say where experts are."""
+    stage_gpus = [g for g in gpus if g.role == "stage"]
+    partial = [g for g in stage_gpus if g.experts_resident < g.experts_total]
+    if sz.cache is None:
+        smallest = min((g.experts_resident for g in partial), default=None)
+        led.resolve_auto("experts.cache", smallest, "experts.cache")
+    helper_held = sum(g.experts_resident for g in gpus if g.role == "helper")
+    for g in partial:
+        missing = g.experts_total - g.experts_resident
+        led.note(
+            "experts.cache",
+            "experts.cache",
+            f"GPU {g.index} holds {g.experts_resident} of its {g.experts_total} routed experts in VRAM; "
+            f"the other {missing} stream from host memory through that cache",
+        )
+    if helper_held:
+        led.note("experts.cache", "experts.helper_devices", f"helper GPUs hold {helper_held} more experts")
+    if led["batch.mtp"] and not partial:
+        led.note(
+            "batch-mtp.all-experts-resident",
+            "batch.mtp",
+            "every expert is resident in VRAM: batch MTP pays when experts do not all fit; with all "
+            "resident it measured slower than pipelined groups (set batch.mtp = false to pipeline)",
+        )

@@ -21,6 +21,11 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_DRAFT_TOKENS = 4
 
 
+def drafts_with_mtp(model: ModelFacts, led: Ledger) -> bool:
+    """Whether the solo path drafts with the MTP head: the model has one and the window holds a proposal."""
+    return model.has_mtp and led["spec.draft_tokens"] >= 2
+
+
 def resolve_defaults(
     profile: Profile, machine: MachineFacts, model: ModelFacts, led: Ledger, *, name: str
 ) -> tuple[ModelFacts, Topology]:
