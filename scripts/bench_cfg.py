@@ -25,8 +25,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from strata_cfg.facts_io import gather_facts  # noqa: E402
-from strata_cfg.load import LoadedProfile, load_profile, load_profile_text  # noqa: E402
+from strata_cfg.facts.gather import gather_facts  # noqa: E402
+from strata_cfg.profile.load import LoadedProfile, load_profile, load_profile_text  # noqa: E402
 from strata_cfg.resolve import resolve  # noqa: E402
 
 

@@ -1,7 +1,7 @@
 """What the HTTP server costs: one engine, measured in process and through the server, interleaved.
 
-One `Engine` is built from the profile. Each repeat runs BENCH.md's ``two-decodes`` workload twice on it:
-once stepped in this process by the benchmark harness (``in-process``), and once through the
+One `Engine` is built from the profile. Each repeat runs the ``two-decodes`` workload (docs/PERFORMANCE.md)
+twice on it: once stepped in this process by the benchmark harness (``in-process``), and once through the
 OpenAI-compatible server on loopback (``http``), driven by ``strata bench --url`` in a separate process, as
 real clients are, so that the clients do not compete with the engine for this process's interpreter. The
 server is started around the same engine object for each run and stopped after it, so the two arms never
@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Any
 
-from strata_cfg.runner import resolve_profile
+from strata_cfg.plan.from_profile import resolve_profile
 from strata_runtime.bench import InProcessDriver, measure, workload_arrivals
 from strata_runtime.engine import Engine
 from strata_runtime.server import ServeOptions, Server

@@ -33,7 +33,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "launch": ("strata_cfg.commands.launch", "start a profile's engine, wait until it serves, supervise it"),
     "loadtest": ("strata_cfg.commands.loadtest", "N clients for T seconds against a running engine"),
     "generate": ("strata_cfg.commands.generate", "one request through the engine: text, or JSON with --json"),
-    "bench": ("strata_cfg.commands.bench", "benchmark arms of a profile on a named workload (BENCH.md)"),
+    "bench": (
+        "strata_cfg.commands.bench",
+        "benchmark arms of a profile on a named workload (docs/PERFORMANCE.md)",
+    ),
     "tui": ("strata_cfg.commands.tui", "edit profiles and watch the resolved plan change as you type"),
 }
 """Subcommand name -> (module path, one-line help). Other parts of strata add their commands here."""

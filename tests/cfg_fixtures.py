@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from strata_cfg.pipeline import Resolved, load, resolve_loaded
+from strata_cfg.plan.from_profile import Resolved, resolve_loaded
+from strata_cfg.profile.load import load
 from strata_cfg.schema.errors import Problem, ProfileError
 from strata_cfg.schema.plan import Decision, LaunchPlan
 

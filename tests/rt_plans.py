@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from strata_cfg.pipeline import resolve_text
+from strata_cfg.plan.from_profile import resolve_text
 from strata_cfg.schema.plan import LaunchPlan
 from strata_cfg.schema.presets import preset_config
 

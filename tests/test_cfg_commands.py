@@ -8,7 +8,7 @@ from cfg_fixtures import BAD_DIR, PROFILES, REPO, RULES_DIR, line_of
 
 from strata_cfg import cli
 from strata_cfg.commands.schema import schema_text
-from strata_cfg.pipeline import demo_text
+from strata_cfg.profile.load import demo_text
 from strata_cfg.resolve import RULES
 
 BOX = str(PROFILES / "rtx3080-20g-x2.toml")

@@ -1,10 +1,14 @@
-"""docs/PROFILES.md stays the reference: it names every profile key and every rule."""
+"""The docs stay true: docs/PROFILES.md names every profile key and every rule, docs/ARCHITECTURE.md every
+folder and module of strata_cfg, and no document cites a file the repository does not hold."""
 
 from __future__ import annotations
 
+import re
+
+import pytest
 from cfg_fixtures import REPO
 
-from strata_cfg.load import _section_model
+from strata_cfg.profile.validate import _section_model
 from strata_cfg.resolve import RULES
 from strata_cfg.schema.profile import Profile
 
@@ -26,3 +30,51 @@ def test_every_profile_key_is_documented():
 
 def test_every_rule_is_documented():
     assert [r for r in RULES if f"`{r}`" not in DOC] == []
+
+
+# ---- every document cites only what the repository holds ------------------------------------------------
+
+DOCS = sorted((REPO / "docs").glob("*.md")) + [REPO / "README.md"]
+REPO_PATH = re.compile(r"\b(?:strata_cfg|strata_runtime|docs|tests|scripts|profiles)/[\w/.-]*\w")
+OUTSIDE = re.compile(r"\b(?:RULES|BENCH|DESIGN|STYLE|EXPERTS)\.md\b|\.\./shared")
+
+
+def _prose(text: str) -> str:
+    """The text without fenced code blocks (their paths are examples, not citations)."""
+    return re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_every_path_a_document_names_exists(doc):
+    paths = {m.group(0) for m in REPO_PATH.finditer(_prose(doc.read_text()))}
+    assert sorted(p for p in paths if not (REPO / p).exists()) == []
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_no_document_cites_files_outside_the_repository(doc):
+    assert OUTSIDE.findall(doc.read_text()) == []
+
+
+def test_no_strata_cfg_source_cites_files_outside_the_repository():
+    cited = [
+        f"{path.relative_to(REPO)}: {m.group(0)}"
+        for path in sorted((REPO / "strata_cfg").rglob("*.py"))
+        for m in OUTSIDE.finditer(path.read_text())
+    ]
+    assert cited == []
+
+
+def test_architecture_names_every_folder_and_module_of_strata_cfg():
+    text = (REPO / "docs" / "ARCHITECTURE.md").read_text()
+    root = REPO / "strata_cfg"
+    folders = sorted(p.name for p in root.iterdir() if (p / "__init__.py").is_file())
+    assert [f for f in folders if f"strata_cfg/{f}/" not in text] == []
+    # The steps' modules by name; the interfaces (commands, tui) are described as a whole.
+    modules = [
+        f"{p.parent.name}/{p.stem}"
+        for f in folders
+        if f not in ("commands", "tui")
+        for p in sorted((root / f).glob("*.py"))
+        if p.stem != "__init__"
+    ]
+    assert [m for m in modules if f"`{m.split('/')[1]}`" not in text] == []

@@ -9,16 +9,10 @@ import struct
 import pytest
 from cfg_fixtures import FIXTURES, line_of
 
-from strata_cfg.facts_io import (
-    ESTIMATED_BANDWIDTH_GBS,
-    gather_facts,
-    known_bandwidth,
-    machine_facts,
-    model_facts,
-    parse_nvidia_smi,
-    read_safetensors_header,
-)
-from strata_cfg.load import load_profile, load_profile_text
+from strata_cfg.facts.gather import gather_facts
+from strata_cfg.facts.machine import ESTIMATED_BANDWIDTH_GBS, known_bandwidth, machine_facts, parse_nvidia_smi
+from strata_cfg.facts.model import model_facts
+from strata_cfg.profile.load import load_profile, load_profile_text
 from strata_cfg.schema.errors import ProfileError
 from strata_cfg.schema.presets import preset_config
 
@@ -70,12 +64,6 @@ def test_preset_facts_follow_the_preset_config():
         1,
     )
     assert model_facts(lp, "cpu").dtype == "float32"
-
-
-def test_safetensors_header_is_read_without_the_tensors():
-    header = read_safetensors_header(MODELS / "mtp-micro" / "model.safetensors")
-    assert header["model.embed_tokens.weight"]["shape"] == [48, 16]
-    assert header["mtp.fc.weight"]["dtype"] == "BF16"
 
 
 def test_model_dir_gives_mtp_layers_and_dtype_from_the_headers():

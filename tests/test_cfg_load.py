@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from strata_cfg.load import SET_ORIGIN, load_profile, load_profile_text, parse_set
+from strata_cfg.profile.load import load_profile, load_profile_text
+from strata_cfg.profile.overrides import SET_ORIGIN, parse_set
 from strata_cfg.schema.errors import ProfileError
 
 

@@ -57,7 +57,7 @@ def _wide_model_dir(tmp_path, seed: int) -> str:
 
 
 def _plan(cp, *, model: str, slots=1, batch_mtp=False, draft_tokens=0, backend="cuda", chunk=64, context=512):
-    from strata_cfg.pipeline import resolve_text
+    from strata_cfg.plan.from_profile import resolve_text
 
     vram = cp.cuda.runtime.memGetInfo()[1] // (1 << 20)
     src = f'synthetic = "{model}"' if not model.startswith("/") else f"path = {json.dumps(model)}"

@@ -3,7 +3,6 @@ which run `strata stop` picks, and the load test's percentiles."""
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
@@ -16,16 +15,23 @@ from pathlib import Path
 
 import pytest
 
-from strata_cfg import launch
+from strata_cfg.bench.stats import percentile
+from strata_cfg.cli import build_parser
 from strata_cfg.commands import stop
-from strata_cfg.http_bench import percentile
+from strata_cfg.commands.launch import launch_options
+from strata_cfg.launch.engine_process import exit_reason, log_tail
+from strata_cfg.launch.options import LaunchOptions
+from strata_cfg.launch.preflight import port_problem
+from strata_cfg.launch.run_dir import RunDir, live_supervisor, new_run_dir
+from strata_cfg.plan.from_profile import resolve_profile
+from strata_cfg.schema.plan_file import write_plan
 
 
 def test_run_dirs_are_named_after_the_profile_and_never_reused(tmp_path):
     now = time.time()
-    first = launch.new_run_dir("demo box", tmp_path, now)
+    first = new_run_dir("demo box", tmp_path, now)
     first.mkdir()
-    second = launch.new_run_dir("demo box", tmp_path, now)
+    second = new_run_dir("demo box", tmp_path, now)
     assert first != second
     assert first.name.startswith("demo_box-") and second.name.startswith(first.name)
     assert first.parent == tmp_path
@@ -36,16 +42,16 @@ def test_a_listening_port_is_busy_and_a_free_one_is_not():
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        problem = launch.port_problem("127.0.0.1", port)
+        problem = port_problem("127.0.0.1", port)
         assert problem is not None and f"port {port}" in problem and "already in use" in problem
-    assert launch.port_problem("127.0.0.1", port) is None
+    assert port_problem("127.0.0.1", port) is None
 
 
 def test_exit_reasons_name_the_signal_or_the_code():
-    assert launch.exit_reason(-signal.SIGKILL) == "was killed by SIGKILL"
-    assert launch.exit_reason(-signal.SIGSEGV) == "was killed by SIGSEGV"
+    assert exit_reason(-signal.SIGKILL) == "was killed by SIGKILL"
+    assert exit_reason(-signal.SIGSEGV) == "was killed by SIGSEGV"
     code = random.randrange(1, 120)
-    assert launch.exit_reason(code) == f"exited with code {code}"
+    assert exit_reason(code) == f"exited with code {code}"
 
 
 def test_log_tail_reads_only_what_was_written_after_the_offset(tmp_path):
@@ -56,9 +62,9 @@ def test_log_tail_reads_only_what_was_written_after_the_offset(tmp_path):
     new = [f"new {i}" for i in range(random.randrange(20, 30))]
     with log.open("a") as f:
         f.write("".join(f"{x}\n" for x in new))
-    assert launch.log_tail(log, offset, lines=10) == new[-10:]
-    assert launch.log_tail(log, 0, lines=len(old) + len(new)) == old + new
-    assert launch.log_tail(tmp_path / "missing.log") == []
+    assert log_tail(log, offset, lines=10) == new[-10:]
+    assert log_tail(log, 0, lines=len(old) + len(new)) == old + new
+    assert log_tail(tmp_path / "missing.log") == []
 
 
 def test_percentile_matches_the_inclusive_quantiles():
@@ -70,10 +76,15 @@ def test_percentile_matches_the_inclusive_quantiles():
     assert percentile([], 0.5) is None
 
 
-def _fake_run(root: Path, name: str, profile: str, pid: int | None, age_s: float) -> launch.RunDir:
-    run = launch.RunDir(root / name)
+@pytest.fixture(scope="module")
+def demo_plan():
+    return resolve_profile(None)
+
+
+def _fake_run(root: Path, name: str, profile: str, pid: int | None, age_s: float, plan) -> RunDir:
+    run = RunDir(root / name)
     run.path.mkdir(parents=True)
-    run.plan.write_text(json.dumps({"profile": profile}))
+    write_plan(plan.model_copy(update={"profile": profile}), run.plan)
     t = time.time() - age_s
     os.utime(run.plan, (t, t))
     if pid is not None:
@@ -90,14 +101,17 @@ def sleeper():
     proc.wait()
 
 
-def test_stop_picks_the_most_recent_running_launch(tmp_path, sleeper):
+def test_stop_picks_the_most_recent_running_launch(tmp_path, sleeper, demo_plan):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    old_demo = _fake_run(tmp_path, "demo-1", "demo", sleeper, age_s=300)
-    _fake_run(tmp_path, "demo-2", "demo", dead.pid, age_s=10)  # newest, but its supervisor is gone
-    box = _fake_run(tmp_path, "box-1", "box", sleeper, age_s=100)
+    old_demo = _fake_run(tmp_path, "demo-1", "demo", sleeper, age_s=300, plan=demo_plan)
+    # newest, but its supervisor is gone
+    _fake_run(tmp_path, "demo-2", "demo", dead.pid, age_s=10, plan=demo_plan)
+    # named by its plan only: the directory was given with --run-dir
+    box = _fake_run(tmp_path, "my-run", "box", sleeper, age_s=100, plan=demo_plan)
 
     assert stop.choose(None, tmp_path)[0] == box
+    assert stop.choose("box", tmp_path)[0] == box
     assert stop.choose("demo", tmp_path)[0] == old_demo
     assert stop.choose("profiles/demo.toml", tmp_path)[0] == old_demo
     run, why = stop.choose(str(tmp_path / "demo-2"), tmp_path)
@@ -107,11 +121,19 @@ def test_stop_picks_the_most_recent_running_launch(tmp_path, sleeper):
     assert stop.choose(None, tmp_path / "empty") == (None, f"no running launch under {tmp_path / 'empty'}/")
 
 
-def test_a_recycled_pid_that_is_not_strata_is_not_a_supervisor(tmp_path):
+def test_a_recycled_pid_that_is_not_strata_is_not_a_supervisor(tmp_path, demo_plan):
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        run = _fake_run(tmp_path, "demo-1", "demo", other.pid, age_s=0)
-        assert launch.live_supervisor(run) is None
+        run = _fake_run(tmp_path, "demo-1", "demo", other.pid, age_s=0, plan=demo_plan)
+        assert live_supervisor(run) is None
     finally:
         other.kill()
         other.wait()
+
+
+def test_a_detached_supervisor_is_given_the_options_of_the_launch():
+    # `strata launch --detach` hands its options on as flags; parsed back they must be the same options.
+    options = LaunchOptions(max_restarts=2, grace_s=3.5, start_timeout_s=77.0)
+    parser, _ = build_parser("launch")
+    args = parser.parse_args(["--supervise", "runs/x", *options.argv()])
+    assert launch_options(args) == options

@@ -1,4 +1,4 @@
-"""The reference cases of RULES.md, on the reference production box (2x RTX 3080 20 GB, split 23, 2 slots,
+"""The resolver's reference cases, on the reference production box (2x RTX 3080 20 GB, split 23, 2 slots,
 spec 4, batch MTP on), and the other shipped profiles resolving as their comments say."""
 
 from __future__ import annotations

@@ -11,8 +11,12 @@ import sys
 import pytest
 from cfg_fixtures import RULES_DIR, decision, line_of, plan_of, problem, problems_of
 
-from strata_cfg.resolve import RULES, gates
+from strata_cfg.resolve import RULES
+from strata_cfg.resolve.batch_gates import batch_mtp_gate
+from strata_cfg.resolve.groups import auto_groups
 from strata_cfg.resolve.ledger import Ledger
+from strata_cfg.resolve.pipeline_windows import pipeline_windows_gate
+from strata_cfg.resolve.topology import Topology
 
 UNREACHABLE = {
     # Two stages on one GPU are refused unless it is a test split, and a test split turns batching off in
@@ -229,7 +233,7 @@ def test_batch_mtp_shared_gpu_is_a_reason_when_batching_survives():
     led.take("spec.draft_tokens", 4, 4)
     led.take("experts.helper_devices", None, ())
     led.take("experts.remote_opt", None, False)
-    topo = gates.Topology(
+    topo = Topology(
         n_stages=2,
         devices=(0, 0),
         hosts=("local", "local"),
@@ -239,7 +243,7 @@ def test_batch_mtp_shared_gpu_is_a_reason_when_batching_survives():
         devices_given=True,
     )
     model = plan_of(rule_file("batch-mtp.needs-serve")).model.facts
-    gates.batch_mtp_gate(model, topo, led, serving=True)
+    batch_mtp_gate(model, topo, led, serving=True)
     assert led["batch.mtp"] is False
     assert [d.rule for d in led.decisions] == ["batch-mtp.shared-gpu"]
 
@@ -277,7 +281,7 @@ def test_groups_auto_takes_the_largest_divisor_up_to_the_stages():
     ("slots", "stages", "groups"), [(4, 2, 2), (3, 2, 1), (6, 4, 3), (8, 4, 4), (5, 8, 5)]
 )
 def test_groups_auto_function(slots, stages, groups):
-    assert gates.auto_groups(slots, stages) == groups
+    assert auto_groups(slots, stages) == groups
 
 
 def test_groups_batch_mtp_yield_keeps_one_group_and_says_why():
@@ -348,7 +352,7 @@ def test_pipeline_windows_peer_device_is_a_reason_on_a_two_stage_split():
     led.take("experts.peer_device", 3, None)
     led.take("experts.helper_devices", None, ())
     led.take("split.test_shared_gpu", None, False)
-    topo = gates.Topology(
+    topo = Topology(
         n_stages=2,
         devices=(0, 1),
         hosts=("local", "local"),
@@ -358,7 +362,7 @@ def test_pipeline_windows_peer_device_is_a_reason_on_a_two_stage_split():
         devices_given=False,
     )
     model = plan_of(rule_file("batch-mtp.needs-serve")).model.facts
-    gates.pipeline_windows_gate(model, topo, led)
+    pipeline_windows_gate(model, topo, led)
     assert led["split.pipeline_windows"] == 0
     assert [d.rule for d in led.decisions] == ["pipeline-windows.peer-device"]
 

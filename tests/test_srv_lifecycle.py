@@ -20,7 +20,8 @@ import aiohttp
 import pytest
 from srv_helpers import DEMO, REPO, free_port
 
-from strata_cfg.runner import resolve_profile, write_plan
+from strata_cfg.plan.from_profile import resolve_profile
+from strata_cfg.schema.plan_file import write_plan
 from strata_runtime.engine import Engine
 from strata_runtime.server import ServeOptions, Server
 

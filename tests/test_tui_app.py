@@ -333,7 +333,8 @@ async def test_launch_asks_to_save_first(profiles):
 async def test_launch_starts_the_engine_shows_its_health_and_log_and_stops_it(profiles, tmp_path):
     from srv_helpers import free_port
 
-    from strata_cfg.launch import RunDir, find_runs, live_supervisor, stop_run
+    from strata_cfg.launch.run_dir import RunDir, find_runs, live_supervisor
+    from strata_cfg.launch.supervisor import stop_run
 
     port = free_port()
     demo = profiles / "demo.toml"

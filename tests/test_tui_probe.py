@@ -5,7 +5,7 @@ from __future__ import annotations
 import secrets
 import tomllib
 
-from strata_cfg.pipeline import resolve_text
+from strata_cfg.plan.from_profile import resolve_text
 from strata_cfg.tui.probe import probe_profile_text, run_probe
 
 H200_SMI = "0, NVIDIA H200, 143771\n"

@@ -7,9 +7,9 @@ import json
 import sys
 from typing import Any, TextIO
 
-from ..load import parse_set
-from ..pipeline import Resolved, resolve_path
-from ..render import problems_json, problems_text
+from ..plan.from_profile import Resolved, resolve_path
+from ..profile.overrides import parse_set
+from ..report.problems import problems_json, problems_text
 from ..schema.errors import Problem, ProfileError
 
 EXIT_OK = 0

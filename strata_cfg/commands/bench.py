@@ -1,4 +1,6 @@
-"""`strata bench PROFILE --workload W [--arms ...]`: the BENCH.md harness over arms of one profile.
+"""`strata bench PROFILE --workload W [--arms ...]`: the bench harness over arms of one profile.
+
+The workloads and arms are described in docs/PERFORMANCE.md.
 
 Each arm is the profile plus ``--set`` overrides, resolved here like any profile. An arm the resolver
 refuses is reported and skipped; an arm a rule changed (so it does not run what its name says) is run and
@@ -6,7 +8,7 @@ reported as forced, with the rule's sentence. The plans go to ``python -m strata
 the arms interleaved in one engine process and prints the table (or ``--json``).
 
 With ``--url`` it measures a launched engine over HTTP instead, as its clients see it
-(`strata_cfg.http_bench`): the same workloads and figures, for the one plan that engine runs.
+(`strata_cfg.bench`): the same workloads and figures, for the one plan that engine runs.
 
 ``prompt`` reads one prompt of ``--prompt-tokens`` alone on the engine (arms: ``serial`` unless given).
 ``step`` (the decode kernels against the byte roofline) and ``vram`` (what the engine holds against the
@@ -20,11 +22,11 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
 
-from ..runner import write_plan
+from ..bench.arms import ARMS, arm_note
+from ..launch.engine_process import runtime_argv
 from ..schema.errors import ProfileError
-from ..schema.plan import LaunchPlan
+from ..schema.plan_file import write_plan
 from ..schema.workloads import GPU_WORKLOADS, HTTP_WORKLOADS, WORKLOADS, prompt_context_problem
 from ._common import (
     EXIT_REFUSED,
@@ -34,14 +36,6 @@ from ._common import (
     refused,
     resolve_args,
 )
-
-ARMS: dict[str, tuple[tuple[str, Any], ...]] = {
-    "serial": (("batch.groups", 1), ("batch.mtp", False)),
-    "pipelined": (("batch.groups", "auto"), ("batch.mtp", False)),
-    "batch-mtp": (("batch.groups", 1), ("batch.mtp", True)),
-    "solo": (("batch.slots", 1), ("batch.mtp", False)),
-}
-"""Each arm as ``--set`` overrides of the profile."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -80,34 +74,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key-env", help="with --url: the variable holding the engine's API key")
 
 
-def arm_runs_as_named(name: str, plan: LaunchPlan) -> bool:
-    """Whether the resolved plan really is the arm its name says."""
-    b = plan.batch
-    return {
-        "serial": b.groups == 1 and not b.mtp,
-        "pipelined": b.groups > 1,
-        "batch-mtp": b.mtp,
-        "solo": b.slots <= 1,
-    }[name]
-
-
-def arm_note(name: str, plan: LaunchPlan) -> str | None:
-    """Why an arm does not run as named, from the decisions that changed what it asked for."""
-    if arm_runs_as_named(name, plan):
-        return None
-    keys = {k for k, _ in ARMS[name]}
-    why = [d.message for d in plan.decisions if d.key in keys and d.severity != "note" or d.requested]
-    b = plan.batch
-    runs = f"{b.mode}, {b.groups} group(s), batch MTP {'on' if b.mtp else 'off'}"
-    return f"forced: runs as {runs}" + (f" ({'; '.join(why)})" if why else "")
-
-
 def run_url(args: argparse.Namespace) -> int:
     """The workload against a launched engine, through the HTTP driver."""
     import json
     import os
 
-    from ..http_bench import bench_lines, bench_url
+    from ..bench.http_workloads import bench_lines, bench_url
 
     key = os.environ.get(args.api_key_env) if args.api_key_env else None
     try:
@@ -154,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     base_sets = list(args.sets)
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="strata-bench-"))
-    argv = runtime_argv(args)
+    argv = bench_argv(args)
     ran = 0
     for name in names:
         args.sets = [*base_sets, *ARMS[name]]
@@ -183,9 +155,9 @@ def run(args: argparse.Namespace) -> int:
     return subprocess.run(argv, check=False).returncode
 
 
-def runtime_argv(args: argparse.Namespace) -> list[str]:
+def bench_argv(args: argparse.Namespace) -> list[str]:
     """``python -m strata_runtime bench`` with the workload's options, before the arms."""
-    argv = [sys.executable, "-m", "strata_runtime", "bench", "--workload", args.workload]
+    argv = runtime_argv("bench", "--workload", args.workload)
     argv += ["--repeats", str(args.repeats), "--tokens", str(args.tokens)]
     argv += ["--prompt-tokens", str(args.prompt_tokens)]
     return argv + (["--json"] if args.json else [])
@@ -199,4 +171,4 @@ def run_plan(args: argparse.Namespace) -> int:
         return refused(exc)
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="strata-bench-"))
     path = write_plan(plan, run_dir / "profile.json")
-    return subprocess.run([*runtime_argv(args), "--arm", f"profile={path}"], check=False).returncode
+    return subprocess.run([*bench_argv(args), "--arm", f"profile={path}"], check=False).returncode

@@ -6,8 +6,8 @@ import argparse
 import json
 from collections import Counter
 
-from ..pipeline import resolve_path
-from ..render import problems_text
+from ..plan.from_profile import resolve_path
+from ..report.problems import problems_text
 from ..schema.errors import ProfileError
 from ._common import EXIT_OK, EXIT_REFUSED, add_resolve_options
 

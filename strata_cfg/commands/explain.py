@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import json
 import sys
 
-from ..pipeline import resolve_path
-from ..render import decision_lines
+from ..plan.from_profile import resolve_path
+from ..report.explain import explain_text
 from ..schema.errors import ProfileError
-from ..schema.plan import LaunchPlan
 from ._common import EXIT_OK, EXIT_REFUSED, add_resolve_options, refused
 
 
@@ -22,27 +20,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="profile file (default: the demo) and a dotted key or table",
     )
     add_resolve_options(parser)
-
-
-def explain_text(plan: LaunchPlan, key: str) -> str | None:
-    """The explanation of ``key`` (or of every key under a table such as ``batch``); None if unknown."""
-    keys = [k for k in plan.settings if k == key or k.startswith(key + ".")]
-    if not keys:
-        return None
-    lines: list[str] = []
-    for k in keys:
-        s = plan.settings[k]
-        lines.append(f"{k} = {json.dumps(s.value)}")
-        lines.append(f"  source     {s.source}")
-        if s.requested is not None:
-            lines.append(f"  asked for  {json.dumps(s.requested)}")
-        if s.rules:
-            lines.append(f"  rules      {', '.join(s.rules)}")
-        fired = [d for d in plan.decisions if d.key == k]
-        if fired:
-            lines.append("  decisions")
-            lines += ["    " + line for line in decision_lines(fired)]
-    return "\n".join(lines) + "\n"
 
 
 def run(args: argparse.Namespace) -> int:

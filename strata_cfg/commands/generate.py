@@ -12,8 +12,8 @@ import json
 import shutil
 from pathlib import Path
 
-from ..pipeline import resolve_text
-from ..runner import exec_runtime
+from ..launch.engine_process import exec_runtime
+from ..plan.from_profile import resolve_text
 from ..schema.errors import ProfileError
 from ._common import EXIT_USAGE, add_resolve_options, refused, resolve_args
 

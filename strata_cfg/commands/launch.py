@@ -17,26 +17,16 @@ import sys
 import time
 from pathlib import Path
 
-from ..launch import (
-    RUNS_ROOT,
-    LaunchOptions,
-    RunDir,
-    Supervisor,
-    base_url,
-    client_snippet,
-    engine_command,
-    log_tail,
-    new_run_dir,
-    notices,
-    preflight,
-    spawn_detached,
-    stop_run,
-    summary,
-    wait_ready,
-)
-from ..runner import write_plan
+from ..launch.engine_process import engine_command, log_tail
+from ..launch.health import wait_ready
+from ..launch.options import LaunchOptions
+from ..launch.preflight import base_url, preflight
+from ..launch.run_dir import RUNS_ROOT, RunDir, new_run_dir
+from ..launch.summary import client_snippet, notices, summary
+from ..launch.supervisor import Supervisor, spawn_detached, stop_run
 from ..schema.errors import ProfileError
 from ..schema.plan import LaunchPlan
+from ..schema.plan_file import PLAN_FILE, PlanFileError, write_plan
 from ._common import add_profile_argument, add_resolve_options, print_problems, resolve_args
 
 
@@ -50,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--detach", action="store_true", help="keep running in the background (stop: strata stop)"
     )
     parser.add_argument(
-        "--run-dir", type=Path, help=f"where plan.json and engine.log go (default {RUNS_ROOT}/...)"
+        "--run-dir", type=Path, help=f"where {PLAN_FILE} and engine.log go (default {RUNS_ROOT}/...)"
     )
     defaults = LaunchOptions()
     parser.add_argument(
@@ -83,10 +73,15 @@ def _error(message: str) -> int:
     return 1
 
 
-def run(args: argparse.Namespace) -> int:
-    options = LaunchOptions(
+def launch_options(args: argparse.Namespace) -> LaunchOptions:
+    """The supervisor's options from the flags (`LaunchOptions.argv` writes them back for ``--detach``)."""
+    return LaunchOptions(
         max_restarts=args.max_restarts, grace_s=args.grace, start_timeout_s=args.start_timeout
     )
+
+
+def run(args: argparse.Namespace) -> int:
+    options = launch_options(args)
     if args.supervise is not None:
         return _supervise_detached(RunDir(args.supervise), options)
     try:
@@ -161,6 +156,9 @@ def _detach(run_dir: RunDir, plan: LaunchPlan, options: LaunchOptions) -> int:
 
 def _supervise_detached(run_dir: RunDir, options: LaunchOptions) -> int:
     """The background half of ``--detach``: supervise the plan already written into ``run_dir``."""
-    plan = run_dir.load_plan()
+    try:
+        plan = run_dir.load_plan()
+    except PlanFileError as exc:
+        return _error(str(exc))
     supervisor = Supervisor(run_dir, plan, options, say=_say)
     return supervisor.run(on_ready=lambda: _say(f"engine ready: {base_url(plan.serve)}/v1"))  # type: ignore[arg-type]

@@ -11,7 +11,7 @@ import json
 import os
 import sys
 
-from ..http_bench import run_load
+from ..bench.load_test import run_load
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..render import engine_args_text, plan_text
+from ..report.engine_args import engine_args_text
+from ..report.plan_text import plan_text
 from ..schema.errors import ProfileError
 from ._common import (
     EXIT_CODES_HELP,

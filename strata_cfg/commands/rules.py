@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..render import table
+from ..report.table import table
 from ..resolve import RULES, STEPS
 
 

@@ -12,6 +12,8 @@ import os
 import sys
 from pathlib import Path
 
+from ..launch.engine_process import runtime_argv
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -28,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.plan.is_file():
         print(f"strata serve: no plan file at {args.plan}", file=sys.stderr)
         return 2
-    argv = [sys.executable, "-m", "strata_runtime", "serve", "--plan", str(args.plan)]
+    argv = runtime_argv("serve", plan_file=args.plan)
     for flag, value in (
         ("--host", args.host),
         ("--port", args.port),
@@ -37,4 +39,4 @@ def run(args: argparse.Namespace) -> int:
         if value is not None:
             argv += [flag, str(value)]
     # Replace this process, so that signals reach the server directly and its exit code is ours.
-    os.execv(sys.executable, argv)
+    os.execv(argv[0], argv)

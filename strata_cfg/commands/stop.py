@@ -10,7 +10,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..launch import RUNS_ROOT, RunDir, find_runs, live_supervisor, run_profile_name, stop_run
+from ..launch.run_dir import RUNS_ROOT, RunDir, find_runs, live_supervisor, run_profile_name
+from ..launch.supervisor import stop_run
+from ..schema.plan_file import PLAN_FILE
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,7 +37,7 @@ def _profile_name(target: str) -> str:
 
 def choose(target: str | None, root: Path) -> tuple[RunDir | None, str]:
     """The run to stop, or None with one sentence saying why there is none."""
-    if target is not None and (Path(target) / "plan.json").is_file():
+    if target is not None and (Path(target) / PLAN_FILE).is_file():
         run = RunDir(Path(target))
         if live_supervisor(run) is None:
             return None, f"nothing is running in {run.path}"

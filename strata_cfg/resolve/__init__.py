@@ -1,10 +1,9 @@
-"""The pure resolver: profile + machine facts + model facts -> `LaunchPlan`, following RULES.md in order.
+"""The pure resolver: profile + machine facts + model facts -> `LaunchPlan`, step by step.
 
 Imports only pydantic and the standard library, and does no I/O.
 """
 
 from .core import resolve
-from .gates import run_dtype
 from .rules import RULES, STEPS, Rule
 
-__all__ = ["RULES", "STEPS", "Rule", "resolve", "run_dtype"]
+__all__ = ["RULES", "STEPS", "Rule", "resolve"]

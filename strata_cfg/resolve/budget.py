@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from ..schema.facts import GpuFacts, MachineFacts, ModelFacts
 from ..schema.plan import Budget, GpuPlan
@@ -120,14 +121,23 @@ def _stage_gpu(
     )
 
 
-def _helper_gpu(gpu: GpuFacts, device: str, holds: int, expert_bytes: int, reserve: int) -> GpuPlan:
+def _off_stage_gpu(
+    gpu: GpuFacts,
+    device: str,
+    role: Literal["helper", "idle"],
+    *,
+    holds: int = 0,
+    expert_bytes: int = 0,
+    reserve: int = 0,
+) -> GpuPlan:
+    """A GPU that holds no stage: an expert helper caching ``holds`` experts, or an idle one."""
     total = gpu.vram_mib * MIB
     experts = holds * expert_bytes
     return GpuPlan(
         index=gpu.index,
         device=device,
         name=gpu.name,
-        role="helper",
+        role=role,
         budget=Budget(
             total=total,
             weights=0,
@@ -140,19 +150,6 @@ def _helper_gpu(gpu: GpuFacts, device: str, holds: int, expert_bytes: int, reser
         ),
         experts_total=holds,
         experts_resident=holds,
-    )
-
-
-def _idle_gpu(gpu: GpuFacts, device: str) -> GpuPlan:
-    total = gpu.vram_mib * MIB
-    return GpuPlan(
-        index=gpu.index,
-        device=device,
-        name=gpu.name,
-        role="idle",
-        budget=Budget(
-            total=total, weights=0, kv=0, drafters=0, workspace=0, reserve=0, experts=0, free=total
-        ),
     )
 
 
@@ -193,7 +190,36 @@ def gpu_budgets(
             reserve = min(sz.reserve_later, gpu.vram_mib * MIB)
             holds = min(overflow, (gpu.vram_mib * MIB - reserve) // eb) if eb else 0
             overflow -= holds
-            plans[gpu.index] = _helper_gpu(gpu, device, holds, eb, reserve)
+            plans[gpu.index] = _off_stage_gpu(
+                gpu, device, "helper", holds=holds, expert_bytes=eb, reserve=reserve
+            )
         else:
-            plans[gpu.index] = _idle_gpu(gpu, device)
+            plans[gpu.index] = _off_stage_gpu(gpu, device, "idle")
     return [plans[g.index] for g in machine.gpus]
+
+
+def expert_notes(gpus: list[GpuPlan], sz: Sizing, led: Ledger) -> None:
+    """Resolve ``experts.cache`` to the cache size (None: every expert resident) and say where experts are."""
+    stage_gpus = [g for g in gpus if g.role == "stage"]
+    partial = [g for g in stage_gpus if g.experts_resident < g.experts_total]
+    if sz.cache is None:
+        smallest = min((g.experts_resident for g in partial), default=None)
+        led.resolve_auto("experts.cache", smallest, "experts.cache")
+    helper_held = sum(g.experts_resident for g in gpus if g.role == "helper")
+    for g in partial:
+        missing = g.experts_total - g.experts_resident
+        led.note(
+            "experts.cache",
+            "experts.cache",
+            f"GPU {g.index} holds {g.experts_resident} of its {g.experts_total} routed experts in VRAM; "
+            f"the other {missing} stream from host memory through that cache",
+        )
+    if helper_held:
+        led.note("experts.cache", "experts.helper_devices", f"helper GPUs hold {helper_held} more experts")
+    if led["batch.mtp"] and not partial:
+        led.note(
+            "batch-mtp.all-experts-resident",
+            "batch.mtp",
+            "every expert is resident in VRAM: batch MTP pays when experts do not all fit; with all "
+            "resident it measured slower than pipelined groups (set batch.mtp = false to pipeline)",
+        )

@@ -11,19 +11,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..schema.errors import Problem
-from ..schema.plan import Decision, Origin, Setting, Source
+from ..schema.plan import Decision, Origin, Setting, Source, find_origin
 from .rules import rule
-
-
-def find_origin(origins: Mapping[str, Origin], key: str) -> Origin | None:
-    """The origin of ``key``, falling back to its nearest parent that has one."""
-    parts = key.split(".")
-    while parts:
-        o = origins.get(".".join(parts))
-        if o is not None:
-            return o
-        parts.pop()
-    return None
 
 
 def _plain(value: Any) -> Any:

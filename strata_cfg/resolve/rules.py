@@ -1,7 +1,7 @@
-"""Every resolution rule: a stable id, its step in RULES.md's order, its severity and a one-line summary.
+"""Every resolution rule: a stable id, its step in the resolver's order, its severity and a one-line summary.
 
 Ids never change once published: scripts match on them in ``strata plan --json`` and tests are named after
-them. `strata rules` prints this table.
+them. `strata rules` prints this table, and docs/PROFILES.md explains the steps.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ class Rule:
 
     id: str
     step: int
-    """Step of RULES.md's order of evaluation (0: defaults and ``auto`` values, resolved before any gate)."""
+    """Step in the order of evaluation (0: defaults and ``auto`` values, resolved before any gate)."""
     severity: Severity
     summary: str
 

@@ -16,6 +16,16 @@ from .profile import Backend
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
+def run_dtype(backend: str, asked: str | None, default: str = "float16") -> str:
+    """The precision weights sit in on the device: float32 on virtual CPU devices, else as asked.
+
+    The facts step gives a model this dtype, and the resolver's step 0 records it as ``model.dtype``.
+    """
+    if backend == "cpu":
+        return "float32"
+    return asked or default
+
+
 class _Facts(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 

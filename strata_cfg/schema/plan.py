@@ -8,6 +8,7 @@ that ``strata plan --json`` prints; `PLAN_VERSION` changes when that shape chang
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
@@ -38,6 +39,17 @@ class Origin(_Plan):
 
     def __str__(self) -> str:
         return self.file if self.line is None else f"{self.file}:{self.line}"
+
+
+def find_origin(origins: Mapping[str, Origin], key: str) -> Origin | None:
+    """The origin of ``key``, falling back to its nearest parent that has one."""
+    parts = key.split(".")
+    while parts:
+        o = origins.get(".".join(parts))
+        if o is not None:
+            return o
+        parts.pop()
+    return None
 
 
 class Source(_Plan):

@@ -61,7 +61,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         "shared_expert_intermediate_size": 256,
         "max_position_embeddings": 8192,
     },
-    # The shape of Qwen3-30B-A3B (BENCH.md), with one MTP layer added.
+    # The shape of Qwen3-30B-A3B (the model docs/PERFORMANCE.md measures), with one MTP layer added.
     "qwen3-30b-a3b": {
         **_COMMON,
         "vocab_size": 151_936,

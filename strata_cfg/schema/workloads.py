@@ -1,4 +1,4 @@
-"""The benchmark workloads of BENCH.md, shared by the in-process harness and the HTTP driver.
+"""The bench workloads (docs/PERFORMANCE.md), shared by the in-process harness and the HTTP driver.
 
 Both measure the same requests: the same workload names, client counts and prompts. Some workloads only make
 sense in the engine's own process: ``prompt`` reports against the GPU's matrix rate measured in that run,

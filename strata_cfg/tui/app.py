@@ -21,12 +21,13 @@ from textual.containers import Horizontal
 from textual.timer import Timer
 from textual.widgets import Footer, TextArea
 
-from ..commands.explain import explain_text
-from ..facts_io import probe_nvidia_smi
-from ..launch import RUNS_ROOT, LaunchOptions
-from ..load import load_profile_text
-from ..pipeline import Resolved, resolve_loaded
-from ..render import problems_text
+from ..facts.machine import probe_nvidia_smi
+from ..launch.options import LaunchOptions
+from ..launch.run_dir import RUNS_ROOT
+from ..plan.from_profile import Resolved, resolve_loaded
+from ..profile.load import load_profile_text
+from ..report.explain import explain_text
+from ..report.problems import problems_text
 from ..schema.errors import Problem, ProfileError
 from ..schema.plan import LaunchPlan
 from .document import ProfileFile, SaveFailed, SaveRefused, key_at, problems_by_row

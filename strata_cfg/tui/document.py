@@ -17,8 +17,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..profile.toml_lines import key_lines
 from ..schema.errors import Problem
-from ..tomllines import key_lines
 
 BACKUP_SUFFIX = ".bak"
 

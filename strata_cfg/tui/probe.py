@@ -1,8 +1,9 @@
 """A new profile from a probe of this machine: its GPUs as ``[machine]``, everything else a starting point.
 
-The text is built here (pure); the probe itself is `facts_io.probe_nvidia_smi`, the same one `machine.probe =
-true` uses, and its parsing is `facts_io.parse_nvidia_smi`. When the probe fails (no nvidia-smi, no GPU), the
-profile uses one virtual CPU device instead, so it still resolves, and says so at the top.
+The text is built here (pure); the probe itself is `facts.machine.probe_nvidia_smi`, the same one
+`machine.probe = true` uses, and its parsing is `facts.machine.parse_nvidia_smi`. When the probe fails
+(no nvidia-smi, no GPU), the profile uses one virtual CPU device instead, so it still resolves, and says so
+at the top.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..facts_io import parse_nvidia_smi
+from ..facts.machine import parse_nvidia_smi
 from ..schema.facts import GpuFacts
 
 

@@ -12,7 +12,7 @@ from typing import ClassVar
 from rich.text import Text
 from textual.binding import Binding, BindingType
 
-from ...commands.diff import changes_text, plan_changes
+from ...report.diff import changes_text, plan_changes
 from ...schema.plan import LaunchPlan
 from .dialogs import PageScreen
 

@@ -21,25 +21,18 @@ from textual.screen import ModalScreen
 from textual.timer import Timer
 from textual.widgets import Static
 
-from ...launch import (
-    LaunchOptions,
-    RunDir,
-    base_url,
-    health,
-    live_supervisor,
-    log_tail,
-    new_run_dir,
-    notices,
-    preflight,
-    spawn_detached,
-    stop_run,
-    summary,
-)
-from ...pipeline import resolve_path
-from ...render import problems_text
-from ...runner import write_plan
+from ...launch.engine_process import log_tail
+from ...launch.health import health
+from ...launch.options import LaunchOptions
+from ...launch.preflight import base_url, preflight
+from ...launch.run_dir import RunDir, live_supervisor, new_run_dir
+from ...launch.summary import notices, summary
+from ...launch.supervisor import spawn_detached, stop_run
+from ...plan.from_profile import resolve_path
+from ...report.problems import problems_text
 from ...schema.errors import ProfileError
 from ...schema.plan import LaunchPlan
+from ...schema.plan_file import write_plan
 from ..messages import LaunchStopped
 
 POLL_S = 0.5

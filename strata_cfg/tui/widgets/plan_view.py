@@ -20,7 +20,7 @@ from textual.containers import VerticalScroll
 from textual.widget import Widget
 from textual.widgets import Static
 
-from ...render import holds_text
+from ...report.plan_text import holds_text
 from ...schema.errors import Problem
 from ...schema.plan import MIB, Budget, Decision, GpuPlan, LaunchPlan
 

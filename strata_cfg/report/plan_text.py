@@ -1,4 +1,4 @@
-"""Turning a plan into what people read: the `strata plan` text, problems, and the engine command line.
+"""The plan as `strata plan` prints it, for people.
 
 The text is for a new user: one line per topic, a placement table and a memory table with one row per GPU,
 then the decisions, with the features the user asked for that were turned off marked so they stand out.
@@ -6,15 +6,11 @@ then the decisions, with the features the user asked for that were turned off ma
 
 from __future__ import annotations
 
-import shlex
 from collections.abc import Iterable, Sequence
-from typing import Any
 
-from .schema.errors import Problem
-from .schema.plan import MIB, Decision, GpuPlan, LaunchPlan, StagePlan
+from ..schema.plan import MIB, Decision, GpuPlan, LaunchPlan, StagePlan
+from .table import table
 
-ENGINE = "strata-engine"
-"""The reference engine's command, for ``--emit engine-args``."""
 _HOLDS = {
     "embedding": "embedding",
     "final_norm": "final norm",
@@ -22,19 +18,6 @@ _HOLDS = {
     "mtp": "MTP head",
 }
 _MARK = {"error": "ERROR", "off": "OFF", "clamp": "CLAMP", "warn": "WARN", "note": "note"}
-
-
-def table(rows: Sequence[Sequence[str]], right: Iterable[int] = ()) -> list[str]:
-    """Rows of cells as aligned text lines (columns in ``right`` are right-aligned)."""
-    right = set(right)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = []
-    for r in rows:
-        cells = [
-            c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))
-        ]
-        lines.append("  ".join(cells).rstrip())
-    return lines
 
 
 def _mib(n: int) -> str:
@@ -186,49 +169,3 @@ def plan_text(plan: LaunchPlan) -> str:
     if decisions:
         lines += ["", "decisions (! = overrides what the profile asked for)", *decisions]
     return "\n".join(lines) + "\n"
-
-
-def problems_text(problems: Iterable[Problem]) -> str:
-    """Problems one per line: ``file:line: key: message [rule]``."""
-    return "\n".join(str(p) + (f"  [{p.rule}]" if p.rule else "") for p in problems) + "\n"
-
-
-def problems_json(problems: Iterable[Problem]) -> dict[str, Any]:
-    """The JSON a refused profile prints: ``{"errors": [{file, line, key, message}, ...]}``."""
-    return {"errors": [p.to_json() for p in problems]}
-
-
-def engine_args(plan: LaunchPlan) -> list[str]:
-    """The Strata engine command line equivalent to the plan, with every value resolved (no ``auto``)."""
-    args = [ENGINE, "--model", plan.model.path or f"synthetic:{plan.model.synthetic}"]
-    if len(plan.stages) > 1:
-        args += ["--layer-split", ",".join(str(s.layers[0]) for s in plan.stages[1:])]
-        args += ["--split-device", ",".join(str(s.gpu) for s in plan.stages)]
-    b = plan.batch
-    args += ["--batch", str(b.slots), "--batch-groups", str(b.groups)]
-    if b.mtp:
-        args.append("--batch-mtp")
-    args += ["--spec", str(plan.spec.draft_tokens)]
-    m = plan.memory
-    reserve = str(m.vram_reserve_mib)
-    if m.vram_reserve_later_mib != m.vram_reserve_mib:
-        reserve += f",{m.vram_reserve_later_mib}"
-    args += ["--vram-reserve-mib", reserve, "--max-context", str(m.context), "--kv", m.kv_dtype]
-    e = plan.experts
-    if e.cache is not None:
-        args += ["--expert-cache", str(e.cache)]
-    for i, d in enumerate(e.helper_devices, start=1):
-        args += [f"--expert-cache-device{i}", str(d)]
-    if e.remote_opt:
-        args.append("--remote-expert-opt")
-    if plan.spec.pipeline_windows:
-        args += ["--pipeline-windows", str(plan.spec.pipeline_windows)]
-    if e.peer_device is not None:
-        args += ["--peer-device", str(e.peer_device)]
-    if plan.serve:
-        args += ["--serve", "--host", plan.serve.host, "--port", str(plan.serve.port)]
-    return args
-
-
-def engine_args_text(plan: LaunchPlan) -> str:
-    return shlex.join(engine_args(plan)) + "\n"

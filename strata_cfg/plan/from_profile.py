@@ -1,26 +1,22 @@
 """One path from a profile to a plan, shared by every command and the TUI: load -> facts -> resolve.
 
 ``path=None`` means the embedded demo profile, so `strata plan` with no argument shows something real.
+The plan goes on from here to the report (`strata_cfg.report`) or to a launch (`strata_cfg.launch`).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
-from importlib import resources
-from typing import Any
 
-from .facts_io import gather_facts, probe_nvidia_smi
-from .load import LoadedProfile, load_profile, load_profile_text
-from .resolve import resolve
-from .schema.facts import MachineFacts, ModelFacts
-from .schema.plan import LaunchPlan
-
-DEMO_LABEL = "<embedded>/demo.toml"
-"""How the embedded demo profile is named in origins and messages."""
-
-Sets = Iterable[tuple[str, Any] | str]
+from ..facts.gather import gather_facts
+from ..facts.machine import probe_nvidia_smi
+from ..profile.load import LoadedProfile, load, load_profile_text
+from ..profile.overrides import Sets
+from ..resolve import resolve
+from ..schema.facts import MachineFacts, ModelFacts
+from ..schema.plan import LaunchPlan
 
 
 @dataclass(frozen=True)
@@ -31,18 +27,6 @@ class Resolved:
     machine: MachineFacts
     model: ModelFacts
     plan: LaunchPlan
-
-
-def demo_text() -> str:
-    """The embedded demo profile's TOML."""
-    return resources.files("strata_cfg").joinpath("data", "demo.toml").read_text(encoding="utf-8")
-
-
-def load(path: str | os.PathLike[str] | None, sets: Sets = ()) -> LoadedProfile:
-    """Load a profile file, or the embedded demo for ``None``."""
-    if path is None:
-        return load_profile_text(demo_text(), DEMO_LABEL, sets)
-    return load_profile(path, sets)
 
 
 def resolve_loaded(
@@ -68,3 +52,13 @@ def resolve_text(
 ) -> Resolved:
     """Resolve profile text that is not (yet) saved, as if it were the file ``path`` (the TUI's editor)."""
     return resolve_loaded(load_profile_text(text, path, sets), strict=strict)
+
+
+def resolve_profile(
+    path: str | os.PathLike[str] | None = None, sets: Sets = (), *, strict: bool = False
+) -> LaunchPlan:
+    """Load, gather facts and resolve: the plan for a profile file (``None``: the embedded demo).
+
+    Raises `ProfileError` with every problem when the profile is refused.
+    """
+    return resolve_path(path, sets, strict=strict).plan

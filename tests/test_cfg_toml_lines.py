@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import tomllib
 
-from strata_cfg.tomllines import key_lines
+from strata_cfg.profile.toml_lines import key_lines
 
 DOC = """\
 #:schema ./x.json

@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import sys
 
-from strata_cfg import runner
+from strata_cfg.launch.engine_process import runtime_command
+from strata_cfg.plan.from_profile import resolve_profile
 from strata_cfg.schema.plan import LaunchPlan
 
 
 def test_runtime_command_writes_the_plan_and_names_it(tmp_path):
-    plan = runner.resolve_profile(None)
-    argv = runner.runtime_command("generate", plan, ["--prompt", "hi"], run_dir=tmp_path / "run")
+    plan = resolve_profile(None)
+    argv = runtime_command("generate", plan, ["--prompt", "hi"], run_dir=tmp_path / "run")
     assert argv[:4] == [sys.executable, "-m", "strata_runtime", "generate"]
     assert argv[4] == "--plan" and argv[6:] == ["--prompt", "hi"]
     written = json.loads((tmp_path / "run" / "plan.json").read_text())
@@ -19,7 +20,7 @@ def test_runtime_command_writes_the_plan_and_names_it(tmp_path):
 
 
 def test_default_run_dir_is_fresh(tmp_path):
-    plan = runner.resolve_profile(None)
-    a = runner.runtime_command("bench", plan)
-    b = runner.runtime_command("bench", plan)
+    plan = resolve_profile(None)
+    a = runtime_command("bench", plan)
+    b = runtime_command("bench", plan)
     assert a[5] != b[5]

@@ -1,0 +1,38 @@
+"""The arms `strata bench` compares: each a set of ``--set`` overrides of one profile, and whether the
+resolved plan really runs as the arm's name says (a rule may have changed it)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..schema.plan import LaunchPlan
+
+ARMS: dict[str, tuple[tuple[str, Any], ...]] = {
+    "serial": (("batch.groups", 1), ("batch.mtp", False)),
+    "pipelined": (("batch.groups", "auto"), ("batch.mtp", False)),
+    "batch-mtp": (("batch.groups", 1), ("batch.mtp", True)),
+    "solo": (("batch.slots", 1), ("batch.mtp", False)),
+}
+"""Each arm as ``--set`` overrides of the profile."""
+
+
+def arm_runs_as_named(name: str, plan: LaunchPlan) -> bool:
+    """Whether the resolved plan really is the arm its name says."""
+    b = plan.batch
+    return {
+        "serial": b.groups == 1 and not b.mtp,
+        "pipelined": b.groups > 1,
+        "batch-mtp": b.mtp,
+        "solo": b.slots <= 1,
+    }[name]
+
+
+def arm_note(name: str, plan: LaunchPlan) -> str | None:
+    """Why an arm does not run as named, from the decisions that changed what it asked for."""
+    if arm_runs_as_named(name, plan):
+        return None
+    keys = {k for k, _ in ARMS[name]}
+    why = [d.message for d in plan.decisions if d.key in keys and d.severity != "note" or d.requested]
+    b = plan.batch
+    runs = f"{b.mode}, {b.groups} group(s), batch MTP {'on' if b.mtp else 'off'}"
+    return f"forced: runs as {runs}" + (f" ({'; '.join(why)})" if why else "")

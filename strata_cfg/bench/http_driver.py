@@ -1,0 +1,144 @@
+"""The HTTP driver: one keep-alive client of a running engine, as its users are, that checks every reply.
+
+A 200 with no text, a missing usage count or a stream that does not end in ``[DONE]`` is an error, not a
+success. Standard library only (``http.client``), so `strata loadtest` and ``strata bench --url`` work
+wherever strata_cfg is installed, without the engine.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+import urllib.parse
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class Sample:
+    """One request as the client saw it."""
+
+    ok: bool
+    seconds: float
+    tokens: int = 0
+    first_token_s: float | None = None
+    error: str | None = None
+
+
+class Client:
+    """One keep-alive connection to the engine."""
+
+    def __init__(self, url: str, api_key: str | None, timeout: float) -> None:
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise ValueError(f"expected an http:// URL, got {url!r}")
+        self.host, self.port = parts.hostname, parts.port or 80
+        self.prefix = parts.path.rstrip("/").removesuffix("/v1")
+        self.headers = {"Content-Type": "application/json"}
+        if api_key:
+            self.headers["Authorization"] = f"Bearer {api_key}"
+        self.timeout = timeout
+        self.conn: http.client.HTTPConnection | None = None
+
+    def _connection(self) -> http.client.HTTPConnection:
+        if self.conn is None:
+            self.conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+        return self.conn
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+
+    def get_json(self, path: str) -> Any:
+        conn = self._connection()
+        conn.request("GET", self.prefix + path, headers=self.headers)
+        r = conn.getresponse()
+        body = r.read()
+        if r.status != 200:
+            raise RuntimeError(f"GET {path}: HTTP {r.status}: {body[:200]!r}")
+        return json.loads(body)
+
+    def post_completion(self, body: dict[str, Any]) -> http.client.HTTPResponse:
+        """Send ``body`` to ``/v1/completions`` and return the response, its body not yet read."""
+        conn = self._connection()
+        conn.request("POST", self.prefix + "/v1/completions", json.dumps(body), self.headers)
+        return conn.getresponse()
+
+    def complete(self, body: dict[str, Any]) -> Sample:
+        """One completion, timed and checked whole (streamed when ``body`` asks for it)."""
+        start = time.perf_counter()
+        try:
+            r = self.post_completion(body)
+            if r.status != 200:
+                return Sample(
+                    False, time.perf_counter() - start, error=f"HTTP {r.status}: {r.read()[:200]!r}"
+                )
+            if body.get("stream"):
+                return self._read_stream(r, start)
+            data = json.loads(r.read())
+            return _check_whole(data, time.perf_counter() - start)
+        except (OSError, http.client.HTTPException, ValueError) as exc:
+            self.close()
+            return Sample(False, time.perf_counter() - start, error=f"{type(exc).__name__}: {exc}")
+
+    def _read_stream(self, r: http.client.HTTPResponse, start: float) -> Sample:
+        first: float | None = None
+        finish = None
+        text = ""
+        usage: dict[str, Any] | None = None
+        done = False
+        for chunk in sse_chunks(r):
+            if chunk is None:
+                done = True
+                break
+            if "error" in chunk:
+                self.close()
+                return Sample(False, time.perf_counter() - start, error=str(chunk["error"].get("message")))
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for choice in chunk.get("choices", []):
+                if choice.get("text") and first is None:
+                    first = time.perf_counter() - start
+                text += choice.get("text") or ""
+                finish = choice.get("finish_reason") or finish
+        r.read()  # the end of the chunked body, so the connection can carry the next request
+        seconds = time.perf_counter() - start
+        if not done or finish not in ("stop", "length") or usage is None:
+            return Sample(False, seconds, error=f"incomplete stream (done={done}, finish={finish})")
+        return Sample(True, seconds, tokens=int(usage["completion_tokens"]), first_token_s=first)
+
+
+def sse_chunks(r: http.client.HTTPResponse) -> Iterator[dict[str, Any] | None]:
+    """The JSON chunks of a server-sent event stream, then None for its closing ``data: [DONE]``."""
+    for raw in r:
+        line = raw.decode().strip()
+        if not line.startswith("data: "):
+            continue
+        payload = line[len("data: ") :]
+        if payload == "[DONE]":
+            yield None
+            return
+        yield json.loads(payload)
+
+
+def _check_whole(data: dict[str, Any], seconds: float) -> Sample:
+    try:
+        choice = data["choices"][0]
+        tokens = int(data["usage"]["completion_tokens"])
+    except (KeyError, IndexError, TypeError, ValueError):
+        return Sample(False, seconds, error=f"malformed response: {str(data)[:200]}")
+    if choice.get("finish_reason") not in ("stop", "length") or tokens < 1:
+        return Sample(False, seconds, error=f"incomplete response: {str(data)[:200]}")
+    return Sample(True, seconds, tokens=tokens)
+
+
+def served_model(url: str, api_key: str | None = None, timeout: float = 10.0) -> str:
+    """The model id the engine serves (the first of ``/v1/models``)."""
+    client = Client(url, api_key, timeout)
+    try:
+        return str(client.get_json("/v1/models")["data"][0]["id"])
+    finally:
+        client.close()

@@ -1,0 +1,43 @@
+"""Step 8: how slots are scheduled (solo, serial, pipelined; batch MTP) and the bounds on window shapes, from
+the row rules in `strata_cfg/schema/windows.py` that the engine schedules with."""
+
+from __future__ import annotations
+
+from ..schema.plan import BatchMode, WindowPlan
+from ..schema.windows import (
+    BATCH_MTP_ROWS_PER_SLOT,
+    BATCH_MTP_SLOTS_PER_WINDOW,
+    HANDOFF_ROWS,
+    MAX_WINDOW_ROWS,
+)
+from .ledger import Ledger
+
+
+def batch_shape(led: Ledger) -> tuple[int, int, BatchMode, int, int]:
+    """(slots, groups, mode, slots per window, rows per slot)."""
+    slots = max(led["batch.slots"], 1)
+    groups = led["batch.groups"] if slots > 1 else 1
+    if slots < 2:
+        return 1, 1, "solo", 1, 1
+    if led["batch.mtp"]:
+        return slots, groups, "serial", min(slots, BATCH_MTP_SLOTS_PER_WINDOW), BATCH_MTP_ROWS_PER_SLOT
+    mode: BatchMode = "pipelined" if groups > 1 else "serial"
+    return slots, groups, mode, min(slots // groups, MAX_WINDOW_ROWS), 1
+
+
+def resolve_windows(led: Ledger) -> WindowPlan:
+    """The window bounds of the plan; a note when batch-MTP slots must take turns."""
+    slots, _, mode, per_window, rows_per_slot = batch_shape(led)
+    draft = led["spec.draft_tokens"]
+    solo_rows = min(1 + max(draft - 1, 0), MAX_WINDOW_ROWS)
+    if led["batch.mtp"] and slots > BATCH_MTP_SLOTS_PER_WINDOW:
+        led.note(
+            "windows.batch-mtp-rotation",
+            "batch.slots",
+            f"{slots} batch-MTP slots take turns, {BATCH_MTP_SLOTS_PER_WINDOW} per window of "
+            f"{MAX_WINDOW_ROWS} rows (token and proposal each)",
+        )
+    batch_rows = solo_rows if mode == "solo" else per_window * rows_per_slot
+    return WindowPlan(
+        max_rows=MAX_WINDOW_ROWS, handoff_rows=HANDOFF_ROWS, solo_rows=solo_rows, batch_rows=batch_rows
+    )
