@@ -12,7 +12,7 @@ from tui_helpers import DEMO, PRODUCTION, copy_profiles, pilot_test, plain, row_
 
 from strata_cfg.tui.app import StrataApp
 from strata_cfg.tui.document import backup_path
-from strata_cfg.tui.screens.dialogs import ConfirmScreen, PageScreen
+from strata_cfg.tui.screens.dialogs import ChoiceScreen, PageScreen
 from strata_cfg.tui.screens.diff import DiffScreen
 from strata_cfg.tui.screens.help import HelpScreen
 from strata_cfg.tui.screens.launch import LaunchScreen
@@ -34,7 +34,10 @@ def _app(first: str | None = DEMO, **kw) -> StrataApp:
 
 
 def _shown(app: StrataApp, part: str) -> str:
-    return plain(app.query_one(f"#plan-{part}", Static).content)
+    """The text of a part of the plan view (the summary and the decisions are a widget per line)."""
+    widget = app.query_one(f"#plan-{part}")
+    lines = [widget] if isinstance(widget, Static) else list(widget.query(Static))
+    return "\n".join(plain(line.content) for line in lines)
 
 
 async def _go_to_end_of(pilot, line: str) -> int:
@@ -123,10 +126,10 @@ async def test_a_save_that_would_clobber_a_change_on_disk_is_refused(profiles):
     app = _app(DEMO)
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)
-        elsewhere = path.read_text() + f"# changed in another editor {secrets.token_hex(4)}\n"
-        path.write_text(elsewhere)
         await _go_to_end_of(pilot, "mtp = true")
         await pilot.press("enter", *"groups = 2")
+        elsewhere = path.read_text() + f"# changed in another editor {secrets.token_hex(4)}\n"
+        path.write_text(elsewhere)
         await pilot.press("ctrl+s")
         await pilot.pause()
         assert path.read_text() == elsewhere
@@ -139,7 +142,7 @@ async def test_a_save_that_would_clobber_a_change_on_disk_is_refused(profiles):
         assert isinstance(app.screen, DiffScreen)
         page = plain(app.screen.body)
         assert "changed on disk since it was opened" in page and "+groups = 2" in page
-        await pilot.press("r")
+        await pilot.press("r", "y")  # reload, and yes, drop the edits
         await settle(pilot)
         assert app.editor.text == elsewhere and not app.modified
 
@@ -253,7 +256,7 @@ async def test_a_failed_probe_still_gives_a_profile_that_resolves(profiles):
 
 
 @pilot_test
-async def test_switching_profiles_with_unsaved_edits_asks_first(profiles):
+async def test_switching_profiles_with_unsaved_edits_asks_to_save_discard_or_cancel(profiles):
     app = _app(None)
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)
@@ -263,12 +266,26 @@ async def test_switching_profiles_with_unsaved_edits_asks_first(profiles):
         await pilot.press("ctrl+o")
         assert app.profile_list.has_focus
         await pilot.press("down", "enter")
-        assert isinstance(app.screen, ConfirmScreen)
-        await pilot.press("n")
+        assert isinstance(app.screen, ChoiceScreen)
+        assert [b.label.plain for b in app.screen.query("Button")] == [
+            "Save [s]",
+            "Discard the edits [d]",
+            "Cancel [Esc]",
+        ]
+        await pilot.press("escape")  # cancel: nothing changes
         assert app.file.path == Path(DEMO) and app.modified
-        await pilot.press("enter", "y")
+        await pilot.press("enter", "d")  # discard: the other profile opens, the file is as it was
         await settle(pilot)
         assert app.file.path == Path("profiles/gpu16-x4.toml") and not app.modified
+        assert not Path(DEMO).read_text().startswith("x")
+
+        # Save: the edits are written, then the other profile opens.
+        app.editor.focus()
+        await pilot.press("y")
+        await pilot.press("ctrl+o", "up", "enter", "s")
+        await settle(pilot)
+        assert app.file.path == Path(DEMO) and not app.modified
+        assert Path("profiles/gpu16-x4.toml").read_text().startswith("y")
 
 
 @pilot_test

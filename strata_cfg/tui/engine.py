@@ -1,0 +1,140 @@
+"""The engine a launch from the TUI started: where it runs, how it was last seen, and how to say so.
+
+The app keeps one `Engine` per session, from the moment the launch page starts it (or Ctrl+L finds the open
+profile's engine already running under the runs directory, from an earlier session). It polls it with
+`Engine.look`, blocking, in a thread, and shows `indicator_text` beside the status line, so an engine stays
+visible after its page is closed. Nothing here imports textual.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.text import Text
+
+from ..launch import (
+    RunDir,
+    base_url,
+    find_runs,
+    health,
+    live_supervisor,
+    log_tail,
+    run_profile_name,
+    stop_run,
+)
+from ..schema.plan import LaunchPlan
+
+POLL_S = 0.5
+"""How often the app looks at a running engine."""
+TAIL_LINES = 12
+
+
+@dataclass(frozen=True)
+class EngineState:
+    """One look at a launched engine."""
+
+    health: tuple[int, dict[str, Any]] | None
+    supervisor_alive: bool
+    launch_log: list[str]
+    engine_log: list[str]
+
+    @property
+    def ready(self) -> bool:
+        return self.health is not None and self.health[0] == 200
+
+
+@dataclass
+class Engine:
+    """A launched engine: its run directory, the plan it runs (one with a ``[serve]`` table), the supervisor
+    process when this session started it, and the last look at it."""
+
+    run: RunDir
+    plan: LaunchPlan
+    proc: subprocess.Popen[bytes] | None = None
+    state: EngineState | None = None
+
+    @property
+    def url(self) -> str:
+        assert self.plan.serve is not None
+        return base_url(self.plan.serve)
+
+    def alive(self) -> bool:
+        """Whether its supervisor still runs (and so the engine, or its next restart). The process this
+        session started says so at once; its pid file comes only once it is under way."""
+        if self.proc is not None:
+            return self.proc.poll() is None  # also reaps it when it has exited
+        return live_supervisor(self.run) is not None
+
+    def look(self) -> EngineState:
+        """Blocking: health, supervisor, and both logs' tails; kept as `state`."""
+        self.state = EngineState(
+            health=health(self.url, timeout=1.0),
+            supervisor_alive=self.alive(),
+            launch_log=log_tail(self.run.launch_log, lines=5),
+            engine_log=log_tail(self.run.engine_log, lines=TAIL_LINES),
+        )
+        return self.state
+
+    def stop(self, grace_s: float) -> EngineState:
+        """Blocking: stop it as `strata stop` does, wait for the supervisor, and look once more."""
+        stopped = stop_run(self.run, grace_s, lambda _msg: None)
+        if self.proc is not None:
+            if not stopped and self.proc.poll() is None:
+                self.proc.terminate()  # so young that it has not written its pid file yet
+            try:
+                self.proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.look()
+
+
+def find_running(profile: str, root: Path) -> Engine | None:
+    """The most recent run of ``profile`` under ``root`` whose supervisor still runs, if any."""
+    for run in find_runs(root):
+        if run_profile_name(run) != profile or live_supervisor(run) is None:
+            continue
+        try:
+            plan = run.load_plan()
+        except (OSError, ValueError):
+            continue
+        if plan.serve is not None:
+            return Engine(run, plan)
+    return None
+
+
+def health_text(state: EngineState, url: str) -> Text:
+    """``ready at URL`` / ``loading: ... (40%)`` / ``not answering yet`` / ``stopped``."""
+    if state.ready:
+        return Text(f"ready at {url}/v1", style="bold #5fd75f")
+    if not state.supervisor_alive:
+        return Text("stopped: the supervisor is not running (see the logs below)", style="bold #ff5f5f")
+    if state.health is None:
+        return Text("starting: the engine is not answering yet", style="#ffd75f")
+    body = state.health[1]
+    line = f"{body.get('status', '?')}: {body.get('progress', '')}"
+    frac = body.get("fraction")
+    if isinstance(frac, int | float):
+        line += f" ({frac:.0%})"
+    return Text(line, style="#ffd75f")
+
+
+def indicator_text(engine: Engine) -> Text:
+    """``engine demo :8000 ready`` (or starting, loading 40%, stopped): the engine in a few cells."""
+    assert engine.plan.serve is not None
+    text = Text(f"engine {engine.plan.profile} :{engine.plan.serve.port} ", style="bold")
+    state = engine.state
+    if state is None or (state.supervisor_alive and state.health is None):
+        text.append("starting", style="#ffd75f")
+    elif state.ready:
+        text.append("ready", style="bold #5fd75f")
+    elif not state.supervisor_alive:
+        text.append("stopped", style="#ff5f5f")
+    else:
+        frac = state.health[1].get("fraction") if state.health else None
+        status = str(state.health[1].get("status", "starting")) if state.health else "starting"
+        text.append(status + (f" {frac:.0%}" if isinstance(frac, int | float) else ""), style="#ffd75f")
+    return text
