@@ -35,8 +35,8 @@ def _demo_on_a_free_port(profiles: Path) -> int:
 
 def _indicator(app: StrataApp) -> str:
     """The engine indicator beside the status line, "" while it is hidden."""
-    widget = app.query_one("#engine", Static)
-    return plain(widget.content) if widget.display else ""
+    shown = [w for w in app.query("#engine").results(Static) if w.display]
+    return plain(shown[0].content) if shown else ""
 
 
 def _shown(screen: LaunchScreen, part: str) -> str:
