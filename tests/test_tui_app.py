@@ -11,6 +11,7 @@ from textual.widgets import Static
 from tui_helpers import (
     DEMO,
     PRODUCTION,
+    add_line_after,
     app_on,
     go_to_end_of,
     in_view,
@@ -49,8 +50,7 @@ async def test_setting_batch_groups_to_2_turns_batch_mtp_off_in_the_plan_view_wi
         assert "batch MTP on" in _shown(app, "summary")
         assert "batch-mtp.pipelined-groups" not in _shown(app, "decisions")
 
-        await go_to_end_of(pilot, "mtp = true")
-        await pilot.press("enter", *"groups = 2")
+        await add_line_after(pilot, "mtp = true", "groups = 2")
         await settle(pilot)
 
         summary = _shown(app, "summary")
@@ -119,8 +119,7 @@ async def test_a_save_that_would_clobber_a_change_on_disk_is_refused(profiles):
     app = app_on(DEMO)
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)
-        await go_to_end_of(pilot, "mtp = true")
-        await pilot.press("enter", *"groups = 2")
+        await add_line_after(pilot, "mtp = true", "groups = 2")
         elsewhere = path.read_text() + f"# changed in another editor {secrets.token_hex(4)}\n"
         path.write_text(elsewhere)
         await pilot.press("ctrl+s")
@@ -147,8 +146,7 @@ async def test_a_crash_during_save_leaves_the_original_intact(profiles, monkeypa
     app = app_on(DEMO)
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)
-        await go_to_end_of(pilot, "mtp = true")
-        await pilot.press("enter", *"groups = 2")
+        await add_line_after(pilot, "mtp = true", "groups = 2")
 
         def crash(src, dst):
             raise OSError(5, "Input/output error")
@@ -188,8 +186,7 @@ async def test_diff_shows_text_and_plan_changes_against_the_saved_file(profiles)
     app = app_on(DEMO)
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)
-        await go_to_end_of(pilot, "mtp = true")
-        await pilot.press("enter", *"groups = 2")
+        await add_line_after(pilot, "mtp = true", "groups = 2")
         await settle(pilot)
         await pilot.press("ctrl+r")
         await pilot.pause()
@@ -376,8 +373,7 @@ async def test_at_80x24_the_plan_scrolls_to_and_highlights_what_an_edit_changed(
         assert app.plan_view.scroll_y > 0
 
         app.editor.focus()
-        mtp = await go_to_end_of(pilot, "mtp = true")
-        await pilot.press("enter", *"groups = 2")
+        mtp = await add_line_after(pilot, "mtp = true", "groups = 2")
         await settle(pilot)
         await pilot.pause()
 
@@ -423,8 +419,8 @@ async def test_quitting_with_unsaved_edits_offers_to_save_them(profiles):
     app = app_on(DEMO)
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)
-        await go_to_end_of(pilot, "mtp = true")
-        await pilot.press("enter", *"groups = 2", "ctrl+q")
+        await add_line_after(pilot, "mtp = true", "groups = 2")
+        await pilot.press("ctrl+q")
         await pilot.pause()
         assert isinstance(app.screen, ChoiceScreen) and "unsaved edits" in app.screen.question
         await pilot.press("s")

@@ -3,6 +3,7 @@ stopped, and an engine that stays in sight (and stoppable) after its page is clo
 
 from __future__ import annotations
 
+import secrets
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ from strata_cfg.launch import RunDir, find_runs, live_supervisor, new_run_dir, s
 from strata_cfg.pipeline import resolve_path
 from strata_cfg.runner import write_plan
 from strata_cfg.tui.app import StrataApp
+from strata_cfg.tui.engine import Engine, EngineState, health_text, indicator_text
 from strata_cfg.tui.screens.launch import LaunchScreen
 
 SIZE = (160, 48)
@@ -168,3 +170,15 @@ async def test_ctrl_l_finds_an_engine_left_running_and_quitting_can_stop_it(prof
     finally:
         stand_in.kill()
         stand_in.wait()
+
+
+def test_the_indicator_says_how_far_loading_has_come(profiles, tmp_path):
+    port = _demo_on_a_free_port(profiles)
+    plan = resolve_path(profiles / "demo.toml").plan
+    engine = Engine(RunDir(tmp_path / "run"), plan)
+    assert plain(indicator_text(engine)) == f"engine demo :{port} starting"  # not looked at yet
+    fraction = (1 + secrets.randbelow(98)) / 100
+    body = {"status": "loading", "progress": "stage 1 on cpu:1", "fraction": fraction}
+    engine.state = EngineState((503, body), True, [], [])
+    assert plain(indicator_text(engine)) == f"engine demo :{port} loading {fraction:.0%}"
+    assert plain(health_text(engine.state, engine.url)) == f"loading: stage 1 on cpu:1 ({fraction:.0%})"

@@ -13,8 +13,8 @@ import pytest
 from textual.widgets import Static
 from tui_helpers import (
     DEMO,
+    add_line_after,
     app_on,
-    go_to_end_of,
     pilot_test,
     plain,
     settle,
@@ -72,8 +72,8 @@ async def test_saving_keeps_the_profiles_permissions_and_a_new_profile_gets_the_
     app = app_on(DEMO, probe=lambda: "0, NVIDIA GeForce RTX 3090, 24576\n")
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)
-        await go_to_end_of(pilot, "mtp = true")
-        await pilot.press("enter", *"groups = 2", "ctrl+s")
+        await add_line_after(pilot, "mtp = true", "groups = 2")
+        await pilot.press("ctrl+s")
         await pilot.pause()
         assert "groups = 2" in path.read_text()
         assert _mode(path) == 0o664 and _mode(backup_path(path)) == 0o664
@@ -94,8 +94,7 @@ async def test_reloading_from_the_diff_view_asks_first_and_ctrl_z_brings_the_edi
     app = app_on(DEMO)
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)
-        await go_to_end_of(pilot, "mtp = true")
-        await pilot.press("enter", *"groups = 2")
+        await add_line_after(pilot, "mtp = true", "groups = 2")
         await settle(pilot)
         edited = app.editor.text
 
@@ -129,8 +128,9 @@ async def test_saving_a_profile_that_does_not_resolve_warns_that_it_is_refused(p
     async with app.run_test(size=SIZE) as pilot:
         notices = _notices(app)
         await settle(pilot)
-        await go_to_end_of(pilot, "mtp = true")
-        await pilot.press("enter", *"groups = two", "ctrl+s")  # saved at once, before the pause in typing
+        app.debounce_s = 60  # no pause in typing resolves it: the save must judge the text it saves
+        await add_line_after(pilot, "mtp = true", "groups = two")
+        await pilot.press("ctrl+s")
         await pilot.pause()
         assert "groups = two" in path.read_text()  # saved: the user may want to keep a work in progress
         warnings = [m for m, severity in notices if severity == "warning"]
@@ -153,8 +153,7 @@ async def test_a_change_made_on_disk_is_noticed_without_saving(profiles):
         assert not app.modified and app.outcome.resolved.plan.batch.slots == 3
 
         # With edits: they stay, and the status line and a warning say what happened.
-        await go_to_end_of(pilot, "mtp = true")
-        await pilot.press("enter", *"groups = 2")
+        await add_line_after(pilot, "mtp = true", "groups = 2")
         path.write_text(elsewhere + f"# {secrets.token_hex(4)}\n")
         await until(pilot, lambda: "changed on disk" in _status(app), 10, "for the status line")
         assert "groups = 2" in app.editor.text

@@ -87,6 +87,13 @@ async def go_to_end_of(pilot, line: str) -> int:
     return row
 
 
+async def add_line_after(pilot, line: str, typed: str) -> int:
+    """Type ``typed`` on a new line after the first line equal to ``line``; returns that line's row."""
+    row = await go_to_end_of(pilot, line)
+    await pilot.press("enter", *typed)
+    return row
+
+
 async def until(pilot, condition: Callable[[], object], seconds: float = 30.0, what: str = "") -> None:
     """Wait (the app running meanwhile) until ``condition()`` is true."""
     for _ in range(int(seconds / 0.05)):

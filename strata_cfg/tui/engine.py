@@ -106,35 +106,48 @@ def find_running(profile: str, root: Path) -> Engine | None:
     return None
 
 
-def health_text(state: EngineState, url: str) -> Text:
-    """``ready at URL`` / ``loading: ... (40%)`` / ``not answering yet`` / ``stopped``."""
+def phase(state: EngineState | None) -> str:
+    """``ready``, ``stopped``, ``starting`` (not answering yet), or what ``/health`` says (``loading``)."""
+    if state is None:
+        return "starting"
     if state.ready:
-        return Text(f"ready at {url}/v1", style="bold #5fd75f")
+        return "ready"
     if not state.supervisor_alive:
-        return Text("stopped: the supervisor is not running (see the logs below)", style="bold #ff5f5f")
+        return "stopped"
     if state.health is None:
-        return Text("starting: the engine is not answering yet", style="#ffd75f")
-    body = state.health[1]
-    line = f"{body.get('status', '?')}: {body.get('progress', '')}"
-    frac = body.get("fraction")
-    if isinstance(frac, int | float):
-        line += f" ({frac:.0%})"
-    return Text(line, style="#ffd75f")
+        return "starting"
+    return str(state.health[1].get("status", "?"))
+
+
+def progress(state: EngineState | None) -> float | None:
+    """How far loading has come (0 to 1), when ``/health`` says."""
+    frac = state.health[1].get("fraction") if state is not None and state.health is not None else None
+    return float(frac) if isinstance(frac, int | float) else None
+
+
+PHASE_STYLE = {"ready": "bold #5fd75f", "stopped": "bold #ff5f5f"}
+"""How each phase is shown; any other is on its way, in yellow."""
+
+
+def health_text(state: EngineState, url: str) -> Text:
+    """``ready at URL``, ``loading: ... (40%)``, ``starting: ...`` or ``stopped: ...`` (the launch page)."""
+    now = phase(state)
+    style = PHASE_STYLE.get(now, "#ffd75f")
+    if now == "ready":
+        return Text(f"ready at {url}/v1", style=style)
+    if now == "stopped":
+        return Text("stopped: the supervisor is not running (see the logs below)", style=style)
+    if state.health is None:
+        return Text("starting: the engine is not answering yet", style=style)
+    frac = progress(state)
+    line = f"{now}: {state.health[1].get('progress', '')}" + (f" ({frac:.0%})" if frac is not None else "")
+    return Text(line, style=style)
 
 
 def indicator_text(engine: Engine) -> Text:
     """``engine demo :8000 ready`` (or starting, loading 40%, stopped): the engine in a few cells."""
     assert engine.plan.serve is not None
     text = Text(f"engine {engine.plan.profile} :{engine.plan.serve.port} ", style="bold")
-    state = engine.state
-    if state is None or (state.supervisor_alive and state.health is None):
-        text.append("starting", style="#ffd75f")
-    elif state.ready:
-        text.append("ready", style="bold #5fd75f")
-    elif not state.supervisor_alive:
-        text.append("stopped", style="#ff5f5f")
-    else:
-        frac = state.health[1].get("fraction") if state.health else None
-        status = str(state.health[1].get("status", "starting")) if state.health else "starting"
-        text.append(status + (f" {frac:.0%}" if isinstance(frac, int | float) else ""), style="#ffd75f")
+    now, frac = phase(engine.state), progress(engine.state)
+    text.append(now + (f" {frac:.0%}" if frac is not None else ""), style=PHASE_STYLE.get(now, "#ffd75f"))
     return text
