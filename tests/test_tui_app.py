@@ -8,14 +8,26 @@ from pathlib import Path
 
 import pytest
 from textual.widgets import Static
-from tui_helpers import DEMO, PRODUCTION, copy_profiles, pilot_test, plain, row_of, settle
+from tui_helpers import (
+    DEMO,
+    PRODUCTION,
+    add_line_after,
+    app_on,
+    go_to_end_of,
+    in_view,
+    pilot_test,
+    plain,
+    row_of,
+    settle,
+    text_of,
+    work_on_copies,
+)
 
 from strata_cfg.tui.app import StrataApp
 from strata_cfg.tui.document import backup_path
-from strata_cfg.tui.screens.dialogs import ConfirmScreen, PageScreen
+from strata_cfg.tui.screens.dialogs import ChoiceScreen, PageScreen
 from strata_cfg.tui.screens.diff import DiffScreen
 from strata_cfg.tui.screens.help import HelpScreen
-from strata_cfg.tui.screens.launch import LaunchScreen
 from strata_cfg.tui.screens.new_profile import NewProfileScreen
 
 SIZE = (160, 48)  # wide enough that a problem's message fits on its editor line
@@ -23,38 +35,22 @@ SIZE = (160, 48)  # wide enough that a problem's message fits on its editor line
 
 @pytest.fixture
 def profiles(tmp_path, monkeypatch) -> Path:
-    monkeypatch.chdir(tmp_path)
-    copy_profiles(tmp_path)
-    return Path("profiles")
-
-
-def _app(first: str | None = DEMO, **kw) -> StrataApp:
-    kw.setdefault("debounce_s", 0.05)
-    return StrataApp(Path("profiles"), Path(first) if first else None, **kw)
+    return work_on_copies(tmp_path, monkeypatch)
 
 
 def _shown(app: StrataApp, part: str) -> str:
-    return plain(app.query_one(f"#plan-{part}", Static).content)
-
-
-async def _go_to_end_of(pilot, line: str) -> int:
-    app = pilot.app
-    row = row_of(app.editor.text, line)
-    app.editor.move_cursor((row, len(line)))
-    await pilot.pause()
-    return row
+    return text_of(app.query_one(f"#plan-{part}"))
 
 
 @pilot_test
 async def test_setting_batch_groups_to_2_turns_batch_mtp_off_in_the_plan_view_with_its_reason(profiles):
-    app = _app(PRODUCTION)
+    app = app_on(PRODUCTION)
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)
         assert "batch MTP on" in _shown(app, "summary")
         assert "batch-mtp.pipelined-groups" not in _shown(app, "decisions")
 
-        await _go_to_end_of(pilot, "mtp = true")
-        await pilot.press("enter", *"groups = 2")
+        await add_line_after(pilot, "mtp = true", "groups = 2")
         await settle(pilot)
 
         summary = _shown(app, "summary")
@@ -75,10 +71,10 @@ async def test_setting_batch_groups_to_2_turns_batch_mtp_off_in_the_plan_view_wi
 
 @pilot_test
 async def test_a_key_typo_shows_the_did_you_mean_at_its_line_in_the_editor(profiles):
-    app = _app(DEMO)
+    app = app_on(DEMO)
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)
-        row = await _go_to_end_of(pilot, "slots = 2")
+        row = await go_to_end_of(pilot, "slots = 2")
         app.editor.move_cursor((row, len("slots")))
         await pilot.press("backspace")  # slots -> slot
         await settle(pilot)
@@ -100,7 +96,7 @@ async def test_a_key_typo_shows_the_did_you_mean_at_its_line_in_the_editor(profi
 async def test_saving_writes_the_file_and_keeps_a_backup(profiles):
     path = profiles / "demo.toml"
     before = path.read_text()
-    app = _app(DEMO)
+    app = app_on(DEMO)
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)
         port = 20000 + secrets.randbelow(20000)
@@ -120,13 +116,12 @@ async def test_saving_writes_the_file_and_keeps_a_backup(profiles):
 @pilot_test
 async def test_a_save_that_would_clobber_a_change_on_disk_is_refused(profiles):
     path = profiles / "demo.toml"
-    app = _app(DEMO)
+    app = app_on(DEMO)
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)
+        await add_line_after(pilot, "mtp = true", "groups = 2")
         elsewhere = path.read_text() + f"# changed in another editor {secrets.token_hex(4)}\n"
         path.write_text(elsewhere)
-        await _go_to_end_of(pilot, "mtp = true")
-        await pilot.press("enter", *"groups = 2")
         await pilot.press("ctrl+s")
         await pilot.pause()
         assert path.read_text() == elsewhere
@@ -139,7 +134,7 @@ async def test_a_save_that_would_clobber_a_change_on_disk_is_refused(profiles):
         assert isinstance(app.screen, DiffScreen)
         page = plain(app.screen.body)
         assert "changed on disk since it was opened" in page and "+groups = 2" in page
-        await pilot.press("r")
+        await pilot.press("r", "y")  # reload, and yes, drop the edits
         await settle(pilot)
         assert app.editor.text == elsewhere and not app.modified
 
@@ -148,11 +143,10 @@ async def test_a_save_that_would_clobber_a_change_on_disk_is_refused(profiles):
 async def test_a_crash_during_save_leaves_the_original_intact(profiles, monkeypatch):
     path = profiles / "demo.toml"
     before = path.read_text()
-    app = _app(DEMO)
+    app = app_on(DEMO)
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)
-        await _go_to_end_of(pilot, "mtp = true")
-        await pilot.press("enter", *"groups = 2")
+        await add_line_after(pilot, "mtp = true", "groups = 2")
 
         def crash(src, dst):
             raise OSError(5, "Input/output error")
@@ -167,10 +161,10 @@ async def test_a_crash_during_save_leaves_the_original_intact(profiles, monkeypa
 
 @pilot_test
 async def test_explain_shows_value_source_and_rules_of_the_key_under_the_cursor(profiles):
-    app = _app(DEMO)
+    app = app_on(DEMO)
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)
-        row = await _go_to_end_of(pilot, "mtp = true")
+        row = await go_to_end_of(pilot, "mtp = true")
         await pilot.press("ctrl+t")
         await pilot.pause()
         assert isinstance(app.screen, PageScreen)
@@ -180,7 +174,7 @@ async def test_explain_shows_value_source_and_rules_of_the_key_under_the_cursor(
         assert "batch-mtp.needs-batching" in page and "batch-mtp.pipelined-groups" in page
         await pilot.press("escape")
         # On the table header: every key of the table, defaults and derived ones included.
-        await _go_to_end_of(pilot, "[batch]")
+        await go_to_end_of(pilot, "[batch]")
         await pilot.press("f2")
         await pilot.pause()
         page = plain(app.screen.body)
@@ -189,11 +183,10 @@ async def test_explain_shows_value_source_and_rules_of_the_key_under_the_cursor(
 
 @pilot_test
 async def test_diff_shows_text_and_plan_changes_against_the_saved_file(profiles):
-    app = _app(DEMO)
+    app = app_on(DEMO)
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)
-        await _go_to_end_of(pilot, "mtp = true")
-        await pilot.press("enter", *"groups = 2")
+        await add_line_after(pilot, "mtp = true", "groups = 2")
         await settle(pilot)
         await pilot.press("ctrl+r")
         await pilot.pause()
@@ -207,7 +200,7 @@ async def test_diff_shows_text_and_plan_changes_against_the_saved_file(profiles)
 async def test_new_profile_from_a_machine_probe_opens_unsaved_and_saves_into_the_list(profiles):
     vram = [8192 + 1024 * secrets.randbelow(16) for _ in range(2)]
     csv = "".join(f"{i}, NVIDIA GeForce RTX 3090, {v}\n" for i, v in enumerate(vram))
-    app = _app(DEMO, probe=lambda: csv)
+    app = app_on(DEMO, probe=lambda: csv)
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)
         await pilot.press("ctrl+n")
@@ -236,7 +229,7 @@ async def test_a_failed_probe_still_gives_a_profile_that_resolves(profiles):
     def no_gpu() -> str:
         raise OSError("nvidia-smi was not found on PATH")
 
-    app = _app(DEMO, probe=no_gpu)
+    app = app_on(DEMO, probe=no_gpu)
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)
         await pilot.press("f4")
@@ -253,8 +246,8 @@ async def test_a_failed_probe_still_gives_a_profile_that_resolves(profiles):
 
 
 @pilot_test
-async def test_switching_profiles_with_unsaved_edits_asks_first(profiles):
-    app = _app(None)
+async def test_switching_profiles_with_unsaved_edits_asks_to_save_discard_or_cancel(profiles):
+    app = app_on(None)
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)
         assert app.file.path == Path(DEMO)  # the first profile in the list opens
@@ -263,17 +256,31 @@ async def test_switching_profiles_with_unsaved_edits_asks_first(profiles):
         await pilot.press("ctrl+o")
         assert app.profile_list.has_focus
         await pilot.press("down", "enter")
-        assert isinstance(app.screen, ConfirmScreen)
-        await pilot.press("n")
+        assert isinstance(app.screen, ChoiceScreen)
+        assert [b.label.plain for b in app.screen.query("Button")] == [
+            "Save [s]",
+            "Discard the edits [d]",
+            "Cancel [Esc]",
+        ]
+        await pilot.press("escape")  # cancel: nothing changes
         assert app.file.path == Path(DEMO) and app.modified
-        await pilot.press("enter", "y")
+        await pilot.press("enter", "d")  # discard: the other profile opens, the file is as it was
         await settle(pilot)
         assert app.file.path == Path("profiles/gpu16-x4.toml") and not app.modified
+        assert not Path(DEMO).read_text().startswith("x")
+
+        # Save: the edits are written, then the other profile opens.
+        app.editor.focus()
+        await pilot.press("y")
+        await pilot.press("ctrl+o", "up", "enter", "s")
+        await settle(pilot)
+        assert app.file.path == Path(DEMO) and not app.modified
+        assert Path("profiles/gpu16-x4.toml").read_text().startswith("y")
 
 
 @pilot_test
 async def test_every_pane_is_reached_with_tab_and_every_action_has_a_key(profiles):
-    app = _app(DEMO)
+    app = app_on(DEMO)
     async with app.run_test(size=(80, 24)) as pilot:
         await settle(pilot)
         assert not app.profile_list.display  # narrow: the list hides once a profile is open
@@ -301,83 +308,6 @@ async def test_every_pane_is_reached_with_tab_and_every_action_has_a_key(profile
 
 
 @pilot_test
-async def test_launch_refuses_a_profile_without_serve_and_starts_nothing(profiles, tmp_path):
-    oneshot = profiles / "oneshot.toml"
-    oneshot.write_text((profiles / "demo.toml").read_text().split("[serve]")[0])
-    app = _app(str(oneshot), runs_root=tmp_path / "runs")
-    async with app.run_test(size=SIZE) as pilot:
-        await settle(pilot)
-        await pilot.press("ctrl+l")
-        await pilot.pause()
-        assert isinstance(app.screen, LaunchScreen)
-        shown = plain(app.screen.query_one("#launch-summary", Static).content)
-        assert "has no [serve] table" in shown
-        await pilot.press("enter")
-        await pilot.pause()
-        assert not (tmp_path / "runs").exists()
-
-
-@pilot_test
-async def test_launch_asks_to_save_first(profiles):
-    app = _app(DEMO)
-    async with app.run_test(size=SIZE) as pilot:
-        await settle(pilot)
-        app.editor.focus()
-        await pilot.press("x")
-        await pilot.press("ctrl+l")
-        await pilot.pause()
-        assert not isinstance(app.screen, LaunchScreen)
-
-
-@pilot_test
-async def test_launch_starts_the_engine_shows_its_health_and_log_and_stops_it(profiles, tmp_path):
-    from srv_helpers import free_port
-
-    from strata_cfg.launch.run_dir import RunDir, find_runs, live_supervisor
-    from strata_cfg.launch.supervisor import stop_run
-
-    port = free_port()
-    demo = profiles / "demo.toml"
-    demo.write_text(demo.read_text().replace("port = 8000", f"port = {port}"))
-    runs = tmp_path / "runs"
-    app = _app(DEMO, runs_root=runs)
-    run: RunDir | None = None
-    try:
-        async with app.run_test(size=SIZE) as pilot:
-            await settle(pilot)
-            await pilot.press("ctrl+l")
-            await pilot.pause()
-            screen = app.screen
-            assert isinstance(screen, LaunchScreen)
-            assert "batch: 2 slot(s), 1 group(s), serial, batch MTP on" in plain(
-                screen.query_one("#launch-summary", Static).content
-            )
-            await pilot.press("enter")
-            run = screen.run_dir
-            assert run is not None and run.plan.is_file() and find_runs(runs) == [run]
-            for _ in range(600):  # the tiny engine loads in seconds; allow a slow CI machine
-                state = screen.state
-                if state is not None and state.health is not None and state.health[0] == 200:
-                    break
-                await pilot.pause(0.1)
-            health = plain(screen.query_one("#launch-health", Static).content)
-            assert f"ready at http://127.0.0.1:{port}/v1" in health
-            log = plain(screen.query_one("#launch-log", Static).content)
-            assert "starting the engine (pid" in log  # the supervisor's own output
-            assert "engine ready in" in log.split("engine log")[1]  # the engine log's tail
-            await pilot.press("s")
-            for _ in range(300):
-                if live_supervisor(run) is None:
-                    break
-                await pilot.pause(0.1)
-            assert live_supervisor(run) is None
-            assert "the engine stopped cleanly" in run.launch_log.read_text()
-    finally:
-        if run is not None:
-            stop_run(run, grace_s=20)
-
-
-@pilot_test
 async def test_a_probed_machine_is_probed_once_not_on_every_edit(profiles):
     vram = 8192 + 1024 * secrets.randbelow(24)
     calls = []
@@ -390,13 +320,110 @@ async def test_a_probed_machine_is_probed_once_not_on_every_edit(profiles):
     probed.write_text(
         'name = "probed"\n\n[machine]\nprobe = true\n\n[model]\nsynthetic = "tiny"\n\n[batch]\nslots = 2\n'
     )
-    app = _app(str(probed), probe=probe)
+    app = app_on(str(probed), probe=probe)
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)
-        await _go_to_end_of(pilot, "slots = 2")
+        await go_to_end_of(pilot, "slots = 2")
         for n in "3456":
             await pilot.press("backspace", n)
             await settle(pilot)
         plan = app.outcome.resolved.plan
         assert plan.batch.slots == 6 and [g.vram_mib for g in plan.machine.gpus] == [vram]
         assert len(calls) == 1
+
+
+@pilot_test
+async def test_a_profile_that_does_not_resolve_shows_no_plan_of_another_profile(profiles):
+    broken = profiles / "broken.toml"  # first in the list
+    demo = (profiles / "demo.toml").read_text()
+    broken.write_text(demo.replace('name = "demo"', 'name = "broken"').replace("slots = 2", "slot = 2"))
+    app = app_on(PRODUCTION)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        assert app.plan_view.border_title == "plan: rtx3080-20g-x2"
+        await pilot.press("ctrl+o", "home", "enter")
+        await settle(pilot)
+        assert app.file.path == broken
+        # Its error, and no plan under it: the production box's plan says nothing about this file.
+        assert "batch.slot: unknown key" in _shown(app, "problems")
+        assert app.plan_view.border_title == "plan"
+        assert not app.query_one("#plan-summary").display and not app.query_one("#plan-decisions").display
+
+        # Once it resolves, its own plan is the one kept (dimmed) under its next problem.
+        row = await go_to_end_of(pilot, "slot = 2")
+        app.editor.move_cursor((row, len("slot")))
+        await pilot.press("s")
+        await settle(pilot)
+        assert app.plan_view.border_title == "plan: broken"
+        await pilot.press("backspace")
+        await settle(pilot)
+        assert app.plan_view.border_title == "plan: broken (last that resolved)"
+        assert "1 group" in _shown(app, "summary")
+
+
+@pilot_test
+async def test_at_80x24_the_plan_scrolls_to_and_highlights_what_an_edit_changed(profiles):
+    app = app_on(PRODUCTION)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settle(pilot)
+        # The plan was scrolled down to the VRAM bars, so the batch line is out of sight.
+        app.plan_view.focus()
+        await pilot.press("end")
+        await pilot.pause()
+        assert app.plan_view.scroll_y > 0
+
+        app.editor.focus()
+        mtp = await add_line_after(pilot, "mtp = true", "groups = 2")
+        await settle(pilot)
+        await pilot.pause()
+
+        lines = list(app.plan_view.query(Static))
+
+        def line(text: str) -> Static:
+            return next(w for w in lines if text in plain(w.content))
+
+        batch, turned_off = line("! batch MTP off"), line("! OFF batch-mtp.pipelined-groups")
+        assert batch in in_view(app.plan_view)  # the first thing the edit changed is in sight
+        assert batch.has_class("-changed") and turned_off.has_class("-changed")
+        assert not line("experts.cache  GPU 0").has_class("-changed")  # unchanged: not highlighted
+        assert not line("model").has_class("-changed")
+
+        # The line that asked for batch MTP is marked in the editor's gutter.
+        drawn = app.editor.render_line(mtp - app.editor.scroll_offset.y).text
+        assert drawn.lstrip().startswith(f"{mtp + 1}! mtp = true")
+        assert app.editor.overrides == {mtp: "off: batch-mtp.pipelined-groups"}
+
+        # An edit that changes nothing in the plan highlights nothing.
+        await pilot.press("enter", *"# a comment")
+        await settle(pilot)
+        assert not any(w.has_class("-changed") for w in app.plan_view.query(Static))
+
+
+@pilot_test
+async def test_the_140_column_rule_for_the_list_is_applied_again_on_resize(profiles):
+    app = app_on(DEMO)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        assert app.profile_list.display
+        await pilot.resize_terminal(100, 30)
+        await pilot.pause()
+        assert not app.profile_list.display
+        await pilot.resize_terminal(150, 40)
+        await pilot.pause()
+        assert app.profile_list.display
+
+
+@pilot_test
+async def test_quitting_with_unsaved_edits_offers_to_save_them(profiles):
+    path = profiles / "demo.toml"
+    app = app_on(DEMO)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        await add_line_after(pilot, "mtp = true", "groups = 2")
+        await pilot.press("ctrl+q")
+        await pilot.pause()
+        assert isinstance(app.screen, ChoiceScreen) and "unsaved edits" in app.screen.question
+        await pilot.press("s")
+        await pilot.pause()
+        assert app.return_code == 0
+        assert "mtp = true\ngroups = 2\n" in path.read_text()

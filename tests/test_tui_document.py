@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import stat
 from pathlib import Path
 
 import pytest
@@ -81,6 +82,25 @@ def test_a_new_file_is_created_once_and_refused_if_something_appeared_there(tmp_
     with pytest.raises(SaveRefused, match="was created on disk"):
         other.save("name = 'second'\n")
     assert (tmp_path / "raced.toml").read_text() == "name = 'first'\n"
+
+
+@pytest.mark.parametrize("mode", [0o640, 0o644, 0o600])
+def test_the_saved_file_and_its_backup_keep_the_files_permissions(tmp_path, mode):
+    path, before = _profile(tmp_path)
+    path.chmod(mode)
+    ProfileFile.open(path).save(before + "# tuned\n")
+    assert stat.S_IMODE(path.stat().st_mode) == mode
+    assert stat.S_IMODE(backup_path(path).stat().st_mode) == mode
+
+
+def test_a_new_file_gets_the_permissions_the_umask_leaves(tmp_path):
+    old = os.umask(0o027)
+    try:
+        ProfileFile.new(tmp_path / "new.toml").save("name = 'new'\n")
+        assert os.umask(0o027) == 0o027  # reading the umask left it as it was
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "new.toml").stat().st_mode) == 0o640
 
 
 def test_a_crash_at_the_rename_leaves_the_original_intact(tmp_path, monkeypatch):

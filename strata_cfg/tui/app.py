@@ -2,19 +2,22 @@
 
 Three panes: the profile list, the TOML editor and the plan view, with a status line and the key bindings
 under them. Every edit re-resolves the editor's text (after a short pause in typing) through the same
-functions as the CLI, `load_profile_text` then `resolve_loaded`, and the plan view, the editor's problem
-marks and the status line follow. Every action has a key, and Tab moves the focus, so it works without a
+functions as the CLI (`resolving.py`), and the plan view, the editor's problem marks and the status line
+follow. Every action has a key, and Tab moves the focus, so it works without a
 mouse over SSH, at 80x24 too (below 140 columns the list hides once a profile is open; Ctrl+O shows it).
+
+The app also watches the open file on disk, so a change made elsewhere shows at once, and keeps an eye on
+the engine a launch started, so it stays visible (and stoppable) after its page is closed.
 """
 
 from __future__ import annotations
 
-import subprocess
+import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
+from textual import events
 from textual.app import App, ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Horizontal
@@ -24,20 +27,21 @@ from textual.widgets import Footer, TextArea
 from ..facts.machine import probe_nvidia_smi
 from ..launch.options import LaunchOptions
 from ..launch.run_dir import RUNS_ROOT
-from ..plan.from_profile import Resolved, resolve_loaded
-from ..profile.load import load_profile_text
+from ..plan.from_profile import Resolved
 from ..report.explain import explain_text
 from ..report.problems import problems_text
-from ..schema.errors import Problem, ProfileError
 from ..schema.plan import LaunchPlan
-from .document import ProfileFile, SaveFailed, SaveRefused, key_at, problems_by_row
-from .messages import LaunchStopped, ProfileChosen
-from .screens.dialogs import ConfirmScreen, PageScreen
+from .document import ProfileFile, SaveFailed, SaveRefused, key_at, overrides_by_row, problems_by_row
+from .engine import Engine, find_running
+from .messages import LaunchStarted, LaunchStopped, ProfileChosen
+from .resolving import Outcome, ProbeOnce, resolve_editor_text
+from .screens.dialogs import SAVE_DISCARD, YES, Choice, ChoiceScreen, PageScreen
 from .screens.diff import DiffScreen, diff_page
 from .screens.help import HelpScreen
 from .screens.launch import LaunchScreen
 from .screens.new_profile import NewProfileScreen
 from .widgets.editor import ProfileEditor
+from .widgets.engine_indicator import EngineIndicator
 from .widgets.plan_view import PlanView
 from .widgets.profile_list import ProfileList
 from .widgets.status_bar import StatusBar, status_text
@@ -46,46 +50,8 @@ DEBOUNCE_S = 0.25
 """Pause in typing after which the editor's text is resolved again."""
 WIDE = 140
 """From this many columns the profile list stays beside the editor."""
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """The last resolution of the editor's text."""
-
-    resolved: Resolved | None
-    problems: tuple[Problem, ...] = ()
-
-
-class ProbeOnce:
-    """The machine probe, run at most once per session: a profile with ``machine.probe = true`` is resolved
-    on every edit, and nvidia-smi can take seconds. Its failure is remembered too."""
-
-    def __init__(self, probe: Callable[[], str]) -> None:
-        self.probe = probe
-        self.calls = 0
-        self._answer: str | None = None
-        self._error: Exception | None = None
-
-    def __call__(self) -> str:
-        if self._answer is None and self._error is None:
-            self.calls += 1
-            try:
-                self._answer = self.probe()
-            except (OSError, subprocess.SubprocessError) as exc:
-                self._error = exc
-        if self._error is not None:
-            raise self._error
-        assert self._answer is not None
-        return self._answer
-
-
-def resolve_editor_text(text: str, path: Path, probe: Callable[[], str], strict: bool) -> Outcome:
-    """The CLI's path from text to plan, with the problems kept instead of raised."""
-    try:
-        loaded = load_profile_text(text, path.as_posix())
-        return Outcome(resolve_loaded(loaded, strict=strict, probe=probe))
-    except ProfileError as exc:
-        return Outcome(None, tuple(exc.problems))
+WATCH_S = 1.0
+"""How often the open file is looked at on disk, to notice a change made elsewhere."""
 
 
 class StrataApp(App[None]):
@@ -111,11 +77,18 @@ class StrataApp(App[None]):
         ),
         Binding("ctrl+n,f4", "new", "New", tooltip="new profile from a probe of this machine's GPUs"),
         Binding(
-            "ctrl+l,f5", "launch", "Launch", tooltip="launch the saved profile; shows health and the log"
+            "ctrl+l,f5",
+            "launch",
+            "Launch",
+            tooltip="launch the saved profile; shows health and the log (while an engine runs: its page)",
         ),
         Binding("f1", "help", "Help", tooltip="this help"),
         Binding(
-            "ctrl+q", "quit", "Quit", tooltip="quit (asks first when there are unsaved edits)", priority=True
+            "ctrl+q",
+            "quit",
+            "Quit",
+            tooltip="quit; asks first about unsaved edits (save, discard) and a running engine (stop, keep)",
+            priority=True,
         ),
     ]
 
@@ -129,6 +102,7 @@ class StrataApp(App[None]):
         runs_root: Path = RUNS_ROOT,
         launch_options: LaunchOptions | None = None,
         debounce_s: float = DEBOUNCE_S,
+        watch_s: float = WATCH_S,
     ) -> None:
         super().__init__()
         self.root = root
@@ -140,10 +114,16 @@ class StrataApp(App[None]):
         self.runs_root = runs_root
         self.launch_options = launch_options or LaunchOptions()
         self.debounce_s = debounce_s
+        self.watch_s = watch_s
         self.file: ProfileFile | None = None
         self.outcome = Outcome(None)
         self.last_good: Resolved | None = None
+        """The open file's last resolution that succeeded (never another file's)."""
         self._pending: Timer | None = None
+        self.disk_changed = False
+        """The open file changed on disk while the editor held edits to it."""
+        self._disk_stamp: tuple[int, int, int] | None = None
+        self._wide: bool | None = None
 
     # ---- layout ---------------------------------------------------------------------------------
 
@@ -152,7 +132,9 @@ class StrataApp(App[None]):
             yield ProfileList(self.root, id="profiles")
             yield ProfileEditor(id="editor")
             yield PlanView(id="plan")
-        yield StatusBar(id="status")
+        with Horizontal(id="status-row"):
+            yield StatusBar(id="status")
+            yield EngineIndicator(id="engine")
         yield Footer()
 
     @property
@@ -173,11 +155,25 @@ class StrataApp(App[None]):
             self.open(ProfileFile.open(first))
         else:
             self.show_status()
-        self._list_shown(first is None or self.size.width >= WIDE)
+        self._wide = self.size.width >= WIDE
+        self._list_shown(first is None or self._wide)
         (self.editor if first is not None else self.profile_list).focus()
+        self.set_interval(self.watch_s, self.watch_file)
 
     def _list_shown(self, shown: bool) -> None:
         self.profile_list.display = shown
+
+    def on_resize(self, event: events.Resize) -> None:
+        """Apply the 140-column rule again when the terminal crosses it (not on every resize, so Ctrl+O's
+        choice holds while the width stays on one side)."""
+        wide = event.size.width >= WIDE
+        if self._wide is None or wide == self._wide:
+            return
+        self._wide = wide
+        if wide:
+            self._list_shown(True)
+        elif self.file is not None and not self.profile_list.has_focus:
+            self._list_shown(False)
 
     # ---- the open profile ---------------------------------------------------------------------
 
@@ -187,27 +183,45 @@ class StrataApp(App[None]):
 
     def open(self, file: ProfileFile, text: str | None = None) -> None:
         """Put ``file`` in the editor (with ``text`` instead of what is on disk, for a new profile)."""
-        self.file = file
+        if self.file is None or file.path != self.file.path:
+            self.last_good = None  # another file's plan says nothing about this one
+        self._take(file)
         self.editor.load_text(file.saved_text if text is None else text)
         self.editor.border_title = file.path.as_posix()
         self.profile_list.mark_open(file.path)
         self.resolve_now()
 
+    def _take(self, file: ProfileFile) -> None:
+        """Make ``file`` the open one, as it is on disk now."""
+        self.file = file
+        self.disk_changed = False
+        self._disk_stamp = file.disk_stamp()
+
     def on_profile_chosen(self, message: ProfileChosen) -> None:
-        def switch(yes: bool | None = True) -> None:
-            if yes:
-                self.open(ProfileFile.open(message.path))
-                if self.size.width < WIDE:
-                    self._list_shown(False)
-                self.editor.focus()
+        def switch() -> None:
+            self.open(ProfileFile.open(message.path))
+            if self.size.width < WIDE:
+                self._list_shown(False)
+            self.editor.focus()
 
         if self.file is not None and message.path == self.file.path:
             return switch()
-        if self.modified:
-            assert self.file is not None
-            self.push_screen(ConfirmScreen(f"Drop the unsaved edits to {self.file.path.as_posix()}?"), switch)
-        else:
-            switch()
+        self.unless_unsaved(f"opening {message.path.as_posix()}", switch)
+
+    def unless_unsaved(self, doing: str, then: Callable[[], object]) -> None:
+        """Do ``then``; with unsaved edits, first ask: save them (and go on if that worked), discard them,
+        or cancel."""
+        if not self.modified:
+            then()
+            return
+        assert self.file is not None
+
+        def answer(choice: str | None) -> None:
+            if choice == "discard" or (choice == "save" and self.save()):
+                then()
+
+        question = f"{self.file.path.as_posix()} has unsaved edits. Save them before {doing}?"
+        self.push_screen(ChoiceScreen(question, SAVE_DISCARD), answer)
 
     # ---- resolving as the user types ----------------------------------------------------------
 
@@ -226,20 +240,54 @@ class StrataApp(App[None]):
         self._pending = None
         if self.file is None:
             return
+        before = self.last_good
         self.outcome = resolve_editor_text(self.editor.text, self.file.path, self.machine_probe, self.strict)
-        if self.outcome.resolved is not None:
-            self.last_good = self.outcome.resolved
+        resolved = self.outcome.resolved
+        if resolved is not None:
+            self.last_good = resolved
         path = self.file.path.as_posix()
-        shown = self.outcome.resolved or self.last_good
-        self.plan_view.show(shown.plan if shown else None, self.outcome.problems, path)
-        self.editor.show_problems(problems_by_row(self.outcome.problems, path))
+        shown = resolved or self.last_good
+        self.plan_view.show(
+            shown.plan if shown else None, self.outcome.problems, path, before.plan if before else None
+        )
+        overrides = overrides_by_row(resolved.plan.decisions, path) if resolved else {}
+        self.editor.show_marks(problems_by_row(self.outcome.problems, path), overrides)
         self.show_status()
 
     def show_status(self) -> None:
         plan = self.outcome.resolved.plan if self.outcome.resolved else None
         path = self.file.path if self.file else None
-        text = status_text(path, self.modified, plan, len(self.outcome.problems), self.editor.highlighting)
+        problems = len(self.outcome.problems)
+        text = status_text(path, self.modified, plan, problems, self.editor.highlighting, self.disk_changed)
         self.query_one(StatusBar).update(text)
+
+    # ---- the file on disk ---------------------------------------------------------------------
+
+    def watch_file(self) -> None:
+        """Notice a change made to the open file elsewhere: without edits in the editor, reload it; with
+        some, say so (a save would be refused)."""
+        file = self.file
+        if file is None or file.on_disk is None:
+            return
+        stamp = file.disk_stamp()
+        if stamp == self._disk_stamp:
+            return
+        self._disk_stamp = stamp
+        changed = file.changed_on_disk()
+        if changed and stamp is not None and not self.modified:
+            self._reload(f"{file.path.as_posix()} changed on disk; reloaded it (Ctrl+Z undoes that)")
+            return
+        if changed and not self.disk_changed:
+            what = "was deleted" if stamp is None else "changed"
+            self.notify(
+                f"{file.path.as_posix()} {what} on disk; your edits stay here, but saving is refused until "
+                "you reload (Ctrl+R shows the difference, r there reloads)",
+                title="changed on disk",
+                severity="warning",
+                timeout=10,
+            )
+        self.disk_changed = changed
+        self.show_status()
 
     # ---- actions --------------------------------------------------------------------------------
 
@@ -249,19 +297,39 @@ class StrataApp(App[None]):
         (self.profile_list if shown else self.editor).focus()
 
     def action_save(self) -> None:
+        self.save()
+
+    def save(self) -> bool:
+        """Save the editor's text and say how that went; False when nothing was written."""
         if self.file is None:
-            return
+            return False
+        if self._pending is not None:  # judge the text being saved, not the one before the last keys
+            self._pending.stop()
+            self.resolve_now()
         try:
             backup = self.file.save(self.editor.text)
         except (SaveRefused, SaveFailed) as exc:
             self.notify(str(exc), title="not saved", severity="error", timeout=10)
-            return
+            return False
+        self._take(self.file)
+        name = self.file.path.as_posix()
         kept = f"; the previous version is in {backup.name}" if backup else ""
-        self.notify(f"saved {self.file.path.as_posix()}{kept}", title="saved")
+        n = len(self.outcome.problems)
+        if n:
+            self.notify(
+                f"saved {name}{kept}; but it does not resolve ({n} problem{'s' * (n != 1)}), so "
+                "`strata plan` and launching refuse it as it is",
+                title="saved a refused profile",
+                severity="warning",
+                timeout=10,
+            )
+        else:
+            self.notify(f"saved {name}{kept}", title="saved")
         if self.file.path not in self.profile_list.paths:
             self.profile_list.reload()
             self.profile_list.mark_open(self.file.path)
         self.show_status()
+        return True
 
     def action_explain(self) -> None:
         if self.file is None:
@@ -306,18 +374,40 @@ class StrataApp(App[None]):
         page = diff_page(disk_text, self.editor.text, name, disk_plan, now, self.file.changed_on_disk())
 
         def done(answer: str | None) -> None:
-            if answer == "reload" and self.file is not None:
-                self._reload()
+            if answer == "reload":
+                self.ask_reload()
 
         self.push_screen(DiffScreen(f"diff {name}", page), done)
 
-    def _reload(self) -> None:
+    def ask_reload(self) -> None:
+        """Reload the file from disk; with edits in the editor, only once the user says so."""
+        if self.file is None:
+            return
+        name = self.file.path.as_posix()
+        if not self.modified:
+            return self._reload(f"reloaded {name} from disk")
+
+        def answer(choice: str | None) -> None:
+            if choice == "yes":
+                self._reload(f"reloaded {name} from disk; Ctrl+Z brings back your edits")
+
+        question = f"Reload {name} from disk, dropping the edits in the editor? (Ctrl+Z brings them back)"
+        self.push_screen(ChoiceScreen(question, YES), answer)
+
+    def _reload(self, said: str) -> None:
+        """Take the file as it is on disk now. The editor's text is replaced by an edit, not loaded, so
+        Ctrl+Z brings back what it held."""
         assert self.file is not None
         if self.file.disk_now() is None:
             self.notify(f"{self.file.path.as_posix()} is not on disk", severity="warning")
             return
-        self.open(ProfileFile.open(self.file.path))
-        self.notify(f"reloaded {self.file.path.as_posix()} from disk")
+        self._take(ProfileFile.open(self.file.path))
+        history = self.editor.history
+        history.checkpoint()
+        self.editor.replace(self.file.saved_text, (0, 0), self.editor.document.end)
+        history.checkpoint()
+        self.resolve_now()
+        self.notify(said)
 
     def action_new(self) -> None:
         def made(result: tuple[Path, str] | None) -> None:
@@ -327,18 +417,19 @@ class StrataApp(App[None]):
                 self.editor.focus()
                 self.notify(f"new profile {path.as_posix()}: review it, then save with Ctrl+S")
 
-        def ask(yes: bool | None = True) -> None:
-            if yes:
-                self.push_screen(NewProfileScreen(self.root, self.probe), made)
-
-        if self.modified:
-            assert self.file is not None
-            self.push_screen(ConfirmScreen(f"Drop the unsaved edits to {self.file.path.as_posix()}?"), ask)
-        else:
-            ask()
+        self.unless_unsaved(
+            "making a new profile", lambda: self.push_screen(NewProfileScreen(self.root, self.probe), made)
+        )
 
     def action_launch(self) -> None:
+        """The launch page of the saved profile; while an engine runs, that engine's page again."""
         if self.file is None:
+            return
+        engine = self.engine if self.engine is not None and self.engine.alive() else self._found_running()
+        if engine is not None:
+            if engine is not self.engine:
+                self.query_one(EngineIndicator).watch_engine(engine)
+            self.push_screen(LaunchScreen(self.file.path, self.runs_root, self.launch_options, engine=engine))
             return
         if self.modified:
             self.notify("save first (Ctrl+S): a launch runs the saved file", severity="warning")
@@ -347,19 +438,50 @@ class StrataApp(App[None]):
             LaunchScreen(self.file.path, self.runs_root, self.launch_options, strict=self.strict)
         )
 
+    def _found_running(self) -> Engine | None:
+        """An engine of the open profile left running under the runs directory (by an earlier session)."""
+        resolved = self.outcome.resolved or self.last_good
+        return find_running(resolved.plan.profile, self.runs_root) if resolved else None
+
+    @property
+    def engine(self) -> Engine | None:
+        """The engine a launch from this session started (or Ctrl+L found running), once there is one."""
+        return self.query_one(EngineIndicator).engine
+
+    def on_launch_started(self, message: LaunchStarted) -> None:
+        self.query_one(EngineIndicator).watch_engine(message.engine)
+
     def on_launch_stopped(self, message: LaunchStopped) -> None:
+        self.query_one(EngineIndicator).show_state()
         self.notify(f"the engine of {message.run_dir.as_posix()} is stopped")
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen(b for b in self.BINDINGS if isinstance(b, Binding)))
 
     async def action_quit(self) -> None:
-        def leave(yes: bool | None) -> None:
-            if yes:
-                self.exit()
+        self.unless_unsaved("quitting", self._quit_unless_engine)
 
-        if self.modified:
-            assert self.file is not None
-            self.push_screen(ConfirmScreen(f"Quit without saving {self.file.path.as_posix()}?"), leave)
-        else:
+    def _quit_unless_engine(self) -> None:
+        """Quit; while the session's engine runs, first ask whether to stop it."""
+        engine = self.engine
+        if engine is None or not engine.alive():
             self.exit()
+            return
+
+        def answer(choice: str | None) -> None:
+            if choice == "keep":
+                self.exit()
+            elif choice == "stop":
+                self.run_worker(self._stop_and_quit(engine), exclusive=True)
+
+        question = (
+            f"The engine of {engine.plan.profile} is running at {engine.url}/v1 "
+            f"(run {engine.run.path.as_posix()}). Stop it before quitting?"
+        )
+        choices = (Choice("s", "Stop it and quit", "stop"), Choice("k", "Keep it running and quit", "keep"))
+        self.push_screen(ChoiceScreen(question, choices), answer)
+
+    async def _stop_and_quit(self, engine: Engine) -> None:
+        self.notify("stopping the engine...")
+        await asyncio.to_thread(engine.stop, self.launch_options.grace_s + 5)
+        self.exit()

@@ -2,8 +2,10 @@
 
 Saving is atomic: the new text goes to a temporary file in the same directory, is flushed to disk, and is
 then renamed over the original, so a crash at any point leaves either the old file or the new one, never a
-half-written one. The version being replaced is kept as ``<file>.bak``. A save is refused when the file
-changed on disk since it was opened (or last saved), so an edit made elsewhere is never overwritten silently.
+half-written one. The version being replaced is kept as ``<file>.bak``. Both keep the original file's
+permissions (a new profile gets what the umask allows, as any editor's new file does). A save is refused
+when the file changed on disk since it was opened (or last saved), so an edit made elsewhere is never
+overwritten silently.
 
 Nothing here imports textual: these are plain functions the app calls, and tests call them directly too.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -19,6 +22,7 @@ from pathlib import Path
 
 from ..profile.toml_lines import key_lines
 from ..schema.errors import Problem
+from ..schema.plan import Decision
 
 BACKUP_SUFFIX = ".bak"
 
@@ -43,11 +47,29 @@ def backup_path(path: Path) -> Path:
     return path.with_name(path.name + BACKUP_SUFFIX)
 
 
-def _write_synced(directory: Path, stem: str, data: bytes) -> Path:
-    """Write ``data`` to a new temporary file in ``directory``, flushed to disk; return its path."""
+def current_umask() -> int:
+    """The process's umask. Reading it means setting it: the stand-in meanwhile is the strictest one, so a
+    file another thread creates in between is at worst more private, never less."""
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
+def save_mode(path: Path) -> int:
+    """The permission bits a save gives ``path``: its own when it exists, else 0o666 less the umask."""
+    try:
+        return stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError:
+        return 0o666 & ~current_umask()
+
+
+def _write_synced(directory: Path, stem: str, data: bytes, mode: int) -> Path:
+    """Write ``data`` to a new temporary file in ``directory`` with permissions ``mode``, flushed to disk;
+    return its path."""
     fd, tmp = tempfile.mkstemp(prefix=f".{stem}.", suffix=".tmp", dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), mode)  # mkstemp makes it 0600, which the rename would give the profile
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -77,12 +99,13 @@ def write_atomic(path: Path, data: bytes, *, previous: bytes | None) -> Path | N
     directory = path.parent if str(path.parent) else Path(".")
     backup = None
     try:
-        new = _write_synced(directory, path.name, data)
+        mode = save_mode(path)
+        new = _write_synced(directory, path.name, data, mode)
         if previous is not None:
             # The backup is itself written atomically, so a crash cannot leave a torn one either.
             backup = backup_path(path)
             try:
-                _replace(_write_synced(directory, backup.name, previous), backup)
+                _replace(_write_synced(directory, backup.name, previous, mode), backup)
             except BaseException:
                 with contextlib.suppress(OSError):
                     os.unlink(new)
@@ -132,6 +155,15 @@ class ProfileFile:
     def disk_now(self) -> bytes | None:
         return read_bytes(self.path)
 
+    def disk_stamp(self) -> tuple[int, int, int] | None:
+        """(inode, size, mtime in ns) of the file on disk, None when it is not there: a cheap look that
+        changes whenever the file is rewritten or replaced, for watching it."""
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return None
+        return st.st_ino, st.st_size, st.st_mtime_ns
+
     def changed_on_disk(self) -> bool:
         """True when the file on disk is no longer what was opened or last saved."""
         return self.disk_now() != self.on_disk
@@ -173,15 +205,31 @@ def key_at(text: str, row: int) -> str | None:
     return nearest.split(".")[0] if "." in nearest else nearest
 
 
+def _by_row(marks: Iterable[tuple[str | None, int | None, str]], path: str | None) -> dict[int, str]:
+    """0-based line -> message, for the (file, line, message) marks that point at a line of ``path``
+    (several on one line: joined)."""
+    target = os.path.realpath(path) if path else None
+    rows: dict[int, list[str]] = {}
+    for file, line, message in marks:
+        if line is None or file is None or target is None or os.path.realpath(file) != target:
+            continue
+        rows.setdefault(line - 1, []).append(message)
+    return {row: "; ".join(msgs) for row, msgs in rows.items()}
+
+
 def problems_by_row(problems: Iterable[Problem], path: str | None) -> dict[int, str]:
-    """0-based line -> message, for the problems that point at a line of ``path`` (several: joined).
+    """0-based line -> message, for the problems that point at a line of ``path``.
 
     The key is left out: the line shows it, and the editor has little room beside it.
     """
-    target = os.path.realpath(path) if path else None
-    rows: dict[int, list[str]] = {}
-    for p in problems:
-        if p.line is None or p.file is None or target is None or os.path.realpath(p.file) != target:
-            continue
-        rows.setdefault(p.line - 1, []).append(p.message)
-    return {row: "; ".join(msgs) for row, msgs in rows.items()}
+    return _by_row(((p.file, p.line, p.message) for p in problems), path)
+
+
+def overrides_by_row(decisions: Iterable[Decision], path: str | None) -> dict[int, str]:
+    """0-based line -> what rules did to the setting the profile asks for there: ``off: <rule id>``."""
+    marks = (
+        (d.origin.file, d.origin.line, f"{d.severity}: {d.rule}")
+        for d in decisions
+        if d.requested and d.origin is not None
+    )
+    return _by_row(marks, path)

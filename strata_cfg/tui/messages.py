@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from textual.message import Message
+
+if TYPE_CHECKING:
+    from .engine import Engine
 
 
 @dataclass
@@ -13,6 +17,13 @@ class ProfileChosen(Message):
     """The user picked a profile in the list."""
 
     path: Path
+
+
+@dataclass
+class LaunchStarted(Message):
+    """The launch page started an engine; the app watches it from now on."""
+
+    engine: Engine
 
 
 @dataclass

@@ -1,1 +1,2 @@
-"""Screens over the main one: help, explain and diff pages, a yes/no question, a new profile, a launch."""
+"""Screens over the main one: help, explain and diff pages, a question with a few answers, a new profile, a
+launch."""

@@ -1,7 +1,8 @@
 """The diff page: the editor's text against the file on disk, and what that does to the plan.
 
 The plan part is `strata diff`'s own comparison (`plan_changes`, `changes_text`) of the saved profile's plan
-with the editor's. From here the file on disk can be reloaded, dropping the edits.
+with the editor's. From here the file on disk can be reloaded, dropping the edits (the app asks first, and
+Ctrl+Z brings them back).
 """
 
 from __future__ import annotations
@@ -70,7 +71,9 @@ class DiffScreen(PageScreen):
 
     def __init__(self, title: str, body: Text) -> None:
         super().__init__(
-            title, body, keys="[b]Esc[/b] close   [b]r[/b] reload the file from disk (drops the edits)"
+            title,
+            body,
+            keys="[b]Esc[/b] close   [b]r[/b] reload the file from disk (drops the edits, after asking)",
         )
 
     def action_reload(self) -> None:

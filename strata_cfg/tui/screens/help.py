@@ -56,7 +56,15 @@ def help_text(bindings: Iterable[Binding]) -> Table:
     for name, colour in TERMS:
         bar.append("░" if name == "free" else "█", style=colour).append(f" {name}  ")
     table.add_row("VRAM bars", bar)
+    table.add_row("highlighted", Text("a line of the plan the last edit changed (the view scrolls to it)"))
     table.add_row("line numbers", Text("red: the profile has a problem on that line", style="#ff5f5f"))
+    table.add_row(
+        Text("12!", style=REQUESTED_STYLE), "the setting on that line was asked for and a rule turned it off"
+    )
+    table.add_row("", "")
+    table.add_row(Text("the status line", style="bold underline"), "")
+    table.add_row("engine", "the engine a launch started: its profile, port and state; Ctrl+L shows its page")
+    table.add_row("changed on disk", "the file changed elsewhere while you edit it; Ctrl+R shows how")
     return table
 
 

@@ -2,7 +2,9 @@
 
 Highlighting needs tree-sitter and its TOML grammar (``tree-sitter``, ``tree-sitter-toml``); without them the
 editor is plain text and says so in the status bar, and nothing else changes. A problem is shown the way
-editors show diagnostics: the line number turns red and the message follows the line's text.
+editors show diagnostics: the line number turns red and the message follows the line's text. A setting the
+profile asks for that a rule turned off (or changed) is marked the same way, with a ``!`` beside its line
+number and the rule after its text.
 """
 
 from __future__ import annotations
@@ -24,16 +26,20 @@ def toml_highlighting() -> bool:
 
 
 class ProfileEditor(TextArea):
-    """A TOML editor that marks the lines its profile's problems point at."""
+    """A TOML editor that marks the lines its profile's problems point at, and the settings rules changed."""
 
     COMPONENT_CLASSES: ClassVar[set[str]] = {
         *TextArea.COMPONENT_CLASSES,
         "profile-editor--problem",
         "profile-editor--problem-gutter",
+        "profile-editor--override",
+        "profile-editor--override-gutter",
     }
     DEFAULT_CSS = """
     ProfileEditor > .profile-editor--problem { color: $error; text-style: italic; }
     ProfileEditor > .profile-editor--problem-gutter { background: $error; color: $text; text-style: bold; }
+    ProfileEditor > .profile-editor--override { color: #ff8700; text-style: italic; }
+    ProfileEditor > .profile-editor--override-gutter { background: #af0000; color: white; text-style: bold; }
     """
 
     def __init__(self, *, id: str | None = None) -> None:
@@ -48,29 +54,39 @@ class ProfileEditor(TextArea):
         )
         self.problems: dict[int, str] = {}
         """0-based line -> the problem shown there."""
+        self.overrides: dict[int, str] = {}
+        """0-based line -> what rules did to the setting asked for there (``off: <rule id>``)."""
 
-    def show_problems(self, problems: dict[int, str]) -> None:
-        if problems != self.problems:
-            self.problems = problems
+    def show_marks(self, problems: dict[int, str], overrides: dict[int, str]) -> None:
+        if (problems, overrides) != (self.problems, self.overrides):
+            self.problems, self.overrides = problems, overrides
             self.refresh()
 
     def render_line(self, y: int) -> Strip:
         strip = super().render_line(y)
         scroll_x, scroll_y = self.scroll_offset
-        message = self.problems.get(scroll_y + y)
-        if message is None or not self.text:
-            return strip
         row = scroll_y + y
+        if row in self.problems:
+            kind, message = "problem", self.problems[row]
+        elif row in self.overrides:
+            kind, message = "override", self.overrides[row]
+        else:
+            return strip
+        if not self.text:
+            return strip
         gutter = self.gutter_width
         width = self.scrollable_content_region.width
-        gutter_style = self.get_component_rich_style("profile-editor--problem-gutter")
-        marked = Strip([Segment(strip.crop(0, gutter).text, gutter_style)], gutter)
+        number = strip.crop(0, gutter).text
+        if kind == "override" and gutter > 2:
+            number = number[:-2] + "! "  # in the gutter's margin, right after the line number
+        gutter_style = self.get_component_rich_style(f"profile-editor--{kind}-gutter")
+        marked = Strip([Segment(number, gutter_style)], gutter)
         text_cells = cell_len(self.document.get_line(row).expandtabs(self.indent_width))
         start = gutter + max(0, text_cells - scroll_x) + 2
         body = strip.crop(gutter, max(start, gutter))
         if start >= width:
             return Strip.join([marked, strip.crop(gutter)])
-        note_style = self.get_component_rich_style("profile-editor--problem")
+        note_style = self.get_component_rich_style(f"profile-editor--{kind}")
         note = Strip([Segment(f"◀ {message}", note_style)]).crop(0, width - start)
         rest = strip.crop(start + note.cell_length)
         return Strip.join([marked, body, note, rest])

@@ -4,6 +4,10 @@ From the top: problems (when the profile is refused, above the last plan that re
 summary with the batch line, the decisions, the stage table, and one VRAM bar per GPU. A feature the profile
 asked for that a rule turned off is marked ``!`` in red, in the batch line and first among the decisions.
 
+After an edit, the summary lines and decisions it changed are highlighted, and the view scrolls to the first
+thing that changed (stages and VRAM too), so a small terminal does not hide the effect of an edit. Each of
+those lines is a widget of its own, so the view can scroll to exactly that line.
+
 The text of each part is made by a small pure function of the plan, so tests can read it and the widgets
 only place it.
 """
@@ -12,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from rich.console import RenderableType
+from rich.console import OverflowMethod, RenderableType
 from rich.table import Table
 from rich.text import Text
 from textual.app import ComposeResult
@@ -156,13 +160,21 @@ def summary_rows(plan: LaunchPlan) -> list[tuple[str, Text]]:
     ]
 
 
-def summary_table(plan: LaunchPlan) -> Table:
+def labelled_row(
+    label: Text, body: Text, label_width: int, label_style: str = "", overflow: OverflowMethod = "ellipsis"
+) -> Table:
+    """One line of the summary or the decisions: ``label`` in a column of ``label_width``, then ``body``,
+    wrapping under itself (each line is its own widget, so the columns line up by their fixed width)."""
     table = Table.grid(padding=(0, 1))
-    table.add_column(style="bold", no_wrap=True)
-    table.add_column(ratio=1)
-    for label, text in summary_rows(plan):
-        table.add_row(label, text)
+    table.add_column(no_wrap=True, width=label_width, style=label_style)
+    table.add_column(ratio=1, overflow=overflow)
+    table.add_row(label, body)
     return table
+
+
+def summary_lines(plan: LaunchPlan) -> list[tuple[Text, Text]]:
+    """(label, text) of the summary."""
+    return [(Text(label), text) for label, text in summary_rows(plan)]
 
 
 def stages_table(plan: LaunchPlan) -> Table:
@@ -195,16 +207,19 @@ def decision_row(d: Decision) -> tuple[Text, Text]:
     return mark, body
 
 
-def decisions_table(decisions: Sequence[Decision]) -> RenderableType:
-    if not decisions:
-        return Text("no rule changed anything", style="dim")
-    table = Table.grid(padding=(0, 1))
-    table.add_column(no_wrap=True)
-    table.add_column(ratio=1, overflow="fold")  # a long path folds rather than ending in "..."
-    # Asked-for settings that were turned off come first: they are what the user must see.
-    for d in sorted(decisions, key=lambda d: not d.requested):
-        table.add_row(*decision_row(d))
-    return table
+def decision_lines(decisions: Sequence[Decision]) -> list[tuple[Text, Text]]:
+    """(mark, body) of every decision; the asked-for settings that were turned off first, as they are what
+    the user must see."""
+    return [decision_row(d) for d in sorted(decisions, key=lambda d: not d.requested)]
+
+
+def changed_lines(before: Sequence[tuple[Text, Text]] | None, now: Sequence[tuple[Text, Text]]) -> list[bool]:
+    """For each line of ``now``, whether ``before`` (the previous plan's lines) had no line like it; all
+    False when there is no previous plan to compare with."""
+    if before is None:
+        return [False] * len(now)
+    seen = {(a.plain, b.plain) for a, b in before}
+    return [(a.plain, b.plain) not in seen for a, b in now]
 
 
 def problems_text(problems: Sequence[Problem], path: str | None) -> Text:
@@ -243,23 +258,52 @@ class VramBars(Widget):
         return vram_text(self.plan, max(self.content_size.width, 10))
 
 
+class PlanLines(Widget):
+    """A column of lines, one `Static` each, so that a line can be highlighted and scrolled to."""
+
+    DEFAULT_CSS = "PlanLines { height: auto; layout: vertical; }"
+
+    def fill(self, lines: Sequence[RenderableType], changed: Sequence[bool]) -> list[Static]:
+        """Show ``lines`` (reusing the line widgets there are), marking the ``changed`` ones."""
+        have = [c for c in self.children if isinstance(c, Static)]
+        for static, line in zip(have, lines, strict=False):
+            static.update(line)
+        extra = [Static(line, classes="plan-line") for line in lines[len(have) :]]
+        if extra:
+            self.mount_all(extra)
+        for static in have[len(lines) :]:
+            static.remove()
+        shown = have[: len(lines)] + extra
+        for static, mark in zip(shown, changed, strict=True):
+            static.set_class(mark, "-changed")
+        return shown
+
+
 class PlanView(VerticalScroll, can_focus=True):
     """The resolved plan, or the problems that refuse it above the last plan that resolved."""
 
     def compose(self) -> ComposeResult:
         yield Static(id="plan-problems", classes="plan-part")
-        yield Static(id="plan-summary", classes="plan-part")
+        yield PlanLines(id="plan-summary", classes="plan-part")
         yield Static("[b]decisions[/b]", classes="plan-heading plan-part")
-        yield Static(id="plan-decisions", classes="plan-part")
+        yield PlanLines(id="plan-decisions", classes="plan-part")
         yield Static("[b]stages[/b]", classes="plan-heading plan-part")
         yield Static(id="plan-stages", classes="plan-part")
         yield Static("[b]VRAM by purpose[/b] (MiB)", classes="plan-heading plan-part")
         yield VramBars(id="plan-vram", classes="plan-part")
 
     def show(
-        self, plan: LaunchPlan | None, problems: Sequence[Problem] = (), path: str | None = None
+        self,
+        plan: LaunchPlan | None,
+        problems: Sequence[Problem] = (),
+        path: str | None = None,
+        before: LaunchPlan | None = None,
     ) -> None:
-        """Show ``plan``; with ``problems``, show them on top and ``plan`` (the last good one) dimmed."""
+        """Show ``plan``; with ``problems``, show them on top and ``plan`` (the last good one) dimmed.
+
+        ``before`` is the plan the same file resolved to before this edit: what differs from it is
+        highlighted and scrolled to. Without it (a profile just opened) the view starts at the top.
+        """
         refused = self.query_one("#plan-problems", Static)
         refused.update(problems_text(problems, path) if problems else "")
         refused.display = bool(problems)
@@ -267,11 +311,48 @@ class PlanView(VerticalScroll, can_focus=True):
         for part in self.query(".plan-part"):
             if part.id != "plan-problems":
                 part.display = plan is not None
+        if plan is None or problems or before is None:
+            self.scroll_home(animate=False)
         if plan is None:
             self.border_title = "plan"
             return
         self.border_title = f"plan: {plan.profile}" + (" (last that resolved)" if problems else "")
-        self.query_one("#plan-summary", Static).update(summary_table(plan))
-        self.query_one("#plan-stages", Static).update(stages_table(plan))
-        self.query_one("#plan-vram", VramBars).show(plan)
-        self.query_one("#plan-decisions", Static).update(decisions_table(plan.decisions))
+        compare = before if before is not None and not problems else None
+        changes = self._show_lines(
+            "#plan-summary", summary_lines(plan), summary_lines(compare) if compare else None, "bold"
+        ) + self._show_lines(
+            "#plan-decisions",
+            decision_lines(plan.decisions),
+            decision_lines(compare.decisions) if compare else None,
+            overflow="fold",  # a long path folds rather than ending in "..."
+        )
+        stages = self.query_one("#plan-stages", Static)
+        stages.update(stages_table(plan))
+        vram = self.query_one("#plan-vram", VramBars)
+        vram.show(plan)
+        if compare is not None:
+            changes += [stages] * (compare.stages != plan.stages) + [vram] * (compare.gpus != plan.gpus)
+        if changes:
+            self.call_after_refresh(self._bring_into_view, changes[0])
+
+    def _show_lines(
+        self,
+        part: str,
+        now: list[tuple[Text, Text]],
+        before: list[tuple[Text, Text]] | None,
+        label_style: str = "",
+        overflow: OverflowMethod = "ellipsis",
+    ) -> list[Widget]:
+        """Fill ``part`` with the lines ``now``; return the widgets of those not in ``before``."""
+        if not now:
+            self.query_one(part, PlanLines).fill([Text("no rule changed anything", style="dim")], [False])
+            return []
+        changed = changed_lines(before, now)
+        width = max(label.cell_len for label, _ in now)
+        lines = [labelled_row(label, body, width, label_style, overflow) for label, body in now]
+        shown = self.query_one(part, PlanLines).fill(lines, changed)
+        return [w for w, c in zip(shown, changed, strict=True) if c]
+
+    def _bring_into_view(self, widget: Widget) -> None:
+        if widget.is_mounted:
+            self.scroll_to_widget(widget, animate=False)

@@ -1,4 +1,5 @@
-"""The status line under the panes: which file, saved or not, and what the last resolution said."""
+"""The status line under the panes: which file, saved or not, changed on disk or not, and what the last
+resolution said."""
 
 from __future__ import annotations
 
@@ -16,12 +17,15 @@ def status_text(
     plan: LaunchPlan | None,
     problems: int,
     highlighting: bool,
+    changed_on_disk: bool = False,
 ) -> Text:
     text = Text()
     if path is None:
         return Text("no profile open: Ctrl+O lists them, Ctrl+N makes one", style="dim")
     text.append(path.as_posix(), style="bold")
     text.append(" ● modified" if modified else " saved", style="#ffd75f" if modified else "dim")
+    if changed_on_disk:
+        text.append("  ! changed on disk (Ctrl+R)", style="bold #ff8700")
     text.append("  ")
     if problems:
         text.append(f"refused: {problems} problem{'s' * (problems != 1)}", style="bold #ff5f5f")
