@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from strata_runtime.api import Request, RequestHandle
-from strata_runtime.sampling import Sampler
-from strata_runtime.slot import Slot
+from strata_runtime.engine.sampling import Sampler
+from strata_runtime.engine.slot import Slot
 from strata_runtime.tokenizer import ByteTokenizer, HFTokenizer
 
 

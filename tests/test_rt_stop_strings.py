@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from strata_runtime.api import Request, RequestHandle
-from strata_runtime.sampling import Sampler
-from strata_runtime.slot import Slot, _stop_prefix_len
+from strata_runtime.engine.sampling import Sampler
+from strata_runtime.engine.slot import Slot, _stop_prefix_len
 from strata_runtime.tokenizer import ByteTokenizer
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .api import FinishReason, RequestHandle, TokenEvent
+from ..api import FinishReason, RequestHandle, TokenEvent
 from .sampling import Sampler
 
 

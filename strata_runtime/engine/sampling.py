@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .api import SamplingParams
+from ..api import SamplingParams
 
 
 def distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:

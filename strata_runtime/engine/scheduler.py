@@ -36,10 +36,10 @@ from strata_cfg.schema.windows import (
     solo_window,
 )
 
-from .api import Request, RequestHandle, TokenEvent
-from .execute import Entry, Executor, Job
-from .loader import Progress
-from .model import Model, PlanMismatch
+from ..api import Request, RequestHandle, TokenEvent
+from .executor import Entry, Executor, Job
+from ..loader import Progress
+from ..model import Model, PlanMismatch
 from .sampling import Sampler
 from .slot import Slot
 from .speculative import Proposals, draft

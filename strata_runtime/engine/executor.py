@@ -5,7 +5,7 @@ more slots. `run_serial` passes it through every stage in order. `run_pipelined`
 wavefront: at tick t, stage s works on job t - s, so different groups' windows are on different stages at
 the same time. On GPUs each stage's work runs in its own thread, on its own device and stream, so the
 devices really overlap; on virtual CPU devices the same ticks run one after another. `finish` verifies
-each slot's rows and commits (accept/rewind) through `strata_runtime.speculative`.
+each slot's rows and commits (accept/rewind) through `strata_runtime.engine.speculative`.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import numpy as np
 
 from strata_cfg.schema.windows import MAX_WINDOW_ROWS
 
-from .api import TokenEvent
-from .backend import Device, cupy_module, transfer
-from .layout import Layout
-from .model import Model
+from ..api import TokenEvent
+from ..backend import Device, cupy_module, transfer
+from ..layout import Layout
+from ..model import Model
 from .sampling import distribution
 from .slot import Slot
 from .speculative import Proposals, commit, verify

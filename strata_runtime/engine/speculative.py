@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from .layout import Layout
-from .model import Model
+from ..layout import Layout
+from ..model import Model
 from .sampling import Sampler, distribution
 
 
