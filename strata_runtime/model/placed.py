@@ -13,14 +13,14 @@ import numpy as np
 
 from strata_cfg.schema.plan import LaunchPlan
 
-from .backend import DTYPES, Device, enable_peer_access, transfer
-from .layout import Layout
-from .loader import Checkpoint, Progress, load_tensors
-from .models.qwen3_moe import ModelArgs, stage_shapes
+from ..backend import DTYPES, Device, enable_peer_access, transfer
+from ..layout import Layout
+from ..loader import Checkpoint, Progress, load_tensors
+from ..models.qwen3_moe import ModelArgs, stage_shapes
 from .mtp import Drafter, MtpHead
 from .stage import Stage
-from .synthetic import SyntheticModel
-from .tokenizer import ByteTokenizer, tokenizer_for
+from ..synthetic import SyntheticModel
+from ..tokenizer import ByteTokenizer, tokenizer_for
 
 
 class PlanMismatch(RuntimeError):

@@ -1,8 +1,8 @@
 """A pipeline stage: layers [a, b) of the main model on one device, with every slot's KV for them.
 
 The first stage also holds the token embedding; the last holds the final norm and the LM head (and, in
-`strata_runtime.mtp`, the MTP head and the slot drafters). ``forward`` takes the hidden rows of a window
-and returns them; hidden rows cross devices in `strata_runtime.model`.
+`strata_runtime.model.mtp`, the MTP head and the slot drafters). ``forward`` takes the hidden rows of a window
+and returns them; hidden rows cross devices in `strata_runtime.model.placed`.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import numpy as np
 
 from strata_cfg.schema.windows import MAX_WINDOW_ROWS
 
-from .backend import Device
-from .kernels.norm import rms_norm
+from ..backend import Device
+from ..kernels.norm import rms_norm
 from .kvcache import KVCache
-from .layout import Layout
-from .models.qwen3_moe import DecoderLayer, ModelArgs, linear, rope_tables
+from ..layout import Layout
+from ..models.qwen3_moe import DecoderLayer, ModelArgs, linear, rope_tables
 
 CUDA_PREFILL_ROWS = 64
 """Prefill chunks of at most this many rows run as 8-row CUDA graph windows; longer ones run the CUDA
@@ -75,7 +75,7 @@ class Stage:
             self._build_cuda()
 
     def _build_cuda(self) -> None:
-        from .cuda import decode, prefill
+        from ..cuda import decode, prefill
 
         dtype = self.layers[0].input_layernorm.dtype if self.layers else self.kv.k.dtype
         self.cuda_refused = decode.supported(self.args, dtype, self.kv.k.dtype)

@@ -21,11 +21,11 @@ import numpy as np
 
 from strata_cfg.schema.windows import MAX_WINDOW_ROWS
 
-from .backend import Device
-from .kernels.norm import rms_norm
+from ..backend import Device
+from ..kernels.norm import rms_norm
 from .kvcache import KVCache
-from .layout import Layout, Segment
-from .models.qwen3_moe import DecoderLayer, ModelArgs, linear
+from ..layout import Layout, Segment
+from ..models.qwen3_moe import DecoderLayer, ModelArgs, linear
 from .stage import Rope
 
 
@@ -105,7 +105,7 @@ class MtpHead:
     def use_cuda(self, k_cache: Any, v_cache: Any) -> str | None:
         """Run draft windows of at most 8 rows as CUDA graphs over the drafters' shared KV [1, S, K, T, D].
         Returns why not, when the kernels cannot run this head."""
-        from .cuda import decode
+        from ..cuda import decode
 
         why = decode.supported(self.args, self.fc.dtype, k_cache.dtype)
         if why is None:

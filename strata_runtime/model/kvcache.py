@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from .backend import Device
-from .layout import Segment
+from ..backend import Device
+from ..layout import Segment
 
 
 class KVError(RuntimeError):
