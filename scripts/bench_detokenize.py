@@ -16,7 +16,7 @@ import numpy as np
 from strata_runtime.api import Request, RequestHandle
 from strata_runtime.engine.sampling import Sampler
 from strata_runtime.engine.slot import Slot
-from strata_runtime.tokenizer import ByteTokenizer
+from strata_runtime.weights.tokenizer import ByteTokenizer
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--repeats", type=int, default=200)

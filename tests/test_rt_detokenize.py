@@ -11,7 +11,7 @@ import pytest
 from strata_runtime.api import Request, RequestHandle
 from strata_runtime.engine.sampling import Sampler
 from strata_runtime.engine.slot import Slot
-from strata_runtime.tokenizer import ByteTokenizer, HFTokenizer
+from strata_runtime.weights.tokenizer import ByteTokenizer, HFTokenizer
 
 
 class Counting:

@@ -14,10 +14,10 @@ from rt_plans import make_plan
 from strata_cfg.schema.presets import preset_config
 from strata_runtime.backend import Device
 from strata_runtime.layout import Layout
-from strata_runtime.loader import CheckpointError
+from strata_runtime.weights.checkpoint import CheckpointError
 from strata_runtime.model import Model
 from strata_runtime.models.qwen3_moe import ModelArgs, stage_shapes
-from strata_runtime.synthetic import SyntheticModel
+from strata_runtime.weights.synthetic import SyntheticModel
 
 
 def write_safetensors(path: Path, tensors: dict[str, np.ndarray], bf16: bool = False) -> None:

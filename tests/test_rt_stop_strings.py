@@ -7,7 +7,7 @@ import numpy as np
 from strata_runtime.api import Request, RequestHandle
 from strata_runtime.engine.sampling import Sampler
 from strata_runtime.engine.slot import Slot, _stop_prefix_len
-from strata_runtime.tokenizer import ByteTokenizer
+from strata_runtime.weights.tokenizer import ByteTokenizer
 
 
 def _slot(stop: str, max_tokens: int = 100) -> Slot:

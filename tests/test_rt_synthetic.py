@@ -10,8 +10,8 @@ from strata_runtime.backend import Device
 from strata_runtime.engine import Engine
 from strata_runtime.kernels.random import tensor_seed, uniform_
 from strata_runtime.models.qwen3_moe import stage_shapes
-from strata_runtime.synthetic import SyntheticModel, chain_permutation
-from strata_runtime.tokenizer import ByteTokenizer
+from strata_runtime.weights.synthetic import SyntheticModel, chain_permutation
+from strata_runtime.weights.tokenizer import ByteTokenizer
 
 CPU = Device("cpu", 0)
 

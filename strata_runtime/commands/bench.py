@@ -66,7 +66,7 @@ def _pairs(items: list[str], what: str) -> dict[str, str]:
 
 def run(args: argparse.Namespace) -> int:
     from ..engine import Engine
-    from ..loader import stderr_progress
+    from ..weights.checkpoint import stderr_progress
 
     arms = _pairs(args.arm, "arm")
     notes = _pairs(args.note, "note")

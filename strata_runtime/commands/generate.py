@@ -47,7 +47,7 @@ def parse_ids(text: str) -> tuple[int, ...]:
 
 def run(args: argparse.Namespace) -> int:
     from ..engine import Engine
-    from ..loader import stderr_progress
+    from ..weights.checkpoint import stderr_progress
     from ..model import PlanMismatch
 
     if not args.quiet:

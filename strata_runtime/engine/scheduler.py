@@ -38,7 +38,7 @@ from strata_cfg.schema.windows import (
 
 from ..api import Request, RequestHandle, TokenEvent
 from .executor import Entry, Executor, Job
-from ..loader import Progress
+from ..weights.checkpoint import Progress
 from ..model import Model, PlanMismatch
 from .sampling import Sampler
 from .slot import Slot

@@ -18,8 +18,8 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from .backend import Device
-from .models.qwen3_moe import Shapes, sanitize
+from ..backend import Device
+from ..models.qwen3_moe import Shapes, sanitize
 
 
 class CheckpointError(RuntimeError):

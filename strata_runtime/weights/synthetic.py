@@ -27,10 +27,10 @@ import numpy as np
 
 from strata_cfg.schema.presets import PRESET_DEFAULTS, preset_config
 
-from .backend import Device
-from .kernels.random import tensor_seed, uniform_
-from .loader import Progress
-from .models.qwen3_moe import ModelArgs, Shapes
+from ..backend import Device
+from ..kernels.random import tensor_seed, uniform_
+from .checkpoint import Progress
+from ..models.qwen3_moe import ModelArgs, Shapes
 from .tokenizer import ByteTokenizer
 
 GAIN = 32.0

@@ -1,0 +1,5 @@
+"""Where a model's numbers come from: a checkpoint directory, or a synthetic preset generated in place.
+
+`checkpoint` reads safetensors straight onto each stage's device; `synthetic` generates a preset's weights
+with planted structure; `tokenizer` turns text into ids and back for either.
+"""
