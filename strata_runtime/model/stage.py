@@ -14,7 +14,7 @@ import numpy as np
 from strata_cfg.schema.windows import MAX_WINDOW_ROWS
 
 from ..backend import Device
-from ..kernels.norm import rms_norm
+from ..models.ops.norm import rms_norm
 from .kvcache import KVCache
 from ..layout import Layout
 from ..models.qwen3_moe import DecoderLayer, ModelArgs, linear, rope_tables

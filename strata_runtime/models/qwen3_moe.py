@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from ..kernels.activation import silu_mul
-from ..kernels.norm import rms_norm
-from ..kernels.rope import rope
+from .ops.activation import silu_mul
+from .ops.norm import rms_norm
+from .ops.rope import rope
 from ..layout import Layout
 
 Shapes = dict[str, tuple[int, ...]]

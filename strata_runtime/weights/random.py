@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from . import on_gpu
+from ..models.ops import on_gpu
 
 _GOLDEN = 0x9E3779B97F4A7C15
 _M1 = 0xBF58476D1CE4E5B9

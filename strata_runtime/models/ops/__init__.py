@@ -1,8 +1,8 @@
-"""Fused CUDA kernels, each beside the NumPy twin that is its reference.
+"""The array path's fused ops, written once for NumPy and CuPy arrays.
 
 Every public function here takes arrays of one device and dispatches on their type: NumPy arrays run the
-twin, CuPy arrays run the kernel. `tests/test_rt_kernels.py` checks each kernel against its twin on fresh
-random inputs of several shapes (``gpu``-marked).
+NumPy reference, CuPy arrays run a small CuPy kernel. `tests/test_rt_kernels.py` checks each kernel against
+its reference on fresh random inputs of several shapes (``gpu``-marked).
 """
 
 from __future__ import annotations
