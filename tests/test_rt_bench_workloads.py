@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from strata_runtime.bench import prompt_ids
+from strata_runtime.bench.harness import prompt_ids
 
 
 def strata(*args: str) -> subprocess.CompletedProcess[str]:

@@ -7,8 +7,8 @@ import pytest
 
 from strata_runtime.models.ops.activation import silu_mul, silu_mul_reference
 from strata_runtime.models.ops.norm import rms_norm, rms_norm_reference
-from strata_runtime.weights.random import tensor_seed, uniform_
 from strata_runtime.models.ops.rope import rope, rope_reference
+from strata_runtime.weights.random import tensor_seed, uniform_
 
 pytestmark = pytest.mark.gpu
 TOL = {np.float32: 2e-6, np.float16: 2e-3}

@@ -14,9 +14,9 @@ from rt_plans import make_plan
 from strata_cfg.schema.presets import preset_config
 from strata_runtime.backend import Device
 from strata_runtime.layout import Layout
-from strata_runtime.weights.checkpoint import CheckpointError
 from strata_runtime.model import Model
 from strata_runtime.models.qwen3_moe import ModelArgs, stage_shapes
+from strata_runtime.weights.checkpoint import CheckpointError
 from strata_runtime.weights.synthetic import SyntheticModel
 
 

@@ -9,9 +9,9 @@ pytest.importorskip("transformers")
 
 from rt_plans import make_plan  # noqa: E402
 
-from strata_runtime.bench import InProcessDriver, run_bench, summarise  # noqa: E402
+from strata_runtime.bench.harness import InProcessDriver, run_bench, summarise  # noqa: E402
+from strata_runtime.bench.peer import make_peer  # noqa: E402
 from strata_runtime.engine import Engine  # noqa: E402
-from strata_runtime.peer import make_peer  # noqa: E402
 
 
 def test_transformers_peer_generates_the_runtimes_greedy_text_on_shared_weights():

@@ -8,8 +8,8 @@ from rt_plans import make_plan
 from strata_runtime.api import Request
 from strata_runtime.backend import Device
 from strata_runtime.engine import Engine
-from strata_runtime.weights.random import tensor_seed, uniform_
 from strata_runtime.models.qwen3_moe import stage_shapes
+from strata_runtime.weights.random import tensor_seed, uniform_
 from strata_runtime.weights.synthetic import SyntheticModel, chain_permutation
 from strata_runtime.weights.tokenizer import ByteTokenizer
 

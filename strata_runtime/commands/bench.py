@@ -6,7 +6,7 @@ over ``serial`` with a bootstrap 95% interval, and whether each arm's greedy tok
 
 On a GPU the figures come with their ceiling, measured in the same run before the engines are built: ``solo``
 and ``two-decodes`` against the one-row byte roofline (copy bandwidth), ``prompt`` against the fp16 matrix
-rate (`strata_runtime.ceilings`). ``step`` and ``vram`` take one plan and build no arms.
+rate (`strata_runtime.bench.ceilings`). ``step`` and ``vram`` take one plan and build no arms.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from strata_cfg.schema.workloads import GPU_WORKLOADS, PROMPTS, prompt_context_problem
+from strata_cfg.schema.workloads import GPU_WORKLOADS, PROMPTS, WORKLOADS, prompt_context_problem
 
-from ..bench import WORKLOADS, Arrival, InProcessDriver, cuda_devices, prompt_ids, run_bench, summarise
-from ..ceilings import copy_bandwidth, decode_step_bytes, matrix_rate, prompt_flops, si
+from ..bench.ceilings import copy_bandwidth, decode_step_bytes, matrix_rate, prompt_flops, si
+from ..bench.harness import Arrival, InProcessDriver, cuda_devices, prompt_ids, run_bench, summarise
 from .generate import load_plan
 
 EXIT_REFUSED = 1
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     context = min(p.memory.context for p in plans.values())
     arms: dict[str, Any] = dict(engines)
     if args.peer:
-        from ..peer import make_peer
+        from ..bench.peer import make_peer
 
         first = next(iter(plans))
         for peer in args.peer:
@@ -173,7 +173,7 @@ def run_gpu_workload(args: argparse.Namespace, plan: Any) -> int:
         print(f"strata bench: {exc}", file=sys.stderr)
         return EXIT_REFUSED
     if args.workload == "step":
-        from ..bench_step import render_step, run_step
+        from ..bench.step import render_step, run_step
 
         try:
             res = run_step(plan, plan.stages[0].gpu, position=args.position)
@@ -182,7 +182,7 @@ def run_gpu_workload(args: argparse.Namespace, plan: Any) -> int:
             return EXIT_REFUSED
         print(json.dumps(res, indent=2) if args.json else render_step(res))
         return 0
-    from ..bench_vram import render_vram, run_vram
+    from ..bench.vram import render_vram, run_vram
 
     res = run_vram(plan, devices)
     print(json.dumps(res, indent=2) if args.json else render_vram(res))

@@ -47,8 +47,8 @@ def parse_ids(text: str) -> tuple[int, ...]:
 
 def run(args: argparse.Namespace) -> int:
     from ..engine import Engine
-    from ..weights.checkpoint import stderr_progress
     from ..model import PlanMismatch
+    from ..weights.checkpoint import stderr_progress
 
     if not args.quiet:
         logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)

@@ -37,9 +37,9 @@ from strata_cfg.schema.windows import (
 )
 
 from ..api import Request, RequestHandle, TokenEvent
-from .executor import Entry, Executor, Job
-from ..weights.checkpoint import Progress
 from ..model import Model, PlanMismatch
+from ..weights.checkpoint import Progress
+from .executor import Entry, Executor, Job
 from .sampling import Sampler
 from .slot import Slot
 from .speculative import Proposals, draft

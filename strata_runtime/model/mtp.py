@@ -22,10 +22,10 @@ import numpy as np
 from strata_cfg.schema.windows import MAX_WINDOW_ROWS
 
 from ..backend import Device
-from ..models.ops.norm import rms_norm
-from .kvcache import KVCache
 from ..layout import Layout, Segment
+from ..models.ops.norm import rms_norm
 from ..models.qwen3_moe import DecoderLayer, ModelArgs, linear
+from .kvcache import KVCache
 from .stage import Rope
 
 

@@ -15,12 +15,12 @@ from strata_cfg.schema.plan import LaunchPlan
 
 from ..backend import DTYPES, Device, enable_peer_access, transfer
 from ..layout import Layout
-from ..weights.checkpoint import Checkpoint, Progress, load_tensors
 from ..models.qwen3_moe import ModelArgs, stage_shapes
-from .mtp import Drafter, MtpHead
-from .stage import Stage
+from ..weights.checkpoint import Checkpoint, Progress, load_tensors
 from ..weights.synthetic import SyntheticModel
 from ..weights.tokenizer import ByteTokenizer, tokenizer_for
+from .mtp import Drafter, MtpHead
+from .stage import Stage
 
 
 class PlanMismatch(RuntimeError):

@@ -14,10 +14,10 @@ import numpy as np
 from strata_cfg.schema.windows import MAX_WINDOW_ROWS
 
 from ..backend import Device
-from ..models.ops.norm import rms_norm
-from .kvcache import KVCache
 from ..layout import Layout
+from ..models.ops.norm import rms_norm
 from ..models.qwen3_moe import DecoderLayer, ModelArgs, linear, rope_tables
+from .kvcache import KVCache
 
 CUDA_PREFILL_ROWS = 64
 """Prefill chunks of at most this many rows run as 8-row CUDA graph windows; longer ones run the CUDA

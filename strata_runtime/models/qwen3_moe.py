@@ -20,10 +20,10 @@ from typing import Any
 
 import numpy as np
 
+from ..layout import Layout
 from .ops.activation import silu_mul
 from .ops.norm import rms_norm
 from .ops.rope import rope
-from ..layout import Layout
 
 Shapes = dict[str, tuple[int, ...]]
 

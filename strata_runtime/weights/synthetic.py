@@ -14,7 +14,7 @@ plant a token chain the drafter can learn nothing about and still predict:
   hidden half is random and scaled like a layer), so it predicts ``chain(token)``: the draft is right exactly
   when the layers did not change the main model's argmax.
 
-Each tensor is generated from its own seed (`strata_runtime.weights.random.tensor_seed`), so a stage generates exactly what
+Each tensor is generated from its own seed (`random.tensor_seed`), so a stage generates exactly what
 whole-model generation would, and a GPU gets the same numbers as a virtual CPU device.
 """
 
@@ -28,9 +28,9 @@ import numpy as np
 from strata_cfg.schema.presets import PRESET_DEFAULTS, preset_config
 
 from ..backend import Device
-from .random import tensor_seed, uniform_
-from .checkpoint import Progress
 from ..models.qwen3_moe import ModelArgs, Shapes
+from .checkpoint import Progress
+from .random import tensor_seed, uniform_
 from .tokenizer import ByteTokenizer
 
 GAIN = 32.0

@@ -15,7 +15,7 @@ import numpy as np
 
 from strata_cfg.schema.plan import MIB, LaunchPlan
 
-from .api import Request, SamplingParams
+from ..api import Request, SamplingParams
 
 DECODED = 8
 """Tokens the full-context request generates, so that decode windows (and their graphs) run too."""
@@ -38,8 +38,8 @@ def run_vram(plan: LaunchPlan, devices: list[int]) -> dict[str, Any]:
     """Build the plan's engine and read what it holds on each of ``devices``; a JSON-able dict."""
     import cupy as cp
 
-    from .engine import Engine
-    from .weights.checkpoint import stderr_progress
+    from ..engine import Engine
+    from ..weights.checkpoint import stderr_progress
 
     before = {i: _free_bytes(cp, i) for i in devices}
     engine = Engine(plan, progress=stderr_progress)

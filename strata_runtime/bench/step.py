@@ -3,7 +3,7 @@
 Random fp16 weights with the shapes of the plan's model facts (every layer of the whole model, on the first
 stage's GPU), random routing, KV at a fixed position. For 1, 2, 4 and 8 rows it times the whole step
 (embedding, every layer, final norm, LM head, argmax) eagerly and as a replayed CUDA graph, against the byte
-roofline: the step's bytes (`strata_runtime.ceilings.decode_step_bytes`, with the distinct experts the last
+roofline: the step's bytes (`ceilings.decode_step_bytes`, with the distinct experts the last
 layer's rows routed to) over the device-to-device copy rate measured in the same run. Then it times each
 kernel of a layer alone, in a graph over the layers that run it, at one row. No engine is built: this is
 the kernels' own ceiling, without scheduling, sampling or Python between windows.
@@ -296,7 +296,7 @@ def run_step(
     """Time the kernel step of the plan's model on GPU ``device_index``; the figures as a JSON-able dict."""
     import cupy as cp
 
-    from .cuda.ops import attention_scratch_size, kernels_for
+    from ..cuda.ops import attention_scratch_size, kernels_for
 
     f, context = plan.model.facts, plan.memory.context
     position = max(0, min(position, context - 1))

@@ -4,8 +4,8 @@ Each repeat runs every arm once (A B C A B C ...), so slow drifts of a shared ma
 Figures are medians over repeats; the gain of an arm over ``serial`` carries a bootstrap 95% interval; every
 arm's greedy token ids are checked against ``serial``'s. Requests reach an engine through a `Driver`: the
 in-process one steps an `Engine` here; a driver that talks HTTP to a launched engine fits the same seam.
-The GPU-only workloads (``step``, ``vram``) build no arms: `strata_runtime.bench_step` and
-`strata_runtime.bench_vram` run them on the plan's GPUs, which `cuda_devices` checks first.
+The GPU-only workloads (``step``, ``vram``) build no arms: `strata_runtime.bench.step` and
+`strata_runtime.bench.vram` run them on the plan's GPUs, which `cuda_devices` checks first.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import numpy as np
 
 from strata_cfg.schema.workloads import CLIENT_COUNTS, PROMPTS, WORKLOADS
 
-from .api import EngineCore, Request, SamplingParams
-from .backend import DeviceError, cupy_module
+from ..api import EngineCore, Request, SamplingParams
+from ..backend import DeviceError, cupy_module
 
 
 @dataclass(frozen=True)

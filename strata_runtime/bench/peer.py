@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from .bench import Arrival, Result
+from .harness import Arrival, Result
 
 PEERS = ("transformers",)
 
