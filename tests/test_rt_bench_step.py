@@ -15,7 +15,7 @@ import pytest
 from strata_cfg.schema.facts import ModelFacts
 from strata_cfg.schema.presets import preset_config
 from strata_runtime.bench.step import KernelModel, op_applies, step_memory_bytes
-from strata_runtime.cuda import twins
+from strata_runtime.reference import kernels as twins
 
 
 def _numpy_as_cupy() -> SimpleNamespace:

@@ -1,8 +1,8 @@
 """Launchers for the decode kernels in ``kernels.cu``, on CuPy arrays with preallocated outputs.
 
-Nothing here allocates device memory, so every call can be captured into a CUDA graph. Each function has a
-NumPy twin of the same name and signature in `strata_runtime.cuda.twins`; the gpu tests compare them.
-Template instantiations are compiled on first use, or all at once with `Kernels.prepare` before capture.
+Nothing here allocates device memory, so every call can be captured into a CUDA graph. Each launcher has a
+NumPy reference of the same name and signature in `strata_runtime.reference.kernels`; the gpu tests compare
+them. Template instantiations are compiled on first use, or all at once with `Kernels.prepare` before capture.
 
 Shapes use the letters of kernels.cu: R rows, H hidden, N out features, K reduction, E experts, A = R * topk.
 """
