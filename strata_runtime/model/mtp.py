@@ -23,7 +23,7 @@ from strata_cfg.schema.windows import MAX_WINDOW_ROWS
 
 from ..backend import Device
 from ..layout import Layout, Segment
-from ..models.ops.norm import rms_norm
+from ..models.ops.norm import rms_norm_in_dtype
 from ..models.qwen3_moe import DecoderLayer, ModelArgs, linear
 from .kvcache import KVCache
 from .stage import Rope
@@ -122,12 +122,12 @@ class MtpHead:
                 return self.cuda.forward(self.embed(tokens), hidden, layout)  # [R, H] fp32
             if self.cuda is not None and layout.rows > MAX_WINDOW_ROWS:
                 return self.cuda.prefill(self.embed(tokens), hidden, layout)  # [R, H] fp32
-            e = rms_norm(self.embed(tokens), self.pre_fc_norm_embedding, eps)  # [R, H]
-            h = rms_norm(hidden, self.pre_fc_norm_hidden, eps)  # [R, H]
+            e = rms_norm_in_dtype(self.embed(tokens), self.pre_fc_norm_embedding, eps)  # [R, H]
+            h = rms_norm_in_dtype(hidden, self.pre_fc_norm_hidden, eps)  # [R, H]
             x = linear(xp.concatenate([e, h], axis=-1), self.fc)  # [R, H]
             cos, sin = self.rope.at(layout)  # [R, D/2] each
             x = self.layer(xp, x, layout, kv, 0, cos, sin)  # [R, H]
-            return rms_norm(x, self.norm, eps)  # [R, H]
+            return rms_norm_in_dtype(x, self.norm, eps)  # [R, H]
 
     def logits(self, out: Any) -> Any:
         """Draft logits [R, V] in fp32 from the head's output rows."""

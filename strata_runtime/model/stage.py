@@ -15,7 +15,7 @@ from strata_cfg.schema.windows import MAX_WINDOW_ROWS
 
 from ..backend import Device
 from ..layout import Layout
-from ..models.ops.norm import rms_norm
+from ..models.ops.norm import rms_norm_in_dtype
 from ..models.qwen3_moe import DecoderLayer, ModelArgs, linear, rope_tables
 from .kvcache import KVCache
 
@@ -127,7 +127,7 @@ class Stage:
         if self.cuda_head is not None:
             return self.cuda_head.final_norm(hidden)  # [R, H] fp32
         with self.device.use():
-            return rms_norm(hidden, self.norm, self.args.rms_norm_eps)
+            return rms_norm_in_dtype(hidden, self.norm, self.args.rms_norm_eps)
 
     def logits(self, normed: Any) -> Any:
         """Logits [R, V] in fp32 (last stage only)."""

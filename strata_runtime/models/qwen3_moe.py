@@ -22,7 +22,7 @@ import numpy as np
 
 from ..layout import Layout
 from .ops.activation import silu_mul
-from .ops.norm import rms_norm
+from .ops.norm import rms_norm_in_dtype
 from .ops.rope import rope
 
 Shapes = dict[str, tuple[int, ...]]
@@ -237,8 +237,8 @@ class Attention:
         q = linear(x, self.q_proj, self.bias["q_proj"]).reshape(r, n, d)  # [R, N, D]
         key = linear(x, self.k_proj, self.bias["k_proj"]).reshape(r, k, d)  # [R, K, D]
         val = linear(x, self.v_proj, self.bias["v_proj"]).reshape(r, k, d)  # [R, K, D]
-        q = rope(rms_norm(q, self.q_norm, self.eps), cos, sin)  # [R, N, D]
-        key = rope(rms_norm(key, self.k_norm, self.eps), cos, sin)  # [R, K, D]
+        q = rope(rms_norm_in_dtype(q, self.q_norm, self.eps), cos, sin)  # [R, N, D]
+        key = rope(rms_norm_in_dtype(key, self.k_norm, self.eps), cos, sin)  # [R, K, D]
         out = xp.empty((r, n * d), dtype=x.dtype)  # [R, N*D]
         for seg in layout.segments:
             rows = slice(seg.row, seg.row + seg.n)
@@ -353,8 +353,10 @@ class DecoderLayer:
         self.eps = args.rms_norm_eps
 
     def __call__(self, xp: Any, x: Any, layout: Layout, kv: Any, layer: int, cos: Any, sin: Any) -> Any:
-        x = x + self.self_attn(xp, rms_norm(x, self.input_layernorm, self.eps), layout, kv, layer, cos, sin)
-        return x + self.mlp(xp, rms_norm(x, self.post_attention_layernorm, self.eps))  # [R, H]
+        x = x + self.self_attn(
+            xp, rms_norm_in_dtype(x, self.input_layernorm, self.eps), layout, kv, layer, cos, sin
+        )
+        return x + self.mlp(xp, rms_norm_in_dtype(x, self.post_attention_layernorm, self.eps))  # [R, H]
 
 
 def rope_tables(theta: float, head_dim: int, context: int) -> tuple[np.ndarray, np.ndarray]:

@@ -5,15 +5,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-import numpy as np
-
+from ...reference import ops as reference
 from . import on_gpu
-
-
-def silu_mul_reference(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-    """The NumPy twin."""
-    g = gate.astype(np.float32)  # [R, I]
-    return (g / (np.float32(1.0) + np.exp(-g)) * up.astype(np.float32)).astype(gate.dtype)  # [R, I]
 
 
 @functools.cache
@@ -32,4 +25,4 @@ def silu_mul(gate: Any, up: Any) -> Any:
     """``silu(gate) * up`` elementwise (both [R, I], possibly strided views)."""
     if on_gpu(gate):
         return _kernel()(gate, up)
-    return silu_mul_reference(gate, up)
+    return reference.silu_mul(gate, up)

@@ -1,6 +1,9 @@
-"""RMSNorm over the last axis, with fp32 statistics (transformers' Qwen3MoeRMSNorm).
+"""RMSNorm over the last axis in the input dtype (transformers' Qwen3MoeRMSNorm): fp32 statistics, the
+normalised value rounded to the input dtype before the weight multiplies it.
 
-The normalised value is rounded to the input dtype before the weight multiplies it, as transformers does.
+This is the array path's rule; the CUDA paths keep an fp32 residual and do not round in between
+(`strata_runtime.cuda.ops.Kernels.add_rmsnorm`). `strata_runtime.reference.ops.rms_norm_in_dtype` is the
+NumPy reference.
 """
 
 from __future__ import annotations
@@ -10,15 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from ...reference import ops as reference
 from . import on_gpu
-
-
-def rms_norm_reference(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    """The NumPy twin: ``weight * (x / sqrt(mean(x^2) + eps))`` with fp32 statistics."""
-    x32 = x.astype(np.float32)  # [..., N]
-    inv = 1.0 / np.sqrt(np.mean(x32 * x32, axis=-1, keepdims=True) + np.float32(eps))  # [..., 1]
-    return weight * (x32 * inv).astype(x.dtype)  # [..., N]
-
 
 _SOURCE = r"""
 #include <cuda_fp16.h>
@@ -61,10 +57,10 @@ def _kernel(dtype_name: str) -> Any:
     return cupy.RawKernel(f"#define T {_CTYPES[dtype_name]}\n" + _SOURCE, "rms_norm")
 
 
-def rms_norm(x: Any, weight: Any, eps: float) -> Any:
-    """RMSNorm of ``x`` [..., N] with ``weight`` [N]."""
+def rms_norm_in_dtype(x: Any, weight: Any, eps: float) -> Any:
+    """RMSNorm of ``x`` [..., N] with ``weight`` [N], in ``x``'s dtype."""
     if not on_gpu(x):
-        return rms_norm_reference(x, weight, eps)
+        return reference.rms_norm_in_dtype(x, weight, eps)
     import cupy
 
     n = x.shape[-1]

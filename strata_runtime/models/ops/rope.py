@@ -7,16 +7,8 @@ from typing import Any
 
 import numpy as np
 
+from ...reference import ops as reference
 from . import on_gpu
-
-
-def rope_reference(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """The NumPy twin. ``x`` [R, N, D]; ``cos``/``sin`` [R, D/2] (fp32)."""
-    half = x.shape[-1] // 2
-    c = np.concatenate([cos, cos], axis=-1)[:, None, :].astype(x.dtype)  # [R, 1, D]
-    s = np.concatenate([sin, sin], axis=-1)[:, None, :].astype(x.dtype)  # [R, 1, D]
-    rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)  # [R, N, D]
-    return x * c + rotated * s  # [R, N, D]
 
 
 @functools.cache
@@ -44,7 +36,7 @@ def _kernel() -> Any:
 def rope(x: Any, cos: Any, sin: Any) -> Any:
     """Rotate ``x`` [R, N, D] by the angles of each row's position."""
     if not on_gpu(x):
-        return rope_reference(x, cos, sin)
+        return reference.rope(x, cos, sin)
     import cupy
 
     xc = cupy.ascontiguousarray(x)
