@@ -26,9 +26,10 @@ from typing import Any
 import cupy as cp
 
 from ..layout import Layout
+from ..reference.flash import HEAD_DIMS
 from .blas import matmul_nn, matmul_nt
 from .decode import CudaLayers, _Layer
-from .flash import HEAD_DIMS, flash_kernels_for, flash_prefill
+from .flash import flash_kernels_for, flash_prefill
 from .ops import padded_keys
 
 ATTN_TILE_BYTES = 1 << 30

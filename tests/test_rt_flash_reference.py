@@ -1,6 +1,6 @@
-"""The NumPy twin of the flash-attention prefill kernel against plain attention, on the CPU.
+"""The NumPy reference of the flash-attention prefill kernel against plain attention, on the CPU.
 
-The gpu tests (test_cuda_flash.py) hold the kernel to this twin, so the twin itself is checked here, along
+The gpu tests (test_cuda_flash.py) hold the kernel to this reference, so the reference is checked here, along
 with the argument checks the launcher shares and the inputs that tell whether q_lo is read.
 """
 
@@ -13,7 +13,8 @@ import pytest
 from flash_inputs import REL, large_score_inputs, make_inputs, twin
 from kernel_checks import rel_err, rng
 
-from strata_runtime.cuda.flash import check_args, flash_prefill_twin
+from strata_runtime.reference.flash import check_args
+from strata_runtime.reference.flash import flash_prefill as reference_flash_prefill
 
 
 def direct_attention(q, kc, vc, slot, pos0, scale) -> np.ndarray:
@@ -43,7 +44,7 @@ def test_twin_matches_direct_attention(n, n_q, n_kv, d, pos0):
     ref = direct_attention(q, kc, vc, 1, pos0, scale)
     assert rel_err(twin(hi, lo, kc, vc, 1, pos0, scale), ref) < 1e-12
     out32 = np.full((n, n_q * d), np.nan, np.float32)  # any float output dtype
-    flash_prefill_twin(hi, lo, kc, vc, 1, pos0, scale, out32)
+    reference_flash_prefill(hi, lo, kc, vc, 1, pos0, scale, out32)
     assert rel_err(out32, ref) < 1e-6
 
 
