@@ -19,6 +19,9 @@ from typing import Any, Literal
 import numpy as np
 
 _NAME_RE = re.compile(r"^(cuda|cpu):(\d+)$")
+Array = Any
+"""A NumPy or CuPy array. CuPy ships no type stubs, so array-valued names are typed with this alias: it says
+"an array on some device" where a plain Any would say nothing."""
 DTYPES: dict[str, Any] = {"float32": np.float32, "float16": np.float16}
 """Array dtypes the runtime computes in. bfloat16 has no NumPy/CuPy dtype; checkpoints in it are converted."""
 

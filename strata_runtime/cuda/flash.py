@@ -27,15 +27,15 @@ from __future__ import annotations
 
 import math
 from functools import cache
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ..backend import cupy_module
 from ..reference.flash import check_args
+from .compile import KernelCache, source
 
-_SOURCE = (Path(__file__).with_name("flash.cu")).read_text()
-_OPTIONS = ("-std=c++17", "--use_fast_math")
+_SOURCE = source("flash.cu")
 BLOCK_ROWS = 64  # flattened query rows per block; flash.cu's BM
 THREADS = 128
 _LOG2E = 1.4426950408889634
@@ -45,37 +45,11 @@ def kernel_expr(head_dim: int) -> str:
     return f"flash_prefill<{head_dim}>"
 
 
-class FlashKernels:
-    """The compiled flash kernels of one device (one per head dim). Create it with that device current."""
-
-    def __init__(self) -> None:
-        self._fns: dict[int, Any] = {}
-
-    def prepare(self, head_dims: list[int]) -> None:
-        """Compile every listed head dim in one module (one NVRTC run)."""
-        import cupy as cp
-
-        todo = [d for d in dict.fromkeys(head_dims) if d not in self._fns]
-        if not todo:
-            return
-        exprs = [kernel_expr(d) for d in todo]
-        mod = cp.RawModule(code=_SOURCE, options=_OPTIONS, name_expressions=exprs)
-        for d, e in zip(todo, exprs, strict=True):
-            self._fns[d] = mod.get_function(e)
-
-    def fn(self, head_dim: int) -> Any:
-        if head_dim not in self._fns:
-            self.prepare([head_dim])
-        return self._fns[head_dim]
-
-
 @cache
-def flash_kernels_for(device_id: int) -> FlashKernels:
-    """The flash kernel set of CUDA device ``device_id`` (compiled functions are per context)."""
-    import cupy as cp
-
-    with cp.cuda.Device(device_id):
-        return FlashKernels()
+def flash_kernels_for(device_id: int) -> KernelCache:
+    """The flash kernels of CUDA device ``device_id``, one instantiation per head dim (`kernel_expr`)."""
+    with cupy_module().cuda.Device(device_id):
+        return KernelCache(_SOURCE)
 
 
 def flash_prefill(
@@ -96,7 +70,7 @@ def flash_prefill(
         raise ValueError(f"q_hi: {n} rows x {g} heads per KV head is more than one launch takes")
     t = k_cache.shape[2]
     with cp.cuda.Device(device):
-        flash_kernels_for(device).fn(d)(
+        flash_kernels_for(device).fn(kernel_expr(d))(
             (nkv, tiles),
             (THREADS,),
             (

@@ -29,7 +29,7 @@ from ..layout import Layout
 from ..reference.flash import HEAD_DIMS
 from .blas import matmul_nn, matmul_nt
 from .decode import CudaLayers, _Layer
-from .flash import flash_kernels_for, flash_prefill
+from .flash import flash_kernels_for, flash_prefill, kernel_expr
 from .ops import padded_keys
 
 ATTN_TILE_BYTES = 1 << 30
@@ -52,7 +52,7 @@ class CudaPrefill:
         self.device_id = layers.device_id
         self.flash = flash and self.args.head_dim in HEAD_DIMS
         if self.flash:
-            flash_kernels_for(self.device_id).prepare([self.args.head_dim])
+            flash_kernels_for(self.device_id).prepare([kernel_expr(self.args.head_dim)])
         with cp.cuda.Device(self.device_id):
             # The router in fp32, so that routing reads fp32 rows as the decode kernels do (a flipped
             # top-k choice would change a row's output far more than rounding elsewhere does).
