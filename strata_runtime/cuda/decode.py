@@ -6,8 +6,9 @@ each row count R gets its own CUDA graph per stage, captured on first reuse and 
 rows' positions and slots are device data, so one graph serves every window of R rows.
 
 The residual stream stays fp32 across a stage's layers. Weights are the stage's own arrays (fp16): q/k/v
-and gate/up are fused into one matrix each at build time, with the stage's tensors rebound to views of
-the fused copy, so no weight is held twice. Longer prefill chunks take `strata_runtime.cuda.prefill`.
+and gate/up are fused into one matrix each at build time by the layer modules themselves
+(`Attention.fuse_qkv`, `MLP.fuse_gate_up`), which then hold views of the fused copy, so no weight is held
+twice. Longer prefill chunks take `strata_runtime.cuda.prefill`.
 
 Dimension letters as in kernels.cu: R rows, H hidden, N query heads, K kv heads, D head dim, E experts,
 I expert width, S slots, T context, V vocab.
@@ -27,17 +28,6 @@ from ..layout import Layout
 from ..models.qwen3_moe import MLP, DecoderLayer, ModelArgs, SparseMoeBlock
 from .blas import matmul_nt
 from .ops import Kernels, attention_scratch_size, kernels_for
-
-
-def _fuse(mod: Any, names: tuple[str, ...]) -> cp.ndarray:
-    """Concatenate ``mod``'s weights ``names`` along axis 0 and rebind each to its slice of the result."""
-    parts = [getattr(mod, n) for n in names]
-    fused = cp.ascontiguousarray(cp.concatenate(parts, axis=0))  # [sum of rows, H]
-    start = 0
-    for n, p in zip(names, parts, strict=True):
-        setattr(mod, n, fused[start : start + p.shape[0]])
-        start += p.shape[0]
-    return fused
 
 
 def supported(args: ModelArgs, dtype: Any, kv_dtype: Any) -> str | None:
@@ -75,7 +65,7 @@ class _Layer:
     @classmethod
     def of(cls, layer: DecoderLayer) -> _Layer:
         att, mlp = layer.self_attn, layer.mlp
-        qkv = _fuse(att, ("q_proj", "k_proj", "v_proj"))
+        qkv = att.fuse_qkv(cp)
         router = gate_up = down = shared_gate = None
         dense: MLP | None
         if isinstance(mlp, SparseMoeBlock):
@@ -83,7 +73,7 @@ class _Layer:
             dense, shared_gate = mlp.shared_expert, mlp.shared_expert_gate
         else:
             dense = mlp
-        mlp_gate_up = _fuse(dense, ("gate_proj", "up_proj")) if dense is not None else None
+        mlp_gate_up = dense.fuse_gate_up(cp) if dense is not None else None
         return cls(
             ln1=layer.input_layernorm,
             ln2=layer.post_attention_layernorm,

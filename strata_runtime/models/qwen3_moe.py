@@ -210,6 +210,20 @@ def linear(x: Any, weight: Any, bias: Any = None) -> Any:
     return y if bias is None else y + bias
 
 
+def fuse_rows(xp: Any, parts: tuple[Any, ...]) -> tuple[Any, tuple[Any, ...]]:
+    """One contiguous matrix of ``parts`` stacked along axis 0, and each part as its row slice of it.
+
+    A module that swaps its weights for the slices holds every weight once: the originals are freed once
+    nothing else refers to them.
+    """
+    fused = xp.ascontiguousarray(xp.concatenate(parts, axis=0))  # [sum of rows, in]
+    views, start = [], 0
+    for p in parts:
+        views.append(fused[start : start + p.shape[0]])
+        start += p.shape[0]
+    return fused, tuple(views)
+
+
 def softmax_fp32(xp: Any, x: Any, axis: int = -1) -> Any:
     x = x.astype(xp.float32)
     e = xp.exp(x - x.max(axis=axis, keepdims=True))
@@ -231,6 +245,14 @@ class Attention:
         )
         self.eps = args.rms_norm_eps
         self.scale = args.head_dim**-0.5
+
+    def fuse_qkv(self, xp: Any) -> Any:
+        """Hold q, k and v as row slices of one contiguous [(N + 2K) D, H] matrix, and return it (the CUDA
+        path reads the three projections in one product). Biases stay separate."""
+        fused, (self.q_proj, self.k_proj, self.v_proj) = fuse_rows(
+            xp, (self.q_proj, self.k_proj, self.v_proj)
+        )
+        return fused
 
     def __call__(self, xp: Any, x: Any, layout: Layout, kv: Any, layer: int, cos: Any, sin: Any) -> Any:
         r, n, k, d = x.shape[0], self.n_heads, self.n_kv, self.head_dim
@@ -280,6 +302,12 @@ class MLP:
     def __init__(self, t: dict[str, Any], p: str) -> None:
         self.gate_proj, self.up_proj = t[f"{p}gate_proj.weight"], t[f"{p}up_proj.weight"]
         self.down_proj = t[f"{p}down_proj.weight"]
+
+    def fuse_gate_up(self, xp: Any) -> Any:
+        """Hold gate and up as row slices of one contiguous [2I, H] matrix (gate first), and return it."""
+        fused, views = fuse_rows(xp, (self.gate_proj, self.up_proj))
+        self.gate_proj, self.up_proj = views
+        return fused
 
     def __call__(self, xp: Any, x: Any) -> Any:
         return linear(silu_mul(linear(x, self.gate_proj), linear(x, self.up_proj)), self.down_proj)  # [R, H]
