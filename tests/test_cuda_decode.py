@@ -210,7 +210,7 @@ def test_flash_and_cublas_attention_give_the_same_prefill(cp):
     for flash in (True, False):
         layout = Layout.of([(1, 200, 0)])
         stage.kv.begin(layout.segments)
-        outs.append(CudaPrefill(stage.cuda, flash=flash).forward(hidden, layout).get())
+        outs.append(CudaPrefill(stage.cuda.stack, flash=flash).forward(hidden, layout).get())
         model.rewind(1, 0)
     # Both read fp16 products with fp32 accumulation, in different orders; the difference compounds over
     # the model's 8 layers (one kernel against its float64 twin stays under 3e-3: tests/test_cuda_flash.py).

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -24,11 +25,13 @@ import numpy as np
 from strata_cfg.schema.facts import ModelFacts
 from strata_cfg.schema.plan import LaunchPlan
 
+from ..cuda.layers import LAYER_STEPS, LayerStack, LayerWeights, Step, WindowBuffers, step_applies
+from ..cuda.ops import Kernels
+from ..models.qwen3_moe import ModelArgs
 from .ceilings import copy_bandwidth, decode_step_bytes
 
 ROWS = (1, 2, 4, 8)
 SLOTS = 8  # one KV slot per row of the largest window
-Op = Callable[[dict[str, Any], dict[str, Any]], None]
 
 
 def step_memory_bytes(facts: ModelFacts, context: int) -> int:
@@ -40,142 +43,62 @@ def step_memory_bytes(facts: ModelFacts, context: int) -> int:
     return weights + head + kv
 
 
+def facts_args(f: ModelFacts) -> ModelArgs:
+    """The model's numbers as the kernels take them. The facts leave out RoPE's theta, the norm's eps and
+    whether top-k weights are renormalised, none of which changes what a step reads or computes."""
+    return ModelArgs(
+        vocab_size=f.vocab_size,
+        hidden_size=f.hidden_size,
+        num_hidden_layers=f.num_hidden_layers,
+        num_attention_heads=f.num_attention_heads,
+        num_key_value_heads=f.num_key_value_heads,
+        head_dim=f.head_dim,
+        intermediate_size=f.intermediate_size,
+        moe_intermediate_size=f.moe_intermediate_size,
+        num_experts=f.num_experts,
+        num_experts_per_tok=f.num_experts_per_tok,
+        norm_topk_prob=True,
+        decoder_sparse_step=f.decoder_sparse_step,
+        mlp_only_layers=f.mlp_only_layers,
+        shared_expert_intermediate_size=f.shared_expert_intermediate_size,
+        rope_theta=1e6,
+    )
+
+
 def _rnd(cp: Any, shape: tuple[int, ...], scale: float = 0.02) -> Any:
     return (cp.random.standard_normal(shape, dtype=cp.float32) * scale).astype(cp.float16)
 
 
-def make_layer(cp: Any, f: ModelFacts, j: int, context: int) -> dict[str, Any]:
-    """Layer ``j``'s weights and KV, shaped as the CUDA decode path holds them."""
+def random_layer(cp: Any, f: ModelFacts, j: int) -> LayerWeights:
+    """Layer ``j``'s weights as the CUDA path holds them (q/k/v and gate/up fused), random fp16."""
     h, d, nq, nkv = f.hidden_size, f.head_dim, f.num_attention_heads, f.num_key_value_heads
-    ly: dict[str, Any] = {
-        "ln1": _rnd(cp, (h,), 1.0),  # [H]
-        "ln2": _rnd(cp, (h,), 1.0),  # [H]
-        "qkv": _rnd(cp, ((nq + 2 * nkv) * d, h)),  # [(NQ + 2 NKV) D, H]
-        "o": _rnd(cp, (h, nq * d)),  # [H, NQ D]
-        "qn": _rnd(cp, (d,), 1.0),  # [D]
-        "kn": _rnd(cp, (d,), 1.0),  # [D]
-        "kc": cp.zeros((SLOTS, nkv, context, d), cp.float16),  # [S, NKV, T, D]
-        "vc": cp.zeros((SLOTS, nkv, context, d), cp.float16),  # [S, NKV, T, D]
-    }
-    if f.is_sparse(j):
-        e, i = f.num_experts, f.moe_intermediate_size
-        ly["router"] = _rnd(cp, (e, h))  # [E, H]
-        ly["gu"] = _rnd(cp, (e, 2 * i, h))  # [E, 2I, H]
-        ly["dn"] = _rnd(cp, (e, h, i))  # [E, H, I]
-        width = f.shared_expert_intermediate_size
-        if width:
-            ly["shared_gate"] = _rnd(cp, (1, h))  # [1, H]
-    else:
-        width = f.intermediate_size
-    if width:
-        ly["mlp_gu"] = _rnd(cp, (2 * width, h))  # [2W, H]
-        ly["mlp_dn"] = _rnd(cp, (h, width))  # [H, W]
-    return ly
+    e, i = f.num_experts, f.moe_intermediate_size
+    sparse = f.is_sparse(j)
+    width = f.shared_expert_intermediate_size if sparse else f.intermediate_size
+    return LayerWeights(
+        ln1=_rnd(cp, (h,), 1.0),  # [H]
+        ln2=_rnd(cp, (h,), 1.0),  # [H]
+        qkv=_rnd(cp, ((nq + 2 * nkv) * d, h)),  # [(NQ + 2 NKV) D, H]
+        o=_rnd(cp, (h, nq * d)),  # [H, NQ D]
+        q_norm=_rnd(cp, (d,), 1.0),  # [D]
+        k_norm=_rnd(cp, (d,), 1.0),  # [D]
+        router=_rnd(cp, (e, h)) if sparse else None,  # [E, H]
+        gate_up=_rnd(cp, (e, 2 * i, h)) if sparse else None,  # [E, 2I, H]
+        down=_rnd(cp, (e, h, i)) if sparse else None,  # [E, H, I]
+        mlp_gate_up=_rnd(cp, (2 * width, h)) if width else None,  # [2W, H]
+        mlp_down=_rnd(cp, (h, width)) if width else None,  # [H, W]
+        shared_gate=_rnd(cp, (1, h)) if sparse and width else None,  # [1, H]
+    )
 
 
-def make_buffers(cp: Any, f: ModelFacts, rows: int, scratch: int) -> dict[str, Any]:
-    """Every array a window of ``rows`` rows touches, allocated once (a graph replays fixed addresses);
-    ``scratch``: the attention kernel's fp32 scratch elements for that many rows."""
-    h, d, nq, nkv = f.hidden_size, f.head_dim, f.num_attention_heads, f.num_key_value_heads
-    k, width = max(f.num_experts_per_tok, 1), max(f.intermediate_size, f.shared_expert_intermediate_size, 1)
-    f32 = cp.float32
-    return {
-        "ids": cp.zeros(rows, cp.int32),  # [R]
-        "pos": cp.zeros(rows, cp.int32),  # [R]
-        "slot": cp.arange(rows, dtype=cp.int32) % SLOTS,  # [R]
-        "resid": cp.zeros((rows, h), f32),  # [R, H]
-        "qkv": cp.zeros((rows, (nq + 2 * nkv) * d), f32),  # [R, (NQ + 2 NKV) D]
-        "q": cp.zeros((rows, nq, d), f32),  # [R, NQ, D]
-        "attn": cp.zeros((rows, nq * d), f32),  # [R, NQ D]
-        "rl": cp.zeros((rows, max(f.num_experts, 1)), f32),  # [R, E]
-        "idx": cp.zeros((rows, k), cp.int32),  # [R, K]
-        "wts": cp.zeros((rows, k), f32),  # [R, K]
-        "hb": cp.zeros((rows * k, max(f.moe_intermediate_size, 1)), f32),  # [R K, I]
-        "mlp_gu_flat": cp.zeros(rows * 2 * width, f32),  # viewed as [R, 2W] per layer
-        "mlp_h_flat": cp.zeros(rows * width, f32),  # viewed as [R, W] per layer
-        "mlp_y": cp.zeros((rows, h), f32),  # [R, H]
-        "gate": cp.zeros((rows, 1), f32),  # [R, 1]
-        "logits": cp.zeros((rows, f.vocab_size), f32),  # [R, V]
-        "out": cp.zeros(rows, cp.int32),  # [R]
-        "scratch": cp.zeros(scratch, f32),
-    }
+@dataclass
+class StepWindow:
+    """A window's buffers through the layers, and what the step adds around them."""
 
-
-def layer_ops(kern: Any, f: ModelFacts, theta: float = 1e6, eps: float = 1e-6) -> dict[str, Op]:
-    """A decoder layer as named kernel groups, in the order the CUDA decode path runs them.
-
-    Each op takes the window's buffers and one layer, and does nothing for a layer without that part.
-    """
-
-    def mlp_views(b: dict[str, Any], width: int) -> tuple[Any, Any]:
-        r = b["resid"].shape[0]
-        gu = b["mlp_gu_flat"][: r * 2 * width].reshape(r, 2 * width)  # [R, 2W]
-        return gu, b["mlp_h_flat"][: r * width].reshape(r, width)  # [R, W]
-
-    def mlp(b: dict[str, Any], ly: dict[str, Any]) -> None:
-        # The dense MLP or the shared expert reads the residual before the routed experts add to it.
-        if "mlp_gu" not in ly:
-            return
-        gu, hid = mlp_views(b, ly["mlp_dn"].shape[1])
-        kern.gemv(ly["mlp_gu"], b["resid"], gu, norm=ly["ln2"], eps=eps)
-        kern.silu_mul(gu, hid)
-        kern.gemv(ly["mlp_dn"], hid, b["mlp_y"])
-        if "shared_gate" in ly:
-            kern.gemv(ly["shared_gate"], b["resid"], b["gate"], norm=ly["ln2"], eps=eps)
-
-    def router(b: dict[str, Any], ly: dict[str, Any]) -> None:
-        if "router" in ly:
-            kern.gemv(ly["router"], b["resid"], b["rl"], norm=ly["ln2"], eps=eps)
-
-    def moe(b: dict[str, Any], ly: dict[str, Any]) -> None:
-        if "router" in ly:
-            kern.moe(
-                b["resid"],
-                ly["ln2"],
-                b["rl"],
-                True,
-                eps,
-                ly["gu"],
-                ly["dn"],
-                b["resid"],
-                b["idx"],
-                b["wts"],
-                b["hb"],
-            )
-
-    def mlp_add(b: dict[str, Any], ly: dict[str, Any]) -> None:
-        if "mlp_gu" in ly:
-            kern.add_scaled(b["resid"], b["mlp_y"], b["gate"] if "shared_gate" in ly else None)
-
-    return {
-        "qkv+norm": lambda b, ly: kern.gemv(ly["qkv"], b["resid"], b["qkv"], norm=ly["ln1"], eps=eps),
-        "qknorm_rope": lambda b, ly: kern.qk_norm_rope_kv(
-            b["qkv"], ly["qn"], ly["kn"], b["pos"], b["slot"], b["q"], ly["kc"], ly["vc"], theta, eps
-        ),
-        "attention": lambda b, ly: kern.attention(
-            b["q"], ly["kc"], ly["vc"], b["pos"], b["slot"], b["attn"], b["scratch"]
-        ),
-        "o_proj": lambda b, ly: kern.gemv(ly["o"], b["attn"], b["resid"], True),
-        "mlp": mlp,
-        "router+norm": router,
-        "moe": moe,
-        "mlp_add": mlp_add,
-    }
-
-
-def op_applies(name: str, ly: dict[str, Any]) -> bool:
-    """Whether layer ``ly`` runs op ``name`` (dense layers have no router, sparse ones may have no MLP)."""
-    if name in ("mlp", "mlp_add"):
-        return "mlp_gu" in ly
-    if name in ("router+norm", "moe"):
-        return "router" in ly
-    return True
-
-
-def _over(op: Op, b: dict[str, Any], layers: list[dict[str, Any]]) -> None:
-    """One op over several layers, as one body to capture."""
-    for ly in layers:
-        op(b, ly)
+    buffers: WindowBuffers
+    ids: Any  # [R] int32 token ids
+    logits: Any  # [R, V] fp32
+    out: Any  # [R] int32 argmax
 
 
 def graph_seconds(cp: Any, body: Callable[[], None], repeats: int) -> float:
@@ -199,60 +122,55 @@ def graph_seconds(cp: Any, body: Callable[[], None], repeats: int) -> float:
 class KernelModel:
     """The plan's model as random fp16 weights on one GPU, run one decode step at a time by the kernels.
 
-    ``kern`` is the device's `strata_runtime.cuda.ops.Kernels` (anything with its launchers' signatures), and
-    ``scratch_size`` its `attention_scratch_size`.
+    The layers are a `strata_runtime.cuda.layers.LayerStack` run by its own kernel sequence (`LAYER_STEPS`),
+    exactly as the decode graphs run a stage's. ``kern`` is the device's `strata_runtime.cuda.ops.Kernels`
+    (the CPU tests pass the NumPy references, which have the launchers' names and signatures) and ``cp``
+    the array module.
     """
 
-    def __init__(
-        self, cp: Any, f: ModelFacts, context: int, kern: Any, scratch_size: Callable[..., int]
-    ) -> None:
+    def __init__(self, cp: Any, f: ModelFacts, context: int, kern: Kernels, device_index: int = 0) -> None:
         self.cp, self.f, self.context = cp, f, context
-        self.kern, self.scratch_size = kern, scratch_size
-        self.ops = layer_ops(self.kern, f)
-        self.layers = [make_layer(cp, f, j, context) for j in range(f.num_hidden_layers)]
+        layers = [random_layer(cp, f, j) for j in range(f.num_hidden_layers)]
+        kv = (f.num_hidden_layers, SLOTS, f.num_key_value_heads, context, f.head_dim)  # [L, S, NKV, T, D]
+        k_cache, v_cache = cp.zeros(kv, cp.float16), cp.zeros(kv, cp.float16)
+        self.stack = LayerStack(device_index, facts_args(f), layers, k_cache, v_cache, kern)
         self.emb = _rnd(cp, (f.vocab_size, f.hidden_size))  # [V, H]
         self.head = _rnd(cp, (f.vocab_size, f.hidden_size))  # [V, H]
         self.final_norm = _rnd(cp, (f.hidden_size,), 1.0)  # [H]
 
-    def step(self, b: dict[str, Any]) -> None:
-        """Embedding, every layer, final norm and LM head, argmax: one window of b's rows."""
-        k = self.kern
-        k.embed(self.emb, b["ids"], b["resid"])
-        for ly in self.layers:
-            for op in self.ops.values():
-                op(b, ly)
-        k.gemv(self.head, b["resid"], b["logits"], norm=self.final_norm)
-        k.argmax(b["logits"], b["out"])
+    def step(self, w: StepWindow) -> None:
+        """Embedding, every layer, final norm and LM head, argmax: one window of w's rows."""
+        k = self.stack.kern
+        k.embed(self.emb, w.ids, w.buffers.resid)
+        self.stack.run(w.buffers)
+        k.gemv(self.head, w.buffers.resid, w.logits, norm=self.final_norm)
+        k.argmax(w.logits, w.out)
 
-    def window(self, rows: int, position: int) -> dict[str, Any]:
-        """Buffers of a ``rows``-row window of fresh token ids at ``position``, run once eagerly (which
-        compiles the kernels)."""
-        cp = self.cp
-        f = self.f
-        scratch = self.scratch_size(
-            rows, f.num_attention_heads, f.num_key_value_heads, f.head_dim, self.context
-        )
-        b = make_buffers(cp, f, rows, scratch)
-        b["ids"][:] = cp.asarray(
-            np.random.default_rng().integers(1, self.f.vocab_size, rows).astype(np.int32)
-        )
-        b["pos"][:] = position
-        self.step(b)
+    def window(self, rows: int, position: int) -> StepWindow:
+        """Buffers of a ``rows``-row window of fresh token ids at ``position``, each row in its own slot, run
+        once eagerly (which compiles the kernels)."""
+        cp, f, s = self.cp, self.f, self.stack
+        b = WindowBuffers(cp, rows, s.args, s.context, s.mlp_width)
+        b.pos[...] = position
+        b.slot[...] = cp.arange(rows, dtype=cp.int32) % SLOTS
+        ids = cp.asarray(np.random.default_rng().integers(1, f.vocab_size, rows).astype(np.int32))
+        w = StepWindow(b, ids, cp.zeros((rows, f.vocab_size), cp.float32), cp.zeros(rows, cp.int32))
+        self.step(w)
         cp.cuda.Device().synchronize()
-        return b
+        return w
 
     def time_rows(self, rows: int, position: int, repeats: int, copy: float) -> dict[str, Any]:
         """One row count: the step eager and graph-replayed, against its roofline."""
         cp, f = self.cp, self.f
-        b = self.window(rows, position)
+        w = self.window(rows, position)
         t0 = time.perf_counter()
         for _ in range(3):
-            self.step(b)
+            self.step(w)
         cp.cuda.Device().synchronize()
         eager = (time.perf_counter() - t0) / 3
-        graph = graph_seconds(cp, lambda: self.step(b), repeats)
+        graph = graph_seconds(cp, lambda: self.step(w), repeats)
         # The last layer's routing stands for every layer's: random weights route alike in each.
-        distinct = len(set(b["idx"].get().ravel().tolist())) if f.num_experts else 0
+        distinct = len(set(w.buffers.idx.get().ravel().tolist())) if f.num_experts else 0
         nbytes = decode_step_bytes(
             f, rows=rows, positions=position + 1, kv_dtype="float16", distinct_experts=distinct
         )
@@ -276,13 +194,20 @@ class KernelModel:
 
     def time_kernels(self, position: int, repeats: int) -> dict[str, float]:
         """µs per layer of each kernel group at one row, each timed alone in a graph over its layers."""
-        b = self.window(1, position)
+        w = self.window(1, position)
         out = {}
-        for name, op in self.ops.items():
-            runs = [ly for ly in self.layers if op_applies(name, ly)]
+        for name, step in LAYER_STEPS.items():
+            runs = [j for j, lay in enumerate(self.stack.layers) if step_applies(name, lay)]
             if runs:
-                out[name] = graph_seconds(self.cp, partial(_over, op, b, runs), repeats) / len(runs) * 1e6
+                body = partial(self._over, step, w.buffers, runs)
+                out[name] = graph_seconds(self.cp, body, repeats) / len(runs) * 1e6
         return out
+
+    def _over(self, step: Step, b: WindowBuffers, runs: list[int]) -> None:
+        """One step over several layers, as one body to capture."""
+        s = self.stack
+        for j in runs:
+            step(s.kern, s.args, s.layers[j], b, s.k_cache[j], s.v_cache[j])
 
 
 def gpu_name(cp: Any, device_index: int) -> str:
@@ -296,7 +221,7 @@ def run_step(
     """Time the kernel step of the plan's model on GPU ``device_index``; the figures as a JSON-able dict."""
     import cupy as cp
 
-    from ..cuda.ops import attention_scratch_size, kernels_for
+    from ..cuda.ops import kernels_for
 
     f, context = plan.model.facts, plan.memory.context
     position = max(0, min(position, context - 1))
@@ -310,7 +235,7 @@ def run_step(
             )
         copy = copy_bandwidth(device_index)
         t0 = time.perf_counter()
-        model = KernelModel(cp, f, context, kernels_for(device_index), attention_scratch_size)
+        model = KernelModel(cp, f, context, kernels_for(device_index), device_index)
         cp.cuda.Device().synchronize()
         made_s = time.perf_counter() - t0
         table = [model.time_rows(rows, position, repeats, copy) for rows in ROWS]

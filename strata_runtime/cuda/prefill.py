@@ -28,8 +28,8 @@ import cupy as cp
 from ..layout import Layout
 from ..reference.flash import HEAD_DIMS
 from .blas import matmul_nn, matmul_nt
-from .decode import CudaLayers, _Layer
 from .flash import flash_kernels_for, flash_prefill, kernel_expr
+from .layers import LayerStack, LayerWeights
 from .ops import padded_keys
 
 ATTN_TILE_BYTES = 1 << 30
@@ -43,13 +43,13 @@ def attention_tile_rows(n_heads: int, keys: int) -> int:
 
 
 class CudaPrefill:
-    """Long prefill chunks through the layers (and KV) of a `CudaLayers`."""
+    """Long prefill chunks through the layers (and KV) of a `LayerStack`."""
 
-    def __init__(self, layers: CudaLayers, flash: bool = True) -> None:
+    def __init__(self, stack: LayerStack, flash: bool = True) -> None:
         """``flash``: attention through the fused kernel of `strata_runtime.cuda.flash` where it has the head
         dim; otherwise (or with False) through cuBLAS products over materialised scores."""
-        self.layers, self.args, self.kern = layers, layers.args, layers.kern
-        self.device_id = layers.device_id
+        self.stack, self.args, self.kern = stack, stack.args, stack.kern
+        self.device_id = stack.device_id
         self.flash = flash and self.args.head_dim in HEAD_DIMS
         if self.flash:
             flash_kernels_for(self.device_id).prepare([kernel_expr(self.args.head_dim)])
@@ -57,7 +57,7 @@ class CudaPrefill:
             # The router in fp32, so that routing reads fp32 rows as the decode kernels do (a flipped
             # top-k choice would change a row's output far more than rounding elsewhere does).
             self.router32 = [
-                lay.router.astype(cp.float32) if lay.router is not None else None for lay in layers.layers
+                lay.router.astype(cp.float32) if lay.router is not None else None for lay in stack.layers
             ]
         self.kern.prepare(
             [
@@ -85,20 +85,20 @@ class CudaPrefill:
         """Every layer on ``resid`` [n, H] fp32, in place."""
         pos = cp.asarray(layout.positions(), dtype=cp.int32)  # [n]
         slot = cp.concatenate([cp.full(s.n, s.slot, cp.int32) for s in layout.segments])  # [n]
-        for j, lay in enumerate(self.layers.layers):
+        for j, lay in enumerate(self.stack.layers):
             self._attention(j, lay, resid, layout, pos, slot)
             self._mlp(j, lay, resid)
 
     # ---- attention -------------------------------------------------------------------------------
 
     def _attention(
-        self, j: int, lay: _Layer, resid: cp.ndarray, layout: Layout, pos: cp.ndarray, slot: cp.ndarray
+        self, j: int, lay: LayerWeights, resid: cp.ndarray, layout: Layout, pos: cp.ndarray, slot: cp.ndarray
     ) -> None:
         a, kern = self.args, self.kern
         n_rows, h = resid.shape
         nq, nkv, d = a.num_attention_heads, a.num_key_value_heads, a.head_dim
         g = nq // nkv
-        kc, vc = self.layers.k_cache[j], self.layers.v_cache[j]  # [S, K, T, D]
+        kc, vc = self.stack.k_cache[j], self.stack.v_cache[j]  # [S, K, T, D]
         x = cp.empty((n_rows, h), cp.float16)
         kern.rmsnorm_half(resid, lay.ln1, x, a.rms_norm_eps)
         qkv = matmul_nt(x, lay.qkv, cp.empty((n_rows, lay.qkv.shape[0]), cp.float32))  # [n, (N + 2K) D]
@@ -145,7 +145,7 @@ class CudaPrefill:
 
     # ---- MLP: routed experts, shared expert, dense MLP ------------------------------------------
 
-    def _mlp(self, j: int, lay: _Layer, resid: cp.ndarray) -> None:
+    def _mlp(self, j: int, lay: LayerWeights, resid: cp.ndarray) -> None:
         a, kern = self.args, self.kern
         n_rows, h = resid.shape
         x = cp.empty((n_rows, h), cp.float16)
@@ -165,7 +165,7 @@ class CudaPrefill:
         if dense is not None:
             kern.add_scaled(resid, dense, gate)
 
-    def _experts(self, j: int, lay: _Layer, x: cp.ndarray, resid: cp.ndarray) -> None:
+    def _experts(self, j: int, lay: LayerWeights, x: cp.ndarray, resid: cp.ndarray) -> None:
         a, kern = self.args, self.kern
         n_rows, h = x.shape
         n_exp, topk = a.num_experts, a.num_experts_per_tok

@@ -105,11 +105,12 @@ class MtpHead:
     def use_cuda(self, k_cache: Any, v_cache: Any) -> str | None:
         """Run draft windows of at most 8 rows as CUDA graphs over the drafters' shared KV [1, S, K, T, D].
         Returns why not, when the kernels cannot run this head."""
-        from ..cuda import decode
+        from ..cuda import layers
+        from ..cuda.mtp import CudaMtp
 
-        why = decode.supported(self.args, self.fc.dtype, k_cache.dtype)
+        why = layers.supported(self.args, self.fc.dtype, k_cache.dtype)
         if why is None:
-            self.cuda = decode.CudaMtp(self.device.index, self, self.args, k_cache, v_cache)
+            self.cuda = CudaMtp(self.device.index, self, self.args, k_cache, v_cache)
         return why
 
     def __call__(self, drafters: dict[int, Drafter], tokens: np.ndarray, hidden: Any, layout: Layout) -> Any:

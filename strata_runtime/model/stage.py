@@ -75,17 +75,18 @@ class Stage:
             self._build_cuda()
 
     def _build_cuda(self) -> None:
-        from ..cuda import decode, prefill
+        from ..cuda import decode, head, layers, prefill
 
         dtype = self.layers[0].input_layernorm.dtype if self.layers else self.kv.k.dtype
-        self.cuda_refused = decode.supported(self.args, dtype, self.kv.k.dtype)
+        self.cuda_refused = layers.supported(self.args, dtype, self.kv.k.dtype)
         if self.cuda_refused is not None:
             return
         gpu, eps = self.device.index, self.args.rms_norm_eps
-        self.cuda = decode.CudaLayers(gpu, self.layers, self.args, self.kv.k, self.kv.v)
-        self.cuda_prefill = prefill.CudaPrefill(self.cuda)
+        stack = layers.LayerStack.of(gpu, self.layers, self.args, self.kv.k, self.kv.v)
+        self.cuda = decode.CudaLayers(stack)
+        self.cuda_prefill = prefill.CudaPrefill(stack)
         if self.last:
-            self.cuda_head = decode.CudaHead(gpu, self.norm, self.lm_head, eps)
+            self.cuda_head = head.CudaHead(gpu, self.norm, self.lm_head, eps)
 
     def embed(self, token_ids: np.ndarray) -> Any:
         """The embedding rows [R, H] of ``token_ids`` (first stage only)."""

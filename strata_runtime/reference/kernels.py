@@ -90,7 +90,9 @@ def attention(
     pos: np.ndarray,
     slot: np.ndarray,
     out: np.ndarray,
+    scratch: np.ndarray | None = None,
 ) -> None:
+    """``scratch`` is the launcher's workspace; the reference needs none."""
     rows, n_q, d = q.shape
     n_kv = k_cache.shape[1]
     g = n_q // n_kv
@@ -144,7 +146,8 @@ def silu_mul(gu: np.ndarray, out: np.ndarray) -> None:
 
 
 def add_scaled(resid: np.ndarray, y: np.ndarray, gate: np.ndarray | None = None) -> None:
-    resid += y if gate is None else (1.0 / (1.0 + np.exp(-gate)))[:, None] * y
+    """``gate``: one value per row, [R] or [R, 1] (the decode path holds the shared expert gate as [R, 1])."""
+    resid += y if gate is None else (1.0 / (1.0 + np.exp(-gate.reshape(-1))))[:, None] * y
 
 
 def embed(table: np.ndarray, ids: np.ndarray, out: np.ndarray) -> None:
