@@ -2,8 +2,8 @@
 
 A slot reads its prompt in prefill chunks, then decodes. Its KV length on every stage (and in its drafter)
 is ``length``; ``token`` is the next input, at position ``length``, not yet read by the model. Tokens are
-emitted through `Slot.emit`, which applies stop tokens, stop strings and max tokens, and sends only text
-that decodes completely.
+emitted through `Slot.emit`, which applies stop tokens, stop strings (`strata_runtime.engine.stops`) and max
+tokens, and sends only text that decodes completely.
 """
 
 from __future__ import annotations
@@ -13,17 +13,7 @@ from typing import Any
 
 from ..api import FinishReason, RequestHandle, TokenEvent
 from .sampling import Sampler
-
-
-def _stop_prefix_len(text: str, stops: tuple[str, ...]) -> int:
-    """Length of the longest tail of ``text`` that is a proper prefix of one of ``stops``."""
-    best = 0
-    for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), best, -1):
-            if text.endswith(stop[:n]):
-                best = n
-                break
-    return best
+from .stops import StopText
 
 
 @dataclass
@@ -40,12 +30,19 @@ class Slot:
     token: int | None = None
     generated: list[int] = field(default_factory=list)
     sent_text: str = ""
+    """The text sent so far: always a prefix of the final reply."""
     finished: FinishReason | None = None
     _text: str = ""
     """The text of ``generated[:_read]``, decoded incrementally (complete characters only)."""
     _prefix: int = 0
     """Where the next decode starts: tokens before ``_read`` kept as context for the tokenizer."""
     _read: int = 0
+    _fed: str = ""
+    """The decoded text handed to ``_stops`` so far (complete characters only)."""
+    _stops: StopText = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._stops = StopText(self.handle.request.stop_strings)
 
     @property
     def prompt(self) -> tuple[int, ...]:
@@ -78,16 +75,16 @@ class Slot:
         self.handle.completion_tokens = len(self.generated)
         self.handle.accepted_proposals += accepted
         text = self._decoded()
-        for stop in req.stop_strings:
-            cut = text.find(stop)
-            if stop and cut >= 0:
-                text, self.finished = text[:cut], "stop"
-        if self.finished is None:
-            if text.endswith("\ufffd"):
-                text = text.rstrip("\ufffd")  # an incomplete UTF-8 sequence: wait for its next bytes
-            # Hold back a tail that may be the start of a stop string arriving over several windows.
-            text = text[: len(text) - _stop_prefix_len(text, req.stop_strings)]
-        new = text[len(self.sent_text) :] if text.startswith(self.sent_text) else ""
+        if self.finished is None and text.endswith("\ufffd"):
+            text = text.rstrip("\ufffd")  # an incomplete UTF-8 sequence: wait for its next bytes
+        fresh = text[len(self._fed) :] if text.startswith(self._fed) else ""
+        self._fed += fresh
+        # The stop-string cutter holds back a tail that may begin a stop string arriving over several windows.
+        new = self._stops.feed(fresh)
+        if self._stops.stopped:
+            self.finished = "stop"
+        elif self.finished is not None:
+            new += self._stops.flush()
         self.sent_text += new
         return TokenEvent(tuple(kept), new, self.finished, accepted)
 
