@@ -178,10 +178,8 @@ class Executor:
                 kept = verdict.accepted + 1
                 mine = normed[row : row + n]
                 commit(self.model, slot.id, slot.length, kept, mine, verdict.tokens, self.tracked)
-                slot.length += kept
-                slot.token = verdict.tokens[-1]
-                slot.handle.proposals += len(e.proposals.tokens)
-                events.append((slot, slot.emit(verdict.tokens, verdict.accepted)))
+                proposed = len(e.proposals.tokens)
+                events.append((slot, slot.advance(kept, verdict.tokens, proposed, verdict.accepted)))
             row += n
         return events
 
@@ -191,19 +189,16 @@ class Executor:
         """Commit a prompt chunk; ``target`` is its last row's argmax or logits, only in the last chunk."""
         p, prompt = slot.prefilled, slot.prompt
         done = p + n == len(prompt)
+        first: int | None = None
         if done:
             assert target is not None
             if slot.sampler.greedy:
-                first = int(target[-1])
+                token = int(target[-1])
             else:
-                first = slot.sampler.draw(distribution(target[-1:], slot.sampler.params)[0])
-            following = [*prompt[p + 1 : p + n], first]
+                token = slot.sampler.draw(distribution(target[-1:], slot.sampler.params)[0])
+            first, following = token, [*prompt[p + 1 : p + n], token]
         else:
             following = list(prompt[p + 1 : p + n + 1])
         commit(self.model, slot.id, slot.length, n, normed, following, self.tracked)
-        slot.length += n
-        slot.prefilled += n
-        if not done:
-            return []
-        slot.token = first
-        return [(slot, slot.emit([first], 0))]
+        event = slot.prefilled_chunk(n, first)
+        return [] if event is None else [(slot, event)]

@@ -56,6 +56,25 @@ class Slot:
     def prefilling(self) -> bool:
         return self.token is None and self.finished is None
 
+    def prefilled_chunk(self, n: int, first: int | None) -> TokenEvent | None:
+        """A prompt chunk of ``n`` tokens is now in the KV. ``first`` is the first generated token when the
+        chunk was the prompt's last (it becomes the next input); returns the event to send, if any."""
+        self.length += n
+        self.prefilled += n
+        if first is None:
+            return None
+        self.token = first
+        return self.emit([first], 0)
+
+    def advance(self, rows: int, tokens: list[int], proposed: int, accepted: int) -> TokenEvent:
+        """A decode window kept ``rows`` of this slot's rows (its KV moved on by that many) and decided
+        ``tokens``, the last of which is the next input; ``proposed`` drafts were verified and ``accepted``
+        of them held. Returns the event to send."""
+        self.length += rows
+        self.token = tokens[-1]
+        self.handle.proposals += proposed
+        return self.emit(tokens, accepted)
+
     def emit(self, tokens: list[int], accepted: int) -> TokenEvent:
         """Record a window's new tokens for this request and return the event to send.
 
