@@ -46,8 +46,8 @@ def parse_ids(text: str) -> tuple[int, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..api import PlanMismatch
     from ..engine import Engine
-    from ..model import PlanMismatch
     from ..weights.checkpoint import stderr_progress
 
     if not args.quiet:

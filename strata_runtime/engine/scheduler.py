@@ -7,13 +7,16 @@ does not implement, naming it. Each `step` is one scheduling round:
 2. run either one prefill chunk (the oldest prefilling slot) or one decode round, alternating while both
    kinds of work exist, so a long prompt never stalls the other slots' decoding;
 3. a decode round is, by the plan's batch mode:
-   * *solo*: one decoding slot and nothing prefilling: its token plus ``spec.draft_tokens - 1`` chained MTP
+   * *solo*: one decoding slot and nothing prefilling: its token plus ``windows.solo_rows - 1`` chained MTP
      proposals (solo promotion; a newcomer demotes it again);
    * *batch MTP* (serial, one group): 2 rows per slot (token + proposal), at most 4 slots per window, the
      start rotating over the slots;
    * *serial*: one row per slot, every decoding slot in one window (at most 8);
-   * *pipelined* (G > 1 groups): each group's window (its prefill chunk or its decode rows) enters the
-     stages one tick after the previous group's, so the groups are on different stages at once. No drafts.
+   * *pipelined* (``batch.mode``, G groups): each group's window (its prefill chunk or its decode rows)
+     enters the stages one tick after the previous group's, so the groups are on different stages at once.
+     No drafts.
+
+Everything the schedule depends on is read from the plan (`batch`, `windows`, `memory`), never re-derived.
 """
 
 from __future__ import annotations
@@ -23,97 +26,22 @@ import os
 import threading
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
 from typing import Any
 
 from strata_cfg.schema.plan import MIB, LaunchPlan
-from strata_cfg.schema.windows import (
-    BATCH_MTP_ROWS_PER_SLOT,
-    BATCH_MTP_SLOTS_PER_WINDOW,
-    MAX_WINDOW_ROWS,
-    batch_mtp_window,
-    plain_windows,
-    solo_window,
-)
+from strata_cfg.schema.windows import batch_mtp_window, plain_windows, solo_window
 
-from ..api import Request, RequestHandle, TokenEvent
-from ..model import Model, PlanMismatch
+from ..api import PlanMismatch, Request, RequestHandle, TokenEvent
+from ..model import Model
 from ..weights.checkpoint import Progress
 from .executor import Entry, Executor, Job
+from .refusals import refusals
 from .sampling import Sampler
 from .slot import Slot
 from .speculative import Proposals, draft
+from .stats import WindowStat, WindowStats
 
 log = logging.getLogger("strata_runtime")
-
-
-def refusals(plan: LaunchPlan) -> list[str]:
-    """Everything in ``plan`` this runtime does not implement (empty: it can run the plan as written)."""
-    out = []
-    ex = plan.experts
-    if ex.helper_devices:
-        out.append(
-            f"experts.helper_devices = {list(ex.helper_devices)}: "
-            "helper-GPU expert caches are not implemented"
-        )
-    if ex.remote_opt:
-        out.append("experts.remote_opt = true: remote expert optimisation is not implemented")
-    if ex.peer_device is not None:
-        out.append(f"experts.peer_device = {ex.peer_device}: a peer-device expert cache is not implemented")
-    if ex.cache is not None:
-        out.append(
-            f"experts.cache = {ex.cache}: an expert cache smaller than a stage's experts is not implemented"
-        )
-    for g in plan.gpus:
-        if g.role == "helper":
-            out.append(f"{g.device} is a helper GPU: helper-GPU expert caches are not implemented")
-        if g.experts_resident < g.experts_total:
-            out.append(
-                f"{g.device} holds {g.experts_total} routed experts but only {g.experts_resident} fit: "
-                "an expert cache smaller than a stage's experts is not implemented"
-            )
-    for s in plan.stages:
-        if s.host != "local":
-            out.append(f"stage {s.index} is on host {s.host!r}: only local stages are implemented")
-        if s.drafters and s.index != len(plan.stages) - 1:
-            out.append(f"stage {s.index} holds drafters: drafters live only on the last stage")
-    if plan.spec.pipeline_windows:
-        out.append(
-            f"split.pipeline_windows = {plan.spec.pipeline_windows}: "
-            "overlapped solo windows are not implemented"
-        )
-    if plan.batch.mtp:
-        if plan.batch.mode != "serial" or plan.batch.groups != 1:
-            out.append(
-                f"batch MTP with mode {plan.batch.mode!r} and {plan.batch.groups} groups: "
-                "it runs only in serial windows"
-            )
-        if (
-            plan.batch.rows_per_slot != BATCH_MTP_ROWS_PER_SLOT
-            or plan.batch.slots_per_window > BATCH_MTP_SLOTS_PER_WINDOW
-        ):
-            out.append("batch MTP windows must be 2 rows per slot and at most 4 slots")
-        if set(plan.last_stage.drafters) != set(range(plan.batch.slots)):
-            out.append(
-                f"batch MTP needs a drafter for every slot; the plan places {list(plan.last_stage.drafters)}"
-            )
-    if plan.windows.max_rows > MAX_WINDOW_ROWS or plan.windows.handoff_rows > MAX_WINDOW_ROWS:
-        out.append(f"windows of more than {MAX_WINDOW_ROWS} rows are not implemented")
-    if plan.batch.mode == "pipelined" and plan.batch.groups < 2:
-        out.append("pipelined mode with fewer than 2 groups")
-    return out
-
-
-@dataclass(frozen=True)
-class WindowStat:
-    """One window (or one pipelined round's share of it)."""
-
-    kind: str
-    rows: int
-    ms: float
-    proposals: int
-    accepted: int
-    slots: tuple[int, ...]
 
 
 class Engine:
@@ -131,7 +59,8 @@ class Engine:
         self.n_slots = max(plan.batch.slots, 1)
         self.slots: list[Slot | None] = [None] * self.n_slots
         self.tracked = self.model.mtp is not None
-        self.depth = min(plan.spec.draft_tokens - 1, MAX_WINDOW_ROWS - 1) if plan.spec.mtp else 0
+        self.depth = plan.windows.solo_rows - 1
+        """Proposals a solo window drafts after its token (0: the plan does not draft)."""
         self.executor = Executor(self.model, self.tracked)
         self._queue: deque[RequestHandle] = deque()
         self._lock = threading.Lock()
@@ -139,8 +68,7 @@ class Engine:
         self._rotation = 0
         self._plain_turn = 0
         self._prefill_turn: dict[int, bool] = {}
-        self.windows: deque[WindowStat] = deque(maxlen=1024)
-        self.totals = {"windows": 0, "rows": 0, "tokens": 0, "proposals": 0, "accepted": 0, "ms": 0.0}
+        self.window_stats = WindowStats()
         self.startup = self._startup_lines()
         for line in self.startup:
             log.info(line)
@@ -167,14 +95,13 @@ class Engine:
         decoding = [s for s in active if s.decoding]
         prefilling = [s for s in active if s.prefilling]
         solo = len(decoding) == 1 and not prefilling
-        if self.plan.batch.groups > 1 and not solo:
+        if self.plan.batch.mode == "pipelined" and not solo:
             self._pipelined_round(active)
         else:
             self._serial_round(prefilling, decoding)
         return True
 
     def stats(self) -> dict[str, Any]:
-        recent = [asdict(w) for w in list(self.windows)[-32:]]
         return {
             "plan": {
                 "mode": self.plan.batch.mode,
@@ -188,26 +115,28 @@ class Engine:
             "slots": [self._slot_state(i, s) for i, s in enumerate(self.slots)],
             "totals": dict(self.totals),
             "acceptance": self.acceptance,
-            "recent_windows": recent,
+            "recent_windows": self.window_stats.last(32),
             "drafters": self.drafter_info(),
         }
 
     # ---- reporting -----------------------------------------------------------------------------------
 
     @property
+    def windows(self) -> deque[WindowStat]:
+        """The most recent windows, oldest first."""
+        return self.window_stats.recent
+
+    @property
+    def totals(self) -> dict[str, Any]:
+        """Windows, rows, tokens, proposals, accepted proposals and milliseconds since the start."""
+        return self.window_stats.totals
+
+    @property
     def acceptance(self) -> float | None:
-        made = self.totals["proposals"]
-        return None if not made else self.totals["accepted"] / made
+        return self.window_stats.acceptance
 
     def summary(self) -> str:
-        t = self.totals
-        rate = f"{t['accepted']}/{t['proposals']} proposals accepted"
-        if t["proposals"]:
-            rate += f" ({100 * t['accepted'] / t['proposals']:.1f}%)"
-        per = t["ms"] / t["windows"] if t["windows"] else 0.0
-        return (
-            f"{t['windows']} windows, {t['rows']} rows, {t['tokens']} tokens, {rate}, {per:.2f} ms per window"
-        )
+        return self.window_stats.summary()
 
     def drafter_info(self) -> dict[str, Any]:
         d = self.model.drafters
@@ -405,16 +334,9 @@ class Engine:
     def _deliver(self, job: Job, events: list[tuple[Slot, TokenEvent]], t0: float, share: int = 1) -> None:
         ms = (time.perf_counter() - t0) * 1000 / share
         accepted = sum(ev.accepted_proposals for _, ev in events)
-        self.windows.append(
-            WindowStat(job.kind, job.rows, ms, job.proposals, accepted, tuple(e.slot.id for e in job.entries))
-        )
-        t = self.totals
-        t["windows"] += 1
-        t["rows"] += job.rows
-        t["tokens"] += sum(len(ev.token_ids) for _, ev in events)
-        t["proposals"] += job.proposals
-        t["accepted"] += accepted
-        t["ms"] += ms
+        slots = tuple(e.slot.id for e in job.entries)
+        window = WindowStat(job.kind, job.rows, ms, job.proposals, accepted, slots)
+        self.window_stats.record(window, sum(len(ev.token_ids) for _, ev in events))
         for slot, ev in events:
             slot.handle.events.put(ev)
             if ev.finished is not None:

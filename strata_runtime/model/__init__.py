@@ -5,6 +5,6 @@
 `kvcache` is the per-slot KV with rewind.
 """
 
-from .placed import Model, PlanMismatch
+from .placed import Model
 
-__all__ = ["Model", "PlanMismatch"]
+__all__ = ["Model"]

@@ -13,6 +13,7 @@ import numpy as np
 
 from strata_cfg.schema.plan import LaunchPlan
 
+from ..api import PlanMismatch
 from ..backend import DTYPES, Device, enable_peer_access, transfer
 from ..layout import Layout
 from ..models.qwen3_moe import ModelArgs, stage_shapes
@@ -21,10 +22,6 @@ from ..weights.synthetic import SyntheticModel
 from ..weights.tokenizer import ByteTokenizer, tokenizer_for
 from .mtp import Drafter, MtpHead
 from .stage import Stage
-
-
-class PlanMismatch(RuntimeError):
-    """A plan the runtime cannot run as written."""
 
 
 def compute_dtypes(plan: LaunchPlan, device: Device) -> tuple[Any, Any]:
