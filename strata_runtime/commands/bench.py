@@ -14,14 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
+from strata_cfg.schema.plan_file import read_plan
 from strata_cfg.schema.workloads import GPU_WORKLOADS, PROMPTS, WORKLOADS, prompt_context_problem
 
 from ..bench.ceilings import copy_bandwidth, decode_step_bytes, matrix_rate, prompt_flops, si
 from ..bench.harness import Arrival, InProcessDriver, cuda_devices, prompt_ids, run_bench, summarise
-from .generate import load_plan
 
 EXIT_REFUSED = 1
 EXIT_USAGE = 2
@@ -70,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
 
     arms = _pairs(args.arm, "arm")
     notes = _pairs(args.note, "note")
-    plans = {name: load_plan(Path(path)) for name, path in arms.items()}
+    plans = {name: read_plan(path) for name, path in arms.items()}
     if args.workload in GPU_WORKLOADS:
         return run_gpu_workload(args, next(iter(plans.values())))
     if args.workload == "prompt":
