@@ -87,6 +87,8 @@ class Model:
             d.check()
         enable_peer_access(list(dict.fromkeys(devices)))
         if plan.model.synthetic is not None:
+            if plan.model.layer_scale is None:
+                raise PlanMismatch("a synthetic preset without model.layer_scale: resolve the plan again")
             synth = SyntheticModel(plan.model.synthetic, plan.model.seed, plan.model.layer_scale)
             config, ckpt = synth.config, None
         elif plan.model.path is not None:

@@ -1,15 +1,15 @@
 """Loading a Hugging Face style checkpoint stage by stage, straight onto each stage's device.
 
 A model directory holds ``config.json`` and safetensors: one ``model.safetensors``, or shards listed by
-``model.safetensors.index.json``. Files are memory-mapped and read with a small header parser, so a stage
-reads only the bytes of its own tensors, and bfloat16 tensors load without torch (their bits are widened to
+``model.safetensors.index.json``. Files are memory-mapped and their headers read by the one safetensors
+header reader (`strata_cfg.schema.safetensors_header`, which the facts step uses too), so a stage reads only
+the bytes of its own tensors, and bfloat16 tensors load without torch (their bits are widened to
 float32 on the host, then cast to the device dtype).
 """
 
 from __future__ import annotations
 
 import json
-import struct
 import sys
 import time
 from collections.abc import Callable
@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import numpy as np
+
+from strata_cfg.schema.safetensors_header import METADATA, read_header_and_data_start
 
 from ..backend import Device
 from ..models.qwen3_moe import Shapes, sanitize
@@ -41,12 +43,12 @@ class SafetensorsFile:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        with path.open("rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(size))
-        header.pop("__metadata__", None)
+        try:
+            header, self._base = read_header_and_data_start(path)
+        except ValueError as exc:
+            raise CheckpointError(f"{path}: not a safetensors file: {exc}") from None
+        header.pop(METADATA, None)
         self._header: dict[str, Any] = header
-        self._base = 8 + size
         self._mmap = np.memmap(path, dtype=np.uint8, mode="r")
 
     def names(self) -> list[str]:

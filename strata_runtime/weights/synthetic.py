@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from strata_cfg.schema.presets import PRESET_DEFAULTS, preset_config
+from strata_cfg.schema.presets import preset_config
 
 from ..backend import Device
 from ..models.qwen3_moe import ModelArgs, Shapes
@@ -71,10 +71,11 @@ def output_scale(args: ModelArgs, layer_scale: float) -> float:
 class SyntheticModel:
     """A preset plus seed and scale: its ``config.json`` and an in-place weight generator."""
 
-    def __init__(self, preset: str, seed: int = 0, layer_scale: float | None = None) -> None:
-        self.preset, self.seed = preset, seed
+    def __init__(self, preset: str, seed: int, layer_scale: float) -> None:
+        """``layer_scale`` as the plan resolved it (``model.layer_scale``: the preset's default unless the
+        profile set one)."""
+        self.preset, self.seed, self.layer_scale = preset, seed, layer_scale
         self.config: dict[str, Any] = preset_config(preset)
-        self.layer_scale = PRESET_DEFAULTS[preset]["layer_scale"] if layer_scale is None else layer_scale
         self.args = ModelArgs.from_config(self.config)
         self.chain = chain_permutation(self.args.vocab_size, seed)
         self.out_scale = output_scale(self.args, self.layer_scale)
