@@ -18,7 +18,7 @@ def test_transformers_peer_generates_the_runtimes_greedy_text_on_shared_weights(
     plan = make_plan(preset="tiny", slots=2, draft_tokens=0, context=256)
     weights: dict = {}
     engine = Engine(plan, weights=weights)
-    peer = make_peer("transformers", plan, engine, weights)
+    peer = make_peer("transformers", plan, engine.tokenizer, weights)
     # The peer's parameters are the runtime's arrays, not copies.
     embed = peer.model.model.embed_tokens.weight
     (tensors,) = weights.values()

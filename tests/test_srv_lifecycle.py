@@ -70,9 +70,9 @@ def test_health_and_requests_say_loading_until_the_engine_is_built(plan):
                     if r.status == 200:
                         break
                 await asyncio.sleep(0.05)
-            status, body = await _post(
-                s, f"{base}/v1/completions", {"model": "demo", "prompt": "hi", "max_tokens": 3}
-            )
+            # Greedy, so the reply is fixed: sampled, the demo model may end early on its end-of-text.
+            request = {"model": "demo", "prompt": "hi", "max_tokens": 3, "temperature": 0}
+            status, body = await _post(s, f"{base}/v1/completions", request)
             assert status == 200 and body["usage"]["completion_tokens"] == 3
         stop.set()
         return await task

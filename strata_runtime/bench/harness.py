@@ -12,16 +12,20 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from strata_cfg.schema.plan import LaunchPlan
 from strata_cfg.schema.workloads import CLIENT_COUNTS, PROMPTS, WORKLOADS
 
-from ..api import EngineCore, Request, SamplingParams
+from ..api import Request, SamplingParams, Tokenizer
 from ..backend import DeviceError, cupy_module
+
+if TYPE_CHECKING:
+    from ..engine import Engine
 
 
 @dataclass(frozen=True)
@@ -57,10 +61,17 @@ class Driver(Protocol):
     def run(self, arrivals: list[Arrival]) -> tuple[list[Result], dict[str, Any]]: ...
 
 
+class Arm(Protocol):
+    """One contender of a benchmark: an engine of this runtime, or a peer (`strata_runtime.bench.peer`).
+    Its requests are tokenized with its own tokenizer."""
+
+    tokenizer: Tokenizer
+
+
 class InProcessDriver:
     """Steps an engine in this thread; the second value returned is the window statistics of the run."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
 
     def run(self, arrivals: list[Arrival]) -> tuple[list[Result], dict[str, Any]]:
@@ -114,7 +125,7 @@ class InProcessDriver:
 # ---- workloads --------------------------------------------------------------------------------------
 
 
-def _request(tokenizer: Any, i: int, tokens: int, prompt: str | None = None) -> Request:
+def _request(tokenizer: Tokenizer, i: int, tokens: int, prompt: str | None = None) -> Request:
     ids = tuple(tokenizer.encode(prompt if prompt is not None else PROMPTS[i % len(PROMPTS)]))
     return Request(ids, tokens, SamplingParams(temperature=0.0), request_id=f"bench-{i}")
 
@@ -127,7 +138,7 @@ def prompt_ids(length: int, vocab: int, seed: int) -> tuple[int, ...]:
 
 def workload_arrivals(
     name: str,
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     tokens: int,
     context: int,
     clients: int = 1,
@@ -211,14 +222,19 @@ class ArmRuns:
     tokens: dict[str, list[list[int]]] = field(default_factory=dict)
 
 
+def driver_for(arm: Any) -> Driver:
+    """How an arm runs: a peer brings its own driver; an engine of this runtime is stepped in process."""
+    return arm.driver() if hasattr(arm, "driver") else InProcessDriver(arm)
+
+
 def run_bench(
-    engines: dict[str, EngineCore],
+    engines: Mapping[str, Arm],
     workload: str,
     *,
     tokens: int,
     repeats: int,
     context: int,
-    driver: Callable[[Any], Driver] = InProcessDriver,
+    driver: Callable[[Any], Driver] = driver_for,
     on_run: Callable[[str, str, int, dict[str, float]], None] | None = None,
     prompt_tokens: int = 0,
     vocab: int = 0,
@@ -279,7 +295,7 @@ def summarise(runs: dict[str, ArmRuns], base: str = "serial") -> dict[str, Any]:
     return summary
 
 
-def cuda_devices(plan: Any, workload: str) -> list[int]:
+def cuda_devices(plan: LaunchPlan, workload: str) -> list[int]:
     """The plan's GPU ordinals for a GPU-only workload, or a `DeviceError` saying why it cannot run here."""
     used = [g for g in plan.gpus if g.role != "idle"]
     if plan.machine.backend != "cuda":

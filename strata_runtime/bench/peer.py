@@ -8,9 +8,18 @@ for; torch and transformers are needed only to run this arm (they are never a ru
 
 from __future__ import annotations
 
+import importlib
+import json
 import time
+from pathlib import Path
 from typing import Any
 
+from strata_cfg.schema.plan import LaunchPlan
+from strata_cfg.schema.presets import preset_config
+
+from ..api import Tokenizer
+from ..backend import Array
+from ..model.placed import WeightStore
 from .harness import Arrival, Result
 
 PEERS = ("transformers",)
@@ -19,15 +28,15 @@ PEERS = ("transformers",)
 class TransformersPeer:
     """An arm that generates with transformers on a model's tensors (one device, one stage)."""
 
-    def __init__(self, config: dict[str, Any], tensors: dict[str, Any], tokenizer: Any) -> None:
-        import torch
-        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    def __init__(self, config: dict[str, Any], tensors: dict[str, Array], tokenizer: Tokenizer) -> None:
+        torch: Any = importlib.import_module("torch")  # only this arm needs torch and transformers
+        transformers: Any = importlib.import_module("transformers")
 
         self.torch, self.tokenizer = torch, tokenizer
-        cfg = Qwen3MoeConfig(**{k: v for k, v in config.items() if k != "architectures"})
+        cfg = transformers.Qwen3MoeConfig(**{k: v for k, v in config.items() if k != "architectures"})
         cfg.eos_token_id = None  # generate exactly the asked number of tokens, as the other arms do
         with torch.device("meta"):
-            model = Qwen3MoeForCausalLM(cfg)
+            model = transformers.Qwen3MoeForCausalLM(cfg)
         state = {name: torch.from_dlpack(arr) for name, arr in tensors.items() if not name.startswith("mtp.")}
         missing, _ = model.load_state_dict(state, strict=False, assign=True)
         missing = [m for m in missing if "rotary_emb" not in m]
@@ -86,21 +95,17 @@ class TransformersDriver:
         return results, stats
 
 
-def make_peer(name: str, plan: Any, engine: Any, weights: dict[Any, Any]) -> TransformersPeer:
+def make_peer(name: str, plan: LaunchPlan, tokenizer: Tokenizer, weights: WeightStore) -> TransformersPeer:
     """The peer arm ``name`` over the tensors an engine of ``plan`` was built from (``weights``: the
-    bench's shared weight store)."""
+    bench's shared weight store), with that engine's tokenizer."""
     if name not in PEERS:
         raise ValueError(f"unknown peer {name!r}; known: {', '.join(PEERS)}")
     if len(plan.stages) != 1:
         raise ValueError("the transformers peer runs a one-stage plan (one device)")
     if plan.model.synthetic is not None:
-        from strata_cfg.schema.presets import preset_config
-
         config = preset_config(plan.model.synthetic)
     else:
-        import json
-        from pathlib import Path
-
+        assert plan.model.path is not None
         config = json.loads((Path(plan.model.path) / "config.json").read_text())
     (tensors,) = list(weights.values())[:1]
-    return TransformersPeer(config, tensors, engine.tokenizer)
+    return TransformersPeer(config, tensors, tokenizer)

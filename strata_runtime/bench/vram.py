@@ -39,7 +39,7 @@ def run_vram(plan: LaunchPlan, devices: list[int]) -> dict[str, Any]:
     import cupy as cp
 
     from ..engine import Engine
-    from ..weights.checkpoint import stderr_progress
+    from ..weights.progress import stderr_progress
 
     before = {i: _free_bytes(cp, i) for i in devices}
     engine = Engine(plan, progress=stderr_progress)

@@ -14,13 +14,28 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from strata_cfg.schema.plan import LaunchPlan
 from strata_cfg.schema.plan_file import read_plan
 from strata_cfg.schema.workloads import GPU_WORKLOADS, PROMPTS, WORKLOADS, prompt_context_problem
 
+from ..api import Tokenizer
 from ..bench.ceilings import copy_bandwidth, decode_step_bytes, matrix_rate, prompt_flops, si
-from ..bench.harness import Arrival, InProcessDriver, cuda_devices, prompt_ids, run_bench, summarise
+from ..bench.harness import (
+    Arm,
+    Arrival,
+    InProcessDriver,
+    cuda_devices,
+    driver_for,
+    prompt_ids,
+    run_bench,
+    summarise,
+)
+from ..model.placed import WeightStore
+
+if TYPE_CHECKING:
+    from ..engine import Engine
 
 EXIT_REFUSED = 1
 EXIT_USAGE = 2
@@ -65,7 +80,7 @@ def _pairs(items: list[str], what: str) -> dict[str, str]:
 
 def run(args: argparse.Namespace) -> int:
     from ..engine import Engine
-    from ..weights.checkpoint import stderr_progress
+    from ..weights.progress import stderr_progress
 
     arms = _pairs(args.arm, "arm")
     notes = _pairs(args.note, "note")
@@ -79,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"strata bench: arm {name}: {problem}", file=sys.stderr)
                 return EXIT_USAGE
     rates = measure_rates(args.workload, plans)
-    weights: dict[Any, Any] = {}
+    weights: WeightStore = {}
     engines = {name: Engine(plan, progress=stderr_progress, weights=weights) for name, plan in plans.items()}
     for name, engine in engines.items():
         print(f"[{name}] " + " | ".join(engine.startup), file=sys.stderr)
@@ -90,13 +105,13 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
     context = min(p.memory.context for p in plans.values())
-    arms: dict[str, Any] = dict(engines)
+    contenders: dict[str, Arm] = dict(engines)
     if args.peer:
         from ..bench.peer import make_peer
 
         first = next(iter(plans))
         for peer in args.peer:
-            arms[peer] = make_peer(peer, plans[first], engines[first], weights)
+            contenders[peer] = make_peer(peer, plans[first], engines[first].tokenizer, weights)
             print(
                 f"[{peer}] peer arm on the weights of arm {first!r}, shared through DLPack", file=sys.stderr
             )
@@ -110,12 +125,12 @@ def run(args: argparse.Namespace) -> int:
         chunk = max(p.memory.prefill_chunk for p in plans.values())
         warm_up(engines, min(args.prompt_tokens, 2 * chunk), vocab)
     runs = run_bench(
-        arms,
+        contenders,
         args.workload,
         tokens=args.tokens,
         repeats=args.repeats,
         context=context,
-        driver=lambda e: e.driver() if hasattr(e, "driver") else InProcessDriver(e),
+        driver=driver_for,
         on_run=progress,
         prompt_tokens=args.prompt_tokens,
         vocab=vocab,
@@ -162,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
     return 0 if equal else 1
 
 
-def run_gpu_workload(args: argparse.Namespace, plan: Any) -> int:
+def run_gpu_workload(args: argparse.Namespace, plan: LaunchPlan) -> int:
     """``step`` or ``vram`` on the plan's GPUs, refused in one line where there are none."""
     from ..backend import DeviceError
 
@@ -188,12 +203,12 @@ def run_gpu_workload(args: argparse.Namespace, plan: Any) -> int:
     return 0
 
 
-def _first_gpu(plans: dict[str, Any]) -> int | None:
+def _first_gpu(plans: dict[str, LaunchPlan]) -> int | None:
     stage = next(iter(plans.values())).stages[0]
     return stage.gpu if stage.device.startswith("cuda:") else None
 
 
-def measure_rates(workload: str, plans: dict[str, Any]) -> dict[str, float]:
+def measure_rates(workload: str, plans: dict[str, LaunchPlan]) -> dict[str, float]:
     """The ceiling a workload's figures are compared with, measured on the first stage's GPU before any
     engine takes its memory; nothing on virtual CPU devices."""
     gpu = _first_gpu(plans)
@@ -206,7 +221,7 @@ def measure_rates(workload: str, plans: dict[str, Any]) -> dict[str, float]:
     return {}
 
 
-def warm_up(engines: dict[str, Any], length: int, vocab: int) -> None:
+def warm_up(engines: dict[str, Engine], length: int, vocab: int) -> None:
     """Read one prompt of ``length`` on every arm first, so the first measured repeat pays no compilation."""
     from ..api import Request, SamplingParams
 
@@ -217,11 +232,11 @@ def warm_up(engines: dict[str, Any], length: int, vocab: int) -> None:
 
 def ceiling_report(
     workload: str,
-    plans: dict[str, Any],
+    plans: dict[str, LaunchPlan],
     summary: dict[str, Any],
     rates: dict[str, float],
     args: argparse.Namespace,
-    tokenizer: Any,
+    tokenizer: Tokenizer,
 ) -> dict[str, Any]:
     """Each arm's rate against its ceiling, the arithmetic written out (``lines``); {} when none applies."""
     plan = next(iter(plans.values()))
@@ -274,7 +289,7 @@ def ceiling_report(
 
 def render_table(
     workload: str,
-    plans: dict[str, Any],
+    plans: dict[str, LaunchPlan],
     summary: dict[str, Any],
     notes: dict[str, str],
     repeats: int,

@@ -44,7 +44,7 @@ def parse_ids(text: str) -> tuple[int, ...]:
 def run(args: argparse.Namespace) -> int:
     from ..api import PlanMismatch
     from ..engine import Engine
-    from ..weights.checkpoint import stderr_progress
+    from ..weights.progress import stderr_progress
 
     if not args.quiet:
         logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)

@@ -12,10 +12,12 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
 from strata_cfg.schema.plan import LaunchPlan
 from strata_cfg.schema.plan_file import PlanFileError, read_plan
+
+from ..api import EngineCore
+from ..server.engine_loop import EngineFactory, LoadProgress
 
 log = logging.getLogger("strata.serve")
 
@@ -76,8 +78,8 @@ def _fatal(message: str) -> int:
     return 2
 
 
-def _factory(plan: LaunchPlan) -> Any:
-    def build(progress: Any) -> Any:
+def _factory(plan: LaunchPlan) -> EngineFactory:
+    def build(progress: LoadProgress) -> EngineCore:
         from strata_runtime.engine import Engine  # on the engine thread: it owns the devices
 
         return Engine(plan, progress=progress)

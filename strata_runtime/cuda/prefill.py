@@ -129,16 +129,16 @@ class CudaPrefill:
             tile = attention_tile_rows(nq, seg.pos + n)
             for i0 in range(0, n, tile):
                 i1 = min(n, i0 + tile)
-                rows, end = (i1 - i0) * g, seg.pos + i1  # keys past the tile's last row are all masked
+                m, end = (i1 - i0) * g, seg.pos + i1  # keys past the tile's last row are all masked
                 keys, values = kc[seg.slot, :, :end], vc[seg.slot, :, :end]  # [K, L, D] each
                 ld = padded_keys(end)
-                scores = cp.empty((nkv, rows, ld), cp.float32)[:, :, :end]
+                scores = cp.empty((nkv, m, ld), cp.float32)[:, :, :end]
                 for beta, part in enumerate(parts):
                     matmul_nt(part[:, i0 * g : i1 * g], keys, scores, alpha=scale, beta=float(beta))
-                probs = cp.empty((nkv, rows, ld), cp.float16)[:, :, :end]
+                probs = cp.empty((nkv, m, ld), cp.float16)[:, :, :end]
                 kern.softmax_causal(scores, probs, seg.pos + i0, g)
                 del scores
-                o = matmul_nn(probs, values, cp.empty((nkv, rows, d), cp.float16))  # [K, t G, D]
+                o = matmul_nn(probs, values, cp.empty((nkv, m, d), cp.float16))  # [K, t G, D]
                 o = o.reshape(nkv, i1 - i0, g, d).transpose(1, 0, 2, 3).reshape(i1 - i0, nq * d)
                 out[seg.row + i0 : seg.row + i1] = o
         matmul_nt(out, lay.o, resid, beta=1.0)  # resid [n, H] += out @ o^T
@@ -172,7 +172,9 @@ class CudaPrefill:
         assert lay.gate_up is not None and lay.down is not None
         xf = cp.empty((n_rows, h), cp.float32)
         kern.add_rmsnorm(resid, None, lay.ln2, xf, a.rms_norm_eps)
-        logits = xf @ self.router32[j].T  # [n, E] fp32
+        router = self.router32[j]
+        assert router is not None
+        logits = xf @ router.T  # [n, E] fp32
         idx = cp.empty((n_rows, topk), cp.int32)
         wts = cp.empty((n_rows, topk), cp.float32)
         kern.route_topk(logits, a.norm_topk_prob, idx, wts)

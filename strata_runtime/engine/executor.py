@@ -20,7 +20,7 @@ import numpy as np
 from strata_cfg.schema.windows import MAX_WINDOW_ROWS
 
 from ..api import TokenEvent
-from ..backend import Device, cupy_module, transfer
+from ..backend import Array, Device, cupy_module, transfer
 from ..layout import Layout
 from ..model import Model
 from .sampling import distribution
@@ -67,7 +67,7 @@ class Executor:
     def __init__(self, model: Model, tracked: bool) -> None:
         self.model, self.tracked = model, tracked
         self.devices = [s.device for s in model.stages]
-        self._streams: dict[Device, Any] = {}
+        self._streams: dict[Device, Any] = {}  # CuPy streams
         self._pool = (
             ThreadPoolExecutor(max_workers=len(self.devices), thread_name_prefix="strata-stage")
             if any(d.is_cuda for d in self.devices) and len(self.devices) > 1
@@ -75,7 +75,7 @@ class Executor:
         )
         self._lock = threading.Lock()
 
-    def run_serial(self, job: Job) -> Any:
+    def run_serial(self, job: Job) -> Array:
         """The job's post-final-norm rows [R, H] on the last device."""
         return self.model.forward(job.token_array(), job.layout())
 
@@ -88,21 +88,22 @@ class Executor:
         if job.kind == "prefill" and job.rows > MAX_WINDOW_ROWS and any(d.is_cuda for d in self.devices):
             cupy_module().get_default_memory_pool().free_all_blocks()
 
-    def run_pipelined(self, jobs: list[Job]) -> list[Any]:
+    def run_pipelined(self, jobs: list[Job]) -> list[Array]:
         """Several jobs (different slot groups) in flight at once, one per stage at each tick."""
         stages = self.model.stages
         layouts = [j.layout() for j in jobs]
-        hidden: list[Any] = [None] * len(jobs)
+        hidden: list[Array] = [None] * len(jobs)
         where: list[Device | None] = [None] * len(jobs)
 
         def work(s: int, w: int) -> None:
             stage = stages[s]
             with stage.device.use(), self._stream(stage.device):
-                h = (
-                    stage.embed(jobs[w].token_array())
-                    if s == 0
-                    else transfer(hidden[w], where[w], stage.device)
-                )
+                if s == 0:
+                    h = stage.embed(jobs[w].token_array())
+                else:
+                    src = where[w]
+                    assert src is not None  # the previous stage ran this job at the previous tick
+                    h = transfer(hidden[w], src, stage.device)
                 hidden[w] = stage.forward(h, layouts[w])
                 where[w] = stage.device
                 if stage.device.is_cuda:
@@ -132,7 +133,7 @@ class Executor:
 
     # ---- deciding a finished window ---------------------------------------------------------------
 
-    def finish(self, job: Job, normed: Any) -> list[tuple[Slot, TokenEvent]]:
+    def finish(self, job: Job, normed: Array) -> list[tuple[Slot, TokenEvent]]:
         """Verify and commit every slot's rows; return the events to send."""
         last = self.model.last
         # Logits only where a token is decided: every decode row, and the last row of a prompt's final
@@ -161,7 +162,7 @@ class Executor:
         for e in job.entries:
             n, slot = len(e.tokens), e.slot
 
-            def target(first: int, count: int, slot: Slot = slot) -> Any:
+            def target(first: int, count: int, slot: Slot = slot) -> np.ndarray:
                 """The target's rows [first, first + count) of ``needed``: argmax when greedy, else logits."""
                 if slot.sampler.greedy:
                     return argmax[first : first + count]
@@ -184,7 +185,7 @@ class Executor:
         return events
 
     def _finish_prefill(
-        self, slot: Slot, n: int, target: Any | None, normed: Any
+        self, slot: Slot, n: int, target: np.ndarray | None, normed: Array
     ) -> list[tuple[Slot, TokenEvent]]:
         """Commit a prompt chunk; ``target`` is its last row's argmax or logits, only in the last chunk."""
         p, prompt = slot.prefilled, slot.prompt

@@ -28,7 +28,7 @@ def distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         np.put_along_axis(keep, order, keep_sorted, axis=-1)
         p = np.where(keep, p, 0.0)
         p /= p.sum(axis=-1, keepdims=True)
-    return p
+    return np.asarray(p)
 
 
 class Sampler:

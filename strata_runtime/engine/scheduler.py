@@ -33,7 +33,8 @@ from strata_cfg.schema.windows import batch_mtp_window, plain_windows, solo_wind
 
 from ..api import PlanMismatch, Request, RequestHandle, TokenEvent
 from ..model import Model
-from ..weights.checkpoint import Progress
+from ..model.placed import WeightStore
+from ..weights.progress import Progress
 from .executor import Entry, Executor, Job
 from .refusals import refusals
 from .sampling import Sampler
@@ -48,7 +49,7 @@ class Engine:
     """Executes a `LaunchPlan`; see the module docstring for the schedule."""
 
     def __init__(
-        self, plan: LaunchPlan, progress: Progress | None = None, weights: dict[Any, Any] | None = None
+        self, plan: LaunchPlan, progress: Progress | None = None, weights: WeightStore | None = None
     ) -> None:
         problems = refusals(plan)
         if problems:
@@ -312,12 +313,11 @@ class Engine:
             kind = "pipelined" if pipelined else "serial"
         entries = []
         for sid in dict.fromkeys(r.slot for r in rows):
-            slot = by_id[sid]
+            slot, token = by_id[sid], by_id[sid].token
+            assert token is not None  # a decoding slot has its next input
             depth = min(sum(1 for r in rows if r.slot == sid) - 1, self._room(slot))
-            proposals = (
-                draft(self.model, sid, slot.token, depth, slot.sampler) if depth > 0 else Proposals([], [])
-            )
-            entries.append(Entry(slot, "decode", [slot.token, *proposals.tokens], proposals))  # type: ignore[list-item]
+            proposals = draft(self.model, sid, token, depth, slot.sampler) if depth > 0 else Proposals([], [])
+            entries.append(Entry(slot, "decode", [token, *proposals.tokens], proposals))
         return Job(kind, entries)
 
     def _room(self, slot: Slot) -> int:

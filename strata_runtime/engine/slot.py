@@ -9,9 +9,8 @@ tokens, and sends only text that decodes completely.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
-from ..api import FinishReason, RequestHandle, TokenEvent
+from ..api import FinishReason, RequestHandle, TokenEvent, Tokenizer
 from .sampling import Sampler
 from .stops import StopText
 
@@ -22,7 +21,7 @@ class Slot:
     handle: RequestHandle
     sampler: Sampler
     stop_ids: frozenset[int]
-    tokenizer: Any
+    tokenizer: Tokenizer
     admitted_at: int
     """The engine's admission counter when this request got the slot (oldest prefill goes first)."""
     prefilled: int = 0

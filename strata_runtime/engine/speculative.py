@@ -13,10 +13,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
+from ..backend import Array, Device
 from ..layout import Layout
 from ..model import Model
 from .sampling import Sampler, distribution
@@ -38,7 +38,7 @@ class Verdict:
     tokens: list[int]
 
 
-def _choose(sampler: Sampler, dev: Any, logits: Any) -> tuple[int, np.ndarray | None]:
+def _choose(sampler: Sampler, dev: Device, logits: Array) -> tuple[int, np.ndarray | None]:
     """A proposal from one row of draft logits [V] (on ``dev``): its argmax, or a draw from q."""
     if sampler.greedy:
         with dev.use():
@@ -101,7 +101,7 @@ def verify(target: np.ndarray, proposals: Proposals, sampler: Sampler) -> Verdic
 
 
 def commit(
-    model: Model, slot: int, base: int, kept_rows: int, normed: Any, next_tokens: list[int], tracked: bool
+    model: Model, slot: int, base: int, kept_rows: int, normed: Array, next_tokens: list[int], tracked: bool
 ) -> None:
     """Keep ``kept_rows`` rows of a window that started at position ``base``; drop the rest everywhere.
 

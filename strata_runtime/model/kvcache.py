@@ -8,11 +8,10 @@ is what makes a skipped rollback impossible rather than silently wrong.
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
+from numpy.typing import DTypeLike
 
-from ..backend import Device
+from ..backend import Array, Device
 from ..layout import Segment
 
 
@@ -31,8 +30,8 @@ class KVCache:
         kv_heads: int,
         context: int,
         head_dim: int,
-        dtype: Any,
-        arrays: tuple[Any, Any] | None = None,
+        dtype: DTypeLike,
+        arrays: tuple[Array, Array] | None = None,
     ) -> None:
         """``arrays`` (optional): preallocated keys and values of the same shape, e.g. views of a cache
         shared by several drafters so that one kernel launch can index all of them by slot."""
@@ -65,7 +64,7 @@ class KVCache:
         for s in segments:
             self.lengths[s.slot] = s.pos + s.n
 
-    def write(self, layer: int, seg: Segment, keys: Any, values: Any) -> tuple[Any, Any]:
+    def write(self, layer: int, seg: Segment, keys: Array, values: Array) -> tuple[Array, Array]:
         """Store a segment's keys/values [n, K, D] and return the slot's keys/values [K, pos + n, D]."""
         end = seg.pos + seg.n
         self.k[layer, seg.slot, :, seg.pos : end] = keys.transpose(1, 0, 2)  # [K, n, D]

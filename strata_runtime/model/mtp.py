@@ -15,18 +15,22 @@ last stage's device: the MTP layer's KV over the slot's context, plus its draft-
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 from strata_cfg.schema.windows import MAX_WINDOW_ROWS
 
-from ..backend import Device
+from ..backend import Array, Device
 from ..layout import Layout, Segment
 from ..models.ops.norm import rms_norm_in_dtype
 from ..models.qwen3_moe import DecoderLayer, ModelArgs, linear
 from .kvcache import KVCache
 from .stage import Rope
+
+if TYPE_CHECKING:
+    from ..cuda.mtp import CudaMtp
 
 
 class Drafter:
@@ -42,9 +46,9 @@ class Drafter:
         device: Device,
         args: ModelArgs,
         context: int,
-        dtype: Any,
-        kv_dtype: Any,
-        kv_arrays: tuple[Any, Any] | None = None,
+        dtype: DTypeLike,
+        kv_dtype: DTypeLike,
+        kv_arrays: tuple[Array, Array] | None = None,
     ) -> None:
         """``kv_arrays``: this slot's views [1, 1, K, T, D] of a KV cache shared by all drafters (GPUs)."""
         self.slot, self.device = slot, device
@@ -75,7 +79,7 @@ class _DrafterKV:
         for s in segments:
             self.drafters[s.slot].kv.begin((Segment(0, s.row, s.n, s.pos),))
 
-    def write(self, layer: int, seg: Segment, keys: Any, values: Any) -> tuple[Any, Any]:
+    def write(self, layer: int, seg: Segment, keys: Array, values: Array) -> tuple[Array, Array]:
         return self.drafters[seg.slot].kv.write(layer, Segment(0, seg.row, seg.n, seg.pos), keys, values)
 
 
@@ -84,12 +88,12 @@ class MtpHead:
 
     def __init__(
         self,
-        tensors: dict[str, Any],
+        tensors: dict[str, Array],
         args: ModelArgs,
         device: Device,
         rope: Rope,
-        lm_head: Any,
-        embed: Callable[[np.ndarray], Any],
+        lm_head: Array,
+        embed: Callable[[np.ndarray], Array],
     ) -> None:
         self.device, self.args, self.rope = device, args, rope
         self.pre_fc_norm_embedding = tensors["mtp.pre_fc_norm_embedding.weight"]  # [H]
@@ -100,9 +104,9 @@ class MtpHead:
         self.lm_head = lm_head  # [V, H], the main model's
         self.embed = embed  # token ids -> embedding rows [R, H] on this device
         self.weight_bytes = sum(int(t.nbytes) for n, t in tensors.items() if n.startswith("mtp."))
-        self.cuda: Any = None  # CudaMtp, once `use_cuda` hands it the drafters' shared KV
+        self.cuda: CudaMtp | None = None  # once `use_cuda` hands it the drafters' shared KV
 
-    def use_cuda(self, k_cache: Any, v_cache: Any) -> str | None:
+    def use_cuda(self, k_cache: Array, v_cache: Array) -> str | None:
         """Run draft windows of at most 8 rows as CUDA graphs over the drafters' shared KV [1, S, K, T, D].
         Returns why not, when the kernels cannot run this head."""
         from ..cuda import layers
@@ -113,7 +117,9 @@ class MtpHead:
             self.cuda = CudaMtp(self.device.index, self, self.args, k_cache, v_cache)
         return why
 
-    def __call__(self, drafters: dict[int, Drafter], tokens: np.ndarray, hidden: Any, layout: Layout) -> Any:
+    def __call__(
+        self, drafters: dict[int, Drafter], tokens: np.ndarray, hidden: Array, layout: Layout
+    ) -> Array:
         """The head's post-norm output [R, H] for rows (token t+1, hidden at t) at the layout's positions."""
         xp, eps = self.device.xp, self.args.rms_norm_eps
         with self.device.use():
@@ -130,7 +136,7 @@ class MtpHead:
             x = self.layer(xp, x, layout, kv, 0, cos, sin)  # [R, H]
             return rms_norm_in_dtype(x, self.norm, eps)  # [R, H]
 
-    def logits(self, out: Any) -> Any:
+    def logits(self, out: Array) -> Array:
         """Draft logits [R, V] in fp32 from the head's output rows."""
         if self.cuda is not None:
             return self.cuda.logits(out)  # [R, V] fp32

@@ -10,21 +10,27 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 from strata_cfg.schema.plan import LaunchPlan
 
-from ..api import PlanMismatch
-from ..backend import DTYPES, Device, enable_peer_access, transfer
+from ..api import PlanMismatch, Tokenizer
+from ..backend import DTYPES, Array, Device, enable_peer_access, transfer
 from ..layout import Layout
 from ..models.qwen3_moe import ModelArgs, stage_shapes
-from ..weights.checkpoint import Checkpoint, Progress, load_tensors
+from ..weights.checkpoint import Checkpoint, load_tensors
+from ..weights.progress import Progress
 from ..weights.synthetic import SyntheticModel
 from ..weights.tokenizer import ByteTokenizer, tokenizer_for
 from .mtp import Drafter, MtpHead
 from .stage import Stage
 
+WeightStore = dict[tuple[Any, ...], dict[str, Array]]
+"""Each stage's tensors by what determines them (model, device, layers, dtype, shapes), so that models of one
+profile with the same stage layout (benchmark arms) hold one copy of the weights."""
 
-def compute_dtypes(plan: LaunchPlan, device: Device) -> tuple[Any, Any]:
+
+def compute_dtypes(plan: LaunchPlan, device: Device) -> tuple[DTypeLike, DTypeLike]:
     """(weight/activation dtype, KV dtype) on ``device``: the plan's on GPUs, float32 on CPU devices."""
     if not device.is_cuda:
         return np.float32, np.float32
@@ -67,7 +73,7 @@ class Model:
         args: ModelArgs,
         mtp: MtpHead | None,
         drafters: dict[int, Drafter],
-        tokenizer: Any,
+        tokenizer: Tokenizer,
     ) -> None:
         self.stages, self.args, self.mtp, self.drafters = stages, args, mtp, drafters
         self.tokenizer = tokenizer
@@ -78,7 +84,7 @@ class Model:
 
     @classmethod
     def from_plan(
-        cls, plan: LaunchPlan, progress: Progress | None = None, weights: dict[Any, Any] | None = None
+        cls, plan: LaunchPlan, progress: Progress | None = None, weights: WeightStore | None = None
     ) -> Model:
         """Build the plan's model. ``weights`` (optional) shares tensors between models of the same stage
         layout, so that benchmark arms of one profile hold one copy of the weights."""
@@ -104,7 +110,7 @@ class Model:
             raise PlanMismatch("the plan drafts with MTP, but the model has no MTP weights")
         slots, context = max(plan.batch.slots, 1), plan.memory.context
         stages: list[Stage] = []
-        tensors: dict[str, Any] = {}
+        tensors: dict[str, Array] = {}
         for sp, device in zip(plan.stages, devices, strict=True):
             first, last = sp.index == 0, sp.index == len(plan.stages) - 1
             dtype, kv_dtype = compute_dtypes(plan, device)
@@ -148,7 +154,7 @@ class Model:
             dtype, kv_dtype = compute_dtypes(plan, last_stage.device)
             first_stage = stages[0]
 
-            def embed(ids: np.ndarray) -> Any:
+            def embed(ids: np.ndarray) -> Array:
                 return transfer(first_stage.embed(ids), first_stage.device, last_stage.device)
 
             mtp = MtpHead(tensors, args, last_stage.device, last_stage.rope, last_stage.lm_head, embed)
@@ -181,7 +187,7 @@ class Model:
 
     # ---- running windows ---------------------------------------------------------------------------
 
-    def forward(self, tokens: np.ndarray, layout: Layout) -> Any:
+    def forward(self, tokens: np.ndarray, layout: Layout) -> Array:
         """A window through every stage: post-final-norm hidden rows [R, H] on the last stage's device."""
         hidden = self.stages[0].embed(tokens)  # [R, H]
         prev = self.stages[0].device
@@ -190,7 +196,7 @@ class Model:
             prev = stage.device
         return self.last.final_norm(hidden)
 
-    def logits(self, normed: Any) -> Any:
+    def logits(self, normed: Array) -> Array:
         return self.last.logits(normed)
 
     def rewind(self, slot: int, length: int) -> None:

@@ -7,17 +7,23 @@ and returns them; hidden rows cross devices in `strata_runtime.model.placed`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 from strata_cfg.schema.windows import MAX_WINDOW_ROWS
 
-from ..backend import Device
+from ..backend import Array, Device
 from ..layout import Layout
 from ..models.ops.norm import rms_norm_in_dtype
 from ..models.qwen3_moe import DecoderLayer, ModelArgs, linear, rope_tables
 from .kvcache import KVCache
+
+if TYPE_CHECKING:
+    from ..cuda.decode import CudaLayers
+    from ..cuda.head import CudaHead
+    from ..cuda.prefill import CudaPrefill
 
 CUDA_PREFILL_ROWS = 64
 """Prefill chunks of at most this many rows run as 8-row CUDA graph windows; longer ones run the CUDA
@@ -32,7 +38,7 @@ class Rope:
         self.device = device
         self.cos, self.sin = device.asarray(cos), device.asarray(sin)  # [T, D/2] each
 
-    def at(self, layout: Layout) -> tuple[Any, Any]:
+    def at(self, layout: Layout) -> tuple[Array, Array]:
         pos = self.device.xp.asarray(layout.positions())  # [R]
         return self.cos[pos], self.sin[pos]  # [R, D/2] each
 
@@ -46,13 +52,13 @@ class Stage:
         device: Device,
         layers: tuple[int, int],
         args: ModelArgs,
-        tensors: dict[str, Any],
+        tensors: dict[str, Array],
         *,
         first: bool,
         last: bool,
         slots: int,
         context: int,
-        kv_dtype: Any,
+        kv_dtype: DTypeLike,
     ) -> None:
         self.index, self.device, self.layer_range, self.args = index, device, layers, args
         self.first, self.last = first, last
@@ -67,9 +73,9 @@ class Stage:
         self.norm = tensors.get("model.norm.weight")  # [H] on the last stage
         self.lm_head = tensors.get("lm_head.weight")  # [V, H] on the last stage
         self.weight_bytes = sum(int(t.nbytes) for t in tensors.values())
-        self.cuda: Any = None  # the CUDA decode path (strata_runtime.cuda.decode), on GPUs that can run it
-        self.cuda_prefill: Any = None  # the CUDA path for long prefill chunks (strata_runtime.cuda.prefill)
-        self.cuda_head: Any = None
+        self.cuda: CudaLayers | None = None  # the CUDA decode graphs, on GPUs that can run them
+        self.cuda_prefill: CudaPrefill | None = None  # the CUDA path for long prefill chunks
+        self.cuda_head: CudaHead | None = None
         self.cuda_refused: str | None = None
         if device.is_cuda:
             self._build_cuda()
@@ -88,12 +94,13 @@ class Stage:
         if self.last:
             self.cuda_head = head.CudaHead(gpu, self.norm, self.lm_head, eps)
 
-    def embed(self, token_ids: np.ndarray) -> Any:
+    def embed(self, token_ids: np.ndarray) -> Array:
         """The embedding rows [R, H] of ``token_ids`` (first stage only)."""
+        assert self.embed_tokens is not None, f"stage {self.index} holds no embedding"
         with self.device.use():
             return self.embed_tokens[self.device.xp.asarray(token_ids)]  # [R, H]
 
-    def forward(self, hidden: Any, layout: Layout) -> Any:
+    def forward(self, hidden: Array, layout: Layout) -> Array:
         """Run this stage's layers over a window's hidden rows [R, H], writing their KV.
 
         On a GPU a window of at most 8 rows (decode, drafts) runs as one replayed CUDA graph, a prompt
@@ -123,17 +130,18 @@ class Stage:
                 hidden = layer(xp, hidden, layout, self.kv, j, cos, sin)  # [R, H]
             return hidden
 
-    def final_norm(self, hidden: Any) -> Any:
+    def final_norm(self, hidden: Array) -> Array:
         """The post-final-norm hidden rows [R, H] (last stage only): the LM head's input and the MTP's."""
         if self.cuda_head is not None:
             return self.cuda_head.final_norm(hidden)  # [R, H] fp32
         with self.device.use():
             return rms_norm_in_dtype(hidden, self.norm, self.args.rms_norm_eps)
 
-    def logits(self, normed: Any) -> Any:
+    def logits(self, normed: Array) -> Array:
         """Logits [R, V] in fp32 (last stage only)."""
         if self.cuda_head is not None:
             return self.cuda_head.logits(normed)  # [R, V] fp32
+        assert self.lm_head is not None, f"stage {self.index} holds no LM head"
         with self.device.use():
             x = normed.astype(self.lm_head.dtype, copy=False)
             return linear(x, self.lm_head).astype(self.device.xp.float32)

@@ -188,6 +188,7 @@ def sanitize(name: str, shape: tuple[int, ...], available: set[str], tie_word_em
     if name in available or not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
         return Source(((name,),), stacked=False)
     base = name.rsplit(".", 1)[0]  # "...mlp.experts"
+    parts: tuple[tuple[str, ...], ...]
     if name.endswith("gate_up_proj"):
         parts = tuple((f"{base}.{e}.gate_proj.weight", f"{base}.{e}.up_proj.weight") for e in range(shape[0]))
     else:

@@ -14,11 +14,11 @@ def _f32(a: np.ndarray) -> np.ndarray:
 
 
 def _silu(x: np.ndarray) -> np.ndarray:
-    return x / (1.0 + np.exp(-x))
+    return np.asarray(x / (1.0 + np.exp(-x)))
 
 
 def _rms_inv(x: np.ndarray, eps: float) -> np.ndarray:
-    return 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)  # [R, 1]
+    return np.asarray(1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps))  # [R, 1]
 
 
 def gemv(
@@ -55,7 +55,7 @@ def _rope(x: np.ndarray, pos: np.ndarray, theta: float) -> np.ndarray:
 
 
 def _head_rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * _f32(w)
+    return np.asarray(x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * _f32(w))
 
 
 def qk_norm_rope_kv(

@@ -21,6 +21,7 @@ from aiohttp import web, web_log
 
 from strata_cfg.schema.plan import LaunchPlan
 
+from ..api import EngineCore
 from . import protocol as p
 from .engine_loop import EngineFactory, EngineLoop, Stream
 from .metrics import ServerCounters, render
@@ -253,7 +254,7 @@ class Server:
         prepared = p.prepare(body, ids, context=self.context, default_max_tokens=None)
         return await self._run(request, prepared, chat=True)
 
-    def _engine(self) -> Any:
+    def _engine(self) -> EngineCore:
         assert self.engine is not None and self.engine.engine is not None
         return self.engine.engine
 

@@ -10,11 +10,8 @@ float32 on the host, then cast to the device dtype).
 from __future__ import annotations
 
 import json
-import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import numpy as np
 
@@ -22,6 +19,7 @@ from strata_cfg.schema.safetensors_header import METADATA, read_header_and_data_
 
 from ..backend import Device
 from ..models.qwen3_moe import Shapes, sanitize
+from .progress import Progress
 
 
 class CheckpointError(RuntimeError):
@@ -118,39 +116,6 @@ class Checkpoint:
                 f"{st.path}: tensor {name!r} has shape {list(actual)}, expected {list(expected)}"
             )
         return st.read(name)
-
-
-class ProgressBar:
-    """A one-line progress bar on stderr (or any text stream), redrawn at most every 0.1 s."""
-
-    def __init__(self, label: str, total: int, stream: TextIO | None = None, width: int = 30) -> None:
-        self.label, self.total, self.done = label, max(total, 1), 0
-        self.stream = stream or sys.stderr
-        self.width, self._last = width, 0.0
-
-    def advance(self, n: int) -> None:
-        self.done += n
-        now = time.monotonic()
-        if now - self._last >= 0.1 or self.done >= self.total:
-            self._last = now
-            frac = min(self.done / self.total, 1.0)
-            bar = "#" * int(frac * self.width)
-            gb = self.done / 1e9
-            self.stream.write(f"\r{self.label} [{bar:<{self.width}}] {frac:4.0%} {gb:.2f} GB")
-            self.stream.flush()
-
-    def close(self) -> None:
-        self.stream.write("\n")
-        self.stream.flush()
-
-
-Progress = Callable[[str, int], ProgressBar | None]
-"""Makes a progress bar for (label, total bytes), or None for no bar."""
-
-
-def stderr_progress(label: str, total: int) -> ProgressBar | None:
-    """A bar on stderr when it is a terminal (a redrawn line makes no sense in a log file)."""
-    return ProgressBar(label, total) if sys.stderr.isatty() else None
 
 
 def load_tensors(

@@ -29,7 +29,7 @@ from strata_cfg.schema.presets import preset_config
 
 from ..backend import Device
 from ..models.qwen3_moe import ModelArgs, Shapes
-from .checkpoint import Progress
+from .progress import Progress
 from .random import tensor_seed, uniform_
 from .tokenizer import ByteTokenizer
 

@@ -119,7 +119,9 @@ def _read_json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def tokenizer_for(model_dir: str | None, vocab_size: int, config: dict[str, Any] | None = None) -> Any:
+def tokenizer_for(
+    model_dir: str | None, vocab_size: int, config: dict[str, Any] | None = None
+) -> ByteTokenizer | HFTokenizer:
     """The tokenizer of a model directory (``tokenizer.json``), or byte-level for synthetic models.
 
     A checkpoint without ``tokenizer.json`` (such as a test model) falls back to byte-level ids.
