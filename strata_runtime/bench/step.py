@@ -146,14 +146,14 @@ class KernelModel:
         k.gemv(self.head, w.buffers.resid, w.logits, norm=self.final_norm)
         k.argmax(w.logits, w.out)
 
-    def window(self, rows: int, position: int) -> StepWindow:
-        """Buffers of a ``rows``-row window of fresh token ids at ``position``, each row in its own slot, run
-        once eagerly (which compiles the kernels)."""
+    def window(self, rows: int, position: int, seed: int | None = None) -> StepWindow:
+        """Buffers of a ``rows``-row window of fresh token ids (drawn with ``seed``) at ``position``, each row
+        in its own slot, run once eagerly (which compiles the kernels)."""
         cp, f, s = self.cp, self.f, self.stack
         b = WindowBuffers(cp, rows, s.args, s.context, s.mlp_width)
         b.pos[...] = position
         b.slot[...] = cp.arange(rows, dtype=cp.int32) % SLOTS
-        ids = cp.asarray(np.random.default_rng().integers(1, f.vocab_size, rows).astype(np.int32))
+        ids = cp.asarray(np.random.default_rng(seed).integers(1, f.vocab_size, rows).astype(np.int32))
         w = StepWindow(b, ids, cp.zeros((rows, f.vocab_size), cp.float32), cp.zeros(rows, cp.int32))
         self.step(w)
         cp.cuda.Device().synchronize()
