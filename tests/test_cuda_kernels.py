@@ -48,16 +48,16 @@ def test_gemv_matches_twin(gpu, rows, n, k, accumulate, with_norm):
 
 @pytest.mark.parametrize(("rows", "h"), [(1, 2048), (5, 64), (8, 4096)])
 @pytest.mark.parametrize("with_delta", [False, True])
-def test_add_rmsnorm_matches_twin(gpu, rows, h, with_delta):
+def test_add_rms_norm_fp32_matches_twin(gpu, rows, h, with_delta):
     cp, kern, ref = gpu
     g = rng()
     resid = g.standard_normal((rows, h)).astype(np.float32)
     delta = g.standard_normal((rows, h)).astype(np.float32) if with_delta else None
     w = half(1 + 0.1 * g.standard_normal(h))
     r_d, out_d = cp.asarray(resid), cp.full((rows, h), cp.nan, cp.float32)
-    kern.add_rmsnorm(r_d, cp.asarray(delta) if delta is not None else None, cp.asarray(w), out_d, 1e-6)
+    kern.add_rms_norm_fp32(r_d, cp.asarray(delta) if delta is not None else None, cp.asarray(w), out_d, 1e-6)
     out = np.empty_like(resid)
-    ref.add_rmsnorm(resid, delta, w, out, 1e-6)
+    ref.add_rms_norm_fp32(resid, delta, w, out, 1e-6)
     assert rel_err(r_d.get(), resid) < REL
     assert rel_err(out_d.get(), out) < REL
 
@@ -210,15 +210,15 @@ HALF_REL = 2e-3  # fp16 outputs: one rounding of each element
 
 
 @pytest.mark.parametrize(("rows", "h"), [(1, 64), (70, 2048), (129, 200)])
-def test_rmsnorm_half_matches_twin(gpu, rows, h):
+def test_rms_norm_fp32_to_half_matches_twin(gpu, rows, h):
     cp, kern, ref = gpu
     g = rng()
     x = (g.standard_normal((rows, h)) * 3).astype(np.float32)
     w = half(1 + 0.1 * g.standard_normal(h))
     out_d = cp.full((rows, h), cp.nan, cp.float16)
-    kern.rmsnorm_half(cp.asarray(x), cp.asarray(w), out_d, 1e-6)
+    kern.rms_norm_fp32_to_half(cp.asarray(x), cp.asarray(w), out_d, 1e-6)
     out = np.empty((rows, h), np.float16)
-    ref.rmsnorm_half(x, w, out, 1e-6)
+    ref.rms_norm_fp32_to_half(x, w, out, 1e-6)
     assert rel_err(out_d.get(), out) < HALF_REL
 
 

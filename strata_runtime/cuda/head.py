@@ -27,7 +27,7 @@ class CudaHead:
         with cp.cuda.Device(self.device_id):
             x = cp.ascontiguousarray(hidden, dtype=cp.float32)
             out = cp.empty_like(x)
-            self.kern.add_rmsnorm(x, None, self.norm, out, self.eps)
+            self.kern.add_rms_norm_fp32(x, None, self.norm, out, self.eps)
             return out
 
     def logits(self, normed: Any) -> cp.ndarray:

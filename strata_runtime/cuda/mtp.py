@@ -67,7 +67,7 @@ class CudaMtp:
         k.gemv(self.fc_e, b.emb, b.resid, norm=self.norm_e, eps=eps)
         k.gemv(self.fc_h, b.out, b.resid, accumulate=True, norm=self.norm_h, eps=eps)
         self.stack.run(b)
-        k.add_rmsnorm(b.resid, None, self.norm, b.out, eps)
+        k.add_rms_norm_fp32(b.resid, None, self.norm, b.out, eps)
 
     def prefill(self, emb: Any, hidden: Any, layout: Layout) -> cp.ndarray:
         """`forward` for a prompt chunk of more than 8 rows, through the CUDA prefill path."""
@@ -75,13 +75,13 @@ class CudaMtp:
             k, eps = self.kern, self.args.rms_norm_eps
             rows, h = hidden.shape
             e16, h16 = cp.empty((rows, h), cp.float16), cp.empty((rows, h), cp.float16)
-            k.rmsnorm_half(cp.ascontiguousarray(emb, dtype=cp.float32), self.norm_e, e16, eps)
-            k.rmsnorm_half(cp.ascontiguousarray(hidden, dtype=cp.float32), self.norm_h, h16, eps)
+            k.rms_norm_fp32_to_half(cp.ascontiguousarray(emb, dtype=cp.float32), self.norm_e, e16, eps)
+            k.rms_norm_fp32_to_half(cp.ascontiguousarray(hidden, dtype=cp.float32), self.norm_h, h16, eps)
             resid = matmul_nt(e16, self.fc_e, cp.empty((rows, h), cp.float32))  # [R, H]
             matmul_nt(h16, self.fc_h, resid, beta=1.0)
             self._prefill.run(resid, layout)
             out = cp.empty_like(resid)
-            k.add_rmsnorm(resid, None, self.norm, out, eps)
+            k.add_rms_norm_fp32(resid, None, self.norm, out, eps)
             return out
 
     def forward(self, emb: Any, hidden: Any, layout: Layout) -> cp.ndarray:

@@ -110,10 +110,12 @@ class Kernels(KernelCache):
             (w, x, out, np.int32(n), np.int32(accumulate), nw, np.float32(eps)),
         )
 
-    def add_rmsnorm(self, resid: Array, delta: Array | None, w: Array, out: Array, eps: float) -> None:
-        """resid += delta (if given); out = rmsnorm(resid) * w.
+    def add_rms_norm_fp32(self, resid: Array, delta: Array | None, w: Array, out: Array, eps: float) -> None:
+        """resid += delta (if given); out = rmsnorm(resid) * w, all in fp32: the CUDA paths' rule (the
+        residual stays fp32 and nothing is rounded between the norm and the weight; the array path's
+        `strata_runtime.models.ops.norm.rms_norm_in_dtype` rounds in between).
 
-        resid, delta, out: [R, H] fp32; w: [H] fp16.
+        resid, delta, out: [R, H] fp32; w: [H] fp16. The kernel is ``add_rmsnorm`` of kernels.cu.
         """
         rows, h = resid.shape
         self.fn("add_rmsnorm")(
@@ -276,8 +278,9 @@ class Kernels(KernelCache):
 
     # ---- prefill pieces (long chunks; the products run on cuBLAS) ---------------------------------
 
-    def rmsnorm_half(self, x: Array, w: Array, out: Array, eps: float) -> None:
-        """out[R, H] (fp16) = rmsnorm(x) * w; x fp32, w fp16."""
+    def rms_norm_fp32_to_half(self, x: Array, w: Array, out: Array, eps: float) -> None:
+        """out[R, H] (fp16) = rmsnorm(x) * w computed in fp32 and rounded once to fp16 (the prefill
+        products' input); x fp32, w fp16. The kernel is ``rmsnorm_half`` of kernels.cu."""
         rows, h = x.shape
         self.fn("rmsnorm_half")((rows,), (THREADS,), (x, w, out, np.int32(h), np.float32(eps)))
 

@@ -100,7 +100,7 @@ class CudaPrefill:
         g = nq // nkv
         kc, vc = self.stack.k_cache[j], self.stack.v_cache[j]  # [S, K, T, D]
         x = cp.empty((n_rows, h), cp.float16)
-        kern.rmsnorm_half(resid, lay.ln1, x, a.rms_norm_eps)
+        kern.rms_norm_fp32_to_half(resid, lay.ln1, x, a.rms_norm_eps)
         qkv = matmul_nt(x, lay.qkv, cp.empty((n_rows, lay.qkv.shape[0]), cp.float32))  # [n, (N + 2K) D]
         q = cp.empty((n_rows, nq, d), cp.float32)
         kern.qk_norm_rope_kv(qkv, lay.q_norm, lay.k_norm, pos, slot, q, kc, vc, a.rope_theta, a.rms_norm_eps)
@@ -149,7 +149,7 @@ class CudaPrefill:
         a, kern = self.args, self.kern
         n_rows, h = resid.shape
         x = cp.empty((n_rows, h), cp.float16)
-        kern.rmsnorm_half(resid, lay.ln2, x, a.rms_norm_eps)
+        kern.rms_norm_fp32_to_half(resid, lay.ln2, x, a.rms_norm_eps)
         dense = gate = None
         if lay.mlp_gate_up is not None:  # read before the experts add to the residual
             assert lay.mlp_down is not None
@@ -171,7 +171,7 @@ class CudaPrefill:
         n_exp, topk = a.num_experts, a.num_experts_per_tok
         assert lay.gate_up is not None and lay.down is not None
         xf = cp.empty((n_rows, h), cp.float32)
-        kern.add_rmsnorm(resid, None, lay.ln2, xf, a.rms_norm_eps)
+        kern.add_rms_norm_fp32(resid, None, lay.ln2, xf, a.rms_norm_eps)
         router = self.router32[j]
         assert router is not None
         logits = xf @ router.T  # [n, E] fp32

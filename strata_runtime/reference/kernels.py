@@ -35,9 +35,11 @@ def gemv(
     out[...] = out + y if accumulate else y
 
 
-def add_rmsnorm(
+def add_rms_norm_fp32(
     resid: np.ndarray, delta: np.ndarray | None, w: np.ndarray, out: np.ndarray, eps: float
 ) -> None:
+    """The fp32 rule: no rounding between the norm and the weight (`reference.ops.rms_norm_in_dtype` is the
+    array path's rule, which rounds to the input dtype in between)."""
     if delta is not None:
         resid += delta
     inv = 1.0 / np.sqrt(np.mean(resid * resid, axis=-1, keepdims=True) + eps)  # [R, 1]
@@ -158,7 +160,7 @@ def argmax(logits: np.ndarray, out: np.ndarray) -> None:
     out[...] = np.argmax(logits, axis=-1)
 
 
-def rmsnorm_half(x: np.ndarray, w: np.ndarray, out: np.ndarray, eps: float) -> None:
+def rms_norm_fp32_to_half(x: np.ndarray, w: np.ndarray, out: np.ndarray, eps: float) -> None:
     out[...] = (x * _rms_inv(x, eps) * _f32(w)).astype(np.float16)
 
 

@@ -21,7 +21,7 @@ def rms_norm_in_dtype(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarr
     input dtype, then multiplied by the weight in that dtype. ``x`` [..., N], ``weight`` [N].
 
     The CUDA decode and prefill paths keep their residual stream in fp32 and follow another rule
-    (`strata_runtime.reference.kernels.add_rmsnorm`): no rounding between the norm and the weight.
+    (`strata_runtime.reference.kernels.add_rms_norm_fp32`): no rounding between the norm and the weight.
     """
     x32 = x.astype(np.float32)  # [..., N]
     inv = 1.0 / np.sqrt(np.mean(x32 * x32, axis=-1, keepdims=True) + np.float32(eps))  # [..., 1]

@@ -2,7 +2,7 @@
 normalised value rounded to the input dtype before the weight multiplies it.
 
 This is the array path's rule; the CUDA paths keep an fp32 residual and do not round in between
-(`strata_runtime.cuda.ops.Kernels.add_rmsnorm`). `strata_runtime.reference.ops.rms_norm_in_dtype` is the
+(`strata_runtime.cuda.ops.Kernels.add_rms_norm_fp32`). `strata_runtime.reference.ops.rms_norm_in_dtype` is the
 NumPy reference.
 """
 
