@@ -148,7 +148,10 @@ def module() -> types.ModuleType:
         Stream=_Stream,
         get_current_stream=_Stream,
         runtime=types.SimpleNamespace(
-            getDeviceCount=lambda: 1, deviceCanAccessPeer=lambda a, b: False, CUDARuntimeError=RuntimeError
+            getDeviceCount=lambda: 1,
+            deviceCanAccessPeer=lambda a, b: False,
+            CUDARuntimeError=RuntimeError,
+            memGetInfo=lambda: (80 << 30, 80 << 30),
         ),
     )
     return cp
