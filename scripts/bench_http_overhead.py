@@ -1,6 +1,6 @@
 """What the HTTP server costs: one engine, measured in process and through the server, interleaved.
 
-One `Engine` is built from the profile. Each repeat runs BENCH.md's ``two-decodes`` workload twice on it:
+One `Engine` is built from the profile. Each repeat runs the ``two-decodes`` workload twice on it:
 once stepped in this process by the benchmark harness (``in-process``), and once through the
 OpenAI-compatible server on loopback (``http``), driven by ``strata bench --url`` in a separate process, as
 real clients are, so that the clients do not compete with the engine for this process's interpreter. The

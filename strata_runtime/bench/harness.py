@@ -1,4 +1,4 @@
-"""The benchmark harness of BENCH.md: named workloads over arms (one resolved plan each), interleaved.
+"""The benchmark harness: named workloads over arms (one resolved plan each), interleaved.
 
 Each repeat runs every arm once (A B C A B C ...), so slow drifts of a shared machine hit every arm alike.
 Figures are medians over repeats; the gain of an arm over ``serial`` carries a bootstrap 95% interval; every

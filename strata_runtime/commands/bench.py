@@ -1,4 +1,4 @@
-"""`python -m strata_runtime bench --arm NAME=plan.json ... --workload W`: the BENCH.md harness in process.
+"""`python -m strata_runtime bench --arm NAME=plan.json ... --workload W`: the bench harness in process.
 
 `strata bench PROFILE` resolves one plan per arm and starts this command with them. Arms that share a stage
 layout share one copy of the weights. The table (or ``--json``) gives medians over the repeats, the gain
