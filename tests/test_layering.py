@@ -205,3 +205,41 @@ def test_the_runtime_has_no_import_circle_even_inside_functions():
 def test_the_circle_finder_finds_a_function_level_circle():
     assert one_circle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert one_circle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+
+
+RUNTIME_MAY_IMPORT: dict[str, set[str]] = {
+    # part of strata_runtime: the parts it may import besides itself, in the order a request's data flows
+    "api": set(),
+    "backend": set(),
+    "layout": set(),
+    "reference": set(),
+    "models": {"layout", "reference"},
+    "weights": {"backend", "models", "reference"},
+    "cuda": {"backend", "layout", "models", "reference"},
+    "model": {"api", "backend", "layout", "models", "weights", "cuda"},
+    "engine": {"api", "backend", "layout", "model", "weights"},
+    "server": {"api"},
+    "bench": {"api", "backend", "cuda", "engine", "model", "models", "weights"},
+    "commands": {"api", "backend", "bench", "engine", "model", "server", "weights"},
+    "__main__": set(),
+    "strata_runtime": set(),
+}
+"""The runtime's own layering: the foundation (the request interface, devices, a window's rows, the kernels'
+references), then the architecture, its weights and its CUDA path, the placed model, the engine, and the
+server, bench and commands on top. The server reaches the engine only through `api.EngineCore`."""
+
+
+def test_each_part_of_the_runtime_imports_only_the_parts_before_it():
+    def part(module: str) -> str:
+        parts = module.split(".")
+        return parts[1] if len(parts) > 1 else parts[0]
+
+    graph = runtime_graph()
+    assert {part(m) for m in graph} == set(RUNTIME_MAY_IMPORT)
+    wrong = sorted(
+        (m, t)
+        for m, targets in graph.items()
+        for t in targets
+        if part(t) != part(m) and part(t) not in RUNTIME_MAY_IMPORT[part(m)]
+    )
+    assert wrong == []
