@@ -120,7 +120,7 @@ def test_text_parts_and_unknown_fields_are_accepted():
 
 
 def test_prompt_token_ids_are_checked_against_the_vocabulary():
-    rng = random.Random()
+    rng = random.Random(110)
     vocab = rng.randrange(100, 1000)
     ids = [rng.randrange(1, vocab) for _ in range(rng.randrange(1, 20))]
     body = p.parse_completion({"model": "m", "prompt": ids})
@@ -161,7 +161,7 @@ def test_prompt_and_max_tokens_must_fit_the_context(context, n_prompt, max_token
 
 
 def test_sampling_and_stop_reach_the_engine_request():
-    rng = random.Random()
+    rng = random.Random(111)
     temperature, top_p, seed = (
         round(rng.uniform(0.1, 1.9), 3),
         round(rng.uniform(0.1, 1.0), 3),
@@ -191,7 +191,7 @@ def test_sampling_and_stop_reach_the_engine_request():
 
 
 def test_metrics_exposition_counts_and_buckets():
-    rng = random.Random()
+    rng = random.Random(112)
     counters = metrics.ServerCounters()
     latencies = [rng.uniform(0.01, 200.0) for _ in range(rng.randrange(5, 50))]
     for s in latencies:
