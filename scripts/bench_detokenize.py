@@ -14,9 +14,9 @@ import time
 import numpy as np
 
 from strata_runtime.api import Request, RequestHandle
-from strata_runtime.sampling import Sampler
-from strata_runtime.slot import Slot
-from strata_runtime.tokenizer import ByteTokenizer
+from strata_runtime.engine.sampling import Sampler
+from strata_runtime.engine.slot import Slot
+from strata_runtime.weights.tokenizer import ByteTokenizer
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--repeats", type=int, default=200)

@@ -24,7 +24,7 @@ import time
 from typing import Any
 
 from strata_cfg.plan.from_profile import resolve_profile
-from strata_runtime.bench import InProcessDriver, measure, workload_arrivals
+from strata_runtime.bench.harness import InProcessDriver, measure, workload_arrivals
 from strata_runtime.engine import Engine
 from strata_runtime.server import ServeOptions, Server
 

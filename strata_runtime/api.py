@@ -14,6 +14,11 @@ from typing import Any, Literal, Protocol
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
 
+class PlanMismatch(RuntimeError):
+    """A plan the runtime cannot run as written: it needs something not implemented here, or it does not
+    fit the model or the devices it names. Raised when the engine is built, before any request."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token. ``temperature == 0`` is greedy."""

@@ -17,8 +17,12 @@ from types import ModuleType
 from typing import Any, Literal
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 _NAME_RE = re.compile(r"^(cuda|cpu):(\d+)$")
+Array = Any
+"""A NumPy or CuPy array. CuPy ships no type stubs, so array-valued names are typed with this alias: it says
+"an array on some device" where a plain Any would say nothing."""
 DTYPES: dict[str, Any] = {"float32": np.float32, "float16": np.float16}
 """Array dtypes the runtime computes in. bfloat16 has no NumPy/CuPy dtype; checkpoints in it are converted."""
 
@@ -83,15 +87,15 @@ class Device:
 
     # ---- allocation and transfer -------------------------------------------------------------------
 
-    def zeros(self, shape: tuple[int, ...], dtype: Any) -> Any:
+    def zeros(self, shape: tuple[int, ...], dtype: DTypeLike) -> Array:
         with self.use():
             return self.xp.zeros(shape, dtype=dtype)
 
-    def empty(self, shape: tuple[int, ...], dtype: Any) -> Any:
+    def empty(self, shape: tuple[int, ...], dtype: DTypeLike) -> Array:
         with self.use():
             return self.xp.empty(shape, dtype=dtype)
 
-    def asarray(self, host: np.ndarray, dtype: Any = None) -> Any:
+    def asarray(self, host: np.ndarray, dtype: DTypeLike | None = None) -> Array:
         """Copy a host array onto this device (converting its dtype on the device side when asked)."""
         if not self.is_cuda:  # a fresh array: never a view of a memory-mapped file or of another stage's data
             return np.array(host, dtype=dtype or host.dtype, copy=True)
@@ -101,11 +105,11 @@ class Device:
                 out = out.astype(dtype)
             return out
 
-    def to_host(self, arr: Any) -> np.ndarray:
+    def to_host(self, arr: Array) -> np.ndarray:
         """A NumPy copy (or view, on a CPU device) of a device array."""
         if self.is_cuda:
             with self.use():
-                return arr.get()
+                return np.asarray(arr.get())
         return np.asarray(arr)
 
     def memory_used(self) -> int | None:
@@ -122,7 +126,7 @@ class Device:
                 cupy_module().cuda.get_current_stream().synchronize()
 
 
-def transfer(arr: Any, src: Device, dst: Device) -> Any:
+def transfer(arr: Array, src: Device, dst: Device) -> Array:
     """Move hidden rows from ``src`` to ``dst``.
 
     Between two GPUs, CuPy copies device-to-device (a peer copy when the cards allow it, otherwise staged

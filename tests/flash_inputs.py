@@ -1,7 +1,7 @@
-"""Inputs and helpers shared by the flash-attention tests (kernel on the GPU, twin on the CPU).
+"""Inputs and helpers shared by the flash-attention tests (kernel on the GPU, reference on the CPU).
 
-Inputs are fresh random every call. Cache positions the chunk of slot 1 must not read (past its last row,
-other slots) hold NaN, so a read past the causal limit shows up as a non-finite output.
+Inputs are random, from the caller's seeded generator. Cache positions the chunk of slot 1 must not read
+(past its last row, other slots) hold NaN, so a read past the causal limit shows up as a non-finite output.
 """
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import math
 
 import numpy as np
 
-from strata_runtime.cuda.flash import flash_prefill_twin
+from strata_runtime.reference.flash import flash_prefill as reference_flash_prefill
 
 REL = 3e-3
-"""Relative Frobenius bound of the kernel against the twin: P and the output are rounded to fp16."""
+"""Relative Frobenius bound of the kernel against the reference: P and the output are rounded to fp16."""
 
 
 def split(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -54,7 +54,7 @@ def large_score_inputs(g, n, n_q, n_kv, d, pos0):
 
 
 def twin(hi, lo, kc, vc, slot, pos0, scale) -> np.ndarray:
-    """The twin's output [n, NQ D] in float64."""
+    """The reference's output [n, NQ D] in float64."""
     out = np.empty((hi.shape[0], hi.shape[1] * hi.shape[2]))
-    flash_prefill_twin(hi, lo, kc, vc, slot, pos0, scale, out)
+    reference_flash_prefill(hi, lo, kc, vc, slot, pos0, scale, out)
     return out

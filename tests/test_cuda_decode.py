@@ -83,11 +83,66 @@ prefill_chunk = {chunk}
 
 @pytest.fixture(params=["tiny", "small", "wide"])
 def model_src(request, tmp_path):
-    return (
-        _wide_model_dir(tmp_path, seed=int(np.random.default_rng().integers(1 << 30)))
-        if request.param == "wide"
-        else request.param
-    )
+    return _wide_model_dir(tmp_path, seed=11) if request.param == "wide" else request.param
+
+
+class RoutingMargins:
+    """Records, for each row of the windows a CPU reference model runs, the smallest margin of its routing:
+    over every MoE layer, the k-th largest router logit minus the (k+1)-th (float64, from the layer's
+    input). A row whose margin is small may route to other experts under a few 1e-3 of rounding."""
+
+    def __init__(self, model) -> None:
+        self.rows: np.ndarray | None = None
+        for stage in model.stages:
+            for layer in stage.layers:
+                if hasattr(layer.mlp, "route"):
+                    layer.mlp.route = self._recording(layer.mlp)
+
+    def _recording(self, block):
+        real = block.route
+
+        def route(xp, x):
+            logits = np.asarray(x, np.float64) @ np.asarray(block.gate, np.float64).T  # [R, E]
+            top = -np.sort(-logits, axis=-1)
+            gap = top[:, block.top_k - 1] - top[:, block.top_k]  # [R]
+            self.rows = gap if self.rows is None else np.minimum(self.rows, gap)
+            return real(xp, x)
+
+        return route
+
+    def take(self, rows: int) -> np.ndarray:
+        """The margins of the last window's rows, and start afresh."""
+        out, self.rows = self.rows, None
+        return np.full(rows, np.inf) if out is None else out
+
+
+DECIDED = 1e-2
+"""A routing margin at or above this is decided: rounding does not flip it. The CUDA paths' products read
+fp16 and accumulate in fp32, which moves each layer's output by ~1e-3 relative and the router logits by a few
+1e-3 over a few layers; rows whose top-k was flipped had margins up to 8e-3 (measured on tiny, small and the
+wide checkpoint with the kernels' NumPy references standing in for the kernels)."""
+ROW_TOLERANCE = 5e-3
+"""Relative error of a row's logits when it and every earlier row of its slot routed as the reference: fp16
+products cost ~1e-3 per layer (measured at most 2e-3 on these models with the references as kernels)."""
+MEDIAN_TOLERANCE = 5e-3
+"""The median row: a row that follows a row routed differently attends over keys and values that differ
+(its logits by up to 0.1 on the wide checkpoint), so rows are compared one by one only where nothing before
+them in their slot was undecided; the median over all rows bounds the rest (measured 1e-3 to 2.4e-3)."""
+
+
+def clean_rows(layout, margins: np.ndarray, first_undecided: dict[int, int]) -> np.ndarray:
+    """Rows whose routing is decided and that follow no undecided row of their slot (in any window so far,
+    kept in ``first_undecided``: slot -> first such position)."""
+    from strata_runtime.layout import Layout
+
+    segments = Layout.of(layout).segments
+    slots = np.concatenate([np.full(s.n, s.slot) for s in segments])
+    positions = Layout.of(layout).positions()
+    for slot, pos, m in zip(slots, positions, margins, strict=True):
+        if m < DECIDED:
+            first_undecided[int(slot)] = min(first_undecided.get(int(slot), 1 << 62), int(pos))
+    limit = np.array([first_undecided.get(int(s), 1 << 62) for s in slots])
+    return (margins >= DECIDED) & (positions < limit)
 
 
 def _window(model, layout_runs, tokens):
@@ -105,7 +160,7 @@ def test_cuda_window_matches_the_float32_reference_and_replays_exactly(cp, model
     model = Model.from_plan(_plan(cp, model=model_src, slots=2))
     reference = Model.from_plan(_plan(cp, model=model_src, slots=2, backend="cpu"))
     assert model.stages[0].cuda is not None, model.stages[0].cuda_refused
-    g = np.random.default_rng()
+    g = np.random.default_rng(21)
     vocab = model.args.vocab_size
     prompt = g.integers(1, vocab, 20).tolist()
     for m in (model, reference):
@@ -142,7 +197,7 @@ def _generate(plan, prompts, max_tokens=24):
 
 
 def test_greedy_text_on_gpu_does_not_depend_on_drafting_or_batching(cp):
-    g = np.random.default_rng()
+    g = np.random.default_rng(22)
     prompts = [g.integers(1, 250, int(n)).tolist() for n in g.integers(3, 30, 2)]
     plain, _ = _generate(_plan(cp, model="tiny", slots=2), prompts)
     drafted, engine = _generate(_plan(cp, model="tiny", slots=2, batch_mtp=True, draft_tokens=4), prompts)
@@ -155,15 +210,18 @@ def test_greedy_text_on_gpu_does_not_depend_on_drafting_or_batching(cp):
 
 def test_long_prefill_chunks_match_the_float32_reference(cp, model_src):
     """Chunks of more than 64 rows take the CUDA prefill path (cuBLAS products, fp16 scores): their logits,
-    and the KV they leave for the decode windows after them, must match the float32 reference."""
+    and the KV they leave for the decode windows after them, must match the float32 reference on every row
+    that routed as the reference did (`clean_rows`), and on the median row (`MEDIAN_TOLERANCE`): rounding
+    may flip a near-tie of the router, and later rows of that slot then read different keys."""
     from strata_runtime.model import Model
 
     model = Model.from_plan(_plan(cp, model=model_src, slots=2))
     reference = Model.from_plan(_plan(cp, model=model_src, slots=2, backend="cpu"))
+    margins = RoutingMargins(reference)
     calls = []
     real = model.stages[0].cuda_prefill.forward
     model.stages[0].cuda_prefill.forward = lambda h, lay: calls.append(lay.rows) or real(h, lay)
-    g = np.random.default_rng()
+    g = np.random.default_rng(7)
     vocab = model.args.vocab_size
     a, b = g.integers(1, vocab, 150).tolist(), g.integers(1, vocab, 90).tolist()
     runs = [
@@ -171,21 +229,26 @@ def test_long_prefill_chunks_match_the_float32_reference(cp, model_src):
         ([(0, 100, 150), (1, 90, 0)], g.integers(1, vocab, 100).tolist() + b),  # a later chunk beside another
         ([(0, 2, 250), (1, 1, 90)], g.integers(1, vocab, 3).tolist()),  # decode rows over that KV
     ]
+    first_undecided: dict[int, int] = {}
+    compared, every_row = 0, []
     for layout, tokens in runs:
         got, expected = _window(model, layout, tokens), _window(reference, layout, tokens)
-        # Per row: fp16 products move a router logit by ~1e-4, which flips a row's top-k where two
-        # experts are that close (it happens to a row or two in a few hundred). A flipped row is far off,
-        # so the check is on most rows, and on the greedy token of nearly all.
+        clean = clean_rows(layout, margins.take(len(tokens)), first_undecided)
         row_err = np.linalg.norm(got - expected, axis=1) / np.linalg.norm(expected, axis=1)
-        assert np.percentile(row_err, 90) < 5e-3, (layout, np.sort(row_err)[-10:])
-        assert (got.argmax(-1) == expected.argmax(-1)).mean() >= 0.95, layout
+        assert (row_err[clean] < ROW_TOLERANCE).all(), (layout, np.sort(row_err[clean])[-5:])
+        compared += int(clean.sum())
+        every_row += list(row_err)
+    assert (
+        compared >= 3
+    )  # rows before each slot's first near-tie (measured 5 on small, 63 to 74 on the others)
+    assert np.median(every_row) < MEDIAN_TOLERANCE, np.median(every_row)
     assert calls == [150, 190]
 
 
 def test_long_prompts_keep_greedy_text_exact_with_drafting(cp):
     """Prompts read in long chunks (the prefill path, MTP head included) then decoded: drafting must not
     change greedy text."""
-    g = np.random.default_rng()
+    g = np.random.default_rng(23)
     prompts = [g.integers(1, 250, int(n)).tolist() for n in g.integers(140, 300, 2)]
     plain, _ = _generate(_plan(cp, model="tiny", slots=2, chunk=128), prompts)
     drafted, engine = _generate(
@@ -196,23 +259,31 @@ def test_long_prompts_keep_greedy_text_exact_with_drafting(cp):
     assert engine.totals["accepted"] > 0
 
 
-def test_flash_and_cublas_attention_give_the_same_prefill(cp):
-    """The fused attention kernel and the cuBLAS products over materialised scores compute the same chunk."""
+def test_flash_and_cublas_attention_each_match_the_float32_reference(cp):
+    """The fused attention kernel and the cuBLAS products over materialised scores each compute what the
+    float32 reference does for a long chunk through small's first layer (attention and a dense MLP: no
+    routing, so every row is compared, at `ROW_TOLERANCE`)."""
+    from strata_runtime.cuda.layers import LayerStack
     from strata_runtime.cuda.prefill import CudaPrefill
     from strata_runtime.layout import Layout
     from strata_runtime.model import Model
 
     model = Model.from_plan(_plan(cp, model="small", slots=2))
-    stage = model.stages[0]
-    g = np.random.default_rng()
-    hidden = cp.asarray(g.standard_normal((200, model.args.hidden_size)).astype(np.float32))
-    outs = []
+    reference = Model.from_plan(_plan(cp, model="small", slots=2, backend="cpu"))
+    assert not model.args.is_sparse(0)
+    stack, ref_stage = model.stages[0].cuda.stack, reference.stages[0]
+    first = LayerStack(
+        stack.device_id, stack.args, stack.layers[:1], stack.k_cache[:1], stack.v_cache[:1], stack.kern
+    )
+    g = np.random.default_rng(8)
+    hidden = g.standard_normal((200, model.args.hidden_size)).astype(np.float32)
+    layout = Layout.of([(1, 200, 0)])
+    ref_stage.kv.begin(layout.segments)
+    cos, sin = ref_stage.rope.at(layout)
+    expected = ref_stage.layers[0](np, hidden, layout, ref_stage.kv, 0, cos, sin)  # [200, H] float32
     for flash in (True, False):
-        layout = Layout.of([(1, 200, 0)])
-        stage.kv.begin(layout.segments)
-        outs.append(CudaPrefill(stage.cuda, flash=flash).forward(hidden, layout).get())
+        model.stages[0].kv.begin(layout.segments)
+        got = CudaPrefill(first, flash=flash).forward(cp.asarray(hidden), layout).get()
         model.rewind(1, 0)
-    # Both read fp16 products with fp32 accumulation, in different orders; the difference compounds over
-    # the model's 8 layers (one kernel against its float64 twin stays under 3e-3: tests/test_cuda_flash.py).
-    err = np.linalg.norm(outs[0] - outs[1]) / np.linalg.norm(outs[1])
-    assert err < 1e-2, err
+        row_err = np.linalg.norm(got - expected, axis=1) / np.linalg.norm(expected, axis=1)
+        assert row_err.max() < ROW_TOLERANCE, (flash, np.sort(row_err)[-5:])

@@ -18,9 +18,10 @@ REL = 2e-4
 @pytest.fixture(scope="module")
 def gpu():
     cp = pytest.importorskip("cupy")
-    from strata_runtime.cuda import ops, twins
+    from strata_runtime.cuda import ops
+    from strata_runtime.reference import kernels as ref
 
-    return cp, ops.kernels_for(0), twins
+    return cp, ops.kernels_for(0), ref
 
 
 def half(a: np.ndarray) -> np.ndarray:
@@ -32,7 +33,7 @@ def half(a: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("accumulate", [False, True])
 @pytest.mark.parametrize("with_norm", [False, True])
 def test_gemv_matches_twin(gpu, rows, n, k, accumulate, with_norm):
-    cp, kern, twins = gpu
+    cp, kern, ref = gpu
     g = rng()
     w = half(g.standard_normal((n, k)) * 0.05)
     x = (g.standard_normal((rows, k)) * 3).astype(np.float32)
@@ -41,29 +42,29 @@ def test_gemv_matches_twin(gpu, rows, n, k, accumulate, with_norm):
     out_d = cp.asarray(base if accumulate else np.full((rows, n), np.nan, np.float32))
     kern.gemv(cp.asarray(w), cp.asarray(x), out_d, accumulate, cp.asarray(nw) if nw is not None else None)
     ref = base.copy()
-    twins.gemv(w, x, ref, accumulate, nw)
+    ref.gemv(w, x, ref, accumulate, nw)
     assert rel_err(out_d.get(), ref) < REL
 
 
 @pytest.mark.parametrize(("rows", "h"), [(1, 2048), (5, 64), (8, 4096)])
 @pytest.mark.parametrize("with_delta", [False, True])
-def test_add_rmsnorm_matches_twin(gpu, rows, h, with_delta):
-    cp, kern, twins = gpu
+def test_add_rms_norm_fp32_matches_twin(gpu, rows, h, with_delta):
+    cp, kern, ref = gpu
     g = rng()
     resid = g.standard_normal((rows, h)).astype(np.float32)
     delta = g.standard_normal((rows, h)).astype(np.float32) if with_delta else None
     w = half(1 + 0.1 * g.standard_normal(h))
     r_d, out_d = cp.asarray(resid), cp.full((rows, h), cp.nan, cp.float32)
-    kern.add_rmsnorm(r_d, cp.asarray(delta) if delta is not None else None, cp.asarray(w), out_d, 1e-6)
+    kern.add_rms_norm_fp32(r_d, cp.asarray(delta) if delta is not None else None, cp.asarray(w), out_d, 1e-6)
     out = np.empty_like(resid)
-    twins.add_rmsnorm(resid, delta, w, out, 1e-6)
+    ref.add_rms_norm_fp32(resid, delta, w, out, 1e-6)
     assert rel_err(r_d.get(), resid) < REL
     assert rel_err(out_d.get(), out) < REL
 
 
 @pytest.mark.parametrize(("n_q", "n_kv", "d"), [(32, 4, 128), (4, 2, 16), (8, 2, 32), (64, 4, 128)])
-def test_qk_norm_rope_kv_and_attention_match_twins(gpu, n_q, n_kv, d):
-    cp, kern, twins = gpu
+def test_qk_norm_rope_kv_and_attention_match_the_reference(gpu, n_q, n_kv, d):
+    cp, kern, ref = gpu
     g = rng()
     slots, t, rows = 3, 700, 5
     pos = g.integers(0, t, rows).astype(np.int32)
@@ -89,7 +90,7 @@ def test_qk_norm_rope_kv_and_attention_match_twins(gpu, n_q, n_kv, d):
         1e-6,
     )
     q = np.empty((rows, n_q, d), np.float32)
-    twins.qk_norm_rope_kv(qkv, qn, kn, pos, slot, q, kc, vc, 1e6, 1e-6)
+    ref.qk_norm_rope_kv(qkv, qn, kn, pos, slot, q, kc, vc, 1e6, 1e-6)
     assert rel_err(q_d.get(), q) < 1e-3  # sincos of large angles in fp32
     assert rel_err(kc_d.get(), kc) < 1e-3
     assert rel_err(vc_d.get(), vc) < 1e-3
@@ -100,7 +101,7 @@ def test_qk_norm_rope_kv_and_attention_match_twins(gpu, n_q, n_kv, d):
     scratch = cp.full(attention_scratch_size(rows, n_q, n_kv, d, t), cp.nan, cp.float32)
     kern.attention(cp.asarray(q), kc_d, vc_d, cp.asarray(pos), cp.asarray(slot), out_d, scratch)
     out = np.empty((rows, n_q * d), np.float32)
-    twins.attention(q, kc_d.get(), vc_d.get(), pos, slot, out)
+    ref.attention(q, kc_d.get(), vc_d.get(), pos, slot, out)
     assert rel_err(out_d.get(), out) < REL
 
 
@@ -116,7 +117,7 @@ def test_qk_norm_rope_kv_and_attention_match_twins(gpu, n_q, n_kv, d):
 )
 @pytest.mark.parametrize("norm_topk", [True, False])
 def test_moe_matches_twin(gpu, rows, e, k, h, inter, norm_topk):
-    cp, kern, twins = gpu
+    cp, kern, ref = gpu
     g = rng()
     x = (g.standard_normal((rows, h)) * 2).astype(np.float32)
     nw = half(1 + 0.1 * g.standard_normal(h))
@@ -140,7 +141,7 @@ def test_moe_matches_twin(gpu, rows, e, k, h, inter, norm_topk):
         cp.full((rows * k, inter), cp.nan, cp.float32),
     )
     idx, w = np.empty((rows, k), np.int32), np.empty((rows, k), np.float32)
-    twins.moe(
+    ref.moe(
         x, nw, logits, norm_topk, 1e-6, gate_up, down, resid, idx, w, np.empty((rows * k, inter), np.float32)
     )
     np.testing.assert_array_equal(idx_d.get(), idx)
@@ -148,15 +149,15 @@ def test_moe_matches_twin(gpu, rows, e, k, h, inter, norm_topk):
     assert rel_err(r_d.get(), resid) < REL
 
 
-def test_small_elementwise_kernels_match_twins(gpu):
-    cp, kern, twins = gpu
+def test_small_elementwise_kernels_match_the_reference(gpu):
+    cp, kern, ref = gpu
     g = rng()
     rows, inter, h, v = 6, 96, 80, 5000
     gu = g.standard_normal((rows, 2 * inter)).astype(np.float32)
     out_d = cp.full((rows, inter), cp.nan, cp.float32)
     kern.silu_mul(cp.asarray(gu), out_d)
     out = np.empty((rows, inter), np.float32)
-    twins.silu_mul(gu, out)
+    ref.silu_mul(gu, out)
     assert rel_err(out_d.get(), out) < REL
 
     resid, y, gate = (
@@ -168,7 +169,7 @@ def test_small_elementwise_kernels_match_twins(gpu):
         r_d = cp.asarray(resid)
         kern.add_scaled(r_d, cp.asarray(y), cp.asarray(gt) if gt is not None else None)
         ref = resid.copy()
-        twins.add_scaled(ref, y, gt)
+        ref.add_scaled(ref, y, gt)
         assert rel_err(r_d.get(), ref) < REL
 
     table = half(g.standard_normal((v, h)))
@@ -176,14 +177,14 @@ def test_small_elementwise_kernels_match_twins(gpu):
     emb_d = cp.full((rows, h), cp.nan, cp.float32)
     kern.embed(cp.asarray(table), cp.asarray(ids), emb_d)
     emb = np.empty((rows, h), np.float32)
-    twins.embed(table, ids, emb)
+    ref.embed(table, ids, emb)
     np.testing.assert_array_equal(emb_d.get(), emb)
 
     logits = g.standard_normal((rows, v)).astype(np.float32)
     am_d = cp.full(rows, -1, cp.int32)
     kern.argmax(cp.asarray(logits), am_d)
     am = np.empty(rows, np.int32)
-    twins.argmax(logits, am)
+    ref.argmax(logits, am)
     np.testing.assert_array_equal(am_d.get(), am)
 
 
@@ -209,29 +210,29 @@ HALF_REL = 2e-3  # fp16 outputs: one rounding of each element
 
 
 @pytest.mark.parametrize(("rows", "h"), [(1, 64), (70, 2048), (129, 200)])
-def test_rmsnorm_half_matches_twin(gpu, rows, h):
-    cp, kern, twins = gpu
+def test_rms_norm_fp32_to_half_matches_twin(gpu, rows, h):
+    cp, kern, ref = gpu
     g = rng()
     x = (g.standard_normal((rows, h)) * 3).astype(np.float32)
     w = half(1 + 0.1 * g.standard_normal(h))
     out_d = cp.full((rows, h), cp.nan, cp.float16)
-    kern.rmsnorm_half(cp.asarray(x), cp.asarray(w), out_d, 1e-6)
+    kern.rms_norm_fp32_to_half(cp.asarray(x), cp.asarray(w), out_d, 1e-6)
     out = np.empty((rows, h), np.float16)
-    twins.rmsnorm_half(x, w, out, 1e-6)
+    ref.rms_norm_fp32_to_half(x, w, out, 1e-6)
     assert rel_err(out_d.get(), out) < HALF_REL
 
 
 @pytest.mark.parametrize(("rows", "e", "k"), [(1, 8, 2), (100, 128, 8), (33, 60, 4), (9, 256, 8)])
 @pytest.mark.parametrize("norm_topk", [False, True])
 def test_route_topk_matches_twin(gpu, rows, e, k, norm_topk):
-    cp, kern, twins = gpu
+    cp, kern, ref = gpu
     g = rng()
     logits = g.standard_normal((rows, e)).astype(np.float32)
     logits[0, 1] = logits[0, 0]  # a tie: the lower index ranks first
     idx_d, w_d = cp.full((rows, k), -1, cp.int32), cp.full((rows, k), cp.nan, cp.float32)
     kern.route_topk(cp.asarray(logits), norm_topk, idx_d, w_d)
     idx, w = np.empty((rows, k), np.int32), np.empty((rows, k), np.float32)
-    twins.route_topk(logits, norm_topk, idx, w)
+    ref.route_topk(logits, norm_topk, idx, w)
     np.testing.assert_array_equal(idx_d.get(), idx)
     assert rel_err(w_d.get(), w) < REL
 
@@ -240,7 +241,7 @@ def test_route_topk_matches_twin(gpu, rows, e, k, norm_topk):
     ("heads", "n", "pos", "group"), [(4, 1, 0, 1), (4, 70, 0, 8), (8, 65, 300, 4), (3, 130, 1000, 1)]
 )
 def test_softmax_causal_matches_twin(gpu, heads, n, pos, group):
-    cp, kern, twins = gpu
+    cp, kern, ref = gpu
     from strata_runtime.cuda.ops import padded_keys
 
     g = rng()
@@ -252,7 +253,7 @@ def test_softmax_causal_matches_twin(gpu, heads, n, pos, group):
     p_d = cp.full((heads, rows, ld), cp.nan, cp.float16)[:, :, :length]
     kern.softmax_causal(s_d, p_d, pos, group)
     ref = np.full(scores.shape, np.nan, np.float16)
-    twins.softmax_causal(scores, ref, pos, group)
+    ref.softmax_causal(scores, ref, pos, group)
     got = p_d.get()
     assert rel_err(got, ref) < HALF_REL
     for r in (0, rows - 1):  # nothing past the row's own position; each row sums to one
@@ -262,21 +263,21 @@ def test_softmax_causal_matches_twin(gpu, heads, n, pos, group):
 
 @pytest.mark.parametrize(("rows", "e", "k"), [(1, 8, 2), (2048, 128, 8), (333, 256, 8)])
 def test_moe_group_gives_every_assignment_a_distinct_place(gpu, rows, e, k):
-    cp, kern, twins = gpu
+    cp, kern, ref = gpu
     g = rng()
     idx = np.stack([g.choice(e, k, replace=False) for _ in range(rows)]).astype(np.int32)  # [R, k]
     rank_d, most_d = cp.full((rows, k), -1, cp.int32), cp.full(1, -1, cp.int32)
     kern.moe_group(cp.asarray(idx), e, rank_d, most_d)
     rank, most = np.empty((rows, k), np.int32), np.empty(1, np.int32)
-    twins.moe_group(idx, e, rank, most)
+    ref.moe_group(idx, e, rank, most)
     assert int(most_d.get()[0]) == int(most[0])
     got = rank_d.get()
     for ex in np.unique(idx):  # the places of one expert's assignments are exactly 0..count-1
         np.testing.assert_array_equal(np.sort(got[idx == ex]), np.arange((idx == ex).sum()))
 
 
-def test_expert_grouping_kernels_match_twins(gpu):
-    cp, kern, twins = gpu
+def test_expert_grouping_kernels_match_the_reference(gpu):
+    cp, kern, ref = gpu
     g = rng()
     rows, k, e, h, inter = 37, 4, 16, 96, 48
     idx = np.stack([g.choice(e, k, replace=False) for _ in range(rows)]).astype(np.int32)  # [R, k]
@@ -291,14 +292,14 @@ def test_expert_grouping_kernels_match_twins(gpu):
     xs_d = cp.zeros((e, c, h), cp.float16)
     kern.moe_scatter_rows(cp.asarray(x), cp.asarray(idx), cp.asarray(rank), xs_d)
     xs = np.zeros((e, c, h), np.float16)
-    twins.moe_scatter_rows(x, idx, rank, xs)
+    ref.moe_scatter_rows(x, idx, rank, xs)
     np.testing.assert_array_equal(xs_d.get(), xs)
 
     gu = half(g.standard_normal((e * c, 2 * inter)))
     hid_d = cp.full((e * c, inter), cp.nan, cp.float16)
     kern.silu_mul_half(cp.asarray(gu), hid_d)
     hid = np.empty((e * c, inter), np.float16)
-    twins.silu_mul_half(gu, hid)
+    ref.silu_mul_half(gu, hid)
     assert rel_err(hid_d.get(), hid) < HALF_REL
 
     ys = half(g.standard_normal((e, c, h)))
@@ -306,7 +307,7 @@ def test_expert_grouping_kernels_match_twins(gpu):
     resid = g.standard_normal((rows, h)).astype(np.float32)
     r_d = cp.asarray(resid)
     kern.moe_gather_add(cp.asarray(ys), cp.asarray(idx), cp.asarray(rank), cp.asarray(wts), r_d)
-    twins.moe_gather_add(ys, idx, rank, wts, resid)
+    ref.moe_gather_add(ys, idx, rank, wts, resid)
     assert rel_err(r_d.get(), resid) < REL
 
 

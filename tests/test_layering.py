@@ -247,3 +247,102 @@ def test_strata_plan_imports_only_its_own_command():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "['strata_cfg.commands.plan']"
+
+
+# ---- strata_runtime --------------------------------------------------------------------------------------
+# The runtime executes a resolved plan and knows nothing else of strata_cfg: it may import only the modules
+# below, each for the reason given. Imports are read from the source (inside functions too), and checked
+# again in a fresh interpreter.
+
+RUNTIME_MAY_IMPORT_FROM_CFG = {
+    "strata_cfg.schema.plan": "the launch plan: the one contract the runtime executes",
+    "strata_cfg.schema.facts": "ModelFacts, the model's shapes as the plan carries them (bench arithmetic)",
+    "strata_cfg.schema.windows": "the window row layout and its limits, one rule for resolver and engine",
+    "strata_cfg.schema.plan_file": "the one reader of plan.json",
+    "strata_cfg.schema.safetensors_header": "the one reader of a checkpoint file's header",
+    "strata_cfg.schema.presets": "a synthetic model's config.json: the preset table defines the model",
+    "strata_cfg.schema.workloads": "the bench workloads, shared with the HTTP bench driver",
+}
+"""Every strata_cfg module the runtime imports, and why."""
+ONLY_FROM = {
+    "strata_cfg.schema.presets": ("strata_runtime.weights.synthetic", "strata_runtime.bench.peer"),
+    "strata_cfg.schema.workloads": ("strata_runtime.bench.", "strata_runtime.commands.bench"),
+}
+"""The two that are not the plan's own contract, and the only runtime modules that may import them."""
+
+
+@pytest.fixture(scope="module")
+def runtime_graph() -> ImportGraph:
+    return import_graph(REPO, "strata_runtime")
+
+
+def test_the_runtime_imports_exactly_the_listed_strata_cfg_modules():
+    cfg = set(_module_names(REPO, "strata_cfg"))
+    used: dict[str, set[str]] = {}
+    for module, path in _module_names(REPO, "strata_runtime").items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                for name in _imported(node, module, path, cfg):
+                    if name.split(".")[0] == "strata_cfg":
+                        used.setdefault(name, set()).add(module)
+    assert set(used) == set(RUNTIME_MAY_IMPORT_FROM_CFG), {m: sorted(by) for m, by in used.items()}
+    for name, importers in ONLY_FROM.items():
+        assert all(m.startswith(importers) for m in used[name]), (name, sorted(used[name]))
+
+
+def test_the_runtime_loads_no_strata_cfg_module_the_listed_ones_do_not():
+    """In a fresh interpreter: importing every runtime module that runs without CuPy loads no strata_cfg
+    module beyond what the listed modules load themselves."""
+    modules = _module_names(REPO, "strata_runtime")
+
+    def needs_cupy(path: Path) -> bool:
+        top = ast.parse(path.read_text(encoding="utf-8")).body
+        names = [a.name for n in top if isinstance(n, ast.Import) for a in n.names]
+        names += [n.module or "" for n in top if isinstance(n, ast.ImportFrom)]
+        return any(n.split(".")[0] in ("cupy", "cupy_backends") for n in names)
+
+    importable = [m for m, path in modules.items() if not needs_cupy(path)]
+    assert "strata_runtime.engine.scheduler" in importable and "strata_runtime.server.app" in importable
+    cfg = {m for m in loaded_modules(*importable) if m.startswith("strata_cfg")}
+    listed = {m for m in loaded_modules(*RUNTIME_MAY_IMPORT_FROM_CFG) if m.startswith("strata_cfg")}
+    assert cfg <= listed, sorted(cfg - listed)
+
+
+def test_the_runtime_has_no_import_circle_even_inside_functions(runtime_graph):
+    edges = runtime_graph.internal
+    assert edges["strata_runtime.model.stage"] >= {"strata_runtime.cuda.decode", "strata_runtime.cuda.layers"}
+    assert find_circle(edges) is None, find_circle(edges)
+
+
+RUNTIME_MAY_IMPORT: dict[str, set[str]] = {
+    # part of strata_runtime: the parts it may import besides itself, in the order a request's data flows
+    "api": set(),
+    "backend": set(),
+    "layout": set(),
+    "reference": set(),
+    "models": {"layout", "reference"},
+    "weights": {"backend", "models", "reference"},
+    "cuda": {"backend", "layout", "models", "reference"},
+    "model": {"api", "backend", "layout", "models", "weights", "cuda"},
+    "engine": {"api", "backend", "layout", "model", "weights"},
+    "server": {"api"},
+    "bench": {"api", "backend", "cuda", "engine", "model", "models", "weights"},
+    "commands": {"api", "backend", "bench", "engine", "model", "server", "weights"},
+    "__main__": set(),
+    "strata_runtime": set(),
+}
+"""The runtime's own layering: the foundation (the request interface, devices, a window's rows, the kernels'
+references), then the architecture, its weights and its CUDA path, the placed model, the engine, and the
+server, bench and commands on top. The server reaches the engine only through `api.EngineCore`."""
+
+
+def test_each_part_of_the_runtime_imports_only_the_parts_before_it(runtime_graph):
+    graph = runtime_graph.internal
+    assert {_part(m) for m in graph} == set(RUNTIME_MAY_IMPORT)
+    wrong = sorted(
+        (m, t)
+        for m, targets in graph.items()
+        for t in targets
+        if _part(t) != _part(m) and _part(t) not in RUNTIME_MAY_IMPORT[_part(m)]
+    )
+    assert wrong == []

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from strata_runtime.bench import prompt_ids
+from strata_runtime.bench.harness import prompt_ids
 
 
 def strata(*args: str) -> subprocess.CompletedProcess[str]:
@@ -20,7 +20,7 @@ def strata(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_prompt_ids_are_fresh_ids_spread_over_the_vocabulary() -> None:
-    seed = int(np.random.default_rng().integers(1 << 30))
+    seed = 12345
     ids = prompt_ids(2000, 384, seed)
     assert len(ids) == 2000 and min(ids) >= 1 and max(ids) < 384
     assert len(set(ids)) > 300  # not a repeated letter
@@ -44,6 +44,20 @@ def test_prompt_workload_reads_the_whole_prompt_with_a_raised_context() -> None:
     assert ceiling["arms"]["serial"]["flop_s"] == pytest.approx(
         case["median"]["tok_s"] * ceiling["flops_per_token"]
     )
+
+
+def test_prompt_workload_rate_is_the_prompt_over_the_time_to_its_first_token() -> None:
+    """One repeat: its rate is exactly prompt tokens over the seconds until the first token, and the time
+    per window times the windows (the prompt's chunks plus the one decode step) is no more than that."""
+    out = strata(
+        *("bench", "profiles/demo.toml", "--workload", "prompt", "--prompt-tokens", "300"),
+        *("--repeats", "1", "--json"),
+    )
+    assert out.returncode == 0, out.stderr
+    m = json.loads(out.stdout)["arms"]["serial"]["prompt"]["median"]
+    assert m["tok_s"] == pytest.approx(300 / m["prompt_read_s"])
+    assert m["rows_per_window"] > 1  # prompt chunks, not one row at a time
+    assert m["accepted_pct"] == 0.0  # one generated token: nothing drafted is verified
 
 
 def test_prompt_workload_interleaves_arms_and_prints_its_arithmetic() -> None:

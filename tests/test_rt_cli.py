@@ -47,6 +47,14 @@ def test_bench_runs_every_arm_with_equal_text(workload) -> None:
     assert res["arms"]["batch-mtp"]["plan"]["batch_mtp"] and res["arms"]["pipelined"]["plan"]["groups"] == 2
     if workload == "two-decodes":
         assert res["arms"]["batch-mtp"][workload]["median"]["accepted_pct"] > 0
+        assert (
+            res["arms"]["pipelined"][workload]["median"]["accepted_pct"] == 0
+        )  # pipelined groups draft nothing
+        # Batch MTP sends two rows per slot: its windows are wider than the pipelined groups' one row each.
+        assert (
+            res["arms"]["batch-mtp"][workload]["median"]["rows_per_window"]
+            > res["arms"]["pipelined"][workload]["median"]["rows_per_window"]
+        )
 
 
 def test_bench_table_says_when_an_arm_is_forced() -> None:

@@ -16,9 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rt_plans import make_plan
 
-from strata_runtime.api import Request, SamplingParams
+from strata_runtime.api import PlanMismatch, Request, SamplingParams
 from strata_runtime.engine import Engine
-from strata_runtime.model import PlanMismatch
 
 PRESET_FOR_STAGES = {1: "tiny", 2: "tiny", 3: "tiny", 4: "small"}
 MODES = {
@@ -226,6 +225,40 @@ def test_plans_needing_unimplemented_features_are_refused_at_start(update, needl
         Engine(plan)
 
 
+def test_batch_mtp_in_pipelined_windows_is_refused_as_not_implemented() -> None:
+    plan = make_plan(stages=2, slots=4, batch_mtp=True, draft_tokens=3)
+    plan = plan.model_copy(update={"batch": plan.batch.model_copy(update={"mode": "pipelined", "groups": 2})})
+    with pytest.raises(PlanMismatch, match="batch MTP in pipelined windows is not implemented"):
+        Engine(plan)
+
+
+def _window_kinds_and_rows(eng: Engine, prompts: list[bytes], max_tokens: int) -> list[tuple[str, int]]:
+    collect(eng, [(0, Request(tuple(p), max_tokens)) for p in prompts])
+    return [(w.kind, w.rows) for w in eng.windows if w.kind != "prefill"]
+
+
+def test_the_solo_draft_depth_is_the_plans_solo_rows() -> None:
+    """The engine drafts what ``windows.solo_rows`` says, not what it would work out from the spec."""
+    plan = make_plan(stages=2, draft_tokens=6, context=128, prefill_chunk=16)
+    assert plan.windows.solo_rows == 6
+    narrower = plan.model_copy(update={"windows": plan.windows.model_copy(update={"solo_rows": 3})})
+    for p, rows in ((plan, 6), (narrower, 3)):
+        windows = _window_kinds_and_rows(Engine(p), [b"Once upon"], 24)
+        assert {k for k, _ in windows} == {"solo"} and max(r for _, r in windows) == rows
+
+
+def test_the_round_is_chosen_by_the_plans_batch_mode() -> None:
+    """Pipelined rounds run when ``batch.mode`` says so, not when ``groups`` alone is above one."""
+    plan = make_plan(stages=2, slots=4, groups=2, context=128, prefill_chunk=16)
+    assert plan.batch.mode == "pipelined"
+    serial = plan.model_copy(update={"batch": plan.batch.model_copy(update={"mode": "serial"})})
+    prompts = [b"Once upon", b"Hello there"]
+    pipelined_kinds = {k for k, _ in _window_kinds_and_rows(Engine(plan), prompts, 8)}
+    serial_kinds = {k for k, _ in _window_kinds_and_rows(Engine(serial), prompts, 8)}
+    assert "pipelined" in pipelined_kinds and "serial" not in pipelined_kinds
+    assert "serial" in serial_kinds and "pipelined" not in serial_kinds
+
+
 def test_bad_requests_get_an_error_event_naming_the_field() -> None:
     eng = engine(1, "serial")
     h = eng.submit(Request((), 4))
@@ -242,7 +275,7 @@ def test_logits_are_computed_only_for_rows_that_decide_a_token() -> None:
     rows: list[int] = []
     real = eng.model.logits
     eng.model.logits = lambda normed: rows.append(int(normed.shape[0])) or real(normed)
-    g = np.random.default_rng()
+    g = np.random.default_rng(104)
     prompt = tuple(int(t) for t in g.integers(1, 250, 40))  # chunks of 16, 16 and 8 rows
     tokens = collect(eng, [(0, Request(prompt, 5))])[0]
     assert rows[0] == 1  # the first LM-head call: the last prompt row only (none for the chunks before)

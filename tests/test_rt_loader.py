@@ -14,10 +14,10 @@ from rt_plans import make_plan
 from strata_cfg.schema.presets import preset_config
 from strata_runtime.backend import Device
 from strata_runtime.layout import Layout
-from strata_runtime.loader import CheckpointError
 from strata_runtime.model import Model
 from strata_runtime.models.qwen3_moe import ModelArgs, stage_shapes
-from strata_runtime.synthetic import SyntheticModel
+from strata_runtime.weights.checkpoint import CheckpointError
+from strata_runtime.weights.synthetic import SyntheticModel
 
 
 def write_safetensors(path: Path, tensors: dict[str, np.ndarray], bf16: bool = False) -> None:
@@ -39,7 +39,7 @@ def write_safetensors(path: Path, tensors: dict[str, np.ndarray], bf16: bool = F
 
 def synthetic_tensors(fused: bool) -> dict[str, np.ndarray]:
     """The tiny preset's weights, in the fused or the per-expert layout."""
-    synth = SyntheticModel("tiny")
+    synth = SyntheticModel("tiny", seed=0, layer_scale=0.05)
     args = ModelArgs.from_config(synth.config)
     shapes = stage_shapes(args, (0, args.num_hidden_layers), first=True, last=True, mtp=True)
     tensors = synth.load(shapes, Device("cpu", 0), np.float32)
@@ -134,3 +134,16 @@ def test_a_tensor_of_the_wrong_shape_is_named_with_both_shapes(tmp_path) -> None
         f"{path / 'model.safetensors'}: tensor 'model.layers.1.self_attn.k_proj.weight' has shape [16, 64], "
         "expected [32, 64]"
     )
+
+
+def test_a_file_whose_header_cannot_describe_it_is_refused_with_its_name(tmp_path) -> None:
+    """The loader reads headers with the facts step's reader, which checks each tensor against the file."""
+    from strata_runtime.weights.checkpoint import SafetensorsFile
+
+    good = tmp_path / "good.safetensors"
+    write_safetensors(good, {"w": np.ones((4, 4), np.float32)})
+    assert SafetensorsFile(good).read("w").sum() == 16
+    truncated = tmp_path / "truncated.safetensors"
+    truncated.write_bytes(good.read_bytes()[:-8])  # the tensor's last two floats are gone
+    with pytest.raises(CheckpointError, match=f"^{truncated}: not a safetensors file: tensor 'w'"):
+        SafetensorsFile(truncated)

@@ -12,10 +12,10 @@ import numpy as np
 from rt_plans import make_plan
 
 from strata_runtime.api import SamplingParams
+from strata_runtime.engine.sampling import Sampler
+from strata_runtime.engine.speculative import commit, draft
 from strata_runtime.layout import Layout
 from strata_runtime.model import Model
-from strata_runtime.sampling import Sampler
-from strata_runtime.speculative import commit, draft
 
 
 def rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:

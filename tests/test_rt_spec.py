@@ -13,8 +13,8 @@ from rt_plans import make_plan
 
 from strata_runtime.api import Request, SamplingParams
 from strata_runtime.engine import Engine
-from strata_runtime.sampling import Sampler, distribution
-from strata_runtime.speculative import Proposals, verify
+from strata_runtime.engine.sampling import Sampler, distribution
+from strata_runtime.engine.speculative import Proposals, verify
 
 
 @functools.cache

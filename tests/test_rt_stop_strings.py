@@ -1,47 +1,139 @@
-"""Stop strings that arrive over several windows are cut whole: no leading part of one is ever sent."""
+"""Stop strings: a reply ends where the first stop string completes, however its windows split the text.
+
+`StopText` (strata_runtime.engine.stops) is the one cutter; `Slot.emit` feeds it each window's new text, so
+the HTTP server and `strata generate` cut the same way (tests/test_srv_stop_strings.py runs both). Window
+boundaries are fixed here, not random: every cut point of short texts, and the cases where a stop string
+straddles two or three windows are pinned as hypothesis examples.
+"""
 
 from __future__ import annotations
 
-import numpy as np
+import itertools
+
+from hypothesis import example, given
+from hypothesis import strategies as st
 
 from strata_runtime.api import Request, RequestHandle
-from strata_runtime.sampling import Sampler
-from strata_runtime.slot import Slot, _stop_prefix_len
-from strata_runtime.tokenizer import ByteTokenizer
+from strata_runtime.engine.sampling import Sampler
+from strata_runtime.engine.slot import Slot
+from strata_runtime.engine.stops import StopText
+from strata_runtime.weights.tokenizer import ByteTokenizer
 
 
-def _slot(stop: str, max_tokens: int = 100) -> Slot:
-    req = Request((1, 2), max_tokens, stop_strings=(stop,))
+def cut_char_by_char(text: str, stops: tuple[str, ...]) -> tuple[str, bool]:
+    """The reference: generate one character at a time and stop as soon as the text ends with a stop
+    string; the reply is cut where that stop string begins (the longest, if two end there)."""
+    for end in range(1, len(text) + 1):
+        starts = [end - len(s) for s in stops if s and text[:end].endswith(s)]
+        if starts:
+            return text[: min(starts)], True
+    return text, False
+
+
+def pieces(text: str, cuts: list[int]) -> list[str]:
+    bounds = sorted({0, len(text), *(c for c in cuts if 0 <= c <= len(text))})
+    return [text[a:b] for a, b in itertools.pairwise(bounds)]
+
+
+def stream_stop_text(parts: list[str], stops: tuple[str, ...]) -> tuple[str, bool]:
+    """Feed ``parts`` to a `StopText`; what was sent, checking after each piece that it is a prefix of the
+    final reply (nothing of a stop string ever leaks)."""
+    final, _ = cut_char_by_char("".join(parts), stops)
+    cutter, sent = StopText(stops), ""
+    for part in parts:
+        sent += cutter.feed(part)
+        assert final.startswith(sent), (sent, final)
+        if cutter.stopped:
+            return sent, True
+    return sent + cutter.flush(), False
+
+
+def _slot(stops: tuple[str, ...], max_tokens: int = 100) -> Slot:
+    req = Request((1, 2), max_tokens, stop_strings=stops)
     return Slot(
         0, RequestHandle(req), Sampler(req.sampling, 0), frozenset(), ByteTokenizer(384), admitted_at=0
     )
 
 
-def test_a_stop_string_split_over_windows_is_never_partly_sent():
-    g = np.random.default_rng()
-    body = bytes(g.integers(97, 123, int(g.integers(1, 12)))).decode()
-    stop = "V=" + bytes(g.integers(65, 91, int(g.integers(0, 3)))).decode()
-    tokens = list((body + stop + "tail").encode())
-    slot, sent = _slot(stop), ""
-    cuts = sorted(set(g.integers(1, len(tokens), 4).tolist()))
-    for a, b in zip([0, *cuts], [*cuts, len(tokens)], strict=True):
-        ev = slot.emit(tokens[a:b], 0)
-        sent += ev.text
-        if ev.finished:
+def stream_slot(text: str, stops: tuple[str, ...], cuts: list[int], max_tokens: int = 100) -> Slot:
+    """Emit the UTF-8 bytes of ``text`` as byte tokens, one window per piece between ``cuts`` (byte
+    offsets); checks that every event's text keeps the sent text a prefix of the final reply."""
+    data = text.encode()
+    final, _ = cut_char_by_char(data[:max_tokens].decode(errors="replace"), stops)
+    slot = _slot(stops, max_tokens)
+    bounds = sorted({0, len(data), *(c for c in cuts if 0 <= c <= len(data))})
+    for a, b in itertools.pairwise(bounds):
+        slot.emit(list(data[a:b]), 0)
+        assert final.startswith(slot.sent_text), (slot.sent_text, final)
+        if slot.finished:
             break
-    assert slot.finished == "stop"
-    assert sent == body
+    return slot
+
+
+def test_the_stop_string_completed_first_wins_not_the_one_starting_first():
+    """("bcd", "c") on "abcd": "c" is complete at the third character, before "bcd" is, so the reply is
+    "ab" (as a server checking after every token cuts it), not "a"."""
+    stops = ("bcd", "c")
+    assert cut_char_by_char("abcd", stops) == ("ab", True)
+    for k in range(5):  # every split of the text into two pieces
+        assert stream_stop_text(pieces("abcd", [k]), stops) == ("ab", True)
+    for cuts in ([], [1], [2], [3], [1, 2], [1, 3], [2, 3], [1, 2, 3]):  # and of its bytes into windows
+        slot = stream_slot("abcd", stops, cuts)
+        assert (slot.sent_text, slot.finished) == ("ab", "stop"), cuts
+
+
+def test_of_two_stop_strings_ending_together_the_longer_is_cut():
+    assert stream_stop_text(["xab", "c"], ("bc", "abc")) == ("x", True)
+    assert stream_stop_text(["xabc"], ("bc", "abc")) == ("x", True)
+
+
+@given(
+    text=st.text(alphabet="abV=x\n", max_size=40),
+    stops=st.lists(st.text(alphabet="abV=\n", min_size=1, max_size=4), max_size=4).map(tuple),
+    cuts=st.lists(st.integers(0, 40), max_size=8),
+)
+# A stop string straddling two windows, three windows, and one completing inside a longer one.
+@example(text="xxV=yy", stops=("V=",), cuts=[3])
+@example(text="xxV=AByy", stops=("V=AB",), cuts=[3, 5])
+@example(text="abV=ab", stops=("bV=a", "="), cuts=[2, 4])
+@example(text="aVa=", stops=("Va=", "a="), cuts=[1, 2, 3])
+@example(text="abab", stops=("aba", "bab"), cuts=[2])
+@example(text="ab", stops=("abc",), cuts=[1])  # held back, then sent when the reply ends
+def test_any_split_gives_the_text_cut_character_by_character(text, stops, cuts):
+    assert stream_stop_text(pieces(text, cuts), stops) == cut_char_by_char(text, stops)
+
+
+def test_every_two_window_split_of_a_slot_cuts_the_same():
+    """Byte tokens through Slot.emit, cut at every offset: the stop string straddles the windows at each
+    of its own characters, and a multi-byte character before it is split too."""
+    text, stops = "héllo, V=AB: rest", ("V=AB", ":")
+    final, _ = cut_char_by_char(text, stops)
+    assert final == "héllo, "
+    for k in range(len(text.encode()) + 1):
+        slot = stream_slot(text, stops, [k])
+        assert (slot.sent_text, slot.finished) == (final, "stop"), k
+
+
+def test_every_three_window_split_of_a_slot_cuts_the_same():
+    text, stops = "ab=cd=ef", ("d=e", "=c")
+    final, _ = cut_char_by_char(text, stops)
+    assert final == "ab"
+    for i, j in itertools.combinations(range(1, len(text)), 2):
+        slot = stream_slot(text, stops, [i, j])
+        assert (slot.sent_text, slot.finished) == (final, "stop"), (i, j)
 
 
 def test_held_back_text_is_sent_when_the_request_ends_without_the_stop_string():
-    tokens = list(b"abcV")
-    slot = _slot("V=", max_tokens=len(tokens))
-    first = slot.emit(tokens[:3], 0)
-    last = slot.emit(tokens[3:], 0)
-    assert first.text == "abc" and last.text == "V" and last.finished == "length"
+    for k in range(1, 4):
+        slot = stream_slot("abcV", ("V=",), [k], max_tokens=4)
+        assert (slot.sent_text, slot.finished) == ("abcV", "length"), k
+    slot = _slot(("V=",), max_tokens=4)
+    first, last = slot.emit(list(b"abc"), 0), slot.emit(list(b"V"), 0)
+    assert (first.text, last.text, last.finished) == ("abc", "V", "length")
 
 
-def test_stop_prefix_len():
-    assert _stop_prefix_len("xxab", ("abc",)) == 2
-    assert _stop_prefix_len("xxab", ("zz",)) == 0
-    assert _stop_prefix_len("ab", ("abc", "b")) == 2
+def test_a_stop_token_ends_the_reply_with_what_was_held_back():
+    req = Request((1, 2), 100, stop_ids=(300,), stop_strings=("V=",))
+    slot = Slot(0, RequestHandle(req), Sampler(req.sampling, 0), frozenset({300}), ByteTokenizer(384), 0)
+    first, last = slot.emit(list(b"abV"), 0), slot.emit([300], 0)
+    assert (first.text, last.text, last.finished) == ("ab", "V", "stop")

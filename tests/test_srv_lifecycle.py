@@ -71,9 +71,9 @@ def test_health_and_requests_say_loading_until_the_engine_is_built(plan):
                     if r.status == 200:
                         break
                 await asyncio.sleep(0.05)
-            status, body = await _post(
-                s, f"{base}/v1/completions", {"model": "demo", "prompt": "hi", "max_tokens": 3}
-            )
+            # Greedy, so the reply is fixed: sampled, the demo model may end early on its end-of-text.
+            request = {"model": "demo", "prompt": "hi", "max_tokens": 3, "temperature": 0}
+            status, body = await _post(s, f"{base}/v1/completions", request)
             assert status == 200 and body["usage"]["completion_tokens"] == 3
         stop.set()
         return await task
@@ -174,3 +174,22 @@ def test_sigterm_finishes_short_requests_and_cancels_long_ones_within_the_bound(
     assert short_body["choices"][0]["finish_reason"] in ("stop", "length")
     assert short_body["usage"]["completion_tokens"] <= 8
     assert "cancelling 1 requests still in flight" in log_file.read_text()
+
+
+def test_binding_beyond_loopback_without_a_key_warns_from_the_plans_own_decision():
+    """The resolver decides whether the plan's host is loopback (``serve.loopback``); the serve command reads
+    that, and warns for any --host it was not asked about."""
+    from rt_plans import profile_text
+
+    from strata_cfg.plan.from_profile import resolve_text
+    from strata_runtime.commands.serve import exposure_warning
+
+    local = resolve_text(profile_text(serve=True), "t.toml").plan
+    text = profile_text(serve=True).replace("[serve]", '[serve]\nhost = "0.0.0.0"')
+    exposed = resolve_text(text, "t.toml").plan
+    assert local.serve.loopback and not exposed.serve.loopback
+    assert exposure_warning(local, "127.0.0.1", None) is None
+    assert exposure_warning(local, "127.0.0.1", "key") is None
+    assert "binding 0.0.0.0 without an API key" in exposure_warning(exposed, "0.0.0.0", None)
+    assert exposure_warning(exposed, "0.0.0.0", "key") is None
+    assert "the plan checked only 127.0.0.1" in exposure_warning(local, "10.1.2.3", None)

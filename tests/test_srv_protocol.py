@@ -120,7 +120,7 @@ def test_text_parts_and_unknown_fields_are_accepted():
 
 
 def test_prompt_token_ids_are_checked_against_the_vocabulary():
-    rng = random.Random()
+    rng = random.Random(110)
     vocab = rng.randrange(100, 1000)
     ids = [rng.randrange(1, vocab) for _ in range(rng.randrange(1, 20))]
     body = p.parse_completion({"model": "m", "prompt": ids})
@@ -161,7 +161,7 @@ def test_prompt_and_max_tokens_must_fit_the_context(context, n_prompt, max_token
 
 
 def test_sampling_and_stop_reach_the_engine_request():
-    rng = random.Random()
+    rng = random.Random(111)
     temperature, top_p, seed = (
         round(rng.uniform(0.1, 1.9), 3),
         round(rng.uniform(0.1, 1.0), 3),
@@ -181,7 +181,7 @@ def test_sampling_and_stop_reach_the_engine_request():
     prepared = p.prepare(body, [3, 4], context=100, default_max_tokens=16)
     r = prepared.request
     assert (r.sampling.temperature, r.sampling.top_p, r.sampling.seed) == (temperature, top_p, seed)
-    assert prepared.stop == ("\n\n", "END")
+    assert r.stop_strings == ("\n\n", "END")  # cut by the engine, as for `strata generate`
     assert r.prompt_ids == (3, 4)
     assert r.request_id.startswith("cmpl-")
     for stop in (["a", "b", "c", "d", "e"], [""]):
@@ -190,37 +190,8 @@ def test_sampling_and_stop_reach_the_engine_request():
             p.prepare(body, [3], context=100, default_max_tokens=16)
 
 
-@given(
-    text=st.text(alphabet="abV=x\n", max_size=60),
-    stops=st.lists(st.text(alphabet="abV=\n", min_size=1, max_size=4), max_size=4),
-    cuts=st.lists(st.integers(0, 60), max_size=12),
-)
-def test_stop_strings_cut_the_reply_however_it_is_split(text, stops, cuts):
-    """Whatever the window boundaries, the client gets the reply cut where generating it one character
-    at a time would have stopped, and every piece sent is a prefix of that (no stop string leaks)."""
-    expected, hit = text, False
-    for end in range(1, len(text) + 1):  # the reference: look for a stop after every character
-        starts = [end - len(s) for s in stops if text[:end].endswith(s)]
-        if starts:
-            expected, hit = text[: min(starts)], True
-            break
-    bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
-    pieces = [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
-    stop = p.StopText(tuple(stops))
-    sent = ""
-    for piece in pieces:
-        sent += stop.feed(piece)
-        assert expected.startswith(sent)
-        if stop.stopped:
-            break
-    if not stop.stopped:
-        sent += stop.flush()
-    assert sent == expected
-    assert stop.stopped == hit
-
-
 def test_metrics_exposition_counts_and_buckets():
-    rng = random.Random()
+    rng = random.Random(112)
     counters = metrics.ServerCounters()
     latencies = [rng.uniform(0.01, 200.0) for _ in range(rng.randrange(5, 50))]
     for s in latencies:

@@ -28,7 +28,7 @@ from ..schema.plan import (
     StagePlan,
     WindowPlan,
 )
-from ..schema.profile import Profile
+from ..schema.profile import Profile, is_loopback
 from .batch_gates import batch_gate, batch_mtp_gate
 from .budget import PlacedStage, expert_notes, gpu_budgets
 from .defaults import drafts_with_mtp, estimated_bandwidth, resolve_defaults
@@ -205,6 +205,7 @@ def _assemble(
                 port=led["serve.port"],
                 api_key_env=led["serve.api_key_env"],
                 model_name=led["serve.model_name"],
+                loopback=is_loopback(led["serve.host"]),
             )
             if profile.serve is not None
             else None

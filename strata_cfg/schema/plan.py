@@ -266,6 +266,9 @@ class ServePlan(_Plan):
     port: int
     api_key_env: str | None
     model_name: str
+    loopback: bool = False
+    """Whether ``host`` keeps the server on this machine (a loopback address); the engine warns when it
+    binds anywhere else without an API key."""
 
 
 class LaunchPlan(_Plan):

@@ -1,4 +1,4 @@
-"""`python -m strata_runtime bench --arm NAME=plan.json ... --workload W`: the BENCH.md harness in process.
+"""`python -m strata_runtime bench --arm NAME=plan.json ... --workload W`: the bench harness in process.
 
 `strata bench PROFILE` resolves one plan per arm and starts this command with them. Arms that share a stage
 layout share one copy of the weights. The table (or ``--json``) gives medians over the repeats, the gain
@@ -6,7 +6,7 @@ over ``serial`` with a bootstrap 95% interval, and whether each arm's greedy tok
 
 On a GPU the figures come with their ceiling, measured in the same run before the engines are built: ``solo``
 and ``two-decodes`` against the one-row byte roofline (copy bandwidth), ``prompt`` against the fp16 matrix
-rate (`strata_runtime.ceilings`). ``step`` and ``vram`` take one plan and build no arms.
+rate (`strata_runtime.bench.ceilings`). ``step`` and ``vram`` take one plan and build no arms.
 """
 
 from __future__ import annotations
@@ -14,14 +14,28 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from strata_cfg.schema.workloads import GPU_WORKLOADS, PROMPTS, prompt_context_problem
+from strata_cfg.schema.plan import LaunchPlan
+from strata_cfg.schema.plan_file import read_plan
+from strata_cfg.schema.workloads import GPU_WORKLOADS, PROMPTS, WORKLOADS, prompt_context_problem
 
-from ..bench import WORKLOADS, Arrival, InProcessDriver, cuda_devices, prompt_ids, run_bench, summarise
-from ..ceilings import copy_bandwidth, decode_step_bytes, matrix_rate, prompt_flops, si
-from .generate import load_plan
+from ..api import Tokenizer
+from ..bench.ceilings import copy_bandwidth, decode_step_bytes, matrix_rate, prompt_flops, si
+from ..bench.harness import (
+    Arm,
+    Arrival,
+    InProcessDriver,
+    cuda_devices,
+    driver_for,
+    prompt_ids,
+    run_bench,
+    summarise,
+)
+from ..model.placed import WeightStore
+
+if TYPE_CHECKING:
+    from ..engine import Engine
 
 EXIT_REFUSED = 1
 EXIT_USAGE = 2
@@ -66,11 +80,11 @@ def _pairs(items: list[str], what: str) -> dict[str, str]:
 
 def run(args: argparse.Namespace) -> int:
     from ..engine import Engine
-    from ..loader import stderr_progress
+    from ..weights.progress import stderr_progress
 
     arms = _pairs(args.arm, "arm")
     notes = _pairs(args.note, "note")
-    plans = {name: load_plan(Path(path)) for name, path in arms.items()}
+    plans = {name: read_plan(path) for name, path in arms.items()}
     if args.workload in GPU_WORKLOADS:
         return run_gpu_workload(args, next(iter(plans.values())))
     if args.workload == "prompt":
@@ -80,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"strata bench: arm {name}: {problem}", file=sys.stderr)
                 return EXIT_USAGE
     rates = measure_rates(args.workload, plans)
-    weights: dict[Any, Any] = {}
+    weights: WeightStore = {}
     engines = {name: Engine(plan, progress=stderr_progress, weights=weights) for name, plan in plans.items()}
     for name, engine in engines.items():
         print(f"[{name}] " + " | ".join(engine.startup), file=sys.stderr)
@@ -91,13 +105,13 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
     context = min(p.memory.context for p in plans.values())
-    arms: dict[str, Any] = dict(engines)
+    contenders: dict[str, Arm] = dict(engines)
     if args.peer:
-        from ..peer import make_peer
+        from ..bench.peer import make_peer
 
         first = next(iter(plans))
         for peer in args.peer:
-            arms[peer] = make_peer(peer, plans[first], engines[first], weights)
+            contenders[peer] = make_peer(peer, plans[first], engines[first].tokenizer, weights)
             print(
                 f"[{peer}] peer arm on the weights of arm {first!r}, shared through DLPack", file=sys.stderr
             )
@@ -111,12 +125,12 @@ def run(args: argparse.Namespace) -> int:
         chunk = max(p.memory.prefill_chunk for p in plans.values())
         warm_up(engines, min(args.prompt_tokens, 2 * chunk), vocab)
     runs = run_bench(
-        arms,
+        contenders,
         args.workload,
         tokens=args.tokens,
         repeats=args.repeats,
         context=context,
-        driver=lambda e: e.driver() if hasattr(e, "driver") else InProcessDriver(e),
+        driver=driver_for,
         on_run=progress,
         prompt_tokens=args.prompt_tokens,
         vocab=vocab,
@@ -163,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
     return 0 if equal else 1
 
 
-def run_gpu_workload(args: argparse.Namespace, plan: Any) -> int:
+def run_gpu_workload(args: argparse.Namespace, plan: LaunchPlan) -> int:
     """``step`` or ``vram`` on the plan's GPUs, refused in one line where there are none."""
     from ..backend import DeviceError
 
@@ -173,7 +187,7 @@ def run_gpu_workload(args: argparse.Namespace, plan: Any) -> int:
         print(f"strata bench: {exc}", file=sys.stderr)
         return EXIT_REFUSED
     if args.workload == "step":
-        from ..bench_step import render_step, run_step
+        from ..bench.step import render_step, run_step
 
         try:
             res = run_step(plan, plan.stages[0].gpu, position=args.position)
@@ -182,19 +196,19 @@ def run_gpu_workload(args: argparse.Namespace, plan: Any) -> int:
             return EXIT_REFUSED
         print(json.dumps(res, indent=2) if args.json else render_step(res))
         return 0
-    from ..bench_vram import render_vram, run_vram
+    from ..bench.vram import render_vram, run_vram
 
     res = run_vram(plan, devices)
     print(json.dumps(res, indent=2) if args.json else render_vram(res))
     return 0
 
 
-def _first_gpu(plans: dict[str, Any]) -> int | None:
+def _first_gpu(plans: dict[str, LaunchPlan]) -> int | None:
     stage = next(iter(plans.values())).stages[0]
     return stage.gpu if stage.device.startswith("cuda:") else None
 
 
-def measure_rates(workload: str, plans: dict[str, Any]) -> dict[str, float]:
+def measure_rates(workload: str, plans: dict[str, LaunchPlan]) -> dict[str, float]:
     """The ceiling a workload's figures are compared with, measured on the first stage's GPU before any
     engine takes its memory; nothing on virtual CPU devices."""
     gpu = _first_gpu(plans)
@@ -207,7 +221,7 @@ def measure_rates(workload: str, plans: dict[str, Any]) -> dict[str, float]:
     return {}
 
 
-def warm_up(engines: dict[str, Any], length: int, vocab: int) -> None:
+def warm_up(engines: dict[str, Engine], length: int, vocab: int) -> None:
     """Read one prompt of ``length`` on every arm first, so the first measured repeat pays no compilation."""
     from ..api import Request, SamplingParams
 
@@ -218,11 +232,11 @@ def warm_up(engines: dict[str, Any], length: int, vocab: int) -> None:
 
 def ceiling_report(
     workload: str,
-    plans: dict[str, Any],
+    plans: dict[str, LaunchPlan],
     summary: dict[str, Any],
     rates: dict[str, float],
     args: argparse.Namespace,
-    tokenizer: Any,
+    tokenizer: Tokenizer,
 ) -> dict[str, Any]:
     """Each arm's rate against its ceiling, the arithmetic written out (``lines``); {} when none applies."""
     plan = next(iter(plans.values()))
@@ -275,7 +289,7 @@ def ceiling_report(
 
 def render_table(
     workload: str,
-    plans: dict[str, Any],
+    plans: dict[str, LaunchPlan],
     summary: dict[str, Any],
     notes: dict[str, str],
     repeats: int,

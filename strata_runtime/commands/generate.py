@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from strata_cfg.schema.plan import LaunchPlan
+from strata_cfg.schema.plan_file import read_plan
 
 from ..api import Request, SamplingParams
 
@@ -34,10 +34,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bar, start-up log or summary")
 
 
-def load_plan(path: Path) -> LaunchPlan:
-    return LaunchPlan.model_validate_json(path.read_text(encoding="utf-8"))
-
-
 def parse_ids(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(t) for t in text.replace(" ", "").split(",") if t)
@@ -46,14 +42,14 @@ def parse_ids(text: str) -> tuple[int, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..api import PlanMismatch
     from ..engine import Engine
-    from ..loader import stderr_progress
-    from ..model import PlanMismatch
+    from ..weights.progress import stderr_progress
 
     if not args.quiet:
         logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     try:
-        engine = Engine(load_plan(args.plan), progress=None if args.quiet else stderr_progress)
+        engine = Engine(read_plan(args.plan), progress=None if args.quiet else stderr_progress)
     except (PlanMismatch, OSError, ValueError, RuntimeError) as exc:
         print(f"strata_runtime generate: {exc}", file=sys.stderr)
         return 1

@@ -12,12 +12,12 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any
-
-from pydantic import ValidationError
 
 from strata_cfg.schema.plan import LaunchPlan
-from strata_cfg.schema.profile import is_loopback
+from strata_cfg.schema.plan_file import PlanFileError, read_plan
+
+from ..api import EngineCore
+from ..server.engine_loop import EngineFactory, LoadProgress
 
 log = logging.getLogger("strata.serve")
 
@@ -37,13 +37,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def load_plan(path: Path) -> LaunchPlan:
     """Read a plan file, or exit 2 with one line saying what is wrong with it."""
     try:
-        return LaunchPlan.model_validate_json(path.read_bytes())
-    except OSError as exc:
-        sys.exit(_fatal(f"cannot read the plan {path}: {exc.strerror}"))
-    except ValidationError as exc:
-        first = exc.errors(include_url=False)[0]
-        where = ".".join(str(x) for x in first["loc"])
-        sys.exit(_fatal(f"{path} is not a valid launch plan: {where}: {first['msg']}"))
+        return read_plan(path)
+    except PlanFileError as exc:
+        sys.exit(_fatal(str(exc)))
+
+
+def exposure_warning(plan: LaunchPlan, host: str, api_key: str | None) -> str | None:
+    """The warning for binding ``host`` without an API key where others may reach it, or None.
+
+    The resolver decided whether the plan's own host is a loopback address (``serve.loopback``); a host
+    given with ``--host`` was not checked by it, so binding one without a key always warns.
+    """
+    assert plan.serve is not None
+    if api_key is not None:
+        return None
+    if host != plan.serve.host:
+        return (
+            f"binding {host} (--host; the plan checked only {plan.serve.host}) without an API key: unless it "
+            "is a loopback address, anyone who can reach this host can use the model"
+        )
+    if not plan.serve.loopback:
+        return f"binding {host} without an API key: anyone who can reach this host can use the model"
+    return None
 
 
 def api_key(plan: LaunchPlan) -> str | None:
@@ -63,8 +78,8 @@ def _fatal(message: str) -> int:
     return 2
 
 
-def _factory(plan: LaunchPlan) -> Any:
-    def build(progress: Any) -> Any:
+def _factory(plan: LaunchPlan) -> EngineFactory:
+    def build(progress: LoadProgress) -> EngineCore:
         from strata_runtime.engine import Engine  # on the engine thread: it owns the devices
 
         return Engine(plan, progress=progress)
@@ -93,8 +108,7 @@ def run(args: argparse.Namespace) -> int:
         api_key=api_key(plan),
         drain_s=args.drain_seconds,
     )
-    if not is_loopback(options.host) and options.api_key is None:
-        log.warning(
-            "binding %s without an API key: anyone who can reach this host can use the model", options.host
-        )
+    warning = exposure_warning(plan, options.host, options.api_key)
+    if warning:
+        log.warning("%s", warning)
     return asyncio.run(Server(plan, _factory(plan), options).serve())

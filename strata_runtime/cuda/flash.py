@@ -1,4 +1,4 @@
-"""Causal flash attention for long prefill chunks: the launcher of ``flash.cu`` and its NumPy twin.
+"""Causal flash attention for long prefill chunks: the launcher of ``flash.cu``.
 
 One segment is one slot's chunk of n consecutive query rows at positions pos0, pos0 + 1, ... whose keys and
 values are already in the KV cache. Row i of query head h attends to keys [0, pos0 + i] of KV head h // G:
@@ -20,21 +20,22 @@ Layouts: q_hi, q_lo [n, NQ, D] fp16; k_cache, v_cache [S, NKV, T, D] fp16; out [
 Letters: n rows of the chunk, NQ query heads, NKV KV heads, G = NQ / NKV, D head dim, T cache positions,
 S slots, L = pos0 + n keys of the last row.
 
-CuPy is imported only by the launcher, so the twin runs without it.
+The NumPy reference and the argument contract both follow are in `strata_runtime.reference.flash`.
 """
 
 from __future__ import annotations
 
 import math
 from functools import cache
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-_SOURCE = (Path(__file__).with_name("flash.cu")).read_text()
-_OPTIONS = ("-std=c++17", "--use_fast_math")
-HEAD_DIMS = (16, 32, 64, 128)
+from ..backend import cupy_module
+from ..reference.flash import check_args
+from .compile import KernelCache, source
+
+_SOURCE = source("flash.cu")
 BLOCK_ROWS = 64  # flattened query rows per block; flash.cu's BM
 THREADS = 128
 _LOG2E = 1.4426950408889634
@@ -44,75 +45,11 @@ def kernel_expr(head_dim: int) -> str:
     return f"flash_prefill<{head_dim}>"
 
 
-class FlashKernels:
-    """The compiled flash kernels of one device (one per head dim). Create it with that device current."""
-
-    def __init__(self) -> None:
-        self._fns: dict[int, Any] = {}
-
-    def prepare(self, head_dims: list[int]) -> None:
-        """Compile every listed head dim in one module (one NVRTC run)."""
-        import cupy as cp
-
-        todo = [d for d in dict.fromkeys(head_dims) if d not in self._fns]
-        if not todo:
-            return
-        exprs = [kernel_expr(d) for d in todo]
-        mod = cp.RawModule(code=_SOURCE, options=_OPTIONS, name_expressions=exprs)
-        for d, e in zip(todo, exprs, strict=True):
-            self._fns[d] = mod.get_function(e)
-
-    def fn(self, head_dim: int) -> Any:
-        if head_dim not in self._fns:
-            self.prepare([head_dim])
-        return self._fns[head_dim]
-
-
 @cache
-def flash_kernels_for(device_id: int) -> FlashKernels:
-    """The flash kernel set of CUDA device ``device_id`` (compiled functions are per context)."""
-    import cupy as cp
-
-    with cp.cuda.Device(device_id):
-        return FlashKernels()
-
-
-def _check(name: str, a: Any, shape: tuple[int, ...], half: bool = True) -> None:
-    if half and a.dtype != np.float16:
-        raise ValueError(f"{name} must be float16, not {a.dtype}")
-    if tuple(a.shape) != shape:
-        raise ValueError(f"{name} has shape {tuple(a.shape)}, expected {shape}")
-    if not a.flags.c_contiguous:
-        raise ValueError(f"{name} must be C-contiguous")
-
-
-def check_args(
-    q_hi: Any, q_lo: Any, k_cache: Any, v_cache: Any, slot: int, pos0: int, out: Any, half_out: bool = True
-) -> tuple[int, int, int, int]:
-    """(n, NQ, NKV, D) of a valid call; ValueError naming the first argument that does not fit. ``out``
-    may be of any dtype when not ``half_out``."""
-    if q_hi.ndim != 3:
-        raise ValueError(f"q_hi must be [n, NQ, D], not shape {tuple(q_hi.shape)}")
-    n, nq, d = q_hi.shape
-    if k_cache.ndim != 4:
-        raise ValueError(f"k_cache must be [S, NKV, T, D], not shape {tuple(k_cache.shape)}")
-    s, nkv, t, _ = k_cache.shape
-    _check("q_hi", q_hi, (n, nq, d))
-    _check("q_lo", q_lo, (n, nq, d))
-    _check("k_cache", k_cache, (s, nkv, t, d))
-    _check("v_cache", v_cache, (s, nkv, t, d))
-    _check("out", out, (n, nq * d), half_out)
-    if d not in HEAD_DIMS:
-        raise ValueError(f"q_hi: head dim {d} is not one of {HEAD_DIMS}")
-    if n < 1:
-        raise ValueError("q_hi: the chunk needs at least one row")
-    if nkv < 1 or nq % nkv:
-        raise ValueError(f"k_cache: {nkv} KV heads do not divide the {nq} query heads of q_hi")
-    if not 0 <= slot < s:
-        raise ValueError(f"slot {slot} is outside the cache's {s} slots")
-    if pos0 < 0 or pos0 + n > t:
-        raise ValueError(f"pos0 {pos0}: positions {pos0}..{pos0 + n - 1} exceed the cache's {t}")
-    return n, nq, nkv, d
+def flash_kernels_for(device_id: int) -> KernelCache:
+    """The flash kernels of CUDA device ``device_id``, one instantiation per head dim (`kernel_expr`)."""
+    with cupy_module().cuda.Device(device_id):
+        return KernelCache(_SOURCE)
 
 
 def flash_prefill(
@@ -133,7 +70,7 @@ def flash_prefill(
         raise ValueError(f"q_hi: {n} rows x {g} heads per KV head is more than one launch takes")
     t = k_cache.shape[2]
     with cp.cuda.Device(device):
-        flash_kernels_for(device).fn(d)(
+        flash_kernels_for(device).fn(kernel_expr(d))(
             (nkv, tiles),
             (THREADS,),
             (
@@ -152,31 +89,3 @@ def flash_prefill(
                 np.float32(scale * _LOG2E),
             ),
         )
-
-
-def flash_prefill_twin(
-    q_hi: np.ndarray,
-    q_lo: np.ndarray,
-    k_cache: np.ndarray,
-    v_cache: np.ndarray,
-    slot: int,
-    pos0: int,
-    scale: float,
-    out: np.ndarray,
-) -> None:
-    """NumPy twin of `flash_prefill`: the same contract in float64 (one plain softmax per row), written
-    into ``out`` [n, NQ D] of any float dtype."""
-    n, nq, nkv, d = check_args(q_hi, q_lo, k_cache, v_cache, slot, pos0, out, half_out=False)
-    g = nq // nkv
-    q = q_hi.astype(np.float64) + q_lo.astype(np.float64)  # [n, NQ, D]
-    length = pos0 + n
-    keys = k_cache[slot, :, :length].astype(np.float64)  # [NKV, L, D]
-    values = v_cache[slot, :, :length].astype(np.float64)  # [NKV, L, D]
-    qg = q.reshape(n, nkv, g, d).transpose(1, 0, 2, 3)  # [NKV, n, G, D]
-    scores = scale * np.einsum("knge,kle->kngl", qg, keys)  # [NKV, n, G, L]
-    visible = np.arange(length)[None, :] <= pos0 + np.arange(n)[:, None]  # [n, L]
-    scores = np.where(visible[None, :, None, :], scores, -np.inf)
-    w = np.exp(scores - scores.max(axis=-1, keepdims=True))
-    w /= w.sum(axis=-1, keepdims=True)
-    o = np.einsum("kngl,kle->nkge", w, values)  # [n, NKV, G, D]
-    out[...] = o.reshape(n, nq * d)

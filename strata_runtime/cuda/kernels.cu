@@ -3,7 +3,8 @@
 // Every kernel computes each row of a window independently, with a fixed reduction order, so a row's
 // result does not depend on which other rows share its window (batch invariance: greedy text is the same
 // solo, serial, pipelined or with batch MTP). Weights are fp16; the residual stream and every accumulator
-// are fp32. Each kernel has a NumPy twin in strata_runtime/cuda/twins.py that the gpu tests compare it to.
+// are fp32. Each kernel has a NumPy reference in strata_runtime/reference/kernels.py that the gpu tests
+// compare it to.
 //
 // Dimension letters: R rows of the window, H hidden, N output features, K reduction length, E experts,
 // A = R * topk assignments (row, expert), I expert width, D head dim, G query heads per KV head, T context.
@@ -65,6 +66,27 @@ __device__ __forceinline__ void block_inv_rms(const float* __restrict__ x, float
   __syncthreads();
 }
 
+// x[r, k0 .. k0 + 8) as two float4s, each element times its norm weight nf[.] when NORM. Both gemv_wide
+// paths read x through this one helper and sum with dot8, so a row's operations are the same whatever R is:
+// results must not depend on which rows share the window (batch invariance).
+template <int K, bool NORM>
+__device__ __forceinline__ void load_x8(const float* __restrict__ x, int r, int k0, const float* nf, float4& a,
+                                        float4& b) {
+  const float4* xr = reinterpret_cast<const float4*>(x + (size_t)r * K + k0);
+  a = xr[0];
+  b = xr[1];
+  if (NORM) {
+    a.x *= nf[0]; a.y *= nf[1]; a.z *= nf[2]; a.w *= nf[3];
+    b.x *= nf[4]; b.y *= nf[5]; b.z *= nf[6]; b.w *= nf[7];
+  }
+}
+
+// The dot product of 8 weights with x's 8 values, summed left to right.
+__device__ __forceinline__ float dot8(const float* wf, const float4& a, const float4& b) {
+  return wf[0] * a.x + wf[1] * a.y + wf[2] * a.z + wf[3] * a.w + wf[4] * b.x + wf[5] * b.y + wf[6] * b.z +
+         wf[7] * b.w;
+}
+
 template <int R, int K, int NR, bool NORM>
 __global__ void gemv_wide(const half* __restrict__ W, const float* __restrict__ x, float* __restrict__ y, int N,
                           int accumulate, const half* __restrict__ nw, float eps) {
@@ -95,14 +117,9 @@ __global__ void gemv_wide(const half* __restrict__ W, const float* __restrict__ 
       if (NORM) unpack8(__ldg(reinterpret_cast<const uint4*>(nw + k0)), nf);
 #pragma unroll
       for (int r = 0; r < R; ++r) {
-        const float4* xr = reinterpret_cast<const float4*>(x + (size_t)r * K + k0);
-        float4 a = xr[0], b = xr[1];
-        if (NORM) {  // same order of operations as the NR > 1 path: results must not depend on R
-          a.x *= nf[0]; a.y *= nf[1]; a.z *= nf[2]; a.w *= nf[3];
-          b.x *= nf[4]; b.y *= nf[5]; b.z *= nf[6]; b.w *= nf[7];
-        }
-        acc[0][r] += wf[0] * a.x + wf[1] * a.y + wf[2] * a.z + wf[3] * a.w + wf[4] * b.x + wf[5] * b.y +
-                     wf[6] * b.z + wf[7] * b.w;
+        float4 a, b;
+        load_x8<K, NORM>(x, r, k0, nf, a, b);
+        acc[0][r] += dot8(wf, a, b);
       }
     }
   } else {
@@ -120,18 +137,13 @@ __global__ void gemv_wide(const half* __restrict__ W, const float* __restrict__ 
       if (NORM) unpack8(__ldg(reinterpret_cast<const uint4*>(nw + k0)), nf);
 #pragma unroll
       for (int r = 0; r < R; ++r) {
-        const float4* xr = reinterpret_cast<const float4*>(x + (size_t)r * K + k0);
-        float4 a = xr[0], b = xr[1];
-        if (NORM) {
-          a.x *= nf[0]; a.y *= nf[1]; a.z *= nf[2]; a.w *= nf[3];
-          b.x *= nf[4]; b.y *= nf[5]; b.z *= nf[6]; b.w *= nf[7];
-        }
+        float4 a, b;
+        load_x8<K, NORM>(x, r, k0, nf, a, b);
 #pragma unroll
         for (int j = 0; j < NR; ++j) {
           float wf[8];
           unpack8(pk[j], wf);
-          acc[j][r] += wf[0] * a.x + wf[1] * a.y + wf[2] * a.z + wf[3] * a.w + wf[4] * b.x + wf[5] * b.y +
-                       wf[6] * b.z + wf[7] * b.w;
+          acc[j][r] += dot8(wf, a, b);
         }
       }
     }

@@ -1,8 +1,8 @@
 """Launchers for the decode kernels in ``kernels.cu``, on CuPy arrays with preallocated outputs.
 
-Nothing here allocates device memory, so every call can be captured into a CUDA graph. Each function has a
-NumPy twin of the same name and signature in `strata_runtime.cuda.twins`; the gpu tests compare them.
-Template instantiations are compiled on first use, or all at once with `Kernels.prepare` before capture.
+Nothing here allocates device memory, so every call can be captured into a CUDA graph. Each launcher has a
+NumPy reference of the same name and signature in `strata_runtime.reference.kernels`; the gpu tests compare
+them. Template instantiations are compiled on first use, or all at once with `Kernels.prepare` before capture.
 
 Shapes use the letters of kernels.cu: R rows, H hidden, N out features, K reduction, E experts, A = R * topk.
 """
@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import math
 from functools import cache
-from pathlib import Path
-from typing import Any
 
-import cupy as cp
 import numpy as np
 
-_SOURCE = (Path(__file__).with_name("kernels.cu")).read_text()
-_OPTIONS = ("-std=c++17", "--use_fast_math")
+from ..backend import Array, cupy_module
+from .compile import KernelCache, source
+
+_SOURCE = source("kernels.cu")
 WARPS_PER_BLOCK = 8
 THREADS = WARPS_PER_BLOCK * 32
 ATTN_CHUNK = 64  # positions per attention block; kernels.cu's ATTN_CHUNK
@@ -44,25 +43,12 @@ def gemv_rows_per_warp(rows: int) -> int:
     return 1 if rows <= 2 else 4
 
 
-class Kernels:
-    """The compiled kernel set of one device. Create it with that device current."""
+class Kernels(KernelCache):
+    """The launchers of ``kernels.cu`` on one device, over its compiled functions. Create it with that device
+    current."""
 
     def __init__(self) -> None:
-        self._fns: dict[str, Any] = {}
-
-    def prepare(self, expressions: list[str]) -> None:
-        """Compile every listed template instantiation in one module (one NVRTC run)."""
-        todo = [e for e in dict.fromkeys(expressions) if e not in self._fns]
-        if not todo:
-            return
-        mod = cp.RawModule(code=_SOURCE, options=_OPTIONS, name_expressions=todo)
-        for e in todo:
-            self._fns[e] = mod.get_function(e)
-
-    def fn(self, expression: str) -> Any:
-        if expression not in self._fns:
-            self.prepare([expression])
-        return self._fns[expression]
+        super().__init__(_SOURCE)
 
     # ---- expression names -----------------------------------------------------------------------
 
@@ -86,11 +72,11 @@ class Kernels:
 
     def gemv(
         self,
-        w: cp.ndarray,
-        x: cp.ndarray,
-        out: cp.ndarray,
+        w: Array,
+        x: Array,
+        out: Array,
         accumulate: bool = False,
-        norm: cp.ndarray | None = None,
+        norm: Array | None = None,
         eps: float = 1e-6,
     ) -> None:
         """out[R, N] (+)= x'[R, K] @ w[N, K].T; w fp16, x and out fp32.
@@ -124,12 +110,12 @@ class Kernels:
             (w, x, out, np.int32(n), np.int32(accumulate), nw, np.float32(eps)),
         )
 
-    def add_rmsnorm(
-        self, resid: cp.ndarray, delta: cp.ndarray | None, w: cp.ndarray, out: cp.ndarray, eps: float
-    ) -> None:
-        """resid += delta (if given); out = rmsnorm(resid) * w.
+    def add_rms_norm_fp32(self, resid: Array, delta: Array | None, w: Array, out: Array, eps: float) -> None:
+        """resid += delta (if given); out = rmsnorm(resid) * w, all in fp32: the CUDA paths' rule (the
+        residual stays fp32 and nothing is rounded between the norm and the weight; the array path's
+        `strata_runtime.models.ops.norm.rms_norm_in_dtype` rounds in between).
 
-        resid, delta, out: [R, H] fp32; w: [H] fp16.
+        resid, delta, out: [R, H] fp32; w: [H] fp16. The kernel is ``add_rmsnorm`` of kernels.cu.
         """
         rows, h = resid.shape
         self.fn("add_rmsnorm")(
@@ -140,14 +126,14 @@ class Kernels:
 
     def qk_norm_rope_kv(
         self,
-        qkv: cp.ndarray,
-        q_norm: cp.ndarray,
-        k_norm: cp.ndarray,
-        pos: cp.ndarray,
-        slot: cp.ndarray,
-        q_out: cp.ndarray,
-        k_cache: cp.ndarray,
-        v_cache: cp.ndarray,
+        qkv: Array,
+        q_norm: Array,
+        k_norm: Array,
+        pos: Array,
+        slot: Array,
+        q_out: Array,
+        k_cache: Array,
+        v_cache: Array,
         theta: float,
         eps: float,
     ) -> None:
@@ -183,13 +169,13 @@ class Kernels:
 
     def attention(
         self,
-        q: cp.ndarray,
-        k_cache: cp.ndarray,
-        v_cache: cp.ndarray,
-        pos: cp.ndarray,
-        slot: cp.ndarray,
-        out: cp.ndarray,
-        scratch: cp.ndarray,
+        q: Array,
+        k_cache: Array,
+        v_cache: Array,
+        pos: Array,
+        slot: Array,
+        out: Array,
+        scratch: Array,
     ) -> None:
         """Causal decode attention of each row over positions 0..pos[r] of its slot. out: [R, NQ * D] fp32.
 
@@ -224,17 +210,17 @@ class Kernels:
 
     def moe(
         self,
-        x: cp.ndarray,
-        norm: cp.ndarray,
-        logits: cp.ndarray,
+        x: Array,
+        norm: Array,
+        logits: Array,
         norm_topk: bool,
         eps: float,
-        gate_up: cp.ndarray,
-        down: cp.ndarray,
-        resid: cp.ndarray,
-        idx: cp.ndarray,
-        wts: cp.ndarray,
-        h_buf: cp.ndarray,
+        gate_up: Array,
+        down: Array,
+        resid: Array,
+        idx: Array,
+        wts: Array,
+        h_buf: Array,
     ) -> None:
         """Route and run the experts: resid[R, H] += sum_j wts[r, j] * expert_{idx[r, j]}(x'[r]).
 
@@ -266,14 +252,14 @@ class Kernels:
             self.fn(gu_expr)(tiles, (THREADS,), (gate_up, x, norm, *common, h_buf, idx, wts))
             self.fn(down_expr)(blocks_d, (THREADS,), (down, h_buf, idx, wts, np.int32(rows), resid))
 
-    def silu_mul(self, gu: cp.ndarray, out: cp.ndarray) -> None:
+    def silu_mul(self, gu: Array, out: Array) -> None:
         """out[R, I] = silu(gu[:, :I]) * gu[:, I:]."""
         rows, inter = out.shape
         self.fn("silu_mul")(
             (math.ceil(rows * inter / THREADS),), (THREADS,), (gu, out, np.int32(rows), np.int32(inter))
         )
 
-    def add_scaled(self, resid: cp.ndarray, y: cp.ndarray, gate: cp.ndarray | None = None) -> None:
+    def add_scaled(self, resid: Array, y: Array, gate: Array | None = None) -> None:
         """resid += y, or resid += sigmoid(gate[r]) * y when a per-row gate [R] is given."""
         rows, h = resid.shape
         self.fn("add_scaled")(
@@ -282,22 +268,23 @@ class Kernels:
             (resid, y, gate if gate is not None else _NULL, np.int32(rows), np.int32(h)),
         )
 
-    def embed(self, table: cp.ndarray, ids: cp.ndarray, out: cp.ndarray) -> None:
+    def embed(self, table: Array, ids: Array, out: Array) -> None:
         """out[R, H] = table[ids] as fp32."""
         self.fn("embed")((ids.shape[0],), (THREADS,), (table, ids, out, np.int32(table.shape[1])))
 
-    def argmax(self, logits: cp.ndarray, out: cp.ndarray) -> None:
+    def argmax(self, logits: Array, out: Array) -> None:
         """out[R] = argmax of each row of logits [R, V], lowest index on ties."""
         self.fn("argmax_rows")((logits.shape[0],), (1024,), (logits, np.int32(logits.shape[1]), out))
 
     # ---- prefill pieces (long chunks; the products run on cuBLAS) ---------------------------------
 
-    def rmsnorm_half(self, x: cp.ndarray, w: cp.ndarray, out: cp.ndarray, eps: float) -> None:
-        """out[R, H] (fp16) = rmsnorm(x) * w; x fp32, w fp16."""
+    def rms_norm_fp32_to_half(self, x: Array, w: Array, out: Array, eps: float) -> None:
+        """out[R, H] (fp16) = rmsnorm(x) * w computed in fp32 and rounded once to fp16 (the prefill
+        products' input); x fp32, w fp16. The kernel is ``rmsnorm_half`` of kernels.cu."""
         rows, h = x.shape
         self.fn("rmsnorm_half")((rows,), (THREADS,), (x, w, out, np.int32(h), np.float32(eps)))
 
-    def route_topk(self, logits: cp.ndarray, norm_topk: bool, idx: cp.ndarray, wts: cp.ndarray) -> None:
+    def route_topk(self, logits: Array, norm_topk: bool, idx: Array, wts: Array) -> None:
         """idx[R, k] (int32), wts[R, k] (fp32): each row's top-k experts of logits [R, E] fp32, by the rule of
         `moe` (softmax in fp32, ties to the lower index, renormalised over the k when ``norm_topk``)."""
         rows, n_exp = logits.shape
@@ -306,7 +293,7 @@ class Kernels:
             (rows, topk), (THREADS,), (logits, np.int32(n_exp), np.int32(topk), np.int32(norm_topk), idx, wts)
         )
 
-    def softmax_causal(self, scores: cp.ndarray, probs: cp.ndarray, pos: int, group: int) -> None:
+    def softmax_causal(self, scores: Array, probs: Array, pos: int, group: int) -> None:
         """probs [B, R, L] fp16 = the causal softmax of scores [B, R, L] fp32, where row r is query row
         r // group at position pos + r // group and sees keys [0, that position]; zeros beyond. Both may be
         views of wider buffers whose rows are ``ld`` apart, ld a multiple of 4 (`padded_keys`)."""
@@ -320,18 +307,18 @@ class Kernels:
             (scores, probs, np.int32(rows), np.int32(length), np.int32(ld), np.int32(pos), np.int32(group)),
         )
 
-    def moe_group(self, idx: cp.ndarray, n_exp: int, rank: cp.ndarray, most: cp.ndarray) -> None:
+    def moe_group(self, idx: Array, n_exp: int, rank: Array, most: Array) -> None:
         """rank[a]: a place for assignment a of idx [R, k] within its expert's group (0..count-1, any
         order); most[0]: the largest group. int32 throughout; at most 256 experts."""
         self.fn("moe_group")((1,), (1024,), (idx, np.int32(idx.size), np.int32(n_exp), rank, most))
 
-    def silu_mul_half(self, gu: cp.ndarray, out: cp.ndarray) -> None:
+    def silu_mul_half(self, gu: Array, out: Array) -> None:
         """out[M, I] = silu(gu[:, :I]) * gu[:, I:], fp16 in and out."""
         m, inter = out.shape
         blocks = math.ceil(m * inter / THREADS)
         self.fn("silu_mul_half")((blocks,), (THREADS,), (gu, out, np.int64(m), np.int32(inter)))
 
-    def moe_scatter_rows(self, x: cp.ndarray, idx: cp.ndarray, rank: cp.ndarray, xs: cp.ndarray) -> None:
+    def moe_scatter_rows(self, x: Array, idx: Array, rank: Array, xs: Array) -> None:
         """xs[idx[a], rank[a]] = x[a // k] for each assignment a of idx [R, k]; x [R, H] and xs [E, C, H]
         are fp16."""
         rows, topk = idx.shape
@@ -340,9 +327,7 @@ class Kernels:
             (rows * topk,), (THREADS,), (x, idx, rank, xs, np.int32(topk), np.int32(c), np.int32(h))
         )
 
-    def moe_gather_add(
-        self, ys: cp.ndarray, idx: cp.ndarray, rank: cp.ndarray, wts: cp.ndarray, resid: cp.ndarray
-    ) -> None:
+    def moe_gather_add(self, ys: Array, idx: Array, rank: Array, wts: Array, resid: Array) -> None:
         """resid[r] += sum_j wts[r, j] * ys[idx[r, j], rank[r, j]], j in order; ys [E, C, H] fp16."""
         rows, topk = idx.shape
         _, c, h = ys.shape
@@ -354,5 +339,5 @@ class Kernels:
 @cache
 def kernels_for(device_id: int) -> Kernels:
     """The kernel set of CUDA device ``device_id`` (compiled functions are per context)."""
-    with cp.cuda.Device(device_id):
+    with cupy_module().cuda.Device(device_id):
         return Kernels()

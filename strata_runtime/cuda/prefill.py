@@ -26,9 +26,10 @@ from typing import Any
 import cupy as cp
 
 from ..layout import Layout
+from ..reference.flash import HEAD_DIMS
 from .blas import matmul_nn, matmul_nt
-from .decode import CudaLayers, _Layer
-from .flash import HEAD_DIMS, flash_kernels_for, flash_prefill
+from .flash import flash_kernels_for, flash_prefill, kernel_expr
+from .layers import LayerStack, LayerWeights
 from .ops import padded_keys
 
 ATTN_TILE_BYTES = 1 << 30
@@ -42,21 +43,21 @@ def attention_tile_rows(n_heads: int, keys: int) -> int:
 
 
 class CudaPrefill:
-    """Long prefill chunks through the layers (and KV) of a `CudaLayers`."""
+    """Long prefill chunks through the layers (and KV) of a `LayerStack`."""
 
-    def __init__(self, layers: CudaLayers, flash: bool = True) -> None:
+    def __init__(self, stack: LayerStack, flash: bool = True) -> None:
         """``flash``: attention through the fused kernel of `strata_runtime.cuda.flash` where it has the head
         dim; otherwise (or with False) through cuBLAS products over materialised scores."""
-        self.layers, self.args, self.kern = layers, layers.args, layers.kern
-        self.device_id = layers.device_id
+        self.stack, self.args, self.kern = stack, stack.args, stack.kern
+        self.device_id = stack.device_id
         self.flash = flash and self.args.head_dim in HEAD_DIMS
         if self.flash:
-            flash_kernels_for(self.device_id).prepare([self.args.head_dim])
+            flash_kernels_for(self.device_id).prepare([kernel_expr(self.args.head_dim)])
         with cp.cuda.Device(self.device_id):
             # The router in fp32, so that routing reads fp32 rows as the decode kernels do (a flipped
             # top-k choice would change a row's output far more than rounding elsewhere does).
             self.router32 = [
-                lay.router.astype(cp.float32) if lay.router is not None else None for lay in layers.layers
+                lay.router.astype(cp.float32) if lay.router is not None else None for lay in stack.layers
             ]
         self.kern.prepare(
             [
@@ -84,22 +85,22 @@ class CudaPrefill:
         """Every layer on ``resid`` [n, H] fp32, in place."""
         pos = cp.asarray(layout.positions(), dtype=cp.int32)  # [n]
         slot = cp.concatenate([cp.full(s.n, s.slot, cp.int32) for s in layout.segments])  # [n]
-        for j, lay in enumerate(self.layers.layers):
+        for j, lay in enumerate(self.stack.layers):
             self._attention(j, lay, resid, layout, pos, slot)
             self._mlp(j, lay, resid)
 
     # ---- attention -------------------------------------------------------------------------------
 
     def _attention(
-        self, j: int, lay: _Layer, resid: cp.ndarray, layout: Layout, pos: cp.ndarray, slot: cp.ndarray
+        self, j: int, lay: LayerWeights, resid: cp.ndarray, layout: Layout, pos: cp.ndarray, slot: cp.ndarray
     ) -> None:
         a, kern = self.args, self.kern
         n_rows, h = resid.shape
         nq, nkv, d = a.num_attention_heads, a.num_key_value_heads, a.head_dim
         g = nq // nkv
-        kc, vc = self.layers.k_cache[j], self.layers.v_cache[j]  # [S, K, T, D]
+        kc, vc = self.stack.k_cache[j], self.stack.v_cache[j]  # [S, K, T, D]
         x = cp.empty((n_rows, h), cp.float16)
-        kern.rmsnorm_half(resid, lay.ln1, x, a.rms_norm_eps)
+        kern.rms_norm_fp32_to_half(resid, lay.ln1, x, a.rms_norm_eps)
         qkv = matmul_nt(x, lay.qkv, cp.empty((n_rows, lay.qkv.shape[0]), cp.float32))  # [n, (N + 2K) D]
         q = cp.empty((n_rows, nq, d), cp.float32)
         kern.qk_norm_rope_kv(qkv, lay.q_norm, lay.k_norm, pos, slot, q, kc, vc, a.rope_theta, a.rms_norm_eps)
@@ -128,27 +129,27 @@ class CudaPrefill:
             tile = attention_tile_rows(nq, seg.pos + n)
             for i0 in range(0, n, tile):
                 i1 = min(n, i0 + tile)
-                rows, end = (i1 - i0) * g, seg.pos + i1  # keys past the tile's last row are all masked
+                m, end = (i1 - i0) * g, seg.pos + i1  # keys past the tile's last row are all masked
                 keys, values = kc[seg.slot, :, :end], vc[seg.slot, :, :end]  # [K, L, D] each
                 ld = padded_keys(end)
-                scores = cp.empty((nkv, rows, ld), cp.float32)[:, :, :end]
+                scores = cp.empty((nkv, m, ld), cp.float32)[:, :, :end]
                 for beta, part in enumerate(parts):
                     matmul_nt(part[:, i0 * g : i1 * g], keys, scores, alpha=scale, beta=float(beta))
-                probs = cp.empty((nkv, rows, ld), cp.float16)[:, :, :end]
+                probs = cp.empty((nkv, m, ld), cp.float16)[:, :, :end]
                 kern.softmax_causal(scores, probs, seg.pos + i0, g)
                 del scores
-                o = matmul_nn(probs, values, cp.empty((nkv, rows, d), cp.float16))  # [K, t G, D]
+                o = matmul_nn(probs, values, cp.empty((nkv, m, d), cp.float16))  # [K, t G, D]
                 o = o.reshape(nkv, i1 - i0, g, d).transpose(1, 0, 2, 3).reshape(i1 - i0, nq * d)
                 out[seg.row + i0 : seg.row + i1] = o
         matmul_nt(out, lay.o, resid, beta=1.0)  # resid [n, H] += out @ o^T
 
     # ---- MLP: routed experts, shared expert, dense MLP ------------------------------------------
 
-    def _mlp(self, j: int, lay: _Layer, resid: cp.ndarray) -> None:
+    def _mlp(self, j: int, lay: LayerWeights, resid: cp.ndarray) -> None:
         a, kern = self.args, self.kern
         n_rows, h = resid.shape
         x = cp.empty((n_rows, h), cp.float16)
-        kern.rmsnorm_half(resid, lay.ln2, x, a.rms_norm_eps)
+        kern.rms_norm_fp32_to_half(resid, lay.ln2, x, a.rms_norm_eps)
         dense = gate = None
         if lay.mlp_gate_up is not None:  # read before the experts add to the residual
             assert lay.mlp_down is not None
@@ -164,14 +165,16 @@ class CudaPrefill:
         if dense is not None:
             kern.add_scaled(resid, dense, gate)
 
-    def _experts(self, j: int, lay: _Layer, x: cp.ndarray, resid: cp.ndarray) -> None:
+    def _experts(self, j: int, lay: LayerWeights, x: cp.ndarray, resid: cp.ndarray) -> None:
         a, kern = self.args, self.kern
         n_rows, h = x.shape
         n_exp, topk = a.num_experts, a.num_experts_per_tok
         assert lay.gate_up is not None and lay.down is not None
         xf = cp.empty((n_rows, h), cp.float32)
-        kern.add_rmsnorm(resid, None, lay.ln2, xf, a.rms_norm_eps)
-        logits = xf @ self.router32[j].T  # [n, E] fp32
+        kern.add_rms_norm_fp32(resid, None, lay.ln2, xf, a.rms_norm_eps)
+        router = self.router32[j]
+        assert router is not None
+        logits = xf @ router.T  # [n, E] fp32
         idx = cp.empty((n_rows, topk), cp.int32)
         wts = cp.empty((n_rows, topk), cp.float32)
         kern.route_topk(logits, a.norm_topk_prob, idx, wts)

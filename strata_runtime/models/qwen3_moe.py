@@ -20,10 +20,10 @@ from typing import Any
 
 import numpy as np
 
-from ..kernels.activation import silu_mul
-from ..kernels.norm import rms_norm
-from ..kernels.rope import rope
 from ..layout import Layout
+from .ops.activation import silu_mul
+from .ops.norm import rms_norm_in_dtype
+from .ops.rope import rope
 
 Shapes = dict[str, tuple[int, ...]]
 
@@ -188,6 +188,7 @@ def sanitize(name: str, shape: tuple[int, ...], available: set[str], tie_word_em
     if name in available or not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
         return Source(((name,),), stacked=False)
     base = name.rsplit(".", 1)[0]  # "...mlp.experts"
+    parts: tuple[tuple[str, ...], ...]
     if name.endswith("gate_up_proj"):
         parts = tuple((f"{base}.{e}.gate_proj.weight", f"{base}.{e}.up_proj.weight") for e in range(shape[0]))
     else:
@@ -208,6 +209,20 @@ def linear(x: Any, weight: Any, bias: Any = None) -> Any:
     """
     y = (x[:, None, :] @ weight.T)[:, 0] if isinstance(x, np.ndarray) else x @ weight.T  # [R, out]
     return y if bias is None else y + bias
+
+
+def fuse_rows(xp: Any, parts: tuple[Any, ...]) -> tuple[Any, tuple[Any, ...]]:
+    """One contiguous matrix of ``parts`` stacked along axis 0, and each part as its row slice of it.
+
+    A module that swaps its weights for the slices holds every weight once: the originals are freed once
+    nothing else refers to them.
+    """
+    fused = xp.ascontiguousarray(xp.concatenate(parts, axis=0))  # [sum of rows, in]
+    views, start = [], 0
+    for p in parts:
+        views.append(fused[start : start + p.shape[0]])
+        start += p.shape[0]
+    return fused, tuple(views)
 
 
 def softmax_fp32(xp: Any, x: Any, axis: int = -1) -> Any:
@@ -232,13 +247,21 @@ class Attention:
         self.eps = args.rms_norm_eps
         self.scale = args.head_dim**-0.5
 
+    def fuse_qkv(self, xp: Any) -> Any:
+        """Hold q, k and v as row slices of one contiguous [(N + 2K) D, H] matrix, and return it (the CUDA
+        path reads the three projections in one product). Biases stay separate."""
+        fused, (self.q_proj, self.k_proj, self.v_proj) = fuse_rows(
+            xp, (self.q_proj, self.k_proj, self.v_proj)
+        )
+        return fused
+
     def __call__(self, xp: Any, x: Any, layout: Layout, kv: Any, layer: int, cos: Any, sin: Any) -> Any:
         r, n, k, d = x.shape[0], self.n_heads, self.n_kv, self.head_dim
         q = linear(x, self.q_proj, self.bias["q_proj"]).reshape(r, n, d)  # [R, N, D]
         key = linear(x, self.k_proj, self.bias["k_proj"]).reshape(r, k, d)  # [R, K, D]
         val = linear(x, self.v_proj, self.bias["v_proj"]).reshape(r, k, d)  # [R, K, D]
-        q = rope(rms_norm(q, self.q_norm, self.eps), cos, sin)  # [R, N, D]
-        key = rope(rms_norm(key, self.k_norm, self.eps), cos, sin)  # [R, K, D]
+        q = rope(rms_norm_in_dtype(q, self.q_norm, self.eps), cos, sin)  # [R, N, D]
+        key = rope(rms_norm_in_dtype(key, self.k_norm, self.eps), cos, sin)  # [R, K, D]
         out = xp.empty((r, n * d), dtype=x.dtype)  # [R, N*D]
         for seg in layout.segments:
             rows = slice(seg.row, seg.row + seg.n)
@@ -280,6 +303,12 @@ class MLP:
     def __init__(self, t: dict[str, Any], p: str) -> None:
         self.gate_proj, self.up_proj = t[f"{p}gate_proj.weight"], t[f"{p}up_proj.weight"]
         self.down_proj = t[f"{p}down_proj.weight"]
+
+    def fuse_gate_up(self, xp: Any) -> Any:
+        """Hold gate and up as row slices of one contiguous [2I, H] matrix (gate first), and return it."""
+        fused, views = fuse_rows(xp, (self.gate_proj, self.up_proj))
+        self.gate_proj, self.up_proj = views
+        return fused
 
     def __call__(self, xp: Any, x: Any) -> Any:
         return linear(silu_mul(linear(x, self.gate_proj), linear(x, self.up_proj)), self.down_proj)  # [R, H]
@@ -353,8 +382,10 @@ class DecoderLayer:
         self.eps = args.rms_norm_eps
 
     def __call__(self, xp: Any, x: Any, layout: Layout, kv: Any, layer: int, cos: Any, sin: Any) -> Any:
-        x = x + self.self_attn(xp, rms_norm(x, self.input_layernorm, self.eps), layout, kv, layer, cos, sin)
-        return x + self.mlp(xp, rms_norm(x, self.post_attention_layernorm, self.eps))  # [R, H]
+        x = x + self.self_attn(
+            xp, rms_norm_in_dtype(x, self.input_layernorm, self.eps), layout, kv, layer, cos, sin
+        )
+        return x + self.mlp(xp, rms_norm_in_dtype(x, self.post_attention_layernorm, self.eps))  # [R, H]
 
 
 def rope_tables(theta: float, head_dim: int, context: int) -> tuple[np.ndarray, np.ndarray]:

@@ -21,6 +21,7 @@ from aiohttp import web, web_log
 
 from strata_cfg.schema.plan import LaunchPlan
 
+from ..api import EngineCore
 from . import protocol as p
 from .engine_loop import EngineFactory, EngineLoop, Stream
 from .metrics import ServerCounters, render
@@ -253,7 +254,7 @@ class Server:
         prepared = p.prepare(body, ids, context=self.context, default_max_tokens=None)
         return await self._run(request, prepared, chat=True)
 
-    def _engine(self) -> Any:
+    def _engine(self) -> EngineCore:
         assert self.engine is not None and self.engine.engine is not None
         return self.engine.engine
 
@@ -268,28 +269,21 @@ class Server:
         finally:
             stream.close()
 
-    async def _pieces(self, stream: Stream, prepared: p.Prepared) -> AsyncIterator[Piece]:
-        """The request's text as the client may see it: stop strings cut, ending with its finish."""
-        stops = p.StopText(prepared.stop)
+    async def _pieces(self, stream: Stream) -> AsyncIterator[Piece]:
+        """The request's text as the engine sends it (stop strings already cut), ending with its finish."""
         async for event in stream.events():
             self._count_event(event.token_ids, event.accepted_proposals)
             n = len(event.token_ids)
             if event.finished in ("error", "cancelled"):
                 yield Piece("", event.finished, n, event.error)
                 return
-            text = stops.feed(event.text)
-            if stops.stopped:  # the engine request is cancelled when the stream closes
-                yield Piece(text, "stop", n)
-                return
-            if event.finished is not None:
-                text += stops.flush()
-            yield Piece(text, event.finished, n)
+            yield Piece(event.text, event.finished, n)
 
     async def _whole(self, stream: Stream, prepared: p.Prepared, *, chat: bool) -> web.Response:
         texts: list[str] = []
         n = 0
         finish: str | None = None
-        async for piece in self._pieces(stream, prepared):
+        async for piece in self._pieces(stream):
             if piece.finish == "error":
                 raise p.ApiError(500, f"the engine failed this request: {piece.error}", type_="server_error")
             if piece.finish == "cancelled":
@@ -332,7 +326,7 @@ class Server:
             await _send(response, chunk(None, None))
         n = 0
         finished = False
-        async for piece in self._pieces(stream, prepared):
+        async for piece in self._pieces(stream):
             n += piece.tokens
             if piece.finish in ("error", "cancelled"):
                 why = piece.error if piece.finish == "error" else "the server is shutting down"

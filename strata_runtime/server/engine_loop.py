@@ -62,6 +62,10 @@ class Stream:
                 self.finished = True
             yield event
 
+    def notify(self) -> None:
+        """Wake the task waiting in `events` to look at the queue again (on the event loop's thread)."""
+        self._wakeup.set()
+
     def close(self) -> None:
         """Forget the request; cancel it first when it has not finished (the client went away)."""
         if not self.finished:
@@ -218,4 +222,4 @@ class EngineLoop:
     def _pump(self) -> None:
         self._pump_scheduled = False
         for stream in self._streams:
-            stream._wakeup.set()
+            stream.notify()

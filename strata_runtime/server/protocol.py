@@ -184,8 +184,6 @@ class Prepared:
     prompt_tokens: int
     stream: bool
     include_usage: bool
-    stop: tuple[str, ...] = ()
-    """Stop strings, cut by the server (`StopText`)."""
 
 
 def check_model(name: str, served: str) -> None:
@@ -279,56 +277,12 @@ def prepare(
         sampling=SamplingParams(
             temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed
         ),
-        # The server cuts stop strings itself (`StopText`): it holds back text that may begin one, so a stop
-        # string that arrives over two windows never leaks its first characters to the client.
+        # The engine cuts stop strings (`strata_runtime.engine.stops`), as it does for `strata generate`.
+        stop_strings=tuple(stop),
         request_id=new_id("chatcmpl" if isinstance(body, ChatBody) else "cmpl"),
     )
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return Prepared(
-        request=request, prompt_tokens=n, stream=body.stream, include_usage=include_usage, stop=tuple(stop)
-    )
-
-
-class StopText:
-    """Cuts a reply at its first stop string, as its text arrives piece by piece.
-
-    "First" is the stop string that is complete earliest in the text (the one generation would have
-    stopped at, one character at a time), whatever the pieces are. Text that could still be the beginning
-    of a stop string is held back until the next piece decides it, so what was sent is always a prefix of
-    the final, cut reply.
-    """
-
-    def __init__(self, stops: tuple[str, ...]) -> None:
-        self.stops = stops
-        self.pending = ""
-        self.stopped = False
-
-    def feed(self, text: str) -> str:
-        """The part of ``pending + text`` that is safe to send now."""
-        if self.stopped:
-            return ""
-        buf = self.pending + text
-        # (end, start) of each stop string's first occurrence: the earliest end wins, then the longest.
-        hits = [(i + len(s), i) for s in self.stops if (i := buf.find(s)) >= 0]
-        if hits:
-            self.stopped, self.pending = True, ""
-            return buf[: min(hits)[1]]
-        hold = max((_overlap(buf, s) for s in self.stops), default=0)
-        self.pending = buf[len(buf) - hold :]
-        return buf[: len(buf) - hold]
-
-    def flush(self) -> str:
-        """What was held back, once the reply ended without a stop string."""
-        out, self.pending = self.pending, ""
-        return out
-
-
-def _overlap(text: str, stop: str) -> int:
-    """The length of the longest end of ``text`` that is a proper beginning of ``stop``."""
-    for k in range(min(len(text), len(stop) - 1), 0, -1):
-        if stop.startswith(text[-k:]):
-            return k
-    return 0
+    return Prepared(request=request, prompt_tokens=n, stream=body.stream, include_usage=include_usage)
 
 
 # ----------------------------------------------------------------------------------------------------------

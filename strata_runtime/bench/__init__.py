@@ -1,0 +1,7 @@
+"""`strata bench` inside the engine process: the harness and what it measures against.
+
+`harness` runs named workloads over arms (one plan each) and summarises them; `ceilings` is the arithmetic
+of the byte roofline and the prompt FLOPs; `step` times one decode step straight from the CUDA kernels;
+`vram` reads the memory the engine really holds; `peer` runs transformers on the same weights as an arm.
+Nothing in the engine imports this package.
+"""

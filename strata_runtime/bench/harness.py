@@ -1,0 +1,320 @@
+"""The benchmark harness: named workloads over arms (one resolved plan each), interleaved.
+
+Each repeat runs every arm once (A B C A B C ...), so slow drifts of a shared machine hit every arm alike.
+Figures are medians over repeats; the gain of an arm over ``serial`` carries a bootstrap 95% interval; every
+arm's greedy token ids are checked against ``serial``'s. Requests reach an engine through a `Driver`: the
+in-process one steps an `Engine` here; a driver that talks HTTP to a launched engine fits the same seam.
+The GPU-only workloads (``step``, ``vram``) build no arms: `strata_runtime.bench.step` and
+`strata_runtime.bench.vram` run them on the plan's GPUs, which `cuda_devices` checks first.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from strata_cfg.schema.plan import LaunchPlan
+from strata_cfg.schema.workloads import CLIENT_COUNTS, PROMPTS, WORKLOADS
+
+from ..api import Request, SamplingParams, Tokenizer
+from ..backend import DeviceError, cupy_module
+
+if TYPE_CHECKING:
+    from ..engine import Engine
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """A request and when it arrives: at the start, or once stream 0 has produced ``after_tokens``."""
+
+    request: Request
+    after_tokens: int = 0
+
+
+@dataclass
+class Result:
+    """One request's outcome and timings (seconds from the run's start)."""
+
+    token_ids: list[int]
+    prompt_tokens: int
+    submitted: float
+    first_token: float | None
+    finished: float
+    accepted: int
+    proposals: int
+
+    @property
+    def rate(self) -> float:
+        """Generated tokens per second over the request's whole run."""
+        span = self.finished - self.submitted
+        return len(self.token_ids) / span if span > 0 else 0.0
+
+
+class Driver(Protocol):
+    """Runs a set of arrivals to completion on one engine and returns each request's result."""
+
+    def run(self, arrivals: list[Arrival]) -> tuple[list[Result], dict[str, Any]]: ...
+
+
+class Arm(Protocol):
+    """One contender of a benchmark: an engine of this runtime, or a peer (`strata_runtime.bench.peer`).
+    Its requests are tokenized with its own tokenizer."""
+
+    tokenizer: Tokenizer
+
+
+class InProcessDriver:
+    """Steps an engine in this thread; the second value returned is the window statistics of the run."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def run(self, arrivals: list[Arrival]) -> tuple[list[Result], dict[str, Any]]:
+        eng = self.engine
+        before = dict(eng.totals)
+        t0 = time.perf_counter()
+        handles: list[Any] = [None] * len(arrivals)
+        results: list[Result | None] = [None] * len(arrivals)
+        tokens: list[list[int]] = [[] for _ in arrivals]
+        first: list[float | None] = [None] * len(arrivals)
+        submitted = [0.0] * len(arrivals)
+        while any(r is None for r in results):
+            for i, a in enumerate(arrivals):
+                if handles[i] is None and (
+                    i == 0 or len(tokens[0]) >= a.after_tokens or results[0] is not None
+                ):
+                    submitted[i] = time.perf_counter() - t0
+                    handles[i] = eng.submit(a.request)
+            eng.step()
+            now = time.perf_counter() - t0
+            for i, h in enumerate(handles):
+                while h is not None and not h.events.empty():
+                    ev = h.events.get()
+                    tokens[i] += ev.token_ids
+                    if first[i] is None and ev.token_ids:
+                        first[i] = now
+                    if ev.finished is not None:
+                        if ev.error:
+                            raise RuntimeError(f"request {i} failed: {ev.error}")
+                        results[i] = Result(
+                            tokens[i],
+                            len(h.request.prompt_ids),
+                            submitted[i],
+                            first[i],
+                            now,
+                            h.accepted_proposals,
+                            h.proposals,
+                        )
+        after = eng.totals
+        windows = after["windows"] - before["windows"]
+        stats = {
+            "windows": windows,
+            "rows_per_window": (after["rows"] - before["rows"]) / windows if windows else 0.0,
+            "ms_per_window": (after["ms"] - before["ms"]) / windows if windows else 0.0,
+            "proposals": after["proposals"] - before["proposals"],
+            "accepted": after["accepted"] - before["accepted"],
+        }
+        return [r for r in results if r is not None], stats
+
+
+# ---- workloads --------------------------------------------------------------------------------------
+
+
+def _request(tokenizer: Tokenizer, i: int, tokens: int, prompt: str | None = None) -> Request:
+    ids = tuple(tokenizer.encode(prompt if prompt is not None else PROMPTS[i % len(PROMPTS)]))
+    return Request(ids, tokens, SamplingParams(temperature=0.0), request_id=f"bench-{i}")
+
+
+def prompt_ids(length: int, vocab: int, seed: int) -> tuple[int, ...]:
+    """A prompt of fresh token ids, seeded and spread over the vocabulary (id 0 left out)."""
+    ids = np.random.default_rng(seed).integers(1, vocab, length)
+    return tuple(int(i) for i in ids)
+
+
+def workload_arrivals(
+    name: str,
+    tokenizer: Tokenizer,
+    tokens: int,
+    context: int,
+    clients: int = 1,
+    *,
+    prompt_tokens: int = 0,
+    vocab: int = 0,
+    seed: int = 0,
+) -> list[Arrival]:
+    """The requests of a workload (for ``clients``: of one client count; for ``prompt``: a prompt of
+    ``prompt_tokens`` ids drawn from ``vocab`` with ``seed``, generating one token)."""
+    if name == "prompt":
+        ids = prompt_ids(prompt_tokens, vocab, seed)
+        return [Arrival(Request(ids, 1, SamplingParams(temperature=0.0), request_id=f"bench-prompt-{seed}"))]
+    if name == "two-decodes":
+        return [Arrival(_request(tokenizer, i, tokens)) for i in range(2)]
+    if name == "clients":
+        return [Arrival(_request(tokenizer, i, tokens)) for i in range(clients)]
+    if name == "solo":
+        return [Arrival(_request(tokenizer, 0, tokens))]
+    if name == "read-beside-decode":
+        length = max(16, min(context - 2, 48_000))
+        seed_ids = tokenizer.encode(" ".join(PROMPTS))
+        long_ids = tuple((seed_ids * (length // len(seed_ids) + 1))[:length])
+        decode = _request(tokenizer, 0, tokens)
+        reader = Request(long_ids, 1, SamplingParams(temperature=0.0), request_id="bench-long")
+        return [Arrival(decode), Arrival(reader, after_tokens=min(8, tokens // 2))]
+    raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
+
+
+def measure(name: str, results: list[Result], stats: dict[str, Any], wall: float) -> dict[str, float]:
+    """The workload's reported figures for one run."""
+    out: dict[str, float] = {
+        "ms_per_window": stats["ms_per_window"],
+        "rows_per_window": stats["rows_per_window"],
+        "accepted_pct": 100.0 * stats["accepted"] / stats["proposals"] if stats["proposals"] else 0.0,
+    }
+    if name == "prompt":
+        (reader,) = results
+        read_span = (reader.first_token or reader.finished) - reader.submitted
+        out["prompt_tokens"] = reader.prompt_tokens
+        out["prompt_read_s"] = read_span
+        out["tok_s"] = reader.prompt_tokens / read_span if read_span > 0 else 0.0
+    elif name == "read-beside-decode":
+        decode, reader = results
+        read_span = (reader.first_token or reader.finished) - reader.submitted
+        out["prompt_read_tok_s"] = reader.prompt_tokens / read_span if read_span > 0 else 0.0
+        out["decode_tok_s"] = decode.rate
+        out["tok_s"] = out["prompt_read_tok_s"]
+    elif name == "clients":
+        lat = sorted(r.finished - r.submitted for r in results)
+        out["tok_s"] = sum(len(r.token_ids) for r in results) / wall if wall > 0 else 0.0
+        out["p50_s"] = float(np.percentile(lat, 50))
+        out["p95_s"] = float(np.percentile(lat, 95))
+    else:  # two-decodes, solo: the streams' own rates added
+        out["tok_s"] = sum(r.rate for r in results)
+    return out
+
+
+# ---- statistics ---------------------------------------------------------------------------------------
+
+
+def bootstrap_gain(
+    arm: list[float], base: list[float], seed: int = 0, draws: int = 2000
+) -> tuple[float, float]:
+    """95% bootstrap interval of median(arm) / median(base) - 1, resampling each arm's repeats."""
+    rng = np.random.default_rng(seed)
+    a, b = np.asarray(arm), np.asarray(base)
+    ia = rng.integers(0, len(a), size=(draws, len(a)))
+    ib = rng.integers(0, len(b), size=(draws, len(b)))
+    gains = np.median(a[ia], axis=1) / np.median(b[ib], axis=1) - 1.0
+    lo, hi = np.percentile(gains, [2.5, 97.5])
+    return float(lo), float(hi)
+
+
+@dataclass
+class ArmRuns:
+    """Every repeat of one arm (for ``clients``, one entry per client count)."""
+
+    name: str
+    runs: dict[str, list[dict[str, float]]] = field(default_factory=dict)
+    tokens: dict[str, list[list[int]]] = field(default_factory=dict)
+
+
+def driver_for(arm: Any) -> Driver:
+    """How an arm runs: a peer brings its own driver; an engine of this runtime is stepped in process."""
+    return arm.driver() if hasattr(arm, "driver") else InProcessDriver(arm)
+
+
+def run_bench(
+    engines: Mapping[str, Arm],
+    workload: str,
+    *,
+    tokens: int,
+    repeats: int,
+    context: int,
+    driver: Callable[[Any], Driver] = driver_for,
+    on_run: Callable[[str, str, int, dict[str, float]], None] | None = None,
+    prompt_tokens: int = 0,
+    vocab: int = 0,
+) -> dict[str, ArmRuns]:
+    """Every arm on the workload, interleaved, ``repeats`` times.
+
+    ``prompt`` gives every arm of a repeat the same prompt, and each repeat a fresh one (seeded by its index).
+    """
+    cases = [f"{c} clients" for c in CLIENT_COUNTS] if workload == "clients" else [workload]
+    out = {name: ArmRuns(name) for name in engines}
+    for r in range(repeats):
+        for case in cases:
+            for name, engine in engines.items():
+                clients = int(case.split()[0]) if workload == "clients" else 1
+                arrivals = workload_arrivals(
+                    workload,
+                    engine.tokenizer,
+                    tokens,
+                    context,
+                    clients,
+                    prompt_tokens=prompt_tokens,
+                    vocab=vocab,
+                    seed=r,
+                )
+                t0 = time.perf_counter()
+                results, stats = driver(engine).run(arrivals)
+                wall = time.perf_counter() - t0
+                figures = measure(workload, results, stats, wall)
+                out[name].runs.setdefault(case, []).append(figures)
+                if r == 0:
+                    out[name].tokens[case] = [res.token_ids for res in results]
+                if on_run:
+                    on_run(name, case, r, figures)
+    return out
+
+
+def summarise(runs: dict[str, ArmRuns], base: str = "serial") -> dict[str, Any]:
+    """Medians per arm and case, the gain over ``base`` with its interval, and the text-equality check."""
+    summary: dict[str, Any] = {}
+    for name, arm in runs.items():
+        cases = {}
+        for case, figures in arm.runs.items():
+            med = {k: statistics.median(f[k] for f in figures) for k in figures[0]}
+            entry: dict[str, Any] = {
+                "median": med,
+                "repeats": len(figures),
+                "tok_s_repeats": [f["tok_s"] for f in figures],
+            }
+            if base in runs and name != base and case in runs[base].runs:
+                base_rates = [f["tok_s"] for f in runs[base].runs[case]]
+                rates = [f["tok_s"] for f in figures]
+                entry["gain"] = statistics.median(rates) / statistics.median(base_rates) - 1.0
+                entry["gain_ci95"] = bootstrap_gain(rates, base_rates)
+            if base in runs:
+                entry["text_equal_to_" + base] = arm.tokens.get(case) == runs[base].tokens.get(case)
+            cases[case] = entry
+        summary[name] = cases
+    return summary
+
+
+def cuda_devices(plan: LaunchPlan, workload: str) -> list[int]:
+    """The plan's GPU ordinals for a GPU-only workload, or a `DeviceError` saying why it cannot run here."""
+    used = [g for g in plan.gpus if g.role != "idle"]
+    if plan.machine.backend != "cuda":
+        names = ", ".join(g.device for g in used)
+        raise DeviceError(
+            f"--workload {workload} needs a CUDA GPU, but the plan's devices are virtual CPU devices "
+            f'({names}); use a profile with machine.backend = "cuda"'
+        )
+    try:
+        cp = cupy_module()
+    except DeviceError as exc:
+        raise DeviceError(f"--workload {workload} needs a CUDA GPU: {exc}") from None
+    try:
+        count = int(cp.cuda.runtime.getDeviceCount())
+    except Exception as exc:  # CuPy is installed but no driver or device answers
+        raise DeviceError(f"--workload {workload} needs a CUDA GPU, and none answers: {exc}") from None
+    missing = [g.device for g in used if g.index >= count]
+    if missing:
+        raise DeviceError(
+            f"--workload {workload}: the plan uses {', '.join(missing)}, but this machine has {count} GPU(s)"
+        )
+    return [g.index for g in used]

@@ -1,0 +1,301 @@
+"""``strata bench --workload step``: one decode step of the plan's model straight from the CUDA kernels.
+
+Random fp16 weights with the shapes of the plan's model facts (every layer of the whole model, on the first
+stage's GPU), random routing, KV at a fixed position. For 1, 2, 4 and 8 rows it times the whole step
+(embedding, every layer, final norm, LM head, argmax) eagerly and as a replayed CUDA graph, against the byte
+roofline: the step's bytes (`ceilings.decode_step_bytes`, with the distinct experts the last
+layer's rows routed to) over the device-to-device copy rate measured in the same run. Then it times each
+kernel of a layer alone, in a graph over the layers that run it, at one row. No engine is built: this is
+the kernels' own ceiling, without scheduling, sampling or Python between windows.
+
+Shapes: L layers, H hidden, NQ/NKV query/KV heads of D, E experts, K top-k, I expert width, W dense-MLP or
+shared-expert width, V vocabulary, S slots, T context, R rows.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import numpy as np
+
+from strata_cfg.schema.facts import ModelFacts
+from strata_cfg.schema.plan import LaunchPlan
+
+from ..cuda.layers import LAYER_STEPS, LayerStack, LayerWeights, Step, WindowBuffers, step_applies
+from ..cuda.ops import Kernels
+from ..models.qwen3_moe import ModelArgs
+from .ceilings import copy_bandwidth, decode_step_bytes
+
+ROWS = (1, 2, 4, 8)
+SLOTS = 8  # one KV slot per row of the largest window
+
+
+def step_memory_bytes(facts: ModelFacts, context: int) -> int:
+    """Device bytes the step's weights and fp16 KV take (the buffers of a window are small beside them)."""
+    layers = range(facts.num_hidden_layers)
+    weights = sum(sum(facts.layer_bytes(j)) for j in layers) + facts.embedding_bytes()
+    head = (facts.vocab_size * facts.hidden_size + facts.hidden_size) * facts.weight_bytes
+    kv = facts.num_hidden_layers * SLOTS * context * facts.kv_bytes_per_token("float16")
+    return weights + head + kv
+
+
+def facts_args(f: ModelFacts) -> ModelArgs:
+    """The model's numbers as the kernels take them. The facts leave out RoPE's theta, the norm's eps and
+    whether top-k weights are renormalised, none of which changes what a step reads or computes."""
+    return ModelArgs(
+        vocab_size=f.vocab_size,
+        hidden_size=f.hidden_size,
+        num_hidden_layers=f.num_hidden_layers,
+        num_attention_heads=f.num_attention_heads,
+        num_key_value_heads=f.num_key_value_heads,
+        head_dim=f.head_dim,
+        intermediate_size=f.intermediate_size,
+        moe_intermediate_size=f.moe_intermediate_size,
+        num_experts=f.num_experts,
+        num_experts_per_tok=f.num_experts_per_tok,
+        norm_topk_prob=True,
+        decoder_sparse_step=f.decoder_sparse_step,
+        mlp_only_layers=f.mlp_only_layers,
+        shared_expert_intermediate_size=f.shared_expert_intermediate_size,
+        rope_theta=1e6,
+    )
+
+
+def _rnd(cp: Any, shape: tuple[int, ...], scale: float = 0.02) -> Any:
+    return (cp.random.standard_normal(shape, dtype=cp.float32) * scale).astype(cp.float16)
+
+
+def random_layer(cp: Any, f: ModelFacts, j: int) -> LayerWeights:
+    """Layer ``j``'s weights as the CUDA path holds them (q/k/v and gate/up fused), random fp16."""
+    h, d, nq, nkv = f.hidden_size, f.head_dim, f.num_attention_heads, f.num_key_value_heads
+    e, i = f.num_experts, f.moe_intermediate_size
+    sparse = f.is_sparse(j)
+    width = f.shared_expert_intermediate_size if sparse else f.intermediate_size
+    return LayerWeights(
+        ln1=_rnd(cp, (h,), 1.0),  # [H]
+        ln2=_rnd(cp, (h,), 1.0),  # [H]
+        qkv=_rnd(cp, ((nq + 2 * nkv) * d, h)),  # [(NQ + 2 NKV) D, H]
+        o=_rnd(cp, (h, nq * d)),  # [H, NQ D]
+        q_norm=_rnd(cp, (d,), 1.0),  # [D]
+        k_norm=_rnd(cp, (d,), 1.0),  # [D]
+        router=_rnd(cp, (e, h)) if sparse else None,  # [E, H]
+        gate_up=_rnd(cp, (e, 2 * i, h)) if sparse else None,  # [E, 2I, H]
+        down=_rnd(cp, (e, h, i)) if sparse else None,  # [E, H, I]
+        mlp_gate_up=_rnd(cp, (2 * width, h)) if width else None,  # [2W, H]
+        mlp_down=_rnd(cp, (h, width)) if width else None,  # [H, W]
+        shared_gate=_rnd(cp, (1, h)) if sparse and width else None,  # [1, H]
+    )
+
+
+@dataclass
+class StepWindow:
+    """A window's buffers through the layers, and what the step adds around them."""
+
+    buffers: WindowBuffers
+    ids: Any  # [R] int32 token ids
+    logits: Any  # [R, V] fp32
+    out: Any  # [R] int32 argmax
+
+
+def graph_seconds(cp: Any, body: Callable[[], None], repeats: int) -> float:
+    """Capture ``body()`` as a CUDA graph, run it once; the median seconds of ``repeats`` replays."""
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        s.begin_capture()
+        body()
+        g = s.end_capture()
+    g.launch(s)
+    s.synchronize()
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        g.launch(s)
+        s.synchronize()
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts))
+
+
+class KernelModel:
+    """The plan's model as random fp16 weights on one GPU, run one decode step at a time by the kernels.
+
+    The layers are a `strata_runtime.cuda.layers.LayerStack` run by its own kernel sequence (`LAYER_STEPS`),
+    exactly as the decode graphs run a stage's. ``kern`` is the device's `strata_runtime.cuda.ops.Kernels`
+    (the CPU tests pass the NumPy references, which have the launchers' names and signatures) and ``cp``
+    the array module.
+    """
+
+    def __init__(self, cp: Any, f: ModelFacts, context: int, kern: Kernels, device_index: int = 0) -> None:
+        self.cp, self.f, self.context = cp, f, context
+        layers = [random_layer(cp, f, j) for j in range(f.num_hidden_layers)]
+        kv = (f.num_hidden_layers, SLOTS, f.num_key_value_heads, context, f.head_dim)  # [L, S, NKV, T, D]
+        k_cache, v_cache = cp.zeros(kv, cp.float16), cp.zeros(kv, cp.float16)
+        self.stack = LayerStack(device_index, facts_args(f), layers, k_cache, v_cache, kern)
+        self.emb = _rnd(cp, (f.vocab_size, f.hidden_size))  # [V, H]
+        self.head = _rnd(cp, (f.vocab_size, f.hidden_size))  # [V, H]
+        self.final_norm = _rnd(cp, (f.hidden_size,), 1.0)  # [H]
+
+    def step(self, w: StepWindow) -> None:
+        """Embedding, every layer, final norm and LM head, argmax: one window of w's rows."""
+        k = self.stack.kern
+        k.embed(self.emb, w.ids, w.buffers.resid)
+        self.stack.run(w.buffers)
+        k.gemv(self.head, w.buffers.resid, w.logits, norm=self.final_norm)
+        k.argmax(w.logits, w.out)
+
+    def window(self, rows: int, position: int, seed: int | None = None) -> StepWindow:
+        """Buffers of a ``rows``-row window of fresh token ids (drawn with ``seed``) at ``position``, each row
+        in its own slot, run once eagerly (which compiles the kernels)."""
+        cp, f, s = self.cp, self.f, self.stack
+        b = WindowBuffers(cp, rows, s.args, s.context, s.mlp_width)
+        b.pos[...] = position
+        b.slot[...] = cp.arange(rows, dtype=cp.int32) % SLOTS
+        ids = cp.asarray(np.random.default_rng(seed).integers(1, f.vocab_size, rows).astype(np.int32))
+        w = StepWindow(b, ids, cp.zeros((rows, f.vocab_size), cp.float32), cp.zeros(rows, cp.int32))
+        self.step(w)
+        cp.cuda.Device().synchronize()
+        return w
+
+    def time_rows(self, rows: int, position: int, repeats: int, copy: float) -> dict[str, Any]:
+        """One row count: the step eager and graph-replayed, against its roofline."""
+        cp, f = self.cp, self.f
+        w = self.window(rows, position)
+        t0 = time.perf_counter()
+        for _ in range(3):
+            self.step(w)
+        cp.cuda.Device().synchronize()
+        eager = (time.perf_counter() - t0) / 3
+        graph = graph_seconds(cp, lambda: self.step(w), repeats)
+        # The last layer's routing stands for every layer's: random weights route alike in each.
+        distinct = len(set(w.buffers.idx.get().ravel().tolist())) if f.num_experts else 0
+        nbytes = decode_step_bytes(
+            f, rows=rows, positions=position + 1, kv_dtype="float16", distinct_experts=distinct
+        )
+        roof = nbytes.seconds(copy)
+        return {
+            "rows": rows,
+            "eager_ms": eager * 1e3,
+            "graph_ms": graph * 1e3,
+            "roofline_ms": roof * 1e3,
+            "graph_of_roofline": roof / graph,
+            "distinct_experts_last_layer": distinct,
+            "bytes": {
+                "dense": nbytes.dense,
+                "experts": nbytes.experts,
+                "head": nbytes.head,
+                "kv": nbytes.kv,
+                "total": nbytes.total,
+            },
+            "arithmetic": nbytes.arithmetic(copy),
+        }
+
+    def time_kernels(self, position: int, repeats: int) -> dict[str, float]:
+        """µs per layer of each kernel group at one row, each timed alone in a graph over its layers."""
+        w = self.window(1, position)
+        out = {}
+        for name, step in LAYER_STEPS.items():
+            runs = [j for j, lay in enumerate(self.stack.layers) if step_applies(name, lay)]
+            if runs:
+                body = partial(self._over, step, w.buffers, runs)
+                out[name] = graph_seconds(self.cp, body, repeats) / len(runs) * 1e6
+        return out
+
+    def _over(self, step: Step, b: WindowBuffers, runs: list[int]) -> None:
+        """One step over several layers, as one body to capture."""
+        s = self.stack
+        for j in runs:
+            step(s.kern, s.args, s.layers[j], b, s.k_cache[j], s.v_cache[j])
+
+
+def gpu_name(cp: Any, device_index: int) -> str:
+    name = cp.cuda.runtime.getDeviceProperties(device_index)["name"]
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def run_step(
+    plan: LaunchPlan, device_index: int, *, position: int = 300, repeats: int = 20
+) -> dict[str, Any]:
+    """Time the kernel step of the plan's model on GPU ``device_index``; the figures as a JSON-able dict."""
+    import cupy as cp
+
+    from ..cuda.ops import kernels_for
+
+    f, context = plan.model.facts, plan.memory.context
+    position = max(0, min(position, context - 1))
+    need = step_memory_bytes(f, context)
+    with cp.cuda.Device(device_index):
+        free, _ = cp.cuda.runtime.memGetInfo()
+        if need > 0.95 * free:
+            raise MemoryError(
+                f"the step workload holds the whole model on cuda:{device_index}: {need / 2**30:.1f} GiB of "
+                f"weights and KV, but {free / 2**30:.1f} GiB are free"
+            )
+        copy = copy_bandwidth(device_index)
+        t0 = time.perf_counter()
+        model = KernelModel(cp, f, context, kernels_for(device_index), device_index)
+        cp.cuda.Device().synchronize()
+        made_s = time.perf_counter() - t0
+        table = [model.time_rows(rows, position, repeats, copy) for rows in ROWS]
+        per_kernel = model.time_kernels(position, max(repeats // 2, 3))
+        name = gpu_name(cp, device_index)
+    del model
+    with cp.cuda.Device(device_index):
+        cp.get_default_memory_pool().free_all_blocks()
+    return {
+        "workload": "step",
+        "device": f"cuda:{device_index}",
+        "gpu": name,
+        "model": model_summary(f),
+        "context": context,
+        "position": position,
+        "weights_generated_s": made_s,
+        "copy_gbs": copy / 1e9,
+        "rows": table,
+        "per_kernel_us_per_layer_1_row": per_kernel,
+    }
+
+
+def model_summary(f: ModelFacts) -> dict[str, Any]:
+    return {
+        "source": f.source,
+        "layers": f.num_hidden_layers,
+        "hidden": f.hidden_size,
+        "heads": f.num_attention_heads,
+        "kv_heads": f.num_key_value_heads,
+        "head_dim": f.head_dim,
+        "experts": f.num_experts,
+        "top_k": f.num_experts_per_tok,
+        "expert_width": f.moe_intermediate_size,
+        "vocab": f.vocab_size,
+    }
+
+
+def render_step(res: dict[str, Any]) -> str:
+    m = res["model"]
+    lines = [
+        f"step: {m['source']} ({m['layers']} layers, hidden {m['hidden']}, "
+        f"{m['heads']}/{m['kv_heads']} heads x {m['head_dim']}, {m['experts']} experts top-{m['top_k']} "
+        f"of width {m['expert_width']}, "
+        f"vocab {m['vocab']}) on {res['device']} ({res['gpu']}), KV at position {res['position']} "
+        f"of {res['context']}, random fp16 weights and routing",
+        f"device-to-device copy measured in this run: {res['copy_gbs']:,.0f} GB/s (read + write)",
+        "roofline = bytes one step must read / copy rate:",
+        *(f"  {r['arithmetic']}" for r in res["rows"]),
+        "",
+        f"{'rows':>4} {'eager ms':>9} {'graph ms':>9} {'roofline ms':>12} {'graph/roofline':>15} "
+        f"{'distinct experts (last layer)':>30}",
+    ]
+    for r in res["rows"]:
+        lines.append(
+            f"{r['rows']:>4} {r['eager_ms']:9.2f} {r['graph_ms']:9.2f} {r['roofline_ms']:12.2f} "
+            f"{100 * r['graph_of_roofline']:14.0f}% {r['distinct_experts_last_layer']:>30}"
+        )
+    parts = ", ".join(f"{k} {v:.1f}" for k, v in res["per_kernel_us_per_layer_1_row"].items())
+    lines += [
+        "",
+        f"µs per layer at 1 row (each kernel group timed alone in a graph over its layers): {parts}",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,49 @@
+"""Compile-on-demand kernel sets: the template instantiations of one ``.cu`` source, per device.
+
+NVRTC compiles one module per call, so a path compiles every instantiation it needs in one batch
+(`KernelCache.prepare`, before a graph is captured) and looks them up by expression afterwards; anything not
+prepared is compiled on first use. Compiled functions belong to the CUDA context they were loaded in, so each
+device keeps its own cache (`ops.kernels_for`, `flash.flash_kernels_for`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from ..backend import cupy_module
+
+OPTIONS = ("-std=c++17", "--use_fast_math")
+"""NVRTC options of every kernel source."""
+
+
+def source(name: str) -> str:
+    """The text of a kernel source beside this module (``kernels.cu``, ``flash.cu``)."""
+    return Path(__file__).with_name(name).read_text()
+
+
+class KernelCache:
+    """The compiled functions of one kernel source on one device, by template expression.
+
+    Create it with that device current.
+    """
+
+    def __init__(self, code: str) -> None:
+        self._code = code
+        self._fns: dict[str, Any] = {}
+
+    def prepare(self, expressions: Iterable[str]) -> None:
+        """Compile every listed template instantiation not yet compiled, in one module (one NVRTC run)."""
+        todo = [e for e in dict.fromkeys(expressions) if e not in self._fns]
+        if not todo:
+            return
+        mod = cupy_module().RawModule(code=self._code, options=OPTIONS, name_expressions=todo)
+        for e in todo:
+            self._fns[e] = mod.get_function(e)
+
+    def fn(self, expression: str) -> Any:
+        """The compiled function of ``expression``, compiling it now if it was not prepared."""
+        if expression not in self._fns:
+            self.prepare([expression])
+        return self._fns[expression]

@@ -1,0 +1,42 @@
+"""The last stage's head on the CUDA path: the final norm and the LM head, on fp32 rows.
+
+The MTP head (`strata_runtime.cuda.mtp`) reuses it for its own norm's output and the shared LM head.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import cupy as cp
+
+from strata_cfg.schema.windows import MAX_WINDOW_ROWS
+
+from .blas import matmul_nt
+from .ops import kernels_for
+
+
+class CudaHead:
+    """The final norm and LM head on fp32 rows (the last stage's, or the MTP head's output)."""
+
+    def __init__(self, device_id: int, norm: cp.ndarray, lm_head: cp.ndarray, eps: float) -> None:
+        self.device_id, self.norm, self.lm_head, self.eps = device_id, norm, lm_head, eps
+        self.kern = kernels_for(device_id)
+
+    def final_norm(self, hidden: Any) -> cp.ndarray:
+        """rmsnorm(hidden) * norm as a new fp32 array [R, H]."""
+        with cp.cuda.Device(self.device_id):
+            x = cp.ascontiguousarray(hidden, dtype=cp.float32)
+            out = cp.empty_like(x)
+            self.kern.add_rms_norm_fp32(x, None, self.norm, out, self.eps)
+            return out
+
+    def logits(self, normed: Any) -> cp.ndarray:
+        """Logits [R, V] in fp32: the GEMV kernel for a window's rows, a cuBLAS product (fp16 rows, fp32
+        accumulation and output) for more."""
+        with cp.cuda.Device(self.device_id):
+            rows = normed.shape[0]
+            out = cp.empty((rows, self.lm_head.shape[0]), cp.float32)
+            if rows > MAX_WINDOW_ROWS:
+                return matmul_nt(cp.ascontiguousarray(normed, dtype=cp.float16), self.lm_head, out)
+            self.kern.gemv(self.lm_head, cp.ascontiguousarray(normed, dtype=cp.float32), out)
+            return out

@@ -1,0 +1,95 @@
+"""The MTP head on the CUDA path: draft windows as CUDA graphs, prompt chunks through the prefill path.
+
+The head's one decoder layer is a `LayerStack` of one layer over the drafters' shared KV, run by the same
+decode graphs (`strata_runtime.cuda.decode`) and prefill path (`strata_runtime.cuda.prefill`) as a stage's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import cupy as cp
+
+from ..backend import Array
+from ..layout import Layout
+from ..models.qwen3_moe import DecoderLayer, ModelArgs
+from .blas import matmul_nt
+from .decode import CudaLayers
+from .head import CudaHead
+from .layers import LayerStack, WindowBuffers
+from .prefill import CudaPrefill
+
+
+class MtpWeights(Protocol):
+    """What the CUDA path reads of the MTP head (`strata_runtime.model.mtp.MtpHead` has it)."""
+
+    fc: Array  # [H, 2H]
+    pre_fc_norm_embedding: Array  # [H]
+    pre_fc_norm_hidden: Array  # [H]
+    norm: Array  # [H]
+    lm_head: Array  # [V, H], the main model's
+    layer: DecoderLayer
+
+
+class CudaMtp:
+    """The MTP head's forward for draft windows, as one CUDA graph per row count.
+
+    out = norm(layer(fc_e @ pre_fc_norm_embedding(emb) + fc_h @ pre_fc_norm_hidden(hidden))), where
+    fc = [fc_e | fc_h] is split into two contiguous halves. The MTP layer's KV is one [1, S, K, T, D] pair
+    shared by every slot's drafter (each drafter's cache is a view of its slot).
+    """
+
+    def __init__(
+        self, device_id: int, head: MtpWeights, args: ModelArgs, k_cache: cp.ndarray, v_cache: cp.ndarray
+    ) -> None:
+        self.device_id, self.args = device_id, args
+        with cp.cuda.Device(device_id):
+            h = args.hidden_size
+            self.fc_e = cp.ascontiguousarray(head.fc[:, :h])  # [H, H]
+            self.fc_h = cp.ascontiguousarray(head.fc[:, h:])  # [H, H]
+            self.norm_e, self.norm_h, self.norm = (
+                head.pre_fc_norm_embedding,
+                head.pre_fc_norm_hidden,
+                head.norm,
+            )
+            self.stack = LayerStack.of(device_id, [head.layer], args, k_cache, v_cache)
+            self.layers = CudaLayers(self.stack)
+        self.kern = self.stack.kern
+        self.head = CudaHead(device_id, head.norm, head.lm_head, args.rms_norm_eps)
+        self._prefill = CudaPrefill(self.stack)
+
+    def logits(self, out: Any) -> cp.ndarray:
+        """Draft logits [R, V] in fp32 from the head's output rows."""
+        return self.head.logits(out)
+
+    def _body(self, b: WindowBuffers) -> None:
+        k, eps = self.kern, self.args.rms_norm_eps
+        k.gemv(self.fc_e, b.emb, b.resid, norm=self.norm_e, eps=eps)
+        k.gemv(self.fc_h, b.out, b.resid, accumulate=True, norm=self.norm_h, eps=eps)
+        self.stack.run(b)
+        k.add_rms_norm_fp32(b.resid, None, self.norm, b.out, eps)
+
+    def prefill(self, emb: Any, hidden: Any, layout: Layout) -> cp.ndarray:
+        """`forward` for a prompt chunk of more than 8 rows, through the CUDA prefill path."""
+        with cp.cuda.Device(self.device_id):
+            k, eps = self.kern, self.args.rms_norm_eps
+            rows, h = hidden.shape
+            e16, h16 = cp.empty((rows, h), cp.float16), cp.empty((rows, h), cp.float16)
+            k.rms_norm_fp32_to_half(cp.ascontiguousarray(emb, dtype=cp.float32), self.norm_e, e16, eps)
+            k.rms_norm_fp32_to_half(cp.ascontiguousarray(hidden, dtype=cp.float32), self.norm_h, h16, eps)
+            resid = matmul_nt(e16, self.fc_e, cp.empty((rows, h), cp.float32))  # [R, H]
+            matmul_nt(h16, self.fc_h, resid, beta=1.0)
+            self._prefill.run(resid, layout)
+            out = cp.empty_like(resid)
+            k.add_rms_norm_fp32(resid, None, self.norm, out, eps)
+            return out
+
+    def forward(self, emb: Any, hidden: Any, layout: Layout) -> cp.ndarray:
+        """The head's post-norm output [R, H] (fp32) for rows (embedding of token t+1, hidden at t)."""
+        with cp.cuda.Device(self.device_id):
+            b = self.layers.buffers(layout.rows)
+            b.load(layout)
+            b.emb[...] = emb
+            b.out[...] = hidden  # the hidden input; the body overwrites it with the output at the end
+            self.layers.replay(b, self._body)
+            return b.out.copy()

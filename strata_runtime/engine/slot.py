@@ -1,0 +1,139 @@
+"""A slot: one request's decode state, and how its new tokens become `TokenEvent`s.
+
+A slot reads its prompt in prefill chunks, then decodes. Its KV length on every stage (and in its drafter)
+is ``length``; ``token`` is the next input, at position ``length``, not yet read by the model. Tokens are
+emitted through `Slot.emit`, which applies stop tokens, stop strings (`strata_runtime.engine.stops`) and max
+tokens, and sends only text that decodes completely.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..api import FinishReason, RequestHandle, TokenEvent, Tokenizer
+from .sampling import Sampler
+from .stops import StopText
+
+
+@dataclass
+class Slot:
+    id: int
+    handle: RequestHandle
+    sampler: Sampler
+    stop_ids: frozenset[int]
+    tokenizer: Tokenizer
+    admitted_at: int
+    """The engine's admission counter when this request got the slot (oldest prefill goes first)."""
+    prefilled: int = 0
+    length: int = 0
+    token: int | None = None
+    generated: list[int] = field(default_factory=list)
+    sent_text: str = ""
+    """The text sent so far: always a prefix of the final reply."""
+    finished: FinishReason | None = None
+    _text: str = ""
+    """The text of ``generated[:_read]``, decoded incrementally (complete characters only)."""
+    _prefix: int = 0
+    """Where the next decode starts: tokens before ``_read`` kept as context for the tokenizer."""
+    _read: int = 0
+    _fed: str = ""
+    """The decoded text handed to ``_stops`` so far (complete characters only)."""
+    _stops: StopText = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._stops = StopText(self.handle.request.stop_strings)
+
+    @property
+    def prompt(self) -> tuple[int, ...]:
+        return self.handle.request.prompt_ids
+
+    @property
+    def decoding(self) -> bool:
+        return self.token is not None and self.finished is None
+
+    @property
+    def prefilling(self) -> bool:
+        return self.token is None and self.finished is None
+
+    def prefilled_chunk(self, n: int, first: int | None) -> TokenEvent | None:
+        """A prompt chunk of ``n`` tokens is now in the KV. ``first`` is the first generated token when the
+        chunk was the prompt's last (it becomes the next input); returns the event to send, if any."""
+        self.length += n
+        self.prefilled += n
+        if first is None:
+            return None
+        self.token = first
+        return self.emit([first], 0)
+
+    def advance(self, rows: int, tokens: list[int], proposed: int, accepted: int) -> TokenEvent:
+        """A decode window kept ``rows`` of this slot's rows (its KV moved on by that many) and decided
+        ``tokens``, the last of which is the next input; ``proposed`` drafts were verified and ``accepted``
+        of them held. Returns the event to send."""
+        self.length += rows
+        self.token = tokens[-1]
+        self.handle.proposals += proposed
+        return self.emit(tokens, accepted)
+
+    def emit(self, tokens: list[int], accepted: int) -> TokenEvent:
+        """Record a window's new tokens for this request and return the event to send.
+
+        Tokens after a stop token or past max tokens are dropped; the stop token itself is not emitted.
+        """
+        req = self.handle.request
+        kept: list[int] = []
+        for t in tokens:
+            if t in self.stop_ids:
+                self.finished = "stop"
+                break
+            kept.append(t)
+            if len(self.generated) + len(kept) >= req.max_tokens:
+                self.finished = "length"
+                break
+        self.generated.extend(kept)
+        self.handle.completion_tokens = len(self.generated)
+        self.handle.accepted_proposals += accepted
+        text = self._decoded()
+        if self.finished is None and text.endswith("\ufffd"):
+            text = text.rstrip("\ufffd")  # an incomplete UTF-8 sequence: wait for its next bytes
+        fresh = text[len(self._fed) :] if text.startswith(self._fed) else ""
+        self._fed += fresh
+        # The stop-string cutter holds back a tail that may begin a stop string arriving over several windows.
+        new = self._stops.feed(fresh)
+        if self._stops.stopped:
+            self.finished = "stop"
+        elif self.finished is not None:
+            new += self._stops.flush()
+        self.sent_text += new
+        return TokenEvent(tuple(kept), new, self.finished, accepted)
+
+    def _decoded(self) -> str:
+        """The text of every generated token, as a whole decode would give it, without decoding them all.
+
+        Each call decodes only the tokens from ``_prefix``: those since the last complete text plus the
+        stretch before them as context (a tokenizer may render a piece differently at the start of a list,
+        e.g. a leading space), and keeps the difference. So a window costs the same at the 4,000th token as at
+        the 10th, where decoding the whole generation each window would grow with its length. An incomplete
+        UTF-8 sequence at the end (at most 3 tokens) is shown but not kept: it is decoded again with the next
+        tokens.
+        """
+        ids, dec = self.generated, self.tokenizer.decode
+        before, after = dec(ids[self._prefix : self._read]), dec(ids[self._prefix :])
+        if not after.startswith(before):  # the tokenizer rendered the context differently: decode it all
+            return dec(ids)
+        visible = self._text + after[len(before) :]
+        done, end = after, len(ids)
+        if after.endswith("\ufffd"):  # keep only what precedes the incomplete character's tokens
+            done = before
+            for k in range(1, min(3, end - self._read) + 1):
+                part = dec(ids[self._prefix : end - k])
+                if not part.endswith("\ufffd") and after.startswith(part):
+                    done, end = part, end - k
+                    break
+        if len(done) > len(before):
+            self._text += done[len(before) :]
+            self._prefix, self._read = self._read, end
+        return visible
+
+    def finish(self, reason: FinishReason, error: str | None = None) -> TokenEvent:
+        self.finished = reason
+        return TokenEvent((), "", reason, 0, error)

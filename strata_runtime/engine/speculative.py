@@ -1,0 +1,124 @@
+"""Speculative decoding, read as draft -> verify -> accept/rewind.
+
+* `draft` chains proposals from a slot's drafter: the first from its pending logits, each next one by
+  running the MTP head on the previous proposal and the head's own previous output.
+* `verify` compares the proposals with the target's rows of the same window. Greedy: accept while a
+  proposal equals the target's argmax. Sampled: standard speculative rejection sampling (accept with
+  min(1, p/q), otherwise resample from norm(max(0, p - q)); a bonus token from p when all are accepted), so
+  the output has exactly the target's distribution.
+* `commit` is the only way a slot moves on: it rewinds the rejected rows' KV on every stage and in the
+  drafter, then catches the drafter up on the accepted rows, which yields the next window's first proposal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..backend import Array, Device
+from ..layout import Layout
+from ..model import Model
+from .sampling import Sampler, distribution
+
+
+@dataclass
+class Proposals:
+    """Drafted tokens and, when sampling, the drafter's distribution each was drawn from."""
+
+    tokens: list[int]
+    q: list[np.ndarray]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a window decided for one slot: how many proposals held, and the tokens it emits."""
+
+    accepted: int
+    tokens: list[int]
+
+
+def _choose(sampler: Sampler, dev: Device, logits: Array) -> tuple[int, np.ndarray | None]:
+    """A proposal from one row of draft logits [V] (on ``dev``): its argmax, or a draw from q."""
+    if sampler.greedy:
+        with dev.use():
+            return int(dev.xp.argmax(logits)), None
+    q = distribution(dev.to_host(logits)[None, :], sampler.params)[0]
+    return sampler.draw(q), q
+
+
+def draft(model: Model, slot: int, token: int, depth: int, sampler: Sampler) -> Proposals:
+    """Up to ``depth`` chained proposals for the tokens after ``token`` (the slot's next input).
+
+    The drafter's pending logits (from its last catch-up) give the first; each further one runs the MTP head
+    at the next position on (previous proposal, head's previous output). Those speculative MTP KV rows are
+    rewound by the next `commit`.
+    """
+    drafter = model.drafters[slot]
+    dev = drafter.device
+    out = Proposals([], [])
+    if depth <= 0:
+        return out
+    tok, q = _choose(sampler, dev, drafter.logits[0])
+    out.tokens.append(tok)
+    if q is not None:
+        out.q.append(q)
+    assert model.mtp is not None
+    for j in range(1, depth):
+        pos = drafter.length
+        layout = Layout.of([(slot, 1, pos)])
+        with dev.use():
+            head = model.mtp({slot: drafter}, np.array([tok]), drafter.hidden[j - 1 : j], layout)  # [1, H]
+            drafter.hidden[j : j + 1] = head
+            drafter.logits[j : j + 1] = model.mtp.logits(head)
+        tok, q = _choose(sampler, dev, drafter.logits[j])
+        out.tokens.append(tok)
+        if q is not None:
+            out.q.append(q)
+    return out
+
+
+def verify(target: np.ndarray, proposals: Proposals, sampler: Sampler) -> Verdict:
+    """Decide a slot's window from the target's rows for its token and its n - 1 proposals.
+
+    ``target`` is the rows' argmax [n] when greedy, else their logits [n, V] (host arrays).
+    """
+    n_prop = len(proposals.tokens)
+    if sampler.greedy:
+        a = 0
+        while a < n_prop and proposals.tokens[a] == int(target[a]):
+            a += 1
+        return Verdict(a, [*proposals.tokens[:a], int(target[a])])
+    p = distribution(target, sampler.params)  # [n, V]
+    for j, tok in enumerate(proposals.tokens):
+        q = proposals.q[j]
+        if sampler.uniform() * q[tok] < p[j, tok]:  # accept with probability min(1, p/q)
+            continue
+        residual = np.maximum(p[j] - q, 0.0)
+        fix = sampler.draw(residual if residual.sum() > 0 else p[j])
+        return Verdict(j, [*proposals.tokens[:j], fix])
+    return Verdict(n_prop, [*proposals.tokens, sampler.draw(p[n_prop])])
+
+
+def commit(
+    model: Model, slot: int, base: int, kept_rows: int, normed: Array, next_tokens: list[int], tracked: bool
+) -> None:
+    """Keep ``kept_rows`` rows of a window that started at position ``base``; drop the rest everywhere.
+
+    ``normed`` are the window's post-final-norm rows of this slot [n, H] (on the last device) and
+    ``next_tokens`` the token that follows each kept row. With ``tracked`` the slot's drafter is caught up
+    on the kept rows, which leaves the next window's first proposal's logits in ``drafter.logits[0]``.
+    """
+    model.rewind(slot, base + kept_rows)
+    if not tracked:
+        return
+    drafter = model.drafters[slot]
+    drafter.rewind(min(drafter.length, base))
+    if drafter.length != base:
+        raise RuntimeError(f"slot {slot}: drafter holds {drafter.length} positions, window starts at {base}")
+    assert model.mtp is not None
+    layout = Layout.of([(slot, kept_rows, base)])
+    with drafter.device.use():
+        head = model.mtp({slot: drafter}, np.asarray(next_tokens[:kept_rows]), normed[:kept_rows], layout)
+        drafter.hidden[0:1] = head[kept_rows - 1 : kept_rows]
+        drafter.logits[0:1] = model.mtp.logits(head[kept_rows - 1 : kept_rows])

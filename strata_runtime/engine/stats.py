@@ -1,0 +1,65 @@
+"""What the windows did: each recent window, and running totals for the status page and summaries."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class WindowStat:
+    """One window (or one pipelined round's share of it)."""
+
+    kind: str
+    rows: int
+    ms: float
+    proposals: int
+    accepted: int
+    slots: tuple[int, ...]
+
+
+class WindowStats:
+    """The last ``keep`` windows and totals over every window since the engine started."""
+
+    def __init__(self, keep: int = 1024) -> None:
+        self.recent: deque[WindowStat] = deque(maxlen=keep)
+        self.totals: dict[str, Any] = {
+            "windows": 0,
+            "rows": 0,
+            "tokens": 0,
+            "proposals": 0,
+            "accepted": 0,
+            "ms": 0.0,
+        }
+
+    def record(self, window: WindowStat, tokens: int) -> None:
+        """Count one window that emitted ``tokens`` tokens."""
+        self.recent.append(window)
+        t = self.totals
+        t["windows"] += 1
+        t["rows"] += window.rows
+        t["tokens"] += tokens
+        t["proposals"] += window.proposals
+        t["accepted"] += window.accepted
+        t["ms"] += window.ms
+
+    def last(self, n: int) -> list[dict[str, Any]]:
+        """The last ``n`` windows as JSON-ready dictionaries."""
+        return [asdict(w) for w in list(self.recent)[-n:]]
+
+    @property
+    def acceptance(self) -> float | None:
+        """Accepted proposals over proposals made, or None before any was made."""
+        made = self.totals["proposals"]
+        return None if not made else float(self.totals["accepted"] / made)
+
+    def summary(self) -> str:
+        t = self.totals
+        rate = f"{t['accepted']}/{t['proposals']} proposals accepted"
+        if t["proposals"]:
+            rate += f" ({100 * t['accepted'] / t['proposals']:.1f}%)"
+        per = t["ms"] / t["windows"] if t["windows"] else 0.0
+        return (
+            f"{t['windows']} windows, {t['rows']} rows, {t['tokens']} tokens, {rate}, {per:.2f} ms per window"
+        )

@@ -1,0 +1,10 @@
+"""The model as the plan places it: stages of layers on their devices, the MTP head, and the KV caches.
+
+`placed` builds the whole model from a plan (`Model.from_plan`) and runs a window through its stages;
+`stage` is one device's run of layers with their KV; `mtp` is the MTP head and each slot's drafter;
+`kvcache` is the per-slot KV with rewind.
+"""
+
+from .placed import Model
+
+__all__ = ["Model"]

@@ -1,0 +1,78 @@
+"""Per-slot KV cache of one stage (or of the MTP layer), with rewind.
+
+Each slot's KV is a run of positions [0, length). A window writes its rows' keys and values at their
+positions, and must start exactly at the slot's current length: a window that would skip or overlap
+positions is refused. So after a verify that rejects some rows, the only way to go on is `rewind`, which
+is what makes a skipped rollback impossible rather than silently wrong.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.typing import DTypeLike
+
+from ..backend import Array, Device
+from ..layout import Segment
+
+
+class KVError(RuntimeError):
+    """A window that does not continue a slot's KV where it ends."""
+
+
+class KVCache:
+    """Keys and values [layers, slots, K, T, D] on one device, and each slot's length."""
+
+    def __init__(
+        self,
+        device: Device,
+        layers: int,
+        slots: int,
+        kv_heads: int,
+        context: int,
+        head_dim: int,
+        dtype: DTypeLike,
+        arrays: tuple[Array, Array] | None = None,
+    ) -> None:
+        """``arrays`` (optional): preallocated keys and values of the same shape, e.g. views of a cache
+        shared by several drafters so that one kernel launch can index all of them by slot."""
+        self.device, self.context = device, context
+        shape = (layers, slots, kv_heads, context, head_dim)
+        if arrays is None:
+            arrays = (device.zeros(shape, dtype), device.zeros(shape, dtype))
+        elif tuple(arrays[0].shape) != shape or tuple(arrays[1].shape) != shape:
+            raise ValueError(f"KV arrays of shape {arrays[0].shape} given for a cache of shape {shape}")
+        self.k, self.v = arrays  # [Ls, S, K, T, D] each
+        self.lengths = np.zeros(slots, dtype=np.int64)
+        self._layers = layers
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.k.nbytes + self.v.nbytes)
+
+    def begin(self, segments: tuple[Segment, ...]) -> None:
+        """Check that every segment continues its slot's KV, then count its rows as written."""
+        for s in segments:
+            if s.pos != self.lengths[s.slot]:
+                raise KVError(
+                    f"slot {s.slot}: a window starts at position {s.pos} but its KV holds "
+                    f"{int(self.lengths[s.slot])} positions (rewind before re-writing)"
+                )
+            if s.pos + s.n > self.context:
+                raise KVError(
+                    f"slot {s.slot}: positions up to {s.pos + s.n} exceed the context {self.context}"
+                )
+        for s in segments:
+            self.lengths[s.slot] = s.pos + s.n
+
+    def write(self, layer: int, seg: Segment, keys: Array, values: Array) -> tuple[Array, Array]:
+        """Store a segment's keys/values [n, K, D] and return the slot's keys/values [K, pos + n, D]."""
+        end = seg.pos + seg.n
+        self.k[layer, seg.slot, :, seg.pos : end] = keys.transpose(1, 0, 2)  # [K, n, D]
+        self.v[layer, seg.slot, :, seg.pos : end] = values.transpose(1, 0, 2)  # [K, n, D]
+        return self.k[layer, seg.slot, :, :end], self.v[layer, seg.slot, :, :end]
+
+    def rewind(self, slot: int, length: int) -> None:
+        """Forget positions [length, ...) of ``slot``: rejected rows, or the whole slot on release."""
+        if not 0 <= length <= self.lengths[slot]:
+            raise KVError(f"slot {slot}: cannot rewind to {length}, it holds {int(self.lengths[slot])}")
+        self.lengths[slot] = length

@@ -1,0 +1,145 @@
+"""The Qwen3-Next style MTP head and the per-slot drafters that use it.
+
+The head predicts the token after next. At position t it reads the embedding of token t+1 and the main
+model's post-final-norm hidden state at t::
+
+    x = fc(cat[pre_fc_norm_embedding(embed(token)), pre_fc_norm_hidden(hidden)])   # 2H -> H
+    x = layers.0(x)                                                                  # one decoder layer
+    out = norm(x)                                                                    # mtp.norm
+    logits = lm_head(out)                                                            # shared with the model
+
+Chained proposals feed back the head's own ``out`` as the next ``hidden``. Each slot has a `Drafter` on the
+last stage's device: the MTP layer's KV over the slot's context, plus its draft-window buffers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
+from numpy.typing import DTypeLike
+
+from strata_cfg.schema.windows import MAX_WINDOW_ROWS
+
+from ..backend import Array, Device
+from ..layout import Layout, Segment
+from ..models.ops.norm import rms_norm_in_dtype
+from ..models.qwen3_moe import DecoderLayer, ModelArgs, linear
+from .kvcache import KVCache
+from .stage import Rope
+
+if TYPE_CHECKING:
+    from ..cuda.mtp import CudaMtp
+
+
+class Drafter:
+    """One slot's private drafting state, on the last stage's device.
+
+    ``kv`` is the MTP layer's KV over the slot's context; ``hidden`` and ``logits`` hold the draft window:
+    the head's output rows, and the logits of the proposals drafted from them.
+    """
+
+    def __init__(
+        self,
+        slot: int,
+        device: Device,
+        args: ModelArgs,
+        context: int,
+        dtype: DTypeLike,
+        kv_dtype: DTypeLike,
+        kv_arrays: tuple[Array, Array] | None = None,
+    ) -> None:
+        """``kv_arrays``: this slot's views [1, 1, K, T, D] of a KV cache shared by all drafters (GPUs)."""
+        self.slot, self.device = slot, device
+        kv_heads, head_dim = args.num_key_value_heads, args.head_dim
+        self.kv = KVCache(device, 1, 1, kv_heads, context, head_dim, kv_dtype, arrays=kv_arrays)
+        self.hidden = device.zeros((MAX_WINDOW_ROWS, args.hidden_size), dtype)  # [8, H]
+        self.logits = device.zeros((MAX_WINDOW_ROWS, args.vocab_size), device.xp.float32)  # [8, V]
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.nbytes + int(self.hidden.nbytes) + int(self.logits.nbytes)
+
+    @property
+    def length(self) -> int:
+        return int(self.kv.lengths[0])
+
+    def rewind(self, length: int) -> None:
+        self.kv.rewind(0, length)
+
+
+class _DrafterKV:
+    """Routes a multi-slot MTP window's KV reads and writes to each slot's own drafter."""
+
+    def __init__(self, drafters: dict[int, Drafter]) -> None:
+        self.drafters = drafters
+
+    def begin(self, segments: tuple[Segment, ...]) -> None:
+        for s in segments:
+            self.drafters[s.slot].kv.begin((Segment(0, s.row, s.n, s.pos),))
+
+    def write(self, layer: int, seg: Segment, keys: Array, values: Array) -> tuple[Array, Array]:
+        return self.drafters[seg.slot].kv.write(layer, Segment(0, seg.row, seg.n, seg.pos), keys, values)
+
+
+class MtpHead:
+    """The MTP weights on the last stage, shared by every slot's drafter."""
+
+    def __init__(
+        self,
+        tensors: dict[str, Array],
+        args: ModelArgs,
+        device: Device,
+        rope: Rope,
+        lm_head: Array,
+        embed: Callable[[np.ndarray], Array],
+    ) -> None:
+        self.device, self.args, self.rope = device, args, rope
+        self.pre_fc_norm_embedding = tensors["mtp.pre_fc_norm_embedding.weight"]  # [H]
+        self.pre_fc_norm_hidden = tensors["mtp.pre_fc_norm_hidden.weight"]  # [H]
+        self.fc = tensors["mtp.fc.weight"]  # [H, 2H]
+        self.layer = DecoderLayer(tensors, "mtp.layers.0.", args, args.num_experts > 0)
+        self.norm = tensors["mtp.norm.weight"]  # [H]
+        self.lm_head = lm_head  # [V, H], the main model's
+        self.embed = embed  # token ids -> embedding rows [R, H] on this device
+        self.weight_bytes = sum(int(t.nbytes) for n, t in tensors.items() if n.startswith("mtp."))
+        self.cuda: CudaMtp | None = None  # once `use_cuda` hands it the drafters' shared KV
+
+    def use_cuda(self, k_cache: Array, v_cache: Array) -> str | None:
+        """Run draft windows of at most 8 rows as CUDA graphs over the drafters' shared KV [1, S, K, T, D].
+        Returns why not, when the kernels cannot run this head."""
+        from ..cuda import layers
+        from ..cuda.mtp import CudaMtp
+
+        why = layers.supported(self.args, self.fc.dtype, k_cache.dtype)
+        if why is None:
+            self.cuda = CudaMtp(self.device.index, self, self.args, k_cache, v_cache)
+        return why
+
+    def __call__(
+        self, drafters: dict[int, Drafter], tokens: np.ndarray, hidden: Array, layout: Layout
+    ) -> Array:
+        """The head's post-norm output [R, H] for rows (token t+1, hidden at t) at the layout's positions."""
+        xp, eps = self.device.xp, self.args.rms_norm_eps
+        with self.device.use():
+            kv = _DrafterKV(drafters)
+            kv.begin(layout.segments)
+            if self.cuda is not None and 0 < layout.rows <= MAX_WINDOW_ROWS:
+                return self.cuda.forward(self.embed(tokens), hidden, layout)  # [R, H] fp32
+            if self.cuda is not None and layout.rows > MAX_WINDOW_ROWS:
+                return self.cuda.prefill(self.embed(tokens), hidden, layout)  # [R, H] fp32
+            e = rms_norm_in_dtype(self.embed(tokens), self.pre_fc_norm_embedding, eps)  # [R, H]
+            h = rms_norm_in_dtype(hidden, self.pre_fc_norm_hidden, eps)  # [R, H]
+            x = linear(xp.concatenate([e, h], axis=-1), self.fc)  # [R, H]
+            cos, sin = self.rope.at(layout)  # [R, D/2] each
+            x = self.layer(xp, x, layout, kv, 0, cos, sin)  # [R, H]
+            return rms_norm_in_dtype(x, self.norm, eps)  # [R, H]
+
+    def logits(self, out: Array) -> Array:
+        """Draft logits [R, V] in fp32 from the head's output rows."""
+        if self.cuda is not None:
+            return self.cuda.logits(out)  # [R, V] fp32
+        with self.device.use():
+            x = out.astype(self.lm_head.dtype, copy=False)
+            return linear(x, self.lm_head).astype(self.device.xp.float32)

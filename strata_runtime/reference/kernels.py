@@ -1,0 +1,212 @@
+"""NumPy twins of the CUDA decode kernels: the same contract, written plainly, for the gpu tests.
+
+Each function mirrors the launcher of the same name in `strata_runtime.cuda.ops`, takes NumPy arrays, and
+writes its outputs in place. Weights arrive as float16 and are widened to float32, as the kernels do.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def _f32(a: np.ndarray) -> np.ndarray:
+    return a.astype(np.float32)
+
+
+def _silu(x: np.ndarray) -> np.ndarray:
+    return np.asarray(x / (1.0 + np.exp(-x)))
+
+
+def _rms_inv(x: np.ndarray, eps: float) -> np.ndarray:
+    return np.asarray(1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps))  # [R, 1]
+
+
+def gemv(
+    w: np.ndarray,
+    x: np.ndarray,
+    out: np.ndarray,
+    accumulate: bool = False,
+    norm: np.ndarray | None = None,
+    eps: float = 1e-6,
+) -> None:
+    if norm is not None:
+        x = x * _rms_inv(x, eps) * _f32(norm)
+    y = x @ _f32(w).T  # [R, N]
+    out[...] = out + y if accumulate else y
+
+
+def add_rms_norm_fp32(
+    resid: np.ndarray, delta: np.ndarray | None, w: np.ndarray, out: np.ndarray, eps: float
+) -> None:
+    """The fp32 rule: no rounding between the norm and the weight (`reference.ops.rms_norm_in_dtype` is the
+    array path's rule, which rounds to the input dtype in between)."""
+    if delta is not None:
+        resid += delta
+    inv = 1.0 / np.sqrt(np.mean(resid * resid, axis=-1, keepdims=True) + eps)  # [R, 1]
+    out[...] = resid * inv * _f32(w)
+
+
+def _rope(x: np.ndarray, pos: np.ndarray, theta: float) -> np.ndarray:
+    """NeoX rotate-half RoPE of x [R, heads, D] at positions pos [R]."""
+    d = x.shape[-1]
+    inv_freq = theta ** (-2.0 * np.arange(d // 2, dtype=np.float32) / d)  # [D/2]
+    ang = pos[:, None].astype(np.float32) * inv_freq[None, :]  # [R, D/2]
+    c, s = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    a, b = x[..., : d // 2], x[..., d // 2 :]
+    return np.concatenate([a * c - b * s, b * c + a * s], axis=-1)
+
+
+def _head_rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    return np.asarray(x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * _f32(w))
+
+
+def qk_norm_rope_kv(
+    qkv: np.ndarray,
+    q_norm: np.ndarray,
+    k_norm: np.ndarray,
+    pos: np.ndarray,
+    slot: np.ndarray,
+    q_out: np.ndarray,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    theta: float,
+    eps: float,
+) -> None:
+    rows = qkv.shape[0]
+    _, n_q, d = q_out.shape
+    n_kv = k_cache.shape[1]
+    q = qkv[:, : n_q * d].reshape(rows, n_q, d)  # [R, NQ, D]
+    k = qkv[:, n_q * d : (n_q + n_kv) * d].reshape(rows, n_kv, d)  # [R, NKV, D]
+    v = qkv[:, (n_q + n_kv) * d :].reshape(rows, n_kv, d)  # [R, NKV, D]
+    q_out[...] = _rope(_head_rmsnorm(q, q_norm, eps), pos, theta)
+    k_rot = _rope(_head_rmsnorm(k, k_norm, eps), pos, theta)
+    for r in range(rows):
+        k_cache[slot[r], :, pos[r]] = k_rot[r]
+        v_cache[slot[r], :, pos[r]] = v[r]
+
+
+def attention(
+    q: np.ndarray,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    pos: np.ndarray,
+    slot: np.ndarray,
+    out: np.ndarray,
+    scratch: np.ndarray | None = None,
+) -> None:
+    """``scratch`` is the launcher's workspace; the reference needs none."""
+    rows, n_q, d = q.shape
+    n_kv = k_cache.shape[1]
+    g = n_q // n_kv
+    for r in range(rows):
+        n = int(pos[r]) + 1
+        k = _f32(k_cache[slot[r], :, :n])  # [NKV, n, D]
+        v = _f32(v_cache[slot[r], :, :n])  # [NKV, n, D]
+        qr = q[r].reshape(n_kv, g, d)  # [NKV, G, D]
+        s = np.einsum("hgd,htd->hgt", qr, k) / np.sqrt(d)  # [NKV, G, n]
+        p = np.exp(s - s.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        out[r] = np.einsum("hgt,htd->hgd", p, v).reshape(n_q * d)
+
+
+def moe(
+    x: np.ndarray,
+    norm: np.ndarray,
+    logits: np.ndarray,
+    norm_topk: bool,
+    eps: float,
+    gate_up: np.ndarray,
+    down: np.ndarray,
+    resid: np.ndarray,
+    idx: np.ndarray,
+    wts: np.ndarray,
+    h_buf: np.ndarray,
+) -> None:
+    rows, topk = idx.shape
+    inter = down.shape[2]
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)  # [R, E]
+    order = np.argsort(-logits, axis=-1, kind="stable")[:, :topk]  # ties: lower index first
+    idx[...] = order
+    w = np.take_along_axis(p, order, axis=-1)  # [R, k]
+    wts[...] = w / w.sum(-1, keepdims=True) if norm_topk else w
+    xn = x * _rms_inv(x, eps) * _f32(norm)  # [R, H]
+    for r in range(rows):
+        total = np.zeros(x.shape[1], np.float32)
+        for j in range(topk):
+            e = int(idx[r, j])
+            gu = _f32(gate_up[e]) @ xn[r]  # [2I]
+            h = _silu(gu[:inter]) * gu[inter:]  # [I]
+            h_buf[r * topk + j] = h
+            total += wts[r, j] * (_f32(down[e]) @ h)  # [H]
+        resid[r] += total
+
+
+def silu_mul(gu: np.ndarray, out: np.ndarray) -> None:
+    inter = out.shape[1]
+    out[...] = _silu(gu[:, :inter]) * gu[:, inter:]
+
+
+def add_scaled(resid: np.ndarray, y: np.ndarray, gate: np.ndarray | None = None) -> None:
+    """``gate``: one value per row, [R] or [R, 1] (the decode path holds the shared expert gate as [R, 1])."""
+    resid += y if gate is None else (1.0 / (1.0 + np.exp(-gate.reshape(-1))))[:, None] * y
+
+
+def embed(table: np.ndarray, ids: np.ndarray, out: np.ndarray) -> None:
+    out[...] = _f32(table[ids])
+
+
+def argmax(logits: np.ndarray, out: np.ndarray) -> None:
+    out[...] = np.argmax(logits, axis=-1)
+
+
+def rms_norm_fp32_to_half(x: np.ndarray, w: np.ndarray, out: np.ndarray, eps: float) -> None:
+    out[...] = (x * _rms_inv(x, eps) * _f32(w)).astype(np.float16)
+
+
+def route_topk(logits: np.ndarray, norm_topk: bool, idx: np.ndarray, wts: np.ndarray) -> None:
+    topk = idx.shape[1]
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)  # [R, E]
+    idx[...] = np.argsort(-logits, axis=-1, kind="stable")[:, :topk]  # ties: lower index first
+    w = np.take_along_axis(p, idx, axis=-1)  # [R, k]
+    wts[...] = w / w.sum(-1, keepdims=True) if norm_topk else w
+
+
+def softmax_causal(scores: np.ndarray, probs: np.ndarray, pos: int, group: int) -> None:
+    _, rows, length = scores.shape
+    for r in range(rows):
+        valid = min(pos + r // group + 1, length)
+        s = scores[:, r, :valid]  # [B, valid]
+        p = np.exp(s - s.max(-1, keepdims=True))
+        probs[:, r, :valid] = (p / p.sum(-1, keepdims=True)).astype(np.float16)
+        probs[:, r, valid:] = 0
+
+
+def moe_group(idx: np.ndarray, n_exp: int, rank: np.ndarray, most: np.ndarray) -> None:
+    """Places in order of assignment (the kernel's order differs; any bijection onto 0..count-1 is valid)."""
+    seen = np.zeros(n_exp, np.int64)
+    for a, e in enumerate(idx.ravel()):
+        rank.flat[a], seen[e] = seen[e], seen[e] + 1
+    most[0] = seen.max()
+
+
+def silu_mul_half(gu: np.ndarray, out: np.ndarray) -> None:
+    inter = out.shape[1]
+    g = _f32(gu)
+    out[...] = (_silu(g[:, :inter]) * g[:, inter:]).astype(np.float16)
+
+
+def moe_scatter_rows(x: np.ndarray, idx: np.ndarray, rank: np.ndarray, xs: np.ndarray) -> None:
+    rows, topk = idx.shape
+    for a in range(rows * topk):
+        xs[idx.flat[a], rank.flat[a]] = x[a // topk]
+
+
+def moe_gather_add(
+    ys: np.ndarray, idx: np.ndarray, rank: np.ndarray, wts: np.ndarray, resid: np.ndarray
+) -> None:
+    rows, topk = idx.shape
+    for r in range(rows):
+        for j in range(topk):
+            resid[r] += wts[r, j] * _f32(ys[idx[r, j], rank[r, j]])

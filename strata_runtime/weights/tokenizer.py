@@ -1,0 +1,131 @@
+"""Tokenizers: byte-level for synthetic models, ``tokenizer.json`` (via ``tokenizers``) for checkpoints.
+
+Both implement `strata_runtime.api.Tokenizer`. Chat prompts use the checkpoint's own chat template when it
+has one (rendered with jinja2 when that is installed), and a plain ChatML layout otherwise.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+
+def chatml(messages: list[dict[str, str]]) -> str:
+    """The ChatML layout Qwen models use, ending where the assistant's reply begins."""
+    parts = [f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages]
+    return "".join(parts) + "<|im_start|>assistant\n"
+
+
+class ByteTokenizer:
+    """Ids 0..255 are bytes; a few special tokens follow. Any other id decodes to nothing."""
+
+    SPECIALS = MappingProxyType({"<|endoftext|>": 256, "<|im_start|>": 257, "<|im_end|>": 258})
+
+    def __init__(self, vocab_size: int) -> None:
+        if vocab_size <= max(self.SPECIALS.values()):
+            raise ValueError(f"a byte-level tokenizer needs a vocabulary of at least 259, not {vocab_size}")
+        self.vocab_size = vocab_size
+        self.eos_ids: tuple[int, ...] = (self.SPECIALS["<|endoftext|>"], self.SPECIALS["<|im_end|>"])
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = []
+        rest = text
+        while rest:  # special tokens are matched as whole strings, the rest as UTF-8 bytes
+            cut = min(((rest.find(s), s) for s in self.SPECIALS if s in rest), default=(-1, ""))
+            if cut[0] < 0:
+                ids.extend(rest.encode("utf-8"))
+                break
+            ids.extend(rest[: cut[0]].encode("utf-8"))
+            ids.append(self.SPECIALS[cut[1]])
+            rest = rest[cut[0] + len(cut[1]) :]
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        names = {v: k for k, v in self.SPECIALS.items()}
+        out, pending = [], bytearray()
+        for i in ids:
+            if 0 <= i < 256:
+                pending.append(i)
+                continue
+            out.append(pending.decode("utf-8", errors="replace"))
+            pending.clear()
+            if i in names and i not in self.eos_ids:
+                out.append(names[i])
+        out.append(pending.decode("utf-8", errors="replace"))
+        return "".join(out)
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        """A plain transcript ending in ``assistant: ``. A synthetic model has no chat template, and ending
+        on a printable byte keeps its planted token chain (and so the reply) in readable characters."""
+        return self.encode("".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: ")
+
+
+class HFTokenizer:
+    """A checkpoint's ``tokenizer.json``, with its EOS ids and chat template."""
+
+    def __init__(self, directory: str | Path, config: dict[str, Any]) -> None:
+        try:
+            tokenizers = importlib.import_module("tokenizers")
+        except ImportError as exc:
+            raise RuntimeError(
+                "this checkpoint has a tokenizer.json; reading it needs the optional `tokenizers` package "
+                "(pip install 'strata-cfg[hf]')"
+            ) from exc
+        directory = Path(directory)
+        self._tok = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
+        tok_cfg = _read_json(directory / "tokenizer_config.json")
+        gen_cfg = _read_json(directory / "generation_config.json")
+        self.template: str | None = tok_cfg.get("chat_template")
+        jinja = directory / "chat_template.jinja"
+        if self.template is None and jinja.is_file():
+            self.template = jinja.read_text()
+        self.eos_ids = self._eos_ids(config, gen_cfg, tok_cfg)
+
+    def _eos_ids(self, *configs: dict[str, Any]) -> tuple[int, ...]:
+        ids: list[int] = []
+        for cfg in configs:
+            eos = cfg.get("eos_token_id")
+            ids.extend(eos if isinstance(eos, list) else [] if eos is None else [eos])
+            token = cfg.get("eos_token")
+            if isinstance(token, dict):
+                token = token.get("content")
+            if isinstance(token, str) and self._tok.token_to_id(token) is not None:
+                ids.append(self._tok.token_to_id(token))
+        return tuple(dict.fromkeys(int(i) for i in ids))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: list[int]) -> str:
+        return str(self._tok.decode(list(ids), skip_special_tokens=True))
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        text = None
+        if self.template is not None:
+            try:
+                jinja2 = importlib.import_module("jinja2")
+            except ImportError:
+                jinja2 = None
+            if jinja2 is not None:
+                env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+                text = env.from_string(self.template).render(messages=messages, add_generation_prompt=True)
+        return self.encode(text if text is not None else chatml(messages))
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def tokenizer_for(
+    model_dir: str | None, vocab_size: int, config: dict[str, Any] | None = None
+) -> ByteTokenizer | HFTokenizer:
+    """The tokenizer of a model directory (``tokenizer.json``), or byte-level for synthetic models.
+
+    A checkpoint without ``tokenizer.json`` (such as a test model) falls back to byte-level ids.
+    """
+    if model_dir is not None and (Path(model_dir) / "tokenizer.json").is_file():
+        return HFTokenizer(model_dir, config or {})
+    return ByteTokenizer(max(vocab_size, 259))
