@@ -1,0 +1,59 @@
+"""Host memory for the expert tier: pinned and mapped on GPU machines, plain NumPy otherwise.
+
+On a machine with CUDA, the host tier is page-locked memory allocated portable and mapped. Under unified
+virtual addressing (every 64-bit CUDA platform) its device address equals its host address, so a kernel on
+any GPU can read an expert that holds no VRAM slot straight over the host link, and the copy engines move it
+into a slot at the link's full rate (pageable memory reaches a fraction of it). Without a GPU the tier is an
+ordinary NumPy array: the virtual CPU devices read it like any other.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import numpy as np
+
+from ..backend import cupy_module
+
+
+class PinnedBuffer:
+    """One page-locked, mapped host allocation; freed when the last array viewing it is gone."""
+
+    def __init__(self, nbytes: int) -> None:
+        cp = cupy_module()
+        rt = cp.cuda.runtime
+        self.nbytes = nbytes
+        self.ptr = int(rt.hostAlloc(max(nbytes, 1), rt.hostAllocPortable | rt.hostAllocMapped))
+
+    def __del__(self) -> None:
+        ptr, self.ptr = getattr(self, "ptr", 0), 0
+        if ptr:
+            try:
+                cupy_module().cuda.runtime.freeHost(ptr)
+            except Exception:  # interpreter shutdown: the process is going away with its memory
+                pass
+
+
+def _as_numpy(buf: PinnedBuffer, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    raw = (ctypes.c_byte * buf.nbytes).from_address(buf.ptr)
+    arr = np.frombuffer(raw, dtype=dtype, count=int(np.prod(shape))).reshape(shape)
+    # Keep the allocation alive as long as any view of it: NumPy holds ``raw``, and ``raw`` holds ``buf``.
+    raw._owner = buf  # type: ignore[attr-defined]
+    return arr
+
+
+def host_empty(shape: tuple[int, ...], dtype: Any, pinned: bool) -> np.ndarray:
+    """An uninitialised host array: pinned and mapped when ``pinned`` (needs CuPy), else ordinary."""
+    if not pinned:
+        return np.empty(shape, dtype=dtype)
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    return _as_numpy(PinnedBuffer(nbytes), shape, dtype)
+
+
+def device_view(host: np.ndarray, device_id: int) -> Any:
+    """A CuPy array on ``device_id`` over the same bytes as pinned, mapped ``host`` (no copy: every read
+    crosses the host link)."""
+    cp = cupy_module()
+    mem = cp.cuda.UnownedMemory(host.ctypes.data, host.nbytes, host, device_id)
+    return cp.ndarray(host.shape, host.dtype, cp.cuda.MemoryPointer(mem, 0), strides=host.strides)
