@@ -60,7 +60,9 @@ def test_the_slot_table_stays_a_bijection_whatever_the_routing(
             swaps = r.rebalance()
             assert len(swaps) <= max_swaps
             for s in swaps:
-                assert before[s.loaded] >= before[s.evicted] + margin, "a swap beats the evicted by the margin"
+                assert before[s.loaded] >= before[s.evicted] + margin, (
+                    "a swap beats the evicted by the margin"
+                )
         check_bijection(r)
 
 

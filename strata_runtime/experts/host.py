@@ -37,7 +37,7 @@ class PinnedBuffer:
 
 def _as_numpy(buf: PinnedBuffer, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     raw = (ctypes.c_byte * buf.nbytes).from_address(buf.ptr)
-    arr = np.frombuffer(raw, dtype=dtype, count=int(np.prod(shape))).reshape(shape)
+    arr: np.ndarray = np.frombuffer(memoryview(raw), dtype=dtype, count=int(np.prod(shape))).reshape(shape)
     # Keep the allocation alive as long as any view of it: NumPy holds ``raw``, and ``raw`` holds ``buf``.
     raw._owner = buf  # type: ignore[attr-defined]
     return arr

@@ -47,9 +47,7 @@ class ExpertStore:
         n_layers = len(layer_ids)
         n_exp = int(gate_up[0].shape[0]) if n_layers else 0
         self.n_experts = n_exp
-        self.expert_bytes = (
-            int(gate_up[0][0].nbytes + down[0][0].nbytes) if n_layers and n_exp else 0
-        )
+        self.expert_bytes = int(gate_up[0][0].nbytes + down[0][0].nbytes) if n_layers and n_exp else 0
         self.cached = slots is not None and slots < n_layers * n_exp
         capacity = n_layers * n_exp if not self.cached else int(slots or 0)
         self.residency = Residency(n_layers, n_exp, capacity, self.expert_bytes, policy or Policy())
