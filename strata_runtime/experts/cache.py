@@ -2,8 +2,8 @@
 
 A stage whose routed experts do not all fit in VRAM keeps every one of them in host memory and ``slots`` of
 them in a VRAM cache. `Residency` is the cache's bookkeeping, with no arrays of weights in it: the table
-``slot_of[j, e]`` (the slot holding expert ``e`` of the stage's ``j``-th layer, or -1), the owner of each slot,
-and the adaptive policy that decides what the slots hold.
+``slot_of[j, e]`` (the slot holding expert ``e`` of the stage's ``j``-th layer, or -1), the owner of each
+slot, and the adaptive policy that decides what the slots hold.
 
 The policy, after the engine this project models (its adaptive tier nearly doubled decode speed on two 20 GB
 cards: 89.2 against 45.2 tok/s), is frequency with decay:

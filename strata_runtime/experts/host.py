@@ -9,6 +9,7 @@ ordinary NumPy array: the virtual CPU devices read it like any other.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 from typing import Any
 
@@ -29,10 +30,9 @@ class PinnedBuffer:
     def __del__(self) -> None:
         ptr, self.ptr = getattr(self, "ptr", 0), 0
         if ptr:
-            try:
+            # At interpreter shutdown CuPy may be gone: the process is going away with its memory.
+            with contextlib.suppress(Exception):
                 cupy_module().cuda.runtime.freeHost(ptr)
-            except Exception:  # interpreter shutdown: the process is going away with its memory
-                pass
 
 
 def _as_numpy(buf: PinnedBuffer, shape: tuple[int, ...], dtype: Any) -> np.ndarray:

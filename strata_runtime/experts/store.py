@@ -27,7 +27,7 @@ Array = Any
 
 
 class ExpertStore:
-    """One stage's routed experts: per-layer stacked tensors (all resident) or a slot pool over host memory."""
+    """One stage's routed experts: stacked per layer (all resident), or a slot pool over host memory."""
 
     def __init__(
         self,
