@@ -207,3 +207,24 @@ def test_the_twin_refuses_arguments_outside_the_kernels_contract():
     wide = np.ones((2, 4, 300), np.float32)
     with pytest.raises(ValueError, match="at most 256"):
         twin.check_args(np.zeros((3, 300), np.float32), pos, slot, wide, seeds, 3, 4)
+
+
+def test_device_tables_on_a_cpu_device_follow_the_host_tables_and_bias_through_the_twin():
+    from strata_runtime.backend import Device
+    from strata_runtime.cuda.routing import DeviceRouting
+
+    model = r.RoutingModel(4, 16, 4, model_seed=1)
+    host = r.RoutingTables(model, slots=3)
+    device = DeviceRouting(host, Device.parse("cpu:0"))
+    host.admit(1, [5, 6, 7])
+    assert not (device.cdf[1] == host.cdf[1]).all()  # a copy: it changes only when loaded
+    device.load(1)
+    assert (device.cdf == host.cdf).all() and (device.seeds == host.seeds).all()
+    g = np.random.default_rng(12)
+    logits = (g.standard_normal((6, 16)) * 3).astype(np.float32)
+    pos, slot = g.integers(0, 900, 6).astype(np.int32), np.array([0, 1, 1, 2, 1, 0], np.int32)
+    want = logits.copy()
+    r.apply_bias(want, 3, slot, pos, host)
+    got = logits.copy()
+    device.layer(3)(got, pos, slot)
+    assert (got == want).all() and not (got == logits).all()
