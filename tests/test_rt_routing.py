@@ -151,7 +151,9 @@ def test_the_bias_makes_the_top_k_the_intended_set_and_keeps_the_real_logits_ord
     slots, pos = g.integers(0, 3, rows), g.integers(0, 2000, rows)
     out = r.apply_bias(logits, 1, slots, pos, tables)
     assert out is logits  # NumPy: in place
-    want = twin.intended_sets(tables.seeds[slots], tables.cdf[slots, 1], 1, pos, top_k, float(m.p_stay[1]), 64)
+    want = twin.intended_sets(
+        tables.seeds[slots], tables.cdf[slots, 1], 1, pos, top_k, float(m.p_stay[1]), 64
+    )
     top = np.argsort(-logits, axis=1, kind="stable")[:, :top_k]
     assert (np.sort(top, axis=1) == np.sort(want, axis=1)).all()
     # Within the chosen k the order is the router's own, and nothing else moved.

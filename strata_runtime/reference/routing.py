@@ -174,7 +174,9 @@ def check_args(
     """(R, E) of a valid call; ValueError naming what does not fit. With ``kernel``, also the launcher's
     dtypes (logits and cdf float32, pos and slot int32, seeds uint64), C order and `MAX_KERNEL_EXPERTS`."""
     if logits.ndim != 2 or cdf.ndim != 3:
-        raise ValueError(f"route_bias: logits must be [R, E] and cdf [S, L, E], not {logits.shape}, {cdf.shape}")
+        raise ValueError(
+            f"route_bias: logits must be [R, E] and cdf [S, L, E], not {logits.shape}, {cdf.shape}"
+        )
     rows, n_exp = logits.shape
     if not 1 <= top_k <= min(n_exp, MAX_TOP_K):
         raise ValueError(f"route_bias: top-k {top_k} must be in [1, min(E = {n_exp}, {MAX_TOP_K})]")
