@@ -98,7 +98,8 @@ class DeviceRouting:
         self.seeds = device.asarray(tables.seeds)  # [S]
         self._launch = route_bias if device.is_cuda else twin.route_bias
         if device.is_cuda:
-            routing_kernels_for(device.index).prepare([KERNEL])  # compiled now, never inside a capture
+            with device.use():  # compiled now, never inside a capture, and loaded in this device's context
+                routing_kernels_for(device.index).prepare([KERNEL])
 
     def load(self, slot: int) -> None:
         """Copy ``slot``'s tables from the host tables (after `RoutingTables.admit`). Waits for the copy, so
