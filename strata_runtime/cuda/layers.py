@@ -3,9 +3,9 @@
 `LayerStack` is what the decode graphs (`strata_runtime.cuda.decode`) and the prefill path
 (`strata_runtime.cuda.prefill`) share: each layer's weights (`LayerWeights`, q/k/v and gate/up fused, and
 under calibrated routing the layer's router bias), the KV cache the layers write, the model's numbers and the
-device's kernels. `LAYER_STEPS` is one layer's decode
-kernel sequence as named steps: the decode graphs run them in order, and ``strata bench --workload step``
-times each alone. `WindowBuffers` holds every array a window of R rows touches.
+device's kernels. `LAYER_STEPS` is one layer's decode kernel sequence as named steps: the decode graphs run
+them in order, and ``strata bench --workload step`` times each alone. `WindowBuffers` holds every array a
+window of R rows touches.
 
 Nothing here imports CuPy: arrays come from the caller (``xp``), so the CPU tests run the very same sequence
 on the kernels' NumPy references (`strata_runtime.reference.kernels`).
