@@ -49,6 +49,12 @@ class Layout:
     def slots(self) -> tuple[int, ...]:
         return tuple(s.slot for s in self.segments)
 
+    def row_slots(self) -> np.ndarray:
+        """The slot of every row [R]."""
+        if not self.segments:
+            return np.zeros(0, dtype=np.int64)
+        return np.concatenate([np.full(s.n, s.slot, dtype=np.int64) for s in self.segments])
+
     def rows_between(self, start: int, stop: int) -> Layout:
         """The layout of window rows [start, stop), renumbered from row 0 (segments clipped to the range)."""
         out = []

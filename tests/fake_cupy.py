@@ -19,6 +19,7 @@ import numpy as np
 
 from strata_runtime.reference import flash as reference_flash
 from strata_runtime.reference import kernels as reference_kernels
+from strata_runtime.reference import routing as reference_routing
 
 CUDA_MODULES = tuple(f"strata_runtime.cuda.{m}" for m in ("decode", "prefill", "head", "mtp", "blas"))
 """The modules of the CUDA path that import CuPy when they are imported."""
@@ -180,7 +181,7 @@ def installed() -> Iterator[None]:
         if hasattr(package, name.rsplit(".", 1)[1]):
             delattr(package, name.rsplit(".", 1)[1])
     try:
-        from strata_runtime.cuda import blas, head, layers, mtp, ops, prefill
+        from strata_runtime.cuda import blas, head, layers, mtp, ops, prefill, routing
 
         kernels = ReferenceKernels()
         for m in (layers, head, ops):
@@ -191,6 +192,8 @@ def installed() -> Iterator[None]:
                     patch(m, name, _matmul(transpose_b))
         patch(prefill, "flash_prefill", reference_flash.flash_prefill)
         patch(prefill, "flash_kernels_for", lambda device_id: kernels)
+        patch(routing, "routing_kernels_for", lambda device_id: kernels)
+        patch(routing, "route_bias", lambda *a, **k: RECORDER.launch(reference_routing.route_bias, *a, **k))
         yield
     finally:
         for mod, name, value in reversed(patched):

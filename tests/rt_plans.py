@@ -36,6 +36,7 @@ def profile_text(
     prefill_chunk: int = 64,
     seed: int = 0,
     layer_scale: float | None = None,
+    routing: str | None = None,
     serve: bool = False,
 ) -> str:
     if model_dir is not None:
@@ -47,6 +48,8 @@ def profile_text(
         model = f'synthetic = "{preset}"\nseed = {seed}'
         if layer_scale is not None:
             model += f"\nlayer_scale = {layer_scale}"
+        if routing is not None:
+            model += f'\nrouting = "{routing}"'
     gpu = '{ name = "virtual CPU device", vram_mib = 8192, bandwidth_gbs = 20 }'
     lines = [
         'name = "test"',

@@ -56,7 +56,20 @@ def _wide_model_dir(tmp_path, seed: int) -> str:
     return str(tmp_path)
 
 
-def _plan(cp, *, model: str, slots=1, batch_mtp=False, draft_tokens=0, backend="cuda", chunk=64, context=512):
+def _plan(
+    cp,
+    *,
+    model: str,
+    slots=1,
+    batch_mtp=False,
+    draft_tokens=0,
+    backend="cuda",
+    chunk=64,
+    context=512,
+    routing="uniform",
+    split=None,
+):
+    """``split``: the first layer of a second stage on the same GPU (a solo-mode test split)."""
     from strata_cfg.plan.from_profile import resolve_text
 
     vram = cp.cuda.runtime.memGetInfo()[1] // (1 << 20)
@@ -68,6 +81,7 @@ gpus = [{{ name = "GPU", vram_mib = {vram}, bandwidth_gbs = 1000 }}]
 [model]
 {src}
 dtype = "float16"
+routing = "{routing}"
 [batch]
 slots = {slots}
 mtp = {"true" if batch_mtp else "false"}
@@ -78,6 +92,8 @@ context = {context}
 prefill_chunk = {chunk}
 [serve]
 """
+    if split is not None:
+        text += f"[split]\nlayers = [{split}]\ntest_shared_gpu = true\n"
     return resolve_text(text, "gpu-test.toml").plan
 
 
@@ -101,12 +117,14 @@ class RoutingMargins:
     def _recording(self, block):
         real = block.route
 
-        def route(xp, x):
+        def route(xp, x, bias=None):
             logits = np.asarray(x, np.float64) @ np.asarray(block.gate, np.float64).T  # [R, E]
+            if bias is not None:  # calibrated routing: the margin of the biased logits
+                logits += bias(np.zeros(logits.shape, np.float32))
             top = -np.sort(-logits, axis=-1)
             gap = top[:, block.top_k - 1] - top[:, block.top_k]  # [R]
             self.rows = gap if self.rows is None else np.minimum(self.rows, gap)
-            return real(xp, x)
+            return real(xp, x, bias)
 
         return route
 
@@ -287,3 +305,68 @@ def test_flash_and_cublas_attention_each_match_the_float32_reference(cp):
         model.rewind(1, 0)
         row_err = np.linalg.norm(got - expected, axis=1) / np.linalg.norm(expected, axis=1)
         assert row_err.max() < ROW_TOLERANCE, (flash, np.sort(row_err)[-5:])
+
+
+def _windows_match_row_by_row(model, reference, runs, prompts):
+    """Admit each prompt to its slot in both models, then run ``runs`` (window layout, tokens) through both:
+    every row's logits within `ROW_TOLERANCE` of the reference's."""
+    for m in (model, reference):
+        for slot, prompt in prompts.items():
+            m.admit(slot, tuple(prompt))
+    for layout, tokens in runs:
+        got, expected = _window(model, layout, tokens), _window(reference, layout, tokens)
+        row_err = np.linalg.norm(got - expected, axis=1) / np.linalg.norm(expected, axis=1)
+        assert row_err.max() < ROW_TOLERANCE, (layout, np.sort(row_err)[-5:])
+
+
+@pytest.mark.parametrize("model_name", ["tiny", "small"])
+def test_calibrated_routing_on_gpu_matches_the_float32_reference_row_by_row(cp, model_name):
+    """The router-bias step in the decode graphs and the prefill path chooses what the array path's NumPy
+    bias chooses: with every row's experts forced, no near-tie can flip a row, so every row is compared."""
+    from strata_runtime.model import Model
+
+    model = Model.from_plan(_plan(cp, model=model_name, slots=2, routing="calibrated"))
+    reference = Model.from_plan(_plan(cp, model=model_name, slots=2, backend="cpu", routing="calibrated"))
+    assert model.stages[0].cuda_routing is not None
+    g = np.random.default_rng(31)
+    vocab = model.args.vocab_size
+    a, b = g.integers(1, vocab, 150).tolist(), g.integers(1, vocab, 20).tolist()
+    runs = [
+        ([(0, 150, 0)], a),  # the prefill path
+        ([(1, 20, 0)], b),  # 8-row graph windows
+        ([(0, 3, 150), (1, 1, 20)], g.integers(1, vocab, 4).tolist()),  # a decode window of two slots
+        ([(0, 2, 153), (1, 2, 21)], g.integers(1, vocab, 4).tolist()),  # again: now a replayed graph
+    ]
+    _windows_match_row_by_row(model, reference, runs, {0: a, 1: b})
+
+
+def test_calibrated_routing_on_a_later_stage_biases_by_the_model_layer(cp):
+    """Two stages on one GPU: the second stage's layers route by their model layer, not their index in the
+    stage (a one-stage float32 reference routes every layer by its own)."""
+    from strata_runtime.model import Model
+
+    model = Model.from_plan(_plan(cp, model="small", split=3, routing="calibrated"))
+    reference = Model.from_plan(_plan(cp, model="small", backend="cpu", routing="calibrated"))
+    assert len(model.stages) == 2 and model.stages[1].layer_range[0] == 3
+    assert model.stages[1].cuda_routing is not None
+    g = np.random.default_rng(32)
+    vocab = model.args.vocab_size
+    a = g.integers(1, vocab, 90).tolist()
+    runs = [([(0, 90, 0)], a), ([(0, 4, 90)], g.integers(1, vocab, 4).tolist())]
+    _windows_match_row_by_row(model, reference, runs, {0: a})
+
+
+def test_greedy_text_on_gpu_with_calibrated_routing_does_not_depend_on_drafting_or_batching(cp):
+    g = np.random.default_rng(33)
+    prompts = [g.integers(1, 250, int(n)).tolist() for n in (5, 90)]
+    plain, _ = _generate(_plan(cp, model="small", slots=2, routing="calibrated"), prompts)
+    drafted, _ = _generate(
+        _plan(cp, model="small", slots=2, batch_mtp=True, draft_tokens=4, routing="calibrated"), prompts
+    )
+    assert all(len(t) == 24 for t in plain)
+    assert drafted == plain
+    solo = [
+        _generate(_plan(cp, model="small", slots=1, draft_tokens=6, routing="calibrated"), [p])[0][0]
+        for p in prompts
+    ]
+    assert solo == plain

@@ -321,7 +321,7 @@ RUNTIME_MAY_IMPORT: dict[str, set[str]] = {
     "layout": set(),
     "reference": set(),
     "models": {"layout", "reference"},
-    "experts": {"backend", "layout"},
+    "experts": {"backend", "layout", "reference"},
     "weights": {"backend", "models", "reference"},
     "cuda": {"backend", "layout", "models", "reference", "experts"},
     "model": {"api", "backend", "layout", "models", "weights", "cuda", "experts"},

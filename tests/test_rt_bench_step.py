@@ -152,3 +152,52 @@ def test_step_memory_counts_every_weight_and_the_kv_of_eight_slots() -> None:
     held += model.stack.k_cache.nbytes + model.stack.v_cache.nbytes
     held += model.emb.nbytes + model.head.nbytes + model.final_norm.nbytes
     assert step_memory_bytes(facts, 64) == held
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small"])
+def test_the_step_routes_each_layer_by_its_model_layer_under_calibrated_routing(preset: str) -> None:
+    """With calibrated routing the step's layer sequence biases each MoE layer's router before the top-k, by
+    that layer's index in the model: after each sparse layer, every row chose its slot's intended experts
+    at that layer and position (and without the bias, the same check fails)."""
+    from strata_runtime.backend import Device
+    from strata_runtime.bench.step import SLOTS, facts_args
+    from strata_runtime.cuda.layers import LAYER_STEPS
+    from strata_runtime.cuda.routing import DeviceRouting
+    from strata_runtime.experts.routing import RoutingModel, RoutingTables
+
+    facts = ModelFacts.from_config(preset_config(preset), source=f"synthetic:{preset}", dtype="float16")
+    args = facts_args(facts)
+    tables = RoutingTables(
+        RoutingModel(args.num_hidden_layers, args.num_experts, args.num_experts_per_tok, 0), SLOTS
+    )
+    g = np.random.default_rng(13)
+    for slot in range(SLOTS):
+        tables.admit(slot, g.integers(1, facts.vocab_size, 9).tolist())
+    routed = KernelModel(
+        _numpy_as_cupy(seed=7), facts, 64, reference, routing=DeviceRouting(tables, Device.parse("cpu:0"))
+    )
+    plain = KernelModel(_numpy_as_cupy(seed=7), facts, 64, reference)
+    position = 5
+    matched = {}
+    for name, model in (("calibrated", routed), ("uniform", plain)):
+        s = model.stack
+        b = model.window(3, position=position, seed=11).buffers  # rows in slots 0-2
+        b.resid[...] = model.emb[np.array([3, 4, 5])]
+        rows = checked = 0
+        for j, lay in enumerate(s.layers):
+            for step in LAYER_STEPS.values():
+                step(s.kern, s.args, lay, b, s.k_cache[j], s.v_cache[j])
+            if not facts.is_sparse(j):
+                continue
+            assert step_applies("route_bias", lay) == (name == "calibrated")
+            for r, slot in enumerate(b.slot.tolist()):
+                want = tables.model.intended(
+                    int(tables.seeds[slot]), tables.cdf[slot], j, np.array([position])
+                )
+                rows += set(b.idx[r].tolist()) == set(want[0].tolist())
+                checked += 1
+        matched[name] = (rows, checked)
+    rows, checked = matched["calibrated"]
+    assert checked >= 3 and rows == checked, matched
+    rows, checked = matched["uniform"]
+    assert rows < checked / 2, matched

@@ -103,3 +103,36 @@ def test_greedy_text_on_the_cuda_path_does_not_depend_on_drafting(fake_gpu):
     plain = generate(_plan("cuda", "tiny"))
     drafted = generate(_plan("cuda", "tiny", batch_mtp=True, draft_tokens=4))
     assert all(len(t) == 10 for t in plain) and drafted == plain
+
+
+def test_calibrated_routing_through_the_cuda_path_gives_the_array_paths_logits(fake_gpu, monkeypatch):
+    """The route_bias step runs in the graph windows (eager, captured and replayed) and before the prefill
+    path's top-k, biased by each layer's model layer (a second stage starts at a later one), with the tables
+    of the request each slot was given: the logits of the array path, which biases through the twin."""
+    import sys
+
+    from strata_runtime.model import Model
+
+    monkeypatch.setattr(sys.modules["cupy"].cuda.runtime, "getDeviceCount", lambda: 2)
+    gpu = Model.from_plan(_plan("cuda", stages=2, routing="calibrated"))
+    cpu = Model.from_plan(_plan("cpu", stages=2, routing="calibrated"))
+    assert all(s.cuda_routing is not None for s in gpu.stages)
+    assert gpu.stages[1].layer_range[0] == 2
+    g = np.random.default_rng(3)
+    vocab = gpu.args.vocab_size
+    prompts = {0: g.integers(1, vocab, 100), 1: g.integers(1, vocab, 20)}
+    for model in (gpu, cpu):
+        for slot, prompt in prompts.items():
+            model.admit(slot, tuple(prompt.tolist()))
+    windows = [
+        ([(0, 100, 0)], prompts[0]),  # the prefill path
+        ([(1, 20, 0)], prompts[1]),  # 8-row graph windows
+        ([(0, 3, 100), (1, 1, 20)], g.integers(1, vocab, 4)),  # decode rows of two slots: eager
+        ([(0, 3, 103), (1, 1, 21)], g.integers(1, vocab, 4)),  # captured
+        ([(0, 3, 106), (1, 1, 22)], g.integers(1, vocab, 4)),  # replayed
+    ]
+    for runs, tokens in windows:
+        a, b = _logits(gpu, runs, tokens), _logits(cpu, runs, tokens)
+        assert np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-2, runs  # as above: fp16 against float32
+        assert (a.argmax(-1) == b.argmax(-1)).all(), runs
+    assert gpu.stages[0].cuda._graphs

@@ -168,6 +168,7 @@ def _assemble(
             synthetic=m.synthetic if m else None,
             seed=led["model.seed"],
             layer_scale=led["model.layer_scale"],
+            routing=led["model.routing"],
             facts=model,
         ),
         stages=tuple(stages),

@@ -56,6 +56,7 @@ def resolve_defaults(
     led.take("model.seed", m.seed if m else None, 0)
     preset_scale = PRESET_DEFAULTS[synthetic]["layer_scale"] if synthetic is not None else None
     led.take("model.layer_scale", m.layer_scale if m else None, preset_scale)
+    led.take("model.routing", m.routing if m else None, "uniform")
 
     mem = p.memory
     max_ctx = model.max_position_embeddings

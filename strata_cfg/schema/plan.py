@@ -250,6 +250,8 @@ class ModelPlan(_Plan):
     seed: int = 0
     layer_scale: float | None = None
     """Synthetic only: the planted-structure scale (see the profile's ``model.layer_scale``)."""
+    routing: Literal["uniform", "calibrated"] = "uniform"
+    """Synthetic only: the routing model (see the profile's ``model.routing``)."""
     facts: ModelFacts
 
 

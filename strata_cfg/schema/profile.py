@@ -17,6 +17,7 @@ from .presets import PresetName
 
 Backend = Literal["cuda", "cpu"]
 DType = Literal["float32", "float16", "bfloat16"]
+Routing = Literal["uniform", "calibrated"]
 KvDType = Literal["float32", "float16", "bfloat16"]
 
 _DEVICE_RE = re.compile(r"^(?:(?P<host>[A-Za-z0-9_.-]+):)?(?P<index>\d+)$")
@@ -96,11 +97,20 @@ class ModelSection(Section):
     """Synthetic models only: scale on each layer's output into the residual stream. Small values keep the
     preset's planted token chain dominant, so MTP drafts are accepted often; large values let the random
     layers change the next token, so drafts are rejected. Default: the preset's own."""
+    routing: Routing | None = None
+    """Synthetic models only: how the router picks experts. ``"uniform"`` (default): the random router, every
+    expert about equally likely at every token, the worst case for an expert cache. ``"calibrated"``: skewed
+    within a request and persistent from token to token, like a real model's (docs/RUNTIME.md); the router
+    still decides, through a bias on its logits."""
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSection:
         if self.path is not None and self.synthetic is not None:
             raise ValueError("give either `path` or `synthetic`, not both")
+        if self.path is not None and self.routing == "calibrated":
+            raise ValueError(
+                '`routing = "calibrated"` is for synthetic presets; a checkpoint routes by its own router'
+            )
         return self
 
 

@@ -1,7 +1,8 @@
 """``strata bench --workload step``: one decode step of the plan's model straight from the CUDA kernels.
 
 Random fp16 weights with the shapes of the plan's model facts (every layer of the whole model, on the first
-stage's GPU), random routing, KV at a fixed position. For 1, 2, 4 and 8 rows it times the whole step
+stage's GPU), the plan's routing (the random router's, or calibrated: `strata_runtime.experts.routing`, each
+slot with a prompt of its own), KV at a fixed position. For 1, 2, 4 and 8 rows it times the whole step
 (embedding, every layer, final norm, LM head, argmax) eagerly and as a replayed CUDA graph, against the byte
 roofline: the step's bytes (`ceilings.decode_step_bytes`, with the distinct experts the last
 layer's rows routed to) over the device-to-device copy rate measured in the same run. Then it times each
@@ -25,8 +26,11 @@ import numpy as np
 from strata_cfg.schema.facts import ModelFacts
 from strata_cfg.schema.plan import LaunchPlan
 
+from ..backend import Device
 from ..cuda.layers import LAYER_STEPS, LayerStack, LayerWeights, Step, WindowBuffers, step_applies
 from ..cuda.ops import Kernels
+from ..cuda.routing import DeviceRouting, RowBias
+from ..model.placed import routing_tables
 from ..models.qwen3_moe import ModelArgs
 from .ceilings import copy_bandwidth, decode_step_bytes
 
@@ -69,8 +73,9 @@ def _rnd(cp: Any, shape: tuple[int, ...], scale: float = 0.02) -> Any:
     return (cp.random.standard_normal(shape, dtype=cp.float32) * scale).astype(cp.float16)
 
 
-def random_layer(cp: Any, f: ModelFacts, j: int) -> LayerWeights:
-    """Layer ``j``'s weights as the CUDA path holds them (q/k/v and gate/up fused), random fp16."""
+def random_layer(cp: Any, f: ModelFacts, j: int, router_bias: RowBias | None = None) -> LayerWeights:
+    """Layer ``j``'s weights as the CUDA path holds them (q/k/v and gate/up fused), random fp16, and its
+    router bias (sparse layers only)."""
     h, d, nq, nkv = f.hidden_size, f.head_dim, f.num_attention_heads, f.num_key_value_heads
     e, i = f.num_experts, f.moe_intermediate_size
     sparse = f.is_sparse(j)
@@ -88,6 +93,7 @@ def random_layer(cp: Any, f: ModelFacts, j: int) -> LayerWeights:
         mlp_gate_up=_rnd(cp, (2 * width, h)) if width else None,  # [2W, H]
         mlp_down=_rnd(cp, (h, width)) if width else None,  # [H, W]
         shared_gate=_rnd(cp, (1, h)) if sparse and width else None,  # [1, H]
+        router_bias=router_bias if sparse else None,
     )
 
 
@@ -125,12 +131,23 @@ class KernelModel:
     The layers are a `strata_runtime.cuda.layers.LayerStack` run by its own kernel sequence (`LAYER_STEPS`),
     exactly as the decode graphs run a stage's. ``kern`` is the device's `strata_runtime.cuda.ops.Kernels`
     (the CPU tests pass the NumPy references, which have the launchers' names and signatures) and ``cp``
-    the array module.
+    the array module; ``routing``, calibrated routing's tables on that device (None: the router's own).
     """
 
-    def __init__(self, cp: Any, f: ModelFacts, context: int, kern: Kernels, device_index: int = 0) -> None:
+    def __init__(
+        self,
+        cp: Any,
+        f: ModelFacts,
+        context: int,
+        kern: Kernels,
+        device_index: int = 0,
+        routing: DeviceRouting | None = None,
+    ) -> None:
         self.cp, self.f, self.context = cp, f, context
-        layers = [random_layer(cp, f, j) for j in range(f.num_hidden_layers)]
+        layers = [
+            random_layer(cp, f, j, routing.layer(j) if routing is not None else None)
+            for j in range(f.num_hidden_layers)
+        ]
         kv = (f.num_hidden_layers, SLOTS, f.num_key_value_heads, context, f.head_dim)  # [L, S, NKV, T, D]
         k_cache, v_cache = cp.zeros(kv, cp.float16), cp.zeros(kv, cp.float16)
         self.stack = LayerStack(device_index, facts_args(f), layers, k_cache, v_cache, kern)
@@ -169,7 +186,8 @@ class KernelModel:
         cp.cuda.Device().synchronize()
         eager = (time.perf_counter() - t0) / 3
         graph = graph_seconds(cp, lambda: self.step(w), repeats)
-        # The last layer's routing stands for every layer's: random weights route alike in each.
+        # The last layer's routing stands for every layer's: random weights (and mid-stack calibrated
+        # routing) route alike in each.
         distinct = len(set(w.buffers.idx.get().ravel().tolist())) if f.num_experts else 0
         nbytes = decode_step_bytes(
             f, rows=rows, positions=position + 1, kv_dtype="float16", distinct_experts=distinct
@@ -215,6 +233,18 @@ def gpu_name(cp: Any, device_index: int) -> str:
     return name.decode() if isinstance(name, bytes) else str(name)
 
 
+def step_routing(plan: LaunchPlan, device: Device) -> DeviceRouting | None:
+    """Calibrated routing's tables on ``device`` when the plan asks for it, each of the `SLOTS` slots with a
+    seeded prompt of its own (so each row of a window routes as a request of its own)."""
+    tables = routing_tables(plan, facts_args(plan.model.facts), SLOTS)
+    if tables is None:
+        return None
+    g = np.random.default_rng(plan.model.seed)
+    for slot in range(SLOTS):
+        tables.admit(slot, g.integers(1, plan.model.facts.vocab_size, 16).tolist())
+    return DeviceRouting(tables, device)
+
+
 def run_step(
     plan: LaunchPlan, device_index: int, *, position: int = 300, repeats: int = 20
 ) -> dict[str, Any]:
@@ -235,13 +265,14 @@ def run_step(
             )
         copy = copy_bandwidth(device_index)
         t0 = time.perf_counter()
-        model = KernelModel(cp, f, context, kernels_for(device_index), device_index)
+        routing = step_routing(plan, Device("cuda", device_index))
+        model = KernelModel(cp, f, context, kernels_for(device_index), device_index, routing)
         cp.cuda.Device().synchronize()
         made_s = time.perf_counter() - t0
         table = [model.time_rows(rows, position, repeats, copy) for rows in ROWS]
         per_kernel = model.time_kernels(position, max(repeats // 2, 3))
         name = gpu_name(cp, device_index)
-    del model
+    del model, routing
     with cp.cuda.Device(device_index):
         cp.get_default_memory_pool().free_all_blocks()
     return {
@@ -249,6 +280,7 @@ def run_step(
         "device": f"cuda:{device_index}",
         "gpu": name,
         "model": model_summary(f),
+        "routing": plan.model.routing,
         "context": context,
         "position": position,
         "weights_generated_s": made_s,
@@ -280,7 +312,7 @@ def render_step(res: dict[str, Any]) -> str:
         f"{m['heads']}/{m['kv_heads']} heads x {m['head_dim']}, {m['experts']} experts top-{m['top_k']} "
         f"of width {m['expert_width']}, "
         f"vocab {m['vocab']}) on {res['device']} ({res['gpu']}), KV at position {res['position']} "
-        f"of {res['context']}, random fp16 weights and routing",
+        f"of {res['context']}, random fp16 weights, {res['routing']} routing",
         f"device-to-device copy measured in this run: {res['copy_gbs']:,.0f} GB/s (read + write)",
         "roofline = bytes one step must read / copy rate:",
         *(f"  {r['arithmetic']}" for r in res["rows"]),

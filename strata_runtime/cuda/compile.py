@@ -19,7 +19,7 @@ OPTIONS = ("-std=c++17", "--use_fast_math")
 
 
 def source(name: str) -> str:
-    """The text of a kernel source beside this module (``kernels.cu``, ``flash.cu``)."""
+    """The text of a kernel source beside this module (``kernels.cu``, ``flash.cu``, ``routing.cu``)."""
     return Path(__file__).with_name(name).read_text()
 
 
@@ -29,8 +29,9 @@ class KernelCache:
     Create it with that device current.
     """
 
-    def __init__(self, code: str) -> None:
-        self._code = code
+    def __init__(self, code: str, options: tuple[str, ...] = OPTIONS) -> None:
+        """``options``: NVRTC's, `OPTIONS` unless the source's results must round as NumPy's do."""
+        self._code, self._options = code, options
         self._fns: dict[str, Any] = {}
 
     def prepare(self, expressions: Iterable[str]) -> None:
@@ -38,7 +39,7 @@ class KernelCache:
         todo = [e for e in dict.fromkeys(expressions) if e not in self._fns]
         if not todo:
             return
-        mod = cupy_module().RawModule(code=self._code, options=OPTIONS, name_expressions=todo)
+        mod = cupy_module().RawModule(code=self._code, options=self._options, name_expressions=todo)
         for e in todo:
             self._fns[e] = mod.get_function(e)
 

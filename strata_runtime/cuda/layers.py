@@ -1,10 +1,11 @@
 """A run of decoder layers as the CUDA kernels read them: weights, a window's buffers, one layer's steps.
 
 `LayerStack` is what the decode graphs (`strata_runtime.cuda.decode`) and the prefill path
-(`strata_runtime.cuda.prefill`) share: each layer's weights (`LayerWeights`, q/k/v and gate/up fused), the KV
-cache the layers write, the model's numbers and the device's kernels. `LAYER_STEPS` is one layer's decode
-kernel sequence as named steps: the decode graphs run them in order, and ``strata bench --workload step``
-times each alone. `WindowBuffers` holds every array a window of R rows touches.
+(`strata_runtime.cuda.prefill`) share: each layer's weights (`LayerWeights`, q/k/v and gate/up fused, and
+under calibrated routing the layer's router bias), the KV cache the layers write, the model's numbers and the
+device's kernels. `LAYER_STEPS` is one layer's decode kernel sequence as named steps: the decode graphs run
+them in order, and ``strata bench --workload step`` times each alone. `WindowBuffers` holds every array a
+window of R rows touches.
 
 Nothing here imports CuPy: arrays come from the caller (``xp``), so the CPU tests run the very same sequence
 on the kernels' NumPy references (`strata_runtime.reference.kernels`).
@@ -25,6 +26,7 @@ from ..backend import Array, cupy_module
 from ..layout import Layout
 from ..models.qwen3_moe import MLP, DecoderLayer, ModelArgs, SparseMoeBlock
 from .ops import Kernels, attention_scratch_size, kernels_for
+from .routing import DeviceRouting, RowBias
 
 
 def supported(args: ModelArgs, dtype: Any, kv_dtype: Any) -> str | None:
@@ -44,7 +46,8 @@ def supported(args: ModelArgs, dtype: Any, kv_dtype: Any) -> str | None:
 
 @dataclass
 class LayerWeights:
-    """One decoder layer's weights as the kernels read them (fp16, q/k/v and gate/up fused)."""
+    """One decoder layer's weights as the kernels read them (fp16, q/k/v and gate/up fused), and its router
+    bias under calibrated routing (`strata_runtime.cuda.routing`; None: the router's own choice)."""
 
     ln1: Array  # [H]
     ln2: Array  # [H]
@@ -58,10 +61,12 @@ class LayerWeights:
     mlp_gate_up: Array | None  # [2I', H]: the dense MLP, or the shared expert
     mlp_down: Array | None  # [H, I']
     shared_gate: Array | None  # [1, H]
+    router_bias: RowBias | None = None
 
     @classmethod
-    def of(cls, layer: DecoderLayer, xp: Any) -> LayerWeights:
-        """The kernels' view of ``layer``, whose q/k/v and gate/up it fuses (``xp``: the arrays' module)."""
+    def of(cls, layer: DecoderLayer, xp: Any, router_bias: RowBias | None = None) -> LayerWeights:
+        """The kernels' view of ``layer``, whose q/k/v and gate/up it fuses (``xp``: the arrays' module);
+        ``router_bias`` is kept for a sparse layer only."""
         att, mlp = layer.self_attn, layer.mlp
         qkv = att.fuse_qkv(xp)
         router = gate_up = down = shared_gate = None
@@ -85,6 +90,7 @@ class LayerWeights:
             mlp_gate_up=mlp_gate_up,
             mlp_down=dense.down_proj if dense is not None else None,
             shared_gate=shared_gate,
+            router_bias=router_bias if router is not None else None,
         )
 
     @property
@@ -129,7 +135,7 @@ class WindowBuffers:
     def load(self, layout: Layout) -> None:
         """Copy the window's positions and slots to the device (CuPy buffers)."""
         self.pos.set(layout.positions().astype(np.int32))
-        self.slot.set(np.concatenate([np.full(s.n, s.slot, np.int32) for s in layout.segments]))
+        self.slot.set(layout.row_slots().astype(np.int32))
 
 
 # ---- one layer's kernel sequence ---------------------------------------------------------------------
@@ -174,6 +180,12 @@ def _router(k: Kernels, a: ModelArgs, lay: LayerWeights, b: WindowBuffers, kc: A
         k.gemv(lay.router, b.resid, b.router, norm=lay.ln2, eps=a.rms_norm_eps)
 
 
+def _route_bias(k: Kernels, a: ModelArgs, lay: LayerWeights, b: WindowBuffers, kc: Array, vc: Array) -> None:
+    """Calibrated routing: B on the router logits of each row's intended experts, before the top-k."""
+    if lay.router_bias is not None:
+        lay.router_bias(b.router, b.pos, b.slot)
+
+
 def _moe(k: Kernels, a: ModelArgs, lay: LayerWeights, b: WindowBuffers, kc: Array, vc: Array) -> None:
     if lay.gate_up is None:
         return
@@ -204,11 +216,13 @@ LAYER_STEPS: dict[str, Step] = {
     "o_proj": _o_proj,
     "mlp": _mlp,
     "router+norm": _router,
+    "route_bias": _route_bias,
     "moe": _moe,
     "mlp_add": _mlp_add,
 }
 """A decoder layer on a window, in the order the steps run: attention (each output added to the residual in
-place), then the dense MLP or shared expert, the routed experts, and the MLP's output added last."""
+place), then the dense MLP or shared expert, the router (biased under calibrated routing), the routed experts,
+and the MLP's output added last."""
 
 
 def step_applies(name: str, lay: LayerWeights) -> bool:
@@ -218,6 +232,8 @@ def step_applies(name: str, lay: LayerWeights) -> bool:
         return lay.mlp_gate_up is not None
     if name in ("router+norm", "moe"):
         return lay.gate_up is not None
+    if name == "route_bias":
+        return lay.router_bias is not None
     return True
 
 
@@ -244,13 +260,25 @@ class LayerStack:
 
     @classmethod
     def of(
-        cls, device_id: int, layers: list[DecoderLayer], args: ModelArgs, k_cache: Array, v_cache: Array
+        cls,
+        device_id: int,
+        layers: list[DecoderLayer],
+        args: ModelArgs,
+        k_cache: Array,
+        v_cache: Array,
+        routing: DeviceRouting | None = None,
+        first_layer: int = 0,
     ) -> LayerStack:
-        """The stack of ``layers`` (CuPy arrays on GPU ``device_id``), fusing their weights there."""
+        """The stack of ``layers`` (CuPy arrays on GPU ``device_id``), fusing their weights there. With
+        ``routing`` (calibrated routing), each MoE layer gets its bias step; ``layers[j]`` is model layer
+        ``first_layer + j``."""
         cp = cupy_module()
         with cp.cuda.Device(device_id):
             kern = kernels_for(device_id)
-            weights = [LayerWeights.of(layer, cp) for layer in layers]
+            weights = [
+                LayerWeights.of(layer, cp, routing.layer(first_layer + j) if routing is not None else None)
+                for j, layer in enumerate(layers)
+            ]
         return cls(device_id, args, weights, k_cache, v_cache, kern)
 
     @property

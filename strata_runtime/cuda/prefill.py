@@ -84,10 +84,10 @@ class CudaPrefill:
     def run(self, resid: cp.ndarray, layout: Layout) -> None:
         """Every layer on ``resid`` [n, H] fp32, in place."""
         pos = cp.asarray(layout.positions(), dtype=cp.int32)  # [n]
-        slot = cp.concatenate([cp.full(s.n, s.slot, cp.int32) for s in layout.segments])  # [n]
+        slot = cp.asarray(layout.row_slots(), dtype=cp.int32)  # [n]
         for j, lay in enumerate(self.stack.layers):
             self._attention(j, lay, resid, layout, pos, slot)
-            self._mlp(j, lay, resid)
+            self._mlp(j, lay, resid, pos, slot)
 
     # ---- attention -------------------------------------------------------------------------------
 
@@ -145,7 +145,7 @@ class CudaPrefill:
 
     # ---- MLP: routed experts, shared expert, dense MLP ------------------------------------------
 
-    def _mlp(self, j: int, lay: LayerWeights, resid: cp.ndarray) -> None:
+    def _mlp(self, j: int, lay: LayerWeights, resid: cp.ndarray, pos: cp.ndarray, slot: cp.ndarray) -> None:
         a, kern = self.args, self.kern
         n_rows, h = resid.shape
         x = cp.empty((n_rows, h), cp.float16)
@@ -161,11 +161,13 @@ class CudaPrefill:
             if lay.shared_gate is not None:
                 gate = matmul_nt(x, lay.shared_gate, cp.empty((n_rows, 1), cp.float32)).reshape(n_rows)
         if lay.gate_up is not None:
-            self._experts(j, lay, x, resid)
+            self._experts(j, lay, x, resid, pos, slot)
         if dense is not None:
             kern.add_scaled(resid, dense, gate)
 
-    def _experts(self, j: int, lay: LayerWeights, x: cp.ndarray, resid: cp.ndarray) -> None:
+    def _experts(
+        self, j: int, lay: LayerWeights, x: cp.ndarray, resid: cp.ndarray, pos: cp.ndarray, slot: cp.ndarray
+    ) -> None:
         a, kern = self.args, self.kern
         n_rows, h = x.shape
         n_exp, topk = a.num_experts, a.num_experts_per_tok
@@ -175,6 +177,8 @@ class CudaPrefill:
         router = self.router32[j]
         assert router is not None
         logits = xf @ router.T  # [n, E] fp32
+        if lay.router_bias is not None:  # calibrated synthetic routing: the rows' intended experts
+            lay.router_bias(logits, pos, slot)
         idx = cp.empty((n_rows, topk), cp.int32)
         wts = cp.empty((n_rows, topk), cp.float32)
         kern.route_topk(logits, a.norm_topk_prob, idx, wts)

@@ -159,6 +159,8 @@ class Engine:
             f"slots: {self.n_slots}, mode {p.batch.mode}, {p.batch.groups} group(s), batch MTP "
             f"{'on' if p.batch.mtp else 'off'}, solo drafting {self.depth} proposal(s)",
         ]
+        if p.model.routing == "calibrated":
+            lines.append("routing: calibrated (skewed and persistent, through a router bias)")
         info = self.drafter_info()
         if info["device"] is None:
             lines.append("drafters: none (the plan does not draft)")
@@ -222,6 +224,7 @@ class Engine:
                 )
                 self._admitted += 1
                 handle.slot = i
+                self.model.admit(i, req.prompt_ids)
                 self.slots[i] = Slot(
                     i,
                     handle,

@@ -16,6 +16,7 @@ from strata_cfg.schema.plan import LaunchPlan
 
 from ..api import PlanMismatch, Tokenizer
 from ..backend import DTYPES, Array, Device, enable_peer_access, transfer
+from ..experts.routing import RoutingModel, RoutingTables
 from ..layout import Layout
 from ..models.qwen3_moe import ModelArgs, stage_shapes
 from ..weights.checkpoint import Checkpoint, load_tensors
@@ -27,7 +28,8 @@ from .stage import Stage
 
 WeightStore = dict[tuple[Any, ...], dict[str, Array]]
 """Each stage's tensors by what determines them (model, device, layers, dtype, shapes), so that models of one
-profile with the same stage layout (benchmark arms) hold one copy of the weights."""
+profile with the same stage layout (benchmark arms) hold one copy of the weights. The key leaves out the
+model's routing, which changes which experts run, never the weights."""
 
 
 def compute_dtypes(plan: LaunchPlan, device: Device) -> tuple[DTypeLike, DTypeLike]:
@@ -64,6 +66,22 @@ def _check_facts(plan: LaunchPlan, args: ModelArgs) -> None:
             )
 
 
+def routing_tables(plan: LaunchPlan, args: ModelArgs, slots: int) -> RoutingTables | None:
+    """Every slot's calibrated-routing tables, when the plan asks for calibrated routing."""
+    if plan.model.routing != "calibrated":
+        return None
+    if plan.model.synthetic is None:
+        raise PlanMismatch(
+            'model.routing = "calibrated" is for synthetic presets; this plan names a checkpoint'
+        )
+    if args.num_experts == 0:
+        raise PlanMismatch(
+            f'model.routing = "calibrated": preset {plan.model.synthetic!r} has no routed experts'
+        )
+    model = RoutingModel(args.num_hidden_layers, args.num_experts, args.num_experts_per_tok, plan.model.seed)
+    return RoutingTables(model, slots)
+
+
 class Model:
     """Stages in order, plus the MTP head and one drafter per slot on the last stage's device."""
 
@@ -74,9 +92,11 @@ class Model:
         mtp: MtpHead | None,
         drafters: dict[int, Drafter],
         tokenizer: Tokenizer,
+        routing: RoutingTables | None = None,
     ) -> None:
         self.stages, self.args, self.mtp, self.drafters = stages, args, mtp, drafters
         self.tokenizer = tokenizer
+        self.routing = routing  # every slot's calibrated-routing tables, or None for the router's own
 
     @property
     def last(self) -> Stage:
@@ -109,6 +129,7 @@ class Model:
         if drafting and not has_mtp:
             raise PlanMismatch("the plan drafts with MTP, but the model has no MTP weights")
         slots, context = max(plan.batch.slots, 1), plan.memory.context
+        routing = routing_tables(plan, args, slots)
         stages: list[Stage] = []
         tensors: dict[str, Array] = {}
         for sp, device in zip(plan.stages, devices, strict=True):
@@ -117,7 +138,7 @@ class Model:
             shapes = stage_shapes(args, sp.layers, first=first, last=last, mtp=last and drafting)
             label = f"stage {sp.index} on {device}"
             key = (
-                plan.model.model_dump_json(),
+                plan.model.model_dump_json(exclude={"routing"}),
                 str(device),
                 sp.layers,
                 first,
@@ -146,6 +167,7 @@ class Model:
                     slots=slots,
                     context=context,
                     kv_dtype=kv_dtype,
+                    routing=routing,
                 )
             )
         mtp, drafters = None, {}
@@ -183,7 +205,7 @@ class Model:
             tokenizer = tokenizer_for(str(ckpt.directory), args.vocab_size, config)
         else:
             tokenizer = ByteTokenizer(args.vocab_size)
-        return cls(stages, args, mtp, drafters, tokenizer)
+        return cls(stages, args, mtp, drafters, tokenizer, routing)
 
     # ---- running windows ---------------------------------------------------------------------------
 
@@ -198,6 +220,15 @@ class Model:
 
     def logits(self, normed: Array) -> Array:
         return self.last.logits(normed)
+
+    def admit(self, slot: int, prompt_ids: tuple[int, ...]) -> None:
+        """A request with these prompt ids now holds ``slot``: give it its routing (calibrated routing only;
+        its tables follow from the prompt, so the same prompt routes the same way in any slot or mode)."""
+        if self.routing is None:
+            return
+        self.routing.admit(slot, prompt_ids)
+        for stage in self.stages:
+            stage.load_routing(slot)
 
     def rewind(self, slot: int, length: int) -> None:
         """Forget positions [length, ...) of ``slot`` on every stage."""

@@ -7,6 +7,7 @@ and returns them; hidden rows cross devices in `strata_runtime.model.placed`.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -15,15 +16,17 @@ from numpy.typing import DTypeLike
 from strata_cfg.schema.windows import MAX_WINDOW_ROWS
 
 from ..backend import Array, Device
+from ..experts.routing import RoutingTables, apply_bias
 from ..layout import Layout
 from ..models.ops.norm import rms_norm_in_dtype
-from ..models.qwen3_moe import DecoderLayer, ModelArgs, linear, rope_tables
+from ..models.qwen3_moe import DecoderLayer, ModelArgs, RouterBias, linear, rope_tables
 from .kvcache import KVCache
 
 if TYPE_CHECKING:
     from ..cuda.decode import CudaLayers
     from ..cuda.head import CudaHead
     from ..cuda.prefill import CudaPrefill
+    from ..cuda.routing import DeviceRouting
 
 CUDA_PREFILL_ROWS = 64
 """Prefill chunks of at most this many rows run as 8-row CUDA graph windows; longer ones run the CUDA
@@ -59,8 +62,11 @@ class Stage:
         slots: int,
         context: int,
         kv_dtype: DTypeLike,
+        routing: RoutingTables | None = None,
     ) -> None:
+        """``routing``: every slot's calibrated-routing tables (host), or None for the model's own router."""
         self.index, self.device, self.layer_range, self.args = index, device, layers, args
+        self.routing = routing
         self.first, self.last = first, last
         self.layers = [
             DecoderLayer(tensors, f"model.layers.{i}.", args, args.is_sparse(i)) for i in range(*layers)
@@ -76,19 +82,26 @@ class Stage:
         self.cuda: CudaLayers | None = None  # the CUDA decode graphs, on GPUs that can run them
         self.cuda_prefill: CudaPrefill | None = None  # the CUDA path for long prefill chunks
         self.cuda_head: CudaHead | None = None
+        self.cuda_routing: DeviceRouting | None = None  # the routing tables on this GPU
         self.cuda_refused: str | None = None
         if device.is_cuda:
             self._build_cuda()
 
     def _build_cuda(self) -> None:
         from ..cuda import decode, head, layers, prefill
+        from ..cuda.routing import DeviceRouting
 
         dtype = self.layers[0].input_layernorm.dtype if self.layers else self.kv.k.dtype
         self.cuda_refused = layers.supported(self.args, dtype, self.kv.k.dtype)
         if self.cuda_refused is not None:
             return
         gpu, eps = self.device.index, self.args.rms_norm_eps
-        stack = layers.LayerStack.of(gpu, self.layers, self.args, self.kv.k, self.kv.v)
+        if self.routing is not None:
+            self.cuda_routing = DeviceRouting(self.routing, self.device)
+        first = self.layer_range[0]
+        stack = layers.LayerStack.of(
+            gpu, self.layers, self.args, self.kv.k, self.kv.v, self.cuda_routing, first
+        )
         self.cuda = decode.CudaLayers(stack)
         self.cuda_prefill = prefill.CudaPrefill(stack)
         if self.last:
@@ -127,8 +140,27 @@ class Stage:
                 return xp.concatenate(parts, axis=0)  # [R, H] fp32
             cos, sin = self.rope.at(layout)  # [R, D/2] each
             for j, layer in enumerate(self.layers):
-                hidden = layer(xp, hidden, layout, self.kv, j, cos, sin)  # [R, H]
+                bias = self._router_bias(layout, self.layer_range[0] + j)
+                hidden = layer(xp, hidden, layout, self.kv, j, cos, sin, bias)  # [R, H]
             return hidden
+
+    def _router_bias(self, layout: Layout, layer: int) -> RouterBias | None:
+        """The array path's calibrated-routing bias for model layer ``layer`` and the window's rows."""
+        if self.routing is None or not self.args.is_sparse(layer):
+            return None
+        return partial(
+            apply_bias,
+            layer=layer,
+            slots=layout.row_slots(),
+            positions=layout.positions(),
+            tables=self.routing,
+            xp=self.device.xp,
+        )
+
+    def load_routing(self, slot: int) -> None:
+        """Refresh this GPU's copy of ``slot``'s routing tables after the host tables changed."""
+        if self.cuda_routing is not None:
+            self.cuda_routing.load(slot)
 
     def final_norm(self, hidden: Array) -> Array:
         """The post-final-norm hidden rows [R, H] (last stage only): the LM head's input and the MTP's."""

@@ -15,6 +15,7 @@ E experts, k experts per row, A = R * k assignments, I expert width, L keys atte
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +27,9 @@ from .ops.norm import rms_norm_in_dtype
 from .ops.rope import rope
 
 Shapes = dict[str, tuple[int, ...]]
+RouterBias = Callable[[Any], Any]
+"""Router logits [R, E] (fp32) -> the logits the top-k reads: calibrated routing for synthetic presets
+(`strata_runtime.experts.routing.apply_bias`, bound by the stage to a model layer and the window's rows)."""
 
 
 @dataclass(frozen=True)
@@ -353,17 +357,21 @@ class SparseMoeBlock:
         self.shared_expert_gate = t.get(f"{p}shared_expert_gate.weight")  # [1, H]
         self.top_k, self.norm_topk_prob = args.num_experts_per_tok, args.norm_topk_prob
 
-    def route(self, xp: Any, x: Any) -> tuple[Any, Any]:
-        """Top-k expert ids [R, k] and their weights [R, k] (in the activation dtype)."""
-        probs = softmax_fp32(xp, linear(x, self.gate))  # [R, E]
+    def route(self, xp: Any, x: Any, bias: RouterBias | None = None) -> tuple[Any, Any]:
+        """Top-k expert ids [R, k] and their weights [R, k] (in the activation dtype); ``bias`` moves the
+        fp32 logits first."""
+        logits = linear(x, self.gate).astype(xp.float32, copy=False)  # [R, E]
+        if bias is not None:
+            logits = bias(logits)
+        probs = softmax_fp32(xp, logits)  # [R, E]
         top_idx = xp.argsort(-probs, axis=-1)[:, : self.top_k]  # [R, k]
         top_w = xp.take_along_axis(probs, top_idx, axis=-1)  # [R, k]
         if self.norm_topk_prob:
             top_w = top_w / top_w.sum(axis=-1, keepdims=True)
         return top_idx, top_w.astype(x.dtype)
 
-    def __call__(self, xp: Any, x: Any) -> Any:
-        out = self.experts(xp, x, *self.route(xp, x))  # [R, H]
+    def __call__(self, xp: Any, x: Any, bias: RouterBias | None = None) -> Any:
+        out = self.experts(xp, x, *self.route(xp, x, bias))  # [R, H]
         if self.shared_expert is not None:
             g = linear(x, self.shared_expert_gate).astype(xp.float32)  # [R, 1]
             gate = (1.0 / (1.0 + xp.exp(-g))).astype(x.dtype)  # [R, 1]
@@ -381,11 +389,25 @@ class DecoderLayer:
         self.mlp: SparseMoeBlock | MLP = SparseMoeBlock(t, f"{p}mlp.", args) if sparse else MLP(t, f"{p}mlp.")
         self.eps = args.rms_norm_eps
 
-    def __call__(self, xp: Any, x: Any, layout: Layout, kv: Any, layer: int, cos: Any, sin: Any) -> Any:
+    def __call__(
+        self,
+        xp: Any,
+        x: Any,
+        layout: Layout,
+        kv: Any,
+        layer: int,
+        cos: Any,
+        sin: Any,
+        router_bias: RouterBias | None = None,
+    ) -> Any:
+        """``layer`` indexes ``kv`` (this stage's layers); ``router_bias`` goes to the MoE router."""
         x = x + self.self_attn(
             xp, rms_norm_in_dtype(x, self.input_layernorm, self.eps), layout, kv, layer, cos, sin
         )
-        return x + self.mlp(xp, rms_norm_in_dtype(x, self.post_attention_layernorm, self.eps))  # [R, H]
+        h = rms_norm_in_dtype(x, self.post_attention_layernorm, self.eps)  # [R, H]
+        if isinstance(self.mlp, SparseMoeBlock):
+            return x + self.mlp(xp, h, router_bias)  # [R, H]
+        return x + self.mlp(xp, h)  # [R, H]
 
 
 def rope_tables(theta: float, head_dim: int, context: int) -> tuple[np.ndarray, np.ndarray]:

@@ -7,6 +7,8 @@ Each kernel the runtime runs on a GPU has its contract written here plainly in N
 * `kernels`: the CUDA decode and prefill launchers of `strata_runtime.cuda.ops`, same names and signatures,
   writing their outputs in place.
 * `flash`: the fused prefill attention of `strata_runtime.cuda.flash`, and the argument contract both share.
+* `routing`: the router bias of `strata_runtime.cuda.routing` (calibrated routing's intended experts), the
+  rules it follows and the argument contract both share.
 
 The gpu tests compare each kernel with its reference; nothing here imports CuPy.
 """
