@@ -6,6 +6,10 @@ small scanner over the same text that records, for every key, the line where it 
 arrays (``layers = [1, 2]`` -> ``layers.0``) and inline tables (``gpus = [{ name = "x" }]`` ->
 ``gpus.0.name``). It only has to be right for documents `tomllib` accepts; on anything else it stops
 quietly, since `tomllib`'s own error then names the line.
+
+It also finds the line where arrays and inline tables nest deeper than a limit, before `tomllib` (which
+recurses once per level) reads them: a profile nests a few levels, and text nested thousands deep is
+refused at its line instead of exhausting the stack.
 """
 
 from __future__ import annotations
@@ -16,17 +20,31 @@ _BARE = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
 _SCALAR_END = set(",]}#\n\r")
 
 
+SCAN_DEPTH = 64
+"""The scanner stops at this nesting of arrays and inline tables (it recurses once per level)."""
+
+
 class _Stop(Exception):
     """The text is not TOML this scanner understands; keep what was indexed so far."""
 
 
+class _TooDeep(_Stop):
+    """Arrays or inline tables nest deeper than the scanner's limit, at ``line``."""
+
+    def __init__(self, line: int) -> None:
+        super().__init__(line)
+        self.line = line
+
+
 class _Scanner:
-    def __init__(self, text: str) -> None:
+    def __init__(self, text: str, max_depth: int = SCAN_DEPTH) -> None:
         self.s = text
         self.i = 0
         self.line = 1
         self.lines: dict[str, int] = {}
         self.aot_count: dict[str, int] = {}
+        self.depth = 0
+        self.max_depth = max_depth
 
     # ---- characters -------------------------------------------------------------------------------
 
@@ -152,10 +170,15 @@ class _Scanner:
             self.basic_string()
         elif c == "'":
             self.literal_string()
-        elif c == "[":
-            self.array(path)
-        elif c == "{":
-            self.inline_table(path)
+        elif c in "[{":
+            self.depth += 1
+            if self.depth > self.max_depth:
+                raise _TooDeep(self.line)
+            if c == "[":
+                self.array(path)
+            else:
+                self.inline_table(path)
+            self.depth -= 1
         else:
             start = self.i
             while self.peek() and self.peek() not in _SCALAR_END:
@@ -250,3 +273,15 @@ def key_lines(text: str) -> dict[str, int]:
     with contextlib.suppress(_Stop):
         scanner.document()
     return scanner.lines
+
+
+def too_deep_line(text: str, limit: int) -> int | None:
+    """The line where arrays or inline tables in ``text`` first nest deeper than ``limit``, else None."""
+    scanner = _Scanner(text, max_depth=limit)
+    try:
+        scanner.document()
+    except _TooDeep as exc:
+        return exc.line
+    except _Stop:
+        pass
+    return None
