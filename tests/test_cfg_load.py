@@ -199,3 +199,29 @@ def test_a_profile_larger_than_the_limit_is_refused_unread(tmp_path):
         load_profile(f)
     (p,) = err.value.problems
     assert p.file == str(f) and "larger than 1 MiB" in p.message
+
+
+# ---- strict types: what docs/PROFILES.md calls an error is one, from a file or from --set ---------------
+
+
+@pytest.mark.parametrize(
+    ("item", "key", "expected"),
+    [
+        ("batch.slots=true", "batch.slots", "expected a valid integer (got true)"),
+        ("batch.slots='2'", "batch.slots", 'expected a valid integer (got "2")'),
+        ("batch.mtp=1", "batch.mtp", "expected a valid boolean (got 1)"),
+        ("serve.port=8000.0", "serve.port", "expected a valid integer (got 8000.0)"),
+        ("memory.context=true", "memory.context", "expected a valid integer (got true)"),
+    ],
+)
+def test_set_values_of_the_wrong_type_are_refused_at_the_set(item, key, expected):
+    with pytest.raises(ProfileError) as err:
+        load_profile_text("[batch]\nslots = 2\n[serve]\nport = 8000\n", "p.toml", [item])
+    (p,) = err.value.problems
+    assert (p.file, p.line, p.key) == (SET_ORIGIN, None, key) and expected in p.message
+
+
+def test_an_integer_is_still_a_float():
+    lp = load_profile_text('[machine]\ngpus = [{ name = "a", vram_mib = 1024, bandwidth_gbs = 760 }]\n')
+    assert lp.profile.machine is not None and lp.profile.machine.gpus is not None
+    assert lp.profile.machine.gpus[0].bandwidth_gbs == 760.0

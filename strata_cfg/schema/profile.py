@@ -47,9 +47,13 @@ def parse_device(spec: int | str) -> tuple[str, int]:
 
 
 class Section(BaseModel):
-    """Base of every profile table: strict, frozen, documented."""
+    """Base of every profile table: strict, frozen, documented.
 
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    Strict means no coercion: ``slots = "2"``, ``mtp = "no"`` and ``--set batch.slots=true`` are errors, not
+    2, False and 1. Only an integer is taken where a float is expected (TOML writes ``760`` for 760.0).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, use_attribute_docstrings=True)
 
 
 class GpuSpec(Section):
@@ -114,8 +118,9 @@ class SplitSection(Section):
     """The GPU of each stage, in stage order (``--split-device``). Default: 0, 1, 2, ..."""
     test_shared_gpu: bool | None = None
     """Allow two stages on one GPU. For testing the split code paths on one card; turns batching off."""
-    pipeline_windows: Literal[0, 1, 2] | None = None
-    """Overlapped windows on a two-stage split for the solo path (``--pipeline-windows``); 0 is off."""
+    # A range, not Literal[0, 1, 2]: the literals would take `true` for 1, even in strict mode.
+    pipeline_windows: int | None = Field(default=None, ge=0, le=2)
+    """Overlapped windows on a two-stage split for the solo path (``--pipeline-windows``): 0 (off), 1 or 2."""
 
 
 class BatchSection(Section):
