@@ -225,3 +225,24 @@ def test_an_integer_is_still_a_float():
     lp = load_profile_text('[machine]\ngpus = [{ name = "a", vram_mib = 1024, bandwidth_gbs = 760 }]\n')
     assert lp.profile.machine is not None and lp.profile.machine.gpus is not None
     assert lp.profile.machine.gpus[0].bandwidth_gbs == 760.0
+
+
+# ---- --set: an override that cannot apply is refused at the --set, never silently dropped ---------------
+
+
+def test_set_extends_is_refused_instead_of_ignored(tmp_path):
+    write(tmp_path / "other.toml", "[batch]\nslots = 5\n")
+    f = write(tmp_path / "box.toml", "[batch]\nslots = 2\n")
+    with pytest.raises(ProfileError) as err:
+        load_profile(f, [f"extends={tmp_path / 'other.toml'}"])
+    (p,) = err.value.problems
+    assert (p.file, p.line, p.key) == (SET_ORIGIN, None, "extends")
+    assert "cannot be set from the command line" in p.message
+
+
+def test_set_through_a_value_blames_the_set_not_the_profile_line():
+    with pytest.raises(ProfileError) as err:
+        load_profile_text("[batch]\nslots = 2\n", "p.toml", ["batch.slots.x=2"])
+    (p,) = err.value.problems
+    assert (p.file, p.line, p.key) == (SET_ORIGIN, None, "batch.slots.x")
+    assert "batch.slots is 2, not a table" in p.message
