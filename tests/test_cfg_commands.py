@@ -161,3 +161,42 @@ def test_every_shipped_profile_points_at_the_schema():
     for path in [*PROFILES.glob("*.toml"), *PROFILES.glob("base/*.toml")]:
         first = path.read_text().splitlines()[0]
         assert first.startswith("#:schema ") and first.endswith("strata-profile.schema.json"), path
+
+
+# ---- explain: the cause, the gates, the GPUs -------------------------------------------------------------
+
+
+def test_explain_shows_the_effect_under_the_key_that_caused_it(capsys):
+    path = str(RULES_DIR / "batch-mtp.pipelined-groups.toml")
+    code, out, _ = run(capsys, "explain", path, "batch.groups")
+    assert code == 0 and out.startswith("batch.groups = 2\n")
+    assert "  effects\n    turned batch.mtp off (rule batch-mtp.pipelined-groups): batch MTP is off" in out
+
+
+def test_explain_a_feature_that_is_on_says_every_gate_passed_instead_of_listing_them(capsys):
+    code, out, _ = run(capsys, "explain", BOX, "batch.mtp")
+    assert code == 0 and "  on         every gate passed (8 checked)" in out
+    assert "batch-mtp.needs-batching" not in out  # the gates are counted, not listed
+    # the one rule that read it without gating it, and what batch MTP on did to the groups
+    assert "  rules      groups.batch-mtp-yield\n" in out
+    assert "made batch.groups = 1 (rule groups.batch-mtp-yield)" in out
+
+
+def test_explain_a_feature_turned_off_names_the_gate(capsys):
+    code, out, _ = run(capsys, "explain", BOX, "batch.mtp", "--set", "batch.groups=2")
+    assert "off        turned off by the gate batch-mtp.pipelined-groups; the 7 before it passed" in out
+
+
+def test_explain_a_gpu_entry_explains_that_gpu_not_another_key(capsys):
+    code, out, _ = run(capsys, "explain", BOX, "machine.gpus.1")
+    assert code == 0 and out.startswith("machine.gpus.1 = RTX 3080 20GB, 20480 MiB, 760 GB/s\n")
+    assert "machine.backend" not in out and "machine.gpus.0" not in out
+    assert "role       stage 1 (layers 23-47)" in out and "drafters 25.4" in out
+    # the TUI asks for the key under the cursor
+    _, name, _ = run(capsys, "explain", BOX, "machine.gpus.0.name")
+    assert name.startswith("machine.gpus.0 = RTX 3080 20GB")
+
+
+def test_explain_a_profile_without_a_key_is_a_usage_error(capsys):
+    code, out, err = run(capsys, "explain", BOX)
+    assert code == 2 and out == "" and "give a KEY after the profile" in err

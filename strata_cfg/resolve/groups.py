@@ -3,6 +3,7 @@ depends on them (batch MTP does not run in pipelined groups)."""
 
 from __future__ import annotations
 
+from .gate import Reason, first_failing
 from .ledger import Ledger
 from .topology import Topology, count
 
@@ -31,6 +32,7 @@ def resolve_groups(topo: Topology, led: Ledger) -> None:
                 1,
                 "groups.batch-mtp-yield",
                 f"one group of {slots} slots, because batch MTP does not run in pipelined groups{tail}",
+                because=("batch.mtp",),
             )
         else:
             why = 'batch.groups = "auto"' if asked == "auto" else "batch.groups unset"
@@ -46,7 +48,11 @@ def resolve_groups(topo: Topology, led: Ledger) -> None:
     groups = led["batch.groups"]
     if groups > 1 and not topo.split:
         led.change(
-            "batch.groups", 1, "groups.no-split", f"{groups} groups need a layer split to pipeline; 1 group"
+            "batch.groups",
+            1,
+            "groups.no-split",
+            f"{groups} groups need a layer split to pipeline; 1 group",
+            because=("split.layers",),
         )
     elif groups > 1 and slots % groups:
         led.change(
@@ -54,13 +60,13 @@ def resolve_groups(topo: Topology, led: Ledger) -> None:
             1,
             "groups.not-divisor",
             f"{groups} groups do not divide {slots} slot{'s' * (slots != 1)}; 1 group",
+            because=("batch.slots",),
         )
     groups = led["batch.groups"]
-    if topo.split and led.get("batch.mtp", "batch-mtp.pipelined-groups") and groups > 1:
-        led.change(
-            "batch.mtp",
-            False,
-            "batch-mtp.pipelined-groups",
+    if topo.split and led["batch.mtp"]:
+        message = (
             f"batch MTP is off: it does not combine with pipelined slot groups yet ({groups} groups); "
-            "leave batch.groups unset or set it to 1 to run it",
+            "leave batch.groups unset or set it to 1 to run it"
         )
+        pipelined = Reason("batch-mtp.pipelined-groups", groups > 1, message, ("batch.groups",))
+        first_failing(led, "batch.mtp", False, [pipelined])

@@ -83,6 +83,9 @@ class Setting(_Plan):
     """What the user wrote, when a rule changed it (``forced``)."""
     rules: tuple[str, ...] = ()
     """Every rule that read or changed this key, in order."""
+    gates: tuple[str, ...] = ()
+    """For a feature (``batch.mtp``, ``split.pipeline_windows``): the gates that checked it, in order, each of
+    which could have turned it off. All passed unless the last one turned it off."""
 
 
 class Decision(_Plan):
@@ -100,6 +103,9 @@ class Decision(_Plan):
     """True when it turned off or changed something the user explicitly asked for."""
     origin: Origin | None = None
     """Where the user asked for it, when they did."""
+    because: tuple[str, ...] = ()
+    """The keys whose values made this rule fire (``batch.groups`` for ``batch-mtp.pipelined-groups``), so
+    that explaining a key shows what it caused."""
 
 
 class StagePlan(_Plan):
