@@ -200,3 +200,10 @@ def test_explain_a_gpu_entry_explains_that_gpu_not_another_key(capsys):
 def test_explain_a_profile_without_a_key_is_a_usage_error(capsys):
     code, out, err = run(capsys, "explain", BOX)
     assert code == 2 and out == "" and "give a KEY after the profile" in err
+
+
+def test_plan_help_says_engine_args_are_the_cpp_engines_not_a_program_installed_here(capsys):
+    code, out, _ = run(capsys, "plan", "--help")
+    text = " ".join(out.split())  # argparse wraps the help
+    assert code == 0 and "command line of the Strata C++ engine (strata-engine)" in text
+    assert "this package does not install it" in text
