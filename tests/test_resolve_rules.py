@@ -312,6 +312,56 @@ def test_batch_mtp_pipelined_groups():
     assert "pipelined slot groups" in message
 
 
+@pytest.mark.parametrize(
+    ("rule_id", "sets"),
+    [
+        ("batch-mtp.needs-mtp-weights", ["split.layers=[2]"]),
+        ("batch-mtp.needs-spec", ["split.layers=[2]"]),
+        ("batch-mtp.needs-serve", ["split.layers=[2]"]),
+        ("batch-mtp.helper-caches", []),
+        ("batch-mtp.remote-opt", []),
+    ],
+)
+def test_batch_mtp_refused_before_groups_leaves_the_split_its_pipelined_groups(rule_id, sets):
+    # Groups fall to 1 only while batch MTP is still on. Every reason of step 3 turns it off first, so the
+    # defaulted groups pipeline (2 groups of 1 on 2 stages) and no note claims that batch MTP runs. Resolving
+    # groups before step 3 gives 1 serial group and a false groups.batch-mtp-yield note.
+    plan = plan_of(rule_file(rule_id), sets)
+    assert len(plan.stages) == 2
+    b = plan.batch
+    assert (b.slots, b.groups, b.mode, b.mtp, b.slots_per_window, b.rows_per_slot) == (
+        2,
+        2,
+        "pipelined",
+        False,
+        1,
+        1,
+    )
+    assert [d.rule for d in plan.decisions] == [rule_id, "groups.auto"]
+    assert plan.settings["batch.groups"].source.rule == "groups.auto"
+
+
+def test_batch_mtp_refused_by_pipelined_groups_keeps_the_explicit_groups():
+    plan = plan_of(rule_file("batch-mtp.pipelined-groups"))
+    b = plan.batch
+    assert (b.slots, b.groups, b.mode, b.mtp, b.slots_per_window, b.rows_per_slot) == (
+        2,
+        2,
+        "pipelined",
+        False,
+        1,
+        1,
+    )
+    assert [d.rule for d in plan.decisions] == ["batch-mtp.pipelined-groups"]
+    assert plan.settings["batch.groups"].source.kind == "user"
+
+
+def test_batch_mtp_refused_for_one_slot_on_a_split_runs_solo():
+    plan = plan_of(rule_file("batch-mtp.needs-batching"), ["split.layers=[2]"])
+    assert (plan.batch.slots, plan.batch.groups, plan.batch.mode, plan.batch.mtp) == (1, 1, "solo", False)
+    assert [d.rule for d in plan.decisions] == ["batch.single-slot", "batch-mtp.needs-batching"]
+
+
 # ---- step 5 -------------------------------------------------------------------------------------
 
 

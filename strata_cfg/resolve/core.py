@@ -10,7 +10,8 @@ clock, no randomness: the same inputs give the same plan.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import PurePath
 
 from ..schema.errors import ProfileError
@@ -72,10 +73,9 @@ def resolve(
     parse_time_refusals(machine, model, topo, led)
     _raise_if_refused(led)
     # 2.-5. gates, in order
-    batch_gate(topo, led)
-    batch_mtp_gate(model, topo, led, serving=serving)
-    resolve_groups(topo, led)
-    pipeline_windows_gate(model, topo, led)
+    inputs = GateInputs(model, topo, serving)
+    for gate in GATES:
+        gate(inputs, led)
     # 6. placement
     sz = sizing(model, led)
     topo, boundaries = place_layers(model, machine, topo, sz, led)
@@ -111,6 +111,39 @@ def resolve(
         profile_file=profile_file,
         strict=strict,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class GateInputs:
+    """What steps 2 to 5 read besides the ledger."""
+
+    model: ModelFacts
+    topo: Topology
+    serving: bool
+
+
+def _batch(g: GateInputs, led: Ledger) -> None:
+    batch_gate(g.topo, led)
+
+
+def _batch_mtp(g: GateInputs, led: Ledger) -> None:
+    batch_mtp_gate(g.model, g.topo, led, serving=g.serving)
+
+
+def _groups(g: GateInputs, led: Ledger) -> None:
+    resolve_groups(g.topo, led)
+
+
+def _pipeline_windows(g: GateInputs, led: Ledger) -> None:
+    pipeline_windows_gate(g.model, g.topo, led)
+
+
+GATES: tuple[Callable[[GateInputs, Ledger], None], ...] = (_batch, _batch_mtp, _groups, _pipeline_windows)
+"""Steps 2 to 5, in the order they must run. The batch gate (2) comes first: it settles the slots every
+later gate reads. The batch-MTP gate (3) must come before groups (4): defaulted groups fall to 1 only while
+batch MTP is still on, so every reason that turns it off must be known first, or a split with helper caches
+would lose its pipelined groups to a batch MTP that never runs. The pipeline-windows gate (5) reads neither
+batch MTP nor groups, so it could run anywhere after step 2 (tests/test_resolve_properties.py holds both)."""
 
 
 def _raise_if_refused(led: Ledger) -> None:
