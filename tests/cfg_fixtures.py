@@ -23,17 +23,28 @@ def no_probe() -> str:
     raise OSError("no probe in this test")
 
 
-def resolve_file(path: Path | str, sets=(), *, strict: bool = False, probe=no_probe) -> Resolved:
-    return resolve_loaded(load(path, sets), strict=strict, probe=probe)
+def no_meminfo() -> str:
+    """The tests never read this machine's /proc/meminfo: a probed host memory is unknown unless given."""
+    raise OSError("no /proc/meminfo in this test")
 
 
-def plan_of(path: Path | str, sets=(), *, strict: bool = False, probe=no_probe) -> LaunchPlan:
-    return resolve_file(path, sets, strict=strict, probe=probe).plan
+def resolve_file(
+    path: Path | str, sets=(), *, strict: bool = False, probe=no_probe, meminfo=no_meminfo
+) -> Resolved:
+    return resolve_loaded(load(path, sets), strict=strict, probe=probe, meminfo=meminfo)
 
 
-def problems_of(path: Path | str, sets=(), *, strict: bool = False, probe=no_probe) -> list[Problem]:
+def plan_of(
+    path: Path | str, sets=(), *, strict: bool = False, probe=no_probe, meminfo=no_meminfo
+) -> LaunchPlan:
+    return resolve_file(path, sets, strict=strict, probe=probe, meminfo=meminfo).plan
+
+
+def problems_of(
+    path: Path | str, sets=(), *, strict: bool = False, probe=no_probe, meminfo=no_meminfo
+) -> list[Problem]:
     with pytest.raises(ProfileError) as err:
-        resolve_file(path, sets, strict=strict, probe=probe)
+        resolve_file(path, sets, strict=strict, probe=probe, meminfo=meminfo)
     assert err.value.problems, "a ProfileError must carry at least one problem"
     return err.value.problems
 

@@ -3,7 +3,8 @@ what was asked for, the gates and rules that touched it, the decisions made abou
 had on other keys (``batch.groups = 2`` turned ``batch.mtp`` off).
 
 The GPUs of ``[machine] gpus`` are not resolved settings; ``machine.gpus`` (or one entry, ``machine.gpus.1``)
-explains them from the plan: what each GPU is used for and its budget.
+explains them from the plan: what each GPU is used for and its budget. ``host`` explains the host-memory
+budget, and so do the keys it is checked with (``machine.host_ram_mib``, ``memory.host_reserve_mib``).
 """
 
 from __future__ import annotations
@@ -15,20 +16,41 @@ from ..schema.plan import MIB, Decision, GpuPlan, LaunchPlan, Setting
 from .plan_text import decision_lines
 
 _GPU_KEY = re.compile(r"^machine\.gpus(?:\.(\d+))?(?:\..*)?$")
+HOST_KEYS = ("host", "machine", "machine.host_ram_mib", "memory", "memory.host_reserve_mib")
+"""Keys whose explanation ends with the host-memory budget (``host`` is that budget alone)."""
 
 
 def explain_text(plan: LaunchPlan, key: str) -> str | None:
     """The explanation of ``key`` (or of every key under a table such as ``batch``); None if unknown."""
     gpus = _gpus_text(plan, key)
     keys = [k for k in plan.settings if k == key or k.startswith(key + ".")]
-    if not keys and gpus is None:
+    if not keys and gpus is None and key not in HOST_KEYS:
         return None
     lines: list[str] = []
     for k in keys:
         lines += setting_lines(plan, k)
     if gpus is not None:
         lines += gpus
+    if key in HOST_KEYS:
+        lines += host_lines(plan)
     return "\n".join(lines) + "\n"
+
+
+def host_lines(plan: LaunchPlan) -> list[str]:
+    """The host-memory budget: each GPU's experts in pinned host memory, the reserve, the RAM."""
+    h = plan.host
+    lines = ["host memory (experts kept in pinned host memory when a GPU cannot hold them all)"]
+    for t in h.tiers:
+        what = f"{t.experts} experts, {t.bytes / MIB:.1f} MiB" if t.experts else "none"
+        lines.append(f"  GPU {t.gpu:<6} {what}")
+    lines.append(f"  reserve    {h.reserve / MIB:.1f} MiB (memory.host_reserve_mib)")
+    if h.ram is None:
+        lines.append("  RAM        unknown: not checked (set machine.host_ram_mib, or probe = true)")
+    else:
+        source = "probed from /proc/meminfo" if h.ram_source == "probe" else "machine.host_ram_mib"
+        free = f", {h.free / MIB:.1f} free" if h.free is not None else ""
+        lines.append(f"  RAM        {h.ram / MIB:.1f} MiB ({source}){free}")
+    return lines
 
 
 def setting_lines(plan: LaunchPlan, key: str) -> list[str]:

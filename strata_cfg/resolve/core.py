@@ -3,9 +3,9 @@
 It runs the steps in their order (docs/PROFILES.md, "How a profile is resolved"): defaults and ``auto``
 values (0, `defaults`), parse-time refusals (1, `refusals`), the batch gate (2) and the batch-MTP gate (3,
 `batch_gates`), groups and the group-dependent gate (4, `groups`), the pipeline-windows gate (5,
-`pipeline_windows`), the layer split (6, `layer_split`), the budget (7, `budget`), the windows (8,
-`window_plan`), then serving checks and strict mode (9, `final_checks`); and assembles the plan. No I/O, no
-clock, no randomness: the same inputs give the same plan.
+`pipeline_windows`), the layer split (6, `layer_split`), the VRAM and host budgets (7, `budget`,
+`host_budget`), the windows (8, `window_plan`), then serving checks and strict mode (9, `final_checks`); and
+assembles the plan. No I/O, no clock, no randomness: the same inputs give the same plan.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from ..schema.plan import (
     BatchPlan,
     ExpertsPlan,
     GpuPlan,
+    HostPlan,
     LaunchPlan,
     MemoryPlan,
     ModelPlan,
@@ -35,6 +36,7 @@ from .budget import PlacedStage, expert_notes, gpu_budgets
 from .defaults import drafts_with_mtp, estimated_bandwidth, resolve_defaults
 from .final_checks import serve_exposure, strict_mode
 from .groups import resolve_groups
+from .host_budget import host_budget
 from .layer_split import place_layers, sizing
 from .ledger import Ledger
 from .pipeline_windows import pipeline_windows_gate
@@ -89,6 +91,7 @@ def resolve(
     if gpus is None:
         raise ProfileError(led.problems)
     expert_notes(gpus, sz, led)
+    host = host_budget(model, gpus, led)
     # 8. windows
     windows = resolve_windows(led)
     # 9. serving, strict
@@ -104,6 +107,7 @@ def resolve(
         topo,
         placed,
         gpus,
+        host,
         sz,
         windows,
         led,
@@ -158,6 +162,7 @@ def _assemble(
     topo: Topology,
     placed: list[PlacedStage],
     gpus: list[GpuPlan],
+    host: HostPlan,
     sz: Sizing,
     windows: WindowPlan,
     led: Ledger,
@@ -231,6 +236,7 @@ def _assemble(
             remote_opt=bool(led["experts.remote_opt"]),
             peer_device=led["experts.peer_device"],
         ),
+        host=host,
         windows=windows,
         serve=(
             ServePlan(

@@ -46,6 +46,12 @@ _RULES = (
     Rule(
         "machine.estimated-bandwidth", 0, "note", "a probed GPU's bandwidth is an estimate, not a known value"
     ),
+    Rule(
+        "machine.host-ram-probed",
+        0,
+        "note",
+        "probing: the host memory the engine may pin is read from /proc/meminfo (MemAvailable)",
+    ),
     # 1: parse-time refusals
     Rule(
         "split.remote-host",
@@ -123,6 +129,12 @@ _RULES = (
         7,
         "note",
         "batch MTP measured slower than pipelined with all experts resident",
+    ),
+    Rule(
+        "host.ram-overflow",
+        7,
+        "error",
+        "the experts kept in pinned host memory, plus memory.host_reserve_mib, exceed the host's RAM",
     ),
     # 8: windows
     Rule("windows.batch-mtp-rotation", 8, "note", "more than 4 batch-MTP slots take turns, 4 per window"),

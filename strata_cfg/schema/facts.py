@@ -149,6 +149,10 @@ class MachineFacts(_Facts):
     """Where the GPU list came from."""
     host: str = "local"
     """The host these GPUs are on."""
+    host_ram_mib: int | None = Field(default=None, gt=0)
+    """Host memory the engine may pin, in MiB; None when unknown (then nothing checks the host tier)."""
+    host_ram_source: Literal["profile", "probe"] | None = None
+    """Where ``host_ram_mib`` came from: ``machine.host_ram_mib``, or /proc/meminfo when probing."""
 
     def device_name(self, index: int) -> str:
         """``cuda:N`` or ``cpu:N``."""

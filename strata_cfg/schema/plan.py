@@ -267,6 +267,35 @@ class ExpertsPlan(_Plan):
     peer_device: int | None = None
 
 
+class HostTier(_Plan):
+    """One GPU's experts in pinned host memory."""
+
+    gpu: int
+    """The GPU whose stages these experts belong to."""
+    experts: int
+    """Routed experts held in host memory: every routed expert of the GPU's stages when not all fit in
+    VRAM (the VRAM cache holds copies of some), none when all do. Helper and idle GPUs hold none."""
+    bytes: int
+    """Their bytes."""
+
+
+class HostPlan(_Plan):
+    """The host-memory budget: the host tier of experts against the machine's RAM, in bytes."""
+
+    tiers: tuple[HostTier, ...]
+    """One per GPU, in the order of ``gpus``."""
+    total: int
+    """Bytes of every host tier together."""
+    reserve: int
+    """Left for everything else (``memory.host_reserve_mib``)."""
+    ram: int | None
+    """The host memory the engine may pin; None when unknown (then nothing was checked)."""
+    ram_source: Literal["profile", "probe"] | None = None
+    """``profile`` (``machine.host_ram_mib``) or ``probe`` (/proc/meminfo)."""
+    free: int | None
+    """``ram - total - reserve`` (never negative: a plan that does not fit is refused); None when unknown."""
+
+
 class ServePlan(_Plan):
     host: str
     port: int
@@ -291,6 +320,8 @@ class LaunchPlan(_Plan):
     spec: SpecPlan
     memory: MemoryPlan
     experts: ExpertsPlan
+    host: HostPlan
+    """Host memory: the experts kept there and the RAM they must fit in."""
     windows: WindowPlan
     serve: ServePlan | None
     """None: a one-shot generation profile."""

@@ -76,6 +76,9 @@ class MachineSection(Section):
     """Fill the GPU list from the machine `strata` runs on (nvidia-smi), before resolving."""
     backend: Backend | None = None
     """``"cuda"`` (default) runs on real GPUs; ``"cpu"`` runs each listed GPU as a virtual NumPy device."""
+    host_ram_mib: int | None = Field(default=None, gt=0, le=1 << 30)
+    """Host memory the engine may pin, in MiB: the host tier of experts that do not fit in VRAM must fit
+    in it. Default: probed from /proc/meminfo with ``probe = true``, else unknown (not checked)."""
 
     @model_validator(mode="after")
     def _gpus_or_probe(self) -> MachineSection:
@@ -155,6 +158,9 @@ class MemorySection(Section):
     """Context length of each slot in tokens (``--max-context``); default 4096, capped by the model's own."""
     kv_dtype: KvDType | None = None
     """KV cache precision (``--kv``); default: the model's dtype."""
+    host_reserve_mib: int | None = Field(default=None, ge=0, le=1 << 30)
+    """Host memory left for everything but the host tier of experts, in MiB (default 4096): the checkpoint
+    reader, the server, the operating system."""
     prefill_chunk: int | None = Field(default=None, ge=8, le=1 << 16)
     """Prompt tokens read per prefill window (default 512). Bigger reads prompts faster and needs more
     activation workspace."""

@@ -1,8 +1,9 @@
 """The plan view: what the profile in the editor resolves to, redrawn after every edit.
 
 From the top: problems (when the profile is refused, above the last plan that resolved, which is dimmed), the
-summary with the batch line, the decisions, the stage table, and one VRAM bar per GPU. A feature the profile
-asked for that a rule turned off is marked ``!`` in red, in the batch line and first among the decisions.
+summary with the batch line (and a host-memory line when experts live in host memory), the decisions, the
+stage table, and one VRAM bar per GPU. A feature the profile asked for that a rule turned off is marked ``!``
+in red, in the batch line and first among the decisions.
 
 The text of each part is made by a small pure function of the plan, so tests can read it and the widgets
 only place it.
@@ -139,8 +140,22 @@ def batch_text(plan: LaunchPlan) -> Text:
     return text
 
 
+def host_text(plan: LaunchPlan) -> Text | None:
+    """The host-memory budget in a few words, or None when no expert lives in host memory."""
+    h = plan.host
+    if not h.total:
+        return None
+    text = Text(f"{_mib(h.total)} MiB experts pinned; ")
+    if h.ram is None:
+        text.append("RAM unknown", style="dim")
+    else:
+        text.append(f"RAM {_mib(h.ram)}, {_mib(h.free or 0)} free")
+    return text
+
+
 def summary_rows(plan: LaunchPlan) -> list[tuple[str, Text]]:
-    """(label, text) lines: the model, the batch line, spec and memory."""
+    """(label, text) lines: the model, the batch line, spec, memory, and host memory when experts live
+    there."""
     f = plan.model.facts
     model = f"{plan.model.synthetic} (synthetic)" if plan.model.synthetic else (plan.model.path or f.source)
     s = plan.spec
@@ -148,12 +163,14 @@ def summary_rows(plan: LaunchPlan) -> list[tuple[str, Text]]:
     if s.pipeline_windows:
         spec += f", {s.pipeline_windows} pipeline windows"
     m = plan.memory
-    return [
+    rows = [
         ("model", Text(f"{model}, {f.dtype}, {f.num_hidden_layers} layers")),
         ("batch", batch_text(plan)),
         ("spec", Text(spec)),
         ("memory", Text(f"{m.context} tokens per slot, KV {m.kv_dtype}")),
     ]
+    host = host_text(plan)
+    return rows if host is None else [*rows, ("host", host)]
 
 
 def summary_table(plan: LaunchPlan) -> Table:
