@@ -92,7 +92,7 @@ def test_check_reports_every_problem_of_every_file_and_exits_1(capsys):
 
 
 def test_check_json_and_exit_0_on_good_profiles(capsys):
-    good = sorted(str(p) for p in PROFILES.glob("*.toml"))
+    good = sorted(str(p) for p in [*PROFILES.glob("*.toml"), *PROFILES.glob("emulate/*.toml")])
     code, out, _ = run(capsys, "check", "--json", *good)
     assert code == 0
     assert [r["ok"] for r in json.loads(out)["profiles"]] == [True] * len(good)
@@ -158,7 +158,7 @@ def test_committed_schema_file_is_what_strata_schema_prints():
 
 
 def test_every_shipped_profile_points_at_the_schema():
-    for path in [*PROFILES.glob("*.toml"), *PROFILES.glob("base/*.toml")]:
+    for path in [*PROFILES.glob("*.toml"), *PROFILES.glob("base/*.toml"), *PROFILES.glob("emulate/*.toml")]:
         first = path.read_text().splitlines()[0]
         assert first.startswith("#:schema ") and first.endswith("strata-profile.schema.json"), path
 
@@ -207,3 +207,25 @@ def test_plan_help_says_engine_args_are_the_cpp_engines_not_a_program_installed_
     text = " ".join(out.split())  # argparse wraps the help
     assert code == 0 and "command line of the Strata C++ engine (strata-engine)" in text
     assert "this package does not install it" in text
+
+
+def test_check_strict_takes_every_shipped_profile_base_and_emulated_box_included(capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    code, out, _ = run(capsys, "check", "--strict", "profiles/**/*.toml")  # quoted: check expands it
+    lines = out.splitlines()
+    assert code == 0 and all(line.startswith("ok ") for line in lines)
+    checked = {line.split()[1] for line in lines}
+    assert {"profiles/emulate/rtx3080-20g-x2-on-h200.toml", "profiles/emulate/h200-24g.toml"} <= checked
+    assert len(checked) == len(list(PROFILES.glob("**/*.toml")))
+    base = next(line for line in lines if "profiles/base/qwen3-30b-a3b.toml" in line)
+    assert "base of" in base and "validated, resolved through them" in base
+
+
+def test_check_a_base_alone_still_resolves_it_and_refuses_what_it_lacks(capsys):
+    code, out, _ = run(capsys, "check", str(PROFILES / "base" / "qwen3-30b-a3b.toml"))
+    assert code == 1 and "no GPUs given" in out
+
+
+def test_check_a_pattern_that_matches_nothing_is_refused(capsys, tmp_path):
+    code, out, _ = run(capsys, "check", str(tmp_path / "*.toml"))
+    assert code == 1 and "no such profile file" in out
