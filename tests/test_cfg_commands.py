@@ -83,6 +83,13 @@ def test_engine_args_carry_every_resolved_value(capsys):
     assert "--batch-mtp" not in pipelined.split() and "--batch-groups 2" in pipelined
 
 
+def test_engine_args_warn_that_the_cpp_engine_refuses_batch_mtp_in_groups(capsys):
+    code, out, _ = run(capsys, "plan", str(PROFILES / "h200-x2-mtp-groups.toml"), "--emit", "engine-args")
+    note, line = out.splitlines()
+    assert code == 0 and note.startswith("# batch.mtp_in_groups: the Strata C++ engine refuses --batch-mtp")
+    assert "--batch-groups 2 --batch-mtp" in line
+
+
 def test_check_reports_every_problem_of_every_file_and_exits_1(capsys):
     bad = [BAD_DIR / "unknown-key.toml", BAD_DIR / "wrong-type.toml", PROFILES / "demo.toml"]
     code, out, _ = run(capsys, "check", *map(str, bad))

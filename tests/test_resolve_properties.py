@@ -65,6 +65,7 @@ def any_profile(draw: st.DrawFn) -> dict[str, Any]:
             "slots": draw(_maybe(st.integers(0, 20))),
             "groups": draw(_maybe(st.one_of(st.just("auto"), st.integers(1, 6)))),
             "mtp": draw(_maybe(st.booleans())),
+            "mtp_in_groups": draw(_maybe(st.booleans())),
         },
         "spec": {"draft_tokens": draw(_maybe(st.integers(0, 8)))},
         "memory": {
@@ -103,14 +104,17 @@ def valid_profile(draw: st.DrawFn) -> dict[str, Any]:
     ]
     boundaries = draw(st.lists(st.integers(2, n_layers - 1), max_size=n_gpus - 1, unique=True).map(sorted))
     layers = draw(st.sampled_from([boundaries, "auto"])) if n_gpus > 1 else boundaries
+    slots = draw(_maybe(st.integers(0, 16)))
     profile: dict[str, Any] = {
         "machine": {"gpus": gpus, "backend": draw(st.sampled_from(["cuda", "cpu"]))},
         "model": {"synthetic": preset},
         "split": {"layers": layers},
         "batch": {
-            "slots": draw(_maybe(st.integers(0, 16))),
+            "slots": slots,
             "groups": draw(_maybe(st.one_of(st.just("auto"), st.integers(1, 4)))),
             "mtp": draw(_maybe(st.booleans())),
+            # batch MTP in groups of more than 4 slots is refused; a valid profile keeps them small
+            "mtp_in_groups": draw(_maybe(st.booleans())) if slots is None or slots <= 4 else None,
         },
         "spec": {"draft_tokens": draw(_maybe(st.integers(0, 8)))},
         "memory": {"context": draw(_maybe(st.integers(16, 8192)))},
@@ -152,10 +156,17 @@ def check_plan(plan: LaunchPlan) -> None:
         assert sum(terms) == g.budget.total == plan.machine.gpus[g.index].vram_mib * 2**20
         assert min(terms) >= 0
         assert 0 <= g.experts_resident <= g.experts_total or g.role == "helper"
-    # groups divide slots; batch MTP on a split means one group
-    assert plan.batch.slots % plan.batch.groups == 0
-    if plan.batch.mtp and len(plan.stages) > 1:
-        assert plan.batch.groups == 1
+    # groups divide slots; batch MTP on a split means one group, unless it runs inside pipelined groups:
+    # then each group's window holds at most 4 slots of 2 rows, and every slot drafts on the last stage
+    b = plan.batch
+    assert b.slots % b.groups == 0
+    if b.mtp and len(plan.stages) > 1:
+        assert b.groups == 1 or b.mtp_in_groups
+    assert b.mtp_in_groups == (b.mtp and b.groups > 1)
+    if b.mtp_in_groups:
+        assert b.mode == "pipelined" and plan.settings["batch.mtp_in_groups"].value is True
+        assert b.slots_per_window == b.slots // b.groups <= 4 and b.rows_per_slot == 2
+        assert plan.stages[-1].drafters == tuple(range(b.slots))
     assert plan.windows.batch_rows <= plan.windows.max_rows == 8
     # every default and auto was resolved
     assert all(s.value != "auto" for s in plan.settings.values())
@@ -232,6 +243,7 @@ def gated_profile(draw: st.DrawFn) -> dict[str, Any]:
             "slots": draw(_maybe(st.integers(0, 8))),
             "groups": draw(_maybe(st.one_of(st.just("auto"), st.integers(1, 4)))),
             "mtp": draw(_maybe(st.booleans())),
+            "mtp_in_groups": draw(_maybe(st.booleans())),
         },
         "spec": {"draft_tokens": draw(_maybe(st.integers(0, 8)))},
         "experts": {"helper_devices": helpers or None, "remote_opt": draw(_maybe(st.booleans()))},
@@ -284,3 +296,15 @@ def test_resolving_does_not_depend_on_the_order_of_the_batch_mtp_reasons(data):
     assert _outcome(reversed_plan) == _outcome(plan)
     off = [d for d in reversed_plan.decisions if d.key == "batch.mtp" and d.severity == "off"]
     assert len(off) == (0 if plan.batch.mtp or not plan.settings["batch.mtp"].requested else 1)
+
+
+@FEW
+@given(st.one_of(valid_profile(), gated_profile()))
+def test_a_profile_without_mtp_in_groups_resolves_as_with_it_false(data):
+    # batch.mtp_in_groups is opt-in: leaving it out is the same plan as writing false, decisions included.
+    batch = dict(data.get("batch", {}))
+    batch.pop("mtp_in_groups", None)
+    without = _resolve_with({**data, "batch": batch}, core.GATES)
+    with_false = _resolve_with({**data, "batch": {**batch, "mtp_in_groups": False}}, core.GATES)
+    assert _outcome(without) == _outcome(with_false)
+    assert _decisions(without) == _decisions(with_false)

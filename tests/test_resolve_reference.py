@@ -63,6 +63,21 @@ def test_h200_profiles():
     assert [s.layers for s in two.stages] == [(0, 24), (24, 48)] and two.batch.slots == 2
 
 
+def test_h200_x2_runs_batch_mtp_inside_two_pipelined_groups():
+    plan = plan_of(PROFILES / "h200-x2-mtp-groups.toml")
+    b = plan.batch
+    assert (b.mode, b.groups, b.mtp, b.mtp_in_groups, b.rows_per_slot, b.slots_per_window) == (
+        "pipelined",
+        2,
+        True,
+        True,
+        2,
+        2,
+    )
+    assert [s.layers for s in plan.stages] == [(0, 24), (24, 48)] and plan.stages[1].drafters == (0, 1, 2, 3)
+    assert plan.to_json()["batch"]["mtp_in_groups"] is True
+
+
 def test_demo_resolves_to_one_group_with_batch_mtp_on():
     plan = plan_of(None)
     assert plan.profile == "demo" and plan.machine.backend == "cpu" and len(plan.machine.gpus) == 2

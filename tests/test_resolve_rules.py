@@ -381,6 +381,48 @@ def test_batch_mtp_refused_for_one_slot_on_a_split_runs_solo():
     assert [d.rule for d in plan.decisions] == ["batch.single-slot", "batch-mtp.needs-batching"]
 
 
+def test_batch_mtp_in_groups_runs_batch_mtp_inside_each_pipelined_group():
+    plan = plan_of(rule_file("batch-mtp.in-groups"))
+    b = plan.batch
+    assert (b.slots, b.groups, b.mode, b.mtp, b.mtp_in_groups) == (4, 2, "pipelined", True, True)
+    assert (b.slots_per_window, b.rows_per_slot, plan.windows.batch_rows) == (2, 2, 4)
+    assert plan.stages[-1].drafters == (0, 1, 2, 3) and plan.gpus[1].budget.drafters > 0
+    d = decision(plan, "batch-mtp.in-groups")
+    assert d.key == "batch.mtp" and set(d.because) == {"batch.groups", "batch.mtp_in_groups"}
+    assert "2 slots (4 rows) per group window" in d.message
+    assert not any(d.severity == "off" for d in plan.decisions)
+    assert plan.settings["batch.mtp"].gates[-1] == "batch-mtp.pipelined-groups"  # checked, and passed
+
+
+def test_batch_mtp_in_groups_too_many_slots_is_refused_by_name():
+    path = rule_file("batch-mtp.in-groups-too-many-slots")
+    p = problem(problems_of(path), "batch-mtp.in-groups-too-many-slots")
+    assert (p.key, p.line) == ("batch.groups", line_of(path, "groups = 2"))
+    assert "10 slots in 2 groups is 5 per group" in p.message and "set batch.groups = 5" in p.message
+
+
+def test_batch_mtp_in_groups_leaves_the_defaulted_case_as_written():
+    # groups unset with batch MTP on: still one group, so plain batch MTP runs; only the note's sentence
+    # says what writing groups = 2 would now do
+    plan = plan_of(rule_file("groups.batch-mtp-yield"), ["batch.mtp_in_groups=true"])
+    b = plan.batch
+    assert (b.groups, b.mode, b.mtp, b.mtp_in_groups) == (1, "serial", True, False)
+    assert [d.rule for d in plan.decisions] == ["groups.batch-mtp-yield", "batch-mtp.all-experts-resident"]
+    d = decision(plan, "groups.batch-mtp-yield")
+    assert "batch.groups = 2 would run batch MTP inside 2 pipelined groups" in d.message
+
+
+def test_batch_mtp_in_groups_off_keeps_turning_batch_mtp_off_for_explicit_groups():
+    plan = plan_of(rule_file("batch-mtp.in-groups"), ["batch.mtp_in_groups=false"])
+    assert (plan.batch.groups, plan.batch.mode, plan.batch.mtp, plan.batch.mtp_in_groups) == (
+        2,
+        "pipelined",
+        False,
+        False,
+    )
+    assert [d.rule for d in plan.decisions] == ["batch-mtp.pipelined-groups"]
+
+
 # ---- step 5 -------------------------------------------------------------------------------------
 
 

@@ -25,3 +25,10 @@ def test_the_host_line_shows_the_experts_pinned_and_the_ram():
 
 def test_no_host_line_when_every_expert_is_in_vram():
     assert "host" not in _rows(plan_of(PROFILES / "h200.toml"))
+
+
+def test_the_batch_line_says_batch_mtp_runs_inside_the_pipelined_groups():
+    rows = _rows(plan_of(PROFILES / "h200-x2-mtp-groups.toml"))
+    assert rows["batch"] == "4 slots · 2 groups · pipelined · batch MTP inside 2 pipelined groups"
+    plain = _rows(plan_of(PROFILES / "h200-x2-mtp-groups.toml", ["batch.mtp_in_groups=false"]))
+    assert plain["batch"] == "4 slots · 2 groups · pipelined · ! batch MTP off although asked for"

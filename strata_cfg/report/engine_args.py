@@ -49,4 +49,12 @@ def engine_args(plan: LaunchPlan) -> list[str]:
 
 
 def engine_args_text(plan: LaunchPlan) -> str:
-    return shlex.join(engine_args(plan)) + "\n"
+    """The command line; a plan that runs batch MTP inside pipelined groups gets a comment line first,
+    since the C++ engine refuses ``--batch-mtp`` with more than one group."""
+    note = (
+        "# batch.mtp_in_groups: the Strata C++ engine refuses --batch-mtp with --batch-groups > 1; "
+        "strata_runtime runs it\n"
+        if plan.batch.mtp_in_groups
+        else ""
+    )
+    return note + shlex.join(engine_args(plan)) + "\n"

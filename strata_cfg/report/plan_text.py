@@ -59,11 +59,15 @@ def _batch_line(plan: LaunchPlan) -> str:
         how = f"{b.groups} pipelined groups of {b.slots // b.groups} ({b.groups} windows in flight)"
     else:
         how = "1 group (serial windows)"
-    mtp = (
-        f"batch MTP on: each slot sends its token + 1 proposal, {b.slots_per_window} slots per window"
-        if b.mtp
-        else "batch MTP off"
-    )
+    if b.mtp_in_groups:
+        mtp = (
+            f"batch MTP inside {b.groups} pipelined groups: each slot sends its token + 1 proposal, "
+            f"{b.slots_per_window} slots per group window"
+        )
+    elif b.mtp:
+        mtp = f"batch MTP on: each slot sends its token + 1 proposal, {b.slots_per_window} slots per window"
+    else:
+        mtp = "batch MTP off"
     return f"{b.slots} slots, {how}; {mtp}"
 
 

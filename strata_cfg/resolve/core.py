@@ -215,6 +215,7 @@ def _assemble(
             groups=groups,
             mode=mode,
             mtp=bool(led["batch.mtp"]),
+            mtp_in_groups=bool(led["batch.mtp"]) and mode == "pipelined",
             slots_per_window=per_window,
             rows_per_slot=rows_per_slot,
         ),

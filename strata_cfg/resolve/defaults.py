@@ -80,6 +80,7 @@ def resolve_defaults(
     led.take("batch.slots", b.slots if b else None, 1)
     led.take("batch.groups", b.groups if b else None, None)
     led.take("batch.mtp", b.mtp if b else None, False)
+    led.take("batch.mtp_in_groups", b.mtp_in_groups if b else None, False)
 
     s = p.spec
     draft = led.take(

@@ -97,6 +97,18 @@ _RULES = (
     Rule("groups.no-split", 4, "warn", "more than one group needs a layer split; 1 group"),
     Rule("groups.not-divisor", 4, "warn", "groups must divide the slots; 1 group"),
     Rule("batch-mtp.pipelined-groups", 4, "off", "batch MTP does not combine with pipelined slot groups"),
+    Rule(
+        "batch-mtp.in-groups",
+        4,
+        "note",
+        "batch.mtp_in_groups: batch MTP runs inside each pipelined group (token + proposal per slot)",
+    ),
+    Rule(
+        "batch-mtp.in-groups-too-many-slots",
+        4,
+        "error",
+        "batch MTP inside pipelined groups holds at most 4 slots per group (2 rows each)",
+    ),
     # 5: pipeline-windows gate (the first failing reason wins)
     Rule("pipeline-windows.needs-split", 5, "off", "pipeline windows need a layer split"),
     Rule("pipeline-windows.shared-gpu", 5, "off", "pipeline windows do not run on a single-GPU test split"),

@@ -206,8 +206,11 @@ class BatchPlan(_Plan):
     """``solo`` (no batching), ``serial`` (one group), or ``pipelined`` (several groups in flight)."""
     mtp: bool
     """Whether per-slot MTP drafters run in batch windows."""
+    mtp_in_groups: bool = False
+    """Batch MTP runs inside each pipelined group (``batch.mtp_in_groups``): mode ``pipelined``, ``mtp``
+    true, 2 rows per slot, at most 4 slots per group window."""
     slots_per_window: int
-    """Slots that share one window (4 with batch MTP, else up to 8)."""
+    """Slots that share one window (with batch MTP at most 4; in pipelined groups a group's slots)."""
     rows_per_slot: int
     """Rows each slot sends per batch window (2 with batch MTP: token and proposal)."""
 

@@ -137,6 +137,10 @@ class BatchSection(Section):
     mtp: bool | None = None
     """Per-slot MTP drafters in batch windows (``--batch-mtp``): each slot sends its token and one drafted
     proposal through every stage."""
+    mtp_in_groups: bool | None = None
+    """Run batch MTP inside each pipelined group instead of turning it off when ``groups`` is more than 1 on
+    a split (default false). Each group's window carries 2 rows per slot, so at most 4 slots per group. An
+    extension beyond the reference engine, which refuses the combination."""
 
 
 class SpecSection(Section):

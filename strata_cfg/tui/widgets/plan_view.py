@@ -130,7 +130,9 @@ def batch_text(plan: LaunchPlan) -> Text:
     text = Text(
         f"{b.slots} slot{'s' * (b.slots != 1)} · {b.groups} group{'s' * (b.groups != 1)} · {b.mode} · "
     )
-    if b.mtp:
+    if b.mtp_in_groups:
+        text.append(f"batch MTP inside {b.groups} pipelined groups", style=ON_STYLE)
+    elif b.mtp:
         text.append("batch MTP on", style=ON_STYLE)
     elif batch_mtp_forced_off(plan) is not None:
         text.append("! batch MTP off", style=REQUESTED_STYLE)
