@@ -16,7 +16,7 @@ from typing import Any
 from ..schema.bounded_read import read_bounded
 from ..schema.errors import Problem, ProfileError
 from ..schema.plan import Origin
-from .toml_lines import key_lines, too_deep_line
+from .toml_lines import index_keys
 
 MAX_PROFILE_BYTES = 1 << 20
 """A profile is a small text file; anything larger is refused before it is parsed."""
@@ -34,7 +34,7 @@ def _too_deep(file: str, line: int | None, key: str = "") -> ProfileError:
 
 def parse_toml(text: str, file: str) -> tuple[dict[str, Any], dict[str, Origin]]:
     """TOML text -> (data, origins of every key written in it)."""
-    deep = too_deep_line(text, MAX_NESTING)
+    lines, deep = index_keys(text, MAX_NESTING)
     if deep is not None:
         raise _too_deep(file, deep)
     try:
@@ -47,7 +47,6 @@ def parse_toml(text: str, file: str) -> tuple[dict[str, Any], dict[str, Origin]]
         raise ProfileError(Problem(file, line, "", f"not valid TOML: {message}")) from None
     except RecursionError:  # nesting the line scanner could not follow
         raise _too_deep(file, None) from None
-    lines = key_lines(text)
     path = _deep_path(data, MAX_NESTING)
     if path is not None:  # deep dotted keys or table headers
         key = ".".join(path)

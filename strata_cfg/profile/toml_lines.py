@@ -14,8 +14,6 @@ refused at its line instead of exhausting the stack.
 
 from __future__ import annotations
 
-import contextlib
-
 _BARE = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
 _SCALAR_END = set(",]}#\n\r")
 
@@ -269,19 +267,17 @@ class _Scanner:
 
 def key_lines(text: str) -> dict[str, int]:
     """Map every dotted key written in ``text`` (tables, keys, array elements) to its 1-based line."""
-    scanner = _Scanner(text)
-    with contextlib.suppress(_Stop):
-        scanner.document()
-    return scanner.lines
+    return index_keys(text, SCAN_DEPTH)[0]
 
 
-def too_deep_line(text: str, limit: int) -> int | None:
-    """The line where arrays or inline tables in ``text`` first nest deeper than ``limit``, else None."""
+def index_keys(text: str, limit: int) -> tuple[dict[str, int], int | None]:
+    """`key_lines` in the same pass as the line where arrays or inline tables first nest deeper than
+    ``limit`` (None if they never do; then the lines are complete)."""
     scanner = _Scanner(text, max_depth=limit)
     try:
         scanner.document()
     except _TooDeep as exc:
-        return exc.line
+        return scanner.lines, exc.line
     except _Stop:
         pass
-    return None
+    return scanner.lines, None
