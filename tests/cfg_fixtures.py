@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -67,3 +69,21 @@ def line_of(path: Path, text: str) -> int:
         if text in line:
             return n
     raise AssertionError(f"{text!r} not in {path}")
+
+
+def raised_within(seconds: float, fn: Callable[[], object]) -> BaseException | None:
+    """What ``fn`` raised, run on a daemon thread; fails the test if it has not returned within ``seconds``
+    (for reads that could block for ever, such as opening a FIFO)."""
+    raised: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            fn()
+        except BaseException as exc:  # handed back to the test to judge
+            raised.append(exc)
+
+    worker = threading.Thread(target=call, daemon=True)
+    worker.start()
+    worker.join(timeout=seconds)
+    assert not worker.is_alive(), f"still blocked after {seconds} s"
+    return raised[0] if raised else None

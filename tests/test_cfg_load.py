@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import os
-import threading
 
 import pytest
+from cfg_fixtures import raised_within
 
 from strata_cfg.profile.extends import MAX_CHAIN
 from strata_cfg.profile.load import load_profile, load_profile_text
@@ -177,19 +177,9 @@ def test_deep_dotted_keys_are_refused_naming_the_key():
 def test_extends_naming_a_fifo_is_refused_without_waiting_for_a_writer(tmp_path):
     os.mkfifo(tmp_path / "base.toml")
     f = write(tmp_path / "box.toml", 'extends = "base.toml"\n')
-    errors: list[ProfileError] = []
-
-    def load() -> None:
-        try:
-            load_profile(f)
-        except ProfileError as exc:
-            errors.append(exc)
-
-    reader = threading.Thread(target=load, daemon=True)  # opening a FIFO to read waits for a writer
-    reader.start()
-    reader.join(timeout=20)
-    assert not reader.is_alive(), "loading a profile that extends a FIFO hangs"
-    (p,) = errors[0].problems
+    err = raised_within(20, lambda: load_profile(f))  # opening a FIFO to read waits for a writer
+    assert isinstance(err, ProfileError)
+    (p,) = err.problems
     assert (p.file, p.line, p.key) == (str(f), 1, "extends") and "not a regular file (a FIFO)" in p.message
 
 
