@@ -1,7 +1,5 @@
 """`python -m strata_cfg` is the `strata` command."""
 
-import sys
+from .cli import entry
 
-from .cli import main
-
-sys.exit(main())
+entry()

@@ -5,16 +5,18 @@ here by name with its module path and a one-line help. Only the chosen command's
 ``strata plan`` does not pay for the TUI, the server or the engine.
 
 Exit codes shared by every command: 0 success, 1 a profile was refused (or the command failed),
-2 usage error (bad arguments).
+2 usage error (bad arguments). Output into a pipe that closes early (``strata plan --json | head -1``)
+ends the command quietly with 141, as a command killed by SIGPIPE does.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
-from typing import Protocol, cast
+from typing import NoReturn, Protocol, cast
 
 from . import __version__
 
@@ -44,6 +46,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
 EXIT_OK = 0
 EXIT_REFUSED = 1
 EXIT_USAGE = 2
+EXIT_PIPE_CLOSED = 128 + 13
+"""What a shell reports for a command that SIGPIPE ended (128 + the signal's number)."""
 
 
 class Command(Protocol):
@@ -100,5 +104,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     return int(module.run(parsed))
 
 
+def entry() -> NoReturn:
+    """The ``strata`` console command: `main`, and a reader that closed the pipe ends it quietly.
+
+    SIGPIPE is not reset to its default, which would kill the serving commands on any closed socket;
+    instead stdout's BrokenPipeError is caught here, and stdout is pointed at /dev/null so that the
+    interpreter's last flush does not fail a second time.
+    """
+    try:
+        code = main()
+        sys.stdout.flush()
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        sys.exit(EXIT_PIPE_CLOSED)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

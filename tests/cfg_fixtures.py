@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -23,17 +25,28 @@ def no_probe() -> str:
     raise OSError("no probe in this test")
 
 
-def resolve_file(path: Path | str, sets=(), *, strict: bool = False, probe=no_probe) -> Resolved:
-    return resolve_loaded(load(path, sets), strict=strict, probe=probe)
+def no_meminfo() -> str:
+    """The tests never read this machine's /proc/meminfo: a probed host memory is unknown unless given."""
+    raise OSError("no /proc/meminfo in this test")
 
 
-def plan_of(path: Path | str, sets=(), *, strict: bool = False, probe=no_probe) -> LaunchPlan:
-    return resolve_file(path, sets, strict=strict, probe=probe).plan
+def resolve_file(
+    path: Path | str, sets=(), *, strict: bool = False, probe=no_probe, meminfo=no_meminfo
+) -> Resolved:
+    return resolve_loaded(load(path, sets), strict=strict, probe=probe, meminfo=meminfo)
 
 
-def problems_of(path: Path | str, sets=(), *, strict: bool = False, probe=no_probe) -> list[Problem]:
+def plan_of(
+    path: Path | str, sets=(), *, strict: bool = False, probe=no_probe, meminfo=no_meminfo
+) -> LaunchPlan:
+    return resolve_file(path, sets, strict=strict, probe=probe, meminfo=meminfo).plan
+
+
+def problems_of(
+    path: Path | str, sets=(), *, strict: bool = False, probe=no_probe, meminfo=no_meminfo
+) -> list[Problem]:
     with pytest.raises(ProfileError) as err:
-        resolve_file(path, sets, strict=strict, probe=probe)
+        resolve_file(path, sets, strict=strict, probe=probe, meminfo=meminfo)
     assert err.value.problems, "a ProfileError must carry at least one problem"
     return err.value.problems
 
@@ -56,3 +69,21 @@ def line_of(path: Path, text: str) -> int:
         if text in line:
             return n
     raise AssertionError(f"{text!r} not in {path}")
+
+
+def raised_within(seconds: float, fn: Callable[[], object]) -> BaseException | None:
+    """What ``fn`` raised, run on a daemon thread; fails the test if it has not returned within ``seconds``
+    (for reads that could block for ever, such as opening a FIFO)."""
+    raised: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            fn()
+        except BaseException as exc:  # handed back to the test to judge
+            raised.append(exc)
+
+    worker = threading.Thread(target=call, daemon=True)
+    worker.start()
+    worker.join(timeout=seconds)
+    assert not worker.is_alive(), f"still blocked after {seconds} s"
+    return raised[0] if raised else None

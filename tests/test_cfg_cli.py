@@ -47,3 +47,15 @@ def test_schema_command_prints_the_profile_schema(capsys):
     assert schema["title"] == "Profile"
     assert schema["additionalProperties"] is False
     assert "slots" in schema["$defs"]["BatchSection"]["properties"]
+
+
+def test_a_reader_that_closes_the_pipe_ends_the_command_quietly():
+    # `strata plan --json | head -1`: the reader is gone before strata writes (it takes a moment to start).
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "strata_cfg", "plan", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == cli.EXIT_PIPE_CLOSED
+    assert err == ""  # no BrokenPipeError traceback, no "Exception ignored" at exit

@@ -83,6 +83,13 @@ def test_engine_args_carry_every_resolved_value(capsys):
     assert "--batch-mtp" not in pipelined.split() and "--batch-groups 2" in pipelined
 
 
+def test_engine_args_warn_that_the_cpp_engine_refuses_batch_mtp_in_groups(capsys):
+    code, out, _ = run(capsys, "plan", str(PROFILES / "h200-x2-mtp-groups.toml"), "--emit", "engine-args")
+    note, line = out.splitlines()
+    assert code == 0 and note.startswith("# batch.mtp_in_groups: the Strata C++ engine refuses --batch-mtp")
+    assert "--batch-groups 2 --batch-mtp" in line
+
+
 def test_check_reports_every_problem_of_every_file_and_exits_1(capsys):
     bad = [BAD_DIR / "unknown-key.toml", BAD_DIR / "wrong-type.toml", PROFILES / "demo.toml"]
     code, out, _ = run(capsys, "check", *map(str, bad))
@@ -92,7 +99,7 @@ def test_check_reports_every_problem_of_every_file_and_exits_1(capsys):
 
 
 def test_check_json_and_exit_0_on_good_profiles(capsys):
-    good = sorted(str(p) for p in PROFILES.glob("*.toml"))
+    good = sorted(str(p) for p in [*PROFILES.glob("*.toml"), *PROFILES.glob("emulate/*.toml")])
     code, out, _ = run(capsys, "check", "--json", *good)
     assert code == 0
     assert [r["ok"] for r in json.loads(out)["profiles"]] == [True] * len(good)
@@ -158,6 +165,74 @@ def test_committed_schema_file_is_what_strata_schema_prints():
 
 
 def test_every_shipped_profile_points_at_the_schema():
-    for path in [*PROFILES.glob("*.toml"), *PROFILES.glob("base/*.toml")]:
+    for path in [*PROFILES.glob("*.toml"), *PROFILES.glob("base/*.toml"), *PROFILES.glob("emulate/*.toml")]:
         first = path.read_text().splitlines()[0]
         assert first.startswith("#:schema ") and first.endswith("strata-profile.schema.json"), path
+
+
+# ---- explain: the cause, the gates, the GPUs -------------------------------------------------------------
+
+
+def test_explain_shows_the_effect_under_the_key_that_caused_it(capsys):
+    path = str(RULES_DIR / "batch-mtp.pipelined-groups.toml")
+    code, out, _ = run(capsys, "explain", path, "batch.groups")
+    assert code == 0 and out.startswith("batch.groups = 2\n")
+    assert "  effects\n    turned batch.mtp off (rule batch-mtp.pipelined-groups): batch MTP is off" in out
+
+
+def test_explain_a_feature_that_is_on_says_every_gate_passed_instead_of_listing_them(capsys):
+    code, out, _ = run(capsys, "explain", BOX, "batch.mtp")
+    assert code == 0 and "  on         every gate passed (8 checked)" in out
+    assert "batch-mtp.needs-batching" not in out  # the gates are counted, not listed
+    # the one rule that read it without gating it, and what batch MTP on did to the groups
+    assert "  rules      groups.batch-mtp-yield\n" in out
+    assert "made batch.groups = 1 (rule groups.batch-mtp-yield)" in out
+
+
+def test_explain_a_feature_turned_off_names_the_gate(capsys):
+    code, out, _ = run(capsys, "explain", BOX, "batch.mtp", "--set", "batch.groups=2")
+    assert "off        turned off by the gate batch-mtp.pipelined-groups; the 7 before it passed" in out
+
+
+def test_explain_a_gpu_entry_explains_that_gpu_not_another_key(capsys):
+    code, out, _ = run(capsys, "explain", BOX, "machine.gpus.1")
+    assert code == 0 and out.startswith("machine.gpus.1 = RTX 3080 20GB, 20480 MiB, 760 GB/s\n")
+    assert "machine.backend" not in out and "machine.gpus.0" not in out
+    assert "role       stage 1 (layers 23-47)" in out and "drafters 25.4" in out
+    # the TUI asks for the key under the cursor
+    _, name, _ = run(capsys, "explain", BOX, "machine.gpus.0.name")
+    assert name.startswith("machine.gpus.0 = RTX 3080 20GB")
+
+
+def test_explain_a_profile_without_a_key_is_a_usage_error(capsys):
+    code, out, err = run(capsys, "explain", BOX)
+    assert code == 2 and out == "" and "give a KEY after the profile" in err
+
+
+def test_plan_help_says_engine_args_are_the_cpp_engines_not_a_program_installed_here(capsys):
+    code, out, _ = run(capsys, "plan", "--help")
+    text = " ".join(out.split())  # argparse wraps the help
+    assert code == 0 and "command line of the Strata C++ engine (strata-engine)" in text
+    assert "this package does not install it" in text
+
+
+def test_check_strict_takes_every_shipped_profile_base_and_emulated_box_included(capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    code, out, _ = run(capsys, "check", "--strict", "profiles/**/*.toml")  # quoted: check expands it
+    lines = out.splitlines()
+    assert code == 0 and all(line.startswith("ok ") for line in lines)
+    checked = {line.split()[1] for line in lines}
+    assert {"profiles/emulate/rtx3080-20g-x2-on-h200.toml", "profiles/emulate/h200-24g.toml"} <= checked
+    assert len(checked) == len(list(PROFILES.glob("**/*.toml")))
+    base = next(line for line in lines if "profiles/base/qwen3-30b-a3b.toml" in line)
+    assert "base of" in base and "validated, resolved through them" in base
+
+
+def test_check_a_base_alone_still_resolves_it_and_refuses_what_it_lacks(capsys):
+    code, out, _ = run(capsys, "check", str(PROFILES / "base" / "qwen3-30b-a3b.toml"))
+    assert code == 1 and "no GPUs given" in out
+
+
+def test_check_a_pattern_that_matches_nothing_is_refused(capsys, tmp_path):
+    code, out, _ = run(capsys, "check", str(tmp_path / "*.toml"))
+    assert code == 1 and "no such profile file" in out

@@ -78,3 +78,9 @@ def test_architecture_names_every_folder_and_module_of_strata_cfg():
         if p.stem != "__init__"
     ]
     assert [m for m in modules if f"`{m.split('/')[1]}`" not in text] == []
+
+
+def test_engine_args_are_documented_as_the_cpp_engines_command_line():
+    text = " ".join(DOC.split())
+    assert "`--emit engine-args` prints a `strata-engine ...` command line: the Strata C++ engine's" in text
+    assert "This package does not install a `strata-engine` program" in text

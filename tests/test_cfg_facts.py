@@ -113,3 +113,77 @@ def test_machine_and_model_problems_are_reported_together():
     with pytest.raises(ProfileError) as err:
         gather_facts(lp)
     assert sorted(p.key for p in err.value.problems) == ["machine", "model.path"]
+
+
+# ---- a config.json or header that is not what it should be: a named error, never a traceback ------------
+
+
+def _model_dir(tmp_path, config_text: str):
+    """A model directory with mtp-micro's weights and ``config_text`` as its config.json; its profile."""
+    shutil.copy(MODELS / "mtp-micro" / "model.safetensors", tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(config_text)
+    profile = tmp_path / "p.toml"
+    profile.write_text(f'[model]\npath = "{tmp_path}"\n')
+    return profile
+
+
+def _config_problems(tmp_path, config_text: str) -> list[str]:
+    profile = _model_dir(tmp_path, config_text)
+    with pytest.raises(ProfileError) as err:
+        model_facts(load_profile(profile), "cuda")
+    assert all(p.key == "model.path" and p.line == line_of(profile, "path") for p in err.value.problems)
+    return [p.message for p in err.value.problems]
+
+
+def _micro_config() -> dict:
+    return json.loads((MODELS / "mtp-micro" / "config.json").read_text())
+
+
+def test_config_json_that_is_a_list_is_refused(tmp_path):
+    (message,) = _config_problems(tmp_path, json.dumps([_micro_config()]))
+    assert "is not a JSON object (it holds a list)" in message
+
+
+def test_config_json_nested_100k_deep_is_refused(tmp_path):
+    (message,) = _config_problems(tmp_path, "[" * 100_000 + "]" * 100_000)
+    assert "nested too deeply" in message
+
+
+def test_zero_attention_heads_without_head_dim_is_a_named_error(tmp_path):
+    config = {k: v for k, v in _micro_config().items() if k != "head_dim"}
+    (message,) = _config_problems(tmp_path, json.dumps({**config, "num_attention_heads": 0}))
+    assert "num_attention_heads: expected greater than or equal to 1 (got 0)" in message
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "expected"),
+    [
+        ("hidden_size", "64", 'hidden_size: expected a valid integer (got "64")'),
+        ("hidden_size", 1 << 30, "hidden_size: expected less than or equal to 65536"),
+        ("vocab_size", 10**12, "vocab_size: expected less than or equal to 4194304"),
+        ("num_hidden_layers", True, "num_hidden_layers: expected a valid integer (got true)"),
+        ("num_experts_per_tok", 9, "num_experts_per_tok 9 is more than the 4 experts"),
+        ("num_key_value_heads", 3, "num_key_value_heads 3 does not divide num_attention_heads 2"),
+    ],
+)
+def test_config_json_fields_are_strictly_typed_and_bounded(tmp_path, key, value, expected):
+    messages = _config_problems(tmp_path, json.dumps({**_micro_config(), key: value}))
+    assert any(expected in m for m in messages), messages
+
+
+def test_a_missing_config_field_is_named(tmp_path):
+    config = {k: v for k, v in _micro_config().items() if k != "vocab_size"}
+    (message,) = _config_problems(tmp_path, json.dumps(config))
+    assert "vocab_size: required" in message
+
+
+def test_safetensors_header_nested_100k_deep_is_refused_by_name(tmp_path):
+    shutil.copy(MODELS / "mtp-micro" / "config.json", tmp_path / "config.json")
+    text = b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(text)) + text)
+    profile = tmp_path / "p.toml"
+    profile.write_text(f'[model]\npath = "{tmp_path}"\n')
+    with pytest.raises(ProfileError) as err:
+        model_facts(load_profile(profile), "cuda")
+    (p,) = err.value.problems
+    assert p.key == "model.path" and "nested too deeply" in p.message

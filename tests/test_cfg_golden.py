@@ -1,4 +1,5 @@
-"""Golden files for what `strata plan` prints, one per shipped profile (and one with a feature turned off).
+"""Golden files for what `strata plan` prints, one per shipped profile, emulated boxes included (and one
+with a feature turned off).
 
 Regenerate after an intended change with:  STRATA_REGEN_GOLDEN=1 python -m pytest tests/test_cfg_golden.py
 and read the diff before committing it.
@@ -17,6 +18,10 @@ GOLDEN = HERE / "golden"
 REGEN = os.environ.get("STRATA_REGEN_GOLDEN") == "1"
 CASES = {
     **{f"plan-{p.stem}": ["plan", f"profiles/{p.name}"] for p in sorted((REPO / "profiles").glob("*.toml"))},
+    **{
+        f"plan-emulate-{p.stem}": ["plan", f"profiles/emulate/{p.name}"]
+        for p in sorted((REPO / "profiles" / "emulate").glob("*.toml"))
+    },
     "plan-groups-turn-batch-mtp-off": ["plan", "profiles/rtx3080-20g-x2.toml", "--set", "batch.groups=2"],
     "engine-args-rtx3080-20g-x2": ["plan", "profiles/rtx3080-20g-x2.toml", "--emit", "engine-args"],
 }

@@ -4,11 +4,12 @@ whose header could not describe them."""
 from __future__ import annotations
 
 import json
+import os
 import struct
 
 import numpy as np
 import pytest
-from cfg_fixtures import FIXTURES
+from cfg_fixtures import FIXTURES, raised_within
 from safetensors.numpy import save_file
 
 from strata_cfg.schema.safetensors_header import (
@@ -104,3 +105,10 @@ def test_a_file_that_is_not_safetensors_is_refused_with_a_plain_reason(tmp_path,
     with pytest.raises(ValueError) as err:
         read_header(path)
     assert reason in str(err.value)
+
+
+def test_a_fifo_is_refused_before_it_is_opened(tmp_path):
+    path = tmp_path / "m.safetensors"
+    os.mkfifo(path)
+    err = raised_within(20, lambda: read_header(path))  # opening a FIFO to read waits for a writer
+    assert isinstance(err, ValueError) and "not a regular file (a FIFO)" in str(err)

@@ -1,15 +1,17 @@
 """Properties of `resolve` over random profiles (Hypothesis): it only ever refuses with a ProfileError, and
 every plan it returns is consistent (layers covered once, drafters on the last stage, budgets that add up,
-groups that divide the slots, batch MTP on a split in one group, deterministic, JSON round trip)."""
+groups that divide the slots, batch MTP on a split in one group, deterministic, JSON round trip); and it
+does not depend on the order of gates that are independent of each other."""
 
 from __future__ import annotations
 
 from typing import Any
+from unittest.mock import patch
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from strata_cfg.resolve import resolve
+from strata_cfg.resolve import batch_gates, core, resolve
 from strata_cfg.schema.errors import ProfileError
 from strata_cfg.schema.facts import GpuFacts, MachineFacts, ModelFacts
 from strata_cfg.schema.plan import Budget, LaunchPlan
@@ -63,6 +65,7 @@ def any_profile(draw: st.DrawFn) -> dict[str, Any]:
             "slots": draw(_maybe(st.integers(0, 20))),
             "groups": draw(_maybe(st.one_of(st.just("auto"), st.integers(1, 6)))),
             "mtp": draw(_maybe(st.booleans())),
+            "mtp_in_groups": draw(_maybe(st.booleans())),
         },
         "spec": {"draft_tokens": draw(_maybe(st.integers(0, 8)))},
         "memory": {
@@ -101,14 +104,17 @@ def valid_profile(draw: st.DrawFn) -> dict[str, Any]:
     ]
     boundaries = draw(st.lists(st.integers(2, n_layers - 1), max_size=n_gpus - 1, unique=True).map(sorted))
     layers = draw(st.sampled_from([boundaries, "auto"])) if n_gpus > 1 else boundaries
+    slots = draw(_maybe(st.integers(0, 16)))
     profile: dict[str, Any] = {
         "machine": {"gpus": gpus, "backend": draw(st.sampled_from(["cuda", "cpu"]))},
         "model": {"synthetic": preset},
         "split": {"layers": layers},
         "batch": {
-            "slots": draw(_maybe(st.integers(0, 16))),
+            "slots": slots,
             "groups": draw(_maybe(st.one_of(st.just("auto"), st.integers(1, 4)))),
             "mtp": draw(_maybe(st.booleans())),
+            # batch MTP in groups of more than 4 slots is refused; a valid profile keeps them small
+            "mtp_in_groups": draw(_maybe(st.booleans())) if slots is None or slots <= 4 else None,
         },
         "spec": {"draft_tokens": draw(_maybe(st.integers(0, 8)))},
         "memory": {"context": draw(_maybe(st.integers(16, 8192)))},
@@ -150,10 +156,17 @@ def check_plan(plan: LaunchPlan) -> None:
         assert sum(terms) == g.budget.total == plan.machine.gpus[g.index].vram_mib * 2**20
         assert min(terms) >= 0
         assert 0 <= g.experts_resident <= g.experts_total or g.role == "helper"
-    # groups divide slots; batch MTP on a split means one group
-    assert plan.batch.slots % plan.batch.groups == 0
-    if plan.batch.mtp and len(plan.stages) > 1:
-        assert plan.batch.groups == 1
+    # groups divide slots; batch MTP on a split means one group, unless it runs inside pipelined groups:
+    # then each group's window holds at most 4 slots of 2 rows, and every slot drafts on the last stage
+    b = plan.batch
+    assert b.slots % b.groups == 0
+    if b.mtp and len(plan.stages) > 1:
+        assert b.groups == 1 or b.mtp_in_groups
+    assert b.mtp_in_groups == (b.mtp and b.groups > 1)
+    if b.mtp_in_groups:
+        assert b.mode == "pipelined" and plan.settings["batch.mtp_in_groups"].value is True
+        assert b.slots_per_window == b.slots // b.groups <= 4 and b.rows_per_slot == 2
+        assert plan.stages[-1].drafters == tuple(range(b.slots))
     assert plan.windows.batch_rows <= plan.windows.max_rows == 8
     # every default and auto was resolved
     assert all(s.value != "auto" for s in plan.settings.values())
@@ -197,3 +210,101 @@ def test_strict_refuses_exactly_when_a_rule_overrode_an_explicit_ask(data):
         assert asked and {p.rule for p in exc.problems} == asked
     else:
         assert not asked
+
+
+# ---- the order of the gates ------------------------------------------------------------------------------
+
+
+@st.composite
+def gated_profile(draw: st.DrawFn) -> dict[str, Any]:
+    """Split profiles that exercise every gate: helper caches on spare GPUs, remote opt, no serve table,
+    short spec windows, pipeline windows, groups unset, "auto" or a number."""
+    preset = draw(st.sampled_from(("tiny", "small")))
+    n_layers = LAYERS[preset]
+    n_gpus = draw(st.integers(2, 4))
+    n_stages = draw(st.integers(1, min(n_gpus, n_layers - 1)))
+    bounds = sorted(
+        draw(
+            st.lists(st.integers(2, n_layers - 1), min_size=n_stages - 1, max_size=n_stages - 1, unique=True)
+        )
+    )
+    stages = list(range(len(bounds) + 1))
+    spare = [i for i in range(n_gpus) if i not in stages]
+    helpers = draw(st.lists(st.sampled_from(spare), unique=True, max_size=len(spare))) if spare else []
+    profile: dict[str, Any] = {
+        "machine": {"gpus": [{"name": "roomy", "vram_mib": 65536, "bandwidth_gbs": 1000}] * n_gpus},
+        "model": {"synthetic": preset},
+        "split": {
+            "layers": bounds,
+            "devices": stages,
+            "pipeline_windows": draw(_maybe(st.sampled_from([0, 1, 2]))),
+        },
+        "batch": {
+            "slots": draw(_maybe(st.integers(0, 8))),
+            "groups": draw(_maybe(st.one_of(st.just("auto"), st.integers(1, 4)))),
+            "mtp": draw(_maybe(st.booleans())),
+            "mtp_in_groups": draw(_maybe(st.booleans())),
+        },
+        "spec": {"draft_tokens": draw(_maybe(st.integers(0, 8)))},
+        "experts": {"helper_devices": helpers or None, "remote_opt": draw(_maybe(st.booleans()))},
+    }
+    if draw(st.booleans()):
+        profile["serve"] = {}
+    return profile
+
+
+def _outcome(plan: LaunchPlan) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The plan without its record of how (the settings' values stay, their sources and rules go)."""
+    out = plan.to_json()
+    settings = {k: v["value"] for k, v in out.pop("settings").items()}
+    out.pop("decisions")
+    return out, settings
+
+
+def _decisions(plan: LaunchPlan) -> list[tuple[str, str, str]]:
+    return sorted((d.rule, d.key, d.message) for d in plan.decisions)
+
+
+def _resolve_with(data: dict[str, Any], gates: tuple[Any, ...]) -> LaunchPlan:
+    profile = Profile.model_validate(data)
+    machine, model = facts(profile)
+    with patch.object(core, "GATES", gates):
+        return resolve(profile, machine, model)
+
+
+@FEW
+@given(gated_profile())
+def test_resolving_does_not_depend_on_where_the_independent_pipeline_windows_gate_runs(data):
+    batch, batch_mtp, groups, windows = core.GATES
+    plan = _resolve_with(data, core.GATES)
+    check_plan(plan)
+    for order in [(batch, windows, batch_mtp, groups), (batch, batch_mtp, windows, groups)]:
+        moved = _resolve_with(data, order)
+        assert _outcome(moved) == _outcome(plan)
+        assert _decisions(moved) == _decisions(plan)
+
+
+@FEW
+@given(gated_profile())
+def test_resolving_does_not_depend_on_the_order_of_the_batch_mtp_reasons(data):
+    # The reasons of step 3 are independent: any order turns batch MTP off for the same profiles, with the
+    # same groups and windows; only which reason is named may change.
+    plan = _resolve_with(data, core.GATES)
+    reasons = batch_gates.batch_mtp_reasons
+    with patch.object(batch_gates, "batch_mtp_reasons", lambda *a, **k: tuple(reversed(reasons(*a, **k)))):
+        reversed_plan = _resolve_with(data, core.GATES)
+    assert _outcome(reversed_plan) == _outcome(plan)
+    off = [d for d in reversed_plan.decisions if d.key == "batch.mtp" and d.severity == "off"]
+    assert len(off) == (0 if plan.batch.mtp or not plan.settings["batch.mtp"].requested else 1)
+
+
+@FEW
+@given(st.one_of(valid_profile(), gated_profile()))
+def test_a_profile_without_mtp_in_groups_resolves_as_with_it_false(data):
+    # batch.mtp_in_groups is opt-in: leaving it out is the same plan as writing false, decisions included.
+    batch = dict(data.get("batch", {}))
+    batch.pop("mtp_in_groups", None)
+    without = _resolve_with({**data, "batch": batch}, core.GATES)
+    with_false = _resolve_with({**data, "batch": {**batch, "mtp_in_groups": False}}, core.GATES)
+    assert _outcome(without) == _outcome(with_false)
+    assert _decisions(without) == _decisions(with_false)

@@ -63,9 +63,48 @@ def test_h200_profiles():
     assert [s.layers for s in two.stages] == [(0, 24), (24, 48)] and two.batch.slots == 2
 
 
+def test_h200_x2_runs_batch_mtp_inside_two_pipelined_groups():
+    plan = plan_of(PROFILES / "h200-x2-mtp-groups.toml")
+    b = plan.batch
+    assert (b.mode, b.groups, b.mtp, b.mtp_in_groups, b.rows_per_slot, b.slots_per_window) == (
+        "pipelined",
+        2,
+        True,
+        True,
+        2,
+        2,
+    )
+    assert [s.layers for s in plan.stages] == [(0, 24), (24, 48)] and plan.stages[1].drafters == (0, 1, 2, 3)
+    assert plan.to_json()["batch"]["mtp_in_groups"] is True
+
+
 def test_demo_resolves_to_one_group_with_batch_mtp_on():
     plan = plan_of(None)
     assert plan.profile == "demo" and plan.machine.backend == "cpu" and len(plan.machine.gpus) == 2
     assert (plan.batch.groups, plan.batch.mtp, plan.batch.slots) == (1, True, 2)
     assert plan.serve is not None and plan.serve.host == "127.0.0.1"
     assert plan.model.facts.dtype == "float32"
+
+
+def test_the_emulated_reference_box_is_the_reference_box_on_h200s():
+    real = plan_of(BOX)
+    emulated = plan_of(PROFILES / "emulate" / "rtx3080-20g-x2-on-h200.toml")
+    assert [(s.gpu, s.device, s.layers, s.drafters) for s in emulated.stages] == [
+        (s.gpu, s.device, s.layers, s.drafters) for s in real.stages
+    ]
+    assert emulated.batch == real.batch and emulated.batch.mtp and emulated.batch.slots == 2
+    # the same VRAM budget to the byte on each GPU: the runtime caps each H200 at these figures
+    assert [g.budget for g in emulated.gpus] == [g.budget for g in real.gpus]
+    assert all(g.experts_resident < g.experts_total for g in emulated.gpus)
+    assert emulated.host.total == real.host.total > 0 and emulated.host.ram is not None
+    assert all("H200" in g.name for g in emulated.machine.gpus)
+
+
+def test_the_emulated_24g_h200_keeps_experts_in_host_memory():
+    plan = plan_of(PROFILES / "emulate" / "h200-24g.toml")
+    whole = plan_of(PROFILES / "h200.toml")
+    assert [s.device for s in plan.stages] == ["cuda:0"] and plan.gpus[0].budget.total == 24576 * 2**20
+    assert (plan.batch.slots, plan.batch.mtp) == (2, True) and plan.memory == whole.memory
+    assert plan.gpus[0].experts_resident < plan.gpus[0].experts_total
+    assert whole.gpus[0].experts_resident == whole.gpus[0].experts_total
+    assert plan.host.free is not None and plan.host.free > 0

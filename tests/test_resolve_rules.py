@@ -45,13 +45,20 @@ def test_every_rule_has_a_test_named_after_it_and_a_profile_that_fires_it():
             assert f"# rule: {rule_id}" in path.read_text()
 
 
+MYSTERY_SMI = "0, Mystery Accelerator 9000, 24576\n"
+H200_SMI = "0, NVIDIA H200, 143771\n"
+MEMINFO = "MemTotal:       263808196 kB\nMemFree:        200000000 kB\nMemAvailable:   251658240 kB\n"
+PROBES = {
+    # The rules that only a probing profile fires, with what the probes answer.
+    "machine.estimated-bandwidth": {"probe": lambda: MYSTERY_SMI},
+    "machine.host-ram-probed": {"probe": lambda: H200_SMI, "meminfo": lambda: MEMINFO},
+}
+
+
 @pytest.mark.parametrize("rule_id", sorted(set(RULES) - UNREACHABLE))
 def test_each_rule_profile_fires_its_rule(rule_id):
     path = rule_file(rule_id)
-    probe = (
-        (lambda: "0, Mystery Accelerator 9000, 24576\n") if rule_id == "machine.estimated-bandwidth" else None
-    )
-    kwargs = {"probe": probe} if probe else {}
+    kwargs = PROBES.get(rule_id, {})
     if RULES[rule_id].severity == "error":
         assert any(p.rule == rule_id for p in problems_of(path, **kwargs))
     else:
@@ -87,6 +94,18 @@ def test_spec_needs_mtp_weights_turns_drafting_off():
     assert (plan.spec.draft_tokens, plan.spec.mtp) == (0, False)
     assert plan.windows.solo_rows == 1
     assert decision(plan, "spec.needs-mtp-weights").requested
+
+
+def test_machine_host_ram_probed_reads_mem_available_and_says_so():
+    plan = plan_of(rule_file("machine.host-ram-probed"), **PROBES["machine.host-ram-probed"])
+    s = plan.settings["machine.host_ram_mib"]
+    assert (s.value, s.source.kind, s.source.rule) == (
+        251658240 // 1024,
+        "derived",
+        "machine.host-ram-probed",
+    )
+    assert plan.machine.host_ram_source == "probe" and plan.host.ram == 251658240 * 1024
+    assert "probed from /proc/meminfo" in decision(plan, "machine.host-ram-probed").message
 
 
 def test_machine_estimated_bandwidth_flags_an_unknown_probed_card():
@@ -312,6 +331,98 @@ def test_batch_mtp_pipelined_groups():
     assert "pipelined slot groups" in message
 
 
+@pytest.mark.parametrize(
+    ("rule_id", "sets"),
+    [
+        ("batch-mtp.needs-mtp-weights", ["split.layers=[2]"]),
+        ("batch-mtp.needs-spec", ["split.layers=[2]"]),
+        ("batch-mtp.needs-serve", ["split.layers=[2]"]),
+        ("batch-mtp.helper-caches", []),
+        ("batch-mtp.remote-opt", []),
+    ],
+)
+def test_batch_mtp_refused_before_groups_leaves_the_split_its_pipelined_groups(rule_id, sets):
+    # Groups fall to 1 only while batch MTP is still on. Every reason of step 3 turns it off first, so the
+    # defaulted groups pipeline (2 groups of 1 on 2 stages) and no note claims that batch MTP runs. Resolving
+    # groups before step 3 gives 1 serial group and a false groups.batch-mtp-yield note.
+    plan = plan_of(rule_file(rule_id), sets)
+    assert len(plan.stages) == 2
+    b = plan.batch
+    assert (b.slots, b.groups, b.mode, b.mtp, b.slots_per_window, b.rows_per_slot) == (
+        2,
+        2,
+        "pipelined",
+        False,
+        1,
+        1,
+    )
+    assert [d.rule for d in plan.decisions] == [rule_id, "groups.auto"]
+    assert plan.settings["batch.groups"].source.rule == "groups.auto"
+
+
+def test_batch_mtp_refused_by_pipelined_groups_keeps_the_explicit_groups():
+    plan = plan_of(rule_file("batch-mtp.pipelined-groups"))
+    b = plan.batch
+    assert (b.slots, b.groups, b.mode, b.mtp, b.slots_per_window, b.rows_per_slot) == (
+        2,
+        2,
+        "pipelined",
+        False,
+        1,
+        1,
+    )
+    assert [d.rule for d in plan.decisions] == ["batch-mtp.pipelined-groups"]
+    assert plan.settings["batch.groups"].source.kind == "user"
+
+
+def test_batch_mtp_refused_for_one_slot_on_a_split_runs_solo():
+    plan = plan_of(rule_file("batch-mtp.needs-batching"), ["split.layers=[2]"])
+    assert (plan.batch.slots, plan.batch.groups, plan.batch.mode, plan.batch.mtp) == (1, 1, "solo", False)
+    assert [d.rule for d in plan.decisions] == ["batch.single-slot", "batch-mtp.needs-batching"]
+
+
+def test_batch_mtp_in_groups_runs_batch_mtp_inside_each_pipelined_group():
+    plan = plan_of(rule_file("batch-mtp.in-groups"))
+    b = plan.batch
+    assert (b.slots, b.groups, b.mode, b.mtp, b.mtp_in_groups) == (4, 2, "pipelined", True, True)
+    assert (b.slots_per_window, b.rows_per_slot, plan.windows.batch_rows) == (2, 2, 4)
+    assert plan.stages[-1].drafters == (0, 1, 2, 3) and plan.gpus[1].budget.drafters > 0
+    d = decision(plan, "batch-mtp.in-groups")
+    assert d.key == "batch.mtp" and set(d.because) == {"batch.groups", "batch.mtp_in_groups"}
+    assert "2 slots (4 rows) per group window" in d.message
+    assert not any(d.severity == "off" for d in plan.decisions)
+    assert plan.settings["batch.mtp"].gates[-1] == "batch-mtp.pipelined-groups"  # checked, and passed
+
+
+def test_batch_mtp_in_groups_too_many_slots_is_refused_by_name():
+    path = rule_file("batch-mtp.in-groups-too-many-slots")
+    p = problem(problems_of(path), "batch-mtp.in-groups-too-many-slots")
+    assert (p.key, p.line) == ("batch.groups", line_of(path, "groups = 2"))
+    assert "10 slots in 2 groups is 5 per group" in p.message and "set batch.groups = 5" in p.message
+
+
+def test_batch_mtp_in_groups_leaves_the_defaulted_case_as_written():
+    # groups unset with batch MTP on: still one group, so plain batch MTP runs; only the note's sentence
+    # says what writing groups = 2 would now do
+    plan = plan_of(rule_file("groups.batch-mtp-yield"), ["batch.mtp_in_groups=true"])
+    b = plan.batch
+    assert (b.groups, b.mode, b.mtp, b.mtp_in_groups) == (1, "serial", True, False)
+    assert [d.rule for d in plan.decisions] == ["groups.batch-mtp-yield", "batch-mtp.all-experts-resident"]
+    d = decision(plan, "groups.batch-mtp-yield")
+    assert "batch.groups = 2 would run batch MTP inside 2 pipelined groups" in d.message
+
+
+def test_batch_mtp_in_groups_off_keeps_turning_batch_mtp_off_for_explicit_groups():
+    plan = plan_of(rule_file("batch-mtp.in-groups"), ["batch.mtp_in_groups=false"])
+    assert (plan.batch.groups, plan.batch.mode, plan.batch.mtp, plan.batch.mtp_in_groups) == (
+        2,
+        "pipelined",
+        False,
+        False,
+    )
+    assert [d.rule for d in plan.decisions] == ["batch-mtp.pipelined-groups"]
+
+
 # ---- step 5 -------------------------------------------------------------------------------------
 
 
@@ -432,12 +543,32 @@ def test_batch_mtp_all_experts_resident_notes_the_measurement():
     assert plan.experts.cache is None
 
 
+def test_batch_mtp_all_experts_resident_keeps_its_text_until_our_own_measurement_replaces_it():
+    # The sentence cites the reference engine's measurement; it changes only when this project's bench
+    # has measured the same trade-off (docs/PERFORMANCE.md), and then on purpose.
+    d = decision(plan_of(rule_file("batch-mtp.all-experts-resident")), "batch-mtp.all-experts-resident")
+    assert (d.key, d.severity, d.message) == (
+        "batch.mtp",
+        "note",
+        "every expert is resident in VRAM: batch MTP pays when experts do not all fit; with all resident it "
+        "measured slower than pipelined groups (set batch.mtp = false to pipeline)",
+    )
+
+
 def test_batch_mtp_all_experts_resident_is_silent_when_experts_stream():
     sets = ["batch.slots=2", "batch.mtp=true", "serve.port=8000", "memory.context=900"]
     plan = plan_of(rule_file("experts.cache"), sets)
     assert plan.gpus[0].experts_resident < plan.gpus[0].experts_total
     assert plan.batch.mtp
     assert not any(d.rule == "batch-mtp.all-experts-resident" for d in plan.decisions)
+
+
+def test_host_ram_overflow_names_the_key_its_line_and_the_mib():
+    path = rule_file("host.ram-overflow")
+    p = problem(problems_of(path), "host.ram-overflow")
+    assert (p.key, p.line) == ("machine.host_ram_mib", line_of(path, "host_ram_mib"))
+    assert "need 0.8 MiB of pinned host memory" in p.message and "machine.host_ram_mib is 1 MiB" in p.message
+    assert "memory.host_reserve_mib = 1 MiB" in p.message
 
 
 # ---- steps 8 and 9 ------------------------------------------------------------------------------

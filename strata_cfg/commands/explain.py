@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import os
 import sys
 
 from ..plan.from_profile import resolve_path
 from ..report.explain import explain_text
 from ..schema.errors import ProfileError
-from ._common import EXIT_OK, EXIT_REFUSED, add_resolve_options, refused
+from ._common import EXIT_OK, EXIT_REFUSED, EXIT_USAGE, add_resolve_options, refused
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,10 +23,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_resolve_options(parser)
 
 
+def _looks_like_a_profile(arg: str) -> bool:
+    """A profile file rather than a dotted key: it names a file, or ends in ``.toml``."""
+    return arg.endswith(".toml") or os.path.isfile(arg)
+
+
 def run(args: argparse.Namespace) -> int:
     if len(args.args) > 2:
         print("strata explain: give [PROFILE] KEY", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
+    if len(args.args) == 1 and _looks_like_a_profile(args.args[0]):
+        print(
+            f"strata explain: give a KEY after the profile (strata explain {args.args[0]} batch.mtp)",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
     path, key = (args.args[0], args.args[1]) if len(args.args) == 2 else (None, args.args[0])
     try:
         plan = resolve_path(path, args.sets, strict=args.strict).plan

@@ -1,4 +1,5 @@
-"""`strata plan [PROFILE]`: what a profile resolves to, as text, JSON, or the engine's command line."""
+"""`strata plan [PROFILE]`: what a profile resolves to, as text, JSON, or the Strata C++ engine's command
+line (``--emit engine-args``, for people who run that engine; this package does not install it)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--emit",
         choices=("text", "json", "engine-args"),
         default="text",
-        help="text (default), the plan's JSON, or the equivalent Strata engine command line",
+        help=(
+            "text (default), the plan's JSON, or engine-args: the equivalent command line of the Strata C++ "
+            "engine (strata-engine), for people who run that engine; this package does not install it, "
+            "and `strata launch` runs python -m strata_runtime on the plan instead"
+        ),
     )
     parser.add_argument("--json", dest="emit", action="store_const", const="json", help="same as --emit json")
     parser.epilog = EXIT_CODES_HELP

@@ -8,19 +8,23 @@ from collections.abc import Callable
 from ..profile.load import LoadedProfile
 from ..schema.errors import Problem, ProfileError
 from ..schema.facts import MachineFacts, ModelFacts
-from .machine import machine_facts, probe_nvidia_smi
+from .machine import machine_facts, probe_nvidia_smi, read_meminfo
 from .model import model_facts
 
 
 def gather_facts(
-    loaded: LoadedProfile, *, probe: Callable[[], str] = probe_nvidia_smi
+    loaded: LoadedProfile,
+    *,
+    probe: Callable[[], str] = probe_nvidia_smi,
+    meminfo: Callable[[], str] = read_meminfo,
 ) -> tuple[MachineFacts, ModelFacts]:
-    """Machine and model facts for a loaded profile, reporting problems of both together."""
+    """Machine and model facts for a loaded profile, reporting problems of both together. ``probe`` and
+    ``meminfo`` are read only when the profile says ``probe = true``."""
     problems: list[Problem] = []
     machine: MachineFacts | None = None
     model: ModelFacts | None = None
     try:
-        machine = machine_facts(loaded, probe=probe)
+        machine = machine_facts(loaded, probe=probe, meminfo=meminfo)
     except ProfileError as exc:
         problems += exc.problems
     m = loaded.profile.machine

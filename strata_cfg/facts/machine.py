@@ -1,4 +1,5 @@
-"""Machine facts: the GPUs from the profile's ``[machine]`` table, or probed with ``nvidia-smi``.
+"""Machine facts: the GPUs from the profile's ``[machine]`` table, or probed with ``nvidia-smi``, and the host
+memory the engine may pin, from ``machine.host_ram_mib`` or, when probing, from /proc/meminfo.
 
 The probe never goes through CuPy, so that `strata plan` stays light. A probed card's bandwidth comes from
 a table of known cards; an unknown card gets an estimate, flagged as such in the plan.
@@ -6,9 +7,12 @@ a table of known cards; an unknown card gets an estimate, flagged as such in the
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
+from typing import Literal
 
 from ..profile.load import LoadedProfile
+from ..schema.bounded_read import read_bounded
 from ..schema.facts import GpuFacts, MachineFacts
 
 KNOWN_BANDWIDTH_GBS: dict[str, float] = {
@@ -103,8 +107,39 @@ def probe_nvidia_smi() -> str:
     return done.stdout
 
 
-def machine_facts(loaded: LoadedProfile, *, probe: Callable[[], str] = probe_nvidia_smi) -> MachineFacts:
-    """The machine's GPUs from ``[machine]``, or from ``probe`` when it says ``probe = true``."""
+MEMINFO = "/proc/meminfo"
+_MEMINFO_LINE = re.compile(r"^(MemAvailable|MemTotal):\s+(\d+)\s*kB\s*$", re.M)
+
+
+def read_meminfo() -> str:
+    """The text of /proc/meminfo; raises OSError where there is none."""
+    return read_bounded(MEMINFO, 1 << 20).decode("ascii", errors="replace")
+
+
+def parse_meminfo(text: str) -> int | None:
+    """The host memory the engine may pin, in MiB: ``MemAvailable`` (what can be taken without pushing
+    other programs out), else ``MemTotal`` on kernels too old to report it; None if neither is there."""
+    found = {name: int(kb) for name, kb in _MEMINFO_LINE.findall(text)}
+    kb = found.get("MemAvailable", found.get("MemTotal"))
+    return kb // 1024 if kb else None
+
+
+def _probed_ram(meminfo: Callable[[], str]) -> int | None:
+    """The probed host memory in MiB, or None (unknown) when it cannot be read: unknown is not an error."""
+    try:
+        return parse_meminfo(meminfo())
+    except (OSError, ValueError):
+        return None
+
+
+def machine_facts(
+    loaded: LoadedProfile,
+    *,
+    probe: Callable[[], str] = probe_nvidia_smi,
+    meminfo: Callable[[], str] = read_meminfo,
+) -> MachineFacts:
+    """The machine's GPUs from ``[machine]``, or from ``probe`` when it says ``probe = true``; the host memory
+    from ``machine.host_ram_mib``, else from ``meminfo`` when probing, else unknown."""
     m = loaded.profile.machine
     if m is None or (m.gpus is None and not m.probe):
         raise loaded.problem(
@@ -117,7 +152,10 @@ def machine_facts(loaded: LoadedProfile, *, probe: Callable[[], str] = probe_nvi
             GpuFacts(index=i, name=g.name, vram_mib=g.vram_mib, bandwidth_gbs=g.bandwidth_gbs)
             for i, g in enumerate(m.gpus)
         )
-        return MachineFacts(backend=backend, gpus=gpus, source="profile")
+        source: Literal["profile", "probe"] | None = "profile" if m.host_ram_mib else None
+        return MachineFacts(
+            backend=backend, gpus=gpus, source="profile", host_ram_mib=m.host_ram_mib, host_ram_source=source
+        )
     if backend == "cpu":
         raise loaded.problem("machine.probe", "virtual CPU devices cannot be probed: write [machine] gpus")
     try:
@@ -128,4 +166,11 @@ def machine_facts(loaded: LoadedProfile, *, probe: Callable[[], str] = probe_nvi
         ) from None
     if not found:
         raise loaded.problem("machine.probe", "the probe found no GPUs; write [machine] gpus instead")
-    return MachineFacts(backend="cuda", gpus=tuple(found), source="probe")
+    ram, source = (m.host_ram_mib, "profile") if m.host_ram_mib else (_probed_ram(meminfo), "probe")
+    return MachineFacts(
+        backend="cuda",
+        gpus=tuple(found),
+        source="probe",
+        host_ram_mib=ram,
+        host_ram_source=source if ram else None,
+    )

@@ -6,12 +6,18 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 from ..profile.load import LoadedProfile
 from ..profile.overrides import SET_ORIGIN
-from ..schema.facts import ModelFacts, run_dtype
+from ..schema.bounded_read import read_bounded
+from ..schema.errors import ProfileError
+from ..schema.facts import ConfigError, ModelFacts, run_dtype
 from ..schema.presets import preset_config
 from .checkpoint import read_checkpoint
+
+MAX_CONFIG_BYTES = 4 << 20
+"""A model's config.json is a few KiB; a larger one is refused before it is parsed."""
 
 
 def model_dir(loaded: LoadedProfile) -> Path:
@@ -37,12 +43,7 @@ def model_facts(loaded: LoadedProfile, backend: str) -> ModelFacts:
     if not directory.is_dir():
         raise loaded.problem("model.path", f"no model directory at {directory}")
     config_path = directory / "config.json"
-    try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise loaded.problem("model.path", f"{directory} has no config.json") from None
-    except (OSError, ValueError) as exc:
-        raise loaded.problem("model.path", f"cannot read {config_path}: {exc}") from None
+    config = _read_config(loaded, directory, config_path)
     shards = sorted(directory.glob("*.safetensors"))
     if not shards:
         raise loaded.problem("model.path", f"{directory} has no *.safetensors weights")
@@ -68,7 +69,24 @@ def model_facts(loaded: LoadedProfile, backend: str) -> ModelFacts:
         return ModelFacts.from_config(
             config, source=str(directory), dtype=dtype, mtp_layers=header.mtp_layers
         )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise loaded.problem(
-            "model.path", f"{config_path} lacks what a qwen3_moe config needs: {exc}"
+    except ConfigError as exc:
+        raise ProfileError(
+            [loaded.problem("model.path", f"{config_path}: {m}").problems[0] for m in exc.messages]
         ) from None
+
+
+def _read_config(loaded: LoadedProfile, directory: Path, config_path: Path) -> dict[str, Any]:
+    """The model directory's config.json as a JSON object, read within `MAX_CONFIG_BYTES`."""
+    try:
+        config = json.loads(read_bounded(config_path, MAX_CONFIG_BYTES))
+    except FileNotFoundError:
+        raise loaded.problem("model.path", f"{directory} has no config.json") from None
+    except RecursionError:
+        raise loaded.problem("model.path", f"cannot read {config_path}: JSON nested too deeply") from None
+    except (OSError, ValueError) as exc:
+        raise loaded.problem("model.path", f"cannot read {config_path}: {exc}") from None
+    if not isinstance(config, dict):
+        raise loaded.problem(
+            "model.path", f"{config_path} is not a JSON object (it holds a {type(config).__name__})"
+        )
+    return config

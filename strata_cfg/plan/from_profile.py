@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..facts.gather import gather_facts
-from ..facts.machine import probe_nvidia_smi
+from ..facts.machine import probe_nvidia_smi, read_meminfo
 from ..profile.load import LoadedProfile, load, load_profile_text
 from ..profile.overrides import Sets
 from ..resolve import resolve
@@ -30,10 +30,14 @@ class Resolved:
 
 
 def resolve_loaded(
-    loaded: LoadedProfile, *, strict: bool = False, probe: Callable[[], str] = probe_nvidia_smi
+    loaded: LoadedProfile,
+    *,
+    strict: bool = False,
+    probe: Callable[[], str] = probe_nvidia_smi,
+    meminfo: Callable[[], str] = read_meminfo,
 ) -> Resolved:
     """Facts, then the pure resolver. Raises `ProfileError` only."""
-    machine, model = gather_facts(loaded, probe=probe)
+    machine, model = gather_facts(loaded, probe=probe, meminfo=meminfo)
     plan = resolve(
         loaded.profile, machine, model, origins=loaded.origins, strict=strict, profile_file=loaded.path
     )

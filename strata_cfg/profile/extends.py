@@ -2,7 +2,8 @@
 
 Merge semantics: tables merge key by key, everything else (numbers, strings, arrays) is replaced whole, and
 the origins follow the values. ``name`` and ``description`` belong to each file and are not inherited. A
-chain that comes back to a file it already holds is refused, naming the cycle.
+chain that comes back to a file it already holds is refused, naming the cycle, and so is a chain of more
+than `MAX_CHAIN` files (a profile extends a base or two, never hundreds).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from .toml_file import display_path, parse_toml, read_text
 
 NOT_INHERITED = ("name", "description", "extends")
 """Keys a profile does not take from the profile it extends."""
+MAX_CHAIN = 16
+"""The most files one ``extends`` chain may hold, the profile itself included."""
 
 
 def load_chain(
@@ -37,6 +40,10 @@ def load_chain(
     if key in seen:
         cycle = " -> ".join([*(os.path.relpath(s) for s in seen), os.path.relpath(key)])
         raise ProfileError(Problem(file, ext_origin.line, "extends", f"`extends` makes a cycle: {cycle}"))
+    if len(seen) >= MAX_CHAIN:
+        raise ProfileError(
+            Problem(file, ext_origin.line, "extends", f"the `extends` chain is longer than {MAX_CHAIN} files")
+        )
     base_text = read_text(base_file, ext_origin, "extends")
     base_data, base_origins, base_files = load_chain(base_text, base_file, (*seen, key))
     for k in NOT_INHERITED:

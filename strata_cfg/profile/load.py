@@ -19,7 +19,7 @@ from ..schema.errors import Problem, ProfileError
 from ..schema.plan import Origin, find_origin
 from ..schema.profile import Profile
 from .extends import load_chain
-from .overrides import SET_ORIGIN, Sets, apply_sets
+from .overrides import Sets, apply_sets
 from .toml_file import read_text
 from .validate import validate
 
@@ -66,10 +66,7 @@ def load_profile_text(
     file = os.fspath(path) if path is not None else "<profile>"
     seen = (os.path.realpath(file),) if path is not None else ()
     data, origins, files = load_chain(text, file, seen)
-    try:
-        data, origins = apply_sets(data, origins, sets)
-    except ValueError as exc:
-        raise ProfileError(Problem(SET_ORIGIN, None, "", str(exc))) from None
+    data, origins = apply_sets(data, origins, sets)
     profile = validate(data, origins, file)
     return LoadedProfile(
         profile=profile,

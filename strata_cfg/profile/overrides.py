@@ -7,6 +7,7 @@ import tomllib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from ..schema.errors import Problem, ProfileError
 from ..schema.plan import Origin
 
 SET_ORIGIN = "--set"
@@ -40,14 +41,28 @@ def apply_sets(
     """Apply command-line overrides, each replacing one dotted key, with origin ``--set``.
 
     A number in the key indexes an existing array (``machine.gpus.1.vram_mib=16384``); missing tables are
-    created. Parent tables keep the origin of the file that wrote them.
+    created. Parent tables keep the origin of the file that wrote them. Raises `ProfileError` at ``--set``
+    for an override that cannot apply: ``extends`` (the chain is loaded before any override), a path
+    through a value that is not a table, an index past an array.
     """
     out: dict[str, Any] = dict(data)
     out_origins = dict(origins)
     for item in sets:
-        key, value = parse_set(item) if isinstance(item, str) else item
+        try:
+            key, value = parse_set(item) if isinstance(item, str) else item
+        except ValueError as exc:
+            raise ProfileError(Problem(SET_ORIGIN, None, "", str(exc))) from None
         parts = key.split(".")
-        out = _with_value(out, parts, value, key)
+        if parts[0] == "extends":
+            raise _set_problem(
+                key,
+                "`extends` cannot be set from the command line: the base is loaded before any --set "
+                "applies; write `extends` in a profile file",
+            )
+        try:
+            out = _with_value(out, parts, value, key)
+        except ValueError as exc:
+            raise _set_problem(key, str(exc)) from None
         for k in [k for k in out_origins if k == key or k.startswith(key + ".")]:
             del out_origins[k]
         for n in range(1, len(parts)):
@@ -57,22 +72,36 @@ def apply_sets(
     return out, out_origins
 
 
-def _with_value(node: Any, parts: list[str], value: Any, key: str) -> Any:
-    """A copy of ``node`` with ``value`` at the path ``parts`` (copying only along the path)."""
-    if not parts:
+def _set_problem(key: str, message: str) -> ProfileError:
+    return ProfileError(Problem(SET_ORIGIN, None, key, message))
+
+
+def _with_value(node: Any, parts: list[str], value: Any, key: str, depth: int = 0) -> Any:
+    """A copy of ``node`` with ``value`` at the path ``parts`` (copying only along the path).
+
+    Raises ValueError when the path runs through a value that is neither a table nor an array, or past an
+    array's end."""
+    if len(parts) == depth:
         return value
-    head, rest = parts[0], parts[1:]
+    head = parts[depth]
     if isinstance(node, list):
         if not head.isdigit() or int(head) >= len(node):
-            raise ValueError(
-                f"--set {key}: {head!r} is not an index of that array (it has {len(node)} items)"
-            )
+            raise ValueError(f"{head!r} is not an index of that array (it has {len(node)} items)")
         items = list(node)
-        items[int(head)] = _with_value(items[int(head)], rest, value, key)
+        items[int(head)] = _with_value(items[int(head)], parts, value, key, depth + 1)
         return items
+    if node is not None and not isinstance(node, dict):
+        where = ".".join(parts[:depth])
+        raise ValueError(f"{where} is {_toml(node)}, not a table: there is no {key} to set")
     table = dict(node) if isinstance(node, dict) else {}
-    table[head] = _with_value(table.get(head), rest, value, key)
+    table[head] = _with_value(table.get(head), parts, value, key, depth + 1)
     return table
+
+
+def _toml(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return f'"{value}"' if isinstance(value, str) else repr(value)
 
 
 def _flatten_keys(value: Any, prefix: str) -> Iterable[str]:

@@ -6,27 +6,43 @@ small scanner over the same text that records, for every key, the line where it 
 arrays (``layers = [1, 2]`` -> ``layers.0``) and inline tables (``gpus = [{ name = "x" }]`` ->
 ``gpus.0.name``). It only has to be right for documents `tomllib` accepts; on anything else it stops
 quietly, since `tomllib`'s own error then names the line.
+
+It also finds the line where arrays and inline tables nest deeper than a limit, before `tomllib` (which
+recurses once per level) reads them: a profile nests a few levels, and text nested thousands deep is
+refused at its line instead of exhausting the stack.
 """
 
 from __future__ import annotations
 
-import contextlib
-
 _BARE = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
 _SCALAR_END = set(",]}#\n\r")
+
+
+SCAN_DEPTH = 64
+"""The scanner stops at this nesting of arrays and inline tables (it recurses once per level)."""
 
 
 class _Stop(Exception):
     """The text is not TOML this scanner understands; keep what was indexed so far."""
 
 
+class _TooDeep(_Stop):
+    """Arrays or inline tables nest deeper than the scanner's limit, at ``line``."""
+
+    def __init__(self, line: int) -> None:
+        super().__init__(line)
+        self.line = line
+
+
 class _Scanner:
-    def __init__(self, text: str) -> None:
+    def __init__(self, text: str, max_depth: int = SCAN_DEPTH) -> None:
         self.s = text
         self.i = 0
         self.line = 1
         self.lines: dict[str, int] = {}
         self.aot_count: dict[str, int] = {}
+        self.depth = 0
+        self.max_depth = max_depth
 
     # ---- characters -------------------------------------------------------------------------------
 
@@ -152,10 +168,15 @@ class _Scanner:
             self.basic_string()
         elif c == "'":
             self.literal_string()
-        elif c == "[":
-            self.array(path)
-        elif c == "{":
-            self.inline_table(path)
+        elif c in "[{":
+            self.depth += 1
+            if self.depth > self.max_depth:
+                raise _TooDeep(self.line)
+            if c == "[":
+                self.array(path)
+            else:
+                self.inline_table(path)
+            self.depth -= 1
         else:
             start = self.i
             while self.peek() and self.peek() not in _SCALAR_END:
@@ -246,7 +267,17 @@ class _Scanner:
 
 def key_lines(text: str) -> dict[str, int]:
     """Map every dotted key written in ``text`` (tables, keys, array elements) to its 1-based line."""
-    scanner = _Scanner(text)
-    with contextlib.suppress(_Stop):
+    return index_keys(text, SCAN_DEPTH)[0]
+
+
+def index_keys(text: str, limit: int) -> tuple[dict[str, int], int | None]:
+    """`key_lines` in the same pass as the line where arrays or inline tables first nest deeper than
+    ``limit`` (None if they never do; then the lines are complete)."""
+    scanner = _Scanner(text, max_depth=limit)
+    try:
         scanner.document()
-    return scanner.lines
+    except _TooDeep as exc:
+        return scanner.lines, exc.line
+    except _Stop:
+        pass
+    return scanner.lines, None

@@ -78,6 +78,9 @@ def _plain(msg: str) -> str:
 
 
 def _describe(value: Any) -> str:
+    """A value as TOML writes it (``true``, ``"2"``, ``8000.0``), cut to 40 characters."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
     text = repr(value) if not isinstance(value, str) else f'"{value}"'
     return text if len(text) <= 40 else text[:37] + "..."
 

@@ -1,5 +1,10 @@
-"""The Strata engine command line equivalent to a plan (`strata plan --emit engine-args`), every value
-resolved (no ``auto``)."""
+"""The Strata C++ engine's command line equivalent to a plan (`strata plan --emit engine-args`), every
+value resolved (no ``auto``).
+
+That engine is the reference this project models, and ``strata-engine`` is its program: this package does
+not install it. The line is for people who run that engine; our own engine (`strata_runtime`) reads
+``plan.json`` instead of flags.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ import shlex
 from ..schema.plan import LaunchPlan
 
 ENGINE = "strata-engine"
-"""The reference engine's command, for ``--emit engine-args``."""
+"""The Strata C++ engine's command (not installed by this package), for ``--emit engine-args``."""
 
 
 def engine_args(plan: LaunchPlan) -> list[str]:
@@ -44,4 +49,12 @@ def engine_args(plan: LaunchPlan) -> list[str]:
 
 
 def engine_args_text(plan: LaunchPlan) -> str:
-    return shlex.join(engine_args(plan)) + "\n"
+    """The command line; a plan that runs batch MTP inside pipelined groups gets a comment line first,
+    since the C++ engine refuses ``--batch-mtp`` with more than one group."""
+    note = (
+        "# batch.mtp_in_groups: the Strata C++ engine refuses --batch-mtp with --batch-groups > 1; "
+        "strata_runtime runs it\n"
+        if plan.batch.mtp_in_groups
+        else ""
+    )
+    return note + shlex.join(engine_args(plan)) + "\n"

@@ -59,11 +59,15 @@ def _batch_line(plan: LaunchPlan) -> str:
         how = f"{b.groups} pipelined groups of {b.slots // b.groups} ({b.groups} windows in flight)"
     else:
         how = "1 group (serial windows)"
-    mtp = (
-        f"batch MTP on: each slot sends its token + 1 proposal, {b.slots_per_window} slots per window"
-        if b.mtp
-        else "batch MTP off"
-    )
+    if b.mtp_in_groups:
+        mtp = (
+            f"batch MTP inside {b.groups} pipelined groups: each slot sends its token + 1 proposal, "
+            f"{b.slots_per_window} slots per group window"
+        )
+    elif b.mtp:
+        mtp = f"batch MTP on: each slot sends its token + 1 proposal, {b.slots_per_window} slots per window"
+    else:
+        mtp = "batch MTP off"
     return f"{b.slots} slots, {how}; {mtp}"
 
 
@@ -132,6 +136,23 @@ def _memory(plan: LaunchPlan) -> list[str]:
     return table(rows, right=range(1, 9))
 
 
+def host_line(plan: LaunchPlan) -> str:
+    """The host-memory budget in one line: the experts pinned there by GPU, the reserve, and the RAM."""
+    h = plan.host
+    if not h.total:
+        return "host memory: no host tier (every routed expert is in VRAM)"
+    per_gpu = ", ".join(f"GPU {t.gpu} {_mib(t.bytes)}" for t in h.tiers if t.bytes)
+    line = (
+        f"host memory: {_mib(h.total)} MiB of experts pinned ({per_gpu}) + {_mib(h.reserve)} reserve = "
+        f"{_mib(h.total + h.reserve)}"
+    )
+    if h.ram is None:
+        return line + "; RAM unknown, not checked (set machine.host_ram_mib)"
+    source = "probed" if h.ram_source == "probe" else "machine.host_ram_mib"
+    free = f"{_mib(h.free)} free" if h.free is not None else ""
+    return line + f" of {_mib(h.ram)} RAM ({source}), {free}"
+
+
 def decision_lines(decisions: Iterable[Decision]) -> list[str]:
     """Decisions, one per line; an asked-for setting that a rule overrode is marked ``!``."""
     rows = []
@@ -164,6 +185,7 @@ def plan_text(plan: LaunchPlan) -> str:
         "",
         "MiB by purpose",
         *_memory(plan),
+        host_line(plan),
     ]
     decisions = decision_lines(plan.decisions)
     if decisions:

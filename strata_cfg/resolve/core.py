@@ -3,14 +3,15 @@
 It runs the steps in their order (docs/PROFILES.md, "How a profile is resolved"): defaults and ``auto``
 values (0, `defaults`), parse-time refusals (1, `refusals`), the batch gate (2) and the batch-MTP gate (3,
 `batch_gates`), groups and the group-dependent gate (4, `groups`), the pipeline-windows gate (5,
-`pipeline_windows`), the layer split (6, `layer_split`), the budget (7, `budget`), the windows (8,
-`window_plan`), then serving checks and strict mode (9, `final_checks`); and assembles the plan. No I/O, no
-clock, no randomness: the same inputs give the same plan.
+`pipeline_windows`), the layer split (6, `layer_split`), the VRAM and host budgets (7, `budget`,
+`host_budget`), the windows (8, `window_plan`), then serving checks and strict mode (9, `final_checks`); and
+assembles the plan. No I/O, no clock, no randomness: the same inputs give the same plan.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import PurePath
 
 from ..schema.errors import ProfileError
@@ -19,6 +20,7 @@ from ..schema.plan import (
     BatchPlan,
     ExpertsPlan,
     GpuPlan,
+    HostPlan,
     LaunchPlan,
     MemoryPlan,
     ModelPlan,
@@ -34,6 +36,7 @@ from .budget import PlacedStage, expert_notes, gpu_budgets
 from .defaults import drafts_with_mtp, estimated_bandwidth, resolve_defaults
 from .final_checks import serve_exposure, strict_mode
 from .groups import resolve_groups
+from .host_budget import host_budget
 from .layer_split import place_layers, sizing
 from .ledger import Ledger
 from .pipeline_windows import pipeline_windows_gate
@@ -72,10 +75,9 @@ def resolve(
     parse_time_refusals(machine, model, topo, led)
     _raise_if_refused(led)
     # 2.-5. gates, in order
-    batch_gate(topo, led)
-    batch_mtp_gate(model, topo, led, serving=serving)
-    resolve_groups(topo, led)
-    pipeline_windows_gate(model, topo, led)
+    inputs = GateInputs(model, topo, serving)
+    for gate in GATES:
+        gate(inputs, led)
     # 6. placement
     sz = sizing(model, led)
     topo, boundaries = place_layers(model, machine, topo, sz, led)
@@ -89,6 +91,7 @@ def resolve(
     if gpus is None:
         raise ProfileError(led.problems)
     expert_notes(gpus, sz, led)
+    host = host_budget(model, gpus, led)
     # 8. windows
     windows = resolve_windows(led)
     # 9. serving, strict
@@ -104,6 +107,7 @@ def resolve(
         topo,
         placed,
         gpus,
+        host,
         sz,
         windows,
         led,
@@ -111,6 +115,39 @@ def resolve(
         profile_file=profile_file,
         strict=strict,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class GateInputs:
+    """What steps 2 to 5 read besides the ledger."""
+
+    model: ModelFacts
+    topo: Topology
+    serving: bool
+
+
+def _batch(g: GateInputs, led: Ledger) -> None:
+    batch_gate(g.topo, led)
+
+
+def _batch_mtp(g: GateInputs, led: Ledger) -> None:
+    batch_mtp_gate(g.model, g.topo, led, serving=g.serving)
+
+
+def _groups(g: GateInputs, led: Ledger) -> None:
+    resolve_groups(g.topo, led)
+
+
+def _pipeline_windows(g: GateInputs, led: Ledger) -> None:
+    pipeline_windows_gate(g.model, g.topo, led)
+
+
+GATES: tuple[Callable[[GateInputs, Ledger], None], ...] = (_batch, _batch_mtp, _groups, _pipeline_windows)
+"""Steps 2 to 5, in the order they must run. The batch gate (2) comes first: it settles the slots every
+later gate reads. The batch-MTP gate (3) must come before groups (4): defaulted groups fall to 1 only while
+batch MTP is still on, so every reason that turns it off must be known first, or a split with helper caches
+would lose its pipelined groups to a batch MTP that never runs. The pipeline-windows gate (5) reads neither
+batch MTP nor groups, so it could run anywhere after step 2 (tests/test_resolve_properties.py holds both)."""
 
 
 def _raise_if_refused(led: Ledger) -> None:
@@ -125,6 +162,7 @@ def _assemble(
     topo: Topology,
     placed: list[PlacedStage],
     gpus: list[GpuPlan],
+    host: HostPlan,
     sz: Sizing,
     windows: WindowPlan,
     led: Ledger,
@@ -178,6 +216,7 @@ def _assemble(
             groups=groups,
             mode=mode,
             mtp=bool(led["batch.mtp"]),
+            mtp_in_groups=bool(led["batch.mtp"]) and mode == "pipelined",
             slots_per_window=per_window,
             rows_per_slot=rows_per_slot,
         ),
@@ -199,6 +238,7 @@ def _assemble(
             remote_opt=bool(led["experts.remote_opt"]),
             peer_device=led["experts.peer_device"],
         ),
+        host=host,
         windows=windows,
         serve=(
             ServePlan(

@@ -19,6 +19,7 @@ DEFAULT_RESERVE_MIB = 700
 DEFAULT_PORT = 8000
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_DRAFT_TOKENS = 4
+DEFAULT_HOST_RESERVE_MIB = 4096
 
 
 def drafts_with_mtp(model: ModelFacts, led: Ledger) -> bool:
@@ -73,11 +74,14 @@ def resolve_defaults(
     led.take("memory.prefill_chunk", mem.prefill_chunk if mem else None, DEFAULT_PREFILL_CHUNK)
     reserve = led.take("memory.vram_reserve_mib", mem.vram_reserve_mib if mem else None, DEFAULT_RESERVE_MIB)
     led.take("memory.vram_reserve_later_mib", mem.vram_reserve_later_mib if mem else None, reserve)
+    led.take("memory.host_reserve_mib", mem.host_reserve_mib if mem else None, DEFAULT_HOST_RESERVE_MIB)
+    _host_ram(p, machine, led)
 
     b = p.batch
     led.take("batch.slots", b.slots if b else None, 1)
     led.take("batch.groups", b.groups if b else None, None)
     led.take("batch.mtp", b.mtp if b else None, False)
+    led.take("batch.mtp_in_groups", b.mtp_in_groups if b else None, False)
 
     s = p.spec
     draft = led.take(
@@ -110,6 +114,19 @@ def resolve_defaults(
     led.take("split.test_shared_gpu", sp.test_shared_gpu if sp else None, False)
     led.take("split.pipeline_windows", sp.pipeline_windows if sp else None, 0)
     return model, _topology(p, machine, led, helpers=helpers, peer=peer, n_layers=model.num_hidden_layers)
+
+
+def _host_ram(p: Profile, machine: MachineFacts, led: Ledger) -> None:
+    """``machine.host_ram_mib``: as written, else what the facts step probed, else unknown (None)."""
+    led.take("machine.host_ram_mib", p.machine.host_ram_mib if p.machine else None, None)
+    if not led.user_set("machine.host_ram_mib") and machine.host_ram_source == "probe":
+        led.resolve_auto(
+            "machine.host_ram_mib",
+            machine.host_ram_mib,
+            "machine.host-ram-probed",
+            f"host memory: {machine.host_ram_mib} MiB available, probed from /proc/meminfo (MemAvailable); "
+            "write machine.host_ram_mib to plan for another amount",
+        )
 
 
 def _topology(

@@ -36,6 +36,7 @@ class Ledger:
         self._asked: dict[str, Any] = {}
         self._requested: dict[str, Any] = {}
         self._rules: dict[str, list[str]] = {}
+        self._gates: dict[str, list[str]] = {}
         self.decisions: list[Decision] = []
         self.problems: list[Problem] = []
 
@@ -79,10 +80,20 @@ class Ledger:
         if message is not None:
             self._decide(rule_id, key, message, requested=False)
 
-    def change(self, key: str, value: Any, rule_id: str, message: str) -> None:
+    def gate(self, key: str, rule_id: str) -> Any:
+        """The value of feature ``key``, noting that gate ``rule_id`` checked it (and could turn it off)."""
+        gates = self._gates.setdefault(key, [])
+        if rule_id not in gates:
+            gates.append(rule_id)
+        return self.get(key, rule_id)
+
+    def change(
+        self, key: str, value: Any, rule_id: str, message: str, *, because: tuple[str, ...] = ()
+    ) -> None:
         """A rule sets ``key`` to ``value``: ``forced`` over what the user asked, else ``derived``.
 
         Always records the decision; it is marked ``requested`` when it overrides what the user wrote.
+        ``because`` names the keys whose values made the rule fire.
         """
         requested = self.user_set(key) and self._asked[key] != value
         if requested:
@@ -92,12 +103,20 @@ class Ledger:
             self._sources[key] = Source(kind="derived", rule=rule_id)
         self._values[key] = value
         self._touch(key, rule_id)
-        self._decide(rule_id, key, message, requested=requested)
+        self._decide(rule_id, key, message, requested=requested, because=because)
 
-    def note(self, rule_id: str, key: str, message: str, *, requested: bool = False) -> None:
-        """A decision that changes no value (a note or a warning)."""
+    def note(
+        self,
+        rule_id: str,
+        key: str,
+        message: str,
+        *,
+        requested: bool = False,
+        because: tuple[str, ...] = (),
+    ) -> None:
+        """A decision that changes no value (a note or a warning); ``because`` as for `change`."""
         self._touch(key, rule_id)
-        self._decide(rule_id, key, message, requested=requested)
+        self._decide(rule_id, key, message, requested=requested, because=because)
 
     def refuse(self, rule_id: str, key: str, message: str) -> None:
         """An error: the plan is refused. Collected, so every refusal of a step is reported together."""
@@ -114,6 +133,7 @@ class Ledger:
                 source=self._sources[key],
                 requested=_plain(self._requested.get(key)),
                 rules=tuple(self._rules.get(key, ())),
+                gates=tuple(self._gates.get(key, ())),
             )
             for key in sorted(self._values)
         }
@@ -123,9 +143,14 @@ class Ledger:
         if rule_id not in rules:
             rules.append(rule_id)
 
-    def _decide(self, rule_id: str, key: str, message: str, *, requested: bool) -> None:
+    def _decide(
+        self, rule_id: str, key: str, message: str, *, requested: bool, because: tuple[str, ...] = ()
+    ) -> None:
         r = rule(rule_id)
         origin = find_origin(self.origins, key) if self.user_set(key) or requested else None
+        for cause in because:
+            if cause in self._values:
+                self._touch(cause, rule_id)
         self.decisions.append(
             Decision(
                 rule=rule_id,
@@ -134,5 +159,6 @@ class Ledger:
                 message=message,
                 requested=requested,
                 origin=origin,
+                because=because,
             )
         )

@@ -4,30 +4,56 @@ from __future__ import annotations
 
 from ..schema.facts import ModelFacts
 from .defaults import drafts_with_mtp
+from .gate import Reason, first_failing
 from .ledger import Ledger
 from .topology import Topology, is_test_split
 
 
 def pipeline_windows_gate(model: ModelFacts, topo: Topology, led: Ledger) -> None:
     """Overlapped solo windows on a two-stage split; the first failing reason turns them off."""
-    pw = led["split.pipeline_windows"]
-    if not pw:
+    if not led["split.pipeline_windows"]:
         return
+    layers = ("split.layers",)
     reasons = (
-        ("pipeline-windows.needs-split", not topo.split, "there is no layer split"),
-        ("pipeline-windows.shared-gpu", is_test_split(topo, led), "the split is a single-GPU test split"),
-        ("pipeline-windows.two-stages", topo.n_stages != 2, f"the split has {topo.n_stages} stages, not 2"),
+        ("pipeline-windows.needs-split", not topo.split, "there is no layer split", layers),
+        (
+            "pipeline-windows.shared-gpu",
+            is_test_split(topo, led),
+            "the split is a single-GPU test split",
+            ("split.test_shared_gpu",),
+        ),
+        (
+            "pipeline-windows.two-stages",
+            topo.n_stages != 2,
+            f"the split has {topo.n_stages} stages, not 2",
+            layers,
+        ),
         (
             "pipeline-windows.needs-mtp",
             not drafts_with_mtp(model, led),
             "the solo path does not draft with MTP",
+            ("spec.draft_tokens",),
         ),
-        ("pipeline-windows.batch", led["batch.slots"] >= 2, "batch slots are on"),
-        ("pipeline-windows.peer-device", led["experts.peer_device"] is not None, "a peer device is set"),
-        ("pipeline-windows.helper-caches", bool(led["experts.helper_devices"]), "helper caches are set"),
+        ("pipeline-windows.batch", led["batch.slots"] >= 2, "batch slots are on", ("batch.slots",)),
+        (
+            "pipeline-windows.peer-device",
+            led["experts.peer_device"] is not None,
+            "a peer device is set",
+            ("experts.peer_device",),
+        ),
+        (
+            "pipeline-windows.helper-caches",
+            bool(led["experts.helper_devices"]),
+            "helper caches are set",
+            ("experts.helper_devices",),
+        ),
     )
-    for rule_id, fails, why in reasons:
-        led.get("split.pipeline_windows", rule_id)
-        if fails:
-            led.change("split.pipeline_windows", 0, rule_id, f"pipeline windows are off: {why}")
-            return
+    first_failing(
+        led,
+        "split.pipeline_windows",
+        0,
+        (
+            Reason(rule, fails, f"pipeline windows are off: {why}", because)
+            for rule, fails, why, because in reasons
+        ),
+    )

@@ -46,6 +46,12 @@ _RULES = (
     Rule(
         "machine.estimated-bandwidth", 0, "note", "a probed GPU's bandwidth is an estimate, not a known value"
     ),
+    Rule(
+        "machine.host-ram-probed",
+        0,
+        "note",
+        "probing: the host memory the engine may pin is read from /proc/meminfo (MemAvailable)",
+    ),
     # 1: parse-time refusals
     Rule(
         "split.remote-host",
@@ -91,6 +97,18 @@ _RULES = (
     Rule("groups.no-split", 4, "warn", "more than one group needs a layer split; 1 group"),
     Rule("groups.not-divisor", 4, "warn", "groups must divide the slots; 1 group"),
     Rule("batch-mtp.pipelined-groups", 4, "off", "batch MTP does not combine with pipelined slot groups"),
+    Rule(
+        "batch-mtp.in-groups",
+        4,
+        "note",
+        "batch.mtp_in_groups: batch MTP runs inside each pipelined group (token + proposal per slot)",
+    ),
+    Rule(
+        "batch-mtp.in-groups-too-many-slots",
+        4,
+        "error",
+        "batch MTP inside pipelined groups holds at most 4 slots per group (2 rows each)",
+    ),
     # 5: pipeline-windows gate (the first failing reason wins)
     Rule("pipeline-windows.needs-split", 5, "off", "pipeline windows need a layer split"),
     Rule("pipeline-windows.shared-gpu", 5, "off", "pipeline windows do not run on a single-GPU test split"),
@@ -123,6 +141,12 @@ _RULES = (
         7,
         "note",
         "batch MTP measured slower than pipelined with all experts resident",
+    ),
+    Rule(
+        "host.ram-overflow",
+        7,
+        "error",
+        "the experts kept in pinned host memory, plus memory.host_reserve_mib, exceed the host's RAM",
     ),
     # 8: windows
     Rule("windows.batch-mtp-rotation", 8, "note", "more than 4 batch-MTP slots take turns, 4 per window"),

@@ -14,23 +14,27 @@ from .ledger import Ledger
 
 
 def batch_shape(led: Ledger) -> tuple[int, int, BatchMode, int, int]:
-    """(slots, groups, mode, slots per window, rows per slot)."""
+    """(slots, groups, mode, slots per window, rows per slot).
+
+    Batch MTP in more than one group (``batch.mtp_in_groups``, checked in step 4 to hold at most 4 slots per
+    group) is pipelined, each group's window holding its slots' token and proposal rows."""
     slots = max(led["batch.slots"], 1)
     groups = led["batch.groups"] if slots > 1 else 1
     if slots < 2:
         return 1, 1, "solo", 1, 1
-    if led["batch.mtp"]:
-        return slots, groups, "serial", min(slots, BATCH_MTP_SLOTS_PER_WINDOW), BATCH_MTP_ROWS_PER_SLOT
     mode: BatchMode = "pipelined" if groups > 1 else "serial"
+    if led["batch.mtp"]:
+        per_window = min(slots // groups, BATCH_MTP_SLOTS_PER_WINDOW)
+        return slots, groups, mode, per_window, BATCH_MTP_ROWS_PER_SLOT
     return slots, groups, mode, min(slots // groups, MAX_WINDOW_ROWS), 1
 
 
 def resolve_windows(led: Ledger) -> WindowPlan:
     """The window bounds of the plan; a note when batch-MTP slots must take turns."""
-    slots, _, mode, per_window, rows_per_slot = batch_shape(led)
+    slots, groups, mode, per_window, rows_per_slot = batch_shape(led)
     draft = led["spec.draft_tokens"]
     solo_rows = min(1 + max(draft - 1, 0), MAX_WINDOW_ROWS)
-    if led["batch.mtp"] and slots > BATCH_MTP_SLOTS_PER_WINDOW:
+    if led["batch.mtp"] and groups == 1 and slots > BATCH_MTP_SLOTS_PER_WINDOW:
         led.note(
             "windows.batch-mtp-rotation",
             "batch.slots",

@@ -7,9 +7,10 @@ the VRAM budget is built from.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .profile import Backend
 
@@ -24,6 +25,98 @@ def run_dtype(backend: str, asked: str | None, default: str = "float16") -> str:
     if backend == "cpu":
         return "float32"
     return asked or default
+
+
+# Sanity bounds on a checkpoint's dimensions: far above any real model, low enough that the sizes the budget
+# multiplies out stay plain integers and a corrupt or hostile config.json is refused by name.
+MAX_VOCAB = 1 << 22
+MAX_HIDDEN = 1 << 16
+MAX_LAYERS = 1024
+MAX_HEADS = 1024
+MAX_HEAD_DIM = 4096
+MAX_WIDTH = 1 << 20
+MAX_EXPERTS = 1 << 14
+MAX_POSITIONS = 1 << 24
+MAX_MTP_LAYERS = 16
+
+
+class ModelConfig(BaseModel):
+    """The fields of a ``qwen3_moe`` ``config.json`` that strata reads, strictly typed and bounded.
+
+    Strict: ``"hidden_size": "64"`` is an error, not 64. Other fields of the file are ignored.
+    """
+
+    model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
+
+    model_type: str = "qwen3_moe"
+    vocab_size: int = Field(ge=1, le=MAX_VOCAB)
+    hidden_size: int = Field(ge=1, le=MAX_HIDDEN)
+    num_hidden_layers: int = Field(ge=1, le=MAX_LAYERS)
+    num_attention_heads: int = Field(ge=1, le=MAX_HEADS)
+    num_key_value_heads: int | None = Field(default=None, ge=1, le=MAX_HEADS)
+    head_dim: int | None = Field(default=None, ge=1, le=MAX_HEAD_DIM)
+    intermediate_size: int = Field(default=0, ge=0, le=MAX_WIDTH)
+    moe_intermediate_size: int = Field(default=0, ge=0, le=MAX_WIDTH)
+    num_experts: int | None = Field(default=None, ge=0, le=MAX_EXPERTS)
+    num_local_experts: int | None = Field(default=None, ge=0, le=MAX_EXPERTS)
+    num_experts_per_tok: int = Field(default=0, ge=0, le=MAX_EXPERTS)
+    shared_expert_intermediate_size: int | None = Field(default=None, ge=0, le=MAX_WIDTH)
+    decoder_sparse_step: int | None = Field(default=None, ge=1, le=MAX_LAYERS)
+    mlp_only_layers: list[int] | None = None
+    max_position_embeddings: int = Field(default=32768, ge=1, le=MAX_POSITIONS)
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    num_nextn_predict_layers: int | None = Field(default=None, ge=0, le=MAX_MTP_LAYERS)
+    mtp_num_hidden_layers: int | None = Field(default=None, ge=0, le=MAX_MTP_LAYERS)
+
+    @property
+    def experts(self) -> int:
+        """The routed-expert count, under either spelling."""
+        return self.num_experts if self.num_experts is not None else (self.num_local_experts or 0)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ModelConfig:
+        heads, kv = self.num_attention_heads, self.num_key_value_heads
+        if self.head_dim is None and self.hidden_size % heads:
+            raise ValueError(
+                f"no head_dim, and hidden_size {self.hidden_size} is not a multiple of num_attention_heads "
+                f"{heads}"
+            )
+        if kv is not None and heads % kv:
+            raise ValueError(f"num_key_value_heads {kv} does not divide num_attention_heads {heads}")
+        if self.num_experts_per_tok > self.experts:
+            raise ValueError(
+                f"num_experts_per_tok {self.num_experts_per_tok} is more than the {self.experts} experts"
+            )
+        outside = [n for n in self.mlp_only_layers or () if not 0 <= n < self.num_hidden_layers]
+        if outside:
+            raise ValueError(f"mlp_only_layers {outside} are not layers of the model")
+        return self
+
+
+class ConfigError(ValueError):
+    """A config.json that `ModelConfig` refuses: one plain line per offending field."""
+
+    def __init__(self, messages: list[str]) -> None:
+        super().__init__("; ".join(messages))
+        self.messages = messages
+
+
+def _config_messages(exc: ValidationError) -> list[str]:
+    """``field: expected ... (got ...)``, one line per field that is missing, mistyped or out of bounds."""
+    out = []
+    for err in exc.errors():
+        key = ".".join(str(p) for p in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ").replace("Input should be", "expected")
+        msg = msg.replace("Field required", "required")
+        got = "" if err["type"] in ("missing", "value_error") else f" (got {_short(err.get('input'))})"
+        out.append(f"{key}: {msg}{got}" if key else f"{msg}{got}")
+    return out
+
+
+def _short(value: object) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 class _Facts(BaseModel):
@@ -56,6 +149,10 @@ class MachineFacts(_Facts):
     """Where the GPU list came from."""
     host: str = "local"
     """The host these GPUs are on."""
+    host_ram_mib: int | None = Field(default=None, gt=0)
+    """Host memory the engine may pin, in MiB; None when unknown (then nothing checks the host tier)."""
+    host_ram_source: Literal["profile", "probe"] | None = None
+    """Where ``host_ram_mib`` came from: ``machine.host_ram_mib``, or /proc/meminfo when probing."""
 
     def device_name(self, index: int) -> str:
         """``cuda:N`` or ``cpu:N``."""
@@ -97,32 +194,42 @@ class ModelFacts(_Facts):
     def from_config(
         cls, config: dict[str, Any], *, source: str, dtype: str, mtp_layers: int | None = None
     ) -> ModelFacts:
-        """Build facts from a ``config.json`` dictionary (either spelling of the expert count)."""
-        n_experts = config.get("num_experts", config.get("num_local_experts", 0)) or 0
-        n_heads = config["num_attention_heads"]
-        head_dim = config.get("head_dim") or config["hidden_size"] // n_heads
+        """Build facts from a ``config.json`` dictionary (either spelling of the expert count).
+
+        Raises `ConfigError` naming each field that is missing, of the wrong type, or out of bounds
+        (`ModelConfig`).
+        """
+        try:
+            c = ModelConfig.model_validate(config)
+        except ValidationError as exc:
+            raise ConfigError(_config_messages(exc)) from None
+        n_heads = c.num_attention_heads
         if mtp_layers is None:
-            mtp_layers = int(config.get("num_nextn_predict_layers", config.get("mtp_num_hidden_layers", 0)))
+            mtp_layers = (
+                c.num_nextn_predict_layers
+                if c.num_nextn_predict_layers is not None
+                else (c.mtp_num_hidden_layers or 0)
+            )
         return cls(
             source=source,
-            model_type=config.get("model_type", "qwen3_moe"),
+            model_type=c.model_type,
             dtype=dtype,
-            vocab_size=config["vocab_size"],
-            hidden_size=config["hidden_size"],
-            num_hidden_layers=config["num_hidden_layers"],
+            vocab_size=c.vocab_size,
+            hidden_size=c.hidden_size,
+            num_hidden_layers=c.num_hidden_layers,
             num_attention_heads=n_heads,
-            num_key_value_heads=config.get("num_key_value_heads", n_heads),
-            head_dim=head_dim,
-            intermediate_size=config.get("intermediate_size", 0),
-            moe_intermediate_size=config.get("moe_intermediate_size", 0),
-            num_experts=n_experts,
-            num_experts_per_tok=config.get("num_experts_per_tok", 0),
-            shared_expert_intermediate_size=config.get("shared_expert_intermediate_size", 0) or 0,
-            decoder_sparse_step=config.get("decoder_sparse_step", 1) or 1,
-            mlp_only_layers=tuple(config.get("mlp_only_layers", ()) or ()),
-            max_position_embeddings=config.get("max_position_embeddings", 32768),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            attention_bias=bool(config.get("attention_bias", False)),
+            num_key_value_heads=c.num_key_value_heads or n_heads,
+            head_dim=c.head_dim or c.hidden_size // n_heads,
+            intermediate_size=c.intermediate_size,
+            moe_intermediate_size=c.moe_intermediate_size,
+            num_experts=c.experts,
+            num_experts_per_tok=c.num_experts_per_tok,
+            shared_expert_intermediate_size=c.shared_expert_intermediate_size or 0,
+            decoder_sparse_step=c.decoder_sparse_step or 1,
+            mlp_only_layers=tuple(c.mlp_only_layers or ()),
+            max_position_embeddings=c.max_position_embeddings,
+            tie_word_embeddings=c.tie_word_embeddings,
+            attention_bias=c.attention_bias,
             mtp_layers=mtp_layers,
         )
 

@@ -83,6 +83,9 @@ class Setting(_Plan):
     """What the user wrote, when a rule changed it (``forced``)."""
     rules: tuple[str, ...] = ()
     """Every rule that read or changed this key, in order."""
+    gates: tuple[str, ...] = ()
+    """For a feature (``batch.mtp``, ``split.pipeline_windows``): the gates that checked it, in order, each of
+    which could have turned it off. All passed unless the last one turned it off."""
 
 
 class Decision(_Plan):
@@ -100,6 +103,9 @@ class Decision(_Plan):
     """True when it turned off or changed something the user explicitly asked for."""
     origin: Origin | None = None
     """Where the user asked for it, when they did."""
+    because: tuple[str, ...] = ()
+    """The keys whose values made this rule fire (``batch.groups`` for ``batch-mtp.pipelined-groups``), so
+    that explaining a key shows what it caused."""
 
 
 class StagePlan(_Plan):
@@ -200,8 +206,11 @@ class BatchPlan(_Plan):
     """``solo`` (no batching), ``serial`` (one group), or ``pipelined`` (several groups in flight)."""
     mtp: bool
     """Whether per-slot MTP drafters run in batch windows."""
+    mtp_in_groups: bool = False
+    """Batch MTP runs inside each pipelined group (``batch.mtp_in_groups``): mode ``pipelined``, ``mtp``
+    true, 2 rows per slot, at most 4 slots per group window."""
     slots_per_window: int
-    """Slots that share one window (4 with batch MTP, else up to 8)."""
+    """Slots that share one window (with batch MTP at most 4; in pipelined groups a group's slots)."""
     rows_per_slot: int
     """Rows each slot sends per batch window (2 with batch MTP: token and proposal)."""
 
@@ -263,6 +272,35 @@ class ExpertsPlan(_Plan):
     peer_device: int | None = None
 
 
+class HostTier(_Plan):
+    """One GPU's experts in pinned host memory."""
+
+    gpu: int
+    """The GPU whose stages these experts belong to."""
+    experts: int
+    """Routed experts held in host memory: every routed expert of the GPU's stages when not all fit in
+    VRAM (the VRAM cache holds copies of some), none when all do. Helper and idle GPUs hold none."""
+    bytes: int
+    """Their bytes."""
+
+
+class HostPlan(_Plan):
+    """The host-memory budget: the host tier of experts against the machine's RAM, in bytes."""
+
+    tiers: tuple[HostTier, ...]
+    """One per GPU, in the order of ``gpus``."""
+    total: int
+    """Bytes of every host tier together."""
+    reserve: int
+    """Left for everything else (``memory.host_reserve_mib``)."""
+    ram: int | None
+    """The host memory the engine may pin; None when unknown (then nothing was checked)."""
+    ram_source: Literal["profile", "probe"] | None = None
+    """``profile`` (``machine.host_ram_mib``) or ``probe`` (/proc/meminfo)."""
+    free: int | None
+    """``ram - total - reserve`` (never negative: a plan that does not fit is refused); None when unknown."""
+
+
 class ServePlan(_Plan):
     host: str
     port: int
@@ -290,6 +328,8 @@ class LaunchPlan(_Plan):
     spec: SpecPlan
     memory: MemoryPlan
     experts: ExpertsPlan
+    host: HostPlan
+    """Host memory: the experts kept there and the RAM they must fit in."""
     windows: WindowPlan
     serve: ServePlan | None
     """None: a one-shot generation profile."""

@@ -48,9 +48,13 @@ def parse_device(spec: int | str) -> tuple[str, int]:
 
 
 class Section(BaseModel):
-    """Base of every profile table: strict, frozen, documented."""
+    """Base of every profile table: strict, frozen, documented.
 
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    Strict means no coercion: ``slots = "2"``, ``mtp = "no"`` and ``--set batch.slots=true`` are errors, not
+    2, False and 1. Only an integer is taken where a float is expected (TOML writes ``760`` for 760.0).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, use_attribute_docstrings=True)
 
 
 class GpuSpec(Section):
@@ -73,6 +77,9 @@ class MachineSection(Section):
     """Fill the GPU list from the machine `strata` runs on (nvidia-smi), before resolving."""
     backend: Backend | None = None
     """``"cuda"`` (default) runs on real GPUs; ``"cpu"`` runs each listed GPU as a virtual NumPy device."""
+    host_ram_mib: int | None = Field(default=None, gt=0, le=1 << 30)
+    """Host memory the engine may pin, in MiB: the host tier of experts that do not fit in VRAM must fit
+    in it. Default: probed from /proc/meminfo with ``probe = true``, else unknown (not checked)."""
 
     @model_validator(mode="after")
     def _gpus_or_probe(self) -> MachineSection:
@@ -124,8 +131,9 @@ class SplitSection(Section):
     """The GPU of each stage, in stage order (``--split-device``). Default: 0, 1, 2, ..."""
     test_shared_gpu: bool | None = None
     """Allow two stages on one GPU. For testing the split code paths on one card; turns batching off."""
-    pipeline_windows: Literal[0, 1, 2] | None = None
-    """Overlapped windows on a two-stage split for the solo path (``--pipeline-windows``); 0 is off."""
+    # A range, not Literal[0, 1, 2]: the literals would take `true` for 1, even in strict mode.
+    pipeline_windows: int | None = Field(default=None, ge=0, le=2)
+    """Overlapped windows on a two-stage split for the solo path (``--pipeline-windows``): 0 (off), 1 or 2."""
 
 
 class BatchSection(Section):
@@ -139,6 +147,10 @@ class BatchSection(Section):
     mtp: bool | None = None
     """Per-slot MTP drafters in batch windows (``--batch-mtp``): each slot sends its token and one drafted
     proposal through every stage."""
+    mtp_in_groups: bool | None = None
+    """Run batch MTP inside each pipelined group instead of turning it off when ``groups`` is more than 1 on
+    a split (default false). Each group's window carries 2 rows per slot, so at most 4 slots per group. An
+    extension beyond the reference engine, which refuses the combination."""
 
 
 class SpecSection(Section):
@@ -160,6 +172,9 @@ class MemorySection(Section):
     """Context length of each slot in tokens (``--max-context``); default 4096, capped by the model's own."""
     kv_dtype: KvDType | None = None
     """KV cache precision (``--kv``); default: the model's dtype."""
+    host_reserve_mib: int | None = Field(default=None, ge=0, le=1 << 30)
+    """Host memory left for everything but the host tier of experts, in MiB (default 4096): the checkpoint
+    reader, the server, the operating system."""
     prefill_chunk: int | None = Field(default=None, ge=8, le=1 << 16)
     """Prompt tokens read per prefill window (default 512). Bigger reads prompts faster and needs more
     activation workspace."""

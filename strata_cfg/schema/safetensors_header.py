@@ -18,6 +18,8 @@ import struct
 from pathlib import Path
 from typing import Any
 
+from .bounded_read import require_regular_file
+
 LENGTH_BYTES = 8
 """The header length field: an unsigned 64-bit little-endian integer at the start of the file."""
 
@@ -59,6 +61,7 @@ def read_header(path: str | os.PathLike[str]) -> dict[str, Any]:
 def read_header_and_data_start(path: str | os.PathLike[str]) -> tuple[dict[str, Any], int]:
     """The header, and the byte offset in the file where tensor data starts (offsets count from there)."""
     where = Path(path)
+    require_regular_file(where)  # a FIFO named *.safetensors would block the open below
     with where.open("rb") as f:
         file_size = os.fstat(f.fileno()).st_size
         raw = f.read(LENGTH_BYTES)
@@ -74,6 +77,8 @@ def read_header_and_data_start(path: str | os.PathLike[str]) -> tuple[dict[str, 
         header = json.loads(text)
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are both ValueErrors
         raise ValueError(f"header is not JSON ({exc})") from None
+    except RecursionError:  # a real header nests three levels; json recurses once per level
+        raise ValueError("header is JSON nested too deeply") from None
     if not isinstance(header, dict):
         raise ValueError("header is not a JSON object")
     data_start = LENGTH_BYTES + n

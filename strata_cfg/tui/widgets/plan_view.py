@@ -1,8 +1,9 @@
 """The plan view: what the profile in the editor resolves to, redrawn after every edit.
 
 From the top: problems (when the profile is refused, above the last plan that resolved, which is dimmed), the
-summary with the batch line, the decisions, the stage table, and one VRAM bar per GPU. A feature the profile
-asked for that a rule turned off is marked ``!`` in red, in the batch line and first among the decisions.
+summary with the batch line (and a host-memory line when experts live in host memory), the decisions, the
+stage table, and one VRAM bar per GPU. A feature the profile asked for that a rule turned off is marked ``!``
+in red, in the batch line and first among the decisions.
 
 After an edit, the summary lines and decisions it changed are highlighted, and the view scrolls to the first
 thing that changed (stages and VRAM too), so a small terminal does not hide the effect of an edit. Each of
@@ -133,7 +134,9 @@ def batch_text(plan: LaunchPlan) -> Text:
     text = Text(
         f"{b.slots} slot{'s' * (b.slots != 1)} · {b.groups} group{'s' * (b.groups != 1)} · {b.mode} · "
     )
-    if b.mtp:
+    if b.mtp_in_groups:
+        text.append(f"batch MTP inside {b.groups} pipelined groups", style=ON_STYLE)
+    elif b.mtp:
         text.append("batch MTP on", style=ON_STYLE)
     elif batch_mtp_forced_off(plan) is not None:
         text.append("! batch MTP off", style=REQUESTED_STYLE)
@@ -143,8 +146,22 @@ def batch_text(plan: LaunchPlan) -> Text:
     return text
 
 
+def host_text(plan: LaunchPlan) -> Text | None:
+    """The host-memory budget in a few words, or None when no expert lives in host memory."""
+    h = plan.host
+    if not h.total:
+        return None
+    text = Text(f"{_mib(h.total)} MiB experts pinned; ")
+    if h.ram is None:
+        text.append("RAM unknown", style="dim")
+    else:
+        text.append(f"RAM {_mib(h.ram)}, {_mib(h.free or 0)} free")
+    return text
+
+
 def summary_rows(plan: LaunchPlan) -> list[tuple[str, Text]]:
-    """(label, text) lines: the model, the batch line, spec and memory."""
+    """(label, text) lines: the model, the batch line, spec, memory, and host memory when experts live
+    there."""
     f = plan.model.facts
     model = f"{plan.model.synthetic} (synthetic)" if plan.model.synthetic else (plan.model.path or f.source)
     s = plan.spec
@@ -152,12 +169,14 @@ def summary_rows(plan: LaunchPlan) -> list[tuple[str, Text]]:
     if s.pipeline_windows:
         spec += f", {s.pipeline_windows} pipeline windows"
     m = plan.memory
-    return [
+    rows = [
         ("model", Text(f"{model}, {f.dtype}, {f.num_hidden_layers} layers")),
         ("batch", batch_text(plan)),
         ("spec", Text(spec)),
         ("memory", Text(f"{m.context} tokens per slot, KV {m.kv_dtype}")),
     ]
+    host = host_text(plan)
+    return rows if host is None else [*rows, ("host", host)]
 
 
 def labelled_row(
