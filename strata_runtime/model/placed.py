@@ -16,6 +16,7 @@ from strata_cfg.schema.plan import LaunchPlan
 
 from ..api import PlanMismatch, Tokenizer
 from ..backend import DTYPES, Array, Device, enable_peer_access, transfer
+from ..experts.cache import Policy
 from ..layout import Layout
 from ..models.qwen3_moe import ModelArgs, stage_shapes
 from ..weights.checkpoint import Checkpoint, load_tensors
@@ -64,6 +65,52 @@ def _check_facts(plan: LaunchPlan, args: ModelArgs) -> None:
             )
 
 
+def routed_expert_names(args: ModelArgs, layers: tuple[int, int], mtp: bool) -> list[str]:
+    """The stacked routed-expert tensors of main-model layers [a, b), and of the MTP head's layer."""
+    prefixes = [f"model.layers.{i}." for i in range(*layers) if args.is_sparse(i)]
+    if mtp and args.num_experts:
+        prefixes.append("mtp.layers.0.")
+    return [f"{p}mlp.experts.{part}" for p in prefixes for part in ("gate_up_proj", "down_proj")]
+
+
+def expert_slots(plan: LaunchPlan) -> list[int | None]:
+    """Each stage's VRAM expert slots when its GPU cannot hold all its routed experts (None: all fit).
+
+    The plan counts a GPU's routed experts over its stages' layers and, on the last stage, the MTP head's
+    layer: they all share the stage's cache. Stages on one GPU (a test split) share its slots in
+    proportion to their experts.
+    """
+    out: list[int | None] = []
+    for sp in plan.stages:
+        gpu = next(g for g in plan.gpus if g.index == sp.gpu)
+        if gpu.experts_resident >= gpu.experts_total:
+            out.append(None)
+            continue
+        on_gpu = [s for s in plan.stages if s.gpu == sp.gpu]
+        share = (sp.layers[1] - sp.layers[0]) / sum(s.layers[1] - s.layers[0] for s in on_gpu)
+        out.append(int(gpu.experts_resident * share))
+    return out
+
+
+def device_limit(plan: LaunchPlan, device: Device) -> int | None:
+    """The most device memory the engine may hold on ``device``: its budget less the reserve (the CUDA
+    context, libraries and graphs live in the reserve, outside the engine's allocations)."""
+    gpu = next((g for g in plan.gpus if g.device == str(device)), None)
+    if gpu is None:
+        return None
+    return gpu.budget.total - gpu.budget.reserve
+
+
+def out_of_memory(plan: LaunchPlan, stage: int, device: Device, exc: BaseException) -> str:
+    """Why stage ``stage`` did not fit ``device``: the plan's budget for it, and what to change."""
+    gpu = next((g for g in plan.gpus if g.device == str(device)), None)
+    budget = "" if gpu is None else f" (its plan: {gpu.budget.mib()} MiB)"
+    return (
+        f"stage {stage} does not fit {device} within the plan's budget{budget}: {exc}. Raise "
+        "memory.vram_reserve_mib if the card holds other work, or lower experts.cache or memory.context"
+    )
+
+
 class Model:
     """Stages in order, plus the MTP head and one drafter per slot on the last stage's device."""
 
@@ -109,12 +156,17 @@ class Model:
         if drafting and not has_mtp:
             raise PlanMismatch("the plan drafts with MTP, but the model has no MTP weights")
         slots, context = max(plan.batch.slots, 1), plan.memory.context
+        cache_slots = expert_slots(plan)
+        for d in dict.fromkeys(devices):
+            d.limit_memory(device_limit(plan, d))
         stages: list[Stage] = []
         tensors: dict[str, Array] = {}
         for sp, device in zip(plan.stages, devices, strict=True):
             first, last = sp.index == 0, sp.index == len(plan.stages) - 1
             dtype, kv_dtype = compute_dtypes(plan, device)
             shapes = stage_shapes(args, sp.layers, first=first, last=last, mtp=last and drafting)
+            cached = cache_slots[sp.index] is not None
+            host = frozenset(routed_expert_names(args, sp.layers, last and drafting) if cached else ())
             label = f"stage {sp.index} on {device}"
             key = (
                 plan.model.model_dump_json(),
@@ -124,30 +176,36 @@ class Model:
                 last,
                 str(np.dtype(dtype)),
                 tuple(shapes),
+                tuple(sorted(host)),
             )
-            if weights is not None and key in weights:
-                tensors = weights[key]
-            elif synth is not None:
-                tensors = synth.load(shapes, device, dtype, progress, label)
-            else:
-                assert ckpt is not None
-                tensors = load_tensors(ckpt, shapes, device, dtype, progress, label)
-            if weights is not None:
-                weights[key] = tensors
-            stages.append(
-                Stage(
-                    sp.index,
-                    device,
-                    sp.layers,
-                    args,
-                    tensors,
-                    first=first,
-                    last=last,
-                    slots=slots,
-                    context=context,
-                    kv_dtype=kv_dtype,
+            try:
+                if weights is not None and key in weights:
+                    tensors = weights[key]
+                elif synth is not None:
+                    tensors = synth.load(shapes, device, dtype, progress, label, host)
+                else:
+                    assert ckpt is not None
+                    tensors = load_tensors(ckpt, shapes, device, dtype, progress, label, host)
+                if weights is not None:
+                    weights[key] = tensors
+                stages.append(
+                    Stage(
+                        sp.index,
+                        device,
+                        sp.layers,
+                        args,
+                        tensors,
+                        first=first,
+                        last=last,
+                        slots=slots,
+                        context=context,
+                        kv_dtype=kv_dtype,
+                        expert_slots=cache_slots[sp.index],
+                        policy=Policy(adapt=plan.experts.adapt),
+                    )
                 )
-            )
+            except MemoryError as exc:  # CuPy's OutOfMemoryError is one
+                raise PlanMismatch(out_of_memory(plan, sp.index, device, exc)) from exc
         mtp, drafters = None, {}
         last_stage = stages[-1]
         if drafting:
@@ -158,6 +216,7 @@ class Model:
                 return transfer(first_stage.embed(ids), first_stage.device, last_stage.device)
 
             mtp = MtpHead(tensors, args, last_stage.device, last_stage.rope, last_stage.lm_head, embed)
+            mtp.share_experts(last_stage)
             ids = list(plan.last_stage.drafters) or list(range(slots))
             shared = None
             if last_stage.device.is_cuda:
