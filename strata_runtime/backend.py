@@ -112,6 +112,13 @@ class Device:
                 return np.asarray(arr.get())
         return np.asarray(arr)
 
+    def limit_memory(self, limit: int | None) -> None:
+        """Hold at most ``limit`` bytes of device memory in this process's pool (a GPU of the plan's size
+        on a bigger card); an allocation past it fails as if the card were full. None or CPU: no limit."""
+        if self.is_cuda and limit is not None:
+            with self.use():
+                cupy_module().get_default_memory_pool().set_limit(size=limit)
+
     def memory_used(self) -> int | None:
         """Bytes in use on this device by this process's memory pool (None on CPU devices)."""
         if not self.is_cuda:

@@ -26,12 +26,15 @@ CUDA_MODULES = tuple(f"strata_runtime.cuda.{m}" for m in ("decode", "prefill", "
 
 
 class FakeArray(np.ndarray):
-    """A host array with CuPy's ``get``/``set``."""
+    """A host array with CuPy's ``get``/``set`` (copies happen at once, whatever the stream)."""
 
-    def get(self) -> np.ndarray:
-        return np.array(self)
+    def get(self, stream: Any = None, out: np.ndarray | None = None, blocking: bool = True) -> np.ndarray:
+        if out is None:
+            return np.array(self)
+        out[...] = self
+        return out
 
-    def set(self, host: np.ndarray) -> None:
+    def set(self, host: np.ndarray, stream: Any = None) -> None:
         self[...] = host
 
 
@@ -86,6 +89,34 @@ class _Stream:
 
     def synchronize(self) -> None:
         pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+
+class _Event:
+    """Work is done when it is launched, so every event has happened."""
+
+    done = True
+
+    def __init__(self, disable_timing: bool = False) -> None:
+        pass
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+_HOST: dict[int, np.ndarray] = {}
+"""The stand-in's page-locked host allocations by address (``hostAlloc``)."""
+
+
+def _host_alloc(size: int, flags: int) -> int:
+    buf = np.empty(max(size, 1), np.uint8)
+    _HOST[buf.ctypes.data] = buf
+    return int(buf.ctypes.data)
 
 
 class _Device(_Stream):
@@ -142,17 +173,22 @@ def module() -> types.ModuleType:
     cp.empty_like = lambda a, dtype=None: empty(a.shape, a.dtype if dtype is None else dtype)
     cp.asarray = lambda a, dtype=None: _wrap(np.array(a, dtype=dtype))  # a copy, as host to device is
     cp.get_default_memory_pool = lambda: types.SimpleNamespace(
-        free_all_blocks=lambda: None, used_bytes=lambda: 0, total_bytes=lambda: 0
+        free_all_blocks=lambda: None, used_bytes=lambda: 0, total_bytes=lambda: 0, set_limit=lambda size: None
     )
     cp.cuda = types.SimpleNamespace(
         Device=_Device,
         Stream=_Stream,
+        Event=_Event,
         get_current_stream=_Stream,
         runtime=types.SimpleNamespace(
-            getDeviceCount=lambda: 1,
+            getDeviceCount=lambda: 4,
             deviceCanAccessPeer=lambda a, b: False,
             CUDARuntimeError=RuntimeError,
             memGetInfo=lambda: (80 << 30, 80 << 30),
+            hostAlloc=_host_alloc,
+            freeHost=lambda ptr: _HOST.pop(ptr, None),
+            hostAllocPortable=1,
+            hostAllocMapped=2,
         ),
     )
     return cp

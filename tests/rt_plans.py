@@ -38,6 +38,8 @@ def profile_text(
     layer_scale: float | None = None,
     routing: str | None = None,
     serve: bool = False,
+    expert_cache: int | None = None,
+    adapt: bool | None = None,
 ) -> str:
     if model_dir is not None:
         n_layers = json.loads((Path(model_dir) / "config.json").read_text())["num_hidden_layers"]
@@ -68,6 +70,10 @@ def profile_text(
         lines += ["[split]", f"layers = {even_split(n_layers, stages)}"]
     lines += ["[spec]", f"draft_tokens = {draft_tokens}"]
     lines += ["[memory]", f"context = {context}", f"prefill_chunk = {prefill_chunk}", "vram_reserve_mib = 0"]
+    if expert_cache is not None or adapt is not None:
+        lines += ["[experts]"]
+        lines += [f"cache = {expert_cache}"] if expert_cache is not None else []
+        lines += [f"adapt = {'true' if adapt else 'false'}"] if adapt is not None else []
     if serve or batch_mtp:
         lines += ["[serve]"]
     return "\n".join(lines) + "\n"

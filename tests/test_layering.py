@@ -322,7 +322,7 @@ RUNTIME_MAY_IMPORT: dict[str, set[str]] = {
     "reference": set(),
     "models": {"layout", "reference"},
     "experts": {"backend", "layout", "reference"},
-    "weights": {"backend", "models", "reference"},
+    "weights": {"backend", "experts", "models", "reference"},
     "cuda": {"backend", "layout", "models", "reference", "experts"},
     "model": {"api", "backend", "layout", "models", "weights", "cuda", "experts"},
     "engine": {"api", "backend", "layout", "model", "weights"},

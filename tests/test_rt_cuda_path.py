@@ -136,3 +136,40 @@ def test_calibrated_routing_through_the_cuda_path_gives_the_array_paths_logits(f
         assert np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-2, runs  # as above: fp16 against float32
         assert (a.argmax(-1) == b.argmax(-1)).all(), runs
     assert gpu.stages[0].cuda._graphs
+
+
+def test_an_expert_cache_on_the_cuda_path_changes_no_token(fake_gpu):
+    """The CUDA path with a cache: the kernels read experts through address tables (slots and host memory),
+    the prefill path copies misses into staging, the MTP head's experts share the cache, the upkeep runs
+    between windows; greedy text equals the all-resident run's, and the cache moved experts."""
+    from strata_runtime.engine import Engine
+
+    def generate(plan) -> tuple[list[list[int]], Engine]:
+        engine = Engine(plan)
+        prompts = [tuple(range(40, 140)), (72, 101, 108, 108, 111) * 3]  # one chunk past the graph windows
+        handles = [engine.submit(Request(p, 12)) for p in prompts]
+        while engine.step():
+            pass
+        return [
+            [t for _ in range(h.events.qsize()) for t in h.events.get().token_ids] for h in handles
+        ], engine
+
+    kw = {"preset": "small", "batch_mtp": True, "draft_tokens": 3, "stages": 2, "prefill_chunk": 96}
+    resident, _ = generate(_plan("cuda", **kw))
+    cached, engine = generate(_plan("cuda", expert_cache=5, **kw))
+    assert cached == resident
+    for stage in engine.model.stages:
+        assert stage.cuda_experts is not None and stage.experts.cached
+        lay = next(lay for lay in stage.cuda.stack.layers if lay.router is not None)
+        assert lay.gate_up is None  # read only through the tables
+        stats = stage.experts.stats
+        assert stats.misses > 0 and stats.hits > 0 and stats.swaps > 0
+        # The device tables are what the kernels read: each address is the expert's slot or host copy.
+        store, tables = stage.experts, stage.cuda_experts
+        assert (np.asarray(tables.slot_of) == store.residency.slot_of).all()
+        for j in range(len(store)):
+            for e in range(store.n_experts):
+                gate_up, down = store.weights(j, e) if store.resident(j, e) else store.host_weights(j, e)
+                assert int(tables.gate_up[j, e]) == gate_up.ctypes.data
+                assert int(tables.down[j, e]) == down.ctypes.data
+    assert engine.model.mtp is not None and engine.model.mtp.stage is engine.model.stages[-1]

@@ -14,28 +14,18 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from rt_engine_helpers import MODES, collect, mode_plan
 from rt_plans import make_plan
 
 from strata_runtime.api import PlanMismatch, Request, SamplingParams
 from strata_runtime.engine import Engine
 
 PRESET_FOR_STAGES = {1: "tiny", 2: "tiny", 3: "tiny", 4: "small"}
-MODES = {
-    "solo": {"slots": 1, "draft_tokens": 4},
-    "serial": {"slots": 4, "groups": 1},
-    "pipelined": {"slots": 4, "groups": 2},
-    "batch-mtp": {"slots": 4, "groups": 1, "batch_mtp": True, "draft_tokens": 3},
-}
 
 
 @functools.cache
 def engine(stages: int, mode: str) -> Engine:
-    kw = dict(MODES[mode])
-    if mode == "pipelined" and stages == 1:
-        kw["groups"] = None  # groups need a split; one stage keeps one group
-    return Engine(
-        make_plan(preset=PRESET_FOR_STAGES[stages], stages=stages, context=128, prefill_chunk=16, **kw)
-    )
+    return Engine(mode_plan(mode, stages, preset=PRESET_FOR_STAGES[stages], context=128, prefill_chunk=16))
 
 
 @functools.cache
@@ -48,42 +38,6 @@ def reference(preset: str, prompt: tuple[int, ...], max_tokens: int) -> tuple[in
 @functools.cache
 def _reference_engine(preset: str) -> Engine:
     return Engine(make_plan(preset=preset, stages=1, context=128, prefill_chunk=16))
-
-
-def collect(eng: Engine, schedule: list[tuple[int, Request]], check_kv: bool = True) -> list[list[int]]:
-    """Submit each request at its step, run to the end, return each request's tokens."""
-    handles: list = [None] * len(schedule)
-    tokens: list[list[int]] = [[] for _ in schedule]
-    done = [False] * len(schedule)
-    step = 0
-    while not all(done):
-        for i, (at, req) in enumerate(schedule):
-            if handles[i] is None and at <= step:
-                handles[i] = eng.submit(req)
-        eng.step()
-        step += 1
-        assert step < 10_000
-        if check_kv:
-            assert_kv_consistent(eng)
-        for i, h in enumerate(handles):
-            while h is not None and not h.events.empty():
-                ev = h.events.get()
-                assert ev.error is None, ev.error
-                tokens[i] += ev.token_ids
-                done[i] = done[i] or ev.finished is not None
-    assert all(s is None for s in eng.slots), "every slot is released at the end"
-    return tokens
-
-
-def assert_kv_consistent(eng: Engine) -> None:
-    """Every stage (and the drafter) holds exactly the slot's committed positions."""
-    for i, slot in enumerate(eng.slots):
-        if slot is None:
-            assert eng.model.kv_lengths(i) == [0] * len(eng.model.stages)
-            continue
-        assert eng.model.kv_lengths(i) == [slot.length] * len(eng.model.stages)
-        if eng.tracked:
-            assert eng.model.drafters[i].length == slot.length
 
 
 arrivals = st.lists(
@@ -215,7 +169,6 @@ def test_stop_token_and_max_tokens_end_a_request() -> None:
         ({"helper_devices": (1,)}, "helper-GPU expert caches"),
         ({"remote_opt": True}, "remote expert optimisation"),
         ({"peer_device": 1}, "peer-device expert cache"),
-        ({"cache": 3}, "expert cache smaller than a stage's experts"),
     ],
 )
 def test_plans_needing_unimplemented_features_are_refused_at_start(update, needle) -> None:

@@ -12,16 +12,18 @@ from rt_plans import make_plan  # noqa: E402
 from strata_runtime.bench.harness import InProcessDriver, run_bench, summarise  # noqa: E402
 from strata_runtime.bench.peer import make_peer  # noqa: E402
 from strata_runtime.engine import Engine  # noqa: E402
+from strata_runtime.model.placed import WeightStore  # noqa: E402
 
 
 def test_transformers_peer_generates_the_runtimes_greedy_text_on_shared_weights():
     plan = make_plan(preset="tiny", slots=2, draft_tokens=0, context=256)
-    weights: dict = {}
+    weights = WeightStore()
     engine = Engine(plan, weights=weights)
     peer = make_peer("transformers", plan, engine.tokenizer, weights)
     # The peer's parameters are the runtime's arrays, not copies.
     embed = peer.model.model.embed_tokens.weight
-    (tensors,) = weights.values()
+    (shared,) = weights.stages.values()
+    tensors = shared.tensors
     assert embed.data_ptr() == tensors["model.embed_tokens.weight"].__array_interface__["data"][0]
     runs = run_bench(
         {"serial": engine, "transformers": peer},

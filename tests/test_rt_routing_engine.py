@@ -169,15 +169,16 @@ def test_calibrated_routing_changes_what_the_model_computes():
 
 def test_benchmark_arms_that_differ_only_in_routing_share_one_copy_of_the_weights():
     from strata_runtime.model import Model
+    from strata_runtime.model.placed import WeightStore
 
-    store: dict = {}
+    store = WeightStore()
     kw = dict(preset="tiny", stages=2, context=64, prefill_chunk=16)
     uniform = Model.from_plan(make_plan(**kw), weights=store)
     calibrated = Model.from_plan(make_plan(routing="calibrated", **kw), weights=store)
-    assert len(store) == 2  # one entry per stage, not per arm
+    assert len(store.stages) == 2  # one entry per stage, not per arm
     for a, b in zip(uniform.stages, calibrated.stages, strict=True):
         assert a.layers[0].self_attn.o_proj is b.layers[0].self_attn.o_proj
     assert uniform.routing is None and calibrated.routing is not None
     # A different seed is a different model: it gets weights of its own.
     Model.from_plan(make_plan(seed=1, **kw), weights=store)
-    assert len(store) == 4
+    assert len(store.stages) == 4

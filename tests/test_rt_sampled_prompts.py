@@ -13,26 +13,17 @@ import functools
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from rt_plans import make_plan
+from rt_engine_helpers import MODES, mode_plan
 
 from strata_runtime.api import Request, SamplingParams
 from strata_runtime.engine import Engine
 
 CHUNK = 8
-MODES = {
-    "solo": {"slots": 1, "draft_tokens": 4},
-    "serial": {"slots": 3, "groups": 1},
-    "pipelined": {"slots": 4, "groups": 2},
-    "batch-mtp": {"slots": 3, "groups": 1, "batch_mtp": True, "draft_tokens": 3},
-}
 
 
 @functools.cache
 def engine(stages: int, mode: str) -> Engine:
-    kw = dict(MODES[mode])
-    if mode == "pipelined" and stages == 1:
-        kw["groups"] = None  # groups need a split; one stage keeps one group
-    return Engine(make_plan(preset="tiny", stages=stages, context=96, prefill_chunk=CHUNK, **kw))
+    return Engine(mode_plan(mode, stages, preset="tiny", context=96, prefill_chunk=CHUNK))
 
 
 def run(eng: Engine, requests: list[Request]) -> list[tuple[list[int], str | None, str | None]]:

@@ -237,6 +237,7 @@ def _assemble(
             helper_devices=tuple(led["experts.helper_devices"]),
             remote_opt=bool(led["experts.remote_opt"]),
             peer_device=led["experts.peer_device"],
+            adapt=bool(led["experts.adapt"]),
         ),
         host=host,
         windows=windows,

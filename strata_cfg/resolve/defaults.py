@@ -102,6 +102,7 @@ def resolve_defaults(
     )
     led.take("experts.remote_opt", e.remote_opt if e else None, False)
     peer = led.take("experts.peer_device", e.peer_device if e else None, None)
+    led.take("experts.adapt", e.adapt if e else None, True)
 
     if p.serve is not None:
         sv = p.serve

@@ -270,6 +270,8 @@ class ExpertsPlan(_Plan):
     helper_devices: tuple[int, ...] = ()
     remote_opt: bool = False
     peer_device: int | None = None
+    adapt: bool = True
+    """Whether the expert cache follows the routing (``experts.adapt``)."""
 
 
 class HostTier(_Plan):

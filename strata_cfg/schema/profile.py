@@ -191,6 +191,9 @@ class ExpertsSection(Section):
     """Remote expert optimisation (``--remote-expert-opt``)."""
     peer_device: int | None = Field(default=None, ge=0)
     """A GPU holding a second adaptive expert cache over P2P (``--peer-device``)."""
+    adapt: bool | None = None
+    """Whether the expert cache follows the routing (default true): every few windows the most used experts
+    that hold no VRAM slot replace the least used ones that do. False freezes it at its first contents."""
 
 
 class ServeSection(Section):

@@ -107,5 +107,5 @@ def make_peer(name: str, plan: LaunchPlan, tokenizer: Tokenizer, weights: Weight
     else:
         assert plan.model.path is not None
         config = json.loads((Path(plan.model.path) / "config.json").read_text())
-    (tensors,) = list(weights.values())[:1]
+    tensors = next(iter(weights.stages.values())).tensors
     return TransformersPeer(config, tensors, tokenizer)

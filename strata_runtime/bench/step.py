@@ -27,6 +27,7 @@ from strata_cfg.schema.facts import ModelFacts
 from strata_cfg.schema.plan import LaunchPlan
 
 from ..backend import Device
+from ..cuda.experts import resident_experts
 from ..cuda.layers import LAYER_STEPS, LayerStack, LayerWeights, Step, WindowBuffers, step_applies
 from ..cuda.ops import Kernels
 from ..cuda.routing import DeviceRouting, RowBias
@@ -80,6 +81,8 @@ def random_layer(cp: Any, f: ModelFacts, j: int, router_bias: RowBias | None = N
     e, i = f.num_experts, f.moe_intermediate_size
     sparse = f.is_sparse(j)
     width = f.shared_expert_intermediate_size if sparse else f.intermediate_size
+    gate_up = _rnd(cp, (e, 2 * i, h)) if sparse else None  # [E, 2I, H]
+    down = _rnd(cp, (e, h, i)) if sparse else None  # [E, H, I]
     return LayerWeights(
         ln1=_rnd(cp, (h,), 1.0),  # [H]
         ln2=_rnd(cp, (h,), 1.0),  # [H]
@@ -88,12 +91,13 @@ def random_layer(cp: Any, f: ModelFacts, j: int, router_bias: RowBias | None = N
         q_norm=_rnd(cp, (d,), 1.0),  # [D]
         k_norm=_rnd(cp, (d,), 1.0),  # [D]
         router=_rnd(cp, (e, h)) if sparse else None,  # [E, H]
-        gate_up=_rnd(cp, (e, 2 * i, h)) if sparse else None,  # [E, 2I, H]
-        down=_rnd(cp, (e, h, i)) if sparse else None,  # [E, H, I]
+        gate_up=gate_up,
+        down=down,
         mlp_gate_up=_rnd(cp, (2 * width, h)) if width else None,  # [2W, H]
         mlp_down=_rnd(cp, (h, width)) if width else None,  # [H, W]
         shared_gate=_rnd(cp, (1, h)) if sparse and width else None,  # [1, H]
         router_bias=router_bias if sparse else None,
+        experts=resident_experts(gate_up, down, cp) if gate_up is not None and down is not None else None,
     )
 
 

@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"strata bench: arm {name}: {problem}", file=sys.stderr)
                 return EXIT_USAGE
     rates = measure_rates(args.workload, plans)
-    weights: WeightStore = {}
+    weights = WeightStore()
     engines = {name: Engine(plan, progress=stderr_progress, weights=weights) for name, plan in plans.items()}
     for name, engine in engines.items():
         print(f"[{name}] " + " | ".join(engine.startup), file=sys.stderr)

@@ -398,7 +398,12 @@ __global__ void __launch_bounds__(256) attn_combine(const float* __restrict__ pa
 }
 
 // ---- routed experts -----------------------------------------------------------------------------------
-// gate_up: [E, 2I, H] (gate rows, then up rows); down: [E, H, I]; logits: [R, E] router logits.
+// Each expert's weights are found through a table of device addresses: GUp[e] points at expert e's gate_up
+// [2I, H] (gate rows, then up rows), Dp[e] at its down [H, I]. An address may be a VRAM slot of the expert
+// cache or pinned, mapped host memory (read over the host link), so the cache can move an expert by
+// rewriting one table entry, with no recapture of the graphs that read it. logits: [R, E] router logits.
+// With counts non-null, the blocks of feature tile 0 also add each assignment to counts[sel] and, when
+// slot_of[sel] < 0 (the expert holds no VRAM slot), to misses[0]: the cache's view of the routing.
 // Routing is the fp32 softmax over E, top-k by rank (ties to the lower expert index), weights renormalised
 // over the k chosen when norm_topk is set. It is computed inside the expert kernel by every block for its
 // own row, which costs a few hundred cycles and saves a launch; the blocks of feature tile 0 write idx and
@@ -438,20 +443,34 @@ __device__ __forceinline__ void block_route(const float* __restrict__ l, int E, 
 
 // Block (feature tile, assignment a = r * topk + j) of 8 warps; warp w computes feature i = tile * 8 + w:
 // h[a, i] = silu(gate_i . x') * (up_i . x'), with x' = x[r] * nw * inv_rms(x[r]) the normalised row.
+__device__ __forceinline__ void note_route(int a, int sel, float weight, int* __restrict__ idx,
+                                           float* __restrict__ wts, const int* __restrict__ slot_of,
+                                           float* __restrict__ counts, float* __restrict__ misses) {
+  idx[a] = sel;
+  wts[a] = weight;
+  if (counts != nullptr) {
+    atomicAdd(counts + sel, 1.f);
+    if (slot_of[sel] < 0) atomicAdd(misses, 1.f);
+  }
+}
+
 template <int H, int I>
-__global__ void __launch_bounds__(256) moe_gate_up(const half* __restrict__ GU, const float* __restrict__ x,
-                                                    const half* __restrict__ nw, const float* __restrict__ logits,
-                                                    int E, int topk, int norm_topk, float eps, float* __restrict__ h,
-                                                    int* __restrict__ idx, float* __restrict__ wts) {
+__global__ void __launch_bounds__(256) moe_gate_up(const unsigned long long* __restrict__ GUp,
+                                                    const float* __restrict__ x, const half* __restrict__ nw,
+                                                    const float* __restrict__ logits, int E, int topk,
+                                                    int norm_topk, float eps, float* __restrict__ h,
+                                                    int* __restrict__ idx, float* __restrict__ wts,
+                                                    const int* __restrict__ slot_of, float* __restrict__ counts,
+                                                    float* __restrict__ misses) {
   __shared__ int sel;
   __shared__ float weight, inv[1];
   const int a = blockIdx.y, r = a / topk, lane = threadIdx.x & 31;
   block_route(logits + (size_t)r * E, E, topk, a % topk, norm_topk, &sel, &weight);
   block_inv_rms<1, H>(x + (size_t)r * H, eps, inv);
-  if (blockIdx.x == 0 && threadIdx.x == 0) { idx[a] = sel; wts[a] = weight; }
+  if (blockIdx.x == 0 && threadIdx.x == 0) note_route(a, sel, weight, idx, wts, slot_of, counts, misses);
   const int i = blockIdx.x * 8 + (threadIdx.x >> 5);
   if (i >= I) return;
-  const half* base = GU + (size_t)sel * 2 * I * H;
+  const half* base = reinterpret_cast<const half*>(GUp[sel]);
   const uint4* wg = reinterpret_cast<const uint4*>(base + (size_t)i * H);
   const uint4* wu = reinterpret_cast<const uint4*>(base + (size_t)(I + i) * H);
   constexpr int STEPS = H / 256;
@@ -484,9 +503,9 @@ __global__ void __launch_bounds__(256) moe_gate_up(const half* __restrict__ GU, 
 // resid[r, n] += sum_j wts[r, j] * (down[idx[r, j], n, :] . h[r * K + j, :]), j in a fixed order. One warp
 // per (r, n); the rows of all K experts are loaded before any is used, so they are in flight together.
 template <int H, int I, int K>
-__global__ void __launch_bounds__(256) moe_down(const half* __restrict__ Dw, const float* __restrict__ h,
-                                                 const int* __restrict__ idx, const float* __restrict__ wts, int R,
-                                                 float* __restrict__ resid) {
+__global__ void __launch_bounds__(256) moe_down(const unsigned long long* __restrict__ Dp,
+                                                 const float* __restrict__ h, const int* __restrict__ idx,
+                                                 const float* __restrict__ wts, int R, float* __restrict__ resid) {
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
   if (warp >= R * H) return;
   const int r = warp / H, n = warp % H;
@@ -494,7 +513,8 @@ __global__ void __launch_bounds__(256) moe_down(const half* __restrict__ Dw, con
   uint4 pk[K][STEPS];
 #pragma unroll
   for (int j = 0; j < K; ++j) {
-    const uint4* w = reinterpret_cast<const uint4*>(Dw + ((size_t)idx[r * K + j] * H + n) * I);
+    const uint4* w = reinterpret_cast<const uint4*>(reinterpret_cast<const half*>(Dp[idx[r * K + j]]) +
+                                                    (size_t)n * I);
 #pragma unroll
     for (int s = 0; s < STEPS; ++s) pk[j][s] = __ldg(w + s * 32 + lane);
   }
@@ -518,11 +538,13 @@ __global__ void __launch_bounds__(256) moe_down(const half* __restrict__ Dw, con
 }
 
 // Any H, I (small models): same contracts, scalar loads.
-__global__ void __launch_bounds__(256) moe_gate_up_any(const half* __restrict__ GU, const float* __restrict__ x,
-                                                        const half* __restrict__ nw, const float* __restrict__ logits,
-                                                        int E, int topk, int norm_topk, float eps, int H, int I,
+__global__ void __launch_bounds__(256) moe_gate_up_any(const unsigned long long* __restrict__ GUp,
+                                                        const float* __restrict__ x, const half* __restrict__ nw,
+                                                        const float* __restrict__ logits, int E, int topk,
+                                                        int norm_topk, float eps, int H, int I,
                                                         float* __restrict__ h, int* __restrict__ idx,
-                                                        float* __restrict__ wts) {
+                                                        float* __restrict__ wts, const int* __restrict__ slot_of,
+                                                        float* __restrict__ counts, float* __restrict__ misses) {
   __shared__ int sel;
   __shared__ float weight, part[8];
   const int a = blockIdx.y, r = a / topk, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -536,10 +558,10 @@ __global__ void __launch_bounds__(256) moe_gate_up_any(const half* __restrict__ 
   float tot = 0.f;
   for (int w = 0; w < 8; ++w) tot += part[w];
   const float inv = rsqrtf(tot / H + eps);
-  if (blockIdx.x == 0 && threadIdx.x == 0) { idx[a] = sel; wts[a] = weight; }
+  if (blockIdx.x == 0 && threadIdx.x == 0) note_route(a, sel, weight, idx, wts, slot_of, counts, misses);
   const int i = blockIdx.x * 8 + warp;
   if (i >= I) return;
-  const half* base = GU + (size_t)sel * 2 * I * H;
+  const half* base = reinterpret_cast<const half*>(GUp[sel]);
   float g = 0.f, u = 0.f;
   for (int k = lane; k < H; k += 32) {
     const float xn = xr[k] * __half2float(nw[k]);
@@ -551,16 +573,16 @@ __global__ void __launch_bounds__(256) moe_gate_up_any(const half* __restrict__ 
   if (lane == 0) h[(size_t)a * I + i] = g / (1.f + __expf(-g)) * u;
 }
 
-__global__ void moe_down_any(const half* __restrict__ Dw, const float* __restrict__ h, const int* __restrict__ idx,
-                             const float* __restrict__ wts, int R, int topk, int H, int I,
-                             float* __restrict__ resid) {
+__global__ void moe_down_any(const unsigned long long* __restrict__ Dp, const float* __restrict__ h,
+                             const int* __restrict__ idx, const float* __restrict__ wts, int R, int topk, int H,
+                             int I, float* __restrict__ resid) {
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
   if (warp >= R * H) return;
   const int r = warp / H, n = warp % H;
   float total = 0.f;
   for (int j = 0; j < topk; ++j) {
     const int a = r * topk + j;
-    const half* w = Dw + ((size_t)idx[a] * H + n) * I;
+    const half* w = reinterpret_cast<const half*>(Dp[idx[a]]) + (size_t)n * I;
     float acc = 0.f;
     for (int k = lane; k < I; k += 32) acc += __half2float(w[k]) * h[(size_t)a * I + k];
     total += wts[a] * warp_sum(acc);

@@ -25,6 +25,7 @@ import numpy as np
 from ..backend import Array, cupy_module
 from ..layout import Layout
 from ..models.qwen3_moe import MLP, DecoderLayer, ModelArgs, SparseMoeBlock
+from .experts import ExpertSlice, LayerExperts, resident_experts
 from .ops import Kernels, attention_scratch_size, kernels_for
 from .routing import DeviceRouting, RowBias
 
@@ -56,12 +57,14 @@ class LayerWeights:
     q_norm: Array  # [D]
     k_norm: Array  # [D]
     router: Array | None  # [E, H]
-    gate_up: Array | None  # [E, 2I, H]
-    down: Array | None  # [E, H, I]
+    gate_up: Array | None  # [E, 2I, H] on the device; None when the experts are held by an expert cache
+    down: Array | None  # [E, H, I] likewise
     mlp_gate_up: Array | None  # [2I', H]: the dense MLP, or the shared expert
     mlp_down: Array | None  # [H, I']
     shared_gate: Array | None  # [1, H]
     router_bias: RowBias | None = None
+    experts: LayerExperts | None = None
+    """Where the expert kernels find each routed expert (sparse layers; set by `LayerStack.of`)."""
 
     @classmethod
     def of(cls, layer: DecoderLayer, xp: Any, router_bias: RowBias | None = None) -> LayerWeights:
@@ -176,7 +179,7 @@ def _mlp(k: Kernels, a: ModelArgs, lay: LayerWeights, b: WindowBuffers, kc: Arra
 
 
 def _router(k: Kernels, a: ModelArgs, lay: LayerWeights, b: WindowBuffers, kc: Array, vc: Array) -> None:
-    if lay.gate_up is not None:
+    if lay.router is not None:
         k.gemv(lay.router, b.resid, b.router, norm=lay.ln2, eps=a.rms_norm_eps)
 
 
@@ -187,20 +190,10 @@ def _route_bias(k: Kernels, a: ModelArgs, lay: LayerWeights, b: WindowBuffers, k
 
 
 def _moe(k: Kernels, a: ModelArgs, lay: LayerWeights, b: WindowBuffers, kc: Array, vc: Array) -> None:
-    if lay.gate_up is None:
+    if lay.experts is None:
         return
     k.moe(
-        b.resid,
-        lay.ln2,
-        b.router,
-        a.norm_topk_prob,
-        a.rms_norm_eps,
-        lay.gate_up,
-        lay.down,
-        b.resid,
-        b.idx,
-        b.wts,
-        b.h,
+        b.resid, lay.ln2, b.router, a.norm_topk_prob, a.rms_norm_eps, lay.experts, b.resid, b.idx, b.wts, b.h
     )
 
 
@@ -231,7 +224,7 @@ def step_applies(name: str, lay: LayerWeights) -> bool:
     if name in ("mlp", "mlp_add"):
         return lay.mlp_gate_up is not None
     if name in ("router+norm", "moe"):
-        return lay.gate_up is not None
+        return lay.router is not None
     if name == "route_bias":
         return lay.router_bias is not None
     return True
@@ -268,10 +261,15 @@ class LayerStack:
         v_cache: Array,
         routing: DeviceRouting | None = None,
         first_layer: int = 0,
+        experts: ExpertSlice | None = None,
     ) -> LayerStack:
         """The stack of ``layers`` (CuPy arrays on GPU ``device_id``), fusing their weights there. With
         ``routing`` (calibrated routing), each MoE layer gets its bias step; ``layers[j]`` is model layer
-        ``first_layer + j``."""
+        ``first_layer + j``.
+
+        ``experts``: where the layers' routed experts are (one entry per sparse layer, in order), from the
+        stage's `CudaExperts`; without it each sparse layer's stacked experts are read where they are.
+        """
         cp = cupy_module()
         with cp.cuda.Device(device_id):
             kern = kernels_for(device_id)
@@ -279,6 +277,18 @@ class LayerStack:
                 LayerWeights.of(layer, cp, routing.layer(first_layer + j) if routing is not None else None)
                 for j, layer in enumerate(layers)
             ]
+            sparse = [lay for lay in weights if lay.router is not None]
+            if experts is not None:
+                if len(experts.layers) != len(sparse):
+                    raise ValueError(f"{len(experts.layers)} expert tables for {len(sparse)} sparse layers")
+                for lay, table in zip(sparse, experts.layers, strict=True):
+                    lay.experts = table
+                    if experts.store.cached:
+                        lay.gate_up = lay.down = None  # held by the cache: read only through its tables
+            else:
+                for lay in sparse:
+                    assert lay.gate_up is not None and lay.down is not None
+                    lay.experts = resident_experts(lay.gate_up, lay.down, cp)
         return cls(device_id, args, weights, k_cache, v_cache, kern)
 
     @property

@@ -15,6 +15,7 @@ from ..layout import Layout
 from ..models.qwen3_moe import DecoderLayer, ModelArgs
 from .blas import matmul_nt
 from .decode import CudaLayers
+from .experts import ExpertSlice
 from .head import CudaHead
 from .layers import LayerStack, WindowBuffers
 from .prefill import CudaPrefill
@@ -40,8 +41,15 @@ class CudaMtp:
     """
 
     def __init__(
-        self, device_id: int, head: MtpWeights, args: ModelArgs, k_cache: cp.ndarray, v_cache: cp.ndarray
+        self,
+        device_id: int,
+        head: MtpWeights,
+        args: ModelArgs,
+        k_cache: cp.ndarray,
+        v_cache: cp.ndarray,
+        experts: ExpertSlice | None = None,
     ) -> None:
+        """``experts``: the head's routed experts in the last stage's expert cache, when it holds them."""
         self.device_id, self.args = device_id, args
         with cp.cuda.Device(device_id):
             h = args.hidden_size
@@ -52,11 +60,11 @@ class CudaMtp:
                 head.pre_fc_norm_hidden,
                 head.norm,
             )
-            self.stack = LayerStack.of(device_id, [head.layer], args, k_cache, v_cache)
+            self.stack = LayerStack.of(device_id, [head.layer], args, k_cache, v_cache, experts=experts)
             self.layers = CudaLayers(self.stack)
         self.kern = self.stack.kern
         self.head = CudaHead(device_id, head.norm, head.lm_head, args.rms_norm_eps)
-        self._prefill = CudaPrefill(self.stack)
+        self._prefill = CudaPrefill(self.stack, experts=experts)
 
     def logits(self, out: Any) -> cp.ndarray:
         """Draft logits [R, V] in fp32 from the head's output rows."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from functools import cache
+from typing import Any
 
 import numpy as np
 
@@ -215,8 +216,7 @@ class Kernels(KernelCache):
         logits: Array,
         norm_topk: bool,
         eps: float,
-        gate_up: Array,
-        down: Array,
+        experts: Any,
         resid: Array,
         idx: Array,
         wts: Array,
@@ -225,23 +225,31 @@ class Kernels(KernelCache):
         """Route and run the experts: resid[R, H] += sum_j wts[r, j] * expert_{idx[r, j]}(x'[r]).
 
         x': x normalised by ``norm`` ([H] fp16); logits: [R, E] router logits (softmax in fp32, top-k, ties
-        to the lower index, renormalised over the k when ``norm_topk``); gate_up: [E, 2I, H] fp16;
-        down: [E, H, I] fp16. idx [R, k] int32 and wts [R, k] fp32 receive the routing;
-        h_buf: [R * k, I] fp32 scratch.
+        to the lower index, renormalised over the k when ``norm_topk``). ``experts`` (a
+        `strata_runtime.cuda.experts.LayerExperts`): ``gate_up`` and ``down`` [E] uint64, the addresses of
+        each expert's gate/up [2I, H] and down [H, I] fp16 (in VRAM or in mapped host memory); with
+        ``counts`` [E] fp32 set, each assignment is added to ``counts`` and, when ``slot_of`` [E] int32 is
+        negative for its expert, to ``misses`` [1] fp32. idx [R, k] int32 and wts [R, k] fp32 receive the
+        routing; h_buf: [R * k, I] fp32 scratch.
         """
         rows, h = x.shape
         topk = idx.shape[1]
-        n_exp, inter = gate_up.shape[0], down.shape[2]
+        n_exp, inter = logits.shape[1], h_buf.shape[1]
         if n_exp > 256:
             raise ValueError(f"the expert kernels route at most 256 experts, not {n_exp}")
+        counting = experts.counts is not None
+        tally = (experts.slot_of, experts.counts, experts.misses) if counting else (_NULL, _NULL, _NULL)
         a = rows * topk
         gu_expr, down_expr = self.moe_exprs(h, inter, topk)
         tiles = (math.ceil(inter / WARPS_PER_BLOCK), a)
         blocks_d = (math.ceil(rows * h / WARPS_PER_BLOCK),)
         common = (logits, np.int32(n_exp), np.int32(topk), np.int32(norm_topk), np.float32(eps))
+        gu, down = experts.gate_up, experts.down
         if gu_expr == "moe_gate_up_any":
             self.fn(gu_expr)(
-                tiles, (THREADS,), (gate_up, x, norm, *common, np.int32(h), np.int32(inter), h_buf, idx, wts)
+                tiles,
+                (THREADS,),
+                (gu, x, norm, *common, np.int32(h), np.int32(inter), h_buf, idx, wts, *tally),
             )
             self.fn(down_expr)(
                 blocks_d,
@@ -249,7 +257,7 @@ class Kernels(KernelCache):
                 (down, h_buf, idx, wts, np.int32(rows), np.int32(topk), np.int32(h), np.int32(inter), resid),
             )
         else:
-            self.fn(gu_expr)(tiles, (THREADS,), (gate_up, x, norm, *common, h_buf, idx, wts))
+            self.fn(gu_expr)(tiles, (THREADS,), (gu, x, norm, *common, h_buf, idx, wts, *tally))
             self.fn(down_expr)(blocks_d, (THREADS,), (down, h_buf, idx, wts, np.int32(rows), resid))
 
     def silu_mul(self, gu: Array, out: Array) -> None:

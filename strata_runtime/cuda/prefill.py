@@ -24,13 +24,18 @@ import math
 from typing import Any
 
 import cupy as cp
+import numpy as np
 
 from ..layout import Layout
 from ..reference.flash import HEAD_DIMS
 from .blas import matmul_nn, matmul_nt
+from .experts import ExpertSlice
 from .flash import flash_kernels_for, flash_prefill, kernel_expr
 from .layers import LayerStack, LayerWeights
 from .ops import padded_keys
+
+Rows = tuple[cp.ndarray, cp.ndarray]
+"""A chunk's rows as the routing bias reads them: each row's position and slot [n] int32."""
 
 ATTN_TILE_BYTES = 1 << 30
 """Scores (fp32) plus probabilities (fp16) of one attention tile stay under this; long prefixes are read
@@ -45,10 +50,17 @@ def attention_tile_rows(n_heads: int, keys: int) -> int:
 class CudaPrefill:
     """Long prefill chunks through the layers (and KV) of a `LayerStack`."""
 
-    def __init__(self, stack: LayerStack, flash: bool = True) -> None:
+    def __init__(self, stack: LayerStack, flash: bool = True, experts: ExpertSlice | None = None) -> None:
         """``flash``: attention through the fused kernel of `strata_runtime.cuda.flash` where it has the head
-        dim; otherwise (or with False) through cuBLAS products over materialised scores."""
+        dim; otherwise (or with False) through cuBLAS products over materialised scores. ``experts``: the
+        stage's expert cache, when its experts do not all fit (then each routed expert is one product, read
+        from its slot or copied from host memory into a staging buffer first)."""
         self.stack, self.args, self.kern = stack, stack.args, stack.kern
+        self.experts = experts if experts is not None and experts.store.cached else None
+        self._sparse_index = {
+            j: n for n, j in enumerate(j for j, lay in enumerate(stack.layers) if lay.router is not None)
+        }
+        self._staging: tuple[cp.ndarray, cp.ndarray] | None = None
         self.device_id = stack.device_id
         self.flash = flash and self.args.head_dim in HEAD_DIMS
         if self.flash:
@@ -85,9 +97,16 @@ class CudaPrefill:
         """Every layer on ``resid`` [n, H] fp32, in place."""
         pos = cp.asarray(layout.positions(), dtype=cp.int32)  # [n]
         slot = cp.asarray(layout.row_slots(), dtype=cp.int32)  # [n]
+        rows = (pos, slot)
+        routed = None
+        if self.experts is not None:
+            routed = np.zeros((len(self.experts.store), self.args.num_experts), np.float64)
+        misses = 0
         for j, lay in enumerate(self.stack.layers):
             self._attention(j, lay, resid, layout, pos, slot)
-            self._mlp(j, lay, resid, pos, slot)
+            misses += self._mlp(j, lay, resid, rows, routed)
+        if self.experts is not None and routed is not None:
+            self.experts.owner.observe_now(routed, misses)  # the chunk's routing teaches the cache
 
     # ---- attention -------------------------------------------------------------------------------
 
@@ -145,7 +164,11 @@ class CudaPrefill:
 
     # ---- MLP: routed experts, shared expert, dense MLP ------------------------------------------
 
-    def _mlp(self, j: int, lay: LayerWeights, resid: cp.ndarray, pos: cp.ndarray, slot: cp.ndarray) -> None:
+    def _mlp(
+        self, j: int, lay: LayerWeights, resid: cp.ndarray, rows: Rows, routed: np.ndarray | None
+    ) -> int:
+        """The layer's MLP on ``resid`` in place; under an expert cache, the chunk's routing of this layer
+        goes into ``routed`` [L, E] and the number of assignments read from host memory is returned."""
         a, kern = self.args, self.kern
         n_rows, h = resid.shape
         x = cp.empty((n_rows, h), cp.float16)
@@ -160,22 +183,30 @@ class CudaPrefill:
             dense = matmul_nt(hid, lay.mlp_down, cp.empty((n_rows, h), cp.float32))  # [n, H]
             if lay.shared_gate is not None:
                 gate = matmul_nt(x, lay.shared_gate, cp.empty((n_rows, 1), cp.float32)).reshape(n_rows)
-        if lay.gate_up is not None:
-            self._experts(j, lay, x, resid, pos, slot)
+        misses = 0
+        if lay.router is not None:
+            if lay.gate_up is not None:
+                self._experts(j, lay, x, resid, rows)
+            else:
+                assert routed is not None
+                misses = self._cached_experts(j, lay, x, resid, rows, routed[self._store_layer(j)])
         if dense is not None:
             kern.add_scaled(resid, dense, gate)
+        return misses
 
-    def _experts(
-        self, j: int, lay: LayerWeights, x: cp.ndarray, resid: cp.ndarray, pos: cp.ndarray, slot: cp.ndarray
-    ) -> None:
+    def _route(
+        self, j: int, lay: LayerWeights, x: cp.ndarray, resid: cp.ndarray, rows: Rows
+    ) -> tuple[cp.ndarray, ...]:
+        """Route the chunk's rows: idx and wts [n, k], each assignment's rank in its expert's group, and the
+        size of the largest group (on the device). ``rows``: each row's position and slot."""
+        pos, slot = rows
         a, kern = self.args, self.kern
         n_rows, h = x.shape
         n_exp, topk = a.num_experts, a.num_experts_per_tok
-        assert lay.gate_up is not None and lay.down is not None
         xf = cp.empty((n_rows, h), cp.float32)
         kern.add_rms_norm_fp32(resid, None, lay.ln2, xf, a.rms_norm_eps)
         router = self.router32[j]
-        assert router is not None
+        assert router is not None  # only sparse layers route
         logits = xf @ router.T  # [n, E] fp32
         if lay.router_bias is not None:  # calibrated synthetic routing: the rows' intended experts
             lay.router_bias(logits, pos, slot)
@@ -185,6 +216,14 @@ class CudaPrefill:
         rank = cp.empty((n_rows, topk), cp.int32)
         most = cp.empty(1, cp.int32)
         kern.moe_group(idx, n_exp, rank, most)
+        return idx, wts, rank, most
+
+    def _experts(self, j: int, lay: LayerWeights, x: cp.ndarray, resid: cp.ndarray, rows: Rows) -> None:
+        """Every expert in two batched products over [E, C, H] groups (all experts resident)."""
+        kern = self.kern
+        n_exp, h = self.args.num_experts, x.shape[1]
+        assert lay.gate_up is not None and lay.down is not None
+        idx, wts, rank, most = self._route(j, lay, x, resid, rows)
         c = int(most.get()[0])  # the one host read of the layer: the group size
         xs = cp.empty((n_exp, c, h), cp.float16)  # [E, C, H]; unused rows are never read back
         kern.moe_scatter_rows(x, idx, rank, xs)
@@ -194,3 +233,51 @@ class CudaPrefill:
         kern.silu_mul_half(gu.reshape(n_exp * c, 2 * inter), hid.reshape(n_exp * c, inter))
         ys = matmul_nt(hid, lay.down, cp.empty((n_exp, c, h), cp.float16))  # [E, C, H]
         kern.moe_gather_add(ys, idx, rank, wts, resid)
+
+    def _cached_experts(
+        self, j: int, lay: LayerWeights, x: cp.ndarray, resid: cp.ndarray, rows: Rows, routed: np.ndarray
+    ) -> int:
+        """The routed experts under an expert cache: one product per expert a row routes to, reading it
+        from its VRAM slot, or copying it from host memory into a staging buffer first (on the same stream,
+        so the copy lands before its product and after the previous product read the buffer). Adds the
+        layer's assignments per expert to ``routed`` [E] and returns how many were read from host memory."""
+        assert self.experts is not None
+        kern, store = self.kern, self.experts.store
+        n_exp, h = self.args.num_experts, x.shape[1]
+        js = self._store_layer(j)
+        idx, wts, rank, most = self._route(j, lay, x, resid, rows)
+        sizes = cp.bincount(idx.reshape(-1), minlength=n_exp).get()  # [E]: the layer's one host read
+        c = int(sizes.max())
+        xs = cp.empty((n_exp, c, h), cp.float16)  # [E, C, H]; unused rows are never read back
+        kern.moe_scatter_rows(x, idx, rank, xs)
+        ys = cp.empty((n_exp, c, h), cp.float16)  # [E, C, H]
+        inter = self.args.moe_intermediate_size
+        misses = 0
+        for e in np.flatnonzero(sizes).tolist():
+            n = int(sizes[e])
+            if store.resident(js, e):
+                gate_up, down = store.weights(js, e)
+            else:
+                gate_up, down = self._stage(*store.host_weights(js, e))
+                misses += n
+            gu = matmul_nt(xs[e, :n], gate_up, cp.empty((n, 2 * inter), cp.float16))  # [n, 2I]
+            hid = cp.empty((n, inter), cp.float16)
+            kern.silu_mul_half(gu, hid)
+            matmul_nt(hid, down, ys[e, :n])  # [n, H]
+        kern.moe_gather_add(ys, idx, rank, wts, resid)
+        routed += sizes
+        return misses
+
+    def _store_layer(self, j: int) -> int:
+        """The expert store's index of this stack's layer ``j`` (a sparse layer)."""
+        assert self.experts is not None
+        return self.experts.first + self._sparse_index[j]
+
+    def _stage(self, gate_up: np.ndarray, down: np.ndarray) -> tuple[cp.ndarray, cp.ndarray]:
+        """Copy one expert's host weights into the staging buffers (allocated once, one expert's size)."""
+        if self._staging is None:
+            self._staging = (cp.empty(gate_up.shape, cp.float16), cp.empty(down.shape, cp.float16))
+        stream = cp.cuda.get_current_stream()
+        self._staging[0].set(gate_up, stream=stream)
+        self._staging[1].set(down, stream=stream)
+        return self._staging

@@ -24,10 +24,6 @@ def refusals(plan: LaunchPlan) -> list[str]:
         out.append("experts.remote_opt = true: remote expert optimisation is not implemented")
     if ex.peer_device is not None:
         out.append(f"experts.peer_device = {ex.peer_device}: a peer-device expert cache is not implemented")
-    if ex.cache is not None:
-        out.append(
-            f"experts.cache = {ex.cache}: an expert cache smaller than a stage's experts is not implemented"
-        )
     for s in plan.stages:
         if s.host != "local":
             out.append(f"stage {s.index} is on host {s.host!r}: only local stages are implemented")

@@ -118,6 +118,7 @@ class Engine:
             "acceptance": self.acceptance,
             "recent_windows": self.window_stats.last(32),
             "drafters": self.drafter_info(),
+            "experts": [stage.experts.describe() for stage in self.model.stages],
         }
 
     # ---- reporting -----------------------------------------------------------------------------------
@@ -175,6 +176,15 @@ class Engine:
             if stage.device.is_cuda:
                 path = "CUDA graphs" if stage.cuda is not None else f"array path ({stage.cuda_refused})"
                 lines.append(f"decode windows on {stage.device}: {path}")
+            store = stage.experts
+            if store.cached:
+                total = len(store) * store.n_experts
+                lines.append(
+                    f"expert cache on {stage.device}: {store.slots} of {total} routed experts in VRAM "
+                    f"({store.vram_bytes / MIB:.1f} MiB), all {total} in host memory "
+                    f"({store.host_bytes / MIB:.1f} MiB{', pinned' if stage.device.is_cuda else ''}); "
+                    f"{'adapting to the routing' if store.residency.policy.adapt else 'frozen'}"
+                )
         return lines
 
     def _slot_state(self, i: int, s: Slot | None) -> dict[str, Any]:

@@ -21,6 +21,7 @@ import numpy as np
 
 from ..backend import Device
 from .cache import CacheStats, Policy, Residency, Swap
+from .host import device_view
 
 Array = Any
 """A NumPy or CuPy array (the device's array module decides)."""
@@ -51,6 +52,8 @@ class ExpertStore:
         self.cached = slots is not None and slots < n_layers * n_exp
         capacity = n_layers * n_exp if not self.cached else int(slots or 0)
         self.residency = Residency(n_layers, n_exp, capacity, self.expert_bytes, policy or Policy())
+        self._window = np.zeros((n_layers, n_exp), np.float64)
+        """Assignments per expert counted by the array path in the current window."""
         if not self.cached:
             self.host_gate_up: Sequence[Array] = ()
             self.host_down: Sequence[Array] = ()
@@ -85,28 +88,47 @@ class ExpertStore:
         return not self.cached or self.residency.resident(j, e)
 
     def weights(self, j: int, e: int) -> tuple[Array, Array]:
-        """Expert ``e`` of sparse layer ``j``: gate/up [2I, H] and down [H, I], wherever they are now."""
+        """Expert ``e`` of sparse layer ``j``: gate/up [2I, H] and down [H, I], wherever they are now (a
+        host-tier expert on a GPU comes as a device view of its mapped host memory)."""
         if not self.cached:
             return self.layer_gate_up[j][e], self.layer_down[j][e]
         slot = int(self.residency.slot_of[j, e])
         if slot >= 0:
             assert self.pool_gate_up is not None and self.pool_down is not None
             return self.pool_gate_up[slot], self.pool_down[slot]
-        return self.host_weights(j, e)
+        gate_up, down = self.host_weights(j, e)
+        if self.device.is_cuda:
+            return device_view(gate_up, self.device.index), device_view(down, self.device.index)
+        return gate_up, down
 
     def host_weights(self, j: int, e: int) -> tuple[Array, Array]:
-        """The host tier's copy, as an array the device can read (a NumPy array on a CPU device)."""
+        """The host tier's copy (host arrays; pinned and mapped on a GPU machine)."""
         return self.host_gate_up[j][e], self.host_down[j][e]
+
+    # ---- the array path's window ---------------------------------------------------------------------
+
+    def count(self, j: int, experts: np.ndarray, assignments: np.ndarray) -> None:
+        """Record a layer's routing in the current window (the array path reads `weights` meanwhile)."""
+        self._window[j, experts] += assignments
+
+    def end_window(self) -> list[Swap]:
+        """Close the array path's window: account its routing and keep the cache in step."""
+        counts, self._window = self._window, np.zeros_like(self._window)
+        if not counts.any():
+            return []
+        return self.observe(counts)
 
     # ---- after a window ----------------------------------------------------------------------------
 
-    def observe(self, counts: np.ndarray, windows: int = 1, misses: int | None = None) -> list[Swap]:
-        """Account a window's routing counts [L, E]; when a rebalance is due, decide it and load the new
-        experts into their slots. Returns the swaps made."""
+    def decide(self, counts: np.ndarray, windows: int = 1, misses: int | None = None) -> list[Swap]:
+        """Account a window's routing counts [L, E]; when a rebalance is due, decide it (the slot table
+        changes now; the caller moves the weights). Returns the swaps decided."""
         self.residency.observe(counts, windows, misses)
-        if not self.residency.due():
-            return []
-        swaps = self.residency.rebalance()
+        return self.residency.rebalance() if self.residency.due() else []
+
+    def observe(self, counts: np.ndarray, windows: int = 1, misses: int | None = None) -> list[Swap]:
+        """`decide`, then load the new experts into their slots at once (the array path's upkeep)."""
+        swaps = self.decide(counts, windows, misses)
         for s in swaps:
             self._load(s.slot, *s.loaded)
         return swaps

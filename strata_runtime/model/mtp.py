@@ -25,9 +25,9 @@ from strata_cfg.schema.windows import MAX_WINDOW_ROWS
 from ..backend import Array, Device
 from ..layout import Layout, Segment
 from ..models.ops.norm import rms_norm_in_dtype
-from ..models.qwen3_moe import DecoderLayer, ModelArgs, linear
+from ..models.qwen3_moe import DecoderLayer, ModelArgs, SparseMoeBlock, linear
 from .kvcache import KVCache
-from .stage import Rope
+from .stage import Rope, Stage
 
 if TYPE_CHECKING:
     from ..cuda.mtp import CudaMtp
@@ -105,6 +105,18 @@ class MtpHead:
         self.embed = embed  # token ids -> embedding rows [R, H] on this device
         self.weight_bytes = sum(int(t.nbytes) for n, t in tensors.items() if n.startswith("mtp."))
         self.cuda: CudaMtp | None = None  # once `use_cuda` hands it the drafters' shared KV
+        self.stage: Stage | None = None
+        """The last stage, when its expert cache holds this head's routed experts too."""
+
+    def share_experts(self, stage: Stage) -> None:
+        """Read the routed experts through ``stage``'s expert cache when it holds them (the last stage's
+        store ends with this head's layer)."""
+        mlp = self.layer.mlp
+        if not stage.experts.cached or not isinstance(mlp, SparseMoeBlock):
+            return
+        self.stage = stage
+        mlp.experts.read_from(stage.experts, stage.n_sparse)
+        self.weight_bytes -= int(mlp.experts.gate_up_proj.nbytes + mlp.experts.down_proj.nbytes)
 
     def use_cuda(self, k_cache: Array, v_cache: Array) -> str | None:
         """Run draft windows of at most 8 rows as CUDA graphs over the drafters' shared KV [1, S, K, T, D].
@@ -114,7 +126,10 @@ class MtpHead:
 
         why = layers.supported(self.args, self.fc.dtype, k_cache.dtype)
         if why is None:
-            self.cuda = CudaMtp(self.device.index, self, self.args, k_cache, v_cache)
+            experts = None
+            if self.stage is not None and self.stage.cuda_experts is not None:
+                experts = self.stage.cuda_experts.view(self.stage.n_sparse, 1)
+            self.cuda = CudaMtp(self.device.index, self, self.args, k_cache, v_cache, experts)
         return why
 
     def __call__(

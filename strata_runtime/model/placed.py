@@ -7,6 +7,7 @@ pipelined schedule calls `Stage.forward` itself instead.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -16,6 +17,7 @@ from strata_cfg.schema.plan import LaunchPlan
 
 from ..api import PlanMismatch, Tokenizer
 from ..backend import DTYPES, Array, Device, enable_peer_access, transfer
+from ..experts.cache import Policy
 from ..experts.routing import RoutingModel, RoutingTables
 from ..layout import Layout
 from ..models.qwen3_moe import ModelArgs, stage_shapes
@@ -24,12 +26,35 @@ from ..weights.progress import Progress
 from ..weights.synthetic import SyntheticModel
 from ..weights.tokenizer import ByteTokenizer, tokenizer_for
 from .mtp import Drafter, MtpHead
-from .stage import Stage
+from .stage import Stage, StageWeights
 
-WeightStore = dict[tuple[Any, ...], dict[str, Array]]
-"""Each stage's tensors by what determines them (model, device, layers, dtype, shapes), so that models of one
-profile with the same stage layout (benchmark arms) hold one copy of the weights. The key leaves out the
-model's routing, which changes which experts run, never the weights."""
+
+@dataclass
+class WeightStore:
+    """Weights shared by the models of one profile with the same stage layout (benchmark arms): each stage's
+    tensors and expert cache by what determines them (model, device, layers, dtype, shapes, which experts
+    live in host memory), so the arms hold one copy of the weights and one cache per stage. The key leaves
+    out the model's routing, which changes which experts run, never the weights.
+
+    ``limits`` is the device memory all those models may hold on each GPU: the first model gets the plan's
+    budget less its reserve, and each further model the KV, drafters and workspace it adds.
+    """
+
+    stages: dict[tuple[Any, ...], StageWeights] = field(default_factory=dict)
+    limits: dict[str, int] = field(default_factory=dict)
+
+    def limit(self, plan: LaunchPlan, device: Device) -> int | None:
+        """The cap on ``device`` once a model of ``plan`` is built on these weights too."""
+        gpu = next((g for g in plan.gpus if g.device == str(device)), None)
+        if gpu is None:
+            return None
+        b = gpu.budget
+        name = str(device)
+        if name in self.limits:
+            self.limits[name] += b.kv + b.drafters + b.workspace
+        else:
+            self.limits[name] = b.total - b.reserve
+        return self.limits[name]
 
 
 def compute_dtypes(plan: LaunchPlan, device: Device) -> tuple[DTypeLike, DTypeLike]:
@@ -49,7 +74,7 @@ def compute_dtypes(plan: LaunchPlan, device: Device) -> tuple[DTypeLike, DTypeLi
 
 def _check_facts(plan: LaunchPlan, args: ModelArgs) -> None:
     facts = plan.model.facts
-    for field in (
+    for name in (
         "vocab_size",
         "hidden_size",
         "num_hidden_layers",
@@ -59,10 +84,10 @@ def _check_facts(plan: LaunchPlan, args: ModelArgs) -> None:
         "num_experts",
         "num_experts_per_tok",
     ):
-        planned, actual = getattr(facts, field), getattr(args, field)
+        planned, actual = getattr(facts, name), getattr(args, name)
         if planned != actual:
             raise PlanMismatch(
-                f"the plan was resolved for {field} = {planned}, but the model has {actual}; resolve again"
+                f"the plan was resolved for {name} = {planned}, but the model has {actual}; resolve again"
             )
 
 
@@ -80,6 +105,43 @@ def routing_tables(plan: LaunchPlan, args: ModelArgs, slots: int) -> RoutingTabl
         )
     model = RoutingModel(args.num_hidden_layers, args.num_experts, args.num_experts_per_tok, plan.model.seed)
     return RoutingTables(model, slots)
+
+
+def routed_expert_names(args: ModelArgs, layers: tuple[int, int], mtp: bool) -> list[str]:
+    """The stacked routed-expert tensors of main-model layers [a, b), and of the MTP head's layer."""
+    prefixes = [f"model.layers.{i}." for i in range(*layers) if args.is_sparse(i)]
+    if mtp and args.num_experts:
+        prefixes.append("mtp.layers.0.")
+    return [f"{p}mlp.experts.{part}" for p in prefixes for part in ("gate_up_proj", "down_proj")]
+
+
+def expert_slots(plan: LaunchPlan) -> list[int | None]:
+    """Each stage's VRAM expert slots when its GPU cannot hold all its routed experts (None: all fit).
+
+    The plan counts a GPU's routed experts over its stages' layers and, on the last stage, the MTP head's
+    layer: they all share the stage's cache. Stages on one GPU (a test split) share its slots in
+    proportion to their experts.
+    """
+    out: list[int | None] = []
+    for sp in plan.stages:
+        gpu = next(g for g in plan.gpus if g.index == sp.gpu)
+        if gpu.experts_resident >= gpu.experts_total:
+            out.append(None)
+            continue
+        on_gpu = [s for s in plan.stages if s.gpu == sp.gpu]
+        share = (sp.layers[1] - sp.layers[0]) / sum(s.layers[1] - s.layers[0] for s in on_gpu)
+        out.append(int(gpu.experts_resident * share))
+    return out
+
+
+def out_of_memory(plan: LaunchPlan, stage: int, device: Device, exc: BaseException) -> str:
+    """Why stage ``stage`` did not fit ``device``: the plan's budget for it, and what to change."""
+    gpu = next((g for g in plan.gpus if g.device == str(device)), None)
+    budget = "" if gpu is None else f" (its plan: {gpu.budget.mib()} MiB)"
+    return (
+        f"stage {stage} does not fit {device} within the plan's budget{budget}: {exc}. Raise "
+        "memory.vram_reserve_mib if the card holds other work, or lower experts.cache or memory.context"
+    )
 
 
 class Model:
@@ -130,12 +192,18 @@ class Model:
             raise PlanMismatch("the plan drafts with MTP, but the model has no MTP weights")
         slots, context = max(plan.batch.slots, 1), plan.memory.context
         routing = routing_tables(plan, args, slots)
+        cache_slots = expert_slots(plan)
+        store = weights if weights is not None else WeightStore()
+        for d in dict.fromkeys(devices):
+            d.limit_memory(store.limit(plan, d))
         stages: list[Stage] = []
         tensors: dict[str, Array] = {}
         for sp, device in zip(plan.stages, devices, strict=True):
             first, last = sp.index == 0, sp.index == len(plan.stages) - 1
             dtype, kv_dtype = compute_dtypes(plan, device)
             shapes = stage_shapes(args, sp.layers, first=first, last=last, mtp=last and drafting)
+            cached = cache_slots[sp.index] is not None
+            host = frozenset(routed_expert_names(args, sp.layers, last and drafting) if cached else ())
             label = f"stage {sp.index} on {device}"
             key = (
                 plan.model.model_dump_json(exclude={"routing"}),
@@ -145,31 +213,38 @@ class Model:
                 last,
                 str(np.dtype(dtype)),
                 tuple(shapes),
+                tuple(sorted(host)),
             )
-            if weights is not None and key in weights:
-                tensors = weights[key]
-            elif synth is not None:
-                tensors = synth.load(shapes, device, dtype, progress, label)
-            else:
-                assert ckpt is not None
-                tensors = load_tensors(ckpt, shapes, device, dtype, progress, label)
-            if weights is not None:
-                weights[key] = tensors
-            stages.append(
-                Stage(
-                    sp.index,
-                    device,
-                    sp.layers,
-                    args,
-                    tensors,
-                    first=first,
-                    last=last,
-                    slots=slots,
-                    context=context,
-                    kv_dtype=kv_dtype,
-                    routing=routing,
+            try:
+                shared = store.stages.get(key)
+                if shared is None:
+                    if synth is not None:
+                        loaded = synth.load(shapes, device, dtype, progress, label, host)
+                    else:
+                        assert ckpt is not None
+                        loaded = load_tensors(ckpt, shapes, device, dtype, progress, label, host)
+                    shared = store.stages[key] = StageWeights(loaded)
+                tensors = shared.tensors
+                stages.append(
+                    Stage(
+                        sp.index,
+                        device,
+                        sp.layers,
+                        args,
+                        tensors,
+                        first=first,
+                        last=last,
+                        slots=slots,
+                        context=context,
+                        kv_dtype=kv_dtype,
+                        routing=routing,
+                        expert_slots=cache_slots[sp.index],
+                        policy=Policy(adapt=plan.experts.adapt),
+                        shared=shared,
+                    )
                 )
-            )
+            except MemoryError as exc:  # CuPy's OutOfMemoryError is one
+                raise PlanMismatch(out_of_memory(plan, sp.index, device, exc)) from exc
         mtp, drafters = None, {}
         last_stage = stages[-1]
         if drafting:
@@ -180,15 +255,16 @@ class Model:
                 return transfer(first_stage.embed(ids), first_stage.device, last_stage.device)
 
             mtp = MtpHead(tensors, args, last_stage.device, last_stage.rope, last_stage.lm_head, embed)
+            mtp.share_experts(last_stage)
             ids = list(plan.last_stage.drafters) or list(range(slots))
-            shared = None
+            mtp_kv = None
             if last_stage.device.is_cuda:
                 # One MTP KV [1, S, K, T, D] for every drafter (each keeps a view of its slot), so that one
                 # CUDA graph can serve draft windows of any slots.
                 shape = (1, slots, args.num_key_value_heads, context, args.head_dim)
-                shared = (last_stage.device.zeros(shape, kv_dtype), last_stage.device.zeros(shape, kv_dtype))
-                if mtp.use_cuda(*shared) is not None:
-                    shared = None
+                mtp_kv = (last_stage.device.zeros(shape, kv_dtype), last_stage.device.zeros(shape, kv_dtype))
+                if mtp.use_cuda(*mtp_kv) is not None:
+                    mtp_kv = None
             drafters = {
                 s: Drafter(
                     s,
@@ -197,7 +273,7 @@ class Model:
                     context,
                     dtype,
                     kv_dtype,
-                    kv_arrays=(shared[0][:, s : s + 1], shared[1][:, s : s + 1]) if shared else None,
+                    kv_arrays=(mtp_kv[0][:, s : s + 1], mtp_kv[1][:, s : s + 1]) if mtp_kv else None,
                 )
                 for s in ids
             }

@@ -7,6 +7,7 @@ and returns them; hidden rows cross devices in `strata_runtime.model.placed`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -16,14 +17,17 @@ from numpy.typing import DTypeLike
 from strata_cfg.schema.windows import MAX_WINDOW_ROWS
 
 from ..backend import Array, Device
+from ..experts.cache import Policy
 from ..experts.routing import RoutingTables, apply_bias
+from ..experts.store import ExpertStore
 from ..layout import Layout
 from ..models.ops.norm import rms_norm_in_dtype
-from ..models.qwen3_moe import DecoderLayer, ModelArgs, RouterBias, linear, rope_tables
+from ..models.qwen3_moe import DecoderLayer, ModelArgs, RouterBias, SparseMoeBlock, linear, rope_tables
 from .kvcache import KVCache
 
 if TYPE_CHECKING:
     from ..cuda.decode import CudaLayers
+    from ..cuda.experts import CudaExperts
     from ..cuda.head import CudaHead
     from ..cuda.prefill import CudaPrefill
     from ..cuda.routing import DeviceRouting
@@ -31,6 +35,16 @@ if TYPE_CHECKING:
 CUDA_PREFILL_ROWS = 64
 """Prefill chunks of at most this many rows run as 8-row CUDA graph windows; longer ones run the CUDA
 prefill path (`strata_runtime.cuda.prefill`: cuBLAS products, one host read per layer)."""
+
+
+@dataclass
+class StageWeights:
+    """One stage's tensors, and the expert cache over them once a stage is built on them."""
+
+    tensors: dict[str, Array]
+    experts: ExpertStore | None = None
+    cuda_experts: CudaExperts | None = None
+    """The cache's tables on the stage's GPU: one per cache, so that every model reading it sees its swaps."""
 
 
 class Rope:
@@ -63,14 +77,45 @@ class Stage:
         context: int,
         kv_dtype: DTypeLike,
         routing: RoutingTables | None = None,
+        expert_slots: int | None = None,
+        policy: Policy | None = None,
+        shared: StageWeights | None = None,
     ) -> None:
-        """``routing``: every slot's calibrated-routing tables (host), or None for the model's own router."""
+        """``routing``: every slot's calibrated-routing tables (host), or None for the model's own router.
+        ``expert_slots``: VRAM slots for the routed experts of these layers when they do not all fit
+        (their tensors in ``tensors`` are then host arrays, the host tier); None: all resident.
+        ``shared``: these tensors as other models of the same stage layout share them; the first stage built
+        on them makes the expert cache, the others read the same one."""
         self.index, self.device, self.layer_range, self.args = index, device, layers, args
         self.routing = routing
         self.first, self.last = first, last
         self.layers = [
             DecoderLayer(tensors, f"model.layers.{i}.", args, args.is_sparse(i)) for i in range(*layers)
         ]
+        sparse = [
+            (i, layer.mlp.experts)
+            for i, layer in zip(range(*layers), self.layers, strict=True)
+            if isinstance(layer.mlp, SparseMoeBlock)
+        ]
+        self.n_sparse = len(sparse)
+        gate_up = [ex.gate_up_proj for _, ex in sparse]
+        down = [ex.down_proj for _, ex in sparse]
+        ids = [i for i, _ in sparse]
+        mtp = "mtp.layers.0.mlp.experts.gate_up_proj"
+        if last and mtp in tensors:  # the MTP head's routed experts share this stage's cache
+            ids.append(args.num_hidden_layers)
+            gate_up.append(tensors[mtp])
+            down.append(tensors["mtp.layers.0.mlp.experts.down_proj"])
+        self.shared = shared
+        if shared is not None and shared.experts is not None:
+            self.experts = shared.experts
+        else:
+            self.experts = ExpertStore(device, ids, gate_up, down, expert_slots, policy)
+            if shared is not None:
+                shared.experts = self.experts
+        if self.experts.cached:
+            for j, (_, ex) in enumerate(sparse):
+                ex.read_from(self.experts, j)
         self.kv = KVCache(
             device, len(self.layers), slots, args.num_key_value_heads, context, args.head_dim, kv_dtype
         )
@@ -78,7 +123,10 @@ class Stage:
         self.embed_tokens = tensors.get("model.embed_tokens.weight")  # [V, H] on the first stage
         self.norm = tensors.get("model.norm.weight")  # [H] on the last stage
         self.lm_head = tensors.get("lm_head.weight")  # [V, H] on the last stage
-        self.weight_bytes = sum(int(t.nbytes) for t in tensors.values())
+        host = {id(a) for a in (*self.experts.host_gate_up, *self.experts.host_down)}
+        self.weight_bytes = sum(int(t.nbytes) for t in tensors.values() if id(t) not in host)
+        """Bytes of the tensors held on the device (the expert cache's pool is counted apart)."""
+        self.cuda_experts: CudaExperts | None = None  # the expert kernels' tables, on GPUs
         self.cuda: CudaLayers | None = None  # the CUDA decode graphs, on GPUs that can run them
         self.cuda_prefill: CudaPrefill | None = None  # the CUDA path for long prefill chunks
         self.cuda_head: CudaHead | None = None
@@ -88,7 +136,7 @@ class Stage:
             self._build_cuda()
 
     def _build_cuda(self) -> None:
-        from ..cuda import decode, head, layers, prefill
+        from ..cuda import decode, experts, head, layers, prefill
         from ..cuda.routing import DeviceRouting
 
         dtype = self.layers[0].input_layernorm.dtype if self.layers else self.kv.k.dtype
@@ -98,12 +146,19 @@ class Stage:
         gpu, eps = self.device.index, self.args.rms_norm_eps
         if self.routing is not None:
             self.cuda_routing = DeviceRouting(self.routing, self.device)
+        if self.shared is not None and self.shared.cuda_experts is not None:
+            self.cuda_experts = self.shared.cuda_experts
+        else:
+            self.cuda_experts = experts.CudaExperts(self.experts, gpu)
+            if self.shared is not None:
+                self.shared.cuda_experts = self.cuda_experts
+        main = self.cuda_experts.view(0, self.n_sparse)
         first = self.layer_range[0]
         stack = layers.LayerStack.of(
-            gpu, self.layers, self.args, self.kv.k, self.kv.v, self.cuda_routing, first
+            gpu, self.layers, self.args, self.kv.k, self.kv.v, self.cuda_routing, first, main
         )
         self.cuda = decode.CudaLayers(stack)
-        self.cuda_prefill = prefill.CudaPrefill(stack)
+        self.cuda_prefill = prefill.CudaPrefill(stack, experts=main)
         if self.last:
             self.cuda_head = head.CudaHead(gpu, self.norm, self.lm_head, eps)
 
@@ -114,35 +169,45 @@ class Stage:
             return self.embed_tokens[self.device.xp.asarray(token_ids)]  # [R, H]
 
     def forward(self, hidden: Array, layout: Layout) -> Array:
-        """Run this stage's layers over a window's hidden rows [R, H], writing their KV.
+        """Run this stage's layers over a window's hidden rows [R, H], writing their KV; then account the
+        window's routing to the expert cache (which may start moving experts, without waiting).
 
         On a GPU a window of at most 8 rows (decode, drafts) runs as one replayed CUDA graph, a prompt
         chunk of up to 64 rows as several, and a longer chunk through the CUDA prefill path; all come back
         in fp32. CPU devices run the array code below.
         """
-        xp = self.device.xp
         with self.device.use():
-            self.kv.begin(layout.segments)
-            if self.cuda_prefill is not None and layout.rows > CUDA_PREFILL_ROWS:
-                return self.cuda_prefill.forward(hidden, layout)  # [R, H] fp32
-            if self.cuda is not None and 0 < layout.rows <= CUDA_PREFILL_ROWS:
-                if layout.rows <= MAX_WINDOW_ROWS:
-                    return self.cuda.forward(hidden, layout)  # [R, H] fp32
-                # A short prompt: consecutive windows of 8 rows through the graphs. The prefill path's
-                # per-layer launches and host read cost the same for 9 rows as for 500 (the 64-row cut-off
-                # was set against the array path and has not been re-measured against the prefill path).
-                parts = [
-                    self.cuda.forward(
-                        hidden[a : a + MAX_WINDOW_ROWS], layout.rows_between(a, a + MAX_WINDOW_ROWS)
-                    )
-                    for a in range(0, layout.rows, MAX_WINDOW_ROWS)
-                ]
-                return xp.concatenate(parts, axis=0)  # [R, H] fp32
-            cos, sin = self.rope.at(layout)  # [R, D/2] each
-            for j, layer in enumerate(self.layers):
-                bias = self._router_bias(layout, self.layer_range[0] + j)
-                hidden = layer(xp, hidden, layout, self.kv, j, cos, sin, bias)  # [R, H]
-            return hidden
+            out = self._layers(hidden, layout)
+            if self.cuda_experts is not None:
+                if self.cuda_prefill is None or layout.rows <= CUDA_PREFILL_ROWS:
+                    self.cuda_experts.after_window()  # the prefill path accounts its chunk itself
+            else:
+                self.experts.end_window()
+            return out
+
+    def _layers(self, hidden: Array, layout: Layout) -> Array:
+        xp = self.device.xp
+        self.kv.begin(layout.segments)
+        if self.cuda_prefill is not None and layout.rows > CUDA_PREFILL_ROWS:
+            return self.cuda_prefill.forward(hidden, layout)  # [R, H] fp32
+        if self.cuda is not None and 0 < layout.rows <= CUDA_PREFILL_ROWS:
+            if layout.rows <= MAX_WINDOW_ROWS:
+                return self.cuda.forward(hidden, layout)  # [R, H] fp32
+            # A short prompt: consecutive windows of 8 rows through the graphs. The prefill path's
+            # per-layer launches and host read cost the same for 9 rows as for 500 (the 64-row cut-off
+            # was set against the array path and has not been re-measured against the prefill path).
+            parts = [
+                self.cuda.forward(
+                    hidden[a : a + MAX_WINDOW_ROWS], layout.rows_between(a, a + MAX_WINDOW_ROWS)
+                )
+                for a in range(0, layout.rows, MAX_WINDOW_ROWS)
+            ]
+            return xp.concatenate(parts, axis=0)  # [R, H] fp32
+        cos, sin = self.rope.at(layout)  # [R, D/2] each
+        for j, layer in enumerate(self.layers):
+            bias = self._router_bias(layout, self.layer_range[0] + j)
+            hidden = layer(xp, hidden, layout, self.kv, j, cos, sin, bias)  # [R, H]
+        return hidden
 
     def _router_bias(self, layout: Layout, layer: int) -> RouterBias | None:
         """The array path's calibrated-routing bias for model layer ``layer`` and the window's rows."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -318,12 +318,31 @@ class MLP:
         return linear(silu_mul(linear(x, self.gate_proj), linear(x, self.up_proj)), self.down_proj)  # [R, H]
 
 
+class ExpertSource(Protocol):
+    """Where a layer's routed experts are read from when an expert cache holds them
+    (`strata_runtime.experts.store.ExpertStore`)."""
+
+    def weights(self, j: int, e: int) -> tuple[Any, Any]:
+        """Expert ``e`` of the stage's ``j``-th sparse layer: gate/up [2I, H] and down [H, I]."""
+        ...
+
+    def count(self, j: int, experts: np.ndarray, assignments: np.ndarray) -> None:
+        """Record that layer ``j``'s rows routed ``assignments[n]`` times to expert ``experts[n]``."""
+        ...
+
+
 class Experts:
     """Routed SwiGLU experts in the fused layout."""
 
     def __init__(self, t: dict[str, Any], p: str) -> None:
         self.gate_up_proj = t[f"{p}gate_up_proj"]  # [E, 2I, H]
         self.down_proj = t[f"{p}down_proj"]  # [E, H, I]
+        self.source: ExpertSource | None = None
+        self.source_layer = 0
+
+    def read_from(self, source: ExpertSource, j: int) -> None:
+        """Read the experts through ``source`` (an expert cache), as its sparse layer ``j``."""
+        self.source, self.source_layer = source, j
 
     def __call__(self, xp: Any, x: Any, top_idx: Any, top_w: Any) -> Any:
         """Each row's experts, weighted and summed. Only experts some row routes to are touched.
@@ -340,8 +359,14 @@ class Experts:
         xs = x[xp.asarray(order // k)]  # [A, H] each assignment's row
         ys = xp.empty_like(xs)  # [A, H]
         for e, s, c in zip(experts.tolist(), starts.tolist(), counts.tolist(), strict=True):
-            h = linear(xs[s : s + c], self.gate_up_proj[e])  # [c, 2I]
-            ys[s : s + c] = linear(silu_mul(h[:, :i], h[:, i:]), self.down_proj[e])  # [c, H]
+            if self.source is None:
+                gate_up, down = self.gate_up_proj[e], self.down_proj[e]
+            else:
+                gate_up, down = self.source.weights(self.source_layer, e)
+            h = linear(xs[s : s + c], gate_up)  # [c, 2I]
+            ys[s : s + c] = linear(silu_mul(h[:, :i], h[:, i:]), down)  # [c, H]
+        if self.source is not None:
+            self.source.count(self.source_layer, experts, counts)
         y = xp.empty_like(ys)  # [A, H]
         y[order_dev] = ys  # back to (row, choice) order
         return (y.reshape(r, k, -1) * top_w[:, :, None]).sum(axis=1)  # [R, H]

@@ -6,6 +6,8 @@ writes its outputs in place. Weights arrive as float16 and are widened to float3
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 
@@ -115,15 +117,16 @@ def moe(
     logits: np.ndarray,
     norm_topk: bool,
     eps: float,
-    gate_up: np.ndarray,
-    down: np.ndarray,
+    experts: Any,
     resid: np.ndarray,
     idx: np.ndarray,
     wts: np.ndarray,
     h_buf: np.ndarray,
 ) -> None:
+    """``experts.weights(e)``: expert e's gate/up [2I, H] and down [H, I] (the kernel reads the same through
+    ``experts``' address tables); ``counts``, ``slot_of`` and ``misses`` as the launcher's."""
     rows, topk = idx.shape
-    inter = down.shape[2]
+    inter = h_buf.shape[1]
     p = np.exp(logits - logits.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)  # [R, E]
     order = np.argsort(-logits, axis=-1, kind="stable")[:, :topk]  # ties: lower index first
@@ -135,10 +138,15 @@ def moe(
         total = np.zeros(x.shape[1], np.float32)
         for j in range(topk):
             e = int(idx[r, j])
-            gu = _f32(gate_up[e]) @ xn[r]  # [2I]
+            if experts.counts is not None:
+                experts.counts[e] += 1
+                if experts.slot_of[e] < 0:
+                    experts.misses[0] += 1
+            gate_up, down = experts.weights(e)
+            gu = _f32(gate_up) @ xn[r]  # [2I]
             h = _silu(gu[:inter]) * gu[inter:]  # [I]
             h_buf[r * topk + j] = h
-            total += wts[r, j] * (_f32(down[e]) @ h)  # [H]
+            total += wts[r, j] * (_f32(down) @ h)  # [H]
         resid[r] += total
 
 

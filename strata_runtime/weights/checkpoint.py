@@ -18,6 +18,7 @@ import numpy as np
 from strata_cfg.schema.safetensors_header import METADATA, read_header_and_data_start
 
 from ..backend import Device
+from ..experts.host import host_empty
 from ..models.qwen3_moe import Shapes, sanitize
 from .progress import Progress
 
@@ -125,8 +126,11 @@ def load_tensors(
     dtype: Any,
     progress: Progress | None = None,
     label: str = "",
+    host: frozenset[str] = frozenset(),
 ) -> dict[str, Any]:
-    """Read every tensor in ``shapes`` onto ``device`` in ``dtype``, checking names and shapes first."""
+    """Read every tensor in ``shapes`` onto ``device`` in ``dtype``, checking names and shapes first; those
+    named in ``host`` (a stage's routed experts behind an expert cache) into host memory instead, pinned
+    on a GPU machine."""
     available = checkpoint.names()
     tie = bool(checkpoint.config.get("tie_word_embeddings", False))
     sources = {name: sanitize(name, shape, available, tie) for name, shape in shapes.items()}
@@ -144,14 +148,22 @@ def load_tensors(
     with device.use():
         for name, shape in shapes.items():
             src = sources[name]
+            on_host = name in host
             if not src.stacked:
-                out[name] = device.asarray(checkpoint.read(src.parts[0][0], shape), dtype)
+                whole = checkpoint.read(src.parts[0][0], shape)
+                if on_host:
+                    out[name] = host_empty(shape, dtype, pinned=device.is_cuda)
+                    out[name][...] = whole
+                else:
+                    out[name] = device.asarray(whole, dtype)
             else:
-                arr = device.empty(shape, dtype)
+                arr = (
+                    host_empty(shape, dtype, pinned=device.is_cuda) if on_host else device.empty(shape, dtype)
+                )
                 for e, part in enumerate(src.parts):
                     piece_shape = _piece_shape(shape, src, part)
-                    host = np.concatenate([checkpoint.read(p, piece_shape) for p in part], axis=0)
-                    arr[e] = device.asarray(host, dtype)
+                    item = np.concatenate([checkpoint.read(p, piece_shape) for p in part], axis=0)
+                    arr[e] = item if on_host else device.asarray(item, dtype)
                 out[name] = arr
             if bar:
                 bar.advance(int(np.prod(shape)) * np.dtype(dtype).itemsize)

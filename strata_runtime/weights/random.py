@@ -15,7 +15,7 @@ import numpy as np
 
 from ..models.ops import on_gpu
 from ..reference import ops as reference
-from ..reference.ops import SPLITMIX_M1, SPLITMIX_M2
+from ..reference.ops import SPLITMIX_GOLDEN, SPLITMIX_M1, SPLITMIX_M2
 
 _MASK = (1 << 64) - 1
 
@@ -52,8 +52,14 @@ def _uniform_kernel() -> Any:
     )
 
 
-def uniform_(out: Any, seed: int, bound: float) -> Any:
-    """Fill ``out`` (contiguous) in place with counter-based uniform values in ``[-bound, bound)``."""
+def uniform_(out: Any, seed: int, bound: float, offset: int = 0) -> Any:
+    """Fill ``out`` (contiguous) in place with counter-based uniform values in ``[-bound, bound)``.
+
+    ``offset``: ``out`` is the part of a larger tensor that starts at this flat index, and gets exactly the
+    values the whole tensor would have there (the counter is ``offset + i``, and ``(offset + i) * golden +
+    seed = i * golden + (seed + offset * golden)`` modulo 2^64).
+    """
+    seed = (seed + offset * SPLITMIX_GOLDEN) & _MASK
     if on_gpu(out):
         _uniform_kernel()(np.uint64(seed), np.float32(bound), out)
     else:

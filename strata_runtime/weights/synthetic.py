@@ -28,6 +28,7 @@ import numpy as np
 from strata_cfg.schema.presets import preset_config
 
 from ..backend import Device
+from ..experts.host import host_empty
 from ..models.qwen3_moe import ModelArgs, Shapes
 from .progress import Progress
 from .random import tensor_seed, uniform_
@@ -81,20 +82,42 @@ class SyntheticModel:
         self.out_scale = output_scale(self.args, self.layer_scale)
 
     def load(
-        self, shapes: Shapes, device: Device, dtype: Any, progress: Progress | None = None, label: str = ""
+        self,
+        shapes: Shapes,
+        device: Device,
+        dtype: Any,
+        progress: Progress | None = None,
+        label: str = "",
+        host: frozenset[str] = frozenset(),
     ) -> dict[str, Any]:
-        """Generate every tensor in ``shapes`` on ``device``."""
+        """Generate every tensor in ``shapes`` on ``device``; those named in ``host`` (a stage's routed
+        experts behind an expert cache) into host memory instead, pinned on a GPU machine, with the same
+        values (generated on the device one expert at a time, then copied down)."""
         total = sum(int(np.prod(s)) * np.dtype(dtype).itemsize for s in shapes.values())
         bar = progress(label or f"generating on {device}", total) if progress else None
         out: dict[str, Any] = {}
         with device.use():
             for name, shape in shapes.items():
-                out[name] = self.tensor(name, shape, device, dtype)
+                if name in host:
+                    out[name] = self._host_tensor(name, shape, device, dtype)
+                else:
+                    out[name] = self.tensor(name, shape, device, dtype)
                 if bar:
                     bar.advance(int(np.prod(shape)) * np.dtype(dtype).itemsize)
         if bar:
             bar.close()
         return out
+
+    def _host_tensor(self, name: str, shape: tuple[int, ...], device: Device, dtype: Any) -> np.ndarray:
+        """A stacked [E, ...] tensor in host memory, generated on ``device`` an item at a time."""
+        arr = host_empty(shape, dtype, pinned=device.is_cuda)
+        item = tuple(shape[1:])
+        std = self._std(name, shape)
+        for e in range(shape[0]):
+            part = device.empty(item, dtype)
+            uniform_(part, tensor_seed(self.seed, name), std * _SQRT3, offset=e * int(np.prod(item)))
+            arr[e] = device.to_host(part)
+        return arr
 
     def tensor(self, name: str, shape: tuple[int, ...], device: Device, dtype: Any) -> Any:
         """One named tensor, a pure function of (preset, seed, layer_scale, name)."""
@@ -117,11 +140,15 @@ class SyntheticModel:
             fc = self._uniform(name, shape, device, dtype, self.out_scale / math.sqrt(h))  # [H, 2H]
             fc[:, :h] = xp.eye(h, dtype=dtype)  # the embedding half passes the token's code through
             return fc
-        fan_in = shape[-1]
-        std = 1.0 / math.sqrt(fan_in)
+        return self._uniform(name, shape, device, dtype, self._std(name, shape))
+
+    def _std(self, name: str, shape: tuple[int, ...]) -> float:
+        """The standard deviation of a plain random tensor: 1 / sqrt(fan in), times the layers' output
+        scale for what they add to the residual stream."""
+        std = 1.0 / math.sqrt(shape[-1])
         if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
             std *= self.out_scale
-        return self._uniform(name, shape, device, dtype, std)
+        return std
 
     def _uniform(self, name: str, shape: tuple[int, ...], device: Device, dtype: Any, std: float) -> Any:
         out = device.empty(shape, dtype)

@@ -1,0 +1,68 @@
+"""Shared by the engine tests: the window modes as plan keywords, and running requests to the end.
+
+`MODES` gives each window mode's plan keywords for `rt_plans.make_plan`; `mode_plan` adapts them to the
+number of stages (pipelined groups need a split). `collect` submits requests at given steps and steps the
+engine until every request has finished, checking after every step that each stage's KV (and each drafter)
+holds exactly what its slot has committed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rt_plans import make_plan
+
+from strata_cfg.schema.plan import LaunchPlan
+from strata_runtime.api import Request
+from strata_runtime.engine import Engine
+
+MODES: dict[str, dict[str, Any]] = {
+    "solo": {"slots": 1, "draft_tokens": 4},
+    "serial": {"slots": 4, "groups": 1},
+    "pipelined": {"slots": 4, "groups": 2},
+    "batch-mtp": {"slots": 4, "groups": 1, "batch_mtp": True, "draft_tokens": 3},
+}
+
+
+def mode_plan(mode: str, stages: int, **kw: Any) -> LaunchPlan:
+    """The plan of window mode ``mode`` on ``stages`` virtual CPU stages (``kw``: more plan keywords)."""
+    args = {**MODES[mode], **kw}
+    if mode == "pipelined" and stages == 1:
+        args["groups"] = None  # groups need a split; one stage keeps one group
+    return make_plan(stages=stages, **args)
+
+
+def collect(eng: Engine, schedule: list[tuple[int, Request]], check_kv: bool = True) -> list[list[int]]:
+    """Submit each request at its step, run to the end, return each request's tokens."""
+    handles: list[Any] = [None] * len(schedule)
+    tokens: list[list[int]] = [[] for _ in schedule]
+    done = [False] * len(schedule)
+    step = 0
+    while not all(done):
+        for i, (at, req) in enumerate(schedule):
+            if handles[i] is None and at <= step:
+                handles[i] = eng.submit(req)
+        eng.step()
+        step += 1
+        assert step < 10_000
+        if check_kv:
+            assert_kv_consistent(eng)
+        for i, h in enumerate(handles):
+            while h is not None and not h.events.empty():
+                ev = h.events.get()
+                assert ev.error is None, ev.error
+                tokens[i] += ev.token_ids
+                done[i] = done[i] or ev.finished is not None
+    assert all(s is None for s in eng.slots), "every slot is released at the end"
+    return tokens
+
+
+def assert_kv_consistent(eng: Engine) -> None:
+    """Every stage (and the drafter) holds exactly the slot's committed positions."""
+    for i, slot in enumerate(eng.slots):
+        if slot is None:
+            assert eng.model.kv_lengths(i) == [0] * len(eng.model.stages)
+            continue
+        assert eng.model.kv_lengths(i) == [slot.length] * len(eng.model.stages)
+        if eng.tracked:
+            assert eng.model.drafters[i].length == slot.length
