@@ -118,6 +118,9 @@ class Engine:
             "acceptance": self.acceptance,
             "recent_windows": self.window_stats.last(32),
             "drafters": self.drafter_info(),
+            # The expert cache per stage (hits, misses, bytes over the host link); the server renders
+            # whatever entries are here. Filled where the stages report their caches.
+            "experts": [],
         }
 
     # ---- reporting -----------------------------------------------------------------------------------
