@@ -115,7 +115,7 @@ def test_text_parts_and_unknown_fields_are_accepted():
         {"role": "system", "content": "be brief"},
         {"role": "user", "content": "hello"},
     ]
-    prepared = p.prepare(body, [5, 6, 7], context=64, default_max_tokens=None)
+    prepared = p.prepare(body, [5, 6, 7], context=64, vocab_size=64, default_max_tokens=None)
     assert prepared.request.max_tokens == 7
 
 
@@ -144,17 +144,17 @@ def test_prompt_and_max_tokens_must_fit_the_context(context, n_prompt, max_token
     room = context - n_prompt
     if room < 1:
         with pytest.raises(p.ApiError) as info:
-            p.prepare(body, ids, context=context, default_max_tokens=16)
+            p.prepare(body, ids, context=context, vocab_size=64, default_max_tokens=16)
         assert info.value.param == "prompt"
         assert f"the prompt is {n_prompt} tokens" in info.value.message
         assert f"the context is {context} tokens" in info.value.message
     elif max_tokens is not None and max_tokens > room:
         with pytest.raises(p.ApiError) as info:
-            p.prepare(body, ids, context=context, default_max_tokens=16)
+            p.prepare(body, ids, context=context, vocab_size=64, default_max_tokens=16)
         assert info.value.param == "max_tokens"
         assert f"at most {room} can be generated" in info.value.message
     else:
-        prepared = p.prepare(body, ids, context=context, default_max_tokens=16)
+        prepared = p.prepare(body, ids, context=context, vocab_size=64, default_max_tokens=16)
         expected = min(16, room) if max_tokens is None else max_tokens
         assert prepared.request.max_tokens == expected
         assert prepared.prompt_tokens == n_prompt
@@ -178,7 +178,7 @@ def test_sampling_and_stop_reach_the_engine_request():
             "stop": ["\n\n", "END"],
         }
     )
-    prepared = p.prepare(body, [3, 4], context=100, default_max_tokens=16)
+    prepared = p.prepare(body, [3, 4], context=100, vocab_size=64, default_max_tokens=16)
     r = prepared.request
     assert (r.sampling.temperature, r.sampling.top_p, r.sampling.seed) == (temperature, top_p, seed)
     assert r.stop_strings == ("\n\n", "END")  # cut by the engine, as for `strata generate`
@@ -187,7 +187,7 @@ def test_sampling_and_stop_reach_the_engine_request():
     for stop in (["a", "b", "c", "d", "e"], [""]):
         body = p.parse_completion({"model": "m", "prompt": "x", "stop": stop})
         with pytest.raises(p.ApiError, match="`stop` must be"):
-            p.prepare(body, [3], context=100, default_max_tokens=16)
+            p.prepare(body, [3], context=100, vocab_size=64, default_max_tokens=16)
 
 
 def test_metrics_exposition_counts_and_buckets():
