@@ -114,11 +114,17 @@ def test_stop_picks_the_most_recent_running_launch(tmp_path, sleeper, demo_plan)
     assert stop.choose("box", tmp_path)[0] == box
     assert stop.choose("demo", tmp_path)[0] == old_demo
     assert stop.choose("profiles/demo.toml", tmp_path)[0] == old_demo
-    run, why = stop.choose(str(tmp_path / "demo-2"), tmp_path)
-    assert run is None and "nothing is running" in why
-    run, why = stop.choose("nosuch", tmp_path)
-    assert run is None and "`nosuch`" in why
-    assert stop.choose(None, tmp_path / "empty") == (None, f"no running launch under {tmp_path / 'empty'}/")
+    # A run that is already stopped is nothing to do, not an error; a run that never was is an error.
+    run, why, stopped = stop.choose(str(tmp_path / "demo-2"), tmp_path)
+    assert run is None and stopped and "already stopped" in why
+    run, why, stopped = stop.choose("nosuch", tmp_path)
+    assert run is None and not stopped and "`nosuch`" in why
+    assert stop.choose(None, tmp_path / "empty") == (None, f"no launch under {tmp_path / 'empty'}/", False)
+    only_dead = tmp_path / "dead"
+    _fake_run(only_dead, "demo-3", "demo", dead.pid, age_s=5, plan=demo_plan)
+    for target in (None, "demo"):
+        run, why, stopped = stop.choose(target, only_dead)
+        assert run is None and stopped and "already stopped" in why
 
 
 def test_a_recycled_pid_that_is_not_strata_is_not_a_supervisor(tmp_path, demo_plan):
