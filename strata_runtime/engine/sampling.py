@@ -90,11 +90,10 @@ class Sampler:
             ids = np.fromiter(self.counts.keys(), dtype=np.int64, count=len(self.counts))
             c = np.fromiter(self.counts.values(), dtype=np.float64, count=len(self.counts))
             x[:, ids] -= freq * c + presence  # every counted token has c >= 1
-        seen = Counter(self.counts)
         first_row = x.shape[0] - len(drafted)  # the first row that follows drafted[0]
         for k, tok in enumerate(drafted):
-            x[max(first_row + k, 0) :, tok] -= freq + (presence if seen[tok] == 0 else 0.0)
-            seen[tok] += 1
+            new = self.counts.get(tok, 0) == 0 and tok not in drafted[:k]
+            x[max(first_row + k, 0) :, tok] -= freq + (presence if new else 0.0)
         return x
 
     def draw(self, probs: np.ndarray) -> int:
