@@ -23,7 +23,7 @@ A = 65
 
 
 def _openai(logits: np.ndarray, generated: list[int], params: SamplingParams) -> np.ndarray:
-    """OpenAI's definition, one token at a time: mu[j] - c[j] * frequency - (c[j] > 0) * presence + bias[j]."""
+    """OpenAI's definition, token by token: mu[j] - c[j] * frequency - (c[j] > 0) * presence + bias[j]."""
     out = np.array(logits, dtype=np.float64)
     for tok, c in Counter(generated).items():
         out[tok] -= c * params.frequency_penalty + params.presence_penalty
