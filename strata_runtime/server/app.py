@@ -197,14 +197,15 @@ class Server:
 
     async def status(self, request: web.Request) -> web.Response:
         engine = self.engine
+        stats = engine.stats if engine else {}  # one snapshot: the engine thread replaces it, whole
         body = {
             "state": "stopping" if self.draining else (engine.state if engine else "loading"),
             "model": self.options.model_name,
             "uptime_s": round(time.time() - self.started, 3),
             "load_seconds": engine.load_seconds if engine else None,
             "requests_in_flight": engine.in_flight if engine else 0,
-            "engine": engine.stats if engine else {},
-            "experts": expert_cache(engine.stats if engine else {}),
+            "engine": stats,
+            "experts": expert_cache(stats),
             "decisions": [d.model_dump(mode="json") for d in self.plan.decisions],
             "plan": self.plan.to_json(),
         }
