@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from srv_helpers import strata
 
 from strata_cfg.bench.stats import percentile
 from strata_cfg.cli import build_parser
@@ -22,7 +23,7 @@ from strata_cfg.commands.launch import launch_options
 from strata_cfg.launch.engine_process import exit_reason, log_tail
 from strata_cfg.launch.options import LaunchOptions
 from strata_cfg.launch.preflight import port_problem
-from strata_cfg.launch.run_dir import RunDir, live_supervisor, new_run_dir
+from strata_cfg.launch.run_dir import RunDir, live_supervisor, new_run_dir, open_log
 from strata_cfg.plan.from_profile import resolve_profile
 from strata_cfg.schema.plan_file import write_plan
 
@@ -143,3 +144,26 @@ def test_a_detached_supervisor_is_given_the_options_of_the_launch():
     parser, _ = build_parser("launch")
     args = parser.parse_args(["--supervise", "runs/x", *options.argv()])
     assert launch_options(args) == options
+
+
+@pytest.mark.parametrize("seconds", ["nan", "inf", "soon"])
+def test_loadtest_refuses_seconds_that_never_end_as_a_usage_error(seconds):
+    # 127.0.0.1:9 (discard) answers nothing: before the check, `nan` and `inf` made the test loop forever.
+    result = strata("loadtest", "http://127.0.0.1:9", "--seconds", seconds, "--clients", "1", timeout=30)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "--seconds" in result.stderr and "usage:" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_logs_are_created_private_and_made_private(tmp_path):
+    fresh = tmp_path / "engine.log"
+    with open_log(fresh) as f:
+        f.write(b"one\n")
+    assert fresh.stat().st_mode & 0o777 == 0o600
+    old = tmp_path / "launch.log"
+    old.write_bytes(b"before\n")
+    old.chmod(0o644)  # a log from before logs were private
+    with open_log(old) as f:
+        f.write(b"after\n")
+    assert old.stat().st_mode & 0o777 == 0o600
+    assert old.read_bytes() == b"before\nafter\n"  # appended, not truncated
