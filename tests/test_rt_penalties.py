@@ -235,3 +235,12 @@ def test_greedy_with_penalties_is_the_same_in_batch_mtp_windows() -> None:
     together = generate(engine(2, 2, slots=2), requests)
     alone = [generate(engine(0, 2), [r])[0] for r in requests]
     assert together == alone
+
+
+def test_the_engine_refuses_a_logit_bias_outside_the_vocabulary() -> None:
+    eng = engine(0, 1)
+    vocab = eng.model.args.vocab_size
+    handle = eng.submit(Request((1, 2), 3, SamplingParams(logit_bias=((vocab, 1.0),))))
+    event = handle.events.get_nowait()
+    assert event.finished == "error" and f"[0, {vocab})" in (event.error or "")
+    assert generate(eng, [Request((1, 2), 3)])[0]  # and it keeps serving
