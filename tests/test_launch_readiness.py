@@ -59,42 +59,30 @@ def other_server() -> Iterator[tuple[int, type[_Health]]]:
 FAST = LaunchOptions(max_restarts=1, backoff_s=0.1, poll_s=0.05, start_timeout_s=60.0, grace_s=5.0)
 
 
-def test_a_ready_answer_counts_only_with_this_launchs_engine_id(other_server):
-    port, handler = other_server
-    url = f"http://127.0.0.1:{port}"
-    said: list[str] = []
-    polls = iter(range(10))
-    # The process "dies" after a few polls, as the loser's engine does when it cannot listen.
-    outcome = wait_ready(
+def _wait(url: str, said: list[str], alive_polls: int | None) -> str:
+    """`wait_ready` for engine ``mine``, whose process "dies" after ``alive_polls`` polls (None: never), as
+    the loser's engine does when it cannot listen."""
+    polls = iter(range(1000))
+    return wait_ready(
         url,
         engine_id="mine",
-        running=lambda: next(polls) < 5,
+        running=lambda: alive_polls is None or next(polls) < alive_polls,
         stopping=lambda: False,
         options=FAST,
         say=said.append,
     )
-    assert outcome == "taken"
+
+
+def test_a_ready_answer_counts_only_with_this_launchs_engine_id(other_server):
+    port, handler = other_server
+    url = f"http://127.0.0.1:{port}"
+    said: list[str] = []
+    assert _wait(url, said, alive_polls=5) == "taken"
     assert any("another server answers" in s and "someone-else" in s for s in said)
     handler.answer = {"status": "ok"}  # a server that gives no engine id is not this launch's either
-    polls = iter(range(10))
-    assert (
-        wait_ready(
-            url,
-            engine_id="mine",
-            running=lambda: next(polls) < 3,
-            stopping=lambda: False,
-            options=FAST,
-            say=said.append,
-        )
-        == "taken"
-    )
+    assert _wait(url, said, alive_polls=3) == "taken"
     handler.answer = {"status": "ok", "engine_id": "mine"}
-    assert (
-        wait_ready(
-            url, engine_id="mine", running=lambda: True, stopping=lambda: False, options=FAST, say=said.append
-        )
-        == "ready"
-    )
+    assert _wait(url, said, alive_polls=None) == "ready"
 
 
 def test_the_run_directory_keeps_one_engine_id_and_the_engine_is_given_it(tmp_path):
