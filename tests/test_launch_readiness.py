@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -117,6 +118,19 @@ def test_a_launch_whose_port_another_engine_holds_exits_1_and_never_says_ready(t
     assert "restarting" not in text  # a restart cannot help while the port is taken
 
 
+def _bind_when_free(port: int, handler: type[_Health]) -> ThreadingHTTPServer:
+    """A server on ``port`` as soon as a killed engine's listener is gone: its main thread shows as exited a
+    moment before its other threads have closed their files."""
+    deadline = time.monotonic() + 0.8
+    while True:
+        try:
+            return ThreadingHTTPServer(("127.0.0.1", port), handler)
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+
+
 def test_a_supervisor_whose_port_is_taken_while_it_restarts_gives_up_instead_of_ready_again(tmp_path):
     launched = launch(tmp_path)
     try:
@@ -125,7 +139,7 @@ def test_a_supervisor_whose_port_is_taken_while_it_restarts_gives_up_instead_of_
         os.kill(engine, signal.SIGKILL)
         wait_for(lambda: not alive(engine), 10, "the engine to die")
         handler = type("Health", (_Health,), {"answer": {"status": "ok", "engine_id": "the-other-launch"}})
-        server = ThreadingHTTPServer(("127.0.0.1", port), handler)  # in the port before the restart
+        server = _bind_when_free(port, handler)  # in the port before the restart, a second later
         threading.Thread(target=server.serve_forever, daemon=True).start()
         try:
             assert launched.proc.wait(timeout=60) == 1
