@@ -29,6 +29,13 @@ class SamplingParams:
     """0: no top-k cut."""
     seed: int | None = None
     """Seeds this request's sampler; None draws a fresh seed."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token generated at least once so far (OpenAI's definition)."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time it was generated so far."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) pairs added to the logits; OpenAI's ``logit_bias`` map, as pairs so that the
+    parameters stay hashable."""
 
 
 @dataclass(frozen=True)

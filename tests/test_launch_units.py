@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from srv_helpers import strata
 
 from strata_cfg.bench.stats import percentile
 from strata_cfg.cli import build_parser
@@ -22,7 +23,7 @@ from strata_cfg.commands.launch import launch_options
 from strata_cfg.launch.engine_process import exit_reason, log_tail
 from strata_cfg.launch.options import LaunchOptions
 from strata_cfg.launch.preflight import port_problem
-from strata_cfg.launch.run_dir import RunDir, live_supervisor, new_run_dir
+from strata_cfg.launch.run_dir import RunDir, live_supervisor, new_run_dir, open_log
 from strata_cfg.plan.from_profile import resolve_profile
 from strata_cfg.schema.plan_file import write_plan
 
@@ -114,11 +115,17 @@ def test_stop_picks_the_most_recent_running_launch(tmp_path, sleeper, demo_plan)
     assert stop.choose("box", tmp_path)[0] == box
     assert stop.choose("demo", tmp_path)[0] == old_demo
     assert stop.choose("profiles/demo.toml", tmp_path)[0] == old_demo
-    run, why = stop.choose(str(tmp_path / "demo-2"), tmp_path)
-    assert run is None and "nothing is running" in why
-    run, why = stop.choose("nosuch", tmp_path)
-    assert run is None and "`nosuch`" in why
-    assert stop.choose(None, tmp_path / "empty") == (None, f"no running launch under {tmp_path / 'empty'}/")
+    # A run that is already stopped is nothing to do, not an error; a run that never was is an error.
+    run, why, stopped = stop.choose(str(tmp_path / "demo-2"), tmp_path)
+    assert run is None and stopped and "already stopped" in why
+    run, why, stopped = stop.choose("nosuch", tmp_path)
+    assert run is None and not stopped and "`nosuch`" in why
+    assert stop.choose(None, tmp_path / "empty") == (None, f"no launch under {tmp_path / 'empty'}/", False)
+    only_dead = tmp_path / "dead"
+    _fake_run(only_dead, "demo-3", "demo", dead.pid, age_s=5, plan=demo_plan)
+    for target in (None, "demo"):
+        run, why, stopped = stop.choose(target, only_dead)
+        assert run is None and stopped and "already stopped" in why
 
 
 def test_a_recycled_pid_that_is_not_strata_is_not_a_supervisor(tmp_path, demo_plan):
@@ -137,3 +144,26 @@ def test_a_detached_supervisor_is_given_the_options_of_the_launch():
     parser, _ = build_parser("launch")
     args = parser.parse_args(["--supervise", "runs/x", *options.argv()])
     assert launch_options(args) == options
+
+
+@pytest.mark.parametrize("seconds", ["nan", "inf", "soon"])
+def test_loadtest_refuses_seconds_that_never_end_as_a_usage_error(seconds):
+    # 127.0.0.1:9 (discard) answers nothing: before the check, `nan` and `inf` made the test loop forever.
+    result = strata("loadtest", "http://127.0.0.1:9", "--seconds", seconds, "--clients", "1", timeout=30)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "--seconds" in result.stderr and "usage:" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_logs_are_created_private_and_made_private(tmp_path):
+    fresh = tmp_path / "engine.log"
+    with open_log(fresh) as f:
+        f.write(b"one\n")
+    assert fresh.stat().st_mode & 0o777 == 0o600
+    old = tmp_path / "launch.log"
+    old.write_bytes(b"before\n")
+    old.chmod(0o644)  # a log from before logs were private
+    with open_log(old) as f:
+        f.write(b"after\n")
+    assert old.stat().st_mode & 0o777 == 0o600
+    assert old.read_bytes() == b"before\nafter\n"  # appended, not truncated

@@ -115,7 +115,7 @@ def test_text_parts_and_unknown_fields_are_accepted():
         {"role": "system", "content": "be brief"},
         {"role": "user", "content": "hello"},
     ]
-    prepared = p.prepare(body, [5, 6, 7], context=64, default_max_tokens=None)
+    prepared = p.prepare(body, [5, 6, 7], context=64, vocab_size=64, default_max_tokens=None)
     assert prepared.request.max_tokens == 7
 
 
@@ -144,17 +144,17 @@ def test_prompt_and_max_tokens_must_fit_the_context(context, n_prompt, max_token
     room = context - n_prompt
     if room < 1:
         with pytest.raises(p.ApiError) as info:
-            p.prepare(body, ids, context=context, default_max_tokens=16)
+            p.prepare(body, ids, context=context, vocab_size=64, default_max_tokens=16)
         assert info.value.param == "prompt"
         assert f"the prompt is {n_prompt} tokens" in info.value.message
         assert f"the context is {context} tokens" in info.value.message
     elif max_tokens is not None and max_tokens > room:
         with pytest.raises(p.ApiError) as info:
-            p.prepare(body, ids, context=context, default_max_tokens=16)
+            p.prepare(body, ids, context=context, vocab_size=64, default_max_tokens=16)
         assert info.value.param == "max_tokens"
         assert f"at most {room} can be generated" in info.value.message
     else:
-        prepared = p.prepare(body, ids, context=context, default_max_tokens=16)
+        prepared = p.prepare(body, ids, context=context, vocab_size=64, default_max_tokens=16)
         expected = min(16, room) if max_tokens is None else max_tokens
         assert prepared.request.max_tokens == expected
         assert prepared.prompt_tokens == n_prompt
@@ -178,7 +178,7 @@ def test_sampling_and_stop_reach_the_engine_request():
             "stop": ["\n\n", "END"],
         }
     )
-    prepared = p.prepare(body, [3, 4], context=100, default_max_tokens=16)
+    prepared = p.prepare(body, [3, 4], context=100, vocab_size=64, default_max_tokens=16)
     r = prepared.request
     assert (r.sampling.temperature, r.sampling.top_p, r.sampling.seed) == (temperature, top_p, seed)
     assert r.stop_strings == ("\n\n", "END")  # cut by the engine, as for `strata generate`
@@ -187,7 +187,7 @@ def test_sampling_and_stop_reach_the_engine_request():
     for stop in (["a", "b", "c", "d", "e"], [""]):
         body = p.parse_completion({"model": "m", "prompt": "x", "stop": stop})
         with pytest.raises(p.ApiError, match="`stop` must be"):
-            p.prepare(body, [3], context=100, default_max_tokens=16)
+            p.prepare(body, [3], context=100, vocab_size=64, default_max_tokens=16)
 
 
 def test_metrics_exposition_counts_and_buckets():
@@ -231,3 +231,254 @@ def test_metrics_exposition_counts_and_buckets():
         assert values[f'strata_request_seconds_bucket{{le="{float(bound)!r}"}}'] == expected
     assert math.isclose(values["strata_request_seconds_sum"], sum(latencies))
     assert "# TYPE strata_windows_total counter" in text
+
+
+# ---- OpenAI's optional fields, and what this server refuses by name ---------------------------------------
+
+
+def test_null_optional_fields_mean_their_defaults():
+    nulls = {
+        "temperature": None,
+        "top_p": None,
+        "top_k": None,
+        "stream": None,
+        "stream_options": None,
+        "max_tokens": None,
+        "seed": None,
+        "stop": None,
+        "n": None,
+        "presence_penalty": None,
+        "frequency_penalty": None,
+        "logit_bias": None,
+        "response_format": None,
+        "echo": None,
+    }
+    body = p.parse_completion({"model": "m", "prompt": "x", **nulls})
+    assert (body.temperature, body.top_p, body.top_k, body.stream, body.n) == (1.0, 1.0, 0, False, 1)
+    prepared = p.prepare(body, [3], context=100, vocab_size=64, default_max_tokens=16)
+    assert prepared.request.sampling == p.SamplingParams(temperature=1.0)
+    assert prepared.request.max_tokens == 16 and not prepared.stream
+    chat = p.parse_chat(
+        {"model": "m", "messages": [{"role": "user", "content": None, "name": None}], **nulls}
+    )
+    assert p.chat_messages(chat) == [{"role": "user", "content": ""}]
+    # A required field that is null is missing, and is said to be.
+    with pytest.raises(p.ApiError, match="`model` is required"):
+        p.parse_completion({"model": None, "prompt": "x"})
+
+
+REFUSED = [
+    # (endpoint, extra fields, param, words)
+    (
+        "completions",
+        {"stream_options": {"include_usage": True}},
+        "stream_options",
+        ["only allowed", "`stream`"],
+    ),
+    ("chat", {"stream": False, "stream_options": {}}, "stream_options", ["`stream_options`"]),
+    ("chat", {"echo": True}, "echo", ["`echo`", "not supported"]),
+    ("chat", {"best_of": 3}, "best_of", ["`best_of`", "not supported"]),
+    ("completions", {"best_of": 1.0}, "best_of", ["`best_of`"]),  # 1.0 is not the integer 1
+    ("completions", {"logprobs": 0}, "logprobs", ["`logprobs`"]),
+    ("chat", {"response_format": {"type": "json_object"}}, "response_format", ["`json_object`", "free text"]),
+    (
+        "completions",
+        {"response_format": {"type": "json_schema", "json_schema": {}}},
+        "response_format",
+        ["`json_schema`"],
+    ),
+    ("chat", {"response_format": "text"}, "response_format", ['{"type": "text"}']),
+    ("chat", {"presence_penalty": 2.5}, "presence_penalty", ["`presence_penalty`", "less than"]),
+    ("completions", {"frequency_penalty": -3}, "frequency_penalty", ["`frequency_penalty`"]),
+    ("completions", {"logit_bias": {"65": "up"}}, "logit_bias", ["`logit_bias`", "number"]),
+    ("completions", {"logit_bias": [65]}, "logit_bias", ["`logit_bias`"]),
+]
+
+
+@pytest.mark.parametrize(("endpoint", "extra", "param", "words"), REFUSED)
+def test_fields_that_would_change_the_answer_are_refused_by_name(endpoint, extra, param, words):
+    base = {"prompt": "x"} if endpoint == "completions" else {"messages": [{"role": "user", "content": "x"}]}
+    parse = p.parse_completion if endpoint == "completions" else p.parse_chat
+    with pytest.raises(p.ApiError) as info:
+        parse({"model": "m", **base, **extra})
+    assert (info.value.status, info.value.param) == (400, param)
+    for w in words:
+        assert w in info.value.message
+
+
+def test_response_format_text_and_neutral_values_are_accepted():
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    p.parse_chat(
+        {**chat, "response_format": {"type": "text"}, "echo": False, "best_of": 1, "logprobs": False}
+    )
+    p.parse_completion(
+        {"model": "m", "prompt": "x", "stream": True, "stream_options": {"include_usage": True}}
+    )
+
+
+def test_penalties_and_logit_bias_reach_the_engine_request():
+    rng = random.Random(113)
+    presence, frequency = round(rng.uniform(-2, 2), 3), round(rng.uniform(-2, 2), 3)
+    vocab = rng.randrange(300, 1000)
+    bias = {str(rng.randrange(vocab)): round(rng.uniform(-100, 100), 2) for _ in range(5)}
+    bias[str(vocab - 1)] = 100  # an integer bias is a number too
+    body = p.parse_chat(
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": "x"}],
+            "presence_penalty": presence,
+            "frequency_penalty": frequency,
+            "logit_bias": bias,
+        }
+    )
+    s = p.prepare(body, [3], context=100, vocab_size=vocab, default_max_tokens=None).request.sampling
+    assert (s.presence_penalty, s.frequency_penalty) == (presence, frequency)
+    assert dict(s.logit_bias) == {int(k): float(v) for k, v in bias.items()}
+
+
+@pytest.mark.parametrize(
+    ("bias", "words"),
+    [
+        ({"abc": 1}, ["'abc' is not a token id"]),
+        ({"-1": 1}, ["'-1' is not a token id"]),
+        ({"007": 1}, ["'007' is not a token id"]),
+        ({"64": 1}, ["token id 64 is outside the vocabulary [0, 64)"]),
+        ({"5": 100.5}, ["the bias of token 5 is 100.5", "[-100, 100]"]),
+        ({"5": float("nan")}, ["the bias of token 5 is nan"]),
+    ],
+)
+def test_a_bad_logit_bias_names_the_key(bias, words):
+    body = p.parse_completion({"model": "m", "prompt": "x", "logit_bias": bias})
+    with pytest.raises(p.ApiError) as info:
+        p.prepare(body, [3], context=100, vocab_size=64, default_max_tokens=16)
+    assert (info.value.status, info.value.param) == (400, "logit_bias")
+    for w in words:
+        assert w in info.value.message
+
+
+# ---- hostile bodies ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"model": "m", "prompt": "a\ud800b"}, "prompt"),
+        ({"model": "m", "prompt": ["ok", "\udfff"]}, "prompt.1"),
+        ({"model": "m", "prompt": "x", "stop": ["fine", "bad\ud83d"]}, "stop.1"),
+        ({"model": "m", "prompt": "x", "user": "\ud800"}, "user"),  # an ignored field is checked too
+        ({"model": "m\ud800", "prompt": "x"}, "model"),
+    ],
+)
+def test_a_lone_surrogate_is_refused_naming_the_field(body, param):
+    with pytest.raises(p.ApiError) as info:
+        p.parse_completion(body)
+    assert (info.value.status, info.value.param) == (400, param)
+    assert f"`{param}` is not valid Unicode text" in info.value.message
+    assert "lone surrogate U+D" in info.value.message
+
+
+def test_a_lone_surrogate_in_a_chat_message_names_the_message():
+    for content, param in (
+        ("hi \ud800", "messages.1.content"),
+        ([{"type": "text", "text": "\udc00"}], "messages.1.content.0.text"),
+    ):
+        body = {
+            "model": "m",
+            "messages": [{"role": "system", "content": "ok"}, {"role": "user", "content": content}],
+        }
+        with pytest.raises(p.ApiError) as info:
+            p.parse_chat(body)
+        assert info.value.param == param
+    # A valid pair (an emoji as JSON spells it) is text.
+    assert p.parse_chat({"model": "m", "messages": [{"role": "user", "content": "\U0001f600"}]})
+
+
+def test_a_body_nested_too_deep_is_refused_without_recursing():
+    deep: object = 1
+    for _ in range(100_000):
+        deep = [deep]
+    with pytest.raises(p.ApiError) as info:
+        p.parse_completion({"model": "m", "prompt": "x", "metadata": deep})
+    assert (info.value.status, info.value.param) == (400, "metadata")
+    assert f"more than {p.MAX_DEPTH} deep" in info.value.message
+    shallow: object = "leaf"
+    for _ in range(p.MAX_DEPTH - 1):  # the body itself is one level
+        shallow = {"k": shallow}
+    p.parse_completion({"model": "m", "prompt": "x", "metadata": shallow})
+
+
+# ---- the expert cache in /v1/status and /metrics -----------------------------------------------------------
+
+
+def _expert_stats(rng: random.Random) -> dict:
+    """An engine's stats() with two stages on two GPUs and a third stage sharing the second GPU."""
+
+    def stage(device: str, layers: list[int]) -> dict:
+        hits, misses = rng.randrange(1, 10_000), rng.randrange(1, 5_000)
+        expert = rng.randrange(1 << 20, 1 << 24)
+        return {
+            "device": device,
+            "layers": layers,
+            "experts": 128,
+            "slots": rng.randrange(16, 512),
+            "cached": True,
+            "expert_bytes": expert,
+            "host_bytes": 128 * len(layers) * expert,
+            "hits": hits,
+            "misses": misses,
+            "hit_rate": hits / (hits + misses),
+            "swaps": rng.randrange(0, 300),
+            "windows": rng.randrange(1, 900),
+            "miss_bytes": misses * expert,
+            "swap_bytes": rng.randrange(0, 300) * expert,
+        }
+
+    return {
+        "totals": {"tokens": rng.randrange(100, 10_000)},
+        "experts": [stage("cuda:0", [0, 1, 2]), stage("cuda:1", [3, 4]), stage("cuda:1", [5])],
+    }
+
+
+def test_expert_cache_entries_get_host_link_bytes_per_generated_token():
+    stats = _expert_stats(random.Random(114))
+    tokens = stats["totals"]["tokens"]
+    shown = metrics.expert_cache(stats)
+    assert len(shown) == 3
+    for reported, entry in zip(stats["experts"], shown, strict=True):
+        assert {k: entry[k] for k in reported} == reported  # every field as the engine gave it
+        moved = reported["miss_bytes"] + reported["swap_bytes"]
+        assert entry["host_link_bytes"] == moved
+        assert entry["host_link_bytes_per_token"] == moved / tokens
+    assert (
+        metrics.expert_cache({"experts": stats["experts"], "totals": {"tokens": 0}})[0][
+            "host_link_bytes_per_token"
+        ]
+        is None
+    )
+    assert metrics.expert_cache({}) == []
+
+
+def test_metrics_report_the_expert_cache_per_gpu():
+    stats = _expert_stats(random.Random(115))
+    text = metrics.render(metrics.ServerCounters(), stats, ready=True, in_flight=0)
+    values = {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line[0] != "#"
+    }
+    for device in ("cuda:0", "cuda:1"):
+        stages = [e for e in stats["experts"] if e["device"] == device]
+        hits, misses = sum(e["hits"] for e in stages), sum(e["misses"] for e in stages)
+        label = f'{{device="{device}"}}'
+        assert values[f"strata_expert_hits_total{label}"] == hits
+        assert values[f"strata_expert_misses_total{label}"] == misses
+        assert values[f"strata_expert_swaps_total{label}"] == sum(e["swaps"] for e in stages)
+        moved = sum(e["miss_bytes"] + e["swap_bytes"] for e in stages)
+        assert values[f"strata_expert_host_bytes_total{label}"] == moved
+        assert math.isclose(values[f"strata_expert_hit_ratio{label}"], hits / (hits + misses))
+    assert "# TYPE strata_expert_hits_total counter" in text
+    assert "# TYPE strata_expert_hit_ratio gauge" in text
+    # No expert cache, no expert metrics; a device with no lookups yet has no ratio.
+    assert "strata_expert" not in metrics.render(metrics.ServerCounters(), {}, ready=True, in_flight=0)
+    idle = {"experts": [{**stats["experts"][0], "hits": 0, "misses": 0}]}
+    idle_text = metrics.render(metrics.ServerCounters(), idle, ready=True, in_flight=0)
+    assert 'strata_expert_hits_total{device="cuda:0"} 0' in idle_text
+    assert "strata_expert_hit_ratio{" not in idle_text

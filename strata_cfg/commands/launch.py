@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from ..launch.engine_process import engine_command, log_tail
-from ..launch.health import wait_ready
+from ..launch.health import taken_message, wait_ready
 from ..launch.options import LaunchOptions
 from ..launch.preflight import base_url, preflight
 from ..launch.run_dir import RUNS_ROOT, RunDir, new_run_dir
@@ -27,6 +27,7 @@ from ..launch.supervisor import Supervisor, spawn_detached, stop_run
 from ..schema.errors import ProfileError
 from ..schema.plan import LaunchPlan
 from ..schema.plan_file import PLAN_FILE, PlanFileError, write_plan
+from ._arg_types import positive_seconds
 from ._common import add_profile_argument, add_resolve_options, print_problems, resolve_args
 
 
@@ -51,13 +52,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--grace",
-        type=float,
+        type=positive_seconds,
         default=defaults.grace_s,
         help=f"seconds the engine gets to drain on stop before SIGKILL (default {defaults.grace_s:g})",
     )
     parser.add_argument(
         "--start-timeout",
-        type=float,
+        type=positive_seconds,
         default=defaults.start_timeout_s,
         help=f"seconds loading may take (default {defaults.start_timeout_s:g})",
     )
@@ -132,10 +133,12 @@ def _announce(plan: LaunchPlan, run_dir: RunDir, *, detached: bool, load_s: floa
 def _detach(run_dir: RunDir, plan: LaunchPlan, options: LaunchOptions) -> int:
     assert plan.serve is not None
     started = time.monotonic()
+    engine_id = run_dir.engine_id()  # made here, before the supervisor that starts engines with it
     proc = spawn_detached(run_dir, options)
     try:
         outcome = wait_ready(
             base_url(plan.serve),
+            engine_id=engine_id,
             running=lambda: proc.poll() is None,
             stopping=lambda: False,
             options=options,
@@ -145,6 +148,8 @@ def _detach(run_dir: RunDir, plan: LaunchPlan, options: LaunchOptions) -> int:
         outcome = "stopped"
     if outcome != "ready":
         stop_run(run_dir, options.grace_s + 5)
+        if outcome == "taken":
+            _error(taken_message(base_url(plan.serve), engine_id))
         _error("the engine failed to start; last lines of the launch log:")
         for line in log_tail(run_dir.launch_log, lines=25):
             print(f"  | {line}", file=sys.stderr)

@@ -2,6 +2,9 @@
 
 With no argument it stops the most recent run under ``runs/`` that is still running. A profile (its name or
 its file) picks that profile's most recent running launch.
+
+Exit codes: 0 when the run is stopped, also when it was already stopped (a second `strata stop` says so and
+succeeds); 1 when there is no such run at all; 2 for a usage error.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from pathlib import Path
 from ..launch.run_dir import RUNS_ROOT, RunDir, find_runs, live_supervisor, run_profile_name
 from ..launch.supervisor import stop_run
 from ..schema.plan_file import PLAN_FILE
+from ._arg_types import positive_seconds
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--grace",
-        type=float,
+        type=positive_seconds,
         default=30.0,
         help="seconds to wait for a clean stop before killing (default 30)",
     )
@@ -35,30 +39,40 @@ def _profile_name(target: str) -> str:
     return path.stem if path.suffix == ".toml" else target
 
 
-def choose(target: str | None, root: Path) -> tuple[RunDir | None, str]:
-    """The run to stop, or None with one sentence saying why there is none."""
+def choose(target: str | None, root: Path) -> tuple[RunDir | None, str, bool]:
+    """The run to stop; or None, one sentence saying why there is none, and whether that is because the
+    runs asked for are already stopped (not an error) rather than missing."""
     if target is not None and (Path(target) / PLAN_FILE).is_file():
         run = RunDir(Path(target))
         if live_supervisor(run) is None:
-            return None, f"nothing is running in {run.path}"
-        return run, ""
-    running = [r for r in find_runs(root) if live_supervisor(r) is not None]
+            return None, f"{run.path} is already stopped", True
+        return run, "", False
+    runs = find_runs(root)
     if target is not None:
         name = _profile_name(target)
-        running = [r for r in running if run_profile_name(r) == name or r.path.name.startswith(f"{name}-")]
-        if not running:
-            return None, f"no running launch of profile `{name}` under {root}/"
+        runs = [r for r in runs if run_profile_name(r) == name or r.path.name.startswith(f"{name}-")]
+        if not runs:
+            return None, f"no launch of profile `{name}` under {root}/", False
+    elif not runs:
+        return None, f"no launch under {root}/", False
+    running = [r for r in runs if live_supervisor(r) is not None]
     if not running:
-        return None, f"no running launch under {root}/"
-    return running[0], ""
+        which = f"of profile `{_profile_name(target)}` " if target is not None else ""
+        return None, f"every launch {which}under {root}/ is already stopped", True
+    return running[0], "", False
 
 
 def run(args: argparse.Namespace) -> int:
-    target, why = choose(args.target, args.runs_root)
+    target, why, stopped = choose(args.target, args.runs_root)
     if target is None:
+        if stopped:
+            print(f"strata stop: nothing to do: {why}")
+            return 0
         print(f"strata stop: {why}", file=sys.stderr)
         return 1
     print(f"stopping {target.path} ...")
-    stop_run(target, args.grace)
+    if not stop_run(target, args.grace):  # it stopped on its own in the meantime
+        print(f"strata stop: nothing to do: {target.path} is already stopped")
+        return 0
     print(f"stopped {target.path}")
     return 0

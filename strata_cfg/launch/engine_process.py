@@ -32,9 +32,10 @@ def runtime_argv(command: str, *args: str, plan_file: str | os.PathLike[str] | N
     return argv + list(args)
 
 
-def engine_command(plan_file: Path) -> list[str]:
-    """The serving engine of a run directory's plan (what the supervisor starts)."""
-    return runtime_argv("serve", plan_file=plan_file)
+def engine_command(plan_file: Path, engine_id: str | None = None) -> list[str]:
+    """The serving engine of a run directory's plan (what the supervisor starts), answering ``/health``
+    with ``engine_id`` when given."""
+    return runtime_argv("serve", *(["--engine-id", engine_id] if engine_id else []), plan_file=plan_file)
 
 
 def runtime_command(

@@ -1,18 +1,22 @@
 """The run directory: everything about one launch in one folder.
 
 ``plan.json`` (what runs), ``engine.log`` (the engine's output, appended across restarts), ``launch.pid``
-(the supervisor, while it runs), ``engine.pid`` (the current engine process) and, for a detached launch,
-``launch.log`` (the supervisor's own output). Also how to find the runs under ``runs/`` and whether their
-supervisor still lives.
+(the supervisor, while it runs), ``engine.pid`` (the current engine process), ``engine.id`` (the id the
+run's engine answers ``/health`` with) and, for a detached launch, ``launch.log`` (the supervisor's own
+output). Also how to find the runs under ``runs/`` and whether their supervisor still lives.
+
+The logs are private to their owner (0600): an engine's log can hold what clients sent it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from ..schema.plan import LaunchPlan
 from ..schema.plan_file import PLAN_FILE, PlanFileError, read_plan
@@ -21,6 +25,9 @@ ENGINE_LOG = "engine.log"
 LAUNCH_LOG = "launch.log"
 LAUNCH_PID = "launch.pid"
 ENGINE_PID = "engine.pid"
+ENGINE_ID = "engine.id"
+LOG_MODE = 0o600
+"""Logs are read and written by their owner only."""
 RUNS_ROOT = Path("runs")
 """Where run directories go by default, relative to the working directory."""
 
@@ -49,8 +56,34 @@ class RunDir:
     def engine_pid(self) -> Path:
         return self.path / ENGINE_PID
 
+    @property
+    def engine_id_file(self) -> Path:
+        return self.path / ENGINE_ID
+
+    def engine_id(self) -> str:
+        """The id this run's engine reports in ``/health``: made once per run directory, by the first to ask
+        (the launcher, before it starts anything), and read by every later start."""
+        try:
+            made = self.engine_id_file.read_text().strip()
+        except FileNotFoundError:
+            made = ""
+        if made:
+            return made
+        made = secrets.token_hex(8)
+        tmp = self.engine_id_file.with_name(f".{ENGINE_ID}.{os.getpid()}")
+        tmp.write_text(f"{made}\n")
+        tmp.replace(self.engine_id_file)  # whole or absent, never half written
+        return made
+
     def load_plan(self) -> LaunchPlan:
         return read_plan(self.plan)
+
+
+def open_log(path: Path) -> BinaryIO:
+    """``path`` opened for appending, created private (`LOG_MODE`), and made private if it was not."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, LOG_MODE)
+    os.fchmod(fd, LOG_MODE)
+    return os.fdopen(fd, "ab")
 
 
 def new_run_dir(profile: str, root: Path = RUNS_ROOT, now: float | None = None) -> Path:

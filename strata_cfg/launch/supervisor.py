@@ -22,10 +22,10 @@ from types import FrameType
 
 from ..schema.plan import LaunchPlan
 from .engine_process import die_with_parent, engine_command, exit_reason, log_tail
-from .health import ReadyOutcome, Say, wait_ready
+from .health import ReadyOutcome, Say, taken_message, wait_ready
 from .options import LaunchOptions
 from .preflight import base_url
-from .run_dir import RunDir, live_supervisor, pid_alive, read_pid
+from .run_dir import RunDir, live_supervisor, open_log, pid_alive, read_pid
 
 
 class Supervisor:
@@ -38,6 +38,8 @@ class Supervisor:
         self.options = options
         self.say = say
         self.url = base_url(plan.serve)
+        self.engine_id = run.engine_id()
+        """Every engine of this run answers ``/health`` with it; no other server's answer is "ready"."""
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
         self.ready_s: float | None = None
@@ -67,8 +69,8 @@ class Supervisor:
 
     def start(self) -> subprocess.Popen[bytes]:
         self.starts += 1
-        cmd = engine_command(self.run_dir.plan)
-        with self.run_dir.engine_log.open("ab") as log:
+        cmd = engine_command(self.run_dir.plan, self.engine_id)
+        with open_log(self.run_dir.engine_log) as log:
             self._log_offset = log.tell()
             stamp = time.strftime("%Y-%m-%d %H:%M:%S")
             log.write(f"--- strata launch: engine start {self.starts} at {stamp}: {' '.join(cmd)}\n".encode())
@@ -88,6 +90,7 @@ class Supervisor:
     def wait_ready(self, proc: subprocess.Popen[bytes]) -> ReadyOutcome:
         return wait_ready(
             self.url,
+            engine_id=self.engine_id,
             running=lambda: proc.poll() is None,
             stopping=lambda: self.stopping,
             options=self.options,
@@ -145,7 +148,9 @@ class Supervisor:
             self.say(f"the engine was not ready after {self.options.start_timeout_s:g} s; stopping it")
             self.stop_engine(proc)
         self.report_exit(proc.wait())
-        self.say("the engine failed to start")
+        self.say(
+            taken_message(self.url, self.engine_id) if outcome == "taken" else "the engine failed to start"
+        )
         return 1
 
     def _supervise(self, proc: subprocess.Popen[bytes]) -> int:
@@ -179,6 +184,10 @@ class Supervisor:
             elif outcome == "timeout":
                 self.say(f"the engine was not ready after {self.options.start_timeout_s:g} s; stopping it")
                 self.stop_engine(proc)
+            elif outcome == "taken":  # restarting cannot help while another server holds the port
+                self.report_exit(proc.wait())
+                self.say(f"giving up: {taken_message(self.url, self.engine_id)}")
+                return 1
             # "died" (or a timeout) goes round again and is reported as the next exit.
 
     def _sleep(self, seconds: float) -> bool:
@@ -220,7 +229,7 @@ def _signal_group(pid: int, sig: signal.Signals) -> None:
 def spawn_detached(run: RunDir, options: LaunchOptions) -> subprocess.Popen[bytes]:
     """Start ``strata launch --supervise RUN_DIR`` in its own session, its output in ``launch.log``."""
     cmd = [sys.executable, "-m", "strata_cfg", "launch", "--supervise", str(run.path), *options.argv()]
-    with run.launch_log.open("ab") as log:
+    with open_log(run.launch_log) as log:
         return subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )

@@ -27,6 +27,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", help="override the plan's serve.host")
     parser.add_argument("--port", type=int, help="override the plan's serve.port")
     parser.add_argument(
+        "--engine-id",
+        help="the id /health reports, so that the launcher knows its own engine (default: a random one)",
+    )
+    parser.add_argument(
         "--drain-seconds",
         type=float,
         default=10.0,
@@ -107,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
         model_name=plan.serve.model_name,
         api_key=api_key(plan),
         drain_s=args.drain_seconds,
+        engine_id=args.engine_id,
     )
     warning = exposure_warning(plan, options.host, options.api_key)
     if warning:

@@ -23,7 +23,6 @@ from ..api import TokenEvent
 from ..backend import Array, Device, cupy_module, transfer
 from ..layout import Layout
 from ..model import Model
-from .sampling import distribution
 from .slot import Slot
 from .speculative import Proposals, commit, verify
 
@@ -155,7 +154,7 @@ class Executor:
             logits = self.model.logits(picked)  # [len(needed), V] fp32 on the last device
             with last.device.use():
                 argmax = last.device.to_host(last.device.xp.argmax(logits, axis=-1))  # [len(needed)]
-            if any(not e.slot.sampler.greedy for e in job.entries):
+            if any(e.slot.sampler.needs_logits for e in job.entries):
                 host_logits = last.device.to_host(logits)  # [len(needed), V]
         events = []
         row = 0
@@ -163,8 +162,9 @@ class Executor:
             n, slot = len(e.tokens), e.slot
 
             def target(first: int, count: int, slot: Slot = slot) -> np.ndarray:
-                """The target's rows [first, first + count) of ``needed``: argmax when greedy, else logits."""
-                if slot.sampler.greedy:
+                """The target's rows [first, first + count) of ``needed``: the argmax for plain greedy, else
+                the logits (`verify` adjusts and decides)."""
+                if not slot.sampler.needs_logits:
                     return argmax[first : first + count]
                 assert host_logits is not None  # read above whenever a sampled slot is in the window
                 return host_logits[first : first + count]
@@ -193,10 +193,8 @@ class Executor:
         first: int | None = None
         if done:
             assert target is not None
-            if slot.sampler.greedy:
-                token = int(target[-1])
-            else:
-                token = slot.sampler.draw(distribution(target[-1:], slot.sampler.params)[0])
+            # The first token is a window of one row and no proposals: `verify` decides it as it decides any.
+            token = verify(target[-1:], Proposals([], []), slot.sampler).tokens[0]
             first, following = token, [*prompt[p + 1 : p + n], token]
         else:
             following = list(prompt[p + 1 : p + n + 1])

@@ -1,10 +1,21 @@
-"""Choosing tokens: greedy argmax, or temperature / top-k / top-p sampling from a per-request seeded RNG.
+"""Choosing tokens: greedy argmax, or temperature / top-k / top-p sampling from a per-request seeded RNG,
+after a request's logit bias and presence / frequency penalties.
 
-The target's and the drafter's logits go through the same `distribution`, so speculative rejection
-sampling reproduces exactly the distribution a user asked for.
+The adjustments come first, on the raw logits, as OpenAI and vLLM define them: ``logit_bias[t]`` is added to
+token t's logit, and a token generated c > 0 times so far loses ``frequency_penalty * c + presence_penalty``.
+Temperature, top-k and top-p then shape what is left; greedy takes the argmax of the adjusted logits.
+
+The target's and the drafter's logits go through the same adjustments and the same `distribution`, so
+speculative rejection sampling reproduces exactly the distribution a user asked for. A row of a speculative
+window follows proposals that are not generated yet; `Sampler.adjusted` counts them as generated for the
+rows after them, which is what the row's token would see if those proposals are accepted, and a row is only
+ever used when they are.
 """
 
 from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -32,12 +43,58 @@ def distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
 
 
 class Sampler:
-    """One request's token chooser: greedy, or seeded sampling."""
+    """One request's token chooser: greedy, or seeded sampling, after its logit bias and penalties.
+
+    It counts the request's generated tokens (`record`), which the penalties read.
+    """
 
     def __init__(self, params: SamplingParams, seed: int) -> None:
         self.params = params
         self.greedy = params.temperature <= 0.0
         self.rng = np.random.default_rng(seed)
+        self.adjusts = bool(params.presence_penalty or params.frequency_penalty or params.logit_bias)
+        """The logits change before a token is chosen (a bias or a penalty is set)."""
+        self.counts: Counter[int] = Counter()
+        """How often each token was generated for this request so far."""
+        bias: dict[int, float] = {}
+        for token, value in params.logit_bias:  # a token named twice gets both biases
+            bias[token] = bias.get(token, 0.0) + value
+        self._bias_ids = np.array(list(bias), dtype=np.int64)
+        self._bias = np.array(list(bias.values()), dtype=np.float64)
+
+    @property
+    def needs_logits(self) -> bool:
+        """Whether choosing needs the logits on the host: sampling, or greedy over adjusted logits (a plain
+        greedy choice is the device's argmax)."""
+        return not self.greedy or self.adjusts
+
+    def record(self, tokens: Iterable[int]) -> None:
+        """Tokens now generated for the request (the penalties count them)."""
+        if self.adjusts:
+            self.counts.update(tokens)
+
+    def adjusted(self, logits: np.ndarray, drafted: Sequence[int] = ()) -> np.ndarray:
+        """Logits [n, V] after the logit bias and the penalties, as float64 (a copy when they change).
+
+        ``drafted`` are proposals not generated yet that the rows follow: the last row follows all of them
+        and each row before it one fewer (a verified window's row j follows proposals[:j]; a drafter's one
+        row follows its whole chain so far). They count as generated for the rows that follow them.
+        """
+        if not self.adjusts:
+            return np.asarray(logits, dtype=np.float64)
+        x = np.array(logits, dtype=np.float64)  # [n, V]
+        if self._bias_ids.size:
+            x[:, self._bias_ids] += self._bias
+        freq, presence = self.params.frequency_penalty, self.params.presence_penalty
+        if self.counts:
+            ids = np.fromiter(self.counts.keys(), dtype=np.int64, count=len(self.counts))
+            c = np.fromiter(self.counts.values(), dtype=np.float64, count=len(self.counts))
+            x[:, ids] -= freq * c + presence  # every counted token has c >= 1
+        first_row = x.shape[0] - len(drafted)  # the first row that follows drafted[0]
+        for k, tok in enumerate(drafted):
+            new = self.counts.get(tok, 0) == 0 and tok not in drafted[:k]
+            x[max(first_row + k, 0) :, tok] -= freq + (presence if new else 0.0)
+        return x
 
     def draw(self, probs: np.ndarray) -> int:
         """One token from a distribution [V]."""

@@ -211,6 +211,8 @@ class Engine:
             return f"prompt_ids: every id must be in [0, {vocab})"
         if r.max_tokens < 1:
             return "max_tokens: must be at least 1"
+        if any(not 0 <= t < vocab for t, _ in r.sampling.logit_bias):
+            return f"logit_bias: every token id must be in [0, {vocab})"
         if len(r.prompt_ids) + 1 > self.plan.memory.context:
             return (
                 f"prompt_ids: a prompt of {len(r.prompt_ids)} tokens does not fit the context of "

@@ -90,6 +90,7 @@ class Slot:
                 self.finished = "length"
                 break
         self.generated.extend(kept)
+        self.sampler.record(kept)  # the penalties of the next window count these
         self.handle.completion_tokens = len(self.generated)
         self.handle.accepted_proposals += accepted
         text = self._decoded()

@@ -5,7 +5,8 @@
 * `verify` compares the proposals with the target's rows of the same window. Greedy: accept while a
   proposal equals the target's argmax. Sampled: standard speculative rejection sampling (accept with
   min(1, p/q), otherwise resample from norm(max(0, p - q)); a bonus token from p when all are accepted), so
-  the output has exactly the target's distribution.
+  the output has exactly the target's distribution. Both sides see the request's logit bias and penalties,
+  each row as if the proposals before it were generated.
 * `commit` is the only way a slot moves on: it rewinds the rejected rows' KV on every stage and in the
   drafter, then catches the drafter up on the accepted rows, which yields the next window's first proposal.
 """
@@ -38,12 +39,16 @@ class Verdict:
     tokens: list[int]
 
 
-def _choose(sampler: Sampler, dev: Device, logits: Array) -> tuple[int, np.ndarray | None]:
-    """A proposal from one row of draft logits [V] (on ``dev``): its argmax, or a draw from q."""
-    if sampler.greedy:
+def _choose(sampler: Sampler, dev: Device, logits: Array, chain: list[int]) -> tuple[int, np.ndarray | None]:
+    """A proposal from one row of draft logits [V] (on ``dev``) that follows the proposals ``chain``: the
+    argmax, or a draw from q, of the logits the verifier will adjust the same way."""
+    if not sampler.needs_logits:
         with dev.use():
             return int(dev.xp.argmax(logits)), None
-    q = distribution(dev.to_host(logits)[None, :], sampler.params)[0]
+    row = sampler.adjusted(dev.to_host(logits)[None, :], chain)  # [1, V]
+    if sampler.greedy:
+        return int(np.argmax(row[0])), None
+    q = distribution(row, sampler.params)[0]
     return sampler.draw(q), q
 
 
@@ -59,7 +64,7 @@ def draft(model: Model, slot: int, token: int, depth: int, sampler: Sampler) -> 
     out = Proposals([], [])
     if depth <= 0:
         return out
-    tok, q = _choose(sampler, dev, drafter.logits[0])
+    tok, q = _choose(sampler, dev, drafter.logits[0], out.tokens)
     out.tokens.append(tok)
     if q is not None:
         out.q.append(q)
@@ -71,7 +76,7 @@ def draft(model: Model, slot: int, token: int, depth: int, sampler: Sampler) -> 
             head = model.mtp({slot: drafter}, np.array([tok]), drafter.hidden[j - 1 : j], layout)  # [1, H]
             drafter.hidden[j : j + 1] = head
             drafter.logits[j : j + 1] = model.mtp.logits(head)
-        tok, q = _choose(sampler, dev, drafter.logits[j])
+        tok, q = _choose(sampler, dev, drafter.logits[j], out.tokens)
         out.tokens.append(tok)
         if q is not None:
             out.q.append(q)
@@ -81,14 +86,21 @@ def draft(model: Model, slot: int, token: int, depth: int, sampler: Sampler) -> 
 def verify(target: np.ndarray, proposals: Proposals, sampler: Sampler) -> Verdict:
     """Decide a slot's window from the target's rows for its token and its n - 1 proposals.
 
-    ``target`` is the rows' argmax [n] when greedy, else their logits [n, V] (host arrays).
+    ``target`` is the rows' argmax [n] when the sampler does not need logits (plain greedy), else their
+    logits [n, V] (host arrays), which get the request's bias and penalties first: row j as if proposals[:j]
+    were generated, which they are whenever row j is read. Greedy then accepts while a proposal is the
+    adjusted argmax, so greedy text is the same with and without drafting, penalties or not: the drafter's
+    proposals are only proposals. Sampled, what the drafter drew a proposal from is its q, whatever it was.
     """
     n_prop = len(proposals.tokens)
+    if sampler.needs_logits:
+        target = sampler.adjusted(target, proposals.tokens)  # [n, V]
     if sampler.greedy:
+        picks = target if target.ndim == 1 else np.argmax(target, axis=-1)  # [n]
         a = 0
-        while a < n_prop and proposals.tokens[a] == int(target[a]):
+        while a < n_prop and proposals.tokens[a] == int(picks[a]):
             a += 1
-        return Verdict(a, [*proposals.tokens[:a], int(target[a])])
+        return Verdict(a, [*proposals.tokens[:a], int(picks[a])])
     p = distribution(target, sampler.params)  # [n, V]
     for j, tok in enumerate(proposals.tokens):
         q = proposals.q[j]

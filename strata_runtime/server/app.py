@@ -13,35 +13,31 @@ import json
 import logging
 import signal
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from aiohttp import web, web_log
+from aiohttp import web
 
 from strata_cfg.schema.plan import LaunchPlan
 
 from ..api import EngineCore
 from . import protocol as p
+from .connection import AccessLog, JsonErrorRunner
 from .engine_loop import EngineFactory, EngineLoop, Stream
-from .metrics import ServerCounters, render
+from .metrics import ServerCounters, expert_cache, render
 
 log = logging.getLogger("strata.serve")
 
 MAX_BODY_BYTES = 32 << 20
 """Largest request body accepted: a long prompt, with room to spare."""
+CLIENT_CLOSED = 499
+"""The status the access log shows for a request whose client went away before its reply."""
 OPEN_PATHS = frozenset({"/health"})
 """Paths answered without the API key, so a supervisor or load balancer can probe readiness."""
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-class _AccessLog(web_log.AccessLogger):
-    """The access log without the probes (``/health`` is polled while loading, ``/metrics`` is scraped)."""
-
-    def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
-        if request.path not in ("/health", "/metrics"):
-            super().log(request, response, time)
 
 
 @dataclass(frozen=True)
@@ -64,6 +60,10 @@ class ServeOptions:
     api_key: str | None
     drain_s: float = 10.0
     """How long SIGTERM waits for in-flight requests before cancelling them."""
+    engine_id: str | None = None
+    """Who this server is, in every ``/health`` answer: a launcher passes its own id and trusts a "ready"
+    only with it, so another engine answering on the same port is never taken for its own. None: a fresh
+    random id."""
 
 
 class Server:
@@ -73,6 +73,8 @@ class Server:
         self.plan = plan
         self.options = options
         self.context = plan.memory.context
+        self.engine_id = options.engine_id or uuid.uuid4().hex
+        self.vocab_size = plan.model.facts.vocab_size
         self.counters = ServerCounters()
         self.started = time.time()
         self.draining = False
@@ -114,8 +116,13 @@ class Server:
                 413: f"the request body is larger than {MAX_BODY_BYTES} bytes",
             }.get(exc.status, exc.reason)
             return _error_response(p.ApiError(exc.status, message))
-        except (asyncio.CancelledError, ConnectionResetError):
+        except asyncio.CancelledError:
             raise
+        except ConnectionResetError:
+            # The client closed its side (a half-close counts) before the reply was out; its request was
+            # cancelled. Nothing can be sent: the 499 (nginx's "client closed request") is for the access log.
+            log.info("%s %s: the client closed the connection before the reply", request.method, request.path)
+            return web.Response(status=CLIENT_CLOSED)
         except Exception:
             log.exception("unexpected error serving %s %s", request.method, request.path)
             return _error_response(
@@ -160,20 +167,23 @@ class Server:
 
     async def health(self, request: web.Request) -> web.Response:
         engine = self.engine
+        body: dict[str, Any]
+        status = 503
         if engine is None:
-            return web.json_response({"status": "loading", "progress": "starting"}, status=503)
-        if self.draining:
-            return web.json_response({"status": "stopping"}, status=503)
-        if engine.state == "ready":
-            return web.json_response({"status": "ok", "model": self.options.model_name})
-        body: dict[str, Any] = {
-            "status": engine.state,
-            "progress": engine.loading.progress,
-            "fraction": engine.loading.fraction,
-        }
-        if engine.error:
-            body["error"] = engine.error
-        return web.json_response(body, status=503)
+            body = {"status": "loading", "progress": "starting"}
+        elif self.draining:
+            body = {"status": "stopping"}
+        elif engine.state == "ready":
+            body, status = {"status": "ok", "model": self.options.model_name}, 200
+        else:
+            body = {
+                "status": engine.state,
+                "progress": engine.loading.progress,
+                "fraction": engine.loading.fraction,
+            }
+            if engine.error:
+                body["error"] = engine.error
+        return web.json_response({**body, "engine_id": self.engine_id}, status=status)
 
     async def models(self, request: web.Request) -> web.Response:
         entry = {
@@ -187,13 +197,15 @@ class Server:
 
     async def status(self, request: web.Request) -> web.Response:
         engine = self.engine
+        stats = engine.stats if engine else {}  # one snapshot: the engine thread replaces it, whole
         body = {
             "state": "stopping" if self.draining else (engine.state if engine else "loading"),
             "model": self.options.model_name,
             "uptime_s": round(time.time() - self.started, 3),
             "load_seconds": engine.load_seconds if engine else None,
             "requests_in_flight": engine.in_flight if engine else 0,
-            "engine": engine.stats if engine else {},
+            "engine": stats,
+            "experts": expert_cache(stats),
             "decisions": [d.model_dump(mode="json") for d in self.plan.decisions],
             "plan": self.plan.to_json(),
         }
@@ -240,9 +252,13 @@ class Server:
         body = p.parse_completion(await _json_body(request))
         p.check_model(body.model, self.options.model_name)
         engine = self._engine()
-        ids = p.prompt_ids(body, engine.tokenizer, self.plan.model.facts.vocab_size)
+        ids = p.prompt_ids(body, engine.tokenizer, self.vocab_size)
         prepared = p.prepare(
-            body, ids, context=self.context, default_max_tokens=p.DEFAULT_COMPLETION_MAX_TOKENS
+            body,
+            ids,
+            context=self.context,
+            vocab_size=self.vocab_size,
+            default_max_tokens=p.DEFAULT_COMPLETION_MAX_TOKENS,
         )
         return await self._run(request, prepared, chat=False)
 
@@ -251,7 +267,9 @@ class Server:
         p.check_model(body.model, self.options.model_name)
         engine = self._engine()
         ids = engine.tokenizer.apply_chat_template(p.chat_messages(body))
-        prepared = p.prepare(body, ids, context=self.context, default_max_tokens=None)
+        prepared = p.prepare(
+            body, ids, context=self.context, vocab_size=self.vocab_size, default_max_tokens=None
+        )
         return await self._run(request, prepared, chat=True)
 
     def _engine(self) -> EngineCore:
@@ -361,12 +379,11 @@ class Server:
         """Bind, load the engine, serve until SIGTERM / SIGINT (or ``stop``, when given) or an engine
         failure; return the exit code."""
         loop = asyncio.get_running_loop()
-        runner = web.AppRunner(
+        runner = JsonErrorRunner(
             self.app(),
             handler_cancellation=True,
             access_log=log,
-            access_log_class=_AccessLog,
-            access_log_format='%a "%r" %s %b %Tfs',
+            access_log_class=AccessLog,
             shutdown_timeout=2.0,
         )
         await runner.setup()
@@ -440,6 +457,10 @@ async def _json_body(request: web.Request) -> Any:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise p.ApiError(400, f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:  # the decoder's own depth guard, far beyond what `check_structure` allows
+        raise p.ApiError(
+            400, f"the request body nests arrays or objects more than {p.MAX_DEPTH} deep"
+        ) from None
 
 
 async def _send(response: web.StreamResponse, data: dict[str, Any]) -> None:

@@ -83,6 +83,53 @@ def engine_lines(stats: dict[str, Any]) -> list[str]:
     return out
 
 
+EXPERT_COUNTERS: dict[str, tuple[str, str]] = {
+    # summed over a device's stages: (metric, help)
+    "hits": ("strata_expert_hits_total", "Routed-expert assignments served from a VRAM slot."),
+    "misses": ("strata_expert_misses_total", "Routed-expert assignments read from host memory."),
+    "swaps": ("strata_expert_swaps_total", "Experts copied from host memory into a VRAM slot."),
+    "host_link_bytes": (
+        "strata_expert_host_bytes_total",
+        "Expert bytes moved over the host link: misses' reads plus swaps' copies.",
+    ),
+}
+
+
+def expert_cache(stats: dict[str, Any]) -> list[dict[str, Any]]:
+    """The engine's expert cache as it reports it (one entry per stage), each entry with the bytes it moved
+    over the host link (``host_link_bytes``: misses' reads plus swaps' copies) and those bytes per generated
+    token (``host_link_bytes_per_token``; None before the first token)."""
+    tokens = (stats.get("totals") or {}).get("tokens")
+    out = []
+    for entry in stats.get("experts") or []:
+        moved = int(entry.get("miss_bytes") or 0) + int(entry.get("swap_bytes") or 0)
+        per_token = moved / tokens if isinstance(tokens, int) and tokens > 0 else None
+        out.append({**entry, "host_link_bytes": moved, "host_link_bytes_per_token": per_token})
+    return out
+
+
+def expert_lines(stats: dict[str, Any]) -> list[str]:
+    """The expert cache per device: hits, misses, swaps, bytes over the host link, and the hit ratio
+    (hits over lookups since the start; absent for a device that has not looked one up)."""
+    by_device: dict[str, Counter[str]] = {}
+    for entry in expert_cache(stats):
+        counts = by_device.setdefault(str(entry.get("device", "?")), Counter())
+        for key in EXPERT_COUNTERS:
+            counts[key] += int(entry.get(key) or 0)
+    if not by_device:
+        return []
+    out: list[str] = []
+    for key, (name, help_) in EXPERT_COUNTERS.items():
+        out += _head(name, "counter", help_)
+        out += [_line(name, counts[key], {"device": dev}) for dev, counts in sorted(by_device.items())]
+    out += _head("strata_expert_hit_ratio", "gauge", "Expert-cache hits over lookups since the start.")
+    for dev, counts in sorted(by_device.items()):
+        lookups = counts["hits"] + counts["misses"]
+        if lookups:
+            out.append(_line("strata_expert_hit_ratio", counts["hits"] / lookups, {"device": dev}))
+    return out
+
+
 def _line(name: str, value: float, labels: dict[str, str] | None = None) -> str:
     label = ""
     if labels:
@@ -139,4 +186,5 @@ def render(counters: ServerCounters, engine_stats: dict[str, Any], *, ready: boo
     out.append(_line("strata_request_seconds_count", h.n))
 
     out += engine_lines(engine_stats)
+    out += expert_lines(engine_stats)
     return "\n".join(out) + "\n"

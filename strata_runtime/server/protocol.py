@@ -12,12 +12,16 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ..api import Request, SamplingParams, Tokenizer
 
 MAX_STOP_STRINGS = 4
 """OpenAI's own limit on ``stop`` sequences."""
+MAX_DEPTH = 64
+"""How deeply a body's arrays and objects may nest; the deepest valid body nests 4 deep."""
+MAX_LOGIT_BIAS = 100.0
+"""OpenAI's bound on a ``logit_bias`` value: -100 bans a token, +100 all but forces it."""
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 """OpenAI's default for ``/v1/completions``; chat defaults to the rest of the context."""
 
@@ -48,12 +52,23 @@ class ApiError(Exception):
 # ----------------------------------------------------------------------------------------------------------
 # Request bodies. Strict types: "5" is not an int and true is not a number. Unknown fields are ignored, as
 # OpenAI-compatible servers do, so that clients sending newer optional fields keep working; fields that would
-# change the answer and are not implemented are refused by name in `_refuse_unsupported`.
+# change the answer and are not implemented are refused by name in `_refuse_unsupported`. A null optional
+# field means its default, as OpenAI reads it.
 
 
-class _Body(BaseModel):
+class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, raw: Any) -> Any:
+        # `"temperature": null` asks for the default temperature; a null required field becomes "required".
+        if not isinstance(raw, dict):
+            return raw
+        return {k: v for k, v in raw.items() if v is not None or k not in cls.model_fields}
+
+
+class _Body(_Strict):
     model: str = Field(min_length=1)
     """The served model's id (``/v1/models``)."""
     max_tokens: int | None = Field(default=None, ge=1)
@@ -63,6 +78,10 @@ class _Body(BaseModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0)
     """An extension: 0 is no top-k cut."""
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    """Token id (as a string, a JSON object's key) -> bias in [-100, 100], added to that token's logit."""
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     stop: str | list[str] | None = None
     n: int = 1
@@ -70,9 +89,7 @@ class _Body(BaseModel):
     stream_options: StreamOptions | None = None
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
-
+class StreamOptions(_Strict):
     include_usage: bool = False
     """Send a last chunk carrying the usage counts."""
 
@@ -82,16 +99,12 @@ class CompletionBody(_Body):
     """One prompt: text, a one-element list of text, or token ids."""
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
-
+class TextPart(_Strict):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
-
+class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
 
@@ -141,35 +154,106 @@ def _validation_error(exc: ValidationError) -> ApiError:
 def _parse(model: type[BaseModel], raw: Any) -> Any:
     if not isinstance(raw, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    check_structure(raw)
     try:
         return model.model_validate(raw)
     except ValidationError as exc:
         raise _validation_error(exc) from None
 
 
+def check_structure(raw: Any) -> None:
+    """Refuse a body that nests deeper than `MAX_DEPTH`, or holds text that is not valid Unicode (a lone
+    UTF-16 surrogate, which JSON's ``"\\ud800"`` escape can spell and no tokenizer can encode), naming where.
+
+    Iterative, so no body can exhaust the stack, and before validation, so every field is covered.
+    """
+    stack: list[tuple[Any, tuple[str | int, ...]]] = [(raw, ())]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            _check_text(value, path)
+            continue
+        if len(path) >= MAX_DEPTH:
+            field = str(path[0])
+            raise ApiError(400, f"`{field}` nests arrays or objects more than {MAX_DEPTH} deep", field)
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            if isinstance(key, str):
+                _check_text(key, path)
+            if isinstance(item, str | dict | list):
+                stack.append((item, (*path, key)))
+
+
+def _check_text(text: str, path: tuple[str | int, ...]) -> None:
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        where = ".".join(str(p) for p in path)
+        code = ord(text[exc.start])
+        raise ApiError(
+            400,
+            f"`{where}` is not valid Unicode text: it holds a lone surrogate U+{code:04X} at character "
+            f"{exc.start} (a JSON \\u escape of half a surrogate pair)",
+            where or None,
+        ) from None
+
+
 def parse_completion(raw: Any) -> CompletionBody:
     """Validate a ``/v1/completions`` body."""
     body: CompletionBody = _parse(CompletionBody, raw)
-    _refuse_unsupported(body, {"echo": False, "logprobs": None, "suffix": None, "best_of": 1})
+    _refuse_unsupported(body, {"echo": (False,), "logprobs": (), "suffix": ("",), "best_of": (1,)})
     return body
 
 
 def parse_chat(raw: Any) -> ChatBody:
     """Validate a ``/v1/chat/completions`` body."""
     body: ChatBody = _parse(ChatBody, raw)
-    _refuse_unsupported(body, {"logprobs": False, "top_logprobs": None, "tools": None, "functions": None})
+    neutral = {
+        "logprobs": (False,),
+        "top_logprobs": (0,),
+        "tools": ([],),
+        "functions": ([],),
+        # Completion fields that some servers also take on chat: refused here rather than ignored.
+        "echo": (False,),
+        "best_of": (1,),
+    }
+    _refuse_unsupported(body, neutral)
     return body
 
 
-def _refuse_unsupported(body: _Body, neutral: dict[str, Any]) -> None:
+def _refuse_unsupported(body: _Body, neutral: dict[str, tuple[Any, ...]]) -> None:
+    """Refuse what would change the answer but is not implemented; ``neutral`` lists, per field, the values
+    that ask for nothing (absent and null always do)."""
     if body.n != 1:
         raise ApiError(400, f"`n` must be 1: this server returns one choice per request (got {body.n})", "n")
+    if body.stream_options is not None and not body.stream:
+        raise ApiError(400, "`stream_options` is only allowed when `stream` is true", "stream_options")
     extra = body.model_extra or {}
-    for name, neutral_value in neutral.items():
+    for name, values in neutral.items():
         value = extra.get(name)
-        # An absent, null, empty or neutral value asks for nothing this server lacks.
-        if value is not None and value != neutral_value and value not in (False, [], {}):
+        # `type(v) is type(value)`: 0 is not false here, and 1.0 is not 1.
+        if value is not None and not any(type(v) is type(value) and v == value for v in values):
             raise ApiError(400, f"`{name}` is not supported by this server", name)
+    _check_response_format(extra.get("response_format"))
+
+
+def _check_response_format(value: Any) -> None:
+    """``{"type": "text"}`` is what this server always does; the JSON modes need constrained decoding."""
+    if value is None or value == {"type": "text"}:
+        return
+    kind = value.get("type") if isinstance(value, dict) else None
+    if isinstance(kind, str) and kind.startswith("json"):
+        raise ApiError(
+            400,
+            f"`response_format` type `{kind}` is not supported: this server generates free text only "
+            '(`{"type": "text"}`), with no constrained decoding',
+            "response_format",
+        )
+    raise ApiError(
+        400, '`response_format` must be {"type": "text"} (the only format served)', "response_format"
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -233,9 +317,11 @@ def prepare(
     ids: list[int],
     *,
     context: int,
+    vocab_size: int,
     default_max_tokens: int | None,
 ) -> Prepared:
-    """Check the prompt and ``max_tokens`` against the context and build the engine request.
+    """Check the prompt and ``max_tokens`` against the context, ``logit_bias`` against the vocabulary, and
+    build the engine request.
 
     ``default_max_tokens`` None means "the rest of the context" (chat's default).
     """
@@ -275,7 +361,13 @@ def prepare(
         prompt_ids=tuple(ids),
         max_tokens=max_tokens,
         sampling=SamplingParams(
-            temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+            seed=body.seed,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            logit_bias=logit_bias(body.logit_bias or {}, vocab_size),
         ),
         # The engine cuts stop strings (`strata_runtime.engine.stops`), as it does for `strata generate`.
         stop_strings=tuple(stop),
@@ -283,6 +375,33 @@ def prepare(
     )
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return Prepared(request=request, prompt_tokens=n, stream=body.stream, include_usage=include_usage)
+
+
+def logit_bias(bias: dict[str, float], vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias`` object as (token id, bias) pairs: each key a token id in decimal, each value
+    within +-`MAX_LOGIT_BIAS`."""
+    pairs = []
+    for key, value in bias.items():
+        if not (key.isdecimal() and key.isascii()) or str(int(key)) != key:
+            raise ApiError(
+                400, f"`logit_bias`: the key {key!r} is not a token id (a decimal integer)", "logit_bias"
+            )
+        token = int(key)
+        if token >= vocab_size:
+            raise ApiError(
+                400,
+                f"`logit_bias`: token id {token} is outside the vocabulary [0, {vocab_size})",
+                "logit_bias",
+            )
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:  # also refuses NaN
+            raise ApiError(
+                400,
+                f"`logit_bias`: the bias of token {token} is {value}; it must be in "
+                f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+                "logit_bias",
+            )
+        pairs.append((token, float(value)))
+    return tuple(sorted(pairs))
 
 
 # ----------------------------------------------------------------------------------------------------------

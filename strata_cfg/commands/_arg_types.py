@@ -1,0 +1,18 @@
+"""Argument types that several commands share, kept apart from `_common` so that a command that reads no
+profile does not import the resolver."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+
+def positive_seconds(text: str) -> float:
+    """A finite number of seconds above 0; ``nan`` and ``inf`` are usage errors (a bound that never ends)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a finite number of seconds above 0")
+    return value
