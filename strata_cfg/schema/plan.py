@@ -204,6 +204,8 @@ class BatchPlan(_Plan):
     """Slots that share one window (4 with batch MTP, else up to 8)."""
     rows_per_slot: int
     """Rows each slot sends per batch window (2 with batch MTP: token and proposal)."""
+    mtp_in_groups: bool = False
+    """Batch MTP runs inside each pipelined group (``batch.mtp_in_groups``): 2 rows per slot of a group."""
 
 
 class SpecPlan(_Plan):

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from ..backend import Array, cupy_module
+from ..backend import Array, cupy_module, upload_into
 from ..layout import Layout
 from ..models.qwen3_moe import MLP, DecoderLayer, ModelArgs, SparseMoeBlock
 from .ops import Kernels, attention_scratch_size, kernels_for
@@ -127,9 +127,10 @@ class WindowBuffers:
         return self._mlp_gu[: r * 2 * width].reshape(r, 2 * width), self._mlp_h[: r * width].reshape(r, width)
 
     def load(self, layout: Layout) -> None:
-        """Copy the window's positions and slots to the device (CuPy buffers)."""
-        self.pos.set(layout.positions().astype(np.int32))
-        self.slot.set(np.concatenate([np.full(s.n, s.slot, np.int32) for s in layout.segments]))
+        """Copy the window's positions and slots to the device (CuPy buffers) on the current stream, through
+        pinned memory, so that the host does not wait for the stream's earlier work on these buffers."""
+        upload_into(self.pos, layout.positions().astype(np.int32))
+        upload_into(self.slot, np.concatenate([np.full(s.n, s.slot, np.int32) for s in layout.segments]))
 
 
 # ---- one layer's kernel sequence ---------------------------------------------------------------------

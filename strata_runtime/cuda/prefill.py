@@ -24,7 +24,9 @@ import math
 from typing import Any
 
 import cupy as cp
+import numpy as np
 
+from ..backend import upload_into
 from ..layout import Layout
 from ..reference.flash import HEAD_DIMS
 from .blas import matmul_nn, matmul_nt
@@ -83,7 +85,8 @@ class CudaPrefill:
 
     def run(self, resid: cp.ndarray, layout: Layout) -> None:
         """Every layer on ``resid`` [n, H] fp32, in place."""
-        pos = cp.asarray(layout.positions(), dtype=cp.int32)  # [n]
+        pos = cp.empty(layout.rows, cp.int32)  # [n]
+        upload_into(pos, layout.positions().astype(np.int32))
         slot = cp.concatenate([cp.full(s.n, s.slot, cp.int32) for s in layout.segments])  # [n]
         for j, lay in enumerate(self.stack.layers):
             self._attention(j, lay, resid, layout, pos, slot)
