@@ -235,6 +235,17 @@ def peer_access_enabled(a: Device, b: Device) -> bool:
     return False
 
 
+_DEVICE_LOCKS: dict[int, threading.Lock] = {}
+_DEVICE_LOCKS_GUARD = threading.Lock()
+
+
+def device_lock(index: int) -> threading.Lock:
+    """The lock that keeps GPU ``index``'s CUDA graph captures and pool releases apart: freeing memory
+    synchronises the device, which must not happen while another thread captures a graph on it."""
+    with _DEVICE_LOCKS_GUARD:
+        return _DEVICE_LOCKS.setdefault(index, threading.Lock())
+
+
 # ---- pinned staging ----------------------------------------------------------------------------------
 
 _HOLDER: contextvars.ContextVar[list[Any] | None] = contextvars.ContextVar("strata_holder", default=None)

@@ -13,7 +13,7 @@ import functools
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from rt_plans import make_plan
+from rt_plans import make_plan, pipelined_mtp_plan
 
 from strata_runtime.api import Request, SamplingParams
 from strata_runtime.engine import Engine
@@ -24,6 +24,7 @@ MODES = {
     "serial": {"slots": 3, "groups": 1},
     "pipelined": {"slots": 4, "groups": 2},
     "batch-mtp": {"slots": 3, "groups": 1, "batch_mtp": True, "draft_tokens": 3},
+    "pipelined-mtp": {"slots": 4, "groups": 2, "draft_tokens": 3},
 }
 
 
@@ -32,6 +33,8 @@ def engine(stages: int, mode: str) -> Engine:
     kw = dict(MODES[mode])
     if mode == "pipelined" and stages == 1:
         kw["groups"] = None  # groups need a split; one stage keeps one group
+    if mode == "pipelined-mtp":  # batch MTP inside groups: groups need a split
+        return Engine(pipelined_mtp_plan(stages=max(stages, 2), context=96, prefill_chunk=CHUNK, **kw))
     return Engine(make_plan(preset="tiny", stages=stages, context=96, prefill_chunk=CHUNK, **kw))
 
 
@@ -87,6 +90,7 @@ def test_a_sampled_prompt_of_several_chunks_gets_a_reply_in_every_mode(stages, m
 )
 @example(stages=2, mode="pipelined", lengths=[CHUNK + 1], temperature=1.0, max_tokens=4, seed=1)
 @example(stages=1, mode="batch-mtp", lengths=[3 * CHUNK, 1], temperature=0.3, max_tokens=2, seed=2)
+@example(stages=2, mode="pipelined-mtp", lengths=[2 * CHUNK + 1, 3], temperature=0.3, max_tokens=5, seed=3)
 def test_any_prompt_length_temperature_and_mode_gets_a_reply(
     stages, mode, lengths, temperature, max_tokens, seed
 ) -> None:

@@ -34,7 +34,7 @@ import numpy as np
 from strata_cfg.schema.windows import MAX_WINDOW_ROWS
 
 from ..api import TokenEvent
-from ..backend import Array, cupy_module, download, holding, peer_copy, transfer
+from ..backend import Array, cupy_module, device_lock, download, holding, peer_copy, transfer
 from ..layout import Layout
 from ..model import Model
 from ..model.stage import Stage
@@ -234,7 +234,8 @@ class Executor:
         """
         job = flight.job
         if job.kind == "prefill" and job.rows > MAX_WINDOW_ROWS and stage.device.is_cuda:
-            cupy_module().get_default_memory_pool().free_all_blocks()
+            with device_lock(stage.device.index):  # not while another thread captures a graph here
+                cupy_module().get_default_memory_pool().free_all_blocks()
 
     # ---- waiting ------------------------------------------------------------------------------------
 
