@@ -24,6 +24,7 @@ are held by the flight until it is finished, and a finished flight until the dra
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -152,7 +153,7 @@ class Executor:
         flight = Flight(job, job.layout(), needed, sampled, self._marks())
         for s in range(len(self.stages)):
             if self._workers is not None:
-                self._workers[s].submit(lambda s=s: self._share(flight, s))
+                self._workers[s].submit(functools.partial(self._share, flight, s))
             else:
                 self._share(flight, s)
         return flight
