@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
-from rt_plans import make_plan, pipelined_mtp_plan
+from rt_plans import make_plan, pipelined_mtp_plan, with_mtp_in_groups
 from test_rt_engine import collect, engine, reference
 
 from strata_runtime.api import Request
@@ -221,3 +221,59 @@ def test_greedy_text_of_long_prompts_arriving_staggered_is_the_same_in_every_mod
     got = collect(engine(stages, mode), reqs)
     for (_, r), tokens in zip(reqs, got, strict=True):
         assert tuple(tokens) == reference(preset, r.prompt_ids, r.max_tokens)
+
+
+# ---- the bench: the pipelined-mtp arm and the hand-off workload ----------------------------------------
+
+
+def test_the_pipelined_mtp_arm_runs_as_named_only_with_batch_mtp_inside_groups() -> None:
+    from strata_cfg.bench.arms import ARMS, DEFAULT_ARMS, arm_note, arm_runs_as_named
+
+    assert ("batch.mtp_in_groups", True) in ARMS["pipelined-mtp"] and "pipelined-mtp" not in DEFAULT_ARMS
+    pipelined = make_plan(stages=2, slots=4, groups=2, draft_tokens=3)
+    assert arm_runs_as_named("pipelined-mtp", with_mtp_in_groups(pipelined))
+    assert not arm_runs_as_named("pipelined-mtp", pipelined)  # the key did not take: batch MTP off
+    assert arm_note("pipelined-mtp", pipelined).startswith(
+        "forced: runs as pipelined, 2 group(s), batch MTP off"
+    )
+
+
+def test_the_in_process_bench_runs_a_pipelined_mtp_arm_with_serials_text(tmp_path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    from strata_cfg.schema.plan_file import write_plan
+
+    # One chunk per prompt: both streams start and end together, so no solo window drafts in `pipelined`.
+    kw = dict(stages=2, slots=2, draft_tokens=3, context=128, prefill_chunk=64, layer_scale=0.03)
+    plans = {
+        "serial": make_plan(groups=1, **kw),
+        "pipelined": make_plan(groups=2, **kw),
+        "pipelined-mtp": pipelined_mtp_plan(groups=2, **kw),
+    }
+    argv = [sys.executable, "-m", "strata_runtime", "bench", "--workload", "two-decodes", "--tokens", "24"]
+    argv += ["--repeats", "1", "--json"]
+    for name, plan in plans.items():
+        argv += ["--arm", f"{name}={write_plan(plan, tmp_path / f'{name}.json')}"]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    arms = json.loads(out.stdout)["arms"]
+    mtp, pipelined = arms["pipelined-mtp"]["two-decodes"], arms["pipelined"]["two-decodes"]
+    assert arms["pipelined-mtp"]["plan"]["mtp_in_groups"] and mtp["text_equal_to_serial"]
+    assert mtp["median"]["accepted_pct"] > 0 and pipelined["median"]["accepted_pct"] == 0
+    assert mtp["median"]["rows_per_window"] > pipelined["median"]["rows_per_window"]  # token + proposal rows
+    assert "continuous pipeline: 2 groups in flight, batch MTP inside each group" in out.stderr
+
+
+def test_the_handoff_workload_times_each_pair_of_stage_gpus_and_refuses_one_gpu() -> None:
+    from strata_runtime.bench.handoff import run_handoff, stage_pairs
+
+    split = make_plan(stages=3)
+    gpus = (0, 1, 1)
+    stages = [
+        s.model_copy(update={"device": f"cuda:{gpus[s.index]}", "gpu": gpus[s.index]}) for s in split.stages
+    ]
+    assert stage_pairs(split.model_copy(update={"stages": stages})) == [(0, 1)]
+    with pytest.raises(ValueError, match="needs a split over two GPUs"):
+        run_handoff(make_plan(stages=1))
