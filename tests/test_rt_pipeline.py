@@ -19,8 +19,9 @@ from test_rt_engine import collect, engine, reference
 
 from strata_runtime.api import Request
 from strata_runtime.engine import Engine
-from strata_runtime.engine.executor import Executor, Job
+from strata_runtime.engine.executor import Executor
 from strata_runtime.engine.flight import Flight, Mark, StageMark
+from strata_runtime.engine.job import Job
 
 
 class Gate(StageMark):
@@ -112,6 +113,7 @@ def nothing_else_to_do(eng: Engine) -> None:
         streams = (
             all(f.job.kind == "prefill" for f in flying)
             and not newest.job.entries[0].ends_prompt
+            and not newest.job.entries[0].slot.handle.cancelled.is_set()
             and len(flying) < stages
             and not any(s.decoding for s in members)
         )
@@ -277,3 +279,18 @@ def test_the_handoff_workload_times_each_pair_of_stage_gpus_and_refuses_one_gpu(
     assert stage_pairs(split.model_copy(update={"stages": stages})) == [(0, 1)]
     with pytest.raises(ValueError, match="needs a split over two GPUs"):
         run_handoff(make_plan(stages=1))
+
+
+def test_a_cancelled_prompt_stops_streaming_and_its_slot_waits_for_its_chunks_in_flight() -> None:
+    eng, ex = gated(make_plan(stages=3, slots=2, groups=2, context=128, prefill_chunk=16))
+    handle = eng.submit(Request(tuple(32 + i % 90 for i in range(100)), 4))
+    while sum(1 for f in eng._flights if f.job.kind == "prefill") < 3:
+        eng.step()
+    handle.cancel()
+    launched = sum(1 for e in ex.log if e.what == "launch")
+    while eng.step():
+        assert eng.slots[0] is None or eng._flights or handle.events.empty()
+    assert sum(1 for e in ex.log if e.what == "launch") == launched  # no chunk after the cancel
+    events = [handle.events.get() for _ in range(handle.events.qsize())]
+    assert events[-1].finished == "cancelled" and eng.slots == [None, None]
+    assert eng.model.kv_lengths(0) == [0, 0, 0]

@@ -119,6 +119,7 @@ def run_handoff(plan: LaunchPlan) -> dict[str, Any]:
     if not pairs:
         raise ValueError("--workload handoff needs a split over two GPUs; the plan's stages share one")
     import cupy as cp
+
     hidden, rows = plan.model.facts.hidden_size, plan.windows.handoff_rows
     sizes = {"window": rows * hidden * 4, "row": hidden * 4, "large": LARGE_BYTES}
     results = []

@@ -1,8 +1,8 @@
 """Running windows: `launch` queues one on every stage and returns at once; `finish` decides its rows.
 
-A `Job` is one window: a prefill chunk of one slot, or the decode rows (token plus proposals) of one or
-more slots. `Executor.launch` queues it through the stages and returns a `strata_runtime.engine.flight.Flight`
-without waiting. On GPUs each stage works on its own non-blocking CUDA stream (one per stage, made once):
+A `strata_runtime.engine.job.Job` is one window. `Executor.launch` queues it through the stages and returns
+a `strata_runtime.engine.flight.Flight` without waiting. On GPUs each stage works on its own non-blocking CUDA
+stream (one per stage, made once):
 stage 0 embeds the tokens; each later stage waits for the previous stage's event and copies the hidden rows
 over from its device (a peer copy, on the receiving stream); every stage runs its layers and records an
 event. The last stage adds the final norm, the LM head of the rows that decide a token, their argmax (and,
@@ -27,8 +27,7 @@ import contextlib
 import functools
 from collections import deque
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
@@ -36,73 +35,13 @@ from strata_cfg.schema.windows import MAX_WINDOW_ROWS
 
 from ..api import TokenEvent
 from ..backend import Array, cupy_module, device_lock, download, holding, peer_copy, transfer
-from ..layout import Layout
 from ..model import Model
 from ..model.stage import Stage
 from .flight import Flight, Mark, StageMark, StageWorker, wait_any
+from .job import Entry, Job
 from .sampling import Sampler, distribution
 from .slot import Slot
 from .speculative import Proposals, commit, draft, verify
-
-
-@dataclass
-class Entry:
-    """One slot's rows in a window."""
-
-    slot: Slot
-    kind: Literal["prefill", "decode"]
-    tokens: list[int]
-    proposals: Proposals = field(default_factory=lambda: Proposals([], []))
-    pos: int = -1
-    """The KV position of the first row (the slot's length when it is -1 at creation); a streamed prompt
-    chunk starts past the chunks still in flight."""
-    ends_prompt: bool = False
-    """A prefill chunk that ends its prompt: its last row decides the first generated token."""
-
-    def __post_init__(self) -> None:
-        if self.pos < 0:
-            self.pos = self.slot.length
-
-
-@dataclass
-class Job:
-    """One window."""
-
-    kind: str
-    """``prefill``, ``solo``, ``serial``, ``batch-mtp``, ``pipelined`` or ``pipelined-mtp``."""
-    entries: list[Entry]
-
-    def layout(self) -> Layout:
-        return Layout.of([(e.slot.id, len(e.tokens), e.pos) for e in self.entries])
-
-    def token_array(self) -> np.ndarray:
-        return np.array([t for e in self.entries for t in e.tokens], dtype=np.int64)
-
-    @property
-    def rows(self) -> int:
-        return sum(len(e.tokens) for e in self.entries)
-
-    @property
-    def proposals(self) -> int:
-        return sum(len(e.proposals.tokens) for e in self.entries)
-
-    def needed(self) -> list[int]:
-        """Rows whose logits decide a token: every decode row, and the last row of a prompt's final chunk
-        (a long chunk's other rows would cost an LM-head product of their own for nothing)."""
-        out: list[int] = []
-        row = 0
-        for e in self.entries:
-            n = len(e.tokens)
-            if e.kind == "decode":
-                out += range(row, row + n)
-            elif e.ends_prompt:
-                out.append(row + n - 1)
-            row += n
-        return out
-
-    @property
-    def slot_ids(self) -> tuple[int, ...]:
-        return tuple(e.slot.id for e in self.entries)
 
 
 def _using(stream: Any) -> Any:

@@ -19,15 +19,13 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
 from ..backend import Array
 from ..layout import Layout
-
-if TYPE_CHECKING:
-    from .executor import Job
+from .job import Job
 
 POLL_S = 50e-6
 """How often the host looks again while it waits for the first of several marks (no CUDA call waits for

@@ -43,8 +43,9 @@ from ..api import PlanMismatch, Request, RequestHandle, TokenEvent
 from ..model import Model
 from ..model.placed import WeightStore
 from ..weights.progress import Progress
-from .executor import Entry, Executor, Job
+from .executor import Executor
 from .flight import Flight, Mark
+from .job import Entry, Job
 from .refusals import refusals
 from .sampling import Sampler
 from .slot import Slot
@@ -332,13 +333,15 @@ class Engine:
     def _streaming(self, group: int, flying: list[Flight]) -> Flight | None:
         """The newest flight of a group that may stream its prompt's next chunk behind it: every flight of
         the group is a chunk of that prompt, the newest is not its last, fewer chunks than stages are in
-        flight, and no slot of the group waits to decode (a group alternates chunks with decode windows)."""
+        flight, no slot of the group waits to decode (a group alternates chunks with decode windows), and
+        the request was not cancelled."""
         newest = flying[-1]
         if len(flying) >= len(self.model.stages) or any(f.job.kind != "prefill" for f in flying):
             return None
-        if newest.job.entries[0].ends_prompt or any(s.decoding for s in self._members(group)):
+        entry = newest.job.entries[0]
+        if entry.ends_prompt or entry.slot.handle.cancelled.is_set():
             return None
-        return newest
+        return None if any(s.decoding for s in self._members(group)) else newest
 
     def _finish_done(self) -> int:
         """Finish every flight that is done, oldest first (flights finish in launch order)."""
