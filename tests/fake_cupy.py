@@ -98,15 +98,16 @@ class _Graph:
 
 
 class _Event:
-    """Done as soon as it is recorded: the stand-in runs work when it is queued."""
+    """Done as soon as it is recorded: the stand-in runs work when it is queued. Like a CUDA event it belongs
+    to the device that was current when it was made, and may be recorded only on that device's streams."""
 
     def __init__(self, block: bool = False, disable_timing: bool = False, interprocess: bool = False) -> None:
-        pass
+        self.device_id = _CURRENT.devices[-1]
 
     done = True
 
     def record(self, stream: Any = None) -> None:
-        pass
+        (stream or get_current_stream()).record(self)
 
     def synchronize(self) -> None:
         pass
@@ -129,6 +130,7 @@ class _Stream:
         self.device_id = _CURRENT.devices[-1]
 
     def __enter__(self) -> _Stream:
+        assert self.device_id == _CURRENT.devices[-1], "a stream made current on another device"
         _CURRENT.streams.append(self)
         return self
 
@@ -136,7 +138,12 @@ class _Stream:
         _CURRENT.streams.pop()
 
     def record(self, event: _Event | None = None) -> _Event:
-        return event if event is not None else _Event()
+        event = event if event is not None else _Event()
+        device = _CURRENT.devices[-1] if self is _NULL_STREAM else self.device_id
+        assert event.device_id == device, (
+            f"an event of device {event.device_id} recorded on a stream of device {device}"
+        )
+        return event
 
     def wait_event(self, event: _Event) -> None:
         assert event is not None, "a stream waits for an event that was never recorded"
@@ -155,7 +162,9 @@ _NULL_STREAM = _Stream()
 
 
 def get_current_stream() -> _Stream:
-    return _CURRENT.streams[-1] if _CURRENT.streams else _NULL_STREAM
+    """The innermost stream made current on the current device (CuPy keeps one per device), else null."""
+    device = _CURRENT.devices[-1]
+    return next((s for s in reversed(_CURRENT.streams) if s.device_id == device), _NULL_STREAM)
 
 
 class _Device:

@@ -205,7 +205,8 @@ class Executor:
             return draft(self.model, slot, token, depth, sampler)
 
     def _retire(self, flight: Flight) -> None:
-        """Hold a finished flight's arrays until the drafters' stream has read them."""
+        """Hold a finished flight's arrays until the drafters' stream has read them (called on that stream's
+        device: an event is recorded only on a stream of the device it was made on)."""
         stream = self._draft_stream
         while self._retired and self._retired[0][0].done:
             self._retired.popleft()
@@ -226,7 +227,7 @@ class Executor:
             for e in flight.job.entries:
                 events += self._decide(flight, e, row, logit_row)
                 row += len(e.tokens)
-        self._retire(flight)
+            self._retire(flight)
         return events
 
     def _decide(
