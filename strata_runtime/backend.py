@@ -4,13 +4,21 @@ Model code is written once against ``device.xp``. A virtual CPU device runs exac
 NumPy, which makes it the reference path and keeps CI and laptops working. CuPy is optional: it is imported
 only when a ``cuda`` device is asked for, and whichever CuPy wheel is installed (``cupy-cuda12x``,
 ``cupy-cuda13x``, ...) is accepted.
+
+Copies that feed a GPU or read it back go through page-locked (pinned) host memory (`upload`,
+`upload_into`, `download`): a copy from ordinary pageable memory makes the host wait for the stream first,
+which would serialise stages that are meant to overlap. A pinned buffer must outlive its copy: it is held by
+the list a `holding` block names (a window in flight holds its own), or else until an event after the copy.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import importlib
 import re
+import threading
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from types import ModuleType
@@ -105,6 +113,17 @@ class Device:
                 out = out.astype(dtype)
             return out
 
+    def upload(self, host: np.ndarray) -> Array:
+        """A new array on this device holding ``host``: on a GPU queued on the current stream through pinned
+        memory (see `upload_into`); on a CPU device a copy."""
+        host = np.ascontiguousarray(host)
+        if not self.is_cuda:
+            return np.array(host, copy=True)
+        with self.use():
+            out = self.xp.empty(host.shape, host.dtype)
+            upload_into(out, host)
+            return out
+
     def to_host(self, arr: Array) -> np.ndarray:
         """A NumPy copy (or view, on a CPU device) of a device array."""
         if self.is_cuda:
@@ -134,32 +153,174 @@ class Device:
 
 
 def transfer(arr: Array, src: Device, dst: Device) -> Array:
-    """Move hidden rows from ``src`` to ``dst``.
+    """Move hidden rows from ``src`` to ``dst``, ordered after the work queued on ``src``'s current stream.
 
-    Between two GPUs, CuPy copies device-to-device (a peer copy when the cards allow it, otherwise staged
-    by the driver); between CPU devices it is a plain copy so that no stage can alias another's buffers.
+    Between two GPUs this is a peer copy on ``dst``'s current stream; ``src``'s current stream then waits for
+    it, so ``arr``'s memory can be reused there as soon as the caller lets go of it. Between CPU devices it is
+    a plain copy, so that no stage can alias another's buffers.
     """
     if src == dst:
         return arr
     if src.is_cuda and dst.is_cuda:
+        cp = cupy_module()
+        with src.use():
+            ready = cp.cuda.get_current_stream().record()
         with dst.use():
-            return arr.copy()  # CuPy copies an array held on another device onto the current one
+            stream = cp.cuda.get_current_stream()
+            stream.wait_event(ready)
+            out = peer_copy(arr, src, dst)
+            copied = stream.record()
+        with src.use():
+            cp.cuda.get_current_stream().wait_event(copied)
+        return out
     if dst.is_cuda:
-        return dst.asarray(np.asarray(arr))
+        return dst.upload(np.asarray(arr))
     if src.is_cuda:
         return src.to_host(arr)
     return np.array(arr, copy=True)
 
 
-def enable_peer_access(devices: list[Device]) -> None:
-    """Let every pair of GPUs copy directly to each other where the hardware allows it."""
-    cuda = [d for d in devices if d.is_cuda]
-    if len(cuda) < 2:
-        return
+def peer_copy(arr: Array, src: Device, dst: Device) -> Array:
+    """A copy of GPU array ``arr`` (C-contiguous, on ``src``) made on ``dst``, on ``dst``'s current stream.
+
+    ``dst`` must be the current device. The copy goes straight over the link when peer access is enabled
+    (`enable_peer_access`), through the host otherwise. The caller orders it after the writes to ``arr`` and
+    keeps ``arr`` alive until it has run.
+    """
     cp = cupy_module()
+    if not arr.flags.c_contiguous:
+        raise ValueError(f"a peer copy needs a C-contiguous array, not one of strides {arr.strides}")
+    out = cp.empty(arr.shape, arr.dtype)
+    if arr.nbytes:
+        stream = cp.cuda.get_current_stream()
+        cp.cuda.runtime.memcpyPeerAsync(
+            out.data.ptr, dst.index, arr.data.ptr, src.index, arr.nbytes, stream.ptr
+        )
+    return out
+
+
+PEER_ACCESS_ALREADY_ENABLED = 704
+"""cudaErrorPeerAccessAlreadyEnabled: what enabling a pair that is already enabled answers."""
+
+
+def enable_peer_access(devices: list[Device]) -> list[str]:
+    """Let every pair of GPUs copy directly to each other where the hardware allows it; one line per pair.
+
+    A pair counts as enabled only when asking again answers "already enabled" (`peer_access_enabled`), so
+    the lines say what the driver holds, not what was asked for.
+    """
+    cuda = [d for d in dict.fromkeys(devices) if d.is_cuda]
+    if len(cuda) < 2:
+        return []
+    cp = cupy_module()
+    lines = []
     for a in cuda:
         for b in cuda:
-            if a.index == b.index or not cp.cuda.runtime.deviceCanAccessPeer(a.index, b.index):
+            if a.index == b.index:
+                continue
+            if not cp.cuda.runtime.deviceCanAccessPeer(a.index, b.index):
+                lines.append(f"peer access {a} -> {b}: not supported (copies go through the host)")
                 continue
             with a.use(), contextlib.suppress(cp.cuda.runtime.CUDARuntimeError):  # already enabled
                 cp.cuda.runtime.deviceEnablePeerAccess(b.index)
+            state = "enabled" if peer_access_enabled(a, b) else "NOT enabled (copies go through the host)"
+            lines.append(f"peer access {a} -> {b}: {state}")
+    return lines
+
+
+def peer_access_enabled(a: Device, b: Device) -> bool:
+    """Whether ``a`` can read ``b``'s memory directly now: enabling it again must answer "already enabled".
+
+    (If it was not enabled, this call enables it and answers False; call it again to see it hold.)
+    """
+    cp = cupy_module()
+    with a.use():
+        try:
+            cp.cuda.runtime.deviceEnablePeerAccess(b.index)
+        except cp.cuda.runtime.CUDARuntimeError as exc:
+            return getattr(exc, "status", None) == PEER_ACCESS_ALREADY_ENABLED
+    return False
+
+
+_DEVICE_LOCKS: dict[int, threading.Lock] = {}
+_DEVICE_LOCKS_GUARD = threading.Lock()
+
+
+def device_lock(index: int) -> threading.Lock:
+    """The lock that keeps GPU ``index``'s CUDA graph captures and pool releases apart: freeing memory
+    synchronises the device, which must not happen while another thread captures a graph on it."""
+    with _DEVICE_LOCKS_GUARD:
+        return _DEVICE_LOCKS.setdefault(index, threading.Lock())
+
+
+# ---- pinned staging ----------------------------------------------------------------------------------
+
+_HOLDER: contextvars.ContextVar[list[Any] | None] = contextvars.ContextVar("strata_holder", default=None)
+
+
+@contextlib.contextmanager
+def holding(keep: list[Any]) -> Iterator[None]:
+    """Pinned buffers that copies queue in this block (on this thread) are held in ``keep``, whose owner
+    lets go of them only after those copies have run (a window in flight: once it is finished)."""
+    token = _HOLDER.set(keep)
+    try:
+        yield
+    finally:
+        _HOLDER.reset(token)
+
+
+class _Watched:
+    """Pinned buffers queued outside any `holding` block, each kept until an event after its copy is done."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: deque[tuple[Any, Any]] = deque()
+
+    def hold(self, event: Any, buffer: Any) -> None:
+        with self._lock:
+            while self._held and self._held[0][0].done:
+                self._held.popleft()
+            self._held.append((event, buffer))
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+
+WATCHED = _Watched()
+
+
+def _hold(buffer: Any) -> None:
+    """Keep ``buffer`` until the copy just queued on the current stream has run."""
+    keep = _HOLDER.get()
+    if keep is not None:
+        keep.append(buffer)
+    else:
+        WATCHED.hold(cupy_module().cuda.get_current_stream().record(), buffer)
+
+
+def pinned_empty(shape: tuple[int, ...], dtype: DTypeLike) -> np.ndarray:
+    """A page-locked host array (CuPy's pinned pool), for copies the host does not wait for."""
+    dt = np.dtype(dtype)
+    count = int(np.prod(shape, dtype=np.int64))
+    mem = cupy_module().cuda.alloc_pinned_memory(max(count * dt.itemsize, 1))
+    return np.frombuffer(mem, dt, count).reshape(shape)
+
+
+def upload_into(dst: Array, host: np.ndarray) -> None:
+    """Copy ``host`` into GPU array ``dst`` on the current stream through a pinned buffer: the host does not
+    wait, and the copy is ordered with the stream's other work on ``dst``."""
+    staged = pinned_empty(tuple(dst.shape), dst.dtype)
+    staged[...] = host
+    dst.set(staged, stream=cupy_module().cuda.get_current_stream())
+    _hold(staged)
+
+
+def download(arr: Array) -> np.ndarray:
+    """Queue a copy of GPU array ``arr`` into a new pinned host array on the current stream and return that
+    array. It holds the values once the stream has passed this point; the host does not wait here."""
+    cp = cupy_module()
+    arr = cp.ascontiguousarray(arr)
+    out = pinned_empty(tuple(arr.shape), arr.dtype)
+    arr.get(stream=cp.cuda.get_current_stream(), out=out, blocking=False)
+    _hold(out)
+    return out

@@ -1,4 +1,4 @@
-"""Shared test configuration: the `gpu` marker skips cleanly without a CUDA device."""
+"""Shared test configuration: the `gpu` marker skips without a CUDA device, `gpu2` with fewer than two."""
 
 from __future__ import annotations
 
@@ -7,20 +7,26 @@ import importlib.util
 import pytest
 
 
-def _have_gpu() -> bool:
+def _gpu_count() -> int:
     if importlib.util.find_spec("cupy") is None:
-        return False
+        return 0
     try:
         import cupy
 
-        return bool(cupy.cuda.runtime.getDeviceCount() > 0)
+        return int(cupy.cuda.runtime.getDeviceCount())
     except Exception:
-        return False
+        return 0
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if any("gpu" in item.keywords for item in items) and not _have_gpu():
-        skip = pytest.mark.skip(reason="needs a CUDA GPU with CuPy")
-        for item in items:
-            if "gpu" in item.keywords:
-                item.add_marker(skip)
+    needs = {"gpu": 1, "gpu2": 2}
+    wanted = [(item, n) for item in items for marker, n in needs.items() if marker in item.keywords]
+    if not wanted:
+        return
+    count = _gpu_count()
+    for item, n in wanted:
+        if count < n:
+            reason = (
+                "needs a CUDA GPU with CuPy" if n == 1 else f"needs {n} CUDA GPUs with CuPy ({count} here)"
+            )
+            item.add_marker(pytest.mark.skip(reason=reason))

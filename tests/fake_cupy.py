@@ -5,11 +5,18 @@ CUDA graphs and calls kernel launchers. With this module installed as ``cupy``, 
 references (`strata_runtime.reference`) standing in for the launchers, that Python runs on the CPU: a
 mistake in it (a wrong buffer, weight, step order or graph replay) shows up as wrong logits. Capture is
 modelled as recording the launches and replay as running them again, which is what a CUDA graph does.
+
+Streams and events run everything at once: work is done when it is queued, every event is done, and a
+stream's wait for an event has nothing to wait for. Pinned host memory is a host buffer this module
+remembers, so that a test can tell whether an upload (``ndarray.set``) came from pinned or pageable memory
+(`UPLOADS`). Peer copies move the bytes between the arrays' addresses.
 """
 
 from __future__ import annotations
 
+import ctypes
 import sys
+import threading
 import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -25,8 +32,28 @@ CUDA_MODULES = tuple(f"strata_runtime.cuda.{m}" for m in ("decode", "prefill", "
 """The modules of the CUDA path that import CuPy when they are imported."""
 
 
+UPLOADS: list[bool] = []
+"""For every ``ndarray.set`` since the list was last cleared: whether its source was pinned memory."""
+_PINNED: list[tuple[int, int, bytearray]] = []  # (address, size, buffer): kept, so no address is reused
+
+
+def is_pinned(host: np.ndarray) -> bool:
+    at = host.ctypes.data
+    return any(start <= at and at + host.nbytes <= start + size for start, size, _ in _PINNED)
+
+
+def alloc_pinned_memory(size: int) -> bytearray:
+    buf = bytearray(size)
+    _PINNED.append((np.frombuffer(buf, np.uint8).ctypes.data, size, buf))
+    return buf
+
+
 class FakeArray(np.ndarray):
-    """A host array with CuPy's ``get``/``set`` (copies happen at once, whatever the stream)."""
+    """A host array with CuPy's ``get``/``set`` and ``data.ptr``."""
+
+    @property
+    def data(self) -> Any:  # type: ignore[override]
+        return types.SimpleNamespace(ptr=self.ctypes.data)
 
     def get(self, stream: Any = None, out: np.ndarray | None = None, blocking: bool = True) -> np.ndarray:
         if out is None:
@@ -35,6 +62,7 @@ class FakeArray(np.ndarray):
         return out
 
     def set(self, host: np.ndarray, stream: Any = None) -> None:
+        UPLOADS.append(is_pinned(host))
         self[...] = host
 
 
@@ -44,8 +72,9 @@ def _wrap(x: Any) -> Any:
     return x
 
 
-class _Recorder:
-    """Launches made while a stream captures are recorded instead of run."""
+class _Recorder(threading.local):
+    """Launches made while a stream captures are recorded instead of run (per thread: each stage's thread
+    captures on its own stream)."""
 
     def __init__(self) -> None:
         self.capturing: list[list[tuple[Callable[..., None], tuple[Any, ...], dict[str, Any]]]] = []
@@ -69,17 +98,56 @@ class _Graph:
             fn(*a, **k)
 
 
-class _Stream:
-    ptr = 0
+class _Event:
+    """Done as soon as it is recorded: the stand-in runs work when it is queued. Like a CUDA event it belongs
+    to the device that was current when it was made, and may be recorded only on that device's streams."""
 
-    def __init__(self, non_blocking: bool = False) -> None:
+    def __init__(self, block: bool = False, disable_timing: bool = False, interprocess: bool = False) -> None:
+        self.device_id = _CURRENT.devices[-1]
+
+    done = True
+
+    def record(self, stream: Any = None) -> None:
+        (stream or get_current_stream()).record(self)
+
+    def synchronize(self) -> None:
         pass
 
+
+class _Current(threading.local):
+    def __init__(self) -> None:
+        self.streams: list[_Stream] = []
+        self.devices: list[int] = [0]
+
+
+_CURRENT = _Current()
+
+
+class _Stream:
+    ptr = 0
+    done = True
+
+    def __init__(self, non_blocking: bool = False) -> None:
+        self.device_id = _CURRENT.devices[-1]
+
     def __enter__(self) -> _Stream:
+        assert self.device_id == _CURRENT.devices[-1], "a stream made current on another device"
+        _CURRENT.streams.append(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        pass
+        _CURRENT.streams.pop()
+
+    def record(self, event: _Event | None = None) -> _Event:
+        event = event if event is not None else _Event()
+        device = _CURRENT.devices[-1] if self is _NULL_STREAM else self.device_id
+        assert event.device_id == device, (
+            f"an event of device {event.device_id} recorded on a stream of device {device}"
+        )
+        return event
+
+    def wait_event(self, event: _Event) -> None:
+        assert event is not None, "a stream waits for an event that was never recorded"
 
     def begin_capture(self) -> None:
         RECORDER.capturing.append([])
@@ -90,38 +158,72 @@ class _Stream:
     def synchronize(self) -> None:
         pass
 
-    def wait_event(self, event: Any) -> None:
-        pass
+
+_NULL_STREAM = _Stream()
 
 
-class _Event:
-    """Work is done when it is launched, so every event has happened."""
+def get_current_stream() -> _Stream:
+    """The innermost stream made current on the current device (CuPy keeps one per device), else null."""
+    device = _CURRENT.devices[-1]
+    return next((s for s in reversed(_CURRENT.streams) if s.device_id == device), _NULL_STREAM)
 
-    done = True
 
-    def __init__(self, disable_timing: bool = False) -> None:
-        pass
+class _Device:
+    def __init__(self, index: int | None = None) -> None:
+        self.id = _CURRENT.devices[-1] if index is None else index
 
-    def record(self, stream: Any = None) -> None:
-        pass
+    def __enter__(self) -> _Device:
+        _CURRENT.devices.append(self.id)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _CURRENT.devices.pop()
 
     def synchronize(self) -> None:
         pass
 
 
-_HOST: dict[int, np.ndarray] = {}
-"""The stand-in's page-locked host allocations by address (``hostAlloc``)."""
+class CUDARuntimeError(RuntimeError):
+    def __init__(self, status: int) -> None:
+        super().__init__(f"CUDA error {status}")
+        self.status = status
 
 
-def _host_alloc(size: int, flags: int) -> int:
-    buf = np.empty(max(size, 1), np.uint8)
-    _HOST[buf.ctypes.data] = buf
-    return int(buf.ctypes.data)
+class _Runtime:
+    """The driver calls the runtime makes, with peer access as a table of enabled pairs."""
 
+    CUDARuntimeError = CUDARuntimeError
 
-class _Device(_Stream):
-    def __init__(self, index: int = 0) -> None:
-        self.id = index
+    def __init__(self, devices: int) -> None:
+        self.devices = devices
+        self.peer: set[tuple[int, int]] = set()
+
+    def getDeviceCount(self) -> int:  # noqa: N802 (CuPy's names)
+        return self.devices
+
+    def deviceCanAccessPeer(self, a: int, b: int) -> bool:  # noqa: N802
+        return a != b
+
+    def deviceEnablePeerAccess(self, peer: int) -> None:  # noqa: N802
+        pair = (_CURRENT.devices[-1], peer)
+        if pair in self.peer:
+            raise CUDARuntimeError(704)  # cudaErrorPeerAccessAlreadyEnabled
+        self.peer.add(pair)
+
+    def memcpyPeerAsync(self, dst: int, dst_dev: int, src: int, src_dev: int, size: int, stream: int) -> None:  # noqa: N802
+        ctypes.memmove(dst, src, size)
+
+    def memGetInfo(self) -> tuple[int, int]:  # noqa: N802
+        return (80 << 30, 80 << 30)
+
+    hostAllocPortable, hostAllocMapped = 1, 2  # noqa: N815
+
+    def hostAlloc(self, size: int, flags: int) -> int:  # noqa: N802
+        """Page-locked host memory (the expert cache's host tier): pinned, as uploads from it count."""
+        return int(np.frombuffer(alloc_pinned_memory(max(size, 1)), np.uint8).ctypes.data)
+
+    def freeHost(self, ptr: int) -> None:  # noqa: N802
+        _PINNED[:] = [p for p in _PINNED if p[0] != ptr]
 
 
 class ReferenceKernels:
@@ -154,8 +256,8 @@ def _matmul(transpose_b: bool) -> Callable[..., Any]:
     return product
 
 
-def module() -> types.ModuleType:
-    """The stand-in ``cupy`` module."""
+def module(devices: int = 4) -> types.ModuleType:
+    """The stand-in ``cupy`` module, with ``devices`` GPUs."""
     cp = types.ModuleType("cupy")
     cp.__getattr__ = lambda name: (  # type: ignore[method-assign]
         (lambda *a, **k: _wrap(getattr(np, name)(*a, **k)))
@@ -173,23 +275,18 @@ def module() -> types.ModuleType:
     cp.empty_like = lambda a, dtype=None: empty(a.shape, a.dtype if dtype is None else dtype)
     cp.asarray = lambda a, dtype=None: _wrap(np.array(a, dtype=dtype))  # a copy, as host to device is
     cp.get_default_memory_pool = lambda: types.SimpleNamespace(
-        free_all_blocks=lambda: None, used_bytes=lambda: 0, total_bytes=lambda: 0, set_limit=lambda size: None
+        free_all_blocks=lambda stream=None: None,
+        used_bytes=lambda: 0,
+        total_bytes=lambda: 0,
+        set_limit=lambda size: None,
     )
     cp.cuda = types.SimpleNamespace(
         Device=_Device,
         Stream=_Stream,
         Event=_Event,
-        get_current_stream=_Stream,
-        runtime=types.SimpleNamespace(
-            getDeviceCount=lambda: 4,
-            deviceCanAccessPeer=lambda a, b: False,
-            CUDARuntimeError=RuntimeError,
-            memGetInfo=lambda: (80 << 30, 80 << 30),
-            hostAlloc=_host_alloc,
-            freeHost=lambda ptr: _HOST.pop(ptr, None),
-            hostAllocPortable=1,
-            hostAllocMapped=2,
-        ),
+        get_current_stream=get_current_stream,
+        alloc_pinned_memory=alloc_pinned_memory,
+        runtime=_Runtime(devices),
     )
     return cp
 

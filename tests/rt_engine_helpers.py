@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rt_plans import make_plan
+from rt_plans import make_plan, pipelined_mtp_plan
 
 from strata_cfg.schema.plan import LaunchPlan
 from strata_runtime.api import Request
@@ -21,7 +21,10 @@ MODES: dict[str, dict[str, Any]] = {
     "serial": {"slots": 4, "groups": 1},
     "pipelined": {"slots": 4, "groups": 2},
     "batch-mtp": {"slots": 4, "groups": 1, "batch_mtp": True, "draft_tokens": 3},
+    "pipelined-mtp": {"slots": 4, "groups": 2, "draft_tokens": 3},
 }
+"""Window modes by their keywords to `rt_plans.make_plan`; ``pipelined-mtp`` is batch MTP inside pipelined
+groups, which needs a split (`mode_plan` gives it two stages at least)."""
 
 
 def mode_plan(mode: str, stages: int, **kw: Any) -> LaunchPlan:
@@ -29,6 +32,8 @@ def mode_plan(mode: str, stages: int, **kw: Any) -> LaunchPlan:
     args = {**MODES[mode], **kw}
     if mode == "pipelined" and stages == 1:
         args["groups"] = None  # groups need a split; one stage keeps one group
+    if mode == "pipelined-mtp":
+        return pipelined_mtp_plan(stages=max(stages, 2), **args)
     return make_plan(stages=stages, **args)
 
 

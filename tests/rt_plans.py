@@ -90,3 +90,20 @@ def make_plan(**kw: Any) -> LaunchPlan:
         assert plan.batch.groups == kw["groups"], [d.message for d in plan.decisions]
     assert plan.spec.mtp == (kw.get("draft_tokens", 0) >= 2)
     return plan
+
+
+def pipelined_mtp_plan(**kw: Any) -> LaunchPlan:
+    """The plan `batch.mtp_in_groups = true` resolves to for the keywords of `make_plan` (``groups`` > 1 on
+    a split, ``draft_tokens`` >= 2 so that the model carries its MTP head)."""
+    return with_mtp_in_groups(make_plan(**kw))
+
+
+def with_mtp_in_groups(plan: LaunchPlan) -> LaunchPlan:
+    """A pipelined plan with batch MTP inside each group, as `batch.mtp_in_groups = true` resolves: 2 rows
+    per slot, at most 4 slots per group, drafters for every slot on the last stage."""
+    b = plan.batch
+    assert b.mode == "pipelined" and b.groups > 1 and plan.spec.mtp, "pipelined MTP needs groups and drafting"
+    per_group = b.slots // b.groups
+    assert per_group <= 4, "a group's batch-MTP window holds at most 4 slots"
+    update = {"mtp": True, "mtp_in_groups": True, "rows_per_slot": 2, "slots_per_window": per_group}
+    return plan.model_copy(update={"batch": b.model_copy(update=update)})

@@ -78,7 +78,7 @@ def test_a_prompt_that_does_not_fit_the_context_is_refused_with_the_setting_to_c
     assert out.stdout == ""
 
 
-@pytest.mark.parametrize("workload", ["step", "vram"])
+@pytest.mark.parametrize("workload", ["step", "vram", "handoff"])
 def test_gpu_workloads_refuse_virtual_cpu_devices_in_one_line(workload: str) -> None:
     out = strata("bench", "profiles/demo.toml", "--workload", workload)
     assert out.returncode == 1
@@ -96,7 +96,7 @@ def test_gpu_workloads_refuse_a_cuda_plan_without_cupy() -> None:
     assert len(lines) == 1 and "--workload step needs a CUDA GPU" in lines[0] and "CuPy" in lines[0]
 
 
-@pytest.mark.parametrize("workload", ["prompt", "step", "vram"])
+@pytest.mark.parametrize("workload", ["prompt", "step", "vram", "handoff"])
 def test_in_process_workloads_are_refused_over_url(workload: str) -> None:
     out = strata("bench", "--url", "http://127.0.0.1:9", "--workload", workload)
     assert out.returncode == 2

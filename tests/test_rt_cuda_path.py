@@ -173,3 +173,70 @@ def test_an_expert_cache_on_the_cuda_path_changes_no_token(fake_gpu):
                 assert int(tables.gate_up[j, e]) == gate_up.ctypes.data
                 assert int(tables.down[j, e]) == down.ctypes.data
     assert engine.model.mtp is not None and engine.model.mtp.stage is engine.model.stages[-1]
+
+
+def _greedy(plan, prompts: list[tuple[int, ...]], tokens: int) -> tuple[list[list[int]], object]:
+    from strata_runtime.engine import Engine
+
+    engine = Engine(plan)
+    handles = []
+    for i, p in enumerate(prompts):
+        handles.append(engine.submit(Request(p, tokens)))
+        engine.step()  # staggered: each request arrives a step after the one before
+        if i == 0:
+            engine.step()
+    while engine.step():
+        pass
+    assert engine.model.stages[-1].cuda is not None
+    return [[t for _ in range(h.events.qsize()) for t in h.events.get().token_ids] for h in handles], engine
+
+
+def test_the_continuous_pipeline_on_the_cuda_path_stages_uploads_in_pinned_memory(fake_gpu):
+    """Two stage threads, peer copies between the stages, uploads and read-backs through pinned memory:
+    greedy text as in serial windows, and no upload from pageable memory."""
+    import fake_cupy
+    from rt_plans import with_mtp_in_groups
+
+    prompts = [tuple(range(40, 110)), (72, 101, 108, 108, 111), tuple(range(60, 75))]  # 70 rows: prefill path
+    alone, _ = _greedy(_plan("cuda", "tiny", draft_tokens=3), prompts, 8)  # one GPU: no hand-off
+    serial, _ = _greedy(_cuda_split(slots=4, groups=1, draft_tokens=3), prompts, 8)
+    fake_cupy.UPLOADS.clear()
+    pipelined, eng = _greedy(_cuda_split(slots=4, groups=2, draft_tokens=3), prompts, 8)
+    assert eng.executor._workers is not None and len(eng.executor._workers) == 2  # one thread per stage
+    assert "peer access cuda:0 -> cuda:1: enabled" in eng.startup
+    assert fake_cupy.UPLOADS and all(fake_cupy.UPLOADS), "an upload came from pageable memory"
+    fake_cupy.UPLOADS.clear()
+    in_groups, eng = _greedy(with_mtp_in_groups(_cuda_split(slots=4, groups=2, draft_tokens=3)), prompts, 8)
+    assert all(fake_cupy.UPLOADS)
+    assert any(w.kind == "pipelined-mtp" for w in eng.windows) and eng.totals["accepted"] > 0
+    assert all(len(t) == 8 for t in alone) and serial == alone and pipelined == alone and in_groups == alone
+
+
+def _cuda_split(**kw):
+    from rt_plans import profile_text
+
+    text = profile_text(preset="tiny", stages=2, context=256, **kw)
+    text = text.replace('backend = "cpu"', 'backend = "cuda"').replace(
+        "[model]", '[model]\ndtype = "float16"'
+    )
+    return resolve_text(text, "cuda-split.toml").plan
+
+
+def test_peer_access_counts_as_enabled_only_when_the_driver_says_it_already_is(fake_gpu):
+    import cupy
+
+    from strata_runtime.backend import Device, enable_peer_access
+
+    pair = [Device.parse("cuda:2"), Device.parse("cuda:3")]
+    assert enable_peer_access(pair) == [
+        "peer access cuda:2 -> cuda:3: enabled",
+        "peer access cuda:3 -> cuda:2: enabled",
+    ]
+    runtime = cupy.cuda.runtime
+    enable = runtime.deviceEnablePeerAccess
+    runtime.deviceEnablePeerAccess = lambda peer: None  # answers success and enables nothing
+    try:
+        pair = [Device.parse("cuda:0"), Device.parse("cuda:3")]
+        assert all("NOT enabled" in line for line in enable_peer_access(pair))
+    finally:
+        runtime.deviceEnablePeerAccess = enable

@@ -51,8 +51,9 @@ arrivals = st.lists(
 )
 
 
-@pytest.mark.parametrize("stages", [1, 2, 3, 4])
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize(
+    ("stages", "mode"), [(n, m) for n in (1, 2, 3, 4) for m in MODES if n > 1 or m != "pipelined-mtp"]
+)
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(schedule=arrivals)
 def test_greedy_text_is_the_same_in_every_mode_and_slots_stay_apart(stages, mode, schedule) -> None:
@@ -178,11 +179,17 @@ def test_plans_needing_unimplemented_features_are_refused_at_start(update, needl
         Engine(plan)
 
 
-def test_batch_mtp_in_pipelined_windows_is_refused_as_not_implemented() -> None:
-    plan = make_plan(stages=2, slots=4, batch_mtp=True, draft_tokens=3)
-    plan = plan.model_copy(update={"batch": plan.batch.model_copy(update={"mode": "pipelined", "groups": 2})})
-    with pytest.raises(PlanMismatch, match="batch MTP in pipelined windows is not implemented"):
-        Engine(plan)
+def test_batch_mtp_inside_pipelined_groups_runs_token_and_proposal_rows_per_group() -> None:
+    eng = engine(2, "pipelined-mtp")
+    reqs = [(i, Request(tuple(f"request {i} in its group".encode()), 20)) for i in range(4)]
+    got = collect(eng, reqs)
+    for (_, r), tokens in zip(reqs, got, strict=True):
+        assert tuple(tokens) == reference("tiny", r.prompt_ids, 20)
+    windows = [w for w in eng.windows if w.kind == "pipelined-mtp"]
+    assert windows and all(w.rows == 2 * len(w.slots) for w in windows)  # token + proposal per slot
+    assert all(len({s % 2 for s in w.slots}) == 1 for w in windows)  # one group's slots per window
+    assert {s for w in windows for s in w.slots} == {0, 1, 2, 3}
+    assert sum(w.accepted for w in windows) > 0
 
 
 def _window_kinds_and_rows(eng: Engine, prompts: list[bytes], max_tokens: int) -> list[tuple[str, int]]:

@@ -78,6 +78,7 @@ def test_a_sampled_prompt_of_several_chunks_gets_a_reply_in_every_mode(stages, m
 )
 @example(stages=2, mode="pipelined", lengths=[CHUNK + 1], temperature=1.0, max_tokens=4, seed=1)
 @example(stages=1, mode="batch-mtp", lengths=[3 * CHUNK, 1], temperature=0.3, max_tokens=2, seed=2)
+@example(stages=2, mode="pipelined-mtp", lengths=[2 * CHUNK + 1, 3], temperature=0.3, max_tokens=5, seed=3)
 def test_any_prompt_length_temperature_and_mode_gets_a_reply(
     stages, mode, lengths, temperature, max_tokens, seed
 ) -> None:

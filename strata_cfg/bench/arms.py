@@ -12,8 +12,11 @@ ARMS: dict[str, tuple[tuple[str, Any], ...]] = {
     "pipelined": (("batch.groups", "auto"), ("batch.mtp", False)),
     "batch-mtp": (("batch.groups", 1), ("batch.mtp", True)),
     "solo": (("batch.slots", 1), ("batch.mtp", False)),
+    "pipelined-mtp": (("batch.groups", "auto"), ("batch.mtp", True), ("batch.mtp_in_groups", True)),
 }
 """Each arm as ``--set`` overrides of the profile."""
+DEFAULT_ARMS = ("serial", "pipelined", "batch-mtp", "solo")
+"""The arms a bench runs when none are named (``pipelined-mtp`` is opt-in, as its key is)."""
 
 
 def arm_runs_as_named(name: str, plan: LaunchPlan) -> bool:
@@ -24,6 +27,7 @@ def arm_runs_as_named(name: str, plan: LaunchPlan) -> bool:
         "pipelined": b.groups > 1,
         "batch-mtp": b.mtp,
         "solo": b.slots <= 1,
+        "pipelined-mtp": b.mode == "pipelined" and b.groups > 1 and b.mtp,
     }[name]
 
 

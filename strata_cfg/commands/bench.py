@@ -11,8 +11,9 @@ With ``--url`` it measures a launched engine over HTTP instead, as its clients s
 (`strata_cfg.bench`): the same workloads and figures, for the one plan that engine runs.
 
 ``prompt`` reads one prompt of ``--prompt-tokens`` alone on the engine (arms: ``serial`` unless given).
-``step`` (the decode kernels against the byte roofline) and ``vram`` (what the engine holds against the
-plan's budget) measure the profile's own plan on its GPUs, without arms. These three run in process only.
+``step`` (the decode kernels against the byte roofline), ``vram`` (what the engine holds against the plan's
+budget) and ``handoff`` (the copies between two stages' GPUs) measure the profile's own plan on its GPUs,
+without arms. These four run in process only.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ..bench.arms import ARMS, arm_note
+from ..bench.arms import ARMS, DEFAULT_ARMS, arm_note
 from ..launch.engine_process import runtime_argv
 from ..schema.errors import ProfileError
 from ..schema.plan_file import write_plan
@@ -44,8 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload", choices=WORKLOADS, default="two-decodes")
     parser.add_argument(
         "--arms",
-        help=f"comma-separated arms (default: all of {', '.join(ARMS)}; for prompt: serial; "
-        "step and vram take no arms)",
+        help=f"comma-separated arms of {', '.join(ARMS)} (default: {', '.join(DEFAULT_ARMS)}; for prompt: "
+        "serial; step, vram and handoff take no arms)",
     )
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats per arm (default 3)")
     parser.add_argument("--tokens", type=int, default=300, help="tokens per request (default 300)")
@@ -104,10 +105,10 @@ def usage_problem(args: argparse.Namespace) -> str | None:
 
 
 def arm_names(args: argparse.Namespace) -> list[str]:
-    """The arms to run: as given, else ``serial`` for ``prompt`` and every arm for the others."""
+    """The arms to run: as given, else ``serial`` for ``prompt`` and the default arms for the others."""
     if args.arms is not None:
         return [a.strip() for a in args.arms.split(",") if a.strip()]
-    return ["serial"] if args.workload == "prompt" else list(ARMS)
+    return ["serial"] if args.workload == "prompt" else list(DEFAULT_ARMS)
 
 
 def run(args: argparse.Namespace) -> int:

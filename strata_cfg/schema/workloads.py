@@ -2,16 +2,17 @@
 
 Both measure the same requests: the same workload names, client counts and prompts. Some workloads only make
 sense in the engine's own process: ``prompt`` reports against the GPU's matrix rate measured in that run,
-``step`` times the CUDA kernels without an engine, and ``vram`` reads the driver's memory counters.
+``step`` times the CUDA kernels without an engine, ``vram`` reads the driver's memory counters, and
+``handoff`` times the copies between two stages' GPUs.
 """
 
 from __future__ import annotations
 
-WORKLOADS = ("two-decodes", "clients", "read-beside-decode", "solo", "prompt", "step", "vram")
+WORKLOADS = ("two-decodes", "clients", "read-beside-decode", "solo", "prompt", "step", "vram", "handoff")
 """Workload names, as `strata bench --workload` takes them."""
 HTTP_WORKLOADS = ("two-decodes", "clients", "read-beside-decode", "solo")
 """Workloads that also run against a launched engine (`strata bench --url`)."""
-GPU_WORKLOADS = ("step", "vram")
+GPU_WORKLOADS = ("step", "vram", "handoff")
 """Workloads that need CuPy and a CUDA GPU; they measure the profile's plan, not arms."""
 CLIENT_COUNTS = (1, 2, 4, 8)
 """Concurrent clients of the ``clients`` workload."""

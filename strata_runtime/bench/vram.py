@@ -62,6 +62,7 @@ def run_vram(plan: LaunchPlan, devices: list[int]) -> dict[str, Any]:
         full = before[g.index] - after_request[g.index]
         with cp.cuda.Device(g.index):
             pool = cp.get_default_memory_pool().total_bytes()
+            pool_used = cp.get_default_memory_pool().used_bytes()
         gpus.append(
             {
                 "device": g.device,
@@ -70,6 +71,7 @@ def run_vram(plan: LaunchPlan, devices: list[int]) -> dict[str, Any]:
                 "after_load_mib": round(load / MIB, 1),
                 "after_full_context_request_mib": round(full / MIB, 1),
                 "pool_total_mib": round(pool / MIB, 1),
+                "pool_used_mib": round(pool_used / MIB, 1),
                 "load_vs_plan": load / planned - 1 if planned else None,
                 "full_context_vs_plan": full / planned - 1 if planned else None,
             }
@@ -96,14 +98,14 @@ def render_vram(res: dict[str, Any]) -> str:
     ]
     head = (
         f"{'device':<8} {'plan MiB':>10} {'after load':>11} {'vs plan':>8} "
-        f"{'after request':>14} {'vs plan':>8} {'CuPy pool':>10}"
+        f"{'after request':>14} {'vs plan':>8} {'CuPy pool':>10} {'in use':>8}"
     )
     lines += [head, "-" * len(head)]
     for g in res["gpus"]:
         lines.append(
             f"{g['device']:<8} {g['planned_in_use_mib']:10,.0f} {g['after_load_mib']:11,.0f} "
             f"{_pct(g['load_vs_plan']):>8} {g['after_full_context_request_mib']:14,.0f} "
-            f"{_pct(g['full_context_vs_plan']):>8} {g['pool_total_mib']:10,.0f}"
+            f"{_pct(g['full_context_vs_plan']):>8} {g['pool_total_mib']:10,.0f} {g['pool_used_mib']:8,.0f}"
         )
     for g in res["gpus"]:
         terms = " + ".join(

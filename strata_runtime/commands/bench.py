@@ -6,7 +6,10 @@ over ``serial`` with a bootstrap 95% interval, and whether each arm's greedy tok
 
 On a GPU the figures come with their ceiling, measured in the same run before the engines are built: ``solo``
 and ``two-decodes`` against the one-row byte roofline (copy bandwidth), ``prompt`` against the fp16 matrix
-rate (`strata_runtime.bench.ceilings`). ``step`` and ``vram`` take one plan and build no arms.
+rate (`strata_runtime.bench.ceilings`). ``step``, ``vram`` and ``handoff`` take one plan and build no arms.
+
+Every arm is warmed before the first measured repeat: it reads a prompt of two chunks and decodes as many
+streams at once as the workload will, so that no repeat pays for compiling kernels or capturing graphs.
 """
 
 from __future__ import annotations
@@ -18,7 +21,13 @@ from typing import TYPE_CHECKING, Any
 
 from strata_cfg.schema.plan import LaunchPlan
 from strata_cfg.schema.plan_file import read_plan
-from strata_cfg.schema.workloads import GPU_WORKLOADS, PROMPTS, WORKLOADS, prompt_context_problem
+from strata_cfg.schema.workloads import (
+    CLIENT_COUNTS,
+    GPU_WORKLOADS,
+    PROMPTS,
+    WORKLOADS,
+    prompt_context_problem,
+)
 
 from ..api import Tokenizer
 from ..bench.ceilings import copy_bandwidth, decode_step_bytes, matrix_rate, prompt_flops, si
@@ -120,10 +129,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"  repeat {r + 1} {case:>14} {arm:>10}: {fig['tok_s']:9.1f} tok/s", file=sys.stderr)
 
     vocab = next(iter(plans.values())).model.facts.vocab_size
-    if args.workload == "prompt":
-        # Two prefill chunks take the long-prompt path as the measured prompt does, at a fraction of its cost.
-        chunk = max(p.memory.prefill_chunk for p in plans.values())
-        warm_up(engines, min(args.prompt_tokens, 2 * chunk), vocab)
+    # Two prefill chunks take the long-prompt path as a long prompt does, at a fraction of its cost.
+    chunk = max(p.memory.prefill_chunk for p in plans.values())
+    length = min(args.prompt_tokens, 2 * chunk) if args.workload == "prompt" else 2 * chunk
+    warm_up(engines, min(length, context - 2), vocab, streams=WARM_STREAMS.get(args.workload, 0))
     runs = run_bench(
         contenders,
         args.workload,
@@ -152,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
                         "mode": p.batch.mode,
                         "groups": p.batch.groups,
                         "batch_mtp": p.batch.mtp,
+                        "mtp_in_groups": p.batch.mtp_in_groups,
                         "slots": p.batch.slots,
                         "draft_tokens": p.spec.draft_tokens,
                     },
@@ -178,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_gpu_workload(args: argparse.Namespace, plan: LaunchPlan) -> int:
-    """``step`` or ``vram`` on the plan's GPUs, refused in one line where there are none."""
+    """``step``, ``vram`` or ``handoff`` on the plan's GPUs, refused in one line where there are none."""
     from ..backend import DeviceError
 
     try:
@@ -195,6 +205,16 @@ def run_gpu_workload(args: argparse.Namespace, plan: LaunchPlan) -> int:
             print(f"strata bench: {exc}", file=sys.stderr)
             return EXIT_REFUSED
         print(json.dumps(res, indent=2) if args.json else render_step(res))
+        return 0
+    if args.workload == "handoff":
+        from ..bench.handoff import render_handoff, run_handoff
+
+        try:
+            res = run_handoff(plan)
+        except ValueError as exc:
+            print(f"strata bench: {exc}", file=sys.stderr)
+            return EXIT_REFUSED
+        print(json.dumps(res, indent=2) if args.json else render_handoff(res))
         return 0
     from ..bench.vram import render_vram, run_vram
 
@@ -221,13 +241,27 @@ def measure_rates(workload: str, plans: dict[str, LaunchPlan]) -> dict[str, floa
     return {}
 
 
-def warm_up(engines: dict[str, Engine], length: int, vocab: int) -> None:
-    """Read one prompt of ``length`` on every arm first, so the first measured repeat pays no compilation."""
+WARM_STREAMS = {"two-decodes": 2, "clients": max(CLIENT_COUNTS), "read-beside-decode": 1, "solo": 1}
+"""Streams each workload decodes at once, which the warm-up runs too (every window shape it will use)."""
+WARM_TOKENS = 24
+
+
+def warm_up(engines: dict[str, Engine], length: int, vocab: int, streams: int = 0) -> None:
+    """Before the first measured repeat, on every arm: read one prompt of ``length``, then decode ``streams``
+    requests at once, joining one at a time (so every group and row count runs), so that no repeat pays for
+    compiling kernels or capturing graphs."""
     from ..api import Request, SamplingParams
 
+    greedy = SamplingParams(temperature=0.0)
     ids = prompt_ids(length, vocab, seed=1 << 20)  # not a seed any repeat uses
     for engine in engines.values():
-        InProcessDriver(engine).run([Arrival(Request(ids, 1, SamplingParams(temperature=0.0)))])
+        InProcessDriver(engine).run([Arrival(Request(ids, 1, greedy))])
+        if streams:
+            short = [prompt_ids(4, vocab, seed=(1 << 20) + i) for i in range(streams)]
+            arrivals = [
+                Arrival(Request(p, WARM_TOKENS, greedy), after_tokens=2 * i) for i, p in enumerate(short)
+            ]
+            InProcessDriver(engine).run(arrivals)
 
 
 def ceiling_report(

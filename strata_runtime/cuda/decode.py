@@ -23,6 +23,7 @@ import cupy as cp
 
 from strata_cfg.schema.windows import MAX_WINDOW_ROWS
 
+from ..backend import device_lock
 from ..layout import Layout
 from .layers import LayerStack, WindowBuffers
 
@@ -75,7 +76,7 @@ class CudaLayers:
         if graph is None:
             stream.synchronize()
             cap = self.capture_stream
-            with cap:
+            with device_lock(self.stack.device_id), cap:  # no other thread frees this GPU's memory meanwhile
                 cap.begin_capture()
                 body(b)
                 graph = cap.end_capture()

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from ..backend import Array, cupy_module
+from ..backend import Array, cupy_module, upload_into
 from ..layout import Layout
 from ..models.qwen3_moe import MLP, DecoderLayer, ModelArgs, SparseMoeBlock
 from .experts import ExpertSlice, LayerExperts, resident_experts
@@ -136,9 +136,10 @@ class WindowBuffers:
         return self._mlp_gu[: r * 2 * width].reshape(r, 2 * width), self._mlp_h[: r * width].reshape(r, width)
 
     def load(self, layout: Layout) -> None:
-        """Copy the window's positions and slots to the device (CuPy buffers)."""
-        self.pos.set(layout.positions().astype(np.int32))
-        self.slot.set(layout.row_slots().astype(np.int32))
+        """Copy the window's positions and slots to the device (CuPy buffers) on the current stream, through
+        pinned memory, so that the host does not wait for the stream's earlier work on these buffers."""
+        upload_into(self.pos, layout.positions().astype(np.int32))
+        upload_into(self.slot, layout.row_slots().astype(np.int32))
 
 
 # ---- one layer's kernel sequence ---------------------------------------------------------------------

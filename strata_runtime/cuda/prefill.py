@@ -26,6 +26,7 @@ from typing import Any
 import cupy as cp
 import numpy as np
 
+from ..backend import upload_into
 from ..layout import Layout
 from ..reference.flash import HEAD_DIMS
 from .blas import matmul_nn, matmul_nt
@@ -95,8 +96,10 @@ class CudaPrefill:
 
     def run(self, resid: cp.ndarray, layout: Layout) -> None:
         """Every layer on ``resid`` [n, H] fp32, in place."""
-        pos = cp.asarray(layout.positions(), dtype=cp.int32)  # [n]
-        slot = cp.asarray(layout.row_slots(), dtype=cp.int32)  # [n]
+        pos = cp.empty(layout.rows, cp.int32)  # [n]
+        upload_into(pos, layout.positions().astype(np.int32))
+        slot = cp.empty(layout.rows, cp.int32)  # [n]
+        upload_into(slot, layout.row_slots().astype(np.int32))
         rows = (pos, slot)
         routed = None
         if self.experts is not None:

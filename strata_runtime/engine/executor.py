@@ -1,188 +1,264 @@
-"""Running windows: serially through the stages, or several pipelined at once; then deciding each slot.
+"""Running windows: `launch` queues one on every stage and returns at once; `finish` decides its rows.
 
-A `Job` is one window: a prefill chunk of one slot, or the decode rows (token plus proposals) of one or
-more slots. `run_serial` passes it through every stage in order. `run_pipelined` runs several jobs as a
-wavefront: at tick t, stage s works on job t - s, so different groups' windows are on different stages at
-the same time. On GPUs each stage's work runs in its own thread, on its own device and stream, so the
-devices really overlap; on virtual CPU devices the same ticks run one after another. `finish` verifies
-each slot's rows and commits (accept/rewind) through `strata_runtime.engine.speculative`.
+A `strata_runtime.engine.job.Job` is one window. `Executor.launch` queues it through the stages and returns
+a `strata_runtime.engine.flight.Flight` without waiting. On GPUs each stage works on its own non-blocking CUDA
+stream (one per stage, made once):
+stage 0 embeds the tokens; each later stage waits for the previous stage's event and copies the hidden rows
+over from its device (a peer copy, on the receiving stream); every stage runs its layers and records an
+event. The last stage adds the final norm, the LM head of the rows that decide a token, their argmax (and,
+for sampled rows, the logits) copied into pinned host buffers without the host waiting, and the flight's
+``done`` event. Uploads (token ids, a window's positions and slots) go through pinned memory too
+(`strata_runtime.backend.upload_into`), so queuing a window never makes the host wait for a stream.
+
+`Executor.finish` waits for ``done``, then verifies each slot's rows and commits (accept/rewind) through
+`strata_runtime.engine.speculative`; the drafters' work runs on one more stream of the last device, after
+the flight. A serial window is `launch` then `finish`. On virtual CPU devices a flight has run by the time
+`launch` returns; the code path is the same.
+
+Reuse of device memory: everything a flight's stage share writes into a buffer it shares with other windows
+(a row count's graph buffers, copy-in, graph, copy-out) is queued on that stage's stream by one thread, so
+stream order keeps windows apart; arrays another stream reads (the hand-off rows, the rows the drafters read)
+are held by the flight until it is finished, and a finished flight until the drafters' stream has passed it.
 """
 
 from __future__ import annotations
 
-import threading
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, Literal
+import contextlib
+import functools
+from collections import deque
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import numpy as np
 
 from strata_cfg.schema.windows import MAX_WINDOW_ROWS
 
 from ..api import TokenEvent
-from ..backend import Array, Device, cupy_module, transfer
-from ..layout import Layout
+from ..backend import Array, cupy_module, device_lock, download, holding, peer_copy, transfer
 from ..model import Model
+from ..model.stage import Stage
+from .flight import Flight, Mark, StageMark, StageWorker, wait_any
+from .job import Entry, Job
+from .sampling import Sampler
 from .slot import Slot
-from .speculative import Proposals, commit, verify
+from .speculative import Proposals, commit, draft, verify
 
 
-@dataclass
-class Entry:
-    """One slot's rows in a window."""
-
-    slot: Slot
-    kind: Literal["prefill", "decode"]
-    tokens: list[int]
-    proposals: Proposals = field(default_factory=lambda: Proposals([], []))
-
-
-@dataclass
-class Job:
-    """One window."""
-
-    kind: str
-    """``prefill``, ``solo``, ``serial``, ``batch-mtp`` or ``pipelined``."""
-    entries: list[Entry]
-
-    def layout(self) -> Layout:
-        return Layout.of([(e.slot.id, len(e.tokens), e.slot.length) for e in self.entries])
-
-    def token_array(self) -> np.ndarray:
-        return np.array([t for e in self.entries for t in e.tokens], dtype=np.int64)
-
-    @property
-    def rows(self) -> int:
-        return sum(len(e.tokens) for e in self.entries)
-
-    @property
-    def proposals(self) -> int:
-        return sum(len(e.proposals.tokens) for e in self.entries)
+def _using(stream: Any) -> Any:
+    """``stream`` as the current stream of its device (a null context without one)."""
+    return stream if stream is not None else contextlib.nullcontext()
 
 
 class Executor:
-    """Runs jobs on a model; ``tracked`` keeps every slot's drafter caught up after each window."""
+    """Runs jobs on a model; ``tracked`` keeps every slot's drafter caught up after each window.
 
-    def __init__(self, model: Model, tracked: bool) -> None:
+    With ``overlap`` (pipelined groups) and a model split over GPUs, each stage's shares are queued by that
+    stage's own thread (`StageWorker`), so that windows of different groups overlap even where queuing one
+    waits on the host (the prefill path reads one number per layer); otherwise the calling thread queues
+    them.
+    """
+
+    def __init__(self, model: Model, tracked: bool, overlap: bool = False) -> None:
         self.model, self.tracked = model, tracked
-        self.devices = [s.device for s in model.stages]
-        self._streams: dict[Device, Any] = {}  # CuPy streams
-        self._pool = (
-            ThreadPoolExecutor(max_workers=len(self.devices), thread_name_prefix="strata-stage")
-            if any(d.is_cuda for d in self.devices) and len(self.devices) > 1
-            else None
-        )
-        self._lock = threading.Lock()
+        self.stages: list[Stage] = list(model.stages)
+        self.gpu = any(s.device.is_cuda for s in self.stages)
+        self._streams: list[Any] = [self._new_stream(s) for s in self.stages]
+        self._draft_stream = self._new_stream(self.stages[-1])
+        """The drafters' stream on the last device: drafting and catching up, after the flights they read."""
+        self._workers: list[StageWorker] | None = None
+        if overlap and self.gpu and len(self.stages) > 1:
+            self._workers = [StageWorker(f"strata-stage-{s.index}") for s in self.stages]
+        self._retired: deque[tuple[Any, Flight]] = deque()
 
-    def run_serial(self, job: Job) -> Array:
-        """The job's post-final-norm rows [R, H] on the last device."""
-        return self.model.forward(job.token_array(), job.layout())
+    def _new_stream(self, stage: Stage) -> Any:
+        """A non-blocking CUDA stream on the stage's GPU (None on a CPU device)."""
+        if not stage.device.is_cuda:
+            return None
+        with stage.device.use():
+            return cupy_module().cuda.Stream(non_blocking=True)
 
-    def release_workspace(self, job: Job) -> None:
-        """Give a long prefill chunk's activation memory back to the driver.
+    def close(self) -> None:
+        """Stop the stage threads (the engine is being dropped)."""
+        for w in self._workers or []:
+            w.close()
+        self._workers = None
+
+    # ---- launching ----------------------------------------------------------------------------------
+
+    def launch(self, job: Job) -> Flight:
+        """Queue ``job`` through every stage and return its flight without waiting for it."""
+        needed = job.needed()
+        sampled = bool(needed) and any(e.slot.sampler.needs_logits for e in job.entries)
+        flight = Flight(job, job.layout(), needed, sampled, self._marks())
+        for s in range(len(self.stages)):
+            if self._workers is not None:
+                self._workers[s].submit(functools.partial(self._share, flight, s))
+            else:
+                self._share(flight, s)
+        return flight
+
+    def _marks(self) -> list[Mark]:
+        return [StageMark() for _ in self.stages]
+
+    def _share(self, flight: Flight, s: int) -> None:
+        """Stage ``s``'s part of a flight, queued on its stream; records the stage's mark, also on failure."""
+        mark = flight.marks[s]
+        event = None
+        try:
+            if s > 0:
+                before = flight.marks[s - 1]
+                assert isinstance(before, StageMark)
+                before.wait_recorded()  # the previous stage's share is queued (not necessarily run)
+                if flight.error is not None:
+                    return
+            stage, stream = self.stages[s], self._streams[s]
+            with stage.device.use(), _using(stream), holding(flight.keep):
+                hidden = stage.embed(flight.job.token_array()) if s == 0 else self._receive(flight, s)
+                hidden = stage.forward(hidden, flight.layout)  # [R, H]
+                flight.hidden.append(hidden)
+                flight.keep.append(hidden)  # the next stage's copy reads it from another stream
+                if stage.last:
+                    self._head(flight, stage)
+                self._release_workspace(flight, stage)
+                if stream is not None:
+                    event = stream.record(cupy_module().cuda.Event(disable_timing=True))
+        except BaseException as exc:  # the flight carries it to `finish`, on the engine's thread
+            flight.error = exc
+        finally:
+            assert isinstance(mark, StageMark)
+            mark.record(event)
+
+    def _receive(self, flight: Flight, s: int) -> Array:
+        """The previous stage's output rows, on stage ``s``'s device and ordered after that stage's work."""
+        src, dst = self.stages[s - 1], self.stages[s]
+        rows = flight.hidden[s - 1]
+        stream = self._streams[s]
+        if stream is None:
+            return transfer(rows, src.device, dst.device)
+        before = flight.marks[s - 1]
+        assert isinstance(before, StageMark)
+        stream.wait_event(before.event)
+        if src.device == dst.device:
+            return rows
+        return peer_copy(rows, src.device, dst.device)  # on this stage's stream; the flight holds ``rows``
+
+    def _head(self, flight: Flight, last: Stage) -> None:
+        """The final norm, and the logits of the needed rows with their argmax, read back without waiting."""
+        normed = last.final_norm(flight.hidden[-1])  # [R, H]
+        flight.normed = normed
+        flight.keep.append(normed)  # the drafters read it on their own stream
+        if not flight.needed:
+            return
+        dev = last.device
+        if len(flight.needed) == flight.layout.rows:
+            picked = normed
+        else:
+            picked = normed[dev.upload(np.asarray(flight.needed, np.int64))]
+        logits = self.model.logits(picked)  # [len(needed), V] fp32
+        argmax = dev.xp.argmax(logits, axis=-1)  # [len(needed)]
+        if dev.is_cuda:
+            flight.argmax = download(argmax)
+            flight.logits = download(logits) if flight.sampled else None
+            flight.keep += [picked, logits, argmax]
+        else:
+            flight.argmax = np.asarray(argmax)
+            flight.logits = np.asarray(logits) if flight.sampled else None
+
+    def _release_workspace(self, flight: Flight, stage: Stage) -> None:
+        """Give a long prefill chunk's activation memory on this stage's GPU back to the driver.
 
         Chunks attend over a growing prefix, so each allocates differently sized temporaries that a caching
-        pool cannot reuse; without this the pool grows with the prompt, far past the plan's workspace.
+        pool cannot reuse; without this the pool grows with the prompt, far past the plan's workspace. It is
+        done on each stage's own device, by the thread that queued the chunk there (freeing waits for the
+        device, which only that stage's thread may afford).
         """
-        if job.kind == "prefill" and job.rows > MAX_WINDOW_ROWS and any(d.is_cuda for d in self.devices):
-            cupy_module().get_default_memory_pool().free_all_blocks()
+        job = flight.job
+        if job.kind == "prefill" and job.rows > MAX_WINDOW_ROWS and stage.device.is_cuda:
+            with device_lock(stage.device.index):  # not while another thread captures a graph here
+                cupy_module().get_default_memory_pool().free_all_blocks()
 
-    def run_pipelined(self, jobs: list[Job]) -> list[Array]:
-        """Several jobs (different slot groups) in flight at once, one per stage at each tick."""
-        stages = self.model.stages
-        layouts = [j.layout() for j in jobs]
-        hidden: list[Array] = [None] * len(jobs)
-        where: list[Device | None] = [None] * len(jobs)
+    # ---- waiting ------------------------------------------------------------------------------------
 
-        def work(s: int, w: int) -> None:
-            stage = stages[s]
-            with stage.device.use(), self._stream(stage.device):
-                if s == 0:
-                    h = stage.embed(jobs[w].token_array())
-                else:
-                    src = where[w]
-                    assert src is not None  # the previous stage ran this job at the previous tick
-                    h = transfer(hidden[w], src, stage.device)
-                hidden[w] = stage.forward(h, layouts[w])
-                where[w] = stage.device
-                if stage.device.is_cuda:
-                    cupy_module().cuda.get_current_stream().synchronize()
+    def wait_any(self, marks: Iterable[Mark]) -> None:
+        """Block the host until one of ``marks`` is done (the engine calls it only when nothing else can
+        be done)."""
+        wait_any(marks)
 
-        for tick in range(len(jobs) + len(stages) - 1):
-            pairs = [(s, tick - s) for s in range(len(stages)) if 0 <= tick - s < len(jobs)]
-            if self._pool is None:
-                for s, w in reversed(pairs):
-                    work(s, w)
-            else:
-                for f in [self._pool.submit(work, s, w) for s, w in pairs]:
-                    f.result()
-        return [self.model.last.final_norm(h) for h in hidden]
+    # ---- drafting -----------------------------------------------------------------------------------
 
-    def _stream(self, device: Device) -> Any:
-        """The device's own stream (GPUs), or a null context (CPU devices)."""
-        if not device.is_cuda:
-            import contextlib
+    @contextlib.contextmanager
+    def _on_drafters(self, after: Flight | None = None) -> Iterator[None]:
+        """The drafters' device and stream, ordered after ``after``'s work on the last stage."""
+        last = self.stages[-1]
+        stream = self._draft_stream
+        with last.device.use(), _using(stream):
+            if stream is not None and after is not None:
+                done = after.done
+                assert isinstance(done, StageMark)
+                if done.event is not None:
+                    stream.wait_event(done.event)
+            yield
 
-            return contextlib.nullcontext()
-        with self._lock:
-            if device not in self._streams:
-                with device.use():
-                    self._streams[device] = cupy_module().cuda.Stream(non_blocking=True)
-        return self._streams[device]
+    def draft(self, slot: int, token: int, depth: int, sampler: Sampler) -> Proposals:
+        """`strata_runtime.engine.speculative.draft` on the drafters' stream."""
+        with self._on_drafters():
+            return draft(self.model, slot, token, depth, sampler)
+
+    def _retire(self, flight: Flight) -> None:
+        """Hold a finished flight's arrays until the drafters' stream has read them (called on that stream's
+        device: an event is recorded only on a stream of the device it was made on)."""
+        stream = self._draft_stream
+        while self._retired and self._retired[0][0].done:
+            self._retired.popleft()
+        if stream is not None:
+            self._retired.append((stream.record(cupy_module().cuda.Event(disable_timing=True)), flight))
 
     # ---- deciding a finished window ---------------------------------------------------------------
 
-    def finish(self, job: Job, normed: Array) -> list[tuple[Slot, TokenEvent]]:
-        """Verify and commit every slot's rows; return the events to send."""
-        last = self.model.last
-        # Logits only where a token is decided: every decode row, and the last row of a prompt's final
-        # chunk (a long chunk's other rows would cost an LM-head product of their own for nothing).
-        needed: list[int] = []
-        row = 0
-        for e in job.entries:
-            n = len(e.tokens)
-            if e.kind == "decode":
-                needed += range(row, row + n)
-            elif e.slot.prefilled + n == len(e.slot.prompt):
-                needed.append(row + n - 1)
-            row += n
-        logit_row = {r: i for i, r in enumerate(needed)}
-        argmax, host_logits = np.zeros(0, np.int64), None
-        if needed:
-            with last.device.use():
-                picked = normed if len(needed) == job.rows else normed[last.device.xp.asarray(needed)]
-            logits = self.model.logits(picked)  # [len(needed), V] fp32 on the last device
-            with last.device.use():
-                argmax = last.device.to_host(last.device.xp.argmax(logits, axis=-1))  # [len(needed)]
-            if any(e.slot.sampler.needs_logits for e in job.entries):
-                host_logits = last.device.to_host(logits)  # [len(needed), V]
+    def finish(self, flight: Flight) -> list[tuple[Slot, TokenEvent]]:
+        """Wait for the flight, then verify and commit every slot's rows; return the events to send."""
+        flight.done.wait()
+        if flight.error is not None:
+            raise flight.error
+        logit_row = {r: i for i, r in enumerate(flight.needed)}
         events = []
         row = 0
-        for e in job.entries:
-            n, slot = len(e.tokens), e.slot
-
-            def target(first: int, count: int, slot: Slot = slot) -> np.ndarray:
-                """The target's rows [first, first + count) of ``needed``: the argmax for plain greedy, else
-                the logits (`verify` adjusts and decides)."""
-                if not slot.sampler.needs_logits:
-                    return argmax[first : first + count]
-                assert host_logits is not None  # read above whenever a sampled slot is in the window
-                return host_logits[first : first + count]
-
-            if e.kind == "prefill":
-                # Only the last row of the prompt's last chunk has logits; an earlier chunk decides nothing.
-                at = logit_row.get(row + n - 1)
-                decided = None if at is None else target(at, 1)
-                events += self._finish_prefill(slot, n, decided, normed[row : row + n])
-            else:
-                verdict = verify(target(logit_row[row], n), e.proposals, slot.sampler)
-                kept = verdict.accepted + 1
-                mine = normed[row : row + n]
-                commit(self.model, slot.id, slot.length, kept, mine, verdict.tokens, self.tracked)
-                proposed = len(e.proposals.tokens)
-                events.append((slot, slot.advance(kept, verdict.tokens, proposed, verdict.accepted)))
-            row += n
+        with self._on_drafters(after=flight):
+            for e in flight.job.entries:
+                events += self._decide(flight, e, row, logit_row)
+                row += len(e.tokens)
+            self._retire(flight)
         return events
+
+    def _decide(
+        self, flight: Flight, e: Entry, row: int, logit_row: dict[int, int]
+    ) -> list[tuple[Slot, TokenEvent]]:
+        """One slot's rows of a finished window (starting at window row ``row``): verify and commit."""
+        n, slot, normed = len(e.tokens), e.slot, flight.normed
+        if e.pos != slot.length:
+            raise RuntimeError(
+                f"slot {slot.id}: a window at position {e.pos} finished while the slot holds {slot.length} "
+                "positions (windows of one slot must finish in launch order)"
+            )
+
+        def target(first: int, count: int) -> np.ndarray:
+            """The target's rows [first, first + count) of ``needed``: the argmax for plain greedy, else the
+            logits (`verify` adjusts and decides)."""
+            if not slot.sampler.needs_logits:
+                return flight.argmax[first : first + count]
+            assert flight.logits is not None  # read whenever a sampled slot is in the window
+            return flight.logits[first : first + count]
+
+        if e.kind == "prefill":
+            # Only the last row of the prompt's last chunk has logits; an earlier chunk decides nothing.
+            at = logit_row.get(row + n - 1)
+            decided = None if at is None else target(at, 1)
+            return self._finish_prefill(slot, n, decided, normed[row : row + n])
+        verdict = verify(target(logit_row[row], n), e.proposals, slot.sampler)
+        kept = verdict.accepted + 1
+        commit(self.model, slot.id, slot.length, kept, normed[row : row + n], verdict.tokens, self.tracked)
+        proposed = len(e.proposals.tokens)
+        return [(slot, slot.advance(kept, verdict.tokens, proposed, verdict.accepted))]
 
     def _finish_prefill(
         self, slot: Slot, n: int, target: np.ndarray | None, normed: Array

@@ -34,8 +34,6 @@ def refusals(plan: LaunchPlan) -> list[str]:
             f"split.pipeline_windows = {plan.spec.pipeline_windows}: "
             "overlapped solo windows are not implemented"
         )
-    if plan.batch.mtp and plan.batch.mode == "pipelined":
-        out.append("batch MTP in pipelined windows is not implemented (it runs in serial windows)")
     if plan.batch.mtp and (
         plan.batch.rows_per_slot != BATCH_MTP_ROWS_PER_SLOT
         or plan.batch.slots_per_window > BATCH_MTP_SLOTS_PER_WINDOW

@@ -1,26 +1,34 @@
 """`Engine(plan)`: the plan's stages, slots and windows, behind the `strata_runtime.api.EngineCore` interface.
 
 The engine runs exactly what the plan says. At start it refuses a plan that needs something this runtime
-does not implement, naming it. Each `step` is one scheduling round:
+does not implement, naming it. Each `step` first admits queued requests into free slots (staggered: whenever
+a slot is free), then, by the plan's batch mode:
 
-1. admit queued requests into free slots (staggered: whenever a slot is free);
-2. run either one prefill chunk (the oldest prefilling slot) or one decode round, alternating while both
-   kinds of work exist, so a long prompt never stalls the other slots' decoding;
-3. a decode round is, by the plan's batch mode:
-   * *solo*: one decoding slot and nothing prefilling: its token plus ``windows.solo_rows - 1`` chained MTP
-     proposals (solo promotion; a newcomer demotes it again);
-   * *batch MTP* (serial, one group): 2 rows per slot (token + proposal), at most 4 slots per window, the
-     start rotating over the slots;
-   * *serial*: one row per slot, every decoding slot in one window (at most 8);
-   * *pipelined* (``batch.mode``, G groups): each group's window (its prefill chunk or its decode rows)
-     enters the stages one tick after the previous group's, so the groups are on different stages at once.
-     No drafts.
+* *serial windows* (one group): one window, launched and finished at once. It is either one prefill chunk
+  (the oldest prefilling slot) or one decode window, alternating while both kinds of work exist, so a long
+  prompt never stalls the other slots' decoding. A decode window is
+  * *solo*: one decoding slot and nothing prefilling: its token plus ``windows.solo_rows - 1`` chained MTP
+    proposals (solo promotion; a newcomer demotes it again);
+  * *batch MTP*: 2 rows per slot (token + proposal), at most 4 slots per window, the start rotating;
+  * *serial*: one row per slot, every decoding slot in one window (at most 8).
+* *the continuous pipeline* (``batch.mode`` pipelined, G groups; slot s is in group s % G): windows of
+  different groups stay in flight across steps. A step launches the next window (chosen as above, within
+  the group) of every group that has nothing in flight, the group that has waited longest first; it
+  finishes every flight that is done, oldest first; and only when it could do neither does the host block,
+  on the first mark that would let it. So while one group's tokens are verified on the host, the other
+  groups' windows are on the GPUs, and the finished group's next window enters stage 0 at once. A prompt's
+  chunks need no host decision until the last one, so a group whose only work is one prompt streams its
+  chunks: the next one is launched as soon as the previous one has left stage 0, up to one per stage, so
+  chunk k is on stage 1 while chunk k + 1 is on stage 0. With ``batch.mtp`` the decode windows of a group
+  are batch-MTP windows (the drafters, on the last stage, draft when the group's previous window is
+  finished). One slot alone with nothing in flight still takes the solo window.
 
 Everything the schedule depends on is read from the plan (`batch`, `windows`, `memory`), never re-derived.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
@@ -35,11 +43,13 @@ from ..api import PlanMismatch, Request, RequestHandle, TokenEvent
 from ..model import Model
 from ..model.placed import WeightStore
 from ..weights.progress import Progress
-from .executor import Entry, Executor, Job
+from .executor import Executor
+from .flight import Flight, Mark
+from .job import Entry, Job
 from .refusals import refusals
 from .sampling import Sampler
 from .slot import Slot
-from .speculative import Proposals, draft
+from .speculative import Proposals
 from .stats import WindowStat, WindowStats
 
 log = logging.getLogger("strata_runtime")
@@ -62,13 +72,20 @@ class Engine:
         self.tracked = self.model.mtp is not None
         self.depth = plan.windows.solo_rows - 1
         """Proposals a solo window drafts after its token (0: the plan does not draft)."""
-        self.executor = Executor(self.model, self.tracked)
+        self.pipelined = plan.batch.mode == "pipelined"
+        self.executor = Executor(self.model, self.tracked, overlap=self.pipelined)
         self._queue: deque[RequestHandle] = deque()
         self._lock = threading.Lock()
         self._admitted = 0
-        self._rotation = 0
-        self._plain_turn = 0
+        self._rotation: dict[int, int] = {}
+        self._plain_turn: dict[int, int] = {}
         self._prefill_turn: dict[int, bool] = {}
+        self._flights: deque[Flight] = deque()
+        """Windows in flight, in launch order (which is also the order they finish in)."""
+        self._idle_since: dict[int, int] = {}
+        """Each group's turn when its last window finished: the longest-waiting group launches first."""
+        self._turns = itertools.count(1)
+        self._delivered_at = time.perf_counter()
         self.window_stats = WindowStats()
         self.startup = self._startup_lines()
         for line in self.startup:
@@ -91,16 +108,20 @@ class Engine:
         self._reap_cancelled()
         self._admit()
         active = [s for s in self.slots if s is not None]
-        if not active:
+        if not active and not self._flights:
             return False
         decoding = [s for s in active if s.decoding]
         prefilling = [s for s in active if s.prefilling]
         solo = len(decoding) == 1 and not prefilling
-        if self.plan.batch.mode == "pipelined" and not solo:
-            self._pipelined_round(active)
+        if self.pipelined and (self._flights or not solo):
+            self._pipelined_step()
         else:
             self._serial_round(prefilling, decoding)
         return True
+
+    def close(self) -> None:
+        """Stop the engine's stage threads (an engine that is dropped need not call it: they are daemons)."""
+        self.executor.close()
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -113,6 +134,7 @@ class Engine:
                 "stages": [s.device for s in self.plan.stages],
             },
             "queue": len(self._queue),
+            "in_flight": len(self._flights),
             "slots": [self._slot_state(i, s) for i, s in enumerate(self.slots)],
             "totals": dict(self.totals),
             "acceptance": self.acceptance,
@@ -185,6 +207,13 @@ class Engine:
                     f"({store.host_bytes / MIB:.1f} MiB{', pinned' if stage.device.is_cuda else ''}); "
                     f"{'adapting to the routing' if store.residency.policy.adapt else 'frozen'}"
                 )
+        lines += self.model.peer_access
+        if self.pipelined:
+            inside = ", batch MTP inside each group" if p.batch.mtp else ""
+            lines.append(
+                f"continuous pipeline: {p.batch.groups} groups in flight{inside}, one stream per stage, "
+                f"up to {len(p.stages)} chunks of one prompt in flight"
+            )
         return lines
 
     def _slot_state(self, i: int, s: Slot | None) -> dict[str, Any]:
@@ -247,8 +276,9 @@ class Engine:
                 )
 
     def _reap_cancelled(self) -> None:
+        busy = self._busy_slots()
         for s in self.slots:
-            if s is not None and s.handle.cancelled.is_set():
+            if s is not None and s.handle.cancelled.is_set() and s.id not in busy:
                 s.handle.events.put(s.finish("cancelled"))
                 self._release(s)
 
@@ -259,34 +289,96 @@ class Engine:
             self.model.drafters[slot.id].rewind(0)
         self.slots[slot.id] = None
 
-    # ---- rounds --------------------------------------------------------------------------------------
+    # ---- serial windows ------------------------------------------------------------------------------
 
     def _serial_round(self, prefilling: list[Slot], decoding: list[Slot]) -> None:
         job = self._next_job(0, prefilling, decoding)
         if job is None:
             return
-        t0 = time.perf_counter()
-        normed = self.executor.run_serial(job)
-        self._deliver(job, self.executor.finish(job, normed), t0)
-        self.executor.release_workspace(job)
+        flight = self.executor.launch(job)
+        self._deliver(flight, self.executor.finish(flight))
 
-    def _pipelined_round(self, active: list[Slot]) -> None:
-        groups = self.plan.batch.groups
-        jobs = []
-        for g in range(groups):
-            members = [s for s in active if s.id % groups == g]
-            job = self._next_job(
-                g, [s for s in members if s.prefilling], [s for s in members if s.decoding], pipelined=True
-            )
-            if job is not None:
-                jobs.append(job)
-        if not jobs:
+    # ---- the continuous pipeline -------------------------------------------------------------------------
+
+    def _pipelined_step(self) -> None:
+        """Launch what can be launched, finish what is done; wait only when neither was possible."""
+        launched = self._launch_groups()
+        finished = self._finish_done()
+        if launched or finished or not self._flights:
             return
-        t0 = time.perf_counter()
-        normed = self.executor.run_pipelined(jobs)
-        for job, n in zip(jobs, normed, strict=True):
-            self._deliver(job, self.executor.finish(job, n), t0, share=len(jobs))
-            self.executor.release_workspace(job)
+        self.executor.wait_any(self._wake_marks())
+
+    def _group(self, slot_id: int) -> int:
+        return slot_id % self.plan.batch.groups
+
+    def _members(self, group: int) -> list[Slot]:
+        return [s for s in self.slots if s is not None and self._group(s.id) == group]
+
+    def _in_flight(self, group: int) -> list[Flight]:
+        return [f for f in self._flights if self._group(f.job.entries[0].slot.id) == group]
+
+    def _busy_slots(self) -> set[int]:
+        return {sid for f in self._flights for sid in f.job.slot_ids}
+
+    def _launch_groups(self) -> int:
+        """Launch each group's next window where it may go now, longest-waiting group first."""
+        launched = 0
+        for g in sorted(range(self.plan.batch.groups), key=lambda g: self._idle_since.get(g, 0)):
+            job = self._group_job(g)
+            if job is not None:
+                self._flights.append(self.executor.launch(job))
+                launched += 1
+        return launched
+
+    def _group_job(self, group: int) -> Job | None:
+        """The group's next window: any window when it has nothing in flight, else its prompt's next chunk
+        once the previous one has left stage 0."""
+        flying = self._in_flight(group)
+        if not flying:
+            members = self._members(group)
+            prefilling = [s for s in members if s.prefilling]
+            decoding = [s for s in members if s.decoding]
+            return self._next_job(group, prefilling, decoding, pipelined=True)
+        newest = self._streaming(group, flying)
+        if newest is None or not newest.passed(0):
+            return None
+        entry = newest.job.entries[0]
+        return self._prefill_job(entry.slot, entry.pos + len(entry.tokens))
+
+    def _streaming(self, group: int, flying: list[Flight]) -> Flight | None:
+        """The newest flight of a group that may stream its prompt's next chunk behind it: every flight of
+        the group is a chunk of that prompt, the newest is not its last, fewer chunks than stages are in
+        flight, no slot of the group waits to decode (a group alternates chunks with decode windows), and
+        the request was not cancelled."""
+        newest = flying[-1]
+        if len(flying) >= len(self.model.stages) or any(f.job.kind != "prefill" for f in flying):
+            return None
+        entry = newest.job.entries[0]
+        if entry.ends_prompt or entry.slot.handle.cancelled.is_set():
+            return None
+        return None if any(s.decoding for s in self._members(group)) else newest
+
+    def _finish_done(self) -> int:
+        """Finish every flight that is done, oldest first (flights finish in launch order)."""
+        finished = 0
+        while self._flights and self._flights[0].done.done:
+            flight = self._flights.popleft()
+            self._deliver(flight, self.executor.finish(flight))
+            self._idle_since[self._group(flight.job.entries[0].slot.id)] = next(self._turns)
+            finished += 1
+        return finished
+
+    def _wake_marks(self) -> list[Mark]:
+        """What the host may wait for: the oldest flight, and each streaming prompt's chunk on stage 0."""
+        marks = [self._flights[0].done]
+        for g in range(self.plan.batch.groups):
+            flying = self._in_flight(g)
+            newest = self._streaming(g, flying) if flying else None
+            if newest is not None and not newest.passed(0):
+                marks.append(newest.marks[0])
+        return marks
+
+    # ---- choosing a window ---------------------------------------------------------------------------------
 
     def _next_job(
         self, group: int, prefilling: list[Slot], decoding: list[Slot], pipelined: bool = False
@@ -299,14 +391,20 @@ class Engine:
         self._prefill_turn[group] = True
         if not decoding:
             return None
-        return self._decode_job(decoding, prefilling, pipelined)
+        return self._decode_job(group, decoding, prefilling, pipelined)
 
-    def _prefill_job(self, slot: Slot) -> Job:
-        n = min(self.plan.memory.prefill_chunk, len(slot.prompt) - slot.prefilled)
-        tokens = list(slot.prompt[slot.prefilled : slot.prefilled + n])
-        return Job("prefill", [Entry(slot, "prefill", tokens)])
+    def _prefill_job(self, slot: Slot, pos: int | None = None) -> Job:
+        """The chunk of ``slot``'s prompt that starts at ``pos`` (default: where its KV ends; a streamed
+        chunk starts past the chunks in flight)."""
+        start = slot.length if pos is None else pos  # while a slot prefills, its length is its prompt offset
+        n = min(self.plan.memory.prefill_chunk, len(slot.prompt) - start)
+        tokens = list(slot.prompt[start : start + n])
+        entry = Entry(slot, "prefill", tokens, pos=start, ends_prompt=start + n == len(slot.prompt))
+        return Job("prefill", [entry])
 
-    def _decode_job(self, decoding: list[Slot], prefilling: list[Slot], pipelined: bool) -> Job | None:
+    def _decode_job(
+        self, group: int, decoding: list[Slot], prefilling: list[Slot], pipelined: bool
+    ) -> Job | None:
         decoding = [s for s in decoding if not self._out_of_context(s)]
         if not decoding:
             return None
@@ -317,21 +415,25 @@ class Engine:
             kind = "solo"
         elif self.plan.batch.mtp:
             # Rotate by slot id, so that slots finishing or arriving do not make the others lose their turn.
-            start = next((i for i, sid in enumerate(ids) if sid >= self._rotation), 0)
+            rotation = self._rotation.get(group, 0)
+            start = next((i for i, sid in enumerate(ids) if sid >= rotation), 0)
             rows = batch_mtp_window(ids, start)
-            self._rotation = rows[-1].slot + 1
-            kind = "batch-mtp"
+            self._rotation[group] = rows[-1].slot + 1
+            kind = "pipelined-mtp" if pipelined else "batch-mtp"
         else:
             windows = plain_windows(ids)
-            rows = windows[self._plain_turn % len(windows)]
-            self._plain_turn += 1
+            turn = self._plain_turn.get(group, 0)
+            rows = windows[turn % len(windows)]
+            self._plain_turn[group] = turn + 1
             kind = "pipelined" if pipelined else "serial"
         entries = []
         for sid in dict.fromkeys(r.slot for r in rows):
             slot, token = by_id[sid], by_id[sid].token
             assert token is not None  # a decoding slot has its next input
             depth = min(sum(1 for r in rows if r.slot == sid) - 1, self._room(slot))
-            proposals = draft(self.model, sid, token, depth, slot.sampler) if depth > 0 else Proposals([], [])
+            proposals = (
+                self.executor.draft(sid, token, depth, slot.sampler) if depth > 0 else Proposals([], [])
+            )
             entries.append(Entry(slot, "decode", [token, *proposals.tokens], proposals))
         return Job(kind, entries)
 
@@ -346,11 +448,15 @@ class Engine:
         self._release(slot)
         return True
 
-    def _deliver(self, job: Job, events: list[tuple[Slot, TokenEvent]], t0: float, share: int = 1) -> None:
-        ms = (time.perf_counter() - t0) * 1000 / share
+    def _deliver(self, flight: Flight, events: list[tuple[Slot, TokenEvent]]) -> None:
+        """Record a finished window and send its events. Its time is the wall time since the later of its
+        launch and the previous window's finish, so that overlapping windows add up to the wall time."""
+        now = time.perf_counter()
+        ms = (now - max(flight.launched_at, self._delivered_at)) * 1000
+        self._delivered_at = now
+        job = flight.job
         accepted = sum(ev.accepted_proposals for _, ev in events)
-        slots = tuple(e.slot.id for e in job.entries)
-        window = WindowStat(job.kind, job.rows, ms, job.proposals, accepted, slots)
+        window = WindowStat(job.kind, job.rows, ms, job.proposals, accepted, job.slot_ids)
         self.window_stats.record(window, sum(len(ev.token_ids) for _, ev in events))
         for slot, ev in events:
             slot.handle.events.put(ev)

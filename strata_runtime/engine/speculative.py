@@ -120,8 +120,11 @@ def commit(
     ``normed`` are the window's post-final-norm rows of this slot [n, H] (on the last device) and
     ``next_tokens`` the token that follows each kept row. With ``tracked`` the slot's drafter is caught up
     on the kept rows, which leaves the next window's first proposal's logits in ``drafter.logits[0]``.
+    A window that keeps all its rows rewinds nothing: the next chunks of a prompt may already be in flight
+    behind it, their KV counted on the stages they have reached.
     """
-    model.rewind(slot, base + kept_rows)
+    if kept_rows < int(normed.shape[0]):
+        model.rewind(slot, base + kept_rows)
     if not tracked:
         return
     drafter = model.drafters[slot]

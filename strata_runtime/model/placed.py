@@ -159,6 +159,8 @@ class Model:
         self.stages, self.args, self.mtp, self.drafters = stages, args, mtp, drafters
         self.tokenizer = tokenizer
         self.routing = routing  # every slot's calibrated-routing tables, or None for the router's own
+        self.peer_access: list[str] = []
+        """One line per pair of stage GPUs: whether they copy to each other directly."""
 
     @property
     def last(self) -> Stage:
@@ -173,7 +175,7 @@ class Model:
         devices = [Device.parse(s.device) for s in plan.stages]
         for d in dict.fromkeys(devices):
             d.check()
-        enable_peer_access(list(dict.fromkeys(devices)))
+        peer_access = enable_peer_access(devices)
         if plan.model.synthetic is not None:
             if plan.model.layer_scale is None:
                 raise PlanMismatch("a synthetic preset without model.layer_scale: resolve the plan again")
@@ -281,7 +283,9 @@ class Model:
             tokenizer = tokenizer_for(str(ckpt.directory), args.vocab_size, config)
         else:
             tokenizer = ByteTokenizer(args.vocab_size)
-        return cls(stages, args, mtp, drafters, tokenizer, routing)
+        model = cls(stages, args, mtp, drafters, tokenizer, routing)
+        model.peer_access = peer_access
+        return model
 
     # ---- running windows ---------------------------------------------------------------------------
 

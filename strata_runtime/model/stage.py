@@ -166,7 +166,7 @@ class Stage:
         """The embedding rows [R, H] of ``token_ids`` (first stage only)."""
         assert self.embed_tokens is not None, f"stage {self.index} holds no embedding"
         with self.device.use():
-            return self.embed_tokens[self.device.xp.asarray(token_ids)]  # [R, H]
+            return self.embed_tokens[self.device.upload(np.asarray(token_ids))]  # [R, H]
 
     def forward(self, hidden: Array, layout: Layout) -> Array:
         """Run this stage's layers over a window's hidden rows [R, H], writing their KV; then account the

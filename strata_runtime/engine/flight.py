@@ -1,0 +1,147 @@
+"""A window in flight: what it carries, the marks that say how far it got, and the threads that queue it.
+
+`Executor.launch` queues a window on every stage and returns a `Flight` at once; `Executor.finish` reads
+its results when it is done. Between the two the host is free. A flight has one `Mark` per stage: the point
+in that stage's stream after the window's work there. A mark is *recorded* once the stage's share has been
+queued (by whichever thread queues it) and *done* once the GPU has passed it; on virtual CPU devices the
+share runs when it is queued, so its mark is done at once.
+
+On GPUs a stage's share may wait on the host: the prefill path reads one number per layer. So when several
+windows are to overlap, each stage gets a `StageWorker`, a thread that queues that stage's shares in launch
+order, so that stage 0 queues chunk k + 1 while stage 1 still queues chunk k. One thread per stage, in
+launch order, is also what keeps a stage's stream in launch order.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from ..backend import Array
+from ..layout import Layout
+from .job import Job
+
+POLL_S = 50e-6
+"""How often the host looks again while it waits for the first of several marks (no CUDA call waits for
+any one of several events; a single mark is waited for in the driver)."""
+
+
+class Mark(Protocol):
+    """A point a window reaches on one stage."""
+
+    @property
+    def recorded(self) -> bool:
+        """The stage's share has been queued (or has failed)."""
+
+    @property
+    def done(self) -> bool:
+        """The device has passed the point; never waits."""
+
+    def wait(self) -> None:
+        """Block the host until ``done``."""
+
+
+class StageMark:
+    """A stage's mark: recorded by the thread that queues the share, with the CUDA event after it (None on
+    CPU devices, where the share has run by the time it is recorded)."""
+
+    def __init__(self) -> None:
+        self._recorded = threading.Event()
+        self.event: Any = None
+
+    def record(self, event: Any = None) -> None:
+        self.event = event
+        self._recorded.set()
+
+    @property
+    def recorded(self) -> bool:
+        return self._recorded.is_set()
+
+    def wait_recorded(self) -> None:
+        self._recorded.wait()
+
+    @property
+    def done(self) -> bool:
+        return self._recorded.is_set() and (self.event is None or bool(self.event.done))
+
+    def wait(self) -> None:
+        self._recorded.wait()
+        if self.event is not None:
+            self.event.synchronize()
+
+
+def wait_any(marks: Iterable[Mark]) -> None:
+    """Block until at least one of ``marks`` is done: in the driver for one, by looking again every
+    `POLL_S` for several."""
+    pending = list(marks)
+    if not pending or any(m.done for m in pending):
+        return
+    if len(pending) == 1:
+        pending[0].wait()
+        return
+    while not any(m.done for m in pending):
+        time.sleep(POLL_S)
+
+
+@dataclass(eq=False)
+class Flight:
+    """One window from launch to finish.
+
+    ``needed`` are the window's rows whose logits decide a token (every decode row, and the last row of a
+    prompt's final chunk). The last stage leaves ``normed`` (the post-final-norm rows, for the drafters'
+    catch-up) and, in pinned host arrays filled by copies the host did not wait for, ``argmax`` of the needed
+    rows and, when a sampled slot is in the window, their ``logits``. ``keep`` holds every array and pinned
+    buffer a queued copy reads or writes, until the flight is finished.
+    """
+
+    job: Job
+    layout: Layout
+    needed: list[int]
+    sampled: bool
+    marks: list[Mark]
+    launched_at: float = field(default_factory=time.perf_counter)
+    hidden: list[Array] = field(default_factory=list)
+    """Each stage's output rows, in stage order (the next stage copies from them)."""
+    normed: Array = None
+    argmax: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    logits: np.ndarray | None = None
+    keep: list[Any] = field(default_factory=list)
+    error: BaseException | None = None
+
+    @property
+    def done(self) -> Mark:
+        """The last stage's mark: the window's results are on the host."""
+        return self.marks[-1]
+
+    def passed(self, stage: int) -> bool:
+        """Whether the window has left ``stage`` (its device is free for the next window)."""
+        return self.marks[stage].done
+
+
+class StageWorker:
+    """A thread that runs one stage's shares of windows, one after another, in the order they came."""
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, share: Callable[[], None]) -> None:
+        self._queue.put(share)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            share = self._queue.get()
+            if share is None:
+                return
+            share()  # records its mark even when it fails (the flight carries the error)
