@@ -137,3 +137,18 @@ def test_the_store_always_hands_out_the_host_tiers_weights(slots) -> None:
         assert store.stats.swaps > 0, "the routing moved the cache"
         assert store.vram_bytes == store.slots * store.expert_bytes
         assert store.host_bytes == 18 * store.expert_bytes
+
+
+def test_fixed_layers_keep_their_first_experts_whatever_the_routing() -> None:
+    """The MTP head's layer (run on another stream) never moves, however hot its missing experts get."""
+    r = Residency(3, 8, 9, 1, Policy(every=1, margin=0.0), fixed=frozenset({2}))
+    start = r.slot_of[2].copy()
+    counts = np.zeros((3, 8))
+    counts[:, 5:] = 10  # experts the initial fill left out, in every layer
+    for _ in range(6):
+        r.observe(counts)
+        swaps = r.rebalance()
+        assert all(s.loaded[0] != 2 and (s.evicted is None or s.evicted[0] != 2) for s in swaps)
+    assert (r.slot_of[2] == start).all()
+    assert all(r.resident(j, e) for j in (0, 1) for e in (5, 6, 7))  # the others did follow the routing
+    check_bijection(r)

@@ -98,3 +98,25 @@ def test_the_engine_reports_each_stages_cache():
         assert r["miss_bytes"] == r["misses"] * stage.experts.expert_bytes
         assert r["hit_rate"] == pytest.approx(r["hits"] / (r["hits"] + r["misses"]))
     assert np.isclose(sum(r["hit_rate"] is not None for r in report), 2)
+
+
+def test_benchmark_arms_share_one_cache_per_stage_and_a_memory_cap_that_grows_by_what_each_adds():
+    from rt_plans import make_plan
+
+    from strata_runtime.backend import Device
+    from strata_runtime.model import Model
+    from strata_runtime.model.placed import WeightStore
+
+    store = WeightStore()
+    kw = dict(preset="small", stages=2, context=64, prefill_chunk=16, expert_cache=4)
+    serial = make_plan(slots=2, groups=1, **kw)
+    pipelined = make_plan(slots=2, groups=2, **kw)
+    a, b = Model.from_plan(serial, weights=store), Model.from_plan(pipelined, weights=store)
+    for sa, sb in zip(a.stages, b.stages, strict=True):
+        assert sa.experts is sb.experts and sa.experts.cached
+    gpu = serial.gpus[0].budget
+    first = gpu.total - gpu.reserve
+    assert store.limits["cpu:0"] == first + pipelined.gpus[0].budget.kv + pipelined.gpus[0].budget.workspace
+    # A third model of the same layout adds its own KV, drafters and workspace again.
+    before = store.limits["cpu:0"]
+    assert store.limit(serial, Device("cpu", 0)) == before + gpu.kv + gpu.drafters + gpu.workspace

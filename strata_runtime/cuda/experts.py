@@ -10,7 +10,10 @@ The upkeep runs between windows, on the stream the stage computes on, without wa
 
 * every ``policy.every`` windows the counters are copied to pinned host memory and cleared, behind the
   window that filled them; a later call, once that copy has landed (an event query, never a wait), hands
-  them to the `Residency`, which may decide swaps;
+  them to the `Residency`, with what prefill chunks counted on the host meanwhile, and it may decide swaps;
+* only that call, made on the stage's own stream, moves experts. The MTP head's windows run on another
+  stream of the last GPU, so its layer's experts keep their first slots (`Residency.fixed`), and its
+  counts on the device may race with a read and be lost: statistics, never a result;
 * a swap is applied in three stream-ordered steps: the tables first stop pointing at the slots being
   reused (their old experts are read from host memory from then on), a copy stream then loads the new
   experts into those slots once every window queued before has finished reading them, and the compute
@@ -23,6 +26,7 @@ Letters: L sparse layers of the stage, E experts, C slots.
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -120,6 +124,9 @@ class CudaExperts:
                 for j in range(n_layers)
             ]
             self.copy_stream = cp.cuda.Stream(non_blocking=True)
+            self._lock = threading.Lock()
+            self._pending = np.zeros((n_layers, n_exp), np.float64)
+            self._pending_misses = 0
             # Pinned buffers: tables going up (two sets, so a new upload never overwrites one in flight)
             # and counters coming down.
             self._tables = [_pinned_tables(n_layers, n_exp) for _ in range(2)]
@@ -183,10 +190,20 @@ class CudaExperts:
         stream = cp.cuda.get_current_stream()
         self._windows += 1
         swaps: list[Swap] = []
+        with self._lock:
+            pending, self._pending = self._pending, np.zeros_like(self._pending)
+            pending_misses, self._pending_misses = self._pending_misses, 0
         if self._read_done is not None and self._read_done.done:
             counts, misses = self._read
-            swaps = self.store.decide(counts.astype(np.float64), self._read_windows, int(misses.sum()))
-            self._read_done = None
+            pending += counts
+            pending_misses += int(misses.sum())
+            windows, self._read_done = self._read_windows, None
+        elif pending.any():
+            windows = 1
+        else:
+            windows = 0
+        if windows:
+            swaps = self.store.decide(pending, windows, pending_misses)
             if swaps:
                 self.apply(swaps, stream)
         if self._read_done is None and self._windows >= self.store.residency.policy.every:
@@ -200,14 +217,14 @@ class CudaExperts:
             self._read_done.record(stream)
         return swaps
 
-    def observe_now(self, counts: np.ndarray, misses: int) -> list[Swap]:
-        """Account routing counted on the host (a prefill chunk's) and apply any swaps it decides."""
+    def record(self, counts: np.ndarray, misses: int) -> None:
+        """Routing counted on the host (a prefill chunk's, on any thread and stream), for the next
+        `after_window` to account: only that one, on the stage's own stream, decides and moves experts."""
         if not self.store.cached:
-            return []
-        swaps = self.store.decide(counts, 1, misses)
-        if swaps:
-            self.apply(swaps, cupy_module().cuda.get_current_stream())
-        return swaps
+            return
+        with self._lock:
+            self._pending += counts
+            self._pending_misses += misses
 
     def apply(self, swaps: list[Swap], stream: Any) -> None:
         """Load the swaps' experts into their slots, ordered on ``stream`` as the module docstring says."""

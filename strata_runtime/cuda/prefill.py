@@ -109,7 +109,7 @@ class CudaPrefill:
             self._attention(j, lay, resid, layout, pos, slot)
             misses += self._mlp(j, lay, resid, rows, routed)
         if self.experts is not None and routed is not None:
-            self.experts.owner.observe_now(routed, misses)  # the chunk's routing teaches the cache
+            self.experts.owner.record(routed, misses)  # the chunk's routing teaches the cache
 
     # ---- attention -------------------------------------------------------------------------------
 

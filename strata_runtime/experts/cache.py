@@ -107,6 +107,9 @@ class Residency:
     expert_bytes: int = 0
     """Bytes of one expert's weights (gate, up and down), for the traffic figures."""
     policy: Policy = field(default_factory=Policy)
+    fixed: frozenset[int] = frozenset()
+    """Layers whose experts never move (the MTP head's: its windows run on another stream, which the
+    swaps are not ordered with); they keep their initial slots."""
     slot_of: np.ndarray = field(init=False)
     """[L, E] int32: the slot of each (layer, expert), -1 when it lives only in host memory."""
     owner: np.ndarray = field(init=False)
@@ -159,10 +162,12 @@ class Residency:
             return []
         flat = self.scores.reshape(-1)
         table = self.slot_of.reshape(-1)
-        missing = np.flatnonzero((table < 0) & (flat > 0))
+        layer_of = np.repeat(np.arange(self.layers), self.experts)  # [L E]
+        movable = ~np.isin(layer_of, sorted(self.fixed))
+        missing = np.flatnonzero((table < 0) & (flat > 0) & movable)
         if missing.size == 0:
             return []
-        present = np.flatnonzero(table >= 0)
+        present = np.flatnonzero((table >= 0) & movable)
         # Best newcomers first, weakest residents first; ties go to the lower (layer, expert) index.
         missing = missing[np.lexsort((missing, -flat[missing]))]
         present = present[np.lexsort((present, flat[present]))]

@@ -38,10 +38,11 @@ class ExpertStore:
         down: Sequence[Array],
         slots: int | None,
         policy: Policy | None = None,
+        fixed: frozenset[int] = frozenset(),
     ) -> None:
         """``gate_up[j]`` [E, 2I, H] and ``down[j]`` [E, H, I]: layer j's experts, on the device when
         ``slots`` is None (every expert resident), else in host memory (the host tier). ``slots``: the
-        VRAM slots of the cache."""
+        VRAM slots of the cache. ``fixed``: layers whose experts keep their first slots."""
         if len(gate_up) != len(layer_ids) or len(down) != len(layer_ids):
             raise ValueError("one gate_up and one down tensor per sparse layer")
         self.device, self.layer_ids = device, tuple(layer_ids)
@@ -51,7 +52,7 @@ class ExpertStore:
         self.expert_bytes = int(gate_up[0][0].nbytes + down[0][0].nbytes) if n_layers and n_exp else 0
         self.cached = slots is not None and slots < n_layers * n_exp
         capacity = n_layers * n_exp if not self.cached else int(slots or 0)
-        self.residency = Residency(n_layers, n_exp, capacity, self.expert_bytes, policy or Policy())
+        self.residency = Residency(n_layers, n_exp, capacity, self.expert_bytes, policy or Policy(), fixed)
         self._window = np.zeros((n_layers, n_exp), np.float64)
         """Assignments per expert counted by the array path in the current window."""
         if not self.cached:

@@ -110,7 +110,8 @@ class Stage:
         if shared is not None and shared.experts is not None:
             self.experts = shared.experts
         else:
-            self.experts = ExpertStore(device, ids, gate_up, down, expert_slots, policy)
+            fixed = frozenset(range(self.n_sparse, len(ids)))  # the MTP head's layer: see Residency.fixed
+            self.experts = ExpertStore(device, ids, gate_up, down, expert_slots, policy, fixed)
             if shared is not None:
                 shared.experts = self.experts
         if self.experts.cached:
@@ -179,8 +180,7 @@ class Stage:
         with self.device.use():
             out = self._layers(hidden, layout)
             if self.cuda_experts is not None:
-                if self.cuda_prefill is None or layout.rows <= CUDA_PREFILL_ROWS:
-                    self.cuda_experts.after_window()  # the prefill path accounts its chunk itself
+                self.cuda_experts.after_window()
             else:
                 self.experts.end_window()
             return out
