@@ -142,7 +142,7 @@ def batch_text(plan: LaunchPlan) -> Text:
 def summary_rows(plan: LaunchPlan) -> list[tuple[str, Text]]:
     """(label, text) lines: the model, the batch line, spec and memory."""
     f = plan.model.facts
-    model = f"{plan.model.synthetic} (synthetic)" if plan.model.synthetic else (plan.model.path or f.source)
+    model = plan.model.label()
     s = plan.spec
     spec = f"window {s.draft_tokens}: token + {s.draft_tokens - 1} MTP proposals" if s.mtp else "no drafting"
     if s.pipeline_windows:
