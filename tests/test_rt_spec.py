@@ -17,7 +17,7 @@ from strata_runtime.engine import Engine
 from strata_runtime.sampling import Sampler, distribution
 from strata_runtime.speculative import Proposals, verify
 
-DEMO_ACCEPTANCE = 0.3
+DEMO_ACCEPTANCE = 0.5
 """Share of the demo model's chained greedy proposals that must hold (measured: see docs/PERFORMANCE.md)."""
 
 
