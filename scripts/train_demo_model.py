@@ -3,22 +3,25 @@
 The model is 4 sparse layers (8 experts, top 2) of width 256 plus one MTP layer, about 2.8 M parameters and
 5.6 MB in float16. Its vocabulary is the runtime's byte tokenizer's (ids 0-255 are UTF-8 bytes, 256
 ``<|endoftext|>``, 257 ``<|im_start|>``, 258 ``<|im_end|>``), padded to 384 rows like the ``tiny`` preset.
-The main model learns the next byte; the MTP head learns the byte after next, one step as the runtime drafts
-from the main model's hidden state and ``--mtp-steps - 1`` chained steps as it drafts from its own output
-(see ``scripts/demo_torch_model.py``). The loss is the main cross-entropy, plus ``--mtp-weight`` times the
-mean of the MTP steps' cross-entropies, plus a small load-balancing term for the routers.
+Training has two phases. First the main model learns the next byte (cross-entropy plus a small
+load-balancing term for the routers). Then, with the main model frozen, the MTP head learns the byte after
+next as the runtime drafts with it: one step from the main model's hidden state and ``--mtp-steps - 1``
+chained steps from its own output (see ``scripts/demo_torch_model.py``), each against the main model's own
+distribution over that byte, since a greedy draft is accepted when it matches the main model's choice.
 
 Corpus: five of Jane Austen's novels from Debian's ``r-cran-janeaustenr`` (``scripts/demo_corpus.py`` says
 how to get it with one command); *Persuasion* is held out for evaluation. Nothing is fetched here.
 
-Run (the checkpoint that ships in ``strata_cfg/data/models/austen`` was made by exactly this, on a CPU)::
+Run (the checkpoint in ``strata_cfg/data/models/austen`` was made by this, on a CPU, written to a scratch
+folder and copied there with its README)::
 
     python scripts/train_demo_model.py --corpus /tmp/austen --out strata_cfg/data/models/austen
 
 It is seeded (weights, batches); on a CPU the result is reproducible on the same machine and torch build.
 ``--device cuda`` trains on a GPU: the design target there is well under 10 minutes for the default steps
-(not measured). Progress goes to stdout; ``--work`` keeps a resumable checkpoint every ``--save-every``
-steps, and the model directory is rewritten at each evaluation, so a stopped run leaves a usable model.
+(not measured). Progress goes to stdout; ``--work`` (default: a folder in the system's temporary directory,
+never the package) keeps a resumable checkpoint every ``--save-every`` steps, and the model directory is
+rewritten at each evaluation, so a stopped run leaves a usable model.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import tempfile
 import time
 from pathlib import Path
 
@@ -168,7 +172,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--corpus", type=Path, required=True, help="the extracted r-cran-janeaustenr package")
     parser.add_argument("--out", type=Path, required=True, help="the model directory to write")
-    parser.add_argument("--work", type=Path, help="where to keep the resumable checkpoint (default: --out)")
+    parser.add_argument(
+        "--work",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "train_demo_model",
+        help="where to keep the resumable checkpoint",
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=900, help="steps of the main model")
@@ -189,7 +198,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    work = args.work or args.out
+    work = args.work
     work.mkdir(parents=True, exist_ok=True)
     state_path = work / "train_state.pt"
 
