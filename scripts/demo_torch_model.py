@@ -300,11 +300,16 @@ class Model(nn.Module):
         return [self.lm_head(o) for o in outs], balance / steps
 
 
+def _checkpoint_name(name: str) -> str:
+    """A module's parameter name as the checkpoint spells it (the main model's under ``model.``)."""
+    return name if name.startswith(("mtp.", "lm_head.")) else "model." + name
+
+
 def export_tensors(model: Model) -> dict[str, torch.Tensor]:
     """Checkpoint names and layouts: ``model.*``, ``lm_head.weight`` and ``mtp.*``, experts per expert."""
     out: dict[str, torch.Tensor] = {}
     for name, p in model.state_dict().items():
-        full = name if name.startswith(("mtp.", "lm_head.")) else "model." + name
+        full = _checkpoint_name(name)
         if name.endswith("mlp.gate_up_proj"):
             base = full.removesuffix("gate_up_proj") + "experts"
             i = p.shape[1] // 2
@@ -318,3 +323,27 @@ def export_tensors(model: Model) -> dict[str, torch.Tensor]:
         else:
             out[full] = p
     return {k: v.detach().to("cpu", torch.float16).contiguous() for k, v in out.items()}
+
+
+def import_tensors(model: Model, tensors: dict[str, torch.Tensor]) -> None:
+    """Load a checkpoint written by `export_tensors` (float16 widened to float32)."""
+    own: dict[str, torch.Tensor] = {}
+    experts = range(model.shape.num_experts)
+    for name in model.state_dict():
+        full = _checkpoint_name(name)
+        if name.endswith("mlp.gate_up_proj"):
+            base = full.removesuffix("gate_up_proj") + "experts"
+            own[name] = torch.stack(
+                [
+                    torch.cat(
+                        [tensors[f"{base}.{e}.gate_proj.weight"], tensors[f"{base}.{e}.up_proj.weight"]]
+                    )
+                    for e in experts
+                ]
+            )
+        elif name.endswith("mlp.down_proj"):
+            base = full.removesuffix("down_proj") + "experts"
+            own[name] = torch.stack([tensors[f"{base}.{e}.down_proj.weight"] for e in experts])
+        else:
+            own[name] = tensors[full]
+    model.load_state_dict({k: v.float() for k, v in own.items()})
