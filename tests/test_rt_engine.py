@@ -3,7 +3,8 @@
 Property tests run random staggered arrival schedules through solo, serial, pipelined and batch-MTP plans on
 1 to 4 virtual CPU stages, and compare each request's greedy tokens with the same request run alone on one
 stage without drafting. The lifecycle test follows slots through admission, solo promotion and demotion,
-a cancellation mid-run and reuse, and 8 slots through 4-slot batch-MTP windows.
+a cancellation mid-run and reuse, and 8 slots through 4-slot batch-MTP windows (on the packaged demo model,
+whose drafts are accepted because its MTP head was trained).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from hypothesis import strategies as st
 from rt_engine_helpers import MODES, collect, mode_plan
 from rt_plans import make_plan
 
+from strata_cfg.schema.packaged import packaged_dir
 from strata_runtime.api import PlanMismatch, Request, SamplingParams
 from strata_runtime.engine import Engine
 
@@ -28,16 +30,21 @@ def engine(stages: int, mode: str) -> Engine:
     return Engine(mode_plan(mode, stages, preset=PRESET_FOR_STAGES[stages], context=128, prefill_chunk=16))
 
 
+def model_source(name: str) -> dict[str, object]:
+    """``make_plan`` keywords for a synthetic preset, or for the packaged demo model ``austen``."""
+    return {"model_dir": packaged_dir(name)} if name == "austen" else {"preset": name}
+
+
 @functools.cache
-def reference(preset: str, prompt: tuple[int, ...], max_tokens: int) -> tuple[int, ...]:
+def reference(model: str, prompt: tuple[int, ...], max_tokens: int) -> tuple[int, ...]:
     """The request alone: one stage, one slot, no drafting."""
-    eng = _reference_engine(preset)
+    eng = _reference_engine(model)
     return tuple(collect(eng, [(0, Request(prompt, max_tokens))])[0])
 
 
 @functools.cache
-def _reference_engine(preset: str) -> Engine:
-    return Engine(make_plan(preset=preset, stages=1, context=128, prefill_chunk=16))
+def _reference_engine(model: str) -> Engine:
+    return Engine(make_plan(stages=1, context=128, prefill_chunk=16, **model_source(model)))
 
 
 arrivals = st.lists(
@@ -130,11 +137,21 @@ def test_lifecycle_promotion_demotion_cancellation_and_reuse() -> None:
 
 
 def test_eight_slots_rotate_through_four_slot_batch_mtp_windows() -> None:
-    eng = Engine(make_plan(stages=2, slots=8, batch_mtp=True, draft_tokens=2, context=128, prefill_chunk=32))
-    reqs = [(0, Request(tuple(f"prompt number {i}".encode()), 30)) for i in range(8)]
+    """On the demo model, whose trained drafter makes the proposals hold for a reason."""
+    plan = make_plan(
+        stages=2,
+        slots=8,
+        batch_mtp=True,
+        draft_tokens=2,
+        context=128,
+        prefill_chunk=32,
+        **model_source("austen"),
+    )
+    eng = Engine(plan)
+    reqs = [(0, Request(tuple(f"She said to her sister {i} that".encode()), 30)) for i in range(8)]
     got = collect(eng, reqs)
     for (_, r), tokens in zip(reqs, got, strict=True):
-        assert tuple(tokens) == reference("tiny", r.prompt_ids, 30)
+        assert tuple(tokens) == reference("austen", r.prompt_ids, 30)
     windows = list(eng.windows)
     batch = [w for w in windows if w.kind == "batch-mtp"]
     assert batch and all(w.rows <= 8 and len(w.slots) <= 4 for w in batch)
@@ -143,7 +160,7 @@ def test_eight_slots_rotate_through_four_slot_batch_mtp_windows() -> None:
     after = [w for w in windows[last_prefill + 1 :] if w.kind == "batch-mtp"]
     for w1, w2 in zip(after[:6:2], after[1:6:2], strict=True):  # all 8 decoding: two windows serve each slot
         assert sorted(w1.slots + w2.slots) == list(range(8))
-    assert sum(w.accepted for w in batch) > 0
+    assert sum(w.accepted for w in batch) > 0.5 * sum(w.proposals for w in batch)
 
 
 def test_stop_token_and_max_tokens_end_a_request() -> None:

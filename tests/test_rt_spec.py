@@ -11,10 +11,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from rt_plans import make_plan
 
+from strata_cfg.schema.packaged import packaged_dir
 from strata_runtime.api import Request, SamplingParams
 from strata_runtime.engine import Engine
 from strata_runtime.engine.sampling import Sampler, distribution
 from strata_runtime.engine.speculative import Proposals, verify
+
+DEMO_ACCEPTANCE = 0.5
+"""Share of the demo model's chained greedy proposals that must hold (measured: see docs/PERFORMANCE.md)."""
 
 
 @functools.cache
@@ -41,13 +45,15 @@ def test_greedy_with_drafting_equals_greedy_without(depth, prompt, n) -> None:
     assert generate(with_drafts, tuple(prompt), n) == generate(plain, tuple(prompt), n)
 
 
-def test_drafts_are_accepted_often_on_the_demo_model() -> None:
-    eng = solo_engine(4, 2)
-    before = dict(eng.totals)
-    generate(eng, tuple(b"Hello there, general"), 60)
-    made = eng.totals["proposals"] - before["proposals"]
-    accepted = eng.totals["accepted"] - before["accepted"]
-    assert made > 0 and accepted / made > 0.3
+def test_the_trained_demo_drafter_is_accepted_often_and_changes_no_token() -> None:
+    """The packaged demo model's MTP head was trained: its greedy drafts hold on English prose far more often
+    than chance (it guesses one byte of 384), and the text is the same as without drafting."""
+    plan = {"model_dir": packaged_dir("austen"), "stages": 2, "context": 256, "prefill_chunk": 64}
+    drafting, plain = Engine(make_plan(draft_tokens=4, **plan)), Engine(make_plan(draft_tokens=0, **plan))
+    prompt = tuple(b"She could not help thinking that her sister had been very wrong, and")
+    assert generate(drafting, prompt, 64) == generate(plain, prompt, 64)
+    made, accepted = drafting.totals["proposals"], drafting.totals["accepted"]
+    assert made > 0 and accepted / made > DEMO_ACCEPTANCE, f"{accepted}/{made} proposals accepted"
 
 
 # ---- sampled: rejection sampling reproduces the target's distribution -------------------------------

@@ -38,8 +38,8 @@ def _prompt() -> str:
 
 
 def _full_length_prompt(client: openai.OpenAI, max_tokens: int) -> tuple[str, str]:
-    """A fresh prompt whose greedy reply runs all ``max_tokens`` (the random demo model may emit its
-    end-of-text token early for some prompts), and that reply."""
+    """A fresh prompt whose greedy reply runs all ``max_tokens`` (a reply may end early at the demo model's
+    end-of-text token, which it learned to write after a novel's last line), and that reply."""
     for _ in range(50):
         prompt = _prompt()
         r = client.completions.create(model="demo", prompt=prompt, max_tokens=max_tokens, temperature=0)

@@ -13,6 +13,7 @@ from ..profile.overrides import SET_ORIGIN
 from ..schema.bounded_read import read_bounded
 from ..schema.errors import ProfileError
 from ..schema.facts import ConfigError, ModelFacts, run_dtype
+from ..schema.packaged import packaged_dir
 from ..schema.presets import preset_config
 from .checkpoint import read_checkpoint
 
@@ -21,9 +22,12 @@ MAX_CONFIG_BYTES = 4 << 20
 
 
 def model_dir(loaded: LoadedProfile) -> Path:
-    """``model.path`` as a directory, relative to the profile file that wrote it."""
+    """``model.path`` as a directory, relative to the profile file that wrote it; or a packaged model's."""
     m = loaded.profile.model
-    assert m is not None and m.path is not None
+    assert m is not None
+    if m.packaged is not None:
+        return packaged_dir(m.packaged)
+    assert m.path is not None
     origin = loaded.origin("model.path")
     base = Path(origin.file).parent if origin and origin.file != SET_ORIGIN else Path.cwd()
     return (base / os.path.expanduser(m.path)).resolve()
@@ -32,7 +36,7 @@ def model_dir(loaded: LoadedProfile) -> Path:
 def model_facts(loaded: LoadedProfile, backend: str) -> ModelFacts:
     """The model's shapes: from a synthetic preset, or from a model directory's config and headers."""
     m = loaded.profile.model
-    if m is None or (m.path is None and m.synthetic is None):
+    if m is None or (m.path is None and m.synthetic is None and m.packaged is None):
         raise loaded.problem("model", 'no model given: write [model] synthetic = "tiny" or path = "..."')
     if m.synthetic is not None:
         dtype = run_dtype(backend, m.dtype)
@@ -40,6 +44,8 @@ def model_facts(loaded: LoadedProfile, backend: str) -> ModelFacts:
             preset_config(m.synthetic), source=f"synthetic:{m.synthetic}", dtype=dtype
         )
     directory = model_dir(loaded)
+    if m.packaged is not None and not directory.is_dir():
+        raise loaded.problem("model.packaged", f"packaged model {m.packaged!r} is missing: {directory}")
     if not directory.is_dir():
         raise loaded.problem("model.path", f"no model directory at {directory}")
     config_path = directory / "config.json"

@@ -45,7 +45,7 @@ def holds_text(stage: StagePlan) -> str:
 
 def _model_line(plan: LaunchPlan) -> str:
     f = plan.model.facts
-    name = f"{plan.model.synthetic} (synthetic)" if plan.model.synthetic else (plan.model.path or f.source)
+    name = plan.model.label()
     experts = f", {f.num_experts} experts (top {f.num_experts_per_tok})" if f.num_experts else ""
     mtp = f", MTP {f.mtp_layers} layer{'s' * (f.mtp_layers != 1)}" if f.has_mtp else ", no MTP"
     return f"{name}, {f.dtype}, {f.num_hidden_layers} layers{experts}{mtp}"

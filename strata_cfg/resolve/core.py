@@ -204,6 +204,7 @@ def _assemble(
         model=ModelPlan(
             path=None if model.source.startswith("synthetic:") else model.source,
             synthetic=m.synthetic if m else None,
+            packaged=m.packaged if m else None,
             seed=led["model.seed"],
             layer_scale=led["model.layer_scale"],
             routing=led["model.routing"],

@@ -42,6 +42,8 @@ def resolve_defaults(
         led.take("model.synthetic", synthetic, None)
     if m is not None and m.path is not None:
         led.take("model.path", m.path, None)
+    if m is not None and m.packaged is not None:
+        led.take("model.packaged", m.packaged, None)
     asked_dtype = m.dtype if m else None
     led.take("model.dtype", asked_dtype, run_dtype(machine.backend, None, model.dtype))
     dtype = run_dtype(machine.backend, asked_dtype, model.dtype)

@@ -256,12 +256,22 @@ class ModelPlan(_Plan):
     """Absolute model directory, or None for a synthetic preset."""
     synthetic: str | None = None
     """Preset name, or None for a model directory."""
+    packaged: str | None = None
+    """The packaged model's name when ``path`` is a model that ships with strata (``model.packaged``)."""
     seed: int = 0
     layer_scale: float | None = None
     """Synthetic only: the planted-structure scale (see the profile's ``model.layer_scale``)."""
     routing: Literal["uniform", "calibrated"] = "uniform"
     """Synthetic only: the routing model (see the profile's ``model.routing``)."""
     facts: ModelFacts
+
+    def label(self) -> str:
+        """The model as the plan's summary names it: ``tiny (synthetic)``, ``austen (packaged)`` or a path."""
+        if self.synthetic:
+            return f"{self.synthetic} (synthetic)"
+        if self.packaged:
+            return f"{self.packaged} (packaged)"
+        return self.path or self.facts.source
 
 
 class ExpertsPlan(_Plan):

@@ -13,6 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from .packaged import PackagedName
 from .presets import PresetName
 
 Backend = Literal["cuda", "cpu"]
@@ -89,12 +90,15 @@ class MachineSection(Section):
 
 
 class ModelSection(Section):
-    """Which model to run: a Hugging Face style directory or a built-in synthetic preset."""
+    """Which model to run: a Hugging Face style directory, a packaged model or a built-in synthetic preset."""
 
     path: str | None = Field(default=None, min_length=1)
     """A model directory (``config.json`` plus safetensors), relative to the profile file or absolute."""
     synthetic: PresetName | None = None
     """A built-in seeded random model, generated in place on each device (no download)."""
+    packaged: PackagedName | None = None
+    """A trained model that ships with strata: ``"austen"``, a few-MB byte-level toy trained on Jane
+    Austen's novels, with an MTP head (the demo's model; it writes English-like prose, not answers)."""
     dtype: DType | None = None
     """Weight and activation precision on GPUs (default ``"float16"``; a bfloat16 or float32 checkpoint is
     converted on load). Virtual CPU devices always use float32."""
@@ -112,9 +116,10 @@ class ModelSection(Section):
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSection:
-        if self.path is not None and self.synthetic is not None:
-            raise ValueError("give either `path` or `synthetic`, not both")
-        if self.path is not None and self.routing == "calibrated":
+        given = [k for k in ("path", "synthetic", "packaged") if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise ValueError(f"give one of `path`, `synthetic` or `packaged`, not {' and '.join(given)}")
+        if self.synthetic is None and self.routing == "calibrated":
             raise ValueError(
                 '`routing = "calibrated"` is for synthetic presets; a checkpoint routes by its own router'
             )

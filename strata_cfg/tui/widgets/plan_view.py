@@ -163,7 +163,7 @@ def summary_rows(plan: LaunchPlan) -> list[tuple[str, Text]]:
     """(label, text) lines: the model, the batch line, spec, memory, and host memory when experts live
     there."""
     f = plan.model.facts
-    model = f"{plan.model.synthetic} (synthetic)" if plan.model.synthetic else (plan.model.path or f.source)
+    model = plan.model.label()
     s = plan.spec
     spec = f"window {s.draft_tokens}: token + {s.draft_tokens - 1} MTP proposals" if s.mtp else "no drafting"
     if s.pipeline_windows:
