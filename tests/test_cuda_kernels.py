@@ -117,6 +117,8 @@ def test_qk_norm_rope_kv_and_attention_match_the_reference(gpu, n_q, n_kv, d):
 )
 @pytest.mark.parametrize("norm_topk", [True, False])
 def test_moe_matches_twin(gpu, rows, e, k, h, inter, norm_topk):
+    from strata_runtime.cuda.experts import LayerExperts, resident_experts
+
     cp, kern, ref = gpu
     g = rng()
     x = (g.standard_normal((rows, h)) * 2).astype(np.float32)
@@ -127,26 +129,62 @@ def test_moe_matches_twin(gpu, rows, e, k, h, inter, norm_topk):
     resid = g.standard_normal((rows, h)).astype(np.float32)
     r_d = cp.asarray(resid)
     idx_d, w_d = cp.full((rows, k), -1, cp.int32), cp.full((rows, k), cp.nan, cp.float32)
+    experts = resident_experts(cp.asarray(gate_up), cp.asarray(down), cp)
+    h_d = cp.full((rows * k, inter), cp.nan, cp.float32)
     kern.moe(
-        cp.asarray(x),
-        cp.asarray(nw),
-        cp.asarray(logits),
-        norm_topk,
-        1e-6,
-        cp.asarray(gate_up),
-        cp.asarray(down),
-        r_d,
-        idx_d,
-        w_d,
-        cp.full((rows * k, inter), cp.nan, cp.float32),
+        cp.asarray(x), cp.asarray(nw), cp.asarray(logits), norm_topk, 1e-6, experts, r_d, idx_d, w_d, h_d
     )
     idx, w = np.empty((rows, k), np.int32), np.empty((rows, k), np.float32)
-    ref.moe(
-        x, nw, logits, norm_topk, 1e-6, gate_up, down, resid, idx, w, np.empty((rows * k, inter), np.float32)
-    )
+    host = LayerExperts(np.zeros(e), np.zeros(e), lambda i: (gate_up[i], down[i]))
+    ref.moe(x, nw, logits, norm_topk, 1e-6, host, resid, idx, w, np.empty((rows * k, inter), np.float32))
     np.testing.assert_array_equal(idx_d.get(), idx)
     assert rel_err(w_d.get(), w) < REL
     assert rel_err(r_d.get(), resid) < REL
+
+
+@pytest.mark.parametrize(("rows", "e", "k", "h", "inter"), [(3, 128, 8, 2048, 768), (5, 16, 4, 96, 48)])
+def test_moe_reads_experts_from_mapped_host_memory_bit_for_bit_and_counts_the_misses(
+    gpu, rows, e, k, h, inter
+):
+    """The expert cache's miss path: the same kernel, its address tables pointing at pinned host memory for
+    some experts, gives exactly the result of reading them all from VRAM, and counts routing and misses."""
+    from strata_runtime.cuda.experts import LayerExperts, addresses, resident_experts
+    from strata_runtime.experts.host import host_empty
+
+    cp, kern, _ = gpu
+    g = rng()
+    x = (g.standard_normal((rows, h)) * 2).astype(np.float32)
+    nw = half(1 + 0.1 * g.standard_normal(h))
+    logits = g.standard_normal((rows, e)).astype(np.float32)
+    gate_up = half(g.standard_normal((e, 2 * inter, h)) * 0.03)
+    down = half(g.standard_normal((e, h, inter)) * 0.03)
+    resid = g.standard_normal((rows, h)).astype(np.float32)
+    host_gu, host_dn = host_empty(gate_up.shape, np.float16, True), host_empty(down.shape, np.float16, True)
+    host_gu[...], host_dn[...] = gate_up, down
+    dev_gu, dev_dn = cp.asarray(gate_up), cp.asarray(down)
+    on_host = g.random(e) < 0.5  # half the experts hold no slot
+    slot_of = np.where(on_host, -1, np.arange(e)).astype(np.int32)
+    gu_addr = np.where(on_host, addresses(host_gu), addresses(dev_gu)).astype(np.uint64)
+    dn_addr = np.where(on_host, addresses(host_dn), addresses(dev_dn)).astype(np.uint64)
+    counts, misses = cp.zeros(e, cp.float32), cp.zeros(1, cp.float32)
+    cached = LayerExperts(
+        cp.asarray(gu_addr),
+        cp.asarray(dn_addr),
+        lambda i: (gate_up[i], down[i]),
+        cp.asarray(slot_of),
+        counts,
+        misses,
+    )
+    outs = []
+    for experts in (resident_experts(dev_gu, dev_dn, cp), cached):
+        r_d, idx_d = cp.asarray(resid), cp.full((rows, k), -1, cp.int32)
+        w_d, h_d = cp.full((rows, k), cp.nan, cp.float32), cp.full((rows * k, inter), cp.nan, cp.float32)
+        kern.moe(cp.asarray(x), cp.asarray(nw), cp.asarray(logits), True, 1e-6, experts, r_d, idx_d, w_d, h_d)
+        outs.append((r_d.get(), idx_d.get()))
+    np.testing.assert_array_equal(outs[0][0], outs[1][0])  # the same bytes, the same sums
+    idx = outs[1][1]
+    np.testing.assert_array_equal(counts.get(), np.bincount(idx.reshape(-1), minlength=e))
+    assert int(misses.get()[0]) == int(on_host[idx].sum()) > 0
 
 
 def test_small_elementwise_kernels_match_the_reference(gpu):

@@ -10,8 +10,11 @@ measured with CuPy on the GPU in the same run as the figure they divide.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from strata_cfg.schema.facts import ModelFacts
 
@@ -219,3 +222,18 @@ def matrix_rate(device_index: int, n: int = 8192, reps: int = 10) -> float:
         s = _matmul_seconds(cp, n, reps)
         cp.get_default_memory_pool().free_all_blocks()
     return 2 * n**3 / s
+
+
+def host_link_rate(device_index: int, nbytes: int = 1 << 28, reps: int = 10) -> float:
+    """Host-to-device copy rate from pinned memory to GPU ``device_index`` in bytes/s: the link an expert
+    cache's misses and swaps cross."""
+    import cupy as cp
+
+    with cp.cuda.Device(device_index):
+        host = cp.cuda.alloc_pinned_memory(nbytes)
+        src = np.frombuffer(host, np.uint8, nbytes)
+        dst = cp.empty(nbytes, cp.uint8)
+        s = _event_seconds(cp, functools.partial(dst.set, src), reps)
+        dst = None
+        cp.get_default_memory_pool().free_all_blocks()
+    return nbytes / s

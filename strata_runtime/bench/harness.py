@@ -77,6 +77,7 @@ class InProcessDriver:
     def run(self, arrivals: list[Arrival]) -> tuple[list[Result], dict[str, Any]]:
         eng = self.engine
         before = dict(eng.totals)
+        cache_before = expert_traffic(eng)
         t0 = time.perf_counter()
         handles: list[Any] = [None] * len(arrivals)
         results: list[Result | None] = [None] * len(arrivals)
@@ -119,7 +120,25 @@ class InProcessDriver:
             "proposals": after["proposals"] - before["proposals"],
             "accepted": after["accepted"] - before["accepted"],
         }
+        cache_after = expert_traffic(eng)
+        if cache_after is not None and cache_before is not None:
+            stats["experts"] = {k: cache_after[k] - cache_before[k] for k in cache_after}
         return [r for r in results if r is not None], stats
+
+
+def expert_traffic(engine: Engine) -> dict[str, int] | None:
+    """What the engine's expert caches served so far, summed over its stages: assignments read from VRAM
+    (hits) and from host memory (misses), and bytes moved over the host link; None when every expert is
+    resident."""
+    caches = [e for e in engine.stats()["experts"] if e["cached"]]
+    if not caches:
+        return None
+    return {
+        "hits": sum(e["hits"] for e in caches),
+        "misses": sum(e["misses"] for e in caches),
+        "host_bytes": sum(e["miss_bytes"] + e["swap_bytes"] for e in caches),
+        "swaps": sum(e["swaps"] for e in caches),
+    }
 
 
 # ---- workloads --------------------------------------------------------------------------------------
@@ -194,6 +213,13 @@ def measure(name: str, results: list[Result], stats: dict[str, Any], wall: float
         out["p95_s"] = float(np.percentile(lat, 95))
     else:  # two-decodes, solo: the streams' own rates added
         out["tok_s"] = sum(r.rate for r in results)
+    traffic = stats.get("experts")
+    if traffic is not None:  # an expert cache: how much of the expert work VRAM served, and the link's share
+        served = traffic["hits"] + traffic["misses"]
+        generated = sum(len(r.token_ids) for r in results)
+        out["expert_vram_pct"] = 100.0 * traffic["hits"] / served if served else 0.0
+        out["host_mb_per_token"] = traffic["host_bytes"] / generated / 1e6 if generated else 0.0
+        out["expert_swaps"] = float(traffic["swaps"])
     return out
 
 

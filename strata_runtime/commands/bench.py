@@ -19,6 +19,7 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any
 
+from strata_cfg.schema.facts import ModelFacts
 from strata_cfg.schema.plan import LaunchPlan
 from strata_cfg.schema.plan_file import read_plan
 from strata_cfg.schema.workloads import (
@@ -30,7 +31,7 @@ from strata_cfg.schema.workloads import (
 )
 
 from ..api import Tokenizer
-from ..bench.ceilings import copy_bandwidth, decode_step_bytes, matrix_rate, prompt_flops, si
+from ..bench.ceilings import copy_bandwidth, decode_step_bytes, host_link_rate, matrix_rate, prompt_flops, si
 from ..bench.harness import (
     Arm,
     Arrival,
@@ -237,7 +238,10 @@ def measure_rates(workload: str, plans: dict[str, LaunchPlan]) -> dict[str, floa
     if workload == "prompt":
         return {"matrix_flop_s": matrix_rate(gpu)}
     if workload in ("solo", "two-decodes"):
-        return {"copy_bytes_s": copy_bandwidth(gpu)}
+        rates = {"copy_bytes_s": copy_bandwidth(gpu)}
+        if any(g.experts_resident < g.experts_total for p in plans.values() for g in p.gpus):
+            rates["host_link_bytes_s"] = host_link_rate(gpu)
+        return rates
     return {}
 
 
@@ -308,16 +312,56 @@ def ceiling_report(
         f"= {roof:,.0f} tok/s for one stream without drafting",
     ]
     arms = {}
+    link = rates.get("host_link_bytes_s")
     for name, cases in summary.items():
-        rate = cases[workload]["median"]["tok_s"]
+        m = cases[workload]["median"]
+        rate = m["tok_s"]
         arms[name] = {"tok_s": rate, "of_one_row_roofline": rate / roof}
         lines.append(f"  {name}: {rate:,.1f} tok/s = {100 * rate / roof:.0f}% of the one-row roofline")
+        if link and "host_mb_per_token" in m:
+            cache = cache_ceiling(facts, m, positions, plan.memory.kv_dtype, copy, link)
+            arms[name].update({k: v for k, v in cache.items() if k != "line"})
+            lines.append(f"    {cache['line']}")
+    if link:
+        lines.append(f"host link (pinned host to {device}) measured in this run: {si(link, 'B/s')}")
     return {
         "step_bytes": step.total,
         "copy_bytes_s": copy,
         "roofline_tok_s": roof,
         "arms": arms,
         "lines": lines,
+    }
+
+
+def cache_ceiling(
+    facts: ModelFacts, m: dict[str, float], positions: int, kv_dtype: str, copy: float, link: float
+) -> dict[str, Any]:
+    """The tok/s an arm's windows allow at the hit rate it measured, VRAM and host link read side by side.
+
+    A window of R rows reads the step's bytes from VRAM, less the experts it read from host memory (the
+    measured miss share), and moves the measured host bytes per token times the window's tokens over the
+    link; the two links work at once, so the slower of the two bounds the window.
+    """
+    rows = max(1, round(m["rows_per_window"]))
+    tokens = m["tok_s"] * m["ms_per_window"] / 1000  # tokens each window yields, measured
+    step = decode_step_bytes(facts, rows=rows, positions=positions, kv_dtype=kv_dtype)
+    hit = m["expert_vram_pct"] / 100
+    vram = step.total - (1 - hit) * step.experts
+    host = m["host_mb_per_token"] * 1e6 * tokens
+    floor = max(vram / copy, host / link)
+    ceiling = tokens / floor if floor > 0 else 0.0
+    line = (
+        f"expert cache: {100 * hit:.1f}% of expert work from VRAM, {m['host_mb_per_token']:.1f} MB/token "
+        f"over the host link; a {rows}-row window ({tokens:.2f} tokens) reads {si(vram, 'B')} from VRAM "
+        f"({si(vram / copy, 's')}) and {si(host, 'B')} over the link ({si(host / link, 's')}): ceiling "
+        f"{ceiling:,.1f} tok/s, measured {m['tok_s']:,.1f} = {100 * m['tok_s'] / ceiling:.0f}% of it"
+    )
+    return {
+        "expert_vram_pct": m["expert_vram_pct"],
+        "host_mb_per_token": m["host_mb_per_token"],
+        "cache_ceiling_tok_s": ceiling,
+        "of_cache_ceiling": m["tok_s"] / ceiling if ceiling else 0.0,
+        "line": line,
     }
 
 
@@ -354,6 +398,10 @@ def render_table(
             extra = ""
             if "p50_s" in m:
                 extra = f"  p50 {m['p50_s']:.3f}s p95 {m['p95_s']:.3f}s"
+            if "expert_vram_pct" in m:
+                extra += (
+                    f"  experts {m['expert_vram_pct']:.1f}% from VRAM, {m['host_mb_per_token']:.1f} MB/tok"
+                )
             if "decode_tok_s" in m:
                 extra = (
                     f"  prompt read {m['prompt_read_tok_s']:.0f} tok/s, decode {m['decode_tok_s']:.1f} tok/s"

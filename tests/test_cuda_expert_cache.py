@@ -1,0 +1,125 @@
+"""The expert cache on a real GPU: greedy text as with every expert resident, swaps that keep the kernels'
+address tables right, and the plan's memory cap.
+
+Windows of at most 64 rows run the same decode kernels whether an expert sits in a VRAM slot or is read
+from pinned host memory, so their greedy text must equal the all-resident run's exactly. A prompt chunk of
+more than 64 rows runs one cuBLAS product per expert under a cache, where the all-resident path runs one
+batched product over all of them: the same numbers up to cuBLAS's blocking, so that case is held to the
+float32 reference's tolerance instead.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def cp():
+    return pytest.importorskip("cupy")
+
+
+def _plan(cp, *, cache: int | None, slots: int = 2, batch_mtp: bool = True, chunk: int = 64, adapt=True):
+    from strata_cfg.plan.from_profile import resolve_text
+
+    vram = cp.cuda.runtime.memGetInfo()[1] // (1 << 20)
+    text = f"""name = "cache-test"
+[machine]
+backend = "cuda"
+gpus = [{{ name = "GPU", vram_mib = {vram}, bandwidth_gbs = 1000 }}]
+[model]
+synthetic = "small"
+dtype = "float16"
+[batch]
+slots = {slots}
+mtp = {"true" if batch_mtp else "false"}
+[spec]
+draft_tokens = 3
+[memory]
+context = 512
+prefill_chunk = {chunk}
+[serve]
+"""
+    if cache is not None:
+        text += f"[experts]\ncache = {cache}\nadapt = {'true' if adapt else 'false'}\n"
+    return resolve_text(text, "cache-test.toml").plan
+
+
+def _generate(engine, prompts, tokens: int) -> list[list[int]]:
+    from strata_runtime.api import Request
+
+    handles = [engine.submit(Request(p, tokens)) for p in prompts]
+    while engine.step():
+        pass
+    out = []
+    for h in handles:
+        got = []
+        while not h.events.empty():
+            got += h.events.get().token_ids
+        out.append(got)
+    return out
+
+
+PROMPTS = [tuple(range(40, 90)), (72, 101, 108, 108, 111, 32) * 3, tuple(range(100, 133))]
+
+
+@pytest.mark.parametrize("batch_mtp", [False, True])
+def test_greedy_text_with_a_small_cache_on_the_gpu_equals_the_all_resident_run(cp, batch_mtp):
+    from strata_runtime.engine import Engine
+
+    resident = _generate(Engine(_plan(cp, cache=None, batch_mtp=batch_mtp)), PROMPTS, 24)
+    engine = Engine(_plan(cp, cache=6, batch_mtp=batch_mtp))
+    cached = _generate(engine, PROMPTS, 24)
+    assert cached == resident
+    stats = [s.experts.stats for s in engine.model.stages]
+    assert sum(s.misses for s in stats) > 0 and sum(s.hits for s in stats) > 0
+    assert sum(s.swaps for s in stats) > 0, "the adaptive tier moved experts on the GPU"
+    # The kernels' tables: every expert's address is its slot's or its host copy's.
+    for stage in engine.model.stages:
+        store, tables = stage.experts, stage.cuda_experts
+        assert tables is not None
+        cp.cuda.Device(stage.device.index).synchronize()
+        np.testing.assert_array_equal(tables.slot_of.get(), store.residency.slot_of)
+        gu = tables.gate_up.get()
+        for j in range(len(store)):
+            for e in range(store.n_experts):
+                if store.resident(j, e):
+                    want = store.pool_gate_up[store.residency.slot_of[j, e]].data.ptr
+                else:
+                    want = store.host_gate_up[j][e].ctypes.data
+                assert int(gu[j, e]) == want
+
+
+def test_a_long_prompt_chunk_under_a_cache_stays_within_the_references_tolerance(cp):
+    """A 200-row chunk: misses copied into staging, one product per expert, against the all-resident path."""
+    from strata_runtime.layout import Layout
+    from strata_runtime.model import Model
+
+    ids = np.random.default_rng(5).integers(1, 1000, 200)
+    outs = []
+    for cache in (None, 6):
+        model = Model.from_plan(_plan(cp, cache=cache, chunk=256, batch_mtp=False))
+        normed = model.forward(ids, Layout.of([(0, 200, 0)]))
+        outs.append(model.logits(normed[-1:]).get())
+    a, b = outs
+    assert np.linalg.norm(a - b) / np.linalg.norm(b) < 5e-3  # fp16 products in another blocking
+    assert int(a.argmax()) == int(b.argmax())
+
+
+def test_the_engine_holds_no_more_device_memory_than_the_plan_and_says_so_when_it_cannot(cp, monkeypatch):
+    from strata_runtime.api import PlanMismatch
+    from strata_runtime.engine import Engine
+    from strata_runtime.model.placed import WeightStore
+
+    plan = _plan(cp, cache=6)
+    engine = Engine(plan)
+    pool = cp.get_default_memory_pool()
+    budget = plan.gpus[0].budget
+    assert pool.get_limit() == budget.total - budget.reserve
+    assert pool.total_bytes() <= pool.get_limit()
+    monkeypatch.setattr(WeightStore, "limit", lambda self, plan, device: 1 << 20)
+    with pytest.raises(PlanMismatch, match="does not fit cuda:0 within the plan's budget"):
+        Engine(plan)
+    del engine

@@ -1,0 +1,52 @@
+"""The bench's expert-cache figures: the share of expert work served from VRAM, the host-link bytes per
+generated token, and the ceiling those allow, with the arithmetic checked by hand."""
+
+from __future__ import annotations
+
+import pytest
+from rt_engine_helpers import mode_plan
+
+from strata_cfg.schema.facts import ModelFacts
+from strata_cfg.schema.presets import preset_config
+from strata_runtime.api import Request
+from strata_runtime.bench.ceilings import decode_step_bytes
+from strata_runtime.bench.harness import Arrival, InProcessDriver, measure
+from strata_runtime.commands.bench import cache_ceiling
+from strata_runtime.engine import Engine
+
+
+def test_a_cached_engines_run_reports_vram_share_and_link_bytes_per_token():
+    eng = Engine(mode_plan("serial", 2, preset="small", context=96, prefill_chunk=16, expert_cache=4))
+    arrivals = [Arrival(Request(tuple(range(40, 60)), 12)), Arrival(Request(tuple(range(70, 75)), 12))]
+    results, stats = InProcessDriver(eng).run(arrivals)
+    traffic = stats["experts"]
+    caches = [s.experts.stats for s in eng.model.stages]
+    assert traffic["hits"] == sum(c.hits for c in caches) > 0
+    assert traffic["misses"] == sum(c.misses for c in caches) > 0
+    assert traffic["host_bytes"] == sum(c.miss_bytes + c.swap_bytes for c in caches)
+    fig = measure("two-decodes", results, stats, wall=1.0)
+    served = traffic["hits"] + traffic["misses"]
+    assert fig["expert_vram_pct"] == pytest.approx(100 * traffic["hits"] / served)
+    tokens = sum(len(r.token_ids) for r in results)
+    assert fig["host_mb_per_token"] == pytest.approx(traffic["host_bytes"] / tokens / 1e6)
+    # An engine with every expert resident reports no cache figures.
+    resident = Engine(mode_plan("serial", 2, preset="small", context=96, prefill_chunk=16))
+    results, stats = InProcessDriver(resident).run(arrivals[:1])
+    assert "experts" not in stats and "expert_vram_pct" not in measure("two-decodes", results, stats, 1.0)
+
+
+@pytest.mark.parametrize(("link_bound", "hit_pct"), [(True, 50.0), (False, 99.5)])
+def test_the_cache_ceiling_is_the_slower_link_for_the_window(link_bound, hit_pct):
+    facts = ModelFacts.from_config(preset_config("qwen3-30b-a3b"), source="synthetic", dtype="float16")
+    m = {"rows_per_window": 2.0, "tok_s": 100.0, "ms_per_window": 20.0, "expert_vram_pct": hit_pct}
+    m["host_mb_per_token"] = 100.0 if link_bound else 0.01
+    copy, link = 4e12, 50e9
+    out = cache_ceiling(facts, m, positions=300, kv_dtype="float16", copy=copy, link=link)
+    step = decode_step_bytes(facts, rows=2, positions=300, kv_dtype="float16")
+    tokens = 100.0 * 20.0 / 1000  # 2 tokens per window
+    vram = step.total - (1 - hit_pct / 100) * step.experts
+    host = m["host_mb_per_token"] * 1e6 * tokens
+    assert (host / link > vram / copy) == link_bound
+    assert out["cache_ceiling_tok_s"] == pytest.approx(tokens / max(vram / copy, host / link))
+    assert out["of_cache_ceiling"] == pytest.approx(100.0 / out["cache_ceiling_tok_s"])
+    assert "ceiling" in out["line"] and f"{hit_pct:.1f}%" in out["line"]
