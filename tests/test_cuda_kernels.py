@@ -41,9 +41,9 @@ def test_gemv_matches_twin(gpu, rows, n, k, accumulate, with_norm):
     base = g.standard_normal((rows, n)).astype(np.float32)
     out_d = cp.asarray(base if accumulate else np.full((rows, n), np.nan, np.float32))
     kern.gemv(cp.asarray(w), cp.asarray(x), out_d, accumulate, cp.asarray(nw) if nw is not None else None)
-    ref = base.copy()
-    ref.gemv(w, x, ref, accumulate, nw)
-    assert rel_err(out_d.get(), ref) < REL
+    want = base.copy()
+    ref.gemv(w, x, want, accumulate, nw)
+    assert rel_err(out_d.get(), want) < REL
 
 
 @pytest.mark.parametrize(("rows", "h"), [(1, 2048), (5, 64), (8, 4096)])
@@ -206,9 +206,9 @@ def test_small_elementwise_kernels_match_the_reference(gpu):
     for gt in (None, gate):
         r_d = cp.asarray(resid)
         kern.add_scaled(r_d, cp.asarray(y), cp.asarray(gt) if gt is not None else None)
-        ref = resid.copy()
-        ref.add_scaled(ref, y, gt)
-        assert rel_err(r_d.get(), ref) < REL
+        want = resid.copy()
+        ref.add_scaled(want, y, gt)
+        assert rel_err(r_d.get(), want) < REL
 
     table = half(g.standard_normal((v, h)))
     ids = g.integers(0, v, rows).astype(np.int32)
@@ -290,10 +290,10 @@ def test_softmax_causal_matches_twin(gpu, heads, n, pos, group):
     s_d[...] = cp.asarray(scores)
     p_d = cp.full((heads, rows, ld), cp.nan, cp.float16)[:, :, :length]
     kern.softmax_causal(s_d, p_d, pos, group)
-    ref = np.full(scores.shape, np.nan, np.float16)
-    ref.softmax_causal(scores, ref, pos, group)
+    want = np.full(scores.shape, np.nan, np.float16)
+    ref.softmax_causal(scores, want, pos, group)
     got = p_d.get()
-    assert rel_err(got, ref) < HALF_REL
+    assert rel_err(got, want) < HALF_REL
     for r in (0, rows - 1):  # nothing past the row's own position; each row sums to one
         assert not got[:, r, pos + r // group + 1 :].any()
         np.testing.assert_allclose(got[:, r].astype(np.float32).sum(-1), 1.0, rtol=1e-2)
