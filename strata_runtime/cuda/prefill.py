@@ -199,13 +199,12 @@ class CudaPrefill:
 
     def _route(
         self, j: int, lay: LayerWeights, x: cp.ndarray, resid: cp.ndarray, rows: Rows
-    ) -> tuple[cp.ndarray, ...]:
-        """Route the chunk's rows: idx and wts [n, k], each assignment's rank in its expert's group, and the
-        size of the largest group (on the device). ``rows``: each row's position and slot."""
+    ) -> tuple[cp.ndarray, cp.ndarray]:
+        """Route the chunk's rows: idx and wts [n, k]. ``rows``: each row's position and slot."""
         pos, slot = rows
         a, kern = self.args, self.kern
         n_rows, h = x.shape
-        n_exp, topk = a.num_experts, a.num_experts_per_tok
+        topk = a.num_experts_per_tok
         xf = cp.empty((n_rows, h), cp.float32)
         kern.add_rms_norm_fp32(resid, None, lay.ln2, xf, a.rms_norm_eps)
         router = self.router32[j]
@@ -216,17 +215,17 @@ class CudaPrefill:
         idx = cp.empty((n_rows, topk), cp.int32)
         wts = cp.empty((n_rows, topk), cp.float32)
         kern.route_topk(logits, a.norm_topk_prob, idx, wts)
-        rank = cp.empty((n_rows, topk), cp.int32)
-        most = cp.empty(1, cp.int32)
-        kern.moe_group(idx, n_exp, rank, most)
-        return idx, wts, rank, most
+        return idx, wts
 
     def _experts(self, j: int, lay: LayerWeights, x: cp.ndarray, resid: cp.ndarray, rows: Rows) -> None:
         """Every expert in two batched products over [E, C, H] groups (all experts resident)."""
         kern = self.kern
         n_exp, h = self.args.num_experts, x.shape[1]
         assert lay.gate_up is not None and lay.down is not None
-        idx, wts, rank, most = self._route(j, lay, x, resid, rows)
+        idx, wts = self._route(j, lay, x, resid, rows)
+        rank = cp.empty(idx.shape, cp.int32)
+        most = cp.empty(1, cp.int32)
+        self.kern.moe_group(idx, n_exp, rank, most)
         c = int(most.get()[0])  # the one host read of the layer: the group size
         xs = cp.empty((n_exp, c, h), cp.float16)  # [E, C, H]; unused rows are never read back
         kern.moe_scatter_rows(x, idx, rank, xs)
@@ -242,20 +241,22 @@ class CudaPrefill:
     ) -> int:
         """The routed experts under an expert cache: one product per expert a row routes to, reading it
         from its VRAM slot, or copying it from host memory into a staging buffer first (on the same stream,
-        so the copy lands before its product and after the previous product read the buffer). Adds the
-        layer's assignments per expert to ``routed`` [E] and returns how many were read from host memory."""
+        so the copy lands before its product and after the previous product read the buffer). The chunk's
+        assignments are sorted by expert into one [A, H] block, so the temporaries are as large as the
+        assignments whatever the skew of the routing. Adds the layer's assignments per expert to
+        ``routed`` [E] and returns how many were read from host memory."""
         assert self.experts is not None
-        kern, store = self.kern, self.experts.store
-        n_exp, h = self.args.num_experts, x.shape[1]
+        store = self.experts.store
+        n_exp, (n_rows, h) = self.args.num_experts, x.shape
+        topk, inter = self.args.num_experts_per_tok, self.args.moe_intermediate_size
         js = self._store_layer(j)
-        idx, wts, rank, most = self._route(j, lay, x, resid, rows)
-        sizes = cp.bincount(idx.reshape(-1), minlength=n_exp).get()  # [E]: the layer's one host read
-        c = int(sizes.max())
-        xs = cp.empty((n_exp, c, h), cp.float16)  # [E, C, H]; unused rows are never read back
-        kern.moe_scatter_rows(x, idx, rank, xs)
-        ys = cp.empty((n_exp, c, h), cp.float16)  # [E, C, H]
-        inter = self.args.moe_intermediate_size
-        misses = 0
+        idx, wts = self._route(j, lay, x, resid, rows)
+        flat = idx.reshape(-1)  # [A] each assignment's expert, in (row, choice) order
+        order = cp.argsort(flat, kind="stable")  # [A] assignments grouped by expert
+        sizes = cp.bincount(flat, minlength=n_exp).get()  # [E]: the layer's one host read
+        xs = x[order // topk]  # [A, H] fp16, each expert's rows together
+        ys = cp.empty_like(xs)  # [A, H]
+        misses, start = 0, 0
         for e in np.flatnonzero(sizes).tolist():
             n = int(sizes[e])
             if store.resident(js, e):
@@ -263,11 +264,14 @@ class CudaPrefill:
             else:
                 gate_up, down = self._stage(*store.host_weights(js, e))
                 misses += n
-            gu = matmul_nt(xs[e, :n], gate_up, cp.empty((n, 2 * inter), cp.float16))  # [n, 2I]
+            gu = matmul_nt(xs[start : start + n], gate_up, cp.empty((n, 2 * inter), cp.float16))  # [n, 2I]
             hid = cp.empty((n, inter), cp.float16)
-            kern.silu_mul_half(gu, hid)
-            matmul_nt(hid, down, ys[e, :n])  # [n, H]
-        kern.moe_gather_add(ys, idx, rank, wts, resid)
+            self.kern.silu_mul_half(gu, hid)
+            matmul_nt(hid, down, ys[start : start + n])  # [n, H]
+            start += n
+        y = cp.empty_like(ys)
+        y[order] = ys  # back to (row, choice) order
+        resid += (y.reshape(n_rows, topk, h).astype(cp.float32) * wts[:, :, None]).sum(axis=1)  # [n, H]
         routed += sizes
         return misses
 

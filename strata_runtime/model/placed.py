@@ -20,7 +20,7 @@ from ..backend import DTYPES, Array, Device, enable_peer_access, transfer
 from ..experts.cache import Policy
 from ..experts.routing import RoutingModel, RoutingTables
 from ..layout import Layout
-from ..models.qwen3_moe import ModelArgs, stage_shapes
+from ..models.qwen3_moe import ModelArgs, fuse_tensors, stage_shapes
 from ..weights.checkpoint import Checkpoint, load_tensors
 from ..weights.progress import Progress
 from ..weights.synthetic import SyntheticModel
@@ -225,6 +225,8 @@ class Model:
                     else:
                         assert ckpt is not None
                         loaded = load_tensors(ckpt, shapes, device, dtype, progress, label, host)
+                    with device.use():
+                        fuse_tensors(device.xp, loaded)  # the CUDA path's fused layout, made once
                     shared = store.stages[key] = StageWeights(loaded)
                 tensors = shared.tensors
                 stages.append(

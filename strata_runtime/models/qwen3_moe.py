@@ -219,14 +219,62 @@ def fuse_rows(xp: Any, parts: tuple[Any, ...]) -> tuple[Any, tuple[Any, ...]]:
     """One contiguous matrix of ``parts`` stacked along axis 0, and each part as its row slice of it.
 
     A module that swaps its weights for the slices holds every weight once: the originals are freed once
-    nothing else refers to them.
+    nothing else refers to them. Parts that already are consecutive row slices of one matrix (see
+    `fuse_tensors`) come back as that matrix's span, with no copy.
     """
+    span = _adjacent_rows(parts)
+    if span is not None:
+        return span, parts
     fused = xp.ascontiguousarray(xp.concatenate(parts, axis=0))  # [sum of rows, in]
     views, start = [], 0
     for p in parts:
         views.append(fused[start : start + p.shape[0]])
         start += p.shape[0]
     return fused, tuple(views)
+
+
+def _address(a: Any) -> int:
+    data = a.data
+    return int(data.ptr) if hasattr(data, "ptr") else int(a.ctypes.data)
+
+
+def _adjacent_rows(parts: tuple[Any, ...]) -> Any | None:
+    """The span of one contiguous matrix that ``parts`` are consecutive row slices of, or None."""
+    base = parts[0].base
+    if base is None or base.ndim != 2 or not base.flags.c_contiguous:
+        return None
+    row = base.strides[0]
+    at = _address(parts[0])
+    for p in parts:
+        if p.base is not base or not p.flags.c_contiguous or _address(p) != at:
+            return None
+        at += p.nbytes
+    first = (_address(parts[0]) - _address(base)) // row
+    return base[first : first + sum(p.shape[0] for p in parts)]
+
+
+FUSED_ROWS = (
+    ("self_attn.", ("q_proj", "k_proj", "v_proj")),
+    ("mlp.", ("gate_proj", "up_proj")),
+    ("mlp.shared_expert.", ("gate_proj", "up_proj")),
+)
+"""Weights the CUDA path reads as one matrix: q/k/v, and gate/up of a dense MLP or a shared expert."""
+
+
+def fuse_tensors(xp: Any, tensors: dict[str, Any]) -> None:
+    """Store each layer's q/k/v (and gate/up) as row slices of one contiguous matrix, in ``tensors`` itself,
+    so that every model built on these tensors (benchmark arms share them) fuses without a copy and no
+    weight is held twice."""
+    for name in list(tensors):
+        for sub, parts in FUSED_ROWS:
+            head = f"{sub}{parts[0]}.weight"
+            if not name.endswith(head):
+                continue
+            prefix = name[: -len(head)] + sub
+            names = [f"{prefix}{p}.weight" for p in parts]
+            if all(n in tensors for n in names):
+                _, views = fuse_rows(xp, tuple(tensors[n] for n in names))
+                tensors.update(zip(names, views, strict=True))
 
 
 def softmax_fp32(xp: Any, x: Any, axis: int = -1) -> Any:
