@@ -325,7 +325,7 @@ RUNTIME_MAY_IMPORT: dict[str, set[str]] = {
     "weights": {"backend", "experts", "models", "reference"},
     "cuda": {"backend", "layout", "models", "reference", "experts"},
     "model": {"api", "backend", "layout", "models", "weights", "cuda", "experts"},
-    "engine": {"api", "backend", "layout", "model", "weights"},
+    "engine": {"api", "backend", "experts", "layout", "model", "weights"},
     "server": {"api"},
     "bench": {"api", "backend", "cuda", "engine", "experts", "model", "models", "weights"},
     "commands": {"api", "backend", "bench", "engine", "model", "server", "weights"},

@@ -120,3 +120,29 @@ def test_benchmark_arms_share_one_cache_per_stage_and_a_memory_cap_that_grows_by
     # A third model of the same layout adds its own KV, drafters and workspace again.
     before = store.limits["cpu:0"]
     assert store.limit(serial, Device("cpu", 0)) == before + gpu.kv + gpu.drafters + gpu.workspace
+
+
+def test_a_restored_cache_holds_and_knows_what_it_did_so_a_rerun_serves_the_same():
+    """Benchmark arms share a cache; each starts from the same contents, so the same requests run again
+    after a restore are served exactly as the first time, hit for hit."""
+    eng = engine("small", 2, "serial", 5)
+    requests = [(0, Request(prompt(20, 7), 10)), (1, Request(prompt(9, 8), 10))]
+
+    def served() -> list[tuple[int, int]]:
+        return [(s.experts.stats.hits, s.experts.stats.misses) for s in eng.model.stages]
+
+    start = eng.expert_state()
+    before = served()
+    first = collect(eng, requests)
+    first_served = [(h - h0, m - m0) for (h, m), (h0, m0) in zip(served(), before, strict=True)]
+    assert any(
+        ((s.experts.residency.slot_of >= 0) != snap.resident).any()
+        for s, snap in zip(eng.model.stages, start, strict=True)
+    ), "the run moved experts"
+    eng.restore_experts(start)
+    for stage, snap in zip(eng.model.stages, start, strict=True):
+        assert ((stage.experts.residency.slot_of >= 0) == snap.resident).all()
+        np.testing.assert_array_equal(stage.experts.residency.scores, snap.scores)
+    before = served()
+    assert collect(eng, requests) == first
+    assert [(h - h0, m - m0) for (h, m), (h0, m0) in zip(served(), before, strict=True)] == first_served

@@ -271,9 +271,14 @@ def run_bench(
     """
     cases = [f"{c} clients" for c in CLIENT_COUNTS] if workload == "clients" else [workload]
     out = {name: ArmRuns(name) for name in engines}
+    # Arms of one profile share their expert caches: each starts from what the cache held before the first.
+    caches = next((e for e in engines.values() if hasattr(e, "expert_state")), None)
     for r in range(repeats):
         for case in cases:
+            start = caches.expert_state() if caches is not None else None
             for name, engine in engines.items():
+                if start is not None and hasattr(engine, "restore_experts"):
+                    engine.restore_experts(start)
                 clients = int(case.split()[0]) if workload == "clients" else 1
                 arrivals = workload_arrivals(
                     workload,

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from ..backend import Array, cupy_module
-from ..experts.cache import Swap
+from ..experts.cache import Snapshot, Swap
 from ..experts.host import host_empty
 from ..experts.store import ExpertStore
 
@@ -225,6 +225,25 @@ class CudaExperts:
         with self._lock:
             self._pending += counts
             self._pending_misses += misses
+
+    def restore(self, snap: Snapshot) -> None:
+        """Bring the cache back to ``snap`` and wait for it (a benchmark's arms each start from the same
+        contents); pending counts are dropped."""
+        cp = cupy_module()
+        with cp.cuda.Device(self.device_id):
+            stream = cp.cuda.get_current_stream()
+            stream.synchronize()
+            swaps = self.store.restore(snap)
+            if self.store.cached:
+                with self._lock:
+                    self._pending[...] = 0
+                    self._pending_misses = 0
+                self._read_done, self._windows = None, 0
+                self.counts.fill(0)
+                self.misses.fill(0)
+                if swaps:
+                    self.apply(swaps, stream)
+            stream.synchronize()
 
     def apply(self, swaps: list[Swap], stream: Any) -> None:
         """Load the swaps' experts into their slots, ordered on ``stream`` as the module docstring says."""

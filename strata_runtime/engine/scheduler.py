@@ -40,6 +40,7 @@ from strata_cfg.schema.plan import MIB, LaunchPlan
 from strata_cfg.schema.windows import batch_mtp_window, plain_windows, solo_window
 
 from ..api import PlanMismatch, Request, RequestHandle, TokenEvent
+from ..experts.cache import Snapshot
 from ..model import Model
 from ..model.placed import WeightStore
 from ..weights.progress import Progress
@@ -142,6 +143,21 @@ class Engine:
             "drafters": self.drafter_info(),
             "experts": [stage.experts.describe() for stage in self.model.stages],
         }
+
+    # ---- the expert caches, between benchmark runs ----------------------------------------------------
+
+    def expert_state(self) -> list[Snapshot]:
+        """What each stage's expert cache holds and has learned."""
+        return [stage.experts.snapshot() for stage in self.model.stages]
+
+    def restore_experts(self, state: list[Snapshot]) -> None:
+        """Bring each stage's expert cache back to ``state`` (from `expert_state`), so that benchmark arms
+        sharing the caches each start from the same contents. Call only while no window is in flight."""
+        for stage, snap in zip(self.model.stages, state, strict=True):
+            if stage.cuda_experts is not None:
+                stage.cuda_experts.restore(snap)
+            else:
+                stage.experts.restore(snap)
 
     # ---- reporting -----------------------------------------------------------------------------------
 

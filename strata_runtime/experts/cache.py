@@ -185,3 +185,36 @@ class Residency:
         self.stats.swaps += len(swaps)
         self.stats.swap_bytes += len(swaps) * self.expert_bytes
         return swaps
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What a cache holds and has learned at one moment: which experts are resident, and their scores."""
+
+    resident: np.ndarray
+    """[L, E] bool."""
+    scores: np.ndarray
+    """[L, E] float64."""
+
+
+def snapshot(r: Residency) -> Snapshot:
+    return Snapshot(r.slot_of >= 0, r.scores.copy())
+
+
+def restore(r: Residency, snap: Snapshot) -> list[Swap]:
+    """Make ``r`` hold the experts ``snap`` held and know what it knew (the slots may be others: they decide
+    nothing). Returns the swaps that move the weights; the caller loads them as any swaps."""
+    now = r.slot_of >= 0
+    leave = np.argwhere(now & ~snap.resident)  # [n, 2] resident now, not then
+    come = np.argwhere(snap.resident & ~now)  # [n, 2]
+    assert len(leave) == len(come), "a snapshot of another cache"
+    swaps = []
+    for (lo, eo), (ln, en) in zip(leave.tolist(), come.tolist(), strict=True):
+        slot = int(r.slot_of[lo, eo])
+        r.slot_of[lo, eo] = -1
+        r.slot_of[ln, en] = slot
+        r.owner[slot] = (ln, en)
+        swaps.append(Swap(slot, (lo, eo), (ln, en)))
+    r.scores[...] = snap.scores
+    r._since = 0
+    return swaps

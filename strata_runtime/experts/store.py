@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from ..backend import Device
-from .cache import CacheStats, Policy, Residency, Swap
+from .cache import CacheStats, Policy, Residency, Snapshot, Swap, restore, snapshot
 from .host import device_view
 
 Array = Any
@@ -132,6 +132,20 @@ class ExpertStore:
         swaps = self.decide(counts, windows, misses)
         for s in swaps:
             self._load(s.slot, *s.loaded)
+        return swaps
+
+    def snapshot(self) -> Snapshot:
+        """What the cache holds and has learned now (`restore` brings it back)."""
+        return snapshot(self.residency)
+
+    def restore(self, snap: Snapshot) -> list[Swap]:
+        """Hold and know again what ``snap`` did: the slot table changes now; on the array path the weights
+        move at once, on a GPU the caller moves them (`strata_runtime.cuda.experts.CudaExperts.restore`)."""
+        swaps = restore(self.residency, snap)
+        self._window[...] = 0
+        if not self.device.is_cuda:
+            for s in swaps:
+                self._load(s.slot, *s.loaded)
         return swaps
 
     def _load(self, slot: int, j: int, e: int) -> None:
