@@ -16,8 +16,10 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from rt_engine_helpers import collect, mode_plan
+from rt_engine_helpers import assert_reads_by_tier, collect, handed_to_cache, mode_plan
 from rt_plans import make_plan
+from test_rt_expert_cache import check_bijection
+from test_rt_expert_cache_engine import CHUNK, arrivals, prompt
 
 from strata_runtime.api import PlanMismatch, Request
 from strata_runtime.backend import Device
@@ -26,19 +28,7 @@ from strata_runtime.experts.cache import HELPER, HOST, VRAM, Policy, Reads, Resi
 from strata_runtime.experts.store import ExpertStore
 from strata_runtime.model.placed import helper_slots, proportional
 
-CHUNK = 8
-
 # ---- the bookkeeping ---------------------------------------------------------------------------------
-
-
-def check_tiers(r: Residency) -> None:
-    """Each tier's table is a bijection onto its slots, the owners agree, and no expert is in both."""
-    for table, owner, slots in ((r.slot_of, r.owner, r.slots), (r.helper_of, r.helper_owner, r.helper_slots)):
-        assert int((table >= 0).sum()) == slots, "every slot holds exactly one expert"
-        assert sorted(table[table >= 0].tolist()) == list(range(slots)), "no slot is held twice"
-        for slot, (j, e) in enumerate(owner.tolist()):
-            assert table[j, e] == slot, "owner and table agree"
-    assert not ((r.slot_of >= 0) & (r.helper_of >= 0)).any(), "an expert is in one tier of slots at most"
 
 
 @pytest.mark.parametrize(
@@ -46,7 +36,7 @@ def check_tiers(r: Residency) -> None:
 )
 def test_the_helper_tier_starts_with_the_experts_vram_lacks_spread_evenly(layers, experts, slots, helper):
     r = Residency(layers, experts, slots, helper_slots=helper)
-    check_tiers(r)
+    check_bijection(r)
     both = ((r.slot_of >= 0) | (r.helper_of >= 0)).sum(axis=1)
     assert both.max() - both.min() <= 1, "VRAM and helper slots together are spread evenly over the layers"
     for j in range(layers):  # each layer's experts in id order: VRAM first, then the helper tier
@@ -59,41 +49,6 @@ def test_a_helper_tier_larger_than_what_vram_lacks_is_refused():
         helper_fill(np.full((2, 4), -1, np.int32), 9)
 
 
-@settings(max_examples=60, deadline=None)
-@given(
-    seed=st.integers(0, 2**32 - 1),
-    layers=st.integers(1, 4),
-    experts=st.integers(2, 16),
-    fill=st.floats(0.0, 0.9),
-    helper_fill=st.floats(0.0, 1.0),
-    windows=st.integers(1, 30),
-    margin=st.sampled_from([0.0, 0.5, 2.0]),
-    max_swaps=st.integers(1, 8),
-)
-def test_both_tiers_stay_bijections_and_apart_whatever_the_routing(
-    seed, layers, experts, fill, helper_fill, windows, margin, max_swaps
-) -> None:
-    rng = np.random.default_rng(seed)
-    slots = int(layers * experts * fill)
-    helper = int((layers * experts - slots) * helper_fill)
-    r = Residency(
-        layers, experts, slots, 10, Policy(every=2, margin=margin, max_swaps=max_swaps), helper_slots=helper
-    )
-    for _ in range(windows):
-        counts = rng.poisson(rng.uniform(0.1, 3.0, (layers, experts))).astype(np.float64)
-        r.observe(counts)
-        if r.due():
-            before = r.scores.copy()
-            swaps = r.rebalance()
-            for tier in (VRAM, HELPER):
-                assert sum(s.tier == tier for s in swaps) <= max_swaps
-            for s in swaps:
-                assert before[s.loaded] >= before[s.evicted] + margin, (
-                    "a swap beats the evicted by the margin"
-                )
-        check_tiers(r)
-
-
 def test_a_stable_ranking_ends_with_the_hottest_in_vram_and_the_next_in_the_helper_tier():
     layers, experts = 2, 12
     r = Residency(layers, experts, 4, 1, Policy(every=1, margin=0.5), helper_slots=6)
@@ -102,7 +57,7 @@ def test_a_stable_ranking_ends_with_the_hottest_in_vram_and_the_next_in_the_help
     for _ in range(10):
         r.observe(heat)
         r.rebalance()
-        check_tiers(r)
+        check_bijection(r)
     order = np.argsort(-heat, axis=None)
     tiers = r.tiers().reshape(-1)[order]
     assert tiers.tolist() == [VRAM] * 4 + [HELPER] * 6 + [HOST] * 14
@@ -119,7 +74,7 @@ def test_a_hot_helper_expert_trades_places_with_the_coldest_vram_expert():
     assert swap.source == 1, "expert 3 came from helper slot 1"
     assert r.helper_of[0, 1] == 1, "the evicted expert takes the newcomer's helper slot"
     assert r.stats.peer_swap_bytes == 1 and r.stats.swap_bytes == 1  # one copy over each link
-    check_tiers(r)
+    check_bijection(r)
 
 
 def test_host_experts_replace_the_weakest_helper_residents_but_not_one_just_exchanged():
@@ -222,16 +177,6 @@ def engine(preset: str, stages: int, mode: str, cache: int | None, helper: str |
     )
     return Engine(plan)
 
-
-def prompt(length: int, salt: int) -> tuple[int, ...]:
-    return tuple(32 + (11 * i + 17 * salt) % 90 for i in range(length))
-
-
-arrivals = st.lists(
-    st.tuples(st.integers(0, 6), st.integers(1, 3 * CHUNK + 2), st.integers(1, 10)),  # step, length, tokens
-    min_size=1,
-    max_size=3,
-)
 
 SETUPS = [  # (preset, stages, mode, helper kind): the resolver allows no peer device on a split, and no
     # batch MTP on a split with helpers
@@ -410,20 +355,12 @@ def test_the_kernels_count_each_assignment_in_the_tier_that_served_it(fake_gpu):
     [stage] = engine.model.stages
     store = stage.experts
     tiers = store.residency.tiers()
-    handed: list[tuple[np.ndarray, Reads]] = []
-    decide = store.decide
-
-    def spy(counts, windows=1, reads=None):
-        handed.append((counts.copy(), reads))
-        return decide(counts, windows, reads)
-
-    store.decide = spy
+    handed = handed_to_cache(store)
     handles = [engine.submit(Request(p, 20)) for p in (tuple(range(40, 60)), (72, 101, 108, 108, 111))]
     while engine.step():
         pass
-    assert all(h.events.qsize() for h in handles) and handed
-    for counts, reads in handed:
-        assert reads == Reads(int(counts[tiers == HELPER].sum()), int(counts[tiers == HOST].sum()))
+    assert all(h.events.qsize() for h in handles)
+    assert_reads_by_tier(handed, tiers)
     assert (store.residency.tiers() == tiers).all()
     s = store.stats
     assert s.hits > 0 and s.helper_hits > 0 and s.host_reads > 0 and s.swaps == 0
