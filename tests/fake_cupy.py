@@ -213,7 +213,7 @@ class _Runtime:
     def memcpyPeerAsync(self, dst: int, dst_dev: int, src: int, src_dev: int, size: int, stream: int) -> None:  # noqa: N802
         ctypes.memmove(dst, src, size)
 
-    memcpyHostToDevice = 1  # noqa: N815
+    memcpyHostToDevice, memcpyDefault = 1, 4  # noqa: N815
 
     def memcpyAsync(self, dst: int, src: int, size: int, kind: int, stream: int) -> None:  # noqa: N802
         ctypes.memmove(dst, src, size)

@@ -294,13 +294,13 @@ class CudaExperts:
             )
 
     def _into_helper(self, slot: int, expert: tuple[int, int], copies: Any) -> None:
-        """Queue a copy of ``expert``'s host weights into helper slot ``slot`` on ``copies`` (a stream of
-        this GPU: a copy may run on any device's stream; it crosses the helper GPU's host link)."""
+        """Queue a copy of ``expert``'s host weights into helper slot ``slot`` on ``copies``, a stream of
+        this GPU, so that it is ordered with the windows reading the slot (a copy, unlike a kernel, may
+        target another device's memory from any stream; the driver finds the devices from the addresses).
+        It crosses the helper GPU's host link."""
         runtime = cupy_module().cuda.runtime
         for dst, src in zip(self.store.helper.slot(slot), self.store.host_weights(*expert), strict=True):
-            runtime.memcpyAsync(
-                dst.data.ptr, src.ctypes.data, src.nbytes, runtime.memcpyHostToDevice, copies.ptr
-            )
+            runtime.memcpyAsync(dst.data.ptr, src.ctypes.data, src.nbytes, runtime.memcpyDefault, copies.ptr)
 
 
 _NO_ADDRESSES = np.zeros(0, np.uint64)

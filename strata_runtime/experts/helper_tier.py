@@ -78,12 +78,14 @@ class HelperTier:
         return gate_up[k], down[k]
 
     def load(self, slot: int, gate_up: np.ndarray, down: np.ndarray) -> None:
-        """Copy an expert's host weights into ``slot`` now (the array path's upkeep)."""
+        """Copy an expert's host weights into ``slot`` now (at start, and in the array path's upkeep)."""
         device = self.device_of(slot)
-        dst_gu, dst_dn = self.slot(slot)
         with device.use():
-            dst_gu[...] = device.xp.asarray(gate_up)
-            dst_dn[...] = device.xp.asarray(down)
+            for dst, src in zip(self.slot(slot), (gate_up, down), strict=True):
+                if device.is_cuda:
+                    dst.set(src)  # straight from host memory: no temporary beyond the plan's budget
+                else:
+                    dst[...] = src
 
     @property
     def nbytes(self) -> int:
