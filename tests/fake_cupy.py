@@ -9,7 +9,7 @@ modelled as recording the launches and replay as running them again, which is wh
 Streams and events run everything at once: work is done when it is queued, every event is done, and a
 stream's wait for an event has nothing to wait for. Pinned host memory is a host buffer this module
 remembers, so that a test can tell whether an upload (``ndarray.set``) came from pinned or pageable memory
-(`UPLOADS`). Peer copies move the bytes between the arrays' addresses.
+(`UPLOADS`). Peer copies and the runtime's asynchronous copies move the bytes between the addresses given.
 """
 
 from __future__ import annotations
@@ -211,6 +211,11 @@ class _Runtime:
         self.peer.add(pair)
 
     def memcpyPeerAsync(self, dst: int, dst_dev: int, src: int, src_dev: int, size: int, stream: int) -> None:  # noqa: N802
+        ctypes.memmove(dst, src, size)
+
+    memcpyHostToDevice, memcpyDefault = 1, 4  # noqa: N815
+
+    def memcpyAsync(self, dst: int, src: int, size: int, kind: int, stream: int) -> None:  # noqa: N802
         ctypes.memmove(dst, src, size)
 
     def memGetInfo(self) -> tuple[int, int]:  # noqa: N802

@@ -3,18 +3,21 @@
 `MODES` gives each window mode's plan keywords for `rt_plans.make_plan`; `mode_plan` adapts them to the
 number of stages (pipelined groups need a split). `collect` submits requests at given steps and steps the
 engine until every request has finished, checking after every step that each stage's KV (and each drafter)
-holds exactly what its slot has committed.
+holds exactly what its slot has committed. `handed_to_cache` records what an expert cache is told.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 from rt_plans import make_plan, pipelined_mtp_plan
 
 from strata_cfg.schema.plan import LaunchPlan
 from strata_runtime.api import Request
 from strata_runtime.engine import Engine
+from strata_runtime.experts.cache import HELPER, HOST, Reads
+from strata_runtime.experts.store import ExpertStore
 
 MODES: dict[str, dict[str, Any]] = {
     "solo": {"slots": 1, "draft_tokens": 4},
@@ -71,3 +74,24 @@ def assert_kv_consistent(eng: Engine) -> None:
         assert eng.model.kv_lengths(i) == [slot.length] * len(eng.model.stages)
         if eng.tracked:
             assert eng.model.drafters[i].length == slot.length
+
+
+def handed_to_cache(store: ExpertStore) -> list[tuple[np.ndarray, Reads | None]]:
+    """From now on, every (routing counts [L, E], reads) the engine hands ``store``'s cache, in order."""
+    handed: list[tuple[np.ndarray, Reads | None]] = []
+    decide = store.decide
+
+    def spy(counts: np.ndarray, windows: int = 1, reads: Reads | None = None) -> Any:
+        handed.append((counts.copy(), reads))
+        return decide(counts, windows, reads)
+
+    store.decide = spy  # type: ignore[method-assign]
+    return handed
+
+
+def assert_reads_by_tier(handed: list[tuple[np.ndarray, Reads | None]], tiers: np.ndarray) -> None:
+    """Each hand-over's reads are exactly its counts in the helper tier and in host memory, by ``tiers``
+    [L, E] (the cache was frozen)."""
+    assert handed
+    for counts, reads in handed:
+        assert reads == Reads(int(counts[tiers == HELPER].sum()), int(counts[tiers == HOST].sum()))

@@ -1,8 +1,9 @@
 """Launch plans for runtime tests, resolved from profile text exactly as a user's profile would be.
 
 `make_plan` writes a small profile (virtual CPU devices, a synthetic preset or a model directory, the split,
-slots, groups, drafting) and runs it through strata_cfg's load -> facts -> resolve, so the runtime is tested
-on the plans users get. It checks that the resolver kept what the test asked for.
+slots, groups, drafting, the expert cache and its helper or peer devices) and runs it through strata_cfg's
+load -> facts -> resolve, so the runtime is tested on the plans users get. It checks that the resolver kept
+what the test asked for.
 """
 
 from __future__ import annotations
@@ -40,7 +41,13 @@ def profile_text(
     serve: bool = False,
     expert_cache: int | None = None,
     adapt: bool | None = None,
+    helpers: int = 0,
+    peer: bool = False,
+    helper_vram_mib: int = 8192,
 ) -> str:
+    """``helpers``: helper GPUs (``experts.helper_devices``) after the stages' GPUs; ``peer``: a peer device
+    (``experts.peer_device``) after them instead; ``helper_vram_mib``: the VRAM of each (the resolver fills
+    a helper GPU with as many of the experts the stages lack as fit)."""
     if model_dir is not None:
         n_layers = json.loads((Path(model_dir) / "config.json").read_text())["num_hidden_layers"]
         model = f"path = {json.dumps(str(model_dir))}"
@@ -53,11 +60,13 @@ def profile_text(
         if routing is not None:
             model += f'\nrouting = "{routing}"'
     gpu = '{ name = "virtual CPU device", vram_mib = 8192, bandwidth_gbs = 20 }'
+    extra = helpers + (1 if peer else 0)
+    helper_gpu = f'{{ name = "virtual helper device", vram_mib = {helper_vram_mib}, bandwidth_gbs = 20 }}'
     lines = [
         'name = "test"',
         "[machine]",
         'backend = "cpu"',
-        f"gpus = [{', '.join([gpu] * stages)}]",
+        f"gpus = [{', '.join([gpu] * stages + [helper_gpu] * extra)}]",
         "[model]",
         model,
         "[batch]",
@@ -70,10 +79,12 @@ def profile_text(
         lines += ["[split]", f"layers = {even_split(n_layers, stages)}"]
     lines += ["[spec]", f"draft_tokens = {draft_tokens}"]
     lines += ["[memory]", f"context = {context}", f"prefill_chunk = {prefill_chunk}", "vram_reserve_mib = 0"]
-    if expert_cache is not None or adapt is not None:
+    if expert_cache is not None or adapt is not None or extra:
         lines += ["[experts]"]
         lines += [f"cache = {expert_cache}"] if expert_cache is not None else []
         lines += [f"adapt = {'true' if adapt else 'false'}"] if adapt is not None else []
+        lines += [f"helper_devices = {list(range(stages, stages + helpers))}"] if helpers else []
+        lines += [f"peer_device = {stages}"] if peer else []
     if serve or batch_mtp:
         lines += ["[serve]"]
     return "\n".join(lines) + "\n"
@@ -89,6 +100,8 @@ def make_plan(**kw: Any) -> LaunchPlan:
     if kw.get("groups"):
         assert plan.batch.groups == kw["groups"], [d.message for d in plan.decisions]
     assert plan.spec.mtp == (kw.get("draft_tokens", 0) >= 2)
+    extra = kw.get("helpers", 0) + (1 if kw.get("peer") else 0)
+    assert [g.role for g in plan.gpus] == ["stage"] * kw.get("stages", 1) + ["helper"] * extra
     return plan
 
 

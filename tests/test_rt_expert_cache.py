@@ -19,12 +19,14 @@ from strata_runtime.experts.store import ExpertStore
 
 
 def check_bijection(r: Residency) -> None:
-    table = r.slot_of
-    assert int((table >= 0).sum()) == r.slots, "every slot holds exactly one expert"
-    slots = table[table >= 0]
-    assert sorted(slots.tolist()) == list(range(r.slots)), "no slot is held twice"
-    for slot, (j, e) in enumerate(r.owner.tolist()):
-        assert table[j, e] == slot, "owner and table agree"
+    """Each tier's table (VRAM, helper) is a bijection onto its slots, the owners agree, and no expert is in
+    both."""
+    for table, owner, slots in ((r.slot_of, r.owner, r.slots), (r.helper_of, r.helper_owner, r.helper_slots)):
+        assert int((table >= 0).sum()) == slots, "every slot holds exactly one expert"
+        assert sorted(table[table >= 0].tolist()) == list(range(slots)), "no slot is held twice"
+        for slot, (j, e) in enumerate(owner.tolist()):
+            assert table[j, e] == slot, "owner and table agree"
+    assert not ((r.slot_of >= 0) & (r.helper_of >= 0)).any(), "an expert is in one tier of slots at most"
 
 
 @pytest.mark.parametrize(("layers", "experts", "slots"), [(3, 8, 5), (4, 8, 16), (2, 128, 77), (1, 4, 0)])
@@ -41,24 +43,28 @@ def test_even_fill_spreads_the_slots_over_the_layers(layers, experts, slots) -> 
     seed=st.integers(0, 2**32 - 1),
     layers=st.integers(1, 4),
     experts=st.integers(2, 16),
-    fill=st.floats(0.05, 0.95),
+    fill=st.floats(0.0, 0.95),
+    helper_fill=st.sampled_from([0.0, 0.3, 1.0]),
     windows=st.integers(1, 30),
     margin=st.sampled_from([0.0, 0.5, 2.0]),
     max_swaps=st.integers(1, 8),
 )
-def test_the_slot_table_stays_a_bijection_whatever_the_routing(
-    seed, layers, experts, fill, windows, margin, max_swaps
+def test_the_slot_tables_stay_bijections_whatever_the_routing(
+    seed, layers, experts, fill, helper_fill, windows, margin, max_swaps
 ) -> None:
+    """With or without a helper tier (``helper_fill``: its share of the experts VRAM lacks)."""
     rng = np.random.default_rng(seed)
-    slots = max(1, int(layers * experts * fill))
-    r = Residency(layers, experts, slots, 100, Policy(every=2, margin=margin, max_swaps=max_swaps))
+    slots = int(layers * experts * fill)
+    helper = int((layers * experts - slots) * helper_fill)
+    policy = Policy(every=2, margin=margin, max_swaps=max_swaps)
+    r = Residency(layers, experts, slots, 100, policy, helper_slots=helper)
     for _ in range(windows):
         counts = rng.poisson(rng.uniform(0.1, 3.0, (layers, experts))).astype(np.float64)
         r.observe(counts)
         if r.due():
             before = r.scores.copy()
             swaps = r.rebalance()
-            assert len(swaps) <= max_swaps
+            assert all(sum(s.tier == tier for s in swaps) <= max_swaps for tier in (0, 1)), "per tier"
             for s in swaps:
                 assert before[s.loaded] >= before[s.evicted] + margin, (
                     "a swap beats the evicted by the margin"

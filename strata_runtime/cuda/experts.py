@@ -1,10 +1,12 @@
 """The expert cache on a GPU: the address tables the expert kernels read, and the cache's upkeep.
 
 The expert kernels find expert ``e`` of a layer through two device tables of addresses (gate/up and down).
-An address is either a VRAM slot of the stage's pool or the expert's pinned, mapped host copy, which the
-kernel then reads over the host link: a miss costs its bytes over that link and nothing else, with no host
-round trip and no change to the graphs. The kernels also count each layer's routing (assignments per expert)
-and its misses into device counters.
+An address is a VRAM slot of the stage's pool, a helper slot on another GPU (the helper tier, which the
+kernel reads over the peer link), or the expert's pinned, mapped host copy, which the kernel then reads over
+the host link: a miss costs its bytes over that link and nothing else, with no host round trip and no change
+to the graphs. The kernels also count each layer's routing (assignments per expert) and its misses into
+device counters: a third table, ``slot_of``, gives each expert's tier code (a VRAM slot s >= 0, -1 for host
+memory, -2 - h for helper slot h), and the kernels count [misses, of which helper reads] per layer.
 
 The upkeep runs between windows, on the stream the stage computes on, without waiting for the GPU:
 
@@ -15,12 +17,14 @@ The upkeep runs between windows, on the stream the stage computes on, without wa
   stream of the last GPU, so its layer's experts keep their first slots (`Residency.fixed`), and its
   counts on the device may race with a read and be lost: statistics, never a result;
 * a swap is applied in three stream-ordered steps: the tables first stop pointing at the slots being
-  reused (their old experts are read from host memory from then on), a copy stream then loads the new
-  experts into those slots once every window queued before has finished reading them, and the compute
-  stream waits for those copies before the tables point the new experts at their slots. Windows queued in
-  between read every expert whole, from one place or the other.
+  reused (their old experts, and every expert on its way into a slot, are read from host memory from then
+  on), a copy stream then loads the new experts into those slots once every window queued before has
+  finished reading them, and the compute stream waits for those copies before the tables point the new
+  experts at their slots. Windows queued in between read every expert whole, from one place or the other.
+  The copies into VRAM come first, those from a helper slot over the peer link; then the copies from host
+  memory into helper slots, which may overwrite a helper slot a VRAM copy has just read.
 
-Letters: L sparse layers of the stage, E experts, C slots.
+Letters: L sparse layers of the stage, E experts, C slots, S helper slots.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from ..backend import Array, cupy_module
-from ..experts.cache import Snapshot, Swap
+from ..experts.cache import HELPER, Reads, Snapshot, Swap
 from ..experts.host import host_empty
 from ..experts.store import ExpertStore
 
@@ -66,11 +70,12 @@ class LayerExperts:
     weights: Callable[[int], tuple[Array, Array]]
     """Expert e's (gate/up, down) arrays wherever they are now: what the kernels' NumPy reference reads."""
     slot_of: Array | None = None
-    """[E] int32: each expert's slot, -1 when it is read from host memory (None: no cache)."""
+    """[E] int32: each expert's tier code: its VRAM slot, -1 for host memory, -2 - h for helper slot h
+    (None: no cache)."""
     counts: Array | None = None
     """[E] fp32: assignments per expert since the last read."""
     misses: Array | None = None
-    """[1] fp32: assignments read from host memory since the last read."""
+    """[2] fp32: assignments not read from VRAM since the last read, and of those the helper tier's."""
 
 
 @dataclass
@@ -103,15 +108,19 @@ class CudaExperts:
                 ]
                 return
             assert store.pool_gate_up is not None and store.pool_down is not None
-            # Addresses of every expert's host copy [L, E], and of every slot [C].
+            # Addresses of every expert's host copy [L, E], of every slot [C] and every helper slot [S].
             self._host_gu = np.stack([addresses(a) for a in store.host_gate_up])
             self._host_dn = np.stack([addresses(a) for a in store.host_down])
             self._slot_gu, self._slot_dn = addresses(store.pool_gate_up), addresses(store.pool_down)
+            pools = store.helper.pools
+            self._helper_gu = np.concatenate([addresses(gu) for _, gu, _ in pools] or [_NO_ADDRESSES])
+            self._helper_dn = np.concatenate([addresses(dn) for _, _, dn in pools] or [_NO_ADDRESSES])
+            self._arrays: dict[int, Array] | None = None
             self.gate_up = cp.zeros((n_layers, n_exp), cp.uint64)
             self.down = cp.zeros((n_layers, n_exp), cp.uint64)
             self.slot_of = cp.zeros((n_layers, n_exp), cp.int32)
             self.counts = cp.zeros((n_layers, n_exp), cp.float32)
-            self.misses = cp.zeros(n_layers, cp.float32)
+            self.misses = cp.zeros((n_layers, 2), cp.float32)
             self.layers = [
                 LayerExperts(
                     self.gate_up[j],
@@ -119,32 +128,38 @@ class CudaExperts:
                     functools.partial(self._at, j),
                     self.slot_of[j],
                     self.counts[j],
-                    self.misses[j : j + 1],
+                    self.misses[j],
                 )
                 for j in range(n_layers)
             ]
             self.copy_stream = cp.cuda.Stream(non_blocking=True)
             self._lock = threading.Lock()
             self._pending = np.zeros((n_layers, n_exp), np.float64)
-            self._pending_misses = 0
+            self._pending_reads = Reads()
             # Pinned buffers: tables going up (two sets, so a new upload never overwrites one in flight)
             # and counters coming down.
             self._tables = [_pinned_tables(n_layers, n_exp) for _ in range(2)]
             self._table_done: list[Any] = [None, None]
             self._turn = 0
-            self._read = (_pinned((n_layers, n_exp), np.float32), _pinned((n_layers,), np.float32))
+            self._read = (_pinned((n_layers, n_exp), np.float32), _pinned((n_layers, 2), np.float32))
             self._read_done: Any = None
             self._read_windows = 0
             self._windows = 0
-            self._upload(
-                self._table_arrays(store.residency.slot_of, pending=()), cp.cuda.get_current_stream()
-            )
+            self._upload(self._table_arrays(pending=()), cp.cuda.get_current_stream())
             cp.cuda.get_current_stream().synchronize()
 
     def _at(self, j: int, e: int) -> tuple[Array, Array]:
-        """The arrays at the addresses the tables give expert ``e`` of layer ``j``: a slot or host memory."""
-        store = self.store
-        return store.weights(j, e) if store.resident(j, e) else store.host_weights(j, e)
+        """The arrays at the addresses the device tables give expert ``e`` of layer ``j`` now (a VRAM slot,
+        a helper slot or host memory): what the kernels' NumPy reference reads, so that a wrong address
+        shows as a wrong result. It reads the tables back, so it serves the reference only."""
+        if self._arrays is None:
+            store, helper = self.store, self.store.helper
+            assert store.pool_gate_up is not None and store.pool_down is not None
+            held = [(store.pool_gate_up[c], store.pool_down[c]) for c in range(store.slots)]
+            held += [helper.slot(h) for h in range(len(helper))]
+            held += [store.host_weights(j, e) for j in range(len(store)) for e in range(store.n_experts)]
+            self._arrays = {int(addresses(a[None])[0]): a for pair in held for a in pair}
+        return self._arrays[int(self.gate_up[j, e])], self._arrays[int(self.down[j, e])]
 
     def view(self, first: int, count: int) -> ExpertSlice:
         """Layers [first, first + count) of the store."""
@@ -153,16 +168,24 @@ class CudaExperts:
     # ---- tables ------------------------------------------------------------------------------------
 
     def _table_arrays(
-        self, slot_of: np.ndarray, pending: tuple[tuple[int, int], ...]
+        self, pending: tuple[tuple[int, int], ...]
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The tables for ``slot_of`` [L, E], with the experts in ``pending`` still read from host memory."""
-        slots = slot_of.copy()
+        """The tables for the residency's slots now, with the experts in ``pending`` still read from host
+        memory: addresses [L, E] (gate/up, down) and tier codes [L, E]."""
+        residency = self.store.residency
+        slots, helper = residency.slot_of.copy(), residency.helper_of.copy()
         for j, e in pending:
-            slots[j, e] = -1
-        resident = slots >= 0
-        gu = np.where(resident, self._slot_gu[np.maximum(slots, 0)], self._host_gu)
-        dn = np.where(resident, self._slot_dn[np.maximum(slots, 0)], self._host_dn)
-        return gu.astype(np.uint64), dn.astype(np.uint64), slots.astype(np.int32)
+            slots[j, e] = helper[j, e] = -1
+        in_vram, in_helper = slots >= 0, helper >= 0
+        s, h = np.maximum(slots, 0), np.maximum(helper, 0)
+        gu = np.where(
+            in_vram, _pick(self._slot_gu, s), np.where(in_helper, _pick(self._helper_gu, h), self._host_gu)
+        )
+        dn = np.where(
+            in_vram, _pick(self._slot_dn, s), np.where(in_helper, _pick(self._helper_dn, h), self._host_dn)
+        )
+        code = np.where(in_vram, slots, np.where(in_helper, -2 - helper, -1))
+        return gu.astype(np.uint64), dn.astype(np.uint64), code.astype(np.int32)
 
     def _upload(self, tables: tuple[np.ndarray, np.ndarray, np.ndarray], stream: Any) -> None:
         """Copy the tables to the device on ``stream``, through pinned memory (never a host wait)."""
@@ -192,18 +215,19 @@ class CudaExperts:
         swaps: list[Swap] = []
         with self._lock:
             pending, self._pending = self._pending, np.zeros_like(self._pending)
-            pending_misses, self._pending_misses = self._pending_misses, 0
+            reads, self._pending_reads = self._pending_reads, Reads()
         if self._read_done is not None and self._read_done.done:
             counts, misses = self._read
             pending += counts
-            pending_misses += int(misses.sum())
+            away, helper = (int(n) for n in misses.sum(axis=0))
+            reads = Reads(reads.helper + helper, reads.host + away - helper)
             windows, self._read_done = self._read_windows, None
         elif pending.any():
             windows = 1
         else:
             windows = 0
         if windows:
-            swaps = self.store.decide(pending, windows, pending_misses)
+            swaps = self.store.decide(pending, windows, reads)
             if swaps:
                 self.apply(swaps, stream)
         if self._read_done is None and self._windows >= self.store.residency.policy.every:
@@ -217,14 +241,16 @@ class CudaExperts:
             self._read_done.record(stream)
         return swaps
 
-    def record(self, counts: np.ndarray, misses: int) -> None:
-        """Routing counted on the host (a prefill chunk's, on any thread and stream), for the next
-        `after_window` to account: only that one, on the stage's own stream, decides and moves experts."""
+    def record(self, counts: np.ndarray, reads: Reads) -> None:
+        """Routing counted on the host (a prefill chunk's, on any thread and stream; ``reads``: its
+        assignments served by the helper tier and by host memory), for the next `after_window` to
+        account: only that one, on the stage's own stream, decides and moves experts."""
         if not self.store.cached:
             return
         with self._lock:
             self._pending += counts
-            self._pending_misses += misses
+            p = self._pending_reads
+            self._pending_reads = Reads(p.helper + reads.helper, p.host + reads.host)
 
     def restore(self, snap: Snapshot) -> None:
         """Bring the cache back to ``snap`` and wait for it (a benchmark's arms each start from the same
@@ -248,22 +274,60 @@ class CudaExperts:
     def apply(self, swaps: list[Swap], stream: Any) -> None:
         """Load the swaps' experts into their slots, ordered on ``stream`` as the module docstring says."""
         cp = cupy_module()
-        store, slot_of = self.store, self.store.residency.slot_of
-        loaded = tuple(s.loaded for s in swaps)
-        self._upload(self._table_arrays(slot_of, pending=loaded), stream)  # evicted and loaded: host
+        moving = tuple(s.loaded for s in swaps) + tuple(
+            s.evicted for s in swaps if s.source >= 0 and s.evicted
+        )
+        self._upload(self._table_arrays(pending=moving), stream)  # evicted and loaded: host
         tables_ready = cp.cuda.Event(disable_timing=True)
         tables_ready.record(stream)
         copies = self.copy_stream
         copies.wait_event(tables_ready)
-        assert store.pool_gate_up is not None and store.pool_down is not None
+        for s in swaps:  # into VRAM first: they read helper slots
+            if s.tier != HELPER:
+                self._into_vram(s, copies)
         for s in swaps:
-            j, e = s.loaded
-            store.pool_gate_up[s.slot].set(store.host_gate_up[j][e], stream=copies)
-            store.pool_down[s.slot].set(store.host_down[j][e], stream=copies)
+            if s.tier == HELPER:
+                self._into_helper(s.slot, s.loaded, copies)
+            elif s.source >= 0 and s.evicted is not None:  # an exchange: the evicted expert's new place
+                self._into_helper(s.source, s.evicted, copies)
         loaded_ready = cp.cuda.Event(disable_timing=True)
         loaded_ready.record(copies)
         stream.wait_event(loaded_ready)
-        self._upload(self._table_arrays(slot_of, pending=()), stream)
+        self._upload(self._table_arrays(pending=()), stream)
+
+    def _into_vram(self, swap: Swap, copies: Any) -> None:
+        """Queue a VRAM slot's new expert on ``copies``: from host memory, or from its helper slot over
+        the peer link."""
+        store = self.store
+        assert store.pool_gate_up is not None and store.pool_down is not None
+        slots = (store.pool_gate_up[swap.slot], store.pool_down[swap.slot])
+        if swap.source < 0:
+            for dst, src in zip(slots, store.host_weights(*swap.loaded), strict=True):
+                dst.set(src, stream=copies)
+            return
+        runtime = cupy_module().cuda.runtime
+        helper = store.helper.device_of(swap.source).index
+        for dst, src in zip(slots, store.helper.slot(swap.source), strict=True):
+            runtime.memcpyPeerAsync(
+                dst.data.ptr, self.device_id, src.data.ptr, helper, src.nbytes, copies.ptr
+            )
+
+    def _into_helper(self, slot: int, expert: tuple[int, int], copies: Any) -> None:
+        """Queue a copy of ``expert``'s host weights into helper slot ``slot`` on ``copies``, a stream of
+        this GPU, so that it is ordered with the windows reading the slot (a copy, unlike a kernel, may
+        target another device's memory from any stream; the driver finds the devices from the addresses).
+        It crosses the helper GPU's host link."""
+        runtime = cupy_module().cuda.runtime
+        for dst, src in zip(self.store.helper.slot(slot), self.store.host_weights(*expert), strict=True):
+            runtime.memcpyAsync(dst.data.ptr, src.ctypes.data, src.nbytes, runtime.memcpyDefault, copies.ptr)
+
+
+_NO_ADDRESSES = np.zeros(0, np.uint64)
+
+
+def _pick(table: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """``table[index]``, or zeros where ``table`` is empty (a tier with no slots: ``np.where`` masks them)."""
+    return table[index] if table.size else np.zeros(index.shape, np.uint64)
 
 
 def _pinned(shape: tuple[int, ...], dtype: Any) -> np.ndarray:

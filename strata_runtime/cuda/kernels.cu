@@ -400,10 +400,11 @@ __global__ void __launch_bounds__(256) attn_combine(const float* __restrict__ pa
 // ---- routed experts -----------------------------------------------------------------------------------
 // Each expert's weights are found through a table of device addresses: GUp[e] points at expert e's gate_up
 // [2I, H] (gate rows, then up rows), Dp[e] at its down [H, I]. An address may be a VRAM slot of the expert
-// cache or pinned, mapped host memory (read over the host link), so the cache can move an expert by
-// rewriting one table entry, with no recapture of the graphs that read it. logits: [R, E] router logits.
-// With counts non-null, the blocks of feature tile 0 also add each assignment to counts[sel] and, when
-// slot_of[sel] < 0 (the expert holds no VRAM slot), to misses[0]: the cache's view of the routing.
+// cache, a helper slot on another GPU (read over the peer link) or pinned, mapped host memory (read over the
+// host link), so the cache can move an expert by rewriting one table entry, with no recapture of the graphs
+// that read it. logits: [R, E] router logits. With counts non-null, the blocks of feature tile 0 also add
+// each assignment to counts[sel], when slot_of[sel] < 0 (the expert holds no VRAM slot) to misses[0], and
+// when slot_of[sel] < -1 (a helper slot) to misses[1]: the cache's view of the routing.
 // Routing is the fp32 softmax over E, top-k by rank (ties to the lower expert index), weights renormalised
 // over the k chosen when norm_topk is set. It is computed inside the expert kernel by every block for its
 // own row, which costs a few hundred cycles and saves a launch; the blocks of feature tile 0 write idx and
@@ -450,7 +451,9 @@ __device__ __forceinline__ void note_route(int a, int sel, float weight, int* __
   wts[a] = weight;
   if (counts != nullptr) {
     atomicAdd(counts + sel, 1.f);
-    if (slot_of[sel] < 0) atomicAdd(misses, 1.f);
+    const int where = slot_of[sel];
+    if (where < 0) atomicAdd(misses, 1.f);
+    if (where < -1) atomicAdd(misses + 1, 1.f);
   }
 }
 

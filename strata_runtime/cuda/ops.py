@@ -229,8 +229,9 @@ class Kernels(KernelCache):
         `strata_runtime.cuda.experts.LayerExperts`): ``gate_up`` and ``down`` [E] uint64, the addresses of
         each expert's gate/up [2I, H] and down [H, I] fp16 (in VRAM or in mapped host memory); with
         ``counts`` [E] fp32 set, each assignment is added to ``counts`` and, when ``slot_of`` [E] int32 is
-        negative for its expert, to ``misses`` [1] fp32. idx [R, k] int32 and wts [R, k] fp32 receive the
-        routing; h_buf: [R * k, I] fp32 scratch.
+        negative for its expert (not in VRAM), to ``misses[0]``, and when below -1 (a helper slot) to
+        ``misses[1]`` ([2] fp32). idx [R, k] int32 and wts [R, k] fp32 receive the routing; h_buf:
+        [R * k, I] fp32 scratch.
         """
         rows, h = x.shape
         topk = idx.shape[1]

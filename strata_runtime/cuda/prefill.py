@@ -27,6 +27,7 @@ import cupy as cp
 import numpy as np
 
 from ..backend import upload_into
+from ..experts.cache import HELPER, HOST, Reads
 from ..layout import Layout
 from ..reference.flash import HEAD_DIMS
 from .blas import matmul_nn, matmul_nt
@@ -55,7 +56,7 @@ class CudaPrefill:
         """``flash``: attention through the fused kernel of `strata_runtime.cuda.flash` where it has the head
         dim; otherwise (or with False) through cuBLAS products over materialised scores. ``experts``: the
         stage's expert cache, when its experts do not all fit (then each routed expert is one product, read
-        from its slot or copied from host memory into a staging buffer first)."""
+        from its VRAM or helper slot, or copied from host memory into a staging buffer first)."""
         self.stack, self.args, self.kern = stack, stack.args, stack.kern
         self.experts = experts if experts is not None and experts.store.cached else None
         self._sparse_index = {
@@ -104,12 +105,12 @@ class CudaPrefill:
         routed = None
         if self.experts is not None:
             routed = np.zeros((len(self.experts.store), self.args.num_experts), np.float64)
-        misses = 0
+        reads = np.zeros(2, np.int64)  # assignments read from the helper tier, from host memory
         for j, lay in enumerate(self.stack.layers):
             self._attention(j, lay, resid, layout, pos, slot)
-            misses += self._mlp(j, lay, resid, rows, routed)
+            reads += self._mlp(j, lay, resid, rows, routed)
         if self.experts is not None and routed is not None:
-            self.experts.owner.record(routed, misses)  # the chunk's routing teaches the cache
+            self.experts.owner.record(routed, Reads(*(int(n) for n in reads)))  # it teaches the cache
 
     # ---- attention -------------------------------------------------------------------------------
 
@@ -169,9 +170,10 @@ class CudaPrefill:
 
     def _mlp(
         self, j: int, lay: LayerWeights, resid: cp.ndarray, rows: Rows, routed: np.ndarray | None
-    ) -> int:
+    ) -> np.ndarray:
         """The layer's MLP on ``resid`` in place; under an expert cache, the chunk's routing of this layer
-        goes into ``routed`` [L, E] and the number of assignments read from host memory is returned."""
+        goes into ``routed`` [L, E], and the assignments read from the helper tier and from host memory
+        are returned ([2])."""
         a, kern = self.args, self.kern
         n_rows, h = resid.shape
         x = cp.empty((n_rows, h), cp.float16)
@@ -186,16 +188,16 @@ class CudaPrefill:
             dense = matmul_nt(hid, lay.mlp_down, cp.empty((n_rows, h), cp.float32))  # [n, H]
             if lay.shared_gate is not None:
                 gate = matmul_nt(x, lay.shared_gate, cp.empty((n_rows, 1), cp.float32)).reshape(n_rows)
-        misses = 0
+        reads = np.zeros(2, np.int64)
         if lay.router is not None:
             if lay.gate_up is not None:
                 self._experts(j, lay, x, resid, rows)
             else:
                 assert routed is not None
-                misses = self._cached_experts(j, lay, x, resid, rows, routed[self._store_layer(j)])
+                reads = self._cached_experts(j, lay, x, resid, rows, routed[self._store_layer(j)])
         if dense is not None:
             kern.add_scaled(resid, dense, gate)
-        return misses
+        return reads
 
     def _route(
         self, j: int, lay: LayerWeights, x: cp.ndarray, resid: cp.ndarray, rows: Rows
@@ -238,13 +240,14 @@ class CudaPrefill:
 
     def _cached_experts(
         self, j: int, lay: LayerWeights, x: cp.ndarray, resid: cp.ndarray, rows: Rows, routed: np.ndarray
-    ) -> int:
+    ) -> np.ndarray:
         """The routed experts under an expert cache: one product per expert a row routes to, reading it
-        from its VRAM slot, or copying it from host memory into a staging buffer first (on the same stream,
-        so the copy lands before its product and after the previous product read the buffer). The chunk's
-        assignments are sorted by expert into one [A, H] block, so the temporaries are as large as the
-        assignments whatever the skew of the routing. Adds the layer's assignments per expert to
-        ``routed`` [E] and returns how many were read from host memory."""
+        from its VRAM slot or its helper slot (cuBLAS reads the helper GPU's memory over the peer link), or
+        copying it from host memory into a staging buffer first (on the same stream, so the copy lands
+        before its product and after the previous product read the buffer). The chunk's assignments are
+        sorted by expert into one [A, H] block, so the temporaries are as large as the assignments whatever
+        the skew of the routing. Adds the layer's assignments per expert to ``routed`` [E] and returns how
+        many were read from the helper tier and from host memory ([2])."""
         assert self.experts is not None
         store = self.experts.store
         n_exp, (n_rows, h) = self.args.num_experts, x.shape
@@ -256,14 +259,16 @@ class CudaPrefill:
         sizes = cp.bincount(flat, minlength=n_exp).get()  # [E]: the layer's one host read
         xs = x[order // topk]  # [A, H] fp16, each expert's rows together
         ys = cp.empty_like(xs)  # [A, H]
-        misses, start = 0, 0
+        reads, start = np.zeros(2, np.int64), 0
         for e in np.flatnonzero(sizes).tolist():
             n = int(sizes[e])
-            if store.resident(js, e):
-                gate_up, down = store.weights(js, e)
-            else:
+            tier = store.tier(js, e)
+            if tier == HOST:
                 gate_up, down = self._stage(*store.host_weights(js, e))
-                misses += n
+                reads[1] += n
+            else:
+                gate_up, down = store.slot_weights(js, e)
+                reads[0] += n if tier == HELPER else 0
             gu = matmul_nt(xs[start : start + n], gate_up, cp.empty((n, 2 * inter), cp.float16))  # [n, 2I]
             hid = cp.empty((n, inter), cp.float16)
             self.kern.silu_mul_half(gu, hid)
@@ -273,7 +278,7 @@ class CudaPrefill:
         y[order] = ys  # back to (row, choice) order
         resid += (y.reshape(n_rows, topk, h).astype(cp.float32) * wts[:, :, None]).sum(axis=1)  # [n, H]
         routed += sizes
-        return misses
+        return reads
 
     def _store_layer(self, j: int) -> int:
         """The expert store's index of this stack's layer ``j`` (a sparse layer)."""

@@ -14,16 +14,8 @@ from strata_cfg.schema.windows import BATCH_MTP_ROWS_PER_SLOT, BATCH_MTP_SLOTS_P
 def refusals(plan: LaunchPlan) -> list[str]:
     """Everything in ``plan`` this runtime does not implement (empty: it can run the plan as written)."""
     out = []
-    ex = plan.experts
-    if ex.helper_devices:
-        out.append(
-            f"experts.helper_devices = {list(ex.helper_devices)}: "
-            "helper-GPU expert caches are not implemented"
-        )
-    if ex.remote_opt:
+    if plan.experts.remote_opt:
         out.append("experts.remote_opt = true: remote expert optimisation is not implemented")
-    if ex.peer_device is not None:
-        out.append(f"experts.peer_device = {ex.peer_device}: a peer-device expert cache is not implemented")
     for s in plan.stages:
         if s.host != "local":
             out.append(f"stage {s.index} is on host {s.host!r}: only local stages are implemented")

@@ -217,9 +217,16 @@ class Engine:
             store = stage.experts
             if store.cached:
                 total = len(store) * store.n_experts
+                helper = ""
+                if store.helper_slots:
+                    where = ", ".join(f"{n} on {d}" for d, n in store.helper.sizes())
+                    helper = (
+                        f", {store.helper_slots} more in the helper tier ({where}: "
+                        f"{store.helper.nbytes / MIB:.1f} MiB, read over peer-to-peer)"
+                    )
                 lines.append(
                     f"expert cache on {stage.device}: {store.slots} of {total} routed experts in VRAM "
-                    f"({store.vram_bytes / MIB:.1f} MiB), all {total} in host memory "
+                    f"({store.vram_bytes / MIB:.1f} MiB){helper}, all {total} in host memory "
                     f"({store.host_bytes / MIB:.1f} MiB{', pinned' if stage.device.is_cuda else ''}); "
                     f"{'adapting to the routing' if store.residency.policy.adapt else 'frozen'}"
                 )

@@ -1,9 +1,12 @@
-"""Which routed experts of a stage hold a VRAM slot, and how that follows the routing.
+"""Which routed experts of a stage hold a VRAM slot or a helper slot, and how that follows the routing.
 
 A stage whose routed experts do not all fit in VRAM keeps every one of them in host memory and ``slots`` of
-them in a VRAM cache. `Residency` is the cache's bookkeeping, with no arrays of weights in it: the table
-``slot_of[j, e]`` (the slot holding expert ``e`` of the stage's ``j``-th layer, or -1), the owner of each
-slot, and the adaptive policy that decides what the slots hold.
+them in a VRAM cache. With a helper GPU or a peer device in the plan it also has ``helper_slots`` on that
+device: a second tier, which the stage's kernels read over peer-to-peer, between VRAM and host memory. An
+expert is in at most one of the two tiers of slots. `Residency` is the cache's bookkeeping, with no arrays
+of weights in it: the tables ``slot_of[j, e]`` and ``helper_of[j, e]`` (the VRAM slot and the helper slot
+holding expert ``e`` of the stage's ``j``-th layer, or -1), the owner of each slot, and the adaptive policy
+that decides what the slots hold.
 
 The policy, after the engine this project models (its adaptive tier nearly doubled decode speed on two 20 GB
 cards: 89.2 against 45.2 tok/s), is frequency with decay:
@@ -14,17 +17,30 @@ cards: 89.2 against 45.2 tok/s), is frequency with decay:
   one for one, while the newcomer's score beats the evicted one's by ``margin``, at most ``max_swaps`` a time
   (each swap copies one expert over the host link, which misses also use).
 
+With a helper tier the same rule runs twice per rebalance, one tier after the other, over the same scores:
+first into VRAM from everything VRAM lacks (a newcomer held by the helper tier trades places with the
+evicted expert: it comes over the peer link, and the evicted expert is copied into its helper slot from
+host memory, over the helper GPU's own host link; a newcomer from host memory sends the evicted expert back
+to host memory), then into the helper tier from what only host memory holds, sparing the experts the
+first pass just moved there. So the experts ranked highest are in VRAM, the next ones in the helper tier,
+the rest in host memory, each move paid for by a margin, and both tiers stay full.
+
 The cache is one pool for all the stage's layers, so a layer whose routing is spread wide gets more slots than
-one whose routing repeats. It starts with the slots spread evenly over the layers (experts in id order); the
-first windows (the prompt's chunks, which route thousands of rows) then fill it with what the request uses.
+one whose routing repeats. It starts with the slots spread evenly over the layers (experts in id order, the
+helper tier with the experts VRAM does not hold, in the same order); the first windows (the prompt's chunks,
+which route thousands of rows) then fill it with what the request uses.
 Swapping changes where an expert's product is computed, never its value: the policy cannot change any token.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
+
+VRAM, HELPER, HOST = 0, 1, 2
+"""An expert's tier: a VRAM slot, a helper slot on another device, or host memory only."""
 
 
 @dataclass(frozen=True)
@@ -38,17 +54,30 @@ class Policy:
     margin: float = 1.0
     """A missing expert replaces a resident one only when its score is higher by at least this."""
     max_swaps: int = 32
-    """Swaps per rebalance at most."""
+    """Swaps per tier and rebalance at most."""
     adapt: bool = True
 
 
 @dataclass(frozen=True)
 class Swap:
-    """Load ``loaded`` = (layer, expert) into ``slot``, evicting ``evicted`` (None: the slot was empty)."""
+    """Load ``loaded`` = (layer, expert) into ``slot`` of tier ``tier`` (VRAM or HELPER), evicting ``evicted``
+    (None: the slot was empty). ``source``: the helper slot ``loaded`` comes from (over the peer link), -1
+    for its host copy. A VRAM swap with a source is an exchange: ``evicted`` then takes that helper slot,
+    copied from its host copy once ``loaded`` has left it. No helper swap of the same rebalance writes a
+    slot an exchange wrote."""
 
     slot: int
     evicted: tuple[int, int] | None
     loaded: tuple[int, int]
+    tier: int = VRAM
+    source: int = -1
+
+
+class Reads(NamedTuple):
+    """Assignments of some windows that VRAM did not serve: read from a helper slot, or from host memory."""
+
+    helper: int = 0
+    host: int = 0
 
 
 @dataclass
@@ -58,28 +87,50 @@ class CacheStats:
     hits: int = 0
     """Assignments whose expert was in a VRAM slot."""
     misses: int = 0
-    """Assignments whose expert was read from host memory."""
+    """Assignments whose expert was not in VRAM: read from the helper tier or from host memory."""
+    helper_hits: int = 0
+    """Of the misses, those read from a helper slot (over the peer link)."""
     swaps: int = 0
+    """Swaps into a VRAM slot or a helper slot (an exchange between the two counts once)."""
+    helper_swaps: int = 0
+    """Of the swaps, those into a helper slot from host memory."""
     windows: int = 0
     miss_bytes: int = 0
     """Expert weights read over the host link by misses."""
     swap_bytes: int = 0
-    """Expert weights copied over the host link into slots."""
+    """Expert weights copied from host memory into slots of either tier (the helper tier's over its own
+    GPU's host link)."""
+    helper_bytes: int = 0
+    """Expert weights read over the peer link by helper hits."""
+    peer_swap_bytes: int = 0
+    """Expert weights copied over the peer link, from helper slots into VRAM slots (exchanges)."""
 
     @property
     def hit_rate(self) -> float | None:
+        """The share of assignments served from VRAM."""
         total = self.hits + self.misses
         return None if total == 0 else self.hits / total
+
+    @property
+    def host_reads(self) -> int:
+        """Assignments read from host memory."""
+        return self.misses - self.helper_hits
 
     def as_dict(self) -> dict[str, float | int | None]:
         return {
             "hits": self.hits,
             "misses": self.misses,
             "hit_rate": self.hit_rate,
+            "helper_hits": self.helper_hits,
+            "host_reads": self.host_reads,
             "swaps": self.swaps,
+            "helper_swaps": self.helper_swaps,
             "windows": self.windows,
             "miss_bytes": self.miss_bytes,
             "swap_bytes": self.swap_bytes,
+            "helper_bytes": self.helper_bytes,
+            "peer_swap_bytes": self.peer_swap_bytes,
+            "peer_bytes": self.helper_bytes + self.peer_swap_bytes,
         }
 
 
@@ -97,9 +148,35 @@ def even_fill(layers: int, experts: int, slots: int) -> np.ndarray:
     return table
 
 
+def helper_fill(slot_of: np.ndarray, slots: int) -> np.ndarray:
+    """Initial helper tier: ``slots`` given round-robin over the layers to the experts ``slot_of`` [L, E]
+    leaves out of VRAM, each layer's in id order, starting at the first layer `even_fill` gave no extra VRAM
+    slot (so both tiers together stay spread evenly). A table [L, E] of helper slots (-1: none)."""
+    layers, experts = slot_of.shape
+    free = [list(np.flatnonzero(slot_of[j] < 0)) for j in range(layers)]
+    if not 0 <= slots <= sum(len(f) for f in free):
+        raise ValueError(f"{slots} helper slots for {sum(len(f) for f in free)} experts outside VRAM")
+    table = np.full((layers, experts), -1, np.int32)
+    j = int((slot_of >= 0).sum()) % layers if layers else 0
+    for h in range(slots):
+        while not free[j]:
+            j = (j + 1) % layers
+        table[j, free[j].pop(0)] = h
+        j = (j + 1) % layers
+    return table
+
+
+def _owners(table: np.ndarray, slots: int) -> np.ndarray:
+    """[slots, 2] int32: the (layer, expert) each slot of ``table`` [L, E] holds, (-1, -1) when free."""
+    owner = np.full((slots, 2), -1, np.int32)
+    j, e = np.nonzero(table >= 0)
+    owner[table[j, e]] = np.stack([j, e], axis=1)
+    return owner
+
+
 @dataclass
 class Residency:
-    """The slot table of one stage's expert cache and the adaptive policy over it."""
+    """The slot tables of one stage's expert cache (VRAM and helper tiers) and the policy over them."""
 
     layers: int
     experts: int
@@ -109,11 +186,17 @@ class Residency:
     policy: Policy = field(default_factory=Policy)
     fixed: frozenset[int] = frozenset()
     """Layers whose experts never move (the MTP head's: its windows run on another stream, which the
-    swaps are not ordered with); they keep their initial slots."""
+    swaps are not ordered with); they keep their initial slots in both tiers."""
+    helper_slots: int = 0
+    """Slots of the second tier, on helper or peer devices (0: none)."""
     slot_of: np.ndarray = field(init=False)
-    """[L, E] int32: the slot of each (layer, expert), -1 when it lives only in host memory."""
+    """[L, E] int32: the VRAM slot of each (layer, expert), -1 when it holds none."""
     owner: np.ndarray = field(init=False)
-    """[C, 2] int32: the (layer, expert) each slot holds."""
+    """[C, 2] int32: the (layer, expert) each VRAM slot holds."""
+    helper_of: np.ndarray = field(init=False)
+    """[L, E] int32: the helper slot of each (layer, expert), -1 when it holds none."""
+    helper_owner: np.ndarray = field(init=False)
+    """[S, 2] int32: the (layer, expert) each helper slot holds."""
     scores: np.ndarray = field(init=False)
     """[L, E] float64: decayed routing counts."""
     stats: CacheStats = field(init=False, default_factory=CacheStats)
@@ -121,30 +204,48 @@ class Residency:
 
     def __post_init__(self) -> None:
         self.slot_of = even_fill(self.layers, self.experts, self.slots)
-        self.owner = np.full((self.slots, 2), -1, np.int32)
-        j, e = np.nonzero(self.slot_of >= 0)
-        self.owner[self.slot_of[j, e]] = np.stack([j, e], axis=1)
+        self.owner = _owners(self.slot_of, self.slots)
+        self.helper_of = helper_fill(self.slot_of, self.helper_slots)
+        self.helper_owner = _owners(self.helper_of, self.helper_slots)
         self.scores = np.zeros((self.layers, self.experts), np.float64)
 
     @property
     def complete(self) -> bool:
-        """Every expert holds a slot (no host tier, nothing to adapt)."""
+        """Every expert holds a VRAM slot (no other tier, nothing to adapt)."""
         return self.slots >= self.layers * self.experts
 
     def resident(self, layer: int, expert: int) -> bool:
+        """Whether the expert holds a VRAM slot."""
         return bool(self.slot_of[layer, expert] >= 0)
 
-    def observe(self, counts: np.ndarray, windows: int = 1, misses: int | None = None) -> None:
+    def tier(self, layer: int, expert: int) -> int:
+        """VRAM, HELPER or HOST: where the expert is read from now."""
+        if self.slot_of[layer, expert] >= 0:
+            return VRAM
+        return HELPER if self.helper_of[layer, expert] >= 0 else HOST
+
+    def tiers(self) -> np.ndarray:
+        """[L, E] int8: every expert's tier."""
+        out = np.full((self.layers, self.experts), HOST, np.int8)
+        out[self.helper_of >= 0] = HELPER
+        out[self.slot_of >= 0] = VRAM
+        return out
+
+    def observe(self, counts: np.ndarray, windows: int = 1, reads: Reads | None = None) -> None:
         """Add the routing counts [L, E] (assignments per expert) of ``windows`` windows, decaying the older
-        scores once per window. ``misses``: the assignments that were served from host memory, as counted
-        where they ran (default: those whose expert holds no slot now)."""
+        scores once per window. ``reads``: the assignments served by the helper tier and by host memory, as
+        counted where they ran (default: by where each expert is now)."""
         total = int(counts.sum())
-        if misses is None:
-            misses = int(counts[self.slot_of < 0].sum())
-        self.stats.hits += total - misses
-        self.stats.misses += misses
-        self.stats.miss_bytes += misses * self.expert_bytes
-        self.stats.windows += windows
+        if reads is None:
+            tiers = self.tiers()
+            reads = Reads(int(counts[tiers == HELPER].sum()), int(counts[tiers == HOST].sum()))
+        s = self.stats
+        s.hits += total - reads.helper - reads.host
+        s.misses += reads.helper + reads.host
+        s.helper_hits += reads.helper
+        s.miss_bytes += reads.host * self.expert_bytes
+        s.helper_bytes += reads.helper * self.expert_bytes
+        s.windows += windows
         if self.complete:
             return
         self.scores *= self.policy.decay**windows
@@ -156,35 +257,80 @@ class Residency:
         return self.policy.adapt and not self.complete and self._since >= self.policy.every
 
     def rebalance(self) -> list[Swap]:
-        """Decide and record this rebalance's swaps (the caller copies the weights, in the order given)."""
+        """Decide and record this rebalance's swaps, VRAM's first (the caller copies the weights, in the
+        order given)."""
         self._since = 0
-        if not self.policy.adapt or self.complete or self.slots == 0:
+        if not self.policy.adapt or self.complete:
             return []
-        flat = self.scores.reshape(-1)
-        table = self.slot_of.reshape(-1)
         layer_of = np.repeat(np.arange(self.layers), self.experts)  # [L E]
         movable = ~np.isin(layer_of, sorted(self.fixed))
-        missing = np.flatnonzero((table < 0) & (flat > 0) & movable)
-        if missing.size == 0:
-            return []
-        present = np.flatnonzero((table >= 0) & movable)
-        # Best newcomers first, weakest residents first; ties go to the lower (layer, expert) index.
-        missing = missing[np.lexsort((missing, -flat[missing]))]
-        present = present[np.lexsort((present, flat[present]))]
-        swaps: list[Swap] = []
-        for new, old in zip(missing, present, strict=False):
-            if len(swaps) >= self.policy.max_swaps or flat[new] < flat[old] + self.policy.margin:
-                break
-            slot = int(table[old])
-            lo, eo = divmod(int(old), self.experts)
-            ln, en = divmod(int(new), self.experts)
-            self.slot_of[lo, eo] = -1
-            self.slot_of[ln, en] = slot
-            self.owner[slot] = (ln, en)
-            swaps.append(Swap(slot, (lo, eo), (ln, en)))
-        self.stats.swaps += len(swaps)
-        self.stats.swap_bytes += len(swaps) * self.expert_bytes
+        into_vram = self._into_vram(movable)
+        exchanged = {sw.source for sw in into_vram if sw.source >= 0}
+        swaps = into_vram + self._into_helper(movable & ~np.isin(self.helper_of.reshape(-1), list(exchanged)))
+        s = self.stats
+        s.swaps += len(swaps)
+        s.helper_swaps += sum(sw.tier == HELPER for sw in swaps)
+        s.swap_bytes += len(swaps) * self.expert_bytes  # an exchange's evicted expert: into its helper slot
+        s.peer_swap_bytes += sum(sw.source >= 0 for sw in swaps) * self.expert_bytes
         return swaps
+
+    def _into_vram(self, movable: np.ndarray) -> list[Swap]:
+        """The best experts VRAM lacks (from the helper tier or host memory) for its weakest residents."""
+        table = self.slot_of.reshape(-1)
+        swaps = []
+        for loaded, evicted in self._trades((table < 0) & movable, (table >= 0) & movable):
+            slot, source = int(self.slot_of[evicted]), int(self.helper_of[loaded])
+            if source >= 0:  # an exchange: the evicted expert takes the newcomer's helper slot
+                self.helper_of[loaded] = -1
+                self.helper_of[evicted] = source
+                self.helper_owner[source] = evicted
+            self.slot_of[evicted] = -1
+            self.slot_of[loaded] = slot
+            self.owner[slot] = loaded
+            swaps.append(Swap(slot, evicted, loaded, VRAM, source))
+        return swaps
+
+    def _into_helper(self, movable: np.ndarray) -> list[Swap]:
+        """The best experts only host memory holds, for the weakest (movable) residents of the helper tier."""
+        table, helper = self.slot_of.reshape(-1), self.helper_of.reshape(-1)
+        swaps = []
+        for loaded, evicted in self._trades((table < 0) & (helper < 0) & movable, (helper >= 0) & movable):
+            slot = int(self.helper_of[evicted])
+            self.helper_of[evicted] = -1
+            self.helper_of[loaded] = slot
+            self.helper_owner[slot] = loaded
+            swaps.append(Swap(slot, evicted, loaded, HELPER))
+        return swaps
+
+    def _trades(
+        self, missing: np.ndarray, present: np.ndarray
+    ) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+        """One pass of the policy over masks [L E] of candidates and residents: (newcomer, evicted) pairs,
+        best newcomers (with a positive score) for the weakest residents, while the newcomer's score beats
+        the evicted one's by the margin, at most ``max_swaps``."""
+        flat = self.scores.reshape(-1)
+        new = _best_first(flat, np.flatnonzero(missing & (flat > 0)))
+        old = _weakest_first(flat, np.flatnonzero(present))
+        pairs = []
+        for n, o in zip(new[: self.policy.max_swaps], old, strict=False):
+            if flat[n] < flat[o] + self.policy.margin:
+                break
+            pairs.append((self._key(n), self._key(o)))
+        return pairs
+
+    def _key(self, flat_index: int) -> tuple[int, int]:
+        j, e = divmod(int(flat_index), self.experts)
+        return j, e
+
+
+def _best_first(scores: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """``idx`` by descending score; ties go to the lower (layer, expert) index."""
+    return idx[np.lexsort((idx, -scores[idx]))]
+
+
+def _weakest_first(scores: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """``idx`` by ascending score; ties go to the lower (layer, expert) index."""
+    return idx[np.lexsort((idx, scores[idx]))]
 
 
 @dataclass(frozen=True)

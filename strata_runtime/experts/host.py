@@ -51,9 +51,11 @@ def host_empty(shape: tuple[int, ...], dtype: Any, pinned: bool) -> np.ndarray:
     return _as_numpy(PinnedBuffer(nbytes), shape, dtype)
 
 
-def device_view(host: np.ndarray, device_id: int) -> Any:
-    """A CuPy array on ``device_id`` over the same bytes as pinned, mapped ``host`` (no copy: every read
-    crosses the host link)."""
+def device_view(arr: Any, device_id: int) -> Any:
+    """A CuPy array on ``device_id`` over the same bytes as ``arr``, no copy: pinned, mapped host memory (a
+    NumPy array; every read crosses the host link), or another GPU's array (the helper tier; every read
+    crosses the peer link, which must be enabled)."""
     cp = cupy_module()
-    mem = cp.cuda.UnownedMemory(host.ctypes.data, host.nbytes, host, device_id)
-    return cp.ndarray(host.shape, host.dtype, cp.cuda.MemoryPointer(mem, 0), strides=host.strides)
+    ptr = arr.ctypes.data if isinstance(arr, np.ndarray) else arr.data.ptr
+    mem = cp.cuda.UnownedMemory(ptr, arr.nbytes, arr, device_id)
+    return cp.ndarray(arr.shape, arr.dtype, cp.cuda.MemoryPointer(mem, 0), strides=arr.strides)

@@ -1,12 +1,13 @@
-"""Where one stage's routed experts live: VRAM slots, and host memory behind them.
+"""Where one stage's routed experts live: VRAM slots, helper slots on another device, and host memory.
 
 When every routed expert of a stage fits in VRAM (the plan says so), each layer keeps its experts as the
 stacked checkpoint tensors ([E, 2I, H] gate/up and [E, H, I] down) and nothing moves. Otherwise the stage
 holds the plan's number of expert slots in VRAM, one pool for all its layers ([C, 2I, H] and [C, H, I]), and
 every routed expert in host memory (pinned and mapped into the GPU's address space, so a kernel can read an
-expert that holds no slot straight over the host link). `Residency` decides what the slots hold; this class
-moves the weights and answers "where is expert e of layer j now" for the array path (an array) and for the
-CUDA kernels (device pointer tables, `strata_runtime.cuda.experts`).
+expert that holds no slot straight over the host link). With helper GPUs (or a peer device) in the plan, it
+also holds its share of their slots (`HelperTier`), read over the peer link. `Residency` decides what the
+slots hold; this class moves the weights and answers "where is expert e of layer j now" for the array path
+(an array) and for the CUDA kernels (device pointer tables, `strata_runtime.cuda.experts`).
 
 Layers are the stage's sparse layers in order (``j`` indexes them, ``layer_ids[j]`` is the model's layer).
 Letters: L sparse layers of the stage, E experts, C slots, I expert width, H hidden.
@@ -20,7 +21,8 @@ from typing import Any
 import numpy as np
 
 from ..backend import Device
-from .cache import CacheStats, Policy, Residency, Snapshot, Swap, restore, snapshot
+from .cache import HELPER, HOST, VRAM, CacheStats, Policy, Reads, Residency, Snapshot, Swap, restore, snapshot
+from .helper_tier import HelperTier
 from .host import device_view
 
 Array = Any
@@ -39,10 +41,13 @@ class ExpertStore:
         slots: int | None,
         policy: Policy | None = None,
         fixed: frozenset[int] = frozenset(),
+        helpers: Sequence[tuple[Device, int]] = (),
     ) -> None:
         """``gate_up[j]`` [E, 2I, H] and ``down[j]`` [E, H, I]: layer j's experts, on the device when
         ``slots`` is None (every expert resident), else in host memory (the host tier). ``slots``: the
-        VRAM slots of the cache. ``fixed``: layers whose experts keep their first slots."""
+        VRAM slots of the cache. ``fixed``: layers whose experts keep their first slots. ``helpers``:
+        (device, slots) of the helper tier on each helper device (only under a cache; at most the experts
+        VRAM cannot hold, the last devices' shares cut first)."""
         if len(gate_up) != len(layer_ids) or len(down) != len(layer_ids):
             raise ValueError("one gate_up and one down tensor per sparse layer")
         self.device, self.layer_ids = device, tuple(layer_ids)
@@ -52,25 +57,36 @@ class ExpertStore:
         self.expert_bytes = int(gate_up[0][0].nbytes + down[0][0].nbytes) if n_layers and n_exp else 0
         self.cached = slots is not None and slots < n_layers * n_exp
         capacity = n_layers * n_exp if not self.cached else int(slots or 0)
-        self.residency = Residency(n_layers, n_exp, capacity, self.expert_bytes, policy or Policy(), fixed)
+        parts = _cut(helpers, n_layers * n_exp - capacity) if self.cached else []
         self._window = np.zeros((n_layers, n_exp), np.float64)
         """Assignments per expert counted by the array path in the current window."""
         if not self.cached:
+            self.residency = Residency(
+                n_layers, n_exp, capacity, self.expert_bytes, policy or Policy(), fixed
+            )
             self.host_gate_up: Sequence[Array] = ()
             self.host_down: Sequence[Array] = ()
             self.layer_gate_up, self.layer_down = list(gate_up), list(down)
             self.pool_gate_up = self.pool_down = None
+            self.helper = HelperTier((), (), (), np.float32)
             return
         self.host_gate_up, self.host_down = list(gate_up), list(down)
         self.layer_gate_up = self.layer_down = []
         gu_shape, dn_shape = tuple(gate_up[0].shape[1:]), tuple(down[0].shape[1:])
         dtype = gate_up[0].dtype
+        self.helper = HelperTier(parts, gu_shape, dn_shape, dtype)
+        self.residency = Residency(
+            n_layers, n_exp, capacity, self.expert_bytes, policy or Policy(), fixed, len(self.helper)
+        )
         self.pool_gate_up = device.empty((capacity, *gu_shape), dtype)  # [C, 2I, H]
         self.pool_down = device.empty((capacity, *dn_shape), dtype)  # [C, H, I]
-        table = self.residency.slot_of
+        table, helper = self.residency.slot_of, self.residency.helper_of
         for j, e in zip(*np.nonzero(table >= 0), strict=True):
-            self._load(int(table[j, e]), int(j), int(e))
-        device.synchronize()
+            self._load(Swap(int(table[j, e]), None, (int(j), int(e))))
+        for j, e in zip(*np.nonzero(helper >= 0), strict=True):
+            self._load(Swap(int(helper[j, e]), None, (int(j), int(e)), HELPER))
+        for d in (device, *self.helper.devices):
+            d.synchronize()
 
     # ---- where an expert is ------------------------------------------------------------------------
 
@@ -85,22 +101,41 @@ class ExpertStore:
     def slots(self) -> int:
         return self.residency.slots
 
+    @property
+    def helper_slots(self) -> int:
+        return self.residency.helper_slots
+
     def resident(self, j: int, e: int) -> bool:
+        """Whether the expert is in VRAM (always, without a cache)."""
         return not self.cached or self.residency.resident(j, e)
 
+    def tier(self, j: int, e: int) -> int:
+        """VRAM, HELPER or HOST: where expert ``e`` of layer ``j`` is read from now."""
+        return self.residency.tier(j, e) if self.cached else VRAM
+
     def weights(self, j: int, e: int) -> tuple[Array, Array]:
-        """Expert ``e`` of sparse layer ``j``: gate/up [2I, H] and down [H, I], wherever they are now (a
-        host-tier expert on a GPU comes as a device view of its mapped host memory)."""
+        """Expert ``e`` of sparse layer ``j``: gate/up [2I, H] and down [H, I], wherever they are now (on a
+        GPU, a helper-tier or host-tier expert comes as a view for this GPU of its peer or mapped host
+        memory)."""
         if not self.cached:
             return self.layer_gate_up[j][e], self.layer_down[j][e]
+        tier = self.residency.tier(j, e)
+        gate_up, down = self.host_weights(j, e) if tier == HOST else self.slot_weights(j, e)
+        if tier != VRAM and self.device.is_cuda:
+            return device_view(gate_up, self.device.index), device_view(down, self.device.index)
+        return gate_up, down
+
+    def slot_weights(self, j: int, e: int) -> tuple[Array, Array]:
+        """The slot holding a VRAM- or helper-tier expert, on its own device (cuBLAS reads a helper slot
+        where it is, over the peer link)."""
         slot = int(self.residency.slot_of[j, e])
         if slot >= 0:
             assert self.pool_gate_up is not None and self.pool_down is not None
             return self.pool_gate_up[slot], self.pool_down[slot]
-        gate_up, down = self.host_weights(j, e)
-        if self.device.is_cuda:
-            return device_view(gate_up, self.device.index), device_view(down, self.device.index)
-        return gate_up, down
+        helper = int(self.residency.helper_of[j, e])
+        if helper < 0:
+            raise KeyError(f"expert {e} of layer {j} holds no slot")
+        return self.helper.slot(helper)
 
     def host_weights(self, j: int, e: int) -> tuple[Array, Array]:
         """The host tier's copy (host arrays; pinned and mapped on a GPU machine)."""
@@ -121,17 +156,19 @@ class ExpertStore:
 
     # ---- after a window ----------------------------------------------------------------------------
 
-    def decide(self, counts: np.ndarray, windows: int = 1, misses: int | None = None) -> list[Swap]:
-        """Account a window's routing counts [L, E]; when a rebalance is due, decide it (the slot table
-        changes now; the caller moves the weights). Returns the swaps decided."""
-        self.residency.observe(counts, windows, misses)
+    def decide(self, counts: np.ndarray, windows: int = 1, reads: Reads | None = None) -> list[Swap]:
+        """Account a window's routing counts [L, E]; when a rebalance is due, decide it (the slot tables
+        change now; the caller moves the weights). ``reads``: as `Residency.observe`. Returns the swaps
+        decided."""
+        self.residency.observe(counts, windows, reads)
         return self.residency.rebalance() if self.residency.due() else []
 
-    def observe(self, counts: np.ndarray, windows: int = 1, misses: int | None = None) -> list[Swap]:
-        """`decide`, then load the new experts into their slots at once (the array path's upkeep)."""
-        swaps = self.decide(counts, windows, misses)
+    def observe(self, counts: np.ndarray, windows: int = 1, reads: Reads | None = None) -> list[Swap]:
+        """`decide`, then load the new experts into their slots at once, in the order decided (the array
+        path's upkeep)."""
+        swaps = self.decide(counts, windows, reads)
         for s in swaps:
-            self._load(s.slot, *s.loaded)
+            self._load(s)
         return swaps
 
     def snapshot(self) -> Snapshot:
@@ -139,22 +176,33 @@ class ExpertStore:
         return snapshot(self.residency)
 
     def restore(self, snap: Snapshot) -> list[Swap]:
-        """Hold and know again what ``snap`` did: the slot table changes now; on the array path the weights
-        move at once, on a GPU the caller moves them (`strata_runtime.cuda.experts.CudaExperts.restore`)."""
+        """Hold and know again what ``snap`` did (the VRAM tier; a helper tier keeps what it holds): the
+        slot table changes now; on the array path the weights move at once, on a GPU the caller moves them
+        (`strata_runtime.cuda.experts.CudaExperts.restore`)."""
         swaps = restore(self.residency, snap)
         self._window[...] = 0
         if not self.device.is_cuda:
             for s in swaps:
-                self._load(s.slot, *s.loaded)
+                self._load(s)
         return swaps
 
-    def _load(self, slot: int, j: int, e: int) -> None:
-        """Copy expert ``e`` of layer ``j`` from the host tier into ``slot``."""
+    def _load(self, swap: Swap) -> None:
+        """Copy the swap's expert into its slot: from the helper slot it leaves (on CPU devices; a GPU's
+        array path copies between GPUs through the host copy, the same bytes), else from the host tier; then
+        an exchange's evicted expert into that helper slot, from its host copy."""
+        gu, dn = self.host_weights(*swap.loaded)
+        if swap.tier == HELPER:
+            self.helper.load(swap.slot, gu, dn)
+            return
+        if swap.source >= 0 and not self.device.is_cuda:
+            gu, dn = self.helper.slot(swap.source)
         assert self.pool_gate_up is not None and self.pool_down is not None
-        gu, dn = self.host_gate_up[j][e], self.host_down[j][e]
         with self.device.use():
-            self.pool_gate_up[slot] = self.device.xp.asarray(gu)
-            self.pool_down[slot] = self.device.xp.asarray(dn)
+            self.pool_gate_up[swap.slot] = self.device.xp.asarray(gu)
+            self.pool_down[swap.slot] = self.device.xp.asarray(dn)
+        if swap.source >= 0:
+            assert swap.evicted is not None
+            self.helper.load(swap.source, *self.host_weights(*swap.evicted))
 
     @property
     def host_bytes(self) -> int:
@@ -177,5 +225,17 @@ class ExpertStore:
             "cached": self.cached,
             "expert_bytes": self.expert_bytes,
             "host_bytes": self.host_bytes,
+            "helper_slots": self.helper_slots,
+            "helper_devices": {str(d): n for d, n in self.helper.sizes()},
             **self.stats.as_dict(),
         }
+
+
+def _cut(parts: Sequence[tuple[Device, int]], most: int) -> list[tuple[Device, int]]:
+    """``parts`` (device, slots) with at most ``most`` slots in all, the last ones cut first."""
+    out = []
+    for device, n in parts:
+        n = max(0, min(n, most))
+        most -= n
+        out.append((device, n))
+    return out

@@ -16,8 +16,9 @@ from numpy.typing import DTypeLike
 from strata_cfg.schema.plan import LaunchPlan
 
 from ..api import PlanMismatch, Tokenizer
-from ..backend import DTYPES, Array, Device, enable_peer_access, transfer
+from ..backend import DTYPES, Array, Device, enable_peer_access, peer_access_enabled, transfer
 from ..experts.cache import Policy
+from ..experts.helper_tier import HelperOutOfMemory
 from ..experts.routing import RoutingModel, RoutingTables
 from ..layout import Layout
 from ..models.qwen3_moe import ModelArgs, fuse_tensors, stage_shapes
@@ -134,12 +135,68 @@ def expert_slots(plan: LaunchPlan) -> list[int | None]:
     return out
 
 
+def helper_slots(plan: LaunchPlan) -> list[list[tuple[str, int]]]:
+    """Each stage's share of the helper tier: (device, slots) on each helper GPU of the plan (its
+    ``experts.helper_devices`` and its ``experts.peer_device``, both role "helper").
+
+    A helper GPU holds, by the plan, ``experts_resident`` experts that the stage GPUs could not. They are
+    shared among the stages whose experts overflow their VRAM cache, in proportion to what each still lacks
+    (helper GPUs in the plan's order), as the resolver sized them from the stages' overflow.
+    """
+    slots = expert_slots(plan)
+    lacking = []
+    for sp, n in zip(plan.stages, slots, strict=True):
+        gpu = next(g for g in plan.gpus if g.index == sp.gpu)
+        on_gpu = [s for s in plan.stages if s.gpu == sp.gpu]
+        share = (sp.layers[1] - sp.layers[0]) / sum(s.layers[1] - s.layers[0] for s in on_gpu)
+        lacking.append(0 if n is None else max(0, int(gpu.experts_total * share) - n))
+    out: list[list[tuple[str, int]]] = [[] for _ in plan.stages]
+    for gpu in plan.gpus:
+        if gpu.role != "helper" or gpu.experts_resident == 0 or not any(lacking):
+            continue
+        for i, n in enumerate(proportional(min(gpu.experts_resident, sum(lacking)), lacking)):
+            if n:
+                out[i].append((gpu.device, n))
+                lacking[i] -= n
+    return out
+
+
+def proportional(total: int, weights: list[int]) -> list[int]:
+    """``total`` split in proportion to ``weights`` (largest remainders first, ties to the earlier); no
+    share exceeds its weight when ``total`` is at most their sum."""
+    whole = sum(weights)
+    exact = [total * w / whole for w in weights]
+    out = [int(x) for x in exact]
+    by_remainder = sorted(range(len(weights)), key=lambda i: (-(exact[i] - out[i]), i))
+    for i in by_remainder[: total - sum(out)]:
+        out[i] += 1
+    return out
+
+
+def check_helper_access(plan: LaunchPlan, stage: Device, helper: Device) -> None:
+    """Refuse a helper tier the stage's GPU cannot read directly (its kernels read it over peer-to-peer)."""
+    if not (stage.is_cuda and helper.is_cuda) or peer_access_enabled(stage, helper):
+        return
+    index = helper.index
+    key = "experts.peer_device" if plan.experts.peer_device == index else "experts.helper_devices"
+    value = index if key == "experts.peer_device" else list(plan.experts.helper_devices)
+    raise PlanMismatch(
+        f"{key} = {value}: {stage} cannot read {helper}'s memory directly (peer access is not enabled "
+        f"between them), and its expert kernels read the helper tier over peer-to-peer; use GPUs that "
+        f"can access each other, or leave out {key}"
+    )
+
+
 def out_of_memory(plan: LaunchPlan, stage: int, device: Device, exc: BaseException) -> str:
-    """Why stage ``stage`` did not fit ``device``: the plan's budget for it, and what to change."""
+    """Why stage ``stage`` (or its helper tier) did not fit ``device``: the plan's budget for it, and what
+    to change."""
+    if isinstance(exc, HelperOutOfMemory):
+        device = exc.device
     gpu = next((g for g in plan.gpus if g.device == str(device)), None)
     budget = "" if gpu is None else f" (its plan: {gpu.budget.mib()} MiB)"
+    what = f"the helper tier of stage {stage}" if isinstance(exc, HelperOutOfMemory) else f"stage {stage}"
     return (
-        f"stage {stage} does not fit {device} within the plan's budget{budget}: {exc}. Raise "
+        f"{what} does not fit {device} within the plan's budget{budget}: {exc}. Raise "
         "memory.vram_reserve_mib if the card holds other work, or lower experts.cache or memory.context"
     )
 
@@ -173,9 +230,14 @@ class Model:
         """Build the plan's model. ``weights`` (optional) shares tensors between models of the same stage
         layout, so that benchmark arms of one profile hold one copy of the weights."""
         devices = [Device.parse(s.device) for s in plan.stages]
-        for d in dict.fromkeys(devices):
+        helpers = [[(Device.parse(name), n) for name, n in parts] for parts in helper_slots(plan)]
+        helper_devices = [d for parts in helpers for d, _ in parts]
+        for d in dict.fromkeys(devices + helper_devices):
             d.check()
-        peer_access = enable_peer_access(devices)
+        peer_access = enable_peer_access(devices + helper_devices)
+        for device, parts in zip(devices, helpers, strict=True):
+            for helper, _ in parts:
+                check_helper_access(plan, device, helper)
         if plan.model.synthetic is not None:
             if plan.model.layer_scale is None:
                 raise PlanMismatch("a synthetic preset without model.layer_scale: resolve the plan again")
@@ -196,7 +258,7 @@ class Model:
         routing = routing_tables(plan, args, slots)
         cache_slots = expert_slots(plan)
         store = weights if weights is not None else WeightStore()
-        for d in dict.fromkeys(devices):
+        for d in dict.fromkeys(devices + helper_devices):
             d.limit_memory(store.limit(plan, d))
         stages: list[Stage] = []
         tensors: dict[str, Array] = {}
@@ -216,6 +278,7 @@ class Model:
                 str(np.dtype(dtype)),
                 tuple(shapes),
                 tuple(sorted(host)),
+                tuple((str(d), n) for d, n in helpers[sp.index]),
             )
             try:
                 shared = store.stages.get(key)
@@ -245,6 +308,7 @@ class Model:
                         expert_slots=cache_slots[sp.index],
                         policy=Policy(adapt=plan.experts.adapt),
                         shared=shared,
+                        helpers=helpers[sp.index],
                     )
                 )
             except MemoryError as exc:  # CuPy's OutOfMemoryError is one

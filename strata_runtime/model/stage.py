@@ -7,6 +7,7 @@ and returns them; hidden rows cross devices in `strata_runtime.model.placed`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
@@ -80,12 +81,14 @@ class Stage:
         expert_slots: int | None = None,
         policy: Policy | None = None,
         shared: StageWeights | None = None,
+        helpers: Sequence[tuple[Device, int]] = (),
     ) -> None:
         """``routing``: every slot's calibrated-routing tables (host), or None for the model's own router.
         ``expert_slots``: VRAM slots for the routed experts of these layers when they do not all fit
         (their tensors in ``tensors`` are then host arrays, the host tier); None: all resident.
         ``shared``: these tensors as other models of the same stage layout share them; the first stage built
-        on them makes the expert cache, the others read the same one."""
+        on them makes the expert cache, the others read the same one. ``helpers``: the cache's second tier,
+        (device, slots) on each helper or peer device (`strata_runtime.model.placed.helper_slots`)."""
         self.index, self.device, self.layer_range, self.args = index, device, layers, args
         self.routing = routing
         self.first, self.last = first, last
@@ -111,7 +114,7 @@ class Stage:
             self.experts = shared.experts
         else:
             fixed = frozenset(range(self.n_sparse, len(ids)))  # the MTP head's layer: see Residency.fixed
-            self.experts = ExpertStore(device, ids, gate_up, down, expert_slots, policy, fixed)
+            self.experts = ExpertStore(device, ids, gate_up, down, expert_slots, policy, fixed, helpers)
             if shared is not None:
                 shared.experts = self.experts
         if self.experts.cached:

@@ -140,8 +140,10 @@ def moe(
             e = int(idx[r, j])
             if experts.counts is not None:
                 experts.counts[e] += 1
-                if experts.slot_of[e] < 0:
+                if experts.slot_of[e] < 0:  # not in VRAM
                     experts.misses[0] += 1
+                if experts.slot_of[e] < -1:  # in a helper slot
+                    experts.misses[1] += 1
             gate_up, down = experts.weights(e)
             gu = _f32(gate_up) @ xn[r]  # [2I]
             h = _silu(gu[:inter]) * gu[inter:]  # [I]
