@@ -105,6 +105,16 @@ def test_qk_norm_rope_kv_and_attention_match_the_reference(gpu, n_q, n_kv, d):
     assert rel_err(out_d.get(), out) < REL
 
 
+def _moe_inputs(g: np.random.Generator, rows: int, e: int, h: int, inter: int) -> tuple[np.ndarray, ...]:
+    """A window's rows, norm, router logits, experts (gate/up, down) and residual for the expert kernels."""
+    x = (g.standard_normal((rows, h)) * 2).astype(np.float32)
+    nw = half(1 + 0.1 * g.standard_normal(h))
+    logits = g.standard_normal((rows, e)).astype(np.float32)
+    gate_up = half(g.standard_normal((e, 2 * inter, h)) * 0.03)
+    down = half(g.standard_normal((e, h, inter)) * 0.03)
+    return x, nw, logits, gate_up, down, g.standard_normal((rows, h)).astype(np.float32)
+
+
 @pytest.mark.parametrize(
     ("rows", "e", "k", "h", "inter"),
     [
@@ -121,12 +131,7 @@ def test_moe_matches_twin(gpu, rows, e, k, h, inter, norm_topk):
 
     cp, kern, ref = gpu
     g = rng()
-    x = (g.standard_normal((rows, h)) * 2).astype(np.float32)
-    nw = half(1 + 0.1 * g.standard_normal(h))
-    logits = g.standard_normal((rows, e)).astype(np.float32)
-    gate_up = half(g.standard_normal((e, 2 * inter, h)) * 0.03)
-    down = half(g.standard_normal((e, h, inter)) * 0.03)
-    resid = g.standard_normal((rows, h)).astype(np.float32)
+    x, nw, logits, gate_up, down, resid = _moe_inputs(g, rows, e, h, inter)
     r_d = cp.asarray(resid)
     idx_d, w_d = cp.full((rows, k), -1, cp.int32), cp.full((rows, k), cp.nan, cp.float32)
     experts = resident_experts(cp.asarray(gate_up), cp.asarray(down), cp)
@@ -153,12 +158,7 @@ def test_moe_reads_experts_from_mapped_host_memory_bit_for_bit_and_counts_the_mi
 
     cp, kern, _ = gpu
     g = rng()
-    x = (g.standard_normal((rows, h)) * 2).astype(np.float32)
-    nw = half(1 + 0.1 * g.standard_normal(h))
-    logits = g.standard_normal((rows, e)).astype(np.float32)
-    gate_up = half(g.standard_normal((e, 2 * inter, h)) * 0.03)
-    down = half(g.standard_normal((e, h, inter)) * 0.03)
-    resid = g.standard_normal((rows, h)).astype(np.float32)
+    x, nw, logits, gate_up, down, resid = _moe_inputs(g, rows, e, h, inter)
     host_gu, host_dn = host_empty(gate_up.shape, np.float16, True), host_empty(down.shape, np.float16, True)
     host_gu[...], host_dn[...] = gate_up, down
     dev_gu, dev_dn = cp.asarray(gate_up), cp.asarray(down)
