@@ -152,3 +152,19 @@ def test_a_supervisor_whose_port_is_taken_while_it_restarts_gives_up_instead_of_
     assert "restarting in" in out
     assert "ready again" not in out
     assert f"giving up: another server already answers on http://127.0.0.1:{port}" in out
+
+
+def test_the_tuis_engine_is_not_ready_when_another_server_answers_on_its_port(other_server, tmp_path):
+    """The TUI's indicator and launch page read the same answer: another engine's id is not this one up."""
+    from strata_cfg.plan.from_profile import resolve_text
+    from strata_cfg.tui.engine import Engine
+
+    port, handler = other_server
+    text = (Path(__file__).resolve().parent.parent / "profiles" / "demo.toml").read_text()
+    plan = resolve_text(text.replace("port = 8000", f"port = {port}"), "demo.toml").plan
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    engine = Engine(run, plan)
+    assert not engine.look().ready  # "someone-else" holds the port
+    handler.answer = {"status": "ok", "engine_id": run.engine_id()}
+    assert engine.look().ready

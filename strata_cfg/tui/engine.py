@@ -32,6 +32,8 @@ class EngineState:
     """One look at a launched engine."""
 
     health: tuple[int, dict[str, Any]] | None
+    """What ``/health`` answered; None when nothing answers, or when another server holds the port (it
+    reports another engine's id), which is not this engine starting."""
     supervisor_alive: bool
     launch_log: list[str]
     engine_log: list[str]
@@ -65,8 +67,11 @@ class Engine:
 
     def look(self) -> EngineState:
         """Blocking: health, supervisor, and both logs' tails; kept as `state`."""
+        answer = health(self.url, timeout=1.0)
+        if answer is not None and answer[1].get("engine_id") not in (None, self.run.engine_id()):
+            answer = None  # another server answers on the port: this engine is not up
         self.state = EngineState(
-            health=health(self.url, timeout=1.0),
+            health=answer,
             supervisor_alive=self.alive(),
             launch_log=log_tail(self.run.launch_log, lines=5),
             engine_log=log_tail(self.run.engine_log, lines=TAIL_LINES),
