@@ -97,12 +97,18 @@ def test_qk_norm_rope_kv_and_attention_match_the_reference(gpu, n_q, n_kv, d):
 
     from strata_runtime.cuda.ops import attention_scratch_size
 
-    out_d = cp.full((rows, n_q * d), cp.nan, cp.float32)
     scratch = cp.full(attention_scratch_size(rows, n_q, n_kv, d, t), cp.nan, cp.float32)
-    kern.attention(cp.asarray(q), kc_d, vc_d, cp.asarray(pos), cp.asarray(slot), out_d, scratch)
+    done = cp.zeros((rows, n_kv), cp.int32)
     out = np.empty((rows, n_q * d), np.float32)
     ref.attention(q, kc_d.get(), vc_d.get(), pos, slot, out)
-    assert rel_err(out_d.get(), out) < REL
+    firsts = []
+    for _ in range(2):  # the second launch finds the counters the first left: they must be back at zero
+        out_d = cp.full((rows, n_q * d), cp.nan, cp.float32)
+        kern.attention(cp.asarray(q), kc_d, vc_d, cp.asarray(pos), cp.asarray(slot), out_d, scratch, done)
+        assert rel_err(out_d.get(), out) < REL
+        assert not done.get().any()
+        firsts.append(out_d.get())
+    np.testing.assert_array_equal(firsts[0], firsts[1])  # the merge runs chunks in order, whoever is last
 
 
 def _moe_inputs(g: np.random.Generator, rows: int, e: int, h: int, inter: int) -> tuple[np.ndarray, ...]:
@@ -136,8 +142,20 @@ def test_moe_matches_twin(gpu, rows, e, k, h, inter, norm_topk):
     idx_d, w_d = cp.full((rows, k), -1, cp.int32), cp.full((rows, k), cp.nan, cp.float32)
     experts = resident_experts(cp.asarray(gate_up), cp.asarray(down), cp)
     h_d = cp.full((rows * k, inter), cp.nan, cp.float32)
+    ints, floats = _moe_scratch(cp, rows, k, h)
     kern.moe(
-        cp.asarray(x), cp.asarray(nw), cp.asarray(logits), norm_topk, 1e-6, experts, r_d, idx_d, w_d, h_d
+        cp.asarray(x),
+        cp.asarray(nw),
+        cp.asarray(logits),
+        norm_topk,
+        1e-6,
+        experts,
+        r_d,
+        idx_d,
+        w_d,
+        h_d,
+        ints,
+        floats,
     )
     idx, w = np.empty((rows, k), np.int32), np.empty((rows, k), np.float32)
     host = LayerExperts(np.zeros(e), np.zeros(e), lambda i: (gate_up[i], down[i]))
@@ -145,6 +163,62 @@ def test_moe_matches_twin(gpu, rows, e, k, h, inter, norm_topk):
     np.testing.assert_array_equal(idx_d.get(), idx)
     assert rel_err(w_d.get(), w) < REL
     assert rel_err(r_d.get(), resid) < REL
+    _check_group_table(ints.get(), idx, h)
+
+
+def _moe_scratch(cp, rows: int, k: int, h: int):
+    """The expert kernels' workspace: int32 zeros (the counters start at zero), fp32 poisoned with NaN."""
+    from strata_runtime.cuda.ops import moe_float_scratch_size, moe_int_scratch_size
+
+    ints = cp.zeros(moe_int_scratch_size(rows, k, h), cp.int32)
+    return ints, cp.full(moe_float_scratch_size(rows, k, h), cp.nan, cp.float32)
+
+
+def _check_group_table(ints: np.ndarray, idx: np.ndarray, h: int) -> None:
+    """The window's grouping by expert, as moe_route left it: the distinct experts in increasing order, each
+    one's place in each row's top-k, and every counter back at zero for the next launch."""
+    from strata_runtime.cuda.ops import MOE_ROWS
+
+    rows, k = idx.shape
+    a = rows * k
+    distinct = np.unique(idx)
+    assert ints[0] == len(distinct)
+    np.testing.assert_array_equal(ints[1 : 1 + len(distinct)], distinct)
+    member = ints[1 + a : 1 + a + a * MOE_ROWS].reshape(a, MOE_ROWS)[: len(distinct)]
+    for u, e in enumerate(distinct):
+        for r in range(MOE_ROWS):
+            place = np.flatnonzero(idx[r] == e) if r < rows else []
+            assert member[u, r] == (place[0] if len(place) else -1)
+    assert not ints[1 + a + a * MOE_ROWS :].any()  # moe_route's and moe_down's counters
+
+
+@pytest.mark.parametrize(("e", "k", "h", "inter"), [(128, 8, 2048, 768), (16, 4, 256, 256), (8, 2, 64, 64)])
+def test_moe_rows_are_batch_invariant(gpu, e, k, h, inter):
+    """A row's experts give the same bits alone and in a window of 8 rows, some of which share its experts
+    (the grouped kernels read each distinct expert once for all its rows): greedy text must not depend on
+    which rows share a window."""
+    from strata_runtime.cuda.experts import resident_experts
+
+    cp, kern, _ = gpu
+    g = rng()
+    x, nw, logits, gate_up, down, resid = _moe_inputs(g, 8, e, h, inter)
+    logits[1::2] = logits[0]  # every other row routes as row 0 does: experts shared across the window
+    experts = resident_experts(cp.asarray(gate_up), cp.asarray(down), cp)
+
+    def run(rows: slice) -> np.ndarray:
+        n = len(range(8)[rows])
+        r_d = cp.asarray(resid[rows])
+        ints, floats = _moe_scratch(cp, n, k, h)
+        idx_d, w_d = cp.zeros((n, k), cp.int32), cp.zeros((n, k), cp.float32)
+        h_d = cp.zeros((n * k, inter), cp.float32)
+        args = (cp.asarray(x[rows]), cp.asarray(nw), cp.asarray(logits[rows]), True, 1e-6, experts, r_d)
+        kern.moe(*args, idx_d, w_d, h_d, ints, floats)
+        return r_d.get()
+
+    window = run(slice(0, 8))
+    for r in (0, 1, 5):
+        np.testing.assert_array_equal(run(slice(r, r + 1))[0], window[r])
+    np.testing.assert_array_equal(run(slice(2, 5)), window[2:5])
 
 
 @pytest.mark.parametrize(("rows", "e", "k", "h", "inter"), [(3, 128, 8, 2048, 768), (5, 16, 4, 96, 48)])
@@ -179,7 +253,8 @@ def test_moe_reads_experts_from_mapped_host_memory_bit_for_bit_and_counts_the_mi
     for experts in (resident_experts(dev_gu, dev_dn, cp), cached):
         r_d, idx_d = cp.asarray(resid), cp.full((rows, k), -1, cp.int32)
         w_d, h_d = cp.full((rows, k), cp.nan, cp.float32), cp.full((rows * k, inter), cp.nan, cp.float32)
-        kern.moe(cp.asarray(x), cp.asarray(nw), cp.asarray(logits), True, 1e-6, experts, r_d, idx_d, w_d, h_d)
+        args = (cp.asarray(x), cp.asarray(nw), cp.asarray(logits), True, 1e-6, experts, r_d, idx_d, w_d, h_d)
+        kern.moe(*args, *_moe_scratch(cp, rows, k, h))
         outs.append((r_d.get(), idx_d.get()))
     np.testing.assert_array_equal(outs[0][0], outs[1][0])  # the same bytes, the same sums
     idx = outs[1][1]

@@ -6,8 +6,8 @@ slot with a prompt of its own), KV at a fixed position. For 1, 2, 4 and 8 rows i
 (embedding, every layer, final norm, LM head, argmax) eagerly and as a replayed CUDA graph, against the byte
 roofline: the step's bytes (`ceilings.decode_step_bytes`, with the distinct experts the last
 layer's rows routed to) over the device-to-device copy rate measured in the same run. Then it times each
-kernel of a layer alone, in a graph over the layers that run it, at one row. No engine is built: this is
-the kernels' own ceiling, without scheduling, sampling or Python between windows.
+kernel of a layer alone, in a graph over the layers that run it, at one row and at eight. No engine is
+built: this is the kernels' own ceiling, without scheduling, sampling or Python between windows.
 
 Shapes: L layers, H hidden, NQ/NKV query/KV heads of D, E experts, K top-k, I expert width, W dense-MLP or
 shared-expert width, V vocabulary, S slots, T context, R rows.
@@ -36,6 +36,7 @@ from ..models.qwen3_moe import ModelArgs
 from .ceilings import copy_bandwidth, decode_step_bytes
 
 ROWS = (1, 2, 4, 8)
+KERNEL_ROWS = (1, 8)  # the row counts whose kernels are timed one by one
 SLOTS = 8  # one KV slot per row of the largest window
 
 
@@ -214,9 +215,9 @@ class KernelModel:
             "arithmetic": nbytes.arithmetic(copy),
         }
 
-    def time_kernels(self, position: int, repeats: int) -> dict[str, float]:
-        """µs per layer of each kernel group at one row, each timed alone in a graph over its layers."""
-        w = self.window(1, position)
+    def time_kernels(self, position: int, repeats: int, rows: int = 1) -> dict[str, float]:
+        """µs per layer of each kernel group at ``rows`` rows, each timed alone in a graph over its layers."""
+        w = self.window(rows, position)
         out = {}
         for name, step in LAYER_STEPS.items():
             runs = [j for j, lay in enumerate(self.stack.layers) if step_applies(name, lay)]
@@ -274,7 +275,9 @@ def run_step(
         cp.cuda.Device().synchronize()
         made_s = time.perf_counter() - t0
         table = [model.time_rows(rows, position, repeats, copy) for rows in ROWS]
-        per_kernel = model.time_kernels(position, max(repeats // 2, 3))
+        per_kernel = {
+            str(rows): model.time_kernels(position, max(repeats // 2, 3), rows) for rows in KERNEL_ROWS
+        }
         name = gpu_name(cp, device_index)
     del model, routing
     with cp.cuda.Device(device_index):
@@ -290,7 +293,7 @@ def run_step(
         "weights_generated_s": made_s,
         "copy_gbs": copy / 1e9,
         "rows": table,
-        "per_kernel_us_per_layer_1_row": per_kernel,
+        "per_kernel_us_per_layer": per_kernel,
     }
 
 
@@ -329,9 +332,8 @@ def render_step(res: dict[str, Any]) -> str:
             f"{r['rows']:>4} {r['eager_ms']:9.2f} {r['graph_ms']:9.2f} {r['roofline_ms']:12.2f} "
             f"{100 * r['graph_of_roofline']:14.0f}% {r['distinct_experts_last_layer']:>30}"
         )
-    parts = ", ".join(f"{k} {v:.1f}" for k, v in res["per_kernel_us_per_layer_1_row"].items())
-    lines += [
-        "",
-        f"µs per layer at 1 row (each kernel group timed alone in a graph over its layers): {parts}",
-    ]
+    lines += ["", "µs per layer (each kernel group timed alone in a graph over its layers):"]
+    for rows, kernels in res["per_kernel_us_per_layer"].items():
+        parts = ", ".join(f"{k} {v:.1f}" for k, v in kernels.items())
+        lines.append(f"  {rows} row{'s' if rows != '1' else ''}: {parts}")
     return "\n".join(lines)

@@ -34,6 +34,24 @@ def attention_scratch_size(rows: int, n_q: int, n_kv: int, head_dim: int, contex
     return rows * n_q * math.ceil(context / ATTN_CHUNK) * (head_dim + 2)
 
 
+MOE_ROWS = 8  # the most rows the expert kernels group (kernels.cu's MOE_ROWS)
+MOE_MAX_TOPK = 32  # the most experts per row moe_route groups
+MOE_CHUNK = 8  # distinct experts per moe_down block (kernels.cu's MOE_CHUNK)
+
+
+def moe_int_scratch_size(rows: int, topk: int, hidden: int) -> int:
+    """int32 elements the expert kernels need beside their outputs: the window's group table (the number of
+    distinct experts, the experts, each one's place in each row's top-k), moe_route's counter and
+    moe_down's counter per tile of 8 features."""
+    a = rows * topk
+    return 1 + a + a * MOE_ROWS + 1 + math.ceil(hidden / WARPS_PER_BLOCK)
+
+
+def moe_float_scratch_size(rows: int, topk: int, hidden: int) -> int:
+    """fp32 elements of expert scratch: each row's inverse RMS, and each assignment's down product [A, H]."""
+    return rows + rows * topk * hidden
+
+
 def padded_keys(length: int) -> int:
     """Row stride of attention scores over ``length`` keys: rows start 16-byte aligned."""
     return -(-length // 4) * 4
@@ -60,14 +78,16 @@ class Kernels(KernelCache):
         return f"gemv_wide<{rows},{k},{gemv_rows_per_warp(rows)},{'true' if norm else 'false'}>"
 
     @staticmethod
-    def moe_exprs(h: int, i: int, topk: int) -> tuple[str, str]:
+    def moe_exprs(h: int, i: int, topk: int) -> tuple[str, str, str]:
+        """The routing kernel, then gate/up and down: grouped by distinct expert where H and I are multiples
+        of 256 and k is at most 16, one block per assignment otherwise."""
         if _wide(h) and _wide(i) and topk <= 16:
-            return f"moe_gate_up<{h},{i}>", f"moe_down<{h},{i},{topk}>"
-        return "moe_gate_up_any", "moe_down_any"
+            return "moe_route", f"moe_gate_up<{h},{i}>", f"moe_down<{h},{i},{topk}>"
+        return "moe_route", "moe_gate_up_any", "moe_down_any"
 
     @staticmethod
-    def attn_exprs(head_dim: int, group: int) -> tuple[str, str]:
-        return f"attn_partial<{head_dim},{group}>", f"attn_combine<{head_dim},{group}>"
+    def attn_exprs(head_dim: int, group: int) -> tuple[str]:
+        return (f"attn_split<{head_dim},{group}>",)
 
     # ---- launchers -------------------------------------------------------------------------------
 
@@ -177,10 +197,14 @@ class Kernels(KernelCache):
         slot: Array,
         out: Array,
         scratch: Array,
+        done: Array,
     ) -> None:
         """Causal decode attention of each row over positions 0..pos[r] of its slot. out: [R, NQ * D] fp32.
 
-        scratch: fp32, at least `attention_scratch_size(R, NQ, NKV, D, T)` elements.
+        One kernel: blocks of 64 positions each write a partial result to ``scratch`` (fp32, at least
+        `attention_scratch_size(R, NQ, NKV, D, T)` elements), and the last of a (row, KV head) to finish
+        merges them, counting in ``done`` ([R, NKV] int32, zero before the first launch; the kernel leaves
+        it at zero).
         """
         rows, n_q, d = q.shape
         _, n_kv, t, _ = k_cache.shape
@@ -188,7 +212,7 @@ class Kernels(KernelCache):
         nc = math.ceil(t / ATTN_CHUNK)
         acc = scratch[: rows * n_kv * nc * g * d]
         ml = scratch[rows * n_kv * nc * g * d : rows * n_kv * nc * g * (d + 2)]
-        self.fn(f"attn_partial<{d},{g}>")(
+        self.fn(f"attn_split<{d},{g}>")(
             (rows, n_kv, nc),
             (128,),
             (
@@ -199,14 +223,13 @@ class Kernels(KernelCache):
                 slot,
                 acc,
                 ml,
+                done,
+                out,
                 np.int32(n_kv),
                 np.int32(t),
                 np.int32(nc),
                 np.float32(1.0 / math.sqrt(d)),
             ),
-        )
-        self.fn(f"attn_combine<{d},{g}>")(
-            (rows, n_kv), (256,), (acc, ml, pos, out, np.int32(n_kv), np.int32(nc)), shared_mem=nc * g * 4
         )
 
     def moe(
@@ -221,6 +244,8 @@ class Kernels(KernelCache):
         idx: Array,
         wts: Array,
         h_buf: Array,
+        ints: Array,
+        floats: Array,
     ) -> None:
         """Route and run the experts: resid[R, H] += sum_j wts[r, j] * expert_{idx[r, j]}(x'[r]).
 
@@ -231,35 +256,62 @@ class Kernels(KernelCache):
         ``counts`` [E] fp32 set, each assignment is added to ``counts`` and, when ``slot_of`` [E] int32 is
         negative for its expert (not in VRAM), to ``misses[0]``, and when below -1 (a helper slot) to
         ``misses[1]`` ([2] fp32). idx [R, k] int32 and wts [R, k] fp32 receive the routing; h_buf:
-        [R * k, I] fp32 scratch.
+        [R * k, I] fp32 scratch; ``ints`` (int32, `moe_int_scratch_size` elements, zero before the first
+        launch) and ``floats`` (fp32, `moe_float_scratch_size`) the kernels' workspace. At most 8 rows.
         """
         rows, h = x.shape
         topk = idx.shape[1]
         n_exp, inter = logits.shape[1], h_buf.shape[1]
-        if n_exp > 256:
-            raise ValueError(f"the expert kernels route at most 256 experts, not {n_exp}")
+        if n_exp > 256 or topk > MOE_MAX_TOPK or rows > MOE_ROWS:
+            raise ValueError(
+                f"the expert kernels route at most 256 experts, {MOE_MAX_TOPK} per row and {MOE_ROWS} rows, "
+                f"not {n_exp}, {topk} and {rows}"
+            )
         counting = experts.counts is not None
         tally = (experts.slot_of, experts.counts, experts.misses) if counting else (_NULL, _NULL, _NULL)
         a = rows * topk
-        gu_expr, down_expr = self.moe_exprs(h, inter, topk)
-        tiles = (math.ceil(inter / WARPS_PER_BLOCK), a)
-        blocks_d = (math.ceil(rows * h / WARPS_PER_BLOCK),)
-        common = (logits, np.int32(n_exp), np.int32(topk), np.int32(norm_topk), np.float32(eps))
+        route_expr, gu_expr, down_expr = self.moe_exprs(h, inter, topk)
+        group = ints[: 1 + a + a * MOE_ROWS]
+        route_done = ints[1 + a + a * MOE_ROWS : 2 + a + a * MOE_ROWS]
+        down_done = ints[2 + a + a * MOE_ROWS :]
+        inv, y = floats[:rows], floats[rows : rows + a * h]
+        self.fn(route_expr)(
+            (rows,),
+            (THREADS,),
+            (
+                logits,
+                x,
+                np.int32(n_exp),
+                np.int32(topk),
+                np.int32(norm_topk),
+                np.int32(h),
+                np.float32(eps),
+                idx,
+                wts,
+                inv,
+                group,
+                route_done,
+                *tally,
+            ),
+        )
         gu, down = experts.gate_up, experts.down
+        tiles = (math.ceil(inter / WARPS_PER_BLOCK), a)
         if gu_expr == "moe_gate_up_any":
-            self.fn(gu_expr)(
-                tiles,
-                (THREADS,),
-                (gu, x, norm, *common, np.int32(h), np.int32(inter), h_buf, idx, wts, *tally),
-            )
+            shape = (np.int32(topk), np.int32(h), np.int32(inter))
+            self.fn(gu_expr)(tiles, (THREADS,), (gu, x, norm, inv, idx, *shape, h_buf))
             self.fn(down_expr)(
-                blocks_d,
+                (math.ceil(rows * h / WARPS_PER_BLOCK),),
                 (THREADS,),
                 (down, h_buf, idx, wts, np.int32(rows), np.int32(topk), np.int32(h), np.int32(inter), resid),
             )
         else:
-            self.fn(gu_expr)(tiles, (THREADS,), (gu, x, norm, *common, h_buf, idx, wts, *tally))
-            self.fn(down_expr)(blocks_d, (THREADS,), (down, h_buf, idx, wts, np.int32(rows), resid))
+            window = (np.int32(rows), np.int32(topk))
+            self.fn(gu_expr)(tiles, (THREADS,), (gu, x, norm, inv, group, *window, h_buf))
+            self.fn(down_expr)(
+                (h // WARPS_PER_BLOCK, math.ceil(a / MOE_CHUNK)),
+                (THREADS,),
+                (down, h_buf, wts, group, np.int32(rows), y, down_done, resid),
+            )
 
     def silu_mul(self, gu: Array, out: Array) -> None:
         """out[R, I] = silu(gu[:, :I]) * gu[:, I:]."""
@@ -299,7 +351,7 @@ class Kernels(KernelCache):
         rows, n_exp = logits.shape
         topk = idx.shape[1]
         self.fn("route_topk")(
-            (rows, topk), (THREADS,), (logits, np.int32(n_exp), np.int32(topk), np.int32(norm_topk), idx, wts)
+            (rows,), (THREADS,), (logits, np.int32(n_exp), np.int32(topk), np.int32(norm_topk), idx, wts)
         )
 
     def softmax_causal(self, scores: Array, probs: Array, pos: int, group: int) -> None:

@@ -95,8 +95,9 @@ def attention(
     slot: np.ndarray,
     out: np.ndarray,
     scratch: np.ndarray | None = None,
+    done: np.ndarray | None = None,
 ) -> None:
-    """``scratch`` is the launcher's workspace; the reference needs none."""
+    """``scratch`` and ``done`` are the launcher's workspace; the reference needs none."""
     rows, n_q, d = q.shape
     n_kv = k_cache.shape[1]
     g = n_q // n_kv
@@ -122,9 +123,12 @@ def moe(
     idx: np.ndarray,
     wts: np.ndarray,
     h_buf: np.ndarray,
+    ints: np.ndarray | None = None,
+    floats: np.ndarray | None = None,
 ) -> None:
     """``experts.weights(e)``: expert e's gate/up [2I, H] and down [H, I] (the kernel reads the same through
-    ``experts``' address tables); ``counts``, ``slot_of`` and ``misses`` as the launcher's."""
+    ``experts``' address tables); ``counts``, ``slot_of`` and ``misses`` as the launcher's. ``ints`` and
+    ``floats`` are the launcher's workspace; the reference needs none."""
     rows, topk = idx.shape
     inter = h_buf.shape[1]
     p = np.exp(logits - logits.max(-1, keepdims=True))
