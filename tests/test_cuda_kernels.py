@@ -111,6 +111,27 @@ def test_qk_norm_rope_kv_and_attention_match_the_reference(gpu, n_q, n_kv, d):
     np.testing.assert_array_equal(firsts[0], firsts[1])  # the merge runs chunks in order, whoever is last
 
 
+def test_attention_merges_hundreds_of_chunks(gpu):
+    """Past about 16k positions the merge reads the chunks' statistics from global memory instead of shared
+    memory; both must agree with the reference."""
+    from strata_runtime.cuda.ops import attention_scratch_size
+
+    cp, kern, ref = gpu
+    g = rng()
+    slots, n_q, n_kv, d, t = 2, 32, 4, 128, 20_000
+    pos, slot = np.array([t - 1, 100, 16_300], np.int32), np.array([0, 1, 1], np.int32)
+    q = g.standard_normal((3, n_q, d)).astype(np.float32)
+    kc, vc = half(g.standard_normal((slots, n_kv, t, d))), half(g.standard_normal((slots, n_kv, t, d)))
+    out_d = cp.full((3, n_q * d), cp.nan, cp.float32)
+    scratch = cp.full(attention_scratch_size(3, n_q, n_kv, d, t), cp.nan, cp.float32)
+    done = cp.zeros((3, n_kv), cp.int32)
+    args = (cp.asarray(q), cp.asarray(kc), cp.asarray(vc), cp.asarray(pos), cp.asarray(slot))
+    kern.attention(*args, out_d, scratch, done)
+    out = np.empty((3, n_q * d), np.float32)
+    ref.attention(q, kc, vc, pos, slot, out)
+    assert rel_err(out_d.get(), out) < REL
+
+
 def _moe_inputs(g: np.random.Generator, rows: int, e: int, h: int, inter: int) -> tuple[np.ndarray, ...]:
     """A window's rows, norm, router logits, experts (gate/up, down) and residual for the expert kernels."""
     x = (g.standard_normal((rows, h)) * 2).astype(np.float32)
@@ -142,20 +163,8 @@ def test_moe_matches_twin(gpu, rows, e, k, h, inter, norm_topk):
     idx_d, w_d = cp.full((rows, k), -1, cp.int32), cp.full((rows, k), cp.nan, cp.float32)
     experts = resident_experts(cp.asarray(gate_up), cp.asarray(down), cp)
     h_d = cp.full((rows * k, inter), cp.nan, cp.float32)
-    ints, floats = _moe_scratch(cp, rows, k, h)
     kern.moe(
-        cp.asarray(x),
-        cp.asarray(nw),
-        cp.asarray(logits),
-        norm_topk,
-        1e-6,
-        experts,
-        r_d,
-        idx_d,
-        w_d,
-        h_d,
-        ints,
-        floats,
+        cp.asarray(x), cp.asarray(nw), cp.asarray(logits), norm_topk, 1e-6, experts, r_d, idx_d, w_d, h_d
     )
     idx, w = np.empty((rows, k), np.int32), np.empty((rows, k), np.float32)
     host = LayerExperts(np.zeros(e), np.zeros(e), lambda i: (gate_up[i], down[i]))
@@ -163,40 +172,12 @@ def test_moe_matches_twin(gpu, rows, e, k, h, inter, norm_topk):
     np.testing.assert_array_equal(idx_d.get(), idx)
     assert rel_err(w_d.get(), w) < REL
     assert rel_err(r_d.get(), resid) < REL
-    _check_group_table(ints.get(), idx, h)
-
-
-def _moe_scratch(cp, rows: int, k: int, h: int):
-    """The expert kernels' workspace: int32 zeros (the counters start at zero), fp32 poisoned with NaN."""
-    from strata_runtime.cuda.ops import moe_float_scratch_size, moe_int_scratch_size
-
-    ints = cp.zeros(moe_int_scratch_size(rows, k, h), cp.int32)
-    return ints, cp.full(moe_float_scratch_size(rows, k, h), cp.nan, cp.float32)
-
-
-def _check_group_table(ints: np.ndarray, idx: np.ndarray, h: int) -> None:
-    """The window's grouping by expert, as moe_route left it: the distinct experts in increasing order, each
-    one's place in each row's top-k, and every counter back at zero for the next launch."""
-    from strata_runtime.cuda.ops import MOE_ROWS
-
-    rows, k = idx.shape
-    a = rows * k
-    distinct = np.unique(idx)
-    assert ints[0] == len(distinct)
-    np.testing.assert_array_equal(ints[1 : 1 + len(distinct)], distinct)
-    member = ints[1 + a : 1 + a + a * MOE_ROWS].reshape(a, MOE_ROWS)[: len(distinct)]
-    for u, e in enumerate(distinct):
-        for r in range(MOE_ROWS):
-            place = np.flatnonzero(idx[r] == e) if r < rows else []
-            assert member[u, r] == (place[0] if len(place) else -1)
-    assert not ints[1 + a + a * MOE_ROWS :].any()  # moe_route's and moe_down's counters
 
 
 @pytest.mark.parametrize(("e", "k", "h", "inter"), [(128, 8, 2048, 768), (16, 4, 256, 256), (8, 2, 64, 64)])
 def test_moe_rows_are_batch_invariant(gpu, e, k, h, inter):
-    """A row's experts give the same bits alone and in a window of 8 rows, some of which share its experts
-    (the grouped kernels read each distinct expert once for all its rows): greedy text must not depend on
-    which rows share a window."""
+    """A row's experts give the same bits alone and in a window of 8 rows, some of which share its experts:
+    greedy text must not depend on which rows share a window."""
     from strata_runtime.cuda.experts import resident_experts
 
     cp, kern, _ = gpu
@@ -208,11 +189,10 @@ def test_moe_rows_are_batch_invariant(gpu, e, k, h, inter):
     def run(rows: slice) -> np.ndarray:
         n = len(range(8)[rows])
         r_d = cp.asarray(resid[rows])
-        ints, floats = _moe_scratch(cp, n, k, h)
         idx_d, w_d = cp.zeros((n, k), cp.int32), cp.zeros((n, k), cp.float32)
         h_d = cp.zeros((n * k, inter), cp.float32)
         args = (cp.asarray(x[rows]), cp.asarray(nw), cp.asarray(logits[rows]), True, 1e-6, experts, r_d)
-        kern.moe(*args, idx_d, w_d, h_d, ints, floats)
+        kern.moe(*args, idx_d, w_d, h_d)
         return r_d.get()
 
     window = run(slice(0, 8))
@@ -253,8 +233,7 @@ def test_moe_reads_experts_from_mapped_host_memory_bit_for_bit_and_counts_the_mi
     for experts in (resident_experts(dev_gu, dev_dn, cp), cached):
         r_d, idx_d = cp.asarray(resid), cp.full((rows, k), -1, cp.int32)
         w_d, h_d = cp.full((rows, k), cp.nan, cp.float32), cp.full((rows * k, inter), cp.nan, cp.float32)
-        args = (cp.asarray(x), cp.asarray(nw), cp.asarray(logits), True, 1e-6, experts, r_d, idx_d, w_d, h_d)
-        kern.moe(*args, *_moe_scratch(cp, rows, k, h))
+        kern.moe(cp.asarray(x), cp.asarray(nw), cp.asarray(logits), True, 1e-6, experts, r_d, idx_d, w_d, h_d)
         outs.append((r_d.get(), idx_d.get()))
     np.testing.assert_array_equal(outs[0][0], outs[1][0])  # the same bytes, the same sums
     idx = outs[1][1]
@@ -301,20 +280,40 @@ def test_small_elementwise_kernels_match_the_reference(gpu):
     np.testing.assert_array_equal(am_d.get(), am)
 
 
-def test_gemv_rows_are_batch_invariant(gpu):
-    """A row's result must not depend on which rows share its window (greedy text equality across modes)."""
+@pytest.mark.parametrize(("n", "k"), [(3000, 2048), (700, 4096)])
+def test_gemv_rows_are_batch_invariant(gpu, n, k):
+    """A row's result must not depend on which rows share its window (greedy text equality across modes),
+    nor on how many output features a warp takes (`gemv_rows_per_warp` picks it by shape)."""
     cp, kern, _ = gpu
     g = rng()
-    w = cp.asarray(half(g.standard_normal((3000, 2048)) * 0.05))
-    x = cp.asarray(g.standard_normal((8, 2048)).astype(np.float32))
-    nw = cp.asarray(half(1 + 0.1 * g.standard_normal(2048)))
+    w = cp.asarray(half(g.standard_normal((n, k)) * 0.05))
+    x = cp.asarray(g.standard_normal((8, k)).astype(np.float32))
+    nw = cp.asarray(half(1 + 0.1 * g.standard_normal(k)))
     for norm in (None, nw):
-        full = cp.empty((8, 3000), cp.float32)
+        full = cp.empty((8, n), cp.float32)
         kern.gemv(w, x, full, norm=norm)
-        for rows in (1, 2, 3, 5):
-            part = cp.empty((rows, 3000), cp.float32)
+        for rows in (1, 2, 3, 5, 8):
+            part = cp.empty((rows, n), cp.float32)
             kern.gemv(w, x[:rows].copy(), part, norm=norm)
             np.testing.assert_array_equal(part.get(), full[:rows].get())
+            for per_warp in (1, 2, 4):
+                part[...] = cp.nan
+                expr = f"gemv_wide<{rows},{k},{per_warp},{'false' if norm is None else 'true'}>"
+                warps = -(-n // per_warp)
+                kern.fn(expr)(
+                    (-(-warps // 8),),
+                    (256,),
+                    (
+                        w,
+                        x[:rows].copy(),
+                        part,
+                        np.int32(n),
+                        np.int32(0),
+                        norm if norm is not None else np.uint64(0),
+                        np.float32(1e-6),
+                    ),
+                )
+                np.testing.assert_array_equal(part.get(), full[:rows].get())
 
 
 # ---- the prefill path's kernels -------------------------------------------------------------------------

@@ -273,17 +273,20 @@ __global__ void qk_norm_rope_kv(const float* __restrict__ qkv, const half* __res
 constexpr int ATTN_CHUNK = 64;
 
 __device__ __forceinline__ bool last_to_finish(int* __restrict__ counter, int expected, int* flag) {
-  // Every thread's writes are made visible device-wide, then one thread counts the block in. True for the
-  // whole block when it is the expected-th to arrive; that block resets the counter for the next launch.
-  __threadfence();
+  // After the barrier one thread fences (cumulative: it publishes the block's writes it has observed) and
+  // counts the block in. True for the whole block when it is the expected-th to arrive; that block resets
+  // the counter for the next launch and reads the others' results through L2 (__ldcg).
   __syncthreads();
   if (threadIdx.x == 0) {
+    __threadfence();
     const int prev = atomicAdd(counter, 1);
     *flag = prev == expected - 1;
-    if (*flag) *counter = 0;
+    if (*flag) {
+      *counter = 0;
+      __threadfence();
+    }
   }
   __syncthreads();
-  if (*flag) __threadfence();
   return *flag;
 }
 
@@ -313,7 +316,10 @@ __global__ void __launch_bounds__(128) attn_split(const float* __restrict__ q, c
 #pragma unroll
     for (int cc = 0; cc < D / 16; ++cc) kr[cc] = ks[cc];
   }
-  for (int i = tid; i < G * D; i += B) qs[i] = q[((size_t)r * NQ + kvh * G) * D + i] * scale;
+  constexpr int PER = (G * D + B - 1) / B;  // q values (and merged outputs) per thread
+#pragma unroll
+  for (int c = 0; c < PER; ++c)
+    if (c * B + tid < G * D) qs[c * B + tid] = q[((size_t)r * NQ + kvh * G) * D + c * B + tid] * scale;
   __syncthreads();
   {
     float s[G];
@@ -395,28 +401,44 @@ __global__ void __launch_bounds__(128) attn_split(const float* __restrict__ q, c
 
   if (!last_to_finish(done + r * NKV + kvh, live, &last)) return;
   // The merge: out[r, (kvh*G + g)*D + d] = sum_c acc_c e^(m_c - M) / sum_c l_c e^(m_c - M), chunks in order.
-  // Other blocks' partials are read through L2 (__ldcg): this block's L1 never held them.
+  // Other blocks' partials are read through L2 (__ldcg), every chunk's loads issued together.
   const float* mlr = part_ml + ((size_t)r * NKV + kvh) * NC * G * 2;
   const float* accr = part_acc + ((size_t)r * NKV + kvh) * NC * G * D;
-  float* stat = red;  // [G, 2]: each head's M and total, the partials' scratch no longer needed
+  // The chunks' maxima and totals [live, G, 2] are staged in shared memory when they fit (contexts up to
+  // about 16k positions), and read through L2 beyond.
+  constexpr int CAP = (B / 32) * G * D - 2 * G;
+  float* stat = red + CAP;  // [G, 2]: each head's M and total
+  const bool staged = live * G * 2 <= CAP;
+  if (staged)
+    for (int i = tid; i < live * G * 2; i += B) red[i] = __ldcg(mlr + i);
+  const float* mls = staged ? red : mlr;
+  __syncthreads();
   if (tid < G) {
     const int g = tid;
     float m = -STRATA_INF;
-    for (int cc = 0; cc < live; ++cc) m = fmaxf(m, __ldcg(mlr + (cc * G + g) * 2));
+    for (int cc = 0; cc < live; ++cc) m = fmaxf(m, mls[(cc * G + g) * 2]);
     float l = 0.f;
-    for (int cc = 0; cc < live; ++cc) l += __ldcg(mlr + (cc * G + g) * 2 + 1) * __expf(__ldcg(mlr + (cc * G + g) * 2) - m);
+    for (int cc = 0; cc < live; ++cc) l += mls[(cc * G + g) * 2 + 1] * __expf(mls[(cc * G + g) * 2] - m);
     stat[g * 2] = m;
     stat[g * 2 + 1] = l;
   }
   __syncthreads();
-  for (int i = tid; i < G * D; i += B) {
-    const int g = i / D;
-    const float m = stat[g * 2], l = stat[g * 2 + 1];
-    float a = 0.f;
-    for (int cc = 0; cc < live; ++cc)
-      a += __ldcg(accr + (size_t)cc * G * D + i) * (__expf(__ldcg(mlr + (cc * G + g) * 2) - m) / l);
-    out[(size_t)r * NQ * D + (size_t)kvh * G * D + i] = a;
+  float a[PER];
+#pragma unroll
+  for (int c = 0; c < PER; ++c) a[c] = 0.f;
+  for (int cc = 0; cc < live; ++cc) {
+    float v[PER];
+#pragma unroll
+    for (int c = 0; c < PER; ++c) v[c] = c * B + tid < G * D ? __ldcg(accr + (size_t)cc * G * D + c * B + tid) : 0.f;
+#pragma unroll
+    for (int c = 0; c < PER; ++c) {
+      const int g = min((c * B + tid) / D, G - 1);
+      a[c] += v[c] * (__expf(mls[(cc * G + g) * 2] - stat[g * 2]) / stat[g * 2 + 1]);
+    }
   }
+#pragma unroll
+  for (int c = 0; c < PER; ++c)
+    if (c * B + tid < G * D) out[(size_t)r * NQ * D + (size_t)kvh * G * D + c * B + tid] = a[c];
 }
 
 // ---- routed experts -----------------------------------------------------------------------------------
@@ -424,34 +446,18 @@ __global__ void __launch_bounds__(128) attn_split(const float* __restrict__ q, c
 // [2I, H] (gate rows, then up rows), Dp[e] at its down [H, I]. An address may be a VRAM slot of the expert
 // cache, a helper slot on another GPU (read over the peer link) or pinned, mapped host memory (read over the
 // host link), so the cache can move an expert by rewriting one table entry, with no recapture of the graphs
-// that read it.
-//
-// A window's routed experts take three kernels:
-// * moe_route: block r routes row r (the fp32 softmax over E, top-k by rank with ties to the lower expert
-//   index, weights renormalised over the k chosen when norm_topk is set) into idx and wts, and computes the
-//   row's inverse RMS for the post-attention norm. With counts non-null it adds each assignment to
-//   counts[sel], when slot_of[sel] < 0 (the expert holds no VRAM slot) to misses[0], and when
-//   slot_of[sel] < -1 (a helper slot) to misses[1]: the cache's view of the routing. The last block to
-//   finish groups the window by expert (the group table below).
-// * moe_gate_up: block (feature tile, u) for the u-th distinct expert; each warp reads one gate row and one
-//   up row of that expert once, for every row of the window routed to it.
-// * moe_down: block (feature tile, chunk of 8 distinct experts); each warp reads its feature's row of each
-//   expert's down once, for every row routed to it, into y[a, n] (a = r * K + j); the last chunk of a tile to
-//   finish adds each row's k products, weighted, in top-k order, into the residual.
-// So a window of R rows reads each distinct expert once, however many of its rows use it, and a row's
-// arithmetic is the same whichever rows share its window (batch invariance).
-//
-// Group table (int32): [0] U, the number of distinct experts; [1, 1 + A) the distinct experts in increasing
-// order; [1 + A, 1 + A + A * MOE_ROWS) member[u][r] = the place j of expert u in row r's top-k, or -1.
-constexpr int MOE_ROWS = 8;  // the most rows a window groups
-constexpr int MOE_CHUNK = 8;  // distinct experts per moe_down block
-
-__device__ __forceinline__ void row_route(const float* __restrict__ l, int E, int topk, int norm_topk,
-                                          int* __restrict__ idx, float* __restrict__ wts) {
-  // Block-wide (256 threads, E <= 256): idx[j], wts[j] = the j-th ranked expert of logits l[E], its weight.
+// that read it. logits: [R, E] router logits. With counts non-null, the blocks of feature tile 0 also add
+// each assignment to counts[sel], when slot_of[sel] < 0 (the expert holds no VRAM slot) to misses[0], and
+// when slot_of[sel] < -1 (a helper slot) to misses[1]: the cache's view of the routing.
+// Routing is the fp32 softmax over E, top-k by rank (ties to the lower expert index), weights renormalised
+// over the k chosen when norm_topk is set. It is computed inside the expert kernel by every block for its
+// own row, which costs a few hundred cycles and saves a launch; the blocks of feature tile 0 write idx and
+// wts for moe_down.
+__device__ __forceinline__ void block_route(const float* __restrict__ l, int E, int topk, int j, int norm_topk,
+                                            int* sel, float* weight) {
+  // Block-wide: *sel = the j-th ranked expert of logits l[E] (E <= 256), *weight its routing weight.
   __shared__ float ls[256];
   __shared__ float red[3][8];  // per warp: max, softmax total, top-k total
-  __shared__ float total;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const float v = tid < E ? l[tid] : -STRATA_INF;
   ls[tid] = v;
@@ -468,110 +474,57 @@ __device__ __forceinline__ void row_route(const float* __restrict__ l, int E, in
       rank += (o > v) || (o == v && e < tid);
     }
   const float p = tid < E ? __expf(v - m) : 0.f;
-  const float z = warp_sum(p), zk = warp_sum(tid < E && rank < topk ? p : 0.f);
+  float z = warp_sum(p), zk = warp_sum(tid < E && rank < topk ? p : 0.f);
   if (lane == 0) { red[1][warp] = z; red[2][warp] = zk; }
+  if (tid < E && rank == j) *sel = tid;
   __syncthreads();
   if (tid == 0) {
     float zt = 0.f, zkt = 0.f;
     for (int w = 0; w < 8; ++w) { zt += red[1][w]; zkt += red[2][w]; }
-    total = norm_topk ? zkt : zt;
-  }
-  __syncthreads();
-  if (tid < E && rank < topk) {
-    idx[rank] = tid;
-    wts[rank] = p / total;
+    *weight = __expf(ls[*sel] - m) / (norm_topk ? zkt : zt);
   }
   __syncthreads();
 }
 
-__global__ void __launch_bounds__(256) moe_route(const float* __restrict__ logits, const float* __restrict__ x,
-                                                  int E, int topk, int norm_topk, int H, float eps,
-                                                  int* __restrict__ idx, float* __restrict__ wts,
-                                                  float* __restrict__ inv, int* __restrict__ group,
-                                                  int* __restrict__ done, const int* __restrict__ slot_of,
-                                                  float* __restrict__ counts, float* __restrict__ misses) {
-  __shared__ float part[8];
-  __shared__ int last, wcount[8];
-  __shared__ int sidx[MOE_ROWS * 32];
-  const int r = blockIdx.x, R = gridDim.x, A = R * topk, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  row_route(logits + (size_t)r * E, E, topk, norm_topk, idx + r * topk, wts + r * topk);
-  const float* xr = x + (size_t)r * H;
-  float ss = 0.f;
-  for (int k = tid; k < H; k += 256) ss += xr[k] * xr[k];
-  ss = warp_sum(ss);
-  if (lane == 0) part[warp] = ss;
-  __syncthreads();
-  if (tid == 0) {
-    float t = 0.f;
-    for (int w = 0; w < 8; ++w) t += part[w];
-    inv[r] = rsqrtf(t / H + eps);
-  }
-  if (counts != nullptr && tid < topk) {
-    const int sel = idx[r * topk + tid];
+// Block (feature tile, assignment a = r * topk + j) of 8 warps; warp w computes feature i = tile * 8 + w:
+// h[a, i] = silu(gate_i . x') * (up_i . x'), with x' = x[r] * nw * inv_rms(x[r]) the normalised row.
+__device__ __forceinline__ void note_route(int a, int sel, float weight, int* __restrict__ idx,
+                                           float* __restrict__ wts, const int* __restrict__ slot_of,
+                                           float* __restrict__ counts, float* __restrict__ misses) {
+  idx[a] = sel;
+  wts[a] = weight;
+  if (counts != nullptr) {
     atomicAdd(counts + sel, 1.f);
     const int where = slot_of[sel];
     if (where < 0) atomicAdd(misses, 1.f);
     if (where < -1) atomicAdd(misses + 1, 1.f);
   }
-  if (!last_to_finish(done, R, &last)) return;
-  // The grouping, by the last block: expert e (thread e) is used when some row chose it.
-  for (int a = tid; a < A; a += 256) sidx[a] = __ldcg(idx + a);
-  __syncthreads();
-  int place[MOE_ROWS];
-  bool used = false;
-#pragma unroll
-  for (int q = 0; q < MOE_ROWS; ++q) {
-    place[q] = -1;
-    if (q < R && tid < E)
-      for (int j = 0; j < topk; ++j)
-        if (sidx[q * topk + j] == tid) { place[q] = j; used = true; }
-  }
-  const unsigned ballot = __ballot_sync(0xffffffffu, used);
-  if (lane == 0) wcount[warp] = __popc(ballot);
-  __syncthreads();
-  int u = __popc(ballot & ((1u << lane) - 1u)), n_used = 0;
-  for (int w = 0; w < 8; ++w) {
-    u += w < warp ? wcount[w] : 0;
-    n_used += wcount[w];
-  }
-  if (used) {
-    group[1 + u] = tid;
-#pragma unroll
-    for (int q = 0; q < MOE_ROWS; ++q) group[1 + A + u * MOE_ROWS + q] = place[q];
-  }
-  if (tid == 0) group[0] = n_used;
 }
 
-// Block (feature tile, u) of 8 warps; warp w computes feature i = tile * 8 + w of the u-th distinct expert
-// for each row r routed to it: h[a, i] = silu(gate_i . x') * (up_i . x'), with a = r * topk + j and
-// x' = x[r] * nw * inv[r] the normalised row. gridDim.y = A. Bounded to 85 registers so that
-// three blocks share an SM (unbounded, the compiler keeps 123 and only two fit).
 template <int H, int I>
-__global__ void __launch_bounds__(256, 3) moe_gate_up(const unsigned long long* __restrict__ GUp,
+__global__ void __launch_bounds__(256) moe_gate_up(const unsigned long long* __restrict__ GUp,
                                                     const float* __restrict__ x, const half* __restrict__ nw,
-                                                    const float* __restrict__ inv, const int* __restrict__ group,
-                                                    int R, int topk, float* __restrict__ h) {
-  const int u = blockIdx.y, A = gridDim.y, lane = threadIdx.x & 31;
-  if (u >= group[0]) return;
+                                                    const float* __restrict__ logits, int E, int topk,
+                                                    int norm_topk, float eps, float* __restrict__ h,
+                                                    int* __restrict__ idx, float* __restrict__ wts,
+                                                    const int* __restrict__ slot_of, float* __restrict__ counts,
+                                                    float* __restrict__ misses) {
+  __shared__ int sel;
+  __shared__ float weight, inv[1];
+  const int a = blockIdx.y, r = a / topk, lane = threadIdx.x & 31;
+  block_route(logits + (size_t)r * E, E, topk, a % topk, norm_topk, &sel, &weight);
+  block_inv_rms<1, H>(x + (size_t)r * H, eps, inv);
+  if (blockIdx.x == 0 && threadIdx.x == 0) note_route(a, sel, weight, idx, wts, slot_of, counts, misses);
   const int i = blockIdx.x * 8 + (threadIdx.x >> 5);
   if (i >= I) return;
-  const int* member = group + 1 + A + u * MOE_ROWS;
-  const half* base = reinterpret_cast<const half*>(GUp[group[1 + u]]);
+  const half* base = reinterpret_cast<const half*>(GUp[sel]);
   const uint4* wg = reinterpret_cast<const uint4*>(base + (size_t)i * H);
   const uint4* wu = reinterpret_cast<const uint4*>(base + (size_t)(I + i) * H);
   constexpr int STEPS = H / 256;
   uint4 pg[STEPS], pu[STEPS];
 #pragma unroll
   for (int s = 0; s < STEPS; ++s) { pg[s] = __ldg(wg + s * 32 + lane); pu[s] = __ldg(wu + s * 32 + lane); }
-  int js[MOE_ROWS];
-  float g[MOE_ROWS], up[MOE_ROWS];
-#pragma unroll
-  for (int q = 0; q < MOE_ROWS; ++q) {
-    js[q] = q < R ? member[q] : -1;
-    g[q] = up[q] = 0.f;
-  }
-  // Step by step over the weights, each unpacked once for every row that uses them; a row's sums run in the
-  // same order whatever else is in the window.
+  float g = 0.f, u = 0.f;
 #pragma unroll
   for (int s = 0; s < STEPS; ++s) {
     float gf[8], uf[8], nf[8];
@@ -579,104 +532,91 @@ __global__ void __launch_bounds__(256, 3) moe_gate_up(const unsigned long long* 
     unpack8(pu[s], uf);
     const int k0 = s * 256 + lane * 8;
     unpack8(__ldg(reinterpret_cast<const uint4*>(nw + k0)), nf);
+    const float4* xr = reinterpret_cast<const float4*>(x + (size_t)r * H + k0);
+    const float4 xa = xr[0], xb = xr[1];
+    const float xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
 #pragma unroll
-    for (int q = 0; q < MOE_ROWS; ++q) {
-      if (js[q] < 0) continue;
-      const float4* xr = reinterpret_cast<const float4*>(x + (size_t)q * H + k0);
-      const float4 xa = xr[0], xb = xr[1];
-      const float xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
-#pragma unroll
-      for (int t = 0; t < 8; ++t) {
-        const float xn = xv[t] * nf[t];
-        g[q] += gf[t] * xn;
-        up[q] += uf[t] * xn;
-      }
+    for (int t = 0; t < 8; ++t) {
+      const float xn = xv[t] * nf[t];
+      g += gf[t] * xn;
+      u += uf[t] * xn;
     }
   }
-#pragma unroll
-  for (int q = 0; q < MOE_ROWS; ++q) {
-    if (js[q] < 0) continue;
-    const float gq = warp_sum(g[q]) * inv[q], uq = warp_sum(up[q]) * inv[q];
-    if (lane == 0) h[(size_t)(q * topk + js[q]) * I + i] = gq / (1.f + __expf(-gq)) * uq;
-  }
+  g = warp_sum(g) * inv[0];
+  u = warp_sum(u) * inv[0];
+  if (lane == 0) h[(size_t)a * I + i] = g / (1.f + __expf(-g)) * u;
 }
 
-// Block (feature tile, chunk c) of 8 warps; warp w takes feature n = tile * 8 + w of the distinct experts
-// [c * 8, c * 8 + 8): it loads their rows of down first (all in flight together), then for each row r routed
-// to one of them writes y[a, n] = down[e, n, :] . h[a, :]. The last chunk of the tile to finish (a counter in
-// done[tile]) adds resid[r, n] += sum_j wts[r, j] * y[r * K + j, n], j in order.
+// resid[r, n] += sum_j wts[r, j] * (down[idx[r, j], n, :] . h[r * K + j, :]), j in a fixed order. One warp
+// per (r, n); the rows of all K experts are loaded before any is used, so they are in flight together.
 template <int H, int I, int K>
 __global__ void __launch_bounds__(256) moe_down(const unsigned long long* __restrict__ Dp,
-                                                 const float* __restrict__ h, const float* __restrict__ wts,
-                                                 const int* __restrict__ group, int R, float* __restrict__ y,
-                                                 int* __restrict__ done, float* __restrict__ resid) {
-  __shared__ int last;
-  const int A = R * K, U = group[0], u0 = blockIdx.y * MOE_CHUNK;
-  if (u0 >= U) return;
-  const int lane = threadIdx.x & 31, n = blockIdx.x * 8 + (threadIdx.x >> 5);
-  const int nu = min(MOE_CHUNK, U - u0), chunks = (U + MOE_CHUNK - 1) / MOE_CHUNK;
+                                                 const float* __restrict__ h, const int* __restrict__ idx,
+                                                 const float* __restrict__ wts, int R, float* __restrict__ resid) {
+  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
+  if (warp >= R * H) return;
+  const int r = warp / H, n = warp % H;
   constexpr int STEPS = I / 256;
-  uint4 pk[MOE_CHUNK][STEPS];
+  uint4 pk[K][STEPS];
 #pragma unroll
-  for (int q = 0; q < MOE_CHUNK; ++q) {
-    if (q < nu) {
-      const uint4* w = reinterpret_cast<const uint4*>(reinterpret_cast<const half*>(Dp[group[1 + u0 + q]]) +
-                                                      (size_t)n * I);
+  for (int j = 0; j < K; ++j) {
+    const uint4* w = reinterpret_cast<const uint4*>(reinterpret_cast<const half*>(Dp[idx[r * K + j]]) +
+                                                    (size_t)n * I);
 #pragma unroll
-      for (int s = 0; s < STEPS; ++s) pk[q][s] = __ldg(w + s * 32 + lane);
+    for (int s = 0; s < STEPS; ++s) pk[j][s] = __ldg(w + s * 32 + lane);
+  }
+  float total = 0.f;
+#pragma unroll
+  for (int j = 0; j < K; ++j) {
+    float acc = 0.f;
+#pragma unroll
+    for (int s = 0; s < STEPS; ++s) {
+      float wf[8];
+      unpack8(pk[j][s], wf);
+      const float4* hr = reinterpret_cast<const float4*>(h + (size_t)(r * K + j) * I + s * 256 + lane * 8);
+      const float4 p = hr[0], q = hr[1];
+      const float hv[8] = {p.x, p.y, p.z, p.w, q.x, q.y, q.z, q.w};
+#pragma unroll
+      for (int t = 0; t < 8; ++t) acc += wf[t] * hv[t];
     }
+    total += wts[r * K + j] * warp_sum(acc);
   }
-#pragma unroll
-  for (int q = 0; q < MOE_CHUNK; ++q) {
-    if (q >= nu) break;
-    const int* member = group + 1 + A + (u0 + q) * MOE_ROWS;
-    for (int r = 0; r < R; ++r) {
-      const int j = member[r];
-      if (j < 0) continue;
-      const int a = r * K + j;
-      float acc = 0.f;
-#pragma unroll
-      for (int s = 0; s < STEPS; ++s) {
-        float wf[8];
-        unpack8(pk[q][s], wf);
-        const float4* hr = reinterpret_cast<const float4*>(h + (size_t)a * I + s * 256 + lane * 8);
-        const float4 p = hr[0], p2 = hr[1];
-        const float hv[8] = {p.x, p.y, p.z, p.w, p2.x, p2.y, p2.z, p2.w};
-#pragma unroll
-        for (int t = 0; t < 8; ++t) acc += wf[t] * hv[t];
-      }
-      acc = warp_sum(acc);
-      if (lane == 0) y[(size_t)a * H + n] = acc;
-    }
-  }
-  if (chunks > 1 && !last_to_finish(done + blockIdx.x, chunks, &last)) return;
-  __syncwarp();
-  if (lane < R) {
-    float total = 0.f;
-#pragma unroll
-    for (int j = 0; j < K; ++j) total += wts[lane * K + j] * __ldcg(y + (size_t)(lane * K + j) * H + n);
-    resid[(size_t)lane * H + n] += total;
-  }
+  if (lane == 0) resid[(size_t)r * H + n] += total;
 }
 
-// Any H, I (small models): the routing of moe_route, one block per assignment (no grouping), scalar loads.
+// Any H, I (small models): same contracts, scalar loads.
 __global__ void __launch_bounds__(256) moe_gate_up_any(const unsigned long long* __restrict__ GUp,
                                                         const float* __restrict__ x, const half* __restrict__ nw,
-                                                        const float* __restrict__ inv, const int* __restrict__ idx,
-                                                        int topk, int H, int I, float* __restrict__ h) {
-  const int a = blockIdx.y, r = a / topk, lane = threadIdx.x & 31;
-  const int i = blockIdx.x * 8 + (threadIdx.x >> 5);
-  if (i >= I) return;
+                                                        const float* __restrict__ logits, int E, int topk,
+                                                        int norm_topk, float eps, int H, int I,
+                                                        float* __restrict__ h, int* __restrict__ idx,
+                                                        float* __restrict__ wts, const int* __restrict__ slot_of,
+                                                        float* __restrict__ counts, float* __restrict__ misses) {
+  __shared__ int sel;
+  __shared__ float weight, part[8];
+  const int a = blockIdx.y, r = a / topk, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  block_route(logits + (size_t)r * E, E, topk, a % topk, norm_topk, &sel, &weight);
   const float* xr = x + (size_t)r * H;
-  const half* base = reinterpret_cast<const half*>(GUp[idx[a]]);
+  float ss = 0.f;
+  for (int k = threadIdx.x; k < H; k += blockDim.x) ss += xr[k] * xr[k];
+  ss = warp_sum(ss);
+  if (lane == 0) part[warp] = ss;
+  __syncthreads();
+  float tot = 0.f;
+  for (int w = 0; w < 8; ++w) tot += part[w];
+  const float inv = rsqrtf(tot / H + eps);
+  if (blockIdx.x == 0 && threadIdx.x == 0) note_route(a, sel, weight, idx, wts, slot_of, counts, misses);
+  const int i = blockIdx.x * 8 + warp;
+  if (i >= I) return;
+  const half* base = reinterpret_cast<const half*>(GUp[sel]);
   float g = 0.f, u = 0.f;
   for (int k = lane; k < H; k += 32) {
     const float xn = xr[k] * __half2float(nw[k]);
     g += __half2float(base[(size_t)i * H + k]) * xn;
     u += __half2float(base[(size_t)(I + i) * H + k]) * xn;
   }
-  g = warp_sum(g) * inv[r];
-  u = warp_sum(u) * inv[r];
+  g = warp_sum(g) * inv;
+  u = warp_sum(u) * inv;
   if (lane == 0) h[(size_t)a * I + i] = g / (1.f + __expf(-g)) * u;
 }
 
@@ -777,12 +717,18 @@ __global__ void rmsnorm_half(const float* __restrict__ x, const half* __restrict
     out[(size_t)blockIdx.x * H + i] = __float2half(xr[i] * inv * __half2float(w[i]));
 }
 
-// Block r of 256 threads: idx[r, :], wts[r, :] = row r's top-k experts and their weights, by moe_route's
-// rule (the same routing the decode expert kernels use).
+// Block (r, j) of 256 threads: idx[r, j], wts[r, j] = the j-th ranked expert of row r and its weight, by
+// block_route's rule (the same routing the decode expert kernels compute).
 __global__ void __launch_bounds__(256) route_topk(const float* __restrict__ logits, int E, int topk, int norm_topk,
                                                   int* __restrict__ idx, float* __restrict__ wts) {
-  const int r = blockIdx.x;
-  row_route(logits + (size_t)r * E, E, topk, norm_topk, idx + r * topk, wts + r * topk);
+  __shared__ int sel;
+  __shared__ float weight;
+  const int r = blockIdx.x, j = blockIdx.y;
+  block_route(logits + (size_t)r * E, E, topk, j, norm_topk, &sel, &weight);
+  if (threadIdx.x == 0) {
+    idx[r * topk + j] = sel;
+    wts[r * topk + j] = weight;
+  }
 }
 
 // scores [B, R, L] fp32 -> probs [B, R, L] fp16, rows ld elements apart (ld a multiple of 4, so rows load

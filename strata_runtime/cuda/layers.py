@@ -26,14 +26,7 @@ from ..backend import Array, cupy_module, upload_into
 from ..layout import Layout
 from ..models.qwen3_moe import MLP, DecoderLayer, ModelArgs, SparseMoeBlock
 from .experts import ExpertSlice, LayerExperts, resident_experts
-from .ops import (
-    MOE_MAX_TOPK,
-    Kernels,
-    attention_scratch_size,
-    kernels_for,
-    moe_float_scratch_size,
-    moe_int_scratch_size,
-)
+from .ops import Kernels, attention_scratch_size, kernels_for
 from .routing import DeviceRouting, RowBias
 
 
@@ -47,9 +40,6 @@ def supported(args: ModelArgs, dtype: Any, kv_dtype: Any) -> str | None:
         return "attention biases are not in the kernels"
     if args.num_experts > 256:
         return f"{args.num_experts} experts; the routing kernel handles at most 256"
-    if args.num_experts_per_tok > MOE_MAX_TOPK:
-        k = args.num_experts_per_tok
-        return f"{k} experts per token; the expert kernels group at most {MOE_MAX_TOPK}"
     if args.head_dim % 16 or args.head_dim > 256:
         return f"head dim {args.head_dim} is not a multiple of 16 up to 256"
     return None
@@ -133,8 +123,6 @@ class WindowBuffers:
         self.idx = xp.zeros((rows, topk), xp.int32)  # [R, k]
         self.wts = xp.zeros((rows, topk), f32)  # [R, k]
         self.h = xp.zeros((rows * topk, max(args.moe_intermediate_size, 1)), f32)  # [R k, I]
-        self.moe_ints = xp.zeros(moe_int_scratch_size(rows, topk, h), xp.int32)  # group table, counters
-        self.moe_floats = xp.zeros(moe_float_scratch_size(rows, topk, h), f32)  # inverse RMS, down products
         self._mlp_gu = xp.zeros(rows * 2 * max(mlp_width, 1), f32)  # flat: viewed as [R, 2I'] per layer
         self._mlp_h = xp.zeros(rows * max(mlp_width, 1), f32)  # flat: viewed as [R, I'] per layer
         self.mlp_y = xp.zeros((rows, h), f32)  # [R, H]
@@ -207,18 +195,7 @@ def _moe(k: Kernels, a: ModelArgs, lay: LayerWeights, b: WindowBuffers, kc: Arra
     if lay.experts is None:
         return
     k.moe(
-        b.resid,
-        lay.ln2,
-        b.router,
-        a.norm_topk_prob,
-        a.rms_norm_eps,
-        lay.experts,
-        b.resid,
-        b.idx,
-        b.wts,
-        b.h,
-        b.moe_ints,
-        b.moe_floats,
+        b.resid, lay.ln2, b.router, a.norm_topk_prob, a.rms_norm_eps, lay.experts, b.resid, b.idx, b.wts, b.h
     )
 
 

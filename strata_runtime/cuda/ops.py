@@ -34,32 +34,27 @@ def attention_scratch_size(rows: int, n_q: int, n_kv: int, head_dim: int, contex
     return rows * n_q * math.ceil(context / ATTN_CHUNK) * (head_dim + 2)
 
 
-MOE_ROWS = 8  # the most rows the expert kernels group (kernels.cu's MOE_ROWS)
-MOE_MAX_TOPK = 32  # the most experts per row moe_route groups
-MOE_CHUNK = 8  # distinct experts per moe_down block (kernels.cu's MOE_CHUNK)
-
-
-def moe_int_scratch_size(rows: int, topk: int, hidden: int) -> int:
-    """int32 elements the expert kernels need beside their outputs: the window's group table (the number of
-    distinct experts, the experts, each one's place in each row's top-k), moe_route's counter and
-    moe_down's counter per tile of 8 features."""
-    a = rows * topk
-    return 1 + a + a * MOE_ROWS + 1 + math.ceil(hidden / WARPS_PER_BLOCK)
-
-
-def moe_float_scratch_size(rows: int, topk: int, hidden: int) -> int:
-    """fp32 elements of expert scratch: each row's inverse RMS, and each assignment's down product [A, H]."""
-    return rows + rows * topk * hidden
-
-
 def padded_keys(length: int) -> int:
     """Row stride of attention scores over ``length`` keys: rows start 16-byte aligned."""
     return -(-length // 4) * 4
 
 
-def gemv_rows_per_warp(rows: int) -> int:
-    """Output features per warp: one for 1–2 rows (all loads in flight), four beyond (reuse each x load)."""
-    return 1 if rows <= 2 else 4
+def gemv_rows_per_warp(rows: int, n: int, k: int) -> int:
+    """Output features per warp of ``gemv_wide`` for a window of ``rows`` and weights [n, k].
+
+    More features per warp reuse each load of x across them; fewer give more warps, so more weight loads in
+    flight. Which wins depends on the shape; this table was measured on an H200 (``strata bench --workload
+    step`` and each projection alone): a vocabulary-sized head always takes 4, a router-sized one 1, and the
+    projections between take 1 for a row, then 2 (and 4 for a short reduction from 4 rows). Every choice
+    sums a row in the same order, so the choice never changes a result.
+    """
+    if n >= 32768:
+        return 4
+    if n <= 256 or rows == 1:
+        return 1
+    if rows == 2:
+        return 1 if k >= 4096 else 2
+    return 4 if k <= 2048 else 2
 
 
 class Kernels(KernelCache):
@@ -72,18 +67,17 @@ class Kernels(KernelCache):
     # ---- expression names -----------------------------------------------------------------------
 
     @staticmethod
-    def gemv_expr(rows: int, k: int, norm: bool) -> str:
+    def gemv_expr(rows: int, n: int, k: int, norm: bool) -> str:
+        """The instantiation `gemv` launches for ``rows`` rows through weights [n, k]."""
         if not _wide(k):
             return "gemv_any"
-        return f"gemv_wide<{rows},{k},{gemv_rows_per_warp(rows)},{'true' if norm else 'false'}>"
+        return f"gemv_wide<{rows},{k},{gemv_rows_per_warp(rows, n, k)},{'true' if norm else 'false'}>"
 
     @staticmethod
-    def moe_exprs(h: int, i: int, topk: int) -> tuple[str, str, str]:
-        """The routing kernel, then gate/up and down: grouped by distinct expert where H and I are multiples
-        of 256 and k is at most 16, one block per assignment otherwise."""
+    def moe_exprs(h: int, i: int, topk: int) -> tuple[str, str]:
         if _wide(h) and _wide(i) and topk <= 16:
-            return "moe_route", f"moe_gate_up<{h},{i}>", f"moe_down<{h},{i},{topk}>"
-        return "moe_route", "moe_gate_up_any", "moe_down_any"
+            return f"moe_gate_up<{h},{i}>", f"moe_down<{h},{i},{topk}>"
+        return "moe_gate_up_any", "moe_down_any"
 
     @staticmethod
     def attn_exprs(head_dim: int, group: int) -> tuple[str]:
@@ -124,8 +118,8 @@ class Kernels(KernelCache):
                 ),
             )
             return
-        warps = math.ceil(n / gemv_rows_per_warp(rows))
-        self.fn(self.gemv_expr(rows, k, norm is not None))(
+        warps = math.ceil(n / gemv_rows_per_warp(rows, n, k))
+        self.fn(self.gemv_expr(rows, n, k, norm is not None))(
             (math.ceil(warps / WARPS_PER_BLOCK),),
             (THREADS,),
             (w, x, out, np.int32(n), np.int32(accumulate), nw, np.float32(eps)),
@@ -244,8 +238,6 @@ class Kernels(KernelCache):
         idx: Array,
         wts: Array,
         h_buf: Array,
-        ints: Array,
-        floats: Array,
     ) -> None:
         """Route and run the experts: resid[R, H] += sum_j wts[r, j] * expert_{idx[r, j]}(x'[r]).
 
@@ -256,62 +248,35 @@ class Kernels(KernelCache):
         ``counts`` [E] fp32 set, each assignment is added to ``counts`` and, when ``slot_of`` [E] int32 is
         negative for its expert (not in VRAM), to ``misses[0]``, and when below -1 (a helper slot) to
         ``misses[1]`` ([2] fp32). idx [R, k] int32 and wts [R, k] fp32 receive the routing; h_buf:
-        [R * k, I] fp32 scratch; ``ints`` (int32, `moe_int_scratch_size` elements, zero before the first
-        launch) and ``floats`` (fp32, `moe_float_scratch_size`) the kernels' workspace. At most 8 rows.
+        [R * k, I] fp32 scratch.
         """
         rows, h = x.shape
         topk = idx.shape[1]
         n_exp, inter = logits.shape[1], h_buf.shape[1]
-        if n_exp > 256 or topk > MOE_MAX_TOPK or rows > MOE_ROWS:
-            raise ValueError(
-                f"the expert kernels route at most 256 experts, {MOE_MAX_TOPK} per row and {MOE_ROWS} rows, "
-                f"not {n_exp}, {topk} and {rows}"
-            )
+        if n_exp > 256:
+            raise ValueError(f"the expert kernels route at most 256 experts, not {n_exp}")
         counting = experts.counts is not None
         tally = (experts.slot_of, experts.counts, experts.misses) if counting else (_NULL, _NULL, _NULL)
         a = rows * topk
-        route_expr, gu_expr, down_expr = self.moe_exprs(h, inter, topk)
-        group = ints[: 1 + a + a * MOE_ROWS]
-        route_done = ints[1 + a + a * MOE_ROWS : 2 + a + a * MOE_ROWS]
-        down_done = ints[2 + a + a * MOE_ROWS :]
-        inv, y = floats[:rows], floats[rows : rows + a * h]
-        self.fn(route_expr)(
-            (rows,),
-            (THREADS,),
-            (
-                logits,
-                x,
-                np.int32(n_exp),
-                np.int32(topk),
-                np.int32(norm_topk),
-                np.int32(h),
-                np.float32(eps),
-                idx,
-                wts,
-                inv,
-                group,
-                route_done,
-                *tally,
-            ),
-        )
-        gu, down = experts.gate_up, experts.down
+        gu_expr, down_expr = self.moe_exprs(h, inter, topk)
         tiles = (math.ceil(inter / WARPS_PER_BLOCK), a)
+        blocks_d = (math.ceil(rows * h / WARPS_PER_BLOCK),)
+        common = (logits, np.int32(n_exp), np.int32(topk), np.int32(norm_topk), np.float32(eps))
+        gu, down = experts.gate_up, experts.down
         if gu_expr == "moe_gate_up_any":
-            shape = (np.int32(topk), np.int32(h), np.int32(inter))
-            self.fn(gu_expr)(tiles, (THREADS,), (gu, x, norm, inv, idx, *shape, h_buf))
+            self.fn(gu_expr)(
+                tiles,
+                (THREADS,),
+                (gu, x, norm, *common, np.int32(h), np.int32(inter), h_buf, idx, wts, *tally),
+            )
             self.fn(down_expr)(
-                (math.ceil(rows * h / WARPS_PER_BLOCK),),
+                blocks_d,
                 (THREADS,),
                 (down, h_buf, idx, wts, np.int32(rows), np.int32(topk), np.int32(h), np.int32(inter), resid),
             )
         else:
-            window = (np.int32(rows), np.int32(topk))
-            self.fn(gu_expr)(tiles, (THREADS,), (gu, x, norm, inv, group, *window, h_buf))
-            self.fn(down_expr)(
-                (h // WARPS_PER_BLOCK, math.ceil(a / MOE_CHUNK)),
-                (THREADS,),
-                (down, h_buf, wts, group, np.int32(rows), y, down_done, resid),
-            )
+            self.fn(gu_expr)(tiles, (THREADS,), (gu, x, norm, *common, h_buf, idx, wts, *tally))
+            self.fn(down_expr)(blocks_d, (THREADS,), (down, h_buf, idx, wts, np.int32(rows), resid))
 
     def silu_mul(self, gu: Array, out: Array) -> None:
         """out[R, I] = silu(gu[:, :I]) * gu[:, I:]."""

@@ -123,12 +123,9 @@ def moe(
     idx: np.ndarray,
     wts: np.ndarray,
     h_buf: np.ndarray,
-    ints: np.ndarray | None = None,
-    floats: np.ndarray | None = None,
 ) -> None:
     """``experts.weights(e)``: expert e's gate/up [2I, H] and down [H, I] (the kernel reads the same through
-    ``experts``' address tables); ``counts``, ``slot_of`` and ``misses`` as the launcher's. ``ints`` and
-    ``floats`` are the launcher's workspace; the reference needs none."""
+    ``experts``' address tables); ``counts``, ``slot_of`` and ``misses`` as the launcher's."""
     rows, topk = idx.shape
     inter = h_buf.shape[1]
     p = np.exp(logits - logits.max(-1, keepdims=True))
