@@ -316,7 +316,7 @@ class Kernels(KernelCache):
         rows, n_exp = logits.shape
         topk = idx.shape[1]
         self.fn("route_topk")(
-            (rows,), (THREADS,), (logits, np.int32(n_exp), np.int32(topk), np.int32(norm_topk), idx, wts)
+            (rows, topk), (THREADS,), (logits, np.int32(n_exp), np.int32(topk), np.int32(norm_topk), idx, wts)
         )
 
     def softmax_causal(self, scores: Array, probs: Array, pos: int, group: int) -> None:
