@@ -28,7 +28,7 @@ from ..bench.arms import ARMS, DEFAULT_ARMS, arm_note
 from ..launch.engine_process import runtime_argv
 from ..schema.errors import ProfileError
 from ..schema.plan_file import write_plan
-from ..schema.workloads import GPU_WORKLOADS, HTTP_WORKLOADS, WORKLOADS, prompt_context_problem
+from ..schema.workloads import GPU_WORKLOADS, HTTP_WORKLOADS, PEERS, WORKLOADS, prompt_context_problem
 from ._common import (
     EXIT_REFUSED,
     EXIT_USAGE,
@@ -61,8 +61,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--peer",
         action="append",
         default=[],
-        choices=("transformers",),
-        help="also run transformers' generate on the same weights (needs torch and transformers; one stage)",
+        choices=PEERS,
+        help="also run a peer on the same weights: transformers' generate (needs torch and transformers; one "
+        "stage), or llama.cpp's llama-bench / llama-batched-bench from PATH on the model written as GGUF "
+        "(needs the gguf package; skipped in one line without the tools)",
+    )
+    parser.add_argument(
+        "--gguf",
+        type=Path,
+        metavar="PATH",
+        help="llama.cpp peer: the GGUF file to run, written there from the model unless it exists "
+        "(default: a temporary file)",
     )
     parser.add_argument(
         "--run-dir", type=Path, help="where the arms' plans are written (default: a temp dir)"
@@ -153,6 +162,8 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_REFUSED
     for peer in args.peer:
         argv += ["--peer", peer]
+    if args.gguf is not None:
+        argv += ["--gguf", str(args.gguf)]
     return subprocess.run(argv, check=False).returncode
 
 

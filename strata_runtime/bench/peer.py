@@ -22,7 +22,8 @@ from ..backend import Array
 from ..model.placed import WeightStore
 from .harness import Arrival, Result
 
-PEERS = ("transformers",)
+ARM_PEERS = ("transformers",)
+"""Peers that run as arms of the harness; ``llama.cpp`` runs its own tools (`bench.llamacpp`)."""
 
 
 class TransformersPeer:
@@ -98,14 +99,18 @@ class TransformersDriver:
 def make_peer(name: str, plan: LaunchPlan, tokenizer: Tokenizer, weights: WeightStore) -> TransformersPeer:
     """The peer arm ``name`` over the tensors an engine of ``plan`` was built from (``weights``: the
     bench's shared weight store), with that engine's tokenizer."""
-    if name not in PEERS:
-        raise ValueError(f"unknown peer {name!r}; known: {', '.join(PEERS)}")
+    if name not in ARM_PEERS:
+        raise ValueError(f"unknown peer {name!r}; known: {', '.join(ARM_PEERS)}")
     if len(plan.stages) != 1:
         raise ValueError("the transformers peer runs a one-stage plan (one device)")
-    if plan.model.synthetic is not None:
-        config = preset_config(plan.model.synthetic)
-    else:
-        assert plan.model.path is not None
-        config = json.loads((Path(plan.model.path) / "config.json").read_text())
     tensors = next(iter(weights.stages.values())).tensors
-    return TransformersPeer(config, tensors, tokenizer)
+    return TransformersPeer(model_config(plan), tensors, tokenizer)
+
+
+def model_config(plan: LaunchPlan) -> dict[str, Any]:
+    """The ``config.json`` dictionary of the plan's model (a synthetic preset's, or the checkpoint's)."""
+    if plan.model.synthetic is not None:
+        return preset_config(plan.model.synthetic)
+    assert plan.model.path is not None
+    config: dict[str, Any] = json.loads((Path(plan.model.path) / "config.json").read_text())
+    return config

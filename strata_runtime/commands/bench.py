@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from strata_cfg.schema.facts import ModelFacts
@@ -25,6 +26,7 @@ from strata_cfg.schema.plan_file import read_plan
 from strata_cfg.schema.workloads import (
     CLIENT_COUNTS,
     GPU_WORKLOADS,
+    PEERS,
     PROMPTS,
     WORKLOADS,
     prompt_context_problem,
@@ -72,8 +74,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--peer",
         action="append",
         default=[],
-        choices=("transformers",),
-        help="also run a peer engine on the same weights (transformers: one GPU, one stage)",
+        choices=PEERS,
+        help="also run a peer engine on the same weights (transformers: one GPU, one stage; llama.cpp: its "
+        "llama-bench and llama-batched-bench from PATH on the model written as GGUF, skipped without them)",
+    )
+    parser.add_argument(
+        "--gguf",
+        metavar="PATH",
+        help="llama.cpp peer: the GGUF file it runs, written there from the plan's model unless it exists "
+        "(default: a temporary file, removed afterwards)",
     )
 
 
@@ -120,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
         from ..bench.peer import make_peer
 
         first = next(iter(plans))
-        for peer in args.peer:
+        for peer in (p for p in args.peer if p != "llama.cpp"):
             contenders[peer] = make_peer(peer, plans[first], engines[first].tokenizer, weights)
             print(
                 f"[{peer}] peer arm on the weights of arm {first!r}, shared through DLPack", file=sys.stderr
@@ -151,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
     budgets = {
         name: {g.device: g.budget_mib for g in plan.gpus if g.role != "idle"} for name, plan in plans.items()
     }
+    llama = llama_cpp_figures(args, plans, summary, weights) if "llama.cpp" in args.peer else None
     if args.json:
         out = {
             "workload": args.workload,
@@ -172,20 +182,68 @@ def run(args: argparse.Namespace) -> int:
                 }
                 for n, p in plans.items()
             },
-            "peers": {peer: summary[peer] for peer in args.peer},
+            "peers": {peer: summary[peer] for peer in args.peer if peer in summary},
         }
         if args.workload == "prompt":
             out["prompt_tokens"] = args.prompt_tokens
         if ceiling:
             out["ceiling"] = {k: v for k, v in ceiling.items() if k != "lines"}
+        if llama is not None:
+            out["peers"]["llama.cpp"] = llama["json"]
         print(json.dumps(out, indent=2))
     else:
         print(render_table(args.workload, plans, summary, notes, args.repeats, args.tokens))
         if ceiling:
             print("\n" + "\n".join(ceiling["lines"]))
+        if llama is not None and llama["lines"]:
+            print("\n" + "\n".join(llama["lines"]))
     # A peer computes in other precision and order, so its text may drift; only the runtime's arms must agree.
     equal = all(case.get("text_equal_to_serial", True) for n in plans for case in summary[n].values())
     return 0 if equal else 1
+
+
+def llama_cpp_figures(
+    args: argparse.Namespace, plans: dict[str, LaunchPlan], summary: dict[str, Any], weights: Any
+) -> dict[str, Any]:
+    """The llama.cpp peer beside the first arm: its figures as lines and as JSON, or the one line that says
+    why it was skipped (printed to stderr)."""
+    import tempfile
+
+    from ..bench import llamacpp
+    from ..bench.gguf_export import ExportError, write_gguf
+    from ..bench.peer import model_config
+
+    first = next(iter(plans))
+    plan = plans[first]
+    tools = llamacpp.find_tools()
+    skipped = llamacpp.skip_reason(tools, args.workload)
+    if skipped:
+        print(f"[llama.cpp] {skipped}", file=sys.stderr)
+        return {"lines": [], "json": {"skipped": skipped}}
+    with tempfile.TemporaryDirectory(prefix="strata-gguf-") as tmp:
+        path = args.gguf or str(Path(tmp) / f"{plan.profile}.gguf")
+        if not Path(path).exists():
+            tensors = {k: v for st in weights.stages.values() for k, v in st.tensors.items()}
+            try:
+                size = write_gguf(path, model_config(plan), tensors, plan.model.label())
+            except ExportError as exc:
+                print(f"[llama.cpp] skipped: {exc}", file=sys.stderr)
+                return {"lines": [], "json": {"skipped": str(exc)}}
+            print(f"[llama.cpp] wrote {path} ({size / 2**30:.2f} GiB of tensors)", file=sys.stderr)
+        peer = llamacpp.run_peer(
+            tools,
+            path,
+            args.workload,
+            tokens=args.tokens,
+            prompt_tokens=args.prompt_tokens,
+            repeats=args.repeats,
+            clients=CLIENT_COUNTS,
+        )
+    figures = [{"case": f.case, "what": f.what, "tok_s": f.tok_s} for f in peer.figures]
+    return {
+        "lines": llamacpp.render(peer, summary[first], first),
+        "json": {"figures": figures, "commands": peer.commands, "notes": peer.notes, "beside": first},
+    }
 
 
 def run_gpu_workload(args: argparse.Namespace, plan: LaunchPlan) -> int:

@@ -1,0 +1,164 @@
+"""The plan's model as a GGUF file, so that llama.cpp runs the very same weights (`strata bench --peer
+llama.cpp`, `strata gguf`).
+
+The tensors are the ones an engine of the plan was built from (a synthetic preset's generated weights or a
+checkpoint's), renamed to llama.cpp's ``qwen3moe`` layout: q/k/v/o and their norms per block, the router as
+``ffn_gate_inp``, the routed experts as stacked ``ffn_gate_exps``/``ffn_up_exps``/``ffn_down_exps`` (the
+fused gate/up [E, 2I, H] split in two). Matrices are written in fp16 and vectors in fp32, one tensor at a
+time, so a model larger than host memory streams through. The MTP head is left out: llama.cpp's
+``qwen3moe`` has none.
+
+No tokenizer is written: the file declares llama.cpp's "no vocabulary" type with the model's vocabulary
+size, which is all ``llama-bench`` needs (it feeds random token ids). To chat with a real checkpoint in
+llama.cpp, convert it with llama.cpp's own converter, which also carries its tokenizer.
+
+The ``gguf`` package (llama.cpp's own writer) is needed only here: ``pip install 'strata-cfg[gguf]'``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ARCH = "qwen3moe"
+
+_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.experts.down_proj": "ffn_down_exps.weight",
+}
+_TOP_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+
+
+class ExportError(ValueError):
+    """The model cannot be written as llama.cpp's ``qwen3moe``; the message says why."""
+
+
+def unsupported(config: Mapping[str, Any]) -> str | None:
+    """Why llama.cpp's ``qwen3moe`` would compute something else than this model, or None."""
+    if config.get("attention_bias"):
+        return "attention biases (llama.cpp's qwen3moe has none)"
+    if config.get("shared_expert_intermediate_size"):
+        return "a shared expert (llama.cpp's qwen3moe has none)"
+    if config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1:
+        return "dense MLP layers between the MoE layers (llama.cpp's qwen3moe makes every layer MoE)"
+    if not config.get("norm_topk_prob", True):
+        return "top-k weights not renormalised (llama.cpp's qwen3moe always renormalises them)"
+    return None
+
+
+def gguf_name(name: str) -> str | None:
+    """llama.cpp's name for the runtime tensor ``name`` (None: not written, e.g. the MTP head's)."""
+    if name in _TOP_NAMES:
+        return _TOP_NAMES[name]
+    if not name.startswith("model.layers."):
+        return None
+    block, _, rest = name[len("model.layers.") :].partition(".")
+    mapped = _LAYER_NAMES.get(rest)
+    return f"blk.{block}.{mapped}" if mapped is not None else None
+
+
+Fetch = Callable[[], np.ndarray]
+"""Gives a tensor's host array as written (fetched from the device only when called)."""
+
+
+def gguf_tensors(tensors: Mapping[str, Any]) -> Iterator[tuple[str, Fetch, tuple[int, ...]]]:
+    """(llama.cpp name, a function giving the host array as written, its shape) for every tensor written;
+    the fused gate/up of each layer gives two. Arrays are fetched only when called (device to host)."""
+
+    def host(arr: Any, rows: slice | None = None) -> Fetch:
+        def get() -> np.ndarray:
+            a = arr[:, rows] if rows is not None else arr
+            a = a.get() if hasattr(a, "get") else np.asarray(a)
+            return np.ascontiguousarray(a, dtype=np.float16 if a.ndim > 1 else np.float32)
+
+        return get
+
+    for name, arr in tensors.items():
+        shape = tuple(int(n) for n in arr.shape)
+        if name.startswith("model.layers.") and name.endswith(".mlp.experts.gate_up_proj"):
+            block = name[len("model.layers.") :].partition(".")[0]
+            e, two_i, h = shape
+            i = two_i // 2
+            yield f"blk.{block}.ffn_gate_exps.weight", host(arr, slice(0, i)), (e, i, h)
+            yield f"blk.{block}.ffn_up_exps.weight", host(arr, slice(i, two_i)), (e, i, h)
+            continue
+        mapped = gguf_name(name)
+        if mapped is not None:
+            yield mapped, host(arr), shape
+
+
+def write_gguf(
+    path: str | Path,
+    config: Mapping[str, Any],
+    tensors: Mapping[str, Any],
+    name: str,
+    progress: Callable[[int, int], None] | None = None,
+) -> int:
+    """Write ``tensors`` (the runtime's names; NumPy or CuPy arrays) of a model with ``config`` (its
+    ``config.json``) to ``path`` as GGUF; the bytes of tensor data written. ``progress(done, total)``
+    is called after each tensor.
+
+    Raises `ExportError` when llama.cpp would compute another model, or a tensor is missing.
+    """
+    problem = unsupported(config)
+    if problem:
+        raise ExportError(f"cannot export to GGUF: the model has {problem}")
+    gguf: Any = importlib.import_module("gguf")
+    items = list(gguf_tensors(tensors))
+    layers = int(config["num_hidden_layers"])
+    need = {f"blk.{j}.{n}" for j in range(layers) for n in (*_LAYER_NAMES.values(), "ffn_gate_exps.weight")}
+    need |= {"token_embd.weight", "output_norm.weight"}
+    missing = sorted(need - {n for n, _, _ in items})
+    if missing:
+        raise ExportError(f"cannot export to GGUF: no tensor for {', '.join(missing[:3])}")
+    writer = gguf.GGUFWriter(str(path), ARCH)
+    h = int(config["hidden_size"])
+    writer.add_name(name)
+    writer.add_context_length(int(config.get("max_position_embeddings", 4096)))
+    writer.add_embedding_length(h)
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(int(config["intermediate_size"]))
+    writer.add_head_count(int(config["num_attention_heads"]))
+    writer.add_head_count_kv(int(config["num_key_value_heads"]))
+    head_dim = int(config.get("head_dim") or h // int(config["num_attention_heads"]))
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(float(config.get("rope_theta", 10_000.0)))
+    writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
+    writer.add_expert_count(int(config["num_experts"]))
+    writer.add_expert_used_count(int(config["num_experts_per_tok"]))
+    writer.add_expert_feed_forward_length(int(config["moe_intermediate_size"]))
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    writer.add_tokenizer_model("none")
+    writer.add_vocab_size(int(config["vocab_size"]))
+    for gname, _, shape in items:
+        dtype = np.dtype(np.float16 if len(shape) > 1 else np.float32)
+        writer.add_tensor_info(gname, shape, dtype, int(np.prod(shape)) * dtype.itemsize)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    written = 0
+    for done, (_, get, _) in enumerate(items, 1):
+        data = get()
+        writer.write_tensor_data(data)
+        written += data.nbytes
+        if progress is not None:
+            progress(done, len(items))
+    writer.close()
+    return written

@@ -1,0 +1,211 @@
+"""llama.cpp as a peer of `strata bench`: the model written as GGUF (read back tensor by tensor), the tools'
+command lines and output, and the arm end to end with a stand-in ``llama-bench`` on PATH (CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+from strata_cfg.plan.from_profile import resolve_profile
+from strata_runtime.bench import llamacpp
+from strata_runtime.bench.gguf_export import ExportError, gguf_name, write_gguf
+from strata_runtime.bench.peer import model_config
+
+gguf = pytest.importorskip("gguf")
+
+
+@pytest.fixture(scope="module")
+def tiny() -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """The demo profile's model (the packaged demo checkpoint) as an engine holds it, every stage's tensors
+    together, and its config.json."""
+    from strata_runtime.engine import Engine
+    from strata_runtime.model.placed import WeightStore
+
+    plan = resolve_profile("profiles/demo.toml")
+    weights = WeightStore()
+    Engine(plan, weights=weights)
+    tensors = {k: np.asarray(v) for st in weights.stages.values() for k, v in st.tensors.items()}
+    return model_config(plan), tensors
+
+
+def _read(path: Path) -> tuple[Any, dict[str, np.ndarray]]:
+    reader = gguf.GGUFReader(str(path))
+    return reader, {t.name: np.asarray(t.data) for t in reader.tensors}
+
+
+def _field(reader: Any, key: str) -> Any:
+    f = reader.fields[key]
+    value = f.parts[f.data[0]]
+    return bytes(value).decode() if f.types[0] == gguf.GGUFValueType.STRING else value[0]
+
+
+def test_the_gguf_holds_every_tensor_as_llama_cpp_names_it(tmp_path: Path, tiny) -> None:
+    config, tensors = tiny
+    path = tmp_path / "tiny.gguf"
+    written = write_gguf(path, config, tensors, "tiny")
+    reader, out = _read(path)
+    layers, experts, inter = (
+        config["num_hidden_layers"],
+        config["num_experts"],
+        config["moe_intermediate_size"],
+    )
+    assert _field(reader, "general.architecture") == "qwen3moe"
+    assert _field(reader, "qwen3moe.block_count") == layers
+    assert _field(reader, "qwen3moe.expert_count") == experts
+    assert _field(reader, "qwen3moe.expert_used_count") == config["num_experts_per_tok"]
+    assert _field(reader, "qwen3moe.expert_feed_forward_length") == inter
+    assert _field(reader, "qwen3moe.attention.key_length") == config["head_dim"]
+    assert _field(reader, "qwen3moe.vocab_size") == config["vocab_size"]
+    assert _field(reader, "tokenizer.ggml.model") == "none"
+    attention = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm"]
+    per_block = [*attention, "ffn_norm", "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"]
+    want = {f"blk.{j}.{n}.weight" for j in range(layers) for n in per_block}
+    assert set(out) == want | {"token_embd.weight", "output_norm.weight", "output.weight"}  # no MTP head
+    assert written == sum(a.nbytes for a in out.values())
+    for name, arr in tensors.items():
+        mapped = gguf_name(name)
+        if mapped is not None:
+            np.testing.assert_array_equal(out[mapped], arr.astype(out[mapped].dtype))
+            assert out[mapped].dtype == (np.float16 if arr.ndim > 1 else np.float32)
+    # The fused gate/up [E, 2I, H] becomes llama.cpp's separate gate and up stacks [E, I, H].
+    gate_up = tensors["model.layers.1.mlp.experts.gate_up_proj"]
+    np.testing.assert_array_equal(out["blk.1.ffn_gate_exps.weight"], gate_up[:, :inter].astype(np.float16))
+    np.testing.assert_array_equal(out["blk.1.ffn_up_exps.weight"], gate_up[:, inter:].astype(np.float16))
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        ({"shared_expert_intermediate_size": 64}, "shared expert"),
+        ({"mlp_only_layers": [1]}, "dense MLP layers"),
+        ({"norm_topk_prob": False}, "renormalises"),
+        ({"attention_bias": True}, "attention biases"),
+    ],
+)
+def test_a_model_llama_cpp_would_compute_otherwise_is_refused(tmp_path: Path, tiny, change, says) -> None:
+    config, tensors = tiny
+    with pytest.raises(ExportError, match=says):
+        write_gguf(tmp_path / "x.gguf", {**config, **change}, tensors, "tiny")
+    assert not (tmp_path / "x.gguf").exists()
+
+
+def test_a_missing_tensor_is_named(tmp_path: Path, tiny) -> None:
+    config, tensors = tiny
+    partial = {k: v for k, v in tensors.items() if k != "model.layers.2.self_attn.k_proj.weight"}
+    with pytest.raises(ExportError, match=r"blk\.2\.attn_k\.weight"):
+        write_gguf(tmp_path / "x.gguf", config, partial, "tiny")
+
+
+def test_tools_are_found_on_path_and_their_absence_skips_in_one_line() -> None:
+    found = llamacpp.find_tools(lambda t: f"/opt/{t}" if t == "llama-bench" else None)
+    assert found == {"llama-bench": "/opt/llama-bench"}
+    assert "is on PATH" in str(llamacpp.skip_reason({}, "solo"))
+    assert llamacpp.skip_reason(found, "solo") is None
+    assert "llama-batched-bench" in str(llamacpp.skip_reason(found, "two-decodes"))
+    assert "no counterpart" in str(llamacpp.skip_reason(found, "read-beside-decode"))
+
+
+def test_each_workload_runs_the_matching_llama_cpp_test() -> None:
+    tools = {"llama-bench": "lb", "llama-batched-bench": "lbb"}
+
+    def cmds(workload: str) -> list[list[str]]:
+        return [c for _, c in llamacpp.commands(tools, "m.gguf", workload, 64, 4096, 3, (1, 2, 4, 8))]
+
+    (solo,) = cmds("solo")
+    assert solo[0] == "lb" and solo[solo.index("-n") + 1] == "64" and solo[solo.index("-p") + 1] == "0"
+    assert solo[solo.index("-ngl") + 1] == llamacpp.FULL_OFFLOAD and solo[solo.index("-r") + 1] == "3"
+    (prompt,) = cmds("prompt")
+    assert prompt[prompt.index("-p") + 1] == "4096" and prompt[prompt.index("-n") + 1] == "0"
+    one, many = cmds("clients")
+    assert one[0] == "lb" and many[0] == "lbb" and many[many.index("-npl") + 1] == "2,4,8"
+    assert int(many[many.index("-c") + 1]) >= 8 * (llamacpp.BATCHED_PROMPT + 64)
+    (two,) = cmds("two-decodes")
+    assert two[two.index("-npl") + 1] == "2"
+
+
+def _done(stdout: str, rc: int = 0, stderr: str = "") -> SimpleNamespace:
+    return SimpleNamespace(returncode=rc, stdout=stdout, stderr=stderr)
+
+
+BENCH_TG = json.dumps([{"n_prompt": 0, "n_gen": 64, "avg_ts": 212.5}])
+BATCHED = "\n".join(
+    [
+        "main: n_kv_max = 1600",
+        *(json.dumps({"pp": 128, "tg": 64, "pl": n, "speed_tg": 100.0 * n}) for n in (2, 4, 8)),
+    ]
+)
+
+
+def test_clients_pair_each_stream_count_with_llama_cpp_and_a_failure_is_a_note() -> None:
+    tools = {"llama-bench": "lb", "llama-batched-bench": "lbb"}
+    outputs = {"lb": _done(BENCH_TG), "lbb": _done(BATCHED)}
+    run = llamacpp.run_peer(
+        tools, "m.gguf", "clients", tokens=64, prompt_tokens=0, repeats=2, clients=(1, 2, 4, 8),
+        run=lambda cmd, **kw: outputs[cmd[0]],
+    )  # fmt: skip
+    assert [(f.case, f.tok_s) for f in run.figures] == [
+        ("1 clients", 212.5),
+        ("2 clients", 200.0),
+        ("4 clients", 400.0),
+        ("8 clients", 800.0),
+    ]
+    ours = {"1 clients": {"median": {"tok_s": 425.0}}, "8 clients": {"median": {"tok_s": 400.0}}}
+    lines = llamacpp.render(run, ours, "serial")
+    assert any("1 clients" in ln and "= 2.00x" in ln for ln in lines)
+    assert any("8 clients" in ln and "= 0.50x" in ln for ln in lines)
+    failed = llamacpp.run_peer(
+        tools, "m.gguf", "solo", tokens=64, prompt_tokens=0, repeats=2, clients=(),
+        run=lambda cmd, **kw: _done("", 1, "error: unknown model architecture"),
+    )  # fmt: skip
+    assert failed.figures == [] and failed.notes == [
+        "llama-bench exited 1: error: unknown model architecture"
+    ]
+
+
+STAND_IN = """\
+#!{python}
+# A stand-in llama-bench: checks the model it is given as llama.cpp's loader would start to, then reports.
+import json, sys
+import gguf
+args = sys.argv[1:]
+model = gguf.GGUFReader(args[args.index("-m") + 1])
+names = {{t.name for t in model.tensors}}
+assert "blk.0.ffn_gate_exps.weight" in names and "token_embd.weight" in names, names
+n_gen = int(args[args.index("-n") + 1])
+print(json.dumps([{{"n_prompt": 0, "n_gen": n_gen, "avg_ts": 1.0}}]))
+"""
+
+
+def test_bench_runs_llama_cpp_beside_its_arm_on_the_model_it_writes(tmp_path: Path) -> None:
+    tool = tmp_path / "bin" / "llama-bench"
+    tool.parent.mkdir()
+    tool.write_text(STAND_IN.format(python=sys.executable))
+    tool.chmod(0o755)
+    keep = tmp_path / "model.gguf"
+    env = {**os.environ, "PATH": f"{tool.parent}{os.pathsep}{os.environ['PATH']}"}
+    args = ["bench", "profiles/demo.toml", "--workload", "solo", "--arms", "solo", "--repeats", "1"]
+    args += ["--tokens", "8", "--peer", "llama.cpp", "--gguf", str(keep)]
+    out = subprocess.run(
+        [sys.executable, "-m", "strata_cfg", *args], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert out.returncode == 0, out.stderr
+    assert "llama.cpp on the same weights" in out.stdout
+    line = next(ln for ln in out.stdout.splitlines() if "tg8" in ln)
+    assert "1.0 tok/s" in line and "-> solo" in line
+    assert keep.stat().st_size > 0 and f"wrote {keep}" in out.stderr
+    # Without the tools the peer is skipped in one line and the arm still runs.
+    bare = {**os.environ, "PATH": str(Path(sys.executable).parent)}
+    out = subprocess.run(
+        [sys.executable, "-m", "strata_cfg", *args], capture_output=True, text=True, timeout=300, env=bare
+    )
+    assert out.returncode == 0, out.stderr
+    assert "[llama.cpp] skipped: neither llama-bench nor llama-batched-bench is on PATH" in out.stderr
+    assert "llama.cpp on the same weights" not in out.stdout
