@@ -229,7 +229,7 @@ def llama_cpp_figures(
             except ExportError as exc:
                 print(f"[llama.cpp] skipped: {exc}", file=sys.stderr)
                 return {"lines": [], "json": {"skipped": str(exc)}}
-            print(f"[llama.cpp] wrote {path} ({size / 2**30:.2f} GiB of tensors)", file=sys.stderr)
+            print(f"[llama.cpp] wrote {path} ({size / 2**20:,.1f} MiB of tensors)", file=sys.stderr)
         peer = llamacpp.run_peer(
             tools,
             path,
