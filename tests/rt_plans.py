@@ -35,6 +35,7 @@ def profile_text(
     draft_tokens: int = 0,
     context: int = 256,
     prefill_chunk: int = 64,
+    prefill_chunk_alone: int | None = None,
     seed: int = 0,
     layer_scale: float | None = None,
     routing: str | None = None,
@@ -79,6 +80,7 @@ def profile_text(
         lines += ["[split]", f"layers = {even_split(n_layers, stages)}"]
     lines += ["[spec]", f"draft_tokens = {draft_tokens}"]
     lines += ["[memory]", f"context = {context}", f"prefill_chunk = {prefill_chunk}", "vram_reserve_mib = 0"]
+    lines += [f"prefill_chunk_alone = {prefill_chunk_alone}"] if prefill_chunk_alone is not None else []
     if expert_cache is not None or adapt is not None or extra:
         lines += ["[experts]"]
         lines += [f"cache = {expert_cache}"] if expert_cache is not None else []

@@ -34,6 +34,7 @@ def sizing(**over) -> Sizing:
         with_mtp=True,
         mtp_passes=1,
         prefill_chunk=256,
+        prefill_chunk_alone=256,
         reserve_first=700 * MIB,
         reserve_later=700 * MIB,
         cache=None,

@@ -88,6 +88,13 @@ def test_memory_context_cap_clamps_to_the_models_positions():
     assert plan.settings["memory.context"].requested == 8192
 
 
+def test_memory_prefill_chunk_alone_floor_raises_a_lone_prompts_chunk_to_every_prompts():
+    plan = plan_of(rule_file("memory.prefill-chunk-alone-floor"))
+    assert plan.memory.prefill_chunk_alone == plan.memory.prefill_chunk == 256
+    assert decision(plan, "memory.prefill-chunk-alone-floor").severity == "clamp"
+    assert plan.settings["memory.prefill_chunk_alone"].requested == 64
+
+
 def test_spec_needs_mtp_weights_turns_drafting_off():
     plan = plan_of(rule_file("spec.needs-mtp-weights"))
     assert not plan.model.facts.has_mtp

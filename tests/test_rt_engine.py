@@ -251,3 +251,21 @@ def test_logits_are_computed_only_for_rows_that_decide_a_token() -> None:
     assert rows[0] == 1  # the first LM-head call: the last prompt row only (none for the chunks before)
     assert 1 < len(rows) <= 5 and all(r <= 4 for r in rows[1:])  # solo windows: a token + up to 3 drafts
     assert tuple(tokens) == reference("tiny", prompt, 5)
+
+
+def test_a_lone_prompt_reads_in_its_longer_chunks_and_gives_the_same_text() -> None:
+    """``memory.prefill_chunk_alone``: a prompt that is the engine's only work reads in chunks of that
+    length; beside a decoding stream it keeps ``prefill_chunk``, so the stream is never stalled longer."""
+    prompt = tuple((b"It is a truth universally acknowledged, that a single man " * 2)[:100])
+    texts, chunks = [], []
+    for alone in (None, 64):
+        eng = Engine(make_plan(slots=2, context=256, prefill_chunk=16, prefill_chunk_alone=alone))
+        texts.append(collect(eng, [(0, Request(prompt, 8))])[0])
+        chunks.append([w.rows for w in eng.window_stats.recent if w.kind == "prefill"])
+    assert chunks == [[16] * 6 + [4], [64, 36]]
+    assert texts[0] == texts[1]
+    eng.window_stats.recent.clear()
+    collect(eng, [(0, Request(prompt[:10], 40)), (2, Request(prompt, 4))])
+    beside = [w.rows for w in eng.window_stats.recent if w.kind == "prefill"]
+    assert beside == [10] + [16] * 6 + [4]  # the first request decodes until after the prompt is read
+

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from ..schema.plan import MIB, Decision, GpuPlan, LaunchPlan, StagePlan
+from ..schema.plan import MIB, Decision, GpuPlan, LaunchPlan, MemoryPlan, StagePlan
 from .table import table
 
 _HOLDS = {
@@ -178,7 +178,7 @@ def plan_text(plan: LaunchPlan) -> str:
         f"  model   {_model_line(plan)}",
         f"  batch   {_batch_line(plan)}",
         f"  spec    {_spec_line(plan)}",
-        f"  memory  {m.context} tokens per slot, KV {m.kv_dtype}, prefill chunk {m.prefill_chunk}",
+        f"  memory  {m.context} tokens per slot, KV {m.kv_dtype}, prefill chunk {_chunk(m)}",
         f"  serve   {serve}",
         "",
         *_placement(plan),
@@ -191,3 +191,10 @@ def plan_text(plan: LaunchPlan) -> str:
     if decisions:
         lines += ["", "decisions (! = overrides what the profile asked for)", *decisions]
     return "\n".join(lines) + "\n"
+
+
+def _chunk(m: MemoryPlan) -> str:
+    """The prefill chunk, and a lone prompt's where it differs."""
+    if m.prefill_chunk_alone == m.prefill_chunk:
+        return str(m.prefill_chunk)
+    return f"{m.prefill_chunk} ({m.prefill_chunk_alone} for a prompt alone)"

@@ -230,6 +230,7 @@ def _assemble(
             context=led["memory.context"],
             kv_dtype=led["memory.kv_dtype"],
             prefill_chunk=led["memory.prefill_chunk"],
+            prefill_chunk_alone=led["memory.prefill_chunk_alone"],
             vram_reserve_mib=led["memory.vram_reserve_mib"],
             vram_reserve_later_mib=led["memory.vram_reserve_later_mib"],
         ),

@@ -73,7 +73,15 @@ def resolve_defaults(
             f"context {context} is more than the model's {max_ctx} positions; {max_ctx} per slot",
         )
     led.take("memory.kv_dtype", mem.kv_dtype if mem else None, dtype)
-    led.take("memory.prefill_chunk", mem.prefill_chunk if mem else None, DEFAULT_PREFILL_CHUNK)
+    chunk = led.take("memory.prefill_chunk", mem.prefill_chunk if mem else None, DEFAULT_PREFILL_CHUNK)
+    alone = led.take("memory.prefill_chunk_alone", mem.prefill_chunk_alone if mem else None, chunk)
+    if alone < chunk:
+        led.change(
+            "memory.prefill_chunk_alone",
+            chunk,
+            "memory.prefill-chunk-alone-floor",
+            f"a lone prompt's chunk of {alone} is shorter than every prompt's {chunk}; {chunk}",
+        )
     reserve = led.take("memory.vram_reserve_mib", mem.vram_reserve_mib if mem else None, DEFAULT_RESERVE_MIB)
     led.take("memory.vram_reserve_later_mib", mem.vram_reserve_later_mib if mem else None, reserve)
     led.take("memory.host_reserve_mib", mem.host_reserve_mib if mem else None, DEFAULT_HOST_RESERVE_MIB)

@@ -37,6 +37,7 @@ def sizing(model: ModelFacts, led: Ledger) -> Sizing:
         with_mtp=drafting,
         mtp_passes=_mtp_passes(led, spec_mtp=spec_mtp, batch_mtp=batch_mtp),
         prefill_chunk=led["memory.prefill_chunk"],
+        prefill_chunk_alone=led["memory.prefill_chunk_alone"],
         reserve_first=led["memory.vram_reserve_mib"] * MIB,
         reserve_later=led["memory.vram_reserve_later_mib"] * MIB,
         cache=None if cache == "auto" else int(cache),

@@ -37,12 +37,20 @@ class Sizing:
     mtp_passes: int
     """MTP head runs per decode step (chained solo proposals, or one per slot with batch MTP)."""
     prefill_chunk: int
+    prefill_chunk_alone: int
+    """Rows of a lone prompt's prefill window (at least ``prefill_chunk``)."""
     reserve_first: int
     """Bytes left free on the first stage's GPU."""
     reserve_later: int
     """Bytes left free on every other GPU."""
     cache: int | None
     """``experts.cache`` when the user gave a number; None for auto."""
+
+    @property
+    def prefill_rows(self) -> int:
+        """The most rows a prefill window can hold with its workspace: a chunk beside a decode window, or a
+        lone prompt's longer chunk."""
+        return sizes.prefill_rows(self.prefill_chunk, self.prefill_chunk_alone)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +78,7 @@ def stage_need(model: ModelFacts, shape: StageShape, sz: Sizing) -> StageNeed:
             else 0
         ),
         workspace=sizes.workspace_bytes(
-            model, context=sz.context, prefill_chunk=sz.prefill_chunk, last=shape.last
+            model, context=sz.context, prefill_rows=sz.prefill_rows, last=shape.last
         ),
         experts=sizes.expert_count(model, shape, with_mtp=sz.with_mtp),
     )
@@ -255,9 +263,9 @@ def auto_split(model: ModelFacts, gpus: Sequence[GpuFacts], sz: Sizing) -> tuple
     last_fixed = (
         sizes.weight_bytes(model, last_shape, with_mtp=sz.with_mtp)
         + sizes.drafter_bytes(model, context=sz.context, kv_dtype=sz.kv_dtype, drafters=sz.drafters)
-        + sizes.workspace_bytes(model, context=sz.context, prefill_chunk=sz.prefill_chunk, last=True)
+        + sizes.workspace_bytes(model, context=sz.context, prefill_rows=sz.prefill_rows, last=True)
     )
-    mid_ws = sizes.workspace_bytes(model, context=sz.context, prefill_chunk=sz.prefill_chunk, last=False)
+    mid_ws = sizes.workspace_bytes(model, context=sz.context, prefill_rows=sz.prefill_rows, last=False)
     mtp_experts = model.mtp_layers * model.num_experts if sz.with_mtp else 0
     head = _head_step(model, sz)
     eb = model.expert_bytes()

@@ -42,6 +42,12 @@ _RULES = (
     # 0: defaults and auto values
     Rule("model.cpu-float32", 0, "note", "virtual CPU devices run in float32, whatever model.dtype asks"),
     Rule("memory.context-cap", 0, "clamp", "memory.context is capped at the model's max positions"),
+    Rule(
+        "memory.prefill-chunk-alone-floor",
+        0,
+        "clamp",
+        "memory.prefill_chunk_alone is at least memory.prefill_chunk",
+    ),
     Rule("spec.needs-mtp-weights", 0, "off", "spec.draft_tokens >= 2 needs a model with MTP weights"),
     Rule(
         "machine.estimated-bandwidth", 0, "note", "a probed GPU's bandwidth is an estimate, not a known value"

@@ -85,11 +85,17 @@ def _has_dense_layer(model: ModelFacts) -> bool:
     return bool(model.mlp_only_layers) or model.num_experts == 0 or model.decoder_sparse_step > 1
 
 
-def workspace_bytes(model: ModelFacts, *, context: int, prefill_chunk: int, last: bool) -> int:
-    """Activation workspace: an R-row decode window plus a P-row prefill chunk, each at
-    `row_activation_bytes`; the last stage adds the window's logits [R, V] in float32."""
+def prefill_rows(prefill_chunk: int, prefill_chunk_alone: int) -> int:
+    """Rows of activation workspace for prefill: an R-row decode window beside a P-row chunk, or a lone
+    prompt's chunk of ``prefill_chunk_alone`` rows, whichever is more."""
+    return max(MAX_WINDOW_ROWS + prefill_chunk, prefill_chunk_alone)
+
+
+def workspace_bytes(model: ModelFacts, *, context: int, prefill_rows: int, last: bool) -> int:
+    """Activation workspace: ``prefill_rows`` rows (`prefill_rows`) at `row_activation_bytes`; the last stage
+    adds a decode window's logits [R, V] in float32."""
     per_row = row_activation_bytes(model, context=context)
-    n = (MAX_WINDOW_ROWS + prefill_chunk) * per_row
+    n = prefill_rows * per_row
     if last:
         n += MAX_WINDOW_ROWS * model.vocab_size * F32
     return n

@@ -245,6 +245,8 @@ class MemoryPlan(_Plan):
     kv_dtype: Literal["float32", "float16", "bfloat16"]
     prefill_chunk: int
     """Prompt tokens per prefill window."""
+    prefill_chunk_alone: int
+    """Prompt tokens per prefill window while that prompt is the engine's only work (serial windows)."""
     vram_reserve_mib: int
     vram_reserve_later_mib: int
 

@@ -183,6 +183,10 @@ class MemorySection(Section):
     prefill_chunk: int | None = Field(default=None, ge=8, le=1 << 16)
     """Prompt tokens read per prefill window (default 512). Bigger reads prompts faster and needs more
     activation workspace."""
+    prefill_chunk_alone: int | None = Field(default=None, ge=8, le=1 << 16)
+    """Prompt tokens per prefill window while that prompt is the engine's only work: no stream decoding, no
+    other prompt waiting (serial windows; default: ``prefill_chunk``). A lone prompt then reads in fewer,
+    longer windows, and nothing waits behind them; the workspace is planned for that many rows."""
 
 
 class ExpertsSection(Section):

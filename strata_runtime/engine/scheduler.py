@@ -6,7 +6,8 @@ a slot is free), then, by the plan's batch mode:
 
 * *serial windows* (one group): one window, launched and finished at once. It is either one prefill chunk
   (the oldest prefilling slot) or one decode window, alternating while both kinds of work exist, so a long
-  prompt never stalls the other slots' decoding. A decode window is
+  prompt never stalls the other slots' decoding; a prompt that is the only work reads in chunks of
+  ``memory.prefill_chunk_alone``. A decode window is
   * *solo*: one decoding slot and nothing prefilling: its token plus ``windows.solo_rows - 1`` chained MTP
     proposals (solo promotion; a newcomer demotes it again);
   * *batch MTP*: 2 rows per slot (token + proposal), at most 4 slots per window, the start rotating;
@@ -410,17 +411,20 @@ class Engine:
         turn = self._prefill_turn.get(group, True)
         if prefilling and (turn or not decoding):
             self._prefill_turn[group] = False
-            return self._prefill_job(min(prefilling, key=lambda s: s.admitted_at))
+            alone = not pipelined and not decoding and len(prefilling) == 1
+            return self._prefill_job(min(prefilling, key=lambda s: s.admitted_at), alone=alone)
         self._prefill_turn[group] = True
         if not decoding:
             return None
         return self._decode_job(group, decoding, prefilling, pipelined)
 
-    def _prefill_job(self, slot: Slot, pos: int | None = None) -> Job:
+    def _prefill_job(self, slot: Slot, pos: int | None = None, alone: bool = False) -> Job:
         """The chunk of ``slot``'s prompt that starts at ``pos`` (default: where its KV ends; a streamed
-        chunk starts past the chunks in flight)."""
+        chunk starts past the chunks in flight). ``alone``: the prompt is the engine's only work, so the
+        chunk is ``memory.prefill_chunk_alone`` long (nothing waits behind it)."""
         start = slot.length if pos is None else pos  # while a slot prefills, its length is its prompt offset
-        n = min(self.plan.memory.prefill_chunk, len(slot.prompt) - start)
+        m = self.plan.memory
+        n = min(m.prefill_chunk_alone if alone else m.prefill_chunk, len(slot.prompt) - start)
         tokens = list(slot.prompt[start : start + n])
         entry = Entry(slot, "prefill", tokens, pos=start, ends_prompt=start + n == len(slot.prompt))
         return Job("prefill", [entry])
