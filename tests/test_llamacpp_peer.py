@@ -117,7 +117,8 @@ def test_each_workload_runs_the_matching_llama_cpp_test() -> None:
     tools = {"llama-bench": "lb", "llama-batched-bench": "lbb"}
 
     def cmds(workload: str) -> list[list[str]]:
-        return [c for _, c in llamacpp.commands(tools, "m.gguf", workload, 64, 4096, 3, (1, 2, 4, 8))]
+        asked = llamacpp.Workload(workload, 64, 4096, 3, (1, 2, 4, 8))
+        return [c for _, c in llamacpp.commands(tools, "m.gguf", asked)]
 
     (solo,) = cmds("solo")
     assert solo[0] == "lb" and solo[solo.index("-n") + 1] == "64" and solo[solo.index("-p") + 1] == "0"
@@ -147,10 +148,8 @@ BATCHED = "\n".join(
 def test_clients_pair_each_stream_count_with_llama_cpp_and_a_failure_is_a_note() -> None:
     tools = {"llama-bench": "lb", "llama-batched-bench": "lbb"}
     outputs = {"lb": _done(BENCH_TG), "lbb": _done(BATCHED)}
-    run = llamacpp.run_peer(
-        tools, "m.gguf", "clients", tokens=64, prompt_tokens=0, repeats=2, clients=(1, 2, 4, 8),
-        run=lambda cmd, **kw: outputs[cmd[0]],
-    )  # fmt: skip
+    asked = llamacpp.Workload("clients", 64, 0, 2, (1, 2, 4, 8))
+    run = llamacpp.run_peer(tools, "m.gguf", asked, run=lambda cmd, **kw: outputs[cmd[0]])
     assert [(f.case, f.tok_s) for f in run.figures] == [
         ("1 clients", 212.5),
         ("2 clients", 200.0),
@@ -161,10 +160,10 @@ def test_clients_pair_each_stream_count_with_llama_cpp_and_a_failure_is_a_note()
     lines = llamacpp.render(run, ours, "serial")
     assert any("1 clients" in ln and "= 2.00x" in ln for ln in lines)
     assert any("8 clients" in ln and "= 0.50x" in ln for ln in lines)
+    solo = llamacpp.Workload("solo", 64, 0, 2, ())
     failed = llamacpp.run_peer(
-        tools, "m.gguf", "solo", tokens=64, prompt_tokens=0, repeats=2, clients=(),
-        run=lambda cmd, **kw: _done("", 1, "error: unknown model architecture"),
-    )  # fmt: skip
+        tools, "m.gguf", solo, run=lambda cmd, **kw: _done("", 1, "error: unknown model architecture")
+    )
     assert failed.figures == [] and failed.notes == [
         "llama-bench exited 1: error: unknown model architecture"
     ]

@@ -268,4 +268,3 @@ def test_a_lone_prompt_reads_in_its_longer_chunks_and_gives_the_same_text() -> N
     collect(eng, [(0, Request(prompt[:10], 40)), (2, Request(prompt, 4))])
     beside = [w.rows for w in eng.window_stats.recent if w.kind == "prefill"]
     assert beside == [10] + [16] * 6 + [4]  # the first request decodes until after the prompt is read
-

@@ -15,13 +15,27 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 TOOLS = ("llama-bench", "llama-batched-bench")
 BATCHED_PROMPT = 128  # tokens of each stream's prompt in llama-batched-bench
 FULL_OFFLOAD = "999"  # -ngl: every layer on the GPU
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What the runtime's arms ran, for llama.cpp to run its counterpart of."""
+
+    name: str
+    tokens: int
+    """Tokens generated per stream."""
+    prompt_tokens: int
+    """The ``prompt`` workload's prompt length."""
+    repeats: int
+    clients: tuple[int, ...]
+    """The ``clients`` workload's stream counts."""
 
 
 @dataclass
@@ -61,25 +75,18 @@ def skip_reason(tools: dict[str, str], workload: str) -> str | None:
     return None
 
 
-def commands(
-    tools: dict[str, str],
-    gguf: str,
-    workload: str,
-    tokens: int,
-    prompt_tokens: int,
-    repeats: int,
-    clients: Iterable[int],
-) -> list[tuple[str, list[str]]]:
+def commands(tools: dict[str, str], gguf: str, w: Workload) -> list[tuple[str, list[str]]]:
     """(tool, command line) of each llama.cpp run a workload needs (tools missing from PATH: none)."""
+    workload, tokens = w.name, w.tokens
     out: list[tuple[str, list[str]]] = []
     bench = tools.get("llama-bench")
     batched = tools.get("llama-batched-bench")
-    single = [bench, "-m", gguf, "-ngl", FULL_OFFLOAD, "-r", str(repeats), "-o", "json"] if bench else None
+    single = [bench, "-m", gguf, "-ngl", FULL_OFFLOAD, "-r", str(w.repeats), "-o", "json"] if bench else None
     if workload == "prompt" and single:
-        out.append(("llama-bench", [*single, "-p", str(prompt_tokens), "-n", "0"]))
+        out.append(("llama-bench", [*single, "-p", str(w.prompt_tokens), "-n", "0"]))
     if workload in ("solo", "clients") and single:
         out.append(("llama-bench", [*single, "-p", "0", "-n", str(tokens)]))
-    streams = {"two-decodes": [2], "clients": [c for c in clients if c > 1]}.get(workload, [])
+    streams = {"two-decodes": [2], "clients": [c for c in w.clients if c > 1]}.get(workload, [])
     if streams and batched:
         ctx = max(streams) * (BATCHED_PROMPT + tokens) + 16
         out.append(
@@ -120,19 +127,12 @@ def parse_batched(text: str, workload: str) -> list[Figure]:
 
 
 def run_peer(
-    tools: dict[str, str],
-    gguf: str,
-    workload: str,
-    *,
-    tokens: int,
-    prompt_tokens: int,
-    repeats: int,
-    clients: Iterable[int],
-    run: Callable[..., Any] = subprocess.run,
+    tools: dict[str, str], gguf: str, w: Workload, run: Callable[..., Any] = subprocess.run
 ) -> PeerRun:
-    """Run llama.cpp's tools for ``workload`` on the GGUF file ``gguf``; a failed tool becomes a note."""
+    """Run llama.cpp's tools for workload ``w`` on the GGUF file ``gguf``; a failed tool becomes a note."""
+    workload = w.name
     out = PeerRun()
-    for tool, cmd in commands(tools, gguf, workload, tokens, prompt_tokens, repeats, clients):
+    for tool, cmd in commands(tools, gguf, w):
         out.commands.append(cmd)
         done = run(cmd, capture_output=True, text=True, check=False)
         if done.returncode != 0:

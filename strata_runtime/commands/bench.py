@@ -230,15 +230,8 @@ def llama_cpp_figures(
                 print(f"[llama.cpp] skipped: {exc}", file=sys.stderr)
                 return {"lines": [], "json": {"skipped": str(exc)}}
             print(f"[llama.cpp] wrote {path} ({size / 2**20:,.1f} MiB of tensors)", file=sys.stderr)
-        peer = llamacpp.run_peer(
-            tools,
-            path,
-            args.workload,
-            tokens=args.tokens,
-            prompt_tokens=args.prompt_tokens,
-            repeats=args.repeats,
-            clients=CLIENT_COUNTS,
-        )
+        asked = llamacpp.Workload(args.workload, args.tokens, args.prompt_tokens, args.repeats, CLIENT_COUNTS)
+        peer = llamacpp.run_peer(tools, path, asked)
     figures = [{"case": f.case, "what": f.what, "tok_s": f.tok_s} for f in peer.figures]
     return {
         "lines": llamacpp.render(peer, summary[first], first),
