@@ -15,6 +15,7 @@ COMMANDS: dict[str, str] = {
     "generate": "one request from a plan, printed as text or JSON",
     "bench": "benchmark workloads over resolved arm plans",
     "serve": "the OpenAI-compatible HTTP server",
+    "gguf": "the plan's model written as a GGUF file for llama.cpp",
 }
 
 

@@ -208,3 +208,21 @@ def test_bench_runs_llama_cpp_beside_its_arm_on_the_model_it_writes(tmp_path: Pa
     assert out.returncode == 0, out.stderr
     assert "[llama.cpp] skipped: neither llama-bench nor llama-batched-bench is on PATH" in out.stderr
     assert "llama.cpp on the same weights" not in out.stdout
+
+
+def test_strata_gguf_writes_the_profiles_model_once(tmp_path: Path, tiny) -> None:
+    """`strata gguf PROFILE OUT` writes the engine's own weights; an existing file is never overwritten."""
+    out = tmp_path / "demo.gguf"
+    cmd = [sys.executable, "-m", "strata_cfg", "gguf", "profiles/demo.toml", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "as llama.cpp's qwen3moe" in done.stdout
+    reader, written = _read(out)
+    assert _field(reader, "general.architecture") == "qwen3moe"
+    _, tensors = tiny
+    np.testing.assert_array_equal(
+        written["blk.0.attn_q.weight"], tensors["model.layers.0.self_attn.q_proj.weight"].astype(np.float16)
+    )
+    before = out.stat().st_mtime_ns
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 2 and "exists" in again.stdout and out.stat().st_mtime_ns == before

@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from ..weights.progress import Progress
+
 ARCH = "qwen3moe"
 
 _LAYER_NAMES = {
@@ -108,11 +110,11 @@ def write_gguf(
     config: Mapping[str, Any],
     tensors: Mapping[str, Any],
     name: str,
-    progress: Callable[[int, int], None] | None = None,
+    progress: Progress | None = None,
 ) -> int:
     """Write ``tensors`` (the runtime's names; NumPy or CuPy arrays) of a model with ``config`` (its
-    ``config.json``) to ``path`` as GGUF; the bytes of tensor data written. ``progress(done, total)``
-    is called after each tensor.
+    ``config.json``) to ``path`` as GGUF; the bytes of tensor data written. ``progress`` makes a bar that
+    advances by the bytes of each tensor written.
 
     Raises `ExportError` when llama.cpp would compute another model, or a tensor is missing.
     """
@@ -153,12 +155,16 @@ def write_gguf(
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
+    total = sum(int(np.prod(shape)) * (2 if len(shape) > 1 else 4) for _, _, shape in items)
+    bar = progress("writing GGUF", total) if progress is not None else None
     written = 0
-    for done, (_, get, _) in enumerate(items, 1):
+    for _, get, _ in items:
         data = get()
         writer.write_tensor_data(data)
         written += data.nbytes
-        if progress is not None:
-            progress(done, len(items))
+        if bar is not None:
+            bar.advance(data.nbytes)
     writer.close()
+    if bar is not None:
+        bar.close()
     return written

@@ -1,0 +1,43 @@
+"""`python -m strata_runtime gguf --plan plan.json --out model.gguf`: the plan's model as a GGUF file.
+
+The weights are the engine's own (an engine of the plan is built, so a synthetic preset is generated exactly
+as it would be served), written by `strata_runtime.bench.gguf_export`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from strata_cfg.schema.plan_file import read_plan
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--plan", required=True, type=Path, help="a resolved plan (strata plan --json)")
+    parser.add_argument("--out", required=True, type=Path, help="the GGUF file to write")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..api import PlanMismatch
+    from ..bench.gguf_export import ExportError, write_gguf
+    from ..bench.peer import model_config
+    from ..engine import Engine
+    from ..model.placed import WeightStore
+    from ..weights.progress import stderr_progress
+
+    plan = read_plan(args.plan)
+    weights = WeightStore()
+    try:
+        Engine(plan, progress=stderr_progress, weights=weights)
+        tensors = {k: v for st in weights.stages.values() for k, v in st.tensors.items()}
+        size = write_gguf(args.out, model_config(plan), tensors, plan.model.label(), progress=stderr_progress)
+    except ImportError:
+        print("strata_runtime gguf: needs the gguf package: pip install 'strata-cfg[gguf]'", file=sys.stderr)
+        return 1
+    except (ExportError, PlanMismatch, OSError, ValueError) as exc:
+        args.out.unlink(missing_ok=True)
+        print(f"strata_runtime gguf: {exc}", file=sys.stderr)
+        return 1
+    print(f"{args.out}: {plan.model.label()} as llama.cpp's qwen3moe, {size / 2**20:,.1f} MiB of tensors")
+    return 0
