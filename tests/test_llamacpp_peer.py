@@ -226,3 +226,12 @@ def test_strata_gguf_writes_the_profiles_model_once(tmp_path: Path, tiny) -> Non
     before = out.stat().st_mtime_ns
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert again.returncode == 2 and "exists" in again.stdout and out.stat().st_mtime_ns == before
+
+
+def test_without_the_gguf_package_the_export_says_how_to_install_it(
+    tmp_path: Path, tiny, monkeypatch
+) -> None:
+    config, tensors = tiny
+    monkeypatch.setitem(sys.modules, "gguf", None)  # import gguf now raises ImportError
+    with pytest.raises(ExportError, match=r"needs the gguf package: pip install 'strata-cfg\[gguf\]'"):
+        write_gguf(tmp_path / "x.gguf", config, tensors, "tiny")

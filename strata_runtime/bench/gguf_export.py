@@ -24,7 +24,11 @@ from typing import Any
 
 import numpy as np
 
+from strata_cfg.schema.plan import LaunchPlan
+
+from ..model.placed import WeightStore
 from ..weights.progress import Progress
+from .peer import model_config
 
 ARCH = "qwen3moe"
 
@@ -75,6 +79,11 @@ def gguf_name(name: str) -> str | None:
     return f"blk.{block}.{mapped}" if mapped is not None else None
 
 
+def _dtype(ndim: int) -> np.dtype[Any]:
+    """How a tensor is written: matrices in fp16, vectors (norms) in fp32, as llama.cpp's converter does."""
+    return np.dtype(np.float16 if ndim > 1 else np.float32)
+
+
 Fetch = Callable[[], np.ndarray]
 """Gives a tensor's host array as written (fetched from the device only when called)."""
 
@@ -87,7 +96,7 @@ def gguf_tensors(tensors: Mapping[str, Any]) -> Iterator[tuple[str, Fetch, tuple
         def get() -> np.ndarray:
             a = arr[:, rows] if rows is not None else arr
             a = a.get() if hasattr(a, "get") else np.asarray(a)
-            return np.ascontiguousarray(a, dtype=np.float16 if a.ndim > 1 else np.float32)
+            return np.ascontiguousarray(a, dtype=_dtype(a.ndim))
 
         return get
 
@@ -121,7 +130,10 @@ def write_gguf(
     problem = unsupported(config)
     if problem:
         raise ExportError(f"cannot export to GGUF: the model has {problem}")
-    gguf: Any = importlib.import_module("gguf")
+    try:
+        gguf: Any = importlib.import_module("gguf")
+    except ImportError:
+        raise ExportError("writing GGUF needs the gguf package: pip install 'strata-cfg[gguf]'") from None
     items = list(gguf_tensors(tensors))
     layers = int(config["num_hidden_layers"])
     need = {f"blk.{j}.{n}" for j in range(layers) for n in (*_LAYER_NAMES.values(), "ffn_gate_exps.weight")}
@@ -149,14 +161,13 @@ def write_gguf(
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     writer.add_tokenizer_model("none")
     writer.add_vocab_size(int(config["vocab_size"]))
-    for gname, _, shape in items:
-        dtype = np.dtype(np.float16 if len(shape) > 1 else np.float32)
-        writer.add_tensor_info(gname, shape, dtype, int(np.prod(shape)) * dtype.itemsize)
+    sizes = [int(np.prod(shape)) * _dtype(len(shape)).itemsize for _, _, shape in items]
+    for (gname, _, shape), nbytes in zip(items, sizes, strict=True):
+        writer.add_tensor_info(gname, shape, _dtype(len(shape)), nbytes)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
-    total = sum(int(np.prod(shape)) * (2 if len(shape) > 1 else 4) for _, _, shape in items)
-    bar = progress("writing GGUF", total) if progress is not None else None
+    bar = progress("writing GGUF", sum(sizes)) if progress is not None else None
     written = 0
     for _, get, _ in items:
         data = get()
@@ -168,3 +179,11 @@ def write_gguf(
     if bar is not None:
         bar.close()
     return written
+
+
+def write_model(
+    path: str | Path, plan: LaunchPlan, weights: WeightStore, progress: Progress | None = None
+) -> int:
+    """`write_gguf` of the model an engine of ``plan`` was built on: every stage's tensors in ``weights``."""
+    tensors = {k: v for st in weights.stages.values() for k, v in st.tensors.items()}
+    return write_gguf(path, model_config(plan), tensors, plan.model.label(), progress)

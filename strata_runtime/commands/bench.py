@@ -203,15 +203,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def llama_cpp_figures(
-    args: argparse.Namespace, plans: dict[str, LaunchPlan], summary: dict[str, Any], weights: Any
+    args: argparse.Namespace, plans: dict[str, LaunchPlan], summary: dict[str, Any], weights: WeightStore
 ) -> dict[str, Any]:
     """The llama.cpp peer beside the first arm: its figures as lines and as JSON, or the one line that says
     why it was skipped (printed to stderr)."""
     import tempfile
 
     from ..bench import llamacpp
-    from ..bench.gguf_export import ExportError, write_gguf
-    from ..bench.peer import model_config
+    from ..bench.gguf_export import ExportError, write_model
 
     first = next(iter(plans))
     plan = plans[first]
@@ -223,9 +222,8 @@ def llama_cpp_figures(
     with tempfile.TemporaryDirectory(prefix="strata-gguf-") as tmp:
         path = args.gguf or str(Path(tmp) / f"{plan.profile}.gguf")
         if not Path(path).exists():
-            tensors = {k: v for st in weights.stages.values() for k, v in st.tensors.items()}
             try:
-                size = write_gguf(path, model_config(plan), tensors, plan.model.label())
+                size = write_model(path, plan, weights)
             except ExportError as exc:
                 print(f"[llama.cpp] skipped: {exc}", file=sys.stderr)
                 return {"lines": [], "json": {"skipped": str(exc)}}

@@ -20,8 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..api import PlanMismatch
-    from ..bench.gguf_export import ExportError, write_gguf
-    from ..bench.peer import model_config
+    from ..bench.gguf_export import ExportError, write_model
     from ..engine import Engine
     from ..model.placed import WeightStore
     from ..weights.progress import stderr_progress
@@ -30,11 +29,7 @@ def run(args: argparse.Namespace) -> int:
     weights = WeightStore()
     try:
         Engine(plan, progress=stderr_progress, weights=weights)
-        tensors = {k: v for st in weights.stages.values() for k, v in st.tensors.items()}
-        size = write_gguf(args.out, model_config(plan), tensors, plan.model.label(), progress=stderr_progress)
-    except ImportError:
-        print("strata_runtime gguf: needs the gguf package: pip install 'strata-cfg[gguf]'", file=sys.stderr)
-        return 1
+        size = write_model(args.out, plan, weights, progress=stderr_progress)
     except (ExportError, PlanMismatch, OSError, ValueError) as exc:
         args.out.unlink(missing_ok=True)
         print(f"strata_runtime gguf: {exc}", file=sys.stderr)
