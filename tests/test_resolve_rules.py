@@ -95,6 +95,15 @@ def test_memory_prefill_chunk_alone_floor_raises_a_lone_prompts_chunk_to_every_p
     assert plan.settings["memory.prefill_chunk_alone"].requested == 64
 
 
+def test_the_plan_text_shows_a_lone_prompts_longer_chunk():
+    from strata_cfg.report.plan_text import plan_text
+
+    plan = plan_of(rule_file("memory.prefill-chunk-alone-floor"))
+    assert "prefill chunk 256\n" in plan_text(plan)  # raised to the chunk: nothing more to say
+    longer = plan.model_copy(update={"memory": plan.memory.model_copy(update={"prefill_chunk_alone": 1024})})
+    assert "prefill chunk 256 (1024 for a prompt alone)" in plan_text(longer)
+
+
 def test_spec_needs_mtp_weights_turns_drafting_off():
     plan = plan_of(rule_file("spec.needs-mtp-weights"))
     assert not plan.model.facts.has_mtp

@@ -268,3 +268,14 @@ def test_a_lone_prompt_reads_in_its_longer_chunks_and_gives_the_same_text() -> N
     collect(eng, [(0, Request(prompt[:10], 40)), (2, Request(prompt, 4))])
     beside = [w.rows for w in eng.window_stats.recent if w.kind == "prefill"]
     assert beside == [10] + [16] * 6 + [4]  # the first request decodes until after the prompt is read
+
+
+def test_pipelined_groups_stream_a_lone_prompt_in_the_ordinary_chunks() -> None:
+    """Pipelined groups stream a lone prompt's chunks through their stages instead: the longer chunk is for
+    serial windows only."""
+    prompt = tuple((b"It is a truth universally acknowledged, that a single man " * 2)[:100])
+    plan = make_plan(stages=2, slots=2, groups=2, context=256, prefill_chunk=16, prefill_chunk_alone=64)
+    assert plan.batch.mode == "pipelined"
+    eng = Engine(plan)
+    collect(eng, [(0, Request(prompt, 4))])
+    assert [w.rows for w in eng.window_stats.recent if w.kind == "prefill"] == [16] * 6 + [4]
