@@ -66,12 +66,14 @@ def collect(eng: Engine, schedule: list[tuple[int, Request]], check_kv: bool = T
 
 
 def assert_kv_consistent(eng: Engine) -> None:
-    """Every stage (and the drafter) holds exactly the slot's committed positions."""
+    """Every stage holds exactly the slot's committed positions and the rows of its chained windows still in
+    flight (the drafter only the committed ones)."""
     for i, slot in enumerate(eng.slots):
         if slot is None:
             assert eng.model.kv_lengths(i) == [0] * len(eng.model.stages)
             continue
-        assert eng.model.kv_lengths(i) == [slot.length] * len(eng.model.stages)
+        ahead = sum(len(e.tokens) for f in eng._chain for e in f.job.entries if e.slot.id == i)
+        assert eng.model.kv_lengths(i) == [slot.length + ahead] * len(eng.model.stages)
         if eng.tracked:
             assert eng.model.drafters[i].length == slot.length
 

@@ -226,6 +226,38 @@ def test_greedy_text_on_gpu_does_not_depend_on_drafting_or_batching(cp):
     assert solo == plain
 
 
+def _run_ahead(plan, run_ahead: int):
+    return plan.model_copy(update={"batch": plan.batch.model_copy(update={"run_ahead": run_ahead})})
+
+
+@pytest.mark.parametrize("split", [None, 2])
+def test_windows_running_ahead_on_gpu_give_the_text_of_windows_one_at_a_time(cp, split):
+    """Greedy and seeded plain sampling, one and several slots, on one stage and on two stages of one GPU
+    (the chained window's tokens then cross from the last stage's stream to the first's)."""
+    from strata_runtime.api import Request, SamplingParams
+    from strata_runtime.engine import Engine
+
+    g = np.random.default_rng(23)
+    prompts = [g.integers(1, 250, int(n)).tolist() for n in g.integers(3, 30, 3)]
+    samplings = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, seed=5)]
+    for slots in (1, 3):
+        plan = _plan(cp, model="tiny", slots=slots, split=split)
+        texts = []
+        for ahead in (1, 3):
+            engine = Engine(_run_ahead(plan, ahead))
+            handles = [
+                engine.submit(Request(tuple(p), 30, sampling=samplings[i % 2]))
+                for i, p in enumerate(prompts[:slots])
+            ]
+            most = 0
+            while engine.step():
+                most = max(most, len(engine._chain))
+            assert most == (ahead if ahead > 1 else 0)  # after a step: run_ahead windows queued, or none
+            texts.append([[t for ev in list(h.events.queue) for t in ev.token_ids] for h in handles])
+        assert texts[0] == texts[1]
+        assert all(len(t) == 30 for t in texts[0])
+
+
 def test_long_prefill_chunks_match_the_float32_reference(cp, model_src):
     """Chunks of more than 64 rows take the CUDA prefill path (cuBLAS products, fp16 scores): their logits,
     and the KV they leave for the decode windows after them, must match the float32 reference on every row

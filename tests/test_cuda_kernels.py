@@ -452,3 +452,30 @@ def test_batched_products_match_numpy(gpu, out_dtype, beta):
     assert rel_err(y_d.get(), x.astype(np.float64) @ w.astype(np.float64).T) < HALF_REL
     with pytest.raises(ValueError, match="do not agree"):
         matmul_nt(cp.asarray(x), cp.asarray(w[:, :50]), y_d)
+
+
+@pytest.mark.parametrize(("rows", "v"), [(1, 151936), (6, 5000), (3, 33)])
+def test_choose_matches_twin(gpu, rows, v):
+    """Argmax rows exactly; draws exactly but where u falls within float32 rounding of a boundary between
+    two tokens' cumulative weights (the kernel sums in float32, the twin in float64)."""
+    cp, kern, ref = gpu
+    from strata_runtime.models.ops.choose import choose_tokens
+
+    g = rng()
+    for trial in range(20):
+        logits = (g.standard_normal((rows, v)) * 3).astype(np.float32)
+        inv_temp = np.where(g.random(rows) < 0.3, 0.0, g.uniform(0.3, 2.0, rows))
+        u = g.random(rows)
+        if trial == 0:
+            u[0] = 0.0  # the first token with weight
+        out_d = cp.full(rows, -1, cp.int64)
+        kern.choose(cp.asarray(logits), cp.asarray(inv_temp, cp.float32), cp.asarray(u, cp.float32), out_d)
+        got, want = out_d.get(), choose_tokens(logits, inv_temp.astype(np.float32), u.astype(np.float32))
+        for r in range(rows):
+            if got[r] == want[r]:
+                continue
+            assert inv_temp[r] > 0, f"argmax row {r} differs"
+            x = logits[r].astype(np.float64) * np.float32(inv_temp[r])
+            cdf = np.cumsum(np.exp(x - x.max()))
+            edge = cdf[min(got[r], want[r])]
+            assert abs(edge - np.float32(u[r]) * cdf[-1]) < 1e-5 * cdf[-1], (r, got[r], want[r])

@@ -20,7 +20,7 @@ from test_rt_engine import collect, engine, reference
 from strata_runtime.api import Request
 from strata_runtime.engine import Engine
 from strata_runtime.engine.executor import Executor
-from strata_runtime.engine.flight import Flight, Mark, StageMark
+from strata_runtime.engine.flight import Chained, Flight, Mark, StageMark
 from strata_runtime.engine.job import Job
 
 
@@ -63,8 +63,8 @@ class GatedExecutor(Executor):
     def _marks(self) -> list[Mark]:
         return [Gate(self.advance) for _ in self.stages]
 
-    def launch(self, job: Job) -> Flight:
-        flight = super().launch(job)
+    def launch(self, job: Job, after: Chained | None = None) -> Flight:
+        flight = super().launch(job, after)
         self.flights.append(flight)
         self.log.append(Logged("launch", self.tick, flight))
         return flight

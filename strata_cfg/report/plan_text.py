@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from ..schema.plan import MIB, Decision, GpuPlan, LaunchPlan, MemoryPlan, StagePlan
+from ..schema.plan import MIB, BatchPlan, Decision, GpuPlan, LaunchPlan, MemoryPlan, StagePlan
 from .table import table
 
 _HOLDS = {
@@ -68,7 +68,14 @@ def _batch_line(plan: LaunchPlan) -> str:
         mtp = f"batch MTP on: each slot sends its token + 1 proposal, {b.slots_per_window} slots per window"
     else:
         mtp = "batch MTP off"
-    return f"{b.slots} slots, {how}; {mtp}"
+    return f"{b.slots} slots, {how}; {mtp}{_ahead(b)}"
+
+
+def _ahead(b: BatchPlan) -> str:
+    """The run-ahead of plain decode windows, where it differs from the default."""
+    if b.run_ahead == 1:
+        return "; plain decode windows one at a time"
+    return "" if b.run_ahead == 2 else f"; {b.run_ahead} plain decode windows in flight"
 
 
 def _spec_line(plan: LaunchPlan) -> str:

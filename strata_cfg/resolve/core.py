@@ -220,6 +220,7 @@ def _assemble(
             mtp_in_groups=bool(led["batch.mtp"]) and mode == "pipelined",
             slots_per_window=per_window,
             rows_per_slot=rows_per_slot,
+            run_ahead=led["batch.run_ahead"],
         ),
         spec=SpecPlan(
             draft_tokens=led["spec.draft_tokens"],

@@ -20,6 +20,7 @@ DEFAULT_PORT = 8000
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_DRAFT_TOKENS = 4
 DEFAULT_HOST_RESERVE_MIB = 4096
+DEFAULT_RUN_AHEAD = 2
 
 
 def drafts_with_mtp(model: ModelFacts, led: Ledger) -> bool:
@@ -92,6 +93,7 @@ def resolve_defaults(
     led.take("batch.groups", b.groups if b else None, None)
     led.take("batch.mtp", b.mtp if b else None, False)
     led.take("batch.mtp_in_groups", b.mtp_in_groups if b else None, False)
+    led.take("batch.run_ahead", b.run_ahead if b else None, DEFAULT_RUN_AHEAD)
 
     s = p.spec
     draft = led.take(

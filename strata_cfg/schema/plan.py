@@ -213,6 +213,9 @@ class BatchPlan(_Plan):
     """Slots that share one window (with batch MTP at most 4; in pipelined groups a group's slots)."""
     rows_per_slot: int
     """Rows each slot sends per batch window (2 with batch MTP: token and proposal)."""
+    run_ahead: int = 2
+    """Plain decode windows (one row per slot, tokens chosen on the GPU) in flight at once; 1: one at a
+    time."""
 
 
 class SpecPlan(_Plan):

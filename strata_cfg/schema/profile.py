@@ -156,6 +156,10 @@ class BatchSection(Section):
     """Run batch MTP inside each pipelined group instead of turning it off when ``groups`` is more than 1 on
     a split (default false). Each group's window carries 2 rows per slot, so at most 4 slots per group. An
     extension beyond the reference engine, which refuses the combination."""
+    run_ahead: int | None = Field(default=None, ge=1, le=8)
+    """Plain decode windows in flight at once (default 2): each next window reads the tokens the one before
+    it chose on the GPU, so the GPU does not wait for the host between them. 1 runs each window alone. A
+    request that stops computes at most ``run_ahead - 1`` windows past its stop, which are discarded."""
 
 
 class SpecSection(Section):

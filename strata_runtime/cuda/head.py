@@ -8,9 +8,11 @@ from __future__ import annotations
 from typing import Any
 
 import cupy as cp
+import numpy as np
 
 from strata_cfg.schema.windows import MAX_WINDOW_ROWS
 
+from ..backend import upload_into
 from .blas import matmul_nt
 from .ops import kernels_for
 
@@ -39,4 +41,17 @@ class CudaHead:
             if rows > MAX_WINDOW_ROWS:
                 return matmul_nt(cp.ascontiguousarray(normed, dtype=cp.float16), self.lm_head, out)
             self.kern.gemv(self.lm_head, cp.ascontiguousarray(normed, dtype=cp.float32), out)
+            return out
+
+    def choose(self, logits: Any, inv_temp: np.ndarray, uniform: np.ndarray) -> cp.ndarray:
+        """Each row's chosen token [R] (int64) of logits [R, V]: the argmax where ``inv_temp`` is 0, else the
+        draw at ``uniform`` (`strata_runtime.models.ops.choose`); the host arrays go up through pinned
+        memory, on the current stream."""
+        with cp.cuda.Device(self.device_id):
+            rows = logits.shape[0]
+            t, u = cp.empty(rows, cp.float32), cp.empty(rows, cp.float32)
+            upload_into(t, inv_temp.astype(np.float32))
+            upload_into(u, uniform.astype(np.float32))
+            out = cp.empty(rows, cp.int64)
+            self.kern.choose(logits, t, u, out)
             return out

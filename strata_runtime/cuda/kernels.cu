@@ -689,6 +689,86 @@ __global__ void argmax_rows(const float* __restrict__ logits, int V, int* __rest
   }
 }
 
+// One block of 1024 threads per row: the row's chosen token. inv_temp[r] == 0: the argmax (lowest index on
+// ties). Otherwise the draw at u[r] from softmax(logits[r] * inv_temp[r]): the first index whose cumulative
+// weight exceeds u * total, weights exp((l - max) * inv_temp) summed in index order (each thread a contiguous
+// chunk, the chunks' sums scanned across the block); models/ops/choose.py is the NumPy twin.
+__global__ void choose_rows(const float* __restrict__ logits, int V, const float* __restrict__ inv_temp,
+                            const float* __restrict__ u, long long* __restrict__ out) {
+  const int r = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int warps = (int)(blockDim.x >> 5);
+  const float* l = logits + (size_t)r * V;
+  float best = -STRATA_INF;
+  int bi = 0x7fffffff;
+  for (int i = tid; i < V; i += blockDim.x) {
+    const float v = l[i];
+    if (v > best || (v == best && i < bi)) { best = v; bi = i; }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, best, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+    if (ov > best || (ov == best && oi < bi)) { best = ov; bi = oi; }
+  }
+  __shared__ float sv[32], sums[32];
+  __shared__ int si[32], found, last;
+  if (lane == 0) { sv[warp] = best; si[warp] = bi; }
+  if (tid == 0) { found = 0x7fffffff; last = -1; }
+  __syncthreads();
+  if (tid == 0) {
+    for (int w = 1; w < warps; ++w)
+      if (sv[w] > sv[0] || (sv[w] == sv[0] && si[w] < si[0])) { sv[0] = sv[w]; si[0] = si[w]; }
+  }
+  __syncthreads();
+  const float t = inv_temp[r];
+  if (t <= 0.f) {
+    if (tid == 0) out[r] = si[0];
+    return;
+  }
+  const float mx = sv[0];
+  const int chunk = (V + blockDim.x - 1) / blockDim.x;
+  const int a = min(tid * chunk, V), b = min(a + chunk, V);
+  float s = 0.f;
+  int nz = -1;
+  for (int i = a; i < b; ++i) {
+    const float w = __expf((l[i] - mx) * t);
+    s += w;
+    if (w > 0.f) nz = i;
+  }
+  float incl = s;  // inclusive scan of the chunks' sums: within the warp, then across warps
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const float v = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += v;
+  }
+  if (lane == 31) sums[warp] = incl;
+  if (nz >= 0) atomicMax(&last, nz);
+  __syncthreads();
+  if (warp == 0) {
+    float w = lane < warps ? sums[lane] : 0.f;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const float v = __shfl_up_sync(0xffffffffu, w, o);
+      if (lane >= o) w += v;
+    }
+    sums[lane] = w;
+  }
+  __syncthreads();
+  incl += warp > 0 ? sums[warp - 1] : 0.f;
+  const float total = sums[warps - 1], excl = incl - s, target = u[r] * total;
+  if (s > 0.f && excl <= target && target < incl) {
+    float c = excl;
+    int at = nz;  // rounding left the crossing past the chunk's end: its last weighted token
+    for (int i = a; i < b; ++i) {
+      c += __expf((l[i] - mx) * t);
+      if (c > target) { at = i; break; }
+    }
+    atomicMin(&found, at);
+  }
+  __syncthreads();
+  if (tid == 0) out[r] = found != 0x7fffffff ? found : last;  // u * total rounded up to the total: the last
+}
+
 // ---- prefill: the pieces between cuBLAS products for long prompt chunks ------------------------------
 // Chunks of more than 64 rows run their products (q/k/v, attention scores and sums, output projection,
 // experts grouped by expert) on cuBLAS in fp16; these kernels do the rest.

@@ -302,6 +302,12 @@ class Kernels(KernelCache):
         """out[R] = argmax of each row of logits [R, V], lowest index on ties."""
         self.fn("argmax_rows")((logits.shape[0],), (1024,), (logits, np.int32(logits.shape[1]), out))
 
+    def choose(self, logits: Array, inv_temp: Array, uniform: Array, out: Array) -> None:
+        """out[R] (int64) = each row's chosen token of logits [R, V]: the argmax where inv_temp [R] is 0,
+        else the draw at uniform [R] from softmax(logits * inv_temp) (``choose_rows`` of kernels.cu)."""
+        rows, v = logits.shape
+        self.fn("choose_rows")((rows,), (1024,), (logits, np.int32(v), inv_temp, uniform, out))
+
     # ---- prefill pieces (long chunks; the products run on cuBLAS) ---------------------------------
 
     def rms_norm_fp32_to_half(self, x: Array, w: Array, out: Array, eps: float) -> None:

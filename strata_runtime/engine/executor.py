@@ -5,10 +5,14 @@ a `strata_runtime.engine.flight.Flight` without waiting. On GPUs each stage work
 stream (one per stage, made once):
 stage 0 embeds the tokens; each later stage waits for the previous stage's event and copies the hidden rows
 over from its device (a peer copy, on the receiving stream); every stage runs its layers and records an
-event. The last stage adds the final norm, the LM head of the rows that decide a token, their argmax (and,
-for sampled rows, the logits) copied into pinned host buffers without the host waiting, and the flight's
-``done`` event. Uploads (token ids, a window's positions and slots) go through pinned memory too
-(`strata_runtime.backend.upload_into`), so queuing a window never makes the host wait for a stream.
+event. The last stage adds the final norm, the LM head of the rows that decide a token, each one's chosen
+token (the argmax, or for a plain sampled row a draw at a uniform the host drew at launch:
+`strata_runtime.models.ops.choose`) and, for rows the host chooses (a bias, penalty, top-k or top-p, or
+proposals to verify when sampling), the logits, copied into pinned host buffers without the host waiting,
+and the flight's ``done`` event. A chained window (`strata_runtime.engine.flight.Chained`) embeds the
+tokens the window before it chose, on the device, after that window's ``done`` event. Uploads (token ids,
+a window's positions and slots) go through pinned memory too (`strata_runtime.backend.upload_into`), so
+queuing a window never makes the host wait for a stream.
 
 `Executor.finish` waits for ``done``, then verifies each slot's rows and commits (accept/rewind) through
 `strata_runtime.engine.speculative`; the drafters' work runs on one more stream of the last device, after
@@ -37,11 +41,11 @@ from ..api import TokenEvent
 from ..backend import Array, cupy_module, device_lock, download, holding, peer_copy, transfer
 from ..model import Model
 from ..model.stage import Stage
-from .flight import Flight, Mark, StageMark, StageWorker, wait_any
+from .flight import Chained, Flight, Mark, StageMark, StageWorker, wait_any
 from .job import Entry, Job
 from .sampling import Sampler
 from .slot import Slot
-from .speculative import Proposals, commit, draft, verify
+from .speculative import Proposals, Verdict, commit, draft, verify
 
 
 def _using(stream: Any) -> Any:
@@ -85,11 +89,12 @@ class Executor:
 
     # ---- launching ----------------------------------------------------------------------------------
 
-    def launch(self, job: Job) -> Flight:
-        """Queue ``job`` through every stage and return its flight without waiting for it."""
+    def launch(self, job: Job, after: Chained | None = None) -> Flight:
+        """Queue ``job`` through every stage and return its flight without waiting for it; ``after``: its
+        tokens are the choices of the window before it, read on the device."""
         needed = job.needed()
-        sampled = bool(needed) and any(e.slot.sampler.needs_logits for e in job.entries)
-        flight = Flight(job, job.layout(), needed, sampled, self._marks())
+        sampled = bool(needed) and any(e.slot.sampler.needs_logits and not e.on_device for e in job.entries)
+        flight = Flight(job, job.layout(), needed, sampled, self._marks(), after, job.draws())
         for s in range(len(self.stages)):
             if self._workers is not None:
                 self._workers[s].submit(functools.partial(self._share, flight, s))
@@ -113,7 +118,7 @@ class Executor:
                     return
             stage, stream = self.stages[s], self._streams[s]
             with stage.device.use(), _using(stream), holding(flight.keep):
-                hidden = stage.embed(flight.job.token_array()) if s == 0 else self._receive(flight, s)
+                hidden = self._embed(flight, stage, stream) if s == 0 else self._receive(flight, s)
                 hidden = stage.forward(hidden, flight.layout)  # [R, H]
                 flight.hidden.append(hidden)
                 flight.keep.append(hidden)  # the next stage's copy reads it from another stream
@@ -127,6 +132,32 @@ class Executor:
         finally:
             assert isinstance(mark, StageMark)
             mark.record(event)
+
+    def _embed(self, flight: Flight, first: Stage, stream: Any) -> Array:
+        """The window's embedding rows on the first stage: of its token ids, or for a chained window of the
+        tokens the window before it chose, read on the device after that window's last stage."""
+        after = flight.after
+        if after is None:
+            return first.embed(flight.job.token_array())
+        source = after.take()
+        if source.error is not None:
+            raise RuntimeError("the window this chained window follows failed") from source.error
+        last = self.stages[-1]
+        chosen = source.chosen  # [needed rows of the source] on the last stage's device
+        flight.keep.append(chosen)  # read on this stage's stream
+        if stream is not None:
+            done = source.done
+            assert isinstance(done, StageMark)
+            if done.event is not None:
+                stream.wait_event(done.event)
+            if last.device != first.device:
+                chosen = peer_copy(chosen, last.device, first.device)
+                flight.keep.append(chosen)
+        elif last.device != first.device:
+            chosen = transfer(chosen, last.device, first.device)
+        if after.rows != tuple(range(len(chosen))):
+            chosen = chosen[first.device.upload(np.asarray(after.rows, np.int64))]
+        return first.embed(chosen)
 
     def _receive(self, flight: Flight, s: int) -> Array:
         """The previous stage's output rows, on stage ``s``'s device and ordered after that stage's work."""
@@ -143,7 +174,8 @@ class Executor:
         return peer_copy(rows, src.device, dst.device)  # on this stage's stream; the flight holds ``rows``
 
     def _head(self, flight: Flight, last: Stage) -> None:
-        """The final norm, and the logits of the needed rows with their argmax, read back without waiting."""
+        """The final norm, and the logits of the needed rows with their chosen tokens, read back without
+        waiting."""
         normed = last.final_norm(flight.hidden[-1])  # [R, H]
         flight.normed = normed
         flight.keep.append(normed)  # the drafters read it on their own stream
@@ -155,13 +187,17 @@ class Executor:
         else:
             picked = normed[dev.upload(np.asarray(flight.needed, np.int64))]
         logits = self.model.logits(picked)  # [len(needed), V] fp32
-        argmax = dev.xp.argmax(logits, axis=-1)  # [len(needed)]
-        if dev.is_cuda:
-            flight.argmax = download(argmax)
-            flight.logits = download(logits) if flight.sampled else None
-            flight.keep += [picked, logits, argmax]
+        if flight.draws is None:
+            chosen = dev.xp.argmax(logits, axis=-1)  # [len(needed)]
         else:
-            flight.argmax = np.asarray(argmax)
+            chosen = self.model.choose(logits, *flight.draws)  # [len(needed)]
+        flight.chosen = chosen
+        if dev.is_cuda:
+            flight.chosen_host = download(chosen)
+            flight.logits = download(logits) if flight.sampled else None
+            flight.keep += [picked, logits, chosen]
+        else:
+            flight.chosen_host = np.asarray(chosen)
             flight.logits = np.asarray(logits) if flight.sampled else None
 
     def _release_workspace(self, flight: Flight, stage: Stage) -> None:
@@ -235,6 +271,11 @@ class Executor:
     ) -> list[tuple[Slot, TokenEvent]]:
         """One slot's rows of a finished window (starting at window row ``row``): verify and commit."""
         n, slot, normed = len(e.tokens), e.slot, flight.normed
+        if slot.finished is not None:
+            # A chained window queued before the window that ended the request was finished: its rows are
+            # the bounded overrun of running ahead. Nothing is emitted or kept (the slot's release has
+            # rewound its KV).
+            return []
         if e.pos != slot.length:
             raise RuntimeError(
                 f"slot {slot.id}: a window at position {e.pos} finished while the slot holds {slot.length} "
@@ -245,7 +286,7 @@ class Executor:
             """The target's rows [first, first + count) of ``needed``: the argmax for plain greedy, else the
             logits (`verify` adjusts and decides)."""
             if not slot.sampler.needs_logits:
-                return flight.argmax[first : first + count]
+                return flight.chosen_host[first : first + count]
             assert flight.logits is not None  # read whenever a sampled slot is in the window
             return flight.logits[first : first + count]
 
@@ -254,7 +295,10 @@ class Executor:
             at = logit_row.get(row + n - 1)
             decided = None if at is None else target(at, 1)
             return self._finish_prefill(slot, n, decided, normed[row : row + n])
-        verdict = verify(target(logit_row[row], n), e.proposals, slot.sampler)
+        if e.on_device:  # the device chose the token: nothing to verify
+            verdict = Verdict(0, [int(flight.chosen_host[logit_row[row]])])
+        else:
+            verdict = verify(target(logit_row[row], n), e.proposals, slot.sampler)
         kept = verdict.accepted + 1
         commit(self.model, slot.id, slot.length, kept, normed[row : row + n], verdict.tokens, self.tracked)
         proposed = len(e.proposals.tokens)

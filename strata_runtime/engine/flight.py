@@ -46,6 +46,9 @@ class Mark(Protocol):
     def wait(self) -> None:
         """Block the host until ``done``."""
 
+    def wait_recorded(self) -> None:
+        """Block the host until ``recorded`` (the share is queued, never waiting for the device)."""
+
 
 class StageMark:
     """A stage's mark: recorded by the thread that queues the share, with the CUDA event after it (None on
@@ -89,14 +92,36 @@ def wait_any(marks: Iterable[Mark]) -> None:
         time.sleep(POLL_S)
 
 
+class Chained:
+    """Where a chained window's tokens come from: row r reads the token that window ``source`` chose for its
+    needed row ``rows[r]``, on the device, so the window is queued before the host has seen that token.
+
+    `take` hands the source's chosen tokens over once its last stage has been queued, and lets go of the
+    source flight, so that a run of chained windows never holds more than the flight before each.
+    """
+
+    def __init__(self, source: Flight, rows: tuple[int, ...]) -> None:
+        self._source: Flight | None = source
+        self.rows = rows
+
+    def take(self) -> Flight:
+        """The source flight, its last stage queued (its ``chosen`` and ``done`` are set); once only."""
+        source = self._source
+        assert source is not None, "a chained window takes its source's tokens once"
+        self._source = None
+        source.done.wait_recorded()
+        return source
+
+
 @dataclass(eq=False)
 class Flight:
     """One window from launch to finish.
 
     ``needed`` are the window's rows whose logits decide a token (every decode row, and the last row of a
     prompt's final chunk). The last stage leaves ``normed`` (the post-final-norm rows, for the drafters'
-    catch-up) and, in pinned host arrays filled by copies the host did not wait for, ``argmax`` of the needed
-    rows and, when a sampled slot is in the window, their ``logits``. ``keep`` holds every array and pinned
+    catch-up), ``chosen`` (the needed rows' tokens, chosen on its device) and, in pinned host arrays filled by
+    copies the host did not wait for, ``chosen_host`` and, when a row's token is chosen on the host, the
+    needed rows' ``logits``. ``keep`` holds every array and pinned
     buffer a queued copy reads or writes, until the flight is finished.
     """
 
@@ -105,11 +130,19 @@ class Flight:
     needed: list[int]
     sampled: bool
     marks: list[Mark]
+    after: Chained | None = None
+    """A chained window: its tokens are the choices of the window before it, read on the device."""
+    draws: tuple[np.ndarray, np.ndarray] | None = None
+    """1 / temperature and a uniform per needed row, for the rows whose draw the device makes
+    (`strata_runtime.engine.job.Job.draws`); None: every needed row's choice is its argmax."""
     launched_at: float = field(default_factory=time.perf_counter)
     hidden: list[Array] = field(default_factory=list)
     """Each stage's output rows, in stage order (the next stage copies from them)."""
     normed: Array = None
-    argmax: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    chosen: Array = None
+    """The chosen token of each needed row on the last stage's device (the argmax, or the device's draw):
+    what a chained window after it reads."""
+    chosen_host: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     logits: np.ndarray | None = None
     keep: list[Any] = field(default_factory=list)
     error: BaseException | None = None
@@ -122,6 +155,11 @@ class Flight:
     def passed(self, stage: int) -> bool:
         """Whether the window has left ``stage`` (its device is free for the next window)."""
         return self.marks[stage].done
+
+    def wait_queued(self) -> None:
+        """Block the host until every stage's share is queued (never waiting for the device)."""
+        for mark in self.marks:
+            mark.wait_recorded()
 
 
 class StageWorker:

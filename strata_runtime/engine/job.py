@@ -15,6 +15,10 @@ from ..layout import Layout
 from .slot import Slot
 from .speculative import Proposals
 
+CHAINED = -1
+"""The token of a chained window's row: the window before chose it on the device, where this window reads
+it (`strata_runtime.engine.flight.Chained`); the host learns it when that window is finished."""
+
 
 @dataclass
 class Entry:
@@ -34,6 +38,12 @@ class Entry:
         if self.pos < 0:
             self.pos = self.slot.length
 
+    @property
+    def on_device(self) -> bool:
+        """A decode row with no proposals whose token the device chooses (`Sampler.device_chooses`): the
+        host reads the chosen token and neither the logits nor a verification."""
+        return self.kind == "decode" and not self.proposals.tokens and self.slot.sampler.device_chooses
+
 
 @dataclass
 class Job:
@@ -47,7 +57,9 @@ class Job:
         return Layout.of([(e.slot.id, len(e.tokens), e.pos) for e in self.entries])
 
     def token_array(self) -> np.ndarray:
-        return np.array([t for e in self.entries for t in e.tokens], dtype=np.int64)
+        ids = np.array([t for e in self.entries for t in e.tokens], dtype=np.int64)
+        assert not (ids == CHAINED).any(), "a chained window's tokens are on the device"
+        return ids
 
     @property
     def rows(self) -> int:
@@ -56,6 +68,19 @@ class Job:
     @property
     def proposals(self) -> int:
         return sum(len(e.proposals.tokens) for e in self.entries)
+
+    def draws(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """For each needed row, 1 / temperature and a uniform for a draw on the device (drawn now, from the
+        slot's generator, in launch order), or 0 and 0 (the argmax); None when no row is drawn there."""
+        if not any(e.on_device and not e.slot.sampler.greedy for e in self.entries):
+            return None
+        inv_temp, uniform = [], []
+        for e in self.entries:
+            rows = len(e.tokens) if e.kind == "decode" else int(e.ends_prompt)
+            drawn = e.on_device and not e.slot.sampler.greedy
+            inv_temp += [e.slot.sampler.inv_temperature if drawn else 0.0] * rows
+            uniform += [e.slot.sampler.uniform() if drawn else 0.0 for _ in range(rows)]
+        return np.array(inv_temp, np.float64), np.array(uniform, np.float64)
 
     def needed(self) -> list[int]:
         """Rows whose logits decide a token: every decode row, and the last row of a prompt's final chunk

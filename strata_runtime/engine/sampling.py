@@ -63,6 +63,20 @@ class Sampler:
         self._bias = np.array(list(bias.values()), dtype=np.float64)
 
     @property
+    def device_chooses(self) -> bool:
+        """Whether a token with no proposals before it is chosen where the logits are, on the device: greedy
+        or plain temperature sampling (no bias, penalty, top-k or top-p) needs the logits and, sampled, one
+        uniform (`uniform`, drawn at launch in window order) and nothing else
+        (`strata_runtime.models.ops.choose`)."""
+        p = self.params
+        return not self.adjusts and (self.greedy or (p.top_k <= 0 and p.top_p >= 1.0))
+
+    @property
+    def inv_temperature(self) -> float:
+        """1 / temperature for a draw on the device; 0 for greedy (the argmax)."""
+        return 0.0 if self.greedy else 1.0 / self.params.temperature
+
+    @property
     def needs_logits(self) -> bool:
         """Whether choosing needs the logits on the host: sampling, or greedy over adjusted logits (a plain
         greedy choice is the device's argmax)."""

@@ -12,6 +12,11 @@ a slot is free), then, by the plan's batch mode:
     proposals (solo promotion; a newcomer demotes it again);
   * *batch MTP*: 2 rows per slot (token + proposal), at most 4 slots per window, the start rotating;
   * *serial*: one row per slot, every decoding slot in one window (at most 8).
+
+  A solo or serial window of one row per slot whose tokens the device chooses runs ahead: up to
+  ``batch.run_ahead`` windows are in flight, each reading on the device the tokens the one before it chose,
+  so the GPU does not wait for the host between them (`_serial_round`); the windows queued past a request's
+  stop are discarded.
 * *the continuous pipeline* (``batch.mode`` pipelined, G groups; slot s is in group s % G): windows of
   different groups stay in flight across steps. A step launches the next window (chosen as above, within
   the group) of every group that has nothing in flight, the group that has waited longest first; it
@@ -46,8 +51,8 @@ from ..model import Model
 from ..model.placed import WeightStore
 from ..weights.progress import Progress
 from .executor import Executor
-from .flight import Flight, Mark
-from .job import Entry, Job
+from .flight import Chained, Flight, Mark
+from .job import CHAINED, Entry, Job
 from .refusals import refusals
 from .sampling import Sampler
 from .slot import Slot
@@ -84,6 +89,10 @@ class Engine:
         self._prefill_turn: dict[int, bool] = {}
         self._flights: deque[Flight] = deque()
         """Windows in flight, in launch order (which is also the order they finish in)."""
+        self._chain: deque[Flight] = deque()
+        """Serial decode windows in flight, each after the window it reads its tokens from (run-ahead)."""
+        self.run_ahead = plan.batch.run_ahead
+        """Chained windows in flight at most (``batch.run_ahead``); 1 runs every window alone."""
         self._idle_since: dict[int, int] = {}
         """Each group's turn when its last window finished: the longest-waiting group launches first."""
         self._turns = itertools.count(1)
@@ -110,12 +119,12 @@ class Engine:
         self._reap_cancelled()
         self._admit()
         active = [s for s in self.slots if s is not None]
-        if not active and not self._flights:
+        if not active and not self._flights and not self._chain:
             return False
         decoding = [s for s in active if s.decoding]
         prefilling = [s for s in active if s.prefilling]
         solo = len(decoding) == 1 and not prefilling
-        if self.pipelined and (self._flights or not solo):
+        if self.pipelined and not self._chain and (self._flights or not solo):
             self._pipelined_step()
         else:
             self._serial_round(prefilling, decoding)
@@ -136,7 +145,7 @@ class Engine:
                 "stages": [s.device for s in self.plan.stages],
             },
             "queue": len(self._queue),
-            "in_flight": len(self._flights),
+            "in_flight": len(self._flights) + len(self._chain),
             "slots": [self._slot_state(i, s) for i, s in enumerate(self.slots)],
             "totals": dict(self.totals),
             "acceptance": self.acceptance,
@@ -316,11 +325,74 @@ class Engine:
     # ---- serial windows ------------------------------------------------------------------------------
 
     def _serial_round(self, prefilling: list[Slot], decoding: list[Slot]) -> None:
-        job = self._next_job(0, prefilling, decoding)
-        if job is None:
-            return
-        flight = self.executor.launch(job)
-        self._deliver(flight, self.executor.finish(flight))
+        """One window finished: the next one, or the oldest of a chain in flight.
+
+        A decode window whose rows are each a slot's one token, chosen on the device, runs ahead: the
+        windows after it are queued at once (`_extend_chain`), each reading the tokens the one before it
+        chose on the device, so the GPU never waits for the host between them. The host then finishes them
+        in order, and queues one more each time, as long as the schedule would give the same window again.
+        """
+        if not self._chain:
+            job = self._next_job(0, prefilling, decoding)
+            if job is None:
+                return
+            self._chain.append(self.executor.launch(job))
+            self._extend_chain()
+        flight = self._chain.popleft()
+        events = self.executor.finish(flight)
+        self._extend_chain()
+        for queued in self._chain:  # their stages' shares have counted their KV before a release rewinds it
+            queued.wait_queued()
+        self._deliver(flight, events)
+
+    def _extend_chain(self) -> None:
+        """Queue chained windows behind the newest one until `run_ahead` are in flight or it may not go on."""
+        while 0 < len(self._chain) < self.run_ahead:
+            before = self._chain[-1]
+            following = self._continuation(before)
+            if following is None:
+                return
+            job, rows = following
+            self._chain.append(self.executor.launch(job, Chained(before, rows)))
+
+    def _continuation(self, before: Flight) -> tuple[Job, tuple[int, ...]] | None:
+        """The window the schedule would give after ``before`` once it is finished, and for each of its
+        rows the row of ``before`` whose chosen token it reads; None when that window is not known yet.
+
+        It is known when ``before`` is a serial or solo window of one row per slot whose tokens the device
+        chooses (greedy, no logit bias or penalty), holding every decoding slot, and nothing else waits (no
+        queued request, no prompt): then the next window is the same slots one position on. A slot whose
+        windows in flight already reach its ``max_tokens`` is left out (it finishes in one of them); one
+        that cannot go on (cancelled, out of context) ends the chain.
+        """
+        job = before.job
+        if job.kind not in ("solo", "serial") or self._queue:
+            return None
+        if any(len(e.tokens) != 1 or e.kind != "decode" for e in job.entries):
+            return None
+        live = [s for s in self.slots if s is not None and s.finished is None]
+        if any(s.prefilling for s in live):
+            return None
+        chained = {e.slot.id for e in job.entries}
+        if any(s.id not in chained and not self._ends_in_flight(s) for s in live):
+            return None
+        entries, rows = [], []
+        for row, e in enumerate(job.entries):
+            slot = e.slot
+            if slot.finished is not None or self._ends_in_flight(slot):
+                continue
+            pos = e.pos + 1
+            fits = pos + 1 <= self.plan.memory.context
+            if not slot.sampler.device_chooses or slot.handle.cancelled.is_set() or not fits:
+                return None
+            entries.append(Entry(slot, "decode", [CHAINED], pos=pos))
+            rows.append(row)
+        if not entries:
+            return None
+        kind = "solo" if len(entries) == 1 else "serial"
+        if kind == "solo" and min(self.depth, self.plan.memory.context - entries[0].pos - 1) > 0:
+            return None  # one slot left: its solo windows draft
+        return Job(kind, entries), tuple(rows)
 
     # ---- the continuous pipeline -------------------------------------------------------------------------
 
@@ -341,8 +413,13 @@ class Engine:
     def _in_flight(self, group: int) -> list[Flight]:
         return [f for f in self._flights if self._group(f.job.entries[0].slot.id) == group]
 
+    def _ends_in_flight(self, slot: Slot) -> bool:
+        """The chained windows in flight reach ``slot``'s ``max_tokens`` (each gives it one token)."""
+        ahead = sum(1 for f in self._chain if slot.id in f.job.slot_ids)
+        return len(slot.generated) + ahead >= slot.handle.request.max_tokens
+
     def _busy_slots(self) -> set[int]:
-        return {sid for f in self._flights for sid in f.job.slot_ids}
+        return {sid for f in (*self._flights, *self._chain) for sid in f.job.slot_ids}
 
     def _launch_groups(self) -> int:
         """Launch each group's next window where it may go now, longest-waiting group first."""

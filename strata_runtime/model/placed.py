@@ -367,6 +367,10 @@ class Model:
     def logits(self, normed: Array) -> Array:
         return self.last.logits(normed)
 
+    def choose(self, logits: Array, inv_temp: np.ndarray, uniform: np.ndarray) -> Array:
+        """Each row's token chosen on the last stage's device (`strata_runtime.model.stage.Stage.choose`)."""
+        return self.last.choose(logits, inv_temp, uniform)
+
     def admit(self, slot: int, prompt_ids: tuple[int, ...]) -> None:
         """A request with these prompt ids now holds ``slot``: give it its routing (calibrated routing only;
         its tables follow from the prompt, so the same prompt routes the same way in any slot or mode)."""

@@ -22,6 +22,7 @@ from ..experts.cache import Policy
 from ..experts.routing import RoutingTables, apply_bias
 from ..experts.store import ExpertStore
 from ..layout import Layout
+from ..models.ops.choose import choose_tokens
 from ..models.ops.norm import rms_norm_in_dtype
 from ..models.qwen3_moe import DecoderLayer, ModelArgs, RouterBias, SparseMoeBlock, linear, rope_tables
 from .kvcache import KVCache
@@ -166,11 +167,14 @@ class Stage:
         if self.last:
             self.cuda_head = head.CudaHead(gpu, self.norm, self.lm_head, eps)
 
-    def embed(self, token_ids: np.ndarray) -> Array:
-        """The embedding rows [R, H] of ``token_ids`` (first stage only)."""
+    def embed(self, token_ids: Array) -> Array:
+        """The embedding rows [R, H] of ``token_ids``: host ids, or ids already on this device (first stage
+        only)."""
         assert self.embed_tokens is not None, f"stage {self.index} holds no embedding"
         with self.device.use():
-            return self.embed_tokens[self.device.upload(np.asarray(token_ids))]  # [R, H]
+            if isinstance(token_ids, np.ndarray) and self.device.is_cuda:
+                token_ids = self.device.upload(token_ids)
+            return self.embed_tokens[token_ids]  # [R, H]
 
     def forward(self, hidden: Array, layout: Layout) -> Array:
         """Run this stage's layers over a window's hidden rows [R, H], writing their KV; then account the
@@ -245,3 +249,10 @@ class Stage:
         with self.device.use():
             x = normed.astype(self.lm_head.dtype, copy=False)
             return linear(x, self.lm_head).astype(self.device.xp.float32)
+
+    def choose(self, logits: Array, inv_temp: np.ndarray, uniform: np.ndarray) -> Array:
+        """Each row's chosen token [R] (int64) of logits [R, V] on this device (last stage only): the argmax
+        where ``inv_temp`` [R] is 0, else the draw at ``uniform`` [R] (`strata_runtime.models.ops.choose`)."""
+        if self.cuda_head is not None:
+            return self.cuda_head.choose(logits, inv_temp, uniform)
+        return choose_tokens(np.asarray(logits), inv_temp, uniform)

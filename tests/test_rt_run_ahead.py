@@ -1,0 +1,228 @@
+"""Serial decode windows run ahead: the next window is queued before the host has read the tokens it reads.
+
+Each chained window embeds the tokens the window before it chose on the device. The text must be exactly the
+text of windows run one at a time (``run_ahead = 1``), on 1 to 3 virtual stages, with requests arriving,
+stopping, running out of tokens or context and being cancelled while windows are in flight; a request that
+stops computes at most ``run_ahead - 1`` windows past its stop, and emits and keeps nothing of them.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+from rt_engine_helpers import assert_kv_consistent, collect
+from rt_plans import make_plan
+
+from strata_runtime.api import Request, SamplingParams
+from strata_runtime.engine import Engine
+from strata_runtime.engine.flight import Chained, Flight
+from strata_runtime.engine.job import CHAINED, Job
+
+PROMPTS = [b"The river", b"A second, longer prompt here", b"Third", b"x" * 20]
+
+
+def engine(stages: int, slots: int, run_ahead: int, draft_tokens: int = 0, context: int = 128) -> Engine:
+    plan = make_plan(
+        stages=stages, slots=slots, groups=1, draft_tokens=draft_tokens, context=context, prefill_chunk=8
+    )
+    eng = Engine(plan)
+    eng.run_ahead = run_ahead
+    return eng
+
+
+class Spy:
+    """Records the engine's launches and finishes, in order, and how many windows were in flight."""
+
+    def __init__(self, eng: Engine) -> None:
+        self.log: list[tuple[str, Job]] = []
+        self.chained: list[Job] = []
+        self.most_in_flight = 0
+        launch, finish = eng.executor.launch, eng.executor.finish
+        in_flight: list[Flight] = []
+
+        def spy_launch(job: Job, after: Chained | None = None) -> Flight:
+            flight = launch(job, after)
+            if after is not None:
+                self.chained.append(job)
+            in_flight.append(flight)
+            self.most_in_flight = max(self.most_in_flight, len(in_flight))
+            self.log.append(("launch", job))
+            return flight
+
+        def spy_finish(flight: Flight) -> Any:
+            in_flight.remove(flight)
+            self.log.append(("finish", flight.job))
+            return finish(flight)
+
+        eng.executor.launch = spy_launch  # type: ignore[method-assign]
+        eng.executor.finish = spy_finish  # type: ignore[method-assign]
+
+
+@functools.cache
+def alone(prompt: bytes, max_tokens: int) -> tuple[int, ...]:
+    """The request's greedy tokens, alone and windows one at a time."""
+    return tuple(collect(engine(1, 1, 1), [(0, Request(tuple(prompt), max_tokens))])[0])
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3])
+@pytest.mark.parametrize("run_ahead", [2, 3])
+def test_a_lone_stream_queues_its_next_windows_before_finishing_one_and_gives_the_same_text(
+    stages, run_ahead
+) -> None:
+    eng = engine(stages, 1, run_ahead)
+    spy = Spy(eng)
+    got = collect(eng, [(0, Request(tuple(PROMPTS[0]), 24))])[0]
+    assert tuple(got) == alone(PROMPTS[0], 24)
+    assert spy.most_in_flight == run_ahead
+    decode = [job for what, job in spy.log if what == "launch" and job.kind == "solo"]
+    assert len(decode) == 24 - 1  # the prompt's window gives the first token; none is launched past the last
+    assert len(spy.chained) >= 20
+    assert all(e.tokens == [CHAINED] for job in spy.chained for e in job.entries)
+    # Once the chain runs, each finish is followed by the launch of the window run_ahead - 1 places after it.
+    kinds = [what for what, job in spy.log if job.kind == "solo"]
+    steady = kinds[run_ahead : run_ahead + 10]
+    assert steady == ["finish", "launch"] * 5
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+@pytest.mark.parametrize("draft_tokens", [0, 3])
+def test_serial_windows_of_several_slots_run_ahead_with_the_text_of_windows_one_at_a_time(
+    stages, draft_tokens
+) -> None:
+    """Staggered arrivals and different lengths: chains start, stop for a prompt and start again. With a
+    drafting plan the drafters are caught up window by window, and a slot left alone drafts again."""
+    schedule = [(0, 17), (0, 9), (5, 30), (40, 12)]
+    requests = [(at, Request(tuple(PROMPTS[i]), n)) for i, (at, n) in enumerate(schedule)]
+    base = collect(engine(stages, 4, 1, draft_tokens), requests)
+    eng = engine(stages, 4, 2, draft_tokens)
+    spy = Spy(eng)
+    assert collect(eng, requests) == base
+    assert any(len(job.entries) >= 2 for job in spy.chained)  # serial windows of several slots chained
+    if draft_tokens:
+        assert any(w.kind == "solo" and w.rows > 1 for w in eng.windows)  # the last slot alone drafts
+    for (_, req), tokens in zip(requests, base, strict=True):
+        assert tuple(tokens) == alone(bytes(req.prompt_ids), req.max_tokens)
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_a_stop_token_computes_a_bounded_overrun_that_is_neither_emitted_nor_kept(stages) -> None:
+    run_ahead = 3
+    ref = alone(PROMPTS[1], 40)
+    k = 12
+    stop = ref[k]
+    assert stop not in ref[:k], "the stop must first appear at index k"
+    eng = engine(stages, 2, run_ahead)
+    spy = Spy(eng)
+    h = eng.submit(Request(tuple(PROMPTS[1]), 40, stop_ids=(stop,)))
+    events = []
+    while eng.step():
+        assert_kv_consistent(eng)
+        while not h.events.empty():
+            events.append(h.events.get())
+    assert [t for ev in events for t in ev.token_ids] == list(ref[:k])
+    assert events[-1].finished == "stop"
+    decode = [job for what, job in spy.log if what == "launch" and job.kind != "prefill"]
+    assert k < len(decode) <= k + run_ahead - 1  # the stop came out of decode window k - 1
+    assert eng.slots == [None, None] and eng.model.kv_lengths(0) == [0] * stages
+    # The slot's next request reads a clean KV.
+    again = collect(eng, [(0, Request(tuple(PROMPTS[2]), 15))])[0]
+    assert tuple(again) == alone(PROMPTS[2], 15)
+
+
+def test_a_stop_string_ends_the_text_at_the_same_place_running_ahead() -> None:
+    base_eng, eng = engine(1, 1, 1), engine(1, 1, 3)
+    text = eng.tokenizer.decode(list(alone(PROMPTS[0], 30)))
+    stop = text[10:13]
+    assert len(stop) == 3 and stop not in text[:12]
+    outs = []
+    for e in (base_eng, eng):
+        h = e.submit(Request(tuple(PROMPTS[0]), 30, stop_strings=(stop,)))
+        while e.step():
+            pass
+        evs = [h.events.get() for _ in range(h.events.qsize())]
+        outs.append(("".join(ev.text for ev in evs), evs[-1].finished))
+    assert outs[0] == outs[1] and outs[1][1] == "stop"
+
+
+def test_a_newcomer_stops_the_chain_and_is_served_between_windows() -> None:
+    eng = engine(1, 2, 2)
+    spy = Spy(eng)
+    a = Request(tuple(PROMPTS[0]), 30)
+    b = Request(tuple(PROMPTS[3]), 6)
+    got = collect(eng, [(0, a), (12, b)])
+    assert got == [list(alone(PROMPTS[0], 30)), list(alone(PROMPTS[3], 6))]
+    # No chained window is launched while the newcomer's prompt waits: each prefill launch follows a finish.
+    launches = [(what, job) for what, job in spy.log]
+    for i, (what, job) in enumerate(launches):
+        if what == "launch" and job.kind == "prefill" and i:
+            assert launches[i - 1][0] == "finish"
+
+
+def test_a_request_that_runs_out_of_context_mid_chain_ends_as_it_does_alone() -> None:
+    prompt = tuple(PROMPTS[1])
+    outs = []
+    for run_ahead in (1, 2):
+        eng = engine(1, 1, run_ahead, context=40)
+        h = eng.submit(Request(prompt, 100))
+        while eng.step():
+            assert_kv_consistent(eng)
+        evs = [h.events.get() for _ in range(h.events.qsize())]
+        outs.append(([t for ev in evs for t in ev.token_ids], evs[-1].finished))
+    assert outs[0] == outs[1] and outs[0][1] == "length"
+    assert len(prompt) + len(outs[0][0]) - 1 == 40  # the KV is full: the last token is never read
+
+
+def test_a_request_cancelled_mid_chain_ends_cancelled_and_the_other_slot_is_unaffected() -> None:
+    eng = engine(2, 2, 3)
+    ha = eng.submit(Request(tuple(PROMPTS[0]), 40))
+    hb = eng.submit(Request(tuple(PROMPTS[2]), 30))
+    for _ in range(14):
+        eng.step()
+    assert eng._chain, "the two decoding slots are chained by now"
+    ha.cancel()
+    while eng.step():
+        assert_kv_consistent(eng)
+    a = [ha.events.get() for _ in range(ha.events.qsize())]
+    b = [hb.events.get() for _ in range(hb.events.qsize())]
+    assert a[-1].finished == "cancelled"
+    a_tokens = [t for ev in a for t in ev.token_ids]
+    assert tuple(a_tokens) == alone(PROMPTS[0], 40)[: len(a_tokens)]
+    assert [t for ev in b for t in ev.token_ids] == list(alone(PROMPTS[2], 30))
+    assert eng.model.kv_lengths(0) == [0, 0] and eng.model.kv_lengths(1) == [0, 0]
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        SamplingParams(temperature=0.8, top_p=0.9, seed=3),
+        SamplingParams(temperature=0.8, top_k=20, seed=3),
+        SamplingParams(temperature=0.0, logit_bias=((65, 2.0),)),
+        SamplingParams(temperature=0.7, presence_penalty=0.5, seed=3),
+    ],
+    ids=["top-p", "top-k", "greedy-with-bias", "penalty"],
+)
+def test_a_slot_whose_tokens_the_host_chooses_is_not_chained(sampling) -> None:
+    eng = engine(1, 1, 3)
+    spy = Spy(eng)
+    collect(eng, [(0, Request(tuple(PROMPTS[0]), 10, sampling=sampling))])
+    assert spy.chained == [] and spy.most_in_flight == 1
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_plain_sampling_runs_ahead_and_a_seed_gives_the_same_text_as_windows_one_at_a_time(stages) -> None:
+    """The device draws each row at a uniform the host drew at launch, in window order: the same uniforms
+    whether the windows run ahead or not."""
+    requests = [
+        (0, Request(tuple(PROMPTS[0]), 25, sampling=SamplingParams(temperature=0.9, seed=11))),
+        (3, Request(tuple(PROMPTS[2]), 18, sampling=SamplingParams(temperature=1.3, seed=12))),
+        (0, Request(tuple(PROMPTS[1]), 20)),  # greedy beside them
+    ]
+    base = collect(engine(stages, 4, 1), requests)
+    eng = engine(stages, 4, 3)
+    spy = Spy(eng)
+    assert collect(eng, requests) == base
+    assert any(len(job.entries) == 3 for job in spy.chained)
+    assert base[2] == list(alone(PROMPTS[1], 20))
+    assert base[0] != list(alone(PROMPTS[0], 25))  # sampled, not greedy
