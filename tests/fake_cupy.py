@@ -14,6 +14,7 @@ remembers, so that a test can tell whether an upload (``ndarray.set``) came from
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import sys
 import threading
@@ -245,6 +246,9 @@ class ReferenceKernels:
 
     def prepare(self, expressions: Any) -> None:
         pass
+
+    def programmatic(self, on: bool = True) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
 
     def __getattr__(self, name: str) -> Callable[..., None]:
         fn = getattr(reference_kernels, name)

@@ -29,7 +29,7 @@ from strata_cfg.schema.plan import LaunchPlan
 from ..backend import Device
 from ..cuda.experts import resident_experts
 from ..cuda.layers import LAYER_STEPS, LayerStack, LayerWeights, Step, WindowBuffers, step_applies
-from ..cuda.ops import Kernels
+from ..cuda.ops import PDL_ROWS, Kernels
 from ..cuda.routing import DeviceRouting, RowBias
 from ..model.placed import routing_tables
 from ..models.qwen3_moe import ModelArgs
@@ -190,7 +190,8 @@ class KernelModel:
             self.step(w)
         cp.cuda.Device().synchronize()
         eager = (time.perf_counter() - t0) / 3
-        graph = graph_seconds(cp, lambda: self.step(w), repeats)
+        with self.stack.kern.programmatic(rows in PDL_ROWS):  # as the decode graphs are captured
+            graph = graph_seconds(cp, lambda: self.step(w), repeats)
         # The last layer's routing stands for every layer's: random weights (and mid-stack calibrated
         # routing) route alike in each.
         distinct = len(set(w.buffers.idx.get().ravel().tolist())) if f.num_experts else 0

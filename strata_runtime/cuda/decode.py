@@ -26,6 +26,7 @@ from strata_cfg.schema.windows import MAX_WINDOW_ROWS
 from ..backend import device_lock
 from ..layout import Layout
 from .layers import LayerStack, WindowBuffers
+from .ops import PDL_ROWS
 
 
 class CudaLayers:
@@ -73,15 +74,18 @@ class CudaLayers:
         captured as a graph the second time, replayed after that."""
         rows = b.rows
         stream = cp.cuda.get_current_stream()
+        programmatic = self.stack.kern.programmatic(rows in PDL_ROWS)
         if rows not in self._seen:
             self._seen.add(rows)
-            body(b)
+            with programmatic:
+                body(b)
             return
         graph = self._graphs.get(rows)
         if graph is None:
             stream.synchronize()
             cap = self.capture_stream
-            with device_lock(self.stack.device_id), cap:  # no other thread frees this GPU's memory meanwhile
+            # no other thread frees this GPU's memory meanwhile
+            with device_lock(self.stack.device_id), cap, programmatic:
                 cap.begin_capture()
                 body(b)
                 graph = cap.end_capture()

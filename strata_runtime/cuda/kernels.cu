@@ -13,6 +13,21 @@
 
 #define STRATA_INF __int_as_float(0x7f800000)
 
+// Programmatic dependent launch (sm_90 and later). Launched with the PDL attribute (ops.py, `pdl.py`), a
+// decode kernel may start while the kernel before it in the stream is still finishing: each one lets the
+// next launch once all its own blocks have started (STRATA_PDL_LAUNCH, first thing), issues nothing before
+// STRATA_PDL_WAIT but reads of weights no kernel writes, and waits there until the kernel before it has
+// completed and its writes are visible. So the next kernel's weight loads overlap the previous one's tail.
+// Each kernel that launches its dependents waits before it ends, so completion stays transitive along the
+// stream. Launched without the attribute, both are no-ops.
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+#define STRATA_PDL_LAUNCH() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
+#define STRATA_PDL_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
+#else
+#define STRATA_PDL_LAUNCH()
+#define STRATA_PDL_WAIT()
+#endif
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -90,24 +105,29 @@ __device__ __forceinline__ float dot8(const float* wf, const float4& a, const fl
 template <int R, int K, int NR, bool NORM>
 __global__ void gemv_wide(const half* __restrict__ W, const float* __restrict__ x, float* __restrict__ y, int N,
                           int accumulate, const half* __restrict__ nw, float eps) {
+  STRATA_PDL_LAUNCH();
   __shared__ float inv[R];
-  if (NORM) block_inv_rms<R, K>(x, eps, inv);
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
   const int n0 = warp * NR;
-  if (n0 >= N) return;
   constexpr int STEPS = K / 256;
+  uint4 pk[NR == 1 ? STEPS : 1];
+  if (NR == 1 && n0 < N) {
+    // One row per warp: issue every load of the row first, so the whole row is in flight at once (and, under
+    // PDL, while the kernel before is finishing).
+    const uint4* w = reinterpret_cast<const uint4*>(W + (size_t)n0 * K);
+#pragma unroll
+    for (int s = 0; s < STEPS; ++s) pk[s] = __ldg(w + s * 32 + lane);
+  }
+  STRATA_PDL_WAIT();
+  if (NORM) block_inv_rms<R, K>(x, eps, inv);
+  if (n0 >= N) return;
   float acc[NR][R];
 #pragma unroll
   for (int j = 0; j < NR; ++j)
 #pragma unroll
     for (int r = 0; r < R; ++r) acc[j][r] = 0.f;
   if (NR == 1) {
-    // One row per warp: issue every load of the row first, so the whole row is in flight at once.
-    const uint4* w = reinterpret_cast<const uint4*>(W + (size_t)n0 * K);
-    uint4 pk[STEPS];
-#pragma unroll
-    for (int s = 0; s < STEPS; ++s) pk[s] = __ldg(w + s * 32 + lane);
 #pragma unroll
     for (int s = 0; s < STEPS; ++s) {
       float wf[8];
@@ -166,6 +186,8 @@ __global__ void gemv_wide(const half* __restrict__ W, const float* __restrict__ 
 // Any K (small models): one warp per output feature, scalar loads; nw == nullptr means no norm.
 __global__ void gemv_any(const half* __restrict__ W, const float* __restrict__ x, float* __restrict__ y, int R,
                          int N, int K, int accumulate, const half* __restrict__ nw, float eps) {
+  STRATA_PDL_LAUNCH();
+  STRATA_PDL_WAIT();
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
   if (warp >= N) return;
@@ -191,6 +213,8 @@ __global__ void gemv_any(const half* __restrict__ W, const float* __restrict__ x
 // resid[r] += delta[r] (when delta is given); out[r] = resid[r] * rsqrt(mean(resid[r]^2) + eps) * w.
 __global__ void add_rmsnorm(float* __restrict__ resid, const float* __restrict__ delta, const half* __restrict__ w,
                             float* __restrict__ out, int H, float eps) {
+  STRATA_PDL_LAUNCH();
+  STRATA_PDL_WAIT();
   const int r = blockIdx.x;
   float* xr = resid + (size_t)r * H;
   __shared__ float partial[32];
@@ -224,6 +248,8 @@ __global__ void qk_norm_rope_kv(const float* __restrict__ qkv, const half* __res
                                 const int* __restrict__ pos, const int* __restrict__ slot, float* __restrict__ q_out,
                                 half* __restrict__ kc, half* __restrict__ vc, int NQ, int NKV, int D, int T,
                                 float theta, float eps) {
+  STRATA_PDL_LAUNCH();
+  STRATA_PDL_WAIT();
   const int r = blockIdx.x, h = blockIdx.y, i = threadIdx.x, half_d = D >> 1;
   const float* row = qkv + (size_t)r * (NQ + 2 * NKV) * D;
   const bool is_q = h < NQ, live = i < half_d;
@@ -298,6 +324,8 @@ __global__ void __launch_bounds__(128) attn_split(const float* __restrict__ q, c
                                                    float* __restrict__ out, int NKV, int T, int NC, float scale) {
   constexpr int B = 128, C = ATTN_CHUNK, DG = D / 8, PG = B / DG;
   static_assert(D % 16 == 0 && D <= 256 && DG <= 32, "head dim must be a multiple of 16, at most 256");
+  STRATA_PDL_LAUNCH();
+  STRATA_PDL_WAIT();
   __shared__ float qs[G * D];
   __shared__ float sc[G * C];
   __shared__ float red[(B / 32) * G * D];
@@ -509,6 +537,8 @@ __global__ void __launch_bounds__(256) moe_gate_up(const unsigned long long* __r
                                                     int* __restrict__ idx, float* __restrict__ wts,
                                                     const int* __restrict__ slot_of, float* __restrict__ counts,
                                                     float* __restrict__ misses) {
+  STRATA_PDL_LAUNCH();
+  STRATA_PDL_WAIT();
   __shared__ int sel;
   __shared__ float weight, inv[1];
   const int a = blockIdx.y, r = a / topk, lane = threadIdx.x & 31;
@@ -553,6 +583,8 @@ template <int H, int I, int K>
 __global__ void __launch_bounds__(256) moe_down(const unsigned long long* __restrict__ Dp,
                                                  const float* __restrict__ h, const int* __restrict__ idx,
                                                  const float* __restrict__ wts, int R, float* __restrict__ resid) {
+  STRATA_PDL_LAUNCH();
+  STRATA_PDL_WAIT();
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
   if (warp >= R * H) return;
   const int r = warp / H, n = warp % H;
@@ -592,6 +624,8 @@ __global__ void __launch_bounds__(256) moe_gate_up_any(const unsigned long long*
                                                         float* __restrict__ h, int* __restrict__ idx,
                                                         float* __restrict__ wts, const int* __restrict__ slot_of,
                                                         float* __restrict__ counts, float* __restrict__ misses) {
+  STRATA_PDL_LAUNCH();
+  STRATA_PDL_WAIT();
   __shared__ int sel;
   __shared__ float weight, part[8];
   const int a = blockIdx.y, r = a / topk, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -623,6 +657,8 @@ __global__ void __launch_bounds__(256) moe_gate_up_any(const unsigned long long*
 __global__ void moe_down_any(const unsigned long long* __restrict__ Dp, const float* __restrict__ h,
                              const int* __restrict__ idx, const float* __restrict__ wts, int R, int topk, int H,
                              int I, float* __restrict__ resid) {
+  STRATA_PDL_LAUNCH();
+  STRATA_PDL_WAIT();
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
   if (warp >= R * H) return;
   const int r = warp / H, n = warp % H;
@@ -639,6 +675,8 @@ __global__ void moe_down_any(const unsigned long long* __restrict__ Dp, const fl
 
 // out[r, i] = silu(gu[r, i]) * gu[r, I + i]: the SwiGLU of a dense MLP or shared expert.
 __global__ void silu_mul(const float* __restrict__ gu, float* __restrict__ out, int R, int I) {
+  STRATA_PDL_LAUNCH();
+  STRATA_PDL_WAIT();
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= R * I) return;
   const int r = i / I, c = i % I;
@@ -649,6 +687,8 @@ __global__ void silu_mul(const float* __restrict__ gu, float* __restrict__ out, 
 // resid[r, n] += scale(r) * y[r, n]; scale is sigmoid(gate[r]) when gate is given (the shared expert), else 1.
 __global__ void add_scaled(float* __restrict__ resid, const float* __restrict__ y, const float* __restrict__ gate,
                            int R, int H) {
+  STRATA_PDL_LAUNCH();
+  STRATA_PDL_WAIT();
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= R * H) return;
   const float s = gate == nullptr ? 1.f : 1.f / (1.f + __expf(-gate[i / H]));

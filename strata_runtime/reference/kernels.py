@@ -171,6 +171,27 @@ def argmax(logits: np.ndarray, out: np.ndarray) -> None:
     out[...] = np.argmax(logits, axis=-1)
 
 
+def choose_tokens(logits: np.ndarray, inv_temp: np.ndarray, uniform: np.ndarray) -> np.ndarray:
+    """The chosen token of each row of ``logits`` [R, V]: the argmax (lowest index on ties) where
+    ``inv_temp`` [R] is 0, else the draw at ``uniform`` [R] (in [0, 1)) from softmax(logits * inv_temp)."""
+    out = np.empty(logits.shape[0], dtype=np.int64)
+    for r, row in enumerate(np.asarray(logits, dtype=np.float64)):
+        if inv_temp[r] <= 0:
+            out[r] = int(np.argmax(row))
+            continue
+        weights = np.exp((row - row.max()) * float(inv_temp[r]))  # [V]
+        cdf = np.cumsum(weights)
+        at = int(np.searchsorted(cdf, float(uniform[r]) * cdf[-1], side="right"))
+        out[r] = min(
+            at, int(np.flatnonzero(weights)[-1])
+        )  # u * total rounded up to the total: the last token
+    return out
+
+
+def choose(logits: np.ndarray, inv_temp: np.ndarray, uniform: np.ndarray, out: np.ndarray) -> None:
+    out[...] = choose_tokens(logits, inv_temp, uniform)
+
+
 def rms_norm_fp32_to_half(x: np.ndarray, w: np.ndarray, out: np.ndarray, eps: float) -> None:
     out[...] = (x * _rms_inv(x, eps) * _f32(w)).astype(np.float16)
 
