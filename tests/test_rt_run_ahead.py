@@ -226,3 +226,37 @@ def test_plain_sampling_runs_ahead_and_a_seed_gives_the_same_text_as_windows_one
     assert any(len(job.entries) == 3 for job in spy.chained)
     assert base[2] == list(alone(PROMPTS[1], 20))
     assert base[0] != list(alone(PROMPTS[0], 25))  # sampled, not greedy
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_pipelined_groups_chain_their_windows_and_keep_their_text(stages) -> None:
+    """On the simulated GPU of the pipeline tests, each group queues its next decode window behind the one in
+    flight (up to run_ahead per group), reading its tokens on the device; the text is the text alone, with
+    requests finishing at different lengths and a sampled one among them."""
+    from test_rt_pipeline import gated, group_of, in_flight_at
+
+    plan = make_plan(stages=stages, slots=4, groups=2, context=128, prefill_chunk=16)
+    eng, ex = gated(plan)
+    assert eng.run_ahead == 2
+    sampled = SamplingParams(temperature=0.9, seed=4)
+    reqs = [
+        (0, Request(tuple(PROMPTS[0]), 20)),
+        (0, Request(tuple(PROMPTS[1]), 14)),
+        (0, Request(tuple(PROMPTS[2]), 25, sampling=sampled)),
+        (2, Request(tuple(PROMPTS[3]), 9)),
+    ]
+    got = collect(eng, reqs, check_kv=False)
+    for (_, r), tokens in zip(reqs, got, strict=True):
+        if r.sampling.temperature == 0:
+            assert tuple(tokens) == alone(bytes(r.prompt_ids), r.max_tokens)
+    lockstep, _ = gated(plan)
+    lockstep.run_ahead = 1
+    assert collect(lockstep, reqs, check_kv=False)[2] == got[2]  # the same draws, one window at a time
+    chained = [e for e in ex.log if e.what == "launch" and e.flight.after is not None]
+    assert chained and all(e.flight.job.kind == "pipelined" for e in chained)
+    most = max(
+        max(sum(1 for f in in_flight_at(ex, i) if group_of(eng, f) == g) for g in (0, 1))
+        for i in range(len(ex.log))
+    )
+    assert most == 2  # two windows of one group in flight
+    assert all(s is None for s in eng.slots) and eng.model.kv_lengths(0) == [0] * stages

@@ -16,7 +16,7 @@ a slot is free), then, by the plan's batch mode:
   A solo or serial window of one row per slot whose tokens the device chooses runs ahead: up to
   ``batch.run_ahead`` windows are in flight, each reading on the device the tokens the one before it chose,
   so the GPU does not wait for the host between them (`_serial_round`); the windows queued past a request's
-  stop are discarded.
+  stop are discarded. Pipelined groups chain their decode windows the same way, each group on its own.
 * *the continuous pipeline* (``batch.mode`` pipelined, G groups; slot s is in group s % G): windows of
   different groups stay in flight across steps. A step launches the next window (chosen as above, within
   the group) of every group that has nothing in flight, the group that has waited longest first; it
@@ -341,8 +341,6 @@ class Engine:
         flight = self._chain.popleft()
         events = self.executor.finish(flight)
         self._extend_chain()
-        for queued in self._chain:  # their stages' shares have counted their KV before a release rewinds it
-            queued.wait_queued()
         self._deliver(flight, events)
 
     def _extend_chain(self) -> None:
@@ -355,22 +353,25 @@ class Engine:
             job, rows = following
             self._chain.append(self.executor.launch(job, Chained(before, rows)))
 
-    def _continuation(self, before: Flight) -> tuple[Job, tuple[int, ...]] | None:
+    def _continuation(self, before: Flight, group: int | None = None) -> tuple[Job, tuple[int, ...]] | None:
         """The window the schedule would give after ``before`` once it is finished, and for each of its
         rows the row of ``before`` whose chosen token it reads; None when that window is not known yet.
 
-        It is known when ``before`` is a serial or solo window of one row per slot whose tokens the device
-        chooses (greedy, no logit bias or penalty), holding every decoding slot, and nothing else waits (no
-        queued request, no prompt): then the next window is the same slots one position on. A slot whose
-        windows in flight already reach its ``max_tokens`` is left out (it finishes in one of them); one
-        that cannot go on (cancelled, out of context) ends the chain.
+        It is known when ``before`` is a serial, solo or (in ``group``) pipelined window of one row per slot
+        whose tokens the device chooses (`Sampler.device_chooses`), holding every decoding slot (of the
+        group), and nothing else waits (no queued request, no prompt in the group): then the next window is
+        the same slots one position on. A slot whose windows in flight already reach its ``max_tokens`` is
+        left out (it finishes in one of them); one that cannot go on (cancelled, out of context) ends the
+        chain, and so does a slot left alone where alone it would draft (its solo windows take over).
         """
         job = before.job
-        if job.kind not in ("solo", "serial") or self._queue:
+        kinds = ("solo", "serial") if group is None else ("pipelined",)
+        if job.kind not in kinds or self._queue:
             return None
         if any(len(e.tokens) != 1 or e.kind != "decode" for e in job.entries):
             return None
-        live = [s for s in self.slots if s is not None and s.finished is None]
+        everyone = [s for s in self.slots if s is not None and s.finished is None]
+        live = everyone if group is None else [s for s in everyone if self._group(s.id) == group]
         if any(s.prefilling for s in live):
             return None
         chained = {e.slot.id for e in job.entries}
@@ -389,9 +390,12 @@ class Engine:
             rows.append(row)
         if not entries:
             return None
-        kind = "solo" if len(entries) == 1 else "serial"
-        if kind == "solo" and min(self.depth, self.plan.memory.context - entries[0].pos - 1) > 0:
+        alone = len(everyone) == 1 and min(self.depth, self.plan.memory.context - entries[0].pos - 1) > 0
+        if alone and group is None:
             return None  # one slot left: its solo windows draft
+        if alone and not any(f.job.kind == "prefill" for f in self._flights):
+            return None  # one slot left and nothing else in flight: its solo windows draft
+        kind = job.kind if group is not None else "solo" if len(entries) == 1 else "serial"
         return Job(kind, entries), tuple(rows)
 
     # ---- the continuous pipeline -------------------------------------------------------------------------
@@ -414,8 +418,9 @@ class Engine:
         return [f for f in self._flights if self._group(f.job.entries[0].slot.id) == group]
 
     def _ends_in_flight(self, slot: Slot) -> bool:
-        """The chained windows in flight reach ``slot``'s ``max_tokens`` (each gives it one token)."""
-        ahead = sum(1 for f in self._chain if slot.id in f.job.slot_ids)
+        """The decode windows in flight reach ``slot``'s ``max_tokens`` (a chained window gives it one token;
+        this is asked only of slots whose windows are chained)."""
+        ahead = sum(1 for f in (*self._flights, *self._chain) if slot.id in f.job.slot_ids)
         return len(slot.generated) + ahead >= slot.handle.request.max_tokens
 
     def _busy_slots(self) -> set[int]:
@@ -427,24 +432,29 @@ class Engine:
         for g in sorted(range(self.plan.batch.groups), key=lambda g: self._idle_since.get(g, 0)):
             job = self._group_job(g)
             if job is not None:
-                self._flights.append(self.executor.launch(job))
+                self._flights.append(self.executor.launch(*job))
                 launched += 1
         return launched
 
-    def _group_job(self, group: int) -> Job | None:
-        """The group's next window: any window when it has nothing in flight, else its prompt's next chunk
-        once the previous one has left stage 0."""
+    def _group_job(self, group: int) -> tuple[Job, Chained | None] | None:
+        """The group's next window: any window when it has nothing in flight; else, behind a decode window
+        whose tokens the device chooses, the next one chained to it (up to `run_ahead` in flight); else its
+        prompt's next chunk once the previous one has left stage 0."""
         flying = self._in_flight(group)
         if not flying:
             members = self._members(group)
             prefilling = [s for s in members if s.prefilling]
             decoding = [s for s in members if s.decoding]
-            return self._next_job(group, prefilling, decoding, pipelined=True)
+            job = self._next_job(group, prefilling, decoding, pipelined=True)
+            return None if job is None else (job, None)
+        if len(flying) < self.run_ahead and flying[-1].job.kind == "pipelined":
+            following = self._continuation(flying[-1], group)
+            return None if following is None else (following[0], Chained(flying[-1], following[1]))
         newest = self._streaming(group, flying)
         if newest is None or not newest.passed(0):
             return None
         entry = newest.job.entries[0]
-        return self._prefill_job(entry.slot, entry.pos + len(entry.tokens))
+        return self._prefill_job(entry.slot, entry.pos + len(entry.tokens)), None
 
     def _streaming(self, group: int, flying: list[Flight]) -> Flight | None:
         """The newest flight of a group that may stream its prompt's next chunk behind it: every flight of
@@ -565,4 +575,7 @@ class Engine:
         for slot, ev in events:
             slot.handle.events.put(ev)
             if ev.finished is not None:
+                for queued in (*self._flights, *self._chain):  # a chained window behind it counts its KV
+                    if slot.id in queued.job.slot_ids:  # when queued: before the release rewinds it
+                        queued.wait_queued()
                 self._release(slot)
