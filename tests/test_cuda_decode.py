@@ -232,21 +232,25 @@ def _run_ahead(plan, run_ahead: int):
 
 @pytest.mark.parametrize("split", [None, 2])
 def test_windows_running_ahead_on_gpu_give_the_text_of_windows_one_at_a_time(cp, split):
-    """Greedy and seeded plain sampling, one and several slots, on one stage and on two stages of one GPU
-    (the chained window's tokens then cross from the last stage's stream to the first's)."""
+    """Greedy and seeded sampling (with top-k and top-p too), one and several slots, on one stage and on two
+    stages of one GPU (the chained window's tokens then cross from the last stage's stream to the first's)."""
     from strata_runtime.api import Request, SamplingParams
     from strata_runtime.engine import Engine
 
     g = np.random.default_rng(23)
     prompts = [g.integers(1, 250, int(n)).tolist() for n in g.integers(3, 30, 3)]
-    samplings = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, seed=5)]
+    samplings = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.9, seed=5),
+        SamplingParams(temperature=1.2, top_p=0.9, top_k=50, seed=6),
+    ]
     for slots in (1, 3):
         plan = _plan(cp, model="tiny", slots=slots, split=split)
         texts = []
         for ahead in (1, 3):
             engine = Engine(_run_ahead(plan, ahead))
             handles = [
-                engine.submit(Request(tuple(p), 30, sampling=samplings[i % 2]))
+                engine.submit(Request(tuple(p), 30, sampling=samplings[(i + slots) % 3]))
                 for i, p in enumerate(prompts[:slots])
             ]
             most = 0

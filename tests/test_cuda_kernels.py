@@ -456,26 +456,39 @@ def test_batched_products_match_numpy(gpu, out_dtype, beta):
 
 @pytest.mark.parametrize(("rows", "v"), [(1, 151936), (6, 5000), (3, 33)])
 def test_choose_matches_twin(gpu, rows, v):
-    """Argmax rows exactly; draws exactly but where u falls within float32 rounding of a boundary between
-    two tokens' cumulative weights (the kernel sums in float32, the twin in float64)."""
+    """Argmax rows exactly; draws (with and without top-k and top-p) exactly but where u falls within float32
+    rounding of a boundary between two staying tokens' cumulative weights (the kernel computes weights in
+    float32, the twin in float64)."""
     cp, kern, ref = gpu
-    from strata_runtime.models.ops.choose import choose_tokens
 
     g = rng()
-    for trial in range(20):
+    for trial in range(24):
         logits = (g.standard_normal((rows, v)) * 3).astype(np.float32)
         inv_temp = np.where(g.random(rows) < 0.3, 0.0, g.uniform(0.3, 2.0, rows))
+        top_k = np.where(g.random(rows) < 0.5, 0, g.integers(1, min(v, 200), rows)).astype(np.int32)
+        top_p = np.where(g.random(rows) < 0.5, 1.0, g.uniform(0.05, 0.99, rows)).astype(np.float32)
+        if trial == 1:
+            logits[:, : v // 3] = logits[:, :1]  # many ties at one logit
         u = g.random(rows)
         if trial == 0:
             u[0] = 0.0  # the first token with weight
         out_d = cp.full(rows, -1, cp.int64)
-        kern.choose(cp.asarray(logits), cp.asarray(inv_temp, cp.float32), cp.asarray(u, cp.float32), out_d)
-        got, want = out_d.get(), choose_tokens(logits, inv_temp.astype(np.float32), u.astype(np.float32))
+        kern.choose(
+            cp.asarray(logits),
+            cp.asarray(inv_temp, cp.float32),
+            cp.asarray(u, cp.float32),
+            cp.asarray(top_k),
+            cp.asarray(top_p),
+            out_d,
+        )
+        u32 = u.astype(np.float32)
+        got, want = out_d.get(), ref.choose_tokens(logits, inv_temp.astype(np.float32), u32, top_k, top_p)
         for r in range(rows):
             if got[r] == want[r]:
                 continue
             assert inv_temp[r] > 0, f"argmax row {r} differs"
-            x = logits[r].astype(np.float64) * np.float32(inv_temp[r])
-            cdf = np.cumsum(np.exp(x - x.max()))
+            w = ref.staying_weights(logits[r], float(np.float32(inv_temp[r])), int(top_k[r]), float(top_p[r]))
+            assert w[got[r]] > 0, f"row {r}: the kernel drew a token the cuts remove"
+            cdf = np.cumsum(w)
             edge = cdf[min(got[r], want[r])]
-            assert abs(edge - np.float32(u[r]) * cdf[-1]) < 1e-5 * cdf[-1], (r, got[r], want[r])
+            assert abs(edge - float(u32[r]) * cdf[-1]) < 1e-5 * cdf[-1], (r, got[r], want[r])

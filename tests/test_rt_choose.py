@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from strata_runtime.api import SamplingParams
-from strata_runtime.engine.sampling import Sampler
+from strata_runtime.engine.sampling import Sampler, distribution
 from strata_runtime.models.ops.choose import choose_tokens
 
 P_THRESHOLD = 1e-3
@@ -51,14 +51,64 @@ def test_the_draw_is_the_inverse_cdf_at_u_in_token_order() -> None:
     assert choose_tokens(logits, one, np.array([1.0])).tolist() == [3]  # rounded up to the total: the last
 
 
-def test_the_device_chooses_only_for_plain_greedy_or_plain_temperature_sampling() -> None:
+def test_the_device_chooses_unless_a_bias_or_penalty_needs_the_tokens_so_far() -> None:
     def chooses(**kw: object) -> bool:
         return Sampler(SamplingParams(**kw), seed=0).device_chooses  # type: ignore[arg-type]
 
     assert chooses(temperature=0.0) and chooses(temperature=0.8)
-    assert not chooses(temperature=0.8, top_p=0.9)
-    assert not chooses(temperature=0.8, top_k=40)
+    assert chooses(temperature=0.8, top_p=0.9) and chooses(temperature=0.8, top_k=40)
     assert not chooses(temperature=0.0, logit_bias=((3, 1.0),))
     assert not chooses(temperature=0.8, frequency_penalty=0.2)
+    assert not chooses(temperature=0.8, presence_penalty=0.2)
     assert Sampler(SamplingParams(temperature=0.5), 0).inv_temperature == 2.0
     assert Sampler(SamplingParams(temperature=0.0), 0).inv_temperature == 0.0
+
+
+@pytest.mark.parametrize(
+    ("top_k", "top_p"), [(4, 1.0), (0, 0.7), (6, 0.8), (0, 0.05)], ids=["k4", "p0.7", "k6-p0.8", "p0.05"]
+)
+def test_top_k_and_top_p_draws_follow_the_hosts_distribution(top_k, top_p) -> None:
+    """The device's cuts keep what `distribution` keeps, and its draws follow what that leaves."""
+    torch = pytest.importorskip("torch")  # for the chi-square survival function
+    g = np.random.default_rng(9)
+    v, trials, temperature = 14, 30_000, 0.8
+    logits = (g.standard_normal(v) * 1.5).astype(np.float32)
+    rows = np.repeat(logits[None, :], trials, axis=0)
+    got = choose_tokens(
+        rows,
+        np.full(trials, 1 / temperature),
+        g.random(trials),
+        np.full(trials, top_k),
+        np.full(trials, top_p),
+    )
+    p = distribution(logits[None, :], SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p))[0]
+    counts = np.bincount(got, minlength=v)
+    assert (counts[p == 0] == 0).all(), "a token the cuts remove was drawn"
+    live = p > 0
+    expected = trials * p[live]
+    if live.sum() > 1:
+        chi2 = float(((counts[live] - expected) ** 2 / expected).sum())
+        dof = int(live.sum()) - 1
+        p_value = float(torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(chi2 / 2.0)))
+        assert p_value > P_THRESHOLD, f"chi2 {chi2:.1f}, p = {p_value:.2e}"
+    else:
+        assert counts[live].sum() == trials
+
+
+def test_ties_at_the_cuts_stay_as_the_host_keeps_them() -> None:
+    """Top-k keeps every tie at the k-th logit; top-p keeps tied tokens in index order while the weight
+    before each is under the cut."""
+    logits = np.log(np.array([[0.1, 0.3, 0.3, 0.3]], np.float64)).astype(np.float32)
+    one = np.ones(1)
+    draws = [
+        choose_tokens(logits, one, np.array([u]), np.array([2]), np.array([1.0]))[0]
+        for u in np.linspace(0, 0.99, 50)
+    ]
+    assert set(draws) == {1, 2, 3}  # k = 2, three tied at the second largest: all stay
+    # top_p 0.5: token 1 (0.3 before it is 0) and token 2 (0.3 < 0.5) stay, token 3 (0.6) does not.
+    kept = {
+        int(choose_tokens(logits, one, np.array([u]), np.array([0]), np.array([0.5]))[0])
+        for u in np.linspace(0, 0.99, 50)
+    }
+    want = distribution(logits, SamplingParams(temperature=1.0, top_p=0.5))[0]
+    assert kept == {1, 2} == set(np.flatnonzero(want).tolist())

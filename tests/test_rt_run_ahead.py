@@ -196,12 +196,11 @@ def test_a_request_cancelled_mid_chain_ends_cancelled_and_the_other_slot_is_unaf
 @pytest.mark.parametrize(
     "sampling",
     [
-        SamplingParams(temperature=0.8, top_p=0.9, seed=3),
-        SamplingParams(temperature=0.8, top_k=20, seed=3),
         SamplingParams(temperature=0.0, logit_bias=((65, 2.0),)),
         SamplingParams(temperature=0.7, presence_penalty=0.5, seed=3),
+        SamplingParams(temperature=0.7, top_p=0.9, frequency_penalty=0.2, seed=3),
     ],
-    ids=["top-p", "top-k", "greedy-with-bias", "penalty"],
+    ids=["greedy-with-bias", "presence-penalty", "top-p-with-frequency-penalty"],
 )
 def test_a_slot_whose_tokens_the_host_chooses_is_not_chained(sampling) -> None:
     eng = engine(1, 1, 3)
@@ -211,19 +210,20 @@ def test_a_slot_whose_tokens_the_host_chooses_is_not_chained(sampling) -> None:
 
 
 @pytest.mark.parametrize("stages", [1, 2])
-def test_plain_sampling_runs_ahead_and_a_seed_gives_the_same_text_as_windows_one_at_a_time(stages) -> None:
-    """The device draws each row at a uniform the host drew at launch, in window order: the same uniforms
-    whether the windows run ahead or not."""
+def test_sampling_runs_ahead_and_a_seed_gives_the_same_text_as_windows_one_at_a_time(stages) -> None:
+    """The device draws each row (temperature, top-k, top-p) at a uniform the host drew at launch, in window
+    order: the same uniforms whether the windows run ahead or not."""
     requests = [
         (0, Request(tuple(PROMPTS[0]), 25, sampling=SamplingParams(temperature=0.9, seed=11))),
-        (3, Request(tuple(PROMPTS[2]), 18, sampling=SamplingParams(temperature=1.3, seed=12))),
+        (3, Request(tuple(PROMPTS[2]), 18, sampling=SamplingParams(temperature=1.3, top_p=0.8, seed=12))),
         (0, Request(tuple(PROMPTS[1]), 20)),  # greedy beside them
+        (1, Request(tuple(PROMPTS[3]), 22, sampling=SamplingParams(temperature=1.1, top_k=5, seed=13))),
     ]
     base = collect(engine(stages, 4, 1), requests)
     eng = engine(stages, 4, 3)
     spy = Spy(eng)
     assert collect(eng, requests) == base
-    assert any(len(job.entries) == 3 for job in spy.chained)
+    assert any(len(job.entries) == 4 for job in spy.chained)
     assert base[2] == list(alone(PROMPTS[1], 20))
     assert base[0] != list(alone(PROMPTS[0], 25))  # sampled, not greedy
 

@@ -13,6 +13,7 @@ import numpy as np
 from strata_cfg.schema.windows import MAX_WINDOW_ROWS
 
 from ..backend import upload_into
+from ..models.ops.choose import Draws
 from .blas import matmul_nt
 from .ops import kernels_for
 
@@ -43,15 +44,17 @@ class CudaHead:
             self.kern.gemv(self.lm_head, cp.ascontiguousarray(normed, dtype=cp.float32), out)
             return out
 
-    def choose(self, logits: Any, inv_temp: np.ndarray, uniform: np.ndarray) -> cp.ndarray:
-        """Each row's chosen token [R] (int64) of logits [R, V]: the argmax where ``inv_temp`` is 0, else the
-        draw at ``uniform`` (`strata_runtime.models.ops.choose`); the host arrays go up through pinned
-        memory, on the current stream."""
+    def choose(self, logits: Any, draws: Draws) -> cp.ndarray:
+        """Each row's chosen token [R] (int64) of logits [R, V] by ``draws`` (`strata_runtime.models.ops.
+        choose`); the host arrays go up through pinned memory, on the current stream."""
         with cp.cuda.Device(self.device_id):
             rows = logits.shape[0]
-            t, u = cp.empty(rows, cp.float32), cp.empty(rows, cp.float32)
-            upload_into(t, inv_temp.astype(np.float32))
-            upload_into(u, uniform.astype(np.float32))
+            t, u, p = (cp.empty(rows, cp.float32) for _ in range(3))
+            k = cp.empty(rows, cp.int32)
+            upload_into(t, draws.inv_temp.astype(np.float32))
+            upload_into(u, draws.uniform.astype(np.float32))
+            upload_into(k, draws.top_k.astype(np.int32))
+            upload_into(p, draws.top_p.astype(np.float32))
             out = cp.empty(rows, cp.int64)
-            self.kern.choose(logits, t, u, out)
+            self.kern.choose(logits, t, u, k, p, out)
             return out

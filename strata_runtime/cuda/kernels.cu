@@ -729,12 +729,114 @@ __global__ void argmax_rows(const float* __restrict__ logits, int V, int* __rest
   }
 }
 
-// One block of 1024 threads per row: the row's chosen token. inv_temp[r] == 0: the argmax (lowest index on
-// ties). Otherwise the draw at u[r] from softmax(logits[r] * inv_temp[r]): the first index whose cumulative
-// weight exceeds u * total, weights exp((l - max) * inv_temp) summed in index order (each thread a contiguous
-// chunk, the chunks' sums scanned across the block); models/ops/choose.py is the NumPy twin.
-__global__ void choose_rows(const float* __restrict__ logits, int V, const float* __restrict__ inv_temp,
-                            const float* __restrict__ u, long long* __restrict__ out) {
+// ---- choosing each row's token on the device --------------------------------------------------------
+// One block of 1024 threads per row; models/ops/choose.py states the rule, reference/kernels.py is the NumPy
+// twin. inv_temp[r] == 0: the argmax (lowest index on ties). Otherwise, on the weights w = exp((l - max l) *
+// inv_temp) of the row's logits l:
+//  * top_k[r] in (0, V): only the tokens whose logit is at least the k-th largest stay (ties at it all stay);
+//  * top_p[r] < 1: a token stays while the weight of the staying tokens before it, in descending order of
+//    logit and then ascending index, is below top_p times their total. Weights are summed for this cut in
+//    2^-40 fixed point: integer sums do not depend on the order the threads add them, so the cut is the same
+//    in every run;
+//  * the draw: the first staying token, in index order, whose cumulative weight exceeds u[r] times the
+//    staying total (each thread sums a contiguous chunk, the chunks' sums are scanned across the block).
+// The k-th largest logit and the top-p boundary are found by radix selection on the logits' bits.
+
+typedef unsigned long long u64;
+
+__device__ __forceinline__ unsigned order_key(float v) {
+  // A float's bits as an unsigned key with the float's order (larger float, larger key).
+  const unsigned u = __float_as_uint(v);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// Block-wide inclusive scan of one value per thread (T float or int); *total gets the block's sum.
+template <typename T>
+__device__ __forceinline__ T block_scan(T v, T* sums, T* total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (int)(blockDim.x >> 5);
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const T n = __shfl_up_sync(0xffffffffu, v, o);
+    if (lane >= o) v += n;
+  }
+  __syncthreads();
+  if (lane == 31) sums[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    T w = lane < warps ? sums[lane] : T(0);
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const T n = __shfl_up_sync(0xffffffffu, w, o);
+      if (lane >= o) w += n;
+    }
+    sums[lane] = w;
+  }
+  __syncthreads();
+  *total = sums[warps - 1];
+  return v + (warp > 0 ? sums[warp - 1] : T(0));
+}
+
+// Block-wide: the key K of the logits l[V] where the weight counted from the largest key down first reaches
+// need: weight(keys > K) < need <= weight(keys >= K). *above = weight(keys > K), *at = weight(keys == K).
+// 8 bits of the key a pass. Each group of 4 warps fills its own 256-bin histogram of u64 weights (hist:
+// 8 x 256, shared), and the lanes of a warp that fall in one bin add their weights together first (weights
+// below 2^40, split in two halves a warp can sum in 32 bits), so few atomics meet on one address; the
+// groups' histograms are then summed. Integer sums: the result does not depend on the order of the adds.
+template <class Weight>
+__device__ void radix_select(const float* __restrict__ l, int V, Weight weight, u64 need, u64* hist,
+                             unsigned* key, u64* above, u64* at) {
+  __shared__ unsigned prefix, mask;
+  __shared__ u64 over, bin_weight;
+  const int lane = threadIdx.x & 31;
+  u64* mine = hist + ((threadIdx.x >> 5) & 7) * 256;
+  if (threadIdx.x == 0) { prefix = 0u; mask = 0u; over = 0ull; }
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    for (int b = threadIdx.x; b < 8 * 256; b += blockDim.x) hist[b] = 0ull;
+    __syncthreads();
+    const unsigned p = prefix, m = mask;
+    for (int i0 = 0; i0 < V; i0 += blockDim.x) {  // every thread the same number of times: warps converge
+      const int i = i0 + (int)threadIdx.x;
+      unsigned bin = 256u;
+      u64 w = 0ull;
+      if (i < V) {
+        const unsigned k = order_key(l[i]);
+        if ((k & m) == p) {
+          w = weight(i);
+          if (w) bin = (k >> shift) & 255u;
+        }
+      }
+      const unsigned peers = __match_any_sync(0xffffffffu, bin);
+      if (bin < 256u) {
+        const unsigned lo = __reduce_add_sync(peers, (unsigned)(w & 0xffffffull));
+        const unsigned hi = __reduce_add_sync(peers, (unsigned)(w >> 24));
+        if (lane == __ffs(peers) - 1) atomicAdd(mine + bin, ((u64)hi << 24) + lo);
+      }
+    }
+    __syncthreads();
+    for (int b = threadIdx.x; b < 256; b += blockDim.x) {
+      u64 total = 0ull;
+      for (int g = 0; g < 8; ++g) total += hist[g * 256 + b];
+      hist[b] = total;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      int b = 255;
+      for (; b > 0 && over + hist[b] < need; --b) over += hist[b];
+      prefix |= (unsigned)b << shift;
+      mask |= 255u << shift;
+      bin_weight = hist[b];
+    }
+    __syncthreads();
+  }
+  *key = prefix;
+  *above = over;
+  *at = bin_weight;
+}
+
+__global__ void __launch_bounds__(1024) choose_rows(const float* __restrict__ logits, int V,
+                                                    const float* __restrict__ inv_temp,
+                                                    const int* __restrict__ top_k, const float* __restrict__ top_p,
+                                                    const float* __restrict__ u, long long* __restrict__ out) {
   const int r = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int warps = (int)(blockDim.x >> 5);
   const float* l = logits + (size_t)r * V;
@@ -750,10 +852,12 @@ __global__ void choose_rows(const float* __restrict__ logits, int V, const float
     const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
     if (ov > best || (ov == best && oi < bi)) { best = ov; bi = oi; }
   }
-  __shared__ float sv[32], sums[32];
-  __shared__ int si[32], found, last;
+  __shared__ float sv[32], fsums[32];
+  __shared__ int si[32], isums[32], found, last, tie_cut;
+  __shared__ u64 hist[8 * 256], zsum[32];
+  __shared__ unsigned kth, pkey;
   if (lane == 0) { sv[warp] = best; si[warp] = bi; }
-  if (tid == 0) { found = 0x7fffffff; last = -1; }
+  if (tid == 0) { found = 0x7fffffff; last = -1; tie_cut = 0x7fffffff; kth = 0u; pkey = 0u; }
   __syncthreads();
   if (tid == 0) {
     for (int w = 1; w < warps; ++w)
@@ -766,44 +870,86 @@ __global__ void choose_rows(const float* __restrict__ logits, int V, const float
     return;
   }
   const float mx = sv[0];
+  const int k = top_k[r];
+  unsigned key;
+  u64 above, at;
+  if (k > 0 && k < V) {  // the k-th largest logit: counted from the top, the k-th token's key
+    radix_select(l, V, [](int) { return 1ull; }, (u64)k, hist, &key, &above, &at);
+    if (tid == 0) kth = key;
+    __syncthreads();
+  }
+  const unsigned cut_k = kth;
+  const float p = top_p[r];
+  const bool by_p = p < 1.f;
+  if (by_p) {
+    auto fixed = [&](int i) -> u64 {
+      const float v = l[i];
+      return order_key(v) >= cut_k ? (u64)((double)__expf((v - mx) * t) * 1099511627776.0) : 0ull;
+    };
+    u64 z = 0ull;
+    for (int i = tid; i < V; i += blockDim.x) z += fixed(i);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) z += __shfl_xor_sync(0xffffffffu, z, o);
+    if (lane == 0) zsum[warp] = z;
+    __syncthreads();
+    u64 total = 0ull;
+    for (int w = 0; w < warps; ++w) total += zsum[w];
+    const u64 need = (u64)((double)p * (double)total);  // a token stays while the weight before it < need
+    radix_select(l, V, fixed, need, hist, &key, &above, &at);
+    // Tokens of key K: each weighs the same (one logit); the first m of them in index order stay, those
+    // with the weight before them (above, plus the ties before them) under need.
+    __shared__ u64 tie_w;
+    if (tid == 0) { pkey = key; tie_w = 0ull; }
+    __syncthreads();
+    // Count each thread's ties in a contiguous chunk; scan; the m-th tie ends the kept ties.
+    const int chunk = (V + blockDim.x - 1) / blockDim.x;
+    const int a0 = min(tid * chunk, V), b0 = min(a0 + chunk, V);
+    int ties = 0;
+    u64 each = 0ull;
+    for (int i = a0; i < b0; ++i)
+      if (order_key(l[i]) == key) { ++ties; each = fixed(i); }
+    int all_ties;
+    const int incl = block_scan(ties, isums, &all_ties);
+    if (ties > 0 && incl == ties) tie_w = each;  // the first thread holding ties: one tie's weight
+    __syncthreads();
+    const u64 m64 = tie_w > 0ull ? (need - above + tie_w - 1ull) / tie_w : (u64)all_ties;
+    const int m = (int)min((u64)all_ties, max(m64, 1ull));
+    if (m < all_ties && ties > 0 && incl - ties < m && m <= incl) {
+      int seen = incl - ties;
+      for (int i = a0; i < b0; ++i)
+        if (order_key(l[i]) == key && ++seen == m) { tie_cut = i; break; }
+    }
+    __syncthreads();
+  }
+  const unsigned cut_p = pkey;
+  const int cut_tie = tie_cut;
+  auto stays = [&](int i, float v) -> bool {
+    const unsigned kv = order_key(v);
+    return kv >= cut_k && (!by_p || kv > cut_p || (kv == cut_p && i <= cut_tie));
+  };
   const int chunk = (V + blockDim.x - 1) / blockDim.x;
   const int a = min(tid * chunk, V), b = min(a + chunk, V);
   float s = 0.f;
   int nz = -1;
   for (int i = a; i < b; ++i) {
-    const float w = __expf((l[i] - mx) * t);
+    const float v = l[i];
+    const float w = stays(i, v) ? __expf((v - mx) * t) : 0.f;
     s += w;
     if (w > 0.f) nz = i;
   }
-  float incl = s;  // inclusive scan of the chunks' sums: within the warp, then across warps
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const float v = __shfl_up_sync(0xffffffffu, incl, o);
-    if (lane >= o) incl += v;
-  }
-  if (lane == 31) sums[warp] = incl;
   if (nz >= 0) atomicMax(&last, nz);
-  __syncthreads();
-  if (warp == 0) {
-    float w = lane < warps ? sums[lane] : 0.f;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const float v = __shfl_up_sync(0xffffffffu, w, o);
-      if (lane >= o) w += v;
-    }
-    sums[lane] = w;
-  }
-  __syncthreads();
-  incl += warp > 0 ? sums[warp - 1] : 0.f;
-  const float total = sums[warps - 1], excl = incl - s, target = u[r] * total;
+  float total;
+  const float incl = block_scan(s, fsums, &total);
+  const float excl = incl - s, target = u[r] * total;
   if (s > 0.f && excl <= target && target < incl) {
     float c = excl;
-    int at = nz;  // rounding left the crossing past the chunk's end: its last weighted token
+    int at_i = nz;  // rounding left the crossing past the chunk's end: its last staying token
     for (int i = a; i < b; ++i) {
-      c += __expf((l[i] - mx) * t);
-      if (c > target) { at = i; break; }
+      const float v = l[i];
+      c += stays(i, v) ? __expf((v - mx) * t) : 0.f;
+      if (c > target) { at_i = i; break; }
     }
-    atomicMin(&found, at);
+    atomicMin(&found, at_i);
   }
   __syncthreads();
   if (tid == 0) out[r] = found != 0x7fffffff ? found : last;  // u * total rounded up to the total: the last

@@ -361,11 +361,14 @@ class Kernels(KernelCache):
         """out[R] = argmax of each row of logits [R, V], lowest index on ties."""
         self.fn("argmax_rows")((logits.shape[0],), (1024,), (logits, np.int32(logits.shape[1]), out))
 
-    def choose(self, logits: Array, inv_temp: Array, uniform: Array, out: Array) -> None:
+    def choose(
+        self, logits: Array, inv_temp: Array, uniform: Array, top_k: Array, top_p: Array, out: Array
+    ) -> None:
         """out[R] (int64) = each row's chosen token of logits [R, V]: the argmax where inv_temp [R] is 0,
-        else the draw at uniform [R] from softmax(logits * inv_temp) (``choose_rows`` of kernels.cu)."""
+        else the draw at uniform [R] (fp32) from the tempered weights of the tokens that stay after top_k [R]
+        (int32, 0: none) and top_p [R] (fp32, 1: none) (``choose_rows`` of kernels.cu)."""
         rows, v = logits.shape
-        self.fn("choose_rows")((rows,), (1024,), (logits, np.int32(v), inv_temp, uniform, out))
+        self.fn("choose_rows")((rows,), (1024,), (logits, np.int32(v), inv_temp, top_k, top_p, uniform, out))
 
     # ---- prefill pieces (long chunks; the products run on cuBLAS) ---------------------------------
 

@@ -190,7 +190,7 @@ class Executor:
         if flight.draws is None:
             chosen = dev.xp.argmax(logits, axis=-1)  # [len(needed)]
         else:
-            chosen = self.model.choose(logits, *flight.draws)  # [len(needed)]
+            chosen = self.model.choose(logits, flight.draws)  # [len(needed)]
         flight.chosen = chosen
         if dev.is_cuda:
             flight.chosen_host = download(chosen)

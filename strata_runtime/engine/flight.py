@@ -25,6 +25,7 @@ import numpy as np
 
 from ..backend import Array
 from ..layout import Layout
+from ..model import Draws
 from .job import Job
 
 POLL_S = 50e-6
@@ -132,9 +133,9 @@ class Flight:
     marks: list[Mark]
     after: Chained | None = None
     """A chained window: its tokens are the choices of the window before it, read on the device."""
-    draws: tuple[np.ndarray, np.ndarray] | None = None
-    """1 / temperature and a uniform per needed row, for the rows whose draw the device makes
-    (`strata_runtime.engine.job.Job.draws`); None: every needed row's choice is its argmax."""
+    draws: Draws | None = None
+    """How the device draws each needed row (`strata_runtime.engine.job.Job.draws`); None: every needed
+    row's choice is its argmax."""
     launched_at: float = field(default_factory=time.perf_counter)
     hidden: list[Array] = field(default_factory=list)
     """Each stage's output rows, in stage order (the next stage copies from them)."""

@@ -12,6 +12,7 @@ from typing import Literal
 import numpy as np
 
 from ..layout import Layout
+from ..model import Draws
 from .slot import Slot
 from .speculative import Proposals
 
@@ -69,18 +70,25 @@ class Job:
     def proposals(self) -> int:
         return sum(len(e.proposals.tokens) for e in self.entries)
 
-    def draws(self) -> tuple[np.ndarray, np.ndarray] | None:
-        """For each needed row, 1 / temperature and a uniform for a draw on the device (drawn now, from the
-        slot's generator, in launch order), or 0 and 0 (the argmax); None when no row is drawn there."""
+    def draws(self) -> Draws | None:
+        """For each needed row, what the device draws it with (`strata_runtime.models.ops.choose.Draws`:
+        1 / temperature, a uniform drawn now from the slot's generator, in launch order, top-k, top-p), or
+        the argmax (1 / temperature 0); None when no row is drawn there."""
         if not any(e.on_device and not e.slot.sampler.greedy for e in self.entries):
             return None
-        inv_temp, uniform = [], []
+        inv_temp: list[float] = []
+        uniform: list[float] = []
+        top_k: list[int] = []
+        top_p: list[float] = []
         for e in self.entries:
             rows = len(e.tokens) if e.kind == "decode" else int(e.ends_prompt)
-            drawn = e.on_device and not e.slot.sampler.greedy
-            inv_temp += [e.slot.sampler.inv_temperature if drawn else 0.0] * rows
-            uniform += [e.slot.sampler.uniform() if drawn else 0.0 for _ in range(rows)]
-        return np.array(inv_temp, np.float64), np.array(uniform, np.float64)
+            sampler = e.slot.sampler
+            drawn = e.on_device and not sampler.greedy
+            inv_temp += [sampler.inv_temperature if drawn else 0.0] * rows
+            uniform += [sampler.uniform() if drawn else 0.0 for _ in range(rows)]
+            top_k += [sampler.params.top_k if drawn else 0] * rows
+            top_p += [sampler.params.top_p if drawn else 1.0] * rows
+        return Draws(np.array(inv_temp), np.array(uniform), np.array(top_k, np.int64), np.array(top_p))
 
     def needed(self) -> list[int]:
         """Rows whose logits decide a token: every decode row, and the last row of a prompt's final chunk

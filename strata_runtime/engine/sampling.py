@@ -64,12 +64,11 @@ class Sampler:
 
     @property
     def device_chooses(self) -> bool:
-        """Whether a token with no proposals before it is chosen where the logits are, on the device: greedy
-        or plain temperature sampling (no bias, penalty, top-k or top-p) needs the logits and, sampled, one
-        uniform (`uniform`, drawn at launch in window order) and nothing else
-        (`strata_runtime.models.ops.choose`)."""
-        p = self.params
-        return not self.adjusts and (self.greedy or (p.top_k <= 0 and p.top_p >= 1.0))
+        """Whether a token with no proposals before it is chosen where the logits are, on the device: without
+        a logit bias or penalty (which depend on the tokens generated so far) the choice needs the logits,
+        the temperature, top-k and top-p and, sampled, one uniform (`uniform`, drawn at launch in window
+        order) and nothing else (`strata_runtime.models.ops.choose`)."""
+        return not self.adjusts
 
     @property
     def inv_temperature(self) -> float:

@@ -5,6 +5,7 @@
 `kvcache` is the per-slot KV with rewind.
 """
 
+from ..models.ops.choose import Draws
 from .placed import Model
 
-__all__ = ["Model"]
+__all__ = ["Draws", "Model"]

@@ -21,6 +21,7 @@ from ..experts.cache import Policy
 from ..experts.helper_tier import HelperOutOfMemory
 from ..experts.routing import RoutingModel, RoutingTables
 from ..layout import Layout
+from ..models.ops.choose import Draws
 from ..models.qwen3_moe import ModelArgs, fuse_tensors, stage_shapes
 from ..weights.checkpoint import Checkpoint, load_tensors
 from ..weights.progress import Progress
@@ -367,9 +368,9 @@ class Model:
     def logits(self, normed: Array) -> Array:
         return self.last.logits(normed)
 
-    def choose(self, logits: Array, inv_temp: np.ndarray, uniform: np.ndarray) -> Array:
+    def choose(self, logits: Array, draws: Draws) -> Array:
         """Each row's token chosen on the last stage's device (`strata_runtime.model.stage.Stage.choose`)."""
-        return self.last.choose(logits, inv_temp, uniform)
+        return self.last.choose(logits, draws)
 
     def admit(self, slot: int, prompt_ids: tuple[int, ...]) -> None:
         """A request with these prompt ids now holds ``slot``: give it its routing (calibrated routing only;

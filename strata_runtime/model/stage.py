@@ -22,7 +22,7 @@ from ..experts.cache import Policy
 from ..experts.routing import RoutingTables, apply_bias
 from ..experts.store import ExpertStore
 from ..layout import Layout
-from ..models.ops.choose import choose_tokens
+from ..models.ops.choose import Draws, choose_on_host
 from ..models.ops.norm import rms_norm_in_dtype
 from ..models.qwen3_moe import DecoderLayer, ModelArgs, RouterBias, SparseMoeBlock, linear, rope_tables
 from .kvcache import KVCache
@@ -250,9 +250,9 @@ class Stage:
             x = normed.astype(self.lm_head.dtype, copy=False)
             return linear(x, self.lm_head).astype(self.device.xp.float32)
 
-    def choose(self, logits: Array, inv_temp: np.ndarray, uniform: np.ndarray) -> Array:
-        """Each row's chosen token [R] (int64) of logits [R, V] on this device (last stage only): the argmax
-        where ``inv_temp`` [R] is 0, else the draw at ``uniform`` [R] (`strata_runtime.models.ops.choose`)."""
+    def choose(self, logits: Array, draws: Draws) -> Array:
+        """Each row's chosen token [R] (int64) of logits [R, V] on this device (last stage only), by
+        ``draws`` (`strata_runtime.models.ops.choose`)."""
         if self.cuda_head is not None:
-            return self.cuda_head.choose(logits, inv_temp, uniform)
-        return choose_tokens(np.asarray(logits), inv_temp, uniform)
+            return self.cuda_head.choose(logits, draws)
+        return choose_on_host(np.asarray(logits), draws)

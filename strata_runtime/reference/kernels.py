@@ -171,25 +171,65 @@ def argmax(logits: np.ndarray, out: np.ndarray) -> None:
     out[...] = np.argmax(logits, axis=-1)
 
 
-def choose_tokens(logits: np.ndarray, inv_temp: np.ndarray, uniform: np.ndarray) -> np.ndarray:
-    """The chosen token of each row of ``logits`` [R, V]: the argmax (lowest index on ties) where
-    ``inv_temp`` [R] is 0, else the draw at ``uniform`` [R] (in [0, 1)) from softmax(logits * inv_temp)."""
-    out = np.empty(logits.shape[0], dtype=np.int64)
-    for r, row in enumerate(np.asarray(logits, dtype=np.float64)):
+FIXED_ONE = float(1 << 40)
+"""The fixed point the top-p cut sums weights in (a weight w counts as floor(w * 2^40))."""
+
+
+def choose_tokens(
+    logits: np.ndarray,
+    inv_temp: np.ndarray,
+    uniform: np.ndarray,
+    top_k: np.ndarray | None = None,
+    top_p: np.ndarray | None = None,
+) -> np.ndarray:
+    """The chosen token of each row of ``logits`` [R, V] (`strata_runtime.models.ops.choose`): the argmax
+    (lowest index on ties) where ``inv_temp`` [R] is 0, else the draw at ``uniform`` [R] (in [0, 1)) from the
+    weights exp((l - max l) * inv_temp) of the tokens that stay after ``top_k`` [R] (0: no cut) and
+    ``top_p`` [R] (1: no cut)."""
+    rows = logits.shape[0]
+    k_of = np.zeros(rows, np.int64) if top_k is None else np.asarray(top_k)
+    p_of = np.ones(rows, np.float32) if top_p is None else np.asarray(top_p, np.float32)
+    out = np.empty(rows, dtype=np.int64)
+    for r, row in enumerate(np.asarray(logits, dtype=np.float32)):
         if inv_temp[r] <= 0:
             out[r] = int(np.argmax(row))
             continue
-        weights = np.exp((row - row.max()) * float(inv_temp[r]))  # [V]
+        weights = staying_weights(row, float(inv_temp[r]), int(k_of[r]), float(p_of[r]))
         cdf = np.cumsum(weights)
         at = int(np.searchsorted(cdf, float(uniform[r]) * cdf[-1], side="right"))
-        out[r] = min(
-            at, int(np.flatnonzero(weights)[-1])
-        )  # u * total rounded up to the total: the last token
+        out[r] = min(at, int(np.flatnonzero(weights)[-1]))  # u * total rounded up to the total: the last
     return out
 
 
-def choose(logits: np.ndarray, inv_temp: np.ndarray, uniform: np.ndarray, out: np.ndarray) -> None:
-    out[...] = choose_tokens(logits, inv_temp, uniform)
+def staying_weights(row: np.ndarray, inv_temp: float, top_k: int, top_p: float) -> np.ndarray:
+    """The weights [V] (float64) a draw from logits ``row`` [V] (float32) takes: exp((l - max l) * inv_temp)
+    for the tokens that stay after the top-k and top-p cuts, 0 for the others."""
+    v = row.shape[0]
+    stays = np.ones(v, dtype=bool)
+    if 0 < top_k < v:
+        stays &= row >= np.partition(row, -top_k)[-top_k]  # ties at the k-th largest all stay
+    x = row.astype(np.float64)
+    weights = np.exp((x - x.max()) * inv_temp)  # [V]
+    if np.float32(top_p) < 1:
+        fixed = np.floor(np.where(stays, weights, 0.0) * FIXED_ONE).astype(np.uint64)
+        need = np.uint64(float(np.float32(top_p)) * float(fixed.sum()))
+        order = np.lexsort((np.arange(v), -x))  # descending logit, then ascending index
+        before = np.cumsum(fixed[order]) - fixed[order]  # the weight before each, in that order
+        kept = np.zeros(v, dtype=bool)
+        kept[order] = before < need
+        stays &= kept
+    return np.where(stays, weights, 0.0)
+
+
+def choose(
+    logits: np.ndarray,
+    inv_temp: np.ndarray,
+    uniform: np.ndarray,
+    top_k: np.ndarray,
+    top_p: np.ndarray,
+    out: np.ndarray,
+) -> None:
+    out[...] = choose_tokens(logits, inv_temp, uniform, top_k, top_p)
 
 
 def rms_norm_fp32_to_half(x: np.ndarray, w: np.ndarray, out: np.ndarray, eps: float) -> None:

@@ -1,20 +1,42 @@
 """Choosing each row's token where the logits are: the argmax, or a draw at a uniform the host drew.
 
-A row whose request needs nothing but the logits to choose (greedy, or plain temperature sampling, with no
-logit bias, penalty, top-k or top-p) has its token chosen on the last stage's device, so that a decode window
-can be queued before the host has read the token the window before it chose. A draw takes the first token
-whose cumulative weight, in token order, exceeds ``u`` times the total weight, the weights being
-``exp((logit - max) / temperature)``: the inverse of the distribution's CDF at ``u``, the rule the host's
-`strata_runtime.engine.sampling.Sampler.draw` follows, so one uniform per row gives a token with exactly the
-softmax distribution.
+A row whose request needs nothing but its logits to choose (no logit bias or penalty, which depend on the
+tokens generated so far) has its token chosen on the last stage's device, so that a decode window can be
+queued before the host has read the token the window before it chose. Sampled, the row's weights are
+``exp((logit - max) / temperature)`` of the tokens that stay after its top-k cut (the k largest logits and
+their ties) and its top-p cut (in descending order of logit, then ascending index, a token stays while the
+weight before it is below top_p times the total), which is what the host's
+`strata_runtime.engine.sampling.distribution` keeps. The draw takes the first staying token whose cumulative
+weight, in token order, exceeds ``u`` times their total: the inverse of the distribution's CDF at ``u``, the
+rule of the host's `strata_runtime.engine.sampling.Sampler.draw`, so one uniform per row gives a token with
+exactly that distribution.
 
-On virtual CPU devices this is the NumPy rule of `strata_runtime.reference.kernels.choose_tokens`, in
-float64; the CUDA kernel ``choose_rows`` (kernels.cu, launched by `strata_runtime.cuda.head.CudaHead.choose`)
-sums in float32 and may differ where ``u`` falls within rounding of a boundary between two tokens.
+On virtual CPU devices this is `strata_runtime.reference.kernels.choose_tokens` (NumPy, float64 weights);
+the CUDA kernel ``choose_rows`` (kernels.cu, launched by `strata_runtime.cuda.head.CudaHead.choose`) computes
+weights in float32 and may differ where ``u`` or the top-p cut falls within rounding of a boundary between two
+tokens. Both sum the weights for the top-p cut in 2^-40 fixed point, so the cut does not depend on the order
+of the sum.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import numpy as np
+
 from ...reference.kernels import choose_tokens
 
-__all__ = ["choose_tokens"]
+
+class Draws(NamedTuple):
+    """What the device needs to choose each needed row of a window: 1 / temperature (0: the argmax), the
+    uniform the host drew, and the row's top-k (0: none) and top-p (1: none); each [R]."""
+
+    inv_temp: np.ndarray
+    uniform: np.ndarray
+    top_k: np.ndarray
+    top_p: np.ndarray
+
+
+def choose_on_host(logits: np.ndarray, draws: Draws) -> np.ndarray:
+    """The chosen token of each row of ``logits`` [R, V] by the NumPy rule."""
+    return choose_tokens(logits, draws.inv_temp, draws.uniform, draws.top_k, draws.top_p)
