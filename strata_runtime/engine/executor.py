@@ -6,9 +6,9 @@ stream (one per stage, made once):
 stage 0 embeds the tokens; each later stage waits for the previous stage's event and copies the hidden rows
 over from its device (a peer copy, on the receiving stream); every stage runs its layers and records an
 event. The last stage adds the final norm, the LM head of the rows that decide a token, each one's chosen
-token (the argmax, or for a plain sampled row a draw at a uniform the host drew at launch:
-`strata_runtime.models.ops.choose`) and, for rows the host chooses (a bias, penalty, top-k or top-p, or
-proposals to verify when sampling), the logits, copied into pinned host buffers without the host waiting,
+token (the argmax, or for a sampled row a draw at a uniform the host drew at launch:
+`strata_runtime.models.ops.choose`) and, for rows the host chooses (a logit bias or penalty, or proposals
+to verify when sampling), the logits, copied into pinned host buffers without the host waiting,
 and the flight's ``done`` event. A chained window (`strata_runtime.engine.flight.Chained`) embeds the
 tokens the window before it chose, on the device, after that window's ``done`` event. Uploads (token ids,
 a window's positions and slots) go through pinned memory too (`strata_runtime.backend.upload_into`), so
