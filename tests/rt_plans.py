@@ -45,6 +45,7 @@ def profile_text(
     helpers: int = 0,
     peer: bool = False,
     helper_vram_mib: int = 8192,
+    run_ahead: int | None = None,
 ) -> str:
     """``helpers``: helper GPUs (``experts.helper_devices``) after the stages' GPUs; ``peer``: a peer device
     (``experts.peer_device``) after them instead; ``helper_vram_mib``: the VRAM of each (the resolver fills
@@ -74,6 +75,7 @@ def profile_text(
         f"slots = {slots}",
         f"mtp = {'true' if batch_mtp else 'false'}",
     ]
+    lines += [f"run_ahead = {run_ahead}"] if run_ahead is not None else []
     if groups is not None:
         lines.append(f"groups = {groups}")
     if stages > 1:

@@ -24,12 +24,17 @@ PROMPTS = [b"The river", b"A second, longer prompt here", b"Third", b"x" * 20]
 
 
 def engine(stages: int, slots: int, run_ahead: int, draft_tokens: int = 0, context: int = 128) -> Engine:
+    """An engine whose profile sets ``batch.run_ahead``."""
     plan = make_plan(
-        stages=stages, slots=slots, groups=1, draft_tokens=draft_tokens, context=context, prefill_chunk=8
+        stages=stages,
+        slots=slots,
+        groups=1,
+        draft_tokens=draft_tokens,
+        context=context,
+        prefill_chunk=8,
+        run_ahead=run_ahead,
     )
-    eng = Engine(plan)
-    eng.run_ahead = run_ahead
-    return eng
+    return Engine(plan)
 
 
 class Spy:
@@ -72,6 +77,7 @@ def test_a_lone_stream_queues_its_next_windows_before_finishing_one_and_gives_th
     stages, run_ahead
 ) -> None:
     eng = engine(stages, 1, run_ahead)
+    assert any(f"up to {run_ahead} in flight" in line for line in eng.startup)
     spy = Spy(eng)
     got = collect(eng, [(0, Request(tuple(PROMPTS[0]), 24))])[0]
     assert tuple(got) == alone(PROMPTS[0], 24)
@@ -125,6 +131,8 @@ def test_a_stop_token_computes_a_bounded_overrun_that_is_neither_emitted_nor_kep
     assert events[-1].finished == "stop"
     decode = [job for what, job in spy.log if what == "launch" and job.kind != "prefill"]
     assert k < len(decode) <= k + run_ahead - 1  # the stop came out of decode window k - 1
+    assert eng.totals["discarded_rows"] == len(decode) - k  # counted, and exported as a metric
+    assert "past a stop and discarded" in eng.summary()
     assert eng.slots == [None, None] and eng.model.kv_lengths(0) == [0] * stages
     # The slot's next request reads a clean KV.
     again = collect(eng, [(0, Request(tuple(PROMPTS[2]), 15))])[0]

@@ -198,7 +198,7 @@ def test_metrics_exposition_counts_and_buckets():
         counters.latency.observe(s)
     counters.requests["chat", "ok"] += 3
     counters.requests["completions", "client_error"] += 2
-    windows, accepted = rng.randrange(1, 1000), rng.randrange(1, 500)
+    windows, accepted, discarded = rng.randrange(1, 1000), rng.randrange(1, 500), rng.randrange(1, 50)
     stats = {
         "plan": {"mode": "serial"},
         "queue": 2,
@@ -207,7 +207,7 @@ def test_metrics_exposition_counts_and_buckets():
             {"slot": 1, "state": "free"},
             {"slot": 2, "state": "prefill"},
         ],
-        "totals": {"windows": windows, "accepted": accepted, "ms": 1500.0},
+        "totals": {"windows": windows, "accepted": accepted, "ms": 1500.0, "discarded_rows": discarded},
     }
     text = metrics.render(counters, stats, ready=True, in_flight=4)
     values: dict[str, float] = {}
@@ -220,6 +220,7 @@ def test_metrics_exposition_counts_and_buckets():
     assert values["strata_windows_total"] == windows
     assert values["strata_proposals_accepted_total"] == accepted
     assert values["strata_window_seconds_total"] == 1.5
+    assert values["strata_discarded_rows_total"] == discarded
     assert values["strata_queue_depth"] == 2
     assert values["strata_slots"] == 3
     assert values["strata_slots_busy"] == 2

@@ -275,6 +275,7 @@ class Executor:
             # A chained window queued before the window that ended the request was finished: its rows are
             # the bounded overrun of running ahead. Nothing is emitted or kept (the slot's release has
             # rewound its KV).
+            flight.discarded += n
             return []
         if e.pos != slot.length:
             raise RuntimeError(

@@ -147,6 +147,9 @@ class Flight:
     logits: np.ndarray | None = None
     keep: list[Any] = field(default_factory=list)
     error: BaseException | None = None
+    discarded: int = 0
+    """Rows `strata_runtime.engine.executor.Executor.finish` found past their request's end (queued ahead of
+    its stop) and kept nothing of."""
 
     @property
     def done(self) -> Mark:

@@ -207,6 +207,12 @@ class Engine:
             f"stages: {stages}",
             f"slots: {self.n_slots}, mode {p.batch.mode}, {p.batch.groups} group(s), batch MTP "
             f"{'on' if p.batch.mtp else 'off'}, solo drafting {self.depth} proposal(s)",
+            (
+                f"decode windows whose tokens the GPU chooses: up to {self.run_ahead} in flight, each "
+                "reading the tokens the one before chose (batch.run_ahead)"
+                if self.run_ahead > 1
+                else "decode windows: one at a time (batch.run_ahead = 1)"
+            ),
         ]
         if p.model.routing == "calibrated":
             lines.append("routing: calibrated (skewed and persistent, through a router bias)")
@@ -571,7 +577,7 @@ class Engine:
         job = flight.job
         accepted = sum(ev.accepted_proposals for _, ev in events)
         window = WindowStat(job.kind, job.rows, ms, job.proposals, accepted, job.slot_ids)
-        self.window_stats.record(window, sum(len(ev.token_ids) for _, ev in events))
+        self.window_stats.record(window, sum(len(ev.token_ids) for _, ev in events), flight.discarded)
         for slot, ev in events:
             slot.handle.events.put(ev)
             if ev.finished is not None:

@@ -31,14 +31,17 @@ class WindowStats:
             "proposals": 0,
             "accepted": 0,
             "ms": 0.0,
+            "discarded_rows": 0,
         }
 
-    def record(self, window: WindowStat, tokens: int) -> None:
-        """Count one window that emitted ``tokens`` tokens."""
+    def record(self, window: WindowStat, tokens: int, discarded: int = 0) -> None:
+        """Count one window that emitted ``tokens`` tokens; ``discarded`` of its rows were run past their
+        request's end (windows queued ahead of a stop) and kept nothing."""
         self.recent.append(window)
         t = self.totals
         t["windows"] += 1
         t["rows"] += window.rows
+        t["discarded_rows"] += discarded
         t["tokens"] += tokens
         t["proposals"] += window.proposals
         t["accepted"] += window.accepted
@@ -60,6 +63,8 @@ class WindowStats:
         if t["proposals"]:
             rate += f" ({100 * t['accepted'] / t['proposals']:.1f}%)"
         per = t["ms"] / t["windows"] if t["windows"] else 0.0
-        return (
-            f"{t['windows']} windows, {t['rows']} rows, {t['tokens']} tokens, {rate}, {per:.2f} ms per window"
-        )
+        line = f"{t['windows']} windows, {t['rows']} rows, {t['tokens']} tokens, {rate}"
+        line += f", {per:.2f} ms per window"
+        if t["discarded_rows"]:
+            line += f", {t['discarded_rows']} rows run ahead past a stop and discarded"
+        return line

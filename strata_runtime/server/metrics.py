@@ -51,6 +51,11 @@ TOTALS: dict[str, tuple[str, str, float]] = {
     "proposals": ("strata_proposals_total", "MTP proposals drafted.", 1),
     "accepted": ("strata_proposals_accepted_total", "MTP proposals accepted.", 1),
     "ms": ("strata_window_seconds_total", "Time spent running windows.", 1e-3),
+    "discarded_rows": (
+        "strata_discarded_rows_total",
+        "Rows of windows queued ahead of a request's stop, run and discarded.",
+        1,
+    ),
 }
 """Engine counters, exported under stable names."""
 
