@@ -778,7 +778,7 @@ __device__ __forceinline__ T block_scan(T v, T* sums, T* total) {
 
 // Block-wide: the key K of the logits l[V] where the weight counted from the largest key down first reaches
 // need: weight(keys > K) < need <= weight(keys >= K). *above = weight(keys > K), *at = weight(keys == K).
-// 8 bits of the key a pass. Each group of 4 warps fills its own 256-bin histogram of u64 weights (hist:
+// 8 bits of the key a pass; weight(v) is a logit's weight. Each group of 4 warps fills its own 256-bin histogram of u64 weights (hist:
 // 8 x 256, shared), and the lanes of a warp that fall in one bin add their weights together first (weights
 // below 2^40, split in two halves a warp can sum in 32 bits), so few atomics meet on one address; the
 // groups' histograms are then summed. Integer sums: the result does not depend on the order of the adds.
@@ -794,22 +794,32 @@ __device__ void radix_select(const float* __restrict__ l, int V, Weight weight, 
     for (int b = threadIdx.x; b < 8 * 256; b += blockDim.x) hist[b] = 0ull;
     __syncthreads();
     const unsigned p = prefix, m = mask;
-    for (int i0 = 0; i0 < V; i0 += blockDim.x) {  // every thread the same number of times: warps converge
-      const int i = i0 + (int)threadIdx.x;
-      unsigned bin = 256u;
-      u64 w = 0ull;
-      if (i < V) {
-        const unsigned k = order_key(l[i]);
-        if ((k & m) == p) {
-          w = weight(i);
-          if (w) bin = (k >> shift) & 255u;
-        }
+    const int step = (int)blockDim.x;
+    for (int i0 = 0; i0 < V; i0 += 4 * step) {  // every thread the same number of times: warps converge
+      float v[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {  // four coalesced loads in flight before any is used
+        const int i = i0 + j * step + (int)threadIdx.x;
+        v[j] = i < V ? l[i] : 0.f;
       }
-      const unsigned peers = __match_any_sync(0xffffffffu, bin);
-      if (bin < 256u) {
-        const unsigned lo = __reduce_add_sync(peers, (unsigned)(w & 0xffffffull));
-        const unsigned hi = __reduce_add_sync(peers, (unsigned)(w >> 24));
-        if (lane == __ffs(peers) - 1) atomicAdd(mine + bin, ((u64)hi << 24) + lo);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int i = i0 + j * step + (int)threadIdx.x;
+        unsigned bin = 256u;
+        u64 w = 0ull;
+        if (i < V) {
+          const unsigned k = order_key(v[j]);
+          if ((k & m) == p) {
+            w = weight(v[j]);
+            if (w) bin = (k >> shift) & 255u;
+          }
+        }
+        const unsigned peers = __match_any_sync(0xffffffffu, bin);
+        if (bin < 256u) {
+          const unsigned lo = __reduce_add_sync(peers, (unsigned)(w & 0xffffffull));
+          const unsigned hi = __reduce_add_sync(peers, (unsigned)(w >> 24));
+          if (lane == __ffs(peers) - 1) atomicAdd(mine + bin, ((u64)hi << 24) + lo);
+        }
       }
     }
     __syncthreads();
@@ -842,6 +852,7 @@ __global__ void __launch_bounds__(1024) choose_rows(const float* __restrict__ lo
   const float* l = logits + (size_t)r * V;
   float best = -STRATA_INF;
   int bi = 0x7fffffff;
+#pragma unroll 4
   for (int i = tid; i < V; i += blockDim.x) {
     const float v = l[i];
     if (v > best || (v == best && i < bi)) { best = v; bi = i; }
@@ -874,7 +885,7 @@ __global__ void __launch_bounds__(1024) choose_rows(const float* __restrict__ lo
   unsigned key;
   u64 above, at;
   if (k > 0 && k < V) {  // the k-th largest logit: counted from the top, the k-th token's key
-    radix_select(l, V, [](int) { return 1ull; }, (u64)k, hist, &key, &above, &at);
+    radix_select(l, V, [](float) { return 1ull; }, (u64)k, hist, &key, &above, &at);
     if (tid == 0) kth = key;
     __syncthreads();
   }
@@ -882,12 +893,12 @@ __global__ void __launch_bounds__(1024) choose_rows(const float* __restrict__ lo
   const float p = top_p[r];
   const bool by_p = p < 1.f;
   if (by_p) {
-    auto fixed = [&](int i) -> u64 {
-      const float v = l[i];
+    auto fixed = [&](float v) -> u64 {
       return order_key(v) >= cut_k ? (u64)((double)__expf((v - mx) * t) * 1099511627776.0) : 0ull;
     };
     u64 z = 0ull;
-    for (int i = tid; i < V; i += blockDim.x) z += fixed(i);
+#pragma unroll 4
+    for (int i = tid; i < V; i += blockDim.x) z += fixed(l[i]);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) z += __shfl_xor_sync(0xffffffffu, z, o);
     if (lane == 0) zsum[warp] = z;
@@ -906,8 +917,9 @@ __global__ void __launch_bounds__(1024) choose_rows(const float* __restrict__ lo
     const int a0 = min(tid * chunk, V), b0 = min(a0 + chunk, V);
     int ties = 0;
     u64 each = 0ull;
+#pragma unroll 4
     for (int i = a0; i < b0; ++i)
-      if (order_key(l[i]) == key) { ++ties; each = fixed(i); }
+      if (order_key(l[i]) == key) { ++ties; each = fixed(l[i]); }
     int all_ties;
     const int incl = block_scan(ties, isums, &all_ties);
     if (ties > 0 && incl == ties) tie_w = each;  // the first thread holding ties: one tie's weight
@@ -931,6 +943,7 @@ __global__ void __launch_bounds__(1024) choose_rows(const float* __restrict__ lo
   const int a = min(tid * chunk, V), b = min(a + chunk, V);
   float s = 0.f;
   int nz = -1;
+#pragma unroll 4
   for (int i = a; i < b; ++i) {
     const float v = l[i];
     const float w = stays(i, v) ? __expf((v - mx) * t) : 0.f;
