@@ -9,7 +9,8 @@ the same programmatic edges.
 
 CuPy launches without launch attributes, so `PdlKernel` calls ``cuLaunchKernelEx`` from the driver library
 itself, with the same (grid, block, args) a CuPy kernel takes. `available` says whether this process can
-(a driver that exports it, a device of compute capability 9.0 or later, and ``STRATA_PDL`` not ``0``).
+(a driver of CUDA 12.3 or later that exports it, a device of compute capability 9.0 or later, and
+``STRATA_PDL`` not ``0``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from ..backend import cupy_module
 
 PROGRAMMATIC_STREAM_SERIALIZATION = 6
 """CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION in cuda.h."""
+MIN_DRIVER = 12030
+"""The oldest driver (CUDA 12.3) whose graph capture keeps programmatic launches."""
 
 
 class _Attribute(ctypes.Structure):
@@ -75,11 +78,14 @@ def _driver() -> Any:
 
 @functools.cache
 def available(device_id: int) -> bool:
-    """Whether kernels on GPU ``device_id`` launch with PDL: the driver exports cuLaunchKernelEx, the device
-    is compute capability 9.0 or later, and the environment does not set ``STRATA_PDL=0``."""
+    """Whether kernels on GPU ``device_id`` launch with PDL: the driver (CUDA 12.3 or later) exports
+    cuLaunchKernelEx, the device is compute capability 9.0 or later, and the environment does not set
+    ``STRATA_PDL=0``."""
     if os.environ.get("STRATA_PDL", "1") == "0" or _driver() is None:
         return False
     cp = cupy_module()
+    if int(cp.cuda.runtime.driverGetVersion()) < MIN_DRIVER:
+        return False
     major = cp.cuda.runtime.getDeviceProperties(device_id)["major"]
     return int(major) >= 9
 
