@@ -107,3 +107,49 @@ def test_in_process_workloads_are_refused_over_url(workload: str) -> None:
 def test_gpu_workloads_take_no_arms() -> None:
     out = strata("bench", "profiles/demo.toml", "--workload", "vram", "--arms", "serial")
     assert out.returncode == 2 and "--arms and --peer do not apply" in out.stderr
+
+
+def test_sampled_bench_requests_draw_with_the_options_and_the_same_seed_in_every_arm() -> None:
+    """The decoding requests of a workload sample with --temperature/--top-p/--top-k, each seeded by its
+    index; arms that choose tokens the same way (serial windows and solo here) give the same text."""
+    from strata_runtime.api import SamplingParams
+    from strata_runtime.bench.harness import workload_arrivals
+    from strata_runtime.engine import Engine
+    from strata_runtime.engine.sampling import Sampler
+
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, top_k=40)
+    from rt_plans import make_plan
+
+    tokenizer = Engine(make_plan(preset="tiny")).tokenizer
+    arrivals = workload_arrivals("clients", tokenizer, 12, 128, clients=3, sampling=sampled)
+    params = [a.request.sampling for a in arrivals]
+    assert [p.seed for p in params] == [0, 1, 2]
+    assert all((p.temperature, p.top_p, p.top_k) == (0.8, 0.9, 40) for p in params)
+    assert all(Sampler(p, 0).device_chooses for p in params)
+    greedy = workload_arrivals("solo", tokenizer, 12, 128)
+    assert greedy[0].request.sampling.temperature == 0 and greedy[0].request.sampling.seed is None
+
+    out = strata(
+        *("bench", "profiles/demo.toml", "--workload", "two-decodes", "--arms", "serial,batch-mtp"),
+        *("--repeats", "1", "--tokens", "24", "--temperature", "0.9", "--top-p", "0.95", "--json"),
+    )
+    assert out.returncode == 0, out.stderr  # sampled arms that verify drafts may differ: not an error
+    res = json.loads(out.stdout)
+    assert res["sampling"] == {"temperature": 0.9, "top_p": 0.95, "top_k": 0}
+    assert res["arms"]["batch-mtp"]["two-decodes"]["text_equal_to_serial"] is None
+    assert res["arms"]["serial"]["two-decodes"]["median"]["tok_s"] > 0
+
+
+@pytest.mark.parametrize(
+    ("option", "needle"),
+    [
+        (("--temperature", "-1"), "--temperature must be at least 0"),
+        (("--temperature", "nan"), "--temperature must be at least 0"),
+        (("--temperature", "0.7", "--top-p", "0"), "--top-p must be in (0, 1]"),
+        (("--top-k", "-2"), "--top-k must be at least 0"),
+        (("--temperature", "0.7", "--peer", "transformers"), "--peer runs greedy decoding only"),
+    ],
+)
+def test_bad_sampling_options_are_usage_errors(option, needle) -> None:
+    out = strata("bench", "profiles/demo.toml", "--workload", "solo", *option)
+    assert out.returncode == 2 and needle in out.stderr, out.stderr

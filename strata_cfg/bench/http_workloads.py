@@ -75,10 +75,22 @@ def _totals(url: str, api_key: str | None) -> dict[str, float]:
         client.close()
 
 
+GREEDY: dict[str, float] = {"temperature": 0.0}
+
+
 def http_run(
-    url: str, workload: str, *, clients: int, tokens: int, context: int, vocab: int, api_key: str | None
+    url: str,
+    workload: str,
+    *,
+    clients: int,
+    tokens: int,
+    context: int,
+    vocab: int,
+    api_key: str | None,
+    sampling: dict[str, float] | None = None,
 ) -> dict[str, float]:
-    """One run of a workload over HTTP, with the same figures as the in-process harness."""
+    """One run of a workload over HTTP, with the same figures as the in-process harness. ``sampling``: the
+    decoding requests' temperature, top_p and top_k (each request seeded by its index); greedy without."""
     model = served_model(url, api_key)
     n = {"two-decodes": 2, "clients": clients, "solo": 1, "read-beside-decode": 1}[workload]
     streams: list[Stream] = []
@@ -87,7 +99,9 @@ def http_run(
 
     def send(prompt: str | list[int], max_tokens: int, watch: threading.Event | None) -> None:
         body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True}
-        body["temperature"] = 0
+        body.update(sampling or GREEDY)
+        if body["temperature"] > 0:
+            body["seed"] = len(streams)
         body["stream_options"] = {"include_usage": True}
         stream = Stream(sent=time.perf_counter() - t0)
         worker = threading.Thread(target=_stream, args=(Client(url, api_key, 600.0), body, t0, stream, watch))
@@ -133,9 +147,16 @@ def http_run(
 
 
 def bench_url(
-    url: str, workload: str, *, tokens: int = 300, repeats: int = 3, api_key: str | None = None
+    url: str,
+    workload: str,
+    *,
+    tokens: int = 300,
+    repeats: int = 3,
+    api_key: str | None = None,
+    sampling: dict[str, float] | None = None,
 ) -> dict[str, Any]:
-    """A bench workload against a launched engine: medians over ``repeats`` runs, per case."""
+    """A bench workload against a launched engine: medians over ``repeats`` runs, per case (``sampling``
+    as `http_run` takes it)."""
     client = Client(url, api_key, 30.0)
     try:
         status = client.get_json("/v1/status")
@@ -156,6 +177,7 @@ def bench_url(
                     context=context,
                     vocab=vocab,
                     api_key=api_key,
+                    sampling=sampling,
                 )
             )
     medians = {case: {k: median([f[k] for f in figs]) for k in figs[0]} for case, figs in runs.items()}

@@ -28,7 +28,14 @@ from ..bench.arms import ARMS, DEFAULT_ARMS, arm_note
 from ..launch.engine_process import runtime_argv
 from ..schema.errors import ProfileError
 from ..schema.plan_file import write_plan
-from ..schema.workloads import GPU_WORKLOADS, HTTP_WORKLOADS, PEERS, WORKLOADS, prompt_context_problem
+from ..schema.workloads import (
+    GPU_WORKLOADS,
+    HTTP_WORKLOADS,
+    PEERS,
+    WORKLOADS,
+    prompt_context_problem,
+    sampling_problem,
+)
 from ._common import (
     EXIT_REFUSED,
     EXIT_USAGE,
@@ -57,6 +64,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="prompt: the prompt's length; it and one generated token must fit memory.context (default 4096)",
     )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="every request samples at this temperature, seeded by its index (default 0: greedy)",
+    )
+    parser.add_argument("--top-p", type=float, default=1.0, help="with --temperature: top-p (default 1)")
+    parser.add_argument("--top-k", type=int, default=0, help="with --temperature: top-k (default 0: none)")
     parser.add_argument(
         "--peer",
         action="append",
@@ -93,7 +108,10 @@ def run_url(args: argparse.Namespace) -> int:
 
     key = os.environ.get(args.api_key_env) if args.api_key_env else None
     try:
-        result = bench_url(args.url, args.workload, tokens=args.tokens, repeats=args.repeats, api_key=key)
+        sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+        result = bench_url(
+            args.url, args.workload, tokens=args.tokens, repeats=args.repeats, api_key=key, sampling=sampling
+        )
     except (OSError, RuntimeError, ValueError) as exc:
         print(f"strata bench: {args.url}: {exc}", file=sys.stderr)
         return EXIT_REFUSED
@@ -110,6 +128,11 @@ def usage_problem(args: argparse.Namespace) -> str | None:
         )
     if args.workload in GPU_WORKLOADS and (args.arms or args.peer):
         return f"--workload {args.workload} measures the profile's own plan: --arms and --peer do not apply"
+    problem = sampling_problem(args.temperature, args.top_p, args.top_k)
+    if problem:
+        return problem
+    if args.temperature > 0 and args.peer:
+        return "--peer runs greedy decoding only: leave out --temperature, or run the peer without it"
     return None
 
 
@@ -172,6 +195,7 @@ def bench_argv(args: argparse.Namespace) -> list[str]:
     argv = runtime_argv("bench", "--workload", args.workload)
     argv += ["--repeats", str(args.repeats), "--tokens", str(args.tokens)]
     argv += ["--prompt-tokens", str(args.prompt_tokens)]
+    argv += ["--temperature", repr(args.temperature), "--top-p", repr(args.top_p), "--top-k", str(args.top_k)]
     return argv + (["--json"] if args.json else [])
 
 

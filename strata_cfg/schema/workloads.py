@@ -32,6 +32,17 @@ PROMPTS = (
 """Short prompts; request i uses prompt i modulo their number."""
 
 
+def sampling_problem(temperature: float, top_p: float, top_k: int) -> str | None:
+    """Why the bench's sampling options (every request of the workload draws with them) are not valid."""
+    if not temperature >= 0:  # also refuses nan
+        return f"--temperature must be at least 0, not {temperature}"
+    if not 0 < top_p <= 1:
+        return f"--top-p must be in (0, 1], not {top_p}"
+    if top_k < 0:
+        return f"--top-k must be at least 0 (0: no cut), not {top_k}"
+    return None
+
+
 def prompt_context_problem(prompt_tokens: int, context: int) -> str | None:
     """Why a ``prompt`` run of ``prompt_tokens`` (plus its one generated token) cannot fit ``context``."""
     if prompt_tokens < 1:

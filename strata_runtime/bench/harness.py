@@ -10,6 +10,7 @@ The GPU-only workloads (``step``, ``vram``) build no arms: `strata_runtime.bench
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -144,9 +145,15 @@ def expert_traffic(engine: Engine) -> dict[str, int] | None:
 # ---- workloads --------------------------------------------------------------------------------------
 
 
-def _request(tokenizer: Tokenizer, i: int, tokens: int, prompt: str | None = None) -> Request:
-    ids = tuple(tokenizer.encode(prompt if prompt is not None else PROMPTS[i % len(PROMPTS)]))
-    return Request(ids, tokens, SamplingParams(temperature=0.0), request_id=f"bench-{i}")
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def _request(tokenizer: Tokenizer, i: int, tokens: int, sampling: SamplingParams = GREEDY) -> Request:
+    """Request ``i`` of a workload; sampled, it is seeded by its index, so every arm draws the same."""
+    ids = tuple(tokenizer.encode(PROMPTS[i % len(PROMPTS)]))
+    if sampling.temperature > 0:
+        sampling = dataclasses.replace(sampling, seed=i)
+    return Request(ids, tokens, sampling, request_id=f"bench-{i}")
 
 
 def prompt_ids(length: int, vocab: int, seed: int) -> tuple[int, ...]:
@@ -165,23 +172,25 @@ def workload_arrivals(
     prompt_tokens: int = 0,
     vocab: int = 0,
     seed: int = 0,
+    sampling: SamplingParams = GREEDY,
 ) -> list[Arrival]:
     """The requests of a workload (for ``clients``: of one client count; for ``prompt``: a prompt of
-    ``prompt_tokens`` ids drawn from ``vocab`` with ``seed``, generating one token)."""
+    ``prompt_tokens`` ids drawn from ``vocab`` with ``seed``, generating one token). The decoding requests
+    choose their tokens by ``sampling``."""
     if name == "prompt":
         ids = prompt_ids(prompt_tokens, vocab, seed)
         return [Arrival(Request(ids, 1, SamplingParams(temperature=0.0), request_id=f"bench-prompt-{seed}"))]
     if name == "two-decodes":
-        return [Arrival(_request(tokenizer, i, tokens)) for i in range(2)]
+        return [Arrival(_request(tokenizer, i, tokens, sampling)) for i in range(2)]
     if name == "clients":
-        return [Arrival(_request(tokenizer, i, tokens)) for i in range(clients)]
+        return [Arrival(_request(tokenizer, i, tokens, sampling)) for i in range(clients)]
     if name == "solo":
-        return [Arrival(_request(tokenizer, 0, tokens))]
+        return [Arrival(_request(tokenizer, 0, tokens, sampling))]
     if name == "read-beside-decode":
         length = max(16, min(context - 2, 48_000))
         seed_ids = tokenizer.encode(" ".join(PROMPTS))
         long_ids = tuple((seed_ids * (length // len(seed_ids) + 1))[:length])
-        decode = _request(tokenizer, 0, tokens)
+        decode = _request(tokenizer, 0, tokens, sampling)
         reader = Request(long_ids, 1, SamplingParams(temperature=0.0), request_id="bench-long")
         return [Arrival(decode), Arrival(reader, after_tokens=min(8, tokens // 2))]
     raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
@@ -264,8 +273,10 @@ def run_bench(
     on_run: Callable[[str, str, int, dict[str, float]], None] | None = None,
     prompt_tokens: int = 0,
     vocab: int = 0,
+    sampling: SamplingParams = GREEDY,
 ) -> dict[str, ArmRuns]:
-    """Every arm on the workload, interleaved, ``repeats`` times.
+    """Every arm on the workload, interleaved, ``repeats`` times, its decoding requests choosing tokens by
+    ``sampling``.
 
     ``prompt`` gives every arm of a repeat the same prompt, and each repeat a fresh one (seeded by its index).
     """
@@ -289,6 +300,7 @@ def run_bench(
                     prompt_tokens=prompt_tokens,
                     vocab=vocab,
                     seed=r,
+                    sampling=sampling,
                 )
                 t0 = time.perf_counter()
                 results, stats = driver(engine).run(arrivals)
@@ -302,8 +314,9 @@ def run_bench(
     return out
 
 
-def summarise(runs: dict[str, ArmRuns], base: str = "serial") -> dict[str, Any]:
-    """Medians per arm and case, the gain over ``base`` with its interval, and the text-equality check."""
+def summarise(runs: dict[str, ArmRuns], base: str = "serial", compare_text: bool = True) -> dict[str, Any]:
+    """Medians per arm and case, the gain over ``base`` with its interval, and the text-equality check
+    (None without ``compare_text``: sampled arms that verify drafts draw differently)."""
     summary: dict[str, Any] = {}
     for name, arm in runs.items():
         cases = {}
@@ -320,7 +333,8 @@ def summarise(runs: dict[str, ArmRuns], base: str = "serial") -> dict[str, Any]:
                 entry["gain"] = statistics.median(rates) / statistics.median(base_rates) - 1.0
                 entry["gain_ci95"] = bootstrap_gain(rates, base_rates)
             if base in runs:
-                entry["text_equal_to_" + base] = arm.tokens.get(case) == runs[base].tokens.get(case)
+                same = arm.tokens.get(case) == runs[base].tokens.get(case)
+                entry["text_equal_to_" + base] = same if compare_text else None
             cases[case] = entry
         summary[name] = cases
     return summary

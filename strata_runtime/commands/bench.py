@@ -30,9 +30,10 @@ from strata_cfg.schema.workloads import (
     PROMPTS,
     WORKLOADS,
     prompt_context_problem,
+    sampling_problem,
 )
 
-from ..api import Tokenizer
+from ..api import SamplingParams, Tokenizer
 from ..bench.ceilings import copy_bandwidth, decode_step_bytes, host_link_rate, matrix_rate, prompt_flops, si
 from ..bench.harness import (
     Arm,
@@ -71,6 +72,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", action="store_true")
     parser.add_argument(
+        "--temperature", type=float, default=0.0, help="sample at this temperature (default 0)"
+    )
+    parser.add_argument("--top-p", type=float, default=1.0, help="with --temperature: top-p (default 1)")
+    parser.add_argument("--top-k", type=int, default=0, help="with --temperature: top-k (default 0: none)")
+    parser.add_argument(
         "--peer",
         action="append",
         default=[],
@@ -101,6 +107,10 @@ def run(args: argparse.Namespace) -> int:
     from ..engine import Engine
     from ..weights.progress import stderr_progress
 
+    problem = sampling_problem(args.temperature, args.top_p, args.top_k)
+    if problem:
+        raise SystemExit(f"bench: {problem}")
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     arms = _pairs(args.arm, "arm")
     notes = _pairs(args.note, "note")
     plans = {name: read_plan(path) for name, path in arms.items()}
@@ -153,8 +163,9 @@ def run(args: argparse.Namespace) -> int:
         on_run=progress,
         prompt_tokens=args.prompt_tokens,
         vocab=vocab,
+        sampling=sampling,
     )
-    summary = summarise(runs)
+    summary = summarise(runs, compare_text=sampling.temperature <= 0)
     tokenizer = next(iter(engines.values())).tokenizer
     ceiling = ceiling_report(args.workload, plans, summary, rates, args, tokenizer)
     budgets = {
@@ -166,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
             "workload": args.workload,
             "repeats": args.repeats,
             "tokens": args.tokens,
+            "sampling": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k},
             "arms": {
                 n: {
                     "plan": {
@@ -198,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
         if llama is not None and llama["lines"]:
             print("\n" + "\n".join(llama["lines"]))
     # A peer computes in other precision and order, so its text may drift; only the runtime's arms must agree.
-    equal = all(case.get("text_equal_to_serial", True) for n in plans for case in summary[n].values())
+    equal = all(case.get("text_equal_to_serial") is not False for n in plans for case in summary[n].values())
     return 0 if equal else 1
 
 
@@ -303,7 +315,7 @@ def warm_up(engines: dict[str, Engine], length: int, vocab: int, streams: int = 
     """Before the first measured repeat, on every arm: read one prompt of ``length``, then decode ``streams``
     requests at once, joining one at a time (so every group and row count runs), so that no repeat pays for
     compiling kernels or capturing graphs."""
-    from ..api import Request, SamplingParams
+    from ..api import Request
 
     greedy = SamplingParams(temperature=0.0)
     ids = prompt_ids(length, vocab, seed=1 << 20)  # not a seed any repeat uses
