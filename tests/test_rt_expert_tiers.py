@@ -364,3 +364,22 @@ def test_the_kernels_count_each_assignment_in_the_tier_that_served_it(fake_gpu):
     assert (store.residency.tiers() == tiers).all()
     s = store.stats
     assert s.hits > 0 and s.helper_hits > 0 and s.host_reads > 0 and s.swaps == 0
+
+
+def test_a_restored_cache_on_the_cuda_path_forgets_the_reads_counted_before(fake_gpu):
+    """Benchmark arms share a stage's cache and each starts from a restore: what an arm counted (routing and
+    the reads each tier served) must not be handed to the cache in the next arm's first window."""
+    engine = Engine(cuda_plan(expert_cache=4, peer=True, helper_vram_mib=1, adapt=False, slots=2, groups=1))
+    [stage] = engine.model.stages
+    tables, store = stage.cuda_experts, stage.experts
+    start = engine.expert_state()
+    counts = np.zeros((len(store), store.n_experts))
+    counts[0, 1] = 3.0
+    tables.record(counts, Reads(2, 5))  # what an arm's prompt counted, not yet handed over
+    engine.restore_experts(start)
+    handed = handed_to_cache(store)
+    tables.record(counts, Reads(0, 0))
+    tables.after_window()
+    [(got, reads)] = handed
+    np.testing.assert_array_equal(got, counts)
+    assert reads == Reads(0, 0)

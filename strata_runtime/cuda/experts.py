@@ -263,7 +263,7 @@ class CudaExperts:
             if self.store.cached:
                 with self._lock:
                     self._pending[...] = 0
-                    self._pending_misses = 0
+                    self._pending_reads = Reads()
                 self._read_done, self._windows = None, 0
                 self.counts.fill(0)
                 self.misses.fill(0)
