@@ -24,6 +24,10 @@ def even_split(n_layers: int, n_stages: int) -> list[int]:
     return [2 + round((n_layers - 2) * i / (n_stages - 1)) for i in range(n_stages - 1)]
 
 
+VIRTUAL_GPU = '{ name = "virtual CPU device", vram_mib = 8192, bandwidth_gbs = 20 }'
+"""Each stage's device in `profile_text`."""
+
+
 def profile_text(
     *,
     preset: str | None = "tiny",
@@ -61,7 +65,7 @@ def profile_text(
             model += f"\nlayer_scale = {layer_scale}"
         if routing is not None:
             model += f'\nrouting = "{routing}"'
-    gpu = '{ name = "virtual CPU device", vram_mib = 8192, bandwidth_gbs = 20 }'
+    gpu = VIRTUAL_GPU
     extra = helpers + (1 if peer else 0)
     helper_gpu = f'{{ name = "virtual helper device", vram_mib = {helper_vram_mib}, bandwidth_gbs = 20 }}'
     lines = [
@@ -92,6 +96,16 @@ def profile_text(
     if serve or batch_mtp:
         lines += ["[serve]"]
     return "\n".join(lines) + "\n"
+
+
+def float16_profile_text(*, backend: str = "cuda", vram_mib: int | None = None, **kw: Any) -> str:
+    """`profile_text` (same keywords) in float16 on ``backend``: the CUDA path, on the fake GPU or, with
+    ``vram_mib`` (the real card's), on a GPU, each stage device then that card."""
+    text = profile_text(**kw).replace('backend = "cpu"', f'backend = "{backend}"')
+    text = text.replace("[model]", '[model]\ndtype = "float16"')
+    if vram_mib is not None:
+        text = text.replace(VIRTUAL_GPU, f'{{ name = "GPU", vram_mib = {vram_mib}, bandwidth_gbs = 1000 }}')
+    return text
 
 
 def make_plan(**kw: Any) -> LaunchPlan:

@@ -24,28 +24,22 @@ def cp():
 
 
 def _plan(cp, *, cache: int | None, slots: int = 2, batch_mtp: bool = True, chunk: int = 64, adapt=True):
+    from rt_plans import float16_profile_text
+
     from strata_cfg.plan.from_profile import resolve_text
 
-    vram = cp.cuda.runtime.memGetInfo()[1] // (1 << 20)
-    text = f"""name = "cache-test"
-[machine]
-backend = "cuda"
-gpus = [{{ name = "GPU", vram_mib = {vram}, bandwidth_gbs = 1000 }}]
-[model]
-synthetic = "small"
-dtype = "float16"
-[batch]
-slots = {slots}
-mtp = {"true" if batch_mtp else "false"}
-[spec]
-draft_tokens = 3
-[memory]
-context = 512
-prefill_chunk = {chunk}
-[serve]
-"""
-    if cache is not None:
-        text += f"[experts]\ncache = {cache}\nadapt = {'true' if adapt else 'false'}\n"
+    text = float16_profile_text(
+        vram_mib=cp.cuda.runtime.memGetInfo()[1] // (1 << 20),
+        preset="small",
+        slots=slots,
+        batch_mtp=batch_mtp,
+        draft_tokens=3,
+        context=512,
+        prefill_chunk=chunk,
+        expert_cache=cache,
+        adapt=adapt if cache is not None else None,
+        serve=True,
+    )
     return resolve_text(text, "cache-test.toml").plan
 
 

@@ -21,12 +21,13 @@ def cp():
 
 
 def _plan(cp, *, stages: int = 2, slots: int = 4, groups: int | None = 1, batch_mtp: bool = False):
-    from rt_plans import profile_text
+    from rt_plans import float16_profile_text
 
     from strata_cfg.plan.from_profile import resolve_text
 
     vram = cp.cuda.runtime.memGetInfo()[1] // (1 << 20)
-    text = profile_text(
+    text = float16_profile_text(
+        vram_mib=vram,
         preset="small",
         stages=stages,
         slots=slots,
@@ -37,11 +38,6 @@ def _plan(cp, *, stages: int = 2, slots: int = 4, groups: int | None = 1, batch_
         prefill_chunk=96,
         layer_scale=0.03,
     )
-    gpu = '{ name = "virtual CPU device", vram_mib = 8192, bandwidth_gbs = 20 }'
-    text = text.replace('backend = "cpu"', 'backend = "cuda"').replace(
-        "[model]", '[model]\ndtype = "float16"'
-    )
-    text = text.replace(gpu, f'{{ name = "GPU", vram_mib = {vram}, bandwidth_gbs = 1000 }}')
     return resolve_text(text, "gpu2.toml").plan
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from fake_cupy import installed
-from rt_plans import profile_text
+from rt_plans import float16_profile_text
 
 from strata_cfg.plan.from_profile import resolve_text
 from strata_runtime.api import Request
@@ -29,10 +29,7 @@ def fake_gpu():
 
 def _plan(backend: str, preset: str = "small", **kw):
     """``small`` has dense layers, a shared expert and routed experts; ``tiny`` only routed experts."""
-    text = profile_text(preset=preset, slots=2, context=256, **kw)
-    text = text.replace('backend = "cpu"', f'backend = "{backend}"').replace(
-        "[model]", '[model]\ndtype = "float16"'
-    )
+    text = float16_profile_text(backend=backend, preset=preset, slots=2, context=256, **kw)
     return resolve_text(text, "cuda-path.toml").plan
 
 
@@ -213,12 +210,7 @@ def test_the_continuous_pipeline_on_the_cuda_path_stages_uploads_in_pinned_memor
 
 
 def _cuda_split(**kw):
-    from rt_plans import profile_text
-
-    text = profile_text(preset="tiny", stages=2, context=256, **kw)
-    text = text.replace('backend = "cpu"', 'backend = "cuda"').replace(
-        "[model]", '[model]\ndtype = "float16"'
-    )
+    text = float16_profile_text(preset="tiny", stages=2, context=256, **kw)
     return resolve_text(text, "cuda-split.toml").plan
 
 

@@ -261,14 +261,11 @@ def fake_gpu():
 
 
 def cuda_plan(**kw):
-    from rt_plans import profile_text
+    from rt_plans import float16_profile_text
 
     from strata_cfg.plan.from_profile import resolve_text
 
-    text = profile_text(preset="small", context=256, prefill_chunk=96, **kw)
-    text = text.replace('backend = "cpu"', 'backend = "cuda"').replace(
-        "[model]", '[model]\ndtype = "float16"'
-    )
+    text = float16_profile_text(preset="small", context=256, prefill_chunk=96, **kw)
     return resolve_text(text, "cuda-tiers.toml").plan
 
 
