@@ -397,10 +397,8 @@ class Engine:
         if not entries:
             return None
         alone = len(everyone) == 1 and min(self.depth, self.plan.memory.context - entries[0].pos - 1) > 0
-        if alone and group is None:
-            return None  # one slot left: its solo windows draft
-        if alone and not any(f.job.kind == "prefill" for f in self._flights):
-            return None  # one slot left and nothing else in flight: its solo windows draft
+        if alone and (group is None or not any(f.job.kind == "prefill" for f in self._flights)):
+            return None  # one slot left (pipelined: and no prompt in flight): its solo windows draft
         kind = job.kind if group is not None else "solo" if len(entries) == 1 else "serial"
         return Job(kind, entries), tuple(rows)
 
