@@ -153,3 +153,14 @@ def test_sampled_bench_requests_draw_with_the_options_and_the_same_seed_in_every
 def test_bad_sampling_options_are_usage_errors(option, needle) -> None:
     out = strata("bench", "profiles/demo.toml", "--workload", "solo", *option)
     assert out.returncode == 2 and needle in out.stderr, out.stderr
+
+
+def test_the_runtime_bench_refuses_bad_sampling_options_itself() -> None:
+    """`python -m strata_runtime bench` is also run directly on plan files: it checks the options too."""
+    out = subprocess.run(
+        [sys.executable, "-m", "strata_runtime", "bench", "--arm", "a=plan.json", "--top-p", "1.5"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode != 0 and "--top-p must be in (0, 1], not 1.5" in out.stderr, out.stderr
