@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import sys
 import threading
 import types
@@ -236,13 +237,10 @@ class ReferenceKernels:
     """The launchers of `strata_runtime.cuda.ops.Kernels`, run by the NumPy references."""
 
     def __init__(self) -> None:
-        from strata_runtime.cuda.ops import Kernels
+        from strata_runtime.cuda.ops import Kernels, gemv_expression
 
-        self.gemv_expr, self.moe_exprs, self.attn_exprs = (
-            Kernels.gemv_expr,
-            Kernels.moe_exprs,
-            Kernels.attn_exprs,
-        )
+        self.moe_exprs, self.attn_exprs = Kernels.moe_exprs, Kernels.attn_exprs
+        self.gemv_expr = functools.partial(gemv_expression, tensor_cores=True)
 
     def prepare(self, expressions: Any) -> None:
         pass

@@ -6,6 +6,8 @@ Bounds are relative Frobenius errors: fp32 arithmetic on fp16 weights lands far 
 
 from __future__ import annotations
 
+from math import ceil
+
 import numpy as np
 import pytest
 from kernel_checks import rel_err, rng
@@ -280,40 +282,70 @@ def test_small_elementwise_kernels_match_the_reference(gpu):
     np.testing.assert_array_equal(am_d.get(), am)
 
 
-@pytest.mark.parametrize(("n", "k"), [(3000, 2048), (700, 4096)])
+def launch_gemv(cp, kern, expr, grid, w, x, out, norm):
+    """One explicit instantiation of a GEMV kernel on grid (blocks, threads), writing out [R, N]."""
+    out[...] = cp.nan
+    args = (w, x, out, np.int32(w.shape[0]), np.int32(0), norm if norm is not None else np.uint64(0))
+    kern.fn(expr)((grid[0],), (grid[1],), (*args, np.float32(1e-6)))
+
+
+@pytest.mark.parametrize(("n", "k"), [(3000, 2048), (700, 4096), (128, 2048)])
 def test_gemv_rows_are_batch_invariant(gpu, n, k):
-    """A row's result must not depend on which rows share its window (greedy text equality across modes),
-    nor on how many output features a warp takes (`gemv_rows_per_warp` picks it by shape)."""
+    """A row's result must not depend on which rows share its window (greedy text equality across modes):
+    for the kernel `Kernels.gemv` takes for the shape, for two block shapes of the tensor-core kernel, and
+    for the CUDA-core kernel with each number of output features a warp takes (`gemv_rows_per_warp`)."""
     cp, kern, _ = gpu
     g = rng()
     w = cp.asarray(half(g.standard_normal((n, k)) * 0.05))
     x = cp.asarray(g.standard_normal((8, k)).astype(np.float32))
     nw = cp.asarray(half(1 + 0.1 * g.standard_normal(k)))
+    counts = (1, 2, 3, 5, 8)
     for norm in (None, nw):
+        flag = "false" if norm is None else "true"
+        variants = [
+            (f"gemv_wide<{{r}},{k},{per},{flag}>", (ceil(ceil(n / per) / 8), 256)) for per in (1, 2, 4)
+        ]
+        variants += [
+            (f"gemv_mma<{{r}},{k},{mt},{warps},{flag}>", (ceil(n / (16 * mt)), 32 * warps))
+            for mt, warps in ((1, 16), (4, 8))
+        ]
+        kern.prepare([e.format(r=r) for e, _ in variants for r in counts])
         full = cp.empty((8, n), cp.float32)
         kern.gemv(w, x, full, norm=norm)
-        for rows in (1, 2, 3, 5, 8):
+        for rows in counts:
             part = cp.empty((rows, n), cp.float32)
             kern.gemv(w, x[:rows].copy(), part, norm=norm)
             np.testing.assert_array_equal(part.get(), full[:rows].get())
-            for per_warp in (1, 2, 4):
-                part[...] = cp.nan
-                expr = f"gemv_wide<{rows},{k},{per_warp},{'false' if norm is None else 'true'}>"
-                warps = -(-n // per_warp)
-                kern.fn(expr)(
-                    (-(-warps // 8),),
-                    (256,),
-                    (
-                        w,
-                        x[:rows].copy(),
-                        part,
-                        np.int32(n),
-                        np.int32(0),
-                        norm if norm is not None else np.uint64(0),
-                        np.float32(1e-6),
-                    ),
-                )
-                np.testing.assert_array_equal(part.get(), full[:rows].get())
+        for expr, grid in variants:
+            whole = cp.empty((8, n), cp.float32)
+            launch_gemv(cp, kern, expr.format(r=8), grid, w, x, whole, norm)
+            np.testing.assert_allclose(whole.get(), full.get(), rtol=1e-4, atol=1e-4)
+            for rows in counts:
+                part = cp.empty((rows, n), cp.float32)
+                launch_gemv(cp, kern, expr.format(r=rows), grid, w, x[:rows].copy(), part, norm)
+                np.testing.assert_array_equal(part.get(), whole[:rows].get())
+
+
+@pytest.mark.parametrize(
+    ("n", "k", "with_norm"), [(300, 2048, True), (600, 4096, False), (40000, 2048, True)]
+)
+def test_gemv_keeps_fp32_precision_at_every_scale(gpu, n, k, with_norm):
+    """The tensor-core GEMV splits each scaled row into fp16 hi + lo parts: rows from 1e-6 to 1e8 keep a
+    float32-sized error (fp16 rows alone would be near 1e-4, and 1e8 would overflow)."""
+    cp, kern, _ = gpu
+    g = rng()
+    w = half(g.standard_normal((n, k)) * 0.05)
+    scales = np.array([1e-6, 1e-3, 1, 3, 300, 3e4, 1e6, 1e8], np.float32)
+    x = g.standard_normal((8, k)).astype(np.float32) * scales[:, None]
+    nw = half(1 + 0.1 * g.standard_normal(k)) if with_norm else None
+    xn = x.astype(np.float64)
+    if nw is not None:
+        xn = xn * nw.astype(np.float64) / np.sqrt((xn**2).mean(1, keepdims=True) + 1e-6)
+    want = xn @ w.astype(np.float64).T
+    out = cp.full((8, n), cp.nan, cp.float32)
+    kern.gemv(cp.asarray(w), cp.asarray(x), out, norm=cp.asarray(nw) if nw is not None else None)
+    err = np.linalg.norm(out.get() - want, axis=1) / np.linalg.norm(want, axis=1)
+    assert err.max() < 4e-6, err
 
 
 # ---- the prefill path's kernels -------------------------------------------------------------------------
