@@ -1,0 +1,49 @@
+"""Which decode GEMV a projection takes, without a GPU.
+
+A row's result must not depend on the window it is in (greedy text is the same solo, serial, pipelined and
+with batch MTP), so the kernel may depend on the weights' shape and the device, never on the row count. So
+must the tensor-core kernel's block shape, which decides how a row's sum is cut. The CUDA-core kernel's
+features per warp may change with the rows: each choice sums a row in the same order
+(`tests/test_cuda_kernels.py` checks both bit for bit on a GPU).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from strata_runtime.cuda.ops import gemv_expression
+
+SHAPES = [
+    (5120, 2048, True),  # q/k/v
+    (2048, 4096, False),  # output projection
+    (128, 2048, True),  # router
+    (256, 2048, True),
+    (257, 2048, True),
+    (151936, 2048, True),  # LM head
+    (1536, 2048, True),  # a dense MLP's gate/up
+    (2048, 768, False),  # its down
+    (1, 2048, True),  # a shared expert's gate
+    (4096, 4096, False),
+    (96, 200, False),  # a reduction gemv_wide cannot take
+]
+
+
+@pytest.mark.parametrize("tensor_cores", [False, True])
+@pytest.mark.parametrize(("n", "k", "norm"), SHAPES)
+def test_the_kernel_and_its_block_shape_do_not_depend_on_the_row_count(n, k, norm, tensor_cores) -> None:
+    def without_rows(expr: str) -> str:
+        expr = re.sub(r"<\d+,", "<R,", expr)
+        return re.sub(r"^(gemv_wide<R,\d+,)\d+", r"\1NR", expr)
+
+    chosen = {without_rows(gemv_expression(rows, n, k, norm, tensor_cores)) for rows in range(1, 9)}
+    assert len(chosen) == 1, chosen
+
+
+def test_tensor_cores_take_every_projection_but_a_router_sized_one() -> None:
+    assert gemv_expression(8, 5120, 2048, True, True).startswith("gemv_mma<8,2048,")
+    assert gemv_expression(8, 151936, 2048, True, True).startswith("gemv_mma<8,2048,")
+    assert gemv_expression(8, 128, 2048, True, True).startswith("gemv_wide<8,2048,")
+    assert gemv_expression(1, 5120, 2048, False, False).startswith("gemv_wide<1,2048,")
+    assert gemv_expression(1, 96, 200, False, True) == "gemv_any"
