@@ -386,6 +386,7 @@ def test_bench_drives_the_launched_engine_over_http(engine: Launched):
     case = result["cases"]["two-decodes"]
     assert len(case["runs"]) == 2
     assert case["median"]["tok_s"] > 0 and case["median"]["rows_per_window"] >= 1
+    assert case["median"]["generation_tok_s"] > 0  # as the in-process harness reports it
     # Two runs of two 24-token streams went through the engine (greedy replies may end early at EOS).
     after = _metrics(engine)
     ok = 'strata_requests_total{endpoint="completions",outcome="ok"}'

@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ..schema.workloads import CLIENT_COUNTS, PROMPTS
+from ..schema.workloads import CLIENT_COUNTS, GENERATING, PROMPTS, generation_rate
 from .http_driver import Client, served_model, sse_chunks
 from .stats import median, percentile
 
@@ -143,6 +143,8 @@ def http_run(
         out["p95_s"] = percentile(lat, 0.95) or 0.0
     else:
         out["tok_s"] = sum(s.rate for s in streams)
+    if workload in GENERATING:
+        out["generation_tok_s"] = generation_rate((s.tokens, s.first, s.done) for s in streams)
     return out
 
 
@@ -207,6 +209,8 @@ def bench_lines(result: dict[str, Any]) -> list[str]:
         extra = ""
         if "p50_s" in m:
             extra = f"  p50 {m['p50_s']:.3f}s p95 {m['p95_s']:.3f}s"
+            if "generation_tok_s" in m:
+                extra += f", generating {m['generation_tok_s']:.1f} tok/s"
         if "decode_tok_s" in m:
             extra = f"  prompt read {m['prompt_read_tok_s']:.0f} tok/s, decode {m['decode_tok_s']:.1f} tok/s"
         lines.append(

@@ -8,6 +8,8 @@ sense in the engine's own process: ``prompt`` reports against the GPU's matrix r
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 WORKLOADS = ("two-decodes", "clients", "read-beside-decode", "solo", "prompt", "step", "vram", "handoff")
 """Workload names, as `strata bench --workload` takes them."""
 HTTP_WORKLOADS = ("two-decodes", "clients", "read-beside-decode", "solo")
@@ -30,6 +32,24 @@ PROMPTS = (
     "Call me Ishmael",
 )
 """Short prompts; request i uses prompt i modulo their number."""
+
+
+GENERATING = ("two-decodes", "clients", "solo")
+"""Workloads whose figures include `generation_rate` as ``generation_tok_s``."""
+
+
+def generation_rate(streams: Iterable[tuple[int, float | None, float | None]]) -> float:
+    """Tokens per second that streams (tokens generated, first token's time, finish time) generated after
+    their first tokens: every token but each stream's first, over the span from the earliest first token
+    to the latest finish. Reading the prompts is left out, as in llama.cpp's batched benchmark's
+    generation rate (its S_TG), so the two compare; 0 when no stream generated a second token."""
+    spans = [
+        (n, first, done) for n, first, done in streams if first is not None and done is not None and n > 1
+    ]
+    if not spans:
+        return 0.0
+    span = max(done for _, _, done in spans) - min(first for _, first, _ in spans)
+    return sum(n - 1 for n, _, _ in spans) / span if span > 0 else 0.0
 
 
 def sampling_problem(temperature: float, top_p: float, top_k: int) -> str | None:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from strata_cfg.schema.plan import LaunchPlan
-from strata_cfg.schema.workloads import CLIENT_COUNTS, PROMPTS, WORKLOADS
+from strata_cfg.schema.workloads import CLIENT_COUNTS, GENERATING, PROMPTS, WORKLOADS, generation_rate
 
 from ..api import Request, SamplingParams, Tokenizer
 from ..backend import DeviceError, cupy_module
@@ -222,6 +222,10 @@ def measure(name: str, results: list[Result], stats: dict[str, Any], wall: float
         out["p95_s"] = float(np.percentile(lat, 95))
     else:  # two-decodes, solo: the streams' own rates added
         out["tok_s"] = sum(r.rate for r in results)
+    if name in GENERATING:
+        out["generation_tok_s"] = generation_rate(
+            (len(r.token_ids), r.first_token, r.finished) for r in results
+        )
     traffic = stats.get("experts")
     if traffic is not None:  # an expert cache: how much of the expert work VRAM served, and the link's share
         served = traffic["hits"] + traffic["misses"]

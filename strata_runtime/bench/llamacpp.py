@@ -156,8 +156,12 @@ def render(peer: PeerRun, ours: dict[str, dict[str, Any]], arm: str) -> list[str
     median figures)."""
     lines = [f"llama.cpp on the same weights (GGUF, fp16), beside arm {arm!r}:"]
     for f in peer.figures:
-        mine = ours.get(f.case, {}).get("median", {}).get("tok_s")
-        ratio = f" -> {arm} {mine:,.1f} tok/s = {mine / f.tok_s:.2f}x" if mine and f.tok_s > 0 else ""
+        median = ours.get(f.case, {}).get("median", {})
+        # llama.cpp's decode figures leave out reading the prompt; so does our generation rate
+        key = "tok_s" if f.case == "prompt" or "generation_tok_s" not in median else "generation_tok_s"
+        mine = median.get(key)
+        what = " generating" if key == "generation_tok_s" else ""
+        ratio = f" -> {arm} {mine:,.1f} tok/s{what} = {mine / f.tok_s:.2f}x" if mine and f.tok_s > 0 else ""
         lines.append(f"  {f.case:>12} {f.what:>22}: {f.tok_s:10,.1f} tok/s{ratio}")
     lines += [f"  note: {n}" for n in peer.notes]
     lines += ["  ran: " + " ".join(c) for c in peer.commands]

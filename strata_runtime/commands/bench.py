@@ -459,6 +459,8 @@ def render_table(
             extra = ""
             if "p50_s" in m:
                 extra = f"  p50 {m['p50_s']:.3f}s p95 {m['p95_s']:.3f}s"
+            if "generation_tok_s" in m:
+                extra += f", generating {m['generation_tok_s']:.1f} tok/s"
             if "expert_vram_pct" in m:
                 extra += (
                     f"  experts {m['expert_vram_pct']:.1f}% from VRAM, {m['host_mb_per_token']:.1f} MB/tok"

@@ -1,0 +1,43 @@
+"""The bench's generation rate: tokens after each stream's first, per second from the first token on, the
+figure llama.cpp's batched benchmark reports for decoding (S_TG), computed the same in process and over
+HTTP."""
+
+from __future__ import annotations
+
+import pytest
+from rt_engine_helpers import mode_plan
+
+from strata_cfg.schema.workloads import GENERATING, generation_rate
+from strata_runtime.api import Request
+from strata_runtime.bench.harness import Arrival, InProcessDriver, Result, measure
+from strata_runtime.engine import Engine
+
+STATS = {"ms_per_window": 1.0, "rows_per_window": 1.0, "accepted": 0, "proposals": 0}
+
+
+def test_it_counts_every_token_but_each_streams_first_from_the_earliest_first_token() -> None:
+    # 4 + 2 tokens after the first ones, between 1.0 (the earliest first token) and 3.0 (the last finish);
+    # a stream of one token and one that produced nothing add neither tokens nor time.
+    streams = [(5, 1.0, 3.0), (3, 1.5, 2.0), (1, 0.5, 4.0), (0, None, 5.0)]
+    assert generation_rate(streams) == pytest.approx(6 / 2.0)
+    assert generation_rate([(1, 0.2, 0.3)]) == 0.0
+    assert generation_rate([]) == 0.0
+
+
+def test_the_harness_reports_it_for_the_decoding_workloads_only() -> None:
+    results = [Result(list(range(9)), 4, 0.0, 0.5, 2.5, 0, 0), Result(list(range(5)), 4, 0.0, 0.5, 1.5, 0, 0)]
+    for name in ("clients", "two-decodes"):
+        figures = measure(name, results, STATS, wall=2.5)
+        assert figures["generation_tok_s"] == pytest.approx((8 + 4) / 2.0)
+    assert measure("solo", results[:1], STATS, wall=2.5)["generation_tok_s"] == pytest.approx(8 / 2.0)
+    reader = [Result([7], 400, 0.0, 0.8, 0.8, 0, 0)]
+    assert "generation_tok_s" not in measure("prompt", reader, STATS, wall=0.8)
+    assert set(GENERATING) == {"clients", "two-decodes", "solo"}
+
+
+def test_an_engines_run_has_first_tokens_before_its_finish_and_a_generation_rate() -> None:
+    eng = Engine(mode_plan("serial", 2, preset="small", context=96, prefill_chunk=16))
+    arrivals = [Arrival(Request(tuple(range(40, 60)), 10)), Arrival(Request(tuple(range(70, 75)), 10))]
+    results, stats = InProcessDriver(eng).run(arrivals)
+    assert all(r.first_token is not None and r.submitted <= r.first_token <= r.finished for r in results)
+    assert measure("clients", results, stats, wall=max(r.finished for r in results))["generation_tok_s"] > 0
