@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from strata_runtime.reference import flash as reference_flash
+from strata_runtime.reference import grouped as reference_grouped
 from strata_runtime.reference import kernels as reference_kernels
 from strata_runtime.reference import routing as reference_routing
 
@@ -253,6 +254,14 @@ class ReferenceKernels:
         return lambda *a, **k: RECORDER.launch(fn, *a, **k)
 
 
+class ReferenceGrouped:
+    """The launchers of `strata_runtime.cuda.grouped.GroupedKernels`, run by the NumPy references."""
+
+    def __getattr__(self, name: str) -> Callable[..., None]:
+        fn = getattr(reference_grouped, name)
+        return lambda *a, **k: RECORDER.launch(fn, *a, **k)
+
+
 def _matmul(transpose_b: bool) -> Callable[..., Any]:
     def product(a: Any, b: Any, c: Any, alpha: float = 1.0, beta: float = 0.0) -> Any:
         bb = np.swapaxes(b, -1, -2) if transpose_b else b
@@ -332,6 +341,8 @@ def installed() -> Iterator[None]:
                     patch(m, name, _matmul(transpose_b))
         patch(prefill, "flash_prefill", reference_flash.flash_prefill)
         patch(prefill, "flash_kernels_for", lambda device_id: kernels)
+        grouped = ReferenceGrouped()
+        patch(prefill, "grouped_kernels_for", lambda device_id: grouped)
         patch(routing, "routing_kernels_for", lambda device_id: kernels)
         patch(routing, "route_bias", lambda *a, **k: RECORDER.launch(reference_routing.route_bias, *a, **k))
         yield

@@ -1,13 +1,15 @@
 """The CUDA prefill path: prompt chunks of more than 64 rows through a stage's layers.
 
-A long chunk is compute-bound, so its products run on cuBLAS in fp16 (tensor cores): the q/k/v and output
-projections, the router, the attention scores and weighted sums, and the routed experts as two batched
-products over every expert at once. Rows are grouped by expert on the device: each assignment (row,
-choice) gets a rank within its expert, rows are copied into an [E, C, H] block (C = the most rows any one
-expert got), and after the products each row gathers its k results back in a fixed order. The only host
-synchronisation per layer is reading C. Attention is one fused kernel (`strata_runtime.cuda.flash`: tensor
-cores, online softmax, no score matrix in memory); for head dims it lacks, cuBLAS products over tiles of query
-rows whose fp32 scores and fp16 probabilities fit in `ATTN_TILE_BYTES`.
+A long chunk is compute-bound, so its products run on tensor cores in fp16 with fp32 accumulation: the
+q/k/v and output projections and the router on cuBLAS, and the routed experts as one grouped product per
+projection over every expert the chunk routes to (`strata_runtime.cuda.grouped`). Rows are grouped by expert
+on the device and the products' grids are sized for the worst routing, so nothing is read back to the host
+and the host queues the whole chunk's layers ahead of the GPU. (For a model whose widths are not multiples of
+8 the experts run as two cuBLAS batched products over [E, C, H] groups instead, C = the most rows any expert
+got, read on the host once per layer.) Attention is one fused kernel (`strata_runtime.cuda.flash`: tensor
+cores, online softmax, no score matrix in memory); for head dims it lacks, and for a window of several
+prompts, cuBLAS products over tiles of query rows whose fp32 scores and fp16 probabilities fit in
+`ATTN_TILE_BYTES`.
 
 Everything between the products (norms, q/k norm with RoPE and the KV write, routing, causal softmax,
 SwiGLU, scatter and gather) is a kernel of `kernels.cu`, shared where possible with the decode path so that
@@ -30,9 +32,11 @@ from ..backend import upload_into
 from ..experts.cache import HELPER, HOST, Reads
 from ..layout import Layout
 from ..reference.flash import HEAD_DIMS
+from ..reference.grouped import max_tiles, supported
 from .blas import matmul_nn, matmul_nt
 from .experts import ExpertSlice
 from .flash import flash_kernels_for, flash_prefill, kernel_expr
+from .grouped import grouped_kernels_for
 from .layers import LayerStack, LayerWeights
 from .ops import padded_keys
 
@@ -52,9 +56,14 @@ def attention_tile_rows(n_heads: int, keys: int) -> int:
 class CudaPrefill:
     """Long prefill chunks through the layers (and KV) of a `LayerStack`."""
 
-    def __init__(self, stack: LayerStack, flash: bool = True, experts: ExpertSlice | None = None) -> None:
+    def __init__(
+        self, stack: LayerStack, flash: bool = True, experts: ExpertSlice | None = None, grouped: bool = True
+    ) -> None:
         """``flash``: attention through the fused kernel of `strata_runtime.cuda.flash` where it has the head
-        dim; otherwise (or with False) through cuBLAS products over materialised scores. ``experts``: the
+        dim; otherwise (or with False) through cuBLAS products over materialised scores. ``grouped``: the
+        routed experts through the grouped kernels of `strata_runtime.cuda.grouped` where the model's shape
+        allows; otherwise (or with False) through cuBLAS products over groups padded to the largest, whose
+        size is read on the host. ``experts``: the
         stage's expert cache, when its experts do not all fit (then each routed expert is one product, read
         from its VRAM or helper slot, or copied from host memory into a staging buffer first)."""
         self.stack, self.args, self.kern = stack, stack.args, stack.kern
@@ -65,6 +74,13 @@ class CudaPrefill:
         self._staging: tuple[cp.ndarray, cp.ndarray] | None = None
         self.device_id = stack.device_id
         self.flash = flash and self.args.head_dim in HEAD_DIMS
+        a = self.args
+        self.grouped = (
+            grouped_kernels_for(self.device_id)
+            if grouped and supported(a.hidden_size, a.moe_intermediate_size, a.num_experts)
+            else None
+        )
+        """The grouped expert kernels, where the model's shape allows them (`strata_runtime.cuda.grouped`)."""
         if self.flash:
             flash_kernels_for(self.device_id).prepare([kernel_expr(self.args.head_dim)])
         with cp.cuda.Device(self.device_id):
@@ -220,11 +236,39 @@ class CudaPrefill:
         return idx, wts
 
     def _experts(self, j: int, lay: LayerWeights, x: cp.ndarray, resid: cp.ndarray, rows: Rows) -> None:
-        """Every expert in two batched products over [E, C, H] groups (all experts resident)."""
+        """Every routed expert of the chunk (all experts resident): the grouped products where the model's
+        shape allows, else two batched products over [E, C, H] groups."""
+        assert lay.gate_up is not None and lay.down is not None
+        idx, wts = self._route(j, lay, x, resid, rows)
+        if self.grouped is not None:
+            self._grouped_experts(lay, x, idx, wts, resid)
+        else:
+            self._padded_experts(lay, x, idx, wts, resid)
+
+    def _grouped_experts(
+        self, lay: LayerWeights, x: cp.ndarray, idx: cp.ndarray, wts: cp.ndarray, resid: cp.ndarray
+    ) -> None:
+        """The routed experts as one grouped product per projection over the tiles `moe_tiles` cuts on the
+        device (`strata_runtime.cuda.grouped`): no host read, and each weight read once per tile of rows."""
+        assert self.grouped is not None and lay.gate_up is not None and lay.down is not None
+        kern, n_exp = self.grouped, self.args.num_experts
+        n_assign, topk, h = idx.size, idx.shape[1], x.shape[1]
+        rank, order = cp.empty(n_assign, cp.int32), cp.empty(n_assign, cp.int32)
+        tiles, n_tiles = cp.empty((max_tiles(n_assign, n_exp), 4), cp.int32), cp.empty(1, cp.int32)
+        kern.moe_tiles(idx, n_exp, rank, order, tiles, n_tiles)
+        hid = cp.empty((n_assign, lay.down.shape[2]), cp.float16)  # [A, I] by place
+        kern.moe_gate_up(x, lay.gate_up, order, tiles, n_tiles, topk, hid)
+        ys = cp.empty((n_assign, h), cp.float16)  # [A, H] by assignment
+        kern.moe_down(hid, lay.down, order, tiles, n_tiles, ys)
+        kern.moe_combine(ys, wts, resid)
+
+    def _padded_experts(
+        self, lay: LayerWeights, x: cp.ndarray, idx: cp.ndarray, wts: cp.ndarray, resid: cp.ndarray
+    ) -> None:
+        """Every expert in two batched products over [E, C, H] groups, C read on the host."""
         kern = self.kern
         n_exp, h = self.args.num_experts, x.shape[1]
         assert lay.gate_up is not None and lay.down is not None
-        idx, wts = self._route(j, lay, x, resid, rows)
         rank = cp.empty(idx.shape, cp.int32)
         most = cp.empty(1, cp.int32)
         self.kern.moe_group(idx, n_exp, rank, most)
