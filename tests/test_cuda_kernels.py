@@ -366,6 +366,38 @@ def test_rms_norm_fp32_to_half_matches_twin(gpu, rows, h):
     assert rel_err(out_d.get(), out) < HALF_REL
 
 
+@pytest.mark.parametrize(
+    ("n_q", "n_kv", "d"), [(32, 4, 128), (4, 2, 16), (8, 2, 32), (2, 1, 256), (6, 2, 80)]
+)
+def test_qk_norm_rope_split_matches_the_reference(gpu, n_q, n_kv, d):
+    """The prefill form: k and v into the cache as `qk_norm_rope_kv` writes them, q as fp16 hi + lo parts
+    that together keep q's fp32 precision (positions are small here, so fp32 sincos is exact enough to
+    tell hi + lo from hi alone)."""
+    cp, kern, ref = gpu
+    g = rng()
+    slots, t, rows = 4, 64, 37
+    pos = (np.arange(rows) * 7 % t).astype(np.int32)
+    slot = (np.arange(rows) * 7 // t).astype(np.int32)  # distinct (slot, pos) per row
+    qkv = (3 * g.standard_normal((rows, (n_q + 2 * n_kv) * d))).astype(np.float32)
+    qn, kn = half(1 + 0.1 * g.standard_normal(d)), half(1 + 0.1 * g.standard_normal(d))
+    kc, vc = half(g.standard_normal((slots, n_kv, t, d))), half(g.standard_normal((slots, n_kv, t, d)))
+    kc_d, vc_d = cp.asarray(kc), cp.asarray(vc)
+    hi_d, lo_d = (cp.full((rows, n_q, d), cp.nan, cp.float16) for _ in range(2))
+    args = (cp.asarray(qkv), cp.asarray(qn), cp.asarray(kn), cp.asarray(pos), cp.asarray(slot))
+    kern.qk_norm_rope_split(*args, hi_d, lo_d, kc_d, vc_d, 1e6, 1e-6)
+    q = np.empty((rows, n_q, d), np.float32)
+    ref.qk_norm_rope_kv(qkv, qn, kn, pos, slot, q, kc, vc, 1e6, 1e-6)
+    hi, lo = hi_d.get().astype(np.float64), lo_d.get().astype(np.float64)
+    assert rel_err(hi, q) < 1e-3  # sincos and powf of the fast-math build
+    assert rel_err(kc_d.get(), kc) < 1e-3
+    np.testing.assert_array_equal(vc_d.get(), vc)
+    # hi + lo is q in fp32: against the decode kernel's fp32 q (the same rotation, its norm summed in another
+    # order) it is off by rounding, where hi alone is off by about 2^-12.
+    q_d = cp.full((rows, n_q, d), cp.nan, cp.float32)
+    kern.qk_norm_rope_kv(*args, q_d, cp.asarray(kc), cp.asarray(vc), 1e6, 1e-6)
+    assert rel_err(hi + lo, q_d.get()) < 2e-6
+
+
 @pytest.mark.parametrize(("rows", "e", "k"), [(1, 8, 2), (100, 128, 8), (33, 60, 4), (9, 256, 8)])
 @pytest.mark.parametrize("norm_topk", [False, True])
 def test_route_topk_matches_twin(gpu, rows, e, k, norm_topk):

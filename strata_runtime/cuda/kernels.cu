@@ -458,6 +458,59 @@ __global__ void qk_norm_rope_kv(const float* __restrict__ qkv, const half* __res
   }
 }
 
+// The prefill path's form of qk_norm_rope_kv: one warp per (row, head), 8 per block (item = block * 8 + warp
+// over R (NQ + NKV) items), each lane taking rotation pairs lane, lane + 32, ... of D / 2 <= 128. q is written
+// as two fp16 parts, q_hi = fp16(q) and q_lo = fp16(q - q_hi), for the flash kernel's two products.
+__global__ void __launch_bounds__(256) qk_norm_rope_split(const float* __restrict__ qkv, const half* __restrict__ qn,
+                                                          const half* __restrict__ kn, const int* __restrict__ pos,
+                                                          const int* __restrict__ slot, half* __restrict__ q_hi,
+                                                          half* __restrict__ q_lo, half* __restrict__ kc,
+                                                          half* __restrict__ vc, int R, int NQ, int NKV, int D, int T,
+                                                          float theta, float eps) {
+  const int item = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31, half_d = D >> 1;
+  const int heads = NQ + NKV;
+  if (item >= R * heads) return;
+  const int r = item / heads, h = item % heads;
+  const float* src = qkv + (size_t)r * (NQ + 2 * NKV) * D + (size_t)h * D;
+  float a[4], b[4], ss = 0.f;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int i = lane + 32 * j;
+    a[j] = i < half_d ? src[i] : 0.f;
+    b[j] = i < half_d ? src[i + half_d] : 0.f;
+    ss += a[j] * a[j] + b[j] * b[j];
+  }
+  const float inv = rsqrtf(warp_sum(ss) / D + eps);
+  const bool is_q = h < NQ;
+  const half* nw = is_q ? qn : kn;
+  const int p = pos[r];
+  const size_t q_off = ((size_t)r * NQ + h) * D;
+  const size_t kv_off = (((size_t)slot[r] * NKV + (h - NQ)) * T + p) * D;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int i = lane + 32 * j;
+    if (i >= half_d) break;
+    const float na = a[j] * inv * __half2float(nw[i]), nb = b[j] * inv * __half2float(nw[i + half_d]);
+    const float inv_freq = powf(theta, -2.f * (float)i / (float)D);
+    float sn, cs;
+    sincosf((float)p * inv_freq, &sn, &cs);
+    const float ra = na * cs - nb * sn, rb = nb * cs + na * sn;
+    if (is_q) {
+      const half ha = __float2half(ra), hb = __float2half(rb);
+      q_hi[q_off + i] = ha;
+      q_hi[q_off + i + half_d] = hb;
+      q_lo[q_off + i] = __float2half(ra - __half2float(ha));
+      q_lo[q_off + i + half_d] = __float2half(rb - __half2float(hb));
+    } else {
+      kc[kv_off + i] = __float2half(ra);
+      kc[kv_off + i + half_d] = __float2half(rb);
+      const float* v = src + (size_t)NKV * D;  // this KV head's v
+      vc[kv_off + i] = __float2half(v[i]);
+      vc[kv_off + i + half_d] = __float2half(v[i + half_d]);
+    }
+  }
+}
+
 // ---- decode attention (split over position chunks, one kernel) ----------------------------------------
 // Block (r, kv head, chunk c) of 128 threads handles positions [c*C, c*C + C) of slot[r] for the G query
 // heads of that KV head: an unnormalised partial result with its max and sum (flash-decoding). Splitting
@@ -650,9 +703,15 @@ __global__ void __launch_bounds__(128) attn_split(const float* __restrict__ q, c
 // over the k chosen when norm_topk is set. It is computed inside the expert kernel by every block for its
 // own row, which costs a few hundred cycles and saves a launch; the blocks of feature tile 0 write idx and
 // wts for moe_down.
-__device__ __forceinline__ void block_route(const float* __restrict__ l, int E, int topk, int j, int norm_topk,
-                                            int* sel, float* weight) {
-  // Block-wide: *sel = the j-th ranked expert of logits l[E] (E <= 256), *weight its routing weight.
+// Block-wide ranking of logits l[E] (E <= 256, 256 threads): thread e's expert is e, and it gets its rank
+// (0 = the largest logit, ties to the lower index), its softmax numerator exp(l[e] - max), and every thread
+// the max and the two totals: over all experts and over the top k.
+struct Ranked {
+  int rank;
+  float p, m, z, zk;
+};
+
+__device__ __forceinline__ Ranked block_rank(const float* __restrict__ l, int E, int topk) {
   __shared__ float ls[256];
   __shared__ float red[3][8];  // per warp: max, softmax total, top-k total
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -673,12 +732,20 @@ __device__ __forceinline__ void block_route(const float* __restrict__ l, int E, 
   const float p = tid < E ? __expf(v - m) : 0.f;
   float z = warp_sum(p), zk = warp_sum(tid < E && rank < topk ? p : 0.f);
   if (lane == 0) { red[1][warp] = z; red[2][warp] = zk; }
-  if (tid < E && rank == j) *sel = tid;
   __syncthreads();
-  if (tid == 0) {
-    float zt = 0.f, zkt = 0.f;
-    for (int w = 0; w < 8; ++w) { zt += red[1][w]; zkt += red[2][w]; }
-    *weight = __expf(ls[*sel] - m) / (norm_topk ? zkt : zt);
+  float zt = 0.f, zkt = 0.f;
+  for (int w = 0; w < 8; ++w) { zt += red[1][w]; zkt += red[2][w]; }
+  __syncthreads();  // the shared arrays may be reused after return
+  return {tid < E ? rank : E, p, m, zt, zkt};
+}
+
+__device__ __forceinline__ void block_route(const float* __restrict__ l, int E, int topk, int j, int norm_topk,
+                                            int* sel, float* weight) {
+  // Block-wide: *sel = the j-th ranked expert of logits l[E] (E <= 256), *weight its routing weight.
+  const Ranked r = block_rank(l, E, topk);
+  if (r.rank == j) {
+    *sel = threadIdx.x;
+    *weight = r.p / (norm_topk ? r.zk : r.z);
   }
   __syncthreads();
 }
@@ -1165,17 +1232,15 @@ __global__ void rmsnorm_half(const float* __restrict__ x, const half* __restrict
     out[(size_t)blockIdx.x * H + i] = __float2half(xr[i] * inv * __half2float(w[i]));
 }
 
-// Block (r, j) of 256 threads: idx[r, j], wts[r, j] = the j-th ranked expert of row r and its weight, by
+// Block r of 256 threads: idx[r, j], wts[r, j] = the j-th ranked expert of row r and its weight, j < topk, by
 // block_route's rule (the same routing the decode expert kernels compute).
 __global__ void __launch_bounds__(256) route_topk(const float* __restrict__ logits, int E, int topk, int norm_topk,
                                                   int* __restrict__ idx, float* __restrict__ wts) {
-  __shared__ int sel;
-  __shared__ float weight;
-  const int r = blockIdx.x, j = blockIdx.y;
-  block_route(logits + (size_t)r * E, E, topk, j, norm_topk, &sel, &weight);
-  if (threadIdx.x == 0) {
-    idx[r * topk + j] = sel;
-    wts[r * topk + j] = weight;
+  const int r = blockIdx.x;
+  const Ranked k = block_rank(logits + (size_t)r * E, E, topk);
+  if (k.rank < topk) {
+    idx[r * topk + k.rank] = threadIdx.x;
+    wts[r * topk + k.rank] = k.p / (norm_topk ? k.zk : k.z);
   }
 }
 

@@ -415,13 +415,42 @@ class Kernels(KernelCache):
         rows, h = x.shape
         self.fn("rmsnorm_half")((rows,), (THREADS,), (x, w, out, np.int32(h), np.float32(eps)))
 
+    def qk_norm_rope_split(
+        self,
+        qkv: Array,
+        q_norm: Array,
+        k_norm: Array,
+        pos: Array,
+        slot: Array,
+        q_hi: Array,
+        q_lo: Array,
+        k_cache: Array,
+        v_cache: Array,
+        theta: float,
+        eps: float,
+    ) -> None:
+        """`qk_norm_rope_kv` for the prefill path: q written as two fp16 parts, q_hi = fp16(q) and q_lo =
+        fp16(q - q_hi), each [R, NQ, D], for the flash kernel. Head dims up to 256."""
+        rows = qkv.shape[0]
+        _, n_q, d = q_hi.shape
+        _, n_kv, t, _ = k_cache.shape
+        if d > 256:
+            raise ValueError(f"q_hi: head dim {d} is more than 256")
+        args = (qkv, q_norm, k_norm, pos, slot, q_hi, q_lo, k_cache, v_cache)
+        dims = (rows, n_q, n_kv, d, t)
+        self.fn("qk_norm_rope_split")(
+            (math.ceil(rows * (n_q + n_kv) / 8),),
+            (THREADS,),
+            (*args, *(np.int32(v) for v in dims), np.float32(theta), np.float32(eps)),
+        )
+
     def route_topk(self, logits: Array, norm_topk: bool, idx: Array, wts: Array) -> None:
         """idx[R, k] (int32), wts[R, k] (fp32): each row's top-k experts of logits [R, E] fp32, by the rule of
         `moe` (softmax in fp32, ties to the lower index, renormalised over the k when ``norm_topk``)."""
         rows, n_exp = logits.shape
         topk = idx.shape[1]
         self.fn("route_topk")(
-            (rows, topk), (THREADS,), (logits, np.int32(n_exp), np.int32(topk), np.int32(norm_topk), idx, wts)
+            (rows,), (THREADS,), (logits, np.int32(n_exp), np.int32(topk), np.int32(norm_topk), idx, wts)
         )
 
     def softmax_causal(self, scores: Array, probs: Array, pos: int, group: int) -> None:

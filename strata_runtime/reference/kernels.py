@@ -87,6 +87,25 @@ def qk_norm_rope_kv(
         v_cache[slot[r], :, pos[r]] = v[r]
 
 
+def qk_norm_rope_split(
+    qkv: np.ndarray,
+    q_norm: np.ndarray,
+    k_norm: np.ndarray,
+    pos: np.ndarray,
+    slot: np.ndarray,
+    q_hi: np.ndarray,
+    q_lo: np.ndarray,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    theta: float,
+    eps: float,
+) -> None:
+    q = np.empty(q_hi.shape, np.float32)
+    qk_norm_rope_kv(qkv, q_norm, k_norm, pos, slot, q, k_cache, v_cache, theta, eps)
+    q_hi[...] = q.astype(np.float16)
+    q_lo[...] = (q - q_hi.astype(np.float32)).astype(np.float16)
+
+
 def attention(
     q: np.ndarray,
     k_cache: np.ndarray,
