@@ -25,11 +25,11 @@
 namespace {
 
 constexpr int BM = 128;      // rows of a tile
-constexpr int BN = 128;      // weight rows of a block (moe_gate_up: 64 gate and 64 up, interleaved by 8)
 constexpr int BK = 64;       // reduction per stage: 8 chunks of 16 bytes per row
 constexpr int STAGES = 3;
-constexpr int THREADS = 256;  // 8 warps: 2 along the rows x 4 along the weight rows, each 64 x 32
-constexpr int STAGE_HALFS = (BM + BN) * BK;
+constexpr int THREADS = 256;  // 8 warps: 2 along the rows x 4 along the weight rows, each 64 x BN / 4
+// BN, a template parameter: weight rows of a block (moe_gate_up: BN / 2 gate and BN / 2 up, interleaved by
+// 8). A block's dynamic shared memory is STAGES * (BM + BN) * BK halves.
 
 __device__ __forceinline__ void cp_async16(unsigned dst, const void* src, bool full) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(full ? 16 : 0));
@@ -60,11 +60,13 @@ __device__ __forceinline__ void mma_16816(float* d, const unsigned* a, unsigned 
 // the eight rows one ldmatrix reads fall in eight different bank groups.
 __device__ __forceinline__ unsigned tile_offset(int r, int c) { return (unsigned)(r * BK + ((c ^ (r & 7)) << 3)) * 2u; }
 
-// acc[mi][ni][c] += the block's [BM, BN] tile over the reduction: `a_rows` are this thread's four rows of
-// the row tile and `b_rows` its four weight rows; those whose `a_ok` / `b_ok` is false (past a tile's end)
-// are read as zeros, from a valid address.
+// acc[mi][ni][c] += the block's [BM, BN] tile over the reduction: `a_rows` are this thread's BM / 32 rows
+// of the row tile (rows row0 + 32 i) and `b_rows` its BN / 32 weight rows; those whose `a_ok` / `b_ok` is
+// false (past a tile's end) are read as zeros, from a valid address.
+template <int BN>
 __device__ __forceinline__ void tile_product(const half* const* a_rows, const bool* a_ok, const half* const* b_rows,
-                                             const bool* b_ok, int K, float (&acc)[4][4][4]) {
+                                             const bool* b_ok, int K, float (&acc)[4][BN / 32][4]) {
+  constexpr int STAGE_HALFS = (BM + BN) * BK, NI = BN / 32;
   extern __shared__ __align__(16) unsigned char smem[];
   const unsigned base = (unsigned)__cvta_generic_to_shared(smem);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -77,11 +79,12 @@ __device__ __forceinline__ void tile_product(const half* const* a_rows, const bo
     const int k = step * BK + chunk * 8;
     const bool in = k < K;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int r = row0 + 32 * i;
-      cp_async16(stage + tile_offset(r, chunk), a_rows[i] + (in ? k : 0), a_ok[i] && in);
-      cp_async16(stage + BM * BK * 2 + tile_offset(r, chunk), b_rows[i] + (in ? k : 0), b_ok[i] && in);
-    }
+    for (int i = 0; i < BM / 32; ++i)
+      cp_async16(stage + tile_offset(row0 + 32 * i, chunk), a_rows[i] + (in ? k : 0), a_ok[i] && in);
+#pragma unroll
+    for (int i = 0; i < BN / 32; ++i)
+      cp_async16(stage + BM * BK * 2 + tile_offset(row0 + 32 * i, chunk), b_rows[i] + (in ? k : 0),
+                 b_ok[i] && in);
   };
 
 #pragma unroll
@@ -98,15 +101,15 @@ __device__ __forceinline__ void tile_product(const half* const* a_rows, const bo
     const unsigned b_tile = a_tile + BM * BK * 2;
 #pragma unroll
     for (int ks = 0; ks < BK / 16; ++ks) {
-      unsigned a[4][4], b[4][2];
+      unsigned a[4][4], b[NI][2];
 #pragma unroll
       for (int mi = 0; mi < 4; ++mi)
         ldmatrix_x4(a[mi], a_tile + tile_offset(wm * 64 + mi * 16 + (lane & 15), ks * 2 + (lane >> 4)));
 #pragma unroll
-      for (int p = 0; p < 2; ++p) {
+      for (int p = 0; p < NI / 2; ++p) {
         const int m = lane >> 3;
         unsigned r[4];
-        ldmatrix_x4(r, b_tile + tile_offset(wn * 32 + p * 16 + (m >> 1) * 8 + (lane & 7), ks * 2 + (m & 1)));
+        ldmatrix_x4(r, b_tile + tile_offset(wn * (BN / 4) + p * 16 + (m >> 1) * 8 + (lane & 7), ks * 2 + (m & 1)));
         b[2 * p][0] = r[0];
         b[2 * p][1] = r[1];
         b[2 * p + 1][0] = r[2];
@@ -115,7 +118,7 @@ __device__ __forceinline__ void tile_product(const half* const* a_rows, const bo
 #pragma unroll
       for (int mi = 0; mi < 4; ++mi)
 #pragma unroll
-        for (int ni = 0; ni < 4; ++ni) mma_16816(acc[mi][ni], a[mi], b[ni][0], b[ni][1]);
+        for (int ni = 0; ni < NI; ++ni) mma_16816(acc[mi][ni], a[mi], b[ni][0], b[ni][1]);
     }
   }
   cp_async_wait<0>();
@@ -152,8 +155,9 @@ __global__ void __launch_bounds__(1024) moe_tiles(const int* __restrict__ idx, i
       tiles[first_tile[e] + t] = make_int4(e, first[e] + t * BM, min(BM, count[e] - t * BM), 0);
 }
 
-// Grid (max_tiles, ceil(I / 64)), THREADS threads, dynamic shared memory STAGES * STAGE_HALFS * 2 bytes.
-__global__ void __launch_bounds__(THREADS, 2)
+// Grid (max_tiles, ceil(I / (BN / 2))), THREADS threads.
+template <int BN>
+__global__ void __launch_bounds__(THREADS, 256 / BN)
     moe_gate_up(const half* __restrict__ x, const half* __restrict__ w, const int* __restrict__ order,
                 const int4* __restrict__ tiles, const int* __restrict__ n_tiles, half* __restrict__ hid, int H, int I,
                 int topk) {
@@ -161,29 +165,32 @@ __global__ void __launch_bounds__(THREADS, 2)
   const int4 tile = tiles[blockIdx.x];
   const int e = tile.x, place0 = tile.y, rows = tile.z, i0 = blockIdx.y * (BN / 2);
   const int tid = threadIdx.x, row0 = tid >> 3;
-  const half* a_rows[4];
-  const half* b_rows[4];
-  bool a_ok[4], b_ok[4];
+  const half* a_rows[BM / 32];
+  const half* b_rows[BN / 32];
+  bool a_ok[BM / 32], b_ok[BN / 32];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
+  for (int i = 0; i < BM / 32; ++i) {
     const int r = row0 + 32 * i;
     a_ok[i] = r < rows;
     a_rows[i] = x + (a_ok[i] ? (size_t)(order[place0 + r] / topk) * H : 0);
+  }
+#pragma unroll
+  for (int i = 0; i < BN / 32; ++i) {
     // Block column c: 16-column group c / 16 holds gate features then up features of the same 8 outputs.
     const int c = row0 + 32 * i, out = i0 + (c >> 4) * 8 + (c & 7);
     b_ok[i] = out < I;
     b_rows[i] = w + (b_ok[i] ? ((size_t)e * 2 * I + (c & 8 ? I : 0) + out) * H : 0);
   }
-  float acc[4][4][4] = {};
-  tile_product(a_rows, a_ok, b_rows, b_ok, H, acc);
+  float acc[4][BN / 32][4] = {};
+  tile_product<BN>(a_rows, a_ok, b_rows, b_ok, H, acc);
   const int warp = tid >> 5, lane = tid & 31, wm = warp >> 2, wn = warp & 3;
 #pragma unroll
   for (int mi = 0; mi < 4; ++mi)
 #pragma unroll
-    for (int p = 0; p < 2; ++p) {
+    for (int p = 0; p < BN / 64; ++p) {
       const float* gate = acc[mi][2 * p];
       const float* up = acc[mi][2 * p + 1];
-      const int out = i0 + (wn * 2 + p) * 8 + (lane & 3) * 2;
+      const int out = i0 + (wn * (BN / 64) + p) * 8 + (lane & 3) * 2;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int r = wm * 64 + mi * 16 + (lane >> 2) + 8 * h;
@@ -198,27 +205,32 @@ __global__ void __launch_bounds__(THREADS, 2)
     }
 }
 
-// Grid (max_tiles, ceil(H / BN)), THREADS threads, dynamic shared memory STAGES * STAGE_HALFS * 2 bytes.
-__global__ void __launch_bounds__(THREADS, 2)
+// Grid (max_tiles, ceil(H / BN)), THREADS threads.
+template <int BN>
+__global__ void __launch_bounds__(THREADS, 256 / BN)
     moe_down(const half* __restrict__ hid, const half* __restrict__ w, const int* __restrict__ order,
              const int4* __restrict__ tiles, const int* __restrict__ n_tiles, half* __restrict__ ys, int H, int I) {
   if ((int)blockIdx.x >= *n_tiles) return;
   const int4 tile = tiles[blockIdx.x];
   const int e = tile.x, place0 = tile.y, rows = tile.z, h0 = blockIdx.y * BN;
   const int tid = threadIdx.x, row0 = tid >> 3;
-  const half* a_rows[4];
-  const half* b_rows[4];
-  bool a_ok[4], b_ok[4];
+  const half* a_rows[BM / 32];
+  const half* b_rows[BN / 32];
+  bool a_ok[BM / 32], b_ok[BN / 32];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
+  for (int i = 0; i < BM / 32; ++i) {
     const int r = row0 + 32 * i;
     a_ok[i] = r < rows;
     a_rows[i] = hid + (a_ok[i] ? (size_t)(place0 + r) * I : 0);
+  }
+#pragma unroll
+  for (int i = 0; i < BN / 32; ++i) {
+    const int r = row0 + 32 * i;
     b_ok[i] = h0 + r < H;
     b_rows[i] = w + (b_ok[i] ? ((size_t)e * H + h0 + r) * I : 0);
   }
-  float acc[4][4][4] = {};
-  tile_product(a_rows, a_ok, b_rows, b_ok, I, acc);
+  float acc[4][BN / 32][4] = {};
+  tile_product<BN>(a_rows, a_ok, b_rows, b_ok, I, acc);
   const int warp = tid >> 5, lane = tid & 31, wm = warp >> 2, wn = warp & 3;
 #pragma unroll
   for (int mi = 0; mi < 4; ++mi)
@@ -228,8 +240,8 @@ __global__ void __launch_bounds__(THREADS, 2)
       if (r >= rows) continue;
       half* dst = ys + (size_t)order[place0 + r] * H;
 #pragma unroll
-      for (int ni = 0; ni < 4; ++ni) {
-        const int col = h0 + wn * 32 + ni * 8 + (lane & 3) * 2;
+      for (int ni = 0; ni < BN / 32; ++ni) {
+        const int col = h0 + wn * (BN / 4) + ni * 8 + (lane & 3) * 2;
         const float* c = acc[mi][ni];
         if (col + 1 < H)
           *reinterpret_cast<half2*>(dst + col) = __floats2half2_rn(c[2 * h], c[2 * h + 1]);

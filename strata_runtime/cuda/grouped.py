@@ -26,24 +26,31 @@ from .compile import KernelCache, source
 
 _SOURCE = source("grouped.cu")
 THREADS = 256
-BLOCK_FEATURES = 128  # weight rows per block: grouped.cu's BN (moe_gate_up: 64 outputs' gate and up)
-SHARED_BYTES = 3 * (TILE_ROWS + BLOCK_FEATURES) * 64 * 2  # STAGES * STAGE_HALFS * sizeof(half)
-_LARGE = ("moe_gate_up", "moe_down")
+STAGES, STEP = 3, 64  # grouped.cu's STAGES and BK
+
+
+def shared_bytes(features: int) -> int:
+    """Dynamic shared memory of a product block of ``features`` weight rows: STAGES (BM + BN) BK halves."""
+    return STAGES * (TILE_ROWS + features) * STEP * 2
 
 
 class GroupedKernels(KernelCache):
     """The launchers of ``grouped.cu`` on one device. Create it with that device current."""
 
-    def __init__(self) -> None:
+    def __init__(self, gate_up_features: int = 128, down_features: int = 128) -> None:
+        """``*_features``: weight rows per block of each product (its BN: 128 or 256)."""
         super().__init__(_SOURCE)
+        self.gate_up_features, self.down_features = gate_up_features, down_features
         self._sized: set[str] = set()
 
-    def _large(self, name: str) -> Any:
-        """A product kernel, allowed `SHARED_BYTES` of dynamic shared memory (over the default 48 KiB)."""
-        fn = self.fn(name)
-        if name not in self._sized:
-            fn.max_dynamic_shared_size_bytes = SHARED_BYTES  # CuPy's RawKernel sets the function attribute
-            self._sized.add(name)
+    def _large(self, name: str, features: int) -> Any:
+        """A product kernel of ``features`` weight rows per block, allowed its shared memory (over the default
+        48 KiB)."""
+        expression = f"{name}<{features}>"
+        fn = self.fn(expression)
+        if expression not in self._sized:
+            fn.max_dynamic_shared_size_bytes = shared_bytes(features)  # CuPy's RawKernel sets the attribute
+            self._sized.add(expression)
         return fn
 
     def moe_tiles(self, idx: Any, n_exp: int, rank: Any, order: Any, tiles: Any, n_tiles: Any) -> None:
@@ -55,24 +62,22 @@ class GroupedKernels(KernelCache):
 
     def moe_gate_up(self, x: Any, w: Any, order: Any, tiles: Any, n_tiles: Any, topk: int, hid: Any) -> None:
         """hid [A, I] fp16: each place's SwiGLU of its row of x [n, H] through its expert's w [E, 2I, H]."""
-        h, inter = x.shape[1], hid.shape[1]
-        grid = (tiles.shape[0], math.ceil(inter / (BLOCK_FEATURES // 2)))
-        self._large("moe_gate_up")(
-            grid,
+        h, inter, bn = x.shape[1], hid.shape[1], self.gate_up_features
+        self._large("moe_gate_up", bn)(
+            (tiles.shape[0], math.ceil(inter / (bn // 2))),
             (THREADS,),
             (x, w, order, tiles, n_tiles, hid, np.int32(h), np.int32(inter), np.int32(topk)),
-            shared_mem=SHARED_BYTES,
+            shared_mem=shared_bytes(bn),
         )
 
     def moe_down(self, hid: Any, w: Any, order: Any, tiles: Any, n_tiles: Any, ys: Any) -> None:
         """ys [A, H] fp16, by assignment: each place's hid [A, I] through its expert's w [E, H, I]."""
-        inter, h = hid.shape[1], ys.shape[1]
-        grid = (tiles.shape[0], math.ceil(h / BLOCK_FEATURES))
-        self._large("moe_down")(
-            grid,
+        inter, h, bn = hid.shape[1], ys.shape[1], self.down_features
+        self._large("moe_down", bn)(
+            (tiles.shape[0], math.ceil(h / bn)),
             (THREADS,),
             (hid, w, order, tiles, n_tiles, ys, np.int32(h), np.int32(inter)),
-            shared_mem=SHARED_BYTES,
+            shared_mem=shared_bytes(bn),
         )
 
     def moe_combine(self, ys: Any, wts: Any, resid: Any) -> None:
