@@ -3,8 +3,8 @@
 // One block of 4 warps per (KV head, tile of BM = 64 flattened query rows). Flattened row m = i * G + g is
 // query row i of the chunk (position pos0 + i) and query head kvh * G + g, so the G heads of one KV head share
 // every K/V tile a block loads. Each warp owns 16 rows; its q fragments (hi and lo parts) stay in registers.
-// Key tiles of BN = 64 positions stream through shared memory with cp.async (V of tile j loads while the
-// scores of tile j are computed, K of tile j + 1 while P V runs). Per tile a warp computes
+// Key tiles of BN = 64 positions stream through two shared buffers with cp.async: K and V of tile j + 1
+// load while tile j is computed. Per tile a warp computes
 // S = q_hi K^T + q_lo K^T (two m16n8k16 MMAs per step into one fp32 accumulator), masks keys past each
 // row's position (only in tiles that reach past the block's first row), updates the running max and sum,
 // rescales its fp32 output accumulator, and adds P V with P rounded to fp16 straight from the score
@@ -90,7 +90,8 @@ __device__ __forceinline__ void load_tile(half* dst, const half* __restrict__ sr
 
 }  // namespace flash
 
-// Grid (NKV, ceil(n G / BM)), 128 threads. scale_log2 = scale * log2(e): softmax runs in base 2.
+// Grid (NKV, ceil(n G / BM)), 128 threads, shared_bytes(D) of dynamic shared memory. scale_log2 = scale *
+// log2(e): softmax runs in base 2.
 template <int D>
 __global__ void __launch_bounds__(flash::THREADS, 2)
     flash_prefill(const half* __restrict__ q_hi, const half* __restrict__ q_lo, const half* __restrict__ kc,
@@ -102,8 +103,8 @@ __global__ void __launch_bounds__(flash::THREADS, 2)
   constexpr int KS = D / 16;  // k-steps of q K^T
   constexpr int NT = BN / 8;  // 8-key column tiles of S
   constexpr int DT = D / 8;   // 8-wide column tiles of the output
-  __shared__ __align__(16) half ks[BN * LD];
-  __shared__ __align__(16) half vs[BN * LD];
+  extern __shared__ __align__(16) half shared_tiles[];  // [2 buffers][K, V][BN][LD]
+  constexpr int BUF = 2 * BN * LD;                      // halves per buffer
 
   const int kvh = blockIdx.x;
   const int m0 = (gridDim.y - 1 - blockIdx.y) * BM;  // the longest rows (most keys) start first
@@ -151,13 +152,21 @@ __global__ void __launch_bounds__(flash::THREADS, 2)
   const int k_row = (lane & 7) + ((lane >> 4) << 3), k_col = ((lane >> 3) & 1) << 3;  // K: keys x dims
   const int v_row = (lane & 7) + (((lane >> 3) & 1) << 3), v_col = (lane >> 4) << 3;  // V: keys x dims
 
-  load_tile<D>(ks, kg, 0, end);
+  // Tile j's K and V land in buffer j & 1 while tile j - 1 is computed from the other.
+  load_tile<D>(shared_tiles, kg, 0, end);
+  load_tile<D>(shared_tiles + BN * LD, vg, 0, end);
   cp_async_commit();
   for (int j = 0; j < tiles; ++j) {
     const int t0 = j * BN;
-    load_tile<D>(vs, vg, t0, end);
-    cp_async_commit();
-    cp_async_wait_one();  // K of tile j has landed
+    const half* ks = shared_tiles + (j & 1) * BUF;
+    const half* vs = ks + BN * LD;
+    if (j + 1 < tiles) {
+      half* next = shared_tiles + ((j + 1) & 1) * BUF;
+      load_tile<D>(next, kg, t0 + BN, end);
+      load_tile<D>(next + BN * LD, vg, t0 + BN, end);
+    }
+    cp_async_commit();  // possibly empty, so that one wait count fits every tile
+    cp_async_wait_one();  // tile j has landed
     __syncthreads();
 
     // S[16 x BN] = (q_hi + q_lo) K^T, unscaled.
@@ -211,12 +220,6 @@ __global__ void __launch_bounds__(flash::THREADS, 2)
       }
     }
 
-    __syncthreads();  // every warp is done with K of tile j
-    if (j + 1 < tiles) load_tile<D>(ks, kg, t0 + BN, end);
-    cp_async_commit();  // possibly empty, so that one wait count fits every tile
-    cp_async_wait_one();  // V of tile j has landed
-    __syncthreads();
-
     // O[16 x D] += P[16 x BN] V[BN x D].
 #pragma unroll
     for (int k = 0; k < BN / 16; ++k)
@@ -227,7 +230,7 @@ __global__ void __launch_bounds__(flash::THREADS, 2)
         mma16816(o[t], p[k], b[0], b[1]);
         mma16816(o[t + 1], p[k], b[2], b[3]);
       }
-    __syncthreads();  // every warp is done with V before the next tile overwrites it
+    __syncthreads();  // every warp is done with tile j before tile j + 2 overwrites its buffer
   }
 
 #pragma unroll

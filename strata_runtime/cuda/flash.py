@@ -37,12 +37,18 @@ from .compile import KernelCache, source
 
 _SOURCE = source("flash.cu")
 BLOCK_ROWS = 64  # flattened query rows per block; flash.cu's BM
+BLOCK_KEYS = 64  # keys per tile; flash.cu's BN
 THREADS = 128
 _LOG2E = 1.4426950408889634
 
 
 def kernel_expr(head_dim: int) -> str:
     return f"flash_prefill<{head_dim}>"
+
+
+def shared_bytes(head_dim: int) -> int:
+    """Dynamic shared memory of a block: K and V of two key tiles, rows padded to D + 8 halves."""
+    return 2 * 2 * BLOCK_KEYS * (head_dim + 8) * 2
 
 
 @cache
@@ -70,7 +76,10 @@ def flash_prefill(
         raise ValueError(f"q_hi: {n} rows x {g} heads per KV head is more than one launch takes")
     t = k_cache.shape[2]
     with cp.cuda.Device(device):
-        flash_kernels_for(device).fn(kernel_expr(d))(
+        fn = flash_kernels_for(device).fn(kernel_expr(d))
+        if fn.max_dynamic_shared_size_bytes < shared_bytes(d):  # over the default 48 KiB from D = 96
+            fn.max_dynamic_shared_size_bytes = shared_bytes(d)
+        fn(
             (nkv, tiles),
             (THREADS,),
             (
@@ -88,4 +97,5 @@ def flash_prefill(
                 np.int32(pos0),
                 np.float32(scale * _LOG2E),
             ),
+            shared_mem=shared_bytes(d),
         )
