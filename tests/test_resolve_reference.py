@@ -104,7 +104,10 @@ def test_the_emulated_24g_h200_keeps_experts_in_host_memory():
     plan = plan_of(PROFILES / "emulate" / "h200-24g.toml")
     whole = plan_of(PROFILES / "h200.toml")
     assert [s.device for s in plan.stages] == ["cuda:0"] and plan.gpus[0].budget.total == 24576 * 2**20
-    assert (plan.batch.slots, plan.batch.mtp) == (2, True) and plan.memory == whole.memory
+    assert (plan.batch.slots, plan.batch.mtp) == (2, True)
+    # The same memory settings, but for the lone prompt's long window, which the whole card has room for.
+    assert plan.memory == whole.memory.model_copy(update={"prefill_chunk_alone": plan.memory.prefill_chunk})
+    assert whole.memory.prefill_chunk_alone > whole.memory.prefill_chunk
     assert plan.gpus[0].experts_resident < plan.gpus[0].experts_total
     assert whole.gpus[0].experts_resident == whole.gpus[0].experts_total
     assert plan.host.free is not None and plan.host.free > 0
