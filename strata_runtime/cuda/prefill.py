@@ -99,7 +99,7 @@ class CudaPrefill:
                 "moe_group",
                 "moe_scatter_rows",
                 "moe_gather_add",
-                "qk_norm_rope_kv",
+                "qk_norm_rope_split",
                 "add_scaled",
             ]
         )
@@ -141,13 +141,13 @@ class CudaPrefill:
         x = cp.empty((n_rows, h), cp.float16)
         kern.rms_norm_fp32_to_half(resid, lay.ln1, x, a.rms_norm_eps)
         qkv = matmul_nt(x, lay.qkv, cp.empty((n_rows, lay.qkv.shape[0]), cp.float32))  # [n, (N + 2K) D]
-        q = cp.empty((n_rows, nq, d), cp.float32)
-        kern.qk_norm_rope_kv(qkv, lay.q_norm, lay.k_norm, pos, slot, q, kc, vc, a.rope_theta, a.rms_norm_eps)
         # q as two fp16 parts, q = hi + lo: fp16 alone would move a score by |score| * 2^-11, which for
         # the large scores of sharp heads changes their weights by percents; the split keeps q's fp32
         # precision for one more product over the keys.
-        hi = q.astype(cp.float16)
-        lo = (q - hi).astype(cp.float16)
+        hi, lo = cp.empty((n_rows, nq, d), cp.float16), cp.empty((n_rows, nq, d), cp.float16)
+        kern.qk_norm_rope_split(
+            qkv, lay.q_norm, lay.k_norm, pos, slot, hi, lo, kc, vc, a.rope_theta, a.rms_norm_eps
+        )
         out = cp.empty((n_rows, nq * d), cp.float16)  # [n, N D]
         scale = 1.0 / math.sqrt(d)
         if self.flash and len(layout.segments) == 1:  # a prompt chunk is one slot's
