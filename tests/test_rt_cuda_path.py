@@ -50,13 +50,18 @@ def test_windows_through_the_cuda_path_give_the_array_paths_logits(fake_gpu):
         ([(0, 20, 0)], g.integers(1, vocab, 20)),  # 8-row graph windows
         ([(0, 100, 20)], g.integers(1, vocab, 100)),  # the prefill path (flash attention)
         ([(0, 3, 120), (1, 1, 0)], g.integers(1, vocab, 4)),  # decode rows of two slots
+        ([(1, 80, 1), (0, 70, 123)], g.integers(1, vocab, 150)),  # two slots' chunks: flash per segment
     ]
     for runs, tokens in windows:
         a, b = _logits(gpu, runs, tokens), _logits(cpu, runs, tokens)
         # fp16 weights and KV against float32: a few 1e-3 relative (measured 1e-3 to 7e-3); a misplaced
         # weight, buffer or step gives O(1).
         assert np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-2, runs
-        assert (a.argmax(-1) == b.argmax(-1)).all(), runs
+        # The same token wherever the reference's two best logits are not a near tie (fp16 moves a logit
+        # by about 1e-4 here; one row of the two-slot window has a gap of 1.6e-4).
+        top2 = np.sort(b, axis=-1)[:, -2:]
+        decided = top2[:, 1] - top2[:, 0] > 1e-3
+        assert decided.mean() > 0.9 and (a.argmax(-1) == b.argmax(-1))[decided].all(), runs
 
     replays = []
     for _ in range(3):  # eager, captured, replayed
@@ -72,13 +77,14 @@ def test_the_cublas_prefill_attention_matches_the_flash_path(fake_gpu):
 
     model = Model.from_plan(_plan("cuda"))
     stage = model.stages[0]
-    hidden = np.random.default_rng(2).standard_normal((90, model.args.hidden_size)).astype(np.float32)
+    hidden = np.random.default_rng(2).standard_normal((130, model.args.hidden_size)).astype(np.float32)
     outs = []
     for flash in (True, False):
-        layout = Layout.of([(1, 90, 0)])
+        layout = Layout.of([(1, 90, 0), (0, 40, 0)])  # two slots' prompts in one window
         stage.kv.begin(layout.segments)
         outs.append(np.asarray(CudaPrefill(stage.cuda.stack, flash=flash).forward(hidden, layout)))
         model.rewind(1, 0)
+        model.rewind(0, 0)
     # Both attend in fp16 products (the references round as the kernels do), in different orders.
     assert np.linalg.norm(outs[0] - outs[1]) / np.linalg.norm(outs[1]) < 1e-2
 

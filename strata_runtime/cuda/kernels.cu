@@ -735,8 +735,7 @@ __device__ __forceinline__ Ranked block_rank(const float* __restrict__ l, int E,
   __syncthreads();
   float zt = 0.f, zkt = 0.f;
   for (int w = 0; w < 8; ++w) { zt += red[1][w]; zkt += red[2][w]; }
-  __syncthreads();  // the shared arrays may be reused after return
-  return {tid < E ? rank : E, p, m, zt, zkt};
+  return {tid < E ? rank : E, p, m, zt, zkt};  // call once per launch: its shared arrays are not reused
 }
 
 __device__ __forceinline__ void block_route(const float* __restrict__ l, int E, int topk, int j, int norm_topk,

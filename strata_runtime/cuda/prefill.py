@@ -7,8 +7,8 @@ on the device and the products' grids are sized for the worst routing, so nothin
 and the host queues the whole chunk's layers ahead of the GPU. (For a model whose widths are not multiples of
 8 the experts run as two cuBLAS batched products over [E, C, H] groups instead, C = the most rows any expert
 got, read on the host once per layer.) Attention is one fused kernel (`strata_runtime.cuda.flash`: tensor
-cores, online softmax, no score matrix in memory); for head dims it lacks, and for a window of several
-prompts, cuBLAS products over tiles of query rows whose fp32 scores and fp16 probabilities fit in
+cores, online softmax, no score matrix in memory), one launch per slot's segment of the window; for head dims
+it lacks, cuBLAS products over tiles of query rows whose fp32 scores and fp16 probabilities fit in
 `ATTN_TILE_BYTES`.
 
 Everything between the products (norms, q/k norm with RoPE and the KV write, routing, causal softmax,
@@ -150,7 +150,7 @@ class CudaPrefill:
         )
         out = cp.empty((n_rows, nq * d), cp.float16)  # [n, N D]
         scale = 1.0 / math.sqrt(d)
-        if self.flash and len(layout.segments) == 1:  # a prompt chunk is one slot's
+        if self.flash:  # each segment is one slot's consecutive positions
             for seg in layout.segments:
                 rows = slice(seg.row, seg.row + seg.n)
                 flash_prefill(hi[rows], lo[rows], kc, vc, seg.slot, seg.pos, scale, out[rows])
