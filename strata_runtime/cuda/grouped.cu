@@ -126,6 +126,19 @@ __device__ __forceinline__ void tile_product(const half* const* a_rows, const bo
 
 __device__ __forceinline__ float silu(float g) { return g / (1.f + __expf(-g)); }
 
+// This thread's rows of a tile of `rows` places (row0 + 32 i, i < N): row_at(r) is the element offset of
+// place r's row in src; rows past the tile get a valid address and ok = false (read as zeros).
+template <int N, class RowAt>
+__device__ __forceinline__ void tile_rows(const half* src, int rows, RowAt row_at, const half** out, bool* ok) {
+  const int row0 = threadIdx.x >> 3;
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    const int r = row0 + 32 * i;
+    ok[i] = r < rows;
+    out[i] = src + (ok[i] ? row_at(r) : (size_t)0);
+  }
+}
+
 }  // namespace
 
 // One block of 1024 threads. rank: scratch [A]. order [A]: the assignments grouped by expert (experts in
@@ -168,12 +181,7 @@ __global__ void __launch_bounds__(THREADS, 256 / BN)
   const half* a_rows[BM / 32];
   const half* b_rows[BN / 32];
   bool a_ok[BM / 32], b_ok[BN / 32];
-#pragma unroll
-  for (int i = 0; i < BM / 32; ++i) {
-    const int r = row0 + 32 * i;
-    a_ok[i] = r < rows;
-    a_rows[i] = x + (a_ok[i] ? (size_t)(order[place0 + r] / topk) * H : 0);
-  }
+  tile_rows<BM / 32>(x, rows, [&](int r) { return (size_t)(order[place0 + r] / topk) * H; }, a_rows, a_ok);
 #pragma unroll
   for (int i = 0; i < BN / 32; ++i) {
     // Block column c: 16-column group c / 16 holds gate features then up features of the same 8 outputs.
@@ -213,22 +221,12 @@ __global__ void __launch_bounds__(THREADS, 256 / BN)
   if ((int)blockIdx.x >= *n_tiles) return;
   const int4 tile = tiles[blockIdx.x];
   const int e = tile.x, place0 = tile.y, rows = tile.z, h0 = blockIdx.y * BN;
-  const int tid = threadIdx.x, row0 = tid >> 3;
+  const int tid = threadIdx.x;
   const half* a_rows[BM / 32];
   const half* b_rows[BN / 32];
   bool a_ok[BM / 32], b_ok[BN / 32];
-#pragma unroll
-  for (int i = 0; i < BM / 32; ++i) {
-    const int r = row0 + 32 * i;
-    a_ok[i] = r < rows;
-    a_rows[i] = hid + (a_ok[i] ? (size_t)(place0 + r) * I : 0);
-  }
-#pragma unroll
-  for (int i = 0; i < BN / 32; ++i) {
-    const int r = row0 + 32 * i;
-    b_ok[i] = h0 + r < H;
-    b_rows[i] = w + (b_ok[i] ? ((size_t)e * H + h0 + r) * I : 0);
-  }
+  tile_rows<BM / 32>(hid, rows, [&](int r) { return (size_t)(place0 + r) * I; }, a_rows, a_ok);
+  tile_rows<BN / 32>(w, H - h0, [&](int r) { return ((size_t)e * H + h0 + r) * I; }, b_rows, b_ok);
   float acc[4][BN / 32][4] = {};
   tile_product<BN>(a_rows, a_ok, b_rows, b_ok, I, acc);
   const int warp = tid >> 5, lane = tid & 31, wm = warp >> 2, wn = warp & 3;
