@@ -35,6 +35,13 @@ def test_the_harness_reports_it_for_the_decoding_workloads_only() -> None:
     assert set(GENERATING) == {"clients", "two-decodes", "solo"}
 
 
+def test_a_run_without_first_token_times_has_no_generation_rate() -> None:
+    """A peer that hands back whole generations (transformers' generate) times no first token: the table
+    shows no rate for it rather than 0."""
+    whole = [Result(list(range(9)), 4, 0.0, None, 2.5, 0, 0), Result(list(range(5)), 4, 0.0, None, 2.5, 0, 0)]
+    assert "generation_tok_s" not in measure("clients", whole, STATS, wall=2.5)
+
+
 def test_an_engines_run_has_first_tokens_before_its_finish_and_a_generation_rate() -> None:
     eng = Engine(mode_plan("serial", 2, preset="small", context=96, prefill_chunk=16))
     arrivals = [Arrival(Request(tuple(range(40, 60)), 10)), Arrival(Request(tuple(range(70, 75)), 10))]

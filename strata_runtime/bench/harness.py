@@ -222,7 +222,8 @@ def measure(name: str, results: list[Result], stats: dict[str, Any], wall: float
         out["p95_s"] = float(np.percentile(lat, 95))
     else:  # two-decodes, solo: the streams' own rates added
         out["tok_s"] = sum(r.rate for r in results)
-    if name in GENERATING:
+    if name in GENERATING and any(r.first_token is not None for r in results):
+        # A peer that returns whole generations (transformers' generate) times no first token: no rate.
         out["generation_tok_s"] = generation_rate(
             (len(r.token_ids), r.first_token, r.finished) for r in results
         )
