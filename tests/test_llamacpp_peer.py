@@ -229,7 +229,8 @@ def test_strata_gguf_writes_the_profiles_model_once(tmp_path: Path, tiny) -> Non
     )
     before = out.stat().st_mtime_ns
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert again.returncode == 2 and "exists" in again.stdout and out.stat().st_mtime_ns == before
+    assert again.returncode == 2 and "exists" in again.stderr and not again.stdout
+    assert out.stat().st_mtime_ns == before
 
 
 def test_without_the_gguf_package_the_export_says_how_to_install_it(

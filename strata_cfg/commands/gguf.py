@@ -8,6 +8,7 @@ and writes them in llama.cpp's ``qwen3moe`` layout (`strata_runtime.bench.gguf_e
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from ..launch.engine_process import exec_runtime
@@ -23,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.out.exists():
-        print(f"strata gguf: {args.out} exists; remove it or name another file")
+        print(f"strata gguf: {args.out} exists; remove it or name another file", file=sys.stderr)
         return 2
     try:
         plan = resolve_args(args).plan
