@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from strata_runtime.bench.harness import prompt_ids
+from strata_cfg.schema.workloads import prompt_ids
 
 
 def strata(*args: str) -> subprocess.CompletedProcess[str]:
@@ -96,12 +96,12 @@ def test_gpu_workloads_refuse_a_cuda_plan_without_cupy() -> None:
     assert len(lines) == 1 and "--workload step needs a CUDA GPU" in lines[0] and "CuPy" in lines[0]
 
 
-@pytest.mark.parametrize("workload", ["prompt", "step", "vram", "handoff"])
+@pytest.mark.parametrize("workload", ["step", "vram", "handoff"])
 def test_in_process_workloads_are_refused_over_url(workload: str) -> None:
     out = strata("bench", "--url", "http://127.0.0.1:9", "--workload", workload)
     assert out.returncode == 2
     assert f"--workload {workload} runs in the engine's own process" in out.stderr
-    assert "over HTTP: two-decodes, clients, read-beside-decode, solo" in out.stderr
+    assert "over HTTP: two-decodes, clients, read-beside-decode, solo, prompt" in out.stderr
 
 
 def test_gpu_workloads_take_no_arms() -> None:

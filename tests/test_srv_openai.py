@@ -395,6 +395,35 @@ def test_bench_drives_the_launched_engine_over_http(engine: Launched):
     assert 0 < after[tokens] - before.get(tokens, 0) <= 4 * 24
 
 
+def test_bench_reads_a_prompt_over_http(engine: Launched):
+    """`--workload prompt` over HTTP: one fresh prompt of --prompt-tokens ids per run, read for one token;
+    its read rate is the prompt over the time to its first token."""
+    before = _metrics(engine)
+    proc = strata(
+        *("bench", "--url", engine.url, "--workload", "prompt", "--repeats", "2", "--prompt-tokens", "150"),
+        *("--api-key-env", "STRATA_TEST_KEY", "--json"),
+        env={"STRATA_TEST_KEY": engine.key},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(proc.stdout)
+    runs = result["cases"]["prompt"]["runs"]
+    assert len(runs) == 2 and all(r["prompt_tokens"] == 150 for r in runs)
+    assert all(r["tok_s"] == pytest.approx(150 / r["prompt_read_s"]) for r in runs)
+    after = _metrics(engine)
+    ok = 'strata_requests_total{endpoint="completions",outcome="ok"}'
+    assert after[ok] - before.get(ok, 0) == 2
+    assert 0 < after["strata_completion_tokens_total"] - before.get("strata_completion_tokens_total", 0) <= 2
+
+    context = json.loads((engine.run_dir / "plan.json").read_text())["memory"]["context"]
+    too_long = strata(
+        *("bench", "--url", engine.url, "--workload", "prompt", "--prompt-tokens", str(context)),
+        *("--api-key-env", "STRATA_TEST_KEY"),
+        env={"STRATA_TEST_KEY": engine.key},
+    )
+    assert too_long.returncode == 1
+    assert f"--prompt-tokens {context}" in too_long.stderr and f"at most {context - 1}" in too_long.stderr
+
+
 def test_a_sampled_bench_over_http_sends_requests_the_server_accepts(engine: Launched):
     before = _metrics(engine)
     proc = strata(

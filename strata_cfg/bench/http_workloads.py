@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ..schema.workloads import CLIENT_COUNTS, GENERATING, PROMPTS, generation_rate
+from ..schema.workloads import CLIENT_COUNTS, GENERATING, PROMPTS, generation_rate, prompt_ids
 from .http_driver import Client, served_model, sse_chunks
 from .stats import median, percentile
 
@@ -88,11 +88,14 @@ def http_run(
     vocab: int,
     api_key: str | None,
     sampling: dict[str, float] | None = None,
+    prompt_tokens: int = 0,
+    seed: int = 0,
 ) -> dict[str, float]:
     """One run of a workload over HTTP, with the same figures as the in-process harness. ``sampling``: the
-    decoding requests' temperature, top_p and top_k (each request seeded by its index); greedy without."""
+    decoding requests' temperature, top_p and top_k (each request seeded by its index); greedy without.
+    ``prompt`` sends one prompt of ``prompt_tokens`` ids (`prompt_ids` with ``seed``) for one greedy token."""
     model = served_model(url, api_key)
-    n = {"two-decodes": 2, "clients": clients, "solo": 1, "read-beside-decode": 1}[workload]
+    n = {"two-decodes": 2, "clients": clients, "solo": 1, "read-beside-decode": 1, "prompt": 0}[workload]
     streams: list[Stream] = []
     workers: list[threading.Thread] = []
     progress = threading.Event() if workload == "read-beside-decode" else None
@@ -113,6 +116,9 @@ def http_run(
     t0 = time.perf_counter()
     for i in range(n):
         send(PROMPTS[i % len(PROMPTS)], tokens, progress)
+    if workload == "prompt":
+        sampling = None  # the one generated token is greedy: it only marks the end of the read
+        send(list(prompt_ids(prompt_tokens, vocab, seed)), 1, None)
     if progress is not None:
         progress.wait()  # the long prompt arrives once the decoding stream is under way
         length = max(16, min(context - 2, 48_000))
@@ -130,7 +136,13 @@ def http_run(
         "rows_per_window": d["rows"] / d["windows"] if d["windows"] else 0.0,
         "accepted_pct": 100.0 * d["accepted"] / d["proposals"] if d["proposals"] else 0.0,
     }
-    if workload == "read-beside-decode":
+    if workload == "prompt":
+        (reader,) = streams
+        span = (reader.first or reader.done or reader.sent) - reader.sent
+        out["prompt_tokens"] = float(reader.prompt_tokens)
+        out["prompt_read_s"] = span  # the time to the first token: the read and the first token's window
+        out["tok_s"] = reader.prompt_tokens / span if span > 0 else 0.0
+    elif workload == "read-beside-decode":
         decode, reader = streams
         span = (reader.first or reader.done or reader.sent) - reader.sent
         out["prompt_read_tok_s"] = reader.prompt_tokens / span if span > 0 else 0.0
@@ -156,9 +168,11 @@ def bench_url(
     repeats: int = 3,
     api_key: str | None = None,
     sampling: dict[str, float] | None = None,
+    prompt_tokens: int = 4096,
 ) -> dict[str, Any]:
     """A bench workload against a launched engine: medians over ``repeats`` runs, per case (``sampling``
-    as `http_run` takes it)."""
+    as `http_run` takes it; ``prompt_tokens``: the ``prompt`` workload's length, a fresh prompt each run).
+    Raises ValueError for a prompt longer than the engine's context."""
     client = Client(url, api_key, 30.0)
     try:
         status = client.get_json("/v1/status")
@@ -166,9 +180,14 @@ def bench_url(
         client.close()
     plan = status["plan"]
     context, vocab = int(plan["memory"]["context"]), int(plan["model"]["facts"]["vocab_size"])
+    if workload == "prompt" and not 1 <= prompt_tokens < context:
+        raise ValueError(
+            f"--prompt-tokens {prompt_tokens}: a prompt and its generated token must fit the engine's "
+            f"memory.context of {context}, so at most {context - 1} tokens"
+        )
     cases = [(f"{c} clients", c) for c in CLIENT_COUNTS] if workload == "clients" else [(workload, 1)]
     runs: dict[str, list[dict[str, float]]] = {case: [] for case, _ in cases}
-    for _ in range(repeats):
+    for repeat in range(repeats):
         for case, clients in cases:
             runs[case].append(
                 http_run(
@@ -180,6 +199,8 @@ def bench_url(
                     vocab=vocab,
                     api_key=api_key,
                     sampling=sampling,
+                    prompt_tokens=prompt_tokens,
+                    seed=repeat,
                 )
             )
     medians = {case: {k: median([f[k] for f in figs]) for k in figs[0]} for case, figs in runs.items()}
@@ -187,7 +208,7 @@ def bench_url(
     return {
         "url": url,
         "workload": workload,
-        "tokens": tokens,
+        "tokens": 1 if workload == "prompt" else tokens,
         "repeats": repeats,
         "plan": {"mode": b["mode"], "groups": b["groups"], "batch_mtp": b["mtp"], "slots": b["slots"]},
         "cases": {case: {"median": m, "runs": runs[case]} for case, m in medians.items()},
@@ -196,9 +217,10 @@ def bench_url(
 
 def bench_lines(result: dict[str, Any]) -> list[str]:
     p = result["plan"]
+    workload, repeats = result["workload"], result["repeats"]
+    what = "one prompt per run" if workload == "prompt" else f"{result['tokens']} tokens per request"
     lines = [
-        f"workload {result['workload']} over HTTP at {result['url']}: {result['tokens']} tokens per request, "
-        f"medians of {result['repeats']} runs",
+        f"workload {workload} over HTTP at {result['url']}: {what}, medians of {repeats} runs",
         f"engine plan: {p['mode']}, {p['groups']} group(s), batch MTP {'on' if p['batch_mtp'] else 'off'}, "
         f"{p['slots']} slot(s)",
         "",
@@ -213,6 +235,8 @@ def bench_lines(result: dict[str, Any]) -> list[str]:
                 extra += f", generating {m['generation_tok_s']:.1f} tok/s"
         if "decode_tok_s" in m:
             extra = f"  prompt read {m['prompt_read_tok_s']:.0f} tok/s, decode {m['decode_tok_s']:.1f} tok/s"
+        if "prompt_read_s" in m:
+            extra = f"  {m['prompt_tokens']:.0f} prompt tokens, first token after {m['prompt_read_s']:.3f} s"
         lines.append(
             f"{case:<20} {m['tok_s']:9.1f} {m['ms_per_window']:8.2f} {m['rows_per_window']:8.2f} "
             f"{m['accepted_pct']:6.1f}%{extra}"

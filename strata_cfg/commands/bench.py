@@ -10,10 +10,10 @@ the arms interleaved in one engine process and prints the table (or ``--json``).
 With ``--url`` it measures a launched engine over HTTP instead, as its clients see it
 (`strata_cfg.bench`): the same workloads and figures, for the one plan that engine runs.
 
-``prompt`` reads one prompt of ``--prompt-tokens`` alone on the engine (arms: ``serial`` unless given).
-``step`` (the decode kernels against the byte roofline), ``vram`` (what the engine holds against the plan's
-budget) and ``handoff`` (the copies between two stages' GPUs) measure the profile's own plan on its GPUs,
-without arms. These four run in process only.
+``prompt`` reads one prompt of ``--prompt-tokens`` alone on the engine (arms: ``serial`` unless given; over
+``--url``, its read rate and time to first token). ``step`` (the decode kernels against the byte roofline),
+``vram`` (what the engine holds against the plan's budget) and ``handoff`` (the copies between two stages'
+GPUs) measure the profile's own plan on its GPUs, without arms. These three run in process only.
 """
 
 from __future__ import annotations
@@ -110,7 +110,13 @@ def run_url(args: argparse.Namespace) -> int:
     try:
         sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
         result = bench_url(
-            args.url, args.workload, tokens=args.tokens, repeats=args.repeats, api_key=key, sampling=sampling
+            args.url,
+            args.workload,
+            tokens=args.tokens,
+            repeats=args.repeats,
+            api_key=key,
+            sampling=sampling,
+            prompt_tokens=args.prompt_tokens,
         )
     except (OSError, RuntimeError, ValueError) as exc:
         print(f"strata bench: {args.url}: {exc}", file=sys.stderr)

@@ -1,18 +1,20 @@
 """The bench workloads (docs/PERFORMANCE.md), shared by the in-process harness and the HTTP driver.
 
 Both measure the same requests: the same workload names, client counts and prompts. Some workloads only make
-sense in the engine's own process: ``prompt`` reports against the GPU's matrix rate measured in that run,
-``step`` times the CUDA kernels without an engine, ``vram`` reads the driver's memory counters, and
-``handoff`` times the copies between two stages' GPUs.
+sense in the engine's own process: ``step`` times the CUDA kernels without an engine, ``vram`` reads the
+driver's memory counters, and ``handoff`` times the copies between two stages' GPUs. ``prompt`` runs in both;
+in process it also reports against the GPU's matrix rate measured in that run, over HTTP its read rate and
+time to first token only.
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterable
 
 WORKLOADS = ("two-decodes", "clients", "read-beside-decode", "solo", "prompt", "step", "vram", "handoff")
 """Workload names, as `strata bench --workload` takes them."""
-HTTP_WORKLOADS = ("two-decodes", "clients", "read-beside-decode", "solo")
+HTTP_WORKLOADS = ("two-decodes", "clients", "read-beside-decode", "solo", "prompt")
 """Workloads that also run against a launched engine (`strata bench --url`)."""
 GPU_WORKLOADS = ("step", "vram", "handoff")
 """Workloads that need CuPy and a CUDA GPU; they measure the profile's plan, not arms."""
@@ -32,6 +34,13 @@ PROMPTS = (
     "Call me Ishmael",
 )
 """Short prompts; request i uses prompt i modulo their number."""
+
+
+def prompt_ids(length: int, vocab: int, seed: int) -> tuple[int, ...]:
+    """A prompt of fresh token ids, seeded and spread over the vocabulary (id 0 left out): the ``prompt``
+    workload's, the same in process and over HTTP."""
+    rng = random.Random(seed)
+    return tuple(rng.randrange(1, vocab) for _ in range(length))
 
 
 GENERATING = ("two-decodes", "clients", "solo")

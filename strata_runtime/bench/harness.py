@@ -20,7 +20,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from strata_cfg.schema.plan import LaunchPlan
-from strata_cfg.schema.workloads import CLIENT_COUNTS, GENERATING, PROMPTS, WORKLOADS, generation_rate
+from strata_cfg.schema.workloads import (
+    CLIENT_COUNTS,
+    GENERATING,
+    PROMPTS,
+    WORKLOADS,
+    generation_rate,
+    prompt_ids,
+)
 
 from ..api import Request, SamplingParams, Tokenizer
 from ..backend import DeviceError, cupy_module
@@ -154,12 +161,6 @@ def _request(tokenizer: Tokenizer, i: int, tokens: int, sampling: SamplingParams
     if sampling.temperature > 0:
         sampling = dataclasses.replace(sampling, seed=i)
     return Request(ids, tokens, sampling, request_id=f"bench-{i}")
-
-
-def prompt_ids(length: int, vocab: int, seed: int) -> tuple[int, ...]:
-    """A prompt of fresh token ids, seeded and spread over the vocabulary (id 0 left out)."""
-    ids = np.random.default_rng(seed).integers(1, vocab, length)
-    return tuple(int(i) for i in ids)
 
 
 def workload_arrivals(

@@ -30,6 +30,7 @@ from strata_cfg.schema.workloads import (
     PROMPTS,
     WORKLOADS,
     prompt_context_problem,
+    prompt_ids,
     sampling_problem,
 )
 
@@ -41,7 +42,6 @@ from ..bench.harness import (
     InProcessDriver,
     cuda_devices,
     driver_for,
-    prompt_ids,
     run_bench,
     summarise,
 )
