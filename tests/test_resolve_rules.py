@@ -95,6 +95,24 @@ def test_memory_prefill_chunk_alone_floor_raises_a_lone_prompts_chunk_to_every_p
     assert plan.settings["memory.prefill_chunk_alone"].requested == 64
 
 
+def test_memory_prefill_chunk_alone_pipelined_drops_the_lone_prompt_window_and_its_workspace():
+    path = rule_file("memory.prefill-chunk-alone-pipelined")
+    plan = plan_of(path)
+    assert plan.batch.mode == "pipelined"
+    assert plan.memory.prefill_chunk_alone == plan.memory.prefill_chunk == 64
+    d = decision(plan, "memory.prefill-chunk-alone-pipelined")
+    assert d.severity == "clamp" and d.requested and d.because == ("batch.groups",)
+    assert plan.settings["memory.prefill_chunk_alone"].requested == 512
+    # The plan holds the workspace the engine uses: as if the key were not written.
+    plain = plan_of(path, [("memory.prefill_chunk_alone", 64)])
+    assert [g.budget.workspace for g in plan.gpus] == [g.budget.workspace for g in plain.gpus]
+    # Serial windows keep the lone prompt's window, and plan its workspace.
+    serial = plan_of(path, [("batch.groups", 1)])
+    assert serial.batch.mode == "serial" and serial.memory.prefill_chunk_alone == 512
+    assert not any(d.rule == "memory.prefill-chunk-alone-pipelined" for d in serial.decisions)
+    assert serial.gpus[0].budget.workspace > plan.gpus[0].budget.workspace
+
+
 def test_the_plan_text_shows_a_lone_prompts_longer_chunk():
     from strata_cfg.report.plan_text import plan_text
 

@@ -77,6 +77,22 @@ def resolve_groups(topo: Topology, led: Ledger) -> None:
         first_failing(led, "batch.mtp", False, [pipelined])
         if in_groups and groups > 1:
             mtp_in_groups(slots, groups, led)
+    lone_prompt_window(groups, led)
+
+
+def lone_prompt_window(groups: int, led: Ledger) -> None:
+    """A lone prompt's longer window is a serial-window schedule: pipelined groups stream every prompt's
+    chunks through the stages, so the window (and the workspace planned for it) falls to the chunk."""
+    chunk, alone = led["memory.prefill_chunk"], led["memory.prefill_chunk_alone"]
+    if groups > 1 and alone > chunk:
+        led.change(
+            "memory.prefill_chunk_alone",
+            chunk,
+            "memory.prefill-chunk-alone-pipelined",
+            f"a lone prompt's window of {alone} rows is for serial windows; {groups} pipelined groups read "
+            f"every prompt in chunks of {chunk}, so the plan holds workspace for {chunk}",
+            because=("batch.groups",),
+        )
 
 
 def _enough_groups(slots: int) -> int:

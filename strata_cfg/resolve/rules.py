@@ -115,6 +115,13 @@ _RULES = (
         "error",
         "batch MTP inside pipelined groups holds at most 4 slots per group (2 rows each)",
     ),
+    Rule(
+        "memory.prefill-chunk-alone-pipelined",
+        4,
+        "clamp",
+        "memory.prefill_chunk_alone applies to serial windows; pipelined groups read every prompt in "
+        "memory.prefill_chunk chunks",
+    ),
     # 5: pipeline-windows gate (the first failing reason wins)
     Rule("pipeline-windows.needs-split", 5, "off", "pipeline windows need a layer split"),
     Rule("pipeline-windows.shared-gpu", 5, "off", "pipeline windows do not run on a single-GPU test split"),
