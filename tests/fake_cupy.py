@@ -257,6 +257,9 @@ class ReferenceKernels:
 class ReferenceGrouped:
     """The launchers of `strata_runtime.cuda.grouped.GroupedKernels`, run by the NumPy references."""
 
+    def prepare_all(self) -> None:
+        pass
+
     def __getattr__(self, name: str) -> Callable[..., None]:
         fn = getattr(reference_grouped, name)
         return lambda *a, **k: RECORDER.launch(fn, *a, **k)

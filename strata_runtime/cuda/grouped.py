@@ -43,6 +43,11 @@ class GroupedKernels(KernelCache):
         self.gate_up_features, self.down_features = gate_up_features, down_features
         self._sized: set[str] = set()
 
+    def prepare_all(self) -> None:
+        """Compile every kernel the launchers use in one NVRTC run, so a first prompt does not wait for it."""
+        products = (f"moe_gate_up<{self.gate_up_features}>", f"moe_down<{self.down_features}>")
+        self.prepare(["moe_tiles", *products, "moe_combine"])
+
     def _large(self, name: str, features: int) -> Any:
         """A product kernel of ``features`` weight rows per block, allowed its shared memory (over the default
         48 KiB)."""

@@ -81,6 +81,8 @@ class CudaPrefill:
             else None
         )
         """The grouped expert kernels, where the model's shape allows them (`strata_runtime.cuda.grouped`)."""
+        if self.grouped is not None:
+            self.grouped.prepare_all()
         if self.flash:
             flash_kernels_for(self.device_id).prepare([kernel_expr(self.args.head_dim)])
         with cp.cuda.Device(self.device_id):
@@ -96,11 +98,9 @@ class CudaPrefill:
                 "route_topk",
                 "softmax_causal",
                 "silu_mul_half",
-                "moe_group",
-                "moe_scatter_rows",
-                "moe_gather_add",
                 "qk_norm_rope_split",
                 "add_scaled",
+                *(() if self.grouped is not None else ("moe_group", "moe_scatter_rows", "moe_gather_add")),
             ]
         )
 
