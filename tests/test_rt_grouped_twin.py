@@ -1,5 +1,6 @@
 """The grouped expert products' NumPy twin (`strata_runtime.reference.grouped`), which the CPU stand-in of the
-CUDA path runs: its grouping, its tile bound and its products against a row-by-row computation."""
+CUDA path runs: its grouping, its tile bound and its products against a row-by-row computation; and the CUDA
+launchers' compile list, which needs no GPU to check."""
 
 from __future__ import annotations
 
@@ -63,3 +64,36 @@ def test_products_give_each_assignment_its_experts_output():
             y = (w_d[idx[r, j]].astype(np.float32) @ act).astype(np.float16)
             want += wts[r, j] * y.astype(np.float32)
         np.testing.assert_allclose(resid[r] - start[r], want, rtol=2e-3, atol=2e-3)
+
+
+def test_the_stage_compiles_every_kernel_the_launchers_use() -> None:
+    """`GroupedKernels.prepare_all` (run when a stage is built) compiles every expression the four launchers
+    then look up, so a first prompt never waits for NVRTC; the products also get their shared memory."""
+    from types import SimpleNamespace
+
+    from strata_runtime.cuda.grouped import GroupedKernels, shared_bytes
+
+    kern = GroupedKernels()
+    prepared: set[str] = set()
+    used: dict[str, SimpleNamespace] = {}
+    kern.prepare = lambda expressions: prepared.update(expressions)  # type: ignore[method-assign]
+
+    class Launcher(SimpleNamespace):
+        def __call__(self, grid, block, args, shared_mem: int = 0) -> None:
+            self.shared.append(shared_mem)
+
+    kern.fn = lambda expression: used.setdefault(  # type: ignore[method-assign]
+        expression, Launcher(max_dynamic_shared_size_bytes=0, shared=[])
+    )
+    kern.prepare_all()
+    rows, k, h, inter, e = 5, 2, 16, 8, 4
+    idx = np.zeros((rows, k), np.int32)
+    tiles = np.zeros((twin.max_tiles(rows * k, e), 4), np.int32)
+    x, hid, ys = np.zeros((rows, h)), np.zeros((rows * k, inter)), np.zeros((rows * k, h))
+    kern.moe_tiles(idx, e, idx, idx, tiles, idx)
+    kern.moe_gate_up(x, None, None, tiles, None, k, hid)
+    kern.moe_down(hid, None, None, tiles, None, ys)
+    kern.moe_combine(ys, np.zeros((rows, k)), x)
+    assert set(used) == prepared == {"moe_tiles", "moe_gate_up<128>", "moe_down<128>", "moe_combine"}
+    for name in ("moe_gate_up<128>", "moe_down<128>"):
+        assert used[name].max_dynamic_shared_size_bytes == shared_bytes(128) == used[name].shared[0]
