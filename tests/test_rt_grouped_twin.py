@@ -97,3 +97,25 @@ def test_the_stage_compiles_every_kernel_the_launchers_use() -> None:
     assert set(used) == prepared == {"moe_tiles", "moe_gate_up<128>", "moe_down<128>", "moe_combine"}
     for name in ("moe_gate_up<128>", "moe_down<128>"):
         assert used[name].max_dynamic_shared_size_bytes == shared_bytes(128) == used[name].shared[0]
+
+
+def test_a_kernels_shared_memory_attribute_is_set_once_per_size() -> None:
+    """`KernelCache.fn_with_shared` (the grouped products and the flash kernel launch through it) sets the
+    function's dynamic shared memory the first time and again only when the size changes, not per launch."""
+    from strata_runtime.cuda.compile import KernelCache
+
+    class Fn:
+        def __init__(self) -> None:
+            self.sets: list[int] = []
+
+        def __setattr__(self, name: str, value: object) -> None:
+            if name == "max_dynamic_shared_size_bytes":
+                self.sets.append(int(value))  # type: ignore[call-overload]
+            object.__setattr__(self, name, value)
+
+    cache = KernelCache("")
+    fn = Fn()
+    cache.fn = lambda expression: fn  # type: ignore[method-assign]
+    for size in (98304, 98304, 98304, 69632, 69632):
+        assert cache.fn_with_shared("k<128>", size) is fn
+    assert fn.sets == [98304, 69632]

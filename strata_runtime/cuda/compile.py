@@ -33,6 +33,7 @@ class KernelCache:
         """``options``: NVRTC's, `OPTIONS` unless the source's results must round as NumPy's do."""
         self._code, self._options = code, options
         self._fns: dict[str, Any] = {}
+        self._shared: dict[str, int] = {}
 
     def prepare(self, expressions: Iterable[str]) -> None:
         """Compile every listed template instantiation not yet compiled, in one module (one NVRTC run)."""
@@ -48,3 +49,12 @@ class KernelCache:
         if expression not in self._fns:
             self.prepare([expression])
         return self._fns[expression]
+
+    def fn_with_shared(self, expression: str, shared_bytes: int) -> Any:
+        """The compiled function of ``expression``, allowed ``shared_bytes`` of dynamic shared memory (a
+        block may take more than the default 48 KiB only with this attribute set); set once per size."""
+        fn = self.fn(expression)
+        if self._shared.get(expression) != shared_bytes:
+            fn.max_dynamic_shared_size_bytes = shared_bytes  # CuPy's RawKernel sets the function attribute
+            self._shared[expression] = shared_bytes
+        return fn

@@ -76,10 +76,7 @@ def flash_prefill(
         raise ValueError(f"q_hi: {n} rows x {g} heads per KV head is more than one launch takes")
     t = k_cache.shape[2]
     with cp.cuda.Device(device):
-        fn = flash_kernels_for(device).fn(kernel_expr(d))
-        if fn.max_dynamic_shared_size_bytes < shared_bytes(d):  # over the default 48 KiB from D = 96
-            fn.max_dynamic_shared_size_bytes = shared_bytes(d)
-        fn(
+        flash_kernels_for(device).fn_with_shared(kernel_expr(d), shared_bytes(d))(
             (nkv, tiles),
             (THREADS,),
             (

@@ -27,6 +27,9 @@ from .compile import KernelCache, source
 _SOURCE = source("grouped.cu")
 THREADS = 256
 STAGES, STEP = 3, 64  # grouped.cu's STAGES and BK
+BLOCK_FEATURES = 128
+"""Weight rows per product block (grouped.cu's BN; for moe_gate_up 64 gate and 64 up rows). On an H200, 256
+measured slower for both products."""
 
 
 def shared_bytes(features: int) -> int:
@@ -37,26 +40,12 @@ def shared_bytes(features: int) -> int:
 class GroupedKernels(KernelCache):
     """The launchers of ``grouped.cu`` on one device. Create it with that device current."""
 
-    def __init__(self, gate_up_features: int = 128, down_features: int = 128) -> None:
-        """``*_features``: weight rows per block of each product (its BN: 128 or 256)."""
+    def __init__(self) -> None:
         super().__init__(_SOURCE)
-        self.gate_up_features, self.down_features = gate_up_features, down_features
-        self._sized: set[str] = set()
 
     def prepare_all(self) -> None:
         """Compile every kernel the launchers use in one NVRTC run, so a first prompt does not wait for it."""
-        products = (f"moe_gate_up<{self.gate_up_features}>", f"moe_down<{self.down_features}>")
-        self.prepare(["moe_tiles", *products, "moe_combine"])
-
-    def _large(self, name: str, features: int) -> Any:
-        """A product kernel of ``features`` weight rows per block, allowed its shared memory (over the default
-        48 KiB)."""
-        expression = f"{name}<{features}>"
-        fn = self.fn(expression)
-        if expression not in self._sized:
-            fn.max_dynamic_shared_size_bytes = shared_bytes(features)  # CuPy's RawKernel sets the attribute
-            self._sized.add(expression)
-        return fn
+        self.prepare(["moe_tiles", _product("moe_gate_up"), _product("moe_down"), "moe_combine"])
 
     def moe_tiles(self, idx: Any, n_exp: int, rank: Any, order: Any, tiles: Any, n_tiles: Any) -> None:
         """Group idx [n, k]'s assignments by expert into ``order`` [A] and ``tiles`` [max_tiles, 4], their
@@ -67,22 +56,22 @@ class GroupedKernels(KernelCache):
 
     def moe_gate_up(self, x: Any, w: Any, order: Any, tiles: Any, n_tiles: Any, topk: int, hid: Any) -> None:
         """hid [A, I] fp16: each place's SwiGLU of its row of x [n, H] through its expert's w [E, 2I, H]."""
-        h, inter, bn = x.shape[1], hid.shape[1], self.gate_up_features
-        self._large("moe_gate_up", bn)(
-            (tiles.shape[0], math.ceil(inter / (bn // 2))),
+        h, inter, smem = x.shape[1], hid.shape[1], shared_bytes(BLOCK_FEATURES)
+        self.fn_with_shared(_product("moe_gate_up"), smem)(
+            (tiles.shape[0], math.ceil(inter / (BLOCK_FEATURES // 2))),
             (THREADS,),
             (x, w, order, tiles, n_tiles, hid, np.int32(h), np.int32(inter), np.int32(topk)),
-            shared_mem=shared_bytes(bn),
+            shared_mem=smem,
         )
 
     def moe_down(self, hid: Any, w: Any, order: Any, tiles: Any, n_tiles: Any, ys: Any) -> None:
         """ys [A, H] fp16, by assignment: each place's hid [A, I] through its expert's w [E, H, I]."""
-        inter, h, bn = hid.shape[1], ys.shape[1], self.down_features
-        self._large("moe_down", bn)(
-            (tiles.shape[0], math.ceil(h / bn)),
+        inter, h, smem = hid.shape[1], ys.shape[1], shared_bytes(BLOCK_FEATURES)
+        self.fn_with_shared(_product("moe_down"), smem)(
+            (tiles.shape[0], math.ceil(h / BLOCK_FEATURES)),
             (THREADS,),
             (hid, w, order, tiles, n_tiles, ys, np.int32(h), np.int32(inter)),
-            shared_mem=shared_bytes(bn),
+            shared_mem=smem,
         )
 
     def moe_combine(self, ys: Any, wts: Any, resid: Any) -> None:
@@ -90,6 +79,11 @@ class GroupedKernels(KernelCache):
         rows, topk = wts.shape
         args = (ys, wts, resid, np.int32(topk), np.int32(resid.shape[1]))
         self.fn("moe_combine")((rows,), (THREADS,), args)
+
+
+def _product(name: str) -> str:
+    """The instantiation of a product kernel the launchers use."""
+    return f"{name}<{BLOCK_FEATURES}>"
 
 
 @cache
