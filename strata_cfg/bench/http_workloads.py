@@ -9,7 +9,14 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ..schema.workloads import CLIENT_COUNTS, GENERATING, PROMPTS, generation_rate, prompt_ids
+from ..schema.workloads import (
+    CLIENT_COUNTS,
+    GENERATING,
+    PROMPTS,
+    generation_rate,
+    prompt_context_problem,
+    prompt_ids,
+)
 from .http_driver import Client, served_model, sse_chunks
 from .stats import median, percentile
 
@@ -180,11 +187,9 @@ def bench_url(
         client.close()
     plan = status["plan"]
     context, vocab = int(plan["memory"]["context"]), int(plan["model"]["facts"]["vocab_size"])
-    if workload == "prompt" and not 1 <= prompt_tokens < context:
-        raise ValueError(
-            f"--prompt-tokens {prompt_tokens}: a prompt and its generated token must fit the engine's "
-            f"memory.context of {context}, so at most {context - 1} tokens"
-        )
+    problem = prompt_context_problem(prompt_tokens, context, launched=True)
+    if workload == "prompt" and problem:
+        raise ValueError(problem)
     cases = [(f"{c} clients", c) for c in CLIENT_COUNTS] if workload == "clients" else [(workload, 1)]
     runs: dict[str, list[dict[str, float]]] = {case: [] for case, _ in cases}
     for repeat in range(repeats):

@@ -72,14 +72,21 @@ def sampling_problem(temperature: float, top_p: float, top_k: int) -> str | None
     return None
 
 
-def prompt_context_problem(prompt_tokens: int, context: int) -> str | None:
-    """Why a ``prompt`` run of ``prompt_tokens`` (plus its one generated token) cannot fit ``context``."""
+def prompt_context_problem(prompt_tokens: int, context: int, *, launched: bool = False) -> str | None:
+    """Why a ``prompt`` run of ``prompt_tokens`` (plus its one generated token) cannot fit ``context``: the
+    plan's, which ``--set`` can raise, or with ``launched`` a running engine's, which it cannot."""
     if prompt_tokens < 1:
         return f"--prompt-tokens must be at least 1, not {prompt_tokens}"
     if prompt_tokens + 1 > context:
+        need = f"a prompt of {prompt_tokens} tokens and its generated token need a context of "
+        need += str(prompt_tokens + 1)
+        if launched:
+            return (
+                f"--prompt-tokens {prompt_tokens}: {need}, but the engine's memory.context is {context}, "
+                f"so at most {context - 1} tokens"
+            )
         return (
-            f"a prompt of {prompt_tokens} tokens and its generated token need a context of "
-            f"{prompt_tokens + 1}, but the plan's memory.context is {context}; "
+            f"{need}, but the plan's memory.context is {context}; "
             f"pass --set memory.context={prompt_tokens + 1} (or more)"
         )
     return None
