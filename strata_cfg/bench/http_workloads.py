@@ -107,9 +107,11 @@ def http_run(
     workers: list[threading.Thread] = []
     progress = threading.Event() if workload == "read-beside-decode" else None
 
-    def send(prompt: str | list[int], max_tokens: int, watch: threading.Event | None) -> None:
+    def send(
+        prompt: str | list[int], max_tokens: int, watch: threading.Event | None, greedy: bool = False
+    ) -> None:
         body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True}
-        body.update(sampling or GREEDY)
+        body.update(GREEDY if greedy else sampling or GREEDY)
         if body["temperature"] > 0:
             body["seed"] = len(streams)
         body["stream_options"] = {"include_usage": True}
@@ -124,8 +126,8 @@ def http_run(
     for i in range(n):
         send(PROMPTS[i % len(PROMPTS)], tokens, progress)
     if workload == "prompt":
-        sampling = None  # the one generated token is greedy: it only marks the end of the read
-        send(list(prompt_ids(prompt_tokens, vocab, seed)), 1, None)
+        # The one generated token only marks the end of the read: greedy.
+        send(list(prompt_ids(prompt_tokens, vocab, seed)), 1, None, greedy=True)
     if progress is not None:
         progress.wait()  # the long prompt arrives once the decoding stream is under way
         length = max(16, min(context - 2, 48_000))
