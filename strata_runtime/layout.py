@@ -55,6 +55,11 @@ class Layout:
             return np.zeros(0, dtype=np.int64)
         return np.concatenate([np.full(s.n, s.slot, dtype=np.int64) for s in self.segments])
 
+    def placed(self, positions: np.ndarray) -> Layout:
+        """The same segments at the positions of ``positions`` [R] (each segment starts at the position of its
+        first row): a window whose positions were decided on a device, once they are on the host."""
+        return Layout(tuple(Segment(s.slot, s.row, s.n, int(positions[s.row])) for s in self.segments))
+
     def rows_between(self, start: int, stop: int) -> Layout:
         """The layout of window rows [start, stop), renumbered from row 0 (segments clipped to the range)."""
         out = []

@@ -262,6 +262,49 @@ def test_windows_running_ahead_on_gpu_give_the_text_of_windows_one_at_a_time(cp,
         assert all(len(t) == 30 for t in texts[0])
 
 
+def test_leading_matches_on_gpu_equal_numpy(cp):
+    from strata_runtime.engine.device_spec import leading_matches
+
+    g = np.random.default_rng(31)
+    for n in (2, 3, 5, 8):
+        tokens, picks = g.integers(1, 4, (32, n)), g.integers(1, 4, (32, n))
+        want = leading_matches(np, tokens, picks)
+        assert want.sum() > 0
+        got = leading_matches(cp, cp.asarray(tokens), cp.asarray(picks))
+        assert cp.asnumpy(got).tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("split", [None, 2])
+def test_speculative_windows_decided_on_gpu_draft_accept_and_read_as_host_decisions_do(cp, split):
+    """Solo drafting and batch MTP, greedy: deciding each window on the GPU, the windows chained without the
+    host, gives the text of deciding them on the host, and for one slot (the same windows either way) the
+    same proposals and acceptance (the kernels give a row the same bits in any window, so the drafts are the
+    same), on one stage and on two stages of one GPU (the next window's positions then cross from the last
+    stage's stream to the first's). With two slots, the windows queued ahead when one request ends differ
+    from what the host would launch, so only the text is compared."""
+    from strata_runtime.api import Request
+    from strata_runtime.engine import Engine
+
+    g = np.random.default_rng(29)
+    prompts = [g.integers(1, 250, int(n)).tolist() for n in g.integers(3, 30, 2)]
+    for slots, batch_mtp in ((1, False), (2, True)):
+        plan = _plan(cp, model="tiny", slots=slots, batch_mtp=batch_mtp, draft_tokens=4, split=split)
+        outs, chained = [], 0
+        for on_device in (False, True):
+            engine = Engine(plan)
+            if not on_device:
+                engine._decided_on_device = lambda kind, entries: False
+            handles = [engine.submit(Request(tuple(p), 40)) for p in prompts[:slots]]
+            while engine.step():
+                chained += sum(1 for f in engine._chain if f.spec is not None and f.after is not None)
+            text = [[t for ev in list(h.events.queue) for t in ev.token_ids] for h in handles]
+            outs.append((text, engine.totals["proposals"], engine.totals["accepted"]))
+        assert outs[0][0] == outs[1][0]
+        if slots == 1:
+            assert outs[0][1:] == outs[1][1:]
+        assert outs[0][2] > 0 and chained > 0
+
+
 def test_long_prefill_chunks_match_the_float32_reference(cp, model_src):
     """Chunks of more than 64 rows take the CUDA prefill path (cuBLAS products, fp16 scores): their logits,
     and the KV they leave for the decode windows after them, must match the float32 reference on every row

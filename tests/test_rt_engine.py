@@ -112,19 +112,26 @@ def test_lifecycle_promotion_demotion_cancellation_and_reuse() -> None:
         eng.step()
     during = [w for w in list(eng.windows)[mark:]]
     assert "prefill" in [w.kind for w in during]
-    assert "solo" not in [w.kind for w in during[:-1]]  # demoted while the newcomer is in
+    # Demoted while the newcomer is in, once the solo windows already in flight when it arrived (at most
+    # run_ahead of them, running ahead) are finished.
+    ahead = next(i for i, w in enumerate(during) if w.kind != "solo")
+    assert ahead <= eng.run_ahead
+    assert "solo" not in [w.kind for w in during[ahead:-1]]
     assert any(w.kind == "batch-mtp" and sorted(w.slots) == [0, 1] and w.rows == 4 for w in during)
     # interleaved: a decode window of slot 0 runs between the newcomer's prefill chunks
     first_pf = next(i for i, w in enumerate(during) if w.kind == "prefill")
     assert during[first_pf + 1].kind != "prefill"
 
     mark = len(eng.windows)
-    eng.step()
-    eng.step()
-    assert [w.kind for w in list(eng.windows)[mark:]] == ["solo", "solo"]  # promoted again
+    for _ in range(eng.run_ahead + 1):
+        eng.step()
+    after = [w.kind for w in list(eng.windows)[mark:]]
+    # Promoted again, once the batch-MTP windows in flight when the newcomer ended are finished.
+    assert after[-2:] == ["solo", "solo"] and set(after) <= {"batch-mtp", "solo"}
 
     a.cancel()
-    eng.step()
+    for _ in range(eng.run_ahead + 1):  # the windows already in flight finish first
+        eng.step()
     events = []
     while not a.events.empty():
         events.append(a.events.get())
@@ -279,3 +286,32 @@ def test_pipelined_groups_stream_a_lone_prompt_in_the_ordinary_chunks() -> None:
     eng = Engine(plan)
     collect(eng, [(0, Request(prompt, 4))])
     assert [w.rows for w in eng.window_stats.recent if w.kind == "prefill"] == [16] * 6 + [4]
+
+
+@pytest.mark.parametrize("mode", ["serial", "batch-mtp"])
+def test_a_seeded_request_on_an_idle_engine_does_not_depend_on_the_requests_before_it(mode) -> None:
+    """Whatever ran before, once its requests are done the engine is idle (the windows queued past their
+    ends were finished with them), and a seeded pair of requests gets the text it gets on a fresh engine."""
+    sampled = [
+        (
+            0,
+            Request(
+                tuple(b"Sampled text"), 16, SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=5)
+            ),
+        ),
+        (2, Request(tuple(b"Another one"), 10, SamplingParams(temperature=1.0, seed=7))),
+    ]
+    fresh = collect(Engine(mode_plan(mode, 2, preset="tiny", context=128, prefill_chunk=16)), sampled)
+    eng = Engine(mode_plan(mode, 2, preset="tiny", context=128, prefill_chunk=16))
+    g = np.random.default_rng(41)
+    for _ in range(8):
+        history = [
+            (
+                int(g.integers(0, 12)),
+                Request(tuple(int(t) for t in g.integers(32, 127, g.integers(1, 24))), 9),
+            )
+            for _ in range(int(g.integers(1, 5)))
+        ]
+        collect(eng, history)
+        assert not eng._chain and not eng._flights
+        assert collect(eng, sampled) == fresh

@@ -60,9 +60,12 @@ def trace_routes(eng: Engine) -> list[tuple[int, Any, np.ndarray, np.ndarray]]:
     current: list[Any] = [None]
     for stage in eng.model.stages:
 
-        def forward(hidden: Any, layout: Any, real: Any = stage.forward) -> Any:
-            current[0] = layout
-            return real(hidden, layout)
+        def forward(
+            hidden: Any, layout: Any, positions: Any = None, account: bool = True, real: Any = stage.forward
+        ) -> Any:
+            # A window chained to one decided on the device carries its positions apart from its layout.
+            current[0] = layout if positions is None else layout.placed(np.asarray(positions))
+            return real(hidden, layout, positions, account)
 
         stage.forward = forward  # type: ignore[method-assign]
         for j, layer in enumerate(stage.layers):

@@ -92,11 +92,12 @@ class CudaLayers:
             self._graphs[rows] = graph
         graph.launch(stream)
 
-    def forward(self, hidden: Any, layout: Layout) -> cp.ndarray:
-        """The window's hidden rows [R, H] after these layers, as a new fp32 array."""
+    def forward(self, hidden: Any, layout: Layout, positions: Any = None) -> cp.ndarray:
+        """The window's hidden rows [R, H] after these layers, as a new fp32 array; ``positions`` [R] on this
+        device, when the window's positions were decided here (the layout's are then not read)."""
         with cp.cuda.Device(self.stack.device_id):
             b = self.buffers(layout.rows)
-            b.load(layout)
+            b.load(layout, positions)
             b.resid[...] = hidden
             self.replay(b, self.stack.run)
             return b.resid.copy()

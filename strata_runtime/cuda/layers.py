@@ -136,10 +136,15 @@ class WindowBuffers:
         r = self.rows
         return self._mlp_gu[: r * 2 * width].reshape(r, 2 * width), self._mlp_h[: r * width].reshape(r, width)
 
-    def load(self, layout: Layout) -> None:
+    def load(self, layout: Layout, positions: Array | None = None) -> None:
         """Copy the window's positions and slots to the device (CuPy buffers) on the current stream, through
-        pinned memory, so that the host does not wait for the stream's earlier work on these buffers."""
-        upload_into(self.pos, layout.positions().astype(np.int32))
+        pinned memory, so that the host does not wait for the stream's earlier work on these buffers.
+        ``positions`` [R]: the rows' positions already on this device (decided there by the window before),
+        copied on the stream instead of the layout's."""
+        if positions is None:
+            upload_into(self.pos, layout.positions().astype(np.int32))
+        else:
+            self.pos[...] = positions
         upload_into(self.slot, layout.row_slots().astype(np.int32))
 
 

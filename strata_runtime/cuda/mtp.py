@@ -92,11 +92,12 @@ class CudaMtp:
             k.add_rms_norm_fp32(resid, None, self.norm, out, eps)
             return out
 
-    def forward(self, emb: Any, hidden: Any, layout: Layout) -> cp.ndarray:
-        """The head's post-norm output [R, H] (fp32) for rows (embedding of token t+1, hidden at t)."""
+    def forward(self, emb: Any, hidden: Any, layout: Layout, positions: Any = None) -> cp.ndarray:
+        """The head's post-norm output [R, H] (fp32) for rows (embedding of token t+1, hidden at t);
+        ``positions`` [R] on this device, when they were decided here (the layout's are then not read)."""
         with cp.cuda.Device(self.device_id):
             b = self.layers.buffers(layout.rows)
-            b.load(layout)
+            b.load(layout, positions)
             b.emb[...] = emb
             b.out[...] = hidden  # the hidden input; the body overwrites it with the output at the end
             self.layers.replay(b, self._body)

@@ -41,6 +41,7 @@ from ..api import TokenEvent
 from ..backend import Array, cupy_module, device_lock, download, holding, peer_copy, transfer
 from ..model import Model
 from ..model.stage import Stage
+from .device_spec import decide
 from .flight import Chained, Flight, Mark, StageMark, StageWorker, wait_any
 from .job import Entry, Job
 from .sampling import Sampler
@@ -94,7 +95,9 @@ class Executor:
         tokens are the choices of the window before it, read on the device."""
         needed = job.needed()
         sampled = bool(needed) and any(e.slot.sampler.needs_logits and not e.on_device for e in job.entries)
-        flight = Flight(job, job.layout(), needed, sampled, self._marks(), after, job.draws())
+        flight = Flight(
+            job, job.layout(), needed, sampled, self._marks(), after, job.draws(), job.device_spec()
+        )
         for s in range(len(self.stages)):
             if self._workers is not None:
                 self._workers[s].submit(functools.partial(self._share, flight, s))
@@ -119,7 +122,10 @@ class Executor:
             stage, stream = self.stages[s], self._streams[s]
             with stage.device.use(), _using(stream), holding(flight.keep):
                 hidden = self._embed(flight, stage, stream) if s == 0 else self._receive(flight, s)
-                hidden = stage.forward(hidden, flight.layout)  # [R, H]
+                positions = self._positions(flight, s)
+                hidden = stage.forward(
+                    hidden, flight.layout, positions, account=flight.spec is None
+                )  # [R, H]
                 flight.hidden.append(hidden)
                 flight.keep.append(hidden)  # the next stage's copy reads it from another stream
                 if stage.last:
@@ -142,22 +148,57 @@ class Executor:
         source = after.take()
         if source.error is not None:
             raise RuntimeError("the window this chained window follows failed") from source.error
-        last = self.stages[-1]
+        if after.rows is None:  # the source decided a speculative window on the device
+            assert source.spec is not None and flight.spec is not None
+            flight.spec.tokens, flight.spec.positions = source.spec.next_tokens, source.spec.next_positions
+            tokens, positions = self._from_last(
+                flight, source, stream, flight.spec.tokens, flight.spec.positions
+            )
+            flight.positions.append(positions)
+            return first.embed(tokens)
         chosen = source.chosen  # [needed rows of the source] on the last stage's device
-        flight.keep.append(chosen)  # read on this stage's stream
+        (chosen,) = self._from_last(flight, source, stream, chosen)
+        if after.rows != tuple(range(len(chosen))):
+            chosen = chosen[first.device.upload(np.asarray(after.rows, np.int64))]
+        return first.embed(chosen)
+
+    def _from_last(self, flight: Flight, source: Flight, stream: Any, *arrays: Array) -> list[Array]:
+        """``arrays`` that ``source`` left on the last stage's device, on the first stage's device and ordered
+        after ``source`` on this (the first) stage's stream; ``flight`` holds them until it is finished."""
+        first, last = self.stages[0], self.stages[-1]
+        flight.keep.extend(arrays)  # read on this stage's stream
         if stream is not None:
             done = source.done
             assert isinstance(done, StageMark)
             if done.event is not None:
                 stream.wait_event(done.event)
-            if last.device != first.device:
-                chosen = peer_copy(chosen, last.device, first.device)
-                flight.keep.append(chosen)
-        elif last.device != first.device:
-            chosen = transfer(chosen, last.device, first.device)
-        if after.rows != tuple(range(len(chosen))):
-            chosen = chosen[first.device.upload(np.asarray(after.rows, np.int64))]
-        return first.embed(chosen)
+        if last.device == first.device:
+            return list(arrays)
+        if stream is None:
+            return [transfer(a, last.device, first.device) for a in arrays]
+        out = [peer_copy(a, last.device, first.device) for a in arrays]
+        flight.keep.extend(out)
+        return out
+
+    def _positions(self, flight: Flight, s: int) -> Array | None:
+        """Stage ``s``'s copy of a chained speculative window's positions (None for any other window): the
+        first stage's came with the tokens; each later stage copies the previous one's on its stream, which
+        `_receive` has ordered after the previous stage."""
+        if not flight.positions:
+            return None
+        if s < len(flight.positions):
+            return flight.positions[s]
+        src, dst = self.stages[s - 1], self.stages[s]
+        prev = flight.positions[s - 1]
+        if src.device == dst.device:
+            here = prev
+        elif self._streams[s] is None:
+            here = transfer(prev, src.device, dst.device)
+        else:
+            here = peer_copy(prev, src.device, dst.device)
+            flight.keep.append(here)
+        flight.positions.append(here)
+        return here
 
     def _receive(self, flight: Flight, s: int) -> Array:
         """The previous stage's output rows, on stage ``s``'s device and ordered after that stage's work."""
@@ -192,6 +233,21 @@ class Executor:
         else:
             chosen = self.model.choose(logits, flight.draws)  # [len(needed)]
         flight.chosen = chosen
+        spec = flight.spec
+        if spec is not None:
+            if spec.tokens is None:  # launched by the host: its tokens and positions are host values
+                spec.tokens = dev.upload(flight.job.token_array())
+                spec.positions = dev.upload(flight.layout.positions())
+            decide(self.model, spec, chosen, normed, flight.layout)
+            spec.host = {
+                name: download(a) if dev.is_cuda else np.asarray(a)
+                for name, a in (
+                    ("accepted", spec.accepted),
+                    ("tokens", spec.tokens),
+                    ("positions", spec.positions),
+                )
+            }
+            flight.keep += [spec.tokens, spec.positions, spec.accepted, spec.next_tokens, spec.next_positions]
         if dev.is_cuda:
             flight.chosen_host = download(chosen)
             flight.logits = download(logits) if flight.sampled else None
@@ -261,7 +317,10 @@ class Executor:
         row = 0
         with self._on_drafters(after=flight):
             for e in flight.job.entries:
-                events += self._decide(flight, e, row, logit_row)
+                if flight.spec is not None:
+                    events += self._settle(flight, e, row)
+                else:
+                    events += self._decide(flight, e, row, logit_row)
                 row += len(e.tokens)
             self._retire(flight)
         return events
@@ -304,6 +363,33 @@ class Executor:
         commit(self.model, slot.id, slot.length, kept, normed[row : row + n], verdict.tokens, self.tracked)
         proposed = len(e.proposals.tokens)
         return [(slot, slot.advance(kept, verdict.tokens, proposed, verdict.accepted))]
+
+    def _settle(self, flight: Flight, e: Entry, row: int) -> list[tuple[Slot, TokenEvent]]:
+        """One slot's rows (from window row ``row``) of a window decided on the device: read the decision,
+        check it against `verify` on the same tokens, and account the KV it kept."""
+        slot, spec = e.slot, flight.spec
+        assert spec is not None
+        n = spec.n
+        if slot.finished is not None:  # queued ahead of the request's end: nothing is emitted or kept
+            flight.discarded += n
+            return []
+        base = int(spec.host["positions"][row])
+        if base != slot.length:
+            raise RuntimeError(
+                f"slot {slot.id}: a window decided on the device at position {base} finished while the slot "
+                f"holds {slot.length} positions"
+            )
+        window = [int(t) for t in spec.host["tokens"][row : row + n]]
+        accepted = int(spec.host["accepted"][spec.slots.index(slot.id)])
+        verdict = verify(flight.chosen_host[row : row + n], Proposals(window[1:], []), slot.sampler)
+        if verdict.accepted != accepted:
+            raise RuntimeError(
+                f"slot {slot.id}: the device kept {accepted} proposals of {window[1:]} where verifying them "
+                f"against the target's choices {flight.chosen_host[row : row + n].tolist()} keeps "
+                f"{verdict.accepted}"
+            )
+        self.model.settle(slot.id, base, n, accepted + 1)
+        return [(slot, slot.advance(accepted + 1, verdict.tokens, n - 1, accepted))]
 
     def _finish_prefill(
         self, slot: Slot, n: int, target: np.ndarray | None, normed: Array

@@ -26,6 +26,7 @@ import numpy as np
 from ..backend import Array
 from ..layout import Layout
 from ..model import Draws
+from .device_spec import DeviceSpec
 from .job import Job
 
 POLL_S = 50e-6
@@ -96,12 +97,14 @@ def wait_any(marks: Iterable[Mark]) -> None:
 class Chained:
     """Where a chained window's tokens come from: row r reads the token that window ``source`` chose for its
     needed row ``rows[r]``, on the device, so the window is queued before the host has seen that token.
+    Without ``rows`` the source is a speculative window decided on the device
+    (`strata_runtime.engine.device_spec`), and the chained window takes its next tokens and positions.
 
     `take` hands the source's chosen tokens over once its last stage has been queued, and lets go of the
     source flight, so that a run of chained windows never holds more than the flight before each.
     """
 
-    def __init__(self, source: Flight, rows: tuple[int, ...]) -> None:
+    def __init__(self, source: Flight, rows: tuple[int, ...] | None) -> None:
         self._source: Flight | None = source
         self.rows = rows
 
@@ -136,6 +139,11 @@ class Flight:
     draws: Draws | None = None
     """How the device draws each needed row (`strata_runtime.engine.job.Job.draws`); None: every needed
     row's choice is its argmax."""
+    spec: DeviceSpec | None = None
+    """A speculative window decided on the device: its shape, and what the last stage decided."""
+    positions: list[Array] = field(default_factory=list)
+    """A window chained to a speculative one: its rows' positions on each stage's device, in stage order
+    (decided on the device; the layout's positions are placeholders then)."""
     launched_at: float = field(default_factory=time.perf_counter)
     hidden: list[Array] = field(default_factory=list)
     """Each stage's output rows, in stage order (the next stage copies from them)."""

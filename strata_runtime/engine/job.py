@@ -13,6 +13,7 @@ import numpy as np
 
 from ..layout import Layout
 from ..model import Draws
+from .device_spec import DeviceSpec
 from .slot import Slot
 from .speculative import Proposals
 
@@ -53,6 +54,16 @@ class Job:
     kind: str
     """``prefill``, ``solo``, ``serial``, ``batch-mtp``, ``pipelined`` or ``pipelined-mtp``."""
     entries: list[Entry]
+    spec_on_device: bool = False
+    """A speculative window decided on the device (`strata_runtime.engine.device_spec`): every entry is a
+    greedy slot's token and the same number of proposals. A window chained to one has `CHAINED` tokens and
+    proposals, and placeholder positions (each entry's ``pos`` is the slot's length when it was built)."""
+
+    def device_spec(self) -> DeviceSpec | None:
+        """The shape of the window's decision on the device, when it is decided there."""
+        if not self.spec_on_device:
+            return None
+        return DeviceSpec(tuple(e.slot.id for e in self.entries), len(self.entries[0].tokens))
 
     def layout(self) -> Layout:
         return Layout.of([(e.slot.id, len(e.tokens), e.pos) for e in self.entries])

@@ -16,7 +16,9 @@ a slot is free), then, by the plan's batch mode:
   A solo or serial window of one row per slot whose tokens the device chooses runs ahead: up to
   ``batch.run_ahead`` windows are in flight, each reading on the device the tokens the one before it chose,
   so the GPU does not wait for the host between them (`_serial_round`); the windows queued past a request's
-  stop are discarded. Pipelined groups chain their decode windows the same way, each group on its own.
+  stop are discarded. A greedy solo or batch-MTP window is decided on the device
+  (`strata_runtime.engine.device_spec`) and runs ahead the same way (`_spec_continuation`). Pipelined
+  groups chain their decode windows the same way, each group on its own.
 * *the continuous pipeline* (``batch.mode`` pipelined, G groups; slot s is in group s % G): windows of
   different groups stay in flight across steps. A step launches the next window (chosen as above, within
   the group) of every group that has nothing in flight, the group that has waited longest first; it
@@ -348,6 +350,11 @@ class Engine:
         events = self.executor.finish(flight)
         self._extend_chain()
         self._deliver(flight, events)
+        # Windows queued past the end of every request they carry are finished now, not a step later: they
+        # are only overrun (discarded), and a finished request leaves the engine idle at once.
+        while self._chain and all(e.slot.finished is not None for e in self._chain[0].job.entries):
+            overrun = self._chain.popleft()
+            self._deliver(overrun, self.executor.finish(overrun))
 
     def _extend_chain(self) -> None:
         """Queue chained windows behind the newest one until `run_ahead` are in flight or it may not go on."""
@@ -358,10 +365,14 @@ class Engine:
                 return
             job, rows = following
             self._chain.append(self.executor.launch(job, Chained(before, rows)))
+            self._prefill_turn[0] = True  # a decode window: a prompt arriving now reads first
 
-    def _continuation(self, before: Flight, group: int | None = None) -> tuple[Job, tuple[int, ...]] | None:
+    def _continuation(
+        self, before: Flight, group: int | None = None
+    ) -> tuple[Job, tuple[int, ...] | None] | None:
         """The window the schedule would give after ``before`` once it is finished, and for each of its
-        rows the row of ``before`` whose chosen token it reads; None when that window is not known yet.
+        rows the row of ``before`` whose chosen token it reads (None: ``before`` is a speculative window
+        decided on the device, see `_spec_continuation`); None when that window is not known yet.
 
         It is known when ``before`` is a serial, solo or (in ``group``) pipelined window of one row per slot
         whose tokens the device chooses (`Sampler.device_chooses`), holding every decoding slot (of the
@@ -370,6 +381,8 @@ class Engine:
         left out (it finishes in one of them); one that cannot go on (cancelled, out of context) ends the
         chain, and so does a slot left alone where alone it would draft (its solo windows take over).
         """
+        if before.spec is not None:
+            return None if group is not None else self._spec_continuation(before)
         job = before.job
         kinds = ("solo", "serial") if group is None else ("pipelined",)
         if job.kind not in kinds or self._queue:
@@ -401,6 +414,37 @@ class Engine:
             return None  # one slot left (pipelined: and no prompt in flight): its solo windows draft
         kind = job.kind if group is not None else "solo" if len(entries) == 1 else "serial"
         return Job(kind, entries), tuple(rows)
+
+    def _spec_continuation(self, before: Flight) -> tuple[Job, None] | None:
+        """The window after a speculative window decided on the device, chained to it: the same slots, each
+        with as many rows, at positions and with tokens and proposals the device decides. Known when the
+        window holds every live slot, nothing waits (no queued request, no prompt), each slot is still
+        plain greedy, not cancelled, and not about to end within the windows in flight (each gives it at
+        least one token), and the furthest its rows could reach still fits the context."""
+        job = before.job
+        assert before.spec is not None
+        if self._queue:
+            return None
+        live = [s for s in self.slots if s is not None and s.finished is None]
+        if any(s.prefilling for s in live) or {s.id for s in live} != set(job.slot_ids):
+            return None
+        n = before.spec.n
+        for e in job.entries:
+            slot = e.slot
+            if slot.sampler.needs_logits or slot.handle.cancelled.is_set() or self._ends_in_flight(slot):
+                return None
+            if self._reach(slot) + n > self.plan.memory.context:
+                return None
+        entries = [
+            Entry(e.slot, "decode", [CHAINED] * n, Proposals([CHAINED] * (n - 1), [])) for e in job.entries
+        ]
+        return Job(job.kind, entries, spec_on_device=True), None
+
+    def _reach(self, slot: Slot) -> int:
+        """The furthest the windows in flight could take ``slot``'s KV: its length plus every row they hold
+        for it (a speculative window keeps at most all of its rows)."""
+        rows = sum(len(e.tokens) for f in self._chain for e in f.job.entries if e.slot.id == slot.id)
+        return slot.length + rows
 
     # ---- the continuous pipeline -------------------------------------------------------------------------
 
@@ -453,7 +497,10 @@ class Engine:
             return None if job is None else (job, None)
         if len(flying) < self.run_ahead and flying[-1].job.kind == "pipelined":
             following = self._continuation(flying[-1], group)
-            return None if following is None else (following[0], Chained(flying[-1], following[1]))
+            if following is None:
+                return None
+            self._prefill_turn[group] = True  # a decode window: a prompt arriving now reads first
+            return following[0], Chained(flying[-1], following[1])
         newest = self._streaming(group, flying)
         if newest is None or not newest.passed(0):
             return None
@@ -553,7 +600,17 @@ class Engine:
                 self.executor.draft(sid, token, depth, slot.sampler) if depth > 0 else Proposals([], [])
             )
             entries.append(Entry(slot, "decode", [token, *proposals.tokens], proposals))
-        return Job(kind, entries)
+        return Job(kind, entries, spec_on_device=self._decided_on_device(kind, entries))
+
+    def _decided_on_device(self, kind: str, entries: list[Entry]) -> bool:
+        """Whether a decode window is decided on the device (`strata_runtime.engine.device_spec`): a solo or
+        batch-MTP window of serial windows whose slots are all plain greedy and have the same number of
+        proposals, at least one. (Pipelined groups draft one group on the host while another group's window
+        runs, on the same MTP buffers, so their windows are decided on the host.)"""
+        if kind not in ("solo", "batch-mtp") or self.model.mtp is None:
+            return False
+        rows = {len(e.tokens) for e in entries}
+        return len(rows) == 1 and rows.pop() > 1 and not any(e.slot.sampler.needs_logits for e in entries)
 
     def _room(self, slot: Slot) -> int:
         """Proposals that still fit the slot's context after its token."""
@@ -574,7 +631,10 @@ class Engine:
         self._delivered_at = now
         job = flight.job
         accepted = sum(ev.accepted_proposals for _, ev in events)
-        window = WindowStat(job.kind, job.rows, ms, job.proposals, accepted, job.slot_ids)
+        # Proposals verified for a request: not those of rows queued past its end (discarded).
+        kept = {slot.id for slot, _ in events}
+        proposals = sum(len(e.proposals.tokens) for e in job.entries if e.slot.id in kept)
+        window = WindowStat(job.kind, job.rows, ms, proposals, accepted, job.slot_ids)
         self.window_stats.record(window, sum(len(ev.token_ids) for _, ev in events), flight.discarded)
         for slot, ev in events:
             slot.handle.events.put(ev)

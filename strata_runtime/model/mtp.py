@@ -17,7 +17,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-import numpy as np
 from numpy.typing import DTypeLike
 
 from strata_cfg.schema.windows import MAX_WINDOW_ROWS
@@ -93,7 +92,7 @@ class MtpHead:
         device: Device,
         rope: Rope,
         lm_head: Array,
-        embed: Callable[[np.ndarray], Array],
+        embed: Callable[[Array], Array],
     ) -> None:
         self.device, self.args, self.rope = device, args, rope
         self.pre_fc_norm_embedding = tensors["mtp.pre_fc_norm_embedding.weight"]  # [H]
@@ -102,7 +101,7 @@ class MtpHead:
         self.layer = DecoderLayer(tensors, "mtp.layers.0.", args, args.num_experts > 0)
         self.norm = tensors["mtp.norm.weight"]  # [H]
         self.lm_head = lm_head  # [V, H], the main model's
-        self.embed = embed  # token ids -> embedding rows [R, H] on this device
+        self.embed = embed  # token ids (host, or on this device) -> embedding rows [R, H] on this device
         self.weight_bytes = sum(int(t.nbytes) for n, t in tensors.items() if n.startswith("mtp."))
         self.cuda: CudaMtp | None = None  # once `use_cuda` hands it the drafters' shared KV
         self.stage: Stage | None = None
@@ -133,15 +132,31 @@ class MtpHead:
         return why
 
     def __call__(
-        self, drafters: dict[int, Drafter], tokens: np.ndarray, hidden: Array, layout: Layout
+        self,
+        drafters: dict[int, Drafter],
+        tokens: Array,
+        hidden: Array,
+        layout: Layout,
+        positions: Array | None = None,
+        account: bool = True,
     ) -> Array:
-        """The head's post-norm output [R, H] for rows (token t+1, hidden at t) at the layout's positions."""
+        """The head's post-norm output [R, H] for rows (token t+1, hidden at t) at the layout's positions.
+
+        ``tokens`` are host ids or ids on this device. ``positions`` [R] on this device, when the rows'
+        positions were decided here (a CUDA graph reads them in place; other paths read them to the host).
+        Without ``account`` the drafters' KV lengths are left to the caller.
+        """
         xp, eps = self.device.xp, self.args.rms_norm_eps
         with self.device.use():
+            graph = self.cuda is not None and 0 < layout.rows <= MAX_WINDOW_ROWS
+            if positions is not None and not graph:
+                layout, positions = layout.placed(self.device.to_host(positions)), None
             kv = _DrafterKV(drafters)
-            kv.begin(layout.segments)
-            if self.cuda is not None and 0 < layout.rows <= MAX_WINDOW_ROWS:
-                return self.cuda.forward(self.embed(tokens), hidden, layout)  # [R, H] fp32
+            if account:
+                kv.begin(layout.segments)
+            if graph:
+                assert self.cuda is not None
+                return self.cuda.forward(self.embed(tokens), hidden, layout, positions)  # [R, H] fp32
             if self.cuda is not None and layout.rows > MAX_WINDOW_ROWS:
                 return self.cuda.prefill(self.embed(tokens), hidden, layout)  # [R, H] fp32
             e = rms_norm_in_dtype(self.embed(tokens), self.pre_fc_norm_embedding, eps)  # [R, H]

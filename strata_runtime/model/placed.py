@@ -20,7 +20,7 @@ from ..backend import DTYPES, Array, Device, enable_peer_access, peer_access_ena
 from ..experts.cache import Policy
 from ..experts.helper_tier import HelperOutOfMemory
 from ..experts.routing import RoutingModel, RoutingTables
-from ..layout import Layout
+from ..layout import Layout, Segment
 from ..models.ops.choose import Draws
 from ..models.qwen3_moe import ModelArgs, fuse_tensors, stage_shapes
 from ..weights.checkpoint import Checkpoint, load_tensors
@@ -320,7 +320,9 @@ class Model:
             dtype, kv_dtype = compute_dtypes(plan, last_stage.device)
             first_stage = stages[0]
 
-            def embed(ids: np.ndarray) -> Array:
+            def embed(ids: Array) -> Array:
+                if not isinstance(ids, np.ndarray):  # ids on the last device
+                    ids = transfer(ids, last_stage.device, first_stage.device)
                 return transfer(first_stage.embed(ids), first_stage.device, last_stage.device)
 
             mtp = MtpHead(tensors, args, last_stage.device, last_stage.rope, last_stage.lm_head, embed)
@@ -385,6 +387,20 @@ class Model:
         """Forget positions [length, ...) of ``slot`` on every stage."""
         for stage in self.stages:
             stage.kv.rewind(slot, length)
+
+    def settle(self, slot: int, base: int, rows: int, kept: int) -> None:
+        """Account a window decided on the device (`strata_runtime.engine.device_spec`): it wrote ``rows``
+        positions of ``slot`` from ``base`` on every stage and in the slot's drafter, and ``kept`` of them
+        hold. The same checks as a window accounted at launch: it must start where the slot's KV ends."""
+        written = (Segment(slot, 0, rows, base),)
+        for stage in self.stages:
+            stage.kv.begin(written)
+            stage.kv.rewind(slot, base + kept)
+        drafter = self.drafters.get(slot)
+        if drafter is not None:
+            drafter.rewind(min(drafter.length, base))  # host drafting may have run ahead of the slot
+            drafter.kv.begin((Segment(0, 0, rows, base),))
+            drafter.rewind(base + kept)
 
     def kv_lengths(self, slot: int) -> list[int]:
         return [int(s.kv.lengths[slot]) for s in self.stages]

@@ -176,16 +176,31 @@ class Stage:
                 token_ids = self.device.upload(token_ids)
             return self.embed_tokens[token_ids]  # [R, H]
 
-    def forward(self, hidden: Array, layout: Layout) -> Array:
+    def forward(
+        self, hidden: Array, layout: Layout, positions: Array | None = None, account: bool = True
+    ) -> Array:
         """Run this stage's layers over a window's hidden rows [R, H], writing their KV; then account the
         window's routing to the expert cache (which may start moving experts, without waiting).
 
         On a GPU a window of at most 8 rows (decode, drafts) runs as one replayed CUDA graph, a prompt
         chunk of up to 64 rows as several, and a longer chunk through the CUDA prefill path; all come back
         in fp32. CPU devices run the array code below.
+
+        ``positions`` [R] on this device: the rows' positions, decided on a device by the window before
+        (the layout then gives only slots and row counts). A CUDA graph reads them where they are; any other
+        path reads them to the host first. Without ``account`` the KV lengths are left to the caller (a
+        window decided on the device is accounted when the host finishes it).
         """
         with self.device.use():
-            out = self._layers(hidden, layout)
+            if positions is not None and not (self.cuda is not None and layout.rows <= MAX_WINDOW_ROWS):
+                layout, positions = layout.placed(self.device.to_host(positions)), None
+            if account:
+                self.kv.begin(layout.segments)
+            if positions is not None:
+                assert self.cuda is not None
+                out = self.cuda.forward(hidden, layout, positions)  # [R, H] fp32
+            else:
+                out = self._layers(hidden, layout)
             if self.cuda_experts is not None:
                 self.cuda_experts.after_window()
             else:
@@ -194,7 +209,6 @@ class Stage:
 
     def _layers(self, hidden: Array, layout: Layout) -> Array:
         xp = self.device.xp
-        self.kv.begin(layout.segments)
         if self.cuda_prefill is not None and layout.rows > CUDA_PREFILL_ROWS:
             return self.cuda_prefill.forward(hidden, layout)  # [R, H] fp32
         if self.cuda is not None and 0 < layout.rows <= CUDA_PREFILL_ROWS:

@@ -1,0 +1,233 @@
+"""Speculative windows decided on the device, chained without the host (CPU virtual devices).
+
+A greedy solo or batch-MTP window accepts its proposals, catches the drafters up and drafts the next window
+on the last stage's device, and the next window is queued before the host has read any of it. Against the
+same engine deciding every window on the host: the same text, the same proposals and the same acceptance,
+on 1 to 3 stages, with requests stopping, running out of context and being cancelled while windows are in
+flight; the KV the host accounts is the KV the windows kept.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+from rt_engine_helpers import assert_kv_consistent, collect
+from rt_plans import make_plan
+
+from strata_runtime.api import Request
+from strata_runtime.engine import Engine, device_spec
+from strata_runtime.engine.device_spec import leading_matches
+from strata_runtime.engine.flight import Chained, Flight
+from strata_runtime.engine.job import CHAINED, Job
+from strata_runtime.model.kvcache import KVError
+
+PROMPTS = [b"The river", b"A second, longer prompt here", b"Third", b"x" * 20]
+
+
+def engine(stages: int, slots: int, batch_mtp: bool, on_device: bool, run_ahead: int = 3, context: int = 128):
+    plan = make_plan(
+        stages=stages,
+        slots=slots,
+        groups=1,
+        batch_mtp=batch_mtp,
+        draft_tokens=3,
+        context=context,
+        prefill_chunk=8,
+        run_ahead=run_ahead,
+    )
+    eng = Engine(plan)
+    if not on_device:
+        eng._decided_on_device = lambda kind, entries: False  # type: ignore[method-assign]
+    return eng
+
+
+class Launches:
+    """Every job the engine launches, which of them were chained to a window decided on the device, and the
+    draft logits each drafting slot's proposals came from (on CPU devices a chained window's source has run
+    by the time it is launched)."""
+
+    def __init__(self, eng: Engine) -> None:
+        self.jobs: list[Job] = []
+        self.chained: list[Job] = []
+        self.drafts: dict[int, list[np.ndarray]] = {}
+        """For each slot, in launch order."""
+        launch = eng.executor.launch
+
+        def spy(job: Job, after: Chained | None = None) -> Flight:
+            self.jobs.append(job)
+            if after is not None and after.rows is None:
+                self.chained.append(job)
+            for e in job.entries:
+                if e.kind == "decode" and len(e.tokens) > 1:
+                    logits = eng.model.drafters[e.slot.id].logits[: len(e.tokens) - 1].copy()
+                    self.drafts.setdefault(e.slot.id, []).append(logits)
+            return launch(job, after)
+
+        eng.executor.launch = spy  # type: ignore[method-assign]
+
+
+def run(eng: Engine, requests: list[tuple[int, Request]]) -> tuple[list[list[int]], tuple[int, int]]:
+    tokens = collect(eng, requests)
+    return tokens, (eng.totals["proposals"], eng.totals["accepted"])
+
+
+@functools.cache
+def greedy_alone(prompt: bytes, max_tokens: int) -> tuple[int, ...]:
+    """The request's greedy tokens without drafting, windows one at a time."""
+    plan = make_plan(stages=1, slots=1, groups=1, context=128, prefill_chunk=8, run_ahead=1)
+    return tuple(collect(Engine(plan), [(0, Request(tuple(prompt), max_tokens))])[0])
+
+
+def test_leading_matches_counts_the_proposals_that_hold_from_the_first() -> None:
+    g = np.random.default_rng(5)
+    for n in (1, 2, 3, 5, 8):
+        tokens = g.integers(1, 4, (64, n))  # few distinct ids, so that runs of matches are common
+        picks = g.integers(1, 4, (64, n))
+        want = []
+        for t, p in zip(tokens, picks, strict=True):
+            a = 0
+            while a < n - 1 and t[a + 1] == p[a]:
+                a += 1
+            want.append(a)
+        got = leading_matches(np, tokens, picks)
+        assert got.tolist() == want
+        assert sum(want) > 0 or n == 1
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3])
+@pytest.mark.parametrize("batch_mtp", [False, True])
+def test_windows_decided_on_the_device_give_the_host_decisions_text_proposals_and_acceptance(
+    stages, batch_mtp
+) -> None:
+    slots = 2 if batch_mtp else 1
+    requests = [(0, Request(tuple(PROMPTS[0]), 40))]
+    if batch_mtp:
+        requests.append((0, Request(tuple(PROMPTS[2]), 33)))
+    host_eng = engine(stages, slots, batch_mtp, on_device=False)
+    host_launches = Launches(host_eng)
+    host = run(host_eng, requests)
+    eng = engine(stages, slots, batch_mtp, on_device=True)
+    launches = Launches(eng)
+    got = run(eng, requests)
+    assert got[0] == host[0]
+    if not batch_mtp:  # one slot: the same windows, so the same proposals and acceptance
+        assert got[1] == host[1]
+    assert host[1][1] > 0, "some proposals are accepted"
+    # Each window's proposals came from the same draft logits (their values, not only their argmax), until
+    # one request ends: running ahead, the other slot's next windows were queued as batch-MTP windows before
+    # the host knew, where deciding on the host gives it a solo window with more proposals.
+    assert launches.drafts.keys() == host_launches.drafts.keys()
+    for slot, want in host_launches.drafts.items():
+        same = 0
+        for a, b in zip(launches.drafts[slot], want, strict=False):
+            if a.shape != b.shape:
+                break
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+            same += 1
+        assert same >= 8
+    for (_, req), tokens in zip(requests, host[0], strict=True):
+        assert tuple(tokens) == greedy_alone(bytes(req.prompt_ids), req.max_tokens)
+    kind = "batch-mtp" if batch_mtp else "solo"
+    chained = [job for job in launches.chained if job.kind == kind]
+    assert len(chained) >= 8, "the speculative windows ran chained to one another"
+    assert all(job.spec_on_device for job in chained)
+    assert all(e.tokens[0] == CHAINED and len(e.tokens) > 1 for job in chained for e in job.entries)
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_staggered_requests_stop_and_restart_chains_with_the_host_decisions_text(stages) -> None:
+    """Arrivals break a chain (a prompt waits), a slot left alone takes solo windows, and every window that
+    was decided on the device is accounted exactly when it is finished (checked after every step). Arrivals
+    are counted in engine steps, and a step finishes one window either way, so the windows' makeup differs
+    from the host decisions' and only the text is compared."""
+    schedule = [(0, 0, 17), (1, 0, 25), (2, 6, 30), (3, 40, 12)]
+    requests = [(at, Request(tuple(PROMPTS[i]), n)) for i, at, n in schedule]
+    eng = engine(stages, 4, True, on_device=True)
+    launches = Launches(eng)
+    assert run(eng, requests)[0] == run(engine(stages, 4, True, on_device=False), requests)[0]
+    assert {job.kind for job in launches.chained} >= {"batch-mtp", "solo"}
+
+
+@pytest.mark.parametrize("batch_mtp", [False, True])
+def test_a_stop_token_mid_chain_emits_and_keeps_nothing_after_it(batch_mtp) -> None:
+    ref = greedy_alone(PROMPTS[1], 40)
+    k = next(i for i in range(10, 40) if ref[i] not in ref[:i])
+    stop = ref[k]
+    eng = engine(2, 2, batch_mtp, on_device=True)
+    launches = Launches(eng)
+    h = eng.submit(Request(tuple(PROMPTS[1]), 40, stop_ids=(stop,)))
+    other = eng.submit(Request(tuple(PROMPTS[2]), 40)) if batch_mtp else None
+    events = []
+    while eng.step():
+        assert_kv_consistent(eng)
+        while not h.events.empty():
+            events.append(h.events.get())
+    assert [t for ev in events for t in ev.token_ids] == list(ref[:k])
+    assert events[-1].finished == "stop"
+    assert launches.chained, "the stop came while windows were chained"
+    assert eng.totals["discarded_rows"] > 0
+    if other is not None:
+        got = [t for ev in [other.events.get() for _ in range(other.events.qsize())] for t in ev.token_ids]
+        assert tuple(got) == greedy_alone(PROMPTS[2], 40)
+    assert eng.slots == [None, None] and eng.model.kv_lengths(0) == [0, 0]
+    again = collect(eng, [(0, Request(tuple(PROMPTS[3]), 15))])[0]
+    assert tuple(again) == greedy_alone(PROMPTS[3], 15)
+
+
+def test_a_request_that_runs_out_of_context_mid_chain_ends_as_with_host_decisions() -> None:
+    outs = []
+    for on_device in (False, True):
+        eng = engine(1, 1, False, on_device=on_device, context=48)
+        h = eng.submit(Request(tuple(PROMPTS[1]), 100))
+        while eng.step():
+            assert_kv_consistent(eng)
+        evs = [h.events.get() for _ in range(h.events.qsize())]
+        outs.append(([t for ev in evs for t in ev.token_ids], evs[-1].finished))
+    assert outs[0] == outs[1] and outs[0][1] == "length"
+    assert len(PROMPTS[1]) + len(outs[0][0]) - 1 == 48
+
+
+def test_a_request_cancelled_mid_chain_ends_cancelled_and_the_other_slot_is_unaffected() -> None:
+    eng = engine(2, 2, True, on_device=True)
+    ha = eng.submit(Request(tuple(PROMPTS[0]), 60))
+    hb = eng.submit(Request(tuple(PROMPTS[2]), 30))
+    for _ in range(12):
+        eng.step()
+    assert any(f.spec is not None for f in eng._chain), "the batch-MTP windows are chained by now"
+    ha.cancel()
+    while eng.step():
+        assert_kv_consistent(eng)
+    a = [ha.events.get() for _ in range(ha.events.qsize())]
+    b = [hb.events.get() for _ in range(hb.events.qsize())]
+    assert a[-1].finished == "cancelled"
+    a_tokens = [t for ev in a for t in ev.token_ids]
+    assert tuple(a_tokens) == greedy_alone(PROMPTS[0], 60)[: len(a_tokens)]
+    assert tuple(t for ev in b for t in ev.token_ids) == greedy_alone(PROMPTS[2], 30)
+
+
+def test_the_host_refuses_a_device_decision_that_verify_does_not_make(monkeypatch) -> None:
+    """Each finished window's accept counts are checked against `verify` on the same tokens: a device that
+    kept one proposal too many is caught at once, not emitted."""
+    real = leading_matches
+
+    def one_too_many(xp, tokens, picks):
+        return xp.minimum(real(xp, tokens, picks) + 1, tokens.shape[1] - 1)
+
+    monkeypatch.setattr(device_spec, "leading_matches", one_too_many)
+    eng = engine(1, 1, False, on_device=True)
+    eng.submit(Request(tuple(PROMPTS[0]), 40))
+    with pytest.raises(RuntimeError, match="the device kept"):
+        while eng.step():
+            pass
+
+
+def test_settling_a_window_that_does_not_start_where_the_kv_ends_is_refused() -> None:
+    eng = engine(2, 1, False, on_device=True)
+    collect(eng, [(0, Request(tuple(PROMPTS[0]), 4))])
+    model = eng.model
+    model.settle(0, 0, 3, 2)
+    assert model.kv_lengths(0) == [2, 2] and model.drafters[0].length == 2
+    with pytest.raises(KVError, match="starts at position 3"):
+        model.settle(0, 3, 2, 1)
