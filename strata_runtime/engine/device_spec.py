@@ -76,11 +76,7 @@ def decide(model: Model, spec: DeviceSpec, chosen: Array, normed: Array, layout:
     assert mtp is not None, "a window decided on the device drafts with the MTP head"
     xp = model.last.device.xp
     s, n = len(spec.slots), spec.n
-    each = xp.arange(s)
-    picks = chosen.reshape(s, n)
-    accepted = leading_matches(xp, spec.tokens.reshape(s, n), picks)  # [S]
-    first = picks[each, accepted]  # [S]: each slot's next input
-    start = spec.positions.reshape(s, n)[:, 0] + accepted + 1  # [S]: each slot's first rejected position
+    each, accepted, first, start = _accept(xp, spec.tokens, chosen, spec.positions, s, n)
     drafters = {slot: model.drafters[slot] for slot in spec.slots}
     dtype = drafters[spec.slots[0]].hidden.dtype
     out = mtp(drafters, chosen, normed, layout, positions=spec.positions, account=False)  # [S n, H]
@@ -101,5 +97,41 @@ def decide(model: Model, spec: DeviceSpec, chosen: Array, normed: Array, layout:
             drafters[slot].logits[j : j + 1] = logits[i : i + 1]
         proposals.append(xp.argmax(logits, axis=-1))
     spec.accepted = accepted
-    spec.next_tokens = xp.stack([first, *proposals], axis=1).reshape(-1).astype(xp.int64)
-    spec.next_positions = (start[:, None] + xp.arange(n)).reshape(-1).astype(xp.int64)
+    spec.next_tokens, spec.next_positions = _next_window(xp, first, proposals, start, n)
+
+
+def _accept(xp: Any, tokens: Array, chosen: Array, positions: Array, s: int, n: int) -> tuple[Array, ...]:
+    """(slot index [S], accepted [S], each slot's next input [S], its first rejected position [S]) of a
+    window of S slots of n rows: input ids, chosen ids and positions [S n]."""
+    each = xp.arange(s)
+    picks = chosen.reshape(s, n)
+    accepted = leading_matches(xp, tokens.reshape(s, n), picks)
+    return each, accepted, picks[each, accepted], positions.reshape(s, n)[:, 0] + accepted + 1
+
+
+def _next_window(xp: Any, first: Array, proposals: list[Array], start: Array, n: int) -> tuple[Array, Array]:
+    """The next window's input ids and positions [S n]: each slot's next input then its proposals, at
+    consecutive positions from its first rejected one."""
+    tokens = xp.stack([first, *proposals], axis=1).reshape(-1).astype(xp.int64)
+    return tokens, (start[:, None] + xp.arange(n)).reshape(-1).astype(xp.int64)
+
+
+def prepare(model: Model, shapes: set[tuple[int, int]]) -> None:
+    """Run the array steps of `decide` once for each window shape (S slots, n rows) on dummy values, on the
+    last stage's device. CuPy compiles a kernel the first time it meets an operation on arrays of a new
+    kind of shape (a single slot's [1, n] reduces differently from [2, n]); done at start, no window waits
+    for it (the first one-slot batch-MTP window waited about 0.4 s on an H200)."""
+    device = model.last.device
+    if not device.is_cuda or model.mtp is None:
+        return
+    xp, a = device.xp, model.args
+    dtype = next(iter(model.drafters.values())).hidden.dtype
+    with device.use():
+        for s, n in sorted(shapes):
+            ids = xp.zeros(s * n, xp.int64)
+            each, accepted, first, start = _accept(xp, ids, ids, ids, s, n)
+            rows = xp.zeros((s * n, a.hidden_size), xp.float32).reshape(s, n, -1)[each, accepted]
+            rows.astype(dtype)
+            proposal = xp.argmax(xp.zeros((s, a.vocab_size), xp.float32), axis=-1)
+            _next_window(xp, first, [proposal] * (n - 1), start, n)
+        xp.cuda.get_current_stream().synchronize()

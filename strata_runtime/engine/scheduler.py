@@ -45,13 +45,14 @@ from collections import deque
 from typing import Any
 
 from strata_cfg.schema.plan import MIB, LaunchPlan
-from strata_cfg.schema.windows import batch_mtp_window, plain_windows, solo_window
+from strata_cfg.schema.windows import BATCH_MTP_SLOTS_PER_WINDOW, batch_mtp_window, plain_windows, solo_window
 
 from ..api import PlanMismatch, Request, RequestHandle, TokenEvent
 from ..experts.cache import Snapshot
 from ..model import Model
 from ..model.placed import WeightStore
 from ..weights.progress import Progress
+from . import device_spec
 from .executor import Executor
 from .flight import Chained, Flight, Mark
 from .job import CHAINED, Entry, Job
@@ -100,6 +101,7 @@ class Engine:
         self._turns = itertools.count(1)
         self._delivered_at = time.perf_counter()
         self.window_stats = WindowStats()
+        device_spec.prepare(self.model, self._spec_shapes())
         self.startup = self._startup_lines()
         for line in self.startup:
             log.info(line)
@@ -601,6 +603,14 @@ class Engine:
             )
             entries.append(Entry(slot, "decode", [token, *proposals.tokens], proposals))
         return Job(kind, entries, spec_on_device=self._decided_on_device(kind, entries))
+
+    def _spec_shapes(self) -> set[tuple[int, int]]:
+        """Every (slots, rows per slot) a window decided on the device can have under this plan: solo
+        windows of one slot at each depth room allows, and batch-MTP windows of 1 to 4 slots of 2 rows."""
+        shapes = {(1, rows) for rows in range(2, self.depth + 2)}
+        if self.plan.batch.mtp:
+            shapes |= {(s, 2) for s in range(1, min(self.n_slots, BATCH_MTP_SLOTS_PER_WINDOW) + 1)}
+        return shapes
 
     def _decided_on_device(self, kind: str, entries: list[Entry]) -> bool:
         """Whether a decode window is decided on the device (`strata_runtime.engine.device_spec`): a solo or
