@@ -44,6 +44,14 @@ class CudaHead:
             self.kern.gemv(self.lm_head, cp.ascontiguousarray(normed, dtype=cp.float32), out)
             return out
 
+    def argmax(self, logits: Any) -> cp.ndarray:
+        """Each row's argmax [R] (int64, the lowest index on ties) of logits [R, V]: one block per row
+        (CuPy's own reduction spent about 0.2 ms on two rows of a 151,936-word vocabulary, this 0.04)."""
+        with cp.cuda.Device(self.device_id):
+            out = cp.empty(logits.shape[0], cp.int32)
+            self.kern.argmax(cp.ascontiguousarray(logits), out)
+            return out.astype(cp.int64)
+
     def choose(self, logits: Any, draws: Draws) -> cp.ndarray:
         """Each row's chosen token [R] (int64) of logits [R, V] by ``draws`` (`strata_runtime.models.ops.
         choose`); the host arrays go up through pinned memory, on the current stream."""

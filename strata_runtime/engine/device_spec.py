@@ -86,7 +86,7 @@ def decide(model: Model, spec: DeviceSpec, chosen: Array, normed: Array, layout:
     for i, slot in enumerate(spec.slots):
         drafters[slot].hidden[0:1] = hidden[i : i + 1]
         drafters[slot].logits[0:1] = logits[i : i + 1]
-    proposals = [xp.argmax(logits, axis=-1)]  # [S] each
+    proposals = [model.argmax(logits)]  # [S] each
     one_row = Layout.of([(slot, 1, 0) for slot in spec.slots])  # positions: `start` + j - 1
     for j in range(1, n - 1):
         head = mtp(drafters, proposals[-1], hidden, one_row, positions=start + (j - 1), account=False)
@@ -95,7 +95,7 @@ def decide(model: Model, spec: DeviceSpec, chosen: Array, normed: Array, layout:
         for i, slot in enumerate(spec.slots):
             drafters[slot].hidden[j : j + 1] = hidden[i : i + 1]
             drafters[slot].logits[j : j + 1] = logits[i : i + 1]
-        proposals.append(xp.argmax(logits, axis=-1))
+        proposals.append(model.argmax(logits))
     spec.accepted = accepted
     spec.next_tokens, spec.next_positions = _next_window(xp, first, proposals, start, n)
 
@@ -132,6 +132,5 @@ def prepare(model: Model, shapes: set[tuple[int, int]]) -> None:
             each, accepted, first, start = _accept(xp, ids, ids, ids, s, n)
             rows = xp.zeros((s * n, a.hidden_size), xp.float32).reshape(s, n, -1)[each, accepted]
             rows.astype(dtype)
-            proposal = xp.argmax(xp.zeros((s, a.vocab_size), xp.float32), axis=-1)
-            _next_window(xp, first, [proposal] * (n - 1), start, n)
+            _next_window(xp, first, [xp.zeros(s, xp.int64)] * (n - 1), start, n)
         xp.cuda.get_current_stream().synchronize()

@@ -229,7 +229,7 @@ class Executor:
             picked = normed[dev.upload(np.asarray(flight.needed, np.int64))]
         logits = self.model.logits(picked)  # [len(needed), V] fp32
         if flight.draws is None:
-            chosen = dev.xp.argmax(logits, axis=-1)  # [len(needed)]
+            chosen = self.model.argmax(logits)  # [len(needed)]
         else:
             chosen = self.model.choose(logits, flight.draws)  # [len(needed)]
         flight.chosen = chosen

@@ -370,6 +370,10 @@ class Model:
     def logits(self, normed: Array) -> Array:
         return self.last.logits(normed)
 
+    def argmax(self, logits: Array) -> Array:
+        """Each row's argmax [R] (int64) of logits on the last stage's device."""
+        return self.last.argmax(logits)
+
     def choose(self, logits: Array, draws: Draws) -> Array:
         """Each row's token chosen on the last stage's device (`strata_runtime.model.stage.Stage.choose`)."""
         return self.last.choose(logits, draws)

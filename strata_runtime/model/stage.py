@@ -264,6 +264,14 @@ class Stage:
             x = normed.astype(self.lm_head.dtype, copy=False)
             return linear(x, self.lm_head).astype(self.device.xp.float32)
 
+    def argmax(self, logits: Array) -> Array:
+        """Each row's argmax [R] (int64, the lowest index on ties) of logits [R, V] on this device (last stage
+        only)."""
+        if self.cuda_head is not None:
+            return self.cuda_head.argmax(logits)
+        with self.device.use():
+            return self.device.xp.argmax(logits, axis=-1)
+
     def choose(self, logits: Array, draws: Draws) -> Array:
         """Each row's chosen token [R] (int64) of logits [R, V] on this device (last stage only), by
         ``draws`` (`strata_runtime.models.ops.choose`)."""
