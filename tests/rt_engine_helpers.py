@@ -8,6 +8,7 @@ holds exactly what its slot has committed. `handed_to_cache` records what an exp
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -63,6 +64,34 @@ def collect(eng: Engine, schedule: list[tuple[int, Request]], check_kv: bool = T
                 done[i] = done[i] or ev.finished is not None
     assert all(s is None for s in eng.slots), "every slot is released at the end"
     return tokens
+
+
+def run_checking_kv(eng: Engine, handle: Any) -> tuple[list[int], str | None]:
+    """Run the engine to the end, checking the KV after every step; ``handle``'s tokens and how it ended."""
+    events = []
+    while eng.step():
+        assert_kv_consistent(eng)
+        while not handle.events.empty():
+            events.append(handle.events.get())
+    return [t for ev in events for t in ev.token_ids], events[-1].finished
+
+
+def cancel_mid_chain(
+    eng: Engine, first: Request, second: Request, steps: int, chained: Callable[[Engine], bool]
+) -> tuple[list[int], str | None, list[int]]:
+    """Submit two requests, step ``steps`` times, check that ``chained(eng)`` holds (windows are in flight),
+    cancel the first and run to the end, checking the KV after every step. Returns the first request's
+    tokens and how it finished, and the second's tokens."""
+    ha, hb = eng.submit(first), eng.submit(second)
+    for _ in range(steps):
+        eng.step()
+    assert chained(eng), "windows are chained by now"
+    ha.cancel()
+    while eng.step():
+        assert_kv_consistent(eng)
+    a = [ha.events.get() for _ in range(ha.events.qsize())]
+    b = [hb.events.get() for _ in range(hb.events.qsize())]
+    return [t for ev in a for t in ev.token_ids], a[-1].finished, [t for ev in b for t in ev.token_ids]
 
 
 def assert_kv_consistent(eng: Engine) -> None:

@@ -13,7 +13,7 @@ import functools
 
 import numpy as np
 import pytest
-from rt_engine_helpers import assert_kv_consistent, collect
+from rt_engine_helpers import assert_kv_consistent, cancel_mid_chain, collect, run_checking_kv
 from rt_plans import make_plan
 
 from strata_runtime.api import Request
@@ -159,13 +159,7 @@ def test_a_stop_token_mid_chain_emits_and_keeps_nothing_after_it(batch_mtp) -> N
     launches = Launches(eng)
     h = eng.submit(Request(tuple(PROMPTS[1]), 40, stop_ids=(stop,)))
     other = eng.submit(Request(tuple(PROMPTS[2]), 40)) if batch_mtp else None
-    events = []
-    while eng.step():
-        assert_kv_consistent(eng)
-        while not h.events.empty():
-            events.append(h.events.get())
-    assert [t for ev in events for t in ev.token_ids] == list(ref[:k])
-    assert events[-1].finished == "stop"
+    assert run_checking_kv(eng, h) == (list(ref[:k]), "stop")
     assert launches.chained, "the stop came while windows were chained"
     assert eng.totals["discarded_rows"] > 0
     if other is not None:
@@ -191,20 +185,16 @@ def test_a_request_that_runs_out_of_context_mid_chain_ends_as_with_host_decision
 
 def test_a_request_cancelled_mid_chain_ends_cancelled_and_the_other_slot_is_unaffected() -> None:
     eng = engine(2, 2, True, on_device=True)
-    ha = eng.submit(Request(tuple(PROMPTS[0]), 60))
-    hb = eng.submit(Request(tuple(PROMPTS[2]), 30))
-    for _ in range(12):
-        eng.step()
-    assert any(f.spec is not None for f in eng._chain), "the batch-MTP windows are chained by now"
-    ha.cancel()
-    while eng.step():
-        assert_kv_consistent(eng)
-    a = [ha.events.get() for _ in range(ha.events.qsize())]
-    b = [hb.events.get() for _ in range(hb.events.qsize())]
-    assert a[-1].finished == "cancelled"
-    a_tokens = [t for ev in a for t in ev.token_ids]
-    assert tuple(a_tokens) == greedy_alone(PROMPTS[0], 60)[: len(a_tokens)]
-    assert tuple(t for ev in b for t in ev.token_ids) == greedy_alone(PROMPTS[2], 30)
+    a, finished, b = cancel_mid_chain(
+        eng,
+        Request(tuple(PROMPTS[0]), 60),
+        Request(tuple(PROMPTS[2]), 30),
+        12,
+        lambda e: any(f.spec is not None for f in e._chain),
+    )
+    assert finished == "cancelled"
+    assert tuple(a) == greedy_alone(PROMPTS[0], 60)[: len(a)]
+    assert tuple(b) == greedy_alone(PROMPTS[2], 30)
 
 
 def test_the_host_refuses_a_device_decision_that_verify_does_not_make(monkeypatch) -> None:

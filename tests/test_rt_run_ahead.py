@@ -12,7 +12,7 @@ import functools
 from typing import Any
 
 import pytest
-from rt_engine_helpers import assert_kv_consistent, collect
+from rt_engine_helpers import assert_kv_consistent, cancel_mid_chain, collect, run_checking_kv
 from rt_plans import make_plan
 
 from strata_runtime.api import Request, SamplingParams
@@ -122,13 +122,7 @@ def test_a_stop_token_computes_a_bounded_overrun_that_is_neither_emitted_nor_kep
     eng = engine(stages, 2, run_ahead)
     spy = Spy(eng)
     h = eng.submit(Request(tuple(PROMPTS[1]), 40, stop_ids=(stop,)))
-    events = []
-    while eng.step():
-        assert_kv_consistent(eng)
-        while not h.events.empty():
-            events.append(h.events.get())
-    assert [t for ev in events for t in ev.token_ids] == list(ref[:k])
-    assert events[-1].finished == "stop"
+    assert run_checking_kv(eng, h) == (list(ref[:k]), "stop")
     decode = [job for what, job in spy.log if what == "launch" and job.kind != "prefill"]
     assert k < len(decode) <= k + run_ahead - 1  # the stop came out of decode window k - 1
     assert eng.totals["discarded_rows"] == len(decode) - k  # counted, and exported as a metric
@@ -184,20 +178,11 @@ def test_a_request_that_runs_out_of_context_mid_chain_ends_as_it_does_alone() ->
 
 def test_a_request_cancelled_mid_chain_ends_cancelled_and_the_other_slot_is_unaffected() -> None:
     eng = engine(2, 2, 3)
-    ha = eng.submit(Request(tuple(PROMPTS[0]), 40))
-    hb = eng.submit(Request(tuple(PROMPTS[2]), 30))
-    for _ in range(14):
-        eng.step()
-    assert eng._chain, "the two decoding slots are chained by now"
-    ha.cancel()
-    while eng.step():
-        assert_kv_consistent(eng)
-    a = [ha.events.get() for _ in range(ha.events.qsize())]
-    b = [hb.events.get() for _ in range(hb.events.qsize())]
-    assert a[-1].finished == "cancelled"
-    a_tokens = [t for ev in a for t in ev.token_ids]
-    assert tuple(a_tokens) == alone(PROMPTS[0], 40)[: len(a_tokens)]
-    assert [t for ev in b for t in ev.token_ids] == list(alone(PROMPTS[2], 30))
+    first, second = Request(tuple(PROMPTS[0]), 40), Request(tuple(PROMPTS[2]), 30)
+    a, finished, b = cancel_mid_chain(eng, first, second, 14, lambda e: bool(e._chain))
+    assert finished == "cancelled"
+    assert tuple(a) == alone(PROMPTS[0], 40)[: len(a)]
+    assert b == list(alone(PROMPTS[2], 30))
     assert eng.model.kv_lengths(0) == [0, 0] and eng.model.kv_lengths(1) == [0, 0]
 
 
