@@ -129,6 +129,8 @@ def test_windows_decided_on_the_device_give_the_host_decisions_text_proposals_an
         assert same >= 8
     for (_, req), tokens in zip(requests, host[0], strict=True):
         assert tuple(tokens) == greedy_alone(bytes(req.prompt_ids), req.max_tokens)
+    said = "decided there, running ahead of the host: greedy solo and batch-MTP windows"
+    assert eng.startup[-1].endswith(said)
     kind = "batch-mtp" if batch_mtp else "solo"
     chained = [job for job in launches.chained if job.kind == kind]
     assert len(chained) >= 8, "the speculative windows ran chained to one another"

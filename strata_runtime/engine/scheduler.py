@@ -226,9 +226,15 @@ class Engine:
         else:
             each = info["bytes_each"] / MIB
             kv = info["kv_bytes_each"] / MIB
+            where = (
+                "greedy solo windows (pipelined groups verify on the host)"
+                if self.pipelined
+                else "greedy solo and batch-MTP windows"
+            )
             lines.append(
                 f"drafters: slots {info['slots']} on {info['device']} (last stage), {each:.2f} MiB each "
-                f"(MTP-layer KV {kv:.2f} MiB + draft-window buffers {each - kv:.2f} MiB)"
+                f"(MTP-layer KV {kv:.2f} MiB + draft-window buffers {each - kv:.2f} MiB); decided there, "
+                f"running ahead of the host: {where}"
             )
         for stage in self.model.stages:
             if stage.device.is_cuda:
