@@ -129,6 +129,9 @@ def test_windows_decided_on_the_device_give_the_host_decisions_text_proposals_an
         assert same >= 8
     for (_, req), tokens in zip(requests, host[0], strict=True):
         assert tuple(tokens) == greedy_alone(bytes(req.prompt_ids), req.max_tokens)
+    assert host_eng.totals["decided_on_device"] == 0
+    assert eng.totals["decided_on_device"] >= len(launches.chained)  # and the chains' first windows
+    assert "speculative windows decided on the GPU" in eng.summary()
     said = "decided there, running ahead of the host: greedy solo and batch-MTP windows"
     assert eng.startup[-1].endswith(said)
     kind = "batch-mtp" if batch_mtp else "solo"

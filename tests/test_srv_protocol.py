@@ -207,7 +207,13 @@ def test_metrics_exposition_counts_and_buckets():
             {"slot": 1, "state": "free"},
             {"slot": 2, "state": "prefill"},
         ],
-        "totals": {"windows": windows, "accepted": accepted, "ms": 1500.0, "discarded_rows": discarded},
+        "totals": {
+            "windows": windows,
+            "accepted": accepted,
+            "ms": 1500.0,
+            "discarded_rows": discarded,
+            "decided_on_device": windows - 1,
+        },
     }
     text = metrics.render(counters, stats, ready=True, in_flight=4)
     values: dict[str, float] = {}
@@ -221,6 +227,7 @@ def test_metrics_exposition_counts_and_buckets():
     assert values["strata_proposals_accepted_total"] == accepted
     assert values["strata_window_seconds_total"] == 1.5
     assert values["strata_discarded_rows_total"] == discarded
+    assert values["strata_windows_decided_on_device_total"] == windows - 1
     assert values["strata_queue_depth"] == 2
     assert values["strata_slots"] == 3
     assert values["strata_slots_busy"] == 2

@@ -650,7 +650,8 @@ class Engine:
         # Proposals verified for a request: not those of rows queued past its end (discarded).
         kept = {slot.id for slot, _ in events}
         proposals = sum(len(e.proposals.tokens) for e in job.entries if e.slot.id in kept)
-        window = WindowStat(job.kind, job.rows, ms, proposals, accepted, job.slot_ids)
+        on_device = flight.spec is not None
+        window = WindowStat(job.kind, job.rows, ms, proposals, accepted, job.slot_ids, on_device)
         self.window_stats.record(window, sum(len(ev.token_ids) for _, ev in events), flight.discarded)
         for slot, ev in events:
             slot.handle.events.put(ev)

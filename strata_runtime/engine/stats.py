@@ -17,6 +17,8 @@ class WindowStat:
     proposals: int
     accepted: int
     slots: tuple[int, ...]
+    on_device: bool = False
+    """A speculative window decided on the GPU (`strata_runtime.engine.device_spec`)."""
 
 
 class WindowStats:
@@ -32,6 +34,7 @@ class WindowStats:
             "accepted": 0,
             "ms": 0.0,
             "discarded_rows": 0,
+            "decided_on_device": 0,
         }
 
     def record(self, window: WindowStat, tokens: int, discarded: int = 0) -> None:
@@ -46,6 +49,7 @@ class WindowStats:
         t["proposals"] += window.proposals
         t["accepted"] += window.accepted
         t["ms"] += window.ms
+        t["decided_on_device"] += window.on_device
 
     def last(self, n: int) -> list[dict[str, Any]]:
         """The last ``n`` windows as JSON-ready dictionaries."""
@@ -65,6 +69,8 @@ class WindowStats:
         per = t["ms"] / t["windows"] if t["windows"] else 0.0
         line = f"{t['windows']} windows, {t['rows']} rows, {t['tokens']} tokens, {rate}"
         line += f", {per:.2f} ms per window"
+        if t["decided_on_device"]:
+            line += f", {t['decided_on_device']} speculative windows decided on the GPU"
         if t["discarded_rows"]:
             line += f", {t['discarded_rows']} rows run ahead past a stop and discarded"
         return line

@@ -56,6 +56,11 @@ TOTALS: dict[str, tuple[str, str, float]] = {
         "Rows of windows queued ahead of a request's stop, run and discarded.",
         1,
     ),
+    "decided_on_device": (
+        "strata_windows_decided_on_device_total",
+        "Speculative windows accepted, caught up and drafted on the GPU (greedy solo and batch-MTP windows).",
+        1,
+    ),
 }
 """Engine counters, exported under stable names."""
 
