@@ -305,6 +305,65 @@ def test_speculative_windows_decided_on_gpu_draft_accept_and_read_as_host_decisi
         assert outs[0][2] > 0 and chained > 0
 
 
+def test_sampled_verification_on_gpu_equals_numpy(cp):
+    """`verify_sampled` and `distribution` on CuPy arrays decide as on NumPy ones, for temperature, top-k and
+    top-p, over windows whose proposals are sometimes accepted and sometimes not."""
+    from strata_runtime.api import SamplingParams
+    from strata_runtime.engine.device_spec import verify_sampled
+    from strata_runtime.engine.sampling import distribution, inverse_cdf
+
+    g = np.random.default_rng(37)
+    vocab, n = 4096, 4
+    kept = []
+    for params in (
+        SamplingParams(temperature=0.8),
+        SamplingParams(temperature=1.1, top_k=40),
+        SamplingParams(temperature=0.9, top_p=0.9),
+    ):
+        for _ in range(24):
+            target = (g.standard_normal((n, vocab)) * 3).astype(np.float32)
+            draft = target[:-1] + g.standard_normal((n - 1, vocab)).astype(np.float32)
+            q = distribution(draft, params)
+            tokens = np.array([7, *(int(inverse_cdf(q[j], g.random())) for j in range(n - 1))])
+            u = g.random(n)
+            a, after = verify_sampled(np, target, draft, tokens, params, u)
+            on_gpu = (cp.asarray(x) for x in (target, draft, tokens))
+            got = verify_sampled(cp, *on_gpu, params, cp.asarray(u))
+            assert (int(got[0]), int(got[1])) == (int(a), int(after))
+            kept.append(int(a))
+        want = distribution(target, params)
+        got_p = distribution(cp.asarray(target), params, cp).get()
+        np.testing.assert_allclose(got_p, want, rtol=1e-9, atol=1e-15)
+    assert min(kept) == 0 and max(kept) > 0
+
+
+def test_sampled_speculative_windows_on_gpu_are_seeded_and_greedy_when_cold(cp):
+    """Sampled requests with drafting are decided on the GPU: chained, reproducible from their seeds, and at a
+    temperature low enough that every row's distribution is its argmax, the greedy text."""
+    from strata_runtime.api import Request, SamplingParams
+    from strata_runtime.engine import Engine
+
+    g = np.random.default_rng(41)
+    prompts = [g.integers(1, 250, int(n)).tolist() for n in g.integers(3, 30, 2)]
+
+    def run(plan, asked, sampling):
+        engine = Engine(plan)
+        handles = [engine.submit(Request(tuple(p), 32, sampling)) for p in asked]
+        while engine.step():
+            pass
+        assert engine.totals["decided_on_device"] > 0
+        return [[t for ev in list(h.events.queue) for t in ev.token_ids] for h in handles]
+
+    for slots, batch_mtp in ((1, False), (2, True)):
+        plan = _plan(cp, model="tiny", slots=slots, batch_mtp=batch_mtp, draft_tokens=4)
+        asked = prompts[:slots]
+        greedy = run(plan, asked, SamplingParams())
+        assert run(plan, asked, SamplingParams(temperature=1e-4, seed=3)) == greedy
+        hot = SamplingParams(temperature=0.9, top_p=0.95, seed=5)
+        first = run(plan, asked, hot)
+        assert first == run(plan, asked, hot) and first != greedy
+
+
 def test_long_prefill_chunks_match_the_float32_reference(cp, model_src):
     """Chunks of more than 64 rows take the CUDA prefill path (cuBLAS products, fp16 scores): their logits,
     and the KV they leave for the decode windows after them, must match the float32 reference on every row

@@ -10,13 +10,14 @@ flight; the KV the host accounts is the KV the windows kept.
 from __future__ import annotations
 
 import functools
+from collections import Counter
 
 import numpy as np
 import pytest
 from rt_engine_helpers import assert_kv_consistent, cancel_mid_chain, collect, run_checking_kv
 from rt_plans import make_plan
 
-from strata_runtime.api import Request
+from strata_runtime.api import Request, SamplingParams
 from strata_runtime.engine import Engine, device_spec
 from strata_runtime.engine.device_spec import leading_matches
 from strata_runtime.engine.flight import Chained, Flight
@@ -132,7 +133,7 @@ def test_windows_decided_on_the_device_give_the_host_decisions_text_proposals_an
     assert host_eng.totals["decided_on_device"] == 0
     assert eng.totals["decided_on_device"] >= len(launches.chained)  # and the chains' first windows
     assert "speculative windows decided on the GPU" in eng.summary()
-    said = "decided there, running ahead of the host: greedy solo and batch-MTP windows"
+    said = "decided there, running ahead of the host: solo and batch-MTP windows"
     assert eng.startup[-1].endswith(said)
     kind = "batch-mtp" if batch_mtp else "solo"
     chained = [job for job in launches.chained if job.kind == kind]
@@ -226,3 +227,54 @@ def test_settling_a_window_that_does_not_start_where_the_kv_ends_is_refused() ->
     assert model.kv_lengths(0) == [2, 2] and model.drafters[0].length == 2
     with pytest.raises(KVError, match="starts at position 3"):
         model.settle(0, 3, 2, 1)
+
+
+@pytest.mark.parametrize("batch_mtp", [False, True])
+def test_sampled_windows_decided_on_the_device_are_seeded_and_greedy_when_cold(batch_mtp) -> None:
+    """Sampled requests with drafting are decided on the device too: chained, reproducible from their seeds,
+    and at a temperature low enough that each row's distribution is its argmax, the greedy text."""
+    slots = 2 if batch_mtp else 1
+    cold = SamplingParams(temperature=1e-4, seed=3)
+    requests = [(0, Request(tuple(PROMPTS[0]), 30, cold))]
+    if batch_mtp:
+        requests.append((0, Request(tuple(PROMPTS[2]), 24, SamplingParams(temperature=1e-4, seed=4))))
+    eng = engine(2, slots, batch_mtp, on_device=True)
+    launches = Launches(eng)
+    got, (proposed, accepted) = run(eng, requests)
+    assert launches.chained and all(job.spec_on_device for job in launches.chained)
+    assert accepted > 0 and eng.totals["decided_on_device"] > 0
+    for (_, req), tokens in zip(requests, got, strict=True):
+        assert tuple(tokens) == greedy_alone(bytes(req.prompt_ids), req.max_tokens)
+    hot = SamplingParams(temperature=0.9, seed=8)
+    warm = [(at, Request(r.prompt_ids, r.max_tokens, hot)) for at, r in requests]
+    first = run(engine(2, slots, batch_mtp, on_device=True), warm)[0]
+    assert first == run(engine(2, slots, batch_mtp, on_device=True), warm)[0]
+    assert first != [list(greedy_alone(bytes(r.prompt_ids), r.max_tokens)) for _, r in warm]
+
+
+def _first_tokens(on_device: bool, requests: int) -> Counter[tuple[int, ...]]:
+    """How often each run of a request's first three tokens comes up over ``requests`` seeds (temperature
+    1, top-k 3, one slot drafting two proposals a window)."""
+    eng = engine(1, 1, False, on_device=on_device, run_ahead=2)
+    seen: Counter[tuple[int, ...]] = Counter()
+    for seed in range(requests):
+        h = eng.submit(Request(tuple(PROMPTS[0]), 3, SamplingParams(temperature=1.0, top_k=3, seed=seed)))
+        while eng.step():
+            pass
+        seen[tuple(t for _ in range(h.events.qsize()) for t in h.events.get().token_ids)] += 1
+    assert (eng.totals["decided_on_device"] >= requests) if on_device else not eng.totals["decided_on_device"]
+    return seen
+
+
+def test_sampled_windows_decided_on_the_device_have_the_distribution_of_host_decisions() -> None:
+    """Over 1,500 seeds each, the first three tokens (the prompt's draw, then one window's accepted proposals
+    and the draw after them) come out with the same distribution whether the speculative window is decided
+    on the device or on the host, whose rule a chi-square test holds to the target's (`test_rt_spec`): a
+    two-sample chi-square test over the runs of three tokens."""
+    torch = pytest.importorskip("torch")  # for the chi-square survival function
+    device, host = _first_tokens(True, 1500), _first_tokens(False, 1500)
+    cells = [k for k in device.keys() | host.keys() if device[k] + host[k] >= 10]
+    chi2 = sum((device[k] - host[k]) ** 2 / (device[k] + host[k]) for k in cells)
+    dof = len(cells) - 1
+    p_value = float(torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(chi2 / 2.0)))
+    assert dof >= 10 and p_value > 1e-3, f"chi2 {chi2:.1f} over {dof} degrees of freedom, p = {p_value:.2e}"

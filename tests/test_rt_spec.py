@@ -14,8 +14,9 @@ from rt_plans import make_plan
 from strata_cfg.schema.packaged import packaged_dir
 from strata_runtime.api import Request, SamplingParams
 from strata_runtime.engine import Engine
+from strata_runtime.engine.device_spec import verify_sampled
 from strata_runtime.engine.sampling import Sampler, distribution
-from strata_runtime.engine.speculative import Proposals, verify
+from strata_runtime.engine.speculative import Proposals, Verdict, verify
 
 DEMO_ACCEPTANCE = 0.5
 """Share of the demo model's chained greedy proposals that must hold (measured: see docs/PERFORMANCE.md)."""
@@ -70,8 +71,22 @@ def _dist(rng: np.random.Generator, *shape: int) -> np.ndarray:
     return p
 
 
-def test_sampled_drafting_has_the_target_distribution() -> None:
-    """Two drafted tokens from q, verified against p: the first two emitted tokens follow p exactly.
+def _on_host(target: np.ndarray, proposals: list[int], qs: list[np.ndarray], sampler: Sampler) -> Verdict:
+    return verify(target, Proposals(proposals, qs), sampler)
+
+
+def _on_device(target: np.ndarray, proposals: list[int], qs: list[np.ndarray], sampler: Sampler) -> Verdict:
+    """`verify_sampled`, the device's rule (run here on NumPy arrays), with the uniforms drawn ahead."""
+    uniforms = np.array([sampler.uniform() for _ in range(len(proposals) + 1)])
+    tokens = np.array([0, *proposals])
+    a, after = verify_sampled(np, target, np.log(np.stack(qs)), tokens, sampler.params, uniforms)
+    return Verdict(int(a), [*proposals[: int(a)], int(after)])
+
+
+@pytest.mark.parametrize("verifier", [_on_host, _on_device], ids=["host", "device"])
+def test_sampled_drafting_has_the_target_distribution(verifier) -> None:
+    """Two drafted tokens from q, verified against p: the first two emitted tokens follow p exactly, verified
+    on the host (`verify`) or by the rule a window decided on the GPU runs (`verify_sampled`).
 
     The target's rows depend on the proposals (p1 is the target after d1), as in a real window, and the
     drafter's q differs from p on purpose.
@@ -90,7 +105,7 @@ def test_sampled_drafting_has_the_target_distribution() -> None:
         d1 = sampler.draw(q0)
         d2 = sampler.draw(q1[d1])
         target = np.log(np.stack([p0, p1[d1], p2[d1, d2]]))  # logits whose softmax is p
-        verdict = verify(target, Proposals([d1, d2], [q0, q1[d1]]), sampler)
+        verdict = verifier(target, [d1, d2], [q0, q1[d1]], sampler)
         accepted += verdict.accepted
         t1 = verdict.tokens[0]
         if len(verdict.tokens) >= 2:

@@ -1,26 +1,30 @@
 """Speculative windows decided on the device: accept, catch the drafters up and draft the next window there.
 
-A greedy speculative window (solo drafting, or batch MTP) holds S slots of ``n`` rows each: the slot's
-token, then ``n - 1`` proposals. When no row needs the host (no logit bias, no penalty, no sampling), the
-whole decision after the target's argmax runs on the last stage's device, on that stage's stream, right
-after the window's chosen tokens (`decide`):
+A speculative window (solo drafting, or batch MTP) holds S slots of ``n`` rows each: the slot's token, then
+``n - 1`` proposals. When no row needs the host (no logit bias or penalty, which depend on every token
+emitted so far), the whole decision after the target's logits runs on the last stage's device, on that
+stage's stream, right after the window's chosen tokens (`decide`):
 
-* **accept**: slot i keeps ``a_i + 1`` rows, where ``a_i`` is how many of its proposals, from the first,
-  equal the target's choice at the row before (`leading_matches`);
-* **catch up**: the MTP head runs over all ``n`` rows of every slot. Row j reads the target's choice at row
-  j, which for every kept row is exactly the token that follows it (a kept proposal equals the choice
-  before it), and the row's post-norm hidden state. Rows past ``a_i`` compute values nobody keeps: attention
-  reads only positions up to a row's own, and the next window starts at the first rejected position, so it
-  overwrites them;
-* **draft**: the head's output at row ``a_i`` gives the next window's first proposal; each further one runs
-  the head one position on, on its own previous proposal and output, as host drafting does.
+* **accept**: a greedy slot keeps ``a_i + 1`` rows, where ``a_i`` is how many of its proposals, from the
+  first, equal the target's choice at the row before (`leading_matches`); a sampled slot accepts each
+  proposal with probability min(1, p/q) and draws the token after the kept ones from the residual
+  (`verify_sampled`), at uniforms the host drew from the request's seeded generator when it launched the
+  window;
+* **catch up**: the MTP head runs over all ``n`` rows of every slot. Row j reads the token that follows it
+  if it is kept (a kept proposal, or at row ``a_i`` the token after the kept ones; for a greedy slot simply
+  the target's choice at row j), and the row's post-norm hidden state. Rows past ``a_i`` compute values
+  nobody keeps: attention reads only positions up to a row's own, and the next window starts at the first
+  rejected position, so it overwrites them;
+* **draft**: the head's output at row ``a_i`` gives the next window's first proposal (its argmax, or a draw
+  from its distribution); each further one runs the head one position on, on its own previous proposal and
+  output, as host drafting does.
 
 What comes out is the next window's input tokens and positions, on the device, so that a window chained to
 this one (`strata_runtime.engine.flight.Chained` without rows) is queued before the host has seen any of it.
-The host learns the outcome when it finishes the window: it reads the accept counts, the window's input
-tokens and positions, checks the device's decision against `strata_runtime.engine.speculative.verify`, and
-accounts the KV (`strata_runtime.model.placed.Model.settle`). The same functions run on NumPy arrays on CPU
-devices and on CuPy arrays on GPUs.
+The host learns the outcome when it finishes the window: it reads the accept counts, the token after them,
+the window's input tokens and positions, checks a greedy slot's decision against
+`strata_runtime.engine.speculative.verify`, and accounts the KV (`strata_runtime.model.placed.Model.settle`).
+The same functions run on NumPy arrays on CPU devices and on CuPy arrays on GPUs.
 """
 
 from __future__ import annotations
@@ -30,9 +34,11 @@ from typing import Any
 
 import numpy as np
 
+from ..api import SamplingParams
 from ..backend import Array
 from ..layout import Layout
 from ..model import Model
+from .sampling import distribution, inverse_cdf
 
 
 @dataclass(eq=False)
@@ -47,14 +53,22 @@ class DeviceSpec:
     """The window's input ids [S n] (on the last device)."""
     positions: Array = None
     """The window's positions [S n] (on the last device)."""
+    params: tuple[SamplingParams | None, ...] | None = None
+    """Each slot's sampling (None for a greedy slot); None when every slot is greedy."""
+    uniforms: Any = None
+    """Sampled windows: each slot's draws [S, 2n - 1] (host array at launch, then on the last device):
+    n - 1 to accept the proposals, one for the token after them, n - 1 for the next window's proposals."""
     accepted: Array = None
     """How many proposals each slot keeps [S]."""
+    first: Array = None
+    """Each slot's token after its kept proposals [S]: the target's choice, or the sampled draw."""
     next_tokens: Array = None
     """The next window's input ids [S n]: each slot's chosen token, then the proposals drafted after it."""
     next_positions: Array = None
     """The next window's positions [S n]: each slot's rows from its first rejected position on."""
     host: dict[str, np.ndarray] = field(default_factory=dict)
-    """``accepted``, ``tokens`` and ``positions`` on the host (pinned copies the host did not wait for)."""
+    """``accepted``, ``first``, ``tokens`` and ``positions`` on the host (pinned copies the host did not wait
+    for)."""
 
 
 def leading_matches(xp: Any, tokens: Array, picks: Array) -> Array:
@@ -67,46 +81,126 @@ def leading_matches(xp: Any, tokens: Array, picks: Array) -> Array:
     return xp.cumprod(match, axis=1).sum(axis=1)
 
 
-def decide(model: Model, spec: DeviceSpec, chosen: Array, normed: Array, layout: Layout) -> None:
-    """Decide ``spec``'s window from its chosen tokens [S n] and post-norm rows [S n, H] on the last
-    device (current stream), leaving ``accepted``, ``next_tokens`` and ``next_positions`` there, and each
-    slot's drafter as host drafting leaves it (row j: the hidden state and logits proposal j + 1 came from).
+def verify_sampled(
+    xp: Any, target: Array, draft: Array, tokens: Array, params: SamplingParams, uniforms: Array
+) -> tuple[Array, Array]:
+    """Speculative rejection sampling of one slot's window on ``xp`` arrays: (proposals kept, the token
+    after them), both 0-d.
+
+    ``target`` are the window's n rows of logits [n, V], ``draft`` the logits [n - 1, V] each proposal
+    (``tokens[1:]``, of the window's input ids [n]) was drawn from, and ``uniforms`` [n] the draws: proposal
+    j holds while ``uniforms[j] * q_j(token) < p_j(token)`` (accepted with probability min(1, p/q)); the
+    token after the kept ones comes from norm(max(0, p_a - q_a)) at the first rejection (p_a where that is
+    empty), or from the last row's p when every proposal held, at ``uniforms[n - 1]``. The same rule as
+    `strata_runtime.engine.speculative.verify`, with the uniforms drawn ahead, so the emitted tokens have
+    exactly the target's distribution.
+    """
+    n = int(tokens.shape[0])
+    p = distribution(target, params, xp)  # [n, V]
+    q = distribution(draft, params, xp)  # [n - 1, V]
+    rows = xp.arange(n - 1)
+    proposed = tokens[1:]
+    holds = (uniforms[: n - 1] * q[rows, proposed] < p[rows, proposed]).astype(xp.int64)  # [n - 1]
+    accepted = xp.cumprod(holds).sum()
+    after = xp.concatenate([xp.maximum(p[:-1] - q, 0.0), p[-1:]], axis=0)[accepted]  # [V]
+    after = xp.where(after.sum() > 0, after, p[accepted])
+    return accepted, inverse_cdf(after, uniforms[n - 1], xp)
+
+
+def decide(
+    model: Model, spec: DeviceSpec, chosen: Array, logits: Array, normed: Array, layout: Layout
+) -> None:
+    """Decide ``spec``'s window from its chosen tokens [S n] (each row's argmax), logits [S n, V] and
+    post-norm rows [S n, H] on the last device (current stream), leaving ``accepted``, ``first`` (each
+    slot's token after its kept proposals), ``next_tokens`` and ``next_positions`` there, and each slot's
+    drafter as host drafting leaves it (row j: the hidden state and logits proposal j + 1 came from).
     ``layout`` gives the window's slots and row counts; its positions are ``spec.positions``."""
     mtp = model.mtp
     assert mtp is not None, "a window decided on the device drafts with the MTP head"
     xp = model.last.device.xp
     s, n = len(spec.slots), spec.n
-    each, accepted, first, start = _accept(xp, spec.tokens, chosen, spec.positions, s, n)
     drafters = {slot: model.drafters[slot] for slot in spec.slots}
+    each = xp.arange(s)
+    if spec.params is None:  # every slot greedy
+        accepted, first = _accept(xp, spec.tokens, chosen, s, n)
+        follow = chosen  # row j's next token: the target's choice, for every kept row
+    else:
+        accepted, first, follow = _accept_each(xp, spec, chosen, logits, drafters)
+    start = spec.positions.reshape(s, n)[:, 0] + accepted + 1  # [S]: each slot's first rejected position
     dtype = drafters[spec.slots[0]].hidden.dtype
-    out = mtp(drafters, chosen, normed, layout, positions=spec.positions, account=False)  # [S n, H]
+    out = mtp(drafters, follow, normed, layout, positions=spec.positions, account=False)  # [S n, H]
     kept = out.reshape(s, n, -1)[each, accepted]  # [S, H]: the output at each slot's last kept row
-    logits = mtp.logits(kept)  # [S, V]
+    draft = mtp.logits(kept)  # [S, V]
     hidden = kept.astype(dtype)
-    for i, slot in enumerate(spec.slots):
-        drafters[slot].hidden[0:1] = hidden[i : i + 1]
-        drafters[slot].logits[0:1] = logits[i : i + 1]
-    proposals = [model.argmax(logits)]  # [S] each
+    proposals = [_propose(model, spec, draft, 0)]  # [S] each
+    _keep_draft(drafters, spec, 0, hidden, draft)
     one_row = Layout.of([(slot, 1, 0) for slot in spec.slots])  # positions: `start` + j - 1
     for j in range(1, n - 1):
         head = mtp(drafters, proposals[-1], hidden, one_row, positions=start + (j - 1), account=False)
-        logits = mtp.logits(head)  # [S, V]
+        draft = mtp.logits(head)  # [S, V]
         hidden = head.astype(dtype)
-        for i, slot in enumerate(spec.slots):
-            drafters[slot].hidden[j : j + 1] = hidden[i : i + 1]
-            drafters[slot].logits[j : j + 1] = logits[i : i + 1]
-        proposals.append(model.argmax(logits))
-    spec.accepted = accepted
+        _keep_draft(drafters, spec, j, hidden, draft)
+        proposals.append(_propose(model, spec, draft, j))
+    spec.accepted, spec.first = accepted, first
     spec.next_tokens, spec.next_positions = _next_window(xp, first, proposals, start, n)
 
 
-def _accept(xp: Any, tokens: Array, chosen: Array, positions: Array, s: int, n: int) -> tuple[Array, ...]:
-    """(slot index [S], accepted [S], each slot's next input [S], its first rejected position [S]) of a
-    window of S slots of n rows: input ids, chosen ids and positions [S n]."""
-    each = xp.arange(s)
+def _keep_draft(drafters: dict[int, Any], spec: DeviceSpec, j: int, hidden: Array, logits: Array) -> None:
+    """Row j of each slot's drafter: the hidden state and logits proposal j + 1 is drawn from."""
+    for i, slot in enumerate(spec.slots):
+        drafters[slot].hidden[j : j + 1] = hidden[i : i + 1]
+        drafters[slot].logits[j : j + 1] = logits[i : i + 1]
+
+
+def _propose(model: Model, spec: DeviceSpec, logits: Array, j: int) -> Array:
+    """Each slot's proposal j + 1 [S] from draft logits [S, V]: the argmax, or for a sampled slot a draw
+    from its distribution at the uniform drawn for it."""
+    if spec.params is None:
+        return model.argmax(logits)
+    xp = model.last.device.xp
+    picks = model.argmax(logits)
+    out = []
+    for i, params in enumerate(spec.params):
+        if params is None:
+            out.append(picks[i])
+        else:
+            q = distribution(logits[i : i + 1], params, xp)[0]
+            out.append(inverse_cdf(q, spec.uniforms[i, spec.n + j], xp))
+    return xp.stack(out).astype(xp.int64)
+
+
+def _accept_each(
+    xp: Any, spec: DeviceSpec, chosen: Array, logits: Array, drafters: dict[int, Any]
+) -> tuple[Array, Array, Array]:
+    """(accepted [S], the token after the kept proposals [S], each row's next token [S n]) slot by slot,
+    greedy slots as `_accept` decides them and sampled ones by `verify_sampled`."""
+    assert spec.params is not None and spec.uniforms is not None
+    n = spec.n
+    accepted, first, follow = [], [], []
+    for i, params in enumerate(spec.params):
+        rows = slice(i * n, (i + 1) * n)
+        if params is None:
+            a, f = _accept(xp, spec.tokens[rows], chosen[rows], 1, n)
+            accepted.append(a[0])
+            first.append(f[0])
+            follow.append(chosen[rows])
+            continue
+        draft = drafters[spec.slots[i]].logits[: n - 1]  # what this window's proposals were drawn from
+        a, f = verify_sampled(xp, logits[rows], draft, spec.tokens[rows], params, spec.uniforms[i])
+        nxt = xp.concatenate([spec.tokens[rows][1:], f[None]])  # a kept row is followed by the next input
+        nxt[a] = f
+        accepted.append(a)
+        first.append(f)
+        follow.append(nxt)
+    return xp.stack(accepted), xp.stack(first).astype(xp.int64), xp.concatenate(follow)
+
+
+def _accept(xp: Any, tokens: Array, chosen: Array, s: int, n: int) -> tuple[Array, Array]:
+    """(accepted [S], each slot's next input [S]) of a greedy window of S slots of n rows: its input ids
+    and chosen ids [S n]."""
     picks = chosen.reshape(s, n)
     accepted = leading_matches(xp, tokens.reshape(s, n), picks)
-    return each, accepted, picks[each, accepted], positions.reshape(s, n)[:, 0] + accepted + 1
+    return accepted, picks[xp.arange(s), accepted]
 
 
 def _next_window(xp: Any, first: Array, proposals: list[Array], start: Array, n: int) -> tuple[Array, Array]:
@@ -129,8 +223,9 @@ def prepare(model: Model, shapes: set[tuple[int, int]]) -> None:
     with device.use():
         for s, n in sorted(shapes):
             ids = xp.zeros(s * n, xp.int64)
-            each, accepted, first, start = _accept(xp, ids, ids, ids, s, n)
-            rows = xp.zeros((s * n, a.hidden_size), xp.float32).reshape(s, n, -1)[each, accepted]
+            accepted, first = _accept(xp, ids, ids, s, n)
+            start = ids.reshape(s, n)[:, 0] + accepted + 1
+            rows = xp.zeros((s * n, a.hidden_size), xp.float32).reshape(s, n, -1)[xp.arange(s), accepted]
             rows.astype(dtype)
             _next_window(xp, first, [xp.zeros(s, xp.int64)] * (n - 1), start, n)
         xp.cuda.get_current_stream().synchronize()

@@ -94,7 +94,11 @@ class Executor:
         """Queue ``job`` through every stage and return its flight without waiting for it; ``after``: its
         tokens are the choices of the window before it, read on the device."""
         needed = job.needed()
-        sampled = bool(needed) and any(e.slot.sampler.needs_logits and not e.on_device for e in job.entries)
+        sampled = (
+            bool(needed)
+            and not job.spec_on_device
+            and any(e.slot.sampler.needs_logits and not e.on_device for e in job.entries)
+        )
         flight = Flight(
             job, job.layout(), needed, sampled, self._marks(), after, job.draws(), job.device_spec()
         )
@@ -238,16 +242,13 @@ class Executor:
             if spec.tokens is None:  # launched by the host: its tokens and positions are host values
                 spec.tokens = dev.upload(flight.job.token_array())
                 spec.positions = dev.upload(flight.layout.positions())
-            decide(self.model, spec, chosen, normed, flight.layout)
-            spec.host = {
-                name: download(a) if dev.is_cuda else np.asarray(a)
-                for name, a in (
-                    ("accepted", spec.accepted),
-                    ("tokens", spec.tokens),
-                    ("positions", spec.positions),
-                )
-            }
-            flight.keep += [spec.tokens, spec.positions, spec.accepted, spec.next_tokens, spec.next_positions]
+            if spec.uniforms is not None:
+                spec.uniforms = dev.upload(spec.uniforms)
+            decide(self.model, spec, chosen, logits, normed, flight.layout)
+            read = {"accepted": spec.accepted, "first": spec.first, "tokens": spec.tokens}
+            read["positions"] = spec.positions
+            spec.host = {name: download(a) if dev.is_cuda else np.asarray(a) for name, a in read.items()}
+            flight.keep += [*read.values(), spec.uniforms, spec.next_tokens, spec.next_positions]
         if dev.is_cuda:
             flight.chosen_host = download(chosen)
             flight.logits = download(logits) if flight.sampled else None
@@ -380,16 +381,21 @@ class Executor:
                 f"holds {slot.length} positions"
             )
         window = [int(t) for t in spec.host["tokens"][row : row + n]]
-        accepted = int(spec.host["accepted"][spec.slots.index(slot.id)])
-        verdict = verify(flight.chosen_host[row : row + n], Proposals(window[1:], []), slot.sampler)
-        if verdict.accepted != accepted:
-            raise RuntimeError(
-                f"slot {slot.id}: the device kept {accepted} proposals of {window[1:]} where verifying them "
-                f"against the target's choices {flight.chosen_host[row : row + n].tolist()} keeps "
-                f"{verdict.accepted}"
-            )
+        i = spec.slots.index(slot.id)
+        accepted, after = int(spec.host["accepted"][i]), int(spec.host["first"][i])
+        tokens = [*window[1 : 1 + accepted], after]
+        if slot.sampler.greedy:  # the same decision as the host's own verification, or nothing is emitted
+            verdict = verify(flight.chosen_host[row : row + n], Proposals(window[1:], []), slot.sampler)
+            if verdict.tokens != tokens:
+                raise RuntimeError(
+                    f"slot {slot.id}: the device kept {accepted} proposals of {window[1:]} and chose {after} "
+                    f"where verifying them against the target's choices "
+                    f"{flight.chosen_host[row : row + n].tolist()} gives {verdict.tokens}"
+                )
+        elif not 0 <= accepted < n:
+            raise RuntimeError(f"slot {slot.id}: the device kept {accepted} of {n - 1} proposals")
         self.model.settle(slot.id, base, n, accepted + 1)
-        return [(slot, slot.advance(accepted + 1, verdict.tokens, n - 1, accepted))]
+        return [(slot, slot.advance(accepted + 1, tokens, n - 1, accepted))]
 
     def _finish_prefill(
         self, slot: Slot, n: int, target: np.ndarray | None, normed: Array

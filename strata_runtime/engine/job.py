@@ -56,14 +56,25 @@ class Job:
     entries: list[Entry]
     spec_on_device: bool = False
     """A speculative window decided on the device (`strata_runtime.engine.device_spec`): every entry is a
-    greedy slot's token and the same number of proposals. A window chained to one has `CHAINED` tokens and
-    proposals, and placeholder positions (each entry's ``pos`` is the slot's length when it was built)."""
+    slot's token and the same number of proposals, and no slot adjusts its logits. A window chained to one
+    has `CHAINED` tokens and proposals, and placeholder positions (each entry's ``pos`` is the slot's length
+    when it was built)."""
 
     def device_spec(self) -> DeviceSpec | None:
-        """The shape of the window's decision on the device, when it is decided there."""
+        """The shape of the window's decision on the device, when it is decided there, with each sampled
+        slot's uniforms [2n - 1], drawn now from its generator (in launch order, so a seed gives the same
+        text on every run)."""
         if not self.spec_on_device:
             return None
-        return DeviceSpec(tuple(e.slot.id for e in self.entries), len(self.entries[0].tokens))
+        n = len(self.entries[0].tokens)
+        spec = DeviceSpec(tuple(e.slot.id for e in self.entries), n)
+        samplers = [e.slot.sampler for e in self.entries]
+        if any(not s.greedy for s in samplers):
+            spec.params = tuple(None if s.greedy else s.params for s in samplers)
+            spec.uniforms = np.array(
+                [[0.0 if s.greedy else s.uniform() for _ in range(2 * n - 1)] for s in samplers]
+            )
+        return spec
 
     def layout(self) -> Layout:
         return Layout.of([(e.slot.id, len(e.tokens), e.pos) for e in self.entries])

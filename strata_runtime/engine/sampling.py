@@ -16,30 +16,40 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
 from ..api import SamplingParams
+from ..backend import Array
 
 
-def distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """Next-token probabilities [n, V] (float64) after temperature, top-k and top-p."""
-    x = np.asarray(logits, dtype=np.float64) / max(params.temperature, 1e-6)  # [n, V]
+def distribution(logits: Array, params: SamplingParams, xp: Any = np) -> Array:
+    """Next-token probabilities [n, V] (float64) after temperature, top-k and top-p, on ``xp`` arrays (NumPy
+    on the host, CuPy for a window decided on the GPU: the same steps)."""
+    x = xp.asarray(logits, dtype=xp.float64) / max(params.temperature, 1e-6)  # [n, V]
     if 0 < params.top_k < x.shape[-1]:
-        kth = np.partition(x, -params.top_k, axis=-1)[:, -params.top_k][:, None]  # [n, 1]
-        x = np.where(x < kth, -np.inf, x)
-    p = np.exp(x - x.max(axis=-1, keepdims=True))
+        kth = xp.partition(x, -params.top_k, axis=-1)[:, -params.top_k][:, None]  # [n, 1]
+        x = xp.where(x < kth, -xp.inf, x)
+    p = xp.exp(x - x.max(axis=-1, keepdims=True))
     p /= p.sum(axis=-1, keepdims=True)  # [n, V]
     if params.top_p < 1.0:
-        order = np.argsort(-p, axis=-1, kind="stable")  # [n, V]
-        sorted_p = np.take_along_axis(p, order, axis=-1)
-        before = np.cumsum(sorted_p, axis=-1) - sorted_p  # mass strictly above each token
-        keep_sorted = before < params.top_p  # the smallest prefix reaching top_p (never empty)
-        keep = np.zeros_like(keep_sorted)
-        np.put_along_axis(keep, order, keep_sorted, axis=-1)
-        p = np.where(keep, p, 0.0)
+        stable = {"kind": "stable"} if xp is np else {}  # CuPy's sort is stable
+        order = xp.argsort(-p, axis=-1, **stable)  # [n, V]
+        sorted_p = xp.take_along_axis(p, order, axis=-1)
+        before = xp.cumsum(sorted_p, axis=-1) - sorted_p  # mass strictly above each token
+        keep = xp.zeros(p.shape, dtype=bool)  # the smallest prefix reaching top_p (never empty)
+        keep[xp.arange(p.shape[0])[:, None], order] = before < params.top_p
+        p = xp.where(keep, p, 0.0)
         p /= p.sum(axis=-1, keepdims=True)
-    return np.asarray(p)
+    return p
+
+
+def inverse_cdf(probs: Array, u: Any, xp: Any = np) -> Any:
+    """The token [V] -> index whose cumulative weight first exceeds ``u`` (in [0, 1)) times the total: a draw
+    from ``probs`` (which need not sum to 1) at ``u``, on ``xp`` arrays (``u`` may be a device scalar)."""
+    cdf = xp.cumsum(probs)
+    return xp.minimum(xp.searchsorted(cdf, u * cdf[-1], side="right"), probs.shape[-1] - 1)
 
 
 class Sampler:
@@ -111,8 +121,7 @@ class Sampler:
 
     def draw(self, probs: np.ndarray) -> int:
         """One token from a distribution [V]."""
-        cdf = np.cumsum(probs)
-        return int(min(np.searchsorted(cdf, self.rng.random() * cdf[-1], side="right"), len(probs) - 1))
+        return int(inverse_cdf(probs, self.rng.random()))
 
     def uniform(self) -> float:
         return float(self.rng.random())

@@ -16,7 +16,7 @@ a slot is free), then, by the plan's batch mode:
   A solo or serial window of one row per slot whose tokens the device chooses runs ahead: up to
   ``batch.run_ahead`` windows are in flight, each reading on the device the tokens the one before it chose,
   so the GPU does not wait for the host between them (`_serial_round`); the windows queued past a request's
-  stop are discarded. A greedy solo or batch-MTP window is decided on the device
+  stop are discarded. A solo or batch-MTP window with proposals is decided on the device
   (`strata_runtime.engine.device_spec`) and runs ahead the same way (`_spec_continuation`). Pipelined
   groups chain their decode windows the same way, each group on its own.
 * *the continuous pipeline* (``batch.mode`` pipelined, G groups; slot s is in group s % G): windows of
@@ -227,9 +227,9 @@ class Engine:
             each = info["bytes_each"] / MIB
             kv = info["kv_bytes_each"] / MIB
             where = (
-                "greedy solo windows (pipelined groups verify on the host)"
+                "solo windows (pipelined groups verify on the host)"
                 if self.pipelined
-                else "greedy solo and batch-MTP windows"
+                else "solo and batch-MTP windows"
             )
             lines.append(
                 f"drafters: slots {info['slots']} on {info['device']} (last stage), {each:.2f} MiB each "
@@ -426,8 +426,8 @@ class Engine:
     def _spec_continuation(self, before: Flight) -> tuple[Job, None] | None:
         """The window after a speculative window decided on the device, chained to it: the same slots, each
         with as many rows, at positions and with tokens and proposals the device decides. Known when the
-        window holds every live slot, nothing waits (no queued request, no prompt), each slot is still
-        plain greedy, not cancelled, and not about to end within the windows in flight (each gives it at
+        window holds every live slot, nothing waits (no queued request, no prompt), no slot adjusts its
+        logits, none is cancelled, and not about to end within the windows in flight (each gives it at
         least one token), and the furthest its rows could reach still fits the context."""
         job = before.job
         assert before.spec is not None
@@ -439,7 +439,11 @@ class Engine:
         n = before.spec.n
         for e in job.entries:
             slot = e.slot
-            if slot.sampler.needs_logits or slot.handle.cancelled.is_set() or self._ends_in_flight(slot):
+            if (
+                not slot.sampler.device_chooses
+                or slot.handle.cancelled.is_set()
+                or self._ends_in_flight(slot)
+            ):
                 return None
             if self._reach(slot) + n > self.plan.memory.context:
                 return None
@@ -620,13 +624,13 @@ class Engine:
 
     def _decided_on_device(self, kind: str, entries: list[Entry]) -> bool:
         """Whether a decode window is decided on the device (`strata_runtime.engine.device_spec`): a solo or
-        batch-MTP window of serial windows whose slots are all plain greedy and have the same number of
-        proposals, at least one. (Pipelined groups draft one group on the host while another group's window
-        runs, on the same MTP buffers, so their windows are decided on the host.)"""
+        batch-MTP window of serial windows whose slots have the same number of proposals, at least one, and
+        no logit bias or penalty (greedy or sampled). (Pipelined groups draft one group on the host while
+        another group's window runs, on the same MTP buffers, so their windows are decided on the host.)"""
         if kind not in ("solo", "batch-mtp") or self.model.mtp is None:
             return False
         rows = {len(e.tokens) for e in entries}
-        return len(rows) == 1 and rows.pop() > 1 and not any(e.slot.sampler.needs_logits for e in entries)
+        return len(rows) == 1 and rows.pop() > 1 and all(e.slot.sampler.device_chooses for e in entries)
 
     def _room(self, slot: Slot) -> int:
         """Proposals that still fit the slot's context after its token."""
