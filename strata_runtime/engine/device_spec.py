@@ -213,8 +213,9 @@ def _next_window(xp: Any, first: Array, proposals: list[Array], start: Array, n:
 def prepare(model: Model, shapes: set[tuple[int, int]]) -> None:
     """Run the array steps of `decide` once for each window shape (S slots, n rows) on dummy values, on the
     last stage's device. CuPy compiles a kernel the first time it meets an operation on arrays of a new
-    kind of shape (a single slot's [1, n] reduces differently from [2, n]); done at start, no window waits
-    for it (the first one-slot batch-MTP window waited about 0.4 s on an H200)."""
+    kind of shape (a single slot's [1, n] reduces differently from [2, n]: about 0.4 s of compiles, timed
+    alone on an H200); done at start, no greedy window waits for it. (A sampled window's first draws still
+    compile theirs when it comes.)"""
     device = model.last.device
     if not device.is_cuda or model.mtp is None:
         return
