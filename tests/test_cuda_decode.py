@@ -364,6 +364,32 @@ def test_sampled_speculative_windows_on_gpu_are_seeded_and_greedy_when_cold(cp):
         assert first == run(plan, asked, hot) and first != greedy
 
 
+def test_batch_mtp_in_pipelined_groups_on_gpu_is_decided_there_with_the_serial_text(cp):
+    """Two stages of one GPU, two groups with batch MTP inside: each group's windows are decided on the GPU
+    by the last stage's thread, on the MTP head's own graphs, while the engine thread drafts on the host for
+    the others; the greedy text is serial windows' text."""
+    from rt_plans import with_mtp_in_groups
+
+    from strata_runtime.api import Request
+    from strata_runtime.engine import Engine
+
+    g = np.random.default_rng(43)
+    prompts = [g.integers(1, 250, int(n)).tolist() for n in g.integers(3, 30, 4)]
+    serial, _ = _generate(_plan(cp, model="tiny", slots=4, split=2), prompts)
+    # The resolver keeps a split of one GPU (a test construct) in serial windows; pipeline it by hand.
+    base = _plan(cp, model="tiny", slots=4, draft_tokens=4, split=2)
+    piped = base.batch.model_copy(update={"mode": "pipelined", "groups": 2})
+    plan = with_mtp_in_groups(base.model_copy(update={"batch": piped}))
+    engine = Engine(plan)
+    handles = [engine.submit(Request(tuple(p), 24)) for p in prompts]
+    chained = 0
+    while engine.step():
+        chained += sum(1 for f in engine._flights if f.spec is not None and f.after is not None)
+    engine.close()
+    assert [[t for ev in list(h.events.queue) for t in ev.token_ids] for h in handles] == serial
+    assert engine.totals["decided_on_device"] > 0 and chained > 0
+
+
 def test_long_prefill_chunks_match_the_float32_reference(cp, model_src):
     """Chunks of more than 64 rows take the CUDA prefill path (cuBLAS products, fp16 scores): their logits,
     and the KV they leave for the decode windows after them, must match the float32 reference on every row

@@ -211,6 +211,33 @@ def test_the_host_blocks_only_when_nothing_else_can_be_done_with_batch_mtp_in_gr
     assert sum(ev.accepted for ev in eng.windows) > 0
 
 
+def test_batch_mtp_windows_in_groups_are_decided_on_the_device_and_run_ahead_within_each_group() -> None:
+    """Each group's batch-MTP windows are decided on the last stage and the group's next window is queued
+    behind its window still on the stages (up to run_ahead), with the text of every request alone."""
+    eng, ex = gated(
+        pipelined_mtp_plan(stages=2, slots=4, groups=2, draft_tokens=3, context=128, prefill_chunk=16)
+    )
+    prompts = [b"one", b"a second prompt", b"three", b"four and more"]
+    reqs = [(0, Request(tuple(p), 24)) for p in prompts]
+    chained: list[Job] = []
+    launch = ex.launch
+
+    def spy(job: Job, after: Chained | None = None) -> Flight:
+        if after is not None and after.rows is None:
+            chained.append(job)
+        return launch(job, after)
+
+    ex.launch = spy  # type: ignore[method-assign]
+    got = collect(eng, reqs, check_kv=False)
+    for (_, r), tokens in zip(reqs, got, strict=True):
+        assert tuple(tokens) == reference("tiny", r.prompt_ids, 24)
+    grouped = [job for job in chained if job.kind == "pipelined-mtp"]
+    assert len(grouped) >= 4 and all(job.spec_on_device for job in grouped)
+    assert {job.entries[0].slot.id % 2 for job in grouped} == {0, 1}  # both groups ran ahead
+    assert eng.totals["decided_on_device"] > len(grouped)
+    assert eng.startup[-2].endswith("solo and batch-MTP windows, in each group")
+
+
 LONG = [tuple(32 + (7 * i + 3 * k) % 90 for i in range(n)) for k, n in enumerate((41, 9, 60, 23))]
 """Prompts of 1 to 4 chunks of 16."""
 

@@ -62,6 +62,9 @@ class CudaMtp:
             )
             self.stack = LayerStack.of(device_id, [head.layer], args, k_cache, v_cache, experts=experts)
             self.layers = CudaLayers(self.stack)
+            # Windows decided on the device run the head on the last stage's stream while host drafting
+            # may run it on the drafters' stream (pipelined groups): each gets its own buffers and graphs.
+            self.device_layers = CudaLayers(self.stack)
         self.kern = self.stack.kern
         self.head = CudaHead(device_id, head.norm, head.lm_head, args.rms_norm_eps)
         self._prefill = CudaPrefill(self.stack, experts=experts)
@@ -94,11 +97,13 @@ class CudaMtp:
 
     def forward(self, emb: Any, hidden: Any, layout: Layout, positions: Any = None) -> cp.ndarray:
         """The head's post-norm output [R, H] (fp32) for rows (embedding of token t+1, hidden at t);
-        ``positions`` [R] on this device, when they were decided here (the layout's are then not read)."""
+        ``positions`` [R] on this device, when they were decided here (the layout's are then not read): such
+        a window runs on its own buffers and graphs (`device_layers`)."""
+        layers = self.layers if positions is None else self.device_layers
         with cp.cuda.Device(self.device_id):
-            b = self.layers.buffers(layout.rows)
+            b = layers.buffers(layout.rows)
             b.load(layout, positions)
             b.emb[...] = emb
             b.out[...] = hidden  # the hidden input; the body overwrites it with the output at the end
-            self.layers.replay(b, self._body)
+            layers.replay(b, self._body)
             return b.out.copy()

@@ -226,11 +226,7 @@ class Engine:
         else:
             each = info["bytes_each"] / MIB
             kv = info["kv_bytes_each"] / MIB
-            where = (
-                "solo windows (pipelined groups verify on the host)"
-                if self.pipelined
-                else "solo and batch-MTP windows"
-            )
+            where = "solo and batch-MTP windows" + (", in each group" if self.pipelined else "")
             lines.append(
                 f"drafters: slots {info['slots']} on {info['device']} (last stage), {each:.2f} MiB each "
                 f"(MTP-layer KV {kv:.2f} MiB + draft-window buffers {each - kv:.2f} MiB); decided there, "
@@ -390,7 +386,7 @@ class Engine:
         chain, and so does a slot left alone where alone it would draft (its solo windows take over).
         """
         if before.spec is not None:
-            return None if group is not None else self._spec_continuation(before)
+            return self._spec_continuation(before, group)
         job = before.job
         kinds = ("solo", "serial") if group is None else ("pipelined",)
         if job.kind not in kinds or self._queue:
@@ -423,10 +419,11 @@ class Engine:
         kind = job.kind if group is not None else "solo" if len(entries) == 1 else "serial"
         return Job(kind, entries), tuple(rows)
 
-    def _spec_continuation(self, before: Flight) -> tuple[Job, None] | None:
+    def _spec_continuation(self, before: Flight, group: int | None = None) -> tuple[Job, None] | None:
         """The window after a speculative window decided on the device, chained to it: the same slots, each
         with as many rows, at positions and with tokens and proposals the device decides. Known when the
-        window holds every live slot, nothing waits (no queued request, no prompt), no slot adjusts its
+        window holds every live slot (of ``group``, pipelined), nothing waits (no queued request, no prompt
+        of the group), no slot adjusts its
         logits, none is cancelled, and not about to end within the windows in flight (each gives it at
         least one token), and the furthest its rows could reach still fits the context."""
         job = before.job
@@ -434,6 +431,8 @@ class Engine:
         if self._queue:
             return None
         live = [s for s in self.slots if s is not None and s.finished is None]
+        if group is not None:
+            live = [s for s in live if self._group(s.id) == group]
         if any(s.prefilling for s in live) or {s.id for s in live} != set(job.slot_ids):
             return None
         n = before.spec.n
@@ -455,7 +454,8 @@ class Engine:
     def _reach(self, slot: Slot) -> int:
         """The furthest the windows in flight could take ``slot``'s KV: its length plus every row they hold
         for it (a speculative window keeps at most all of its rows)."""
-        rows = sum(len(e.tokens) for f in self._chain for e in f.job.entries if e.slot.id == slot.id)
+        flights = (*self._chain, *self._flights)
+        rows = sum(len(e.tokens) for f in flights for e in f.job.entries if e.slot.id == slot.id)
         return slot.length + rows
 
     # ---- the continuous pipeline -------------------------------------------------------------------------
@@ -507,7 +507,7 @@ class Engine:
             decoding = [s for s in members if s.decoding]
             job = self._next_job(group, prefilling, decoding, pipelined=True)
             return None if job is None else (job, None)
-        if len(flying) < self.run_ahead and flying[-1].job.kind == "pipelined":
+        if len(flying) < self.run_ahead and flying[-1].job.kind in ("pipelined", "pipelined-mtp"):
             following = self._continuation(flying[-1], group)
             if following is None:
                 return None
@@ -624,10 +624,9 @@ class Engine:
 
     def _decided_on_device(self, kind: str, entries: list[Entry]) -> bool:
         """Whether a decode window is decided on the device (`strata_runtime.engine.device_spec`): a solo or
-        batch-MTP window of serial windows whose slots have the same number of proposals, at least one, and
-        no logit bias or penalty (greedy or sampled). (Pipelined groups draft one group on the host while
-        another group's window runs, on the same MTP buffers, so their windows are decided on the host.)"""
-        if kind not in ("solo", "batch-mtp") or self.model.mtp is None:
+        batch-MTP window (serial, or a pipelined group's) whose slots have the same number of proposals, at
+        least one, and no logit bias or penalty (greedy or sampled)."""
+        if kind not in ("solo", "batch-mtp", "pipelined-mtp") or self.model.mtp is None:
             return False
         rows = {len(e.tokens) for e in entries}
         return len(rows) == 1 and rows.pop() > 1 and all(e.slot.sampler.device_chooses for e in entries)
