@@ -18,7 +18,7 @@ a slot is free), then, by the plan's batch mode:
   so the GPU does not wait for the host between them (`_serial_round`); the windows queued past a request's
   stop are discarded. A solo or batch-MTP window with proposals is decided on the device
   (`strata_runtime.engine.device_spec`) and runs ahead the same way (`_spec_continuation`). Pipelined
-  groups chain their decode windows the same way, each group on its own.
+  groups chain their decode windows (plain or batch-MTP) the same way, each group on its own.
 * *the continuous pipeline* (``batch.mode`` pipelined, G groups; slot s is in group s % G): windows of
   different groups stay in flight across steps. A step launches the next window (chosen as above, within
   the group) of every group that has nothing in flight, the group that has waited longest first; it
