@@ -8,14 +8,18 @@ over from its device (a peer copy, on the receiving stream); every stage runs it
 event. The last stage adds the final norm, the LM head of the rows that decide a token, each one's chosen
 token (the argmax, or for a sampled row a draw at a uniform the host drew at launch:
 `strata_runtime.models.ops.choose`) and, for rows the host chooses (a logit bias or penalty, or proposals
-to verify when sampling), the logits, copied into pinned host buffers without the host waiting,
-and the flight's ``done`` event. A chained window (`strata_runtime.engine.flight.Chained`) embeds the
-tokens the window before it chose, on the device, after that window's ``done`` event. Uploads (token ids,
-a window's positions and slots) go through pinned memory too (`strata_runtime.backend.upload_into`), so
-queuing a window never makes the host wait for a stream.
+to verify on the host), the logits, copied into pinned host buffers without the host waiting,
+and the flight's ``done`` event. A speculative window decided on the device
+(`strata_runtime.engine.device_spec`) is accepted, caught up and drafted there too, right after its
+logits. A chained window (`strata_runtime.engine.flight.Chained`) embeds the tokens the window before it
+chose (or, after a speculative window decided on the device, its next tokens, at the positions it decided),
+on the device, after that window's ``done`` event. Uploads (token ids, a window's positions and slots) go
+through pinned memory too (`strata_runtime.backend.upload_into`), so queuing a window never makes the host
+wait for a stream.
 
 `Executor.finish` waits for ``done``, then verifies each slot's rows and commits (accept/rewind) through
-`strata_runtime.engine.speculative`; the drafters' work runs on one more stream of the last device, after
+`strata_runtime.engine.speculative`, or, for a window decided on the device, reads its decision and
+accounts the KV it kept (`_settle`); the drafters' work runs on one more stream of the last device, after
 the flight. A serial window is `launch` then `finish`. On virtual CPU devices a flight has run by the time
 `launch` returns; the code path is the same.
 
