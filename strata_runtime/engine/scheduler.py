@@ -369,7 +369,6 @@ class Engine:
                 return
             job, rows = following
             self._chain.append(self.executor.launch(job, Chained(before, rows)))
-            self._prefill_turn[0] = True  # a decode window: a prompt arriving now reads first
 
     def _continuation(
         self, before: Flight, group: int | None = None
@@ -509,10 +508,7 @@ class Engine:
             return None if job is None else (job, None)
         if len(flying) < self.run_ahead and flying[-1].job.kind in ("pipelined", "pipelined-mtp"):
             following = self._continuation(flying[-1], group)
-            if following is None:
-                return None
-            self._prefill_turn[group] = True  # a decode window: a prompt arriving now reads first
-            return following[0], Chained(flying[-1], following[1])
+            return None if following is None else (following[0], Chained(flying[-1], following[1]))
         newest = self._streaming(group, flying)
         if newest is None or not newest.passed(0):
             return None
