@@ -278,3 +278,20 @@ def test_sampled_windows_decided_on_the_device_have_the_distribution_of_host_dec
     dof = len(cells) - 1
     p_value = float(torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(chi2 / 2.0)))
     assert dof >= 10 and p_value > 1e-3, f"chi2 {chi2:.1f} over {dof} degrees of freedom, p = {p_value:.2e}"
+
+
+def test_a_greedy_and_a_sampled_slot_in_one_window_are_each_decided_by_their_own_rule() -> None:
+    """A batch-MTP window decided on the device holding a greedy slot and a sampled one: the greedy request
+    gets its text alone, and the sampled one is reproducible from its seed."""
+    greedy = Request(tuple(PROMPTS[0]), 30)
+    sampled = Request(tuple(PROMPTS[2]), 30, SamplingParams(temperature=0.9, top_k=20, seed=9))
+    outs = []
+    for _ in range(2):
+        eng = engine(2, 2, True, on_device=True)
+        launches = Launches(eng)
+        outs.append(run(eng, [(0, greedy), (0, sampled)])[0])
+        mixed = [job for job in launches.chained if job.kind == "batch-mtp" and len(job.entries) == 2]
+        assert mixed, "the two slots' windows ran chained, decided on the device"
+    assert outs[0] == outs[1]
+    assert tuple(outs[0][0]) == greedy_alone(PROMPTS[0], 30)
+    assert tuple(outs[0][1]) != greedy_alone(PROMPTS[2], 30)

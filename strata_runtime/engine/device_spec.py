@@ -158,10 +158,11 @@ def _propose(model: Model, spec: DeviceSpec, logits: Array, j: int) -> Array:
     if spec.params is None:
         return model.argmax(logits)
     xp = model.last.device.xp
-    picks = model.argmax(logits)
+    picks = model.argmax(logits) if None in spec.params else None  # for the greedy slots among them
     out = []
     for i, params in enumerate(spec.params):
         if params is None:
+            assert picks is not None
             out.append(picks[i])
         else:
             q = distribution(logits[i : i + 1], params, xp)[0]
