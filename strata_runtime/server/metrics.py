@@ -58,7 +58,7 @@ TOTALS: dict[str, tuple[str, str, float]] = {
     ),
     "decided_on_device": (
         "strata_windows_decided_on_device_total",
-        "Speculative windows accepted, caught up and drafted on the GPU (solo and batch-MTP windows).",
+        "Speculative windows (solo, batch MTP) accepted, caught up and drafted on the last stage's device.",
         1,
     ),
 }
