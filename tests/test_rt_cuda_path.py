@@ -57,10 +57,11 @@ def test_windows_through_the_cuda_path_give_the_array_paths_logits(fake_gpu):
         # fp16 weights and KV against float32: a few 1e-3 relative (measured 1e-3 to 7e-3); a misplaced
         # weight, buffer or step gives O(1).
         assert np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-2, runs
-        # The same token wherever the reference's two best logits are not a near tie (fp16 moves a logit
-        # by about 1e-4 here; one row of the two-slot window has a gap of 1.6e-4).
+        # The same token wherever the reference's two best logits are not a near tie: fp16 moves a logit
+        # by up to a few 1e-3 here (99th percentile 3.6e-3 in the two slots' chunks, where one row's best
+        # two are 2e-3 apart and swap).
         top2 = np.sort(b, axis=-1)[:, -2:]
-        decided = top2[:, 1] - top2[:, 0] > 1e-3
+        decided = top2[:, 1] - top2[:, 0] > 5e-3
         assert decided.mean() > 0.9 and (a.argmax(-1) == b.argmax(-1))[decided].all(), runs
 
     replays = []

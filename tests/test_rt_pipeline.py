@@ -238,6 +238,28 @@ def test_batch_mtp_windows_in_groups_are_decided_on_the_device_and_run_ahead_wit
     assert eng.startup[-2].endswith("solo and batch-MTP windows, in each group")
 
 
+def test_a_group_runs_ahead_even_when_its_windows_finish_before_the_host_looks_again() -> None:
+    """Without the gate, CPU devices finish a window as soon as it is launched. The group's next window
+    must still be chained at launch (as serial windows are), not only when the host happens to find its
+    window still in flight: run-ahead may not depend on how fast a window runs."""
+    eng = Engine(pipelined_mtp_plan(stages=2, slots=4, groups=2, draft_tokens=3, context=128, prefill_chunk=16))
+    chained: list[Job] = []
+    launch = eng.executor.launch
+
+    def spy(job: Job, after: Chained | None = None) -> Flight:
+        if after is not None and after.rows is None:
+            chained.append(job)
+        return launch(job, after)
+
+    eng.executor.launch = spy  # type: ignore[method-assign]
+    prompts = [b"one", b"a second prompt", b"three", b"four and more"]
+    reqs = [(0, Request(tuple(p), 16)) for p in prompts]
+    got = collect(eng, reqs, check_kv=False)
+    for (_, r), tokens in zip(reqs, got, strict=True):
+        assert tuple(tokens) == reference("tiny", r.prompt_ids, 16)
+    assert {job.entries[0].slot.id % 2 for job in chained if job.kind == "pipelined-mtp"} == {0, 1}
+
+
 LONG = [tuple(32 + (7 * i + 3 * k) % 90 for i in range(n)) for k, n in enumerate((41, 9, 60, 23))]
 """Prompts of 1 to 4 chunks of 16."""
 

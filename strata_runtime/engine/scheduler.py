@@ -486,13 +486,16 @@ class Engine:
         return {sid for f in (*self._flights, *self._chain) for sid in f.job.slot_ids}
 
     def _launch_groups(self) -> int:
-        """Launch each group's next window where it may go now, longest-waiting group first."""
+        """Launch each group's next windows where they may go now, longest-waiting group first: a window,
+        then the windows chained behind it at once (up to `run_ahead`), as `_extend_chain` does for serial
+        windows, so a group runs ahead however soon its windows finish."""
         launched = 0
         for g in sorted(range(self.plan.batch.groups), key=lambda g: self._idle_since.get(g, 0)):
-            job = self._group_job(g)
-            if job is not None:
+            while (job := self._group_job(g)) is not None:
                 self._flights.append(self.executor.launch(*job))
                 launched += 1
+                if job[1] is None and self._flights[-1].job.kind == "prefill":
+                    break  # a prompt's next chunk follows once this one has left stage 0
         return launched
 
     def _group_job(self, group: int) -> tuple[Job, Chained | None] | None:
