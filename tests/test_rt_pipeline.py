@@ -242,7 +242,9 @@ def test_a_group_runs_ahead_even_when_its_windows_finish_before_the_host_looks_a
     """Without the gate, CPU devices finish a window as soon as it is launched. The group's next window
     must still be chained at launch (as serial windows are), not only when the host happens to find its
     window still in flight: run-ahead may not depend on how fast a window runs."""
-    eng = Engine(pipelined_mtp_plan(stages=2, slots=4, groups=2, draft_tokens=3, context=128, prefill_chunk=16))
+    eng = Engine(
+        pipelined_mtp_plan(stages=2, slots=4, groups=2, draft_tokens=3, context=128, prefill_chunk=16)
+    )
     chained: list[Job] = []
     launch = eng.executor.launch
 
