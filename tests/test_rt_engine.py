@@ -143,8 +143,9 @@ def test_lifecycle_promotion_demotion_cancellation_and_reuse() -> None:
     assert tuple(collect(eng, [(0, c)])[0]) == reference("tiny", c.prompt_ids, 12)
 
 
-def test_eight_slots_rotate_through_four_slot_batch_mtp_windows() -> None:
-    """On the demo model, whose trained drafter makes the proposals hold for a reason."""
+def test_eight_slots_rotate_through_four_slot_batch_mtp_windows_when_experts_stream() -> None:
+    """On the demo model, whose trained drafter makes the proposals hold for a reason; 12 of each stage's
+    16 experts in VRAM, so the windows keep rotating with every slot decoding."""
     plan = make_plan(
         stages=2,
         slots=8,
@@ -152,8 +153,10 @@ def test_eight_slots_rotate_through_four_slot_batch_mtp_windows() -> None:
         draft_tokens=2,
         context=128,
         prefill_chunk=32,
+        expert_cache=12,
         **model_source("austen"),
     )
+    assert not any(g.all_experts_resident for g in plan.gpus)
     eng = Engine(plan)
     reqs = [(0, Request(tuple(f"She said to her sister {i} that".encode()), 30)) for i in range(8)]
     got = collect(eng, reqs)
@@ -168,6 +171,38 @@ def test_eight_slots_rotate_through_four_slot_batch_mtp_windows() -> None:
     for w1, w2 in zip(after[:6:2], after[1:6:2], strict=True):  # all 8 decoding: two windows serve each slot
         assert sorted(w1.slots + w2.slots) == list(range(8))
     assert sum(w.accepted for w in batch) > 0.5 * sum(w.proposals for w in batch)
+
+
+def test_with_every_expert_resident_more_slots_than_a_batch_mtp_window_take_serial_windows() -> None:
+    """Every expert in VRAM: while more slots decode than one batch-MTP window holds (4), the decode windows
+    are serial (a row per slot, all slots at once); once few enough are left, batch-MTP windows again.
+    The text is each request's alone either way."""
+    plan = make_plan(
+        stages=2,
+        slots=8,
+        batch_mtp=True,
+        draft_tokens=2,
+        context=128,
+        prefill_chunk=32,
+        **model_source("austen"),
+    )
+    assert all(g.all_experts_resident for g in plan.gpus)
+    eng = Engine(plan)
+    # Four requests end early, so the engine goes from eight decoding slots to four.
+    reqs = [
+        (0, Request(tuple(f"She said to her sister {i} that".encode()), 8 if i % 2 else 30)) for i in range(8)
+    ]
+    got = collect(eng, reqs)
+    for (_, r), tokens in zip(reqs, got, strict=True):
+        assert tuple(tokens) == reference("austen", r.prompt_ids, r.max_tokens)
+    decode = [w for w in eng.windows if w.kind != "prefill"]
+    serial = [w for w in decode if w.kind == "serial"]
+    batch = [w for w in decode if w.kind == "batch-mtp"]
+    assert serial and all(len(w.slots) > 4 and w.rows == len(w.slots) for w in serial)
+    assert batch and all(len(w.slots) <= 4 and w.rows == 2 * len(w.slots) for w in batch)
+    last_serial = max(i for i, w in enumerate(decode) if w.kind == "serial")
+    assert decode[last_serial + 1].kind == "batch-mtp"  # four left: batch MTP takes over
+    assert "more: serial windows (every expert is resident)" in eng.startup[3]
 
 
 def test_stop_token_and_max_tokens_end_a_request() -> None:
