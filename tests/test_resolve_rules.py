@@ -612,7 +612,11 @@ def test_windows_batch_mtp_rotation_over_more_than_four_slots():
     plan = plan_of(rule_file("windows.batch-mtp-rotation"))
     assert (plan.batch.slots, plan.batch.slots_per_window, plan.windows.batch_rows) == (6, 4, 8)
     assert plan.windows.handoff_rows == 8
-    assert "take turns" in decision(plan, "windows.batch-mtp-rotation").message
+    assert plan.gpus[0].all_experts_resident
+    assert "serial windows carry them all" in decision(plan, "windows.batch-mtp-rotation").message
+    streaming = plan_of(rule_file("windows.batch-mtp-rotation"), ["experts.cache=6"])
+    assert not streaming.gpus[0].all_experts_resident
+    assert "take turns" in decision(streaming, "windows.batch-mtp-rotation").message
 
 
 def test_serve_exposed_warns_and_strict_refuses():

@@ -93,7 +93,7 @@ def resolve(
     expert_notes(gpus, sz, led)
     host = host_budget(model, gpus, led)
     # 8. windows
-    windows = resolve_windows(led)
+    windows = resolve_windows(led, all(g.all_experts_resident for g in gpus if g.role == "stage"))
     # 9. serving, strict
     if serving:
         serve_exposure(led)

@@ -162,7 +162,13 @@ _RULES = (
         "the experts kept in pinned host memory, plus memory.host_reserve_mib, exceed the host's RAM",
     ),
     # 8: windows
-    Rule("windows.batch-mtp-rotation", 8, "note", "more than 4 batch-MTP slots take turns, 4 per window"),
+    Rule(
+        "windows.batch-mtp-rotation",
+        8,
+        "note",
+        "more than 4 batch-MTP slots: serial windows while more than 4 decode (every expert resident), "
+        "else they take turns, 4 per window",
+    ),
     # 9: serving and strict mode
     Rule("serve.exposed", 9, "warn", "serving on a non-loopback address without serve.api_key_env"),
 )

@@ -29,17 +29,24 @@ def batch_shape(led: Ledger) -> tuple[int, int, BatchMode, int, int]:
     return slots, groups, mode, min(slots // groups, MAX_WINDOW_ROWS), 1
 
 
-def resolve_windows(led: Ledger) -> WindowPlan:
-    """The window bounds of the plan; a note when batch-MTP slots must take turns."""
+def resolve_windows(led: Ledger, all_experts_resident: bool) -> WindowPlan:
+    """The window bounds of the plan; a note on what more batch-MTP slots than one window holds do: with
+    every expert resident, serial windows carry them while more than one window's worth decode (a row
+    brings a token there, not a proposal); with experts streaming, they take turns."""
     slots, groups, mode, per_window, rows_per_slot = batch_shape(led)
     draft = led["spec.draft_tokens"]
     solo_rows = min(1 + max(draft - 1, 0), MAX_WINDOW_ROWS)
     if led["batch.mtp"] and groups == 1 and slots > BATCH_MTP_SLOTS_PER_WINDOW:
+        per, rows = BATCH_MTP_SLOTS_PER_WINDOW, MAX_WINDOW_ROWS
         led.note(
             "windows.batch-mtp-rotation",
             "batch.slots",
-            f"{slots} batch-MTP slots take turns, {BATCH_MTP_SLOTS_PER_WINDOW} per window of "
-            f"{MAX_WINDOW_ROWS} rows (token and proposal each)",
+            f"{slots} batch-MTP slots: while more than {per} decode, serial windows carry them all (every "
+            f"expert is resident, so a row is worth more as a token than as a proposal); {per} or fewer "
+            f"share a batch-MTP window of token and proposal rows"
+            if all_experts_resident
+            else f"{slots} batch-MTP slots take turns, {per} per window of {rows} rows (token and proposal "
+            "each)",
         )
     batch_rows = solo_rows if mode == "solo" else per_window * rows_per_slot
     return WindowPlan(
