@@ -295,3 +295,25 @@ def test_a_greedy_and_a_sampled_slot_in_one_window_are_each_decided_by_their_own
     assert outs[0] == outs[1]
     assert tuple(outs[0][0]) == greedy_alone(PROMPTS[0], 30)
     assert tuple(outs[0][1]) != greedy_alone(PROMPTS[2], 30)
+
+
+def test_each_next_proposal_is_drawn_at_its_own_uniform_not_at_an_accept_or_bonus_one() -> None:
+    """A sampled window's uniforms are [accept n - 1 | bonus 1 | next proposals n - 1]. Proposal j + 1 of
+    the next window must be drawn at column n + j: reusing an accept uniform would correlate whether this
+    window's proposals held with what the next one proposes, a bias too small for the chi-square tests to
+    see. Over a uniform distribution on 4 tokens every column here maps to a different token."""
+    from types import SimpleNamespace
+
+    n = 3
+    params = SamplingParams(temperature=1.0, seed=1)
+    uniforms = np.array(
+        [
+            [0.99, 0.70, 0.60, 0.01, 0.30],  # accept -> tokens 3, 2; bonus -> 2; proposals -> 0, 1
+            [0.10, 0.30, 0.05, 0.55, 0.80],  # accept -> 0, 1; bonus -> 0; proposals -> 2, 3
+        ]
+    )
+    spec = device_spec.DeviceSpec((0, 1), n, params=(params, params), uniforms=uniforms)
+    model = SimpleNamespace(last=SimpleNamespace(device=SimpleNamespace(xp=np)))
+    flat = np.zeros((2, 4), np.float32)  # every token equally likely
+    drawn = [device_spec._propose(model, spec, flat, j).tolist() for j in range(n - 1)]  # type: ignore[arg-type]
+    assert drawn == [[0, 2], [1, 3]]
