@@ -61,7 +61,7 @@ from .job import CHAINED, Entry, Job
 from .refusals import refusals
 from .sampling import Sampler
 from .slot import Slot
-from .speculative import Proposals
+from .speculative import DRAFT_FLOOR, DRAFT_PROBE_EVERY, Proposals, drafting_pays
 from .stats import WindowStat, WindowStats
 
 log = logging.getLogger("strata_runtime")
@@ -240,10 +240,15 @@ class Engine:
             kv = info["kv_bytes_each"] / MIB
             where = "solo and batch-MTP windows" + (", in each group" if self.pipelined else "")
             lines.append(
+                f"drafting pauses for a request while under {DRAFT_FLOOR:.0%} of its proposals hold, with "
+                f"one probe every {DRAFT_PROBE_EVERY} windows"
+            )
+            lines.append(
                 f"drafters: slots {info['slots']} on {info['device']} (last stage), {each:.2f} MiB each "
                 f"(MTP-layer KV {kv:.2f} MiB + draft-window buffers {each - kv:.2f} MiB); decided there, "
                 f"running ahead of the host: {where}"
             )
+
         for stage in self.model.stages:
             if stage.device.is_cuda:
                 path = "CUDA graphs" if stage.cuda is not None else f"array path ({stage.cuda_refused})"
@@ -424,9 +429,12 @@ class Engine:
             rows.append(row)
         if not entries:
             return None
-        if job.kind != "solo" and self.plan.batch.mtp and self._batch_mtp_serves(len(entries)):
-            return None  # few enough slots decode for batch-MTP windows again
-        alone = len(everyone) == 1 and min(self.depth, self.plan.memory.context - entries[0].pos - 1) > 0
+        gauges = [e.slot.gauge for e in entries]
+        mtp_again = self.plan.batch.mtp and self._batch_mtp_serves(len(entries)) and drafting_pays(gauges)
+        if job.kind != "solo" and mtp_again:
+            return None  # batch-MTP windows again: few enough slots decode, and drafting pays
+        room = min(self.depth, self.plan.memory.context - entries[0].pos - 1)
+        alone = len(everyone) == 1 and room > 0 and drafting_pays(gauges)
         if alone and (group is None or not any(f.job.kind == "prefill" for f in self._flights)):
             return None  # one slot left (pipelined: and no prompt in flight): its solo windows draft
         kind = job.kind if group is not None else "solo" if len(entries) == 1 else "serial"
@@ -448,6 +456,8 @@ class Engine:
             live = [s for s in live if self._group(s.id) == group]
         if any(s.prefilling for s in live) or {s.id for s in live} != set(job.slot_ids):
             return None
+        if not drafting_pays([e.slot.gauge for e in job.entries], probe=False):
+            return None  # the slots' proposals rarely hold: windows without them take over
         n = before.spec.n
         for e in job.entries:
             slot = e.slot
@@ -601,9 +611,14 @@ class Engine:
         ids = [s.id for s in decoding]
         by_id = {s.id: s for s in decoding}
         if len(decoding) == 1 and not prefilling and not pipelined:
-            rows = solo_window(ids[0], min(self.depth, self._room(decoding[0])))
+            drafts = decoding[0].gauge.drafts
+            rows = solo_window(ids[0], min(self.depth, self._room(decoding[0])) if drafts else 0)
             kind = "solo"
-        elif self.plan.batch.mtp and self._batch_mtp_serves(len(decoding)):
+        elif (
+            self.plan.batch.mtp
+            and self._batch_mtp_serves(len(decoding))
+            and drafting_pays([s.gauge for s in decoding])
+        ):
             # Rotate by slot id, so that slots finishing or arriving do not make the others lose their turn.
             rotation = self._rotation.get(group, 0)
             start = next((i for i, sid in enumerate(ids) if sid >= rotation), 0)

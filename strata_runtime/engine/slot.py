@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from ..api import FinishReason, RequestHandle, TokenEvent, Tokenizer
 from .sampling import Sampler
+from .speculative import DraftGauge
 from .stops import StopText
 
 
@@ -31,6 +32,8 @@ class Slot:
     sent_text: str = ""
     """The text sent so far: always a prefix of the final reply."""
     finished: FinishReason | None = None
+    gauge: DraftGauge = field(default_factory=DraftGauge)
+    """Whether drafting pays for this request: the share of its proposals that held."""
     _text: str = ""
     """The text of ``generated[:_read]``, decoded incrementally (complete characters only)."""
     _prefix: int = 0
@@ -72,6 +75,7 @@ class Slot:
         self.length += rows
         self.token = tokens[-1]
         self.handle.proposals += proposed
+        self.gauge.record(proposed, accepted)
         return self.emit(tokens, accepted)
 
     def emit(self, tokens: list[int], accepted: int) -> TokenEvent:

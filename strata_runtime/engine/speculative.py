@@ -31,6 +31,68 @@ class Proposals:
     q: list[np.ndarray]
 
 
+DRAFT_FLOOR = 0.25
+"""Below this share of its proposals held, a slot's drafting is paused (`DraftGauge`). A window of k slots
+with one proposal each costs t(2k) for k(1 + a) tokens, against t(k) for k tokens without; on an H200
+t(2k)/t(k) is 1.28 to 1.6 for k = 1..4 (docs/PERFORMANCE.md), so drafting under 25% loses everywhere
+measured, and above it the engine keeps drafting."""
+DRAFT_WARMUP = 8
+"""Proposals a slot's estimate needs before it may pause drafting (until then it drafts)."""
+DRAFT_PROBE_EVERY = 16
+"""Windows without proposals after which a paused slot drafts again once, to measure again."""
+DRAFT_WEIGHT = 1 / 4
+"""Weight of each new proposal in the estimate: an exponential average over about the last 4, so one probe
+whose proposal holds brings a paused slot back to the floor."""
+
+
+@dataclass
+class DraftGauge:
+    """Whether drafting pays for one slot: an exponential average of the share of its proposals that held,
+    from every window it verified. Drafting pauses while the estimate is under `DRAFT_FLOOR` (after
+    `DRAFT_WARMUP` proposals); a paused slot drafts again for one window every `DRAFT_PROBE_EVERY` windows,
+    so a request whose text turns predictable gets its drafts back. Exactness does not depend on it: a
+    window with or without proposals gives the same greedy text and the target's distribution."""
+
+    rate: float = 1.0
+    seen: int = 0
+    """Proposals verified so far."""
+    idle: int = 0
+    """Windows in a row without proposals."""
+
+    def record(self, proposed: int, accepted: int) -> None:
+        if proposed == 0:
+            self.idle += 1
+            return
+        self.idle = 0
+        self.seen += proposed
+        keep = (1 - DRAFT_WEIGHT) ** proposed
+        self.rate = keep * self.rate + (1 - keep) * accepted / proposed
+
+    @property
+    def estimate(self) -> float:
+        """The share of proposals expected to hold (optimistic, 1, until `DRAFT_WARMUP` were seen)."""
+        return self.rate if self.seen >= DRAFT_WARMUP else 1.0
+
+    @property
+    def probe_due(self) -> bool:
+        return self.idle >= DRAFT_PROBE_EVERY
+
+    @property
+    def drafts(self) -> bool:
+        """Whether this slot's next window should carry proposals."""
+        return self.estimate >= DRAFT_FLOOR or self.probe_due
+
+
+def drafting_pays(gauges: list[DraftGauge], probe: bool = True) -> bool:
+    """Whether a window of these slots carries proposals: their estimates average at least `DRAFT_FLOOR`
+    (a batch-MTP window gives every slot a proposal row), or, with ``probe``, a probe is due for one of
+    them. A window chained behind a probe passes ``probe=False``: one probe is measured before another."""
+    if not gauges:
+        return False
+    due = probe and any(g.probe_due for g in gauges)
+    return due or sum(g.estimate for g in gauges) / len(gauges) >= DRAFT_FLOOR
+
+
 @dataclass(frozen=True)
 class Verdict:
     """What a window decided for one slot: how many proposals held, and the tokens it emits."""

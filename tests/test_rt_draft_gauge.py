@@ -1,0 +1,97 @@
+"""Drafting pauses for a request whose proposals rarely hold, and comes back when they do.
+
+A window of k slots with one proposal each costs about as much as 2k rows for k(1 + a) tokens; when a
+request's drafts are seldom accepted (a drafter that does not match the model, or sampling at a high
+temperature), windows without proposals give more tokens for the time. Each slot's `DraftGauge` estimates
+the share of its proposals that hold; below `DRAFT_FLOOR` the engine runs its windows without proposals,
+probing once every `DRAFT_PROBE_EVERY` windows. Greedy text must not change, whatever the gauge decides.
+"""
+
+from __future__ import annotations
+
+import pytest
+from rt_plans import make_plan
+from test_rt_engine import collect
+
+from strata_runtime.api import Request, SamplingParams
+from strata_runtime.engine import Engine, speculative
+from strata_runtime.engine.speculative import DRAFT_FLOOR, DRAFT_PROBE_EVERY, DRAFT_WARMUP, DraftGauge
+
+PROMPTS = [b"The river", b"Another one"]
+
+
+def test_a_gauge_drafts_while_warming_up_pauses_below_the_floor_probes_and_comes_back() -> None:
+    g = DraftGauge()
+    for _ in range(DRAFT_WARMUP - 1):
+        g.record(1, 0)
+        assert g.drafts  # too few proposals seen to judge
+    g.record(1, 0)
+    assert g.estimate < DRAFT_FLOOR and not g.drafts
+    for _ in range(DRAFT_PROBE_EVERY - 1):
+        g.record(0, 0)
+        assert not g.drafts
+    g.record(0, 0)
+    assert g.probe_due and g.drafts  # one probe
+    g.record(1, 1)  # its proposal held
+    assert not g.probe_due and g.drafts and g.estimate >= DRAFT_FLOOR
+    for _ in range(3):
+        g.record(3, 3)
+    assert g.estimate > 0.9
+
+
+def _run(plan, requests) -> tuple[list[list[int]], str, int, int]:
+    """Each request's tokens; the windows' kinds in order (P prefill, B batch MTP, s serial, o solo); and
+    how many decode windows carried proposals and how many did not."""
+    eng = Engine(plan)
+    got = collect(eng, [(0, r) for r in requests])
+    windows = list(eng.windows)
+    kinds = "".join({"prefill": "P", "batch-mtp": "B", "serial": "s", "solo": "o"}[w.kind] for w in windows)
+    decode = [w for w in windows if w.kind != "prefill"]
+    drafted = sum(1 for w in decode if w.rows > len(w.slots))
+    return got, kinds, drafted, len(decode) - drafted
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+def test_a_drafter_whose_proposals_never_hold_is_paused_and_the_greedy_text_is_the_same(
+    slots, monkeypatch
+) -> None:
+    """layer_scale 0.5 makes the tiny model's MTP head disagree with it: no proposal holds. The engine
+    pauses drafting after the warm-up and probes every `DRAFT_PROBE_EVERY` windows; with the floor at 0
+    (never pausing) it drafts in every window. The text is the same."""
+    plan = make_plan(stages=1, slots=slots, batch_mtp=slots > 1, draft_tokens=3, context=256, layer_scale=0.5)
+    requests = [Request(tuple(p), 60) for p in PROMPTS[:slots]]
+    paused, kinds, drafted, plain = _run(plan, requests)
+    monkeypatch.setattr(speculative, "DRAFT_FLOOR", 0.0)
+    always, _, drafted_always, plain_always = _run(plan, requests)
+    assert paused == always
+    assert plain_always == 0 and drafted_always > 0
+    assert plain > 3 * drafted  # paused after the warm-up, one probe in every DRAFT_PROBE_EVERY + 1
+    if slots > 1:
+        # After the warm-up: runs of serial windows, each broken by one probe window.
+        runs = kinds[kinds.index("s") :].rstrip("o").split("B")
+        assert len(runs) >= 3 and all(len(r) >= DRAFT_PROBE_EVERY for r in runs[:-1])
+
+
+def test_a_drafter_whose_proposals_hold_is_never_paused() -> None:
+    """The default tiny model's MTP head predicts it well: every decode window of two slots is batch MTP."""
+    plan = make_plan(stages=1, slots=2, batch_mtp=True, draft_tokens=3, context=256)
+    _, kinds, _, _ = _run(plan, [Request(tuple(p), 60) for p in PROMPTS])
+    assert "s" not in kinds and kinds.count("B") > 20
+    said = Engine(plan).startup
+    assert (
+        "drafting pauses for a request while under 25% of its proposals hold, with one probe every 16"
+        in "".join(said)
+    )
+
+
+def test_sampled_requests_whose_drafts_rarely_hold_decode_without_them_and_stay_seeded() -> None:
+    """With the drafter of layer_scale 0.5 and temperature 0.4, the target's rows lean to its own choices
+    and the drafts to others: few hold, windows without proposals take over, and a seed still gives the
+    same text."""
+    plan = make_plan(stages=1, slots=2, batch_mtp=True, draft_tokens=3, context=256, layer_scale=0.5)
+    params = SamplingParams(temperature=0.4, seed=11)
+    requests = [Request(tuple(p), 60, params) for p in PROMPTS]
+    first, _, drafted, plain = _run(plan, requests)
+    again, _, _, _ = _run(plan, requests)
+    assert first == again
+    assert plain > 2 * drafted
