@@ -32,8 +32,15 @@ def test_a_gauge_drafts_while_warming_up_pauses_below_the_floor_probes_and_comes
         assert not g.drafts
     g.record(0, 0)
     assert g.probe_due and g.drafts  # one probe
+    g.record(1, 0)  # it failed: the next one waits twice as long
+    for _ in range(2 * DRAFT_PROBE_EVERY - 1):
+        g.record(0, 0)
+        assert not g.drafts
+    g.record(0, 0)
+    assert g.probe_due
     g.record(1, 1)  # its proposal held
     assert not g.probe_due and g.drafts and g.estimate >= DRAFT_FLOOR
+    assert g.wait == DRAFT_PROBE_EVERY
     for _ in range(3):
         g.record(3, 3)
     assert g.estimate > 0.9
@@ -59,7 +66,7 @@ def test_a_drafter_whose_proposals_never_hold_is_paused_and_the_greedy_text_is_t
     pauses drafting after the warm-up and probes every `DRAFT_PROBE_EVERY` windows; with the floor at 0
     (never pausing) it drafts in every window. The text is the same."""
     plan = make_plan(stages=1, slots=slots, batch_mtp=slots > 1, draft_tokens=3, context=256, layer_scale=0.5)
-    requests = [Request(tuple(p), 60) for p in PROMPTS[:slots]]
+    requests = [Request(tuple(p), 110) for p in PROMPTS[:slots]]
     paused, kinds, drafted, plain = _run(plan, requests)
     monkeypatch.setattr(speculative, "DRAFT_FLOOR", 0.0)
     always, _, drafted_always, plain_always = _run(plan, requests)
@@ -70,6 +77,8 @@ def test_a_drafter_whose_proposals_never_hold_is_paused_and_the_greedy_text_is_t
         # After the warm-up: runs of serial windows, each broken by one probe window.
         runs = kinds[kinds.index("s") :].rstrip("o").split("B")
         assert len(runs) >= 3 and all(len(r) >= DRAFT_PROBE_EVERY for r in runs[:-1])
+        # Each failed probe doubles the wait before the next.
+        assert all(len(b) >= 2 * len(a) - 1 for a, b in zip(runs[:-2], runs[1:-1]))
 
 
 def test_a_drafter_whose_proposals_hold_is_never_paused() -> None:

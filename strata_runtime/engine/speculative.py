@@ -39,7 +39,9 @@ measured, and above it the engine keeps drafting."""
 DRAFT_WARMUP = 8
 """Proposals a slot's estimate needs before it may pause drafting (until then it drafts)."""
 DRAFT_PROBE_EVERY = 16
-"""Windows without proposals after which a paused slot drafts again once, to measure again."""
+"""Windows without proposals after which a paused slot drafts again once, to measure again; the wait
+doubles after each probe that leaves the estimate under the floor, up to `DRAFT_PROBE_MOST`."""
+DRAFT_PROBE_MOST = 128
 DRAFT_WEIGHT = 1 / 4
 """Weight of each new proposal in the estimate: an exponential average over about the last 4, so one probe
 whose proposal holds brings a paused slot back to the floor."""
@@ -50,7 +52,8 @@ class DraftGauge:
     """Whether drafting pays for one slot: an exponential average of the share of its proposals that held,
     from every window it verified. Drafting pauses while the estimate is under `DRAFT_FLOOR` (after
     `DRAFT_WARMUP` proposals); a paused slot drafts again for one window every `DRAFT_PROBE_EVERY` windows,
-    so a request whose text turns predictable gets its drafts back. Exactness does not depend on it: a
+    so a request whose text turns predictable gets its drafts back; each probe that finds them still
+    failing doubles the wait for the next (up to `DRAFT_PROBE_MOST`). Exactness does not depend on it: a
     window with or without proposals gives the same greedy text and the target's distribution."""
 
     rate: float = 1.0
@@ -58,15 +61,22 @@ class DraftGauge:
     """Proposals verified so far."""
     idle: int = 0
     """Windows in a row without proposals."""
+    wait: int = DRAFT_PROBE_EVERY
+    """Windows without proposals before the next probe."""
 
     def record(self, proposed: int, accepted: int) -> None:
         if proposed == 0:
             self.idle += 1
             return
+        probe = self.probe_due
         self.idle = 0
         self.seen += proposed
         keep = (1 - DRAFT_WEIGHT) ** proposed
         self.rate = keep * self.rate + (1 - keep) * accepted / proposed
+        if self.estimate >= DRAFT_FLOOR:
+            self.wait = DRAFT_PROBE_EVERY
+        elif probe:
+            self.wait = min(2 * self.wait, DRAFT_PROBE_MOST)
 
     @property
     def estimate(self) -> float:
@@ -75,7 +85,7 @@ class DraftGauge:
 
     @property
     def probe_due(self) -> bool:
-        return self.idle >= DRAFT_PROBE_EVERY
+        return self.idle >= self.wait
 
     @property
     def drafts(self) -> bool:
