@@ -78,7 +78,7 @@ def test_a_drafter_whose_proposals_never_hold_is_paused_and_the_greedy_text_is_t
         runs = kinds[kinds.index("s") :].rstrip("o").split("B")
         assert len(runs) >= 3 and all(len(r) >= DRAFT_PROBE_EVERY for r in runs[:-1])
         # Each failed probe doubles the wait before the next.
-        assert all(len(b) >= 2 * len(a) - 1 for a, b in zip(runs[:-2], runs[1:-1]))
+        assert all(len(b) >= 2 * len(a) - 1 for a, b in zip(runs[:-2], runs[1:-1], strict=True))
 
 
 def test_a_drafter_whose_proposals_hold_is_never_paused() -> None:
