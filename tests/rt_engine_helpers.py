@@ -17,6 +17,7 @@ from rt_plans import make_plan, pipelined_mtp_plan
 from strata_cfg.schema.plan import LaunchPlan
 from strata_runtime.api import Request
 from strata_runtime.engine import Engine
+from strata_runtime.engine.speculative import DEFER_MOST
 from strata_runtime.experts.cache import HELPER, HOST, Reads
 from strata_runtime.experts.store import ExpertStore
 
@@ -96,8 +97,9 @@ def cancel_mid_chain(
 
 def assert_kv_consistent(eng: Engine) -> None:
     """Every stage holds exactly the slot's committed positions and the rows of its chained windows still in
-    flight (the drafter only the committed ones). A window decided on the device is accounted when it is
-    finished, so its rows in flight do not count yet."""
+    flight (the drafter only the committed ones: in its KV, or deferred until it drafts again, at most
+    `DEFER_MOST`). A window decided on the device is accounted when it is finished, so its rows in flight
+    do not count yet."""
     for i, slot in enumerate(eng.slots):
         if slot is None:
             assert eng.model.kv_lengths(i) == [0] * len(eng.model.stages)
@@ -107,7 +109,9 @@ def assert_kv_consistent(eng: Engine) -> None:
         )
         assert eng.model.kv_lengths(i) == [slot.length + ahead] * len(eng.model.stages)
         if eng.tracked:
-            assert eng.model.drafters[i].length == slot.length
+            drafter = eng.model.drafters[i]
+            assert drafter.length + drafter.pending_rows == slot.length
+            assert drafter.pending_rows <= DEFER_MOST
 
 
 def handed_to_cache(store: ExpertStore) -> list[tuple[np.ndarray, Reads | None]]:

@@ -104,3 +104,43 @@ def test_sampled_requests_whose_drafts_rarely_hold_decode_without_them_and_stay_
     again, _, _, _ = _run(plan, requests)
     assert first == again
     assert plain > 2 * drafted
+
+
+def _counting_head(eng: Engine) -> list[int]:
+    """Rows each call of the engine's MTP head ran, in order."""
+    calls: list[int] = []
+    head = eng.model.mtp
+    assert head is not None
+    run = head.__call__
+
+    class Counted(type(head)):  # type: ignore[misc]
+        def __call__(self, drafters, tokens, hidden, layout, positions=None, account=True):
+            calls.append(layout.rows)
+            return run(drafters, tokens, hidden, layout, positions, account)
+
+    head.__class__ = Counted
+    return calls
+
+
+def test_windows_without_proposals_leave_the_drafter_s_rows_for_one_pass_before_it_drafts(
+    monkeypatch,
+) -> None:
+    """Two slots in serial windows (no batch MTP): neither drafts until one is left alone, so their rows
+    wait, up to `DEFER_MOST`, and the head reads them in one pass. Against catching up every window
+    (`DEFER_MOST` 0): the same text, far fewer head calls, and the same drafts once the slot is alone."""
+    plan = make_plan(stages=2, slots=2, draft_tokens=3, context=256)
+    requests = [(0, Request(tuple(b"The river"), 70)), (0, Request(tuple(b"Another one"), 20))]
+
+    def run() -> tuple[list[list[int]], list[int], int, int]:
+        eng = Engine(plan)
+        calls = _counting_head(eng)
+        got = collect(eng, requests)
+        return got, calls, eng.totals["proposals"], eng.totals["accepted"]
+
+    got, calls, proposals, accepted = run()
+    monkeypatch.setattr(speculative, "DEFER_MOST", 0)
+    got_each, calls_each, proposals_each, accepted_each = run()
+    assert got == got_each
+    assert (proposals, accepted) == (proposals_each, accepted_each) and accepted > 0
+    assert len(calls) < len(calls_each) - 15  # one pass for the serial windows' rows, not one per window
+    assert max(calls) > 8  # that pass: many windows' rows at once

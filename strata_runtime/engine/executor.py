@@ -50,7 +50,7 @@ from .flight import Chained, Flight, Mark, StageMark, StageWorker, wait_any
 from .job import Entry, Job
 from .sampling import Sampler
 from .slot import Slot
-from .speculative import Proposals, Verdict, commit, draft, verify
+from .speculative import Proposals, Verdict, catch_up, commit, draft, verify
 
 
 def _using(stream: Any) -> Any:
@@ -299,6 +299,7 @@ class Executor:
     def draft(self, slot: int, token: int, depth: int, sampler: Sampler) -> Proposals:
         """`strata_runtime.engine.speculative.draft` on the drafters' stream."""
         with self._on_drafters():
+            catch_up(self.model, slot)  # the rows of its windows without proposals, if any
             return draft(self.model, slot, token, depth, sampler)
 
     def _retire(self, flight: Flight) -> None:
@@ -365,7 +366,9 @@ class Executor:
         else:
             verdict = verify(target(logit_row[row], n), e.proposals, slot.sampler)
         kept = verdict.accepted + 1
-        commit(self.model, slot.id, slot.length, kept, normed[row : row + n], verdict.tokens, self.tracked)
+        plain = e.kind == "decode" and not e.proposals.tokens  # the drafter may read these rows later
+        rows = normed[row : row + n]
+        commit(self.model, slot.id, slot.length, kept, rows, verdict.tokens, self.tracked, defer=plain)
         proposed = len(e.proposals.tokens)
         return [(slot, slot.advance(kept, verdict.tokens, proposed, verdict.accepted))]
 

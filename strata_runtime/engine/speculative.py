@@ -184,14 +184,29 @@ def verify(target: np.ndarray, proposals: Proposals, sampler: Sampler) -> Verdic
     return Verdict(n_prop, [*proposals.tokens, sampler.draw(p[n_prop])])
 
 
+DEFER_MOST = 64
+"""Rows a drafter may hold unread (`commit` with ``defer``) before they are caught up anyway: at most
+64 post-norm rows of the hidden size per slot."""
+
+
 def commit(
-    model: Model, slot: int, base: int, kept_rows: int, normed: Array, next_tokens: list[int], tracked: bool
+    model: Model,
+    slot: int,
+    base: int,
+    kept_rows: int,
+    normed: Array,
+    next_tokens: list[int],
+    tracked: bool,
+    defer: bool = False,
 ) -> None:
     """Keep ``kept_rows`` rows of a window that started at position ``base``; drop the rest everywhere.
 
     ``normed`` are the window's post-final-norm rows of this slot [n, H] (on the last device) and
     ``next_tokens`` the token that follows each kept row. With ``tracked`` the slot's drafter is caught up
     on the kept rows, which leaves the next window's first proposal's logits in ``drafter.logits[0]``.
+    With ``defer`` as well (a window without proposals), the rows are kept for `catch_up` to run before
+    the slot next drafts, all in one pass of the MTP head: a slot that decodes without drafting (paused,
+    or among others in serial windows) does not pay the head and its LM head every window.
     A window that keeps all its rows rewinds nothing: the next chunks of a prompt may already be in flight
     behind it, their KV counted on the stages they have reached.
     """
@@ -200,12 +215,35 @@ def commit(
     if not tracked:
         return
     drafter = model.drafters[slot]
-    drafter.rewind(min(drafter.length, base))
-    if drafter.length != base:
-        raise RuntimeError(f"slot {slot}: drafter holds {drafter.length} positions, window starts at {base}")
+    drafter.rewind(min(drafter.length + drafter.pending_rows, base))  # drafting may have run ahead
+    if drafter.length + drafter.pending_rows != base:
+        raise RuntimeError(
+            f"slot {slot}: drafter holds {drafter.length} positions and {drafter.pending_rows} deferred "
+            f"rows, window starts at {base}"
+        )
+    rows, tokens = normed[:kept_rows], [int(t) for t in next_tokens[:kept_rows]]
+    if defer and drafter.pending_rows + kept_rows <= DEFER_MOST:
+        with drafter.device.use():
+            drafter.pending.append((rows.copy(), tokens))  # the window's buffers are reused
+        return
+    drafter.pending.append((rows, tokens))
+    catch_up(model, slot)
+
+
+def catch_up(model: Model, slot: int) -> None:
+    """Run ``slot``'s deferred rows through the MTP head in one pass (on the drafters' device, current
+    stream), which leaves the next window's first proposal's logits in ``drafter.logits[0]``."""
+    drafter = model.drafters[slot]
+    if not drafter.pending:
+        return
     assert model.mtp is not None
-    layout = Layout.of([(slot, kept_rows, base)])
+    xp, base = drafter.device.xp, drafter.length
+    tokens = [t for _, ts in drafter.pending for t in ts]
+    k = len(tokens)
     with drafter.device.use():
-        head = model.mtp({slot: drafter}, np.asarray(next_tokens[:kept_rows]), normed[:kept_rows], layout)
-        drafter.hidden[0:1] = head[kept_rows - 1 : kept_rows]
-        drafter.logits[0:1] = model.mtp.logits(head[kept_rows - 1 : kept_rows])
+        parts = [rows for rows, _ in drafter.pending]
+        rows = parts[0] if len(parts) == 1 else xp.concatenate(parts, axis=0)  # [k, H]
+        drafter.pending = []
+        head = model.mtp({slot: drafter}, np.asarray(tokens), rows, Layout.of([(slot, k, base)]))
+        drafter.hidden[0:1] = head[k - 1 : k]
+        drafter.logits[0:1] = model.mtp.logits(head[k - 1 : k])

@@ -55,6 +55,10 @@ class Drafter:
         self.kv = KVCache(device, 1, 1, kv_heads, context, head_dim, kv_dtype, arrays=kv_arrays)
         self.hidden = device.zeros((MAX_WINDOW_ROWS, args.hidden_size), dtype)  # [8, H]
         self.logits = device.zeros((MAX_WINDOW_ROWS, args.vocab_size), device.xp.float32)  # [8, V]
+        self.pending: list[tuple[Array, list[int]]] = []
+        """Rows the head has not read yet, in order from position ``length``: each window's post-norm rows
+        [k, H] (copies) and the token that follows each (`strata_runtime.engine.speculative.commit` with
+        ``defer``). `strata_runtime.engine.speculative.catch_up` runs them before the next draft."""
 
     @property
     def nbytes(self) -> int:
@@ -62,10 +66,23 @@ class Drafter:
 
     @property
     def length(self) -> int:
+        """Positions in the MTP layer's KV (the deferred rows come after them)."""
         return int(self.kv.lengths[0])
 
+    @property
+    def pending_rows(self) -> int:
+        return sum(len(tokens) for _, tokens in self.pending)
+
     def rewind(self, length: int) -> None:
-        self.kv.rewind(0, length)
+        """Forget positions [length, ...): of the KV, and of the deferred rows past it."""
+        kept, at = [], self.length
+        for rows, tokens in self.pending:
+            if at + len(tokens) > length:
+                break
+            kept.append((rows, tokens))
+            at += len(tokens)
+        self.pending = kept
+        self.kv.rewind(0, min(length, self.length))
 
 
 class _DrafterKV:
