@@ -10,6 +10,7 @@ whose drafts are accepted because its MTP head was trained).
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from rt_engine_helpers import MODES, collect, mode_plan
 from rt_plans import make_plan
 
 from strata_cfg.schema.packaged import packaged_dir
+from strata_cfg.schema.plan import LaunchPlan
 from strata_runtime.api import PlanMismatch, Request, SamplingParams
 from strata_runtime.engine import Engine
 
@@ -143,19 +145,24 @@ def test_lifecycle_promotion_demotion_cancellation_and_reuse() -> None:
     assert tuple(collect(eng, [(0, c)])[0]) == reference("tiny", c.prompt_ids, 12)
 
 
-def test_eight_slots_rotate_through_four_slot_batch_mtp_windows_when_experts_stream() -> None:
-    """On the demo model, whose trained drafter makes the proposals hold for a reason; 12 of each stage's
-    16 experts in VRAM, so the windows keep rotating with every slot decoding."""
-    plan = make_plan(
+def _austen_batch_mtp_plan(**kw: Any) -> LaunchPlan:
+    """Eight batch-MTP slots on two stages of the demo model (``kw``: more `make_plan` keywords)."""
+    return make_plan(
         stages=2,
         slots=8,
         batch_mtp=True,
         draft_tokens=2,
         context=128,
         prefill_chunk=32,
-        expert_cache=12,
+        **kw,
         **model_source("austen"),
     )
+
+
+def test_eight_slots_rotate_through_four_slot_batch_mtp_windows_when_experts_stream() -> None:
+    """On the demo model, whose trained drafter makes the proposals hold for a reason; 12 of each stage's
+    16 experts in VRAM, so the windows keep rotating with every slot decoding."""
+    plan = _austen_batch_mtp_plan(expert_cache=12)
     assert not any(g.all_experts_resident for g in plan.gpus)
     eng = Engine(plan)
     reqs = [(0, Request(tuple(f"She said to her sister {i} that".encode()), 30)) for i in range(8)]
@@ -177,15 +184,7 @@ def test_with_every_expert_resident_more_slots_than_a_batch_mtp_window_take_seri
     """Every expert in VRAM: while more slots decode than one batch-MTP window holds (4), the decode windows
     are serial (a row per slot, all slots at once); once few enough are left, batch-MTP windows again.
     The text is each request's alone either way."""
-    plan = make_plan(
-        stages=2,
-        slots=8,
-        batch_mtp=True,
-        draft_tokens=2,
-        context=128,
-        prefill_chunk=32,
-        **model_source("austen"),
-    )
+    plan = _austen_batch_mtp_plan()
     assert all(g.all_experts_resident for g in plan.gpus)
     eng = Engine(plan)
     # Four requests end early, so the engine goes from eight decoding slots to four.
