@@ -283,18 +283,17 @@ def test_speculative_windows_decided_on_gpu_draft_accept_and_read_as_host_decisi
     same proposals and acceptance (the kernels give a row the same bits in any window, so the drafts are the
     same), on one stage and on two stages of one GPU (the next window's positions then cross from the last
     stage's stream to the first's). With two slots, the windows queued ahead when one request ends differ
-    from what the host would launch, so only the text is compared. Drafting never pauses here: the windows
-    chained ahead would draft past the point where host decisions pause (the tiny model's drafts hold about
-    a third of the time on a GPU, near the floor)."""
+    from what the host would launch, so only the text is compared. Drafting never pauses here (floor 0):
+    the windows chained ahead would draft past the point where host decisions pause (the tiny model's
+    drafts hold about a third of the time on a GPU, near the floor)."""
     from strata_runtime.api import Request
-    from strata_runtime.engine import Engine, speculative
-
-    monkeypatch.setattr(speculative, "DRAFT_FLOOR", 0.0)
+    from strata_runtime.engine import Engine
 
     g = np.random.default_rng(29)
     prompts = [g.integers(1, 250, int(n)).tolist() for n in g.integers(3, 30, 2)]
     for slots, batch_mtp in ((1, False), (2, True)):
         plan = _plan(cp, model="tiny", slots=slots, batch_mtp=batch_mtp, draft_tokens=4, split=split)
+        plan = plan.model_copy(update={"spec": plan.spec.model_copy(update={"draft_floor": 0.0})})
         outs, chained = [], 0
         for on_device in (False, True):
             engine = Engine(plan)

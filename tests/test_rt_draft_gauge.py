@@ -3,19 +3,24 @@
 A window of k slots with one proposal each costs about as much as 2k rows for k(1 + a) tokens; when a
 request's drafts are seldom accepted (a drafter that does not match the model, or sampling at a high
 temperature), windows without proposals give more tokens for the time. Each slot's `DraftGauge` estimates
-the share of its proposals that hold; below `DRAFT_FLOOR` the engine runs its windows without proposals,
-probing once every `DRAFT_PROBE_EVERY` windows. Greedy text must not change, whatever the gauge decides.
+the share of its proposals that hold; below the plan's `spec.draft_floor` the engine runs its windows
+without proposals, probing after `DRAFT_PROBE_EVERY` windows. Greedy text must not change, whatever the
+gauge decides.
 """
 
 from __future__ import annotations
 
 import pytest
-from rt_plans import make_plan
+from rt_plans import make_plan, profile_text
 from test_rt_engine import collect
 
+from strata_cfg.plan.from_profile import resolve_text
+from strata_cfg.report.plan_text import plan_text
+from strata_cfg.schema.errors import ProfileError
+from strata_cfg.schema.plan import DEFAULT_DRAFT_FLOOR as FLOOR
 from strata_runtime.api import Request, SamplingParams
 from strata_runtime.engine import Engine, speculative
-from strata_runtime.engine.speculative import DRAFT_FLOOR, DRAFT_PROBE_EVERY, DRAFT_WARMUP, DraftGauge
+from strata_runtime.engine.speculative import DRAFT_PROBE_EVERY, DRAFT_WARMUP, DraftGauge
 
 PROMPTS = [b"The river", b"Another one"]
 
@@ -26,7 +31,7 @@ def test_a_gauge_drafts_while_warming_up_pauses_below_the_floor_probes_and_comes
         g.record(1, 0)
         assert g.drafts  # too few proposals seen to judge
     g.record(1, 0)
-    assert g.estimate < DRAFT_FLOOR and not g.drafts
+    assert g.estimate < FLOOR and not g.drafts
     for _ in range(DRAFT_PROBE_EVERY - 1):
         g.record(0, 0)
         assert not g.drafts
@@ -39,7 +44,7 @@ def test_a_gauge_drafts_while_warming_up_pauses_below_the_floor_probes_and_comes
     g.record(0, 0)
     assert g.probe_due
     g.record(1, 1)  # its proposal held
-    assert not g.probe_due and g.drafts and g.estimate >= DRAFT_FLOOR
+    assert not g.probe_due and g.drafts and g.estimate >= FLOOR
     assert g.wait == DRAFT_PROBE_EVERY
     for _ in range(3):
         g.record(3, 3)
@@ -68,8 +73,8 @@ def test_a_drafter_whose_proposals_never_hold_is_paused_and_the_greedy_text_is_t
     plan = make_plan(stages=1, slots=slots, batch_mtp=slots > 1, draft_tokens=3, context=256, layer_scale=0.5)
     requests = [Request(tuple(p), 110) for p in PROMPTS[:slots]]
     paused, kinds, drafted, plain = _run(plan, requests)
-    monkeypatch.setattr(speculative, "DRAFT_FLOOR", 0.0)
-    always, _, drafted_always, plain_always = _run(plan, requests)
+    never = plan.model_copy(update={"spec": plan.spec.model_copy(update={"draft_floor": 0.0})})
+    always, _, drafted_always, plain_always = _run(never, requests)
     assert paused == always
     assert plain_always == 0 and drafted_always > 0
     assert plain > 3 * drafted  # paused after the warm-up, one probe in every DRAFT_PROBE_EVERY + 1
@@ -86,11 +91,34 @@ def test_a_drafter_whose_proposals_hold_is_never_paused() -> None:
     plan = make_plan(stages=1, slots=2, batch_mtp=True, draft_tokens=3, context=256)
     _, kinds, _, _ = _run(plan, [Request(tuple(p), 60) for p in PROMPTS])
     assert "s" not in kinds and kinds.count("B") > 20
-    said = Engine(plan).startup
+    said = "".join(Engine(plan).startup)
     assert (
-        "drafting pauses for a request while under 25% of its proposals hold, with one probe every 16"
-        in "".join(said)
+        "drafting pauses for a request while under 25% of its proposals hold, with one probe after 16" in said
     )
+
+
+def test_the_profile_sets_the_floor_and_zero_never_pauses() -> None:
+    """``spec.draft_floor`` reaches the plan, its text and the engine: 0 drafts in every window of a drafter
+    that never holds; 0.9 pauses a good drafter."""
+    text = profile_text(stages=1, slots=2, batch_mtp=True, draft_tokens=3, context=256, layer_scale=0.5)
+    never = resolve_text(text.replace("[spec]", "[spec]\ndraft_floor = 0"), "never.toml").plan
+    assert never.spec.draft_floor == 0.0 and never.settings["spec.draft_floor"].source.kind == "user"
+    assert "drafting never pauses" in plan_text(never)
+    _, _, drafted, plain = _run(never, [Request(tuple(p), 60) for p in PROMPTS])
+    assert plain == 0 and drafted > 20
+    assert "drafting never pauses (spec.draft_floor = 0)" in Engine(never).startup
+    good = profile_text(stages=1, slots=2, batch_mtp=True, draft_tokens=3, context=256)
+    picky = resolve_text(good.replace("[spec]", "[spec]\ndraft_floor = 0.9"), "picky.toml").plan
+    assert "drafting pauses under 90% of proposals held" in plan_text(picky)
+    _, kinds, _, plain = _run(picky, [Request(tuple(p), 60) for p in PROMPTS])
+    assert plain > 0 and "s" in kinds  # about 60% of its drafts hold: under 90%, paused
+
+
+def test_a_floor_outside_zero_to_one_is_refused_naming_the_key() -> None:
+    text = profile_text(stages=1, slots=2, batch_mtp=True, draft_tokens=3)
+    with pytest.raises(ProfileError) as err:
+        resolve_text(text.replace("[spec]", "[spec]\ndraft_floor = 1.5"), "bad.toml")
+    assert "bad.toml" in str(err.value) and "spec.draft_floor" in str(err.value)
 
 
 def test_sampled_requests_whose_drafts_rarely_hold_decode_without_them_and_stay_seeded() -> None:

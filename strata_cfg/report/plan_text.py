@@ -8,7 +8,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from ..schema.plan import MIB, BatchPlan, Decision, GpuPlan, LaunchPlan, MemoryPlan, StagePlan
+from ..schema.plan import (
+    DEFAULT_DRAFT_FLOOR,
+    MIB,
+    BatchPlan,
+    Decision,
+    GpuPlan,
+    LaunchPlan,
+    MemoryPlan,
+    StagePlan,
+)
 from .table import table
 
 _HOLDS = {
@@ -83,6 +92,10 @@ def _spec_line(plan: LaunchPlan) -> str:
     if not s.mtp:
         return "no drafting (the token alone)"
     line = f"window {s.draft_tokens}: token + {s.draft_tokens - 1} MTP proposals when one request runs alone"
+    if s.draft_floor == 0:
+        line += "; drafting never pauses"
+    elif s.draft_floor != DEFAULT_DRAFT_FLOOR:
+        line += f"; drafting pauses under {s.draft_floor:.0%} of proposals held"
     if s.pipeline_windows:
         line += f"; {s.pipeline_windows} overlapped pipeline windows"
     return line

@@ -224,6 +224,7 @@ def _assemble(
         ),
         spec=SpecPlan(
             draft_tokens=led["spec.draft_tokens"],
+            draft_floor=led["spec.draft_floor"],
             mtp=drafts_with_mtp(model, led),
             pipeline_windows=led["split.pipeline_windows"],
         ),

@@ -8,6 +8,7 @@ described in docs/PROFILES.md, "How a profile is resolved".
 from __future__ import annotations
 
 from ..schema.facts import MachineFacts, ModelFacts, run_dtype
+from ..schema.plan import DEFAULT_DRAFT_FLOOR
 from ..schema.presets import PRESET_DEFAULTS
 from ..schema.profile import Profile, parse_device
 from .ledger import Ledger
@@ -99,6 +100,7 @@ def resolve_defaults(
     draft = led.take(
         "spec.draft_tokens", s.draft_tokens if s else None, DEFAULT_DRAFT_TOKENS if model.has_mtp else 0
     )
+    led.take("spec.draft_floor", s.draft_floor if s else None, DEFAULT_DRAFT_FLOOR)
     if draft >= 2 and not model.has_mtp:
         led.change(
             "spec.draft_tokens",

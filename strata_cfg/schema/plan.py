@@ -218,6 +218,10 @@ class BatchPlan(_Plan):
     time."""
 
 
+DEFAULT_DRAFT_FLOOR = 0.25
+"""``spec.draft_floor`` when the profile leaves it out."""
+
+
 class SpecPlan(_Plan):
     """Speculative decoding on the solo path."""
 
@@ -225,6 +229,8 @@ class SpecPlan(_Plan):
     """The speculative window: the token plus ``draft_tokens - 1`` proposals (0 or 1: no drafting)."""
     mtp: bool
     """Whether the solo path drafts with the MTP head."""
+    draft_floor: float = DEFAULT_DRAFT_FLOOR
+    """Drafting pauses for a request while fewer than this share of its proposals hold (0: never)."""
     pipeline_windows: int
     """Overlapped solo windows on a two-stage split (0: off)."""
 

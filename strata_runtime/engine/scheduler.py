@@ -61,7 +61,7 @@ from .job import CHAINED, Entry, Job
 from .refusals import refusals
 from .sampling import Sampler
 from .slot import Slot
-from .speculative import DRAFT_FLOOR, DRAFT_PROBE_EVERY, Proposals, drafting_pays
+from .speculative import DRAFT_PROBE_EVERY, DraftGauge, Proposals, drafting_pays
 from .stats import WindowStat, WindowStats
 
 log = logging.getLogger("strata_runtime")
@@ -239,9 +239,12 @@ class Engine:
             each = info["bytes_each"] / MIB
             kv = info["kv_bytes_each"] / MIB
             where = "solo and batch-MTP windows" + (", in each group" if self.pipelined else "")
+            floor = p.spec.draft_floor
             lines.append(
-                f"drafting pauses for a request while under {DRAFT_FLOOR:.0%} of its proposals hold, with "
-                f"one probe every {DRAFT_PROBE_EVERY} windows"
+                f"drafting pauses for a request while under {floor:.0%} of its proposals hold, with one "
+                f"probe after {DRAFT_PROBE_EVERY} windows (spec.draft_floor)"
+                if floor > 0
+                else "drafting never pauses (spec.draft_floor = 0)"
             )
             lines.append(
                 f"drafters: slots {info['slots']} on {info['device']} (last stage), {each:.2f} MiB each "
@@ -335,6 +338,7 @@ class Engine:
                     frozenset(req.stop_ids) | frozenset(self.tokenizer.eos_ids),
                     self.tokenizer,
                     self._admitted,
+                    gauge=DraftGauge(self.plan.spec.draft_floor),
                 )
 
     def _reap_cancelled(self) -> None:

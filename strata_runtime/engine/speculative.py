@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from strata_cfg.schema.plan import DEFAULT_DRAFT_FLOOR
+
 from ..backend import Array, Device
 from ..layout import Layout
 from ..model import Model
@@ -31,11 +33,6 @@ class Proposals:
     q: list[np.ndarray]
 
 
-DRAFT_FLOOR = 0.25
-"""Below this share of its proposals held, a slot's drafting is paused (`DraftGauge`). A window of k slots
-with one proposal each costs t(2k) for k(1 + a) tokens, against t(k) for k tokens without; on an H200
-t(2k)/t(k) is 1.28 to 1.6 for k = 1..4 (docs/PERFORMANCE.md), so drafting under 25% loses everywhere
-measured, and above it the engine keeps drafting."""
 DRAFT_WARMUP = 8
 """Proposals a slot's estimate needs before it may pause drafting (until then it drafts)."""
 DRAFT_PROBE_EVERY = 16
@@ -50,12 +47,16 @@ whose proposal holds brings a paused slot back to the floor."""
 @dataclass
 class DraftGauge:
     """Whether drafting pays for one slot: an exponential average of the share of its proposals that held,
-    from every window it verified. Drafting pauses while the estimate is under `DRAFT_FLOOR` (after
-    `DRAFT_WARMUP` proposals); a paused slot drafts again for one window every `DRAFT_PROBE_EVERY` windows,
-    so a request whose text turns predictable gets its drafts back; each probe that finds them still
-    failing doubles the wait for the next (up to `DRAFT_PROBE_MOST`). Exactness does not depend on it: a
+    from every window it verified. Drafting pauses while the estimate is under ``floor`` (the plan's
+    ``spec.draft_floor``, after `DRAFT_WARMUP` proposals). A window of k slots with one proposal each costs
+    t(2k) for k(1 + a) tokens, against t(k) for k tokens without; on an H200 t(2k)/t(k) is 1.28 to 1.6 for
+    k = 1..4 (docs/PERFORMANCE.md), so the default, 0.25, pauses only where drafting loses in every case
+    measured. A paused slot drafts again for one window after `DRAFT_PROBE_EVERY` windows, so a request whose
+    text turns predictable gets its drafts back; each probe that finds them still failing doubles the wait
+    for the next (up to `DRAFT_PROBE_MOST`). Exactness does not depend on it: a
     window with or without proposals gives the same greedy text and the target's distribution."""
 
+    floor: float = DEFAULT_DRAFT_FLOOR
     rate: float = 1.0
     seen: int = 0
     """Proposals verified so far."""
@@ -73,7 +74,7 @@ class DraftGauge:
         self.seen += proposed
         keep = (1 - DRAFT_WEIGHT) ** proposed
         self.rate = keep * self.rate + (1 - keep) * accepted / proposed
-        if self.estimate >= DRAFT_FLOOR:
+        if self.estimate >= self.floor:
             self.wait = DRAFT_PROBE_EVERY
         elif probe:
             self.wait = min(2 * self.wait, DRAFT_PROBE_MOST)
@@ -90,17 +91,17 @@ class DraftGauge:
     @property
     def drafts(self) -> bool:
         """Whether this slot's next window should carry proposals."""
-        return self.estimate >= DRAFT_FLOOR or self.probe_due
+        return self.estimate >= self.floor or self.probe_due
 
 
 def drafting_pays(gauges: list[DraftGauge], probe: bool = True) -> bool:
-    """Whether a window of these slots carries proposals: their estimates average at least `DRAFT_FLOOR`
+    """Whether a window of these slots carries proposals: their estimates average at least the floor
     (a batch-MTP window gives every slot a proposal row), or, with ``probe``, a probe is due for one of
     them. A window chained behind a probe passes ``probe=False``: one probe is measured before another."""
     if not gauges:
         return False
     due = probe and any(g.probe_due for g in gauges)
-    return due or sum(g.estimate for g in gauges) / len(gauges) >= DRAFT_FLOOR
+    return due or sum(g.estimate for g in gauges) / len(gauges) >= gauges[0].floor
 
 
 @dataclass(frozen=True)
