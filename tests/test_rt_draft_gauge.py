@@ -18,6 +18,7 @@ from strata_cfg.plan.from_profile import resolve_text
 from strata_cfg.report.plan_text import plan_text
 from strata_cfg.schema.errors import ProfileError
 from strata_cfg.schema.plan import DEFAULT_DRAFT_FLOOR as FLOOR
+from strata_cfg.tui.widgets.plan_view import summary_rows
 from strata_runtime.api import Request, SamplingParams
 from strata_runtime.engine import Engine, speculative
 from strata_runtime.engine.speculative import DRAFT_PROBE_EVERY, DRAFT_WARMUP, DraftGauge
@@ -110,6 +111,9 @@ def test_the_profile_sets_the_floor_and_zero_never_pauses() -> None:
     good = profile_text(stages=1, slots=2, batch_mtp=True, draft_tokens=3, context=256)
     picky = resolve_text(good.replace("[spec]", "[spec]\ndraft_floor = 0.9"), "picky.toml").plan
     assert "drafting pauses under 90% of proposals held" in plan_text(picky)
+    assert ("spec", "window 3: token + 2 MTP proposals, drafting pauses under 90% of proposals held") in [
+        (label, text.plain) for label, text in summary_rows(picky)
+    ]
     _, kinds, _, plain = _run(picky, [Request(tuple(p), 60) for p in PROMPTS])
     assert plain > 0 and "s" in kinds  # about 60% of its drafts hold: under 90%, paused
 

@@ -87,15 +87,26 @@ def _ahead(b: BatchPlan) -> str:
     return "" if b.run_ahead == 2 else f"; {b.run_ahead} plain decode windows in flight"
 
 
+def floor_text(plan: LaunchPlan) -> str | None:
+    """``spec.draft_floor`` in words where it is not the default (None where it is, or nothing drafts)."""
+    s = plan.spec
+    if not s.mtp or s.draft_floor == DEFAULT_DRAFT_FLOOR:
+        return None
+    return (
+        "drafting never pauses"
+        if s.draft_floor == 0
+        else f"drafting pauses under {s.draft_floor:.0%} of proposals held"
+    )
+
+
 def _spec_line(plan: LaunchPlan) -> str:
     s = plan.spec
     if not s.mtp:
         return "no drafting (the token alone)"
     line = f"window {s.draft_tokens}: token + {s.draft_tokens - 1} MTP proposals when one request runs alone"
-    if s.draft_floor == 0:
-        line += "; drafting never pauses"
-    elif s.draft_floor != DEFAULT_DRAFT_FLOOR:
-        line += f"; drafting pauses under {s.draft_floor:.0%} of proposals held"
+    floor = floor_text(plan)
+    if floor is not None:
+        line += f"; {floor}"
     if s.pipeline_windows:
         line += f"; {s.pipeline_windows} overlapped pipeline windows"
     return line
