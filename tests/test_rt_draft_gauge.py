@@ -176,3 +176,23 @@ def test_windows_without_proposals_leave_the_drafter_s_rows_for_one_pass_before_
     assert (proposals, accepted) == (proposals_each, accepted_each) and accepted > 0
     assert len(calls) < len(calls_each) - 15  # one pass for the serial windows' rows, not one per window
     assert max(calls) > 8  # that pass: many windows' rows at once
+
+
+def test_rewinding_a_drafter_forgets_exactly_the_deferred_rows_past_the_rewind() -> None:
+    """Deferred rows sit after the drafter's KV, in order: a rewind keeps those before it (cutting a
+    window's rows in the middle when it falls there) and forgets the rest; a rewind into the KV forgets
+    them all."""
+    import numpy as np
+
+    eng = Engine(make_plan(stages=1, slots=1, draft_tokens=3, context=64))
+    drafter = eng.model.drafters[0]
+    assert drafter.length == 0
+    rows = np.arange(5 * 4, dtype=np.float32).reshape(5, 4) + 1
+    drafter.pending = [(rows[:1], [11]), (rows[1:4], [12, 13, 14]), (rows[4:], [15])]
+    drafter.rewind(3)  # positions 0, 1, 2: the first window and two of the second's three rows
+    assert [t for _, t in drafter.pending] == [[11], [12, 13]] and drafter.pending_rows == 3
+    assert np.array_equal(drafter.pending[1][0], rows[1:3])
+    drafter.rewind(3)
+    assert drafter.pending_rows == 3
+    drafter.rewind(0)
+    assert drafter.pending == [] and drafter.length == 0

@@ -77,9 +77,10 @@ class Drafter:
         """Forget positions [length, ...): of the KV, and of the deferred rows past it."""
         kept, at = [], self.length
         for rows, tokens in self.pending:
-            if at + len(tokens) > length:
+            room = length - at
+            if room <= 0:
                 break
-            kept.append((rows, tokens))
+            kept.append((rows[:room], tokens[:room]) if len(tokens) > room else (rows, tokens))
             at += len(tokens)
         self.pending = kept
         self.kv.rewind(0, min(length, self.length))
