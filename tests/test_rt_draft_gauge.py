@@ -22,6 +22,7 @@ from strata_cfg.tui.widgets.plan_view import summary_rows
 from strata_runtime.api import Request, SamplingParams
 from strata_runtime.engine import Engine, speculative
 from strata_runtime.engine.speculative import DRAFT_PROBE_EVERY, DRAFT_WARMUP, DraftGauge
+from strata_runtime.server.metrics import engine_lines
 
 PROMPTS = [b"The river", b"Another one"]
 
@@ -54,10 +55,19 @@ def test_a_gauge_drafts_while_warming_up_pauses_below_the_floor_probes_and_comes
 
 def _run(plan, requests) -> tuple[list[list[int]], str, int, int]:
     """Each request's tokens; the windows' kinds in order (P prefill, B batch MTP, s serial, o solo); and
-    how many decode windows carried proposals and how many did not."""
+    how many decode windows carried proposals and how many did not. The windows without proposals are
+    counted as paused in the totals, the summary and the metrics, all but at most one per request (a
+    window chained while another request's last one is in flight is plain whatever the gauge says)."""
     eng = Engine(plan)
     got = collect(eng, [(0, r) for r in requests])
     windows = list(eng.windows)
+    paused = sum(1 for w in windows if w.paused)
+    plain = sum(1 for w in windows if w.kind != "prefill" and w.rows == len(w.slots))
+    assert plain - len(requests) <= paused <= plain
+    assert eng.totals["drafting_paused"] == paused
+    if paused:
+        assert f"{paused} windows without proposals while drafting paused" in eng.summary()
+        assert f"strata_windows_drafting_paused_total {paused}" in "\n".join(engine_lines(eng.stats()))
     kinds = "".join({"prefill": "P", "batch-mtp": "B", "serial": "s", "solo": "o"}[w.kind] for w in windows)
     decode = [w for w in windows if w.kind != "prefill"]
     drafted = sum(1 for w in decode if w.rows > len(w.slots))
@@ -78,7 +88,7 @@ def test_a_drafter_whose_proposals_never_hold_is_paused_and_the_greedy_text_is_t
     always, _, drafted_always, plain_always = _run(never, requests)
     assert paused == always
     assert plain_always == 0 and drafted_always > 0
-    assert plain > 3 * drafted  # paused after the warm-up, one probe in every DRAFT_PROBE_EVERY + 1
+    assert plain > 3 * drafted  # paused after the warm-up, then probes
     if slots > 1:
         # After the warm-up: runs of serial windows, each broken by one probe window.
         runs = kinds[kinds.index("s") :].rstrip("o").split("B")

@@ -54,6 +54,9 @@ class Job:
     kind: str
     """``prefill``, ``solo``, ``serial``, ``batch-mtp``, ``pipelined`` or ``pipelined-mtp``."""
     entries: list[Entry]
+    paused: bool = False
+    """A decode window without proposals because its slots' drafts seldom hold (`DraftGauge`): it would
+    have drafted otherwise."""
     spec_on_device: bool = False
     """A speculative window decided on the device (`strata_runtime.engine.device_spec`): every entry is a
     slot's token and the same number of proposals, and no slot adjusts its logits. A window chained to one

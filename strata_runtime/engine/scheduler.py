@@ -434,15 +434,17 @@ class Engine:
         if not entries:
             return None
         gauges = [e.slot.gauge for e in entries]
-        mtp_again = self.plan.batch.mtp and self._batch_mtp_serves(len(entries)) and drafting_pays(gauges)
-        if job.kind != "solo" and mtp_again:
+        pays = drafting_pays(gauges)
+        mtp = self.plan.batch.mtp and self._batch_mtp_serves(len(entries))
+        if job.kind != "solo" and mtp and pays:
             return None  # batch-MTP windows again: few enough slots decode, and drafting pays
         room = min(self.depth, self.plan.memory.context - entries[0].pos - 1)
-        alone = len(everyone) == 1 and room > 0 and drafting_pays(gauges)
-        if alone and (group is None or not any(f.job.kind == "prefill" for f in self._flights)):
+        alone = len(everyone) == 1 and room > 0
+        if alone and pays and (group is None or not any(f.job.kind == "prefill" for f in self._flights)):
             return None  # one slot left (pipelined: and no prompt in flight): its solo windows draft
         kind = job.kind if group is not None else "solo" if len(entries) == 1 else "serial"
-        return Job(kind, entries), tuple(rows)
+        paused = not pays and ((alone and kind == "solo") or (kind != "solo" and mtp))
+        return Job(kind, entries, paused=paused), tuple(rows)
 
     def _spec_continuation(self, before: Flight, group: int | None = None) -> tuple[Job, None] | None:
         """The window after a speculative window decided on the device, chained to it: the same slots, each
@@ -614,15 +616,17 @@ class Engine:
             return None
         ids = [s.id for s in decoding]
         by_id = {s.id: s for s in decoding}
-        if len(decoding) == 1 and not prefilling and not pipelined:
-            drafts = decoding[0].gauge.drafts
-            rows = solo_window(ids[0], min(self.depth, self._room(decoding[0])) if drafts else 0)
+        solo = len(decoding) == 1 and not prefilling and not pipelined
+        mtp = not solo and self.plan.batch.mtp and self._batch_mtp_serves(len(decoding))
+        if solo:
+            room = min(self.depth, self._room(decoding[0]))
+            paused = room > 0 and not decoding[0].gauge.drafts
+        else:
+            paused = mtp and not drafting_pays([s.gauge for s in decoding])
+        if solo:
+            rows = solo_window(ids[0], 0 if paused else room)
             kind = "solo"
-        elif (
-            self.plan.batch.mtp
-            and self._batch_mtp_serves(len(decoding))
-            and drafting_pays([s.gauge for s in decoding])
-        ):
+        elif mtp and not paused:
             # Rotate by slot id, so that slots finishing or arriving do not make the others lose their turn.
             rotation = self._rotation.get(group, 0)
             start = next((i for i, sid in enumerate(ids) if sid >= rotation), 0)
@@ -644,7 +648,7 @@ class Engine:
                 self.executor.draft(sid, token, depth, slot.sampler) if depth > 0 else Proposals([], [])
             )
             entries.append(Entry(slot, "decode", [token, *proposals.tokens], proposals))
-        return Job(kind, entries, spec_on_device=self._decided_on_device(kind, entries))
+        return Job(kind, entries, paused=paused, spec_on_device=self._decided_on_device(kind, entries))
 
     def _batch_mtp_serves(self, decoding: int) -> bool:
         """Whether ``decoding`` slots (of a group) take batch-MTP windows rather than serial ones.
@@ -699,7 +703,7 @@ class Engine:
         kept = {slot.id for slot, _ in events}
         proposals = sum(len(e.proposals.tokens) for e in job.entries if e.slot.id in kept)
         on_device = flight.spec is not None
-        window = WindowStat(job.kind, job.rows, ms, proposals, accepted, job.slot_ids, on_device)
+        window = WindowStat(job.kind, job.rows, ms, proposals, accepted, job.slot_ids, on_device, job.paused)
         self.window_stats.record(window, sum(len(ev.token_ids) for _, ev in events), flight.discarded)
         for slot, ev in events:
             slot.handle.events.put(ev)

@@ -19,6 +19,8 @@ class WindowStat:
     slots: tuple[int, ...]
     on_device: bool = False
     """A speculative window decided on the GPU (`strata_runtime.engine.device_spec`)."""
+    paused: bool = False
+    """A decode window without proposals because its slots' drafting is paused (drafts seldom hold)."""
 
 
 class WindowStats:
@@ -35,6 +37,7 @@ class WindowStats:
             "ms": 0.0,
             "discarded_rows": 0,
             "decided_on_device": 0,
+            "drafting_paused": 0,
         }
 
     def record(self, window: WindowStat, tokens: int, discarded: int = 0) -> None:
@@ -50,6 +53,7 @@ class WindowStats:
         t["accepted"] += window.accepted
         t["ms"] += window.ms
         t["decided_on_device"] += window.on_device
+        t["drafting_paused"] += window.paused
 
     def last(self, n: int) -> list[dict[str, Any]]:
         """The last ``n`` windows as JSON-ready dictionaries."""
@@ -71,6 +75,8 @@ class WindowStats:
         line += f", {per:.2f} ms per window"
         if t["decided_on_device"]:
             line += f", {t['decided_on_device']} speculative windows decided on the GPU"
+        if t["drafting_paused"]:
+            line += f", {t['drafting_paused']} windows without proposals while drafting paused"
         if t["discarded_rows"]:
             line += f", {t['discarded_rows']} rows run ahead past a stop and discarded"
         return line

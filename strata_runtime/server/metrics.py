@@ -61,6 +61,11 @@ TOTALS: dict[str, tuple[str, str, float]] = {
         "Speculative windows (solo, batch MTP) accepted, caught up and drafted on the last stage's device.",
         1,
     ),
+    "drafting_paused": (
+        "strata_windows_drafting_paused_total",
+        "Decode windows run without proposals because their requests' drafts seldom held (spec.draft_floor).",
+        1,
+    ),
 }
 """Engine counters, exported under stable names."""
 
