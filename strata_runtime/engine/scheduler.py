@@ -251,7 +251,6 @@ class Engine:
                 f"(MTP-layer KV {kv:.2f} MiB + draft-window buffers {each - kv:.2f} MiB); decided there, "
                 f"running ahead of the host: {where}"
             )
-
         for stage in self.model.stages:
             if stage.device.is_cuda:
                 path = "CUDA graphs" if stage.cuda is not None else f"array path ({stage.cuda_refused})"
@@ -616,17 +615,14 @@ class Engine:
             return None
         ids = [s.id for s in decoding]
         by_id = {s.id: s for s in decoding}
-        solo = len(decoding) == 1 and not prefilling and not pipelined
-        mtp = not solo and self.plan.batch.mtp and self._batch_mtp_serves(len(decoding))
-        if solo:
+        mtp = self.plan.batch.mtp and self._batch_mtp_serves(len(decoding))
+        if len(decoding) == 1 and not prefilling and not pipelined:
             room = min(self.depth, self._room(decoding[0]))
             paused = room > 0 and not decoding[0].gauge.drafts
-        else:
-            paused = mtp and not drafting_pays([s.gauge for s in decoding])
-        if solo:
             rows = solo_window(ids[0], 0 if paused else room)
             kind = "solo"
-        elif mtp and not paused:
+        elif mtp and drafting_pays([s.gauge for s in decoding]):
+            paused = False
             # Rotate by slot id, so that slots finishing or arriving do not make the others lose their turn.
             rotation = self._rotation.get(group, 0)
             start = next((i for i, sid in enumerate(ids) if sid >= rotation), 0)
@@ -634,6 +630,7 @@ class Engine:
             self._rotation[group] = rows[-1].slot + 1
             kind = "pipelined-mtp" if pipelined else "batch-mtp"
         else:
+            paused = mtp  # batch-MTP windows would serve these slots, but their drafts seldom hold
             windows = plain_windows(ids)
             turn = self._plain_turn.get(group, 0)
             rows = windows[turn % len(windows)]
