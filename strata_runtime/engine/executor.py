@@ -42,7 +42,7 @@ import numpy as np
 from strata_cfg.schema.windows import MAX_WINDOW_ROWS
 
 from ..api import TokenEvent
-from ..backend import Array, cupy_module, device_lock, download, holding, peer_copy, transfer
+from ..backend import Array, Device, cupy_module, device_lock, download, holding, peer_copy, transfer
 from ..model import Model
 from ..model.stage import Stage
 from .device_spec import decide
@@ -180,12 +180,18 @@ class Executor:
             assert isinstance(done, StageMark)
             if done.event is not None:
                 stream.wait_event(done.event)
-        if last.device == first.device:
-            return list(arrays)
+        return [self._move(flight, a, last.device, first.device, stream) for a in arrays]
+
+    @staticmethod
+    def _move(flight: Flight, a: Array, src: Device, dst: Device, stream: Any) -> Array:
+        """``a`` (on ``src``) on ``dst``: itself on the same device, a peer copy queued on ``stream`` (held by
+        the flight), or a plain transfer between CPU devices (no stream)."""
+        if src == dst:
+            return a
         if stream is None:
-            return [transfer(a, last.device, first.device) for a in arrays]
-        out = [peer_copy(a, last.device, first.device) for a in arrays]
-        flight.keep.extend(out)
+            return transfer(a, src, dst)
+        out = peer_copy(a, src, dst)
+        flight.keep.append(out)
         return out
 
     def _positions(self, flight: Flight, s: int) -> Array | None:
@@ -197,14 +203,7 @@ class Executor:
         if s < len(flight.positions):
             return flight.positions[s]
         src, dst = self.stages[s - 1], self.stages[s]
-        prev = flight.positions[s - 1]
-        if src.device == dst.device:
-            here = prev
-        elif self._streams[s] is None:
-            here = transfer(prev, src.device, dst.device)
-        else:
-            here = peer_copy(prev, src.device, dst.device)
-            flight.keep.append(here)
+        here = self._move(flight, flight.positions[s - 1], src.device, dst.device, self._streams[s])
         flight.positions.append(here)
         return here
 
@@ -249,8 +248,12 @@ class Executor:
             if spec.uniforms is not None:
                 spec.uniforms = dev.upload(spec.uniforms)
             decide(self.model, spec, chosen, logits, normed, flight.layout)
-            read = {"accepted": spec.accepted, "first": spec.first, "tokens": spec.tokens}
-            read["positions"] = spec.positions
+            read = {
+                "accepted": spec.accepted,
+                "first": spec.first,
+                "tokens": spec.tokens,
+                "positions": spec.positions,
+            }
             spec.host = {name: download(a) if dev.is_cuda else np.asarray(a) for name, a in read.items()}
             flight.keep += [*read.values(), spec.uniforms, spec.next_tokens, spec.next_positions]
         if dev.is_cuda:
