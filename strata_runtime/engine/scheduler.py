@@ -449,9 +449,9 @@ class Engine:
         """The window after a speculative window decided on the device, chained to it: the same slots, each
         with as many rows, at positions and with tokens and proposals the device decides. Known when the
         window holds every live slot (of ``group``, pipelined), nothing waits (no queued request, no prompt
-        of the group), no slot adjusts its
-        logits, none is cancelled, and not about to end within the windows in flight (each gives it at
-        least one token), and the furthest its rows could reach still fits the context."""
+        of the group), drafting still pays for its slots, no slot adjusts its logits, none is cancelled or
+        about to end within the windows in flight (each gives it at least one token), and the furthest its
+        rows could reach still fits the context."""
         job = before.job
         assert before.spec is not None
         if self._queue:

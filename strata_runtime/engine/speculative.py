@@ -39,6 +39,7 @@ DRAFT_PROBE_EVERY = 16
 """Windows without proposals after which a paused slot drafts again once, to measure again; the wait
 doubles after each probe that leaves the estimate under the floor, up to `DRAFT_PROBE_MOST`."""
 DRAFT_PROBE_MOST = 128
+"""The longest wait between probes of a paused slot, in windows without proposals."""
 DRAFT_WEIGHT = 1 / 4
 """Weight of each new proposal in the estimate: an exponential average over about the last 4, so one probe
 whose proposal holds brings a paused slot back to the floor."""
@@ -53,8 +54,8 @@ class DraftGauge:
     k = 1..4 (docs/PERFORMANCE.md), so the default, 0.25, pauses only where drafting loses in every case
     measured. A paused slot drafts again for one window after `DRAFT_PROBE_EVERY` windows, so a request whose
     text turns predictable gets its drafts back; each probe that finds them still failing doubles the wait
-    for the next (up to `DRAFT_PROBE_MOST`). Exactness does not depend on it: a
-    window with or without proposals gives the same greedy text and the target's distribution."""
+    for the next (up to `DRAFT_PROBE_MOST`). Exactness does not depend on it: a window with or without
+    proposals gives the same greedy text and the target's distribution."""
 
     floor: float = DEFAULT_DRAFT_FLOOR
     rate: float = 1.0
@@ -90,8 +91,8 @@ class DraftGauge:
 
     @property
     def drafts(self) -> bool:
-        """Whether this slot's next window should carry proposals."""
-        return self.estimate >= self.floor or self.probe_due
+        """Whether this slot's next window should carry proposals (`drafting_pays` for it alone)."""
+        return drafting_pays([self])
 
 
 def drafting_pays(gauges: list[DraftGauge], probe: bool = True) -> bool:
