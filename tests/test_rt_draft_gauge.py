@@ -22,6 +22,7 @@ from strata_cfg.tui.widgets.plan_view import summary_rows
 from strata_runtime.api import Request, SamplingParams
 from strata_runtime.engine import Engine, speculative
 from strata_runtime.engine.speculative import DRAFT_PROBE_EVERY, DRAFT_WARMUP, DraftGauge
+from strata_runtime.model.mtp import MtpHead
 from strata_runtime.server.metrics import engine_lines
 
 PROMPTS = [b"The river", b"Another one"]
@@ -148,19 +149,16 @@ def test_sampled_requests_whose_drafts_rarely_hold_decode_without_them_and_stay_
     assert plain > 2 * drafted
 
 
-def _counting_head(eng: Engine) -> list[int]:
-    """Rows each call of the engine's MTP head ran, in order."""
+def _counting_head(monkeypatch) -> list[int]:
+    """Rows each call of an MTP head runs, in order, from now until the test ends."""
     calls: list[int] = []
-    head = eng.model.mtp
-    assert head is not None
-    run = head.__call__
+    run = MtpHead.__call__
 
-    class Counted(type(head)):  # type: ignore[misc]
-        def __call__(self, drafters, tokens, hidden, layout, positions=None, account=True):
-            calls.append(layout.rows)
-            return run(drafters, tokens, hidden, layout, positions, account)
+    def counted(self, drafters, tokens, hidden, layout, *args, **kwargs):
+        calls.append(layout.rows)
+        return run(self, drafters, tokens, hidden, layout, *args, **kwargs)
 
-    head.__class__ = Counted
+    monkeypatch.setattr(MtpHead, "__call__", counted)
     return calls
 
 
@@ -173,11 +171,13 @@ def test_windows_without_proposals_leave_the_drafter_s_rows_for_one_pass_before_
     plan = make_plan(stages=2, slots=2, draft_tokens=3, context=256)
     requests = [(0, Request(tuple(b"The river"), 70)), (0, Request(tuple(b"Another one"), 20))]
 
+    heads = _counting_head(monkeypatch)
+
     def run() -> tuple[list[list[int]], list[int], int, int]:
         eng = Engine(plan)
-        calls = _counting_head(eng)
+        heads.clear()
         got = collect(eng, requests)
-        return got, calls, eng.totals["proposals"], eng.totals["accepted"]
+        return got, list(heads), eng.totals["proposals"], eng.totals["accepted"]
 
     got, calls, proposals, accepted = run()
     monkeypatch.setattr(speculative, "DEFER_MOST", 0)
