@@ -696,13 +696,12 @@ __global__ void __launch_bounds__(128) attn_split(const float* __restrict__ q, c
 // [2I, H] (gate rows, then up rows), Dp[e] at its down [H, I]. An address may be a VRAM slot of the expert
 // cache, a helper slot on another GPU (read over the peer link) or pinned, mapped host memory (read over the
 // host link), so the cache can move an expert by rewriting one table entry, with no recapture of the graphs
-// that read it. logits: [R, E] router logits. With counts non-null, the blocks of feature tile 0 also add
-// each assignment to counts[sel], when slot_of[sel] < 0 (the expert holds no VRAM slot) to misses[0], and
-// when slot_of[sel] < -1 (a helper slot) to misses[1]: the cache's view of the routing.
+// that read it. With counts non-null, the blocks of feature tile 0 also add each assignment to counts[sel],
+// when slot_of[sel] < 0 (the expert holds no VRAM slot) to misses[0], and when slot_of[sel] < -1 (a helper
+// slot) to misses[1]: the cache's view of the routing.
 // Routing is the fp32 softmax over E, top-k by rank (ties to the lower expert index), weights renormalised
-// over the k chosen when norm_topk is set. It is computed inside the expert kernel by every block for its
-// own row, which costs a few hundred cycles and saves a launch; the blocks of feature tile 0 write idx and
-// wts for moe_down.
+// over the k chosen when norm_topk is set. The wide kernels read it from route_topk, run before them (idx
+// [R, K] and wts [R, K]); moe_gate_up_any computes it inside, every block for its own row.
 // Block-wide ranking of logits l[E] (E <= 256, 256 threads): thread e's expert is e, and it gets its rank
 // (0 = the largest logit, ties to the lower index), its softmax numerator exp(l[e] - max), and every thread
 // the max and the two totals: over all experts and over the top k.
@@ -749,40 +748,30 @@ __device__ __forceinline__ void block_route(const float* __restrict__ l, int E, 
   __syncthreads();
 }
 
-// Block (feature tile, assignment a = r * topk + j) of 8 warps; warp w computes feature i = tile * 8 + w:
-// h[a, i] = silu(gate_i . x') * (up_i . x'), with x' = x[r] * nw * inv_rms(x[r]) the normalised row.
+__device__ __forceinline__ void count_assignment(int sel, const int* __restrict__ slot_of,
+                                                 float* __restrict__ counts, float* __restrict__ misses) {
+  if (counts == nullptr) return;
+  atomicAdd(counts + sel, 1.f);
+  const int where = slot_of[sel];
+  if (where < 0) atomicAdd(misses, 1.f);
+  if (where < -1) atomicAdd(misses + 1, 1.f);
+}
+
 __device__ __forceinline__ void note_route(int a, int sel, float weight, int* __restrict__ idx,
                                            float* __restrict__ wts, const int* __restrict__ slot_of,
                                            float* __restrict__ counts, float* __restrict__ misses) {
   idx[a] = sel;
   wts[a] = weight;
-  if (counts != nullptr) {
-    atomicAdd(counts + sel, 1.f);
-    const int where = slot_of[sel];
-    if (where < 0) atomicAdd(misses, 1.f);
-    if (where < -1) atomicAdd(misses + 1, 1.f);
-  }
+  count_assignment(sel, slot_of, counts, misses);
 }
 
+// Warp w of the block computes feature i = tile * 8 + w of assignment a (row r, expert sel):
+// h[a, i] = silu(gate_i . x'[r]) * (up_i . x'[r]), inv the row's inverse RMS.
 template <int H, int I>
-__global__ void __launch_bounds__(256) moe_gate_up(const unsigned long long* __restrict__ GUp,
-                                                    const float* __restrict__ x, const half* __restrict__ nw,
-                                                    const float* __restrict__ logits, int E, int topk,
-                                                    int norm_topk, float eps, float* __restrict__ h,
-                                                    int* __restrict__ idx, float* __restrict__ wts,
-                                                    const int* __restrict__ slot_of, float* __restrict__ counts,
-                                                    float* __restrict__ misses) {
-  STRATA_PDL_LAUNCH();
-  STRATA_PDL_WAIT();
-  __shared__ int sel;
-  __shared__ float weight, inv[1];
-  const int a = blockIdx.y, r = a / topk, lane = threadIdx.x & 31;
-  block_route(logits + (size_t)r * E, E, topk, a % topk, norm_topk, &sel, &weight);
-  block_inv_rms<1, H>(x + (size_t)r * H, eps, inv);
-  if (blockIdx.x == 0 && threadIdx.x == 0) note_route(a, sel, weight, idx, wts, slot_of, counts, misses);
-  const int i = blockIdx.x * 8 + (threadIdx.x >> 5);
-  if (i >= I) return;
-  const half* base = reinterpret_cast<const half*>(GUp[sel]);
+__device__ __forceinline__ void gate_up_feature(const half* __restrict__ base, const float* __restrict__ xr,
+                                                const half* __restrict__ nw, float inv, int a, int i,
+                                                float* __restrict__ h) {
+  const int lane = threadIdx.x & 31;
   const uint4* wg = reinterpret_cast<const uint4*>(base + (size_t)i * H);
   const uint4* wu = reinterpret_cast<const uint4*>(base + (size_t)(I + i) * H);
   constexpr int STEPS = H / 256;
@@ -797,8 +786,8 @@ __global__ void __launch_bounds__(256) moe_gate_up(const unsigned long long* __r
     unpack8(pu[s], uf);
     const int k0 = s * 256 + lane * 8;
     unpack8(__ldg(reinterpret_cast<const uint4*>(nw + k0)), nf);
-    const float4* xr = reinterpret_cast<const float4*>(x + (size_t)r * H + k0);
-    const float4 xa = xr[0], xb = xr[1];
+    const float4* xq = reinterpret_cast<const float4*>(xr + k0);
+    const float4 xa = xq[0], xb = xq[1];
     const float xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
 #pragma unroll
     for (int t = 0; t < 8; ++t) {
@@ -807,9 +796,45 @@ __global__ void __launch_bounds__(256) moe_gate_up(const unsigned long long* __r
       u += uf[t] * xn;
     }
   }
-  g = warp_sum(g) * inv[0];
-  u = warp_sum(u) * inv[0];
+  g = warp_sum(g) * inv;
+  u = warp_sum(u) * inv;
   if (lane == 0) h[(size_t)a * I + i] = g / (1.f + __expf(-g)) * u;
+}
+
+// Block (place p, feature tile) of a window already routed (idx [R, K] from route_topk, A = R K <= 256
+// assignments): the assignments are taken in order of expert, and block (p, tile) computes the one at place
+// p of that order. Assignments that share an expert so run side by side, and all but the first find its
+// weights in L2: a window of 8 rows (about 54 distinct experts in 64 assignments) reads each expert from
+// memory about once. Routing outside the kernel also spares every block the ranking of all E experts
+// before its first weight load. Each assignment's sums do not depend on the window (batch invariance).
+template <int H, int I>
+__global__ void __launch_bounds__(256) moe_gate_up(const unsigned long long* __restrict__ GUp,
+                                                    const float* __restrict__ x, const half* __restrict__ nw,
+                                                    const int* __restrict__ idx, int A, int topk, float eps,
+                                                    float* __restrict__ h, const int* __restrict__ slot_of,
+                                                    float* __restrict__ counts, float* __restrict__ misses) {
+  STRATA_PDL_LAUNCH();
+  STRATA_PDL_WAIT();
+  __shared__ int at, ids[256];
+  __shared__ float inv[1];
+  if (threadIdx.x < A) ids[threadIdx.x] = idx[threadIdx.x];
+  __syncthreads();
+  if (threadIdx.x < A) {  // the assignment's place in (expert, assignment) order
+    const int e = ids[threadIdx.x];
+    int place = 0;
+    for (int b = 0; b < A; ++b) {
+      const int o = ids[b];
+      place += (o < e) || (o == e && b < (int)threadIdx.x);
+    }
+    if (place == blockIdx.x) at = threadIdx.x;
+  }
+  __syncthreads();
+  const int a = at, r = a / topk, sel = ids[a];
+  block_inv_rms<1, H>(x + (size_t)r * H, eps, inv);
+  if (blockIdx.y == 0 && threadIdx.x == 0) count_assignment(sel, slot_of, counts, misses);
+  const int i = blockIdx.y * 8 + (threadIdx.x >> 5);
+  if (i >= I) return;
+  gate_up_feature<H, I>(reinterpret_cast<const half*>(GUp[sel]), x + (size_t)r * H, nw, inv[0], a, i, h);
 }
 
 // resid[r, n] += sum_j wts[r, j] * (down[idx[r, j], n, :] . h[r * K + j, :]), j in a fixed order. One warp
@@ -851,7 +876,8 @@ __global__ void __launch_bounds__(256) moe_down(const unsigned long long* __rest
   if (lane == 0) resid[(size_t)r * H + n] += total;
 }
 
-// Any H, I (small models): same contracts, scalar loads.
+// Any H, I (small models): the same contracts with routing inside (block (feature tile, assignment) routes
+// its own row and writes idx and wts from tile 0), scalar loads.
 __global__ void __launch_bounds__(256) moe_gate_up_any(const unsigned long long* __restrict__ GUp,
                                                         const float* __restrict__ x, const half* __restrict__ nw,
                                                         const float* __restrict__ logits, int E, int topk,
@@ -1235,6 +1261,8 @@ __global__ void rmsnorm_half(const float* __restrict__ x, const half* __restrict
 // block_route's rule (the same routing the decode expert kernels compute).
 __global__ void __launch_bounds__(256) route_topk(const float* __restrict__ logits, int E, int topk, int norm_topk,
                                                   int* __restrict__ idx, float* __restrict__ wts) {
+  STRATA_PDL_LAUNCH();
+  STRATA_PDL_WAIT();
   const int r = blockIdx.x;
   const Ranked k = block_rank(logits + (size_t)r * E, E, topk);
   if (k.rank < topk) {

@@ -107,6 +107,7 @@ PDL_KERNELS = frozenset(
         "moe_down",
         "moe_gate_up_any",
         "moe_down_any",
+        "route_topk",
         "silu_mul",
         "add_scaled",
     }
@@ -165,9 +166,10 @@ class Kernels(KernelCache):
         return gemv_expression(rows, n, k, norm, self.tensor_cores)
 
     @staticmethod
-    def moe_exprs(h: int, i: int, topk: int) -> tuple[str, str]:
+    def moe_exprs(h: int, i: int, topk: int) -> tuple[str, ...]:
+        """The instantiations `moe` launches for these shapes, at any row count."""
         if _wide(h) and _wide(i) and topk <= 16:
-            return f"moe_gate_up<{h},{i}>", f"moe_down<{h},{i},{topk}>"
+            return f"moe_gate_up<{h},{i}>", f"moe_down<{h},{i},{topk}>", "route_topk"
         return "moe_gate_up_any", "moe_down_any"
 
     @staticmethod
@@ -345,6 +347,11 @@ class Kernels(KernelCache):
         negative for its expert (not in VRAM), to ``misses[0]``, and when below -1 (a helper slot) to
         ``misses[1]`` ([2] fp32). idx [R, k] int32 and wts [R, k] fp32 receive the routing; h_buf:
         [R * k, I] fp32 scratch.
+
+        Shapes the wide kernels take (H and I multiples of 256, k <= 16) are routed first (``route_topk``),
+        and their gate/up products run in order of expert (``moe_gate_up``), so that an expert several rows
+        share is read from memory about once. Each assignment's sums do not depend on the window: a row
+        gets the same bits in any window.
         """
         rows, h = x.shape
         topk = idx.shape[1]
@@ -354,12 +361,12 @@ class Kernels(KernelCache):
         counting = experts.counts is not None
         tally = (experts.slot_of, experts.counts, experts.misses) if counting else (_NULL, _NULL, _NULL)
         a = rows * topk
-        gu_expr, down_expr = self.moe_exprs(h, inter, topk)
+        gu_expr, down_expr, *_ = self.moe_exprs(h, inter, topk)
         tiles = (math.ceil(inter / WARPS_PER_BLOCK), a)
         blocks_d = (math.ceil(rows * h / WARPS_PER_BLOCK),)
-        common = (logits, np.int32(n_exp), np.int32(topk), np.int32(norm_topk), np.float32(eps))
         gu, down = experts.gate_up, experts.down
         if gu_expr == "moe_gate_up_any":
+            common = (logits, np.int32(n_exp), np.int32(topk), np.int32(norm_topk), np.float32(eps))
             self.fn(gu_expr)(
                 tiles,
                 (THREADS,),
@@ -370,9 +377,16 @@ class Kernels(KernelCache):
                 (THREADS,),
                 (down, h_buf, idx, wts, np.int32(rows), np.int32(topk), np.int32(h), np.int32(inter), resid),
             )
-        else:
-            self.fn(gu_expr)(tiles, (THREADS,), (gu, x, norm, *common, h_buf, idx, wts, *tally))
-            self.fn(down_expr)(blocks_d, (THREADS,), (down, h_buf, idx, wts, np.int32(rows), resid))
+            return
+        if a > THREADS:
+            raise ValueError(f"the expert kernels take at most {THREADS} assignments a window, not {a}")
+        self.route_topk(logits, norm_topk, idx, wts)
+        self.fn(gu_expr)(
+            (a, tiles[0]),
+            (THREADS,),
+            (gu, x, norm, idx, np.int32(a), np.int32(topk), np.float32(eps), h_buf, *tally),
+        )
+        self.fn(down_expr)(blocks_d, (THREADS,), (down, h_buf, idx, wts, np.int32(rows), resid))
 
     def silu_mul(self, gu: Array, out: Array) -> None:
         """out[R, I] = silu(gu[:, :I]) * gu[:, I:]."""
