@@ -151,7 +151,9 @@ def _moe_inputs(g: np.random.Generator, rows: int, e: int, h: int, inter: int) -
         (3, 16, 4, 256, 128),
         (8, 8, 2, 64, 64),
         (4, 64, 8, 2048, 768),
+        (8, 128, 8, 2048, 768),
         (2, 256, 8, 512, 256),
+        (7, 16, 16, 256, 256),  # every row routes to every expert: 7 assignments share each
     ],
 )
 @pytest.mark.parametrize("norm_topk", [True, False])
@@ -203,7 +205,9 @@ def test_moe_rows_are_batch_invariant(gpu, e, k, h, inter):
     np.testing.assert_array_equal(run(slice(2, 5)), window[2:5])
 
 
-@pytest.mark.parametrize(("rows", "e", "k", "h", "inter"), [(3, 128, 8, 2048, 768), (5, 16, 4, 96, 48)])
+@pytest.mark.parametrize(
+    ("rows", "e", "k", "h", "inter"), [(3, 128, 8, 2048, 768), (8, 16, 8, 256, 256), (5, 16, 4, 96, 48)]
+)
 def test_moe_reads_experts_from_mapped_host_memory_bit_for_bit_and_counts_the_misses(
     gpu, rows, e, k, h, inter
 ):
