@@ -317,3 +317,32 @@ def test_each_next_proposal_is_drawn_at_its_own_uniform_not_at_an_accept_or_bonu
     flat = np.zeros((2, 4), np.float32)  # every token equally likely
     drawn = [device_spec._propose(model, spec, flat, j).tolist() for j in range(n - 1)]  # type: ignore[arg-type]
     assert drawn == [[0, 2], [1, 3]]
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_every_window_decided_on_the_device_has_a_shape_the_engine_prepares_at_start(
+    monkeypatch, sampled
+) -> None:
+    """`device_spec.prepare` runs the decision's array steps at start for the shapes of `_spec_shapes`, so
+    that no window waits for CuPy to compile them: every (slots, rows per slot) the engine then decides on the
+    device must be one of those. Requests join and leave, so solo windows of every depth and batch-MTP
+    windows of 1 to 4 slots all run."""
+    from strata_runtime.engine import executor
+
+    seen: set[tuple[int, int]] = set()
+    decide = executor.decide
+
+    def spy(model, spec, *args, **kwargs):
+        seen.add((len(spec.slots), spec.n))
+        return decide(model, spec, *args, **kwargs)
+
+    monkeypatch.setattr(executor, "decide", spy)
+    params = SamplingParams(temperature=0.8, seed=3) if sampled else SamplingParams(temperature=0.0)
+    schedule = [(0, 0, 30), (1, 3, 24), (2, 6, 18), (3, 9, 40)]
+    requests = [(at, Request(tuple(PROMPTS[i]), n, params)) for i, at, n in schedule]
+    eng = engine(1, 4, True, on_device=True)
+    collect(eng, requests)
+    prepared = eng._spec_shapes()
+    assert seen <= prepared, f"decided on the device without being prepared: {sorted(seen - prepared)}"
+    assert any(s == 1 and n > 2 for s, n in seen), "a solo window with more than one proposal ran"
+    assert len({s for s, n in seen if n == 2}) >= 3, "batch-MTP windows of several slot counts ran"
