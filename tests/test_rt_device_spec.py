@@ -346,3 +346,35 @@ def test_every_window_decided_on_the_device_has_a_shape_the_engine_prepares_at_s
     assert seen <= prepared, f"decided on the device without being prepared: {sorted(seen - prepared)}"
     assert any(s == 1 and n > 2 for s, n in seen), "a solo window with more than one proposal ran"
     assert len({s for s, n in seen if n == 2}) >= 3, "batch-MTP windows of several slot counts ran"
+
+
+def test_the_engine_rehearses_greedy_and_sampled_decisions_at_start_without_touching_a_drafter(
+    monkeypatch,
+) -> None:
+    """At start `device_spec.prepare` runs a sampled decision (`verify_sampled`, with every step of
+    `distribution`) for each rows-per-slot a window can have, besides the greedy steps, so that a GPU's first
+    sampled window does not wait for CuPy to compile them; it reads and writes no drafter."""
+    seen: list[tuple[int, object]] = []
+    verify = device_spec.verify_sampled
+
+    def spy(xp, target, draft, tokens, params, uniforms):
+        seen.append((int(target.shape[0]), params))
+        return verify(xp, target, draft, tokens, params, uniforms)
+
+    monkeypatch.setattr(device_spec, "verify_sampled", spy)
+    eng = engine(1, 4, True, on_device=True)
+    rows = sorted({n for _, n in eng._spec_shapes()})
+    assert len(rows) > 1 and sorted(n for n, _ in seen) == rows
+    params = seen[0][1]
+    assert params.temperature > 0 and params.top_k > 0 and params.top_p < 1  # type: ignore[attr-defined]
+    g = np.random.default_rng(5)
+    for d in eng.model.drafters.values():  # values a rehearsal that wrote into a drafter would change
+        d.hidden[...] = g.standard_normal(d.hidden.shape) + 1
+        d.logits[...] = g.standard_normal(d.logits.shape) + 1
+    before = {s: (d.hidden.copy(), d.logits.copy(), d.length) for s, d in eng.model.drafters.items()}
+    device_spec.prepare(eng.model, eng._spec_shapes())
+    for s, d in eng.model.drafters.items():
+        hidden, logits, length = before[s]
+        np.testing.assert_array_equal(d.hidden, hidden)
+        np.testing.assert_array_equal(d.logits, logits)
+        assert d.length == length and not d.pending

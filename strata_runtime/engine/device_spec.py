@@ -212,14 +212,20 @@ def _next_window(xp: Any, first: Array, proposals: list[Array], start: Array, n:
     return tokens, (start[:, None] + xp.arange(n)).reshape(-1).astype(xp.int64)
 
 
+REHEARSED = SamplingParams(temperature=1.0, top_k=2, top_p=0.5)
+"""The sampling `prepare` rehearses a sampled decision with: temperature, top-k and top-p together, so every
+step `distribution` can take runs."""
+
+
 def prepare(model: Model, shapes: set[tuple[int, int]]) -> None:
     """Run the array steps of `decide` once for each window shape (S slots, n rows) on dummy values, on the
-    last stage's device. CuPy compiles a kernel the first time it meets an operation on arrays of a new
-    kind of shape (a single slot's [1, n] reduces differently from [2, n]: about 0.4 s of compiles, timed
-    alone on an H200); done at start, no greedy window waits for it. (A sampled window's first draws still
-    compile theirs when it comes.)"""
+    last stage's device: a greedy slot's, and a sampled slot's (`verify_sampled` and a draft's draw, with
+    `REHEARSED`) for each n. CuPy compiles a kernel the first time it meets an operation on arrays of a new
+    kind of shape (a single slot's [1, n] reduces differently from [2, n]: about 0.4 s of compiles for the
+    greedy steps, timed alone on an H200); done at start, no window waits for it. On CPU devices the same
+    steps run once and compile nothing."""
     device = model.last.device
-    if not device.is_cuda or model.mtp is None:
+    if model.mtp is None or not model.drafters or not shapes:
         return
     xp, a = device.xp, model.args
     dtype = next(iter(model.drafters.values())).hidden.dtype
@@ -231,4 +237,17 @@ def prepare(model: Model, shapes: set[tuple[int, int]]) -> None:
             rows = xp.zeros((s * n, a.hidden_size), xp.float32).reshape(s, n, -1)[xp.arange(s), accepted]
             rows.astype(dtype)
             _next_window(xp, first, [xp.zeros(s, xp.int64)] * (n - 1), start, n)
-        xp.cuda.get_current_stream().synchronize()
+        for n in sorted({n for _, n in shapes}):
+            tokens, uniforms = xp.zeros(n, xp.int64), xp.full(2 * n - 1, 0.5)
+            target, draft = (
+                xp.zeros((n, a.vocab_size), xp.float32),
+                xp.zeros((n - 1, a.vocab_size), xp.float32),
+            )
+            kept, after = verify_sampled(xp, target, draft, tokens, REHEARSED, uniforms)
+            follow = xp.concatenate([tokens[1:], after[None]])
+            follow[kept] = after
+            xp.stack([kept]), xp.stack([after]).astype(xp.int64)
+            q = distribution(draft[:1], REHEARSED, xp)[0]
+            xp.stack([inverse_cdf(q, uniforms[n], xp)]).astype(xp.int64)
+        if device.is_cuda:
+            xp.cuda.get_current_stream().synchronize()
