@@ -240,3 +240,51 @@ def test_without_the_gguf_package_the_export_says_how_to_install_it(
     monkeypatch.setitem(sys.modules, "gguf", None)  # import gguf now raises ImportError
     with pytest.raises(ExportError, match=r"needs the gguf package: pip install 'strata-cfg\[gguf\]'"):
         write_gguf(tmp_path / "x.gguf", config, tensors, "tiny")
+
+
+def test_a_disk_without_room_is_refused_before_anything_is_written(tmp_path: Path, tiny, monkeypatch) -> None:
+    import shutil
+
+    from strata_runtime.bench import gguf_export
+
+    config, tensors = tiny
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(gguf_export.shutil, "disk_usage", lambda _: usage._replace(free=1 << 20))
+    with pytest.raises(ExportError, match=r"GiB and .* has 0\.0 GiB free"):
+        write_gguf(tmp_path / "x.gguf", config, tensors, "tiny")
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ExportError, match="there is no folder"):
+        write_gguf(tmp_path / "absent" / "x.gguf", config, tensors, "tiny")
+
+
+def test_a_write_that_fails_midway_leaves_no_half_model_where_a_later_run_would_reuse_it(
+    tmp_path: Path, tiny, monkeypatch
+) -> None:
+    """`--gguf PATH` reuses a file that exists, so a failed write (a full disk, Ctrl-C) must leave PATH as it
+    was: absent, or the earlier complete file."""
+    config, tensors = tiny
+    path = tmp_path / "x.gguf"
+    write = gguf.GGUFWriter.write_tensor_data
+    calls = []
+
+    def fail_on_the_third(self, data, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise OSError(28, "No space left on device")
+        return write(self, data, *args, **kwargs)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensor_data", fail_on_the_third)
+    with pytest.raises(OSError, match="No space"):
+        write_gguf(path, config, tensors, "tiny")
+    assert list(tmp_path.iterdir()) == []
+    path.write_bytes(b"an earlier complete file")
+    calls.clear()
+    with pytest.raises(OSError, match="No space"):
+        write_gguf(path, config, tensors, "tiny")
+    assert [p.name for p in tmp_path.iterdir()] == [
+        "x.gguf"
+    ] and path.read_bytes() == b"an earlier complete file"
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensor_data", write)
+    write_gguf(path, config, tensors, "tiny")
+    assert [p.name for p in tmp_path.iterdir()] == ["x.gguf"]
+    assert _field(_read(path)[0], "general.architecture") == "qwen3moe"

@@ -17,7 +17,10 @@ The ``gguf`` package (llama.cpp's own writer) is needed only here: ``pip install
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import os
+import shutil
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -125,7 +128,11 @@ def write_gguf(
     ``config.json``) to ``path`` as GGUF; the bytes of tensor data written. ``progress`` makes a bar that
     advances by the bytes of each tensor written.
 
-    Raises `ExportError` when llama.cpp would compute another model, or a tensor is missing.
+    The file is written beside ``path`` under a ``.partial`` name and renamed when complete, so ``path``
+    never holds half a model (a later run reuses a file that exists there).
+
+    Raises `ExportError` when llama.cpp would compute another model, a tensor is missing, or the disk
+    holding ``path`` has less room than the tensors need.
     """
     problem = unsupported(config)
     if problem:
@@ -141,12 +148,43 @@ def write_gguf(
     missing = sorted(need - {n for n, _, _ in items})
     if missing:
         raise ExportError(f"cannot export to GGUF: no tensor for {', '.join(missing[:3])}")
+    sizes = [int(np.prod(shape)) * _dtype(len(shape)).itemsize for _, _, shape in items]
+    path = Path(path)
+    folder = path.resolve().parent
+    if not folder.is_dir():
+        raise ExportError(f"cannot write {path}: there is no folder {folder}")
+    free = shutil.disk_usage(folder).free
+    if free < sum(sizes):
+        raise ExportError(
+            f"cannot write {path}: the model's tensors take {sum(sizes) / 2**30:,.1f} GiB and {folder} has "
+            f"{free / 2**30:,.1f} GiB free; write it to a disk with room"
+        )
+    partial = path.with_name(path.name + ".partial")
+    try:
+        written = _write(gguf, partial, config, items, sizes, name, progress)
+        os.replace(partial, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            partial.unlink()
+    return written
+
+
+def _write(
+    gguf: Any,
+    path: Path,
+    config: Mapping[str, Any],
+    items: list[tuple[str, Fetch, tuple[int, ...]]],
+    sizes: list[int],
+    name: str,
+    progress: Progress | None,
+) -> int:
+    """`write_gguf`'s file: the header, then each tensor of ``items`` (``sizes`` bytes each) in turn."""
     writer = gguf.GGUFWriter(str(path), ARCH)
     h = int(config["hidden_size"])
     writer.add_name(name)
     writer.add_context_length(int(config.get("max_position_embeddings", 4096)))
     writer.add_embedding_length(h)
-    writer.add_block_count(layers)
+    writer.add_block_count(int(config["num_hidden_layers"]))
     writer.add_feed_forward_length(int(config["intermediate_size"]))
     writer.add_head_count(int(config["num_attention_heads"]))
     writer.add_head_count_kv(int(config["num_key_value_heads"]))
@@ -161,7 +199,6 @@ def write_gguf(
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     writer.add_tokenizer_model("none")
     writer.add_vocab_size(int(config["vocab_size"]))
-    sizes = [int(np.prod(shape)) * _dtype(len(shape)).itemsize for _, _, shape in items]
     for (gname, _, shape), nbytes in zip(items, sizes, strict=True):
         writer.add_tensor_info(gname, shape, _dtype(len(shape)), nbytes)
     writer.write_header_to_file()
