@@ -164,3 +164,21 @@ def test_the_runtime_bench_refuses_bad_sampling_options_itself() -> None:
         timeout=120,
     )
     assert out.returncode != 0 and "--top-p must be in (0, 1], not 1.5" in out.stderr, out.stderr
+
+
+def test_repeats_far_apart_are_named_under_the_table() -> None:
+    from strata_runtime.commands.bench import SPREAD, spread_notes
+
+    def case(*rates: float) -> dict:
+        return {"median": {"tok_s": sorted(rates)[len(rates) // 2]}, "tok_s_repeats": list(rates)}
+
+    summary = {
+        "serial": {"2 clients": case(400.0, 410.0), "8 clients": case(690.0, 700.0)},
+        "batch-mtp": {"2 clients": case(120.0, 480.0), "8 clients": case(660.0, 670.0)},
+    }
+    notes = spread_notes(summary)
+    assert notes[0] == "" and len(notes) == 2
+    assert "batch-mtp 2 clients: repeats of 120.0, 480.0 tok/s, 4.0x apart" in notes[1]
+    at_edge = {"serial": {"solo": case(100.0, 100.0 * SPREAD * 0.99)}}
+    assert spread_notes(at_edge) == []
+    assert spread_notes({"serial": {"solo": case(250.0)}}) == []

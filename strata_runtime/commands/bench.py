@@ -426,6 +426,26 @@ def cache_ceiling(
     }
 
 
+SPREAD = 1.5
+"""Repeats of one arm and case whose fastest is this many times the slowest are named under the table."""
+
+
+def spread_notes(summary: dict[str, Any]) -> list[str]:
+    """A line under the table for each arm and case whose repeats differ by `SPREAD` times or more: its median
+    and interval then hold a one-off stall (a first use that compiles or captures) or a noisy machine."""
+    out = []
+    for name, cases in summary.items():
+        for case, e in cases.items():
+            rates = e.get("tok_s_repeats") or []
+            if len(rates) > 1 and min(rates) > 0 and max(rates) / min(rates) >= SPREAD:
+                each, apart = ", ".join(f"{r:,.1f}" for r in rates), max(rates) / min(rates)
+                out.append(
+                    f"note: {name} {case}: repeats of {each} tok/s, {apart:.1f}x apart; its median and "
+                    "interval hold a one-off stall or a noisy machine (more --repeats narrow them)"
+                )
+    return [""] + out if out else []
+
+
 def render_table(
     workload: str,
     plans: dict[str, LaunchPlan],
@@ -473,6 +493,7 @@ def render_table(
                 f"{name:<10} {case:<18} {m['tok_s']:9.1f} {gain:>28} {m['ms_per_window']:8.2f} "
                 f"{m['rows_per_window']:8.2f} {m['accepted_pct']:6.1f}%  {text}{extra}"
             )
+    lines += spread_notes(summary)
     for name in summary:
         if name not in plans:
             lines.append(f"\n{name}: peer engine on the same weights (greedy generate, one batch)")
