@@ -189,6 +189,36 @@ def test_a_request_that_runs_out_of_context_mid_chain_ends_as_with_host_decision
     assert len(PROMPTS[1]) + len(outs[0][0]) - 1 == 48
 
 
+@pytest.mark.parametrize(("context", "prompt"), [(58, 0), (60, 1), (66, 0), (66, 1), (70, 0)])
+def test_a_window_whose_proposals_all_hold_at_the_end_of_the_context_ends_as_with_host_decisions(
+    context, prompt
+) -> None:
+    """A solo window of several proposals that ends on the context's last position, every proposal held,
+    drafts the next window's proposals past the context (no next window has room for them): the engine must
+    neither index past its drafters' KV nor change the text."""
+    outs = []
+    for on_device in (False, True):
+        eng = engine(1, 1, False, on_device=on_device, context=context)
+        h = eng.submit(Request(tuple(PROMPTS[prompt]), 200))
+        while eng.step():
+            assert_kv_consistent(eng)
+        evs = [h.events.get() for _ in range(h.events.qsize())]
+        outs.append(([t for ev in evs for t in ev.token_ids], evs[-1].finished))
+    assert outs[0] == outs[1] and outs[0][1] == "length"
+    assert len(PROMPTS[prompt]) + len(outs[0][0]) - 1 == context
+
+
+@pytest.mark.parametrize(("context", "prompt"), [(62, 2), (66, 3)])
+def test_a_sampled_request_that_fills_the_context_on_the_device_ends_by_length(context, prompt) -> None:
+    eng = engine(1, 1, False, on_device=True, context=context)
+    h = eng.submit(Request(tuple(PROMPTS[prompt]), 200, SamplingParams(temperature=0.7, seed=context)))
+    while eng.step():
+        assert_kv_consistent(eng)
+    evs = [h.events.get() for _ in range(h.events.qsize())]
+    assert evs[-1].finished == "length"
+    assert len(PROMPTS[prompt]) + sum(len(ev.token_ids) for ev in evs) - 1 == context
+
+
 def test_a_request_cancelled_mid_chain_ends_cancelled_and_the_other_slot_is_unaffected() -> None:
     eng = engine(2, 2, True, on_device=True)
     a, finished, b = cancel_mid_chain(

@@ -136,8 +136,13 @@ def decide(
     proposals = [_propose(model, spec, draft, 0)]  # [S] each
     _keep_draft(drafters, spec, 0, hidden, draft)
     one_row = Layout.of([(slot, 1, 0) for slot in spec.slots])  # positions: `start` + j - 1
+    # A window that ends near the context drafts proposals the next window has no room for (it is built with
+    # fewer, or not at all): their rows run at the context's last position, which no kept row reads again
+    # (a slot that has filled its context ends), instead of past the end of the drafters' KV.
+    last = mtp.rope.context - 1
     for j in range(1, n - 1):
-        head = mtp(drafters, proposals[-1], hidden, one_row, positions=start + (j - 1), account=False)
+        at = xp.minimum(start + (j - 1), last)
+        head = mtp(drafters, proposals[-1], hidden, one_row, positions=at, account=False)
         draft = mtp.logits(head)  # [S, V]
         hidden = head.astype(dtype)
         _keep_draft(drafters, spec, j, hidden, draft)

@@ -57,6 +57,11 @@ class Rope:
         self.device = device
         self.cos, self.sin = device.asarray(cos), device.asarray(sin)  # [T, D/2] each
 
+    @property
+    def context(self) -> int:
+        """Positions the tables cover (the KV cache's length)."""
+        return int(self.cos.shape[0])
+
     def at(self, layout: Layout) -> tuple[Array, Array]:
         pos = self.device.xp.asarray(layout.positions())  # [R]
         return self.cos[pos], self.sin[pos]  # [R, D/2] each
