@@ -104,8 +104,8 @@ def assert_kv_consistent(eng: Engine) -> None:
         if slot is None:
             assert eng.model.kv_lengths(i) == [0] * len(eng.model.stages)
             continue
-        ahead = sum(
-            len(e.tokens) for f in eng._chain if f.spec is None for e in f.job.entries if e.slot.id == i
+        ahead = sum(  # the rows of this request's chained windows (not those of the slot's previous one)
+            len(e.tokens) for f in eng._chain if f.spec is None for e in f.job.entries if e.slot is slot
         )
         assert eng.model.kv_lengths(i) == [slot.length + ahead] * len(eng.model.stages)
         if eng.tracked:

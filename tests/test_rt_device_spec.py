@@ -176,6 +176,44 @@ def test_a_stop_token_mid_chain_emits_and_keeps_nothing_after_it(batch_mtp) -> N
     assert tuple(again) == greedy_alone(PROMPTS[3], 15)
 
 
+def test_a_request_admitted_while_its_slots_last_request_still_has_windows_in_flight_gets_its_own_text() -> (
+    None
+):
+    """A stop ends a request while serial windows chained behind it still carry its rows; a request arriving
+    then takes the freed slot at once. The stale windows still write that slot's KV where the old request
+    would have gone; the new request must not see any of it (and the KV accounting must follow the slot's
+    new request, not the old one's windows)."""
+    ref = greedy_alone(PROMPTS[0], 40)
+    k = next(i for i in range(16, 40) if ref[i] not in ref[:i])  # once both requests decode, chained
+    seen = False
+    for at in range(14, 26):
+        eng = engine(1, 2, False, on_device=True)
+        stopping = Request(tuple(PROMPTS[0]), 40, stop_ids=(ref[k],))
+        other, late = Request(tuple(PROMPTS[1]), 30), Request(tuple(PROMPTS[2]), 12)
+        handles = [eng.submit(stopping), eng.submit(other)]
+        tokens: list[list[int]] = [[], [], []]
+        step = 0
+        while eng.step() or len(handles) < 3:
+            step += 1
+            if step == at:
+                handles.append(eng.submit(late))
+            assert_kv_consistent(eng)
+            for i, h in enumerate(handles):
+                while not h.events.empty():
+                    tokens[i] += h.events.get().token_ids
+            if len(handles) == 3 and handles[2].slot is not None:
+                mine = eng.slots[handles[2].slot]
+                seen = seen or any(
+                    e.slot.id == handles[2].slot and e.slot is not mine
+                    for f in eng._chain
+                    for e in f.job.entries
+                )
+        assert tokens[0] == list(ref[:k])
+        assert tuple(tokens[1]) == greedy_alone(PROMPTS[1], 30)
+        assert tuple(tokens[2]) == greedy_alone(PROMPTS[2], 12), at
+    assert seen, "a request took a slot while its last request's chained windows were in flight"
+
+
 def test_a_request_that_runs_out_of_context_mid_chain_ends_as_with_host_decisions() -> None:
     outs = []
     for on_device in (False, True):
