@@ -75,6 +75,36 @@ def test_greedy_text_is_the_same_in_every_mode_and_slots_stay_apart(stages, mode
         assert tuple(tokens) == reference(preset, req.prompt_ids, req.max_tokens)
 
 
+@functools.cache
+def small_context_engine(stages: int, mode: str, context: int) -> Engine:
+    return Engine(mode_plan(mode, stages, preset="tiny", context=context, prefill_chunk=16))
+
+
+filling = st.lists(
+    st.tuples(st.integers(0, 8), st.lists(st.integers(32, 126), min_size=1, max_size=20)),
+    min_size=1,
+    max_size=3,
+)
+
+
+@pytest.mark.parametrize(
+    ("stages", "mode"), [(n, m) for n in (1, 2) for m in MODES if n > 1 or m != "pipelined-mtp"]
+)
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(schedule=filling, context=st.sampled_from([40, 58, 66]))
+def test_requests_that_fill_the_context_end_by_length_with_the_text_they_get_alone(
+    stages, mode, schedule, context
+) -> None:
+    """Every request runs until its context is full, so windows (drafting ones too) reach the last position:
+    each ends by length, holding as many tokens as the context leaves, the same as the request run alone."""
+    eng = small_context_engine(stages, mode, context)
+    reqs = [(at, Request(tuple(p), 500)) for at, p in schedule]
+    got = collect(eng, reqs)
+    for (_, req), tokens in zip(reqs, got, strict=True):
+        room = context - len(req.prompt_ids) + 1
+        assert tuple(tokens) == reference("tiny", req.prompt_ids, room)
+
+
 @pytest.mark.parametrize("stages", [1, 2, 3, 4])
 def test_drafters_live_only_on_the_last_stage(stages) -> None:
     eng = engine(stages, "batch-mtp")
