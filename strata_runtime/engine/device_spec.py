@@ -242,17 +242,12 @@ def prepare(model: Model, shapes: set[tuple[int, int]]) -> None:
             rows = xp.zeros((s * n, a.hidden_size), xp.float32).reshape(s, n, -1)[xp.arange(s), accepted]
             rows.astype(dtype)
             _next_window(xp, first, [xp.zeros(s, xp.int64)] * (n - 1), start, n)
+        slot = next(iter(model.drafters))  # its draft logits are read, never written
         for n in sorted({n for _, n in shapes}):
-            tokens, uniforms = xp.zeros(n, xp.int64), xp.full(2 * n - 1, 0.5)
-            target, draft = (
-                xp.zeros((n, a.vocab_size), xp.float32),
-                xp.zeros((n - 1, a.vocab_size), xp.float32),
-            )
-            kept, after = verify_sampled(xp, target, draft, tokens, REHEARSED, uniforms)
-            follow = xp.concatenate([tokens[1:], after[None]])
-            follow[kept] = after
-            xp.stack([kept]), xp.stack([after]).astype(xp.int64)
-            q = distribution(draft[:1], REHEARSED, xp)[0]
-            xp.stack([inverse_cdf(q, uniforms[n], xp)]).astype(xp.int64)
+            spec = DeviceSpec((slot,), n, tokens=xp.zeros(n, xp.int64), params=(REHEARSED,))
+            spec.uniforms = xp.full((1, 2 * n - 1), 0.5)
+            logits = xp.zeros((n, a.vocab_size), xp.float32)
+            _accept_each(xp, spec, xp.zeros(n, xp.int64), logits, model.drafters)
+            _propose(model, spec, logits[:1], 0)
         if device.is_cuda:
             xp.cuda.get_current_stream().synchronize()
