@@ -30,11 +30,25 @@ def half(a: np.ndarray) -> np.ndarray:
     return a.astype(np.float16)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 8])
-@pytest.mark.parametrize(("n", "k"), [(512, 2048), (1000, 4096), (96, 768), (130, 64), (33, 200)])
+GEMV_ROWS = [1, 2, 3, 4, 8]
+GEMV_SHAPES = [(512, 2048), (1000, 4096), (96, 768), (130, 64), (33, 200)]
+GEMV_SHAPES += [(128, 2048), (255, 4096), (1, 2048)]  # router-sized: the split reduction
+
+
+@pytest.fixture(scope="module")
+def gemv_prepared(gpu):
+    """Every GEMV instantiation the twin test launches, compiled in one NVRTC run rather than one per test."""
+    _, kern, _ = gpu
+    kern.prepare(
+        {kern.gemv_expr(r, n, k, norm) for r in GEMV_ROWS for n, k in GEMV_SHAPES for norm in (False, True)}
+    )
+
+
+@pytest.mark.parametrize("rows", GEMV_ROWS)
+@pytest.mark.parametrize(("n", "k"), GEMV_SHAPES)
 @pytest.mark.parametrize("accumulate", [False, True])
 @pytest.mark.parametrize("with_norm", [False, True])
-def test_gemv_matches_twin(gpu, rows, n, k, accumulate, with_norm):
+def test_gemv_matches_twin(gpu, gemv_prepared, rows, n, k, accumulate, with_norm):
     cp, kern, ref = gpu
     g = rng()
     w = half(g.standard_normal((n, k)) * 0.05)
@@ -64,7 +78,9 @@ def test_add_rms_norm_fp32_matches_twin(gpu, rows, h, with_delta):
     assert rel_err(out_d.get(), out) < REL
 
 
-@pytest.mark.parametrize(("n_q", "n_kv", "d"), [(32, 4, 128), (4, 2, 16), (8, 2, 32), (64, 4, 128)])
+@pytest.mark.parametrize(
+    ("n_q", "n_kv", "d"), [(32, 4, 128), (4, 2, 16), (8, 2, 32), (64, 4, 128), (16, 2, 64), (8, 2, 256)]
+)
 def test_qk_norm_rope_kv_and_attention_match_the_reference(gpu, n_q, n_kv, d):
     cp, kern, ref = gpu
     g = rng()
@@ -293,11 +309,12 @@ def launch_gemv(cp, kern, expr, grid, w, x, out, norm):
     kern.fn(expr)((grid[0],), (grid[1],), (*args, np.float32(1e-6)))
 
 
-@pytest.mark.parametrize(("n", "k"), [(3000, 2048), (700, 4096), (128, 2048)])
+@pytest.mark.parametrize(("n", "k"), [(3000, 2048), (700, 4096), (128, 2048), (255, 4096)])
 def test_gemv_rows_are_batch_invariant(gpu, n, k):
     """A row's result must not depend on which rows share its window (greedy text equality across modes):
     for the kernel `Kernels.gemv` takes for the shape, for two block shapes of the tensor-core kernel, and
-    for the CUDA-core kernel with each number of output features a warp takes (`gemv_rows_per_warp`)."""
+    for the CUDA-core kernel with each number of output features a warp takes (`gemv_rows_per_warp`), and for
+    a short output's split reduction with each number of features a block takes (`ops.SPLIT_FEATURES`)."""
     cp, kern, _ = gpu
     g = rng()
     w = cp.asarray(half(g.standard_normal((n, k)) * 0.05))
@@ -313,6 +330,8 @@ def test_gemv_rows_are_batch_invariant(gpu, n, k):
             (f"gemv_mma<{{r}},{k},{mt},{warps},{flag}>", (ceil(n / (16 * mt)), 32 * warps))
             for mt, warps in ((1, 16), (4, 8))
         ]
+        if n <= 256:
+            variants += [(f"gemv_split<{{r}},{k},{f},{flag}>", (ceil(n / f), 256)) for f in (1, 2, 4)]
         kern.prepare([e.format(r=r) for e, _ in variants for r in counts])
         full = cp.empty((8, n), cp.float32)
         kern.gemv(w, x, full, norm=norm)
@@ -331,11 +350,13 @@ def test_gemv_rows_are_batch_invariant(gpu, n, k):
 
 
 @pytest.mark.parametrize(
-    ("n", "k", "with_norm"), [(300, 2048, True), (600, 4096, False), (40000, 2048, True)]
+    ("n", "k", "with_norm"),
+    [(300, 2048, True), (600, 4096, False), (40000, 2048, True), (128, 2048, True), (200, 4096, False)],
 )
 def test_gemv_keeps_fp32_precision_at_every_scale(gpu, n, k, with_norm):
     """The tensor-core GEMV splits each scaled row into fp16 hi + lo parts: rows from 1e-6 to 1e8 keep a
-    float32-sized error (fp16 rows alone would be near 1e-4, and 1e8 would overflow)."""
+    float32-sized error (fp16 rows alone would be near 1e-4, and 1e8 would overflow). So does a router-sized
+    output, whose split reduction sums the squares of rows up to 1e8 in fp32."""
     cp, kern, _ = gpu
     g = rng()
     w = half(g.standard_normal((n, k)) * 0.05)

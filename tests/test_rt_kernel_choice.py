@@ -13,13 +13,14 @@ import re
 
 import pytest
 
-from strata_runtime.cuda.ops import gemv_expression
+from strata_runtime.cuda.ops import gemv_expression, gemv_launch
 
 SHAPES = [
     (5120, 2048, True),  # q/k/v
     (2048, 4096, False),  # output projection
     (128, 2048, True),  # router
     (256, 2048, True),
+    (255, 4096, False),  # an odd router-sized output
     (257, 2048, True),
     (151936, 2048, True),  # LM head
     (1536, 2048, True),  # a dense MLP's gate/up
@@ -41,9 +42,57 @@ def test_the_kernel_and_its_block_shape_do_not_depend_on_the_row_count(n, k, nor
     assert len(chosen) == 1, chosen
 
 
+@pytest.mark.parametrize("tensor_cores", [False, True])
+@pytest.mark.parametrize(("n", "k", "norm"), SHAPES)
+def test_the_launch_covers_every_output_feature(n, k, norm, tensor_cores) -> None:
+    for rows in (1, 8):
+        expr, blocks, threads = gemv_launch(rows, n, k, norm, tensor_cores)
+        kind = expr.split("<")[0]
+        if kind == "gemv_split":
+            covered = blocks * int(expr.split(",")[2])
+        elif kind == "gemv_mma":
+            covered = blocks * 16 * int(expr.split(",")[2])
+        elif kind == "gemv_wide":
+            covered = blocks * threads // 32 * int(expr.split(",")[2])
+        else:
+            covered = blocks * threads // 32
+        assert threads % 32 == 0 and covered >= n > covered - (covered // blocks), (expr, blocks, threads)
+
+
 def test_tensor_cores_take_every_projection_but_a_router_sized_one() -> None:
     assert gemv_expression(8, 5120, 2048, True, True).startswith("gemv_mma<8,2048,")
     assert gemv_expression(8, 151936, 2048, True, True).startswith("gemv_mma<8,2048,")
-    assert gemv_expression(8, 128, 2048, True, True).startswith("gemv_wide<8,2048,")
+    assert gemv_expression(8, 128, 2048, True, True).startswith("gemv_split<8,2048,")
+    assert gemv_expression(1, 1, 2048, True, False).startswith("gemv_split<1,2048,")
+    assert gemv_expression(1, 256, 768, False, True).startswith("gemv_wide<1,768,")
     assert gemv_expression(1, 5120, 2048, False, False).startswith("gemv_wide<1,2048,")
     assert gemv_expression(1, 96, 200, False, True) == "gemv_any"
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "takes"), [(16, True), (128, True), (256, True), (96, False), (48, False)]
+)
+def test_the_cuda_path_takes_only_head_dims_its_attention_kernel_splits_evenly(head_dim, takes) -> None:
+    """The decode attention kernel sums a chunk's positions in groups of D / 8 lanes, which must divide a
+    warp; other head dims run on the array path, and the reason names the head dim."""
+    import numpy as np
+
+    from strata_runtime.cuda.layers import supported
+    from strata_runtime.models.qwen3_moe import ModelArgs
+
+    args = ModelArgs(
+        vocab_size=64,
+        hidden_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=head_dim,
+        intermediate_size=512,
+        moe_intermediate_size=256,
+        num_experts=8,
+        num_experts_per_tok=2,
+    )
+    why = supported(args, np.float16, np.float16)
+    assert (why is None) is takes, why
+    if not takes:
+        assert f"head dim {head_dim}" in why

@@ -26,7 +26,7 @@ from ..backend import Array, cupy_module, upload_into
 from ..layout import Layout
 from ..models.qwen3_moe import MLP, DecoderLayer, ModelArgs, SparseMoeBlock
 from .experts import ExpertSlice, LayerExperts, resident_experts
-from .ops import Kernels, attention_scratch_size, kernels_for
+from .ops import ATTENTION_HEAD_DIMS, Kernels, attention_scratch_size, kernels_for
 from .routing import DeviceRouting, RowBias
 
 
@@ -40,8 +40,9 @@ def supported(args: ModelArgs, dtype: Any, kv_dtype: Any) -> str | None:
         return "attention biases are not in the kernels"
     if args.num_experts > 256:
         return f"{args.num_experts} experts; the routing kernel handles at most 256"
-    if args.head_dim % 16 or args.head_dim > 256:
-        return f"head dim {args.head_dim} is not a multiple of 16 up to 256"
+    if args.head_dim not in ATTENTION_HEAD_DIMS:
+        dims = ", ".join(map(str, ATTENTION_HEAD_DIMS))
+        return f"head dim {args.head_dim} is not one the attention kernel takes ({dims})"
     return None
 
 

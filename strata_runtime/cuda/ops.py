@@ -26,6 +26,8 @@ _SOURCE = source("kernels.cu")
 WARPS_PER_BLOCK = 8
 THREADS = WARPS_PER_BLOCK * 32
 ATTN_CHUNK = 64  # positions per attention block; kernels.cu's ATTN_CHUNK
+ATTENTION_HEAD_DIMS = (16, 32, 64, 128, 256)
+"""Head dims ``attn_split`` takes: a warp's lanes split evenly into groups of D / 8."""
 _NULL = np.uint64(0)  # a null pointer argument
 
 
@@ -78,18 +80,38 @@ def gemv_on_tensor_cores(n: int, tensor_cores: bool) -> bool:
     return tensor_cores and n > 256
 
 
-def gemv_expression(rows: int, n: int, k: int, norm: bool, tensor_cores: bool) -> str:
-    """The instantiation `Kernels.gemv` launches for ``rows`` rows through weights [n, k]: ``gemv_mma``
-    where `gemv_on_tensor_cores`, else ``gemv_wide``, and ``gemv_any`` for a reduction that is not a
-    multiple of 256. The choice depends on the shape and the device, never on the row count, so a row's
-    result never depends on the window it is in."""
+SPLIT_FEATURES = 2
+"""Output features per block of ``gemv_split``."""
+
+
+def gemv_split_fits(n: int, k: int) -> bool:
+    """Whether weights [n, k] take ``gemv_split``: a router-sized output (256 features or fewer), whose
+    reduction (a multiple of 2048) is split over a block's 8 warps. One warp per feature would leave most
+    of the GPU idle and sum the whole reduction of every row alone."""
+    return n <= 256 and k % 2048 == 0
+
+
+def gemv_launch(rows: int, n: int, k: int, norm: bool, tensor_cores: bool) -> tuple[str, int, int]:
+    """(instantiation, blocks, threads per block) of the GEMV `Kernels.gemv` launches for ``rows`` rows
+    through weights [n, k]: ``gemv_any`` for a reduction that is not a multiple of 256, ``gemv_split`` where
+    `gemv_split_fits`, ``gemv_mma`` where `gemv_on_tensor_cores`, else ``gemv_wide``. The choice depends on
+    the shape and the device, never on the row count, so a row's result never depends on the window it is
+    in."""
     flag = "true" if norm else "false"
     if not _wide(k):
-        return "gemv_any"
+        return "gemv_any", math.ceil(n / WARPS_PER_BLOCK), THREADS
+    if gemv_split_fits(n, k):
+        return f"gemv_split<{rows},{k},{SPLIT_FEATURES},{flag}>", math.ceil(n / SPLIT_FEATURES), THREADS
     if gemv_on_tensor_cores(n, tensor_cores):
         tiles, warps = gemv_mma_shape(n, k)
-        return f"gemv_mma<{rows},{k},{tiles},{warps},{flag}>"
-    return f"gemv_wide<{rows},{k},{gemv_rows_per_warp(rows, n, k)},{flag}>"
+        return f"gemv_mma<{rows},{k},{tiles},{warps},{flag}>", math.ceil(n / (16 * tiles)), 32 * warps
+    per = gemv_rows_per_warp(rows, n, k)
+    return f"gemv_wide<{rows},{k},{per},{flag}>", math.ceil(math.ceil(n / per) / WARPS_PER_BLOCK), THREADS
+
+
+def gemv_expression(rows: int, n: int, k: int, norm: bool, tensor_cores: bool) -> str:
+    """The instantiation `Kernels.gemv` launches (`gemv_launch`)."""
+    return gemv_launch(rows, n, k, norm, tensor_cores)[0]
 
 
 _PROGRAMMATIC: contextvars.ContextVar[bool] = contextvars.ContextVar("strata_pdl", default=False)
@@ -99,6 +121,7 @@ PDL_KERNELS = frozenset(
     {
         "gemv_wide",
         "gemv_mma",
+        "gemv_split",
         "gemv_any",
         "add_rmsnorm",
         "qk_norm_rope_kv",
@@ -194,34 +217,13 @@ class Kernels(KernelCache):
         n, k = w.shape
         rows = x.shape[0]
         nw = norm if norm is not None else _NULL
-        if not _wide(k):
-            self.fn("gemv_any")(
-                (math.ceil(n / WARPS_PER_BLOCK),),
-                (THREADS,),
-                (
-                    w,
-                    x,
-                    out,
-                    np.int32(rows),
-                    np.int32(n),
-                    np.int32(k),
-                    np.int32(accumulate),
-                    nw,
-                    np.float32(eps),
-                ),
-            )
-            return
-        if gemv_on_tensor_cores(n, self.tensor_cores):
-            tiles, warps = gemv_mma_shape(n, k)
-            blocks, threads = math.ceil(n / (16 * tiles)), 32 * warps
+        expr, blocks, threads = gemv_launch(rows, n, k, norm is not None, self.tensor_cores)
+        if expr == "gemv_any":
+            sizes = (np.int32(rows), np.int32(n), np.int32(k))
+            args: tuple[Any, ...] = (w, x, out, *sizes, np.int32(accumulate))
         else:
-            blocks = math.ceil(math.ceil(n / gemv_rows_per_warp(rows, n, k)) / WARPS_PER_BLOCK)
-            threads = THREADS
-        self.fn(self.gemv_expr(rows, n, k, norm is not None))(
-            (blocks,),
-            (threads,),
-            (w, x, out, np.int32(n), np.int32(accumulate), nw, np.float32(eps)),
-        )
+            args = (w, x, out, np.int32(n), np.int32(accumulate))
+        self.fn(expr)((blocks,), (threads,), (*args, nw, np.float32(eps)))
 
     def add_rms_norm_fp32(self, resid: Array, delta: Array | None, w: Array, out: Array, eps: float) -> None:
         """resid += delta (if given); out = rmsnorm(resid) * w, all in fp32: the CUDA paths' rule (the
