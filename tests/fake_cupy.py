@@ -242,9 +242,22 @@ class ReferenceKernels:
 
         self.moe_exprs, self.attn_exprs = Kernels.moe_exprs, Kernels.attn_exprs
         self.gemv_expr = functools.partial(gemv_expression, tensor_cores=True)
+        self.prepared: set[str] = set()
+        """Every instantiation a `prepare` call listed (on a GPU: compiled before any window runs)."""
+        self.unprepared: list[str] = []
+        """The GEMV instantiations launched that no `prepare` call listed: on a GPU each is compiled when
+        it is first launched, and the window that launches it waits a second or more."""
 
     def prepare(self, expressions: Any) -> None:
-        pass
+        self.prepared.update(expressions)
+
+    def gemv(
+        self, w: Any, x: Any, out: Any, accumulate: bool = False, norm: Any = None, eps: float = 1e-6
+    ) -> None:
+        expr = self.gemv_expr(x.shape[0], *w.shape, norm is not None)
+        if expr not in self.prepared:
+            self.unprepared.append(expr)
+        RECORDER.launch(reference_kernels.gemv, w, x, out, accumulate, norm, eps)
 
     def programmatic(self, on: bool = True) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()

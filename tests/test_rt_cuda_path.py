@@ -291,3 +291,34 @@ def test_windows_running_ahead_on_the_cuda_path_give_the_array_paths_text(fake_g
     # Greedy text is the array path's. A draw can land on the other side of a boundary the two paths'
     # float32 logits place a rounding apart, so the sampled text is compared within the CUDA path only.
     assert alone[0] == cpu[0]
+
+
+def test_no_window_waits_for_a_gemv_to_compile(fake_gpu):
+    """Every GEMV a window launches (the layers', the LM head's on normalised rows, the MTP head's input
+    projections) at every row count the engine runs (solo drafting, serial and batch-MTP windows, greedy
+    and sampled, decided on the host and on the device) was listed for compiling when the engine was built.
+    On a GPU an instantiation compiled at its first launch stalls that window for a second or more."""
+    from strata_runtime.api import SamplingParams
+    from strata_runtime.cuda import ops
+    from strata_runtime.engine import Engine
+
+    kernels = ops.kernels_for(0)
+    sampled = SamplingParams(temperature=0.8, seed=3)
+    for plan in (
+        _plan("cuda", "tiny", draft_tokens=3),
+        _plan("cuda", "tiny", batch_mtp=True, draft_tokens=4),
+        _plan("cuda", "small", batch_mtp=True, draft_tokens=2),
+    ):
+        kernels.prepared.clear()
+        kernels.unprepared.clear()
+        engine = Engine(plan)
+        lone = [Request((72, 101, 108, 108, 111), 12)]  # alone in the engine: solo drafting
+        pair = [Request(tuple(range(40, 60)), 12), Request((3, 4, 5), 12, sampling=sampled)]
+        handles = []
+        for requests in (lone, pair):
+            handles += [engine.submit(r) for r in requests]
+            while engine.step():
+                pass
+        assert all(h.events.qsize() for h in handles)
+        assert engine.totals["accepted"] > 0  # drafts were verified
+        assert kernels.prepared and kernels.unprepared == [], sorted(set(kernels.unprepared))

@@ -16,7 +16,7 @@ I expert width, S slots, T context, V vocab.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import cupy as cp
@@ -32,8 +32,10 @@ from .ops import PDL_ROWS
 class CudaLayers:
     """Decode windows of at most 8 rows through a `LayerStack`, as one CUDA graph per row count."""
 
-    def __init__(self, stack: LayerStack) -> None:
-        self.stack = stack
+    def __init__(self, stack: LayerStack, gemv_shapes: Iterable[tuple[int, int, bool]] = ()) -> None:
+        """``gemv_shapes``: (out features, reduction, fused norm) of GEMVs that run beside these layers on
+        windows of 1 to 8 rows (a head's LM head, the MTP head's input projections), compiled with them."""
+        self.stack, self.gemv_shapes = stack, tuple(gemv_shapes)
         with cp.cuda.Device(stack.device_id):
             self.capture_stream = cp.cuda.Stream(non_blocking=True)
             # Compile every kernel any window can need in one NVRTC run now, not window by window later.
@@ -58,6 +60,7 @@ class CudaLayers:
         shapes = [(qkv, h, True), (h, q, False), (a.vocab_size, h, True), (1, h, True)]
         shapes += [(a.num_experts, h, True)] if a.num_experts else []
         shapes += [(2 * w, h, True) for w in widths] + [(h, w, False) for w in widths]
+        shapes += self.gemv_shapes
         for rows in range(1, MAX_WINDOW_ROWS + 1):
             out += [kern.gemv_expr(rows, n, k, norm) for n, k, norm in shapes]
         return out

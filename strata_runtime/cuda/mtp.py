@@ -16,7 +16,7 @@ from ..models.qwen3_moe import DecoderLayer, ModelArgs
 from .blas import matmul_nt
 from .decode import CudaLayers
 from .experts import ExpertSlice
-from .head import CudaHead
+from .head import CudaHead, head_gemv_shapes
 from .layers import LayerStack, WindowBuffers
 from .prefill import CudaPrefill
 
@@ -61,10 +61,12 @@ class CudaMtp:
                 head.norm,
             )
             self.stack = LayerStack.of(device_id, [head.layer], args, k_cache, v_cache, experts=experts)
-            self.layers = CudaLayers(self.stack)
+            # The input projections (norm fused) and the LM head run beside the layer on every draft window.
+            shapes = [(h, h, True), *head_gemv_shapes(head.lm_head)]
+            self.layers = CudaLayers(self.stack, shapes)
             # Windows decided on the device run the head on the last stage's stream while host drafting
             # may run it on the drafters' stream (pipelined groups): each gets its own buffers and graphs.
-            self.device_layers = CudaLayers(self.stack)
+            self.device_layers = CudaLayers(self.stack, shapes)
         self.kern = self.stack.kern
         self.head = CudaHead(device_id, head.norm, head.lm_head, args.rms_norm_eps)
         self._prefill = CudaPrefill(self.stack, experts=experts)

@@ -167,7 +167,7 @@ class Stage:
         stack = layers.LayerStack.of(
             gpu, self.layers, self.args, self.kv.k, self.kv.v, self.cuda_routing, first, main
         )
-        self.cuda = decode.CudaLayers(stack)
+        self.cuda = decode.CudaLayers(stack, head.head_gemv_shapes(self.lm_head) if self.last else ())
         self.cuda_prefill = prefill.CudaPrefill(stack, experts=main)
         if self.last:
             self.cuda_head = head.CudaHead(gpu, self.norm, self.lm_head, eps)
