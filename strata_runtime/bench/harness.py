@@ -31,6 +31,7 @@ from strata_cfg.schema.workloads import (
 
 from ..api import Request, SamplingParams, Tokenizer
 from ..backend import DeviceError, cupy_module
+from ..cuda.compile import LateCompile, late_compiles
 
 if TYPE_CHECKING:
     from ..engine import Engine
@@ -261,6 +262,9 @@ class ArmRuns:
     name: str
     runs: dict[str, list[dict[str, float]]] = field(default_factory=dict)
     tokens: dict[str, list[list[int]]] = field(default_factory=dict)
+    compiled: dict[str, list[list[LateCompile]]] = field(default_factory=dict)
+    """Per case and repeat, the kernels compiled at their first launch while the repeat ran (its figures
+    hold that time)."""
 
 
 def driver_for(arm: Any) -> Driver:
@@ -308,11 +312,13 @@ def run_bench(
                     seed=r,
                     sampling=sampling,
                 )
+                before = len(late_compiles())
                 t0 = time.perf_counter()
                 results, stats = driver(engine).run(arrivals)
                 wall = time.perf_counter() - t0
                 figures = measure(workload, results, stats, wall)
                 out[name].runs.setdefault(case, []).append(figures)
+                out[name].compiled.setdefault(case, []).append(late_compiles()[before:])
                 if r == 0:
                     out[name].tokens[case] = [res.token_ids for res in results]
                 if on_run:
@@ -332,6 +338,10 @@ def summarise(runs: dict[str, ArmRuns], base: str = "serial", compare_text: bool
                 "median": med,
                 "repeats": len(figures),
                 "tok_s_repeats": [f["tok_s"] for f in figures],
+                "compiled_in_repeats": [
+                    [{"kernel": c.expression, "seconds": c.seconds} for c in each]
+                    for each in arm.compiled.get(case, [])
+                ],
             }
             if base in runs and name != base and case in runs[base].runs:
                 base_rates = [f["tok_s"] for f in runs[base].runs[case]]

@@ -446,6 +446,23 @@ def spread_notes(summary: dict[str, Any]) -> list[str]:
     return [""] + out if out else []
 
 
+def compile_notes(summary: dict[str, Any]) -> list[str]:
+    """A line under the table for each repeat during which kernels were compiled at their first launch: its
+    figures hold that wait, which a server meets once, on its first such window."""
+    out = []
+    for name, cases in summary.items():
+        for case, e in cases.items():
+            for r, each in enumerate(e.get("compiled_in_repeats") or []):
+                if each:
+                    seconds = sum(c["seconds"] for c in each)
+                    kernels = ", ".join(dict.fromkeys(c["kernel"] for c in each))
+                    out.append(
+                        f"note: {name} {case}, repeat {r + 1}: {len(each)} kernel compile(s) at first "
+                        f"launch, {seconds:.2f} s in all, held in its figures ({kernels})"
+                    )
+    return [""] + out if out else []
+
+
 def render_table(
     workload: str,
     plans: dict[str, LaunchPlan],
@@ -494,6 +511,7 @@ def render_table(
                 f"{m['rows_per_window']:8.2f} {m['accepted_pct']:6.1f}%  {text}{extra}"
             )
     lines += spread_notes(summary)
+    lines += compile_notes(summary)
     for name in summary:
         if name not in plans:
             lines.append(f"\n{name}: peer engine on the same weights (greedy generate, one batch)")

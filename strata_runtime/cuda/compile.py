@@ -8,11 +8,17 @@ device keeps its own cache (`ops.kernels_for`, `flash.flash_kernels_for`).
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..backend import cupy_module
+
+log = logging.getLogger("strata_runtime")
 
 OPTIONS = ("-std=c++17", "--use_fast_math")
 """NVRTC options of every kernel source."""
@@ -21,6 +27,25 @@ OPTIONS = ("-std=c++17", "--use_fast_math")
 def source(name: str) -> str:
     """The text of a kernel source beside this module (``kernels.cu``, ``flash.cu``, ``routing.cu``)."""
     return Path(__file__).with_name(name).read_text()
+
+
+@dataclass(frozen=True)
+class LateCompile:
+    """An instantiation compiled when it was first launched, not by a `KernelCache.prepare` before: the
+    launch, and the window it belongs to, waited ``seconds`` for NVRTC."""
+
+    expression: str
+    seconds: float
+
+
+_LATE: list[LateCompile] = []
+_LATE_LOCK = threading.Lock()
+
+
+def late_compiles() -> list[LateCompile]:
+    """Every `LateCompile` of this process so far, in order (`strata bench` names those of a timed run)."""
+    with _LATE_LOCK:
+        return list(_LATE)
 
 
 class KernelCache:
@@ -45,9 +70,15 @@ class KernelCache:
             self._fns[e] = mod.get_function(e)
 
     def fn(self, expression: str) -> Any:
-        """The compiled function of ``expression``, compiling it now if it was not prepared."""
+        """The compiled function of ``expression``, compiling it now if it was not prepared (which is
+        recorded as a `LateCompile`)."""
         if expression not in self._fns:
+            t0 = time.perf_counter()
             self.prepare([expression])
+            late = LateCompile(expression, time.perf_counter() - t0)
+            with _LATE_LOCK:
+                _LATE.append(late)
+            log.info("compiled %s at its first launch (%.2f s)", expression, late.seconds)
         return self._fns[expression]
 
     def fn_with_shared(self, expression: str, shared_bytes: int) -> Any:
