@@ -76,7 +76,8 @@ def gemv_mma_shape(n: int, k: int) -> tuple[int, int]:
 def gemv_on_tensor_cores(n: int, tensor_cores: bool) -> bool:
     """Whether weights of ``n`` output features take ``gemv_mma``: where the device has tensor cores, for
     every output but a router-sized one (256 features or fewer). Those would make too few 16-feature blocks
-    (8 for 128 experts), and ran 1.5 us slower per layer at one row on an H200 than ``gemv_wide``."""
+    (8 for 128 experts), and ran 1.5 us slower per layer at one row on an H200 than ``gemv_wide``; they
+    take ``gemv_split`` where `gemv_split_fits`."""
     return tensor_cores and n > 256
 
 
