@@ -67,3 +67,17 @@ def test_the_bench_names_each_repeat_that_waited_for_a_compile(nvrtc, monkeypatc
     assert notes[1].startswith("note: serial two-decodes, repeat 1: 1 kernel compile(s) at first launch")
     assert notes[1].endswith("held in its figures (g<1>)") and "repeat 3" in notes[2] and "(h<4>)" in notes[2]
     assert compile_notes({"serial": {"solo": {"compiled_in_repeats": [[], []]}}}) == []
+
+
+def test_the_engine_reports_kernels_compiled_at_launch(nvrtc) -> None:
+    """The engine's status (and so ``/v1/status`` and ``/metrics``) counts them, with the latest names."""
+    from strata_cfg.plan.from_profile import resolve_text
+    from strata_cfg.profile.load import demo_text
+    from strata_runtime.engine import Engine
+
+    engine = Engine(resolve_text(demo_text(), "demo.toml").plan)
+    before = engine.stats()["compiled_at_launch"]
+    kc.KernelCache("// source").fn("late<7>")
+    after = engine.stats()["compiled_at_launch"]
+    assert after["kernels"] == before["kernels"] + 1 and after["recent"][-1] == "late<7>"
+    assert after["seconds"] >= before["seconds"]

@@ -214,6 +214,7 @@ def test_metrics_exposition_counts_and_buckets():
             "discarded_rows": discarded,
             "decided_on_device": windows - 1,
         },
+        "compiled_at_launch": {"kernels": 3, "seconds": 4.25, "recent": ["a<1>", "a<2>", "b<1>"]},
     }
     text = metrics.render(counters, stats, ready=True, in_flight=4)
     values: dict[str, float] = {}
@@ -228,6 +229,8 @@ def test_metrics_exposition_counts_and_buckets():
     assert values["strata_window_seconds_total"] == 1.5
     assert values["strata_discarded_rows_total"] == discarded
     assert values["strata_windows_decided_on_device_total"] == windows - 1
+    assert values["strata_kernels_compiled_at_launch_total"] == 3
+    assert values["strata_kernel_compile_at_launch_seconds_total"] == 4.25
     assert values["strata_queue_depth"] == 2
     assert values["strata_slots"] == 3
     assert values["strata_slots_busy"] == 2

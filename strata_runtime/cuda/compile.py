@@ -48,6 +48,17 @@ def late_compiles() -> list[LateCompile]:
         return list(_LATE)
 
 
+def late_compile_summary(recent: int = 8) -> dict[str, object]:
+    """How many `LateCompile` s this process has had, their seconds in all, and the last ``recent``
+    expressions: the engine's status and ``/metrics`` report it."""
+    late = late_compiles()
+    return {
+        "kernels": len(late),
+        "seconds": sum(c.seconds for c in late),
+        "recent": [c.expression for c in late[-recent:]],
+    }
+
+
 class KernelCache:
     """The compiled functions of one kernel source on one device, by template expression.
 

@@ -92,6 +92,14 @@ def engine_lines(stats: dict[str, Any]) -> list[str]:
         out += _head("strata_slots_by_state", "gauge", "Slots by state: free, prefill, decode.")
         for state in sorted({"free", "prefill", "decode", *states}):
             out.append(_line("strata_slots_by_state", states.get(state, 0), {"state": state}))
+    late = stats.get("compiled_at_launch")
+    if isinstance(late, dict) and isinstance(late.get("kernels"), int):
+        name = "strata_kernels_compiled_at_launch_total"
+        out += _head(name, "counter", "GPU kernels compiled when first launched rather than at start.")
+        out.append(_line(name, late["kernels"]))
+        name = "strata_kernel_compile_at_launch_seconds_total"
+        out += _head(name, "counter", "Seconds windows waited for kernels compiled at their first launch.")
+        out.append(_line(name, float(late.get("seconds") or 0.0)))
     if isinstance(stats.get("acceptance"), int | float):
         out += _head("strata_acceptance_ratio", "gauge", "Accepted over drafted proposals since start.")
         out.append(_line("strata_acceptance_ratio", stats["acceptance"]))
