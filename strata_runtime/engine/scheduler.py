@@ -50,7 +50,6 @@ from strata_cfg.schema.plan import MIB, LaunchPlan
 from strata_cfg.schema.windows import BATCH_MTP_SLOTS_PER_WINDOW, batch_mtp_window, plain_windows, solo_window
 
 from ..api import PlanMismatch, Request, RequestHandle, TokenEvent
-from ..cuda.compile import late_compile_summary
 from ..experts.cache import Snapshot
 from ..model import Model
 from ..model.placed import WeightStore
@@ -160,7 +159,7 @@ class Engine:
             "recent_windows": self.window_stats.last(32),
             "drafters": self.drafter_info(),
             "experts": [stage.experts.describe() for stage in self.model.stages],
-            "compiled_at_launch": late_compile_summary(),
+            "compiled_at_launch": self.model.compiled_at_launch(),
         }
 
     # ---- the expert caches, between benchmark runs ----------------------------------------------------

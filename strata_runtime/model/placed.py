@@ -17,6 +17,7 @@ from strata_cfg.schema.plan import LaunchPlan
 
 from ..api import PlanMismatch, Tokenizer
 from ..backend import DTYPES, Array, Device, enable_peer_access, peer_access_enabled, transfer
+from ..cuda.compile import late_compile_summary
 from ..experts.cache import Policy
 from ..experts.helper_tier import HelperOutOfMemory
 from ..experts.routing import RoutingModel, RoutingTables
@@ -369,6 +370,12 @@ class Model:
 
     def logits(self, normed: Array) -> Array:
         return self.last.logits(normed)
+
+    @staticmethod
+    def compiled_at_launch() -> dict[str, object]:
+        """GPU kernels compiled when a window first launched them rather than when the stages were built
+        (`strata_runtime.cuda.compile.late_compile_summary`; the count is the process's)."""
+        return late_compile_summary()
 
     def argmax(self, logits: Array) -> Array:
         """Each row's argmax [R] (int64) of logits on the last stage's device."""
