@@ -128,8 +128,28 @@ def test_each_workload_runs_the_matching_llama_cpp_test() -> None:
     one, many = cmds("clients")
     assert one[0] == "lb" and many[0] == "lbb" and many[many.index("-npl") + 1] == "2,4,8"
     assert int(many[many.index("-c") + 1]) >= 8 * (llamacpp.BATCHED_PROMPT + 64)
+    assert many[many.index("-npp") + 1] == str(llamacpp.BATCHED_PROMPT)
     (two,) = cmds("two-decodes")
     assert two[two.index("-npl") + 1] == "2"
+    # Given the runtime's prompt length, each stream reads a prompt that long (and the context holds them).
+    short = llamacpp.Workload("clients", 64, 0, 3, (1, 2, 4, 8), stream_prompt=17)
+    _, many = [c for _, c in llamacpp.commands(tools, "m.gguf", short)]
+    assert many[many.index("-npp") + 1] == "17" and int(many[many.index("-c") + 1]) >= 8 * (17 + 64)
+
+
+def test_a_peer_stream_reads_a_prompt_as_long_as_the_runtimes_requests() -> None:
+    """llama-batched-bench's streams read prompts of the runtime's requests' mean length, so both decode
+    from KV of the same length."""
+    from strata_cfg.schema.workloads import PROMPTS
+    from strata_runtime.bench.harness import mean_prompt_tokens
+    from strata_runtime.weights.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer(512)
+    lengths = [len(tok.encode(text)) for text in PROMPTS]
+    assert mean_prompt_tokens("clients", tok, 64, 512, len(PROMPTS)) == round(sum(lengths) / len(lengths))
+    assert mean_prompt_tokens("clients", tok, 64, 512, 1) == lengths[0]
+    assert mean_prompt_tokens("two-decodes", tok, 64, 512, 8) == round((lengths[0] + lengths[1]) / 2)
+    assert mean_prompt_tokens("prompt", tok, 64, 512, 1) == 1  # no decoding request
 
 
 def _done(stdout: str, rc: int = 0, stderr: str = "") -> SimpleNamespace:
@@ -150,6 +170,7 @@ def test_clients_pair_each_stream_count_with_llama_cpp_and_a_failure_is_a_note()
     outputs = {"lb": _done(BENCH_TG), "lbb": _done(BATCHED)}
     asked = llamacpp.Workload("clients", 64, 0, 2, (1, 2, 4, 8))
     run = llamacpp.run_peer(tools, "m.gguf", asked, run=lambda cmd, **kw: outputs[cmd[0]])
+    assert run.figures[1].what == "2 streams, pp128 tg64"
     assert [(f.case, f.tok_s) for f in run.figures] == [
         ("1 clients", 212.5),
         ("2 clients", 200.0),

@@ -198,6 +198,14 @@ def workload_arrivals(
     raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
 
 
+def mean_prompt_tokens(workload: str, tokenizer: Tokenizer, tokens: int, context: int, clients: int) -> int:
+    """The mean prompt length, in tokens, of a decode workload's requests (for ``clients``: of ``clients``
+    of them), at least 1: what a peer's streams read first, to decode from KV as long as ours."""
+    arrivals = workload_arrivals(workload, tokenizer, tokens, context, clients)
+    lengths = [len(a.request.prompt_ids) for a in arrivals if a.request.max_tokens > 1]
+    return max(1, round(sum(lengths) / len(lengths))) if lengths else 1
+
+
 def measure(name: str, results: list[Result], stats: dict[str, Any], wall: float) -> dict[str, float]:
     """The workload's reported figures for one run."""
     out: dict[str, float] = {

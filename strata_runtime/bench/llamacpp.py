@@ -2,9 +2,10 @@
 
 The plan's model is written as GGUF (`strata_runtime.bench.gguf_export`) and run by llama.cpp's own
 benchmark tools, found on PATH: ``llama-bench`` for one stream (``tg``: generating N tokens) and for a
-prompt (``pp``: reading N tokens), ``llama-batched-bench`` for several streams decoding at once (the same
-128-token prompt for each, then N tokens each). Each figure is matched with the runtime's case of the same
-workload and their ratio reported. Where neither tool is on PATH the peer is skipped in one line.
+prompt (``pp``: reading N tokens), ``llama-batched-bench`` for several streams decoding at once (each
+stream's prompt as long as the runtime's requests' prompts on average, then N tokens each). Each figure is
+matched with the runtime's case of the same workload and their ratio reported. Where neither tool is on PATH
+the peer is skipped in one line.
 
 llama.cpp draws random token ids and runs its own loop; the runtime's arms run real requests through the
 engine. So the figures compare decode and prompt speed on identical weights, not text.
@@ -20,7 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 TOOLS = ("llama-bench", "llama-batched-bench")
-BATCHED_PROMPT = 128  # tokens of each stream's prompt in llama-batched-bench
+BATCHED_PROMPT = 128
+"""Tokens of each stream's prompt in llama-batched-bench, unless the workload gives the runtime's own."""
 FULL_OFFLOAD = "999"  # -ngl: every layer on the GPU
 
 
@@ -36,6 +38,9 @@ class Workload:
     repeats: int
     clients: tuple[int, ...]
     """The ``clients`` workload's stream counts."""
+    stream_prompt: int = BATCHED_PROMPT
+    """Each stream's prompt in llama-batched-bench: the runtime's requests' mean prompt length, so that
+    both decode from KV of the same length."""
 
 
 @dataclass
@@ -88,11 +93,11 @@ def commands(tools: dict[str, str], gguf: str, w: Workload) -> list[tuple[str, l
         out.append(("llama-bench", [*single, "-p", "0", "-n", str(tokens)]))
     streams = {"two-decodes": [2], "clients": [c for c in w.clients if c > 1]}.get(workload, [])
     if streams and batched:
-        ctx = max(streams) * (BATCHED_PROMPT + tokens) + 16
+        ctx = max(streams) * (w.stream_prompt + tokens) + 16
         out.append(
             (
                 "llama-batched-bench",
-                [batched, "-m", gguf, "-ngl", FULL_OFFLOAD, "-c", str(ctx), "-npp", str(BATCHED_PROMPT)]
+                [batched, "-m", gguf, "-ngl", FULL_OFFLOAD, "-c", str(ctx), "-npp", str(w.stream_prompt)]
                 + ["-ntg", str(tokens), "-npl", ",".join(map(str, streams)), "--output-format", "jsonl"],
             )
         )
@@ -122,7 +127,8 @@ def parse_batched(text: str, workload: str) -> list[Figure]:
         row = json.loads(line)
         streams = int(row["pl"])
         case = "two-decodes" if workload == "two-decodes" else f"{streams} clients"
-        figures.append(Figure(case, f"{streams} streams, tg{int(row['tg'])}", float(row["speed_tg"])))
+        what = f"{streams} streams, pp{int(row['pp'])} tg{int(row['tg'])}"
+        figures.append(Figure(case, what, float(row["speed_tg"])))
     return figures
 
 

@@ -42,6 +42,7 @@ from ..bench.harness import (
     InProcessDriver,
     cuda_devices,
     driver_for,
+    mean_prompt_tokens,
     run_bench,
     summarise,
 )
@@ -171,7 +172,10 @@ def run(args: argparse.Namespace) -> int:
     budgets = {
         name: {g.device: g.budget_mib for g in plan.gpus if g.role != "idle"} for name, plan in plans.items()
     }
-    llama = llama_cpp_figures(args, plans, summary, weights) if "llama.cpp" in args.peer else None
+    llama = None
+    if "llama.cpp" in args.peer:
+        stream_prompt = mean_prompt_tokens(args.workload, tokenizer, args.tokens, context, max(CLIENT_COUNTS))
+        llama = llama_cpp_figures(args, plans, summary, weights, stream_prompt)
     if args.json:
         out = {
             "workload": args.workload,
@@ -215,10 +219,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def llama_cpp_figures(
-    args: argparse.Namespace, plans: dict[str, LaunchPlan], summary: dict[str, Any], weights: WeightStore
+    args: argparse.Namespace,
+    plans: dict[str, LaunchPlan],
+    summary: dict[str, Any],
+    weights: WeightStore,
+    stream_prompt: int,
 ) -> dict[str, Any]:
     """The llama.cpp peer beside the first arm: its figures as lines and as JSON, or the one line that says
-    why it was skipped (printed to stderr)."""
+    why it was skipped (printed to stderr). ``stream_prompt``: each of its decode streams' prompt length (our
+    requests' mean)."""
     import tempfile
 
     from ..bench import llamacpp
@@ -240,7 +249,9 @@ def llama_cpp_figures(
                 print(f"[llama.cpp] skipped: {exc}", file=sys.stderr)
                 return {"lines": [], "json": {"skipped": str(exc)}}
             print(f"[llama.cpp] wrote {path} ({size / 2**20:,.1f} MiB of tensors)", file=sys.stderr)
-        asked = llamacpp.Workload(args.workload, args.tokens, args.prompt_tokens, args.repeats, CLIENT_COUNTS)
+        asked = llamacpp.Workload(
+            args.workload, args.tokens, args.prompt_tokens, args.repeats, CLIENT_COUNTS, stream_prompt
+        )
         peer = llamacpp.run_peer(tools, path, asked)
     figures = [{"case": f.case, "what": f.what, "tok_s": f.tok_s} for f in peer.figures]
     return {
