@@ -202,3 +202,68 @@ def test_the_step_routes_each_layer_by_its_model_layer_under_calibrated_routing(
     assert checked >= 3 and rows == checked, matched
     rows, checked = matched["uniform"]
     assert rows < checked / 2, matched
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small", "qwen3-30b-a3b"])
+@pytest.mark.parametrize(("rows", "distinct"), [(1, None), (8, 5)])
+def test_the_kernel_groups_bytes_add_up_to_the_steps(preset: str, rows: int, distinct: int | None) -> None:
+    """Each kernel group's bytes (what `strata bench --workload step` divides by its time), summed over
+    the groups every layer runs (as the model's own layers say which) and the layers, with the LM head, are
+    the step's bytes the roofline counts: no weight is left out or counted twice."""
+    from strata_runtime.bench.ceilings import decode_step_bytes
+    from strata_runtime.bench.step import kernel_bytes
+    from strata_runtime.cuda.layers import LAYER_STEPS
+
+    facts = ModelFacts.from_config(preset_config(preset), source=f"synthetic:{preset}", dtype="float16")
+    picked = distinct if distinct is not None else facts.num_experts_per_tok
+    layers = (
+        KernelModel(_numpy_as_cupy(seed=8), facts, 64, reference).stack.layers
+        if preset != "qwen3-30b-a3b"
+        else None
+    )
+    total = 0
+    for j in range(facts.num_hidden_layers):
+        for name in LAYER_STEPS:
+            if layers is not None:
+                runs = step_applies(name, layers[j])
+            else:  # the preset's every layer is sparse, without a shared expert or router bias
+                runs = name not in ("mlp", "mlp_add", "route_bias")
+            if runs:
+                total += kernel_bytes(facts, name, rows, 301, picked, facts.is_sparse(j))
+    want = decode_step_bytes(facts, rows=rows, positions=301, distinct_experts=picked)
+    assert total + want.head == want.total
+    assert kernel_bytes(facts, "attention", rows, 301, picked) == rows * 301 * facts.kv_bytes_per_token(
+        "float16"
+    )
+
+
+def test_the_step_table_gives_each_kernel_groups_share_of_the_copy_rate() -> None:
+    from strata_runtime.bench.step import render_step
+
+    res = {
+        "model": {
+            "source": "synthetic:x",
+            "layers": 2,
+            "hidden": 64,
+            "heads": 4,
+            "kv_heads": 2,
+            "head_dim": 16,
+            "experts": 8,
+            "top_k": 2,
+            "expert_width": 32,
+            "vocab": 100,
+        },
+        "device": "cuda:0",
+        "gpu": "GPU",
+        "position": 10,
+        "context": 64,
+        "routing": "uniform",
+        "copy_gbs": 4000.0,
+        "rows": [],
+        "per_kernel_us_per_layer": {"1": {"qkv+norm": 10.0, "route_bias": 1.0}},
+        "per_kernel_gbs": {"1": {"qkv+norm": 2000.0, "route_bias": 0.0}},
+    }
+    text = render_step(res)
+    assert "1 row: qkv+norm 10.0 (50%), route_bias 1.0" in text
+    del res["per_kernel_gbs"]  # a result written before the rates were measured
+    assert "1 row: qkv+norm 10.0, route_bias 1.0" in render_step(res)

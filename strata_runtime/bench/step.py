@@ -6,7 +6,8 @@ slot with a prompt of its own), KV at a fixed position. For 1, 2, 4 and 8 rows i
 (embedding, every layer, final norm, LM head, argmax) eagerly and as a replayed CUDA graph, against the byte
 roofline: the step's bytes (`ceilings.decode_step_bytes`, with the distinct experts the last
 layer's rows routed to) over the device-to-device copy rate measured in the same run. Then it times each
-kernel of a layer alone, in a graph over the layers that run it, at one row and at eight. No engine is
+kernel of a layer alone, in a graph over the layers that run it, at one row and at eight, and gives the rate
+at which it reads the bytes it must (`kernel_bytes`). No engine is
 built: this is the kernels' own ceiling, without scheduling, sampling or Python between windows.
 
 Shapes: L layers, H hidden, NQ/NKV query/KV heads of D, E experts, K top-k, I expert width, W dense-MLP or
@@ -47,6 +48,34 @@ def step_memory_bytes(facts: ModelFacts, context: int) -> int:
     head = (facts.vocab_size * facts.hidden_size + facts.hidden_size) * facts.weight_bytes
     kv = facts.num_hidden_layers * SLOTS * context * facts.kv_bytes_per_token("float16")
     return weights + head + kv
+
+
+def kernel_bytes(
+    f: ModelFacts, name: str, rows: int, positions: int, distinct_experts: int, sparse: bool = True
+) -> int:
+    """Bytes kernel group ``name`` (of `LAYER_STEPS`) must read from memory in one layer (``sparse``: an
+    MoE layer) for a window of ``rows`` rows, each reading ``positions`` of fp16 KV, whose routing picks
+    ``distinct_experts``: its weights (read once for every row) and, for attention, the KV. 0 for the steps
+    that read no weights (the router bias, the MLP's add). Summed over the groups each layer runs and over
+    the layers, with the LM head, they are `ceilings.decode_step_bytes`."""
+    h, wb = f.hidden_size, f.weight_bytes
+    q, kv = f.num_attention_heads * f.head_dim, f.num_key_value_heads * f.head_dim
+    shared = f.shared_expert_intermediate_size
+    if name == "qkv+norm":  # with the input norm (and the biases, where the model has them)
+        return (h * (q + 2 * kv) + h + (q + 2 * kv if f.attention_bias else 0)) * wb
+    if name == "qknorm_rope":
+        return 2 * f.head_dim * wb
+    if name == "attention":
+        return rows * positions * f.kv_bytes_per_token("float16")
+    if name == "o_proj":
+        return q * h * wb
+    if name == "mlp":  # an MoE layer's shared expert and its gate; a dense layer's MLP with its norm
+        return (3 * h * shared + h) * wb if sparse else (3 * h * f.intermediate_size + h) * wb
+    if name == "router+norm":  # with the post-attention norm
+        return (f.num_experts * h + h) * wb
+    if name == "moe":
+        return distinct_experts * f.expert_bytes()
+    return 0
 
 
 def facts_args(f: ModelFacts) -> ModelArgs:
@@ -216,15 +245,24 @@ class KernelModel:
             "arithmetic": nbytes.arithmetic(copy),
         }
 
-    def time_kernels(self, position: int, repeats: int, rows: int = 1) -> dict[str, float]:
-        """µs per layer of each kernel group at ``rows`` rows, each timed alone in a graph over its layers."""
+    def time_kernels(self, position: int, repeats: int, rows: int = 1) -> dict[str, dict[str, float]]:
+        """Each kernel group at ``rows`` rows, timed alone in a graph over its layers: µs per layer, the
+        bytes per layer it must read (`kernel_bytes`, the experts as the window's last layer routed) and
+        the rate that makes (GB/s; 0 for a group that moves next to nothing)."""
         w = self.window(rows, position)
+        distinct = len(set(w.buffers.idx.get().ravel().tolist())) if self.f.num_experts else 0
         out = {}
         for name, step in LAYER_STEPS.items():
             runs = [j for j, lay in enumerate(self.stack.layers) if step_applies(name, lay)]
             if runs:
                 body = partial(self._over, step, w.buffers, runs)
-                out[name] = graph_seconds(self.cp, body, repeats) / len(runs) * 1e6
+                us = graph_seconds(self.cp, body, repeats) / len(runs) * 1e6
+                each = [
+                    kernel_bytes(self.f, name, rows, position + 1, distinct, self.f.is_sparse(j))
+                    for j in runs
+                ]
+                nbytes = sum(each) / len(each)
+                out[name] = {"us": us, "bytes": nbytes, "gbs": nbytes / us / 1e3 if us > 0 else 0.0}
         return out
 
     def _over(self, step: Step, b: WindowBuffers, runs: list[int]) -> None:
@@ -276,7 +314,7 @@ def run_step(
         cp.cuda.Device().synchronize()
         made_s = time.perf_counter() - t0
         table = [model.time_rows(rows, position, repeats, copy) for rows in ROWS]
-        per_kernel = {
+        kernels = {
             str(rows): model.time_kernels(position, max(repeats // 2, 3), rows) for rows in KERNEL_ROWS
         }
         name = gpu_name(cp, device_index)
@@ -294,7 +332,11 @@ def run_step(
         "weights_generated_s": made_s,
         "copy_gbs": copy / 1e9,
         "rows": table,
-        "per_kernel_us_per_layer": per_kernel,
+        "per_kernel_us_per_layer": {r: {k: v["us"] for k, v in ks.items()} for r, ks in kernels.items()},
+        "per_kernel_bytes_per_layer": {
+            r: {k: v["bytes"] for k, v in ks.items()} for r, ks in kernels.items()
+        },
+        "per_kernel_gbs": {r: {k: v["gbs"] for k, v in ks.items()} for r, ks in kernels.items()},
     }
 
 
@@ -333,8 +375,17 @@ def render_step(res: dict[str, Any]) -> str:
             f"{r['rows']:>4} {r['eager_ms']:9.2f} {r['graph_ms']:9.2f} {r['roofline_ms']:12.2f} "
             f"{100 * r['graph_of_roofline']:14.0f}% {r['distinct_experts_last_layer']:>30}"
         )
-    lines += ["", "µs per layer (each kernel group timed alone in a graph over its layers):"]
+    lines += [
+        "",
+        "µs per layer (each kernel group timed alone in a graph over its layers), and in brackets the share",
+        "of the copy rate at which it reads the bytes it must (weights, and KV for attention):",
+    ]
+    copy = res["copy_gbs"]
     for rows, kernels in res["per_kernel_us_per_layer"].items():
-        parts = ", ".join(f"{k} {v:.1f}" for k, v in kernels.items())
+        rates = res.get("per_kernel_gbs", {}).get(rows, {})
+        parts = ", ".join(
+            f"{k} {v:.1f}" + (f" ({100 * rates[k] / copy:.0f}%)" if rates.get(k) and copy > 0 else "")
+            for k, v in kernels.items()
+        )
         lines.append(f"  {rows} row{'s' if rows != '1' else ''}: {parts}")
     return "\n".join(lines)
