@@ -75,23 +75,15 @@ def test_tensor_cores_take_every_projection_but_a_router_sized_one() -> None:
 def test_the_cuda_path_takes_only_head_dims_its_attention_kernel_splits_evenly(head_dim, takes) -> None:
     """The decode attention kernel sums a chunk's positions in groups of D / 8 lanes, which must divide a
     warp; other head dims run on the array path, and the reason names the head dim."""
+    import dataclasses
+
     import numpy as np
 
+    from strata_cfg.schema.presets import preset_config
     from strata_runtime.cuda.layers import supported
     from strata_runtime.models.qwen3_moe import ModelArgs
 
-    args = ModelArgs(
-        vocab_size=64,
-        hidden_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=head_dim,
-        intermediate_size=512,
-        moe_intermediate_size=256,
-        num_experts=8,
-        num_experts_per_tok=2,
-    )
+    args = dataclasses.replace(ModelArgs.from_config(preset_config("tiny")), head_dim=head_dim)
     why = supported(args, np.float16, np.float16)
     assert (why is None) is takes, why
     if not takes:
