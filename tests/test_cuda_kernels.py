@@ -150,6 +150,38 @@ def test_attention_merges_hundreds_of_chunks(gpu):
     assert rel_err(out_d.get(), out) < REL
 
 
+@pytest.mark.parametrize(
+    ("n_q", "n_kv", "d"), [(32, 4, 128), (8, 2, 32), (16, 2, 64), (8, 2, 256), (64, 4, 128)]
+)
+def test_attention_row_is_the_same_in_every_window(gpu, n_q, n_kv, d):
+    """Windows of 1-2 rows take 256-thread blocks and larger windows 128 (`attention_shape`): a row's output
+    must be the same bit for bit alone, in a 2-row window and in a 5-row window."""
+    from strata_runtime.cuda.ops import attention_scratch_size, attention_shape
+
+    cp, kern, _ = gpu
+    g = rng()
+    slots, t, rows = 5, 700, 5
+    assert attention_shape(d, n_q // n_kv, 1)[1] == attention_shape(d, n_q // n_kv, rows)[1]
+    pos = np.array([699, 64, 63, 300, 1], np.int32)
+    slot = np.arange(rows, dtype=np.int32)
+    q = cp.asarray(g.standard_normal((rows, n_q, d)).astype(np.float32))
+    kc = cp.asarray(half(g.standard_normal((slots, n_kv, t, d))))
+    vc = cp.asarray(half(g.standard_normal((slots, n_kv, t, d))))
+
+    def attend(sel: list[int]) -> np.ndarray:
+        r = len(sel)
+        out = cp.full((r, n_q * d), cp.nan, cp.float32)
+        scratch = cp.full(attention_scratch_size(r, n_q, n_kv, d, t), cp.nan, cp.float32)
+        done = cp.zeros((r, n_kv), cp.int32)
+        kern.attention(q[sel], kc, vc, cp.asarray(pos[sel]), cp.asarray(slot[sel]), out, scratch, done)
+        return out.get()
+
+    every = attend(list(range(rows)))
+    for r in range(rows):
+        np.testing.assert_array_equal(attend([r])[0], every[r])
+        np.testing.assert_array_equal(attend([r, (r + 1) % rows])[0], every[r])
+
+
 def _moe_inputs(g: np.random.Generator, rows: int, e: int, h: int, inter: int) -> tuple[np.ndarray, ...]:
     """A window's rows, norm, router logits, experts (gate/up, down) and residual for the expert kernels."""
     x = (g.standard_normal((rows, h)) * 2).astype(np.float32)
@@ -300,6 +332,32 @@ def test_small_elementwise_kernels_match_the_reference(gpu):
     am = np.empty(rows, np.int32)
     ref.argmax(logits, am)
     np.testing.assert_array_equal(am_d.get(), am)
+
+
+@pytest.mark.parametrize("v", [151_936, 2_049, 40_000, 7])
+def test_argmax_over_slices_matches_numpy(gpu, v):
+    """A row is cut into slices searched in parallel: the maximum must win wherever it lies, an equal
+    maximum in a later slice must lose to the first (ties to the lower index), and rows of -inf or with
+    NaNs must give what the one-block kernel gave (the first -inf; NaNs never win)."""
+    from strata_runtime.cuda.ops import argmax_slices
+
+    cp, kern, ref = gpu
+    g = rng()
+    rows = 6
+    logits = g.standard_normal((rows, v)).astype(np.float32)
+    nb = argmax_slices(v)
+    per = -(-v // nb)
+    top = float(logits.max()) + 1.0
+    logits[0, v - 1] = top  # the last value of the last slice
+    logits[1, [v // 3, v - 1]] = top  # a tie across slices: the lower index wins
+    logits[2, [min(per, v - 1), 0]] = top  # a tie between the first value and the next slice's first
+    logits[3, :] = -np.inf
+    logits[4, ::2] = np.nan
+    logits[4, 1] = top
+    am_d = cp.full(rows, -1, cp.int32)
+    kern.argmax(cp.asarray(logits), am_d)
+    want = np.array([np.argmax(np.where(np.isnan(row), -np.inf, row)) for row in logits], np.int32)
+    np.testing.assert_array_equal(am_d.get(), want)
 
 
 def launch_gemv(cp, kern, expr, grid, w, x, out, norm):

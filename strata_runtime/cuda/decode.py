@@ -50,7 +50,8 @@ class CudaLayers:
         h, q = a.hidden_size, a.num_attention_heads * a.head_dim
         qkv = (a.num_attention_heads + 2 * a.num_key_value_heads) * a.head_dim
         widths = {lay.mlp_width for lay in self.stack.layers if lay.mlp_down is not None}
-        out = ["add_rmsnorm", "qk_norm_rope_kv", "silu_mul", "add_scaled", "argmax_rows", "choose_rows"]
+        out = ["add_rmsnorm", "qk_norm_rope_kv", "silu_mul", "add_scaled", "argmax_part", "argmax_merge"]
+        out += ["choose_rows"]
         out += ["gemv_any"]
         out += kern.attn_exprs(a.head_dim, a.num_attention_heads // a.num_key_value_heads)
         if a.num_experts:

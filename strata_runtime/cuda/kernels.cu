@@ -594,11 +594,17 @@ __global__ void __launch_bounds__(256) qk_norm_rope_split(const float* __restric
 }
 
 // ---- decode attention (split over position chunks, one kernel) ----------------------------------------
-// Block (r, kv head, chunk c) of 128 threads handles positions [c*C, c*C + C) of slot[r] for the G query
+// Block (r, kv head, chunk c) of B threads handles positions [c*C, c*C + C) of slot[r] for the G query
 // heads of that KV head: an unnormalised partial result with its max and sum (flash-decoding). Splitting
 // positions over blocks keeps the GPU busy for a handful of rows. The last block of (r, kv head) to finish
 // (a counter in `done`, which that block sets back to zero) merges the row's live chunks, so one kernel does
 // what a partial and a combine kernel did, without the second launch and its wait.
+// A block's time is the length of its threads' chains of dependent arithmetic (all G heads over C
+// positions), so a window of one or two rows takes B = 256, and more rows, whose blocks fill the GPU, take
+// B = 128. Both sum in one order, fixed by W "canonical" warps (the partial sums of a B = 32 W block): with
+// B = 128 and W = 8 a thread does the work of two threads of the 256-thread block, one after the other, so
+// a row's result is the same bit for bit whichever B its window took. (W = B / 32 where the shared memory
+// of 8 warps' sums does not fit: those shapes run at 128 threads only.)
 // Scratch layout: acc [R, NKV, NC, G, D], ml [R, NKV, NC, G, 2]; done [R, NKV] int, zero between launches.
 constexpr int ATTN_CHUNK = 64;
 
@@ -620,71 +626,87 @@ __device__ __forceinline__ bool last_to_finish(int* __restrict__ counter, int ex
   return *flag;
 }
 
-template <int D, int G>
-__global__ void __launch_bounds__(128) attn_split(const float* __restrict__ q, const half* __restrict__ kc,
-                                                   const half* __restrict__ vc, const int* __restrict__ pos,
-                                                   const int* __restrict__ slot, float* __restrict__ part_acc,
-                                                   float* __restrict__ part_ml, int* __restrict__ done,
-                                                   float* __restrict__ out, int NKV, int T, int NC, float scale) {
-  constexpr int B = 128, C = ATTN_CHUNK, DG = D / 8, PG = B / DG;
-  // A warp's lanes split evenly into position groups of DG lanes (summed by the shuffles below): D / 8 a power
-  // of two.
+template <int D, int G, int B, int W>
+__global__ void __launch_bounds__(B) attn_split(const float* __restrict__ q, const half* __restrict__ kc,
+                                                 const half* __restrict__ vc, const int* __restrict__ pos,
+                                                 const int* __restrict__ slot, float* __restrict__ part_acc,
+                                                 float* __restrict__ part_ml, int* __restrict__ done,
+                                                 float* __restrict__ out, int NKV, int T, int NC, float scale) {
+  // DG 16-byte pieces of a head; TP threads per position for the scores. A score is the sum of QP partial
+  // sums, partial p over pieces p, p + QP, ... in order, added as ((P0 + P1) + (P2 + P3)); a thread holds
+  // PT of them. P @ V sums QG position groups, group g over positions g, g + QG, ... in order; a warp holds
+  // 32 / DG of them (summed by shuffles) and the block's W canonical warps are summed in order.
+  constexpr int C = ATTN_CHUNK, DG = D / 8, TP = B / C, QP = DG < 4 ? DG : 4, PT = QP / TP;
+  constexpr int PG = B / DG, QG = W * 32 / DG, PASSES = W / (B / 32), NV = C / QG, NK = DG / QP;
   static_assert(D >= 16 && D <= 256 && (DG & (DG - 1)) == 0, "head dim must be 16, 32, 64, 128 or 256");
+  static_assert((B == 128 || B == 256) && TP <= QP && PASSES >= 1 && PASSES * (B / 32) == W && C % QG == 0,
+                "unsupported block shape");
   STRATA_PDL_LAUNCH();
   STRATA_PDL_WAIT();
   __shared__ float qs[G * D];
   __shared__ float sc[G * C];
-  __shared__ float red[(B / 32) * G * D];
+  __shared__ float red[W * G * D];
   __shared__ int last;
   const int r = blockIdx.x, kvh = blockIdx.y, c = blockIdx.z, tid = threadIdx.x, NQ = NKV * G;
   const int n = pos[r] + 1, t0 = c * C;
   if (t0 >= n) return;  // past this row's position: neither counted nor merged
   const int tn = min(C, n - t0), live = (n + C - 1) / C;
   const size_t base = ((size_t)slot[r] * NKV + kvh) * T * D + (size_t)t0 * D;
-  // Scores: two threads per position, each over half the head dim. The keys are loaded first, so they are
-  // in flight while q is staged in shared memory.
-  const int t = tid >> 1, part = tid & 1;
-  uint4 kr[D / 16];
+  // The key pieces of this thread's partials, loaded first so that they are in flight while q is staged in
+  // shared memory: partial part * PT + i takes pieces m QP + part PT + i (neighbouring threads' q values then
+  // lie in different shared-memory banks).
+  const int t = tid / TP, part = tid % TP;
+  uint4 kr[PT][NK];
   if (t < tn) {
-    const uint4* ks = reinterpret_cast<const uint4*>(kc + base + (size_t)t * D + part * (D / 2));
+    const uint4* ks = reinterpret_cast<const uint4*>(kc + base + (size_t)t * D);
 #pragma unroll
-    for (int cc = 0; cc < D / 16; ++cc) kr[cc] = ks[cc];
+    for (int i = 0; i < PT; ++i)
+#pragma unroll
+      for (int m = 0; m < NK; ++m) kr[i][m] = ks[m * QP + part * PT + i];
   }
   // The values this thread sums in P @ V (below), loaded now so that they too are in flight while q is staged
-  // and the scores are computed: thread (pg, dg) takes positions pg, pg + PG, ... of dims [dg*8, dg*8 + 8).
-  constexpr int NV = (C + PG - 1) / PG;
+  // and the scores are computed: in pass ps, thread (pg, dg) takes group ps PG + pg's positions, dims
+  // [dg*8, dg*8 + 8).
   const int dg = tid % DG, pg = tid / DG;
-  uint4 vr[NV];
+  uint4 vr[PASSES][NV];
 #pragma unroll
-  for (int j = 0; j < NV; ++j) {
-    const int tv = pg + j * PG;
-    if (tv < tn) vr[j] = *reinterpret_cast<const uint4*>(vc + base + (size_t)tv * D + dg * 8);
-  }
+  for (int ps = 0; ps < PASSES; ++ps)
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      const int tv = ps * PG + pg + j * QG;
+      if (tv < tn) vr[ps][j] = *reinterpret_cast<const uint4*>(vc + base + (size_t)tv * D + dg * 8);
+    }
   constexpr int PER = (G * D + B - 1) / B;  // q values (and merged outputs) per thread
 #pragma unroll
   for (int c = 0; c < PER; ++c)
     if (c * B + tid < G * D) qs[c * B + tid] = q[((size_t)r * NQ + kvh * G) * D + c * B + tid] * scale;
   __syncthreads();
   {
-    float s[G];
+    float s[PT][G];
 #pragma unroll
-    for (int g = 0; g < G; ++g) s[g] = 0.f;
+    for (int i = 0; i < PT; ++i)
+#pragma unroll
+      for (int g = 0; g < G; ++g) s[i][g] = 0.f;
     if (t < tn) {
 #pragma unroll
-      for (int cc = 0; cc < D / 16; ++cc) {
-        float kf[8];
-        unpack8(kr[cc], kf);
+      for (int m = 0; m < NK; ++m)
 #pragma unroll
-        for (int g = 0; g < G; ++g) {
-          const float* qg = qs + g * D + part * (D / 2) + cc * 8;
+        for (int i = 0; i < PT; ++i) {
+          float kf[8];
+          unpack8(kr[i][m], kf);
 #pragma unroll
-          for (int j = 0; j < 8; ++j) s[g] += qg[j] * kf[j];
+          for (int g = 0; g < G; ++g) {
+            const float* qg = qs + g * D + (m * QP + part * PT + i) * 8;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) s[i][g] += qg[j] * kf[j];
+          }
         }
-      }
     }
 #pragma unroll
     for (int g = 0; g < G; ++g) {
-      const float v = s[g] + __shfl_xor_sync(0xffffffffu, s[g], 1);
+      float v = PT == 2 ? s[0][g] + s[PT - 1][g] : s[0][g];
+#pragma unroll
+      for (int o = 1; o < TP; o <<= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
       if (part == 0) sc[g * C + t] = t < tn ? v : -STRATA_INF;
     }
   }
@@ -702,44 +724,46 @@ __global__ void __launch_bounds__(128) attn_split(const float* __restrict__ q, c
     if (lane == 0) { ml[g * 2] = m; ml[g * 2 + 1] = l; }
   }
   __syncthreads();
-  // P @ V: thread (pg, dg) sums positions pg, pg + PG, ... of 8 consecutive dims [dg*8, dg*8 + 8) for every
-  // head, so one 16-byte V load serves 8 dims of G heads. Position groups are then summed: first inside each
-  // warp with shuffles, then across the warps through shared memory.
-  float acc[G][8];
+  // P @ V: one 16-byte V load serves 8 dims of G heads. A pass's position groups are summed inside each warp
+  // with shuffles; the canonical warp ps (B / 32) + warp keeps the sums in shared memory.
 #pragma unroll
-  for (int g = 0; g < G; ++g)
+  for (int ps = 0; ps < PASSES; ++ps) {
+    float acc[G][8];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) acc[g][j] = 0.f;
+    for (int g = 0; g < G; ++g)
 #pragma unroll
-  for (int j = 0; j < NV; ++j) {
-    const int tv = pg + j * PG;
-    if (tv >= tn) break;
-    float vf[8];
-    unpack8(vr[j], vf);
+      for (int j = 0; j < 8; ++j) acc[g][j] = 0.f;
 #pragma unroll
-    for (int g = 0; g < G; ++g) {
-      const float p = sc[g * C + tv];
+    for (int j = 0; j < NV; ++j) {
+      const int tv = ps * PG + pg + j * QG;
+      if (tv >= tn) break;
+      float vf[8];
+      unpack8(vr[ps][j], vf);
 #pragma unroll
-      for (int e = 0; e < 8; ++e) acc[g][e] += p * vf[e];
+      for (int g = 0; g < G; ++g) {
+        const float p = sc[g * C + tv];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[g][e] += p * vf[e];
+      }
     }
+#pragma unroll
+    for (int o = DG; o < 32; o <<= 1)
+#pragma unroll
+      for (int g = 0; g < G; ++g)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[g][j] += __shfl_xor_sync(0xffffffffu, acc[g][j], o);
+    if (lane < DG)
+#pragma unroll
+      for (int g = 0; g < G; ++g)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) red[((ps * (B / 32) + warp) * G + g) * D + dg * 8 + j] = acc[g][j];
   }
-#pragma unroll
-  for (int o = DG; o < 32; o <<= 1)
-#pragma unroll
-    for (int g = 0; g < G; ++g)
-#pragma unroll
-      for (int j = 0; j < 8; ++j) acc[g][j] += __shfl_xor_sync(0xffffffffu, acc[g][j], o);
-  if (lane < DG)
-#pragma unroll
-    for (int g = 0; g < G; ++g)
-#pragma unroll
-      for (int j = 0; j < 8; ++j) red[(warp * G + g) * D + dg * 8 + j] = acc[g][j];
   __syncthreads();
   float* dst = part_acc + (((size_t)r * NKV + kvh) * NC + c) * G * D;
   for (int i = tid; i < G * D; i += B) {
     float a = 0.f;
 #pragma unroll
-    for (int w = 0; w < B / 32; ++w) a += red[w * G * D + i];
+    for (int w = 0; w < W; ++w) a += red[w * G * D + i];
     dst[i] = a;
   }
 
@@ -750,7 +774,7 @@ __global__ void __launch_bounds__(128) attn_split(const float* __restrict__ q, c
   const float* accr = part_acc + ((size_t)r * NKV + kvh) * NC * G * D;
   // The chunks' maxima and totals [live, G, 2] are staged in shared memory when they fit (contexts up to
   // about 16k positions), and read through L2 beyond.
-  constexpr int CAP = (B / 32) * G * D - 2 * G;
+  constexpr int CAP = W * G * D - 2 * G;
   float* stat = red + CAP;  // [G, 2]: each head's M and total
   const bool staged = live * G * 2 <= CAP;
   if (staged)
@@ -1057,31 +1081,63 @@ __global__ void embed(const half* __restrict__ table, const int* __restrict__ id
   for (int i = threadIdx.x; i < H; i += blockDim.x) out[(size_t)r * H + i] = __half2float(row[i]);
 }
 
-// One block per row; ties go to the lower index (as numpy.argmax).
-__global__ void argmax_rows(const float* __restrict__ logits, int V, int* __restrict__ out) {
-  const int r = blockIdx.x;
-  const float* l = logits + (size_t)r * V;
-  float best = -STRATA_INF;
-  int bi = 0x7fffffff;
-  for (int i = threadIdx.x; i < V; i += blockDim.x) {
-    const float v = l[i];
-    if (v > best || (v == best && i < bi)) { best = v; bi = i; }
-  }
-  __shared__ float sv[32];
-  __shared__ int si[32];
+// ---- each row's argmax, ties to the lower index (as numpy.argmax) ---------------------------------------
+// Two kernels. argmax_part: block (b, r) of 256 threads takes the b-th of NB equal slices of row r's logits
+// and writes the slice's (max, index) to part_v / part_i [R, NB]; each thread has all its loads in flight
+// before it compares any (one block per row read a 151,936-word row in about 40 us, one load at a time).
+// argmax_merge: one warp per row takes the NB candidates in order.
+__device__ __forceinline__ void better(float v, int i, float& best, int& bi) {
+  if (v > best || (v == best && i < bi)) { best = v; bi = i; }
+}
+
+__device__ __forceinline__ void warp_argmax(float& best, int& bi) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
     const float ov = __shfl_xor_sync(0xffffffffu, best, o);
     const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-    if (ov > best || (ov == best && oi < bi)) { best = ov; bi = oi; }
+    better(ov, oi, best, bi);
   }
+}
+
+__global__ void __launch_bounds__(256) argmax_part(const float* __restrict__ logits, int V, int NB,
+                                                   float* __restrict__ part_v, int* __restrict__ part_i) {
+  constexpr int B = 256, U = 8;
+  const int b = blockIdx.x, r = blockIdx.y;
+  const int per = (V + NB - 1) / NB, lo = b * per, hi = min(V, lo + per);
+  const float* l = logits + (size_t)r * V;
+  float best = -STRATA_INF;
+  int bi = 0x7fffffff;
+  for (int i0 = lo + (int)threadIdx.x; i0 < hi; i0 += U * B) {
+    float v[U];
+#pragma unroll
+    for (int j = 0; j < U; ++j) {
+      const int i = i0 + j * B;
+      v[j] = i < hi ? l[i] : -STRATA_INF;
+    }
+#pragma unroll
+    for (int j = 0; j < U; ++j)
+      if (i0 + j * B < hi) better(v[j], i0 + j * B, best, bi);
+  }
+  warp_argmax(best, bi);
+  __shared__ float sv[B / 32];
+  __shared__ int si[B / 32];
   if ((threadIdx.x & 31) == 0) { sv[threadIdx.x >> 5] = best; si[threadIdx.x >> 5] = bi; }
   __syncthreads();
   if (threadIdx.x == 0) {
-    for (int w = 1; w < (int)(blockDim.x >> 5); ++w)
-      if (sv[w] > best || (sv[w] == best && si[w] < bi)) { best = sv[w]; bi = si[w]; }
-    out[r] = bi;
+    for (int w = 1; w < B / 32; ++w) better(sv[w], si[w], best, bi);
+    part_v[(size_t)r * NB + b] = best;
+    part_i[(size_t)r * NB + b] = bi;
   }
+}
+
+__global__ void argmax_merge(const float* __restrict__ part_v, const int* __restrict__ part_i, int NB,
+                             int* __restrict__ out) {
+  const int r = blockIdx.x;
+  float best = -STRATA_INF;
+  int bi = 0x7fffffff;
+  for (int b = threadIdx.x; b < NB; b += 32) better(part_v[(size_t)r * NB + b], part_i[(size_t)r * NB + b], best, bi);
+  warp_argmax(best, bi);
+  if (threadIdx.x == 0) out[r] = bi;
 }
 
 // ---- choosing each row's token on the device --------------------------------------------------------

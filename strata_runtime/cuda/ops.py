@@ -40,6 +40,35 @@ def attention_scratch_size(rows: int, n_q: int, n_kv: int, head_dim: int, contex
     return rows * n_q * math.ceil(context / ATTN_CHUNK) * (head_dim + 2)
 
 
+ATTENTION_WIDE_ROWS = 2
+"""Windows of up to this many rows run ``attn_split`` with 256 threads a block (`attention_shape`)."""
+
+
+def attention_shape(head_dim: int, group: int, rows: int) -> tuple[int, int]:
+    """(threads, canonical warps) of the ``attn_split`` blocks of a ``rows``-row window, for this head dim
+    and group of query heads per KV head.
+
+    A block's time is its threads' chains of dependent arithmetic over all the group's heads. With few
+    rows the blocks are few and each one's latency is the kernel's, so they take 256 threads; with more
+    rows the blocks fill the GPU and 128 threads a block do the same work with less shuffling. On an H200
+    (head dim 128, 8 query heads per KV head, each layer's attention alone in a graph) one row at 300
+    positions took 7.0 us per layer at 256 threads and 12.2 at 128; 8 rows at 4,000 positions took 70.8 us
+    at 128 and 79.0 at 256.
+    Both sum in the order of 8 canonical warps, so a row's result does not depend on its window. A shape
+    whose 8 warps' sums do not fit in static shared memory, or whose head dim is below 32, runs at 128
+    threads with 4 warps' order."""
+    shared = 4 * (8 * group * head_dim + group * head_dim + group * ATTN_CHUNK)
+    if head_dim < 32 or shared > 48 * 1024:
+        return 128, 4
+    return (256 if rows <= ATTENTION_WIDE_ROWS else 128), 8
+
+
+def argmax_slices(vocab: int) -> int:
+    """Slices ``argmax_part`` cuts a row of ``vocab`` logits into: one load of 8 values per thread of its
+    256 for each slice, up to 128 slices."""
+    return max(1, min(128, math.ceil(vocab / 2048)))
+
+
 def padded_keys(length: int) -> int:
     """Row stride of attention scores over ``length`` keys: rows start 16-byte aligned."""
     return -(-length // 4) * 4
@@ -197,8 +226,11 @@ class Kernels(KernelCache):
         return "moe_gate_up_any", "moe_down_any"
 
     @staticmethod
-    def attn_exprs(head_dim: int, group: int) -> tuple[str]:
-        return (f"attn_split<{head_dim},{group}>",)
+    def attn_exprs(head_dim: int, group: int) -> tuple[str, ...]:
+        """The instantiations `attention` launches for these shapes, at any row count."""
+        few, many = (attention_shape(head_dim, group, rows) for rows in (1, ATTENTION_WIDE_ROWS + 1))
+        shapes = dict.fromkeys((few, many))
+        return tuple(f"attn_split<{head_dim},{group},{b},{w}>" for b, w in shapes)
 
     # ---- launchers -------------------------------------------------------------------------------
 
@@ -307,9 +339,10 @@ class Kernels(KernelCache):
         nc = math.ceil(t / ATTN_CHUNK)
         acc = scratch[: rows * n_kv * nc * g * d]
         ml = scratch[rows * n_kv * nc * g * d : rows * n_kv * nc * g * (d + 2)]
-        self.fn(f"attn_split<{d},{g}>")(
+        b, w = attention_shape(d, g, rows)
+        self.fn(f"attn_split<{d},{g},{b},{w}>")(
             (rows, n_kv, nc),
-            (128,),
+            (b,),
             (
                 q,
                 k_cache,
@@ -412,8 +445,15 @@ class Kernels(KernelCache):
         self.fn("embed")((ids.shape[0],), (THREADS,), (table, ids, out, np.int32(table.shape[1])))
 
     def argmax(self, logits: Array, out: Array) -> None:
-        """out[R] = argmax of each row of logits [R, V], lowest index on ties."""
-        self.fn("argmax_rows")((logits.shape[0],), (1024,), (logits, np.int32(logits.shape[1]), out))
+        """out[R] (int32) = argmax of each row of logits [R, V] (fp32, contiguous), lowest index on ties: each
+        row's `argmax_slices` slices in parallel (``argmax_part``), then their candidates in order
+        (``argmax_merge``)."""
+        rows, v = logits.shape
+        nb = argmax_slices(v)
+        part_v = cupy_module().empty((rows, nb), np.float32)
+        part_i = cupy_module().empty((rows, nb), np.int32)
+        self.fn("argmax_part")((nb, rows), (256,), (logits, np.int32(v), np.int32(nb), part_v, part_i))
+        self.fn("argmax_merge")((rows,), (32,), (part_v, part_i, np.int32(nb), out))
 
     def choose(
         self, logits: Array, inv_temp: Array, uniform: Array, top_k: Array, top_p: Array, out: Array
