@@ -53,8 +53,9 @@ class CudaHead:
             return out
 
     def argmax(self, logits: Any) -> cp.ndarray:
-        """Each row's argmax [R] (int64, the lowest index on ties) of logits [R, V]: one block per row
-        (CuPy's own reduction spent about 0.2 ms on two rows of a 151,936-word vocabulary, this 0.04)."""
+        """Each row's argmax [R] (int64, the lowest index on ties) of logits [R, V], each row searched in
+        slices in parallel (`strata_runtime.cuda.ops.Kernels.argmax`). On an H200, over a 151,936-word
+        vocabulary: CuPy's own reduction about 230 us for two rows, one block per row 33 us, the slices 4."""
         with cp.cuda.Device(self.device_id):
             out = cp.empty(logits.shape[0], cp.int32)
             self.kern.argmax(cp.ascontiguousarray(logits), out)
