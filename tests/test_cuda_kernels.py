@@ -601,6 +601,38 @@ def test_batched_products_match_numpy(gpu, out_dtype, beta):
         matmul_nt(cp.asarray(x), cp.asarray(w[:, :50]), y_d)
 
 
+@pytest.mark.parametrize("v", [151_936, 5_000])
+def test_choose_gathering_top_k_keeps_the_token(gpu, v):
+    """A row whose top-k leaves few tokens has them gathered into shared memory before its top-p cut and
+    draw: the token must be the one the whole-row path draws, bit for bit, with ties at the k-th logit and
+    at the top-p cut, a u of 0 and just under 1, and top-k that leaves more than the gather holds."""
+    from strata_runtime.cuda.ops import CHOOSE_GATHER
+
+    cp, kern, _ = gpu
+    g = rng()
+    rows = 64
+    gathered_rows = 0
+    for trial in range(6):
+        logits = (g.standard_normal((rows, v)) * 3).astype(np.float32)
+        if trial % 2:
+            logits = np.round(logits * 2) / 2  # coarse logits: many ties at every cut
+        inv_temp = g.uniform(0.3, 2.0, rows).astype(np.float32)
+        top_k = g.choice([1, 2, 20, 50, 200, CHOOSE_GATHER - 1, CHOOSE_GATHER + 500], rows).astype(np.int32)
+        top_p = np.where(g.random(rows) < 0.3, 1.0, g.uniform(0.05, 0.99, rows)).astype(np.float32)
+        u = g.random(rows).astype(np.float32)
+        u[:2] = [0.0, np.float32(1.0) - np.float32(2**-24)]
+        gathered_rows += int(((top_k < v) & (top_k < CHOOSE_GATHER)).sum())
+        args = [cp.asarray(a) for a in (logits, inv_temp, u, top_k, top_p)]
+        outs = []
+        for gather in (True, False):
+            out_d = cp.full(rows, -1, cp.int64)
+            kern.choose(*args, out_d, gather=gather)
+            outs.append(out_d.get())
+        np.testing.assert_array_equal(outs[0], outs[1])
+        assert (outs[0] >= 0).all() and (outs[0] < v).all()
+    assert gathered_rows > 100
+
+
 @pytest.mark.parametrize(("rows", "v"), [(1, 151936), (6, 5000), (3, 33)])
 def test_choose_matches_twin(gpu, rows, v):
     """Argmax rows exactly; draws (with and without top-k and top-p) exactly but where u falls within float32

@@ -1254,10 +1254,13 @@ __device__ void radix_select(const float* __restrict__ l, int V, Weight weight, 
   *at = bin_weight;
 }
 
+constexpr int CHOOSE_CAP = 2048;  // top-k stayers choose_rows gathers into shared memory, at most
+
 __global__ void __launch_bounds__(1024) choose_rows(const float* __restrict__ logits, int V,
                                                     const float* __restrict__ inv_temp,
                                                     const int* __restrict__ top_k, const float* __restrict__ top_p,
-                                                    const float* __restrict__ u, long long* __restrict__ out) {
+                                                    const float* __restrict__ u, long long* __restrict__ out,
+                                                    int cap) {
   const int r = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int warps = (int)(blockDim.x >> 5);
   const float* l = logits + (size_t)r * V;
@@ -1303,13 +1306,43 @@ __global__ void __launch_bounds__(1024) choose_rows(const float* __restrict__ lo
   const unsigned cut_k = kth;
   const float p = top_p[r];
   const bool by_p = p < 1.f;
+  // The row the rest reads: all V logits, or, when top-k leaves at most `cap` (<= CHOOSE_CAP) tokens, just
+  // those, gathered in index order into shared memory (cv values, ci their indices). Thread tid gathers the
+  // stayers of the same contiguous chunk of V the draw below sums, so its share of them is [g0, g0 + gn)
+  // and every sum below adds the same nonzero terms in the same order: the token is the same bit for bit.
+  __shared__ float cv[CHOOSE_CAP];
+  __shared__ int ci[CHOOSE_CAP];
+  const int chunk = (V + blockDim.x - 1) / blockDim.x;
+  const int a = min(tid * chunk, V), b = min(a + chunk, V);
+  const bool compact = k > 0 && k < V && above + at <= (u64)min(cap, CHOOSE_CAP);
+  const float* vals = l;  // the row the rest reads, n long; index(j) its token index
+  int n = V, g0 = a, gn = b - a;
+  if (compact) {
+    int mine = 0;
+#pragma unroll 4
+    for (int i = a; i < b; ++i) mine += order_key(l[i]) >= cut_k;
+    int all;
+    const int incl = block_scan(mine, isums, &all);
+    int o = incl - mine;
+    for (int i = a; i < b && o < incl; ++i) {
+      const float v = l[i];
+      if (order_key(v) >= cut_k) { cv[o] = v; ci[o] = i; ++o; }
+    }
+    __syncthreads();
+    vals = cv;
+    n = all;
+    g0 = incl - mine;
+    gn = mine;
+  }
+  const int* cidx = compact ? ci : nullptr;
+  auto index = [&](int j) -> int { return cidx != nullptr ? cidx[j] : j; };
   if (by_p) {
     auto fixed = [&](float v) -> u64 {
       return order_key(v) >= cut_k ? (u64)((double)__expf((v - mx) * t) * 1099511627776.0) : 0ull;
     };
     u64 z = 0ull;
 #pragma unroll 4
-    for (int i = tid; i < V; i += blockDim.x) z += fixed(l[i]);
+    for (int j = tid; j < n; j += blockDim.x) z += fixed(vals[j]);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) z += __shfl_xor_sync(0xffffffffu, z, o);
     if (lane == 0) zsum[warp] = z;
@@ -1317,20 +1350,20 @@ __global__ void __launch_bounds__(1024) choose_rows(const float* __restrict__ lo
     u64 total = 0ull;
     for (int w = 0; w < warps; ++w) total += zsum[w];
     const u64 need = (u64)((double)p * (double)total);  // a token stays while the weight before it < need
-    radix_select(l, V, fixed, need, hist, &key, &above, &at);
+    radix_select(vals, n, fixed, need, hist, &key, &above, &at);
     // Tokens of key K: each weighs the same (one logit); the first m of them in index order stay, those
     // with the weight before them (above, plus the ties before them) under need.
     __shared__ u64 tie_w;
     if (tid == 0) { pkey = key; tie_w = 0ull; }
     __syncthreads();
     // Count each thread's ties in a contiguous chunk; scan; the m-th tie ends the kept ties.
-    const int chunk = (V + blockDim.x - 1) / blockDim.x;
-    const int a0 = min(tid * chunk, V), b0 = min(a0 + chunk, V);
+    const int tchunk = (n + blockDim.x - 1) / blockDim.x;
+    const int a0 = min(tid * tchunk, n), b0 = min(a0 + tchunk, n);
     int ties = 0;
     u64 each = 0ull;
 #pragma unroll 4
-    for (int i = a0; i < b0; ++i)
-      if (order_key(l[i]) == key) { ++ties; each = fixed(l[i]); }
+    for (int j = a0; j < b0; ++j)
+      if (order_key(vals[j]) == key) { ++ties; each = fixed(vals[j]); }
     int all_ties;
     const int incl = block_scan(ties, isums, &all_ties);
     if (ties > 0 && incl == ties) tie_w = each;  // the first thread holding ties: one tie's weight
@@ -1339,8 +1372,8 @@ __global__ void __launch_bounds__(1024) choose_rows(const float* __restrict__ lo
     const int m = (int)min((u64)all_ties, max(m64, 1ull));
     if (m < all_ties && ties > 0 && incl - ties < m && m <= incl) {
       int seen = incl - ties;
-      for (int i = a0; i < b0; ++i)
-        if (order_key(l[i]) == key && ++seen == m) { tie_cut = i; break; }
+      for (int j = a0; j < b0; ++j)
+        if (order_key(vals[j]) == key && ++seen == m) { tie_cut = index(j); break; }
     }
     __syncthreads();
   }
@@ -1350,13 +1383,12 @@ __global__ void __launch_bounds__(1024) choose_rows(const float* __restrict__ lo
     const unsigned kv = order_key(v);
     return kv >= cut_k && (!by_p || kv > cut_p || (kv == cut_p && i <= cut_tie));
   };
-  const int chunk = (V + blockDim.x - 1) / blockDim.x;
-  const int a = min(tid * chunk, V), b = min(a + chunk, V);
   float s = 0.f;
   int nz = -1;
 #pragma unroll 4
-  for (int i = a; i < b; ++i) {
-    const float v = l[i];
+  for (int j = g0; j < g0 + gn; ++j) {
+    const float v = vals[j];
+    const int i = index(j);
     const float w = stays(i, v) ? __expf((v - mx) * t) : 0.f;
     s += w;
     if (w > 0.f) nz = i;
@@ -1368,8 +1400,9 @@ __global__ void __launch_bounds__(1024) choose_rows(const float* __restrict__ lo
   if (s > 0.f && excl <= target && target < incl) {
     float c = excl;
     int at_i = nz;  // rounding left the crossing past the chunk's end: its last staying token
-    for (int i = a; i < b; ++i) {
-      const float v = l[i];
+    for (int j = g0; j < g0 + gn; ++j) {
+      const float v = vals[j];
+      const int i = index(j);
       c += stays(i, v) ? __expf((v - mx) * t) : 0.f;
       if (c > target) { at_i = i; break; }
     }

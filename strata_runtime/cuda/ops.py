@@ -63,6 +63,12 @@ def attention_shape(head_dim: int, group: int, rows: int) -> tuple[int, int]:
     return (256 if rows <= ATTENTION_WIDE_ROWS else 128), 8
 
 
+CHOOSE_GATHER = 2048
+"""Tokens a row's top-k may leave for ``choose_rows`` to gather them into shared memory before its top-p cut
+and draw (kernels.cu's CHOOSE_CAP): with top-k 20 and top-p 0.8, those then read 20-odd values instead of the
+vocabulary."""
+
+
 def argmax_slices(vocab: int) -> int:
     """Slices ``argmax_part`` cuts a row of ``vocab`` logits into: one load of 8 values per thread of its
     256 for each slice, up to 128 slices."""
@@ -456,13 +462,26 @@ class Kernels(KernelCache):
         self.fn("argmax_merge")((rows,), (32,), (part_v, part_i, np.int32(nb), out))
 
     def choose(
-        self, logits: Array, inv_temp: Array, uniform: Array, top_k: Array, top_p: Array, out: Array
+        self,
+        logits: Array,
+        inv_temp: Array,
+        uniform: Array,
+        top_k: Array,
+        top_p: Array,
+        out: Array,
+        gather: bool = True,
     ) -> None:
         """out[R] (int64) = each row's chosen token of logits [R, V]: the argmax where inv_temp [R] is 0,
         else the draw at uniform [R] (fp32) from the tempered weights of the tokens that stay after top_k [R]
-        (int32, 0: none) and top_p [R] (fp32, 1: none) (``choose_rows`` of kernels.cu)."""
+        (int32, 0: none) and top_p [R] (fp32, 1: none) (``choose_rows`` of kernels.cu).
+
+        With ``gather``, a row whose top-k leaves at most `CHOOSE_GATHER` tokens has them gathered into
+        shared memory, and its top-p cut and draw read only those; without, they read the whole row (the
+        same token either way: the tests compare the two)."""
         rows, v = logits.shape
-        self.fn("choose_rows")((rows,), (1024,), (logits, np.int32(v), inv_temp, top_k, top_p, uniform, out))
+        cap = np.int32(CHOOSE_GATHER if gather else 0)
+        args = (logits, np.int32(v), inv_temp, top_k, top_p, uniform, out, cap)
+        self.fn("choose_rows")((rows,), (1024,), args)
 
     # ---- prefill pieces (long chunks; the products run on cuBLAS) ---------------------------------
 

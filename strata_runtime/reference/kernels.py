@@ -247,7 +247,9 @@ def choose(
     top_k: np.ndarray,
     top_p: np.ndarray,
     out: np.ndarray,
+    gather: bool = True,
 ) -> None:
+    """The launcher's twin; ``gather`` (the kernel's shared-memory shortcut) does not change the token."""
     out[...] = choose_tokens(logits, inv_temp, uniform, top_k, top_p)
 
 
