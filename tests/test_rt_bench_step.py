@@ -141,6 +141,53 @@ def test_the_step_runs_every_layer_of_the_model_on_the_references(preset: str) -
     assert not k_cache[:, :3, :, 8:].any() and not k_cache[:, 3:].any() and not k_cache[:, :, :, :7].any()
 
 
+def test_the_step_times_each_way_of_choosing_tokens_on_its_own_logits() -> None:
+    """`time_choices` runs the greedy argmax and each draw of `CHOICES` on a step's logits: each case must
+    pass its own temperature, top-k and top-p (a token outside the cuts, or a greedy token that is not the
+    argmax, fails), and the step table lists the µs of each."""
+    from strata_runtime.bench.step import CHOICES, render_step
+
+    facts = ModelFacts.from_config(preset_config("tiny"), source="synthetic:tiny", dtype="float16")
+    model = KernelModel(_numpy_as_cupy(seed=7), facts, 64, reference)
+    logits = model.window(4, position=7, seed=3).logits.astype(np.float64).copy()
+    calls: list[int] = []
+
+    def once(cp: object, body, repeats: int) -> float:
+        calls.append(repeats)
+        body()
+        return 1e-6 * len(calls)
+
+    res = model.time_choices(4, 7, 5, timer=once, seed=3)
+    assert list(res) == list(CHOICES) and calls == [5] * len(CHOICES)
+    assert [c["us"] for c in res.values()] == pytest.approx([1.0, 2.0, 3.0, 4.0, 5.0])
+    assert res["argmax"]["tokens"] == logits.argmax(-1).tolist()
+    for name, (inv_temp, top_k, top_p) in CHOICES.items():
+        if inv_temp == 0:
+            continue
+        for row, token in zip(logits, res[name]["tokens"], strict=True):
+            w = reference.staying_weights(row.astype(np.float32), float(np.float32(inv_temp)), top_k, top_p)
+            assert w[token] > 0, (name, token)
+            if top_k:
+                assert row[token] >= np.sort(row)[-top_k], name
+    assert len(set(res["temperature 0.7"]["tokens"])) > 1  # the rows draw at different uniforms
+
+    model_summary = {"source": "synthetic:x", "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2}
+    model_summary |= {"head_dim": 16, "experts": 8, "top_k": 2, "expert_width": 32, "vocab": 100}
+    table = {
+        "model": model_summary,
+        "device": "cuda:0",
+        "gpu": "GPU",
+        "position": 7,
+        "context": 64,
+        "routing": "uniform",
+        "copy_gbs": 4000.0,
+        "rows": [],
+        "per_kernel_us_per_layer": {},
+        "choice_us": {"4": {k: v["us"] for k, v in res.items()}},
+    }
+    assert "  4 rows: argmax 1.0, temperature 0.7 2.0, top-k 20 3.0" in render_step(table)
+
+
 def test_step_memory_counts_every_weight_and_the_kv_of_eight_slots() -> None:
     facts = ModelFacts.from_config(preset_config("tiny"), source="synthetic:tiny", dtype="float16")
     model = KernelModel(_numpy_as_cupy(seed=6), facts, 64, reference)

@@ -38,6 +38,16 @@ from .ceilings import copy_bandwidth, decode_step_bytes
 
 ROWS = (1, 2, 4, 8)
 KERNEL_ROWS = (1, 8)  # the row counts whose kernels are timed one by one
+
+CHOICES: dict[str, tuple[float, int, float]] = {
+    "argmax": (0.0, 0, 1.0),
+    "temperature 0.7": (1 / 0.7, 0, 1.0),
+    "top-k 20": (1 / 0.7, 20, 1.0),
+    "top-p 0.8": (1 / 0.7, 0, 0.8),
+    "top-k 20 + top-p 0.8": (1 / 0.7, 20, 0.8),
+}
+"""The ways of choosing a window's tokens `KernelModel.time_choices` times: (inverse temperature, top-k,
+top-p) for the draw, the greedy argmax where the inverse temperature is 0."""
 SLOTS = 8  # one KV slot per row of the largest window
 
 
@@ -265,6 +275,36 @@ class KernelModel:
                 out[name] = {"us": us, "bytes": nbytes, "gbs": nbytes / us / 1e3 if us > 0 else 0.0}
         return out
 
+    def time_choices(
+        self,
+        rows: int,
+        position: int,
+        repeats: int,
+        timer: Callable[[Any, Callable[[], None], int], float] = graph_seconds,
+        seed: int | None = None,
+    ) -> dict[str, dict[str, Any]]:
+        """Each of `CHOICES` on the logits of a ``rows``-row step (of token ids drawn with ``seed``), timed
+        alone by ``timer`` (a graph's replays on a GPU): µs per window, and the token it chose for each row
+        (each row draws at its own uniform number, spread over (0, 1))."""
+        cp, k = self.cp, self.stack.kern
+        w = self.window(rows, position, seed)
+        u = cp.asarray(np.linspace(0.1, 0.9, rows, dtype=np.float32))
+        out: dict[str, dict[str, Any]] = {}
+        for name, (inv_temp, top_k, top_p) in CHOICES.items():
+            chosen = cp.zeros(rows, cp.int32 if inv_temp == 0 else np.int64)
+            if inv_temp == 0:
+                body = partial(k.argmax, w.logits, chosen)
+            else:
+                t, kk, pp = (
+                    cp.asarray(np.full(rows, v, dtype))
+                    for v, dtype in ((inv_temp, np.float32), (top_k, np.int32), (top_p, np.float32))
+                )
+                body = partial(k.choose, w.logits, t, u, kk, pp, chosen)
+            us = timer(cp, body, repeats) * 1e6
+            tokens = chosen.get() if hasattr(chosen, "get") else chosen
+            out[name] = {"us": us, "tokens": [int(x) for x in tokens]}
+        return out
+
     def _over(self, step: Step, b: WindowBuffers, runs: list[int]) -> None:
         """One step over several layers, as one body to capture."""
         s = self.stack
@@ -317,6 +357,9 @@ def run_step(
         kernels = {
             str(rows): model.time_kernels(position, max(repeats // 2, 3), rows) for rows in KERNEL_ROWS
         }
+        choices = {
+            str(rows): model.time_choices(rows, position, max(repeats // 2, 3)) for rows in KERNEL_ROWS
+        }
         name = gpu_name(cp, device_index)
     del model, routing
     with cp.cuda.Device(device_index):
@@ -337,6 +380,7 @@ def run_step(
             r: {k: v["bytes"] for k, v in ks.items()} for r, ks in kernels.items()
         },
         "per_kernel_gbs": {r: {k: v["gbs"] for k, v in ks.items()} for r, ks in kernels.items()},
+        "choice_us": {r: {k: v["us"] for k, v in cs.items()} for r, cs in choices.items()},
     }
 
 
@@ -388,4 +432,9 @@ def render_step(res: dict[str, Any]) -> str:
             for k, v in kernels.items()
         )
         lines.append(f"  {rows} row{'s' if rows != '1' else ''}: {parts}")
+    if res.get("choice_us"):
+        lines += ["", "choosing the window's tokens from the step's logits, µs (each alone in a graph):"]
+        for rows, choices in res["choice_us"].items():
+            parts = ", ".join(f"{k} {v:.1f}" for k, v in choices.items())
+            lines.append(f"  {rows} row{'s' if rows != '1' else ''}: {parts}")
     return "\n".join(lines)
