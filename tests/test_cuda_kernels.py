@@ -296,6 +296,8 @@ def test_moe_reads_experts_from_mapped_host_memory_bit_for_bit_and_counts_the_mi
 
 
 def test_small_elementwise_kernels_match_the_reference(gpu):
+    from strata_runtime.cuda.ops import argmax_scratch
+
     cp, kern, ref = gpu
     g = rng()
     rows, inter, h, v = 6, 96, 80, 5000
@@ -328,7 +330,7 @@ def test_small_elementwise_kernels_match_the_reference(gpu):
 
     logits = g.standard_normal((rows, v)).astype(np.float32)
     am_d = cp.full(rows, -1, cp.int32)
-    kern.argmax(cp.asarray(logits), am_d)
+    kern.argmax(cp.asarray(logits), am_d, argmax_scratch(cp, *logits.shape))
     am = np.empty(rows, np.int32)
     ref.argmax(logits, am)
     np.testing.assert_array_equal(am_d.get(), am)
@@ -339,7 +341,7 @@ def test_argmax_over_slices_matches_numpy(gpu, v):
     """A row is cut into slices searched in parallel: the maximum must win wherever it lies, an equal
     maximum in a later slice must lose to the first (ties to the lower index), and rows of -inf or with
     NaNs must give what the one-block kernel gave (the first -inf; NaNs never win)."""
-    from strata_runtime.cuda.ops import argmax_slices
+    from strata_runtime.cuda.ops import argmax_scratch, argmax_slices
 
     cp, kern, ref = gpu
     g = rng()
@@ -355,7 +357,7 @@ def test_argmax_over_slices_matches_numpy(gpu, v):
     logits[4, ::2] = np.nan
     logits[4, 1] = top
     am_d = cp.full(rows, -1, cp.int32)
-    kern.argmax(cp.asarray(logits), am_d)
+    kern.argmax(cp.asarray(logits), am_d, argmax_scratch(cp, *logits.shape))
     want = np.array([np.argmax(np.where(np.isnan(row), -np.inf, row)) for row in logits], np.int32)
     np.testing.assert_array_equal(am_d.get(), want)
 

@@ -30,7 +30,7 @@ from strata_cfg.schema.plan import LaunchPlan
 from ..backend import Device
 from ..cuda.experts import resident_experts
 from ..cuda.layers import LAYER_STEPS, LayerStack, LayerWeights, Step, WindowBuffers, step_applies
-from ..cuda.ops import PDL_ROWS, Kernels
+from ..cuda.ops import PDL_ROWS, Kernels, argmax_scratch
 from ..cuda.routing import DeviceRouting, RowBias
 from ..model.placed import routing_tables
 from ..models.qwen3_moe import ModelArgs
@@ -149,6 +149,7 @@ class StepWindow:
     ids: Any  # [R] int32 token ids
     logits: Any  # [R, V] fp32
     out: Any  # [R] int32 argmax
+    scratch: tuple[Any, Any]  # the argmax's per-slice candidates (`strata_runtime.cuda.ops.argmax_scratch`)
 
 
 def graph_seconds(cp: Any, body: Callable[[], None], repeats: int) -> float:
@@ -205,7 +206,7 @@ class KernelModel:
         k.embed(self.emb, w.ids, w.buffers.resid)
         self.stack.run(w.buffers)
         k.gemv(self.head, w.buffers.resid, w.logits, norm=self.final_norm)
-        k.argmax(w.logits, w.out)
+        k.argmax(w.logits, w.out, w.scratch)
 
     def window(self, rows: int, position: int, seed: int | None = None) -> StepWindow:
         """Buffers of a ``rows``-row window of fresh token ids (drawn with ``seed``) at ``position``, each row
@@ -215,7 +216,8 @@ class KernelModel:
         b.pos[...] = position
         b.slot[...] = cp.arange(rows, dtype=cp.int32) % SLOTS
         ids = cp.asarray(np.random.default_rng(seed).integers(1, f.vocab_size, rows).astype(np.int32))
-        w = StepWindow(b, ids, cp.zeros((rows, f.vocab_size), cp.float32), cp.zeros(rows, cp.int32))
+        logits = cp.zeros((rows, f.vocab_size), cp.float32)
+        w = StepWindow(b, ids, logits, cp.zeros(rows, cp.int32), argmax_scratch(cp, rows, f.vocab_size))
         self.step(w)
         cp.cuda.Device().synchronize()
         return w
@@ -293,7 +295,7 @@ class KernelModel:
         for name, (inv_temp, top_k, top_p) in CHOICES.items():
             chosen = cp.zeros(rows, cp.int32 if inv_temp == 0 else np.int64)
             if inv_temp == 0:
-                body = partial(k.argmax, w.logits, chosen)
+                body = partial(k.argmax, w.logits, chosen, w.scratch)
             else:
                 t, kk, pp = (
                     cp.asarray(np.full(rows, v, dtype))

@@ -15,7 +15,7 @@ from strata_cfg.schema.windows import MAX_WINDOW_ROWS
 from ..backend import upload_into
 from ..models.ops.choose import Draws
 from .blas import matmul_nt
-from .ops import kernels_for
+from .ops import argmax_scratch, kernels_for
 
 
 def head_gemv_shapes(lm_head: Any) -> list[tuple[int, int, bool]]:
@@ -58,7 +58,7 @@ class CudaHead:
         vocabulary: CuPy's own reduction about 230 us for two rows, one block per row 33 us, the slices 4."""
         with cp.cuda.Device(self.device_id):
             out = cp.empty(logits.shape[0], cp.int32)
-            self.kern.argmax(cp.ascontiguousarray(logits), out)
+            self.kern.argmax(cp.ascontiguousarray(logits), out, argmax_scratch(cp, *logits.shape))
             return out.astype(cp.int64)
 
     def choose(self, logits: Any, draws: Draws) -> cp.ndarray:

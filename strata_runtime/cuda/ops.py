@@ -1,6 +1,7 @@
 """Launchers for the decode kernels in ``kernels.cu``, on CuPy arrays with preallocated outputs.
 
-Nothing here allocates device memory, so every call can be captured into a CUDA graph. Each launcher has a
+No launcher here allocates device memory, so every call can be captured into a CUDA graph: scratch comes
+from the caller (`argmax_scratch` makes the argmax's, outside any capture). Each launcher has a
 NumPy reference of the same name and signature in `strata_runtime.reference.kernels`; the gpu tests compare
 them. Template instantiations are compiled on first use, or all at once with `Kernels.prepare` before capture.
 
@@ -73,6 +74,13 @@ def argmax_slices(vocab: int) -> int:
     """Slices ``argmax_part`` cuts a row of ``vocab`` logits into: one load of 8 values per thread of its
     256 for each slice, up to 128 slices."""
     return max(1, min(128, math.ceil(vocab / 2048)))
+
+
+def argmax_scratch(xp: Any, rows: int, vocab: int) -> tuple[Any, Any]:
+    """The scratch `Kernels.argmax` writes for ``rows`` rows of ``vocab`` logits, allocated with array module
+    ``xp``: each slice's largest logit [R, S] (fp32) and its index [R, S] (int32)."""
+    nb = argmax_slices(vocab)
+    return xp.zeros((rows, nb), np.float32), xp.zeros((rows, nb), np.int32)
 
 
 def padded_keys(length: int) -> int:
@@ -450,14 +458,15 @@ class Kernels(KernelCache):
         """out[R, H] = table[ids] as fp32."""
         self.fn("embed")((ids.shape[0],), (THREADS,), (table, ids, out, np.int32(table.shape[1])))
 
-    def argmax(self, logits: Array, out: Array) -> None:
+    def argmax(self, logits: Array, out: Array, scratch: tuple[Array, Array]) -> None:
         """out[R] (int32) = argmax of each row of logits [R, V] (fp32, contiguous), lowest index on ties: each
-        row's `argmax_slices` slices in parallel (``argmax_part``), then their candidates in order
-        (``argmax_merge``)."""
+        row's `argmax_slices` slices in parallel (``argmax_part``, which writes ``scratch``, as
+        `argmax_scratch` makes it), then their candidates in order (``argmax_merge``)."""
         rows, v = logits.shape
         nb = argmax_slices(v)
-        part_v = cupy_module().empty((rows, nb), np.float32)
-        part_i = cupy_module().empty((rows, nb), np.int32)
+        part_v, part_i = scratch
+        if tuple(part_v.shape) != (rows, nb) or tuple(part_i.shape) != (rows, nb):
+            raise ValueError(f"argmax scratch {part_v.shape} / {part_i.shape}: {(rows, nb)} wanted")
         self.fn("argmax_part")((nb, rows), (256,), (logits, np.int32(v), np.int32(nb), part_v, part_i))
         self.fn("argmax_merge")((rows,), (32,), (part_v, part_i, np.int32(nb), out))
 

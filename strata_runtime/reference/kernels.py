@@ -186,7 +186,8 @@ def embed(table: np.ndarray, ids: np.ndarray, out: np.ndarray) -> None:
     out[...] = _f32(table[ids])
 
 
-def argmax(logits: np.ndarray, out: np.ndarray) -> None:
+def argmax(logits: np.ndarray, out: np.ndarray, scratch: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+    """The launcher's twin; ``scratch`` holds the kernel's per-slice candidates, which NumPy does not need."""
     out[...] = np.argmax(logits, axis=-1)
 
 
