@@ -172,6 +172,8 @@ def get_current_stream() -> _Stream:
 
 
 class _Device:
+    compute_capability = "90"  # an H200's: the launchers choose tensor-core kernels
+
     def __init__(self, index: int | None = None) -> None:
         self.id = _CURRENT.devices[-1] if index is None else index
 

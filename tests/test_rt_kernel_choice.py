@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 
 from strata_runtime.cuda.ops import gemv_expression, gemv_launch
@@ -88,3 +89,52 @@ def test_the_cuda_path_takes_only_head_dims_its_attention_kernel_splits_evenly(h
     assert (why is None) is takes, why
     if not takes:
         assert f"head dim {head_dim}" in why
+
+
+def _attention_shapes() -> list[tuple[int, int]]:
+    """(head dim, query heads per KV head) of every preset, and of the shapes the CUDA kernels take."""
+    from strata_cfg.schema.presets import preset_config, preset_names
+
+    shapes = {(d, g) for d in (16, 32, 64, 128, 256) for g in (1, 2, 4, 8, 16)}
+    for name in preset_names():
+        cfg = preset_config(name)
+        d = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        shapes.add((d, cfg["num_attention_heads"] // cfg["num_key_value_heads"]))
+    return sorted(shapes)
+
+
+@pytest.mark.parametrize(("d", "g"), _attention_shapes())
+def test_attention_sums_in_one_order_at_every_row_count(d: int, g: int) -> None:
+    """`attn_split`'s threads may change with the row count, its canonical warps (the order a row's sums
+    take) may not; its static shared memory (q, scores, the warps' sums) must fit in 48 KiB; 256 threads
+    need four 16-byte pieces of a head per position; and the decode graphs compile every shape a window
+    of 1-8 rows launches."""
+    from strata_runtime.cuda.ops import ATTN_CHUNK, Kernels, attention_fits, attention_shape
+
+    if not attention_fits(d, g):  # the CUDA path refuses the model (`layers.supported`)
+        assert 4 * (4 * g * d + g * d + g * ATTN_CHUNK) > 48 * 1024
+        return
+    shapes = {attention_shape(d, g, rows) for rows in range(1, 9)}
+    assert len({w for _, w in shapes}) == 1, shapes
+    for b, w in shapes:
+        assert b in (128, 256) and w * 32 >= b
+        assert 4 * (w * g * d + g * d + g * ATTN_CHUNK) + 4 <= 48 * 1024, (b, w)
+        assert b == 128 or d >= 32
+    assert {f"attn_split<{d},{g},{b},{w}>" for b, w in shapes} == set(Kernels.attn_exprs(d, g))
+
+
+def test_the_cuda_path_refuses_attention_whose_block_would_not_fit_in_shared_memory() -> None:
+    from strata_cfg.schema.presets import preset_config
+    from strata_runtime.cuda.layers import supported
+    from strata_runtime.models.qwen3_moe import ModelArgs
+
+    base = preset_config("tiny")
+    fits = ModelArgs.from_config(
+        {**base, "head_dim": 256, "num_attention_heads": 8, "num_key_value_heads": 1}
+    )
+    assert supported(fits, np.float16, np.float16) is None
+    wide = ModelArgs.from_config(
+        {**base, "head_dim": 256, "num_attention_heads": 16, "num_key_value_heads": 1}
+    )
+    why = supported(wide, np.float16, np.float16)
+    assert why is not None and "16 query heads per KV head at head dim 256" in why and "84 KiB" in why

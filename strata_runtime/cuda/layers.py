@@ -26,7 +26,15 @@ from ..backend import Array, cupy_module, upload_into
 from ..layout import Layout
 from ..models.qwen3_moe import MLP, DecoderLayer, ModelArgs, SparseMoeBlock
 from .experts import ExpertSlice, LayerExperts, resident_experts
-from .ops import ATTENTION_HEAD_DIMS, Kernels, attention_scratch_size, kernels_for
+from .ops import (
+    ATTENTION_HEAD_DIMS,
+    STATIC_SHARED,
+    Kernels,
+    attention_fits,
+    attention_scratch_size,
+    attention_shared_bytes,
+    kernels_for,
+)
 from .routing import DeviceRouting, RowBias
 
 
@@ -43,6 +51,13 @@ def supported(args: ModelArgs, dtype: Any, kv_dtype: Any) -> str | None:
     if args.head_dim not in ATTENTION_HEAD_DIMS:
         dims = ", ".join(map(str, ATTENTION_HEAD_DIMS))
         return f"head dim {args.head_dim} is not one the attention kernel takes ({dims})"
+    group = args.num_attention_heads // args.num_key_value_heads
+    if not attention_fits(args.head_dim, group):
+        need = attention_shared_bytes(args.head_dim, group, 4) / 1024
+        return (
+            f"{group} query heads per KV head at head dim {args.head_dim}: a block of the attention kernel "
+            f"would need {need:.0f} KiB of shared memory, more than {STATIC_SHARED // 1024}"
+        )
     return None
 
 

@@ -45,6 +45,23 @@ ATTENTION_WIDE_ROWS = 2
 """Windows of up to this many rows run ``attn_split`` with 256 threads a block (`attention_shape`)."""
 
 
+STATIC_SHARED = 48 * 1024
+"""Bytes of static shared memory a block may declare."""
+
+
+def attention_shared_bytes(head_dim: int, group: int, warps: int) -> int:
+    """Static shared memory of an ``attn_split`` block that sums in the order of ``warps`` canonical warps:
+    its q, its chunk's scores, the warps' sums, and one flag."""
+    return 4 * (warps * group * head_dim + group * head_dim + group * ATTN_CHUNK) + 4
+
+
+def attention_fits(head_dim: int, group: int) -> bool:
+    """Whether ``attn_split`` takes this head dim and group of query heads per KV head: a head dim whose
+    D / 8 pieces split a warp evenly, and a block of 4 canonical warps within static shared memory (16
+    query heads per KV head at head dim 256 would need 84 KiB)."""
+    return head_dim in ATTENTION_HEAD_DIMS and attention_shared_bytes(head_dim, group, 4) <= STATIC_SHARED
+
+
 def attention_shape(head_dim: int, group: int, rows: int) -> tuple[int, int]:
     """(threads, canonical warps) of the ``attn_split`` blocks of a ``rows``-row window, for this head dim
     and group of query heads per KV head.
@@ -58,8 +75,7 @@ def attention_shape(head_dim: int, group: int, rows: int) -> tuple[int, int]:
     Both sum in the order of 8 canonical warps, so a row's result does not depend on its window. A shape
     whose 8 warps' sums do not fit in static shared memory, or whose head dim is below 32, runs at 128
     threads with 4 warps' order."""
-    shared = 4 * (8 * group * head_dim + group * head_dim + group * ATTN_CHUNK)
-    if head_dim < 32 or shared > 48 * 1024:
+    if head_dim < 32 or attention_shared_bytes(head_dim, group, 8) > STATIC_SHARED:
         return 128, 4
     return (256 if rows <= ATTENTION_WIDE_ROWS else 128), 8
 

@@ -1,0 +1,63 @@
+"""The decode launchers refuse what their kernels cannot take, before anything is launched.
+
+`strata_runtime.cuda.ops.Kernels` runs here on the NumPy stand-in for CuPy (`fake_cupy`), with no GPU: a
+refusal is a `ValueError` naming the limit, raised before the launcher asks for a compiled kernel (which
+the stand-in cannot give).
+"""
+
+from __future__ import annotations
+
+import pytest
+from fake_cupy import installed
+
+
+@pytest.fixture(scope="module")
+def kern_cp():
+    with installed():
+        import cupy as cp
+
+        from strata_runtime.cuda import ops
+
+        yield ops.Kernels(), cp, ops
+
+
+def _moe_args(cp, rows: int, topk: int, experts: int, h: int = 256, inter: int = 256) -> tuple:
+    from strata_runtime.cuda.experts import resident_experts
+
+    gate_up = cp.zeros((experts, 2 * inter, h), cp.float16)
+    down = cp.zeros((experts, h, inter), cp.float16)
+    f32, i32 = cp.float32, cp.int32
+    return (
+        cp.zeros((rows, h), f32),  # x
+        cp.zeros(h, cp.float16),  # norm
+        cp.zeros((rows, experts), f32),  # router logits
+        True,
+        1e-6,
+        resident_experts(gate_up, down, cp),
+        cp.zeros((rows, h), f32),  # resid
+        cp.zeros((rows, topk), i32),  # idx
+        cp.zeros((rows, topk), f32),  # wts
+        cp.zeros((rows * topk, inter), f32),  # h_buf
+    )
+
+
+def test_the_expert_kernels_refuse_more_than_256_assignments(kern_cp) -> None:
+    kern, cp, ops = kern_cp
+    with pytest.raises(ValueError, match=f"at most {ops.THREADS} assignments a window, not 264"):
+        kern.moe(*_moe_args(cp, rows=33, topk=8, experts=16))
+
+
+def test_the_expert_kernels_refuse_more_than_256_experts(kern_cp) -> None:
+    kern, cp, _ = kern_cp
+    with pytest.raises(ValueError, match="at most 256 experts, not 257"):
+        kern.moe(*_moe_args(cp, rows=1, topk=2, experts=257, h=64, inter=64))
+
+
+def test_the_argmax_refuses_scratch_of_another_shape(kern_cp) -> None:
+    kern, cp, ops = kern_cp
+    logits, out = cp.zeros((3, 151_936), cp.float32), cp.zeros(3, cp.int32)
+    slices = ops.argmax_slices(151_936)
+    with pytest.raises(ValueError, match=rf"\(3, {slices}\) wanted"):
+        kern.argmax(logits, out, ops.argmax_scratch(cp, 2, 151_936))
+    with pytest.raises(ValueError, match="wanted"):
+        kern.argmax(logits, out, ops.argmax_scratch(cp, 3, 5_000))
