@@ -243,6 +243,7 @@ class ReferenceKernels:
         from strata_runtime.cuda.ops import Kernels, gemv_expression
 
         self.moe_exprs, self.attn_exprs = Kernels.moe_exprs, Kernels.attn_exprs
+        self.tensor_cores = True  # as on an H200
         self.gemv_expr = functools.partial(gemv_expression, tensor_cores=True)
         self.prepared: set[str] = set()
         """Every instantiation a `prepare` call listed (on a GPU: compiled before any window runs)."""

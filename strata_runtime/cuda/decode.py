@@ -26,7 +26,7 @@ from strata_cfg.schema.windows import MAX_WINDOW_ROWS
 from ..backend import device_lock
 from ..layout import Layout
 from .layers import LayerStack, WindowBuffers
-from .ops import PDL_ROWS
+from .ops import PDL_ROWS, decode_expressions
 
 
 class CudaLayers:
@@ -46,25 +46,11 @@ class CudaLayers:
 
     def expressions(self) -> list[str]:
         """The kernel instantiations windows of 1 to 8 rows through these layers (and a head) use."""
-        a, kern = self.stack.args, self.stack.kern
-        h, q = a.hidden_size, a.num_attention_heads * a.head_dim
-        qkv = (a.num_attention_heads + 2 * a.num_key_value_heads) * a.head_dim
-        widths = {lay.mlp_width for lay in self.stack.layers if lay.mlp_down is not None}
-        out = ["add_rmsnorm", "qk_norm_rope_kv", "silu_mul", "add_scaled", "argmax_part", "argmax_merge"]
-        out += ["choose_rows"]
-        out += ["gemv_any"]
-        out += kern.attn_exprs(a.head_dim, a.num_attention_heads // a.num_key_value_heads)
-        if a.num_experts:
-            out += kern.moe_exprs(h, a.moe_intermediate_size, a.num_experts_per_tok)
-        # (out features, reduction, fused norm) of every projection: q/k/v, output, router, the dense MLP or
-        # shared expert (gate/up, down, gate), and the LM head.
-        shapes = [(qkv, h, True), (h, q, False), (a.vocab_size, h, True), (1, h, True)]
-        shapes += [(a.num_experts, h, True)] if a.num_experts else []
-        shapes += [(2 * w, h, True) for w in widths] + [(h, w, False) for w in widths]
-        shapes += self.gemv_shapes
-        for rows in range(1, MAX_WINDOW_ROWS + 1):
-            out += [kern.gemv_expr(rows, n, k, norm) for n, k, norm in shapes]
-        return out
+        widths = [lay.mlp_width for lay in self.stack.layers if lay.mlp_down is not None]
+        kern = self.stack.kern
+        return decode_expressions(
+            self.stack.args, widths, self.gemv_shapes, kern.tensor_cores, MAX_WINDOW_ROWS
+        )
 
     def buffers(self, rows: int) -> WindowBuffers:
         s = self.stack

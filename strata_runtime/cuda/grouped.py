@@ -45,7 +45,7 @@ class GroupedKernels(KernelCache):
 
     def prepare_all(self) -> None:
         """Compile every kernel the launchers use in one NVRTC run, so a first prompt does not wait for it."""
-        self.prepare(["moe_tiles", _product("moe_gate_up"), _product("moe_down"), "moe_combine"])
+        self.prepare(expressions())
 
     def moe_tiles(self, idx: Any, n_exp: int, rank: Any, order: Any, tiles: Any, n_tiles: Any) -> None:
         """Group idx [n, k]'s assignments by expert into ``order`` [A] and ``tiles`` [max_tiles, 4], their
@@ -91,3 +91,8 @@ def grouped_kernels_for(device_id: int) -> GroupedKernels:
     """The grouped kernels of CUDA device ``device_id``."""
     with cupy_module().cuda.Device(device_id):
         return GroupedKernels()
+
+
+def expressions() -> list[str]:
+    """Every instantiation of grouped.cu the launchers use."""
+    return ["moe_tiles", _product("moe_gate_up"), _product("moe_down"), "moe_combine"]

@@ -13,15 +13,18 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from functools import cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..backend import Array, cupy_module
 from . import pdl
 from .compile import KernelCache, source
+
+if TYPE_CHECKING:
+    from ..models.qwen3_moe import ModelArgs
 
 _SOURCE = source("kernels.cu")
 WARPS_PER_BLOCK = 8
@@ -172,6 +175,46 @@ def gemv_launch(rows: int, n: int, k: int, norm: bool, tensor_cores: bool) -> tu
 def gemv_expression(rows: int, n: int, k: int, norm: bool, tensor_cores: bool) -> str:
     """The instantiation `Kernels.gemv` launches (`gemv_launch`)."""
     return gemv_launch(rows, n, k, norm, tensor_cores)[0]
+
+
+def decode_expressions(
+    args: ModelArgs,
+    mlp_widths: Iterable[int],
+    gemv_shapes: Iterable[tuple[int, int, bool]] = (),
+    tensor_cores: bool = True,
+    max_rows: int = 8,
+) -> list[str]:
+    """Every instantiation of kernels.cu that windows of 1 to ``max_rows`` rows through layers of these
+    shapes (and a head) launch: the decode graphs compile them all before the first window
+    (`strata_runtime.cuda.decode.CudaLayers`). ``mlp_widths``: the widths of the layers' dense MLPs or
+    shared experts; ``gemv_shapes``: (out features, reduction, fused norm) of further GEMVs on the same rows
+    (the LM head on normalised rows, the MTP head's input projections)."""
+    a = args
+    h, q = a.hidden_size, a.num_attention_heads * a.head_dim
+    qkv = (a.num_attention_heads + 2 * a.num_key_value_heads) * a.head_dim
+    widths = set(mlp_widths)
+    out = ["add_rmsnorm", "qk_norm_rope_kv", "silu_mul", "add_scaled", "argmax_part", "argmax_merge"]
+    out += ["choose_rows", "gemv_any"]
+    out += Kernels.attn_exprs(a.head_dim, a.num_attention_heads // a.num_key_value_heads)
+    if a.num_experts:
+        out += Kernels.moe_exprs(h, a.moe_intermediate_size, a.num_experts_per_tok)
+    # (out features, reduction, fused norm) of every projection: q/k/v, output, router, the dense MLP or
+    # shared expert (gate/up, down, gate), and the LM head.
+    shapes = [(qkv, h, True), (h, q, False), (a.vocab_size, h, True), (1, h, True)]
+    shapes += [(a.num_experts, h, True)] if a.num_experts else []
+    shapes += [(2 * w, h, True) for w in sorted(widths)] + [(h, w, False) for w in sorted(widths)]
+    shapes += list(gemv_shapes)
+    for rows in range(1, max_rows + 1):
+        out += [gemv_expression(rows, n, k, norm, tensor_cores) for n, k, norm in shapes]
+    return out
+
+
+def prefill_expressions(grouped: bool) -> list[str]:
+    """The instantiations of kernels.cu the prefill path launches between its cuBLAS products; ``grouped``:
+    whether the experts run as grouped products (grouped.cu) rather than gathered and scattered here."""
+    out = ["rmsnorm_half", "add_rmsnorm", "route_topk", "softmax_causal", "silu_mul_half"]
+    out += ["qk_norm_rope_split", "add_scaled"]
+    return out + ([] if grouped else ["moe_group", "moe_scatter_rows", "moe_gather_add"])
 
 
 _PROGRAMMATIC: contextvars.ContextVar[bool] = contextvars.ContextVar("strata_pdl", default=False)

@@ -38,7 +38,7 @@ from .experts import ExpertSlice
 from .flash import flash_kernels_for, flash_prefill, kernel_expr
 from .grouped import grouped_kernels_for
 from .layers import LayerStack, LayerWeights
-from .ops import padded_keys
+from .ops import padded_keys, prefill_expressions
 
 Rows = tuple[cp.ndarray, cp.ndarray]
 """A chunk's rows as the routing bias reads them: each row's position and slot [n] int32."""
@@ -91,18 +91,7 @@ class CudaPrefill:
             self.router32 = [
                 lay.router.astype(cp.float32) if lay.router is not None else None for lay in stack.layers
             ]
-        self.kern.prepare(
-            [
-                "rmsnorm_half",
-                "add_rmsnorm",
-                "route_topk",
-                "softmax_causal",
-                "silu_mul_half",
-                "qk_norm_rope_split",
-                "add_scaled",
-                *(() if self.grouped is not None else ("moe_group", "moe_scatter_rows", "moe_gather_add")),
-            ]
-        )
+        self.kern.prepare(prefill_expressions(self.grouped is not None))
 
     def forward(self, hidden: Any, layout: Layout) -> cp.ndarray:
         """The chunk's hidden rows [n, H] after these layers (fp32), writing their KV."""
