@@ -10,7 +10,9 @@ calibrated routing. NVRTC and the CUDA headers come from NVIDIA's wheels in the 
 
 from __future__ import annotations
 
+import os
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import nvrtc
 import pytest
@@ -52,9 +54,14 @@ on a GPU; an entry that no longer matches a spilling kernel fails too, so the li
 
 
 def _check(source: str, expressions: list[str], options: tuple[str, ...]) -> dict[str, nvrtc.Kernel]:
+    """Compile ``expressions`` of ``source`` (in parts, one per core: NVRTC runs outside the GIL) and check
+    every kernel's spills against `KNOWN_SPILLS`."""
     from strata_runtime.cuda.compile import source as read
 
-    kernels = nvrtc.compile_source(read(source), expressions, options)
+    code, parts = read(source), max(1, min(4, os.cpu_count() or 1))
+    with ThreadPoolExecutor(parts) as pool:
+        done = pool.map(lambda i: nvrtc.compile_source(code, expressions[i::parts], options), range(parts))
+        kernels = {e: k for part in done for e, k in part.items()}
     for e, k in kernels.items():
         if k.spill_stores or k.spill_loads:
             budget = [b for pattern, b in KNOWN_SPILLS.items() if re.fullmatch(pattern, e)]
