@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import nvrtc
 import pytest
@@ -53,15 +54,19 @@ anything else that spills, or spills more, fails. Removing a spill means measuri
 on a GPU; an entry that no longer matches a spilling kernel fails too, so the list stays true."""
 
 
-def _check(source: str, expressions: list[str], options: tuple[str, ...]) -> dict[str, nvrtc.Kernel]:
-    """Compile ``expressions`` of ``source`` (in parts, one per core: NVRTC runs outside the GIL) and check
-    every kernel's spills against `KNOWN_SPILLS`."""
+def _check(
+    source: str, expressions: list[str], options: tuple[str, ...], arch: str = "sm_90"
+) -> dict[str, nvrtc.Kernel]:
+    """Compile ``expressions`` of ``source`` for ``arch`` (in parts, one per core: NVRTC runs outside the
+    GIL) and, for sm_90, check every kernel's spills against `KNOWN_SPILLS`."""
     from strata_runtime.cuda.compile import source as read
 
     code, parts = read(source), max(1, min(4, os.cpu_count() or 1))
     with ThreadPoolExecutor(parts) as pool:
-        done = pool.map(lambda i: nvrtc.compile_source(code, expressions[i::parts], options), range(parts))
+        done = pool.map(partial(_compile_part, code, expressions, options, arch, parts), range(parts))
         kernels = {e: k for part in done for e, k in part.items()}
+    if arch != "sm_90":
+        return kernels
     for e, k in kernels.items():
         if k.spill_stores or k.spill_loads:
             budget = [b for pattern, b in KNOWN_SPILLS.items() if re.fullmatch(pattern, e)]
@@ -91,6 +96,40 @@ def test_the_prefill_and_routing_kernels_compile_without_spilling() -> None:
     _check("flash.cu", [kernel_expr(d) for d in HEAD_DIMS], OPTIONS)
     _check("grouped.cu", grouped.expressions(), OPTIONS)
     _check("routing.cu", [routing.KERNEL], routing.EXACT_OPTIONS)
+
+
+def test_every_source_compiles_for_the_oldest_gpus_the_cuda_path_takes() -> None:
+    """`layers.MIN_COMPUTE_CAPABILITY` (8.0, Ampere) is the oldest GPU the kernels run on: each source
+    compiles for it (each kernel template once, the GEMVs at 1 and 8 rows), and, to show the limit is
+    real, the decode kernels do not compile for 7.5."""
+    from strata_runtime.cuda import grouped, routing
+    from strata_runtime.cuda.compile import OPTIONS
+    from strata_runtime.cuda.flash import kernel_expr
+    from strata_runtime.cuda.layers import MIN_COMPUTE_CAPABILITY
+    from strata_runtime.cuda.ops import prefill_expressions
+    from strata_runtime.reference.flash import HEAD_DIMS
+
+    arch = f"sm_{MIN_COMPUTE_CAPABILITY}"
+    exprs = [e for e in _decode_expressions() if not e.startswith("gemv_") or re.match(r"gemv_\w+<[18],", e)]
+    kernels = _check("kernels.cu", [*exprs, *prefill_expressions(False)], OPTIONS, arch)
+    assert all(k.shared_bytes <= 48 * 1024 for k in kernels.values())
+    _check("flash.cu", [kernel_expr(d) for d in HEAD_DIMS], OPTIONS, arch)
+    _check("grouped.cu", grouped.expressions(), OPTIONS, arch)
+    _check("routing.cu", [routing.KERNEL], routing.EXACT_OPTIONS, arch)
+    with pytest.raises(nvrtc.CompileError, match="__reduce_add_sync"):
+        nvrtc.compile_source(read_source("kernels.cu"), ["choose_rows"], OPTIONS, "sm_75")
+
+
+def _compile_part(
+    code: str, expressions: list[str], options: tuple[str, ...], arch: str, parts: int, i: int
+) -> dict[str, nvrtc.Kernel]:
+    return nvrtc.compile_source(code, expressions[i::parts], options, arch)
+
+
+def read_source(name: str) -> str:
+    from strata_runtime.cuda.compile import source
+
+    return source(name)
 
 
 def test_a_source_that_does_not_compile_is_reported_with_nvrtcs_log() -> None:

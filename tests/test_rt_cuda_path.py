@@ -322,3 +322,29 @@ def test_no_window_waits_for_a_gemv_to_compile(fake_gpu):
         assert all(h.events.qsize() for h in handles)
         assert engine.totals["accepted"] > 0  # drafts were verified
         assert kernels.prepared and kernels.unprepared == [], sorted(set(kernels.unprepared))
+
+
+def test_a_gpu_older_than_ampere_runs_the_array_path_and_says_why(fake_gpu, monkeypatch):
+    """The kernels need compute capability 8.0 (they would not compile for a Turing or Volta GPU): on an
+    older GPU each stage and the MTP head run the array path on CuPy, the reason names the capability, and
+    the greedy text is the array path's."""
+    import cupy
+
+    from strata_runtime.engine import Engine
+
+    def generate(plan) -> tuple[list[list[int]], Engine]:
+        engine = Engine(plan)
+        handles = [engine.submit(Request((72, 101, 108, 108, 111), 12))]  # alone: solo drafting
+        while engine.step():
+            pass
+        text = [[t for _ in range(h.events.qsize()) for t in h.events.get().token_ids] for h in handles]
+        return text, engine
+
+    cpu, _ = generate(_plan("cpu", "tiny", draft_tokens=2))
+    monkeypatch.setattr(type(cupy.cuda.Device()), "compute_capability", "75")
+    text, engine = generate(_plan("cuda", "tiny", draft_tokens=2))
+    stage = engine.model.stages[0]
+    assert stage.cuda is None and stage.cuda_head is None
+    assert stage.cuda_refused == "cuda:0 has compute capability 7.5; the kernels need 8.0 (Ampere) or later"
+    assert engine.totals["accepted"] > 0  # the drafters ran too
+    assert text == cpu and len(text[0]) == 12

@@ -37,9 +37,21 @@ from .ops import (
 )
 from .routing import DeviceRouting, RowBias
 
+MIN_COMPUTE_CAPABILITY = 80
+"""The kernels' oldest GPU generation (Ampere): they use cp.async, mma.sync and warp reductions of 8.0."""
 
-def supported(args: ModelArgs, dtype: Any, kv_dtype: Any) -> str | None:
-    """Why the CUDA path cannot run a model of these shapes and dtypes, or None when it can."""
+
+def supported(args: ModelArgs, dtype: Any, kv_dtype: Any, device_id: int | None = None) -> str | None:
+    """Why the CUDA path cannot run a model of these shapes and dtypes (on CUDA device ``device_id``, when
+    given), or None when it can."""
+    if device_id is not None:
+        capability = int(cupy_module().cuda.Device(device_id).compute_capability)
+        if capability < MIN_COMPUTE_CAPABILITY:
+            (major, minor), oldest = divmod(capability, 10), divmod(MIN_COMPUTE_CAPABILITY, 10)
+            return (
+                f"cuda:{device_id} has compute capability {major}.{minor}; the kernels need "
+                f"{oldest[0]}.{oldest[1]} (Ampere) or later"
+            )
     if np.dtype(dtype) != np.float16:
         return f"weights are {np.dtype(dtype)}, the kernels read float16"
     if np.dtype(kv_dtype) != np.float16:

@@ -141,7 +141,7 @@ class MtpHead:
         from ..cuda import layers
         from ..cuda.mtp import CudaMtp
 
-        why = layers.supported(self.args, self.fc.dtype, k_cache.dtype)
+        why = layers.supported(self.args, self.fc.dtype, k_cache.dtype, self.device.index)
         if why is None:
             experts = None
             if self.stage is not None and self.stage.cuda_experts is not None:

@@ -150,7 +150,7 @@ class Stage:
         from ..cuda.routing import DeviceRouting
 
         dtype = self.layers[0].input_layernorm.dtype if self.layers else self.kv.k.dtype
-        self.cuda_refused = layers.supported(self.args, dtype, self.kv.k.dtype)
+        self.cuda_refused = layers.supported(self.args, dtype, self.kv.k.dtype, self.device.index)
         if self.cuda_refused is not None:
             return
         gpu, eps = self.device.index, self.args.rms_norm_eps
