@@ -1,4 +1,4 @@
-"""The decode launchers refuse what their kernels cannot take, before anything is launched.
+"""The decode launchers, and the step workload, refuse what the kernels cannot take, before anything runs.
 
 `strata_runtime.cuda.ops.Kernels` runs here on the NumPy stand-in for CuPy (`fake_cupy`), with no GPU: a
 refusal is a `ValueError` naming the limit, raised before the launcher asks for a compiled kernel (which
@@ -61,3 +61,19 @@ def test_the_argmax_refuses_scratch_of_another_shape(kern_cp) -> None:
         kern.argmax(logits, out, ops.argmax_scratch(cp, 2, 151_936))
     with pytest.raises(ValueError, match="wanted"):
         kern.argmax(logits, out, ops.argmax_scratch(cp, 3, 5_000))
+
+
+def test_the_step_workload_refuses_a_gpu_the_kernels_cannot_run_on(kern_cp, monkeypatch) -> None:
+    """`strata bench --workload step` times the kernels themselves: on a GPU older than Ampere it refuses
+    in one line (a ValueError the command prints) instead of failing in NVRTC."""
+    from rt_plans import float16_profile_text
+
+    from strata_cfg.plan.from_profile import resolve_text
+    from strata_runtime.bench.step import run_step
+
+    _, cp, _ = kern_cp
+    text = float16_profile_text(backend="cuda", preset="tiny", slots=2, context=256)
+    plan = resolve_text(text, "step.toml").plan
+    monkeypatch.setattr(type(cp.cuda.Device()), "compute_capability", "75")
+    with pytest.raises(ValueError, match=r"cannot run here: cuda:0 has compute capability 7\.5"):
+        run_step(plan, 0)

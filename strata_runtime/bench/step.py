@@ -29,7 +29,15 @@ from strata_cfg.schema.plan import LaunchPlan
 
 from ..backend import Device
 from ..cuda.experts import resident_experts
-from ..cuda.layers import LAYER_STEPS, LayerStack, LayerWeights, Step, WindowBuffers, step_applies
+from ..cuda.layers import (
+    LAYER_STEPS,
+    LayerStack,
+    LayerWeights,
+    Step,
+    WindowBuffers,
+    step_applies,
+    supported,
+)
 from ..cuda.ops import PDL_ROWS, Kernels, argmax_scratch
 from ..cuda.routing import DeviceRouting, RowBias
 from ..model.placed import routing_tables
@@ -341,6 +349,9 @@ def run_step(
 
     f, context = plan.model.facts, plan.memory.context
     position = max(0, min(position, context - 1))
+    why = supported(facts_args(f), np.float16, np.float16, device_index)
+    if why is not None:
+        raise ValueError(f"the step workload times the CUDA kernels, which cannot run here: {why}")
     need = step_memory_bytes(f, context)
     with cp.cuda.Device(device_index):
         free, _ = cp.cuda.runtime.memGetInfo()
