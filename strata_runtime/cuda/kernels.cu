@@ -603,8 +603,8 @@ __global__ void __launch_bounds__(256) qk_norm_rope_split(const float* __restric
 // positions), so a window of one or two rows takes B = 256, and more rows, whose blocks fill the GPU, take
 // B = 128. Both sum in one order, fixed by W "canonical" warps (the partial sums of a B = 32 W block): with
 // B = 128 and W = 8 a thread does the work of two threads of the 256-thread block, one after the other, so
-// a row's result is the same bit for bit whichever B its window took. (W = B / 32 where the shared memory
-// of 8 warps' sums does not fit: those shapes run at 128 threads only.)
+// a row's result is the same bit for bit whichever B its window took. (W = 4 at head dim 16, and where the
+// shared memory of 8 warps' sums does not fit: those shapes run at 128 threads only.)
 // Scratch layout: acc [R, NKV, NC, G, D], ml [R, NKV, NC, G, 2]; done [R, NKV] int, zero between launches.
 constexpr int ATTN_CHUNK = 64;
 
