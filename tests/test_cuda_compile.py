@@ -19,7 +19,13 @@ import nvrtc
 import pytest
 
 from strata_cfg.schema.presets import preset_config, preset_names
+from strata_runtime.cuda import grouped, routing
+from strata_runtime.cuda.compile import OPTIONS, source
+from strata_runtime.cuda.flash import kernel_expr
+from strata_runtime.cuda.layers import MIN_COMPUTE_CAPABILITY, supported
+from strata_runtime.cuda.ops import decode_expressions, mtp_gemv_shapes, prefill_expressions
 from strata_runtime.models.qwen3_moe import ModelArgs
+from strata_runtime.reference.flash import HEAD_DIMS
 
 pytestmark = pytest.mark.skipif(nvrtc.available() is not None, reason=str(nvrtc.available()))
 
@@ -27,9 +33,6 @@ pytestmark = pytest.mark.skipif(nvrtc.available() is not None, reason=str(nvrtc.
 def _decode_expressions() -> list[str]:
     """What the decode graphs of every preset the CUDA path takes compile (`CudaLayers.expressions`), with
     the head's and the MTP head's GEMVs."""
-    from strata_runtime.cuda.layers import supported
-    from strata_runtime.cuda.ops import decode_expressions
-
     out: dict[str, None] = {}
     for name in preset_names():
         a = ModelArgs.from_config(preset_config(name))
@@ -37,7 +40,7 @@ def _decode_expressions() -> list[str]:
             continue
         h, v = a.hidden_size, a.vocab_size
         widths = [w for w in (a.intermediate_size, a.shared_expert_intermediate_size) if w]
-        head = [(v, h, False), (h, h, True)]  # the LM head on normalised rows; the MTP head's input
+        head = mtp_gemv_shapes(v, h)  # the MTP head's input projections and the LM head
         out |= dict.fromkeys(decode_expressions(a, widths, head))
     return list(out)
 
@@ -55,13 +58,12 @@ on a GPU; an entry that no longer matches a spilling kernel fails too, so the li
 
 
 def _check(
-    source: str, expressions: list[str], options: tuple[str, ...], arch: str = "sm_90"
+    name: str, expressions: list[str], options: tuple[str, ...], arch: str = "sm_90"
 ) -> dict[str, nvrtc.Kernel]:
-    """Compile ``expressions`` of ``source`` for ``arch`` (in parts, one per core: NVRTC runs outside the
-    GIL) and, for sm_90, check every kernel's spills against `KNOWN_SPILLS`."""
-    from strata_runtime.cuda.compile import source as read
+    """Compile ``expressions`` of kernel source ``name`` for ``arch`` (in parts, one per core: NVRTC runs
+    outside the GIL) and, for sm_90, check every kernel's spills against `KNOWN_SPILLS`."""
 
-    code, parts = read(source), max(1, min(4, os.cpu_count() or 1))
+    code, parts = source(name), max(1, min(4, os.cpu_count() or 1))
     with ThreadPoolExecutor(parts) as pool:
         done = pool.map(partial(_compile_part, code, expressions, options, arch, parts), range(parts))
         kernels = {e: k for part in done for e, k in part.items()}
@@ -70,14 +72,12 @@ def _check(
     for e, k in kernels.items():
         if k.spill_stores or k.spill_loads:
             budget = [b for pattern, b in KNOWN_SPILLS.items() if re.fullmatch(pattern, e)]
-            assert budget, f"{source}: {e} spills registers to local memory: {k}"
-            assert k.spill_stores + k.spill_loads <= budget[0], f"{source}: {e} spills more than before: {k}"
+            assert budget, f"{name}: {e} spills registers to local memory: {k}"
+            assert k.spill_stores + k.spill_loads <= budget[0], f"{name}: {e} spills more than before: {k}"
     return kernels
 
 
 def test_the_decode_kernels_compile_for_every_preset_without_spilling() -> None:
-    from strata_runtime.cuda.compile import OPTIONS
-    from strata_runtime.cuda.ops import prefill_expressions
 
     exprs = _decode_expressions()
     assert any(e.startswith("attn_split<128,8,256,8>") for e in exprs)  # qwen3-30b-a3b's one-row attention
@@ -88,10 +88,6 @@ def test_the_decode_kernels_compile_for_every_preset_without_spilling() -> None:
 
 
 def test_the_prefill_and_routing_kernels_compile_without_spilling() -> None:
-    from strata_runtime.cuda import grouped, routing
-    from strata_runtime.cuda.compile import OPTIONS
-    from strata_runtime.cuda.flash import kernel_expr
-    from strata_runtime.reference.flash import HEAD_DIMS
 
     _check("flash.cu", [kernel_expr(d) for d in HEAD_DIMS], OPTIONS)
     _check("grouped.cu", grouped.expressions(), OPTIONS)
@@ -102,12 +98,6 @@ def test_every_source_compiles_for_the_oldest_gpus_the_cuda_path_takes() -> None
     """`layers.MIN_COMPUTE_CAPABILITY` (8.0, Ampere) is the oldest GPU the kernels run on: each source
     compiles for it (each kernel template once, the GEMVs at 1 and 8 rows), and, to show the limit is
     real, the decode kernels do not compile for 7.5."""
-    from strata_runtime.cuda import grouped, routing
-    from strata_runtime.cuda.compile import OPTIONS
-    from strata_runtime.cuda.flash import kernel_expr
-    from strata_runtime.cuda.layers import MIN_COMPUTE_CAPABILITY
-    from strata_runtime.cuda.ops import prefill_expressions
-    from strata_runtime.reference.flash import HEAD_DIMS
 
     arch = f"sm_{MIN_COMPUTE_CAPABILITY}"
     exprs = [e for e in _decode_expressions() if not e.startswith("gemv_") or re.match(r"gemv_\w+<[18],", e)]
@@ -117,19 +107,13 @@ def test_every_source_compiles_for_the_oldest_gpus_the_cuda_path_takes() -> None
     _check("grouped.cu", grouped.expressions(), OPTIONS, arch)
     _check("routing.cu", [routing.KERNEL], routing.EXACT_OPTIONS, arch)
     with pytest.raises(nvrtc.CompileError, match="__reduce_add_sync"):
-        nvrtc.compile_source(read_source("kernels.cu"), ["choose_rows"], OPTIONS, "sm_75")
+        nvrtc.compile_source(source("kernels.cu"), ["choose_rows"], OPTIONS, "sm_75")
 
 
 def _compile_part(
     code: str, expressions: list[str], options: tuple[str, ...], arch: str, parts: int, i: int
 ) -> dict[str, nvrtc.Kernel]:
     return nvrtc.compile_source(code, expressions[i::parts], options, arch)
-
-
-def read_source(name: str) -> str:
-    from strata_runtime.cuda.compile import source
-
-    return source(name)
 
 
 def test_a_source_that_does_not_compile_is_reported_with_nvrtcs_log() -> None:

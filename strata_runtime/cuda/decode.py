@@ -21,8 +21,6 @@ from typing import Any
 
 import cupy as cp
 
-from strata_cfg.schema.windows import MAX_WINDOW_ROWS
-
 from ..backend import device_lock
 from ..layout import Layout
 from .layers import LayerStack, WindowBuffers
@@ -47,10 +45,7 @@ class CudaLayers:
     def expressions(self) -> list[str]:
         """The kernel instantiations windows of 1 to 8 rows through these layers (and a head) use."""
         widths = [lay.mlp_width for lay in self.stack.layers if lay.mlp_down is not None]
-        kern = self.stack.kern
-        return decode_expressions(
-            self.stack.args, widths, self.gemv_shapes, kern.tensor_cores, MAX_WINDOW_ROWS
-        )
+        return decode_expressions(self.stack.args, widths, self.gemv_shapes, self.stack.kern.tensor_cores)
 
     def buffers(self, rows: int) -> WindowBuffers:
         s = self.stack

@@ -18,14 +18,6 @@ from .blas import matmul_nt
 from .ops import argmax_scratch, kernels_for
 
 
-def head_gemv_shapes(lm_head: Any) -> list[tuple[int, int, bool]]:
-    """(out features, reduction, fused norm) of the GEMV `CudaHead.logits` launches on a window's rows:
-    the LM head on rows already normalised. The decode graphs compile it with their own kernels
-    (`strata_runtime.cuda.decode.CudaLayers`), so that no window waits for a compile."""
-    v, h = lm_head.shape
-    return [(v, h, False)]
-
-
 class CudaHead:
     """The final norm and LM head on fp32 rows (the last stage's, or the MTP head's output)."""
 

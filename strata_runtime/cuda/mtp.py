@@ -16,8 +16,9 @@ from ..models.qwen3_moe import DecoderLayer, ModelArgs
 from .blas import matmul_nt
 from .decode import CudaLayers
 from .experts import ExpertSlice
-from .head import CudaHead, head_gemv_shapes
+from .head import CudaHead
 from .layers import LayerStack, WindowBuffers
+from .ops import mtp_gemv_shapes
 from .prefill import CudaPrefill
 
 
@@ -62,7 +63,7 @@ class CudaMtp:
             )
             self.stack = LayerStack.of(device_id, [head.layer], args, k_cache, v_cache, experts=experts)
             # The input projections (norm fused) and the LM head run beside the layer on every draft window.
-            shapes = [(h, h, True), *head_gemv_shapes(head.lm_head)]
+            shapes = mtp_gemv_shapes(*head.lm_head.shape)
             self.layers = CudaLayers(self.stack, shapes)
             # Windows decided on the device run the head on the last stage's stream while host drafting
             # may run it on the drafters' stream (pipelined groups): each gets its own buffers and graphs.

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from strata_cfg.schema.windows import MAX_WINDOW_ROWS
+
 from ..backend import Array, cupy_module
 from . import pdl
 from .compile import KernelCache, source
@@ -177,12 +179,25 @@ def gemv_expression(rows: int, n: int, k: int, norm: bool, tensor_cores: bool) -
     return gemv_launch(rows, n, k, norm, tensor_cores)[0]
 
 
+def head_gemv_shapes(vocab: int, hidden: int) -> list[tuple[int, int, bool]]:
+    """(out features, reduction, fused norm) of the GEMV a head launches on a window's rows: the LM head on
+    rows already normalised. The decode graphs compile it with their own kernels (`decode_expressions`), so
+    that no window waits for a compile."""
+    return [(vocab, hidden, False)]
+
+
+def mtp_gemv_shapes(vocab: int, hidden: int) -> list[tuple[int, int, bool]]:
+    """The GEMVs beside the MTP head's layer on every draft window: its input projections (the norm fused)
+    and the shared LM head."""
+    return [(hidden, hidden, True), *head_gemv_shapes(vocab, hidden)]
+
+
 def decode_expressions(
     args: ModelArgs,
     mlp_widths: Iterable[int],
     gemv_shapes: Iterable[tuple[int, int, bool]] = (),
     tensor_cores: bool = True,
-    max_rows: int = 8,
+    max_rows: int = MAX_WINDOW_ROWS,
 ) -> list[str]:
     """Every instantiation of kernels.cu that windows of 1 to ``max_rows`` rows through layers of these
     shapes (and a head) launch: the decode graphs compile them all before the first window

@@ -146,7 +146,7 @@ class Stage:
             self._build_cuda()
 
     def _build_cuda(self) -> None:
-        from ..cuda import decode, experts, head, layers, prefill
+        from ..cuda import decode, experts, head, layers, ops, prefill
         from ..cuda.routing import DeviceRouting
 
         dtype = self.layers[0].input_layernorm.dtype if self.layers else self.kv.k.dtype
@@ -167,7 +167,9 @@ class Stage:
         stack = layers.LayerStack.of(
             gpu, self.layers, self.args, self.kv.k, self.kv.v, self.cuda_routing, first, main
         )
-        self.cuda = decode.CudaLayers(stack, head.head_gemv_shapes(self.lm_head) if self.last else ())
+        lm_head = self.lm_head if self.last else None
+        gemv = ops.head_gemv_shapes(*lm_head.shape) if lm_head is not None else ()
+        self.cuda = decode.CudaLayers(stack, gemv)
         self.cuda_prefill = prefill.CudaPrefill(stack, experts=main)
         if self.last:
             self.cuda_head = head.CudaHead(gpu, self.norm, self.lm_head, eps)
