@@ -30,6 +30,7 @@ def _numpy_as_cupy(seed: int) -> SimpleNamespace:
         float32=np.float32,
         int32=np.int32,
         zeros=np.zeros,
+        empty=np.empty,
         arange=np.arange,
         asarray=np.asarray,
         random=SimpleNamespace(standard_normal=lambda shape, dtype: rng.standard_normal(shape, dtype=dtype)),

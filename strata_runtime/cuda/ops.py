@@ -101,7 +101,7 @@ def argmax_scratch(xp: Any, rows: int, vocab: int) -> tuple[Any, Any]:
     """The scratch `Kernels.argmax` writes for ``rows`` rows of ``vocab`` logits, allocated with array module
     ``xp``: each slice's largest logit [R, S] (fp32) and its index [R, S] (int32)."""
     nb = argmax_slices(vocab)
-    return xp.zeros((rows, nb), np.float32), xp.zeros((rows, nb), np.int32)
+    return xp.empty((rows, nb), np.float32), xp.empty((rows, nb), np.int32)
 
 
 def padded_keys(length: int) -> int:
