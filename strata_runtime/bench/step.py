@@ -241,9 +241,7 @@ class KernelModel:
         eager = (time.perf_counter() - t0) / 3
         with self.stack.kern.programmatic(rows in PDL_ROWS):  # as the decode graphs are captured
             graph = graph_seconds(cp, lambda: self.step(w), repeats)
-        # The last layer's routing stands for every layer's: random weights (and mid-stack calibrated
-        # routing) route alike in each.
-        distinct = len(set(w.buffers.idx.get().ravel().tolist())) if f.num_experts else 0
+        distinct = self._distinct_experts(w)
         nbytes = decode_step_bytes(
             f, rows=rows, positions=position + 1, kv_dtype="float16", distinct_experts=distinct
         )
@@ -270,7 +268,7 @@ class KernelModel:
         bytes per layer it must read (`kernel_bytes`, the experts as the window's last layer routed) and
         the rate that makes (GB/s; 0 for a group that moves next to nothing)."""
         w = self.window(rows, position)
-        distinct = len(set(w.buffers.idx.get().ravel().tolist())) if self.f.num_experts else 0
+        distinct = self._distinct_experts(w)
         out = {}
         for name, step in LAYER_STEPS.items():
             runs = [j for j, lay in enumerate(self.stack.layers) if step_applies(name, lay)]
@@ -314,6 +312,11 @@ class KernelModel:
             tokens = chosen.get() if hasattr(chosen, "get") else chosen
             out[name] = {"us": us, "tokens": [int(x) for x in tokens]}
         return out
+
+    def _distinct_experts(self, w: StepWindow) -> int:
+        """The experts the window's rows routed to in the last layer (which stands for every layer's: random
+        weights, and mid-stack calibrated routing, route alike in each); 0 for a dense model."""
+        return len(set(w.buffers.idx.get().ravel().tolist())) if self.f.num_experts else 0
 
     def _over(self, step: Step, b: WindowBuffers, runs: list[int]) -> None:
         """One step over several layers, as one body to capture."""
