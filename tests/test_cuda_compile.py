@@ -46,9 +46,6 @@ def _decode_expressions() -> list[str]:
 
 
 KNOWN_SPILLS = {
-    # The q/k/v projection's block (64 features, 16 warps, so at most 128 registers a thread) at 2-6 rows:
-    # 24 bytes each way at a reduction of 2048, 72 stores and 48 loads at 4096. Rows 1, 7 and 8 do not spill.
-    r"gemv_mma<[2-6],(2048|4096),4,16,true>": 72 + 48,
     # The draw: 1024 threads a block, its 64-bit weights and scans.
     r"choose_rows": 12 + 36,
 }

@@ -223,6 +223,9 @@ __global__ void __launch_bounds__(WARPS * 32) gemv_mma(const half* __restrict__ 
   STRATA_PDL_LAUNCH();
   constexpr int J = 4 / MT, UNIT = 32 * J, UNITS = K / UNIT, PER = (UNITS + WARPS - 1) / WARPS, F = 16 * MT;
   constexpr int GROUP = 2;  // units in flight at a time: GROUP * 8 loads of 16 bytes per lane
+  // The unit loop is unrolled when it is short (a reduction up to 4096, or 2048 with the norm's registers):
+  // a longer unrolled loop keeps more than 128 registers live and spills to local memory.
+  constexpr int ALL_ROUNDS = (PER + GROUP - 1) / GROUP, ROUNDS = ALL_ROUNDS <= (NORM ? 2 : 4) ? ALL_ROUNDS : 1;
   __shared__ float red[WARPS][F][R + 1];
   __shared__ float squares[WARPS][R];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -257,7 +260,7 @@ __global__ void __launch_bounds__(WARPS * 32) gemv_mma(const half* __restrict__ 
   };
   load(0);
   STRATA_PDL_WAIT();
-#pragma unroll
+#pragma unroll ROUNDS
   for (int i0 = 0; i0 < PER; i0 += GROUP) {
     if (i0 > 0) load(i0);
 #pragma unroll
@@ -267,19 +270,18 @@ __global__ void __launch_bounds__(WARPS * 32) gemv_mma(const half* __restrict__ 
 #pragma unroll
       for (int j = 0; j < J; ++j) {
         const int k0 = u * UNIT + 32 * j + 8 * t;
-        float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        if (g < R) {
-          const float4* xr = reinterpret_cast<const float4*>(x + (size_t)g * K + k0);
-          const float4 xa = xr[0], xb = xr[1];
-          v[0] = xa.x; v[1] = xa.y; v[2] = xa.z; v[3] = xa.w; v[4] = xb.x; v[5] = xb.y; v[6] = xb.z; v[7] = xb.w;
-          if (NORM) {
-            float nf[8];
-            unpack8(__ldg(reinterpret_cast<const uint4*>(nw + k0)), nf);
+        // Lanes past the window's last row read that row again: their columns of the mma are never stored,
+        // and without a branch here the compiler keeps every row count's loop in registers.
+        const float4* xr = reinterpret_cast<const float4*>(x + (size_t)min(g, R - 1) * K + k0);
+        const float4 xa = xr[0], xb = xr[1];
+        float v[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+        if (NORM) {
+          float nf[8];
+          unpack8(__ldg(reinterpret_cast<const uint4*>(nw + k0)), nf);
 #pragma unroll
-            for (int e = 0; e < 8; ++e) {
-              ss += v[e] * v[e];
-              v[e] *= nf[e];
-            }
+          for (int e = 0; e < 8; ++e) {
+            ss += v[e] * v[e];
+            v[e] *= nf[e];
           }
         }
         // The column's scale: from the largest |x'| of row g over the 32 values its four lanes hold.
