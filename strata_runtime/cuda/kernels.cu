@@ -1189,71 +1189,86 @@ __device__ __forceinline__ T block_scan(T v, T* sums, T* total) {
   return v + (warp > 0 ? sums[warp - 1] : T(0));
 }
 
+// The state of a radix selection between its passes (shared): the key bits chosen so far (prefix, under
+// mask), the weight of the keys above them (over) and of the chosen bin (bin_weight).
+struct RadixState {
+  unsigned prefix, mask;
+  u64 over, bin_weight;
+};
+
+// One pass of a radix selection: the next 8 bits (at shift) of the key K, from a histogram of the values of
+// l[V] whose key matches the bits chosen so far. Every thread reads *st after it.
+template <class Weight>
+__device__ void radix_pass(const float* __restrict__ l, int V, Weight weight, u64 need, u64* hist, int shift,
+                           RadixState* st) {
+  const int lane = threadIdx.x & 31;
+  u64* mine = hist + ((threadIdx.x >> 5) & 7) * 256;
+  for (int b = threadIdx.x; b < 8 * 256; b += blockDim.x) hist[b] = 0ull;
+  __syncthreads();
+  const unsigned p = st->prefix, m = st->mask;
+  const int step = (int)blockDim.x;
+  for (int i0 = 0; i0 < V; i0 += 4 * step) {  // every thread the same number of times: warps converge
+    float v[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {  // four coalesced loads in flight before any is used
+      const int i = i0 + j * step + (int)threadIdx.x;
+      v[j] = i < V ? l[i] : 0.f;
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int i = i0 + j * step + (int)threadIdx.x;
+      unsigned bin = 256u;
+      u64 w = 0ull;
+      if (i < V) {
+        const unsigned k = order_key(v[j]);
+        if ((k & m) == p) {
+          w = weight(v[j]);
+          if (w) bin = (k >> shift) & 255u;
+        }
+      }
+      const unsigned peers = __match_any_sync(0xffffffffu, bin);
+      if (bin < 256u) {
+        const unsigned lo = __reduce_add_sync(peers, (unsigned)(w & 0xffffffull));
+        const unsigned hi = __reduce_add_sync(peers, (unsigned)(w >> 24));
+        if (lane == __ffs(peers) - 1) atomicAdd(mine + bin, ((u64)hi << 24) + lo);
+      }
+    }
+  }
+  __syncthreads();
+  for (int b = threadIdx.x; b < 256; b += blockDim.x) {
+    u64 total = 0ull;
+    for (int g = 0; g < 8; ++g) total += hist[g * 256 + b];
+    hist[b] = total;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int b = 255;
+    u64 over = st->over;
+    for (; b > 0 && over + hist[b] < need; --b) over += hist[b];
+    st->over = over;
+    st->prefix |= (unsigned)b << shift;
+    st->mask |= 255u << shift;
+    st->bin_weight = hist[b];
+  }
+  __syncthreads();
+}
+
 // Block-wide: the key K of the logits l[V] where the weight counted from the largest key down first reaches
 // need: weight(keys > K) < need <= weight(keys >= K). *above = weight(keys > K), *at = weight(keys == K).
-// 8 bits of the key a pass; weight(v) is a logit's weight. Each group of 4 warps fills its own 256-bin histogram of u64 weights (hist:
-// 8 x 256, shared), and the lanes of a warp that fall in one bin add their weights together first (weights
-// below 2^40, split in two halves a warp can sum in 32 bits), so few atomics meet on one address; the
-// groups' histograms are then summed. Integer sums: the result does not depend on the order of the adds.
+// 8 bits of the key a pass (radix_pass); weight(v) is a logit's weight. Each group of 4 warps fills its own
+// 256-bin histogram of u64 weights (hist: 8 x 256, shared), and the lanes of a warp that fall in one bin add
+// their weights together first (weights below 2^40, split in two halves a warp can sum in 32 bits), so few
+// atomics meet on one address; the groups' histograms are then summed. Integer sums: the result does not
+// depend on the order of the adds.
 template <class Weight>
 __device__ void radix_select(const float* __restrict__ l, int V, Weight weight, u64 need, u64* hist,
                              unsigned* key, u64* above, u64* at) {
-  __shared__ unsigned prefix, mask;
-  __shared__ u64 over, bin_weight;
-  const int lane = threadIdx.x & 31;
-  u64* mine = hist + ((threadIdx.x >> 5) & 7) * 256;
-  if (threadIdx.x == 0) { prefix = 0u; mask = 0u; over = 0ull; }
-  for (int shift = 24; shift >= 0; shift -= 8) {
-    for (int b = threadIdx.x; b < 8 * 256; b += blockDim.x) hist[b] = 0ull;
-    __syncthreads();
-    const unsigned p = prefix, m = mask;
-    const int step = (int)blockDim.x;
-    for (int i0 = 0; i0 < V; i0 += 4 * step) {  // every thread the same number of times: warps converge
-      float v[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {  // four coalesced loads in flight before any is used
-        const int i = i0 + j * step + (int)threadIdx.x;
-        v[j] = i < V ? l[i] : 0.f;
-      }
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int i = i0 + j * step + (int)threadIdx.x;
-        unsigned bin = 256u;
-        u64 w = 0ull;
-        if (i < V) {
-          const unsigned k = order_key(v[j]);
-          if ((k & m) == p) {
-            w = weight(v[j]);
-            if (w) bin = (k >> shift) & 255u;
-          }
-        }
-        const unsigned peers = __match_any_sync(0xffffffffu, bin);
-        if (bin < 256u) {
-          const unsigned lo = __reduce_add_sync(peers, (unsigned)(w & 0xffffffull));
-          const unsigned hi = __reduce_add_sync(peers, (unsigned)(w >> 24));
-          if (lane == __ffs(peers) - 1) atomicAdd(mine + bin, ((u64)hi << 24) + lo);
-        }
-      }
-    }
-    __syncthreads();
-    for (int b = threadIdx.x; b < 256; b += blockDim.x) {
-      u64 total = 0ull;
-      for (int g = 0; g < 8; ++g) total += hist[g * 256 + b];
-      hist[b] = total;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      int b = 255;
-      for (; b > 0 && over + hist[b] < need; --b) over += hist[b];
-      prefix |= (unsigned)b << shift;
-      mask |= 255u << shift;
-      bin_weight = hist[b];
-    }
-    __syncthreads();
-  }
-  *key = prefix;
-  *above = over;
-  *at = bin_weight;
+  __shared__ RadixState st;
+  if (threadIdx.x == 0) st = RadixState{0u, 0u, 0ull, 0ull};  // read after the first pass's barrier
+  for (int shift = 24; shift >= 0; shift -= 8) radix_pass(l, V, weight, need, hist, shift, &st);
+  *key = st.prefix;
+  *above = st.over;
+  *at = st.bin_weight;
 }
 
 constexpr int CHOOSE_CAP = 2048;  // top-k stayers choose_rows gathers into shared memory, at most
@@ -1298,44 +1313,61 @@ __global__ void __launch_bounds__(1024) choose_rows(const float* __restrict__ lo
   }
   const float mx = sv[0];
   const int k = top_k[r];
-  unsigned key;
-  u64 above, at;
-  if (k > 0 && k < V) {  // the k-th largest logit: counted from the top, the k-th token's key
-    radix_select(l, V, [](float) { return 1ull; }, (u64)k, hist, &key, &above, &at);
-    if (tid == 0) kth = key;
-    __syncthreads();
-  }
-  const unsigned cut_k = kth;
   const float p = top_p[r];
   const bool by_p = p < 1.f;
-  // The row the rest reads: all V logits, or, when top-k leaves at most `cap` (<= CHOOSE_CAP) tokens, just
-  // those, gathered in index order into shared memory (cv values, ci their indices). Thread tid gathers the
-  // stayers of the same contiguous chunk of V the draw below sums, so its share of them is [g0, g0 + gn)
-  // and every sum below adds the same nonzero terms in the same order: the token is the same bit for bit.
+  // The row the rest reads: all V logits, or, once top-k is known to leave at most `cap` (<= CHOOSE_CAP)
+  // tokens, a superset of them gathered in index order into shared memory (cv values, ci their indices).
+  // Thread tid gathers from the same contiguous chunk of V the draw below sums, so its share of them is
+  // [g0, g0 + gn) and every sum below adds the same nonzero terms in the same order: the token is the same
+  // bit for bit.
   __shared__ float cv[CHOOSE_CAP];
   __shared__ int ci[CHOOSE_CAP];
   const int chunk = (V + blockDim.x - 1) / blockDim.x;
   const int a = min(tid * chunk, V), b = min(a + chunk, V);
-  const bool compact = k > 0 && k < V && above + at <= (u64)min(cap, CHOOSE_CAP);
+  const int room = min(cap, CHOOSE_CAP);
   const float* vals = l;  // the row the rest reads, n long; index(j) its token index
   int n = V, g0 = a, gn = b - a;
-  if (compact) {
+  bool compact = false;
+  auto gather = [&](unsigned from) {  // every token whose key is at least `from` (they fit in cv)
     int mine = 0;
 #pragma unroll 4
-    for (int i = a; i < b; ++i) mine += order_key(l[i]) >= cut_k;
+    for (int i = a; i < b; ++i) mine += order_key(l[i]) >= from;
     int all;
     const int incl = block_scan(mine, isums, &all);
     int o = incl - mine;
     for (int i = a; i < b && o < incl; ++i) {
       const float v = l[i];
-      if (order_key(v) >= cut_k) { cv[o] = v; ci[o] = i; ++o; }
+      if (order_key(v) >= from) { cv[o] = v; ci[o] = i; ++o; }
     }
     __syncthreads();
     vals = cv;
     n = all;
     g0 = incl - mine;
     gn = mine;
+    compact = true;
+  };
+  unsigned key;
+  u64 above, at;
+  if (k > 0 && k < V) {
+    // The k-th largest logit: counted from the top, the k-th token's key, 8 bits a pass. After two passes,
+    // when the keys at or above the chosen 16 bits fit in cv, they are gathered, and the last two passes
+    // read only them (they hold every key the passes count).
+    __shared__ RadixState ks;
+    if (tid == 0) ks = RadixState{0u, 0u, 0ull, 0ull};  // read after the first pass's barrier
+    auto one = [](float) { return 1ull; };
+    radix_pass(l, V, one, (u64)k, hist, 24, &ks);
+    radix_pass(l, V, one, (u64)k, hist, 16, &ks);
+    if (ks.over + ks.bin_weight <= (u64)room) gather(ks.prefix);
+    radix_pass(vals, n, one, (u64)k, hist, 8, &ks);
+    radix_pass(vals, n, one, (u64)k, hist, 0, &ks);
+    key = ks.prefix;
+    above = ks.over;
+    at = ks.bin_weight;
+    if (tid == 0) kth = key;
+    __syncthreads();
   }
+  const unsigned cut_k = kth;
+  if (!compact && k > 0 && k < V && above + at <= (u64)room) gather(cut_k);
   const int* cidx = compact ? ci : nullptr;
   auto index = [&](int j) -> int { return cidx != nullptr ? cidx[j] : j; };
   if (by_p) {
