@@ -603,19 +603,33 @@ def test_batched_products_match_numpy(gpu, out_dtype, beta):
         matmul_nt(cp.asarray(x), cp.asarray(w[:, :50]), y_d)
 
 
+def peaked_logits(g: np.random.Generator, rows: int, v: int) -> np.ndarray:
+    """Logits shaped like a trained model's: a broad body and, per row, 1 to 40 tokens 4 to 20 logits above
+    it, so top-p keeps few tokens."""
+    logits = g.standard_normal((rows, v)) * 2
+    for r in range(rows):
+        hot = g.choice(v, int(g.integers(1, min(41, v))), replace=False)
+        logits[r, hot] += g.uniform(4, 20, hot.size)
+    return logits.astype(np.float32)
+
+
 @pytest.mark.parametrize("v", [151_936, 5_000])
-def test_choose_gathering_top_k_keeps_the_token(gpu, v):
-    """A row whose top-k leaves few tokens has them gathered into shared memory before its top-p cut and
-    draw: the token must be the one the whole-row path draws, bit for bit, with ties at the k-th logit and
-    at the top-p cut, a u of 0 and just under 1, and top-k that leaves more than the gather holds."""
+def test_choose_gathering_keeps_the_token(gpu, v):
+    """A row whose top-k or top-p is known to keep few tokens has a superset of them gathered into shared
+    memory before its cuts and draw: the token must be the one the whole-row path draws, bit for bit, with
+    ties at the k-th logit and at the top-p cut, a u of 0 and just under 1, top-k that leaves more than the
+    gather holds, and logits flat (top-p keeps thousands) and peaked (top-p keeps a few)."""
     from strata_runtime.cuda.ops import CHOOSE_GATHER
 
     cp, kern, _ = gpu
     g = rng()
     rows = 64
     gathered_rows = 0
-    for trial in range(6):
-        logits = (g.standard_normal((rows, v)) * 3).astype(np.float32)
+    for trial in range(8):
+        if trial < 4:
+            logits = (g.standard_normal((rows, v)) * 3).astype(np.float32)
+        else:
+            logits = peaked_logits(g, rows, v)
         if trial % 2:
             logits = np.round(logits * 2) / 2  # coarse logits: many ties at every cut
         inv_temp = g.uniform(0.3, 2.0, rows).astype(np.float32)
@@ -644,7 +658,8 @@ def test_choose_matches_twin(gpu, rows, v):
 
     g = rng()
     for trial in range(24):
-        logits = (g.standard_normal((rows, v)) * 3).astype(np.float32)
+        flat = trial % 3
+        logits = (g.standard_normal((rows, v)) * 3).astype(np.float32) if flat else peaked_logits(g, rows, v)
         inv_temp = np.where(g.random(rows) < 0.3, 0.0, g.uniform(0.3, 2.0, rows))
         top_k = np.where(g.random(rows) < 0.5, 0, g.integers(1, min(v, 200), rows)).astype(np.int32)
         top_p = np.where(g.random(rows) < 0.5, 1.0, g.uniform(0.05, 0.99, rows)).astype(np.float32)

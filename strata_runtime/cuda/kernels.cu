@@ -1271,7 +1271,68 @@ __device__ void radix_select(const float* __restrict__ l, int V, Weight weight, 
   *at = st.bin_weight;
 }
 
-constexpr int CHOOSE_CAP = 2048;  // top-k stayers choose_rows gathers into shared memory, at most
+constexpr int CHOOSE_CAP = 2048;  // tokens choose_rows gathers into shared memory, at most
+constexpr int CHOOSE_CUTS = 7;    // candidate cuts below a row's largest logit mx: mx - 2^(j - 1) gaps
+
+// Block-wide, over l[n]: for each candidate cut j, the key of mx - 2^(j - 1) * gap (key[j]), the tokens
+// whose key is at least that (count[j]) and their weights (mass[j]), all shared; returns the weight of all
+// n. Every thread reads the results. Integer sums (lanes, then warps in order): exact whatever the order.
+template <class Weight>
+__device__ u64 cut_sums(const float* __restrict__ l, int n, float mx, float gap, Weight weight, unsigned* key,
+                        int* count, u64* mass) {
+  __shared__ int wc[32][CHOOSE_CUTS];
+  __shared__ u64 wm[32][CHOOSE_CUTS + 1];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (int)(blockDim.x >> 5);
+  unsigned lo[CHOOSE_CUTS];
+  int c[CHOOSE_CUTS];
+  u64 m[CHOOSE_CUTS + 1];  // m[CHOOSE_CUTS]: every token's weight
+#pragma unroll
+  for (int j = 0; j < CHOOSE_CUTS; ++j) {
+    lo[j] = order_key(mx - ldexpf(gap, j - 1));
+    c[j] = 0;
+    m[j] = 0ull;
+  }
+  m[CHOOSE_CUTS] = 0ull;
+#pragma unroll 2
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    const float v = l[i];
+    const unsigned kv = order_key(v);
+    const u64 w = weight(v);
+    m[CHOOSE_CUTS] += w;
+#pragma unroll
+    for (int j = 0; j < CHOOSE_CUTS; ++j)
+      if (kv >= lo[j]) { ++c[j]; m[j] += w; }
+  }
+#pragma unroll
+  for (int j = 0; j <= CHOOSE_CUTS; ++j) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      if (j < CHOOSE_CUTS) c[j] += __shfl_xor_sync(0xffffffffu, c[j], o);
+      m[j] += __shfl_xor_sync(0xffffffffu, m[j], o);
+    }
+    if (lane == 0) {
+      if (j < CHOOSE_CUTS) wc[warp][j] = c[j];
+      wm[warp][j] = m[j];
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x <= CHOOSE_CUTS) {
+    const int j = threadIdx.x;
+    int cs = 0;
+    u64 ms = 0ull;
+    for (int w = 0; w < warps; ++w) {
+      if (j < CHOOSE_CUTS) cs += wc[w][j];
+      ms += wm[w][j];
+    }
+    if (j < CHOOSE_CUTS) {
+      key[j] = lo[j];
+      count[j] = cs;
+    }
+    mass[j] = ms;
+  }
+  __syncthreads();
+  return mass[CHOOSE_CUTS];
+}
 
 __global__ void __launch_bounds__(1024) choose_rows(const float* __restrict__ logits, int V,
                                                     const float* __restrict__ inv_temp,
@@ -1296,7 +1357,7 @@ __global__ void __launch_bounds__(1024) choose_rows(const float* __restrict__ lo
   }
   __shared__ float sv[32], fsums[32];
   __shared__ int si[32], isums[32], found, last, tie_cut;
-  __shared__ u64 hist[8 * 256], zsum[32];
+  __shared__ u64 hist[8 * 256];
   __shared__ unsigned kth, pkey;
   if (lane == 0) { sv[warp] = best; si[warp] = bi; }
   if (tid == 0) { found = 0x7fffffff; last = -1; tie_cut = 0x7fffffff; kth = 0u; pkey = 0u; }
@@ -1315,11 +1376,15 @@ __global__ void __launch_bounds__(1024) choose_rows(const float* __restrict__ lo
   const int k = top_k[r];
   const float p = top_p[r];
   const bool by_p = p < 1.f;
-  // The row the rest reads: all V logits, or, once top-k is known to leave at most `cap` (<= CHOOSE_CAP)
-  // tokens, a superset of them gathered in index order into shared memory (cv values, ci their indices).
-  // Thread tid gathers from the same contiguous chunk of V the draw below sums, so its share of them is
-  // [g0, g0 + gn) and every sum below adds the same nonzero terms in the same order: the token is the same
-  // bit for bit.
+  // The row the rest reads: all V logits, or, once at most `cap` (<= CHOOSE_CAP) tokens are known to hold
+  // every token top-k or top-p can keep, those, gathered in index order into shared memory (cv values, ci
+  // their indices). Thread tid gathers from the same contiguous chunk of V the draw below sums, so its share
+  // of them is [g0, g0 + gn) and every sum below adds the same nonzero terms in the same order: the token is
+  // the same bit for bit. The tokens are known to hold them either from a candidate cut (cut_sums: at least
+  // k tokens, or at least top-p's weight, lie above it), or, for top-k, after two radix passes.
+  __shared__ unsigned cut_key[CHOOSE_CUTS];
+  __shared__ int cut_count[CHOOSE_CUTS];
+  __shared__ u64 cut_mass[CHOOSE_CUTS + 1];
   __shared__ float cv[CHOOSE_CAP];
   __shared__ int ci[CHOOSE_CAP];
   const int chunk = (V + blockDim.x - 1) / blockDim.x;
@@ -1349,15 +1414,23 @@ __global__ void __launch_bounds__(1024) choose_rows(const float* __restrict__ lo
   unsigned key;
   u64 above, at;
   if (k > 0 && k < V) {
-    // The k-th largest logit: counted from the top, the k-th token's key, 8 bits a pass. After two passes,
-    // when the keys at or above the chosen 16 bits fit in cv, they are gathered, and the last two passes
-    // read only them (they hold every key the passes count).
+    // The k-th largest logit: counted from the top, the k-th token's key, 8 bits a pass. The passes read
+    // only the gathered tokens once those are known to hold every key they count: from the tightest cut
+    // (in logits) with k tokens above it, or else once the keys at or above the first 16 bits fit in cv.
+    if (room > 0) {
+      cut_sums(l, V, mx, 1.f, [](float) { return 0ull; }, cut_key, cut_count, cut_mass);
+      for (int j = 0; j < CHOOSE_CUTS; ++j)
+        if (cut_count[j] >= k) {
+          if (cut_count[j] <= room) gather(cut_key[j]);
+          break;
+        }
+    }
     __shared__ RadixState ks;
     if (tid == 0) ks = RadixState{0u, 0u, 0ull, 0ull};  // read after the first pass's barrier
     auto one = [](float) { return 1ull; };
-    radix_pass(l, V, one, (u64)k, hist, 24, &ks);
-    radix_pass(l, V, one, (u64)k, hist, 16, &ks);
-    if (ks.over + ks.bin_weight <= (u64)room) gather(ks.prefix);
+    radix_pass(vals, n, one, (u64)k, hist, 24, &ks);
+    radix_pass(vals, n, one, (u64)k, hist, 16, &ks);
+    if (!compact && ks.over + ks.bin_weight <= (u64)room) gather(ks.prefix);
     radix_pass(vals, n, one, (u64)k, hist, 8, &ks);
     radix_pass(vals, n, one, (u64)k, hist, 0, &ks);
     key = ks.prefix;
@@ -1368,22 +1441,21 @@ __global__ void __launch_bounds__(1024) choose_rows(const float* __restrict__ lo
   }
   const unsigned cut_k = kth;
   if (!compact && k > 0 && k < V && above + at <= (u64)room) gather(cut_k);
-  const int* cidx = compact ? ci : nullptr;
-  auto index = [&](int j) -> int { return cidx != nullptr ? cidx[j] : j; };
+  auto index = [&](int j) -> int { return compact ? ci[j] : j; };  // the token at vals[j]
   if (by_p) {
     auto fixed = [&](float v) -> u64 {
       return order_key(v) >= cut_k ? (u64)((double)__expf((v - mx) * t) * 1099511627776.0) : 0ull;
     };
-    u64 z = 0ull;
-#pragma unroll 4
-    for (int j = tid; j < n; j += blockDim.x) z += fixed(vals[j]);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) z += __shfl_xor_sync(0xffffffffu, z, o);
-    if (lane == 0) zsum[warp] = z;
-    __syncthreads();
-    u64 total = 0ull;
-    for (int w = 0; w < warps; ++w) total += zsum[w];
+    // The cut weighs from the top; with the weight of the tokens above each candidate cut (in logits over
+    // inv_temp), the tightest one that holds need and fits in cv is gathered first.
+    const u64 total = cut_sums(vals, n, mx, 1.f / t, fixed, cut_key, cut_count, cut_mass);
     const u64 need = (u64)((double)p * (double)total);  // a token stays while the weight before it < need
+    if (!compact && room > 0)
+      for (int j = 0; j < CHOOSE_CUTS; ++j)
+        if (cut_mass[j] >= need) {
+          if (cut_count[j] <= room) gather(cut_key[j]);
+          break;
+        }
     radix_select(vals, n, fixed, need, hist, &key, &above, &at);
     // Tokens of key K: each weighs the same (one logit); the first m of them in index order stay, those
     // with the weight before them (above, plus the ties before them) under need.

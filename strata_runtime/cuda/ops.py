@@ -86,9 +86,9 @@ def attention_shape(head_dim: int, group: int, rows: int) -> tuple[int, int]:
 
 
 CHOOSE_GATHER = 2048
-"""Tokens a row's top-k may leave for ``choose_rows`` to gather them into shared memory before its top-p cut
-and draw (kernels.cu's CHOOSE_CAP): with top-k 20 and top-p 0.8, those then read 20-odd values instead of the
-vocabulary."""
+"""Tokens ``choose_rows`` gathers into shared memory, at most (kernels.cu's CHOOSE_CAP), once they are known
+to hold every token a row's top-k or top-p can keep: its remaining selection passes and its draw then read
+those instead of the vocabulary."""
 
 
 def argmax_slices(vocab: int) -> int:
@@ -558,9 +558,11 @@ class Kernels(KernelCache):
         else the draw at uniform [R] (fp32) from the tempered weights of the tokens that stay after top_k [R]
         (int32, 0: none) and top_p [R] (fp32, 1: none) (``choose_rows`` of kernels.cu).
 
-        With ``gather``, a row whose top-k leaves at most `CHOOSE_GATHER` tokens has them gathered into
-        shared memory, and its top-p cut and draw read only those; without, they read the whole row (the
-        same token either way: the tests compare the two)."""
+        With ``gather``, once at most `CHOOSE_GATHER` tokens are known to hold all that top-k or top-p can
+        keep (a cut below the largest logit with k tokens, or top-p's weight, above it; or top-k's first two
+        radix passes), they are gathered into shared memory, and the rest of the selection and the draw read
+        only those; without, everything reads the whole row (the same token either way: the tests compare
+        the two)."""
         rows, v = logits.shape
         cap = np.int32(CHOOSE_GATHER if gather else 0)
         args = (logits, np.int32(v), inv_temp, top_k, top_p, uniform, out, cap)
