@@ -112,3 +112,39 @@ def test_ties_at_the_cuts_stay_as_the_host_keeps_them() -> None:
     }
     want = distribution(logits, SamplingParams(temperature=1.0, top_p=0.5))[0]
     assert kept == {1, 2} == set(np.flatnonzero(want).tolist())
+
+
+def _logit_rows(g: np.random.Generator, kind: str, rows: int, v: int) -> np.ndarray:
+    """Logits flat (normal, sd 3), coarse (ties at every value) or peaked (a few tokens far above a body)."""
+    x = g.standard_normal((rows, v)) * (3 if kind != "peaked" else 2)
+    if kind == "coarse":
+        x = np.round(x * 2) / 2
+    if kind == "peaked":
+        for r in range(rows):
+            hot = g.choice(v, int(g.integers(1, 40)), replace=False)
+            x[r, hot] += g.uniform(4, 20, hot.size)
+    return x.astype(np.float32)
+
+
+@pytest.mark.parametrize("kind", ["flat", "coarse", "peaked"])
+def test_the_hosts_top_p_gives_the_whole_row_sorts_distribution(kind) -> None:
+    """`nucleus_host` sorts a few hundred candidates instead of the row: the distribution must be the one the
+    whole-row sort gives, bit for bit, at every top-k, temperature and top-p, including top-p values at and
+    just past the mass of the first candidates (where it must take more of them)."""
+    from strata_runtime.engine import sampling
+
+    g = np.random.default_rng(11)
+    v, rows = 40_000, 3
+    logits = _logit_rows(g, kind, rows, v)
+    cases = [
+        SamplingParams(temperature=t, top_k=k, top_p=p)
+        for t in (0.5, 1.0, 2.0)
+        for k in (0, 20, 300, 10_000)
+        for p in (0.05, 0.5, 0.8, 0.95, 0.999, 1 - 1e-12)
+    ]
+    # top-p at the mass of the first NUCLEUS_FIRST tokens of row 0, and within and just past the margin
+    p0 = distribution(logits[:1], SamplingParams(temperature=1.0))[0]
+    head = np.cumsum(np.sort(p0)[::-1])[sampling.NUCLEUS_FIRST - 1]
+    cases += [SamplingParams(temperature=1.0, top_p=head + d) for d in (-1e-6, -1e-12, 0.0, 1e-12, 1e-7)]
+    for c in cases:
+        assert np.array_equal(distribution(logits, c), distribution(logits, c, sort_rows=True)), c

@@ -1,0 +1,89 @@
+"""What choosing a token on the host costs: ``python -m strata_runtime.bench.host_choice``.
+
+The engine chooses on the host the tokens of requests with a logit bias or a presence / frequency penalty
+(they depend on every token generated so far), and verifies their drafts there. Top-p then needs the
+tokens in order of probability. This times `strata_runtime.engine.sampling.distribution` on random
+logits of a vocabulary's size, at the sampling settings a chat client sends, with top-p found two ways in
+one run: by sorting each whole row (``sort_rows``) and by sorting a row's likeliest tokens only
+(`strata_runtime.engine.sampling.nucleus_host`, what the engine runs), and checks that both give the same
+distribution bit for bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..api import SamplingParams
+from ..engine.sampling import distribution
+
+CASES: dict[str, SamplingParams] = {
+    "temperature 0.7": SamplingParams(temperature=0.7),  # no top-p: both arms run the same code
+    "top-p 0.8": SamplingParams(temperature=0.7, top_p=0.8),
+    "top-p 0.95": SamplingParams(temperature=0.7, top_p=0.95),
+    "top-k 20 + top-p 0.8": SamplingParams(temperature=0.7, top_k=20, top_p=0.8),
+}
+"""The settings timed: Qwen3's recommended sampling (top-k 20, top-p 0.8, temperature 0.7), top-p alone, and
+temperature alone, where the two arms run the same code (their ratio shows the timing's noise)."""
+
+
+def measure(vocab: int, rows: int, repeats: int, seed: int = 0) -> list[dict[str, Any]]:
+    """Each of `CASES` on ``rows`` rows of ``vocab`` logits (normal, sd 3): ms per call with top-p sorting
+    whole rows and sorting candidates (`nucleus_host`), interleaved, and whether the distributions match."""
+    logits = (np.random.default_rng(seed).standard_normal((rows, vocab)) * 3).astype(np.float32)
+    out = []
+    for name, params in CASES.items():
+        timed: dict[bool, list[float]] = {True: [], False: []}
+        dists: dict[bool, np.ndarray] = {}
+        for _ in range(repeats):  # interleaved: A B A B
+            for sort_rows in (True, False):
+                start = time.perf_counter()
+                dists[sort_rows] = distribution(logits, params, sort_rows=sort_rows)
+                timed[sort_rows].append((time.perf_counter() - start) * 1e3)
+        out.append(
+            {
+                "case": name,
+                "sorted_ms": statistics.median(timed[True]),
+                "candidates_ms": statistics.median(timed[False]),
+                "same": bool(np.array_equal(dists[True], dists[False])),
+            }
+        )
+    return out
+
+
+def lines(results: list[dict[str, Any]], vocab: int, rows: int) -> list[str]:
+    head = f"choosing on the host, {rows} row(s) of {vocab:,} logits, ms per call (medians)"
+    table = [head, f"{'case':24s} {'sorted':>9s} {'candidates':>11s} {'ratio':>7s}  same distribution"]
+    for r in results:
+        ratio = r["sorted_ms"] / r["candidates_ms"]
+        table.append(
+            f"{r['case']:24s} {r['sorted_ms']:9.2f} {r['candidates_ms']:11.2f} {ratio:6.2f}x  {r['same']}"
+        )
+    return table
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m strata_runtime.bench.host_choice", description=__doc__)
+    parser.add_argument(
+        "--vocab", type=int, default=151_936, help="logits per row (default: Qwen3's 151,936)"
+    )
+    parser.add_argument("--rows", type=int, default=1, help="rows per call: a window's (default 1)")
+    parser.add_argument("--repeats", type=int, default=5, help="timings per arm and case (default 5)")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    args = parser.parse_args(argv)
+    for name in ("vocab", "rows", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1, not {getattr(args, name)}")
+    results = measure(args.vocab, args.rows, args.repeats)
+    print(json.dumps(results, indent=2) if args.json else "\n".join(lines(results, args.vocab, args.rows)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
