@@ -135,7 +135,13 @@ def test_sampled_bench_requests_draw_with_the_options_and_the_same_seed_in_every
     )
     assert out.returncode == 0, out.stderr  # sampled arms that verify drafts may differ: not an error
     res = json.loads(out.stdout)
-    assert res["sampling"] == {"temperature": 0.9, "top_p": 0.95, "top_k": 0}
+    assert res["sampling"] == {
+        "temperature": 0.9,
+        "top_p": 0.95,
+        "top_k": 0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+    }
     assert res["arms"]["batch-mtp"]["two-decodes"]["text_equal_to_serial"] is None
     assert res["arms"]["serial"]["two-decodes"]["median"]["tok_s"] > 0
 
@@ -148,11 +154,53 @@ def test_sampled_bench_requests_draw_with_the_options_and_the_same_seed_in_every
         (("--temperature", "0.7", "--top-p", "0"), "--top-p must be in (0, 1]"),
         (("--top-k", "-2"), "--top-k must be at least 0"),
         (("--temperature", "0.7", "--peer", "transformers"), "--peer runs greedy decoding only"),
+        (
+            ("--presence-penalty", "2.5"),
+            "--presence-penalty must be in [-2, 2], as OpenAI defines it, not 2.5",
+        ),
+        (("--frequency-penalty", "nan"), "--frequency-penalty must be in [-2, 2]"),
+        (("--frequency-penalty", "0.5", "--peer", "transformers"), "--peer runs greedy decoding only"),
     ],
 )
 def test_bad_sampling_options_are_usage_errors(option, needle) -> None:
     out = strata("bench", "profiles/demo.toml", "--workload", "solo", *option)
     assert out.returncode == 2 and needle in out.stderr, out.stderr
+
+
+def test_penalised_requests_are_chosen_on_the_host_and_batch_mtp_keeps_their_text() -> None:
+    """--presence-penalty / --frequency-penalty reach every request; greedy with penalties is still exact
+    under drafting, so batch MTP's text must equal serial windows'."""
+    from rt_plans import make_plan
+
+    from strata_runtime.api import SamplingParams
+    from strata_runtime.bench.harness import workload_arrivals
+    from strata_runtime.engine import Engine
+    from strata_runtime.engine.sampling import Sampler
+
+    penalised = SamplingParams(presence_penalty=1.5, frequency_penalty=0.5)
+    tokenizer = Engine(make_plan(preset="tiny")).tokenizer
+    arrivals = workload_arrivals("two-decodes", tokenizer, 12, 128, sampling=penalised)
+    assert all(not Sampler(a.request.sampling, 0).device_chooses for a in arrivals)
+    assert all(a.request.sampling.presence_penalty == 1.5 for a in arrivals)
+
+    import argparse
+
+    from strata_runtime.commands.bench import add_arguments, sampling_params
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--arm", "a=p.json", "--presence-penalty", "1.5", "--frequency-penalty", "0.5"])
+    assert sampling_params(args) == penalised
+
+    out = strata(
+        *("bench", "profiles/demo.toml", "--workload", "two-decodes", "--arms", "serial,batch-mtp"),
+        *("--repeats", "1", "--tokens", "24", "--presence-penalty", "1.5", "--frequency-penalty", "0.5"),
+        "--json",
+    )
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout)
+    assert res["sampling"]["presence_penalty"] == 1.5 and res["sampling"]["frequency_penalty"] == 0.5
+    assert res["arms"]["batch-mtp"]["two-decodes"]["text_equal_to_serial"] is True
 
 
 def test_the_runtime_bench_refuses_bad_sampling_options_itself() -> None:

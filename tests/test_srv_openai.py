@@ -429,6 +429,7 @@ def test_a_sampled_bench_over_http_sends_requests_the_server_accepts(engine: Lau
     proc = strata(
         *("bench", "--url", engine.url, "--workload", "solo", "--repeats", "1", "--tokens", "16"),
         *("--temperature", "0.8", "--top-p", "0.9", "--top-k", "20"),
+        *("--presence-penalty", "1.5", "--frequency-penalty", "0.5"),
         *("--api-key-env", "STRATA_TEST_KEY", "--json"),
         env={"STRATA_TEST_KEY": engine.key},
     )

@@ -99,7 +99,8 @@ def http_run(
     seed: int = 0,
 ) -> dict[str, float]:
     """One run of a workload over HTTP, with the same figures as the in-process harness. ``sampling``: the
-    decoding requests' temperature, top_p and top_k (each request seeded by its index); greedy without.
+    decoding requests' temperature, top_p, top_k and penalties (each request seeded by its index when it
+    samples); greedy without.
     ``prompt`` sends one prompt of ``prompt_tokens`` ids (`prompt_ids` with ``seed``) for one greedy token."""
     model = served_model(url, api_key)
     n = {"two-decodes": 2, "clients": clients, "solo": 1, "read-beside-decode": 1, "prompt": 0}[workload]

@@ -33,8 +33,10 @@ from ..schema.workloads import (
     HTTP_WORKLOADS,
     PEERS,
     WORKLOADS,
+    add_penalty_arguments,
     prompt_context_problem,
-    sampling_problem,
+    sampling_option_problem,
+    sampling_options,
 )
 from ._common import (
     EXIT_REFUSED,
@@ -72,6 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--top-p", type=float, default=1.0, help="with --temperature: top-p (default 1)")
     parser.add_argument("--top-k", type=int, default=0, help="with --temperature: top-k (default 0: none)")
+    add_penalty_arguments(parser)
     parser.add_argument(
         "--peer",
         action="append",
@@ -108,7 +111,7 @@ def run_url(args: argparse.Namespace) -> int:
 
     key = os.environ.get(args.api_key_env) if args.api_key_env else None
     try:
-        sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+        sampling = sampling_options(args)
         result = bench_url(
             args.url,
             args.workload,
@@ -134,11 +137,14 @@ def usage_problem(args: argparse.Namespace) -> str | None:
         )
     if args.workload in GPU_WORKLOADS and (args.arms or args.peer):
         return f"--workload {args.workload} measures the profile's own plan: --arms and --peer do not apply"
-    problem = sampling_problem(args.temperature, args.top_p, args.top_k)
+    problem = sampling_option_problem(args)
     if problem:
         return problem
-    if args.temperature > 0 and args.peer:
-        return "--peer runs greedy decoding only: leave out --temperature, or run the peer without it"
+    if (args.temperature > 0 or args.presence_penalty or args.frequency_penalty) and args.peer:
+        return (
+            "--peer runs greedy decoding only: leave out --temperature and the penalties, or run the peer "
+            "without them"
+        )
     return None
 
 
@@ -202,6 +208,12 @@ def bench_argv(args: argparse.Namespace) -> list[str]:
     argv += ["--repeats", str(args.repeats), "--tokens", str(args.tokens)]
     argv += ["--prompt-tokens", str(args.prompt_tokens)]
     argv += ["--temperature", repr(args.temperature), "--top-p", repr(args.top_p), "--top-k", str(args.top_k)]
+    argv += [
+        "--presence-penalty",
+        repr(args.presence_penalty),
+        "--frequency-penalty",
+        repr(args.frequency_penalty),
+    ]
     return argv + (["--json"] if args.json else [])
 
 

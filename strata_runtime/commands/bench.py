@@ -29,9 +29,11 @@ from strata_cfg.schema.workloads import (
     PEERS,
     PROMPTS,
     WORKLOADS,
+    add_penalty_arguments,
     prompt_context_problem,
     prompt_ids,
-    sampling_problem,
+    sampling_option_problem,
+    sampling_options,
 )
 
 from ..api import SamplingParams, Tokenizer
@@ -77,6 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--top-p", type=float, default=1.0, help="with --temperature: top-p (default 1)")
     parser.add_argument("--top-k", type=int, default=0, help="with --temperature: top-k (default 0: none)")
+    add_penalty_arguments(parser)
     parser.add_argument(
         "--peer",
         action="append",
@@ -104,14 +107,25 @@ def _pairs(items: list[str], what: str) -> dict[str, str]:
     return out
 
 
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """Every request's sampling, from the bench's options (each request gets its own seed)."""
+    return SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     from ..engine import Engine
     from ..weights.progress import stderr_progress
 
-    problem = sampling_problem(args.temperature, args.top_p, args.top_k)
+    problem = sampling_option_problem(args)
     if problem:
         raise SystemExit(f"bench: {problem}")
-    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    sampling = sampling_params(args)
     arms = _pairs(args.arm, "arm")
     notes = _pairs(args.note, "note")
     plans = {name: read_plan(path) for name, path in arms.items()}
@@ -181,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
             "workload": args.workload,
             "repeats": args.repeats,
             "tokens": args.tokens,
-            "sampling": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k},
+            "sampling": sampling_options(args),
             "arms": {
                 n: {
                     "plan": {
