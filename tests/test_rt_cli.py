@@ -31,6 +31,44 @@ def test_generate_from_prompt_ids_streams_text() -> None:
     assert out.stdout.strip() and "proposals accepted" in out.stderr and "drafters: slots" in out.stderr
 
 
+def test_generate_with_penalties_repeats_fewer_tokens() -> None:
+    """--presence-penalty and --frequency-penalty reach the engine: greedy text with the largest penalties
+    uses more distinct tokens than without them."""
+    runs = {}
+    for penalties in ((), ("--presence-penalty", "2", "--frequency-penalty", "2")):
+        out = strata(
+            "generate", "--prompt-ids", "72,101,108,108,111", "--max-tokens", "24", "--json", *penalties
+        )
+        assert out.returncode == 0, out.stderr
+        runs[bool(penalties)] = json.loads(out.stdout)["token_ids"]
+    assert len(set(runs[True])) > len(set(runs[False]))
+
+
+@pytest.mark.parametrize(
+    ("option", "needle"),
+    [
+        (("--temperature", "0.5", "--top-p", "1.5"), "--top-p must be in (0, 1], not 1.5"),
+        (("--top-k", "-1"), "--top-k must be at least 0"),
+        (("--presence-penalty", "3"), "--presence-penalty must be in [-2, 2], as OpenAI defines it, not 3.0"),
+        (("--frequency-penalty", "-2.5"), "--frequency-penalty must be in [-2, 2]"),
+    ],
+)
+def test_generate_refuses_bad_sampling_options_naming_them(option, needle) -> None:
+    out = strata("generate", "--prompt", "Hello", "--max-tokens", "4", *option)
+    assert out.returncode == 2 and needle in out.stderr, out.stderr
+
+
+def test_the_runtime_generate_refuses_bad_sampling_options_itself(tmp_path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "strata_runtime", "generate", "--plan", str(tmp_path / "p.json")]
+        + ["--presence-penalty", "9"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode != 0 and "--presence-penalty must be in [-2, 2]" in out.stderr, out.stderr
+
+
 @pytest.mark.parametrize("workload", ["two-decodes", "read-beside-decode"])
 def test_bench_runs_every_arm_with_equal_text(workload) -> None:
     out = strata(

@@ -10,11 +10,13 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 from pathlib import Path
 
 from ..launch.engine_process import exec_runtime
 from ..plan.from_profile import resolve_text
 from ..schema.errors import ProfileError
+from ..schema.workloads import add_penalty_arguments, sampling_problem
 from ._common import EXIT_USAGE, add_resolve_options, refused, resolve_args
 
 
@@ -32,6 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     parser.add_argument("--top-p", type=float)
     parser.add_argument("--top-k", type=int)
+    add_penalty_arguments(parser)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     parser.add_argument("--json", action="store_true", help="print token_ids, text and accepted_proposals")
@@ -66,6 +69,12 @@ def runtime_args(args: argparse.Namespace) -> list[str]:
     for flag, value in (("--top-p", args.top_p), ("--top-k", args.top_k)):
         if value is not None:
             out += [flag, str(value)]
+    for flag, value in (
+        ("--presence-penalty", args.presence_penalty),
+        ("--frequency-penalty", args.frequency_penalty),
+    ):
+        if value:
+            out += [flag, repr(value)]
     for s in args.stop:
         out += ["--stop", s]
     out += [
@@ -77,6 +86,16 @@ def runtime_args(args: argparse.Namespace) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     if args.model is not None and args.profile is not None:
         print("strata generate: give a PROFILE or --model DIR, not both")
+        return EXIT_USAGE
+    problem = sampling_problem(
+        args.temperature,
+        1.0 if args.top_p is None else args.top_p,
+        0 if args.top_k is None else args.top_k,
+        args.presence_penalty,
+        args.frequency_penalty,
+    )
+    if problem:
+        print(f"strata generate: {problem}", file=sys.stderr)
         return EXIT_USAGE
     try:
         if args.model is not None:

@@ -103,7 +103,7 @@ def sampling_option_problem(args: Any) -> str | None:
 
 
 def add_penalty_arguments(parser: Any) -> None:
-    """``--presence-penalty`` and ``--frequency-penalty`` on a bench command's parser."""
+    """``--presence-penalty`` and ``--frequency-penalty`` on a bench or generate command's parser."""
     for name, what in (
         ("presence", "once it has been generated"),
         ("frequency", "each time it was generated"),
@@ -112,8 +112,8 @@ def add_penalty_arguments(parser: Any) -> None:
             f"--{name}-penalty",
             type=float,
             default=0.0,
-            help=f"every request's {name} penalty in [-2, 2], as OpenAI defines it: a token's logit loses it "
-            f"{what}; the host then chooses the tokens (default 0)",
+            help=f"{name} penalty in [-2, 2], as OpenAI defines it: a token's logit loses it {what}; the "
+            "host then chooses the tokens (default 0)",
         )
 
 

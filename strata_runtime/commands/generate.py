@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from strata_cfg.schema.plan_file import read_plan
+from strata_cfg.schema.workloads import add_penalty_arguments, sampling_problem
 
 from ..api import Request, SamplingParams
 
@@ -28,6 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
+    add_penalty_arguments(parser)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -46,6 +48,11 @@ def run(args: argparse.Namespace) -> int:
     from ..engine import Engine
     from ..weights.progress import stderr_progress
 
+    problem = sampling_problem(
+        args.temperature, args.top_p, args.top_k, args.presence_penalty, args.frequency_penalty
+    )
+    if problem:
+        raise SystemExit(f"strata_runtime generate: {problem}")
     if not args.quiet:
         logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     try:
@@ -61,7 +68,12 @@ def run(args: argparse.Namespace) -> int:
     else:
         prompt = tuple(tok.encode(args.prompt))
     sampling = SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
     )
     handle = engine.submit(Request(prompt, args.max_tokens, sampling, stop_strings=tuple(args.stop)))
     t0 = time.perf_counter()
