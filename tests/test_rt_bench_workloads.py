@@ -160,6 +160,8 @@ def test_sampled_bench_requests_draw_with_the_options_and_the_same_seed_in_every
         ),
         (("--frequency-penalty", "nan"), "--frequency-penalty must be in [-2, 2]"),
         (("--frequency-penalty", "0.5", "--peer", "transformers"), "--peer runs greedy decoding only"),
+        (("--tokens", "0"), "--tokens must be at least 1, not 0"),
+        (("--repeats", "0"), "--repeats must be at least 1, not 0"),
     ],
 )
 def test_bad_sampling_options_are_usage_errors(option, needle) -> None:

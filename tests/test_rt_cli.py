@@ -51,6 +51,8 @@ def test_generate_with_penalties_repeats_fewer_tokens() -> None:
         (("--top-k", "-1"), "--top-k must be at least 0"),
         (("--presence-penalty", "3"), "--presence-penalty must be in [-2, 2], as OpenAI defines it, not 3.0"),
         (("--frequency-penalty", "-2.5"), "--frequency-penalty must be in [-2, 2]"),
+        (("--max-tokens", "0"), "--max-tokens must be at least 1, not 0"),
+        (("--seed", "-1"), "--seed must be in [0, 2^63), not -1"),
     ],
 )
 def test_generate_refuses_bad_sampling_options_naming_them(option, needle) -> None:

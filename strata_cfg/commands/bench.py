@@ -34,8 +34,8 @@ from ..schema.workloads import (
     PEERS,
     WORKLOADS,
     add_penalty_arguments,
+    bench_option_problem,
     prompt_context_problem,
-    sampling_option_problem,
     sampling_options,
 )
 from ._common import (
@@ -137,7 +137,7 @@ def usage_problem(args: argparse.Namespace) -> str | None:
         )
     if args.workload in GPU_WORKLOADS and (args.arms or args.peer):
         return f"--workload {args.workload} measures the profile's own plan: --arms and --peer do not apply"
-    problem = sampling_option_problem(args)
+    problem = bench_option_problem(args)
     if problem:
         return problem
     if (args.temperature > 0 or args.presence_penalty or args.frequency_penalty) and args.peer:

@@ -16,7 +16,7 @@ from pathlib import Path
 from ..launch.engine_process import exec_runtime
 from ..plan.from_profile import resolve_text
 from ..schema.errors import ProfileError
-from ..schema.workloads import add_penalty_arguments, sampling_problem
+from ..schema.workloads import add_penalty_arguments, generation_problem, sampling_problem
 from ._common import EXIT_USAGE, add_resolve_options, refused, resolve_args
 
 
@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     if args.model is not None and args.profile is not None:
         print("strata generate: give a PROFILE or --model DIR, not both")
         return EXIT_USAGE
-    problem = sampling_problem(
+    problem = generation_problem(args.max_tokens, args.seed) or sampling_problem(
         args.temperature,
         1.0 if args.top_p is None else args.top_p,
         0 if args.top_k is None else args.top_k,

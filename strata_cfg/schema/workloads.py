@@ -95,11 +95,24 @@ def sampling_options(args: Any) -> dict[str, float]:
     return {key: getattr(args, key) for key in SAMPLING_KEYS}
 
 
-def sampling_option_problem(args: Any) -> str | None:
-    """`sampling_problem` of the bench's parsed arguments."""
+def bench_option_problem(args: Any) -> str | None:
+    """Why the bench's parsed arguments cannot run: `sampling_problem`, or a count of tokens or repeats
+    below 1."""
+    for flag, value in (("--tokens", args.tokens), ("--repeats", args.repeats)):
+        if value < 1:
+            return f"{flag} must be at least 1, not {value}"
     return sampling_problem(
         args.temperature, args.top_p, args.top_k, args.presence_penalty, args.frequency_penalty
     )
+
+
+def generation_problem(max_tokens: int, seed: int) -> str | None:
+    """Why ``--max-tokens`` or ``--seed`` of a generate command is not valid."""
+    if max_tokens < 1:
+        return f"--max-tokens must be at least 1, not {max_tokens}"
+    if not 0 <= seed < 2**63:
+        return f"--seed must be in [0, 2^63), not {seed}"
+    return None
 
 
 def add_penalty_arguments(parser: Any) -> None:

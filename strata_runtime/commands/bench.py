@@ -30,9 +30,9 @@ from strata_cfg.schema.workloads import (
     PROMPTS,
     WORKLOADS,
     add_penalty_arguments,
+    bench_option_problem,
     prompt_context_problem,
     prompt_ids,
-    sampling_option_problem,
     sampling_options,
 )
 
@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     from ..engine import Engine
     from ..weights.progress import stderr_progress
 
-    problem = sampling_option_problem(args)
+    problem = bench_option_problem(args)
     if problem:
         raise SystemExit(f"bench: {problem}")
     sampling = sampling_params(args)

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from strata_cfg.schema.plan_file import read_plan
-from strata_cfg.schema.workloads import add_penalty_arguments, sampling_problem
+from strata_cfg.schema.workloads import add_penalty_arguments, generation_problem, sampling_problem
 
 from ..api import Request, SamplingParams
 
@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     from ..engine import Engine
     from ..weights.progress import stderr_progress
 
-    problem = sampling_problem(
+    problem = generation_problem(args.max_tokens, args.seed) or sampling_problem(
         args.temperature, args.top_p, args.top_k, args.presence_penalty, args.frequency_penalty
     )
     if problem:
