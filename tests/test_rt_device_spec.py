@@ -132,7 +132,7 @@ def test_windows_decided_on_the_device_give_the_host_decisions_text_proposals_an
         assert tuple(tokens) == greedy_alone(bytes(req.prompt_ids), req.max_tokens)
     assert host_eng.totals["decided_on_device"] == 0
     assert eng.totals["decided_on_device"] >= len(launches.chained)  # and the chains' first windows
-    assert "speculative windows decided on the GPU" in eng.summary()
+    assert "speculative windows decided on the device" in eng.summary()
     said = "decided there, running ahead of the host: solo and batch-MTP windows"
     assert eng.startup[-1].endswith(said)
     kind = "batch-mtp" if batch_mtp else "solo"

@@ -18,7 +18,7 @@ class WindowStat:
     accepted: int
     slots: tuple[int, ...]
     on_device: bool = False
-    """A speculative window decided on the GPU (`strata_runtime.engine.device_spec`)."""
+    """A speculative window decided on the device, GPU or CPU (`strata_runtime.engine.device_spec`)."""
     paused: bool = False
     """A decode window without proposals because its slots' drafting is paused (drafts seldom hold)."""
 
@@ -74,7 +74,7 @@ class WindowStats:
         line = f"{t['windows']} windows, {t['rows']} rows, {t['tokens']} tokens, {rate}"
         line += f", {per:.2f} ms per window"
         if t["decided_on_device"]:
-            line += f", {t['decided_on_device']} speculative windows decided on the GPU"
+            line += f", {t['decided_on_device']} speculative windows decided on the device"
         if t["drafting_paused"]:
             line += f", {t['drafting_paused']} windows without proposals while drafting paused"
         if t["discarded_rows"]:
