@@ -73,7 +73,8 @@ def sampling_problem(
     presence_penalty: float = 0.0,
     frequency_penalty: float = 0.0,
 ) -> str | None:
-    """Why the bench's sampling options (every request of the workload draws with them) are not valid."""
+    """Why sampling options are not valid: the bench's (every request of the workload draws with them) or
+    a generate command's."""
     if not temperature >= 0:  # also refuses nan
         return f"--temperature must be at least 0, not {temperature}"
     if not 0 < top_p <= 1:
