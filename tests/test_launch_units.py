@@ -167,3 +167,53 @@ def test_logs_are_created_private_and_made_private(tmp_path):
         f.write(b"after\n")
     assert old.stat().st_mode & 0o777 == 0o600
     assert old.read_bytes() == b"before\nafter\n"  # appended, not truncated
+
+
+@pytest.mark.parametrize(
+    ("option", "needle"),
+    [
+        (("--top-p", "0"), "--top-p must be in (0, 1], not 0.0"),
+        (("--temperature", "-0.5"), "--temperature must be at least 0"),
+        (("--presence-penalty", "5"), "--presence-penalty must be in [-2, 2]"),
+    ],
+)
+def test_loadtest_refuses_bad_sampling_options_naming_them(option, needle):
+    result = strata("loadtest", "http://127.0.0.1:9", "--clients", "1", "--seconds", "1", *option, timeout=30)
+    assert result.returncode == 2 and needle in result.stderr, result.stdout + result.stderr
+
+
+def test_loadtest_requests_carry_the_sampling_and_a_seed_each(monkeypatch):
+    """Every request body has the sampling fields; a sampled request gets a seed of its own (client and
+    number), the same in every run; greedy requests get none."""
+    from strata_cfg.bench import load_test
+    from strata_cfg.bench.http_driver import Sample
+
+    bodies: list[dict] = []
+
+    class Recording:
+        def __init__(self, *args) -> None:
+            pass
+
+        def complete(self, body: dict) -> Sample:
+            bodies.append(dict(body))
+            return Sample(ok=True, seconds=0.01, tokens=body["max_tokens"])
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(load_test, "Client", Recording)
+    monkeypatch.setattr(load_test, "served_model", lambda *a, **k: "demo")
+    sampled = {
+        "temperature": 0.8,
+        "top_p": 0.9,
+        "top_k": 20,
+        "presence_penalty": 1.5,
+        "frequency_penalty": 0.5,
+    }
+    result = load_test.run_load("http://x", clients=2, requests_per_client=3, max_tokens=8, sampling=sampled)
+    assert result.tokens == 2 * 3 * 8 and len(bodies) == 6
+    assert all(b.items() >= sampled.items() for b in bodies)
+    assert len({b["seed"] for b in bodies}) == 6
+    bodies.clear()
+    load_test.run_load("http://x", clients=2, requests_per_client=1, max_tokens=8)
+    assert all(b["temperature"] == 0.0 and "seed" not in b for b in bodies)

@@ -369,6 +369,19 @@ def test_loadtest_reports_requests_errors_and_latency(engine: Launched):
     assert 0 < result["latency_p50_s"] <= result["latency_p95_s"]
 
 
+def test_a_sampled_loadtest_sends_requests_the_server_accepts(engine: Launched):
+    proc = strata(
+        *("loadtest", engine.url, "--clients", "2", "--seconds", "1", "--max-tokens", "8", "--json"),
+        *("--temperature", "0.8", "--top-k", "20", "--presence-penalty", "1.5", "--frequency-penalty", "0.5"),
+        *("--api-key-env", "STRATA_TEST_KEY"),
+        env={"STRATA_TEST_KEY": engine.key},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["errors"] == 0 and result["requests"] >= 2
+    assert result["tokens"] == 8 * result["requests"]
+
+
 def test_bench_drives_the_launched_engine_over_http(engine: Launched):
     before = _metrics(engine)
     proc = strata(

@@ -90,12 +90,14 @@ def run_load(
     requests_per_client: int | None = None,
     max_tokens: int = 64,
     prompt: str = "Once upon a time",
-    temperature: float = 0.0,
+    sampling: dict[str, float] | None = None,
     stream: bool = False,
     api_key: str | None = None,
     timeout: float = 600.0,
 ) -> LoadResult:
-    """Keep ``clients`` clients sending requests for ``seconds`` (or ``requests_per_client`` each)."""
+    """Keep ``clients`` clients sending requests for ``seconds`` (or ``requests_per_client`` each), each
+    with the fields of ``sampling`` (OpenAI's names; greedy without); a sampled request is seeded by its
+    client and number, so a run sends the same requests every time."""
     if (seconds is None) == (requests_per_client is None):
         raise ValueError("give exactly one of seconds or requests_per_client")
     model = served_model(url, api_key, timeout=min(timeout, 30.0))
@@ -118,8 +120,11 @@ def run_load(
                     # Distinct prompts per client and request, so no two requests are the same work.
                     "prompt": f"{prompt} ({index}.{sent})",
                     "max_tokens": max_tokens,
-                    "temperature": temperature,
+                    "temperature": 0.0,
+                    **(sampling or {}),
                 }
+                if body["temperature"] > 0:
+                    body["seed"] = index * 1_000_003 + sent
                 if stream:
                     body.update(stream=True, stream_options={"include_usage": True})
                 sample = client.complete(body)

@@ -12,6 +12,7 @@ import os
 import sys
 
 from ..bench.load_test import run_load
+from ..schema.workloads import add_penalty_arguments, sampling_options, sampling_problem
 from ._arg_types import positive_seconds
 
 
@@ -25,6 +26,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prompt", default="Once upon a time", help="prompt text (made distinct per request)"
     )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="every request samples at this temperature, seeded by its client and number (default 0: greedy)",
+    )
+    parser.add_argument("--top-p", type=float, default=1.0, help="with --temperature: top-p (default 1)")
+    parser.add_argument("--top-k", type=int, default=0, help="with --temperature: top-k (default 0: none)")
+    add_penalty_arguments(parser)
     parser.add_argument("--stream", action="store_true", help="stream responses and measure the first token")
     parser.add_argument(
         "--api-key-env", help="environment variable holding the API key, if the engine needs one"
@@ -35,6 +45,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.clients < 1 or args.max_tokens < 1:
         print("strata loadtest: --clients and --max-tokens must be positive", file=sys.stderr)
+        return 2
+    problem = sampling_problem(
+        args.temperature, args.top_p, args.top_k, args.presence_penalty, args.frequency_penalty
+    )
+    if problem:
+        print(f"strata loadtest: {problem}", file=sys.stderr)
         return 2
     key = None
     if args.api_key_env:
@@ -49,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
             seconds=args.seconds,
             max_tokens=args.max_tokens,
             prompt=args.prompt,
+            sampling=sampling_options(args),
             stream=args.stream,
             api_key=key,
         )
