@@ -262,13 +262,18 @@ RUNTIME_MAY_IMPORT_FROM_CFG = {
     "strata_cfg.schema.safetensors_header": "the one reader of a checkpoint file's header",
     "strata_cfg.schema.presets": "a synthetic model's config.json: the preset table defines the model",
     "strata_cfg.schema.workloads": "the bench workloads, shared with the HTTP bench driver",
+    "strata_cfg.schema.sampling_options": "the sampling options, checked as strata's own commands check them",
 }
 """Every strata_cfg module the runtime imports, and why."""
 ONLY_FROM = {
     "strata_cfg.schema.presets": ("strata_runtime.weights.synthetic", "strata_runtime.bench.peer"),
     "strata_cfg.schema.workloads": ("strata_runtime.bench.", "strata_runtime.commands.bench"),
+    "strata_cfg.schema.sampling_options": (
+        "strata_runtime.commands.bench",
+        "strata_runtime.commands.generate",
+    ),
 }
-"""The two that are not the plan's own contract, and the only runtime modules that may import them."""
+"""Those that are not the plan's own contract, and the only runtime modules that may import them."""
 
 
 @pytest.fixture(scope="module")

@@ -28,15 +28,14 @@ from ..bench.arms import ARMS, DEFAULT_ARMS, arm_note
 from ..launch.engine_process import runtime_argv
 from ..schema.errors import ProfileError
 from ..schema.plan_file import write_plan
+from ..schema.sampling_options import add_penalty_arguments, sampling_options
 from ..schema.workloads import (
     GPU_WORKLOADS,
     HTTP_WORKLOADS,
     PEERS,
     WORKLOADS,
-    add_penalty_arguments,
     bench_option_problem,
     prompt_context_problem,
-    sampling_options,
 )
 from ._common import (
     EXIT_REFUSED,

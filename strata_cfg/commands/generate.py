@@ -16,7 +16,7 @@ from pathlib import Path
 from ..launch.engine_process import exec_runtime
 from ..plan.from_profile import resolve_text
 from ..schema.errors import ProfileError
-from ..schema.workloads import add_penalty_arguments, generation_problem, sampling_problem
+from ..schema.sampling_options import add_penalty_arguments, generation_problem, sampling_problem
 from ._common import EXIT_USAGE, add_resolve_options, refused, resolve_args
 
 

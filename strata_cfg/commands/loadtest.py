@@ -12,7 +12,7 @@ import os
 import sys
 
 from ..bench.load_test import run_load
-from ..schema.workloads import add_penalty_arguments, sampling_options, sampling_problem
+from ..schema.sampling_options import add_penalty_arguments, sampling_options, sampling_problem
 from ._arg_types import positive_seconds
 
 

@@ -13,6 +13,8 @@ import random
 from collections.abc import Iterable
 from typing import Any
 
+from .sampling_options import sampling_problem
+
 WORKLOADS = ("two-decodes", "clients", "read-beside-decode", "solo", "prompt", "step", "vram", "handoff")
 """Workload names, as `strata bench --workload` takes them."""
 HTTP_WORKLOADS = ("two-decodes", "clients", "read-beside-decode", "solo", "prompt")
@@ -62,40 +64,6 @@ def generation_rate(streams: Iterable[tuple[int, float | None, float | None]]) -
     return sum(n - 1 for n, _, _ in spans) / span if span > 0 else 0.0
 
 
-PENALTY_BOUND = 2.0
-"""OpenAI's bound on a presence or frequency penalty: each lies in [-2, 2]."""
-
-
-def sampling_problem(
-    temperature: float,
-    top_p: float,
-    top_k: int,
-    presence_penalty: float = 0.0,
-    frequency_penalty: float = 0.0,
-) -> str | None:
-    """Why sampling options are not valid: the bench's (every request of the workload draws with them) or
-    a generate command's."""
-    if not temperature >= 0:  # also refuses nan
-        return f"--temperature must be at least 0, not {temperature}"
-    if not 0 < top_p <= 1:
-        return f"--top-p must be in (0, 1], not {top_p}"
-    if top_k < 0:
-        return f"--top-k must be at least 0 (0: no cut), not {top_k}"
-    for flag, value in (("--presence-penalty", presence_penalty), ("--frequency-penalty", frequency_penalty)):
-        if not -PENALTY_BOUND <= value <= PENALTY_BOUND:  # also refuses nan
-            return f"{flag} must be in [-2, 2], as OpenAI defines it, not {value}"
-    return None
-
-
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty")
-"""The bench's sampling options, by their names in a request (OpenAI's, and `SamplingParams`')."""
-
-
-def sampling_options(args: Any) -> dict[str, float]:
-    """The bench's sampling options from its parsed arguments, by `SAMPLING_KEYS` (``--top-p``: ``top_p``)."""
-    return {key: getattr(args, key) for key in SAMPLING_KEYS}
-
-
 def bench_option_problem(args: Any) -> str | None:
     """Why the bench's parsed arguments cannot run: `sampling_problem`, or a count of tokens or repeats
     below 1."""
@@ -105,30 +73,6 @@ def bench_option_problem(args: Any) -> str | None:
     return sampling_problem(
         args.temperature, args.top_p, args.top_k, args.presence_penalty, args.frequency_penalty
     )
-
-
-def generation_problem(max_tokens: int, seed: int) -> str | None:
-    """Why ``--max-tokens`` or ``--seed`` of a generate command is not valid."""
-    if max_tokens < 1:
-        return f"--max-tokens must be at least 1, not {max_tokens}"
-    if not 0 <= seed < 2**63:
-        return f"--seed must be in [0, 2^63), not {seed}"
-    return None
-
-
-def add_penalty_arguments(parser: Any) -> None:
-    """``--presence-penalty`` and ``--frequency-penalty`` on a bench or generate command's parser."""
-    for name, what in (
-        ("presence", "once it has been generated"),
-        ("frequency", "each time it was generated"),
-    ):
-        parser.add_argument(
-            f"--{name}-penalty",
-            type=float,
-            default=0.0,
-            help=f"{name} penalty in [-2, 2], as OpenAI defines it: a token's logit loses it {what}; the "
-            "host then chooses the tokens (default 0)",
-        )
 
 
 def prompt_context_problem(prompt_tokens: int, context: int, *, launched: bool = False) -> str | None:

@@ -23,17 +23,16 @@ from typing import TYPE_CHECKING, Any
 from strata_cfg.schema.facts import ModelFacts
 from strata_cfg.schema.plan import LaunchPlan
 from strata_cfg.schema.plan_file import read_plan
+from strata_cfg.schema.sampling_options import add_penalty_arguments, sampling_options
 from strata_cfg.schema.workloads import (
     CLIENT_COUNTS,
     GPU_WORKLOADS,
     PEERS,
     PROMPTS,
     WORKLOADS,
-    add_penalty_arguments,
     bench_option_problem,
     prompt_context_problem,
     prompt_ids,
-    sampling_options,
 )
 
 from ..api import SamplingParams, Tokenizer

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from strata_cfg.schema.plan_file import read_plan
-from strata_cfg.schema.workloads import add_penalty_arguments, generation_problem, sampling_problem
+from strata_cfg.schema.sampling_options import add_penalty_arguments, generation_problem, sampling_problem
 
 from ..api import Request, SamplingParams
 

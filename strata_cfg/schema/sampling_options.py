@@ -1,0 +1,67 @@
+"""The sampling options of the command line: `strata bench`, `strata loadtest` and `strata generate`, and the
+runtime's own bench and generate, check them and name them the same way.
+
+An option a user got wrong is refused naming it (``--top-p must be in (0, 1], not 1.5``) before anything
+loads; the names in a request are OpenAI's (``top_p``, ``presence_penalty``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+PENALTY_BOUND = 2.0
+"""OpenAI's bound on a presence or frequency penalty: each lies in [-2, 2]."""
+
+
+def sampling_problem(
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+) -> str | None:
+    """Why sampling options are not valid: a bench's or a load test's (every request draws with them), or a
+    generate command's."""
+    if not temperature >= 0:  # also refuses nan
+        return f"--temperature must be at least 0, not {temperature}"
+    if not 0 < top_p <= 1:
+        return f"--top-p must be in (0, 1], not {top_p}"
+    if top_k < 0:
+        return f"--top-k must be at least 0 (0: no cut), not {top_k}"
+    for flag, value in (("--presence-penalty", presence_penalty), ("--frequency-penalty", frequency_penalty)):
+        if not -PENALTY_BOUND <= value <= PENALTY_BOUND:  # also refuses nan
+            return f"{flag} must be in [-2, 2], as OpenAI defines it, not {value}"
+    return None
+
+
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty")
+"""The sampling options, by their names in a request (OpenAI's, and `SamplingParams`')."""
+
+
+def sampling_options(args: Any) -> dict[str, float]:
+    """The sampling options from a command's parsed arguments, by `SAMPLING_KEYS` (``--top-p``: ``top_p``)."""
+    return {key: getattr(args, key) for key in SAMPLING_KEYS}
+
+
+def generation_problem(max_tokens: int, seed: int) -> str | None:
+    """Why ``--max-tokens`` or ``--seed`` of a generate command is not valid."""
+    if max_tokens < 1:
+        return f"--max-tokens must be at least 1, not {max_tokens}"
+    if not 0 <= seed < 2**63:
+        return f"--seed must be in [0, 2^63), not {seed}"
+    return None
+
+
+def add_penalty_arguments(parser: Any) -> None:
+    """``--presence-penalty`` and ``--frequency-penalty`` on a command's parser."""
+    for name, what in (
+        ("presence", "once it has been generated"),
+        ("frequency", "each time it was generated"),
+    ):
+        parser.add_argument(
+            f"--{name}-penalty",
+            type=float,
+            default=0.0,
+            help=f"{name} penalty in [-2, 2], as OpenAI defines it: a token's logit loses it {what}; the "
+            "host then chooses the tokens (default 0)",
+        )
