@@ -28,7 +28,7 @@ from ..bench.arms import ARMS, DEFAULT_ARMS, arm_note
 from ..launch.engine_process import runtime_argv
 from ..schema.errors import ProfileError
 from ..schema.plan_file import write_plan
-from ..schema.sampling_options import add_penalty_arguments, sampling_options
+from ..schema.sampling_options import add_sampling_arguments, sampling_options
 from ..schema.workloads import (
     GPU_WORKLOADS,
     HTTP_WORKLOADS,
@@ -65,15 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="prompt: the prompt's length; it and one generated token must fit memory.context (default 4096)",
     )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
-    parser.add_argument(
-        "--temperature",
-        type=float,
-        default=0.0,
-        help="every request samples at this temperature, seeded by its index (default 0: greedy)",
-    )
-    parser.add_argument("--top-p", type=float, default=1.0, help="with --temperature: top-p (default 1)")
-    parser.add_argument("--top-k", type=int, default=0, help="with --temperature: top-k (default 0: none)")
-    add_penalty_arguments(parser)
+    add_sampling_arguments(parser, seeded="its index")
     parser.add_argument(
         "--peer",
         action="append",

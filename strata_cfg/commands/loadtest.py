@@ -12,7 +12,7 @@ import os
 import sys
 
 from ..bench.load_test import run_load
-from ..schema.sampling_options import add_penalty_arguments, sampling_options, sampling_problem
+from ..schema.sampling_options import add_sampling_arguments, sampling_options, sampling_problem
 from ._arg_types import positive_seconds
 
 
@@ -26,15 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prompt", default="Once upon a time", help="prompt text (made distinct per request)"
     )
-    parser.add_argument(
-        "--temperature",
-        type=float,
-        default=0.0,
-        help="every request samples at this temperature, seeded by its client and number (default 0: greedy)",
-    )
-    parser.add_argument("--top-p", type=float, default=1.0, help="with --temperature: top-p (default 1)")
-    parser.add_argument("--top-k", type=int, default=0, help="with --temperature: top-k (default 0: none)")
-    add_penalty_arguments(parser)
+    add_sampling_arguments(parser, seeded="its client and number")
     parser.add_argument("--stream", action="store_true", help="stream responses and measure the first token")
     parser.add_argument(
         "--api-key-env", help="environment variable holding the API key, if the engine needs one"

@@ -52,6 +52,20 @@ def generation_problem(max_tokens: int, seed: int) -> str | None:
     return None
 
 
+def add_sampling_arguments(parser: Any, seeded: str) -> None:
+    """``--temperature``, ``--top-p``, ``--top-k`` and the penalties on the parser of a command that sends
+    many requests (a bench, a load test), each sampled request ``seeded`` as that says."""
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help=f"every request samples at this temperature, seeded by {seeded} (default 0: greedy)",
+    )
+    parser.add_argument("--top-p", type=float, default=1.0, help="with --temperature: top-p (default 1)")
+    parser.add_argument("--top-k", type=int, default=0, help="with --temperature: top-k (default 0: none)")
+    add_penalty_arguments(parser)
+
+
 def add_penalty_arguments(parser: Any) -> None:
     """``--presence-penalty`` and ``--frequency-penalty`` on a command's parser."""
     for name, what in (

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from strata_cfg.schema.facts import ModelFacts
 from strata_cfg.schema.plan import LaunchPlan
 from strata_cfg.schema.plan_file import read_plan
-from strata_cfg.schema.sampling_options import add_penalty_arguments, sampling_options
+from strata_cfg.schema.sampling_options import add_sampling_arguments, sampling_options
 from strata_cfg.schema.workloads import (
     CLIENT_COUNTS,
     GPU_WORKLOADS,
@@ -73,12 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--position", type=int, default=300, help="step: the KV position the rows decode at (default 300)"
     )
     parser.add_argument("--json", action="store_true")
-    parser.add_argument(
-        "--temperature", type=float, default=0.0, help="sample at this temperature (default 0)"
-    )
-    parser.add_argument("--top-p", type=float, default=1.0, help="with --temperature: top-p (default 1)")
-    parser.add_argument("--top-k", type=int, default=0, help="with --temperature: top-k (default 0: none)")
-    add_penalty_arguments(parser)
+    add_sampling_arguments(parser, seeded="its index")
     parser.add_argument(
         "--peer",
         action="append",
