@@ -12,7 +12,7 @@ import os
 import sys
 
 from ..bench.load_test import run_load
-from ..schema.sampling_options import add_sampling_arguments, sampling_options, sampling_problem
+from ..schema.sampling_options import add_sampling_arguments, options_problem, sampling_options
 from ._arg_types import positive_seconds
 
 
@@ -38,9 +38,7 @@ def run(args: argparse.Namespace) -> int:
     if args.clients < 1 or args.max_tokens < 1:
         print("strata loadtest: --clients and --max-tokens must be positive", file=sys.stderr)
         return 2
-    problem = sampling_problem(
-        args.temperature, args.top_p, args.top_k, args.presence_penalty, args.frequency_penalty
-    )
+    problem = options_problem(args)
     if problem:
         print(f"strata loadtest: {problem}", file=sys.stderr)
         return 2

@@ -38,9 +38,15 @@ SAMPLING_KEYS = ("temperature", "top_p", "top_k", "presence_penalty", "frequency
 """The sampling options, by their names in a request (OpenAI's, and `SamplingParams`')."""
 
 
-def sampling_options(args: Any) -> dict[str, float]:
-    """The sampling options from a command's parsed arguments, by `SAMPLING_KEYS` (``--top-p``: ``top_p``)."""
+def sampling_options(args: Any) -> dict[str, Any]:
+    """The sampling options from a command's parsed arguments, by `SAMPLING_KEYS` (``--top-p``: ``top_p``):
+    a request's fields, and `SamplingParams`' keyword arguments."""
     return {key: getattr(args, key) for key in SAMPLING_KEYS}
+
+
+def options_problem(args: Any) -> str | None:
+    """`sampling_problem` of a command's parsed sampling options."""
+    return sampling_problem(**sampling_options(args))
 
 
 def generation_problem(max_tokens: int, seed: int) -> str | None:

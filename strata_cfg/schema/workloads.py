@@ -13,7 +13,7 @@ import random
 from collections.abc import Iterable
 from typing import Any
 
-from .sampling_options import sampling_problem
+from .sampling_options import options_problem
 
 WORKLOADS = ("two-decodes", "clients", "read-beside-decode", "solo", "prompt", "step", "vram", "handoff")
 """Workload names, as `strata bench --workload` takes them."""
@@ -70,9 +70,7 @@ def bench_option_problem(args: Any) -> str | None:
     for flag, value in (("--tokens", args.tokens), ("--repeats", args.repeats)):
         if value < 1:
             return f"{flag} must be at least 1, not {value}"
-    return sampling_problem(
-        args.temperature, args.top_p, args.top_k, args.presence_penalty, args.frequency_penalty
-    )
+    return options_problem(args)
 
 
 def prompt_context_problem(prompt_tokens: int, context: int, *, launched: bool = False) -> str | None:

@@ -103,13 +103,7 @@ def _pairs(items: list[str], what: str) -> dict[str, str]:
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
     """Every request's sampling, from the bench's options (each request gets its own seed)."""
-    return SamplingParams(
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty,
-    )
+    return SamplingParams(**sampling_options(args))
 
 
 def run(args: argparse.Namespace) -> int:

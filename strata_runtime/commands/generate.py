@@ -14,7 +14,12 @@ import time
 from pathlib import Path
 
 from strata_cfg.schema.plan_file import read_plan
-from strata_cfg.schema.sampling_options import add_penalty_arguments, generation_problem, sampling_problem
+from strata_cfg.schema.sampling_options import (
+    add_penalty_arguments,
+    generation_problem,
+    options_problem,
+    sampling_options,
+)
 
 from ..api import Request, SamplingParams
 
@@ -48,9 +53,7 @@ def run(args: argparse.Namespace) -> int:
     from ..engine import Engine
     from ..weights.progress import stderr_progress
 
-    problem = generation_problem(args.max_tokens, args.seed) or sampling_problem(
-        args.temperature, args.top_p, args.top_k, args.presence_penalty, args.frequency_penalty
-    )
+    problem = generation_problem(args.max_tokens, args.seed) or options_problem(args)
     if problem:
         raise SystemExit(f"strata_runtime generate: {problem}")
     if not args.quiet:
@@ -67,14 +70,7 @@ def run(args: argparse.Namespace) -> int:
         prompt = tuple(tok.apply_chat_template([{"role": "user", "content": args.prompt}]))
     else:
         prompt = tuple(tok.encode(args.prompt))
-    sampling = SamplingParams(
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty,
-    )
+    sampling = SamplingParams(**sampling_options(args), seed=args.seed)
     handle = engine.submit(Request(prompt, args.max_tokens, sampling, stop_strings=tuple(args.stop)))
     t0 = time.perf_counter()
     ids: list[int] = []
