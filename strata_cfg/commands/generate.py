@@ -16,7 +16,12 @@ from pathlib import Path
 from ..launch.engine_process import exec_runtime
 from ..plan.from_profile import resolve_text
 from ..schema.errors import ProfileError
-from ..schema.sampling_options import add_penalty_arguments, generation_problem, sampling_problem
+from ..schema.sampling_options import (
+    add_penalty_arguments,
+    generation_problem,
+    options_problem,
+    sampling_options,
+)
 from ._common import EXIT_USAGE, add_resolve_options, refused, resolve_args
 
 
@@ -32,8 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat", action="store_true", help="wrap --prompt in the model's chat template")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
-    parser.add_argument("--top-p", type=float)
-    parser.add_argument("--top-k", type=int)
+    parser.add_argument("--top-p", type=float, default=1.0, help="with --temperature: top-p (default 1)")
+    parser.add_argument("--top-k", type=int, default=0, help="with --temperature: top-k (default 0: none)")
     add_penalty_arguments(parser)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
@@ -54,27 +59,13 @@ def model_profile_text(directory: Path) -> str:
 
 def runtime_args(args: argparse.Namespace) -> list[str]:
     """The runtime command's own options, passed through."""
-    out = [
-        "--max-tokens",
-        str(args.max_tokens),
-        "--temperature",
-        str(args.temperature),
-        "--seed",
-        str(args.seed),
-    ]
+    out = ["--max-tokens", str(args.max_tokens), "--seed", str(args.seed)]
     if args.prompt_ids is not None:
         out += ["--prompt-ids", args.prompt_ids]
     elif args.prompt is not None:
         out += ["--prompt", args.prompt]
-    for flag, value in (("--top-p", args.top_p), ("--top-k", args.top_k)):
-        if value is not None:
-            out += [flag, str(value)]
-    for flag, value in (
-        ("--presence-penalty", args.presence_penalty),
-        ("--frequency-penalty", args.frequency_penalty),
-    ):
-        if value:
-            out += [flag, repr(value)]
+    for key, value in sampling_options(args).items():  # the temperature, top-p, top-k and penalties
+        out += ["--" + key.replace("_", "-"), repr(value)]
     for s in args.stop:
         out += ["--stop", s]
     out += [
@@ -87,13 +78,7 @@ def run(args: argparse.Namespace) -> int:
     if args.model is not None and args.profile is not None:
         print("strata generate: give a PROFILE or --model DIR, not both")
         return EXIT_USAGE
-    problem = generation_problem(args.max_tokens, args.seed) or sampling_problem(
-        args.temperature,
-        1.0 if args.top_p is None else args.top_p,
-        0 if args.top_k is None else args.top_k,
-        args.presence_penalty,
-        args.frequency_penalty,
-    )
+    problem = generation_problem(args.max_tokens, args.seed) or options_problem(args)
     if problem:
         print(f"strata generate: {problem}", file=sys.stderr)
         return EXIT_USAGE
