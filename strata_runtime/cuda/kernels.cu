@@ -1345,16 +1345,8 @@ __global__ void __launch_bounds__(1024) choose_rows(const float* __restrict__ lo
   float best = -STRATA_INF;
   int bi = 0x7fffffff;
 #pragma unroll 4
-  for (int i = tid; i < V; i += blockDim.x) {
-    const float v = l[i];
-    if (v > best || (v == best && i < bi)) { best = v; bi = i; }
-  }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const float ov = __shfl_xor_sync(0xffffffffu, best, o);
-    const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-    if (ov > best || (ov == best && oi < bi)) { best = ov; bi = oi; }
-  }
+  for (int i = tid; i < V; i += blockDim.x) better(l[i], i, best, bi);
+  warp_argmax(best, bi);
   __shared__ float sv[32], fsums[32];
   __shared__ int si[32], isums[32], found, last, tie_cut;
   __shared__ u64 hist[8 * 256];
@@ -1363,8 +1355,7 @@ __global__ void __launch_bounds__(1024) choose_rows(const float* __restrict__ lo
   if (tid == 0) { found = 0x7fffffff; last = -1; tie_cut = 0x7fffffff; kth = 0u; pkey = 0u; }
   __syncthreads();
   if (tid == 0) {
-    for (int w = 1; w < warps; ++w)
-      if (sv[w] > sv[0] || (sv[w] == sv[0] && si[w] < si[0])) { sv[0] = sv[w]; si[0] = si[w]; }
+    for (int w = 1; w < warps; ++w) better(sv[w], si[w], sv[0], si[0]);
   }
   __syncthreads();
   const float t = inv_temp[r];
