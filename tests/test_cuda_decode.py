@@ -262,6 +262,44 @@ def test_windows_running_ahead_on_gpu_give_the_text_of_windows_one_at_a_time(cp,
         assert all(len(t) == 30 for t in texts[0])
 
 
+def test_penalised_requests_on_gpu_run_ahead_with_the_text_the_host_verifies(cp):
+    """Requests with a logit bias and penalties have their rows adjusted and chosen on the GPU, so their
+    windows run ahead; greedy, their text is the text of solo drafting, whose windows the host verifies
+    with its own arithmetic, and sampled (seeded) it is the same one window at a time or run ahead."""
+    from strata_runtime.api import Request, SamplingParams
+    from strata_runtime.engine import Engine
+
+    g = np.random.default_rng(29)
+    prompts = [g.integers(1, 250, int(n)).tolist() for n in g.integers(3, 30, 3)]
+    adjust = {"presence_penalty": 1.2, "frequency_penalty": 0.6, "logit_bias": ((65, 2.0), (101, -3.0))}
+    samplings = [
+        SamplingParams(temperature=0.0, **adjust),
+        SamplingParams(temperature=0.9, seed=5, **adjust),
+        SamplingParams(temperature=1.2, top_p=0.9, top_k=50, seed=6, presence_penalty=-0.5),
+    ]
+    texts = []
+    for ahead in (1, 3):
+        engine = Engine(_run_ahead(_plan(cp, model="tiny", slots=3), ahead))
+        handles = [
+            engine.submit(Request(tuple(p), 40, sampling=s)) for p, s in zip(prompts, samplings, strict=True)
+        ]
+        most = 0
+        while engine.step():
+            most = max(most, len(engine._chain))
+        assert most == (ahead if ahead > 1 else 0)
+        texts.append([[t for ev in list(h.events.queue) for t in ev.token_ids] for h in handles])
+    assert texts[0] == texts[1]
+    assert all(len(t) == 40 for t in texts[0])
+    solo = Engine(_plan(cp, model="tiny", slots=1, draft_tokens=6))
+    handle = solo.submit(Request(tuple(prompts[0]), 40, sampling=samplings[0]))
+    while solo.step():
+        pass
+    assert [t for ev in list(handle.events.queue) for t in ev.token_ids] == texts[0][0]
+    assert solo.totals["proposals"] > 0
+    plain, _ = _generate(_plan(cp, model="tiny", slots=1), prompts[:1], max_tokens=40)
+    assert plain[0] != texts[0][0]  # the penalties changed the greedy reply
+
+
 def test_leading_matches_on_gpu_equal_numpy(cp):
     from strata_runtime.engine.device_spec import leading_matches
 

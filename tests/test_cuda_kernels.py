@@ -688,3 +688,38 @@ def test_choose_matches_twin(gpu, rows, v):
             cdf = np.cumsum(w)
             edge = cdf[min(got[r], want[r])]
             assert abs(edge - float(u32[r]) * cdf[-1]) < 1e-5 * cdf[-1], (r, got[r], want[r])
+
+
+@pytest.mark.parametrize("v", [151936, 1000, 37])
+def test_adjust_logits_and_count_tokens_match_twin(gpu, v):
+    """The logit bias and penalties of some rows of a window, in place, bit for bit against the NumPy twin
+    (both compute in float64 without fused multiply-adds and round once); the token counts, with a slot and
+    token repeated, exactly."""
+    cp, kern, ref = gpu
+    g = rng()
+    slots, rows = 4, 6
+    for trial in range(4):
+        counts = np.where(g.random((slots, v)) < 0.05, g.integers(1, 9, (slots, v)), 0).astype(np.int32)
+        bias = np.where(g.random((slots, v)) < 0.02, g.uniform(-100, 100, (slots, v)), 0.0)
+        logits = (g.standard_normal((rows, v)) * 4).astype(np.float32)
+        adjusted = np.sort(g.choice(rows, 3 + trial % 3, replace=False)).astype(np.int64)
+        slot = g.integers(0, slots, adjusted.size).astype(np.int64)
+        freq, pres = g.uniform(-2, 2, adjusted.size), g.uniform(-2, 2, adjusted.size)
+        out_d = cp.asarray(logits)
+        dev = [cp.asarray(a) for a in (adjusted, slot, counts, bias, freq, pres)]
+        kern.adjust_logits(out_d, *dev)
+        want = logits.copy()
+        ref.adjust_logits(want, adjusted, slot, counts, bias, freq, pres)
+        assert np.array_equal(out_d.get(), want)
+        assert not np.array_equal(want[adjusted], logits[adjusted])  # something changed
+        untouched = np.setdiff1d(np.arange(rows), adjusted)
+        assert np.array_equal(out_d.get()[untouched], logits[untouched])
+
+        n = 300
+        cs = g.integers(0, slots, n).astype(np.int64)
+        ct = g.integers(0, min(v, 50), n).astype(np.int64)  # few tokens: many repeats
+        add = g.integers(1, 4, n).astype(np.int32)
+        counts_d = cp.asarray(counts)
+        kern.count_tokens(counts_d, cp.asarray(cs), cp.asarray(ct), cp.asarray(add))
+        ref.count_tokens(counts, cs, ct, add)
+        assert np.array_equal(counts_d.get(), counts)

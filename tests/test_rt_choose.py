@@ -51,9 +51,9 @@ def test_the_draw_is_the_inverse_cdf_at_u_in_token_order() -> None:
     assert choose_tokens(logits, one, np.array([1.0])).tolist() == [3]  # rounded up to the total: the last
 
 
-def test_the_device_chooses_unless_a_bias_or_penalty_needs_the_tokens_so_far() -> None:
+def test_speculative_windows_are_decided_on_the_device_unless_a_bias_or_penalty_is_set() -> None:
     def chooses(**kw: object) -> bool:
-        return Sampler(SamplingParams(**kw), seed=0).device_chooses  # type: ignore[arg-type]
+        return Sampler(SamplingParams(**kw), seed=0).verifies_on_device  # type: ignore[arg-type]
 
     assert chooses(temperature=0.0) and chooses(temperature=0.8)
     assert chooses(temperature=0.8, top_p=0.9) and chooses(temperature=0.8, top_k=40)

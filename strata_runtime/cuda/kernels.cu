@@ -1142,6 +1142,34 @@ __global__ void argmax_merge(const float* __restrict__ part_v, const int* __rest
   if (threadIdx.x == 0) out[r] = bi;
 }
 
+// ---- a request's logit bias and penalties, before its token is chosen ----------------------------------
+// models/ops/adjust.py states the rule, reference/kernels.py is the NumPy twin. Adjusted row a is window row
+// rows[a] of slot slot[a]: x = (l + bias[s, t]) - (frequency[a] * c + presence[a]) where the slot's count c of
+// token t is above 0, else l + bias[s, t]; in double without fused multiply-adds, rounded once to float, so
+// that the host's NumPy arithmetic gives the same value bit for bit.
+__global__ void adjust_logits(float* __restrict__ logits, int V, const long long* __restrict__ rows,
+                              const long long* __restrict__ slot, const int* __restrict__ counts,
+                              const double* __restrict__ bias, const double* __restrict__ frequency,
+                              const double* __restrict__ presence) {
+  const int a = blockIdx.y;
+  float* l = logits + (size_t)rows[a] * V;
+  const size_t s = (size_t)slot[a] * V;
+  const double f = frequency[a], p = presence[a];
+  for (int t = blockIdx.x * blockDim.x + threadIdx.x; t < V; t += gridDim.x * blockDim.x) {
+    double x = __dadd_rn((double)l[t], bias[s + t]);
+    const int c = counts[s + t];
+    if (c > 0) x = __dsub_rn(x, __dadd_rn(__dmul_rn(f, (double)c), p));
+    l[t] = __double2float_rn(x);
+  }
+}
+
+// counts[slot[i], tokens[i]] += add[i] for i < n (a slot and token may repeat).
+__global__ void count_tokens(int* __restrict__ counts, int V, const long long* __restrict__ slot,
+                             const long long* __restrict__ tokens, const int* __restrict__ add, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) atomicAdd(counts + (size_t)slot[i] * V + tokens[i], add[i]);
+}
+
 // ---- choosing each row's token on the device --------------------------------------------------------
 // One block of 1024 threads per row; models/ops/choose.py states the rule, reference/kernels.py is the NumPy
 // twin. inv_temp[r] == 0: the argmax (lowest index on ties). Otherwise, on the weights w = exp((l - max l) *

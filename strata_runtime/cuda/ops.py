@@ -209,7 +209,7 @@ def decode_expressions(
     qkv = (a.num_attention_heads + 2 * a.num_key_value_heads) * a.head_dim
     widths = set(mlp_widths)
     out = ["add_rmsnorm", "qk_norm_rope_kv", "silu_mul", "add_scaled", "argmax_part", "argmax_merge"]
-    out += ["choose_rows", "gemv_any"]
+    out += ["choose_rows", "adjust_logits", "count_tokens", "gemv_any"]
     out += Kernels.attn_exprs(a.head_dim, a.num_attention_heads // a.num_key_value_heads)
     if a.num_experts:
         out += Kernels.moe_exprs(h, a.moe_intermediate_size, a.num_experts_per_tok)
@@ -567,6 +567,32 @@ class Kernels(KernelCache):
         cap = np.int32(CHOOSE_GATHER if gather else 0)
         args = (logits, np.int32(v), inv_temp, top_k, top_p, uniform, out, cap)
         self.fn("choose_rows")((rows,), (1024,), args)
+
+    def adjust_logits(
+        self,
+        logits: Array,
+        rows: Array,
+        slot: Array,
+        counts: Array,
+        bias: Array,
+        frequency: Array,
+        presence: Array,
+    ) -> None:
+        """Rows ``rows`` [A] (int64) of logits [R, V] (fp32), in place, after their slots' logit bias and
+        penalties (``adjust_logits`` of kernels.cu; the rule: `strata_runtime.models.ops.adjust`): ``slot``
+        [A] (int64), ``frequency`` and ``presence`` [A] (float64) per adjusted row; ``counts`` [S, V] (int32)
+        and ``bias`` [S, V] (float64) per slot."""
+        _, v = logits.shape
+        blocks = (max(1, min(64, math.ceil(v / 1024))), int(rows.shape[0]))
+        args = (logits, np.int32(v), rows, slot, counts, bias, frequency, presence)
+        self.fn("adjust_logits")(blocks, (256,), args)
+
+    def count_tokens(self, counts: Array, slot: Array, tokens: Array, add: Array) -> None:
+        """counts[slot[i], tokens[i]] += add[i]: counts [S, V] int32; slot, tokens int64 and add int32 [n]."""
+        n = int(tokens.shape[0])
+        if n:
+            args = (counts, np.int32(counts.shape[1]), slot, tokens, add, np.int32(n))
+            self.fn("count_tokens")((math.ceil(n / 256),), (256,), args)
 
     # ---- prefill pieces (long chunks; the products run on cuBLAS) ---------------------------------
 

@@ -7,8 +7,9 @@ stage 0 embeds the tokens; each later stage waits for the previous stage's event
 over from its device (a peer copy, on the receiving stream); every stage runs its layers and records an
 event. The last stage adds the final norm, the LM head of the rows that decide a token, each one's chosen
 token (the argmax, or for a sampled row a draw at a uniform the host drew at launch:
-`strata_runtime.models.ops.choose`) and, for rows the host chooses (a logit bias or penalty, or proposals
-to verify on the host), the logits, copied into pinned host buffers without the host waiting,
+`strata_runtime.models.ops.choose`, after the request's logit bias and penalties where it has them:
+`strata_runtime.model.adjust`) and, for rows the host chooses (proposals to verify on the host, a prompt's
+first token), the logits, copied into pinned host buffers without the host waiting,
 and the flight's ``done`` event. A speculative window decided on the device
 (`strata_runtime.engine.device_spec`) is accepted, caught up and drafted there too, right after its
 logits. A chained window (`strata_runtime.engine.flight.Chained`) embeds the tokens the window before it
@@ -106,6 +107,7 @@ class Executor:
         flight = Flight(
             job, job.layout(), needed, sampled, self._marks(), after, job.draws(), job.device_spec()
         )
+        flight.adjusts = job.adjusts()
         for s in range(len(self.stages)):
             if self._workers is not None:
                 self._workers[s].submit(functools.partial(self._share, flight, s))
@@ -235,10 +237,13 @@ class Executor:
         else:
             picked = normed[dev.upload(np.asarray(flight.needed, np.int64))]
         logits = self.model.logits(picked)  # [len(needed), V] fp32
+        adjusted = None if flight.adjusts is None else self.model.adjust(logits, flight.adjusts)
         if flight.draws is None:
             chosen = self.model.argmax(logits)  # [len(needed)]
         else:
             chosen = self.model.choose(logits, flight.draws)  # [len(needed)]
+        if adjusted is not None:
+            self.model.count(*adjusted, chosen)
         flight.chosen = chosen
         spec = flight.spec
         if spec is not None:
@@ -364,7 +369,7 @@ class Executor:
             at = logit_row.get(row + n - 1)
             decided = None if at is None else target(at, 1)
             return self._finish_prefill(slot, n, decided, normed[row : row + n])
-        if e.on_device:  # the device chose the token: nothing to verify
+        if e.on_device:  # the device chose the token (and counted it): nothing to verify
             verdict = Verdict(0, [int(flight.chosen_host[logit_row[row]])])
         else:
             verdict = verify(target(logit_row[row], n), e.proposals, slot.sampler)
@@ -373,7 +378,8 @@ class Executor:
         rows = normed[row : row + n]
         commit(self.model, slot.id, slot.length, kept, rows, verdict.tokens, self.tracked, defer=plain)
         proposed = len(e.proposals.tokens)
-        return [(slot, slot.advance(kept, verdict.tokens, proposed, verdict.accepted))]
+        event = slot.advance(kept, verdict.tokens, proposed, verdict.accepted, counted=e.on_device)
+        return [(slot, event)]
 
     def _settle(self, flight: Flight, e: Entry, row: int) -> list[tuple[Slot, TokenEvent]]:
         """One slot's rows (from window row ``row``) of a window decided on the device: read the decision,

@@ -25,7 +25,7 @@ import numpy as np
 
 from ..backend import Array
 from ..layout import Layout
-from ..model import Draws
+from ..model import Adjusts, Draws
 from .device_spec import DeviceSpec
 from .job import Job
 
@@ -141,6 +141,9 @@ class Flight:
     row's choice is its argmax."""
     spec: DeviceSpec | None = None
     """A speculative window decided on the device: its shape, and what the last stage decided."""
+    adjusts: Adjusts | None = None
+    """The needed rows the device adjusts for a logit bias or penalty before choosing them
+    (`strata_runtime.engine.job.Job.adjusts`); None: none."""
     positions: list[Array] = field(default_factory=list)
     """A window chained to a speculative one: its rows' positions on each stage's device, in stage order
     (decided on the device; the layout's positions are placeholders then)."""

@@ -12,7 +12,7 @@ from typing import Literal
 import numpy as np
 
 from ..layout import Layout
-from ..model import Draws
+from ..model import Adjusts, Draws
 from .device_spec import DeviceSpec
 from .slot import Slot
 from .speculative import Proposals
@@ -42,9 +42,10 @@ class Entry:
 
     @property
     def on_device(self) -> bool:
-        """A decode row with no proposals whose token the device chooses (`Sampler.device_chooses`): the
-        host reads the chosen token and neither the logits nor a verification."""
-        return self.kind == "decode" and not self.proposals.tokens and self.slot.sampler.device_chooses
+        """A decode row with no proposals: the device chooses its token (after the request's logit bias and
+        penalties, `strata_runtime.model.adjust`), and the host reads the chosen token and neither the logits
+        nor a verification."""
+        return self.kind == "decode" and not self.proposals.tokens
 
 
 @dataclass
@@ -59,7 +60,8 @@ class Job:
     have drafted otherwise."""
     spec_on_device: bool = False
     """A speculative window decided on the device (`strata_runtime.engine.device_spec`): every entry is a
-    slot's token and the same number of proposals, and no slot adjusts its logits. A window chained to one
+    slot's token and the same number of proposals, and no slot adjusts its logits
+    (`Sampler.verifies_on_device`). A window chained to one
     has `CHAINED` tokens and proposals, and placeholder positions (each entry's ``pos`` is the slot's length
     when it was built)."""
 
@@ -114,6 +116,42 @@ class Job:
             top_k += [sampler.params.top_k if drawn else 0] * rows
             top_p += [sampler.params.top_p if drawn else 1.0] * rows
         return Draws(np.array(inv_temp), np.array(uniform), np.array(top_k, np.int64), np.array(top_p))
+
+    def adjusts(self) -> Adjusts | None:
+        """The adjustments of the rows the device chooses for requests with a logit bias or penalty
+        (`strata_runtime.models.ops.adjust.Adjusts`; rows are indices into `needed`), with what each such
+        slot's counts on the device lack (`Sampler.device_update`: called now, in launch order); None when no
+        row adjusts."""
+        rows: list[int] = []
+        slots: list[int] = []
+        freq: list[float] = []
+        pres: list[float] = []
+        fresh: list[tuple[int, np.ndarray, np.ndarray]] = []
+        counted: list[tuple[int, int, int]] = []
+        at = 0  # the entry's first row among the needed ones
+        for e in self.entries:
+            sampler = e.slot.sampler
+            if e.on_device and sampler.adjusts:
+                new, add = sampler.device_update()
+                if new:
+                    fresh.append((e.slot.id, sampler.bias_ids, sampler.bias))
+                counted += [(e.slot.id, token, times) for token, times in add.items()]
+                rows.append(at)
+                slots.append(e.slot.id)
+                freq.append(sampler.params.frequency_penalty)
+                pres.append(sampler.params.presence_penalty)
+            at += len(e.tokens) if e.kind == "decode" else int(e.ends_prompt)
+        if not rows:
+            return None
+        c = np.array(counted, dtype=np.int64).reshape(-1, 3)
+        return Adjusts(
+            np.array(rows, np.int64),
+            np.array(slots, np.int64),
+            np.array(freq, np.float64),
+            np.array(pres, np.float64),
+            tuple(fresh),
+            (c[:, 0], c[:, 1], c[:, 2]),
+        )
 
     def needed(self) -> list[int]:
         """Rows whose logits decide a token: every decode row, and the last row of a prompt's final chunk

@@ -2,8 +2,9 @@
 after a request's logit bias and presence / frequency penalties.
 
 The adjustments come first, on the raw logits, as OpenAI and vLLM define them: ``logit_bias[t]`` is added to
-token t's logit, and a token generated c > 0 times so far loses ``frequency_penalty * c + presence_penalty``.
-Temperature, top-k and top-p then shape what is left; greedy takes the argmax of the adjusted logits.
+token t's logit, and a token generated c > 0 times so far loses ``frequency_penalty * c + presence_penalty``
+(`strata_runtime.models.ops.adjust`, whose arithmetic the device's kernel shares bit for bit). Temperature,
+top-k and top-p then shape what is left; greedy takes the argmax of the adjusted logits.
 
 The target's and the drafter's logits go through the same adjustments and the same `distribution`, so
 speculative rejection sampling reproduces exactly the distribution a user asked for. A row of a speculative
@@ -22,6 +23,7 @@ import numpy as np
 
 from ..api import SamplingParams
 from ..backend import Array
+from ..model import adjust_row
 
 
 def distribution(logits: Array, params: SamplingParams, xp: Any = np, *, sort_rows: bool = False) -> Array:
@@ -104,7 +106,9 @@ def inverse_cdf(probs: Array, u: Any, xp: Any = np) -> Any:
 class Sampler:
     """One request's token chooser: greedy, or seeded sampling, after its logit bias and penalties.
 
-    It counts the request's generated tokens (`record`), which the penalties read.
+    It counts the request's generated tokens (`record`), which the penalties read. Where its rows adjust on
+    the device (`strata_runtime.model.adjust`), it also knows what the device's counts lack: every token
+    until the first such window (``on_device`` is then False), then those the host decided.
     """
 
     def __init__(self, params: SamplingParams, seed: int) -> None:
@@ -118,15 +122,19 @@ class Sampler:
         bias: dict[int, float] = {}
         for token, value in params.logit_bias:  # a token named twice gets both biases
             bias[token] = bias.get(token, 0.0) + value
-        self._bias_ids = np.array(list(bias), dtype=np.int64)
-        self._bias = np.array(list(bias.values()), dtype=np.float64)
+        self.bias_ids = np.array(list(bias), dtype=np.int64)
+        self.bias = np.array(list(bias.values()), dtype=np.float64)
+        self.on_device = False
+        """Whether the last stage's device holds this request's counts and bias (after its first window
+        that adjusts there)."""
+        self.uncounted: list[int] = []
+        """Tokens the host decided since the device's counts were last brought up to date."""
 
     @property
-    def device_chooses(self) -> bool:
-        """Whether a token with no proposals before it is chosen where the logits are, on the device: without
-        a logit bias or penalty (which depend on the tokens generated so far) the choice needs the logits,
-        the temperature, top-k and top-p and, sampled, one uniform (`uniform`, drawn at launch in window
-        order) and nothing else (`strata_runtime.models.ops.choose`)."""
+    def verifies_on_device(self) -> bool:
+        """Whether a speculative window of this request may be decided on the device
+        (`strata_runtime.engine.device_spec`): not with a logit bias or penalty, whose rows would each
+        follow the proposals before them. A row without proposals is chosen on the device either way."""
         return not self.adjusts
 
     @property
@@ -136,17 +144,30 @@ class Sampler:
 
     @property
     def needs_logits(self) -> bool:
-        """Whether choosing needs the logits on the host: sampling, or greedy over adjusted logits (a plain
+        """Whether choosing on the host needs the logits: sampling, or greedy over adjusted logits (a plain
         greedy choice is the device's argmax)."""
         return not self.greedy or self.adjusts
 
-    def record(self, tokens: Iterable[int]) -> None:
-        """Tokens now generated for the request (the penalties count them)."""
+    def record(self, tokens: Iterable[int], counted: bool = False) -> None:
+        """Tokens now generated for the request (the penalties count them); ``counted``: the device chose
+        them and has counted them already."""
         if self.adjusts:
+            tokens = list(tokens)
             self.counts.update(tokens)
+            if self.on_device and not counted:
+                self.uncounted += tokens
+
+    def device_update(self) -> tuple[bool, dict[int, int]]:
+        """What the device's counts lack before this request's next row adjusts there: (whether they start
+        afresh, with the bias, token -> times to add). Called once for each such window, in launch order."""
+        fresh = not self.on_device
+        add = dict(self.counts) if fresh else dict(Counter(self.uncounted))
+        self.on_device, self.uncounted = True, []
+        return fresh, add
 
     def adjusted(self, logits: np.ndarray, drafted: Sequence[int] = ()) -> np.ndarray:
-        """Logits [n, V] after the logit bias and the penalties, as float64 (a copy when they change).
+        """Logits [n, V] after the logit bias and the penalties, as float64 (a copy), float32 values where
+        they change (`strata_runtime.models.ops.adjust`).
 
         ``drafted`` are proposals not generated yet that the rows follow: the last row follows all of them
         and each row before it one fewer (a verified window's row j follows proposals[:j]; a drafter's one
@@ -154,19 +175,14 @@ class Sampler:
         """
         if not self.adjusts:
             return np.asarray(logits, dtype=np.float64)
-        x = np.array(logits, dtype=np.float64)  # [n, V]
-        if self._bias_ids.size:
-            x[:, self._bias_ids] += self._bias
+        rows = np.asarray(logits)
         freq, presence = self.params.frequency_penalty, self.params.presence_penalty
-        if self.counts:
-            ids = np.fromiter(self.counts.keys(), dtype=np.int64, count=len(self.counts))
-            c = np.fromiter(self.counts.values(), dtype=np.float64, count=len(self.counts))
-            x[:, ids] -= freq * c + presence  # every counted token has c >= 1
-        first_row = x.shape[0] - len(drafted)  # the first row that follows drafted[0]
-        for k, tok in enumerate(drafted):
-            new = self.counts.get(tok, 0) == 0 and tok not in drafted[:k]
-            x[max(first_row + k, 0) :, tok] -= freq + (presence if new else 0.0)
-        return x
+        first_row = rows.shape[0] - len(drafted)  # the first row that follows drafted[0]
+        out = np.empty(rows.shape, dtype=np.float64)
+        for j in range(rows.shape[0]):
+            counts = self.counts + Counter(drafted[: max(0, j - first_row + 1)])
+            out[j] = adjust_row(rows[j], counts, self.bias_ids, self.bias, freq, presence)
+        return out
 
     def draw(self, probs: np.ndarray) -> int:
         """One token from a distribution [V]."""

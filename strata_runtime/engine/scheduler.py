@@ -399,8 +399,8 @@ class Engine:
         decided on the device, see `_spec_continuation`); None when that window is not known yet.
 
         It is known when ``before`` is a serial, solo or (in ``group``) pipelined window of one row per slot
-        whose tokens the device chooses (`Sampler.device_chooses`), holding every decoding slot (of the
-        group), and nothing else waits (no queued request, no prompt in the group): then the next window is
+        (whose tokens the device chooses), holding every decoding slot (of the group), and nothing else
+        waits (no queued request, no prompt in the group): then the next window is
         the same slots one position on. A slot whose windows in flight already reach its ``max_tokens`` is
         left out (it finishes in one of them); one that cannot go on (cancelled, out of context) ends the
         chain, and so does a slot left alone where alone it would draft (its solo windows take over).
@@ -427,7 +427,7 @@ class Engine:
                 continue
             pos = e.pos + 1
             fits = pos + 1 <= self.plan.memory.context
-            if not slot.sampler.device_chooses or slot.handle.cancelled.is_set() or not fits:
+            if slot.handle.cancelled.is_set() or not fits:
                 return None
             entries.append(Entry(slot, "decode", [CHAINED], pos=pos))
             rows.append(row)
@@ -468,7 +468,7 @@ class Engine:
         for e in job.entries:
             slot = e.slot
             if (
-                not slot.sampler.device_chooses
+                not slot.sampler.verifies_on_device
                 or slot.handle.cancelled.is_set()
                 or self._ends_in_flight(slot)
             ):
@@ -676,7 +676,7 @@ class Engine:
         if kind not in ("solo", "batch-mtp", "pipelined-mtp") or self.model.mtp is None:
             return False
         rows = {len(e.tokens) for e in entries}
-        return len(rows) == 1 and rows.pop() > 1 and all(e.slot.sampler.device_chooses for e in entries)
+        return len(rows) == 1 and rows.pop() > 1 and all(e.slot.sampler.verifies_on_device for e in entries)
 
     def _room(self, slot: Slot) -> int:
         """Proposals that still fit the slot's context after its token."""

@@ -68,17 +68,20 @@ class Slot:
         self.token = first
         return self.emit([first], 0)
 
-    def advance(self, rows: int, tokens: list[int], proposed: int, accepted: int) -> TokenEvent:
+    def advance(
+        self, rows: int, tokens: list[int], proposed: int, accepted: int, counted: bool = False
+    ) -> TokenEvent:
         """A decode window kept ``rows`` of this slot's rows (its KV moved on by that many) and decided
         ``tokens``, the last of which is the next input; ``proposed`` drafts were verified and ``accepted``
-        of them held. Returns the event to send."""
+        of them held; ``counted``: the device chose them and counted them for the penalties. Returns the event
+        to send."""
         self.length += rows
         self.token = tokens[-1]
         self.handle.proposals += proposed
         self.gauge.record(proposed, accepted)
-        return self.emit(tokens, accepted)
+        return self.emit(tokens, accepted, counted)
 
-    def emit(self, tokens: list[int], accepted: int) -> TokenEvent:
+    def emit(self, tokens: list[int], accepted: int, counted: bool = False) -> TokenEvent:
         """Record a window's new tokens for this request and return the event to send.
 
         Tokens after a stop token or past max tokens are dropped; the stop token itself is not emitted.
@@ -94,7 +97,7 @@ class Slot:
                 self.finished = "length"
                 break
         self.generated.extend(kept)
-        self.sampler.record(kept)  # the penalties of the next window count these
+        self.sampler.record(kept, counted)  # the penalties of the next window count these
         self.handle.completion_tokens = len(self.generated)
         self.handle.accepted_proposals += accepted
         text = self._decoded()

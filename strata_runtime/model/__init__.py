@@ -2,10 +2,12 @@
 
 `placed` builds the whole model from a plan (`Model.from_plan`) and runs a window through its stages;
 `stage` is one device's run of layers with their KV; `mtp` is the MTP head and each slot's drafter;
-`kvcache` is the per-slot KV with rewind.
+`kvcache` is the per-slot KV with rewind; `adjust` keeps every slot's token counts and logit bias on the last
+stage's device.
 """
 
+from ..models.ops.adjust import Adjusts, adjust_row
 from ..models.ops.choose import Draws
 from .placed import Model
 
-__all__ = ["Draws", "Model"]
+__all__ = ["Adjusts", "Draws", "Model", "adjust_row"]

@@ -22,6 +22,7 @@ from ..experts.cache import Policy
 from ..experts.helper_tier import HelperOutOfMemory
 from ..experts.routing import RoutingModel, RoutingTables
 from ..layout import Layout, Segment
+from ..models.ops.adjust import Adjusts
 from ..models.ops.choose import Draws
 from ..models.qwen3_moe import ModelArgs, fuse_tensors, stage_shapes
 from ..weights.checkpoint import Checkpoint, load_tensors
@@ -384,6 +385,19 @@ class Model:
     def choose(self, logits: Array, draws: Draws) -> Array:
         """Each row's token chosen on the last stage's device (`strata_runtime.model.stage.Stage.choose`)."""
         return self.last.choose(logits, draws)
+
+    def adjust(self, logits: Array, adjusts: Adjusts) -> tuple[Array, Array]:
+        """Adjust rows of logits [R, V] on the last stage's device, in place, for their requests' logit bias
+        and penalties (`strata_runtime.model.adjust.TokenCounts.adjust`); returns what `count` takes."""
+        counts = self.last.token_counts
+        assert counts is not None
+        return counts.adjust(logits, adjusts)
+
+    def count(self, rows: Array, slots: Array, chosen: Array) -> None:
+        """Count the adjusted rows' chosen tokens [R] for their slots (after `adjust`)."""
+        counts = self.last.token_counts
+        assert counts is not None
+        counts.count(rows, slots, chosen)
 
     def admit(self, slot: int, prompt_ids: tuple[int, ...]) -> None:
         """A request with these prompt ids now holds ``slot``: give it its routing (calibrated routing only;

@@ -25,6 +25,7 @@ from ..layout import Layout
 from ..models.ops.choose import Draws, choose_on_host
 from ..models.ops.norm import rms_norm_in_dtype
 from ..models.qwen3_moe import DecoderLayer, ModelArgs, RouterBias, SparseMoeBlock, linear, rope_tables
+from .adjust import TokenCounts
 from .kvcache import KVCache
 
 if TYPE_CHECKING:
@@ -133,6 +134,8 @@ class Stage:
         self.embed_tokens = tensors.get("model.embed_tokens.weight")  # [V, H] on the first stage
         self.norm = tensors.get("model.norm.weight")  # [H] on the last stage
         self.lm_head = tensors.get("lm_head.weight")  # [V, H] on the last stage
+        self.token_counts = TokenCounts(device, slots, args.vocab_size) if last else None
+        """Every slot's token counts and logit bias, for adjusting logits on this device (last stage)."""
         host = {id(a) for a in (*self.experts.host_gate_up, *self.experts.host_down)}
         self.weight_bytes = sum(int(t.nbytes) for t in tensors.values() if id(t) not in host)
         """Bytes of the tensors held on the device (the expert cache's pool is counted apart)."""

@@ -254,6 +254,34 @@ def choose(
     out[...] = choose_tokens(logits, inv_temp, uniform, top_k, top_p)
 
 
+def adjust_logits(
+    logits: np.ndarray,
+    rows: np.ndarray,
+    slot: np.ndarray,
+    counts: np.ndarray,
+    bias: np.ndarray,
+    frequency: np.ndarray,
+    presence: np.ndarray,
+) -> None:
+    """Each of ``rows`` [A] of logits [R, V] (fp32), in place, after its slot's logit bias and penalties
+    (`strata_runtime.models.ops.adjust`): ``(l + bias[s]) - (frequency * c + presence)`` where the slot's
+    count c of the token is above 0, else ``l + bias[s]``, in float64 and rounded once to float32; ``slot``,
+    ``frequency`` and ``presence`` [A] are each adjusted row's, ``counts`` [S, V] (int32) and ``bias`` [S, V]
+    (float64) each slot's."""
+    for i, r in enumerate(np.asarray(rows)):
+        s = int(slot[i])
+        x = logits[r].astype(np.float64) + bias[s]  # [V]
+        c = counts[s]
+        hit = c > 0
+        x[hit] -= float(frequency[i]) * c[hit].astype(np.float64) + float(presence[i])
+        logits[r] = x.astype(np.float32)
+
+
+def count_tokens(counts: np.ndarray, slot: np.ndarray, tokens: np.ndarray, add: np.ndarray) -> None:
+    """counts[slot[i], tokens[i]] += add[i] for each i (a slot and token may repeat); counts [S, V] int32."""
+    np.add.at(counts, (np.asarray(slot), np.asarray(tokens)), np.asarray(add, dtype=counts.dtype))
+
+
 def rms_norm_fp32_to_half(x: np.ndarray, w: np.ndarray, out: np.ndarray, eps: float) -> None:
     out[...] = (x * _rms_inv(x, eps) * _f32(w)).astype(np.float16)
 

@@ -1,0 +1,65 @@
+"""A request's logit bias and presence / frequency penalties, applied where the logits are.
+
+OpenAI's rule: ``logit_bias[t]`` is added to token t's logit, and a token generated c > 0 times so far loses
+``frequency_penalty * c + presence_penalty``. One arithmetic serves the host and the device, so that a token
+chosen on either side is the same: in float64, ``(l + bias) - (frequency * c + presence)`` (or ``l + bias``
+where c is 0), with no fused multiply-add, rounded once to float32, the logits' own type. The host's
+`strata_runtime.engine.sampling.Sampler.adjusted` computes it from the request's own counts; the device
+keeps every slot's counts and bias (`strata_runtime.model.adjust.TokenCounts`) and adjusts a window's rows
+before choosing their tokens, so that a penalised request's windows run ahead like any other's.
+
+On CPU devices the device's steps are `adjust_logits` and `count_tokens` (NumPy); on GPUs, the kernels of the
+same names in kernels.cu.
+
+`Adjusts` is what one window asks of the device. Its rows are chosen there and counted there as they are
+chosen; the tokens the host decided since the slot's last such window (a prompt's first token, a window
+verified on the host) come with it and are counted first.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from ...reference.kernels import adjust_logits, count_tokens
+
+__all__ = ["Adjusts", "adjust_logits", "adjust_row", "count_tokens"]
+
+
+class Adjusts(NamedTuple):
+    """The adjustments of one window's rows on the last stage's device (host arrays).
+
+    ``rows`` [A]: which of the window's logit rows adjust, with each one's ``slot``, ``frequency`` and
+    ``presence`` penalties [A]. ``fresh``: the slots whose request adjusts there for the first time, each
+    with its logit bias (token ids, values): their counts start from zero and the bias replaces the last
+    request's. ``counted``: (slot, token, times) [M] each, tokens generated for a slot that its counts do
+    not hold yet, added before the rows adjust. A row's chosen token is counted after it is chosen.
+    """
+
+    rows: np.ndarray
+    slot: np.ndarray
+    frequency: np.ndarray
+    presence: np.ndarray
+    fresh: tuple[tuple[int, np.ndarray, np.ndarray], ...]
+    counted: tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
+def adjust_row(
+    logits: np.ndarray,
+    counts: dict[int, int],
+    bias_ids: np.ndarray,
+    bias: np.ndarray,
+    frequency: float,
+    presence: float,
+) -> np.ndarray:
+    """One row's adjusted logits [V] (float32 values, as float64) from its logits [V], the request's token
+    counts (token -> c > 0) and its logit bias (ids and float64 values, each id once): the rule above."""
+    x = np.asarray(logits, dtype=np.float32).astype(np.float64)  # a copy
+    if bias_ids.size:
+        x[bias_ids] += bias
+    if counts:
+        ids = np.fromiter(counts.keys(), dtype=np.int64, count=len(counts))
+        c = np.fromiter(counts.values(), dtype=np.float64, count=len(counts))
+        x[ids] -= frequency * c + presence
+    return x.astype(np.float32).astype(np.float64)
