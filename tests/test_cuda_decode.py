@@ -271,15 +271,18 @@ def test_penalised_requests_on_gpu_run_ahead_with_the_text_the_host_verifies(cp)
 
     g = np.random.default_rng(29)
     prompts = [g.integers(1, 250, int(n)).tolist() for n in g.integers(3, 30, 3)]
-    adjust = {"presence_penalty": 1.2, "frequency_penalty": 0.6, "logit_bias": ((65, 2.0), (101, -3.0))}
+    plan = _plan(cp, model="tiny", slots=3)
+    engine = Engine(plan)
+    endless = tuple((t, -100.0) for t in engine.tokenizer.eos_ids)  # every reply runs to its 40 tokens
+    adjust = {"presence_penalty": 1.2, "frequency_penalty": 0.6, "logit_bias": ((65, 2.0), *endless)}
     samplings = [
         SamplingParams(temperature=0.0, **adjust),
         SamplingParams(temperature=0.9, seed=5, **adjust),
-        SamplingParams(temperature=1.2, top_p=0.9, top_k=50, seed=6, presence_penalty=-0.5),
+        SamplingParams(temperature=1.2, top_p=0.9, top_k=50, seed=6, logit_bias=endless),
     ]
     texts = []
     for ahead in (1, 3):
-        engine = Engine(_run_ahead(_plan(cp, model="tiny", slots=3), ahead))
+        engine = Engine(_run_ahead(plan, ahead))
         handles = [
             engine.submit(Request(tuple(p), 40, sampling=s)) for p, s in zip(prompts, samplings, strict=True)
         ]

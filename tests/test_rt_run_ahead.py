@@ -192,14 +192,22 @@ def test_a_request_cancelled_mid_chain_ends_cancelled_and_the_other_slot_is_unaf
         SamplingParams(temperature=0.0, logit_bias=((65, 2.0),)),
         SamplingParams(temperature=0.7, presence_penalty=0.5, seed=3),
         SamplingParams(temperature=0.7, top_p=0.9, frequency_penalty=0.2, seed=3),
+        SamplingParams(temperature=0.0, presence_penalty=1.5, frequency_penalty=0.5),
     ],
-    ids=["greedy-with-bias", "presence-penalty", "top-p-with-frequency-penalty"],
+    ids=["greedy-with-bias", "presence-penalty", "top-p-with-frequency-penalty", "greedy-penalties"],
 )
-def test_a_slot_whose_tokens_the_host_chooses_is_not_chained(sampling) -> None:
-    eng = engine(1, 1, 3)
-    spy = Spy(eng)
-    collect(eng, [(0, Request(tuple(PROMPTS[0]), 10, sampling=sampling))])
-    assert spy.chained == [] and spy.most_in_flight == 1
+@pytest.mark.parametrize("stages", [1, 2])
+def test_a_slot_with_a_logit_bias_or_penalty_runs_ahead_with_the_text_of_windows_one_at_a_time(
+    sampling, stages
+) -> None:
+    # Its rows are adjusted on the device, which counts the tokens it chooses there.
+    texts = []
+    for ahead in (1, 3):
+        eng = engine(stages, 1, ahead)
+        spy = Spy(eng)
+        texts.append(collect(eng, [(0, Request(tuple(PROMPTS[0]), 30, sampling=sampling))]))
+        assert spy.most_in_flight == ahead and bool(spy.chained) == (ahead > 1)
+    assert texts[0] == texts[1]
 
 
 @pytest.mark.parametrize("stages", [1, 2])
