@@ -51,15 +51,13 @@ def test_the_draw_is_the_inverse_cdf_at_u_in_token_order() -> None:
     assert choose_tokens(logits, one, np.array([1.0])).tolist() == [3]  # rounded up to the total: the last
 
 
-def test_speculative_windows_are_decided_on_the_device_unless_a_bias_or_penalty_is_set() -> None:
-    def chooses(**kw: object) -> bool:
-        return Sampler(SamplingParams(**kw), seed=0).verifies_on_device  # type: ignore[arg-type]
+def test_a_sampler_adjusts_only_with_a_bias_or_penalty_and_gives_the_device_its_inverse_temperature() -> None:
+    def adjusts(**kw: object) -> bool:
+        return Sampler(SamplingParams(**kw), seed=0).adjusts  # type: ignore[arg-type]
 
-    assert chooses(temperature=0.0) and chooses(temperature=0.8)
-    assert chooses(temperature=0.8, top_p=0.9) and chooses(temperature=0.8, top_k=40)
-    assert not chooses(temperature=0.0, logit_bias=((3, 1.0),))
-    assert not chooses(temperature=0.8, frequency_penalty=0.2)
-    assert not chooses(temperature=0.8, presence_penalty=0.2)
+    assert not adjusts(temperature=0.0) and not adjusts(temperature=0.8, top_p=0.9, top_k=40)
+    assert adjusts(temperature=0.0, logit_bias=((3, 1.0),))
+    assert adjusts(temperature=0.8, frequency_penalty=0.2) and adjusts(temperature=0.8, presence_penalty=0.2)
     assert Sampler(SamplingParams(temperature=0.5), 0).inv_temperature == 2.0
     assert Sampler(SamplingParams(temperature=0.0), 0).inv_temperature == 0.0
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
+from typing import Any
 
 import numpy as np
 import pytest
@@ -320,13 +321,14 @@ def test_sampled_windows_decided_on_the_device_are_seeded_and_greedy_when_cold(b
     assert first != [list(greedy_alone(bytes(r.prompt_ids), r.max_tokens)) for _, r in warm]
 
 
-def _first_tokens(on_device: bool, requests: int) -> Counter[tuple[int, ...]]:
+def _first_tokens(on_device: bool, requests: int, **adjust: Any) -> Counter[tuple[int, ...]]:
     """How often each run of a request's first three tokens comes up over ``requests`` seeds (temperature
-    1, top-k 3, one slot drafting two proposals a window)."""
+    1, top-k 3, one slot drafting two proposals a window; ``adjust``: penalties or a logit bias)."""
     eng = engine(1, 1, False, on_device=on_device, run_ahead=2)
     seen: Counter[tuple[int, ...]] = Counter()
     for seed in range(requests):
-        h = eng.submit(Request(tuple(PROMPTS[0]), 3, SamplingParams(temperature=1.0, top_k=3, seed=seed)))
+        sampling = SamplingParams(temperature=1.0, top_k=3, seed=seed, **adjust)
+        h = eng.submit(Request(tuple(PROMPTS[0]), 3, sampling))
         while eng.step():
             pass
         seen[tuple(t for _ in range(h.events.qsize()) for t in h.events.get().token_ids)] += 1
@@ -334,13 +336,21 @@ def _first_tokens(on_device: bool, requests: int) -> Counter[tuple[int, ...]]:
     return seen
 
 
-def test_sampled_windows_decided_on_the_device_have_the_distribution_of_host_decisions() -> None:
+@pytest.mark.parametrize(
+    "adjust",
+    # Three tokens biased far above the rest, for the target and the drafter alike, so that the drafts fall
+    # where the target's top-k is and how each was drawn matters; the penalty moves them row by row.
+    [{}, {"presence_penalty": 2.0, "logit_bias": ((65, 8.0), (66, 8.0), (67, 8.0))}],
+    ids=["plain", "penalised"],
+)
+def test_sampled_windows_decided_on_the_device_have_the_distribution_of_host_decisions(adjust) -> None:
     """Over 1,500 seeds each, the first three tokens (the prompt's draw, then one window's accepted proposals
     and the draw after them) come out with the same distribution whether the speculative window is decided
-    on the device or on the host, whose rule a chi-square test holds to the target's (`test_rt_spec`): a
-    two-sample chi-square test over the runs of three tokens."""
+    on the device or on the host, whose rule a chi-square test holds to the target's (`test_rt_spec` and,
+    with penalties, `test_rt_penalties`): a two-sample chi-square test over the runs of three tokens. With
+    penalties, each row of the window and each draft follows the proposals before it."""
     torch = pytest.importorskip("torch")  # for the chi-square survival function
-    device, host = _first_tokens(True, 1500), _first_tokens(False, 1500)
+    device, host = _first_tokens(True, 1500, **adjust), _first_tokens(False, 1500, **adjust)
     cells = [k for k in device.keys() | host.keys() if device[k] + host[k] >= 10]
     chi2 = sum((device[k] - host[k]) ** 2 / (device[k] + host[k]) for k in cells)
     dof = len(cells) - 1

@@ -238,6 +238,24 @@ def test_greedy_with_penalties_is_the_same_in_batch_mtp_windows() -> None:
     assert together == alone
 
 
+@pytest.mark.parametrize("bias", [6.0, 10.0])
+@pytest.mark.parametrize(("depth", "stages"), [(4, 1), (3, 2)])
+def test_greedy_windows_decided_on_the_device_count_the_proposals_each_row_follows(
+    bias, depth, stages
+) -> None:
+    # Token A's bias against a frequency penalty of 1: A wins until it has been generated about `bias` times,
+    # so the row where it stops depends on counting the proposals before it in the same window.
+    sampling = SamplingParams(frequency_penalty=1.0, logit_bias=((A, bias),))
+    prompt = tuple(b"The quick brown fox")
+    eng = engine(depth + 1, stages)
+    before = eng.totals["decided_on_device"]
+    [drafted] = generate(eng, [Request(prompt, 40, sampling)])
+    assert eng.totals["decided_on_device"] > before
+    [plain] = generate(engine(0, stages), [Request(prompt, 40, sampling)])
+    assert drafted == plain
+    assert 3 <= plain.count(A) < 30  # A won for a while, then lost to the penalty
+
+
 def test_greedy_with_penalties_is_the_same_when_drafting_pauses_and_probes() -> None:
     # At a draft floor of 1 the slot drafts for its first proposals, then pauses (its rows are adjusted and
     # chosen on the device, which counts them) and probes now and then (windows verified on the host): the

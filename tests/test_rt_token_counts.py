@@ -16,25 +16,33 @@ from strata_runtime.models.ops.adjust import Adjusts
 V, SLOTS = 64, 3
 
 
-def _window(samplers: dict[int, Sampler]) -> Adjusts:
-    """One window with a row for each of these slots, as `Job.adjusts` builds it."""
-    fresh, counted, rows = [], [], []
+def _window(samplers: dict[int, Sampler], n: int, g: np.random.Generator) -> tuple[Adjusts, np.ndarray]:
+    """A speculative window of n rows for each of these slots (its token, then n - 1 proposals), as
+    `Job.adjusts` builds it, with the window's input ids."""
+    fresh, counted, rows, extra_from, extra_count = [], [], [], [], []
     for i, (slot, s) in enumerate(samplers.items()):
         new, add = s.device_update()
         if new:
             fresh.append((slot, s.bias_ids, s.bias))
         counted += [(slot, t, c) for t, c in add.items()]
-        rows.append(i)
+        for j in range(n):
+            rows.append(i * n + j)
+            extra_from.append(i * n + 1)
+            extra_count.append(j)
     c = np.array(counted, np.int64).reshape(-1, 3)
     ps = [s.params for s in samplers.values()]
-    return Adjusts(
+    adj = Adjusts(
         np.array(rows, np.int64),
-        np.array(list(samplers), np.int64),
-        np.array([p.frequency_penalty for p in ps]),
-        np.array([p.presence_penalty for p in ps]),
+        np.repeat(np.array(list(samplers), np.int64), n),
+        np.repeat([p.frequency_penalty for p in ps], n),
+        np.repeat([p.presence_penalty for p in ps], n),
+        np.array(extra_from, np.int64),
+        np.array(extra_count, np.int32),
+        np.full(len(rows), n == 1),
         tuple(fresh),
         (c[:, 0], c[:, 1], c[:, 2]),
     )
+    return adj, g.integers(0, 8, len(rows))
 
 
 def _params(g: np.random.Generator) -> SamplingParams:
@@ -57,17 +65,27 @@ def test_device_counts_adjust_rows_as_the_host_does_bit_for_bit() -> None:
         for s in samplers.values():  # tokens the host decided (a prompt's first, a verified window's)
             if g.random() < 0.3:
                 s.record([int(t) for t in g.integers(0, 8, size=int(g.integers(1, 4)))])
-        adj = _window(samplers)
-        logits = (g.standard_normal((SLOTS, V)) * 3).astype(np.float32)
-        want = np.stack([samplers[s].adjusted(logits[i : i + 1])[0] for i, s in enumerate(samplers)])
+        n = 1 if step % 3 else 4  # rows without proposals, or a speculative window's (repeats on purpose)
+        adj, tokens = _window(samplers, n, g)
+        logits = (g.standard_normal((SLOTS * n, V)) * 3).astype(np.float32)
+        want = np.concatenate(
+            [
+                s.adjusted(logits[i * n : (i + 1) * n], [int(t) for t in tokens[i * n + 1 : (i + 1) * n]])
+                for i, s in enumerate(samplers.values())
+            ]
+        )
         got = logits.copy()
-        rows, slot = counts.adjust(got, adj)
+        chosen_rows = counts.adjust(got, adj, tokens)
         assert np.array_equal(got.astype(np.float64), want)
         changed += int((got != logits).sum())
-        chosen = g.integers(0, 8, SLOTS)  # few tokens: they repeat, and the penalties grow
-        counts.count(rows, slot, chosen)
-        for i, s in enumerate(samplers.values()):
-            s.record([int(chosen[i])], counted=True)
+        if n == 1:  # the chosen tokens: few, so they repeat and the penalties grow
+            assert chosen_rows is not None
+            chosen = g.integers(0, 8, SLOTS)
+            counts.count_chosen(*chosen_rows, chosen)
+            for i, s in enumerate(samplers.values()):
+                s.record([int(chosen[i])], counted=True)
+        else:  # a speculative window counts what it keeps, not what each row chose
+            assert chosen_rows is None
     assert changed > 1000
     for slot, s in samplers.items():  # the device's counts are the request's own
         want_counts = np.zeros(V, np.int64)

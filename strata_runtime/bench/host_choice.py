@@ -1,10 +1,10 @@
 """What choosing a token on the host costs: ``python -m strata_runtime.bench.host_choice``.
 
 The engine chooses on the host a sampled prompt's first token, and verifies there the drafted windows of
-requests with a logit bias or a presence / frequency penalty (each row follows the proposals before it,
-which the penalties count). Top-p then needs the tokens in order of probability. This times `strata_runtime.engine.sampling.distribution` on random
-logits of a vocabulary's size, at the sampling settings a chat client sends, with top-p found two ways in
-one run: by sorting each whole row (``sort_rows``) and by sorting a row's likeliest tokens only
+requests with a logit bias or a presence / frequency penalty that it does not decide on the device. Top-p
+then needs the tokens in order of probability. This times `strata_runtime.engine.sampling.distribution` on
+random logits of a vocabulary's size, at the sampling settings a chat client sends, with top-p found two
+ways in one run: by sorting each whole row (``sort_rows``) and by sorting a row's likeliest tokens only
 (`strata_runtime.engine.sampling.nucleus_host`, what the engine runs), and checks that both give the same
 distribution bit for bit.
 """

@@ -29,6 +29,7 @@ The same functions run on NumPy arrays on CPU devices and on CuPy arrays on GPUs
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +56,10 @@ class DeviceSpec:
     """The window's positions [S n] (on the last device)."""
     params: tuple[SamplingParams | None, ...] | None = None
     """Each slot's sampling (None for a greedy slot); None when every slot is greedy."""
+    penalties: tuple[tuple[float, float] | None, ...] | None = None
+    """Each slot's (frequency, presence) penalties where its request has a logit bias or penalty (None for
+    the others); None when no slot has: its rows' logits are adjusted before they are chosen, its drafts'
+    before they are drawn, and the tokens it keeps are counted (`strata_runtime.model.adjust`)."""
     uniforms: Any = None
     """Sampled windows: each slot's draws [S, 2n - 1] (host array at launch, then on the last device):
     n - 1 to accept the proposals, one for the token after them, n - 1 for the next window's proposals."""
@@ -126,14 +131,16 @@ def decide(
         accepted, first = _accept(xp, spec.tokens, chosen, s, n)
         follow = chosen  # row j's next token: the target's choice, for every kept row
     else:
-        accepted, first, follow = _accept_each(xp, spec, chosen, logits, drafters)
+        accepted, first, follow = _accept_each(model, spec, chosen, logits, drafters)
+    if spec.penalties is not None:  # before the drafts: they see what this window kept
+        _count_kept(model, spec, accepted, first)
     start = spec.positions.reshape(s, n)[:, 0] + accepted + 1  # [S]: each slot's first rejected position
     dtype = drafters[spec.slots[0]].hidden.dtype
     out = mtp(drafters, follow, normed, layout, positions=spec.positions, account=False)  # [S n, H]
     kept = out.reshape(s, n, -1)[each, accepted]  # [S, H]: the output at each slot's last kept row
     draft = mtp.logits(kept)  # [S, V]
     hidden = kept.astype(dtype)
-    proposals = [_propose(model, spec, draft, 0)]  # [S] each
+    proposals = [_propose(model, spec, draft, 0, [])]  # [S] each
     _keep_draft(drafters, spec, 0, hidden, draft)
     one_row = Layout.of([(slot, 1, 0) for slot in spec.slots])  # positions: `start` + j - 1
     # A window that ends near the context drafts proposals the next window has no room for (it is built with
@@ -146,7 +153,7 @@ def decide(
         draft = mtp.logits(head)  # [S, V]
         hidden = head.astype(dtype)
         _keep_draft(drafters, spec, j, hidden, draft)
-        proposals.append(_propose(model, spec, draft, j))
+        proposals.append(_propose(model, spec, draft, j, proposals))
     spec.accepted, spec.first = accepted, first
     spec.next_tokens, spec.next_positions = _next_window(xp, first, proposals, start, n)
 
@@ -158,12 +165,70 @@ def _keep_draft(drafters: dict[int, Any], spec: DeviceSpec, j: int, hidden: Arra
         drafters[slot].logits[j : j + 1] = logits[i : i + 1]
 
 
-def _propose(model: Model, spec: DeviceSpec, logits: Array, j: int) -> Array:
+def _adjust(
+    model: Model,
+    spec: DeviceSpec,
+    logits: Array,
+    tokens: Array | None,
+    row: Callable[[int], tuple[int, int, int]],
+    only: int | None = None,
+) -> None:
+    """Adjust rows of logits in place for the penalised slots (or slot ``only``): ``row(i)`` gives, for slot
+    i (or row k of slot ``only``), (the row, where its proposals start in ``tokens``, how many)."""
+    assert spec.penalties is not None
+    if only is None:
+        at = [(i, *row(i)) for i, pen in enumerate(spec.penalties) if pen is not None]
+    else:
+        at = [(only, *row(k)) for k in range(int(logits.shape[0]))]
+    pens = [spec.penalties[i] for i, *_ in at]
+    model.token_counts.adjust_rows(
+        logits,
+        np.array([r for _, r, _, _ in at], np.int64),
+        np.array([spec.slots[i] for i, *_ in at], np.int64),
+        np.array([p[0] for p in pens if p is not None], np.float64),
+        np.array([p[1] for p in pens if p is not None], np.float64),
+        tokens,
+        np.array([f for _, _, f, _ in at], np.int64),
+        np.array([c for *_, c in at], np.int32),
+    )
+
+
+def _kept_tokens(xp: Any, tokens: Array, accepted: Array, first: Array, n: int) -> tuple[Array, Array]:
+    """The tokens slots kept [k n] and how many times each counts [k n] (int32): each slot's n - 1 proposals
+    (tokens [k, n], the window's inputs), 1 where it was kept (j <= accepted [k]) and 0 where not, then the
+    token after them (first [k]) once."""
+    k = int(tokens.shape[0])
+    kept = (xp.arange(1, n)[None, :] <= accepted[:, None]).astype(xp.int32)  # [k, n - 1]
+    times = xp.concatenate([kept, xp.ones((k, 1), xp.int32)], axis=1).reshape(-1)
+    ids = xp.concatenate([tokens[:, 1:], first[:, None].astype(tokens.dtype)], axis=1).reshape(-1)
+    return ids, times
+
+
+def _count_kept(model: Model, spec: DeviceSpec, accepted: Array, first: Array) -> None:
+    """Count what the penalised slots kept (their kept proposals and the token after them) on the device."""
+    assert spec.penalties is not None
+    device = model.last.device
+    xp, n = device.xp, spec.n
+    idx = [i for i, pen in enumerate(spec.penalties) if pen is not None]
+    with device.use():
+        pick = device.upload(np.array(idx, np.int64))
+        ids, times = _kept_tokens(xp, spec.tokens.reshape(-1, n)[pick], accepted[pick], first[pick], n)
+        slots = device.upload(np.repeat(np.array([spec.slots[i] for i in idx], np.int64), n))
+        model.token_counts.count(slots, ids, times)
+
+
+def _propose(model: Model, spec: DeviceSpec, logits: Array, j: int, before: list[Array]) -> Array:
     """Each slot's proposal j + 1 [S] from draft logits [S, V]: the argmax, or for a sampled slot a draw
-    from its distribution at the uniform drawn for it."""
+    from its distribution at the uniform drawn for it; a penalised slot's logits adjusted first (a copy),
+    counting the proposals ``before`` it ([S] each), as host drafting adjusts them."""
+    xp = model.last.device.xp
+    if spec.penalties is not None:
+        with model.last.device.use():
+            logits = logits.copy()
+            tokens = xp.stack(before, axis=1).reshape(-1) if before else None  # [S j]: slot i's at i * j
+            _adjust(model, spec, logits, tokens, lambda i: (i, i * j, j))
     if spec.params is None:
         return model.argmax(logits)
-    xp = model.last.device.xp
     picks = model.argmax(logits) if None in spec.params else None  # for the greedy slots among them
     out = []
     for i, params in enumerate(spec.params):
@@ -177,12 +242,12 @@ def _propose(model: Model, spec: DeviceSpec, logits: Array, j: int) -> Array:
 
 
 def _accept_each(
-    xp: Any, spec: DeviceSpec, chosen: Array, logits: Array, drafters: dict[int, Any]
+    model: Model, spec: DeviceSpec, chosen: Array, logits: Array, drafters: dict[int, Any]
 ) -> tuple[Array, Array, Array]:
     """(accepted [S], the token after the kept proposals [S], each row's next token [S n]) slot by slot,
     greedy slots as `_accept` decides them and sampled ones by `verify_sampled`."""
     assert spec.params is not None and spec.uniforms is not None
-    n = spec.n
+    xp, n = model.last.device.xp, spec.n
     accepted, first, follow = [], [], []
     for i, params in enumerate(spec.params):
         rows = slice(i * n, (i + 1) * n)
@@ -193,6 +258,9 @@ def _accept_each(
             follow.append(chosen[rows])
             continue
         draft = drafters[spec.slots[i]].logits[: n - 1]  # what this window's proposals were drawn from
+        if spec.penalties is not None and spec.penalties[i] is not None:  # as they were drawn: adjusted,
+            draft = draft.copy()  # row k counting proposals 1..k
+            _adjust(model, spec, draft, spec.tokens[rows], lambda k: (k, 1, k), only=i)
         a, f = verify_sampled(xp, logits[rows], draft, spec.tokens[rows], params, spec.uniforms[i])
         nxt = xp.concatenate([spec.tokens[rows][1:], f[None]])  # a kept row is followed by the next input
         nxt[a] = f
@@ -242,12 +310,15 @@ def prepare(model: Model, shapes: set[tuple[int, int]]) -> None:
             rows = xp.zeros((s * n, a.hidden_size), xp.float32).reshape(s, n, -1)[xp.arange(s), accepted]
             rows.astype(dtype)
             _next_window(xp, first, [xp.zeros(s, xp.int64)] * (n - 1), start, n)
+            pick = xp.arange(s)  # a penalised slot's kept tokens (`_count_kept`), without counting them
+            _kept_tokens(xp, ids.reshape(-1, n)[pick], accepted[pick], first[pick], n)
+            xp.stack([first] * (n - 1), axis=1).reshape(-1)  # the proposals a penalised draft follows
         slot = next(iter(model.drafters))  # its draft logits are read, never written
         for n in sorted({n for _, n in shapes}):
             spec = DeviceSpec((slot,), n, tokens=xp.zeros(n, xp.int64), params=(REHEARSED,))
             spec.uniforms = xp.full((1, 2 * n - 1), 0.5)
             logits = xp.zeros((n, a.vocab_size), xp.float32)
-            _accept_each(xp, spec, xp.zeros(n, xp.int64), logits, model.drafters)
-            _propose(model, spec, logits[:1], 0)
+            _accept_each(model, spec, xp.zeros(n, xp.int64), logits, model.drafters)
+            _propose(model, spec, logits[:1], 0, [])
         if device.is_cuda:
             xp.cuda.get_current_stream().synchronize()

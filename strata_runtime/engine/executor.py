@@ -42,7 +42,7 @@ import numpy as np
 
 from strata_cfg.schema.windows import MAX_WINDOW_ROWS
 
-from ..api import TokenEvent
+from ..api import SamplingParams, TokenEvent
 from ..backend import Array, Device, cupy_module, device_lock, download, holding, peer_copy, transfer
 from ..model import Model
 from ..model.stage import Stage
@@ -52,6 +52,9 @@ from .job import Entry, Job
 from .sampling import Sampler
 from .slot import Slot
 from .speculative import Proposals, Verdict, catch_up, commit, draft, verify
+
+CHOICES = Sampler(SamplingParams(), seed=0)
+"""A plain greedy sampler: `verify` with it reads a window's rows as the target's choices, already made."""
 
 
 def _using(stream: Any) -> Any:
@@ -237,19 +240,21 @@ class Executor:
         else:
             picked = normed[dev.upload(np.asarray(flight.needed, np.int64))]
         logits = self.model.logits(picked)  # [len(needed), V] fp32
-        adjusted = None if flight.adjusts is None else self.model.adjust(logits, flight.adjusts)
+        spec = flight.spec
+        if spec is not None and spec.tokens is None:  # launched by the host: its tokens and positions
+            spec.tokens = dev.upload(flight.job.token_array())
+            spec.positions = dev.upload(flight.layout.positions())
+        counted = None
+        if flight.adjusts is not None:  # a speculative window's rows read its proposals from its tokens
+            counted = self.model.adjust(logits, flight.adjusts, None if spec is None else spec.tokens)
         if flight.draws is None:
             chosen = self.model.argmax(logits)  # [len(needed)]
         else:
             chosen = self.model.choose(logits, flight.draws)  # [len(needed)]
-        if adjusted is not None:
-            self.model.count(*adjusted, chosen)
+        if counted is not None:
+            self.model.count_chosen(*counted, chosen)
         flight.chosen = chosen
-        spec = flight.spec
         if spec is not None:
-            if spec.tokens is None:  # launched by the host: its tokens and positions are host values
-                spec.tokens = dev.upload(flight.job.token_array())
-                spec.positions = dev.upload(flight.layout.positions())
             if spec.uniforms is not None:
                 spec.uniforms = dev.upload(spec.uniforms)
             decide(self.model, spec, chosen, logits, normed, flight.layout)
@@ -401,7 +406,8 @@ class Executor:
         accepted, after = int(spec.host["accepted"][i]), int(spec.host["first"][i])
         tokens = [*window[1 : 1 + accepted], after]
         if slot.sampler.greedy:  # the same decision as the host's own verification, or nothing is emitted
-            verdict = verify(flight.chosen_host[row : row + n], Proposals(window[1:], []), slot.sampler)
+            # of the target's choices (after its adjustments, if any, made on the device)
+            verdict = verify(flight.chosen_host[row : row + n], Proposals(window[1:], []), CHOICES)
             if verdict.tokens != tokens:
                 raise RuntimeError(
                     f"slot {slot.id}: the device kept {accepted} proposals of {window[1:]} and chose {after} "
@@ -411,7 +417,7 @@ class Executor:
         elif not 0 <= accepted < n:
             raise RuntimeError(f"slot {slot.id}: the device kept {accepted} of {n - 1} proposals")
         self.model.settle(slot.id, base, n, accepted + 1)
-        return [(slot, slot.advance(accepted + 1, tokens, n - 1, accepted))]
+        return [(slot, slot.advance(accepted + 1, tokens, n - 1, accepted, counted=True))]
 
     def _finish_prefill(
         self, slot: Slot, n: int, target: np.ndarray | None, normed: Array

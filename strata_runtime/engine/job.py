@@ -60,8 +60,7 @@ class Job:
     have drafted otherwise."""
     spec_on_device: bool = False
     """A speculative window decided on the device (`strata_runtime.engine.device_spec`): every entry is a
-    slot's token and the same number of proposals, and no slot adjusts its logits
-    (`Sampler.verifies_on_device`). A window chained to one
+    slot's token and the same number of proposals. A window chained to one
     has `CHAINED` tokens and proposals, and placeholder positions (each entry's ``pos`` is the slot's length
     when it was built)."""
 
@@ -74,6 +73,11 @@ class Job:
         n = len(self.entries[0].tokens)
         spec = DeviceSpec(tuple(e.slot.id for e in self.entries), n)
         samplers = [e.slot.sampler for e in self.entries]
+        if any(s.adjusts for s in samplers):
+            spec.penalties = tuple(
+                (s.params.frequency_penalty, s.params.presence_penalty) if s.adjusts else None
+                for s in samplers
+            )
         if any(not s.greedy for s in samplers):
             spec.params = tuple(None if s.greedy else s.params for s in samplers)
             spec.uniforms = np.array(
@@ -118,29 +122,39 @@ class Job:
         return Draws(np.array(inv_temp), np.array(uniform), np.array(top_k, np.int64), np.array(top_p))
 
     def adjusts(self) -> Adjusts | None:
-        """The adjustments of the rows the device chooses for requests with a logit bias or penalty
-        (`strata_runtime.models.ops.adjust.Adjusts`; rows are indices into `needed`), with what each such
-        slot's counts on the device lack (`Sampler.device_update`: called now, in launch order); None when no
-        row adjusts."""
+        """The adjustments of the rows the device chooses or decides for requests with a logit bias or
+        penalty (`strata_runtime.models.ops.adjust.Adjusts`; rows are indices into `needed`, which are the
+        window's rows in a decode window): a row without proposals, or every row of a speculative window
+        decided on the device (row j of a slot following its proposals 1..j). With what each such slot's
+        counts on the device lack (`Sampler.device_update`: called now, in launch order); None when no row
+        adjusts."""
         rows: list[int] = []
         slots: list[int] = []
         freq: list[float] = []
         pres: list[float] = []
+        extra_from: list[int] = []
+        extra_count: list[int] = []
+        chosen: list[bool] = []
         fresh: list[tuple[int, np.ndarray, np.ndarray]] = []
         counted: list[tuple[int, int, int]] = []
         at = 0  # the entry's first row among the needed ones
         for e in self.entries:
             sampler = e.slot.sampler
-            if e.on_device and sampler.adjusts:
+            n = len(e.tokens) if e.kind == "decode" else int(e.ends_prompt)
+            if sampler.adjusts and (e.on_device or self.spec_on_device):
                 new, add = sampler.device_update()
                 if new:
                     fresh.append((e.slot.id, sampler.bias_ids, sampler.bias))
                 counted += [(e.slot.id, token, times) for token, times in add.items()]
-                rows.append(at)
-                slots.append(e.slot.id)
-                freq.append(sampler.params.frequency_penalty)
-                pres.append(sampler.params.presence_penalty)
-            at += len(e.tokens) if e.kind == "decode" else int(e.ends_prompt)
+                for j in range(n):
+                    rows.append(at + j)
+                    extra_from.append(at + 1)
+                    extra_count.append(j)
+                chosen += [e.on_device] * n
+                slots += [e.slot.id] * n
+                freq += [sampler.params.frequency_penalty] * n
+                pres += [sampler.params.presence_penalty] * n
+            at += n
         if not rows:
             return None
         c = np.array(counted, dtype=np.int64).reshape(-1, 3)
@@ -149,6 +163,9 @@ class Job:
             np.array(slots, np.int64),
             np.array(freq, np.float64),
             np.array(pres, np.float64),
+            np.array(extra_from, np.int64),
+            np.array(extra_count, np.int32),
+            np.array(chosen, bool),
             tuple(fresh),
             (c[:, 0], c[:, 1], c[:, 2]),
         )

@@ -131,13 +131,6 @@ class Sampler:
         """Tokens the host decided since the device's counts were last brought up to date."""
 
     @property
-    def verifies_on_device(self) -> bool:
-        """Whether a speculative window of this request may be decided on the device
-        (`strata_runtime.engine.device_spec`): not with a logit bias or penalty, whose rows would each
-        follow the proposals before them. A row without proposals is chosen on the device either way."""
-        return not self.adjusts
-
-    @property
     def inv_temperature(self) -> float:
         """1 / temperature for a draw on the device; 0 for greedy (the argmax)."""
         return 0.0 if self.greedy else 1.0 / self.params.temperature

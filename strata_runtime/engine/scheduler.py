@@ -450,7 +450,7 @@ class Engine:
         """The window after a speculative window decided on the device, chained to it: the same slots, each
         with as many rows, at positions and with tokens and proposals the device decides. Known when the
         window holds every live slot (of ``group``, pipelined), nothing waits (no queued request, no prompt
-        of the group), drafting still pays for its slots, no slot adjusts its logits, none is cancelled or
+        of the group), drafting still pays for its slots, none is cancelled or
         about to end within the windows in flight (each gives it at least one token), and the furthest its
         rows could reach still fits the context."""
         job = before.job
@@ -467,11 +467,7 @@ class Engine:
         n = before.spec.n
         for e in job.entries:
             slot = e.slot
-            if (
-                not slot.sampler.verifies_on_device
-                or slot.handle.cancelled.is_set()
-                or self._ends_in_flight(slot)
-            ):
+            if slot.handle.cancelled.is_set() or self._ends_in_flight(slot):
                 return None
             if self._reach(slot) + n > self.plan.memory.context:
                 return None
@@ -672,11 +668,11 @@ class Engine:
     def _decided_on_device(self, kind: str, entries: list[Entry]) -> bool:
         """Whether a decode window is decided on the device (`strata_runtime.engine.device_spec`): a solo or
         batch-MTP window (serial, or a pipelined group's) whose slots have the same number of proposals, at
-        least one, and no logit bias or penalty (greedy or sampled)."""
+        least one (greedy or sampled, with or without a logit bias or penalties)."""
         if kind not in ("solo", "batch-mtp", "pipelined-mtp") or self.model.mtp is None:
             return False
         rows = {len(e.tokens) for e in entries}
-        return len(rows) == 1 and rows.pop() > 1 and all(e.slot.sampler.verifies_on_device for e in entries)
+        return len(rows) == 1 and rows.pop() > 1
 
     def _room(self, slot: Slot) -> int:
         """Proposals that still fit the slot's context after its token."""

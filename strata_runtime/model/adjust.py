@@ -19,8 +19,8 @@ from ..models.ops.adjust import Adjusts, adjust_logits, count_tokens
 
 
 class TokenCounts:
-    """Each slot's token counts and logit bias on one device (the last stage's), and the two steps a window
-    takes with them: `adjust` its rows' logits before they are chosen, then `count` what was chosen."""
+    """Each slot's token counts and logit bias on one device (the last stage's), and the steps a window takes
+    with them: `adjust` its rows' logits before they are chosen, then `count` what was chosen or kept."""
 
     def __init__(self, device: Device, slots: int, vocab: int) -> None:
         self.device, self.slots, self.vocab = device, slots, vocab
@@ -40,10 +40,11 @@ class TokenCounts:
                     self._kern = kernels_for(self.device.index)
         return self.counts, self.bias
 
-    def adjust(self, logits: Array, adj: Adjusts) -> tuple[Array, Array]:
-        """Adjust rows ``adj.rows`` of logits [R, V] in place (current stream): start the fresh slots, count
-        the tokens the host decided, then apply each row's slot's bias and penalties. Returns the rows and
-        their slots on the device, for `count`."""
+    def adjust(self, logits: Array, adj: Adjusts, tokens: Array | None = None) -> tuple[Array, Array] | None:
+        """A window's adjustments (current stream): start the fresh slots, count the tokens the host decided,
+        then adjust rows ``adj.rows`` of logits [R, V] in place; ``tokens``: the window's input ids on this
+        device (what its rows' proposals are read from). Returns the rows whose chosen tokens `count` takes
+        and their slots, on the device (None: no such row)."""
         counts, bias = self._arrays()
         dev = self.device
         with dev.use():
@@ -52,36 +53,69 @@ class TokenCounts:
                 bias[slot] = 0.0
                 if ids.size:
                     bias[slot, dev.upload(ids.astype(np.int64))] = dev.upload(values.astype(np.float64))
-            self._add(*adj.counted)
-            rows, slot = dev.upload(adj.rows.astype(np.int64)), dev.upload(adj.slot.astype(np.int64))
-            freq = dev.upload(adj.frequency.astype(np.float64))
-            pres = dev.upload(adj.presence.astype(np.float64))
-            if self._kern is not None:
-                self._kern.adjust_logits(logits, rows, slot, counts, bias, freq, pres)
-            else:
-                adjust_logits(logits, rows, slot, counts, bias, freq, pres)
-        return rows, slot
-
-    def count(self, rows: Array, slot: Array, chosen: Array) -> None:
-        """Count each adjusted row's chosen token (chosen [R], int64, on this device) for its slot."""
-        dev = self.device
-        with dev.use():
-            tokens = chosen[rows].astype(dev.xp.int64)
-            add = dev.xp.ones(int(rows.shape[0]), dev.xp.int32)
-            self._count(slot, tokens, add)
-
-    def _add(self, slot: np.ndarray, tokens: np.ndarray, times: np.ndarray) -> None:
-        if slot.size:
-            dev = self.device
-            self._count(
-                dev.upload(slot.astype(np.int64)),
-                dev.upload(tokens.astype(np.int64)),
-                dev.upload(times.astype(np.int32)),
+            slots, toks, times = adj.counted
+            if slots.size:
+                self.count(
+                    *(
+                        dev.upload(a.astype(d))
+                        for a, d in ((slots, np.int64), (toks, np.int64), (times, np.int32))
+                    )
+                )
+            extras = adj.extra_count.any()
+            self.adjust_rows(
+                logits,
+                adj.rows,
+                adj.slot,
+                adj.frequency,
+                adj.presence,
+                tokens if extras else None,
+                adj.extra_from,
+                adj.extra_count,
             )
+            if not adj.chosen_counts.any():
+                return None
+            keep = adj.chosen_counts
+            return dev.upload(adj.rows[keep].astype(np.int64)), dev.upload(adj.slot[keep].astype(np.int64))
 
-    def _count(self, slot: Array, tokens: Array, add: Array) -> None:
+    def adjust_rows(
+        self,
+        logits: Array,
+        rows: np.ndarray,
+        slot: np.ndarray,
+        frequency: np.ndarray,
+        presence: np.ndarray,
+        tokens: Array | None = None,
+        extra_from: np.ndarray | None = None,
+        extra_count: np.ndarray | None = None,
+    ) -> None:
+        """Adjust rows ``rows`` of logits [R, V] in place for their slots (host arrays [A], uploaded); with
+        ``tokens`` (on this device), row a also counts ``extra_count[a]`` of them from ``extra_from[a]``."""
+        counts, bias = self._arrays()
+        dev = self.device
+        up = dev.upload
+        with dev.use():
+            args = [up(rows.astype(np.int64)), up(slot.astype(np.int64)), counts, bias]
+            args += [up(frequency.astype(np.float64)), up(presence.astype(np.float64))]
+            if tokens is not None:
+                assert extra_from is not None and extra_count is not None
+                args += [tokens, up(extra_from.astype(np.int64)), up(extra_count.astype(np.int32))]
+            if self._kern is not None:
+                self._kern.adjust_logits(logits, *args)
+            else:
+                adjust_logits(logits, *args)
+
+    def count_chosen(self, rows: Array, slot: Array, chosen: Array) -> None:
+        """Count each of ``rows``' chosen token (chosen [R] on this device) for its slot: what `adjust`
+        returned."""
+        xp = self.device.xp
+        with self.device.use():
+            self.count(slot, chosen[rows], xp.ones(int(rows.shape[0]), xp.int32))
+
+    def count(self, slot: Array, tokens: Array, add: Array) -> None:
+        """counts[slot[i], tokens[i]] += add[i] on this device (int64, int64, int32 arrays there)."""
         counts, _ = self._arrays()
-        if self._kern is not None:
-            self._kern.count_tokens(counts, slot, tokens, add)
-        else:
-            count_tokens(counts, slot, tokens, add)
+        with self.device.use():
+            if self._kern is not None:
+                self._kern.count_tokens(counts, slot, tokens.astype(self.device.xp.int64), add)
+            else:
+                count_tokens(counts, slot, tokens, add)

@@ -29,6 +29,7 @@ from ..weights.checkpoint import Checkpoint, load_tensors
 from ..weights.progress import Progress
 from ..weights.synthetic import SyntheticModel
 from ..weights.tokenizer import ByteTokenizer, tokenizer_for
+from .adjust import TokenCounts
 from .mtp import Drafter, MtpHead
 from .stage import Stage, StageWeights
 
@@ -386,18 +387,23 @@ class Model:
         """Each row's token chosen on the last stage's device (`strata_runtime.model.stage.Stage.choose`)."""
         return self.last.choose(logits, draws)
 
-    def adjust(self, logits: Array, adjusts: Adjusts) -> tuple[Array, Array]:
-        """Adjust rows of logits [R, V] on the last stage's device, in place, for their requests' logit bias
-        and penalties (`strata_runtime.model.adjust.TokenCounts.adjust`); returns what `count` takes."""
-        counts = self.last.token_counts
-        assert counts is not None
-        return counts.adjust(logits, adjusts)
+    def adjust(
+        self, logits: Array, adjusts: Adjusts, tokens: Array | None = None
+    ) -> tuple[Array, Array] | None:
+        """A window's logit bias and penalties on the last stage's device: rows of logits [R, V] adjusted in
+        place (`strata_runtime.model.adjust.TokenCounts.adjust`); returns what `count_chosen` takes."""
+        return self.token_counts.adjust(logits, adjusts, tokens)
 
-    def count(self, rows: Array, slots: Array, chosen: Array) -> None:
+    def count_chosen(self, rows: Array, slots: Array, chosen: Array) -> None:
         """Count the adjusted rows' chosen tokens [R] for their slots (after `adjust`)."""
+        self.token_counts.count_chosen(rows, slots, chosen)
+
+    @property
+    def token_counts(self) -> TokenCounts:
+        """Every slot's token counts and logit bias, on the last stage's device."""
         counts = self.last.token_counts
         assert counts is not None
-        counts.count(rows, slots, chosen)
+        return counts
 
     def admit(self, slot: int, prompt_ids: tuple[int, ...]) -> None:
         """A request with these prompt ids now holds ``slot``: give it its routing (calibrated routing only;

@@ -262,19 +262,32 @@ def adjust_logits(
     bias: np.ndarray,
     frequency: np.ndarray,
     presence: np.ndarray,
+    tokens: np.ndarray | None = None,
+    extra_from: np.ndarray | None = None,
+    extra_count: np.ndarray | None = None,
 ) -> None:
     """Each of ``rows`` [A] of logits [R, V] (fp32), in place, after its slot's logit bias and penalties
-    (`strata_runtime.models.ops.adjust`): ``(l + bias[s]) - (frequency * c + presence)`` where the slot's
-    count c of the token is above 0, else ``l + bias[s]``, in float64 and rounded once to float32; ``slot``,
+    (`strata_runtime.models.ops.adjust`): ``(l + bias[s]) - (frequency * c + presence)`` where the count c of
+    the token is above 0, else ``l + bias[s]``, in float64 and rounded once to float32; ``slot``,
     ``frequency`` and ``presence`` [A] are each adjusted row's, ``counts`` [S, V] (int32) and ``bias`` [S, V]
-    (float64) each slot's."""
+    (float64) each slot's. A row's c also counts the ``extra_count[a]`` tokens of ``tokens`` from
+    ``extra_from[a]`` on (the proposals a speculative row follows; at most `EXTRA_MOST`)."""
     for i, r in enumerate(np.asarray(rows)):
         s = int(slot[i])
         x = logits[r].astype(np.float64) + bias[s]  # [V]
-        c = counts[s]
+        c = counts[s].astype(np.int64)
+        if tokens is not None and extra_count is not None and extra_from is not None and extra_count[i]:
+            at = int(extra_from[i])
+            c = c.copy()
+            np.add.at(c, np.asarray(tokens[at : at + int(extra_count[i])], np.int64), 1)
         hit = c > 0
         x[hit] -= float(frequency[i]) * c[hit].astype(np.float64) + float(presence[i])
         logits[r] = x.astype(np.float32)
+
+
+EXTRA_MOST = 8
+"""Tokens an adjusted row may count beyond its slot's counts (`adjust_logits`): a window's rows follow at most
+this many proposals (kernels.cu's ADJUST_EXTRA)."""
 
 
 def count_tokens(counts: np.ndarray, slot: np.ndarray, tokens: np.ndarray, add: np.ndarray) -> None:

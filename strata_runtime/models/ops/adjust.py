@@ -11,9 +11,10 @@ before choosing their tokens, so that a penalised request's windows run ahead li
 On CPU devices the device's steps are `adjust_logits` and `count_tokens` (NumPy); on GPUs, the kernels of the
 same names in kernels.cu.
 
-`Adjusts` is what one window asks of the device. Its rows are chosen there and counted there as they are
-chosen; the tokens the host decided since the slot's last such window (a prompt's first token, a window
-verified on the host) come with it and are counted first.
+`Adjusts` is what one window asks of the device. Its rows without proposals are chosen there and counted
+there as they are chosen; a speculative window decided there counts the tokens it keeps
+(`strata_runtime.engine.device_spec`). The tokens the host decided since the slot's last such window (a
+prompt's first token, a window verified on the host) come with it and are counted first.
 """
 
 from __future__ import annotations
@@ -31,16 +32,23 @@ class Adjusts(NamedTuple):
     """The adjustments of one window's rows on the last stage's device (host arrays).
 
     ``rows`` [A]: which of the window's logit rows adjust, with each one's ``slot``, ``frequency`` and
-    ``presence`` penalties [A]. ``fresh``: the slots whose request adjusts there for the first time, each
-    with its logit bias (token ids, values): their counts start from zero and the bias replaces the last
-    request's. ``counted``: (slot, token, times) [M] each, tokens generated for a slot that its counts do
-    not hold yet, added before the rows adjust. A row's chosen token is counted after it is chosen.
+    ``presence`` penalties [A], and the proposals it follows: ``extra_count`` [A] of the window's input
+    tokens from row ``extra_from`` [A] on (a speculative window's row j follows proposals 1..j; a row
+    without proposals, none). ``chosen_counts`` [A]: whether the row's chosen token is counted once chosen
+    (a row without proposals; a speculative window counts what it keeps when it is decided). ``fresh``: the
+    slots whose request adjusts there for the first time, each with its logit bias (token ids, values):
+    their counts start from zero and the bias replaces the last request's. ``counted``: (slot, token,
+    times) [M] each, tokens generated for a slot that its counts do not hold yet, added before the rows
+    adjust.
     """
 
     rows: np.ndarray
     slot: np.ndarray
     frequency: np.ndarray
     presence: np.ndarray
+    extra_from: np.ndarray
+    extra_count: np.ndarray
+    chosen_counts: np.ndarray
     fresh: tuple[tuple[int, np.ndarray, np.ndarray], ...]
     counted: tuple[np.ndarray, np.ndarray, np.ndarray]
 
