@@ -393,7 +393,7 @@ def test_each_next_proposal_is_drawn_at_its_own_uniform_not_at_an_accept_or_bonu
     spec = device_spec.DeviceSpec((0, 1), n, params=(params, params), uniforms=uniforms)
     model = SimpleNamespace(last=SimpleNamespace(device=SimpleNamespace(xp=np)))
     flat = np.zeros((2, 4), np.float32)  # every token equally likely
-    drawn = [device_spec._propose(model, spec, flat, j).tolist() for j in range(n - 1)]  # type: ignore[arg-type]
+    drawn = [device_spec._propose(model, spec, flat, j, []).tolist() for j in range(n - 1)]  # type: ignore[arg-type]
     assert drawn == [[0, 2], [1, 3]]
 
 
