@@ -78,7 +78,7 @@ def stage_need(model: ModelFacts, shape: StageShape, sz: Sizing) -> StageNeed:
             else 0
         ),
         workspace=sizes.workspace_bytes(
-            model, context=sz.context, prefill_rows=sz.prefill_rows, last=shape.last
+            model, context=sz.context, prefill_rows=sz.prefill_rows, last=shape.last, slots=sz.slots
         ),
         experts=sizes.expert_count(model, shape, with_mtp=sz.with_mtp),
     )
@@ -263,7 +263,9 @@ def auto_split(model: ModelFacts, gpus: Sequence[GpuFacts], sz: Sizing) -> tuple
     last_fixed = (
         sizes.weight_bytes(model, last_shape, with_mtp=sz.with_mtp)
         + sizes.drafter_bytes(model, context=sz.context, kv_dtype=sz.kv_dtype, drafters=sz.drafters)
-        + sizes.workspace_bytes(model, context=sz.context, prefill_rows=sz.prefill_rows, last=True)
+        + sizes.workspace_bytes(
+            model, context=sz.context, prefill_rows=sz.prefill_rows, last=True, slots=sz.slots
+        )
     )
     mid_ws = sizes.workspace_bytes(model, context=sz.context, prefill_rows=sz.prefill_rows, last=False)
     mtp_experts = model.mtp_layers * model.num_experts if sz.with_mtp else 0

@@ -91,13 +91,19 @@ def prefill_rows(prefill_chunk: int, prefill_chunk_alone: int) -> int:
     return max(MAX_WINDOW_ROWS + prefill_chunk, prefill_chunk_alone)
 
 
-def workspace_bytes(model: ModelFacts, *, context: int, prefill_rows: int, last: bool) -> int:
+TOKEN_COUNT_BYTES = 4 + 8
+"""Per slot and vocabulary word on the last stage: the token's count (int32) and logit bias (float64), which
+the runtime reads to apply a request's penalties and logit bias on the device."""
+
+
+def workspace_bytes(model: ModelFacts, *, context: int, prefill_rows: int, last: bool, slots: int = 0) -> int:
     """Activation workspace: ``prefill_rows`` rows (`prefill_rows`) at `row_activation_bytes`; the last stage
-    adds a decode window's logits [R, V] in float32."""
+    adds a decode window's logits [R, V] in float32 and each of ``slots`` slots' token counts and logit bias
+    (`TOKEN_COUNT_BYTES` per vocabulary word)."""
     per_row = row_activation_bytes(model, context=context)
     n = prefill_rows * per_row
     if last:
-        n += MAX_WINDOW_ROWS * model.vocab_size * F32
+        n += MAX_WINDOW_ROWS * model.vocab_size * F32 + slots * model.vocab_size * TOKEN_COUNT_BYTES
     return n
 
 

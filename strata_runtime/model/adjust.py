@@ -5,7 +5,7 @@ A penalised or biased request's decode rows are adjusted and chosen on the devic
 the token the window before chose. What the rule reads is kept here, per slot: how often each token was
 generated (int32 [S, V]) and the request's logit bias (float64 [S, V]). Both arrays are made the first time
 a window adjusts: 12 bytes a slot per word of the vocabulary (1.8 MB a slot for a 151,936-word
-vocabulary).
+vocabulary), which the plan counts in the last stage's workspace (`strata_cfg.resolve.sizes`).
 """
 
 from __future__ import annotations
