@@ -1,9 +1,11 @@
 """Speculative windows decided on the device: accept, catch the drafters up and draft the next window there.
 
 A speculative window (solo drafting, or batch MTP) holds S slots of ``n`` rows each: the slot's token, then
-``n - 1`` proposals. When no row needs the host (no logit bias or penalty, which depend on every token
-emitted so far), the whole decision after the target's logits runs on the last stage's device, on that
-stage's stream, right after the window's chosen tokens (`decide`):
+``n - 1`` proposals. When its slots all carry that many, the whole decision after the target's logits runs on
+the last stage's device, on that stage's stream, right after the window's chosen tokens (`decide`). A slot
+with a logit bias or penalties (which depend on every token emitted so far) has its rows adjusted before
+they are chosen, each counting the proposals before it, from the slot's token counts on the device
+(`strata_runtime.model.adjust`); its drafts are adjusted the same way, and what it keeps is counted:
 
 * **accept**: a greedy slot keeps ``a_i + 1`` rows, where ``a_i`` is how many of its proposals, from the
   first, equal the target's choice at the row before (`leading_matches`); a sampled slot accepts each

@@ -1,8 +1,8 @@
 """Choosing each row's token where the logits are: the argmax, or a draw at a uniform the host drew.
 
-A row whose request needs nothing but its logits to choose (no logit bias or penalty, which depend on the
-tokens generated so far) has its token chosen on the last stage's device, so that a decode window can be
-queued before the host has read the token the window before it chose. Sampled, the row's weights are
+A row without proposals to verify has its token chosen on the last stage's device (after its request's logit
+bias and penalties, `strata_runtime.models.ops.adjust`), so that a decode window can be queued before the
+host has read the token the window before it chose. Sampled, the row's weights are
 ``exp((logit - max) / temperature)`` of the tokens that stay after its top-k cut (the k largest logits and
 their ties) and its top-p cut (in descending order of logit, then ascending index, a token stays while the
 weight before it is below top_p times the total), which is what the host's
