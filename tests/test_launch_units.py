@@ -214,6 +214,16 @@ def test_loadtest_requests_carry_the_sampling_and_a_seed_each(monkeypatch):
     assert result.tokens == 2 * 3 * 8 and len(bodies) == 6
     assert all(b.items() >= sampled.items() for b in bodies)
     assert len({b["seed"] for b in bodies}) == 6
+    assert result.to_json()["sampling"] == sampled  # the report says what the requests were
+    assert (
+        "sampled at temperature 0.8, top-k 20, top-p 0.9, presence penalty 1.5, frequency penalty 0.5"
+        in result.lines()[0]
+    )
     bodies.clear()
-    load_test.run_load("http://x", clients=2, requests_per_client=1, max_tokens=8)
+    greedy = load_test.run_load("http://x", clients=2, requests_per_client=1, max_tokens=8)
     assert all(b["temperature"] == 0.0 and "seed" not in b for b in bodies)
+    assert ", greedy, " in greedy.lines()[0]
+    penalised = load_test.run_load(
+        "http://x", clients=1, requests_per_client=1, max_tokens=8, sampling={"presence_penalty": 1.0}
+    )
+    assert ", greedy, presence penalty 1, " in penalised.lines()[0]

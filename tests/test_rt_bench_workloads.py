@@ -169,7 +169,7 @@ def test_bad_sampling_options_are_usage_errors(option, needle) -> None:
     assert out.returncode == 2 and needle in out.stderr, out.stderr
 
 
-def test_penalised_requests_are_chosen_on_the_host_and_batch_mtp_keeps_their_text() -> None:
+def test_penalised_requests_reach_every_arm_and_batch_mtp_keeps_their_text() -> None:
     """--presence-penalty / --frequency-penalty reach every request; greedy with penalties is still exact
     under drafting, so batch MTP's text must equal serial windows'."""
     from rt_plans import make_plan

@@ -112,3 +112,4 @@ def test_bench_table_says_when_an_arm_is_forced() -> None:
     )
     assert "arm batch-mtp forced: runs as serial, 1 group(s), batch MTP off" in out.stderr
     assert "gain vs serial" in out.stdout
+    assert "workload two-decodes: 8 tokens per request, greedy, medians of 1" in out.stdout

@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..schema.sampling_options import describe_sampling
 from .http_driver import Client, Sample, served_model
 from .stats import percentile
 
@@ -23,6 +24,8 @@ class LoadResult:
     stream: bool
     wall_s: float
     samples: list[Sample] = field(default_factory=list)
+    sampling: dict[str, Any] = field(default_factory=dict)
+    """The sampling fields every request carried (none: greedy)."""
 
     @property
     def served(self) -> list[Sample]:
@@ -47,6 +50,7 @@ class LoadResult:
             "url": self.url,
             "clients": self.clients,
             "max_tokens": self.max_tokens,
+            "sampling": dict(self.sampling),
             "stream": self.stream,
             "wall_s": round(self.wall_s, 3),
             "requests": len(self.served),
@@ -63,7 +67,8 @@ class LoadResult:
     def lines(self) -> list[str]:
         j = self.to_json()
         out = [
-            f"{j['clients']} clients, {j['max_tokens']} tokens each, {j['wall_s']} s: "
+            f"{j['clients']} clients, {j['max_tokens']} tokens each, {describe_sampling(j['sampling'])}, "
+            f"{j['wall_s']} s: "
             f"{j['requests']} requests served, {j['errors']} errors",
             f"  latency p50 {_ms(j['latency_p50_s'])}, p95 {_ms(j['latency_p95_s'])}; "
             f"{j['tokens']} tokens, {j['tok_s']} tok/s aggregate",
@@ -141,5 +146,11 @@ def run_load(
         t.join()
     wall = time.perf_counter() - start
     return LoadResult(
-        url=url, clients=clients, max_tokens=max_tokens, stream=stream, wall_s=wall, samples=samples
+        url=url,
+        clients=clients,
+        max_tokens=max_tokens,
+        stream=stream,
+        wall_s=wall,
+        samples=samples,
+        sampling=dict(sampling or {}),
     )

@@ -44,6 +44,24 @@ def sampling_options(args: Any) -> dict[str, Any]:
     return {key: getattr(args, key) for key in SAMPLING_KEYS}
 
 
+def describe_sampling(options: dict[str, Any]) -> str:
+    """The options that differ from greedy decoding, in words (``greedy`` when none does): what a report
+    says its requests were sampled with."""
+    parts = []
+    if options.get("temperature", 0.0) > 0:
+        parts.append(f"temperature {options['temperature']:g}")
+        if options.get("top_k", 0):
+            parts.append(f"top-k {options['top_k']}")
+        if options.get("top_p", 1.0) < 1:
+            parts.append(f"top-p {options['top_p']:g}")
+    for key in ("presence_penalty", "frequency_penalty"):
+        if options.get(key, 0.0):
+            parts.append(f"{key.replace('_', ' ')} {options[key]:g}")
+    if not parts:
+        return "greedy"
+    return ("sampled at " if options.get("temperature", 0.0) > 0 else "greedy, ") + ", ".join(parts)
+
+
 def options_problem(args: Any) -> str | None:
     """`sampling_problem` of a command's parsed sampling options."""
     return sampling_problem(**sampling_options(args))
@@ -82,6 +100,6 @@ def add_penalty_arguments(parser: Any) -> None:
             f"--{name}-penalty",
             type=float,
             default=0.0,
-            help=f"{name} penalty in [-2, 2], as OpenAI defines it: a token's logit loses it {what}; the "
-            "host then chooses the tokens (default 0)",
+            help=f"{name} penalty in [-2, 2], as OpenAI defines it: a token's logit loses it {what} "
+            "(default 0)",
         )

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from strata_cfg.schema.facts import ModelFacts
 from strata_cfg.schema.plan import LaunchPlan
 from strata_cfg.schema.plan_file import read_plan
-from strata_cfg.schema.sampling_options import add_sampling_arguments, sampling_options
+from strata_cfg.schema.sampling_options import add_sampling_arguments, describe_sampling, sampling_options
 from strata_cfg.schema.workloads import (
     CLIENT_COUNTS,
     GPU_WORKLOADS,
@@ -210,7 +210,8 @@ def run(args: argparse.Namespace) -> int:
             out["peers"]["llama.cpp"] = llama["json"]
         print(json.dumps(out, indent=2))
     else:
-        print(render_table(args.workload, plans, summary, notes, args.repeats, args.tokens))
+        sampled = describe_sampling(sampling_options(args))
+        print(render_table(args.workload, plans, summary, notes, args.repeats, args.tokens, sampled))
         if ceiling:
             print("\n" + "\n".join(ceiling["lines"]))
         if llama is not None and llama["lines"]:
@@ -483,8 +484,9 @@ def render_table(
     notes: dict[str, str],
     repeats: int,
     tokens: int,
+    sampling: str = "greedy",
 ) -> str:
-    what = f"{tokens} tokens per request"
+    what = f"{tokens} tokens per request, {sampling}"
     if workload == "prompt":
         n = next(iter(summary.values()))["prompt"]["median"]["prompt_tokens"]
         what = f"one prompt of {n:.0f} tokens alone on the engine, 1 token generated; tok/s = prompt tokens/s"
