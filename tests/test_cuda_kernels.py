@@ -715,6 +715,21 @@ def test_adjust_logits_and_count_tokens_match_twin(gpu, v):
         untouched = np.setdiff1d(np.arange(rows), adjusted)
         assert np.array_equal(out_d.get()[untouched], logits[untouched])
 
+        # Rows of a speculative window: each also counts up to 7 of the window's tokens (its proposals),
+        # drawn from the tokens the slots already count and from new ones, with repeats.
+        tokens = np.concatenate([np.flatnonzero(counts[0])[:4], g.integers(0, v, 6)]).astype(np.int64)
+        tokens = g.permutation(np.resize(tokens, 10))
+        extra_from = g.integers(0, 3, adjusted.size).astype(np.int64)
+        extra_count = g.integers(0, 8, adjusted.size).astype(np.int32)
+        extra_count[0] = 7
+        out_d = cp.asarray(logits)
+        extras = [cp.asarray(a) for a in (tokens, extra_from, extra_count)]
+        kern.adjust_logits(out_d, *dev, *extras)
+        with_extras = logits.copy()
+        ref.adjust_logits(with_extras, adjusted, slot, counts, bias, freq, pres, tokens, extra_from, extra_count)
+        assert np.array_equal(out_d.get(), with_extras)
+        assert not np.array_equal(with_extras, want)  # the proposals counted
+
         n = 300
         cs = g.integers(0, slots, n).astype(np.int64)
         ct = g.integers(0, min(v, 50), n).astype(np.int64)  # few tokens: many repeats
