@@ -726,7 +726,8 @@ def test_adjust_logits_and_count_tokens_match_twin(gpu, v):
         extras = [cp.asarray(a) for a in (tokens, extra_from, extra_count)]
         kern.adjust_logits(out_d, *dev, *extras)
         with_extras = logits.copy()
-        ref.adjust_logits(with_extras, adjusted, slot, counts, bias, freq, pres, tokens, extra_from, extra_count)
+        proposals = (tokens, extra_from, extra_count)
+        ref.adjust_logits(with_extras, adjusted, slot, counts, bias, freq, pres, *proposals)
         assert np.array_equal(out_d.get(), with_extras)
         assert not np.array_equal(with_extras, want)  # the proposals counted
 
