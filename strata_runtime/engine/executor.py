@@ -42,7 +42,7 @@ import numpy as np
 
 from strata_cfg.schema.windows import MAX_WINDOW_ROWS
 
-from ..api import SamplingParams, TokenEvent
+from ..api import TokenEvent
 from ..backend import Array, Device, cupy_module, device_lock, download, holding, peer_copy, transfer
 from ..model import Model
 from ..model.stage import Stage
@@ -51,10 +51,7 @@ from .flight import Chained, Flight, Mark, StageMark, StageWorker, wait_any
 from .job import Entry, Job
 from .sampling import Sampler
 from .slot import Slot
-from .speculative import Proposals, Verdict, catch_up, commit, draft, verify
-
-CHOICES = Sampler(SamplingParams(), seed=0)
-"""A plain greedy sampler: `verify` with it reads a window's rows as the target's choices, already made."""
+from .speculative import Proposals, Verdict, catch_up, commit, draft, verify, verify_choices
 
 
 def _using(stream: Any) -> Any:
@@ -406,8 +403,8 @@ class Executor:
         accepted, after = int(spec.host["accepted"][i]), int(spec.host["first"][i])
         tokens = [*window[1 : 1 + accepted], after]
         if slot.sampler.greedy:  # the same decision as the host's own verification, or nothing is emitted
-            # of the target's choices (after its adjustments, if any, made on the device)
-            verdict = verify(flight.chosen_host[row : row + n], Proposals(window[1:], []), CHOICES)
+            # (of the target's choices, made on rows the device adjusted where the request asks)
+            verdict = verify_choices(flight.chosen_host[row : row + n], window[1:])
             if verdict.tokens != tokens:
                 raise RuntimeError(
                     f"slot {slot.id}: the device kept {accepted} proposals of {window[1:]} and chose {after} "

@@ -157,6 +157,15 @@ def draft(model: Model, slot: int, token: int, depth: int, sampler: Sampler) -> 
     return out
 
 
+def verify_choices(picks: np.ndarray, proposals: list[int]) -> Verdict:
+    """A greedy window's decision from the target's choices [n] at its rows: proposals hold, from the first,
+    while each equals the choice at the row before it; the choice after the last one that held follows."""
+    a = 0
+    while a < len(proposals) and proposals[a] == int(picks[a]):
+        a += 1
+    return Verdict(a, [*proposals[:a], int(picks[a])])
+
+
 def verify(target: np.ndarray, proposals: Proposals, sampler: Sampler) -> Verdict:
     """Decide a slot's window from the target's rows for its token and its n - 1 proposals.
 
@@ -170,11 +179,7 @@ def verify(target: np.ndarray, proposals: Proposals, sampler: Sampler) -> Verdic
     if sampler.needs_logits:
         target = sampler.adjusted(target, proposals.tokens)  # [n, V]
     if sampler.greedy:
-        picks = target if target.ndim == 1 else np.argmax(target, axis=-1)  # [n]
-        a = 0
-        while a < n_prop and proposals.tokens[a] == int(picks[a]):
-            a += 1
-        return Verdict(a, [*proposals.tokens[:a], int(picks[a])])
+        return verify_choices(target if target.ndim == 1 else np.argmax(target, axis=-1), proposals.tokens)
     p = distribution(target, sampler.params)  # [n, V]
     for j, tok in enumerate(proposals.tokens):
         q = proposals.q[j]
