@@ -31,7 +31,6 @@ The same functions run on NumPy arrays on CPU devices and on CuPy arrays on GPUs
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -168,30 +167,22 @@ def _keep_draft(drafters: dict[int, Any], spec: DeviceSpec, j: int, hidden: Arra
 
 
 def _adjust(
-    model: Model,
-    spec: DeviceSpec,
-    logits: Array,
-    tokens: Array | None,
-    row: Callable[[int], tuple[int, int, int]],
-    only: int | None = None,
+    model: Model, spec: DeviceSpec, logits: Array, tokens: Array | None, at: list[tuple[int, int, int, int]]
 ) -> None:
-    """Adjust rows of logits in place for the penalised slots (or slot ``only``): ``row(i)`` gives, for slot
-    i (or row k of slot ``only``), (the row, where its proposals start in ``tokens``, how many)."""
+    """Adjust rows of logits in place, each (slot i of the window, the row, where the proposals it follows
+    start in ``tokens``, how many) by slot i's bias and penalties."""
     assert spec.penalties is not None
-    if only is None:
-        at = [(i, *row(i)) for i, pen in enumerate(spec.penalties) if pen is not None]
-    else:
-        at = [(only, *row(k)) for k in range(int(logits.shape[0]))]
     pens = [spec.penalties[i] for i, *_ in at]
+    assert None not in pens, "only the slots with a bias or penalties adjust"
     model.token_counts.adjust_rows(
         logits,
-        np.array([r for _, r, _, _ in at], np.int64),
+        np.array([row for _, row, _, _ in at], np.int64),
         np.array([spec.slots[i] for i, *_ in at], np.int64),
         np.array([p[0] for p in pens if p is not None], np.float64),
         np.array([p[1] for p in pens if p is not None], np.float64),
         tokens,
-        np.array([f for _, _, f, _ in at], np.int64),
-        np.array([c for *_, c in at], np.int32),
+        np.array([start for _, _, start, _ in at], np.int64),
+        np.array([count for *_, count in at], np.int32),
     )
 
 
@@ -228,7 +219,8 @@ def _propose(model: Model, spec: DeviceSpec, logits: Array, j: int, before: list
         with model.last.device.use():
             logits = logits.copy()
             tokens = xp.stack(before, axis=1).reshape(-1) if before else None  # [S j]: slot i's at i * j
-            _adjust(model, spec, logits, tokens, lambda i: (i, i * j, j))
+            at = [(i, i, i * j, j) for i, pen in enumerate(spec.penalties) if pen is not None]
+            _adjust(model, spec, logits, tokens, at)
     if spec.params is None:
         return model.argmax(logits)
     picks = model.argmax(logits) if None in spec.params else None  # for the greedy slots among them
@@ -262,7 +254,7 @@ def _accept_each(
         draft = drafters[spec.slots[i]].logits[: n - 1]  # what this window's proposals were drawn from
         if spec.penalties is not None and spec.penalties[i] is not None:  # as they were drawn: adjusted,
             draft = draft.copy()  # row k counting proposals 1..k
-            _adjust(model, spec, draft, spec.tokens[rows], lambda k: (k, 1, k), only=i)
+            _adjust(model, spec, draft, spec.tokens[rows], [(i, k, 1, k) for k in range(n - 1)])
         a, f = verify_sampled(xp, logits[rows], draft, spec.tokens[rows], params, spec.uniforms[i])
         nxt = xp.concatenate([spec.tokens[rows][1:], f[None]])  # a kept row is followed by the next input
         nxt[a] = f
