@@ -50,10 +50,13 @@ def profile_text(
     peer: bool = False,
     helper_vram_mib: int = 8192,
     run_ahead: int | None = None,
+    adaptive_depth: bool | None = None,
 ) -> str:
-    """``helpers``: helper GPUs (``experts.helper_devices``) after the stages' GPUs; ``peer``: a peer device
-    (``experts.peer_device``) after them instead; ``helper_vram_mib``: the VRAM of each (the resolver fills
-    a helper GPU with as many of the experts the stages lack as fit)."""
+    """``adaptive_depth`` False: every drafting solo window carries all its proposals (window shapes then
+    do not depend on measured times). ``helpers``: helper GPUs (``experts.helper_devices``) after the
+    stages' GPUs; ``peer``: a peer device (``experts.peer_device``) after them instead;
+    ``helper_vram_mib``: the VRAM of each (the resolver fills a helper GPU with as many of the experts the
+    stages lack as fit)."""
     if model_dir is not None:
         n_layers = json.loads((Path(model_dir) / "config.json").read_text())["num_hidden_layers"]
         model = f"path = {json.dumps(str(model_dir))}"
@@ -85,6 +88,8 @@ def profile_text(
     if stages > 1:
         lines += ["[split]", f"layers = {even_split(n_layers, stages)}"]
     lines += ["[spec]", f"draft_tokens = {draft_tokens}"]
+    if adaptive_depth is not None:
+        lines.append(f"adaptive_depth = {str(adaptive_depth).lower()}")
     lines += ["[memory]", f"context = {context}", f"prefill_chunk = {prefill_chunk}", "vram_reserve_mib = 0"]
     lines += [f"prefill_chunk_alone = {prefill_chunk_alone}"] if prefill_chunk_alone is not None else []
     if expert_cache is not None or adapt is not None or extra:

@@ -334,7 +334,9 @@ def test_speculative_windows_decided_on_gpu_draft_accept_and_read_as_host_decisi
     prompts = [g.integers(1, 250, int(n)).tolist() for n in g.integers(3, 30, 2)]
     for slots, batch_mtp in ((1, False), (2, True)):
         plan = _plan(cp, model="tiny", slots=slots, batch_mtp=batch_mtp, draft_tokens=4, split=split)
-        plan = plan.model_copy(update={"spec": plan.spec.model_copy(update={"draft_floor": 0.0})})
+        plan = plan.model_copy(
+            update={"spec": plan.spec.model_copy(update={"draft_floor": 0.0, "adaptive_depth": False})}
+        )
         outs, chained = [], 0
         for on_device in (False, True):
             engine = Engine(plan)

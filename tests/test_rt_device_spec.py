@@ -38,6 +38,7 @@ def engine(stages: int, slots: int, batch_mtp: bool, on_device: bool, run_ahead:
         context=context,
         prefill_chunk=8,
         run_ahead=run_ahead,
+        adaptive_depth=False,  # the same windows whoever decides them
     )
     eng = Engine(plan)
     if not on_device:

@@ -81,11 +81,13 @@ def test_a_drafter_whose_proposals_never_hold_is_paused_and_the_greedy_text_is_t
 ) -> None:
     """layer_scale 0.5 makes the tiny model's MTP head disagree with it: no proposal holds. The engine
     pauses drafting after the warm-up and probes every `DRAFT_PROBE_EVERY` windows; with the floor at 0
-    (never pausing) it drafts in every window. The text is the same."""
+    and a fixed solo depth (never pausing) it drafts in every window. The text is the same."""
     plan = make_plan(stages=1, slots=slots, batch_mtp=slots > 1, draft_tokens=3, context=256, layer_scale=0.5)
     requests = [Request(tuple(p), 110) for p in PROMPTS[:slots]]
     paused, kinds, drafted, plain = _run(plan, requests)
-    never = plan.model_copy(update={"spec": plan.spec.model_copy(update={"draft_floor": 0.0})})
+    never = plan.model_copy(
+        update={"spec": plan.spec.model_copy(update={"draft_floor": 0.0, "adaptive_depth": False})}
+    )
     always, _, drafted_always, plain_always = _run(never, requests)
     assert paused == always
     assert plain_always == 0 and drafted_always > 0
@@ -105,26 +107,40 @@ def test_a_drafter_whose_proposals_hold_is_never_paused() -> None:
     assert "s" not in kinds and kinds.count("B") > 20
     said = "".join(Engine(plan).startup)
     assert (
-        "drafting pauses for a request while under 25% of its proposals hold, with one probe after 16" in said
+        "drafting pauses for a request while under 25% of its proposals hold, or while windows without them "
+        "give more tokens per second, with one probe after 16" in said
     )
 
 
 def test_the_profile_sets_the_floor_and_zero_never_pauses() -> None:
-    """``spec.draft_floor`` reaches the plan, its text and the engine: 0 drafts in every window of a drafter
-    that never holds; 0.9 pauses a good drafter."""
+    """``spec.draft_floor`` reaches the plan, its text and the engine: 0 with a fixed solo depth drafts in
+    every window of a drafter that never holds (with the adaptive depth, 0 only drops the floor); 0.9
+    pauses a good drafter."""
     text = profile_text(stages=1, slots=2, batch_mtp=True, draft_tokens=3, context=256, layer_scale=0.5)
-    never = resolve_text(text.replace("[spec]", "[spec]\ndraft_floor = 0"), "never.toml").plan
+    no_floor = resolve_text(text.replace("[spec]", "[spec]\ndraft_floor = 0"), "no-floor.toml").plan
+    assert no_floor.spec.adaptive_depth and "no acceptance floor" in plan_text(no_floor)
+    assert (
+        "drafting pauses for a request only while windows without proposals give more tokens per second"
+        in ("".join(Engine(no_floor).startup))
+    )
+    fixed = "[spec]\ndraft_floor = 0\nadaptive_depth = false"
+    never = resolve_text(text.replace("[spec]", fixed), "never.toml").plan
     assert never.spec.draft_floor == 0.0 and never.settings["spec.draft_floor"].source.kind == "user"
+    assert not never.spec.adaptive_depth and never.settings["spec.adaptive_depth"].source.kind == "user"
     assert "drafting never pauses" in plan_text(never)
+    assert "token + 2 MTP proposals" in plan_text(never)
     _, _, drafted, plain = _run(never, [Request(tuple(p), 60) for p in PROMPTS])
     assert plain == 0 and drafted > 20
-    assert "drafting never pauses (spec.draft_floor = 0)" in Engine(never).startup
+    assert (
+        "drafting never pauses (spec.draft_floor = 0, spec.adaptive_depth = false)" in Engine(never).startup
+    )
     good = profile_text(stages=1, slots=2, batch_mtp=True, draft_tokens=3, context=256)
     picky = resolve_text(good.replace("[spec]", "[spec]\ndraft_floor = 0.9"), "picky.toml").plan
     assert "drafting pauses under 90% of proposals held" in plan_text(picky)
-    assert ("spec", "window 3: token + 2 MTP proposals, drafting pauses under 90% of proposals held") in [
-        (label, text.plain) for label, text in summary_rows(picky)
-    ]
+    assert (
+        "spec",
+        "window 3: token + up to 2 MTP proposals, drafting pauses under 90% of proposals held",
+    ) in [(label, text.plain) for label, text in summary_rows(picky)]
     _, kinds, _, plain = _run(picky, [Request(tuple(p), 60) for p in PROMPTS])
     assert plain > 0 and "s" in kinds  # about 60% of its drafts hold: under 90%, paused
 
@@ -168,7 +184,7 @@ def test_windows_without_proposals_leave_the_drafter_s_rows_for_one_pass_before_
     """Two slots in serial windows (no batch MTP): neither drafts until one is left alone, so their rows
     wait, up to `DEFER_MOST`, and the head reads them in one pass. Against catching up every window
     (`DEFER_MOST` 0): the same text, far fewer head calls, and the same drafts once the slot is alone."""
-    plan = make_plan(stages=2, slots=2, draft_tokens=3, context=256)
+    plan = make_plan(stages=2, slots=2, draft_tokens=3, context=256, adaptive_depth=False)
     requests = [(0, Request(tuple(b"The river"), 70)), (0, Request(tuple(b"Another one"), 20))]
 
     heads = _counting_head(monkeypatch)

@@ -260,7 +260,7 @@ def test_greedy_with_penalties_is_the_same_when_drafting_pauses_and_probes() -> 
     # At a draft floor of 1 the slot drafts for its first proposals, then pauses (its rows are adjusted and
     # chosen on the device, which counts them) and probes now and then (windows verified on the host): the
     # device's counts must take in every token the host decided, or the replies part.
-    plan = make_plan(draft_tokens=2, context=160, prefill_chunk=16)
+    plan = make_plan(draft_tokens=2, context=160, prefill_chunk=16, adaptive_depth=False)
     eng = Engine(plan.model_copy(update={"spec": plan.spec.model_copy(update={"draft_floor": 1.0})}))
     rng = np.random.default_rng(47)
     prompt = tuple(int(t) for t in rng.integers(32, 127, size=12))

@@ -92,18 +92,24 @@ def floor_text(plan: LaunchPlan) -> str | None:
     s = plan.spec
     if not s.mtp or s.draft_floor == DEFAULT_DRAFT_FLOOR:
         return None
-    return (
-        "drafting never pauses"
-        if s.draft_floor == 0
-        else f"drafting pauses under {s.draft_floor:.0%} of proposals held"
-    )
+    if s.draft_floor > 0:
+        return f"drafting pauses under {s.draft_floor:.0%} of proposals held"
+    return "no acceptance floor" if s.adaptive_depth else "drafting never pauses"
+
+
+def proposals_text(plan: LaunchPlan) -> str:
+    """The solo window in words: ``window 4: token + up to 3 MTP proposals`` (``spec.adaptive_depth``: as
+    many as pay), or ``... + 3 MTP proposals`` where every drafting window carries them all."""
+    s = plan.spec
+    most = s.draft_tokens - 1
+    return f"window {s.draft_tokens}: token + {'up to ' if s.adaptive_depth else ''}{most} MTP proposals"
 
 
 def _spec_line(plan: LaunchPlan) -> str:
     s = plan.spec
     if not s.mtp:
         return "no drafting (the token alone)"
-    line = f"window {s.draft_tokens}: token + {s.draft_tokens - 1} MTP proposals when one request runs alone"
+    line = f"{proposals_text(plan)} when one request runs alone"
     floor = floor_text(plan)
     if floor is not None:
         line += f"; {floor}"

@@ -225,6 +225,7 @@ def _assemble(
         spec=SpecPlan(
             draft_tokens=led["spec.draft_tokens"],
             draft_floor=led["spec.draft_floor"],
+            adaptive_depth=bool(led["spec.adaptive_depth"]),
             mtp=drafts_with_mtp(model, led),
             pipeline_windows=led["split.pipeline_windows"],
         ),

@@ -173,6 +173,11 @@ class SpecSection(Section):
     with a probe window now and then to measure again; 0 never pauses. Windows with one proposal per slot
     cost about twice the rows for (1 + acceptance) tokens per slot, so drafting under about a quarter
     accepted loses on the GPUs measured; a GPU whose wider windows cost relatively less can set it lower."""
+    adaptive_depth: bool | None = None
+    """Whether a request running alone drafts only as many of the window's proposals as pay (default
+    true): the depth that gives the most tokens per second, from the request's measured acceptance at
+    each position and the engine's measured window times. False: every drafting window carries all
+    ``draft_tokens - 1`` proposals."""
 
 
 class MemorySection(Section):

@@ -55,6 +55,7 @@ from ..model import Model
 from ..model.placed import WeightStore
 from ..weights.progress import Progress
 from . import device_spec
+from .depth import WindowCosts
 from .executor import Executor
 from .flight import Chained, Flight, Mark
 from .job import CHAINED, Entry, Job
@@ -83,7 +84,10 @@ class Engine:
         self.slots: list[Slot | None] = [None] * self.n_slots
         self.tracked = self.model.mtp is not None
         self.depth = plan.windows.solo_rows - 1
-        """Proposals a solo window drafts after its token (0: the plan does not draft)."""
+        """Proposals a solo window drafts at most after its token (0: the plan does not draft)."""
+        self.window_costs = WindowCosts() if plan.spec.adaptive_depth and self.depth > 0 else None
+        """Solo windows' measured times by row count, from which each request's solo depth is chosen
+        (`strata_runtime.engine.depth`); None: every drafting solo window drafts ``depth``."""
         self.pipelined = plan.batch.mode == "pipelined"
         self.executor = Executor(self.model, self.tracked, overlap=self.pipelined)
         self._queue: deque[RequestHandle] = deque()
@@ -208,13 +212,37 @@ class Engine:
             "kv_bytes_each": first.kv.nbytes,
         }
 
+    def _depth_text(self) -> str:
+        if self.window_costs is None or self.depth == 0:
+            return f"{self.depth} proposal(s)"
+        return (
+            f"up to {self.depth} proposal(s), as many as give the most tokens per second by each request's "
+            "acceptance and the measured window times (spec.adaptive_depth)"
+        )
+
+    def _pause_text(self) -> str:
+        floor, adaptive = self.plan.spec.draft_floor, self.window_costs is not None
+        probe = f"with one probe after {DRAFT_PROBE_EVERY} windows"
+        if floor > 0:
+            also = ", or while windows without them give more tokens per second" if adaptive else ""
+            return (
+                f"drafting pauses for a request while under {floor:.0%} of its proposals hold{also}, "
+                f"{probe} (spec.draft_floor)"
+            )
+        if adaptive:
+            return (
+                "drafting pauses for a request only while windows without proposals give more tokens per "
+                f"second, {probe} (spec.draft_floor = 0)"
+            )
+        return "drafting never pauses (spec.draft_floor = 0, spec.adaptive_depth = false)"
+
     def _startup_lines(self) -> list[str]:
         p = self.plan
         stages = ", ".join(f"{s.device} layers [{s.layers[0]}, {s.layers[1]})" for s in p.stages)
         lines = [
             f"stages: {stages}",
             f"slots: {self.n_slots}, mode {p.batch.mode}, {p.batch.groups} group(s), batch MTP "
-            f"{'on' if p.batch.mtp else 'off'}, solo drafting {self.depth} proposal(s)",
+            f"{'on' if p.batch.mtp else 'off'}, solo drafting {self._depth_text()}",
             (
                 f"decode windows whose tokens the GPU chooses: up to {self.run_ahead} in flight, each "
                 "reading the tokens the one before chose (batch.run_ahead)"
@@ -240,13 +268,7 @@ class Engine:
             each = info["bytes_each"] / MIB
             kv = info["kv_bytes_each"] / MIB
             where = "solo and batch-MTP windows" + (", in each group" if self.pipelined else "")
-            floor = p.spec.draft_floor
-            lines.append(
-                f"drafting pauses for a request while under {floor:.0%} of its proposals hold, with one "
-                f"probe after {DRAFT_PROBE_EVERY} windows (spec.draft_floor)"
-                if floor > 0
-                else "drafting never pauses (spec.draft_floor = 0)"
-            )
+            lines.append(self._pause_text())
             lines.append(
                 f"drafters: slots {info['slots']} on {info['device']} (last stage), {each:.2f} MiB each "
                 f"(MTP-layer KV {kv:.2f} MiB + draft-window buffers {each - kv:.2f} MiB); decided there, "
@@ -338,8 +360,15 @@ class Engine:
                     frozenset(req.stop_ids) | frozenset(self.tokenizer.eos_ids),
                     self.tokenizer,
                     self._admitted,
-                    gauge=DraftGauge(self.plan.spec.draft_floor),
+                    gauge=DraftGauge(self.plan.spec.draft_floor, self._depth_costs(req), self.depth),
                 )
+
+    def _depth_costs(self, request: Request) -> WindowCosts | None:
+        """The window times a request's solo depth is chosen from; None (the full depth whenever it drafts)
+        for a seeded sampled request: which tokens it samples depends on where its windows hold proposals,
+        and the seed promises the same text on every run, while window times differ from run to run."""
+        s = request.sampling
+        return None if s.temperature > 0 and s.seed is not None else self.window_costs
 
     def _reap_cancelled(self) -> None:
         busy = self._busy_slots()
@@ -440,10 +469,11 @@ class Engine:
             return None  # batch-MTP windows again: few enough slots decode, and drafting pays
         room = min(self.depth, self.plan.memory.context - entries[0].pos - 1)
         alone = len(everyone) == 1 and room > 0
-        if alone and pays and (group is None or not any(f.job.kind == "prefill" for f in self._flights)):
+        drafts_alone = alone and entries[0].slot.gauge.leaves(0, room)
+        if drafts_alone and (group is None or not any(f.job.kind == "prefill" for f in self._flights)):
             return None  # one slot left (pipelined: and no prompt in flight): its solo windows draft
         kind = job.kind if group is not None else "solo" if len(entries) == 1 else "serial"
-        paused = not pays and ((alone and kind == "solo") or (kind != "solo" and mtp))
+        paused = (alone and kind == "solo" and not drafts_alone) or (kind != "solo" and mtp and not pays)
         return Job(kind, entries, paused=paused), tuple(rows)
 
     def _spec_continuation(self, before: Flight, group: int | None = None) -> tuple[Job, None] | None:
@@ -462,9 +492,12 @@ class Engine:
             live = [s for s in live if self._group(s.id) == group]
         if any(s.prefilling for s in live) or {s.id for s in live} != set(job.slot_ids):
             return None
-        if not drafting_pays([e.slot.gauge for e in job.entries], probe=False):
-            return None  # the slots' proposals rarely hold: windows without them take over
         n = before.spec.n
+        if job.kind == "solo":
+            if job.entries[0].slot.gauge.leaves(n - 1, self.depth, probe=False):
+                return None  # another depth pays better: the host launches it
+        elif not drafting_pays([e.slot.gauge for e in job.entries], probe=False):
+            return None  # the slots' proposals rarely hold: windows without them take over
         for e in job.entries:
             slot = e.slot
             if slot.handle.cancelled.is_set() or self._ends_in_flight(slot):
@@ -615,8 +648,9 @@ class Engine:
         mtp = self.plan.batch.mtp and self._batch_mtp_serves(len(decoding))
         if len(decoding) == 1 and not prefilling and not pipelined:
             room = min(self.depth, self._room(decoding[0]))
-            paused = room > 0 and not decoding[0].gauge.drafts
-            rows = solo_window(ids[0], 0 if paused else room)
+            depth = decoding[0].gauge.depth(room)
+            paused = room > 0 and depth == 0
+            rows = solo_window(ids[0], depth)
             kind = "solo"
         elif mtp and drafting_pays([s.gauge for s in decoding]):
             paused = False
@@ -698,6 +732,8 @@ class Engine:
         proposals = sum(len(e.proposals.tokens) for e in job.entries if e.slot.id in kept)
         on_device = flight.spec is not None
         window = WindowStat(job.kind, job.rows, ms, proposals, accepted, job.slot_ids, on_device, job.paused)
+        if job.kind == "solo" and self.window_costs is not None:
+            self.window_costs.observe(job.rows, ms)
         self.window_stats.record(window, sum(len(ev.token_ids) for _, ev in events), flight.discarded)
         for slot, ev in events:
             slot.handle.events.put(ev)

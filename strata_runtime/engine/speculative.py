@@ -13,7 +13,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -22,6 +22,7 @@ from strata_cfg.schema.plan import DEFAULT_DRAFT_FLOOR
 from ..backend import Array, Device
 from ..layout import Layout
 from ..model import Model
+from .depth import WindowCosts, best_depth, worth_switching
 from .sampling import Sampler, distribution
 
 
@@ -45,19 +46,39 @@ DRAFT_WEIGHT = 1 / 4
 whose proposal holds brings a paused slot back to the floor."""
 
 
+HOLD_WARMUP = 4
+"""Windows that reached a proposal position before its own estimate is used (until then: the position
+before it's, or 1 for the first)."""
+HOLD_WEIGHT = 1 / 8
+"""Weight of each new outcome in a position's estimate after the first 8 (a plain mean until then)."""
+
+
 @dataclass
 class DraftGauge:
-    """Whether drafting pays for one slot: an exponential average of the share of its proposals that held,
-    from every window it verified. Drafting pauses while the estimate is under ``floor`` (the plan's
-    ``spec.draft_floor``, after `DRAFT_WARMUP` proposals). A window of k slots with one proposal each costs
-    t(2k) for k(1 + a) tokens, against t(k) for k tokens without; on an H200 t(2k)/t(k) is 1.28 to 1.6 for
-    k = 1..4 (docs/PERFORMANCE.md), so the default, 0.25, pauses only where drafting loses in every case
-    measured. A paused slot drafts again for one window after `DRAFT_PROBE_EVERY` windows, so a request whose
-    text turns predictable gets its drafts back; each probe that finds them still failing doubles the wait
-    for the next (up to `DRAFT_PROBE_MOST`). Exactness does not depend on it: a window with or without
-    proposals gives the same greedy text and the target's distribution."""
+    """Whether drafting pays for one slot, and how deep its solo windows draft.
+
+    **Whether.** An exponential average of the share of its proposals that held, from every window it
+    verified. Drafting pauses while the estimate is under ``floor`` (the plan's ``spec.draft_floor``, after
+    `DRAFT_WARMUP` proposals). A window of k slots with one proposal each costs t(2k) for k(1 + a) tokens,
+    against t(k) for k tokens without; on an H200 t(2k)/t(k) is 1.28 to 1.6 for k = 1..4
+    (docs/PERFORMANCE.md), so the default, 0.25, pauses only where drafting loses in every case measured.
+    A paused slot drafts again for one window after `DRAFT_PROBE_EVERY` windows, so a request whose text
+    turns predictable gets its drafts back; each probe that finds them still failing doubles the wait for
+    the next (up to `DRAFT_PROBE_MOST`).
+
+    **How deep** (``costs``: the engine's `WindowCosts`, with ``spec.adaptive_depth``). For each proposal
+    position j, the chance that proposal j holds once those before it held (`hold`), and from those and
+    the measured window times the solo depth with the most tokens per second (`strata_runtime.engine.depth`);
+    depth 0 pauses drafting like the floor. Without ``costs`` a drafting solo window carries every proposal
+    it has room for.
+
+    Exactness does not depend on either: a window with or without proposals gives the same greedy text and
+    the target's distribution."""
 
     floor: float = DEFAULT_DRAFT_FLOOR
+    costs: WindowCosts | None = None
+    most: int = 0
+    """The plan's solo depth (``spec.draft_tokens - 1``)."""
     rate: float = 1.0
     seen: int = 0
     """Proposals verified so far."""
@@ -65,6 +86,10 @@ class DraftGauge:
     """Windows in a row without proposals."""
     wait: int = DRAFT_PROBE_EVERY
     """Windows without proposals before the next probe."""
+    holds: list[float] = field(default_factory=list)
+    """Per proposal position, the share of the windows reaching it in which it held."""
+    reached: list[int] = field(default_factory=list)
+    """Per proposal position, the windows that reached it (every proposal before it held)."""
 
     def record(self, proposed: int, accepted: int) -> None:
         if proposed == 0:
@@ -75,7 +100,14 @@ class DraftGauge:
         self.seen += proposed
         keep = (1 - DRAFT_WEIGHT) ** proposed
         self.rate = keep * self.rate + (1 - keep) * accepted / proposed
-        if self.estimate >= self.floor:
+        for j in range(min(accepted + 1, proposed)):
+            if j == len(self.holds):
+                self.holds.append(0.0)
+                self.reached.append(0)
+            self.reached[j] += 1
+            w = max(1 / self.reached[j], HOLD_WEIGHT)
+            self.holds[j] = (1 - w) * self.holds[j] + w * (j < accepted)
+        if self.estimate >= self.floor and (self.most == 0 or self._best(self.most) > 0):
             self.wait = DRAFT_PROBE_EVERY
         elif probe:
             self.wait = min(2 * self.wait, DRAFT_PROBE_MOST)
@@ -85,6 +117,13 @@ class DraftGauge:
         """The share of proposals expected to hold (optimistic, 1, until `DRAFT_WARMUP` were seen)."""
         return self.rate if self.seen >= DRAFT_WARMUP else 1.0
 
+    def hold(self, j: int) -> float:
+        """The chance that proposal j holds once the ones before it held (after `HOLD_WARMUP` windows
+        reached it; until then the position before it's, and 1 for the first)."""
+        if j < len(self.reached) and self.reached[j] >= HOLD_WARMUP:
+            return self.holds[j]
+        return 1.0 if j == 0 else self.hold(j - 1)
+
     @property
     def probe_due(self) -> bool:
         return self.idle >= self.wait
@@ -93,6 +132,33 @@ class DraftGauge:
     def drafts(self) -> bool:
         """Whether this slot's next window should carry proposals (`drafting_pays` for it alone)."""
         return drafting_pays([self])
+
+    def _best(self, room: int) -> int:
+        """The solo depth that pays, at most ``room``, without probing: 0 under the floor."""
+        if room <= 0 or self.estimate < self.floor:
+            return 0
+        return room if self.costs is None else best_depth(self.hold, self.costs, room)
+
+    def depth(self, room: int) -> int:
+        """Proposals this slot's next solo window drafts, at most ``room``: the best depth, or, when that
+        is 0 and a probe is due, a probe (one proposal; every one it has room for without ``costs``)."""
+        best = self._best(room)
+        if best == 0 and room > 0 and self.probe_due:
+            return room if self.costs is None else 1
+        return best
+
+    def leaves(self, now: int, room: int, probe: bool = True) -> bool:
+        """Whether a run of solo windows at ``now`` proposals (queued on the device, each after the one
+        before) should end, so that the host launches one at another depth: the floor pauses drafting, a
+        probe is due (with ``probe``), or another depth beats ``now`` by `DEPTH_SWITCH`."""
+        if now == 0 and probe and room > 0 and self.probe_due:
+            return True
+        best = self._best(room)
+        if best == now:
+            return False
+        if self.costs is None or (best == 0 and self.estimate < self.floor):
+            return True
+        return worth_switching(self.hold, self.costs, now, best)
 
 
 def drafting_pays(gauges: list[DraftGauge], probe: bool = True) -> bool:

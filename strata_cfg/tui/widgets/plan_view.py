@@ -25,7 +25,7 @@ from textual.containers import VerticalScroll
 from textual.widget import Widget
 from textual.widgets import Static
 
-from ...report.plan_text import floor_text, holds_text
+from ...report.plan_text import floor_text, holds_text, proposals_text
 from ...schema.errors import Problem
 from ...schema.plan import MIB, Budget, Decision, GpuPlan, LaunchPlan
 
@@ -165,7 +165,7 @@ def summary_rows(plan: LaunchPlan) -> list[tuple[str, Text]]:
     f = plan.model.facts
     model = plan.model.label()
     s = plan.spec
-    spec = f"window {s.draft_tokens}: token + {s.draft_tokens - 1} MTP proposals" if s.mtp else "no drafting"
+    spec = proposals_text(plan) if s.mtp else "no drafting"
     if s.pipeline_windows:
         spec += f", {s.pipeline_windows} pipeline windows"
     floor = floor_text(plan)

@@ -1,0 +1,95 @@
+"""How many proposals a solo window drafts: the depth that gives the most tokens per second.
+
+A solo window with d proposals takes the time of a (d + 1)-row window, drafting and deciding included, and
+emits on average
+
+    E(d) = 1 + h0 + h0·h1 + ... + h0·h1···h(d-1)
+
+tokens, where h_j is the chance that proposal j holds once the proposals before it held. Both sides are
+measured while the engine runs:
+
+* each request's h_j (`strata_runtime.engine.speculative.DraftGauge.hold`), from the windows it verified;
+* the engine's time for a solo window of r rows (`WindowCosts`), from the solo windows it finished.
+
+`best_depth` picks the d in 0..most with the highest E(d) / cost(d + 1). A row count not measured yet is
+costed at the least it can take given the measured ones (`WindowCosts.cost`), which is optimistic: each
+depth that might beat the one in use is tried, and measured, once; from then on the measurements decide.
+A request starts at full depth (its h_j start at 1, and with nothing measured the deepest window wins).
+
+Greedy text and the sampled distribution do not depend on the depth: a window with fewer proposals emits
+tokens from the target the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+COST_WEIGHT = 1 / 8
+"""Weight of each new window time in `WindowCosts` after the first 8 (a plain mean until then)."""
+COST_MEASURED = 3
+"""Windows of a row count before its measured time replaces the estimate."""
+DEPTH_SWITCH = 1.05
+"""A run of windows at one depth changes depth only for at least 5% more expected tokens per second:
+changing ends a chain of windows queued on the device, which costs a host round trip."""
+
+
+class WindowCosts:
+    """The engine's measured time of a solo window by its row count (milliseconds, an exponential average
+    over recent windows), shared by every request."""
+
+    def __init__(self) -> None:
+        self.ms: dict[int, float] = {}
+        self.seen: dict[int, int] = {}
+
+    def observe(self, rows: int, ms: float) -> None:
+        n = self.seen.get(rows, 0) + 1
+        self.seen[rows] = n
+        w = max(1 / n, COST_WEIGHT)
+        self.ms[rows] = (1 - w) * self.ms.get(rows, 0.0) + w * ms
+
+    def measured(self, rows: int) -> bool:
+        return self.seen.get(rows, 0) >= COST_MEASURED
+
+    def cost(self, rows: int) -> float | None:
+        """The time of a ``rows``-row window: measured, or else the least it can be given the measured row
+        counts (None while none is measured). A wider window never takes less time than a narrower one,
+        and a window's time per row falls as it widens, so an r-row window takes at least what any
+        measured narrower one took, and at least r / r' of what any measured wider one (r' rows) took."""
+        if self.measured(rows):
+            return self.ms[rows]
+        known = [r for r in self.ms if self.measured(r)]
+        if not known:
+            return None
+        return max(self.ms[r] if r < rows else self.ms[r] * rows / r for r in known)
+
+
+def expected_tokens(hold: Callable[[int], float], depth: int) -> float:
+    """E(depth): the tokens a window with ``depth`` proposals emits on average, ``hold(j)`` being the chance
+    that proposal j holds after the ones before it held."""
+    total, reach = 1.0, 1.0
+    for j in range(depth):
+        reach *= hold(j)
+        total += reach
+    return total
+
+
+def value(hold: Callable[[int], float], costs: WindowCosts, depth: int) -> float | None:
+    """Expected tokens per millisecond at ``depth`` (None while nothing is measured)."""
+    cost = costs.cost(depth + 1)
+    return None if cost is None else expected_tokens(hold, depth) / cost
+
+
+def best_depth(hold: Callable[[int], float], costs: WindowCosts, most: int) -> int:
+    """The depth in 0..most with the most expected tokens per second (``most`` while nothing is measured;
+    the deeper one of a tie)."""
+    values = [value(hold, costs, d) for d in range(most + 1)]
+    if any(v is None for v in values):
+        return most
+    return max(range(most + 1), key=lambda d: (values[d], d))
+
+
+def worth_switching(hold: Callable[[int], float], costs: WindowCosts, now: int, to: int) -> bool:
+    """Whether windows at depth ``to`` beat the current ``now`` by `DEPTH_SWITCH` (yes while nothing is
+    measured: `best_depth` then names the full depth, which is where a request starts)."""
+    a, b = value(hold, costs, to), value(hold, costs, now)
+    return a is None or b is None or a > DEPTH_SWITCH * b

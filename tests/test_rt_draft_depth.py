@@ -1,0 +1,161 @@
+"""A request alone drafts as many proposals as give the most tokens per second (`spec.adaptive_depth`).
+
+`strata_runtime.engine.depth` weighs each depth's expected tokens (from the request's measured chance that
+each proposal holds) against the engine's measured time of a window of that many rows. Here the times are
+set by the test (a table per row count, standing in for a GPU's), so the depth the engine should settle on
+is known; the text must not depend on it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from rt_plans import make_plan
+from test_rt_engine import collect
+
+from strata_runtime.api import Request, SamplingParams
+from strata_runtime.engine import Engine
+from strata_runtime.engine.depth import (
+    COST_MEASURED,
+    WindowCosts,
+    best_depth,
+    expected_tokens,
+    worth_switching,
+)
+from strata_runtime.engine.speculative import DRAFT_PROBE_EVERY, HOLD_WARMUP, DraftGauge
+
+PROMPT = tuple(b"The river runs")
+OBSERVE = WindowCosts.observe
+
+# Solo window times by rows, in ms (the measured H200 shape: a window of 2 rows, drafting included, costs
+# 1.42 times one row, 4 rows 2.4 times), and two made-up GPUs: one where rows are free and one where each
+# row costs a whole window.
+H200 = {1: 3.1, 2: 4.4, 3: 6.5, 4: 7.5}
+FREE_ROWS = {1: 3.0, 2: 3.0, 3: 3.0, 4: 3.0}
+DEAR_ROWS = {1: 3.0, 2: 6.0, 3: 9.0, 4: 12.0}
+
+
+def _costs(table: dict[int, float]) -> WindowCosts:
+    costs = WindowCosts()
+    for rows, ms in table.items():
+        for _ in range(COST_MEASURED):
+            costs.observe(rows, ms)
+    return costs
+
+
+def test_expected_tokens_match_a_simulated_chain_of_proposals() -> None:
+    holds = [0.9, 0.6, 0.3]
+    g = np.random.default_rng(3)
+    for depth in range(4):
+        emitted = []
+        for _ in range(20_000):
+            held = 0
+            while held < depth and g.random() < holds[held]:
+                held += 1
+            emitted.append(held + 1)  # the held proposals and the target's token after them
+        assert expected_tokens(lambda j: holds[j], depth) == pytest.approx(np.mean(emitted), abs=0.03)
+
+
+def test_window_costs_are_measured_or_the_least_the_measured_ones_allow() -> None:
+    costs = WindowCosts()
+    assert costs.cost(2) is None
+    for _ in range(COST_MEASURED - 1):
+        costs.observe(4, 8.0)
+    assert costs.cost(4) is None  # not measured enough yet
+    costs.observe(4, 8.0)
+    assert costs.cost(4) == pytest.approx(8.0)
+    assert costs.cost(2) == pytest.approx(4.0)  # half the rows: at least half the time
+    assert costs.cost(6) == pytest.approx(8.0)  # more rows: at least as long
+    for _ in range(COST_MEASURED):
+        costs.observe(1, 3.0)
+    assert costs.cost(2) == pytest.approx(4.0)  # the larger of 3.0 (one row) and 4.0 (half of four)
+    assert costs.cost(3) == pytest.approx(6.0)
+    for _ in range(40):
+        costs.observe(4, 10.0)  # later windows weigh more
+    assert costs.cost(4) == pytest.approx(10.0, abs=0.05)
+
+
+def test_the_best_depth_follows_the_holds_and_the_window_times() -> None:
+    good = [0.8, 0.8, 0.8]
+    at = good.__getitem__
+    assert best_depth(at, _costs(H200), 3) == 1  # 1.8 tokens in 4.4 ms beats 2.95 in 7.5
+    assert best_depth(at, _costs(FREE_ROWS), 3) == 3
+    assert best_depth(at, _costs(DEAR_ROWS), 3) == 0
+    assert best_depth(at, _costs(H200), 0) == 0
+    assert best_depth(at, WindowCosts(), 3) == 3  # nothing measured: the full depth
+    assert best_depth([0.2, 0.2, 0.2].__getitem__, _costs(H200), 3) == 0
+    # Switching needs a clear gain: 1 over 3 at holds 0.8, 0.3, 0.3 on the H200 table is +45%; 1 over 2 on
+    # a table where they are within 5% is not worth ending a chain for.
+    falling = [0.8, 0.3, 0.3].__getitem__
+    assert best_depth(falling, _costs(H200), 3) == 1
+    assert worth_switching(falling, _costs(H200), 3, 1)
+    close = _costs({1: 3.0, 2: 4.0, 3: 4.8 * 1.02})
+    assert not worth_switching(lambda j: 0.8 if j == 0 else 0.5, close, 2, 1)
+
+
+def test_a_gauge_estimates_each_position_and_probes_with_one_proposal() -> None:
+    g = DraftGauge(floor=0.0, costs=_costs(H200), most=3)
+    assert g.depth(3) == 3  # nothing known about this request: its holds start at 1
+    for _ in range(HOLD_WARMUP):
+        g.record(3, 1)  # the first proposal holds, the second never
+    assert g.hold(0) == 1.0 and g.hold(1) == 0.0
+    assert g.hold(2) == 0.0  # never reached: as the position before it
+    assert g.depth(3) == 1 and g.depth(0) == 0
+    for _ in range(2 * HOLD_WARMUP):
+        g.record(1, 0)
+    assert g.hold(0) < 0.5 and g.depth(3) == 0  # nothing holds now: no proposals
+    for _ in range(DRAFT_PROBE_EVERY):
+        g.record(0, 0)
+    assert g.probe_due and g.depth(3) == 1  # the probe drafts one proposal
+    assert g.leaves(0, 3) and not g.leaves(0, 3, probe=False)
+    g.record(1, 0)  # it failed: the next probe waits twice as long
+    assert g.wait == 2 * DRAFT_PROBE_EVERY and g.depth(3) == 0
+    fixed = DraftGauge(floor=0.0, costs=None, most=3)
+    for _ in range(HOLD_WARMUP):
+        fixed.record(3, 1)
+    assert fixed.depth(3) == 3 and fixed.depth(2) == 2  # without costs: every proposal there is room for
+
+
+def _solo(table: dict[int, float] | None, monkeypatch, sampling: SamplingParams | None = None, **kw):
+    """One request alone on the tiny model (window of 4: up to 3 proposals, no acceptance floor), its
+    windows timed by ``table``; returns its tokens and the solo windows' row counts in order."""
+    if table is not None:
+        monkeypatch.setattr(WindowCosts, "observe", lambda self, rows, ms: OBSERVE(self, rows, table[rows]))
+    plan = make_plan(draft_tokens=4, context=256, **kw)
+    # No floor: past its first sentence the tiny model's drafts hold under 25% for a while.
+    eng = Engine(plan.model_copy(update={"spec": plan.spec.model_copy(update={"draft_floor": 0.0})}))
+    request = Request(PROMPT, 150) if sampling is None else Request(PROMPT, 150, sampling)
+    [tokens] = collect(eng, [(0, request)])
+    return tokens, [w.rows for w in eng.windows if w.kind == "solo"]
+
+
+def test_a_request_alone_settles_on_the_depth_the_window_times_favour(monkeypatch) -> None:
+    fixed, fixed_rows = _solo(None, monkeypatch, adaptive_depth=False)
+    assert set(fixed_rows) <= {1, 4} and fixed_rows.count(4) > 10
+    for table, want in ((H200, 2), (FREE_ROWS, 4), (DEAR_ROWS, 1)):
+        tokens, rows = _solo(table, monkeypatch)
+        assert tokens == fixed  # greedy: the same text at any depth
+        settled = rows[-15:]  # after trying the others
+        assert settled.count(want) >= 12, (table, rows)
+
+
+def test_window_times_are_measured_per_row_count_and_shared_by_requests(monkeypatch) -> None:
+    plan = make_plan(draft_tokens=4, context=256)
+    eng = Engine(plan)
+    assert eng.window_costs is not None and "up to 3 proposal(s)" in "".join(eng.startup)
+    collect(eng, [(0, Request(PROMPT, 40))])
+    measured = dict(eng.window_costs.seen)
+    assert measured and sum(measured.values()) == sum(1 for w in eng.windows if w.kind == "solo")
+    assert Engine(make_plan(draft_tokens=4, context=256, adaptive_depth=False)).window_costs is None
+
+
+def test_a_seeded_sampled_request_keeps_the_full_depth_and_its_text(monkeypatch) -> None:
+    """Which tokens a sampled request draws depends on where its windows carry proposals; a seeded one
+    must give the same text on every run, so its depth does not follow the (run-to-run) window times.
+    An unseeded one's does."""
+    seeded = SamplingParams(temperature=0.3, seed=7)
+    want, _ = _solo(None, monkeypatch, seeded, adaptive_depth=False)
+    got, rows = _solo(H200, monkeypatch, seeded)
+    assert got == want and 2 not in rows and 4 in rows
+    _, unseeded_rows = _solo(H200, monkeypatch, SamplingParams(temperature=0.3))
+    assert 2 in unseeded_rows or 1 in unseeded_rows
