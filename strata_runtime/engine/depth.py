@@ -22,10 +22,14 @@ tokens from the target the same way.
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from collections.abc import Callable
 
-COST_WEIGHT = 1 / 8
-"""Weight of each new window time in `WindowCosts` after the first 8 (a plain mean until then)."""
+COST_KEPT = 15
+"""Recent windows of each row count whose median is its time: robust to the one-off slow window (a kernel
+compiled or a graph captured at its first launch, a host pause), and following slow drifts (the KV
+grows)."""
 COST_MEASURED = 3
 """Windows of a row count before its measured time replaces the estimate."""
 DEPTH_SWITCH = 1.05
@@ -34,18 +38,19 @@ changing ends a chain of windows queued on the device, which costs a host round 
 
 
 class WindowCosts:
-    """The engine's measured time of a solo window by its row count (milliseconds, an exponential average
-    over recent windows), shared by every request."""
+    """The engine's measured time of a solo window by its row count (milliseconds: the median of the last
+    `COST_KEPT` windows), shared by every request."""
 
     def __init__(self) -> None:
+        self.recent: dict[int, deque[float]] = {}
         self.ms: dict[int, float] = {}
         self.seen: dict[int, int] = {}
 
     def observe(self, rows: int, ms: float) -> None:
-        n = self.seen.get(rows, 0) + 1
-        self.seen[rows] = n
-        w = max(1 / n, COST_WEIGHT)
-        self.ms[rows] = (1 - w) * self.ms.get(rows, 0.0) + w * ms
+        recent = self.recent.setdefault(rows, deque(maxlen=COST_KEPT))
+        recent.append(ms)
+        self.seen[rows] = self.seen.get(rows, 0) + 1
+        self.ms[rows] = statistics.median(recent)
 
     def measured(self, rows: int) -> bool:
         return self.seen.get(rows, 0) >= COST_MEASURED

@@ -234,7 +234,7 @@ class Engine:
                 "drafting pauses for a request only while windows without proposals give more tokens per "
                 f"second, {probe} (spec.draft_floor = 0)"
             )
-        return "drafting never pauses (spec.draft_floor = 0, spec.adaptive_depth = false)"
+        return "drafting never pauses (spec.draft_floor = 0)"
 
     def _startup_lines(self) -> list[str]:
         p = self.plan

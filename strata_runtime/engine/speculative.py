@@ -51,6 +51,10 @@ HOLD_WARMUP = 4
 before it's, or 1 for the first)."""
 HOLD_WEIGHT = 1 / 8
 """Weight of each new outcome in a position's estimate after the first 8 (a plain mean until then)."""
+HOLD_STALE = 32
+"""Drafting windows after which a position none of them reached counts as unknown again (its estimate no
+lower than the position before it's), so that a depth given up in a hard stretch of text is tried again
+once the text turns predictable."""
 
 
 @dataclass
@@ -90,6 +94,10 @@ class DraftGauge:
     """Per proposal position, the share of the windows reaching it in which it held."""
     reached: list[int] = field(default_factory=list)
     """Per proposal position, the windows that reached it (every proposal before it held)."""
+    drafted: int = 0
+    """Windows with proposals so far."""
+    last_reached: list[int] = field(default_factory=list)
+    """Per proposal position, ``drafted`` when a window last reached it."""
 
     def record(self, proposed: int, accepted: int) -> None:
         if proposed == 0:
@@ -100,11 +108,14 @@ class DraftGauge:
         self.seen += proposed
         keep = (1 - DRAFT_WEIGHT) ** proposed
         self.rate = keep * self.rate + (1 - keep) * accepted / proposed
+        self.drafted += 1
         for j in range(min(accepted + 1, proposed)):
             if j == len(self.holds):
                 self.holds.append(0.0)
                 self.reached.append(0)
+                self.last_reached.append(0)
             self.reached[j] += 1
+            self.last_reached[j] = self.drafted
             w = max(1 / self.reached[j], HOLD_WEIGHT)
             self.holds[j] = (1 - w) * self.holds[j] + w * (j < accepted)
         if self.estimate >= self.floor and (self.most == 0 or self._best(self.most) > 0):
@@ -119,10 +130,14 @@ class DraftGauge:
 
     def hold(self, j: int) -> float:
         """The chance that proposal j holds once the ones before it held (after `HOLD_WARMUP` windows
-        reached it; until then the position before it's, and 1 for the first)."""
-        if j < len(self.reached) and self.reached[j] >= HOLD_WARMUP:
-            return self.holds[j]
-        return 1.0 if j == 0 else self.hold(j - 1)
+        reached it; until then the position before it's, and 1 for the first; and no lower than the
+        position before it's once `HOLD_STALE` drafting windows have not reached it)."""
+        before = 1.0 if j == 0 else self.hold(j - 1)
+        if j >= len(self.reached) or self.reached[j] < HOLD_WARMUP:
+            return before
+        if j > 0 and self.drafted - self.last_reached[j] > HOLD_STALE:
+            return max(self.holds[j], before)
+        return self.holds[j]
 
     @property
     def probe_due(self) -> bool:
@@ -154,9 +169,11 @@ class DraftGauge:
         if now == 0 and probe and room > 0 and self.probe_due:
             return True
         best = self._best(room)
+        if self.costs is None:
+            return (best > 0) != (now > 0)  # drafting turns on or off; its depth is the room it has
         if best == now:
             return False
-        if self.costs is None or (best == 0 and self.estimate < self.floor):
+        if best == 0 and self.estimate < self.floor:
             return True
         return worth_switching(self.hold, self.costs, now, best)
 
