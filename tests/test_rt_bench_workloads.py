@@ -232,3 +232,24 @@ def test_repeats_far_apart_are_named_under_the_table() -> None:
     at_edge = {"serial": {"solo": case(100.0, 100.0 * SPREAD * 0.99)}}
     assert spread_notes(at_edge) == []
     assert spread_notes({"serial": {"solo": case(250.0)}}) == []
+
+
+def test_solo_adaptive_arm_runs_beside_solo_with_its_depth_chosen_per_window(tmp_path) -> None:
+    """``--arms solo,solo-adaptive`` compares the fixed and the adaptive solo depth in one run; a sampled
+    bench says that its seeded requests draft every proposal either way."""
+    out = strata(
+        *("bench", "profiles/demo.toml", "--workload", "solo", "--arms", "solo,solo-adaptive"),
+        *("--repeats", "1", "--tokens", "40", "--json", "--run-dir", str(tmp_path)),
+    )
+    assert out.returncode == 0, out.stderr
+    arms = json.loads(out.stdout)["arms"]
+    assert set(arms) == {"solo", "solo-adaptive"}
+    assert all(arms[a]["solo"]["median"]["tok_s"] > 0 for a in arms)
+    plans = {a: json.loads((tmp_path / f"{a}.json").read_text()) for a in arms}
+    assert plans["solo-adaptive"]["spec"]["adaptive_depth"] and not plans["solo"]["spec"]["adaptive_depth"]
+    sampled = strata(
+        *("bench", "profiles/demo.toml", "--workload", "solo", "--arms", "solo-adaptive"),
+        *("--repeats", "1", "--tokens", "8", "--temperature", "0.7"),
+    )
+    assert sampled.returncode == 0, sampled.stderr
+    assert "arm solo-adaptive sampled bench requests are seeded" in sampled.stderr

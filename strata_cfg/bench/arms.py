@@ -13,10 +13,14 @@ ARMS: dict[str, tuple[tuple[str, Any], ...]] = {
     "batch-mtp": (("batch.groups", 1), ("batch.mtp", True)),
     "solo": (("batch.slots", 1), ("batch.mtp", False)),
     "pipelined-mtp": (("batch.groups", "auto"), ("batch.mtp", True), ("batch.mtp_in_groups", True)),
+    "solo-adaptive": (("batch.slots", 1), ("batch.mtp", False), ("spec.adaptive_depth", True)),
 }
 """Each arm as ``--set`` overrides of the profile."""
 DEFAULT_ARMS = ("serial", "pipelined", "batch-mtp", "solo")
-"""The arms a bench runs when none are named (``pipelined-mtp`` is opt-in, as its key is)."""
+"""The arms a bench runs when none are named (``pipelined-mtp`` and ``solo-adaptive`` are opt-in, as
+their keys are)."""
+SEEDED_NOTE = "sampled bench requests are seeded, and a seeded sampled request drafts every proposal: as solo"
+"""Why ``solo-adaptive`` runs as ``solo`` on a sampled workload."""
 
 
 def arm_runs_as_named(name: str, plan: LaunchPlan) -> bool:
@@ -28,6 +32,7 @@ def arm_runs_as_named(name: str, plan: LaunchPlan) -> bool:
         "batch-mtp": b.mtp,
         "solo": b.slots <= 1,
         "pipelined-mtp": b.mode == "pipelined" and b.groups > 1 and b.mtp,
+        "solo-adaptive": b.slots <= 1 and plan.spec.mtp and plan.spec.adaptive_depth,
     }[name]
 
 
@@ -39,4 +44,6 @@ def arm_note(name: str, plan: LaunchPlan) -> str | None:
     why = [d.message for d in plan.decisions if d.key in keys and d.severity != "note" or d.requested]
     b = plan.batch
     runs = f"{b.mode}, {b.groups} group(s), batch MTP {'on' if b.mtp else 'off'}"
+    if name == "solo-adaptive" and not plan.spec.mtp:
+        runs += ", no drafting"
     return f"forced: runs as {runs}" + (f" ({'; '.join(why)})" if why else "")

@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ..bench.arms import ARMS, DEFAULT_ARMS, arm_note
+from ..bench.arms import ARMS, DEFAULT_ARMS, SEEDED_NOTE, arm_note
 from ..launch.engine_process import runtime_argv
 from ..schema.errors import ProfileError
 from ..schema.plan_file import write_plan
@@ -180,6 +180,8 @@ def run(args: argparse.Namespace) -> int:
         path = write_plan(plan, run_dir / f"{name}.json")
         argv += ["--arm", f"{name}={path}"]
         note = arm_note(name, plan)
+        if note is None and name == "solo-adaptive" and args.temperature > 0:
+            note = SEEDED_NOTE
         if note:
             print(f"strata bench: arm {name} {note}", file=sys.stderr)
             argv += ["--note", f"{name}={note}"]
