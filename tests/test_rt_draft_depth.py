@@ -24,6 +24,7 @@ from strata_runtime.engine.depth import (
     worth_switching,
 )
 from strata_runtime.engine.speculative import DRAFT_PROBE_EVERY, HOLD_STALE, HOLD_WARMUP, DraftGauge
+from strata_runtime.server.metrics import engine_lines
 
 PROMPT = tuple(b"The river runs")
 OBSERVE = WindowCosts.observe
@@ -157,13 +158,25 @@ def test_a_request_alone_settles_on_the_depth_the_window_times_favour(monkeypatc
         assert settled.count(want) >= 12, (table, rows)
 
 
-def test_window_times_are_measured_per_row_count_and_shared_by_requests(monkeypatch) -> None:
+def test_window_times_are_measured_per_row_count_and_reported(monkeypatch) -> None:
+    """Every solo window's time is measured (whichever request ran it); the status, the summary and the
+    metrics say how many solo windows drafted how many proposals, and the times they are chosen by."""
+    monkeypatch.setattr(WindowCosts, "observe", lambda self, rows, ms: OBSERVE(self, rows, H200[rows]))
     plan = make_plan(draft_tokens=4, context=256, adaptive_depth=True)
     eng = Engine(plan)
     assert eng.window_costs is not None and "up to 3 proposal(s)" in "".join(eng.startup)
-    collect(eng, [(0, Request(PROMPT, 40))])
-    measured = dict(eng.window_costs.seen)
-    assert measured and sum(measured.values()) == sum(1 for w in eng.windows if w.kind == "solo")
+    collect(eng, [(0, Request(PROMPT, 100))])
+    collect(eng, [(0, Request(tuple(b"Another one"), 30))])
+    solo = [w.rows for w in eng.windows if w.kind == "solo"]
+    assert sum(eng.window_costs.seen.values()) == len(solo)
+    by = {str(r - 1): solo.count(r) for r in set(solo)}
+    assert eng.totals["solo_by_proposals"] == by and len(by) > 1  # it tried several depths
+    stats = eng.stats()
+    assert stats["solo_window_ms"] == {str(r): H200[r] for r in sorted(set(solo))}
+    assert "solo windows by proposals " + ", ".join(f"{d}: {by[d]}" for d in sorted(by)) in eng.summary()
+    lines = engine_lines(stats)
+    for d, n in by.items():
+        assert f'strata_solo_windows_total{{proposals="{d}"}} {n}' in lines
     assert Engine(make_plan(draft_tokens=4, context=256)).window_costs is None  # off by default
 
 

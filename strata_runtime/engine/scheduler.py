@@ -158,7 +158,12 @@ class Engine:
             "queue": len(self._queue),
             "in_flight": len(self._flights) + len(self._chain),
             "slots": [self._slot_state(i, s) for i, s in enumerate(self.slots)],
-            "totals": dict(self.totals),
+            "totals": {k: dict(v) if isinstance(v, dict) else v for k, v in self.totals.items()},
+            "solo_window_ms": (
+                {str(r): round(ms, 3) for r, ms in sorted(self.window_costs.ms.items())}
+                if self.window_costs is not None
+                else None
+            ),
             "acceptance": self.acceptance,
             "recent_windows": self.window_stats.last(32),
             "drafters": self.drafter_info(),

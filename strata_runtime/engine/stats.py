@@ -38,6 +38,7 @@ class WindowStats:
             "discarded_rows": 0,
             "decided_on_device": 0,
             "drafting_paused": 0,
+            "solo_by_proposals": {},
         }
 
     def record(self, window: WindowStat, tokens: int, discarded: int = 0) -> None:
@@ -54,6 +55,10 @@ class WindowStats:
         t["ms"] += window.ms
         t["decided_on_device"] += window.on_device
         t["drafting_paused"] += window.paused
+        if window.kind == "solo":
+            by = t["solo_by_proposals"]
+            key = str(window.rows - 1)  # a solo window's rows: its token and its proposals
+            by[key] = by.get(key, 0) + 1
 
     def last(self, n: int) -> list[dict[str, Any]]:
         """The last ``n`` windows as JSON-ready dictionaries."""
@@ -77,6 +82,9 @@ class WindowStats:
             line += f", {t['decided_on_device']} speculative windows decided on the device"
         if t["drafting_paused"]:
             line += f", {t['drafting_paused']} windows without proposals while drafting paused"
+        by = t["solo_by_proposals"]
+        if len(by) > 1:
+            line += ", solo windows by proposals " + ", ".join(f"{d}: {by[d]}" for d in sorted(by, key=int))
         if t["discarded_rows"]:
             line += f", {t['discarded_rows']} rows run ahead past a stop and discarded"
         return line

@@ -63,7 +63,8 @@ TOTALS: dict[str, tuple[str, str, float]] = {
     ),
     "drafting_paused": (
         "strata_windows_drafting_paused_total",
-        "Decode windows run without proposals because their requests' drafts seldom held (spec.draft_floor).",
+        "Decode windows run without proposals because their requests' drafts seldom held (spec.draft_floor), "
+        "or because windows without them gave more tokens per second (spec.adaptive_depth).",
         1,
     ),
 }
@@ -79,6 +80,14 @@ def engine_lines(stats: dict[str, Any]) -> list[str]:
             out += _head(name, "counter", help_)
             value = totals[key] * scale if scale != 1 else totals[key]
             out.append(_line(name, value))
+    by = totals.get("solo_by_proposals")
+    if isinstance(by, dict) and by:
+        name = "strata_solo_windows_total"
+        out += _head(
+            name, "counter", "Solo decode windows (one request alone) by the proposals they drafted."
+        )
+        for d in sorted(by, key=int):
+            out.append(_line(name, by[d], {"proposals": d}))
     if isinstance(stats.get("queue"), int):
         out += _head("strata_queue_depth", "gauge", "Requests waiting for a free slot.")
         out.append(_line("strata_queue_depth", stats["queue"]))
