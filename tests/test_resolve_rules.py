@@ -619,6 +619,18 @@ def test_windows_batch_mtp_rotation_over_more_than_four_slots():
     assert "take turns" in decision(streaming, "windows.batch-mtp-rotation").message
 
 
+def test_windows_adaptive_depth_inert_where_solo_windows_do_not_draft():
+    plan = plan_of(rule_file("windows.adaptive-depth-inert"))
+    d = decision(plan, "windows.adaptive-depth-inert")
+    assert d.requested and d.key == "spec.adaptive_depth" and "spec.draft_tokens = 0" in d.message
+    assert plan.windows.solo_rows == 1 and plan.spec.adaptive_depth
+    drafting = plan_of(rule_file("windows.adaptive-depth-inert"), ["spec.draft_tokens=3"])
+    assert "windows.adaptive-depth-inert" not in [x.rule for x in drafting.decisions]
+    [p] = problems_of(rule_file("windows.adaptive-depth-inert"), strict=True)
+    assert p.key == "spec.adaptive_depth" and p.file.endswith("windows.adaptive-depth-inert.toml")
+    assert p.line == line_of(rule_file("windows.adaptive-depth-inert"), "adaptive_depth")
+
+
 def test_serve_exposed_warns_and_strict_refuses():
     plan = plan_of(rule_file("serve.exposed"))
     assert decision(plan, "serve.exposed").severity == "warn"

@@ -169,6 +169,12 @@ _RULES = (
         "more than 4 batch-MTP slots: serial windows while more than 4 decode (every expert resident), "
         "else they take turns, 4 per window",
     ),
+    Rule(
+        "windows.adaptive-depth-inert",
+        8,
+        "note",
+        "spec.adaptive_depth = true does nothing where solo windows do not draft",
+    ),
     # 9: serving and strict mode
     Rule("serve.exposed", 9, "warn", "serving on a non-loopback address without serve.api_key_env"),
 )

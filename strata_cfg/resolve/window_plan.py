@@ -12,6 +12,8 @@ from ..schema.windows import (
 )
 from .ledger import Ledger
 
+INERT = "windows.adaptive-depth-inert"
+
 
 def batch_shape(led: Ledger) -> tuple[int, int, BatchMode, int, int]:
     """(slots, groups, mode, slots per window, rows per slot).
@@ -32,7 +34,8 @@ def batch_shape(led: Ledger) -> tuple[int, int, BatchMode, int, int]:
 def resolve_windows(led: Ledger, all_experts_resident: bool) -> WindowPlan:
     """The window bounds of the plan; a note on what more batch-MTP slots than one window holds do: with
     every expert resident, serial windows carry them while more than one window's worth decode (a row
-    brings a token there, not a proposal); with experts streaming, they take turns."""
+    brings a token there, not a proposal); with experts streaming, they take turns. A note (which strict
+    mode refuses) where the profile asks for ``spec.adaptive_depth`` and solo windows do not draft."""
     slots, groups, mode, per_window, rows_per_slot = batch_shape(led)
     draft = led["spec.draft_tokens"]
     solo_rows = min(1 + max(draft - 1, 0), MAX_WINDOW_ROWS)
@@ -47,6 +50,15 @@ def resolve_windows(led: Ledger, all_experts_resident: bool) -> WindowPlan:
             if all_experts_resident
             else f"{slots} batch-MTP slots take turns, {per} per window of {rows} rows (token and proposal "
             "each)",
+        )
+    if solo_rows < 2 and led.user_set("spec.adaptive_depth") and led.get("spec.adaptive_depth", INERT):
+        led.note(
+            INERT,
+            "spec.adaptive_depth",
+            "spec.adaptive_depth = true does nothing: solo windows do not draft "
+            f"(spec.draft_tokens = {draft})",
+            requested=True,
+            because=("spec.draft_tokens",),
         )
     batch_rows = solo_rows if mode == "solo" else per_window * rows_per_slot
     return WindowPlan(
