@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from rt_engine_helpers import collect, mode_plan
 from rt_plans import make_plan
-from test_rt_engine import collect
 
 from strata_runtime.api import Request, SamplingParams
 from strata_runtime.engine import Engine
@@ -190,3 +190,32 @@ def test_a_seeded_sampled_request_keeps_the_full_depth_and_its_text(monkeypatch)
     assert got == want and 2 not in rows and 4 in rows
     _, unseeded_rows = _solo(H200, monkeypatch, SamplingParams(temperature=0.3))
     assert 2 in unseeded_rows or 1 in unseeded_rows
+
+
+@pytest.mark.parametrize(
+    ("mode", "stages"), [("solo", 1), ("solo", 2), ("batch-mtp", 1), ("pipelined-mtp", 2)]
+)
+def test_depth_changes_at_any_window_keep_the_greedy_text_and_the_kv(mode, stages, monkeypatch) -> None:
+    """Window times drawn at random make the depth change often: runs queued on the device end, the host
+    launches windows at other depths, probes come and go. Requests arriving and leaving, alone or beside
+    others, get the text of a fixed-depth engine, and after every step each stage's KV and each drafter
+    hold exactly what their slot committed (`collect` checks)."""
+    g = np.random.default_rng(23)
+    monkeypatch.setattr(
+        WindowCosts, "observe", lambda self, rows, ms: OBSERVE(self, rows, float(g.uniform(1, 4)) * rows**0.5)
+    )
+    prompts = [b"The river runs", b"Another one", b"x" * 9, b"Fourth, the last"]
+    schedule = [
+        (at, Request(tuple(p), n)) for at, p, n in zip((0, 3, 40, 41), prompts, (70, 30, 50, 20), strict=True)
+    ]
+
+    def texts(adaptive: bool) -> tuple[list[list[int]], Engine]:
+        plan = mode_plan(mode, stages, adaptive_depth=adaptive, context=256)
+        plan = plan.model_copy(update={"spec": plan.spec.model_copy(update={"draft_floor": 0.0})})
+        eng = Engine(plan)
+        return collect(eng, schedule), eng
+
+    fixed, _ = texts(False)
+    got, eng = texts(True)
+    assert got == fixed
+    assert len(eng.totals["solo_by_proposals"]) > 1, eng.totals["solo_by_proposals"]
