@@ -253,3 +253,21 @@ def test_solo_adaptive_arm_runs_beside_solo_with_its_depth_chosen_per_window(tmp
     )
     assert sampled.returncode == 0, sampled.stderr
     assert "arm solo-adaptive sampled bench requests are seeded" in sampled.stderr
+    unseeded = strata(
+        *("bench", "profiles/demo.toml", "--workload", "solo", "--arms", "solo-adaptive"),
+        *("--repeats", "1", "--tokens", "8", "--temperature", "0.7", "--unseeded"),
+    )
+    assert unseeded.returncode == 0, unseeded.stderr
+    assert "seeded" not in unseeded.stderr
+
+
+def test_unseeded_sampled_requests_carry_no_seed() -> None:
+    from strata_runtime.api import SamplingParams
+    from strata_runtime.bench.harness import workload_arrivals
+    from strata_runtime.weights.tokenizer import ByteTokenizer
+
+    sampled = SamplingParams(temperature=0.7)
+    seeded = workload_arrivals("two-decodes", ByteTokenizer(259), 8, 128, sampling=sampled)
+    unseeded = workload_arrivals("two-decodes", ByteTokenizer(259), 8, 128, sampling=sampled, seeded=False)
+    assert [a.request.sampling.seed for a in seeded] == [0, 1]
+    assert [a.request.sampling.seed for a in unseeded] == [None, None]

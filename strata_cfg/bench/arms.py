@@ -19,8 +19,11 @@ ARMS: dict[str, tuple[tuple[str, Any], ...]] = {
 DEFAULT_ARMS = ("serial", "pipelined", "batch-mtp", "solo")
 """The arms a bench runs when none are named (``pipelined-mtp`` and ``solo-adaptive`` are opt-in, as
 their keys are)."""
-SEEDED_NOTE = "sampled bench requests are seeded, and a seeded sampled request drafts every proposal: as solo"
-"""Why ``solo-adaptive`` runs as ``solo`` on a sampled workload."""
+SEEDED_NOTE = (
+    "sampled bench requests are seeded, and a seeded sampled request drafts every proposal: as solo "
+    "(--unseeded sends them without a seed)"
+)
+"""Why ``solo-adaptive`` runs as ``solo`` on a sampled workload with seeds."""
 
 
 def arm_runs_as_named(name: str, plan: LaunchPlan) -> bool:

@@ -97,10 +97,11 @@ def http_run(
     sampling: dict[str, float] | None = None,
     prompt_tokens: int = 0,
     seed: int = 0,
+    seeded: bool = True,
 ) -> dict[str, float]:
     """One run of a workload over HTTP, with the same figures as the in-process harness. ``sampling``: the
     decoding requests' temperature, top_p, top_k and penalties (each request seeded by its index when it
-    samples); greedy without.
+    samples, unless ``seeded`` is False); greedy without.
     ``prompt`` sends one prompt of ``prompt_tokens`` ids (`prompt_ids` with ``seed``) for one greedy token."""
     model = served_model(url, api_key)
     n = {"two-decodes": 2, "clients": clients, "solo": 1, "read-beside-decode": 1, "prompt": 0}[workload]
@@ -113,7 +114,7 @@ def http_run(
     ) -> None:
         body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True}
         body.update(GREEDY if greedy else sampling or GREEDY)
-        if body["temperature"] > 0:
+        if body["temperature"] > 0 and seeded:
             body["seed"] = len(streams)
         body["stream_options"] = {"include_usage": True}
         stream = Stream(sent=time.perf_counter() - t0)
@@ -179,9 +180,11 @@ def bench_url(
     api_key: str | None = None,
     sampling: dict[str, float] | None = None,
     prompt_tokens: int = 4096,
+    seeded: bool = True,
 ) -> dict[str, Any]:
     """A bench workload against a launched engine: medians over ``repeats`` runs, per case (``sampling``
-    as `http_run` takes it; ``prompt_tokens``: the ``prompt`` workload's length, a fresh prompt each run).
+    and ``seeded`` as `http_run` takes them; ``prompt_tokens``: the ``prompt`` workload's length, a fresh
+    prompt each run).
     Raises ValueError for a prompt longer than the engine's context."""
     client = Client(url, api_key, 30.0)
     try:
@@ -209,6 +212,7 @@ def bench_url(
                     sampling=sampling,
                     prompt_tokens=prompt_tokens,
                     seed=repeat,
+                    seeded=seeded,
                 )
             )
     medians = {case: {k: median([f[k] for f in figs]) for k in figs[0]} for case, figs in runs.items()}

@@ -67,6 +67,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     add_sampling_arguments(parser, seeded="its index")
     parser.add_argument(
+        "--unseeded",
+        action="store_true",
+        help="with --temperature: send sampled requests without a seed, as most API clients do (their text "
+        "then differs from run to run, and a request alone may draft at the depth spec.adaptive_depth "
+        "chooses)",
+    )
+    parser.add_argument(
         "--peer",
         action="append",
         default=[],
@@ -111,6 +118,7 @@ def run_url(args: argparse.Namespace) -> int:
             api_key=key,
             sampling=sampling,
             prompt_tokens=args.prompt_tokens,
+            seeded=not args.unseeded,
         )
     except (OSError, RuntimeError, ValueError) as exc:
         print(f"strata bench: {args.url}: {exc}", file=sys.stderr)
@@ -180,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
         path = write_plan(plan, run_dir / f"{name}.json")
         argv += ["--arm", f"{name}={path}"]
         note = arm_note(name, plan)
-        if note is None and name == "solo-adaptive" and args.temperature > 0:
+        if note is None and name == "solo-adaptive" and args.temperature > 0 and not args.unseeded:
             note = SEEDED_NOTE
         if note:
             print(f"strata bench: arm {name} {note}", file=sys.stderr)
@@ -207,6 +215,7 @@ def bench_argv(args: argparse.Namespace) -> list[str]:
         "--frequency-penalty",
         repr(args.frequency_penalty),
     ]
+    argv += ["--unseeded"] if args.unseeded else []
     return argv + (["--json"] if args.json else [])
 
 

@@ -156,10 +156,13 @@ def expert_traffic(engine: Engine) -> dict[str, int] | None:
 GREEDY = SamplingParams(temperature=0.0)
 
 
-def _request(tokenizer: Tokenizer, i: int, tokens: int, sampling: SamplingParams = GREEDY) -> Request:
-    """Request ``i`` of a workload; sampled, it is seeded by its index, so every arm draws the same."""
+def _request(
+    tokenizer: Tokenizer, i: int, tokens: int, sampling: SamplingParams = GREEDY, seeded: bool = True
+) -> Request:
+    """Request ``i`` of a workload; sampled and ``seeded``, it is seeded by its index, so every arm draws
+    the same."""
     ids = tuple(tokenizer.encode(PROMPTS[i % len(PROMPTS)]))
-    if sampling.temperature > 0:
+    if sampling.temperature > 0 and seeded:
         sampling = dataclasses.replace(sampling, seed=i)
     return Request(ids, tokens, sampling, request_id=f"bench-{i}")
 
@@ -175,24 +178,25 @@ def workload_arrivals(
     vocab: int = 0,
     seed: int = 0,
     sampling: SamplingParams = GREEDY,
+    seeded: bool = True,
 ) -> list[Arrival]:
     """The requests of a workload (for ``clients``: of one client count; for ``prompt``: a prompt of
     ``prompt_tokens`` ids drawn from ``vocab`` with ``seed``, generating one token). The decoding requests
-    choose their tokens by ``sampling``."""
+    choose their tokens by ``sampling``, seeded by their index unless ``seeded`` is False."""
     if name == "prompt":
         ids = prompt_ids(prompt_tokens, vocab, seed)
         return [Arrival(Request(ids, 1, SamplingParams(temperature=0.0), request_id=f"bench-prompt-{seed}"))]
     if name == "two-decodes":
-        return [Arrival(_request(tokenizer, i, tokens, sampling)) for i in range(2)]
+        return [Arrival(_request(tokenizer, i, tokens, sampling, seeded)) for i in range(2)]
     if name == "clients":
-        return [Arrival(_request(tokenizer, i, tokens, sampling)) for i in range(clients)]
+        return [Arrival(_request(tokenizer, i, tokens, sampling, seeded)) for i in range(clients)]
     if name == "solo":
-        return [Arrival(_request(tokenizer, 0, tokens, sampling))]
+        return [Arrival(_request(tokenizer, 0, tokens, sampling, seeded))]
     if name == "read-beside-decode":
         length = max(16, min(context - 2, 48_000))
         seed_ids = tokenizer.encode(" ".join(PROMPTS))
         long_ids = tuple((seed_ids * (length // len(seed_ids) + 1))[:length])
-        decode = _request(tokenizer, 0, tokens, sampling)
+        decode = _request(tokenizer, 0, tokens, sampling, seeded)
         reader = Request(long_ids, 1, SamplingParams(temperature=0.0), request_id="bench-long")
         return [Arrival(decode), Arrival(reader, after_tokens=min(8, tokens // 2))]
     raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
@@ -292,9 +296,10 @@ def run_bench(
     prompt_tokens: int = 0,
     vocab: int = 0,
     sampling: SamplingParams = GREEDY,
+    seeded: bool = True,
 ) -> dict[str, ArmRuns]:
     """Every arm on the workload, interleaved, ``repeats`` times, its decoding requests choosing tokens by
-    ``sampling``.
+    ``sampling`` (seeded by their index unless ``seeded`` is False).
 
     ``prompt`` gives every arm of a repeat the same prompt, and each repeat a fresh one (seeded by its index).
     """
@@ -319,6 +324,7 @@ def run_bench(
                     vocab=vocab,
                     seed=r,
                     sampling=sampling,
+                    seeded=seeded,
                 )
                 before = len(late_compiles())
                 t0 = time.perf_counter()

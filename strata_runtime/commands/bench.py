@@ -74,6 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", action="store_true")
     add_sampling_arguments(parser, seeded="its index")
+    parser.add_argument("--unseeded", action="store_true", help="sampled requests carry no seed")
     parser.add_argument(
         "--peer",
         action="append",
@@ -167,6 +168,7 @@ def run(args: argparse.Namespace) -> int:
         prompt_tokens=args.prompt_tokens,
         vocab=vocab,
         sampling=sampling,
+        seeded=not args.unseeded,
     )
     summary = summarise(runs, compare_text=sampling.temperature <= 0)
     tokenizer = next(iter(engines.values())).tokenizer
