@@ -55,7 +55,7 @@ def test_expected_tokens_match_a_simulated_chain_of_proposals() -> None:
             while held < depth and g.random() < holds[held]:
                 held += 1
             emitted.append(held + 1)  # the held proposals and the target's token after them
-        assert expected_tokens(lambda j: holds[j], depth) == pytest.approx(np.mean(emitted), abs=0.03)
+        assert expected_tokens(holds, depth) == pytest.approx(np.mean(emitted), abs=0.03)
 
 
 def test_window_costs_are_measured_or_the_least_the_measured_ones_allow() -> None:
@@ -80,21 +80,20 @@ def test_window_costs_are_measured_or_the_least_the_measured_ones_allow() -> Non
 
 
 def test_the_best_depth_follows_the_holds_and_the_window_times() -> None:
-    good = [0.8, 0.8, 0.8]
-    at = good.__getitem__
+    at = [0.8, 0.8, 0.8]
     assert best_depth(at, _costs(H200), 3) == 1  # 1.8 tokens in 4.4 ms beats 2.95 in 7.5
     assert best_depth(at, _costs(FREE_ROWS), 3) == 3
     assert best_depth(at, _costs(DEAR_ROWS), 3) == 0
     assert best_depth(at, _costs(H200), 0) == 0
     assert best_depth(at, WindowCosts(), 3) == 3  # nothing measured: the full depth
-    assert best_depth([0.2, 0.2, 0.2].__getitem__, _costs(H200), 3) == 0
+    assert best_depth([0.2, 0.2, 0.2], _costs(H200), 3) == 0
     # Switching needs a clear gain: 1 over 3 at holds 0.8, 0.3, 0.3 on the H200 table is +45%; 1 over 2 on
     # a table where they are within 5% is not worth ending a chain for.
-    falling = [0.8, 0.3, 0.3].__getitem__
+    falling = [0.8, 0.3, 0.3]
     assert best_depth(falling, _costs(H200), 3) == 1
     assert worth_switching(falling, _costs(H200), 3, 1)
     close = _costs({1: 3.0, 2: 4.0, 3: 4.8 * 1.02})
-    assert not worth_switching(lambda j: 0.8 if j == 0 else 0.5, close, 2, 1)
+    assert not worth_switching([0.8, 0.5], close, 2, 1)
 
 
 def test_a_gauge_estimates_each_position_and_probes_with_one_proposal() -> None:

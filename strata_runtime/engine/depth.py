@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Sequence
 
 COST_KEPT = 15
 """Recent windows of each row count whose median is its time: robust to the one-off slow window (a kernel
@@ -68,33 +68,33 @@ class WindowCosts:
         return max(self.ms[r] if r < rows else self.ms[r] * rows / r for r in known)
 
 
-def expected_tokens(hold: Callable[[int], float], depth: int) -> float:
-    """E(depth): the tokens a window with ``depth`` proposals emits on average, ``hold(j)`` being the chance
-    that proposal j holds after the ones before it held."""
+def expected_tokens(holds: Sequence[float], depth: int) -> float:
+    """E(depth): the tokens a window with ``depth`` proposals emits on average, ``holds[j]`` being the
+    chance that proposal j holds after the ones before it held."""
     total, reach = 1.0, 1.0
-    for j in range(depth):
-        reach *= hold(j)
+    for h in holds[:depth]:
+        reach *= h
         total += reach
     return total
 
 
-def value(hold: Callable[[int], float], costs: WindowCosts, depth: int) -> float | None:
+def value(holds: Sequence[float], costs: WindowCosts, depth: int) -> float | None:
     """Expected tokens per millisecond at ``depth`` (None while nothing is measured)."""
     cost = costs.cost(depth + 1)
-    return None if cost is None else expected_tokens(hold, depth) / cost
+    return None if cost is None else expected_tokens(holds, depth) / cost
 
 
-def best_depth(hold: Callable[[int], float], costs: WindowCosts, most: int) -> int:
+def best_depth(holds: Sequence[float], costs: WindowCosts, most: int) -> int:
     """The depth in 0..most with the most expected tokens per second (``most`` while nothing is measured;
     the deeper one of a tie)."""
-    values = [value(hold, costs, d) for d in range(most + 1)]
+    values = [value(holds, costs, d) for d in range(most + 1)]
     if any(v is None for v in values):
         return most
     return max(range(most + 1), key=lambda d: (values[d], d))
 
 
-def worth_switching(hold: Callable[[int], float], costs: WindowCosts, now: int, to: int) -> bool:
+def worth_switching(holds: Sequence[float], costs: WindowCosts, now: int, to: int) -> bool:
     """Whether windows at depth ``to`` beat the current ``now`` by `DEPTH_SWITCH` (yes while nothing is
     measured: `best_depth` then names the full depth, which is where a request starts)."""
-    a, b = value(hold, costs, to), value(hold, costs, now)
+    a, b = value(holds, costs, to), value(holds, costs, now)
     return a is None or b is None or a > DEPTH_SWITCH * b

@@ -129,15 +129,21 @@ class DraftGauge:
         return self.rate if self.seen >= DRAFT_WARMUP else 1.0
 
     def hold(self, j: int) -> float:
-        """The chance that proposal j holds once the ones before it held (after `HOLD_WARMUP` windows
-        reached it; until then the position before it's, and 1 for the first; and no lower than the
-        position before it's once `HOLD_STALE` drafting windows have not reached it)."""
-        before = 1.0 if j == 0 else self.hold(j - 1)
-        if j >= len(self.reached) or self.reached[j] < HOLD_WARMUP:
-            return before
-        if j > 0 and self.drafted - self.last_reached[j] > HOLD_STALE:
-            return max(self.holds[j], before)
-        return self.holds[j]
+        """The chance that proposal j holds once the ones before it held (`holds_up_to`)."""
+        return self.holds_up_to(j + 1)[j]
+
+    def holds_up_to(self, depth: int) -> list[float]:
+        """The chance that proposal j holds once the ones before it held, for j below ``depth``: measured
+        after `HOLD_WARMUP` windows reached it; until then the position before it's, and 1 for the first;
+        and no lower than the position before it's once `HOLD_STALE` drafting windows have not reached it."""
+        out: list[float] = []
+        before = 1.0
+        for j in range(depth):
+            if j < len(self.reached) and self.reached[j] >= HOLD_WARMUP:
+                stale = j > 0 and self.drafted - self.last_reached[j] > HOLD_STALE
+                before = max(self.holds[j], before) if stale else self.holds[j]
+            out.append(before)
+        return out
 
     @property
     def probe_due(self) -> bool:
@@ -152,7 +158,7 @@ class DraftGauge:
         """The solo depth that pays, at most ``room``, without probing: 0 under the floor."""
         if room <= 0 or self.estimate < self.floor:
             return 0
-        return room if self.costs is None else best_depth(self.hold, self.costs, room)
+        return room if self.costs is None else best_depth(self.holds_up_to(room), self.costs, room)
 
     def depth(self, room: int) -> int:
         """Proposals this slot's next solo window drafts, at most ``room``: the best depth, or, when that
@@ -175,7 +181,7 @@ class DraftGauge:
             return False
         if best == 0 and self.estimate < self.floor:
             return True
-        return worth_switching(self.hold, self.costs, now, best)
+        return worth_switching(self.holds_up_to(max(now, best)), self.costs, now, best)
 
 
 def drafting_pays(gauges: list[DraftGauge], probe: bool = True) -> bool:
