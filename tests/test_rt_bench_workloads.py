@@ -142,6 +142,7 @@ def test_sampled_bench_requests_draw_with_the_options_and_the_same_seed_in_every
         "presence_penalty": 0.0,
         "frequency_penalty": 0.0,
     }
+    assert res["seeded"]
     assert res["arms"]["batch-mtp"]["two-decodes"]["text_equal_to_serial"] is None
     assert res["arms"]["serial"]["two-decodes"]["median"]["tok_s"] > 0
 
@@ -247,6 +248,7 @@ def test_solo_adaptive_arm_runs_beside_solo_with_its_depth_chosen_per_window(tmp
     assert all(arms[a]["solo"]["median"]["tok_s"] > 0 for a in arms)
     plans = {a: json.loads((tmp_path / f"{a}.json").read_text()) for a in arms}
     assert plans["solo-adaptive"]["spec"]["adaptive_depth"] and not plans["solo"]["spec"]["adaptive_depth"]
+    assert arms["solo-adaptive"]["plan"]["adaptive_depth"] and not arms["solo"]["plan"]["adaptive_depth"]
     sampled = strata(
         *("bench", "profiles/demo.toml", "--workload", "solo", "--arms", "solo-adaptive"),
         *("--repeats", "1", "--tokens", "8", "--temperature", "0.7"),
@@ -259,6 +261,7 @@ def test_solo_adaptive_arm_runs_beside_solo_with_its_depth_chosen_per_window(tmp
     )
     assert unseeded.returncode == 0, unseeded.stderr
     assert "seeded" not in unseeded.stderr
+    assert "temperature 0.7, unseeded, medians of 1" in unseeded.stdout
 
 
 def test_unseeded_sampled_requests_carry_no_seed() -> None:

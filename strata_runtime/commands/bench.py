@@ -186,6 +186,7 @@ def run(args: argparse.Namespace) -> int:
             "repeats": args.repeats,
             "tokens": args.tokens,
             "sampling": sampling_options(args),
+            "seeded": args.temperature > 0 and not args.unseeded,
             "arms": {
                 n: {
                     "plan": {
@@ -195,6 +196,7 @@ def run(args: argparse.Namespace) -> int:
                         "mtp_in_groups": p.batch.mtp_in_groups,
                         "slots": p.batch.slots,
                         "draft_tokens": p.spec.draft_tokens,
+                        "adaptive_depth": p.spec.adaptive_depth,
                     },
                     "note": notes.get(n),
                     "budget_mib": budgets[n],
@@ -213,6 +215,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2))
     else:
         sampled = describe_sampling(sampling_options(args))
+        if args.temperature > 0 and args.unseeded:
+            sampled += ", unseeded"
         print(render_table(args.workload, plans, summary, notes, args.repeats, args.tokens, sampled))
         if ceiling:
             print("\n" + "\n".join(ceiling["lines"]))
