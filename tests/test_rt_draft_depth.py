@@ -218,3 +218,22 @@ def test_depth_changes_at_any_window_keep_the_greedy_text_and_the_kv(mode, stage
     got, eng = texts(True)
     assert got == fixed
     assert len(eng.totals["solo_by_proposals"]) > 1, eng.totals["solo_by_proposals"]
+
+
+@pytest.mark.parametrize(("mode", "stages"), [("solo", 1), ("batch-mtp", 2)])
+def test_requests_that_fill_the_context_draft_no_deeper_than_the_room_left(mode, stages, monkeypatch) -> None:
+    """Near the end of a small context the room left caps the depth, whatever the window times favour: each
+    request gets the text it gets at a fixed depth (the first one ending by length)."""
+    g = np.random.default_rng(31)
+    monkeypatch.setattr(
+        WindowCosts, "observe", lambda self, rows, ms: OBSERVE(self, rows, float(g.uniform(1, 4)) * rows**0.5)
+    )
+    schedule = [(0, Request(tuple(b"The river runs"), 500)), (2, Request(tuple(b"Another"), 500))]
+
+    def run(adaptive: bool) -> list[list[int]]:
+        plan = mode_plan(mode, stages, adaptive_depth=adaptive, context=58, prefill_chunk=16)
+        return collect(Engine(plan), schedule)
+
+    fixed, got = run(False), run(True)
+    assert got == fixed
+    assert len(got[0]) == 58 - len(schedule[0][1].prompt_ids) + 1  # it reached the context's end
