@@ -125,3 +125,41 @@ def test_mtp_head_and_chained_drafts_match_a_float64_reference() -> None:
         out = step(chain[-1], out, pos)  # chained: the head's own post-norm output is the next hidden
         pos += 1
     assert proposals.tokens == chain
+
+
+def test_sampled_drafts_for_a_window_decided_on_the_device_are_drawn_there_as_the_host_draws_them(
+    monkeypatch,
+) -> None:
+    """A host-launched window that the device decides recomputes q there, so its sampled proposals are drawn
+    on the drafters' device: the same tokens as the host's draw at the same uniforms, without the
+    vocabulary-wide row coming back and without a host q. A request with a penalty, or a window the host
+    verifies, still draws on the host, with q."""
+    from strata_runtime.backend import Device
+
+    model = Model.from_plan(make_plan(stages=1, draft_tokens=4, context=64))
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(32, 127, size=9)
+    nxt = int(rng.integers(32, 127))
+    normed = model.forward(prompt, Layout.of([(0, len(prompt), 0)]))
+    commit(model, 0, 0, len(prompt), normed, [*prompt[1:].tolist(), nxt], tracked=True)
+    fetched: list[tuple[int, ...]] = []
+    real = Device.to_host
+    monkeypatch.setattr(Device, "to_host", lambda self, a: fetched.append(tuple(a.shape)) or real(self, a))
+    vocab = model.last.lm_head.shape[0]
+
+    def run(params: SamplingParams, on_device: bool):
+        fetched.clear()
+        drafter = model.drafters[0]
+        kept = drafter.length
+        out = draft(model, 0, nxt, 3, Sampler(params, 17), on_device)
+        drafter.rewind(kept)  # the drafts ran the head on; the next run starts where this one did
+        return out, [s for s in fetched if vocab in s]
+
+    hot = SamplingParams(temperature=1.5, top_k=40, top_p=0.95)
+    host, host_rows = run(hot, False)
+    here, rows = run(hot, True)
+    assert here.tokens == host.tokens and len(set(host.tokens)) > 1
+    assert len(host.q) == 3 and host_rows and not here.q and not rows
+    penalised = SamplingParams(temperature=1.5, top_k=40, presence_penalty=0.5)
+    kept, kept_rows = run(penalised, True)
+    assert len(kept.q) == 3 and kept_rows

@@ -306,11 +306,14 @@ class Executor:
                     stream.wait_event(done.event)
             yield
 
-    def draft(self, slot: int, token: int, depth: int, sampler: Sampler) -> Proposals:
-        """`strata_runtime.engine.speculative.draft` on the drafters' stream."""
+    def draft(
+        self, slot: int, token: int, depth: int, sampler: Sampler, on_device: bool = False
+    ) -> Proposals:
+        """`strata_runtime.engine.speculative.draft` on the drafters' stream; ``on_device``: the window is
+        decided on the device, which needs no host copy of what a sampled proposal was drawn from."""
         with self._on_drafters():
             catch_up(self.model, slot)  # the rows of its windows without proposals, if any
-            return draft(self.model, slot, token, depth, sampler)
+            return draft(self.model, slot, token, depth, sampler, on_device)
 
     def _retire(self, flight: Flight) -> None:
         """Hold a finished flight's arrays until the drafters' stream has read them (called on that stream's

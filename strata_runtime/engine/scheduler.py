@@ -672,16 +672,22 @@ class Engine:
             rows = windows[turn % len(windows)]
             self._plain_turn[group] = turn + 1
             kind = "pipelined" if pipelined else "serial"
+        depths = {
+            sid: min(sum(1 for r in rows if r.slot == sid) - 1, self._room(by_id[sid]))
+            for sid in dict.fromkeys(r.slot for r in rows)
+        }
+        on_device = self._decided_on_device(kind, [1 + d for d in depths.values()])
         entries = []
-        for sid in dict.fromkeys(r.slot for r in rows):
+        for sid, depth in depths.items():
             slot, token = by_id[sid], by_id[sid].token
             assert token is not None  # a decoding slot has its next input
-            depth = min(sum(1 for r in rows if r.slot == sid) - 1, self._room(slot))
             proposals = (
-                self.executor.draft(sid, token, depth, slot.sampler) if depth > 0 else Proposals([], [])
+                self.executor.draft(sid, token, depth, slot.sampler, on_device)
+                if depth > 0
+                else Proposals([], [])
             )
             entries.append(Entry(slot, "decode", [token, *proposals.tokens], proposals))
-        return Job(kind, entries, paused=paused, spec_on_device=self._decided_on_device(kind, entries))
+        return Job(kind, entries, paused=paused, spec_on_device=on_device)
 
     def _batch_mtp_serves(self, decoding: int) -> bool:
         """Whether ``decoding`` slots (of a group) take batch-MTP windows rather than serial ones.
@@ -704,13 +710,14 @@ class Engine:
             shapes |= {(s, 2) for s in range(1, min(self.n_slots, BATCH_MTP_SLOTS_PER_WINDOW) + 1)}
         return shapes
 
-    def _decided_on_device(self, kind: str, entries: list[Entry]) -> bool:
-        """Whether a decode window is decided on the device (`strata_runtime.engine.device_spec`): a solo or
-        batch-MTP window (serial, or a pipelined group's) whose slots have the same number of proposals, at
-        least one (greedy or sampled, with or without a logit bias or penalties)."""
+    def _decided_on_device(self, kind: str, rows_per_slot: list[int]) -> bool:
+        """Whether a decode window whose slots hold ``rows_per_slot`` rows each is decided on the device
+        (`strata_runtime.engine.device_spec`): a solo or batch-MTP window (serial, or a pipelined group's)
+        whose slots have the same number of proposals, at least one (greedy or sampled, with or without a
+        logit bias or penalties)."""
         if kind not in ("solo", "batch-mtp", "pipelined-mtp") or self.model.mtp is None:
             return False
-        rows = {len(e.tokens) for e in entries}
+        rows = set(rows_per_slot)
         return len(rows) == 1 and rows.pop() > 1
 
     def _room(self, slot: Slot) -> int:

@@ -23,7 +23,7 @@ from ..backend import Array, Device
 from ..layout import Layout
 from ..model import Model
 from .depth import WindowCosts, best_depth, worth_switching
-from .sampling import Sampler, distribution
+from .sampling import Sampler, distribution, inverse_cdf
 
 
 @dataclass
@@ -202,12 +202,22 @@ class Verdict:
     tokens: list[int]
 
 
-def _choose(sampler: Sampler, dev: Device, logits: Array, chain: list[int]) -> tuple[int, np.ndarray | None]:
+def _choose(
+    sampler: Sampler, dev: Device, logits: Array, chain: list[int], on_device: bool = False
+) -> tuple[int, np.ndarray | None]:
     """A proposal from one row of draft logits [V] (on ``dev``) that follows the proposals ``chain``: the
-    argmax, or a draw from q, of the logits the verifier will adjust the same way."""
+    argmax, or a draw from q, of the logits the verifier will adjust the same way.
+
+    With ``on_device`` (the window is decided on the device, which computes q from the same logits) a
+    sampled request without a bias or penalties draws on ``dev``, at the next uniform of its generator, as
+    `Sampler.draw` would: only the token comes back, not a vocabulary-wide row, and no q is kept."""
     if not sampler.needs_logits:
         with dev.use():
             return int(dev.xp.argmax(logits)), None
+    if on_device and not sampler.adjusts:
+        with dev.use():
+            q = distribution(logits[None, :], sampler.params, dev.xp)[0]
+            return int(inverse_cdf(q, sampler.uniform(), dev.xp)), None
     row = sampler.adjusted(dev.to_host(logits)[None, :], chain)  # [1, V]
     if sampler.greedy:
         return int(np.argmax(row[0])), None
@@ -215,19 +225,21 @@ def _choose(sampler: Sampler, dev: Device, logits: Array, chain: list[int]) -> t
     return sampler.draw(q), q
 
 
-def draft(model: Model, slot: int, token: int, depth: int, sampler: Sampler) -> Proposals:
+def draft(
+    model: Model, slot: int, token: int, depth: int, sampler: Sampler, on_device: bool = False
+) -> Proposals:
     """Up to ``depth`` chained proposals for the tokens after ``token`` (the slot's next input).
 
     The drafter's pending logits (from its last catch-up) give the first; each further one runs the MTP head
     at the next position on (previous proposal, head's previous output). Those speculative MTP KV rows are
-    rewound by the next `commit`.
+    rewound by the next `commit`. ``on_device``: the window is decided on the device (`_choose`).
     """
     drafter = model.drafters[slot]
     dev = drafter.device
     out = Proposals([], [])
     if depth <= 0:
         return out
-    tok, q = _choose(sampler, dev, drafter.logits[0], out.tokens)
+    tok, q = _choose(sampler, dev, drafter.logits[0], out.tokens, on_device)
     out.tokens.append(tok)
     if q is not None:
         out.q.append(q)
@@ -239,7 +251,7 @@ def draft(model: Model, slot: int, token: int, depth: int, sampler: Sampler) -> 
             head = model.mtp({slot: drafter}, np.array([tok]), drafter.hidden[j - 1 : j], layout)  # [1, H]
             drafter.hidden[j : j + 1] = head
             drafter.logits[j : j + 1] = model.mtp.logits(head)
-        tok, q = _choose(sampler, dev, drafter.logits[j], out.tokens)
+        tok, q = _choose(sampler, dev, drafter.logits[j], out.tokens, on_device)
         out.tokens.append(tok)
         if q is not None:
             out.q.append(q)
