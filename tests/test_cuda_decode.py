@@ -590,3 +590,39 @@ def test_greedy_text_on_gpu_with_calibrated_routing_does_not_depend_on_drafting_
         for p in prompts
     ]
     assert solo == plain
+
+
+def test_sampled_drafts_drawn_on_gpu_equal_the_host_draws(cp):
+    """A host-launched window decided on the GPU draws its sampled proposals there (`speculative._choose`
+    with ``on_device``): at the same uniforms, the same tokens as drawing on the host from the row copied
+    back, for temperature, top-k and top-p, without a host q."""
+    from strata_runtime.api import SamplingParams
+    from strata_runtime.engine.sampling import Sampler
+    from strata_runtime.engine.speculative import commit, draft
+    from strata_runtime.layout import Layout
+    from strata_runtime.model import Model
+
+    model = Model.from_plan(_plan(cp, model="tiny", draft_tokens=4, context=64))
+    g = np.random.default_rng(41)
+    prompt = g.integers(32, 127, size=9)
+    nxt = int(g.integers(32, 127))
+    normed = model.forward(prompt, Layout.of([(0, len(prompt), 0)]))
+    commit(model, 0, 0, len(prompt), normed, [*prompt[1:].tolist(), nxt], tracked=True)
+    drafter = model.drafters[0]
+    kept = drafter.length
+    params = [
+        SamplingParams(temperature=1.5),
+        SamplingParams(temperature=1.2, top_k=40),
+        SamplingParams(temperature=1.0, top_p=0.9),
+        SamplingParams(temperature=2.0, top_k=60, top_p=0.95),
+    ]
+    varied = set()
+    for seed, p in enumerate(params):
+        outs = []
+        for on_device in (False, True):
+            outs.append(draft(model, 0, nxt, 3, Sampler(p, seed), on_device))
+            drafter.rewind(kept)
+        assert outs[1].tokens == outs[0].tokens, p
+        assert len(outs[0].q) == 3 and not outs[1].q
+        varied.update(outs[0].tokens)
+    assert len(varied) > 3  # the draws really vary
