@@ -47,13 +47,13 @@ whose proposal holds brings a paused slot back to the floor."""
 
 
 HOLD_WARMUP = 4
-"""Windows that reached a proposal position before its own estimate is used (until then: the position
-before it's, or 1 for the first)."""
+"""Windows that reached a proposal position before its own estimate is used (until then: the estimate of
+the position before it, or 1 for the first)."""
 HOLD_WEIGHT = 1 / 8
 """Weight of each new outcome in a position's estimate after the first 8 (a plain mean until then)."""
 HOLD_STALE = 32
 """Drafting windows after which a position none of them reached counts as unknown again (its estimate no
-lower than the position before it's), so that a depth given up in a hard stretch of text is tried again
+lower than that of the position before it), so that a depth given up in a hard stretch of text is tried again
 once the text turns predictable."""
 
 
@@ -71,7 +71,7 @@ class DraftGauge:
     the next (up to `DRAFT_PROBE_MOST`).
 
     **How deep** (``costs``: the engine's `WindowCosts`, with ``spec.adaptive_depth``). For each proposal
-    position j, the chance that proposal j holds once those before it held (`hold`), and from those and
+    position j, the chance that proposal j holds once those before it held (`holds_up_to`), and from those and
     the measured window times the solo depth with the most tokens per second (`strata_runtime.engine.depth`);
     depth 0 pauses drafting like the floor. Without ``costs`` a drafting solo window carries every proposal
     it has room for.
@@ -134,8 +134,9 @@ class DraftGauge:
 
     def holds_up_to(self, depth: int) -> list[float]:
         """The chance that proposal j holds once the ones before it held, for j below ``depth``: measured
-        after `HOLD_WARMUP` windows reached it; until then the position before it's, and 1 for the first;
-        and no lower than the position before it's once `HOLD_STALE` drafting windows have not reached it."""
+        after `HOLD_WARMUP` windows reached it (until then the estimate of the position before it, and 1
+        for the first), and no lower than the estimate before it once `HOLD_STALE` drafting windows have
+        not reached it."""
         out: list[float] = []
         before = 1.0
         for j in range(depth):
