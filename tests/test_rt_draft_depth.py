@@ -237,3 +237,25 @@ def test_requests_that_fill_the_context_draft_no_deeper_than_the_room_left(mode,
     fixed, got = run(False), run(True)
     assert got == fixed
     assert len(got[0]) == 58 - len(schedule[0][1].prompt_ids) + 1  # it reached the context's end
+
+
+def test_the_status_says_how_each_slot_drafts(monkeypatch) -> None:
+    """`/v1/status` gives each decoding slot's drafting state: what its gauge measured and the depth its
+    next solo window takes (adaptive here, with the H200 table: one proposal once it knows its holds)."""
+    monkeypatch.setattr(WindowCosts, "observe", lambda self, rows, ms: OBSERVE(self, rows, H200[rows]))
+    eng = Engine(make_plan(draft_tokens=4, context=256, adaptive_depth=True))
+    eng.submit(Request(PROMPT, 200))
+    for _ in range(60):
+        eng.step()
+    [slot] = eng.stats()["slots"]
+    d = slot["drafting"]
+    assert slot["state"] == "decode" and d["adaptive"] and d["proposals_seen"] > 8
+    assert len(d["holds"]) == 3 and all(0 <= h <= 1 for h in d["holds"]) and d["holds"][0] > 0.5
+    gauge = eng.slots[0].gauge
+    assert d["solo_depth"] == gauge.depth(3) == 1 and not d["paused"]
+    plain = Engine(make_plan(context=256))  # no drafter: nothing to say
+    plain.submit(Request(PROMPT, 50))
+    for _ in range(5):
+        plain.step()
+    [slot] = plain.stats()["slots"]
+    assert slot["state"] == "decode" and "drafting" not in slot

@@ -320,6 +320,22 @@ class Engine:
             "generated": len(s.generated),
             "length": s.length,
             "kv_lengths": self.model.kv_lengths(i),
+            **({"drafting": self._drafting_state(s)} if self.tracked else {}),
+        }
+
+    def _drafting_state(self, s: Slot) -> dict[str, Any]:
+        """Why the slot drafts as it does: the share of its proposals that held as the floor reads it (1
+        until `DRAFT_WARMUP` were seen), each proposal position's chance of holding, the depth its next
+        window alone would draft, and whether that depth adapts to the measured window times."""
+        g = s.gauge
+        room = min(self.depth, self._room(s))
+        return {
+            "proposals_seen": g.seen,
+            "acceptance": round(g.estimate, 4),
+            "holds": [round(h, 4) for h in g.holds_up_to(self.depth)],
+            "solo_depth": g.depth(room),
+            "paused": room > 0 and g.depth(room) == 0,
+            "adaptive": g.costs is not None,
         }
 
     # ---- admission and release ---------------------------------------------------------------------
