@@ -274,3 +274,13 @@ def test_unseeded_sampled_requests_carry_no_seed() -> None:
     unseeded = workload_arrivals("two-decodes", ByteTokenizer(259), 8, 128, sampling=sampled, seeded=False)
     assert [a.request.sampling.seed for a in seeded] == [0, 1]
     assert [a.request.sampling.seed for a in unseeded] == [None, None]
+
+
+def test_over_http_unseeded_sampled_requests_carry_no_seed() -> None:
+    from strata_cfg.bench.http_workloads import request_body
+
+    sampled = {"temperature": 0.7, "top_p": 0.9}
+    assert request_body("m", "hi", 8, sampled, 3)["seed"] == 3
+    assert "seed" not in request_body("m", "hi", 8, sampled, 3, seeded=False)
+    assert "seed" not in request_body("m", "hi", 8, None, 3)  # greedy
+    assert request_body("m", "hi", 8, sampled, 3)["temperature"] == 0.7

@@ -85,6 +85,24 @@ def _totals(url: str, api_key: str | None) -> dict[str, float]:
 GREEDY: dict[str, float] = {"temperature": 0.0}
 
 
+def request_body(
+    model: str,
+    prompt: str | list[int],
+    max_tokens: int,
+    sampling: dict[str, float] | None,
+    index: int,
+    seeded: bool = True,
+) -> dict[str, Any]:
+    """A streamed completion request of the workload: ``sampling`` (greedy without), seeded by ``index``
+    when it samples and ``seeded``."""
+    body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True}
+    body.update(sampling or GREEDY)
+    if body["temperature"] > 0 and seeded:
+        body["seed"] = index
+    body["stream_options"] = {"include_usage": True}
+    return body
+
+
 def http_run(
     url: str,
     workload: str,
@@ -112,11 +130,7 @@ def http_run(
     def send(
         prompt: str | list[int], max_tokens: int, watch: threading.Event | None, greedy: bool = False
     ) -> None:
-        body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True}
-        body.update(GREEDY if greedy else sampling or GREEDY)
-        if body["temperature"] > 0 and seeded:
-            body["seed"] = len(streams)
-        body["stream_options"] = {"include_usage": True}
+        body = request_body(model, prompt, max_tokens, GREEDY if greedy else sampling, len(streams), seeded)
         stream = Stream(sent=time.perf_counter() - t0)
         worker = threading.Thread(target=_stream, args=(Client(url, api_key, 600.0), body, t0, stream, watch))
         streams.append(stream)
