@@ -243,8 +243,11 @@ def test_solo_adaptive_arm_runs_beside_solo_with_its_depth_chosen_per_window(tmp
         *("--repeats", "1", "--tokens", "40", "--json", "--run-dir", str(tmp_path)),
     )
     assert out.returncode == 0, out.stderr
-    arms = json.loads(out.stdout)["arms"]
-    assert set(arms) == {"solo", "solo-adaptive"}
+    res = json.loads(out.stdout)
+    arms = res["arms"]
+    assert set(arms) == {"solo", "solo-adaptive"} and res["base"] == "solo"  # no serial arm: the first
+    adaptive = arms["solo-adaptive"]["solo"]
+    assert "gain_ci95" in adaptive and adaptive["text_equal_to_solo"] is True  # greedy: the same text
     assert all(arms[a]["solo"]["median"]["tok_s"] > 0 for a in arms)
     plans = {a: json.loads((tmp_path / f"{a}.json").read_text()) for a in arms}
     assert plans["solo-adaptive"]["spec"]["adaptive_depth"] and not plans["solo"]["spec"]["adaptive_depth"]
@@ -262,6 +265,7 @@ def test_solo_adaptive_arm_runs_beside_solo_with_its_depth_chosen_per_window(tmp
     assert unseeded.returncode == 0, unseeded.stderr
     assert "seeded" not in unseeded.stderr
     assert "temperature 0.7, unseeded, medians of 1" in unseeded.stdout
+    assert "gain vs solo-adaptive [95% CI]" in unseeded.stdout  # the only arm is the base
 
 
 def test_unseeded_sampled_requests_carry_no_seed() -> None:

@@ -170,7 +170,8 @@ def run(args: argparse.Namespace) -> int:
         sampling=sampling,
         seeded=not args.unseeded,
     )
-    summary = summarise(runs, compare_text=sampling.temperature <= 0)
+    base = "serial" if "serial" in plans else next(iter(plans))
+    summary = summarise(runs, base=base, compare_text=sampling.temperature <= 0)
     tokenizer = next(iter(engines.values())).tokenizer
     ceiling = ceiling_report(args.workload, plans, summary, rates, args, tokenizer)
     budgets = {
@@ -187,6 +188,7 @@ def run(args: argparse.Namespace) -> int:
             "tokens": args.tokens,
             "sampling": sampling_options(args),
             "seeded": args.temperature > 0 and not args.unseeded,
+            "base": base,
             "arms": {
                 n: {
                     "plan": {
@@ -217,13 +219,13 @@ def run(args: argparse.Namespace) -> int:
         sampled = describe_sampling(sampling_options(args))
         if args.temperature > 0 and args.unseeded:
             sampled += ", unseeded"
-        print(render_table(args.workload, plans, summary, notes, args.repeats, args.tokens, sampled))
+        print(render_table(args.workload, plans, summary, notes, args.repeats, args.tokens, sampled, base))
         if ceiling:
             print("\n" + "\n".join(ceiling["lines"]))
         if llama is not None and llama["lines"]:
             print("\n" + "\n".join(llama["lines"]))
     # A peer computes in other precision and order, so its text may drift; only the runtime's arms must agree.
-    equal = all(case.get("text_equal_to_serial") is not False for n in plans for case in summary[n].values())
+    equal = all(case.get(f"text_equal_to_{base}") is not False for n in plans for case in summary[n].values())
     return 0 if equal else 1
 
 
@@ -491,13 +493,16 @@ def render_table(
     repeats: int,
     tokens: int,
     sampling: str = "greedy",
+    base: str = "serial",
 ) -> str:
+    """The bench's table: each arm's medians, its gain over ``base`` (``serial`` where it ran, else the
+    first arm) and whether its text equals ``base``'s."""
     what = f"{tokens} tokens per request, {sampling}"
     if workload == "prompt":
         n = next(iter(summary.values()))["prompt"]["median"]["prompt_tokens"]
         what = f"one prompt of {n:.0f} tokens alone on the engine, 1 token generated; tok/s = prompt tokens/s"
     lines = [f"workload {workload}: {what}, medians of {repeats} interleaved repeats", ""]
-    head = f"{'arm':<10} {'case':<18} {'tok/s':>9} {'gain vs serial [95% CI]':>28} "
+    head = f"{'arm':<10} {'case':<18} {'tok/s':>9} {f'gain vs {base} [95% CI]':>28} "
     head += f"{'ms/win':>8} {'rows/win':>8} {'accept':>7}  text"
     lines += [head, "-" * len(head)]
     for name, cases in summary.items():
@@ -508,10 +513,10 @@ def render_table(
                 lo, hi = e["gain_ci95"]
                 gain = f"{100 * e['gain']:+.1f}% [{100 * lo:+.1f}, {100 * hi:+.1f}]"
             text = (
-                {True: "= serial", False: "differs (peer)" if name not in plans else "DIFFERS", None: ""}[
-                    e.get("text_equal_to_serial")
+                {True: f"= {base}", False: "differs (peer)" if name not in plans else "DIFFERS", None: ""}[
+                    e.get(f"text_equal_to_{base}")
                 ]
-                if name != "serial"
+                if name != base
                 else "(reference)"
             )
             extra = ""
