@@ -288,3 +288,39 @@ def test_over_http_unseeded_sampled_requests_carry_no_seed() -> None:
     assert "seed" not in request_body("m", "hi", 8, sampled, 3, seeded=False)
     assert "seed" not in request_body("m", "hi", 8, None, 3)  # greedy
     assert request_body("m", "hi", 8, sampled, 3)["temperature"] == 0.7
+
+
+def test_vary_reads_one_variant_per_value() -> None:
+    from strata_cfg.commands.bench import parse_vary
+
+    assert parse_vary("spec.draft_tokens=2, 3,4") == [("spec.draft_tokens", v) for v in (2, 3, 4)]
+    assert parse_vary("split.layers=[20, 30]") == [("split.layers", [20, 30])]  # one TOML value
+    assert parse_vary("spec.adaptive_depth=true,false") == [
+        ("spec.adaptive_depth", True),
+        ("spec.adaptive_depth", False),
+    ]
+    for bad, says in (("nokey", "--vary wants KEY="), ("spec.draft_tokens=2,,3", "an empty value")):
+        with pytest.raises(ValueError, match=says):
+            parse_vary(bad)
+
+
+def test_vary_runs_each_arm_once_per_value_interleaved(tmp_path) -> None:
+    """A sweep of the solo depth in one run: one arm per value, each plan as the value says, the first the
+    base (the gain of the others over it, and their greedy text equal to it). The arms' expert caches
+    differ in shape (the plan without drafting has no MTP layer), and each still starts every repeat from
+    a cache it can hold."""
+    out = strata(
+        *("bench", "profiles/demo.toml", "--workload", "solo", "--arms", "solo", "--repeats", "2"),
+        *("--tokens", "24", "--vary", "spec.draft_tokens=0,2,4", "--json", "--run-dir", str(tmp_path)),
+    )
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout)
+    names = ["solo@draft_tokens:0", "solo@draft_tokens:2", "solo@draft_tokens:4"]
+    assert list(res["arms"]) == names and res["base"] == names[0]
+    for name, tokens in zip(names, (0, 2, 4), strict=True):
+        assert res["arms"][name]["plan"]["draft_tokens"] == tokens
+        assert json.loads((tmp_path / f"{name}.json").read_text())["spec"]["draft_tokens"] == tokens
+    for name in names[1:]:
+        case = res["arms"][name]["solo"]
+        assert case["text_equal_to_" + names[0]] is True and "gain_ci95" in case
+        assert case["median"]["accepted_pct"] > 0  # these draft

@@ -23,9 +23,11 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from ..bench.arms import ARMS, DEFAULT_ARMS, SEEDED_NOTE, arm_note
 from ..launch.engine_process import runtime_argv
+from ..profile.overrides import parse_set
 from ..schema.errors import ProfileError
 from ..schema.plan_file import write_plan
 from ..schema.sampling_options import add_sampling_arguments, sampling_options
@@ -55,6 +57,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--arms",
         help=f"comma-separated arms of {', '.join(ARMS)} (default: {', '.join(DEFAULT_ARMS)}; for prompt: "
         "serial; step, vram and handoff take no arms)",
+    )
+    parser.add_argument(
+        "--vary",
+        action="append",
+        default=[],
+        type=_vary_item,
+        metavar="KEY=V1,V2,...",
+        help="run each arm once per value of KEY, interleaved (--vary spec.draft_tokens=2,3,4 runs "
+        "solo@draft_tokens:2, ...); repeat --vary for more variants; a value with brackets or quotes is one "
+        "TOML value",
     )
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats per arm (default 3)")
     parser.add_argument("--tokens", type=int, default=300, help="tokens per request (default 300)")
@@ -147,6 +159,46 @@ def usage_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _vary_item(text: str) -> list[tuple[str, Any]]:
+    try:
+        return parse_vary(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def parse_vary(item: str) -> list[tuple[str, Any]]:
+    """``"spec.draft_tokens=2,3"`` -> ``[("spec.draft_tokens", 2), ("spec.draft_tokens", 3)]``: one variant
+    per comma-separated value, each a TOML value as ``--set`` reads it; a value that opens with a bracket,
+    a brace or a quote is one value (``split.layers=[20, 30]``)."""
+    key, sep, text = item.partition("=")
+    text = text.strip()
+    if not sep:
+        raise ValueError(
+            f"--vary wants KEY=V1,V2,... with a dotted key (spec.draft_tokens=2,3), not {item!r}"
+        )
+    pieces = [text] if text[:1] in "[{\"'" else [p.strip() for p in text.split(",")]
+    if not all(pieces):
+        raise ValueError(f"--vary {key.strip()}: an empty value in {text!r}")
+    try:
+        return [parse_set(f"{key}={p}") for p in pieces]
+    except ValueError as exc:
+        raise ValueError(str(exc).replace("--set", "--vary", 1)) from None
+
+
+def variants(args: argparse.Namespace) -> list[tuple[str, list[tuple[str, Any]]]]:
+    """Each variant's name suffix and overrides: ``@draft_tokens:2`` and ``[("spec.draft_tokens", 2)]``
+    for each ``--vary`` value, or one unnamed variant without any."""
+    out: list[tuple[str, list[tuple[str, Any]]]] = [
+        (f"@{key.rsplit('.', 1)[-1]}:{_value_text(v)}", [(key, v)]) for item in args.vary for key, v in item
+    ]
+    return out or [("", [])]
+
+
+def _value_text(value: Any) -> str:
+    text = str(value).lower() if isinstance(value, bool) else str(value)
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in text)
+
+
 def arm_names(args: argparse.Namespace) -> list[str]:
     """The arms to run: as given, else ``serial`` for ``prompt`` and the default arms for the others."""
     if args.arms is not None:
@@ -172,8 +224,12 @@ def run(args: argparse.Namespace) -> int:
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="strata-bench-"))
     argv = bench_argv(args)
     ran = 0
-    for name in names:
-        args.sets = [*base_sets, *ARMS[name]]
+    for (
+        arm,
+        (suffix, varied),
+    ) in ((a, v) for a in names for v in variants(args)):
+        name = arm + suffix
+        args.sets = [*base_sets, *ARMS[arm], *varied]
         try:
             plan = resolve_args(args).plan
         except ProfileError as exc:
@@ -187,8 +243,8 @@ def run(args: argparse.Namespace) -> int:
             return EXIT_USAGE
         path = write_plan(plan, run_dir / f"{name}.json")
         argv += ["--arm", f"{name}={path}"]
-        note = arm_note(name, plan)
-        if note is None and name == "solo-adaptive" and args.temperature > 0 and not args.unseeded:
+        note = arm_note(arm, plan)
+        if note is None and arm == "solo-adaptive" and args.temperature > 0 and not args.unseeded:
             note = SEEDED_NOTE
         if note:
             print(f"strata bench: arm {name} {note}", file=sys.stderr)

@@ -279,6 +279,11 @@ class ArmRuns:
     hold that time)."""
 
 
+def same_shape(a: list[Any], b: list[Any]) -> bool:
+    """Whether two engines' expert-cache snapshots (one per stage) describe caches of the same shape."""
+    return len(a) == len(b) and all(x.resident.shape == y.resident.shape for x, y in zip(a, b, strict=True))
+
+
 def driver_for(arm: Any) -> Driver:
     """How an arm runs: a peer brings its own driver; an engine of this runtime is stepped in process."""
     return arm.driver() if hasattr(arm, "driver") else InProcessDriver(arm)
@@ -305,14 +310,17 @@ def run_bench(
     """
     cases = [f"{c} clients" for c in CLIENT_COUNTS] if workload == "clients" else [workload]
     out = {name: ArmRuns(name) for name in engines}
-    # Arms of one profile share their expert caches: each starts from what the cache held before the first.
-    caches = next((e for e in engines.values() if hasattr(e, "expert_state")), None)
+    # Every arm starts each repeat from what the first arm's caches held before it, so that no arm runs on
+    # a cache another arm just taught; an arm whose caches are shaped otherwise (a plan without the MTP
+    # layer, say) starts from what its own held.
     for r in range(repeats):
         for case in cases:
-            start = caches.expert_state() if caches is not None else None
+            states = {n: e.expert_state() for n, e in engines.items() if hasattr(e, "expert_state")}
+            first = next(iter(states.values()), None)
             for name, engine in engines.items():
-                if start is not None and hasattr(engine, "restore_experts"):
-                    engine.restore_experts(start)
+                if name in states and hasattr(engine, "restore_experts"):
+                    own = states[name]
+                    engine.restore_experts(first if first is not None and same_shape(first, own) else own)
                 clients = int(case.split()[0]) if workload == "clients" else 1
                 arrivals = workload_arrivals(
                     workload,

@@ -502,7 +502,10 @@ def render_table(
         n = next(iter(summary.values()))["prompt"]["median"]["prompt_tokens"]
         what = f"one prompt of {n:.0f} tokens alone on the engine, 1 token generated; tok/s = prompt tokens/s"
     lines = [f"workload {workload}: {what}, medians of {repeats} interleaved repeats", ""]
-    head = f"{'arm':<10} {'case':<18} {'tok/s':>9} {f'gain vs {base} [95% CI]':>28} "
+    aw = max(10, *(len(n) for n in summary))  # arm names of --vary variants run longer
+    gain_head = f"gain vs {base} [95% CI]"
+    gw = max(28, len(gain_head))
+    head = f"{'arm':<{aw}} {'case':<18} {'tok/s':>9} {gain_head:>{gw}} "
     head += f"{'ms/win':>8} {'rows/win':>8} {'accept':>7}  text"
     lines += [head, "-" * len(head)]
     for name, cases in summary.items():
@@ -533,7 +536,7 @@ def render_table(
                     f"  prompt read {m['prompt_read_tok_s']:.0f} tok/s, decode {m['decode_tok_s']:.1f} tok/s"
                 )
             lines.append(
-                f"{name:<10} {case:<18} {m['tok_s']:9.1f} {gain:>28} {m['ms_per_window']:8.2f} "
+                f"{name:<{aw}} {case:<18} {m['tok_s']:9.1f} {gain:>{gw}} {m['ms_per_window']:8.2f} "
                 f"{m['rows_per_window']:8.2f} {m['accepted_pct']:6.1f}%  {text}{extra}"
             )
     lines += spread_notes(summary)
