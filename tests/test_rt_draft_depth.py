@@ -261,3 +261,24 @@ def test_the_status_says_how_each_slot_drafts(monkeypatch) -> None:
         plain.step()
     [slot] = plain.stats()["slots"]
     assert slot["state"] == "decode" and "drafting" not in slot
+
+
+def test_a_new_request_starts_from_what_earlier_requests_of_its_kind_measured(monkeypatch) -> None:
+    """With the H200 table one proposal pays at this model's acceptance. The first greedy request starts
+    at full depth and settles there; the next greedy one starts there at once. An unseeded sampled
+    request has no earlier sampled requests to go by: it starts at full depth."""
+    monkeypatch.setattr(WindowCosts, "observe", lambda self, rows, ms: OBSERVE(self, rows, H200[rows]))
+    monkeypatch.setattr(scheduler.os, "urandom", lambda n: bytes([5] * n))
+    eng = Engine(make_plan(draft_tokens=4, context=256, adaptive_depth=True))
+
+    def solo_rows(request: Request) -> list[int]:
+        before = len(eng.windows)
+        collect(eng, [(0, request)])
+        return [w.rows for w in list(eng.windows)[before:] if w.kind == "solo"]
+
+    first = solo_rows(Request(PROMPT, 150))
+    assert first[0] == 4 and first[-5:] == [2] * 5
+    second = solo_rows(Request(tuple(b"Another river"), 60))
+    assert second[:5] == [2] * 5
+    sampled = solo_rows(Request(PROMPT, 30, SamplingParams(temperature=0.3)))
+    assert sampled[0] == 4

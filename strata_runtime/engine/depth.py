@@ -37,6 +37,36 @@ DEPTH_SWITCH = 1.05
 changing ends a chain of windows queued on the device, which costs a host round trip."""
 
 
+PRIOR_WEIGHT = 1 / 32
+"""Weight of each window's outcome in `HoldPrior`: an average over about the last 32 windows of earlier
+requests."""
+
+
+class HoldPrior:
+    """What earlier requests' proposals did, per position: the chance each held once those before it held
+    (an exponential average over recent windows of every request of one kind, greedy or sampled). A new
+    request's gauge starts from it instead of from 1, so that a stream of short requests does not pay the
+    full depth's first windows, and the switch away from it, in every one of them."""
+
+    def __init__(self) -> None:
+        self.holds: list[float] = []
+        self.seen: list[int] = []
+
+    def record(self, position: int, held: bool) -> None:
+        if position == len(self.holds):
+            self.holds.append(0.0)
+            self.seen.append(0)
+        self.seen[position] += 1
+        w = max(1 / self.seen[position], PRIOR_WEIGHT)
+        self.holds[position] = (1 - w) * self.holds[position] + w * held
+
+    def hold(self, position: int, least: int) -> float | None:
+        """The chance at ``position`` once ``least`` windows of earlier requests reached it (None before)."""
+        if position < len(self.seen) and self.seen[position] >= least:
+            return self.holds[position]
+        return None
+
+
 class WindowCosts:
     """The engine's measured time of a solo window by its row count (milliseconds: the median of the last
     `COST_KEPT` windows), shared by every request."""

@@ -55,7 +55,7 @@ from ..model import Model
 from ..model.placed import WeightStore
 from ..weights.progress import Progress
 from . import device_spec
-from .depth import WindowCosts
+from .depth import HoldPrior, WindowCosts
 from .executor import Executor
 from .flight import Chained, Flight, Mark
 from .job import CHAINED, Entry, Job
@@ -88,6 +88,9 @@ class Engine:
         self.window_costs = WindowCosts() if plan.spec.adaptive_depth and self.depth > 0 else None
         """Solo windows' measured times by row count, from which each request's solo depth is chosen
         (`strata_runtime.engine.depth`); None: every drafting solo window drafts ``depth``."""
+        self._hold_priors: dict[bool, HoldPrior] = {}
+        """What earlier greedy (False) and sampled (True) requests' proposals did, for a new one to start
+        from."""
         self.pipelined = plan.batch.mode == "pipelined"
         self.executor = Executor(self.model, self.tracked, overlap=self.pipelined)
         self._queue: deque[RequestHandle] = deque()
@@ -381,15 +384,21 @@ class Engine:
                     frozenset(req.stop_ids) | frozenset(self.tokenizer.eos_ids),
                     self.tokenizer,
                     self._admitted,
-                    gauge=DraftGauge(self.plan.spec.draft_floor, self._depth_costs(req), self.depth),
+                    gauge=self._gauge(req),
                 )
 
-    def _depth_costs(self, request: Request) -> WindowCosts | None:
-        """The window times a request's solo depth is chosen from; None (the full depth whenever it drafts)
-        for a seeded sampled request: which tokens it samples depends on where its windows hold proposals,
-        and the seed promises the same text on every run, while window times differ from run to run."""
+    def _gauge(self, request: Request) -> DraftGauge:
+        """A request's draft gauge. Its solo depth is chosen from the window times and from what earlier
+        requests of its kind (greedy or sampled) measured, except for a seeded sampled request, which
+        drafts the full depth whenever it drafts: which tokens it samples depends on where its windows hold
+        proposals, and the seed promises the same text on every run, while window times differ from run to
+        run."""
         s = request.sampling
-        return None if s.temperature > 0 and s.seed is not None else self.window_costs
+        floor = self.plan.spec.draft_floor
+        if self.window_costs is None or (s.temperature > 0 and s.seed is not None):
+            return DraftGauge(floor, None, self.depth)
+        prior = self._hold_priors.setdefault(s.temperature > 0, HoldPrior())
+        return DraftGauge(floor, self.window_costs, self.depth, prior)
 
     def _reap_cancelled(self) -> None:
         busy = self._busy_slots()

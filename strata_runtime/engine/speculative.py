@@ -22,7 +22,7 @@ from strata_cfg.schema.plan import DEFAULT_DRAFT_FLOOR
 from ..backend import Array, Device
 from ..layout import Layout
 from ..model import Model
-from .depth import WindowCosts, best_depth, worth_switching
+from .depth import HoldPrior, WindowCosts, best_depth, worth_switching
 from .sampling import Sampler, distribution, inverse_cdf
 
 
@@ -83,6 +83,9 @@ class DraftGauge:
     costs: WindowCosts | None = None
     most: int = 0
     """The plan's solo depth (``spec.draft_tokens - 1``)."""
+    prior: HoldPrior | None = None
+    """What earlier requests of this kind measured (with ``costs``): a position this request has not
+    measured yet starts from it; this request's outcomes feed it."""
     rate: float = 1.0
     seen: int = 0
     """Proposals verified so far."""
@@ -118,6 +121,8 @@ class DraftGauge:
             self.last_reached[j] = self.drafted
             w = max(1 / self.reached[j], HOLD_WEIGHT)
             self.holds[j] = (1 - w) * self.holds[j] + w * (j < accepted)
+            if self.prior is not None:
+                self.prior.record(j, j < accepted)
         if self.estimate >= self.floor and (self.most == 0 or self._best(self.most) > 0):
             self.wait = DRAFT_PROBE_EVERY
         elif probe:
@@ -134,15 +139,18 @@ class DraftGauge:
 
     def holds_up_to(self, depth: int) -> list[float]:
         """The chance that proposal j holds once the ones before it held, for j below ``depth``: measured
-        after `HOLD_WARMUP` windows reached it (until then the estimate of the position before it, and 1
-        for the first), and no lower than the estimate before it once `HOLD_STALE` drafting windows have
-        not reached it."""
+        after `HOLD_WARMUP` windows reached it (until then what earlier requests measured there, with a
+        ``prior``, else the estimate of the position before it, and 1 for the first), and no lower than the
+        estimate before it once `HOLD_STALE` drafting windows have not reached it."""
         out: list[float] = []
         before = 1.0
         for j in range(depth):
             if j < len(self.reached) and self.reached[j] >= HOLD_WARMUP:
                 stale = j > 0 and self.drafted - self.last_reached[j] > HOLD_STALE
                 before = max(self.holds[j], before) if stale else self.holds[j]
+            elif self.prior is not None:
+                earlier = self.prior.hold(j, HOLD_WARMUP)
+                before = before if earlier is None else earlier
             out.append(before)
         return out
 
