@@ -23,6 +23,7 @@ from strata_runtime.engine.depth import (
     expected_tokens,
     worth_switching,
 )
+from strata_runtime.engine.scheduler import request_kind
 from strata_runtime.engine.speculative import DRAFT_PROBE_EVERY, HOLD_STALE, HOLD_WARMUP, DraftGauge
 from strata_runtime.server.metrics import engine_lines
 
@@ -163,20 +164,22 @@ def test_window_times_are_measured_per_row_count_and_reported(monkeypatch) -> No
     monkeypatch.setattr(WindowCosts, "observe", lambda self, rows, ms: OBSERVE(self, rows, H200[rows]))
     plan = make_plan(draft_tokens=4, context=256, adaptive_depth=True)
     eng = Engine(plan)
-    assert eng.window_costs is not None and "up to 3 proposal(s)" in "".join(eng.startup)
+    assert eng.adaptive and "up to 3 proposal(s)" in "".join(eng.startup)
     collect(eng, [(0, Request(PROMPT, 100))])
     collect(eng, [(0, Request(tuple(b"Another one"), 30))])
     solo = [w.rows for w in eng.windows if w.kind == "solo"]
-    assert sum(eng.window_costs.seen.values()) == len(solo)
+    assert list(eng.depth_state) == ["greedy"]
+    assert sum(eng.depth_state["greedy"][0].seen.values()) == len(solo)
     by = {str(r - 1): solo.count(r) for r in set(solo)}
     assert eng.totals["solo_by_proposals"] == by and len(by) > 1  # it tried several depths
     stats = eng.stats()
-    assert stats["solo_window_ms"] == {str(r): H200[r] for r in sorted(set(solo))}
+    assert stats["solo_window_ms"] == {"greedy": {str(r): H200[r] for r in sorted(set(solo))}}
     assert "solo windows by proposals " + ", ".join(f"{d}: {by[d]}" for d in sorted(by)) in eng.summary()
     lines = engine_lines(stats)
     for d, n in by.items():
         assert f'strata_solo_windows_total{{proposals="{d}"}} {n}' in lines
-    assert Engine(make_plan(draft_tokens=4, context=256)).window_costs is None  # off by default
+    off = Engine(make_plan(draft_tokens=4, context=256))  # off by default
+    assert not off.adaptive and off.stats()["solo_window_ms"] is None
 
 
 def test_a_seeded_sampled_request_keeps_the_full_depth_and_its_text(monkeypatch) -> None:
@@ -282,3 +285,13 @@ def test_a_new_request_starts_from_what_earlier_requests_of_its_kind_measured(mo
     assert second[:5] == [2] * 5
     sampled = solo_rows(Request(PROMPT, 30, SamplingParams(temperature=0.3)))
     assert sampled[0] == 4
+    # Each kind keeps its own window times too: a sampled window takes longer to decide.
+    assert set(eng.depth_state) == {"greedy", "sampled"}
+    assert sum(eng.depth_state["sampled"][0].seen.values()) == len(sampled)
+    assert [
+        request_kind(SamplingParams(**kw)) for kw in ({}, {"presence_penalty": 0.5}, {"temperature": 1})
+    ] == [
+        "greedy",
+        "greedy, penalised",
+        "sampled",
+    ]

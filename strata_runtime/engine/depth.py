@@ -44,7 +44,8 @@ requests."""
 
 class HoldPrior:
     """What earlier requests' proposals did, per position: the chance each held once those before it held
-    (an exponential average over recent windows of every request of one kind, greedy or sampled). A new
+    (an exponential average over recent windows of every request of one kind: greedy or sampled, with or
+    without penalties). A new
     request's gauge starts from it instead of from 1, so that a stream of short requests does not pay the
     full depth's first windows, and the switch away from it, in every one of them."""
 
@@ -69,7 +70,7 @@ class HoldPrior:
 
 class WindowCosts:
     """The engine's measured time of a solo window by its row count (milliseconds: the median of the last
-    `COST_KEPT` windows), shared by every request."""
+    `COST_KEPT` windows), shared by every request of one kind."""
 
     def __init__(self) -> None:
         self.recent: dict[int, deque[float]] = {}

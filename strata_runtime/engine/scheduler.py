@@ -49,7 +49,7 @@ from typing import Any
 from strata_cfg.schema.plan import MIB, LaunchPlan
 from strata_cfg.schema.windows import BATCH_MTP_SLOTS_PER_WINDOW, batch_mtp_window, plain_windows, solo_window
 
-from ..api import PlanMismatch, Request, RequestHandle, TokenEvent
+from ..api import PlanMismatch, Request, RequestHandle, SamplingParams, TokenEvent
 from ..experts.cache import Snapshot
 from ..model import Model
 from ..model.placed import WeightStore
@@ -66,6 +66,14 @@ from .speculative import DRAFT_PROBE_EVERY, DraftGauge, Proposals, drafting_pays
 from .stats import WindowStat, WindowStats
 
 log = logging.getLogger("strata_runtime")
+
+
+def request_kind(sampling: SamplingParams) -> str:
+    """``greedy`` or ``sampled``, with ``, penalised`` for a logit bias or a penalty: requests whose solo
+    windows take different times to decide, and whose drafts hold differently often."""
+    kind = "sampled" if sampling.temperature > 0 else "greedy"
+    adjusts = sampling.presence_penalty or sampling.frequency_penalty or sampling.logit_bias
+    return kind + (", penalised" if adjusts else "")
 
 
 class Engine:
@@ -85,12 +93,13 @@ class Engine:
         self.tracked = self.model.mtp is not None
         self.depth = plan.windows.solo_rows - 1
         """Proposals a solo window drafts at most after its token (0: the plan does not draft)."""
-        self.window_costs = WindowCosts() if plan.spec.adaptive_depth and self.depth > 0 else None
-        """Solo windows' measured times by row count, from which each request's solo depth is chosen
-        (`strata_runtime.engine.depth`); None: every drafting solo window drafts ``depth``."""
-        self._hold_priors: dict[bool, HoldPrior] = {}
-        """What earlier greedy (False) and sampled (True) requests' proposals did, for a new one to start
-        from."""
+        self.adaptive = plan.spec.adaptive_depth and self.depth > 0
+        """Whether a request alone drafts as many proposals as pay (`strata_runtime.engine.depth`); else every
+        drafting solo window drafts ``depth``."""
+        self.depth_state: dict[str, tuple[WindowCosts, HoldPrior]] = {}
+        """For each kind of request (`request_kind`), its solo windows' measured times by row count and what
+        its earlier requests' proposals did: a sampled window, or one with penalties, takes longer to decide,
+        and its drafts hold less often than a greedy one's."""
         self.pipelined = plan.batch.mode == "pipelined"
         self.executor = Executor(self.model, self.tracked, overlap=self.pipelined)
         self._queue: deque[RequestHandle] = deque()
@@ -163,8 +172,11 @@ class Engine:
             "slots": [self._slot_state(i, s) for i, s in enumerate(self.slots)],
             "totals": {k: dict(v) if isinstance(v, dict) else v for k, v in self.totals.items()},
             "solo_window_ms": (
-                {str(r): round(ms, 3) for r, ms in sorted(self.window_costs.ms.items())}
-                if self.window_costs is not None
+                {
+                    kind: {str(r): round(ms, 3) for r, ms in sorted(costs.ms.items())}
+                    for kind, (costs, _) in sorted(self.depth_state.items())
+                }
+                if self.adaptive
                 else None
             ),
             "acceptance": self.acceptance,
@@ -221,7 +233,7 @@ class Engine:
         }
 
     def _depth_text(self) -> str:
-        if self.window_costs is None or self.depth == 0:
+        if not self.adaptive:
             return f"{self.depth} proposal(s)"
         return (
             f"up to {self.depth} proposal(s), as many as give the most tokens per second by each request's "
@@ -229,7 +241,7 @@ class Engine:
         )
 
     def _pause_text(self) -> str:
-        floor, adaptive = self.plan.spec.draft_floor, self.window_costs is not None
+        floor, adaptive = self.plan.spec.draft_floor, self.adaptive
         probe = f"with one probe after {DRAFT_PROBE_EVERY} windows"
         if floor > 0:
             also = ", or while windows without them give more tokens per second" if adaptive else ""
@@ -395,10 +407,13 @@ class Engine:
         run."""
         s = request.sampling
         floor = self.plan.spec.draft_floor
-        if self.window_costs is None or (s.temperature > 0 and s.seed is not None):
+        if not self.adaptive or (s.temperature > 0 and s.seed is not None):
             return DraftGauge(floor, None, self.depth)
-        prior = self._hold_priors.setdefault(s.temperature > 0, HoldPrior())
-        return DraftGauge(floor, self.window_costs, self.depth, prior)
+        costs, prior = self._depth_state(s)
+        return DraftGauge(floor, costs, self.depth, prior)
+
+    def _depth_state(self, sampling: SamplingParams) -> tuple[WindowCosts, HoldPrior]:
+        return self.depth_state.setdefault(request_kind(sampling), (WindowCosts(), HoldPrior()))
 
     def _reap_cancelled(self) -> None:
         busy = self._busy_slots()
@@ -769,8 +784,8 @@ class Engine:
         proposals = sum(len(e.proposals.tokens) for e in job.entries if e.slot.id in kept)
         on_device = flight.spec is not None
         window = WindowStat(job.kind, job.rows, ms, proposals, accepted, job.slot_ids, on_device, job.paused)
-        if job.kind == "solo" and self.window_costs is not None:
-            self.window_costs.observe(job.rows, ms)
+        if job.kind == "solo" and self.adaptive:
+            self._depth_state(job.entries[0].slot.sampler.params)[0].observe(job.rows, ms)
         self.window_stats.record(window, sum(len(ev.token_ids) for _, ev in events), flight.discarded)
         for slot, ev in events:
             slot.handle.events.put(ev)
