@@ -23,6 +23,7 @@ from strata_runtime.engine.depth import (
     expected_tokens,
     worth_switching,
 )
+from strata_runtime.engine.sampling import Sampler
 from strata_runtime.engine.scheduler import request_kind
 from strata_runtime.engine.speculative import DRAFT_PROBE_EVERY, HOLD_STALE, HOLD_WARMUP, DraftGauge
 from strata_runtime.server.metrics import engine_lines
@@ -289,7 +290,8 @@ def test_a_new_request_starts_from_what_earlier_requests_of_its_kind_measured(mo
     assert set(eng.depth_state) == {"greedy", "sampled"}
     assert sum(eng.depth_state["sampled"][0].seen.values()) == len(sampled)
     assert [
-        request_kind(SamplingParams(**kw)) for kw in ({}, {"presence_penalty": 0.5}, {"temperature": 1})
+        request_kind(Sampler(SamplingParams(**kw), 0))
+        for kw in ({}, {"presence_penalty": 0.5}, {"temperature": 1})
     ] == [
         "greedy",
         "greedy, penalised",

@@ -38,33 +38,36 @@ changing ends a chain of windows queued on the device, which costs a host round 
 
 
 PRIOR_WEIGHT = 1 / 32
-"""Weight of each window's outcome in `HoldPrior`: an average over about the last 32 windows of earlier
-requests."""
+"""Weight of each window's outcome in what earlier requests measured (`Holds` shared by the requests of one
+kind): an average over about the last 32 windows."""
 
 
-class HoldPrior:
-    """What earlier requests' proposals did, per position: the chance each held once those before it held
-    (an exponential average over recent windows of every request of one kind: greedy or sampled, with or
-    without penalties). A new
-    request's gauge starts from it instead of from 1, so that a stream of short requests does not pay the
-    full depth's first windows, and the switch away from it, in every one of them."""
+class Holds:
+    """Per proposal position, the chance that a proposal held once those before it held: a plain mean over
+    the first windows that reached the position, then an exponential average in which each new one weighs
+    ``weight``. A request's `DraftGauge` keeps its own; the requests of one kind (greedy or sampled, with
+    or without penalties) share one more, which a new request starts from instead of from 1, so that a
+    stream of short requests does not pay the full depth's first windows, and the switch away from it, in
+    every one of them."""
 
-    def __init__(self) -> None:
-        self.holds: list[float] = []
-        self.seen: list[int] = []
+    def __init__(self, weight: float) -> None:
+        self.weight = weight
+        self.chance: list[float] = []
+        self.reached: list[int] = []
+        """Per position, the windows that reached it (every proposal before it held)."""
 
     def record(self, position: int, held: bool) -> None:
-        if position == len(self.holds):
-            self.holds.append(0.0)
-            self.seen.append(0)
-        self.seen[position] += 1
-        w = max(1 / self.seen[position], PRIOR_WEIGHT)
-        self.holds[position] = (1 - w) * self.holds[position] + w * held
+        if position == len(self.chance):
+            self.chance.append(0.0)
+            self.reached.append(0)
+        self.reached[position] += 1
+        w = max(1 / self.reached[position], self.weight)
+        self.chance[position] = (1 - w) * self.chance[position] + w * held
 
-    def hold(self, position: int, least: int) -> float | None:
-        """The chance at ``position`` once ``least`` windows of earlier requests reached it (None before)."""
-        if position < len(self.seen) and self.seen[position] >= least:
-            return self.holds[position]
+    def known(self, position: int, least: int) -> float | None:
+        """The chance at ``position`` once at least ``least`` windows reached it (None before)."""
+        if position < len(self.reached) and self.reached[position] >= least:
+            return self.chance[position]
         return None
 
 

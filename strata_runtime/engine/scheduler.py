@@ -49,13 +49,13 @@ from typing import Any
 from strata_cfg.schema.plan import MIB, LaunchPlan
 from strata_cfg.schema.windows import BATCH_MTP_SLOTS_PER_WINDOW, batch_mtp_window, plain_windows, solo_window
 
-from ..api import PlanMismatch, Request, RequestHandle, SamplingParams, TokenEvent
+from ..api import PlanMismatch, Request, RequestHandle, TokenEvent
 from ..experts.cache import Snapshot
 from ..model import Model
 from ..model.placed import WeightStore
 from ..weights.progress import Progress
 from . import device_spec
-from .depth import HoldPrior, WindowCosts
+from .depth import PRIOR_WEIGHT, Holds, WindowCosts
 from .executor import Executor
 from .flight import Chained, Flight, Mark
 from .job import CHAINED, Entry, Job
@@ -68,12 +68,10 @@ from .stats import WindowStat, WindowStats
 log = logging.getLogger("strata_runtime")
 
 
-def request_kind(sampling: SamplingParams) -> str:
-    """``greedy`` or ``sampled``, with ``, penalised`` for a logit bias or a penalty: requests whose solo
-    windows take different times to decide, and whose drafts hold differently often."""
-    kind = "sampled" if sampling.temperature > 0 else "greedy"
-    adjusts = sampling.presence_penalty or sampling.frequency_penalty or sampling.logit_bias
-    return kind + (", penalised" if adjusts else "")
+def request_kind(sampler: Sampler) -> str:
+    """``greedy`` or ``sampled``, with ``, penalised`` for a logit bias or a penalty (`Sampler.adjusts`):
+    requests whose solo windows take different times to decide, and whose drafts hold differently often."""
+    return ("greedy" if sampler.greedy else "sampled") + (", penalised" if sampler.adjusts else "")
 
 
 class Engine:
@@ -96,7 +94,7 @@ class Engine:
         self.adaptive = plan.spec.adaptive_depth and self.depth > 0
         """Whether a request alone drafts as many proposals as pay (`strata_runtime.engine.depth`); else every
         drafting solo window drafts ``depth``."""
-        self.depth_state: dict[str, tuple[WindowCosts, HoldPrior]] = {}
+        self.depth_state: dict[str, tuple[WindowCosts, Holds]] = {}
         """For each kind of request (`request_kind`), its solo windows' measured times by row count and what
         its earlier requests' proposals did: a sampled window, or one with penalties, takes longer to decide,
         and its drafts hold less often than a greedy one's."""
@@ -344,12 +342,13 @@ class Engine:
         window alone would draft, and whether that depth adapts to the measured window times."""
         g = s.gauge
         room = min(self.depth, self._room(s))
+        depth = g.depth(room)
         return {
             "proposals_seen": g.seen,
             "acceptance": round(g.estimate, 4),
             "holds": [round(h, 4) for h in g.holds_up_to(self.depth)],
-            "solo_depth": g.depth(room),
-            "paused": room > 0 and g.depth(room) == 0,
+            "solo_depth": depth,
+            "paused": room > 0 and depth == 0,
             "adaptive": g.costs is not None,
         }
 
@@ -389,31 +388,31 @@ class Engine:
                 self._admitted += 1
                 handle.slot = i
                 self.model.admit(i, req.prompt_ids)
+                sampler = Sampler(req.sampling, seed)
                 self.slots[i] = Slot(
                     i,
                     handle,
-                    Sampler(req.sampling, seed),
+                    sampler,
                     frozenset(req.stop_ids) | frozenset(self.tokenizer.eos_ids),
                     self.tokenizer,
                     self._admitted,
-                    gauge=self._gauge(req),
+                    gauge=self._gauge(sampler),
                 )
 
-    def _gauge(self, request: Request) -> DraftGauge:
+    def _gauge(self, sampler: Sampler) -> DraftGauge:
         """A request's draft gauge. Its solo depth is chosen from the window times and from what earlier
-        requests of its kind (greedy or sampled) measured, except for a seeded sampled request, which
-        drafts the full depth whenever it drafts: which tokens it samples depends on where its windows hold
+        requests of its kind (`request_kind`) measured, except for a seeded sampled request, which drafts
+        the full depth whenever it drafts: which tokens it samples depends on where its windows hold
         proposals, and the seed promises the same text on every run, while window times differ from run to
         run."""
-        s = request.sampling
         floor = self.plan.spec.draft_floor
-        if not self.adaptive or (s.temperature > 0 and s.seed is not None):
+        if not self.adaptive or (not sampler.greedy and sampler.params.seed is not None):
             return DraftGauge(floor, None, self.depth)
-        costs, prior = self._depth_state(s)
+        costs, prior = self._depth_state(sampler)
         return DraftGauge(floor, costs, self.depth, prior)
 
-    def _depth_state(self, sampling: SamplingParams) -> tuple[WindowCosts, HoldPrior]:
-        return self.depth_state.setdefault(request_kind(sampling), (WindowCosts(), HoldPrior()))
+    def _depth_state(self, sampler: Sampler) -> tuple[WindowCosts, Holds]:
+        return self.depth_state.setdefault(request_kind(sampler), (WindowCosts(), Holds(PRIOR_WEIGHT)))
 
     def _reap_cancelled(self) -> None:
         busy = self._busy_slots()
@@ -785,7 +784,7 @@ class Engine:
         on_device = flight.spec is not None
         window = WindowStat(job.kind, job.rows, ms, proposals, accepted, job.slot_ids, on_device, job.paused)
         if job.kind == "solo" and self.adaptive:
-            self._depth_state(job.entries[0].slot.sampler.params)[0].observe(job.rows, ms)
+            self._depth_state(job.entries[0].slot.sampler)[0].observe(job.rows, ms)
         self.window_stats.record(window, sum(len(ev.token_ids) for _, ev in events), flight.discarded)
         for slot, ev in events:
             slot.handle.events.put(ev)

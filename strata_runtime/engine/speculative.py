@@ -22,7 +22,7 @@ from strata_cfg.schema.plan import DEFAULT_DRAFT_FLOOR
 from ..backend import Array, Device
 from ..layout import Layout
 from ..model import Model
-from .depth import HoldPrior, WindowCosts, best_depth, worth_switching
+from .depth import Holds, WindowCosts, best_depth, worth_switching
 from .sampling import Sampler, distribution, inverse_cdf
 
 
@@ -83,7 +83,7 @@ class DraftGauge:
     costs: WindowCosts | None = None
     most: int = 0
     """The plan's solo depth (``spec.draft_tokens - 1``)."""
-    prior: HoldPrior | None = None
+    prior: Holds | None = None
     """What earlier requests of this kind measured (with ``costs``): a position this request has not
     measured yet starts from it; this request's outcomes feed it."""
     rate: float = 1.0
@@ -93,10 +93,8 @@ class DraftGauge:
     """Windows in a row without proposals."""
     wait: int = DRAFT_PROBE_EVERY
     """Windows without proposals before the next probe."""
-    holds: list[float] = field(default_factory=list)
-    """Per proposal position, the share of the windows reaching it in which it held."""
-    reached: list[int] = field(default_factory=list)
-    """Per proposal position, the windows that reached it (every proposal before it held)."""
+    own: Holds = field(default_factory=lambda: Holds(HOLD_WEIGHT))
+    """What this request's proposals did, per position."""
     drafted: int = 0
     """Windows with proposals so far."""
     last_reached: list[int] = field(default_factory=list)
@@ -113,16 +111,13 @@ class DraftGauge:
         self.rate = keep * self.rate + (1 - keep) * accepted / proposed
         self.drafted += 1
         for j in range(min(accepted + 1, proposed)):
-            if j == len(self.holds):
-                self.holds.append(0.0)
-                self.reached.append(0)
-                self.last_reached.append(0)
-            self.reached[j] += 1
-            self.last_reached[j] = self.drafted
-            w = max(1 / self.reached[j], HOLD_WEIGHT)
-            self.holds[j] = (1 - w) * self.holds[j] + w * (j < accepted)
+            held = j < accepted
+            self.own.record(j, held)
             if self.prior is not None:
-                self.prior.record(j, j < accepted)
+                self.prior.record(j, held)
+            if j == len(self.last_reached):
+                self.last_reached.append(0)
+            self.last_reached[j] = self.drafted
         if self.estimate >= self.floor and (self.most == 0 or self._best(self.most) > 0):
             self.wait = DRAFT_PROBE_EVERY
         elif probe:
@@ -145,11 +140,12 @@ class DraftGauge:
         out: list[float] = []
         before = 1.0
         for j in range(depth):
-            if j < len(self.reached) and self.reached[j] >= HOLD_WARMUP:
+            mine = self.own.known(j, HOLD_WARMUP)
+            if mine is not None:
                 stale = j > 0 and self.drafted - self.last_reached[j] > HOLD_STALE
-                before = max(self.holds[j], before) if stale else self.holds[j]
+                before = max(mine, before) if stale else mine
             elif self.prior is not None:
-                earlier = self.prior.hold(j, HOLD_WARMUP)
+                earlier = self.prior.known(j, HOLD_WARMUP)
                 before = before if earlier is None else earlier
             out.append(before)
         return out
