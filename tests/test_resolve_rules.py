@@ -623,7 +623,8 @@ def test_windows_adaptive_depth_inert_where_solo_windows_do_not_draft():
     plan = plan_of(rule_file("windows.adaptive-depth-inert"))
     d = decision(plan, "windows.adaptive-depth-inert")
     assert d.requested and d.key == "spec.adaptive_depth" and "spec.draft_tokens = 0" in d.message
-    assert plan.windows.solo_rows == 1 and plan.spec.adaptive_depth
+    assert plan.windows.solo_rows == 1 and plan.settings["spec.adaptive_depth"].value is True
+    assert not plan.spec.adaptive_depth  # the plan says what runs: nothing drafts, so nothing adapts
     drafting = plan_of(rule_file("windows.adaptive-depth-inert"), ["spec.draft_tokens=3"])
     assert "windows.adaptive-depth-inert" not in [x.rule for x in drafting.decisions]
     [p] = problems_of(rule_file("windows.adaptive-depth-inert"), strict=True)

@@ -235,23 +235,23 @@ def test_repeats_far_apart_are_named_under_the_table() -> None:
     assert spread_notes({"serial": {"solo": case(250.0)}}) == []
 
 
-def test_solo_adaptive_arm_runs_beside_solo_with_its_depth_chosen_per_window(tmp_path) -> None:
-    """``--arms solo,solo-adaptive`` compares the fixed and the adaptive solo depth in one run; a sampled
-    bench says that its seeded requests draft every proposal either way."""
+def test_solo_fixed_arm_runs_beside_solo_whose_depth_is_chosen_per_window(tmp_path) -> None:
+    """``--arms solo-fixed,solo`` compares the fixed and the (default) adaptive solo depth in one run; a
+    sampled bench says that its seeded requests draft every proposal either way."""
     out = strata(
-        *("bench", "profiles/demo.toml", "--workload", "solo", "--arms", "solo,solo-adaptive"),
+        *("bench", "profiles/demo.toml", "--workload", "solo", "--arms", "solo-fixed,solo"),
         *("--repeats", "1", "--tokens", "40", "--json", "--run-dir", str(tmp_path)),
     )
     assert out.returncode == 0, out.stderr
     res = json.loads(out.stdout)
     arms = res["arms"]
-    assert set(arms) == {"solo", "solo-adaptive"} and res["base"] == "solo"  # no serial arm: the first
-    adaptive = arms["solo-adaptive"]["solo"]
-    assert "gain_ci95" in adaptive and adaptive["text_equal_to_solo"] is True  # greedy: the same text
+    assert set(arms) == {"solo", "solo-fixed"} and res["base"] == "solo-fixed"  # no serial arm: the first
+    adaptive = arms["solo"]["solo"]
+    assert "gain_ci95" in adaptive and adaptive["text_equal_to_solo-fixed"] is True  # greedy: the same text
     assert all(arms[a]["solo"]["median"]["tok_s"] > 0 for a in arms)
     plans = {a: json.loads((tmp_path / f"{a}.json").read_text()) for a in arms}
-    assert plans["solo-adaptive"]["spec"]["adaptive_depth"] and not plans["solo"]["spec"]["adaptive_depth"]
-    assert arms["solo-adaptive"]["plan"]["adaptive_depth"] and not arms["solo"]["plan"]["adaptive_depth"]
+    assert plans["solo"]["spec"]["adaptive_depth"] and not plans["solo-fixed"]["spec"]["adaptive_depth"]
+    assert arms["solo"]["plan"]["adaptive_depth"] and not arms["solo-fixed"]["plan"]["adaptive_depth"]
     sampled = strata(
         *("bench", "profiles/demo.toml", "--workload", "solo", "--arms", "solo-adaptive"),
         *("--repeats", "1", "--tokens", "8", "--temperature", "0.7"),

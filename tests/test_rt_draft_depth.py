@@ -179,7 +179,8 @@ def test_window_times_are_measured_per_row_count_and_reported(monkeypatch) -> No
     lines = engine_lines(stats)
     for d, n in by.items():
         assert f'strata_solo_windows_total{{proposals="{d}"}} {n}' in lines
-    off = Engine(make_plan(draft_tokens=4, context=256))  # off by default
+    assert Engine(make_plan(draft_tokens=4, context=256, adaptive_depth=None)).adaptive  # on by default
+    off = Engine(make_plan(draft_tokens=4, context=256, adaptive_depth=False))
     assert not off.adaptive and off.stats()["solo_window_ms"] is None
 
 

@@ -14,16 +14,17 @@ ARMS: dict[str, tuple[tuple[str, Any], ...]] = {
     "solo": (("batch.slots", 1), ("batch.mtp", False)),
     "pipelined-mtp": (("batch.groups", "auto"), ("batch.mtp", True), ("batch.mtp_in_groups", True)),
     "solo-adaptive": (("batch.slots", 1), ("batch.mtp", False), ("spec.adaptive_depth", True)),
+    "solo-fixed": (("batch.slots", 1), ("batch.mtp", False), ("spec.adaptive_depth", False)),
 }
 """Each arm as ``--set`` overrides of the profile."""
 DEFAULT_ARMS = ("serial", "pipelined", "batch-mtp", "solo")
-"""The arms a bench runs when none are named (``pipelined-mtp`` and ``solo-adaptive`` are opt-in, as
-their keys are)."""
+"""The arms a bench runs when none are named (``pipelined-mtp``, ``solo-adaptive`` and ``solo-fixed`` are
+opt-in: ``solo`` follows the profile's ``spec.adaptive_depth``, and these two set it)."""
 SEEDED_NOTE = (
-    "sampled bench requests are seeded, and a seeded sampled request drafts every proposal: as solo "
+    "sampled bench requests are seeded, and a seeded sampled request drafts every proposal: as solo-fixed "
     "(--unseeded sends them without a seed)"
 )
-"""Why ``solo-adaptive`` runs as ``solo`` on a sampled workload with seeds."""
+"""Why ``solo-adaptive`` runs as ``solo-fixed`` on a sampled workload with seeds."""
 
 
 def arm_runs_as_named(name: str, plan: LaunchPlan) -> bool:
@@ -36,6 +37,7 @@ def arm_runs_as_named(name: str, plan: LaunchPlan) -> bool:
         "solo": b.slots <= 1,
         "pipelined-mtp": b.mode == "pipelined" and b.groups > 1 and b.mtp,
         "solo-adaptive": b.slots <= 1 and plan.spec.mtp and plan.spec.adaptive_depth,
+        "solo-fixed": b.slots <= 1 and not plan.spec.adaptive_depth,
     }[name]
 
 

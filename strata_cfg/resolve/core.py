@@ -196,6 +196,7 @@ def _assemble(
             )
         )
     m = profile.model
+    drafts = drafts_with_mtp(model, led)
     return LaunchPlan(
         profile=name,
         profile_file=profile_file,
@@ -225,8 +226,8 @@ def _assemble(
         spec=SpecPlan(
             draft_tokens=led["spec.draft_tokens"],
             draft_floor=led["spec.draft_floor"],
-            adaptive_depth=bool(led["spec.adaptive_depth"]),
-            mtp=drafts_with_mtp(model, led),
+            adaptive_depth=bool(led["spec.adaptive_depth"]) and drafts,
+            mtp=drafts,
             pipeline_windows=led["split.pipeline_windows"],
         ),
         memory=MemoryPlan(

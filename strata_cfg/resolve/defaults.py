@@ -101,7 +101,7 @@ def resolve_defaults(
         "spec.draft_tokens", s.draft_tokens if s else None, DEFAULT_DRAFT_TOKENS if model.has_mtp else 0
     )
     led.take("spec.draft_floor", s.draft_floor if s else None, DEFAULT_DRAFT_FLOOR)
-    led.take("spec.adaptive_depth", s.adaptive_depth if s else None, False)
+    led.take("spec.adaptive_depth", s.adaptive_depth if s else None, True)
     if draft >= 2 and not model.has_mtp:
         led.change(
             "spec.draft_tokens",

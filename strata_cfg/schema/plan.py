@@ -231,9 +231,9 @@ class SpecPlan(_Plan):
     """Whether the solo path drafts with the MTP head."""
     draft_floor: float = DEFAULT_DRAFT_FLOOR
     """Drafting pauses for a request while fewer than this share of its proposals hold (0: never)."""
-    adaptive_depth: bool = False
+    adaptive_depth: bool = True
     """A request alone drafts as many proposals as pay (by its acceptance and the measured window times);
-    False: all ``draft_tokens - 1``."""
+    False: all ``draft_tokens - 1`` (and False where the solo path does not draft)."""
     pipeline_windows: int
     """Overlapped solo windows on a two-stage split (0: off)."""
 

@@ -175,7 +175,7 @@ class SpecSection(Section):
     accepted loses on the GPUs measured; a GPU whose wider windows cost relatively less can set it lower."""
     adaptive_depth: bool | None = None
     """Whether a request running alone drafts only as many of the window's proposals as pay (default
-    false): the depth that gives the most tokens per second, from the request's measured acceptance at
+    true): the depth that gives the most tokens per second, from the request's measured acceptance at
     each position and the engine's measured window times. False: every drafting window carries all
     ``draft_tokens - 1`` proposals. A seeded sampled request always drafts them all, so that its seed
     gives the same text on every run."""
