@@ -68,8 +68,11 @@ def _plan(
     context=512,
     routing="uniform",
     split=None,
+    adaptive_depth=False,
 ):
-    """``split``: the first layer of a second stage on the same GPU (a solo-mode test split)."""
+    """``split``: the first layer of a second stage on the same GPU (a solo-mode test split).
+    ``adaptive_depth`` is off unless asked for: with it, the solo depth follows measured window times, so
+    which windows run (not the greedy text) differs from run to run."""
     from strata_cfg.plan.from_profile import resolve_text
 
     vram = cp.cuda.runtime.memGetInfo()[1] // (1 << 20)
@@ -87,6 +90,7 @@ slots = {slots}
 mtp = {"true" if batch_mtp else "false"}
 [spec]
 draft_tokens = {draft_tokens}
+adaptive_depth = {"true" if adaptive_depth else "false"}
 [memory]
 context = {context}
 prefill_chunk = {chunk}
@@ -224,6 +228,25 @@ def test_greedy_text_on_gpu_does_not_depend_on_drafting_or_batching(cp):
     assert engine.totals["accepted"] > 0
     solo = [_generate(_plan(cp, model="tiny", slots=1, draft_tokens=6), [p])[0][0] for p in prompts]
     assert solo == plain
+
+
+@pytest.mark.parametrize("split", [None, 2])
+def test_the_adaptive_solo_depth_on_gpu_keeps_the_greedy_text_and_measures_its_windows(cp, split):
+    """With ``spec.adaptive_depth`` each solo window's depth follows the measured window times on the GPU
+    (on one stage and across two): the text is the fixed depth's, and the times it chose by are those of
+    the windows it ran."""
+    g = np.random.default_rng(24)
+    prompts = [g.integers(1, 250, int(n)).tolist() for n in g.integers(3, 30, 3)]
+    fixed, _ = _generate(_plan(cp, model="tiny", draft_tokens=4, split=split), prompts, 48)
+    adaptive, engine = _generate(
+        _plan(cp, model="tiny", draft_tokens=4, split=split, adaptive_depth=True), prompts, 48
+    )
+    assert adaptive == fixed and engine.adaptive
+    measured = engine.stats()["solo_window_ms"]["greedy"]
+    ran = {w.rows for w in engine.windows if w.kind == "solo"}
+    assert set(measured) == {str(r) for r in ran} and all(ms > 0 for ms in measured.values())
+    solo = sum(1 for w in engine.windows if w.kind == "solo")
+    assert sum(engine.totals["solo_by_proposals"].values()) == solo
 
 
 def _run_ahead(plan, run_ahead: int):
