@@ -35,6 +35,7 @@ from ..cuda.compile import LateCompile, late_compiles
 
 if TYPE_CHECKING:
     from ..engine import Engine
+    from ..engine.stats import WindowStat
 
 
 @dataclass(frozen=True)
@@ -128,11 +129,42 @@ class InProcessDriver:
             "ms_per_window": (after["ms"] - before["ms"]) / windows if windows else 0.0,
             "proposals": after["proposals"] - before["proposals"],
             "accepted": after["accepted"] - before["accepted"],
+            "solo_windows": solo_window_mix(list(eng.windows)[-windows:] if windows else []),
         }
         cache_after = expert_traffic(eng)
         if cache_after is not None and cache_before is not None:
             stats["experts"] = {k: cache_after[k] - cache_before[k] for k in cache_after}
         return [r for r in results if r is not None], stats
+
+
+def solo_window_mix(windows: list[WindowStat]) -> dict[str, list[float]]:
+    """The solo windows among ``windows`` by their proposals: ``{"d": [windows, ms, tokens]}`` (sums), what
+    an adaptive depth chose and what each depth cost and gave."""
+    mix: dict[str, list[float]] = {}
+    for w in windows:
+        if w.kind == "solo":
+            each = mix.setdefault(str(w.rows - 1), [0, 0.0, 0])
+            each[0] += 1
+            each[1] += w.ms
+            each[2] += w.tokens
+    return mix
+
+
+def merge_window_mix(mixes: list[dict[str, list[float]]]) -> dict[str, dict[str, float]]:
+    """Repeats' solo window mixes added up: per proposal count, the windows, their mean time and the
+    tokens each emitted on average."""
+    total: dict[str, list[float]] = {}
+    for mix in mixes:
+        for d, (n, ms, tokens) in mix.items():
+            t = total.setdefault(d, [0, 0.0, 0])
+            t[0] += n
+            t[1] += ms
+            t[2] += tokens
+    return {
+        d: {"windows": n, "ms_per_window": ms / n, "tokens_per_window": tokens / n}
+        for d, (n, ms, tokens) in sorted(total.items(), key=lambda kv: int(kv[0]))
+        if n
+    }
 
 
 def expert_traffic(engine: Engine) -> dict[str, int] | None:
@@ -277,6 +309,8 @@ class ArmRuns:
     compiled: dict[str, list[list[LateCompile]]] = field(default_factory=dict)
     """Per case and repeat, the kernels compiled at their first launch while the repeat ran (its figures
     hold that time)."""
+    solo_windows: dict[str, list[dict[str, list[float]]]] = field(default_factory=dict)
+    """Per case and repeat, its solo windows by proposals (`solo_window_mix`; empty for a peer)."""
 
 
 def same_shape(a: list[Any], b: list[Any]) -> bool:
@@ -341,6 +375,7 @@ def run_bench(
                 figures = measure(workload, results, stats, wall)
                 out[name].runs.setdefault(case, []).append(figures)
                 out[name].compiled.setdefault(case, []).append(late_compiles()[before:])
+                out[name].solo_windows.setdefault(case, []).append(stats.get("solo_windows") or {})
                 if r == 0:
                     out[name].tokens[case] = [res.token_ids for res in results]
                 if on_run:
@@ -365,6 +400,9 @@ def summarise(runs: dict[str, ArmRuns], base: str = "serial", compare_text: bool
                     for each in arm.compiled.get(case, [])
                 ],
             }
+            mix = merge_window_mix(arm.solo_windows.get(case, []))
+            if mix:
+                entry["solo_windows"] = mix
             if base in runs and name != base and case in runs[base].runs:
                 base_rates = [f["tok_s"] for f in runs[base].runs[case]]
                 rates = [f["tok_s"] for f in figures]

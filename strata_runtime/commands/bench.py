@@ -485,6 +485,22 @@ def compile_notes(summary: dict[str, Any]) -> list[str]:
     return [""] + out if out else []
 
 
+def window_mix_lines(summary: dict[str, Any]) -> list[str]:
+    """Under a solo table: each arm's solo windows by the proposals they carried, with what each kind took
+    and gave (how the adaptive depth chose, and what a fixed depth's paused windows were)."""
+    out = []
+    for name, cases in summary.items():
+        for case, e in cases.items():
+            mix = e.get("solo_windows")
+            if mix:
+                each = "; ".join(
+                    f"{d}: {m['windows']} x {m['ms_per_window']:.2f} ms, {m['tokens_per_window']:.2f} tok"
+                    for d, m in mix.items()
+                )
+                out.append(f"{name} {case} windows by proposals (all repeats): {each}")
+    return [""] + out if out else []
+
+
 def render_table(
     workload: str,
     plans: dict[str, LaunchPlan],
@@ -541,6 +557,8 @@ def render_table(
             )
     lines += spread_notes(summary)
     lines += compile_notes(summary)
+    if workload == "solo":
+        lines += window_mix_lines(summary)
     for name in summary:
         if name not in plans:
             lines.append(f"\n{name}: peer engine on the same weights (greedy generate, one batch)")

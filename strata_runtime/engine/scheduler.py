@@ -782,10 +782,13 @@ class Engine:
         kept = {slot.id for slot, _ in events}
         proposals = sum(len(e.proposals.tokens) for e in job.entries if e.slot.id in kept)
         on_device = flight.spec is not None
-        window = WindowStat(job.kind, job.rows, ms, proposals, accepted, job.slot_ids, on_device, job.paused)
+        tokens = sum(len(ev.token_ids) for _, ev in events)
+        window = WindowStat(
+            job.kind, job.rows, ms, proposals, accepted, job.slot_ids, on_device, job.paused, tokens
+        )
         if job.kind == "solo" and self.adaptive:
             self._depth_state(job.entries[0].slot.sampler)[0].observe(job.rows, ms)
-        self.window_stats.record(window, sum(len(ev.token_ids) for _, ev in events), flight.discarded)
+        self.window_stats.record(window, flight.discarded)
         for slot, ev in events:
             slot.handle.events.put(ev)
             if ev.finished is not None:

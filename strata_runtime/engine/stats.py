@@ -21,6 +21,8 @@ class WindowStat:
     """A speculative window decided on the device, GPU or CPU (`strata_runtime.engine.device_spec`)."""
     paused: bool = False
     """A decode window without proposals because its slots' drafting is paused (drafts seldom hold)."""
+    tokens: int = 0
+    """Tokens it emitted (none for a window run past its requests' end)."""
 
 
 class WindowStats:
@@ -41,15 +43,15 @@ class WindowStats:
             "solo_by_proposals": {},
         }
 
-    def record(self, window: WindowStat, tokens: int, discarded: int = 0) -> None:
-        """Count one window that emitted ``tokens`` tokens; ``discarded`` of its rows were run past their
-        request's end (windows queued ahead of a stop) and kept nothing."""
+    def record(self, window: WindowStat, discarded: int = 0) -> None:
+        """Count one window; ``discarded`` of its rows were run past their request's end (windows queued
+        ahead of a stop) and kept nothing."""
         self.recent.append(window)
         t = self.totals
         t["windows"] += 1
         t["rows"] += window.rows
         t["discarded_rows"] += discarded
-        t["tokens"] += tokens
+        t["tokens"] += window.tokens
         t["proposals"] += window.proposals
         t["accepted"] += window.accepted
         t["ms"] += window.ms
