@@ -298,3 +298,64 @@ def test_a_new_request_starts_from_what_earlier_requests_of_its_kind_measured(mo
         "greedy, penalised",
         "sampled",
     ]
+
+
+# Batch windows of two slots by their rows: serial windows of 2 rows, batch-MTP windows of 4 (a token and a
+# proposal each). On the first GPU batch MTP nearly comes free; on the second it costs twice a serial
+# window, more than the proposals give (at most 2 x 2 tokens over 4 rows' time against 2 over 2's).
+BATCH_CHEAP = {"serial": {2: 4.0, 1: 3.0}, "batch-mtp": {4: 4.4, 2: 3.3}}
+BATCH_DEAR = {"serial": {2: 4.0, 1: 3.0}, "batch-mtp": {4: 9.0, 2: 6.0}}
+
+
+def _pair(table: dict[str, dict[int, float]] | None, monkeypatch, sampling=None, **kw):
+    """Two requests decoding together on the tiny model with batch MTP, each batch window timed by
+    ``table`` (by its kind); returns their tokens, the windows' kinds in order (B batch MTP, s serial,
+    others dropped) and the engine."""
+    engines: list[Engine] = []
+    if table is not None:
+
+        def observe(self, rows, ms):
+            kind = next((k for k, c in engines[0].batch_costs.items() if c is self), None)
+            return OBSERVE(self, rows, table[kind.split(",")[0]][rows] if kind else ms)
+
+        monkeypatch.setattr(WindowCosts, "observe", observe)
+    plan = make_plan(stages=1, slots=2, batch_mtp=True, draft_tokens=3, context=256, **kw)
+    engines.append(Engine(plan))
+    params = sampling or SamplingParams()
+    got = collect(
+        engines[0], [(0, Request(PROMPT, 80, params)), (0, Request(tuple(b"Another one"), 80, params))]
+    )
+    kinds = "".join({"batch-mtp": "B", "serial": "s"}.get(w.kind, "") for w in engines[0].windows)
+    return got, kinds, engines[0]
+
+
+def test_slots_decoding_together_take_the_batch_window_their_measured_times_favour(monkeypatch) -> None:
+    """With ``spec.adaptive_depth`` two slots first run serial windows until those are measured, then try
+    batch MTP and keep whichever gives more tokens per second; the greedy text is the same either way."""
+    fixed, fixed_kinds, off = _pair(None, monkeypatch, adaptive_depth=False)
+    assert not off.adaptive_batch and off.stats()["batch_window_ms"] is None
+    assert fixed_kinds.count("B") > 20 and "s" not in fixed_kinds  # the tiny model's drafts hold
+    cheap, kinds, eng = _pair(BATCH_CHEAP, monkeypatch)
+    assert cheap == fixed and eng.adaptive_batch
+    # Serial windows until measured (a few more were queued ahead of the host meanwhile), then batch MTP.
+    first = kinds.index("B")
+    assert COST_MEASURED <= first <= 2 * COST_MEASURED and kinds[first:].count("s") <= 2
+    measured = eng.stats()["batch_window_ms"]
+    assert set(measured) == {"batch-mtp, greedy", "serial, greedy"}
+    assert measured["serial, greedy"]["2"] == 4.0 and measured["batch-mtp, greedy"]["4"] == 4.4
+    for kind, by_rows in measured.items():  # also one slot decoding while the other reads its prompt
+        assert all(ms == BATCH_CHEAP[kind.split(",")[0]][int(r)] for r, ms in by_rows.items())
+    dear, kinds, _ = _pair(BATCH_DEAR, monkeypatch)
+    assert dear == fixed
+    settled = kinds[kinds.index("s", kinds.index("B")) :]  # after measuring each kind
+    # Serial windows, with a probe (a batch-MTP window, to measure the drafts again) every so often.
+    assert settled.count("s") > 40 and settled.count("B") <= settled.count("s") // DRAFT_PROBE_EVERY + 1
+
+
+def test_seeded_sampled_slots_keep_batch_mtp_whatever_the_times(monkeypatch) -> None:
+    """A seeded sampled request's text depends on which windows carry proposals, so its batch windows do
+    not follow measured times: the same seed gives the same text and windows as with the setting off."""
+    seeded = SamplingParams(temperature=0.5, seed=11)
+    want, want_kinds, _ = _pair(None, monkeypatch, seeded, adaptive_depth=False)
+    got, kinds, eng = _pair(BATCH_DEAR, monkeypatch, seeded)
+    assert (got, kinds) == (want, want_kinds) and eng.batch_costs == {}

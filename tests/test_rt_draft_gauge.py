@@ -82,7 +82,15 @@ def test_a_drafter_whose_proposals_never_hold_is_paused_and_the_greedy_text_is_t
     """layer_scale 0.5 makes the tiny model's MTP head disagree with it: no proposal holds. The engine
     pauses drafting after the warm-up and probes every `DRAFT_PROBE_EVERY` windows; with the floor at 0
     and a fixed solo depth (never pausing) it drafts in every window. The text is the same."""
-    plan = make_plan(stages=1, slots=slots, batch_mtp=slots > 1, draft_tokens=3, context=256, layer_scale=0.5)
+    plan = make_plan(
+        stages=1,
+        slots=slots,
+        batch_mtp=slots > 1,
+        draft_tokens=3,
+        context=256,
+        layer_scale=0.5,
+        adaptive_depth=False,
+    )
     requests = [Request(tuple(p), 110) for p in PROMPTS[:slots]]
     paused, kinds, drafted, plain = _run(plan, requests)
     never = plan.model_copy(
@@ -101,14 +109,14 @@ def test_a_drafter_whose_proposals_never_hold_is_paused_and_the_greedy_text_is_t
 
 
 def test_a_drafter_whose_proposals_hold_is_never_paused() -> None:
-    """The default tiny model's MTP head predicts it well: every decode window of two slots is batch MTP."""
-    plan = make_plan(stages=1, slots=2, batch_mtp=True, draft_tokens=3, context=256)
+    """The default tiny model's MTP head predicts it well: by the floor alone (``spec.adaptive_depth`` off:
+    on CPUs the measured times favour serial windows), every decode window of two slots is batch MTP."""
+    plan = make_plan(stages=1, slots=2, batch_mtp=True, draft_tokens=3, context=256, adaptive_depth=False)
     _, kinds, _, _ = _run(plan, [Request(tuple(p), 60) for p in PROMPTS])
     assert "s" not in kinds and kinds.count("B") > 20
     said = "".join(Engine(plan).startup)
     assert (
-        "drafting pauses for a request while under 25% of its proposals hold, or while windows without them "
-        "give more tokens per second, with one probe after 16" in said
+        "drafting pauses for a request while under 25% of its proposals hold, with one probe after 16" in said
     )
 
 

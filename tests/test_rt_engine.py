@@ -130,7 +130,11 @@ def test_seeded_sampling_is_reproducible(mode) -> None:
 
 
 def test_lifecycle_promotion_demotion_cancellation_and_reuse() -> None:
-    eng = Engine(make_plan(stages=2, slots=2, batch_mtp=True, draft_tokens=4, context=128, prefill_chunk=8))
+    # The fixed rules (batch MTP by the floor alone), whose windows this test follows one by one.
+    plan = make_plan(
+        stages=2, slots=2, batch_mtp=True, draft_tokens=4, context=128, prefill_chunk=8, adaptive_depth=False
+    )
+    eng = Engine(plan)
     a = eng.submit(Request(tuple(b"First request"), 60))
     for _ in range(6):
         eng.step()
@@ -214,7 +218,7 @@ def test_with_every_expert_resident_more_slots_than_a_batch_mtp_window_take_seri
     """Every expert in VRAM: while more slots decode than one batch-MTP window holds (4), the decode windows
     are serial (a row per slot, all slots at once); once few enough are left, batch-MTP windows again.
     The text is each request's alone either way."""
-    plan = _austen_batch_mtp_plan()
+    plan = _austen_batch_mtp_plan(adaptive_depth=False)  # batch MTP by the floor alone, as it counts on
     assert all(g.all_experts_resident for g in plan.gpus)
     eng = Engine(plan)
     # Four requests end early, so the engine goes from eight decoding slots to four.

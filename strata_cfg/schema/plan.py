@@ -232,8 +232,9 @@ class SpecPlan(_Plan):
     draft_floor: float = DEFAULT_DRAFT_FLOOR
     """Drafting pauses for a request while fewer than this share of its proposals hold (0: never)."""
     adaptive_depth: bool = True
-    """A request alone drafts as many proposals as pay (by its acceptance and the measured window times);
-    False: all ``draft_tokens - 1`` (and False where the solo path does not draft)."""
+    """A request alone drafts as many proposals as pay, and slots together take batch-MTP windows where
+    those pay (by acceptance and the measured window times); False: all ``draft_tokens - 1``, and batch
+    MTP by the floor alone (and False where the solo path does not draft)."""
     pipeline_windows: int
     """Overlapped solo windows on a two-stage split (0: off)."""
 

@@ -176,9 +176,11 @@ class SpecSection(Section):
     adaptive_depth: bool | None = None
     """Whether a request running alone drafts only as many of the window's proposals as pay (default
     true): the depth that gives the most tokens per second, from the request's measured acceptance at
-    each position and the engine's measured window times. False: every drafting window carries all
-    ``draft_tokens - 1`` proposals. A seeded sampled request always drafts them all, so that its seed
-    gives the same text on every run."""
+    each position and the engine's measured window times; and whether, in serial mode, slots decoding
+    together take batch-MTP windows only where those give more tokens per second than serial windows,
+    by both kinds' measured times. False: every drafting window carries all ``draft_tokens - 1``
+    proposals, and batch MTP follows ``draft_floor`` alone. A seeded sampled request always drafts as
+    with false, so that its seed gives the same text on every run."""
 
 
 class MemorySection(Section):

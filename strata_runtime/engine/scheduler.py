@@ -12,7 +12,9 @@ a slot is free), then, by the plan's batch mode:
     proposals (solo promotion; a newcomer demotes it again);
   * *batch MTP*: 2 rows per slot (token + proposal), at most 4 slots per window, the start rotating;
     but when every routed expert is resident and more slots decode than one window holds, serial
-    windows instead (`_batch_mtp_serves`): a row then brings a token, not three quarters of one;
+    windows instead (`_batch_mtp_serves`): a row then brings a token, not three quarters of one; and
+    with ``spec.adaptive_depth``, serial windows wherever their measured times give more tokens per second
+    (`_batch_drafts`);
   * *serial*: one row per slot, every decoding slot in one window (at most 8).
 
   A solo or serial window of one row per slot whose tokens the device chooses runs ahead: up to
@@ -55,7 +57,7 @@ from ..model import Model
 from ..model.placed import WeightStore
 from ..weights.progress import Progress
 from . import device_spec
-from .depth import PRIOR_WEIGHT, Holds, WindowCosts
+from .depth import PRIOR_WEIGHT, Holds, WindowCosts, batch_mtp_pays
 from .executor import Executor
 from .flight import Chained, Flight, Mark
 from .job import CHAINED, Entry, Job
@@ -72,6 +74,21 @@ def request_kind(sampler: Sampler) -> str:
     """``greedy`` or ``sampled``, with ``, penalised`` for a logit bias or a penalty (`Sampler.adjusts`):
     requests whose solo windows take different times to decide, and whose drafts hold differently often."""
     return ("greedy" if sampler.greedy else "sampled") + (", penalised" if sampler.adjusts else "")
+
+
+def window_kind(kind: str, samplers: list[Sampler]) -> str:
+    """A batch window's kind (``serial``, ``batch-mtp``) and what deciding it takes: sampled if any of its
+    requests samples, penalised if any adjusts (``batch-mtp, sampled``)."""
+    sampled = any(not s.greedy for s in samplers)
+    adjusts = any(s.adjusts for s in samplers)
+    return f"{kind}, {'sampled' if sampled else 'greedy'}" + (", penalised" if adjusts else "")
+
+
+def keeps_windows(sampler: Sampler) -> bool:
+    """A seeded sampled request: which tokens it draws depends on which of its windows carry proposals, and
+    its seed promises the same text on every run, so its windows never follow measured times (which differ
+    from run to run)."""
+    return not sampler.greedy and sampler.params.seed is not None
 
 
 class Engine:
@@ -99,6 +116,12 @@ class Engine:
         its earlier requests' proposals did: a sampled window, or one with penalties, takes longer to decide,
         and its drafts hold less often than a greedy one's."""
         self.pipelined = plan.batch.mode == "pipelined"
+        self.adaptive_batch = plan.spec.adaptive_depth and plan.batch.mtp and plan.batch.mode == "serial"
+        """Whether slots decoding together take batch-MTP or serial windows by their measured times."""
+        self.batch_costs: dict[str, WindowCosts] = {}
+        """Serial and batch-MTP windows' measured times by row count, per `window_kind`."""
+        self._batch_mtp_last = True
+        """Whether the last batch decode window was a batch-MTP one (the kind a switch must beat)."""
         self.executor = Executor(self.model, self.tracked, overlap=self.pipelined)
         self._queue: deque[RequestHandle] = deque()
         self._lock = threading.Lock()
@@ -175,6 +198,14 @@ class Engine:
                     for kind, (costs, _) in sorted(self.depth_state.items())
                 }
                 if self.adaptive
+                else None
+            ),
+            "batch_window_ms": (
+                {
+                    kind: {str(r): round(ms, 3) for r, ms in sorted(costs.ms.items())}
+                    for kind, costs in sorted(self.batch_costs.items())
+                }
+                if self.adaptive_batch
                 else None
             ),
             "acceptance": self.acceptance,
@@ -277,6 +308,11 @@ class Engine:
             )
             if p.batch.slots > per:
                 lines.append(f"batch MTP: up to {per} decoding slots in one window; more: {beyond}")
+            if self.adaptive_batch:
+                lines.append(
+                    f"batch MTP or serial windows for up to {per} slots decoding together, whichever gives "
+                    "more tokens per second by their measured times (spec.adaptive_depth)"
+                )
         if p.model.routing == "calibrated":
             lines.append("routing: calibrated (skewed and persistent, through a router bias)")
         info = self.drafter_info()
@@ -406,13 +442,44 @@ class Engine:
         proposals, and the seed promises the same text on every run, while window times differ from run to
         run."""
         floor = self.plan.spec.draft_floor
-        if not self.adaptive or (not sampler.greedy and sampler.params.seed is not None):
+        if not self.adaptive or keeps_windows(sampler):
             return DraftGauge(floor, None, self.depth)
         costs, prior = self._depth_state(sampler)
         return DraftGauge(floor, costs, self.depth, prior)
 
     def _depth_state(self, sampler: Sampler) -> tuple[WindowCosts, Holds]:
         return self.depth_state.setdefault(request_kind(sampler), (WindowCosts(), Holds(PRIOR_WEIGHT)))
+
+    def _batch_timed(self, slots: list[Slot]) -> bool:
+        """Whether a batch window of these decoding slots is chosen by, and measured into, `batch_costs`:
+        with ``spec.adaptive_depth``, in serial mode, when one batch-MTP window holds them all and none is
+        a seeded sampled request (`keeps_windows`)."""
+        return (
+            self.adaptive_batch
+            and len(slots) <= self.plan.batch.slots_per_window
+            and not any(keeps_windows(s.sampler) for s in slots)
+        )
+
+    def _batch_costs(self, kind: str, slots: list[Slot]) -> WindowCosts:
+        return self.batch_costs.setdefault(window_kind(kind, [s.sampler for s in slots]), WindowCosts())
+
+    def _batch_drafts(self, slots: list[Slot], probe: bool = True, now_batch_mtp: bool | None = None) -> bool:
+        """Whether the next window of these decoding slots carries a proposal for each (batch MTP): drafting
+        pays by the floor (`drafting_pays`, a probe with ``probe``) and, where `_batch_timed`, a batch-MTP
+        window gives more tokens per second than a serial one by their measured times (`batch_mtp_pays`;
+        serial windows of as many slots run until their time is measured). ``now_batch_mtp``: the kind in
+        use (default: the last batch window's)."""
+        gauges = [s.gauge for s in slots]
+        if not drafting_pays(gauges, probe):
+            return False
+        if (probe and any(g.probe_due for g in gauges)) or not self._batch_timed(slots):
+            return True
+        chances = [g.estimate for g in gauges]
+        now = self._batch_mtp_last if now_batch_mtp is None else now_batch_mtp
+        pays = batch_mtp_pays(
+            chances, self._batch_costs("serial", slots), self._batch_costs("batch-mtp", slots), now
+        )
+        return bool(pays)  # None: no serial window of as many slots is measured yet
 
     def _reap_cancelled(self) -> None:
         busy = self._busy_slots()
@@ -506,8 +573,7 @@ class Engine:
             rows.append(row)
         if not entries:
             return None
-        gauges = [e.slot.gauge for e in entries]
-        pays = drafting_pays(gauges)
+        pays = self._batch_drafts([e.slot for e in entries], now_batch_mtp=False)
         mtp = self.plan.batch.mtp and self._batch_mtp_serves(len(entries))
         if job.kind != "solo" and mtp and pays:
             return None  # batch-MTP windows again: few enough slots decode, and drafting pays
@@ -540,8 +606,8 @@ class Engine:
         if job.kind == "solo":
             if job.entries[0].slot.gauge.leaves(n - 1, self.depth, probe=False):
                 return None  # another depth pays better: the host launches it
-        elif not drafting_pays([e.slot.gauge for e in job.entries], probe=False):
-            return None  # the slots' proposals rarely hold: windows without them take over
+        elif not self._batch_drafts([e.slot for e in job.entries], probe=False, now_batch_mtp=True):
+            return None  # the slots' proposals rarely hold, or serial windows give more: they take over
         for e in job.entries:
             slot = e.slot
             if slot.handle.cancelled.is_set() or self._ends_in_flight(slot):
@@ -696,8 +762,9 @@ class Engine:
             paused = room > 0 and depth == 0
             rows = solo_window(ids[0], depth)
             kind = "solo"
-        elif mtp and drafting_pays([s.gauge for s in decoding]):
+        elif mtp and self._batch_drafts(decoding):
             paused = False
+            self._batch_mtp_last = True
             # Rotate by slot id, so that slots finishing or arriving do not make the others lose their turn.
             rotation = self._rotation.get(group, 0)
             start = next((i for i, sid in enumerate(ids) if sid >= rotation), 0)
@@ -705,7 +772,9 @@ class Engine:
             self._rotation[group] = rows[-1].slot + 1
             kind = "pipelined-mtp" if pipelined else "batch-mtp"
         else:
-            paused = mtp  # batch-MTP windows would serve these slots, but their drafts seldom hold
+            paused = mtp  # batch-MTP windows would serve these slots, but their drafts do not pay
+            if mtp:
+                self._batch_mtp_last = False
             windows = plain_windows(ids)
             turn = self._plain_turn.get(group, 0)
             rows = windows[turn % len(windows)]
@@ -788,6 +857,8 @@ class Engine:
         )
         if job.kind == "solo" and self.adaptive:
             self._depth_state(job.entries[0].slot.sampler)[0].observe(job.rows, ms)
+        if job.kind in ("serial", "batch-mtp") and self._batch_timed(slots := [e.slot for e in job.entries]):
+            self._batch_costs(job.kind, slots).observe(job.rows, ms)
         self.window_stats.record(window, flight.discarded)
         for slot, ev in events:
             slot.handle.events.put(ev)
