@@ -20,8 +20,8 @@ The same measurements decide whether slots that decode together take batch-MTP w
 proposal each, 2k rows for k slots) or serial ones (k rows): `batch_mtp_pays` weighs k(1 + h) tokens over
 a 2k-row batch-MTP window's time against k tokens over a k-row serial window's, h being the slots' mean
 chance that a proposal holds. Serial windows of k slots run first, until their time is measured: which
-kind wins depends on the GPU (on an H200 a window of 2k rows took 1.28 to 1.6 times one of k rows, for k
-= 1 to 4; on CPUs about twice).
+kind wins depends on the device (on an H200 a window of 2k rows took 1.28 to 1.6 times one of k rows, for k
+= 1 to 4; on two virtual CPU devices the demo model's 4-row window about 1.6 times its 2-row one).
 
 Greedy text and the sampled distribution do not depend on the depth: a window with fewer proposals emits
 tokens from the target the same way.
