@@ -252,20 +252,25 @@ def test_solo_fixed_arm_runs_beside_solo_whose_depth_is_chosen_per_window(tmp_pa
     plans = {a: json.loads((tmp_path / f"{a}.json").read_text()) for a in arms}
     assert plans["solo"]["spec"]["adaptive_depth"] and not plans["solo-fixed"]["spec"]["adaptive_depth"]
     assert arms["solo"]["plan"]["adaptive_depth"] and not arms["solo-fixed"]["plan"]["adaptive_depth"]
-    # Each arm's solo windows by proposals: the fixed arm drafts all 3 or none; every token after the
-    # prompt's first comes from a solo window, and no window gives more than its proposals and one.
+    # Each arm's windows by kind: the fixed arm's solo windows draft all 3 proposals or none; the prompt's
+    # window gives the first token and solo windows the rest, none more than its proposals and one.
     for arm in arms.values():
-        mix = arm["solo"]["solo_windows"]
-        assert sum(m["windows"] * m["tokens_per_window"] for m in mix.values()) == pytest.approx(40 - 1)
-        for d, m in mix.items():
-            assert 0 < m["tokens_per_window"] <= int(d) + 1 and m["ms_per_window"] > 0
-    assert set(arms["solo-fixed"]["solo"]["solo_windows"]) <= {"0", "3"}
+        mix = arm["solo"]["windows_by_kind"]
+        assert sum(m["windows"] * m["tokens_per_window"] for m in mix.values()) == pytest.approx(40)
+        assert mix["prefill"]["windows"] * mix["prefill"]["tokens_per_window"] == pytest.approx(1)
+        for kind, m in mix.items():
+            assert kind == "prefill" or 0 < m["tokens_per_window"] <= int(kind.split()[1]) + 1
+            assert m["ms_per_window"] > 0
+    assert set(arms["solo-fixed"]["solo"]["windows_by_kind"]) <= {"prefill", "solo 0", "solo 3"}
     table = strata(
         *("bench", "profiles/demo.toml", "--workload", "solo", "--arms", "solo-fixed"),
         *("--repeats", "1", "--tokens", "12"),
     )
     assert table.returncode == 0, table.stderr
-    assert "solo-fixed solo windows by proposals (all repeats): 3: " in table.stdout
+    assert (
+        "solo-fixed solo windows (all repeats): prefill: 1 x " in table.stdout
+        and "; solo 3: " in table.stdout
+    )
     sampled = strata(
         *("bench", "profiles/demo.toml", "--workload", "solo", "--arms", "solo-adaptive"),
         *("--repeats", "1", "--tokens", "8", "--temperature", "0.7"),

@@ -129,7 +129,7 @@ class InProcessDriver:
             "ms_per_window": (after["ms"] - before["ms"]) / windows if windows else 0.0,
             "proposals": after["proposals"] - before["proposals"],
             "accepted": after["accepted"] - before["accepted"],
-            "solo_windows": solo_window_mix(list(eng.windows)[-windows:] if windows else []),
+            "windows_by_kind": window_mix(list(eng.windows)[-windows:] if windows else []),
         }
         cache_after = expert_traffic(eng)
         if cache_after is not None and cache_before is not None:
@@ -137,22 +137,28 @@ class InProcessDriver:
         return [r for r in results if r is not None], stats
 
 
-def solo_window_mix(windows: list[WindowStat]) -> dict[str, list[float]]:
-    """The solo windows among ``windows`` by their proposals: ``{"d": [windows, ms, tokens]}`` (sums), what
-    an adaptive depth chose and what each depth cost and gave."""
+def window_kind_name(w: WindowStat) -> str:
+    """``solo 2`` for a solo window with 2 proposals, else the window's kind (``serial``, ``batch-mtp``,
+    ``prefill``, ...)."""
+    return f"solo {w.rows - 1}" if w.kind == "solo" else w.kind
+
+
+def window_mix(windows: list[WindowStat]) -> dict[str, list[float]]:
+    """``windows`` by kind (`window_kind_name`): ``{"solo 2": [windows, ms, tokens]}`` (sums): what the
+    engine chose (the depths of an adaptive request alone, serial or batch-MTP windows) and what each kind
+    cost and gave."""
     mix: dict[str, list[float]] = {}
     for w in windows:
-        if w.kind == "solo":
-            each = mix.setdefault(str(w.rows - 1), [0, 0.0, 0])
-            each[0] += 1
-            each[1] += w.ms
-            each[2] += w.tokens
+        each = mix.setdefault(window_kind_name(w), [0, 0.0, 0])
+        each[0] += 1
+        each[1] += w.ms
+        each[2] += w.tokens
     return mix
 
 
 def merge_window_mix(mixes: list[dict[str, list[float]]]) -> dict[str, dict[str, float]]:
-    """Repeats' solo window mixes added up: per proposal count, the windows, their mean time and the
-    tokens each emitted on average."""
+    """Repeats' window mixes added up: per kind, the windows, their mean time and the tokens each emitted
+    on average."""
     total: dict[str, list[float]] = {}
     for mix in mixes:
         for d, (n, ms, tokens) in mix.items():
@@ -162,7 +168,7 @@ def merge_window_mix(mixes: list[dict[str, list[float]]]) -> dict[str, dict[str,
             t[2] += tokens
     return {
         d: {"windows": n, "ms_per_window": ms / n, "tokens_per_window": tokens / n}
-        for d, (n, ms, tokens) in sorted(total.items(), key=lambda kv: int(kv[0]))
+        for d, (n, ms, tokens) in sorted(total.items())
         if n
     }
 
@@ -309,8 +315,8 @@ class ArmRuns:
     compiled: dict[str, list[list[LateCompile]]] = field(default_factory=dict)
     """Per case and repeat, the kernels compiled at their first launch while the repeat ran (its figures
     hold that time)."""
-    solo_windows: dict[str, list[dict[str, list[float]]]] = field(default_factory=dict)
-    """Per case and repeat, its solo windows by proposals (`solo_window_mix`; empty for a peer)."""
+    windows: dict[str, list[dict[str, list[float]]]] = field(default_factory=dict)
+    """Per case and repeat, its windows by kind (`window_mix`; empty for a peer)."""
 
 
 def same_shape(a: list[Any], b: list[Any]) -> bool:
@@ -375,7 +381,7 @@ def run_bench(
                 figures = measure(workload, results, stats, wall)
                 out[name].runs.setdefault(case, []).append(figures)
                 out[name].compiled.setdefault(case, []).append(late_compiles()[before:])
-                out[name].solo_windows.setdefault(case, []).append(stats.get("solo_windows") or {})
+                out[name].windows.setdefault(case, []).append(stats.get("windows_by_kind") or {})
                 if r == 0:
                     out[name].tokens[case] = [res.token_ids for res in results]
                 if on_run:
@@ -400,9 +406,9 @@ def summarise(runs: dict[str, ArmRuns], base: str = "serial", compare_text: bool
                     for each in arm.compiled.get(case, [])
                 ],
             }
-            mix = merge_window_mix(arm.solo_windows.get(case, []))
+            mix = merge_window_mix(arm.windows.get(case, []))
             if mix:
-                entry["solo_windows"] = mix
+                entry["windows_by_kind"] = mix
             if base in runs and name != base and case in runs[base].runs:
                 base_rates = [f["tok_s"] for f in runs[base].runs[case]]
                 rates = [f["tok_s"] for f in figures]

@@ -486,18 +486,19 @@ def compile_notes(summary: dict[str, Any]) -> list[str]:
 
 
 def window_mix_lines(summary: dict[str, Any]) -> list[str]:
-    """Under a solo table: each arm's solo windows by the proposals they carried, with what each kind took
-    and gave (how the adaptive depth chose, and what a fixed depth's paused windows were)."""
+    """Under a decode table: each arm's windows by kind (solo windows by their proposals), with what each
+    kind took and gave: the depths an adaptive request alone chose, how often drafting paused, which of
+    serial and batch-MTP windows ran."""
     out = []
     for name, cases in summary.items():
         for case, e in cases.items():
-            mix = e.get("solo_windows")
+            mix = e.get("windows_by_kind")
             if mix:
                 each = "; ".join(
-                    f"{d}: {m['windows']} x {m['ms_per_window']:.2f} ms, {m['tokens_per_window']:.2f} tok"
-                    for d, m in mix.items()
+                    f"{k}: {m['windows']} x {m['ms_per_window']:.2f} ms, {m['tokens_per_window']:.2f} tok"
+                    for k, m in mix.items()
                 )
-                out.append(f"{name} {case} windows by proposals (all repeats): {each}")
+                out.append(f"{name} {case} windows (all repeats): {each}")
     return [""] + out if out else []
 
 
@@ -557,7 +558,7 @@ def render_table(
             )
     lines += spread_notes(summary)
     lines += compile_notes(summary)
-    if workload == "solo":
+    if workload != "prompt":
         lines += window_mix_lines(summary)
     for name in summary:
         if name not in plans:
