@@ -8,6 +8,8 @@ is known; the text must not depend on it.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import pytest
 from rt_engine_helpers import collect, mode_plan
@@ -345,6 +347,15 @@ def test_slots_decoding_together_take_the_batch_window_their_measured_times_favo
     assert measured["serial, greedy"]["2"] == 4.0 and measured["batch-mtp, greedy"]["4"] == 4.4
     for kind, by_rows in measured.items():  # also one slot decoding while the other reads its prompt
         assert all(ms == BATCH_CHEAP[kind.split(",")[0]][int(r)] for r, ms in by_rows.items())
+    # The engine counts its windows and their time by kind, for the status and the metrics.
+    by_kind = Counter(w.kind for w in eng.windows)
+    assert eng.totals["windows_by_kind"] == dict(by_kind) and by_kind["serial"] >= COST_MEASURED
+    ms = eng.totals["ms_by_kind"]
+    assert ms["batch-mtp"] == pytest.approx(sum(w.ms for w in eng.windows if w.kind == "batch-mtp"))
+    lines = engine_lines(eng.stats())
+    for kind, n in by_kind.items():
+        assert f'strata_windows_by_kind_total{{kind="{kind}"}} {n}' in lines
+    assert any(line.startswith('strata_window_seconds_by_kind_total{kind="serial"} ') for line in lines)
     dear, kinds, _ = _pair(BATCH_DEAR, monkeypatch)
     assert dear == fixed
     settled = kinds[kinds.index("s", kinds.index("B")) :]  # after measuring each kind

@@ -41,6 +41,8 @@ class WindowStats:
             "decided_on_device": 0,
             "drafting_paused": 0,
             "solo_by_proposals": {},
+            "windows_by_kind": {},
+            "ms_by_kind": {},
         }
 
     def record(self, window: WindowStat, discarded: int = 0) -> None:
@@ -57,6 +59,8 @@ class WindowStats:
         t["ms"] += window.ms
         t["decided_on_device"] += window.on_device
         t["drafting_paused"] += window.paused
+        t["windows_by_kind"][window.kind] = t["windows_by_kind"].get(window.kind, 0) + 1
+        t["ms_by_kind"][window.kind] = t["ms_by_kind"].get(window.kind, 0.0) + window.ms
         if window.kind == "solo":
             by = t["solo_by_proposals"]
             key = str(window.rows - 1)  # a solo window's rows: its token and its proposals

@@ -88,6 +88,21 @@ def engine_lines(stats: dict[str, Any]) -> list[str]:
         )
         for d in sorted(by, key=int):
             out.append(_line(name, by[d], {"proposals": d}))
+    for key, name, help_, scale in (
+        (
+            "windows_by_kind",
+            "strata_windows_by_kind_total",
+            "Windows by kind: prefill, solo, serial, batch-mtp, pipelined, pipelined-mtp.",
+            1.0,
+        ),
+        ("ms_by_kind", "strata_window_seconds_by_kind_total", "Time spent running windows, by kind.", 1e-3),
+    ):
+        counts = totals.get(key)
+        if isinstance(counts, dict) and counts:
+            out += _head(name, "counter", help_)
+            for kind in sorted(counts):
+                value = counts[kind] * scale if scale != 1 else counts[kind]
+                out.append(_line(name, value, {"kind": kind}))
     if isinstance(stats.get("queue"), int):
         out += _head("strata_queue_depth", "gauge", "Requests waiting for a free slot.")
         out.append(_line("strata_queue_depth", stats["queue"]))
