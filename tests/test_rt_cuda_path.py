@@ -51,6 +51,7 @@ def test_windows_through_the_cuda_path_give_the_array_paths_logits(fake_gpu):
         ([(0, 100, 20)], g.integers(1, vocab, 100)),  # the prefill path (flash attention)
         ([(0, 3, 120), (1, 1, 0)], g.integers(1, vocab, 4)),  # decode rows of two slots
         ([(1, 80, 1), (0, 70, 123)], g.integers(1, vocab, 150)),  # two slots' chunks: flash per segment
+        ([(1, 20, 81), (0, 15, 193)], g.integers(1, vocab, 35)),  # two short prompts: 8-row graph windows
     ]
     for runs, tokens in windows:
         a, b = _logits(gpu, runs, tokens), _logits(cpu, runs, tokens)

@@ -166,7 +166,7 @@ def test_sampled_requests_whose_drafts_rarely_hold_decode_without_them_and_stay_
     same text."""
     plan = make_plan(stages=1, slots=2, batch_mtp=True, draft_tokens=3, context=256, layer_scale=0.5)
     params = SamplingParams(temperature=0.4, seed=11)
-    requests = [Request(tuple(p), 60, params) for p in PROMPTS]
+    requests = [Request(tuple(p), 90, params) for p in PROMPTS]
     first, _, drafted, plain = _run(plan, requests)
     again, _, _, _ = _run(plan, requests)
     assert first == again

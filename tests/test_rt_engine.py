@@ -345,6 +345,27 @@ def test_a_lone_prompt_reads_in_its_longer_chunks_and_gives_the_same_text() -> N
     assert beside == [10] + [16] * 6 + [4]  # the first request decodes until after the prompt is read
 
 
+@pytest.mark.parametrize("stages", [1, 2])
+def test_a_burst_of_short_prompts_is_read_in_one_window_with_each_text_its_own(stages) -> None:
+    """Serial windows read the whole rest of other waiting prompts in the rows a prefill chunk leaves
+    (oldest first, only prompts that fit whole): four requests arriving together get their first tokens
+    from two windows, not four, and each text is the request's text alone."""
+    prompts = [
+        tuple(b"one"),
+        tuple(b"a second prompt"),
+        tuple(b"It is a truth universally acknowledged"),
+        tuple(b"four"),
+    ]
+    plan = make_plan(stages=stages, slots=4, groups=1, context=128, prefill_chunk=32)
+    assert plan.batch.mode == "serial"
+    eng = Engine(plan)
+    got = collect(eng, [(0, Request(p, 6)) for p in prompts])
+    assert got == [list(reference("tiny", p, 6)) for p in prompts]
+    reads = [(w.rows, w.slots) for w in eng.window_stats.recent if w.kind == "prefill"]
+    # 3 + 15 rows, the 38-row prompt does not fit the 14 left but the 4-row one does; then the long one.
+    assert reads == [(3 + 15 + 4, (0, 1, 3)), (32, (2,)), (6, (2,))]
+
+
 def test_pipelined_groups_stream_a_lone_prompt_in_the_ordinary_chunks() -> None:
     """Pipelined groups stream a lone prompt's chunks through their stages instead: the longer chunk is for
     serial windows only."""

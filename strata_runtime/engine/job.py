@@ -1,7 +1,8 @@
 """A window to run: which slots' rows it carries, at which positions, and which of them decide a token.
 
-A `Job` is one window: a prefill chunk of one slot, or the decode rows (token plus proposals) of one or more
-slots, each slot's rows an `Entry`. The scheduler builds jobs; the executor runs them as flights.
+A `Job` is one window: prompt rows (a chunk of one slot's prompt, and in serial windows the whole rest of
+other short prompts), or the decode rows (token plus proposals) of one or more slots, each slot's rows an
+`Entry`. The scheduler builds jobs; the executor runs them as flights.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ does not implement, naming it. Each `step` first admits queued requests into fre
 a slot is free), then, by the plan's batch mode:
 
 * *serial windows* (one group): one window, launched and finished at once. It is either one prefill chunk
-  (the oldest prefilling slot) or one decode window, alternating while both kinds of work exist, so a long
+  (the oldest prefilling slot's, with the whole rest of other waiting prompts where they fit the chunk's
+  rows: `_with_short_prompts`) or one decode window, alternating while both kinds of work exist, so a long
   prompt never stalls the other slots' decoding; a prompt that is the only work reads in chunks of
   ``memory.prefill_chunk_alone``. A decode window is
   * *solo*: one decoding slot and nothing prefilling: its token plus ``windows.solo_rows - 1`` chained MTP
@@ -730,7 +731,9 @@ class Engine:
         if prefilling and (turn or not decoding):
             self._prefill_turn[group] = False
             alone = not pipelined and not decoding and len(prefilling) == 1
-            return self._prefill_job(min(prefilling, key=lambda s: s.admitted_at), alone=alone)
+            oldest = min(prefilling, key=lambda s: s.admitted_at)
+            job = self._prefill_job(oldest, alone=alone)
+            return job if pipelined else self._with_short_prompts(job, prefilling)
         self._prefill_turn[group] = True
         if not decoding:
             return None
@@ -746,6 +749,23 @@ class Engine:
         tokens = list(slot.prompt[start : start + n])
         entry = Entry(slot, "prefill", tokens, pos=start, ends_prompt=start + n == len(slot.prompt))
         return Job("prefill", [entry])
+
+    def _with_short_prompts(self, job: Job, prefilling: list[Slot]) -> Job:
+        """A serial prefill window with, in the rows ``memory.prefill_chunk`` leaves after its chunk, the
+        whole rest of the other waiting prompts that fit, oldest first: a burst of short prompts is read in
+        one window, not one window each, so their first tokens come together and the slots decoding
+        meanwhile wait for one prefill window instead of one per prompt. (A pipelined group streams one
+        prompt's chunks through the stages instead.)"""
+        room = self.plan.memory.prefill_chunk - job.rows
+        taken = {job.entries[0].slot.id}
+        for slot in sorted(prefilling, key=lambda s: s.admitted_at):
+            rest = len(slot.prompt) - slot.length
+            if slot.id in taken or not 0 < rest <= room:
+                continue
+            tokens = list(slot.prompt[slot.length :])
+            job.entries.append(Entry(slot, "prefill", tokens, pos=slot.length, ends_prompt=True))
+            room -= rest
+        return job
 
     def _decode_job(
         self, group: int, decoding: list[Slot], prefilling: list[Slot], pipelined: bool
