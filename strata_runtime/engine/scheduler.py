@@ -205,6 +205,7 @@ class Engine:
                 {
                     kind: {str(r): round(ms, 3) for r, ms in sorted(costs.ms.items())}
                     for kind, costs in sorted(self.batch_costs.items())
+                    if costs.ms
                 }
                 if self.adaptive_batch
                 else None
@@ -574,9 +575,10 @@ class Engine:
             rows.append(row)
         if not entries:
             return None
-        pays = self._batch_drafts([e.slot for e in entries], now_batch_mtp=False)
         mtp = self.plan.batch.mtp and self._batch_mtp_serves(len(entries))
-        if job.kind != "solo" and mtp and pays:
+        slots = [e.slot for e in entries]
+        pays = job.kind != "solo" and mtp and self._batch_drafts(slots, now_batch_mtp=False)
+        if pays:
             return None  # batch-MTP windows again: few enough slots decode, and drafting pays
         room = min(self.depth, self.plan.memory.context - entries[0].pos - 1)
         alone = len(everyone) == 1 and room > 0
