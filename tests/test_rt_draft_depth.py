@@ -359,8 +359,12 @@ def test_slots_decoding_together_take_the_batch_window_their_measured_times_favo
     dear, kinds, _ = _pair(BATCH_DEAR, monkeypatch)
     assert dear == fixed
     settled = kinds[kinds.index("s", kinds.index("B")) :]  # after measuring each kind
-    # Serial windows, with a probe (a batch-MTP window, to measure the drafts again) every so often.
+    # Serial windows, with a probe (a batch-MTP window, to measure the drafts again) now and then: each
+    # probe that finds serial windows still faster doubles the wait for the next.
     assert settled.count("s") > 40 and settled.count("B") <= settled.count("s") // DRAFT_PROBE_EVERY + 1
+    runs = settled.split("B")
+    assert len(runs) >= 3 and len(runs[0]) >= DRAFT_PROBE_EVERY
+    assert all(len(b) >= 2 * len(a) - 1 for a, b in zip(runs[:-2], runs[1:-1], strict=True))
 
 
 def test_seeded_sampled_slots_keep_batch_mtp_whatever_the_times(monkeypatch) -> None:

@@ -881,6 +881,14 @@ class Engine:
             self._depth_state(job.entries[0].slot.sampler)[0].observe(job.rows, ms)
         if job.kind in ("serial", "batch-mtp") and self._batch_timed(slots := [e.slot for e in job.entries]):
             self._batch_costs(job.kind, slots).observe(job.rows, ms)
+            if job.kind == "batch-mtp" and drafting_pays([s.gauge for s in slots], probe=False):
+                # By the floor drafting pays; if serial windows still give more, probe half as often.
+                pays = self._batch_drafts(slots, probe=False)
+                for s in slots:
+                    if pays:
+                        s.gauge.wait_as_usual()
+                    else:
+                        s.gauge.wait_longer()
         self.window_stats.record(window, flight.discarded)
         for slot, ev in events:
             slot.handle.events.put(ev)

@@ -93,6 +93,11 @@ class DraftGauge:
     """Windows in a row without proposals."""
     wait: int = DRAFT_PROBE_EVERY
     """Windows without proposals before the next probe."""
+    backoff: int = 1
+    """How many times `DRAFT_PROBE_EVERY` the wait is while probes find drafting paying by the floor but
+    not by the measured window times (`wait_longer`)."""
+    probed: bool = False
+    """Whether the last window with proposals was a probe."""
     own: Holds = field(default_factory=lambda: Holds(HOLD_WEIGHT))
     """What this request's proposals did, per position."""
     drafted: int = 0
@@ -105,6 +110,7 @@ class DraftGauge:
             self.idle += 1
             return
         probe = self.probe_due
+        self.probed = probe
         self.idle = 0
         self.seen += proposed
         keep = (1 - DRAFT_WEIGHT) ** proposed
@@ -122,6 +128,18 @@ class DraftGauge:
             self.wait = DRAFT_PROBE_EVERY
         elif probe:
             self.wait = min(2 * self.wait, DRAFT_PROBE_MOST)
+
+    def wait_longer(self) -> None:
+        """A window with proposals after which drafting still does not pay for a reason the gauge does not
+        see (serial windows beat batch-MTP ones by their measured times): the next probe waits `backoff`
+        times `DRAFT_PROBE_EVERY`, and each probe that finds it so doubles that, as a probe that finds the
+        drafts under the floor does (`wait_as_usual` ends it)."""
+        if self.probed:
+            self.backoff = min(2 * self.backoff, DRAFT_PROBE_MOST // DRAFT_PROBE_EVERY)
+        self.wait = max(self.wait, DRAFT_PROBE_EVERY * self.backoff)
+
+    def wait_as_usual(self) -> None:
+        self.backoff = 1
 
     @property
     def estimate(self) -> float:
