@@ -75,6 +75,8 @@ def _batch_line(plan: LaunchPlan) -> str:
         )
     elif b.mtp:
         mtp = f"batch MTP on: each slot sends its token + 1 proposal, {b.slots_per_window} slots per window"
+        if plan.spec.adaptive_depth and b.mode == "serial":
+            mtp += ", or serial windows where those measure faster"
     else:
         mtp = "batch MTP off"
     return f"{b.slots} slots, {how}; {mtp}{_ahead(b)}"
