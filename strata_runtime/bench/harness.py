@@ -35,7 +35,6 @@ from ..cuda.compile import LateCompile, late_compiles
 
 if TYPE_CHECKING:
     from ..engine import Engine
-    from ..engine.stats import WindowStat
 
 
 @dataclass(frozen=True)
@@ -129,7 +128,7 @@ class InProcessDriver:
             "ms_per_window": (after["ms"] - before["ms"]) / windows if windows else 0.0,
             "proposals": after["proposals"] - before["proposals"],
             "accepted": after["accepted"] - before["accepted"],
-            "windows_by_kind": window_mix(list(eng.windows)[-windows:] if windows else []),
+            "windows_by_kind": window_mix(before["by_name"], after["by_name"]),
         }
         cache_after = expert_traffic(eng)
         if cache_after is not None and cache_before is not None:
@@ -137,22 +136,16 @@ class InProcessDriver:
         return [r for r in results if r is not None], stats
 
 
-def window_kind_name(w: WindowStat) -> str:
-    """``solo 2`` for a solo window with 2 proposals, else the window's kind (``serial``, ``batch-mtp``,
-    ``prefill``, ...)."""
-    return f"solo {w.rows - 1}" if w.kind == "solo" else w.kind
-
-
-def window_mix(windows: list[WindowStat]) -> dict[str, list[float]]:
-    """``windows`` by kind (`window_kind_name`): ``{"solo 2": [windows, ms, tokens]}`` (sums): what the
-    engine chose (the depths of an adaptive request alone, serial or batch-MTP windows) and what each kind
-    cost and gave."""
+def window_mix(before: dict[str, Any], after: dict[str, Any]) -> dict[str, list[float]]:
+    """The windows an engine ran between two readings of its totals' ``by_name`` (by
+    `strata_runtime.engine.stats.window_name`): ``{"solo 2": [windows, ms, tokens]}``, what the engine chose
+    (the depths of an adaptive request alone, serial or batch-MTP windows) and what each kind cost and
+    gave."""
     mix: dict[str, list[float]] = {}
-    for w in windows:
-        each = mix.setdefault(window_kind_name(w), [0, 0.0, 0])
-        each[0] += 1
-        each[1] += w.ms
-        each[2] += w.tokens
+    for name, now in after.items():
+        was = before.get(name, {"windows": 0, "ms": 0.0, "tokens": 0})
+        if now["windows"] > was["windows"]:
+            mix[name] = [now[k] - was[k] for k in ("windows", "ms", "tokens")]
     return mix
 
 
@@ -316,7 +309,8 @@ class ArmRuns:
     """Per case and repeat, the kernels compiled at their first launch while the repeat ran (its figures
     hold that time)."""
     windows: dict[str, list[dict[str, list[float]]]] = field(default_factory=dict)
-    """Per case and repeat, its windows by kind (`window_mix`; empty for a peer)."""
+    """Per case and repeat, its windows by kind (``{"solo 2": [windows, ms, tokens]}``, from the engine's
+    totals; empty for a peer)."""
 
 
 def same_shape(a: list[Any], b: list[Any]) -> bool:

@@ -192,7 +192,7 @@ class Engine:
             "queue": len(self._queue),
             "in_flight": len(self._flights) + len(self._chain),
             "slots": [self._slot_state(i, s) for i, s in enumerate(self.slots)],
-            "totals": {k: dict(v) if isinstance(v, dict) else v for k, v in self.totals.items()},
+            "totals": self.totals,  # a fresh copy
             "solo_window_ms": (
                 {
                     kind: {str(r): round(ms, 3) for r, ms in sorted(costs.ms.items())}

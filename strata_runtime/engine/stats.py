@@ -25,12 +25,20 @@ class WindowStat:
     """Tokens it emitted (none for a window run past its requests' end)."""
 
 
+def window_name(w: WindowStat) -> str:
+    """``solo 2`` for a solo window with 2 proposals, else the window's kind (``serial``, ``batch-mtp``,
+    ``prefill``, ...)."""
+    return f"solo {w.rows - 1}" if w.kind == "solo" else w.kind
+
+
 class WindowStats:
     """The last ``keep`` windows and totals over every window since the engine started."""
 
     def __init__(self, keep: int = 1024) -> None:
         self.recent: deque[WindowStat] = deque(maxlen=keep)
-        self.totals: dict[str, Any] = {
+        self.named: dict[str, list[float]] = {}
+        """Per `window_name`: windows, milliseconds and tokens, summed; the totals' views by kind."""
+        self.counts: dict[str, Any] = {
             "windows": 0,
             "rows": 0,
             "tokens": 0,
@@ -40,16 +48,34 @@ class WindowStats:
             "discarded_rows": 0,
             "decided_on_device": 0,
             "drafting_paused": 0,
-            "solo_by_proposals": {},
-            "windows_by_kind": {},
-            "ms_by_kind": {},
         }
+
+    @property
+    def totals(self) -> dict[str, Any]:
+        """The counters, and the windows by kind: ``by_name`` (`window_name`: windows, ms and tokens),
+        ``windows_by_kind`` and ``ms_by_kind`` (solo windows as one kind), and ``solo_by_proposals``."""
+        out = dict(self.counts)
+        named = {name: list(v) for name, v in self.named.items()}
+        out["by_name"] = {
+            name: {"windows": n, "ms": ms, "tokens": tok} for name, (n, ms, tok) in named.items()
+        }
+        windows: dict[str, int] = {}
+        ms: dict[str, float] = {}
+        for name, (n, m, _) in named.items():
+            kind = name.split()[0]
+            windows[kind] = windows.get(kind, 0) + int(n)
+            ms[kind] = ms.get(kind, 0.0) + m
+        out["windows_by_kind"], out["ms_by_kind"] = windows, ms
+        out["solo_by_proposals"] = {
+            name[5:]: int(v[0]) for name, v in named.items() if name.startswith("solo ")
+        }
+        return out
 
     def record(self, window: WindowStat, discarded: int = 0) -> None:
         """Count one window; ``discarded`` of its rows were run past their request's end (windows queued
         ahead of a stop) and kept nothing."""
         self.recent.append(window)
-        t = self.totals
+        t = self.counts
         t["windows"] += 1
         t["rows"] += window.rows
         t["discarded_rows"] += discarded
@@ -59,12 +85,10 @@ class WindowStats:
         t["ms"] += window.ms
         t["decided_on_device"] += window.on_device
         t["drafting_paused"] += window.paused
-        t["windows_by_kind"][window.kind] = t["windows_by_kind"].get(window.kind, 0) + 1
-        t["ms_by_kind"][window.kind] = t["ms_by_kind"].get(window.kind, 0.0) + window.ms
-        if window.kind == "solo":
-            by = t["solo_by_proposals"]
-            key = str(window.rows - 1)  # a solo window's rows: its token and its proposals
-            by[key] = by.get(key, 0) + 1
+        each = self.named.setdefault(window_name(window), [0, 0.0, 0])
+        each[0] += 1
+        each[1] += window.ms
+        each[2] += window.tokens
 
     def last(self, n: int) -> list[dict[str, Any]]:
         """The last ``n`` windows as JSON-ready dictionaries."""
@@ -73,8 +97,8 @@ class WindowStats:
     @property
     def acceptance(self) -> float | None:
         """Accepted proposals over proposals made, or None before any was made."""
-        made = self.totals["proposals"]
-        return None if not made else float(self.totals["accepted"] / made)
+        made = self.counts["proposals"]
+        return None if not made else float(self.counts["accepted"] / made)
 
     def summary(self) -> str:
         t = self.totals
