@@ -474,14 +474,17 @@ class Engine:
         gauges = [s.gauge for s in slots]
         if not drafting_pays(gauges, probe):
             return False
-        if (probe and any(g.probe_due for g in gauges)) or not self._batch_timed(slots):
-            return True
-        chances = [g.estimate for g in gauges]
+        return (probe and any(g.probe_due for g in gauges)) or not self._serial_wins(slots, now_batch_mtp)
+
+    def _serial_wins(self, slots: list[Slot], now_batch_mtp: bool | None = None) -> bool:
+        """Where `_batch_timed`: whether serial windows of these slots give more tokens per second than
+        batch-MTP ones by their measured times (`batch_mtp_pays`), or are not measured yet (so they run)."""
+        if not self._batch_timed(slots):
+            return False
         now = self._batch_mtp_last if now_batch_mtp is None else now_batch_mtp
-        pays = batch_mtp_pays(
-            chances, self._batch_costs("serial", slots), self._batch_costs("batch-mtp", slots), now
-        )
-        return bool(pays)  # None: no serial window of as many slots is measured yet
+        chances = [s.gauge.estimate for s in slots]
+        serial, batch = self._batch_costs("serial", slots), self._batch_costs("batch-mtp", slots)
+        return not batch_mtp_pays(chances, serial, batch, now)  # None: serial windows not measured yet
 
     def _reap_cancelled(self) -> None:
         busy = self._busy_slots()
@@ -759,10 +762,10 @@ class Engine:
         meanwhile wait for one prefill window instead of one per prompt. (A pipelined group streams one
         prompt's chunks through the stages instead.)"""
         room = self.plan.memory.prefill_chunk - job.rows
-        taken = {job.entries[0].slot.id}
+        first = job.entries[0].slot
         for slot in sorted(prefilling, key=lambda s: s.admitted_at):
             rest = len(slot.prompt) - slot.length
-            if slot.id in taken or not 0 < rest <= room:
+            if slot is first or not 0 < rest <= room:
                 continue
             tokens = list(slot.prompt[slot.length :])
             job.entries.append(Entry(slot, "prefill", tokens, pos=slot.length, ends_prompt=True))
@@ -883,12 +886,12 @@ class Engine:
             self._batch_costs(job.kind, slots).observe(job.rows, ms)
             if job.kind == "batch-mtp" and drafting_pays([s.gauge for s in slots], probe=False):
                 # By the floor drafting pays; if serial windows still give more, probe half as often.
-                pays = self._batch_drafts(slots, probe=False)
+                serial = self._serial_wins(slots)
                 for s in slots:
-                    if pays:
-                        s.gauge.wait_as_usual()
-                    else:
+                    if serial:
                         s.gauge.wait_longer()
+                    else:
+                        s.gauge.wait_as_usual()
         self.window_stats.record(window, flight.discarded)
         for slot, ev in events:
             slot.handle.events.put(ev)
