@@ -19,6 +19,7 @@ GPUs) measure the profile's own plan on its GPUs, without arms. These three run 
 from __future__ import annotations
 
 import argparse
+import itertools
 import subprocess
 import sys
 import tempfile
@@ -224,10 +225,7 @@ def run(args: argparse.Namespace) -> int:
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="strata-bench-"))
     argv = bench_argv(args)
     ran = 0
-    for (
-        arm,
-        (suffix, varied),
-    ) in ((a, v) for a in names for v in variants(args)):
+    for arm, (suffix, varied) in itertools.product(names, variants(args)):
         name = arm + suffix
         args.sets = [*base_sets, *ARMS[arm], *varied]
         try:

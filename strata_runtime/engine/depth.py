@@ -150,9 +150,9 @@ def batch_mtp_pays(
     while no serial window of k rows is measured. A batch-MTP row count not measured yet is costed at the
     least it can take (`WindowCosts.cost`), so it is tried."""
     k = len(chances)
-    t_serial = serial.cost(k) if serial.measured(k) else None
-    if t_serial is None:
+    if not serial.measured(k):
         return None
+    t_serial = serial.ms[k]
     t_batch = batch_mtp.cost(2 * k)
     if t_batch is None:
         return True
