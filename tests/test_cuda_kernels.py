@@ -690,6 +690,77 @@ def test_choose_matches_twin(gpu, rows, v):
             assert abs(edge - float(u32[r]) * cdf[-1]) < 1e-5 * cdf[-1], (r, got[r], want[r])
 
 
+DISTRIBUTION_CASES = [  # (temperature, top_k, top_p): Qwen3's sampling, top-p alone, top-k alone, neither
+    (0.7, 20, 0.8),
+    (1.0, 0, 0.95),
+    (0.6, 0, 0.5),
+    (1.3, 300, 1.0),
+    (0.5, 0, 1.0),
+    (1.0, 1, 0.5),
+    (2.0, -1, 0.05),  # top_k -1: V - 1
+    (0.8, 50, 0.999),
+]
+
+
+def _mass_before(ref, row: np.ndarray, inv_temp: float, top_k: int) -> np.ndarray:
+    """For each token of a row of logits, the share of the weight top-k keeps that lies before it in the
+    top-p cut's order (descending logit, then ascending index)."""
+    w = ref.staying_weights(row, inv_temp, top_k, 1.0)
+    order = np.lexsort((np.arange(row.size), -row.astype(np.float64)))
+    before = np.empty_like(w)
+    before[order] = np.cumsum(w[order]) - w[order]
+    return before / w.sum()
+
+
+@pytest.mark.parametrize("v", [151_936, 5_000, 37])
+def test_distribution_is_the_one_choose_draws_from(gpu, v):
+    """``distribution_rows`` against its twin on flat, coarse (ties at every cut) and peaked logits, over
+    temperature, top-k and top-p together and alone: the same tokens stay, but where the mass before a
+    token is within float32 rounding of top-p (the kernel's cut sums float32 weights); the probabilities
+    agree to float32 rounding (the kernel's weights) and sum to 1; every element is written; the gathered
+    path gives the whole row's bits; and draws at the same uniforms from it and by ``choose_rows`` give the
+    same tokens."""
+    cp, kern, ref = gpu
+    g = rng()
+    rows, edges, cut_rows = 4, 0, 0
+    for trial in range(9):
+        kind = ("flat", "coarse", "peaked")[trial % 3]
+        logits = peaked_logits(g, rows, v) if kind == "peaked" else (g.standard_normal((rows, v)) * 3)
+        if kind == "coarse":
+            logits = np.round(logits * 2) / 2
+        logits = np.asarray(logits, np.float32)
+        logits_d = cp.asarray(logits)
+        for temperature, top_k, top_p in DISTRIBUTION_CASES:
+            k, inv_temp = v - 1 if top_k < 0 else top_k, float(np.float32(1 / temperature))
+            outs = []
+            for gather in (True, False):
+                out_d = cp.full((rows, v), np.nan, cp.float64)
+                kern.distribution(logits_d, inv_temp, k, top_p, out_d, gather=gather)
+                outs.append(out_d.get())
+            got = outs[0]
+            assert np.array_equal(outs[1], got), "the gathered path differs from the whole row's"
+            want = np.empty((rows, v))
+            ref.distribution(logits, inv_temp, k, top_p, want)
+            assert np.isfinite(got).all()
+            np.testing.assert_allclose(got.sum(axis=1), 1.0, rtol=0, atol=1e-12)
+            for r in range(rows):
+                differ = np.flatnonzero((got[r] > 0) != (want[r] > 0))
+                if differ.size:
+                    gap = np.abs(_mass_before(ref, logits[r], inv_temp, k)[differ] - np.float32(top_p))
+                    assert top_p < 1 and gap.max() < 1e-5, (kind, temperature, k, top_p, r, differ[:5])
+                    edges += 1
+                    continue
+                cut_rows += int((want[r] == 0).any())
+                np.testing.assert_allclose(got[r], want[r], rtol=2e-5, atol=1e-12)
+            u = g.random(rows).astype(np.float32)
+            chosen = cp.full(rows, -1, cp.int64)
+            t_d, k_d, p_d = (cp.full(rows, x, dt) for x, dt in ((inv_temp, "f4"), (k, "i4"), (top_p, "f4")))
+            kern.choose(logits_d, t_d, cp.asarray(u), k_d, p_d, chosen)
+            drawn = [int(np.searchsorted(np.cumsum(got[r]), u[r], side="right")) for r in range(rows)]
+            assert sum(a == b for a, b in zip(chosen.get().tolist(), drawn, strict=True)) >= rows - 1
+    assert cut_rows > 80 and edges <= 2
+
+
 @pytest.mark.parametrize("v", [151936, 1000, 37])
 def test_adjust_logits_and_count_tokens_match_twin(gpu, v):
     """The logit bias and penalties of some rows of a window, in place, bit for bit against the NumPy twin

@@ -129,7 +129,7 @@ def test_the_hosts_top_p_gives_the_whole_row_sorts_distribution(kind) -> None:
     """`nucleus_host` sorts a few hundred candidates instead of the row: the distribution must be the one the
     whole-row sort gives, bit for bit, at every top-k, temperature and top-p, including top-p values at and
     just past the mass of the first candidates (where it must take more of them)."""
-    from strata_runtime.engine import sampling
+    from strata_runtime.models.ops.distribution import NUCLEUS_FIRST
 
     g = np.random.default_rng(11)
     v, rows = 40_000, 3
@@ -142,7 +142,7 @@ def test_the_hosts_top_p_gives_the_whole_row_sorts_distribution(kind) -> None:
     ]
     # top-p at the mass of the first NUCLEUS_FIRST tokens of row 0, and within and just past the margin
     p0 = distribution(logits[:1], SamplingParams(temperature=1.0))[0]
-    head = np.cumsum(np.sort(p0)[::-1])[sampling.NUCLEUS_FIRST - 1]
+    head = np.cumsum(np.sort(p0)[::-1])[NUCLEUS_FIRST - 1]
     cases += [SamplingParams(temperature=1.0, top_p=head + d) for d in (-1e-6, -1e-12, 0.0, 1e-12, 1e-7)]
     for c in cases:
         assert np.array_equal(distribution(logits, c), distribution(logits, c, sort_rows=True)), c

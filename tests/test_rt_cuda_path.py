@@ -294,6 +294,47 @@ def test_windows_running_ahead_on_the_cuda_path_give_the_array_paths_text(fake_g
     assert alone[0] == cpu[0]
 
 
+def test_sampled_drafting_on_the_cuda_path_takes_every_distribution_from_the_kernel(fake_gpu, monkeypatch):
+    """A sampled request that drafts on the CUDA path, seeded or not, with top-k and top-p: every distribution
+    its windows draw proposals from and verify them against comes from the ``distribution_rows`` launcher (its
+    NumPy twin here), for the target's rows and the drafts' alike, never from the rule's array steps (on a
+    GPU, CuPy's partition and whole-row sorts); its drafts are verified, and a seed gives the same text on
+    every run."""
+    from strata_runtime.api import SamplingParams
+    from strata_runtime.engine import Engine
+    from strata_runtime.model import stage
+    from strata_runtime.reference import kernels as reference
+
+    shapes: list[tuple[int, ...]] = []
+    twin = reference.distribution
+
+    def counted(logits, *args):
+        shapes.append(tuple(logits.shape))
+        twin(logits, *args)
+
+    def array_steps(*args, **kw):
+        raise AssertionError("a distribution on the CUDA path ran the rule's array steps")
+
+    monkeypatch.setattr(reference, "distribution", counted)
+    monkeypatch.setattr(stage, "distribution", array_steps)
+
+    def generate(seed: int | None) -> tuple[list[int], int]:
+        engine = Engine(_plan("cuda", "tiny", draft_tokens=4))
+        sampling = SamplingParams(temperature=0.7, top_k=20, top_p=0.8, seed=seed)
+        handle = engine.submit(Request((72, 101, 108, 108, 111), 24, sampling=sampling))
+        while engine.step():
+            pass
+        tokens = [t for _ in range(handle.events.qsize()) for t in handle.events.get().token_ids]
+        return tokens, engine.totals["proposals"]
+
+    first, proposed = generate(seed=5)
+    assert len(first) == 24 and proposed > 0
+    assert {rows for rows, _ in shapes} >= {1, 3, 4}  # a draft's row, and a 4-row window's q and p
+    assert generate(seed=5)[0] == first
+    shapes.clear()
+    assert len(generate(seed=None)[0]) == 24 and shapes
+
+
 def test_no_window_waits_for_a_gemv_to_compile(fake_gpu):
     """Every GEMV a window launches (the layers', the LM head's on normalised rows, the MTP head's input
     projections) at every row count the engine runs (solo drafting, serial and batch-MTP windows, greedy

@@ -23,7 +23,9 @@ from strata_runtime.engine import Engine, device_spec
 from strata_runtime.engine.device_spec import leading_matches
 from strata_runtime.engine.flight import Chained, Flight
 from strata_runtime.engine.job import CHAINED, Job
+from strata_runtime.engine.sampling import distribution
 from strata_runtime.model.kvcache import KVError
+from strata_runtime.model.placed import Model
 
 PROMPTS = [b"The river", b"A second, longer prompt here", b"Third", b"x" * 20]
 
@@ -392,7 +394,10 @@ def test_each_next_proposal_is_drawn_at_its_own_uniform_not_at_an_accept_or_bonu
         ]
     )
     spec = device_spec.DeviceSpec((0, 1), n, params=(params, params), uniforms=uniforms)
-    model = SimpleNamespace(last=SimpleNamespace(device=SimpleNamespace(xp=np)))
+    model = SimpleNamespace(
+        last=SimpleNamespace(device=SimpleNamespace(xp=np)),
+        distribution=lambda logits, params: distribution(logits, params),
+    )
     flat = np.zeros((2, 4), np.float32)  # every token equally likely
     drawn = [device_spec._propose(model, spec, flat, j, []).tolist() for j in range(n - 1)]  # type: ignore[arg-type]
     assert drawn == [[0, 2], [1, 3]]
@@ -433,19 +438,24 @@ def test_the_engine_rehearses_greedy_and_sampled_decisions_at_start_without_touc
     """At start `device_spec.prepare` runs a sampled decision (`verify_sampled`, with every step of
     `distribution`) for each rows-per-slot a window can have, besides the greedy steps, so that a GPU's first
     sampled window does not wait for CuPy to compile them; it reads and writes no drafter."""
-    seen: list[tuple[int, object]] = []
-    verify = device_spec.verify_sampled
+    seen: list[int] = []
+    asked: list[SamplingParams] = []
+    verify, dist = device_spec.verify_sampled, Model.distribution
 
-    def spy(xp, target, draft, tokens, params, uniforms):
-        seen.append((int(target.shape[0]), params))
-        return verify(xp, target, draft, tokens, params, uniforms)
+    def spy(xp, p, q, tokens, uniforms):
+        seen.append(int(p.shape[0]))
+        return verify(xp, p, q, tokens, uniforms)
+
+    def spy_dist(self, logits, params):
+        asked.append(params)
+        return dist(self, logits, params)
 
     monkeypatch.setattr(device_spec, "verify_sampled", spy)
+    monkeypatch.setattr(Model, "distribution", spy_dist)
     eng = engine(1, 4, True, on_device=True)
     rows = sorted({n for _, n in eng._spec_shapes()})
-    assert len(rows) > 1 and sorted(n for n, _ in seen) == rows
-    params = seen[0][1]
-    assert params.temperature > 0 and params.top_k > 0 and params.top_p < 1  # type: ignore[attr-defined]
+    assert len(rows) > 1 and sorted(seen) == rows
+    assert asked and all(p.temperature > 0 and p.top_k > 0 and p.top_p < 1 for p in asked)
     g = np.random.default_rng(5)
     for d in eng.model.drafters.values():  # values a rehearsal that wrote into a drafter would change
         d.hidden[...] = g.standard_normal(d.hidden.shape) + 1

@@ -79,7 +79,9 @@ def _on_device(target: np.ndarray, proposals: list[int], qs: list[np.ndarray], s
     """`verify_sampled`, the device's rule (run here on NumPy arrays), with the uniforms drawn ahead."""
     uniforms = np.array([sampler.uniform() for _ in range(len(proposals) + 1)])
     tokens = np.array([0, *proposals])
-    a, after = verify_sampled(np, target, np.log(np.stack(qs)), tokens, sampler.params, uniforms)
+    p = distribution(target, sampler.params)
+    q = distribution(np.log(np.stack(qs)), sampler.params)
+    a, after = verify_sampled(np, p, q, tokens, uniforms)
     return Verdict(int(a), [*proposals[: int(a)], int(after)])
 
 

@@ -5,8 +5,8 @@ requests with a logit bias or a presence / frequency penalty that it does not de
 then needs the tokens in order of probability. This times `strata_runtime.engine.sampling.distribution` on
 random logits of a vocabulary's size, at the sampling settings a chat client sends, with top-p found two
 ways in one run: by sorting each whole row (``sort_rows``) and by sorting a row's likeliest tokens only
-(`strata_runtime.engine.sampling.nucleus_host`, what the engine runs), and checks that both give the same
-distribution bit for bit.
+(`strata_runtime.models.ops.distribution.nucleus_host`, what the engine runs), and checks that both give
+the same distribution bit for bit.
 """
 
 from __future__ import annotations

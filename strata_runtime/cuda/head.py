@@ -67,3 +67,12 @@ class CudaHead:
             out = cp.empty(rows, cp.int64)
             self.kern.choose(logits, t, u, k, p, out)
             return out
+
+    def distribution(self, logits: Any, temperature: float, top_k: int, top_p: float) -> cp.ndarray:
+        """The distribution [R, V] (float64) `choose` draws each row of logits [R, V] from at this temperature
+        (> 0), top-k and top-p (`strata_runtime.cuda.ops.Kernels.distribution`), on the current stream."""
+        with cp.cuda.Device(self.device_id):
+            out = cp.empty(logits.shape, cp.float64)
+            rows = cp.ascontiguousarray(logits, dtype=cp.float32)
+            self.kern.distribution(rows, 1.0 / temperature, top_k, top_p, out)
+            return out

@@ -1195,6 +1195,8 @@ __global__ void count_tokens(int* __restrict__ counts, int V, const long long* _
 //  * the draw: the first staying token, in index order, whose cumulative weight exceeds u[r] times the
 //    staying total (each thread sums a contiguous chunk, the chunks' sums are scanned across the block).
 // The k-th largest logit and the top-p boundary are found by radix selection on the logits' bits.
+// distribution_rows makes the same cuts and writes, instead of a draw, the whole distribution the draw takes
+// (float64): what a sampled window decided on the device draws its proposals from and verifies them with.
 
 typedef unsigned long long u64;
 
@@ -1375,14 +1377,28 @@ __device__ u64 cut_sums(const float* __restrict__ l, int n, float mx, float gap,
   return mass[CHOOSE_CUTS];
 }
 
-__global__ void __launch_bounds__(1024) choose_rows(const float* __restrict__ logits, int V,
-                                                    const float* __restrict__ inv_temp,
-                                                    const int* __restrict__ top_k, const float* __restrict__ top_p,
-                                                    const float* __restrict__ u, long long* __restrict__ out,
-                                                    int cap) {
-  const int r = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+// Every thread gets the block's sum of v (a double or a u64): a warp's lanes by a butterfly, then the warps'
+// sums in order, so the sum is the same in every run. scratch: 32 of T, shared.
+template <typename T>
+__device__ __forceinline__ T block_total(T v, T* scratch) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (int)(blockDim.x >> 5);
+  __syncthreads();
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  T t = T(0);
+  for (int w = 0; w < warps; ++w) t += scratch[w];
+  return t;
+}
+
+// One row of choose_rows (token: its chosen token) or of distribution_rows (dist: its distribution [V]), by
+// one block of 1024 threads: l the row's logits, t its 1 / temperature, k its top-k, p its top-p, u its
+// uniform (a draw only).
+__device__ __forceinline__ void choose_row(const float* __restrict__ l, int V, float t, int k, float p, float u,
+                                           int cap, long long* __restrict__ token, double* __restrict__ dist) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int warps = (int)(blockDim.x >> 5);
-  const float* l = logits + (size_t)r * V;
   float best = -STRATA_INF;
   int bi = 0x7fffffff;
 #pragma unroll 4
@@ -1399,14 +1415,13 @@ __global__ void __launch_bounds__(1024) choose_rows(const float* __restrict__ lo
     for (int w = 1; w < warps; ++w) better(sv[w], si[w], sv[0], si[0]);
   }
   __syncthreads();
-  const float t = inv_temp[r];
-  if (t <= 0.f) {
-    if (tid == 0) out[r] = si[0];
+  if (t <= 0.f) {  // the argmax
+    if (token != nullptr && tid == 0) *token = si[0];
+    if (dist != nullptr)
+      for (int i = tid; i < V; i += blockDim.x) dist[i] = i == si[0] ? 1.0 : 0.0;
     return;
   }
   const float mx = sv[0];
-  const int k = top_k[r];
-  const float p = top_p[r];
   const bool by_p = p < 1.f;
   // The row the rest reads: all V logits, or, once at most `cap` (<= CHOOSE_CAP) tokens are known to hold
   // every token top-k or top-p can keep, those, gathered in index order into shared memory (cv values, ci
@@ -1521,6 +1536,22 @@ __global__ void __launch_bounds__(1024) choose_rows(const float* __restrict__ lo
     const unsigned kv = order_key(v);
     return kv >= cut_k && (!by_p || kv > cut_p || (kv == cut_p && i <= cut_tie));
   };
+  if (dist != nullptr) {
+    // The distribution the draw below takes: the same float32 weights of the staying tokens, over their sum
+    // in float64 (each thread its share of vals in order, then the block's in order: the same in every run).
+    __shared__ double dsums[32];
+    double ds = 0.0;
+    for (int j = g0; j < g0 + gn; ++j) {
+      const float v = vals[j];
+      if (stays(index(j), v)) ds += (double)__expf((v - mx) * t);
+    }
+    const double dtotal = block_total(ds, dsums);
+    for (int i = tid; i < V; i += blockDim.x) {
+      const float v = l[i];
+      dist[i] = stays(i, v) ? (double)__expf((v - mx) * t) / dtotal : 0.0;
+    }
+    return;
+  }
   float s = 0.f;
   int nz = -1;
 #pragma unroll 4
@@ -1534,7 +1565,7 @@ __global__ void __launch_bounds__(1024) choose_rows(const float* __restrict__ lo
   if (nz >= 0) atomicMax(&last, nz);
   float total;
   const float incl = block_scan(s, fsums, &total);
-  const float excl = incl - s, target = u[r] * total;
+  const float excl = incl - s, target = u * total;
   if (s > 0.f && excl <= target && target < incl) {
     float c = excl;
     int at_i = nz;  // rounding left the crossing past the chunk's end: its last staying token
@@ -1547,7 +1578,26 @@ __global__ void __launch_bounds__(1024) choose_rows(const float* __restrict__ lo
     atomicMin(&found, at_i);
   }
   __syncthreads();
-  if (tid == 0) out[r] = found != 0x7fffffff ? found : last;  // u * total rounded up to the total: the last
+  if (tid == 0) *token = found != 0x7fffffff ? found : last;  // u * total rounded up to the total: the last
+}
+
+__global__ void __launch_bounds__(1024) choose_rows(const float* __restrict__ logits, int V,
+                                                    const float* __restrict__ inv_temp,
+                                                    const int* __restrict__ top_k, const float* __restrict__ top_p,
+                                                    const float* __restrict__ u, long long* __restrict__ out,
+                                                    int cap) {
+  const int r = blockIdx.x;
+  choose_row(logits + (size_t)r * V, V, inv_temp[r], top_k[r], top_p[r], u[r], cap, out + r, nullptr);
+}
+
+// out[r] (float64 [V]) = the distribution choose_rows draws row r's token from, at one inv_temp (> 0), top_k
+// and top_p for every row: its float32 weights exp((l - max l) * inv_temp) of the tokens that stay after both
+// cuts, over their sum in float64. A sampled window decided on the device verifies its proposals against it and draws them from
+// it (models/ops/choose.py).
+__global__ void __launch_bounds__(1024) distribution_rows(const float* __restrict__ logits, int V, float inv_temp,
+                                                          int top_k, float top_p, int cap, double* __restrict__ out) {
+  const int r = blockIdx.x;
+  choose_row(logits + (size_t)r * V, V, inv_temp, top_k, top_p, 0.f, cap, nullptr, out + (size_t)r * V);
 }
 
 // ---- prefill: the pieces between cuBLAS products for long prompt chunks ------------------------------

@@ -209,7 +209,7 @@ def decode_expressions(
     qkv = (a.num_attention_heads + 2 * a.num_key_value_heads) * a.head_dim
     widths = set(mlp_widths)
     out = ["add_rmsnorm", "qk_norm_rope_kv", "silu_mul", "add_scaled", "argmax_part", "argmax_merge"]
-    out += ["choose_rows", "adjust_logits", "count_tokens", "gemv_any"]
+    out += ["choose_rows", "distribution_rows", "adjust_logits", "count_tokens", "gemv_any"]
     out += Kernels.attn_exprs(a.head_dim, a.num_attention_heads // a.num_key_value_heads)
     if a.num_experts:
         out += Kernels.moe_exprs(h, a.moe_intermediate_size, a.num_experts_per_tok)
@@ -567,6 +567,18 @@ class Kernels(KernelCache):
         cap = np.int32(CHOOSE_GATHER if gather else 0)
         args = (logits, np.int32(v), inv_temp, top_k, top_p, uniform, out, cap)
         self.fn("choose_rows")((rows,), (1024,), args)
+
+    def distribution(
+        self, logits: Array, inv_temp: float, top_k: int, top_p: float, out: Array, gather: bool = True
+    ) -> None:
+        """out [R, V] (float64) = the distribution `choose` draws each row of logits [R, V] (fp32, contiguous)
+        from, at one ``inv_temp`` (1 / temperature), ``top_k`` (0: none) and ``top_p`` (1: none) for every
+        row: the same cuts and float32 weights exp((l - max l) * inv_temp) of the staying tokens, over their
+        sum in float64 (``distribution_rows`` of kernels.cu). ``gather`` as for `choose`."""
+        rows, v = logits.shape
+        cap = np.int32(CHOOSE_GATHER if gather else 0)
+        args = (logits, np.int32(v), np.float32(inv_temp), np.int32(top_k), np.float32(top_p), cap, out)
+        self.fn("distribution_rows")((rows,), (1024,), args)
 
     def adjust_logits(
         self,

@@ -26,7 +26,8 @@ this one (`strata_runtime.engine.flight.Chained` without rows) is queued before 
 The host learns the outcome when it finishes the window: it reads the accept counts, the token after them,
 the window's input tokens and positions, checks a greedy slot's decision against
 `strata_runtime.engine.speculative.verify`, and accounts the KV (`strata_runtime.model.placed.Model.settle`).
-The same functions run on NumPy arrays on CPU devices and on CuPy arrays on GPUs.
+The same functions run on NumPy arrays on CPU devices and on CuPy arrays on GPUs; a sampled slot's
+distributions come from `strata_runtime.model.placed.Model.distribution`, one kernel on a GPU.
 """
 
 from __future__ import annotations
@@ -39,8 +40,7 @@ import numpy as np
 from ..api import SamplingParams
 from ..backend import Array
 from ..layout import Layout
-from ..model import Model
-from .sampling import distribution, inverse_cdf
+from ..model import Model, inverse_cdf
 
 
 @dataclass(eq=False)
@@ -87,23 +87,19 @@ def leading_matches(xp: Any, tokens: Array, picks: Array) -> Array:
     return xp.cumprod(match, axis=1).sum(axis=1)
 
 
-def verify_sampled(
-    xp: Any, target: Array, draft: Array, tokens: Array, params: SamplingParams, uniforms: Array
-) -> tuple[Array, Array]:
+def verify_sampled(xp: Any, p: Array, q: Array, tokens: Array, uniforms: Array) -> tuple[Array, Array]:
     """Speculative rejection sampling of one slot's window on ``xp`` arrays: (proposals kept, the token
     after them), both 0-d.
 
-    ``target`` are the window's n rows of logits [n, V], ``draft`` the logits [n - 1, V] each proposal
-    (``tokens[1:]``, of the window's input ids [n]) was drawn from, and ``uniforms`` [n] the draws: proposal
-    j holds while ``uniforms[j] * q_j(token) < p_j(token)`` (accepted with probability min(1, p/q)); the
-    token after the kept ones comes from norm(max(0, p_a - q_a)) at the first rejection (p_a where that is
-    empty), or from the last row's p when every proposal held, at ``uniforms[n - 1]``. The same rule as
+    ``p`` is the target's distribution at the window's n rows [n, V], ``q`` the distributions [n - 1, V] each
+    proposal (``tokens[1:]``, of the window's input ids [n]) was drawn from, and ``uniforms`` [n] the draws:
+    proposal j holds while ``uniforms[j] * q_j(token) < p_j(token)`` (accepted with probability min(1, p/q));
+    the token after the kept ones comes from norm(max(0, p_a - q_a)) at the first rejection (p_a where that
+    is empty), or from the last row's p when every proposal held, at ``uniforms[n - 1]``. The same rule as
     `strata_runtime.engine.speculative.verify`, with the uniforms drawn ahead, so the emitted tokens have
     exactly the target's distribution.
     """
     n = int(tokens.shape[0])
-    p = distribution(target, params, xp)  # [n, V]
-    q = distribution(draft, params, xp)  # [n - 1, V]
     rows = xp.arange(n - 1)
     proposed = tokens[1:]
     holds = (uniforms[: n - 1] * q[rows, proposed] < p[rows, proposed]).astype(xp.int64)  # [n - 1]
@@ -230,7 +226,7 @@ def _propose(model: Model, spec: DeviceSpec, logits: Array, j: int, before: list
             assert picks is not None
             out.append(picks[i])
         else:
-            q = distribution(logits[i : i + 1], params, xp)[0]
+            q = model.distribution(logits[i : i + 1], params)[0]
             out.append(inverse_cdf(q, spec.uniforms[i, spec.n + j], xp))
     return xp.stack(out).astype(xp.int64)
 
@@ -255,7 +251,8 @@ def _accept_each(
         if spec.penalties is not None and spec.penalties[i] is not None:  # as they were drawn: adjusted,
             draft = draft.copy()  # row k counting proposals 1..k
             _adjust(model, spec, draft, spec.tokens[rows], [(i, k, 1, k) for k in range(n - 1)])
-        a, f = verify_sampled(xp, logits[rows], draft, spec.tokens[rows], params, spec.uniforms[i])
+        p, q = model.distribution(logits[rows], params), model.distribution(draft, params)
+        a, f = verify_sampled(xp, p, q, spec.tokens[rows], spec.uniforms[i])
         nxt = xp.concatenate([spec.tokens[rows][1:], f[None]])  # a kept row is followed by the next input
         nxt[a] = f
         accepted.append(a)

@@ -21,9 +21,9 @@ from strata_cfg.schema.plan import DEFAULT_DRAFT_FLOOR
 
 from ..backend import Array, Device
 from ..layout import Layout
-from ..model import Model
+from ..model import Model, inverse_cdf
 from .depth import Holds, WindowCosts, best_depth, worth_switching
-from .sampling import Sampler, distribution, inverse_cdf
+from .sampling import Sampler, distribution
 
 
 @dataclass
@@ -226,7 +226,7 @@ class Verdict:
 
 
 def _choose(
-    sampler: Sampler, dev: Device, logits: Array, chain: list[int], on_device: bool = False
+    model: Model, sampler: Sampler, dev: Device, logits: Array, chain: list[int], on_device: bool = False
 ) -> tuple[int, np.ndarray | None]:
     """A proposal from one row of draft logits [V] (on ``dev``) that follows the proposals ``chain``: the
     argmax, or a draw from q, of the logits the verifier will adjust the same way.
@@ -239,7 +239,7 @@ def _choose(
             return int(dev.xp.argmax(logits)), None
     if on_device and not sampler.adjusts:
         with dev.use():
-            q = distribution(logits[None, :], sampler.params, dev.xp)[0]
+            q = model.distribution(logits[None, :], sampler.params)[0]
             return int(inverse_cdf(q, sampler.uniform(), dev.xp)), None
     row = sampler.adjusted(dev.to_host(logits)[None, :], chain)  # [1, V]
     if sampler.greedy:
@@ -262,7 +262,7 @@ def draft(
     out = Proposals([], [])
     if depth <= 0:
         return out
-    tok, q = _choose(sampler, dev, drafter.logits[0], out.tokens, on_device)
+    tok, q = _choose(model, sampler, dev, drafter.logits[0], out.tokens, on_device)
     out.tokens.append(tok)
     if q is not None:
         out.q.append(q)
@@ -274,7 +274,7 @@ def draft(
             head = model.mtp({slot: drafter}, np.array([tok]), drafter.hidden[j - 1 : j], layout)  # [1, H]
             drafter.hidden[j : j + 1] = head
             drafter.logits[j : j + 1] = model.mtp.logits(head)
-        tok, q = _choose(sampler, dev, drafter.logits[j], out.tokens, on_device)
+        tok, q = _choose(model, sampler, dev, drafter.logits[j], out.tokens, on_device)
         out.tokens.append(tok)
         if q is not None:
             out.q.append(q)

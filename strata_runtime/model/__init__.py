@@ -8,6 +8,7 @@ stage's device.
 
 from ..models.ops.adjust import Adjusts, adjust_row
 from ..models.ops.choose import Draws
+from ..models.ops.distribution import distribution, inverse_cdf
 from .placed import Model
 
-__all__ = ["Adjusts", "Draws", "Model", "adjust_row"]
+__all__ = ["Adjusts", "Draws", "Model", "adjust_row", "distribution", "inverse_cdf"]

@@ -15,7 +15,7 @@ from numpy.typing import DTypeLike
 
 from strata_cfg.schema.plan import LaunchPlan
 
-from ..api import PlanMismatch, Tokenizer
+from ..api import PlanMismatch, SamplingParams, Tokenizer
 from ..backend import DTYPES, Array, Device, enable_peer_access, peer_access_enabled, transfer
 from ..cuda.compile import late_compile_summary
 from ..experts.cache import Policy
@@ -386,6 +386,11 @@ class Model:
     def choose(self, logits: Array, draws: Draws) -> Array:
         """Each row's token chosen on the last stage's device (`strata_runtime.model.stage.Stage.choose`)."""
         return self.last.choose(logits, draws)
+
+    def distribution(self, logits: Array, params: SamplingParams) -> Array:
+        """Each row's next-token distribution [R, V] (float64) at a request's temperature, top-k and top-p,
+        on the last stage's device (`strata_runtime.model.stage.Stage.distribution`)."""
+        return self.last.distribution(logits, params.temperature, params.top_k, params.top_p)
 
     def adjust(
         self, logits: Array, adjusts: Adjusts, tokens: Array | None = None

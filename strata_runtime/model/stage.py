@@ -23,6 +23,7 @@ from ..experts.routing import RoutingTables, apply_bias
 from ..experts.store import ExpertStore
 from ..layout import Layout
 from ..models.ops.choose import Draws, choose_on_host
+from ..models.ops.distribution import distribution
 from ..models.ops.norm import rms_norm_in_dtype
 from ..models.qwen3_moe import DecoderLayer, ModelArgs, RouterBias, SparseMoeBlock, linear, rope_tables
 from .adjust import TokenCounts
@@ -281,6 +282,17 @@ class Stage:
             return self.cuda_head.argmax(logits)
         with self.device.use():
             return self.device.xp.argmax(logits, axis=-1)
+
+    def distribution(self, logits: Array, temperature: float, top_k: int, top_p: float) -> Array:
+        """Each row's next-token distribution [R, V] (float64) of logits [R, V] on this device (last stage
+        only), at a sampled request's temperature, top-k and top-p. With the CUDA head, the distribution its
+        device choice draws from (`strata_runtime.models.ops.choose`); otherwise the rule's own steps on this
+        device's arrays (`strata_runtime.models.ops.distribution`). The two differ only where a cut falls
+        within rounding of a token's edge."""
+        if self.cuda_head is not None:
+            return self.cuda_head.distribution(logits, temperature, top_k, top_p)
+        with self.device.use():
+            return distribution(logits, temperature, top_k, top_p, self.device.xp)
 
     def choose(self, logits: Array, draws: Draws) -> Array:
         """Each row's chosen token [R] (int64) of logits [R, V] on this device (last stage only), by

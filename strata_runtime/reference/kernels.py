@@ -254,6 +254,24 @@ def choose(
     out[...] = choose_tokens(logits, inv_temp, uniform, top_k, top_p)
 
 
+def distribution(
+    logits: np.ndarray,
+    inv_temp: float,
+    top_k: int,
+    top_p: float,
+    out: np.ndarray,
+    gather: bool = True,
+) -> None:
+    """The launcher's twin: out [R, V] (float64) = the distribution `choose_tokens` draws each row from,
+    `staying_weights` over their sum (the argmax's one-hot where ``inv_temp`` is 0)."""
+    for r, row in enumerate(np.asarray(logits, dtype=np.float32)):
+        if inv_temp <= 0:
+            out[r] = np.arange(row.shape[0]) == int(np.argmax(row))
+            continue
+        weights = staying_weights(row, float(np.float32(inv_temp)), int(top_k), float(top_p))
+        out[r] = weights / weights.sum()
+
+
 def adjust_logits(
     logits: np.ndarray,
     rows: np.ndarray,

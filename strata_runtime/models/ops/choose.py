@@ -16,6 +16,12 @@ the CUDA kernel ``choose_rows`` (kernels.cu, launched by `strata_runtime.cuda.he
 weights in float32 and may differ where ``u`` or the top-p cut falls within rounding of a boundary between two
 tokens. Both sum the weights for the top-p cut in 2^-40 fixed point, so the cut does not depend on the order
 of the sum.
+
+A sampled speculative window decided on the device takes the whole distribution a choice would draw from
+(the kernel ``distribution_rows``, `strata_runtime.cuda.ops.Kernels.distribution`: the same cuts and float32
+weights, over their sum in float64): its proposals are drawn from it and verified against it, so a
+request's tokens follow one rule on the device whether its windows draft or not. It replaces the CuPy
+partition and whole-row sort the rule's array steps take, about a millisecond a call on an H200.
 """
 
 from __future__ import annotations

@@ -1,0 +1,104 @@
+"""A sampled row's distribution: the rule every sampled token, draft and verification follows.
+
+Temperature, top-k and top-p shape a row of logits into next-token probabilities (`distribution`):
+
+* x = logits / temperature, in float64;
+* top-k (0 < k < V): a token whose x is below the k-th largest x gets nothing (ties at the k-th all stay);
+* p = exp(x - max x) over what stays, normalised;
+* top-p (< 1): in order of probability, largest first and ties by token id, a token keeps its p while the
+  mass strictly before it is below top_p (the smallest such prefix, never empty); what stays is normalised
+  again.
+
+A draw at a uniform u takes the first token whose cumulative probability exceeds u times the total
+(`inverse_cdf`). This module is the rule on NumPy (and CuPy) arrays: the host's choices and verifications
+follow it, and so does a window decided on a CPU device. On a GPU, a row chosen on the device and a sampled
+window decided there both take the distribution of the device's choice (`strata_runtime.models.ops.choose`,
+the kernels ``choose_rows`` and ``distribution_rows``): the same cuts and weights, which it orders by logit
+rather than probability and whose top-p mass it sums in 2^-40 fixed point from float32 weights, so the two
+differ only where a cut falls within rounding of a token's edge.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+def distribution(
+    logits: Any, temperature: float, top_k: int, top_p: float, xp: Any = np, *, sort_rows: bool = False
+) -> Any:
+    """Next-token probabilities [n, V] (float64) of logits [n, V] after temperature, top-k and top-p, on
+    ``xp`` arrays: NumPy on the host, CuPy where a GPU runs the same steps without the kernel. Top-p sorts
+    each whole row on the GPU and with ``sort_rows``; on the host it otherwise sorts a row's likeliest
+    tokens (`nucleus_host`), for the same distribution."""
+    x = xp.asarray(logits, dtype=xp.float64) / max(temperature, 1e-6)  # [n, V]
+    if 0 < top_k < x.shape[-1]:
+        kth = xp.partition(x, -top_k, axis=-1)[:, -top_k][:, None]  # [n, 1]
+        x = xp.where(x < kth, -xp.inf, x)  # ties at the k-th largest all stay
+    p = xp.exp(x - x.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)  # [n, V]
+    if top_p < 1.0:
+        keep = nucleus(p, top_p, xp) if sort_rows or xp is not np else nucleus_host(p, top_p)
+        p = xp.where(keep, p, 0.0)
+        p /= p.sum(axis=-1, keepdims=True)
+    return p
+
+
+def nucleus(p: Any, top_p: float, xp: Any = np) -> Any:
+    """Which tokens top-p keeps, [n, V] bool, from probabilities p [n, V]: in order of probability, largest
+    first and ties by token id, the smallest prefix whose mass reaches ``top_p`` (never empty), found by
+    sorting each whole row."""
+    stable = {"kind": "stable"} if xp is np else {}  # CuPy's sort is stable
+    order = xp.argsort(-p, axis=-1, **stable)  # [n, V]
+    sorted_p = xp.take_along_axis(p, order, axis=-1)
+    before = xp.cumsum(sorted_p, axis=-1) - sorted_p  # mass strictly above each token
+    keep = xp.zeros(p.shape, dtype=bool)
+    keep[xp.arange(p.shape[0])[:, None], order] = before < top_p
+    return keep
+
+
+NUCLEUS_FIRST = 256
+"""Tokens `nucleus_host` sorts first; it takes 16 times as many each time their mass falls short."""
+
+NUCLEUS_MARGIN = 1e-9
+"""How far past ``top_p`` the sorted candidates' mass must reach for `nucleus_host` to stop: far above the
+rounding of a running sum over a vocabulary, so that no token after them could still be kept."""
+
+
+def nucleus_host(p: np.ndarray, top_p: float) -> np.ndarray:
+    """`nucleus` on the host without sorting whole rows, for the same distribution: it differs only where
+    `nucleus` keeps tokens of zero probability (which a distribution weighs 0 either way).
+
+    The m largest probabilities of a row, with every tie of the m-th, come first in the whole row's order,
+    in the same order, so their running sums are the whole order's first ones (NumPy's cumulative sum adds
+    left to right). Once those reach ``top_p`` by `NUCLEUS_MARGIN`, every token after them has at least that
+    much mass before it and is cut. A row sorts its 256 most likely tokens (a partition of its nonzero
+    probabilities finds them), then 4,096, and so on, and all of them only when nothing smaller reaches
+    ``top_p``; the whole-row sort of a 151,936-token row is what this saves, about 18 ms."""
+    keep = np.zeros(p.shape, dtype=bool)
+    for r, row in enumerate(p):
+        support = np.flatnonzero(row)  # after top-k, often a few tokens
+        values = row[support]
+        m = NUCLEUS_FIRST
+        while True:
+            if m < support.size:  # the m largest and their ties
+                least = np.partition(values, support.size - m)[support.size - m]
+                candidates = support[values >= least]
+            else:
+                candidates = support
+            order = candidates[np.argsort(-row[candidates], kind="stable")]
+            sorted_p = row[order]
+            total = np.cumsum(sorted_p)
+            if m >= support.size or total[-1] >= top_p + NUCLEUS_MARGIN:
+                keep[r, order] = total - sorted_p < top_p
+                break
+            m *= 16
+    return keep
+
+
+def inverse_cdf(probs: Any, u: Any, xp: Any = np) -> Any:
+    """The token [V] -> index whose cumulative weight first exceeds ``u`` (in [0, 1)) times the total: a draw
+    from ``probs`` (which need not sum to 1) at ``u``, on ``xp`` arrays (``u`` may be a device scalar)."""
+    cdf = xp.cumsum(probs)
+    return xp.minimum(xp.searchsorted(cdf, u * cdf[-1], side="right"), probs.shape[-1] - 1)
