@@ -145,7 +145,8 @@ def test_the_step_runs_every_layer_of_the_model_on_the_references(preset: str) -
 def test_the_step_times_each_way_of_choosing_tokens_on_its_own_logits() -> None:
     """`time_choices` runs the greedy argmax and each draw of `CHOICES` on a step's logits: each case must
     pass its own temperature, top-k and top-p (a token outside the cuts, or a greedy token that is not the
-    argmax, fails), and the step table lists the µs of each."""
+    argmax, fails); each draw's whole distribution is timed too and is the one its token was drawn from (a
+    draw from it at the row's uniform gives the token); and the step table lists the µs of each."""
     from strata_runtime.bench.step import CHOICES, render_step
 
     facts = ModelFacts.from_config(preset_config("tiny"), source="synthetic:tiny", dtype="float16")
@@ -159,8 +160,16 @@ def test_the_step_times_each_way_of_choosing_tokens_on_its_own_logits() -> None:
         return 1e-6 * len(calls)
 
     res = model.time_choices(4, 7, 5, timer=once, seed=3)
-    assert list(res) == list(CHOICES) and calls == [5] * len(CHOICES)
-    assert [c["us"] for c in res.values()] == pytest.approx([1.0, 2.0, 3.0, 4.0, 5.0])
+    draws = [name for name, (inv_temp, _, _) in CHOICES.items() if inv_temp > 0]
+    assert list(res) == list(CHOICES) and calls == [5] * (len(CHOICES) + len(draws))
+    assert [c["us"] for c in res.values()] == pytest.approx([1.0, 2.0, 4.0, 6.0, 8.0])
+    assert [res[name]["distribution_us"] for name in draws] == pytest.approx([3.0, 5.0, 7.0, 9.0])
+    u = np.linspace(0.1, 0.9, 4, dtype=np.float32)
+    for name in draws:
+        dist = res[name]["distribution"]
+        np.testing.assert_allclose(dist.sum(axis=1), 1.0)
+        drawn = [int(np.searchsorted(np.cumsum(d), x, side="right")) for d, x in zip(dist, u, strict=True)]
+        assert drawn == res[name]["tokens"], name
     assert res["argmax"]["tokens"] == logits.argmax(-1).tolist()
     for name, (inv_temp, top_k, top_p) in CHOICES.items():
         if inv_temp == 0:
@@ -185,8 +194,14 @@ def test_the_step_times_each_way_of_choosing_tokens_on_its_own_logits() -> None:
         "rows": [],
         "per_kernel_us_per_layer": {},
         "choice_us": {"4": {k: v["us"] for k, v in res.items()}},
+        "distribution_us": {"4": {k: v["distribution_us"] for k, v in res.items() if k in draws}},
     }
-    assert "  4 rows: argmax 1.0, temperature 0.7 2.0, top-k 20 3.0" in render_step(table)
+    text = render_step(table)
+    assert "  4 rows: argmax 1.0, temperature 0.7 2.0, top-k 20 4.0" in text
+    assert (
+        "the whole distribution each draw takes" in text
+        and "  4 rows: temperature 0.7 3.0, top-k 20 5.0" in text
+    )
 
 
 def test_step_memory_counts_every_weight_and_the_kv_of_eight_slots() -> None:

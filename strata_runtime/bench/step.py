@@ -293,7 +293,9 @@ class KernelModel:
     ) -> dict[str, dict[str, Any]]:
         """Each of `CHOICES` on the logits of a ``rows``-row step (of token ids drawn with ``seed``), timed
         alone by ``timer`` (a graph's replays on a GPU): µs per window, and the token it chose for each row
-        (each row draws at its own uniform number, spread over (0, 1))."""
+        (each row draws at its own uniform number, spread over (0, 1)). A draw's case also times the whole
+        distribution it takes (`Kernels.distribution`: what a sampled window decided on the device verifies
+        its proposals against), as ``distribution_us``, and keeps it as ``distribution``."""
         cp, k = self.cp, self.stack.kern
         w = self.window(rows, position, seed)
         u = cp.asarray(np.linspace(0.1, 0.9, rows, dtype=np.float32))
@@ -311,6 +313,11 @@ class KernelModel:
             us = timer(cp, body, repeats) * 1e6
             tokens = chosen.get() if hasattr(chosen, "get") else chosen
             out[name] = {"us": us, "tokens": [int(x) for x in tokens]}
+            if inv_temp > 0:
+                dist = cp.zeros(w.logits.shape, np.float64)
+                body = partial(k.distribution, w.logits, inv_temp, top_k, top_p, dist)
+                out[name]["distribution_us"] = timer(cp, body, repeats) * 1e6
+                out[name]["distribution"] = dist.get() if hasattr(dist, "get") else dist
         return out
 
     def _distinct_experts(self, w: StepWindow) -> int:
@@ -397,6 +404,10 @@ def run_step(
         },
         "per_kernel_gbs": {r: {k: v["gbs"] for k, v in ks.items()} for r, ks in kernels.items()},
         "choice_us": {r: {k: v["us"] for k, v in cs.items()} for r, cs in choices.items()},
+        "distribution_us": {
+            r: {k: v["distribution_us"] for k, v in cs.items() if "distribution_us" in v}
+            for r, cs in choices.items()
+        },
     }
 
 
@@ -452,5 +463,10 @@ def render_step(res: dict[str, Any]) -> str:
         lines += ["", "choosing the window's tokens from the step's logits, µs (each alone in a graph):"]
         for rows, choices in res["choice_us"].items():
             parts = ", ".join(f"{k} {v:.1f}" for k, v in choices.items())
+            lines.append(f"  {rows} row{'s' if rows != '1' else ''}: {parts}")
+    if res.get("distribution_us"):
+        lines += ["", "the whole distribution each draw takes (a sampled drafted window's p and q), µs:"]
+        for rows, dists in res["distribution_us"].items():
+            parts = ", ".join(f"{k} {v:.1f}" for k, v in dists.items())
             lines.append(f"  {rows} row{'s' if rows != '1' else ''}: {parts}")
     return "\n".join(lines)
