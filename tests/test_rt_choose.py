@@ -146,3 +146,44 @@ def test_the_hosts_top_p_gives_the_whole_row_sorts_distribution(kind) -> None:
     cases += [SamplingParams(temperature=1.0, top_p=head + d) for d in (-1e-6, -1e-12, 0.0, 1e-12, 1e-7)]
     for c in cases:
         assert np.array_equal(distribution(logits, c), distribution(logits, c, sort_rows=True)), c
+
+
+@pytest.mark.parametrize("kind", ["flat", "coarse", "peaked"])
+def test_the_devices_distribution_is_the_hosts_but_at_a_cuts_rounding(kind) -> None:
+    """What a sampled window decided on a GPU verifies against (``distribution_rows``, here its twin: the
+    staying weights of the device's choice over their sum) is the host's `distribution`: the same tokens
+    keep probability, but where the host's mass before a token is within float32 rounding of top-p, and the
+    probabilities agree to the rounding of 1 / temperature in float32."""
+    from strata_runtime.reference import kernels as reference
+
+    g = np.random.default_rng(17)
+    v, rows = 5_000, 4
+    logits = _logit_rows(g, kind, rows, v)
+    edges = cut = 0
+    for temperature, top_k, top_p in [
+        (0.7, 20, 0.8),
+        (1.0, 0, 0.95),
+        (0.6, 0, 0.5),
+        (1.3, 300, 1.0),
+        (2.0, 1, 0.3),
+    ]:
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+        want = distribution(logits, params)
+        got = np.empty((rows, v))
+        reference.distribution(logits, 1 / temperature, top_k, top_p, got)
+        np.testing.assert_allclose(got.sum(axis=1), 1.0)
+        for r in range(rows):
+            differ = np.flatnonzero((got[r] > 0) != (want[r] > 0))
+            if differ.size:
+                untrimmed = distribution(
+                    logits[r : r + 1], SamplingParams(temperature=temperature, top_k=top_k)
+                )[0]
+                order = np.argsort(-untrimmed, kind="stable")
+                before = np.empty(v)
+                before[order] = np.cumsum(untrimmed[order]) - untrimmed[order]
+                assert np.abs(before[differ] - top_p).max() < 1e-5, (temperature, top_k, top_p, r)
+                edges += 1
+                continue
+            cut += int((want[r] == 0).any())
+            np.testing.assert_allclose(got[r], want[r], rtol=1e-5, atol=1e-12)
+    assert cut >= 12 and edges <= 1
