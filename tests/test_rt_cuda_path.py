@@ -332,7 +332,8 @@ def test_sampled_drafting_on_the_cuda_path_takes_every_distribution_from_the_ker
     assert {rows for rows, _ in shapes} >= {1, 3, 4}  # a draft's row, and a 4-row window's q and p
     assert generate(seed=5)[0] == first
     shapes.clear()
-    assert len(generate(seed=None)[0]) == 24 and shapes
+    tokens, proposed = generate(seed=None)  # its text, and where an end token falls, follow window times
+    assert tokens and (proposed == 0 or shapes)
 
 
 def test_no_window_waits_for_a_gemv_to_compile(fake_gpu):

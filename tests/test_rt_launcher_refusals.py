@@ -63,6 +63,16 @@ def test_the_argmax_refuses_scratch_of_another_shape(kern_cp) -> None:
         kern.argmax(logits, out, ops.argmax_scratch(cp, 3, 5_000))
 
 
+def test_the_distribution_refuses_an_output_it_would_write_past(kern_cp) -> None:
+    """``distribution_rows`` writes a float64 row of the vocabulary per row of logits: an output of another
+    shape or type is refused, not written past its end."""
+    kern, cp, _ = kern_cp
+    logits = cp.zeros((3, 5_000), cp.float32)
+    for out in (cp.zeros((2, 5_000), cp.float64), cp.zeros((3, 5_000), cp.float32)):
+        with pytest.raises(ValueError, match=r"float64 \(3, 5000\) wanted"):
+            kern.distribution(logits, 1.0, 20, 0.8, out)
+
+
 def test_the_step_workload_refuses_a_gpu_the_kernels_cannot_run_on(kern_cp, monkeypatch) -> None:
     """`strata bench --workload step` times the kernels themselves: on a GPU older than Ampere it refuses
     in one line (a ValueError the command prints) instead of failing in NVRTC."""

@@ -576,6 +576,8 @@ class Kernels(KernelCache):
         row: the same cuts and float32 weights exp((l - max l) * inv_temp) of the staying tokens, over their
         sum in float64 (``distribution_rows`` of kernels.cu). ``gather`` as for `choose`."""
         rows, v = logits.shape
+        if tuple(out.shape) != (rows, v) or out.dtype != np.float64:
+            raise ValueError(f"distribution out {out.shape} {out.dtype}: float64 {(rows, v)} wanted")
         cap = np.int32(CHOOSE_GATHER if gather else 0)
         args = (logits, np.int32(v), np.float32(inv_temp), np.int32(top_k), np.float32(top_p), cap, out)
         self.fn("distribution_rows")((rows,), (1024,), args)
