@@ -343,3 +343,25 @@ def test_vary_runs_each_arm_once_per_value_interleaved(tmp_path) -> None:
         case = res["arms"][name]["solo"]
         assert case["text_equal_to_" + names[0]] is True and "gain_ci95" in case
         assert case["median"]["accepted_pct"] > 0  # these draft
+
+
+def test_the_window_listing_gives_each_kinds_time_a_token_and_the_arms_totals() -> None:
+    """Each arm's windows by kind come with the milliseconds a token of that kind cost (a window's time over
+    its tokens) and, last, the arm's windows, time and tokens together: what two arms' rates differ by."""
+    from strata_runtime.commands.bench import window_mix_lines
+
+    mix = {
+        "prefill": {"windows": 7, "ms_per_window": 29.5, "tokens_per_window": 1.0},
+        "solo 0": {"windows": 308, "ms_per_window": 3.09, "tokens_per_window": 1.0},
+        "solo 3": {"windows": 210, "ms_per_window": 5.85, "tokens_per_window": 2.77},
+    }
+    lines = window_mix_lines({"solo-fixed": {"solo": {"windows_by_kind": mix}}})
+    assert lines[0] == "" and lines[1].startswith(
+        "solo-fixed solo windows (all repeats): prefill: 7 x 29.50 ms"
+    )
+    assert "solo 0: 308 x 3.09 ms, 1.00 tok (3.09 ms/tok)" in lines[1]
+    assert "solo 3: 210 x 5.85 ms, 2.77 tok (2.11 ms/tok)" in lines[1]
+    ms = 7 * 29.5 + 308 * 3.09 + 210 * 5.85
+    tokens = 7 + 308 + 210 * 2.77
+    assert lines[1].endswith(f"; all: 525 windows, {ms:,.0f} ms, {tokens:,.0f} tok")
+    assert window_mix_lines({"serial": {"solo": {}}}) == []

@@ -487,18 +487,28 @@ def compile_notes(summary: dict[str, Any]) -> list[str]:
 
 def window_mix_lines(summary: dict[str, Any]) -> list[str]:
     """Under a decode table: each arm's windows by kind (solo windows by their proposals), with what each
-    kind took and gave: the depths an adaptive request alone chose, how often drafting paused, which of
-    serial and batch-MTP windows ran."""
+    kind took and gave (ms a window, tokens a window, ms a token), then all of them together: the depths an
+    adaptive request alone chose, how often drafting paused, which of serial and batch-MTP windows ran, and
+    where two arms' time went."""
     out = []
     for name, cases in summary.items():
         for case, e in cases.items():
             mix = e.get("windows_by_kind")
-            if mix:
-                each = "; ".join(
-                    f"{k}: {m['windows']} x {m['ms_per_window']:.2f} ms, {m['tokens_per_window']:.2f} tok"
-                    for k, m in mix.items()
+            if not mix:
+                continue
+            parts = []
+            windows, ms, tokens = 0, 0.0, 0.0
+            for k, m in mix.items():
+                per_token = m["ms_per_window"] / m["tokens_per_window"] if m["tokens_per_window"] else 0.0
+                parts.append(
+                    f"{k}: {m['windows']} x {m['ms_per_window']:.2f} ms, {m['tokens_per_window']:.2f} tok "
+                    f"({per_token:.2f} ms/tok)"
                 )
-                out.append(f"{name} {case} windows (all repeats): {each}")
+                windows += m["windows"]
+                ms += m["windows"] * m["ms_per_window"]
+                tokens += m["windows"] * m["tokens_per_window"]
+            parts.append(f"all: {windows} windows, {ms:,.0f} ms, {tokens:,.0f} tok")
+            out.append(f"{name} {case} windows (all repeats): " + "; ".join(parts))
     return [""] + out if out else []
 
 
