@@ -1377,8 +1377,8 @@ __device__ u64 cut_sums(const float* __restrict__ l, int n, float mx, float gap,
   return mass[CHOOSE_CUTS];
 }
 
-// Every thread gets the block's sum of v (a double or a u64): a warp's lanes by a butterfly, then the warps'
-// sums in order, so the sum is the same in every run. scratch: 32 of T, shared.
+// Every thread gets the block's sum of v: a warp's lanes by a butterfly, then the warps' sums in order, so
+// the sum is the same in every run. scratch: 32 of T, shared.
 template <typename T>
 __device__ __forceinline__ T block_total(T v, T* scratch) {
 #pragma unroll

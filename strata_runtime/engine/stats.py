@@ -67,7 +67,7 @@ class WindowStats:
             ms[kind] = ms.get(kind, 0.0) + m
         out["windows_by_kind"], out["ms_by_kind"] = windows, ms
         out["solo_by_proposals"] = {
-            name[5:]: int(v[0]) for name, v in named.items() if name.startswith("solo ")
+            name.removeprefix("solo "): int(v[0]) for name, v in named.items() if name.startswith("solo ")
         }
         return out
 
