@@ -382,7 +382,7 @@ def test_sampled_verification_on_gpu_equals_numpy(cp):
     sometimes accepted and sometimes not."""
     from strata_runtime.api import SamplingParams
     from strata_runtime.cuda.ops import kernels_for
-    from strata_runtime.engine.device_spec import verify_sampled
+    from strata_runtime.model import verify_sampled
     from strata_runtime.models.ops.distribution import inverse_cdf
     from strata_runtime.reference import kernels as ref
 

@@ -618,7 +618,8 @@ def test_choose_gathering_keeps_the_token(gpu, v):
     """A row whose top-k or top-p is known to keep few tokens has a superset of them gathered into shared
     memory before its cuts and draw: the token must be the one the whole-row path draws, bit for bit, with
     ties at the k-th logit and at the top-p cut, a u of 0 and just under 1, top-k that leaves more than the
-    gather holds, and logits flat (top-p keeps thousands) and peaked (top-p keeps a few)."""
+    gather holds, and logits flat (top-p keeps thousands) and peaked (top-p keeps a few). The split form
+    (the passes before the gather over slices of the row in parallel) draws the same token as one block."""
     from strata_runtime.cuda.ops import CHOOSE_GATHER
 
     cp, kern, _ = gpu
@@ -640,13 +641,52 @@ def test_choose_gathering_keeps_the_token(gpu, v):
         gathered_rows += int(((top_k < v) & (top_k < CHOOSE_GATHER)).sum())
         args = [cp.asarray(a) for a in (logits, inv_temp, u, top_k, top_p)]
         outs = []
-        for gather in (True, False):
+        for gather, split in ((True, True), (True, False), (False, False)):
             out_d = cp.full(rows, -1, cp.int64)
-            kern.choose(*args, out_d, gather=gather)
+            kern.choose(*args, out_d, gather=gather, split=split)
             outs.append(out_d.get())
-        np.testing.assert_array_equal(outs[0], outs[1])
+        np.testing.assert_array_equal(outs[0], outs[1], err_msg="split against one block")
+        np.testing.assert_array_equal(outs[1], outs[2], err_msg="gathered against the whole row")
         assert (outs[0] >= 0).all() and (outs[0] < v).all()
     assert gathered_rows > 100
+
+
+def test_split_choice_gathers_where_a_cut_fits(gpu):
+    """The split form's first steps (``_split_prep``) gather a row's candidates wherever one block would:
+    peaked rows under top-k 20, or top-p 0.8 alone, gather at least the tokens that stay and no more than
+    fit; a row with temperature alone, or a top-k beyond the gather's room, gathers nothing (the merge
+    then reads the whole row). Its max and argmax are the row's."""
+    from strata_runtime.cuda.ops import CHOOSE_GATHER, CHOOSE_PREP_BYTES
+
+    cp, kern, ref = gpu
+    g = rng()
+    rows, v = 6, 151_936
+    logits = peaked_logits(g, rows, v)
+    logits_d = cp.asarray(logits)
+    cap = np.int32(CHOOSE_GATHER)
+
+    def prep(t: float, k: int, p: float) -> np.ndarray:
+        words = kern._split_prep(logits_d, None, t, None, k, None, p, cap).get()
+        return words.view(np.uint8).reshape(rows, CHOOSE_PREP_BYTES)
+
+    for t, k, p in ((1 / 0.7, 20, 0.8), (1 / 0.7, 0, 0.8)):
+        raw = prep(t, k, p)
+        mx = raw[:, 0:4].copy().view(np.float32)[:, 0]
+        arg, n = raw[:, 4:8].copy().view(np.int32)[:, 0], raw[:, 8:12].copy().view(np.int32)[:, 0]
+        np.testing.assert_array_equal(arg, logits.argmax(axis=1))
+        np.testing.assert_array_equal(mx, logits.max(axis=1))
+        weights = [ref.staying_weights(logits[r], float(np.float32(t)), k, p) for r in range(rows)]
+        stay = [int((w > 0).sum()) for w in weights]
+        assert ((n == -1) | ((n >= np.array(stay)) & (n <= CHOOSE_GATHER))).all(), (n, stay)
+        assert (n >= 0).sum() >= rows // 2, n
+        if k:  # top-k's rule in counts alone: the tightest cut mx - 2^(j - 1) with k tokens at or above it
+            for r in range(rows):
+                counts = [int((logits[r] >= mx[r] - np.float32(2.0 ** (j - 1))).sum()) for j in range(7)]
+                fit = next((c for c in counts if c >= k), None)
+                assert n[r] == (fit if fit is not None and fit <= CHOOSE_GATHER else -1), (r, counts, n[r])
+    for t, k, p in ((1.0, 0, 1.0), (1.0, CHOOSE_GATHER + 1, 1.0), (0.0, 20, 0.8)):
+        n = prep(t, k, p)[:, 8:12].copy().view(np.int32)[:, 0]
+        assert (n == -1).all(), (t, k, p, n)
 
 
 @pytest.mark.parametrize(("rows", "v"), [(1, 151936), (6, 5000), (3, 33)])
@@ -718,8 +758,8 @@ def test_distribution_is_the_one_choose_draws_from(gpu, v):
     temperature, top-k and top-p together and alone: the same tokens stay, but where the mass before a
     token is within float32 rounding of top-p (the kernel's cut sums float32 weights); the probabilities
     agree to float32 rounding (the kernel's weights) and sum to 1; every element is written; the gathered
-    path gives the whole row's bits; and draws at the same uniforms from it and by ``choose_rows`` give the
-    same tokens."""
+    path and the split form give the whole row's bits; and draws at the same uniforms from it and by
+    ``choose_rows`` give the same tokens."""
     cp, kern, ref = gpu
     g = rng()
     rows, edges, cut_rows = 4, 0, 0
@@ -733,12 +773,13 @@ def test_distribution_is_the_one_choose_draws_from(gpu, v):
         for temperature, top_k, top_p in DISTRIBUTION_CASES:
             k, inv_temp = v - 1 if top_k < 0 else top_k, float(np.float32(1 / temperature))
             outs = []
-            for gather in (True, False):
+            for gather, split in ((True, True), (True, False), (False, False)):
                 out_d = cp.full((rows, v), np.nan, cp.float64)
-                kern.distribution(logits_d, inv_temp, k, top_p, out_d, gather=gather)
+                kern.distribution(logits_d, inv_temp, k, top_p, out_d, gather=gather, split=split)
                 outs.append(out_d.get())
             got = outs[0]
-            assert np.array_equal(outs[1], got), "the gathered path differs from the whole row's"
+            assert np.array_equal(outs[1], got), "the split form differs from one block's"
+            assert np.array_equal(outs[2], got), "the gathered path differs from the whole row's"
             want = np.empty((rows, v))
             ref.distribution(logits, inv_temp, k, top_p, want)
             assert np.isfinite(got).all()
@@ -759,6 +800,73 @@ def test_distribution_is_the_one_choose_draws_from(gpu, v):
             drawn = [int(np.searchsorted(np.cumsum(got[r]), u[r], side="right")) for r in range(rows)]
             assert sum(a == b for a, b in zip(chosen.get().tolist(), drawn, strict=True)) >= rows - 1
     assert cut_rows > 80 and edges <= 2
+
+
+def _at_an_edge(w: np.ndarray, u: float, got: int, want: int) -> bool:
+    """Whether draws ``got`` and ``want`` from weights w at u may differ by rounding alone: u times the total
+    lies within 1e-9 of the total from the cumulative weight at the lower of the two."""
+    cdf = np.cumsum(w)
+    return abs(cdf[min(got, want)] - u * cdf[-1]) < 1e-9 * cdf[-1]
+
+
+@pytest.mark.parametrize("v", [151_936, 4096, 37])
+def test_inverse_cdf_and_sampled_verification_kernels_match_their_twins(gpu, v):
+    """``inverse_cdf_rows`` and ``verify_sampled_rows`` against their NumPy twins: the draw from unnormalised
+    float64 weights with zeros (a top-k cut) at uniforms of 0, just under 1 and between, read through a
+    stride; and the acceptance of slots whose proposals hold or not, whose residual is empty (p = q with a
+    proposal of zero probability), several slots in one launch. The count kept is exact; a token differs only
+    where its uniform falls within rounding of a token's edge."""
+    cp, kern, ref = gpu
+    g = rng()
+    rows = 6
+    w = g.random((rows, v)) * (g.random((rows, v)) < 0.3)
+    w[:, 0] = 0.0
+    w[:, 1] = 0.5  # every row has weight
+    grid = g.random((rows, 3))
+    grid[0, 1], grid[1, 1] = 0.0, 1.0 - 2**-40
+    u = grid[:, 1]
+    got = cp.full(rows, -1, cp.int64)
+    kern.inverse_cdf(cp.asarray(w), cp.asarray(grid)[:, 1], got)
+    want = np.empty(rows, np.int64)
+    ref.inverse_cdf(w, u, want)
+    for r, (a, b) in enumerate(zip(got.get().tolist(), want.tolist(), strict=True)):
+        assert a == b or _at_an_edge(w[r], u[r], a, b), (r, a, b)
+        assert w[r, a] > 0
+
+    s, n = 3, 4
+    kept, residual_empty = [], 0
+    for trial in range(16):
+        logits = (g.standard_normal((s * n, v)) * 2).astype(np.float32)
+        p = np.empty((s * n, v))
+        ref.distribution(logits, 1.0, min(40, v - 1), 1.0, p)
+        draft = logits.reshape(s, n, v)[:, :-1] + g.standard_normal((s, n - 1, v)).astype(np.float32)
+        q = np.empty((s * (n - 1), v))
+        ref.distribution(draft.reshape(-1, v), 1.0, min(40, v - 1), 1.0, q)
+        tokens = np.zeros(s * n, np.int64)
+        for i in range(s):
+            for j in range(n - 1):
+                tokens[i * n + j + 1] = int(
+                    np.searchsorted(np.cumsum(q[i * (n - 1) + j]), g.random(), "right")
+                )
+        if trial % 4 == 3:  # slot 0: q = p and a first proposal neither gives weight to: an empty residual
+            q[: n - 1] = p[: n - 1]
+            tokens[1] = int(np.flatnonzero(p[0] == 0)[0])
+            residual_empty += 1
+        uniforms = g.random((s, 2 * n - 1))
+        acc, first = cp.full(s, -1, cp.int64), cp.full(s, -1, cp.int64)
+        args = [cp.asarray(a) for a in (p, q, tokens, uniforms)]
+        kern.verify_sampled(*args, acc, first)
+        want_a, want_f = np.empty(s, np.int64), np.empty(s, np.int64)
+        ref.verify_sampled(p, q, tokens, uniforms, want_a, want_f)
+        np.testing.assert_array_equal(acc.get(), want_a)
+        for i in range(s):
+            a, f, wf = int(want_a[i]), int(first.get()[i]), int(want_f[i])
+            after = np.maximum(p[i * n + a] - q[i * (n - 1) + a], 0) if a < n - 1 else p[i * n + a]
+            after = after if after.sum() > 0 else p[i * n + a]
+            assert f == wf or _at_an_edge(after, uniforms[i, n - 1], f, wf), (trial, i, f, wf)
+            assert after[f] > 0
+        kept += want_a.tolist()
+    assert min(kept) == 0 and max(kept) == n - 1 and residual_empty == 4
 
 
 @pytest.mark.parametrize("v", [151936, 1000, 37])

@@ -146,8 +146,9 @@ def test_the_step_times_each_way_of_choosing_tokens_on_its_own_logits() -> None:
     """`time_choices` runs the greedy argmax and each draw of `CHOICES` on a step's logits: each case must
     pass its own temperature, top-k and top-p (a token outside the cuts, or a greedy token that is not the
     argmax, fails); each draw's whole distribution is timed too and is the one its token was drawn from (a
-    draw from it at the row's uniform gives the token); and the step table lists the µs of each."""
-    from strata_runtime.bench.step import CHOICES, render_step
+    draw from it at the row's uniform gives the token); each draw and distribution is timed by one block per
+    row as well; and the step table lists the µs of each, the one-block µs in brackets."""
+    from strata_runtime.bench.step import CHOICE_TIMES, CHOICES, _per_rows, render_step
 
     facts = ModelFacts.from_config(preset_config("tiny"), source="synthetic:tiny", dtype="float16")
     model = KernelModel(_numpy_as_cupy(seed=7), facts, 64, reference)
@@ -161,9 +162,12 @@ def test_the_step_times_each_way_of_choosing_tokens_on_its_own_logits() -> None:
 
     res = model.time_choices(4, 7, 5, timer=once, seed=3)
     draws = [name for name, (inv_temp, _, _) in CHOICES.items() if inv_temp > 0]
-    assert list(res) == list(CHOICES) and calls == [5] * (len(CHOICES) + len(draws))
-    assert [c["us"] for c in res.values()] == pytest.approx([1.0, 2.0, 4.0, 6.0, 8.0])
-    assert [res[name]["distribution_us"] for name in draws] == pytest.approx([3.0, 5.0, 7.0, 9.0])
+    assert list(res) == list(CHOICES) and calls == [5] * (len(CHOICES) + 3 * len(draws))
+    # each draw: the one-block choice, the split one, the one-block distribution, the split one
+    assert [c["us"] for c in res.values()] == pytest.approx([1.0, 3.0, 7.0, 11.0, 15.0])
+    assert [res[name]["one_block_us"] for name in draws] == pytest.approx([2.0, 6.0, 10.0, 14.0])
+    assert [res[name]["one_block_distribution_us"] for name in draws] == pytest.approx([4.0, 8.0, 12.0, 16.0])
+    assert [res[name]["distribution_us"] for name in draws] == pytest.approx([5.0, 9.0, 13.0, 17.0])
     u = np.linspace(0.1, 0.9, 4, dtype=np.float32)
     for name in draws:
         dist = res[name]["distribution"]
@@ -193,14 +197,13 @@ def test_the_step_times_each_way_of_choosing_tokens_on_its_own_logits() -> None:
         "copy_gbs": 4000.0,
         "rows": [],
         "per_kernel_us_per_layer": {},
-        "choice_us": {"4": {k: v["us"] for k, v in res.items()}},
-        "distribution_us": {"4": {k: v["distribution_us"] for k, v in res.items() if k in draws}},
+        **{key: _per_rows({"4": res}, key) for key in CHOICE_TIMES},
     }
     text = render_step(table)
-    assert "  4 rows: argmax 1.0, temperature 0.7 2.0, top-k 20 4.0" in text
+    assert "  4 rows: argmax 1.0, temperature 0.7 3.0 (2.0), top-k 20 7.0 (6.0)" in text
     assert (
         "the whole distribution each draw takes" in text
-        and "  4 rows: temperature 0.7 3.0, top-k 20 5.0" in text
+        and "  4 rows: temperature 0.7 5.0 (4.0), top-k 20 9.0 (8.0)" in text
     )
 
 

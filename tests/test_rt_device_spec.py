@@ -385,6 +385,8 @@ def test_each_next_proposal_is_drawn_at_its_own_uniform_not_at_an_accept_or_bonu
     see. Over a uniform distribution on 4 tokens every column here maps to a different token."""
     from types import SimpleNamespace
 
+    from strata_runtime.model import inverse_cdf
+
     n = 3
     params = SamplingParams(temperature=1.0, seed=1)
     uniforms = np.array(
@@ -397,6 +399,7 @@ def test_each_next_proposal_is_drawn_at_its_own_uniform_not_at_an_accept_or_bonu
     model = SimpleNamespace(
         last=SimpleNamespace(device=SimpleNamespace(xp=np)),
         distribution=lambda logits, params: distribution(logits, params),
+        draw=lambda probs, u: np.array([inverse_cdf(row, x) for row, x in zip(probs, u, strict=True)]),
     )
     flat = np.zeros((2, 4), np.float32)  # every token equally likely
     drawn = [device_spec._propose(model, spec, flat, j, []).tolist() for j in range(n - 1)]  # type: ignore[arg-type]
@@ -435,22 +438,22 @@ def test_every_window_decided_on_the_device_has_a_shape_the_engine_prepares_at_s
 def test_the_engine_rehearses_greedy_and_sampled_decisions_at_start_without_touching_a_drafter(
     monkeypatch,
 ) -> None:
-    """At start `device_spec.prepare` runs a sampled decision (`verify_sampled`, with every step of
+    """At start `device_spec.prepare` runs a sampled decision (`Model.verify_sampled`, with every step of
     `distribution`) for each rows-per-slot a window can have, besides the greedy steps, so that a GPU's first
     sampled window does not wait for CuPy to compile them; it reads and writes no drafter."""
     seen: list[int] = []
     asked: list[SamplingParams] = []
-    verify, dist = device_spec.verify_sampled, Model.distribution
+    verify, dist = Model.verify_sampled, Model.distribution
 
-    def spy(xp, p, q, tokens, uniforms):
+    def spy(self, p, q, tokens, uniforms):
         seen.append(int(p.shape[0]))
-        return verify(xp, p, q, tokens, uniforms)
+        return verify(self, p, q, tokens, uniforms)
 
     def spy_dist(self, logits, params):
         asked.append(params)
         return dist(self, logits, params)
 
-    monkeypatch.setattr(device_spec, "verify_sampled", spy)
+    monkeypatch.setattr(Model, "verify_sampled", spy)
     monkeypatch.setattr(Model, "distribution", spy_dist)
     eng = engine(1, 4, True, on_device=True)
     rows = sorted({n for _, n in eng._spec_shapes()})

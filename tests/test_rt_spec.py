@@ -14,9 +14,9 @@ from rt_plans import make_plan
 from strata_cfg.schema.packaged import packaged_dir
 from strata_runtime.api import Request, SamplingParams
 from strata_runtime.engine import Engine
-from strata_runtime.engine.device_spec import verify_sampled
 from strata_runtime.engine.sampling import Sampler, distribution
 from strata_runtime.engine.speculative import Proposals, Verdict, verify
+from strata_runtime.model import verify_sampled
 
 DEMO_ACCEPTANCE = 0.5
 """Share of the demo model's chained greedy proposals that must hold (measured: see docs/PERFORMANCE.md)."""

@@ -38,7 +38,7 @@ from ..cuda.layers import (
     step_applies,
     supported,
 )
-from ..cuda.ops import PDL_ROWS, Kernels, argmax_scratch
+from ..cuda.ops import PDL_ROWS, Kernels, argmax_scratch, choose_scratch
 from ..cuda.routing import DeviceRouting, RowBias
 from ..model.placed import routing_tables
 from ..models.qwen3_moe import ModelArgs
@@ -295,10 +295,13 @@ class KernelModel:
         alone by ``timer`` (a graph's replays on a GPU): µs per window, and the token it chose for each row
         (each row draws at its own uniform number, spread over (0, 1)). A draw's case also times the whole
         distribution it takes (`Kernels.distribution`: what a sampled window decided on the device verifies
-        its proposals against), as ``distribution_us``, and keeps it as ``distribution``."""
+        its proposals against), as ``distribution_us``, and keeps it as ``distribution``. Both run split over
+        slices of each row, as the engine runs them; ``one_block_us`` and ``one_block_distribution_us`` time
+        them by one block per row, the form before the split (the same tokens and distributions)."""
         cp, k = self.cp, self.stack.kern
         w = self.window(rows, position, seed)
         u = cp.asarray(np.linspace(0.1, 0.9, rows, dtype=np.float32))
+        scratch = choose_scratch(cp, *w.logits.shape)
         out: dict[str, dict[str, Any]] = {}
         for name, (inv_temp, top_k, top_p) in CHOICES.items():
             chosen = cp.zeros(rows, cp.int32 if inv_temp == 0 else np.int64)
@@ -309,13 +312,18 @@ class KernelModel:
                     cp.asarray(np.full(rows, v, dtype))
                     for v, dtype in ((inv_temp, np.float32), (top_k, np.int32), (top_p, np.float32))
                 )
-                body = partial(k.choose, w.logits, t, u, kk, pp, chosen)
+                one = partial(k.choose, w.logits, t, u, kk, pp, chosen, split=False)
+                one_us = timer(cp, one, repeats) * 1e6
+                body = partial(k.choose, w.logits, t, u, kk, pp, chosen, scratch=scratch)
             us = timer(cp, body, repeats) * 1e6
             tokens = chosen.get() if hasattr(chosen, "get") else chosen
             out[name] = {"us": us, "tokens": [int(x) for x in tokens]}
             if inv_temp > 0:
+                out[name]["one_block_us"] = one_us
                 dist = cp.zeros(w.logits.shape, np.float64)
-                body = partial(k.distribution, w.logits, inv_temp, top_k, top_p, dist)
+                one = partial(k.distribution, w.logits, inv_temp, top_k, top_p, dist, split=False)
+                out[name]["one_block_distribution_us"] = timer(cp, one, repeats) * 1e6
+                body = partial(k.distribution, w.logits, inv_temp, top_k, top_p, dist, scratch=scratch)
                 out[name]["distribution_us"] = timer(cp, body, repeats) * 1e6
                 out[name]["distribution"] = dist.get() if hasattr(dist, "get") else dist
         return out
@@ -403,12 +411,23 @@ def run_step(
             r: {k: v["bytes"] for k, v in ks.items()} for r, ks in kernels.items()
         },
         "per_kernel_gbs": {r: {k: v["gbs"] for k, v in ks.items()} for r, ks in kernels.items()},
-        "choice_us": {r: {k: v["us"] for k, v in cs.items()} for r, cs in choices.items()},
-        "distribution_us": {
-            r: {k: v["distribution_us"] for k, v in cs.items() if "distribution_us" in v}
-            for r, cs in choices.items()
-        },
+        **{key: _per_rows(choices, key) for key in CHOICE_TIMES},
     }
+
+
+CHOICE_TIMES = {
+    "choice_us": "us",
+    "distribution_us": "distribution_us",
+    "one_block_us": "one_block_us",
+    "one_block_distribution_us": "one_block_distribution_us",
+}
+"""The result's tables of `KernelModel.time_choices` (row count -> case -> µs), by the key of each case's."""
+
+
+def _per_rows(choices: dict[str, dict[str, dict[str, Any]]], table: str) -> dict[str, dict[str, float]]:
+    """One of `CHOICE_TIMES`'s tables from each row count's `KernelModel.time_choices`."""
+    key = CHOICE_TIMES[table]
+    return {r: {k: v[key] for k, v in cs.items() if key in v} for r, cs in choices.items()}
 
 
 def model_summary(f: ModelFacts) -> dict[str, Any]:
@@ -460,13 +479,25 @@ def render_step(res: dict[str, Any]) -> str:
         )
         lines.append(f"  {rows} row{'s' if rows != '1' else ''}: {parts}")
     if res.get("choice_us"):
-        lines += ["", "choosing the window's tokens from the step's logits, µs (each alone in a graph):"]
-        for rows, choices in res["choice_us"].items():
-            parts = ", ".join(f"{k} {v:.1f}" for k, v in choices.items())
-            lines.append(f"  {rows} row{'s' if rows != '1' else ''}: {parts}")
+        lines += [
+            "",
+            "choosing the window's tokens from the step's logits, µs (each alone in a graph; in brackets",
+            "the same choice by one block per row, before the passes over the row were split):",
+        ]
+        lines += _choice_lines(res["choice_us"], res.get("one_block_us", {}))
     if res.get("distribution_us"):
         lines += ["", "the whole distribution each draw takes (a sampled drafted window's p and q), µs:"]
-        for rows, dists in res["distribution_us"].items():
-            parts = ", ".join(f"{k} {v:.1f}" for k, v in dists.items())
-            lines.append(f"  {rows} row{'s' if rows != '1' else ''}: {parts}")
+        lines += _choice_lines(res["distribution_us"], res.get("one_block_distribution_us", {}))
     return "\n".join(lines)
+
+
+def _choice_lines(times: dict[str, dict[str, float]], one_block: dict[str, dict[str, float]]) -> list[str]:
+    """One line per row count: each case's µs, and in brackets its one-block µs where timed."""
+    lines = []
+    for rows, cases in times.items():
+        before = one_block.get(rows, {})
+        parts = ", ".join(
+            f"{k} {v:.1f}" + (f" ({before[k]:.1f})" if k in before else "") for k, v in cases.items()
+        )
+        lines.append(f"  {rows} row{'s' if rows != '1' else ''}: {parts}")
+    return lines

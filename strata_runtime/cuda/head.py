@@ -76,3 +76,20 @@ class CudaHead:
             rows = cp.ascontiguousarray(logits, dtype=cp.float32)
             self.kern.distribution(rows, 1.0 / temperature, top_k, top_p, out)
             return out
+
+    def draw(self, probs: Any, uniforms: Any) -> cp.ndarray:
+        """Each row's draw [R] (int64) from probs [R, V] (float64) at uniforms [R] (float64, any stride):
+        ``inverse_cdf_rows``, on the current stream."""
+        with cp.cuda.Device(self.device_id):
+            out = cp.empty(probs.shape[0], cp.int64)
+            self.kern.inverse_cdf(cp.ascontiguousarray(probs, dtype=cp.float64), uniforms, out)
+            return out
+
+    def verify_sampled(self, p: Any, q: Any, tokens: Any, uniforms: Any) -> tuple[cp.ndarray, cp.ndarray]:
+        """One slot's speculative rejection sampling (``verify_sampled_rows``): p [n, V] and q [n - 1, V]
+        (float64), its input ids [n] (int64) and uniforms [n or more] (float64); (proposals kept, the token
+        after them) as 0-d int64 arrays, on the current stream."""
+        with cp.cuda.Device(self.device_id):
+            accepted, first = cp.empty(1, cp.int64), cp.empty(1, cp.int64)
+            self.kern.verify_sampled(p, q, tokens, uniforms[None, :], accepted, first)
+            return accepted[0], first[0]

@@ -91,6 +91,19 @@ to hold every token a row's top-k or top-p can keep: its remaining selection pas
 those instead of the vocabulary."""
 
 
+CHOOSE_PREP_BYTES = 32768
+"""Scratch a row of the split choice takes (kernels.cu's ChoosePrep, which it asserts fits)."""
+
+SPLIT_KERNELS = (
+    "choose_split_cuts",
+    "choose_split_gather",
+    "choose_split_rows",
+    "distribution_split_rows",
+    "distribution_split_write",
+)
+"""The kernels of a token choice or distribution split over slices of each row (with ``argmax_part``)."""
+
+
 def argmax_slices(vocab: int) -> int:
     """Slices ``argmax_part`` cuts a row of ``vocab`` logits into: one load of 8 values per thread of its
     256 for each slice, up to 128 slices."""
@@ -102,6 +115,14 @@ def argmax_scratch(xp: Any, rows: int, vocab: int) -> tuple[Any, Any]:
     ``xp``: each slice's largest logit [R, S] (fp32) and its index [R, S] (int32)."""
     nb = argmax_slices(vocab)
     return xp.empty((rows, nb), np.float32), xp.empty((rows, nb), np.int32)
+
+
+def choose_scratch(xp: Any, rows: int, vocab: int) -> tuple[Any, Any, Any]:
+    """The scratch a split `Kernels.choose` or `Kernels.distribution` writes for ``rows`` rows of ``vocab``
+    logits, allocated with array module ``xp`` (outside any capture): the slices' maxima and their indices
+    (as `argmax_scratch`) and each row's ChoosePrep (`CHOOSE_PREP_BYTES`)."""
+    part_v, part_i = argmax_scratch(xp, rows, vocab)
+    return part_v, part_i, xp.empty(rows * CHOOSE_PREP_BYTES // 8, np.uint64)
 
 
 def padded_keys(length: int) -> int:
@@ -209,7 +230,8 @@ def decode_expressions(
     qkv = (a.num_attention_heads + 2 * a.num_key_value_heads) * a.head_dim
     widths = set(mlp_widths)
     out = ["add_rmsnorm", "qk_norm_rope_kv", "silu_mul", "add_scaled", "argmax_part", "argmax_merge"]
-    out += ["choose_rows", "distribution_rows", "adjust_logits", "count_tokens", "gemv_any"]
+    out += ["choose_rows", "distribution_rows", "adjust_logits", "count_tokens", "gemv_any", *SPLIT_KERNELS]
+    out += ["inverse_cdf_rows", "verify_sampled_rows"]
     out += Kernels.attn_exprs(a.head_dim, a.num_attention_heads // a.num_key_value_heads)
     if a.num_experts:
         out += Kernels.moe_exprs(h, a.moe_intermediate_size, a.num_experts_per_tok)
@@ -553,6 +575,8 @@ class Kernels(KernelCache):
         top_p: Array,
         out: Array,
         gather: bool = True,
+        split: bool = True,
+        scratch: tuple[Array, Array, Array] | None = None,
     ) -> None:
         """out[R] (int64) = each row's chosen token of logits [R, V]: the argmax where inv_temp [R] is 0,
         else the draw at uniform [R] (fp32) from the tempered weights of the tokens that stay after top_k [R]
@@ -562,25 +586,126 @@ class Kernels(KernelCache):
         keep (a cut below the largest logit with k tokens, or top-p's weight, above it; or top-k's first two
         radix passes), they are gathered into shared memory, and the rest of the selection and the draw read
         only those; without, everything reads the whole row (the same token either way: the tests compare
-        the two)."""
+        the two).
+
+        With ``split`` (and ``gather``), the passes over the whole row before the gather run over slices of
+        it in parallel (`_split_prep`), and one block per row does the rest (``choose_split_rows``): the same
+        token as one block per row, in a fraction of the time. ``scratch`` (`choose_scratch`) is allocated
+        here when None, which a graph capture must not do."""
         rows, v = logits.shape
         cap = np.int32(CHOOSE_GATHER if gather else 0)
+        if split and gather and argmax_slices(v) > 1:
+            prep = self._split_prep(logits, inv_temp, 0.0, top_k, 0, top_p, 1.0, cap, scratch)
+            merge = (logits, np.int32(v), inv_temp, top_k, top_p, uniform, out, cap, prep)
+            self.fn("choose_split_rows")((rows,), (1024,), merge)
+            return
         args = (logits, np.int32(v), inv_temp, top_k, top_p, uniform, out, cap)
         self.fn("choose_rows")((rows,), (1024,), args)
 
+    def _split_prep(
+        self,
+        logits: Array,
+        inv_temp: Array | None,
+        t0: float,
+        top_k: Array | None,
+        k0: int,
+        top_p: Array | None,
+        p0: float,
+        cap: np.int32,
+        scratch: tuple[Array, Array, Array] | None = None,
+    ) -> Array:
+        """Steps 1-3 of a split choice (kernels.cu, "a row's choice split over slices of the row") on logits
+        [R, V], with per-row settings (arrays) or one for every row (the scalars, where the array is None),
+        into ``scratch`` (`choose_scratch`; allocated here when None): the ChoosePrep of each row, which the
+        merge kernels read."""
+        rows, v = logits.shape
+        nb = argmax_slices(v)
+        part_v, part_i, prep = scratch if scratch is not None else choose_scratch(cupy_module(), rows, v)
+        if tuple(part_v.shape) != (rows, nb) or prep.nbytes < rows * CHOOSE_PREP_BYTES:
+            raise ValueError(f"choose scratch {part_v.shape} / {prep.nbytes} bytes: {(rows, nb)} wanted")
+        settings = (
+            inv_temp if inv_temp is not None else _NULL,
+            np.float32(t0),
+            top_k if top_k is not None else _NULL,
+            np.int32(k0),
+            top_p if top_p is not None else _NULL,
+            np.float32(p0),
+        )
+        sizes = (np.int32(v), np.int32(nb))
+        self.fn("argmax_part")((nb, rows), (256,), (logits, *sizes, part_v, part_i))
+        cuts = (logits, *sizes, part_v, part_i, *settings, cap, prep)
+        self.fn("choose_split_cuts")((nb, rows), (256,), cuts)
+        self.fn("choose_split_gather")((nb, rows), (256,), (logits, *sizes, *settings, cap, prep))
+        return prep
+
     def distribution(
-        self, logits: Array, inv_temp: float, top_k: int, top_p: float, out: Array, gather: bool = True
+        self,
+        logits: Array,
+        inv_temp: float,
+        top_k: int,
+        top_p: float,
+        out: Array,
+        gather: bool = True,
+        split: bool = True,
+        scratch: tuple[Array, Array, Array] | None = None,
     ) -> None:
         """out [R, V] (float64) = the distribution `choose` draws each row of logits [R, V] (fp32, contiguous)
         from, at one ``inv_temp`` (1 / temperature), ``top_k`` (0: none) and ``top_p`` (1: none) for every
         row: the same cuts and float32 weights exp((l - max l) * inv_temp) of the staying tokens, over their
-        sum in float64 (``distribution_rows`` of kernels.cu). ``gather`` as for `choose`."""
+        sum in float64 (``distribution_rows`` of kernels.cu). ``gather``, ``split`` and ``scratch`` as for
+        `choose`; split, the row's values are written by slices in parallel too
+        (``distribution_split_write``)."""
         rows, v = logits.shape
         if tuple(out.shape) != (rows, v) or out.dtype != np.float64:
             raise ValueError(f"distribution out {out.shape} {out.dtype}: float64 {(rows, v)} wanted")
         cap = np.int32(CHOOSE_GATHER if gather else 0)
+        if split and gather and argmax_slices(v) > 1:
+            prep = self._split_prep(logits, None, inv_temp, None, top_k, None, top_p, cap, scratch)
+            settings = (np.float32(inv_temp), np.int32(top_k), np.float32(top_p), cap)
+            self.fn("distribution_split_rows")((rows,), (1024,), (logits, np.int32(v), *settings, prep))
+            nb = np.int32(argmax_slices(v))
+            self.fn("distribution_split_write")((int(nb), rows), (256,), (logits, np.int32(v), nb, prep, out))
+            return
         args = (logits, np.int32(v), np.float32(inv_temp), np.int32(top_k), np.float32(top_p), cap, out)
         self.fn("distribution_rows")((rows,), (1024,), args)
+
+    def inverse_cdf(self, w: Array, u: Array, out: Array) -> None:
+        """out[R] (int64) = the draw from each row of weights w [R, V] (float64, contiguous) at u [R]
+        (float64, any stride): the first index whose cumulative weight exceeds u times the row's total
+        (``inverse_cdf_rows`` of kernels.cu)."""
+        rows, v = w.shape
+        if w.dtype != np.float64 or u.dtype != np.float64 or u.shape != (rows,) or out.shape != (rows,):
+            raise ValueError(f"inverse_cdf: w {w.shape} {w.dtype}, u {u.shape} {u.dtype}, out {out.shape}")
+        stride = np.int32(u.strides[0] // 8)
+        self.fn("inverse_cdf_rows")((rows,), (1024,), (w, np.int32(v), u, stride, out))
+
+    def verify_sampled(
+        self, p: Array, q: Array, tokens: Array, uniforms: Array, accepted: Array, first: Array
+    ) -> None:
+        """Speculative rejection sampling of S slots of n rows (``verify_sampled_rows`` of kernels.cu): p
+        [S n, V] and q [S (n - 1), V] (float64, contiguous), tokens [S n] (int64), uniforms [S, >= n]
+        (float64, rows at any stride, contiguous within); accepted [S] and first [S] (int64) = each slot's
+        proposals kept and the token after them."""
+        s = int(uniforms.shape[0])
+        n = int(tokens.shape[0]) // max(s, 1)
+        v = int(p.shape[-1])
+        shapes = (
+            (p, (s * n, v), np.float64),
+            (q, (s * (n - 1), v), np.float64),
+            (tokens, (s * n,), np.int64),
+        )
+        for a, shape, dtype in shapes:
+            if tuple(a.shape) != shape or a.dtype != dtype or not a.flags.c_contiguous:
+                raise ValueError(
+                    f"verify_sampled: {a.shape} {a.dtype} where {shape} {np.dtype(dtype)} is wanted"
+                )
+        if uniforms.dtype != np.float64 or uniforms.shape[1] < n or uniforms.strides[1] != 8:
+            raise ValueError(
+                f"verify_sampled: uniforms {uniforms.shape} {uniforms.dtype}: [{s}, >= {n}] float64"
+            )
+        stride = np.int32(uniforms.strides[0] // 8)
+        args = (p, q, tokens, uniforms, stride, np.int32(n), np.int32(v), accepted, first)
+        self.fn("verify_sampled_rows")((s,), (1024,), args)
 
     def adjust_logits(
         self,

@@ -10,8 +10,8 @@ they are chosen, each counting the proposals before it, from the slot's token co
 * **accept**: a greedy slot keeps ``a_i + 1`` rows, where ``a_i`` is how many of its proposals, from the
   first, equal the target's choice at the row before (`leading_matches`); a sampled slot accepts each
   proposal with probability min(1, p/q) and draws the token after the kept ones from the residual
-  (`verify_sampled`), at uniforms the host drew from the request's seeded generator when it launched the
-  window;
+  (`strata_runtime.model.placed.Model.verify_sampled`, one kernel on a GPU), at uniforms the host drew from
+  the request's seeded generator when it launched the window;
 * **catch up**: the MTP head runs over all ``n`` rows of every slot. Row j reads the token that follows it
   if it is kept (a kept proposal, or at row ``a_i`` the token after the kept ones; for a greedy slot simply
   the target's choice at row j), and the row's post-norm hidden state. Rows past ``a_i`` compute values
@@ -40,7 +40,7 @@ import numpy as np
 from ..api import SamplingParams
 from ..backend import Array
 from ..layout import Layout
-from ..model import Model, inverse_cdf
+from ..model import Model
 
 
 @dataclass(eq=False)
@@ -85,28 +85,6 @@ def leading_matches(xp: Any, tokens: Array, picks: Array) -> Array:
         return xp.zeros(s, dtype=xp.int64)
     match = (tokens[:, 1:] == picks[:, :-1]).astype(xp.int64)  # [S, n - 1]
     return xp.cumprod(match, axis=1).sum(axis=1)
-
-
-def verify_sampled(xp: Any, p: Array, q: Array, tokens: Array, uniforms: Array) -> tuple[Array, Array]:
-    """Speculative rejection sampling of one slot's window on ``xp`` arrays: (proposals kept, the token
-    after them), both 0-d.
-
-    ``p`` is the target's distribution at the window's n rows [n, V], ``q`` the distributions [n - 1, V] each
-    proposal (``tokens[1:]``, of the window's input ids [n]) was drawn from, and ``uniforms`` [n] the draws:
-    proposal j holds while ``uniforms[j] * q_j(token) < p_j(token)`` (accepted with probability min(1, p/q));
-    the token after the kept ones comes from norm(max(0, p_a - q_a)) at the first rejection (p_a where that
-    is empty), or from the last row's p when every proposal held, at ``uniforms[n - 1]``. The same rule as
-    `strata_runtime.engine.speculative.verify`, with the uniforms drawn ahead, so the emitted tokens have
-    exactly the target's distribution.
-    """
-    n = int(tokens.shape[0])
-    rows = xp.arange(n - 1)
-    proposed = tokens[1:]
-    holds = (uniforms[: n - 1] * q[rows, proposed] < p[rows, proposed]).astype(xp.int64)  # [n - 1]
-    accepted = xp.cumprod(holds).sum()
-    after = xp.concatenate([xp.maximum(p[:-1] - q, 0.0), p[-1:]], axis=0)[accepted]  # [V]
-    after = xp.where(after.sum() > 0, after, p[accepted])
-    return accepted, inverse_cdf(after, uniforms[n - 1], xp)
 
 
 def decide(
@@ -226,8 +204,8 @@ def _propose(model: Model, spec: DeviceSpec, logits: Array, j: int, before: list
             assert picks is not None
             out.append(picks[i])
         else:
-            q = model.distribution(logits[i : i + 1], params)[0]
-            out.append(inverse_cdf(q, spec.uniforms[i, spec.n + j], xp))
+            q = model.distribution(logits[i : i + 1], params)
+            out.append(model.draw(q, spec.uniforms[i, spec.n + j : spec.n + j + 1])[0])
     return xp.stack(out).astype(xp.int64)
 
 
@@ -235,7 +213,7 @@ def _accept_each(
     model: Model, spec: DeviceSpec, chosen: Array, logits: Array, drafters: dict[int, Any]
 ) -> tuple[Array, Array, Array]:
     """(accepted [S], the token after the kept proposals [S], each row's next token [S n]) slot by slot,
-    greedy slots as `_accept` decides them and sampled ones by `verify_sampled`."""
+    greedy slots as `_accept` decides them and sampled ones by `Model.verify_sampled`."""
     assert spec.params is not None and spec.uniforms is not None
     xp, n = model.last.device.xp, spec.n
     accepted, first, follow = [], [], []
@@ -252,7 +230,7 @@ def _accept_each(
             draft = draft.copy()  # row k counting proposals 1..k
             _adjust(model, spec, draft, spec.tokens[rows], [(i, k, 1, k) for k in range(n - 1)])
         p, q = model.distribution(logits[rows], params), model.distribution(draft, params)
-        a, f = verify_sampled(xp, p, q, spec.tokens[rows], spec.uniforms[i])
+        a, f = model.verify_sampled(p, q, spec.tokens[rows], spec.uniforms[i])
         nxt = xp.concatenate([spec.tokens[rows][1:], f[None]])  # a kept row is followed by the next input
         nxt[a] = f
         accepted.append(a)

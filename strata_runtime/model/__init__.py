@@ -8,7 +8,7 @@ stage's device.
 
 from ..models.ops.adjust import Adjusts, adjust_row
 from ..models.ops.choose import Draws
-from ..models.ops.distribution import distribution, inverse_cdf
+from ..models.ops.distribution import distribution, inverse_cdf, verify_sampled
 from .placed import Model
 
-__all__ = ["Adjusts", "Draws", "Model", "adjust_row", "distribution", "inverse_cdf"]
+__all__ = ["Adjusts", "Draws", "Model", "adjust_row", "distribution", "inverse_cdf", "verify_sampled"]

@@ -392,6 +392,18 @@ class Model:
         on the last stage's device (`strata_runtime.model.stage.Stage.distribution`)."""
         return self.last.distribution(logits, params.temperature, params.top_k, params.top_p)
 
+    def draw(self, probs: Array, uniforms: Array) -> Array:
+        """Each row's draw [R] (int64) from probs [R, V] (float64) at uniforms [R] (float64), both on the last
+        stage's device: the first token whose cumulative weight exceeds its uniform times the row's total
+        (`strata_runtime.model.stage.Stage.draw`)."""
+        return self.last.draw(probs, uniforms)
+
+    def verify_sampled(self, p: Array, q: Array, tokens: Array, uniforms: Array) -> tuple[Array, Array]:
+        """Speculative rejection sampling of one slot's window on the last stage's device: (proposals kept,
+        the token after them), by the rule of `strata_runtime.models.ops.distribution.verify_sampled`
+        (`strata_runtime.model.stage.Stage.verify_sampled`)."""
+        return self.last.verify_sampled(p, q, tokens, uniforms)
+
     def adjust(
         self, logits: Array, adjusts: Adjusts, tokens: Array | None = None
     ) -> tuple[Array, Array] | None:

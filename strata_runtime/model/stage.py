@@ -23,7 +23,7 @@ from ..experts.routing import RoutingTables, apply_bias
 from ..experts.store import ExpertStore
 from ..layout import Layout
 from ..models.ops.choose import Draws, choose_on_host
-from ..models.ops.distribution import distribution
+from ..models.ops.distribution import distribution, inverse_cdf, verify_sampled
 from ..models.ops.norm import rms_norm_in_dtype
 from ..models.qwen3_moe import DecoderLayer, ModelArgs, RouterBias, SparseMoeBlock, linear, rope_tables
 from .adjust import TokenCounts
@@ -293,6 +293,25 @@ class Stage:
             return self.cuda_head.distribution(logits, temperature, top_k, top_p)
         with self.device.use():
             return distribution(logits, temperature, top_k, top_p, self.device.xp)
+
+    def draw(self, probs: Array, uniforms: Array) -> Array:
+        """Each row's draw [R] (int64) from probs [R, V] (float64) at uniforms [R] on this device (last stage
+        only): one kernel with the CUDA head, the rule's array steps (`inverse_cdf`) otherwise. The two
+        differ only where a uniform times a row's total falls within rounding of a token's edge."""
+        if self.cuda_head is not None:
+            return self.cuda_head.draw(probs, uniforms)
+        xp = self.device.xp
+        with self.device.use():
+            return xp.stack([inverse_cdf(row, u, xp) for row, u in zip(probs, uniforms, strict=True)])
+
+    def verify_sampled(self, p: Array, q: Array, tokens: Array, uniforms: Array) -> tuple[Array, Array]:
+        """One slot's speculative rejection sampling on this device (last stage only): one kernel with the
+        CUDA head, the rule's array steps otherwise (`strata_runtime.models.ops.distribution.
+        verify_sampled`); (proposals kept, the token after them), 0-d arrays."""
+        if self.cuda_head is not None:
+            return self.cuda_head.verify_sampled(p, q, tokens, uniforms)
+        with self.device.use():
+            return verify_sampled(self.device.xp, p, q, tokens, uniforms)
 
     def choose(self, logits: Array, draws: Draws) -> Array:
         """Each row's chosen token [R] (int64) of logits [R, V] on this device (last stage only), by

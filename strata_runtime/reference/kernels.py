@@ -249,8 +249,11 @@ def choose(
     top_p: np.ndarray,
     out: np.ndarray,
     gather: bool = True,
+    split: bool = True,
+    scratch: Any = None,
 ) -> None:
-    """The launcher's twin; ``gather`` (the kernel's shared-memory shortcut) does not change the token."""
+    """The launcher's twin; ``gather`` (the kernel's shared-memory shortcut) and ``split`` (its passes over
+    slices of the row in parallel, into ``scratch``) do not change the token."""
     out[...] = choose_tokens(logits, inv_temp, uniform, top_k, top_p)
 
 
@@ -261,15 +264,59 @@ def distribution(
     top_p: float,
     out: np.ndarray,
     gather: bool = True,
+    split: bool = True,
+    scratch: Any = None,
 ) -> None:
     """The launcher's twin: out [R, V] (float64) = the distribution `choose_tokens` draws each row from,
-    `staying_weights` over their sum (the argmax's one-hot where ``inv_temp`` is 0)."""
+    `staying_weights` over their sum (the argmax's one-hot where ``inv_temp`` is 0). ``gather``, ``split``
+    and ``scratch`` as for `choose`."""
     for r, row in enumerate(np.asarray(logits, dtype=np.float32)):
         if inv_temp <= 0:
             out[r] = np.arange(row.shape[0]) == int(np.argmax(row))
             continue
         weights = staying_weights(row, float(np.float32(inv_temp)), int(top_k), float(top_p))
         out[r] = weights / weights.sum()
+
+
+def inverse_cdf(w: np.ndarray, u: np.ndarray, out: np.ndarray) -> None:
+    """The launcher's twin: out[r] = the first index whose cumulative weight (w [R, V], float64) exceeds u[r]
+    times the row's total, by NumPy's cumulative sum (the kernel's sums differ from it only in rounding, and
+    where rounding leaves no index it takes the last of positive weight)."""
+    for r, row in enumerate(np.asarray(w, dtype=np.float64)):
+        cdf = np.cumsum(row)
+        at = int(np.searchsorted(cdf, float(u[r]) * cdf[-1], side="right"))
+        out[r] = at if at < row.shape[0] else int(np.flatnonzero(row > 0)[-1])
+
+
+def verify_sampled(
+    p: np.ndarray,
+    q: np.ndarray,
+    tokens: np.ndarray,
+    uniforms: np.ndarray,
+    accepted: np.ndarray,
+    first: np.ndarray,
+) -> None:
+    """The launcher's twin: for each of S slots of n rows (p [S n, V], q [S (n - 1), V], tokens [S n],
+    uniforms [S, >= n]), the proposals kept while u_j q_j(token) < p_j(token), and the draw at u_(n - 1)
+    from the residual max(0, p_a - q_a) at the first rejection (p_a where it is empty) or from the last p."""
+    s = uniforms.shape[0]
+    n = tokens.shape[0] // s
+    for i in range(s):
+        ps, qs, ts, us = (
+            p[i * n : (i + 1) * n],
+            q[i * (n - 1) : (i + 1) * (n - 1)],
+            tokens[i * n :],
+            uniforms[i],
+        )
+        a = 0
+        while a < n - 1 and us[a] * qs[a, ts[a + 1]] < ps[a, ts[a + 1]]:
+            a += 1
+        after = np.maximum(ps[a] - qs[a], 0.0) if a < n - 1 else ps[a]
+        if not after.sum() > 0:
+            after = ps[a]
+        out = np.empty(1, np.int64)
+        inverse_cdf(after[None, :], np.array([us[n - 1]]), out)
+        accepted[i], first[i] = a, out[0]
 
 
 def adjust_logits(

@@ -10,12 +10,15 @@ Temperature, top-k and top-p shape a row of logits into next-token probabilities
   again.
 
 A draw at a uniform u takes the first token whose cumulative probability exceeds u times the total
-(`inverse_cdf`). This module is the rule on NumPy (and CuPy) arrays: the host's choices and verifications
-follow it, and so does a window decided on a CPU device. On a GPU, a row chosen on the device and a sampled
-window decided there both take the distribution of the device's choice (`strata_runtime.models.ops.choose`,
-the kernels ``choose_rows`` and ``distribution_rows``): the same cuts and weights, which it orders by logit
-rather than probability and whose top-p mass it sums in 2^-40 fixed point from float32 weights, so the two
-differ only where a cut falls within rounding of a token's edge.
+(`inverse_cdf`). A speculative window's proposals are kept or not against the target's distribution by
+speculative rejection sampling (`verify_sampled`). This module is the rule on NumPy (and CuPy) arrays: the
+host's choices and verifications follow it, and so does a window decided on a CPU device. On a GPU, a row
+chosen on the device and a sampled window decided there both take the distribution of the device's choice
+(`strata_runtime.models.ops.choose`, the kernels ``choose_rows`` and ``distribution_rows``): the same cuts
+and weights, which it orders by logit rather than probability and whose top-p mass it sums in 2^-40 fixed
+point from float32 weights, so the two differ only where a cut falls within rounding of a token's edge.
+Such a window's draws and acceptance run as one kernel each there (``inverse_cdf_rows``,
+``verify_sampled_rows``), whose sums differ from this module's only in rounding.
 """
 
 from __future__ import annotations
@@ -102,3 +105,25 @@ def inverse_cdf(probs: Any, u: Any, xp: Any = np) -> Any:
     from ``probs`` (which need not sum to 1) at ``u``, on ``xp`` arrays (``u`` may be a device scalar)."""
     cdf = xp.cumsum(probs)
     return xp.minimum(xp.searchsorted(cdf, u * cdf[-1], side="right"), probs.shape[-1] - 1)
+
+
+def verify_sampled(xp: Any, p: Any, q: Any, tokens: Any, uniforms: Any) -> tuple[Any, Any]:
+    """Speculative rejection sampling of one slot's window on ``xp`` arrays: (proposals kept, the token
+    after them), both 0-d.
+
+    ``p`` is the target's distribution at the window's n rows [n, V], ``q`` the distributions [n - 1, V] each
+    proposal (``tokens[1:]``, of the window's input ids [n]) was drawn from, and ``uniforms`` [n] the draws:
+    proposal j holds while ``uniforms[j] * q_j(token) < p_j(token)`` (accepted with probability min(1, p/q));
+    the token after the kept ones comes from norm(max(0, p_a - q_a)) at the first rejection (p_a where that
+    is empty), or from the last row's p when every proposal held, at ``uniforms[n - 1]``. The same rule as
+    `strata_runtime.engine.speculative.verify`, with the uniforms drawn ahead, so the emitted tokens have
+    exactly the target's distribution.
+    """
+    n = int(tokens.shape[0])
+    rows = xp.arange(n - 1)
+    proposed = tokens[1:]
+    holds = (uniforms[: n - 1] * q[rows, proposed] < p[rows, proposed]).astype(xp.int64)  # [n - 1]
+    accepted = xp.cumprod(holds).sum()
+    after = xp.concatenate([xp.maximum(p[:-1] - q, 0.0), p[-1:]], axis=0)[accepted]  # [V]
+    after = xp.where(after.sum() > 0, after, p[accepted])
+    return accepted, inverse_cdf(after, uniforms[n - 1], xp)
