@@ -1395,26 +1395,23 @@ __device__ __forceinline__ T block_total(T v, T* scratch) {
 // What the split kernels (choose_split_cuts, choose_split_gather, below) find for one row, in global memory,
 // before its merge block runs choose_row: the row's largest logit and its index, each slice's counts and
 // weights above the candidate cuts, and, where a candidate cut holds every token the row's cuts can keep and
-// at most CHOOSE_BIG tokens lie above it, those tokens in index order (n >= 0; n = -1: none gathered, the
-// merge reads the whole row). The merge copies up to CHOOSE_CAP of them into shared memory and reads more
-// where they are: a flat row's top-p, which keeps thousands of tokens, reads a few thousand rather than the
-// vocabulary. A distribution's merge leaves its cuts here (t onwards) for distribution_split_write.
+// fits, those tokens in index order (n >= 0; n = -1: none gathered, the merge reads the whole row). A
+// distribution's merge leaves its cuts here (t onwards) for distribution_split_write.
 constexpr int SPLIT_MAX = 128;  // slices a row is cut into, at most (ops.py: argmax_slices)
-constexpr int CHOOSE_BIG = 16384;
 struct ChoosePrep {
   float mx;
   int arg, n;
   u64 total;  // top-p without top-k: the weight of every token (fixed point), which sets top-p's need
   int count[SPLIT_MAX][CHOOSE_CUTS];
   u64 mass[SPLIT_MAX][CHOOSE_CUTS + 1];
+  float cv[CHOOSE_CAP];
+  int ci[CHOOSE_CAP];
   float t;
   unsigned cut_k, cut_p;
   int cut_tie, by_p;
   double dtotal;
-  float cv[CHOOSE_BIG];
-  int ci[CHOOSE_BIG];
 };
-constexpr int CHOOSE_PREP_BYTES = 163840;  // ops.py allocates this much a row
+constexpr int CHOOSE_PREP_BYTES = 32768;  // ops.py allocates this much a row
 static_assert(sizeof(ChoosePrep) <= CHOOSE_PREP_BYTES, "ops.py's CHOOSE_PREP_BYTES is too small");
 
 // Row r's ChoosePrep in scratch of CHOOSE_PREP_BYTES a row.
@@ -1482,31 +1479,25 @@ __device__ __forceinline__ void choose_row(const float* __restrict__ l, int V, f
   const int room = min(cap, CHOOSE_CAP);
   const float* vals = l;  // the row the rest reads, n long; index(j) its token index
   int n = V, g0 = a, gn = b - a;
-  bool compact = false, big = false;  // big: vals and their indices are prep's (global), not cv and ci
+  bool compact = false;
   if (prep != nullptr && prep->n >= 0) {  // gathered by the split kernels, in index order
     const int m = prep->n;
-    if (m <= CHOOSE_CAP) {
-      for (int j = tid; j < m; j += blockDim.x) {
-        cv[j] = prep->cv[j];
-        ci[j] = prep->ci[j];
-      }
-      __syncthreads();
-      vals = cv;
-    } else {  // read where they are (L2)
-      vals = prep->cv;
-      big = true;
+    for (int j = tid; j < m; j += blockDim.x) {
+      cv[j] = prep->cv[j];
+      ci[j] = prep->ci[j];
     }
-    const int* cidx = big ? prep->ci : ci;
+    __syncthreads();
     auto first_from = [&](int from) {  // the first gathered token whose index is at least `from`
       int lo = 0, hi = m;
       while (lo < hi) {
         const int mid = (lo + hi) >> 1;
-        if (cidx[mid] < from) lo = mid + 1; else hi = mid;
+        if (ci[mid] < from) lo = mid + 1; else hi = mid;
       }
       return lo;
     };
     g0 = first_from(a);
     gn = first_from(b) - g0;
+    vals = cv;
     n = m;
     compact = true;
   }
@@ -1558,9 +1549,7 @@ __device__ __forceinline__ void choose_row(const float* __restrict__ l, int V, f
   }
   const unsigned cut_k = kth;
   if (!compact && k > 0 && k < V && above + at <= (u64)room) gather(cut_k);
-  auto index = [&](int j) -> int {  // the token at vals[j]
-    return compact ? (big ? prep->ci[j] : ci[j]) : j;
-  };
+  auto index = [&](int j) -> int { return compact ? ci[j] : j; };  // the token at vals[j]
   if (by_p) {
     auto fixed = [&](float v) -> u64 {
       return order_key(v) >= cut_k ? (u64)((double)__expf((v - mx) * t) * 1099511627776.0) : 0ull;
@@ -1835,14 +1824,11 @@ __global__ void __launch_bounds__(256) choose_split_gather(const float* __restri
     mass[tid] = ms;
   }
   __syncthreads();
-  // choose_row's rule, the same in every block, but for the room: CHOOSE_BIG here, where choose_row gathers
-  // up to CHOOSE_CAP into shared memory. A superset of the tokens the cuts can keep gives the same cuts and
-  // sums whatever its size (choose_row, above), so the larger gather changes the time alone.
-  int cut = -1;
+  int cut = -1;  // choose_row's rule, the same in every block
   const u64 need = (u64)((double)p * (double)mass[CHOOSE_CUTS]);
   for (int j = 0; j < CHOOSE_CUTS; ++j)
     if (topk ? cnt[j] >= k : mass[j] >= need) {
-      if (cnt[j] <= CHOOSE_BIG) cut = j;
+      if (cnt[j] <= room) cut = j;
       break;
     }
   if (b == 0 && tid == 0) {

@@ -91,12 +91,8 @@ to hold every token a row's top-k or top-p can keep: its remaining selection pas
 those instead of the vocabulary."""
 
 
-CHOOSE_PREP_BYTES = 163840
+CHOOSE_PREP_BYTES = 32768
 """Scratch a row of the split choice takes (kernels.cu's ChoosePrep, which it asserts fits)."""
-
-CHOOSE_SPLIT_GATHER = 16384
-"""Tokens the split choice gathers, at most (kernels.cu's CHOOSE_BIG): up to `CHOOSE_GATHER` of them are
-read from shared memory, more from where the split kernels wrote them."""
 
 SPLIT_KERNELS = (
     "choose_split_cuts",
