@@ -1317,6 +1317,35 @@ __device__ void radix_select(const float* __restrict__ l, int V, Weight weight, 
 constexpr int CHOOSE_CAP = 2048;  // tokens choose_rows gathers into shared memory, at most
 constexpr int CHOOSE_CUTS = 7;    // candidate cuts below a row's largest logit mx: mx - 2^(j - 1) gaps
 
+// The candidate cuts below a row's largest logit mx, in gaps of `gap`: cut j's key (the key of mx - 2^(j - 1)
+// gap) into key[j], and the counts c and weights m above them (m[CHOOSE_CUTS]: every token's) set to zero.
+__device__ __forceinline__ void start_cuts(float mx, float gap, unsigned* key, int* c, u64* m) {
+#pragma unroll
+  for (int j = 0; j < CHOOSE_CUTS; ++j) {
+    key[j] = order_key(mx - ldexpf(gap, j - 1));
+    c[j] = 0;
+    m[j] = 0ull;
+  }
+  m[CHOOSE_CUTS] = 0ull;
+}
+
+// A warp's sums of its threads' counts c[CHOOSE_CUTS] and weights m[CHOOSE_CUTS + 1] above the candidate
+// cuts (butterflies: every lane gets them), written by lane 0 to the warp's row of shared memory, wc and wm.
+__device__ __forceinline__ void warp_cut_sums(int* c, u64* m, int* wc, u64* wm) {
+#pragma unroll
+  for (int j = 0; j <= CHOOSE_CUTS; ++j) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      if (j < CHOOSE_CUTS) c[j] += __shfl_xor_sync(0xffffffffu, c[j], o);
+      m[j] += __shfl_xor_sync(0xffffffffu, m[j], o);
+    }
+    if ((threadIdx.x & 31) == 0) {
+      if (j < CHOOSE_CUTS) wc[j] = c[j];
+      wm[j] = m[j];
+    }
+  }
+}
+
 // Block-wide, over l[n]: for each candidate cut j, the key of mx - 2^(j - 1) * gap (key[j]), the tokens
 // whose key is at least that (count[j]) and their weights (mass[j]), all shared; returns the weight of all
 // n. Every thread reads the results. Integer sums (lanes, then warps in order): exact whatever the order.
@@ -1325,17 +1354,11 @@ __device__ u64 cut_sums(const float* __restrict__ l, int n, float mx, float gap,
                         int* count, u64* mass) {
   __shared__ int wc[32][CHOOSE_CUTS];
   __shared__ u64 wm[32][CHOOSE_CUTS + 1];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (int)(blockDim.x >> 5);
+  const int warp = threadIdx.x >> 5, warps = (int)(blockDim.x >> 5);
   unsigned lo[CHOOSE_CUTS];
   int c[CHOOSE_CUTS];
   u64 m[CHOOSE_CUTS + 1];  // m[CHOOSE_CUTS]: every token's weight
-#pragma unroll
-  for (int j = 0; j < CHOOSE_CUTS; ++j) {
-    lo[j] = order_key(mx - ldexpf(gap, j - 1));
-    c[j] = 0;
-    m[j] = 0ull;
-  }
-  m[CHOOSE_CUTS] = 0ull;
+  start_cuts(mx, gap, lo, c, m);
 #pragma unroll 2
   for (int i = threadIdx.x; i < n; i += blockDim.x) {
     const float v = l[i];
@@ -1346,18 +1369,7 @@ __device__ u64 cut_sums(const float* __restrict__ l, int n, float mx, float gap,
     for (int j = 0; j < CHOOSE_CUTS; ++j)
       if (kv >= lo[j]) { ++c[j]; m[j] += w; }
   }
-#pragma unroll
-  for (int j = 0; j <= CHOOSE_CUTS; ++j) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      if (j < CHOOSE_CUTS) c[j] += __shfl_xor_sync(0xffffffffu, c[j], o);
-      m[j] += __shfl_xor_sync(0xffffffffu, m[j], o);
-    }
-    if (lane == 0) {
-      if (j < CHOOSE_CUTS) wc[warp][j] = c[j];
-      wm[warp][j] = m[j];
-    }
-  }
+  warp_cut_sums(c, m, wc[warp], wm[warp]);
   __syncthreads();
   if (threadIdx.x <= CHOOSE_CUTS) {
     const int j = threadIdx.x;
@@ -1738,13 +1750,7 @@ __global__ void __launch_bounds__(256) choose_split_cuts(const float* __restrict
   unsigned key[CHOOSE_CUTS];
   int c[CHOOSE_CUTS];
   u64 m[CHOOSE_CUTS + 1];
-#pragma unroll
-  for (int j = 0; j < CHOOSE_CUTS; ++j) {
-    key[j] = order_key(mx - ldexpf(gap, j - 1));
-    c[j] = 0;
-    m[j] = 0ull;
-  }
-  m[CHOOSE_CUTS] = 0ull;
+  start_cuts(mx, gap, key, c, m);
   constexpr int U = 8;
   for (int i0 = lo + tid; i0 < hi; i0 += U * 256) {
     float v[U];
@@ -1763,18 +1769,7 @@ __global__ void __launch_bounds__(256) choose_split_cuts(const float* __restrict
   }
   __shared__ int wc[8][CHOOSE_CUTS];
   __shared__ u64 wm[8][CHOOSE_CUTS + 1];
-#pragma unroll
-  for (int j = 0; j <= CHOOSE_CUTS; ++j) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      if (j < CHOOSE_CUTS) c[j] += __shfl_xor_sync(0xffffffffu, c[j], o);
-      m[j] += __shfl_xor_sync(0xffffffffu, m[j], o);
-    }
-    if (lane == 0) {
-      if (j < CHOOSE_CUTS) wc[warp][j] = c[j];
-      wm[warp][j] = m[j];
-    }
-  }
+  warp_cut_sums(c, m, wc[warp], wm[warp]);
   __syncthreads();
   if (tid <= CHOOSE_CUTS) {
     int cs = 0;
