@@ -17,7 +17,7 @@ weights in float32 and may differ where ``u`` or the top-p cut falls within roun
 tokens. Both sum the weights for the top-p cut in 2^-40 fixed point, so the cut does not depend on the order
 of the sum. On a vocabulary large enough to cut into slices, the kernel's passes over the whole row run over
 the slices in parallel before one block per row finishes the choice (`strata_runtime.cuda.ops.Kernels.
-choose`, "split"): the same token bit for bit, in about a third of the time when top-k is set.
+choose`, "split"): the same token bit for bit, in a third to a half of the time when top-k is set.
 
 A sampled speculative window decided on the device takes the whole distribution a choice would draw from
 (the kernel ``distribution_rows``, `strata_runtime.cuda.ops.Kernels.distribution`: the same cuts and float32
