@@ -10,6 +10,8 @@ the eager run; greedy text must not depend on drafting.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 from fake_cupy import installed
@@ -298,8 +300,9 @@ def test_sampled_drafting_on_the_cuda_path_takes_every_distribution_from_the_ker
     """A sampled request that drafts on the CUDA path, seeded or not, with top-k and top-p: every distribution
     its windows draw proposals from and verify them against comes from the ``distribution_rows`` launcher (its
     NumPy twin here), for the target's rows and the drafts' alike, never from the rule's array steps (on a
-    GPU, CuPy's partition and whole-row sorts); its drafts are verified, and a seed gives the same text on
-    every run."""
+    GPU, CuPy's partition and whole-row sorts); its drafts are verified by the ``verify_sampled_rows``
+    launcher and the next ones drawn by ``inverse_cdf_rows`` (not by the rule's dozen CuPy steps), and a seed
+    gives the same text on every run."""
     from strata_runtime.api import SamplingParams
     from strata_runtime.engine import Engine
     from strata_runtime.model import stage
@@ -315,6 +318,15 @@ def test_sampled_drafting_on_the_cuda_path_takes_every_distribution_from_the_ker
     def array_steps(*args, **kw):
         raise AssertionError("a distribution on the CUDA path ran the rule's array steps")
 
+    launched: list[str] = []
+
+    def count(name: str, launcher, *args):
+        launched.append(name)
+        launcher(*args)
+
+    for name in ("verify_sampled", "inverse_cdf"):  # the launchers' twins, counted
+        monkeypatch.setattr(reference, name, functools.partial(count, name, getattr(reference, name)))
+        monkeypatch.setattr(stage, name, array_steps)
     monkeypatch.setattr(reference, "distribution", counted)
     monkeypatch.setattr(stage, "distribution", array_steps)
 
@@ -330,6 +342,7 @@ def test_sampled_drafting_on_the_cuda_path_takes_every_distribution_from_the_ker
     first, proposed = generate(seed=5)
     assert len(first) == 24 and proposed > 0
     assert {rows for rows, _ in shapes} >= {1, 3, 4}  # a draft's row, and a 4-row window's q and p
+    assert {"verify_sampled", "inverse_cdf"} <= set(launched)
     assert generate(seed=5)[0] == first
     shapes.clear()
     tokens, proposed = generate(seed=None)  # its text, and where an end token falls, follow window times
