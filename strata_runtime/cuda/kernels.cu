@@ -1696,13 +1696,15 @@ __global__ void __launch_bounds__(1024) distribution_rows(const float* __restric
 //     then for the candidate cuts choose_row would weigh first (top-k's counts at gaps of 1, or without
 //     top-k top-p's weights at gaps of 1 / t) the slice's counts and weights, integer sums;
 //  3. choose_split_gather: the slices' sums, then choose_row's rule (the tightest cut that holds k tokens, or
-//     top-p's weight, if it fits CHOOSE_CAP); each slice writes its tokens above it at its offset, the
-//     slices before it's counts, so the gathered tokens are in index order;
+//     top-p's weight, if it fits CHOOSE_CAP); each slice writes its tokens above it at its offset (the
+//     count of the slices before it), so the gathered tokens are in index order;
 //  4. choose_split_rows or distribution_split_rows: choose_row with the row's ChoosePrep;
 //  5. distribution_split_write (a distribution): the row's float64 values from the cuts the merge left.
 // Every sum is over the same terms in the same order as one block's, or an integer sum: the token and the
 // distribution are the same bit for bit (tests/test_cuda_kernels.py compares the two forms).
 
+// Row r's 1 / temperature, top-k and top-p: from the arrays where given (choose_rows' per-row settings), else
+// the scalars (one setting for every row, as distribution_rows takes).
 __device__ __forceinline__ void row_params(int r, const float* __restrict__ ta, float t0, const int* __restrict__ ka,
                                            int k0, const float* __restrict__ pa, float p0, float& t, int& k,
                                            float& p) {
