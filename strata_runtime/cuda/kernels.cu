@@ -1431,6 +1431,12 @@ __device__ __forceinline__ ChoosePrep* prep_row(void* scratch, int r) {
   return reinterpret_cast<ChoosePrep*>(reinterpret_cast<char*>(scratch) + (size_t)r * CHOOSE_PREP_BYTES);
 }
 
+// A token's weight for the top-p cut, in 2^-40 fixed point: its float32 weight exp((v - mx) t), which
+// choose_row and choose_split_cuts both sum through this one function, so the sums are the same integers.
+__device__ __forceinline__ u64 fixed_weight(float v, float mx, float t) {
+  return (u64)((double)__expf((v - mx) * t) * 1099511627776.0);
+}
+
 // One row of choose_rows (token: its chosen token) or of distribution_rows (dist: its distribution [V]), by
 // one block of 1024 threads: l the row's logits, t its 1 / temperature, k its top-k, p its top-p, u its
 // uniform (a draw only). With prep (the split kernels' findings for the row), the row's max and its first
@@ -1564,7 +1570,7 @@ __device__ __forceinline__ void choose_row(const float* __restrict__ l, int V, f
   auto index = [&](int j) -> int { return compact ? ci[j] : j; };  // the token at vals[j]
   if (by_p) {
     auto fixed = [&](float v) -> u64 {
-      return order_key(v) >= cut_k ? (u64)((double)__expf((v - mx) * t) * 1099511627776.0) : 0ull;
+      return order_key(v) >= cut_k ? fixed_weight(v, mx, t) : 0ull;
     };
     // The cut weighs from the top; with the weight of the tokens above each candidate cut (in logits over
     // inv_temp), the tightest one that holds need and fits in cv is gathered first.
@@ -1711,11 +1717,6 @@ __device__ __forceinline__ void row_params(int r, const float* __restrict__ ta, 
   t = ta != nullptr ? ta[r] : t0;
   k = ka != nullptr ? ka[r] : k0;
   p = pa != nullptr ? pa[r] : p0;
-}
-
-// The weight top-p weighs a token by without a top-k cut, in 2^-40 fixed point (choose_row's `fixed`).
-__device__ __forceinline__ u64 fixed_weight(float v, float mx, float t) {
-  return (u64)((double)__expf((v - mx) * t) * 1099511627776.0);
 }
 
 __global__ void __launch_bounds__(256) choose_split_cuts(const float* __restrict__ logits, int V, int NB,
