@@ -302,8 +302,10 @@ def module(devices: int = 4) -> types.ModuleType:
     cp.ndarray = FakeArray
 
     def empty(shape: Any, dtype: Any = float, **kw: Any) -> FakeArray:
-        """Unwritten memory is NaN (integers: -1), so a read of an element no kernel wrote shows."""
-        fill = np.nan if np.dtype(dtype).kind == "f" else -1
+        """Unwritten memory is NaN (integers: -1, unsigned ones all bits set), so a read of an element no
+        kernel wrote shows."""
+        kind = np.dtype(dtype).kind
+        fill = np.nan if kind == "f" else np.iinfo(dtype).max if kind == "u" else -1
         return _wrap(np.full(shape, fill, dtype=dtype))
 
     cp.empty = empty

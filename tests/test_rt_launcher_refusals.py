@@ -73,6 +73,38 @@ def test_the_distribution_refuses_an_output_it_would_write_past(kern_cp) -> None
             kern.distribution(logits, 1.0, 20, 0.8, out)
 
 
+def test_the_split_choice_refuses_scratch_of_another_shape(kern_cp) -> None:
+    """A split choice writes each row's slices and its record into the scratch it is given: scratch made for
+    fewer rows or another vocabulary is refused, not written past its end."""
+    kern, cp, ops = kern_cp
+    logits = cp.zeros((3, 151_936), cp.float32)
+    settings = [cp.zeros(3, dt) for dt in (cp.float32, cp.float32, cp.int32, cp.float32)]
+    out = cp.zeros(3, cp.int64)
+    slices = ops.argmax_slices(151_936)
+    for scratch in (ops.choose_scratch(cp, 2, 151_936), ops.choose_scratch(cp, 3, 5_000)):
+        with pytest.raises(ValueError, match=rf"choose scratch .*: \(3, {slices}\) wanted"):
+            kern.choose(logits, *settings, out, scratch=scratch)
+        with pytest.raises(ValueError, match="choose scratch"):
+            kern.distribution(logits, 1.0, 20, 0.8, cp.zeros((3, 151_936), cp.float64), scratch=scratch)
+
+
+def test_the_draw_and_the_acceptance_refuse_arrays_they_would_misread(kern_cp) -> None:
+    """``inverse_cdf_rows`` and ``verify_sampled_rows`` read float64 rows and write int64 tokens: arrays of
+    another type or shape, or too few uniforms, are refused with what is wanted."""
+    kern, cp, _ = kern_cp
+    w, u, out = cp.zeros((2, 100)), cp.zeros(2), cp.zeros(2, cp.int64)
+    wanted = r"w \[2, 100\] float64 \(contiguous\), u \[2\] float64 and out \[2\] int64 are wanted"
+    for args in ((w.astype(cp.float32), u, out), (w, u[:1], out), (w, u, out.astype(cp.int32))):
+        with pytest.raises(ValueError, match=wanted):
+            kern.inverse_cdf(*args)
+    p, q, tokens = cp.zeros((4, 100)), cp.zeros((3, 100)), cp.zeros(4, cp.int64)
+    acc, first = cp.zeros(1, cp.int64), cp.zeros(1, cp.int64)
+    with pytest.raises(ValueError, match=r"\(4, 100\) float32 where \(3, 100\) float64 is wanted"):
+        kern.verify_sampled(p, cp.zeros((4, 100), cp.float32), tokens, cp.zeros((1, 7)), acc, first)
+    with pytest.raises(ValueError, match=r"uniforms \(1, 3\) float64: \[1, >= 4\] float64"):
+        kern.verify_sampled(p, q, tokens, cp.zeros((1, 3)), acc, first)
+
+
 def test_the_step_workload_refuses_a_gpu_the_kernels_cannot_run_on(kern_cp, monkeypatch) -> None:
     """`strata bench --workload step` times the kernels themselves: on a GPU older than Ampere it refuses
     in one line (a ValueError the command prints) instead of failing in NVRTC."""

@@ -674,8 +674,13 @@ class Kernels(KernelCache):
         (float64, any stride): the first index whose cumulative weight exceeds u times the row's total
         (``inverse_cdf_rows`` of kernels.cu)."""
         rows, v = w.shape
-        if w.dtype != np.float64 or u.dtype != np.float64 or u.shape != (rows,) or out.shape != (rows,):
-            raise ValueError(f"inverse_cdf: w {w.shape} {w.dtype}, u {u.shape} {u.dtype}, out {out.shape}")
+        fine = w.dtype == np.float64 and w.flags.c_contiguous and u.dtype == np.float64 and u.shape == (rows,)
+        if not (fine and out.shape == (rows,) and out.dtype == np.int64):
+            raise ValueError(
+                f"inverse_cdf: w {w.shape} {w.dtype}, u {u.shape} {u.dtype}, out {out.shape} {out.dtype} "
+                f"where w [{rows}, {v}] float64 (contiguous), u [{rows}] float64 and out [{rows}] int64 are "
+                "wanted"
+            )
         stride = np.int32(u.strides[0] // 8)
         self.fn("inverse_cdf_rows")((rows,), (1024,), (w, np.int32(v), u, stride, out))
 
