@@ -534,9 +534,9 @@ def test_long_prompts_keep_greedy_text_exact_with_drafting(cp):
 
 
 def test_flash_and_cublas_attention_each_match_the_float32_reference(cp):
-    """The fused attention kernel and the cuBLAS products over materialised scores each compute what the
-    float32 reference does for a long chunk through small's first layer (attention and a dense MLP: no
-    routing, so every row is compared, at `ROW_TOLERANCE`)."""
+    """The fused attention kernel (q in two parts, and fp16 q) and the cuBLAS products over materialised
+    scores each compute what the float32 reference does for a long chunk through small's first layer
+    (attention and a dense MLP: no routing, so every row is compared, at `ROW_TOLERANCE`)."""
     from strata_runtime.cuda.layers import LayerStack
     from strata_runtime.cuda.prefill import CudaPrefill
     from strata_runtime.layout import Layout
@@ -555,12 +555,12 @@ def test_flash_and_cublas_attention_each_match_the_float32_reference(cp):
     ref_stage.kv.begin(layout.segments)
     cos, sin = ref_stage.rope.at(layout)
     expected = ref_stage.layers[0](np, hidden, layout, ref_stage.kv, 0, cos, sin)  # [200, H] float32
-    for flash in (True, False):
+    for flash, split_q in ((True, True), (True, False), (False, True)):
         model.stages[0].kv.begin(layout.segments)
-        got = CudaPrefill(first, flash=flash).forward(cp.asarray(hidden), layout).get()
+        got = CudaPrefill(first, flash=flash, split_q=split_q).forward(cp.asarray(hidden), layout).get()
         model.rewind(1, 0)
         row_err = np.linalg.norm(got - expected, axis=1) / np.linalg.norm(expected, axis=1)
-        assert row_err.max() < ROW_TOLERANCE, (flash, np.sort(row_err)[-5:])
+        assert row_err.max() < ROW_TOLERANCE, (flash, split_q, np.sort(row_err)[-5:])
 
 
 def _windows_match_row_by_row(model, reference, runs, prompts):

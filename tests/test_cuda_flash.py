@@ -24,41 +24,56 @@ def cp():
 
 
 def run_kernel(cp, hi, lo, kc, vc, slot, pos0, scale) -> np.ndarray:
+    """The kernel's output; ``lo`` None runs the fp16-q instantiation."""
     from strata_runtime.cuda.flash import flash_prefill
 
     n, n_q, d = hi.shape
     out = cp.full((n, n_q * d), cp.nan, cp.float16)
-    flash_prefill(cp.asarray(hi), cp.asarray(lo), cp.asarray(kc), cp.asarray(vc), slot, pos0, scale, out)
+    q_lo = None if lo is None else cp.asarray(lo)
+    flash_prefill(cp.asarray(hi), q_lo, cp.asarray(kc), cp.asarray(vc), slot, pos0, scale, out)
     return out.get()
 
 
+PRECISIONS = pytest.mark.parametrize("split_q", [True, False], ids=["split-q", "fp16-q"])
+"""Each test runs both instantiations: q in two parts (one 16-row tile per warp, 64 keys a tile) and fp16 q
+(two tiles per warp, q read from shared memory, 32 keys a tile at head dim 128)."""
+
+
+@PRECISIONS
 @pytest.mark.parametrize("d", [16, 64, 128])
 @pytest.mark.parametrize("group", [1, 2, 8])
 @pytest.mark.parametrize("n", [1, 17, 130])
 @pytest.mark.parametrize("pos0", [0, 5, 700])
-def test_kernel_matches_twin(cp, d, group, n, pos0):
+def test_kernel_matches_twin(cp, d, group, n, pos0, split_q):
     g = rng()
     n_kv = 2
     hi, lo, kc, vc = make_inputs(g, n, n_kv * group, n_kv, d, pos0, q_scale=2.0)
+    lo = lo if split_q else None
     scale = 1 / math.sqrt(d)
     assert rel_err(run_kernel(cp, hi, lo, kc, vc, 1, pos0, scale), twin(hi, lo, kc, vc, 1, pos0, scale)) < REL
 
 
-@pytest.mark.parametrize(("n", "pos0", "d"), [(200, 2000, 128), (64, 64, 32), (3, 4093, 128)])
-def test_kernel_matches_twin_model_heads(cp, n, pos0, d):
-    """The production head layout (NQ = 32, NKV = 4, G = 8) over many key tiles, a tile-aligned chunk, and
-    a short chunk at the end of a 4k cache."""
+@PRECISIONS
+@pytest.mark.parametrize(
+    ("n", "pos0", "d"), [(200, 2000, 128), (64, 64, 32), (3, 4093, 128), (333, 1000, 64)]
+)
+def test_kernel_matches_twin_model_heads(cp, n, pos0, d, split_q):
+    """The production head layout (NQ = 32, NKV = 4, G = 8) over many key tiles, a tile-aligned chunk, a
+    short chunk at the end of a 4k cache, and a chunk whose last block is partly past its rows."""
     g = rng()
     hi, lo, kc, vc = make_inputs(g, n, 32, 4, d, pos0, slots=2, extra=0, q_scale=2.0)
+    lo = lo if split_q else None
     scale = 1 / math.sqrt(d)
     assert rel_err(run_kernel(cp, hi, lo, kc, vc, 1, pos0, scale), twin(hi, lo, kc, vc, 1, pos0, scale)) < REL
 
 
+@PRECISIONS
 @pytest.mark.parametrize(("d", "group"), [(16, 2), (128, 8), (64, 1)])
-def test_rows_see_only_their_past(cp, d, group):
+def test_rows_see_only_their_past(cp, d, group, split_q):
     g = rng()
     n, n_kv, pos0 = 90, 2, 40
     hi, lo, kc, vc = make_inputs(g, n, n_kv * group, n_kv, d, pos0)
+    lo = lo if split_q else None
     scale = 1 / math.sqrt(d)
     before = run_kernel(cp, hi, lo, kc, vc, 1, pos0, scale)
     cut = int(g.integers(0, n - 1))  # rows 0..cut keep their keys; the positions of later rows change
@@ -86,6 +101,18 @@ def test_kernel_uses_q_lo(cp, d):
     assert rel_err(both, ref) < REL
 
 
+@pytest.mark.parametrize("d", [16, 64, 128])
+def test_fp16_q_instantiation_computes_fp16_q_attention(cp, d):
+    """Without q_lo the kernel is held to fp16 q's attention at the same bound, on scores near 50 where that
+    is several times REL from fp32 q's: it neither reads a q_lo nor keeps precision it does not claim."""
+    g = rng()
+    n, n_kv, pos0 = 70, 2, 300
+    hi, lo, kc, vc, scale = large_score_inputs(g, n, 4 * n_kv, n_kv, d, pos0)
+    fp16_q = run_kernel(cp, hi, None, kc, vc, 1, pos0, scale)
+    assert rel_err(fp16_q, twin(hi, None, kc, vc, 1, pos0, scale)) < REL
+    assert rel_err(fp16_q, twin(hi, lo, kc, vc, 1, pos0, scale)) > REL
+
+
 def test_launcher_names_bad_arguments(cp):
     from strata_runtime.cuda.flash import flash_prefill
 
@@ -97,3 +124,5 @@ def test_launcher_names_bad_arguments(cp):
         flash_prefill(hi, lo, kc, vc[:, :, 1:].copy(), 1, 3, 0.25, cp.empty((4, 64), cp.float16))
     with pytest.raises(ValueError, match="q_lo"):
         flash_prefill(hi, lo[:, :, :8].copy(), kc, vc, 1, 3, 0.25, cp.empty((4, 64), cp.float16))
+    with pytest.raises(ValueError, match="out"):
+        flash_prefill(hi, None, kc, vc, 1, 3, 0.25, cp.empty((4, 64), cp.float32))

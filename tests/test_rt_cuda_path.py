@@ -93,6 +93,38 @@ def test_the_cublas_prefill_attention_matches_the_flash_path(fake_gpu):
     assert np.linalg.norm(outs[0] - outs[1]) / np.linalg.norm(outs[1]) < 1e-2
 
 
+def test_fp16_q_prompt_attention_reaches_the_flash_calls(fake_gpu, monkeypatch):
+    """``model.prefill_q = "fp16"``: every flash call of the stage's prefill gets no q_lo, and a chunk's
+    output moves from the split's by q's fp16 rounding (not more); the default passes both parts."""
+    from strata_runtime.cuda import prefill as prefill_module
+    from strata_runtime.model import Model
+
+    real = prefill_module.flash_prefill
+    seen: list[bool] = []
+
+    def spy(q_hi, q_lo, *rest):
+        seen.append(q_lo is not None)
+        real(q_hi, q_lo, *rest)
+
+    monkeypatch.setattr(prefill_module, "flash_prefill", spy)
+    text = float16_profile_text(backend="cuda", preset="small", slots=2, context=256)
+    outs = {}
+    for q in ("split", "fp16"):
+        plan = resolve_text(text.replace("[model]", f'[model]\nprefill_q = "{q}"'), "q.toml").plan
+        assert plan.model.prefill_q == q
+        model = Model.from_plan(plan)
+        stage = model.stages[0]
+        assert stage.cuda_prefill.split_q == (q == "split")
+        layout = Layout.of([(1, 120, 0)])
+        stage.kv.begin(layout.segments)
+        seen.clear()
+        hidden = np.random.default_rng(5).standard_normal((120, model.args.hidden_size)).astype(np.float32)
+        outs[q] = np.asarray(stage.cuda_prefill.forward(hidden, layout))
+        assert seen and all(seen) == (q == "split") and any(seen) == (q == "split")
+    rel = np.linalg.norm(outs["fp16"] - outs["split"]) / np.linalg.norm(outs["split"])
+    assert 0 < rel < 1e-2
+
+
 def test_the_padded_expert_products_match_the_grouped_ones(fake_gpu):
     """A model whose widths the grouped kernels do not take reads its prompts through cuBLAS products over
     groups padded to the largest: both give a chunk's rows the same experts' outputs."""

@@ -48,6 +48,18 @@ def test_twin_matches_direct_attention(n, n_q, n_kv, d, pos0):
     assert rel_err(out32, ref) < 1e-6
 
 
+def test_twin_without_q_lo_is_fp16_q_attention():
+    """q_lo None: the contract holds and the reference attends with q_hi alone, the fp16-q kernel's
+    definition."""
+    g = rng()
+    n, n_q, n_kv, d, pos0 = 7, 4, 2, 32, 9
+    hi, lo, kc, vc = make_inputs(g, n, n_q, n_kv, d, pos0, q_scale=3.0)
+    scale = 1 / math.sqrt(d)
+    ref = direct_attention(hi.astype(np.float64), kc, vc, 1, pos0, scale)
+    assert rel_err(twin(hi, None, kc, vc, 1, pos0, scale), ref) < 1e-12
+    assert rel_err(twin(hi, lo, kc, vc, 1, pos0, scale), ref) > 1e-6  # q_lo, when given, is read
+
+
 def test_large_score_inputs_need_q_lo():
     """The inputs of the gpu q_lo test separate fp16 q from fp32 q by far more than fp16 output rounding
     does, so that test can tell whether the kernel reads q_lo."""

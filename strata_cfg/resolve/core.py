@@ -209,6 +209,7 @@ def _assemble(
             seed=led["model.seed"],
             layer_scale=led["model.layer_scale"],
             routing=led["model.routing"],
+            prefill_q=led["model.prefill_q"],
             facts=model,
         ),
         stages=tuple(stages),

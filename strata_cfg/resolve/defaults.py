@@ -62,6 +62,7 @@ def resolve_defaults(
     preset_scale = PRESET_DEFAULTS[synthetic]["layer_scale"] if synthetic is not None else None
     led.take("model.layer_scale", m.layer_scale if m else None, preset_scale)
     led.take("model.routing", m.routing if m else None, "uniform")
+    led.take("model.prefill_q", m.prefill_q if m else None, "split")
 
     mem = p.memory
     max_ctx = model.max_position_embeddings

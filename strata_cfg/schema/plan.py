@@ -278,6 +278,8 @@ class ModelPlan(_Plan):
     """Synthetic only: the planted-structure scale (see the profile's ``model.layer_scale``)."""
     routing: Literal["uniform", "calibrated"] = "uniform"
     """Synthetic only: the routing model (see the profile's ``model.routing``)."""
+    prefill_q: Literal["split", "fp16"] = "split"
+    """The query's precision in prompt attention on the GPU (``model.prefill_q``)."""
     facts: ModelFacts
 
     def label(self) -> str:

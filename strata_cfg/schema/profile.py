@@ -19,6 +19,7 @@ from .presets import PresetName
 Backend = Literal["cuda", "cpu"]
 DType = Literal["float32", "float16", "bfloat16"]
 Routing = Literal["uniform", "calibrated"]
+PrefillQ = Literal["split", "fp16"]
 KvDType = Literal["float32", "float16", "bfloat16"]
 
 _DEVICE_RE = re.compile(r"^(?:(?P<host>[A-Za-z0-9_.-]+):)?(?P<index>\d+)$")
@@ -113,6 +114,11 @@ class ModelSection(Section):
     expert about equally likely at every token, the worst case for an expert cache. ``"calibrated"``: skewed
     within a request and persistent from token to token, like a real model's (docs/RUNTIME.md); the router
     still decides, through a bias on its logits."""
+    prefill_q: PrefillQ | None = None
+    """How prompt attention on the GPU holds each query. ``"split"`` (default): as two fp16 parts, so scores
+    keep the query's fp32 precision. ``"fp16"``: rounded to fp16, as FlashAttention and llama.cpp compute
+    it: faster on long prompts, and each score moves by up to about 2^-11 of its size. Decode windows and
+    CPU devices are not affected."""
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSection:

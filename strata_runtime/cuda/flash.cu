@@ -1,15 +1,16 @@
 // Causal flash attention for long prefill chunks (FlashAttention-2 style, fp16 tensor cores, fp32 softmax).
 //
-// One block of 4 warps per (KV head, tile of BM = 64 flattened query rows). Flattened row m = i * G + g is
+// One block of 4 warps per (KV head, tile of BM = 64 WT flattened query rows). Flattened row m = i * G + g is
 // query row i of the chunk (position pos0 + i) and query head kvh * G + g, so the G heads of one KV head share
-// every K/V tile a block loads. Each warp owns 16 rows; its q fragments (hi and lo parts) stay in registers.
-// Key tiles of BN = 64 positions stream through two shared buffers with cp.async: K and V of tile j + 1
-// load while tile j is computed. Per tile a warp computes
-// S = q_hi K^T + q_lo K^T (two m16n8k16 MMAs per step into one fp32 accumulator), masks keys past each
-// row's position (only in tiles that reach past the block's first row), updates the running max and sum,
-// rescales its fp32 output accumulator, and adds P V with P rounded to fp16 straight from the score
-// registers (the accumulator layout of S is the A-operand layout of P V). Tiles past the block's last row
-// are never loaded. Rows are normalised and written as fp16 at the end.
+// every K/V tile a block loads. Each warp owns WT tiles of 16 rows. With one tile its q fragments (hi and, if
+// split, lo parts) stay in registers; with two, the block's q sits in shared memory and is read with
+// ldmatrix at each step. Key tiles of BN positions stream through two shared buffers with cp.async: K and V
+// of tile j + 1 load while tile j is computed. Per tile a warp computes S = q_hi K^T (+ q_lo K^T: two
+// m16n8k16 MMAs per step into one fp32 accumulator when q is split), masks keys past each row's position
+// (only in tiles that reach past the block's first row), updates the running max and sum, rescales its fp32
+// output accumulator, and adds P V with P rounded to fp16 straight from the score registers (the
+// accumulator layout of S is the A-operand layout of P V). Tiles past the block's last row are never
+// loaded. Rows are normalised and written as fp16 at the end.
 //
 // Fragment layouts (PTX ISA, mma.m16n8k16 with .f16 inputs and .f32 accumulators; lane = 4 * gq + tq):
 //   A (16x16, row-major): reg0 (row gq, cols 2tq..+1), reg1 (row gq+8, same cols), reg2 (row gq, cols
@@ -18,6 +19,7 @@
 //   C (16x8 fp32): c0, c1 (row gq, cols 2tq, 2tq+1), c2, c3 (row gq+8, same cols).
 // K tiles are read with ldmatrix (rows = keys, so B = K^T), V tiles with ldmatrix.trans (rows = keys, so
 // B = V). Shared rows are padded to D + 8 halves, which puts the 8 rows an ldmatrix reads in distinct banks.
+// q from shared memory is read with ldmatrix as V is addressed, without .trans: A's four registers in order.
 //
 // Layouts: q_hi, q_lo, out [n, NQ, D] fp16; k_cache, v_cache [S, NKV, T, D] fp16, contiguous.
 
@@ -27,7 +29,7 @@
 
 namespace flash {
 
-inline constexpr int BM = 64, BN = 64, WARPS = 4, THREADS = WARPS * 32;
+inline constexpr int WARPS = 4, THREADS = WARPS * 32;
 
 // Shared-memory address of a generic pointer (inline PTX, so NVRTC needs no extra header).
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
@@ -77,7 +79,7 @@ __device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
 
 // Rows [0, BN) of a [T, D] fp16 matrix from row t0 into a padded shared tile; rows at or past `end` are zeros
 // (the cache past the chunk may hold anything, and 0 * NaN would poison P V).
-template <int D>
+template <int D, int BN>
 __device__ __forceinline__ void load_tile(half* dst, const half* __restrict__ src, int t0, int end) {
   constexpr int LD = D + 8, CH = D / 8;  // 16-byte chunks per row
 #pragma unroll
@@ -90,20 +92,29 @@ __device__ __forceinline__ void load_tile(half* dst, const half* __restrict__ sr
 
 }  // namespace flash
 
-// Grid (NKV, ceil(n G / BM)), 128 threads, shared_bytes(D) of dynamic shared memory. scale_log2 = scale *
+// The shape of one instantiation: head dim D, whether q arrives in two parts (SPLIT_Q: q_hi + q_lo, two
+// products over the keys) or as q_hi alone, WT tiles of 16 rows per warp (BM = 64 WT rows per block) and BN
+// keys per tile. A warp's rows share every K and V fragment it loads from shared memory, so WT = 2 halves
+// the shared-memory reads per tensor-core product; its q fragments then come from shared memory each step
+// instead of registers, which hold the two tiles' output accumulators.
+// Grid (NKV, ceil(n G / BM)), THREADS threads, shared_bytes of dynamic shared memory. scale_log2 = scale *
 // log2(e): softmax runs in base 2.
-template <int D>
+template <int D, bool SPLIT_Q, int WT, int BN>
 __global__ void __launch_bounds__(flash::THREADS, 2)
     flash_prefill(const half* __restrict__ q_hi, const half* __restrict__ q_lo, const half* __restrict__ kc,
                   const half* __restrict__ vc, half* __restrict__ out, int n, int NQ, int NKV, int G, int T,
                   int slot, int pos0, float scale_log2) {
   using namespace flash;
   static_assert(D % 16 == 0 && D <= 256, "head dim must be a multiple of 16, at most 256");
-  constexpr int LD = D + 8;  // shared row stride in halves
-  constexpr int KS = D / 16;  // k-steps of q K^T
-  constexpr int NT = BN / 8;  // 8-key column tiles of S
-  constexpr int DT = D / 8;   // 8-wide column tiles of the output
-  extern __shared__ __align__(16) half shared_tiles[];  // [2 buffers][K, V][BN][LD]
+  static_assert((WT == 1 || WT == 2) && BN % 16 == 0, "one or two row tiles per warp, key tiles of 16s");
+  constexpr int BM = WARPS * 16 * WT;  // flattened query rows per block
+  constexpr int LD = D + 8;            // shared row stride in halves
+  constexpr int KS = D / 16;           // k-steps of q K^T
+  constexpr int NT = BN / 8;           // 8-key column tiles of S
+  constexpr int DT = D / 8;            // 8-wide column tiles of the output
+  constexpr int QP = SPLIT_Q ? 2 : 1;  // parts of q
+  constexpr bool Q_SHARED = WT > 1;    // q fragments read from shared memory each step
+  extern __shared__ __align__(16) half shared_tiles[];  // [2 buffers][K, V][BN][LD], then [QP][BM][LD]
   constexpr int BUF = 2 * BN * LD;                      // halves per buffer
 
   const int kvh = blockIdx.x;
@@ -111,29 +122,46 @@ __global__ void __launch_bounds__(flash::THREADS, 2)
   const int rows = n * G;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3;
 
-  // This thread's two rows (gq and gq + 8 of the warp's 16): element offset in q/out, last visible key.
-  size_t off[2];
-  int lim[2];
-  bool live[2];
+  // This thread's rows (gq and gq + 8 of each of the warp's 16-row tiles): element offset in q/out, last
+  // visible key.
+  size_t off[WT][2];
+  int lim[WT][2];
+  bool live[WT][2];
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int m = m0 + warp * 16 + gq + 8 * r, i = m / G;
-    live[r] = m < rows;
-    off[r] = live[r] ? ((size_t)i * NQ + kvh * G + (m - i * G)) * D : 0;
-    lim[r] = pos0 + i;
-  }
-
-  // q fragments (A layout), zero for rows past the chunk.
-  unsigned qh[KS][4], ql[KS][4];
+  for (int u = 0; u < WT; ++u)
 #pragma unroll
-  for (int k = 0; k < KS; ++k)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int r = j & 1;
-      const size_t at = off[r] + k * 16 + (j >> 1) * 8 + 2 * tq;
-      qh[k][j] = live[r] ? *reinterpret_cast<const unsigned*>(q_hi + at) : 0u;
-      ql[k][j] = live[r] ? *reinterpret_cast<const unsigned*>(q_lo + at) : 0u;
+    for (int r = 0; r < 2; ++r) {
+      const int m = m0 + (warp * WT + u) * 16 + gq + 8 * r, i = m / G;
+      live[u][r] = m < rows;
+      off[u][r] = live[u][r] ? ((size_t)i * NQ + kvh * G + (m - i * G)) * D : 0;
+      lim[u][r] = pos0 + i;
     }
+
+  // q fragments (A layout), zero for rows past the chunk: in registers, or (Q_SHARED) the block's q tile in
+  // shared memory behind the K/V buffers, read with ldmatrix at every step.
+  unsigned qf[Q_SHARED ? 1 : WT * QP][Q_SHARED ? 1 : KS][4];
+  half* q_tile = shared_tiles + 2 * BUF;  // [QP][BM][LD]
+  if constexpr (Q_SHARED) {
+    constexpr int CH = D / 8;  // 16-byte chunks per row
+    for (int c = threadIdx.x; c < QP * BM * CH; c += THREADS) {
+      const int part = c / (BM * CH), rm = (c / CH) % BM, col = (c % CH) * 8, m = m0 + rm, i = m / G;
+      const bool valid = m < rows;
+      const half* src = part ? q_lo : q_hi;
+      cp_async16(q_tile + (part * BM + rm) * LD + col,
+                 valid ? src + ((size_t)i * NQ + kvh * G + (m - i * G)) * D + col : src, valid);
+    }
+  } else {
+#pragma unroll
+    for (int f = 0; f < WT * QP; ++f)
+#pragma unroll
+      for (int k = 0; k < KS; ++k)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int u = f / QP, r = j & 1;
+          const size_t at = off[u][r] + k * 16 + (j >> 1) * 8 + 2 * tq;
+          qf[f][k][j] = live[u][r] ? *reinterpret_cast<const unsigned*>((f % QP ? q_lo : q_hi) + at) : 0u;
+        }
+  }
 
   const int last_row = min(n - 1, (m0 + BM - 1) / G);
   const int end = pos0 + last_row + 1;                // keys [0, end) are visible to some row of the block
@@ -143,18 +171,23 @@ __global__ void __launch_bounds__(flash::THREADS, 2)
   const half* kg = kc + head;
   const half* vg = vc + head;
 
-  float o[DT][4];
+  float o[WT][DT][4];
 #pragma unroll
-  for (int t = 0; t < DT; ++t) o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.f;
-  float mx[2] = {FLASH_NEG_INF, FLASH_NEG_INF}, sum[2] = {0.f, 0.f};
+  for (int u = 0; u < WT; ++u)
+#pragma unroll
+    for (int t = 0; t < DT; ++t) o[u][t][0] = o[u][t][1] = o[u][t][2] = o[u][t][3] = 0.f;
+  float mx[WT][2], sum[WT][2];
+#pragma unroll
+  for (int u = 0; u < WT; ++u) mx[u][0] = mx[u][1] = FLASH_NEG_INF, sum[u][0] = sum[u][1] = 0.f;
 
   // ldmatrix addresses: lane supplies one row of one of four 8x8 matrices (matrix lane / 8).
   const int k_row = (lane & 7) + ((lane >> 4) << 3), k_col = ((lane >> 3) & 1) << 3;  // K: keys x dims
-  const int v_row = (lane & 7) + (((lane >> 3) & 1) << 3), v_col = (lane >> 4) << 3;  // V: keys x dims
+  const int v_row = (lane & 7) + (((lane >> 3) & 1) << 3), v_col = (lane >> 4) << 3;  // V, and q: rows x dims
 
-  // Tile j's K and V land in buffer j & 1 while tile j - 1 is computed from the other.
-  load_tile<D>(shared_tiles, kg, 0, end);
-  load_tile<D>(shared_tiles + BN * LD, vg, 0, end);
+  // Tile j's K and V land in buffer j & 1 while tile j - 1 is computed from the other (the q tile lands
+  // with tile 0).
+  load_tile<D, BN>(shared_tiles, kg, 0, end);
+  load_tile<D, BN>(shared_tiles + BN * LD, vg, 0, end);
   cp_async_commit();
   for (int j = 0; j < tiles; ++j) {
     const int t0 = j * BN;
@@ -162,87 +195,112 @@ __global__ void __launch_bounds__(flash::THREADS, 2)
     const half* vs = ks + BN * LD;
     if (j + 1 < tiles) {
       half* next = shared_tiles + ((j + 1) & 1) * BUF;
-      load_tile<D>(next, kg, t0 + BN, end);
-      load_tile<D>(next + BN * LD, vg, t0 + BN, end);
+      load_tile<D, BN>(next, kg, t0 + BN, end);
+      load_tile<D, BN>(next + BN * LD, vg, t0 + BN, end);
     }
     cp_async_commit();  // possibly empty, so that one wait count fits every tile
     cp_async_wait_one();  // tile j has landed
     __syncthreads();
 
-    // S[16 x BN] = (q_hi + q_lo) K^T, unscaled.
-    float s[NT][4];
+    // S[16 WT x BN] = (q_hi + q_lo) K^T, or q_hi K^T, unscaled. With both parts, q_hi's product goes into
+    // each accumulator first.
+    float s[WT][NT][4];
 #pragma unroll
-    for (int t = 0; t < NT; ++t) s[t][0] = s[t][1] = s[t][2] = s[t][3] = 0.f;
+    for (int u = 0; u < WT; ++u)
 #pragma unroll
-    for (int k = 0; k < KS; ++k)
+      for (int t = 0; t < NT; ++t) s[u][t][0] = s[u][t][1] = s[u][t][2] = s[u][t][3] = 0.f;
+#pragma unroll
+    for (int k = 0; k < KS; ++k) {
+      unsigned qs[Q_SHARED ? WT * QP : 1][4];
+      if constexpr (Q_SHARED) {
+#pragma unroll
+        for (int f = 0; f < WT * QP; ++f)
+          ldsm_x4(qs[f], q_tile + ((f % QP) * BM + (warp * WT + f / QP) * 16 + v_row) * LD + k * 16 + v_col);
+      }
 #pragma unroll
       for (int t = 0; t < NT; t += 2) {
         unsigned b[4];  // b[0..1]: keys t*8.., b[2..3]: keys t*8+8..
         ldsm_x4(b, ks + (t * 8 + k_row) * LD + k * 16 + k_col);
-        mma16816(s[t], qh[k], b[0], b[1]);
-        mma16816(s[t], ql[k], b[0], b[1]);
-        mma16816(s[t + 1], qh[k], b[2], b[3]);
-        mma16816(s[t + 1], ql[k], b[2], b[3]);
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int f = 0; f < WT * QP; ++f) {
+            if constexpr (Q_SHARED)
+              mma16816(s[f / QP][t + h], qs[f], b[2 * h], b[2 * h + 1]);
+            else
+              mma16816(s[f / QP][t + h], qf[f][k], b[2 * h], b[2 * h + 1]);
+          }
       }
+    }
     if (j >= mask_from) {
 #pragma unroll
-      for (int t = 0; t < NT; ++t)
+      for (int u = 0; u < WT; ++u)
 #pragma unroll
-        for (int e = 0; e < 4; ++e)
-          if (t0 + t * 8 + 2 * tq + (e & 1) > lim[e >> 1]) s[t][e] = FLASH_NEG_INF;
+        for (int t = 0; t < NT; ++t)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            if (t0 + t * 8 + 2 * tq + (e & 1) > lim[u][e >> 1]) s[u][t][e] = FLASH_NEG_INF;
     }
 
     // Online softmax per row; a row's max and sum are spread over the 4 lanes of its quad.
-    unsigned p[BN / 16][4];  // P in A layout, one fragment per 16 keys
+    unsigned p[WT][BN / 16][4];  // P in A layout, one fragment per 16 keys
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float m = mx[r];
+    for (int u = 0; u < WT; ++u)
 #pragma unroll
-      for (int t = 0; t < NT; ++t) m = fmaxf(m, fmaxf(s[t][2 * r], s[t][2 * r + 1]));
-      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-      // Tile 0 holds key 0, visible to every row, so m is finite; the guard keeps exp2 of -inf - -inf out.
-      const float ms = m == FLASH_NEG_INF ? 0.f : m * scale_log2;
-      const float alpha = exp2f(mx[r] * scale_log2 - ms);  // 0 on the first tile (mx = -inf)
-      mx[r] = m;
-      sum[r] *= alpha;
+      for (int r = 0; r < 2; ++r) {
+        float m = mx[u][r];
 #pragma unroll
-      for (int t = 0; t < DT; ++t) {
-        o[t][2 * r] *= alpha;
-        o[t][2 * r + 1] *= alpha;
+        for (int t = 0; t < NT; ++t) m = fmaxf(m, fmaxf(s[u][t][2 * r], s[u][t][2 * r + 1]));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+        // Tile 0 holds key 0, visible to every row, so m is finite; the guard keeps exp2 of -inf - -inf out.
+        const float ms = m == FLASH_NEG_INF ? 0.f : m * scale_log2;
+        const float alpha = exp2f(mx[u][r] * scale_log2 - ms);  // 0 on the first tile (mx = -inf)
+        mx[u][r] = m;
+        sum[u][r] *= alpha;
+#pragma unroll
+        for (int t = 0; t < DT; ++t) {
+          o[u][t][2 * r] *= alpha;
+          o[u][t][2 * r + 1] *= alpha;
+        }
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+          const float p0 = exp2f(s[u][t][2 * r] * scale_log2 - ms);
+          const float p1 = exp2f(s[u][t][2 * r + 1] * scale_log2 - ms);
+          sum[u][r] += p0 + p1;
+          // Key tile t is half (t & 1) of 16-key step t / 2: A regs 0/1 for the first half, 2/3 for the second.
+          p[u][t >> 1][((t & 1) << 1) + r] = pack_half2(p0, p1);
+        }
       }
-#pragma unroll
-      for (int t = 0; t < NT; ++t) {
-        const float p0 = exp2f(s[t][2 * r] * scale_log2 - ms), p1 = exp2f(s[t][2 * r + 1] * scale_log2 - ms);
-        sum[r] += p0 + p1;
-        // Key tile t is half (t & 1) of 16-key step t / 2: A regs 0/1 for the first half, 2/3 for the second.
-        p[t >> 1][((t & 1) << 1) + r] = pack_half2(p0, p1);
-      }
-    }
 
-    // O[16 x D] += P[16 x BN] V[BN x D].
+    // O[16 WT x D] += P[16 WT x BN] V[BN x D].
 #pragma unroll
     for (int k = 0; k < BN / 16; ++k)
 #pragma unroll
       for (int t = 0; t < DT; t += 2) {
         unsigned b[4];  // b[0..1]: dims t*8.., b[2..3]: dims t*8+8..
         ldsm_x4_trans(b, vs + (k * 16 + v_row) * LD + t * 8 + v_col);
-        mma16816(o[t], p[k], b[0], b[1]);
-        mma16816(o[t + 1], p[k], b[2], b[3]);
+#pragma unroll
+        for (int u = 0; u < WT; ++u) {
+          mma16816(o[u][t], p[u][k], b[0], b[1]);
+          mma16816(o[u][t + 1], p[u][k], b[2], b[3]);
+        }
       }
     __syncthreads();  // every warp is done with tile j before tile j + 2 overwrites its buffer
   }
 
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float z = sum[r];
-    z += __shfl_xor_sync(0xffffffffu, z, 1);
-    z += __shfl_xor_sync(0xffffffffu, z, 2);
-    if (!live[r]) continue;
-    const float inv = 1.f / z;
+  for (int u = 0; u < WT; ++u)
 #pragma unroll
-    for (int t = 0; t < DT; ++t)
-      *reinterpret_cast<half2*>(out + off[r] + t * 8 + 2 * tq) =
-          __floats2half2_rn(o[t][2 * r] * inv, o[t][2 * r + 1] * inv);
-  }
+    for (int r = 0; r < 2; ++r) {
+      float z = sum[u][r];
+      z += __shfl_xor_sync(0xffffffffu, z, 1);
+      z += __shfl_xor_sync(0xffffffffu, z, 2);
+      if (!live[u][r]) continue;
+      const float inv = 1.f / z;
+#pragma unroll
+      for (int t = 0; t < DT; ++t)
+        *reinterpret_cast<half2*>(out + off[u][r] + t * 8 + 2 * tq) =
+            __floats2half2_rn(o[u][t][2 * r] * inv, o[u][t][2 * r + 1] * inv);
+    }
 }

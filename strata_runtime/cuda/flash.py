@@ -5,16 +5,22 @@ values are already in the KV cache. Row i of query head h attends to keys [0, po
 
     out[i, h D : (h + 1) D] = sum_t softmax_t(scale * q[i, h] . k[t]) v[t]
 
-The kernel never stores the scores. A block of 4 warps takes 64 flattened rows m = i G + g (query row i,
-head kvh G + g) of one KV head, so the G heads of that KV head share every K/V tile; tiles of 64 keys stream
-through shared memory, each warp computes its 16 x 64 scores on tensor cores (fp16 inputs, fp32
-accumulation), updates a running max and sum per row (fp32 online softmax, base 2), rescales its fp32
-output accumulator and adds P V with P in fp16. Key tiles past the block's last row are skipped; keys past
-a row's position are masked only in the tiles that reach past the block's first row.
+The kernel never stores the scores. A block of 4 warps takes 64 or 128 flattened rows m = i G + g (query
+row i, head kvh G + g) of one KV head, so the G heads of that KV head share every K/V tile; tiles of keys
+stream through shared memory, each warp computes the scores of its 16 or 32 rows on tensor cores (fp16
+inputs, fp32 accumulation), updates a running max and sum per row (fp32 online softmax, base 2), rescales
+its fp32 output accumulator and adds P V with P in fp16. Key tiles past the block's last row are skipped;
+keys past a row's position are masked only in the tiles that reach past the block's first row.
 
-q arrives as two fp16 parts, q = q_hi + q_lo, and the scores are q_hi . k + q_lo . k in one fp32
-accumulator: fp16 q alone would move each score by about |score| 2^-11, which for sharp heads shifts the
-weights by percents.
+q arrives in one of two precisions (`tile_shape` gives each one's tiling):
+
+* two fp16 parts, q = q_hi + q_lo, and the scores are q_hi . k + q_lo . k in one fp32 accumulator, so
+  they keep q's fp32 precision: fp16 q alone moves each score by up to about |score| 2^-11, which for the
+  large scores of sharp heads shifts the weights by percents. The second product costs a third of the
+  kernel's tensor-core work.
+* q_hi alone (``q_lo`` None): q rounded to fp16, as FlashAttention and llama.cpp compute prompt attention.
+  One product over the keys, and each warp takes two 16-row tiles that share every K and V fragment it
+  reads.
 
 Layouts: q_hi, q_lo [n, NQ, D] fp16; k_cache, v_cache [S, NKV, T, D] fp16; out [n, NQ D] fp16.
 Letters: n rows of the chunk, NQ query heads, NKV KV heads, G = NQ / NKV, D head dim, T cache positions,
@@ -36,52 +42,73 @@ from ..reference.flash import check_args
 from .compile import KernelCache, source
 
 _SOURCE = source("flash.cu")
-BLOCK_ROWS = 64  # flattened query rows per block; flash.cu's BM
-BLOCK_KEYS = 64  # keys per tile; flash.cu's BN
 THREADS = 128
 _LOG2E = 1.4426950408889634
 
 
-def kernel_expr(head_dim: int) -> str:
-    return f"flash_prefill<{head_dim}>"
+def tile_shape(head_dim: int, split_q: bool) -> tuple[int, int]:
+    """(16-row tiles per warp, keys per tile) of the instantiation for ``head_dim``: with q in two parts,
+    one tile and 64 keys; with fp16 q, two tiles per warp, which share every K and V fragment the warp reads
+    from shared memory, over 32 keys at head dim 128 (64 would spill registers) and 64 below."""
+    if split_q:
+        return 1, 64
+    return 2, 32 if head_dim > 64 else 64
 
 
-def shared_bytes(head_dim: int) -> int:
-    """Dynamic shared memory of a block: K and V of two key tiles, rows padded to D + 8 halves."""
-    return 2 * 2 * BLOCK_KEYS * (head_dim + 8) * 2
+def block_rows(head_dim: int, split_q: bool = True) -> int:
+    """Flattened query rows per block: 4 warps of 16-row tiles."""
+    return 4 * 16 * tile_shape(head_dim, split_q)[0]
+
+
+def kernel_expr(head_dim: int, split_q: bool = True) -> str:
+    wt, bn = tile_shape(head_dim, split_q)
+    return f"flash_prefill<{head_dim}, {'true' if split_q else 'false'}, {wt}, {bn}>"
+
+
+def shared_bytes(head_dim: int, split_q: bool = True) -> int:
+    """Dynamic shared memory of a block: K and V of two key tiles, and with two row tiles per warp the
+    block's q (each part); rows padded to D + 8 halves."""
+    wt, bn = tile_shape(head_dim, split_q)
+    row = (head_dim + 8) * 2
+    q_rows = (2 if split_q else 1) * block_rows(head_dim, split_q) if wt > 1 else 0
+    return (2 * 2 * bn + q_rows) * row
 
 
 @cache
 def flash_kernels_for(device_id: int) -> KernelCache:
-    """The flash kernels of CUDA device ``device_id``, one instantiation per head dim (`kernel_expr`)."""
+    """The flash kernels of CUDA device ``device_id``, one instantiation per head dim and q precision
+    (`kernel_expr`)."""
     with cupy_module().cuda.Device(device_id):
         return KernelCache(_SOURCE)
 
 
 def flash_prefill(
-    q_hi: Any, q_lo: Any, k_cache: Any, v_cache: Any, slot: int, pos0: int, scale: float, out: Any
+    q_hi: Any, q_lo: Any | None, k_cache: Any, v_cache: Any, slot: int, pos0: int, scale: float, out: Any
 ) -> None:
     """out [n, NQ D] fp16 = causal attention of the chunk's rows (positions pos0..pos0 + n - 1) over keys
-    [0, their position] of ``slot``. CuPy arrays on one device; allocates nothing (graph-capturable)."""
+    [0, their position] of ``slot``; q = q_hi + q_lo, or q_hi alone when ``q_lo`` is None. CuPy arrays on
+    one device; allocates nothing (graph-capturable)."""
     import cupy as cp
 
     n, nq, nkv, d = check_args(q_hi, q_lo, k_cache, v_cache, slot, pos0, out)
     device = q_hi.device.id
+    split_q = q_lo is not None
     for name, a in (("q_lo", q_lo), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
-        if a.device.id != device:
+        if a is not None and a.device.id != device:
             raise ValueError(f"{name} is on device {a.device.id}, q_hi on device {device}")
     g = nq // nkv
-    tiles = math.ceil(n * g / BLOCK_ROWS)
+    tiles = math.ceil(n * g / block_rows(d, split_q))
     if tiles > 65535:
         raise ValueError(f"q_hi: {n} rows x {g} heads per KV head is more than one launch takes")
     t = k_cache.shape[2]
     with cp.cuda.Device(device):
-        flash_kernels_for(device).fn_with_shared(kernel_expr(d), shared_bytes(d))(
+        smem = shared_bytes(d, split_q)
+        flash_kernels_for(device).fn_with_shared(kernel_expr(d, split_q), smem)(
             (nkv, tiles),
             (THREADS,),
             (
                 q_hi,
-                q_lo,
+                q_lo if split_q else q_hi,  # never read without the split
                 k_cache,
                 v_cache,
                 out,
@@ -94,5 +121,5 @@ def flash_prefill(
                 np.int32(pos0),
                 np.float32(scale * _LOG2E),
             ),
-            shared_mem=shared_bytes(d),
+            shared_mem=smem,
         )

@@ -57,7 +57,12 @@ class CudaPrefill:
     """Long prefill chunks through the layers (and KV) of a `LayerStack`."""
 
     def __init__(
-        self, stack: LayerStack, flash: bool = True, experts: ExpertSlice | None = None, grouped: bool = True
+        self,
+        stack: LayerStack,
+        flash: bool = True,
+        experts: ExpertSlice | None = None,
+        grouped: bool = True,
+        split_q: bool = True,
     ) -> None:
         """``flash``: attention through the fused kernel of `strata_runtime.cuda.flash` where it has the head
         dim; otherwise (or with False) through cuBLAS products over materialised scores. ``grouped``: the
@@ -65,7 +70,9 @@ class CudaPrefill:
         allows; otherwise (or with False) through cuBLAS products over groups padded to the largest, whose
         size is read on the host. ``experts``: the
         stage's expert cache, when its experts do not all fit (then each routed expert is one product, read
-        from its VRAM or helper slot, or copied from host memory into a staging buffer first)."""
+        from its VRAM or helper slot, or copied from host memory into a staging buffer first). ``split_q``:
+        the flash kernel reads q as two fp16 parts (False: q_hi alone, fp16 q; see
+        `strata_runtime.cuda.flash`)."""
         self.stack, self.args, self.kern = stack, stack.args, stack.kern
         self.experts = experts if experts is not None and experts.store.cached else None
         self._sparse_index = {
@@ -74,6 +81,7 @@ class CudaPrefill:
         self._staging: tuple[cp.ndarray, cp.ndarray] | None = None
         self.device_id = stack.device_id
         self.flash = flash and self.args.head_dim in HEAD_DIMS
+        self.split_q = split_q
         a = self.args
         self.grouped = (
             grouped_kernels_for(self.device_id)
@@ -84,7 +92,7 @@ class CudaPrefill:
         if self.grouped is not None:
             self.grouped.prepare_all()
         if self.flash:
-            flash_kernels_for(self.device_id).prepare([kernel_expr(self.args.head_dim)])
+            flash_kernels_for(self.device_id).prepare([kernel_expr(self.args.head_dim, split_q)])
         with cp.cuda.Device(self.device_id):
             # The router in fp32, so that routing reads fp32 rows as the decode kernels do (a flipped
             # top-k choice would change a row's output far more than rounding elsewhere does).
@@ -132,7 +140,8 @@ class CudaPrefill:
         qkv = matmul_nt(x, lay.qkv, cp.empty((n_rows, lay.qkv.shape[0]), cp.float32))  # [n, (N + 2K) D]
         # q as two fp16 parts, q = hi + lo: fp16 alone would move a score by |score| * 2^-11, which for
         # the large scores of sharp heads changes their weights by percents; the split keeps q's fp32
-        # precision for one more product over the keys.
+        # precision for one more product over the keys. Without split_q the flash kernel reads hi alone
+        # (the products over materialised scores, for other head dims, always take both parts).
         hi, lo = cp.empty((n_rows, nq, d), cp.float16), cp.empty((n_rows, nq, d), cp.float16)
         kern.qk_norm_rope_split(
             qkv, lay.q_norm, lay.k_norm, pos, slot, hi, lo, kc, vc, a.rope_theta, a.rms_norm_eps
@@ -142,7 +151,8 @@ class CudaPrefill:
         if self.flash:  # each segment is one slot's consecutive positions
             for seg in layout.segments:
                 rows = slice(seg.row, seg.row + seg.n)
-                flash_prefill(hi[rows], lo[rows], kc, vc, seg.slot, seg.pos, scale, out[rows])
+                q_lo = lo[rows] if self.split_q else None
+                flash_prefill(hi[rows], q_lo, kc, vc, seg.slot, seg.pos, scale, out[rows])
             matmul_nt(out, lay.o, resid, beta=1.0)  # resid [n, H] += out @ o^T
             return
         for seg in layout.segments:

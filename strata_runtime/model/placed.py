@@ -313,6 +313,7 @@ class Model:
                         policy=Policy(adapt=plan.experts.adapt),
                         shared=shared,
                         helpers=helpers[sp.index],
+                        prefill_split_q=plan.model.prefill_q == "split",
                     )
                 )
             except MemoryError as exc:  # CuPy's OutOfMemoryError is one

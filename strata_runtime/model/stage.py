@@ -90,15 +90,19 @@ class Stage:
         policy: Policy | None = None,
         shared: StageWeights | None = None,
         helpers: Sequence[tuple[Device, int]] = (),
+        prefill_split_q: bool = True,
     ) -> None:
         """``routing``: every slot's calibrated-routing tables (host), or None for the model's own router.
         ``expert_slots``: VRAM slots for the routed experts of these layers when they do not all fit
         (their tensors in ``tensors`` are then host arrays, the host tier); None: all resident.
         ``shared``: these tensors as other models of the same stage layout share them; the first stage built
         on them makes the expert cache, the others read the same one. ``helpers``: the cache's second tier,
-        (device, slots) on each helper or peer device (`strata_runtime.model.placed.helper_slots`)."""
+        (device, slots) on each helper or peer device (`strata_runtime.model.placed.helper_slots`).
+        ``prefill_split_q``: prompt attention on a CUDA device holds q as two fp16 parts (False: fp16 q,
+        ``model.prefill_q``)."""
         self.index, self.device, self.layer_range, self.args = index, device, layers, args
         self.routing = routing
+        self.prefill_split_q = prefill_split_q
         self.first, self.last = first, last
         self.layers = [
             DecoderLayer(tensors, f"model.layers.{i}.", args, args.is_sparse(i)) for i in range(*layers)
@@ -174,7 +178,7 @@ class Stage:
         lm_head = self.lm_head if self.last else None
         gemv = ops.head_gemv_shapes(*lm_head.shape) if lm_head is not None else ()
         self.cuda = decode.CudaLayers(stack, gemv)
-        self.cuda_prefill = prefill.CudaPrefill(stack, experts=main)
+        self.cuda_prefill = prefill.CudaPrefill(stack, experts=main, split_q=self.prefill_split_q)
         if self.last:
             self.cuda_head = head.CudaHead(gpu, self.norm, self.lm_head, eps)
 

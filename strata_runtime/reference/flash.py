@@ -5,9 +5,9 @@ values are already in the KV cache. Row i of query head h attends to keys [0, po
 
     out[i, h D : (h + 1) D] = sum_t softmax_t(scale * q[i, h] . k[t]) v[t]
 
-with q = q_hi + q_lo given as two fp16 parts. Layouts: q_hi, q_lo [n, NQ, D] fp16; k_cache, v_cache
-[S, NKV, T, D] fp16; out [n, NQ D]. `check_args` is the argument contract the kernel and this reference
-share.
+with q = q_hi + q_lo given as two fp16 parts, or q = q_hi when q_lo is None. Layouts: q_hi, q_lo
+[n, NQ, D] fp16; k_cache, v_cache [S, NKV, T, D] fp16; out [n, NQ D]. `check_args` is the argument contract
+the kernel and this reference share.
 """
 
 from __future__ import annotations
@@ -30,7 +30,14 @@ def _check(name: str, a: Any, shape: tuple[int, ...], half: bool = True) -> None
 
 
 def check_args(
-    q_hi: Any, q_lo: Any, k_cache: Any, v_cache: Any, slot: int, pos0: int, out: Any, half_out: bool = True
+    q_hi: Any,
+    q_lo: Any | None,
+    k_cache: Any,
+    v_cache: Any,
+    slot: int,
+    pos0: int,
+    out: Any,
+    half_out: bool = True,
 ) -> tuple[int, int, int, int]:
     """(n, NQ, NKV, D) of a valid call; ValueError naming the first argument that does not fit. ``out``
     may be of any dtype when not ``half_out``."""
@@ -41,7 +48,8 @@ def check_args(
         raise ValueError(f"k_cache must be [S, NKV, T, D], not shape {tuple(k_cache.shape)}")
     s, nkv, t, _ = k_cache.shape
     _check("q_hi", q_hi, (n, nq, d))
-    _check("q_lo", q_lo, (n, nq, d))
+    if q_lo is not None:
+        _check("q_lo", q_lo, (n, nq, d))
     _check("k_cache", k_cache, (s, nkv, t, d))
     _check("v_cache", v_cache, (s, nkv, t, d))
     _check("out", out, (n, nq * d), half_out)
@@ -60,7 +68,7 @@ def check_args(
 
 def flash_prefill(
     q_hi: np.ndarray,
-    q_lo: np.ndarray,
+    q_lo: np.ndarray | None,
     k_cache: np.ndarray,
     v_cache: np.ndarray,
     slot: int,
@@ -72,7 +80,9 @@ def flash_prefill(
     softmax per row), written into ``out`` [n, NQ D] of any float dtype."""
     n, nq, nkv, d = check_args(q_hi, q_lo, k_cache, v_cache, slot, pos0, out, half_out=False)
     g = nq // nkv
-    q = q_hi.astype(np.float64) + q_lo.astype(np.float64)  # [n, NQ, D]
+    q = q_hi.astype(np.float64)  # [n, NQ, D]
+    if q_lo is not None:
+        q = q + q_lo.astype(np.float64)
     length = pos0 + n
     keys = k_cache[slot, :, :length].astype(np.float64)  # [NKV, L, D]
     values = v_cache[slot, :, :length].astype(np.float64)  # [NKV, L, D]
