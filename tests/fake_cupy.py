@@ -226,6 +226,10 @@ class _Runtime:
     def memGetInfo(self) -> tuple[int, int]:  # noqa: N802
         return (80 << 30, 80 << 30)
 
+    def getDeviceProperties(self, device: int) -> dict[str, Any]:  # noqa: N802
+        """An H200's, as far as the CUDA path asks."""
+        return {"major": 9, "minor": 0, "name": b"NVIDIA H200", "sharedMemPerMultiprocessor": 233472}
+
     hostAllocPortable, hostAllocMapped = 1, 2  # noqa: N815
 
     def hostAlloc(self, size: int, flags: int) -> int:  # noqa: N802

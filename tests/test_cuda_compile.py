@@ -21,7 +21,7 @@ import pytest
 from strata_cfg.schema.presets import preset_config, preset_names
 from strata_runtime.cuda import grouped, routing
 from strata_runtime.cuda.compile import OPTIONS, source
-from strata_runtime.cuda.flash import kernel_expr, shared_bytes
+from strata_runtime.cuda.flash import HOPPER_SM_SHARED, NARROW, kernel_expr, shared_bytes, tile_shape
 from strata_runtime.cuda.layers import MIN_COMPUTE_CAPABILITY, supported
 from strata_runtime.cuda.ops import decode_expressions, mtp_gemv_shapes, prefill_expressions
 from strata_runtime.models.qwen3_moe import ModelArgs
@@ -71,8 +71,10 @@ def _check(
     return kernels
 
 
-FLASH_EXPRESSIONS = [kernel_expr(d, split_q) for d in HEAD_DIMS for split_q in (True, False)]
-"""Every flash instantiation: each head dim, q in two parts and fp16 q."""
+FLASH_EXPRESSIONS = sorted(
+    {kernel_expr(d, q, sm) for d in HEAD_DIMS for q in (True, False) for sm in (HOPPER_SM_SHARED, 0)}
+)
+"""Every flash instantiation: each head dim, q in two parts and fp16 q, Hopper's shape and the narrow one."""
 
 
 def test_the_decode_kernels_compile_for_every_preset_without_spilling() -> None:
@@ -88,11 +90,16 @@ def test_the_decode_kernels_compile_for_every_preset_without_spilling() -> None:
 def test_the_prefill_and_routing_kernels_compile_without_spilling() -> None:
 
     _check("flash.cu", FLASH_EXPRESSIONS, OPTIONS)
-    # Two blocks per SM (the kernel's launch bounds) fit in the 164 KiB of shared memory an Ampere SM has,
-    # 1 KiB of each block's reserved by the hardware.
+    # The narrow shape launches on every GPU from Ampere on (99 KiB of shared memory a block on the
+    # consumer chips), two blocks to an A100's SM (164 KiB, 1 KiB of each block's the hardware's); the
+    # wide one fits two blocks to a Hopper SM.
     for d in HEAD_DIMS:
         for split_q in (True, False):
-            assert 2 * (shared_bytes(d, split_q) + 1024) <= 164 * 1024, (d, split_q)
+            assert tile_shape(d, split_q, 0) == NARROW
+            assert 2 * (shared_bytes(d, split_q, 0) + 1024) <= 164 * 1024, (d, split_q)
+            assert 2 * (shared_bytes(d, split_q) + 1024) <= HOPPER_SM_SHARED, (d, split_q)
+    assert tile_shape(128, True) == tile_shape(128, False) == (2, 32)  # what the H200 figures measure
+    assert tile_shape(128, False, 164 * 1024) == (2, 32) and tile_shape(128, True, 164 * 1024) == NARROW
     _check("grouped.cu", grouped.expressions(), OPTIONS)
     _check("routing.cu", [routing.KERNEL], routing.EXACT_OPTIONS)
 

@@ -35,8 +35,18 @@ def run_kernel(cp, hi, lo, kc, vc, slot, pos0, scale) -> np.ndarray:
 
 
 PRECISIONS = pytest.mark.parametrize("split_q", [True, False], ids=["split-q", "fp16-q"])
-"""Each test runs both instantiations: q in two parts (one 16-row tile per warp, 64 keys a tile) and fp16 q
-(two tiles per warp, q read from shared memory, 32 keys a tile at head dim 128)."""
+"""Each test runs both precisions: q in two parts, and fp16 q."""
+
+
+@pytest.fixture(params=["wide", "narrow"], autouse=True)
+def shape(request, monkeypatch):
+    """Each test runs both shapes: the one the GPU's shared memory allows (two 16-row tiles per warp on
+    Hopper), and `NARROW` (one tile, 64 keys), which GPUs with less shared memory per SM run."""
+    from strata_runtime.cuda import flash
+
+    if request.param == "narrow":
+        monkeypatch.setattr(flash, "sm_shared_bytes", lambda device_id: 0)
+    return request.param
 
 
 @PRECISIONS

@@ -12,15 +12,16 @@ inputs, fp32 accumulation), updates a running max and sum per row (fp32 online s
 its fp32 output accumulator and adds P V with P in fp16. Key tiles past the block's last row are skipped;
 keys past a row's position are masked only in the tiles that reach past the block's first row.
 
-q arrives in one of two precisions (`tile_shape` gives each one's tiling):
+On a GPU whose SMs hold two blocks of it in shared memory (Hopper), each warp takes two 16-row tiles that
+share every K and V fragment it reads, with the block's q in shared memory; elsewhere one tile of 16 rows
+and 64 keys (`tile_shape`). q arrives in one of two precisions:
 
 * two fp16 parts, q = q_hi + q_lo, and the scores are q_hi . k + q_lo . k in one fp32 accumulator, so
   they keep q's fp32 precision: fp16 q alone moves each score by up to about |score| 2^-11, which for the
   large scores of sharp heads shifts the weights by percents. The second product costs a third of the
   kernel's tensor-core work.
-* q_hi alone (``q_lo`` None): q rounded to fp16, as FlashAttention and llama.cpp compute prompt attention.
-  One product over the keys, and each warp takes two 16-row tiles that share every K and V fragment it
-  reads.
+* q_hi alone (``q_lo`` None): q rounded to fp16, as FlashAttention and llama.cpp compute prompt attention:
+  one product over the keys.
 
 Layouts: q_hi, q_lo [n, NQ, D] fp16; k_cache, v_cache [S, NKV, T, D] fp16; out [n, NQ D] fp16.
 Letters: n rows of the chunk, NQ query heads, NKV KV heads, G = NQ / NKV, D head dim, T cache positions,
@@ -46,32 +47,53 @@ THREADS = 128
 _LOG2E = 1.4426950408889634
 
 
-def tile_shape(head_dim: int, split_q: bool) -> tuple[int, int]:
-    """(16-row tiles per warp, keys per tile) of the instantiation for ``head_dim``: with q in two parts,
-    one tile and 64 keys; with fp16 q, two tiles per warp, which share every K and V fragment the warp reads
-    from shared memory, over 32 keys at head dim 128 (64 would spill registers) and 64 below."""
-    if split_q:
-        return 1, 64
-    return 2, 32 if head_dim > 64 else 64
+NARROW = (1, 64)
+"""(16-row tiles per warp, keys per tile) of the shape every GPU from Ampere on runs: 70 KiB of shared memory
+a block at head dim 128."""
+
+HOPPER_SM_SHARED = 228 * 1024
+"""Shared memory of one Hopper SM (H100, H200), in bytes: what the shapes were measured on."""
 
 
-def block_rows(head_dim: int, split_q: bool = True) -> int:
+def tile_shape(head_dim: int, split_q: bool, sm_shared: int = HOPPER_SM_SHARED) -> tuple[int, int]:
+    """(16-row tiles per warp, keys per tile) of the instantiation for ``head_dim`` on a GPU whose SMs have
+    ``sm_shared`` bytes of shared memory. Two tiles per warp share every K and V fragment the warp reads from
+    shared memory, over 32 keys at head dim 128 (64 would spill registers) and 64 below, with the block's q
+    in shared memory; they are taken where two such blocks fit in an SM (the kernel's launch bounds),
+    otherwise `NARROW`."""
+    wide = (2, 32 if head_dim > 64 else 64)
+    if 2 * (_shared(head_dim, split_q, *wide) + 1024) <= sm_shared:  # 1 KiB a block is the hardware's
+        return wide
+    return NARROW
+
+
+def _shared(head_dim: int, split_q: bool, wt: int, bn: int) -> int:
+    row = (head_dim + 8) * 2  # a shared row, padded to D + 8 halves
+    q_rows = (2 if split_q else 1) * 64 * wt if wt > 1 else 0
+    return (2 * 2 * bn + q_rows) * row
+
+
+def block_rows(head_dim: int, split_q: bool = True, sm_shared: int = HOPPER_SM_SHARED) -> int:
     """Flattened query rows per block: 4 warps of 16-row tiles."""
-    return 4 * 16 * tile_shape(head_dim, split_q)[0]
+    return 4 * 16 * tile_shape(head_dim, split_q, sm_shared)[0]
 
 
-def kernel_expr(head_dim: int, split_q: bool = True) -> str:
-    wt, bn = tile_shape(head_dim, split_q)
+def kernel_expr(head_dim: int, split_q: bool = True, sm_shared: int = HOPPER_SM_SHARED) -> str:
+    wt, bn = tile_shape(head_dim, split_q, sm_shared)
     return f"flash_prefill<{head_dim}, {'true' if split_q else 'false'}, {wt}, {bn}>"
 
 
-def shared_bytes(head_dim: int, split_q: bool = True) -> int:
+def shared_bytes(head_dim: int, split_q: bool = True, sm_shared: int = HOPPER_SM_SHARED) -> int:
     """Dynamic shared memory of a block: K and V of two key tiles, and with two row tiles per warp the
-    block's q (each part); rows padded to D + 8 halves."""
-    wt, bn = tile_shape(head_dim, split_q)
-    row = (head_dim + 8) * 2
-    q_rows = (2 if split_q else 1) * block_rows(head_dim, split_q) if wt > 1 else 0
-    return (2 * 2 * bn + q_rows) * row
+    block's q (each part)."""
+    return _shared(head_dim, split_q, *tile_shape(head_dim, split_q, sm_shared))
+
+
+@cache
+def sm_shared_bytes(device_id: int) -> int:
+    """Shared memory of one SM of CUDA device ``device_id``, in bytes."""
+    props = cupy_module().cuda.runtime.getDeviceProperties(device_id)
+    return int(props["sharedMemPerMultiprocessor"])
 
 
 @cache
@@ -97,13 +119,14 @@ def flash_prefill(
         if a is not None and a.device.id != device:
             raise ValueError(f"{name} is on device {a.device.id}, q_hi on device {device}")
     g = nq // nkv
-    tiles = math.ceil(n * g / block_rows(d, split_q))
+    sm = sm_shared_bytes(device)
+    tiles = math.ceil(n * g / block_rows(d, split_q, sm))
     if tiles > 65535:
         raise ValueError(f"q_hi: {n} rows x {g} heads per KV head is more than one launch takes")
     t = k_cache.shape[2]
     with cp.cuda.Device(device):
-        smem = shared_bytes(d, split_q)
-        flash_kernels_for(device).fn_with_shared(kernel_expr(d, split_q), smem)(
+        smem = shared_bytes(d, split_q, sm)
+        flash_kernels_for(device).fn_with_shared(kernel_expr(d, split_q, sm), smem)(
             (nkv, tiles),
             (THREADS,),
             (

@@ -35,7 +35,7 @@ from ..reference.flash import HEAD_DIMS
 from ..reference.grouped import max_tiles, supported
 from .blas import matmul_nn, matmul_nt
 from .experts import ExpertSlice
-from .flash import flash_kernels_for, flash_prefill, kernel_expr
+from .flash import flash_kernels_for, flash_prefill, kernel_expr, sm_shared_bytes
 from .grouped import grouped_kernels_for
 from .layers import LayerStack, LayerWeights
 from .ops import padded_keys, prefill_expressions
@@ -92,7 +92,8 @@ class CudaPrefill:
         if self.grouped is not None:
             self.grouped.prepare_all()
         if self.flash:
-            flash_kernels_for(self.device_id).prepare([kernel_expr(self.args.head_dim, split_q)])
+            expr = kernel_expr(self.args.head_dim, split_q, sm_shared_bytes(self.device_id))
+            flash_kernels_for(self.device_id).prepare([expr])
         with cp.cuda.Device(self.device_id):
             # The router in fp32, so that routing reads fp32 rows as the decode kernels do (a flipped
             # top-k choice would change a row's output far more than rounding elsewhere does).
