@@ -122,6 +122,18 @@ def test_the_plan_text_shows_a_lone_prompts_longer_chunk():
     assert "prefill chunk 256 (1024 for a prompt alone)" in plan_text(longer)
 
 
+def test_prefill_q_is_split_unless_asked_and_the_plan_text_names_fp16():
+    from strata_cfg.report.plan_text import plan_text
+
+    path = rule_file("memory.prefill-chunk-alone-floor")
+    plan = plan_of(path)
+    assert plan.model.prefill_q == "split" and plan.settings["model.prefill_q"].source.kind == "default"
+    assert "fp16 q" not in plan_text(plan)
+    fast = plan_of(path, [("model.prefill_q", "fp16")])
+    assert fast.model.prefill_q == "fp16" and fast.settings["model.prefill_q"].source.kind == "user"
+    assert ", prompt attention with fp16 q\n" in plan_text(fast)
+
+
 def test_spec_needs_mtp_weights_turns_drafting_off():
     plan = plan_of(rule_file("spec.needs-mtp-weights"))
     assert not plan.model.facts.has_mtp
