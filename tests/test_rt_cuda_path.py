@@ -381,6 +381,44 @@ def test_sampled_drafting_on_the_cuda_path_takes_every_distribution_from_the_ker
     assert tokens and (proposed == 0 or shapes)
 
 
+def test_host_launched_drafts_decided_on_the_device_are_drawn_by_the_draw_launcher(fake_gpu, monkeypatch):
+    """A host-launched window decided on the device (`speculative.draft` with ``on_device``) draws each
+    sampled proposal through the ``inverse_cdf_rows`` launcher (its NumPy twin here), as windows decided on
+    the device do, never by the rule's array steps; a host draw keeps its q instead, and both give the same
+    tokens at the same uniforms."""
+    from strata_runtime.api import SamplingParams
+    from strata_runtime.engine import speculative
+    from strata_runtime.engine.sampling import Sampler
+    from strata_runtime.model import Model, stage
+    from strata_runtime.reference import kernels as reference
+
+    draws: list[int] = []
+    twin = reference.inverse_cdf
+
+    def counted(probs, *args):
+        draws.append(probs.shape[0])
+        twin(probs, *args)
+
+    def array_steps(*args, **kw):
+        raise AssertionError("a draw on the CUDA path ran the rule's array steps")
+
+    monkeypatch.setattr(reference, "inverse_cdf", counted)
+    monkeypatch.setattr(stage, "inverse_cdf", array_steps)
+    model = Model.from_plan(_plan("cuda", "tiny", draft_tokens=4))
+    prompt = np.array([72, 101, 108, 108, 111, 32, 119])
+    normed = model.forward(prompt, Layout.of([(0, len(prompt), 0)]))
+    speculative.commit(model, 0, 0, len(prompt), normed, [*prompt[1:].tolist(), 111], tracked=True)
+    drafter = model.drafters[0]
+    kept = drafter.length
+    sampling = SamplingParams(temperature=1.3, top_k=40, top_p=0.95)
+    on_host = speculative.draft(model, 0, 111, 3, Sampler(sampling, 9), on_device=False)
+    drafter.rewind(kept)
+    assert not draws and len(on_host.q) == 3
+    on_device = speculative.draft(model, 0, 111, 3, Sampler(sampling, 9), on_device=True)
+    assert draws == [1, 1, 1] and not on_device.q
+    assert on_device.tokens == on_host.tokens
+
+
 def test_no_window_waits_for_a_gemv_to_compile(fake_gpu):
     """Every GEMV a window launches (the layers', the LM head's on normalised rows, the MTP head's input
     projections) at every row count the engine runs (solo drafting, serial and batch-MTP windows, greedy

@@ -21,7 +21,7 @@ from strata_cfg.schema.plan import DEFAULT_DRAFT_FLOOR
 
 from ..backend import Array, Device
 from ..layout import Layout
-from ..model import Model, inverse_cdf
+from ..model import Model
 from .depth import Holds, WindowCosts, best_depth, worth_switching
 from .sampling import Sampler, distribution
 
@@ -232,15 +232,16 @@ def _choose(
     argmax, or a draw from q, of the logits the verifier will adjust the same way.
 
     With ``on_device`` (the window is decided on the device, which computes q from the same logits) a
-    sampled request without a bias or penalties draws on ``dev``, at the next uniform of its generator, as
-    `Sampler.draw` would: only the token comes back, not a vocabulary-wide row, and no q is kept."""
+    sampled request without a bias or penalties draws on ``dev``, the last stage's, at the next uniform of
+    its generator, as `Sampler.draw` would and as windows decided on the device draw (`Model.draw`): only
+    the token comes back, not a vocabulary-wide row, and no q is kept."""
     if not sampler.needs_logits:
         with dev.use():
             return int(dev.xp.argmax(logits)), None
     if on_device and not sampler.adjusts:
         with dev.use():
-            q = model.distribution(logits[None, :], sampler.params)[0]
-            return int(inverse_cdf(q, sampler.uniform(), dev.xp)), None
+            q = model.distribution(logits[None, :], sampler.params)  # [1, V]
+            return int(model.draw(q, dev.xp.asarray([sampler.uniform()], dtype=np.float64))[0]), None
     row = sampler.adjusted(dev.to_host(logits)[None, :], chain)  # [1, V]
     if sampler.greedy:
         return int(np.argmax(row[0])), None
