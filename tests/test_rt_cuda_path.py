@@ -95,7 +95,8 @@ def test_the_cublas_prefill_attention_matches_the_flash_path(fake_gpu):
 
 def test_fp16_q_prompt_attention_reaches_the_flash_calls(fake_gpu, monkeypatch):
     """``model.prefill_q = "fp16"``: every flash call of the stage's prefill gets no q_lo, and a chunk's
-    output moves from the split's by q's fp16 rounding (not more); the default passes both parts."""
+    output moves from the split's by q's fp16 rounding (not more); the MTP head's prefill takes the same
+    precision; the default passes both parts."""
     from strata_runtime.cuda import prefill as prefill_module
     from strata_runtime.model import Model
 
@@ -107,7 +108,7 @@ def test_fp16_q_prompt_attention_reaches_the_flash_calls(fake_gpu, monkeypatch):
         real(q_hi, q_lo, *rest)
 
     monkeypatch.setattr(prefill_module, "flash_prefill", spy)
-    text = float16_profile_text(backend="cuda", preset="small", slots=2, context=256)
+    text = float16_profile_text(backend="cuda", preset="small", slots=2, context=256, draft_tokens=2)
     outs = {}
     for q in ("split", "fp16"):
         plan = resolve_text(text.replace("[model]", f'[model]\nprefill_q = "{q}"'), "q.toml").plan
@@ -115,6 +116,8 @@ def test_fp16_q_prompt_attention_reaches_the_flash_calls(fake_gpu, monkeypatch):
         model = Model.from_plan(plan)
         stage = model.stages[0]
         assert stage.cuda_prefill.split_q == (q == "split")
+        assert model.mtp is not None and model.mtp.cuda is not None  # the MTP head reads prompts alike
+        assert model.mtp.cuda._prefill.split_q == (q == "split")
         layout = Layout.of([(1, 120, 0)])
         stage.kv.begin(layout.segments)
         seen.clear()

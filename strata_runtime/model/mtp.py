@@ -135,9 +135,10 @@ class MtpHead:
         mlp.experts.read_from(stage.experts, stage.n_sparse)
         self.weight_bytes -= int(mlp.experts.gate_up_proj.nbytes + mlp.experts.down_proj.nbytes)
 
-    def use_cuda(self, k_cache: Array, v_cache: Array) -> str | None:
+    def use_cuda(self, k_cache: Array, v_cache: Array, split_q: bool = True) -> str | None:
         """Run draft windows of at most 8 rows as CUDA graphs over the drafters' shared KV [1, S, K, T, D].
-        Returns why not, when the kernels cannot run this head."""
+        Returns why not, when the kernels cannot run this head. ``split_q``: its prompt rows' attention
+        holds q as two fp16 parts (False: fp16 q; ``model.prefill_q``)."""
         from ..cuda import layers
         from ..cuda.mtp import CudaMtp
 
@@ -146,7 +147,7 @@ class MtpHead:
             experts = None
             if self.stage is not None and self.stage.cuda_experts is not None:
                 experts = self.stage.cuda_experts.view(self.stage.n_sparse, 1)
-            self.cuda = CudaMtp(self.device.index, self, self.args, k_cache, v_cache, experts)
+            self.cuda = CudaMtp(self.device.index, self, self.args, k_cache, v_cache, experts, split_q)
         return why
 
     def __call__(

@@ -338,7 +338,7 @@ class Model:
                 # CUDA graph can serve draft windows of any slots.
                 shape = (1, slots, args.num_key_value_heads, context, args.head_dim)
                 mtp_kv = (last_stage.device.zeros(shape, kv_dtype), last_stage.device.zeros(shape, kv_dtype))
-                if mtp.use_cuda(*mtp_kv) is not None:
+                if mtp.use_cuda(*mtp_kv, split_q=plan.model.prefill_q == "split") is not None:
                     mtp_kv = None
             drafters = {
                 s: Drafter(
