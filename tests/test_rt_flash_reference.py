@@ -117,3 +117,44 @@ def test_bad_arguments_are_named(change, name):
     args.update(change)
     with pytest.raises(ValueError, match=name):
         check_args(**args)
+
+
+def test_the_launcher_takes_the_shape_the_devices_shared_memory_allows(monkeypatch):
+    """`strata_runtime.cuda.flash.flash_prefill` asks the device for its SMs' shared memory and launches the
+    instantiation, grid and shared memory of the shape that fits: two row tiles a warp on a Hopper SM, one on
+    an SM with less (here a fake CuPy and a recording kernel cache; the kernels run on the GPU tests)."""
+    from types import SimpleNamespace
+
+    from fake_cupy import installed
+
+    from strata_runtime.cuda import flash
+
+    class OnDevice(np.ndarray):
+        device = SimpleNamespace(id=0)
+
+    launches: list[tuple[str, int, tuple, int]] = []
+
+    class Recorder:
+        def fn_with_shared(self, expr, smem):
+            def launch(grid, block, args, shared_mem):
+                launches.append((expr, smem, grid, shared_mem))
+
+            return launch
+
+    monkeypatch.setattr(flash, "flash_kernels_for", lambda device_id: Recorder())
+    g = rng()
+    hi, lo, kc, vc = (a.view(OnDevice) for a in make_inputs(g, 100, 8, 2, 128, 5))
+    out = np.zeros((100, 8 * 128), np.float16).view(OnDevice)
+    with installed():
+        for sm in (flash.HOPPER_SM_SHARED, 164 * 1024):
+            monkeypatch.setattr(flash, "sm_shared_bytes", lambda device_id, sm=sm: sm)
+            for q_lo in (lo, None):
+                flash.flash_prefill(hi, q_lo, kc, vc, 1, 5, 0.1, out)
+    assert [(e, grid) for e, _, grid, _ in launches] == [
+        ("flash_prefill<128, true, 2, 32>", (2, 4)),  # 100 rows x 4 heads a KV head, 128 rows a block
+        ("flash_prefill<128, false, 2, 32>", (2, 4)),
+        ("flash_prefill<128, true, 1, 64>", (2, 7)),  # 64 rows a block
+        ("flash_prefill<128, false, 2, 32>", (2, 4)),  # fp16 q's 68 KiB blocks fit two to an A100's SM
+    ]
+    assert [smem for _, smem, _, _ in launches] == [shared for _, _, _, shared in launches]
+    assert [smem for _, smem, _, _ in launches] == [102 * 1024, 68 * 1024, 68 * 1024, 68 * 1024]
