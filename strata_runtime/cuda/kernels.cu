@@ -1206,6 +1206,14 @@ __device__ __forceinline__ unsigned order_key(float v) {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
+// Whether token i of logit v stays through a row's cuts: its key at least the top-k cut's, and, with a top-p
+// cut (by_p), above the cut's key or at it and at most the index of the last tie the cut keeps.
+__device__ __forceinline__ bool keeps_token(int i, float v, unsigned cut_k, bool by_p, unsigned cut_p,
+                                            int cut_tie) {
+  const unsigned kv = order_key(v);
+  return kv >= cut_k && (!by_p || kv > cut_p || (kv == cut_p && i <= cut_tie));
+}
+
 // Block-wide inclusive scan of one value per thread (T float or int); *total gets the block's sum.
 template <typename T>
 __device__ __forceinline__ T block_scan(T v, T* sums, T* total) {
@@ -1613,10 +1621,7 @@ __device__ __forceinline__ void choose_row(const float* __restrict__ l, int V, f
   }
   const unsigned cut_p = pkey;
   const int cut_tie = tie_cut;
-  auto stays = [&](int i, float v) -> bool {
-    const unsigned kv = order_key(v);
-    return kv >= cut_k && (!by_p || kv > cut_p || (kv == cut_p && i <= cut_tie));
-  };
+  auto stays = [&](int i, float v) { return keeps_token(i, v, cut_k, by_p, cut_p, cut_tie); };
   if (dist != nullptr || stats) {
     // The distribution the draw below takes: the same float32 weights of the staying tokens, over their sum
     // in float64 (each thread its share of vals in order, then the block's in order: the same in every run).
@@ -1891,11 +1896,9 @@ __global__ void __launch_bounds__(256) distribution_split_write(const float* __r
   const int cut_tie = pr->cut_tie;
   const bool by_p = pr->by_p;
   const double dtotal = pr->dtotal;
-  for (int i = lo + (int)threadIdx.x; i < hi; i += 256) {  // choose_row's stays and value
+  for (int i = lo + (int)threadIdx.x; i < hi; i += 256) {  // choose_row's value
     const float v = l[i];
-    const unsigned kv = order_key(v);
-    const bool stays = kv >= cut_k && (!by_p || kv > cut_p || (kv == cut_p && i <= cut_tie));
-    dist[i] = stays ? (double)__expf((v - mx) * t) / dtotal : 0.0;
+    dist[i] = keeps_token(i, v, cut_k, by_p, cut_p, cut_tie) ? (double)__expf((v - mx) * t) / dtotal : 0.0;
   }
 }
 
