@@ -38,10 +38,9 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {
   return a;
 }
 
-// 16 bytes global -> shared, asynchronously; zero-filled when !valid (src is then not read).
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
-               "r"(valid ? 16 : 0)
+// 16 bytes global -> shared address dst, asynchronously; zero-filled when !valid (src is then not read).
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
                : "memory");
 }
 
@@ -50,17 +49,20 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 // Wait until at most one committed group is still in flight.
 __device__ __forceinline__ void cp_async_wait_one() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
 
-__device__ __forceinline__ void ldsm_x4(unsigned* r, const half* p) {
+// ldmatrix from shared address a. Addresses are 32-bit shared-window offsets, a per-thread base plus
+// compile-time byte offsets, so each load costs at most one integer add (generic pointers cost a 64-bit
+// multiply-add and a conversion per load).
+__device__ __forceinline__ void ldsm_x4(unsigned* r, unsigned a) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p))
+               : "r"(a)
                : "memory");
 }
 
-__device__ __forceinline__ void ldsm_x4_trans(unsigned* r, const half* p) {
+__device__ __forceinline__ void ldsm_x4_trans(unsigned* r, unsigned a) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p))
+               : "r"(a)
                : "memory");
 }
 
@@ -77,16 +79,16 @@ __device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
   return *reinterpret_cast<const unsigned*>(&h);
 }
 
-// Rows [0, BN) of a [T, D] fp16 matrix from row t0 into a padded shared tile; rows at or past `end` are zeros
-// (the cache past the chunk may hold anything, and 0 * NaN would poison P V).
+// Rows [0, BN) of a [T, D] fp16 matrix from row t0 into the padded shared tile at shared address dst; rows
+// at or past `end` are zeros (the cache past the chunk may hold anything, and 0 * NaN would poison P V).
 template <int D, int BN>
-__device__ __forceinline__ void load_tile(half* dst, const half* __restrict__ src, int t0, int end) {
+__device__ __forceinline__ void load_tile(unsigned dst, const half* __restrict__ src, int t0, int end) {
   constexpr int LD = D + 8, CH = D / 8;  // 16-byte chunks per row
 #pragma unroll
   for (int c = threadIdx.x; c < BN * CH; c += THREADS) {
     const int r = c / CH, col = (c % CH) * 8;
     const bool valid = t0 + r < end;
-    cp_async16(dst + r * LD + col, valid ? src + (size_t)(t0 + r) * D + col : src, valid);
+    cp_async16(dst + (r * LD + col) * 2, valid ? src + (size_t)(t0 + r) * D + col : src, valid);
   }
 }
 
@@ -115,7 +117,9 @@ __global__ void __launch_bounds__(flash::THREADS, 2)
   constexpr int QP = SPLIT_Q ? 2 : 1;  // parts of q
   constexpr bool Q_SHARED = WT > 1;    // q fragments read from shared memory each step
   extern __shared__ __align__(16) half shared_tiles[];  // [2 buffers][K, V][BN][LD], then [QP][BM][LD]
-  constexpr int BUF = 2 * BN * LD;                      // halves per buffer
+  constexpr int BUF = 2 * BN * LD * 2;                  // bytes per buffer
+  constexpr int TILE = BN * LD * 2;                     // bytes of K (or V) in a buffer
+  const unsigned base = smem_addr(shared_tiles);
 
   const int kvh = blockIdx.x;
   const int m0 = (gridDim.y - 1 - blockIdx.y) * BM;  // the longest rows (most keys) start first
@@ -140,14 +144,14 @@ __global__ void __launch_bounds__(flash::THREADS, 2)
   // q fragments (A layout), zero for rows past the chunk: in registers, or (Q_SHARED) the block's q tile in
   // shared memory behind the K/V buffers, read with ldmatrix at every step.
   unsigned qf[Q_SHARED ? 1 : WT * QP][Q_SHARED ? 1 : KS][4];
-  half* q_tile = shared_tiles + 2 * BUF;  // [QP][BM][LD]
+  const unsigned q_tile = base + 2 * BUF;  // [QP][BM][LD]
   if constexpr (Q_SHARED) {
     constexpr int CH = D / 8;  // 16-byte chunks per row
     for (int c = threadIdx.x; c < QP * BM * CH; c += THREADS) {
       const int part = c / (BM * CH), rm = (c / CH) % BM, col = (c % CH) * 8, m = m0 + rm, i = m / G;
       const bool valid = m < rows;
       const half* src = part ? q_lo : q_hi;
-      cp_async16(q_tile + (part * BM + rm) * LD + col,
+      cp_async16(q_tile + ((part * BM + rm) * LD + col) * 2,
                  valid ? src + ((size_t)i * NQ + kvh * G + (m - i * G)) * D + col : src, valid);
     }
   } else {
@@ -183,20 +187,23 @@ __global__ void __launch_bounds__(flash::THREADS, 2)
   // ldmatrix addresses: lane supplies one row of one of four 8x8 matrices (matrix lane / 8).
   const int k_row = (lane & 7) + ((lane >> 4) << 3), k_col = ((lane >> 3) & 1) << 3;  // K: keys x dims
   const int v_row = (lane & 7) + (((lane >> 3) & 1) << 3), v_col = (lane >> 4) << 3;  // V, and q: rows x dims
+  // This lane's row of buffer 0's K and V tiles and of its warp's first q tile; steps add constants.
+  const unsigned k_lane = base + (k_row * LD + k_col) * 2;
+  const unsigned v_lane = base + TILE + (v_row * LD + v_col) * 2;
+  const unsigned q_lane = q_tile + ((warp * WT * 16 + v_row) * LD + v_col) * 2;
 
   // Tile j's K and V land in buffer j & 1 while tile j - 1 is computed from the other (the q tile lands
   // with tile 0).
-  load_tile<D, BN>(shared_tiles, kg, 0, end);
-  load_tile<D, BN>(shared_tiles + BN * LD, vg, 0, end);
+  load_tile<D, BN>(base, kg, 0, end);
+  load_tile<D, BN>(base + TILE, vg, 0, end);
   cp_async_commit();
   for (int j = 0; j < tiles; ++j) {
     const int t0 = j * BN;
-    const half* ks = shared_tiles + (j & 1) * BUF;
-    const half* vs = ks + BN * LD;
+    const unsigned buf = (j & 1) * BUF;  // this tile's buffer, as a byte offset
     if (j + 1 < tiles) {
-      half* next = shared_tiles + ((j + 1) & 1) * BUF;
+      const unsigned next = base + (BUF - buf);
       load_tile<D, BN>(next, kg, t0 + BN, end);
-      load_tile<D, BN>(next + BN * LD, vg, t0 + BN, end);
+      load_tile<D, BN>(next + TILE, vg, t0 + BN, end);
     }
     cp_async_commit();  // possibly empty, so that one wait count fits every tile
     cp_async_wait_one();  // tile j has landed
@@ -215,12 +222,12 @@ __global__ void __launch_bounds__(flash::THREADS, 2)
       if constexpr (Q_SHARED) {
 #pragma unroll
         for (int f = 0; f < WT * QP; ++f)
-          ldsm_x4(qs[f], q_tile + ((f % QP) * BM + (warp * WT + f / QP) * 16 + v_row) * LD + k * 16 + v_col);
+          ldsm_x4(qs[f], q_lane + (((f % QP) * BM + (f / QP) * 16) * LD + k * 16) * 2);
       }
 #pragma unroll
       for (int t = 0; t < NT; t += 2) {
         unsigned b[4];  // b[0..1]: keys t*8.., b[2..3]: keys t*8+8..
-        ldsm_x4(b, ks + (t * 8 + k_row) * LD + k * 16 + k_col);
+        ldsm_x4(b, k_lane + buf + (t * 8 * LD + k * 16) * 2);
 #pragma unroll
         for (int h = 0; h < 2; ++h)
 #pragma unroll
@@ -243,7 +250,8 @@ __global__ void __launch_bounds__(flash::THREADS, 2)
     }
 
     // Online softmax per row; a row's max and sum are spread over the 4 lanes of its quad.
-    unsigned p[WT][BN / 16][4];  // P in A layout, one fragment per 16 keys
+    float ms[WT][2], alpha[WT][2];
+    bool moved = false;  // some row of this lane's has a new max
 #pragma unroll
     for (int u = 0; u < WT; ++u)
 #pragma unroll
@@ -254,19 +262,31 @@ __global__ void __launch_bounds__(flash::THREADS, 2)
         m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
         m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
         // Tile 0 holds key 0, visible to every row, so m is finite; the guard keeps exp2 of -inf - -inf out.
-        const float ms = m == FLASH_NEG_INF ? 0.f : m * scale_log2;
-        const float alpha = exp2f(mx[u][r] * scale_log2 - ms);  // 0 on the first tile (mx = -inf)
+        ms[u][r] = m == FLASH_NEG_INF ? 0.f : m * scale_log2;
+        alpha[u][r] = exp2f(mx[u][r] * scale_log2 - ms[u][r]);  // 0 on the first tile (mx = -inf)
+        moved |= m != mx[u][r];
         mx[u][r] = m;
-        sum[u][r] *= alpha;
+      }
+    // Rescale the output only when some row of the warp has a new max: otherwise every alpha is exactly 1,
+    // and past the first tiles of a long row most tiles move no row's max.
+    if (__any_sync(0xffffffffu, moved)) {
 #pragma unroll
-        for (int t = 0; t < DT; ++t) {
-          o[u][t][2 * r] *= alpha;
-          o[u][t][2 * r + 1] *= alpha;
-        }
+      for (int u = 0; u < WT; ++u)
+#pragma unroll
+        for (int t = 0; t < DT; ++t)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) o[u][t][e] *= alpha[u][e >> 1];
+    }
+    unsigned p[WT][BN / 16][4];  // P in A layout, one fragment per 16 keys
+#pragma unroll
+    for (int u = 0; u < WT; ++u)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        sum[u][r] *= alpha[u][r];
 #pragma unroll
         for (int t = 0; t < NT; ++t) {
-          const float p0 = exp2f(s[u][t][2 * r] * scale_log2 - ms);
-          const float p1 = exp2f(s[u][t][2 * r + 1] * scale_log2 - ms);
+          const float p0 = exp2f(s[u][t][2 * r] * scale_log2 - ms[u][r]);
+          const float p1 = exp2f(s[u][t][2 * r + 1] * scale_log2 - ms[u][r]);
           sum[u][r] += p0 + p1;
           // Key tile t is half (t & 1) of 16-key step t / 2: A regs 0/1 for the first half, 2/3 for the second.
           p[u][t >> 1][((t & 1) << 1) + r] = pack_half2(p0, p1);
@@ -279,7 +299,7 @@ __global__ void __launch_bounds__(flash::THREADS, 2)
 #pragma unroll
       for (int t = 0; t < DT; t += 2) {
         unsigned b[4];  // b[0..1]: dims t*8.., b[2..3]: dims t*8+8..
-        ldsm_x4_trans(b, vs + (k * 16 + v_row) * LD + t * 8 + v_col);
+        ldsm_x4_trans(b, v_lane + buf + (k * 16 * LD + t * 8) * 2);
 #pragma unroll
         for (int u = 0; u < WT; ++u) {
           mma16816(o[u][t], p[u][k], b[0], b[1]);
