@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from strata_cfg.resolve import sizes
 from strata_cfg.resolve.placement import (
     MIB,
     Sizing,
@@ -19,6 +20,7 @@ from strata_cfg.resolve.placement import (
 )
 from strata_cfg.schema.facts import GpuFacts, ModelFacts
 from strata_cfg.schema.presets import preset_config
+from strata_cfg.schema.windows import ATTENTION_TILE_BYTES, attention_tile_rows
 
 
 def model(name: str) -> ModelFacts:
@@ -105,3 +107,22 @@ def test_faster_gpu_goes_last_only_beyond_five_percent():
     assert faster_last([b, a]) == [b, a]  # within 5%: device order kept
     c = gpu(2, 1000, 2000)
     assert faster_last([c, a, b]) == [a, b, c]
+
+
+def test_workspace_holds_one_tile_of_stored_attention_scores_not_one_per_row():
+    m = model("qwen3-30b-a3b")
+    ctx, nh = 8192, m.num_attention_heads
+    tile = attention_tile_rows(nh, ctx)
+    assert 16 < tile < 4096  # a 4,096-row prompt window is read in several tiles at this context
+    per_row = sizes.row_activation_bytes(m)
+
+    def ws(rows: int) -> int:
+        return sizes.workspace_bytes(m, context=ctx, prefill_rows=rows, last=False)
+
+    # Below the tile, each more row adds its activations and its scores (fp32) and probabilities (fp16).
+    assert ws(tile) - ws(tile - 100) == 100 * (per_row + nh * ctx * 6)
+    # Past the tile, only its activations: the scores are one tile's, under the runtime's tile bound.
+    assert ws(4096) - ws(2048) == 2048 * per_row
+    assert ws(4096) - 4096 * per_row == tile * nh * ctx * 6 <= ATTENTION_TILE_BYTES
+    # A longer context makes the tile shorter, never larger than the bound.
+    assert sizes.attention_scores_bytes(m, context=4 * ctx, rows=4096) <= ATTENTION_TILE_BYTES

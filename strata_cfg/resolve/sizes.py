@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..schema.facts import DTYPE_BYTES, ModelFacts
-from ..schema.windows import MAX_WINDOW_ROWS
+from ..schema.windows import MAX_WINDOW_ROWS, attention_tile_rows
 
 F32 = 4
 
@@ -59,11 +59,10 @@ def drafter_bytes(model: ModelFacts, *, context: int, kv_dtype: str, drafters: i
     return drafters * (mtp_kv + buffers)
 
 
-def row_activation_bytes(model: ModelFacts, *, context: int) -> int:
+def row_activation_bytes(model: ModelFacts) -> int:
     """Activations one row needs while it passes a layer.
 
     a x (3H + Q + 2K + Q): residual, normed input and MLP output; q, k, v; attention output.
-    f x nh x C: attention scores over the context (float32).
     f x E: router logits (float32).
     a x (2kI + kH): each chosen expert's gate/up and its output.
     a x 2 max(Id, Is): a dense layer's or the shared expert's gate/up, where the model has them.
@@ -71,7 +70,7 @@ def row_activation_bytes(model: ModelFacts, *, context: int) -> int:
     a = DTYPE_BYTES[model.dtype]
     h, hd = model.hidden_size, model.head_dim
     q, kv = model.num_attention_heads * hd, model.num_key_value_heads * hd
-    n = a * (3 * h + q + 2 * kv + q) + F32 * model.num_attention_heads * context
+    n = a * (3 * h + q + 2 * kv + q)
     if model.num_experts:
         k, width = model.num_experts_per_tok, model.moe_intermediate_size
         n += F32 * model.num_experts + a * (2 * k * width + k * h)
@@ -96,12 +95,21 @@ TOKEN_COUNT_BYTES = 4 + 8
 the runtime reads to apply a request's penalties and logit bias on the device."""
 
 
+def attention_scores_bytes(model: ModelFacts, *, context: int, rows: int) -> int:
+    """Stored attention scores (float32) and probabilities (float16) of ``rows`` query rows over the whole
+    context, in the tiles of at most `attention_tile_rows` rows that prompt attention takes where it stores
+    them (on a GPU, head dims the fused kernel lacks; the fused kernel stores none)."""
+    nh = model.num_attention_heads
+    return min(rows, attention_tile_rows(nh, context)) * nh * context * (F32 + 2)
+
+
 def workspace_bytes(model: ModelFacts, *, context: int, prefill_rows: int, last: bool, slots: int = 0) -> int:
-    """Activation workspace: ``prefill_rows`` rows (`prefill_rows`) at `row_activation_bytes`; the last stage
-    adds a decode window's logits [R, V] in float32 and each of ``slots`` slots' token counts and logit bias
-    (`TOKEN_COUNT_BYTES` per vocabulary word)."""
-    per_row = row_activation_bytes(model, context=context)
-    n = prefill_rows * per_row
+    """Activation workspace: ``prefill_rows`` rows (`prefill_rows`) at `row_activation_bytes` and one tile of
+    their attention scores (`attention_scores_bytes`); the last stage adds a decode window's logits [R, V] in
+    float32 and each of ``slots`` slots' token counts and logit bias (`TOKEN_COUNT_BYTES` per vocabulary
+    word)."""
+    per_row = row_activation_bytes(model)
+    n = prefill_rows * per_row + attention_scores_bytes(model, context=context, rows=prefill_rows)
     if last:
         n += MAX_WINDOW_ROWS * model.vocab_size * F32 + slots * model.vocab_size * TOKEN_COUNT_BYTES
     return n

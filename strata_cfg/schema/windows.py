@@ -18,6 +18,17 @@ HANDOFF_ROWS = MAX_WINDOW_ROWS
 BATCH_MTP_ROWS_PER_SLOT = 2
 """Batch MTP sends each slot's token and one proposal."""
 BATCH_MTP_SLOTS_PER_WINDOW = MAX_WINDOW_ROWS // BATCH_MTP_ROWS_PER_SLOT
+ATTENTION_TILE_BYTES = 1 << 30
+"""Prompt attention that stores its scores (float32) and probabilities (float16) takes a prompt window's
+query rows in tiles whose two arrays stay under this many bytes (at least `ATTENTION_TILE_MIN_ROWS` rows):
+the runtime tiles by it and the resolver plans the workspace by it."""
+ATTENTION_TILE_MIN_ROWS = 16
+
+
+def attention_tile_rows(n_heads: int, keys: int) -> int:
+    """Query rows per tile of stored attention scores over ``keys`` keys (`ATTENTION_TILE_BYTES`)."""
+    return max(ATTENTION_TILE_MIN_ROWS, ATTENTION_TILE_BYTES // (n_heads * keys * 6))
+
 
 WindowKind = Literal["solo", "serial", "batch-mtp", "pipelined"]
 

@@ -9,7 +9,7 @@ and the host queues the whole chunk's layers ahead of the GPU. (For a model whos
 got, read on the host once per layer.) Attention is one fused kernel (`strata_runtime.cuda.flash`: tensor
 cores, online softmax, no score matrix in memory), one launch per slot's segment of the window; for head dims
 it lacks, cuBLAS products over tiles of query rows whose fp32 scores and fp16 probabilities fit in
-`ATTN_TILE_BYTES`.
+`strata_cfg.schema.windows.ATTENTION_TILE_BYTES` (the bound the resolver plans the workspace by).
 
 Everything between the products (norms, q/k norm with RoPE and the KV write, routing, causal softmax,
 SwiGLU, scatter and gather) is a kernel of `kernels.cu`, shared where possible with the decode path so that
@@ -28,6 +28,8 @@ from typing import Any
 import cupy as cp
 import numpy as np
 
+from strata_cfg.schema.windows import attention_tile_rows
+
 from ..backend import upload_into
 from ..experts.cache import HELPER, HOST, Reads
 from ..layout import Layout
@@ -42,15 +44,6 @@ from .ops import padded_keys, prefill_expressions
 
 Rows = tuple[cp.ndarray, cp.ndarray]
 """A chunk's rows as the routing bias reads them: each row's position and slot [n] int32."""
-
-ATTN_TILE_BYTES = 1 << 30
-"""Scores (fp32) plus probabilities (fp16) of one attention tile stay under this; long prefixes are read
-in tiles of fewer query rows."""
-
-
-def attention_tile_rows(n_heads: int, keys: int) -> int:
-    """Query rows per attention tile over ``keys`` keys."""
-    return max(16, ATTN_TILE_BYTES // (n_heads * keys * 6))
 
 
 class CudaPrefill:
