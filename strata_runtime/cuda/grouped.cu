@@ -62,8 +62,9 @@ __device__ __forceinline__ unsigned tile_offset(int r, int c) { return (unsigned
 
 // acc[mi][ni][c] += the block's [BM, BN] tile over the reduction: `a_rows` are this thread's BM / 32 rows
 // of the row tile (rows row0 + 32 i) and `b_rows` its BN / 32 weight rows; those whose `a_ok` / `b_ok` is
-// false (past a tile's end) are read as zeros, from a valid address.
-template <int BN>
+// false (past a tile's end) are read as zeros, from a valid address. The warp computes only its first LIVE
+// 16-row slices (`tile_product_rows`); every thread takes part in the loads.
+template <int BN, int LIVE>
 __device__ __forceinline__ void tile_product(const half* const* a_rows, const bool* a_ok, const half* const* b_rows,
                                              const bool* b_ok, int K, float (&acc)[4][BN / 32][4]) {
   constexpr int STAGE_HALFS = (BM + BN) * BK, NI = BN / 32;
@@ -103,7 +104,7 @@ __device__ __forceinline__ void tile_product(const half* const* a_rows, const bo
     for (int ks = 0; ks < BK / 16; ++ks) {
       unsigned a[4][4], b[NI][2];
 #pragma unroll
-      for (int mi = 0; mi < 4; ++mi)
+      for (int mi = 0; mi < LIVE; ++mi)
         ldmatrix_x4(a[mi], a_tile + tile_offset(wm * 64 + mi * 16 + (lane & 15), ks * 2 + (lane >> 4)));
 #pragma unroll
       for (int p = 0; p < NI / 2; ++p) {
@@ -116,12 +117,30 @@ __device__ __forceinline__ void tile_product(const half* const* a_rows, const bo
         b[2 * p + 1][1] = r[3];
       }
 #pragma unroll
-      for (int mi = 0; mi < 4; ++mi)
+      for (int mi = 0; mi < LIVE; ++mi)
 #pragma unroll
         for (int ni = 0; ni < NI; ++ni) mma_16816(acc[mi][ni], a[mi], b[ni][0], b[ni][1]);
     }
   }
   cp_async_wait<0>();
+}
+
+// tile_product over a tile whose first `rows` rows are kept: each warp computes only its 16-row slices that
+// hold some of them, so an expert's last, partly filled tile costs products for its rows, not for BM. The
+// slices it skips keep acc zero and are never stored. The count is the same for a whole warp, and the warps
+// of a block may run different counts: they meet at the same barriers, since every thread loads.
+template <int BN>
+__device__ __forceinline__ void tile_product_rows(const half* const* a_rows, const bool* a_ok,
+                                                  const half* const* b_rows, const bool* b_ok, int K, int rows,
+                                                  float (&acc)[4][BN / 32][4]) {
+  const int wm = threadIdx.x >> 7;  // the warp's half of the tile's rows
+  switch (min(4, max(0, (rows - wm * 64 + 15) / 16))) {
+    case 4: tile_product<BN, 4>(a_rows, a_ok, b_rows, b_ok, K, acc); break;
+    case 3: tile_product<BN, 3>(a_rows, a_ok, b_rows, b_ok, K, acc); break;
+    case 2: tile_product<BN, 2>(a_rows, a_ok, b_rows, b_ok, K, acc); break;
+    case 1: tile_product<BN, 1>(a_rows, a_ok, b_rows, b_ok, K, acc); break;
+    default: tile_product<BN, 0>(a_rows, a_ok, b_rows, b_ok, K, acc);
+  }
 }
 
 __device__ __forceinline__ float silu(float g) { return g / (1.f + __expf(-g)); }
@@ -190,7 +209,7 @@ __global__ void __launch_bounds__(THREADS, 256 / BN)
     b_rows[i] = w + (b_ok[i] ? ((size_t)e * 2 * I + (c & 8 ? I : 0) + out) * H : 0);
   }
   float acc[4][BN / 32][4] = {};
-  tile_product<BN>(a_rows, a_ok, b_rows, b_ok, H, acc);
+  tile_product_rows<BN>(a_rows, a_ok, b_rows, b_ok, H, rows, acc);
   const int warp = tid >> 5, lane = tid & 31, wm = warp >> 2, wn = warp & 3;
 #pragma unroll
   for (int mi = 0; mi < 4; ++mi)
@@ -228,7 +247,7 @@ __global__ void __launch_bounds__(THREADS, 256 / BN)
   tile_rows<BM / 32>(hid, rows, [&](int r) { return (size_t)(place0 + r) * I; }, a_rows, a_ok);
   tile_rows<BN / 32>(w, H - h0, [&](int r) { return ((size_t)e * H + h0 + r) * I; }, b_rows, b_ok);
   float acc[4][BN / 32][4] = {};
-  tile_product<BN>(a_rows, a_ok, b_rows, b_ok, I, acc);
+  tile_product_rows<BN>(a_rows, a_ok, b_rows, b_ok, I, rows, acc);
   const int warp = tid >> 5, lane = tid & 31, wm = warp >> 2, wn = warp & 3;
 #pragma unroll
   for (int mi = 0; mi < 4; ++mi)
