@@ -8,9 +8,9 @@
 // of tile j + 1 load while tile j is computed. Per tile a warp computes S = q_hi K^T (+ q_lo K^T: two
 // m16n8k16 MMAs per step into one fp32 accumulator when q is split), masks keys past each row's position
 // (only in tiles that reach past the block's first row), updates the running max and sum, rescales its fp32
-// output accumulator, and adds P V with P rounded to fp16 straight from the score registers (the
-// accumulator layout of S is the A-operand layout of P V). Tiles past the block's last row are never
-// loaded. Rows are normalised and written as fp16 at the end.
+// output accumulator when some row of the warp has a new max, and adds P V with P rounded to fp16 straight
+// from the score registers (the accumulator layout of S is the A-operand layout of P V). Tiles past the
+// block's last row are never loaded. Rows are normalised and written as fp16 at the end.
 //
 // Fragment layouts (PTX ISA, mma.m16n8k16 with .f16 inputs and .f32 accumulators; lane = 4 * gq + tq):
 //   A (16x16, row-major): reg0 (row gq, cols 2tq..+1), reg1 (row gq+8, same cols), reg2 (row gq, cols
