@@ -9,8 +9,9 @@ The kernel never stores the scores. A block of 4 warps takes 64 or 128 flattened
 row i, head kvh G + g) of one KV head, so the G heads of that KV head share every K/V tile; tiles of keys
 stream through shared memory, each warp computes the scores of its 16 or 32 rows on tensor cores (fp16
 inputs, fp32 accumulation), updates a running max and sum per row (fp32 online softmax, base 2), rescales
-its fp32 output accumulator when a row's max moved and adds P V with P in fp16. Key tiles past the block's last row are skipped;
-keys past a row's position are masked only in the tiles that reach past the block's first row.
+its fp32 output accumulator when a row's max moved and adds P V with P in fp16. Key tiles past the block's
+last row are skipped; keys past a row's position are masked only in the tiles that reach past the block's
+first row.
 
 On a GPU whose SMs hold two blocks of it in shared memory (Hopper), each warp takes two 16-row tiles that
 share every K and V fragment it reads, with the block's q in shared memory; elsewhere one tile of 16 rows
