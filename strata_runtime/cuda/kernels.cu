@@ -958,7 +958,9 @@ __global__ void __launch_bounds__(256) moe_gate_up(const unsigned long long* __r
 }
 
 // resid[r, n] += sum_j wts[r, j] * (down[idx[r, j], n, :] . h[r * K + j, :]), j in a fixed order. One warp
-// per (r, n); the rows of all K experts are loaded before any is used, so they are in flight together.
+// per (r, n). The source loads the rows of all K experts before using any, but ptxas places most loads
+// beside their first use (58 registers at the 30B preset's widths), so a lane has only a few in flight and
+// at one row the kernel waits on memory latency (docs/PERFORMANCE.md, "What limits the routed experts").
 template <int H, int I, int K>
 __global__ void __launch_bounds__(256) moe_down(const unsigned long long* __restrict__ Dp,
                                                  const float* __restrict__ h, const int* __restrict__ idx,
