@@ -305,7 +305,7 @@ def verify_sampled(
         ps, qs, ts, us = (
             p[i * n : (i + 1) * n],
             q[i * (n - 1) : (i + 1) * (n - 1)],
-            tokens[i * n :],
+            tokens[i * n : (i + 1) * n],
             uniforms[i],
         )
         a = 0
