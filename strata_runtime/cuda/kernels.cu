@@ -957,14 +957,19 @@ __global__ void __launch_bounds__(256) moe_gate_up(const unsigned long long* __r
   gate_up_feature<H, I>(reinterpret_cast<const half*>(GUp[sel]), x + (size_t)r * H, nw, inv[0], a, i, h);
 }
 
+// Blocks of moe_down an SM should hold, for its launch bounds: 2 where a lane's K I / 256 loads of 16 bytes
+// fit in registers beside the rest (at most 128 a thread). Without the bound ptxas places most loads beside
+// their first use (58 registers at the 30B preset's widths), so a lane has only a few in flight and at one
+// row the kernel waits on memory latency (docs/PERFORMANCE.md, "What limits the routed experts"). 0 (no
+// bound) where the loads would not fit.
+__host__ __device__ constexpr int moe_down_blocks(int I, int K) { return K * (I / 256) <= 24 ? 2 : 0; }
+
 // resid[r, n] += sum_j wts[r, j] * (down[idx[r, j], n, :] . h[r * K + j, :]), j in a fixed order. One warp
-// per (r, n). The source loads the rows of all K experts before using any, but ptxas places most loads
-// beside their first use (58 registers at the 30B preset's widths), so a lane has only a few in flight and
-// at one row the kernel waits on memory latency (docs/PERFORMANCE.md, "What limits the routed experts").
+// per (r, n); the rows of all K experts are loaded before any is used, so they are in flight together.
 template <int H, int I, int K>
-__global__ void __launch_bounds__(256) moe_down(const unsigned long long* __restrict__ Dp,
-                                                 const float* __restrict__ h, const int* __restrict__ idx,
-                                                 const float* __restrict__ wts, int R, float* __restrict__ resid) {
+__global__ void __launch_bounds__(256, moe_down_blocks(I, K))
+    moe_down(const unsigned long long* __restrict__ Dp, const float* __restrict__ h, const int* __restrict__ idx,
+             const float* __restrict__ wts, int R, float* __restrict__ resid) {
   STRATA_PDL_LAUNCH();
   STRATA_PDL_WAIT();
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
