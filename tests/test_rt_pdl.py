@@ -56,7 +56,8 @@ def test_strata_pdl_0_turns_it_off(monkeypatch) -> None:
 
 def _body(name: str) -> str:
     """The source of kernel ``name``'s body (its first definition)."""
-    start = re.search(rf"__global__ void(?: __launch_bounds__\([^)]*\))? {name}\(", KERNELS)
+    bounds = r"__launch_bounds__\((?:[^()]|\([^()]*\))*\)"  # its arguments may hold one level of calls
+    start = re.search(rf"__global__ void(?:\s+{bounds})?\s+{name}\(", KERNELS)
     assert start is not None, f"kernel {name} not found in kernels.cu"
     depth, i = 0, KERNELS.index("{", start.end())
     for j in range(i, len(KERNELS)):
