@@ -965,7 +965,8 @@ __global__ void __launch_bounds__(256) moe_gate_up(const unsigned long long* __r
 __host__ __device__ constexpr int moe_down_blocks(int I, int K) { return K * (I / 256) <= 24 ? 2 : 0; }
 
 // resid[r, n] += sum_j wts[r, j] * (down[idx[r, j], n, :] . h[r * K + j, :]), j in a fixed order. One warp
-// per (r, n); the rows of all K experts are loaded before any is used, so they are in flight together.
+// per (r, n). The source loads the rows of all K experts before using any; where `moe_down_blocks` bounds the
+// kernel, ptxas keeps that order, so they are all in flight together.
 template <int H, int I, int K>
 __global__ void __launch_bounds__(256, moe_down_blocks(I, K))
     moe_down(const unsigned long long* __restrict__ Dp, const float* __restrict__ h, const int* __restrict__ idx,
