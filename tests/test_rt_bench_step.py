@@ -207,6 +207,61 @@ def test_the_step_times_each_way_of_choosing_tokens_on_its_own_logits() -> None:
     )
 
 
+@pytest.mark.parametrize("preset", ["tiny", "small"])
+def test_the_step_times_what_each_group_costs_inside_it(preset: str, monkeypatch) -> None:
+    """`time_in_step` times the whole step against the same step with one group of `LAYER_STEPS` left out
+    of every layer: with a timer that charges each group's launches a cost of its own, what it reports for a
+    group is that group's cost per layer that runs it, for every group some layer runs and no other; and the
+    step table lists the figures."""
+    from strata_runtime.bench.step import render_step
+    from strata_runtime.cuda.layers import LAYER_STEPS
+
+    facts = ModelFacts.from_config(preset_config(preset), source=f"synthetic:{preset}", dtype="float16")
+    model = KernelModel(_numpy_as_cupy(seed=9), facts, 64, reference)
+    ran: list[str] = []
+    for name, step in list(LAYER_STEPS.items()):
+
+        def counted(k, a, lay, b, kc, vc, name=name, step=step) -> None:
+            if step_applies(name, lay):
+                ran.append(name)
+            step(k, a, lay, b, kc, vc)
+
+        monkeypatch.setitem(LAYER_STEPS, name, counted)
+    cost = {name: 1.5 * (i + 1) for i, name in enumerate(LAYER_STEPS)}  # µs a launch
+    timed: list[int] = []
+
+    def timer(cp: object, body, repeats: int) -> float:
+        timed.append(repeats)
+        ran.clear()
+        body()
+        return sum(cost[name] for name in ran) * 1e-6
+
+    res = model.time_in_step(2, 7, 4, timer=timer, rounds=2)
+    layers = model.stack.layers
+    runs = [name for name in LAYER_STEPS if any(step_applies(name, lay) for lay in layers)]
+    assert {"qkv+norm", "attention", "o_proj"} <= set(runs) and len(runs) < len(LAYER_STEPS)
+    assert list(res) == runs
+    assert res == pytest.approx({name: cost[name] for name in runs})
+    assert timed == [4] * (2 * 2 * len(runs))  # each round: the whole step and the step without, per group
+
+    table = {
+        "model": {"source": "synthetic:x", "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2},
+        "device": "cuda:0",
+        "gpu": "GPU",
+        "position": 7,
+        "context": 64,
+        "routing": "uniform",
+        "copy_gbs": 4000.0,
+        "rows": [],
+        "per_kernel_us_per_layer": {},
+        "in_step_us_per_layer": {"2": res},
+    }
+    table["model"] |= {"head_dim": 16, "experts": 8, "top_k": 2, "expert_width": 32, "vocab": 100}
+    text = render_step(table)
+    assert "costs inside the whole step" in text
+    assert "  2 rows: " + ", ".join(f"{name} {cost[name]:.1f}" for name in runs) in text
+
+
 def test_step_memory_counts_every_weight_and_the_kv_of_eight_slots() -> None:
     facts = ModelFacts.from_config(preset_config("tiny"), source="synthetic:tiny", dtype="float16")
     model = KernelModel(_numpy_as_cupy(seed=6), facts, 64, reference)

@@ -7,8 +7,10 @@ slot with a prompt of its own), KV at a fixed position. For 1, 2, 4 and 8 rows i
 roofline: the step's bytes (`ceilings.decode_step_bytes`, with the distinct experts the last
 layer's rows routed to) over the device-to-device copy rate measured in the same run. Then it times each
 kernel of a layer alone, in a graph over the layers that run it, at one row and at eight, and gives the rate
-at which it reads the bytes it must (`kernel_bytes`). No engine is
-built: this is the kernels' own ceiling, without scheduling, sampling or Python between windows.
+at which it reads the bytes it must (`kernel_bytes`); and what each costs inside the whole step, where
+programmatic launch lets kernels overlap: the step's time less the same step's with that kernel group left
+out (`KernelModel.time_in_step`). No engine is built: this is the kernels' own ceiling, without scheduling,
+sampling or Python between windows.
 
 Shapes: L layers, H hidden, NQ/NKV query/KV heads of D, E experts, K top-k, I expert width, W dense-MLP or
 shared-expert width, V vocabulary, S slots, T context, R rows.
@@ -16,6 +18,7 @@ shared-expert width, V vocabulary, S slots, T context, R rows.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -208,11 +211,18 @@ class KernelModel:
         self.head = _rnd(cp, (f.vocab_size, f.hidden_size))  # [V, H]
         self.final_norm = _rnd(cp, (f.hidden_size,), 1.0)  # [H]
 
-    def step(self, w: StepWindow) -> None:
-        """Embedding, every layer, final norm and LM head, argmax: one window of w's rows."""
-        k = self.stack.kern
+    def step(self, w: StepWindow, leave_out: str | None = None) -> None:
+        """Embedding, every layer, final norm and LM head, argmax: one window of w's rows; ``leave_out``
+        names a group of `LAYER_STEPS` left out of every layer (`time_in_step`)."""
+        k, s = self.stack.kern, self.stack
         k.embed(self.emb, w.ids, w.buffers.resid)
-        self.stack.run(w.buffers)
+        if leave_out is None:
+            s.run(w.buffers)
+        else:
+            for j, lay in enumerate(s.layers):
+                for name, step in LAYER_STEPS.items():
+                    if name != leave_out:
+                        step(k, s.args, lay, w.buffers, s.k_cache[j], s.v_cache[j])
         k.gemv(self.head, w.buffers.resid, w.logits, norm=self.final_norm)
         k.argmax(w.logits, w.out, w.scratch)
 
@@ -283,6 +293,33 @@ class KernelModel:
                 out[name] = {"us": us, "bytes": nbytes, "gbs": nbytes / us / 1e3 if us > 0 else 0.0}
         return out
 
+    def time_in_step(
+        self,
+        rows: int,
+        position: int,
+        repeats: int,
+        timer: Callable[[Any, Callable[[], None], int], float] = graph_seconds,
+        rounds: int = 3,
+    ) -> dict[str, float]:
+        """What each kernel group of `LAYER_STEPS` costs inside the whole step at ``rows`` rows, launched as
+        the decode graphs launch it (with programmatic launch where they take it, so a kernel may overlap
+        the tail of the one before): µs per layer that runs the group, the step's time (by ``timer``) less
+        the same step's with the group left out of every layer, the median of ``rounds`` such pairs, each
+        pair timed back to back. Leaving a group out leaves its outputs stale, which the groups after it
+        read in the same time. A group that overlaps its neighbours costs less here than alone
+        (`time_kernels`); what remains is what removing it would save."""
+        w = self.window(rows, position)
+        layers = self.stack.layers
+        groups = {name: sum(step_applies(name, lay) for lay in layers) for name in LAYER_STEPS}
+        saved: dict[str, list[float]] = {name: [] for name, n in groups.items() if n}
+        with _as_engine(self.stack.kern, rows):
+            for _ in range(rounds):
+                for name in saved:
+                    full = timer(self.cp, partial(self.step, w), repeats)
+                    without = timer(self.cp, partial(self.step, w, name), repeats)
+                    saved[name].append(full - without)
+        return {name: float(np.median(v)) / groups[name] * 1e6 for name, v in saved.items()}
+
     def time_choices(
         self,
         rows: int,
@@ -340,6 +377,13 @@ class KernelModel:
             step(s.kern, s.args, s.layers[j], b, s.k_cache[j], s.v_cache[j])
 
 
+def _as_engine(kern: Any, rows: int) -> contextlib.AbstractContextManager[None]:
+    """Launches as the decode graphs make them, with programmatic launch at the row counts that take it
+    (`PDL_ROWS`), where ``kern`` launches kernels at all (the NumPy references run in place)."""
+    programmatic = getattr(kern, "programmatic", None)
+    return programmatic(rows in PDL_ROWS) if programmatic is not None else contextlib.nullcontext()
+
+
 def gpu_name(cp: Any, device_index: int) -> str:
     name = cp.cuda.runtime.getDeviceProperties(device_index)["name"]
     return name.decode() if isinstance(name, bytes) else str(name)
@@ -388,6 +432,9 @@ def run_step(
         kernels = {
             str(rows): model.time_kernels(position, max(repeats // 2, 3), rows) for rows in KERNEL_ROWS
         }
+        in_step = {
+            str(rows): model.time_in_step(rows, position, max(repeats // 2, 3)) for rows in KERNEL_ROWS
+        }
         choices = {
             str(rows): model.time_choices(rows, position, max(repeats // 2, 3)) for rows in KERNEL_ROWS
         }
@@ -411,6 +458,7 @@ def run_step(
             r: {k: v["bytes"] for k, v in ks.items()} for r, ks in kernels.items()
         },
         "per_kernel_gbs": {r: {k: v["gbs"] for k, v in ks.items()} for r, ks in kernels.items()},
+        "in_step_us_per_layer": in_step,
         **{key: _per_rows(choices, key) for key in CHOICE_TIMES},
     }
 
@@ -478,6 +526,16 @@ def render_step(res: dict[str, Any]) -> str:
             for k, v in kernels.items()
         )
         lines.append(f"  {rows} row{'s' if rows != '1' else ''}: {parts}")
+    if res.get("in_step_us_per_layer"):
+        lines += [
+            "",
+            "what each group costs inside the whole step, µs per layer: the step less the same step with",
+            "the group left out, launched as the decode graphs launch it (a group that overlaps others costs",
+            "less here than alone):",
+        ]
+        for rows, groups in res["in_step_us_per_layer"].items():
+            parts = ", ".join(f"{k} {v:.1f}" for k, v in groups.items())
+            lines.append(f"  {rows} row{'s' if rows != '1' else ''}: {parts}")
     if res.get("choice_us"):
         lines += [
             "",
