@@ -114,6 +114,17 @@ def _expected_logits(model: KernelModel, ids: np.ndarray, position: int) -> tupl
     return _rms(x, model.final_norm.astype(f64)) @ model.head.astype(f64).T, worst  # [R, V]
 
 
+def _step_result(**tables: object) -> dict[str, object]:
+    """A step workload's result with a small model's summary and no measured rows, for `render_step`,
+    with ``tables`` (its per-row-count tables) added."""
+    model = {"source": "synthetic:x", "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "head_dim": 16}
+    model |= {"experts": 8, "top_k": 2, "expert_width": 32, "vocab": 100}
+    base = {"model": model, "device": "cuda:0", "gpu": "GPU", "position": 7, "context": 64}
+    return (
+        base | {"routing": "uniform", "copy_gbs": 4000.0, "rows": [], "per_kernel_us_per_layer": {}} | tables
+    )
+
+
 @pytest.mark.parametrize("preset", ["tiny", "small"])
 def test_the_step_runs_every_layer_of_the_model_on_the_references(preset: str) -> None:
     facts = ModelFacts.from_config(preset_config(preset), source=f"synthetic:{preset}", dtype="float16")
@@ -185,21 +196,7 @@ def test_the_step_times_each_way_of_choosing_tokens_on_its_own_logits() -> None:
                 assert row[token] >= np.sort(row)[-top_k], name
     assert len(set(res["temperature 0.7"]["tokens"])) > 1  # the rows draw at different uniforms
 
-    model_summary = {"source": "synthetic:x", "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2}
-    model_summary |= {"head_dim": 16, "experts": 8, "top_k": 2, "expert_width": 32, "vocab": 100}
-    table = {
-        "model": model_summary,
-        "device": "cuda:0",
-        "gpu": "GPU",
-        "position": 7,
-        "context": 64,
-        "routing": "uniform",
-        "copy_gbs": 4000.0,
-        "rows": [],
-        "per_kernel_us_per_layer": {},
-        **{key: _per_rows({"4": res}, key) for key in CHOICE_TIMES},
-    }
-    text = render_step(table)
+    text = render_step(_step_result(**{key: _per_rows({"4": res}, key) for key in CHOICE_TIMES}))
     assert "  4 rows: argmax 1.0, temperature 0.7 3.0 (2.0), top-k 20 7.0 (6.0)" in text
     assert (
         "the whole distribution each draw takes" in text
@@ -244,20 +241,7 @@ def test_the_step_times_what_each_group_costs_inside_it(preset: str, monkeypatch
     assert res == pytest.approx({name: cost[name] for name in runs})
     assert timed == [4] * (2 * 2 * len(runs))  # each round: the whole step and the step without, per group
 
-    table = {
-        "model": {"source": "synthetic:x", "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2},
-        "device": "cuda:0",
-        "gpu": "GPU",
-        "position": 7,
-        "context": 64,
-        "routing": "uniform",
-        "copy_gbs": 4000.0,
-        "rows": [],
-        "per_kernel_us_per_layer": {},
-        "in_step_us_per_layer": {"2": res},
-    }
-    table["model"] |= {"head_dim": 16, "experts": 8, "top_k": 2, "expert_width": 32, "vocab": 100}
-    text = render_step(table)
+    text = render_step(_step_result(in_step_us_per_layer={"2": res}))
     assert "costs inside the whole step" in text
     assert "  2 rows: " + ", ".join(f"{name} {cost[name]:.1f}" for name in runs) in text
 
@@ -361,29 +345,10 @@ def test_the_kernel_groups_bytes_add_up_to_the_steps(preset: str, rows: int, dis
 def test_the_step_table_gives_each_kernel_groups_share_of_the_copy_rate() -> None:
     from strata_runtime.bench.step import render_step
 
-    res = {
-        "model": {
-            "source": "synthetic:x",
-            "layers": 2,
-            "hidden": 64,
-            "heads": 4,
-            "kv_heads": 2,
-            "head_dim": 16,
-            "experts": 8,
-            "top_k": 2,
-            "expert_width": 32,
-            "vocab": 100,
-        },
-        "device": "cuda:0",
-        "gpu": "GPU",
-        "position": 10,
-        "context": 64,
-        "routing": "uniform",
-        "copy_gbs": 4000.0,
-        "rows": [],
-        "per_kernel_us_per_layer": {"1": {"qkv+norm": 10.0, "route_bias": 1.0}},
-        "per_kernel_gbs": {"1": {"qkv+norm": 2000.0, "route_bias": 0.0}},
-    }
+    res = _step_result(
+        per_kernel_us_per_layer={"1": {"qkv+norm": 10.0, "route_bias": 1.0}},
+        per_kernel_gbs={"1": {"qkv+norm": 2000.0, "route_bias": 0.0}},
+    )
     text = render_step(res)
     assert "1 row: qkv+norm 10.0 (50%), route_bias 1.0" in text
     del res["per_kernel_gbs"]  # a result written before the rates were measured
