@@ -267,8 +267,9 @@ __global__ void __launch_bounds__(flash::THREADS, 2)
         moved |= m != mx[u][r];
         mx[u][r] = m;
       }
-    // Rescale the output only when some row of the warp has a new max: otherwise every alpha is exactly 1,
-    // and past the first tiles of a long row most tiles move no row's max.
+    // Rescale the output only when some row of the warp has a new max: otherwise every alpha is 1 but for
+    // the rounding residue of m * scale_log2 (the compiler may fuse it into the subtraction), so skipping
+    // moves at most the output's last bits; past the first tiles of a long row most tiles move no row's max.
     if (__any_sync(0xffffffffu, moved)) {
 #pragma unroll
       for (int u = 0; u < WT; ++u)
