@@ -249,7 +249,7 @@ class KernelModel:
             self.step(w)
         cp.cuda.Device().synchronize()
         eager = (time.perf_counter() - t0) / 3
-        with self.stack.kern.programmatic(rows in PDL_ROWS):  # as the decode graphs are captured
+        with _as_engine(self.stack.kern, rows):  # as the decode graphs are captured
             graph = graph_seconds(cp, lambda: self.step(w), repeats)
         distinct = self._distinct_experts(w)
         nbytes = decode_step_bytes(
