@@ -71,12 +71,12 @@ def test_step_times_every_row_count_against_the_roofline(profile: str) -> None:
     assert kv == [kv[0] * r["rows"] for r in res["rows"]]  # each row reads its own KV at the same position
     assert set(res["per_kernel_us_per_layer"]) == {"1", "8"}
     for kernels in res["per_kernel_us_per_layer"].values():
-        assert {"qkv+norm", "attention", "moe"} <= set(kernels) and min(kernels.values()) > 0
+        assert {"qkv+rope", "attention", "moe"} <= set(kernels) and min(kernels.values()) > 0
     nbytes, rates = res["per_kernel_bytes_per_layer"], res["per_kernel_gbs"]
     for rows, kernels in res["per_kernel_us_per_layer"].items():
         for name, us in kernels.items():  # each group's rate is its bytes over its time
             assert rates[rows][name] == pytest.approx(nbytes[rows][name] / us / 1e3)
-    assert nbytes["8"]["qkv+norm"] == nbytes["1"]["qkv+norm"] > 0  # weights read once for every row
+    assert nbytes["8"]["qkv+rope"] == nbytes["1"]["qkv+rope"] > 0  # weights read once for every row
     assert nbytes["8"]["attention"] == 8 * nbytes["1"]["attention"]  # each row reads its own KV
 
 

@@ -362,11 +362,77 @@ def test_argmax_over_slices_matches_numpy(gpu, v):
     np.testing.assert_array_equal(am_d.get(), want)
 
 
+@pytest.mark.parametrize(
+    ("n_q", "n_kv", "d", "hidden"),
+    [
+        (32, 4, 128, 2048),
+        (16, 2, 64, 1024),
+        (8, 2, 32, 256),
+        (16, 4, 16, 512),
+        (8, 2, 256, 2048),
+        (128, 8, 32, 2048),
+    ],
+)
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_qkv_with_rope_fused_matches_the_projection_then_qk_norm_rope_kv(gpu, n_q, n_kv, d, hidden, rows):
+    """`Kernels.qkv_rope` fuses the q/k norm, RoPE and the KV write into the tensor-core projection's end:
+    what it writes (qkv, q, the cache) must be what the projection and ``qk_norm_rope_kv`` write one after
+    the other, and the NumPy twin's. The shapes take 2, 4 and 16 blocks per head, one, and two heads per
+    block; rows share a slot at neighbouring positions, as a drafted window's do. Its counters are back at
+    zero after each launch, so a second launch gives the same."""
+    from strata_runtime.cuda.ops import qkv_rope_launch
+
+    cp, kern, ref = gpu
+    assert qkv_rope_launch(rows, (n_q + 2 * n_kv) * d, hidden, d, kern.tensor_cores) is not None
+    g = rng()
+    slots, t = 3, 300
+    slot = (np.arange(rows) // 2 % slots).astype(np.int32)  # pairs of rows in one slot
+    pos = (17 * (np.arange(rows) // 2) + np.arange(rows) % 2 + 5).astype(np.int32)  # pairs at p, p + 1
+    w = half(g.standard_normal(((n_q + 2 * n_kv) * d, hidden)) * 0.05)
+    x = (g.standard_normal((rows, hidden)) * 2).astype(np.float32)
+    ln1 = half(1 + 0.1 * g.standard_normal(hidden))
+    qn, kn = half(1 + 0.1 * g.standard_normal(d)), half(1 + 0.1 * g.standard_normal(d))
+    kc, vc = half(g.standard_normal((slots, n_kv, t, d))), half(g.standard_normal((slots, n_kv, t, d)))
+    theta, eps = 1e6, 1e-6
+
+    def run(fused: bool) -> tuple[np.ndarray, ...]:
+        qkv = cp.full((rows, (n_q + 2 * n_kv) * d), cp.nan, cp.float32)
+        q = cp.full((rows, n_q, d), cp.nan, cp.float32)
+        kc_d, vc_d = cp.asarray(kc), cp.asarray(vc)
+        dev = [cp.asarray(a) for a in (w, x, ln1, qn, kn, pos, slot)]
+        if fused:
+            kern.qkv_rope(*dev[:3], qkv, eps, *dev[3:], q, kc_d, vc_d, theta, done)
+        else:
+            kern.gemv(dev[0], dev[1], qkv, norm=dev[2], eps=eps)
+            kern.qk_norm_rope_kv(qkv, *dev[3:], q, kc_d, vc_d, theta, eps)
+        return qkv.get(), q.get(), kc_d.get()[slot, :, pos], vc_d.get()[slot, :, pos]  # the rows' writes
+
+    done = cp.zeros(n_q + 2 * n_kv, cp.int32)
+    fused = run(True)
+    assert not done.any()
+    again, apart = run(True), run(False)
+    for a, b in zip(fused, again, strict=True):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(fused[0], apart[0])  # the projection's sums are the same kernel's
+    for a, b in zip(fused[1:], apart[1:], strict=True):
+        assert rel_err(a, b) < 1e-6
+    qkv_r, q_r = np.empty_like(fused[0]), np.empty_like(fused[1])
+    kc_r, vc_r = kc.copy(), vc.copy()
+    ref.qkv_rope(w, x, qkv_r, ln1, eps, qn, kn, pos, slot, q_r, kc_r, vc_r, theta)
+    assert rel_err(fused[0], qkv_r) < REL
+    assert rel_err(fused[1], q_r) < 1e-3  # sincos of large angles in fp32
+    assert rel_err(fused[2], kc_r[slot, :, pos]) < 1e-3
+    assert rel_err(fused[3], vc_r[slot, :, pos]) < 1e-3
+
+
 def launch_gemv(cp, kern, expr, grid, w, x, out, norm):
     """One explicit instantiation of a GEMV kernel on grid (blocks, threads), writing out [R, N]."""
     out[...] = cp.nan
+    from strata_runtime.cuda.ops import NO_ROPE
+
     args = (w, x, out, np.int32(w.shape[0]), np.int32(0), norm if norm is not None else np.uint64(0))
-    kern.fn(expr)((grid[0],), (grid[1],), (*args, np.float32(1e-6)))
+    rope = NO_ROPE if expr.startswith("gemv_mma<") else ()
+    kern.fn(expr)((grid[0],), (grid[1],), (*args, np.float32(1e-6), *rope))
 
 
 @pytest.mark.parametrize(("n", "k"), [(3000, 2048), (700, 4096), (128, 2048), (255, 4096)])

@@ -236,7 +236,7 @@ def test_the_step_times_what_each_group_costs_inside_it(preset: str, monkeypatch
     res = model.time_in_step(2, 7, 4, timer=timer, rounds=2)
     layers = model.stack.layers
     runs = [name for name in LAYER_STEPS if any(step_applies(name, lay) for lay in layers)]
-    assert {"qkv+norm", "attention", "o_proj"} <= set(runs) and len(runs) < len(LAYER_STEPS)
+    assert {"qkv+rope", "attention", "o_proj"} <= set(runs) and len(runs) < len(LAYER_STEPS)
     assert list(res) == runs
     assert res == pytest.approx({name: cost[name] for name in runs})
     assert timed == [4] * (2 * 2 * len(runs))  # each round: the whole step and the step without, per group
@@ -346,10 +346,10 @@ def test_the_step_table_gives_each_kernel_groups_share_of_the_copy_rate() -> Non
     from strata_runtime.bench.step import render_step
 
     res = _step_result(
-        per_kernel_us_per_layer={"1": {"qkv+norm": 10.0, "route_bias": 1.0}},
-        per_kernel_gbs={"1": {"qkv+norm": 2000.0, "route_bias": 0.0}},
+        per_kernel_us_per_layer={"1": {"qkv+rope": 10.0, "route_bias": 1.0}},
+        per_kernel_gbs={"1": {"qkv+rope": 2000.0, "route_bias": 0.0}},
     )
     text = render_step(res)
-    assert "1 row: qkv+norm 10.0 (50%), route_bias 1.0" in text
+    assert "1 row: qkv+rope 10.0 (50%), route_bias 1.0" in text
     del res["per_kernel_gbs"]  # a result written before the rates were measured
-    assert "1 row: qkv+norm 10.0, route_bias 1.0" in render_step(res)
+    assert "1 row: qkv+rope 10.0, route_bias 1.0" in render_step(res)

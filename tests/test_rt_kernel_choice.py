@@ -138,3 +138,37 @@ def test_the_cuda_path_refuses_attention_whose_block_would_not_fit_in_shared_mem
     )
     why = supported(wide, np.float16, np.float16)
     assert why is not None and "16 query heads per KV head at head dim 256" in why and "84 KiB" in why
+
+
+@pytest.mark.parametrize("tensor_cores", [False, True])
+@pytest.mark.parametrize(
+    ("n_q", "n_kv", "d", "hidden"), [(32, 4, 128, 2048), (16, 2, 64, 1024), (144, 8, 32, 2048)]
+)
+def test_the_q_k_v_projection_fuses_rope_exactly_where_it_runs_on_tensor_cores(
+    n_q, n_kv, d, hidden, tensor_cores
+):
+    """`Kernels.qkv_rope` takes ``gemv_mma`` with the head dim appended, the projection's own instantiation
+    otherwise unchanged (so it sums as `Kernels.gemv` does, at any row count), with blocks that hold whole
+    heads or parts of one; without tensor cores the projection and ``qk_norm_rope_kv`` run apart. The
+    decode graphs compile the fused kernel at every row count."""
+    from strata_runtime.cuda.ops import decode_expressions, qkv_rope_launch
+    from strata_runtime.models.qwen3_moe import ModelArgs
+
+    n = (n_q + 2 * n_kv) * d
+    args = ModelArgs(
+        vocab_size=1000, hidden_size=hidden, num_hidden_layers=2, num_attention_heads=n_q,
+        num_key_value_heads=n_kv, head_dim=d, intermediate_size=512, moe_intermediate_size=256,
+        num_experts=8, num_experts_per_tok=2,
+    )  # fmt: skip
+    compiled = decode_expressions(args, [], tensor_cores=tensor_cores)
+    for rows in range(1, 9):
+        fused = qkv_rope_launch(rows, n, hidden, d, tensor_cores)
+        plain = gemv_launch(rows, n, hidden, True, tensor_cores)
+        if not tensor_cores:
+            assert fused is None and not any(e.endswith(f",{d}>") and "gemv_mma" in e for e in compiled)
+            continue
+        assert fused is not None
+        assert fused[0] == f"{plain[0][:-1]},{d}>" and fused[1:] == plain[1:]
+        features = 16 * int(plain[0].split(",")[2])
+        assert features % d == 0 or d % features == 0
+        assert fused[0] in compiled

@@ -82,10 +82,8 @@ def kernel_bytes(
     h, wb = f.hidden_size, f.weight_bytes
     q, kv = f.num_attention_heads * f.head_dim, f.num_key_value_heads * f.head_dim
     shared = f.shared_expert_intermediate_size
-    if name == "qkv+norm":  # with the input norm (and the biases, where the model has them)
-        return (h * (q + 2 * kv) + h + (q + 2 * kv if f.attention_bias else 0)) * wb
-    if name == "qknorm_rope":
-        return 2 * f.head_dim * wb
+    if name == "qkv+rope":  # with the input norm, the biases where the model has them, and q/k's norms
+        return (h * (q + 2 * kv) + h + (q + 2 * kv if f.attention_bias else 0) + 2 * f.head_dim) * wb
     if name == "attention":
         return rows * positions * f.kv_bytes_per_token("float16")
     if name == "o_proj":

@@ -50,6 +50,26 @@ __device__ __forceinline__ void unpack8(const uint4& p, float* f) {
   }
 }
 
+// Whether this block completes a group of blocks (attn_split's chunks of a head, gemv_mma's blocks of a head
+// with ROPE), counting in a counter per group that is zero between launches.
+__device__ __forceinline__ bool last_to_finish(int* __restrict__ counter, int expected, int* flag) {
+  // After the barrier one thread fences (cumulative: it publishes the block's writes it has observed) and
+  // counts the block in. True for the whole block when it is the expected-th to arrive; that block resets
+  // the counter for the next launch and reads the others' results through L2 (__ldcg).
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const int prev = atomicAdd(counter, 1);
+    *flag = prev == expected - 1;
+    if (*flag) {
+      *counter = 0;
+      __threadfence();
+    }
+  }
+  __syncthreads();
+  return *flag;
+}
+
 // ---- GEMV: y[r, n] (+)= sum_k W[n, k] x'[r, k] ---------------------------------------------------------
 // x' is x, or with NORM the RMS-normalised x'[r, k] = x[r, k] * nw[k] * inv_rms(x[r]) (the norm is fused:
 // each block computes the rows' inverse RMS itself, so no separate normalisation kernel runs).
@@ -183,6 +203,84 @@ __global__ void gemv_wide(const half* __restrict__ W, const float* __restrict__ 
   }
 }
 
+// ---- q/k RMSNorm + NeoX RoPE of one head ---------------------------------------------------------------
+// The inverse RMS of one head's D values from the total of its squares (summed warp by warp in order, warp w
+// holding rotation pairs 32w .. 32w + 31), and the normalised, rotated pair i at position p. qk_norm_rope_kv and gemv_mma's fused form (ROPE) both go
+// through these, so they give the same bits.
+__device__ __forceinline__ float head_inv_rms(float total, int D, float eps) { return rsqrtf(total / D + eps); }
+
+__device__ __forceinline__ float2 rope_pair(float a, float b, float inv, const half* __restrict__ nw, int i, int D,
+                                            int p, float theta) {
+  const int half_d = D >> 1;
+  const float na = a * inv * __half2float(nw[i]), nb = b * inv * __half2float(nw[i + half_d]);
+  const float inv_freq = powf(theta, -2.f * (float)i / (float)D);
+  float s, c;
+  sincosf((float)p * inv_freq, &s, &c);
+  return make_float2(na * c - nb * s, nb * c + na * s);
+}
+
+// gemv_mma's epilogue with ROPE = D (the q/k/v projection, y = qkv [R, (NQ + 2 NKV) D]): what
+// qk_norm_rope_kv does, without a kernel of its own. For each head the block's features touch, the last of
+// the head's blocks to finish (a counter per head in done, zero between launches) takes the head for every
+// row, one warp per row: q normalised and rotated to q_out [R, NQ, D], k likewise and v as it is into the
+// cache at (slot[r], kv head, pos[r]) ([S, NKV, T, D] fp16). Not inlined: inlined, its registers pushed the
+// projection's loop at 2 to 8 rows past 128 and into spills.
+template <int R, int D, int WARPS>
+__device__ __noinline__ void qkv_rope_heads(const float* __restrict__ y, int N, int n0, int F,
+                                               const half* __restrict__ qn, const half* __restrict__ kn,
+                                               const int* __restrict__ pos, const int* __restrict__ slot,
+                                               float* __restrict__ q_out, half* __restrict__ kc,
+                                               half* __restrict__ vc, int NQ, int NKV, int T, float theta,
+                                               float eps, int* __restrict__ done) {
+  constexpr int HALF = D / 2, PASSES = (HALF + 31) / 32;
+  __shared__ int last;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int first = n0 / D, end = (min(n0 + F, N) - 1) / D, blocks = D > F ? D / F : 1;
+  for (int h = first; h <= end; ++h) {
+    if (!last_to_finish(done + h, blocks, &last)) continue;
+    const bool is_q = h < NQ, is_k = !is_q && h < NQ + NKV;
+    for (int r = warp; r < R; r += WARPS) {
+      const float* src = y + (size_t)r * N + (size_t)h * D;
+      float a[PASSES], b[PASSES], total = 0.f;
+#pragma unroll
+      for (int w = 0; w < PASSES; ++w) {
+        const int i = 32 * w + lane;
+        a[w] = i < HALF ? __ldcg(src + i) : 0.f;
+        b[w] = i < HALF ? __ldcg(src + i + HALF) : 0.f;
+      }
+#pragma unroll
+      for (int w = 0; w < PASSES; ++w) total += warp_sum(a[w] * a[w] + b[w] * b[w]);
+      const int p = pos[r], kvh = is_q ? 0 : (h - NQ) % NKV;
+      const size_t cache = (((size_t)slot[r] * NKV + kvh) * T + p) * D;
+      if (is_q || is_k) {
+        const float inv = head_inv_rms(total, D, eps);
+#pragma unroll
+        for (int w = 0; w < PASSES; ++w) {
+          const int i = 32 * w + lane;
+          if (i >= HALF) break;
+          const float2 rot = rope_pair(a[w], b[w], inv, is_q ? qn : kn, i, D, p, theta);
+          if (is_q) {
+            float* dst = q_out + ((size_t)r * NQ + h) * D;
+            dst[i] = rot.x;
+            dst[i + HALF] = rot.y;
+          } else {
+            kc[cache + i] = __float2half(rot.x);
+            kc[cache + i + HALF] = __float2half(rot.y);
+          }
+        }
+      } else {
+#pragma unroll
+        for (int w = 0; w < PASSES; ++w) {
+          const int i = 32 * w + lane;
+          if (i >= HALF) break;
+          vc[cache + i] = __float2half(a[w]);
+          vc[cache + i + HALF] = __float2half(b[w]);
+        }
+      }
+    }
+  }
+}
+
 // ---- GEMV on tensor cores: y[r, n] (+)= sum_k W[n, k] x'[r, k], the window's rows as the n8 side ---------
 // mma.sync m16n8k16 (sm_80 and later) with W as the 16-row operand and the window's R <= 8 rows as the 8
 // columns, so each weight is read once for all the rows.
@@ -216,10 +314,15 @@ __device__ __forceinline__ unsigned pack_half2(float a, float b) {
 // 2^e as a float, for |e| <= 126.
 __device__ __forceinline__ float pow2(int e) { return __int_as_float((127 + e) << 23); }
 
-template <int R, int K, int MT, int WARPS, bool NORM>
-__global__ void __launch_bounds__(WARPS * 32) gemv_mma(const half* __restrict__ W, const float* __restrict__ x,
-                                                       float* __restrict__ y, int N, int accumulate,
-                                                       const half* __restrict__ nw, float eps) {
+// With ROPE = D > 0 the output is q/k/v (N = (NQ + 2 NKV) D, not accumulated) and the block ends with
+// qkv_rope_heads; with ROPE = 0 the arguments after eps are unused (null).
+template <int R, int K, int MT, int WARPS, bool NORM, int ROPE = 0>
+__global__ void __launch_bounds__(WARPS * 32)
+    gemv_mma(const half* __restrict__ W, const float* __restrict__ x, float* __restrict__ y, int N, int accumulate,
+             const half* __restrict__ nw, float eps, const half* __restrict__ qn, const half* __restrict__ kn,
+             const int* __restrict__ pos, const int* __restrict__ slot, float* __restrict__ q_out,
+             half* __restrict__ kc, half* __restrict__ vc, int NQ, int NKV, int T, float theta,
+             int* __restrict__ done) {
   STRATA_PDL_LAUNCH();
   constexpr int J = 4 / MT, UNIT = 32 * J, UNITS = K / UNIT, PER = (UNITS + WARPS - 1) / WARPS, F = 16 * MT;
   constexpr int GROUP = 2;  // units in flight at a time: GROUP * 8 loads of 16 bytes per lane
@@ -352,6 +455,9 @@ __global__ void __launch_bounds__(WARPS * 32) gemv_mma(const half* __restrict__ 
     float* dst = y + (size_t)r * N + n;
     *dst = accumulate ? *dst + v : v;
   }
+  static_assert(ROPE == 0 || ROPE % F == 0 || F % ROPE == 0, "a head's features must fill whole blocks");
+  if constexpr (ROPE > 0)
+    qkv_rope_heads<R, ROPE, WARPS>(y, N, n0, F, qn, kn, pos, slot, q_out, kc, vc, NQ, NKV, T, theta, eps, done);
 }
 
 // ---- GEMV of a short output, the reduction split over a block: a router's logits ----------------------
@@ -509,24 +615,19 @@ __global__ void qk_norm_rope_kv(const float* __restrict__ qkv, const half* __res
   const float* src = row + (size_t)h * D;
   const float a = live ? src[i] : 0.f, b = live ? src[i + half_d] : 0.f;
   __shared__ float red[33];
-  float ss = warp_sum(a * a + b * b);
+  const float ss = warp_sum(a * a + b * b);
   if ((i & 31) == 0) red[i >> 5] = ss;
   __syncthreads();
   if (i == 0) {
     float t = 0.f;
     for (int w = 0; w < (int)(blockDim.x >> 5); ++w) t += red[w];
-    red[32] = rsqrtf(t / D + eps);
+    red[32] = head_inv_rms(t, D, eps);
   }
   __syncthreads();
   if (!live) return;
-  const float inv = red[32];
-  const half* nw = is_q ? qn : kn;
-  const float na = a * inv * __half2float(nw[i]), nb = b * inv * __half2float(nw[i + half_d]);
   const int p = pos[r];
-  const float inv_freq = powf(theta, -2.f * (float)i / (float)D);
-  float s, c;
-  sincosf((float)p * inv_freq, &s, &c);
-  const float ra = na * c - nb * s, rb = nb * c + na * s;
+  const float2 rot = rope_pair(a, b, red[32], is_q ? qn : kn, i, D, p, theta);
+  const float ra = rot.x, rb = rot.y;
   if (is_q) {
     float* dst = q_out + ((size_t)r * NQ + h) * D;
     dst[i] = ra;
@@ -609,24 +710,6 @@ __global__ void __launch_bounds__(256) qk_norm_rope_split(const float* __restric
 // shared memory of 8 warps' sums does not fit: those shapes run at 128 threads only.)
 // Scratch layout: acc [R, NKV, NC, G, D], ml [R, NKV, NC, G, 2]; done [R, NKV] int, zero between launches.
 constexpr int ATTN_CHUNK = 64;
-
-__device__ __forceinline__ bool last_to_finish(int* __restrict__ counter, int expected, int* flag) {
-  // After the barrier one thread fences (cumulative: it publishes the block's writes it has observed) and
-  // counts the block in. True for the whole block when it is the expected-th to arrive; that block resets
-  // the counter for the next launch and reads the others' results through L2 (__ldcg).
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    const int prev = atomicAdd(counter, 1);
-    *flag = prev == expected - 1;
-    if (*flag) {
-      *counter = 0;
-      __threadfence();
-    }
-  }
-  __syncthreads();
-  return *flag;
-}
 
 template <int D, int G, int B, int W>
 __global__ void __launch_bounds__(B) attn_split(const float* __restrict__ q, const half* __restrict__ kc,

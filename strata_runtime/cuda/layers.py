@@ -146,6 +146,7 @@ class WindowBuffers:
         self.attn = xp.zeros((rows, n * d), f32)  # [R, N D]
         self.scratch = xp.zeros(attention_scratch_size(rows, n, k, d, context), f32)
         self.attn_done = xp.zeros((rows, k), xp.int32)  # [R, K]: the attention kernel's counters
+        self.heads_done = xp.zeros(n + 2 * k, xp.int32)  # [N + 2K]: the fused q/k/v kernel's counters
         topk = max(args.num_experts_per_tok, 1)
         self.router = xp.zeros((rows, max(args.num_experts, 1)), f32)  # [R, E]
         self.idx = xp.zeros((rows, topk), xp.int32)  # [R, k]
@@ -183,13 +184,12 @@ Step = Callable[[Kernels, ModelArgs, LayerWeights, WindowBuffers, Array, Array],
 window's buffers, the layer's keys and values [S, K, T, D])."""
 
 
-def _qkv(k: Kernels, a: ModelArgs, lay: LayerWeights, b: WindowBuffers, kc: Array, vc: Array) -> None:
-    k.gemv(lay.qkv, b.resid, b.qkv, norm=lay.ln1, eps=a.rms_norm_eps)
-
-
-def _qknorm_rope(k: Kernels, a: ModelArgs, lay: LayerWeights, b: WindowBuffers, kc: Array, vc: Array) -> None:
+def _qkv_rope(k: Kernels, a: ModelArgs, lay: LayerWeights, b: WindowBuffers, kc: Array, vc: Array) -> None:
+    """q/k/v with the input norm, q and k normalised and rotated, k and v into the cache: one kernel where the
+    projection runs on tensor cores (`Kernels.qkv_rope`)."""
     eps = a.rms_norm_eps
-    k.qk_norm_rope_kv(b.qkv, lay.q_norm, lay.k_norm, b.pos, b.slot, b.q, kc, vc, a.rope_theta, eps)
+    norms = (lay.q_norm, lay.k_norm, b.pos, b.slot, b.q, kc, vc, a.rope_theta, b.heads_done)
+    k.qkv_rope(lay.qkv, b.resid, b.qkv, lay.ln1, eps, *norms)
 
 
 def _attention(k: Kernels, a: ModelArgs, lay: LayerWeights, b: WindowBuffers, kc: Array, vc: Array) -> None:
@@ -238,8 +238,7 @@ def _mlp_add(k: Kernels, a: ModelArgs, lay: LayerWeights, b: WindowBuffers, kc: 
 
 
 LAYER_STEPS: dict[str, Step] = {
-    "qkv+norm": _qkv,
-    "qknorm_rope": _qknorm_rope,
+    "qkv+rope": _qkv_rope,
     "attention": _attention,
     "o_proj": _o_proj,
     "mlp": _mlp,

@@ -35,6 +35,8 @@ ATTN_CHUNK = 64  # positions per attention block; kernels.cu's ATTN_CHUNK
 ATTENTION_HEAD_DIMS = (16, 32, 64, 128, 256)
 """Head dims ``attn_split`` takes: a warp's lanes split evenly into groups of D / 8."""
 _NULL = np.uint64(0)  # a null pointer argument
+NO_ROPE = (*(_NULL,) * 7, np.int32(0), np.int32(0), np.int32(0), np.float32(0), _NULL)
+"""``gemv_mma``'s arguments after ``eps`` where it fuses no RoPE (`Kernels.qkv_rope`)."""
 
 
 def _wide(k: int) -> bool:
@@ -150,12 +152,17 @@ def gemv_rows_per_warp(rows: int, n: int, k: int) -> int:
 
 def gemv_mma_shape(n: int, k: int) -> tuple[int, int]:
     """(16-feature tiles, warps) of a ``gemv_mma`` block for weights [n, k], as measured fastest on an H200
-    (each projection alone, 1 to 8 rows): 64 features in 8 warps for a vocabulary-sized head, 64 in 16
-    warps from 4,096 features, else 16 in 16 warps (a short output keeps its blocks many). A shape's choice
-    does not depend on the row count, so neither does a row's result."""
+    (each projection alone, 1 to 8 rows, then inside the whole step): 64 features in 8 warps for a
+    vocabulary-sized head, 64 in 16 warps from 4,096 features, else 16 features (a short output keeps its
+    blocks many), in 32 warps where the reduction is a multiple of 4,096 (each warp then sums one unit of
+    128 per 4,096: the 30B preset's output projection, 2048 x 4096, ran 0.4-1.2% faster a step than in 16
+    warps) and in 16 otherwise. A shape's choice does not depend on the row count, so neither does a row's
+    result."""
     if n >= 32768:
         return 4, 8
-    return (4, 16) if n >= 4096 else (1, 16)
+    if n >= 4096:
+        return 4, 16
+    return (1, 32) if k % 4096 == 0 else (1, 16)
 
 
 def gemv_on_tensor_cores(n: int, tensor_cores: bool) -> bool:
@@ -198,6 +205,19 @@ def gemv_launch(rows: int, n: int, k: int, norm: bool, tensor_cores: bool) -> tu
 def gemv_expression(rows: int, n: int, k: int, norm: bool, tensor_cores: bool) -> str:
     """The instantiation `Kernels.gemv` launches (`gemv_launch`)."""
     return gemv_launch(rows, n, k, norm, tensor_cores)[0]
+
+
+def qkv_rope_launch(
+    rows: int, n: int, k: int, head_dim: int, tensor_cores: bool
+) -> tuple[str, int, int] | None:
+    """(instantiation, blocks, threads per block) of ``gemv_mma`` with q/k RMSNorm, RoPE and the KV write
+    fused into its end, for the q/k/v projection [n, k] (with the input norm) of heads of ``head_dim``; None
+    where the projection does not take ``gemv_mma`` (`gemv_launch`), and `Kernels.qkv_rope` launches the
+    projection and ``qk_norm_rope_kv`` one after the other. The projection sums as `Kernels.gemv` does."""
+    expr, blocks, threads = gemv_launch(rows, n, k, True, tensor_cores)
+    if not expr.startswith("gemv_mma<"):
+        return None
+    return f"{expr[:-1]},{head_dim}>", blocks, threads
 
 
 def head_gemv_shapes(vocab: int, hidden: int) -> list[tuple[int, int, bool]]:
@@ -243,6 +263,8 @@ def decode_expressions(
     shapes += list(gemv_shapes)
     for rows in range(1, max_rows + 1):
         out += [gemv_expression(rows, n, k, norm, tensor_cores) for n, k, norm in shapes]
+        rope = qkv_rope_launch(rows, qkv, h, a.head_dim, tensor_cores)
+        out += [rope[0]] if rope is not None else []
     return out
 
 
@@ -366,7 +388,44 @@ class Kernels(KernelCache):
             args: tuple[Any, ...] = (w, x, out, *sizes, np.int32(accumulate))
         else:
             args = (w, x, out, np.int32(n), np.int32(accumulate))
-        self.fn(expr)((blocks,), (threads,), (*args, nw, np.float32(eps)))
+        rope = NO_ROPE if expr.startswith("gemv_mma<") else ()
+        self.fn(expr)((blocks,), (threads,), (*args, nw, np.float32(eps), *rope))
+
+    def qkv_rope(
+        self,
+        w: Array,
+        x: Array,
+        qkv: Array,
+        norm: Array,
+        eps: float,
+        q_norm: Array,
+        k_norm: Array,
+        pos: Array,
+        slot: Array,
+        q_out: Array,
+        k_cache: Array,
+        v_cache: Array,
+        theta: float,
+        done: Array,
+    ) -> None:
+        """The q/k/v projection with its input norm, then q and k normalised and rotated per head and k and
+        v written into the cache at (slot, position): `gemv` into ``qkv`` [R, (NQ + 2 NKV) D] and
+        `qk_norm_rope_kv`, in one kernel where the projection runs on tensor cores (`qkv_rope_launch`).
+        ``done``: [NQ + 2 NKV] int32, zero before the first launch (the kernel leaves it at zero)."""
+        n, k = w.shape
+        rows = x.shape[0]
+        _, n_q, d = q_out.shape
+        _, n_kv, t, _ = k_cache.shape
+        launch = qkv_rope_launch(rows, n, k, d, self.tensor_cores)
+        if launch is None:
+            self.gemv(w, x, qkv, norm=norm, eps=eps)
+            self.qk_norm_rope_kv(qkv, q_norm, k_norm, pos, slot, q_out, k_cache, v_cache, theta, eps)
+            return
+        expr, blocks, threads = launch
+        sizes = (np.int32(n_q), np.int32(n_kv), np.int32(t), np.float32(theta))
+        rope = (q_norm, k_norm, pos, slot, q_out, k_cache, v_cache, *sizes, done)
+        args = (w, x, qkv, np.int32(n), np.int32(0), norm, np.float32(eps), *rope)
+        self.fn(expr)((blocks,), (threads,), args)
 
     def add_rms_norm_fp32(self, resid: Array, delta: Array | None, w: Array, out: Array, eps: float) -> None:
         """resid += delta (if given); out = rmsnorm(resid) * w, all in fp32: the CUDA paths' rule (the

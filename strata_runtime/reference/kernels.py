@@ -87,6 +87,27 @@ def qk_norm_rope_kv(
         v_cache[slot[r], :, pos[r]] = v[r]
 
 
+def qkv_rope(
+    w: np.ndarray,
+    x: np.ndarray,
+    qkv: np.ndarray,
+    norm: np.ndarray,
+    eps: float,
+    q_norm: np.ndarray,
+    k_norm: np.ndarray,
+    pos: np.ndarray,
+    slot: np.ndarray,
+    q_out: np.ndarray,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    theta: float,
+    done: np.ndarray | None = None,
+) -> None:
+    """``done`` is the launcher's workspace; the reference needs none."""
+    gemv(w, x, qkv, norm=norm, eps=eps)
+    qk_norm_rope_kv(qkv, q_norm, k_norm, pos, slot, q_out, k_cache, v_cache, theta, eps)
+
+
 def qk_norm_rope_split(
     qkv: np.ndarray,
     q_norm: np.ndarray,
