@@ -125,9 +125,14 @@ def _step_result(**tables: object) -> dict[str, object]:
     )
 
 
-@pytest.mark.parametrize("preset", ["tiny", "small"])
+@pytest.mark.parametrize("preset", ["tiny", "small", "small-wide"])
 def test_the_step_runs_every_layer_of_the_model_on_the_references(preset: str) -> None:
-    facts = ModelFacts.from_config(preset_config(preset), source=f"synthetic:{preset}", dtype="float16")
+    """``small-wide``: small with experts 256 wide, which take the wide expert kernels, so the router step
+    routes the rows itself and the experts' step reads that routing (`Kernels.router_route`)."""
+    config = preset_config(preset.removesuffix("-wide"))
+    if preset.endswith("-wide"):
+        config = config | {"moe_intermediate_size": 256}
+    facts = ModelFacts.from_config(config, source=f"synthetic:{preset}", dtype="float16")
     model = KernelModel(_numpy_as_cupy(seed=5), facts, 64, reference)
     layers = model.stack.layers
     assert len(layers) == facts.num_hidden_layers
