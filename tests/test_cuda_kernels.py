@@ -564,50 +564,6 @@ def test_route_topk_matches_twin(gpu, rows, e, k, norm_topk):
     assert rel_err(w_d.get(), w) < REL
 
 
-@pytest.mark.parametrize(("e", "k", "hidden"), [(128, 8, 2048), (64, 4, 4096), (256, 8, 2048), (60, 4, 2048)])
-@pytest.mark.parametrize("rows", [1, 3, 8])
-@pytest.mark.parametrize("norm_topk", [False, True])
-def test_the_router_routing_its_rows_matches_the_router_then_route_topk(gpu, e, k, hidden, rows, norm_topk):
-    """`Kernels.router_route` routes in the router's last block to finish: the logits, experts and weights
-    must be what the router (`gemv`) and ``route_topk`` give one after the other, bit for bit, and the
-    NumPy twin's experts; its counter is back at zero after each launch, so a second launch gives the
-    same."""
-    from strata_runtime.cuda.ops import router_launch
-
-    cp, kern, ref = gpu
-    assert router_launch(rows, e, hidden, kern.tensor_cores) is not None
-    g = rng()
-    w = half(g.standard_normal((e, hidden)) * 0.05)
-    x = (g.standard_normal((rows, hidden)) * 2).astype(np.float32)
-    x[-1] = x[0]  # two rows with the same logits route alike
-    ln2 = half(1 + 0.1 * g.standard_normal(hidden))
-
-    def run(fused: bool) -> tuple[np.ndarray, ...]:
-        logits = cp.full((rows, e), cp.nan, cp.float32)
-        idx, wts = cp.full((rows, k), -1, cp.int32), cp.full((rows, k), cp.nan, cp.float32)
-        w_d, x_d, n_d = cp.asarray(w), cp.asarray(x), cp.asarray(ln2)
-        if fused:
-            kern.router_route(w_d, x_d, logits, n_d, 1e-6, norm_topk, idx, wts, done)
-        else:
-            kern.gemv(w_d, x_d, logits, norm=n_d, eps=1e-6)
-            kern.route_topk(logits, norm_topk, idx, wts)
-        return logits.get(), idx.get(), wts.get()
-
-    done = cp.zeros(1, cp.int32)
-    fused = run(True)
-    assert not done.any()
-    for a, b, c in zip(fused, run(True), run(False), strict=True):
-        np.testing.assert_array_equal(a, b)
-        np.testing.assert_array_equal(a, c)
-    np.testing.assert_array_equal(fused[1][-1], fused[1][0])
-    logits_r = np.empty((rows, e), np.float32)
-    idx_r, wts_r = np.empty((rows, k), np.int32), np.empty((rows, k), np.float32)
-    ref.router_route(w, x, logits_r, ln2, 1e-6, norm_topk, idx_r, wts_r)
-    assert rel_err(fused[0], logits_r) < REL
-    np.testing.assert_array_equal(fused[1], idx_r)
-    assert rel_err(fused[2], wts_r) < REL
-
-
 @pytest.mark.parametrize(
     ("heads", "n", "pos", "group"), [(4, 1, 0, 1), (4, 70, 0, 8), (8, 65, 300, 4), (3, 130, 1000, 1)]
 )

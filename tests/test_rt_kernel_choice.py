@@ -172,20 +172,3 @@ def test_the_q_k_v_projection_fuses_rope_exactly_where_it_runs_on_tensor_cores(
         features = 16 * int(plain[0].split(",")[2])
         assert features % d == 0 or d % features == 0
         assert fused[0] in compiled
-
-
-@pytest.mark.parametrize("tensor_cores", [False, True])
-@pytest.mark.parametrize(("n", "k", "routes"), [(128, 2048, True), (256, 4096, True), (128, 768, False)])
-def test_the_router_routes_its_rows_exactly_where_it_takes_the_split_reduction(n, k, routes, tensor_cores):
-    """`Kernels.router_route` takes ``gemv_split`` with routing appended, the router's own instantiation
-    otherwise unchanged (so its logits sum as `Kernels.gemv` sums them, at any row count); a router the
-    split reduction does not take is launched apart from ``route_topk``."""
-    from strata_runtime.cuda.ops import router_launch
-
-    for rows in range(1, 9):
-        fused = router_launch(rows, n, k, tensor_cores)
-        plain = gemv_launch(rows, n, k, True, tensor_cores)
-        if not routes:
-            assert fused is None and not plain[0].startswith("gemv_split")
-            continue
-        assert fused == (f"{plain[0][:-1]},true>", *plain[1:]) and plain[0].startswith("gemv_split<")

@@ -70,42 +70,6 @@ __device__ __forceinline__ bool last_to_finish(int* __restrict__ counter, int ex
   return *flag;
 }
 
-// Block-wide ranking of logits l[E] (E <= 256, 256 threads): thread e's expert is e, and it gets its rank
-// (0 = the largest logit, ties to the lower index), its softmax numerator exp(l[e] - max), and every thread
-// the max and the two totals: over all experts and over the top k.
-struct Ranked {
-  int rank;
-  float p, m, z, zk;
-};
-
-__device__ __forceinline__ Ranked block_rank(const float* __restrict__ l, int E, int topk) {
-  __shared__ float ls[256];
-  __shared__ float red[3][8];  // per warp: max, softmax total, top-k total
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const float v = tid < E ? __ldcg(l + tid) : -STRATA_INF;  // through L2: l may be this kernel's own output
-  ls[tid] = v;
-  float m = warp_max(v);
-  if (lane == 0) red[0][warp] = m;
-  __syncthreads();
-  m = red[0][0];
-#pragma unroll
-  for (int w = 1; w < 8; ++w) m = fmaxf(m, red[0][w]);
-  int rank = 0;
-  if (tid < E)
-    for (int e = 0; e < E; ++e) {
-      const float o = ls[e];
-      rank += (o > v) || (o == v && e < tid);
-    }
-  const float p = tid < E ? __expf(v - m) : 0.f;
-  float z = warp_sum(p), zk = warp_sum(tid < E && rank < topk ? p : 0.f);
-  if (lane == 0) { red[1][warp] = z; red[2][warp] = zk; }
-  __syncthreads();
-  float zt = 0.f, zkt = 0.f;
-  for (int w = 0; w < 8; ++w) { zt += red[1][w]; zkt += red[2][w]; }
-  // A block that ranks again must sync first: the next call reuses these shared arrays.
-  return {tid < E ? rank : E, p, m, zt, zkt};
-}
-
 // ---- GEMV: y[r, n] (+)= sum_k W[n, k] x'[r, k] ---------------------------------------------------------
 // x' is x, or with NORM the RMS-normalised x'[r, k] = x[r, k] * nw[k] * inv_rms(x[r]) (the norm is fused:
 // each block computes the rows' inverse RMS itself, so no separate normalisation kernel runs).
@@ -502,29 +466,10 @@ __global__ void __launch_bounds__(WARPS * 32)
 // warps computes features [F b, F b + F); warp w takes k in [w K/8, (w + 1) K/8), K a multiple of 2048, so
 // every lane holds its weights for all F features after one round of loads. The block then sums its warps
 // in order, and with NORM also the squares of x it read: a row's sum is cut the same way whatever R is.
-// With ROUTE, y is a router's logits [R, E] (E = N <= 256, not accumulated), and the last block to finish
-// (a counter in done, zero between launches) also routes every row as route_topk does: idx and wts [R, topk].
-// So the router and the routing are one kernel. Without ROUTE the arguments after eps are unused (null).
-template <int R>
-__device__ __noinline__ void route_rows(const float* __restrict__ logits, int E, int topk, int norm_topk,
-                                        int* __restrict__ idx, float* __restrict__ wts, int* __restrict__ done) {
-  __shared__ int last;
-  if (!last_to_finish(done, gridDim.x, &last)) return;
-  for (int r = 0; r < R; ++r) {
-    const Ranked k = block_rank(logits + (size_t)r * E, E, topk);
-    if (k.rank < topk) {
-      idx[r * topk + k.rank] = threadIdx.x;
-      wts[r * topk + k.rank] = k.p / (norm_topk ? k.zk : k.z);
-    }
-    __syncthreads();
-  }
-}
-
-template <int R, int K, int F, bool NORM, bool ROUTE = false>
-__global__ void __launch_bounds__(256)
-    gemv_split(const half* __restrict__ W, const float* __restrict__ x, float* __restrict__ y, int N, int accumulate,
-               const half* __restrict__ nw, float eps, int topk, int norm_topk, int* __restrict__ idx,
-               float* __restrict__ wts, int* __restrict__ done) {
+template <int R, int K, int F, bool NORM>
+__global__ void __launch_bounds__(256) gemv_split(const half* __restrict__ W, const float* __restrict__ x,
+                                                   float* __restrict__ y, int N, int accumulate,
+                                                   const half* __restrict__ nw, float eps) {
   STRATA_PDL_LAUNCH();
   constexpr int KW = K / 8, STEPS = KW / 256;
   static_assert(K % 2048 == 0, "gemv_split takes K a multiple of 2048");
@@ -580,8 +525,9 @@ __global__ void __launch_bounds__(256)
     }
   }
   __syncthreads();
-  const int f = threadIdx.x / R, r = threadIdx.x % R, n = n0 + f;
-  if (threadIdx.x < F * R && n < N) {
+  if (threadIdx.x < F * R) {
+    const int f = threadIdx.x / R, r = threadIdx.x % R, n = n0 + f;
+    if (n >= N) return;
     float v = 0.f;
 #pragma unroll
     for (int w = 0; w < 8; ++w) v += red[w][f][r];
@@ -594,7 +540,6 @@ __global__ void __launch_bounds__(256)
     float* dst = y + (size_t)r * N + n;
     *dst = accumulate ? *dst + v : v;
   }
-  if constexpr (ROUTE) route_rows<R>(y, N, topk, norm_topk, idx, wts, done);
 }
 
 // Any K (small models): one warp per output feature, scalar loads; nw == nullptr means no norm.
@@ -960,6 +905,41 @@ __global__ void __launch_bounds__(B) attn_split(const float* __restrict__ q, con
 // Routing is the fp32 softmax over E, top-k by rank (ties to the lower expert index), weights renormalised
 // over the k chosen when norm_topk is set. The wide kernels read it from route_topk, run before them (idx
 // [R, K] and wts [R, K]); moe_gate_up_any computes it inside, every block for its own row.
+// Block-wide ranking of logits l[E] (E <= 256, 256 threads): thread e's expert is e, and it gets its rank
+// (0 = the largest logit, ties to the lower index), its softmax numerator exp(l[e] - max), and every thread
+// the max and the two totals: over all experts and over the top k.
+struct Ranked {
+  int rank;
+  float p, m, z, zk;
+};
+
+__device__ __forceinline__ Ranked block_rank(const float* __restrict__ l, int E, int topk) {
+  __shared__ float ls[256];
+  __shared__ float red[3][8];  // per warp: max, softmax total, top-k total
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const float v = tid < E ? l[tid] : -STRATA_INF;
+  ls[tid] = v;
+  float m = warp_max(v);
+  if (lane == 0) red[0][warp] = m;
+  __syncthreads();
+  m = red[0][0];
+#pragma unroll
+  for (int w = 1; w < 8; ++w) m = fmaxf(m, red[0][w]);
+  int rank = 0;
+  if (tid < E)
+    for (int e = 0; e < E; ++e) {
+      const float o = ls[e];
+      rank += (o > v) || (o == v && e < tid);
+    }
+  const float p = tid < E ? __expf(v - m) : 0.f;
+  float z = warp_sum(p), zk = warp_sum(tid < E && rank < topk ? p : 0.f);
+  if (lane == 0) { red[1][warp] = z; red[2][warp] = zk; }
+  __syncthreads();
+  float zt = 0.f, zkt = 0.f;
+  for (int w = 0; w < 8; ++w) { zt += red[1][w]; zkt += red[2][w]; }
+  return {tid < E ? rank : E, p, m, zt, zkt};  // call once per launch: its shared arrays are not reused
+}
+
 __device__ __forceinline__ void block_route(const float* __restrict__ l, int E, int topk, int j, int norm_topk,
                                             int* sel, float* weight) {
   // Block-wide: *sel = the j-th ranked expert of logits l[E] (E <= 256), *weight its routing weight.

@@ -147,7 +147,6 @@ class WindowBuffers:
         self.scratch = xp.zeros(attention_scratch_size(rows, n, k, d, context), f32)
         self.attn_done = xp.zeros((rows, k), xp.int32)  # [R, K]: the attention kernel's counters
         self.heads_done = xp.zeros(n + 2 * k, xp.int32)  # [N + 2K]: the fused q/k/v kernel's counters
-        self.route_done = xp.zeros(1, xp.int32)  # the router's counter, where it routes the rows too
         topk = max(args.num_experts_per_tok, 1)
         self.router = xp.zeros((rows, max(args.num_experts, 1)), f32)  # [R, E]
         self.idx = xp.zeros((rows, topk), xp.int32)  # [R, k]
@@ -214,27 +213,9 @@ def _mlp(k: Kernels, a: ModelArgs, lay: LayerWeights, b: WindowBuffers, kc: Arra
         k.gemv(lay.shared_gate, b.resid, b.gate, norm=lay.ln2, eps=eps)
 
 
-def _routes_with_router(k: Kernels, a: ModelArgs, lay: LayerWeights) -> bool:
-    """Whether the router step also routes the rows (`Kernels.router_route`), so that the experts' step
-    does not: where the experts take the wide kernels, which read a routing made before them, and no
-    calibrated bias comes between the logits and the top-k."""
-    return lay.router_bias is None and "route_topk" in Kernels.moe_exprs(
-        a.hidden_size, a.moe_intermediate_size, a.num_experts_per_tok
-    )
-
-
 def _router(k: Kernels, a: ModelArgs, lay: LayerWeights, b: WindowBuffers, kc: Array, vc: Array) -> None:
-    """The router's logits with the post-attention norm; and the rows' routing, where it comes next
-    (`_routes_with_router`): one kernel where the router takes the split reduction."""
-    if lay.router is None:
-        return
-    eps = a.rms_norm_eps
-    if _routes_with_router(k, a, lay):
-        k.router_route(
-            lay.router, b.resid, b.router, lay.ln2, eps, a.norm_topk_prob, b.idx, b.wts, b.route_done
-        )
-    else:
-        k.gemv(lay.router, b.resid, b.router, norm=lay.ln2, eps=eps)
+    if lay.router is not None:
+        k.gemv(lay.router, b.resid, b.router, norm=lay.ln2, eps=a.rms_norm_eps)
 
 
 def _route_bias(k: Kernels, a: ModelArgs, lay: LayerWeights, b: WindowBuffers, kc: Array, vc: Array) -> None:
@@ -246,9 +227,9 @@ def _route_bias(k: Kernels, a: ModelArgs, lay: LayerWeights, b: WindowBuffers, k
 def _moe(k: Kernels, a: ModelArgs, lay: LayerWeights, b: WindowBuffers, kc: Array, vc: Array) -> None:
     if lay.experts is None:
         return
-    routed = _routes_with_router(k, a, lay)
-    eps = a.rms_norm_eps
-    k.moe(b.resid, lay.ln2, b.router, a.norm_topk_prob, eps, lay.experts, b.resid, b.idx, b.wts, b.h, routed)
+    k.moe(
+        b.resid, lay.ln2, b.router, a.norm_topk_prob, a.rms_norm_eps, lay.experts, b.resid, b.idx, b.wts, b.h
+    )
 
 
 def _mlp_add(k: Kernels, a: ModelArgs, lay: LayerWeights, b: WindowBuffers, kc: Array, vc: Array) -> None:

@@ -37,8 +37,6 @@ ATTENTION_HEAD_DIMS = (16, 32, 64, 128, 256)
 _NULL = np.uint64(0)  # a null pointer argument
 NO_ROPE = (*(_NULL,) * 7, np.int32(0), np.int32(0), np.int32(0), np.float32(0), _NULL)
 """``gemv_mma``'s arguments after ``eps`` where it fuses no RoPE (`Kernels.qkv_rope`)."""
-NO_ROUTE = (np.int32(0), np.int32(0), _NULL, _NULL, _NULL)
-"""``gemv_split``'s arguments after ``eps`` where it routes no rows (`Kernels.router_route`)."""
 
 
 def _wide(k: int) -> bool:
@@ -209,17 +207,6 @@ def gemv_expression(rows: int, n: int, k: int, norm: bool, tensor_cores: bool) -
     return gemv_launch(rows, n, k, norm, tensor_cores)[0]
 
 
-def router_launch(rows: int, n: int, k: int, tensor_cores: bool) -> tuple[str, int, int] | None:
-    """(instantiation, blocks, threads per block) of ``gemv_split`` that also routes the rows, for a router
-    [n, k] (with its input norm; n experts, at most 256); None where the router does not take
-    ``gemv_split`` (`gemv_launch`), and `Kernels.router_route` launches it and ``route_topk`` one after the
-    other. The logits sum as `Kernels.gemv` sums them."""
-    expr, blocks, threads = gemv_launch(rows, n, k, True, tensor_cores)
-    if not expr.startswith("gemv_split<"):
-        return None
-    return f"{expr[:-1]},true>", blocks, threads
-
-
 def qkv_rope_launch(
     rows: int, n: int, k: int, head_dim: int, tensor_cores: bool
 ) -> tuple[str, int, int] | None:
@@ -277,8 +264,7 @@ def decode_expressions(
     for rows in range(1, max_rows + 1):
         out += [gemv_expression(rows, n, k, norm, tensor_cores) for n, k, norm in shapes]
         rope = qkv_rope_launch(rows, qkv, h, a.head_dim, tensor_cores)
-        route = router_launch(rows, a.num_experts, h, tensor_cores) if a.num_experts else None
-        out += [launch[0] for launch in (rope, route) if launch is not None]
+        out += [rope[0]] if rope is not None else []
     return out
 
 
@@ -402,36 +388,8 @@ class Kernels(KernelCache):
             args: tuple[Any, ...] = (w, x, out, *sizes, np.int32(accumulate))
         else:
             args = (w, x, out, np.int32(n), np.int32(accumulate))
-        tail = NO_ROPE if expr.startswith("gemv_mma<") else NO_ROUTE if expr.startswith("gemv_split<") else ()
-        self.fn(expr)((blocks,), (threads,), (*args, nw, np.float32(eps), *tail))
-
-    def router_route(
-        self,
-        w: Array,
-        x: Array,
-        logits: Array,
-        norm: Array,
-        eps: float,
-        norm_topk: bool,
-        idx: Array,
-        wts: Array,
-        done: Array,
-    ) -> None:
-        """The router's logits [R, E] with its input norm, then each row's routing (idx, wts [R, k], as
-        `route_topk`): `gemv` and `route_topk`, in one kernel where the router takes ``gemv_split``
-        (`router_launch`). ``done``: [1] int32, zero before the first launch; the kernel leaves it at
-        zero."""
-        n, k = w.shape
-        rows, topk = idx.shape
-        launch = router_launch(rows, n, k, self.tensor_cores)
-        if launch is None:
-            self.gemv(w, x, logits, norm=norm, eps=eps)
-            self.route_topk(logits, norm_topk, idx, wts)
-            return
-        expr, blocks, threads = launch
-        route = (np.int32(topk), np.int32(norm_topk), idx, wts, done)
-        args = (w, x, logits, np.int32(n), np.int32(0), norm, np.float32(eps), *route)
-        self.fn(expr)((blocks,), (threads,), args)
+        rope = NO_ROPE if expr.startswith("gemv_mma<") else ()
+        self.fn(expr)((blocks,), (threads,), (*args, nw, np.float32(eps), *rope))
 
     def qkv_rope(
         self,
@@ -583,7 +541,6 @@ class Kernels(KernelCache):
         idx: Array,
         wts: Array,
         h_buf: Array,
-        routed: bool = False,
     ) -> None:
         """Route and run the experts: resid[R, H] += sum_j wts[r, j] * expert_{idx[r, j]}(x'[r]).
 
@@ -596,11 +553,10 @@ class Kernels(KernelCache):
         ``misses[1]`` ([2] fp32). idx [R, k] int32 and wts [R, k] fp32 receive the routing; h_buf:
         [R * k, I] fp32 scratch.
 
-        Shapes the wide kernels take (H and I multiples of 256, k <= 16) are routed first (``route_topk``;
-        with ``routed``, idx and wts already hold the routing, from `router_route`), and their gate/up
-        products run in order of expert (``moe_gate_up``), so that an expert several rows share is read
-        from memory about once. Each assignment's sums do not depend on the window: a row gets the same
-        bits in any window.
+        Shapes the wide kernels take (H and I multiples of 256, k <= 16) are routed first (``route_topk``),
+        and their gate/up products run in order of expert (``moe_gate_up``), so that an expert several rows
+        share is read from memory about once. Each assignment's sums do not depend on the window: a row
+        gets the same bits in any window.
         """
         rows, h = x.shape
         topk = idx.shape[1]
@@ -629,8 +585,7 @@ class Kernels(KernelCache):
             return
         if a > THREADS:
             raise ValueError(f"the expert kernels take at most {THREADS} assignments a window, not {a}")
-        if not routed:
-            self.route_topk(logits, norm_topk, idx, wts)
+        self.route_topk(logits, norm_topk, idx, wts)
         self.fn(gu_expr)(
             (a, tiles[0]),
             (THREADS,),

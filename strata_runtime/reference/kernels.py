@@ -163,15 +163,17 @@ def moe(
     idx: np.ndarray,
     wts: np.ndarray,
     h_buf: np.ndarray,
-    routed: bool = False,
 ) -> None:
     """``experts.weights(e)``: expert e's gate/up [2I, H] and down [H, I] (the kernel reads the same through
-    ``experts``' address tables); ``counts``, ``slot_of`` and ``misses`` as the launcher's; ``routed``: idx
-    and wts already hold the routing (`router_route`)."""
+    ``experts``' address tables); ``counts``, ``slot_of`` and ``misses`` as the launcher's."""
     rows, topk = idx.shape
     inter = h_buf.shape[1]
-    if not routed:
-        route_topk(logits, norm_topk, idx, wts)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)  # [R, E]
+    order = np.argsort(-logits, axis=-1, kind="stable")[:, :topk]  # ties: lower index first
+    idx[...] = order
+    w = np.take_along_axis(p, order, axis=-1)  # [R, k]
+    wts[...] = w / w.sum(-1, keepdims=True) if norm_topk else w
     xn = x * _rms_inv(x, eps) * _f32(norm)  # [R, H]
     for r in range(rows):
         total = np.zeros(x.shape[1], np.float32)
@@ -381,22 +383,6 @@ def count_tokens(counts: np.ndarray, slot: np.ndarray, tokens: np.ndarray, add: 
 
 def rms_norm_fp32_to_half(x: np.ndarray, w: np.ndarray, out: np.ndarray, eps: float) -> None:
     out[...] = (x * _rms_inv(x, eps) * _f32(w)).astype(np.float16)
-
-
-def router_route(
-    w: np.ndarray,
-    x: np.ndarray,
-    logits: np.ndarray,
-    norm: np.ndarray,
-    eps: float,
-    norm_topk: bool,
-    idx: np.ndarray,
-    wts: np.ndarray,
-    done: np.ndarray | None = None,
-) -> None:
-    """``done`` is the launcher's workspace; the reference needs none."""
-    gemv(w, x, logits, norm=norm, eps=eps)
-    route_topk(logits, norm_topk, idx, wts)
 
 
 def route_topk(logits: np.ndarray, norm_topk: bool, idx: np.ndarray, wts: np.ndarray) -> None:
