@@ -261,10 +261,21 @@ class ReferenceKernels:
     def gemv(
         self, w: Any, x: Any, out: Any, accumulate: bool = False, norm: Any = None, eps: float = 1e-6
     ) -> None:
-        expr = self.gemv_expr(x.shape[0], *w.shape, norm is not None)
+        self._launched(self.gemv_expr(x.shape[0], *w.shape, norm is not None))
+        RECORDER.launch(reference_kernels.gemv, w, x, out, accumulate, norm, eps)
+
+    def qkv_rope(self, w: Any, x: Any, qkv: Any, norm: Any, eps: float, *rest: Any) -> None:
+        """As the launcher: the fused projection's instantiation, or the projection's where it fuses none."""
+        from strata_runtime.cuda.ops import qkv_rope_launch
+
+        q_out = rest[4]
+        launch = qkv_rope_launch(x.shape[0], *w.shape, q_out.shape[2], self.tensor_cores)
+        self._launched(launch[0] if launch else self.gemv_expr(x.shape[0], *w.shape, True))
+        RECORDER.launch(reference_kernels.qkv_rope, w, x, qkv, norm, eps, *rest)
+
+    def _launched(self, expr: str) -> None:
         if expr not in self.prepared:
             self.unprepared.append(expr)
-        RECORDER.launch(reference_kernels.gemv, w, x, out, accumulate, norm, eps)
 
     def programmatic(self, on: bool = True) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()

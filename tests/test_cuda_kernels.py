@@ -401,7 +401,7 @@ def test_qkv_with_rope_fused_matches_the_projection_then_qk_norm_rope_kv(gpu, n_
         kc_d, vc_d = cp.asarray(kc), cp.asarray(vc)
         dev = [cp.asarray(a) for a in (w, x, ln1, qn, kn, pos, slot)]
         if fused:
-            kern.qkv_rope(*dev[:3], qkv, eps, *dev[3:], q, kc_d, vc_d, theta, done)
+            kern.qkv_rope(dev[0], dev[1], qkv, dev[2], eps, *dev[3:], q, kc_d, vc_d, theta, done)
         else:
             kern.gemv(dev[0], dev[1], qkv, norm=dev[2], eps=eps)
             kern.qk_norm_rope_kv(qkv, *dev[3:], q, kc_d, vc_d, theta, eps)

@@ -127,8 +127,8 @@ def _step_result(**tables: object) -> dict[str, object]:
 
 @pytest.mark.parametrize("preset", ["tiny", "small", "small-wide"])
 def test_the_step_runs_every_layer_of_the_model_on_the_references(preset: str) -> None:
-    """``small-wide``: small with experts 256 wide, which take the wide expert kernels, so the router step
-    routes the rows itself and the experts' step reads that routing (`Kernels.router_route`)."""
+    """``small-wide``: small with experts 256 wide, which take the wide expert kernels: the rows routed
+    first (``route_topk``), then the experts in order of expert."""
     config = preset_config(preset.removesuffix("-wide"))
     if preset.endswith("-wide"):
         config = config | {"moe_intermediate_size": 256}
