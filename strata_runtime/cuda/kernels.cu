@@ -205,8 +205,8 @@ __global__ void gemv_wide(const half* __restrict__ W, const float* __restrict__ 
 
 // ---- q/k RMSNorm + NeoX RoPE of one head ---------------------------------------------------------------
 // The inverse RMS of one head's D values from the total of its squares (summed warp by warp in order, warp w
-// holding rotation pairs 32w .. 32w + 31), and the normalised, rotated pair i at position p. qk_norm_rope_kv and gemv_mma's fused form (ROPE) both go
-// through these, so they give the same bits.
+// holding rotation pairs 32w .. 32w + 31), and the normalised, rotated pair i at position p. qk_norm_rope_kv
+// and gemv_mma's fused form (ROPE) both go through these, so they give the same bits.
 __device__ __forceinline__ float head_inv_rms(float total, int D, float eps) { return rsqrtf(total / D + eps); }
 
 __device__ __forceinline__ float2 rope_pair(float a, float b, float inv, const half* __restrict__ nw, int i, int D,
@@ -227,11 +227,10 @@ __device__ __forceinline__ float2 rope_pair(float a, float b, float inv, const h
 // projection's loop at 2 to 8 rows past 128 and into spills.
 template <int R, int D, int WARPS>
 __device__ __noinline__ void qkv_rope_heads(const float* __restrict__ y, int N, int n0, int F,
-                                               const half* __restrict__ qn, const half* __restrict__ kn,
-                                               const int* __restrict__ pos, const int* __restrict__ slot,
-                                               float* __restrict__ q_out, half* __restrict__ kc,
-                                               half* __restrict__ vc, int NQ, int NKV, int T, float theta,
-                                               float eps, int* __restrict__ done) {
+                                            const half* __restrict__ qn, const half* __restrict__ kn,
+                                            const int* __restrict__ pos, const int* __restrict__ slot,
+                                            float* __restrict__ q_out, half* __restrict__ kc, half* __restrict__ vc,
+                                            int NQ, int NKV, int T, float theta, float eps, int* __restrict__ done) {
   constexpr int HALF = D / 2, PASSES = (HALF + 31) / 32;
   __shared__ int last;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
