@@ -414,8 +414,9 @@ def test_qkv_with_rope_fused_matches_the_projection_then_qk_norm_rope_kv(gpu, n_
     for a, b in zip(fused, again, strict=True):
         np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(fused[0], apart[0])  # the projection's sums are the same kernel's
-    for a, b in zip(fused[1:], apart[1:], strict=True):
-        assert rel_err(a, b) < 1e-6
+    assert rel_err(fused[1], apart[1]) < 1e-6  # q: the same functions, at worst contracted otherwise
+    for a, b in zip(fused[2:], apart[2:], strict=True):  # k and v in fp16: at most one step of rounding apart
+        assert (np.abs(a.astype(np.float32) - b.astype(np.float32)) <= np.spacing(np.abs(b))).all()
     qkv_r, q_r = np.empty_like(fused[0]), np.empty_like(fused[1])
     kc_r, vc_r = kc.copy(), vc.copy()
     ref.qkv_rope(w, x, qkv_r, ln1, eps, qn, kn, pos, slot, q_r, kc_r, vc_r, theta)
