@@ -172,3 +172,20 @@ def test_the_q_k_v_projection_fuses_rope_exactly_where_it_runs_on_tensor_cores(
         features = 16 * int(plain[0].split(",")[2])
         assert features % d == 0 or d % features == 0
         assert fused[0] in compiled
+
+
+@pytest.mark.parametrize(
+    ("n", "k", "warps"), [(2048, 4096, 32), (1024, 8192, 32), (2048, 2048, 16), (1536, 6144, 16)]
+)
+def test_a_short_output_over_a_reduction_of_whole_4096s_takes_a_warp_per_unit(n, k, warps) -> None:
+    """Outputs under 4,096 features take 16 features a block; where the reduction is a multiple of 4,096 the
+    block has 32 warps, so that every warp sums whole 128-wide units evenly (the 30B preset's output
+    projection ran fastest so inside the whole step), and 16 otherwise. The tiles decide the order of a row's
+    sums, so the shape must not change with the rows either."""
+    from strata_runtime.cuda.ops import gemv_mma_shape
+
+    assert gemv_mma_shape(n, k) == (1, warps)
+    exprs = {gemv_launch(rows, n, k, False, True) for rows in range(1, 9)}
+    assert {(e.split(",", 1)[1], b, t) for e, b, t in exprs} == {
+        (f"{k},1,{warps},false>", n // 16, 32 * warps)
+    }
