@@ -331,6 +331,7 @@ def test_vary_runs_each_arm_once_per_value_interleaved(tmp_path) -> None:
     out = strata(
         *("bench", "profiles/demo.toml", "--workload", "solo", "--arms", "solo", "--repeats", "2"),
         *("--tokens", "24", "--vary", "spec.draft_tokens=0,2,4", "--json", "--run-dir", str(tmp_path)),
+        *("--set", "spec.adaptive_depth=false"),  # each depth drafts as set, whatever the window times
     )
     assert out.returncode == 0, out.stderr
     res = json.loads(out.stdout)
