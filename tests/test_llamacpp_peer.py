@@ -64,7 +64,7 @@ def test_the_gguf_holds_every_tensor_as_llama_cpp_names_it(tmp_path: Path, tiny)
     assert _field(reader, "qwen3moe.expert_feed_forward_length") == inter
     assert _field(reader, "qwen3moe.attention.key_length") == config["head_dim"]
     assert _field(reader, "qwen3moe.vocab_size") == config["vocab_size"]
-    assert _field(reader, "tokenizer.ggml.model") == "none"
+    assert _field(reader, "tokenizer.ggml.model") == "llama"  # the runtime's byte-level ids (next test)
     attention = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm"]
     per_block = [*attention, "ffn_norm", "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"]
     want = {f"blk.{j}.{n}.weight" for j in range(layers) for n in per_block}
@@ -79,6 +79,58 @@ def test_the_gguf_holds_every_tensor_as_llama_cpp_names_it(tmp_path: Path, tiny)
     gate_up = tensors["model.layers.1.mlp.experts.gate_up_proj"]
     np.testing.assert_array_equal(out["blk.1.ffn_gate_exps.weight"], gate_up[:, :inter].astype(np.float16))
     np.testing.assert_array_equal(out["blk.1.ffn_up_exps.weight"], gate_up[:, inter:].astype(np.float16))
+
+
+def _strings(reader: Any, key: str) -> list[str]:
+    f = reader.fields[key]
+    return [bytes(f.parts[i]).decode() for i in f.data]
+
+
+def test_the_gguf_carries_the_runtimes_byte_level_ids_or_only_the_vocabulary_size(
+    tmp_path: Path, tiny
+) -> None:
+    """A byte-level model's GGUF names every id as the runtime's tokenizer reads it, so llama-server's ids
+    and text are the runtime's: bytes as <0xXX>, the specials as control tokens, the rest unused; a
+    checkpoint with a tokenizer of its own gets none, only the vocabulary size."""
+    from strata_runtime.weights.tokenizer import ByteTokenizer
+
+    config, tensors = tiny
+    write_gguf(tmp_path / "b.gguf", config, tensors, "tiny")
+    reader = gguf.GGUFReader(str(tmp_path / "b.gguf"))
+    tokens = _strings(reader, "tokenizer.ggml.tokens")
+    types = [
+        int(reader.fields["tokenizer.ggml.token_type"].parts[i][0])
+        for i in reader.fields["tokenizer.ggml.token_type"].data
+    ]
+    assert len(tokens) == len(types) == config["vocab_size"] > 259
+    tok = ByteTokenizer(config["vocab_size"])
+    assert tokens[:256] == [f"<0x{i:02X}>" for i in range(256)] and set(types[:256]) == {gguf.TokenType.BYTE}
+    for i in (0, 10, 65, 127):  # a byte id is the byte it encodes
+        assert tok.encode(chr(i)) == [i] and tok.decode([i]) == chr(i)
+    assert tok.encode("é") == [0xC3, 0xA9]  # and a character's UTF-8 bytes are its ids, as llama.cpp's
+    for text, i in ByteTokenizer.SPECIALS.items():
+        assert tokens[i] == text and types[i] == gguf.TokenType.CONTROL and tok.encode(text) == [i]
+    assert set(types[259:]) == {gguf.TokenType.UNUSED} and tok.decode(list(range(259, len(tokens)))) == ""
+    assert len(set(tokens)) == len(tokens)  # every id its own token
+    end = ByteTokenizer.SPECIALS["<|endoftext|>"]
+    assert _field(reader, "tokenizer.ggml.eos_token_id") == end and not _field(
+        reader, "tokenizer.ggml.add_bos_token"
+    )
+    write_gguf(tmp_path / "n.gguf", config, tensors, "tiny", vocabulary="none")
+    reader = gguf.GGUFReader(str(tmp_path / "n.gguf"))
+    assert _field(reader, "tokenizer.ggml.model") == "none" and "tokenizer.ggml.tokens" not in reader.fields
+    assert _field(reader, "qwen3moe.vocab_size") == config["vocab_size"]
+
+
+def test_a_checkpoint_with_its_own_tokenizer_is_written_without_a_vocabulary(tmp_path: Path) -> None:
+    from types import SimpleNamespace as NS
+
+    from strata_runtime.bench.gguf_export import vocabulary_of
+
+    (tmp_path / "tokenizer.json").write_text("{}")
+    assert vocabulary_of(NS(model=NS(path=str(tmp_path)))) == "none"  # type: ignore[arg-type]
+    assert vocabulary_of(NS(model=NS(path=str(tmp_path / "elsewhere")))) == "bytes"  # type: ignore[arg-type]
+    assert vocabulary_of(resolve_profile("profiles/demo.toml")) == "bytes"
 
 
 @pytest.mark.parametrize(
@@ -231,7 +283,8 @@ def test_bench_runs_llama_cpp_beside_its_arm_on_the_model_it_writes(tmp_path: Pa
         [sys.executable, "-m", "strata_cfg", *args], capture_output=True, text=True, timeout=300, env=bare
     )
     assert out.returncode == 0, out.stderr
-    assert "[llama.cpp] skipped: neither llama-bench nor llama-batched-bench is on PATH" in out.stderr
+    skipped = "[llama.cpp] skipped: none of llama-bench, llama-batched-bench or llama-server is on PATH"
+    assert skipped in out.stderr
     assert "llama.cpp on the same weights" not in out.stdout
 
 
@@ -241,7 +294,7 @@ def test_strata_gguf_writes_the_profiles_model_once(tmp_path: Path, tiny) -> Non
     cmd = [sys.executable, "-m", "strata_cfg", "gguf", "profiles/demo.toml", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert "as llama.cpp's qwen3moe" in done.stdout
+    assert "as llama.cpp's qwen3moe" in done.stdout and "byte-level vocabulary" in done.stdout
     reader, written = _read(out)
     assert _field(reader, "general.architecture") == "qwen3moe"
     _, tensors = tiny

@@ -92,8 +92,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         choices=PEERS,
         help="also run a peer on the same weights: transformers' generate (needs torch and transformers; one "
-        "stage), or llama.cpp's llama-bench / llama-batched-bench from PATH on the model written as GGUF "
-        "(needs the gguf package; skipped in one line without the tools)",
+        "stage), or llama.cpp's llama-bench / llama-batched-bench from PATH on the model written as GGUF, "
+        "and llama-server for a case whose tool is missing (needs the gguf package; skipped in one line "
+        "without any of them)",
     )
     parser.add_argument(
         "--gguf",

@@ -23,7 +23,7 @@ GPU_WORKLOADS = ("step", "vram", "handoff")
 """Workloads that need CuPy and a CUDA GPU; they measure the profile's plan, not arms."""
 PEERS = ("transformers", "llama.cpp")
 """Peer engines `strata bench --peer` runs on the same weights: transformers' ``generate`` as an arm, and
-llama.cpp's own benchmark tools on the model written as GGUF."""
+llama.cpp's own benchmark tools (or its server) on the model written as GGUF."""
 CLIENT_COUNTS = (1, 2, 4, 8)
 """Concurrent clients of the ``clients`` workload."""
 PROMPTS = (

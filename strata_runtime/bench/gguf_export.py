@@ -8,9 +8,14 @@ fused gate/up [E, 2I, H] split in two). Matrices are written in fp16 and vectors
 time, so a model larger than host memory streams through. The MTP head is left out: llama.cpp's
 ``qwen3moe`` has none.
 
-No tokenizer is written: the file declares llama.cpp's "no vocabulary" type with the model's vocabulary
-size, which is all ``llama-bench`` needs (it feeds random token ids). To chat with a real checkpoint in
-llama.cpp, convert it with llama.cpp's own converter, which also carries its tokenizer.
+The vocabulary written is the runtime's byte-level one, for the models that use it (the synthetic presets
+and checkpoints without a ``tokenizer.json``, such as the packaged demo): ids 0-255 are bytes, the three
+special tokens that follow are control tokens (``<|endoftext|>`` the end of text), and every other id is an
+unused placeholder, in llama.cpp's SentencePiece layout (which carries bytes as ``<0xXX>`` tokens). So
+``llama-server`` reads and writes the same ids as the runtime, and its text is the runtime's text. A
+checkpoint with its own ``tokenizer.json`` gets llama.cpp's "no vocabulary" type with the model's vocabulary
+size, which is all ``llama-bench`` needs (it feeds random token ids); to serve or chat with a real
+checkpoint in llama.cpp, convert it with llama.cpp's own converter, which also carries its tokenizer.
 
 The ``gguf`` package (llama.cpp's own writer) is needed only here: ``pip install 'strata-cfg[gguf]'``.
 """
@@ -31,9 +36,12 @@ from strata_cfg.schema.plan import LaunchPlan
 
 from ..model.placed import WeightStore
 from ..weights.progress import Progress
+from ..weights.tokenizer import ByteTokenizer
 from .peer import model_config
 
 ARCH = "qwen3moe"
+VOCABULARIES = ("bytes", "none")
+"""What `write_gguf` writes as the vocabulary: the runtime's byte-level tokens, or none (its size only)."""
 
 _LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm.weight",
@@ -123,10 +131,11 @@ def write_gguf(
     tensors: Mapping[str, Any],
     name: str,
     progress: Progress | None = None,
+    vocabulary: str = "bytes",
 ) -> int:
     """Write ``tensors`` (the runtime's names; NumPy or CuPy arrays) of a model with ``config`` (its
-    ``config.json``) to ``path`` as GGUF; the bytes of tensor data written. ``progress`` makes a bar that
-    advances by the bytes of each tensor written.
+    ``config.json``) to ``path`` as GGUF, with ``vocabulary`` (one of `VOCABULARIES`); the bytes of tensor
+    data written. ``progress`` makes a bar that advances by the bytes of each tensor written.
 
     The file is written beside ``path`` under a ``.partial`` name and renamed when complete, so ``path``
     never holds half a model (a later run reuses a file that exists there).
@@ -134,6 +143,8 @@ def write_gguf(
     Raises `ExportError` when llama.cpp would compute another model, a tensor is missing, or the disk
     holding ``path`` has less room than the tensors need.
     """
+    if vocabulary not in VOCABULARIES:
+        raise ValueError(f"vocabulary must be one of {', '.join(VOCABULARIES)}, not {vocabulary!r}")
     problem = unsupported(config)
     if problem:
         raise ExportError(f"cannot export to GGUF: the model has {problem}")
@@ -161,7 +172,7 @@ def write_gguf(
         )
     partial = path.with_name(path.name + ".partial")
     try:
-        written = _write(gguf, partial, config, items, sizes, name, progress)
+        written = _write(gguf, partial, config, items, sizes, name, progress, vocabulary)
         os.replace(partial, path)
     finally:
         with contextlib.suppress(FileNotFoundError):
@@ -177,6 +188,7 @@ def _write(
     sizes: list[int],
     name: str,
     progress: Progress | None,
+    vocabulary: str,
 ) -> int:
     """`write_gguf`'s file: the header, then each tensor of ``items`` (``sizes`` bytes each) in turn."""
     writer = gguf.GGUFWriter(str(path), ARCH)
@@ -197,8 +209,11 @@ def _write(
     writer.add_expert_used_count(int(config["num_experts_per_tok"]))
     writer.add_expert_feed_forward_length(int(config["moe_intermediate_size"]))
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    writer.add_tokenizer_model("none")
     writer.add_vocab_size(int(config["vocab_size"]))
+    if vocabulary == "bytes":
+        _add_byte_vocabulary(writer, int(config["vocab_size"]))
+    else:
+        writer.add_tokenizer_model("none")
     for (gname, _, shape), nbytes in zip(items, sizes, strict=True):
         writer.add_tensor_info(gname, shape, _dtype(len(shape)), nbytes)
     writer.write_header_to_file()
@@ -218,9 +233,50 @@ def _write(
     return written
 
 
+def byte_vocabulary(vocab_size: int) -> tuple[list[str], list[int]]:
+    """The runtime's byte-level vocabulary (`ByteTokenizer`) in llama.cpp's SentencePiece layout: each id's
+    token text and `gguf.TokenType` value (bytes as ``<0xXX>``, the specials as control tokens, the rest
+    unused placeholders, which decode to nothing in both)."""
+    byte, control, unused = 6, 3, 5  # gguf.TokenType.BYTE, CONTROL, UNUSED
+    names = {i: s for s, i in ByteTokenizer.SPECIALS.items()}
+    tokens, types = [], []
+    for i in range(vocab_size):
+        if i < 256:
+            tokens.append(f"<0x{i:02X}>")
+            types.append(byte)
+        elif i in names:
+            tokens.append(names[i])
+            types.append(control)
+        else:
+            tokens.append(f"<unused{i}>")
+            types.append(unused)
+    return tokens, types
+
+
+def _add_byte_vocabulary(writer: Any, vocab_size: int) -> None:
+    tokens, types = byte_vocabulary(vocab_size)
+    end = ByteTokenizer.SPECIALS["<|endoftext|>"]
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * len(tokens))
+    writer.add_token_types(types)
+    if end < vocab_size:
+        writer.add_bos_token_id(end)
+        writer.add_eos_token_id(end)
+    writer.add_add_bos_token(False)
+    writer.add_add_eos_token(False)
+
+
+def vocabulary_of(plan: LaunchPlan) -> str:
+    """The vocabulary `write_model` writes for the plan's model: the runtime's byte-level one unless the
+    checkpoint has its own ``tokenizer.json``."""
+    path = plan.model.path
+    return "none" if path is not None and (Path(path) / "tokenizer.json").is_file() else "bytes"
+
+
 def write_model(
     path: str | Path, plan: LaunchPlan, weights: WeightStore, progress: Progress | None = None
 ) -> int:
     """`write_gguf` of the model an engine of ``plan`` was built on: every stage's tensors in ``weights``."""
     tensors = {k: v for st in weights.stages.values() for k, v in st.tensors.items()}
-    return write_gguf(path, model_config(plan), tensors, plan.model.label(), progress)
+    return write_gguf(path, model_config(plan), tensors, plan.model.label(), progress, vocabulary_of(plan))

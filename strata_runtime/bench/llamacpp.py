@@ -3,9 +3,10 @@
 The plan's model is written as GGUF (`strata_runtime.bench.gguf_export`) and run by llama.cpp's own
 benchmark tools, found on PATH: ``llama-bench`` for one stream (``tg``: generating N tokens) and for a
 prompt (``pp``: reading N tokens), ``llama-batched-bench`` for several streams decoding at once (each
-stream's prompt as long as the runtime's requests' prompts on average, then N tokens each). Each figure is
-matched with the runtime's case of the same workload and their ratio reported. Where neither tool is on PATH
-the peer is skipped in one line.
+stream's prompt as long as the runtime's requests' prompts on average, then N tokens each). Where a case's
+tool is missing and ``llama-server`` is on PATH, the server runs that case instead
+(`strata_runtime.bench.llamacpp_server`). Each figure is matched with the runtime's case of the same
+workload and their ratio reported. Where none of the three is on PATH the peer is skipped in one line.
 
 llama.cpp draws random token ids and runs its own loop; the runtime's arms run real requests through the
 engine. So the figures compare decode and prompt speed on identical weights, not text.
@@ -20,10 +21,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-TOOLS = ("llama-bench", "llama-batched-bench")
+from .llamacpp_server import FULL_OFFLOAD, SERVER, ServerCase, run_server
+
+TOOLS = ("llama-bench", "llama-batched-bench", SERVER)
 BATCHED_PROMPT = 128
 """Tokens of each stream's prompt in llama-batched-bench, unless the workload gives the runtime's own."""
-FULL_OFFLOAD = "999"  # -ngl: every layer on the GPU
+NEEDS = {"solo": "llama-bench", "prompt": "llama-bench", "two-decodes": "llama-batched-bench"}
+"""The benchmark tool each workload's figures come from (``clients``: both), where it is on PATH."""
 
 
 @dataclass(frozen=True)
@@ -69,15 +73,32 @@ def find_tools(which: Callable[[str], str | None] = shutil.which) -> dict[str, s
 def skip_reason(tools: dict[str, str], workload: str) -> str | None:
     """Why llama.cpp cannot run beside ``workload`` here, or None."""
     if not tools:
-        return "skipped: neither llama-bench nor llama-batched-bench is on PATH"
-    needs = {"solo": "llama-bench", "prompt": "llama-bench", "two-decodes": "llama-batched-bench"}
+        return "skipped: none of llama-bench, llama-batched-bench or llama-server is on PATH"
     if workload == "clients":
         return None
-    if workload not in needs:
+    if workload not in NEEDS:
         return f"skipped: llama.cpp has no counterpart of the {workload} workload"
-    if needs[workload] not in tools:
-        return f"skipped: {workload} needs {needs[workload]}, which is not on PATH"
+    if NEEDS[workload] not in tools and SERVER not in tools:
+        return f"skipped: {workload} needs {NEEDS[workload]} or {SERVER}, and neither is on PATH"
     return None
+
+
+def server_cases(tools: dict[str, str], w: Workload) -> list[ServerCase]:
+    """The cases of workload ``w`` that ``llama-server`` runs: those whose benchmark tool is not on PATH
+    (none without the server)."""
+    if SERVER not in tools:
+        return []
+    out: list[ServerCase] = []
+    if w.name == "prompt" and "llama-bench" not in tools:
+        out.append(ServerCase("prompt", 1, w.prompt_tokens, 1))
+    if w.name in ("solo", "clients") and "llama-bench" not in tools:
+        out.append(ServerCase("solo" if w.name == "solo" else "1 clients", 1, w.stream_prompt, w.tokens))
+    streams = {"two-decodes": [2], "clients": [c for c in w.clients if c > 1]}.get(w.name, [])
+    if "llama-batched-bench" not in tools:
+        for n in streams:
+            case = "two-decodes" if w.name == "two-decodes" else f"{n} clients"
+            out.append(ServerCase(case, n, w.stream_prompt, w.tokens))
+    return out
 
 
 def commands(tools: dict[str, str], gguf: str, w: Workload) -> list[tuple[str, list[str]]]:
@@ -133,9 +154,14 @@ def parse_batched(text: str, workload: str) -> list[Figure]:
 
 
 def run_peer(
-    tools: dict[str, str], gguf: str, w: Workload, run: Callable[..., Any] = subprocess.run
+    tools: dict[str, str],
+    gguf: str,
+    w: Workload,
+    run: Callable[..., Any] = subprocess.run,
+    serve: Callable[..., Any] = run_server,
 ) -> PeerRun:
-    """Run llama.cpp's tools for workload ``w`` on the GGUF file ``gguf``; a failed tool becomes a note."""
+    """Run llama.cpp's tools for workload ``w`` on the GGUF file ``gguf``, and ``llama-server`` for the
+    cases whose tool is missing (`server_cases`); a failed tool or server becomes a note."""
     workload = w.name
     out = PeerRun()
     for tool, cmd in commands(tools, gguf, w):
@@ -154,6 +180,15 @@ def run_peer(
         if workload == "clients":  # one stream is the first client count
             found = [Figure("1 clients", f.what, f.tok_s) if f.case == "solo" else f for f in found]
         out.figures += [f for f in found if f.case == workload or workload == "clients"]
+    cases = server_cases(tools, w)
+    if cases:
+        served = serve(tools[SERVER], gguf, cases, w.repeats)
+        out.commands.append(served.command)
+        out.figures += [Figure(c.case, c.what, tok_s) for c, tok_s in served.figures]
+        out.notes += served.notes
+    if workload == "clients":  # in the order of the stream counts, whichever tool measured each
+        order = {f"{n} clients": i for i, n in enumerate(w.clients)}
+        out.figures.sort(key=lambda f: order.get(f.case, len(order)))
     return out
 
 
@@ -161,6 +196,7 @@ def render(peer: PeerRun, ours: dict[str, dict[str, Any]], arm: str) -> list[str
     """Lines of llama.cpp's figures beside arm ``arm``'s (``ours``: that arm's summary by case, each with its
     median figures)."""
     lines = [f"llama.cpp on the same weights (GGUF, fp16), beside arm {arm!r}:"]
+    width = max((len(f.what) for f in peer.figures), default=0)
     for f in peer.figures:
         median = ours.get(f.case, {}).get("median", {})
         # llama.cpp's decode figures leave out reading the prompt; so does our generation rate
@@ -168,7 +204,7 @@ def render(peer: PeerRun, ours: dict[str, dict[str, Any]], arm: str) -> list[str
         mine = median.get(key)
         what = " generating" if key == "generation_tok_s" else ""
         ratio = f" -> {arm} {mine:,.1f} tok/s{what} = {mine / f.tok_s:.2f}x" if mine and f.tok_s > 0 else ""
-        lines.append(f"  {f.case:>12} {f.what:>22}: {f.tok_s:10,.1f} tok/s{ratio}")
+        lines.append(f"  {f.case:>12} {f.what:>{width}}: {f.tok_s:10,.1f} tok/s{ratio}")
     lines += [f"  note: {n}" for n in peer.notes]
     lines += ["  ran: " + " ".join(c) for c in peer.commands]
     return lines

@@ -81,7 +81,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         choices=PEERS,
         help="also run a peer engine on the same weights (transformers: one GPU, one stage; llama.cpp: its "
-        "llama-bench and llama-batched-bench from PATH on the model written as GGUF, skipped without them)",
+        "llama-bench and llama-batched-bench from PATH on the model written as GGUF, llama-server for a "
+        "case whose tool is missing, skipped without any of them)",
     )
     parser.add_argument(
         "--gguf",

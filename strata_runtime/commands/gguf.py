@@ -20,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..api import PlanMismatch
-    from ..bench.gguf_export import ExportError, write_model
+    from ..bench.gguf_export import ExportError, vocabulary_of, write_model
     from ..engine import Engine
     from ..model.placed import WeightStore
     from ..weights.progress import stderr_progress
@@ -34,5 +34,11 @@ def run(args: argparse.Namespace) -> int:
         args.out.unlink(missing_ok=True)
         print(f"strata_runtime gguf: {exc}", file=sys.stderr)
         return 1
+    vocabulary = {
+        "bytes": "the engine's byte-level vocabulary (llama.cpp reads and writes its ids and text)",
+        "none": "no vocabulary (its size only: enough for llama-bench; convert the checkpoint with "
+        "llama.cpp's converter to serve it there)",
+    }[vocabulary_of(plan)]
     print(f"{args.out}: {plan.model.label()} as llama.cpp's qwen3moe, {size / 2**20:,.1f} MiB of tensors")
+    print(f"  with {vocabulary}")
     return 0
