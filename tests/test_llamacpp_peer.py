@@ -64,7 +64,7 @@ def test_the_gguf_holds_every_tensor_as_llama_cpp_names_it(tmp_path: Path, tiny)
     assert _field(reader, "qwen3moe.expert_feed_forward_length") == inter
     assert _field(reader, "qwen3moe.attention.key_length") == config["head_dim"]
     assert _field(reader, "qwen3moe.vocab_size") == config["vocab_size"]
-    assert _field(reader, "tokenizer.ggml.model") == "llama"  # the runtime's byte-level ids (next test)
+    assert _field(reader, "tokenizer.ggml.model") == "gpt2"  # the runtime's byte-level ids (next test)
     attention = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm"]
     per_block = [*attention, "ffn_norm", "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"]
     want = {f"blk.{j}.{n}.weight" for j in range(layers) for n in per_block}
@@ -89,33 +89,39 @@ def _strings(reader: Any, key: str) -> list[str]:
 def test_the_gguf_carries_the_runtimes_byte_level_ids_or_only_the_vocabulary_size(
     tmp_path: Path, tiny
 ) -> None:
-    """A byte-level model's GGUF names every id as the runtime's tokenizer reads it, so llama-server's ids
-    and text are the runtime's: bytes as <0xXX>, the specials as control tokens, the rest unused; a
-    checkpoint with a tokenizer of its own gets none, only the vocabulary size."""
+    """A byte-level model's GGUF names every id as the runtime's tokenizer reads it, so llama.cpp's ids
+    and text are the runtime's: byte b as byte-level BPE's character for b with no merge that could join
+    two, the specials as control tokens, the rest unused; a checkpoint with a tokenizer of its own gets
+    none, only the vocabulary size."""
+    from strata_runtime.bench.gguf_export import NEVER_MERGED
     from strata_runtime.weights.tokenizer import ByteTokenizer
 
     config, tensors = tiny
     write_gguf(tmp_path / "b.gguf", config, tensors, "tiny")
     reader = gguf.GGUFReader(str(tmp_path / "b.gguf"))
     tokens = _strings(reader, "tokenizer.ggml.tokens")
-    types = [
-        int(reader.fields["tokenizer.ggml.token_type"].parts[i][0])
-        for i in reader.fields["tokenizer.ggml.token_type"].data
-    ]
+    field = reader.fields["tokenizer.ggml.token_type"]
+    types = [int(field.parts[i][0]) for i in field.data]
     assert len(tokens) == len(types) == config["vocab_size"] > 259
+    assert (
+        _field(reader, "tokenizer.ggml.model") == "gpt2" and _field(reader, "tokenizer.ggml.pre") == "default"
+    )
+    # GPT-2's byte table: printable bytes stand for themselves, the rest for U+0100 on, in byte order.
+    assert tokens[ord("A")] == "A" and tokens[ord(" ")] == "\u0120" and tokens[ord("\n")] == "\u010a"
+    assert tokens[0] == "\u0100" and tokens[0xAD] == "\u0143" and tokens[0xFF] == "\u00ff"
+    assert len(set(tokens[:256])) == 256 and set(types[:256]) == {gguf.TokenType.NORMAL}
+    assert _strings(reader, "tokenizer.ggml.merges") == [NEVER_MERGED]
+    first, second = NEVER_MERGED.split(" ")
+    assert first in ByteTokenizer.SPECIALS and second in ByteTokenizer.SPECIALS  # never a piece of text
     tok = ByteTokenizer(config["vocab_size"])
-    assert tokens[:256] == [f"<0x{i:02X}>" for i in range(256)] and set(types[:256]) == {gguf.TokenType.BYTE}
-    for i in (0, 10, 65, 127):  # a byte id is the byte it encodes
-        assert tok.encode(chr(i)) == [i] and tok.decode([i]) == chr(i)
-    assert tok.encode("é") == [0xC3, 0xA9]  # and a character's UTF-8 bytes are its ids, as llama.cpp's
     for text, i in ByteTokenizer.SPECIALS.items():
         assert tokens[i] == text and types[i] == gguf.TokenType.CONTROL and tok.encode(text) == [i]
     assert set(types[259:]) == {gguf.TokenType.UNUSED} and tok.decode(list(range(259, len(tokens)))) == ""
     assert len(set(tokens)) == len(tokens)  # every id its own token
-    end = ByteTokenizer.SPECIALS["<|endoftext|>"]
-    assert _field(reader, "tokenizer.ggml.eos_token_id") == end and not _field(
-        reader, "tokenizer.ggml.add_bos_token"
-    )
+    assert _field(reader, "tokenizer.ggml.eos_token_id") == ByteTokenizer.SPECIALS["<|endoftext|>"]
+    assert _field(reader, "tokenizer.ggml.eot_token_id") == ByteTokenizer.SPECIALS["<|im_end|>"]
+    assert set(tok.eos_ids) == {ByteTokenizer.SPECIALS["<|endoftext|>"], ByteTokenizer.SPECIALS["<|im_end|>"]}
+    assert not _field(reader, "tokenizer.ggml.add_bos_token")
     write_gguf(tmp_path / "n.gguf", config, tensors, "tiny", vocabulary="none")
     reader = gguf.GGUFReader(str(tmp_path / "n.gguf"))
     assert _field(reader, "tokenizer.ggml.model") == "none" and "tokenizer.ggml.tokens" not in reader.fields

@@ -220,9 +220,10 @@ def _real_server() -> str | None:
 
 
 @pytest.mark.skipif(_real_server() is None, reason="needs llama.cpp's llama-server on PATH")
-def test_llama_cpp_decodes_the_exported_demo_model_to_the_runtimes_greedy_tokens(tmp_path: Path) -> None:
-    """The same weights in fact: llama.cpp, given the demo model as `strata gguf` writes it, continues a
-    prompt with the runtime's own greedy tokens and text."""
+def test_llama_cpp_serves_the_exported_demo_model_as_the_engine_does(tmp_path: Path) -> None:
+    """The same weights and the same ids in fact: llama.cpp, given the demo model as `strata gguf` writes
+    it, cuts text into the runtime's ids (special tokens included) and continues a prompt, sent as text,
+    with the runtime's own greedy tokens and text."""
     import urllib.request
 
     from strata_cfg.plan.from_profile import resolve_profile
@@ -232,7 +233,8 @@ def test_llama_cpp_decodes_the_exported_demo_model_to_the_runtimes_greedy_tokens
 
     plan = resolve_profile("profiles/demo.toml")
     engine = Engine(plan)
-    prompt = engine.tokenizer.encode("It is a truth universally acknowledged, that a single man")
+    text = "It is a truth universally acknowledged, that a single man"
+    prompt = engine.tokenizer.encode(text)
     handle = engine.submit(Request(tuple(prompt), 24, SamplingParams(temperature=0.0)))
     while engine.step():
         pass
@@ -247,13 +249,20 @@ def test_llama_cpp_decodes_the_exported_demo_model_to_the_runtimes_greedy_tokens
     cmd = server_command(str(_real_server()), str(model), port, [ServerCase("solo", 1, len(prompt), 24)])
     with open(tmp_path / "server.log", "w") as sink:
         proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT)
+
+    def post(path: str, body: dict) -> dict:
+        request = urllib.request.Request(base + path, json.dumps(body).encode())
+        with urllib.request.urlopen(request, timeout=120) as reply:
+            return json.loads(reply.read())
+
     try:
         base = f"http://127.0.0.1:{port}"
         assert wait_ready(base, proc, str(tmp_path / "server.log"), timeout=120) is None
-        body = {**completion(prompt, 24), "return_tokens": True}
-        request = urllib.request.Request(base + "/completion", json.dumps(body).encode())
-        with urllib.request.urlopen(request, timeout=120) as reply:
-            theirs = json.loads(reply.read())
+        mixed = "Élinor’s <|im_start|>user\nnaïve 🙂 café<|im_end|>"
+        cut = post("/tokenize", {"content": mixed, "add_special": False, "parse_special": True})
+        assert cut["tokens"] == engine.tokenizer.encode(mixed)
+        body = {**completion([], 24), "prompt": text, "return_tokens": True, "ignore_eos": False}
+        theirs = post("/completion", body)
     finally:
         proc.terminate()
         proc.wait(timeout=30)

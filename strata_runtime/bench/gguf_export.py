@@ -10,9 +10,9 @@ time, so a model larger than host memory streams through. The MTP head is left o
 
 The vocabulary written is the runtime's byte-level one, for the models that use it (the synthetic presets
 and checkpoints without a ``tokenizer.json``, such as the packaged demo): ids 0-255 are bytes, the three
-special tokens that follow are control tokens (``<|endoftext|>`` the end of text), and every other id is an
-unused placeholder, in llama.cpp's SentencePiece layout (which carries bytes as ``<0xXX>`` tokens). So
-``llama-server`` reads and writes the same ids as the runtime, and its text is the runtime's text. A
+special tokens that follow are control tokens (``<|endoftext|>`` and ``<|im_end|>`` end a generation),
+and every other id is an unused placeholder, written as llama.cpp's byte-level BPE without merges. So
+llama.cpp cuts a text into the same ids as the runtime and writes the same text back. A
 checkpoint with its own ``tokenizer.json`` gets llama.cpp's "no vocabulary" type with the model's vocabulary
 size, which is all ``llama-bench`` needs (it feeds random token ids); to serve or chat with a real
 checkpoint in llama.cpp, convert it with llama.cpp's own converter, which also carries its tokenizer.
@@ -233,17 +233,38 @@ def _write(
     return written
 
 
+def _byte_chars() -> list[str]:
+    """The printable character byte-level BPE writes each byte as (GPT-2's table): printable Latin-1
+    bytes as themselves, the others as the characters from U+0100 on, in byte order."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
+NEVER_MERGED = "<|endoftext|> <|endoftext|>"
+"""The one merge the vocabulary carries (llama.cpp requires the key): it joins two special tokens, which
+are never pieces of text, so it never applies and every byte stays its own token."""
+
+
 def byte_vocabulary(vocab_size: int) -> tuple[list[str], list[int]]:
-    """The runtime's byte-level vocabulary (`ByteTokenizer`) in llama.cpp's SentencePiece layout: each id's
-    token text and `gguf.TokenType` value (bytes as ``<0xXX>``, the specials as control tokens, the rest
-    unused placeholders, which decode to nothing in both)."""
-    byte, control, unused = 6, 3, 5  # gguf.TokenType.BYTE, CONTROL, UNUSED
+    """The runtime's byte-level vocabulary (`ByteTokenizer`) as llama.cpp's byte-level BPE without merges:
+    each id's token text and `gguf.TokenType` value. Byte b is a normal token written as its byte-level
+    character, so llama.cpp cuts any text into its UTF-8 bytes, as the runtime does; the specials are
+    control tokens; the rest are unused placeholders, which decode to nothing in both."""
+    normal, control, unused = 1, 3, 5  # gguf.TokenType.NORMAL, CONTROL, UNUSED
     names = {i: s for s, i in ByteTokenizer.SPECIALS.items()}
+    chars = _byte_chars()
     tokens, types = [], []
     for i in range(vocab_size):
         if i < 256:
-            tokens.append(f"<0x{i:02X}>")
-            types.append(byte)
+            tokens.append(chars[i])
+            types.append(normal)
         elif i in names:
             tokens.append(names[i])
             types.append(control)
@@ -255,14 +276,16 @@ def byte_vocabulary(vocab_size: int) -> tuple[list[str], list[int]]:
 
 def _add_byte_vocabulary(writer: Any, vocab_size: int) -> None:
     tokens, types = byte_vocabulary(vocab_size)
-    end = ByteTokenizer.SPECIALS["<|endoftext|>"]
-    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
-    writer.add_token_scores([0.0] * len(tokens))
     writer.add_token_types(types)
-    if end < vocab_size:
+    writer.add_token_merges([NEVER_MERGED])
+    end, im_end = ByteTokenizer.SPECIALS["<|endoftext|>"], ByteTokenizer.SPECIALS["<|im_end|>"]
+    if im_end < vocab_size:  # the runtime's end-of-text ids end a generation in llama.cpp too
         writer.add_bos_token_id(end)
         writer.add_eos_token_id(end)
+        writer.add_eot_token_id(im_end)
     writer.add_add_bos_token(False)
     writer.add_add_eos_token(False)
 
