@@ -452,6 +452,84 @@ def test_a_sampled_bench_over_http_sends_requests_the_server_accepts(engine: Lau
     assert after[ok] - before.get(ok, 0) == 1
 
 
+class _OtherServer:
+    """A stand-in OpenAI-compatible server that is not strata: /v1/models and streamed /v1/completions
+    (one "a" a millisecond, then the usage), no /v1/status; it counts the completions it served."""
+
+    def __init__(self) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        served = self.served = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a: object) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                if self.path == "/v1/models":
+                    body = json.dumps({"data": [{"id": "other"}]}).encode()
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                else:
+                    self.send_error(404)
+
+            def do_POST(self) -> None:
+                req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                served.append(req)
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                n = int(req["max_tokens"])
+                for i in range(n):
+                    time.sleep(0.001)
+                    end = "length" if i == n - 1 else None
+                    chunk = {"choices": [{"index": 0, "text": "a", "finish_reason": end}]}
+                    self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                usage = {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": n}}
+                self.wfile.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_bench_measures_the_engine_beside_another_openai_server_interleaved(engine: Launched):
+    """`strata bench --url A --url B`: both servers measured in turn, the second against the first; the one
+    that is not strata (no /v1/status) without window statistics."""
+    other = _OtherServer()
+    before = _metrics(engine)
+    try:
+        proc = strata(
+            *("bench", "--url", f"strata={engine.url}", "--url", f"other={other.url}"),
+            *("--workload", "two-decodes", "--repeats", "2", "--tokens", "12"),
+            *("--api-key-env", "STRATA_TEST_KEY", "--json"),
+            env={"STRATA_TEST_KEY": engine.key},
+        )
+    finally:
+        other.close()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(proc.stdout)
+    ours, theirs = result["arms"]["strata"], result["arms"]["other"]
+    assert result["base"] == "strata" and ours["server"] == "strata" and theirs["server"] == "openai"
+    assert ours["plan"]["slots"] >= 1 and theirs["plan"] is None
+    case = theirs["cases"]["two-decodes"]
+    assert len(case["runs"]) == 2 and case["median"]["tok_s"] > 0 and "ms_per_window" not in case["median"]
+    assert case["ratio"] == pytest.approx(
+        case["median"]["tok_s"] / ours["cases"]["two-decodes"]["median"]["tok_s"]
+    )
+    assert ours["cases"]["two-decodes"]["median"]["rows_per_window"] >= 1
+    # Two runs of two streams each went to each server, with the same requests.
+    assert len(other.served) == 4 and all(r["max_tokens"] == 12 and r["stream"] for r in other.served)
+    ok = 'strata_requests_total{endpoint="completions",outcome="ok"}'
+    assert _metrics(engine)[ok] - before.get(ok, 0) == 4
+
+
 def test_a_killed_engine_is_restarted_by_the_launcher(engine: Launched, client: openai.OpenAI):
     old = engine.engine_pid()
     os.kill(old, signal.SIGKILL)

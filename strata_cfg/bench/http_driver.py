@@ -52,13 +52,17 @@ class Client:
             self.conn.close()
             self.conn = None
 
-    def get_json(self, path: str) -> Any:
+    def get(self, path: str) -> tuple[int, bytes]:
+        """The status and body of ``GET path``."""
         conn = self._connection()
         conn.request("GET", self.prefix + path, headers=self.headers)
         r = conn.getresponse()
-        body = r.read()
-        if r.status != 200:
-            raise RuntimeError(f"GET {path}: HTTP {r.status}: {body[:200]!r}")
+        return r.status, r.read()
+
+    def get_json(self, path: str) -> Any:
+        status, body = self.get(path)
+        if status != 200:
+            raise RuntimeError(f"GET {path}: HTTP {status}: {body[:200]!r}")
         return json.loads(body)
 
     def post_completion(self, body: dict[str, Any]) -> http.client.HTTPResponse:
@@ -133,6 +137,22 @@ def _check_whole(data: dict[str, Any], seconds: float) -> Sample:
     if choice.get("finish_reason") not in ("stop", "length") or tokens < 1:
         return Sample(False, seconds, error=f"incomplete response: {str(data)[:200]}")
     return Sample(True, seconds, tokens=tokens)
+
+
+def engine_status(url: str, api_key: str | None = None, timeout: float = 30.0) -> dict[str, Any] | None:
+    """A strata engine's ``/v1/status`` (its plan and window counts), or None where the server at ``url``
+    has none: another OpenAI-compatible server. A refused key is an error, not another server."""
+    client = Client(url, api_key, timeout)
+    try:
+        status, body = client.get("/v1/status")
+    finally:
+        client.close()
+    if status in (401, 403):
+        raise RuntimeError(f"GET /v1/status: HTTP {status}: the server refused the API key ({body[:200]!r})")
+    if status != 200:
+        return None
+    out: dict[str, Any] = json.loads(body)
+    return out if isinstance(out.get("plan"), dict) and isinstance(out.get("engine"), dict) else None
 
 
 def served_model(url: str, api_key: str | None = None, timeout: float = 10.0) -> str:

@@ -1,9 +1,19 @@
-"""`strata bench --url`: the bench workloads against a launched engine, with the same prompts and figures
-as the in-process harness (the window statistics come from the engine's ``/v1/status``)."""
+"""`strata bench --url`: the bench workloads against launched engines, with the same prompts and figures
+as the in-process harness (the window statistics come from a strata engine's ``/v1/status``).
+
+Any OpenAI-compatible server can be measured (llama.cpp's ``llama-server``, vLLM, another strata engine):
+one without ``/v1/status`` gives every figure but the window statistics. Several ``--url`` are measured
+interleaved, case by case and repeat by repeat, and each is compared with the first: the ratio of their
+median rates, with a bootstrap 95% interval. Prompts are sent as text, which every server cuts with its
+own tokenizer; the ``prompt`` workload's random prompt is sent as ids, drawn from the smallest vocabulary
+the strata engines among the URLs report, or from the 256 byte ids where another server is measured (ids
+every vocabulary holds).
+"""
 
 from __future__ import annotations
 
 import http.client
+import random
 import threading
 import time
 from dataclasses import dataclass
@@ -17,7 +27,7 @@ from ..schema.workloads import (
     prompt_context_problem,
     prompt_ids,
 )
-from .http_driver import Client, served_model, sse_chunks
+from .http_driver import Client, engine_status, served_model, sse_chunks
 from .stats import median, percentile
 
 
@@ -116,11 +126,14 @@ def http_run(
     prompt_tokens: int = 0,
     seed: int = 0,
     seeded: bool = True,
+    windows: bool = True,
 ) -> dict[str, float]:
     """One run of a workload over HTTP, with the same figures as the in-process harness. ``sampling``: the
     decoding requests' temperature, top_p, top_k and penalties (each request seeded by its index when it
     samples, unless ``seeded`` is False); greedy without.
-    ``prompt`` sends one prompt of ``prompt_tokens`` ids (`prompt_ids` with ``seed``) for one greedy token."""
+    ``prompt`` sends one prompt of ``prompt_tokens`` ids (`prompt_ids` with ``seed``) for one greedy token.
+    ``windows``: the server is a strata engine, whose window statistics come from its ``/v1/status``
+    (without, the figures leave them out)."""
     model = served_model(url, api_key)
     n = {"two-decodes": 2, "clients": clients, "solo": 1, "read-beside-decode": 1, "prompt": 0}[workload]
     streams: list[Stream] = []
@@ -137,7 +150,7 @@ def http_run(
         workers.append(worker)
         worker.start()
 
-    before = _totals(url, api_key)
+    before = _totals(url, api_key) if windows else {}
     t0 = time.perf_counter()
     for i in range(n):
         send(PROMPTS[i % len(PROMPTS)], tokens, progress)
@@ -154,13 +167,15 @@ def http_run(
     failed = [s.error for s in streams if s.error]
     if failed:
         raise RuntimeError(f"a request failed: {failed[0]}")
-    after = _totals(url, api_key)
-    d = {k: after.get(k, 0) - before.get(k, 0) for k in ("windows", "rows", "ms", "proposals", "accepted")}
-    out = {
-        "ms_per_window": d["ms"] / d["windows"] if d["windows"] else 0.0,
-        "rows_per_window": d["rows"] / d["windows"] if d["windows"] else 0.0,
-        "accepted_pct": 100.0 * d["accepted"] / d["proposals"] if d["proposals"] else 0.0,
-    }
+    out: dict[str, float] = {}
+    if windows:
+        after = _totals(url, api_key)
+        d = {
+            k: after.get(k, 0) - before.get(k, 0) for k in ("windows", "rows", "ms", "proposals", "accepted")
+        }
+        out["ms_per_window"] = d["ms"] / d["windows"] if d["windows"] else 0.0
+        out["rows_per_window"] = d["rows"] / d["windows"] if d["windows"] else 0.0
+        out["accepted_pct"] = 100.0 * d["accepted"] / d["proposals"] if d["proposals"] else 0.0
     if workload == "prompt":
         (reader,) = streams
         span = (reader.first or reader.done or reader.sent) - reader.sent
@@ -185,8 +200,44 @@ def http_run(
     return out
 
 
-def bench_url(
-    url: str,
+@dataclass(frozen=True)
+class Target:
+    """One server the bench measures: a strata engine (``status``: its ``/v1/status``) or another
+    OpenAI-compatible server (``status`` None)."""
+
+    name: str
+    url: str
+    status: dict[str, Any] | None
+
+    @property
+    def context(self) -> int | None:
+        return int(self.status["plan"]["memory"]["context"]) if self.status else None
+
+    @property
+    def vocab(self) -> int | None:
+        return int(self.status["plan"]["model"]["facts"]["vocab_size"]) if self.status else None
+
+    def plan(self) -> dict[str, Any] | None:
+        if self.status is None:
+            return None
+        b = self.status["plan"]["batch"]
+        return {"mode": b["mode"], "groups": b["groups"], "batch_mtp": b["mtp"], "slots": b["slots"]}
+
+
+def bootstrap_ratio(arm: list[float], base: list[float], seed: int = 0, draws: int = 2000) -> list[float]:
+    """95% bootstrap interval of median(arm) / median(base), resampling each side's runs."""
+    rng = random.Random(seed)
+    ratios = []
+    for _ in range(draws):
+        b = median([rng.choice(base) for _ in base])
+        if b > 0:
+            ratios.append(median([rng.choice(arm) for _ in arm]) / b)
+    lo, hi = percentile(ratios, 0.025), percentile(ratios, 0.975)
+    return [lo or 0.0, hi or 0.0]
+
+
+def bench_urls(
+    urls: dict[str, str],
     workload: str,
     *,
     tokens: int = 300,
@@ -196,75 +247,136 @@ def bench_url(
     prompt_tokens: int = 4096,
     seeded: bool = True,
 ) -> dict[str, Any]:
-    """A bench workload against a launched engine: medians over ``repeats`` runs, per case (``sampling``
+    """A bench workload against launched servers (``urls``: by name), interleaved: each repeat runs every
+    case on every server in turn. Medians over ``repeats`` runs per server and case, and for each server
+    after the first its rate over the first's (``ratio`` and its bootstrap ``ratio_ci95``). ``sampling``
     and ``seeded`` as `http_run` takes them; ``prompt_tokens``: the ``prompt`` workload's length, a fresh
-    prompt each run).
-    Raises ValueError for a prompt longer than the engine's context."""
-    client = Client(url, api_key, 30.0)
-    try:
-        status = client.get_json("/v1/status")
-    finally:
-        client.close()
-    plan = status["plan"]
-    context, vocab = int(plan["memory"]["context"]), int(plan["model"]["facts"]["vocab_size"])
-    problem = prompt_context_problem(prompt_tokens, context, launched=True)
-    if workload == "prompt" and problem:
-        raise ValueError(problem)
+    prompt each run.
+
+    Raises ValueError for a prompt longer than a strata engine's context, and for ``read-beside-decode``
+    without a strata engine among the servers (its long prompt is sized by the engine's context)."""
+    targets = [Target(name, url, engine_status(url, api_key)) for name, url in urls.items()]
+    contexts = [t.context for t in targets if t.context is not None]
+    vocabs = [t.vocab for t in targets if t.vocab is not None]
+    context = min(contexts) if contexts else None
+    vocab = 256 if any(t.status is None for t in targets) else min(vocabs)
+    if context is not None:
+        problem = prompt_context_problem(prompt_tokens, context, launched=True)
+        if workload == "prompt" and problem:
+            raise ValueError(problem)
+    elif workload == "read-beside-decode":
+        raise ValueError(
+            "read-beside-decode sizes its long prompt by a strata engine's context, and none of the URLs is "
+            "a strata engine (none answers /v1/status)"
+        )
     cases = [(f"{c} clients", c) for c in CLIENT_COUNTS] if workload == "clients" else [(workload, 1)]
-    runs: dict[str, list[dict[str, float]]] = {case: [] for case, _ in cases}
+    runs: dict[str, dict[str, list[dict[str, float]]]] = {t.name: {c: [] for c, _ in cases} for t in targets}
     for repeat in range(repeats):
         for case, clients in cases:
-            runs[case].append(
-                http_run(
-                    url,
-                    workload,
-                    clients=clients,
-                    tokens=tokens,
-                    context=context,
-                    vocab=vocab,
-                    api_key=api_key,
-                    sampling=sampling,
-                    prompt_tokens=prompt_tokens,
-                    seed=repeat,
-                    seeded=seeded,
+            for t in targets:
+                runs[t.name][case].append(
+                    http_run(
+                        t.url,
+                        workload,
+                        clients=clients,
+                        tokens=tokens,
+                        context=context or 0,
+                        vocab=vocab,
+                        api_key=api_key,
+                        sampling=sampling,
+                        prompt_tokens=prompt_tokens,
+                        seed=repeat,
+                        seeded=seeded,
+                        windows=t.status is not None,
+                    )
                 )
-            )
-    medians = {case: {k: median([f[k] for f in figs]) for k in figs[0]} for case, figs in runs.items()}
-    b = plan["batch"]
+    arms: dict[str, Any] = {}
+    base = targets[0].name
+    for t in targets:
+        entry: dict[str, Any] = {"url": t.url, "server": "strata" if t.status else "openai", "plan": t.plan()}
+        entry["cases"] = {}
+        for case, figs in runs[t.name].items():
+            med = {k: median([f[k] for f in figs]) for k in figs[0]}
+            entry["cases"][case] = {"median": med, "runs": figs}
+            if t.name != base:
+                mine = [f["tok_s"] for f in figs]
+                theirs = [f["tok_s"] for f in runs[base][case]]
+                first = median(theirs)
+                entry["cases"][case]["ratio"] = med["tok_s"] / first if first > 0 else 0.0
+                entry["cases"][case]["ratio_ci95"] = bootstrap_ratio(mine, theirs)
+        arms[t.name] = entry
     return {
-        "url": url,
         "workload": workload,
         "tokens": 1 if workload == "prompt" else tokens,
         "repeats": repeats,
-        "plan": {"mode": b["mode"], "groups": b["groups"], "batch_mtp": b["mtp"], "slots": b["slots"]},
-        "cases": {case: {"median": m, "runs": runs[case]} for case, m in medians.items()},
+        "base": base,
+        "arms": arms,
     }
 
 
+def bench_url(url: str, workload: str, **kw: Any) -> dict[str, Any]:
+    """`bench_urls` for one server, in the one-server layout: its ``url``, ``plan`` (None for a server
+    other than strata) and ``cases`` at the top."""
+    res = bench_urls({url: url}, workload, **kw)
+    (arm,) = res.pop("arms").values()
+    res.pop("base")
+    return {"url": url, **res, "server": arm["server"], "plan": arm["plan"], "cases": arm["cases"]}
+
+
+def _plan_line(plan: dict[str, Any] | None) -> str:
+    if plan is None:
+        return "an OpenAI-compatible server other than strata (no window statistics)"
+    return (
+        f"engine plan: {plan['mode']}, {plan['groups']} group(s), batch MTP "
+        f"{'on' if plan['batch_mtp'] else 'off'}, {plan['slots']} slot(s)"
+    )
+
+
+def _case_line(label: str, m: dict[str, float], ratio: str = "", width: int = 20) -> str:
+    extra = ""
+    if "p50_s" in m:
+        extra = f"  p50 {m['p50_s']:.3f}s p95 {m['p95_s']:.3f}s"
+        if "generation_tok_s" in m:
+            extra += f", generating {m['generation_tok_s']:.1f} tok/s"
+    if "decode_tok_s" in m:
+        extra = f"  prompt read {m['prompt_read_tok_s']:.0f} tok/s, decode {m['decode_tok_s']:.1f} tok/s"
+    if "prompt_read_s" in m:
+        extra = f"  {m['prompt_tokens']:.0f} prompt tokens, first token after {m['prompt_read_s']:.3f} s"
+    if "ms_per_window" in m:
+        win = f"{m['ms_per_window']:8.2f} {m['rows_per_window']:8.2f} {m['accepted_pct']:6.1f}%"
+    else:
+        win = f"{'-':>8} {'-':>8} {'-':>7}"
+    return f"{label:<{width}} {m['tok_s']:9.1f} {win}{ratio}{extra}"
+
+
 def bench_lines(result: dict[str, Any]) -> list[str]:
-    p = result["plan"]
+    """The table of a `bench_url` or `bench_urls` result."""
     workload, repeats = result["workload"], result["repeats"]
     what = "one prompt per run" if workload == "prompt" else f"{result['tokens']} tokens per request"
-    lines = [
-        f"workload {workload} over HTTP at {result['url']}: {what}, medians of {repeats} runs",
-        f"engine plan: {p['mode']}, {p['groups']} group(s), batch MTP {'on' if p['batch_mtp'] else 'off'}, "
-        f"{p['slots']} slot(s)",
-        "",
-        f"{'case':<20} {'tok/s':>9} {'ms/win':>8} {'rows/win':>8} {'accept':>7}",
-    ]
-    for case, entry in result["cases"].items():
-        m = entry["median"]
-        extra = ""
-        if "p50_s" in m:
-            extra = f"  p50 {m['p50_s']:.3f}s p95 {m['p95_s']:.3f}s"
-            if "generation_tok_s" in m:
-                extra += f", generating {m['generation_tok_s']:.1f} tok/s"
-        if "decode_tok_s" in m:
-            extra = f"  prompt read {m['prompt_read_tok_s']:.0f} tok/s, decode {m['decode_tok_s']:.1f} tok/s"
-        if "prompt_read_s" in m:
-            extra = f"  {m['prompt_tokens']:.0f} prompt tokens, first token after {m['prompt_read_s']:.3f} s"
-        lines.append(
-            f"{case:<20} {m['tok_s']:9.1f} {m['ms_per_window']:8.2f} {m['rows_per_window']:8.2f} "
-            f"{m['accepted_pct']:6.1f}%{extra}"
-        )
+    figures = f"{'tok/s':>9} {'ms/win':>8} {'rows/win':>8} {'accept':>7}"
+    header = f"{'case':<20} {figures}"
+    if "arms" not in result:
+        return [
+            f"workload {workload} over HTTP at {result['url']}: {what}, medians of {repeats} runs",
+            _plan_line(result["plan"]),
+            "",
+            header,
+            *(_case_line(case, e["median"]) for case, e in result["cases"].items()),
+        ]
+    base = result["base"]
+    lines = [f"workload {workload} over HTTP, servers interleaved: {what}, medians of {repeats} runs"]
+    lines += [f"  {name}: {arm['url']}: {_plan_line(arm['plan'])}" for name, arm in result["arms"].items()]
+    first = next(iter(result["arms"].values()))
+    cases = max(len(c) for c in first["cases"])
+    names = max(len(n) for n in result["arms"])
+    width = cases + 1 + names
+    lines += ["", f"{'case':<{cases}} {'server':<{names}} {figures}  tok/s over {base}"]
+    for case in first["cases"]:
+        for name, arm in result["arms"].items():
+            e = arm["cases"][case]
+            ratio = ""
+            if "ratio" in e:
+                lo, hi = e["ratio_ci95"]
+                ratio = f"  {e['ratio']:.2f}x [{lo:.2f}, {hi:.2f}]"
+            lines.append(_case_line(f"{case:<{cases}} {name:<{names}}", e["median"], ratio, width))
     return lines

@@ -108,34 +108,54 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--url",
-        help="measure a launched engine over HTTP (strata launch) instead of arms in process; "
-        "the engine runs its one plan, so --arms does not apply",
+        action="append",
+        default=[],
+        type=_url_item,
+        metavar="[NAME=]URL",
+        help="measure a launched engine over HTTP (strata launch, or any OpenAI-compatible server such as "
+        "llama-server or vLLM) instead of arms in process; repeat --url to measure several interleaved, "
+        "each against the first; an engine runs its one plan, so --arms does not apply",
     )
     parser.add_argument("--api-key-env", help="with --url: the variable holding the engine's API key")
 
 
+def _url_item(text: str) -> tuple[str, str]:
+    """``NAME=URL`` or a bare URL (named by its host and port)."""
+    name, sep, url = text.partition("=")
+    if not sep or "/" in name or ":" in name:
+        name, url = "", text
+    if not url.startswith("http://"):
+        raise argparse.ArgumentTypeError(f"expected [NAME=]http://HOST:PORT, got {text!r}")
+    return name or url.removeprefix("http://").split("/", 1)[0], url
+
+
 def run_url(args: argparse.Namespace) -> int:
-    """The workload against a launched engine, through the HTTP driver."""
+    """The workload against launched engines, through the HTTP driver."""
     import json
     import os
 
-    from ..bench.http_workloads import bench_lines, bench_url
+    from ..bench.http_workloads import bench_lines, bench_url, bench_urls
 
+    urls = dict(args.url)
+    if len(urls) < len(args.url):
+        print("strata bench: two --url share a name; name them NAME=URL", file=sys.stderr)
+        return EXIT_USAGE
     key = os.environ.get(args.api_key_env) if args.api_key_env else None
     try:
-        sampling = sampling_options(args)
-        result = bench_url(
-            args.url,
-            args.workload,
+        kw: dict[str, Any] = dict(
             tokens=args.tokens,
             repeats=args.repeats,
             api_key=key,
-            sampling=sampling,
+            sampling=sampling_options(args),
             prompt_tokens=args.prompt_tokens,
             seeded=not args.unseeded,
         )
+        if len(urls) == 1:
+            result = bench_url(next(iter(urls.values())), args.workload, **kw)
+        else:
+            result = bench_urls(urls, args.workload, **kw)
     except (OSError, RuntimeError, ValueError) as exc:
-        print(f"strata bench: {args.url}: {exc}", file=sys.stderr)
+        print(f"strata bench: {', '.join(urls.values())}: {exc}", file=sys.stderr)
         return EXIT_REFUSED
     print(json.dumps(result, indent=2) if args.json else "\n".join(bench_lines(result)))
     return 0

@@ -1,0 +1,101 @@
+"""`strata bench --url` against several servers: interleaved case by case and repeat by repeat, each compared
+with the first, a server other than strata measured without window statistics, and the options that name
+them. The servers are stood in for here (`tests/test_srv_openai.py` runs a launched engine beside a stand-in
+OpenAI-compatible server end to end)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import pytest
+
+from strata_cfg.bench import http_workloads
+from strata_cfg.commands.bench import _url_item
+
+STATUS = {
+    "plan": {
+        "memory": {"context": 1024},
+        "model": {"facts": {"vocab_size": 384}},
+        "batch": {"mode": "serial", "groups": 1, "mtp": True, "slots": 2},
+    },
+    "engine": {"totals": {}},
+}
+
+
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """Every http_run call in order; server A (a strata engine) runs at 100 tok/s, B (another server) at
+    150 and C (another strata engine) at 50."""
+    made: list[dict[str, Any]] = []
+    rates = {"http://a": 100.0, "http://b": 150.0, "http://c": 50.0}
+
+    def status(url: str, api_key: str | None = None) -> dict[str, Any] | None:
+        return None if url == "http://b" else STATUS
+
+    def run(url: str, workload: str, **kw: Any) -> dict[str, float]:
+        made.append({"url": url, "workload": workload, **kw})
+        out = {"tok_s": rates[url] + kw["seed"]}  # each repeat a little faster
+        if kw["windows"]:
+            out |= {"ms_per_window": 2.0, "rows_per_window": 1.5, "accepted_pct": 50.0}
+        return out
+
+    monkeypatch.setattr(http_workloads, "engine_status", status)
+    monkeypatch.setattr(http_workloads, "http_run", run)
+    return made
+
+
+def test_servers_run_interleaved_and_each_is_compared_with_the_first(calls) -> None:
+    res = http_workloads.bench_urls(
+        {"a": "http://a", "b": "http://b", "c": "http://c"}, "clients", tokens=8, repeats=3
+    )
+    # Repeat by repeat, case by case, every server in turn.
+    order = [(c["seed"], c["clients"], c["url"]) for c in calls]
+    assert order == [
+        (r, n, u) for r in range(3) for n in (1, 2, 4, 8) for u in ("http://a", "http://b", "http://c")
+    ]
+    assert res["base"] == "a" and list(res["arms"]) == ["a", "b", "c"]
+    a, b, c = (res["arms"][n] for n in "abc")
+    assert (a["server"], b["server"], c["server"]) == ("strata", "openai", "strata")
+    assert b["plan"] is None and a["plan"] == {"mode": "serial", "groups": 1, "batch_mtp": True, "slots": 2}
+    case = b["cases"]["4 clients"]
+    assert len(case["runs"]) == 3 and case["median"]["tok_s"] == 151.0
+    assert case["ratio"] == pytest.approx(151.0 / 101.0)
+    lo, hi = case["ratio_ci95"]
+    assert 150.0 / 102.0 <= lo <= case["ratio"] <= hi <= 152.0 / 100.0
+    assert c["cases"]["1 clients"]["ratio"] == pytest.approx(51.0 / 101.0)
+    assert "ratio" not in a["cases"]["1 clients"]  # the base
+    # Window statistics only from strata engines; every server gets the same prompt ids (bytes, as one
+    # of them is another server).
+    assert "ms_per_window" not in case["median"] and a["cases"]["1 clients"]["median"]["ms_per_window"] == 2.0
+    assert {c["vocab"] for c in calls} == {256} and {c["context"] for c in calls} == {1024}
+    assert [c["windows"] for c in calls[:3]] == [True, False, True]
+    lines = http_workloads.bench_lines(res)
+    row = next(ln for ln in lines if ln.startswith("4 clients b"))
+    assert "151.0" in row and "1.50x" in row and row.split()[4:7] == ["-", "-", "-"]
+    assert any("b: http://b: an OpenAI-compatible server other than strata" in ln for ln in lines)
+
+
+def test_only_strata_engines_give_the_prompt_ids_their_vocabulary(calls) -> None:
+    http_workloads.bench_urls({"a": "http://a", "c": "http://c"}, "prompt", repeats=1, prompt_tokens=100)
+    assert {c["vocab"] for c in calls} == {384}
+    with pytest.raises(ValueError, match="at most 1023"):
+        http_workloads.bench_urls({"a": "http://a"}, "prompt", repeats=1, prompt_tokens=1024)
+    with pytest.raises(ValueError, match="none of the URLs is a strata engine"):
+        http_workloads.bench_urls({"b": "http://b"}, "read-beside-decode", repeats=1)
+
+
+def test_one_server_keeps_the_one_server_layout(calls) -> None:
+    res = http_workloads.bench_url("http://b", "two-decodes", tokens=8, repeats=2)
+    assert res["url"] == "http://b" and res["server"] == "openai" and res["plan"] is None
+    assert list(res["cases"]) == ["two-decodes"] and len(res["cases"]["two-decodes"]["runs"]) == 2
+    lines = http_workloads.bench_lines(res)
+    assert lines[1] == "an OpenAI-compatible server other than strata (no window statistics)"
+
+
+def test_a_url_is_named_by_the_user_or_by_its_host_and_port() -> None:
+    assert _url_item("llama=http://127.0.0.1:8080") == ("llama", "http://127.0.0.1:8080")
+    assert _url_item("http://127.0.0.1:8000/v1") == ("127.0.0.1:8000", "http://127.0.0.1:8000/v1")
+    assert _url_item("http://h:1/x?a=b") == ("h:1", "http://h:1/x?a=b")  # "=" after the scheme: no name
+    with pytest.raises(argparse.ArgumentTypeError, match=r"\[NAME=\]http://HOST:PORT"):
+        _url_item("vllm=localhost:8000")
