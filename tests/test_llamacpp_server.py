@@ -203,6 +203,18 @@ def test_a_prompt_through_the_server_and_a_server_that_fails_to_start(tmp_path: 
         ("server pp300", pytest.approx(10_000.0))
     ]
     assert [json.loads(x)["prompt"] for x in log.read_text().splitlines()] == [300] * 4  # warm-up + 3
+    # A file without a vocabulary (a checkpoint's, or one an earlier version wrote) is refused before the
+    # server starts: it would abort on the first token it turns into text.
+    bare = tmp_path / "bare.gguf"
+    writer = gguf.GGUFWriter(str(bare), "qwen3moe")
+    writer.add_tokenizer_model("none")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    writer.close()
+    run = run_server(server, str(bare), [ServerCase("solo", 1, 20, 8)], repeats=1)
+    assert run.figures == [] and len(run.notes) == 1 and "has no vocabulary" in run.notes[0]
+    assert len(log.read_text().splitlines()) == 4  # no request reached a server
     failing = tmp_path / "FAIL.gguf"
     shutil.copy(model, failing)
     run = run_server(server, str(failing), [ServerCase("solo", 1, 20, 8)], repeats=1)

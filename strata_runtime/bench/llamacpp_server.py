@@ -21,6 +21,7 @@ a note naming what happened, as a failed benchmark tool does.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import socket
@@ -213,11 +214,34 @@ def wait_ready(
     return f"{SERVER} was not ready after {timeout:.0f} s: {_last_line(log)}"
 
 
+def vocabulary_problem(gguf: str) -> str | None:
+    """Why ``llama-server`` could not answer on the GGUF file ``gguf`` (it has no vocabulary: llama.cpp
+    aborts when it turns a token into text), or None (also where the ``gguf`` package cannot tell)."""
+    try:
+        reader = importlib.import_module("gguf").GGUFReader(gguf)
+        field = reader.fields.get("tokenizer.ggml.model")
+        model = bytes(field.parts[field.data[0]]).decode() if field is not None else None
+    except (ImportError, OSError, ValueError, IndexError):
+        return None
+    if model in (None, "none", "no_vocab"):
+        return (
+            f"{SERVER} skipped: {gguf} has no vocabulary, which the server needs to answer; write it again "
+            "with `strata gguf` (a checkpoint with its own tokenizer.json: convert it with llama.cpp's "
+            "converter) and pass it with --gguf"
+        )
+    return None
+
+
 def run_server(server: str, gguf: str, cases: Sequence[ServerCase], repeats: int) -> ServerRun:
-    """Start ``server`` on ``gguf``, measure every case, and stop it."""
+    """Start ``server`` on ``gguf``, measure every case, and stop it (a file without a vocabulary is
+    refused with a note before the server starts)."""
     port = free_port()
     cmd = server_command(server, gguf, port, cases)
     out = ServerRun([], cmd, [])
+    problem = vocabulary_problem(gguf)
+    if problem:
+        out.notes.append(problem)
+        return out
     fd, log = tempfile.mkstemp(prefix="strata-llama-server-", suffix=".log")
     try:
         with os.fdopen(fd, "w") as sink:
