@@ -41,10 +41,12 @@ class Client:
             self.headers["Authorization"] = f"Bearer {api_key}"
         self.timeout = timeout
         self.conn: http.client.HTTPConnection | None = None
+        self.reused = False  # whether the open connection has carried a request already (kept alive since)
 
     def _connection(self) -> http.client.HTTPConnection:
         if self.conn is None:
             self.conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+            self.reused = False
         return self.conn
 
     def close(self) -> None:
@@ -52,11 +54,29 @@ class Client:
             self.conn.close()
             self.conn = None
 
+    def _send(self, method: str, path: str, body: str | None) -> http.client.HTTPResponse:
+        """The response to one request, its body not yet read. A kept-alive connection the server closed
+        since the last reply fails before any reply (llama.cpp's server closes one after each streamed
+        reply though it announced keep-alive); the server never saw the request, so it goes again once,
+        on a new connection, as HTTP clients do."""
+        stale = self.conn is not None and self.reused
+        try:
+            conn = self._connection()
+            conn.request(method, self.prefix + path, body, self.headers)
+            r = conn.getresponse()
+        except (ConnectionResetError, BrokenPipeError, ConnectionAbortedError):
+            if not stale:
+                raise
+            self.close()
+            conn = self._connection()
+            conn.request(method, self.prefix + path, body, self.headers)
+            r = conn.getresponse()
+        self.reused = True
+        return r
+
     def get(self, path: str) -> tuple[int, bytes]:
         """The status and body of ``GET path``."""
-        conn = self._connection()
-        conn.request("GET", self.prefix + path, headers=self.headers)
-        r = conn.getresponse()
+        r = self._send("GET", path, None)
         return r.status, r.read()
 
     def get_json(self, path: str) -> Any:
@@ -67,9 +87,7 @@ class Client:
 
     def post_completion(self, body: dict[str, Any]) -> http.client.HTTPResponse:
         """Send ``body`` to ``/v1/completions`` and return the response, its body not yet read."""
-        conn = self._connection()
-        conn.request("POST", self.prefix + "/v1/completions", json.dumps(body), self.headers)
-        return conn.getresponse()
+        return self._send("POST", "/v1/completions", json.dumps(body))
 
     def complete(self, body: dict[str, Any]) -> Sample:
         """One completion, timed and checked whole (streamed when ``body`` asks for it)."""

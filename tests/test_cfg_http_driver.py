@@ -1,0 +1,97 @@
+"""The HTTP driver of `strata loadtest` and `strata bench --url` against a server that closes a kept-alive
+connection after each reply without saying so (llama.cpp's server does after a streamed reply): the next
+request goes again on a new connection instead of failing."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from strata_cfg.bench.http_driver import Client
+from strata_cfg.bench.load_test import run_load
+
+
+class _Closing(BaseHTTPRequestHandler):
+    """HTTP/1.1 replies that announce keep-alive, after which the server closes the connection."""
+
+    protocol_version = "HTTP/1.1"
+    opened = 0
+    requests = 0
+
+    def setup(self) -> None:
+        super().setup()
+        type(self).opened += 1
+
+    def log_message(self, *a: object) -> None:
+        pass
+
+    def _reply(self, chunks: list[bytes], content_type: str) -> None:
+        type(self).requests += 1
+        self.send_response(200)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Transfer-Encoding", "chunked")
+        self.send_header("Keep-Alive", "timeout=5, max=100")
+        self.end_headers()
+        for c in chunks:
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(c), c))
+        self.wfile.write(b"0\r\n\r\n")
+        self.close_connection = True  # and no "Connection: close" said so
+
+    def do_GET(self) -> None:
+        self._reply([json.dumps({"data": [{"id": "m"}]}).encode()], "application/json")
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        n = int(body["max_tokens"])
+        if not body.get("stream"):
+            whole = {
+                "choices": [{"text": "a" * n, "finish_reason": "length"}],
+                "usage": {"completion_tokens": n},
+            }
+            self._reply([json.dumps(whole).encode()], "application/json")
+            return
+        chunks = [
+            b"data: " + json.dumps({"choices": [{"text": "a", "finish_reason": None}]}).encode() + b"\n\n"
+            for _ in range(n - 1)
+        ]
+        last = {"choices": [{"text": "a", "finish_reason": "length"}]}
+        usage = {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": n}}
+        chunks += [b"data: " + json.dumps(x).encode() + b"\n\n" for x in (last, usage)]
+        self._reply([*chunks, b"data: [DONE]\n\n"], "text/event-stream")
+
+
+@pytest.fixture
+def closing_server() -> Iterator[str]:
+    _Closing.opened, _Closing.requests = 0, 0
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Closing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_connection_the_server_closed_between_requests_is_opened_again(closing_server, stream) -> None:
+    client = Client(closing_server, None, 10.0)
+    samples = [client.complete({"max_tokens": 4, "stream": stream}) for _ in range(5)]
+    client.close()
+    assert [s.error for s in samples] == [None] * 5 and all(s.ok and s.tokens == 4 for s in samples)
+    assert _Closing.requests == 5 and _Closing.opened == 5  # each on a connection of its own
+    result = run_load(closing_server, clients=2, requests_per_client=6, max_tokens=3, stream=stream)
+    assert len(result.errors) == 0 and len(result.served) == 12
+
+
+def test_a_server_that_refuses_a_fresh_connection_is_still_an_error() -> None:
+    """Only a kept-alive connection is tried again: a server that is not there fails at once."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    client = Client(f"http://127.0.0.1:{port}", None, 5.0)
+    sample = client.complete({"max_tokens": 2})
+    assert not sample.ok and "ConnectionRefusedError" in str(sample.error)
