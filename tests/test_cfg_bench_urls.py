@@ -99,3 +99,22 @@ def test_a_url_is_named_by_the_user_or_by_its_host_and_port() -> None:
     assert _url_item("http://h:1/x?a=b") == ("h:1", "http://h:1/x?a=b")  # "=" after the scheme: no name
     with pytest.raises(argparse.ArgumentTypeError, match=r"\[NAME=\]http://HOST:PORT"):
         _url_item("vllm=localhost:8000")
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [["profiles/demo.toml"], ["--arms", "serial"], ["--peer", "llama.cpp"], ["--set", "batch.slots=4"]],
+)
+def test_options_that_shape_in_process_arms_are_refused_with_url(extra: list[str]) -> None:
+    """A launched server runs as it was started: what would shape an in-process arm is a usage error with
+    --url, not silently ignored."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "strata_cfg", "bench", "--url", "http://127.0.0.1:9", *extra],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2 and "--url measures launched servers as they run" in out.stderr, out.stderr

@@ -168,6 +168,11 @@ def usage_problem(args: argparse.Namespace) -> str | None:
             f"--workload {args.workload} runs in the engine's own process (it needs the plan and the GPU), "
             f"not over --url; over HTTP: {', '.join(HTTP_WORKLOADS)}"
         )
+    if args.url and (args.arms or args.peer or args.vary or args.sets or args.profile):
+        return (
+            "--url measures launched servers as they run: a profile, --set, --arms, --vary and --peer do not "
+            "apply (to compare with another server, give it as one more --url NAME=URL)"
+        )
     if args.workload in GPU_WORKLOADS and (args.arms or args.peer):
         return f"--workload {args.workload} measures the profile's own plan: --arms and --peer do not apply"
     problem = bench_option_problem(args)
