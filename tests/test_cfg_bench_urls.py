@@ -56,7 +56,7 @@ def test_servers_run_interleaved_and_each_is_compared_with_the_first(calls) -> N
     ]
     assert res["base"] == "a" and list(res["arms"]) == ["a", "b", "c"]
     a, b, c = (res["arms"][n] for n in "abc")
-    assert (a["server"], b["server"], c["server"]) == ("strata", "openai", "strata")
+    assert (a["server"], b["server"], c["server"]) == ("strata", "openai-compatible", "strata")
     assert b["plan"] is None and a["plan"] == {"mode": "serial", "groups": 1, "batch_mtp": True, "slots": 2}
     case = b["cases"]["4 clients"]
     assert len(case["runs"]) == 3 and case["median"]["tok_s"] == 151.0
@@ -87,7 +87,7 @@ def test_only_strata_engines_give_the_prompt_ids_their_vocabulary(calls) -> None
 
 def test_one_server_keeps_the_one_server_layout(calls) -> None:
     res = http_workloads.bench_url("http://b", "two-decodes", tokens=8, repeats=2)
-    assert res["url"] == "http://b" and res["server"] == "openai" and res["plan"] is None
+    assert res["url"] == "http://b" and res["server"] == "openai-compatible" and res["plan"] is None
     assert list(res["cases"]) == ["two-decodes"] and len(res["cases"]["two-decodes"]["runs"]) == 2
     lines = http_workloads.bench_lines(res)
     assert lines[1] == "an OpenAI-compatible server other than strata (no window statistics)"

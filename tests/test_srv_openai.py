@@ -516,7 +516,9 @@ def test_bench_measures_the_engine_beside_another_openai_server_interleaved(engi
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(proc.stdout)
     ours, theirs = result["arms"]["strata"], result["arms"]["other"]
-    assert result["base"] == "strata" and ours["server"] == "strata" and theirs["server"] == "openai"
+    assert (
+        result["base"] == "strata" and ours["server"] == "strata" and theirs["server"] == "openai-compatible"
+    )
     assert ours["plan"]["slots"] >= 1 and theirs["plan"] is None
     case = theirs["cases"]["two-decodes"]
     assert len(case["runs"]) == 2 and case["median"]["tok_s"] > 0 and "ms_per_window" not in case["median"]

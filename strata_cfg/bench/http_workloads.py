@@ -293,7 +293,11 @@ def bench_urls(
     arms: dict[str, Any] = {}
     base = targets[0].name
     for t in targets:
-        entry: dict[str, Any] = {"url": t.url, "server": "strata" if t.status else "openai", "plan": t.plan()}
+        entry: dict[str, Any] = {
+            "url": t.url,
+            "server": "strata" if t.status else "openai-compatible",
+            "plan": t.plan(),
+        }
         entry["cases"] = {}
         for case, figs in runs[t.name].items():
             med = {k: median([f[k] for f in figs]) for k in figs[0]}
