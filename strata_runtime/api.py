@@ -50,6 +50,9 @@ class Request:
     stop_strings: tuple[str, ...] = ()
     """Strings that end generation; the text is cut before them."""
     request_id: str = ""
+    ignore_eos: bool = False
+    """Generate past the model's EOS ids (they are emitted as tokens), until ``max_tokens``, a stop id or a
+    stop string: a benchmark's fixed-length replies."""
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,15 @@ def test_servers_run_interleaved_and_each_is_compared_with_the_first(calls) -> N
     assert any("b: http://b: an OpenAI-compatible server other than strata" in ln for ln in lines)
 
 
+def test_ignore_eos_reaches_every_request_of_every_server(calls) -> None:
+    http_workloads.bench_urls({"a": "http://a", "b": "http://b"}, "two-decodes", repeats=1, ignore_eos=True)
+    assert [c["ignore_eos"] for c in calls] == [True, True]
+    body = http_workloads.request_body("m", "hi", 8, None, 0, ignore_eos=True)
+    assert body["ignore_eos"] is True and "ignore_eos" not in http_workloads.request_body(
+        "m", "hi", 8, None, 0
+    )
+
+
 def test_only_strata_engines_give_the_prompt_ids_their_vocabulary(calls) -> None:
     http_workloads.bench_urls({"a": "http://a", "c": "http://c"}, "prompt", repeats=1, prompt_tokens=100)
     assert {c["vocab"] for c in calls} == {384}
@@ -99,6 +108,19 @@ def test_a_url_is_named_by_the_user_or_by_its_host_and_port() -> None:
     assert _url_item("http://h:1/x?a=b") == ("h:1", "http://h:1/x?a=b")  # "=" after the scheme: no name
     with pytest.raises(argparse.ArgumentTypeError, match=r"\[NAME=\]http://HOST:PORT"):
         _url_item("vllm=localhost:8000")
+
+
+def test_ignore_eos_is_for_launched_servers() -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "strata_cfg", "bench", "profiles/demo.toml", "--ignore-eos"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2 and "--ignore-eos asks launched servers (--url)" in out.stderr, out.stderr
 
 
 @pytest.mark.parametrize(

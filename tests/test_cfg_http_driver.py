@@ -21,6 +21,7 @@ class _Closing(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     opened = 0
     requests = 0
+    bodies: list[dict] = []
 
     def setup(self) -> None:
         super().setup()
@@ -46,6 +47,7 @@ class _Closing(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).bodies.append(body)
         n = int(body["max_tokens"])
         if not body.get("stream"):
             whole = {
@@ -66,7 +68,7 @@ class _Closing(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def closing_server() -> Iterator[str]:
-    _Closing.opened, _Closing.requests = 0, 0
+    _Closing.opened, _Closing.requests, _Closing.bodies = 0, 0, []
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Closing)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{server.server_address[1]}"
@@ -95,3 +97,11 @@ def test_a_server_that_refuses_a_fresh_connection_is_still_an_error() -> None:
     client = Client(f"http://127.0.0.1:{port}", None, 5.0)
     sample = client.complete({"max_tokens": 2})
     assert not sample.ok and "ConnectionRefusedError" in str(sample.error)
+
+
+def test_loadtest_asks_every_request_to_ignore_end_of_text(closing_server) -> None:
+    run_load(closing_server, clients=2, requests_per_client=2, max_tokens=3)
+    assert _Closing.bodies and not any("ignore_eos" in b for b in _Closing.bodies)
+    _Closing.bodies.clear()
+    run_load(closing_server, clients=2, requests_per_client=2, max_tokens=3, stream=True, ignore_eos=True)
+    assert len(_Closing.bodies) == 4 and all(b["ignore_eos"] is True for b in _Closing.bodies)

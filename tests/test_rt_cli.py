@@ -117,3 +117,21 @@ def test_bench_table_says_when_an_arm_is_forced() -> None:
     assert "arm batch-mtp forced: runs as serial, 1 group(s), batch MTP off" in out.stderr
     assert "gain vs serial" in out.stdout
     assert "workload two-decodes: 8 tokens per request, greedy, medians of 1" in out.stdout
+
+
+def test_generate_passes_ignore_eos_to_the_runtimes_request() -> None:
+    """`strata generate --ignore-eos` reaches the runtime command, which puts it on its request (what the
+    flag does to a request: tests/test_rt_stop_strings.py)."""
+    import argparse
+
+    from strata_cfg.commands import generate as cfg_generate
+    from strata_runtime.commands import generate as rt_generate
+
+    parser = argparse.ArgumentParser()
+    cfg_generate.add_arguments(parser)
+    forwarded = cfg_generate.runtime_args(parser.parse_args(["profiles/demo.toml", "--ignore-eos"]))
+    assert "--ignore-eos" in forwarded
+    assert "--ignore-eos" not in cfg_generate.runtime_args(parser.parse_args(["profiles/demo.toml"]))
+    runtime = argparse.ArgumentParser()
+    rt_generate.add_arguments(runtime)
+    assert runtime.parse_args(["--plan", "p.json", *forwarded]).ignore_eos is True

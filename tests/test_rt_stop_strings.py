@@ -137,3 +137,27 @@ def test_a_stop_token_ends_the_reply_with_what_was_held_back():
     slot = Slot(0, RequestHandle(req), Sampler(req.sampling, 0), frozenset({300}), ByteTokenizer(384), 0)
     first, last = slot.emit(list(b"abV"), 0), slot.emit([300], 0)
     assert (first.text, last.text, last.finished) == ("ab", "V", "stop")
+
+
+def test_ignore_eos_generates_past_the_models_end_of_text_to_max_tokens() -> None:
+    """A request whose every choice is end-of-text (a logit bias of +100 on it): it stops at once with no
+    token, and with ``ignore_eos`` runs to ``max_tokens``, emitting those tokens (they decode to nothing)."""
+    from strata_cfg.plan.from_profile import resolve_profile
+    from strata_runtime.api import SamplingParams
+    from strata_runtime.engine import Engine
+
+    engine = Engine(resolve_profile("profiles/demo.toml"))
+    end = ByteTokenizer.SPECIALS["<|endoftext|>"]
+    assert end in engine.tokenizer.eos_ids
+    prompt = tuple(engine.tokenizer.encode("The old man"))
+    sampling = SamplingParams(temperature=0.0, logit_bias=((end, 100.0),))
+
+    def run(ignore_eos: bool) -> tuple[list[int], str, str | None]:
+        handle = engine.submit(Request(prompt, 7, sampling, ignore_eos=ignore_eos))
+        while engine.step():
+            pass
+        events = [handle.events.get() for _ in range(handle.events.qsize())]
+        return [t for e in events for t in e.token_ids], "".join(e.text for e in events), events[-1].finished
+
+    assert run(False) == ([], "", "stop")
+    assert run(True) == ([end] * 7, "", "length")

@@ -452,6 +452,30 @@ def test_a_sampled_bench_over_http_sends_requests_the_server_accepts(engine: Lau
     assert after[ok] - before.get(ok, 0) == 1
 
 
+def test_ignore_eos_generates_past_end_of_text(client: openai.OpenAI):
+    """Every choice pushed to end-of-text (id 256 of the demo's byte-level vocabulary): the reply ends at
+    once; with the ``ignore_eos`` extension it runs to ``max_tokens``, streamed or whole."""
+    biased = {"logit_bias": {"256": 100}, "temperature": 0}
+    short = client.completions.create(model="demo", prompt=_prompt(), max_tokens=6, extra_body=biased)
+    assert short.choices[0].finish_reason == "stop" and short.usage.completion_tokens == 0
+    long = client.completions.create(
+        model="demo", prompt=_prompt(), max_tokens=6, extra_body={**biased, "ignore_eos": True}
+    )
+    assert long.choices[0].finish_reason == "length" and long.usage.completion_tokens == 6
+    chunks = list(
+        client.chat.completions.create(
+            model="demo",
+            messages=[{"role": "user", "content": _prompt()}],
+            max_tokens=5,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={**biased, "ignore_eos": True},
+        )
+    )
+    assert chunks[-1].usage.completion_tokens == 5
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
 class _OtherServer:
     """A stand-in OpenAI-compatible server that is not strata: /v1/models and streamed /v1/completions
     (one "a" a millisecond, then the usage), no /v1/status; it counts the completions it served."""

@@ -34,6 +34,7 @@ BAD_COMPLETIONS = [
     ({"model": "m", "prompt": "hi", "echo": True}, 400, "echo", ["`echo`", "not supported"]),
     ({"model": "m", "prompt": "hi", "best_of": 2}, 400, "best_of", ["`best_of`", "not supported"]),
     ({"model": "m", "prompt": "hi", "stream": "yes"}, 400, "stream", ["`stream`", "boolean"]),
+    ({"model": "m", "prompt": "hi", "ignore_eos": 1}, 400, "ignore_eos", ["`ignore_eos`", "boolean"]),
 ]
 
 
@@ -182,7 +183,13 @@ def test_sampling_and_stop_reach_the_engine_request():
     r = prepared.request
     assert (r.sampling.temperature, r.sampling.top_p, r.sampling.seed) == (temperature, top_p, seed)
     assert r.stop_strings == ("\n\n", "END")  # cut by the engine, as for `strata generate`
-    assert r.prompt_ids == (3, 4)
+    assert r.prompt_ids == (3, 4) and not r.ignore_eos
+    for parse, extra in (
+        (p.parse_completion, {"prompt": "x"}),
+        (p.parse_chat, {"messages": [{"role": "user"}]}),
+    ):
+        body = parse({"model": "m", **extra, "ignore_eos": True})
+        assert p.prepare(body, [3], context=100, vocab_size=64, default_max_tokens=16).request.ignore_eos
     assert r.request_id.startswith("cmpl-")
     for stop in (["a", "b", "c", "d", "e"], [""]):
         body = p.parse_completion({"model": "m", "prompt": "x", "stop": stop})

@@ -102,13 +102,16 @@ def request_body(
     sampling: dict[str, float] | None,
     index: int,
     seeded: bool = True,
+    ignore_eos: bool = False,
 ) -> dict[str, Any]:
     """A streamed completion request of the workload: ``sampling`` (greedy without), seeded by ``index``
-    when it samples and ``seeded``."""
+    when it samples and ``seeded``; with ``ignore_eos`` it asks to generate past end-of-text."""
     body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True}
     body.update(sampling or GREEDY)
     if body["temperature"] > 0 and seeded:
         body["seed"] = index
+    if ignore_eos:
+        body["ignore_eos"] = True
     body["stream_options"] = {"include_usage": True}
     return body
 
@@ -127,6 +130,7 @@ def http_run(
     seed: int = 0,
     seeded: bool = True,
     windows: bool = True,
+    ignore_eos: bool = False,
 ) -> dict[str, float]:
     """One run of a workload over HTTP, with the same figures as the in-process harness. ``sampling``: the
     decoding requests' temperature, top_p, top_k and penalties (each request seeded by its index when it
@@ -143,7 +147,9 @@ def http_run(
     def send(
         prompt: str | list[int], max_tokens: int, watch: threading.Event | None, greedy: bool = False
     ) -> None:
-        body = request_body(model, prompt, max_tokens, GREEDY if greedy else sampling, len(streams), seeded)
+        body = request_body(
+            model, prompt, max_tokens, GREEDY if greedy else sampling, len(streams), seeded, ignore_eos
+        )
         stream = Stream(sent=time.perf_counter() - t0)
         worker = threading.Thread(target=_stream, args=(Client(url, api_key, 600.0), body, t0, stream, watch))
         streams.append(stream)
@@ -246,12 +252,13 @@ def bench_urls(
     sampling: dict[str, float] | None = None,
     prompt_tokens: int = 4096,
     seeded: bool = True,
+    ignore_eos: bool = False,
 ) -> dict[str, Any]:
     """A bench workload against launched servers (``urls``: by name), interleaved: each repeat runs every
     case on every server in turn. Medians over ``repeats`` runs per server and case, and for each server
-    after the first its rate over the first's (``ratio`` and its bootstrap ``ratio_ci95``). ``sampling``
-    and ``seeded`` as `http_run` takes them; ``prompt_tokens``: the ``prompt`` workload's length, a fresh
-    prompt each run.
+    after the first its rate over the first's (``ratio`` and its bootstrap ``ratio_ci95``). ``sampling``,
+    ``seeded`` and ``ignore_eos`` as `http_run` takes them; ``prompt_tokens``: the ``prompt`` workload's
+    length, a fresh prompt each run.
 
     Raises ValueError for a prompt longer than a strata engine's context, and for ``read-beside-decode``
     without a strata engine among the servers (its long prompt is sized by the engine's context)."""
@@ -288,6 +295,7 @@ def bench_urls(
                         seed=repeat,
                         seeded=seeded,
                         windows=t.status is not None,
+                        ignore_eos=ignore_eos,
                     )
                 )
     arms: dict[str, Any] = {}

@@ -99,10 +99,12 @@ def run_load(
     stream: bool = False,
     api_key: str | None = None,
     timeout: float = 600.0,
+    ignore_eos: bool = False,
 ) -> LoadResult:
     """Keep ``clients`` clients sending requests for ``seconds`` (or ``requests_per_client`` each), each
     with the fields of ``sampling`` (OpenAI's names; greedy without); a sampled request is seeded by its
-    client and number, so a run sends the same requests every time."""
+    client and number, so a run sends the same requests every time. ``ignore_eos``: every request asks to
+    generate past end-of-text, to ``max_tokens``."""
     if (seconds is None) == (requests_per_client is None):
         raise ValueError("give exactly one of seconds or requests_per_client")
     model = served_model(url, api_key, timeout=min(timeout, 30.0))
@@ -132,6 +134,8 @@ def run_load(
                     body["seed"] = index * 1_000_003 + sent
                 if stream:
                     body.update(stream=True, stream_options={"include_usage": True})
+                if ignore_eos:
+                    body["ignore_eos"] = True
                 sample = client.complete(body)
                 sent += 1
                 with lock:

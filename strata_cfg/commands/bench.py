@@ -117,6 +117,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "each against the first; an engine runs its one plan, so --arms does not apply",
     )
     parser.add_argument("--api-key-env", help="with --url: the variable holding the engine's API key")
+    parser.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="with --url: ask every server to generate past end-of-text, so every reply is --tokens long "
+        "(the ignore_eos extension strata, vLLM and llama.cpp's server take)",
+    )
 
 
 def _url_item(text: str) -> tuple[str, str]:
@@ -149,6 +155,7 @@ def run_url(args: argparse.Namespace) -> int:
             sampling=sampling_options(args),
             prompt_tokens=args.prompt_tokens,
             seeded=not args.unseeded,
+            ignore_eos=args.ignore_eos,
         )
         if len(urls) == 1:
             result = bench_url(next(iter(urls.values())), args.workload, **kw)
@@ -168,6 +175,8 @@ def usage_problem(args: argparse.Namespace) -> str | None:
             f"--workload {args.workload} runs in the engine's own process (it needs the plan and the GPU), "
             f"not over --url; over HTTP: {', '.join(HTTP_WORKLOADS)}"
         )
+    if args.ignore_eos and not args.url:
+        return "--ignore-eos asks launched servers (--url); the in-process arms stop at end-of-text"
     if args.url and (args.arms or args.peer or args.vary or args.sets or args.profile):
         return (
             "--url measures launched servers as they run: a profile, --set, --arms, --vary and --peer do not "

@@ -42,6 +42,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_penalty_arguments(parser)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    parser.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="generate past the model's end-of-text tokens, to --max-tokens or a stop string",
+    )
     parser.add_argument("--json", action="store_true", help="print token_ids, text and accepted_proposals")
     parser.add_argument("--quiet", action="store_true", help="no progress bar, start-up log or summary")
 
@@ -69,7 +74,14 @@ def runtime_args(args: argparse.Namespace) -> list[str]:
     for s in args.stop:
         out += ["--stop", s]
     out += [
-        flag for flag, on in (("--chat", args.chat), ("--json", args.json), ("--quiet", args.quiet)) if on
+        flag
+        for flag, on in (
+            ("--chat", args.chat),
+            ("--json", args.json),
+            ("--quiet", args.quiet),
+            ("--ignore-eos", args.ignore_eos),
+        )
+        if on
     ]
     return out
 

@@ -29,6 +29,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_sampling_arguments(parser, seeded="its client and number")
     parser.add_argument("--stream", action="store_true", help="stream responses and measure the first token")
     parser.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="ask the server to generate past end-of-text, so every reply is --max-tokens long (the "
+        "ignore_eos extension strata, vLLM and llama.cpp's server take)",
+    )
+    parser.add_argument(
         "--api-key-env", help="environment variable holding the API key, if the engine needs one"
     )
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -58,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
             sampling=sampling_options(args),
             stream=args.stream,
             api_key=key,
+            ignore_eos=args.ignore_eos,
         )
     except (OSError, RuntimeError, ValueError) as exc:
         print(f"strata loadtest: cannot reach the engine at {args.url}: {exc}", file=sys.stderr)

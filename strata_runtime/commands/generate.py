@@ -37,6 +37,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_penalty_arguments(parser)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    parser.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="generate past the model's end-of-text tokens, to --max-tokens or a stop string",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--quiet", action="store_true", help="no progress bar, start-up log or summary")
 
@@ -71,7 +76,10 @@ def run(args: argparse.Namespace) -> int:
     else:
         prompt = tuple(tok.encode(args.prompt))
     sampling = SamplingParams(**sampling_options(args), seed=args.seed)
-    handle = engine.submit(Request(prompt, args.max_tokens, sampling, stop_strings=tuple(args.stop)))
+    request = Request(
+        prompt, args.max_tokens, sampling, stop_strings=tuple(args.stop), ignore_eos=args.ignore_eos
+    )
+    handle = engine.submit(request)
     t0 = time.perf_counter()
     ids: list[int] = []
     text, finish, error = "", None, None

@@ -431,7 +431,7 @@ class Engine:
                     i,
                     handle,
                     sampler,
-                    frozenset(req.stop_ids) | frozenset(self.tokenizer.eos_ids),
+                    frozenset(req.stop_ids) | frozenset(() if req.ignore_eos else self.tokenizer.eos_ids),
                     self.tokenizer,
                     self._admitted,
                     gauge=self._gauge(sampler),

@@ -84,6 +84,9 @@ class _Body(_Strict):
     """Token id (as a string, a JSON object's key) -> bias in [-100, 100], added to that token's logit."""
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     stop: str | list[str] | None = None
+    ignore_eos: bool = False
+    """An extension (as vLLM and llama.cpp's server take it): generate past the model's end-of-text tokens,
+    so a reply runs to ``max_tokens`` or a stop string."""
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -372,6 +375,7 @@ def prepare(
         # The engine cuts stop strings (`strata_runtime.engine.stops`), as it does for `strata generate`.
         stop_strings=tuple(stop),
         request_id=new_id("chatcmpl" if isinstance(body, ChatBody) else "cmpl"),
+        ignore_eos=body.ignore_eos,
     )
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return Prepared(request=request, prompt_tokens=n, stream=body.stream, include_usage=include_usage)
