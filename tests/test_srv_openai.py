@@ -452,6 +452,45 @@ def test_a_sampled_bench_over_http_sends_requests_the_server_accepts(engine: Lau
     assert after[ok] - before.get(ok, 0) == 1
 
 
+def test_tokenize_and_detokenize_read_prompts_as_the_completion_endpoints_do(engine: Launched):
+    """`/tokenize` gives a text's ids (a chat's through the chat template) and the context they must fit
+    in; `/detokenize` gives the text back; bad input gets a 4xx naming the field."""
+    from strata_runtime.weights.tokenizer import ByteTokenizer
+
+    json_type = {"Content-Type": "application/json"}
+    key = {**json_type, "Authorization": f"Bearer {engine.key}"}
+    tok = ByteTokenizer(384)  # the demo model's
+
+    def post(path: str, body: object, headers: dict[str, str] = key) -> tuple[int, dict]:
+        status, raw = http("POST", f"{engine.url}{path}", json.dumps(body).encode(), headers)
+        return status, json.loads(raw)
+
+    context = get_json(f"{engine.url}/v1/models", engine.key)["data"][0]["max_model_len"]
+    text = "naïve <|im_start|>café"
+    status, got = post("/tokenize", {"model": "demo", "prompt": text})
+    assert status == 200 and got == {
+        "count": len(tok.encode(text)),
+        "max_model_len": context,
+        "tokens": tok.encode(text),
+    }
+    chat = [{"role": "user", "content": "Hello"}]
+    status, got = post("/tokenize", {"messages": chat})
+    assert status == 200 and got["tokens"] == tok.apply_chat_template(chat)
+    status, got = post("/detokenize", {"tokens": tok.encode(text)})
+    assert status == 200 and got == {"prompt": text}
+    for path, body, param in [
+        ("/tokenize", {"prompt": "a", "messages": chat}, "prompt"),
+        ("/tokenize", {}, "prompt"),
+        ("/tokenize", {"prompt": 5}, "prompt"),
+        ("/detokenize", {"tokens": [1, 384]}, "tokens"),
+        ("/detokenize", {"tokens": "12"}, "tokens"),
+        ("/tokenize", {"model": "other", "prompt": "a"}, "model"),
+    ]:
+        status, err = post(path, body)
+        assert 400 <= status < 500 and err["error"]["param"] == param, (path, body, err)
+    assert post("/tokenize", {"prompt": "a"}, json_type)[0] == 401
+
+
 def test_ignore_eos_generates_past_end_of_text(client: openai.OpenAI):
     """Every choice pushed to end-of-text (id 256 of the demo's byte-level vocabulary): the reply ends at
     once; with the ``ignore_eos`` extension it runs to ``max_tokens``, streamed or whole."""

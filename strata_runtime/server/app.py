@@ -97,6 +97,8 @@ class Server:
                 web.get("/metrics", self.metrics),
                 web.post("/v1/completions", self.completions),
                 web.post("/v1/chat/completions", self.chat),
+                web.post("/tokenize", self.tokenize),
+                web.post("/detokenize", self.detokenize),
             ]
         )
         return app
@@ -271,6 +273,25 @@ class Server:
             body, ids, context=self.context, vocab_size=self.vocab_size, default_max_tokens=None
         )
         return await self._run(request, prepared, chat=True)
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """A prompt's token ids (a chat's through the model's chat template), as the completion endpoints
+        would read it, with the context they must fit in."""
+        body = p.parse_tokenize(await _json_body(request))
+        if body.model is not None:
+            p.check_model(body.model, self.options.model_name)
+        tokenizer = self._engine().tokenizer
+        if body.prompt is not None:
+            ids = tokenizer.encode(body.prompt)
+        else:
+            ids = tokenizer.apply_chat_template(p.chat_messages(body))
+        return web.json_response({"count": len(ids), "max_model_len": self.context, "tokens": ids})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body = p.parse_detokenize(await _json_body(request), self.vocab_size)
+        if body.model is not None:
+            p.check_model(body.model, self.options.model_name)
+        return web.json_response({"prompt": self._engine().tokenizer.decode(list(body.tokens))})
 
     def _engine(self) -> EngineCore:
         assert self.engine is not None and self.engine.engine is not None

@@ -118,13 +118,32 @@ class ChatBody(_Body):
     """The newer name of ``max_tokens`` for chat."""
 
 
+class TokenizeBody(_Strict):
+    """``POST /tokenize`` (as vLLM serves it): a prompt's ids, or a chat's through the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+
+
+class DetokenizeBody(_Strict):
+    """``POST /detokenize``: the text of token ids."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
 StreamOptions.model_rebuild()
 _Body.model_rebuild()
 CompletionBody.model_rebuild()
 ChatBody.model_rebuild()
+TokenizeBody.model_rebuild()
+DetokenizeBody.model_rebuild()
 
 _FIELDS = frozenset(
-    name for m in (CompletionBody, ChatBody, ChatMessage, TextPart, StreamOptions) for name in m.model_fields
+    name
+    for m in (CompletionBody, ChatBody, ChatMessage, TextPart, StreamOptions, TokenizeBody, DetokenizeBody)
+    for name in m.model_fields
 )
 _EXPECTED = {
     "prompt": "a string, a list of one string, or a list of token ids",
@@ -305,10 +324,31 @@ def prompt_ids(body: CompletionBody, tokenizer: Tokenizer, vocab_size: int) -> l
     return ids
 
 
-def chat_messages(body: ChatBody) -> list[dict[str, str]]:
+def parse_tokenize(raw: Any) -> TokenizeBody:
+    """Validate a ``/tokenize`` body: exactly one of ``prompt`` and ``messages``."""
+    body: TokenizeBody = _parse(TokenizeBody, raw)
+    if (body.prompt is None) == (body.messages is None):
+        raise ApiError(400, "give `prompt` (text) or `messages` (a chat), exactly one of them", "prompt")
+    if body.messages is not None and not body.messages:
+        raise ApiError(400, "`messages` must hold at least one message", "messages")
+    return body
+
+
+def parse_detokenize(raw: Any, vocab_size: int) -> DetokenizeBody:
+    """Validate a ``/detokenize`` body: every id in the vocabulary."""
+    body: DetokenizeBody = _parse(DetokenizeBody, raw)
+    bad = [i for i in body.tokens if not 0 <= i < vocab_size]
+    if bad:
+        raise ApiError(
+            400, f"`tokens`: {bad[0]} is not a token id of this model (0 to {vocab_size - 1})", "tokens"
+        )
+    return body
+
+
+def chat_messages(body: ChatBody | TokenizeBody) -> list[dict[str, str]]:
     """Messages as plain role/content strings, text parts joined."""
     out = []
-    for m in body.messages:
+    for m in body.messages or []:
         parts = m.content if isinstance(m.content, list) else [TextPart(type="text", text=m.content or "")]
         text = "".join(part.text for part in parts)
         out.append({"role": m.role, "content": text})
