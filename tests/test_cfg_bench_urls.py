@@ -46,9 +46,22 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
 
 
 def test_servers_run_interleaved_and_each_is_compared_with_the_first(calls) -> None:
+    seen: list[tuple[str, str, int, float]] = []
     res = http_workloads.bench_urls(
-        {"a": "http://a", "b": "http://b", "c": "http://c"}, "clients", tokens=8, repeats=3
+        {"a": "http://a", "b": "http://b", "c": "http://c"},
+        "clients",
+        tokens=8,
+        repeats=3,
+        on_run=lambda name, case, r, fig: seen.append((name, case, r, fig["tok_s"])),
     )
+    # Each run reported as it ends (the command's progress lines), in the order it ran.
+    assert seen[:4] == [
+        ("a", "1 clients", 0, 100.0),
+        ("b", "1 clients", 0, 150.0),
+        ("c", "1 clients", 0, 50.0),
+        ("a", "2 clients", 0, 100.0),
+    ]
+    assert len(seen) == 3 * 4 * 3
     # Repeat by repeat, case by case, every server in turn.
     order = [(c["seed"], c["clients"], c["url"]) for c in calls]
     assert order == [

@@ -577,6 +577,7 @@ def test_bench_measures_the_engine_beside_another_openai_server_interleaved(engi
     finally:
         other.close()
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stderr.count("repeat ") == 4 and "other:" in proc.stderr  # a progress line per run
     result = json.loads(proc.stdout)
     ours, theirs = result["arms"]["strata"], result["arms"]["other"]
     assert (

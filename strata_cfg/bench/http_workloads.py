@@ -16,6 +16,7 @@ import http.client
 import random
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -253,12 +254,14 @@ def bench_urls(
     prompt_tokens: int = 4096,
     seeded: bool = True,
     ignore_eos: bool = False,
+    on_run: Callable[[str, str, int, dict[str, float]], None] | None = None,
 ) -> dict[str, Any]:
     """A bench workload against launched servers (``urls``: by name), interleaved: each repeat runs every
     case on every server in turn. Medians over ``repeats`` runs per server and case, and for each server
     after the first its rate over the first's (``ratio`` and its bootstrap ``ratio_ci95``). ``sampling``,
     ``seeded`` and ``ignore_eos`` as `http_run` takes them; ``prompt_tokens``: the ``prompt`` workload's
-    length, a fresh prompt each run.
+    length, a fresh prompt each run. ``on_run(name, case, repeat, figures)`` is called after each run, as
+    the in-process harness's is (the command prints a progress line).
 
     Raises ValueError for a prompt longer than a strata engine's context, and for ``read-beside-decode``
     without a strata engine among the servers (its long prompt is sized by the engine's context)."""
@@ -281,23 +284,24 @@ def bench_urls(
     for repeat in range(repeats):
         for case, clients in cases:
             for t in targets:
-                runs[t.name][case].append(
-                    http_run(
-                        t.url,
-                        workload,
-                        clients=clients,
-                        tokens=tokens,
-                        context=context or 0,
-                        vocab=vocab,
-                        api_key=api_key,
-                        sampling=sampling,
-                        prompt_tokens=prompt_tokens,
-                        seed=repeat,
-                        seeded=seeded,
-                        windows=t.status is not None,
-                        ignore_eos=ignore_eos,
-                    )
+                figures = http_run(
+                    t.url,
+                    workload,
+                    clients=clients,
+                    tokens=tokens,
+                    context=context or 0,
+                    vocab=vocab,
+                    api_key=api_key,
+                    sampling=sampling,
+                    prompt_tokens=prompt_tokens,
+                    seed=repeat,
+                    seeded=seeded,
+                    windows=t.status is not None,
+                    ignore_eos=ignore_eos,
                 )
+                runs[t.name][case].append(figures)
+                if on_run is not None:
+                    on_run(t.name, case, repeat, figures)
     arms: dict[str, Any] = {}
     base = targets[0].name
     for t in targets:

@@ -147,6 +147,11 @@ def run_url(args: argparse.Namespace) -> int:
         print("strata bench: two --url share a name; name them NAME=URL", file=sys.stderr)
         return EXIT_USAGE
     key = os.environ.get(args.api_key_env) if args.api_key_env else None
+
+    def progress(name: str, case: str, repeat: int, figures: dict[str, float]) -> None:
+        who = f" {name:>10}" if len(urls) > 1 else ""
+        print(f"  repeat {repeat + 1} {case:>14}{who}: {figures['tok_s']:9.1f} tok/s", file=sys.stderr)
+
     try:
         kw: dict[str, Any] = dict(
             tokens=args.tokens,
@@ -156,6 +161,7 @@ def run_url(args: argparse.Namespace) -> int:
             prompt_tokens=args.prompt_tokens,
             seeded=not args.unseeded,
             ignore_eos=args.ignore_eos,
+            on_run=progress,
         )
         if len(urls) == 1:
             result = bench_url(next(iter(urls.values())), args.workload, **kw)
