@@ -153,3 +153,25 @@ def test_options_that_shape_in_process_arms_are_refused_with_url(extra: list[str
         timeout=60,
     )
     assert out.returncode == 2 and "--url measures launched servers as they run" in out.stderr, out.stderr
+
+
+def test_two_urls_with_one_name_are_a_usage_error() -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "strata_cfg",
+            "bench",
+            "--url",
+            "a=http://127.0.0.1:9",
+            "--url",
+            "a=http://h:1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2 and "two --url share a name; name them NAME=URL" in out.stderr, out.stderr

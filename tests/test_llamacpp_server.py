@@ -91,6 +91,62 @@ def test_figures_come_from_the_servers_own_timings() -> None:
     assert prompt_rate({"timings": {"prompt_n": 4096, "prompt_ms": 250.0}}) == pytest.approx(4096 / 0.25)
 
 
+def test_a_stream_that_stops_short_or_a_prompt_read_in_part_becomes_a_note() -> None:
+    from strata_runtime.bench.llamacpp_server import measure
+
+    def post(n: int, p: int):
+        return lambda path, body: {
+            "timings": {"predicted_n": n, "predicted_ms": 10.0, "prompt_n": p, "prompt_ms": 1.0}
+        }
+
+    figure, notes = measure(post(5, 20), ServerCase("two-decodes", 2, 20, 8), repeats=2)
+    assert (
+        figure == pytest.approx(1000.0)
+        and notes == ["server 2 streams, pp20 tg8: a stream stopped after 5 of 8 tokens"] * 2
+    )
+    figure, notes = measure(post(1, 100), ServerCase("prompt", 1, 300, 1), repeats=1)
+    assert figure == pytest.approx(100_000.0) and notes == ["server pp300: read 100 of 300 prompt ids"]
+
+
+def test_a_server_that_never_answers_and_an_error_reply_are_named(tmp_path: Path) -> None:
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from strata_runtime.bench.llamacpp_server import free_port, http_post, wait_ready
+
+    log = tmp_path / "server.log"
+    log.write_text("loading the model\n")
+    silent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        why = wait_ready(f"http://127.0.0.1:{free_port()}", silent, str(log), timeout=1.0)
+    finally:
+        silent.kill()
+        silent.wait()
+    assert why == f"{SERVER} was not ready after 1 s: loading the model"
+
+    class Refusing(BaseHTTPRequestHandler):
+        def log_message(self, *a: object) -> None:
+            pass
+
+        def do_POST(self) -> None:
+            body = b'{"error": {"message": "the request exceeds the available context size"}}'
+            self.send_response(400)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Refusing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(
+            ValueError, match="/completion answered 400: .*exceeds the available context size"
+        ):
+            http_post(f"http://127.0.0.1:{server.server_address[1]}")("/completion", {})
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 STAND_IN = """\
 #!{python}
 # A stand-in llama-server: loads the GGUF's vocabulary as llama.cpp's server needs one to answer, then

@@ -482,12 +482,14 @@ def test_tokenize_and_detokenize_read_prompts_as_the_completion_endpoints_do(eng
         ("/tokenize", {"prompt": "a", "messages": chat}, "prompt"),
         ("/tokenize", {}, "prompt"),
         ("/tokenize", {"prompt": 5}, "prompt"),
+        ("/tokenize", {"messages": []}, "messages"),
         ("/detokenize", {"tokens": [1, 384]}, "tokens"),
         ("/detokenize", {"tokens": "12"}, "tokens"),
         ("/tokenize", {"model": "other", "prompt": "a"}, "model"),
     ]:
         status, err = post(path, body)
         assert 400 <= status < 500 and err["error"]["param"] == param, (path, body, err)
+        assert f"`{param}`" in err["error"]["message"] or param == "model", err
     assert post("/tokenize", {"prompt": "a"}, json_type)[0] == 401
 
 
