@@ -36,6 +36,10 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     """(token id, bias) pairs added to the logits; OpenAI's ``logit_bias`` map, as pairs so that the
     parameters stay hashable."""
+    logprobs: int | None = None
+    """Report each generated token's log-probability and those of this many most likely tokens at its
+    position (0 to `MAX_TOP_LOGPROBS`); None reports none. They are the model's own (its raw logits' log
+    softmax, before the bias, the penalties, temperature, top-k and top-p), as vLLM reports them."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,20 @@ class Request:
     stop string: a benchmark's fixed-length replies."""
 
 
+MAX_TOP_LOGPROBS = 20
+"""The most alternatives a request may ask the log-probabilities of, at each position (vLLM's default)."""
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability, and the most likely tokens' at its position."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+    """(token id, log-probability) of the most likely tokens, most likely first (ties: the lower id)."""
+
+
 @dataclass(frozen=True)
 class TokenEvent:
     """Tokens accepted for a request in one window, or its end."""
@@ -66,6 +84,8 @@ class TokenEvent:
     accepted_proposals: int = 0
     """Drafted proposals accepted in this window for this request."""
     error: str | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
+    """One per token of ``token_ids`` where the request asked (`SamplingParams.logprobs`); else empty."""
 
 
 @dataclass
@@ -96,6 +116,10 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, ids: list[int]) -> str: ...
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes one token stands for (a piece of a UTF-8 character, where a token holds part of one)."""
+        ...
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of a chat prompt ending where the assistant's reply begins."""

@@ -297,7 +297,11 @@ REFUSED = [
     ("chat", {"echo": True}, "echo", ["`echo`", "not supported"]),
     ("chat", {"best_of": 3}, "best_of", ["`best_of`", "not supported"]),
     ("completions", {"best_of": 1.0}, "best_of", ["`best_of`"]),  # 1.0 is not the integer 1
-    ("completions", {"logprobs": 0}, "logprobs", ["`logprobs`"]),
+    ("completions", {"logprobs": 21}, "logprobs", ["`logprobs`", "20"]),
+    ("completions", {"logprobs": True}, "logprobs", ["`logprobs`"]),  # a count, not a switch, on completions
+    ("chat", {"logprobs": 1}, "logprobs", ["`logprobs`"]),  # a switch on chat
+    ("chat", {"top_logprobs": 2}, "top_logprobs", ["`top_logprobs`", "`logprobs` set to true"]),
+    ("chat", {"logprobs": True, "top_logprobs": -1}, "top_logprobs", ["`top_logprobs`"]),
     ("chat", {"response_format": {"type": "json_object"}}, "response_format", ["`json_object`", "free text"]),
     (
         "completions",

@@ -36,7 +36,7 @@ from strata_cfg.schema.plan import LaunchPlan
 
 from ..model.placed import WeightStore
 from ..weights.progress import Progress
-from ..weights.tokenizer import ByteTokenizer
+from ..weights.tokenizer import ByteTokenizer, byte_level_chars
 from .peer import model_config
 
 ARCH = "qwen3moe"
@@ -233,20 +233,6 @@ def _write(
     return written
 
 
-def _byte_chars() -> list[str]:
-    """The printable character byte-level BPE writes each byte as (GPT-2's table): printable Latin-1
-    bytes as themselves, the others as the characters from U+0100 on, in byte order."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return [chars[b] for b in range(256)]
-
-
 NEVER_MERGED = "<|endoftext|> <|endoftext|>"
 """The one merge the vocabulary carries (llama.cpp requires the key): it joins two special tokens, which
 are never pieces of text, so it never applies and every byte stays its own token."""
@@ -259,7 +245,7 @@ def byte_vocabulary(vocab_size: int) -> tuple[list[str], list[int]]:
     control tokens; the rest are unused placeholders, which decode to nothing in both."""
     normal, control, unused = 1, 3, 5  # gguf.TokenType.NORMAL, CONTROL, UNUSED
     names = {i: s for s, i in ByteTokenizer.SPECIALS.items()}
-    chars = _byte_chars()
+    chars = byte_level_chars()
     tokens, types = [], []
     for i in range(vocab_size):
         if i < 256:

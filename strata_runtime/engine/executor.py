@@ -42,13 +42,14 @@ import numpy as np
 
 from strata_cfg.schema.windows import MAX_WINDOW_ROWS
 
-from ..api import TokenEvent
+from ..api import TokenEvent, TokenLogprob
 from ..backend import Array, Device, cupy_module, device_lock, download, holding, peer_copy, transfer
 from ..model import Model
 from ..model.stage import Stage
 from .device_spec import decide
 from .flight import Chained, Flight, Mark, StageMark, StageWorker, wait_any
 from .job import Entry, Job
+from .logprobs import token_logprobs
 from .sampling import Sampler
 from .slot import Slot
 from .speculative import Proposals, Verdict, catch_up, commit, draft, verify, verify_choices
@@ -108,6 +109,9 @@ class Executor:
             job, job.layout(), needed, sampled, self._marks(), after, job.draws(), job.device_spec()
         )
         flight.adjusts = job.adjusts()
+        flight.wants_logprobs = bool(needed) and any(
+            e.slot.sampler.params.logprobs is not None for e in job.entries
+        )
         for s in range(len(self.stages)):
             if self._workers is not None:
                 self._workers[s].submit(functools.partial(self._share, flight, s))
@@ -237,6 +241,8 @@ class Executor:
         else:
             picked = normed[dev.upload(np.asarray(flight.needed, np.int64))]
         logits = self.model.logits(picked)  # [len(needed), V] fp32
+        if flight.wants_logprobs:  # the raw logits, copied before anything adjusts them in place
+            flight.raw_logits = download(logits) if dev.is_cuda else np.array(logits, copy=True)
         spec = flight.spec
         if spec is not None and spec.tokens is None:  # launched by the host: its tokens and positions
             spec.tokens = dev.upload(flight.job.token_array())
@@ -373,7 +379,7 @@ class Executor:
             # Only the last row of the prompt's last chunk has logits; an earlier chunk decides nothing.
             at = logit_row.get(row + n - 1)
             decided = None if at is None else target(at, 1)
-            return self._finish_prefill(slot, n, decided, normed[row : row + n])
+            return self._finish_prefill(flight, slot, n, decided, normed[row : row + n], at)
         if e.on_device:  # the device chose the token (and counted it): nothing to verify
             verdict = Verdict(0, [int(flight.chosen_host[logit_row[row]])])
         else:
@@ -383,8 +389,21 @@ class Executor:
         rows = normed[row : row + n]
         commit(self.model, slot.id, slot.length, kept, rows, verdict.tokens, self.tracked, defer=plain)
         proposed = len(e.proposals.tokens)
-        event = slot.advance(kept, verdict.tokens, proposed, verdict.accepted, counted=e.on_device)
+        lps = self._logprobs(flight, slot, logit_row[row], verdict.tokens)
+        event = slot.advance(
+            kept, verdict.tokens, proposed, verdict.accepted, counted=e.on_device, logprobs=lps
+        )
         return [(slot, event)]
+
+    @staticmethod
+    def _logprobs(flight: Flight, slot: Slot, first: int, tokens: list[int]) -> tuple[TokenLogprob, ...]:
+        """The log-probabilities of ``tokens``, decided by the needed rows from ``first`` on, where the slot's
+        request asks for them."""
+        top = slot.sampler.params.logprobs
+        if top is None:
+            return ()
+        assert flight.raw_logits is not None  # copied whenever such a request is in the window
+        return token_logprobs(flight.raw_logits[first : first + len(tokens)], tokens, top)
 
     def _settle(self, flight: Flight, e: Entry, row: int) -> list[tuple[Slot, TokenEvent]]:
         """One slot's rows (from window row ``row``) of a window decided on the device: read the decision,
@@ -417,12 +436,14 @@ class Executor:
         elif not 0 <= accepted < n:
             raise RuntimeError(f"slot {slot.id}: the device kept {accepted} of {n - 1} proposals")
         self.model.settle(slot.id, base, n, accepted + 1)
-        return [(slot, slot.advance(accepted + 1, tokens, n - 1, accepted, counted=True))]
+        lps = self._logprobs(flight, slot, row, tokens)  # every row of a window decided there is needed
+        return [(slot, slot.advance(accepted + 1, tokens, n - 1, accepted, counted=True, logprobs=lps))]
 
     def _finish_prefill(
-        self, slot: Slot, n: int, target: np.ndarray | None, normed: Array
+        self, flight: Flight, slot: Slot, n: int, target: np.ndarray | None, normed: Array, at: int | None
     ) -> list[tuple[Slot, TokenEvent]]:
-        """Commit a prompt chunk; ``target`` is its last row's argmax or logits, only in the last chunk."""
+        """Commit a prompt chunk; ``target`` is its last row's argmax or logits, only in the last chunk, whose
+        last row is needed row ``at``."""
         p, prompt = slot.prefilled, slot.prompt
         done = p + n == len(prompt)
         first: int | None = None
@@ -434,5 +455,6 @@ class Executor:
         else:
             following = list(prompt[p + 1 : p + n + 1])
         commit(self.model, slot.id, slot.length, n, normed, following, self.tracked)
-        event = slot.prefilled_chunk(n, first)
+        lps = () if first is None or at is None else self._logprobs(flight, slot, at, [first])
+        event = slot.prefilled_chunk(n, first, lps)
         return [] if event is None else [(slot, event)]

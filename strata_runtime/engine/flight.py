@@ -156,6 +156,11 @@ class Flight:
     what a chained window after it reads."""
     chosen_host: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     logits: np.ndarray | None = None
+    wants_logprobs: bool = False
+    """A request in the window asks for its tokens' log-probabilities (`strata_runtime.engine.logprobs`)."""
+    raw_logits: np.ndarray | None = None
+    """With ``wants_logprobs``: the needed rows' logits on the host as the LM head gave them, before any
+    bias or penalty adjusted them on the device."""
     keep: list[Any] = field(default_factory=list)
     error: BaseException | None = None
     discarded: int = 0

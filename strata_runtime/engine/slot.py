@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..api import FinishReason, RequestHandle, TokenEvent, Tokenizer
+from ..api import FinishReason, RequestHandle, TokenEvent, Tokenizer, TokenLogprob
 from .sampling import Sampler
 from .speculative import DraftGauge
 from .stops import StopText
@@ -58,7 +58,9 @@ class Slot:
     def prefilling(self) -> bool:
         return self.token is None and self.finished is None
 
-    def prefilled_chunk(self, n: int, first: int | None) -> TokenEvent | None:
+    def prefilled_chunk(
+        self, n: int, first: int | None, logprobs: tuple[TokenLogprob, ...] = ()
+    ) -> TokenEvent | None:
         """A prompt chunk of ``n`` tokens is now in the KV. ``first`` is the first generated token when the
         chunk was the prompt's last (it becomes the next input); returns the event to send, if any."""
         self.length += n
@@ -66,25 +68,34 @@ class Slot:
         if first is None:
             return None
         self.token = first
-        return self.emit([first], 0)
+        return self.emit([first], 0, logprobs=logprobs)
 
     def advance(
-        self, rows: int, tokens: list[int], proposed: int, accepted: int, counted: bool = False
+        self,
+        rows: int,
+        tokens: list[int],
+        proposed: int,
+        accepted: int,
+        counted: bool = False,
+        logprobs: tuple[TokenLogprob, ...] = (),
     ) -> TokenEvent:
         """A decode window kept ``rows`` of this slot's rows (its KV moved on by that many) and decided
         ``tokens``, the last of which is the next input; ``proposed`` drafts were verified and ``accepted``
-        of them held; ``counted``: the device chose them and counted them for the penalties. Returns the event
-        to send."""
+        of them held; ``counted``: the device chose them and counted them for the penalties; ``logprobs``: one
+        per token, where the request asks. Returns the event to send."""
         self.length += rows
         self.token = tokens[-1]
         self.handle.proposals += proposed
         self.gauge.record(proposed, accepted)
-        return self.emit(tokens, accepted, counted)
+        return self.emit(tokens, accepted, counted, logprobs)
 
-    def emit(self, tokens: list[int], accepted: int, counted: bool = False) -> TokenEvent:
+    def emit(
+        self, tokens: list[int], accepted: int, counted: bool = False, logprobs: tuple[TokenLogprob, ...] = ()
+    ) -> TokenEvent:
         """Record a window's new tokens for this request and return the event to send.
 
-        Tokens after a stop token or past max tokens are dropped; the stop token itself is not emitted.
+        Tokens after a stop token or past max tokens are dropped; the stop token itself is not emitted (nor
+        its log-probability).
         """
         req = self.handle.request
         kept: list[int] = []
@@ -112,7 +123,7 @@ class Slot:
         elif self.finished is not None:
             new += self._stops.flush()
         self.sent_text += new
-        return TokenEvent(tuple(kept), new, self.finished, accepted)
+        return TokenEvent(tuple(kept), new, self.finished, accepted, logprobs=logprobs[: len(kept)])
 
     def _decoded(self) -> str:
         """The text of every generated token, as a whole decode would give it, without decoding them all.

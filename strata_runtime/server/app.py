@@ -22,7 +22,7 @@ from aiohttp import web
 
 from strata_cfg.schema.plan import LaunchPlan
 
-from ..api import EngineCore
+from ..api import EngineCore, TokenLogprob
 from . import protocol as p
 from .connection import AccessLog, JsonErrorRunner
 from .engine_loop import EngineFactory, EngineLoop, Stream
@@ -48,6 +48,8 @@ class Piece:
     finish: str | None
     tokens: int
     error: str | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
+    """The tokens' log-probabilities, where the request asked for them."""
 
 
 @dataclass
@@ -316,10 +318,11 @@ class Server:
             if event.finished in ("error", "cancelled"):
                 yield Piece("", event.finished, n, event.error)
                 return
-            yield Piece(event.text, event.finished, n)
+            yield Piece(event.text, event.finished, n, logprobs=event.logprobs)
 
     async def _whole(self, stream: Stream, prepared: p.Prepared, *, chat: bool) -> web.Response:
         texts: list[str] = []
+        entries: list[TokenLogprob] = []
         n = 0
         finish: str | None = None
         async for piece in self._pieces(stream):
@@ -330,13 +333,27 @@ class Server:
                     503, "the request was cancelled: the server is shutting down", type_="server_error"
                 )
             texts.append(piece.text)
+            entries += piece.logprobs
             n += piece.tokens
             finish = piece.finish
         self.counters.latency.observe(time.monotonic() - stream.submitted_at)
         use = p.usage(prepared.prompt_tokens, n)
         rid = prepared.request.request_id
         make = p.chat_response if chat else p.completion_response
-        return web.json_response(make(rid, self.options.model_name, "".join(texts), _finish(finish), use))
+        lps = self._logprobs(prepared, entries, chat, 0)
+        text = "".join(texts)
+        return web.json_response(make(rid, self.options.model_name, text, _finish(finish), use, lps))
+
+    def _logprobs(
+        self, prepared: p.Prepared, entries: list[TokenLogprob], chat: bool, offset: int
+    ) -> dict[str, Any] | None:
+        """The reply's ``logprobs`` object for ``entries`` (None where the request did not ask)."""
+        if prepared.request.sampling.logprobs is None:
+            return None
+        tokenizer = self._engine().tokenizer
+        if chat:
+            return p.chat_logprobs(tokenizer, entries)
+        return p.completion_logprobs(tokenizer, entries, offset)
 
     async def _stream(
         self, request: web.Request, stream: Stream, prepared: p.Prepared, *, chat: bool
@@ -351,20 +368,30 @@ class Server:
         await response.prepare(request)
         rid, model, created = prepared.request.request_id, self.options.model_name, int(time.time())
 
-        def chunk(text: str | None, finish: str | None) -> dict[str, Any]:
+        offset = 0  # where the next token's text starts, for a completion's logprobs
+
+        def chunk(
+            text: str | None, finish: str | None, entries: tuple[TokenLogprob, ...] = ()
+        ) -> dict[str, Any]:
+            nonlocal offset
+            lps = None if text is None else self._logprobs(prepared, list(entries), chat, offset)
+            if lps is not None and not chat:
+                offset += sum(len(name) for name in lps["tokens"])
             if chat:
                 delta = (
                     {"role": "assistant", "content": ""}
                     if text is None
                     else ({"content": text} if text else {})
                 )
-                return p.chat_chunk(rid, model, created, delta, _finish(finish) if finish else None)
-            return p.completion_chunk(rid, model, created, text or "", _finish(finish) if finish else None)
+                return p.chat_chunk(rid, model, created, delta, _finish(finish) if finish else None, lps)
+            end = _finish(finish) if finish else None
+            return p.completion_chunk(rid, model, created, text or "", end, lps)
 
         if chat:
             await _send(response, chunk(None, None))
         n = 0
         finished = False
+        held: tuple[TokenLogprob, ...] = ()  # log-probabilities of tokens whose text is not out yet
         async for piece in self._pieces(stream):
             n += piece.tokens
             if piece.finish in ("error", "cancelled"):
@@ -376,8 +403,10 @@ class Server:
                 )
                 await _send(response, err.body())
                 break
+            held += piece.logprobs
             if piece.text or piece.finish:
-                await _send(response, chunk(piece.text, piece.finish))
+                await _send(response, chunk(piece.text, piece.finish, held))
+                held = ()
             finished = piece.finish is not None
         if finished:
             self.counters.latency.observe(time.monotonic() - stream.submitted_at)

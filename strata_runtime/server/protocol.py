@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from ..api import Request, SamplingParams, Tokenizer
+from ..api import MAX_TOP_LOGPROBS, Request, SamplingParams, Tokenizer, TokenLogprob
 
 MAX_STOP_STRINGS = 4
 """OpenAI's own limit on ``stop`` sequences."""
@@ -100,6 +100,8 @@ class StreamOptions(_Strict):
 class CompletionBody(_Body):
     prompt: str | list[str] | list[int]
     """One prompt: text, a one-element list of text, or token ids."""
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    """Each generated token's log-probability, and those of this many most likely tokens at its place."""
 
 
 class TextPart(_Strict):
@@ -116,6 +118,10 @@ class ChatBody(_Body):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     """The newer name of ``max_tokens`` for chat."""
+    logprobs: bool = False
+    """Return each generated token's log-probability."""
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    """With ``logprobs``: also those of this many most likely tokens at each place."""
 
 
 class TokenizeBody(_Strict):
@@ -225,16 +231,16 @@ def _check_text(text: str, path: tuple[str | int, ...]) -> None:
 def parse_completion(raw: Any) -> CompletionBody:
     """Validate a ``/v1/completions`` body."""
     body: CompletionBody = _parse(CompletionBody, raw)
-    _refuse_unsupported(body, {"echo": (False,), "logprobs": (), "suffix": ("",), "best_of": (1,)})
+    _refuse_unsupported(body, {"echo": (False,), "suffix": ("",), "best_of": (1,)})
     return body
 
 
 def parse_chat(raw: Any) -> ChatBody:
     """Validate a ``/v1/chat/completions`` body."""
     body: ChatBody = _parse(ChatBody, raw)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise ApiError(400, "`top_logprobs` needs `logprobs` set to true", "top_logprobs")
     neutral = {
-        "logprobs": (False,),
-        "top_logprobs": (0,),
         "tools": ([],),
         "functions": ([],),
         # Completion fields that some servers also take on chat: refused here rather than ignored.
@@ -411,6 +417,7 @@ def prepare(
             presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty,
             logit_bias=logit_bias(body.logit_bias or {}, vocab_size),
+            logprobs=asked_logprobs(body),
         ),
         # The engine cuts stop strings (`strata_runtime.engine.stops`), as it does for `strata generate`.
         stop_strings=tuple(stop),
@@ -419,6 +426,16 @@ def prepare(
     )
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return Prepared(request=request, prompt_tokens=n, stream=body.stream, include_usage=include_usage)
+
+
+def asked_logprobs(body: _Body) -> int | None:
+    """How many alternatives a body asks the log-probabilities of at each place (None: no log-probabilities):
+    ``logprobs`` on completions, ``top_logprobs`` (0 unless given) where a chat sets ``logprobs``."""
+    if isinstance(body, ChatBody):
+        return (body.top_logprobs or 0) if body.logprobs else None
+    if isinstance(body, CompletionBody):
+        return body.logprobs
+    return None
 
 
 def logit_bias(bias: dict[str, float], vocab_size: int) -> tuple[tuple[int, float], ...]:
@@ -467,53 +484,118 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 def completion_response(
-    request_id: str, model: str, text: str, finish: OpenAIFinish, use: dict[str, int]
+    request_id: str,
+    model: str,
+    text: str,
+    finish: OpenAIFinish,
+    use: dict[str, int],
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     return {
         "id": request_id,
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
+        "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}],
         "usage": use,
     }
 
 
 def chat_response(
-    request_id: str, model: str, text: str, finish: OpenAIFinish, use: dict[str, int]
+    request_id: str,
+    model: str,
+    text: str,
+    finish: OpenAIFinish,
+    use: dict[str, int],
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    message = {"role": "assistant", "content": text}
     return {
         "id": request_id,
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}],
+        "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": logprobs}],
         "usage": use,
     }
 
 
 def completion_chunk(
-    request_id: str, model: str, created: int, text: str, finish: OpenAIFinish | None
+    request_id: str,
+    model: str,
+    created: int,
+    text: str,
+    finish: OpenAIFinish | None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     return {
         "id": request_id,
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
+        "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}],
     }
 
 
 def chat_chunk(
-    request_id: str, model: str, created: int, delta: dict[str, str], finish: OpenAIFinish | None
+    request_id: str,
+    model: str,
+    created: int,
+    delta: dict[str, str],
+    finish: OpenAIFinish | None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
+    if logprobs is not None:
+        choice["logprobs"] = logprobs
     return {
         "id": request_id,
         "object": "chat.completion.chunk",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+        "choices": [choice],
     }
+
+
+def token_name(tokenizer: Tokenizer, token: int) -> tuple[str, list[int]]:
+    """A token's text and bytes as OpenAI reports them: its UTF-8 text, or where it holds only part of a
+    character, ``bytes:`` and its bytes as ``\\xNN`` escapes (the ``bytes`` list is exact either way)."""
+    raw = tokenizer.token_bytes(token)
+    try:
+        return raw.decode("utf-8"), list(raw)
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), list(raw)
+
+
+def completion_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprob], offset: int) -> dict[str, Any]:
+    """The legacy completions ``logprobs`` object of ``entries``: each token, its log-probability, the most
+    likely tokens at its place with the token itself among them, and where its text starts (``offset`` is
+    where the first one's does, counted in characters of the tokens' texts)."""
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    for e in entries:
+        name = token_name(tokenizer, e.token)[0]
+        tokens.append(name)
+        token_logprobs.append(e.logprob)
+        best = {token_name(tokenizer, t)[0]: lp for t, lp in e.top}
+        best.setdefault(name, e.logprob)
+        top.append(best)
+        offsets.append(offset)
+        offset += len(name)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def chat_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprob]) -> dict[str, Any]:
+    """The chat ``logprobs`` object of ``entries``: ``content``, one entry per token with its bytes and the
+    most likely tokens at its place."""
+
+    def entry(token: int, logprob: float) -> dict[str, Any]:
+        name, raw = token_name(tokenizer, token)
+        return {"token": name, "logprob": logprob, "bytes": raw}
+
+    content = [
+        {**entry(e.token, e.logprob), "top_logprobs": [entry(t, lp) for t, lp in e.top]} for e in entries
+    ]
+    return {"content": content, "refusal": None}
 
 
 def usage_chunk(request_id: str, model: str, created: int, kind: str, use: dict[str, int]) -> dict[str, Any]:

@@ -6,6 +6,7 @@ has one (rendered with jinja2 when that is installed), and a plain ChatML layout
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 from pathlib import Path
@@ -57,6 +58,13 @@ class ByteTokenizer:
         out.append(pending.decode("utf-8", errors="replace"))
         return "".join(out)
 
+    def token_bytes(self, token: int) -> bytes:
+        """A byte id's byte, a special token's name in UTF-8, and nothing for an unused id."""
+        if 0 <= token < 256:
+            return bytes([token])
+        names = {v: k for k, v in self.SPECIALS.items()}
+        return names[token].encode() if token in names else b""
+
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         """A plain transcript ending in ``assistant: ``. A synthetic model has no chat template, and ending
         on a printable byte keeps its planted token chain (and so the reply) in readable characters."""
@@ -102,6 +110,17 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=True))
 
+    def token_bytes(self, token: int) -> bytes:
+        """The token's bytes: through the byte-level alphabet where the vocabulary is byte-level BPE (as
+        Qwen's is), so a token holding part of a UTF-8 character gives its exact bytes; else its text."""
+        piece = self._tok.id_to_token(token)
+        if piece is None:
+            return b""
+        table = _unicode_to_byte()
+        if all(ch in table for ch in piece):
+            return bytes(table[ch] for ch in piece)
+        return str(self._tok.decode([token], skip_special_tokens=False)).encode()
+
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         text = None
         if self.template is not None:
@@ -113,6 +132,26 @@ class HFTokenizer:
                 env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
                 text = env.from_string(self.template).render(messages=messages, add_generation_prompt=True)
         return self.encode(text if text is not None else chatml(messages))
+
+
+def byte_level_chars() -> list[str]:
+    """The printable character byte-level BPE writes each byte as (GPT-2's table), in byte order:
+    printable Latin-1 bytes as themselves, the others as the characters from U+0100 on."""
+    keep = {*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)}
+    chars, extra = [], 0
+    for b in range(256):
+        if b in keep:
+            chars.append(chr(b))
+        else:
+            chars.append(chr(256 + extra))
+            extra += 1
+    return chars
+
+
+@functools.cache
+def _unicode_to_byte() -> dict[str, int]:
+    """Each byte-level character's byte (`byte_level_chars` inverted)."""
+    return {ch: b for b, ch in enumerate(byte_level_chars())}
 
 
 def _read_json(path: Path) -> dict[str, Any]:
