@@ -517,6 +517,49 @@ def test_ignore_eos_generates_past_end_of_text(client: openai.OpenAI):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
 
+def test_logprobs_whole_and_streamed_through_the_client(client: openai.OpenAI):
+    """Chat ``logprobs`` + ``top_logprobs`` and completions ``logprobs``: one entry per generated token, whose
+    bytes add up to the reply, the same streamed as whole; greedy, so each is the most likely at its place."""
+    messages = [{"role": "user", "content": _prompt()}]
+    ask = {"model": "demo", "messages": messages, "max_tokens": 12, "temperature": 0, "logprobs": True}
+    whole = client.chat.completions.create(**ask, top_logprobs=3)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens > 0
+    assert bytes(b for e in content for b in e.bytes).decode() == whole.choices[0].message.content
+    for e in content:
+        assert len(e.top_logprobs) == 3
+        assert (e.top_logprobs[0].token, e.top_logprobs[0].logprob) == (e.token, e.logprob)
+        assert e.logprob <= 0.0
+    parts = list(client.chat.completions.create(**ask, top_logprobs=3, stream=True))
+    streamed = [
+        e for c in parts if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content
+    ]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    plain = client.chat.completions.create(model="demo", messages=messages, max_tokens=4, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+    prompt, text = _full_length_prompt(client, 10)
+    legacy = client.completions.create(model="demo", prompt=prompt, max_tokens=10, temperature=0, logprobs=2)
+    lp = legacy.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 10
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(10)]
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert top[token] == value and max(top.values()) == value and len(top) <= 2
+    sampled = client.completions.create(
+        model="demo", prompt=prompt, max_tokens=10, temperature=1.5, seed=5, logprobs=0
+    )
+    assert len(sampled.choices[0].logprobs.token_logprobs) == sampled.usage.completion_tokens
+
+    # Every token forced to byte 0xC3, a UTF-8 lead byte: each waits for the next before its text is out, and
+    # its log-probability goes out with that text.
+    forced = {"model": "demo", "prompt": prompt, "max_tokens": 6, "temperature": 0, "logprobs": 1}
+    forced["extra_body"] = {"logit_bias": {"195": 100}}
+    chunks = list(client.completions.create(**forced, stream=True))
+    names = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert names == ["bytes:\\xc3"] * 6
+    assert all(c.choices[0].text or c.choices[0].finish_reason for c in chunks if c.choices)  # none empty
+
+
 class _OtherServer:
     """A stand-in OpenAI-compatible server that is not strata: /v1/models and streamed /v1/completions
     (one "a" a millisecond, then the usage), no /v1/status; it counts the completions it served."""

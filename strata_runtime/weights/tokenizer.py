@@ -91,6 +91,9 @@ class HFTokenizer:
         if self.template is None and jinja.is_file():
             self.template = jinja.read_text()
         self.eos_ids = self._eos_ids(config, gen_cfg, tok_cfg)
+        decoder = json.loads(self._tok.to_str()).get("decoder")
+        self._byte_level = '"ByteLevel"' in json.dumps(decoder)
+        """Pieces are written in GPT-2's byte alphabet (the decoder is byte-level, alone or in a sequence)."""
 
     def _eos_ids(self, *configs: dict[str, Any]) -> tuple[int, ...]:
         ids: list[int] = []
@@ -111,15 +114,22 @@ class HFTokenizer:
         return str(self._tok.decode(list(ids), skip_special_tokens=True))
 
     def token_bytes(self, token: int) -> bytes:
-        """The token's bytes: through the byte-level alphabet where the vocabulary is byte-level BPE (as
-        Qwen's is), so a token holding part of a UTF-8 character gives its exact bytes; else its text."""
+        """The token's bytes, so that a token holding part of a UTF-8 character gives exactly that part: a
+        byte-fallback piece (``<0xC3>``) its byte; a byte-level BPE piece (as Qwen's vocabulary has) its
+        characters' bytes through GPT-2's alphabet; any other piece its text, with SentencePiece's ``▁``
+        as the space it stands for."""
         piece = self._tok.id_to_token(token)
         if piece is None:
             return b""
-        table = _unicode_to_byte()
-        if all(ch in table for ch in piece):
-            return bytes(table[ch] for ch in piece)
-        return str(self._tok.decode([token], skip_special_tokens=False)).encode()
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        if self._byte_level:
+            table = _unicode_to_byte()
+            return bytes(table[ch] for ch in piece if ch in table)
+        return piece.replace("\u2581", " ").encode()
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         text = None
