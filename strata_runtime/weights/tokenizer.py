@@ -118,9 +118,10 @@ class HFTokenizer:
         byte-fallback piece (``<0xC3>``) its byte; a byte-level BPE piece (as Qwen's vocabulary has) its
         characters' bytes through GPT-2's alphabet; any other piece its text, with SentencePiece's ``▁``
         as the space it stands for."""
-        piece = self._tok.id_to_token(token)
-        if piece is None:
+        found = self._tok.id_to_token(token)
+        if found is None:
             return b""
+        piece = str(found)
         if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
             try:
                 return bytes([int(piece[3:5], 16)])
