@@ -60,7 +60,8 @@ class Request:
 
 
 MAX_TOP_LOGPROBS = 20
-"""The most alternatives a request may ask the log-probabilities of, at each position (vLLM's default)."""
+"""The most alternatives a request may ask the log-probabilities of, at each place (vLLM's default bound;
+the command line's ``--logprobs`` takes the same)."""
 
 
 @dataclass(frozen=True)
@@ -142,3 +143,13 @@ class EngineCore(Protocol):
     def stats(self) -> dict[str, Any]:
         """Live slot, queue and window statistics (JSON-serialisable)."""
         ...
+
+
+def token_name(tokenizer: Tokenizer, token: int) -> tuple[str, list[int]]:
+    """A token's text and bytes as OpenAI reports them: its UTF-8 text, or where it holds only part of a
+    character, ``bytes:`` and its bytes as ``\\xNN`` escapes (the ``bytes`` list is exact either way)."""
+    raw = tokenizer.token_bytes(token)
+    try:
+        return raw.decode("utf-8"), list(raw)
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), list(raw)

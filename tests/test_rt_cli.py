@@ -25,6 +25,21 @@ def test_generate_prints_json_with_tokens_text_and_accepted_proposals() -> None:
     assert res["text"] and res["accepted_proposals"] > 0
 
 
+def test_generate_prints_each_tokens_logprobs_in_json_and_as_lines() -> None:
+    """--logprobs N reaches the request through both generate commands: one entry per generated token, with
+    N alternatives, most likely first (greedy: the token itself)."""
+    args = ["generate", "profiles/demo.toml", "--prompt", "Hello", "--max-tokens", "8", "--quiet"]
+    out = strata(*args, "--logprobs", "3", "--json")
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout)
+    assert [e["token"] for e in res["logprobs"]] == res["token_ids"]
+    for e in res["logprobs"]:
+        assert len(e["top"]) == 3 and e["top"][0]["token"] == e["token"] and e["logprob"] <= 0
+    assert "logprobs" not in json.loads(strata(*args, "--json").stdout)
+    lines = strata(*args, "--logprobs", "1").stdout.splitlines()
+    assert len([line for line in lines if "(likeliest: " in line]) == len(res["token_ids"])
+
+
 def test_generate_from_prompt_ids_streams_text() -> None:
     out = strata("generate", "--prompt-ids", "72,101,108", "--max-tokens", "12")
     assert out.returncode == 0, out.stderr
@@ -53,6 +68,8 @@ def test_generate_with_penalties_repeats_fewer_tokens() -> None:
         (("--frequency-penalty", "-2.5"), "--frequency-penalty must be in [-2, 2]"),
         (("--max-tokens", "0"), "--max-tokens must be at least 1, not 0"),
         (("--seed", "-1"), "--seed must be in [0, 2^63), not -1"),
+        (("--logprobs", "21"), "--logprobs must be in [0, 20]"),
+        (("--logprobs", "-1"), "--logprobs must be in [0, 20]"),
     ],
 )
 def test_generate_refuses_bad_sampling_options_naming_them(option, needle) -> None:

@@ -8,7 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from strata_runtime.api import TokenLogprob
+from strata_cfg.schema.sampling_options import MAX_TOP_LOGPROBS as CLI_MAX
+from strata_runtime.api import MAX_TOP_LOGPROBS, TokenLogprob, token_name
 from strata_runtime.engine.logprobs import token_logprobs
 from strata_runtime.server import protocol as p
 from strata_runtime.weights.tokenizer import ByteTokenizer, HFTokenizer
@@ -16,12 +17,16 @@ from strata_runtime.weights.tokenizer import ByteTokenizer, HFTokenizer
 BYTES = ByteTokenizer(300)
 
 
+def test_the_command_line_and_the_api_take_the_same_number_of_alternatives():
+    assert CLI_MAX == MAX_TOP_LOGPROBS
+
+
 def test_a_token_holding_part_of_a_character_is_named_by_its_bytes():
     e_acute = "é".encode()  # two bytes, two tokens of the byte tokenizer
-    assert p.token_name(BYTES, e_acute[0]) == ("bytes:\\xc3", [0xC3])
-    assert p.token_name(BYTES, ord("a")) == ("a", [97])
-    assert p.token_name(BYTES, 258) == ("<|im_end|>", list(b"<|im_end|>"))
-    assert p.token_name(BYTES, 290) == ("", [])  # an unused id stands for nothing
+    assert token_name(BYTES, e_acute[0]) == ("bytes:\\xc3", [0xC3])
+    assert token_name(BYTES, ord("a")) == ("a", [97])
+    assert token_name(BYTES, 258) == ("<|im_end|>", list(b"<|im_end|>"))
+    assert token_name(BYTES, 290) == ("", [])  # an unused id stands for nothing
 
 
 def test_completion_logprobs_offsets_and_top_with_the_token_itself():

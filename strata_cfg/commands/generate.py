@@ -17,8 +17,10 @@ from ..launch.engine_process import exec_runtime
 from ..plan.from_profile import resolve_text
 from ..schema.errors import ProfileError
 from ..schema.sampling_options import (
+    add_logprobs_argument,
     add_penalty_arguments,
     generation_problem,
+    logprobs_problem,
     options_problem,
     sampling_options,
 )
@@ -47,6 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="generate past the model's end-of-text tokens, to --max-tokens or a stop string",
     )
+    add_logprobs_argument(parser)
     parser.add_argument("--json", action="store_true", help="print token_ids, text and accepted_proposals")
     parser.add_argument("--quiet", action="store_true", help="no progress bar, start-up log or summary")
 
@@ -73,6 +76,8 @@ def runtime_args(args: argparse.Namespace) -> list[str]:
         out += ["--" + key.replace("_", "-"), repr(value)]
     for s in args.stop:
         out += ["--stop", s]
+    if args.logprobs is not None:
+        out += ["--logprobs", str(args.logprobs)]
     out += [
         flag
         for flag, on in (
@@ -90,7 +95,11 @@ def run(args: argparse.Namespace) -> int:
     if args.model is not None and args.profile is not None:
         print("strata generate: give a PROFILE or --model DIR, not both")
         return EXIT_USAGE
-    problem = generation_problem(args.max_tokens, args.seed) or options_problem(args)
+    problem = (
+        generation_problem(args.max_tokens, args.seed)
+        or options_problem(args)
+        or logprobs_problem(args.logprobs)
+    )
     if problem:
         print(f"strata generate: {problem}", file=sys.stderr)
         return EXIT_USAGE

@@ -76,6 +76,28 @@ def generation_problem(max_tokens: int, seed: int) -> str | None:
     return None
 
 
+MAX_TOP_LOGPROBS = 20
+"""The most alternatives a request may ask the log-probabilities of, at each place (vLLM's default bound)."""
+
+
+def logprobs_problem(logprobs: int | None) -> str | None:
+    """Why ``--logprobs`` of a generate command is not valid (None: not asked)."""
+    if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+        return f"--logprobs must be in [0, {MAX_TOP_LOGPROBS}] (alternatives at each place), not {logprobs}"
+    return None
+
+
+def add_logprobs_argument(parser: Any) -> None:
+    """``--logprobs N`` on a generate command's parser."""
+    parser.add_argument(
+        "--logprobs",
+        type=int,
+        metavar="N",
+        help="also print each generated token's log-probability and those of the N most likely tokens at "
+        f"its place (0 to {MAX_TOP_LOGPROBS}; the model's own, before bias, penalties and temperature)",
+    )
+
+
 def add_sampling_arguments(parser: Any, seeded: str) -> None:
     """``--temperature``, ``--top-p``, ``--top-k`` and the penalties on the parser of a command that sends
     many requests (a bench, a load test), each sampled request ``seeded`` as that says."""

@@ -15,13 +15,15 @@ from pathlib import Path
 
 from strata_cfg.schema.plan_file import read_plan
 from strata_cfg.schema.sampling_options import (
+    add_logprobs_argument,
     add_penalty_arguments,
     generation_problem,
+    logprobs_problem,
     options_problem,
     sampling_options,
 )
 
-from ..api import Request, SamplingParams
+from ..api import Request, SamplingParams, Tokenizer, TokenLogprob, token_name
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,6 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="generate past the model's end-of-text tokens, to --max-tokens or a stop string",
     )
+    add_logprobs_argument(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--quiet", action="store_true", help="no progress bar, start-up log or summary")
 
@@ -58,7 +61,11 @@ def run(args: argparse.Namespace) -> int:
     from ..engine import Engine
     from ..weights.progress import stderr_progress
 
-    problem = generation_problem(args.max_tokens, args.seed) or options_problem(args)
+    problem = (
+        generation_problem(args.max_tokens, args.seed)
+        or options_problem(args)
+        or logprobs_problem(args.logprobs)
+    )
     if problem:
         raise SystemExit(f"strata_runtime generate: {problem}")
     if not args.quiet:
@@ -75,19 +82,21 @@ def run(args: argparse.Namespace) -> int:
         prompt = tuple(tok.apply_chat_template([{"role": "user", "content": args.prompt}]))
     else:
         prompt = tuple(tok.encode(args.prompt))
-    sampling = SamplingParams(**sampling_options(args), seed=args.seed)
+    sampling = SamplingParams(**sampling_options(args), seed=args.seed, logprobs=args.logprobs)
     request = Request(
         prompt, args.max_tokens, sampling, stop_strings=tuple(args.stop), ignore_eos=args.ignore_eos
     )
     handle = engine.submit(request)
     t0 = time.perf_counter()
     ids: list[int] = []
+    lps: list[TokenLogprob] = []
     text, finish, error = "", None, None
     while finish is None:
         engine.step()
         while not handle.events.empty():
             ev = handle.events.get()
             ids += ev.token_ids
+            lps += ev.logprobs
             text += ev.text
             if not args.json:
                 sys.stdout.write(ev.text)
@@ -106,9 +115,13 @@ def run(args: argparse.Namespace) -> int:
             "seconds": round(seconds, 4),
             "summary": engine.summary(),
         }
+        if args.logprobs is not None:
+            out["logprobs"] = [_logprob_json(tok, lp) for lp in lps]
         print(json.dumps(out))
     else:
         print()
+        for lp in lps:
+            print(_logprob_line(tok, lp))
         if not args.quiet:
             rate = len(ids) / seconds if seconds else 0.0
             print(
@@ -119,3 +132,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"strata_runtime generate: {error}", file=sys.stderr)
         return 1
     return 0
+
+
+def _logprob_json(tok: Tokenizer, lp: TokenLogprob) -> dict[str, object]:
+    """One token's log-probabilities in ``--json``: its id, text, figure and the likeliest tokens'."""
+
+    def entry(token: int, logprob: float) -> dict[str, object]:
+        return {"token": token, "text": token_name(tok, token)[0], "logprob": logprob}
+
+    return {**entry(lp.token, lp.logprob), "top": [entry(t, v) for t, v in lp.top]}
+
+
+def _logprob_line(tok: Tokenizer, lp: TokenLogprob) -> str:
+    """One token's log-probabilities as a line after the reply: the figure, the token, the likeliest."""
+    top = ", ".join(f"{token_name(tok, t)[0]!r} {v:.4f}" for t, v in lp.top)
+    return f"{lp.logprob:9.4f}  {token_name(tok, lp.token)[0]!r}" + (f"  (likeliest: {top})" if top else "")

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from ..api import MAX_TOP_LOGPROBS, Request, SamplingParams, Tokenizer, TokenLogprob
+from ..api import MAX_TOP_LOGPROBS, Request, SamplingParams, Tokenizer, TokenLogprob, token_name
 
 MAX_STOP_STRINGS = 4
 """OpenAI's own limit on ``stop`` sequences."""
@@ -555,16 +555,6 @@ def chat_chunk(
         "model": model,
         "choices": [choice],
     }
-
-
-def token_name(tokenizer: Tokenizer, token: int) -> tuple[str, list[int]]:
-    """A token's text and bytes as OpenAI reports them: its UTF-8 text, or where it holds only part of a
-    character, ``bytes:`` and its bytes as ``\\xNN`` escapes (the ``bytes`` list is exact either way)."""
-    raw = tokenizer.token_bytes(token)
-    try:
-        return raw.decode("utf-8"), list(raw)
-    except UnicodeDecodeError:
-        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), list(raw)
 
 
 def completion_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprob], offset: int) -> dict[str, Any]:
