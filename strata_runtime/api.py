@@ -40,6 +40,9 @@ class SamplingParams:
     """Report each generated token's log-probability and those of this many most likely tokens at its
     position (0 to `MAX_TOP_LOGPROBS`); None reports none. They are the model's own (its raw logits' log
     softmax, before the bias, the penalties, temperature, top-k and top-p), as vLLM reports them."""
+    prompt_logprobs: int | None = None
+    """Report each prompt token's log-probability after the tokens before it (all but the first) and those
+    of this many most likely tokens at its place, as for generated tokens; None reports none."""
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,9 @@ class TokenEvent:
     error: str | None = None
     logprobs: tuple[TokenLogprob, ...] = ()
     """One per token of ``token_ids`` where the request asked (`SamplingParams.logprobs`); else empty."""
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    """Where the request asked (`SamplingParams.prompt_logprobs`), in the request's first event: one per
+    prompt token after the first."""
 
 
 @dataclass

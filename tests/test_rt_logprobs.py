@@ -126,3 +126,23 @@ def test_penalties_and_bias_leave_the_logprobs_raw():
     assert got[0] != banned
     # The most likely token at the first place is still the banned one: the figures are the model's own.
     assert adj[0].top[0] == lps[0].top[0]
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+@pytest.mark.parametrize("chunk", [8, 64])
+def test_each_prompt_tokens_logprob_is_that_of_the_prompt_cut_before_it(stages, chunk):
+    """Prompt log-probabilities come with the first token, one per prompt token after the first, each what a
+    request whose prompt ends just before that token reports for it; across prefill chunks too."""
+    eng = Engine(mode_plan("batch-mtp", stages, prefill_chunk=chunk))
+    prompt = (*PROMPT, 87, 111, 114, 108, 100, 32, 111, 102, 32, 116, 101, 120, 116)  # 20: three chunks of 8
+    params = SamplingParams(prompt_logprobs=2)
+    events = run(eng, Request(prompt_ids=prompt, max_tokens=3, sampling=params))
+    first = [ev for ev in events if ev.token_ids][0]
+    assert all(ev.prompt_logprobs == () for ev in events if ev is not first)
+    got = first.prompt_logprobs
+    assert [lp.token for lp in got] == list(prompt[1:])
+    for j, lp in enumerate(got, start=1):
+        expected, top = prefill_logprob(eng, list(prompt[:j]), prompt[j], 2)
+        assert lp.logprob == pytest.approx(expected, abs=1e-5), f"prompt token {j}"
+        assert [t for t, _ in lp.top] == [t for t, _ in top]
+    assert tokens_and_logprobs(events, asked=False)[1] == []  # generated tokens' figures not asked

@@ -560,6 +560,42 @@ def test_logprobs_whole_and_streamed_through_the_client(client: openai.OpenAI):
     assert all(c.choices[0].text or c.choices[0].finish_reason for c in chunks if c.choices)  # none empty
 
 
+def test_echo_returns_the_prompt_with_its_logprobs_as_an_evaluation_harness_asks(client: openai.OpenAI):
+    """``echo`` + ``logprobs`` + ``max_tokens: 1`` (how lm-evaluation-harness scores a continuation): the
+    prompt's text and tokens come first, its first token without a figure, each later one with the figure a
+    request whose prompt stops just before it gives it; streamed the same as whole."""
+    prompt = _prompt()
+    ids = list(prompt.encode())  # the demo model's ids are bytes
+    ask = {"model": "demo", "prompt": prompt, "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": True}
+    whole = client.completions.create(**ask)
+    choice = whole.choices[0]
+    assert choice.text.startswith(prompt) and len(choice.text) > len(prompt)
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(ids) + 1
+    assert "".join(lp.tokens[: len(ids)]) == prompt
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.text_offset[: len(ids)] == list(range(len(ids)))
+    for j in (1, len(ids) // 2, len(ids) - 1):
+        alone = client.completions.create(
+            model="demo",
+            prompt=ids[:j],
+            max_tokens=1,
+            temperature=0,
+            logprobs=0,
+            extra_body={"logit_bias": {str(ids[j]): 100}},
+        )
+        assert alone.choices[0].logprobs.tokens == [lp.tokens[j]]
+        assert abs(alone.choices[0].logprobs.token_logprobs[0] - lp.token_logprobs[j]) < 1e-4
+    chunks = list(client.completions.create(**ask, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    streamed = [
+        t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens
+    ]
+    assert streamed == lp.tokens
+    plain = client.completions.create(model="demo", prompt=ids, max_tokens=2, temperature=0, echo=True)
+    assert plain.choices[0].text.startswith(prompt) and plain.choices[0].logprobs is None
+
+
 class _OtherServer:
     """A stand-in OpenAI-compatible server that is not strata: /v1/models and streamed /v1/completions
     (one "a" a millisecond, then the usage), no /v1/status; it counts the completions it served."""

@@ -31,7 +31,7 @@ BAD_COMPLETIONS = [
     ({"model": "m", "prompt": "hi", "stop": 5}, 400, "stop", ["`stop`", "list of up to 4 strings"]),
     ({"model": "m", "prompt": 42}, 400, "prompt", ["`prompt`", "token ids"]),
     ({"model": "m", "prompt": "hi", "n": 3}, 400, "n", ["`n` must be 1"]),
-    ({"model": "m", "prompt": "hi", "echo": True}, 400, "echo", ["`echo`", "not supported"]),
+    ({"model": "m", "prompt": "hi", "echo": 1}, 400, "echo", ["`echo`", "boolean"]),
     ({"model": "m", "prompt": "hi", "best_of": 2}, 400, "best_of", ["`best_of`", "not supported"]),
     ({"model": "m", "prompt": "hi", "stream": "yes"}, 400, "stream", ["`stream`", "boolean"]),
     ({"model": "m", "prompt": "hi", "ignore_eos": 1}, 400, "ignore_eos", ["`ignore_eos`", "boolean"]),

@@ -54,6 +54,10 @@ from .sampling import Sampler
 from .slot import Slot
 from .speculative import Proposals, Verdict, catch_up, commit, draft, verify, verify_choices
 
+PROMPT_LOGPROB_ROWS = 256
+"""Prompt rows whose logits are taken at once for a request that asks the prompt's log-probabilities: 156 MB
+of fp32 logits at a 151,936-word vocabulary."""
+
 
 def _using(stream: Any) -> Any:
     """``stream`` as the current stream of its device (a null context without one)."""
@@ -439,6 +443,18 @@ class Executor:
         lps = self._logprobs(flight, slot, row, tokens)  # every row of a window decided there is needed
         return [(slot, slot.advance(accepted + 1, tokens, n - 1, accepted, counted=True, logprobs=lps))]
 
+    def _prompt_logprobs(self, normed: Array, following: list[int], top: int) -> tuple[TokenLogprob, ...]:
+        """The log-probability of each prompt token in ``following`` after the rows before it: row i of a
+        chunk's post-norm rows ``normed`` decides token i. The LM head runs on those rows, 256 at a time, on
+        the drafters' stream (after the chunk), and the host reads each piece's logits."""
+        last = self.stages[-1].device
+        out: list[TokenLogprob] = []
+        for i in range(0, len(following), PROMPT_LOGPROB_ROWS):
+            piece = following[i : i + PROMPT_LOGPROB_ROWS]
+            raw = last.to_host(self.model.logits(normed[i : i + len(piece)]))
+            out += token_logprobs(raw, piece, top)
+        return tuple(out)
+
     def _finish_prefill(
         self, flight: Flight, slot: Slot, n: int, target: np.ndarray | None, normed: Array, at: int | None
     ) -> list[tuple[Slot, TokenEvent]]:
@@ -455,6 +471,9 @@ class Executor:
         else:
             following = list(prompt[p + 1 : p + n + 1])
         commit(self.model, slot.id, slot.length, n, normed, following, self.tracked)
+        top = slot.sampler.params.prompt_logprobs
+        if top is not None:
+            slot.prompt_logprobs += self._prompt_logprobs(normed, list(prompt[p + 1 : p + n + 1]), top)
         lps = () if first is None or at is None else self._logprobs(flight, slot, at, [first])
         event = slot.prefilled_chunk(n, first, lps)
         return [] if event is None else [(slot, event)]

@@ -8,7 +8,7 @@ tokens, and sends only text that decodes completely.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..api import FinishReason, RequestHandle, TokenEvent, Tokenizer, TokenLogprob
 from .sampling import Sampler
@@ -42,6 +42,8 @@ class Slot:
     _fed: str = ""
     """The decoded text handed to ``_stops`` so far (complete characters only)."""
     _stops: StopText = field(init=False)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    """The prompt's log-probabilities read so far (where the request asks), sent with its first token."""
 
     def __post_init__(self) -> None:
         self._stops = StopText(self.handle.request.stop_strings)
@@ -68,7 +70,11 @@ class Slot:
         if first is None:
             return None
         self.token = first
-        return self.emit([first], 0, logprobs=logprobs)
+        event = self.emit([first], 0, logprobs=logprobs)
+        if self.prompt_logprobs:
+            event = replace(event, prompt_logprobs=tuple(self.prompt_logprobs))
+            self.prompt_logprobs = []
+        return event
 
     def advance(
         self,

@@ -50,6 +50,8 @@ class Piece:
     error: str | None = None
     logprobs: tuple[TokenLogprob, ...] = ()
     """The tokens' log-probabilities, where the request asked for them."""
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    """The prompt's, in the first piece, where an echoed completion asked for them."""
 
 
 @dataclass
@@ -263,6 +265,7 @@ class Server:
             context=self.context,
             vocab_size=self.vocab_size,
             default_max_tokens=p.DEFAULT_COMPLETION_MAX_TOKENS,
+            decode=engine.tokenizer.decode,
         )
         return await self._run(request, prepared, chat=False)
 
@@ -318,7 +321,9 @@ class Server:
             if event.finished in ("error", "cancelled"):
                 yield Piece("", event.finished, n, event.error)
                 return
-            yield Piece(event.text, event.finished, n, logprobs=event.logprobs)
+            yield Piece(
+                event.text, event.finished, n, logprobs=event.logprobs, prompt_logprobs=event.prompt_logprobs
+            )
 
     async def _whole(self, stream: Stream, prepared: p.Prepared, *, chat: bool) -> web.Response:
         texts: list[str] = []
@@ -333,27 +338,29 @@ class Server:
                     503, "the request was cancelled: the server is shutting down", type_="server_error"
                 )
             texts.append(piece.text)
-            entries += piece.logprobs
+            entries += piece.prompt_logprobs + piece.logprobs
             n += piece.tokens
             finish = piece.finish
         self.counters.latency.observe(time.monotonic() - stream.submitted_at)
         use = p.usage(prepared.prompt_tokens, n)
         rid = prepared.request.request_id
         make = p.chat_response if chat else p.completion_response
-        lps = self._logprobs(prepared, entries, chat, 0)
-        text = "".join(texts)
+        lps = self._logprobs(prepared, entries, chat, 0, lead=prepared.echo is not None)
+        text = (prepared.echo or "") + "".join(texts)
         return web.json_response(make(rid, self.options.model_name, text, _finish(finish), use, lps))
 
     def _logprobs(
-        self, prepared: p.Prepared, entries: list[TokenLogprob], chat: bool, offset: int
+        self, prepared: p.Prepared, entries: list[TokenLogprob], chat: bool, offset: int, lead: bool = False
     ) -> dict[str, Any] | None:
-        """The reply's ``logprobs`` object for ``entries`` (None where the request did not ask)."""
+        """The reply's ``logprobs`` object for ``entries`` (None where the request did not ask); ``lead``:
+        they begin with an echoed prompt's, after its first token."""
         if prepared.request.sampling.logprobs is None:
             return None
         tokenizer = self._engine().tokenizer
         if chat:
             return p.chat_logprobs(tokenizer, entries)
-        return p.completion_logprobs(tokenizer, entries, offset)
+        first = prepared.request.prompt_ids[0] if lead else None
+        return p.completion_logprobs(tokenizer, entries, offset, first)
 
     async def _stream(
         self, request: web.Request, stream: Stream, prepared: p.Prepared, *, chat: bool
@@ -371,10 +378,10 @@ class Server:
         offset = 0  # where the next token's text starts, for a completion's logprobs
 
         def chunk(
-            text: str | None, finish: str | None, entries: tuple[TokenLogprob, ...] = ()
+            text: str | None, finish: str | None, entries: tuple[TokenLogprob, ...] = (), lead: bool = False
         ) -> dict[str, Any]:
             nonlocal offset
-            lps = None if text is None else self._logprobs(prepared, list(entries), chat, offset)
+            lps = None if text is None else self._logprobs(prepared, list(entries), chat, offset, lead)
             if lps is not None and not chat:
                 offset += sum(len(name) for name in lps["tokens"])
             if chat:
@@ -392,6 +399,7 @@ class Server:
         n = 0
         finished = False
         held: tuple[TokenLogprob, ...] = ()  # log-probabilities of tokens whose text is not out yet
+        echo = prepared.echo  # sent first, with the prompt's log-probabilities, which the first piece brings
         async for piece in self._pieces(stream):
             n += piece.tokens
             if piece.finish in ("error", "cancelled"):
@@ -403,6 +411,9 @@ class Server:
                 )
                 await _send(response, err.body())
                 break
+            if echo is not None:
+                await _send(response, chunk(echo, None, piece.prompt_logprobs, lead=True))
+                echo = None
             held += piece.logprobs
             if piece.text or piece.finish:
                 await _send(response, chunk(piece.text, piece.finish, held))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -102,6 +103,8 @@ class CompletionBody(_Body):
     """One prompt: text, a one-element list of text, or token ids."""
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     """Each generated token's log-probability, and those of this many most likely tokens at its place."""
+    echo: bool = False
+    """Return the prompt before the completion (with ``logprobs``, the prompt tokens' figures too)."""
 
 
 class TextPart(_Strict):
@@ -231,7 +234,7 @@ def _check_text(text: str, path: tuple[str | int, ...]) -> None:
 def parse_completion(raw: Any) -> CompletionBody:
     """Validate a ``/v1/completions`` body."""
     body: CompletionBody = _parse(CompletionBody, raw)
-    _refuse_unsupported(body, {"echo": (False,), "suffix": ("",), "best_of": (1,)})
+    _refuse_unsupported(body, {"suffix": ("",), "best_of": (1,)})
     return body
 
 
@@ -296,6 +299,8 @@ class Prepared:
     prompt_tokens: int
     stream: bool
     include_usage: bool
+    echo: str | None = None
+    """The prompt's text, returned before the completion (completions with ``echo``)."""
 
 
 def check_model(name: str, served: str) -> None:
@@ -368,11 +373,13 @@ def prepare(
     context: int,
     vocab_size: int,
     default_max_tokens: int | None,
+    decode: Callable[[list[int]], str] | None = None,
 ) -> Prepared:
     """Check the prompt and ``max_tokens`` against the context, ``logit_bias`` against the vocabulary, and
     build the engine request.
 
-    ``default_max_tokens`` None means "the rest of the context" (chat's default).
+    ``default_max_tokens`` None means "the rest of the context" (chat's default). ``decode``: the text of
+    token ids, which a completion echoes when its prompt came as ids.
     """
     n = len(ids)
     if n == 0:
@@ -418,6 +425,7 @@ def prepare(
             frequency_penalty=body.frequency_penalty,
             logit_bias=logit_bias(body.logit_bias or {}, vocab_size),
             logprobs=asked_logprobs(body),
+            prompt_logprobs=body.logprobs if isinstance(body, CompletionBody) and body.echo else None,
         ),
         # The engine cuts stop strings (`strata_runtime.engine.stops`), as it does for `strata generate`.
         stop_strings=tuple(stop),
@@ -425,7 +433,17 @@ def prepare(
         ignore_eos=body.ignore_eos,
     )
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return Prepared(request=request, prompt_tokens=n, stream=body.stream, include_usage=include_usage)
+    echo = None
+    if isinstance(body, CompletionBody) and body.echo:
+        echo = body.prompt if isinstance(body.prompt, str) else None
+        if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str):
+            echo = str(body.prompt[0])
+        if echo is None:  # token ids: their text
+            assert decode is not None, "a completion's prompt of ids is echoed through the tokenizer"
+            echo = decode(ids)
+    return Prepared(
+        request=request, prompt_tokens=n, stream=body.stream, include_usage=include_usage, echo=echo
+    )
 
 
 def asked_logprobs(body: _Body) -> int | None:
@@ -557,11 +575,24 @@ def chat_chunk(
     }
 
 
-def completion_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprob], offset: int) -> dict[str, Any]:
+def completion_logprobs(
+    tokenizer: Tokenizer, entries: list[TokenLogprob], offset: int, lead: int | None = None
+) -> dict[str, Any]:
     """The legacy completions ``logprobs`` object of ``entries``: each token, its log-probability, the most
     likely tokens at its place with the token itself among them, and where its text starts (``offset`` is
-    where the first one's does, counted in characters of the tokens' texts)."""
-    tokens, token_logprobs, top, offsets = [], [], [], []
+    where the first one's does, counted in characters of the tokens' texts). ``lead``: an echoed prompt's
+    first token, which nothing before it gives a figure (null, as OpenAI gives it)."""
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    if lead is not None:
+        name = token_name(tokenizer, lead)[0]
+        tokens.append(name)
+        token_logprobs.append(None)
+        top.append(None)
+        offsets.append(offset)
+        offset += len(name)
     for e in entries:
         name = token_name(tokenizer, e.token)[0]
         tokens.append(name)
