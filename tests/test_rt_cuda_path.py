@@ -477,3 +477,46 @@ def test_a_gpu_older_than_ampere_runs_the_array_path_and_says_why(fake_gpu, monk
     assert stage.cuda_refused == "cuda:0 has compute capability 7.5; the kernels need 8.0 (Ampere) or later"
     assert engine.totals["accepted"] > 0  # the drafters ran too
     assert text == cpu and len(text[0]) == 12
+
+
+def test_logprobs_on_the_cuda_path_are_the_array_paths(fake_gpu):
+    """A request's token and prompt log-probabilities through the CUDA path's head (the raw logits copied to
+    pinned memory before the device adjusts them for a penalty, windows running ahead and drafted windows
+    decided on the device) are the array path's, within the fp16 weights' rounding."""
+    from strata_runtime.api import SamplingParams
+    from strata_runtime.engine import Engine
+
+    params = SamplingParams(presence_penalty=2.0, frequency_penalty=1.0, logprobs=2, prompt_logprobs=1)
+    request = Request(tuple(range(40, 60)), 10, sampling=params)
+
+    def figures(plan) -> tuple[list[int], list[float], list[float]]:
+        engine = Engine(plan)
+        handle = engine.submit(request)
+        while engine.step():
+            pass
+        events = [handle.events.get() for _ in range(handle.events.qsize())]
+        tokens = [t for ev in events for t in ev.token_ids]
+        lps = [lp for ev in events for lp in ev.logprobs]
+        assert [lp.token for lp in lps] == tokens and all(len(lp.top) == 2 for lp in lps)
+        prompt = [lp for ev in events for lp in ev.prompt_logprobs]
+        assert [lp.token for lp in prompt] == list(request.prompt_ids[1:])
+        return tokens, [lp.logprob for lp in lps], [lp.logprob for lp in prompt]
+
+    plan = _plan("cuda", "tiny", batch_mtp=True, draft_tokens=4)
+    cpu = figures(_plan("cpu", "tiny", batch_mtp=True, draft_tokens=4))
+    gpu = figures(plan)
+    assert gpu[0] == cpu[0]
+    np.testing.assert_allclose(gpu[1], cpu[1], atol=2e-2)
+    np.testing.assert_allclose(gpu[2], cpu[2], atol=2e-2)
+    # The reply read back as a prompt, with no penalty: its tokens' figures are the ones decoding reported.
+    engine = Engine(plan)
+    whole = Request((*request.prompt_ids, *gpu[0]), 1, sampling=SamplingParams(prompt_logprobs=0))
+    handle = engine.submit(whole)
+    while engine.step():
+        pass
+    read = [
+        lp.logprob
+        for ev in [handle.events.get() for _ in range(handle.events.qsize())]
+        for lp in ev.prompt_logprobs
+    ]
+    np.testing.assert_allclose(read[len(request.prompt_ids) - 1 :], gpu[1], atol=2e-2)
