@@ -344,10 +344,11 @@ class Server:
         self.counters.latency.observe(time.monotonic() - stream.submitted_at)
         use = p.usage(prepared.prompt_tokens, n)
         rid = prepared.request.request_id
-        make = p.chat_response if chat else p.completion_response
         lps = self._logprobs(prepared, entries, chat, 0, lead=prepared.echo is not None)
         text = (prepared.echo or "") + "".join(texts)
-        return web.json_response(make(rid, self.options.model_name, text, _finish(finish), use, lps))
+        return web.json_response(
+            p.response(chat, rid, self.options.model_name, text, _finish(finish), use, lps)
+        )
 
     def _logprobs(
         self, prepared: p.Prepared, entries: list[TokenLogprob], chat: bool, offset: int, lead: bool = False

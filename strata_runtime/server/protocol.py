@@ -501,7 +501,8 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def completion_response(
+def response(
+    chat: bool,
     request_id: str,
     model: str,
     text: str,
@@ -509,31 +510,19 @@ def completion_response(
     use: dict[str, int],
     logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """A whole reply: a chat completion's (the text as the assistant's message) or a text completion's."""
+    choice: dict[str, Any] = {"index": 0}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = text
+    choice |= {"finish_reason": finish, "logprobs": logprobs}
     return {
         "id": request_id,
-        "object": "text_completion",
+        "object": "chat.completion" if chat else "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}],
-        "usage": use,
-    }
-
-
-def chat_response(
-    request_id: str,
-    model: str,
-    text: str,
-    finish: OpenAIFinish,
-    use: dict[str, int],
-    logprobs: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    message = {"role": "assistant", "content": text}
-    return {
-        "id": request_id,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": logprobs}],
+        "choices": [choice],
         "usage": use,
     }
 
