@@ -146,3 +146,40 @@ def test_each_prompt_tokens_logprob_is_that_of_the_prompt_cut_before_it(stages, 
         assert lp.logprob == pytest.approx(expected, abs=1e-5), f"prompt token {j}"
         assert [t for t, _ in lp.top] == [t for t, _ in top]
     assert tokens_and_logprobs(events, asked=False)[1] == []  # generated tokens' figures not asked
+
+
+@pytest.mark.parametrize("mode", ["serial", "batch-mtp", "pipelined-mtp"])
+def test_requests_sharing_windows_each_get_their_own_rows_figures(mode):
+    """Three greedy requests at once, two asking (different prompts, one penalised), share windows: each one's
+    figures are what it gets alone, and the one that did not ask gets none."""
+    asks = [
+        Request(prompt_ids=PROMPT, max_tokens=9, sampling=SamplingParams(logprobs=2), ignore_eos=True),
+        Request(prompt_ids=(80, 114, 105, 100, 101), max_tokens=9, ignore_eos=True),
+        Request(
+            prompt_ids=(83, 101, 110, 115, 101),
+            max_tokens=9,
+            sampling=SamplingParams(presence_penalty=1.0, logprobs=1),
+            ignore_eos=True,
+        ),
+    ]
+    alone = [
+        tokens_and_logprobs(run(Engine(mode_plan(mode, 2)), r), r.sampling.logprobs is not None) for r in asks
+    ]
+    eng = Engine(mode_plan(mode, 2))
+    handles = [eng.submit(r) for r in asks]
+    events: list[list[TokenEvent]] = [[] for _ in asks]
+    while eng.step():
+        for h, evs in zip(handles, events, strict=True):
+            while not h.events.empty():
+                evs.append(h.events.get())
+    for h, evs in zip(handles, events, strict=True):
+        while not h.events.empty():
+            evs.append(h.events.get())
+    assert eng.totals["windows"] < sum(len(t) for t, _ in alone), "the requests shared windows"
+    for r, evs, (tokens, lps) in zip(asks, events, alone, strict=True):
+        got, got_lps = tokens_and_logprobs(evs, r.sampling.logprobs is not None)
+        assert got == tokens
+        assert [(lp.token, [t for t, _ in lp.top]) for lp in got_lps] == [
+            (lp.token, [t for t, _ in lp.top]) for lp in lps
+        ]
+        np.testing.assert_allclose([lp.logprob for lp in got_lps], [lp.logprob for lp in lps], atol=1e-5)
