@@ -132,6 +132,12 @@ class Tokenizer(Protocol):
         """Token ids of a chat prompt ending where the assistant's reply begins."""
         ...
 
+    @property
+    def chat_template(self) -> str:
+        """`apply_chat_template`'s layout as a Jinja template over ``messages`` and
+        ``add_generation_prompt``, for clients that render chats themselves (``/tokenizer_info``)."""
+        ...
+
 
 class EngineCore(Protocol):
     """What a running engine offers its callers."""

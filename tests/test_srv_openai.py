@@ -596,6 +596,75 @@ def test_echo_returns_the_prompt_with_its_logprobs_as_an_evaluation_harness_asks
     assert plain.choices[0].text.startswith(prompt) and plain.choices[0].logprobs is None
 
 
+def _post(engine: Launched, path: str, body: dict) -> tuple[int, dict]:
+    headers = {"Authorization": f"Bearer {engine.key}", "Content-Type": "application/json"}
+    status, raw = http("POST", f"{engine.url}{path}", json.dumps(body).encode(), headers)
+    return status, json.loads(raw)
+
+
+def test_an_evaluation_harness_scores_through_the_tokenizer_endpoints_and_a_batch(
+    engine: Launched, client: openai.OpenAI
+):
+    """What lm-evaluation-harness's local-completions model does with no tokenizer of its own: reads
+    /tokenizer_info, tokenizes through /tokenize, and scores continuations by echoing a batch of id prompts
+    with ``logprobs: 1`` (``max_tokens`` 1, or 0 in its older versions). A continuation that is the model's
+    own greedy reply is greedy by the harness's test, and scores the sum of that reply's own figures."""
+    info = get_json(f"{engine.url}/tokenizer_info", engine.key)
+    status, eos = _post(engine, "/tokenize", {"prompt": info["eos_token"], "add_special_tokens": False})
+    assert status == 200 and eos["tokens"] == [256]  # the demo's end-of-text id
+    jinja2 = pytest.importorskip("jinja2")
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yes."}]
+    rendered = jinja2.Template(info["chat_template"]).render(messages=messages, add_generation_prompt=True)
+    status, chat_ids = _post(engine, "/tokenize", {"messages": messages})
+    assert _post(engine, "/detokenize", {"tokens": chat_ids["tokens"]})[1]["prompt"] == rendered
+
+    prompt, reply = _full_length_prompt(client, 8)
+    scored = client.completions.create(
+        model="demo", prompt=prompt, max_tokens=8, temperature=0, logprobs=1
+    ).choices[0]
+    context = _post(engine, "/tokenize", {"prompt": prompt})[1]["tokens"]
+    other = _post(engine, "/tokenize", {"prompt": prompt + " an end"})[1]["tokens"]
+    pairs = [(context, list(reply.encode())), (context, other[len(context) :])]
+    for max_tokens in (1, 0):
+        status, out = _post(
+            engine,
+            "/v1/completions",
+            {
+                "model": "demo",
+                "prompt": [c + x for c, x in pairs],
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "logprobs": 1,
+                "echo": True,
+                "seed": 1234,
+            },
+        )
+        assert status == 200, out
+        choices = sorted(out["choices"], key=lambda c: c["index"])
+        assert [c["index"] for c in choices] == [0, 1]
+        assert out["usage"]["prompt_tokens"] == sum(len(c) + len(x) for c, x in pairs)
+        assert out["usage"]["completion_tokens"] == (2 if max_tokens else 0)
+        results = []
+        for choice, (c, x) in zip(choices, pairs, strict=True):
+            lp = choice["logprobs"]
+            assert len(lp["tokens"]) == len(c) + len(x) + max_tokens
+            end = len(lp["tokens"]) - max_tokens
+            figures, tops = lp["token_logprobs"][len(c) : end], lp["top_logprobs"][len(c) : end]
+            greedy = all(f == max(top.values()) for f, top in zip(figures, tops, strict=True))
+            results.append((sum(figures), greedy))
+        assert results[0][1] is True  # the model's own reply
+        assert abs(results[0][0] - sum(scored.logprobs.token_logprobs)) < 1e-3
+    status, err = _post(engine, "/v1/completions", {"model": "demo", "prompt": [[1, 2], [3]], "stream": True})
+    assert status == 400 and err["error"]["param"] == "stream"
+    status, err = _post(engine, "/v1/completions", {"model": "demo", "prompt": "x", "max_tokens": 0})
+    assert status == 400 and err["error"]["param"] == "max_tokens"
+    chunks = list(
+        client.completions.create(model="demo", prompt=prompt, max_tokens=0, echo=True, stream=True)
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == prompt
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
 class _OtherServer:
     """A stand-in OpenAI-compatible server that is not strata: /v1/models and streamed /v1/completions
     (one "a" a millisecond, then the usage), no /v1/status; it counts the completions it served."""

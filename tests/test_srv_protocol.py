@@ -21,7 +21,6 @@ BAD_COMPLETIONS = [
     ({"prompt": "hi"}, 400, "model", ["`model`", "required"]),
     ({"model": "m"}, 400, "prompt", ["`prompt`", "required"]),
     ({"model": "m", "prompt": "hi", "max_tokens": -3}, 400, "max_tokens", ["`max_tokens`", "greater than"]),
-    ({"model": "m", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens", ["`max_tokens`"]),
     ({"model": "m", "prompt": "hi", "max_tokens": "12"}, 400, "max_tokens", ["`max_tokens`", "integer"]),
     ({"model": "m", "prompt": "hi", "max_tokens": True}, 400, "max_tokens", ["`max_tokens`", "integer"]),
     ({"model": "m", "prompt": "hi", "temperature": 7.5}, 400, "temperature", ["`temperature`", "less than"]),
@@ -30,6 +29,7 @@ BAD_COMPLETIONS = [
     ({"model": "m", "prompt": "hi", "seed": -1}, 400, "seed", ["`seed`"]),
     ({"model": "m", "prompt": "hi", "stop": 5}, 400, "stop", ["`stop`", "list of up to 4 strings"]),
     ({"model": "m", "prompt": 42}, 400, "prompt", ["`prompt`", "token ids"]),
+    ({"model": "m", "prompt": [[1, 2], "x"]}, 400, "prompt", ["`prompt`", "batch"]),  # one kind per batch
     ({"model": "m", "prompt": "hi", "n": 3}, 400, "n", ["`n` must be 1"]),
     ({"model": "m", "prompt": "hi", "echo": 1}, 400, "echo", ["`echo`", "boolean"]),
     ({"model": "m", "prompt": "hi", "best_of": 2}, 400, "best_of", ["`best_of`", "not supported"]),
@@ -125,13 +125,44 @@ def test_prompt_token_ids_are_checked_against_the_vocabulary():
     vocab = rng.randrange(100, 1000)
     ids = [rng.randrange(1, vocab) for _ in range(rng.randrange(1, 20))]
     body = p.parse_completion({"model": "m", "prompt": ids})
-    assert p.prompt_ids(body, tokenizer=None, vocab_size=vocab) == ids  # type: ignore[arg-type]
+    assert p.prompts(body, tokenizer=None, vocab_size=vocab) == [(ids, None)]  # type: ignore[arg-type]
     body = p.parse_completion({"model": "m", "prompt": [*ids, vocab]})
-    with pytest.raises(p.ApiError, match=f"token id {vocab} is outside"):
-        p.prompt_ids(body, tokenizer=None, vocab_size=vocab)  # type: ignore[arg-type]
-    body = p.parse_completion({"model": "m", "prompt": ["a", "b"]})
-    with pytest.raises(p.ApiError, match="one prompt per request"):
-        p.prompt_ids(body, tokenizer=None, vocab_size=vocab)  # type: ignore[arg-type]
+    with pytest.raises(p.ApiError, match=f"token id {vocab} is outside") as info:
+        p.prompts(body, tokenizer=None, vocab_size=vocab)  # type: ignore[arg-type]
+    assert info.value.param == "prompt"
+    body = p.parse_completion({"model": "m", "prompt": [ids, [*ids, vocab]]})
+    with pytest.raises(p.ApiError, match=f"`prompt.1`: token id {vocab} is outside") as info:
+        p.prompts(body, tokenizer=None, vocab_size=vocab)  # type: ignore[arg-type]
+    assert info.value.param == "prompt.1"
+    body = p.parse_completion({"model": "m", "prompt": [ids, []]})
+    with pytest.raises(p.ApiError, match="`prompt.1` must not be empty"):
+        p.prompts(body, tokenizer=None, vocab_size=vocab)  # type: ignore[arg-type]
+    body = p.parse_completion({"model": "m", "prompt": [ids] * (p.MAX_BATCH_PROMPTS + 1)})
+    with pytest.raises(p.ApiError, match=f"at most {p.MAX_BATCH_PROMPTS} prompts"):
+        p.prompts(body, tokenizer=None, vocab_size=vocab)  # type: ignore[arg-type]
+
+
+def test_a_batch_of_prompts_is_one_prompt_each():
+    from strata_runtime.weights.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer(300)
+    body = p.parse_completion({"model": "m", "prompt": ["ab", "c"]})
+    assert p.prompts(body, tok, 300) == [([97, 98], "ab"), ([99], "c")]
+    body = p.parse_completion({"model": "m", "prompt": [[1, 2], [3]]})
+    assert p.prompts(body, tok, 300) == [([1, 2], None), ([3], None)]
+
+
+def test_max_tokens_0_reads_the_prompt_alone_and_only_with_echo():
+    for body in (
+        p.parse_completion({"model": "m", "prompt": "hi", "max_tokens": 0}),
+        p.parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}),
+    ):
+        with pytest.raises(p.ApiError, match="0 only with `echo`") as info:
+            p.prepare(body, [5, 6], context=64, vocab_size=64, default_max_tokens=16)
+        assert info.value.param == "max_tokens"
+    body = p.parse_completion({"model": "m", "prompt": "hi", "max_tokens": 0, "echo": True})
+    prepared = p.prepare(body, [5, 6], context=64, vocab_size=64, default_max_tokens=16, echo="hi")
+    assert (prepared.request.max_tokens, prepared.generate, prepared.echo) == (1, False, "hi")
 
 
 @given(

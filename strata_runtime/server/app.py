@@ -22,7 +22,7 @@ from aiohttp import web
 
 from strata_cfg.schema.plan import LaunchPlan
 
-from ..api import EngineCore, TokenLogprob
+from ..api import EngineCore, TokenLogprob, token_name
 from . import protocol as p
 from .connection import AccessLog, JsonErrorRunner
 from .engine_loop import EngineFactory, EngineLoop, Stream
@@ -103,6 +103,7 @@ class Server:
                 web.post("/v1/chat/completions", self.chat),
                 web.post("/tokenize", self.tokenize),
                 web.post("/detokenize", self.detokenize),
+                web.get("/tokenizer_info", self.tokenizer_info),
             ]
         )
         return app
@@ -257,17 +258,27 @@ class Server:
     async def _completion(self, request: web.Request) -> web.StreamResponse:
         body = p.parse_completion(await _json_body(request))
         p.check_model(body.model, self.options.model_name)
-        engine = self._engine()
-        ids = p.prompt_ids(body, engine.tokenizer, self.vocab_size)
-        prepared = p.prepare(
-            body,
-            ids,
-            context=self.context,
-            vocab_size=self.vocab_size,
-            default_max_tokens=p.DEFAULT_COMPLETION_MAX_TOKENS,
-            decode=engine.tokenizer.decode,
-        )
-        return await self._run(request, prepared, chat=False)
+        tokenizer = self._engine().tokenizer
+        batch = [
+            p.prepare(
+                body,
+                ids,
+                context=self.context,
+                vocab_size=self.vocab_size,
+                default_max_tokens=p.DEFAULT_COMPLETION_MAX_TOKENS,
+                echo=(tokenizer.decode(ids) if text is None else text) if body.echo else None,
+            )
+            for ids, text in p.prompts(body, tokenizer, self.vocab_size)
+        ]
+        if len(batch) == 1:
+            return await self._run(request, batch[0], chat=False)
+        if body.stream:
+            raise p.ApiError(
+                400,
+                f"`stream`: a batch of {len(batch)} prompts is answered whole; stream one prompt per request",
+                "stream",
+            )
+        return await self._run_batch(batch)
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         body = p.parse_chat(await _json_body(request))
@@ -298,6 +309,22 @@ class Server:
             p.check_model(body.model, self.options.model_name)
         return web.json_response({"prompt": self._engine().tokenizer.decode(list(body.tokens))})
 
+    async def tokenizer_info(self, request: web.Request) -> web.Response:
+        """What a client needs to tokenize for this model itself (as vLLM serves it): the end-of-text token's
+        text, the chat layout as a Jinja template, and the context; ``/tokenize`` and ``/detokenize`` do the
+        rest. lm-evaluation-harness reads it to evaluate a served model without a tokenizer of its own."""
+        tokenizer = self._engine().tokenizer
+        eos = token_name(tokenizer, tokenizer.eos_ids[0])[0] if tokenizer.eos_ids else None
+        body = {
+            "tokenizer_class": type(tokenizer).__name__,
+            "eos_token": eos,
+            "bos_token": None,
+            "pad_token": None,
+            "chat_template": tokenizer.chat_template,
+            "model_max_length": self.context,
+        }
+        return web.json_response(body)
+
     def _engine(self) -> EngineCore:
         assert self.engine is not None and self.engine.engine is not None
         return self.engine.engine
@@ -326,6 +353,39 @@ class Server:
             )
 
     async def _whole(self, stream: Stream, prepared: p.Prepared, *, chat: bool) -> web.Response:
+        text, finish, n, lps = await self._collect(stream, prepared, chat)
+        use = p.usage(prepared.prompt_tokens, n)
+        rid = prepared.request.request_id
+        return web.json_response(p.response(chat, rid, self.options.model_name, text, finish, use, lps))
+
+    async def _run_batch(self, batch: list[p.Prepared]) -> web.Response:
+        """A completion of several prompts: each one a request of its own, run side by side, and answered
+        together, a choice each in the prompts' order, with the usage of them all."""
+        assert self.engine is not None
+        streams = []
+        try:
+            for prepared in batch:
+                self.counters.prompt_tokens += prepared.prompt_tokens
+                streams.append(self.engine.submit(prepared.request))
+            done = await asyncio.gather(
+                *(self._collect(s, prepared, False) for s, prepared in zip(streams, batch, strict=True))
+            )
+        finally:
+            for s in streams:
+                s.close()
+        generated = sum(n for _, _, n, _ in done)
+        use = p.usage(sum(prepared.prompt_tokens for prepared in batch), generated)
+        model, rid = self.options.model_name, batch[0].request.request_id
+        choices = [p.response(False, rid, model, *one[:2], use, one[3])["choices"][0] for one in done]
+        for i, choice in enumerate(choices):
+            choice["index"] = i
+        return web.json_response({**p.response(False, rid, model, "", "stop", use), "choices": choices})
+
+    async def _collect(
+        self, stream: Stream, prepared: p.Prepared, chat: bool
+    ) -> tuple[str, p.OpenAIFinish, int, dict[str, Any] | None]:
+        """A whole reply: its text (after the echoed prompt, where asked), how it ended, the tokens it
+        generated, and its ``logprobs`` object."""
         texts: list[str] = []
         entries: list[TokenLogprob] = []
         n = 0
@@ -337,18 +397,16 @@ class Server:
                 raise p.ApiError(
                     503, "the request was cancelled: the server is shutting down", type_="server_error"
                 )
-            texts.append(piece.text)
-            entries += piece.prompt_logprobs + piece.logprobs
-            n += piece.tokens
+            entries += piece.prompt_logprobs
+            if prepared.generate:
+                texts.append(piece.text)
+                entries += piece.logprobs
+                n += piece.tokens
             finish = piece.finish
         self.counters.latency.observe(time.monotonic() - stream.submitted_at)
-        use = p.usage(prepared.prompt_tokens, n)
-        rid = prepared.request.request_id
         lps = self._logprobs(prepared, entries, chat, 0, lead=prepared.echo is not None)
-        text = (prepared.echo or "") + "".join(texts)
-        return web.json_response(
-            p.response(chat, rid, self.options.model_name, text, _finish(finish), use, lps)
-        )
+        end = _finish(finish) if prepared.generate else "length"
+        return (prepared.echo or "") + "".join(texts), end, n, lps
 
     def _logprobs(
         self, prepared: p.Prepared, entries: list[TokenLogprob], chat: bool, offset: int, lead: bool = False
@@ -402,7 +460,6 @@ class Server:
         held: tuple[TokenLogprob, ...] = ()  # log-probabilities of tokens whose text is not out yet
         echo = prepared.echo  # sent first, with the prompt's log-probabilities, which the first piece brings
         async for piece in self._pieces(stream):
-            n += piece.tokens
             if piece.finish in ("error", "cancelled"):
                 why = piece.error if piece.finish == "error" else "the server is shutting down"
                 err = p.ApiError(
@@ -415,6 +472,12 @@ class Server:
             if echo is not None:
                 await _send(response, chunk(echo, None, piece.prompt_logprobs, lead=True))
                 echo = None
+            if not prepared.generate:  # the prompt alone (`max_tokens: 0`): its first token is not sent
+                finished = piece.finish is not None
+                if finished:
+                    await _send(response, chunk("", "length"))
+                continue
+            n += piece.tokens
             held += piece.logprobs
             if piece.text or piece.finish:
                 await _send(response, chunk(piece.text, piece.finish, held))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -72,8 +71,9 @@ class _Strict(BaseModel):
 class _Body(_Strict):
     model: str = Field(min_length=1)
     """The served model's id (``/v1/models``)."""
-    max_tokens: int | None = Field(default=None, ge=1)
-    """Tokens to generate at most; checked against the context once the prompt is tokenized."""
+    max_tokens: int | None = Field(default=None, ge=0)
+    """Tokens to generate at most; checked against the context once the prompt is tokenized. 0 only with a
+    completion's ``echo``: the prompt alone, with its log-probabilities where asked."""
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     """0 is greedy."""
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
@@ -99,8 +99,8 @@ class StreamOptions(_Strict):
 
 
 class CompletionBody(_Body):
-    prompt: str | list[str] | list[int]
-    """One prompt: text, a one-element list of text, or token ids."""
+    prompt: str | list[str] | list[int] | list[list[int]]
+    """Text, or token ids; a list of texts or of id lists is a batch, answered with a choice each."""
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     """Each generated token's log-probability, and those of this many most likely tokens at its place."""
     echo: bool = False
@@ -155,7 +155,7 @@ _FIELDS = frozenset(
     for name in m.model_fields
 )
 _EXPECTED = {
-    "prompt": "a string, a list of one string, or a list of token ids",
+    "prompt": "a string, a list of token ids, or a batch: a list of strings or of token id lists",
     "stop": f"a string or a list of up to {MAX_STOP_STRINGS} strings",
     "content": "a string or a list of text parts",
 }
@@ -177,6 +177,8 @@ def _validation_error(exc: ValidationError) -> ApiError:
         message = f"`{path}` is required"
     elif len(same) > 1 and leaf in _EXPECTED:
         message = f"`{path}` must be {_EXPECTED[leaf]}"
+    elif path == "prompt" and len(errors) > 1:  # a list that fits no member, its items failing each one
+        message = f"`prompt` must be {_EXPECTED['prompt']}"
     else:
         message = f"`{path}`: {errors[0]['msg']}"
     return ApiError(400, message, path or None)
@@ -301,6 +303,9 @@ class Prepared:
     include_usage: bool
     echo: str | None = None
     """The prompt's text, returned before the completion (completions with ``echo``)."""
+    generate: bool = True
+    """False for ``max_tokens: 0`` with ``echo``: the engine reads the prompt (and gives its first token,
+    which the reply leaves out)."""
 
 
 def check_model(name: str, served: str) -> None:
@@ -313,24 +318,45 @@ def check_model(name: str, served: str) -> None:
         )
 
 
-def prompt_ids(body: CompletionBody, tokenizer: Tokenizer, vocab_size: int) -> list[int]:
-    """The token ids of a completion prompt."""
+MAX_BATCH_PROMPTS = 64
+"""The most prompts one completion request may carry (each takes a slot, as a request of its own does)."""
+
+
+def prompts(
+    body: CompletionBody, tokenizer: Tokenizer, vocab_size: int
+) -> list[tuple[list[int], str | None]]:
+    """A completion's prompts: each one's token ids, with its text where it came as text (an id prompt's text
+    is its ids' decoding, which an echo then shows). A string or a list of ids is one prompt; a list of
+    strings or of id lists is a batch."""
     p = body.prompt
     if isinstance(p, str):
-        return tokenizer.encode(p)
+        return [(tokenizer.encode(p), p)]
     if not p:
         raise ApiError(400, "`prompt` must not be empty", "prompt")
-    if all(isinstance(x, str) for x in p):
-        if len(p) != 1:
-            raise ApiError(
-                400, "`prompt`: send one prompt per request (batches of prompts are not supported)"
-            )
-        return tokenizer.encode(str(p[0]))
-    ids = [int(x) for x in p]
+    ints = [x for x in p if isinstance(x, int)]
+    if len(ints) == len(p):
+        return [(_checked_ids(ints, vocab_size, "prompt"), None)]
+    if len(p) > MAX_BATCH_PROMPTS:
+        raise ApiError(
+            400, f"`prompt`: a batch holds at most {MAX_BATCH_PROMPTS} prompts (got {len(p)})", "prompt"
+        )
+    out: list[tuple[list[int], str | None]] = []
+    for i, one in enumerate(p):
+        if isinstance(one, str):
+            out.append((tokenizer.encode(one), one))
+        else:
+            assert isinstance(one, list)
+            if not one:
+                raise ApiError(400, f"`prompt.{i}` must not be empty", f"prompt.{i}")
+            out.append((_checked_ids([int(x) for x in one], vocab_size, f"prompt.{i}"), None))
+    return out
+
+
+def _checked_ids(ids: list[int], vocab_size: int, where: str) -> list[int]:
     bad = [i for i in ids if not 0 <= i < vocab_size]
     if bad:
         raise ApiError(
-            400, f"`prompt`: token id {bad[0]} is outside the vocabulary [0, {vocab_size})", "prompt"
+            400, f"`{where}`: token id {bad[0]} is outside the vocabulary [0, {vocab_size})", where
         )
     return ids
 
@@ -373,13 +399,13 @@ def prepare(
     context: int,
     vocab_size: int,
     default_max_tokens: int | None,
-    decode: Callable[[list[int]], str] | None = None,
+    echo: str | None = None,
 ) -> Prepared:
     """Check the prompt and ``max_tokens`` against the context, ``logit_bias`` against the vocabulary, and
     build the engine request.
 
-    ``default_max_tokens`` None means "the rest of the context" (chat's default). ``decode``: the text of
-    token ids, which a completion echoes when its prompt came as ids.
+    ``default_max_tokens`` None means "the rest of the context" (chat's default). ``echo``: the prompt's
+    text, which a completion with ``echo`` returns before its reply.
     """
     n = len(ids)
     if n == 0:
@@ -410,12 +436,17 @@ def prepare(
         )
     else:
         max_tokens = asked
+    echoing = isinstance(body, CompletionBody) and body.echo
+    if max_tokens == 0 and not echoing:
+        raise ApiError(
+            400, f"`{name}` must be at least 1 (0 only with `echo`, which returns the prompt alone)", name
+        )
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > MAX_STOP_STRINGS or any(s == "" for s in stop):
         raise ApiError(400, f"`stop` must be {_EXPECTED['stop']}, none of them empty", "stop")
     request = Request(
         prompt_ids=tuple(ids),
-        max_tokens=max_tokens,
+        max_tokens=max(max_tokens, 1),  # the engine reads a prompt by generating its first token
         sampling=SamplingParams(
             temperature=body.temperature,
             top_p=body.top_p,
@@ -433,16 +464,13 @@ def prepare(
         ignore_eos=body.ignore_eos,
     )
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    echo = None
-    if isinstance(body, CompletionBody) and body.echo:
-        echo = body.prompt if isinstance(body.prompt, str) else None
-        if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str):
-            echo = str(body.prompt[0])
-        if echo is None:  # token ids: their text
-            assert decode is not None, "a completion's prompt of ids is echoed through the tokenizer"
-            echo = decode(ids)
     return Prepared(
-        request=request, prompt_tokens=n, stream=body.stream, include_usage=include_usage, echo=echo
+        request=request,
+        prompt_tokens=n,
+        stream=body.stream,
+        include_usage=include_usage,
+        echo=echo if echoing else None,
+        generate=max_tokens > 0,
     )
 
 

@@ -20,6 +20,13 @@ def chatml(messages: list[dict[str, str]]) -> str:
     return "".join(parts) + "<|im_start|>assistant\n"
 
 
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""`chatml` as a Jinja template."""
+
+
 class ByteTokenizer:
     """Ids 0..255 are bytes; a few special tokens follow. Any other id decodes to nothing."""
 
@@ -64,6 +71,12 @@ class ByteTokenizer:
             return bytes([token])
         names = {v: k for k, v in self.SPECIALS.items()}
         return names[token].encode() if token in names else b""
+
+    chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"
+    )
+    """`apply_chat_template`'s transcript as a Jinja template."""
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         """A plain transcript ending in ``assistant: ``. A synthetic model has no chat template, and ending
@@ -131,6 +144,11 @@ class HFTokenizer:
             table = _unicode_to_byte()
             return bytes(table[ch] for ch in piece if ch in table)
         return piece.replace("\u2581", " ").encode()
+
+    @property
+    def chat_template(self) -> str:
+        """The checkpoint's own template, or ChatML where it has none (as `apply_chat_template` uses)."""
+        return self.template if self.template is not None else CHATML_TEMPLATE
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         text = None
