@@ -280,7 +280,7 @@ BAD_INPUTS = [
         b'{"model": "demo", "prompt": "hi", "max_tokens": -5}',
         400,
         "max_tokens",
-        "greater than or equal to 1",
+        "greater than or equal to 0",
     ),
     (
         "/v1/completions",
