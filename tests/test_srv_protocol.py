@@ -30,7 +30,8 @@ BAD_COMPLETIONS = [
     ({"model": "m", "prompt": "hi", "stop": 5}, 400, "stop", ["`stop`", "list of up to 4 strings"]),
     ({"model": "m", "prompt": 42}, 400, "prompt", ["`prompt`", "token ids"]),
     ({"model": "m", "prompt": [[1, 2], "x"]}, 400, "prompt", ["`prompt`", "batch"]),  # one kind per batch
-    ({"model": "m", "prompt": "hi", "n": 3}, 400, "n", ["`n` must be 1"]),
+    ({"model": "m", "prompt": "hi", "n": 17}, 400, "n", ["`n`", "less than or equal to 16"]),
+    ({"model": "m", "prompt": "hi", "n": 0}, 400, "n", ["`n`", "greater than or equal to 1"]),
     ({"model": "m", "prompt": "hi", "echo": 1}, 400, "echo", ["`echo`", "boolean"]),
     ({"model": "m", "prompt": "hi", "best_of": 2}, 400, "best_of", ["`best_of`", "not supported"]),
     ({"model": "m", "prompt": "hi", "stream": "yes"}, 400, "stream", ["`stream`", "boolean"]),
@@ -138,8 +139,28 @@ def test_prompt_token_ids_are_checked_against_the_vocabulary():
     with pytest.raises(p.ApiError, match="`prompt.1` must not be empty"):
         p.prompts(body, tokenizer=None, vocab_size=vocab)  # type: ignore[arg-type]
     body = p.parse_completion({"model": "m", "prompt": [ids] * (p.MAX_BATCH_PROMPTS + 1)})
-    with pytest.raises(p.ApiError, match=f"at most {p.MAX_BATCH_PROMPTS} prompts"):
+    with pytest.raises(p.ApiError, match=f"at most {p.MAX_BATCH_PROMPTS} choices"):
         p.prompts(body, tokenizer=None, vocab_size=vocab)  # type: ignore[arg-type]
+    body = p.parse_completion({"model": "m", "prompt": [ids] * 5, "n": 13})  # 65 choices
+    with pytest.raises(p.ApiError, match=r"got 5 x 13"):
+        p.prompts(body, tokenizer=None, vocab_size=vocab)  # type: ignore[arg-type]
+
+
+def test_n_choices_draw_from_consecutive_seeds_and_count_their_prompt_once():
+    body = p.parse_completion({"model": "m", "prompt": "hi", "n": 3, "seed": 2**63 - 2, "temperature": 0.5})
+    prepared = p.prepare(body, [5, 6], context=64, vocab_size=64, default_max_tokens=16)
+    got = p.choices(prepared, body.n)
+    assert [c.request.sampling.seed for c in got] == [2**63 - 2, 2**63 - 1, 0]
+    assert [c.choice for c in got] == [0, 1, 2]
+    assert all(c.request.prompt_ids == (5, 6) and c.request.sampling.temperature == 0.5 for c in got)
+    unseeded = p.prepare(
+        p.parse_completion({"model": "m", "prompt": "hi", "n": 2}),
+        [5],
+        context=64,
+        vocab_size=64,
+        default_max_tokens=16,
+    )
+    assert [c.request.sampling.seed for c in p.choices(unseeded, 2)] == [None, None]
 
 
 def test_a_batch_of_prompts_is_one_prompt_each():

@@ -270,15 +270,7 @@ class Server:
             )
             for ids, text in p.prompts(body, tokenizer, self.vocab_size)
         ]
-        if len(batch) == 1:
-            return await self._run(request, batch[0], chat=False)
-        if body.stream:
-            raise p.ApiError(
-                400,
-                f"`stream`: a batch of {len(batch)} prompts is answered whole; stream one prompt per request",
-                "stream",
-            )
-        return await self._run_batch(batch)
+        return await self._run(request, [c for one in batch for c in p.choices(one, body.n)], chat=False)
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         body = p.parse_chat(await _json_body(request))
@@ -288,7 +280,7 @@ class Server:
         prepared = p.prepare(
             body, ids, context=self.context, vocab_size=self.vocab_size, default_max_tokens=None
         )
-        return await self._run(request, prepared, chat=True)
+        return await self._run(request, p.choices(prepared, body.n), chat=True)
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """A prompt's token ids (a chat's through the model's chat template), as the completion endpoints
@@ -329,16 +321,21 @@ class Server:
         assert self.engine is not None and self.engine.engine is not None
         return self.engine.engine
 
-    async def _run(self, request: web.Request, prepared: p.Prepared, *, chat: bool) -> web.StreamResponse:
+    async def _run(self, request: web.Request, batch: list[p.Prepared], *, chat: bool) -> web.StreamResponse:
+        """Run a request's choices (its prompts times ``n``), each a request of its own in the engine, side by
+        side; answer them whole or streamed, a choice each in order."""
         assert self.engine is not None
-        self.counters.prompt_tokens += prepared.prompt_tokens
-        stream = self.engine.submit(prepared.request)
+        streams: list[Stream] = []
         try:
-            if prepared.stream:
-                return await self._stream(request, stream, prepared, chat=chat)
-            return await self._whole(stream, prepared, chat=chat)
+            for prepared in batch:
+                self.counters.prompt_tokens += prepared.prompt_tokens
+                streams.append(self.engine.submit(prepared.request))
+            if batch[0].stream:
+                return await self._stream(request, streams, batch, chat=chat)
+            return await self._whole(streams, batch, chat=chat)
         finally:
-            stream.close()
+            for stream in streams:
+                stream.close()
 
     async def _pieces(self, stream: Stream) -> AsyncIterator[Piece]:
         """The request's text as the engine sends it (stop strings already cut), ending with its finish."""
@@ -352,34 +349,19 @@ class Server:
                 event.text, event.finished, n, logprobs=event.logprobs, prompt_logprobs=event.prompt_logprobs
             )
 
-    async def _whole(self, stream: Stream, prepared: p.Prepared, *, chat: bool) -> web.Response:
-        text, finish, n, lps = await self._collect(stream, prepared, chat)
-        use = p.usage(prepared.prompt_tokens, n)
-        rid = prepared.request.request_id
-        return web.json_response(p.response(chat, rid, self.options.model_name, text, finish, use, lps))
-
-    async def _run_batch(self, batch: list[p.Prepared]) -> web.Response:
-        """A completion of several prompts: each one a request of its own, run side by side, and answered
-        together, a choice each in the prompts' order, with the usage of them all."""
-        assert self.engine is not None
-        streams = []
-        try:
-            for prepared in batch:
-                self.counters.prompt_tokens += prepared.prompt_tokens
-                streams.append(self.engine.submit(prepared.request))
-            done = await asyncio.gather(
-                *(self._collect(s, prepared, False) for s, prepared in zip(streams, batch, strict=True))
-            )
-        finally:
-            for s in streams:
-                s.close()
-        generated = sum(n for _, _, n, _ in done)
-        use = p.usage(sum(prepared.prompt_tokens for prepared in batch), generated)
+    async def _whole(self, streams: list[Stream], batch: list[p.Prepared], *, chat: bool) -> web.Response:
+        """The whole reply: a choice per stream, in order, and the usage of them all."""
+        done = await asyncio.gather(
+            *(self._collect(s, prepared, chat) for s, prepared in zip(streams, batch, strict=True))
+        )
+        use = p.usage(_prompt_tokens(batch), sum(n for _, _, n, _ in done))
         model, rid = self.options.model_name, batch[0].request.request_id
-        choices = [p.response(False, rid, model, *one[:2], use, one[3])["choices"][0] for one in done]
+        choices = [
+            p.response(chat, rid, model, text, end, use, lps)["choices"][0] for text, end, _, lps in done
+        ]
         for i, choice in enumerate(choices):
             choice["index"] = i
-        return web.json_response({**p.response(False, rid, model, "", "stop", use), "choices": choices})
+        return web.json_response({**p.response(chat, rid, model, "", "stop", use), "choices": choices})
 
     async def _collect(
         self, stream: Stream, prepared: p.Prepared, chat: bool
@@ -422,8 +404,10 @@ class Server:
         return p.completion_logprobs(tokenizer, entries, offset, first)
 
     async def _stream(
-        self, request: web.Request, stream: Stream, prepared: p.Prepared, *, chat: bool
+        self, request: web.Request, streams: list[Stream], batch: list[p.Prepared], *, chat: bool
     ) -> web.StreamResponse:
+        """Server-sent chunks of every choice as the engine gives them, each chunk naming its choice; a
+        request that ends early ends the stream with an error event."""
         response = web.StreamResponse(
             headers={
                 "Content-Type": "text/event-stream",
@@ -432,67 +416,91 @@ class Server:
             }
         )
         await response.prepare(request)
-        rid, model, created = prepared.request.request_id, self.options.model_name, int(time.time())
-
-        offset = 0  # where the next token's text starts, for a completion's logprobs
+        rid, model, created = batch[0].request.request_id, self.options.model_name, int(time.time())
+        states = [_Choice(i, prepared) for i, prepared in enumerate(batch)]
 
         def chunk(
-            text: str | None, finish: str | None, entries: tuple[TokenLogprob, ...] = (), lead: bool = False
+            c: _Choice,
+            text: str | None,
+            finish: str | None,
+            entries: tuple[TokenLogprob, ...] = (),
+            lead: bool = False,
         ) -> dict[str, Any]:
-            nonlocal offset
-            lps = None if text is None else self._logprobs(prepared, list(entries), chat, offset, lead)
+            lps = None if text is None else self._logprobs(c.prepared, list(entries), chat, c.offset, lead)
             if lps is not None and not chat:
-                offset += sum(len(name) for name in lps["tokens"])
+                c.offset += sum(len(name) for name in lps["tokens"])
+            end = _finish(finish) if finish else None
             if chat:
                 delta = (
                     {"role": "assistant", "content": ""}
                     if text is None
                     else ({"content": text} if text else {})
                 )
-                return p.chat_chunk(rid, model, created, delta, _finish(finish) if finish else None, lps)
-            end = _finish(finish) if finish else None
-            return p.completion_chunk(rid, model, created, text or "", end, lps)
+                return p.chat_chunk(rid, model, created, delta, end, lps, c.index)
+            return p.completion_chunk(rid, model, created, text or "", end, lps, c.index)
 
         if chat:
-            await _send(response, chunk(None, None))
-        n = 0
-        finished = False
-        held: tuple[TokenLogprob, ...] = ()  # log-probabilities of tokens whose text is not out yet
-        echo = prepared.echo  # sent first, with the prompt's log-probabilities, which the first piece brings
-        async for piece in self._pieces(stream):
-            if piece.finish in ("error", "cancelled"):
-                why = piece.error if piece.finish == "error" else "the server is shutting down"
-                err = p.ApiError(
-                    500 if piece.finish == "error" else 503,
-                    f"the request ended early: {why}",
-                    type_="server_error",
-                )
-                await _send(response, err.body())
-                break
-            if echo is not None:
-                await _send(response, chunk(echo, None, piece.prompt_logprobs, lead=True))
-                echo = None
-            if not prepared.generate:  # the prompt alone (`max_tokens: 0`): its first token is not sent
-                finished = piece.finish is not None
-                if finished:
-                    await _send(response, chunk("", "length"))
-                continue
-            n += piece.tokens
-            held += piece.logprobs
-            if piece.text or piece.finish:
-                await _send(response, chunk(piece.text, piece.finish, held))
-                held = ()
-            finished = piece.finish is not None
-        if finished:
-            self.counters.latency.observe(time.monotonic() - stream.submitted_at)
-            if prepared.include_usage:
+            for c in states:
+                await _send(response, chunk(c, None, None))
+        arrivals: asyncio.Queue[tuple[int, Piece | None]] = asyncio.Queue()
+
+        async def follow(i: int, stream: Stream) -> None:
+            async for piece in self._pieces(stream):
+                await arrivals.put((i, piece))
+            await arrivals.put((i, None))
+
+        followers = [asyncio.create_task(follow(i, s)) for i, s in enumerate(streams)]
+        try:
+            running, failed = len(streams), False
+            while running and not failed:
+                i, piece = await arrivals.get()
+                if piece is None:
+                    running -= 1
+                    continue
+                failed = not await self._stream_piece(response, states[i], piece, chunk)
+        finally:
+            for task in followers:
+                task.cancel()
+        if not failed and all(c.finished for c in states):
+            for stream in streams:
+                self.counters.latency.observe(time.monotonic() - stream.submitted_at)
+            if batch[0].include_usage:
                 kind = "chat.completion.chunk" if chat else "text_completion"
-                await _send(
-                    response, p.usage_chunk(rid, model, created, kind, p.usage(prepared.prompt_tokens, n))
-                )
+                use = p.usage(_prompt_tokens(batch), sum(c.generated for c in states))
+                await _send(response, p.usage_chunk(rid, model, created, kind, use))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+    @staticmethod
+    async def _stream_piece(
+        response: web.StreamResponse, c: _Choice, piece: Piece, chunk: Callable[..., dict[str, Any]]
+    ) -> bool:
+        """Send what one piece of choice ``c`` adds; False where it ended the request early (an error event
+        went out)."""
+        if piece.finish in ("error", "cancelled"):
+            why = piece.error if piece.finish == "error" else "the server is shutting down"
+            status = 500 if piece.finish == "error" else 503
+            err = p.ApiError(status, f"the request ended early: {why}", type_="server_error")
+            await _send(response, err.body())
+            return False
+        if (
+            c.echo is not None
+        ):  # sent first, with the prompt's log-probabilities, which the first piece brings
+            await _send(response, chunk(c, c.echo, None, piece.prompt_logprobs, True))
+            c.echo = None
+        if not c.prepared.generate:  # the prompt alone (`max_tokens: 0`): its first token is not sent
+            c.finished = piece.finish is not None
+            if c.finished:
+                await _send(response, chunk(c, "", "length"))
+            return True
+        c.generated += piece.tokens
+        c.held += piece.logprobs
+        if piece.text or piece.finish:
+            await _send(response, chunk(c, piece.text, piece.finish, c.held))
+            c.held = ()
+        c.finished = piece.finish is not None
+        return True
 
     def _count_event(self, token_ids: tuple[int, ...], accepted: int) -> None:
         self.counters.completion_tokens += len(token_ids)
@@ -563,6 +571,26 @@ class Server:
             cancel_deadline = time.monotonic() + 2.0
             while self.engine.in_flight and time.monotonic() < cancel_deadline:
                 await asyncio.sleep(0.05)
+
+
+class _Choice:
+    """One choice of a streamed reply: where its text and log-probabilities stand."""
+
+    def __init__(self, index: int, prepared: p.Prepared) -> None:
+        self.index, self.prepared = index, prepared
+        self.echo = prepared.echo
+        """The prompt's text, until it is sent (with ``echo``)."""
+        self.offset = 0
+        """Where the next token's text starts, for a completion's logprobs."""
+        self.held: tuple[TokenLogprob, ...] = ()
+        """Log-probabilities of tokens whose text is not out yet."""
+        self.generated = 0
+        self.finished = False
+
+
+def _prompt_tokens(batch: list[p.Prepared]) -> int:
+    """The prompt tokens of a request's choices: each prompt counted once, however many choices it has."""
+    return sum(prepared.prompt_tokens for prepared in batch if prepared.choice == 0)
 
 
 def _finish(reason: str | None) -> p.OpenAIFinish:

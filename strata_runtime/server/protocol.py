@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -88,7 +88,8 @@ class _Body(_Strict):
     ignore_eos: bool = False
     """An extension (as vLLM and llama.cpp's server take it): generate past the model's end-of-text tokens,
     so a reply runs to ``max_tokens`` or a stop string."""
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=16)
+    """Choices to generate for each prompt, each a request of its own (`choices`)."""
     stream: bool = False
     stream_options: StreamOptions | None = None
 
@@ -259,8 +260,6 @@ def parse_chat(raw: Any) -> ChatBody:
 def _refuse_unsupported(body: _Body, neutral: dict[str, tuple[Any, ...]]) -> None:
     """Refuse what would change the answer but is not implemented; ``neutral`` lists, per field, the values
     that ask for nothing (absent and null always do)."""
-    if body.n != 1:
-        raise ApiError(400, f"`n` must be 1: this server returns one choice per request (got {body.n})", "n")
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "`stream_options` is only allowed when `stream` is true", "stream_options")
     extra = body.model_extra or {}
@@ -306,6 +305,8 @@ class Prepared:
     generate: bool = True
     """False for ``max_tokens: 0`` with ``echo``: the engine reads the prompt (and gives its first token,
     which the reply leaves out)."""
+    choice: int = 0
+    """Which of its prompt's ``n`` choices this is (`choices`)."""
 
 
 def check_model(name: str, served: str) -> None:
@@ -319,7 +320,8 @@ def check_model(name: str, served: str) -> None:
 
 
 MAX_BATCH_PROMPTS = 64
-"""The most prompts one completion request may carry (each takes a slot, as a request of its own does)."""
+"""The most choices one request may ask for, its prompts times ``n`` (each takes a slot, as a request of its
+own does)."""
 
 
 def prompts(
@@ -336,9 +338,12 @@ def prompts(
     ints = [x for x in p if isinstance(x, int)]
     if len(ints) == len(p):
         return [(_checked_ids(ints, vocab_size, "prompt"), None)]
-    if len(p) > MAX_BATCH_PROMPTS:
+    if len(p) * body.n > MAX_BATCH_PROMPTS:
         raise ApiError(
-            400, f"`prompt`: a batch holds at most {MAX_BATCH_PROMPTS} prompts (got {len(p)})", "prompt"
+            400,
+            f"`prompt`: a batch's prompts times `n` may be at most {MAX_BATCH_PROMPTS} choices "
+            f"(got {len(p)} x {body.n})",
+            "prompt",
         )
     out: list[tuple[list[int], str | None]] = []
     for i, one in enumerate(p):
@@ -474,6 +479,19 @@ def prepare(
     )
 
 
+def choices(prepared: Prepared, n: int) -> list[Prepared]:
+    """``n`` choices of one prompt, each a request of its own. With a ``seed``, choice i draws from
+    ``seed + i`` (so the first is the reply of the same request with ``n`` 1); without one, each draws a
+    fresh seed."""
+    seed = prepared.request.sampling.seed
+    out = []
+    for i in range(n):
+        mine = None if seed is None else (seed + i) % 2**63
+        request = replace(prepared.request, sampling=replace(prepared.request.sampling, seed=mine))
+        out.append(replace(prepared, request=request, choice=i))
+    return out
+
+
 def asked_logprobs(body: _Body) -> int | None:
     """How many alternatives a body asks the log-probabilities of at each place (None: no log-probabilities):
     ``logprobs`` on completions, ``top_logprobs`` (0 unless given) where a chat sets ``logprobs``."""
@@ -562,13 +580,14 @@ def completion_chunk(
     text: str,
     finish: OpenAIFinish | None,
     logprobs: dict[str, Any] | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
     return {
         "id": request_id,
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}],
+        "choices": [{"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}],
     }
 
 
@@ -579,8 +598,9 @@ def chat_chunk(
     delta: dict[str, str],
     finish: OpenAIFinish | None,
     logprobs: dict[str, Any] | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
+    choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": finish}
     if logprobs is not None:
         choice["logprobs"] = logprobs
     return {
