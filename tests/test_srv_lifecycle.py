@@ -65,6 +65,8 @@ def test_health_and_requests_say_loading_until_the_engine_is_built(plan):
                 assert (await r.json())["status"] == "loading"
             status, body = await _post(s, f"{base}/v1/completions", {"model": "demo", "prompt": "hi"})
             assert status == 503 and "still loading" in body["error"]["message"]
+            async with s.get(f"{base}/tokenizer_info") as r:  # the tokenizer comes with the engine
+                assert r.status == 503 and "still loading" in (await r.json())["error"]["message"]
             gate.set()
             for _ in range(600):
                 async with s.get(f"{base}/health") as r:

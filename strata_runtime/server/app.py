@@ -37,6 +37,9 @@ CLIENT_CLOSED = 499
 OPEN_PATHS = frozenset({"/health"})
 """Paths answered without the API key, so a supervisor or load balancer can probe readiness."""
 
+NEEDS_ENGINE = frozenset({"/tokenizer_info"})
+"""GET paths answered from the loaded engine (its tokenizer): 503 while it loads, as every POST is."""
+
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -156,7 +159,7 @@ class Server:
 
     @web.middleware
     async def _admission(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.method == "POST":
+        if request.method == "POST" or request.path in NEEDS_ENGINE:
             engine = self.engine
             if self.draining:
                 raise p.ApiError(503, "the server is shutting down", type_="server_error")
