@@ -480,9 +480,9 @@ def prepare(
 
 
 def choices(prepared: Prepared, n: int) -> list[Prepared]:
-    """``n`` choices of one prompt, each a request of its own. With a ``seed``, choice i draws from
-    ``seed + i`` (so the first is the reply of the same request with ``n`` 1); without one, each draws a
-    fresh seed."""
+    """``n`` choices of one prompt, each a request of its own. With a ``seed``, choice i is seeded with
+    ``seed + i`` (the first as the same request with ``n`` 1 would be); without one, each draws a fresh
+    seed."""
     seed = prepared.request.sampling.seed
     out = []
     for i in range(n):
