@@ -676,10 +676,12 @@ def test_n_choices_and_batches_whole_and_streamed(engine: Launched, client: open
     assert whole.usage.prompt_tokens == len(prompt.encode())  # the prompt counts once
     assert whole.usage.completion_tokens == 30
     texts = ["", "", ""]
-    for chunk in client.completions.create(**ask, n=3, stream=True):
+    chunks = list(client.completions.create(**ask, n=3, stream=True, stream_options={"include_usage": True}))
+    for chunk in chunks:
         for choice in chunk.choices:
             texts[choice.index] += choice.text
     assert texts == [text] * 3
+    assert chunks[-1].usage == whole.usage  # the last chunk: the prompt once, every choice's tokens
     sampled = client.completions.create(**{**ask, "temperature": 0.9, "seed": 7}, n=2)
     assert sorted(c.index for c in sampled.choices) == [0, 1]
     assert all(c.finish_reason in ("length", "stop") for c in sampled.choices)
