@@ -517,6 +517,18 @@ def test_ignore_eos_generates_past_end_of_text(client: openai.OpenAI):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
 
+def test_stop_token_ids_end_the_reply_before_the_token(client: openai.OpenAI):
+    """The ``stop_token_ids`` extension: a token of the greedy reply given as a stop id ends the reply just
+    before its first appearance (the demo's ids are bytes)."""
+    prompt, text = _full_length_prompt(client, 16)
+    stop = text.encode()[5]
+    cut = text.encode().index(stop)
+    ask = {"model": "demo", "prompt": prompt, "max_tokens": 16, "temperature": 0}
+    r = client.completions.create(**ask, extra_body={"stop_token_ids": [stop]})
+    assert r.choices[0].text.encode() == text.encode()[:cut]
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == cut
+
+
 def test_logprobs_whole_and_streamed_through_the_client(client: openai.OpenAI):
     """Chat ``logprobs`` + ``top_logprobs`` and completions ``logprobs``: one entry per generated token, whose
     bytes add up to the reply, the same streamed as whole; greedy, so each is the most likely at its place."""

@@ -163,6 +163,19 @@ def test_n_choices_draw_from_consecutive_seeds_and_count_their_prompt_once():
     assert [c.request.sampling.seed for c in p.choices(unseeded, 2)] == [None, None]
 
 
+def test_stop_token_ids_reach_the_request_and_are_checked_against_the_vocabulary():
+    body = p.parse_completion({"model": "m", "prompt": "hi", "stop_token_ids": [7, 9]})
+    assert p.prepare(body, [5], context=64, vocab_size=64, default_max_tokens=16).request.stop_ids == (7, 9)
+    body = p.parse_completion({"model": "m", "prompt": "hi", "stop_token_ids": [64]})
+    with pytest.raises(p.ApiError, match="`stop_token_ids`: token id 64 is outside") as info:
+        p.prepare(body, [5], context=64, vocab_size=64, default_max_tokens=16)
+    assert info.value.param == "stop_token_ids"
+    for bad in (["7"], 7, list(range(p.MAX_STOP_TOKEN_IDS + 1))):
+        with pytest.raises(p.ApiError) as info:
+            p.parse_completion({"model": "m", "prompt": "hi", "stop_token_ids": bad})
+        assert info.value.param is not None and info.value.param.startswith("stop_token_ids")
+
+
 def test_a_batch_of_prompts_is_one_prompt_each():
     from strata_runtime.weights.tokenizer import ByteTokenizer
 

@@ -20,6 +20,8 @@ MAX_STOP_STRINGS = 4
 """OpenAI's own limit on ``stop`` sequences."""
 MAX_DEPTH = 64
 """How deeply a body's arrays and objects may nest; the deepest valid body nests 4 deep."""
+MAX_STOP_TOKEN_IDS = 64
+"""The most ``stop_token_ids`` a request may give."""
 MAX_LOGIT_BIAS = 100.0
 """OpenAI's bound on a ``logit_bias`` value: -100 bans a token, +100 all but forces it."""
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -85,6 +87,9 @@ class _Body(_Strict):
     """Token id (as a string, a JSON object's key) -> bias in [-100, 100], added to that token's logit."""
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
+    """An extension (as vLLM takes it): token ids that end the reply, as the model's end-of-text does (the
+    token itself is not returned)."""
     ignore_eos: bool = False
     """An extension (as vLLM and llama.cpp's server take it): generate past the model's end-of-text tokens,
     so a reply runs to ``max_tokens`` or a stop string."""
@@ -465,6 +470,7 @@ def prepare(
         ),
         # The engine cuts stop strings (`strata_runtime.engine.stops`), as it does for `strata generate`.
         stop_strings=tuple(stop),
+        stop_ids=tuple(_checked_ids(body.stop_token_ids or [], vocab_size, "stop_token_ids")),
         request_id=new_id("chatcmpl" if isinstance(body, ChatBody) else "cmpl"),
         ignore_eos=body.ignore_eos,
     )
