@@ -662,3 +662,42 @@ def test_sampled_drafts_drawn_on_gpu_equal_the_host_draws(cp):
         assert len(outs[0].q) == 3 and not outs[1].q
         varied.update(outs[0].tokens)
     assert len(varied) > 3  # the draws really vary
+
+
+@pytest.mark.parametrize("mode", ["run-ahead", "batch-mtp"])
+def test_logprobs_on_gpu_are_the_array_paths_and_read_back_the_same_as_a_prompt(cp, mode):
+    """Token and prompt log-probabilities through the GPU (the raw logits copied to pinned memory before the
+    device adjusts them for a penalty; windows run ahead, or drafted windows decided on the device): the
+    float32 array path's figures within fp16 rounding, and the reply read back as a prompt gives them too."""
+    from strata_runtime.api import Request, SamplingParams
+    from strata_runtime.engine import Engine
+
+    g = np.random.default_rng(43)
+    prompt = tuple(g.integers(1, 250, 17).tolist())
+    params = SamplingParams(presence_penalty=1.5, frequency_penalty=0.5, logprobs=3, prompt_logprobs=2)
+    kw = {"slots": 2, "batch_mtp": True, "draft_tokens": 3} if mode == "batch-mtp" else {"slots": 1}
+
+    def figures(plan) -> tuple[list[int], list[float], list[float]]:
+        engine = Engine(plan)
+        handle = engine.submit(Request(prompt, 24, sampling=params, ignore_eos=True))
+        while engine.step():
+            pass
+        events = list(handle.events.queue)
+        tokens = [t for ev in events for t in ev.token_ids]
+        lps = [lp for ev in events for lp in ev.logprobs]
+        assert [lp.token for lp in lps] == tokens and all(len(lp.top) == 3 for lp in lps)
+        read = [lp for ev in events for lp in ev.prompt_logprobs]
+        assert [lp.token for lp in read] == list(prompt[1:])
+        return tokens, [lp.logprob for lp in lps], [lp.logprob for lp in read]
+
+    gpu = figures(_plan(cp, model="tiny", **kw))
+    cpu = figures(_plan(cp, model="tiny", backend="cpu", **kw))
+    assert gpu[0] == cpu[0]
+    np.testing.assert_allclose(gpu[1], cpu[1], atol=2e-2)
+    np.testing.assert_allclose(gpu[2], cpu[2], atol=2e-2)
+    engine = Engine(_plan(cp, model="tiny", **kw))
+    whole = engine.submit(Request((*prompt, *gpu[0]), 1, sampling=SamplingParams(prompt_logprobs=0)))
+    while engine.step():
+        pass
+    back = [lp.logprob for ev in list(whole.events.queue) for lp in ev.prompt_logprobs]
+    np.testing.assert_allclose(back[len(prompt) - 1 :], gpu[1], atol=2e-2)
