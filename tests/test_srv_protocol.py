@@ -138,8 +138,8 @@ def test_prompt_token_ids_are_checked_against_the_vocabulary():
     body = p.parse_completion({"model": "m", "prompt": [ids, []]})
     with pytest.raises(p.ApiError, match="`prompt.1` must not be empty"):
         p.prompts(body, tokenizer=None, vocab_size=vocab)  # type: ignore[arg-type]
-    body = p.parse_completion({"model": "m", "prompt": [ids] * (p.MAX_BATCH_PROMPTS + 1)})
-    with pytest.raises(p.ApiError, match=f"at most {p.MAX_BATCH_PROMPTS} choices"):
+    body = p.parse_completion({"model": "m", "prompt": [ids] * (p.MAX_CHOICES + 1)})
+    with pytest.raises(p.ApiError, match=f"at most {p.MAX_CHOICES} choices"):
         p.prompts(body, tokenizer=None, vocab_size=vocab)  # type: ignore[arg-type]
     body = p.parse_completion({"model": "m", "prompt": [ids] * 5, "n": 13})  # 65 choices
     with pytest.raises(p.ApiError, match=r"got 5 x 13"):

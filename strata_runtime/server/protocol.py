@@ -324,7 +324,7 @@ def check_model(name: str, served: str) -> None:
         )
 
 
-MAX_BATCH_PROMPTS = 64
+MAX_CHOICES = 64
 """The most choices one request may ask for, its prompts times ``n`` (each takes a slot, as a request of its
 own does)."""
 
@@ -343,10 +343,10 @@ def prompts(
     ints = [x for x in p if isinstance(x, int)]
     if len(ints) == len(p):
         return [(_checked_ids(ints, vocab_size, "prompt"), None)]
-    if len(p) * body.n > MAX_BATCH_PROMPTS:
+    if len(p) * body.n > MAX_CHOICES:
         raise ApiError(
             400,
-            f"`prompt`: a batch's prompts times `n` may be at most {MAX_BATCH_PROMPTS} choices "
+            f"`prompt`: a batch's prompts times `n` may be at most {MAX_CHOICES} choices "
             f"(got {len(p)} x {body.n})",
             "prompt",
         )
