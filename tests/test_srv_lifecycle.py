@@ -22,6 +22,7 @@ from srv_helpers import DEMO, REPO, free_port
 
 from strata_cfg.plan.from_profile import resolve_profile
 from strata_cfg.schema.plan_file import write_plan
+from strata_runtime.api import RequestHandle, TokenEvent
 from strata_runtime.engine import Engine
 from strata_runtime.server import ServeOptions, Server
 
@@ -125,6 +126,68 @@ def test_an_engine_that_fails_while_serving_gives_500s_and_a_nonzero_exit(plan):
         return await asyncio.wait_for(task, 30)
 
     assert asyncio.run(scenario()) == 1
+
+
+class _RefusesFirstByte:
+    """The real engine, which refuses at submission every request whose prompt begins with byte 1."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self.tokenizer = engine.tokenizer
+        self.submitted: list[Any] = []
+
+    def submit(self, request):
+        if request.prompt_ids[0] == 1:
+            handle = RequestHandle(request)
+            handle.events.put(TokenEvent((), "", "error", 0, "refused by the test"))
+            return handle
+        handle = self._engine.submit(request)
+        self.submitted.append(handle)
+        return handle
+
+    def stats(self):
+        return self._engine.stats()
+
+    def step(self) -> bool:
+        return self._engine.step()
+
+
+def test_a_batch_with_a_failed_choice_answers_at_once_and_cancels_the_others(plan):
+    """A whole reply of several choices, one of which the engine refuses: a 500 naming the refusal at once,
+    the other choice's request cancelled (its slot freed), and nothing left waiting on the event loop."""
+    engines: list[_RefusesFirstByte] = []
+
+    def factory(progress):
+        engines.append(_RefusesFirstByte(Engine(plan, progress=progress)))
+        return engines[-1]
+
+    async def scenario() -> int:
+        server, stop = _server(plan, factory), asyncio.Event()
+        task = await _started(server, stop)
+        base = f"http://127.0.0.1:{server.port}"
+        async with aiohttp.ClientSession() as s:
+            while True:
+                async with s.get(f"{base}/health") as r:
+                    if r.status == 200:
+                        break
+                await asyncio.sleep(0.05)
+            batch = {
+                "model": "demo",
+                "prompt": [[2, 72, 105], [1, 72]],
+                "max_tokens": 500,
+                "ignore_eos": True,
+            }
+            status, body = await _post(s, f"{base}/v1/completions", batch)
+            assert status == 500 and "refused by the test" in body["error"]["message"]
+            (kept,) = engines[0].submitted
+            assert kept.cancelled.is_set() and kept.completion_tokens < 500
+            await asyncio.sleep(0.2)
+            waiting = [t for t in asyncio.all_tasks() if "_collect" in repr(t.get_coro())]
+            assert waiting == []
+        stop.set()
+        return await task
+
+    assert asyncio.run(scenario()) == 0
 
 
 def test_sigterm_finishes_short_requests_and_cancels_long_ones_within_the_bound(plan, tmp_path):

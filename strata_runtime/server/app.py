@@ -354,9 +354,16 @@ class Server:
 
     async def _whole(self, streams: list[Stream], batch: list[p.Prepared], *, chat: bool) -> web.Response:
         """The whole reply: a choice per stream, in order, and the usage of them all."""
-        done = await asyncio.gather(
-            *(self._collect(s, prepared, chat) for s, prepared in zip(streams, batch, strict=True))
-        )
+        tasks = [
+            asyncio.ensure_future(self._collect(s, prepared, chat))
+            for s, prepared in zip(streams, batch, strict=True)
+        ]
+        try:
+            done = await asyncio.gather(*tasks)
+        except BaseException:  # one choice failed (or the client left): the others are not waited for
+            for task in tasks:
+                task.cancel()
+            raise
         use = p.usage(_prompt_tokens(batch), sum(n for _, _, n, _ in done))
         model, rid = self.options.model_name, batch[0].request.request_id
         choices = [
