@@ -366,12 +366,8 @@ class Server:
             raise
         use = p.usage(_prompt_tokens(batch), sum(n for _, _, n, _ in done))
         model, rid = self.options.model_name, batch[0].request.request_id
-        choices = [
-            p.response(chat, rid, model, text, end, use, lps)["choices"][0] for text, end, _, lps in done
-        ]
-        for i, choice in enumerate(choices):
-            choice["index"] = i
-        return web.json_response({**p.response(chat, rid, model, "", "stop", use), "choices": choices})
+        choices = [p.choice(chat, i, text, end, lps) for i, (text, end, _, lps) in enumerate(done)]
+        return web.json_response(p.response(chat, rid, model, choices, use))
 
     async def _collect(
         self, stream: Stream, prepared: p.Prepared, chat: bool
@@ -494,9 +490,8 @@ class Server:
             err = p.ApiError(status, f"the request ended early: {why}", type_="server_error")
             await _send(response, err.body())
             return False
-        if (
-            c.echo is not None
-        ):  # sent first, with the prompt's log-probabilities, which the first piece brings
+        if c.echo is not None:
+            # The echoed prompt goes first, with its log-probabilities, which the first piece brings.
             await _send(response, chunk(c, c.echo, None, piece.prompt_logprobs, True))
             c.echo = None
         if not c.prepared.generate:  # the prompt alone (`max_tokens: 0`): its first token is not sent

@@ -553,28 +553,29 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def response(
-    chat: bool,
-    request_id: str,
-    model: str,
-    text: str,
-    finish: OpenAIFinish,
-    use: dict[str, int],
-    logprobs: dict[str, Any] | None = None,
+def choice(
+    chat: bool, index: int, text: str, finish: OpenAIFinish, logprobs: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    """A whole reply: a chat completion's (the text as the assistant's message) or a text completion's."""
-    choice: dict[str, Any] = {"index": 0}
+    """One choice of a whole reply: a chat completion's (the text as the assistant's message) or a text
+    completion's."""
+    body: dict[str, Any] = {"index": index}
     if chat:
-        choice["message"] = {"role": "assistant", "content": text}
+        body["message"] = {"role": "assistant", "content": text}
     else:
-        choice["text"] = text
-    choice |= {"finish_reason": finish, "logprobs": logprobs}
+        body["text"] = text
+    return body | {"finish_reason": finish, "logprobs": logprobs}
+
+
+def response(
+    chat: bool, request_id: str, model: str, choices: list[dict[str, Any]], use: dict[str, int]
+) -> dict[str, Any]:
+    """A whole reply of ``choices`` (`choice`), with the usage of them all."""
     return {
         "id": request_id,
         "object": "chat.completion" if chat else "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [choice],
+        "choices": choices,
         "usage": use,
     }
 
