@@ -49,6 +49,16 @@ async def _post(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) 
         return r.status, await r.json()
 
 
+async def _until_ready(session: aiohttp.ClientSession, base: str, tries: int = 600) -> None:
+    """Poll ``/health`` until the engine is loaded (at most ``tries`` times, 50 ms apart)."""
+    for _ in range(tries):
+        async with session.get(f"{base}/health") as r:
+            if r.status == 200:
+                return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"the engine was not ready after {tries} looks at /health")
+
+
 def test_health_and_requests_say_loading_until_the_engine_is_built(plan):
     gate = threading.Event()
 
@@ -69,11 +79,7 @@ def test_health_and_requests_say_loading_until_the_engine_is_built(plan):
             async with s.get(f"{base}/tokenizer_info") as r:  # the tokenizer comes with the engine
                 assert r.status == 503 and "still loading" in (await r.json())["error"]["message"]
             gate.set()
-            for _ in range(600):
-                async with s.get(f"{base}/health") as r:
-                    if r.status == 200:
-                        break
-                await asyncio.sleep(0.05)
+            await _until_ready(s, base)
             # Greedy, so the reply is fixed: sampled, the demo model may end early on its end-of-text.
             request = {"model": "demo", "prompt": "hi", "max_tokens": 3, "temperature": 0}
             status, body = await _post(s, f"{base}/v1/completions", request)
@@ -84,8 +90,8 @@ def test_health_and_requests_say_loading_until_the_engine_is_built(plan):
     assert asyncio.run(scenario()) == 0
 
 
-class _FailingStep:
-    """The real engine, whose step raises once a request is being served."""
+class _Wrapped:
+    """The real engine behind the calls the server makes; a test changes the one it is about."""
 
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
@@ -96,6 +102,13 @@ class _FailingStep:
 
     def stats(self):
         return self._engine.stats()
+
+    def step(self) -> bool:
+        return self._engine.step()
+
+
+class _FailingStep(_Wrapped):
+    """The real engine, whose step raises once a request is being served."""
 
     def step(self) -> bool:
         busy = self._engine.step()
@@ -110,11 +123,7 @@ def test_an_engine_that_fails_while_serving_gives_500s_and_a_nonzero_exit(plan):
         task = await _started(server, asyncio.Event())
         base = f"http://127.0.0.1:{server.port}"
         async with aiohttp.ClientSession() as s:
-            while True:
-                async with s.get(f"{base}/health") as r:
-                    if r.status == 200:
-                        break
-                await asyncio.sleep(0.05)
+            await _until_ready(s, base)
             status, body = await _post(
                 s, f"{base}/v1/completions", {"model": "demo", "prompt": "hi", "max_tokens": 50}
             )
@@ -128,12 +137,11 @@ def test_an_engine_that_fails_while_serving_gives_500s_and_a_nonzero_exit(plan):
     assert asyncio.run(scenario()) == 1
 
 
-class _RefusesFirstByte:
+class _RefusesFirstByte(_Wrapped):
     """The real engine, which refuses at submission every request whose prompt begins with byte 1."""
 
     def __init__(self, engine: Engine) -> None:
-        self._engine = engine
-        self.tokenizer = engine.tokenizer
+        super().__init__(engine)
         self.submitted: list[Any] = []
 
     def submit(self, request):
@@ -144,12 +152,6 @@ class _RefusesFirstByte:
         handle = self._engine.submit(request)
         self.submitted.append(handle)
         return handle
-
-    def stats(self):
-        return self._engine.stats()
-
-    def step(self) -> bool:
-        return self._engine.step()
 
 
 def test_a_batch_with_a_failed_choice_answers_at_once_and_cancels_the_others(plan):
@@ -166,11 +168,7 @@ def test_a_batch_with_a_failed_choice_answers_at_once_and_cancels_the_others(pla
         task = await _started(server, stop)
         base = f"http://127.0.0.1:{server.port}"
         async with aiohttp.ClientSession() as s:
-            while True:
-                async with s.get(f"{base}/health") as r:
-                    if r.status == 200:
-                        break
-                await asyncio.sleep(0.05)
+            await _until_ready(s, base)
             batch = {
                 "model": "demo",
                 "prompt": [[2, 72, 105], [1, 72]],
