@@ -170,10 +170,16 @@ def test_stop_token_ids_reach_the_request_and_are_checked_against_the_vocabulary
     with pytest.raises(p.ApiError, match="`stop_token_ids`: token id 64 is outside") as info:
         p.prepare(body, [5], context=64, vocab_size=64, default_max_tokens=16)
     assert info.value.param == "stop_token_ids"
-    for bad in (["7"], 7, list(range(p.MAX_STOP_TOKEN_IDS + 1))):
+    for bad, param, words in (
+        (["7"], "stop_token_ids.0", "valid integer"),
+        (7, "stop_token_ids", "valid list"),
+        (list(range(p.MAX_STOP_TOKEN_IDS + 1)), "stop_token_ids", f"at most {p.MAX_STOP_TOKEN_IDS} items"),
+    ):
         with pytest.raises(p.ApiError) as info:
             p.parse_completion({"model": "m", "prompt": "hi", "stop_token_ids": bad})
-        assert info.value.param is not None and info.value.param.startswith("stop_token_ids")
+        assert (
+            info.value.param == param and f"`{param}`" in info.value.message and words in info.value.message
+        )
 
 
 def test_a_batch_of_prompts_is_one_prompt_each():
