@@ -25,6 +25,17 @@ def test_the_table_names_the_rows_and_the_vocabulary(capsys) -> None:
     assert all(line.rstrip().endswith("True") for line in out[2:])
 
 
+def test_logprobs_are_timed_against_the_hosts_choice(capsys) -> None:
+    assert host_choice.main(["--logprobs", "--vocab", "3000", "--rows", "2", "--repeats", "2", "--json"]) == 0
+    results = json.loads(capsys.readouterr().out)
+    assert [r["case"] for r in results] == ["top 0", f"top {host_choice.MAX_TOP_LOGPROBS}"]
+    assert all(r["logprobs_ms"] > 0 and r["choice_ms"] > 0 for r in results)
+    assert host_choice.main(["--logprobs", "--vocab", "2000", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "log-probabilities on the host, 1 row(s) of 2,000 logits, ms per call (medians)"
+    assert len(out) == 4 and all(line.endswith("x") for line in out[2:])
+
+
 @pytest.mark.parametrize("flag", ["--vocab", "--rows", "--repeats"])
 def test_a_count_below_one_is_refused_naming_the_option(flag, capsys) -> None:
     with pytest.raises(SystemExit) as exc:

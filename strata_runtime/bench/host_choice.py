@@ -7,6 +7,10 @@ random logits of a vocabulary's size, at the sampling settings a chat client sen
 ways in one run: by sorting each whole row (``sort_rows``) and by sorting a row's likeliest tokens only
 (`strata_runtime.models.ops.distribution.nucleus_host`, what the engine runs), and checks that both give
 the same distribution bit for bit.
+
+With ``--logprobs`` it times instead what a request asking for log-probabilities costs the host per window:
+`strata_runtime.engine.logprobs.token_logprobs` on the same rows, with no alternatives and with the most the
+API allows, each interleaved with the host's choice at temperature 0.7 on those rows as the yardstick.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from ..api import SamplingParams
+from ..api import MAX_TOP_LOGPROBS, SamplingParams
+from ..engine.logprobs import token_logprobs
 from ..engine.sampling import distribution
 
 CASES: dict[str, SamplingParams] = {
@@ -57,6 +62,39 @@ def measure(vocab: int, rows: int, repeats: int, seed: int = 0) -> list[dict[str
     return out
 
 
+YARDSTICK = "temperature 0.7"
+"""The host's choice `measure_logprobs` compares with: its cheapest sampled one."""
+
+
+def measure_logprobs(vocab: int, rows: int, repeats: int, seed: int = 0) -> list[dict[str, Any]]:
+    """Log-probabilities of one token per row on ``rows`` rows of ``vocab`` logits, with 0 and the most
+    alternatives, each interleaved with the host's `YARDSTICK` choice on the same rows: ms per call."""
+    logits = (np.random.default_rng(seed).standard_normal((rows, vocab)) * 3).astype(np.float32)
+    tokens = np.argmax(logits, axis=1).tolist()
+    out = []
+    for top in (0, MAX_TOP_LOGPROBS):
+        timed: dict[str, list[float]] = {"logprobs": [], "choice": []}
+        for _ in range(repeats):  # interleaved: A B A B
+            start = time.perf_counter()
+            token_logprobs(logits, tokens, top)
+            timed["logprobs"].append((time.perf_counter() - start) * 1e3)
+            start = time.perf_counter()
+            distribution(logits, CASES[YARDSTICK])
+            timed["choice"].append((time.perf_counter() - start) * 1e3)
+        ms = {arm: statistics.median(v) for arm, v in timed.items()}
+        out.append({"case": f"top {top}", "logprobs_ms": ms["logprobs"], "choice_ms": ms["choice"]})
+    return out
+
+
+def logprob_lines(results: list[dict[str, Any]], vocab: int, rows: int) -> list[str]:
+    head = f"log-probabilities on the host, {rows} row(s) of {vocab:,} logits, ms per call (medians)"
+    table = [head, f"{'alternatives':14s} {'logprobs':>9s} {YARDSTICK:>16s} {'ratio':>7s}"]
+    for r in results:
+        ratio = r["logprobs_ms"] / r["choice_ms"]
+        table.append(f"{r['case']:14s} {r['logprobs_ms']:9.2f} {r['choice_ms']:16.2f} {ratio:6.2f}x")
+    return table
+
+
 def lines(results: list[dict[str, Any]], vocab: int, rows: int) -> list[str]:
     head = f"choosing on the host, {rows} row(s) of {vocab:,} logits, ms per call (medians)"
     table = [head, f"{'case':24s} {'sorted':>9s} {'candidates':>11s} {'ratio':>7s}  same distribution"]
@@ -75,13 +113,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--rows", type=int, default=1, help="rows per call: a window's (default 1)")
     parser.add_argument("--repeats", type=int, default=5, help="timings per arm and case (default 5)")
+    parser.add_argument(
+        "--logprobs",
+        action="store_true",
+        help="time the log-probabilities a request may ask for, against the host's choice, instead",
+    )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args(argv)
     for name in ("vocab", "rows", "repeats"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1, not {getattr(args, name)}")
-    results = measure(args.vocab, args.rows, args.repeats)
-    print(json.dumps(results, indent=2) if args.json else "\n".join(lines(results, args.vocab, args.rows)))
+    run, table = (measure_logprobs, logprob_lines) if args.logprobs else (measure, lines)
+    results = run(args.vocab, args.rows, args.repeats)
+    print(json.dumps(results, indent=2) if args.json else "\n".join(table(results, args.vocab, args.rows)))
     return 0
 
 
