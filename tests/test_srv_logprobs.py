@@ -117,3 +117,23 @@ def test_a_sentencepiece_style_tokens_bytes_add_up_to_the_text(tmp_path):
     ids = tok.encode(TEXT)
     joined = b"".join(tok.token_bytes(i) for i in ids)
     assert joined == b" " + TEXT.encode()  # the first word's ▁ is a space too
+
+
+def test_a_checkpoints_chat_template_is_its_own_or_chatml(tmp_path):
+    """``/tokenizer_info``'s template renders the chat as `apply_chat_template` lays it out: ChatML where the
+    checkpoint has no template, its own where it has one."""
+    tokenizers = pytest.importorskip("tokenizers")
+    jinja2 = pytest.importorskip("jinja2")
+    from strata_runtime.weights.tokenizer import chatml
+
+    tok = _trained(
+        tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False), tokenizers.decoders.ByteLevel(), tmp_path
+    )
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "naïve café"}]
+    rendered = jinja2.Template(tok.chat_template).render(messages=messages, add_generation_prompt=True)
+    assert rendered == chatml(messages)
+    own = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": own}))
+    tok = HFTokenizer(tmp_path, {})
+    assert tok.chat_template == own
+    assert tok.decode(tok.apply_chat_template(messages)) == jinja2.Template(own).render(messages=messages)

@@ -622,6 +622,8 @@ def test_an_evaluation_harness_scores_through_the_tokenizer_endpoints_and_a_batc
     with ``logprobs: 1`` (``max_tokens`` 1, or 0 in its older versions). A continuation that is the model's
     own greedy reply is greedy by the harness's test, and scores the sum of that reply's own figures."""
     info = get_json(f"{engine.url}/tokenizer_info", engine.key)
+    max_len = get_json(f"{engine.url}/v1/models", engine.key)["data"][0]["max_model_len"]
+    assert (info["model_max_length"], info["tokenizer_class"]) == (max_len, "ByteTokenizer")
     status, eos = _post(engine, "/tokenize", {"prompt": info["eos_token"], "add_special_tokens": False})
     assert status == 200 and eos["tokens"] == [256]  # the demo's end-of-text id
     jinja2 = pytest.importorskip("jinja2")
