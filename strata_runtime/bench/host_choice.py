@@ -19,7 +19,8 @@ import argparse
 import json
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -38,19 +39,30 @@ CASES: dict[str, SamplingParams] = {
 temperature alone, where the two arms run the same code (their ratio shows the timing's noise)."""
 
 
+def _logits(vocab: int, rows: int, seed: int) -> np.ndarray:
+    """``rows`` rows of ``vocab`` random logits (normal, sd 3), float32 as the engine's."""
+    return (np.random.default_rng(seed).standard_normal((rows, vocab)) * 3).astype(np.float32)
+
+
+def _ms(call: Callable[[], Any]) -> tuple[float, Any]:
+    """How long ``call()`` took, in ms, and what it returned."""
+    start = time.perf_counter()
+    out = call()
+    return (time.perf_counter() - start) * 1e3, out
+
+
 def measure(vocab: int, rows: int, repeats: int, seed: int = 0) -> list[dict[str, Any]]:
     """Each of `CASES` on ``rows`` rows of ``vocab`` logits (normal, sd 3): ms per call with top-p sorting
     whole rows and sorting candidates (`nucleus_host`), interleaved, and whether the distributions match."""
-    logits = (np.random.default_rng(seed).standard_normal((rows, vocab)) * 3).astype(np.float32)
+    logits = _logits(vocab, rows, seed)
     out = []
     for name, params in CASES.items():
         timed: dict[bool, list[float]] = {True: [], False: []}
         dists: dict[bool, np.ndarray] = {}
         for _ in range(repeats):  # interleaved: A B A B
             for sort_rows in (True, False):
-                start = time.perf_counter()
-                dists[sort_rows] = distribution(logits, params, sort_rows=sort_rows)
-                timed[sort_rows].append((time.perf_counter() - start) * 1e3)
+                ms, dists[sort_rows] = _ms(partial(distribution, logits, params, sort_rows=sort_rows))
+                timed[sort_rows].append(ms)
         out.append(
             {
                 "case": name,
@@ -69,18 +81,14 @@ YARDSTICK = "temperature 0.7"
 def measure_logprobs(vocab: int, rows: int, repeats: int, seed: int = 0) -> list[dict[str, Any]]:
     """Log-probabilities of one token per row on ``rows`` rows of ``vocab`` logits, with 0 and the most
     alternatives, each interleaved with the host's `YARDSTICK` choice on the same rows: ms per call."""
-    logits = (np.random.default_rng(seed).standard_normal((rows, vocab)) * 3).astype(np.float32)
+    logits = _logits(vocab, rows, seed)
     tokens = np.argmax(logits, axis=1).tolist()
     out = []
     for top in (0, MAX_TOP_LOGPROBS):
         timed: dict[str, list[float]] = {"logprobs": [], "choice": []}
         for _ in range(repeats):  # interleaved: A B A B
-            start = time.perf_counter()
-            token_logprobs(logits, tokens, top)
-            timed["logprobs"].append((time.perf_counter() - start) * 1e3)
-            start = time.perf_counter()
-            distribution(logits, CASES[YARDSTICK])
-            timed["choice"].append((time.perf_counter() - start) * 1e3)
+            timed["logprobs"].append(_ms(partial(token_logprobs, logits, tokens, top))[0])
+            timed["choice"].append(_ms(partial(distribution, logits, CASES[YARDSTICK]))[0])
         ms = {arm: statistics.median(v) for arm, v in timed.items()}
         out.append({"case": f"top {top}", "logprobs_ms": ms["logprobs"], "choice_ms": ms["choice"]})
     return out
