@@ -23,7 +23,7 @@ from strata_runtime.cuda import grouped, routing
 from strata_runtime.cuda.compile import OPTIONS, source
 from strata_runtime.cuda.flash import HOPPER_SM_SHARED, NARROW, kernel_expr, shared_bytes, tile_shape
 from strata_runtime.cuda.layers import MIN_COMPUTE_CAPABILITY, supported
-from strata_runtime.cuda.ops import decode_expressions, mtp_gemv_shapes, prefill_expressions
+from strata_runtime.cuda.ops import PDL_KERNELS, decode_expressions, mtp_gemv_shapes, prefill_expressions
 from strata_runtime.models.qwen3_moe import ModelArgs
 from strata_runtime.reference.flash import HEAD_DIMS
 
@@ -123,6 +123,55 @@ def test_every_source_compiles_for_the_oldest_gpus_the_cuda_path_takes() -> None
     _check("routing.cu", [routing.KERNEL], routing.EXACT_OPTIONS, arch)
     with pytest.raises(nvrtc.CompileError, match="__reduce_add_sync"):
         nvrtc.compile_source(source("kernels.cu"), ["choose_rows"], OPTIONS, "sm_75")
+
+
+def _weight_loads_before_wait(expr: str) -> int:
+    """The 16-byte weight loads a lane of one-row kernel ``expr`` issues before it waits for the kernel before
+    it, as kernels.cu's loops count them (0 for the kernels that issue none). ptxas may move the wait above
+    some or all of them, never other loads."""
+    name, _, rest = expr.partition("<")
+    t = [int(v) if v.isdigit() else v == "true" for v in rest.rstrip(">").split(",")] if rest else []
+    if name == "gemv_mma":  # the first GROUP = 2 units of PER a warp: MT tiles x J pieces x 2 bands each
+        k, mt, warps = t[1], t[2], t[3]
+        j = 4 // mt
+        return min(2, -(-(k // (32 * j)) // warps)) * mt * j * 2
+    if name == "gemv_wide":  # one feature a warp: its K / 256 pieces
+        return t[1] // 256 if t[2] == 1 else 0
+    if name == "gemv_split":  # F features x K / 2048 pieces
+        return t[2] * (t[1] // 2048)
+    return 0
+
+
+@pytest.mark.skipif(nvrtc.disassembler() is not None, reason=str(nvrtc.disassembler()))
+def test_one_row_kernels_issue_only_weight_loads_before_waiting_for_the_kernel_before() -> None:
+    """A one-row decode kernel launches with programmatic dependent launch, so it may start while the kernel
+    before it still runs: what it loads before ``griddepcontrol.wait`` (ACQBULK in the machine code) must be
+    what no kernel writes. In the machine code of every such kernel of every preset: one wait, and before it
+    only read-only 16-byte loads, no more than the weight loads its source issues there.
+
+    The activations are read through ``const __restrict__`` pointers, which the compiler also loads on the
+    read-only path; ptxas kept those after the wait here, but moved them above it once the weight loads sat
+    in a branch of their own before the wait (a variant tried for the router). This test fails on that."""
+    exprs: dict[str, None] = {}
+    for name in preset_names():
+        a = ModelArgs.from_config(preset_config(name))
+        if supported(a, "float16", "float16") is not None:
+            continue
+        widths = [w for w in (a.intermediate_size, a.shared_expert_intermediate_size) if w]
+        shapes = mtp_gemv_shapes(a.vocab_size, a.hidden_size)
+        one_row = decode_expressions(a, widths, shapes, max_rows=1)
+        exprs |= dict.fromkeys(e for e in one_row if e.split("<")[0] in PDL_KERNELS)
+    assert "gemv_mma<1,4096,1,32,false>" in exprs  # the 30B preset's output projection
+    for expr, code in nvrtc.sass(source("kernels.cu"), list(exprs), OPTIONS).items():
+        waits = [i for i, line in enumerate(code) if "ACQBULK" in line]
+        assert len(waits) == 1, expr
+        loads = [line for line in code[: waits[0]] if re.search(r"\bLD(G|S)?\.", line)]
+        assert all(re.search(r"\bLDG\.E\.128\.CONSTANT\b", line) for line in loads), (expr, loads)
+        assert len(loads) <= _weight_loads_before_wait(expr), (expr, len(loads))
+    # The output projection's weights do go out before its wait (8 loads a lane).
+    out_proj = nvrtc.sass(source("kernels.cu"), ["gemv_mma<1,4096,1,32,false>"], OPTIONS)
+    code = out_proj["gemv_mma<1,4096,1,32,false>"]
+    assert sum("LDG" in line for line in code[: next(i for i, x in enumerate(code) if "ACQBULK" in x)]) == 8
 
 
 def _compile_part(
