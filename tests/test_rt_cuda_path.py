@@ -520,3 +520,71 @@ def test_logprobs_on_the_cuda_path_are_the_array_paths(fake_gpu):
         for lp in ev.prompt_logprobs
     ]
     np.testing.assert_allclose(read[len(request.prompt_ids) - 1 :], gpu[1], atol=2e-2)
+
+
+@pytest.mark.parametrize("shape", ["drafting", "three slots"])
+def test_the_warm_up_captures_the_graphs_requests_then_replay(fake_gpu, monkeypatch, shape):
+    """`Engine.warm_up` runs every window shape a request mix takes at least twice, so that no graph is
+    captured once requests run: one request alone (drafting at its full depth), then two together in
+    batch-MTP windows; or without drafting, one, two and three slots together in serial windows. It forgets
+    its requests' statistics, and a request's greedy text is what an engine that never warmed up gives."""
+    import fake_cupy
+
+    from strata_runtime.api import SamplingParams
+    from strata_runtime.engine import Engine
+
+    captures: list[int] = []
+    end_capture = fake_cupy._Stream.end_capture
+    monkeypatch.setattr(fake_cupy._Stream, "end_capture", lambda s: captures.append(1) or end_capture(s))
+    if shape == "drafting":
+        plan = _plan("cuda", "tiny", batch_mtp=True, draft_tokens=4, adaptive_depth=False)
+    else:
+        text = float16_profile_text(backend="cuda", preset="tiny", slots=3, context=256)
+        plan = resolve_text(text, "cuda-path.toml").plan
+    sampled = SamplingParams(temperature=0.8, top_k=20, seed=3)
+    later = [Request(tuple(range(40, 70)), 10), Request((5, 6, 7), 10, sampled), Request((9, 8), 10)]
+
+    def serve(engine: Engine) -> list[list[int]]:
+        """One request alone for 12 tokens, then the others together (greedy and sampled)."""
+        handles = [engine.submit(Request((72, 101, 108, 108, 111), 12))]
+        while engine.step():
+            pass
+        handles += [engine.submit(r) for r in later[: plan.batch.slots]]
+        while engine.step():
+            pass
+        return [[t for _ in range(h.events.qsize()) for t in h.events.get().token_ids] for h in handles]
+
+    warmed = Engine(plan)
+    assert warmed.warm_up() > 0 and captures
+    assert warmed.totals["windows"] == 0 and warmed.totals["tokens"] == 0  # the warm-up is forgotten
+    held = len(captures)
+    texts = serve(warmed)
+    assert len(captures) == held  # every window the requests ran was captured during the warm-up
+    assert warmed.totals["windows"] > 0 and (shape != "drafting" or warmed.totals["accepted"] > 0)
+    greedy = [0, 1] if shape == "drafting" else [0, 1, 3]
+    fresh = serve(Engine(plan))
+    assert [texts[i] for i in greedy] == [fresh[i] for i in greedy]  # the warm-up changes no greedy token
+
+
+def test_the_warm_up_runs_nothing_on_cpu_devices():
+    from strata_runtime.engine import Engine
+
+    engine = Engine(_plan("cpu", "tiny", draft_tokens=4))
+    assert engine.warm_up() == 0 and engine.totals["windows"] == 0
+
+
+def test_the_server_warms_the_engine_up_before_it_answers(fake_gpu):
+    """`strata serve` builds the engine, then warms it up while ``/health`` still says loading, with the
+    warm-up's label and fraction as its progress."""
+    from strata_runtime.commands.serve import _factory
+    from strata_runtime.server.engine_loop import LoadProgress
+
+    progress = LoadProgress()
+    seen: list[tuple[str, float]] = []
+    report = progress.report
+    progress.report = lambda label, fraction: seen.append((label, fraction)) or report(label, fraction)  # type: ignore[method-assign]
+    engine = _factory(_plan("cuda", "tiny", draft_tokens=4))(progress)
+    assert seen and all(label.startswith("warming up") for label, _ in seen)
+    assert [f for _, f in seen] == sorted(f for _, f in seen) and seen[-1][1] == 1.0
+    assert (progress.progress, progress.fraction) == seen[-1]
+    assert engine.totals["windows"] == 0 and engine.stats()["queue"] == 0

@@ -86,7 +86,9 @@ def _factory(plan: LaunchPlan) -> EngineFactory:
     def build(progress: LoadProgress) -> EngineCore:
         from strata_runtime.engine import Engine  # on the engine thread: it owns the devices
 
-        return Engine(plan, progress=progress)
+        engine = Engine(plan, progress=progress)
+        engine.warm_up(progress.report)  # /health says "loading" until the first requests' graphs exist
+        return engine
 
     return build
 

@@ -47,12 +47,13 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from strata_cfg.schema.plan import MIB, LaunchPlan
 from strata_cfg.schema.windows import BATCH_MTP_SLOTS_PER_WINDOW, batch_mtp_window, plain_windows, solo_window
 
-from ..api import PlanMismatch, Request, RequestHandle, TokenEvent
+from ..api import PlanMismatch, Request, RequestHandle, SamplingParams, TokenEvent
 from ..experts.cache import Snapshot
 from ..model import Model
 from ..model.placed import WeightStore
@@ -69,6 +70,12 @@ from .speculative import DRAFT_PROBE_EVERY, DraftGauge, Proposals, drafting_pays
 from .stats import WindowStat, WindowStats
 
 log = logging.getLogger("strata_runtime")
+
+WARM_PROMPT = 32
+"""Tokens of the prompt `Engine.warm_up` reads first."""
+WARM_TOKENS = 24
+"""Tokens the last of `Engine.warm_up`'s decoding requests generates (each earlier one two more per request
+after it, so that all end together): enough for a request alone to try each solo depth."""
 
 
 def request_kind(sampler: Sampler) -> str:
@@ -178,6 +185,70 @@ class Engine:
     def close(self) -> None:
         """Stop the engine's stage threads (an engine that is dropped need not call it: they are daemons)."""
         self.executor.close()
+
+    def warm_up(self, report: Callable[[str, float], None] | None = None) -> int:
+        """Run the windows serving will run before the first request does, where a stage is on a GPU: the
+        first window of each row count runs eagerly and the second captures its CUDA graph (and the drafting
+        head's), work that would otherwise fall on the first requests' windows. Returns the windows run (0
+        on CPU devices, where nothing is captured).
+
+        One prompt alone (`WARM_PROMPT` tokens), then a request in every slot, each joining two tokens after
+        the one before it, greedy, sampled and penalised in turn: so windows of one slot alone (at each
+        solo depth), and of every number of slots together, serial and batch-MTP (and every pipelined
+        group), run at least twice. The requests are then forgotten: the window statistics start empty and
+        the proposals' chances of holding start afresh; the windows' measured times are kept. ``report``
+        is told (label, fraction done) as each request joins."""
+        if not any(stage.device.is_cuda for stage in self.model.stages):
+            return 0
+        t0 = time.perf_counter()
+        vocab = self.model.args.vocab_size
+        prompt = tuple(1 + (7 * i + 3) % (vocab - 1) for i in range(WARM_PROMPT))
+        kinds = [
+            SamplingParams(),
+            SamplingParams(temperature=0.7, top_k=20, seed=1),
+            SamplingParams(presence_penalty=0.5),
+        ]
+        requests = [Request(prompt, 1)]
+        for i in range(self.n_slots):
+            ids = tuple(1 + (11 * (i + 1) + j) % (vocab - 1) for j in range(4))
+            length = WARM_TOKENS + 2 * (self.n_slots - 1 - i)  # every request decodes to about the same end
+            requests.append(Request(ids, length, kinds[i % len(kinds)], ignore_eos=True))
+        label = "warming up: the decode windows' graphs"
+        windows = int(self.window_stats.counts["windows"])
+        handles: list[RequestHandle] = []
+        tokens: list[int] = []
+        done: list[bool] = []
+
+        def read_events() -> None:
+            for i, handle in enumerate(handles):
+                while not handle.events.empty():
+                    event = handle.events.get_nowait()
+                    tokens[i] += len(event.token_ids)
+                    done[i] = done[i] or event.finished is not None
+
+        for k, request in enumerate(requests):
+            handles.append(self.submit(request))
+            tokens.append(0)
+            done.append(False)
+            # the prompt alone to its end; each later request until it has two tokens, when the next joins
+            while not (done[-1] or (k > 0 and tokens[-1] >= 2)) and self.step():
+                read_events()
+            if report is not None:
+                report(label, k / len(requests))
+        while self.step():
+            read_events()
+        read_events()
+        if not all(done):
+            raise RuntimeError("the warm-up requests did not finish")
+        ran = int(self.window_stats.counts["windows"]) - windows
+        self.window_stats = WindowStats()
+        self.depth_state = {
+            kind: (costs, Holds(PRIOR_WEIGHT)) for kind, (costs, _) in self.depth_state.items()
+        }
+        if report is not None:
+            report(label, 1.0)
+        log.info("warmed up: %d windows in %.1f s", ran, time.perf_counter() - t0)
+        return ran
 
     def stats(self) -> dict[str, Any]:
         return {

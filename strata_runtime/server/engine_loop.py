@@ -106,6 +106,11 @@ class LoadProgress:
         self.progress, self.fraction = label, 0.0
         return _Bar(self, label, total)
 
+    def report(self, label: str, fraction: float) -> None:
+        """A step after loading that counts no bytes (`Engine.warm_up`): its label and fraction done."""
+        self.progress, self.fraction = label, fraction
+        log.info("%s %3.0f%%", label, 100 * fraction)
+
 
 class EngineLoop:
     """Owns the engine thread: load, step loop, progress, failure, and stop."""
