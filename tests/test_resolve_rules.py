@@ -682,3 +682,16 @@ def test_strict_accepts_notes_that_override_nothing():
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__]))
+
+
+def test_serve_max_queued_reaches_the_plan_and_its_text_and_a_negative_one_is_refused():
+    from strata_cfg.report.plan_text import plan_text
+
+    plan = plan_of(rule_file("serve.exposed"), ["serve.max_queued=6"])
+    assert plan.serve is not None and plan.serve.max_queued == 6
+    assert ", at most 6 waiting for a slot" in plan_text(plan)
+    unbounded = plan_of(rule_file("serve.exposed"))
+    assert unbounded.serve is not None and unbounded.serve.max_queued is None
+    assert "waiting for a slot" not in plan_text(unbounded)
+    [p] = problems_of(rule_file("serve.exposed"), sets=["serve.max_queued=-1"])
+    assert p.key == "serve.max_queued" and "greater than or equal to 0" in p.message

@@ -256,3 +256,64 @@ def test_binding_beyond_loopback_without_a_key_warns_from_the_plans_own_decision
     assert "binding 0.0.0.0 without an API key" in exposure_warning(exposed, "0.0.0.0", None)
     assert exposure_warning(exposed, "0.0.0.0", "key") is None
     assert "the plan checked only 127.0.0.1" in exposure_warning(local, "10.1.2.3", None)
+
+
+class _Held(_Wrapped):
+    """The real engine, whose steps wait for the test's gate: requests stay in flight until it opens."""
+
+    def __init__(self, engine: Engine, gate: threading.Event) -> None:
+        super().__init__(engine)
+        self.gate = gate
+
+    def step(self) -> bool:
+        self.gate.wait(30)
+        return self._engine.step()
+
+
+def test_requests_beyond_the_slots_and_max_queued_get_429_with_retry_after():
+    """With ``serve.max_queued`` 1 and 2 slots, three requests may be in flight: a fourth, or a request of
+    two choices beside two, is refused at once with 429, ``Retry-After`` and the counts, and counted as
+    rejected; once the three finish, a request is served again."""
+    capped = resolve_profile(DEMO, [("serve.max_queued", 1)])
+    assert capped.serve is not None and capped.serve.max_queued == 1 and capped.batch.slots == 2
+    gate = threading.Event()
+
+    async def scenario() -> int:
+        server, stop = (
+            _server(capped, lambda progress: _Held(Engine(capped, progress=progress), gate)),
+            asyncio.Event(),
+        )
+        task = await _started(server, stop)
+        base = f"http://127.0.0.1:{server.port}"
+        request = {"model": "demo", "prompt": "hi", "max_tokens": 3, "temperature": 0}
+        async with aiohttp.ClientSession() as s:
+            await _until_ready(s, base)
+            held = [asyncio.create_task(_post(s, f"{base}/v1/completions", request)) for _ in range(3)]
+            while server.engine is None or server.engine.in_flight < 3:
+                await asyncio.sleep(0.01)
+            async with s.post(f"{base}/v1/completions", json=request) as r:
+                assert r.status == 429 and r.headers["Retry-After"] == "1"
+                error = (await r.json())["error"]
+            assert error["type"] == "rate_limit_error" and error["code"] == "rate_limit_exceeded"
+            assert "3 requests in flight for 2 batch slots and at most 1 waiting" in error["message"]
+            gate.set()
+            assert [status for status, _ in await asyncio.gather(*held)] == [200, 200, 200]
+            gate.clear()  # the engine thread now holds at its next step
+            held = [asyncio.create_task(_post(s, f"{base}/v1/completions", request)) for _ in range(2)]
+            while server.engine.in_flight < 2:
+                await asyncio.sleep(0.01)
+            status, body = await _post(s, f"{base}/v1/completions", {**request, "n": 2})
+            assert status == 429 and "2 requests in flight" in body["error"]["message"]
+            gate.set()
+            assert [status for status, _ in await asyncio.gather(*held)] == [200, 200]
+            status, body = await _post(s, f"{base}/v1/completions", {**request, "n": 2})
+            assert status == 200 and body["usage"]["completion_tokens"] == 6
+            status, body = await _post(s, f"{base}/v1/completions", request)
+            assert status == 200 and body["usage"]["completion_tokens"] == 3
+            async with s.get(f"{base}/metrics") as r:
+                metrics = await r.text()
+            assert 'strata_requests_total{endpoint="completions",outcome="rejected"} 2' in metrics
+        stop.set()
+        return await task
+
+    assert asyncio.run(scenario()) == 0

@@ -209,6 +209,11 @@ def plan_text(plan: LaunchPlan) -> str:
     serve = (
         f"http://{plan.serve.host}:{plan.serve.port}  model {plan.serve.model_name!r}"
         + (f", API key from ${plan.serve.api_key_env}" if plan.serve.api_key_env else "")
+        + (
+            f", at most {plan.serve.max_queued} waiting for a slot"
+            if plan.serve.max_queued is not None
+            else ""
+        )
         if plan.serve
         else "no (one-shot generation profile)"
     )

@@ -254,6 +254,7 @@ def _assemble(
                 port=led["serve.port"],
                 api_key_env=led["serve.api_key_env"],
                 model_name=led["serve.model_name"],
+                max_queued=led["serve.max_queued"],
                 loopback=is_loopback(led["serve.host"]),
             )
             if profile.serve is not None

@@ -335,6 +335,9 @@ class ServePlan(_Plan):
     port: int
     api_key_env: str | None
     model_name: str
+    max_queued: int | None = None
+    """Requests that may wait for a batch slot beyond ``batch.slots`` in flight; one more is answered 429
+    (None: no bound)."""
     loopback: bool = False
     """Whether ``host`` keeps the server on this machine (a loopback address); the engine warns when it
     binds anywhere else without an API key."""

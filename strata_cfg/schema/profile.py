@@ -239,6 +239,10 @@ class ServeSection(Section):
     """Name of the environment variable that holds the API key. The key itself never goes in a profile."""
     model_name: str | None = Field(default=None, min_length=1)
     """Model id reported by ``/v1/models`` and accepted in requests (default: the profile's name)."""
+    max_queued: int | None = Field(default=None, ge=0)
+    """Requests that may wait for a free batch slot. A generation request that would bring more than
+    ``batch.slots`` plus these in flight is answered 429 at once, with ``Retry-After``, instead of waiting
+    (default: no bound)."""
 
     @field_validator("api_key_env")
     @classmethod

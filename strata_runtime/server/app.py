@@ -33,6 +33,10 @@ log = logging.getLogger("strata.serve")
 MAX_BODY_BYTES = 32 << 20
 """Largest request body accepted: a long prompt, with room to spare."""
 CLIENT_CLOSED = 499
+RETRY_AFTER_S = 1
+"""``Retry-After`` of a request refused for capacity (`serve.max_queued`): a decode window is milliseconds,
+so a slot frees within a second at any but the longest replies; OpenAI's Python client waits as long as it
+says before it retries a 429 by itself."""
 """The status the access log shows for a request whose client went away before its reply."""
 OPEN_PATHS = frozenset({"/health"})
 """Paths answered without the API key, so a supervisor or load balancer can probe readiness."""
@@ -250,7 +254,9 @@ class Server:
             outcome = "ok"
             return response
         except p.ApiError as exc:
-            outcome = "client_error" if exc.status < 500 else "server_error"
+            outcome = (
+                "rejected" if exc.status == 429 else "client_error" if exc.status < 500 else "server_error"
+            )
             raise
         except (asyncio.CancelledError, ConnectionResetError):
             outcome = "cancelled"
@@ -328,6 +334,7 @@ class Server:
         """Run a request's choices (its prompts times ``n``), each a request of its own in the engine, side by
         side; answer them whole or streamed, a choice each in order."""
         assert self.engine is not None
+        self._admit(len(batch))
         streams: list[Stream] = []
         try:
             for prepared in batch:
@@ -339,6 +346,24 @@ class Server:
         finally:
             for stream in streams:
                 stream.close()
+
+    def _admit(self, choices: int) -> None:
+        """Refuse, with 429 and ``Retry-After``, a request whose ``choices`` would bring more requests in
+        flight than the batch slots plus ``serve.max_queued``, rather than queue it behind them."""
+        assert self.engine is not None and self.plan.serve is not None
+        waiting = self.plan.serve.max_queued
+        if waiting is None:
+            return
+        slots, in_flight = max(self.plan.batch.slots, 1), self.engine.in_flight
+        if in_flight + choices > slots + waiting:
+            raise p.ApiError(
+                429,
+                f"the server is at capacity: {in_flight} requests in flight for {slots} batch slots and at "
+                f"most {waiting} waiting (serve.max_queued); retry shortly",
+                type_="rate_limit_error",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
 
     async def _pieces(self, stream: Stream) -> AsyncIterator[Piece]:
         """The request's text as the engine sends it (stop strings already cut), ending with its finish."""
@@ -603,7 +628,7 @@ def _finish(reason: str | None) -> p.OpenAIFinish:
 
 
 def _error_response(exc: p.ApiError) -> web.Response:
-    return web.json_response(exc.body(), status=exc.status)
+    return web.json_response(exc.body(), status=exc.status, headers=exc.headers)
 
 
 async def _json_body(request: web.Request) -> Any:

@@ -35,7 +35,8 @@ class ServerCounters:
     """What the HTTP side counts itself (on the event-loop thread only)."""
 
     requests: Counter[tuple[str, str]] = field(default_factory=Counter)
-    """(endpoint, outcome) -> count; outcomes: ``ok``, ``client_error``, ``cancelled``, ``server_error``."""
+    """(endpoint, outcome) -> count; outcomes: ``ok``, ``client_error``, ``rejected`` (429: over
+    ``serve.max_queued``), ``cancelled``, ``server_error``."""
     prompt_tokens: int = 0
     completion_tokens: int = 0
     accepted_proposals: int = 0

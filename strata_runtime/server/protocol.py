@@ -39,6 +39,7 @@ class ApiError(Exception):
         *,
         type_: str = "invalid_request_error",
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -46,6 +47,8 @@ class ApiError(Exception):
         self.param = param
         self.type = type_
         self.code = code
+        self.headers = headers or {}
+        """HTTP headers of the answer (``Retry-After`` on a 429)."""
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
