@@ -105,3 +105,40 @@ def test_loadtest_asks_every_request_to_ignore_end_of_text(closing_server) -> No
     _Closing.bodies.clear()
     run_load(closing_server, clients=2, requests_per_client=2, max_tokens=3, stream=True, ignore_eos=True)
     assert len(_Closing.bodies) == 4 and all(b["ignore_eos"] is True for b in _Closing.bodies)
+
+
+class _AtCapacity(_Closing):
+    """Every other completion is refused for capacity: 429 with ``Retry-After: 0``."""
+
+    def do_POST(self) -> None:
+        if type(self).requests % 2 == 0:
+            type(self).requests += 1
+            self.rfile.read(int(self.headers["Content-Length"]))
+            body = json.dumps({"error": {"message": "at capacity", "code": "rate_limit_exceeded"}}).encode()
+            self.send_response(429)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Retry-After", "0")
+            self.end_headers()
+            self.wfile.write(body)
+            return
+        super().do_POST()
+
+
+def test_loadtest_counts_a_refusal_at_capacity_apart_from_the_errors() -> None:
+    _AtCapacity.requests = 0
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _AtCapacity)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        result = run_load(
+            f"http://127.0.0.1:{server.server_address[1]}", clients=1, requests_per_client=6, max_tokens=3
+        )
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert len(result.rejected) == 3 and len(result.served) == 3 and not result.errors
+    assert all(s.retry_after == 0.0 and "429" in str(s.error) for s in result.rejected)
+    assert (
+        result.to_json()["rejected"] == 3
+        and "3 refused at capacity (HTTP 429), 0 errors" in result.lines()[0]
+    )

@@ -25,6 +25,9 @@ class Sample:
     tokens: int = 0
     first_token_s: float | None = None
     error: str | None = None
+    retry_after: float | None = None
+    """Set when the server refused the request for capacity (HTTP 429): the seconds its ``Retry-After``
+    asked the client to wait (1 when it named none)."""
 
 
 class Client:
@@ -95,9 +98,9 @@ class Client:
         try:
             r = self.post_completion(body)
             if r.status != 200:
-                return Sample(
-                    False, time.perf_counter() - start, error=f"HTTP {r.status}: {r.read()[:200]!r}"
-                )
+                retry = _retry_after(r.getheader("Retry-After")) if r.status == 429 else None
+                error = f"HTTP {r.status}: {r.read()[:200]!r}"
+                return Sample(False, time.perf_counter() - start, error=error, retry_after=retry)
             if body.get("stream"):
                 return self._read_stream(r, start)
             data = json.loads(r.read())
@@ -131,6 +134,14 @@ class Client:
         if not done or finish not in ("stop", "length") or usage is None:
             return Sample(False, seconds, error=f"incomplete stream (done={done}, finish={finish})")
         return Sample(True, seconds, tokens=int(usage["completion_tokens"]), first_token_s=first)
+
+
+def _retry_after(value: str | None) -> float:
+    """The seconds of a ``Retry-After`` header (a number of seconds; its HTTP-date form, or none: 1)."""
+    try:
+        return max(0.0, float(value)) if value is not None else 1.0
+    except ValueError:
+        return 1.0
 
 
 def sse_chunks(r: http.client.HTTPResponse) -> Iterator[dict[str, Any] | None]:

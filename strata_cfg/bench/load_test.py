@@ -1,6 +1,8 @@
 """`strata loadtest`: N clients keep a running engine busy for T seconds (or a fixed number of requests
 each), each sending one ``/v1/completions`` request after another; the result is requests served, errors,
-latency percentiles and the aggregate token rate, and with ``stream=True`` the time to the first token."""
+latency percentiles and the aggregate token rate, and with ``stream=True`` the time to the first token. A
+request the server refuses for capacity (429) is counted apart, not as an error, and its client waits as
+its ``Retry-After`` says before the next one."""
 
 from __future__ import annotations
 
@@ -32,8 +34,13 @@ class LoadResult:
         return [s for s in self.samples if s.ok]
 
     @property
+    def rejected(self) -> list[Sample]:
+        """Requests the server refused for capacity (HTTP 429, `serve.max_queued`): not errors."""
+        return [s for s in self.samples if s.retry_after is not None]
+
+    @property
     def errors(self) -> list[Sample]:
-        return [s for s in self.samples if not s.ok]
+        return [s for s in self.samples if not s.ok and s.retry_after is None]
 
     @property
     def tokens(self) -> int:
@@ -54,6 +61,7 @@ class LoadResult:
             "stream": self.stream,
             "wall_s": round(self.wall_s, 3),
             "requests": len(self.served),
+            "rejected": len(self.rejected),
             "errors": len(self.errors),
             "error_samples": sorted({s.error or "" for s in self.errors})[:5],
             "tokens": self.tokens,
@@ -69,7 +77,9 @@ class LoadResult:
         out = [
             f"{j['clients']} clients, {j['max_tokens']} tokens each, {describe_sampling(j['sampling'])}, "
             f"{j['wall_s']} s: "
-            f"{j['requests']} requests served, {j['errors']} errors",
+            f"{j['requests']} requests served, "
+            + (f"{j['rejected']} refused at capacity (HTTP 429), " if j["rejected"] else "")
+            + f"{j['errors']} errors",
             f"  latency p50 {_ms(j['latency_p50_s'])}, p95 {_ms(j['latency_p95_s'])}; "
             f"{j['tokens']} tokens, {j['tok_s']} tok/s aggregate",
         ]
@@ -140,6 +150,11 @@ def run_load(
                 sent += 1
                 with lock:
                     samples.append(sample)
+                if sample.retry_after is not None:  # refused at capacity: wait as the server asked
+                    left = None if deadline is None else deadline - time.perf_counter()
+                    time.sleep(
+                        sample.retry_after if left is None else max(0.0, min(sample.retry_after, left))
+                    )
         finally:
             client.close()
 

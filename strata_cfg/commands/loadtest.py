@@ -1,7 +1,9 @@
 """`strata loadtest URL --clients N --seconds T`: a bounded load test against a running engine.
 
 N clients each send one completion request after another for T seconds; the command reports requests
-served, errors, p50/p95 latency and the aggregate token rate, and exits 1 when any request failed.
+served, requests refused at capacity (429, after which a client waits as ``Retry-After`` says), errors,
+p50/p95 latency and the aggregate token rate, and exits 1 when any request failed (a refusal is not a
+failure).
 """
 
 from __future__ import annotations
