@@ -695,3 +695,13 @@ def test_serve_max_queued_reaches_the_plan_and_its_text_and_a_negative_one_is_re
     assert "waiting for a slot" not in plan_text(unbounded)
     [p] = problems_of(rule_file("serve.exposed"), sets=["serve.max_queued=-1"])
     assert p.key == "serve.max_queued" and "greater than or equal to 0" in p.message
+
+
+def test_the_launch_summary_says_how_many_requests_may_wait():
+    from strata_cfg.launch.summary import summary
+
+    capped = plan_of(rule_file("serve.exposed"), ["serve.max_queued=4"])
+    [line] = [x for x in summary(capped) if x.startswith("  serve:")]
+    assert line.endswith("; at most 4 request(s) waiting for a slot, then 429")
+    [line] = [x for x in summary(plan_of(rule_file("serve.exposed"))) if x.startswith("  serve:")]
+    assert "waiting" not in line

@@ -26,7 +26,11 @@ def summary(plan: LaunchPlan) -> list[str]:
     if plan.serve is not None:
         key = f", API key from ${plan.serve.api_key_env}" if plan.serve.api_key_env else ", no API key"
         bind = "" if is_loopback(plan.serve.host) else f" (listening on {plan.serve.host}:{plan.serve.port})"
-        lines.append(f"  serve: {base_url(plan.serve)}/v1{bind} as model `{plan.serve.model_name}`{key}")
+        cap = plan.serve.max_queued
+        queue = "" if cap is None else f"; at most {cap} request(s) waiting for a slot, then 429"
+        lines.append(
+            f"  serve: {base_url(plan.serve)}/v1{bind} as model `{plan.serve.model_name}`{key}{queue}"
+        )
     return lines
 
 
