@@ -566,6 +566,18 @@ def test_the_warm_up_captures_the_graphs_requests_then_replay(fake_gpu, monkeypa
     assert [texts[i] for i in greedy] == [fresh[i] for i in greedy]  # the warm-up changes no greedy token
 
 
+def test_the_warm_up_fits_a_short_context(fake_gpu):
+    """A context shorter than the warm-up's prompt and replies: they are cut to fit, so its prompt is read
+    rather than refused, and every number of slots still decodes together."""
+    from strata_runtime.engine import Engine
+
+    text = float16_profile_text(backend="cuda", preset="tiny", slots=3, context=24)
+    engine = Engine(resolve_text(text, "cuda-path.toml").plan)
+    assert engine.warm_up() > 0
+    assert engine._admitted == 4  # the prompt and a request per slot, none refused
+    assert {1, 2, 3} <= set(engine.model.stages[0].cuda._graphs)  # rows: each count of slots together
+
+
 def test_the_warm_up_runs_nothing_on_cpu_devices():
     from strata_runtime.engine import Engine
 

@@ -308,6 +308,8 @@ def test_requests_beyond_the_slots_and_max_queued_get_429_with_retry_after():
             assert [status for status, _ in await asyncio.gather(*held)] == [200, 200]
             status, body = await _post(s, f"{base}/v1/completions", {**request, "n": 2})
             assert status == 200 and body["usage"]["completion_tokens"] == 6
+            status, body = await _post(s, f"{base}/v1/completions", {**request, "n": 4})  # never admitted
+            assert status == 400 and body["error"]["param"] == "n" and "4 choices" in body["error"]["message"]
             status, body = await _post(s, f"{base}/v1/completions", request)
             assert status == 200 and body["usage"]["completion_tokens"] == 3
             async with s.get(f"{base}/metrics") as r:

@@ -201,8 +201,8 @@ class Engine:
         if not any(stage.device.is_cuda for stage in self.model.stages):
             return 0
         t0 = time.perf_counter()
-        vocab = self.model.args.vocab_size
-        prompt = tuple(1 + (7 * i + 3) % (vocab - 1) for i in range(WARM_PROMPT))
+        vocab, context = self.model.args.vocab_size, self.plan.memory.context
+        prompt = tuple(1 + (7 * i + 3) % (vocab - 1) for i in range(min(WARM_PROMPT, max(1, context // 4))))
         kinds = [
             SamplingParams(),
             SamplingParams(temperature=0.7, top_k=20, seed=1),
@@ -212,6 +212,7 @@ class Engine:
         for i in range(self.n_slots):
             ids = tuple(1 + (11 * (i + 1) + j) % (vocab - 1) for j in range(4))
             length = WARM_TOKENS + 2 * (self.n_slots - 1 - i)  # every request decodes to about the same end
+            length = max(1, min(length, context - len(ids) - 1))
             requests.append(Request(ids, length, kinds[i % len(kinds)], ignore_eos=True))
         label = "warming up: the decode windows' graphs"
         windows = int(self.window_stats.counts["windows"])

@@ -355,6 +355,13 @@ class Server:
         if waiting is None:
             return
         slots, in_flight = max(self.plan.batch.slots, 1), self.engine.in_flight
+        if choices > slots + waiting:  # never admitted, however long the client waits: not a 429
+            raise p.ApiError(
+                400,
+                f"the request asks for {choices} choices (its prompts times `n`), more than this server "
+                f"admits at once: {slots} batch slots and at most {waiting} waiting (serve.max_queued)",
+                "n",
+            )
         if in_flight + choices > slots + waiting:
             raise p.ApiError(
                 429,
