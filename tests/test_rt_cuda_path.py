@@ -19,6 +19,7 @@ from rt_plans import float16_profile_text
 
 from strata_cfg.plan.from_profile import resolve_text
 from strata_runtime.api import Request
+from strata_runtime.engine.depth import WindowCosts
 from strata_runtime.layout import Layout
 
 
@@ -564,6 +565,23 @@ def test_the_warm_up_captures_the_graphs_requests_then_replay(fake_gpu, monkeypa
     greedy = [0, 1] if shape == "drafting" else [0, 1, 3]
     fresh = serve(Engine(plan))
     assert [texts[i] for i in greedy] == [fresh[i] for i in greedy]  # the warm-up changes no greedy token
+
+
+def test_the_warm_up_forgets_the_window_times_it_measured(fake_gpu):
+    """With the adaptive depth and batch MTP, the warm-up's windows are timed into the solo and batch window
+    costs (each shape's first windows eager and capturing); afterwards the engine starts from none."""
+    from strata_runtime.engine import Engine
+
+    engine = Engine(_plan("cuda", "tiny", batch_mtp=True, draft_tokens=4))
+    assert engine.adaptive and engine.adaptive_batch
+    timed: list[int] = []
+    observe = WindowCosts.observe
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(
+            WindowCosts, "observe", lambda self, rows, ms: timed.append(rows) or observe(self, rows, ms)
+        )
+        assert engine.warm_up() > 0
+    assert timed and not engine.depth_state and not engine.batch_costs
 
 
 def test_the_warm_up_fits_a_short_context(fake_gpu):

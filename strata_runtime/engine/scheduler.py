@@ -195,9 +195,10 @@ class Engine:
         One prompt alone (`WARM_PROMPT` tokens), then a request in every slot, each joining two tokens after
         the one before it, greedy, sampled and penalised in turn: so windows of one slot alone (at each
         solo depth), and of every number of slots together, serial and batch-MTP (and every pipelined
-        group), run at least twice. The requests are then forgotten: the window statistics start empty and
-        the proposals' chances of holding start afresh; the windows' measured times are kept. ``report``
-        is told (label, fraction done) as each request joins."""
+        group), run at least twice. The requests are then forgotten: the window statistics, what the
+        proposals did and the windows' measured times (which hold each shape's eager and capturing
+        windows) start afresh, as in an engine that never ran. ``report`` is told (label, fraction done) as
+        each request joins."""
         if not any(stage.device.is_cuda for stage in self.model.stages):
             return 0
         t0 = time.perf_counter()
@@ -243,9 +244,7 @@ class Engine:
             raise RuntimeError("the warm-up requests did not finish")
         ran = int(self.window_stats.counts["windows"]) - windows
         self.window_stats = WindowStats()
-        self.depth_state = {
-            kind: (costs, Holds(PRIOR_WEIGHT)) for kind, (costs, _) in self.depth_state.items()
-        }
+        self.depth_state, self.batch_costs = {}, {}
         if report is not None:
             report(label, 1.0)
         log.info("warmed up: %d windows in %.1f s", ran, time.perf_counter() - t0)
