@@ -33,11 +33,11 @@ log = logging.getLogger("strata.serve")
 MAX_BODY_BYTES = 32 << 20
 """Largest request body accepted: a long prompt, with room to spare."""
 CLIENT_CLOSED = 499
+"""The status the access log shows for a request whose client went away before its reply."""
 RETRY_AFTER_S = 1
 """``Retry-After`` of a request refused for capacity (`serve.max_queued`): a decode window is milliseconds,
 so a slot frees within a second at any but the longest replies; OpenAI's Python client waits as long as it
 says before it retries a 429 by itself."""
-"""The status the access log shows for a request whose client went away before its reply."""
 OPEN_PATHS = frozenset({"/health"})
 """Paths answered without the API key, so a supervisor or load balancer can probe readiness."""
 
