@@ -705,3 +705,17 @@ def test_the_launch_summary_says_how_many_requests_may_wait():
     assert line.endswith("; at most 4 request(s) waiting for a slot, then 429")
     [line] = [x for x in summary(plan_of(rule_file("serve.exposed"))) if x.startswith("  serve:")]
     assert "waiting" not in line
+
+
+def test_serve_allowed_origins_reach_the_plan_and_a_path_is_refused_naming_the_key():
+    from strata_cfg.report.plan_text import plan_text
+
+    plan = plan_of(rule_file("serve.exposed"), ['serve.allowed_origins=["http://localhost:3000", "*"]'])
+    assert plan.serve is not None and plan.serve.allowed_origins == ("http://localhost:3000", "*")
+    assert ", browsers from http://localhost:3000, *" in plan_text(plan)
+    none = plan_of(rule_file("serve.exposed"))
+    assert none.serve is not None and none.serve.allowed_origins == ()
+    [p] = problems_of(rule_file("serve.exposed"), sets=['serve.allowed_origins=["http://localhost:3000/"]'])
+    assert (
+        p.key.startswith("serve.allowed_origins") and "'http://localhost:3000/' is not an origin" in p.message
+    )

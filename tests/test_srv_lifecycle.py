@@ -319,3 +319,58 @@ def test_requests_beyond_the_slots_and_max_queued_get_429_with_retry_after():
         return await task
 
     assert asyncio.run(scenario()) == 0
+
+
+def test_pages_of_an_allowed_origin_may_call_from_a_browser_and_others_may_not():
+    """``serve.allowed_origins``: a preflight from a listed origin is answered 204 before the API key is
+    checked, with the methods and the headers it asked for; every answer to that origin, streamed ones
+    too, carries ``Access-Control-Allow-Origin``; another origin's preflight is refused with 403 and its
+    answers carry none. Without the key, no answer carries CORS headers."""
+    page = "http://localhost:3000"
+    opened = resolve_profile(
+        DEMO, [("serve.allowed_origins", [page]), ("serve.api_key_env", "STRATA_TEST_KEY")]
+    )
+    assert opened.serve is not None and opened.serve.allowed_origins == (page,)
+    plain = resolve_profile(DEMO)
+
+    async def scenario(plan, key: str | None) -> None:
+        options = ServeOptions(host="127.0.0.1", port=0, model_name="demo", api_key=key)
+        server, stop = (
+            Server(plan, lambda progress: Engine(plan, progress=progress), options),
+            asyncio.Event(),
+        )
+        task = await _started(server, stop)
+        base = f"http://127.0.0.1:{server.port}"
+        auth = {"Authorization": f"Bearer {key}"} if key else {}
+        request = {"model": "demo", "prompt": "hi", "max_tokens": 2, "temperature": 0}
+        async with aiohttp.ClientSession() as s:
+            await _until_ready(s, base)
+            for origin in (page, "http://evil.example"):
+                ask = {
+                    "Origin": origin,
+                    "Access-Control-Request-Method": "POST",
+                    "Access-Control-Request-Headers": "authorization, content-type",
+                }
+                async with s.options(f"{base}/v1/completions", headers=ask) as r:
+                    listed = origin == page and plan is opened
+                    assert r.status == (204 if listed else 403)
+                    if listed:
+                        assert r.headers["Access-Control-Allow-Origin"] == page
+                        assert r.headers["Access-Control-Allow-Headers"] == "authorization, content-type"
+                        assert "POST" in r.headers["Access-Control-Allow-Methods"]
+                for stream in (False, True):
+                    body = {**request, "stream": stream}
+                    async with s.post(
+                        f"{base}/v1/completions", json=body, headers={"Origin": origin, **auth}
+                    ) as r:
+                        assert r.status == 200
+                        await r.read()
+                        got = r.headers.get("Access-Control-Allow-Origin")
+                        assert got == (page if listed else None), (origin, stream, got)
+                async with s.get(f"{base}/health", headers={"Origin": origin}) as r:
+                    assert r.headers.get("Access-Control-Allow-Origin") == (page if listed else None)
+        stop.set()
+        assert await task == 0
+
+    asyncio.run(scenario(opened, "k3y"))
+    asyncio.run(scenario(plain, None))

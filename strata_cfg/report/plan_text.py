@@ -214,6 +214,7 @@ def plan_text(plan: LaunchPlan) -> str:
             if plan.serve.max_queued is not None
             else ""
         )
+        + (f", browsers from {', '.join(plan.serve.allowed_origins)}" if plan.serve.allowed_origins else "")
         if plan.serve
         else "no (one-shot generation profile)"
     )

@@ -335,6 +335,8 @@ class ServePlan(_Plan):
     port: int
     api_key_env: str | None
     model_name: str
+    allowed_origins: tuple[str, ...] = ()
+    """Web origins whose pages may call the API from a browser (``*``: any); empty: no CORS headers."""
     max_queued: int | None = None
     """Requests that may wait for a batch slot beyond ``batch.slots`` in flight; one more is answered 429
     (None: no bound)."""

@@ -24,6 +24,7 @@ KvDType = Literal["float32", "float16", "bfloat16"]
 
 _DEVICE_RE = re.compile(r"^(?:(?P<host>[A-Za-z0-9_.-]+):)?(?P<index>\d+)$")
 _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_ORIGIN_RE = re.compile(r"^https?://[^/\s:]+(:[0-9]{1,5})?$")
 
 DeviceSpec = Annotated[int, Field(ge=0)] | Annotated[str, Field(pattern=_DEVICE_RE.pattern)]
 """A GPU index (``1``), or ``"host:index"`` (``"local:1"``) naming the host that holds it."""
@@ -239,10 +240,24 @@ class ServeSection(Section):
     """Name of the environment variable that holds the API key. The key itself never goes in a profile."""
     model_name: str | None = Field(default=None, min_length=1)
     """Model id reported by ``/v1/models`` and accepted in requests (default: the profile's name)."""
+    allowed_origins: list[str] | None = None
+    """Web origins whose pages may call the API from a browser (CORS): ``"*"`` for any, or each as
+    ``scheme://host[:port]`` (default: none, so a page of another origin cannot read the answers)."""
     max_queued: int | None = Field(default=None, ge=0)
     """Requests that may wait for a free batch slot. A generation request that would bring more than
     ``batch.slots`` plus these in flight is answered 429 at once, with ``Retry-After``, instead of waiting
     (default: no bound)."""
+
+    @field_validator("allowed_origins")
+    @classmethod
+    def _origins(cls, v: list[str] | None) -> list[str] | None:
+        for origin in v or []:
+            if origin != "*" and not _ORIGIN_RE.match(origin):
+                raise ValueError(
+                    f"{origin!r} is not an origin: give `*` or `scheme://host[:port]`, with no path or "
+                    "trailing slash (as a browser sends it in `Origin`)"
+                )
+        return v
 
     @field_validator("api_key_env")
     @classmethod

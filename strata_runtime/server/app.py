@@ -38,6 +38,8 @@ RETRY_AFTER_S = 1
 """``Retry-After`` of a request refused for capacity (`serve.max_queued`): a decode window is milliseconds,
 so a slot frees within a second at any but the longest replies; OpenAI's Python client waits as long as it
 says before it retries a 429 by itself."""
+PREFLIGHT_MAX_AGE_S = 600
+"""How long a browser may reuse a preflight's answer."""
 OPEN_PATHS = frozenset({"/health"})
 """Paths answered without the API key, so a supervisor or load balancer can probe readiness."""
 
@@ -98,8 +100,10 @@ class Server:
 
     def app(self) -> web.Application:
         app = web.Application(
-            middlewares=[self._errors, self._auth, self._admission], client_max_size=MAX_BODY_BYTES
+            middlewares=[self._preflight, self._errors, self._auth, self._admission],
+            client_max_size=MAX_BODY_BYTES,
         )
+        app.on_response_prepare.append(self._allow_origin)
         app.add_routes(
             [
                 web.get("/health", self.health),
@@ -114,6 +118,48 @@ class Server:
             ]
         )
         return app
+
+    # ---- cross-origin requests (CORS), for pages of `serve.allowed_origins` -----------------------------
+
+    def _origin_allowed(self, request: web.Request) -> str | None:
+        """The ``Access-Control-Allow-Origin`` a request from a browser page gets: ``*`` where every origin
+        may call, the page's origin where it is listed, else None (no CORS header: the browser keeps the
+        answer from the page)."""
+        origin = request.headers.get("Origin")
+        allowed = self.plan.serve.allowed_origins if self.plan.serve is not None else ()
+        if origin is None or not allowed:
+            return None
+        if "*" in allowed:
+            return "*"
+        return origin if origin in allowed else None
+
+    @web.middleware
+    async def _preflight(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """A browser's preflight (``OPTIONS`` with ``Access-Control-Request-Method``), answered before the API
+        key is checked, since a browser sends none with it."""
+        if request.method != "OPTIONS" or "Access-Control-Request-Method" not in request.headers:
+            return await handler(request)
+        allowed = self._origin_allowed(request)
+        if allowed is None:
+            origin = request.headers.get("Origin", "no origin")
+            return _error_response(
+                p.ApiError(403, f"{origin} may not call this server from a browser (serve.allowed_origins)")
+            )
+        asked = request.headers.get("Access-Control-Request-Headers", "Authorization, Content-Type")
+        headers = {
+            "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+            "Access-Control-Allow-Headers": asked,
+            "Access-Control-Max-Age": str(PREFLIGHT_MAX_AGE_S),
+        }
+        return web.Response(status=204, headers=headers)
+
+    async def _allow_origin(self, request: web.Request, response: web.StreamResponse) -> None:
+        """Every answer to a page of an allowed origin carries its CORS header (streamed ones too: this runs
+        as the headers go out)."""
+        allowed = self._origin_allowed(request)
+        if allowed is not None:
+            response.headers["Access-Control-Allow-Origin"] = allowed
+            response.headers.add("Vary", "Origin")
 
     @web.middleware
     async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
