@@ -374,3 +374,35 @@ def test_pages_of_an_allowed_origin_may_call_from_a_browser_and_others_may_not()
 
     asyncio.run(scenario(opened, "k3y"))
     asyncio.run(scenario(plain, None))
+
+
+def test_metrics_time_the_first_token_and_each_token_after_it():
+    """A completed request of several tokens is timed to its first token and per token after it; one of a
+    single token only to its first; the times are the server's clock, within the request's latency."""
+    plan = resolve_profile(DEMO)
+
+    async def scenario() -> dict[str, float]:
+        server, stop = _server(plan, lambda progress: Engine(plan, progress=progress)), asyncio.Event()
+        task = await _started(server, stop)
+        base = f"http://127.0.0.1:{server.port}"
+        async with aiohttp.ClientSession() as s:
+            await _until_ready(s, base)
+            for tokens, stream in ((8, False), (6, True), (1, False)):
+                body = {"model": "demo", "prompt": "hi", "max_tokens": tokens, "temperature": 0}
+                async with s.post(f"{base}/v1/completions", json={**body, "stream": stream}) as r:
+                    assert r.status == 200
+                    await r.read()
+            async with s.get(f"{base}/metrics") as r:
+                text = await r.text()
+        stop.set()
+        assert await task == 0
+        return {
+            name: float(value)
+            for name, value in (line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
+        }
+
+    values = asyncio.run(scenario())
+    assert values["strata_time_to_first_token_seconds_count"] == 3
+    assert values["strata_time_per_output_token_seconds_count"] == 2  # not the one-token request
+    assert 0 < values["strata_time_to_first_token_seconds_sum"] <= values["strata_request_seconds_sum"]
+    assert 0 < values["strata_time_per_output_token_seconds_sum"] < values["strata_request_seconds_sum"]

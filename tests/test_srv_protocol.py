@@ -274,6 +274,10 @@ def test_metrics_exposition_counts_and_buckets():
     latencies = [rng.uniform(0.01, 200.0) for _ in range(rng.randrange(5, 50))]
     for s in latencies:
         counters.latency.observe(s)
+    per_token = [rng.uniform(0.0005, 2.0) for _ in range(rng.randrange(5, 50))]
+    for s in per_token:
+        counters.per_token.observe(s)
+    counters.first_token.observe(0.3)
     counters.requests["chat", "ok"] += 3
     counters.requests["completions", "client_error"] += 2
     windows, accepted, discarded = rng.randrange(1, 1000), rng.randrange(1, 500), rng.randrange(1, 50)
@@ -319,6 +323,12 @@ def test_metrics_exposition_counts_and_buckets():
         expected = sum(1 for s in latencies if s <= bound)
         assert values[f'strata_request_seconds_bucket{{le="{float(bound)!r}"}}'] == expected
     assert math.isclose(values["strata_request_seconds_sum"], sum(latencies))
+    for bound in metrics.TOKEN_BUCKETS_S:  # the time per token has buckets of its own
+        expected = sum(1 for s in per_token if s <= bound)
+        assert values[f'strata_time_per_output_token_seconds_bucket{{le="{float(bound)!r}"}}'] == expected
+    assert values["strata_time_per_output_token_seconds_count"] == len(per_token)
+    assert values['strata_time_to_first_token_seconds_bucket{le="0.25"}'] == 0
+    assert values['strata_time_to_first_token_seconds_bucket{le="0.5"}'] == 1
     assert "# TYPE strata_windows_total counter" in text
 
 

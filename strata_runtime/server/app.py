@@ -418,11 +418,23 @@ class Server:
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
 
+    def _observe(self, stream: Stream) -> None:
+        """A completed request's latency, time to its first token and time per token after it."""
+        c = self.counters
+        c.latency.observe(time.monotonic() - stream.submitted_at)
+        first, last = stream.first_token_at, stream.last_token_at
+        if first is None or last is None:
+            return
+        c.first_token.observe(first - stream.submitted_at)
+        if stream.tokens > 1:
+            c.per_token.observe((last - first) / (stream.tokens - 1))
+
     async def _pieces(self, stream: Stream) -> AsyncIterator[Piece]:
         """The request's text as the engine sends it (stop strings already cut), ending with its finish."""
         async for event in stream.events():
             self._count_event(event.token_ids, event.accepted_proposals)
             n = len(event.token_ids)
+            stream.note_tokens(n)
             if event.finished in ("error", "cancelled"):
                 yield Piece("", event.finished, n, event.error)
                 return
@@ -469,7 +481,7 @@ class Server:
                 entries += piece.logprobs
                 n += piece.tokens
             finish = piece.finish
-        self.counters.latency.observe(time.monotonic() - stream.submitted_at)
+        self._observe(stream)
         lps = self._logprobs(prepared, entries, chat, 0, lead=prepared.echo is not None)
         end = _finish(finish) if prepared.generate else "length"
         return (prepared.echo or "") + "".join(texts), end, n, lps
@@ -547,7 +559,7 @@ class Server:
                 task.cancel()
         if not failed and all(c.finished for c in states):
             for stream in streams:
-                self.counters.latency.observe(time.monotonic() - stream.submitted_at)
+                self._observe(stream)
             if batch[0].include_usage:
                 kind = "chat.completion.chunk" if chat else "text_completion"
                 use = p.usage(_prompt_tokens(batch), sum(c.generated for c in states))

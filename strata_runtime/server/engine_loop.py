@@ -39,6 +39,10 @@ class Stream:
         self.handle = handle
         self.finished = False
         self.submitted_at = time.monotonic()
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        self.tokens = 0
+        """Generated tokens received so far, and when the first and the last arrived (`note_tokens`)."""
         self._wakeup = asyncio.Event()
 
     async def events(self) -> AsyncIterator[TokenEvent]:
@@ -61,6 +65,13 @@ class Stream:
             if event.finished is not None:
                 self.finished = True
             yield event
+
+    def note_tokens(self, n: int) -> None:
+        """``n`` generated tokens arrived now."""
+        if n:
+            now = time.monotonic()
+            self.first_token_at = self.first_token_at or now
+            self.last_token_at, self.tokens = now, self.tokens + n
 
     def notify(self) -> None:
         """Wake the task waiting in `events` to look at the queue again (on the event loop's thread)."""

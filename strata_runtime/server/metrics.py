@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 LATENCY_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+TOKEN_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
+"""Buckets of the time per output token: a decode window is milliseconds."""
 
 
 @dataclass
@@ -19,9 +21,12 @@ class Histogram:
     """A cumulative-bucket histogram, as Prometheus wants it."""
 
     bounds: tuple[float, ...] = LATENCY_BUCKETS_S
-    counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS_S) + 1))
+    counts: list[int] = field(default_factory=list)
     total: float = 0.0
     n: int = 0
+
+    def __post_init__(self) -> None:
+        self.counts = self.counts or [0] * (len(self.bounds) + 1)
 
     def observe(self, value: float) -> None:
         i = next((k for k, b in enumerate(self.bounds) if value <= b), len(self.bounds))
@@ -42,6 +47,11 @@ class ServerCounters:
     accepted_proposals: int = 0
     latency: Histogram = field(default_factory=Histogram)
     """Seconds from a request's arrival to its last token, for requests that completed."""
+    first_token: Histogram = field(default_factory=Histogram)
+    """Seconds from a request's arrival to its first generated token, for requests that completed."""
+    per_token: Histogram = field(default_factory=lambda: Histogram(TOKEN_BUCKETS_S))
+    """Seconds per generated token after the first (its last token's time less its first's, over the
+    tokens between), for completed requests of two tokens or more."""
 
 
 TOTALS: dict[str, tuple[str, str, float]] = {
@@ -199,6 +209,17 @@ def _number(v: float) -> str:
     return repr(float(v))
 
 
+def _histogram(name: str, text: str, h: Histogram) -> list[str]:
+    out = _head(name, "histogram", text)
+    cumulative = 0
+    for bound, n in zip((*h.bounds, math.inf), h.counts, strict=True):
+        cumulative += n
+        out.append(_line(f"{name}_bucket", cumulative, {"le": _number(bound)}))
+    out.append(_line(f"{name}_sum", h.total))
+    out.append(_line(f"{name}_count", h.n))
+    return out
+
+
 def _head(name: str, kind: str, help_: str) -> list[str]:
     return [f"# HELP {name} {help_}", f"# TYPE {name} {kind}"]
 
@@ -224,14 +245,19 @@ def render(counters: ServerCounters, engine_stats: dict[str, Any], *, ready: boo
     )
     out.append(_line("strata_request_proposals_accepted_total", counters.accepted_proposals))
 
-    h = counters.latency
-    out += _head("strata_request_seconds", "histogram", "Request latency from arrival to the last token.")
-    cumulative = 0
-    for bound, n in zip((*h.bounds, math.inf), h.counts, strict=True):
-        cumulative += n
-        out.append(_line("strata_request_seconds_bucket", cumulative, {"le": _number(bound)}))
-    out.append(_line("strata_request_seconds_sum", h.total))
-    out.append(_line("strata_request_seconds_count", h.n))
+    out += _histogram(
+        "strata_request_seconds", "Request latency from arrival to the last token.", counters.latency
+    )
+    out += _histogram(
+        "strata_time_to_first_token_seconds",
+        "Time from a request's arrival to its first generated token.",
+        counters.first_token,
+    )
+    out += _histogram(
+        "strata_time_per_output_token_seconds",
+        "Time per generated token after a request's first.",
+        counters.per_token,
+    )
 
     out += engine_lines(engine_stats)
     out += expert_lines(engine_stats)
