@@ -692,7 +692,8 @@ def test_serve_max_queued_reaches_the_plan_and_its_text_and_a_negative_one_is_re
     assert ", at most 6 waiting for a slot" in plan_text(plan)
     unbounded = plan_of(rule_file("serve.exposed"))
     assert unbounded.serve is not None and unbounded.serve.max_queued is None
-    assert "waiting for a slot" not in plan_text(unbounded)
+    assert "waiting for a slot" not in plan_text(unbounded) and "warm-up" not in plan_text(unbounded)
+    assert ", no warm-up" in plan_text(plan_of(rule_file("serve.exposed"), ["serve.warm_up=false"]))
     [p] = problems_of(rule_file("serve.exposed"), sets=["serve.max_queued=-1"])
     assert p.key == "serve.max_queued" and "greater than or equal to 0" in p.message
 

@@ -613,8 +613,19 @@ def test_the_server_warms_the_engine_up_before_it_answers(fake_gpu):
     seen: list[tuple[str, float]] = []
     report = progress.report
     progress.report = lambda label, fraction: seen.append((label, fraction)) or report(label, fraction)  # type: ignore[method-assign]
-    engine = _factory(_plan("cuda", "tiny", draft_tokens=4))(progress)
+    plan = _plan("cuda", "tiny", draft_tokens=4, serve=True)
+    assert plan.serve is not None and plan.serve.warm_up
+    engine = _factory(plan)(progress)
     assert seen and all(label.startswith("warming up") for label, _ in seen)
     assert [f for _, f in seen] == sorted(f for _, f in seen) and seen[-1][1] == 1.0
     assert (progress.progress, progress.fraction) == seen[-1]
     assert engine.totals["windows"] == 0 and engine.stats()["queue"] == 0
+    # serve.warm_up = false: the engine answers at once, its graphs left to the first requests
+    seen.clear()
+    text = float16_profile_text(
+        backend="cuda", preset="tiny", slots=2, context=256, draft_tokens=4, serve=True
+    )
+    cold = resolve_text(text.replace("[serve]", "[serve]\nwarm_up = false"), "cuda-path.toml").plan
+    assert cold.serve is not None and not cold.serve.warm_up
+    engine = _factory(cold)(progress)
+    assert not seen and not engine.model.stages[0].cuda._graphs

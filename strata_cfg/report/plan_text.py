@@ -215,6 +215,7 @@ def plan_text(plan: LaunchPlan) -> str:
             else ""
         )
         + (f", browsers from {', '.join(plan.serve.allowed_origins)}" if plan.serve.allowed_origins else "")
+        + ("" if plan.serve.warm_up else ", no warm-up")
         if plan.serve
         else "no (one-shot generation profile)"
     )

@@ -255,6 +255,7 @@ def _assemble(
                 api_key_env=led["serve.api_key_env"],
                 model_name=led["serve.model_name"],
                 max_queued=led["serve.max_queued"],
+                warm_up=bool(led["serve.warm_up"]),
                 allowed_origins=tuple(led["serve.allowed_origins"]),
                 loopback=is_loopback(led["serve.host"]),
             )

@@ -127,6 +127,7 @@ def resolve_defaults(
         led.take("serve.api_key_env", sv.api_key_env, None)
         led.take("serve.model_name", sv.model_name, led["name"])
         led.take("serve.max_queued", sv.max_queued, None)
+        led.take("serve.warm_up", sv.warm_up, True)
         led.take("serve.allowed_origins", tuple(sv.allowed_origins) if sv.allowed_origins else None, ())
 
     sp = p.split

@@ -337,6 +337,8 @@ class ServePlan(_Plan):
     model_name: str
     allowed_origins: tuple[str, ...] = ()
     """Web origins whose pages may call the API from a browser (``*``: any); empty: no CORS headers."""
+    warm_up: bool = True
+    """Whether the engine runs every decode window shape before it answers (`Engine.warm_up`)."""
     max_queued: int | None = None
     """Requests that may wait for a batch slot beyond ``batch.slots`` in flight; one more is answered 429
     (None: no bound)."""

@@ -243,6 +243,9 @@ class ServeSection(Section):
     allowed_origins: list[str] | None = None
     """Web origins whose pages may call the API from a browser (CORS): ``"*"`` for any, or each as
     ``scheme://host[:port]`` (default: none, so a page of another origin cannot read the answers)."""
+    warm_up: bool | None = None
+    """Run every decode window shape before answering, so that the first requests find their CUDA graphs
+    captured (default true; nothing to do on CPU devices)."""
     max_queued: int | None = Field(default=None, ge=0)
     """Requests that may wait for a free batch slot. A generation request that would bring more than
     ``batch.slots`` plus these in flight is answered 429 at once, with ``Retry-After``, instead of waiting

@@ -87,7 +87,8 @@ def _factory(plan: LaunchPlan) -> EngineFactory:
         from strata_runtime.engine import Engine  # on the engine thread: it owns the devices
 
         engine = Engine(plan, progress=progress)
-        engine.warm_up(progress.report)  # /health says "loading" until the first requests' graphs exist
+        if plan.serve is None or plan.serve.warm_up:
+            engine.warm_up(progress.report)  # /health says "loading" until the first requests' graphs exist
         return engine
 
     return build
