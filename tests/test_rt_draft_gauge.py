@@ -49,9 +49,27 @@ def test_a_gauge_drafts_while_warming_up_pauses_below_the_floor_probes_and_comes
     g.record(1, 1)  # its proposal held
     assert not g.probe_due and g.drafts and g.estimate >= FLOOR
     assert g.wait == DRAFT_PROBE_EVERY
-    for _ in range(3):
+    for _ in range(8):
         g.record(3, 3)
     assert g.estimate > 0.9
+
+
+def test_the_floor_weighs_a_windows_first_proposal_alone() -> None:
+    """A deeper solo window counts toward the floor as its first proposal did: held or not, whatever the
+    proposals after it did (they count by position, in the depth's chances), exactly as a window of one
+    proposal. Three proposals that hold 60%, 55% and 50% of the time they are tried keep drafting on: read
+    as a share of all proposals (about 37%, and 0 of 3 whenever the first failed) they paused it."""
+    one, deep = DraftGauge(), DraftGauge()
+    for accepted in [2, 0, 3, 1, 0, 0, 2, 3, 0, 1]:
+        one.record(1, min(accepted, 1))
+        deep.record(3, accepted)
+        assert one.rate == deep.rate
+    assert deep.own.chance[:2] != one.own.chance[:2]  # the later positions are measured apart
+    g = DraftGauge()
+    for accepted in [1, 0, 1, 1, 0, 1, 0, 1, 1, 0]:  # first proposals: 6 of 10 held, never a second
+        g.record(3, accepted)
+        assert g.drafts
+    assert g.estimate >= 2 * FLOOR
 
 
 def _run(plan, requests) -> tuple[list[list[int]], str, int, int]:

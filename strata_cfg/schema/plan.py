@@ -230,7 +230,8 @@ class SpecPlan(_Plan):
     mtp: bool
     """Whether the solo path drafts with the MTP head."""
     draft_floor: float = DEFAULT_DRAFT_FLOOR
-    """Drafting pauses for a request while fewer than this share of its proposals hold (0: never)."""
+    """Drafting pauses for a request while fewer than this share of its windows' first proposals hold (0:
+    never)."""
     adaptive_depth: bool = True
     """A request alone drafts as many proposals as pay, and slots together take batch-MTP windows where
     those pay (by acceptance and the measured window times); False: all ``draft_tokens - 1``, and batch

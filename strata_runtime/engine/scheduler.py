@@ -446,9 +446,10 @@ class Engine:
         }
 
     def _drafting_state(self, s: Slot) -> dict[str, Any]:
-        """Why the slot drafts as it does: the share of its proposals that held as the floor reads it (1
-        until `DRAFT_WARMUP` were seen), each proposal position's chance of holding, the depth its next
-        window alone would draft, and whether that depth adapts to the measured window times."""
+        """Why the slot drafts as it does: how often its windows' first proposal held, as the floor reads
+        it (1 until `DRAFT_WARMUP` proposals were seen), each proposal position's chance of holding, the
+        depth its next window alone would draft, and whether that depth adapts to the measured window
+        times."""
         g = s.gauge
         room = min(self.depth, self._room(s))
         depth = g.depth(room)

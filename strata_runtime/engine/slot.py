@@ -33,7 +33,7 @@ class Slot:
     """The text sent so far: always a prefix of the final reply."""
     finished: FinishReason | None = None
     gauge: DraftGauge = field(default_factory=DraftGauge)
-    """Whether drafting pays for this request: the share of its proposals that held."""
+    """Whether drafting pays for this request: how often its windows' first proposal held."""
     _text: str = ""
     """The text of ``generated[:_read]``, decoded incrementally (complete characters only)."""
     _prefix: int = 0

@@ -42,8 +42,8 @@ doubles after each probe that leaves the estimate under the floor, up to `DRAFT_
 DRAFT_PROBE_MOST = 128
 """The longest wait between probes of a paused slot, in windows without proposals."""
 DRAFT_WEIGHT = 1 / 4
-"""Weight of each new proposal in the estimate: an exponential average over about the last 4, so one probe
-whose proposal holds brings a paused slot back to the floor."""
+"""Weight of each window's first proposal in the estimate: an exponential average over about the last 4
+windows, so one probe whose proposal holds brings a paused slot back to the floor."""
 
 
 HOLD_WARMUP = 4
@@ -61,10 +61,14 @@ once the text turns predictable."""
 class DraftGauge:
     """Whether drafting pays for one slot, and how deep its solo windows draft.
 
-    **Whether.** An exponential average of the share of its proposals that held, from every window it
-    verified. Drafting pauses while the estimate is under ``floor`` (the plan's ``spec.draft_floor``, after
-    `DRAFT_WARMUP` proposals). A window of k slots with one proposal each costs t(2k) for k(1 + a) tokens,
-    against t(k) for k tokens without; on an H200 t(2k)/t(k) is 1.28 to 1.6 for k = 1..4
+    **Whether.** An exponential average of how often the first proposal of a window it verified held (in
+    a batch-MTP window, its one proposal). Drafting pauses while the estimate is under ``floor`` (the plan's
+    ``spec.draft_floor``, after `DRAFT_WARMUP` proposals). A deeper solo window's later proposals are
+    tried only once those before them held, so they count in the chances by position (below), not here:
+    counted here, three proposals that hold 60%, 55% and 50% of the time they are tried would read as 37%,
+    and a window whose first proposal failed as 0 of 3, pausing drafting that pays. A window of k slots
+    with one proposal each costs t(2k) for k(1 + a) tokens, against t(k) for k tokens without; on an H200
+    t(2k)/t(k) is 1.28 to 1.6 for k = 1..4
     (docs/PERFORMANCE.md), so the default, 0.25, pauses only where drafting loses in every case measured.
     A paused slot drafts again for one window after `DRAFT_PROBE_EVERY` windows, so a request whose text
     turns predictable gets its drafts back; each probe that finds them still failing doubles the wait for
@@ -113,8 +117,9 @@ class DraftGauge:
         self.probed = probe
         self.idle = 0
         self.seen += proposed
-        keep = (1 - DRAFT_WEIGHT) ** proposed
-        self.rate = keep * self.rate + (1 - keep) * accepted / proposed
+        # The floor weighs the chance that a window's first proposal holds: a deeper solo window's later
+        # proposals are tried only once the ones before them held, and count in `own` (per position).
+        self.rate = (1 - DRAFT_WEIGHT) * self.rate + DRAFT_WEIGHT * (accepted > 0)
         self.drafted += 1
         for j in range(min(accepted + 1, proposed)):
             held = j < accepted
@@ -143,7 +148,8 @@ class DraftGauge:
 
     @property
     def estimate(self) -> float:
-        """The share of proposals expected to hold (optimistic, 1, until `DRAFT_WARMUP` were seen)."""
+        """The chance that a window's first proposal holds (optimistic, 1, until `DRAFT_WARMUP` proposals
+        were seen)."""
         return self.rate if self.seen >= DRAFT_WARMUP else 1.0
 
     def hold(self, j: int) -> float:

@@ -1,0 +1,101 @@
+"""How the drafting floor reads a lone request's solo windows: a simulation of the engine's own `DraftGauge`.
+
+One request alone decodes 128 tokens in solo windows of up to 3 proposals, its depth chosen as the engine
+chooses it (`DraftGauge.depth`, with window times per row count fixed at the given milliseconds), and each
+proposal j holding with chance h_j once those before it held (independently, or in bursts: a good stretch
+at h, a bad one at 5%). For each case it prints the tokens per millisecond and the share of windows
+without proposals (paused), under the floor as the engine reads it (each window's first proposal) and as
+it read it before (every proposal's share of its window), over many seeded requests:
+
+    python scripts/draft_floor_sim.py [--requests 300] [--ms 2.90,3.90,4.80,5.72]
+
+The default times are one H200's solo windows of 1 and 4 rows on the `qwen3-30b-a3b` preset
+(docs/PERFORMANCE.md), with 2 and 3 rows between them. CPU only; no model runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+
+from strata_runtime.engine import speculative
+from strata_runtime.engine.depth import PRIOR_WEIGHT, Holds, WindowCosts
+from strata_runtime.engine.speculative import DraftGauge
+
+CASES = {
+    "85 / 80 / 75%": ([0.85, 0.80, 0.75], None),
+    "75 / 70 / 65%": ([0.75, 0.70, 0.65], None),
+    "60 / 55 / 50%": ([0.60, 0.55, 0.50], None),
+    "45 / 40 / 35%": ([0.45, 0.40, 0.35], None),
+    "20 / 20 / 20%": ([0.20, 0.20, 0.20], None),
+    "bursts of 80 / 75 / 70%": ([0.80, 0.75, 0.70], (0.95, 0.90)),
+}
+
+
+def request(
+    holds: list[float], bursts: tuple[float, float] | None, ms: list[float], seed: int
+) -> tuple[float, float]:
+    """One request's tokens per millisecond and share of windows without proposals."""
+    rng = random.Random(seed)
+    costs = WindowCosts()
+    for rows, t in enumerate(ms, start=1):
+        for _ in range(15):
+            costs.observe(rows, t)
+    gauge = DraftGauge(0.25, costs, len(ms) - 1, Holds(PRIOR_WEIGHT))
+    made, spent, windows, paused, good = 0, 0.0, 0, 0, True
+    while made < 128:
+        if bursts is not None:
+            good = rng.random() < (bursts[0] if good else 1 - bursts[1])
+        h = holds if good else [0.05] * len(holds)
+        depth = gauge.depth(len(ms) - 1)
+        accepted = 0
+        while accepted < depth and rng.random() < h[accepted]:
+            accepted += 1
+        gauge.record(depth, accepted)
+        made, spent = made + accepted + 1, spent + ms[depth]
+        windows, paused = windows + 1, paused + (depth == 0)
+    return made / spent, paused / windows
+
+
+@contextmanager
+def every_proposal() -> Iterator[None]:
+    """The floor as it read a window before: the share of all its proposals that held."""
+    original = DraftGauge.record
+
+    def record(self: DraftGauge, proposed: int, accepted: int) -> None:
+        rate = self.rate
+        original(self, proposed, accepted)
+        if proposed:
+            keep = (1 - speculative.DRAFT_WEIGHT) ** proposed
+            self.rate = keep * rate + (1 - keep) * accepted / proposed
+
+    DraftGauge.record = record  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        DraftGauge.record = original  # type: ignore[method-assign]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--requests", type=int, default=300)
+    parser.add_argument("--ms", default="2.90,3.90,4.80,5.72", help="solo window times of 1, 2, ... rows")
+    args = parser.parse_args()
+    ms = [float(v) for v in args.ms.split(",")]
+    print("| chances | first proposal: tok/ms, paused | every proposal: tok/ms, paused | no drafting |")
+    print("| --- | ---: | ---: | ---: |")
+    for name, (holds, bursts) in CASES.items():
+        row = []
+        for variant in ("first", "every"):
+            with every_proposal() if variant == "every" else nullcontext():
+                runs = [request(holds, bursts, ms, seed) for seed in range(args.requests)]
+            rate = sum(r for r, _ in runs) / len(runs)
+            paused = sum(p for _, p in runs) / len(runs)
+            row.append(f"{rate:.3f}, {paused:.0%}")
+        print(f"| {name} | {row[0]} | {row[1]} | {1 / ms[0]:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
