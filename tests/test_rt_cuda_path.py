@@ -556,7 +556,9 @@ def test_the_warm_up_captures_the_graphs_requests_then_replay(fake_gpu, monkeypa
         return [[t for _ in range(h.events.qsize()) for t in h.events.get().token_ids] for h in handles]
 
     warmed = Engine(plan)
+    assert warmed.stats()["warm_up"] is None
     assert warmed.warm_up() > 0 and captures
+    assert warmed.stats()["warm_up"]["windows"] > 0 and warmed.stats()["warm_up"]["seconds"] > 0
     assert warmed.totals["windows"] == 0 and warmed.totals["tokens"] == 0  # the warm-up is forgotten
     held = len(captures)
     texts = serve(warmed)

@@ -149,6 +149,8 @@ class Engine:
         self._turns = itertools.count(1)
         self._delivered_at = time.perf_counter()
         self.window_stats = WindowStats()
+        self.warmed: dict[str, Any] | None = None
+        """What `warm_up` ran (windows, seconds); None when it did not run."""
         device_spec.prepare(self.model, self._spec_shapes())
         self.startup = self._startup_lines()
         for line in self.startup:
@@ -247,7 +249,9 @@ class Engine:
         self.depth_state, self.batch_costs = {}, {}
         if report is not None:
             report(label, 1.0)
-        log.info("warmed up: %d windows in %.1f s", ran, time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        self.warmed = {"windows": ran, "seconds": round(seconds, 3)}
+        log.info("warmed up: %d windows in %.1f s", ran, seconds)
         return ran
 
     def stats(self) -> dict[str, Any]:
@@ -286,6 +290,7 @@ class Engine:
             "drafters": self.drafter_info(),
             "experts": [stage.experts.describe() for stage in self.model.stages],
             "compiled_at_launch": self.model.compiled_at_launch(),
+            "warm_up": self.warmed,
         }
 
     # ---- the expert caches, between benchmark runs ----------------------------------------------------
