@@ -705,7 +705,10 @@ def test_the_launch_summary_says_how_many_requests_may_wait():
     [line] = [x for x in summary(capped) if x.startswith("  serve:")]
     assert line.endswith("; at most 4 request(s) waiting for a slot, then 429")
     [line] = [x for x in summary(plan_of(rule_file("serve.exposed"))) if x.startswith("  serve:")]
-    assert "waiting" not in line
+    assert "waiting" not in line and "browsers" not in line
+    pages = plan_of(rule_file("serve.exposed"), ['serve.allowed_origins=["http://localhost:3000"]'])
+    [line] = [x for x in summary(pages) if x.startswith("  serve:")]
+    assert line.endswith("; browsers from http://localhost:3000")
 
 
 def test_serve_allowed_origins_reach_the_plan_and_a_path_is_refused_naming_the_key():

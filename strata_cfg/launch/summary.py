@@ -28,6 +28,8 @@ def summary(plan: LaunchPlan) -> list[str]:
         bind = "" if is_loopback(plan.serve.host) else f" (listening on {plan.serve.host}:{plan.serve.port})"
         cap = plan.serve.max_queued
         queue = "" if cap is None else f"; at most {cap} request(s) waiting for a slot, then 429"
+        if plan.serve.allowed_origins:
+            queue += f"; browsers from {', '.join(plan.serve.allowed_origins)}"
         lines.append(
             f"  serve: {base_url(plan.serve)}/v1{bind} as model `{plan.serve.model_name}`{key}{queue}"
         )
