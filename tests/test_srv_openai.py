@@ -132,6 +132,10 @@ def test_models_and_status_show_the_plan(engine: Launched, client: openai.OpenAI
     plan = json.loads((engine.run_dir / "plan.json").read_text())
     models = client.models.list().data
     assert [m.id for m in models] == [plan["serve"]["model_name"]]
+    one = client.models.retrieve(plan["serve"]["model_name"])  # GET /v1/models/{model}
+    assert one.id == models[0].id and one.model_dump()["max_model_len"] == plan["memory"]["context"]
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("another-model")
     status = get_json(f"{engine.url}/v1/status", engine.key)
     assert status["state"] == "ready"
     assert status["plan"] == plan

@@ -108,6 +108,7 @@ class Server:
             [
                 web.get("/health", self.health),
                 web.get("/v1/models", self.models),
+                web.get("/v1/models/{model}", self.model),
                 web.get("/v1/status", self.status),
                 web.get("/metrics", self.metrics),
                 web.post("/v1/completions", self.completions),
@@ -245,15 +246,22 @@ class Server:
                 body["error"] = engine.error
         return web.json_response({**body, "engine_id": self.engine_id}, status=status)
 
-    async def models(self, request: web.Request) -> web.Response:
-        entry = {
+    def _model_entry(self) -> dict[str, Any]:
+        return {
             "id": self.options.model_name,
             "object": "model",
             "created": int(self.started),
             "owned_by": "strata",
             "max_model_len": self.context,
         }
-        return web.json_response({"object": "list", "data": [entry]})
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self._model_entry()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """``GET /v1/models/{model}`` (OpenAI's retrieve): the served model, or 404 naming any other."""
+        p.check_model(request.match_info["model"], self.options.model_name)
+        return web.json_response(self._model_entry())
 
     async def status(self, request: web.Request) -> web.Response:
         engine = self.engine
