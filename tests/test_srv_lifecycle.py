@@ -74,7 +74,9 @@ def test_health_and_requests_say_loading_until_the_engine_is_built(plan):
             async with s.get(f"{base}/health") as r:
                 assert r.status == 503
                 assert (await r.json())["status"] == "loading"
-            status, body = await _post(s, f"{base}/v1/completions", {"model": "demo", "prompt": "hi"})
+            async with s.post(f"{base}/v1/completions", json={"model": "demo", "prompt": "hi"}) as r:
+                status, body = r.status, await r.json()
+                assert r.headers["Retry-After"] == "5"  # the client waits between tries
             assert status == 503 and "still loading" in body["error"]["message"]
             async with s.get(f"{base}/tokenizer_info") as r:  # the tokenizer comes with the engine
                 assert r.status == 503 and "still loading" in (await r.json())["error"]["message"]

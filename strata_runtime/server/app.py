@@ -38,6 +38,9 @@ RETRY_AFTER_S = 1
 """``Retry-After`` of a request refused for capacity (`serve.max_queued`): a decode window is milliseconds,
 so a slot frees within a second at any but the longest replies; OpenAI's Python client waits as long as it
 says before it retries a 429 by itself."""
+LOADING_RETRY_AFTER_S = 5
+"""``Retry-After`` of a request refused while the model loads (or warms up): loading takes seconds to
+minutes, so a client that retries by itself (OpenAI's does, on a 503) waits this long between tries."""
 PREFLIGHT_MAX_AGE_S = 600
 """How long a browser may reuse a preflight's answer."""
 OPEN_PATHS = frozenset({"/health"})
@@ -218,7 +221,10 @@ class Server:
                 frac = engine.loading.fraction if engine else None
                 done = f" ({engine.loading.progress} {frac:.0%})" if engine and frac is not None else ""
                 raise p.ApiError(
-                    503, f"the model is still loading{done}; retry shortly", type_="server_error"
+                    503,
+                    f"the model is still loading{done}; retry shortly",
+                    type_="server_error",
+                    headers={"Retry-After": str(LOADING_RETRY_AFTER_S)},
                 )
             if engine.state != "ready":
                 raise p.ApiError(503, f"the engine is not running: {engine.error}", type_="server_error")
