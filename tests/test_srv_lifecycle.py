@@ -356,6 +356,12 @@ def test_pages_of_an_allowed_origin_may_call_from_a_browser_and_others_may_not()
                 async with s.options(f"{base}/v1/completions", headers=ask) as r:
                     listed = origin == page and plan is opened
                     assert r.status == (204 if listed else 403)
+                    if not listed:  # the refusal names the origin and the key that would admit it
+                        message = (await r.json())["error"]["message"]
+                        assert (
+                            message
+                            == f"{origin} may not call this server from a browser (serve.allowed_origins)"
+                        )
                     if listed:
                         assert r.headers["Access-Control-Allow-Origin"] == page
                         assert r.headers["Access-Control-Allow-Headers"] == "authorization, content-type"
