@@ -701,3 +701,46 @@ def test_logprobs_on_gpu_are_the_array_paths_and_read_back_the_same_as_a_prompt(
         pass
     back = [lp.logprob for ev in list(whole.events.queue) for lp in ev.prompt_logprobs]
     np.testing.assert_allclose(back[len(prompt) - 1 :], gpu[1], atol=2e-2)
+
+
+@pytest.mark.parametrize("slots", [1, 3])
+def test_after_the_warm_up_requests_on_gpu_only_replay_graphs(cp, monkeypatch, slots):
+    """`Engine.warm_up` on a real GPU: every decode window (of the layers and of the drafting head) that
+    requests then run replays a graph captured during the warm-up, none runs eagerly or is captured; and
+    greedy text is what an engine that never warmed up gives. One slot drafts alone at its full depth; three
+    slots run batch-MTP windows, greedy beside sampled."""
+    from strata_runtime.api import Request, SamplingParams
+    from strata_runtime.cuda.decode import CudaLayers
+    from strata_runtime.engine import Engine
+
+    unreplayed: list[int] = []
+    replay = CudaLayers.replay
+
+    def counting(self, b, body):
+        if b.rows not in self._graphs:  # eager (first) or capturing (second)
+            unreplayed.append(b.rows)
+        replay(self, b, body)
+
+    monkeypatch.setattr(CudaLayers, "replay", counting)
+    plan = _plan(cp, model="tiny", slots=slots, batch_mtp=slots > 1, draft_tokens=3)
+    g = np.random.default_rng(31)
+    prompts = [tuple(g.integers(1, 250, int(n)).tolist()) for n in g.integers(3, 30, slots)]
+    sampled = SamplingParams(temperature=0.8, top_k=20, seed=5)
+
+    def serve(engine: Engine) -> list[list[int]]:
+        reqs = [Request(p, 20, sampled if i == 1 else SamplingParams()) for i, p in enumerate(prompts)]
+        handles = [engine.submit(r) for r in reqs]
+        while engine.step():
+            pass
+        return [[t for _ in range(h.events.qsize()) for t in h.events.get().token_ids] for h in handles]
+
+    warmed = Engine(plan)
+    assert warmed.warm_up() > 0 and unreplayed
+    unreplayed.clear()
+    texts = serve(warmed)
+    assert warmed.totals["windows"] > 0 and warmed.totals["accepted"] > 0
+    assert unreplayed == []
+    fresh = serve(Engine(plan))
+    assert unreplayed  # the engine that did not warm up ran its first windows eagerly
+    greedy = [i for i in range(slots) if i != 1]
+    assert [texts[i] for i in greedy] == [fresh[i] for i in greedy]

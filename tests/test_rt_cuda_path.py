@@ -569,6 +569,66 @@ def test_the_warm_up_captures_the_graphs_requests_then_replay(fake_gpu, monkeypa
     assert [texts[i] for i in greedy] == [fresh[i] for i in greedy]  # the warm-up changes no greedy token
 
 
+@pytest.mark.parametrize("slots", [1, 3])
+def test_after_the_warm_up_no_window_runs_eagerly_or_is_captured(fake_gpu, monkeypatch, slots):
+    """Whatever rows a window takes (a short prompt's last window, the first draft after a prompt, a
+    request's last window, batch MTP beside solo windows), it replays a graph the warm-up captured: every
+    row count of 1 to 8 through the layers and through the drafting head, at host positions and at
+    positions decided on the device. The KV lengths it leaves are zero, and greedy text is what an engine
+    that never warmed up gives."""
+    from strata_cfg.schema.windows import MAX_WINDOW_ROWS
+    from strata_runtime.api import SamplingParams
+    from strata_runtime.cuda.decode import CudaLayers
+    from strata_runtime.engine import Engine
+
+    unreplayed: list[int] = []
+    replay = CudaLayers.replay
+
+    def counting(self, b, body):
+        if b.rows not in self._graphs:  # eager (first) or capturing (second)
+            unreplayed.append(b.rows)
+        replay(self, b, body)
+
+    monkeypatch.setattr(CudaLayers, "replay", counting)
+    text = float16_profile_text(
+        backend="cuda",
+        preset="tiny",
+        slots=slots,
+        context=512,
+        batch_mtp=slots > 1,
+        draft_tokens=3,
+        adaptive_depth=False,
+    )
+    plan = resolve_text(text, "cuda-path.toml").plan
+    g = np.random.default_rng(31)
+    prompts = [tuple(g.integers(1, 250, int(n)).tolist()) for n in (17, 11, 29)[:slots]]
+    sampled = SamplingParams(temperature=0.8, top_k=20, seed=5)
+
+    def serve(engine: Engine) -> list[list[int]]:
+        reqs = [Request(p, 20 + i, sampled if i == 1 else SamplingParams()) for i, p in enumerate(prompts)]
+        handles = [engine.submit(r) for r in reqs]
+        while engine.step():
+            pass
+        return [[t for _ in range(h.events.qsize()) for t in h.events.get().token_ids] for h in handles]
+
+    warmed = Engine(plan)
+    assert warmed.warm_up() > 0
+    model = warmed.model
+    every = frozenset(range(1, MAX_WINDOW_ROWS + 1))
+    assert model.stages[0].cuda.captured == every
+    assert model.mtp.cuda.layers.captured == every and model.mtp.cuda.device_layers.captured == every
+    assert all(model.kv_lengths(s) == [0] for s in range(slots))
+    assert all(d.length == 0 for d in model.drafters.values())
+    unreplayed.clear()
+    texts = serve(warmed)
+    assert warmed.totals["accepted"] > 0
+    assert unreplayed == []
+    fresh = serve(Engine(plan))
+    assert unreplayed  # without the warm-up, the first windows of each shape run eagerly, then capture
+    greedy = [i for i in range(slots) if i != 1]
+    assert [texts[i] for i in greedy] == [fresh[i] for i in greedy]
+
+
 def test_the_warm_up_forgets_the_window_times_it_measured(fake_gpu):
     """With the adaptive depth and batch MTP, the warm-up's windows are timed into the solo and batch window
     costs (each shape's first windows eager and capturing); afterwards the engine starts from none."""

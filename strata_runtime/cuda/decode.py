@@ -47,6 +47,11 @@ class CudaLayers:
         widths = [lay.mlp_width for lay in self.stack.layers if lay.mlp_down is not None]
         return decode_expressions(self.stack.args, widths, self.gemv_shapes, self.stack.kern.tensor_cores)
 
+    @property
+    def captured(self) -> frozenset[int]:
+        """The row counts whose windows replay a captured graph."""
+        return frozenset(self._graphs)
+
     def buffers(self, rows: int) -> WindowBuffers:
         s = self.stack
         if rows not in self._bufs:

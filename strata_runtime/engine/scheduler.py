@@ -197,10 +197,12 @@ class Engine:
         One prompt alone (`WARM_PROMPT` tokens), then a request in every slot, each joining two tokens after
         the one before it, greedy, sampled and penalised in turn: so windows of one slot alone (at each
         solo depth), and of every number of slots together, serial and batch-MTP (and every pipelined
-        group), run at least twice. The requests are then forgotten: the window statistics, what the
-        proposals did and the windows' measured times (which hold each shape's eager and capturing
-        windows) start afresh, as in an engine that never ran. ``report`` is told (label, fraction done) as
-        each request joins."""
+        group), run at least twice. Then every window shape of 1 to 8 rows that this mix did not capture
+        is captured (`strata_runtime.model.placed.Model.capture_window_graphs`): a short prompt's last
+        window and a request's last take any row count. The requests are then forgotten: the window
+        statistics, what the proposals did and the windows' measured times (which hold each shape's eager
+        and capturing windows) start afresh, as in an engine that never ran. ``report`` is told (label,
+        fraction done) as each request joins."""
         if not any(stage.device.is_cuda for stage in self.model.stages):
             return 0
         t0 = time.perf_counter()
@@ -245,6 +247,7 @@ class Engine:
         if not all(done):
             raise RuntimeError("the warm-up requests did not finish")
         ran = int(self.window_stats.counts["windows"]) - windows
+        ran += self.model.capture_window_graphs()  # shapes the mix did not run twice; every slot is free
         self.window_stats = WindowStats()
         self.depth_state, self.batch_costs = {}, {}
         if report is not None:

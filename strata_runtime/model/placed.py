@@ -14,6 +14,7 @@ import numpy as np
 from numpy.typing import DTypeLike
 
 from strata_cfg.schema.plan import LaunchPlan
+from strata_cfg.schema.windows import MAX_WINDOW_ROWS
 
 from ..api import PlanMismatch, SamplingParams, Tokenizer
 from ..backend import DTYPES, Array, Device, enable_peer_access, peer_access_enabled, transfer
@@ -373,6 +374,41 @@ class Model:
 
     def logits(self, normed: Array) -> Array:
         return self.last.logits(normed)
+
+    def capture_window_graphs(self) -> int:
+        """Capture the CUDA graph of every decode window shape: 1 to `MAX_WINDOW_ROWS` rows through each
+        GPU stage's layers and through the drafting head (its windows at host positions and at positions
+        decided on the device run on graphs of their own). A shape not yet captured runs until it is (once
+        eagerly, then captured), so that no request's window pays for either: a short prompt's last window
+        and the last window of a request near its end take any row count. Returns the windows run.
+
+        The windows read zeros as slot 0 at positions 0 to R - 1 and write those positions of its KV and of
+        the drafters' KV, which a request then in the slot has written before and would lose: call this only
+        while no request holds a slot. A request's own prompt writes them again before anything reads them.
+        """
+        ran = 0
+        for rows in range(1, MAX_WINDOW_ROWS + 1):
+            layout = Layout.of([(0, rows, 0)])
+            for stage in self.stages:
+                while stage.cuda is not None and rows not in stage.cuda.captured:
+                    with stage.device.use():
+                        hidden = stage.device.zeros((rows, self.args.hidden_size), np.float32)
+                        stage.forward(hidden, layout, account=False)
+                    ran += 1
+            head = self.mtp.cuda if self.mtp is not None else None
+            if head is None:
+                continue
+            device = self.last.device
+            with device.use():
+                zeros = device.zeros((rows, self.args.hidden_size), np.float32)
+                positions = device.upload(np.arange(rows, dtype=np.int32))
+                while rows not in head.layers.captured:
+                    head.forward(zeros, zeros, layout)
+                    ran += 1
+                while rows not in head.device_layers.captured:
+                    head.forward(zeros, zeros, layout, positions)
+                    ran += 1
+        return ran
 
     @staticmethod
     def compiled_at_launch() -> dict[str, object]:
