@@ -691,3 +691,18 @@ def test_the_server_warms_the_engine_up_before_it_answers(fake_gpu):
     assert cold.serve is not None and not cold.serve.warm_up
     engine = _factory(cold)(progress)
     assert not seen and not engine.model.stages[0].cuda._graphs
+
+
+def test_the_bench_warm_up_captures_every_window_shape(fake_gpu):
+    """`strata bench` warms each arm up before its first repeat: after its requests, every row count of 1 to
+    8 replays a graph through the layers and the drafting head, so no measured repeat captures one."""
+    from strata_cfg.schema.windows import MAX_WINDOW_ROWS
+    from strata_runtime.commands.bench import warm_up
+    from strata_runtime.engine import Engine
+
+    engine = Engine(_plan("cuda", "tiny", draft_tokens=3))
+    warm_up({"solo": engine}, 20, engine.model.args.vocab_size, streams=1)
+    every = frozenset(range(1, MAX_WINDOW_ROWS + 1))
+    mtp = engine.model.mtp.cuda
+    assert engine.model.stages[0].cuda.captured == every
+    assert mtp.layers.captured == every and mtp.device_layers.captured == every

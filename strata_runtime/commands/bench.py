@@ -9,7 +9,8 @@ and ``two-decodes`` against the one-row byte roofline (copy bandwidth), ``prompt
 rate (`strata_runtime.bench.ceilings`). ``step``, ``vram`` and ``handoff`` take one plan and build no arms.
 
 Every arm is warmed before the first measured repeat: it reads a prompt of two chunks and decodes as many
-streams at once as the workload will, so that no repeat pays for compiling kernels or capturing graphs.
+streams at once as the workload will, then captures every decode window shape those did not, so that no
+repeat pays for compiling kernels or capturing graphs.
 """
 
 from __future__ import annotations
@@ -336,8 +337,9 @@ WARM_TOKENS = 24
 
 def warm_up(engines: dict[str, Engine], length: int, vocab: int, streams: int = 0) -> None:
     """Before the first measured repeat, on every arm: read one prompt of ``length``, then decode ``streams``
-    requests at once, joining one at a time (so every group and row count runs), so that no repeat pays for
-    compiling kernels or capturing graphs."""
+    requests at once, joining one at a time (so every group runs), then capture the graph of every decode
+    window shape these did not (`strata_runtime.model.placed.Model.capture_window_graphs`), so that no repeat
+    pays for compiling kernels or capturing graphs."""
     from ..api import Request
 
     greedy = SamplingParams(temperature=0.0)
@@ -350,6 +352,7 @@ def warm_up(engines: dict[str, Engine], length: int, vocab: int, streams: int = 
                 Arrival(Request(p, WARM_TOKENS, greedy), after_tokens=2 * i) for i, p in enumerate(short)
             ]
             InProcessDriver(engine).run(arrivals)
+        engine.model.capture_window_graphs()
 
 
 def ceiling_report(
