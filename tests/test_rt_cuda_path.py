@@ -695,13 +695,23 @@ def test_the_server_warms_the_engine_up_before_it_answers(fake_gpu):
 
 def test_the_bench_warm_up_captures_every_window_shape(fake_gpu):
     """`strata bench` warms each arm up before its first repeat: after its requests, every row count of 1 to
-    8 replays a graph through the layers and the drafting head, so no measured repeat captures one."""
+    8 replays a graph through the layers and the drafting head, so no measured repeat captures one; and the
+    warm-up's window times (eager and capturing windows among them) and statistics are forgotten."""
     from strata_cfg.schema.windows import MAX_WINDOW_ROWS
     from strata_runtime.commands.bench import warm_up
     from strata_runtime.engine import Engine
 
     engine = Engine(_plan("cuda", "tiny", draft_tokens=3))
-    warm_up({"solo": engine}, 20, engine.model.args.vocab_size, streams=1)
+    assert engine.adaptive
+    observed: list[int] = []
+    observe = WindowCosts.observe
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(
+            WindowCosts, "observe", lambda self, rows, ms: observed.append(rows) or observe(self, rows, ms)
+        )
+        warm_up({"solo": engine}, 20, engine.model.args.vocab_size, streams=1)
+    assert observed and not engine.depth_state and not engine.batch_costs
+    assert engine.totals["windows"] == 0
     every = frozenset(range(1, MAX_WINDOW_ROWS + 1))
     mtp = engine.model.mtp.cuda
     assert engine.model.stages[0].cuda.captured == every

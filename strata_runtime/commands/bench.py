@@ -339,7 +339,9 @@ def warm_up(engines: dict[str, Engine], length: int, vocab: int, streams: int = 
     """Before the first measured repeat, on every arm: read one prompt of ``length``, then decode ``streams``
     requests at once, joining one at a time (so every group runs), then capture the graph of every decode
     window shape these did not (`strata_runtime.model.placed.Model.capture_window_graphs`), so that no repeat
-    pays for compiling kernels or capturing graphs."""
+    pays for compiling kernels or capturing graphs; and forget what the warm-up measured
+    (`strata_runtime.engine.Engine.forget_measurements`), as `strata serve`'s warm-up does, so that no eager
+    or capturing window's time steers a repeat's drafting."""
     from ..api import Request
 
     greedy = SamplingParams(temperature=0.0)
@@ -353,6 +355,7 @@ def warm_up(engines: dict[str, Engine], length: int, vocab: int, streams: int = 
             ]
             InProcessDriver(engine).run(arrivals)
         engine.model.capture_window_graphs()
+        engine.forget_measurements()
 
 
 def ceiling_report(

@@ -248,14 +248,21 @@ class Engine:
             raise RuntimeError("the warm-up requests did not finish")
         ran = int(self.window_stats.counts["windows"]) - windows
         ran += self.model.capture_window_graphs()  # shapes the mix did not run twice; every slot is free
-        self.window_stats = WindowStats()
-        self.depth_state, self.batch_costs = {}, {}
+        self.forget_measurements()
         if report is not None:
             report(label, 1.0)
         seconds = time.perf_counter() - t0
         self.warmed = {"windows": ran, "seconds": round(seconds, 3)}
         log.info("warmed up: %d windows in %.1f s", ran, seconds)
         return ran
+
+    def forget_measurements(self) -> None:
+        """Start afresh, as an engine that never ran: the window statistics, what proposals did (each request
+        kind's acceptance) and the measured window times, by which drafting depth and batch MTP are chosen.
+        After warming up: the warm-up's windows include each shape's eager and capturing runs, many times
+        slower than its replays, and a shape run only a few times would keep that time as its median."""
+        self.window_stats = WindowStats()
+        self.depth_state, self.batch_costs = {}, {}
 
     def stats(self) -> dict[str, Any]:
         return {
