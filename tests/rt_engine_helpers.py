@@ -133,3 +133,20 @@ def assert_reads_by_tier(handed: list[tuple[np.ndarray, Reads | None]], tiers: n
     assert handed
     for counts, reads in handed:
         assert reads == Reads(int(counts[tiers == HELPER].sum()), int(counts[tiers == HOST].sum()))
+
+
+def record_unreplayed(monkeypatch: Any) -> list[int]:
+    """From now on, the row counts of decode windows (through a stage's layers or the drafting head) that ran
+    eagerly or were captured as a graph, rather than replaying one: the returned list fills as they run."""
+    from strata_runtime.cuda.decode import CudaLayers
+
+    unreplayed: list[int] = []
+    replay = CudaLayers.replay
+
+    def counting(self: CudaLayers, b: Any, body: Callable[[Any], None]) -> None:
+        if b.rows not in self.captured:  # eager (first) or capturing (second)
+            unreplayed.append(b.rows)
+        replay(self, b, body)
+
+    monkeypatch.setattr(CudaLayers, "replay", counting)
+    return unreplayed

@@ -12,6 +12,7 @@ import json
 
 import numpy as np
 import pytest
+from rt_engine_helpers import record_unreplayed
 
 pytestmark = pytest.mark.gpu
 
@@ -710,18 +711,9 @@ def test_after_the_warm_up_requests_on_gpu_only_replay_graphs(cp, monkeypatch, s
     greedy text is what an engine that never warmed up gives. One slot drafts alone at its full depth; three
     slots run batch-MTP windows, greedy beside sampled."""
     from strata_runtime.api import Request, SamplingParams
-    from strata_runtime.cuda.decode import CudaLayers
     from strata_runtime.engine import Engine
 
-    unreplayed: list[int] = []
-    replay = CudaLayers.replay
-
-    def counting(self, b, body):
-        if b.rows not in self._graphs:  # eager (first) or capturing (second)
-            unreplayed.append(b.rows)
-        replay(self, b, body)
-
-    monkeypatch.setattr(CudaLayers, "replay", counting)
+    unreplayed = record_unreplayed(monkeypatch)
     plan = _plan(cp, model="tiny", slots=slots, batch_mtp=slots > 1, draft_tokens=3)
     g = np.random.default_rng(31)
     prompts = [tuple(g.integers(1, 250, int(n)).tolist()) for n in g.integers(3, 30, slots)]

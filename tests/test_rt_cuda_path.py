@@ -15,6 +15,7 @@ import functools
 import numpy as np
 import pytest
 from fake_cupy import installed
+from rt_engine_helpers import record_unreplayed
 from rt_plans import float16_profile_text
 
 from strata_cfg.plan.from_profile import resolve_text
@@ -578,18 +579,9 @@ def test_after_the_warm_up_no_window_runs_eagerly_or_is_captured(fake_gpu, monke
     that never warmed up gives."""
     from strata_cfg.schema.windows import MAX_WINDOW_ROWS
     from strata_runtime.api import SamplingParams
-    from strata_runtime.cuda.decode import CudaLayers
     from strata_runtime.engine import Engine
 
-    unreplayed: list[int] = []
-    replay = CudaLayers.replay
-
-    def counting(self, b, body):
-        if b.rows not in self._graphs:  # eager (first) or capturing (second)
-            unreplayed.append(b.rows)
-        replay(self, b, body)
-
-    monkeypatch.setattr(CudaLayers, "replay", counting)
+    unreplayed = record_unreplayed(monkeypatch)
     text = float16_profile_text(
         backend="cuda",
         preset="tiny",
