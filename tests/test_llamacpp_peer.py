@@ -368,3 +368,51 @@ def test_a_write_that_fails_midway_leaves_no_half_model_where_a_later_run_would_
     write_gguf(path, config, tensors, "tiny")
     assert [p.name for p in tmp_path.iterdir()] == ["x.gguf"]
     assert _field(_read(path)[0], "general.architecture") == "qwen3moe"
+
+
+def test_llama_cpp_runs_on_the_plans_gpus_split_by_layer_in_the_plans_proportions() -> None:
+    """A plan split 20 / 28 over two GPUs: llama.cpp sees those GPUs alone, in stage order (through this
+    process's own CUDA_VISIBLE_DEVICES where set), and splits by layer 20 / 28, in each tool's syntax; one
+    GPU: only that GPU, no split; CPU devices: no GPU at all."""
+    from strata_cfg.plan.from_profile import resolve_profile
+
+    split = resolve_profile("profiles/h200-x2.toml", ["split.layers=[20]"])
+    place = llamacpp.Placement.of_plan(split)
+    assert place.gpus == (0, 1) and place.layers == (20, 28)
+    assert place.environment({}) == {"CUDA_VISIBLE_DEVICES": "0,1"}
+    assert place.environment({"CUDA_VISIBLE_DEVICES": "5, 3"}) == {"CUDA_VISIBLE_DEVICES": "5,3"}
+    with pytest.raises(ValueError, match="not all among CUDA_VISIBLE_DEVICES=6"):
+        place.environment({"CUDA_VISIBLE_DEVICES": "6"})
+    tools = {"llama-bench": "lb", "llama-batched-bench": "lbb"}
+    asked = llamacpp.Workload("clients", 64, 0, 2, (1, 2, 4), placement=place)
+    (_, bench), (_, batched) = llamacpp.commands(tools, "m.gguf", asked)
+    assert bench[bench.index("-sm") + 1] == "layer" and bench[bench.index("-ts") + 1] == "20/28"
+    assert batched[batched.index("-ts") + 1] == "20,28"
+
+    one = llamacpp.Placement.of_plan(resolve_profile("profiles/h200.toml"))
+    assert one.gpus == (0,) and one.environment({}) == {"CUDA_VISIBLE_DEVICES": "0"} and one.split("/") == []
+    cpu = llamacpp.Placement.of_plan(resolve_profile("profiles/demo.toml"))
+    assert cpu.gpus == () and cpu.environment({}) == {"CUDA_VISIBLE_DEVICES": ""}
+    assert llamacpp.Placement().environment({}) == {}  # unknown: llama.cpp chooses
+
+
+def test_each_llama_cpp_tool_runs_in_the_placements_environment_and_is_shown_with_it() -> None:
+    from strata_cfg.plan.from_profile import resolve_profile
+
+    place = llamacpp.Placement.of_plan(resolve_profile("profiles/h200-x2.toml"))
+    tools = {"llama-bench": "lb", "llama-batched-bench": "lbb"}
+    envs: dict[str, str] = {}
+    outputs = {"lb": _done(BENCH_TG), "lbb": _done(BATCHED)}
+
+    def run(cmd: list[str], **kw: Any) -> SimpleNamespace:
+        envs[cmd[0]] = kw["env"]["CUDA_VISIBLE_DEVICES"]
+        return outputs[cmd[0]]
+
+    asked = llamacpp.Workload("clients", 64, 0, 2, (1, 2, 4, 8), placement=place)
+    peer = llamacpp.run_peer(tools, "m.gguf", asked, run=run)
+    assert envs == {"lb": "0,1", "lbb": "0,1"}
+    assert [c[:2] for c in peer.commands] == [
+        ["CUDA_VISIBLE_DEVICES=0,1", "lb"],
+        ["CUDA_VISIBLE_DEVICES=0,1", "lbb"],
+    ]
+    assert any("ran: CUDA_VISIBLE_DEVICES=0,1 lb" in line for line in llamacpp.render(peer, {}, "serial"))

@@ -152,7 +152,7 @@ STAND_IN = """\
 # A stand-in llama-server: loads the GGUF's vocabulary as llama.cpp's server needs one to answer, then
 # serves /health and /completion with timings of 2 ms a token generated and 0.1 ms a prompt id read, and
 # logs every request with how many were in flight.
-import json, sys, threading, time
+import json, os, sys, threading, time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import gguf
 args = sys.argv[1:]
@@ -190,7 +190,9 @@ class Handler(BaseHTTPRequestHandler):
         with lock:
             flight[0] -= 1
         n, p = body["n_predict"], len(body["prompt"])
-        log.write(json.dumps({{"n": n, "prompt": p, "in_flight": now, "slots": slots, "body": body}}) + "\\n")
+        gpus = os.environ.get("CUDA_VISIBLE_DEVICES")
+        record = {{"n": n, "prompt": p, "in_flight": now, "slots": slots, "body": body, "gpus": gpus}}
+        log.write(json.dumps(record) + "\\n")
         log.flush()
         self.reply(200, {{"content": "", "timings": {{"prompt_n": p, "prompt_ms": 0.1 * p,
                                                       "predicted_n": n, "predicted_ms": 2.0 * n}}}})
@@ -233,8 +235,11 @@ def test_bench_runs_llama_server_beside_its_arm_where_the_benchmark_tools_are_mi
     # 2 ms a token: 500 tok/s a stream, and streams decoding together add up.
     assert [f["tok_s"] for f in peer["figures"]] == pytest.approx([500.0, 1000.0, 2000.0, 4000.0])
     (cmd,) = peer["commands"]
-    assert Path(cmd[0]).name == SERVER and cmd[cmd.index("-np") + 1] == "8"
+    # The demo plan runs on CPU devices: llama.cpp sees no GPU, as the command shown says.
+    assert cmd[0] == "CUDA_VISIBLE_DEVICES=" and Path(cmd[1]).name == SERVER
+    assert cmd[cmd.index("-np") + 1] == "8" and "-ts" not in cmd
     requests = [json.loads(line) for line in log.read_text().splitlines()]
+    assert {r["gpus"] for r in requests} == {""}
     # Per case: a warm-up round and two measured ones, every stream of a round at once.
     assert len(requests) == 3 * (1 + 2 + 4 + 8)
     assert max(r["in_flight"] for r in requests) == 8 and {r["slots"] for r in requests} == {8}

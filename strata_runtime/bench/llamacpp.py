@@ -8,6 +8,9 @@ tool is missing and ``llama-server`` is on PATH, the server runs that case inste
 (`strata_runtime.bench.llamacpp_server`). Each figure is matched with the runtime's case of the same
 workload and their ratio reported. Where none of the three is on PATH the peer is skipped in one line.
 
+llama.cpp runs on the plan's devices (`Placement`): its GPUs alone are visible to it, in stage order, and a
+plan of several stages is split by layer in the plan's proportions; a plan on CPU devices hides every GPU.
+
 llama.cpp draws random token ids and runs its own loop; the runtime's arms run real requests through the
 engine. So the figures compare decode and prompt speed on identical weights, not text.
 """
@@ -15,11 +18,12 @@ engine. So the figures compare decode and prompt speed on identical weights, not
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .llamacpp_server import FULL_OFFLOAD, SERVER, ServerCase, run_server
 
@@ -28,6 +32,54 @@ BATCHED_PROMPT = 128
 """Tokens of each stream's prompt in llama-batched-bench, unless the workload gives the runtime's own."""
 NEEDS = {"solo": "llama-bench", "prompt": "llama-bench", "two-decodes": "llama-batched-bench"}
 """The benchmark tool each workload's figures come from (``clients``: both), where it is on PATH."""
+
+if TYPE_CHECKING:
+    from strata_cfg.schema.plan import LaunchPlan
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where llama.cpp runs, to match the plan: the stages' GPUs in stage order and the main-model layers
+    each holds (stages on one GPU count once, their layers together); no GPUs: the plan runs on CPU
+    devices. Unknown (the default): llama.cpp chooses, every GPU visible to it."""
+
+    gpus: tuple[int, ...] = ()
+    layers: tuple[int, ...] = ()
+    known: bool = False
+
+    @classmethod
+    def of_plan(cls, plan: LaunchPlan) -> Placement:
+        if not all(s.device.startswith("cuda") for s in plan.stages):
+            return cls(known=True)
+        held: dict[int, int] = {}
+        for s in plan.stages:
+            held[s.gpu] = held.get(s.gpu, 0) + s.layers[1] - s.layers[0]
+        return cls(tuple(held), tuple(held.values()), True)
+
+    def environment(self, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+        """What to set in llama.cpp's environment: ``CUDA_VISIBLE_DEVICES`` naming the plan's GPUs (as this
+        process sees them: through its own ``CUDA_VISIBLE_DEVICES`` where that is set), or none of them."""
+        if not self.known:
+            return {}
+        environ = os.environ if environ is None else environ
+        seen = [d.strip() for d in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+        if "CUDA_VISIBLE_DEVICES" in environ and any(g >= len(seen) for g in self.gpus):
+            raise ValueError(
+                f"the plan's GPUs {list(self.gpus)} are not all among CUDA_VISIBLE_DEVICES={','.join(seen)}"
+            )
+        names = [seen[g] if "CUDA_VISIBLE_DEVICES" in environ else str(g) for g in self.gpus]
+        return {"CUDA_VISIBLE_DEVICES": ",".join(names)}
+
+    def split(self, separator: str) -> list[str]:
+        """The split arguments: by layer, in the plan's proportions, over several GPUs (``separator``
+        between the shares: ``/`` for llama-bench, ``,`` for the other tools); none on one GPU."""
+        if len(self.gpus) < 2:
+            return []
+        return ["-sm", "layer", "-ts", separator.join(str(n) for n in self.layers)]
+
+    def shown(self, cmd: list[str]) -> list[str]:
+        """``cmd`` as a shell line would run it, its environment first."""
+        return [f"{k}={v}" for k, v in self.environment().items()] + cmd
 
 
 @dataclass(frozen=True)
@@ -45,6 +97,8 @@ class Workload:
     stream_prompt: int = BATCHED_PROMPT
     """Each stream's prompt in llama-batched-bench: the runtime's requests' mean prompt length, so that
     both decode from KV of the same length."""
+    placement: Placement = Placement()
+    """The plan's devices, which llama.cpp runs on."""
 
 
 @dataclass
@@ -108,6 +162,8 @@ def commands(tools: dict[str, str], gguf: str, w: Workload) -> list[tuple[str, l
     bench = tools.get("llama-bench")
     batched = tools.get("llama-batched-bench")
     single = [bench, "-m", gguf, "-ngl", FULL_OFFLOAD, "-r", str(w.repeats), "-o", "json"] if bench else None
+    if single:
+        single += w.placement.split("/")
     if workload == "prompt" and single:
         out.append(("llama-bench", [*single, "-p", str(w.prompt_tokens), "-n", "0"]))
     if workload in ("solo", "clients") and single:
@@ -119,7 +175,8 @@ def commands(tools: dict[str, str], gguf: str, w: Workload) -> list[tuple[str, l
             (
                 "llama-batched-bench",
                 [batched, "-m", gguf, "-ngl", FULL_OFFLOAD, "-c", str(ctx), "-npp", str(w.stream_prompt)]
-                + ["-ntg", str(tokens), "-npl", ",".join(map(str, streams)), "--output-format", "jsonl"],
+                + ["-ntg", str(tokens), "-npl", ",".join(map(str, streams)), "--output-format", "jsonl"]
+                + w.placement.split(","),
             )
         )
     return out
@@ -164,9 +221,10 @@ def run_peer(
     cases whose tool is missing (`server_cases`); a failed tool or server becomes a note."""
     workload = w.name
     out = PeerRun()
+    env = {**os.environ, **w.placement.environment()} if w.placement.known else None
     for tool, cmd in commands(tools, gguf, w):
-        out.commands.append(cmd)
-        done = run(cmd, capture_output=True, text=True, check=False)
+        out.commands.append(w.placement.shown(cmd))
+        done = run(cmd, capture_output=True, text=True, check=False, env=env)
         if done.returncode != 0:
             tail = (done.stderr or done.stdout or "").strip().splitlines()[-1:] or ["no output"]
             out.notes.append(f"{tool} exited {done.returncode}: {tail[0]}")
@@ -182,8 +240,8 @@ def run_peer(
         out.figures += [f for f in found if f.case == workload or workload == "clients"]
     cases = server_cases(tools, w)
     if cases:
-        served = serve(tools[SERVER], gguf, cases, w.repeats)
-        out.commands.append(served.command)
+        served = serve(tools[SERVER], gguf, cases, w.repeats, w.placement.split(","), env)
+        out.commands.append(w.placement.shown(served.command))
         out.figures += [Figure(c.case, c.what, tok_s) for c, tok_s in served.figures]
         out.notes += served.notes
     if workload == "clients":  # in the order of the stream counts, whichever tool measured each

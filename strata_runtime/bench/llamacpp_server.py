@@ -83,15 +83,19 @@ class ServerRun:
     notes: list[str]
 
 
-def server_command(server: str, gguf: str, port: int, cases: Sequence[ServerCase]) -> list[str]:
+def server_command(
+    server: str, gguf: str, port: int, cases: Sequence[ServerCase], split: Sequence[str] = ()
+) -> list[str]:
     """The command line that serves ``gguf`` for ``cases``: a slot for each stream of the widest case, each
-    slot's context holding the longest case's prompt and tokens."""
+    slot's context holding the longest case's prompt and tokens; ``split``: how it splits the model over
+    GPUs (`strata_runtime.bench.llamacpp.Placement.split`)."""
     slots = max(c.streams for c in cases)
     per_slot = max(c.prompt + c.tokens for c in cases) + CONTEXT_SPARE
     return [
         server,
         *("-m", gguf, "-ngl", FULL_OFFLOAD, "--host", "127.0.0.1", "--port", str(port)),
         *("-np", str(slots), "-c", str(slots * per_slot)),
+        *split,
     ]
 
 
@@ -232,11 +236,19 @@ def vocabulary_problem(gguf: str) -> str | None:
     return None
 
 
-def run_server(server: str, gguf: str, cases: Sequence[ServerCase], repeats: int) -> ServerRun:
-    """Start ``server`` on ``gguf``, measure every case, and stop it (a file without a vocabulary is
-    refused with a note before the server starts)."""
+def run_server(
+    server: str,
+    gguf: str,
+    cases: Sequence[ServerCase],
+    repeats: int,
+    split: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+) -> ServerRun:
+    """Start ``server`` on ``gguf`` (split over GPUs by ``split``, in environment ``env``; None: this
+    process's), measure every case, and stop it (a file without a vocabulary is refused with a note before
+    the server starts)."""
     port = free_port()
-    cmd = server_command(server, gguf, port, cases)
+    cmd = server_command(server, gguf, port, cases, split)
     out = ServerRun([], cmd, [])
     problem = vocabulary_problem(gguf)
     if problem:
@@ -245,7 +257,9 @@ def run_server(server: str, gguf: str, cases: Sequence[ServerCase], repeats: int
     fd, log = tempfile.mkstemp(prefix="strata-llama-server-", suffix=".log")
     try:
         with os.fdopen(fd, "w") as sink:
-            proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            proc = subprocess.Popen(
+                cmd, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
+            )
         try:
             base = f"http://127.0.0.1:{port}"
             problem = wait_ready(base, proc, log)

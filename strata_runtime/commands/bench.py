@@ -253,6 +253,12 @@ def llama_cpp_figures(
     if skipped:
         print(f"[llama.cpp] {skipped}", file=sys.stderr)
         return {"lines": [], "json": {"skipped": skipped}}
+    placement = llamacpp.Placement.of_plan(plan)
+    try:
+        placement.environment()
+    except ValueError as exc:
+        print(f"[llama.cpp] skipped: {exc}", file=sys.stderr)
+        return {"lines": [], "json": {"skipped": str(exc)}}
     with tempfile.TemporaryDirectory(prefix="strata-gguf-") as tmp:
         path = args.gguf or str(Path(tmp) / f"{plan.profile}.gguf")
         if not Path(path).exists():
@@ -263,7 +269,13 @@ def llama_cpp_figures(
                 return {"lines": [], "json": {"skipped": str(exc)}}
             print(f"[llama.cpp] wrote {path} ({size / 2**20:,.1f} MiB of tensors)", file=sys.stderr)
         asked = llamacpp.Workload(
-            args.workload, args.tokens, args.prompt_tokens, args.repeats, CLIENT_COUNTS, stream_prompt
+            args.workload,
+            args.tokens,
+            args.prompt_tokens,
+            args.repeats,
+            CLIENT_COUNTS,
+            stream_prompt,
+            placement,
         )
         peer = llamacpp.run_peer(tools, path, asked)
     figures = [{"case": f.case, "what": f.what, "tok_s": f.tok_s} for f in peer.figures]
