@@ -380,3 +380,25 @@ def test_a_restored_cache_on_the_cuda_path_forgets_the_reads_counted_before(fake
     [(got, reads)] = handed
     np.testing.assert_array_equal(got, counts)
     assert reads == Reads(0, 0)
+
+
+def test_the_warm_up_over_a_tiered_cache_changes_no_token_and_captures_every_stages_windows(fake_gpu):
+    """`Engine.warm_up` on two stages whose experts are split across VRAM, a helper GPU and host memory: its
+    windows of every row count (zeros as slot 0 among them) leave the greedy text of the all-resident run,
+    every stage's windows replay graphs, and the tables still point where each expert is."""
+    from strata_cfg.schema.windows import MAX_WINDOW_ROWS
+
+    kw = {"stages": 2, "helpers": 1, "slots": 2, "groups": 2, "draft_tokens": 3}
+    resident, _ = greedy(cuda_plan(**kw))
+    engine = Engine(cuda_plan(expert_cache=5, helper_vram_mib=1, **kw))
+    assert engine.warm_up() > 0
+    every = frozenset(range(1, MAX_WINDOW_ROWS + 1))
+    assert all(stage.cuda.captured == every for stage in engine.model.stages)
+    prompts = [tuple(range(40, 140)), (72, 101, 108, 108, 111) * 3, tuple(range(90, 60, -1))]
+    handles = [engine.submit(Request(p, 14)) for p in prompts]
+    while engine.step():
+        pass
+    warmed = [[t for _ in range(h.events.qsize()) for t in h.events.get().token_ids] for h in handles]
+    assert warmed == resident
+    for stage in engine.model.stages:
+        assert_tables_point_where_each_expert_is(stage)
