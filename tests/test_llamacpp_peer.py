@@ -283,6 +283,14 @@ def test_bench_runs_llama_cpp_beside_its_arm_on_the_model_it_writes(tmp_path: Pa
     line = next(ln for ln in out.stdout.splitlines() if "tg8" in ln)
     assert "1.0 tok/s" in line and "-> solo" in line
     assert keep.stat().st_size > 0 and f"wrote {keep}" in out.stderr
+    # Run again: the kept file holds the plan's weights, so it is reused, not written again.
+    before = keep.stat().st_mtime_ns
+    out = subprocess.run(
+        [sys.executable, "-m", "strata_cfg", *args], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert out.returncode == 0, out.stderr
+    assert f"reusing {keep}, written from the plan's weights" in out.stderr and "tg8" in out.stdout
+    assert keep.stat().st_mtime_ns == before
     # Without the tools the peer is skipped in one line and the arm still runs.
     bare = {**os.environ, "PATH": str(Path(sys.executable).parent)}
     out = subprocess.run(
@@ -416,3 +424,30 @@ def test_each_llama_cpp_tool_runs_in_the_placements_environment_and_is_shown_wit
         ["CUDA_VISIBLE_DEVICES=0,1", "lbb"],
     ]
     assert any("ran: CUDA_VISIBLE_DEVICES=0,1 lb" in line for line in llamacpp.render(peer, {}, "serial"))
+
+
+def test_a_kept_gguf_is_reused_only_for_the_weights_it_was_written_from(tmp_path: Path, tiny) -> None:
+    """A file written with a plan's fingerprint stands for that plan's model alone: another seed of the
+    same synthetic preset, another layer scale or another dtype is refused, naming the file and what to
+    do; a file another tool wrote (no fingerprint) is taken as it is."""
+    from strata_runtime.bench.gguf_export import fingerprint, kept_file, write_gguf
+
+    config, tensors = tiny
+    plan = resolve_profile("profiles/h200.toml")
+    mine = tmp_path / "mine.gguf"
+    write_gguf(mine, config, tensors, "demo", weights_from=fingerprint(plan))
+    assert kept_file(mine, plan) == (
+        True,
+        f"reusing {mine}, written from the plan's weights ({fingerprint(plan)})",
+    )
+    for change in ("model.seed=7", "model.layer_scale=0.5", 'model.dtype="bfloat16"'):
+        other = resolve_profile("profiles/h200.toml", [change])
+        usable, line = kept_file(mine, other)
+        assert not usable and f"{mine} holds other weights" in line and "pass another --gguf" in line, change
+    theirs = tmp_path / "theirs.gguf"
+    write_gguf(theirs, config, tensors, "demo")
+    usable, line = kept_file(theirs, plan)
+    assert usable and "another tool wrote" in line
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf file")
+    usable, line = kept_file(tmp_path / "junk.gguf", plan)
+    assert not usable and "cannot read" in line

@@ -17,13 +17,18 @@ checkpoint with its own ``tokenizer.json`` gets llama.cpp's "no vocabulary" type
 size, which is all ``llama-bench`` needs (it feeds random token ids); to serve or chat with a real
 checkpoint in llama.cpp, convert it with llama.cpp's own converter, which also carries its tokenizer.
 
+Each file carries `FINGERPRINT_KEY`: what its weights were made from (`fingerprint`), so that a file kept
+for later runs (``strata bench --gguf PATH``) is reused only for the model it holds.
+
 The ``gguf`` package (llama.cpp's own writer) is needed only here: ``pip install 'strata-cfg[gguf]'``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib
+import json
 import os
 import shutil
 from collections.abc import Callable, Iterator, Mapping
@@ -125,6 +130,63 @@ def gguf_tensors(tensors: Mapping[str, Any]) -> Iterator[tuple[str, Fetch, tuple
             yield mapped, host(arr), shape
 
 
+FINGERPRINT_KEY = "strata.weights"
+"""The GGUF key of `fingerprint`."""
+
+
+def fingerprint(plan: LaunchPlan) -> str:
+    """What the plan's weights are made from, as a short hash: the model (preset, packaged name or
+    checkpoint path), a synthetic preset's seed and layer scale, its configuration and the dtype its engine
+    holds the weights in (float32 on CPU devices). Two plans with the same fingerprint write the same GGUF."""
+    m = plan.model
+    on_gpu = any(s.device.startswith("cuda") for s in plan.stages)
+    source: dict[str, Any] = {
+        "model": [m.synthetic, m.packaged, m.path],
+        "dtype": m.facts.dtype if on_gpu else "float32",
+        "config": model_config(plan),
+    }
+    if m.synthetic is not None:  # generated weights: these choose them
+        source |= {"seed": m.seed, "layer_scale": m.layer_scale}
+    text = json.dumps(source, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def read_fingerprint(path: str | Path) -> str | None:
+    """The `fingerprint` a GGUF file was written with; None for a file without one (written by another
+    tool, such as llama.cpp's converter). Reads the header only."""
+    try:
+        gguf: Any = importlib.import_module("gguf")
+    except ImportError:
+        raise ExportError("reading GGUF needs the gguf package: pip install 'strata-cfg[gguf]'") from None
+    try:
+        field = gguf.GGUFReader(str(path)).fields.get(FINGERPRINT_KEY)
+    except (ValueError, OSError) as exc:
+        raise ExportError(f"cannot read {path} as GGUF: {exc}") from None
+    return None if field is None else str(field.contents())
+
+
+def kept_file(path: str | Path, plan: LaunchPlan) -> tuple[bool, str]:
+    """Whether the GGUF file kept at ``path`` may stand for the plan's model, and the line that says so: a
+    file this module wrote for other weights may not; one without a `fingerprint` (another tool's) is
+    taken as the user's choice."""
+    try:
+        found = read_fingerprint(path)
+    except ExportError as exc:
+        return False, str(exc)
+    if found is None:
+        return (
+            True,
+            f"reusing {path}, which another tool wrote: its weights are not checked against the plan's",
+        )
+    want = fingerprint(plan)
+    if found != want:
+        return False, (
+            f"{path} holds other weights than the plan's {plan.model.label()} (written for {found}, the "
+            f"plan's are {want}: another model, seed, layer_scale or dtype); remove it or pass another --gguf"
+        )
+    return True, f"reusing {path}, written from the plan's weights ({want})"
+
+
 def write_gguf(
     path: str | Path,
     config: Mapping[str, Any],
@@ -132,10 +194,12 @@ def write_gguf(
     name: str,
     progress: Progress | None = None,
     vocabulary: str = "bytes",
+    weights_from: str | None = None,
 ) -> int:
     """Write ``tensors`` (the runtime's names; NumPy or CuPy arrays) of a model with ``config`` (its
     ``config.json``) to ``path`` as GGUF, with ``vocabulary`` (one of `VOCABULARIES`); the bytes of tensor
-    data written. ``progress`` makes a bar that advances by the bytes of each tensor written.
+    data written. ``progress`` makes a bar that advances by the bytes of each tensor written;
+    ``weights_from``, the weights' `fingerprint`, is written under `FINGERPRINT_KEY`.
 
     The file is written beside ``path`` under a ``.partial`` name and renamed when complete, so ``path``
     never holds half a model (a later run reuses a file that exists there).
@@ -172,7 +236,7 @@ def write_gguf(
         )
     partial = path.with_name(path.name + ".partial")
     try:
-        written = _write(gguf, partial, config, items, sizes, name, progress, vocabulary)
+        written = _write(gguf, partial, config, items, sizes, name, progress, vocabulary, weights_from)
         os.replace(partial, path)
     finally:
         with contextlib.suppress(FileNotFoundError):
@@ -189,11 +253,14 @@ def _write(
     name: str,
     progress: Progress | None,
     vocabulary: str,
+    weights_from: str | None,
 ) -> int:
     """`write_gguf`'s file: the header, then each tensor of ``items`` (``sizes`` bytes each) in turn."""
     writer = gguf.GGUFWriter(str(path), ARCH)
     h = int(config["hidden_size"])
     writer.add_name(name)
+    if weights_from is not None:
+        writer.add_string(FINGERPRINT_KEY, weights_from)
     writer.add_context_length(int(config.get("max_position_embeddings", 4096)))
     writer.add_embedding_length(h)
     writer.add_block_count(int(config["num_hidden_layers"]))
@@ -288,4 +355,5 @@ def write_model(
 ) -> int:
     """`write_gguf` of the model an engine of ``plan`` was built on: every stage's tensors in ``weights``."""
     tensors = {k: v for st in weights.stages.values() for k, v in st.tensors.items()}
-    return write_gguf(path, model_config(plan), tensors, plan.model.label(), progress, vocabulary_of(plan))
+    config, label, vocabulary = model_config(plan), plan.model.label(), vocabulary_of(plan)
+    return write_gguf(path, config, tensors, label, progress, vocabulary, fingerprint(plan))

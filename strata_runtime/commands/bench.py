@@ -244,7 +244,7 @@ def llama_cpp_figures(
     import tempfile
 
     from ..bench import llamacpp
-    from ..bench.gguf_export import ExportError, write_model
+    from ..bench.gguf_export import ExportError, kept_file, write_model
 
     first = next(iter(plans))
     plan = plans[first]
@@ -261,7 +261,13 @@ def llama_cpp_figures(
         return {"lines": [], "json": {"skipped": str(exc)}}
     with tempfile.TemporaryDirectory(prefix="strata-gguf-") as tmp:
         path = args.gguf or str(Path(tmp) / f"{plan.profile}.gguf")
-        if not Path(path).exists():
+        if Path(path).exists():
+            usable, line = kept_file(path, plan)
+            if not usable:
+                print(f"[llama.cpp] skipped: {line}", file=sys.stderr)
+                return {"lines": [], "json": {"skipped": line}}
+            print(f"[llama.cpp] {line}", file=sys.stderr)
+        else:
             try:
                 size = write_model(path, plan, weights)
             except ExportError as exc:
