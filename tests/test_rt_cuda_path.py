@@ -621,21 +621,41 @@ def test_after_the_warm_up_no_window_runs_eagerly_or_is_captured(fake_gpu, monke
     assert [texts[i] for i in greedy] == [fresh[i] for i in greedy]
 
 
-def test_the_warm_up_forgets_the_window_times_it_measured(fake_gpu):
-    """With the adaptive depth and batch MTP, the warm-up's windows are timed into the solo and batch window
-    costs (each shape's first windows eager and capturing); afterwards the engine starts from none."""
+def test_only_windows_that_replayed_their_graph_are_timed_and_the_warm_up_keeps_their_times(fake_gpu):
+    """A window during which a window shape ran eagerly or was captured is no measure of its shape: its time
+    does not count in the window times that choose the solo depth and batch MTP. So a fresh engine times
+    fewer windows than it runs, one warmed up times every window of a request; and the warm-up keeps the
+    times it measured, while forgetting its windows and what its proposals did."""
     from strata_runtime.engine import Engine
 
-    engine = Engine(_plan("cuda", "tiny", batch_mtp=True, draft_tokens=4))
-    assert engine.adaptive and engine.adaptive_batch
     timed: list[int] = []
     observe = WindowCosts.observe
+
+    def serve(engine: Engine) -> tuple[int, int]:
+        """One request alone: (its solo windows, those timed)."""
+        timed.clear()
+        before = sum(1 for w in engine.windows if w.kind == "solo")
+        engine.submit(Request(tuple(range(40, 70)), 24))
+        while engine.step():
+            pass
+        return sum(1 for w in engine.windows if w.kind == "solo") - before, len(timed)
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(
             WindowCosts, "observe", lambda self, rows, ms: timed.append(rows) or observe(self, rows, ms)
         )
-        assert engine.warm_up() > 0
-    assert timed and not engine.depth_state and not engine.batch_costs
+        fresh = Engine(_plan("cuda", "tiny", batch_mtp=True, draft_tokens=4))
+        assert fresh.adaptive and fresh.adaptive_batch
+        ran, counted = serve(fresh)
+        assert 0 < counted < ran  # the first windows of each shape ran eagerly or were captured
+        warmed = Engine(_plan("cuda", "tiny", batch_mtp=True, draft_tokens=4))
+        assert warmed.warm_up() > 0
+        kept = {kind: dict(costs.ms) for kind, (costs, _) in warmed.depth_state.items()}
+        assert kept["greedy"]  # measured by windows that replayed graphs
+        assert all(not holds.reached for _, holds in warmed.depth_state.values())  # proposals forgotten
+        assert warmed.totals["windows"] == 0
+        ran, counted = serve(warmed)
+        assert ran > 0 and counted == ran  # every window replayed a graph captured in the warm-up
 
 
 def test_the_warm_up_fits_a_short_context(fake_gpu):
@@ -688,7 +708,7 @@ def test_the_server_warms_the_engine_up_before_it_answers(fake_gpu):
 def test_the_bench_warm_up_captures_every_window_shape(fake_gpu):
     """`strata bench` warms each arm up before its first repeat: after its requests, every row count of 1 to
     8 replays a graph through the layers and the drafting head, so no measured repeat captures one; and the
-    warm-up's window times (eager and capturing windows among them) and statistics are forgotten."""
+    warm-up's windows and what its proposals did are forgotten."""
     from strata_cfg.schema.windows import MAX_WINDOW_ROWS
     from strata_runtime.commands.bench import warm_up
     from strata_runtime.engine import Engine
@@ -702,7 +722,8 @@ def test_the_bench_warm_up_captures_every_window_shape(fake_gpu):
             WindowCosts, "observe", lambda self, rows, ms: observed.append(rows) or observe(self, rows, ms)
         )
         warm_up({"solo": engine}, 20, engine.model.args.vocab_size, streams=1)
-    assert observed and not engine.depth_state and not engine.batch_costs
+    assert observed and engine.depth_state
+    assert all(not holds.reached for _, holds in engine.depth_state.values())
     assert engine.totals["windows"] == 0
     every = frozenset(range(1, MAX_WINDOW_ROWS + 1))
     mtp = engine.model.mtp.cuda

@@ -37,10 +37,11 @@ def nvrtc(monkeypatch):
 def test_a_kernel_compiled_at_first_launch_is_recorded_and_a_prepared_one_is_not(nvrtc) -> None:
     cache = kc.KernelCache("// source")
     cache.prepare(["a<1>", "a<2>"])
-    before = len(kc.late_compiles())
+    before, runs = len(kc.late_compiles()), kc.first_runs()
     assert cache.fn("a<1>") == "fn:a<1>" and cache.fn("a<2>") == "fn:a<2>"
-    assert kc.late_compiles()[before:] == []  # prepared: no compile at launch
+    assert kc.late_compiles()[before:] == [] and kc.first_runs() == runs  # prepared: no compile at launch
     assert cache.fn("b<3>") == "fn:b<3>" and cache.fn("b<3>") == "fn:b<3>"
+    assert kc.first_runs() == runs + 1  # the window that launched it is not timed into the window costs
     late = kc.late_compiles()[before:]
     assert [c.expression for c in late] == ["b<3>"] and late[0].seconds >= 0  # once, at its first launch
     assert nvrtc == [["a<1>", "a<2>"], ["b<3>"]]

@@ -357,9 +357,10 @@ def warm_up(engines: dict[str, Engine], length: int, vocab: int, streams: int = 
     """Before the first measured repeat, on every arm: read one prompt of ``length``, then decode ``streams``
     requests at once, joining one at a time (so every group runs), then capture the graph of every decode
     window shape these did not (`strata_runtime.model.placed.Model.capture_window_graphs`), so that no repeat
-    pays for compiling kernels or capturing graphs; and forget what the warm-up measured
-    (`strata_runtime.engine.Engine.forget_measurements`), as `strata serve`'s warm-up does, so that no eager
-    or capturing window's time steers a repeat's drafting."""
+    pays for compiling kernels or capturing graphs; then forget the warm-up's requests
+    (`strata_runtime.engine.Engine.forget_requests`), as `strata serve`'s warm-up does: their window
+    statistics and what their proposals did (the window times, which count only replayed windows, are
+    kept)."""
     from ..api import Request
 
     greedy = SamplingParams(temperature=0.0)
@@ -373,7 +374,7 @@ def warm_up(engines: dict[str, Engine], length: int, vocab: int, streams: int = 
             ]
             InProcessDriver(engine).run(arrivals)
         engine.model.capture_window_graphs()
-        engine.forget_measurements()
+        engine.forget_requests()
 
 
 def ceiling_report(

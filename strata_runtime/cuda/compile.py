@@ -48,6 +48,24 @@ def late_compiles() -> list[LateCompile]:
         return list(_LATE)
 
 
+_GRAPH_BUILDS = [0]
+
+
+def record_graph_build() -> None:
+    """A decode window ran eagerly or was captured as a graph (`strata_runtime.cuda.decode`), rather than
+    replaying one."""
+    with _LATE_LOCK:
+        _GRAPH_BUILDS[0] += 1
+
+
+def first_runs() -> int:
+    """How many times this process has run something for the first time on a GPU: a kernel compiled at its
+    first launch (`LateCompile`) or a decode window run eagerly or captured. A window during which this
+    grew took longer than its shape takes."""
+    with _LATE_LOCK:
+        return len(_LATE) + _GRAPH_BUILDS[0]
+
+
 def late_compile_summary(recent: int = 8) -> dict[str, object]:
     """How many `LateCompile` s this process has had, their seconds in all, and the last ``recent``
     expressions: the engine's status and ``/metrics`` report it."""

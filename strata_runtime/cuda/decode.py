@@ -23,6 +23,7 @@ import cupy as cp
 
 from ..backend import device_lock
 from ..layout import Layout
+from .compile import record_graph_build
 from .layers import LayerStack, WindowBuffers
 from .ops import PDL_ROWS, decode_expressions
 
@@ -67,11 +68,13 @@ class CudaLayers:
         programmatic = self.stack.kern.programmatic(rows in PDL_ROWS)
         if rows not in self._seen:
             self._seen.add(rows)
+            record_graph_build()
             with programmatic:
                 body(b)
             return
         graph = self._graphs.get(rows)
         if graph is None:
+            record_graph_build()
             stream.synchronize()
             cap = self.capture_stream
             # no other thread frees this GPU's memory meanwhile

@@ -113,6 +113,7 @@ class Executor:
             job, job.layout(), needed, sampled, self._marks(), after, job.draws(), job.device_spec()
         )
         flight.adjusts = job.adjusts()
+        flight.first_runs = self.model.first_runs()
         flight.wants_logprobs = bool(needed) and any(
             e.slot.sampler.params.logprobs is not None for e in job.entries
         )

@@ -148,6 +148,8 @@ class Flight:
     """A window chained to a speculative one: its rows' positions on each stage's device, in stage order
     (decided on the device; the layout's positions are placeholders then)."""
     launched_at: float = field(default_factory=time.perf_counter)
+    first_runs: int = 0
+    """`strata_runtime.model.placed.Model.first_runs` when the window launched."""
     hidden: list[Array] = field(default_factory=list)
     """Each stage's output rows, in stage order (the next stage copies from them)."""
     normed: Array = None

@@ -148,6 +148,8 @@ class Engine:
         """Each group's turn when its last window finished: the longest-waiting group launches first."""
         self._turns = itertools.count(1)
         self._delivered_at = time.perf_counter()
+        self._first_runs_delivered = self.model.first_runs()
+        """`Model.first_runs` when the last window was delivered."""
         self.window_stats = WindowStats()
         self.warmed: dict[str, Any] | None = None
         """What `warm_up` ran (windows, seconds); None when it did not run."""
@@ -199,10 +201,11 @@ class Engine:
         solo depth), and of every number of slots together, serial and batch-MTP (and every pipelined
         group), run at least twice. Then every window shape of 1 to 8 rows that this mix did not capture
         is captured (`strata_runtime.model.placed.Model.capture_window_graphs`): a short prompt's last
-        window and a request's last take any row count. The requests are then forgotten: the window
-        statistics, what the proposals did and the windows' measured times (which hold each shape's eager
-        and capturing windows) start afresh, as in an engine that never ran. ``report`` is told (label,
-        fraction done) as each request joins."""
+        window and a request's last take any row count. The requests are then forgotten
+        (`forget_requests`): the window statistics and what the proposals did start afresh; the window
+        times measured by the windows that replayed a graph are kept, so the first requests' drafting
+        starts from what each shape takes. ``report`` is told (label, fraction done) as each request
+        joins."""
         if not any(stage.device.is_cuda for stage in self.model.stages):
             return 0
         t0 = time.perf_counter()
@@ -248,7 +251,7 @@ class Engine:
             raise RuntimeError("the warm-up requests did not finish")
         ran = int(self.window_stats.counts["windows"]) - windows
         ran += self.model.capture_window_graphs()  # shapes the mix did not run twice; every slot is free
-        self.forget_measurements()
+        self.forget_requests()
         if report is not None:
             report(label, 1.0)
         seconds = time.perf_counter() - t0
@@ -256,13 +259,15 @@ class Engine:
         log.info("warmed up: %d windows in %.1f s", ran, seconds)
         return ran
 
-    def forget_measurements(self) -> None:
-        """Start afresh, as an engine that never ran: the window statistics, what proposals did (each request
-        kind's acceptance) and the measured window times, by which drafting depth and batch MTP are chosen.
-        After warming up: the warm-up's windows include each shape's eager and capturing runs, many times
-        slower than its replays, and a shape run only a few times would keep that time as its median."""
+    def forget_requests(self) -> None:
+        """Start afresh, as an engine that served no request: the window statistics and what proposals did
+        (each request kind's acceptance, from which a new request's drafting depth starts). The measured
+        window times are kept: only windows that ran no kernel or window shape for the first time count in
+        them (`_deliver`), so they are the times each shape takes. After a warm-up, whose requests'
+        proposals say nothing of real text."""
         self.window_stats = WindowStats()
-        self.depth_state, self.batch_costs = {}, {}
+        kept = self.depth_state.items()
+        self.depth_state = {kind: (costs, Holds(PRIOR_WEIGHT)) for kind, (costs, _) in kept}
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -953,10 +958,16 @@ class Engine:
 
     def _deliver(self, flight: Flight, events: list[tuple[Slot, TokenEvent]]) -> None:
         """Record a finished window and send its events. Its time is the wall time since the later of its
-        launch and the previous window's finish, so that overlapping windows add up to the wall time."""
+        launch and the previous window's finish, so that overlapping windows add up to the wall time. A
+        window during which something ran on a GPU for the first time (a kernel compiled, a window run
+        eagerly or captured: `Model.first_runs`) is recorded, but its time does not count in the window
+        times that choose drafting depth and batch MTP: it is no measure of its shape."""
         now = time.perf_counter()
         ms = (now - max(flight.launched_at, self._delivered_at)) * 1000
         self._delivered_at = now
+        runs = self.model.first_runs()
+        timed = runs == min(flight.first_runs, self._first_runs_delivered)
+        self._first_runs_delivered = runs
         job = flight.job
         accepted = sum(ev.accepted_proposals for _, ev in events)
         # Proposals verified for a request: not those of rows queued past its end (discarded).
@@ -967,10 +978,12 @@ class Engine:
         window = WindowStat(
             job.kind, job.rows, ms, proposals, accepted, job.slot_ids, on_device, job.paused, tokens
         )
-        if job.kind == "solo" and self.adaptive:
+        if job.kind == "solo" and self.adaptive and timed:
             self._depth_state(job.entries[0].slot.sampler)[0].observe(job.rows, ms)
-        if job.kind in ("serial", "batch-mtp") and self._batch_timed(slots := [e.slot for e in job.entries]):
-            self._batch_costs(job.kind, slots).observe(job.rows, ms)
+        slots = [e.slot for e in job.entries]
+        if job.kind in ("serial", "batch-mtp") and self._batch_timed(slots):
+            if timed:
+                self._batch_costs(job.kind, slots).observe(job.rows, ms)
             if job.kind == "batch-mtp" and drafting_pays([s.gauge for s in slots], probe=False):
                 # By the floor drafting pays; if serial windows still give more, probe half as often.
                 serial = self._serial_wins(slots)

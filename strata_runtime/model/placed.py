@@ -18,7 +18,7 @@ from strata_cfg.schema.windows import MAX_WINDOW_ROWS
 
 from ..api import PlanMismatch, SamplingParams, Tokenizer
 from ..backend import DTYPES, Array, Device, enable_peer_access, peer_access_enabled, transfer
-from ..cuda.compile import late_compile_summary
+from ..cuda.compile import first_runs, late_compile_summary
 from ..experts.cache import Policy
 from ..experts.helper_tier import HelperOutOfMemory
 from ..experts.routing import RoutingModel, RoutingTables
@@ -415,6 +415,13 @@ class Model:
         """GPU kernels compiled when a window first launched them rather than when the stages were built
         (`strata_runtime.cuda.compile.late_compile_summary`; the count is the process's)."""
         return late_compile_summary()
+
+    @staticmethod
+    def first_runs() -> int:
+        """How many times this process has run something on a GPU for the first time (a kernel compiled at
+        its launch, a decode window run eagerly or captured): a window during which this grew is no
+        measure of its shape's time (`strata_runtime.cuda.compile.first_runs`)."""
+        return first_runs()
 
     def argmax(self, logits: Array) -> Array:
         """Each row's argmax [R] (int64) of logits on the last stage's device."""
