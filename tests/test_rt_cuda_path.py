@@ -729,3 +729,30 @@ def test_the_bench_warm_up_captures_every_window_shape(fake_gpu):
     mtp = engine.model.mtp.cuda
     assert engine.model.stages[0].cuda.captured == every
     assert mtp.layers.captured == every and mtp.device_layers.captured == every
+
+
+def test_a_window_shape_the_warm_up_missed_is_named_in_the_log(fake_gpu, caplog):
+    """After the warm-up, a window that runs a shape for the first time (here: one whose graph is dropped
+    on purpose) says so in the log, with its kind and rows; windows that replay say nothing."""
+    import logging
+
+    from strata_runtime.engine import Engine
+
+    engine = Engine(_plan("cuda", "tiny", draft_tokens=3))
+    assert engine.warm_up() > 0
+    with caplog.at_level(logging.INFO, logger="strata_runtime"):
+        engine.submit(Request(tuple(range(40, 70)), 8))
+        while engine.step():
+            pass
+        assert not [r for r in caplog.records if "after the warm-up" in r.getMessage()]
+        stage = engine.model.stages[0].cuda
+        stage._graphs.clear()  # as if the warm-up had not captured any of them
+        stage._seen.clear()
+        engine.submit(Request(tuple(range(40, 70)), 8))
+        while engine.step():
+            pass
+    missed = [r.getMessage() for r in caplog.records if "after the warm-up" in r.getMessage()]
+    assert missed and all("window shape or kernel for the first time" in m for m in missed)
+    # the prompt's 8-row windows ran eagerly, then the solo windows' 3 rows eagerly and captured
+    assert missed[0].startswith("a prefill window of 30 rows")
+    assert [m for m in missed if m.startswith("a solo window of 3 rows")]

@@ -266,6 +266,7 @@ class Engine:
         them (`_deliver`), so they are the times each shape takes. After a warm-up, whose requests'
         proposals say nothing of real text."""
         self.window_stats = WindowStats()
+        self._first_runs_delivered = self.model.first_runs()  # what ran outside windows is not theirs
         kept = self.depth_state.items()
         self.depth_state = {kind: (costs, Holds(PRIOR_WEIGHT)) for kind, (costs, _) in kept}
 
@@ -965,10 +966,19 @@ class Engine:
         now = time.perf_counter()
         ms = (now - max(flight.launched_at, self._delivered_at)) * 1000
         self._delivered_at = now
+        job = flight.job
         runs = self.model.first_runs()
         timed = runs == min(flight.first_runs, self._first_runs_delivered)
         self._first_runs_delivered = runs
-        job = flight.job
+        if not timed and self.warmed is not None:  # what the warm-up did not run
+            log.info(
+                "a %s window of %d rows after the warm-up ran a window shape or kernel for the first time "
+                "(%.1f ms); kernels compiled at launch so far: %s",
+                job.kind,
+                job.rows,
+                ms,
+                self.model.compiled_at_launch()["recent"] or "none",
+            )
         accepted = sum(ev.accepted_proposals for _, ev in events)
         # Proposals verified for a request: not those of rows queued past its end (discarded).
         kept = {slot.id for slot, _ in events}
