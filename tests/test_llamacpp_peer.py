@@ -310,6 +310,7 @@ def test_strata_gguf_writes_the_profiles_model_once(tmp_path: Path, tiny) -> Non
     assert done.returncode == 0, done.stderr
     assert "as llama.cpp's qwen3moe" in done.stdout and "byte-level vocabulary" in done.stdout
     reader, written = _read(out)
+    assert f"weights {_field(reader, 'strata.weights')}: " in done.stdout
     assert _field(reader, "general.architecture") == "qwen3moe"
     _, tensors = tiny
     np.testing.assert_array_equal(

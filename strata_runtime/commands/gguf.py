@@ -20,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..api import PlanMismatch
-    from ..bench.gguf_export import ExportError, vocabulary_of, write_model
+    from ..bench.gguf_export import ExportError, fingerprint, vocabulary_of, write_model
     from ..engine import Engine
     from ..model.placed import WeightStore
     from ..weights.progress import stderr_progress
@@ -41,4 +41,5 @@ def run(args: argparse.Namespace) -> int:
     }[vocabulary_of(plan)]
     print(f"{args.out}: {plan.model.label()} as llama.cpp's qwen3moe, {size / 2**20:,.1f} MiB of tensors")
     print(f"  with {vocabulary}")
+    print(f"  weights {fingerprint(plan)}: `strata bench --gguf` reuses the file for these weights only")
     return 0
