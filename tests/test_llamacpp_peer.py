@@ -452,3 +452,32 @@ def test_a_kept_gguf_is_reused_only_for_the_weights_it_was_written_from(tmp_path
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf file")
     usable, line = kept_file(tmp_path / "junk.gguf", plan)
     assert not usable and "cannot read" in line
+
+
+def test_experts_that_do_not_fit_stay_in_host_memory_in_llama_cpp_as_in_the_plan() -> None:
+    """Two 20 GB GPUs that hold 15 layers' routed experts each: llama.cpp keeps the routed experts of each
+    GPU's other layers in host memory (its tensor override, whose pattern matches exactly those layers'
+    expert tensors in the GGUF's names), in every tool, and says so in a note; all experts in VRAM: none."""
+    import re
+
+    from strata_cfg.plan.from_profile import resolve_profile
+
+    plan = resolve_profile("profiles/rtx3080-20g-x2.toml")
+    place = llamacpp.Placement.of_plan(plan)
+    e = plan.model.facts.num_experts
+    fits = {g.index: g.experts_resident // e for g in plan.gpus}
+    expected = [j for s in plan.stages for j in range(s.layers[0] + fits[s.gpu], s.layers[1])]
+    assert list(place.host_experts) == expected and 0 < len(expected) < 48
+    tools = {"llama-bench": "lb", "llama-batched-bench": "lbb"}
+    asked = llamacpp.Workload("clients", 64, 0, 2, (1, 2, 4), placement=place)
+    (_, bench), (_, batched) = llamacpp.commands(tools, "m.gguf", asked)
+    pattern = bench[bench.index("-ot") + 1]
+    assert batched[batched.index("-ot") + 1] == pattern and pattern.endswith("=CPU")
+    regex = re.compile(pattern.removesuffix("=CPU"))
+    for j in range(48):
+        for part in ("gate", "up", "down"):
+            assert bool(regex.search(f"blk.{j}.ffn_{part}_exps.weight")) == (j in expected), (j, part)
+        assert not regex.search(f"blk.{j}.attn_q.weight") and not regex.search(f"blk.{j}.ffn_gate_inp.weight")
+    peer = llamacpp.run_peer(tools, "m.gguf", asked, run=lambda cmd, **kw: _done(BENCH_TG))
+    assert any(f"routed experts of {len(expected)} layers stay in host memory" in n for n in peer.notes)
+    assert llamacpp.Placement.of_plan(resolve_profile("profiles/h200.toml")).offload() == []

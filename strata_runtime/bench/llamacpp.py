@@ -10,6 +10,9 @@ workload and their ratio reported. Where none of the three is on PATH the peer i
 
 llama.cpp runs on the plan's devices (`Placement`): its GPUs alone are visible to it, in stage order, and a
 plan of several stages is split by layer in the plan's proportions; a plan on CPU devices hides every GPU.
+Where a GPU cannot hold its stages' routed experts (the plan's expert cache), llama.cpp keeps whole layers'
+routed experts in host memory (``-ot``, its expert offload): on each GPU as many layers' experts stay in
+VRAM as its cache has slots for, and the rest of its layers' experts are read from host memory.
 
 llama.cpp draws random token ids and runs its own loop; the runtime's arms run real requests through the
 engine. So the figures compare decode and prompt speed on identical weights, not text.
@@ -46,15 +49,33 @@ class Placement:
     gpus: tuple[int, ...] = ()
     layers: tuple[int, ...] = ()
     known: bool = False
+    host_experts: tuple[int, ...] = ()
+    """Model layers whose routed experts llama.cpp keeps in host memory: on each GPU whose routed experts
+    do not all fit, its last sparse layers beyond the whole layers its expert cache has slots for."""
 
     @classmethod
     def of_plan(cls, plan: LaunchPlan) -> Placement:
         if not all(s.device.startswith("cuda") for s in plan.stages):
             return cls(known=True)
         held: dict[int, int] = {}
+        sparse: dict[int, list[int]] = {}
+        facts = plan.model.facts
         for s in plan.stages:
             held[s.gpu] = held.get(s.gpu, 0) + s.layers[1] - s.layers[0]
-        return cls(tuple(held), tuple(held.values()), True)
+            sparse.setdefault(s.gpu, []).extend(j for j in range(*s.layers) if facts.is_sparse(j))
+        host: list[int] = []
+        for g in plan.gpus:
+            if g.index in sparse and g.experts_resident < g.experts_total:
+                host += sparse[g.index][g.experts_resident // max(facts.num_experts, 1) :]
+        return cls(tuple(held), tuple(held.values()), True, tuple(sorted(host)))
+
+    def offload(self) -> list[str]:
+        """The arguments that keep `host_experts` in host memory (llama.cpp's tensor override, in the
+        names the GGUF export gives them); none where every routed expert fits."""
+        if not self.host_experts:
+            return []
+        blocks = "|".join(str(j) for j in self.host_experts)
+        return ["-ot", f"blk\\.({blocks})\\.ffn_(up|down|gate)_exps=CPU"]
 
     def environment(self, environ: Mapping[str, str] | None = None) -> dict[str, str]:
         """What to set in llama.cpp's environment: ``CUDA_VISIBLE_DEVICES`` naming the plan's GPUs (as this
@@ -163,7 +184,7 @@ def commands(tools: dict[str, str], gguf: str, w: Workload) -> list[tuple[str, l
     batched = tools.get("llama-batched-bench")
     single = [bench, "-m", gguf, "-ngl", FULL_OFFLOAD, "-r", str(w.repeats), "-o", "json"] if bench else None
     if single:
-        single += w.placement.split("/")
+        single += w.placement.split("/") + w.placement.offload()
     if workload == "prompt" and single:
         out.append(("llama-bench", [*single, "-p", str(w.prompt_tokens), "-n", "0"]))
     if workload in ("solo", "clients") and single:
@@ -176,7 +197,8 @@ def commands(tools: dict[str, str], gguf: str, w: Workload) -> list[tuple[str, l
                 "llama-batched-bench",
                 [batched, "-m", gguf, "-ngl", FULL_OFFLOAD, "-c", str(ctx), "-npp", str(w.stream_prompt)]
                 + ["-ntg", str(tokens), "-npl", ",".join(map(str, streams)), "--output-format", "jsonl"]
-                + w.placement.split(","),
+                + w.placement.split(",")
+                + w.placement.offload(),
             )
         )
     return out
@@ -222,6 +244,12 @@ def run_peer(
     workload = w.name
     out = PeerRun()
     env = {**os.environ, **w.placement.environment()} if w.placement.known else None
+    if w.placement.host_experts:
+        n = len(w.placement.host_experts)
+        out.notes.append(
+            f"the routed experts of {n} layers stay in host memory in llama.cpp (-ot): on each GPU as many "
+            "layers' experts in VRAM as the plan's expert cache has slots for"
+        )
     for tool, cmd in commands(tools, gguf, w):
         out.commands.append(w.placement.shown(cmd))
         done = run(cmd, capture_output=True, text=True, check=False, env=env)
@@ -240,7 +268,8 @@ def run_peer(
         out.figures += [f for f in found if f.case == workload or workload == "clients"]
     cases = server_cases(tools, w)
     if cases:
-        served = serve(tools[SERVER], gguf, cases, w.repeats, w.placement.split(","), env)
+        split = w.placement.split(",") + w.placement.offload()
+        served = serve(tools[SERVER], gguf, cases, w.repeats, split, env)
         out.commands.append(w.placement.shown(served.command))
         out.figures += [Figure(c.case, c.what, tok_s) for c, tok_s in served.figures]
         out.notes += served.notes
