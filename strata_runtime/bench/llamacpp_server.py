@@ -87,8 +87,8 @@ def server_command(
     server: str, gguf: str, port: int, cases: Sequence[ServerCase], split: Sequence[str] = ()
 ) -> list[str]:
     """The command line that serves ``gguf`` for ``cases``: a slot for each stream of the widest case, each
-    slot's context holding the longest case's prompt and tokens; ``split``: how it splits the model over
-    GPUs (`strata_runtime.bench.llamacpp.Placement.split`)."""
+    slot's context holding the longest case's prompt and tokens; ``split``: where it places the model, over
+    GPUs and in host memory (`strata_runtime.bench.llamacpp.Placement.split` and ``offload``)."""
     slots = max(c.streams for c in cases)
     per_slot = max(c.prompt + c.tokens for c in cases) + CONTEXT_SPARE
     return [
@@ -244,7 +244,7 @@ def run_server(
     split: Sequence[str] = (),
     env: dict[str, str] | None = None,
 ) -> ServerRun:
-    """Start ``server`` on ``gguf`` (split over GPUs by ``split``, in environment ``env``; None: this
+    """Start ``server`` on ``gguf`` (placed by the arguments ``split``, in environment ``env``; None: this
     process's), measure every case, and stop it (a file without a vocabulary is refused with a note before
     the server starts)."""
     port = free_port()
