@@ -386,29 +386,30 @@ def test_llama_cpp_runs_on_the_plans_gpus_split_by_layer_in_the_plans_proportion
     from strata_cfg.plan.from_profile import resolve_profile
 
     split = resolve_profile("profiles/h200-x2.toml", ["split.layers=[20]"])
-    place = llamacpp.Placement.of_plan(split)
+    place = llamacpp.Placement.of_plan(split, {})
     assert place.gpus == (0, 1) and place.layers == (20, 28)
-    assert place.environment({}) == {"CUDA_VISIBLE_DEVICES": "0,1"}
-    assert place.environment({"CUDA_VISIBLE_DEVICES": "5, 3"}) == {"CUDA_VISIBLE_DEVICES": "5,3"}
+    assert llamacpp.Placement.of_plan(split, {}).environment() == {"CUDA_VISIBLE_DEVICES": "0,1"}
+    seen = llamacpp.Placement.of_plan(split, {"CUDA_VISIBLE_DEVICES": "5, 3"})
+    assert seen.environment() == {"CUDA_VISIBLE_DEVICES": "5,3"}
     with pytest.raises(ValueError, match="not all among CUDA_VISIBLE_DEVICES=6"):
-        place.environment({"CUDA_VISIBLE_DEVICES": "6"})
+        llamacpp.Placement.of_plan(split, {"CUDA_VISIBLE_DEVICES": "6"})
     tools = {"llama-bench": "lb", "llama-batched-bench": "lbb"}
     asked = llamacpp.Workload("clients", 64, 0, 2, (1, 2, 4), placement=place)
     (_, bench), (_, batched) = llamacpp.commands(tools, "m.gguf", asked)
     assert bench[bench.index("-sm") + 1] == "layer" and bench[bench.index("-ts") + 1] == "20/28"
     assert batched[batched.index("-ts") + 1] == "20,28"
 
-    one = llamacpp.Placement.of_plan(resolve_profile("profiles/h200.toml"))
-    assert one.gpus == (0,) and one.environment({}) == {"CUDA_VISIBLE_DEVICES": "0"} and one.split("/") == []
-    cpu = llamacpp.Placement.of_plan(resolve_profile("profiles/demo.toml"))
-    assert cpu.gpus == () and cpu.environment({}) == {"CUDA_VISIBLE_DEVICES": ""}
-    assert llamacpp.Placement().environment({}) == {}  # unknown: llama.cpp chooses
+    one = llamacpp.Placement.of_plan(resolve_profile("profiles/h200.toml"), {})
+    assert one.gpus == (0,) and one.environment() == {"CUDA_VISIBLE_DEVICES": "0"} and one.split("/") == []
+    cpu = llamacpp.Placement.of_plan(resolve_profile("profiles/demo.toml"), {})
+    assert cpu.gpus == () and cpu.environment() == {"CUDA_VISIBLE_DEVICES": ""}
+    assert llamacpp.Placement().environment() == {}  # unknown: llama.cpp chooses
 
 
 def test_each_llama_cpp_tool_runs_in_the_placements_environment_and_is_shown_with_it() -> None:
     from strata_cfg.plan.from_profile import resolve_profile
 
-    place = llamacpp.Placement.of_plan(resolve_profile("profiles/h200-x2.toml"))
+    place = llamacpp.Placement.of_plan(resolve_profile("profiles/h200-x2.toml"), {})
     tools = {"llama-bench": "lb", "llama-batched-bench": "lbb"}
     envs: dict[str, str] = {}
     outputs = {"lb": _done(BENCH_TG), "lbb": _done(BATCHED)}
@@ -463,7 +464,7 @@ def test_experts_that_do_not_fit_stay_in_host_memory_in_llama_cpp_as_in_the_plan
     from strata_cfg.plan.from_profile import resolve_profile
 
     plan = resolve_profile("profiles/rtx3080-20g-x2.toml")
-    place = llamacpp.Placement.of_plan(plan)
+    place = llamacpp.Placement.of_plan(plan, {})
     e = plan.model.facts.num_experts
     fits = {g.index: g.experts_resident // e for g in plan.gpus}
     expected = [j for s in plan.stages for j in range(s.layers[0] + fits[s.gpu], s.layers[1])]
@@ -480,4 +481,4 @@ def test_experts_that_do_not_fit_stay_in_host_memory_in_llama_cpp_as_in_the_plan
         assert not regex.search(f"blk.{j}.attn_q.weight") and not regex.search(f"blk.{j}.ffn_gate_inp.weight")
     peer = llamacpp.run_peer(tools, "m.gguf", asked, run=lambda cmd, **kw: _done(BENCH_TG))
     assert any(f"routed experts of {len(expected)} layers stay in host memory" in n for n in peer.notes)
-    assert llamacpp.Placement.of_plan(resolve_profile("profiles/h200.toml")).offload() == []
+    assert llamacpp.Placement.of_plan(resolve_profile("profiles/h200.toml"), {}).offload() == []

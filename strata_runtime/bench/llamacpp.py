@@ -43,20 +43,24 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Placement:
     """Where llama.cpp runs, to match the plan: the stages' GPUs in stage order and the main-model layers
-    each holds (stages on one GPU count once, their layers together); no GPUs: the plan runs on CPU
-    devices. Unknown (the default): llama.cpp chooses, every GPU visible to it."""
+    each holds (stages on one GPU count once, their layers together), and ``visible``, the value of
+    ``CUDA_VISIBLE_DEVICES`` that shows llama.cpp those GPUs alone ("": the plan runs on CPU devices, no
+    GPU). Unknown (the default): llama.cpp chooses, every GPU visible to it."""
 
     gpus: tuple[int, ...] = ()
     layers: tuple[int, ...] = ()
-    known: bool = False
+    visible: str | None = None
     host_experts: tuple[int, ...] = ()
     """Model layers whose routed experts llama.cpp keeps in host memory: on each GPU whose routed experts
     do not all fit, its last sparse layers beyond the whole layers its expert cache has slots for."""
 
     @classmethod
-    def of_plan(cls, plan: LaunchPlan) -> Placement:
+    def of_plan(cls, plan: LaunchPlan, environ: Mapping[str, str] | None = None) -> Placement:
+        """The plan's placement, its GPUs named as this process sees them (``environ``, default
+        ``os.environ``: through its own ``CUDA_VISIBLE_DEVICES`` where that is set). Raises ValueError when
+        a GPU of the plan is not among those."""
         if not all(s.device.startswith("cuda") for s in plan.stages):
-            return cls(known=True)
+            return cls(visible="")
         held: dict[int, int] = {}
         sparse: dict[int, list[int]] = {}
         facts = plan.model.facts
@@ -67,7 +71,16 @@ class Placement:
         for g in plan.gpus:
             if g.index in sparse and g.experts_resident < g.experts_total:
                 host += sparse[g.index][g.experts_resident // max(facts.num_experts, 1) :]
-        return cls(tuple(held), tuple(held.values()), True, tuple(sorted(host)))
+        environ = os.environ if environ is None else environ
+        names = [str(g) for g in held]
+        if "CUDA_VISIBLE_DEVICES" in environ:
+            seen = [d.strip() for d in environ["CUDA_VISIBLE_DEVICES"].split(",") if d.strip()]
+            if any(g >= len(seen) for g in held):
+                raise ValueError(
+                    f"the plan's GPUs {list(held)} are not all among CUDA_VISIBLE_DEVICES={','.join(seen)}"
+                )
+            names = [seen[g] for g in held]
+        return cls(tuple(held), tuple(held.values()), ",".join(names), tuple(sorted(host)))
 
     def offload(self) -> list[str]:
         """The arguments that keep `host_experts` in host memory (llama.cpp's tensor override, in the
@@ -77,19 +90,9 @@ class Placement:
         blocks = "|".join(str(j) for j in self.host_experts)
         return ["-ot", f"blk\\.({blocks})\\.ffn_(up|down|gate)_exps=CPU"]
 
-    def environment(self, environ: Mapping[str, str] | None = None) -> dict[str, str]:
-        """What to set in llama.cpp's environment: ``CUDA_VISIBLE_DEVICES`` naming the plan's GPUs (as this
-        process sees them: through its own ``CUDA_VISIBLE_DEVICES`` where that is set), or none of them."""
-        if not self.known:
-            return {}
-        environ = os.environ if environ is None else environ
-        seen = [d.strip() for d in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-        if "CUDA_VISIBLE_DEVICES" in environ and any(g >= len(seen) for g in self.gpus):
-            raise ValueError(
-                f"the plan's GPUs {list(self.gpus)} are not all among CUDA_VISIBLE_DEVICES={','.join(seen)}"
-            )
-        names = [seen[g] if "CUDA_VISIBLE_DEVICES" in environ else str(g) for g in self.gpus]
-        return {"CUDA_VISIBLE_DEVICES": ",".join(names)}
+    def environment(self) -> dict[str, str]:
+        """What to set in llama.cpp's environment: ``CUDA_VISIBLE_DEVICES``, or nothing when unknown."""
+        return {} if self.visible is None else {"CUDA_VISIBLE_DEVICES": self.visible}
 
     def split(self, separator: str) -> list[str]:
         """The split arguments: by layer, in the plan's proportions, over several GPUs (``separator``
@@ -243,7 +246,7 @@ def run_peer(
     cases whose tool is missing (`server_cases`); a failed tool or server becomes a note."""
     workload = w.name
     out = PeerRun()
-    env = {**os.environ, **w.placement.environment()} if w.placement.known else None
+    env = None if w.placement.visible is None else {**os.environ, **w.placement.environment()}
     if w.placement.host_experts:
         n = len(w.placement.host_experts)
         out.notes.append(

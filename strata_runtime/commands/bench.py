@@ -253,9 +253,8 @@ def llama_cpp_figures(
     if skipped:
         print(f"[llama.cpp] {skipped}", file=sys.stderr)
         return {"lines": [], "json": {"skipped": skipped}}
-    placement = llamacpp.Placement.of_plan(plan)
     try:
-        placement.environment()
+        placement = llamacpp.Placement.of_plan(plan)
     except ValueError as exc:
         print(f"[llama.cpp] skipped: {exc}", file=sys.stderr)
         return {"lines": [], "json": {"skipped": str(exc)}}
