@@ -7,7 +7,9 @@ pipelined schedule calls `Stage.forward` itself instead.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -206,6 +208,16 @@ def out_of_memory(plan: LaunchPlan, stage: int, device: Device, exc: BaseExcepti
     )
 
 
+def _until_captured(layers: Any, rows: int, run: Callable[[], object]) -> int:
+    """Run windows of ``rows`` rows through ``layers`` (a `strata_runtime.cuda.decode.CudaLayers`) until its
+    graph for them is captured: at most twice (once eagerly, once capturing). Returns the windows run."""
+    ran = 0
+    while rows not in layers.captured and ran < 2:
+        run()
+        ran += 1
+    return ran
+
+
 class Model:
     """Stages in order, plus the MTP head and one drafter per slot on the last stage's device."""
 
@@ -390,24 +402,20 @@ class Model:
         for rows in range(1, MAX_WINDOW_ROWS + 1):
             layout = Layout.of([(0, rows, 0)])
             for stage in self.stages:
-                while stage.cuda is not None and rows not in stage.cuda.captured:
+                if stage.cuda is not None:
                     with stage.device.use():
                         hidden = stage.device.zeros((rows, self.args.hidden_size), np.float32)
-                        stage.forward(hidden, layout, account=False)
-                    ran += 1
+                        run = partial(stage.forward, hidden, layout, account=False)
+                        ran += _until_captured(stage.cuda, rows, run)
             head = self.mtp.cuda if self.mtp is not None else None
-            if head is None:
-                continue
-            device = self.last.device
-            with device.use():
-                zeros = device.zeros((rows, self.args.hidden_size), np.float32)
-                positions = device.upload(np.arange(rows, dtype=np.int32))
-                while rows not in head.layers.captured:
-                    head.forward(zeros, zeros, layout)
-                    ran += 1
-                while rows not in head.device_layers.captured:
-                    head.forward(zeros, zeros, layout, positions)
-                    ran += 1
+            if head is not None:
+                device = self.last.device
+                with device.use():
+                    zeros = device.zeros((rows, self.args.hidden_size), np.float32)
+                    positions = device.upload(np.arange(rows, dtype=np.int32))
+                    ran += _until_captured(head.layers, rows, partial(head.forward, zeros, zeros, layout))
+                    run = partial(head.forward, zeros, zeros, layout, positions)
+                    ran += _until_captured(head.device_layers, rows, run)
         return ran
 
     @staticmethod
