@@ -753,6 +753,7 @@ def test_a_window_shape_the_warm_up_missed_is_named_in_the_log(fake_gpu, caplog)
             pass
     missed = [r.getMessage() for r in caplog.records if "after the warm-up" in r.getMessage()]
     assert missed and all("window shape or kernel for the first time" in m for m in missed)
-    # the prompt's 8-row windows ran eagerly, then the solo windows' 3 rows eagerly and captured
+    # the prompt's 8-row windows ran eagerly, then the first solo window of each depth eagerly and captured
+    # (the depth a window drafts follows the window times measured, so which depths run is not fixed)
     assert missed[0].startswith("a prefill window of 30 rows")
-    assert [m for m in missed if m.startswith("a solo window of 3 rows")]
+    assert [m for m in missed if m.startswith("a solo window of ")]
