@@ -138,7 +138,13 @@ def test_ignore_eos_is_for_launched_servers() -> None:
 
 @pytest.mark.parametrize(
     "extra",
-    [["profiles/demo.toml"], ["--arms", "serial"], ["--peer", "llama.cpp"], ["--set", "batch.slots=4"]],
+    [
+        ["profiles/demo.toml"],
+        ["--arms", "serial"],
+        ["--peer", "llama.cpp"],
+        ["--set", "batch.slots=4"],
+        ["--cold-experts"],
+    ],
 )
 def test_options_that_shape_in_process_arms_are_refused_with_url(extra: list[str]) -> None:
     """A launched server runs as it was started: what would shape an in-process arm is a usage error with

@@ -50,3 +50,76 @@ def test_the_cache_ceiling_is_the_slower_link_for_the_window(link_bound, hit_pct
     assert out["cache_ceiling_tok_s"] == pytest.approx(tokens / max(vram / copy, host / link))
     assert out["of_cache_ceiling"] == pytest.approx(100.0 / out["cache_ceiling_tok_s"])
     assert "ceiling" in out["line"] and f"{hit_pct:.1f}%" in out["line"]
+
+
+def _phrase(salt: int) -> tuple[int, ...]:
+    return tuple(32 + (11 * i + 17 * salt) % 90 for i in range(6)) * 3
+
+
+def test_settling_runs_warm_up_requests_until_the_vram_share_holds_still():
+    """Each warm-up request is the k-th of the caller's; the figures are what the caches served during it,
+    and it stops at the first request within ``step`` of the one before, or after ``most``."""
+    from strata_runtime.bench.harness import settle_experts
+
+    eng = Engine(mode_plan("serial", 2, preset="small", context=96, prefill_chunk=16, expert_cache=4))
+    asked: list[int] = []
+
+    def arrivals(k: int) -> list[Arrival]:
+        asked.append(k)
+        return [Arrival(Request(_phrase(k), 10))]
+
+    def served() -> tuple[int, int]:
+        stats = [s.experts.stats for s in eng.model.stages]
+        return sum(s.hits for s in stats), sum(s.misses for s in stats)
+
+    hits0, misses0 = served()
+    steps = settle_experts(eng, arrivals, most=6, step=-1.0)  # never close enough: all six run
+    assert asked == list(range(6)) and len(steps) == 6
+    hits, misses = served()
+    served_shares = [x.from_vram for x in steps]
+    assert all(0.0 <= x <= 1.0 for x in served_shares)
+    assert hits - hits0 > 0 and misses - misses0 > 0
+    assert steps[0].swaps > 0  # the first request teaches the cache what it uses
+    asked.clear()
+    assert len(settle_experts(eng, arrivals, most=6, step=1.0)) == 2 == len(asked)  # any two agree
+
+
+def test_settling_runs_nothing_where_no_cache_adapts():
+    from strata_runtime.bench.harness import settle_experts
+
+    called: list[int] = []
+
+    def arrivals(k: int) -> list[Arrival]:
+        called.append(k)
+        return [Arrival(Request(_phrase(k), 4))]
+
+    for kw in ({"expert_cache": 4, "adapt": False}, {}):  # frozen; every expert resident
+        eng = Engine(mode_plan("serial", 2, preset="small", context=96, prefill_chunk=16, **kw))
+        assert settle_experts(eng, arrivals) == [] and called == []
+
+
+def test_the_bench_settles_the_cache_before_the_first_repeat_unless_told_not_to(tmp_path):
+    """Arms of one layout share their caches, so they settle once, under the first arm's name; the line and
+    the JSON say how; ``--cold-experts`` leaves the first repeat a cold cache."""
+    import json
+    import subprocess
+    import sys
+
+    from rt_plans import profile_text
+
+    profile = tmp_path / "cached.toml"
+    profile.write_text(profile_text(preset="small", stages=2, slots=2, context=96, expert_cache=4))
+    base = [sys.executable, "-m", "strata_cfg", "bench", str(profile), "--workload", "two-decodes"]
+    base += ["--arms", "serial,batch-mtp", "--repeats", "1", "--tokens", "8", "--json"]
+    runs = {}
+    for extra in ([], ["--cold-experts"]):
+        out = subprocess.run(base + extra, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        runs[bool(extra)] = (json.loads(out.stdout), out.stderr)
+    res, err = runs[False]
+    assert list(res["settling"]) == ["serial"]  # batch-mtp shares serial's caches
+    steps = res["settling"]["serial"]
+    assert 1 <= len(steps) <= 6 and steps[0]["swaps"] > 0
+    assert "[serial] expert cache " in err and "warm-up request(s) of 8 tokens" in err
+    res, err = runs[True]
+    assert res["settling"] == {} and "expert cache settled" not in err and "still learning" not in err

@@ -87,6 +87,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "chooses)",
     )
     parser.add_argument(
+        "--cold-experts",
+        action="store_true",
+        help="where experts do not all fit: start the first repeat from the expert cache's first contents "
+        "(by default warm-up requests on other prompts settle the cache first, as a server's has settled)",
+    )
+    parser.add_argument(
         "--peer",
         action="append",
         default=[],
@@ -187,6 +193,11 @@ def usage_problem(args: argparse.Namespace) -> str | None:
         return (
             "--url measures launched servers as they run: a profile, --set, --arms, --vary and --peer do not "
             "apply (to compare with another server, give it as one more --url NAME=URL)"
+        )
+    if args.url and args.cold_experts:
+        return (
+            "--url measures launched servers as they run, their expert caches as they are: --cold-experts "
+            "does not apply"
         )
     if args.workload in GPU_WORKLOADS and (args.arms or args.peer):
         return f"--workload {args.workload} measures the profile's own plan: --arms and --peer do not apply"
@@ -311,6 +322,7 @@ def bench_argv(args: argparse.Namespace) -> list[str]:
         repr(args.frequency_penalty),
     ]
     argv += ["--unseeded"] if args.unseeded else []
+    argv += ["--cold-experts"] if args.cold_experts else []
     return argv + (["--json"] if args.json else [])
 
 

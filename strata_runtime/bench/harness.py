@@ -323,6 +323,54 @@ def driver_for(arm: Any) -> Driver:
     return arm.driver() if hasattr(arm, "driver") else InProcessDriver(arm)
 
 
+SETTLE_MOST = 6
+"""Warm-up requests at most while an engine's expert caches settle (`settle_experts`)."""
+SETTLE_STEP = 0.01
+"""A cache has settled once a warm-up request's share of expert work served from VRAM is within this of the
+request's before it."""
+
+
+@dataclass(frozen=True)
+class Settling:
+    """One warm-up request while the expert caches settle: the share of its expert work (row and chosen
+    expert pairs) that VRAM served, and the experts its windows swapped into slots."""
+
+    from_vram: float
+    swaps: int
+
+
+def adaptive_caches(engine: Any) -> list[Any]:
+    """The engine's stages' expert caches that hold only some experts and adapt (`Policy.adapt`)."""
+    stages = engine.model.stages if hasattr(engine, "model") else []
+    return [s.experts for s in stages if s.experts.cached and s.experts.residency.policy.adapt]
+
+
+def settle_experts(
+    engine: Engine,
+    arrivals: Callable[[int], list[Arrival]],
+    *,
+    most: int = SETTLE_MOST,
+    step: float = SETTLE_STEP,
+) -> list[Settling]:
+    """Run warm-up requests, the k-th ``arrivals(k)``, until the engine's adaptive expert caches settle: until
+    a request's share of expert work served from VRAM is within ``step`` of the request's before it, or
+    ``most`` requests ran. A cache starts with its slots spread over the layers and moves a few experts every
+    few windows, so the first requests a cache serves measure it learning what the text uses, not what it
+    serves once it has. [] where no stage has an adaptive cache."""
+    caches = adaptive_caches(engine)
+    out: list[Settling] = []
+    while caches and len(out) < most:
+        before = [(c.stats.hits, c.stats.misses, c.stats.swaps) for c in caches]
+        InProcessDriver(engine).run(arrivals(len(out)))
+        hits = sum(c.stats.hits - b[0] for c, b in zip(caches, before, strict=True))
+        misses = sum(c.stats.misses - b[1] for c, b in zip(caches, before, strict=True))
+        swaps = sum(c.stats.swaps - b[2] for c, b in zip(caches, before, strict=True))
+        out.append(Settling(hits / (hits + misses) if hits + misses else 1.0, swaps))
+        if len(out) >= 2 and abs(out[-1].from_vram - out[-2].from_vram) <= step:
+            break
+    return out
+
+
 def run_bench(
     engines: Mapping[str, Arm],
     workload: str,

@@ -16,6 +16,7 @@ repeat pays for compiling kernels or capturing graphs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -39,13 +40,17 @@ from strata_cfg.schema.workloads import (
 from ..api import SamplingParams, Tokenizer
 from ..bench.ceilings import copy_bandwidth, decode_step_bytes, host_link_rate, matrix_rate, prompt_flops, si
 from ..bench.harness import (
+    SETTLE_STEP,
     Arm,
     Arrival,
     InProcessDriver,
+    Settling,
+    adaptive_caches,
     cuda_devices,
     driver_for,
     mean_prompt_tokens,
     run_bench,
+    settle_experts,
     summarise,
 )
 from ..model.placed import WeightStore
@@ -76,6 +81,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true")
     add_sampling_arguments(parser, seeded="its index")
     parser.add_argument("--unseeded", action="store_true", help="sampled requests carry no seed")
+    parser.add_argument(
+        "--cold-experts",
+        action="store_true",
+        help="start the first repeat from the expert caches' first contents instead of settling them on "
+        "warm-up requests first",
+    )
     parser.add_argument(
         "--peer",
         action="append",
@@ -159,6 +170,9 @@ def run(args: argparse.Namespace) -> int:
     chunk = max(p.memory.prefill_chunk for p in plans.values())
     length = min(args.prompt_tokens, 2 * chunk) if args.workload == "prompt" else 2 * chunk
     warm_up(engines, min(length, context - 2), vocab, streams=WARM_STREAMS.get(args.workload, 0))
+    settled = {} if args.cold_experts else settle(engines, args.workload, args.tokens, vocab)
+    for name, steps in settled.items():
+        print(f"[{name}] {settling_line(steps, args.tokens)}", file=sys.stderr)
     runs = run_bench(
         contenders,
         args.workload,
@@ -216,6 +230,7 @@ def run(args: argparse.Namespace) -> int:
             out["ceiling"] = {k: v for k, v in ceiling.items() if k != "lines"}
         if llama is not None:
             out["peers"]["llama.cpp"] = llama["json"]
+        out["settling"] = {n: [dataclasses.asdict(x) for x in steps] for n, steps in settled.items()}
         print(json.dumps(out, indent=2))
     else:
         sampled = describe_sampling(sampling_options(args))
@@ -224,6 +239,10 @@ def run(args: argparse.Namespace) -> int:
         print(render_table(args.workload, plans, summary, notes, args.repeats, args.tokens, sampled, base))
         if ceiling:
             print("\n" + "\n".join(ceiling["lines"]))
+        if settled:
+            print(
+                "\n" + "\n".join(f"{n}: {settling_line(steps, args.tokens)}" for n, steps in settled.items())
+            )
         if llama is not None and llama["lines"]:
             print("\n" + "\n".join(llama["lines"]))
     # A peer computes in other precision and order, so its text may drift; only the runtime's arms must agree.
@@ -374,6 +393,51 @@ def warm_up(engines: dict[str, Engine], length: int, vocab: int, streams: int = 
             InProcessDriver(engine).run(arrivals)
         engine.model.capture_window_graphs()
         engine.forget_requests()
+
+
+SETTLE_PROMPT = 16
+"""Prompt ids of each request that settles the expert caches, drawn at random from seeds no repeat uses."""
+
+
+def settle(engines: dict[str, Engine], workload: str, tokens: int, vocab: int) -> dict[str, list[Settling]]:
+    """Settle the arms' adaptive expert caches before the first repeat (`settle_experts`), on requests of the
+    workload's streams and ``tokens`` each, greedy, whose prompts no repeat uses: the repeats then measure a
+    cache that has served other text, as a server's has. Arms of one layout share their caches, so each
+    set of caches settles once. The engines then forget the warm-up's requests. {} for the workloads that
+    decode nothing."""
+    if workload not in WARM_STREAMS:
+        return {}
+    from ..api import Request
+
+    streams = max(WARM_STREAMS[workload], 1)
+    greedy = SamplingParams(temperature=0.0)
+
+    def arrivals(k: int) -> list[Arrival]:
+        seeds = [(2 << 20) + k * streams + i for i in range(streams)]
+        return [Arrival(Request(prompt_ids(SETTLE_PROMPT, vocab, seed), tokens, greedy)) for seed in seeds]
+
+    out: dict[str, list[Settling]] = {}
+    done: set[int] = set()
+    for name, engine in engines.items():
+        caches = adaptive_caches(engine)
+        if not caches or all(id(c) in done for c in caches):
+            continue
+        out[name] = settle_experts(engine, arrivals)
+        done.update(id(c) for c in caches)
+        engine.forget_requests()
+    return out
+
+
+def settling_line(steps: list[Settling], tokens: int) -> str:
+    """One line on how an arm's expert caches settled before the first repeat."""
+    shares = " -> ".join(f"{x.from_vram:.1%}" for x in steps)
+    swaps = sum(x.swaps for x in steps)
+    settled = len(steps) >= 2 and abs(steps[-1].from_vram - steps[-2].from_vram) <= SETTLE_STEP
+    how = "settled" if settled else "still learning"
+    return (
+        f"expert cache {how} after {len(steps)} warm-up request(s) of {tokens} tokens before the first "
+        f"repeat: {shares} of expert work from VRAM, {swaps:,} experts swapped in (--cold-experts skips this)"
+    )
 
 
 def ceiling_report(
