@@ -38,6 +38,18 @@ PROMPTS = (
 )
 """Short prompts; request i uses prompt i modulo their number."""
 
+WARM_PROMPTS = (
+    "The river ran",
+    "She opened the letter",
+    "Tomorrow we sail",
+    "Under the old bridge",
+    "The market was loud",
+    "He counted the stars",
+    "Snow fell on the town",
+    "A door creaked open",
+)
+"""Short prompts the bench's warm-up decodes where an expert cache settles; no repeat uses them."""
+
 
 def prompt_ids(length: int, vocab: int, seed: int) -> tuple[int, ...]:
     """A prompt of fresh token ids, seeded and spread over the vocabulary (id 0 left out): the ``prompt``

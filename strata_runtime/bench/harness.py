@@ -325,9 +325,6 @@ def driver_for(arm: Any) -> Driver:
 
 SETTLE_MOST = 6
 """Warm-up requests at most while an engine's expert caches settle (`settle_experts`)."""
-SETTLE_STEP = 0.01
-"""A cache has settled once a warm-up request's share of expert work served from VRAM is within this of the
-request's before it."""
 
 
 @dataclass(frozen=True)
@@ -345,29 +342,30 @@ def adaptive_caches(engine: Any) -> list[Any]:
     return [s.experts for s in stages if s.experts.cached and s.experts.residency.policy.adapt]
 
 
+def settled(steps: list[Settling], slots: int) -> bool:
+    """Whether warm-up requests that did ``steps`` have settled caches of ``slots`` slots in all: they have
+    swapped in as many experts as the caches hold (every slot could have been refilled with what the text
+    uses), or the last swapped none."""
+    return bool(steps) and (sum(x.swaps for x in steps) >= slots or steps[-1].swaps == 0)
+
+
 def settle_experts(
-    engine: Engine,
-    arrivals: Callable[[int], list[Arrival]],
-    *,
-    most: int = SETTLE_MOST,
-    step: float = SETTLE_STEP,
+    engine: Engine, arrivals: Callable[[int], list[Arrival]], *, most: int = SETTLE_MOST
 ) -> list[Settling]:
-    """Run warm-up requests, the k-th ``arrivals(k)``, until the engine's adaptive expert caches settle: until
-    a request's share of expert work served from VRAM is within ``step`` of the request's before it, or
-    ``most`` requests ran. A cache starts with its slots spread over the layers and moves a few experts every
-    few windows, so the first requests a cache serves measure it learning what the text uses, not what it
-    serves once it has. [] where no stage has an adaptive cache."""
+    """Run warm-up requests, the k-th ``arrivals(k)``, until the engine's adaptive expert caches have
+    `settled`, at most ``most`` of them. A cache starts with its slots spread evenly over the layers and
+    moves a few experts every few windows, so the first requests it serves measure it learning, not what
+    it serves once it has served some text. [] where no stage has an adaptive cache."""
     caches = adaptive_caches(engine)
+    slots = sum(c.slots for c in caches)
     out: list[Settling] = []
-    while caches and len(out) < most:
+    while caches and len(out) < most and not settled(out, slots):
         before = [(c.stats.hits, c.stats.misses, c.stats.swaps) for c in caches]
         InProcessDriver(engine).run(arrivals(len(out)))
         hits = sum(c.stats.hits - b[0] for c, b in zip(caches, before, strict=True))
         misses = sum(c.stats.misses - b[1] for c, b in zip(caches, before, strict=True))
         swaps = sum(c.stats.swaps - b[2] for c, b in zip(caches, before, strict=True))
         out.append(Settling(hits / (hits + misses) if hits + misses else 1.0, swaps))
-        if len(out) >= 2 and abs(out[-1].from_vram - out[-2].from_vram) <= step:
-            break
     return out
 
 
@@ -392,13 +390,14 @@ def run_bench(
     """
     cases = [f"{c} clients" for c in CLIENT_COUNTS] if workload == "clients" else [workload]
     out = {name: ArmRuns(name) for name in engines}
-    # Every arm starts each repeat from what the first arm's caches held before it, so that no arm runs on
-    # a cache another arm just taught; an arm whose caches are shaped otherwise (a plan without the MTP
-    # layer, say) starts from what its own held.
+    # Every arm starts every repeat (and case) from what the first arm's expert caches held when the run
+    # began, after the warm-up: no arm runs on a cache another arm just taught, and no repeat on one that
+    # the same requests taught in an earlier repeat, so the repeats are alike. An arm whose caches are
+    # shaped otherwise (a plan without the MTP layer, say) starts from what its own held.
+    states = {n: e.expert_state() for n, e in engines.items() if hasattr(e, "expert_state")}
+    first = next(iter(states.values()), None)
     for r in range(repeats):
         for case in cases:
-            states = {n: e.expert_state() for n, e in engines.items() if hasattr(e, "expert_state")}
-            first = next(iter(states.values()), None)
             for name, engine in engines.items():
                 if name in states and hasattr(engine, "restore_experts"):
                     own = states[name]

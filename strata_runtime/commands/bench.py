@@ -31,6 +31,7 @@ from strata_cfg.schema.workloads import (
     GPU_WORKLOADS,
     PEERS,
     PROMPTS,
+    WARM_PROMPTS,
     WORKLOADS,
     bench_option_problem,
     prompt_context_problem,
@@ -40,7 +41,6 @@ from strata_cfg.schema.workloads import (
 from ..api import SamplingParams, Tokenizer
 from ..bench.ceilings import copy_bandwidth, decode_step_bytes, host_link_rate, matrix_rate, prompt_flops, si
 from ..bench.harness import (
-    SETTLE_STEP,
     Arm,
     Arrival,
     InProcessDriver,
@@ -51,6 +51,7 @@ from ..bench.harness import (
     mean_prompt_tokens,
     run_bench,
     settle_experts,
+    settled,
     summarise,
 )
 from ..model.placed import WeightStore
@@ -170,9 +171,11 @@ def run(args: argparse.Namespace) -> int:
     chunk = max(p.memory.prefill_chunk for p in plans.values())
     length = min(args.prompt_tokens, 2 * chunk) if args.workload == "prompt" else 2 * chunk
     warm_up(engines, min(length, context - 2), vocab, streams=WARM_STREAMS.get(args.workload, 0))
-    settled = {} if args.cold_experts else settle(engines, args.workload, args.tokens, vocab)
-    for name, steps in settled.items():
-        print(f"[{name}] {settling_line(steps, args.tokens)}", file=sys.stderr)
+    tokenizer = next(iter(engines.values())).tokenizer
+    settling = {} if args.cold_experts else settle(engines, args.workload, args.tokens, tokenizer)
+    slots = {n: sum(c.slots for c in adaptive_caches(engines[n])) for n in settling}
+    for name, steps in settling.items():
+        print(f"[{name}] {settling_line(steps, slots[name], args.tokens)}", file=sys.stderr)
     runs = run_bench(
         contenders,
         args.workload,
@@ -188,7 +191,6 @@ def run(args: argparse.Namespace) -> int:
     )
     base = "serial" if "serial" in plans else next(iter(plans))
     summary = summarise(runs, base=base, compare_text=sampling.temperature <= 0)
-    tokenizer = next(iter(engines.values())).tokenizer
     ceiling = ceiling_report(args.workload, plans, summary, rates, args, tokenizer)
     budgets = {
         name: {g.device: g.budget_mib for g in plan.gpus if g.role != "idle"} for name, plan in plans.items()
@@ -230,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
             out["ceiling"] = {k: v for k, v in ceiling.items() if k != "lines"}
         if llama is not None:
             out["peers"]["llama.cpp"] = llama["json"]
-        out["settling"] = {n: [dataclasses.asdict(x) for x in steps] for n, steps in settled.items()}
+        out["settling"] = {n: [dataclasses.asdict(x) for x in steps] for n, steps in settling.items()}
         print(json.dumps(out, indent=2))
     else:
         sampled = describe_sampling(sampling_options(args))
@@ -239,10 +241,9 @@ def run(args: argparse.Namespace) -> int:
         print(render_table(args.workload, plans, summary, notes, args.repeats, args.tokens, sampled, base))
         if ceiling:
             print("\n" + "\n".join(ceiling["lines"]))
-        if settled:
-            print(
-                "\n" + "\n".join(f"{n}: {settling_line(steps, args.tokens)}" for n, steps in settled.items())
-            )
+        if settling:
+            lines = [f"{n}: {settling_line(steps, slots[n], args.tokens)}" for n, steps in settling.items()]
+            print("\n" + "\n".join(lines))
         if llama is not None and llama["lines"]:
             print("\n" + "\n".join(llama["lines"]))
     # A peer computes in other precision and order, so its text may drift; only the runtime's arms must agree.
@@ -395,16 +396,14 @@ def warm_up(engines: dict[str, Engine], length: int, vocab: int, streams: int = 
         engine.forget_requests()
 
 
-SETTLE_PROMPT = 16
-"""Prompt ids of each request that settles the expert caches, drawn at random from seeds no repeat uses."""
-
-
-def settle(engines: dict[str, Engine], workload: str, tokens: int, vocab: int) -> dict[str, list[Settling]]:
+def settle(
+    engines: dict[str, Engine], workload: str, tokens: int, tokenizer: Tokenizer
+) -> dict[str, list[Settling]]:
     """Settle the arms' adaptive expert caches before the first repeat (`settle_experts`), on requests of the
-    workload's streams and ``tokens`` each, greedy, whose prompts no repeat uses: the repeats then measure a
-    cache that has served other text, as a server's has. Arms of one layout share their caches, so each
-    set of caches settles once. The engines then forget the warm-up's requests. {} for the workloads that
-    decode nothing."""
+    workload's streams and ``tokens`` each, greedy, on prompts no repeat uses (`WARM_PROMPTS`): every repeat
+    then starts from a cache that has served other text, as a server's has. Arms of one layout share their
+    caches, so each set of caches settles once. The engines then forget the warm-up's requests. {} for the
+    workloads that decode nothing."""
     if workload not in WARM_STREAMS:
         return {}
     from ..api import Request
@@ -413,8 +412,8 @@ def settle(engines: dict[str, Engine], workload: str, tokens: int, vocab: int) -
     greedy = SamplingParams(temperature=0.0)
 
     def arrivals(k: int) -> list[Arrival]:
-        seeds = [(2 << 20) + k * streams + i for i in range(streams)]
-        return [Arrival(Request(prompt_ids(SETTLE_PROMPT, vocab, seed), tokens, greedy)) for seed in seeds]
+        texts = [WARM_PROMPTS[(k * streams + i) % len(WARM_PROMPTS)] for i in range(streams)]
+        return [Arrival(Request(tuple(tokenizer.encode(t)), tokens, greedy)) for t in texts]
 
     out: dict[str, list[Settling]] = {}
     done: set[int] = set()
@@ -428,15 +427,15 @@ def settle(engines: dict[str, Engine], workload: str, tokens: int, vocab: int) -
     return out
 
 
-def settling_line(steps: list[Settling], tokens: int) -> str:
-    """One line on how an arm's expert caches settled before the first repeat."""
+def settling_line(steps: list[Settling], slots: int, tokens: int) -> str:
+    """One line on how an arm's expert caches (``slots`` slots in all) settled before the first repeat."""
     shares = " -> ".join(f"{x.from_vram:.1%}" for x in steps)
     swaps = sum(x.swaps for x in steps)
-    settled = len(steps) >= 2 and abs(steps[-1].from_vram - steps[-2].from_vram) <= SETTLE_STEP
-    how = "settled" if settled else "still learning"
+    how = "settled" if settled(steps, slots) else "still learning"
     return (
-        f"expert cache {how} after {len(steps)} warm-up request(s) of {tokens} tokens before the first "
-        f"repeat: {shares} of expert work from VRAM, {swaps:,} experts swapped in (--cold-experts skips this)"
+        f"expert cache {how} after {len(steps)} warm-up request(s) of {tokens} tokens, which every repeat "
+        f"starts from: {shares} of expert work from VRAM, {swaps:,} experts swapped in for {slots:,} slots "
+        "(--cold-experts skips this)"
     )
 
 
