@@ -89,8 +89,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cold-experts",
         action="store_true",
-        help="where experts do not all fit: start the first repeat from the expert cache's first contents "
-        "(by default warm-up requests on other prompts settle the cache first, as a server's has settled)",
+        help="where experts do not all fit: start every repeat from the expert cache's first contents (by "
+        "default warm-up requests on other prompts settle the cache first, as a server's has settled)",
     )
     parser.add_argument(
         "--peer",

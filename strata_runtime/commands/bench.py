@@ -10,7 +10,8 @@ rate (`strata_runtime.bench.ceilings`). ``step``, ``vram`` and ``handoff`` take 
 
 Every arm is warmed before the first measured repeat: it reads a prompt of two chunks and decodes as many
 streams at once as the workload will, then captures every decode window shape those did not, so that no
-repeat pays for compiling kernels or capturing graphs.
+repeat pays for compiling kernels or capturing graphs. Where experts do not all fit and the expert cache
+adapts, warm-up requests on other prompts then settle the cache (`settle`), and every repeat starts from it.
 """
 
 from __future__ import annotations
@@ -85,8 +86,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cold-experts",
         action="store_true",
-        help="start the first repeat from the expert caches' first contents instead of settling them on "
-        "warm-up requests first",
+        help="start every repeat from the expert caches' first contents instead of from caches settled on "
+        "warm-up requests",
     )
     parser.add_argument(
         "--peer",
