@@ -366,3 +366,24 @@ def test_the_window_listing_gives_each_kinds_time_a_token_and_the_arms_totals() 
     tokens = 7 + 308 + 210 * 2.77
     assert lines[1].endswith(f"; all: 525 windows, {ms:,.0f} ms, {tokens:,.0f} tok")
     assert window_mix_lines({"serial": {"solo": {}}}) == []
+
+
+def test_each_repeats_windows_are_listed_beside_their_sum() -> None:
+    """``windows_by_kind_repeats`` gives every repeat's windows by kind, in order, so a slow repeat shows
+    what it spent its time on; added up they are ``windows_by_kind``."""
+    from strata_runtime.bench.harness import ArmRuns, summarise
+
+    arm = ArmRuns("solo")
+    arm.runs["solo"] = [{"tok_s": 300.0}, {"tok_s": 400.0}]
+    arm.tokens["solo"] = [[1, 2], [1, 2]]
+    arm.windows["solo"] = [
+        {"prefill": [1, 30.0, 1], "solo 3": [40, 240.0, 100]},  # the first repeat: full depth, slow
+        {"prefill": [1, 28.0, 1], "solo 3": [30, 168.0, 90], "solo 0": [10, 27.0, 10]},
+    ]
+    entry = summarise({"solo": arm}, base="solo")["solo"]["solo"]
+    each = entry["windows_by_kind_repeats"]
+    assert [set(m) for m in each] == [{"prefill", "solo 3"}, {"prefill", "solo 0", "solo 3"}]
+    assert each[0]["solo 3"] == {"windows": 40, "ms_per_window": 6.0, "tokens_per_window": 2.5}
+    assert each[1]["solo 0"] == {"windows": 10, "ms_per_window": 2.7, "tokens_per_window": 1.0}
+    total = entry["windows_by_kind"]["solo 3"]
+    assert total["windows"] == 70 and total["ms_per_window"] == pytest.approx(408.0 / 70)

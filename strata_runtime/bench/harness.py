@@ -450,6 +450,8 @@ def summarise(runs: dict[str, ArmRuns], base: str = "serial", compare_text: bool
             mix = merge_window_mix(arm.windows.get(case, []))
             if mix:
                 entry["windows_by_kind"] = mix
+                # each repeat's own, to see what a slow repeat spent its time on
+                entry["windows_by_kind_repeats"] = [merge_window_mix([m]) for m in arm.windows.get(case, [])]
             if base in runs and name != base and case in runs[base].runs:
                 base_rates = [f["tok_s"] for f in runs[base].runs[case]]
                 rates = [f["tok_s"] for f in figures]
