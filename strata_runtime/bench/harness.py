@@ -336,10 +336,9 @@ class Settling:
     swaps: int
 
 
-def adaptive_caches(engine: Any) -> list[Any]:
+def adaptive_caches(engine: Engine) -> list[Any]:
     """The engine's stages' expert caches that hold only some experts and adapt (`Policy.adapt`)."""
-    stages = engine.model.stages if hasattr(engine, "model") else []
-    return [s.experts for s in stages if s.experts.cached and s.experts.residency.policy.adapt]
+    return [s.experts for s in engine.model.stages if s.experts.cached and s.experts.residency.policy.adapt]
 
 
 def settled(steps: list[Settling], slots: int) -> bool:

@@ -39,7 +39,7 @@ from strata_cfg.schema.workloads import (
     prompt_ids,
 )
 
-from ..api import SamplingParams, Tokenizer
+from ..api import Request, SamplingParams, Tokenizer
 from ..bench.ceilings import copy_bandwidth, decode_step_bytes, host_link_rate, matrix_rate, prompt_flops, si
 from ..bench.harness import (
     Arm,
@@ -381,8 +381,6 @@ def warm_up(engines: dict[str, Engine], length: int, vocab: int, streams: int = 
     (`strata_runtime.engine.Engine.forget_requests`), as `strata serve`'s warm-up does: their window
     statistics and what their proposals did (the window times, which count only replayed windows, are
     kept)."""
-    from ..api import Request
-
     greedy = SamplingParams(temperature=0.0)
     ids = prompt_ids(length, vocab, seed=1 << 20)  # not a seed any repeat uses
     for engine in engines.values():
@@ -407,8 +405,6 @@ def settle(
     workloads that decode nothing."""
     if workload not in WARM_STREAMS:
         return {}
-    from ..api import Request
-
     streams = max(WARM_STREAMS[workload], 1)
     greedy = SamplingParams(temperature=0.0)
 
