@@ -53,18 +53,17 @@ __device__ __forceinline__ void unpack8(const uint4& p, float* f) {
 // Whether this block completes a group of blocks (attn_split's chunks of a head, gemv_mma's blocks of a head
 // with ROPE), counting in a counter per group that is zero between launches.
 __device__ __forceinline__ bool last_to_finish(int* __restrict__ counter, int expected, int* flag) {
-  // After the barrier one thread fences (cumulative: it publishes the block's writes it has observed) and
-  // counts the block in. True for the whole block when it is the expected-th to arrive; that block resets
-  // the counter for the next launch and reads the others' results through L2 (__ldcg).
+  // After the barrier one thread counts the block in with an acquire-release add at GPU scope: the release
+  // publishes the block's writes (ordered before it by the barrier), and for the block that arrives last the
+  // acquire makes every other block's writes visible to the reads after the second barrier (CUTLASS's
+  // semaphores use the same pattern). That block resets the counter for the next launch and reads the
+  // others' results through L2 (__ldcg). No sequentially consistent fence is needed.
   __syncthreads();
   if (threadIdx.x == 0) {
-    __threadfence();
-    const int prev = atomicAdd(counter, 1);
+    int prev;
+    asm volatile("atom.add.acq_rel.gpu.global.s32 %0, [%1], 1;" : "=r"(prev) : "l"(counter) : "memory");
     *flag = prev == expected - 1;
-    if (*flag) {
-      *counter = 0;
-      __threadfence();
-    }
+    if (*flag) *counter = 0;
   }
   __syncthreads();
   return *flag;
@@ -856,6 +855,15 @@ __global__ void __launch_bounds__(B) attn_split(const float* __restrict__ q, con
   // Other blocks' partials are read through L2 (__ldcg), every chunk's loads issued together.
   const float* mlr = part_ml + ((size_t)r * NKV + kvh) * NC * G * 2;
   const float* accr = part_acc + ((size_t)r * NKV + kvh) * NC * G * D;
+  // The first MC chunks' partial sums are loaded now, together and before the statistics below, so that
+  // the merge waits on one round trip to L2 for them instead of one per chunk.
+  constexpr int MC = PER >= 32 ? 1 : 32 / PER;
+  float early[MC][PER];
+#pragma unroll
+  for (int cc = 0; cc < MC; ++cc)
+#pragma unroll
+    for (int c = 0; c < PER; ++c)
+      early[cc][c] = cc < live && c * B + tid < G * D ? __ldcg(accr + (size_t)cc * G * D + c * B + tid) : 0.f;
   // The chunks' maxima and totals [live, G, 2] are staged in shared memory when they fit (contexts up to
   // about 16k positions), and read through L2 beyond.
   constexpr int CAP = W * G * D - 2 * G;
@@ -878,7 +886,16 @@ __global__ void __launch_bounds__(B) attn_split(const float* __restrict__ q, con
   float a[PER];
 #pragma unroll
   for (int c = 0; c < PER; ++c) a[c] = 0.f;
-  for (int cc = 0; cc < live; ++cc) {
+#pragma unroll
+  for (int cc = 0; cc < MC; ++cc) {
+    if (cc >= live) break;
+#pragma unroll
+    for (int c = 0; c < PER; ++c) {
+      const int g = min((c * B + tid) / D, G - 1);
+      a[c] += early[cc][c] * (__expf(mls[(cc * G + g) * 2] - stat[g * 2]) / stat[g * 2 + 1]);
+    }
+  }
+  for (int cc = MC; cc < live; ++cc) {
     float v[PER];
 #pragma unroll
     for (int c = 0; c < PER; ++c) v[c] = c * B + tid < G * D ? __ldcg(accr + (size_t)cc * G * D + c * B + tid) : 0.f;
