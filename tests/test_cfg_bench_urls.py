@@ -144,6 +144,7 @@ def test_ignore_eos_is_for_launched_servers() -> None:
         ["--peer", "llama.cpp"],
         ["--set", "batch.slots=4"],
         ["--cold-experts"],
+        ["--cold-drafting"],
     ],
 )
 def test_options_that_shape_in_process_arms_are_refused_with_url(extra: list[str]) -> None:

@@ -93,6 +93,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "default warm-up requests on other prompts settle the cache first, as a server's has settled)",
     )
     parser.add_argument(
+        "--cold-drafting",
+        action="store_true",
+        help="start every repeat's drafting from no estimate of how often proposals hold, as a fresh "
+        "server's first request does (by default a warm-up request on other text teaches it first, as "
+        "earlier requests teach a server)",
+    )
+    parser.add_argument(
         "--peer",
         action="append",
         default=[],
@@ -194,10 +201,11 @@ def usage_problem(args: argparse.Namespace) -> str | None:
             "--url measures launched servers as they run: a profile, --set, --arms, --vary and --peer do not "
             "apply (to compare with another server, give it as one more --url NAME=URL)"
         )
-    if args.url and args.cold_experts:
+    if args.url and (args.cold_experts or args.cold_drafting):
+        flag = "--cold-experts" if args.cold_experts else "--cold-drafting"
         return (
-            "--url measures launched servers as they run, their expert caches as they are: --cold-experts "
-            "does not apply"
+            "--url measures launched servers as they run, their expert caches and what their drafting has "
+            f"learned as they are: {flag} does not apply"
         )
     if args.workload in GPU_WORKLOADS and (args.arms or args.peer):
         return f"--workload {args.workload} measures the profile's own plan: --arms and --peer do not apply"
@@ -323,6 +331,7 @@ def bench_argv(args: argparse.Namespace) -> list[str]:
     ]
     argv += ["--unseeded"] if args.unseeded else []
     argv += ["--cold-experts"] if args.cold_experts else []
+    argv += ["--cold-drafting"] if args.cold_drafting else []
     return argv + (["--json"] if args.json else [])
 
 

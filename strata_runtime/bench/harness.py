@@ -368,6 +368,35 @@ def settle_experts(
     return out
 
 
+@dataclass(frozen=True)
+class Taught:
+    """What warm-up requests taught an engine's drafting before the first repeat: the requests, their
+    proposals and how many held, and for each request kind the chance that a proposal at each position
+    holds (what a new request's drafting depth starts from)."""
+
+    requests: int
+    proposals: int
+    accepted: int
+    chances: dict[str, list[float]]
+
+
+def drafts_adaptively(engine: Engine) -> bool:
+    """Whether the engine chooses a request's drafting depth from what earlier requests' proposals did."""
+    return bool(getattr(engine, "adaptive", False))
+
+
+def teach_drafting(engine: Engine, arrivals: list[Arrival]) -> Taught | None:
+    """Run ``arrivals`` so that the engine learns how often proposals hold on text like the workload's, as a
+    server does from the requests it serves; None where its drafting depth does not learn (it is fixed, or
+    the engine does not draft). Without this, the first repeat starts from no estimate and learns while it
+    is timed, and the later ones from what that very request taught."""
+    if not drafts_adaptively(engine):
+        return None
+    results, stats = InProcessDriver(engine).run(arrivals)
+    chances = {kind: [round(c, 4) for c in prior.chance] for kind, prior in engine.drafting_state().items()}
+    return Taught(len(results), int(stats["proposals"]), int(stats["accepted"]), chances)
+
+
 def run_bench(
     engines: Mapping[str, Arm],
     workload: str,
@@ -395,12 +424,18 @@ def run_bench(
     # shaped otherwise (a plan without the MTP layer, say) starts from what its own held.
     states = {n: e.expert_state() for n, e in engines.items() if hasattr(e, "expert_state")}
     first = next(iter(states.values()), None)
+    # Likewise every repeat starts from the acceptance each arm had learned when the run began (a new
+    # request's drafting depth starts from its kind's), not from what the same request taught it in an
+    # earlier repeat.
+    drafts = {n: e.drafting_state() for n, e in engines.items() if hasattr(e, "drafting_state")}
     for r in range(repeats):
         for case in cases:
             for name, engine in engines.items():
                 if name in states and hasattr(engine, "restore_experts"):
                     own = states[name]
                     engine.restore_experts(first if first is not None and same_shape(first, own) else own)
+                if name in drafts and hasattr(engine, "restore_drafting"):
+                    engine.restore_drafting(drafts[name])
                 clients = int(case.split()[0]) if workload == "clients" else 1
                 arrivals = workload_arrivals(
                     workload,

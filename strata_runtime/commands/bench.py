@@ -46,6 +46,7 @@ from ..bench.harness import (
     Arrival,
     InProcessDriver,
     Settling,
+    Taught,
     adaptive_caches,
     cuda_devices,
     driver_for,
@@ -54,6 +55,7 @@ from ..bench.harness import (
     settle_experts,
     settled,
     summarise,
+    teach_drafting,
 )
 from ..model.placed import WeightStore
 
@@ -88,6 +90,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="start every repeat from the expert caches' first contents instead of from caches settled on "
         "warm-up requests",
+    )
+    parser.add_argument(
+        "--cold-drafting",
+        action="store_true",
+        help="start every repeat's drafting from no estimate of how often proposals hold, as a fresh "
+        "server's first request does, instead of from what a warm-up request on other text taught",
     )
     parser.add_argument(
         "--peer",
@@ -177,6 +185,12 @@ def run(args: argparse.Namespace) -> int:
     slots = {n: sum(c.slots for c in adaptive_caches(engines[n])) for n in settling}
     for name, steps in settling.items():
         print(f"[{name}] {settling_line(steps, slots[name], args.tokens)}", file=sys.stderr)
+    taught: dict[str, Taught] = {}
+    if not args.cold_drafting:
+        learned = teach(engines, args.workload, args.tokens, tokenizer, sampling, not args.unseeded)
+        taught = {n: t for n, t in learned.items() if t is not None}
+    for name, t in taught.items():
+        print(f"[{name}] {taught_line(t, args.tokens)}", file=sys.stderr)
     runs = run_bench(
         contenders,
         args.workload,
@@ -234,6 +248,7 @@ def run(args: argparse.Namespace) -> int:
         if llama is not None:
             out["peers"]["llama.cpp"] = llama["json"]
         out["settling"] = {n: [dataclasses.asdict(x) for x in steps] for n, steps in settling.items()}
+        out["drafting_taught"] = {n: dataclasses.asdict(t) for n, t in taught.items()}
         print(json.dumps(out, indent=2))
     else:
         sampled = describe_sampling(sampling_options(args))
@@ -245,6 +260,8 @@ def run(args: argparse.Namespace) -> int:
         if settling:
             lines = [f"{n}: {settling_line(steps, slots[n], args.tokens)}" for n, steps in settling.items()]
             print("\n" + "\n".join(lines))
+        if taught:
+            print("\n" + "\n".join(f"{n}: {taught_line(t, args.tokens)}" for n, t in taught.items()))
         if llama is not None and llama["lines"]:
             print("\n" + "\n".join(llama["lines"]))
     # A peer computes in other precision and order, so its text may drift; only the runtime's arms must agree.
@@ -422,6 +439,43 @@ def settle(
         done.update(id(c) for c in caches)
         engine.forget_requests()
     return out
+
+
+def teach(
+    engines: dict[str, Engine],
+    workload: str,
+    tokens: int,
+    tokenizer: Tokenizer,
+    sampling: SamplingParams,
+    seeded: bool = True,
+) -> dict[str, Taught | None]:
+    """Before the first repeat, each arm whose drafting depth learns (`teach_drafting`) decodes requests
+    like the workload's (its streams, ``tokens`` each, the bench's sampling) on prompts no repeat uses
+    (`WARM_PROMPTS`), so that every repeat starts from an estimate of how often proposals hold that other
+    text taught, as a server's next request does. A seeded sampled request drafts at a fixed depth (its
+    text must not depend on window times), so nothing is taught for those. {} for the workloads that
+    decode nothing."""
+    if workload not in WARM_STREAMS or (sampling.temperature > 0 and seeded):
+        return {}
+    streams = max(WARM_STREAMS[workload], 1)
+    texts = [WARM_PROMPTS[(len(WARM_PROMPTS) - 1 - i) % len(WARM_PROMPTS)] for i in range(streams)]
+    arrivals = [Arrival(Request(tuple(tokenizer.encode(t)), tokens, sampling)) for t in texts]
+    return {name: teach_drafting(engine, arrivals) for name, engine in engines.items()}
+
+
+def taught_line(t: Taught, tokens: int) -> str:
+    """One line on what warm-up requests taught an arm's drafting before the first repeat."""
+    held = f"{t.accepted} of {t.proposals} proposals held" if t.proposals else "no proposal drafted"
+    kinds = "; ".join(
+        f"{kind}: " + " / ".join(f"{c:.0%}" for c in chances)
+        for kind, chances in t.chances.items()
+        if chances
+    )
+    where = f", by position: {kinds}" if kinds else ""
+    return (
+        f"drafting: every repeat starts from what {t.requests} warm-up request(s) of {tokens} tokens on "
+        f"other text taught ({held}{where}; --cold-drafting starts from nothing)"
+    )
 
 
 def settling_line(steps: list[Settling], slots: int, tokens: int) -> str:

@@ -41,6 +41,7 @@ Everything the schedule depends on is read from the plan (`batch`, `windows`, `m
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import os
@@ -269,6 +270,24 @@ class Engine:
         self._first_runs_delivered = self.model.first_runs()  # what ran outside windows is not theirs
         kept = self.depth_state.items()
         self.depth_state = {kind: (costs, Holds(PRIOR_WEIGHT)) for kind, (costs, _) in kept}
+
+    def drafting_state(self) -> dict[str, Holds]:
+        """What earlier requests' proposals taught each request kind (`request_kind`): the chance that a
+        proposal at each position holds, from which a new request's drafting depth starts. A copy."""
+        return {kind: copy.deepcopy(prior) for kind, (_, prior) in self.depth_state.items()}
+
+    def restore_drafting(self, state: dict[str, Holds]) -> None:
+        """Bring each request kind's shared acceptance back to ``state`` (from `drafting_state`), so that
+        benchmark repeats each start from the same; a kind not in ``state`` starts afresh. The measured
+        window times are kept. Call only while no request is in flight."""
+        kinds = dict.fromkeys([*self.depth_state, *state])
+        self.depth_state = {
+            kind: (
+                self.depth_state[kind][0] if kind in self.depth_state else WindowCosts(),
+                copy.deepcopy(state[kind]) if kind in state else Holds(PRIOR_WEIGHT),
+            )
+            for kind in kinds
+        }
 
     def stats(self) -> dict[str, Any]:
         return {
