@@ -117,8 +117,8 @@ def test_nothing_is_taught_where_the_depth_does_not_learn(monkeypatch) -> None:
     _timed_like_an_h200(monkeypatch)
     fixed = Engine(make_plan(draft_tokens=4, context=256, adaptive_depth=False))
     plain = Engine(make_plan(context=256))
-    arrivals_none = {"fixed": fixed, "plain": plain}
-    assert teach(arrivals_none, "solo", 8, fixed.tokenizer, SamplingParams()) == {"fixed": None, "plain": None}
+    engines = {"fixed": fixed, "plain": plain}
+    assert teach(engines, "solo", 8, fixed.tokenizer, SamplingParams()) == {"fixed": None, "plain": None}
     assert teach_drafting(fixed, []) is None
     eng = _engine()
     sampled = SamplingParams(temperature=0.7)
