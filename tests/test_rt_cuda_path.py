@@ -757,3 +757,48 @@ def test_a_window_shape_the_warm_up_missed_is_named_in_the_log(fake_gpu, caplog)
     # (the depth a window drafts follows the window times measured, so which depths run is not fixed)
     assert missed[0].startswith("a prefill window of 30 rows")
     assert [m for m in missed if m.startswith("a solo window of ")]
+
+
+def test_a_short_prompt_reaches_the_drafting_head_through_its_graphs(fake_gpu, monkeypatch):
+    """A prompt chunk of 9 to 64 rows runs the MTP head in 8-row graph windows, as the stages read it, not
+    through the prefill path (cuBLAS products and a host read, whose first run at a new row count also
+    loads kernels); the drafters' KV it writes is the prefill path's to fp16 rounding, and a longer chunk
+    still takes the prefill path."""
+    import strata_runtime.model.mtp as mtp_module
+    from strata_cfg.schema.windows import MAX_WINDOW_ROWS
+    from strata_runtime.cuda.mtp import CudaMtp
+    from strata_runtime.engine import Engine
+
+    calls: list[int] = []
+    prefill = CudaMtp.prefill
+
+    def spy(self, emb, hidden, layout):
+        calls.append(layout.rows)
+        return prefill(self, emb, hidden, layout)
+
+    monkeypatch.setattr(CudaMtp, "prefill", spy)
+
+    def drafter_kv(prompt: tuple[int, ...]) -> tuple[np.ndarray, list[int]]:
+        calls.clear()
+        engine = Engine(_plan("cuda", "tiny", draft_tokens=4, prefill_chunk=128))
+        handle = engine.submit(Request(prompt, 1))
+        while engine.step():
+            pass
+        assert handle.events.qsize() > 0
+        cuda = engine.model.mtp.cuda
+        kv = np.stack([np.asarray(cuda.stack.k_cache), np.asarray(cuda.stack.v_cache)])
+        return kv[..., : len(prompt), :].astype(np.float32), list(calls)
+
+    short = tuple(40 + (7 * i) % 50 for i in range(30))
+    graphs, through = drafter_kv(short)
+    assert through == []  # 30 rows: 8-row graph windows, no prefill path
+    monkeypatch.setattr(mtp_module, "CUDA_PREFILL_ROWS", MAX_WINDOW_ROWS)  # as before: the prefill path
+    products, through = drafter_kv(short)
+    assert through == [30]
+    written = np.isfinite(products) & (products != 0)
+    assert written.any() and np.isfinite(graphs[written]).all()
+    err = np.linalg.norm(graphs[written] - products[written]) / np.linalg.norm(products[written])
+    assert err < 2e-2, err  # fp16 KV from gemv and cuBLAS products in different orders
+    monkeypatch.setattr(mtp_module, "CUDA_PREFILL_ROWS", 64)
+    _, through = drafter_kv(tuple(40 + (7 * i) % 50 for i in range(100)))
+    assert through == [100]  # longer than 64 rows: the prefill path
