@@ -852,11 +852,12 @@ __global__ void __launch_bounds__(B) attn_split(const float* __restrict__ q, con
 
   if (!last_to_finish(done + r * NKV + kvh, live, &last)) return;
   // The merge: out[r, (kvh*G + g)*D + d] = sum_c acc_c e^(m_c - M) / sum_c l_c e^(m_c - M), chunks in order.
-  // Other blocks' partials are read through L2 (__ldcg), every chunk's loads issued together.
+  // Other blocks' partials are read through L2 (__ldcg).
   const float* mlr = part_ml + ((size_t)r * NKV + kvh) * NC * G * 2;
   const float* accr = part_acc + ((size_t)r * NKV + kvh) * NC * G * D;
-  // The first MC chunks' partial sums are loaded now, together and before the statistics below, so that
-  // the merge waits on one round trip to L2 for them instead of one per chunk.
+  // The first MC chunks' partial sums (32 registers a thread) are loaded now, together and before the
+  // statistics below, so that the merge waits on one round trip to L2 for them instead of one per chunk;
+  // later chunks (contexts past MC * ATTN_CHUNK positions) are loaded one chunk at a time.
   constexpr int MC = PER >= 32 ? 1 : 32 / PER;
   float early[MC][PER];
 #pragma unroll
