@@ -778,27 +778,37 @@ def test_a_short_prompt_reaches_the_drafting_head_through_its_graphs(fake_gpu, m
 
     monkeypatch.setattr(CudaMtp, "prefill", spy)
 
-    def drafter_kv(prompt: tuple[int, ...]) -> tuple[np.ndarray, list[int]]:
+    def drafter_kv(*prompts: tuple[int, ...]) -> tuple[np.ndarray, list[int]]:
+        """The drafters' KV after reading ``prompts`` together (each in a slot of its own) and one token."""
         calls.clear()
         engine = Engine(_plan("cuda", "tiny", draft_tokens=4, prefill_chunk=128))
-        handle = engine.submit(Request(prompt, 1))
+        handles = [engine.submit(Request(p, 1)) for p in prompts]
         while engine.step():
             pass
-        assert handle.events.qsize() > 0
+        assert all(h.events.qsize() > 0 for h in handles)
         cuda = engine.model.mtp.cuda
         kv = np.stack([np.asarray(cuda.stack.k_cache), np.asarray(cuda.stack.v_cache)])
-        return kv[..., : len(prompt), :].astype(np.float32), list(calls)
+        return kv[..., : max(map(len, prompts)), :].astype(np.float32), list(calls)
+
+    def close(graphs: np.ndarray, products: np.ndarray) -> None:
+        written = np.isfinite(products) & (products != 0)
+        assert written.any() and np.isfinite(graphs[written]).all()
+        err = np.linalg.norm(graphs[written] - products[written]) / np.linalg.norm(products[written])
+        assert err < 2e-2, err  # fp16 KV from gemv and cuBLAS products in different orders
 
     short = tuple(40 + (7 * i) % 50 for i in range(30))
+    pair = (tuple(40 + (5 * i) % 50 for i in range(20)), tuple(40 + (3 * i) % 50 for i in range(25)))
     graphs, through = drafter_kv(short)
     assert through == []  # 30 rows: 8-row graph windows, no prefill path
+    two_graphs, through = drafter_kv(*pair)
+    assert through == []  # two prompts at once, each in its own slot
     monkeypatch.setattr(mtp_module, "CUDA_PREFILL_ROWS", MAX_WINDOW_ROWS)  # as before: the prefill path
     products, through = drafter_kv(short)
     assert through == [30]
-    written = np.isfinite(products) & (products != 0)
-    assert written.any() and np.isfinite(graphs[written]).all()
-    err = np.linalg.norm(graphs[written] - products[written]) / np.linalg.norm(products[written])
-    assert err < 2e-2, err  # fp16 KV from gemv and cuBLAS products in different orders
+    close(graphs, products)
+    two_products, through = drafter_kv(*pair)
+    assert sum(through) == 45
+    close(two_graphs, two_products)
     monkeypatch.setattr(mtp_module, "CUDA_PREFILL_ROWS", 64)
     _, through = drafter_kv(tuple(40 + (7 * i) % 50 for i in range(100)))
     assert through == [100]  # longer than 64 rows: the prefill path
