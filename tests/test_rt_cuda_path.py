@@ -670,6 +670,40 @@ def test_the_warm_up_fits_a_short_context(fake_gpu):
     assert {1, 2, 3} <= set(engine.model.stages[0].cuda._graphs)  # rows: each count of slots together
 
 
+def test_the_warm_up_reads_a_prompt_through_the_prefill_path_where_the_context_allows(fake_gpu, monkeypatch):
+    """Its first prompt is two prefill chunks long where a chunk is more than 64 rows and the prompt fits a
+    quarter of the context: the stage's and the drafting head's prefill path then run before a long prompt
+    needs them. Otherwise it stays at 32 tokens, which the graph windows read."""
+    from strata_runtime.cuda.mtp import CudaMtp
+    from strata_runtime.cuda.prefill import CudaPrefill
+    from strata_runtime.engine import Engine
+
+    ran: list[tuple[str, int]] = []
+    stage_run, head_run = CudaPrefill.run, CudaMtp.prefill
+
+    def stage(self, resid, layout):
+        ran.append(("stage", layout.rows))
+        return stage_run(self, resid, layout)
+
+    def head(self, emb, hidden, layout):
+        ran.append(("head", layout.rows))
+        return head_run(self, emb, hidden, layout)
+
+    monkeypatch.setattr(CudaPrefill, "run", stage)
+    monkeypatch.setattr(CudaMtp, "prefill", head)
+    for context, chunk, expected in ((1024, 128, 128), (1024, 64, 0), (256, 128, 0)):
+        ran.clear()
+        text = float16_profile_text(
+            backend="cuda", preset="tiny", slots=2, context=context, draft_tokens=4, prefill_chunk=chunk
+        )
+        engine = Engine(resolve_text(text, "cuda-path.toml").plan)
+        assert engine.warm_up() > 0
+        if expected:
+            assert ("head", expected) in ran and any(kind == "stage" for kind, _ in ran), ran
+        else:
+            assert ran == []
+
+
 def test_the_warm_up_runs_nothing_on_cpu_devices():
     from strata_runtime.engine import Engine
 
