@@ -671,9 +671,11 @@ def test_the_warm_up_fits_a_short_context(fake_gpu):
 
 
 def test_the_warm_up_reads_a_prompt_through_the_prefill_path_where_the_context_allows(fake_gpu, monkeypatch):
-    """Its first prompt is two prefill chunks long where a chunk is more than 64 rows and the prompt fits a
-    quarter of the context: the stage's and the drafting head's prefill path then run before a long prompt
-    needs them. Otherwise it stays at 32 tokens, which the graph windows read."""
+    """Its first prompt is two prefill chunks long where a chunk is more than 64 rows, the prompt fits a
+    quarter of the context and every expert is in VRAM: the stage's and the drafting head's prefill path then
+    run before a long prompt needs them. Otherwise it stays at 32 tokens, which the graph windows read (with
+    an expert cache a long prompt would read most experts over the host link and teach the cache random
+    routing)."""
     from strata_runtime.cuda.mtp import CudaMtp
     from strata_runtime.cuda.prefill import CudaPrefill
     from strata_runtime.engine import Engine
@@ -691,10 +693,20 @@ def test_the_warm_up_reads_a_prompt_through_the_prefill_path_where_the_context_a
 
     monkeypatch.setattr(CudaPrefill, "run", stage)
     monkeypatch.setattr(CudaMtp, "prefill", head)
-    for context, chunk, expected in ((1024, 128, 128), (1024, 64, 0), (256, 128, 0)):
+    for context, chunk, cache, expected in (
+        (1024, 128, None, 128),
+        (1024, 64, None, 0),
+        (256, 128, None, 0),
+    ) + ((1024, 128, 4, 0),):
         ran.clear()
         text = float16_profile_text(
-            backend="cuda", preset="tiny", slots=2, context=context, draft_tokens=4, prefill_chunk=chunk
+            backend="cuda",
+            preset="tiny",
+            slots=2,
+            context=context,
+            draft_tokens=4,
+            prefill_chunk=chunk,
+            expert_cache=cache,
         )
         engine = Engine(resolve_text(text, "cuda-path.toml").plan)
         assert engine.warm_up() > 0

@@ -199,23 +199,26 @@ class Engine:
         on CPU devices, where nothing is captured).
 
         One prompt alone (two prefill chunks where that is more than `CUDA_PREFILL_ROWS` rows and fits a
-        quarter of the context, so that the prefill path runs once before a long prompt needs it, as the
-        bench's warm-up does; else `WARM_PROMPT` tokens), then a request in every slot, each joining two
-        tokens after the one before it, greedy, sampled and penalised in turn: so windows of one slot alone
-        (at each solo depth), and of every number of slots together, serial and batch-MTP (and every pipelined
-        group), run at least twice. Then every window shape of 1 to 8 rows that this mix did not capture is
-        captured (`strata_runtime.model.placed.Model.capture_window_graphs`): a short prompt's last window and
-        a request's last take any row count. The requests are then forgotten (`forget_requests`): the window
-        statistics and what the proposals did start afresh; the window times measured by the windows that
-        replayed a graph are kept, so the first requests' drafting starts from what each shape takes.
-        ``report`` is told (label, fraction done) as each request joins."""
+        quarter of the context, and every expert is in VRAM, so that the prefill path runs once before a long
+        prompt needs it, as the bench's warm-up does; else `WARM_PROMPT` tokens), then a request in every
+        slot, each joining two tokens after the one before it, greedy, sampled and penalised in turn: so
+        windows of one slot alone (at each solo depth), and of every number of slots together, serial and
+        batch-MTP (and every pipelined group), run at least twice. Then every window shape of 1 to 8 rows that
+        this mix did not capture is captured (`strata_runtime.model.placed.Model.capture_window_graphs`): a
+        short prompt's last window and a request's last take any row count. The requests are then forgotten
+        (`forget_requests`): the window statistics and what the proposals did start afresh; the window times
+        measured by the windows that replayed a graph are kept, so the first requests' drafting starts from
+        what each shape takes. ``report`` is told (label, fraction done) as each request joins."""
         if not any(stage.device.is_cuda for stage in self.model.stages):
             return 0
         t0 = time.perf_counter()
         vocab, context = self.model.args.vocab_size, self.plan.memory.context
         chunk = self.plan.memory.prefill_chunk
         length = min(2 * chunk, context // 4)
-        if min(chunk, length) <= CUDA_PREFILL_ROWS:  # its chunks would take the graph windows anyway
+        # A short prompt where its chunks would take the graph windows anyway, or where experts stay off
+        # VRAM: a long one would read most of them over the host link and teach the cache random routing.
+        cached = any(stage.experts.cached for stage in self.model.stages)
+        if cached or min(chunk, length) <= CUDA_PREFILL_ROWS:
             length = min(WARM_PROMPT, max(1, context // 4))
         prompt = tuple(1 + (7 * i + 3) % (vocab - 1) for i in range(length))
         kinds = [
