@@ -176,7 +176,7 @@ class MtpHead:
             if graph:
                 assert self.cuda is not None
                 return self.cuda.forward(self.embed(tokens), hidden, layout, positions)  # [R, H] fp32
-            if self.cuda is not None and layout.rows <= CUDA_PREFILL_ROWS:
+            if self.cuda is not None and 0 < layout.rows <= CUDA_PREFILL_ROWS:
                 # A short prompt: consecutive windows of 8 rows through the head's graphs, as a stage reads
                 # it (`Stage._layers`), not the prefill path's cuBLAS products and host read.
                 emb, step = self.embed(tokens), MAX_WINDOW_ROWS
