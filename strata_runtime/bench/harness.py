@@ -380,17 +380,12 @@ class Taught:
     chances: dict[str, list[float]]
 
 
-def drafts_adaptively(engine: Engine) -> bool:
-    """Whether the engine chooses a request's drafting depth from what earlier requests' proposals did."""
-    return bool(getattr(engine, "adaptive", False))
-
-
 def teach_drafting(engine: Engine, arrivals: list[Arrival]) -> Taught | None:
     """Run ``arrivals`` so that the engine learns how often proposals hold on text like the workload's, as a
     server does from the requests it serves; None where its drafting depth does not learn (it is fixed, or
     the engine does not draft). Without this, the first repeat starts from no estimate and learns while it
     is timed, and the later ones from what that very request taught."""
-    if not drafts_adaptively(engine):
+    if not engine.adaptive:
         return None
     results, stats = InProcessDriver(engine).run(arrivals)
     chances = {kind: [round(c, 4) for c in prior.chance] for kind, prior in engine.drafting_state().items()}

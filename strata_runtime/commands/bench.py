@@ -42,6 +42,7 @@ from strata_cfg.schema.workloads import (
 from ..api import Request, SamplingParams, Tokenizer
 from ..bench.ceilings import copy_bandwidth, decode_step_bytes, host_link_rate, matrix_rate, prompt_flops, si
 from ..bench.harness import (
+    SETTLE_MOST,
     Arm,
     Arrival,
     InProcessDriver,
@@ -422,12 +423,10 @@ def settle(
     workloads that decode nothing."""
     if workload not in WARM_STREAMS:
         return {}
-    streams = max(WARM_STREAMS[workload], 1)
     greedy = SamplingParams(temperature=0.0)
 
     def arrivals(k: int) -> list[Arrival]:
-        texts = [WARM_PROMPTS[(k * streams + i) % len(WARM_PROMPTS)] for i in range(streams)]
-        return [Arrival(Request(tuple(tokenizer.encode(t)), tokens, greedy)) for t in texts]
+        return warm_arrivals(workload, k, tokens, tokenizer, greedy)
 
     out: dict[str, list[Settling]] = {}
     done: set[int] = set()
@@ -457,10 +456,18 @@ def teach(
     decode nothing."""
     if workload not in WARM_STREAMS or (sampling.temperature > 0 and seeded):
         return {}
-    streams = max(WARM_STREAMS[workload], 1)
-    texts = [WARM_PROMPTS[(len(WARM_PROMPTS) - 1 - i) % len(WARM_PROMPTS)] for i in range(streams)]
-    arrivals = [Arrival(Request(tuple(tokenizer.encode(t)), tokens, sampling)) for t in texts]
+    arrivals = warm_arrivals(workload, SETTLE_MOST, tokens, tokenizer, sampling)  # after settling's
     return {name: teach_drafting(engine, arrivals) for name, engine in engines.items()}
+
+
+def warm_arrivals(
+    workload: str, k: int, tokens: int, tokenizer: Tokenizer, sampling: SamplingParams
+) -> list[Arrival]:
+    """The k-th set of warm-up requests on text no repeat uses (`WARM_PROMPTS`): one per stream the
+    workload decodes at once, ``tokens`` each, choosing by ``sampling``."""
+    streams = max(WARM_STREAMS[workload], 1)
+    texts = [WARM_PROMPTS[(k * streams + i) % len(WARM_PROMPTS)] for i in range(streams)]
+    return [Arrival(Request(tuple(tokenizer.encode(t)), tokens, sampling)) for t in texts]
 
 
 def taught_line(t: Taught, tokens: int) -> str:
