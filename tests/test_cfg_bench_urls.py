@@ -162,6 +162,22 @@ def test_options_that_shape_in_process_arms_are_refused_with_url(extra: list[str
     assert out.returncode == 2 and "--url measures launched servers as they run" in out.stderr, out.stderr
 
 
+@pytest.mark.parametrize("flag", ["--cold-experts", "--cold-drafting"])
+def test_a_cold_start_flag_with_url_is_named_in_its_refusal(flag: str) -> None:
+    """A launched server's expert caches and drafting are measured as they are: the refusal names the flag
+    that does not apply."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "strata_cfg", "bench", "--url", "http://127.0.0.1:9", flag],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2 and f"{flag} does not apply" in out.stderr, out.stderr
+
+
 def test_two_urls_with_one_name_are_a_usage_error() -> None:
     import subprocess
     import sys
