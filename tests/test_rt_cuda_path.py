@@ -697,7 +697,8 @@ def test_the_warm_up_reads_a_prompt_through_the_prefill_path_where_the_context_a
         (1024, 128, None, 128),
         (1024, 64, None, 0),
         (256, 128, None, 0),
-    ) + ((1024, 128, 4, 0),):
+        (1024, 128, 4, 0),  # an expert cache
+    ):
         ran.clear()
         text = float16_profile_text(
             backend="cuda",
