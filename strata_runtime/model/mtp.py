@@ -26,7 +26,7 @@ from ..layout import Layout, Segment
 from ..models.ops.norm import rms_norm_in_dtype
 from ..models.qwen3_moe import DecoderLayer, ModelArgs, SparseMoeBlock, linear
 from .kvcache import KVCache
-from .stage import CUDA_PREFILL_ROWS, Rope, Stage
+from .stage import CUDA_PREFILL_ROWS, Rope, Stage, in_graph_windows
 
 if TYPE_CHECKING:
     from ..cuda.mtp import CudaMtp
@@ -177,16 +177,9 @@ class MtpHead:
                 assert self.cuda is not None
                 return self.cuda.forward(self.embed(tokens), hidden, layout, positions)  # [R, H] fp32
             if self.cuda is not None and 0 < layout.rows <= CUDA_PREFILL_ROWS:
-                # A short prompt: consecutive windows of 8 rows through the head's graphs, as a stage reads
-                # it (`Stage._layers`), not the prefill path's cuBLAS products and host read.
-                emb, step = self.embed(tokens), MAX_WINDOW_ROWS
-                parts = [
-                    self.cuda.forward(
-                        emb[a : a + step], hidden[a : a + step], layout.rows_between(a, a + step)
-                    )
-                    for a in range(0, layout.rows, step)
-                ]
-                return xp.concatenate(parts, axis=0)  # [R, H] fp32
+                # A short prompt: through the head's graphs, as a stage reads it (`Stage._layers`), not the
+                # prefill path's cuBLAS products and host read.
+                return in_graph_windows(xp, self.cuda.forward, layout, self.embed(tokens), hidden)
             if self.cuda is not None:
                 return self.cuda.prefill(self.embed(tokens), hidden, layout)  # [R, H] fp32
             e = rms_norm_in_dtype(self.embed(tokens), self.pre_fc_norm_embedding, eps)  # [R, H]

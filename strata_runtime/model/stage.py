@@ -7,10 +7,10 @@ and returns them; hidden rows cross devices in `strata_runtime.model.placed`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from numpy.typing import DTypeLike
@@ -39,6 +39,18 @@ if TYPE_CHECKING:
 CUDA_PREFILL_ROWS = 64
 """Prefill chunks of at most this many rows run as 8-row CUDA graph windows; longer ones run the CUDA
 prefill path (`strata_runtime.cuda.prefill`: cuBLAS products, one host read per layer)."""
+
+
+def in_graph_windows(xp: Any, forward: Callable[..., Array], layout: Layout, *rows: Array) -> Array:
+    """``forward(*cuts, window_layout)`` over the layout's rows in consecutive windows of `MAX_WINDOW_ROWS`
+    (each array of ``rows`` [R, ...] cut alike), the outputs concatenated: how a short prompt reaches the
+    decode graphs, which take at most that many rows."""
+    step = MAX_WINDOW_ROWS
+    parts = [
+        forward(*(r[a : a + step] for r in rows), layout.rows_between(a, a + step))
+        for a in range(0, layout.rows, step)
+    ]
+    return xp.concatenate(parts, axis=0)
 
 
 @dataclass
@@ -232,13 +244,7 @@ class Stage:
             # A short prompt: consecutive windows of 8 rows through the graphs. The prefill path's
             # per-layer launches and host read cost the same for 9 rows as for 500 (the 64-row cut-off
             # was set against the array path and has not been re-measured against the prefill path).
-            parts = [
-                self.cuda.forward(
-                    hidden[a : a + MAX_WINDOW_ROWS], layout.rows_between(a, a + MAX_WINDOW_ROWS)
-                )
-                for a in range(0, layout.rows, MAX_WINDOW_ROWS)
-            ]
-            return xp.concatenate(parts, axis=0)  # [R, H] fp32
+            return in_graph_windows(xp, self.cuda.forward, layout, hidden)  # [R, H] fp32
         cos, sin = self.rope.at(layout)  # [R, D/2] each
         for j, layer in enumerate(self.layers):
             bias = self._router_bias(layout, self.layer_range[0] + j)
