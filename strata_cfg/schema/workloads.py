@@ -48,7 +48,8 @@ WARM_PROMPTS = (
     "Snow fell on the town",
     "A door creaked open",
 )
-"""Short prompts the bench's warm-up decodes where an expert cache settles; no repeat uses them."""
+"""Short prompts the bench's warm-up decodes to settle an expert cache and teach the drafting how often
+proposals hold; no repeat uses them."""
 
 
 def prompt_ids(length: int, vocab: int, seed: int) -> tuple[int, ...]:
