@@ -4,11 +4,16 @@
 number of stages (pipelined groups need a split). `collect` submits requests at given steps and steps the
 engine until every request has finished, checking after every step that each stage's KV (and each drafter)
 holds exactly what its slot has committed. `handed_to_cache` records what an expert cache is told.
+`bench_with_and_without` runs the bench's CLI with and without one flag.
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -150,3 +155,19 @@ def record_unreplayed(monkeypatch: Any) -> list[int]:
 
     monkeypatch.setattr(CudaLayers, "replay", counting)
     return unreplayed
+
+
+BenchRun = tuple[dict[str, Any], str]
+"""A bench run's JSON and its stderr."""
+
+
+def bench_with_and_without(profile: Path, argv: list[str], flag: str) -> dict[bool, BenchRun]:
+    """`strata bench` on ``profile`` with ``argv`` and ``--json``, run without and with ``flag``: for each,
+    keyed by whether the flag was given, its JSON and its stderr (each run must succeed)."""
+    base = [sys.executable, "-m", "strata_cfg", "bench", str(profile), *argv, "--json"]
+    runs = {}
+    for extra in ([], [flag]):
+        out = subprocess.run(base + extra, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        runs[bool(extra)] = (json.loads(out.stdout), out.stderr)
+    return runs

@@ -123,21 +123,13 @@ def test_settling_runs_nothing_where_no_cache_adapts():
 def test_the_bench_settles_the_cache_before_the_first_repeat_unless_told_not_to(tmp_path):
     """Arms of one layout share their caches, so they settle once, under the first arm's name; the line and
     the JSON say how; ``--cold-experts`` leaves the first repeat a cold cache."""
-    import json
-    import subprocess
-    import sys
-
+    from rt_engine_helpers import bench_with_and_without
     from rt_plans import profile_text
 
     profile = tmp_path / "cached.toml"
     profile.write_text(profile_text(preset="small", stages=2, slots=2, context=96, expert_cache=4))
-    base = [sys.executable, "-m", "strata_cfg", "bench", str(profile), "--workload", "two-decodes"]
-    base += ["--arms", "serial,batch-mtp", "--repeats", "1", "--tokens", "8", "--json"]
-    runs = {}
-    for extra in ([], ["--cold-experts"]):
-        out = subprocess.run(base + extra, capture_output=True, text=True, timeout=300)
-        assert out.returncode == 0, out.stderr
-        runs[bool(extra)] = (json.loads(out.stdout), out.stderr)
+    argv = ["--workload", "two-decodes", "--arms", "serial,batch-mtp", "--repeats", "1", "--tokens", "8"]
+    runs = bench_with_and_without(profile, argv, "--cold-experts")
     res, err = runs[False]
     assert list(res["settling"]) == ["serial"]  # batch-mtp shares serial's caches
     steps = res["settling"]["serial"]

@@ -7,11 +7,7 @@ takes depends on what proposals did, not on this machine's timings."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
-from rt_engine_helpers import collect
+from rt_engine_helpers import bench_with_and_without, collect
 from rt_plans import make_plan, profile_text
 
 from strata_cfg.schema.workloads import PROMPTS, WARM_PROMPTS
@@ -134,13 +130,8 @@ def test_the_bench_teaches_drafting_before_the_first_repeat_unless_told_not_to(t
     every repeat to start from nothing."""
     profile = tmp_path / "drafting.toml"
     profile.write_text(profile_text(draft_tokens=4, context=256, adaptive_depth=True))
-    base = [sys.executable, "-m", "strata_cfg", "bench", str(profile), "--workload", "solo"]
-    base += ["--arms", "solo", "--repeats", "2", "--tokens", "24", "--json"]
-    runs = {}
-    for extra in ([], ["--cold-drafting"]):
-        out = subprocess.run(base + extra, capture_output=True, text=True, timeout=300)
-        assert out.returncode == 0, out.stderr
-        runs[bool(extra)] = (json.loads(out.stdout), out.stderr)
+    argv = ["--workload", "solo", "--arms", "solo", "--repeats", "2", "--tokens", "24"]
+    runs = bench_with_and_without(profile, argv, "--cold-drafting")
     res, err = runs[False]
     taught = res["drafting_taught"]["solo"]
     assert taught["requests"] == 1 and taught["proposals"] > 0 and taught["chances"]["greedy"]
