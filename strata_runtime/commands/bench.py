@@ -58,6 +58,7 @@ from ..bench.harness import (
     summarise,
     teach_drafting,
 )
+from ..bench.window_roofline import table
 from ..model.placed import WeightStore
 
 if TYPE_CHECKING:
@@ -553,13 +554,78 @@ def ceiling_report(
             lines.append(f"    {cache['line']}")
     if link:
         lines.append(f"host link (pinned host to {device}) measured in this run: {si(link, 'B/s')}")
-    return {
+    out = {
         "step_bytes": step.total,
         "copy_bytes_s": copy,
         "roofline_tok_s": roof,
         "arms": arms,
         "lines": lines,
     }
+    if workload == "two-decodes":
+        windows = batch_mtp_roofline(plans, summary, positions, copy)
+        if windows:
+            out["batch_mtp_roofline"] = windows
+            lines.extend(windows.pop("lines"))
+    return out
+
+
+ROOFLINE_SAMPLES = 16
+"""Windows of random prompts and positions over which calibrated routing's distinct experts are averaged."""
+
+
+def batch_mtp_roofline(
+    plans: dict[str, LaunchPlan], summary: dict[str, Any], positions: int, copy: float
+) -> dict[str, Any]:
+    """Two streams' serial and batch-MTP windows at their byte time (`strata_runtime.bench.window_roofline`),
+    at the acceptance the run's batch-MTP arm measured, under both routings, beside what each arm's windows
+    took: what batch MTP can gain once both windows run at the roofline. {} without a serial and a batch-MTP
+    arm, or a model without routed experts."""
+    def first(name: str, mtp: bool) -> str | None:  # the arm of that name, else the first of its kind
+        kind = [n for n, p in plans.items() if p.batch.mtp == mtp and n in summary]
+        return name if name in kind else next(iter(kind), None)
+
+    serial, batch = first("serial", False), first("batch-mtp", True)
+    if serial is None or batch is None or not plans[batch].model.facts.num_experts:
+        return {}
+    plan = plans[batch]
+    accepted = summary[batch]["two-decodes"]["median"]["accepted_pct"] / 100
+    rows = table(
+        plan.model.facts,
+        seed=plan.model.seed,
+        streams=[WARM_STREAMS["two-decodes"]],
+        acceptances=[accepted],
+        positions=positions,
+        copy=copy,
+        samples=ROOFLINE_SAMPLES,
+    )
+    by = {r["routing"]: r for r in rows}
+    key = f"{accepted:g}"
+    used = by[plan.model.routing]
+    s_win, b_win = used["serial"], used["batch_mtp"]
+    measured = {
+        kind: summary[arm]["two-decodes"].get("windows_by_kind", {}).get(kind, {}).get("ms_per_window")
+        for arm, kind in ((serial, "serial"), (batch, "batch-mtp"))
+    }
+    lines = [
+        f"batch MTP at the byte rooflines, two streams, {accepted:.1%} accepted as measured "
+        f"({plan.model.routing} routing, this plan's): serial windows {s_win['rows']} rows, "
+        f"{s_win['distinct_experts']:.1f} experts a layer, {s_win['ms']:.3f} ms; batch-MTP windows "
+        f"{b_win['rows']} rows and the drafting head, {b_win['distinct_experts']:.1f} experts, "
+        f"{b_win['ms']:.3f} ms: {100 * used['gain'][key]:+.1f}%"
+    ]
+    for name, r in by.items():
+        if name != plan.model.routing:
+            lines.append(
+                f"  under {name} routing: {r['serial']['distinct_experts']:.1f} and "
+                f"{r['batch_mtp']['distinct_experts']:.1f} experts a layer, {100 * r['gain'][key]:+.1f}%"
+            )
+    if measured["serial"] and measured["batch-mtp"]:
+        lines.append(
+            f"  measured: serial windows {measured['serial']:.2f} ms = "
+            f"{s_win['ms'] / measured['serial']:.0%} of their byte time, batch-MTP windows "
+            f"{measured['batch-mtp']:.2f} ms = {b_win['ms'] / measured['batch-mtp']:.0%}"
+        )
+    return {"accepted": accepted, "routings": by, "measured_ms": measured, "lines": lines}
 
 
 def cache_ceiling(

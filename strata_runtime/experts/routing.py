@@ -145,6 +145,14 @@ class RoutingModel:
             np.full(n, seed, _U64), rows, layer, np.asarray(positions), top_k, p_stay, lookback
         )
 
+    def intended_rows(
+        self, seeds: np.ndarray, cdf_rows: np.ndarray, layer: int, positions: np.ndarray
+    ) -> np.ndarray:
+        """Rows of several requests at once: the intended experts [R, k] at ``layer`` of rows at
+        ``positions`` [R] of requests with routing ``seeds`` [R] and this layer's CDFs ``cdf_rows`` [R, E]."""
+        p_stay, top_k, _, lookback = self.layer_args(layer)
+        return intended_sets(seeds, cdf_rows, layer, np.asarray(positions), top_k, p_stay, lookback)
+
 
 class RoutingTables:
     """Every slot's request tables on the host: seeds [S] uint64 and CDFs [S, L, E] float32.

@@ -1,0 +1,109 @@
+"""Batch MTP against serial windows at the byte roofline (`strata_runtime.bench.window_roofline`), and the
+lines `strata bench --workload two-decodes` prints from it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from strata_cfg.plan.from_profile import resolve_profile
+from strata_runtime.bench.ceilings import decode_step_bytes, expected_distinct_experts
+from strata_runtime.bench.window_roofline import (
+    Window,
+    calibrated_distinct,
+    drafting_bytes,
+    gain_at_roofline,
+    table,
+    window,
+)
+from strata_runtime.commands.bench import batch_mtp_roofline
+
+ROOT = Path(__file__).resolve().parents[1]
+PROFILE = str(ROOT / "profiles" / "h200.toml")
+COPY = 4.25e12
+
+
+@pytest.fixture(scope="module")
+def facts():
+    return resolve_profile(PROFILE).model.facts
+
+
+def test_uniform_windows_read_the_experts_of_random_rows(facts):
+    for streams in (1, 2, 4):
+        serial = window(facts, "serial", streams, "uniform", seed=0, positions=300, copy=COPY, samples=4)
+        batch = window(facts, "batch-mtp", streams, "uniform", seed=0, positions=300, copy=COPY, samples=4)
+        e, k = facts.num_experts, facts.num_experts_per_tok
+        assert serial.rows == streams and batch.rows == 2 * streams
+        assert serial.distinct_experts == pytest.approx(expected_distinct_experts(e, k, streams))
+        assert batch.distinct_experts == pytest.approx(expected_distinct_experts(e, k, 2 * streams))
+        step = decode_step_bytes(facts, rows=streams, positions=300, distinct_experts=serial.distinct_experts)
+        assert serial.gbytes * 1e9 == pytest.approx(step.total)
+        assert serial.ms == pytest.approx(step.total / COPY * 1e3)
+
+
+def test_a_batch_mtp_window_reads_the_drafting_head_as_well(facts):
+    batch = window(facts, "batch-mtp", 2, "uniform", seed=0, positions=300, copy=COPY, samples=4)
+    step = decode_step_bytes(facts, rows=4, positions=300, distinct_experts=batch.distinct_experts).total
+    extra = batch.gbytes * 1e9 - step
+    assert extra == pytest.approx(drafting_bytes(facts, batch.distinct_experts))
+    lm_head = facts.vocab_size * facts.hidden_size * facts.weight_bytes
+    # the LM head once more, and the head's layer with as many experts as the window's own layers read
+    assert extra > lm_head + batch.distinct_experts * facts.expert_bytes()
+
+
+def test_calibrated_routing_shares_experts_between_a_streams_positions(facts):
+    one = calibrated_distinct(facts, 0, 1, 1, samples=4)
+    assert one == facts.num_experts_per_tok  # one row routes to k distinct experts
+    batch = calibrated_distinct(facts, 0, 2, 2, samples=8)  # two streams, two consecutive positions each
+    four = calibrated_distinct(facts, 0, 4, 1, samples=8)  # four streams, one position each
+    uniform = expected_distinct_experts(facts.num_experts, facts.num_experts_per_tok, 4)
+    two = calibrated_distinct(facts, 0, 2, 1, samples=8)  # the same two streams' token rows alone
+    assert two < batch < four < uniform + 1
+    assert batch < 0.85 * uniform
+    assert calibrated_distinct(facts, 0, 2, 2, samples=8) == batch  # seeded: the figure repeats
+
+
+def test_the_gain_is_tokens_over_byte_time():
+    serial = Window("serial", 2, 2, 15.0, 9.0, 2.0)
+    batch = Window("batch-mtp", 2, 4, 28.0, 15.0, 3.0)
+    assert gain_at_roofline(serial, batch, 0.5) == pytest.approx((2 * 1.5 / 3.0) / (2 / 2.0) - 1)
+    assert gain_at_roofline(serial, batch, 0.9) > gain_at_roofline(serial, batch, 0.5)
+
+
+def _two_decodes(accepted_pct: float, serial_ms: float | None, batch_ms: float | None) -> dict:
+    def arm(kind: str, ms: float | None, pct: float) -> dict:
+        by_kind = {kind: {"windows": 10, "ms_per_window": ms, "tokens_per_window": 2.0}} if ms else {}
+        return {"two-decodes": {"median": {"accepted_pct": pct}, "windows_by_kind": by_kind}}
+
+    return {"serial": arm("serial", serial_ms, 0.0), "batch-mtp": arm("batch-mtp", batch_ms, accepted_pct)}
+
+
+def test_the_bench_sets_the_measured_windows_beside_their_byte_time():
+    plans = {
+        "serial": resolve_profile(PROFILE, [("batch.mtp", False)]),
+        "batch-mtp": resolve_profile(PROFILE, [("batch.mtp", True)]),
+    }
+    out = batch_mtp_roofline(plans, _two_decodes(76.0, 3.8, 5.4), positions=300, copy=COPY)
+    assert out["accepted"] == pytest.approx(0.76)
+    uniform, calibrated = out["routings"]["uniform"], out["routings"]["calibrated"]
+    again = table(
+        plans["serial"].model.facts,
+        seed=0,
+        streams=[2],
+        acceptances=[0.76],
+        positions=300,
+        copy=COPY,
+        samples=16,
+    )
+    assert uniform["gain"]["0.76"] == pytest.approx(again[0]["gain"]["0.76"])
+    assert calibrated["gain"]["0.76"] > uniform["gain"]["0.76"]
+    text = "\n".join(out["lines"])
+    assert "76.0% accepted" in text and "uniform routing, this plan's" in text and "under calibrated" in text
+    serial_share = uniform["serial"]["ms"] / 3.8
+    assert f"serial windows 3.80 ms = {serial_share:.0%} of their byte time" in text
+    # the arms' windows not measured by kind: the byte times without the measured line
+    bare = batch_mtp_roofline(plans, _two_decodes(60.0, None, None), positions=300, copy=COPY)
+    assert bare["accepted"] == pytest.approx(0.6) and not any("measured:" in x for x in bare["lines"])
+    # without a batch-MTP arm there is nothing to compare
+    assert batch_mtp_roofline({"serial": plans["serial"]}, _two_decodes(0, 3.8, None), 300, COPY) == {}
