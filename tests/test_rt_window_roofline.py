@@ -107,3 +107,25 @@ def test_the_bench_sets_the_measured_windows_beside_their_byte_time():
     assert bare["accepted"] == pytest.approx(0.6) and not any("measured:" in x for x in bare["lines"])
     # without a batch-MTP arm there is nothing to compare
     assert batch_mtp_roofline({"serial": plans["serial"]}, _two_decodes(0, 3.8, None), 300, COPY) == {}
+
+
+def test_the_two_decodes_ceiling_carries_the_rooflines_and_other_workloads_do_not():
+    import argparse
+
+    from strata_runtime.commands.bench import ceiling_report
+    from strata_runtime.weights.tokenizer import ByteTokenizer
+
+    plans = {
+        "serial": resolve_profile(PROFILE, [("batch.mtp", False)]),
+        "batch-mtp": resolve_profile(PROFILE, [("batch.mtp", True)]),
+    }
+    summary = _two_decodes(76.0, 3.8, 5.4)
+    for arm, rate in (("serial", 514.0), ("batch-mtp", 623.0)):
+        summary[arm]["two-decodes"]["median"].update(tok_s=rate, rows_per_window=2.0, ms_per_window=4.0)
+    args, tok = argparse.Namespace(tokens=300), ByteTokenizer(259)
+    out = ceiling_report("two-decodes", plans, summary, {"copy_bytes_s": COPY}, args, tok)
+    assert out["batch_mtp_roofline"]["accepted"] == pytest.approx(0.76)
+    assert any(line.startswith("batch MTP at the byte rooflines") for line in out["lines"])
+    solo = {"solo": {"solo": summary["serial"]["two-decodes"]}}
+    out = ceiling_report("solo", {"solo": plans["serial"]}, solo, {"copy_bytes_s": COPY}, args, tok)
+    assert "batch_mtp_roofline" not in out and not any("byte rooflines" in x for x in out["lines"])
