@@ -129,3 +129,10 @@ def test_the_two_decodes_ceiling_carries_the_rooflines_and_other_workloads_do_no
     solo = {"solo": {"solo": summary["serial"]["two-decodes"]}}
     out = ceiling_report("solo", {"solo": plans["serial"]}, solo, {"copy_bytes_s": COPY}, args, tok)
     assert "batch_mtp_roofline" not in out and not any("byte rooflines" in x for x in out["lines"])
+
+
+def test_a_model_beyond_calibrated_routing_is_compared_under_uniform_routing_only(facts):
+    wide = facts.model_copy(update={"num_experts_per_tok": 40, "num_experts": 256})  # top-k over 32
+    rows = table(wide, seed=0, streams=[2], acceptances=[0.7], positions=300, copy=COPY, samples=2)
+    assert [r["routing"] for r in rows] == ["uniform"]
+    assert rows[0]["batch_mtp"]["distinct_experts"] == pytest.approx(expected_distinct_experts(256, 40, 4))

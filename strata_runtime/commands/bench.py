@@ -580,6 +580,7 @@ def batch_mtp_roofline(
     at the acceptance the run's batch-MTP arm measured, under both routings, beside what each arm's windows
     took: what batch MTP can gain once both windows run at the roofline. {} without a serial and a batch-MTP
     arm, or a model without routed experts."""
+
     def first(name: str, mtp: bool) -> str | None:  # the arm of that name, else the first of its kind
         kind = [n for n, p in plans.items() if p.batch.mtp == mtp and n in summary]
         return name if name in kind else next(iter(kind), None)
