@@ -139,11 +139,8 @@ class RoutingModel:
     def intended(self, seed: int, cdf: np.ndarray, layer: int, positions: np.ndarray) -> np.ndarray:
         """One request's intended experts [R, k] at ``layer`` for ``positions`` [R] (cdf: its [L, E])."""
         n = len(positions)
-        p_stay, top_k, _, lookback = self.layer_args(layer)
         rows = np.broadcast_to(cdf[layer], (n, self.n_experts))
-        return intended_sets(
-            np.full(n, seed, _U64), rows, layer, np.asarray(positions), top_k, p_stay, lookback
-        )
+        return self.intended_rows(np.full(n, seed, _U64), rows, layer, positions)
 
     def intended_rows(
         self, seeds: np.ndarray, cdf_rows: np.ndarray, layer: int, positions: np.ndarray
