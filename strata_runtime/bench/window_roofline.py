@@ -92,18 +92,15 @@ def window(
 
 
 def drafting_bytes(facts: ModelFacts, distinct: float) -> int:
-    """What a batch-MTP window reads to draft the next one's proposals: the MTP head's layers over the
-    window's rows (``distinct`` experts a sparse layer, as the window's own rows route) and its input
-    projection (2H to H), then the LM head once for every stream's proposal. Serial windows of streams
+    """What a batch-MTP window reads to draft the next one's proposals: the MTP head's own weights
+    (`ModelFacts.mtp_bytes`, less its routed experts) and, per MTP layer, ``distinct`` experts as the
+    window's own rows route, then the LM head once for every stream's proposal. Serial windows of streams
     that do not draft read none of it."""
-    h, wb = facts.hidden_size, facts.weight_bytes
-    layer = facts.attention_bytes() + 2 * h * h * wb + 3 * h * wb  # attention, fc, the head's norms
-    if facts.num_experts:
-        layer += facts.moe_dense_bytes() + round(distinct * facts.expert_bytes())
-    else:
-        layer += facts.dense_mlp_bytes()
-    head = (facts.vocab_size * h + h) * wb  # read again: the LM head is not kept in L2 between launches
-    return facts.mtp_layers * layer + head
+    dense, _ = facts.mtp_bytes()
+    experts = facts.mtp_layers * round(distinct * facts.expert_bytes())
+    # the LM head again, as `decode_step_bytes` counts it: it is not kept in L2 between launches
+    head = (facts.vocab_size * facts.hidden_size + facts.hidden_size) * facts.weight_bytes
+    return dense + experts + head
 
 
 def gain_at_roofline(serial: Window, batch: Window, acceptance: float) -> float:
