@@ -198,17 +198,18 @@ class Engine:
         head's), work that would otherwise fall on the first requests' windows. Returns the windows run (0
         on CPU devices, where nothing is captured).
 
-        One prompt alone (two prefill chunks where that is more than `CUDA_PREFILL_ROWS` rows and fits a
-        quarter of the context, and every expert is in VRAM, so that the prefill path runs once before a long
-        prompt needs it, as the bench's warm-up does; else `WARM_PROMPT` tokens), then a request in every
-        slot, each joining two tokens after the one before it, greedy, sampled and penalised in turn: so
-        windows of one slot alone (at each solo depth), and of every number of slots together, serial and
-        batch-MTP (and every pipelined group), run at least twice. Then every window shape of 1 to 8 rows that
-        this mix did not capture is captured (`strata_runtime.model.placed.Model.capture_window_graphs`): a
-        short prompt's last window and a request's last take any row count. The requests are then forgotten
-        (`forget_requests`): the window statistics and what the proposals did start afresh; the window times
-        measured by the windows that replayed a graph are kept, so the first requests' drafting starts from
-        what each shape takes. ``report`` is told (label, fraction done) as each request joins."""
+        One prompt alone (two prefill chunks, cut to a quarter of the context, where a chunk and that prompt
+        are each more than `CUDA_PREFILL_ROWS` rows and every expert is in VRAM, so that the prefill path runs
+        once before a long prompt needs it, as the bench's warm-up does; else `WARM_PROMPT` tokens), then a
+        request in every slot, each joining two tokens after the one before it, greedy, sampled and penalised
+        in turn: so windows of one slot alone (at each solo depth), and of every number of slots together,
+        serial and batch-MTP (and every pipelined group), run at least twice. Then every window shape of 1 to
+        8 rows that this mix did not capture is captured
+        (`strata_runtime.model.placed.Model.capture_window_graphs`): a short prompt's last window and a
+        request's last take any row count. The requests are then forgotten (`forget_requests`): the window
+        statistics and what the proposals did start afresh; the window times measured by the windows that
+        replayed a graph are kept, so the first requests' drafting starts from what each shape takes.
+        ``report`` is told (label, fraction done) as each request joins."""
         if not any(stage.device.is_cuda for stage in self.model.stages):
             return 0
         t0 = time.perf_counter()
