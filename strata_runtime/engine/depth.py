@@ -8,7 +8,9 @@ emits on average
 tokens, where h_j is the chance that proposal j holds once the proposals before it held. Both sides are
 measured while the engine runs:
 
-* each request's h_j (`strata_runtime.engine.speculative.DraftGauge.hold`), from the windows it verified;
+* each request's h_j (`strata_runtime.engine.speculative.DraftGauge.hold`), from the windows it verified,
+  taken at the upper end of its score interval (`DraftGauge.optimistic_holds`): a chance measured on few
+  windows may be higher than it looks, and a depth that is not drafted is never measured;
 * the engine's time for a solo window of r rows (`WindowCosts`), from the solo windows it finished.
 
 `best_depth` picks the d in 0..most with the highest E(d) / cost(d + 1). A row count not measured yet is

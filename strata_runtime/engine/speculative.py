@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -47,10 +48,21 @@ windows, so one probe whose proposal holds brings a paused slot back to the floo
 
 
 HOLD_WARMUP = 4
-"""Windows that reached a proposal position before its own estimate is used (until then: the estimate of
-the position before it, or 1 for the first)."""
+"""Windows of earlier requests that reached a proposal position before what they measured there is a new
+request's starting estimate (`DraftGauge.prior`)."""
 HOLD_WEIGHT = 1 / 8
 """Weight of each new outcome in a position's estimate after the first 8 (a plain mean until then)."""
+HOLD_SPAN = round((2 - HOLD_WEIGHT) / HOLD_WEIGHT)
+"""How many windows the exponential average of `HOLD_WEIGHT` is worth as evidence (15): a position's
+count of the request's own windows stops growing there, since older outcomes fade from its estimate."""
+HOLD_PRIOR = 2
+"""How many of the request's own windows its starting estimate at a position counts as: what earlier
+requests measured there (`DraftGauge.prior`), or else the chance of the position before it (1 for the
+first). Each of its own windows then moves the estimate at once, from the first."""
+HOLD_OPTIMISM = 1.0
+"""The depth is chosen on each position's chance raised to the upper end of its score interval, this many
+standard errors wide (`DraftGauge.optimistic_holds`): a chance known from few windows counts as higher
+than it may be, so a depth that might pay is drafted, and measured, instead of never being tried."""
 HOLD_STALE = 32
 """Drafting windows after which a position none of them reached counts as unknown again (its estimate no
 lower than that of the position before it), so that a depth given up in a hard stretch of text is tried again
@@ -75,10 +87,12 @@ class DraftGauge:
     the next (up to `DRAFT_PROBE_MOST`).
 
     **How deep** (``costs``: the engine's `WindowCosts`, with ``spec.adaptive_depth``). For each proposal
-    position j, the chance that proposal j holds once those before it held (`holds_up_to`), and from those and
-    the measured window times the solo depth with the most tokens per second (`strata_runtime.engine.depth`);
-    depth 0 pauses drafting like the floor. Without ``costs`` a drafting solo window carries every proposal
-    it has room for.
+    position j, the chance that proposal j holds once those before it held (`holds_up_to`), and from those,
+    each at the upper end of its score interval (`optimistic_holds`), and the measured window times the solo
+    depth with the most tokens per second (`strata_runtime.engine.depth`); depth 0 pauses drafting like the
+    floor. The optimism matters where a depth is not drafted: only drafting measures its chances, so a
+    request that starts from a low estimate (earlier requests' text) would otherwise never learn that its
+    own proposals hold. Without ``costs`` a drafting solo window carries every proposal it has room for.
 
     Exactness does not depend on either: a window with or without proposals gives the same greedy text and
     the target's distribution."""
@@ -156,23 +170,45 @@ class DraftGauge:
         """The chance that proposal j holds once the ones before it held (`holds_up_to`)."""
         return self.holds_up_to(j + 1)[j]
 
+    def evidence(self, j: int) -> float:
+        """How many windows the estimate at position j rests on: `HOLD_PRIOR` for the starting estimate,
+        and the request's own windows that reached it, up to `HOLD_SPAN`."""
+        own = self.own.reached[j] if j < len(self.own.reached) else 0
+        return HOLD_PRIOR + min(own, HOLD_SPAN)
+
     def holds_up_to(self, depth: int) -> list[float]:
-        """The chance that proposal j holds once the ones before it held, for j below ``depth``: measured
-        after `HOLD_WARMUP` windows reached it (until then what earlier requests measured there, with a
-        ``prior``, else the estimate of the position before it, and 1 for the first), and no lower than the
-        estimate before it once `HOLD_STALE` drafting windows have not reached it."""
+        """The chance that proposal j holds once the ones before it held, for j below ``depth``.
+
+        A position starts from what earlier requests of this kind measured there (with a ``prior``, once
+        `HOLD_WARMUP` of their windows reached it), else from the chance of the position before it (1 for
+        the first), and that start counts as `HOLD_PRIOR` windows beside the request's own outcomes there
+        (`Holds`; up to `HOLD_SPAN` of them), so every window that reached the position moves it. A
+        position that `HOLD_STALE` drafting windows have not reached is estimated no lower than the one
+        before it."""
         out: list[float] = []
         before = 1.0
         for j in range(depth):
-            mine = self.own.known(j, HOLD_WARMUP)
-            if mine is not None:
-                stale = j > 0 and self.drafted - self.last_reached[j] > HOLD_STALE
-                before = max(mine, before) if stale else mine
-            elif self.prior is not None:
+            start = before
+            if self.prior is not None:
                 earlier = self.prior.known(j, HOLD_WARMUP)
-                before = before if earlier is None else earlier
-            out.append(before)
+                start = start if earlier is None else earlier
+            reached = self.own.reached[j] if j < len(self.own.reached) else 0
+            if reached == 0:
+                estimate = start
+            else:
+                own = min(reached, HOLD_SPAN)
+                estimate = (HOLD_PRIOR * start + own * self.own.chance[j]) / (HOLD_PRIOR + own)
+                if j > 0 and self.drafted - self.last_reached[j] > HOLD_STALE:
+                    estimate = max(estimate, before)
+            out.append(estimate)
+            before = estimate
         return out
+
+    def optimistic_holds(self, depth: int) -> list[float]:
+        """`holds_up_to`, each raised to the upper end of its Wilson score interval (`HOLD_OPTIMISM`
+        standard errors, over the `evidence` it rests on): what the depth is chosen by."""
+        holds = self.holds_up_to(depth)
+        return [upper_bound(h, self.evidence(j), HOLD_OPTIMISM) for j, h in enumerate(holds)]
 
     @property
     def probe_due(self) -> bool:
@@ -187,7 +223,7 @@ class DraftGauge:
         """The solo depth that pays, at most ``room``, without probing: 0 under the floor."""
         if room <= 0 or self.estimate < self.floor:
             return 0
-        return room if self.costs is None else best_depth(self.holds_up_to(room), self.costs, room)
+        return room if self.costs is None else best_depth(self.optimistic_holds(room), self.costs, room)
 
     def depth(self, room: int) -> int:
         """Proposals this slot's next solo window drafts, at most ``room``: the best depth, or, when that
@@ -210,7 +246,18 @@ class DraftGauge:
             return False
         if best == 0 and self.estimate < self.floor:
             return True
-        return worth_switching(self.holds_up_to(max(now, best)), self.costs, now, best)
+        return worth_switching(self.optimistic_holds(max(now, best)), self.costs, now, best)
+
+
+def upper_bound(chance: float, windows: float, z: float) -> float:
+    """The upper end of the Wilson score interval, ``z`` standard errors wide, of a chance estimated at
+    ``chance`` from ``windows`` outcomes: above the estimate by about z·sqrt(chance(1 - chance)/windows),
+    and still above it at 0 and below 1 at 1, where that standard error vanishes."""
+    if z <= 0 or windows <= 0:
+        return chance
+    zz = z * z / windows
+    spread = z * math.sqrt(chance * (1 - chance) / windows + zz / (4 * windows))
+    return min(1.0, (chance + zz / 2 + spread) / (1 + zz))
 
 
 def drafting_pays(gauges: list[DraftGauge], probe: bool = True) -> bool:
