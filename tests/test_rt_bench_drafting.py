@@ -2,8 +2,8 @@
 proposals hold, which a warm-up request on other text taught (`teach`), not from what the same request
 taught in the repeat before it.
 
-The solo windows are timed by the measured H200 table of `test_rt_draft_depth`, so the depth each window
-takes depends on what proposals did, not on this machine's timings."""
+The solo windows are timed by a table (`ONE_PAYS`), so the depth each window takes depends on what proposals
+did, not on this machine's timings."""
 
 from __future__ import annotations
 
@@ -18,16 +18,28 @@ from strata_runtime.engine import Engine
 from strata_runtime.engine.depth import COST_MEASURED, PRIOR_WEIGHT, Holds, WindowCosts
 
 OBSERVE = WindowCosts.observe
-H200 = {1: 3.1, 2: 4.4, 3: 6.5, 4: 7.5}
-"""Solo window times by rows (ms): one proposal pays at the tiny model's acceptance, three do not."""
+ONE_PAYS = {1: 3.0, 2: 3.3, 3: 6.0, 4: 6.5}
+"""Solo window times by rows (ms): three proposals pay only where every proposal is sure to hold (a request
+that has learned nothing starts there), one pays at the tiny model's acceptance."""
 
 
-def _timed_like_an_h200(monkeypatch) -> None:
-    monkeypatch.setattr(WindowCosts, "observe", lambda self, rows, ms: OBSERVE(self, rows, H200[rows]))
+def _timed(monkeypatch) -> None:
+    monkeypatch.setattr(WindowCosts, "observe", lambda self, rows, ms: OBSERVE(self, rows, ONE_PAYS[rows]))
 
 
-def _engine() -> Engine:
-    return Engine(make_plan(draft_tokens=4, context=256, adaptive_depth=True))
+def _engine(measured: bool = True) -> Engine:
+    """An engine that drafts up to 3 proposals at an adaptive depth; with ``measured``, its greedy solo
+    windows of every row count are measured already (as after the bench's warm-up), so that only what
+    proposals did moves the depth."""
+    eng = Engine(make_plan(draft_tokens=4, context=256, adaptive_depth=True))
+    if not measured:
+        return eng
+    costs = WindowCosts()
+    for rows in ONE_PAYS:
+        for _ in range(COST_MEASURED):
+            costs.observe(rows, 0.0)
+    eng.depth_state["greedy"] = (costs, Holds(PRIOR_WEIGHT))
+    return eng
 
 
 def _solo_rows(eng: Engine, request: Request) -> list[int]:
@@ -40,7 +52,7 @@ def test_restoring_the_drafting_state_brings_a_request_back_to_its_first_depth(m
     """A request starts at the full depth with nothing learned, and the next of its kind at the depth the
     first settled on; restored to what it held before, the engine starts the request at the full depth
     again (and keeps the window times it measured); restored to what it had learned, at the learned one."""
-    _timed_like_an_h200(monkeypatch)
+    _timed(monkeypatch)
     eng = _engine()
     empty = eng.drafting_state()
     request = Request(tuple(b"The river runs"), 80)
@@ -62,7 +74,7 @@ def test_restoring_the_drafting_state_brings_a_request_back_to_its_first_depth(m
 def test_every_repeat_starts_from_the_drafting_the_run_began_with(monkeypatch) -> None:
     """The same request in three repeats takes the same windows: the second does not start from the depth
     the first taught the engine."""
-    _timed_like_an_h200(monkeypatch)
+    _timed(monkeypatch)
     eng = _engine()
     collect(eng, [(0, Request(tuple(b"A warm-up"), 40))])  # as the bench's warm-up: window times measured,
     eng.forget_requests()  # what proposals did forgotten
@@ -75,7 +87,7 @@ def test_every_repeat_starts_from_the_drafting_the_run_began_with(monkeypatch) -
 def test_teaching_decodes_other_text_and_a_repeat_starts_from_what_it_taught(monkeypatch) -> None:
     """`teach` decodes one request per stream on the warm-up prompts (none a repeat uses), with the bench's
     sampling; the workload's own request then starts at the depth that text taught."""
-    _timed_like_an_h200(monkeypatch)
+    _timed(monkeypatch)
     eng = _engine()
     sent: list[tuple[int, ...]] = []
     submit = eng.submit
@@ -85,11 +97,6 @@ def test_teaching_decodes_other_text_and_a_repeat_starts_from_what_it_taught(mon
         return submit(request)
 
     monkeypatch.setattr(eng, "submit", spy)
-    costs = WindowCosts()  # every row count measured, so that only what proposals did moves the depth
-    for rows in H200:
-        for _ in range(COST_MEASURED):
-            costs.observe(rows, 0.0)
-    eng.depth_state["greedy"] = (costs, Holds(PRIOR_WEIGHT))
     taught = teach({"solo": eng}, "solo", 60, eng.tokenizer, SamplingParams())["solo"]
     assert taught is not None and taught.requests == 1 and taught.proposals > taught.accepted > 0
     warm = {tuple(eng.tokenizer.encode(t)) for t in WARM_PROMPTS}
@@ -110,13 +117,13 @@ def test_teaching_decodes_other_text_and_a_repeat_starts_from_what_it_taught(mon
 def test_nothing_is_taught_where_the_depth_does_not_learn(monkeypatch) -> None:
     """A fixed depth, a plan that does not draft, a seeded sampled bench (whose requests keep the full
     depth so that their text does not depend on window times) and a workload that decodes nothing."""
-    _timed_like_an_h200(monkeypatch)
+    _timed(monkeypatch)
     fixed = Engine(make_plan(draft_tokens=4, context=256, adaptive_depth=False))
     plain = Engine(make_plan(context=256))
     engines = {"fixed": fixed, "plain": plain}
     assert teach(engines, "solo", 8, fixed.tokenizer, SamplingParams()) == {"fixed": None, "plain": None}
     assert teach_drafting(fixed, []) is None
-    eng = _engine()
+    eng = _engine(measured=False)
     sampled = SamplingParams(temperature=0.7)
     assert teach({"solo": eng}, "solo", 8, eng.tokenizer, sampled, seeded=True) == {}
     assert teach({"solo": eng}, "prompt", 8, eng.tokenizer, SamplingParams()) == {}
