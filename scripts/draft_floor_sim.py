@@ -1,13 +1,18 @@
-"""How the drafting floor reads a lone request's solo windows: a simulation of the engine's own `DraftGauge`.
+"""How a lone request's solo windows draft: a simulation of the engine's own `DraftGauge`.
 
 One request alone decodes 128 tokens in solo windows of up to 3 proposals, its depth chosen as the engine
 chooses it (`DraftGauge.depth`, with window times per row count fixed at the given milliseconds), and each
 proposal j holding with chance h_j once those before it held (independently, or in bursts: a good stretch
-at h, a bad one at 5%). For each case it prints the tokens per millisecond and the share of windows
-without proposals (paused), under the floor as the engine reads it (each window's first proposal) and as
-it read it before (every proposal's share of its window), over many seeded requests:
+at h, a bad one at 5%). It prints the tokens per millisecond and the share of windows without proposals
+(paused), over many seeded requests, in two tables:
 
-    python scripts/draft_floor_sim.py [--requests 300] [--ms 2.90,3.90,4.80,5.72]
+* the floor: as the engine reads it (each window's first proposal) and as it read it before (every
+  proposal's share of its window);
+* the depth after other text (``--depth``): each request follows one on other text whose first proposals
+  held 42% of the time (as the bench's warm-up teaches the engine before its repeats), under the adaptive
+  depth, the full depth and no drafting, with the window times measured as the requests run.
+
+    python scripts/draft_floor_sim.py [--requests 300] [--ms 2.90,3.90,4.80,5.72] [--depth]
 
 The default times are one H200's solo windows of 1 and 4 rows on the `qwen3-30b-a3b` preset
 (docs/PERFORMANCE.md), with 2 and 3 rows between them. CPU only; no model runs.
@@ -34,16 +39,27 @@ CASES = {
 }
 
 
-def request(
-    holds: list[float], bursts: tuple[float, float] | None, ms: list[float], seed: int
+OTHER_TEXT = [0.42, 0.89, 1.0]
+"""The chances of the request before each one in the depth table: on one H200 the bench's warm-up request
+taught 37-44% / 72-89% / 94-100% (docs/PERFORMANCE.md)."""
+DEPTH_CASES = {
+    **{f"{h:.0%} / 89% / 100%": ([h, 0.89, 1.0], None) for h in (0.2, 0.3, 0.42, 0.5, 0.56, 0.65, 0.8)},
+    "60 / 55 / 50%": ([0.60, 0.55, 0.50], None),
+    "45 / 40 / 35%": ([0.45, 0.40, 0.35], None),
+    "bursts of 80 / 75 / 70%": ([0.80, 0.75, 0.70], (0.95, 0.90)),
+}
+
+
+def decode(
+    gauge: DraftGauge,
+    holds: list[float],
+    bursts: tuple[float, float] | None,
+    ms: list[float],
+    rng: random.Random,
+    costs: WindowCosts | None = None,
 ) -> tuple[float, float]:
-    """One request's tokens per millisecond and share of windows without proposals."""
-    rng = random.Random(seed)
-    costs = WindowCosts()
-    for rows, t in enumerate(ms, start=1):
-        for _ in range(15):
-            costs.observe(rows, t)
-    gauge = DraftGauge(0.25, costs, len(ms) - 1, Holds(PRIOR_WEIGHT))
+    """One request of 128 tokens on ``gauge``: its tokens per millisecond and share of windows without
+    proposals; each window's time is added to ``costs`` when given."""
     made, spent, windows, paused, good = 0, 0.0, 0, 0, True
     while made < 128:
         if bursts is not None:
@@ -54,9 +70,39 @@ def request(
         while accepted < depth and rng.random() < h[accepted]:
             accepted += 1
         gauge.record(depth, accepted)
+        if costs is not None:
+            costs.observe(depth + 1, ms[depth])
         made, spent = made + accepted + 1, spent + ms[depth]
         windows, paused = windows + 1, paused + (depth == 0)
     return made / spent, paused / windows
+
+
+def measured(ms: list[float]) -> WindowCosts:
+    costs = WindowCosts()
+    for rows, t in enumerate(ms, start=1):
+        for _ in range(15):
+            costs.observe(rows, t)
+    return costs
+
+
+def request(
+    holds: list[float], bursts: tuple[float, float] | None, ms: list[float], seed: int
+) -> tuple[float, float]:
+    """One request's tokens per millisecond and share of windows without proposals."""
+    gauge = DraftGauge(0.25, measured(ms), len(ms) - 1, Holds(PRIOR_WEIGHT))
+    return decode(gauge, holds, bursts, ms, random.Random(seed))
+
+
+def after_other_text(
+    holds: list[float], bursts: tuple[float, float] | None, ms: list[float], seed: int, adaptive: bool
+) -> tuple[float, float]:
+    """A request after one on other text (`OTHER_TEXT`), as the engine runs them: the window times and,
+    with ``adaptive``, the chances by position are what the engine measured so far."""
+    rng = random.Random(seed)
+    most = len(ms) - 1
+    costs, prior = (WindowCosts(), Holds(PRIOR_WEIGHT)) if adaptive else (None, None)
+    decode(DraftGauge(0.25, costs, most, prior), OTHER_TEXT, None, ms, rng, costs)
+    return decode(DraftGauge(0.25, costs, most, prior), holds, bursts, ms, rng, costs)
 
 
 @contextmanager
@@ -78,12 +124,29 @@ def every_proposal() -> Iterator[None]:
         DraftGauge.record = original  # type: ignore[method-assign]
 
 
+def depth_table(ms: list[float], requests: int) -> None:
+    print("| chances of proposals 1 / 2 / 3 | adaptive depth: tok/ms, paused | full depth | no drafting |")
+    print("| --- | ---: | ---: | ---: |")
+    for name, (holds, bursts) in DEPTH_CASES.items():
+        row = []
+        for adaptive in (True, False):
+            runs = [after_other_text(holds, bursts, ms, seed, adaptive) for seed in range(requests)]
+            rate = sum(r for r, _ in runs) / len(runs)
+            paused = sum(p for _, p in runs) / len(runs)
+            row.append(f"{rate:.3f}, {paused:.0%}")
+        print(f"| {name} | {row[0]} | {row[1]} | {1 / ms[0]:.3f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--ms", default="2.90,3.90,4.80,5.72", help="solo window times of 1, 2, ... rows")
+    parser.add_argument("--depth", action="store_true", help="the depth after other text, not the floor")
     args = parser.parse_args()
     ms = [float(v) for v in args.ms.split(",")]
+    if args.depth:
+        depth_table(ms, args.requests)
+        return
     print("| chances | first proposal: tok/ms, paused | every proposal: tok/ms, paused | no drafting |")
     print("| --- | ---: | ---: | ---: |")
     for name, (holds, bursts) in CASES.items():
