@@ -10,6 +10,10 @@ gauge decides.
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
 import pytest
 from rt_plans import make_plan, profile_text
 from test_rt_engine import collect
@@ -250,19 +254,22 @@ def test_rewinding_a_drafter_forgets_exactly_the_deferred_rows_past_the_rewind()
     assert drafter.pending == [] and drafter.length == 0
 
 
-def test_the_floor_simulation_pauses_less_and_decodes_faster_by_the_first_proposal() -> None:
-    """`scripts/draft_floor_sim.py` (docs/PERFORMANCE.md's table) over the engine's own gauge: where
-    proposals hold 75%, 70% and 65% of the time they are tried, the floor read by each window's first
-    proposal pauses far fewer windows than read by all its proposals, and decodes more tokens a
-    millisecond; where they hold 20%, both pause nearly every window."""
-    import importlib.util
-    from pathlib import Path
-
+def _simulation() -> ModuleType:
+    """`scripts/draft_floor_sim.py`, loaded as a module."""
     path = Path(__file__).resolve().parent.parent / "scripts" / "draft_floor_sim.py"
     spec = importlib.util.spec_from_file_location("draft_floor_sim", path)
     assert spec is not None and spec.loader is not None
     sim = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sim)
+    return sim
+
+
+def test_the_floor_simulation_pauses_less_and_decodes_faster_by_the_first_proposal() -> None:
+    """`scripts/draft_floor_sim.py` (docs/PERFORMANCE.md's table) over the engine's own gauge: where
+    proposals hold 75%, 70% and 65% of the time they are tried, the floor read by each window's first
+    proposal pauses far fewer windows than read by all its proposals, and decodes more tokens a
+    millisecond; where they hold 20%, both pause nearly every window."""
+    sim = _simulation()
     ms = [2.90, 3.90, 4.80, 5.72]
 
     def mean(case: str, requests: int = 40) -> tuple[float, float]:
@@ -282,14 +289,7 @@ def test_the_depth_simulation_drafts_where_it_pays_after_other_text() -> None:
     a request on other text whose first proposals held 42%, a request whose first proposals hold 80% gets
     within 5% of the full depth's tokens a millisecond, far above no drafting; one whose hold 20% gets
     within 5% of no drafting, above the full depth."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parent.parent / "scripts" / "draft_floor_sim.py"
-    spec = importlib.util.spec_from_file_location("draft_floor_sim", path)
-    assert spec is not None and spec.loader is not None
-    sim = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sim)
+    sim = _simulation()
     ms = [2.60, 4.25, 5.03, 5.71]
 
     def mean(case: str, adaptive: bool, requests: int = 40) -> float:
