@@ -252,7 +252,7 @@ class DraftGauge:
 def upper_bound(chance: float, windows: float, z: float) -> float:
     """The upper end of the Wilson score interval, ``z`` standard errors wide, of a chance estimated at
     ``chance`` from ``windows`` outcomes: above the estimate by about z·sqrt(chance(1 - chance)/windows),
-    and still above it at 0 and below 1 at 1, where that standard error vanishes."""
+    and above it at 0 too, where that standard error vanishes (1 at 1)."""
     if z <= 0 or windows <= 0:
         return chance
     zz = z * z / windows
