@@ -170,11 +170,14 @@ class DraftGauge:
         """The chance that proposal j holds once the ones before it held (`holds_up_to`)."""
         return self.holds_up_to(j + 1)[j]
 
+    def own_windows(self, j: int) -> int:
+        """The request's own windows that reached position j, counted up to `HOLD_SPAN`."""
+        return min(self.own.reached[j] if j < len(self.own.reached) else 0, HOLD_SPAN)
+
     def evidence(self, j: int) -> float:
         """How many windows the estimate at position j rests on: `HOLD_PRIOR` for the starting estimate,
-        and the request's own windows that reached it, up to `HOLD_SPAN`."""
-        own = self.own.reached[j] if j < len(self.own.reached) else 0
-        return HOLD_PRIOR + min(own, HOLD_SPAN)
+        and the request's own (`own_windows`)."""
+        return HOLD_PRIOR + self.own_windows(j)
 
     def holds_up_to(self, depth: int) -> list[float]:
         """The chance that proposal j holds once the ones before it held, for j below ``depth``.
@@ -192,11 +195,10 @@ class DraftGauge:
             if self.prior is not None:
                 earlier = self.prior.known(j, HOLD_WARMUP)
                 start = start if earlier is None else earlier
-            reached = self.own.reached[j] if j < len(self.own.reached) else 0
-            if reached == 0:
+            own = self.own_windows(j)
+            if own == 0:
                 estimate = start
             else:
-                own = min(reached, HOLD_SPAN)
                 estimate = (HOLD_PRIOR * start + own * self.own.chance[j]) / (HOLD_PRIOR + own)
                 if j > 0 and self.drafted - self.last_reached[j] > HOLD_STALE:
                     estimate = max(estimate, before)
