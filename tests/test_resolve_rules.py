@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 
 import pytest
-from cfg_fixtures import RULES_DIR, decision, line_of, plan_of, problem, problems_of
+from cfg_fixtures import PROFILES, RULES_DIR, decision, line_of, plan_of, problem, problems_of
 
 from strata_cfg.resolve import RULES
 from strata_cfg.resolve.batch_gates import batch_mtp_gate
@@ -642,6 +642,50 @@ def test_windows_adaptive_depth_inert_where_solo_windows_do_not_draft():
     [p] = problems_of(rule_file("windows.adaptive-depth-inert"), strict=True)
     assert p.key == "spec.adaptive_depth" and p.file.endswith("windows.adaptive-depth-inert.toml")
     assert p.line == line_of(rule_file("windows.adaptive-depth-inert"), "adaptive_depth")
+
+
+def test_windows_prompt_graph_rows_sends_prompts_past_three_windows_to_the_prefill_path():
+    path = rule_file("windows.prompt-graph-rows")
+    plan = plan_of(path)
+    assert plan.memory.prompt_graph_rows == 24
+    d = decision(plan, "windows.prompt-graph-rows")
+    assert d.severity == "note" and d.key == "memory.prompt_graph_rows"
+    assert "up to 24 rows" in d.message and "3 windows" in d.message and "49 layers" in d.message
+    s = plan.settings["memory.prompt_graph_rows"]
+    assert (s.value, s.source.kind, s.source.rule) == (24, "derived", "windows.prompt-graph-rows")
+    from strata_cfg.report.plan_text import plan_text
+
+    assert "prefill chunk 512, graph windows up to 24 rows\n" in plan_text(plan)
+    # A number is taken as written, with no note.
+    written = plan_of(path, ["memory.prompt_graph_rows=40"])
+    assert (
+        written.memory.prompt_graph_rows == 40
+        and written.settings["memory.prompt_graph_rows"].source.kind == "user"
+    )
+    assert "windows.prompt-graph-rows" not in [x.rule for x in written.decisions]
+    # Virtual CPU devices have no prefill path: all 64 rows, quietly.
+    cpu = plan_of(path, ["machine.backend=cpu"])
+    assert cpu.memory.prompt_graph_rows == 64
+    assert "windows.prompt-graph-rows" not in [x.rule for x in cpu.decisions]
+
+
+def test_windows_prompt_graph_rows_keeps_64_under_an_expert_cache():
+    """Under a cache the prefill path copies each host expert to the GPU, where graph windows read it in
+    place: short prompts keep the graph windows."""
+    plan = plan_of(PROFILES / "emulate" / "h200-24g.toml")
+    assert plan.experts.cache is not None and plan.memory.prompt_graph_rows == 64
+    assert "windows.prompt-graph-rows" not in [x.rule for x in plan.decisions]
+
+
+@pytest.mark.parametrize("value", ["4", "65", '"some"'])
+def test_windows_prompt_graph_rows_refuses_values_outside_8_to_64(tmp_path, value):
+    path = tmp_path / "p.toml"
+    path.write_text(
+        rule_file("windows.prompt-graph-rows").read_text() + f"[memory]\nprompt_graph_rows = {value}\n"
+    )
+    [p] = problems_of(path)
+    assert p.key == "memory.prompt_graph_rows" and p.line == line_of(path, "prompt_graph_rows")
+    assert p.file.endswith("p.toml")
 
 
 def test_serve_exposed_warns_and_strict_refuses():

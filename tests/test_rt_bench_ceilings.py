@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from strata_cfg.schema.facts import ModelFacts
-from strata_runtime.bench.ceilings import decode_step_bytes, expected_distinct_experts, prompt_flops
+from strata_cfg.schema.facts import ModelFacts, expected_distinct_experts
+from strata_runtime.bench.ceilings import decode_step_bytes, prompt_flops
 
 # Two layers, the second dense: hidden 4, 2 query heads and 1 KV head of dim 2, 4 experts of width 3, top-2,
 # dense MLP width 6, vocabulary 10, float16 (2 bytes).

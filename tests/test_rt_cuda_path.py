@@ -671,11 +671,12 @@ def test_the_warm_up_fits_a_short_context(fake_gpu):
 
 
 def test_the_warm_up_reads_a_prompt_through_the_prefill_path_where_the_context_allows(fake_gpu, monkeypatch):
-    """Its first prompt is two prefill chunks long where a chunk is more than 64 rows, the prompt fits a
-    quarter of the context and every expert is in VRAM: the stage's and the drafting head's prefill path then
-    run before a long prompt needs them. Otherwise it stays at 32 tokens, which the graph windows read (with
-    an expert cache a long prompt would read most experts over the host link and teach the cache random
-    routing)."""
+    """Its first prompt is two prefill chunks long where a chunk is more than ``memory.prompt_graph_rows``
+    (64 for the tiny preset), the prompt fits a quarter of the context and every expert is in VRAM: the
+    stage's and the drafting head's prefill path then run before a long prompt needs them. Otherwise it stays
+    at 32 tokens, which the graph windows read (with an expert cache a long prompt would read most experts
+    over the host link and teach the cache random routing). Where the prefill path also reads short prompts
+    (``memory.prompt_graph_rows`` below 64), a 64-row prompt takes it as well."""
     from strata_runtime.cuda.mtp import CudaMtp
     from strata_runtime.cuda.prefill import CudaPrefill
     from strata_runtime.engine import Engine
@@ -693,11 +694,13 @@ def test_the_warm_up_reads_a_prompt_through_the_prefill_path_where_the_context_a
 
     monkeypatch.setattr(CudaPrefill, "run", stage)
     monkeypatch.setattr(CudaMtp, "prefill", head)
-    for context, chunk, cache, expected in (
-        (1024, 128, None, 128),
-        (1024, 64, None, 0),
-        (256, 128, None, 0),
-        (1024, 128, 4, 0),  # an expert cache
+    for context, chunk, cache, graph_rows, expected in (
+        (1024, 128, None, None, [128]),
+        (1024, 64, None, None, []),
+        (256, 128, None, None, []),
+        (1024, 128, 4, None, []),  # an expert cache
+        (1024, 128, None, 24, [128, 64]),  # the long prompt's chunks, then a 64-row prompt
+        (256, 128, None, 24, [64]),  # a quarter of the context: one 64-row chunk, then the 64-row prompt
     ):
         ran.clear()
         text = float16_profile_text(
@@ -709,12 +712,16 @@ def test_the_warm_up_reads_a_prompt_through_the_prefill_path_where_the_context_a
             prefill_chunk=chunk,
             expert_cache=cache,
         )
-        engine = Engine(resolve_text(text, "cuda-path.toml").plan)
+        plan = resolve_text(text, "cuda-path.toml").plan
+        assert plan.memory.prompt_graph_rows == 64
+        if graph_rows is not None:
+            plan = plan.model_copy(
+                update={"memory": plan.memory.model_copy(update={"prompt_graph_rows": graph_rows})}
+            )
+        engine = Engine(plan)
         assert engine.warm_up() > 0
-        if expected:
-            assert ("head", expected) in ran and any(kind == "stage" for kind, _ in ran), ran
-        else:
-            assert ran == []
+        assert sorted({rows for kind, rows in ran if kind == "head"}, reverse=True) == expected, ran
+        assert sorted({rows for kind, rows in ran if kind == "stage"}, reverse=True) == expected, ran
 
 
 def test_the_warm_up_runs_nothing_on_cpu_devices():
@@ -807,34 +814,52 @@ def test_a_window_shape_the_warm_up_missed_is_named_in_the_log(fake_gpu, caplog)
 
 
 def test_a_short_prompt_reaches_the_drafting_head_through_its_graphs(fake_gpu, monkeypatch):
-    """A prompt chunk of 9 to 64 rows runs the MTP head in 8-row graph windows, as the stages read it, not
-    through the prefill path (cuBLAS products and a host read, whose first run at a new row count also
-    loads kernels); the drafters' KV it writes is the prefill path's to fp16 rounding, and a longer chunk
-    still takes the prefill path."""
-    import strata_runtime.model.mtp as mtp_module
+    """A prompt chunk of 9 to ``memory.prompt_graph_rows`` rows runs the MTP head in 8-row graph windows, as
+    the stages read it, not through the prefill path (cuBLAS products launched layer by layer, whose first
+    run at a new row count also loads kernels); the drafters' KV it writes is the prefill path's to fp16
+    rounding, and a longer chunk takes the prefill path, in the head and in every stage."""
     from strata_cfg.schema.windows import MAX_WINDOW_ROWS
     from strata_runtime.cuda.mtp import CudaMtp
+    from strata_runtime.cuda.prefill import CudaPrefill
     from strata_runtime.engine import Engine
 
     calls: list[int] = []
-    prefill = CudaMtp.prefill
+    stage_calls: list[int] = []
+    prefill, stage_prefill = CudaMtp.prefill, CudaPrefill.forward
 
     def spy(self, emb, hidden, layout):
         calls.append(layout.rows)
         return prefill(self, emb, hidden, layout)
 
-    monkeypatch.setattr(CudaMtp, "prefill", spy)
+    def stage_spy(self, hidden, layout):
+        stage_calls.append(layout.rows)
+        return stage_prefill(self, hidden, layout)
 
-    def drafter_kv(*prompts: tuple[int, ...]) -> tuple[np.ndarray, list[int]]:
-        """The drafters' KV after reading ``prompts`` together (each in a slot of its own) and one token."""
+    monkeypatch.setattr(CudaMtp, "prefill", spy)
+    monkeypatch.setattr(CudaPrefill, "forward", stage_spy)
+
+    def drafter_kv(*prompts: tuple[int, ...], graph_rows: int = 64, head_only: bool = False):
+        """The drafters' KV after reading ``prompts`` together (each in a slot of its own) and one token, with
+        ``memory.prompt_graph_rows = graph_rows`` (``head_only``: the stages keep 64, so that the head's
+        two paths read the same hidden rows); and the rows the head read through the prefill path."""
         calls.clear()
-        engine = Engine(_plan("cuda", "tiny", draft_tokens=4, prefill_chunk=128))
+        stage_calls.clear()
+        plan = _plan("cuda", "tiny", draft_tokens=4, prefill_chunk=128)
+        assert plan.memory.prompt_graph_rows == 64  # auto: the tiny preset's windows cost next to nothing
+        memory = plan.memory.model_copy(update={"prompt_graph_rows": graph_rows})
+        engine = Engine(plan.model_copy(update={"memory": memory}))
+        stage_rows = 64 if head_only else graph_rows
+        for stage in engine.model.stages:
+            stage.prompt_graph_rows = stage_rows
         handles = [engine.submit(Request(p, 1)) for p in prompts]
         while engine.step():
             pass
         assert all(h.events.qsize() > 0 for h in handles)
         cuda = engine.model.mtp.cuda
         kv = np.stack([np.asarray(cuda.stack.k_cache), np.asarray(cuda.stack.v_cache)])
+        # The stages read the window's chunk whole (both prompts' rows), the head each slot's rows.
+        rows = sum(map(len, prompts))
+        assert stage_calls == ([rows] if rows > max(stage_rows, MAX_WINDOW_ROWS) else []), stage_calls
         return kv[..., : max(map(len, prompts)), :].astype(np.float32), list(calls)
 
     def close(graphs: np.ndarray, products: np.ndarray) -> None:
@@ -849,13 +874,16 @@ def test_a_short_prompt_reaches_the_drafting_head_through_its_graphs(fake_gpu, m
     assert through == []  # 30 rows: 8-row graph windows, no prefill path
     two_graphs, through = drafter_kv(*pair)
     assert through == []  # two prompts at once, each in its own slot
-    monkeypatch.setattr(mtp_module, "CUDA_PREFILL_ROWS", MAX_WINDOW_ROWS)  # as before: the prefill path
-    products, through = drafter_kv(short)
+    # every chunk of more than 8 rows of the head through the prefill path
+    products, through = drafter_kv(short, graph_rows=MAX_WINDOW_ROWS, head_only=True)
     assert through == [30]
     close(graphs, products)
-    two_products, through = drafter_kv(*pair)
+    two_products, through = drafter_kv(*pair, graph_rows=MAX_WINDOW_ROWS, head_only=True)
     assert sum(through) == 45
     close(two_graphs, two_products)
-    monkeypatch.setattr(mtp_module, "CUDA_PREFILL_ROWS", 64)
+    _, through = drafter_kv(short, graph_rows=24)
+    assert through == [30]  # more than 24 rows, in the head and the stages
+    _, through = drafter_kv(*pair, graph_rows=24)
+    assert through == [25]  # the 20-row prompt in graph windows, the 25-row one through the prefill path
     _, through = drafter_kv(tuple(40 + (7 * i) % 50 for i in range(100)))
     assert through == [100]  # longer than 64 rows: the prefill path

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from strata_cfg.plan.from_profile import resolve_profile
-from strata_runtime.bench.ceilings import decode_step_bytes, expected_distinct_experts
+from strata_cfg.schema.facts import expected_distinct_experts
+from strata_runtime.bench.ceilings import decode_step_bytes
 from strata_runtime.bench.window_roofline import (
     Window,
     calibrated_distinct,

@@ -18,6 +18,7 @@ from ..schema.plan import (
     MemoryPlan,
     StagePlan,
 )
+from ..schema.windows import PROMPT_GRAPH_MAX
 from .table import table
 
 _HOLDS = {
@@ -241,7 +242,11 @@ def plan_text(plan: LaunchPlan) -> str:
 
 
 def _chunk(m: MemoryPlan) -> str:
-    """The prefill chunk, and a lone prompt's where it differs."""
-    if m.prefill_chunk_alone == m.prefill_chunk:
-        return str(m.prefill_chunk)
-    return f"{m.prefill_chunk} ({m.prefill_chunk_alone} for a prompt alone)"
+    """The prefill chunk, a lone prompt's where it differs, and the graph windows' share of short prompts
+    where the prefill path reads some of them (``memory.prompt_graph_rows`` below 64)."""
+    text = str(m.prefill_chunk)
+    if m.prefill_chunk_alone != m.prefill_chunk:
+        text += f" ({m.prefill_chunk_alone} for a prompt alone)"
+    if m.prompt_graph_rows < PROMPT_GRAPH_MAX:
+        text += f", graph windows up to {m.prompt_graph_rows} rows"
+    return text

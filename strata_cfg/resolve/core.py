@@ -41,6 +41,7 @@ from .layer_split import place_layers, sizing
 from .ledger import Ledger
 from .pipeline_windows import pipeline_windows_gate
 from .placement import Sizing, stage_shapes
+from .prompt_windows import resolve_prompt_graph_rows
 from .refusals import parse_time_refusals
 from .topology import Topology, is_test_split
 from .window_plan import batch_shape, resolve_windows
@@ -93,7 +94,10 @@ def resolve(
     expert_notes(gpus, sz, led)
     host = host_budget(model, gpus, led)
     # 8. windows
-    windows = resolve_windows(led, all(g.all_experts_resident for g in gpus if g.role == "stage"))
+    resident = all(g.all_experts_resident for g in gpus if g.role == "stage")
+    windows = resolve_windows(led, resident)
+    speeds = [(p.shape, machine.gpus[p.gpu].bandwidth_gbs) for p in placed]
+    resolve_prompt_graph_rows(led, model, speeds, resident)
     # 9. serving, strict
     if serving:
         serve_exposure(led)
@@ -236,6 +240,7 @@ def _assemble(
             kv_dtype=led["memory.kv_dtype"],
             prefill_chunk=led["memory.prefill_chunk"],
             prefill_chunk_alone=led["memory.prefill_chunk_alone"],
+            prompt_graph_rows=led["memory.prompt_graph_rows"],
             vram_reserve_mib=led["memory.vram_reserve_mib"],
             vram_reserve_later_mib=led["memory.vram_reserve_later_mib"],
         ),

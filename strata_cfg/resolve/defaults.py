@@ -85,6 +85,7 @@ def resolve_defaults(
             "memory.prefill-chunk-alone-floor",
             f"a lone prompt's chunk of {alone} is shorter than every prompt's {chunk}; {chunk}",
         )
+    led.take("memory.prompt_graph_rows", mem.prompt_graph_rows if mem else None, "auto")
     reserve = led.take("memory.vram_reserve_mib", mem.vram_reserve_mib if mem else None, DEFAULT_RESERVE_MIB)
     led.take("memory.vram_reserve_later_mib", mem.vram_reserve_later_mib if mem else None, reserve)
     led.take("memory.host_reserve_mib", mem.host_reserve_mib if mem else None, DEFAULT_HOST_RESERVE_MIB)

@@ -175,6 +175,13 @@ _RULES = (
         "note",
         "spec.adaptive_depth = true does nothing where solo windows do not draft",
     ),
+    Rule(
+        "windows.prompt-graph-rows",
+        8,
+        "note",
+        "memory.prompt_graph_rows auto: short prompts take graph windows while they cost less than the "
+        "prefill path's launches",
+    ),
     # 9: serving and strict mode
     Rule("serve.exposed", 9, "warn", "serving on a non-loopback address without serve.api_key_env"),
 )

@@ -40,6 +40,15 @@ MAX_POSITIONS = 1 << 24
 MAX_MTP_LAYERS = 16
 
 
+def expected_distinct_experts(n_experts: int, top_k: int, rows: int) -> float:
+    """Distinct experts that ``rows`` rows route to under uniform random routing (exactly top-k at 1 row)."""
+    if n_experts == 0 or top_k == 0:
+        return 0.0
+    if rows <= 1:
+        return float(min(top_k, n_experts))
+    return n_experts * (1.0 - (1.0 - top_k / n_experts) ** rows)
+
+
 class ModelConfig(BaseModel):
     """The fields of a ``qwen3_moe`` ``config.json`` that strata reads, strictly typed and bounded.
 

@@ -14,6 +14,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
 
 from .facts import MachineFacts, ModelFacts
+from .windows import PROMPT_GRAPH_MAX
 
 PLAN_VERSION = 1
 
@@ -261,6 +262,9 @@ class MemoryPlan(_Plan):
     """Prompt tokens per prefill window."""
     prefill_chunk_alone: int
     """Prompt tokens per prefill window while that prompt is the engine's only work (serial windows)."""
+    prompt_graph_rows: int = PROMPT_GRAPH_MAX
+    """On a GPU, prompt chunks of at most this many rows run as 8-row decode graph windows; longer ones take
+    the prefill path."""
     vram_reserve_mib: int
     vram_reserve_later_mib: int
 

@@ -212,6 +212,11 @@ class MemorySection(Section):
     """Prompt tokens per prefill window while that prompt is the engine's only work: no stream decoding, no
     other prompt waiting (serial windows; default: ``prefill_chunk``). A lone prompt then reads in fewer,
     longer windows, and nothing waits behind them; the workspace is planned for that many rows."""
+    prompt_graph_rows: Annotated[int, Field(ge=8, le=64)] | Literal["auto"] | None = None
+    """On a GPU, prompt chunks of at most this many rows run as 8-row decode graph windows; longer ones take
+    the prefill path (cuBLAS products, launched layer by layer from Python). ``"auto"`` (default): as many
+    windows as cost less than the prefill path's launches, from the model's bytes and the GPUs' bandwidth
+    (8 to 64 rows)."""
 
 
 class ExpertsSection(Section):

@@ -18,6 +18,9 @@ HANDOFF_ROWS = MAX_WINDOW_ROWS
 BATCH_MTP_ROWS_PER_SLOT = 2
 """Batch MTP sends each slot's token and one proposal."""
 BATCH_MTP_SLOTS_PER_WINDOW = MAX_WINDOW_ROWS // BATCH_MTP_ROWS_PER_SLOT
+PROMPT_GRAPH_MAX = 64
+"""A prompt chunk on a GPU runs as 8-row decode graph windows when it has at most
+``memory.prompt_graph_rows`` rows, which is at most this many; longer chunks take the prefill path."""
 ATTENTION_TILE_BYTES = 1 << 30
 """Prompt attention that stores its scores (float32) and probabilities (float16) takes a prompt window's
 query rows in tiles whose two arrays stay under this many bytes (at least `ATTENTION_TILE_MIN_ROWS` rows):

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from strata_cfg.schema.facts import ModelFacts
+from strata_cfg.schema.facts import ModelFacts, expected_distinct_experts
 
 
 def si(value: float, unit: str) -> str:
@@ -37,15 +37,6 @@ def si(value: float, unit: str) -> str:
         if abs(value) >= scale:
             return f"{value / scale:.3g} {prefix}{unit}"
     return f"{value / 1e-9:.3g} n{unit}"
-
-
-def expected_distinct_experts(n_experts: int, top_k: int, rows: int) -> float:
-    """Distinct experts that ``rows`` rows route to under uniform random routing (exactly top-k at 1 row)."""
-    if n_experts == 0 or top_k == 0:
-        return 0.0
-    if rows <= 1:
-        return float(min(top_k, n_experts))
-    return n_experts * (1.0 - (1.0 - top_k / n_experts) ** rows)
 
 
 @dataclass(frozen=True)

@@ -26,10 +26,10 @@ from typing import Any
 
 import numpy as np
 
-from strata_cfg.schema.facts import ModelFacts
+from strata_cfg.schema.facts import ModelFacts, expected_distinct_experts
 
 from ..experts.routing import RoutingModel
-from .ceilings import decode_step_bytes, expected_distinct_experts
+from .ceilings import decode_step_bytes
 
 ROUTINGS: tuple[str, ...] = ("uniform", "calibrated")
 

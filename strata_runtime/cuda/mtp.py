@@ -86,8 +86,8 @@ class CudaMtp:
         k.add_rms_norm_fp32(b.resid, None, self.norm, b.out, eps)
 
     def prefill(self, emb: Any, hidden: Any, layout: Layout) -> cp.ndarray:
-        """`forward` for a prompt chunk of more than 64 rows (`CUDA_PREFILL_ROWS`), through the CUDA prefill
-        path."""
+        """`forward` for a prompt chunk of more than ``memory.prompt_graph_rows`` rows, through the CUDA
+        prefill path."""
         with cp.cuda.Device(self.device_id):
             k, eps = self.kern, self.args.rms_norm_eps
             rows, h = hidden.shape

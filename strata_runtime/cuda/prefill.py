@@ -1,4 +1,4 @@
-"""The CUDA prefill path: prompt chunks of more than 64 rows through a stage's layers.
+"""The CUDA prefill path: prompt chunks longer than ``memory.prompt_graph_rows`` through a stage's layers.
 
 A long chunk is compute-bound, so its products run on tensor cores in fp16 with fp32 accumulation: the
 q/k/v and output projections and the router on cuBLAS, and the routed experts as one grouped product per

@@ -52,13 +52,18 @@ from collections.abc import Callable
 from typing import Any
 
 from strata_cfg.schema.plan import MIB, LaunchPlan
-from strata_cfg.schema.windows import BATCH_MTP_SLOTS_PER_WINDOW, batch_mtp_window, plain_windows, solo_window
+from strata_cfg.schema.windows import (
+    BATCH_MTP_SLOTS_PER_WINDOW,
+    PROMPT_GRAPH_MAX,
+    batch_mtp_window,
+    plain_windows,
+    solo_window,
+)
 
 from ..api import PlanMismatch, Request, RequestHandle, SamplingParams, TokenEvent
 from ..experts.cache import Snapshot
 from ..model import Model
 from ..model.placed import WeightStore
-from ..model.stage import CUDA_PREFILL_ROWS
 from ..weights.progress import Progress
 from . import device_spec
 from .depth import PRIOR_WEIGHT, Holds, WindowCosts, batch_mtp_pays
@@ -199,12 +204,14 @@ class Engine:
         on CPU devices, where nothing is captured).
 
         One prompt alone (two prefill chunks, cut to a quarter of the context, where a chunk and that prompt
-        are each more than `CUDA_PREFILL_ROWS` rows and every expert is in VRAM, so that the prefill path runs
-        once before a long prompt needs it, as the bench's warm-up does; else `WARM_PROMPT` tokens), then a
-        request in every slot, each joining two tokens after the one before it, greedy, sampled and penalised
-        in turn: so windows of one slot alone (at each solo depth), and of every number of slots together,
-        serial and batch-MTP (and every pipelined group), run at least twice. Then every window shape of 1 to
-        8 rows that this mix did not capture is captured
+        are each more than ``memory.prompt_graph_rows`` rows and every expert is in VRAM, so that the
+        prefill path runs once before a long prompt needs it, as the bench's warm-up does; else
+        `WARM_PROMPT` tokens); then, where the prefill path also reads short prompts (fewer than
+        `PROMPT_GRAPH_MAX` rows), one prompt of that many rows, whose products at a few dozen rows load
+        other kernels than a long chunk's; then a request in every slot, each joining two tokens after the
+        one before it, greedy, sampled and penalised in turn: so windows of one slot alone (at each solo
+        depth), and of every number of slots together, serial and batch-MTP (and every pipelined group), run
+        at least twice. Then every window shape of 1 to 8 rows that this mix did not capture is captured
         (`strata_runtime.model.placed.Model.capture_window_graphs`): a short prompt's last window and a
         request's last take any row count. The requests are then forgotten (`forget_requests`): the window
         statistics and what the proposals did start afresh; the window times measured by the windows that
@@ -219,15 +226,19 @@ class Engine:
         # A short prompt where its chunks would take the graph windows anyway, or where experts stay off
         # VRAM: a long one would read most of them over the host link and teach the cache random routing.
         cached = any(stage.experts.cached for stage in self.model.stages)
-        if cached or min(chunk, length) <= CUDA_PREFILL_ROWS:
+        if cached or min(chunk, length) <= self.plan.memory.prompt_graph_rows:
             length = min(WARM_PROMPT, max(1, context // 4))
         prompt = tuple(1 + (7 * i + 3) % (vocab - 1) for i in range(length))
+        short = min(PROMPT_GRAPH_MAX, max(1, context // 4))
+        prompts = [prompt]
+        if not cached and self.plan.memory.prompt_graph_rows < short:
+            prompts.append(tuple(1 + (5 * i + 2) % (vocab - 1) for i in range(short)))
         kinds = [
             SamplingParams(),
             SamplingParams(temperature=0.7, top_k=20, seed=1),
             SamplingParams(presence_penalty=0.5),
         ]
-        requests = [Request(prompt, 1)]
+        requests = [Request(p, 1) for p in prompts]
         for i in range(self.n_slots):
             ids = tuple(1 + (11 * (i + 1) + j) % (vocab - 1) for j in range(4))
             length = WARM_TOKENS + 2 * (self.n_slots - 1 - i)  # every request decodes to about the same end

@@ -19,14 +19,14 @@ from typing import TYPE_CHECKING
 
 from numpy.typing import DTypeLike
 
-from strata_cfg.schema.windows import MAX_WINDOW_ROWS
+from strata_cfg.schema.windows import MAX_WINDOW_ROWS, PROMPT_GRAPH_MAX
 
 from ..backend import Array, Device
 from ..layout import Layout, Segment
 from ..models.ops.norm import rms_norm_in_dtype
 from ..models.qwen3_moe import DecoderLayer, ModelArgs, SparseMoeBlock, linear
 from .kvcache import KVCache
-from .stage import CUDA_PREFILL_ROWS, Rope, Stage, in_graph_windows
+from .stage import Rope, Stage, in_graph_windows
 
 if TYPE_CHECKING:
     from ..cuda.mtp import CudaMtp
@@ -111,8 +111,13 @@ class MtpHead:
         rope: Rope,
         lm_head: Array,
         embed: Callable[[Array], Array],
+        prompt_graph_rows: int = PROMPT_GRAPH_MAX,
     ) -> None:
+        """``prompt_graph_rows``: a prompt chunk of at most this many rows runs through the head's 8-row
+        graph windows on a GPU, as the stages read it (``memory.prompt_graph_rows``); longer ones through
+        the CUDA prefill path."""
         self.device, self.args, self.rope = device, args, rope
+        self.prompt_graph_rows = max(prompt_graph_rows, MAX_WINDOW_ROWS)
         self.pre_fc_norm_embedding = tensors["mtp.pre_fc_norm_embedding.weight"]  # [H]
         self.pre_fc_norm_hidden = tensors["mtp.pre_fc_norm_hidden.weight"]  # [H]
         self.fc = tensors["mtp.fc.weight"]  # [H, 2H]
@@ -176,9 +181,9 @@ class MtpHead:
             if graph:
                 assert self.cuda is not None
                 return self.cuda.forward(self.embed(tokens), hidden, layout, positions)  # [R, H] fp32
-            if self.cuda is not None and 0 < layout.rows <= CUDA_PREFILL_ROWS:
+            if self.cuda is not None and 0 < layout.rows <= self.prompt_graph_rows:
                 # A short prompt: through the head's graphs, as a stage reads it (`Stage._layers`), not the
-                # prefill path's cuBLAS products and host read.
+                # prefill path's cuBLAS products launched layer by layer.
                 return in_graph_windows(xp, self.cuda.forward, layout, self.embed(tokens), hidden)
             if self.cuda is not None:
                 return self.cuda.prefill(self.embed(tokens), hidden, layout)  # [R, H] fp32

@@ -327,6 +327,7 @@ class Model:
                         shared=shared,
                         helpers=helpers[sp.index],
                         prefill_split_q=plan.model.prefill_q == "split",
+                        prompt_graph_rows=plan.memory.prompt_graph_rows,
                     )
                 )
             except MemoryError as exc:  # CuPy's OutOfMemoryError is one
@@ -342,7 +343,15 @@ class Model:
                     ids = transfer(ids, last_stage.device, first_stage.device)
                 return transfer(first_stage.embed(ids), first_stage.device, last_stage.device)
 
-            mtp = MtpHead(tensors, args, last_stage.device, last_stage.rope, last_stage.lm_head, embed)
+            mtp = MtpHead(
+                tensors,
+                args,
+                last_stage.device,
+                last_stage.rope,
+                last_stage.lm_head,
+                embed,
+                prompt_graph_rows=plan.memory.prompt_graph_rows,
+            )
             mtp.share_experts(last_stage)
             ids = list(plan.last_stage.drafters) or list(range(slots))
             mtp_kv = None

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from numpy.typing import DTypeLike
 
-from strata_cfg.schema.windows import MAX_WINDOW_ROWS
+from strata_cfg.schema.windows import MAX_WINDOW_ROWS, PROMPT_GRAPH_MAX
 
 from ..backend import Array, Device
 from ..experts.cache import Policy
@@ -35,10 +35,6 @@ if TYPE_CHECKING:
     from ..cuda.head import CudaHead
     from ..cuda.prefill import CudaPrefill
     from ..cuda.routing import DeviceRouting
-
-CUDA_PREFILL_ROWS = 64
-"""Prefill chunks of at most this many rows run as 8-row CUDA graph windows; longer ones run the CUDA
-prefill path (`strata_runtime.cuda.prefill`: cuBLAS products, one host read per layer)."""
 
 
 def in_graph_windows(xp: Any, forward: Callable[..., Array], layout: Layout, *rows: Array) -> Array:
@@ -103,6 +99,7 @@ class Stage:
         shared: StageWeights | None = None,
         helpers: Sequence[tuple[Device, int]] = (),
         prefill_split_q: bool = True,
+        prompt_graph_rows: int = PROMPT_GRAPH_MAX,
     ) -> None:
         """``routing``: every slot's calibrated-routing tables (host), or None for the model's own router.
         ``expert_slots``: VRAM slots for the routed experts of these layers when they do not all fit
@@ -111,8 +108,10 @@ class Stage:
         on them makes the expert cache, the others read the same one. ``helpers``: the cache's second tier,
         (device, slots) on each helper or peer device (`strata_runtime.model.placed.helper_slots`).
         ``prefill_split_q``: prompt attention on a CUDA device holds q as two fp16 parts (False: fp16 q,
-        ``model.prefill_q``)."""
+        ``model.prefill_q``). ``prompt_graph_rows``: a prompt chunk of at most this many rows runs on a GPU
+        as 8-row graph windows, a longer one through the CUDA prefill path (``memory.prompt_graph_rows``)."""
         self.index, self.device, self.layer_range, self.args = index, device, layers, args
+        self.prompt_graph_rows = prompt_graph_rows
         self.routing = routing
         self.prefill_split_q = prefill_split_q
         self.first, self.last = first, last
@@ -210,8 +209,8 @@ class Stage:
         window's routing to the expert cache (which may start moving experts, without waiting).
 
         On a GPU a window of at most 8 rows (decode, drafts) runs as one replayed CUDA graph, a prompt
-        chunk of up to 64 rows as several, and a longer chunk through the CUDA prefill path; all come back
-        in fp32. CPU devices run the array code below.
+        chunk of up to `prompt_graph_rows` rows as several, and a longer chunk through the CUDA prefill path;
+        all come back in fp32. CPU devices run the array code below.
 
         ``positions`` [R] on this device: the rows' positions, decided on a device by the window before
         (the layout then gives only slots and row counts). A CUDA graph reads them where they are; any other
@@ -236,14 +235,15 @@ class Stage:
 
     def _layers(self, hidden: Array, layout: Layout) -> Array:
         xp = self.device.xp
-        if self.cuda_prefill is not None and layout.rows > CUDA_PREFILL_ROWS:
+        graph_rows = max(self.prompt_graph_rows, MAX_WINDOW_ROWS)  # a decode window is always one graph
+        if self.cuda_prefill is not None and layout.rows > graph_rows:
             return self.cuda_prefill.forward(hidden, layout)  # [R, H] fp32
-        if self.cuda is not None and 0 < layout.rows <= CUDA_PREFILL_ROWS:
+        if self.cuda is not None and 0 < layout.rows <= PROMPT_GRAPH_MAX:  # (all, without a prefill path)
             if layout.rows <= MAX_WINDOW_ROWS:
                 return self.cuda.forward(hidden, layout)  # [R, H] fp32
-            # A short prompt: consecutive windows of 8 rows through the graphs. The prefill path's
-            # per-layer launches and host read cost the same for 9 rows as for 500 (the 64-row cut-off
-            # was set against the array path and has not been re-measured against the prefill path).
+            # A short prompt: consecutive windows of 8 rows through the graphs. The prefill path's launches
+            # from Python cost about the same for 9 rows as for 64 (``memory.prompt_graph_rows`` says
+            # how many windows cost less).
             return in_graph_windows(xp, self.cuda.forward, layout, hidden)  # [R, H] fp32
         cos, sin = self.rope.at(layout)  # [R, D/2] each
         for j, layer in enumerate(self.layers):
