@@ -11,7 +11,9 @@ import pytest
 from strata_cfg.plan.from_profile import Resolved, resolve_loaded
 from strata_cfg.profile.load import load
 from strata_cfg.schema.errors import Problem, ProfileError
+from strata_cfg.schema.facts import ModelFacts
 from strata_cfg.schema.plan import Decision, LaunchPlan
+from strata_cfg.schema.presets import preset_config
 
 HERE = Path(__file__).parent
 FIXTURES = HERE / "profiles"
@@ -19,6 +21,11 @@ RULES_DIR = FIXTURES / "rules"
 BAD_DIR = FIXTURES / "bad"
 REPO = HERE.parent
 PROFILES = REPO / "profiles"
+
+
+def preset_facts(name: str) -> ModelFacts:
+    """The facts of synthetic preset ``name`` in float16."""
+    return ModelFacts.from_config(preset_config(name), source=f"synthetic:{name}", dtype="float16")
 
 
 def no_probe() -> str:

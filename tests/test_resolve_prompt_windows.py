@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from cfg_fixtures import preset_facts as _facts
 
 from strata_cfg.resolve.prompt_windows import (
     GRAPH_WINDOW_EFFICIENCY,
@@ -16,11 +17,6 @@ from strata_cfg.resolve.prompt_windows import (
 )
 from strata_cfg.resolve.sizes import StageShape
 from strata_cfg.schema.facts import ModelFacts, expected_distinct_experts
-from strata_cfg.schema.presets import preset_config
-
-
-def _facts(preset: str) -> ModelFacts:
-    return ModelFacts.from_config(preset_config(preset), source=f"synthetic:{preset}", dtype="float16")
 
 
 def _one_gpu(f: ModelFacts, gbs: float) -> list[tuple[StageShape, float]]:
