@@ -26,8 +26,9 @@ RULE = "windows.prompt-graph-rows"
 KEY = "memory.prompt_graph_rows"
 
 PREFILL_LAUNCH_MS_PER_LAYER = 0.5
-"""Host time the prefill path takes to queue one layer of a short prompt chunk: measured 26 ms for the 30B
-preset's 48 layers and its MTP head's layer on the H200 machine, the same from 9 to 64 rows."""
+"""Host time the prefill path takes to queue one layer of a short prompt chunk: 26 ms for the 30B preset's
+48 layers and its MTP head's layer on one H200 machine, the same from 9 to 64 rows, and 17.7 ms on another
+(it is Python's time, so it follows the host's CPU); the slower is taken."""
 GRAPH_WINDOW_EFFICIENCY = 0.7
 """The share of its byte roofline an 8-row decode graph window reaches (70-74% measured for the 30B preset
 on an H200; one 8-row window of its prompt took about 7.7 ms)."""
