@@ -77,6 +77,30 @@ def test_windows_through_the_cuda_path_give_the_array_paths_logits(fake_gpu):
     assert gpu.stages[0].cuda._graphs  # a graph was captured and replayed
 
 
+def test_a_prompt_chunk_allocates_its_temporaries_once_for_all_layers(fake_gpu, monkeypatch):
+    """The prefill path is launched from Python layer by layer, and for a short chunk that host time is its
+    cost: each layer reuses the chunk's temporaries (`Temps`) instead of allocating its own."""
+    import cupy
+
+    from strata_runtime.model import Model
+
+    model = Model.from_plan(_plan("cuda", "small"))
+    stage = model.stages[0]
+    assert stage.cuda_prefill is not None
+    made: list[tuple[int, ...]] = []
+    empty = cupy.empty
+
+    def counting(shape, dtype=float, **kw):
+        made.append(tuple(np.atleast_1d(shape)))
+        return empty(shape, dtype, **kw)
+
+    monkeypatch.setattr(cupy, "empty", counting)
+    tokens = np.random.default_rng(2).integers(1, model.args.vocab_size, 100)
+    _logits(model, [(0, 100, 0)], tokens)  # 100 rows: the prefill path
+    layers = len(stage.layers)
+    assert layers == 8 and 0 < len(made) < 40, len(made)  # a layer's 15 or so each would be over 100
+
+
 def test_the_cublas_prefill_attention_matches_the_flash_path(fake_gpu):
     from strata_runtime.cuda.prefill import CudaPrefill
     from strata_runtime.model import Model

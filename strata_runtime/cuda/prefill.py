@@ -46,6 +46,24 @@ Rows = tuple[cp.ndarray, cp.ndarray]
 """A chunk's rows as the routing bias reads them: each row's position and slot [n] int32."""
 
 
+class Temps:
+    """A chunk's temporaries, each allocated once for all its layers: the layers' kernels run in stream
+    order, so a layer's temporaries are free for the next layer once its kernels are queued. The prefill
+    path is launched from Python, layer by layer, and for a short chunk that host time is its whole cost;
+    a fresh ``cupy.empty`` for each of a layer's 15 temporaries took about a seventh of it."""
+
+    def __init__(self) -> None:
+        self._arrays: dict[str, cp.ndarray] = {}
+
+    def __call__(self, name: str, shape: tuple[int, ...], dtype: Any) -> cp.ndarray:
+        """The temporary ``name`` of ``shape`` and ``dtype``, uninitialised (allocated on first use, or when
+        a layer asks for another shape)."""
+        a = self._arrays.get(name)
+        if a is None or a.shape != shape or a.dtype != dtype:
+            a = self._arrays[name] = cp.empty(shape, dtype)
+        return a
+
+
 class CudaPrefill:
     """Long prefill chunks through the layers (and KV) of a `LayerStack`."""
 
@@ -72,6 +90,7 @@ class CudaPrefill:
             j: n for n, j in enumerate(j for j, lay in enumerate(stack.layers) if lay.router is not None)
         }
         self._staging: tuple[cp.ndarray, cp.ndarray] | None = None
+        self._temps = Temps()  # the current chunk's (`run` starts a new one)
         self.device_id = stack.device_id
         self.flash = flash and self.args.head_dim in HEAD_DIMS
         self.split_q = split_q
@@ -109,6 +128,7 @@ class CudaPrefill:
         slot = cp.empty(layout.rows, cp.int32)  # [n]
         upload_into(slot, layout.row_slots().astype(np.int32))
         rows = (pos, slot)
+        self._temps = Temps()
         routed = None
         if self.experts is not None:
             routed = np.zeros((len(self.experts.store), self.args.num_experts), np.float64)
@@ -129,18 +149,19 @@ class CudaPrefill:
         nq, nkv, d = a.num_attention_heads, a.num_key_value_heads, a.head_dim
         g = nq // nkv
         kc, vc = self.stack.k_cache[j], self.stack.v_cache[j]  # [S, K, T, D]
-        x = cp.empty((n_rows, h), cp.float16)
+        t = self._temps
+        x = t("x", (n_rows, h), cp.float16)
         kern.rms_norm_fp32_to_half(resid, lay.ln1, x, a.rms_norm_eps)
-        qkv = matmul_nt(x, lay.qkv, cp.empty((n_rows, lay.qkv.shape[0]), cp.float32))  # [n, (N + 2K) D]
+        qkv = matmul_nt(x, lay.qkv, t("qkv", (n_rows, lay.qkv.shape[0]), cp.float32))  # [n, (N + 2K) D]
         # q as two fp16 parts, q = hi + lo: fp16 alone would move a score by |score| * 2^-11, which for
         # the large scores of sharp heads changes their weights by percents; the split keeps q's fp32
         # precision for one more product over the keys. Without split_q the flash kernel reads hi alone
         # (the products over materialised scores, for other head dims, always take both parts).
-        hi, lo = cp.empty((n_rows, nq, d), cp.float16), cp.empty((n_rows, nq, d), cp.float16)
+        hi, lo = t("q_hi", (n_rows, nq, d), cp.float16), t("q_lo", (n_rows, nq, d), cp.float16)
         kern.qk_norm_rope_split(
             qkv, lay.q_norm, lay.k_norm, pos, slot, hi, lo, kc, vc, a.rope_theta, a.rms_norm_eps
         )
-        out = cp.empty((n_rows, nq * d), cp.float16)  # [n, N D]
+        out = t("attn", (n_rows, nq * d), cp.float16)  # [n, N D]
         scale = 1.0 / math.sqrt(d)
         if self.flash:  # each segment is one slot's consecutive positions
             for seg in layout.segments:
@@ -183,20 +204,20 @@ class CudaPrefill:
         """The layer's MLP on ``resid`` in place; under an expert cache, the chunk's routing of this layer
         goes into ``routed`` [L, E], and the assignments read from the helper tier and from host memory
         are returned ([2])."""
-        a, kern = self.args, self.kern
+        a, kern, t = self.args, self.kern, self._temps
         n_rows, h = resid.shape
-        x = cp.empty((n_rows, h), cp.float16)
+        x = t("x", (n_rows, h), cp.float16)
         kern.rms_norm_fp32_to_half(resid, lay.ln2, x, a.rms_norm_eps)
         dense = gate = None
         if lay.mlp_gate_up is not None:  # read before the experts add to the residual
             assert lay.mlp_down is not None
             width = lay.mlp_down.shape[1]
-            gu = matmul_nt(x, lay.mlp_gate_up, cp.empty((n_rows, 2 * width), cp.float16))
-            hid = cp.empty((n_rows, width), cp.float16)
+            gu = matmul_nt(x, lay.mlp_gate_up, t("mlp_gu", (n_rows, 2 * width), cp.float16))
+            hid = t("mlp_hid", (n_rows, width), cp.float16)
             kern.silu_mul_half(gu, hid)
-            dense = matmul_nt(hid, lay.mlp_down, cp.empty((n_rows, h), cp.float32))  # [n, H]
+            dense = matmul_nt(hid, lay.mlp_down, t("mlp_out", (n_rows, h), cp.float32))  # [n, H]
             if lay.shared_gate is not None:
-                gate = matmul_nt(x, lay.shared_gate, cp.empty((n_rows, 1), cp.float32)).reshape(n_rows)
+                gate = matmul_nt(x, lay.shared_gate, t("gate", (n_rows, 1), cp.float32)).reshape(n_rows)
         reads = np.zeros(2, np.int64)
         if lay.router is not None:
             if lay.gate_up is not None:
@@ -216,15 +237,16 @@ class CudaPrefill:
         a, kern = self.args, self.kern
         n_rows, h = x.shape
         topk = a.num_experts_per_tok
-        xf = cp.empty((n_rows, h), cp.float32)
+        t = self._temps
+        xf = t("xf", (n_rows, h), cp.float32)
         kern.add_rms_norm_fp32(resid, None, lay.ln2, xf, a.rms_norm_eps)
         router = self.router32[j]
         assert router is not None  # only sparse layers route
         logits = xf @ router.T  # [n, E] fp32
         if lay.router_bias is not None:  # calibrated synthetic routing: the rows' intended experts
             lay.router_bias(logits, pos, slot)
-        idx = cp.empty((n_rows, topk), cp.int32)
-        wts = cp.empty((n_rows, topk), cp.float32)
+        idx = t("idx", (n_rows, topk), cp.int32)
+        wts = t("wts", (n_rows, topk), cp.float32)
         kern.route_topk(logits, a.norm_topk_prob, idx, wts)
         return idx, wts
 
@@ -244,14 +266,14 @@ class CudaPrefill:
         """The routed experts as one grouped product per projection over the tiles `moe_tiles` cuts on the
         device (`strata_runtime.cuda.grouped`): no host read, and each weight read once per tile of rows."""
         assert self.grouped is not None and lay.gate_up is not None and lay.down is not None
-        kern, n_exp = self.grouped, self.args.num_experts
+        kern, n_exp, t = self.grouped, self.args.num_experts, self._temps
         n_assign, topk, h = idx.size, idx.shape[1], x.shape[1]
-        rank, order = cp.empty(n_assign, cp.int32), cp.empty(n_assign, cp.int32)
-        tiles, n_tiles = cp.empty((max_tiles(n_assign, n_exp), 4), cp.int32), cp.empty(1, cp.int32)
+        rank, order = t("rank", (n_assign,), cp.int32), t("order", (n_assign,), cp.int32)
+        tiles, n_tiles = t("tiles", (max_tiles(n_assign, n_exp), 4), cp.int32), t("n_tiles", (1,), cp.int32)
         kern.moe_tiles(idx, n_exp, rank, order, tiles, n_tiles)
-        hid = cp.empty((n_assign, lay.down.shape[2]), cp.float16)  # [A, I] by place
+        hid = t("hid", (n_assign, lay.down.shape[2]), cp.float16)  # [A, I] by place
         kern.moe_gate_up(x, lay.gate_up, order, tiles, n_tiles, topk, hid)
-        ys = cp.empty((n_assign, h), cp.float16)  # [A, H] by assignment
+        ys = t("ys", (n_assign, h), cp.float16)  # [A, H] by assignment
         kern.moe_down(hid, lay.down, order, tiles, n_tiles, ys)
         kern.moe_combine(ys, wts, resid)
 
