@@ -34,7 +34,7 @@ def test_expected_distinct_experts_is_what_random_routing_draws(n_experts, top_k
     assert expected_distinct_experts(n_experts, top_k, 1) == top_k
 
 
-def test_the_30b_preset_on_an_h200_reads_three_windows_before_the_prefill_path_pays():
+def test_the_30b_preset_on_an_h200_reads_two_windows_before_the_prefill_path_pays():
     f = _facts("qwen3-30b-a3b")
     costs = prompt_costs(f, _one_gpu(f, 4800), drafting=True)
     assert costs.layers == f.num_hidden_layers + f.mtp_layers == 49
@@ -45,7 +45,7 @@ def test_the_30b_preset_on_an_h200_reads_three_windows_before_the_prefill_path_p
     head = f.mtp_bytes()[0] + distinct * f.expert_bytes()
     want = (48 * layer + head) / (4800e9 * GRAPH_WINDOW_EFFICIENCY) * 1e3
     assert costs.window_ms == pytest.approx(want)
-    assert costs.graph_rows() == 24
+    assert costs.graph_rows() == 16
     assert prompt_costs(f, _one_gpu(f, 4800), drafting=False).layers == 48
 
 

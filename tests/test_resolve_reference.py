@@ -109,7 +109,7 @@ def test_the_emulated_24g_h200_keeps_experts_in_host_memory():
     # short prompts, which graph windows read under the cache (`windows.prompt-graph-rows`).
     update = {"prefill_chunk_alone": plan.memory.prefill_chunk, "prompt_graph_rows": 64}
     assert plan.memory == whole.memory.model_copy(update=update)
-    assert whole.memory.prompt_graph_rows == 24
+    assert whole.memory.prompt_graph_rows == 16
     assert whole.memory.prefill_chunk_alone > whole.memory.prefill_chunk
     assert plan.gpus[0].experts_resident < plan.gpus[0].experts_total
     assert whole.gpus[0].experts_resident == whole.gpus[0].experts_total

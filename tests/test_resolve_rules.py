@@ -644,18 +644,18 @@ def test_windows_adaptive_depth_inert_where_solo_windows_do_not_draft():
     assert p.line == line_of(rule_file("windows.adaptive-depth-inert"), "adaptive_depth")
 
 
-def test_windows_prompt_graph_rows_sends_prompts_past_three_windows_to_the_prefill_path():
+def test_windows_prompt_graph_rows_sends_prompts_past_two_windows_to_the_prefill_path():
     path = rule_file("windows.prompt-graph-rows")
     plan = plan_of(path)
-    assert plan.memory.prompt_graph_rows == 24
+    assert plan.memory.prompt_graph_rows == 16
     d = decision(plan, "windows.prompt-graph-rows")
     assert d.severity == "note" and d.key == "memory.prompt_graph_rows"
-    assert "up to 24 rows" in d.message and "3 windows" in d.message and "49 layers" in d.message
+    assert "up to 16 rows" in d.message and "2 windows" in d.message and "49 layers" in d.message
     s = plan.settings["memory.prompt_graph_rows"]
-    assert (s.value, s.source.kind, s.source.rule) == (24, "derived", "windows.prompt-graph-rows")
+    assert (s.value, s.source.kind, s.source.rule) == (16, "derived", "windows.prompt-graph-rows")
     from strata_cfg.report.plan_text import plan_text
 
-    assert "prefill chunk 512, graph windows up to 24 rows\n" in plan_text(plan)
+    assert "prefill chunk 512, graph windows up to 16 rows\n" in plan_text(plan)
     # A number is taken as written, with no note.
     written = plan_of(path, ["memory.prompt_graph_rows=40"])
     assert (

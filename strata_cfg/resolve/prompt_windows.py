@@ -4,9 +4,9 @@ A prompt chunk of at most ``memory.prompt_graph_rows`` rows runs through the dec
 windows of 8 rows; a longer one takes the prefill path (cuBLAS products and grouped expert kernels). A graph
 window costs its bytes: each layer's weights and the distinct experts its 8 rows route to. The prefill path
 reads each distinct expert once for the whole chunk, but its launches are queued from Python, layer by
-layer, and for a short chunk that host time is the whole cost: about 0.5 ms a layer whatever the rows up
+layer, and for a short chunk that host time is the whole cost: about 0.45 ms a layer whatever the rows up
 to 64. So graph windows pay while a few of them take less than the prefill path's launches; for the 30B
-preset on an H200 that is 3 windows (24 rows), for the 235B preset one, for the small presets all 8.
+preset on an H200 that is 2 windows (16 rows), for the 235B preset one, for the small presets all 8.
 
 ``auto`` (the default) sets the rows from that estimate; a number sets them outright.
 """
@@ -25,10 +25,10 @@ from .sizes import StageShape
 RULE = "windows.prompt-graph-rows"
 KEY = "memory.prompt_graph_rows"
 
-PREFILL_LAUNCH_MS_PER_LAYER = 0.5
-"""Host time the prefill path takes to queue one layer of a short prompt chunk: 26 ms for the 30B preset's
-48 layers and its MTP head's layer on one H200 machine, the same from 9 to 64 rows, and 17.7 ms on another
-(it is Python's time, so it follows the host's CPU); the slower is taken."""
+PREFILL_LAUNCH_MS_PER_LAYER = 0.45
+"""Host time the prefill path takes to queue one layer of a short prompt chunk: 21.4-21.7 ms for the 30B
+preset's 48 layers and its MTP head's layer on an H200 machine, the same from 16 to 32 rows (it is Python's
+time, so it follows the host's CPU: 17.7 ms on a faster one, before the chunk's temporaries were kept)."""
 GRAPH_WINDOW_EFFICIENCY = 0.7
 """The share of its byte roofline an 8-row decode graph window reaches (70-74% measured for the 30B preset
 on an H200; one 8-row window of its prompt took about 7.7 ms)."""
