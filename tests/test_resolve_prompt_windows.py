@@ -81,4 +81,4 @@ def test_a_split_adds_each_stages_layers_at_its_own_gpus_bandwidth():
     ("window_ms", "prefill_ms", "rows"), [(7.7, 24.5, 24), (30.0, 24.5, 8), (1.0, 24.5, 64), (0.0, 1.0, 64)]
 )
 def test_graph_rows_are_whole_windows_from_8_to_64(window_ms, prefill_ms, rows):
-    assert PromptCosts(window_ms, prefill_ms, 49).graph_rows() == rows
+    assert PromptCosts(window_ms, prefill_ms, 49, 52.0).graph_rows() == rows

@@ -43,6 +43,8 @@ class PromptCosts:
     prefill_ms: float
     """The prefill path's launches for a chunk through the same layers."""
     layers: int
+    distinct_experts: float
+    """Distinct experts an 8-row window's rows route to in a sparse layer (uniform routing)."""
 
     def graph_rows(self) -> int:
         """The most rows whose graph windows cost no more than the prefill path's launches: a multiple of
@@ -70,7 +72,7 @@ def prompt_costs(
         experts = model.mtp_layers * distinct * model.expert_bytes() if model.num_experts else 0.0
         seconds += (dense + experts) / (stages[-1][1] * 1e9 * GRAPH_WINDOW_EFFICIENCY)
         layers += model.mtp_layers
-    return PromptCosts(seconds * 1e3, layers * PREFILL_LAUNCH_MS_PER_LAYER, layers)
+    return PromptCosts(seconds * 1e3, layers * PREFILL_LAUNCH_MS_PER_LAYER, layers, distinct)
 
 
 def resolve_prompt_graph_rows(
@@ -94,8 +96,7 @@ def resolve_prompt_graph_rows(
         message = (
             f"prompt chunks of up to {rows} rows run as 8-row graph windows, longer ones through the prefill "
             f"path: {windows} window{'s' if windows > 1 else ''} of about {costs.window_ms:.1f} ms"
-            f"{' each' if windows > 1 else ''} (the "
-            f"weights and {expected_distinct_experts(model.num_experts, model.num_experts_per_tok, 8):.0f} "
+            f"{' each' if windows > 1 else ''} (the weights and {costs.distinct_experts:.0f} "
             f"distinct experts a layer at {GRAPH_WINDOW_EFFICIENCY:.0%} of the GPUs' bandwidth) against "
             f"about {costs.prefill_ms:.0f} ms of the prefill path's launches ({costs.layers} layers)"
         )

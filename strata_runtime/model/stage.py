@@ -111,7 +111,7 @@ class Stage:
         ``model.prefill_q``). ``prompt_graph_rows``: a prompt chunk of at most this many rows runs on a GPU
         as 8-row graph windows, a longer one through the CUDA prefill path (``memory.prompt_graph_rows``)."""
         self.index, self.device, self.layer_range, self.args = index, device, layers, args
-        self.prompt_graph_rows = prompt_graph_rows
+        self.prompt_graph_rows = max(prompt_graph_rows, MAX_WINDOW_ROWS)  # a decode window is one graph
         self.routing = routing
         self.prefill_split_q = prefill_split_q
         self.first, self.last = first, last
@@ -235,10 +235,10 @@ class Stage:
 
     def _layers(self, hidden: Array, layout: Layout) -> Array:
         xp = self.device.xp
-        graph_rows = max(self.prompt_graph_rows, MAX_WINDOW_ROWS)  # a decode window is always one graph
-        if self.cuda_prefill is not None and layout.rows > graph_rows:
+        if self.cuda_prefill is not None and layout.rows > self.prompt_graph_rows:
             return self.cuda_prefill.forward(hidden, layout)  # [R, H] fp32
-        if self.cuda is not None and 0 < layout.rows <= PROMPT_GRAPH_MAX:  # (all, without a prefill path)
+        # Graph windows take every chunk up to the cap where the stage has no prefill path.
+        if self.cuda is not None and 0 < layout.rows <= PROMPT_GRAPH_MAX:
             if layout.rows <= MAX_WINDOW_ROWS:
                 return self.cuda.forward(hidden, layout)  # [R, H] fp32
             # A short prompt: consecutive windows of 8 rows through the graphs. The prefill path's launches
