@@ -677,8 +677,11 @@ def test_windows_prompt_graph_rows_keeps_64_under_an_expert_cache():
     assert "windows.prompt-graph-rows" not in [x.rule for x in plan.decisions]
 
 
-@pytest.mark.parametrize("value", ["4", "65", '"some"'])
-def test_windows_prompt_graph_rows_refuses_values_outside_8_to_64(tmp_path, value):
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [("4", "greater than or equal to 8"), ("65", "less than or equal to 64"), ('"some"', "a valid integer")],
+)
+def test_windows_prompt_graph_rows_refuses_values_outside_8_to_64(tmp_path, value, says):
     path = tmp_path / "p.toml"
     path.write_text(
         rule_file("windows.prompt-graph-rows").read_text() + f"[memory]\nprompt_graph_rows = {value}\n"
@@ -686,6 +689,7 @@ def test_windows_prompt_graph_rows_refuses_values_outside_8_to_64(tmp_path, valu
     [p] = problems_of(path)
     assert p.key == "memory.prompt_graph_rows" and p.line == line_of(path, "prompt_graph_rows")
     assert p.file.endswith("p.toml")
+    assert says in p.message and "'auto'" in p.message and value.strip('"') in p.message
 
 
 def test_serve_exposed_warns_and_strict_refuses():
