@@ -297,13 +297,28 @@ class ReferenceGrouped:
 
 
 def _matmul(transpose_b: bool) -> Callable[..., Any]:
-    def product(a: Any, b: Any, c: Any, alpha: float = 1.0, beta: float = 0.0) -> Any:
+    def run(a: Any, b: Any, c: Any, alpha: float, beta: float) -> None:
         bb = np.swapaxes(b, -1, -2) if transpose_b else b
         y = alpha * np.matmul(np.asarray(a, np.float32), np.asarray(bb, np.float32))
         c[...] = (y + beta * np.asarray(c, np.float32) if beta else y).astype(c.dtype)  # beta 0 reads no c
+
+    def product(a: Any, b: Any, c: Any, alpha: float = 1.0, beta: float = 0.0) -> Any:
+        RECORDER.launch(run, a, b, c, alpha, beta)  # a graph captures cuBLAS products too
         return c
 
     return product
+
+
+def _flash_prefill(
+    q_hi: Any, q_lo: Any, kc: Any, vc: Any, slot: int, pos0: int, scale: float, out: Any, where: Any = None
+) -> None:
+    """The launcher on the reference: with ``where``, the slot and first position read when it runs."""
+
+    def run() -> None:
+        s, p = (int(where[0]), int(where[1])) if where is not None else (slot, pos0)
+        reference_flash.flash_prefill(q_hi, q_lo, kc, vc, s, p, scale, out)
+
+    RECORDER.launch(run)
 
 
 def module(devices: int = 4) -> types.ModuleType:
@@ -375,7 +390,7 @@ def installed() -> Iterator[None]:
             for name, transpose_b in (("matmul_nt", True), ("matmul_nn", False)):
                 if hasattr(m, name):
                     patch(m, name, _matmul(transpose_b))
-        patch(prefill, "flash_prefill", reference_flash.flash_prefill)
+        patch(prefill, "flash_prefill", _flash_prefill)
         patch(prefill, "flash_kernels_for", lambda device_id: kernels)
         grouped = ReferenceGrouped()
         patch(prefill, "grouped_kernels_for", lambda device_id: grouped)

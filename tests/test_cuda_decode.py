@@ -520,6 +520,42 @@ def test_long_prefill_chunks_match_the_float32_reference(cp, model_src):
     assert calls == [150, 190]
 
 
+def test_prefill_graphs_on_gpu_replay_a_padded_chunk_as_it_ran_and_match_the_float32_reference(cp, model_src):
+    """A chunk of one prompt padded to a power of two of rows and replayed as a CUDA graph (cuBLAS products,
+    the flash kernel reading its slot and position from the device): the first chunk of 150 rows runs
+    padded to 256 and is captured, the same prompt in the other slot replays it and must give the same
+    bits, and both, and decode rows over the KV they wrote, must match the float32 reference as the
+    launched path does (`test_long_prefill_chunks_match_the_float32_reference`)."""
+    from strata_runtime.model import Model
+
+    model = Model.from_plan(_plan(cp, model=model_src, slots=2))
+    reference = Model.from_plan(_plan(cp, model=model_src, slots=2, backend="cpu"))
+    path = model.stages[0].cuda_prefill
+    path.graph_rows = 256
+    margins = RoutingMargins(reference)
+    g = np.random.default_rng(8)
+    vocab = model.args.vocab_size
+    prompt = g.integers(1, vocab, 150).tolist()
+    runs = [
+        ([(0, 150, 0)], prompt),  # run padded to 256 rows, then captured
+        ([(1, 150, 0)], prompt),  # replayed in slot 1
+        ([(0, 2, 150), (1, 1, 150)], g.integers(1, vocab, 3).tolist()),  # decode rows over both slots' KV
+    ]
+    first_undecided: dict[int, int] = {}
+    outputs, compared = [], 0
+    for layout, tokens in runs:
+        got, expected = _window(model, layout, tokens), _window(reference, layout, tokens)
+        clean = clean_rows(layout, margins.take(len(tokens)), first_undecided)
+        row_err = np.linalg.norm(got - expected, axis=1) / np.linalg.norm(expected, axis=1)
+        assert (row_err[clean] < ROW_TOLERANCE).all(), (layout, np.sort(row_err[clean])[-5:])
+        assert np.median(row_err) < MEDIAN_TOLERANCE, (layout, np.median(row_err))
+        compared += int(clean.sum())
+        outputs.append(got)
+    assert compared >= 3
+    assert np.array_equal(outputs[0], outputs[1])
+    assert path.captured == {256}
+
+
 def test_long_prompts_keep_greedy_text_exact_with_drafting(cp):
     """Prompts read in long chunks (the prefill path, MTP head included) then decoded: drafting must not
     change greedy text."""

@@ -64,6 +64,29 @@ def test_kernel_matches_twin(cp, d, group, n, pos0, split_q):
 
 
 @PRECISIONS
+def test_slot_and_position_read_on_the_device_replace_the_numbers(cp, split_q):
+    """With ``where`` the kernel takes the slot and first position from device memory, as a replayed graph
+    of the prefill path gives them: the numbers passed are then wrong on purpose (slot 0 holds NaN), and
+    the output must be the twin's at ``where``'s slot and position, the same bits as passing them."""
+    from strata_runtime.cuda.flash import flash_prefill
+
+    g = rng()
+    n, pos0, d = 40, 300, 128
+    hi, lo, kc, vc = make_inputs(g, n, 32, 4, d, pos0, slots=2, extra=64, q_scale=2.0)
+    lo = lo if split_q else None
+    scale = 1 / math.sqrt(d)
+    args = (cp.asarray(hi), None if lo is None else cp.asarray(lo), cp.asarray(kc), cp.asarray(vc))
+    out = cp.full((n, 32 * d), cp.nan, cp.float16)
+    where = cp.asarray(np.array([1, pos0], np.int32))
+    flash_prefill(*args, 0, 7, scale, out, where=where)
+    direct = run_kernel(cp, hi, lo, kc, vc, 1, pos0, scale)
+    assert np.array_equal(out.get(), direct)
+    assert rel_err(out.get(), twin(hi, lo, kc, vc, 1, pos0, scale)) < REL
+    with pytest.raises(ValueError, match="where must be"):
+        flash_prefill(*args, 1, pos0, scale, out, where=where.astype(cp.int64))
+
+
+@PRECISIONS
 @pytest.mark.parametrize(
     ("n", "pos0", "d"), [(200, 2000, 128), (64, 64, 32), (3, 4093, 128), (333, 1000, 64)]
 )

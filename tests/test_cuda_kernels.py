@@ -670,6 +670,21 @@ def test_batched_products_match_numpy(gpu, out_dtype, beta):
         matmul_nt(cp.asarray(x), cp.asarray(w[:, :50]), y_d)
 
 
+def test_fp32_products_match_numpy_and_mixed_types_are_refused(gpu):
+    """The prefill path's router product is fp32 throughout (`blas.matmul_nt` on fp32 rows and weights),
+    as close to float64 as fp32 sums get; fp32 rows against an fp16 weight are refused, not widened."""
+    cp, _, _ = gpu
+    from strata_runtime.cuda.blas import matmul_nt
+
+    g = rng()
+    x, w = g.standard_normal((37, 256)).astype(np.float32), g.standard_normal((128, 256)).astype(np.float32)
+    y = cp.full((37, 128), cp.nan, cp.float32)
+    matmul_nt(cp.asarray(x), cp.asarray(w), y)
+    assert rel_err(y.get(), x.astype(np.float64) @ w.astype(np.float64).T) < 1e-6
+    with pytest.raises(TypeError, match="all fp32"):
+        matmul_nt(cp.asarray(x), cp.asarray(half(w)), y)
+
+
 def peaked_logits(g: np.random.Generator, rows: int, v: int) -> np.ndarray:
     """Logits shaped like a trained model's: a broad body and, per row, 1 to 40 tokens 4 to 20 logits above
     it, so top-p keeps few tokens."""

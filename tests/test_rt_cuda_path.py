@@ -101,6 +101,76 @@ def test_a_prompt_chunk_allocates_its_temporaries_once_for_all_layers(fake_gpu, 
     assert layers == 8 and 0 < len(made) < 40, len(made)  # a layer's 15 or so each would be over 100
 
 
+def _prefill_graphs(model, rows: int) -> list:
+    """Every prefill path of ``model`` (its stages' and the MTP head's), set to replay graphs up to
+    ``rows`` rows."""
+    paths = [stage.cuda_prefill for stage in model.stages]
+    if model.mtp is not None and model.mtp.cuda is not None:
+        paths.append(model.mtp.cuda._prefill)
+    for path in paths:
+        path.graph_rows = rows
+    return paths
+
+
+def test_prompt_chunks_replay_prefill_graphs_with_the_launched_paths_logits(fake_gpu):
+    """A chunk of one prompt through the prefill path, padded to a power of two of rows and replayed as a
+    graph: the first chunk of a size runs padded and is captured, the next replays it in another slot and
+    at another position (read from the device), and each gives the float32 array path's logits, with
+    drafting (the MTP head's prefill replays too); the replay gives the first run's bits. Two prompts in
+    one chunk, or padding past the context, run launched."""
+    from strata_runtime.cuda.prefill import graph_rows_for
+    from strata_runtime.engine import Engine
+    from strata_runtime.model import Model
+
+    assert [graph_rows_for(n) for n in (1, 16, 17, 33, 100, 128, 129)] == [16, 16, 32, 64, 128, 128, 256]
+    graphed = Model.from_plan(_plan("cuda", draft_tokens=2))
+    reference = Model.from_plan(_plan("cpu", draft_tokens=2))
+    paths = _prefill_graphs(graphed, 128)
+    g = np.random.default_rng(12)
+    vocab = graphed.args.vocab_size
+    prompt, more = g.integers(1, vocab, 100), g.integers(1, vocab, 30)
+    windows = [
+        ([(0, 100, 0)], prompt),  # a 128-row graph: run padded, then captured
+        ([(0, 30, 100)], more),  # a 32-row graph, later in the slot
+        ([(1, 100, 0)], prompt),  # the 128-row graph replayed in slot 1: slot 0's first logits
+        ([(1, 30, 100)], g.integers(1, vocab, 30)),  # the 32-row graph replayed
+        ([(0, 40, 130), (1, 40, 130)], g.integers(1, vocab, 80)),  # two prompts: launched
+        ([(0, 86, 170)], g.integers(1, vocab, 86)),  # 128 rows would reach past the 256 positions: launched
+    ]
+    first = None
+    for runs, tokens in windows:
+        a, b = _logits(graphed, runs, tokens), _logits(reference, runs, tokens)
+        # As the launched path against the float32 array path (`test_windows_through_...` above): padding
+        # moves a row only by rounding (a product's sums over more rows), which may flip a near tie.
+        assert np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-2, runs
+        top2 = np.sort(b, axis=-1)[:, -2:]
+        decided = top2[:, 1] - top2[:, 0] > 5e-3
+        assert decided.mean() > 0.9 and (a.argmax(-1) == b.argmax(-1))[decided].all(), runs
+        first = a if first is None else first
+        if runs == [(1, 100, 0)]:
+            assert np.array_equal(a, first)  # the replay reads slot and positions from the device
+    assert [path.captured for path in paths[:-1]] == [{32, 128}], [p.captured for p in paths]
+
+    def generate(rows: int) -> tuple[list[list[int]], list]:
+        """Two requests one after the other on the same prompt, with drafting: the second replays."""
+        engine = Engine(_plan("cuda", draft_tokens=2))
+        paths = _prefill_graphs(engine.model, rows)
+        texts = []
+        for _ in range(2):
+            handle = engine.submit(Request(tuple(int(t) for t in prompt), 8, ignore_eos=True))
+            while engine.step():
+                pass
+            texts.append([t for _ in range(handle.events.qsize()) for t in handle.events.get().token_ids])
+        return texts, paths
+
+    (text, again), paths = generate(128)
+    assert len(text) == 8 and text == again and [text, again] == generate(0)[0]
+    # The engine reads the prompt in chunks of `prefill_chunk` rows (64, then 36): one 64-row graph each, the
+    # stage's and the MTP head's.
+    assert _plan("cuda").memory.prefill_chunk == 64
+    assert [path.captured for path in paths] == [{64}] * 2
+
+
 def test_the_cublas_prefill_attention_matches_the_flash_path(fake_gpu):
     from strata_runtime.cuda.prefill import CudaPrefill
     from strata_runtime.model import Model
@@ -129,9 +199,9 @@ def test_fp16_q_prompt_attention_reaches_the_flash_calls(fake_gpu, monkeypatch):
     real = prefill_module.flash_prefill
     seen: list[bool] = []
 
-    def spy(q_hi, q_lo, *rest):
+    def spy(q_hi, q_lo, *rest, **kw):
         seen.append(q_lo is not None)
-        real(q_hi, q_lo, *rest)
+        real(q_hi, q_lo, *rest, **kw)
 
     monkeypatch.setattr(prefill_module, "flash_prefill", spy)
     text = float16_profile_text(backend="cuda", preset="small", slots=2, context=256, draft_tokens=2)

@@ -265,6 +265,9 @@ class MemoryPlan(_Plan):
     prompt_graph_rows: int = PROMPT_GRAPH_MAX
     """On a GPU, prompt chunks of at most this many rows run as 8-row decode graph windows; longer ones take
     the prefill path."""
+    prefill_graph_rows: int = 0
+    """On a GPU, a prefill-path chunk of one prompt is padded to a power of two of rows and replayed as a
+    CUDA graph where that is at most this many (0: every chunk is launched layer by layer)."""
     vram_reserve_mib: int
     vram_reserve_later_mib: int
 

@@ -4,7 +4,8 @@
 runs an fp32 product: for a stack of expert weights that is a copy of every expert per layer and no
 tensor cores. These wrappers call ``cublasGemmStridedBatchedEx`` on the arrays as they are (any row and
 batch strides, unit stride along the last axis): fp16 inputs, fp32 accumulation, fp16 or fp32 output,
-and an optional ``beta`` to add into the output in place.
+and an optional ``beta`` to add into the output in place; or fp32 throughout (the prefill path's router).
+They write into the output given and allocate nothing, so a CUDA graph can capture them.
 
 Row-major products map onto column-major cuBLAS by transposing the whole equation: C = A B^T is computed
 as C^T = B A^T, which needs no data movement.
@@ -38,8 +39,12 @@ def _layout(a: cp.ndarray) -> tuple[int, int, int]:
 
 
 def _gemm(trans_b: bool, a: cp.ndarray, b: cp.ndarray, c: cp.ndarray, alpha: float, beta: float) -> None:
-    if a.dtype != np.float16 or b.dtype != np.float16 or c.dtype not in _TYPES:
-        raise TypeError(f"fp16 inputs and an fp16 or fp32 output, not {a.dtype}, {b.dtype} -> {c.dtype}")
+    single = a.dtype == b.dtype == c.dtype == np.float32
+    if not single and (a.dtype != np.float16 or b.dtype != np.float16 or c.dtype not in _TYPES):
+        raise TypeError(
+            f"fp16 inputs and an fp16 or fp32 output, or all fp32, not {a.dtype}, {b.dtype} -> {c.dtype}"
+        )
+    in_type = _CUDA_R_32F if single else _CUDA_R_16F
     m, k = a.shape[-2:]
     n = b.shape[-2] if trans_b else b.shape[-1]
     if (b.shape[-1] if trans_b else b.shape[-2]) != k or c.shape[-2:] != (m, n):
@@ -62,11 +67,11 @@ def _gemm(trans_b: bool, a: cp.ndarray, b: cp.ndarray, c: cp.ndarray, alpha: flo
         k,
         alpha_h.ctypes.data,
         b.data.ptr,
-        _CUDA_R_16F,
+        in_type,
         ldb,
         sb,
         a.data.ptr,
-        _CUDA_R_16F,
+        in_type,
         lda,
         sa,
         beta_h.ctypes.data,

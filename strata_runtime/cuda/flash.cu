@@ -100,13 +100,18 @@ __device__ __forceinline__ void load_tile(unsigned dst, const half* __restrict__
 // the shared-memory reads per tensor-core product; its q fragments then come from shared memory each step
 // instead of registers, which hold the two tiles' output accumulators.
 // Grid (NKV, ceil(n G / BM)), THREADS threads, shared_bytes of dynamic shared memory. scale_log2 = scale *
-// log2(e): softmax runs in base 2.
+// log2(e): softmax runs in base 2. With ``where`` set, the slot and first position are read from it
+// ({slot, pos0}, device ints) instead of the arguments: a replayed graph reads each chunk's own.
 template <int D, bool SPLIT_Q, int WT, int BN>
 __global__ void __launch_bounds__(flash::THREADS, 2)
     flash_prefill(const half* __restrict__ q_hi, const half* __restrict__ q_lo, const half* __restrict__ kc,
                   const half* __restrict__ vc, half* __restrict__ out, int n, int NQ, int NKV, int G, int T,
-                  int slot, int pos0, float scale_log2) {
+                  int slot, int pos0, const int* __restrict__ where, float scale_log2) {
   using namespace flash;
+  if (where != nullptr) {
+    slot = where[0];
+    pos0 = where[1];
+  }
   static_assert(D % 16 == 0 && D <= 256, "head dim must be a multiple of 16, at most 256");
   static_assert((WT == 1 || WT == 2) && BN % 16 == 0, "one or two row tiles per warp, key tiles of 16s");
   constexpr int BM = WARPS * 16 * WT;  // flattened query rows per block

@@ -106,17 +106,30 @@ def flash_kernels_for(device_id: int) -> KernelCache:
 
 
 def flash_prefill(
-    q_hi: Any, q_lo: Any | None, k_cache: Any, v_cache: Any, slot: int, pos0: int, scale: float, out: Any
+    q_hi: Any,
+    q_lo: Any | None,
+    k_cache: Any,
+    v_cache: Any,
+    slot: int,
+    pos0: int,
+    scale: float,
+    out: Any,
+    where: Any = None,
 ) -> None:
     """out [n, NQ D] fp16 = causal attention of the chunk's rows (positions pos0..pos0 + n - 1) over keys
     [0, their position] of ``slot``; q = q_hi + q_lo, or q_hi alone when ``q_lo`` is None. CuPy arrays on
-    one device; allocates nothing (graph-capturable)."""
+    one device; allocates nothing (graph-capturable). ``where``: [2] int32 on the device, {slot, pos0} read
+    by the kernel when it runs in place of the two numbers (which are then only checked), so that a captured
+    graph serves chunks of any slot and position; the caller keeps them within the cache."""
     import cupy as cp
 
     n, nq, nkv, d = check_args(q_hi, q_lo, k_cache, v_cache, slot, pos0, out)
     device = q_hi.device.id
     split_q = q_lo is not None
-    for name, a in (("q_lo", q_lo), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
+    if where is not None and (where.dtype != np.int32 or where.shape != (2,)):
+        raise ValueError(f"where must be [2] int32 (slot, pos0), not {where.dtype} {tuple(where.shape)}")
+    others = (("q_lo", q_lo), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out), ("where", where))
+    for name, a in others:
         if a is not None and a.device.id != device:
             raise ValueError(f"{name} is on device {a.device.id}, q_hi on device {device}")
     g = nq // nkv
@@ -143,6 +156,7 @@ def flash_prefill(
                 np.int32(t),
                 np.int32(slot),
                 np.int32(pos0),
+                where if where is not None else np.uint64(0),  # a null pointer: the numbers above
                 np.float32(scale * _LOG2E),
             ),
             shared_mem=smem,

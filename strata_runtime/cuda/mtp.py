@@ -50,9 +50,11 @@ class CudaMtp:
         v_cache: cp.ndarray,
         experts: ExpertSlice | None = None,
         split_q: bool = True,
+        graph_rows: int = 0,
     ) -> None:
         """``experts``: the head's routed experts in the last stage's expert cache, when it holds them.
-        ``split_q``: the prompt rows' attention holds q as two fp16 parts (False: fp16 q)."""
+        ``split_q``: the prompt rows' attention holds q as two fp16 parts (False: fp16 q). ``graph_rows``:
+        its prompt chunks through the prefill path replay a graph up to this many rows (`CudaPrefill`)."""
         self.device_id, self.args = device_id, args
         with cp.cuda.Device(device_id):
             h = args.hidden_size
@@ -72,7 +74,7 @@ class CudaMtp:
             self.device_layers = CudaLayers(self.stack, shapes)
         self.kern = self.stack.kern
         self.head = CudaHead(device_id, head.norm, head.lm_head, args.rms_norm_eps)
-        self._prefill = CudaPrefill(self.stack, experts=experts, split_q=split_q)
+        self._prefill = CudaPrefill(self.stack, experts=experts, split_q=split_q, graph_rows=graph_rows)
 
     def logits(self, out: Any) -> cp.ndarray:
         """Draft logits [R, V] in fp32 from the head's output rows."""

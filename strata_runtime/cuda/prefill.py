@@ -30,12 +30,13 @@ import numpy as np
 
 from strata_cfg.schema.windows import attention_tile_rows
 
-from ..backend import upload_into
+from ..backend import device_lock, upload_into
 from ..experts.cache import HELPER, HOST, Reads
-from ..layout import Layout
+from ..layout import Layout, Segment
 from ..reference.flash import HEAD_DIMS
 from ..reference.grouped import max_tiles, supported
 from .blas import matmul_nn, matmul_nt
+from .compile import record_graph_build
 from .experts import ExpertSlice
 from .flash import flash_kernels_for, flash_prefill, kernel_expr, sm_shared_bytes
 from .grouped import grouped_kernels_for
@@ -64,6 +65,61 @@ class Temps:
         return a
 
 
+class Arena(Temps):
+    """Temporaries that keep their addresses, for chunks replayed as CUDA graphs: each name is a view of one
+    flat buffer, grown when a chunk asks for more than it holds. Growing moves the buffer, which every graph
+    captured before then reads, so `generation` counts the moves and a graph captured in an older one is
+    captured again. Chunks of every size share the buffers (the graphs never run at once: they are queued on
+    one stream), so the arena holds one chunk's temporaries, of the largest graph's rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.generation = 0
+
+    def __call__(self, name: str, shape: tuple[int, ...], dtype: Any) -> cp.ndarray:
+        size = math.prod(shape) * np.dtype(dtype).itemsize
+        flat = self._arrays.get(name)
+        if flat is None or flat.size < size:
+            flat = self._arrays[name] = cp.empty(size, cp.uint8)
+            self.generation += 1
+        return flat[:size].view(dtype).reshape(shape)
+
+
+GRAPH_MIN_ROWS = 16
+"""The fewest rows a prefill graph is captured for: a shorter chunk is padded to this many."""
+
+
+def graph_rows_for(rows: int) -> int:
+    """The rows of the prefill graph that reads a chunk of ``rows`` rows: the next power of two, at least
+    `GRAPH_MIN_ROWS`. Padding costs little: a short chunk's time goes to reading the experts its rows route
+    to, and a few more rows route mostly to the same ones."""
+    return max(GRAPH_MIN_ROWS, 1 << max(rows - 1, 0).bit_length())
+
+
+class GraphInputs:
+    """What a prefill graph of ``rows`` rows reads that changes from chunk to chunk, at fixed addresses: the
+    residual rows [rows, H] fp32 (the chunk's, then zero rows of padding), each row's position and slot
+    [rows] int32, and the chunk's {slot, first position} [2] int32 for the attention kernel."""
+
+    def __init__(self, rows: int, hidden: int) -> None:
+        self.resid = cp.empty((rows, hidden), cp.float32)
+        self.pos = cp.empty(rows, cp.int32)
+        self.slot = cp.empty(rows, cp.int32)
+        self.where = cp.empty(2, cp.int32)
+
+    def load(self, resid: cp.ndarray, seg: Segment) -> Layout:
+        """Queue the chunk's rows ``resid`` [n, H] of segment ``seg`` into these inputs, padded with zero rows
+        at the positions after it; returns the padded chunk's layout."""
+        rows, n = self.resid.shape[0], resid.shape[0]
+        padded = Layout((Segment(seg.slot, 0, rows, seg.pos),))
+        upload_into(self.pos, padded.positions().astype(np.int32))
+        upload_into(self.slot, padded.row_slots().astype(np.int32))
+        upload_into(self.where, np.array([seg.slot, seg.pos], np.int32))
+        self.resid[:n] = resid
+        self.resid[n:] = 0
+        return padded
+
+
 class CudaPrefill:
     """Long prefill chunks through the layers (and KV) of a `LayerStack`."""
 
@@ -74,6 +130,7 @@ class CudaPrefill:
         experts: ExpertSlice | None = None,
         grouped: bool = True,
         split_q: bool = True,
+        graph_rows: int = 0,
     ) -> None:
         """``flash``: attention through the fused kernel of `strata_runtime.cuda.flash` where it has the head
         dim; otherwise (or with False) through cuBLAS products over materialised scores. ``grouped``: the
@@ -83,7 +140,10 @@ class CudaPrefill:
         stage's expert cache, when its experts do not all fit (then each routed expert is one product, read
         from its VRAM or helper slot, or copied from host memory into a staging buffer first). ``split_q``:
         the flash kernel reads q as two fp16 parts (False: q_hi alone, fp16 q; see
-        `strata_runtime.cuda.flash`)."""
+        `strata_runtime.cuda.flash`). ``graph_rows``: a chunk of one slot's rows that pads to at most this
+        many (`graph_rows_for`) is replayed as a CUDA graph, captured when a chunk of its padded size first
+        runs (0: never; only with the fused attention and the grouped expert kernels, and every expert in
+        VRAM)."""
         self.stack, self.args, self.kern = stack, stack.args, stack.kern
         self.experts = experts if experts is not None and experts.store.cached else None
         self._sparse_index = {
@@ -113,6 +173,28 @@ class CudaPrefill:
                 lay.router.astype(cp.float32) if lay.router is not None else None for lay in stack.layers
             ]
         self.kern.prepare(prefill_expressions(self.grouped is not None))
+        graphs = self.flash and self.grouped is not None and self.experts is None
+        self.graph_rows = graph_rows if graphs else 0
+        """The most rows of a chunk replayed as a graph (0: none)."""
+        self._arena = Arena()
+        self._graphs: dict[int, tuple[int, Any]] = {}  # rows -> (the arena's generation, graph)
+        self._inputs: dict[int, GraphInputs] = {}
+        self._capture_stream: Any = None
+
+    def graph_for(self, layout: Layout) -> int | None:
+        """The rows of the graph that reads a chunk of ``layout``, or None where it runs eagerly: several
+        slots' rows, more rows than `graph_rows`, or padding that would reach past the cache's positions."""
+        if not self.graph_rows or len(layout.segments) != 1:
+            return None
+        rows = graph_rows_for(layout.rows)
+        if rows > self.graph_rows or layout.segments[0].pos + rows > self.stack.context:
+            return None
+        return rows
+
+    @property
+    def captured(self) -> frozenset[int]:
+        """The row counts whose chunks replay a captured graph."""
+        return frozenset(rows for rows, (gen, _) in self._graphs.items() if gen == self._arena.generation)
 
     def forward(self, hidden: Any, layout: Layout) -> cp.ndarray:
         """The chunk's hidden rows [n, H] after these layers (fp32), writing their KV."""
@@ -122,27 +204,74 @@ class CudaPrefill:
             return resid
 
     def run(self, resid: cp.ndarray, layout: Layout) -> None:
-        """Every layer on ``resid`` [n, H] fp32, in place."""
+        """Every layer on ``resid`` [n, H] fp32, in place: as a replayed graph where `graph_for` gives one,
+        else launched layer by layer."""
+        rows = self.graph_for(layout)
+        if rows is not None:
+            self._run_graph(resid, layout, rows)
+            return
         pos = cp.empty(layout.rows, cp.int32)  # [n]
         upload_into(pos, layout.positions().astype(np.int32))
         slot = cp.empty(layout.rows, cp.int32)  # [n]
         upload_into(slot, layout.row_slots().astype(np.int32))
-        rows = (pos, slot)
         self._temps = Temps()
+        self._layers(resid, layout, pos, slot)
+
+    def _layers(
+        self, resid: cp.ndarray, layout: Layout, pos: cp.ndarray, slot: cp.ndarray, where: Any = None
+    ) -> None:
+        """Every layer on ``resid``, its rows at ``pos``/``slot`` [n] int32 on the device; ``where``: a
+        graph's {slot, first position} (its layout is then one segment, whose numbers are not read)."""
         routed = None
         if self.experts is not None:
             routed = np.zeros((len(self.experts.store), self.args.num_experts), np.float64)
         reads = np.zeros(2, np.int64)  # assignments read from the helper tier, from host memory
         for j, lay in enumerate(self.stack.layers):
-            self._attention(j, lay, resid, layout, pos, slot)
-            reads += self._mlp(j, lay, resid, rows, routed)
+            self._attention(j, lay, resid, layout, pos, slot, where)
+            reads += self._mlp(j, lay, resid, (pos, slot), routed)
         if self.experts is not None and routed is not None:
             self.experts.owner.record(routed, Reads(*(int(n) for n in reads)))  # it teaches the cache
+
+    def _run_graph(self, resid: cp.ndarray, layout: Layout, rows: int) -> None:
+        """The chunk through the graph of ``rows`` rows, padded with rows after it (their results are
+        dropped; the keys and values they write lie past the chunk, where its next chunk or its decode
+        windows write before anything reads them). The first chunk of a size, or the first after the arena
+        grew, runs eagerly and is then captured for the next."""
+        inputs = self._inputs.get(rows)
+        if inputs is None:
+            inputs = self._inputs[rows] = GraphInputs(rows, self.args.hidden_size)
+        padded = inputs.load(resid, layout.segments[0])
+        self._temps = self._arena
+        stream = cp.cuda.get_current_stream()
+        generation, graph = self._graphs.get(rows, (-1, None))
+        if graph is not None and generation == self._arena.generation:
+            graph.launch(stream)
+        else:
+            record_graph_build()
+            args = (inputs.resid, padded, inputs.pos, inputs.slot, inputs.where)
+            self._layers(*args)
+            if self._capture_stream is None:
+                self._capture_stream = cp.cuda.Stream(non_blocking=True)
+            stream.synchronize()
+            cap = self._capture_stream
+            with device_lock(self.device_id), cap:  # no other thread frees this GPU's memory meanwhile
+                cap.begin_capture()
+                self._layers(*args)
+                graph = cap.end_capture()
+            self._graphs[rows] = (self._arena.generation, graph)
+        resid[...] = inputs.resid[: resid.shape[0]]
 
     # ---- attention -------------------------------------------------------------------------------
 
     def _attention(
-        self, j: int, lay: LayerWeights, resid: cp.ndarray, layout: Layout, pos: cp.ndarray, slot: cp.ndarray
+        self,
+        j: int,
+        lay: LayerWeights,
+        resid: cp.ndarray,
+        layout: Layout,
+        pos: cp.ndarray,
+        slot: cp.ndarray,
+        where: Any = None,
     ) -> None:
         a, kern = self.args, self.kern
         n_rows, h = resid.shape
@@ -167,7 +296,7 @@ class CudaPrefill:
             for seg in layout.segments:
                 rows = slice(seg.row, seg.row + seg.n)
                 q_lo = lo[rows] if self.split_q else None
-                flash_prefill(hi[rows], q_lo, kc, vc, seg.slot, seg.pos, scale, out[rows])
+                flash_prefill(hi[rows], q_lo, kc, vc, seg.slot, seg.pos, scale, out[rows], where=where)
             matmul_nt(out, lay.o, resid, beta=1.0)  # resid [n, H] += out @ o^T
             return
         for seg in layout.segments:
@@ -242,7 +371,7 @@ class CudaPrefill:
         kern.add_rms_norm_fp32(resid, None, lay.ln2, xf, a.rms_norm_eps)
         router = self.router32[j]
         assert router is not None  # only sparse layers route
-        logits = xf @ router.T  # [n, E] fp32
+        logits = matmul_nt(xf, router, t("logits", (n_rows, router.shape[0]), cp.float32))  # [n, E] fp32
         if lay.router_bias is not None:  # calibrated synthetic routing: the rows' intended experts
             lay.router_bias(logits, pos, slot)
         idx = t("idx", (n_rows, topk), cp.int32)

@@ -112,12 +112,15 @@ class MtpHead:
         lm_head: Array,
         embed: Callable[[Array], Array],
         prompt_graph_rows: int = PROMPT_GRAPH_MAX,
+        prefill_graph_rows: int = 0,
     ) -> None:
         """``prompt_graph_rows``: a prompt chunk of at most this many rows runs through the head's 8-row
         graph windows on a GPU, as the stages read it (``memory.prompt_graph_rows``); longer ones through
-        the CUDA prefill path."""
+        the CUDA prefill path, replayed as a graph up to ``prefill_graph_rows`` rows
+        (``memory.prefill_graph_rows``)."""
         self.device, self.args, self.rope = device, args, rope
         self.prompt_graph_rows = max(prompt_graph_rows, MAX_WINDOW_ROWS)
+        self.prefill_graph_rows = prefill_graph_rows
         self.pre_fc_norm_embedding = tensors["mtp.pre_fc_norm_embedding.weight"]  # [H]
         self.pre_fc_norm_hidden = tensors["mtp.pre_fc_norm_hidden.weight"]  # [H]
         self.fc = tensors["mtp.fc.weight"]  # [H, 2H]
@@ -152,7 +155,16 @@ class MtpHead:
             experts = None
             if self.stage is not None and self.stage.cuda_experts is not None:
                 experts = self.stage.cuda_experts.view(self.stage.n_sparse, 1)
-            self.cuda = CudaMtp(self.device.index, self, self.args, k_cache, v_cache, experts, split_q)
+            self.cuda = CudaMtp(
+                self.device.index,
+                self,
+                self.args,
+                k_cache,
+                v_cache,
+                experts,
+                split_q,
+                graph_rows=self.prefill_graph_rows,
+            )
         return why
 
     def __call__(

@@ -328,6 +328,7 @@ class Model:
                         helpers=helpers[sp.index],
                         prefill_split_q=plan.model.prefill_q == "split",
                         prompt_graph_rows=plan.memory.prompt_graph_rows,
+                        prefill_graph_rows=plan.memory.prefill_graph_rows,
                     )
                 )
             except MemoryError as exc:  # CuPy's OutOfMemoryError is one
@@ -351,6 +352,7 @@ class Model:
                 last_stage.lm_head,
                 embed,
                 prompt_graph_rows=plan.memory.prompt_graph_rows,
+                prefill_graph_rows=plan.memory.prefill_graph_rows,
             )
             mtp.share_experts(last_stage)
             ids = list(plan.last_stage.drafters) or list(range(slots))

@@ -100,6 +100,7 @@ class Stage:
         helpers: Sequence[tuple[Device, int]] = (),
         prefill_split_q: bool = True,
         prompt_graph_rows: int = PROMPT_GRAPH_MAX,
+        prefill_graph_rows: int = 0,
     ) -> None:
         """``routing``: every slot's calibrated-routing tables (host), or None for the model's own router.
         ``expert_slots``: VRAM slots for the routed experts of these layers when they do not all fit
@@ -109,11 +110,14 @@ class Stage:
         (device, slots) on each helper or peer device (`strata_runtime.model.placed.helper_slots`).
         ``prefill_split_q``: prompt attention on a CUDA device holds q as two fp16 parts (False: fp16 q,
         ``model.prefill_q``). ``prompt_graph_rows``: a prompt chunk of at most this many rows runs on a GPU
-        as 8-row graph windows, a longer one through the CUDA prefill path (``memory.prompt_graph_rows``)."""
+        as 8-row graph windows, a longer one through the CUDA prefill path (``memory.prompt_graph_rows``),
+        replayed as a CUDA graph where it pads to at most ``prefill_graph_rows`` rows
+        (``memory.prefill_graph_rows``)."""
         self.index, self.device, self.layer_range, self.args = index, device, layers, args
         self.prompt_graph_rows = max(prompt_graph_rows, MAX_WINDOW_ROWS)  # a decode window is one graph
         self.routing = routing
         self.prefill_split_q = prefill_split_q
+        self.prefill_graph_rows = prefill_graph_rows
         self.first, self.last = first, last
         self.layers = [
             DecoderLayer(tensors, f"model.layers.{i}.", args, args.is_sparse(i)) for i in range(*layers)
@@ -189,7 +193,9 @@ class Stage:
         lm_head = self.lm_head if self.last else None
         gemv = ops.head_gemv_shapes(*lm_head.shape) if lm_head is not None else ()
         self.cuda = decode.CudaLayers(stack, gemv)
-        self.cuda_prefill = prefill.CudaPrefill(stack, experts=main, split_q=self.prefill_split_q)
+        self.cuda_prefill = prefill.CudaPrefill(
+            stack, experts=main, split_q=self.prefill_split_q, graph_rows=self.prefill_graph_rows
+        )
         if self.last:
             self.cuda_head = head.CudaHead(gpu, self.norm, self.lm_head, eps)
 
