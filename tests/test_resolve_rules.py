@@ -655,7 +655,8 @@ def test_windows_prompt_graph_rows_sends_prompts_past_two_windows_to_the_prefill
     assert (s.value, s.source.kind, s.source.rule) == (16, "derived", "windows.prompt-graph-rows")
     from strata_cfg.report.plan_text import plan_text
 
-    assert "prefill chunk 512, graph windows up to 16 rows\n" in plan_text(plan)
+    text = plan_text(plan)
+    assert "prefill chunk 512, graph windows up to 16 rows, prefill graphs up to 512 rows\n" in text
     # A number is taken as written, with no note.
     written = plan_of(path, ["memory.prompt_graph_rows=40"])
     assert (
@@ -690,6 +691,77 @@ def test_windows_prompt_graph_rows_refuses_values_outside_8_to_64(tmp_path, valu
     assert p.key == "memory.prompt_graph_rows" and p.line == line_of(path, "prompt_graph_rows")
     assert p.file.endswith("p.toml")
     assert says in p.message and "'auto'" in p.message and value.strip('"') in p.message
+
+
+def test_memory_prefill_graph_rows_replays_chunks_up_to_512_rows_on_a_gpu():
+    path = rule_file("memory.prefill-graph-rows")
+    plan = plan_of(path)
+    assert plan.memory.prefill_graph_rows == 512
+    d = decision(plan, "memory.prefill-graph-rows")
+    assert d.severity == "note" and d.key == "memory.prefill_graph_rows" and "up to 512 rows" in d.message
+    s = plan.settings["memory.prefill_graph_rows"]
+    assert (s.value, s.source.kind, s.source.rule) == (512, "derived", "memory.prefill-graph-rows")
+    from strata_cfg.report.plan_text import plan_text
+
+    assert ", prefill graphs up to 512 rows\n" in plan_text(plan)
+    # The workspace keeps 512 rows more on the stage, and as many for the MTP head where it drafts.
+    from strata_cfg.resolve.sizes import row_activation_bytes
+
+    per_row = row_activation_bytes(plan.model.facts)
+    assert f"keep {512 * per_row / (1 << 20):.1f} MiB" in d.message
+    off = plan_of(path, ["memory.prefill_graph_rows=0"])
+    drafting = plan.spec.mtp or plan.batch.mtp
+    assert drafting and plan.gpus[0].budget.workspace - off.gpus[0].budget.workspace == 2 * 512 * per_row
+    # The graph of the longest chunk, where it is smaller; a number is taken as written.
+    short = plan_of(path, ["memory.prefill_chunk=100", "memory.prefill_chunk_alone=100"])
+    assert short.memory.prefill_graph_rows == 128
+    written = plan_of(path, ["memory.prefill_graph_rows=64"])
+    assert written.settings["memory.prefill_graph_rows"].source.kind == "user"
+    assert written.memory.prefill_graph_rows == 64
+    assert "memory.prefill-graph-rows" not in [x.rule for x in written.decisions]
+    # Virtual CPU devices have no prefill path: none, quietly.
+    cpu = plan_of(path, ["machine.backend=cpu"])
+    assert cpu.memory.prefill_graph_rows == 0 and "prefill graphs" not in plan_text(cpu)
+    assert "memory.prefill-graph-rows" not in [x.rule for x in cpu.decisions]
+
+
+@pytest.mark.parametrize(
+    ("value", "says"), [("-1", "greater than or equal to 0"), ('"all"', "a valid integer")]
+)
+def test_memory_prefill_graph_rows_refuses_what_is_not_a_row_count(tmp_path, value, says):
+    path = tmp_path / "p.toml"
+    path.write_text(
+        rule_file("memory.prefill-graph-rows").read_text() + f"[memory]\nprefill_graph_rows = {value}\n"
+    )
+    [p] = problems_of(path)
+    assert p.key == "memory.prefill_graph_rows" and p.line == line_of(path, "prefill_graph_rows")
+    assert says in p.message and "'auto'" in p.message
+
+
+def test_windows_prefill_graphs_cached_turns_them_off_and_keeps_no_workspace_for_them():
+    """Under an expert cache a chunk copies host experts as it runs: no graphs, and the budget keeps no
+    graph workspace, so the cache holds as many experts as with prefill graphs off."""
+    path = rule_file("windows.prefill-graphs-cached")
+    plan = plan_of(path)
+    assert plan.experts.cache is not None and plan.memory.prefill_graph_rows == 0
+    d = decision(plan, "windows.prefill-graphs-cached")
+    assert d.severity == "off" and d.key == "memory.prefill_graph_rows" and "512 rows" in d.message
+    off = plan_of(path, ["memory.prefill_graph_rows=0"])
+    assert plan.gpus[0].budget == off.gpus[0].budget
+    assert plan.gpus[0].experts_resident == off.gpus[0].experts_resident
+
+
+def test_windows_prefill_graphs_some_cached_names_the_gpus_that_launch_their_chunks():
+    plan = plan_of(rule_file("windows.prefill-graphs-some-cached"))
+    big, small = plan.gpus
+    assert big.experts_resident == big.experts_total and small.experts_resident < small.experts_total
+    assert plan.memory.prefill_graph_rows == 512
+    d = decision(plan, "windows.prefill-graphs-some-cached")
+    assert d.severity == "note" and "GPU 1" in d.message and "GPU 0" not in d.message
+    # The workspace of the prefill graphs is kept on the H200 only.
+    off = plan_of(rule_file("windows.prefill-graphs-some-cached"), ["memory.prefill_graph_rows=0"])
+    assert big.budget.workspace > off.gpus[0].budget.workspace
+    assert small.budget.workspace == off.gpus[1].budget.workspace
 
 
 def test_serve_exposed_warns_and_strict_refuses():

@@ -118,11 +118,19 @@ def test_prompt_chunks_replay_prefill_graphs_with_the_launched_paths_logits(fake
     at another position (read from the device), and each gives the float32 array path's logits, with
     drafting (the MTP head's prefill replays too); the replay gives the first run's bits. Two prompts in
     one chunk, or padding past the context, run launched."""
-    from strata_runtime.cuda.prefill import graph_rows_for
+    from strata_cfg.schema.windows import prefill_graph_rows_for
     from strata_runtime.engine import Engine
     from strata_runtime.model import Model
 
-    assert [graph_rows_for(n) for n in (1, 16, 17, 33, 100, 128, 129)] == [16, 16, 32, 64, 128, 128, 256]
+    assert [prefill_graph_rows_for(n) for n in (1, 16, 17, 33, 100, 128, 129)] == [
+        16,
+        16,
+        32,
+        64,
+        128,
+        128,
+        256,
+    ]
     graphed = Model.from_plan(_plan("cuda", draft_tokens=2))
     reference = Model.from_plan(_plan("cpu", draft_tokens=2))
     paths = _prefill_graphs(graphed, 128)

@@ -242,11 +242,14 @@ def plan_text(plan: LaunchPlan) -> str:
 
 
 def _chunk(m: MemoryPlan) -> str:
-    """The prefill chunk, a lone prompt's where it differs, and the graph windows' share of short prompts
-    where the prefill path reads some of them (``memory.prompt_graph_rows`` below 64)."""
+    """The prefill chunk, a lone prompt's where it differs, the graph windows' share of short prompts
+    where the prefill path reads some of them (``memory.prompt_graph_rows`` below 64), and the chunks the
+    prefill path replays as graphs (``memory.prefill_graph_rows``)."""
     text = str(m.prefill_chunk)
     if m.prefill_chunk_alone != m.prefill_chunk:
         text += f" ({m.prefill_chunk_alone} for a prompt alone)"
     if m.prompt_graph_rows < PROMPT_GRAPH_MAX:
         text += f", graph windows up to {m.prompt_graph_rows} rows"
+    if m.prefill_graph_rows:
+        text += f", prefill graphs up to {m.prefill_graph_rows} rows"
     return text

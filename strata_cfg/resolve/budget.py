@@ -8,7 +8,7 @@ Helper and peer GPUs hold the experts the stages could not, after their reserve.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from ..schema.facts import GpuFacts, MachineFacts, ModelFacts
@@ -58,13 +58,20 @@ def _stage_gpu(
     *,
     first_gpu: bool,
 ) -> GpuPlan | None:
-    """A stage GPU's budget, or None (with the refusal in the ledger) when it does not fit."""
+    """A stage GPU's budget, or None (with the refusal in the ledger) when it does not fit. Its workspace
+    keeps the prefill graphs' temporaries only where every expert of its stages stays in VRAM: under an
+    expert cache its stages launch their chunks (`strata_cfg.resolve.prompt_windows.prefill_graphs_gate`)."""
     total = gpu.vram_mib * MIB
-    need = _sum_needs([stage_need(model, p.shape, sz) for _, p in placed])
     reserve = sz.reserve_first if first_gpu else sz.reserve_later
+    eb = model.expert_bytes()
+    need = _sum_needs([stage_need(model, p.shape, sz) for _, p in placed])
+    avail = total - (need.weights + need.kv + need.drafters + need.workspace + reserve)
+    cached = need.experts > (sz.cache if sz.cache is not None else avail // eb if eb else need.experts)
+    if cached and sz.prefill_graph_rows:
+        sz = replace(sz, prefill_graph_rows=0)
+        need = _sum_needs([stage_need(model, p.shape, sz) for _, p in placed])
     fixed = need.weights + need.kv + need.drafters + need.workspace + reserve
     avail = total - fixed
-    eb = model.expert_bytes()
     label = f"GPU {gpu.index} ({gpu.name}, {gpu.vram_mib} MiB)"
     resident = need.experts
     if avail < 0:

@@ -41,7 +41,7 @@ from .layer_split import place_layers, sizing
 from .ledger import Ledger
 from .pipeline_windows import pipeline_windows_gate
 from .placement import Sizing, stage_shapes
-from .prompt_windows import resolve_prompt_graph_rows
+from .prompt_windows import prefill_graphs_gate, resolve_prompt_graph_rows
 from .refusals import parse_time_refusals
 from .topology import Topology, is_test_split
 from .window_plan import batch_shape, resolve_windows
@@ -98,6 +98,9 @@ def resolve(
     windows = resolve_windows(led, resident)
     speeds = [(p.shape, machine.gpus[p.gpu].bandwidth_gbs) for p in placed]
     resolve_prompt_graph_rows(led, model, speeds, resident)
+    stage_gpus = [g for g in gpus if g.role == "stage"]
+    cached = [g.index for g in stage_gpus if not g.all_experts_resident]
+    prefill_graphs_gate(led, cached, len(stage_gpus))
     # 9. serving, strict
     if serving:
         serve_exposure(led)
@@ -241,6 +244,7 @@ def _assemble(
             prefill_chunk=led["memory.prefill_chunk"],
             prefill_chunk_alone=led["memory.prefill_chunk_alone"],
             prompt_graph_rows=led["memory.prompt_graph_rows"],
+            prefill_graph_rows=led["memory.prefill_graph_rows"],
             vram_reserve_mib=led["memory.vram_reserve_mib"],
             vram_reserve_later_mib=led["memory.vram_reserve_later_mib"],
         ),

@@ -12,6 +12,7 @@ from ..schema.plan import DEFAULT_DRAFT_FLOOR
 from ..schema.presets import PRESET_DEFAULTS
 from ..schema.profile import Profile, parse_device
 from .ledger import Ledger
+from .prompt_windows import resolve_prefill_graph_rows
 from .topology import MAX_STAGES, Topology
 
 DEFAULT_CONTEXT = 4096
@@ -86,6 +87,8 @@ def resolve_defaults(
             f"a lone prompt's chunk of {alone} is shorter than every prompt's {chunk}; {chunk}",
         )
     led.take("memory.prompt_graph_rows", mem.prompt_graph_rows if mem else None, "auto")
+    led.take("memory.prefill_graph_rows", mem.prefill_graph_rows if mem else None, "auto")
+    resolve_prefill_graph_rows(led, model)
     reserve = led.take("memory.vram_reserve_mib", mem.vram_reserve_mib if mem else None, DEFAULT_RESERVE_MIB)
     led.take("memory.vram_reserve_later_mib", mem.vram_reserve_later_mib if mem else None, reserve)
     led.take("memory.host_reserve_mib", mem.host_reserve_mib if mem else None, DEFAULT_HOST_RESERVE_MIB)

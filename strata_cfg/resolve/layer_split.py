@@ -41,6 +41,7 @@ def sizing(model: ModelFacts, led: Ledger) -> Sizing:
         reserve_first=led["memory.vram_reserve_mib"] * MIB,
         reserve_later=led["memory.vram_reserve_later_mib"] * MIB,
         cache=None if cache == "auto" else int(cache),
+        prefill_graph_rows=led["memory.prefill_graph_rows"],
     )
 
 

@@ -45,12 +45,19 @@ class Sizing:
     """Bytes left free on every other GPU."""
     cache: int | None
     """``experts.cache`` when the user gave a number; None for auto."""
+    prefill_graph_rows: int = 0
+    """Rows of a prefill graph's temporaries, kept (``memory.prefill_graph_rows``)."""
 
     @property
     def prefill_rows(self) -> int:
         """The most rows a prefill window can hold with its workspace: a chunk beside a decode window, or a
         lone prompt's longer chunk."""
         return sizes.prefill_rows(self.prefill_chunk, self.prefill_chunk_alone)
+
+    def graph_rows(self, last: bool) -> int:
+        """Rows of prefill-graph temporaries a stage keeps: one set for its layers, and on the last stage
+        one more for the MTP head's layer where it drafts."""
+        return self.prefill_graph_rows * (2 if last and self.with_mtp else 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +85,12 @@ def stage_need(model: ModelFacts, shape: StageShape, sz: Sizing) -> StageNeed:
             else 0
         ),
         workspace=sizes.workspace_bytes(
-            model, context=sz.context, prefill_rows=sz.prefill_rows, last=shape.last, slots=sz.slots
+            model,
+            context=sz.context,
+            prefill_rows=sz.prefill_rows,
+            last=shape.last,
+            slots=sz.slots,
+            graph_rows=sz.graph_rows(shape.last),
         ),
         experts=sizes.expert_count(model, shape, with_mtp=sz.with_mtp),
     )
@@ -264,10 +276,17 @@ def auto_split(model: ModelFacts, gpus: Sequence[GpuFacts], sz: Sizing) -> tuple
         sizes.weight_bytes(model, last_shape, with_mtp=sz.with_mtp)
         + sizes.drafter_bytes(model, context=sz.context, kv_dtype=sz.kv_dtype, drafters=sz.drafters)
         + sizes.workspace_bytes(
-            model, context=sz.context, prefill_rows=sz.prefill_rows, last=True, slots=sz.slots
+            model,
+            context=sz.context,
+            prefill_rows=sz.prefill_rows,
+            last=True,
+            slots=sz.slots,
+            graph_rows=sz.graph_rows(True),
         )
     )
-    mid_ws = sizes.workspace_bytes(model, context=sz.context, prefill_rows=sz.prefill_rows, last=False)
+    mid_ws = sizes.workspace_bytes(
+        model, context=sz.context, prefill_rows=sz.prefill_rows, last=False, graph_rows=sz.graph_rows(False)
+    )
     mtp_experts = model.mtp_layers * model.num_experts if sz.with_mtp else 0
     head = _head_step(model, sz)
     eb = model.expert_bytes()

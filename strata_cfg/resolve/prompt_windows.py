@@ -18,9 +18,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..schema.facts import ModelFacts, expected_distinct_experts
-from ..schema.windows import MAX_WINDOW_ROWS, PROMPT_GRAPH_MAX
+from ..schema.windows import (
+    MAX_WINDOW_ROWS,
+    PREFILL_GRAPH_AUTO_ROWS,
+    PROMPT_GRAPH_MAX,
+    prefill_graph_rows_for,
+)
 from .ledger import Ledger
-from .sizes import StageShape
+from .sizes import StageShape, row_activation_bytes
 
 RULE = "windows.prompt-graph-rows"
 KEY = "memory.prompt_graph_rows"
@@ -102,3 +107,53 @@ def resolve_prompt_graph_rows(
         )
     led.resolve_auto(KEY, rows, RULE, message)
     return rows
+
+
+GRAPHS_RULE = "memory.prefill-graph-rows"
+GRAPHS_KEY = "memory.prefill_graph_rows"
+GRAPHS_CACHED_RULE = "windows.prefill-graphs-cached"
+GRAPHS_SOME_CACHED_RULE = "windows.prefill-graphs-some-cached"
+
+
+def resolve_prefill_graph_rows(led: Ledger, model: ModelFacts) -> int:
+    """Resolve ``memory.prefill_graph_rows`` with the other defaults (step 0, before the workspace is
+    planned): what the profile says, else (``auto``) 0 on virtual CPU devices, which have no prefill path,
+    and on a GPU `PREFILL_GRAPH_AUTO_ROWS`, or the graph of the longest chunk where that is smaller, with a
+    note of the workspace its temporaries keep."""
+    if led[GRAPHS_KEY] != "auto":
+        return int(led[GRAPHS_KEY])
+    if led["machine.backend"] != "cuda":
+        led.resolve_auto(GRAPHS_KEY, 0, GRAPHS_RULE)
+        return 0
+    longest = max(led["memory.prefill_chunk"], led["memory.prefill_chunk_alone"])
+    rows = min(PREFILL_GRAPH_AUTO_ROWS, prefill_graph_rows_for(longest))
+    mib = rows * row_activation_bytes(model) / (1 << 20)
+    message = (
+        f"prompt chunks through the prefill path replay CUDA graphs up to {rows} rows (each padded to a "
+        f"power of two, at least 16), so the host does not launch their kernels one by one; their "
+        f"temporaries keep {mib:.1f} MiB of workspace a stage (and as much for a drafting MTP head)"
+    )
+    led.resolve_auto(GRAPHS_KEY, rows, GRAPHS_RULE, message)
+    return rows
+
+
+def prefill_graphs_gate(led: Ledger, cached_gpus: Sequence[int], stage_gpus: int) -> None:
+    """Step 8: a stage under an expert cache launches its prompt chunks layer by layer, since a chunk copies
+    the experts held in host memory as it reaches them (the budget kept no graph workspace on its GPU).
+    ``cached_gpus``: the stage GPUs that hold an expert cache, of ``stage_gpus``. Where every stage does,
+    the plan's value becomes 0."""
+    rows = led[GRAPHS_KEY]
+    if not rows or not cached_gpus:
+        return
+    why = "a chunk copies the experts held in host memory as it reaches them"
+    if len(cached_gpus) == stage_gpus:
+        message = (
+            f"prompt chunks are launched layer by layer, not replayed as graphs of up to {rows} rows: {why}"
+        )
+        led.change(GRAPHS_KEY, 0, GRAPHS_CACHED_RULE, message)
+        return
+    names = ", ".join(f"GPU {i}" for i in cached_gpus)
+    message = (
+        f"the stages on {names} (under an expert cache) launch their prompt chunks layer by layer: {why}"
+    )
+    led.note(GRAPHS_SOME_CACHED_RULE, GRAPHS_KEY, message)

@@ -50,6 +50,13 @@ _RULES = (
     ),
     Rule("spec.needs-mtp-weights", 0, "off", "spec.draft_tokens >= 2 needs a model with MTP weights"),
     Rule(
+        "memory.prefill-graph-rows",
+        0,
+        "note",
+        "memory.prefill_graph_rows auto: prompt chunks of up to 512 rows replay CUDA graphs on a GPU, none "
+        "on virtual CPU devices",
+    ),
+    Rule(
         "machine.estimated-bandwidth", 0, "note", "a probed GPU's bandwidth is an estimate, not a known value"
     ),
     Rule(
@@ -181,6 +188,19 @@ _RULES = (
         "note",
         "memory.prompt_graph_rows auto: short prompts take graph windows while they cost less than the "
         "prefill path's launches",
+    ),
+    Rule(
+        "windows.prefill-graphs-cached",
+        8,
+        "off",
+        "memory.prefill_graph_rows is 0 where every stage holds an expert cache: a prompt chunk copies host "
+        "experts as it runs",
+    ),
+    Rule(
+        "windows.prefill-graphs-some-cached",
+        8,
+        "note",
+        "a stage under an expert cache launches its prompt chunks layer by layer; the others replay graphs",
     ),
     # 9: serving and strict mode
     Rule("serve.exposed", 9, "warn", "serving on a non-loopback address without serve.api_key_env"),

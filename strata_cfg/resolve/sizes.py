@@ -103,13 +103,24 @@ def attention_scores_bytes(model: ModelFacts, *, context: int, rows: int) -> int
     return min(rows, attention_tile_rows(nh, context)) * nh * context * (F32 + 2)
 
 
-def workspace_bytes(model: ModelFacts, *, context: int, prefill_rows: int, last: bool, slots: int = 0) -> int:
+def workspace_bytes(
+    model: ModelFacts,
+    *,
+    context: int,
+    prefill_rows: int,
+    last: bool,
+    slots: int = 0,
+    graph_rows: int = 0,
+) -> int:
     """Activation workspace: ``prefill_rows`` rows (`prefill_rows`) at `row_activation_bytes` and one tile of
-    their attention scores (`attention_scores_bytes`); the last stage adds a decode window's logits [R, V] in
-    float32 and each of ``slots`` slots' token counts and logit bias (`TOKEN_COUNT_BYTES` per vocabulary
-    word)."""
+    their attention scores (`attention_scores_bytes`), and ``graph_rows`` more rows kept for the prefill
+    graphs (``memory.prefill_graph_rows``: their temporaries keep their addresses, beside a longer chunk's;
+    the caller counts the MTP head's graphs on the last stage); the last stage adds a decode window's logits
+    [R, V] in float32 and each of ``slots`` slots' token counts and logit bias (`TOKEN_COUNT_BYTES` per
+    vocabulary word)."""
     per_row = row_activation_bytes(model)
     n = prefill_rows * per_row + attention_scores_bytes(model, context=context, rows=prefill_rows)
+    n += graph_rows * per_row
     if last:
         n += MAX_WINDOW_ROWS * model.vocab_size * F32 + slots * model.vocab_size * TOKEN_COUNT_BYTES
     return n

@@ -21,6 +21,19 @@ BATCH_MTP_SLOTS_PER_WINDOW = MAX_WINDOW_ROWS // BATCH_MTP_ROWS_PER_SLOT
 PROMPT_GRAPH_MAX = 64
 """A prompt chunk on a GPU runs as 8-row decode graph windows when it has at most
 ``memory.prompt_graph_rows`` rows, which is at most this many; longer chunks take the prefill path."""
+PREFILL_GRAPH_MIN_ROWS = 16
+"""A prefill-path chunk replayed as a CUDA graph is padded to at least this many rows."""
+PREFILL_GRAPH_AUTO_ROWS = 512
+"""``memory.prefill_graph_rows = "auto"`` on a GPU: chunks that pad to at most this many rows replay graphs
+(fewer where no chunk is that long). Past it the GPU's work outlasts the host's launches."""
+
+
+def prefill_graph_rows_for(rows: int) -> int:
+    """The rows of the prefill graph that reads a chunk of ``rows`` rows: the next power of two, at least
+    `PREFILL_GRAPH_MIN_ROWS` (a handful of sizes, so that a few graphs serve every prompt)."""
+    return max(PREFILL_GRAPH_MIN_ROWS, 1 << max(rows - 1, 0).bit_length())
+
+
 ATTENTION_TILE_BYTES = 1 << 30
 """Prompt attention that stores its scores (float32) and probabilities (float16) takes a prompt window's
 query rows in tiles whose two arrays stay under this many bytes (at least `ATTENTION_TILE_MIN_ROWS` rows):

@@ -55,8 +55,7 @@ def _gemm(trans_b: bool, a: cp.ndarray, b: cp.ndarray, c: cp.ndarray, alpha: flo
     if batch_a != batch or batch_b != batch:
         raise ValueError(f"batch sizes {batch_a}, {batch_b} -> {batch} do not agree")
     alpha_h, beta_h = np.array(alpha, np.float32), np.array(beta, np.float32)
-    handle = cp.cuda.device.get_cublas_handle()
-    cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
+    handle = bind_stream(cp.cuda.get_current_stream())
     # C^T[n, m] = op(B)[n, k] A^T[k, m] in column-major terms.
     cublas.gemmStridedBatchedEx(
         handle,
@@ -83,6 +82,16 @@ def _gemm(trans_b: bool, a: cp.ndarray, b: cp.ndarray, c: cp.ndarray, alpha: flo
         _COMPUTE_32F,
         _GEMM_DEFAULT,
     )
+
+
+def bind_stream(stream: Any) -> int:
+    """Make ``stream`` the current device's cuBLAS stream where it is not already, and return the cuBLAS
+    handle. CuPy refuses to set a cuBLAS stream while any stream captures a graph, so a capture binds its
+    stream before it begins; the products inside it then find their stream bound and set nothing."""
+    handle = cp.cuda.device.get_cublas_handle()
+    if cublas.getStream(handle) != stream.ptr:
+        cublas.setStream(handle, stream.ptr)
+    return int(handle)
 
 
 def matmul_nt(a: Any, b: Any, c: Any, alpha: float = 1.0, beta: float = 0.0) -> Any:

@@ -28,14 +28,14 @@ from typing import Any
 import cupy as cp
 import numpy as np
 
-from strata_cfg.schema.windows import attention_tile_rows
+from strata_cfg.schema.windows import attention_tile_rows, prefill_graph_rows_for
 
 from ..backend import device_lock, upload_into
 from ..experts.cache import HELPER, HOST, Reads
 from ..layout import Layout, Segment
 from ..reference.flash import HEAD_DIMS
 from ..reference.grouped import max_tiles, supported
-from .blas import matmul_nn, matmul_nt
+from .blas import bind_stream, matmul_nn, matmul_nt
 from .compile import record_graph_build
 from .experts import ExpertSlice
 from .flash import flash_kernels_for, flash_prefill, kernel_expr, sm_shared_bytes
@@ -85,17 +85,6 @@ class Arena(Temps):
         return flat[:size].view(dtype).reshape(shape)
 
 
-GRAPH_MIN_ROWS = 16
-"""The fewest rows a prefill graph is captured for: a shorter chunk is padded to this many."""
-
-
-def graph_rows_for(rows: int) -> int:
-    """The rows of the prefill graph that reads a chunk of ``rows`` rows: the next power of two, at least
-    `GRAPH_MIN_ROWS`. Padding costs little: a short chunk's time goes to reading the experts its rows route
-    to, and a few more rows route mostly to the same ones."""
-    return max(GRAPH_MIN_ROWS, 1 << max(rows - 1, 0).bit_length())
-
-
 class GraphInputs:
     """What a prefill graph of ``rows`` rows reads that changes from chunk to chunk, at fixed addresses: the
     residual rows [rows, H] fp32 (the chunk's, then zero rows of padding), each row's position and slot
@@ -141,9 +130,9 @@ class CudaPrefill:
         from its VRAM or helper slot, or copied from host memory into a staging buffer first). ``split_q``:
         the flash kernel reads q as two fp16 parts (False: q_hi alone, fp16 q; see
         `strata_runtime.cuda.flash`). ``graph_rows``: a chunk of one slot's rows that pads to at most this
-        many (`graph_rows_for`) is replayed as a CUDA graph, captured when a chunk of its padded size first
-        runs (0: never; only with the fused attention and the grouped expert kernels, and every expert in
-        VRAM)."""
+        many (`strata_cfg.schema.windows.prefill_graph_rows_for`) is replayed as a CUDA graph, captured
+        when a chunk of its padded size first runs (0: never; only with the fused attention and the
+        grouped expert kernels, and every expert in VRAM)."""
         self.stack, self.args, self.kern = stack, stack.args, stack.kern
         self.experts = experts if experts is not None and experts.store.cached else None
         self._sparse_index = {
@@ -186,7 +175,7 @@ class CudaPrefill:
         slots' rows, more rows than `graph_rows`, or padding that would reach past the cache's positions."""
         if not self.graph_rows or len(layout.segments) != 1:
             return None
-        rows = graph_rows_for(layout.rows)
+        rows = prefill_graph_rows_for(layout.rows)
         if rows > self.graph_rows or layout.segments[0].pos + rows > self.stack.context:
             return None
         return rows
@@ -255,6 +244,7 @@ class CudaPrefill:
             stream.synchronize()
             cap = self._capture_stream
             with device_lock(self.device_id), cap:  # no other thread frees this GPU's memory meanwhile
+                bind_stream(cap)  # the products' stream, bound before the capture (`bind_stream`)
                 cap.begin_capture()
                 self._layers(*args)
                 graph = cap.end_capture()
