@@ -778,7 +778,9 @@ def test_the_warm_up_reads_a_prompt_through_the_prefill_path_where_the_context_a
     stage's and the drafting head's prefill path then run before a long prompt needs them. Otherwise it stays
     at 32 tokens, which the graph windows read (with an expert cache a long prompt would read most experts
     over the host link and teach the cache random routing). Where the prefill path also reads short prompts
-    (``memory.prompt_graph_rows`` below 64), a 64-row prompt takes it as well."""
+    (``memory.prompt_graph_rows`` below 64), one prompt of each prefill graph's rows takes it as well, so
+    that each graph is captured (`strata_cfg.schema.windows.warm_prompt_lengths`)."""
+    from strata_cfg.schema.windows import prefill_graph_rows_for
     from strata_runtime.cuda.mtp import CudaMtp
     from strata_runtime.cuda.prefill import CudaPrefill
     from strata_runtime.engine import Engine
@@ -801,8 +803,9 @@ def test_the_warm_up_reads_a_prompt_through_the_prefill_path_where_the_context_a
         (1024, 64, None, None, []),
         (256, 128, None, None, []),
         (1024, 128, 4, None, []),  # an expert cache
-        (1024, 128, None, 24, [128, 64]),  # the long prompt's chunks, then a 64-row prompt
-        (256, 128, None, 24, [64]),  # a quarter of the context: one 64-row chunk, then the 64-row prompt
+        # The long prompt's chunks, then one prompt of each prefill graph's rows past 24: 128, 64 and 32.
+        (1024, 128, None, 24, [128, 64, 32]),
+        (256, 128, None, 24, [64, 32]),  # a quarter of the context: one 64-row chunk, then 64 and 32 rows
     ):
         ran.clear()
         text = float16_profile_text(
@@ -824,6 +827,10 @@ def test_the_warm_up_reads_a_prompt_through_the_prefill_path_where_the_context_a
         assert engine.warm_up() > 0
         assert sorted({rows for kind, rows in ran if kind == "head"}, reverse=True) == expected, ran
         assert sorted({rows for kind, rows in ran if kind == "stage"}, reverse=True) == expected, ran
+        # Every chunk of one prompt that the prefill path read replays a graph from then on.
+        graphs = {prefill_graph_rows_for(rows) for rows in expected} if cache is None else set()
+        assert engine.model.stages[0].cuda_prefill.captured == graphs
+        assert engine.model.mtp is not None and engine.model.mtp.cuda._prefill.captured == graphs
 
 
 def test_the_warm_up_runs_nothing_on_cpu_devices():

@@ -34,6 +34,25 @@ def prefill_graph_rows_for(rows: int) -> int:
     return max(PREFILL_GRAPH_MIN_ROWS, 1 << max(rows - 1, 0).bit_length())
 
 
+def prefill_graph_sizes(graph_rows: int, prompt_graph_rows: int) -> list[int]:
+    """Every size of prefill graph a chunk can pad to, largest first: the powers of two from
+    `PREFILL_GRAPH_MIN_ROWS` up to ``graph_rows`` (``memory.prefill_graph_rows``) that take a chunk of more
+    than ``prompt_graph_rows`` rows (shorter chunks run as graph windows). A warm-up that reads one prompt of
+    each captures them all, the largest first so that their shared temporaries are allocated once."""
+    sizes, rows = [], PREFILL_GRAPH_MIN_ROWS
+    while rows <= graph_rows:
+        if rows > prompt_graph_rows:
+            sizes.append(rows)
+        rows *= 2
+    return sizes[::-1]
+
+
+def warm_prompt_lengths(graph_rows: int, prompt_graph_rows: int, context: int) -> list[int]:
+    """Prompt lengths a warm-up reads so that each size of prefill graph (`prefill_graph_sizes`, largest
+    first) is captured before a request needs it: those up to a quarter of the ``context``."""
+    return [n for n in prefill_graph_sizes(graph_rows, prompt_graph_rows) if n <= max(1, context // 4)]
+
+
 ATTENTION_TILE_BYTES = 1 << 30
 """Prompt attention that stores its scores (float32) and probabilities (float16) takes a prompt window's
 query rows in tiles whose two arrays stay under this many bytes (at least `ATTENTION_TILE_MIN_ROWS` rows):

@@ -27,7 +27,7 @@ from strata_cfg.schema.facts import ModelFacts
 from strata_cfg.schema.plan import LaunchPlan
 from strata_cfg.schema.plan_file import read_plan
 from strata_cfg.schema.sampling_options import add_sampling_arguments, describe_sampling, sampling_options
-from strata_cfg.schema.windows import PROMPT_GRAPH_MAX
+from strata_cfg.schema.windows import PROMPT_GRAPH_MAX, warm_prompt_lengths
 from strata_cfg.schema.workloads import (
     CLIENT_COUNTS,
     GPU_WORKLOADS,
@@ -394,22 +394,27 @@ WARM_TOKENS = 24
 
 
 def warm_up(engines: dict[str, Engine], length: int, vocab: int, streams: int = 0) -> None:
-    """Before the first measured repeat, on every arm: read one prompt of ``length`` (and one of
-    `PROMPT_GRAPH_MAX` rows, where the arm's prefill path also reads short prompts: its products at a few
-    dozen rows load other kernels than a long chunk's), then decode ``streams`` requests at once, joining
-    one at a time (so every group runs), then capture the graph of every decode window shape these did not
-    (`strata_runtime.model.placed.Model.capture_window_graphs`), so that no repeat pays for compiling
-    kernels or capturing graphs; then forget the warm-up's requests
+    """Before the first measured repeat, on every arm: read one prompt of ``length``, one of each size of
+    prefill graph the arm replays (`strata_cfg.schema.windows.warm_prompt_lengths`: each is captured
+    then) and one of `PROMPT_GRAPH_MAX` rows where the arm's prefill path also reads short prompts (its
+    products at a few dozen rows load other kernels than a long chunk's), then decode ``streams`` requests
+    at once, joining one at a time (so every group runs), then capture the graph of every decode window
+    shape these did not (`strata_runtime.model.placed.Model.capture_window_graphs`), so that no repeat pays
+    for compiling kernels or capturing graphs; then forget the warm-up's requests
     (`strata_runtime.engine.Engine.forget_requests`), as `strata serve`'s warm-up does: their window
     statistics and what their proposals did (the window times, which count only replayed windows, are
     kept)."""
     greedy = SamplingParams(temperature=0.0)
     ids = prompt_ids(length, vocab, seed=1 << 20)  # not a seed any repeat uses
-    dozens = prompt_ids(PROMPT_GRAPH_MAX, vocab, seed=(1 << 20) - 1)
     for engine in engines.values():
         InProcessDriver(engine).run([Arrival(Request(ids, 1, greedy))])
-        if engine.plan.memory.prompt_graph_rows < PROMPT_GRAPH_MAX < length:
-            InProcessDriver(engine).run([Arrival(Request(dozens, 1, greedy))])
+        mem = engine.plan.memory
+        lengths = warm_prompt_lengths(mem.prefill_graph_rows, mem.prompt_graph_rows, mem.context)
+        if mem.prompt_graph_rows < PROMPT_GRAPH_MAX < length and PROMPT_GRAPH_MAX not in lengths:
+            lengths.append(PROMPT_GRAPH_MAX)
+        for k, n in enumerate(lengths):
+            once = prompt_ids(n, vocab, seed=(1 << 20) - 1 - k)
+            InProcessDriver(engine).run([Arrival(Request(once, 1, greedy))])
         if streams:
             short = [prompt_ids(4, vocab, seed=(1 << 20) + i) for i in range(streams)]
             arrivals = [

@@ -58,6 +58,7 @@ from strata_cfg.schema.windows import (
     batch_mtp_window,
     plain_windows,
     solo_window,
+    warm_prompt_lengths,
 )
 
 from ..api import PlanMismatch, Request, RequestHandle, SamplingParams, TokenEvent
@@ -206,9 +207,11 @@ class Engine:
         One prompt alone (two prefill chunks, cut to a quarter of the context, where a chunk and that prompt
         are each more than ``memory.prompt_graph_rows`` rows and every expert is in VRAM, so that the
         prefill path runs once before a long prompt needs it, as the bench's warm-up does; else
-        `WARM_PROMPT` tokens); then, where the prefill path also reads short prompts (fewer than
-        `PROMPT_GRAPH_MAX` rows), one prompt of that many rows, whose products at a few dozen rows load
-        other kernels than a long chunk's; then a request in every slot, each joining two tokens after the
+        `WARM_PROMPT` tokens); then one prompt of each size of prefill graph the stages replay, largest
+        first, each captured then (`strata_cfg.schema.windows.warm_prompt_lengths`; none under an expert
+        cache); and where the prefill path also reads short prompts (fewer than `PROMPT_GRAPH_MAX` rows),
+        one of that many rows, whose products at a few dozen rows load other kernels than a long chunk's;
+        then a request in every slot, each joining two tokens after the
         one before it, greedy, sampled and penalised in turn: so windows of one slot alone (at each solo
         depth), and of every number of slots together, serial and batch-MTP (and every pipelined group), run
         at least twice. Then every window shape of 1 to 8 rows that this mix did not capture is captured
@@ -230,9 +233,14 @@ class Engine:
             length = min(WARM_PROMPT, max(1, context // 4))
         prompt = tuple(1 + (7 * i + 3) % (vocab - 1) for i in range(length))
         short = min(PROMPT_GRAPH_MAX, max(1, context // 4))
+        mem = self.plan.memory
+        lengths = (
+            [] if cached else warm_prompt_lengths(mem.prefill_graph_rows, mem.prompt_graph_rows, context)
+        )
+        if not cached and self.plan.memory.prompt_graph_rows < short and short not in lengths:
+            lengths.append(short)
         prompts = [prompt]
-        if not cached and self.plan.memory.prompt_graph_rows < short:
-            prompts.append(tuple(1 + (5 * i + 2) % (vocab - 1) for i in range(short)))
+        prompts += [tuple(1 + (5 * i + 2 + k) % (vocab - 1) for i in range(n)) for k, n in enumerate(lengths)]
         kinds = [
             SamplingParams(),
             SamplingParams(temperature=0.7, top_k=20, seed=1),
