@@ -168,22 +168,6 @@ class _Stream:
 _NULL_STREAM = _Stream()
 
 
-class _Cublas:
-    """cuBLAS's stream as CuPy sets it: refused while a stream captures (CuPy's rule), so a capture must find
-    its stream already bound (`strata_runtime.cuda.blas.bind_stream`)."""
-
-    def __init__(self) -> None:
-        self.stream = 0
-
-    def getStream(self, handle: int) -> int:  # noqa: N802 (CuPy's names)
-        return self.stream
-
-    def setStream(self, handle: int, stream: int) -> None:  # noqa: N802
-        if RECORDER.capturing:
-            raise NotImplementedError("calling cuBLAS API during stream capture is currently unsupported")
-        self.stream = stream
-
-
 def get_current_stream() -> _Stream:
     """The innermost stream made current on the current device (CuPy keeps one per device), else null."""
     device = _CURRENT.devices[-1]
@@ -322,9 +306,6 @@ def _matmul(transpose_b: bool) -> Callable[..., Any]:
         c[...] = (y + beta * np.asarray(c, np.float32) if beta else y).astype(c.dtype)  # beta 0 reads no c
 
     def product(a: Any, b: Any, c: Any, alpha: float = 1.0, beta: float = 0.0) -> Any:
-        from strata_runtime.cuda import blas
-
-        blas.bind_stream(get_current_stream())  # as the real products do, under the stand-in's cuBLAS rule
         RECORDER.launch(run, a, b, c, alpha, beta)  # a graph captures cuBLAS products too
         return c
 
@@ -374,7 +355,6 @@ def module(devices: int = 4) -> types.ModuleType:
         Stream=_Stream,
         Event=_Event,
         get_current_stream=get_current_stream,
-        device=types.SimpleNamespace(get_cublas_handle=lambda: 1),
         alloc_pinned_memory=alloc_pinned_memory,
         runtime=_Runtime(devices),
     )
@@ -387,7 +367,7 @@ def installed() -> Iterator[None]:
     stubs = {"cupy": module(), "cupy_backends": types.ModuleType("cupy_backends")}
     stubs["cupy_backends.cuda"] = types.ModuleType("cupy_backends.cuda")
     stubs["cupy_backends.cuda.libs"] = types.ModuleType("cupy_backends.cuda.libs")
-    stubs["cupy_backends.cuda.libs"].cublas = _Cublas()  # type: ignore[attr-defined]
+    stubs["cupy_backends.cuda.libs"].cublas = None  # type: ignore[attr-defined]
     import strata_runtime.cuda as package
 
     saved = {name: sys.modules.get(name) for name in [*stubs, *CUDA_MODULES]}

@@ -11,6 +11,8 @@ from cfg_fixtures import preset_facts as _facts
 
 from strata_cfg.resolve.prompt_windows import (
     GRAPH_WINDOW_EFFICIENCY,
+    PREFILL_GRAPH_EFFICIENCY,
+    PREFILL_GRAPH_MS_PER_LAYER,
     PREFILL_LAUNCH_MS_PER_LAYER,
     PromptCosts,
     prompt_costs,
@@ -47,6 +49,26 @@ def test_the_30b_preset_on_an_h200_reads_two_windows_before_the_prefill_path_pay
     assert costs.window_ms == pytest.approx(want)
     assert costs.graph_rows() == 16
     assert prompt_costs(f, _one_gpu(f, 4800), drafting=False).layers == 48
+
+
+def test_a_replayed_prefill_graph_costs_its_16_rows_bytes_and_takes_prompts_past_one_window():
+    f = _facts("qwen3-30b-a3b")
+    launched = prompt_costs(f, _one_gpu(f, 4800), drafting=True)
+    graphed = prompt_costs(f, _one_gpu(f, 4800), drafting=True, graphs=True)
+    assert graphed.graphs and not launched.graphs and graphed.window_ms == launched.window_ms
+    distinct = expected_distinct_experts(f.num_experts, f.num_experts_per_tok, 16)
+    layer = f.layer_bytes(0)[0] + distinct * f.expert_bytes()
+    head = f.mtp_bytes()[0] + distinct * f.expert_bytes()
+    want = (48 * layer + head) / (4800e9 * PREFILL_GRAPH_EFFICIENCY) * 1e3 + 49 * PREFILL_GRAPH_MS_PER_LAYER
+    assert graphed.prefill_ms == pytest.approx(want)
+    assert graphed.prefill_ms < launched.prefill_ms  # the bytes of 16 rows, not Python's launches
+    assert (graphed.graph_rows(), launched.graph_rows()) == (8, 16)
+    # A small model's graph is its kernels' latency, which windows beat up to the cap.
+    tiny = _facts("tiny")
+    assert prompt_costs(tiny, _one_gpu(tiny, 4800), drafting=True, graphs=True).graph_rows() == 64
+    # Graph costs follow the bandwidth as windows do: a slower GPU keeps the same cut-off.
+    slow = prompt_costs(f, _one_gpu(f, 1000), drafting=True, graphs=True)
+    assert slow.prefill_ms > graphed.prefill_ms and slow.graph_rows() == 8
 
 
 def test_slower_gpus_and_bigger_experts_send_prompts_to_the_prefill_path_sooner():

@@ -644,19 +644,26 @@ def test_windows_adaptive_depth_inert_where_solo_windows_do_not_draft():
     assert p.line == line_of(rule_file("windows.adaptive-depth-inert"), "adaptive_depth")
 
 
-def test_windows_prompt_graph_rows_sends_prompts_past_two_windows_to_the_prefill_path():
+def test_windows_prompt_graph_rows_sends_prompts_past_one_window_to_the_prefill_graphs():
+    """With the prefill path's chunks replayed as graphs, one 16-row graph reads faster than two windows;
+    launched layer by layer (``memory.prefill_graph_rows = 0``), two windows still cost less."""
     path = rule_file("windows.prompt-graph-rows")
     plan = plan_of(path)
-    assert plan.memory.prompt_graph_rows == 16
+    assert plan.memory.prompt_graph_rows == 8 and plan.memory.prefill_graph_rows == 512
     d = decision(plan, "windows.prompt-graph-rows")
     assert d.severity == "note" and d.key == "memory.prompt_graph_rows"
-    assert "up to 16 rows" in d.message and "2 windows" in d.message and "49 layers" in d.message
+    assert "up to 8 rows" in d.message and "1 window " in d.message and "16-row graph" in d.message
     s = plan.settings["memory.prompt_graph_rows"]
-    assert (s.value, s.source.kind, s.source.rule) == (16, "derived", "windows.prompt-graph-rows")
+    assert (s.value, s.source.kind, s.source.rule) == (8, "derived", "windows.prompt-graph-rows")
     from strata_cfg.report.plan_text import plan_text
 
     text = plan_text(plan)
-    assert "prefill chunk 512, graph windows up to 16 rows, prefill graphs up to 512 rows\n" in text
+    assert "prefill chunk 512, graph windows up to 8 rows, prefill graphs up to 512 rows\n" in text
+    launched = plan_of(path, ["memory.prefill_graph_rows=0"])
+    assert launched.memory.prompt_graph_rows == 16
+    d = decision(launched, "windows.prompt-graph-rows")
+    assert "up to 16 rows" in d.message and "2 windows" in d.message and "49 layers" in d.message
+    assert "prefill chunk 512, graph windows up to 16 rows\n" in plan_text(launched)
     # A number is taken as written, with no note.
     written = plan_of(path, ["memory.prompt_graph_rows=40"])
     assert (
@@ -693,14 +700,14 @@ def test_windows_prompt_graph_rows_refuses_values_outside_8_to_64(tmp_path, valu
     assert says in p.message and "'auto'" in p.message and value.strip('"') in p.message
 
 
-def test_memory_prefill_graph_rows_replays_chunks_up_to_512_rows_on_a_gpu():
-    path = rule_file("memory.prefill-graph-rows")
+def test_windows_prefill_graph_rows_replays_chunks_up_to_512_rows_on_a_gpu():
+    path = rule_file("windows.prefill-graph-rows")
     plan = plan_of(path)
     assert plan.memory.prefill_graph_rows == 512
-    d = decision(plan, "memory.prefill-graph-rows")
+    d = decision(plan, "windows.prefill-graph-rows")
     assert d.severity == "note" and d.key == "memory.prefill_graph_rows" and "up to 512 rows" in d.message
     s = plan.settings["memory.prefill_graph_rows"]
-    assert (s.value, s.source.kind, s.source.rule) == (512, "derived", "memory.prefill-graph-rows")
+    assert (s.value, s.source.kind, s.source.rule) == (512, "derived", "windows.prefill-graph-rows")
     from strata_cfg.report.plan_text import plan_text
 
     assert ", prefill graphs up to 512 rows\n" in plan_text(plan)
@@ -718,20 +725,20 @@ def test_memory_prefill_graph_rows_replays_chunks_up_to_512_rows_on_a_gpu():
     written = plan_of(path, ["memory.prefill_graph_rows=64"])
     assert written.settings["memory.prefill_graph_rows"].source.kind == "user"
     assert written.memory.prefill_graph_rows == 64
-    assert "memory.prefill-graph-rows" not in [x.rule for x in written.decisions]
+    assert "windows.prefill-graph-rows" not in [x.rule for x in written.decisions]
     # Virtual CPU devices have no prefill path: none, quietly.
     cpu = plan_of(path, ["machine.backend=cpu"])
     assert cpu.memory.prefill_graph_rows == 0 and "prefill graphs" not in plan_text(cpu)
-    assert "memory.prefill-graph-rows" not in [x.rule for x in cpu.decisions]
+    assert "windows.prefill-graph-rows" not in [x.rule for x in cpu.decisions]
 
 
 @pytest.mark.parametrize(
     ("value", "says"), [("-1", "greater than or equal to 0"), ('"all"', "a valid integer")]
 )
-def test_memory_prefill_graph_rows_refuses_what_is_not_a_row_count(tmp_path, value, says):
+def test_windows_prefill_graph_rows_refuses_what_is_not_a_row_count(tmp_path, value, says):
     path = tmp_path / "p.toml"
     path.write_text(
-        rule_file("memory.prefill-graph-rows").read_text() + f"[memory]\nprefill_graph_rows = {value}\n"
+        rule_file("windows.prefill-graph-rows").read_text() + f"[memory]\nprefill_graph_rows = {value}\n"
     )
     [p] = problems_of(path)
     assert p.key == "memory.prefill_graph_rows" and p.line == line_of(path, "prefill_graph_rows")
@@ -745,7 +752,8 @@ def test_windows_prefill_graphs_cached_turns_them_off_and_keeps_no_workspace_for
     plan = plan_of(path)
     assert plan.experts.cache is not None and plan.memory.prefill_graph_rows == 0
     d = decision(plan, "windows.prefill-graphs-cached")
-    assert d.severity == "off" and d.key == "memory.prefill_graph_rows" and "512 rows" in d.message
+    assert d.severity == "note" and d.key == "memory.prefill_graph_rows" and "512 rows" in d.message
+    assert "windows.prefill-graph-rows" not in [x.rule for x in plan.decisions]  # no graphs to note
     off = plan_of(path, ["memory.prefill_graph_rows=0"])
     assert plan.gpus[0].budget == off.gpus[0].budget
     assert plan.gpus[0].experts_resident == off.gpus[0].experts_resident
@@ -758,6 +766,7 @@ def test_windows_prefill_graphs_some_cached_names_the_gpus_that_launch_their_chu
     assert plan.memory.prefill_graph_rows == 512
     d = decision(plan, "windows.prefill-graphs-some-cached")
     assert d.severity == "note" and "GPU 1" in d.message and "GPU 0" not in d.message
+    assert "up to 512 rows" in decision(plan, "windows.prefill-graph-rows").message
     # The workspace of the prefill graphs is kept on the H200 only.
     off = plan_of(rule_file("windows.prefill-graphs-some-cached"), ["memory.prefill_graph_rows=0"])
     assert big.budget.workspace > off.gpus[0].budget.workspace

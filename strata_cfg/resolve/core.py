@@ -100,7 +100,7 @@ def resolve(
     resolve_prompt_graph_rows(led, model, speeds, resident)
     stage_gpus = [g for g in gpus if g.role == "stage"]
     cached = [g.index for g in stage_gpus if not g.all_experts_resident]
-    prefill_graphs_gate(led, cached, len(stage_gpus))
+    prefill_graphs_gate(led, model, cached, len(stage_gpus), sz.with_mtp)
     # 9. serving, strict
     if serving:
         serve_exposure(led)

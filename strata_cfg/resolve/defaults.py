@@ -88,7 +88,7 @@ def resolve_defaults(
         )
     led.take("memory.prompt_graph_rows", mem.prompt_graph_rows if mem else None, "auto")
     led.take("memory.prefill_graph_rows", mem.prefill_graph_rows if mem else None, "auto")
-    resolve_prefill_graph_rows(led, model)
+    resolve_prefill_graph_rows(led)
     reserve = led.take("memory.vram_reserve_mib", mem.vram_reserve_mib if mem else None, DEFAULT_RESERVE_MIB)
     led.take("memory.vram_reserve_later_mib", mem.vram_reserve_later_mib if mem else None, reserve)
     led.take("memory.host_reserve_mib", mem.host_reserve_mib if mem else None, DEFAULT_HOST_RESERVE_MIB)

@@ -50,13 +50,6 @@ _RULES = (
     ),
     Rule("spec.needs-mtp-weights", 0, "off", "spec.draft_tokens >= 2 needs a model with MTP weights"),
     Rule(
-        "memory.prefill-graph-rows",
-        0,
-        "note",
-        "memory.prefill_graph_rows auto: prompt chunks of up to 512 rows replay CUDA graphs on a GPU, none "
-        "on virtual CPU devices",
-    ),
-    Rule(
         "machine.estimated-bandwidth", 0, "note", "a probed GPU's bandwidth is an estimate, not a known value"
     ),
     Rule(
@@ -190,9 +183,16 @@ _RULES = (
         "prefill path's launches",
     ),
     Rule(
+        "windows.prefill-graph-rows",
+        8,
+        "note",
+        "memory.prefill_graph_rows auto: prompt chunks of up to 512 rows replay CUDA graphs on a GPU, and "
+        "the workspace their temporaries keep",
+    ),
+    Rule(
         "windows.prefill-graphs-cached",
         8,
-        "off",
+        "note",
         "memory.prefill_graph_rows is 0 where every stage holds an expert cache: a prompt chunk copies host "
         "experts as it runs",
     ),

@@ -5,7 +5,9 @@ runs an fp32 product: for a stack of expert weights that is a copy of every expe
 tensor cores. These wrappers call ``cublasGemmStridedBatchedEx`` on the arrays as they are (any row and
 batch strides, unit stride along the last axis): fp16 inputs, fp32 accumulation, fp16 or fp32 output,
 and an optional ``beta`` to add into the output in place; or fp32 throughout (the prefill path's router).
-They write into the output given and allocate nothing, so a CUDA graph can capture them.
+They write into the output given and allocate nothing, so a CUDA graph can capture them; they call cuBLAS
+itself (the library CuPy loaded, on CuPy's handle), since CuPy's wrappers set the handle's stream before
+each call and refuse to while any stream is capturing a graph.
 
 Row-major products map onto column-major cuBLAS by transposing the whole equation: C = A B^T is computed
 as C^T = B A^T, which needs no data movement.
@@ -13,11 +15,14 @@ as C^T = B A^T, which needs no data movement.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import re
+from functools import cache
 from typing import Any
 
 import cupy as cp
 import numpy as np
-from cupy_backends.cuda.libs import cublas
 
 _CUDA_R_16F, _CUDA_R_32F = 2, 0
 _COMPUTE_32F = 68  # CUBLAS_COMPUTE_32F
@@ -55,9 +60,11 @@ def _gemm(trans_b: bool, a: cp.ndarray, b: cp.ndarray, c: cp.ndarray, alpha: flo
     if batch_a != batch or batch_b != batch:
         raise ValueError(f"batch sizes {batch_a}, {batch_b} -> {batch} do not agree")
     alpha_h, beta_h = np.array(alpha, np.float32), np.array(beta, np.float32)
-    handle = bind_stream(cp.cuda.get_current_stream())
+    handle = cp.cuda.device.get_cublas_handle()
+    lib = _library()
+    _check(lib.cublasSetStream_v2(handle, cp.cuda.get_current_stream().ptr), "cublasSetStream")
     # C^T[n, m] = op(B)[n, k] A^T[k, m] in column-major terms.
-    cublas.gemmStridedBatchedEx(
+    status = lib.cublasGemmStridedBatchedEx(
         handle,
         _OP_T if trans_b else _OP_N,
         _OP_N,
@@ -82,16 +89,64 @@ def _gemm(trans_b: bool, a: cp.ndarray, b: cp.ndarray, c: cp.ndarray, alpha: flo
         _COMPUTE_32F,
         _GEMM_DEFAULT,
     )
+    _check(status, "cublasGemmStridedBatchedEx")
 
 
-def bind_stream(stream: Any) -> int:
-    """Make ``stream`` the current device's cuBLAS stream where it is not already, and return the cuBLAS
-    handle. CuPy refuses to set a cuBLAS stream while any stream captures a graph, so a capture binds its
-    stream before it begins; the products inside it then find their stream bound and set nothing."""
-    handle = cp.cuda.device.get_cublas_handle()
-    if cublas.getStream(handle) != stream.ptr:
-        cublas.setStream(handle, stream.ptr)
-    return int(handle)
+def _check(status: int, call: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"{call} failed: cuBLAS status {status}")
+
+
+_I, _P, _L = ctypes.c_int, ctypes.c_void_p, ctypes.c_longlong
+
+
+@cache
+def _library() -> ctypes.CDLL:
+    """The cuBLAS library CuPy loaded (found among the process's mapped files once CuPy has made a handle),
+    with the two calls the products make."""
+    path = None
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                found = re.search(r"(/\S*/libcublas\.so[.\d]*)$", line.strip())
+                if found:
+                    path = found.group(1)
+                    break
+    except OSError:
+        pass
+    lib = ctypes.CDLL(path or ctypes.util.find_library("cublas") or "libcublas.so")
+    lib.cublasSetStream_v2.argtypes = [_P, _P]
+    lib.cublasSetStream_v2.restype = _I
+    gemm = lib.cublasGemmStridedBatchedEx
+    # handle, transa, transb, m, n, k, alpha, A, Atype, lda, strideA, B, Btype, ldb, strideB, beta, C,
+    # Ctype, ldc, strideC, batchCount, computeType, algo
+    gemm.argtypes = [
+        _P,
+        _I,
+        _I,
+        _I,
+        _I,
+        _I,
+        _P,
+        _P,
+        _I,
+        _I,
+        _L,
+        _P,
+        _I,
+        _I,
+        _L,
+        _P,
+        _P,
+        _I,
+        _I,
+        _L,
+        _I,
+        _I,
+        _I,
+    ]
+    gemm.restype = _I
+    return lib
 
 
 def matmul_nt(a: Any, b: Any, c: Any, alpha: float = 1.0, beta: float = 0.0) -> Any:

@@ -35,7 +35,7 @@ from ..experts.cache import HELPER, HOST, Reads
 from ..layout import Layout, Segment
 from ..reference.flash import HEAD_DIMS
 from ..reference.grouped import max_tiles, supported
-from .blas import bind_stream, matmul_nn, matmul_nt
+from .blas import matmul_nn, matmul_nt
 from .compile import record_graph_build
 from .experts import ExpertSlice
 from .flash import flash_kernels_for, flash_prefill, kernel_expr, sm_shared_bytes
@@ -225,17 +225,18 @@ class CudaPrefill:
         """The chunk through the graph of ``rows`` rows, padded with rows after it (their results are
         dropped; the keys and values they write lie past the chunk, where its next chunk or its decode
         windows write before anything reads them). The first chunk of a size, or the first after the arena
-        grew, runs eagerly and is then captured for the next."""
+        grew, runs once eagerly (which loads the products' kernels and sizes the arena), is captured, and
+        then replays the graph like every later chunk: cuBLAS may choose other kernels while it captures,
+        so a chunk's bits never depend on whether its graph existed yet."""
         inputs = self._inputs.get(rows)
         if inputs is None:
             inputs = self._inputs[rows] = GraphInputs(rows, self.args.hidden_size)
-        padded = inputs.load(resid, layout.segments[0])
+        seg = layout.segments[0]
+        padded = inputs.load(resid, seg)
         self._temps = self._arena
         stream = cp.cuda.get_current_stream()
         generation, graph = self._graphs.get(rows, (-1, None))
-        if graph is not None and generation == self._arena.generation:
-            graph.launch(stream)
-        else:
+        if graph is None or generation != self._arena.generation:
             record_graph_build()
             args = (inputs.resid, padded, inputs.pos, inputs.slot, inputs.where)
             self._layers(*args)
@@ -244,11 +245,12 @@ class CudaPrefill:
             stream.synchronize()
             cap = self._capture_stream
             with device_lock(self.device_id), cap:  # no other thread frees this GPU's memory meanwhile
-                bind_stream(cap)  # the products' stream, bound before the capture (`bind_stream`)
                 cap.begin_capture()
                 self._layers(*args)
                 graph = cap.end_capture()
             self._graphs[rows] = (self._arena.generation, graph)
+            inputs.load(resid, seg)  # the eager run left its output there
+        graph.launch(stream)
         resid[...] = inputs.resid[: resid.shape[0]]
 
     # ---- attention -------------------------------------------------------------------------------
