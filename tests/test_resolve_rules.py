@@ -690,14 +690,18 @@ def test_windows_prompt_graph_rows_keeps_64_under_an_expert_cache():
     [("4", "greater than or equal to 8"), ("65", "less than or equal to 64"), ('"some"', "a valid integer")],
 )
 def test_windows_prompt_graph_rows_refuses_values_outside_8_to_64(tmp_path, value, says):
-    path = tmp_path / "p.toml"
-    path.write_text(
-        rule_file("windows.prompt-graph-rows").read_text() + f"[memory]\nprompt_graph_rows = {value}\n"
-    )
-    [p] = problems_of(path)
-    assert p.key == "memory.prompt_graph_rows" and p.line == line_of(path, "prompt_graph_rows")
-    assert p.file.endswith("p.toml")
+    p = _memory_refusal(tmp_path, "windows.prompt-graph-rows", "prompt_graph_rows", value)
     assert says in p.message and "'auto'" in p.message and value.strip('"') in p.message
+
+
+def _memory_refusal(tmp_path, rule_id: str, key: str, value: str):
+    """The one problem of rule ``rule_id``'s profile with ``memory.<key> = value`` added, which must name
+    that key, its line and the file."""
+    path = tmp_path / "p.toml"
+    path.write_text(rule_file(rule_id).read_text() + f"[memory]\n{key} = {value}\n")
+    [p] = problems_of(path)
+    assert p.key == f"memory.{key}" and p.line == line_of(path, key) and p.file.endswith("p.toml")
+    return p
 
 
 def test_windows_prefill_graph_rows_replays_chunks_up_to_512_rows_on_a_gpu():
@@ -736,12 +740,7 @@ def test_windows_prefill_graph_rows_replays_chunks_up_to_512_rows_on_a_gpu():
     ("value", "says"), [("-1", "greater than or equal to 0"), ('"all"', "a valid integer")]
 )
 def test_windows_prefill_graph_rows_refuses_what_is_not_a_row_count(tmp_path, value, says):
-    path = tmp_path / "p.toml"
-    path.write_text(
-        rule_file("windows.prefill-graph-rows").read_text() + f"[memory]\nprefill_graph_rows = {value}\n"
-    )
-    [p] = problems_of(path)
-    assert p.key == "memory.prefill_graph_rows" and p.line == line_of(path, "prefill_graph_rows")
+    p = _memory_refusal(tmp_path, "windows.prefill-graph-rows", "prefill_graph_rows", value)
     assert says in p.message and "'auto'" in p.message
 
 
