@@ -179,6 +179,29 @@ def test_prompt_chunks_replay_prefill_graphs_with_the_launched_paths_logits(fake
     assert [path.captured for path in paths] == [{64}] * 2
 
 
+def test_each_stage_of_a_split_replays_its_own_prefill_graph(fake_gpu):
+    """Two stages on two GPUs: each stage's prefill path captures and replays its own graph over its own
+    layers and KV, and the chunk's logits are the float32 array path's."""
+    from strata_runtime.model import Model
+
+    text = float16_profile_text(backend="cuda", preset="small", stages=2, slots=2, context=256)
+    plan = resolve_text(text, "cuda-split.toml").plan
+    assert len(plan.stages) == 2 and plan.memory.prefill_graph_rows == 64
+    graphed = Model.from_plan(plan)
+    reference = Model.from_plan(
+        resolve_text(text.replace('backend = "cuda"', 'backend = "cpu"'), "c.toml").plan
+    )
+    paths = _prefill_graphs(graphed, 64)
+    g = np.random.default_rng(4)
+    vocab = graphed.args.vocab_size
+    for runs in ([(0, 50, 0)], [(1, 50, 0)], [(0, 30, 50)]):
+        tokens = g.integers(1, vocab, runs[0][1])
+        a, b = _logits(graphed, runs, tokens), _logits(reference, runs, tokens)
+        assert np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-2, runs
+    assert [path.captured for path in paths] == [{32, 64}, {32, 64}]
+    assert {stage.device.index for stage in graphed.stages} == {0, 1}
+
+
 def test_the_cublas_prefill_attention_matches_the_flash_path(fake_gpu):
     from strata_runtime.cuda.prefill import CudaPrefill
     from strata_runtime.model import Model
