@@ -550,22 +550,6 @@ def test_qk_norm_rope_split_matches_the_reference(gpu, n_q, n_kv, d):
     assert rel_err(hi + lo, q_d.get()) < 2e-6
 
 
-@pytest.mark.parametrize(("rows", "live"), [(16, 9), (64, 64), (32, 1)])
-def test_route_padding_gives_rows_past_the_live_ones_row_0s_routing(gpu, rows, live):
-    """A padded prefill chunk's rows from ``live`` on take row 0's experts and weights; its own rows keep
-    theirs, bit for bit (the twin's result)."""
-    cp, kern, ref = gpu
-    g = rng()
-    idx = g.integers(0, 128, (rows, 8)).astype(np.int32)
-    wts = g.random((rows, 8)).astype(np.float32) + 0.1
-    idx_d, wts_d = cp.asarray(idx), cp.asarray(wts)
-    kern.route_padding(idx_d, wts_d, cp.asarray(np.array([live], np.int32)))
-    ref.route_padding(idx, wts, np.array([live], np.int32))
-    np.testing.assert_array_equal(idx_d.get(), idx)
-    np.testing.assert_array_equal(wts_d.get(), wts)
-    assert (idx[live:] == idx[0]).all() and (idx[:live] == idx_d.get()[:live]).all()
-
-
 @pytest.mark.parametrize(("rows", "e", "k"), [(1, 8, 2), (100, 128, 8), (33, 60, 4), (9, 256, 8)])
 @pytest.mark.parametrize("norm_topk", [False, True])
 def test_route_topk_matches_twin(gpu, rows, e, k, norm_topk):

@@ -2198,19 +2198,6 @@ __global__ void __launch_bounds__(256) route_topk(const float* __restrict__ logi
   }
 }
 
-// Block r: a row at or past live[0] of a padded prefill chunk takes row 0's routing (idx, wts [R, K]), so that
-// the rows padding a replayed graph route to no expert the chunk's own rows do not: they cost the grouped
-// products a few rows, not an expert's weights. Launched after route_topk; the chunk has at least one row.
-__global__ void route_padding(int* __restrict__ idx, float* __restrict__ wts, const int* __restrict__ live,
-                              int topk) {
-  const int r = blockIdx.x;
-  if (r < live[0]) return;
-  for (int j = threadIdx.x; j < topk; j += blockDim.x) {
-    idx[r * topk + j] = idx[j];
-    wts[r * topk + j] = wts[j];
-  }
-}
-
 // scores [B, R, L] fp32 -> probs [B, R, L] fp16, rows ld elements apart (ld a multiple of 4, so rows load
 // as float4). Row r of each batch holds query row r / G (G heads of one KV head per query row), at position
 // pos + r / G, and may see keys [0, that position]. Block (r, b): one pass for the running max and sum, one

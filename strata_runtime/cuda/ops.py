@@ -271,7 +271,7 @@ def decode_expressions(
 def prefill_expressions(grouped: bool) -> list[str]:
     """The instantiations of kernels.cu the prefill path launches between its cuBLAS products; ``grouped``:
     whether the experts run as grouped products (grouped.cu) rather than gathered and scattered here."""
-    out = ["rmsnorm_half", "add_rmsnorm", "route_topk", "route_padding", "softmax_causal", "silu_mul_half"]
+    out = ["rmsnorm_half", "add_rmsnorm", "route_topk", "softmax_causal", "silu_mul_half"]
     out += ["qk_norm_rope_split", "add_scaled"]
     return out + ([] if grouped else ["moe_group", "moe_scatter_rows", "moe_gather_add"])
 
@@ -847,12 +847,6 @@ class Kernels(KernelCache):
         self.fn("route_topk")(
             (rows,), (THREADS,), (logits, np.int32(n_exp), np.int32(topk), np.int32(norm_topk), idx, wts)
         )
-
-    def route_padding(self, idx: Array, wts: Array, live: Array) -> None:
-        """Rows of idx / wts [R, k] at or past live[0] (int32 on the device: a padded chunk's own rows) take
-        row 0's routing, so that padding rows read no other expert."""
-        rows, topk = idx.shape
-        self.fn("route_padding")((rows,), (32,), (idx, wts, live, np.int32(topk)))
 
     def softmax_causal(self, scores: Array, probs: Array, pos: int, group: int) -> None:
         """probs [B, R, L] fp16 = the causal softmax of scores [B, R, L] fp32, where row r is query row

@@ -88,15 +88,13 @@ class Arena(Temps):
 class GraphInputs:
     """What a prefill graph of ``rows`` rows reads that changes from chunk to chunk, at fixed addresses: the
     residual rows [rows, H] fp32 (the chunk's, then zero rows of padding), each row's position and slot
-    [rows] int32, the chunk's {slot, first position} [2] int32 for the attention kernel, and its own rows
-    [1] int32, past which rows take row 0's routing (`Kernels.route_padding`)."""
+    [rows] int32, and the chunk's {slot, first position} [2] int32 for the attention kernel."""
 
     def __init__(self, rows: int, hidden: int) -> None:
         self.resid = cp.empty((rows, hidden), cp.float32)
         self.pos = cp.empty(rows, cp.int32)
         self.slot = cp.empty(rows, cp.int32)
         self.where = cp.empty(2, cp.int32)
-        self.live = cp.empty(1, cp.int32)
 
     def load(self, resid: cp.ndarray, seg: Segment) -> Layout:
         """Queue the chunk's rows ``resid`` [n, H] of segment ``seg`` into these inputs, padded with zero rows
@@ -106,7 +104,6 @@ class GraphInputs:
         upload_into(self.pos, padded.positions().astype(np.int32))
         upload_into(self.slot, padded.row_slots().astype(np.int32))
         upload_into(self.where, np.array([seg.slot, seg.pos], np.int32))
-        upload_into(self.live, np.array([n], np.int32))
         self.resid[:n] = resid
         self.resid[n:] = 0
         return padded
@@ -172,7 +169,6 @@ class CudaPrefill:
         self._graphs: dict[int, tuple[int, Any]] = {}  # rows -> (the arena's generation, graph)
         self._inputs: dict[int, GraphInputs] = {}
         self._capture_stream: Any = None
-        self._live: Any = None  # a padded chunk's own rows [1] int32 (`GraphInputs.live`), while it runs
 
     def graph_for(self, layout: Layout) -> int | None:
         """The rows of the graph that reads a chunk of ``layout``, or None where it runs eagerly: several
@@ -207,7 +203,7 @@ class CudaPrefill:
         upload_into(pos, layout.positions().astype(np.int32))
         slot = cp.empty(layout.rows, cp.int32)  # [n]
         upload_into(slot, layout.row_slots().astype(np.int32))
-        self._temps, self._live = Temps(), None
+        self._temps = Temps()
         self._layers(resid, layout, pos, slot)
 
     def _layers(
@@ -228,17 +224,16 @@ class CudaPrefill:
     def _run_graph(self, resid: cp.ndarray, layout: Layout, rows: int) -> None:
         """The chunk through the graph of ``rows`` rows, padded with rows after it (their results are
         dropped; the keys and values they write lie past the chunk, where its next chunk or its decode
-        windows write before anything reads them; they take row 0's experts, so they read no other). The
-        first chunk of a size, or the first after the arena grew, runs once eagerly (which loads the
-        products' kernels and sizes the arena), is captured, and then replays the graph like every later
-        chunk: cuBLAS may choose other kernels while it captures, so a chunk's bits never depend on whether
-        its graph existed yet."""
+        windows write before anything reads them). The first chunk of a size, or the first after the arena
+        grew, runs once eagerly (which loads the products' kernels and sizes the arena), is captured, and
+        then replays the graph like every later chunk: cuBLAS may choose other kernels while it captures,
+        so a chunk's bits never depend on whether its graph existed yet."""
         inputs = self._inputs.get(rows)
         if inputs is None:
             inputs = self._inputs[rows] = GraphInputs(rows, self.args.hidden_size)
         seg = layout.segments[0]
         padded = inputs.load(resid, seg)
-        self._temps, self._live = self._arena, inputs.live
+        self._temps = self._arena
         stream = cp.cuda.get_current_stream()
         generation, graph = self._graphs.get(rows, (-1, None))
         if graph is None or generation != self._arena.generation:
@@ -374,8 +369,6 @@ class CudaPrefill:
         idx = t("idx", (n_rows, topk), cp.int32)
         wts = t("wts", (n_rows, topk), cp.float32)
         kern.route_topk(logits, a.norm_topk_prob, idx, wts)
-        if self._live is not None:  # a padded chunk: its padding rows read no other expert
-            kern.route_padding(idx, wts, self._live)
         return idx, wts
 
     def _experts(self, j: int, lay: LayerWeights, x: cp.ndarray, resid: cp.ndarray, rows: Rows) -> None:

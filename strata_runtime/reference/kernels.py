@@ -394,12 +394,6 @@ def route_topk(logits: np.ndarray, norm_topk: bool, idx: np.ndarray, wts: np.nda
     wts[...] = w / w.sum(-1, keepdims=True) if norm_topk else w
 
 
-def route_padding(idx: np.ndarray, wts: np.ndarray, live: np.ndarray) -> None:
-    n = int(np.asarray(live).reshape(-1)[0])
-    idx[n:] = idx[0]
-    wts[n:] = wts[0]
-
-
 def softmax_causal(scores: np.ndarray, probs: np.ndarray, pos: int, group: int) -> None:
     _, rows, length = scores.shape
     for r in range(rows):
