@@ -192,8 +192,8 @@ def prefill_graphs_gate(
         mib = rows * row_activation_bytes(model) / (1 << 20)
         message = (
             f"prompt chunks through the prefill path replay CUDA graphs up to {rows} rows (each padded to a "
-            f"power of two, at least 16), so the host does not launch their kernels one by one; their "
-            f"temporaries keep {mib:.1f} MiB of workspace a stage"
+            f"power of two from 16 to 128, then to a multiple of 64), so the host does not launch their "
+            f"kernels one by one; their temporaries keep {mib:.1f} MiB of workspace a stage"
             + (" (and as much for the MTP head)" if drafting else "")
         )
         led.note(GRAPHS_RULE, GRAPHS_KEY, message)

@@ -266,7 +266,7 @@ class MemoryPlan(_Plan):
     """On a GPU, prompt chunks of at most this many rows run as 8-row decode graph windows; longer ones take
     the prefill path."""
     prefill_graph_rows: int = 0
-    """On a GPU, a prefill-path chunk of one prompt is padded to a power of two of rows and replayed as a
+    """On a GPU, a prefill-path chunk of one prompt is padded to a graph's rows and replayed as a
     CUDA graph where that is at most this many (0: every chunk is launched layer by layer). The workspace
     holds that many rows' temporaries beside the longest chunk's."""
     vram_reserve_mib: int

@@ -219,9 +219,10 @@ class MemorySection(Section):
     (8 to 64 rows)."""
     prefill_graph_rows: Annotated[int, Field(ge=0, le=1 << 16)] | Literal["auto"] | None = None
     """On a GPU, a prompt chunk through the prefill path is padded to the next power of two of rows (at
-    least 16) and replayed as a CUDA graph where that is at most this many rows, so the host does not
-    launch its kernels one by one; 0 launches every chunk. ``"auto"`` (default): 512, or the longest chunk
-    where that is shorter; 0 on virtual CPU devices and under an expert cache."""
+    least 16; past 128, the next multiple of 64) and replayed as a CUDA graph where that is at most this
+    many rows, so the host does not launch its kernels one by one; 0 launches every chunk. ``"auto"``
+    (default): 512, or the longest chunk where that is shorter; 0 on virtual CPU devices and under an
+    expert cache."""
 
 
 class ExpertsSection(Section):
