@@ -744,6 +744,20 @@ def test_windows_prefill_graph_rows_refuses_what_is_not_a_row_count(tmp_path, va
     assert says in p.message and "'auto'" in p.message
 
 
+def test_memory_prefill_graphs_cpu_sets_a_number_to_0_and_keeps_no_workspace_for_it():
+    path = rule_file("memory.prefill-graphs-cpu")
+    plan = plan_of(path)
+    assert plan.memory.prefill_graph_rows == 0
+    d = decision(plan, "memory.prefill-graphs-cpu")
+    assert (
+        d.severity == "note" and d.requested and d.key == "memory.prefill_graph_rows" and "256" in d.message
+    )
+    assert d.origin is not None and d.origin.line == line_of(path, "prefill_graph_rows")
+    unset = plan_of(path, ["memory.prefill_graph_rows=0"])
+    assert [g.budget for g in plan.gpus] == [g.budget for g in unset.gpus]
+    assert "memory.prefill-graphs-cpu" not in [x.rule for x in unset.decisions]
+
+
 def test_windows_prefill_graphs_cached_turns_them_off_and_keeps_no_workspace_for_them():
     """Under an expert cache a chunk copies host experts as it runs: no graphs, and the budget keeps no
     graph workspace, so the cache holds as many experts as with prefill graphs off."""

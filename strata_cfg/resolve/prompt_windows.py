@@ -153,15 +153,25 @@ GRAPHS_RULE = "windows.prefill-graph-rows"
 GRAPHS_KEY = "memory.prefill_graph_rows"
 GRAPHS_CACHED_RULE = "windows.prefill-graphs-cached"
 GRAPHS_SOME_CACHED_RULE = "windows.prefill-graphs-some-cached"
+GRAPHS_CPU_RULE = "memory.prefill-graphs-cpu"
 
 
 def resolve_prefill_graph_rows(led: Ledger) -> int:
     """Resolve ``memory.prefill_graph_rows`` with the other defaults (before the workspace is planned):
     what the profile says, else (``auto``) 0 on virtual CPU devices, which have no prefill path, and on a
     GPU `PREFILL_GRAPH_AUTO_ROWS`, or the graph of the longest chunk where that is smaller. Its note waits
-    for step 8 (`prefill_graphs_gate`), which knows where the experts are."""
+    for step 8 (`prefill_graphs_gate`), which knows where the experts are. A number on virtual CPU devices
+    becomes 0, with a note, so that the workspace keeps nothing for graphs that never run."""
     if led[GRAPHS_KEY] != "auto":
-        return int(led[GRAPHS_KEY])
+        rows = int(led[GRAPHS_KEY])
+        if rows and led["machine.backend"] != "cuda":
+            message = (
+                f"memory.prefill_graph_rows = {rows} does nothing on virtual CPU devices, which read prompts "
+                "through the array path: 0, and no workspace kept for it"
+            )
+            led.change(GRAPHS_KEY, 0, GRAPHS_CPU_RULE, message)
+            return 0
+        return rows
     rows = 0
     if led["machine.backend"] == "cuda":
         longest = max(led["memory.prefill_chunk"], led["memory.prefill_chunk_alone"])

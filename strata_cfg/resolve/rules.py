@@ -50,6 +50,12 @@ _RULES = (
     ),
     Rule("spec.needs-mtp-weights", 0, "off", "spec.draft_tokens >= 2 needs a model with MTP weights"),
     Rule(
+        "memory.prefill-graphs-cpu",
+        0,
+        "note",
+        "memory.prefill_graph_rows does nothing on virtual CPU devices: 0",
+    ),
+    Rule(
         "machine.estimated-bandwidth", 0, "note", "a probed GPU's bandwidth is an estimate, not a known value"
     ),
     Rule(
