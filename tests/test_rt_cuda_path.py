@@ -172,6 +172,49 @@ def test_prompt_chunks_replay_prefill_graphs_with_the_launched_paths_logits(fake
     assert [path.captured for path in paths] == [{64}] * 2
 
 
+def test_products_call_cublas_itself_only_while_a_graph_captures(fake_gpu, monkeypatch):
+    """CuPy refuses to set a cuBLAS stream while any stream captures, so inside `blas.capturing` a product
+    calls the library itself, on the capturing stream; outside it takes CuPy's wrapper, which costs less
+    host time per call. A failed call names itself."""
+    import types
+
+    import cupy
+
+    from strata_runtime.cuda import blas
+
+    calls: list[tuple] = []
+    wrapper = types.SimpleNamespace(
+        setStream=lambda h, stream: calls.append(("cupy stream", h, stream)),
+        gemmStridedBatchedEx=lambda h, *a: calls.append(("cupy", h, a[2:5])),
+    )
+    status = [0]
+
+    def gemm(h, *a):
+        calls.append(("library", h, a[2:5]))
+        return status[0]
+
+    library = types.SimpleNamespace(
+        cublasSetStream_v2=lambda h, stream: calls.append(("stream", h, stream)) or 0,
+        cublasGemmStridedBatchedEx=gemm,
+    )
+    monkeypatch.setattr(blas, "cublas", wrapper)
+    monkeypatch.setattr(blas, "_library", lambda: library)
+    monkeypatch.setattr(
+        cupy.cuda, "device", types.SimpleNamespace(get_cublas_handle=lambda: 7), raising=False
+    )
+    x, w = cupy.empty((5, 16), np.float16), cupy.empty((3, 16), np.float16)
+    y = cupy.empty((5, 3), np.float32)
+    blas._gemm(True, x, w, y, 1.0, 0.0)  # (the stand-in replaces matmul_nt itself)
+    cap = cupy.cuda.Stream(non_blocking=True)
+    with cap, blas.capturing():
+        blas._gemm(True, x, w, y, 1.0, 0.0)
+    first = ("cupy stream", 7, cupy.cuda.get_current_stream().ptr)  # the stream current outside
+    assert calls == [first, ("cupy", 7, (3, 5, 16)), ("stream", 7, cap.ptr), ("library", 7, (3, 5, 16))]
+    status[0] = 13
+    with cap, blas.capturing(), pytest.raises(RuntimeError, match="cublasGemmStridedBatchedEx failed: .* 13"):
+        blas._gemm(True, x, w, y, 1.0, 0.0)
+
+
 def test_each_stage_of_a_split_replays_its_own_prefill_graph(fake_gpu):
     """Two stages on two GPUs: each stage's prefill path captures and replays its own graph over its own
     layers and KV, and the chunk's logits are the float32 array path's."""

@@ -5,9 +5,9 @@ runs an fp32 product: for a stack of expert weights that is a copy of every expe
 tensor cores. These wrappers call ``cublasGemmStridedBatchedEx`` on the arrays as they are (any row and
 batch strides, unit stride along the last axis): fp16 inputs, fp32 accumulation, fp16 or fp32 output,
 and an optional ``beta`` to add into the output in place; or fp32 throughout (the prefill path's router).
-They write into the output given and allocate nothing, so a CUDA graph can capture them; they call cuBLAS
-itself (the library CuPy loaded, on CuPy's handle), since CuPy's wrappers set the handle's stream before
-each call and refuse to while any stream is capturing a graph.
+They write into the output given and allocate nothing, so a CUDA graph can capture them: inside
+`capturing` they call cuBLAS itself (the library CuPy loaded, on CuPy's handle), since CuPy's wrappers set
+the handle's stream before each call and refuse to while any stream is capturing a graph.
 
 Row-major products map onto column-major cuBLAS by transposing the whole equation: C = A B^T is computed
 as C^T = B A^T, which needs no data movement.
@@ -15,14 +15,18 @@ as C^T = B A^T, which needs no data movement.
 
 from __future__ import annotations
 
+import contextvars
 import ctypes
 import ctypes.util
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 from typing import Any
 
 import cupy as cp
 import numpy as np
+from cupy_backends.cuda.libs import cublas
 
 _CUDA_R_16F, _CUDA_R_32F = 2, 0
 _COMPUTE_32F = 68  # CUBLAS_COMPUTE_32F
@@ -61,11 +65,8 @@ def _gemm(trans_b: bool, a: cp.ndarray, b: cp.ndarray, c: cp.ndarray, alpha: flo
         raise ValueError(f"batch sizes {batch_a}, {batch_b} -> {batch} do not agree")
     alpha_h, beta_h = np.array(alpha, np.float32), np.array(beta, np.float32)
     handle = cp.cuda.device.get_cublas_handle()
-    lib = _library()
-    _check(lib.cublasSetStream_v2(handle, cp.cuda.get_current_stream().ptr), "cublasSetStream")
     # C^T[n, m] = op(B)[n, k] A^T[k, m] in column-major terms.
-    status = lib.cublasGemmStridedBatchedEx(
-        handle,
+    args = (
         _OP_T if trans_b else _OP_N,
         _OP_N,
         n,
@@ -89,7 +90,30 @@ def _gemm(trans_b: bool, a: cp.ndarray, b: cp.ndarray, c: cp.ndarray, alpha: flo
         _COMPUTE_32F,
         _GEMM_DEFAULT,
     )
-    _check(status, "cublasGemmStridedBatchedEx")
+    if not _CAPTURING.get():  # CuPy's wrappers
+        cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
+        cublas.gemmStridedBatchedEx(handle, *args)
+        return
+    lib = _library()
+    _check(lib.cublasSetStream_v2(handle, cp.cuda.get_current_stream().ptr), "cublasSetStream")
+    _check(lib.cublasGemmStridedBatchedEx(handle, *args), "cublasGemmStridedBatchedEx")
+
+
+_CAPTURING: contextvars.ContextVar[bool] = contextvars.ContextVar("strata_blas_capturing", default=False)
+"""Whether this thread's products are being captured into a CUDA graph (`capturing`)."""
+
+
+@contextmanager
+def capturing() -> Iterator[None]:
+    """Products queued inside are captured into a CUDA graph: they call cuBLAS itself (the library CuPy
+    loaded, on CuPy's handle), since CuPy's wrappers set the handle's stream before each call and refuse to
+    while any stream captures. Outside, the products take CuPy's wrappers, whose calls cost less host time
+    (the prefill path launched layer by layer, and the expert cache's one product per expert)."""
+    token = _CAPTURING.set(True)
+    try:
+        yield
+    finally:
+        _CAPTURING.reset(token)
 
 
 def _check(status: int, call: str) -> None:

@@ -35,7 +35,7 @@ from ..experts.cache import HELPER, HOST, Reads
 from ..layout import Layout, Segment
 from ..reference.flash import HEAD_DIMS
 from ..reference.grouped import max_tiles, supported
-from .blas import matmul_nn, matmul_nt
+from .blas import capturing, matmul_nn, matmul_nt
 from .compile import record_graph_build
 from .experts import ExpertSlice
 from .flash import flash_kernels_for, flash_prefill, kernel_expr, sm_shared_bytes
@@ -244,7 +244,8 @@ class CudaPrefill:
                 self._capture_stream = cp.cuda.Stream(non_blocking=True)
             stream.synchronize()
             cap = self._capture_stream
-            with device_lock(self.device_id), cap:  # no other thread frees this GPU's memory meanwhile
+            # no other thread frees this GPU's memory meanwhile; the products call cuBLAS itself
+            with device_lock(self.device_id), cap, capturing():
                 cap.begin_capture()
                 self._layers(*args)
                 graph = cap.end_capture()
