@@ -65,9 +65,12 @@ def _stage_gpu(
     reserve = sz.reserve_first if first_gpu else sz.reserve_later
     eb = model.expert_bytes()
     need = _sum_needs([stage_need(model, p.shape, sz) for _, p in placed])
-    avail = total - (need.weights + need.kv + need.drafters + need.workspace + reserve)
-    cached = need.experts > (sz.cache if sz.cache is not None else avail // eb if eb else need.experts)
-    if cached and sz.prefill_graph_rows:
+    holds = need.experts  # the experts VRAM holds: all of them, unless a cache holds fewer
+    if sz.cache is not None:
+        holds = sz.cache
+    elif eb:
+        holds = (total - (need.weights + need.kv + need.drafters + need.workspace + reserve)) // eb
+    if need.experts > holds and sz.prefill_graph_rows:
         sz = replace(sz, prefill_graph_rows=0)
         need = _sum_needs([stage_need(model, p.shape, sz) for _, p in placed])
     fixed = need.weights + need.kv + need.drafters + need.workspace + reserve

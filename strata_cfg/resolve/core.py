@@ -94,12 +94,11 @@ def resolve(
     expert_notes(gpus, sz, led)
     host = host_budget(model, gpus, led)
     # 8. windows
-    resident = all(g.all_experts_resident for g in gpus if g.role == "stage")
-    windows = resolve_windows(led, resident)
-    speeds = [(p.shape, machine.gpus[p.gpu].bandwidth_gbs) for p in placed]
-    resolve_prompt_graph_rows(led, model, speeds, resident)
     stage_gpus = [g for g in gpus if g.role == "stage"]
-    cached = [g.index for g in stage_gpus if not g.all_experts_resident]
+    cached = [g.index for g in stage_gpus if not g.all_experts_resident]  # stage GPUs with an expert cache
+    windows = resolve_windows(led, not cached)
+    speeds = [(p.shape, machine.gpus[p.gpu].bandwidth_gbs) for p in placed]
+    resolve_prompt_graph_rows(led, model, speeds, not cached)
     prefill_graphs_gate(led, model, cached, len(stage_gpus), sz.with_mtp)
     # 9. serving, strict
     if serving:

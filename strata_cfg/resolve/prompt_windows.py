@@ -32,6 +32,11 @@ from .sizes import StageShape, row_activation_bytes
 
 RULE = "windows.prompt-graph-rows"
 KEY = "memory.prompt_graph_rows"
+GRAPHS_RULE = "windows.prefill-graph-rows"
+GRAPHS_KEY = "memory.prefill_graph_rows"
+GRAPHS_CACHED_RULE = "windows.prefill-graphs-cached"
+GRAPHS_SOME_CACHED_RULE = "windows.prefill-graphs-some-cached"
+GRAPHS_CPU_RULE = "memory.prefill-graphs-cpu"
 
 PREFILL_LAUNCH_MS_PER_LAYER = 0.45
 """Host time the prefill path takes to queue one layer of a short prompt chunk: 21.4-21.7 ms for the 30B
@@ -66,8 +71,8 @@ class PromptCosts:
     """Whether ``prefill_ms`` is a replayed graph's (else the host's launches)."""
 
     def graph_rows(self) -> int:
-        """The most rows whose graph windows cost no more than the prefill path's launches: a multiple of
-        8 from 8 to `PROMPT_GRAPH_MAX`."""
+        """The most rows whose graph windows cost no more than the prefill path (`prefill_ms`): a multiple
+        of 8 from 8 to `PROMPT_GRAPH_MAX`."""
         windows = math.floor(self.prefill_ms / self.window_ms) if self.window_ms > 0 else PROMPT_GRAPH_MAX
         return min(max(windows, 1) * MAX_WINDOW_ROWS, PROMPT_GRAPH_MAX)
 
@@ -147,13 +152,6 @@ def resolve_prompt_graph_rows(
         )
     led.resolve_auto(KEY, rows, RULE, message)
     return rows
-
-
-GRAPHS_RULE = "windows.prefill-graph-rows"
-GRAPHS_KEY = "memory.prefill_graph_rows"
-GRAPHS_CACHED_RULE = "windows.prefill-graphs-cached"
-GRAPHS_SOME_CACHED_RULE = "windows.prefill-graphs-some-cached"
-GRAPHS_CPU_RULE = "memory.prefill-graphs-cpu"
 
 
 def resolve_prefill_graph_rows(led: Ledger) -> int:
