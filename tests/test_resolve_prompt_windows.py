@@ -104,3 +104,16 @@ def test_a_split_adds_each_stages_layers_at_its_own_gpus_bandwidth():
 )
 def test_graph_rows_are_whole_windows_from_8_to_64(window_ms, prefill_ms, rows):
     assert PromptCosts(window_ms, prefill_ms, 49, 52.0).graph_rows() == rows
+
+
+def test_warm_prompt_lengths_capture_every_graph_size_and_a_few_dozen_rows_where_no_graph_has_them():
+    from strata_cfg.schema.windows import warm_prompt_lengths
+
+    every = [512, 448, 384, 320, 256, 192, 128, 64, 32, 16]
+    assert warm_prompt_lengths(512, 8, 8192) == every  # largest first
+    assert warm_prompt_lengths(512, 8, 256) == [64, 32, 16]  # up to a quarter of the context
+    assert warm_prompt_lengths(128, 24, 8192) == [128, 64, 32]  # chunks of 24 rows or fewer take windows
+    # Without graphs, one prompt of 64 rows where the prefill path reads such chunks; none where it does not.
+    assert warm_prompt_lengths(0, 24, 8192) == [64]
+    assert warm_prompt_lengths(0, 64, 8192) == []
+    assert warm_prompt_lengths(0, 24, 100) == [25]

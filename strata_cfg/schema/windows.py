@@ -57,9 +57,17 @@ def prefill_graph_sizes(graph_rows: int, prompt_graph_rows: int) -> list[int]:
 
 
 def warm_prompt_lengths(graph_rows: int, prompt_graph_rows: int, context: int) -> list[int]:
-    """Prompt lengths a warm-up reads so that each size of prefill graph (`prefill_graph_sizes`, largest
-    first) is captured before a request needs it: those up to a quarter of the ``context``."""
-    return [n for n in prefill_graph_sizes(graph_rows, prompt_graph_rows) if n <= max(1, context // 4)]
+    """Prompt lengths a warm-up reads beside its first prompt, each up to a quarter of the ``context``: one
+    of each size of prefill graph (`prefill_graph_sizes`, largest first), so that each is captured before a
+    request needs it; and where the prefill path also reads chunks of a few dozen rows (``prompt_graph_rows``
+    below `PROMPT_GRAPH_MAX`), one of that many rows if no graph size is, since products at a few dozen rows
+    load other kernels than a long chunk's."""
+    cap = max(1, context // 4)
+    lengths = [n for n in prefill_graph_sizes(graph_rows, prompt_graph_rows) if n <= cap]
+    short = min(PROMPT_GRAPH_MAX, cap)
+    if prompt_graph_rows < short and short not in lengths:
+        lengths.append(short)
+    return lengths
 
 
 ATTENTION_TILE_BYTES = 1 << 30

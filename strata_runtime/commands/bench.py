@@ -27,7 +27,7 @@ from strata_cfg.schema.facts import ModelFacts
 from strata_cfg.schema.plan import LaunchPlan
 from strata_cfg.schema.plan_file import read_plan
 from strata_cfg.schema.sampling_options import add_sampling_arguments, describe_sampling, sampling_options
-from strata_cfg.schema.windows import PROMPT_GRAPH_MAX, warm_prompt_lengths
+from strata_cfg.schema.windows import warm_prompt_lengths
 from strata_cfg.schema.workloads import (
     CLIENT_COUNTS,
     GPU_WORKLOADS,
@@ -410,8 +410,6 @@ def warm_up(engines: dict[str, Engine], length: int, vocab: int, streams: int = 
         InProcessDriver(engine).run([Arrival(Request(ids, 1, greedy))])
         mem = engine.plan.memory
         lengths = warm_prompt_lengths(mem.prefill_graph_rows, mem.prompt_graph_rows, mem.context)
-        if mem.prompt_graph_rows < PROMPT_GRAPH_MAX < length and PROMPT_GRAPH_MAX not in lengths:
-            lengths.append(PROMPT_GRAPH_MAX)
         for k, n in enumerate(lengths):
             once = prompt_ids(n, vocab, seed=(1 << 20) - 1 - k)
             InProcessDriver(engine).run([Arrival(Request(once, 1, greedy))])

@@ -54,7 +54,6 @@ from typing import Any
 from strata_cfg.schema.plan import MIB, LaunchPlan
 from strata_cfg.schema.windows import (
     BATCH_MTP_SLOTS_PER_WINDOW,
-    PROMPT_GRAPH_MAX,
     batch_mtp_window,
     plain_windows,
     solo_window,
@@ -232,13 +231,10 @@ class Engine:
         if cached or min(chunk, length) <= self.plan.memory.prompt_graph_rows:
             length = min(WARM_PROMPT, max(1, context // 4))
         prompt = tuple(1 + (7 * i + 3) % (vocab - 1) for i in range(length))
-        short = min(PROMPT_GRAPH_MAX, max(1, context // 4))
         mem = self.plan.memory
         lengths = (
             [] if cached else warm_prompt_lengths(mem.prefill_graph_rows, mem.prompt_graph_rows, context)
         )
-        if not cached and self.plan.memory.prompt_graph_rows < short and short not in lengths:
-            lengths.append(short)
         prompts = [prompt]
         prompts += [tuple(1 + (5 * i + 2 + k) % (vocab - 1) for i in range(n)) for k, n in enumerate(lengths)]
         kinds = [
