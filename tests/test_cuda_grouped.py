@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 from kernel_checks import rel_err, rng
 
+from strata_runtime.cuda.experts import LayerExperts, addresses, resident_experts
+from strata_runtime.experts.host import host_empty
 from strata_runtime.reference import grouped as twin
 
 pytestmark = pytest.mark.gpu
@@ -83,16 +85,18 @@ def test_products_match_the_twin(gpu, rows, e, k, h, inter, skew):
     w_d = (g.standard_normal((e, h, inter)) / np.sqrt(inter)).astype(np.float16)
     a = idx.size
     hid_d = cp.full((a, inter), cp.nan, cp.float16)
-    kern.moe_gate_up(cp.asarray(x), cp.asarray(w_gu), order, tiles, n_tiles, k, hid_d)
+    on_device = resident_experts(cp.asarray(w_gu), cp.asarray(w_d), cp)
+    kern.moe_gate_up(cp.asarray(x), on_device, order, tiles, n_tiles, k, hid_d)
     order_h, tiles_h, n_h = order.get(), tiles.get(), n_tiles.get()
     hid = np.empty((a, inter), np.float16)
-    twin.moe_gate_up(x, w_gu, order_h, tiles_h, n_h, k, hid)
+    on_host = resident_experts(w_gu, w_d, np)
+    twin.moe_gate_up(x, on_host, order_h, tiles_h, n_h, k, hid)
     assert rel_err(hid_d.get(), hid) < HALF_REL
 
     ys_d = cp.full((a, h), cp.nan, cp.float16)
-    kern.moe_down(hid_d, cp.asarray(w_d), order, tiles, n_tiles, ys_d)
+    kern.moe_down(hid_d, on_device, order, tiles, n_tiles, ys_d)
     ys = np.empty((a, h), np.float16)
-    twin.moe_down(hid_d.get(), w_d, order_h, tiles_h, n_h, ys)
+    twin.moe_down(hid_d.get(), on_host, order_h, tiles_h, n_h, ys)
     assert rel_err(ys_d.get(), ys) < HALF_REL
     # Each assignment's row: row r's choice j went through expert idx[r, j] (ys by assignment, not place).
     for r, j in ((0, 0), (rows - 1, k - 1)):
@@ -125,16 +129,57 @@ def test_a_rows_products_do_not_depend_on_the_other_rows(gpu):
     x = g.standard_normal((200, h)).astype(np.float16)
     w_gu = cp.asarray((g.standard_normal((e, 2 * inter, h)) / 16).astype(np.float16))
     w_d = cp.asarray((g.standard_normal((e, h, inter)) / 16).astype(np.float16))
+    experts = resident_experts(w_gu, w_d, cp)
 
     def outputs(rows: slice) -> np.ndarray:
         sub = np.ascontiguousarray(idx[rows])
         (order, tiles, n_tiles), _ = tiles_of(cp, kern, sub, e)
         hid = cp.full((sub.size, inter), cp.nan, cp.float16)
-        kern.moe_gate_up(cp.asarray(x[rows]), w_gu, order, tiles, n_tiles, k, hid)
+        kern.moe_gate_up(cp.asarray(x[rows]), experts, order, tiles, n_tiles, k, hid)
         ys = cp.full((sub.size, h), cp.nan, cp.float16)
-        kern.moe_down(hid, w_d, order, tiles, n_tiles, ys)
+        kern.moe_down(hid, experts, order, tiles, n_tiles, ys)
         return ys.get().reshape(-1, k, h)
 
     whole = outputs(slice(0, 200))
     for r in (0, 77, 199):
         np.testing.assert_array_equal(outputs(slice(r, r + 1))[0], whole[r])
+
+
+def test_the_products_read_each_expert_where_its_table_points_bit_for_bit(gpu):
+    """Under an expert cache a layer's experts are scattered: some in VRAM slots of a pool in any order, the
+    rest in pinned, mapped host memory, which the blocks read over the host link. Through tables that point
+    there, the products give the same bits as over one stacked array on the device; a table that points
+    one expert at another's weights does not."""
+    cp, kern = gpu
+    g = rng()
+    rows, e, k, h, inter = 300, 16, 4, 256, 128
+    idx = routing(g, rows, e, k, 0.0)
+    x = cp.asarray(g.standard_normal((rows, h)).astype(np.float16))
+    w_gu = (g.standard_normal((e, 2 * inter, h)) / 16).astype(np.float16)
+    w_d = (g.standard_normal((e, h, inter)) / 16).astype(np.float16)
+    (order, tiles, n_tiles), _ = tiles_of(cp, kern, idx, e)
+
+    def outputs(experts: LayerExperts) -> np.ndarray:
+        hid = cp.full((idx.size, inter), cp.nan, cp.float16)
+        kern.moe_gate_up(x, experts, order, tiles, n_tiles, k, hid)
+        ys = cp.full((idx.size, h), cp.nan, cp.float16)
+        kern.moe_down(hid, experts, order, tiles, n_tiles, ys)
+        return ys.get()
+
+    stacked = outputs(resident_experts(cp.asarray(w_gu), cp.asarray(w_d), cp))
+    in_vram = np.arange(
+        0, e, 2
+    )  # the even experts hold slots, in reverse order; the odd ones stay on the host
+    pool_gu, pool_d = cp.asarray(w_gu[in_vram[::-1]]), cp.asarray(w_d[in_vram[::-1]])
+    host_gu = host_empty(w_gu.shape, np.float16, pinned=True)
+    host_d = host_empty(w_d.shape, np.float16, pinned=True)
+    host_gu[...], host_d[...] = w_gu, w_d
+    gu_at, d_at = addresses(host_gu), addresses(host_d)
+    slot = {int(ex): len(in_vram) - 1 - n for n, ex in enumerate(in_vram)}
+    for ex, s in slot.items():
+        gu_at[ex], d_at[ex] = addresses(pool_gu)[s], addresses(pool_d)[s]
+    scattered = LayerExperts(cp.asarray(gu_at), cp.asarray(d_at), lambda ex: (w_gu[ex], w_d[ex]))
+    np.testing.assert_array_equal(outputs(scattered), stacked)
+    gu_at[1] = gu_at[3]  # expert 1's gate/up read from expert 3's host copy
+    wrong = LayerExperts(cp.asarray(gu_at), cp.asarray(d_at), lambda ex: (w_gu[ex], w_d[ex]))
+    assert not np.array_equal(outputs(wrong), stacked)

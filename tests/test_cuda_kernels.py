@@ -565,6 +565,41 @@ def test_route_topk_matches_twin(gpu, rows, e, k, norm_topk):
     assert rel_err(w_d.get(), w) < REL
 
 
+def test_route_topk_counts_each_assignment_by_the_tier_that_serves_it(gpu):
+    """Under an expert cache, a prompt chunk's routing counts each assignment into the cache's counters (per
+    expert, and the misses: not in VRAM, of which in a helper slot), as the twin counts them; without
+    counters it routes alike."""
+    from types import SimpleNamespace
+
+    cp, kern, ref = gpu
+    g = rng()
+    rows, e, k = 300, 128, 8
+    logits = g.standard_normal((rows, e)).astype(np.float32)
+    slot_of = g.integers(-4, 40, e).astype(np.int32)  # VRAM slots, host memory (-1), helper slots (< -1)
+    start_counts = g.integers(1, 5, e).astype(np.float32)  # counts of windows before, still unread
+    start_misses = np.array([9.0, 4.0], np.float32)
+
+    def tables(xp):
+        return SimpleNamespace(
+            slot_of=xp.array(slot_of), counts=xp.array(start_counts), misses=xp.array(start_misses)
+        )
+
+    on_device, on_host = tables(cp), tables(np)
+    idx_d, w_d = cp.empty((rows, k), cp.int32), cp.empty((rows, k), cp.float32)
+    kern.route_topk(cp.asarray(logits), True, idx_d, w_d, on_device)
+    idx, w = np.empty((rows, k), np.int32), np.empty((rows, k), np.float32)
+    ref.route_topk(logits, True, idx, w, on_host)
+    np.testing.assert_array_equal(on_device.counts.get(), on_host.counts)
+    np.testing.assert_array_equal(on_device.misses.get(), on_host.misses)
+    chosen = slot_of[idx.reshape(-1)]
+    want = start_misses + [np.count_nonzero(chosen < 0), np.count_nonzero(chosen < -1)]
+    np.testing.assert_array_equal(on_host.misses, want)
+    assert on_host.counts.sum() == start_counts.sum() + rows * k
+    uncounted = SimpleNamespace(counts=None)
+    kern.route_topk(cp.asarray(logits), True, idx_d, w_d, uncounted)
+    np.testing.assert_array_equal(idx_d.get(), idx)
+
+
 @pytest.mark.parametrize(
     ("heads", "n", "pos", "group"), [(4, 1, 0, 1), (4, 70, 0, 8), (8, 65, 300, 4), (3, 130, 1000, 1)]
 )

@@ -269,10 +269,14 @@ def cuda_plan(**kw):
     return resolve_text(text, "cuda-tiers.toml").plan
 
 
+GENERATED = 20
+"""Tokens each of `greedy`'s requests generates: enough windows for the cache to move experts both ways."""
+
+
 def greedy(plan) -> tuple[list[list[int]], Engine]:
     engine = Engine(plan)
     prompts = [tuple(range(40, 140)), (72, 101, 108, 108, 111) * 3, tuple(range(90, 60, -1))]  # 100: prefill
-    handles = [engine.submit(Request(p, 14)) for p in prompts]
+    handles = [engine.submit(Request(p, GENERATED)) for p in prompts]
     while engine.step():
         pass
     return [[t for _ in range(h.events.qsize()) for t in h.events.get().token_ids] for h in handles], engine
@@ -319,7 +323,7 @@ def test_the_cuda_path_reads_the_helper_tier_through_its_tables_and_changes_no_t
     served, exchanges moved experts both ways, and the tables point where each expert is."""
     resident, _ = greedy(cuda_plan(**kw))
     tiered, engine = greedy(cuda_plan(expert_cache=5, helper_vram_mib=1, **kw))
-    assert tiered == resident and all(len(t) == 14 for t in tiered)
+    assert tiered == resident and all(len(t) == GENERATED for t in tiered)
     assert f"peer access cuda:0 -> {helper}: enabled" in engine.startup
     for stage in engine.model.stages:
         assert stage.cuda_experts is not None and stage.experts.helper_slots > 0
@@ -363,6 +367,42 @@ def test_the_kernels_count_each_assignment_in_the_tier_that_served_it(fake_gpu):
     assert s.hits > 0 and s.helper_hits > 0 and s.host_reads > 0 and s.swaps == 0
 
 
+def test_a_prompt_chunks_routing_reaches_the_cache_at_the_next_window_and_all_of_it_once_idle(
+    fake_gpu, monkeypatch
+):
+    """A prompt chunk through the prefill path counts its routing into the device counters, which are read
+    at once, not after the cache's usual number of windows: the next window hands the chunk's every
+    assignment to the cache. When the engine runs out of work it hands over the rest, so the cache has
+    seen each row's k experts in every layer exactly once, in the tier that served it."""
+    from strata_runtime.model.stage import Stage
+
+    engine = Engine(cuda_plan(expert_cache=4, peer=True, helper_vram_mib=1, adapt=False, slots=1, groups=1))
+    [stage] = engine.model.stages
+    store, tables = stage.experts, stage.cuda_experts
+    assert tables is not None and stage.cuda_prefill is not None
+    tiers = store.residency.tiers()
+    handed = handed_to_cache(store)
+    rows: list[int] = []
+    forward = Stage.forward
+    monkeypatch.setattr(
+        Stage,
+        "forward",
+        lambda self, hidden, layout, *a, **k: (
+            rows.append(layout.rows) or forward(self, hidden, layout, *a, **k)
+        ),
+    )
+    engine.submit(Request(tuple(range(40, 140)), 12))  # its first chunk: 96 rows through the prefill path
+    assert engine.step() and rows == [96] and not handed
+    engine.step()
+    per_row = engine.model.args.num_experts_per_tok * len(store)
+    assert len(handed) == 1 and handed[0][0].sum() == 96 * per_row
+    while engine.step():
+        pass
+    assert tables._read_done is None and tables._windows == 0  # nothing left unread
+    assert sum(counts.sum() for counts, _ in handed) == sum(rows) * per_row
+    assert_reads_by_tier(handed, tiers)
+
+
 def test_a_restored_cache_on_the_cuda_path_forgets_the_reads_counted_before(fake_gpu):
     """Benchmark arms share a stage's cache and each starts from a restore: what an arm counted (routing and
     the reads each tier served) must not be handed to the cache in the next arm's first window."""
@@ -370,15 +410,20 @@ def test_a_restored_cache_on_the_cuda_path_forgets_the_reads_counted_before(fake
     [stage] = engine.model.stages
     tables, store = stage.cuda_experts, stage.experts
     start = engine.expert_state()
-    counts = np.zeros((len(store), store.n_experts))
-    counts[0, 1] = 3.0
-    tables.record(counts, Reads(2, 5))  # what an arm's prompt counted, not yet handed over
+    every = store.residency.policy.every
+    tables.counts[0, 1] = 3.0  # what an arm's windows counted on the device
+    tables.misses[0] = (7.0, 2.0)
+    for _ in range(every):  # the last one queues the counters' read, not yet handed over
+        tables.after_window()
     engine.restore_experts(start)
     handed = handed_to_cache(store)
-    tables.record(counts, Reads(0, 0))
-    tables.after_window()
+    tables.counts[0, 2] = 1.0  # the next arm's first window
+    for _ in range(every + 1):
+        tables.after_window()
     [(got, reads)] = handed
-    np.testing.assert_array_equal(got, counts)
+    want = np.zeros((len(store), store.n_experts))
+    want[0, 2] = 1.0
+    np.testing.assert_array_equal(got, want)
     assert reads == Reads(0, 0)
 
 
@@ -395,7 +440,7 @@ def test_the_warm_up_over_a_tiered_cache_changes_no_token_and_captures_every_sta
     every = frozenset(range(1, MAX_WINDOW_ROWS + 1))
     assert all(stage.cuda.captured == every for stage in engine.model.stages)
     prompts = [tuple(range(40, 140)), (72, 101, 108, 108, 111) * 3, tuple(range(90, 60, -1))]
-    handles = [engine.submit(Request(p, 14)) for p in prompts]
+    handles = [engine.submit(Request(p, GENERATED)) for p in prompts]
     while engine.step():
         pass
     warmed = [[t for _ in range(h.events.qsize()) for t in h.events.get().token_ids] for h in handles]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from strata_runtime.cuda.experts import resident_experts
 from strata_runtime.reference import grouped as twin
 
 
@@ -51,8 +52,9 @@ def test_products_give_each_assignment_its_experts_output():
     tiles, n = np.empty((twin.max_tiles(a, e), 4), np.int32), np.empty(1, np.int32)
     twin.moe_tiles(idx, e, rank, order, tiles, n)
     hid, ys = np.empty((a, inter), np.float16), np.empty((a, h), np.float16)
-    twin.moe_gate_up(x, w_gu, order, tiles, n, k, hid)
-    twin.moe_down(hid, w_d, order, tiles, n, ys)
+    experts = resident_experts(w_gu, w_d, np)
+    twin.moe_gate_up(x, experts, order, tiles, n, k, hid)
+    twin.moe_down(hid, experts, order, tiles, n, ys)
     resid = g.standard_normal((rows, h)).astype(np.float32)
     start = resid.copy()
     twin.moe_combine(ys, wts, resid)
@@ -91,8 +93,9 @@ def test_the_stage_compiles_every_kernel_the_launchers_use() -> None:
     tiles = np.zeros((twin.max_tiles(rows * k, e), 4), np.int32)
     x, hid, ys = np.zeros((rows, h)), np.zeros((rows * k, inter)), np.zeros((rows * k, h))
     kern.moe_tiles(idx, e, idx, idx, tiles, idx)
-    kern.moe_gate_up(x, None, None, tiles, None, k, hid)
-    kern.moe_down(hid, None, None, tiles, None, ys)
+    experts = SimpleNamespace(gate_up=None, down=None)
+    kern.moe_gate_up(x, experts, None, tiles, None, k, hid)  # type: ignore[arg-type]
+    kern.moe_down(hid, experts, None, tiles, None, ys)  # type: ignore[arg-type]
     kern.moe_combine(ys, np.zeros((rows, k)), x)
     assert set(used) == prepared == {"moe_tiles", "moe_gate_up<128>", "moe_down<128>", "moe_combine"}
     for name in ("moe_gate_up<128>", "moe_down<128>"):

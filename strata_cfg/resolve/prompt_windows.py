@@ -181,15 +181,19 @@ def resolve_prefill_graph_rows(led: Ledger) -> int:
 def prefill_graphs_gate(
     led: Ledger, model: ModelFacts, cached_gpus: Sequence[int], stage_gpus: int, drafting: bool
 ) -> None:
-    """Step 8: a stage under an expert cache launches its prompt chunks layer by layer, since a chunk copies
-    the experts held in host memory as it reaches them (the budget kept no graph workspace on its GPU).
+    """Step 8: a stage under an expert cache launches its prompt chunks layer by layer: a chunk reads the
+    experts held in host memory over the host link, which takes far longer than the host's launches, so the
+    budget kept no graph workspace on its GPU for its cache to give up.
     ``cached_gpus``: the stage GPUs that hold an expert cache, of ``stage_gpus``. Where every stage does, the
     value becomes 0; where some do, a note names them; an ``auto`` value that replays graphs is noted with
     the workspace their temporaries keep."""
     rows = led[GRAPHS_KEY]
     if not rows:
         return
-    why = "a chunk copies the experts held in host memory as it reaches them"
+    why = (
+        "a chunk reads the experts held in host memory over the host link, which takes far longer than "
+        "launching its kernels, so the cache keeps that VRAM"
+    )
     if len(cached_gpus) == stage_gpus:
         message = (
             f"prompt chunks are launched layer by layer, not replayed as graphs of up to {rows} rows: {why}"

@@ -6,13 +6,14 @@ kernel reads over the peer link), or the expert's pinned, mapped host copy, whic
 the host link: a miss costs its bytes over that link and nothing else, with no host round trip and no change
 to the graphs. The kernels also count each layer's routing (assignments per expert) and its misses into
 device counters: a third table, ``slot_of``, gives each expert's tier code (a VRAM slot s >= 0, -1 for host
-memory, -2 - h for helper slot h), and the kernels count [misses, of which helper reads] per layer.
+memory, -2 - h for helper slot h), and the kernels count [misses, of which helper reads] per layer: the decode
+expert kernels and, for prompt chunks through the prefill path, the routing kernel.
 
 The upkeep runs between windows, on the stream the stage computes on, without waiting for the GPU:
 
 * every ``policy.every`` windows the counters are copied to pinned host memory and cleared, behind the
   window that filled them; a later call, once that copy has landed (an event query, never a wait), hands
-  them to the `Residency`, with what prefill chunks counted on the host meanwhile, and it may decide swaps;
+  them to the `Residency`, and it may decide swaps;
 * only that call, made on the stage's own stream, moves experts. The MTP head's windows run on another
   stream of the last GPU, so its layer's experts keep their first slots (`Residency.fixed`), and its
   counts on the device may race with a read and be lost: statistics, never a result;
@@ -30,7 +31,6 @@ Letters: L sparse layers of the stage, E experts, C slots, S helper slots.
 from __future__ import annotations
 
 import functools
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -133,9 +133,6 @@ class CudaExperts:
                 for j in range(n_layers)
             ]
             self.copy_stream = cp.cuda.Stream(non_blocking=True)
-            self._lock = threading.Lock()
-            self._pending = np.zeros((n_layers, n_exp), np.float64)
-            self._pending_reads = Reads()
             # Pinned buffers: tables going up (two sets, so a new upload never overwrites one in flight)
             # and counters coming down.
             self._tables = [_pinned_tables(n_layers, n_exp) for _ in range(2)]
@@ -145,6 +142,7 @@ class CudaExperts:
             self._read_done: Any = None
             self._read_windows = 0
             self._windows = 0
+            self._read_soon = False
             self._upload(self._table_arrays(pending=()), cp.cuda.get_current_stream())
             cp.cuda.get_current_stream().synchronize()
 
@@ -204,67 +202,76 @@ class CudaExperts:
 
     # ---- between windows ---------------------------------------------------------------------------
 
-    def after_window(self) -> list[Swap]:
+    def after_window(self, prompt: bool = False) -> list[Swap]:
         """Account one window of this stage and keep the cache in step; call right after the stage's work
-        is queued, on its stream. Returns the swaps started now."""
+        is queued, on its stream. ``prompt``: the window was a prompt chunk through the prefill path, whose
+        thousands of assignments the cache should learn before the windows after it: its counters are
+        read at once (or as soon as the read in flight has landed). Returns the swaps started now."""
         if not self.store.cached:
             return []
-        cp = cupy_module()
-        stream = cp.cuda.get_current_stream()
+        stream = cupy_module().cuda.get_current_stream()
         self._windows += 1
+        self._read_soon |= prompt
         swaps: list[Swap] = []
-        with self._lock:
-            pending, self._pending = self._pending, np.zeros_like(self._pending)
-            reads, self._pending_reads = self._pending_reads, Reads()
         if self._read_done is not None and self._read_done.done:
-            counts, misses = self._read
-            pending += counts
-            away, helper = (int(n) for n in misses.sum(axis=0))
-            reads = Reads(reads.helper + helper, reads.host + away - helper)
-            windows, self._read_done = self._read_windows, None
-        elif pending.any():
-            windows = 1
-        else:
-            windows = 0
-        if windows:
-            swaps = self.store.decide(pending, windows, reads)
-            if swaps:
-                self.apply(swaps, stream)
-        if self._read_done is None and self._windows >= self.store.residency.policy.every:
-            self._read_windows, self._windows = self._windows, 0
-            counts, misses = self._read
-            self.counts.get(stream=stream, out=counts, blocking=False)
-            self.misses.get(stream=stream, out=misses, blocking=False)
-            self.counts.fill(0)
-            self.misses.fill(0)
-            self._read_done = cp.cuda.Event(disable_timing=True)
-            self._read_done.record(stream)
+            swaps = self._hand_over(stream)
+        if self._read_done is None and (
+            self._read_soon or self._windows >= self.store.residency.policy.every
+        ):
+            self._queue_read(stream)
         return swaps
 
-    def record(self, counts: np.ndarray, reads: Reads) -> None:
-        """Routing counted on the host (a prefill chunk's, on any thread and stream; ``reads``: its
-        assignments served by the helper tier and by host memory), for the next `after_window` to
-        account: only that one, on the stage's own stream, decides and moves experts."""
-        if not self.store.cached:
-            return
-        with self._lock:
-            self._pending += counts
-            p = self._pending_reads
-            self._pending_reads = Reads(p.helper + reads.helper, p.host + reads.host)
+    def settle(self) -> list[Swap]:
+        """Hand the cache every assignment the kernels have counted, waiting for the GPU: for when the stage
+        is idle (what the cache has served is then exact in its statistics). Returns the swaps started."""
+        if not self.store.cached or (self._read_done is None and not self._windows):
+            return []
+        cp = cupy_module()
+        with cp.cuda.Device(self.device_id):
+            cp.cuda.Device(self.device_id).synchronize()  # the counts of every stream's windows are in
+            stream = cp.cuda.get_current_stream()
+            swaps: list[Swap] = []
+            if self._read_done is not None:
+                self._read_done.synchronize()
+                swaps += self._hand_over(stream)
+            if self._windows:
+                self._queue_read(stream)
+                assert self._read_done is not None
+                self._read_done.synchronize()
+                swaps += self._hand_over(stream)
+            return swaps
+
+    def _queue_read(self, stream: Any) -> None:
+        """Copy the counters to pinned memory behind the work queued on ``stream`` and clear them."""
+        self._read_windows, self._windows, self._read_soon = self._windows, 0, False
+        counts, misses = self._read
+        self.counts.get(stream=stream, out=counts, blocking=False)
+        self.misses.get(stream=stream, out=misses, blocking=False)
+        self.counts.fill(0)
+        self.misses.fill(0)
+        self._read_done = cupy_module().cuda.Event(disable_timing=True)
+        self._read_done.record(stream)
+
+    def _hand_over(self, stream: Any) -> list[Swap]:
+        """Give the landed read to the cache, which may decide swaps; start them on ``stream``."""
+        counts, misses = self._read
+        away, helper = (int(n) for n in misses.sum(axis=0))
+        windows, self._read_done = self._read_windows, None
+        swaps = self.store.decide(counts.astype(np.float64), windows, Reads(helper, away - helper))
+        if swaps:
+            self.apply(swaps, stream)
+        return swaps
 
     def restore(self, snap: Snapshot) -> None:
         """Bring the cache back to ``snap`` and wait for it (a benchmark's arms each start from the same
-        contents); pending counts are dropped."""
+        contents); counts not yet handed to the cache are dropped."""
         cp = cupy_module()
         with cp.cuda.Device(self.device_id):
             stream = cp.cuda.get_current_stream()
             stream.synchronize()
             swaps = self.store.restore(snap)
             if self.store.cached:
-                with self._lock:
-                    self._pending[...] = 0
-                    self._pending_reads = Reads()
-                self._read_done, self._windows = None, 0
+                self._read_done, self._windows, self._read_soon = None, 0, False
                 self.counts.fill(0)
                 self.misses.fill(0)
                 if swaps:

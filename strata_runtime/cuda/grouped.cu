@@ -8,17 +8,20 @@
 // tile once for up to BM rows, on tensor cores (mma.sync m16n8k16, fp16 inputs, fp32 accumulation), through a
 // three-stage cp.async pipeline in shared memory.
 //
-//   moe_gate_up: hid[p, i] = silu(x[row(p)] . Wgu[e, i]) * (x[row(p)] . Wgu[e, I + i]), p a place in `order`,
+//   moe_gate_up: hid[p, i] = silu(x[row(p)] . Wgu[e][i]) * (x[row(p)] . Wgu[e][I + i]), p a place in `order`,
 //                the gate and up features of one output in the same thread, so the SwiGLU is fused and hid is
 //                written once in fp16.
-//   moe_down:    ys[order[p], h] = hid[p] . Wd[e, h], fp16, each assignment's own row (r k + j).
+//   moe_down:    ys[order[p], h] = hid[p] . Wd[e][h], fp16, each assignment's own row (r k + j).
 //   moe_combine: resid[r] += sum_j wts[r, j] ys[r k + j], j in order.
 //
 // Every output element is one dot product over K summed in the same order whatever tile or place its row
 // has, so a row's result does not depend on the other rows of the chunk or their routing.
 //
-// Layouts: x [n, H] fp16; Wgu [E, 2I, H]; Wd [E, H, I]; hid [A, I] fp16 (places); ys [A, H] fp16
-// (assignments); tiles [max_tiles] int4 (expert, first place, rows, 0). K (the reduction) is a multiple of 8.
+// Layouts: x [n, H] fp16; Wgu[e] [2I, H] and Wd[e] [H, I] fp16, each expert found through a table of
+// addresses [E] (u64), as the decode expert kernels find it: a VRAM slot, a helper GPU's slot or pinned,
+// mapped host memory, which a block then reads over that link, once per tile; hid [A, I] fp16 (places);
+// ys [A, H] fp16 (assignments); tiles [max_tiles] int4 (expert, first place, rows, 0). K (the reduction) is
+// a multiple of 8.
 
 #include <cuda_fp16.h>
 
@@ -190,12 +193,14 @@ __global__ void __launch_bounds__(1024) moe_tiles(const int* __restrict__ idx, i
 // Grid (max_tiles, ceil(I / (BN / 2))), THREADS threads.
 template <int BN>
 __global__ void __launch_bounds__(THREADS, 256 / BN)
-    moe_gate_up(const half* __restrict__ x, const half* __restrict__ w, const int* __restrict__ order,
+    moe_gate_up(const half* __restrict__ x, const unsigned long long* __restrict__ w_at,
+                const int* __restrict__ order,
                 const int4* __restrict__ tiles, const int* __restrict__ n_tiles, half* __restrict__ hid, int H, int I,
                 int topk) {
   if ((int)blockIdx.x >= *n_tiles) return;
   const int4 tile = tiles[blockIdx.x];
-  const int e = tile.x, place0 = tile.y, rows = tile.z, i0 = blockIdx.y * (BN / 2);
+  const int place0 = tile.y, rows = tile.z, i0 = blockIdx.y * (BN / 2);
+  const half* w = reinterpret_cast<const half*>(w_at[tile.x]);  // [2I, H]
   const int tid = threadIdx.x, row0 = tid >> 3;
   const half* a_rows[BM / 32];
   const half* b_rows[BN / 32];
@@ -206,7 +211,7 @@ __global__ void __launch_bounds__(THREADS, 256 / BN)
     // Block column c: 16-column group c / 16 holds gate features then up features of the same 8 outputs.
     const int c = row0 + 32 * i, out = i0 + (c >> 4) * 8 + (c & 7);
     b_ok[i] = out < I;
-    b_rows[i] = w + (b_ok[i] ? ((size_t)e * 2 * I + (c & 8 ? I : 0) + out) * H : 0);
+    b_rows[i] = w + (b_ok[i] ? ((size_t)(c & 8 ? I : 0) + out) * H : 0);
   }
   float acc[4][BN / 32][4] = {};
   tile_product_rows<BN>(a_rows, a_ok, b_rows, b_ok, H, rows, acc);
@@ -235,17 +240,19 @@ __global__ void __launch_bounds__(THREADS, 256 / BN)
 // Grid (max_tiles, ceil(H / BN)), THREADS threads.
 template <int BN>
 __global__ void __launch_bounds__(THREADS, 256 / BN)
-    moe_down(const half* __restrict__ hid, const half* __restrict__ w, const int* __restrict__ order,
+    moe_down(const half* __restrict__ hid, const unsigned long long* __restrict__ w_at,
+             const int* __restrict__ order,
              const int4* __restrict__ tiles, const int* __restrict__ n_tiles, half* __restrict__ ys, int H, int I) {
   if ((int)blockIdx.x >= *n_tiles) return;
   const int4 tile = tiles[blockIdx.x];
-  const int e = tile.x, place0 = tile.y, rows = tile.z, h0 = blockIdx.y * BN;
+  const int place0 = tile.y, rows = tile.z, h0 = blockIdx.y * BN;
+  const half* w = reinterpret_cast<const half*>(w_at[tile.x]);  // [H, I]
   const int tid = threadIdx.x;
   const half* a_rows[BM / 32];
   const half* b_rows[BN / 32];
   bool a_ok[BM / 32], b_ok[BN / 32];
   tile_rows<BM / 32>(hid, rows, [&](int r) { return (size_t)(place0 + r) * I; }, a_rows, a_ok);
-  tile_rows<BN / 32>(w, H - h0, [&](int r) { return ((size_t)e * H + h0 + r) * I; }, b_rows, b_ok);
+  tile_rows<BN / 32>(w, H - h0, [&](int r) { return (size_t)(h0 + r) * I; }, b_rows, b_ok);
   float acc[4][BN / 32][4] = {};
   tile_product_rows<BN>(a_rows, a_ok, b_rows, b_ok, I, rows, acc);
   const int warp = tid >> 5, lane = tid & 31, wm = warp >> 2, wn = warp & 3;

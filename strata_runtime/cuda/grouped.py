@@ -23,6 +23,7 @@ import numpy as np
 from ..backend import cupy_module
 from ..reference.grouped import TILE_ROWS
 from .compile import KernelCache, source
+from .experts import LayerExperts
 
 _SOURCE = source("grouped.cu")
 THREADS = 256
@@ -54,23 +55,29 @@ class GroupedKernels(KernelCache):
             (1,), (1024,), (idx, np.int32(idx.size), np.int32(n_exp), rank, order, tiles, n_tiles)
         )
 
-    def moe_gate_up(self, x: Any, w: Any, order: Any, tiles: Any, n_tiles: Any, topk: int, hid: Any) -> None:
-        """hid [A, I] fp16: each place's SwiGLU of its row of x [n, H] through its expert's w [E, 2I, H]."""
+    def moe_gate_up(
+        self, x: Any, experts: LayerExperts, order: Any, tiles: Any, n_tiles: Any, topk: int, hid: Any
+    ) -> None:
+        """hid [A, I] fp16: each place's SwiGLU of its row of x [n, H] through its expert's gate/up [2I, H],
+        found through ``experts.gate_up``."""
         h, inter, smem = x.shape[1], hid.shape[1], shared_bytes(BLOCK_FEATURES)
         self.fn_with_shared(_product("moe_gate_up"), smem)(
             (tiles.shape[0], math.ceil(inter / (BLOCK_FEATURES // 2))),
             (THREADS,),
-            (x, w, order, tiles, n_tiles, hid, np.int32(h), np.int32(inter), np.int32(topk)),
+            (x, experts.gate_up, order, tiles, n_tiles, hid, np.int32(h), np.int32(inter), np.int32(topk)),
             shared_mem=smem,
         )
 
-    def moe_down(self, hid: Any, w: Any, order: Any, tiles: Any, n_tiles: Any, ys: Any) -> None:
-        """ys [A, H] fp16, by assignment: each place's hid [A, I] through its expert's w [E, H, I]."""
+    def moe_down(
+        self, hid: Any, experts: LayerExperts, order: Any, tiles: Any, n_tiles: Any, ys: Any
+    ) -> None:
+        """ys [A, H] fp16, by assignment: each place's hid [A, I] through its expert's down [H, I], found
+        through ``experts.down``."""
         inter, h, smem = hid.shape[1], ys.shape[1], shared_bytes(BLOCK_FEATURES)
         self.fn_with_shared(_product("moe_down"), smem)(
             (tiles.shape[0], math.ceil(h / BLOCK_FEATURES)),
             (THREADS,),
-            (hid, w, order, tiles, n_tiles, ys, np.int32(h), np.int32(inter)),
+            (hid, experts.down, order, tiles, n_tiles, ys, np.int32(h), np.int32(inter)),
             shared_mem=smem,
         )
 

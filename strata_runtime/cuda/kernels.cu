@@ -2185,9 +2185,12 @@ __global__ void rmsnorm_half(const float* __restrict__ x, const half* __restrict
 }
 
 // Block r of 256 threads: idx[r, j], wts[r, j] = the j-th ranked expert of row r and its weight, j < topk, by
-// block_route's rule (the same routing the decode expert kernels compute).
+// block_route's rule (the same routing the decode expert kernels compute). With counts non-null (an expert
+// cache) each assignment is counted as count_assignment counts it.
 __global__ void __launch_bounds__(256) route_topk(const float* __restrict__ logits, int E, int topk, int norm_topk,
-                                                  int* __restrict__ idx, float* __restrict__ wts) {
+                                                  int* __restrict__ idx, float* __restrict__ wts,
+                                                  const int* __restrict__ slot_of, float* __restrict__ counts,
+                                                  float* __restrict__ misses) {
   STRATA_PDL_LAUNCH();
   STRATA_PDL_WAIT();
   const int r = blockIdx.x;
@@ -2195,6 +2198,7 @@ __global__ void __launch_bounds__(256) route_topk(const float* __restrict__ logi
   if (k.rank < topk) {
     idx[r * topk + k.rank] = threadIdx.x;
     wts[r * topk + k.rank] = k.p / (norm_topk ? k.zk : k.z);
+    count_assignment(threadIdx.x, slot_of, counts, misses);
   }
 }
 

@@ -839,13 +839,19 @@ class Kernels(KernelCache):
             (*args, *(np.int32(v) for v in dims), np.float32(theta), np.float32(eps)),
         )
 
-    def route_topk(self, logits: Array, norm_topk: bool, idx: Array, wts: Array) -> None:
+    def route_topk(self, logits: Array, norm_topk: bool, idx: Array, wts: Array, experts: Any = None) -> None:
         """idx[R, k] (int32), wts[R, k] (fp32): each row's top-k experts of logits [R, E] fp32, by the rule of
-        `moe` (softmax in fp32, ties to the lower index, renormalised over the k when ``norm_topk``)."""
+        `moe` (softmax in fp32, ties to the lower index, renormalised over the k when ``norm_topk``).
+        ``experts`` (a `strata_runtime.cuda.experts.LayerExperts`): where it has counters (an expert
+        cache), each assignment is counted there as `moe` counts it."""
         rows, n_exp = logits.shape
         topk = idx.shape[1]
+        counting = experts is not None and experts.counts is not None
+        tally = (experts.slot_of, experts.counts, experts.misses) if counting else (_NULL, _NULL, _NULL)
         self.fn("route_topk")(
-            (rows,), (THREADS,), (logits, np.int32(n_exp), np.int32(topk), np.int32(norm_topk), idx, wts)
+            (rows,),
+            (THREADS,),
+            (logits, np.int32(n_exp), np.int32(topk), np.int32(norm_topk), idx, wts, *tally),
         )
 
     def softmax_causal(self, scores: Array, probs: Array, pos: int, group: int) -> None:

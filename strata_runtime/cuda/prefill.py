@@ -4,12 +4,17 @@ A long chunk is compute-bound, so its products run on tensor cores in fp16 with 
 q/k/v and output projections and the router on cuBLAS, and the routed experts as one grouped product per
 projection over every expert the chunk routes to (`strata_runtime.cuda.grouped`). Rows are grouped by expert
 on the device and the products' grids are sized for the worst routing, so nothing is read back to the host
-and the host queues the whole chunk's layers ahead of the GPU. (For a model whose widths are not multiples of
-8 the experts run as two cuBLAS batched products over [E, C, H] groups instead, C = the most rows any expert
-got, read on the host once per layer.) Attention is one fused kernel (`strata_runtime.cuda.flash`: tensor
-cores, online softmax, no score matrix in memory), one launch per slot's segment of the window; for head dims
-it lacks, cuBLAS products over tiles of query rows whose fp32 scores and fp16 probabilities fit in
-`strata_cfg.schema.windows.ATTENTION_TILE_BYTES` (the bound the resolver plans the workspace by).
+and the host queues the whole chunk's layers ahead of the GPU. The products find each expert through the
+layer's address tables, as the decode kernels do: under an expert cache, an expert in a VRAM slot is read
+there, one in a helper slot over the peer link and one in host memory over the host link, once per tile of
+its rows, and the routing kernel counts each assignment into the cache's device counters. (For a model
+whose widths are not multiples of 8 the experts run as cuBLAS products instead, sized on the host once per
+layer: two batched products over [E, C, H] groups, C = the most rows any expert got, or under an expert
+cache one product per expert, reading it where it is or copying it from host memory first.) Attention is
+one fused kernel (`strata_runtime.cuda.flash`: tensor cores, online softmax, no score matrix in memory), one
+launch per slot's segment of the window; for head dims it lacks, cuBLAS products over tiles of query rows
+whose fp32 scores and fp16 probabilities fit in `strata_cfg.schema.windows.ATTENTION_TILE_BYTES` (the bound
+the resolver plans the workspace by).
 
 Everything between the products (norms, q/k norm with RoPE and the KV write, routing, causal softmax,
 SwiGLU, scatter and gather) is a kernel of `kernels.cu`, shared where possible with the decode path so that
@@ -31,7 +36,7 @@ import numpy as np
 from strata_cfg.schema.windows import attention_tile_rows, prefill_graph_rows_for
 
 from ..backend import device_lock, upload_into
-from ..experts.cache import HELPER, HOST, Reads
+from ..experts.cache import HOST
 from ..layout import Layout, Segment
 from ..reference.flash import HEAD_DIMS
 from ..reference.grouped import max_tiles, supported
@@ -126,8 +131,8 @@ class CudaPrefill:
         routed experts through the grouped kernels of `strata_runtime.cuda.grouped` where the model's shape
         allows; otherwise (or with False) through cuBLAS products over groups padded to the largest, whose
         size is read on the host. ``experts``: the
-        stage's expert cache, when its experts do not all fit (then each routed expert is one product, read
-        from its VRAM or helper slot, or copied from host memory into a staging buffer first). ``split_q``:
+        stage's expert cache, when its experts do not all fit (the grouped kernels then read each expert
+        where the cache's tables say it is, and the routing counts into its counters). ``split_q``:
         the flash kernel reads q as two fp16 parts (False: q_hi alone, fp16 q; see
         `strata_runtime.cuda.flash`). ``graph_rows``: a chunk of one slot's rows that pads to at most this
         many (`strata_cfg.schema.windows.prefill_graph_rows_for`) is replayed as a CUDA graph, captured
@@ -211,15 +216,9 @@ class CudaPrefill:
     ) -> None:
         """Every layer on ``resid``, its rows at ``pos``/``slot`` [n] int32 on the device; ``where``: a
         graph's {slot, first position} (its layout is then one segment, whose numbers are not read)."""
-        routed = None
-        if self.experts is not None:
-            routed = np.zeros((len(self.experts.store), self.args.num_experts), np.float64)
-        reads = np.zeros(2, np.int64)  # assignments read from the helper tier, from host memory
         for j, lay in enumerate(self.stack.layers):
             self._attention(j, lay, resid, layout, pos, slot, where)
-            reads += self._mlp(j, lay, resid, (pos, slot), routed)
-        if self.experts is not None and routed is not None:
-            self.experts.owner.record(routed, Reads(*(int(n) for n in reads)))  # it teaches the cache
+            self._mlp(j, lay, resid, (pos, slot))
 
     def _run_graph(self, resid: cp.ndarray, layout: Layout, rows: int) -> None:
         """The chunk through the graph of ``rows`` rows, padded with rows after it (their results are
@@ -320,12 +319,8 @@ class CudaPrefill:
 
     # ---- MLP: routed experts, shared expert, dense MLP ------------------------------------------
 
-    def _mlp(
-        self, j: int, lay: LayerWeights, resid: cp.ndarray, rows: Rows, routed: np.ndarray | None
-    ) -> np.ndarray:
-        """The layer's MLP on ``resid`` in place; under an expert cache, the chunk's routing of this layer
-        goes into ``routed`` [L, E], and the assignments read from the helper tier and from host memory
-        are returned ([2])."""
+    def _mlp(self, j: int, lay: LayerWeights, resid: cp.ndarray, rows: Rows) -> None:
+        """The layer's MLP on ``resid`` in place."""
         a, kern, t = self.args, self.kern, self._temps
         n_rows, h = resid.shape
         x = t("x", (n_rows, h), cp.float16)
@@ -340,21 +335,16 @@ class CudaPrefill:
             dense = matmul_nt(hid, lay.mlp_down, t("mlp_out", (n_rows, h), cp.float32))  # [n, H]
             if lay.shared_gate is not None:
                 gate = matmul_nt(x, lay.shared_gate, t("gate", (n_rows, 1), cp.float32)).reshape(n_rows)
-        reads = np.zeros(2, np.int64)
         if lay.router is not None:
-            if lay.gate_up is not None:
-                self._experts(j, lay, x, resid, rows)
-            else:
-                assert routed is not None
-                reads = self._cached_experts(j, lay, x, resid, rows, routed[self._store_layer(j)])
+            self._experts(j, lay, x, resid, rows)
         if dense is not None:
             kern.add_scaled(resid, dense, gate)
-        return reads
 
     def _route(
         self, j: int, lay: LayerWeights, x: cp.ndarray, resid: cp.ndarray, rows: Rows
     ) -> tuple[cp.ndarray, cp.ndarray]:
-        """Route the chunk's rows: idx and wts [n, k]. ``rows``: each row's position and slot."""
+        """Route the chunk's rows: idx and wts [n, k]. ``rows``: each row's position and slot. Under an expert
+        cache the routing counts each assignment into the cache's counters, by the tier that serves it."""
         pos, slot = rows
         a, kern = self.args, self.kern
         n_rows, h = x.shape
@@ -369,34 +359,37 @@ class CudaPrefill:
             lay.router_bias(logits, pos, slot)
         idx = t("idx", (n_rows, topk), cp.int32)
         wts = t("wts", (n_rows, topk), cp.float32)
-        kern.route_topk(logits, a.norm_topk_prob, idx, wts)
+        kern.route_topk(logits, a.norm_topk_prob, idx, wts, lay.experts)
         return idx, wts
 
     def _experts(self, j: int, lay: LayerWeights, x: cp.ndarray, resid: cp.ndarray, rows: Rows) -> None:
-        """Every routed expert of the chunk (all experts resident): the grouped products where the model's
-        shape allows, else two batched products over [E, C, H] groups."""
-        assert lay.gate_up is not None and lay.down is not None
+        """Every routed expert of the chunk: the grouped products where the model's shape allows (wherever
+        each expert is), else two batched products over [E, C, H] groups (every expert resident) or one
+        product per expert (under an expert cache)."""
         idx, wts = self._route(j, lay, x, resid, rows)
         if self.grouped is not None:
             self._grouped_experts(lay, x, idx, wts, resid)
-        else:
+        elif lay.gate_up is not None:
             self._padded_experts(lay, x, idx, wts, resid)
+        else:
+            self._cached_experts(j, x, idx, wts, resid)
 
     def _grouped_experts(
         self, lay: LayerWeights, x: cp.ndarray, idx: cp.ndarray, wts: cp.ndarray, resid: cp.ndarray
     ) -> None:
         """The routed experts as one grouped product per projection over the tiles `moe_tiles` cuts on the
-        device (`strata_runtime.cuda.grouped`): no host read, and each weight read once per tile of rows."""
-        assert self.grouped is not None and lay.gate_up is not None and lay.down is not None
+        device (`strata_runtime.cuda.grouped`): no host read, and each weight read once per tile of rows,
+        from where the layer's tables say it is."""
+        assert self.grouped is not None and lay.experts is not None
         kern, n_exp, t = self.grouped, self.args.num_experts, self._temps
         n_assign, topk, h = idx.size, idx.shape[1], x.shape[1]
         rank, order = t("rank", (n_assign,), cp.int32), t("order", (n_assign,), cp.int32)
         tiles, n_tiles = t("tiles", (max_tiles(n_assign, n_exp), 4), cp.int32), t("n_tiles", (1,), cp.int32)
         kern.moe_tiles(idx, n_exp, rank, order, tiles, n_tiles)
-        hid = t("hid", (n_assign, lay.down.shape[2]), cp.float16)  # [A, I] by place
-        kern.moe_gate_up(x, lay.gate_up, order, tiles, n_tiles, topk, hid)
+        hid = t("hid", (n_assign, self.args.moe_intermediate_size), cp.float16)  # [A, I] by place
+        kern.moe_gate_up(x, lay.experts, order, tiles, n_tiles, topk, hid)
         ys = t("ys", (n_assign, h), cp.float16)  # [A, H] by assignment
-        kern.moe_down(hid, lay.down, order, tiles, n_tiles, ys)
+        kern.moe_down(hid, lay.experts, order, tiles, n_tiles, ys)
         kern.moe_combine(ys, wts, resid)
 
     def _padded_experts(
@@ -420,36 +413,31 @@ class CudaPrefill:
         kern.moe_gather_add(ys, idx, rank, wts, resid)
 
     def _cached_experts(
-        self, j: int, lay: LayerWeights, x: cp.ndarray, resid: cp.ndarray, rows: Rows, routed: np.ndarray
-    ) -> np.ndarray:
-        """The routed experts under an expert cache: one product per expert a row routes to, reading it
-        from its VRAM slot or its helper slot (cuBLAS reads the helper GPU's memory over the peer link), or
-        copying it from host memory into a staging buffer first (on the same stream, so the copy lands
-        before its product and after the previous product read the buffer). The chunk's assignments are
-        sorted by expert into one [A, H] block, so the temporaries are as large as the assignments whatever
-        the skew of the routing. Adds the layer's assignments per expert to ``routed`` [E] and returns how
-        many were read from the helper tier and from host memory ([2])."""
+        self, j: int, x: cp.ndarray, idx: cp.ndarray, wts: cp.ndarray, resid: cp.ndarray
+    ) -> None:
+        """The routed experts under an expert cache where the grouped kernels do not take the model's shape:
+        one product per expert a row routes to, reading it from its VRAM slot or its helper slot (cuBLAS
+        reads the helper GPU's memory over the peer link), or copying it from host memory into a staging
+        buffer first (on the same stream, so the copy lands before its product and after the previous
+        product read the buffer). The chunk's assignments are sorted by expert into one [A, H] block, so the
+        temporaries are as large as the assignments whatever the skew of the routing."""
         assert self.experts is not None
         store = self.experts.store
         n_exp, (n_rows, h) = self.args.num_experts, x.shape
         topk, inter = self.args.num_experts_per_tok, self.args.moe_intermediate_size
         js = self._store_layer(j)
-        idx, wts = self._route(j, lay, x, resid, rows)
         flat = idx.reshape(-1)  # [A] each assignment's expert, in (row, choice) order
         order = cp.argsort(flat, kind="stable")  # [A] assignments grouped by expert
         sizes = cp.bincount(flat, minlength=n_exp).get()  # [E]: the layer's one host read
         xs = x[order // topk]  # [A, H] fp16, each expert's rows together
         ys = cp.empty_like(xs)  # [A, H]
-        reads, start = np.zeros(2, np.int64), 0
+        start = 0
         for e in np.flatnonzero(sizes).tolist():
             n = int(sizes[e])
-            tier = store.tier(js, e)
-            if tier == HOST:
+            if store.tier(js, e) == HOST:
                 gate_up, down = self._stage(*store.host_weights(js, e))
-                reads[1] += n
             else:
                 gate_up, down = store.slot_weights(js, e)
-                reads[0] += n if tier == HELPER else 0
             gu = matmul_nt(xs[start : start + n], gate_up, cp.empty((n, 2 * inter), cp.float16))  # [n, 2I]
             hid = cp.empty((n, inter), cp.float16)
             self.kern.silu_mul_half(gu, hid)
@@ -458,8 +446,6 @@ class CudaPrefill:
         y = cp.empty_like(ys)
         y[order] = ys  # back to (row, choice) order
         resid += (y.reshape(n_rows, topk, h).astype(cp.float32) * wts[:, :, None]).sum(axis=1)  # [n, H]
-        routed += sizes
-        return reads
 
     def _store_layer(self, j: int) -> int:
         """The expert store's index of this stack's layer ``j`` (a sparse layer)."""

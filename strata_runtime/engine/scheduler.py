@@ -183,6 +183,7 @@ class Engine:
         self._admit()
         active = [s for s in self.slots if s is not None]
         if not active and not self._flights and not self._chain:
+            self._settle_experts()
             return False
         decoding = [s for s in active if s.decoding]
         prefilling = [s for s in active if s.prefilling]
@@ -367,6 +368,14 @@ class Engine:
                 stage.cuda_experts.restore(snap)
             else:
                 stage.experts.restore(snap)
+
+    def _settle_experts(self) -> None:
+        """With nothing left to run, hand each GPU stage's expert cache what its kernels counted since the
+        last read, so that what the caches served is exact while the engine is idle."""
+        for stage in self.model.stages:
+            if stage.cuda_experts is not None:
+                with stage.device.use():
+                    stage.cuda_experts.settle()
 
     # ---- reporting -----------------------------------------------------------------------------------
 

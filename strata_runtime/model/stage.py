@@ -234,14 +234,18 @@ class Stage:
             else:
                 out = self._layers(hidden, layout)
             if self.cuda_experts is not None:
-                self.cuda_experts.after_window()
+                self.cuda_experts.after_window(prompt=positions is None and self._through_prefill(layout))
             else:
                 self.experts.end_window()
             return out
 
+    def _through_prefill(self, layout: Layout) -> bool:
+        """Whether a window of ``layout`` goes through the CUDA prefill path."""
+        return self.cuda_prefill is not None and layout.rows > self.prompt_graph_rows
+
     def _layers(self, hidden: Array, layout: Layout) -> Array:
         xp = self.device.xp
-        if self.cuda_prefill is not None and layout.rows > self.prompt_graph_rows:
+        if self.cuda_prefill is not None and self._through_prefill(layout):
             return self.cuda_prefill.forward(hidden, layout)  # [R, H] fp32
         # Graph windows take every chunk up to the cap where the stage has no prefill path.
         if self.cuda is not None and 0 < layout.rows <= PROMPT_GRAPH_MAX:

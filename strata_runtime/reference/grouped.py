@@ -5,18 +5,20 @@ A chunk of n rows routed top-k makes A = n k assignments a = r k + j (row r, cho
 expert by expert (``order``) and cuts each expert's run into tiles of at most `TILE_ROWS` places: (expert,
 first place, rows, 0). The products read the tiles, so the device needs no host read of the group sizes:
 
-    hid[p]          = silu(x[order[p] // k] . Wgu[e, :I]) * (x[order[p] // k] . Wgu[e, I:])   (`moe_gate_up`)
+    hid[p]          = silu(x[order[p] // k] . Wgu[e][:I]) * (x[order[p] // k] . Wgu[e][I:])   (`moe_gate_up`)
     ys[order[p]]    = hid[p] . Wd[e]                                                       (`moe_down`)
     resid[r]       += sum_j wts[r, j] ys[r k + j], j in order                               (`moe_combine`)
 
-for every place p of a tile of expert e. Layouts: idx [n, k] int32; x [n, H] fp16; Wgu [E, 2I, H] fp16; Wd
-[E, H, I] fp16; hid [A, I] fp16; ys [A, H] fp16; wts [n, k] fp32; resid [n, H] fp32; order and rank [A] int32;
-tiles [`max_tiles`, 4] int32; n_tiles [1] int32.
+for every place p of a tile of expert e. Layouts: idx [n, k] int32; x [n, H] fp16; Wgu[e] [2I, H] and Wd[e]
+[H, I] fp16, found through the tables of a `strata_runtime.cuda.experts.LayerExperts` (wherever the expert
+is: a VRAM slot, a helper slot or host memory); hid [A, I] fp16; ys [A, H] fp16; wts [n, k] fp32; resid
+[n, H] fp32; order and rank [A] int32; tiles [`max_tiles`, 4] int32; n_tiles [1] int32.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
@@ -64,25 +66,26 @@ def _tiles(tiles: np.ndarray, n_tiles: np.ndarray) -> list[tuple[int, int, int]]
 
 def moe_gate_up(
     x: np.ndarray,
-    w: np.ndarray,
+    experts: Any,
     order: np.ndarray,
     tiles: np.ndarray,
     n_tiles: np.ndarray,
     topk: int,
     hid: np.ndarray,
 ) -> None:
+    """``experts.weights(e)``: expert e's gate/up and down (the kernels read them through its tables)."""
     inter = hid.shape[1]
     for e, p, n in _tiles(tiles, n_tiles):
-        gu = _f32(x[order[p : p + n] // topk]) @ _f32(w[e]).T  # [n, 2I]
+        gu = _f32(x[order[p : p + n] // topk]) @ _f32(experts.weights(e)[0]).T  # [n, 2I]
         gate = gu[:, :inter]
         hid[p : p + n] = (gate / (1.0 + np.exp(-gate)) * gu[:, inter:]).astype(np.float16)
 
 
 def moe_down(
-    hid: np.ndarray, w: np.ndarray, order: np.ndarray, tiles: np.ndarray, n_tiles: np.ndarray, ys: np.ndarray
+    hid: np.ndarray, experts: Any, order: np.ndarray, tiles: np.ndarray, n_tiles: np.ndarray, ys: np.ndarray
 ) -> None:
     for e, p, n in _tiles(tiles, n_tiles):
-        ys[order[p : p + n]] = (_f32(hid[p : p + n]) @ _f32(w[e]).T).astype(np.float16)
+        ys[order[p : p + n]] = (_f32(hid[p : p + n]) @ _f32(experts.weights(e)[1]).T).astype(np.float16)
 
 
 def moe_combine(ys: np.ndarray, wts: np.ndarray, resid: np.ndarray) -> None:

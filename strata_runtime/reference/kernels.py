@@ -385,13 +385,22 @@ def rms_norm_fp32_to_half(x: np.ndarray, w: np.ndarray, out: np.ndarray, eps: fl
     out[...] = (x * _rms_inv(x, eps) * _f32(w)).astype(np.float16)
 
 
-def route_topk(logits: np.ndarray, norm_topk: bool, idx: np.ndarray, wts: np.ndarray) -> None:
+def route_topk(
+    logits: np.ndarray, norm_topk: bool, idx: np.ndarray, wts: np.ndarray, experts: Any = None
+) -> None:
+    """``experts``: with counters (an expert cache), each assignment is counted as `moe` counts it."""
     topk = idx.shape[1]
     p = np.exp(logits - logits.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)  # [R, E]
     idx[...] = np.argsort(-logits, axis=-1, kind="stable")[:, :topk]  # ties: lower index first
     w = np.take_along_axis(p, idx, axis=-1)  # [R, k]
     wts[...] = w / w.sum(-1, keepdims=True) if norm_topk else w
+    if experts is not None and experts.counts is not None:
+        chosen = idx.reshape(-1)
+        np.add.at(experts.counts, chosen, 1)
+        where = experts.slot_of[chosen]
+        experts.misses[0] += np.count_nonzero(where < 0)  # not in VRAM
+        experts.misses[1] += np.count_nonzero(where < -1)  # in a helper slot
 
 
 def softmax_causal(scores: np.ndarray, probs: np.ndarray, pos: int, group: int) -> None:
