@@ -120,6 +120,10 @@ class InProcessDriver:
                             h.accepted_proposals,
                             h.proposals,
                         )
+        # Windows still in flight (a request's last windows run ahead of its stop) finish here, not in the
+        # next run; the engine, once idle, hands its expert caches what their kernels counted.
+        while eng.step():
+            pass
         after = eng.totals
         windows = after["windows"] - before["windows"]
         stats = {
