@@ -105,17 +105,11 @@ def test_the_emulated_24g_h200_keeps_experts_in_host_memory():
     whole = plan_of(PROFILES / "h200.toml")
     assert [s.device for s in plan.stages] == ["cuda:0"] and plan.gpus[0].budget.total == 24576 * 2**20
     assert (plan.batch.slots, plan.batch.mtp) == (2, True)
-    # The same memory settings, but for the lone prompt's long window, which the whole card has room for,
-    # short prompts, which graph windows read under the cache (`windows.prompt-graph-rows`), and the prefill
-    # path's chunks, launched under the cache (`windows.prefill-graphs-cached`).
-    update = {
-        "prefill_chunk_alone": plan.memory.prefill_chunk,
-        "prompt_graph_rows": 64,
-        "prefill_graph_rows": 0,
-    }
-    assert plan.memory == whole.memory.model_copy(update=update)
-    assert (whole.memory.prompt_graph_rows, whole.memory.prefill_graph_rows) == (8, 512)
-    assert whole.memory.prefill_chunk_alone > whole.memory.prefill_chunk
+    # The same memory settings, but for the prefill path's chunks, launched under the cache
+    # (`windows.prefill-graphs-cached`).
+    assert plan.memory == whole.memory.model_copy(update={"prefill_graph_rows": 0})
+    assert (plan.memory.prompt_graph_rows, whole.memory.prefill_graph_rows) == (8, 512)
+    assert plan.memory.prefill_chunk_alone == 4096 > plan.memory.prefill_chunk
     assert plan.gpus[0].experts_resident < plan.gpus[0].experts_total
     assert whole.gpus[0].experts_resident == whole.gpus[0].experts_total
     assert plan.host.free is not None and plan.host.free > 0

@@ -677,12 +677,22 @@ def test_windows_prompt_graph_rows_sends_prompts_past_one_window_to_the_prefill_
     assert "windows.prompt-graph-rows" not in [x.rule for x in cpu.decisions]
 
 
-def test_windows_prompt_graph_rows_keeps_64_under_an_expert_cache():
-    """Under a cache the prefill path copies each host expert to the GPU, where graph windows read it in
-    place: short prompts keep the graph windows."""
-    plan = plan_of(PROFILES / "emulate" / "h200-24g.toml")
-    assert plan.experts.cache is not None and plan.memory.prompt_graph_rows == 64
-    assert "windows.prompt-graph-rows" not in [x.rule for x in plan.decisions]
+def test_windows_prompt_graph_rows_sends_chunks_past_one_window_to_the_prefill_path_under_an_expert_cache():
+    """Under a cache the prefill path reads each expert a chunk routes to once, where graph windows read it
+    again in every window, over the host link for the experts in host memory: one window's rows at most,
+    with a note that says why; a number is still taken as written."""
+    path = PROFILES / "emulate" / "h200-24g.toml"
+    plan = plan_of(path)
+    assert plan.experts.cache is not None and plan.memory.prompt_graph_rows == 8
+    d = decision(plan, "windows.prompt-graph-rows")
+    assert d.severity == "note" and "under an expert cache" in d.message and "host link" in d.message
+    s = plan.settings["memory.prompt_graph_rows"]
+    assert (s.value, s.source.kind) == (8, "derived")
+    assert plan_of(path, ["memory.prompt_graph_rows=64"]).memory.prompt_graph_rows == 64
+    whole = plan_of(path, ['machine.gpus=[{name="H200", vram_mib=143771, bandwidth_gbs=4800}]'])
+    assert whole.experts.cache is None and "under an expert cache" not in decision(
+        whole, "windows.prompt-graph-rows"
+    ).message
 
 
 @pytest.mark.parametrize(

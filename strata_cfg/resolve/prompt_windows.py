@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from ..schema.facts import ModelFacts, expected_distinct_experts
 from ..schema.windows import (
     MAX_WINDOW_ROWS,
+    PREFILL_EXPERT_TILE_ROWS,
     PREFILL_GRAPH_AUTO_ROWS,
     PREFILL_GRAPH_MIN_ROWS,
     PROMPT_GRAPH_MAX,
@@ -122,15 +123,25 @@ def resolve_prompt_graph_rows(
     led: Ledger, model: ModelFacts, stages: Sequence[tuple[StageShape, float]], all_experts_resident: bool
 ) -> int:
     """Resolve ``memory.prompt_graph_rows``: what the profile says, else (``auto``) `PROMPT_GRAPH_MAX` on
-    virtual CPU devices (no prefill path) and under an expert cache (a chunk through the prefill path
-    copies each expert held in host memory to the GPU, where a graph window reads it in place), else the
-    estimate of `prompt_costs`, with a note where it sends prompts of fewer rows than that to the prefill
-    path."""
+    virtual CPU devices (no prefill path), one window's rows under an expert cache (the prefill path reads
+    each expert a chunk routes to once, where graph windows read it again in every window, and an expert in
+    host memory crosses the host link at each read), else the estimate of `prompt_costs`; with a note where
+    it sends prompts of fewer rows than `PROMPT_GRAPH_MAX` to the prefill path."""
     if led[KEY] != "auto":
         return int(led[KEY])
-    if led["machine.backend"] != "cuda" or not all_experts_resident:
+    if led["machine.backend"] != "cuda":
         led.resolve_auto(KEY, PROMPT_GRAPH_MAX, RULE)
         return PROMPT_GRAPH_MAX
+    if not all_experts_resident:
+        one, tile = MAX_WINDOW_ROWS, PREFILL_EXPERT_TILE_ROWS
+        cached = (
+            f"under an expert cache, prompt chunks of more than {one} rows go through the prefill path: its "
+            f"grouped products read each expert a chunk routes to once for up to {tile} of its rows, where "
+            f"every {one}-row graph window reads its own rows' experts again, and an expert held in host "
+            "memory crosses the host link at each read"
+        )
+        led.resolve_auto(KEY, MAX_WINDOW_ROWS, RULE, cached)
+        return MAX_WINDOW_ROWS
     graphs = led[GRAPHS_KEY] >= PREFILL_GRAPH_MIN_ROWS
     costs = prompt_costs(model, stages, drafting=led["spec.draft_tokens"] >= 2, graphs=graphs)
     rows = costs.graph_rows()

@@ -21,6 +21,9 @@ BATCH_MTP_SLOTS_PER_WINDOW = MAX_WINDOW_ROWS // BATCH_MTP_ROWS_PER_SLOT
 PROMPT_GRAPH_MAX = 64
 """A prompt chunk on a GPU runs as 8-row decode graph windows when it has at most
 ``memory.prompt_graph_rows`` rows, which is at most this many; longer chunks take the prefill path."""
+PREFILL_EXPERT_TILE_ROWS = 128
+"""The prefill path's grouped expert products read an expert's weights once for each tile of up to this
+many of a chunk's rows routed to it."""
 PREFILL_GRAPH_MIN_ROWS = 16
 """A prefill-path chunk replayed as a CUDA graph is padded to at least this many rows."""
 PREFILL_GRAPH_AUTO_ROWS = 512

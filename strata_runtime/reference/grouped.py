@@ -22,7 +22,9 @@ from typing import Any
 
 import numpy as np
 
-TILE_ROWS = 128
+from strata_cfg.schema.windows import PREFILL_EXPERT_TILE_ROWS
+
+TILE_ROWS = PREFILL_EXPERT_TILE_ROWS
 """Places per tile: grouped.cu's BM."""
 
 
