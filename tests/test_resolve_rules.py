@@ -690,9 +690,10 @@ def test_windows_prompt_graph_rows_sends_chunks_past_one_window_to_the_prefill_p
     assert (s.value, s.source.kind) == (8, "derived")
     assert plan_of(path, ["memory.prompt_graph_rows=64"]).memory.prompt_graph_rows == 64
     whole = plan_of(path, ['machine.gpus=[{name="H200", vram_mib=143771, bandwidth_gbs=4800}]'])
-    assert whole.experts.cache is None and "under an expert cache" not in decision(
-        whole, "windows.prompt-graph-rows"
-    ).message
+    assert (
+        whole.experts.cache is None
+        and "under an expert cache" not in decision(whole, "windows.prompt-graph-rows").message
+    )
 
 
 @pytest.mark.parametrize(

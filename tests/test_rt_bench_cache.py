@@ -29,6 +29,12 @@ def test_a_cached_engines_run_reports_vram_share_and_link_bytes_per_token():
     assert fig["expert_vram_pct"] == pytest.approx(100 * traffic["hits"] / served)
     tokens = sum(len(r.token_ids) for r in results)
     assert fig["host_mb_per_token"] == pytest.approx(traffic["host_bytes"] / tokens / 1e6)
+    # A prompt alone: the link's bytes per prompt token, not per its one generated token.
+    prompt, stats = InProcessDriver(eng).run([Arrival(Request(tuple(range(30, 90)), 1))])
+    traffic = stats["experts"]
+    assert traffic["host_bytes"] > 0
+    fig = measure("prompt", prompt, stats, wall=1.0)
+    assert fig["host_mb_per_token"] == pytest.approx(traffic["host_bytes"] / 60 / 1e6)
     # An engine with every expert resident reports no cache figures.
     resident = Engine(mode_plan("serial", 2, preset="small", context=96, prefill_chunk=16))
     results, stats = InProcessDriver(resident).run(arrivals[:1])

@@ -279,9 +279,10 @@ def measure(name: str, results: list[Result], stats: dict[str, Any], wall: float
     traffic = stats.get("experts")
     if traffic is not None:  # an expert cache: how much of the expert work VRAM served, and the link's share
         served = traffic["hits"] + traffic["misses"]
-        generated = sum(len(r.token_ids) for r in results)
+        # Per token of the run's work: generated, or for the prompt workload the prompt's.
+        work = out["prompt_tokens"] if name == "prompt" else sum(len(r.token_ids) for r in results)
         out["expert_vram_pct"] = 100.0 * traffic["hits"] / served if served else 0.0
-        out["host_mb_per_token"] = traffic["host_bytes"] / generated / 1e6 if generated else 0.0
+        out["host_mb_per_token"] = traffic["host_bytes"] / work / 1e6 if work else 0.0
         out["expert_swaps"] = float(traffic["swaps"])
     return out
 

@@ -777,8 +777,9 @@ def render_table(
             if "generation_tok_s" in m:
                 extra += f", generating {m['generation_tok_s']:.1f} tok/s"
             if "expert_vram_pct" in m:
+                per = "prompt tok" if workload == "prompt" else "tok"
                 extra += (
-                    f"  experts {m['expert_vram_pct']:.1f}% from VRAM, {m['host_mb_per_token']:.1f} MB/tok"
+                    f"  experts {m['expert_vram_pct']:.1f}% from VRAM, {m['host_mb_per_token']:.1f} MB/{per}"
                 )
             if "decode_tok_s" in m:
                 extra = (
