@@ -35,6 +35,16 @@ ATTN_CHUNK = 64  # positions per attention block; kernels.cu's ATTN_CHUNK
 ATTENTION_HEAD_DIMS = (16, 32, 64, 128, 256)
 """Head dims ``attn_split`` takes: a warp's lanes split evenly into groups of D / 8."""
 _NULL = np.uint64(0)  # a null pointer argument
+
+
+def _tally(experts: Any) -> tuple[Any, Any, Any]:
+    """The counting arguments of an expert-routing kernel: ``experts``' tier codes, counts and misses where
+    it has counters (an expert cache), else null pointers (the kernel counts nothing)."""
+    if experts is None or experts.counts is None:
+        return _NULL, _NULL, _NULL
+    return experts.slot_of, experts.counts, experts.misses
+
+
 NO_ROPE = (*(_NULL,) * 7, np.int32(0), np.int32(0), np.int32(0), np.float32(0), _NULL)
 """``gemv_mma``'s arguments after ``eps`` where it fuses no RoPE (`Kernels.qkv_rope`)."""
 
@@ -563,8 +573,7 @@ class Kernels(KernelCache):
         n_exp, inter = logits.shape[1], h_buf.shape[1]
         if n_exp > 256:
             raise ValueError(f"the expert kernels route at most 256 experts, not {n_exp}")
-        counting = experts.counts is not None
-        tally = (experts.slot_of, experts.counts, experts.misses) if counting else (_NULL, _NULL, _NULL)
+        tally = _tally(experts)
         a = rows * topk
         gu_expr, down_expr, *_ = self.moe_exprs(h, inter, topk)
         tiles = (math.ceil(inter / WARPS_PER_BLOCK), a)
@@ -846,8 +855,7 @@ class Kernels(KernelCache):
         cache), each assignment is counted there as `moe` counts it."""
         rows, n_exp = logits.shape
         topk = idx.shape[1]
-        counting = experts is not None and experts.counts is not None
-        tally = (experts.slot_of, experts.counts, experts.misses) if counting else (_NULL, _NULL, _NULL)
+        tally = _tally(experts)
         self.fn("route_topk")(
             (rows,),
             (THREADS,),

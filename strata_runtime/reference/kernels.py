@@ -152,6 +152,17 @@ def attention(
         out[r] = np.einsum("hgt,htd->hgd", p, v).reshape(n_q * d)
 
 
+def _count(experts: Any, chosen: np.ndarray) -> None:
+    """Count assignments to the experts ``chosen`` as the kernels do, where ``experts`` has counters (an
+    expert cache): each expert's count, and the misses [not in VRAM, of those in a helper slot]."""
+    if experts is None or experts.counts is None:
+        return
+    np.add.at(experts.counts, chosen, 1)
+    where = experts.slot_of[chosen]
+    experts.misses[0] += np.count_nonzero(where < 0)
+    experts.misses[1] += np.count_nonzero(where < -1)
+
+
 def moe(
     x: np.ndarray,
     norm: np.ndarray,
@@ -179,12 +190,7 @@ def moe(
         total = np.zeros(x.shape[1], np.float32)
         for j in range(topk):
             e = int(idx[r, j])
-            if experts.counts is not None:
-                experts.counts[e] += 1
-                if experts.slot_of[e] < 0:  # not in VRAM
-                    experts.misses[0] += 1
-                if experts.slot_of[e] < -1:  # in a helper slot
-                    experts.misses[1] += 1
+            _count(experts, np.array([e]))
             gate_up, down = experts.weights(e)
             gu = _f32(gate_up) @ xn[r]  # [2I]
             h = _silu(gu[:inter]) * gu[inter:]  # [I]
@@ -395,12 +401,7 @@ def route_topk(
     idx[...] = np.argsort(-logits, axis=-1, kind="stable")[:, :topk]  # ties: lower index first
     w = np.take_along_axis(p, idx, axis=-1)  # [R, k]
     wts[...] = w / w.sum(-1, keepdims=True) if norm_topk else w
-    if experts is not None and experts.counts is not None:
-        chosen = idx.reshape(-1)
-        np.add.at(experts.counts, chosen, 1)
-        where = experts.slot_of[chosen]
-        experts.misses[0] += np.count_nonzero(where < 0)  # not in VRAM
-        experts.misses[1] += np.count_nonzero(where < -1)  # in a helper slot
+    _count(experts, idx.reshape(-1))
 
 
 def softmax_causal(scores: np.ndarray, probs: np.ndarray, pos: int, group: int) -> None:
