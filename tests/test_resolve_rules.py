@@ -113,6 +113,86 @@ def test_memory_prefill_chunk_alone_pipelined_drops_the_lone_prompt_window_and_i
     assert serial.gpus[0].budget.workspace > plan.gpus[0].budget.workspace
 
 
+def _slots_paid(path, overrides=()) -> tuple[int, int]:
+    """(the cache's slots with the lone prompt's chunk at the chunk's 512 rows, the slots the chunk of the
+    plan of ``overrides`` costs) on the first GPU."""
+    short = plan_of(path, [*overrides, ("memory.prefill_chunk_alone", 512)]).gpus[0].experts_resident
+    return short, short - plan_of(path, list(overrides)).gpus[0].experts_resident
+
+
+def test_memory_prefill_chunk_alone_cached_reads_a_lone_prompt_in_longer_chunks_under_an_expert_cache():
+    """Unset under an expert cache: 4096 rows, derived, with a note naming what its workspace costs the
+    cache, which is at most 1/32 of its slots; the budget is the one planned for 4096 rows."""
+    path = rule_file("memory.prefill-chunk-alone-cached")
+    plan = plan_of(path)
+    assert plan.experts.cache is not None and plan.memory.prefill_chunk == 512
+    assert plan.memory.prefill_chunk_alone == 4096
+    s = plan.settings["memory.prefill_chunk_alone"]
+    assert (s.value, s.source.kind, s.source.rule) == (4096, "derived", "memory.prefill-chunk-alone-cached")
+    slots, paid = _slots_paid(path)
+    assert paid > 0 and paid * 32 <= slots
+    d = decision(plan, "memory.prefill-chunk-alone-cached")
+    assert d.severity == "note" and d.key == "memory.prefill_chunk_alone"
+    assert (
+        "chunks of 4096 rows, not 512" in d.message and f"{paid} of GPU 0's {slots} expert slots" in d.message
+    )
+    assert plan.experts.cache == plan.gpus[0].experts_resident == slots - paid
+    written = plan_of(path, [("memory.prefill_chunk_alone", 4096)])
+    assert [g.budget for g in written.gpus] == [g.budget for g in plan.gpus]
+
+
+def test_memory_prefill_chunk_alone_cached_takes_a_shorter_chunk_where_a_longer_one_costs_too_many_slots():
+    """The reference box's two 20 GB cards: a 4096- or 2048-row chunk would cost more than 1/32 of a cache's
+    slots, so 1024 rows, whose cost is within it on both GPUs."""
+    path = PROFILES / "rtx3080-20g-x2.toml"
+    plan = plan_of(path)
+    assert plan.memory.prefill_chunk_alone == 1024
+    for rows in (2048, 4096):
+        slots, paid = _slots_paid(path, [("memory.prefill_chunk_alone", rows)])
+        assert paid * 32 > slots, rows
+    slots, paid = _slots_paid(path)
+    assert paid > 0 and paid * 32 <= slots
+    assert (
+        f"{paid} of GPU 0's {slots} expert slots"
+        in decision(plan, "memory.prefill-chunk-alone-cached").message
+    )
+
+
+def test_memory_prefill_chunk_alone_cached_keeps_every_expert_of_a_resident_gpu_resident():
+    """A split whose first GPU just holds all its experts and whose second caches them: a longer chunk's
+    workspace would push the first GPU's experts into a cache too, so the chunk stays."""
+    path = PROFILES / "rtx3080-20g-x2.toml"
+    gpus = (
+        "machine.gpus",
+        [{"name": n, "vram_mib": v, "bandwidth_gbs": 760} for n, v in (("A", 29600), ("B", 20480))],
+    )
+    plan = plan_of(path, [gpus])
+    a, b = plan.gpus
+    assert a.experts_resident == a.experts_total and b.experts_resident < b.experts_total
+    assert plan.memory.prefill_chunk_alone == 512
+    assert "memory.prefill-chunk-alone-cached" not in [d.rule for d in plan.decisions]
+    longer = plan_of(path, [gpus, ("memory.prefill_chunk_alone", 1024)]).gpus[0]
+    assert longer.experts_resident < longer.experts_total
+
+
+@pytest.mark.parametrize(
+    ("profile", "overrides"),
+    [
+        (None, [("memory.prefill_chunk_alone", 512)]),  # written: taken as is
+        (None, [("machine.gpus", [{"name": "H200", "vram_mib": 143771, "bandwidth_gbs": 4800}])]),  # resident
+        (None, [("machine.backend", "cpu"), ("machine.host_ram_mib", 262144)]),  # no prefill path
+        ("rtx3080-20g-x2.toml", [("batch.mtp", False), ("batch.groups", 2)]),  # pipelined groups
+    ],
+    ids=["written", "all-resident", "cpu", "pipelined"],
+)
+def test_memory_prefill_chunk_alone_cached_leaves_the_chunk_alone_otherwise(profile, overrides):
+    path = PROFILES / profile if profile else rule_file("memory.prefill-chunk-alone-cached")
+    plan = plan_of(path, overrides)
+    assert plan.memory.prefill_chunk_alone == plan.memory.prefill_chunk == 512
+    assert "memory.prefill-chunk-alone-cached" not in [d.rule for d in plan.decisions]
+    assert plan.experts.cache is not None or profile is None
+
+
 def test_the_plan_text_shows_a_lone_prompts_longer_chunk():
     from strata_cfg.report.plan_text import plan_text
 

@@ -376,7 +376,10 @@ def test_a_prompt_chunks_routing_reaches_the_cache_at_the_next_window_and_all_of
     seen each row's k experts in every layer exactly once, in the tier that served it."""
     from strata_runtime.model.stage import Stage
 
-    engine = Engine(cuda_plan(expert_cache=4, peer=True, helper_vram_mib=1, adapt=False, slots=1, groups=1))
+    plan = cuda_plan(
+        expert_cache=4, peer=True, helper_vram_mib=1, adapt=False, slots=1, groups=1, prefill_chunk_alone=96
+    )
+    engine = Engine(plan)
     [stage] = engine.model.stages
     store, tables = stage.experts, stage.cuda_experts
     assert tables is not None and stage.cuda_prefill is not None

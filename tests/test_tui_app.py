@@ -385,7 +385,7 @@ async def test_at_80x24_the_plan_scrolls_to_and_highlights_what_an_edit_changed(
         batch, turned_off = line("! batch MTP off"), line("! OFF batch-mtp.pipelined-groups")
         assert batch in in_view(app.plan_view)  # the first thing the edit changed is in sight
         assert batch.has_class("-changed") and turned_off.has_class("-changed")
-        assert not line("experts.cache  GPU 0").has_class("-changed")  # unchanged: not highlighted
+        assert not line("spec").has_class("-changed")  # unchanged: not highlighted
         assert not line("model").has_class("-changed")
 
         # The line that asked for batch MTP is marked in the editor's gutter.

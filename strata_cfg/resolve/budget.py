@@ -176,19 +176,8 @@ def gpu_budgets(
     peer = led["experts.peer_device"]
     if peer is not None:
         helpers.append(peer)
-    first_gpu = placed[0].gpu if placed else -1
-    plans: dict[int, GpuPlan] = {}
-    refused = False
-    for gpu in machine.gpus:
-        mine = [(i, p) for i, p in enumerate(placed) if p.gpu == gpu.index]
-        if mine:
-            device = machine.device_name(gpu.index)
-            plan = _stage_gpu(model, gpu, device, mine, sz, led, first_gpu=gpu.index == first_gpu)
-            if plan is None:
-                refused = True
-            else:
-                plans[gpu.index] = plan
-    if refused:
+    plans = stage_gpu_budgets(model, machine, placed, sz, led)
+    if plans is None:
         return None
     overflow = sum(p.experts_total - p.experts_resident for p in plans.values())
     eb = model.expert_bytes()
@@ -206,6 +195,26 @@ def gpu_budgets(
         else:
             plans[gpu.index] = _off_stage_gpu(gpu, device, "idle")
     return [plans[g.index] for g in machine.gpus]
+
+
+def stage_gpu_budgets(
+    model: ModelFacts, machine: MachineFacts, placed: Sequence[PlacedStage], sz: Sizing, led: Ledger
+) -> dict[int, GpuPlan] | None:
+    """The budget of each GPU that holds a stage, by GPU index; None when one does not fit (the refusal is
+    in the ledger)."""
+    first_gpu = placed[0].gpu if placed else -1
+    plans: dict[int, GpuPlan] = {}
+    refused = False
+    for gpu in machine.gpus:
+        mine = [(i, p) for i, p in enumerate(placed) if p.gpu == gpu.index]
+        if mine:
+            device = machine.device_name(gpu.index)
+            plan = _stage_gpu(model, gpu, device, mine, sz, led, first_gpu=gpu.index == first_gpu)
+            if plan is None:
+                refused = True
+            else:
+                plans[gpu.index] = plan
+    return None if refused else plans
 
 
 def expert_notes(gpus: list[GpuPlan], sz: Sizing, led: Ledger) -> None:

@@ -3,9 +3,10 @@
 It runs the steps in their order (docs/PROFILES.md, "How a profile is resolved"): defaults and ``auto``
 values (0, `defaults`), parse-time refusals (1, `refusals`), the batch gate (2) and the batch-MTP gate (3,
 `batch_gates`), groups and the group-dependent gate (4, `groups`), the pipeline-windows gate (5,
-`pipeline_windows`), the layer split (6, `layer_split`), the VRAM and host budgets (7, `budget`,
-`host_budget`), the windows (8, `window_plan`), then serving checks and strict mode (9, `final_checks`); and
-assembles the plan. No I/O, no clock, no randomness: the same inputs give the same plan.
+`pipeline_windows`), the layer split (6, `layer_split`), the VRAM and host budgets and a lone prompt's
+chunk under an expert cache (7, `budget`, `host_budget`, `prompt_chunk`), the windows (8, `window_plan`),
+then serving checks and strict mode (9, `final_checks`); and assembles the plan. No I/O, no clock, no
+randomness: the same inputs give the same plan.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from .layer_split import place_layers, sizing
 from .ledger import Ledger
 from .pipeline_windows import pipeline_windows_gate
 from .placement import Sizing, stage_shapes
+from .prompt_chunk import lone_prompt_chunk
 from .prompt_windows import prefill_graphs_gate, resolve_prompt_graph_rows
 from .refusals import parse_time_refusals
 from .topology import Topology, is_test_split
@@ -91,6 +93,7 @@ def resolve(
     gpus = gpu_budgets(model, machine, placed, sz, led)
     if gpus is None:
         raise ProfileError(led.problems)
+    gpus, sz = lone_prompt_chunk(model, machine, placed, sz, gpus, led)
     expert_notes(gpus, sz, led)
     host = host_budget(model, gpus, led)
     # 8. windows

@@ -162,6 +162,13 @@ _RULES = (
         "batch MTP measured slower than pipelined with all experts resident",
     ),
     Rule(
+        "memory.prefill-chunk-alone-cached",
+        7,
+        "note",
+        "under an expert cache an unset memory.prefill_chunk_alone reads a lone prompt in chunks of up to "
+        "4096 rows, where their workspace costs at most 1/32 of the cache's slots",
+    ),
+    Rule(
         "host.ram-overflow",
         7,
         "error",

@@ -210,8 +210,9 @@ class MemorySection(Section):
     activation workspace."""
     prefill_chunk_alone: int | None = Field(default=None, ge=8, le=1 << 16)
     """Prompt tokens per prefill window while that prompt is the engine's only work: no stream decoding, no
-    other prompt waiting (serial windows; default: ``prefill_chunk``). A lone prompt then reads in fewer,
-    longer windows, and nothing waits behind them; the workspace is planned for that many rows."""
+    other prompt waiting (serial windows; default: ``prefill_chunk``, or under an expert cache up to 4096
+    where the workspace costs at most 1/32 of the cache's slots). A lone prompt then reads in fewer, longer
+    windows, and nothing waits behind them; the workspace is planned for that many rows."""
     prompt_graph_rows: Annotated[int, Field(ge=8, le=64)] | Literal["auto"] | None = None
     """On a GPU, prompt chunks of at most this many rows run as 8-row decode graph windows; longer ones take
     the prefill path (cuBLAS products, launched layer by layer from Python). ``"auto"`` (default): as many
