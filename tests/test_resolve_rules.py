@@ -190,7 +190,8 @@ def test_memory_prefill_chunk_alone_cached_leaves_the_chunk_alone_otherwise(prof
     plan = plan_of(path, overrides)
     assert plan.memory.prefill_chunk_alone == plan.memory.prefill_chunk == 512
     assert "memory.prefill-chunk-alone-cached" not in [d.rule for d in plan.decisions]
-    assert plan.experts.cache is not None or profile is None
+    if profile is not None:  # the reference box still holds a cache: only the pipelined groups keep the chunk
+        assert plan.experts.cache is not None
 
 
 def test_the_plan_text_shows_a_lone_prompts_longer_chunk():
