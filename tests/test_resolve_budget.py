@@ -1,11 +1,13 @@
 """The VRAM budget counts what the engine really allocates: built on virtual CPU devices (float32), every
-stage's weights and experts, its KV, and the last stage's drafters match the plan's budget to the byte."""
+stage's weights and experts, its KV, and the last stage's drafters match the plan's budget to the byte; and
+the workspace holds a tile of attention scores only where prompt attention stores one."""
 
 from __future__ import annotations
 
 import pytest
-from cfg_fixtures import RULES_DIR, plan_of
+from cfg_fixtures import FIXTURES, PROFILES, RULES_DIR, plan_of
 
+from strata_cfg.resolve import layer_split, sizes
 from strata_runtime.model import Model
 
 CASES = {
@@ -37,3 +39,70 @@ def test_budget_matches_what_the_engine_allocates(case):
     drafters = sum(d.nbytes for d in model.drafters.values())
     assert drafters == by_gpu[plan.stages[-1].gpu].drafters
     assert sorted(model.drafters) == list(plan.stages[-1].drafters)
+
+
+def _score_tile(plan) -> int:
+    """The bytes of one tile of stored attention scores that the plan's prompt windows would take."""
+    rows = sizes.prefill_rows(plan.memory.prefill_chunk, plan.memory.prefill_chunk_alone)
+    return sizes.attention_scores_bytes(plan.model.facts, context=plan.memory.context, rows=rows)
+
+
+def _counting_the_tile(monkeypatch, path, sets, stores: bool):
+    """The plan of ``path`` with the tile counted (or not) whatever the backend and head dim."""
+    with monkeypatch.context() as m:
+        m.setattr(layer_split, "stores_attention_scores", lambda backend, model: stores)
+        return plan_of(path, sets)
+
+
+@pytest.mark.parametrize(
+    ("profile", "sets"),
+    [
+        ("h200.toml", []),  # every expert resident: the tile's bytes are free
+        ("emulate/h200-24g.toml", [("memory.prefill_chunk_alone", 4096)]),  # cached: they are slots
+        ("rtx3080-20g-x2.toml", [("memory.prefill_chunk_alone", 1024)]),  # two cached stage GPUs
+    ],
+)
+def test_a_gpu_reading_prompts_through_the_fused_kernel_plans_no_score_tile(monkeypatch, profile, sets):
+    """At the presets' head dim (128) a GPU's prefill path stores no scores: the workspace is the tile
+    smaller than with it, and every byte of it is free or holds experts (as many more slots as fit)."""
+    plan = plan_of(PROFILES / profile, sets)
+    assert plan.machine.backend == "cuda" and plan.model.facts.head_dim == 128
+    tile = _score_tile(plan)
+    assert tile > 0
+    with_tile = _counting_the_tile(monkeypatch, PROFILES / profile, sets, stores=True)
+    assert plan.memory == with_tile.memory and len(plan.gpus) == len(with_tile.gpus)
+    eb = plan.model.facts.expert_bytes()
+    for fused, stored in zip(plan.gpus, with_tile.gpus, strict=True):
+        a, b = fused.budget, stored.budget
+        assert b.workspace - a.workspace == tile
+        assert (a.free + a.experts) - (b.free + b.experts) == tile
+        if fused.experts_resident < fused.experts_total:  # a cache holds every slot its bytes fit
+            assert fused.experts_resident == (a.free + a.experts) // eb
+            assert stored.experts_resident == (b.free + b.experts) // eb
+            assert fused.experts_resident > stored.experts_resident
+        else:
+            assert a.free - b.free == tile
+
+
+def test_a_gpu_at_a_head_dim_the_fused_kernel_lacks_and_cpu_devices_plan_the_score_tile(
+    monkeypatch, tmp_path
+):
+    """Head dim 8 on a GPU (not one of the fused kernel's) and virtual CPU devices store prompt scores: their
+    plans count the tile."""
+    model = (FIXTURES / "models" / "mtp-micro").resolve()
+    gpu = tmp_path / "micro-gpu.toml"
+    gpu.write_text(
+        f'[machine]\nbackend = "cuda"\ngpus = [{{ name = "G", vram_mib = 4096, bandwidth_gbs = 1000 }}]\n'
+        f'[model]\npath = "{model}"\n'
+    )
+    demo = PROFILES / "demo.toml"
+    for path in (gpu, demo):
+        plan = plan_of(path)
+        assert (plan.machine.backend, plan.model.facts.head_dim) == (
+            ("cuda", 8) if path == gpu else ("cpu", 32)
+        )
+        tile = _score_tile(plan)
+        assert tile > 0
+        without = _counting_the_tile(monkeypatch, path, [], stores=False)
+        for stored, fused in zip(plan.gpus, without.gpus, strict=True):
+            assert stored.budget.workspace - fused.budget.workspace == tile, path.name

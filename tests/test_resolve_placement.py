@@ -20,7 +20,7 @@ from strata_cfg.resolve.placement import (
 )
 from strata_cfg.schema.facts import GpuFacts, ModelFacts
 from strata_cfg.schema.presets import preset_config
-from strata_cfg.schema.windows import ATTENTION_TILE_BYTES, attention_tile_rows
+from strata_cfg.schema.windows import ATTENTION_TILE_BYTES, FLASH_HEAD_DIMS, attention_tile_rows
 
 
 def model(name: str) -> ModelFacts:
@@ -40,6 +40,7 @@ def sizing(**over) -> Sizing:
         reserve_first=700 * MIB,
         reserve_later=700 * MIB,
         cache=None,
+        stores_scores=True,
     )
     return Sizing(**{**base, **over})
 
@@ -117,7 +118,7 @@ def test_workspace_holds_one_tile_of_stored_attention_scores_not_one_per_row():
     per_row = sizes.row_activation_bytes(m)
 
     def ws(rows: int) -> int:
-        return sizes.workspace_bytes(m, context=ctx, prefill_rows=rows, last=False)
+        return sizes.workspace_bytes(m, context=ctx, prefill_rows=rows, last=False, stores_scores=True)
 
     # Below the tile, each more row adds its activations and its scores (fp32) and probabilities (fp16).
     assert ws(tile) - ws(tile - 100) == 100 * (per_row + nh * ctx * 6)
@@ -126,3 +127,35 @@ def test_workspace_holds_one_tile_of_stored_attention_scores_not_one_per_row():
     assert ws(4096) - 4096 * per_row == tile * nh * ctx * 6 <= ATTENTION_TILE_BYTES
     # A longer context makes the tile shorter, never larger than the bound.
     assert sizes.attention_scores_bytes(m, context=4 * ctx, rows=4096) <= ATTENTION_TILE_BYTES
+
+
+@pytest.mark.parametrize(
+    ("backend", "head_dim", "stores"),
+    [("cuda", 128, False), ("cuda", 16, False), ("cuda", 256, True), ("cuda", 96, True), ("cpu", 128, True)],
+)
+def test_prompt_attention_stores_scores_everywhere_but_the_fused_kernel(backend, head_dim, stores):
+    """A GPU reads prompts through the fused kernel at its head dims, which stores no scores; head dims it
+    lacks (cuBLAS over tiles of scores) and virtual CPU devices (the array path) store them."""
+    m = model("qwen3-30b-a3b").model_copy(update={"head_dim": head_dim})
+    assert sizes.stores_attention_scores(backend, m) == stores
+    assert FLASH_HEAD_DIMS == (16, 32, 64, 128)  # the runtime's (test_rt_flash_reference.py holds them equal)
+
+
+@pytest.mark.parametrize("last", [False, True])
+def test_the_workspace_counts_a_score_tile_only_where_prompt_attention_stores_one(last):
+    m = model("qwen3-30b-a3b")
+    ctx, rows = 8192, 4096
+    kw = dict(context=ctx, prefill_rows=rows, last=last, slots=2, graph_rows=512)
+    fused = sizes.workspace_bytes(m, stores_scores=False, **kw)
+    stored = sizes.workspace_bytes(m, stores_scores=True, **kw)
+    assert stored - fused == sizes.attention_scores_bytes(m, context=ctx, rows=rows) > 0
+    # Without the tile the chunk's rows, the graphs' rows and the last stage's logits and counts are left.
+    head = 8 * m.vocab_size * 4 + 2 * m.vocab_size * sizes.TOKEN_COUNT_BYTES if last else 0
+    assert fused == (rows + 512) * sizes.row_activation_bytes(m) + head
+    # The stage's need carries it through `Sizing.stores_scores`.
+    shape = stage_shapes([24], m.num_hidden_layers)[1 if last else 0]
+    need = {
+        flag: stage_need(m, shape, sizing(context=ctx, prefill_chunk_alone=rows, stores_scores=flag))
+        for flag in (True, False)
+    }
+    assert need[True].workspace - need[False].workspace == stored - fused

@@ -142,15 +142,16 @@ def test_memory_prefill_chunk_alone_cached_reads_a_lone_prompt_in_longer_chunks_
 
 
 def test_memory_prefill_chunk_alone_cached_takes_a_shorter_chunk_where_a_longer_one_costs_too_many_slots():
-    """The reference box's two 20 GB cards: a 4096- or 2048-row chunk would cost more than 1/32 of a cache's
-    slots, so 1024 rows, whose cost is within it on both GPUs."""
+    """The reference box's split on two 6 GiB cards: a 4096- or 2048-row chunk would cost more than 1/32 of
+    a cache's few hundred slots, so 1024 rows, whose cost is within it on both GPUs."""
     path = PROFILES / "rtx3080-20g-x2.toml"
-    plan = plan_of(path)
+    gpus = ("machine.gpus", [{"name": n, "vram_mib": 6144, "bandwidth_gbs": 760} for n in "AB"])
+    plan = plan_of(path, [gpus])
     assert plan.memory.prefill_chunk_alone == 1024
     for rows in (2048, 4096):
-        slots, paid = _slots_paid(path, [("memory.prefill_chunk_alone", rows)])
+        slots, paid = _slots_paid(path, [gpus, ("memory.prefill_chunk_alone", rows)])
         assert paid * 32 > slots, rows
-    slots, paid = _slots_paid(path)
+    slots, paid = _slots_paid(path, [gpus])
     assert paid > 0 and paid * 32 <= slots
     assert (
         f"{paid} of GPU 0's {slots} expert slots"
@@ -164,7 +165,7 @@ def test_memory_prefill_chunk_alone_cached_keeps_every_expert_of_a_resident_gpu_
     path = PROFILES / "rtx3080-20g-x2.toml"
     gpus = (
         "machine.gpus",
-        [{"name": n, "vram_mib": v, "bandwidth_gbs": 760} for n, v in (("A", 29600), ("B", 20480))],
+        [{"name": n, "vram_mib": v, "bandwidth_gbs": 760} for n, v in (("A", 29050), ("B", 20480))],
     )
     plan = plan_of(path, [gpus])
     a, b = plan.gpus

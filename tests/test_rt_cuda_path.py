@@ -256,6 +256,21 @@ def test_the_cublas_prefill_attention_matches_the_flash_path(fake_gpu):
     assert np.linalg.norm(outs[0] - outs[1]) / np.linalg.norm(outs[1]) < 1e-2
 
 
+def test_every_prefill_path_of_a_gpu_plan_without_a_score_tile_takes_the_fused_kernel(fake_gpu):
+    """Where the plan counts no tile of attention scores (a GPU at one of `FLASH_HEAD_DIMS`, which
+    test_rt_flash_reference.py holds equal to the kernel's), each stage's prefill path and the MTP head's
+    read prompts through the fused kernel, which stores none: nothing the plan does not know turns it off."""
+    from strata_cfg.resolve.sizes import stores_attention_scores
+    from strata_runtime.model import Model
+
+    plan = _plan("cuda", draft_tokens=2)
+    assert not stores_attention_scores(plan.machine.backend, plan.model.facts)
+    model = Model.from_plan(plan)
+    assert model.mtp is not None and model.mtp.cuda is not None
+    paths = [stage.cuda_prefill for stage in model.stages] + [model.mtp.cuda._prefill]
+    assert len(paths) > 1 and all(p is not None and p.flash for p in paths)
+
+
 def test_fp16_q_prompt_attention_reaches_the_flash_calls(fake_gpu, monkeypatch):
     """``model.prefill_q = "fp16"``: every flash call of the stage's prefill gets no q_lo, and a chunk's
     output moves from the split's by q's fp16 rounding (not more); the MTP head's prefill takes the same

@@ -13,7 +13,8 @@ import pytest
 from flash_inputs import REL, large_score_inputs, make_inputs, twin
 from kernel_checks import rel_err, rng
 
-from strata_runtime.reference.flash import check_args
+from strata_cfg.schema.windows import FLASH_HEAD_DIMS
+from strata_runtime.reference.flash import HEAD_DIMS, check_args
 from strata_runtime.reference.flash import flash_prefill as reference_flash_prefill
 
 
@@ -158,3 +159,9 @@ def test_the_launcher_takes_the_shape_the_devices_shared_memory_allows(monkeypat
     ]
     assert [smem for _, smem, _, _ in launches] == [shared for _, _, _, shared in launches]
     assert [smem for _, smem, _, _ in launches] == [102 * 1024, 68 * 1024, 68 * 1024, 68 * 1024]
+
+
+def test_the_plans_fused_head_dims_are_the_kernels():
+    """The resolver plans no score tile at `FLASH_HEAD_DIMS` on a GPU (strata_cfg imports no runtime), so
+    they must be the head dims the fused kernel is instantiated for."""
+    assert FLASH_HEAD_DIMS == HEAD_DIMS

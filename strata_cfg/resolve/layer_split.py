@@ -9,6 +9,7 @@ from ..schema.plan import MIB
 from .defaults import drafts_with_mtp
 from .ledger import Ledger
 from .placement import Sizing, auto_split, faster_last, stage_times
+from .sizes import stores_attention_scores
 from .topology import Topology
 
 
@@ -41,6 +42,7 @@ def sizing(model: ModelFacts, led: Ledger) -> Sizing:
         reserve_first=led["memory.vram_reserve_mib"] * MIB,
         reserve_later=led["memory.vram_reserve_later_mib"] * MIB,
         cache=None if cache == "auto" else int(cache),
+        stores_scores=stores_attention_scores(led["machine.backend"], model),
         prefill_graph_rows=led["memory.prefill_graph_rows"],
     )
 

@@ -45,6 +45,9 @@ class Sizing:
     """Bytes left free on every other GPU."""
     cache: int | None
     """``experts.cache`` when the user gave a number; None for auto."""
+    stores_scores: bool
+    """Prompt attention stores a tile of scores, which the workspace counts (`sizes.stores_attention_scores`:
+    not where a GPU reads prompts through the fused kernel)."""
     prefill_graph_rows: int = 0
     """Rows of a prefill graph's temporaries, kept (``memory.prefill_graph_rows``)."""
 
@@ -89,6 +92,7 @@ def stage_need(model: ModelFacts, shape: StageShape, sz: Sizing) -> StageNeed:
             context=sz.context,
             prefill_rows=sz.prefill_rows,
             last=shape.last,
+            stores_scores=sz.stores_scores,
             slots=sz.slots,
             graph_rows=sz.graph_rows(shape.last),
         ),
@@ -280,12 +284,18 @@ def auto_split(model: ModelFacts, gpus: Sequence[GpuFacts], sz: Sizing) -> tuple
             context=sz.context,
             prefill_rows=sz.prefill_rows,
             last=True,
+            stores_scores=sz.stores_scores,
             slots=sz.slots,
             graph_rows=sz.graph_rows(True),
         )
     )
     mid_ws = sizes.workspace_bytes(
-        model, context=sz.context, prefill_rows=sz.prefill_rows, last=False, graph_rows=sz.graph_rows(False)
+        model,
+        context=sz.context,
+        prefill_rows=sz.prefill_rows,
+        last=False,
+        stores_scores=sz.stores_scores,
+        graph_rows=sz.graph_rows(False),
     )
     mtp_experts = model.mtp_layers * model.num_experts if sz.with_mtp else 0
     head = _head_step(model, sz)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..schema.facts import DTYPE_BYTES, ModelFacts
-from ..schema.windows import MAX_WINDOW_ROWS, attention_tile_rows
+from ..schema.windows import FLASH_HEAD_DIMS, MAX_WINDOW_ROWS, attention_tile_rows
 
 F32 = 4
 
@@ -95,10 +95,17 @@ TOKEN_COUNT_BYTES = 4 + 8
 the runtime reads to apply a request's penalties and logit bias on the device."""
 
 
+def stores_attention_scores(backend: str, model: ModelFacts) -> bool:
+    """Whether prompt attention stores its scores, as the runtime chooses: a GPU's prefill path reads every
+    head dim the fused kernel has (`FLASH_HEAD_DIMS`) through it, which stores none; other head dims (cuBLAS
+    over tiles of scores) and virtual CPU devices (the array path) store them."""
+    return backend != "cuda" or model.head_dim not in FLASH_HEAD_DIMS
+
+
 def attention_scores_bytes(model: ModelFacts, *, context: int, rows: int) -> int:
     """Stored attention scores (float32) and probabilities (float16) of ``rows`` query rows over the whole
     context, in the tiles of at most `attention_tile_rows` rows that prompt attention takes where it stores
-    them (on a GPU, head dims the fused kernel lacks; the fused kernel stores none)."""
+    them (`stores_attention_scores`)."""
     nh = model.num_attention_heads
     return min(rows, attention_tile_rows(nh, context)) * nh * context * (F32 + 2)
 
@@ -109,18 +116,21 @@ def workspace_bytes(
     context: int,
     prefill_rows: int,
     last: bool,
+    stores_scores: bool,
     slots: int = 0,
     graph_rows: int = 0,
 ) -> int:
-    """Activation workspace: ``prefill_rows`` rows (`prefill_rows`) at `row_activation_bytes` and one tile of
-    their attention scores (`attention_scores_bytes`), and ``graph_rows`` more rows kept for the prefill
-    graphs (``memory.prefill_graph_rows``: their temporaries keep their addresses, beside a longer chunk's;
-    the caller counts the MTP head's graphs on the last stage); the last stage adds a decode window's logits
+    """Activation workspace: ``prefill_rows`` rows (`prefill_rows`) at `row_activation_bytes`, one tile of
+    their attention scores (`attention_scores_bytes`) where prompt attention stores them (``stores_scores``,
+    `stores_attention_scores`), and ``graph_rows`` more rows kept for the prefill graphs
+    (``memory.prefill_graph_rows``: their temporaries keep their addresses, beside a longer chunk's; the
+    caller counts the MTP head's graphs on the last stage); the last stage adds a decode window's logits
     [R, V] in float32 and each of ``slots`` slots' token counts and logit bias (`TOKEN_COUNT_BYTES` per
     vocabulary word)."""
     per_row = row_activation_bytes(model)
-    n = prefill_rows * per_row + attention_scores_bytes(model, context=context, rows=prefill_rows)
-    n += graph_rows * per_row
+    n = (prefill_rows + graph_rows) * per_row
+    if stores_scores:
+        n += attention_scores_bytes(model, context=context, rows=prefill_rows)
     if last:
         n += MAX_WINDOW_ROWS * model.vocab_size * F32 + slots * model.vocab_size * TOKEN_COUNT_BYTES
     return n

@@ -85,6 +85,11 @@ def attention_tile_rows(n_heads: int, keys: int) -> int:
     return max(ATTENTION_TILE_MIN_ROWS, ATTENTION_TILE_BYTES // (n_heads * keys * 6))
 
 
+FLASH_HEAD_DIMS = (16, 32, 64, 128)
+"""Head dims of the fused prompt-attention kernel (``strata_runtime.reference.flash.HEAD_DIMS``, which a test
+holds this to): on a GPU a prompt chunk at one of these stores no scores, so the resolver plans no tile."""
+
+
 WindowKind = Literal["solo", "serial", "batch-mtp", "pipelined"]
 
 
