@@ -124,9 +124,9 @@ def handed_to_cache(store: ExpertStore) -> list[tuple[np.ndarray, Reads | None]]
     handed: list[tuple[np.ndarray, Reads | None]] = []
     decide = store.decide
 
-    def spy(counts: np.ndarray, windows: int = 1, reads: Reads | None = None) -> Any:
+    def spy(counts: np.ndarray, windows: int = 1, reads: Reads | None = None, prompt: bool = False) -> Any:
         handed.append((counts.copy(), reads))
-        return decide(counts, windows, reads)
+        return decide(counts, windows, reads, prompt)
 
     store.decide = spy  # type: ignore[method-assign]
     return handed

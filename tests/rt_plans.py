@@ -51,12 +51,13 @@ def profile_text(
     helper_vram_mib: int = 8192,
     run_ahead: int | None = None,
     adaptive_depth: bool | None = None,
+    cache_policy: dict[str, Any] | None = None,
 ) -> str:
     """``adaptive_depth`` False: every drafting solo window carries all its proposals (window shapes then
     do not depend on measured times). ``helpers``: helper GPUs (``experts.helper_devices``) after the
     stages' GPUs; ``peer``: a peer device (``experts.peer_device``) after them instead;
     ``helper_vram_mib``: the VRAM of each (the resolver fills a helper GPU with as many of the experts the
-    stages lack as fit)."""
+    stages lack as fit). ``cache_policy``: keys of the profile's ``[experts]`` table (``max_swaps`` ...)."""
     if model_dir is not None:
         n_layers = json.loads((Path(model_dir) / "config.json").read_text())["num_hidden_layers"]
         model = f"path = {json.dumps(str(model_dir))}"
@@ -92,12 +93,13 @@ def profile_text(
         lines.append(f"adaptive_depth = {str(adaptive_depth).lower()}")
     lines += ["[memory]", f"context = {context}", f"prefill_chunk = {prefill_chunk}", "vram_reserve_mib = 0"]
     lines += [f"prefill_chunk_alone = {prefill_chunk_alone}"] if prefill_chunk_alone is not None else []
-    if expert_cache is not None or adapt is not None or extra:
+    if expert_cache is not None or adapt is not None or extra or cache_policy:
         lines += ["[experts]"]
         lines += [f"cache = {expert_cache}"] if expert_cache is not None else []
         lines += [f"adapt = {'true' if adapt else 'false'}"] if adapt is not None else []
         lines += [f"helper_devices = {list(range(stages, stages + helpers))}"] if helpers else []
         lines += [f"peer_device = {stages}"] if peer else []
+        lines += [f"{key} = {value}" for key, value in (cache_policy or {}).items()]
     if serve or batch_mtp:
         lines += ["[serve]"]
     return "\n".join(lines) + "\n"

@@ -158,3 +158,79 @@ def test_fixed_layers_keep_their_first_experts_whatever_the_routing() -> None:
     assert (r.slot_of[2] == start).all()
     assert all(r.resident(j, e) for j in (0, 1) for e in (5, 6, 7))  # the others did follow the routing
     check_bijection(r)
+
+
+def test_a_prompt_chunk_brings_a_rebalance_at_once_and_other_windows_wait_their_turn() -> None:
+    """A prompt chunk's counts show what the request uses: the rebalance is due right after them, not
+    ``every`` windows later (unless the policy says otherwise), and the count toward the next one restarts."""
+    counts = np.zeros((2, 8))
+    counts[:, 6:] = 40.0  # a prompt routed to experts the initial fill left out
+    r = Residency(2, 8, 4, 1, Policy(every=4))
+    r.observe(counts, prompt=True)
+    assert r.due()
+    swaps = r.rebalance()
+    assert {s.loaded for s in swaps} == {(0, 6), (0, 7), (1, 6), (1, 7)}
+    r.observe(counts)
+    assert not r.due(), "an ordinary window waits for the policy's turn"
+    late = Residency(2, 8, 4, 1, Policy(every=4, after_prompt=False))
+    late.observe(counts, prompt=True)
+    assert not late.due()
+
+
+def test_the_plans_cache_policy_reaches_the_cache_and_its_defaults_are_the_runtimes() -> None:
+    """The profile's ``experts`` keys set the policy; left out, the plan's defaults equal `Policy()`'s, so the
+    resolver's documented defaults are the ones that run."""
+    from rt_plans import make_plan
+
+    from strata_runtime.model import Model
+
+    kw = dict(preset="small", context=64, prefill_chunk=16, expert_cache=4)
+    assert Policy.of(make_plan(**kw).experts) == Policy()
+    keys = {"score_decay": 0.5, "rebalance_every": 3, "swap_margin": 1.5, "max_swaps": 7}
+    [stage] = Model.from_plan(make_plan(cache_policy=keys, **kw)).stages
+    assert stage.experts.residency.policy == Policy(decay=0.5, every=3, margin=1.5, max_swaps=7)
+
+
+def test_at_most_max_swaps_move_at_a_rebalance_and_only_newcomers_that_beat_the_margin() -> None:
+    """A prompt chunk routed to more new experts than ``max_swaps`` moves only the strongest of them in, and
+    none whose score falls short of the evicted one's by the margin."""
+    counts = np.zeros((1, 16))
+    counts[0, 8:] = [9, 8, 7, 6, 5, 4, 2.5, 2.0]  # experts 0..7 resident with score 0
+    r = Residency(1, 16, 8, 1, Policy(every=4, margin=3.0, max_swaps=4))
+    r.observe(counts, prompt=True)
+    assert [s.loaded for s in r.rebalance()] == [(0, 8), (0, 9), (0, 10), (0, 11)]
+    r2 = Residency(1, 16, 8, 1, Policy(every=4, margin=3.0, max_swaps=16))
+    r2.observe(counts, prompt=True)
+    assert [s.loaded[1] for s in r2.rebalance()] == [8, 9, 10, 11, 12, 13]  # 2.5 and 2.0 fall short of 3
+
+
+def test_the_default_policy_moves_fewer_experts_over_the_host_link_than_the_old_one() -> None:
+    """On calibrated routing (each request its own hot set) the default policy learns a new request from its
+    prompt and moves far fewer experts over the host link per token than the old one (decay 0.7, margin 1,
+    at most 32 swaps), and on uniform routing (nothing to learn) it swaps no more than a few per cent."""
+    from strata_runtime.experts.cache_sim import calibrated_requests, simulate, uniform_requests
+    from strata_runtime.experts.routing import RoutingModel
+
+    layers, experts, k, n = 12, 128, 8, 8
+    g = np.random.default_rng(5)
+    model = RoutingModel(layers, experts, k, model_seed=5)
+    prompts = [g.integers(0, 32000, int(g.integers(20, 200))).tolist() for _ in range(n)]
+    calibrated = calibrated_requests(model, prompts, 64)
+    uniform = uniform_requests(g, [len(p) for p in prompts], 64, layers, experts, k)
+    old = Policy(decay=0.7, every=4, margin=1.0, max_swaps=32, after_prompt=False)
+    slots = int(0.34 * layers * experts)
+    new_c, old_c = (simulate(calibrated, slots, p, warm=n // 2) for p in (Policy(), old))
+    assert new_c.link < 0.8 * old_c.link and new_c.hit_rate > old_c.hit_rate
+    new_u, old_u = (simulate(uniform, slots, p, warm=n // 2) for p in (Policy(), old))
+    assert new_u.link < 1.05 * old_u.link
+
+
+def test_the_simulation_counts_an_expert_a_windows_rows_share_once() -> None:
+    """Two streams routed to the same experts: a window's misses are its distinct experts outside VRAM."""
+    from strata_runtime.experts.cache_sim import RequestTrace, simulate
+
+    decode = np.full((4, 1, 2), 0)
+    decode[:, 0, 1] = 3  # every position routes to experts 0 and 3 of the one layer
+    req = RequestTrace(np.zeros((1, 4)), decode)
+    out = simulate([req, req], 1, Policy(adapt=False), streams=2)  # expert 0 resident, 3 not
+    assert out.hit_rate == 0.5 and out.misses == 0.5 and out.swaps == 0  # one read per window, 2 tokens

@@ -122,6 +122,27 @@ def test_benchmark_arms_share_one_cache_per_stage_and_a_memory_cap_that_grows_by
     assert store.limit(serial, Device("cpu", 0)) == before + gpu.kv + gpu.drafters + gpu.workspace
 
 
+def test_benchmark_arms_sharing_a_cache_each_adapt_by_their_own_plans_policy():
+    """Arms that differ in the cache's policy share its slots; each arm's restore hands the cache its own
+    policy, so a comparison of policies runs each one."""
+    from rt_plans import make_plan
+
+    from strata_runtime.experts.cache import Policy
+    from strata_runtime.model.placed import WeightStore
+
+    store = WeightStore()
+    kw = dict(preset="small", context=64, prefill_chunk=16, expert_cache=4)
+    a = Engine(make_plan(cache_policy={"max_swaps": 1}, **kw), weights=store)
+    b = Engine(make_plan(cache_policy={"max_swaps": 7, "swap_margin": 0.5}, **kw), weights=store)
+    [sa], [sb] = a.model.stages, b.model.stages
+    assert sa.experts is sb.experts
+    state = a.expert_state()
+    b.restore_experts(state)
+    assert sb.experts.residency.policy == Policy(max_swaps=7, margin=0.5)
+    a.restore_experts(state)
+    assert sa.experts.residency.policy == Policy(max_swaps=1)
+
+
 def test_a_restored_cache_holds_and_knows_what_it_did_so_a_rerun_serves_the_same():
     """Benchmark arms share a cache; each starts from the same contents, so the same requests run again
     after a restore are served exactly as the first time, hit for hit."""

@@ -406,6 +406,23 @@ def test_a_prompt_chunks_routing_reaches_the_cache_at_the_next_window_and_all_of
     assert_reads_by_tier(handed, tiers)
 
 
+def test_a_prompt_chunks_hand_over_rebalances_the_cache_on_the_cuda_path(fake_gpu):
+    """With rebalances otherwise far apart, the hand-over of a prompt chunk's counts (at the window after it)
+    moves the experts the prompt routed to into VRAM at once."""
+    plan = cuda_plan(
+        expert_cache=4, slots=1, groups=1, prefill_chunk_alone=96, cache_policy={"rebalance_every": 1000}
+    )
+    engine = Engine(plan)
+    [stage] = engine.model.stages
+    store = stage.experts
+    engine.submit(Request(tuple(range(40, 140)), 12))  # its first chunk: 96 rows through the prefill path
+    engine.step()
+    assert store.stats.swaps == 0
+    engine.step()  # hands the chunk's counts over
+    assert store.stats.swaps > 0
+    assert_tables_point_where_each_expert_is(stage)
+
+
 def test_a_restored_cache_on_the_cuda_path_forgets_the_reads_counted_before(fake_gpu):
     """Benchmark arms share a stage's cache and each starts from a restore: what an arm counted (routing and
     the reads each tier served) must not be handed to the cache in the next arm's first window."""

@@ -235,6 +235,8 @@ def expert_notes(gpus: list[GpuPlan], sz: Sizing, led: Ledger) -> None:
         )
     if helper_held:
         led.note("experts.cache", "experts.helper_devices", f"helper GPUs hold {helper_held} more experts")
+    if partial:
+        led.note("experts.cache", "experts.adapt", cache_policy_text(led))
     if led["batch.mtp"] and not partial:
         led.note(
             "batch-mtp.all-experts-resident",
@@ -242,3 +244,16 @@ def expert_notes(gpus: list[GpuPlan], sz: Sizing, led: Ledger) -> None:
             "every expert is resident in VRAM: batch MTP pays when experts do not all fit; with all "
             "resident it measured slower than pipelined groups (set batch.mtp = false to pipeline)",
         )
+
+
+def cache_policy_text(led: Ledger) -> str:
+    """How the expert cache follows the routing, in words (the ``experts`` policy keys)."""
+    if not led["experts.adapt"]:
+        return "the cache keeps its first contents (experts.adapt = false)"
+    prompt = " and after each prompt chunk" if led["machine.backend"] == "cuda" else ""
+    return (
+        f"the cache rebalances every {led['experts.rebalance_every']} windows{prompt}: "
+        f"scores decay by {led['experts.score_decay']:g} a window, and a missing expert takes a slot when "
+        f"it beats the resident one by {led['experts.swap_margin']:g} uses, at most "
+        f"{led['experts.max_swaps']} at a time"
+    )

@@ -8,7 +8,7 @@ described in docs/PROFILES.md, "How a profile is resolved".
 from __future__ import annotations
 
 from ..schema.facts import MachineFacts, ModelFacts, run_dtype
-from ..schema.plan import DEFAULT_DRAFT_FLOOR
+from ..schema.plan import DEFAULT_DRAFT_FLOOR, MAX_SWAPS, REBALANCE_EVERY, SCORE_DECAY, SWAP_MARGIN
 from ..schema.presets import PRESET_DEFAULTS
 from ..schema.profile import Profile, parse_device
 from .ledger import Ledger
@@ -123,6 +123,10 @@ def resolve_defaults(
     led.take("experts.remote_opt", e.remote_opt if e else None, False)
     peer = led.take("experts.peer_device", e.peer_device if e else None, None)
     led.take("experts.adapt", e.adapt if e else None, True)
+    led.take("experts.score_decay", e.score_decay if e else None, SCORE_DECAY)
+    led.take("experts.rebalance_every", e.rebalance_every if e else None, REBALANCE_EVERY)
+    led.take("experts.swap_margin", e.swap_margin if e else None, SWAP_MARGIN)
+    led.take("experts.max_swaps", e.max_swaps if e else None, MAX_SWAPS)
 
     if p.serve is not None:
         sv = p.serve

@@ -300,6 +300,16 @@ class ModelPlan(_Plan):
         return self.path or self.facts.source
 
 
+SCORE_DECAY = 0.9
+REBALANCE_EVERY = 4
+SWAP_MARGIN = 3.0
+MAX_SWAPS = 512
+"""The expert cache's policy by default (the runtime's `strata_runtime.experts.cache.Policy`): scores with a
+half-life of about seven windows, a rebalance every four windows and right after each prompt chunk, and
+swaps that must each beat the expert they evict by three uses, up to 512 at a time. docs/RUNTIME.md ("How
+the cache's policy was chosen") has the simulation that chose them."""
+
+
 class ExpertsPlan(_Plan):
     cache: int | None
     """Expert-cache slots per GPU when not every expert fits; None when every expert is resident."""
@@ -308,6 +318,14 @@ class ExpertsPlan(_Plan):
     peer_device: int | None = None
     adapt: bool = True
     """Whether the expert cache follows the routing (``experts.adapt``)."""
+    score_decay: float = SCORE_DECAY
+    """Each window multiplies the cache's scores by this (``experts.score_decay``)."""
+    rebalance_every: int = REBALANCE_EVERY
+    """Windows between the cache's rebalances (``experts.rebalance_every``)."""
+    swap_margin: float = SWAP_MARGIN
+    """Score a newcomer must beat the expert it evicts by (``experts.swap_margin``)."""
+    max_swaps: int = MAX_SWAPS
+    """Swaps per rebalance at most (``experts.max_swaps``)."""
 
 
 class HostTier(_Plan):

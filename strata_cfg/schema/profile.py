@@ -240,6 +240,16 @@ class ExpertsSection(Section):
     adapt: bool | None = None
     """Whether the expert cache follows the routing (default true): every few windows the most used experts
     that hold no VRAM slot replace the least used ones that do. False freezes it at its first contents."""
+    score_decay: float | None = Field(default=None, gt=0, lt=1)
+    """How fast the cache forgets (default 0.9): each window multiplies every expert's score, its decayed
+    count of uses, by this before adding the window's own uses."""
+    rebalance_every: int | None = Field(default=None, ge=1)
+    """Windows between rebalances of the cache (default 4); on a GPU a prompt chunk brings one at once."""
+    swap_margin: float | None = Field(default=None, ge=0)
+    """How much higher a missing expert's score must be than a resident one's for it to take that slot
+    (default 3): each swap copies an expert over the host link, so it must pay for itself."""
+    max_swaps: int | None = Field(default=None, ge=1)
+    """Swaps per rebalance at most (default 512)."""
 
 
 class ServeSection(Section):

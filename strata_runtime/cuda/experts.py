@@ -141,6 +141,8 @@ class CudaExperts:
             self._read = (_pinned((n_layers, n_exp), np.float32), _pinned((n_layers, 2), np.float32))
             self._read_done: Any = None
             self._read_windows = 0
+            self._read_prompt = False
+            """Whether the read in flight holds a prompt chunk's counts (its hand-over rebalances)."""
             self._windows = 0
             self._read_soon = False
             self._upload(self._table_arrays(pending=()), cp.cuda.get_current_stream())
@@ -206,7 +208,8 @@ class CudaExperts:
         """Account one window of this stage and keep the cache in step; call right after the stage's work
         is queued, on its stream. ``prompt``: the window was a prompt chunk through the prefill path, whose
         thousands of assignments the cache should learn before the windows after it: its counters are
-        read at once (or as soon as the read in flight has landed). Returns the swaps started now."""
+        read at once (or as soon as the read in flight has landed), and their hand-over rebalances the
+        cache. Returns the swaps started now."""
         if not self.store.cached:
             return []
         stream = cupy_module().cuda.get_current_stream()
@@ -243,7 +246,8 @@ class CudaExperts:
 
     def _queue_read(self, stream: Any) -> None:
         """Copy the counters to pinned memory behind the work queued on ``stream`` and clear them."""
-        self._read_windows, self._windows, self._read_soon = self._windows, 0, False
+        self._read_windows, self._read_prompt = self._windows, self._read_soon
+        self._windows, self._read_soon = 0, False
         counts, misses = self._read
         self.counts.get(stream=stream, out=counts, blocking=False)
         self.misses.get(stream=stream, out=misses, blocking=False)
@@ -257,7 +261,8 @@ class CudaExperts:
         counts, misses = self._read
         away, helper = (int(n) for n in misses.sum(axis=0))
         windows, self._read_done = self._read_windows, None
-        swaps = self.store.decide(counts.astype(np.float64), windows, Reads(helper, away - helper))
+        reads = Reads(helper, away - helper)
+        swaps = self.store.decide(counts.astype(np.float64), windows, reads, self._read_prompt)
         if swaps:
             self.apply(swaps, stream)
         return swaps

@@ -362,8 +362,11 @@ class Engine:
 
     def restore_experts(self, state: list[Snapshot]) -> None:
         """Bring each stage's expert cache back to ``state`` (from `expert_state`), so that benchmark arms
-        sharing the caches each start from the same contents. Call only while no window is in flight."""
+        sharing the caches each start from the same contents, and adapt by this engine's plan's policy.
+        Call only while no window is in flight."""
         for stage, snap in zip(self.model.stages, state, strict=True):
+            if stage.policy is not None:
+                stage.experts.residency.policy = stage.policy
             if stage.cuda_experts is not None:
                 stage.cuda_experts.restore(snap)
             else:

@@ -12,10 +12,15 @@ The policy, after the engine this project models (its adaptive tier nearly doubl
 cards: 89.2 against 45.2 tok/s), is frequency with decay:
 
 * every window adds its routing counts to a score per expert, after multiplying the scores by ``decay``
-  (0.7) per window, so a score is a recent-use frequency with a half-life of about two windows;
-* every ``every`` windows (4), the highest-scoring missing experts replace the lowest-scoring resident ones,
-  one for one, while the newcomer's score beats the evicted one's by ``margin``, at most ``max_swaps`` a time
-  (each swap copies one expert over the host link, which misses also use).
+  (0.9) per window, so a score is a recent-use frequency with a half-life of about seven windows;
+* every ``every`` windows (4), and after a prompt chunk, the highest-scoring missing experts replace the
+  lowest-scoring resident ones, one for one, while the newcomer's score beats the evicted one's by
+  ``margin`` (3 uses: each swap copies one expert over the host link, which misses also use, so a swap
+  must save more reads than it costs), at most ``max_swaps`` (512) a time.
+
+A new request routes to experts of its own, and its prompt chunk shows which: the rebalance right after it
+moves them in at once, where a cap of 32 swaps every four windows left the cache learning the request
+through most of its decode (docs/RUNTIME.md, "How the cache's policy was chosen", has the simulation).
 
 With a helper tier the same rule runs twice per rebalance, one tier after the other, over the same scores:
 first into VRAM from everything VRAM lacks (a newcomer held by the helper tier trades places with the
@@ -35,9 +40,12 @@ Swapping changes where an expert's product is computed, never its value: the pol
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from strata_cfg.schema.plan import ExpertsPlan
 
 VRAM, HELPER, HOST = 0, 1, 2
 """An expert's tier: a VRAM slot, a helper slot on another device, or host memory only."""
@@ -47,15 +55,22 @@ VRAM, HELPER, HOST = 0, 1, 2
 class Policy:
     """How the cache adapts (``adapt=False`` freezes it at its initial contents)."""
 
-    decay: float = 0.7
+    decay: float = 0.9
     """Each window multiplies every score by this before adding its own routing counts."""
     every: int = 4
-    """Windows between rebalances."""
-    margin: float = 1.0
+    """Windows between rebalances (a prompt chunk brings one at once)."""
+    margin: float = 3.0
     """A missing expert replaces a resident one only when its score is higher by at least this."""
-    max_swaps: int = 32
+    max_swaps: int = 512
     """Swaps per tier and rebalance at most."""
     adapt: bool = True
+    after_prompt: bool = True
+    """Whether a prompt chunk's counts bring a rebalance at once."""
+
+    @classmethod
+    def of(cls, plan: ExpertsPlan) -> Policy:
+        """The policy a launch plan's experts section sets (``experts.score_decay`` and the rest)."""
+        return cls(plan.score_decay, plan.rebalance_every, plan.swap_margin, plan.max_swaps, plan.adapt)
 
 
 @dataclass(frozen=True)
@@ -231,10 +246,13 @@ class Residency:
         out[self.slot_of >= 0] = VRAM
         return out
 
-    def observe(self, counts: np.ndarray, windows: int = 1, reads: Reads | None = None) -> None:
+    def observe(
+        self, counts: np.ndarray, windows: int = 1, reads: Reads | None = None, prompt: bool = False
+    ) -> None:
         """Add the routing counts [L, E] (assignments per expert) of ``windows`` windows, decaying the older
         scores once per window. ``reads``: the assignments served by the helper tier and by host memory, as
-        counted where they ran (default: by where each expert is now)."""
+        counted where they ran (default: by where each expert is now). ``prompt``: the windows hold a prompt
+        chunk, whose thousands of assignments show what the request uses: a rebalance is due at once."""
         total = int(counts.sum())
         if reads is None:
             tiers = self.tiers()
@@ -251,6 +269,8 @@ class Residency:
         self.scores *= self.policy.decay**windows
         self.scores += counts
         self._since += windows
+        if prompt and self.policy.after_prompt:
+            self._since = max(self._since, self.policy.every)
 
     def due(self) -> bool:
         """Whether a rebalance is due (the policy adapts and ``every`` windows have passed)."""

@@ -156,11 +156,13 @@ class ExpertStore:
 
     # ---- after a window ----------------------------------------------------------------------------
 
-    def decide(self, counts: np.ndarray, windows: int = 1, reads: Reads | None = None) -> list[Swap]:
+    def decide(
+        self, counts: np.ndarray, windows: int = 1, reads: Reads | None = None, prompt: bool = False
+    ) -> list[Swap]:
         """Account a window's routing counts [L, E]; when a rebalance is due, decide it (the slot tables
-        change now; the caller moves the weights). ``reads``: as `Residency.observe`. Returns the swaps
-        decided."""
-        self.residency.observe(counts, windows, reads)
+        change now; the caller moves the weights). ``reads`` and ``prompt``: as `Residency.observe`. Returns
+        the swaps decided."""
+        self.residency.observe(counts, windows, reads, prompt)
         return self.residency.rebalance() if self.residency.due() else []
 
     def observe(self, counts: np.ndarray, windows: int = 1, reads: Reads | None = None) -> list[Swap]:

@@ -323,7 +323,7 @@ class Model:
                         kv_dtype=kv_dtype,
                         routing=routing,
                         expert_slots=cache_slots[sp.index],
-                        policy=Policy(adapt=plan.experts.adapt),
+                        policy=Policy.of(plan.experts),
                         shared=shared,
                         helpers=helpers[sp.index],
                         prefill_split_q=plan.model.prefill_q == "split",

@@ -137,6 +137,8 @@ class Stage:
             gate_up.append(tensors[mtp])
             down.append(tensors["mtp.layers.0.mlp.experts.down_proj"])
         self.shared = shared
+        self.policy = policy
+        """How this model's expert cache adapts (`Engine.restore_experts` gives a shared cache this one)."""
         if shared is not None and shared.experts is not None:
             self.experts = shared.experts
         else:

@@ -1,0 +1,77 @@
+"""Compare expert-cache policies by the experts they move over the host link per generated token.
+
+    python scripts/cache_policy_sim.py [--requests 12] [--tokens 128] [--layers 48] [--seed 0]
+
+Replays requests through the cache's own bookkeeping (strata_runtime/experts/cache_sim.py) in a model of
+Qwen3-30B-A3B's shape (48 sparse layers of 128 experts, top-8), with 34% and 63% of the experts in VRAM (a
+24 GiB card, and each GPU of two 20 GiB ones), under calibrated routing (short and long prompts, one and two
+streams) and uniform routing. The first half of the requests settle the cache. docs/RUNTIME.md shows this
+script's table.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+from strata_runtime.experts.cache import Policy
+from strata_runtime.experts.cache_sim import calibrated_requests, simulate, uniform_requests
+from strata_runtime.experts.routing import RoutingModel
+
+POLICIES = {
+    "before (decay 0.7, margin 1, at most 32)": Policy(decay=0.7, every=4, margin=1.0, max_swaps=32),
+    "default": Policy(),
+    "margin 2": Policy(margin=2.0),
+    "margin 4": Policy(margin=4.0),
+    "at most 64": Policy(max_swaps=64),
+    "decay 0.7": Policy(decay=0.7),
+    "decay 0.95": Policy(decay=0.95),
+    "no rebalance after a prompt": Policy(every=4, after_prompt=False),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--requests", type=int, default=12)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    experts, k, n = 128, 8, args.requests
+    g = np.random.default_rng(args.seed)
+    model = RoutingModel(args.layers, experts, k, model_seed=args.seed)
+
+    def prompts(lo: int, hi: int) -> list[list[int]]:
+        return [g.integers(0, 32000, int(g.integers(lo, hi))).tolist() for _ in range(n)]
+
+    short = calibrated_requests(model, prompts(20, 200), args.tokens)
+    long = calibrated_requests(model, prompts(500, 2000), args.tokens)
+    uniform = uniform_requests(
+        g, [int(x) for x in g.integers(20, 200, n)], args.tokens, args.layers, experts, k
+    )
+    cases = [
+        ("calibrated, 34%", short, 0.34, 1),
+        ("calibrated, 63%", short, 0.63, 1),
+        ("calibrated, long prompts, 34%", long, 0.34, 1),
+        ("calibrated, 2 streams, 34%", short, 0.34, 2),
+        ("uniform, 34%", uniform, 0.34, 1),
+        ("uniform, 2 streams, 34%", uniform, 0.34, 2),
+    ]
+    print(
+        f"{n} requests of {args.tokens} tokens ({n // 2} settle the cache), {args.layers} layers x {experts} "
+        f"experts, top-{k}: experts over the host link per generated token (VRAM hit rate)"
+    )
+    print("| policy | " + " | ".join(c[0] for c in cases) + " |")
+    print("| --- |" + " ---: |" * len(cases))
+    for name, policy in POLICIES.items():
+        cells = []
+        for _, requests, share, streams in cases:
+            slots = int(share * args.layers * experts)
+            out = simulate(requests, slots, policy, streams=streams, warm=n // 2)
+            cells.append(f"{out.link:.1f} ({100 * out.hit_rate:.1f}%)")
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""What an expert-cache policy costs on routing traces, without a GPU.
+
+A decode window at one row reads each expert its row routes to once, from wherever the cache holds it; an
+expert in host memory crosses the host link, and so does each swap into a slot. So a policy's cost on a
+stream of requests is the experts it moves over the host link per generated token: misses plus swaps. This
+module replays requests' routing through `Residency` (the cache's own bookkeeping, unchanged) the way the
+GPU path hands it over:
+
+* a request's prompt is one chunk: its counts reach the cache at once, marked as a prompt;
+* each decode window routes one row per stream; the counts of ``policy.every`` windows reach the cache
+  together (the device counters are read that often), and a rebalance is decided when one is due;
+* a window is served by what the cache holds when it runs (swaps take effect at once: on a GPU they land a
+  window or so later, which this leaves out).
+
+Requests run ``streams`` at a time, their decode windows together (a window of several rows then reads an
+expert its rows share once, as the GPU's grouped decode kernels do). The first ``warm`` requests settle the
+cache and are not counted. `scripts/cache_policy_sim.py` prints a table of policies over routing models.
+
+Letters: L sparse layers, E experts, k experts per row, T positions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .cache import Policy, Residency
+from .routing import RoutingModel
+
+
+@dataclass(frozen=True)
+class RequestTrace:
+    """One request's routing: its prompt's counts [L, E] and each decode position's experts [T, L, k]."""
+
+    prompt: np.ndarray
+    decode: np.ndarray
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a policy moved over the host link, per generated token, once the cache had settled."""
+
+    hit_rate: float
+    """Share of decode assignments (row and chosen expert pairs) served from VRAM."""
+    misses: float
+    """Experts read from host memory per generated token (an expert a window's rows share counts once)."""
+    swaps: float
+    """Experts copied into slots per generated token (prompt rebalances included)."""
+
+    @property
+    def link(self) -> float:
+        """Experts over the host link per generated token."""
+        return self.misses + self.swaps
+
+
+def counts(rows: np.ndarray, n_experts: int) -> np.ndarray:
+    """Routing counts [L, E] of rows [R, L, k]."""
+    n_layers = rows.shape[1]
+    out = np.zeros((n_layers, n_experts))
+    layer = np.broadcast_to(np.arange(n_layers)[None, :, None], rows.shape)
+    np.add.at(out, (layer.ravel(), rows.ravel()), 1)
+    return out
+
+
+def calibrated_requests(
+    model: RoutingModel, prompts: Sequence[Sequence[int]], tokens: int
+) -> list[RequestTrace]:
+    """Each prompt's routing under the calibrated model: the prompt's positions, then ``tokens`` more."""
+    out = []
+    for prompt in prompts:
+        seed, cdf = model.request(prompt)
+        positions = np.arange(len(prompt) + tokens)
+        rows = np.stack([model.intended(seed, cdf, j, positions) for j in range(model.n_layers)], axis=1)
+        out.append(RequestTrace(counts(rows[: len(prompt)], model.n_experts), rows[len(prompt) :]))
+    return out
+
+
+def uniform_requests(
+    rng: np.random.Generator, prompt_lengths: Sequence[int], tokens: int, layers: int, experts: int, k: int
+) -> list[RequestTrace]:
+    """Random routing, k distinct experts uniformly at every position (a random router's worst case)."""
+    out = []
+    for n in prompt_lengths:
+        rows = np.argsort(rng.random((n + tokens, layers, experts)), axis=2)[:, :, :k]
+        out.append(RequestTrace(counts(rows[:n], experts), rows[n:]))
+    return out
+
+
+def simulate(
+    requests: Sequence[RequestTrace], slots: int, policy: Policy, *, streams: int = 1, warm: int = 0
+) -> Outcome:
+    """Replay ``requests``, ``streams`` at a time, through a cache of ``slots`` slots under ``policy``."""
+    n_layers, n_experts = requests[0].prompt.shape
+    cache = Residency(n_layers, n_experts, slots, 1, policy)
+    pending, windows = np.zeros((n_layers, n_experts)), 0
+    hits = total = misses = swaps = tokens = 0.0
+
+    def hand_over(c: np.ndarray, w: int, prompt: bool = False) -> int:
+        cache.observe(c, w, prompt=prompt)
+        return len(cache.rebalance()) if cache.due() else 0
+
+    for start in range(0, len(requests), streams):
+        group = requests[start : start + streams]
+        counted = start >= warm
+        for r in group:
+            moved = hand_over(r.prompt, 1, prompt=True)
+            swaps += moved if counted else 0
+        for t in range(max(len(r.decode) for r in group)):
+            c = counts(np.concatenate([r.decode[t : t + 1] for r in group if t < len(r.decode)]), n_experts)
+            resident = cache.slot_of >= 0
+            if counted:
+                total += c.sum()
+                hits += c[resident].sum()
+                misses += np.count_nonzero((c > 0) & ~resident)
+                tokens += sum(t < len(r.decode) for r in group)
+            pending += c
+            windows += 1
+            if windows >= policy.every:
+                moved = hand_over(pending, windows)
+                swaps += moved if counted else 0
+                pending, windows = np.zeros_like(pending), 0
+    if not tokens:
+        raise ValueError(f"no request after the {warm} warm-up ones to measure")
+    return Outcome(hits / total, misses / tokens, swaps / tokens)
