@@ -106,10 +106,12 @@ def test_the_emulated_24g_h200_keeps_experts_in_host_memory():
     assert [s.device for s in plan.stages] == ["cuda:0"] and plan.gpus[0].budget.total == 24576 * 2**20
     assert (plan.batch.slots, plan.batch.mtp) == (2, True)
     # The same memory settings, but for the prefill path's chunks, launched under the cache
-    # (`windows.prefill-graphs-cached`).
-    assert plan.memory == whole.memory.model_copy(update={"prefill_graph_rows": 0})
+    # (`windows.prefill-graphs-cached`), and a lone prompt's, whose 4096 rows would cost the cache more
+    # than 1/32 of its slots (`memory.prefill-chunk-alone-cached`).
+    update = {"prefill_graph_rows": 0, "prefill_chunk_alone": 2048}
+    assert plan.memory == whole.memory.model_copy(update=update)
     assert (plan.memory.prompt_graph_rows, whole.memory.prefill_graph_rows) == (8, 512)
-    assert plan.memory.prefill_chunk_alone == 4096 > plan.memory.prefill_chunk
+    assert whole.memory.prefill_chunk_alone == 4096 > plan.memory.prefill_chunk_alone > 512
     assert plan.gpus[0].experts_resident < plan.gpus[0].experts_total
     assert whole.gpus[0].experts_resident == whole.gpus[0].experts_total
     assert plan.host.free is not None and plan.host.free > 0

@@ -121,31 +121,39 @@ def _slots_paid(path, overrides=()) -> tuple[int, int]:
 
 
 def test_memory_prefill_chunk_alone_cached_reads_a_lone_prompt_in_longer_chunks_under_an_expert_cache():
-    """Unset under an expert cache: 4096 rows, derived, with a note naming what its workspace costs the
-    cache, which is at most 1/32 of its slots; the budget is the one planned for 4096 rows."""
+    """Unset under an expert cache: the longest chunk whose workspace costs the cache at most 1/32 of its
+    slots, derived, with a note naming what it costs; the budget is the one planned for its rows. On the
+    24 GiB card 2048 rows (4096 would cost more), on a 40 GiB one 4096."""
     path = rule_file("memory.prefill-chunk-alone-cached")
     plan = plan_of(path)
     assert plan.experts.cache is not None and plan.memory.prefill_chunk == 512
-    assert plan.memory.prefill_chunk_alone == 4096
+    assert plan.memory.prefill_chunk_alone == 2048
     s = plan.settings["memory.prefill_chunk_alone"]
-    assert (s.value, s.source.kind, s.source.rule) == (4096, "derived", "memory.prefill-chunk-alone-cached")
+    assert (s.value, s.source.kind, s.source.rule) == (2048, "derived", "memory.prefill-chunk-alone-cached")
     slots, paid = _slots_paid(path)
     assert paid > 0 and paid * 32 <= slots
     d = decision(plan, "memory.prefill-chunk-alone-cached")
     assert d.severity == "note" and d.key == "memory.prefill_chunk_alone"
     assert (
-        "chunks of 4096 rows, not 512" in d.message and f"{paid} of GPU 0's {slots} expert slots" in d.message
+        "chunks of 2048 rows, not 512" in d.message and f"{paid} of GPU 0's {slots} expert slots" in d.message
     )
     assert plan.experts.cache == plan.gpus[0].experts_resident == slots - paid
-    written = plan_of(path, [("memory.prefill_chunk_alone", 4096)])
+    written = plan_of(path, [("memory.prefill_chunk_alone", 2048)])
     assert [g.budget for g in written.gpus] == [g.budget for g in plan.gpus]
+    slots, paid = _slots_paid(path, [("memory.prefill_chunk_alone", 4096)])
+    assert paid * 32 > slots
+    bigger = [("machine.gpus", [{"name": "H", "vram_mib": 40960, "bandwidth_gbs": 4800}])]
+    assert plan_of(path, bigger).memory.prefill_chunk_alone == 4096
+    slots, paid = _slots_paid(path, bigger)
+    assert paid > 0 and paid * 32 <= slots
 
 
 def test_memory_prefill_chunk_alone_cached_takes_a_shorter_chunk_where_a_longer_one_costs_too_many_slots():
-    """The reference box's split on two 6 GiB cards: a 4096- or 2048-row chunk would cost more than 1/32 of
-    a cache's few hundred slots, so 1024 rows, whose cost is within it on both GPUs."""
+    """The reference box's split on two 8 GiB cards: a 4096- or 2048-row chunk would cost more than 1/32 of
+    a cache's few hundred slots, so 1024 rows, whose cost is within it on both GPUs; on 6 GiB cards even
+    that costs too much, and the chunk stays."""
     path = PROFILES / "rtx3080-20g-x2.toml"
-    gpus = ("machine.gpus", [{"name": n, "vram_mib": 6144, "bandwidth_gbs": 760} for n in "AB"])
+    gpus = ("machine.gpus", [{"name": n, "vram_mib": 8192, "bandwidth_gbs": 760} for n in "AB"])
     plan = plan_of(path, [gpus])
     assert plan.memory.prefill_chunk_alone == 1024
     for rows in (2048, 4096):
@@ -157,6 +165,8 @@ def test_memory_prefill_chunk_alone_cached_takes_a_shorter_chunk_where_a_longer_
         f"{paid} of GPU 0's {slots} expert slots"
         in decision(plan, "memory.prefill-chunk-alone-cached").message
     )
+    small = ("machine.gpus", [{"name": n, "vram_mib": 6144, "bandwidth_gbs": 760} for n in "AB"])
+    assert plan_of(path, [small]).memory.prefill_chunk_alone == 512
 
 
 def test_memory_prefill_chunk_alone_cached_keeps_every_expert_of_a_resident_gpu_resident():
@@ -165,7 +175,7 @@ def test_memory_prefill_chunk_alone_cached_keeps_every_expert_of_a_resident_gpu_
     path = PROFILES / "rtx3080-20g-x2.toml"
     gpus = (
         "machine.gpus",
-        [{"name": n, "vram_mib": v, "bandwidth_gbs": 760} for n, v in (("A", 29050), ("B", 20480))],
+        [{"name": n, "vram_mib": v, "bandwidth_gbs": 760} for n, v in (("A", 29070), ("B", 20480))],
     )
     plan = plan_of(path, [gpus])
     a, b = plan.gpus
@@ -808,14 +818,16 @@ def test_windows_prefill_graph_rows_replays_chunks_up_to_512_rows_on_a_gpu():
     from strata_cfg.report.plan_text import plan_text
 
     assert ", prefill graphs up to 512 rows\n" in plan_text(plan)
-    # The workspace keeps 512 rows more on the stage, and as many for the MTP head where it drafts.
-    from strata_cfg.resolve.sizes import row_activation_bytes
+    # The workspace keeps a 512-row graph's temporaries and every graph size's inputs on the stage, and a
+    # set of its own for the MTP head where it drafts.
+    from strata_cfg.resolve.sizes import prefill_graph_bytes
 
-    per_row = row_activation_bytes(plan.model.facts)
-    assert f"keep {512 * per_row / (1 << 20):.1f} MiB" in d.message
+    stage, mtp = (prefill_graph_bytes(plan.model.facts, 512, mtp=flag) for flag in (False, True))
+    mib = f"keep {stage / (1 << 20):.1f} MiB of workspace a stage (and {mtp / (1 << 20):.1f} MiB"
+    assert mib in d.message
     off = plan_of(path, ["memory.prefill_graph_rows=0"])
     drafting = plan.spec.mtp or plan.batch.mtp
-    assert drafting and plan.gpus[0].budget.workspace - off.gpus[0].budget.workspace == 2 * 512 * per_row
+    assert drafting and plan.gpus[0].budget.workspace - off.gpus[0].budget.workspace == stage + mtp
     # The graph of the longest chunk, where it is smaller; a number is taken as written.
     short = plan_of(path, ["memory.prefill_chunk=100", "memory.prefill_chunk_alone=100"])
     assert short.memory.prefill_graph_rows == 128

@@ -50,6 +50,10 @@ class Sizing:
     not where a GPU reads prompts through the fused kernel)."""
     prefill_graph_rows: int = 0
     """Rows of a prefill graph's temporaries, kept (``memory.prefill_graph_rows``)."""
+    gpu: bool = False
+    """The stages run on GPUs (``machine.backend = "cuda"``), whose prefill path the workspace counts
+    (`sizes.gpu_prefill_bytes`); else on virtual CPU devices, through the array path
+    (`sizes.row_activation_bytes`)."""
 
     @property
     def prefill_rows(self) -> int:
@@ -57,10 +61,20 @@ class Sizing:
         lone prompt's longer chunk."""
         return sizes.prefill_rows(self.prefill_chunk, self.prefill_chunk_alone)
 
-    def graph_rows(self, last: bool) -> int:
-        """Rows of prefill-graph temporaries a stage keeps: one set for its layers, and on the last stage
-        one more for the MTP head's layer where it drafts."""
-        return self.prefill_graph_rows * (2 if last and self.with_mtp else 1)
+    def workspace(self, model: ModelFacts, last: bool) -> int:
+        """A stage's workspace (`sizes.workspace_bytes`): on the last stage the MTP head's prefill path
+        beside its own where it drafts."""
+        return sizes.workspace_bytes(
+            model,
+            context=self.context,
+            prefill_rows=self.prefill_rows,
+            last=last,
+            stores_scores=self.stores_scores,
+            slots=self.slots if last else 0,
+            graph_rows=self.prefill_graph_rows,
+            gpu=self.gpu,
+            mtp=self.with_mtp,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,15 +101,7 @@ def stage_need(model: ModelFacts, shape: StageShape, sz: Sizing) -> StageNeed:
             if shape.last
             else 0
         ),
-        workspace=sizes.workspace_bytes(
-            model,
-            context=sz.context,
-            prefill_rows=sz.prefill_rows,
-            last=shape.last,
-            stores_scores=sz.stores_scores,
-            slots=sz.slots,
-            graph_rows=sz.graph_rows(shape.last),
-        ),
+        workspace=sz.workspace(model, shape.last),
         experts=sizes.expert_count(model, shape, with_mtp=sz.with_mtp),
     )
 
@@ -279,24 +285,9 @@ def auto_split(model: ModelFacts, gpus: Sequence[GpuFacts], sz: Sizing) -> tuple
     last_fixed = (
         sizes.weight_bytes(model, last_shape, with_mtp=sz.with_mtp)
         + sizes.drafter_bytes(model, context=sz.context, kv_dtype=sz.kv_dtype, drafters=sz.drafters)
-        + sizes.workspace_bytes(
-            model,
-            context=sz.context,
-            prefill_rows=sz.prefill_rows,
-            last=True,
-            stores_scores=sz.stores_scores,
-            slots=sz.slots,
-            graph_rows=sz.graph_rows(True),
-        )
+        + sz.workspace(model, True)
     )
-    mid_ws = sizes.workspace_bytes(
-        model,
-        context=sz.context,
-        prefill_rows=sz.prefill_rows,
-        last=False,
-        stores_scores=sz.stores_scores,
-        graph_rows=sz.graph_rows(False),
-    )
+    mid_ws = sz.workspace(model, False)
     mtp_experts = model.mtp_layers * model.num_experts if sz.with_mtp else 0
     head = _head_step(model, sz)
     eb = model.expert_bytes()

@@ -29,7 +29,7 @@ from ..schema.windows import (
     prefill_graph_rows_for,
 )
 from .ledger import Ledger
-from .sizes import StageShape, row_activation_bytes
+from .sizes import StageShape, prefill_graph_bytes
 
 RULE = "windows.prompt-graph-rows"
 KEY = "memory.prompt_graph_rows"
@@ -212,12 +212,13 @@ def prefill_graphs_gate(
         led.change(GRAPHS_KEY, 0, GRAPHS_CACHED_RULE, message)
         return
     if led.asked(GRAPHS_KEY) in (None, "auto"):
-        mib = rows * row_activation_bytes(model) / (1 << 20)
+        mib = prefill_graph_bytes(model, rows) / (1 << 20)
+        mtp = prefill_graph_bytes(model, rows, mtp=True) / (1 << 20)
         message = (
             f"prompt chunks through the prefill path replay CUDA graphs up to {rows} rows (each padded to a "
             f"power of two from 16 to 128, then to a multiple of 64), so the host does not launch their "
-            f"kernels one by one; their temporaries keep {mib:.1f} MiB of workspace a stage"
-            + (" (and as much for the MTP head)" if drafting else "")
+            f"kernels one by one; their temporaries and inputs keep {mib:.1f} MiB of workspace a stage"
+            + (f" (and {mtp:.1f} MiB for the MTP head)" if drafting else "")
         )
         led.note(GRAPHS_RULE, GRAPHS_KEY, message)
     if cached_gpus:

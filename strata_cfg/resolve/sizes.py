@@ -3,7 +3,8 @@
 Legend for the formulas (docs/PROFILES.md writes them out the same way):
 R rows per window (8), P prefill chunk, C context per slot, H hidden, Q = heads x head_dim,
 K = kv_heads x head_dim, nh heads, E experts, k experts per token, I expert width, Id dense MLP width,
-Is shared-expert width, V vocab, a activation bytes (the model dtype), f = 4 bytes (float32).
+Is shared-expert width, V vocab, a activation bytes (the model dtype), f = 4 bytes (float32), h = 2 bytes
+(float16, what a GPU's kernels read and write), i = 4 bytes (int32).
 """
 
 from __future__ import annotations
@@ -11,9 +12,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..schema.facts import DTYPE_BYTES, ModelFacts
-from ..schema.windows import FLASH_HEAD_DIMS, MAX_WINDOW_ROWS, attention_tile_rows
+from ..schema.windows import (
+    FLASH_HEAD_DIMS,
+    MAX_WINDOW_ROWS,
+    PREFILL_EXPERT_TILE_ROWS,
+    attention_tile_rows,
+    prefill_graph_sizes,
+)
 
 F32 = 4
+HALF = 2
+"""float16: the CUDA path's activations, whatever the checkpoint's dtype (bfloat16 is converted on load)."""
+I32 = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +70,8 @@ def drafter_bytes(model: ModelFacts, *, context: int, kv_dtype: str, drafters: i
 
 
 def row_activation_bytes(model: ModelFacts) -> int:
-    """Activations one row needs while it passes a layer.
+    """Activations one row needs while it passes a layer on the array path (virtual CPU devices; a GPU's
+    prefill path holds `prefill_temp_row_bytes` and `chunk_row_bytes` instead).
 
     a x (3H + Q + 2K + Q): residual, normed input and MLP output; q, k, v; attention output.
     f x E: router logits (float32).
@@ -76,6 +87,102 @@ def row_activation_bytes(model: ModelFacts) -> int:
         n += F32 * model.num_experts + a * (2 * k * width + k * h)
     dense = model.intermediate_size if _has_dense_layer(model) else 0
     n += a * 2 * max(dense, model.shared_expert_intermediate_size)
+    return n
+
+
+def prefill_temp_row_bytes(model: ModelFacts, *, mtp: bool = False, flash: bool = True) -> int:
+    """Bytes one row of a prompt chunk holds in the temporaries of a GPU's prefill path
+    (`strata_runtime.cuda.prefill.Temps`: allocated once a chunk for all the stage's layers, and kept until
+    the next chunk), by name:
+
+    x: h x H; qkv: f x (Q + 2K); q_hi, q_lo, attn: h x Q each. Without the fused attention kernel
+    (``flash`` False) q's two parts again, regrouped by KV head: h x 2Q.
+    Where a layer has a dense MLP or a shared expert, of width W = max(Id, Is): mlp_gu h x 2W, mlp_hid h x W,
+    mlp_out f x H, and the shared expert's gate f.
+    Routed experts: xf f x H, logits f x E, idx, wts, rank, order i x k each, hid h x kI, ys h x kH (the
+    tile table is `prefill_tile_table_bytes`).
+    ``mtp``: the MTP head's layer (routed experts and the shared expert where the model has them, else a
+    dense MLP of width Id)."""
+    h, hd = model.hidden_size, model.head_dim
+    q, kv = model.num_attention_heads * hd, model.num_key_value_heads * hd
+    n = HALF * h + F32 * (q + 2 * kv) + 3 * HALF * q
+    if not flash:
+        n += 2 * HALF * q
+    if mtp:
+        width = model.shared_expert_intermediate_size if model.num_experts else model.intermediate_size
+    else:
+        dense = model.intermediate_size if _has_dense_layer(model) else 0
+        width = max(dense, model.shared_expert_intermediate_size)
+    if width:
+        n += 3 * HALF * width + F32 * h + (F32 if model.shared_expert_intermediate_size else 0)
+    if model.num_experts:
+        k = model.num_experts_per_tok
+        n += F32 * (h + model.num_experts) + 4 * I32 * k + HALF * k * (model.moe_intermediate_size + h)
+    return n
+
+
+def prefill_tile_table_bytes(model: ModelFacts, rows: int) -> int:
+    """The grouped expert products' tile table of a chunk of ``rows`` rows and its count (the temporaries
+    tiles and n_tiles): [T, 4] int32, T = ceil(A / `PREFILL_EXPERT_TILE_ROWS`) + min(E, A) for A = rows x k
+    assignments (`strata_runtime.reference.grouped.max_tiles`)."""
+    if not model.num_experts:
+        return 0
+    assignments = rows * model.num_experts_per_tok
+    tiles = -(-assignments // PREFILL_EXPERT_TILE_ROWS) + min(model.num_experts, assignments)
+    return 4 * I32 * tiles + I32
+
+
+def prefill_temp_bytes(model: ModelFacts, rows: int, *, mtp: bool = False, flash: bool = True) -> int:
+    """A GPU's prefill temporaries for a chunk of ``rows`` rows: `prefill_temp_row_bytes` a row and the
+    tile table (`prefill_tile_table_bytes`)."""
+    if not rows:
+        return 0
+    return rows * prefill_temp_row_bytes(model, mtp=mtp, flash=flash) + prefill_tile_table_bytes(model, rows)
+
+
+def chunk_row_bytes(model: ModelFacts, *, last: bool) -> int:
+    """What one row of a prompt chunk holds on a GPU beside the temporaries: its hidden rows in and out,
+    and the previous window's out, which the engine holds until this one is finished
+    (`strata_runtime.engine.executor.Executor._retire`), f x 3H; on the last stage the final norm's rows of
+    both windows, f x H more (the input is gone by the time the norm's rows are made); and each row's
+    position and slot, i x 2."""
+    return F32 * model.hidden_size * (4 if last else 3) + 2 * I32
+
+
+def mtp_chunk_row_bytes(model: ModelFacts) -> int:
+    """What the MTP head's pass over a prompt chunk adds a row beside its temporaries
+    (`strata_runtime.cuda.mtp.CudaMtp.prefill`): the rows' embeddings and both normed inputs, h x 3H, and
+    its residual and output rows, f x 2H."""
+    return (3 * HALF + 2 * F32) * model.hidden_size
+
+
+def prefill_graph_bytes(model: ModelFacts, graph_rows: int, *, mtp: bool = False) -> int:
+    """What a GPU's prefill path keeps for its CUDA graphs of up to ``graph_rows`` rows: one set of
+    temporaries of the largest graph's rows (`strata_runtime.cuda.prefill.Arena`), and each graph size's
+    inputs (`GraphInputs`: residual rows f x H, positions and slots i x 2 a row, and i x 2 more), for every
+    size a chunk of more than one window can pad to (`prefill_graph_sizes`)."""
+    graphs = prefill_graph_sizes(graph_rows, MAX_WINDOW_ROWS)
+    if not graphs:
+        return 0
+    inputs = sum(rows * (F32 * model.hidden_size + 2 * I32) + 2 * I32 for rows in graphs)
+    return prefill_temp_bytes(model, graphs[0], mtp=mtp) + inputs
+
+
+def gpu_prefill_bytes(
+    model: ModelFacts, *, rows: int, graph_rows: int, last: bool, mtp: bool, flash: bool
+) -> int:
+    """What a GPU's prefill path holds for a chunk of ``rows`` rows: its temporaries, kept from one chunk to
+    the next (`prefill_temp_bytes`), its rows (`chunk_row_bytes`; ``last``: the last stage's), and where
+    its chunks replay graphs (``flash``: through the fused attention kernel) its graphs' own
+    (`prefill_graph_bytes`). ``mtp``: the MTP head's prefill path too (the last stage, where it drafts): it
+    runs after the stage's on each chunk, with temporaries of its own kept beside the stage's (and a graph
+    set of its own), and its rows (`mtp_chunk_row_bytes`)."""
+    n = prefill_temp_bytes(model, rows, flash=flash) + rows * chunk_row_bytes(model, last=last)
+    graphs = graph_rows if flash else 0  # a chunk replays a graph only through the fused kernel
+    n += prefill_graph_bytes(model, graphs)
+    if mtp:
+        n += prefill_temp_bytes(model, rows, mtp=True, flash=flash) + rows * mtp_chunk_row_bytes(model)
+        n += prefill_graph_bytes(model, graphs, mtp=True)
     return n
 
 
@@ -119,16 +226,25 @@ def workspace_bytes(
     stores_scores: bool,
     slots: int = 0,
     graph_rows: int = 0,
+    gpu: bool = False,
+    mtp: bool = False,
 ) -> int:
-    """Activation workspace: ``prefill_rows`` rows (`prefill_rows`) at `row_activation_bytes`, one tile of
-    their attention scores (`attention_scores_bytes`) where prompt attention stores them (``stores_scores``,
-    `stores_attention_scores`), and ``graph_rows`` more rows kept for the prefill graphs
-    (``memory.prefill_graph_rows``: their temporaries keep their addresses, beside a longer chunk's; the
-    caller counts the MTP head's graphs on the last stage); the last stage adds a decode window's logits
+    """Activation workspace. On a GPU (``gpu``) what its prefill path holds for a chunk of ``prefill_rows``
+    rows (`prefill_rows`) with graphs of up to ``graph_rows`` rows (``memory.prefill_graph_rows``), and on
+    the last stage where it drafts (``mtp``) the MTP head's prefill path beside it (`gpu_prefill_bytes`);
+    on virtual CPU devices ``prefill_rows`` rows at `row_activation_bytes` (the array path; and
+    ``graph_rows`` more, twice with ``mtp`` on the last stage, though a CPU device resolves them to 0).
+    Either way one tile of the rows' attention scores (`attention_scores_bytes`) where prompt attention
+    stores them (``stores_scores``, `stores_attention_scores`); the last stage adds a decode window's logits
     [R, V] in float32 and each of ``slots`` slots' token counts and logit bias (`TOKEN_COUNT_BYTES` per
     vocabulary word)."""
-    per_row = row_activation_bytes(model)
-    n = (prefill_rows + graph_rows) * per_row
+    if gpu:
+        flash = not stores_scores
+        n = gpu_prefill_bytes(
+            model, rows=prefill_rows, graph_rows=graph_rows, last=last, mtp=last and mtp, flash=flash
+        )
+    else:
+        n = (prefill_rows + graph_rows * (2 if last and mtp else 1)) * row_activation_bytes(model)
     if stores_scores:
         n += attention_scores_bytes(model, context=context, rows=prefill_rows)
     if last:

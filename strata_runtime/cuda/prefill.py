@@ -56,7 +56,10 @@ class Temps:
     """A chunk's temporaries, each allocated once for all its layers: the layers' kernels run in stream
     order, so a layer's temporaries are free for the next layer once its kernels are queued. The prefill
     path is launched from Python, layer by layer, and for a short chunk that host time is its whole cost;
-    a fresh ``cupy.empty`` for each of a layer's 15 temporaries took about a seventh of it."""
+    a fresh ``cupy.empty`` for each of a layer's 15 temporaries took about a seventh of it. They stay
+    allocated until the next chunk: the plan's workspace counts them name by name
+    (`strata_cfg.resolve.sizes.prefill_temp_row_bytes`), which tests/test_rt_prefill_workspace.py holds
+    them to."""
 
     def __init__(self) -> None:
         self._arrays: dict[str, cp.ndarray] = {}
