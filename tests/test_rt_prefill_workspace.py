@@ -22,6 +22,7 @@ from rt_plans import float16_profile_text
 
 from strata_cfg.plan.from_profile import resolve_text
 from strata_cfg.resolve import sizes
+from strata_cfg.resolve.sizes import GPU_POOL_HEADROOM
 from strata_cfg.schema.presets import preset_config
 
 CHUNK = 128
@@ -156,7 +157,8 @@ def test_a_lone_prompt_holds_what_the_plans_workspace_counts(live_gpu, monkeypat
     if graphs:
         assert all(p.captured == {64} for p in paths.values())
     held = live_gpu.peak - before
-    assert 0.9 * budget.workspace <= held <= budget.workspace, (held, budget.workspace)
+    counted = budget.workspace - GPU_POOL_HEADROOM  # the headroom is for what the fake GPU has none of
+    assert 0.9 * counted <= held <= counted, (held, counted)
 
     # Each path's temporaries are exactly what the plan counts for a chunk's rows: the stage's, and the MTP
     # head's own, kept beside them (and their graphs' arenas, which keep theirs).
@@ -191,7 +193,7 @@ def test_the_30b_shapes_prefill_row_on_a_gpu():
     head = 8 * m.vocab_size * 4 + 2 * m.vocab_size * sizes.TOKEN_COUNT_BYTES
     kw: dict[str, Any] = dict(context=ctx, prefill_rows=rows, stores_scores=False, slots=2, gpu=True)
     alone = sizes.workspace_bytes(m, last=True, **kw)
-    assert alone == stage + head
+    assert alone == stage + head + sizes.GPU_POOL_HEADROOM  # the measured, unexplained pool use
     drafting = sizes.workspace_bytes(m, last=True, mtp=True, **kw)
     mtp = sizes.prefill_temp_bytes(m, rows, mtp=True) + rows * (3 * 2 * h + 2 * 4 * h)
     assert drafting - alone == mtp  # the MTP head's temporaries and rows: about 514 MiB at 4096 rows
