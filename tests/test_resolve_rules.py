@@ -970,3 +970,21 @@ def test_serve_allowed_origins_reach_the_plan_and_a_path_is_refused_naming_the_k
     assert (
         p.key.startswith("serve.allowed_origins") and "'http://localhost:3000/' is not an origin" in p.message
     )
+
+
+def test_experts_policy_inert_where_no_cache_adapts():
+    """A policy key written where every expert is resident is noted (strict mode refuses it, naming its
+    line); under a cache it is taken, and with experts.adapt = false only the adaptation's keys are inert."""
+    path = rule_file("experts.policy-inert")
+    plan = plan_of(path)
+    d = decision(plan, "experts.policy-inert")
+    assert d.key == "experts.max_swaps" and "every expert is resident" in d.message
+    [p] = problems_of(path, strict=True)
+    assert p.key == "experts.max_swaps" and p.line == line_of(path, "max_swaps")
+    cached = rule_file("experts.cache")
+    taken = plan_of(cached, ["experts.max_swaps=64"])
+    assert taken.experts.cache is not None and taken.experts.max_swaps == 64
+    assert "experts.policy-inert" not in [x.rule for x in taken.decisions]
+    frozen = plan_of(cached, ["experts.max_swaps=64", "experts.adapt=false"])
+    notes = [x for x in frozen.decisions if x.rule == "experts.policy-inert"]
+    assert [x.key for x in notes] == ["experts.max_swaps"] and "experts.adapt = false" in notes[0].message

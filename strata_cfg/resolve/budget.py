@@ -237,6 +237,7 @@ def expert_notes(gpus: list[GpuPlan], sz: Sizing, led: Ledger) -> None:
         led.note("experts.cache", "experts.helper_devices", f"helper GPUs hold {helper_held} more experts")
     if partial:
         led.note("experts.cache", "experts.adapt", cache_policy_text(led))
+    policy_inert(bool(partial), led)
     if led["batch.mtp"] and not partial:
         led.note(
             "batch-mtp.all-experts-resident",
@@ -244,6 +245,32 @@ def expert_notes(gpus: list[GpuPlan], sz: Sizing, led: Ledger) -> None:
             "every expert is resident in VRAM: batch MTP pays when experts do not all fit; with all "
             "resident it measured slower than pipelined groups (set batch.mtp = false to pipeline)",
         )
+
+
+POLICY_KEYS = ("experts.score_decay", "experts.rebalance_every", "experts.swap_margin", "experts.max_swaps")
+"""How the expert cache adapts (with ``experts.adapt``, whether it does)."""
+
+
+def policy_inert(cached: bool, led: Ledger) -> None:
+    """Say which cache-policy keys the profile sets for nothing: all of them where every expert is resident
+    (no GPU holds a cache), the adaptation's own where ``experts.adapt = false`` freezes the cache."""
+    if cached and led["experts.adapt"]:
+        return
+    keys = POLICY_KEYS if cached else ("experts.adapt", *POLICY_KEYS)
+    why = (
+        "experts.adapt = false keeps the cache's first contents"
+        if cached
+        else "every expert is resident in VRAM, so there is no cache to follow the routing"
+    )
+    for key in keys:
+        if led.user_set(key):
+            led.note(
+                "experts.policy-inert",
+                key,
+                f"{key} does nothing: {why}",
+                requested=True,
+                because=("experts.adapt",) if cached else ("experts.cache",),
+            )
 
 
 def cache_policy_text(led: Ledger) -> str:

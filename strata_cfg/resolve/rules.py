@@ -156,6 +156,13 @@ _RULES = (
         "experts.cache", 7, "note", "not every expert fits: the rest stream from host memory through a cache"
     ),
     Rule(
+        "experts.policy-inert",
+        7,
+        "note",
+        "the expert cache's policy keys do nothing where every expert is resident, and its adaptation's "
+        "where experts.adapt = false",
+    ),
+    Rule(
         "batch-mtp.all-experts-resident",
         7,
         "note",
