@@ -143,6 +143,29 @@ def test_benchmark_arms_sharing_a_cache_each_adapt_by_their_own_plans_policy():
     assert sa.experts.residency.policy == Policy(max_swaps=1)
 
 
+def test_a_prompt_chunk_rebalances_the_cache_at_once_on_the_array_path_and_decode_windows_wait():
+    """With rebalances otherwise far apart, the window that reads a prompt chunk (more rows than any graph
+    window) moves the experts it routed to into VRAM at once; the one-row decode windows after it do not."""
+    from rt_plans import make_plan
+
+    plan = make_plan(
+        preset="small", context=64, prefill_chunk=16, expert_cache=4, cache_policy={"rebalance_every": 1000}
+    )
+    eng = Engine(plan)
+    [stage] = eng.model.stages
+    r = stage.experts.residency
+    rebalances: list[int] = []
+    rebalance = r.rebalance
+    r.rebalance = lambda: rebalances.append(stage.experts.stats.windows) or rebalance()  # type: ignore[method-assign]
+    eng.submit(Request(prompt(16, 3), 4))
+    eng.step()  # the prompt's one chunk: 16 rows
+    swapped = stage.experts.stats.swaps
+    assert swapped > 0 and rebalances == [1]
+    while eng.step():
+        pass
+    assert stage.experts.stats.windows > 1 and rebalances == [1] and stage.experts.stats.swaps == swapped
+
+
 def test_a_restored_cache_holds_and_knows_what_it_did_so_a_rerun_serves_the_same():
     """Benchmark arms share a cache; each starts from the same contents, so the same requests run again
     after a restore are served exactly as the first time, hit for hit."""

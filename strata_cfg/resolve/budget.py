@@ -277,9 +277,9 @@ def cache_policy_text(led: Ledger) -> str:
     """How the expert cache follows the routing, in words (the ``experts`` policy keys)."""
     if not led["experts.adapt"]:
         return "the cache keeps its first contents (experts.adapt = false)"
-    prompt = " and after each prompt chunk" if led["machine.backend"] == "cuda" else ""
     return (
-        f"the cache rebalances every {led['experts.rebalance_every']} windows{prompt}: "
+        f"the cache rebalances every {led['experts.rebalance_every']} windows and after each prompt chunk "
+        "read in one window: "
         f"scores decay by {led['experts.score_decay']:g} a window, and a missing expert takes a slot when "
         f"it beats the resident one by {led['experts.swap_margin']:g} uses, at most "
         f"{led['experts.max_swaps']} at a time"

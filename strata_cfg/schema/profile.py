@@ -244,7 +244,8 @@ class ExpertsSection(Section):
     """How fast the cache forgets (default 0.9): each window multiplies every expert's score, its decayed
     count of uses, by this before adding the window's own uses."""
     rebalance_every: int | None = Field(default=None, ge=1)
-    """Windows between rebalances of the cache (default 4); on a GPU a prompt chunk brings one at once."""
+    """Windows between rebalances of the cache (default 4); a prompt chunk read in one window brings one at
+    once."""
     swap_margin: float | None = Field(default=None, ge=0)
     """How much higher a missing expert's score must be than a resident one's for it to take that slot
     (default 3): each swap copies an expert over the host link, so it must pay for itself."""

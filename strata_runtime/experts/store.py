@@ -147,12 +147,13 @@ class ExpertStore:
         """Record a layer's routing in the current window (the array path reads `weights` meanwhile)."""
         self._window[j, experts] += assignments
 
-    def end_window(self) -> list[Swap]:
-        """Close the array path's window: account its routing and keep the cache in step."""
+    def end_window(self, prompt: bool = False) -> list[Swap]:
+        """Close the array path's window: account its routing and keep the cache in step (``prompt``: the
+        window holds a prompt chunk, as `Residency.observe`)."""
         counts, self._window = self._window, np.zeros_like(self._window)
         if not counts.any():
             return []
-        return self.observe(counts)
+        return self.observe(counts, prompt=prompt)
 
     # ---- after a window ----------------------------------------------------------------------------
 
@@ -165,10 +166,12 @@ class ExpertStore:
         self.residency.observe(counts, windows, reads, prompt)
         return self.residency.rebalance() if self.residency.due() else []
 
-    def observe(self, counts: np.ndarray, windows: int = 1, reads: Reads | None = None) -> list[Swap]:
+    def observe(
+        self, counts: np.ndarray, windows: int = 1, reads: Reads | None = None, prompt: bool = False
+    ) -> list[Swap]:
         """`decide`, then load the new experts into their slots at once, in the order decided (the array
         path's upkeep)."""
-        swaps = self.decide(counts, windows, reads)
+        swaps = self.decide(counts, windows, reads, prompt)
         for s in swaps:
             self._load(s)
         return swaps

@@ -237,8 +237,8 @@ class Stage:
                 out = self._layers(hidden, layout)
             if self.cuda_experts is not None:
                 self.cuda_experts.after_window(prompt=positions is None and self._through_prefill(layout))
-            else:
-                self.experts.end_window()
+            else:  # a window longer than any decode window holds a prompt chunk
+                self.experts.end_window(prompt=layout.rows > MAX_WINDOW_ROWS)
             return out
 
     def _through_prefill(self, layout: Layout) -> bool:
