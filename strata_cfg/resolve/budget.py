@@ -274,13 +274,21 @@ def policy_inert(cached: bool, led: Ledger) -> None:
 
 
 def cache_policy_text(led: Ledger) -> str:
-    """How the expert cache follows the routing, in words (the ``experts`` policy keys)."""
+    """How the expert cache follows the routing, in words (the ``experts`` policy keys, each read for the
+    ``experts.cache`` rule, so that `strata explain` names it)."""
     if not led["experts.adapt"]:
         return "the cache keeps its first contents (experts.adapt = false)"
+    every, decay, margin, most = (led.get(key, "experts.cache") for key in POLICY_KEYS_IN_WORDS)
     return (
-        f"the cache rebalances every {led['experts.rebalance_every']} windows and after each prompt chunk "
-        "read in one window: "
-        f"scores decay by {led['experts.score_decay']:g} a window, and a missing expert takes a slot when "
-        f"it beats the resident one by {led['experts.swap_margin']:g} uses, at most "
-        f"{led['experts.max_swaps']} at a time"
+        f"the cache rebalances every {every} windows and after each prompt chunk read in one window: "
+        f"scores decay by {decay:g} a window, and a missing expert takes a slot when it beats the resident "
+        f"one by {margin:g} uses, at most {most} at a time"
     )
+
+
+POLICY_KEYS_IN_WORDS = (
+    "experts.rebalance_every",
+    "experts.score_decay",
+    "experts.swap_margin",
+    "experts.max_swaps",
+)
