@@ -139,3 +139,4 @@ def test_vram_per_gpu_stays_within_5_percent_of_the_plan(cp) -> None:
     for g in res["gpus"]:
         assert abs(g["load_vs_plan"]) <= 0.05, g
         assert abs(g["full_context_vs_plan"]) <= 0.05, g
+        assert g["pool_total_mib"] <= g["pool_peak_mib"] <= g["pool_cap_mib"], g

@@ -27,6 +27,20 @@ def _free_bytes(cp: Any, index: int) -> int:
         return int(cp.cuda.runtime.memGetInfo()[0])
 
 
+class PoolPeaks:
+    """The most bytes each device's CuPy pool has held (its cached free blocks included, which count
+    against its cap), sampled whenever `sample` is called: between engine steps, where a prompt chunk's
+    temporaries are still held."""
+
+    def __init__(self, cp: Any, devices: list[int]) -> None:
+        self.cp, self.peak = cp, dict.fromkeys(devices, 0)
+
+    def sample(self) -> None:
+        for i in self.peak:
+            with self.cp.cuda.Device(i):
+                self.peak[i] = max(self.peak[i], int(self.cp.get_default_memory_pool().total_bytes()))
+
+
 def full_context_request(plan: LaunchPlan, seed: int = 0) -> Request:
     """A request whose prompt and generated tokens fill the plan's context: fresh ids within the vocab."""
     length = max(1, plan.memory.context - DECODED - 1)
@@ -46,8 +60,11 @@ def run_vram(plan: LaunchPlan, devices: list[int]) -> dict[str, Any]:
     after_load = {i: _free_bytes(cp, i) for i in devices}
     request = full_context_request(plan)
     handle = engine.submit(request)
+    peaks = PoolPeaks(cp, devices)
+    peaks.sample()
     while engine.step():
-        pass
+        peaks.sample()
+    peaks.sample()
     while not handle.events.empty():
         ev = handle.events.get()
         if ev.error:
@@ -63,6 +80,7 @@ def run_vram(plan: LaunchPlan, devices: list[int]) -> dict[str, Any]:
         with cp.cuda.Device(g.index):
             pool = cp.get_default_memory_pool().total_bytes()
             pool_used = cp.get_default_memory_pool().used_bytes()
+        cap = g.budget.total - g.budget.reserve  # what the engine caps the pool at
         gpus.append(
             {
                 "device": g.device,
@@ -72,6 +90,8 @@ def run_vram(plan: LaunchPlan, devices: list[int]) -> dict[str, Any]:
                 "after_full_context_request_mib": round(full / MIB, 1),
                 "pool_total_mib": round(pool / MIB, 1),
                 "pool_used_mib": round(pool_used / MIB, 1),
+                "pool_peak_mib": round(peaks.peak[g.index] / MIB, 1),
+                "pool_cap_mib": round(cap / MIB, 1),
                 "load_vs_plan": load / planned - 1 if planned else None,
                 "full_context_vs_plan": full / planned - 1 if planned else None,
             }
@@ -93,19 +113,22 @@ def render_vram(res: dict[str, Any]) -> str:
     lines = [
         f"vram: the drop in cudaMemGetInfo's free memory after building the engine, and after one request of "
         f"{res['prompt_tokens']} prompt tokens + {res['generated_tokens']} generated (context "
-        f"{res['context']}), against the plan's budget less free and reserve",
+        f"{res['context']}), against the plan's budget less free and reserve; CuPy's pool at the end, in use "
+        "then, and its most between engine steps, which the engine caps at the budget less the reserve",
         "",
     ]
     head = (
         f"{'device':<8} {'plan MiB':>10} {'after load':>11} {'vs plan':>8} "
-        f"{'after request':>14} {'vs plan':>8} {'CuPy pool':>10} {'in use':>8}"
+        f"{'after request':>14} {'vs plan':>8} {'CuPy pool':>10} {'in use':>8} {'pool peak':>10} "
+        f"{'under cap':>10}"
     )
     lines += [head, "-" * len(head)]
     for g in res["gpus"]:
         lines.append(
             f"{g['device']:<8} {g['planned_in_use_mib']:10,.0f} {g['after_load_mib']:11,.0f} "
             f"{_pct(g['load_vs_plan']):>8} {g['after_full_context_request_mib']:14,.0f} "
-            f"{_pct(g['full_context_vs_plan']):>8} {g['pool_total_mib']:10,.0f} {g['pool_used_mib']:8,.0f}"
+            f"{_pct(g['full_context_vs_plan']):>8} {g['pool_total_mib']:10,.0f} {g['pool_used_mib']:8,.0f} "
+            f"{g['pool_peak_mib']:10,.0f} {g['pool_cap_mib'] - g['pool_peak_mib']:10,.0f}"
         )
     for g in res["gpus"]:
         terms = " + ".join(
