@@ -1,5 +1,6 @@
-"""The docs stay true: docs/PROFILES.md names every profile key and every rule, docs/ARCHITECTURE.md every
-folder and module of strata_cfg, and no document cites a file the repository does not hold."""
+"""The docs stay true: docs/PROFILES.md names every profile key and every rule, and gives the resolver's
+defaults; docs/ARCHITECTURE.md every folder and module of strata_cfg; and no document cites a file the
+repository does not hold."""
 
 from __future__ import annotations
 
@@ -84,3 +85,51 @@ def test_engine_args_are_documented_as_the_cpp_engines_command_line():
     text = " ".join(DOC.split())
     assert "`--emit engine-args` prints a `strata-engine ...` command line: the Strata C++ engine's" in text
     assert "This package does not install a `strata-engine` program" in text
+
+
+# ---- the documented defaults are the resolver's ---------------------------------------------------------
+
+KEY_ROW = re.compile(r"^\| `([a-z_.\[\]]+)` \| (?:[^|\\]|\\\|)* \| ([^|]*) \|", flags=re.M)
+LITERAL = re.compile(r'true|false|-?\d+(?:\.\d+)?|`"[^`"]*"`')
+
+
+def documented_literal_defaults() -> dict[str, object]:
+    """Keys whose documented default is one literal (a bool, a number or a quoted string other than
+    ``"auto"``), as values."""
+    out: dict[str, object] = {}
+    for key, default in KEY_ROW.findall(DOC):
+        text = default.strip()
+        if not LITERAL.fullmatch(text) or text == '`"auto"`':  # "auto" is resolved by a rule, not taken
+            continue
+        if text in ("true", "false"):
+            out[key] = text == "true"
+        elif text.startswith("`"):
+            out[key] = text.strip('`"')
+        else:
+            out[key] = float(text) if "." in text else int(text)
+    return out
+
+
+def test_every_literal_default_in_the_docs_is_what_the_resolver_takes_when_the_key_is_unset():
+    """A GPU profile that sets nothing it need not (all experts resident, and under a cache): every key whose
+    documented default is a literal resolves to it wherever it is left to its default, and each is checked
+    at least once."""
+    from strata_cfg.plan.from_profile import resolve_text
+
+    documented = documented_literal_defaults()
+    assert {"experts.max_swaps", "experts.swap_margin", "batch.slots", "serve.host"} <= documented.keys()
+    checked: set[str] = set()
+    present: set[str] = set()  # the keys a plan records (machine.probe acts while loading, before a plan)
+    for vram in (143771, 24576):  # every expert resident; a cache
+        text = (
+            "[machine]\nhost_ram_mib = 262144\n"
+            f'gpus = [{{ name = "GPU", vram_mib = {vram}, bandwidth_gbs = 4800 }}]\n'
+            '[model]\nsynthetic = "qwen3-30b-a3b"\n[serve]\n'
+        )
+        settings = resolve_text(text, "defaults.toml").plan.settings
+        present |= documented.keys() & settings.keys()
+        for key, want in documented.items():
+            if key in settings and settings[key].source.kind == "default":
+                assert settings[key].value == want, (vram, key, settings[key].value, want)
+                checked.add(key)
+    assert len(present) >= len(documented) - 1 and checked == present, sorted(present - checked)
