@@ -247,7 +247,7 @@ def expert_notes(gpus: list[GpuPlan], sz: Sizing, led: Ledger) -> None:
         )
 
 
-POLICY_KEYS = ("experts.score_decay", "experts.rebalance_every", "experts.swap_margin", "experts.max_swaps")
+POLICY_KEYS = ("experts.rebalance_every", "experts.score_decay", "experts.swap_margin", "experts.max_swaps")
 """How the expert cache adapts (with ``experts.adapt``, whether it does)."""
 
 
@@ -278,17 +278,9 @@ def cache_policy_text(led: Ledger) -> str:
     ``experts.cache`` rule, so that `strata explain` names it)."""
     if not led["experts.adapt"]:
         return "the cache keeps its first contents (experts.adapt = false)"
-    every, decay, margin, most = (led.get(key, "experts.cache") for key in POLICY_KEYS_IN_WORDS)
+    every, decay, margin, most = (led.get(key, "experts.cache") for key in POLICY_KEYS)
     return (
         f"the cache rebalances every {every} windows and after each prompt chunk read in one window: "
         f"scores decay by {decay:g} a window, and a missing expert takes a slot when it beats the resident "
         f"one by {margin:g} uses, at most {most} at a time"
     )
-
-
-POLICY_KEYS_IN_WORDS = (
-    "experts.rebalance_every",
-    "experts.score_decay",
-    "experts.swap_margin",
-    "experts.max_swaps",
-)
