@@ -70,7 +70,13 @@ class Policy:
     @classmethod
     def of(cls, plan: ExpertsPlan) -> Policy:
         """The policy a launch plan's experts section sets (``experts.score_decay`` and the rest)."""
-        return cls(plan.score_decay, plan.rebalance_every, plan.swap_margin, plan.max_swaps, plan.adapt)
+        return cls(
+            decay=plan.score_decay,
+            every=plan.rebalance_every,
+            margin=plan.swap_margin,
+            max_swaps=plan.max_swaps,
+            adapt=plan.adapt,
+        )
 
 
 @dataclass(frozen=True)
