@@ -48,3 +48,7 @@ def test_the_table_shows_the_pool_peak_and_how_far_under_its_cap():
     text = render_vram({"prompt_tokens": 8183, "generated_tokens": 8, "context": 8192, "gpus": [g]})
     row = next(line for line in text.splitlines() if line.startswith("cuda:0 "))
     assert row.split()[-2:] == ["23,666", "210"]
+    uncapped = render_vram(
+        {"prompt_tokens": 1, "generated_tokens": 8, "context": 16, "gpus": [{**g, "pool_cap_mib": None}]}
+    )
+    assert next(line for line in uncapped.splitlines() if line.startswith("cuda:0 ")).endswith("no cap")

@@ -80,7 +80,7 @@ def run_vram(plan: LaunchPlan, devices: list[int]) -> dict[str, Any]:
         with cp.cuda.Device(g.index):
             pool = cp.get_default_memory_pool().total_bytes()
             pool_used = cp.get_default_memory_pool().used_bytes()
-        cap = g.budget.total - g.budget.reserve  # what the engine caps the pool at
+            cap = cp.get_default_memory_pool().get_limit()  # the engine's cap (0: none)
         gpus.append(
             {
                 "device": g.device,
@@ -91,7 +91,7 @@ def run_vram(plan: LaunchPlan, devices: list[int]) -> dict[str, Any]:
                 "pool_total_mib": round(pool / MIB, 1),
                 "pool_used_mib": round(pool_used / MIB, 1),
                 "pool_peak_mib": round(peaks.peak[g.index] / MIB, 1),
-                "pool_cap_mib": round(cap / MIB, 1),
+                "pool_cap_mib": round(cap / MIB, 1) if cap else None,
                 "load_vs_plan": load / planned - 1 if planned else None,
                 "full_context_vs_plan": full / planned - 1 if planned else None,
             }
@@ -109,12 +109,16 @@ def _pct(x: float | None) -> str:
     return "" if x is None else f"{100 * x:+.1f}%"
 
 
+def _under(cap: float | None, peak: float) -> str:
+    return "no cap" if cap is None else f"{cap - peak:,.0f}"
+
+
 def render_vram(res: dict[str, Any]) -> str:
     lines = [
         f"vram: the drop in cudaMemGetInfo's free memory after building the engine, and after one request of "
         f"{res['prompt_tokens']} prompt tokens + {res['generated_tokens']} generated (context "
         f"{res['context']}), against the plan's budget less free and reserve; CuPy's pool at the end, in use "
-        "then, and its most between engine steps, which the engine caps at the budget less the reserve",
+        "then, and its most between engine steps, under the cap the engine sets (budget less reserve)",
         "",
     ]
     head = (
@@ -128,7 +132,7 @@ def render_vram(res: dict[str, Any]) -> str:
             f"{g['device']:<8} {g['planned_in_use_mib']:10,.0f} {g['after_load_mib']:11,.0f} "
             f"{_pct(g['load_vs_plan']):>8} {g['after_full_context_request_mib']:14,.0f} "
             f"{_pct(g['full_context_vs_plan']):>8} {g['pool_total_mib']:10,.0f} {g['pool_used_mib']:8,.0f} "
-            f"{g['pool_peak_mib']:10,.0f} {g['pool_cap_mib'] - g['pool_peak_mib']:10,.0f}"
+            f"{g['pool_peak_mib']:10,.0f} {_under(g['pool_cap_mib'], g['pool_peak_mib']):>10}"
         )
     for g in res["gpus"]:
         terms = " + ".join(
