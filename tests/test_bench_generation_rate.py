@@ -48,3 +48,33 @@ def test_an_engines_run_has_first_tokens_before_its_finish_and_a_generation_rate
     results, stats = InProcessDriver(eng).run(arrivals)
     assert all(r.first_token is not None and r.submitted <= r.first_token <= r.finished for r in results)
     assert measure("clients", results, stats, wall=max(r.finished for r in results))["generation_tok_s"] > 0
+
+
+def test_the_longest_gap_is_the_longest_wait_between_two_deliveries_of_one_stream(monkeypatch) -> None:
+    """A stall of one engine step shows as the stream's longest gap, and the workload reports the longest
+    over its streams; the wait for the first token is not a gap."""
+    import time
+
+    def longest_gap(slow: int) -> tuple[Result, dict]:
+        eng = Engine(mode_plan("serial", 2, preset="small", context=96, prefill_chunk=16))
+        step, steps = eng.step, [0]
+
+        def slow_step() -> bool:
+            steps[0] += 1
+            time.sleep(0.3 if steps[0] == slow else 0.0)
+            return step()
+
+        monkeypatch.setattr(eng, "step", slow_step)
+        [r], stats = InProcessDriver(eng).run([Arrival(Request(tuple(range(40, 60)), 10))])
+        return r, stats
+
+    prompt_stalls, _ = longest_gap(slow=1)  # the prompt's first chunk: before the first token
+    assert prompt_stalls.longest_gap is not None and prompt_stalls.longest_gap < 0.3
+    decode_stalls, stats = longest_gap(slow=6)
+    assert decode_stalls.longest_gap is not None and decode_stalls.longest_gap >= 0.3
+    figures = measure("solo", [decode_stalls], stats, wall=decode_stalls.finished)
+    assert figures["longest_gap_ms"] == pytest.approx(1000 * decode_stalls.longest_gap)
+    two = [Result([1, 2], 4, 0.0, 0.5, 1.0, 0, 0, 0.2), Result([1, 2], 4, 0.0, 0.5, 1.0, 0, 0, 0.7)]
+    assert measure("clients", two, STATS, wall=1.0)["longest_gap_ms"] == pytest.approx(700.0)
+    untimed = [Result([1], 4, 0.0, 0.5, 0.5, 0, 0)]
+    assert "longest_gap_ms" not in measure("clients", untimed, STATS, wall=0.5)

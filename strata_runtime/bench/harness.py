@@ -56,6 +56,9 @@ class Result:
     finished: float
     accepted: int
     proposals: int
+    longest_gap: float | None = None
+    """The longest wait, in seconds, between two deliveries of tokens after the first (None: the driver
+    could not time it, or fewer than two deliveries): what a reader of the stream sees as a stall."""
 
     @property
     def rate(self) -> float:
@@ -92,6 +95,8 @@ class InProcessDriver:
         results: list[Result | None] = [None] * len(arrivals)
         tokens: list[list[int]] = [[] for _ in arrivals]
         first: list[float | None] = [None] * len(arrivals)
+        last: list[float | None] = [None] * len(arrivals)
+        gaps: list[float | None] = [None] * len(arrivals)
         submitted = [0.0] * len(arrivals)
         while any(r is None for r in results):
             for i, a in enumerate(arrivals):
@@ -108,6 +113,10 @@ class InProcessDriver:
                     tokens[i] += ev.token_ids
                     if first[i] is None and ev.token_ids:
                         first[i] = now
+                    if ev.token_ids:
+                        if last[i] is not None:
+                            gaps[i] = max(gaps[i] or 0.0, now - last[i])
+                        last[i] = now
                     if ev.finished is not None:
                         if ev.error:
                             raise RuntimeError(f"request {i} failed: {ev.error}")
@@ -119,6 +128,7 @@ class InProcessDriver:
                             now,
                             h.accepted_proposals,
                             h.proposals,
+                            gaps[i],
                         )
         # Windows still in flight (a request's last windows run ahead of its stop) finish here, not in the
         # next run; the engine, once idle, hands its expert caches what their kernels counted.
@@ -276,6 +286,9 @@ def measure(name: str, results: list[Result], stats: dict[str, Any], wall: float
         out["generation_tok_s"] = generation_rate(
             (len(r.token_ids), r.first_token, r.finished) for r in results
         )
+    gaps = [r.longest_gap for r in results if r.longest_gap is not None]
+    if name in GENERATING and gaps:
+        out["longest_gap_ms"] = 1000.0 * max(gaps)
     traffic = stats.get("experts")
     if traffic is not None:  # an expert cache: how much of the expert work VRAM served, and the link's share
         served = traffic["hits"] + traffic["misses"]

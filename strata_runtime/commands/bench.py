@@ -776,6 +776,8 @@ def render_table(
                 extra = f"  p50 {m['p50_s']:.3f}s p95 {m['p95_s']:.3f}s"
             if "generation_tok_s" in m:
                 extra += f", generating {m['generation_tok_s']:.1f} tok/s"
+            if "longest_gap_ms" in m:
+                extra += f"  longest gap {m['longest_gap_ms']:.1f} ms"
             if "expert_vram_pct" in m:
                 per = "prompt tok" if workload == "prompt" else "tok"
                 extra += (
