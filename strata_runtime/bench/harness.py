@@ -113,9 +113,10 @@ class InProcessDriver:
                     tokens[i] += ev.token_ids
                     if first[i] is None and ev.token_ids:
                         first[i] = now
+                    previous = last[i]
                     if ev.token_ids:
-                        if last[i] is not None:
-                            gaps[i] = max(gaps[i] or 0.0, now - last[i])
+                        if previous is not None:
+                            gaps[i] = max(gaps[i] or 0.0, now - previous)
                         last[i] = now
                     if ev.finished is not None:
                         if ev.error:
