@@ -20,11 +20,8 @@ The upkeep runs between windows, on the stream the stage computes on, without wa
 * a swap is applied in three stream-ordered steps: the tables first stop pointing at the slots being
   reused (their old experts, and every expert on its way into a slot, are read from host memory from then
   on), a copy stream then loads the new experts into those slots once every window queued before has
-  finished reading them, and once a later call finds those copies landed (an event query: the compute
-  stream never waits for them), the tables point the new experts at their slots. Windows queued in
-  between read every expert whole, from one place or the other, and keep coming: a prompt's rebalance of
-  hundreds of experts (about 90 ms over a 55 GB/s host link) does not stall the next token. No counts are
-  handed over while swaps are landing, so a rebalance never moves an expert whose copy is in flight.
+  finished reading them, and the compute stream waits for those copies before the tables point the new
+  experts at their slots. Windows queued in between read every expert whole, from one place or the other.
   The copies into VRAM come first, those from a helper slot over the peer link; then the copies from host
   memory into helper slots, which may overwrite a helper slot a VRAM copy has just read.
 
@@ -148,9 +145,6 @@ class CudaExperts:
             """Whether the read in flight holds a prompt chunk's counts (its hand-over rebalances)."""
             self._windows = 0
             self._read_soon = False
-            self._landing: Any = None
-            """The event of the last swaps' copies while they are landing (their tables still point at host
-            memory), else None."""
             self._upload(self._table_arrays(pending=()), cp.cuda.get_current_stream())
             cp.cuda.get_current_stream().synchronize()
 
@@ -221,10 +215,9 @@ class CudaExperts:
         stream = cupy_module().cuda.get_current_stream()
         self._windows += 1
         self._read_soon |= prompt
-        self._land(stream, wait=False)
         swaps: list[Swap] = []
-        if self._read_done is not None and self._read_done.done and self._landing is None:
-            swaps = self._hand_over(stream)  # never while swaps are landing: their tables would be lost
+        if self._read_done is not None and self._read_done.done:
+            swaps = self._hand_over(stream)
         if self._read_done is None and (
             self._read_soon or self._windows >= self.store.residency.policy.every
         ):
@@ -240,18 +233,15 @@ class CudaExperts:
         with cp.cuda.Device(self.device_id):
             cp.cuda.Device(self.device_id).synchronize()  # the counts of every stream's windows are in
             stream = cp.cuda.get_current_stream()
-            self._land(stream, wait=True)
             swaps: list[Swap] = []
             if self._read_done is not None:
                 self._read_done.synchronize()
                 swaps += self._hand_over(stream)
-                self._land(stream, wait=True)
             if self._windows:
                 self._queue_read(stream)
                 assert self._read_done is not None
                 self._read_done.synchronize()
                 swaps += self._hand_over(stream)
-                self._land(stream, wait=True)
             return swaps
 
     def _queue_read(self, stream: Any) -> None:
@@ -284,8 +274,6 @@ class CudaExperts:
         with cp.cuda.Device(self.device_id):
             stream = cp.cuda.get_current_stream()
             stream.synchronize()
-            if self.store.cached:
-                self._land(stream, wait=True)
             swaps = self.store.restore(snap)
             if self.store.cached:
                 self._read_done, self._windows, self._read_soon = None, 0, False
@@ -293,7 +281,6 @@ class CudaExperts:
                 self.misses.fill(0)
                 if swaps:
                     self.apply(swaps, stream)
-                    self._land(stream, wait=True)
             stream.synchronize()
 
     def apply(self, swaps: list[Swap], stream: Any) -> None:
@@ -315,21 +302,9 @@ class CudaExperts:
                 self._into_helper(s.slot, s.loaded, copies)
             elif s.source >= 0 and s.evicted is not None:  # an exchange: the evicted expert's new place
                 self._into_helper(s.source, s.evicted, copies)
-        self._landing = cp.cuda.Event(disable_timing=True)
-        self._landing.record(copies)
-
-    def _land(self, stream: Any, wait: bool) -> None:
-        """Once the copies of the last swaps have landed, point the tables at the new experts' slots, on
-        ``stream``. The compute stream never waits for the copies: the host checks their event between
-        windows (``wait``: block on it instead, for an idle stage), and windows queued meanwhile read the
-        moving experts from host memory."""
-        if self._landing is None:
-            return
-        if wait:
-            self._landing.synchronize()
-        elif not self._landing.done:
-            return
-        self._landing = None
+        loaded_ready = cp.cuda.Event(disable_timing=True)
+        loaded_ready.record(copies)
+        stream.wait_event(loaded_ready)
         self._upload(self._table_arrays(pending=()), stream)
 
     def _into_vram(self, swap: Swap, copies: Any) -> None:
