@@ -198,3 +198,37 @@ def test_two_urls_with_one_name_are_a_usage_error() -> None:
         timeout=60,
     )
     assert out.returncode == 2 and "two --url share a name; name them NAME=URL" in out.stderr, out.stderr
+
+
+def test_a_streams_longest_gap_is_its_longest_wait_between_two_chunks_after_the_first(monkeypatch) -> None:
+    """Over HTTP the longest gap is timed as the chunks of the stream arrive, the wait for the first chunk
+    left out, as the in-process harness times deliveries."""
+    import time
+
+    waits = [0.25, 0.0, 0.15, 0.0]  # before each chunk: the first's wait is not a gap
+
+    class Response:
+        status = 200
+
+        def read(self, *a: Any) -> bytes:
+            return b""
+
+    class FakeClient:
+        def post_completion(self, body: dict[str, Any]) -> Response:
+            return Response()
+
+        def close(self) -> None:
+            pass
+
+    def chunks(r: Any):
+        for w in waits:
+            time.sleep(w)
+            yield {"choices": [{"text": "x"}]}
+        yield {"usage": {"completion_tokens": len(waits), "prompt_tokens": 3}}
+        yield None
+
+    monkeypatch.setattr(http_workloads, "sse_chunks", chunks)
+    out = http_workloads.Stream(sent=0.0)
+    http_workloads._stream(FakeClient(), {}, time.perf_counter(), out, None)  # type: ignore[arg-type]
+    assert out.error is None and out.tokens == len(waits)
+    assert out.longest_gap is not None and 0.15 <= out.longest_gap < 0.25

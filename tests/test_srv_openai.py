@@ -404,6 +404,7 @@ def test_bench_drives_the_launched_engine_over_http(engine: Launched):
     assert len(case["runs"]) == 2
     assert case["median"]["tok_s"] > 0 and case["median"]["rows_per_window"] >= 1
     assert case["median"]["generation_tok_s"] > 0  # as the in-process harness reports it
+    assert case["median"]["longest_gap_ms"] > 0  # timed between the streams' chunks
     # Two runs of two 24-token streams went through the engine (greedy replies may end early at EOS).
     after = _metrics(engine)
     ok = 'strata_requests_total{endpoint="completions",outcome="ok"}'

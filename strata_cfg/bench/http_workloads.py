@@ -43,6 +43,10 @@ class Stream:
     prompt_tokens: int = 0
     chunks: int = 0
     error: str | None = None
+    last: float | None = None
+    """When the latest chunk of tokens came."""
+    longest_gap: float | None = None
+    """The longest wait between two chunks of tokens after the first (None: fewer than two)."""
 
     @property
     def rate(self) -> float:
@@ -71,8 +75,12 @@ def _stream(
                 out.prompt_tokens = int(chunk["usage"]["prompt_tokens"])
             elif chunk.get("choices"):
                 out.chunks += 1
+                now = time.perf_counter() - t0
                 if out.first is None:
-                    out.first = time.perf_counter() - t0
+                    out.first = now
+                if out.last is not None:
+                    out.longest_gap = max(out.longest_gap or 0.0, now - out.last)
+                out.last = now
                 if progress is not None and out.chunks >= 8:
                     progress.set()
         r.read()
@@ -204,6 +212,9 @@ def http_run(
         out["tok_s"] = sum(s.rate for s in streams)
     if workload in GENERATING:
         out["generation_tok_s"] = generation_rate((s.tokens, s.first, s.done) for s in streams)
+        gaps = [s.longest_gap for s in streams if s.longest_gap is not None]
+        if gaps:
+            out["longest_gap_ms"] = 1000.0 * max(gaps)
     return out
 
 
@@ -354,6 +365,8 @@ def _case_line(label: str, m: dict[str, float], ratio: str = "", width: int = 20
         extra = f"  p50 {m['p50_s']:.3f}s p95 {m['p95_s']:.3f}s"
         if "generation_tok_s" in m:
             extra += f", generating {m['generation_tok_s']:.1f} tok/s"
+    if "longest_gap_ms" in m:
+        extra += f"  longest gap {m['longest_gap_ms']:.1f} ms"
     if "decode_tok_s" in m:
         extra = f"  prompt read {m['prompt_read_tok_s']:.0f} tok/s, decode {m['decode_tok_s']:.1f} tok/s"
     if "prompt_read_s" in m:
