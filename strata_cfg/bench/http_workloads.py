@@ -17,7 +17,7 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..schema.workloads import (
@@ -25,6 +25,8 @@ from ..schema.workloads import (
     GENERATING,
     PROMPTS,
     generation_rate,
+    longest_gap,
+    longest_gap_ms,
     prompt_context_problem,
     prompt_ids,
 )
@@ -43,10 +45,13 @@ class Stream:
     prompt_tokens: int = 0
     chunks: int = 0
     error: str | None = None
-    last: float | None = None
-    """When the latest chunk of tokens came."""
-    longest_gap: float | None = None
-    """The longest wait between two chunks of tokens after the first (None: fewer than two)."""
+    deliveries: list[float] = field(default_factory=list)
+    """When each chunk of tokens came."""
+
+    @property
+    def longest_gap(self) -> float | None:
+        """The longest wait between two chunks of tokens after the first (None: fewer than two)."""
+        return longest_gap(self.deliveries)
 
     @property
     def rate(self) -> float:
@@ -75,12 +80,9 @@ def _stream(
                 out.prompt_tokens = int(chunk["usage"]["prompt_tokens"])
             elif chunk.get("choices"):
                 out.chunks += 1
-                now = time.perf_counter() - t0
+                out.deliveries.append(time.perf_counter() - t0)
                 if out.first is None:
-                    out.first = now
-                if out.last is not None:
-                    out.longest_gap = max(out.longest_gap or 0.0, now - out.last)
-                out.last = now
+                    out.first = out.deliveries[0]
                 if progress is not None and out.chunks >= 8:
                     progress.set()
         r.read()
@@ -212,9 +214,9 @@ def http_run(
         out["tok_s"] = sum(s.rate for s in streams)
     if workload in GENERATING:
         out["generation_tok_s"] = generation_rate((s.tokens, s.first, s.done) for s in streams)
-        gaps = [s.longest_gap for s in streams if s.longest_gap is not None]
-        if gaps:
-            out["longest_gap_ms"] = 1000.0 * max(gaps)
+        gap = longest_gap_ms(s.longest_gap for s in streams)
+        if gap is not None:
+            out["longest_gap_ms"] = gap
     return out
 
 

@@ -10,7 +10,8 @@ time to first token only.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from itertools import pairwise
 from typing import Any
 
 from .sampling_options import options_problem
@@ -75,6 +76,17 @@ def generation_rate(streams: Iterable[tuple[int, float | None, float | None]]) -
         return 0.0
     span = max(done for _, _, done in spans) - min(first for _, first, _ in spans)
     return sum(n - 1 for n, _, _ in spans) / span if span > 0 else 0.0
+
+
+def longest_gap(deliveries: Sequence[float]) -> float | None:
+    """The longest wait between two consecutive deliveries of tokens to one stream (their times, in order);
+    the wait for the first is not one. None with fewer than two deliveries."""
+    return max((b - a for a, b in pairwise(deliveries)), default=None)
+
+
+def longest_gap_ms(gaps: Iterable[float | None]) -> float | None:
+    """The longest of some streams' `longest_gap` values, in milliseconds (None: no stream had one)."""
+    return max((1000.0 * g for g in gaps if g is not None), default=None)
 
 
 def bench_option_problem(args: Any) -> str | None:

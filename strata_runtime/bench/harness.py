@@ -26,6 +26,8 @@ from strata_cfg.schema.workloads import (
     PROMPTS,
     WORKLOADS,
     generation_rate,
+    longest_gap,
+    longest_gap_ms,
     prompt_ids,
 )
 
@@ -95,8 +97,7 @@ class InProcessDriver:
         results: list[Result | None] = [None] * len(arrivals)
         tokens: list[list[int]] = [[] for _ in arrivals]
         first: list[float | None] = [None] * len(arrivals)
-        last: list[float | None] = [None] * len(arrivals)
-        gaps: list[float | None] = [None] * len(arrivals)
+        deliveries: list[list[float]] = [[] for _ in arrivals]
         submitted = [0.0] * len(arrivals)
         while any(r is None for r in results):
             for i, a in enumerate(arrivals):
@@ -113,11 +114,8 @@ class InProcessDriver:
                     tokens[i] += ev.token_ids
                     if first[i] is None and ev.token_ids:
                         first[i] = now
-                    previous = last[i]
                     if ev.token_ids:
-                        if previous is not None:
-                            gaps[i] = max(gaps[i] or 0.0, now - previous)
-                        last[i] = now
+                        deliveries[i].append(now)
                     if ev.finished is not None:
                         if ev.error:
                             raise RuntimeError(f"request {i} failed: {ev.error}")
@@ -129,7 +127,7 @@ class InProcessDriver:
                             now,
                             h.accepted_proposals,
                             h.proposals,
-                            gaps[i],
+                            longest_gap(deliveries[i]),
                         )
         # Windows still in flight (a request's last windows run ahead of its stop) finish here, not in the
         # next run; the engine, once idle, hands its expert caches what their kernels counted.
@@ -287,9 +285,9 @@ def measure(name: str, results: list[Result], stats: dict[str, Any], wall: float
         out["generation_tok_s"] = generation_rate(
             (len(r.token_ids), r.first_token, r.finished) for r in results
         )
-    gaps = [r.longest_gap for r in results if r.longest_gap is not None]
-    if name in GENERATING and gaps:
-        out["longest_gap_ms"] = 1000.0 * max(gaps)
+    gap = longest_gap_ms(r.longest_gap for r in results)
+    if name in GENERATING and gap is not None:
+        out["longest_gap_ms"] = gap
     traffic = stats.get("experts")
     if traffic is not None:  # an expert cache: how much of the expert work VRAM served, and the link's share
         served = traffic["hits"] + traffic["misses"]
