@@ -175,7 +175,7 @@ def test_memory_prefill_chunk_alone_cached_keeps_every_expert_of_a_resident_gpu_
     path = PROFILES / "rtx3080-20g-x2.toml"
     gpus = (
         "machine.gpus",
-        [{"name": n, "vram_mib": v, "bandwidth_gbs": 760} for n, v in (("A", 29450), ("B", 20480))],
+        [{"name": n, "vram_mib": v, "bandwidth_gbs": 760} for n, v in (("A", 29350), ("B", 20480))],
     )
     plan = plan_of(path, [gpus])
     a, b = plan.gpus

@@ -157,7 +157,12 @@ def test_a_lone_prompt_holds_what_the_plans_workspace_counts(live_gpu, monkeypat
     if graphs:
         assert all(p.captured == {64} for p in paths.values())
     held = live_gpu.peak - before
-    counted = budget.workspace - GPU_POOL_HEADROOM  # the headroom is for what the fake GPU has none of
+    # The headroom is for what the fake GPU has none of; the decode windows' buffers were made when the
+    # engine started, before the prompt (the test below counts them).
+    facts, context = plan.model.facts, plan.memory.context
+    windows = sizes.decode_window_bytes(facts, context=context)
+    windows += sizes.MTP_WINDOW_SETS * sizes.decode_window_bytes(facts, context=context, mtp=True)
+    counted = budget.workspace - GPU_POOL_HEADROOM - windows
     assert 0.9 * counted <= held <= counted, (held, counted)
 
     # Each path's temporaries are exactly what the plan counts for a chunk's rows: the stage's, and the MTP
@@ -193,12 +198,80 @@ def test_the_30b_shapes_prefill_row_on_a_gpu():
     head = 8 * m.vocab_size * 4 + 2 * m.vocab_size * sizes.TOKEN_COUNT_BYTES
     kw: dict[str, Any] = dict(context=ctx, prefill_rows=rows, stores_scores=False, slots=2, gpu=True)
     alone = sizes.workspace_bytes(m, last=True, **kw)
-    assert alone == stage + head + sizes.GPU_POOL_HEADROOM  # the measured, unexplained pool use
+    # A decode window's row: positions and slots; residual, MLP output, the head's rows and the gate; q/k/v,
+    # q and attention's output; attention's counters; router logits, routing, the experts' activations; and
+    # the (absent) dense MLP's three floats. The scratch the sizes share: 8 rows of 32 heads x 128 chunks.
+    row = 2 * 4 + 4 * (4 * h + 1) + 4 * (q + 2 * kv + 2 * q) + 4 * 4 + 4 * e + 4 * 2 * k + 4 * k * i + 4 * 3
+    assert sizes.decode_window_row_bytes(m) == sizes.decode_window_row_bytes(m, mtp=True) == row == 111_208
+    scratch = 4 * 8 * 32 * (ctx // 64) * (128 + 2)
+    windows = 36 * row + 8 * 4 * (32 + 8) + scratch
+    assert sizes.decode_window_bytes(m, context=ctx) == windows  # about 20 MiB
+    assert sizes.decode_window_bytes(m, context=4 * ctx) == windows + 3 * scratch
+    assert alone == stage + head + windows + sizes.GPU_POOL_HEADROOM  # the measured, unexplained pool use
     drafting = sizes.workspace_bytes(m, last=True, mtp=True, **kw)
     mtp = sizes.prefill_temp_bytes(m, rows, mtp=True) + rows * (3 * 2 * h + 2 * 4 * h)
-    assert drafting - alone == mtp  # the MTP head's temporaries and rows: about 514 MiB at 4096 rows
+    assert drafting - alone == mtp + 2 * windows  # the MTP head's temporaries and rows, and its windows
     assert 514 * 2**20 < mtp < 515 * 2**20
     # The array path (virtual CPU devices) keeps its own count: no MTP set, a tile of stored scores.
     cpu = sizes.workspace_bytes(m, last=True, mtp=True, **{**kw, "gpu": False, "stores_scores": True})
     scores = sizes.attention_scores_bytes(m, context=ctx, rows=rows)
     assert cpu == rows * 88_576 + scores + head
+
+
+def _window_set_bytes(layers: Any) -> int:
+    """Bytes a `CudaLayers` holds for its decode windows: every array of each size's buffers, counting the
+    attention scratch they share once."""
+    roots: dict[int, int] = {}
+    for b in layers._bufs.values():
+        for a in vars(b).values():
+            if isinstance(a, np.ndarray):
+                root = a
+                while isinstance(root.base, np.ndarray):
+                    root = root.base
+                roots[id(root)] = int(root.nbytes)
+    return sum(roots.values())
+
+
+def test_every_decode_window_holds_what_the_plan_counts(live_gpu):
+    """Decode windows of 1 to 8 rows through the stage's layers and through the MTP head (its two sets:
+    positions from the host, positions decided on the device) hold exactly the plan's
+    `decode_window_bytes` for each set: each size's own buffers, and one attention
+    scratch of 8 rows that the sizes of a set share, which grows with the context."""
+    from strata_runtime.cuda.ops import attention_scratch_size
+    from strata_runtime.engine import Engine
+
+    plan = _plan(True)
+    engine = Engine(plan)
+    model = engine.model
+    [stage] = model.stages
+    assert stage.cuda is not None and model.mtp is not None and model.mtp.cuda is not None
+    model.capture_window_graphs()
+    sets = [stage.cuda, model.mtp.cuda.layers, model.mtp.cuda.device_layers]
+    facts, context = plan.model.facts, plan.memory.context
+    assert all(s.stack.context == context and set(s._bufs) == set(range(1, 9)) for s in sets)
+    assert len(sets) == 1 + sizes.MTP_WINDOW_SETS
+    stage_set = sizes.decode_window_bytes(facts, context=context)
+    head_set = sizes.decode_window_bytes(facts, context=context, mtp=True)
+    assert head_set < stage_set  # the preset's dense layers are wider than the head's shared expert
+    assert [_window_set_bytes(s) for s in sets] == [stage_set, head_set, head_set]
+    # One scratch a set, of 8 rows, which every size's window reads.
+    a = model.args
+    scratch = attention_scratch_size(8, a.num_attention_heads, a.num_key_value_heads, a.head_dim, context)
+    for s in sets:
+        assert len({id(b.scratch) for b in s._bufs.values()}) == 1
+        assert s._bufs[1].scratch.size == scratch
+    assert 4 * scratch == sizes.decode_attention_scratch_bytes(facts, context=context, rows=8)
+
+
+def test_decode_attention_blocks_read_the_chunk_the_plan_sizes_scratch_by():
+    """The kernel's ATTN_CHUNK (positions a decode attention block reads) is the chunk the plan sizes each
+    window's scratch by."""
+    import re
+    from pathlib import Path
+
+    import strata_runtime.cuda as cuda_pkg
+    from strata_cfg.schema.windows import DECODE_ATTENTION_CHUNK
+
+    src = (Path(cuda_pkg.__file__).parent / "kernels.cu").read_text()
+    [chunk] = re.findall(r"constexpr int ATTN_CHUNK = (\d+);", src)
+    assert int(chunk) == DECODE_ATTENTION_CHUNK

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from ..schema.facts import DTYPE_BYTES, ModelFacts
 from ..schema.windows import (
+    DECODE_ATTENTION_CHUNK,
     FLASH_HEAD_DIMS,
     MAX_WINDOW_ROWS,
     PREFILL_EXPERT_TILE_ROWS,
@@ -21,12 +22,12 @@ from ..schema.windows import (
 )
 
 F32 = 4
-GPU_POOL_HEADROOM = 384 << 20
-"""Bytes a GPU's memory pool was measured to hold during a long prompt beyond every term this module counts:
-on one H200 capped at 24 GiB (the 30B shape, one stage that drafts) an 8183-token prompt's pool held
-184-254 MiB more than the counted workspace at 1024-, 2048- and 4096-row chunks, while its growth from 1024
-to 4096 rows matched the per-row terms within 0.1%. What holds it is not accounted for yet, so each GPU's
-workspace keeps this much (docs/PERFORMANCE.md, "a tenth lease")."""
+GPU_POOL_HEADROOM = 256 << 20
+"""Bytes a GPU's memory pool may hold beyond every term this module counts (allocation rounding, CuPy's own
+small arrays). On one H200 capped at 24 GiB (the 30B shape, one stage that drafts) an 8183-token prompt's
+pool once held 184-254 MiB more than the counted workspace, almost all of it the decode windows' buffers
+(231 MiB, then uncounted, each window size with its own attention scratch); those are now counted
+(`decode_window_bytes`) and share one scratch a set (docs/PERFORMANCE.md, "a twelfth lease")."""
 HALF = 2
 """float16: the CUDA path's activations, whatever the checkpoint's dtype (bfloat16 is converted on load)."""
 I32 = 4
@@ -91,9 +92,7 @@ def row_activation_bytes(model: ModelFacts) -> int:
     if model.num_experts:
         k, width = model.num_experts_per_tok, model.moe_intermediate_size
         n += F32 * model.num_experts + a * (2 * k * width + k * h)
-    dense = model.intermediate_size if _has_dense_layer(model) else 0
-    n += a * 2 * max(dense, model.shared_expert_intermediate_size)
-    return n
+    return n + a * 2 * _mlp_width(model)
 
 
 def prefill_temp_row_bytes(model: ModelFacts, *, mtp: bool = False, flash: bool = True) -> int:
@@ -114,11 +113,7 @@ def prefill_temp_row_bytes(model: ModelFacts, *, mtp: bool = False, flash: bool 
     n = HALF * h + F32 * (q + 2 * kv) + 3 * HALF * q
     if not flash:
         n += 2 * HALF * q
-    if mtp:
-        width = model.shared_expert_intermediate_size if model.num_experts else model.intermediate_size
-    else:
-        dense = model.intermediate_size if _has_dense_layer(model) else 0
-        width = max(dense, model.shared_expert_intermediate_size)
+    width = _mlp_width(model, mtp=mtp)
     if width:
         n += 3 * HALF * width + F32 * h + (F32 if model.shared_expert_intermediate_size else 0)
     if model.num_experts:
@@ -192,6 +187,58 @@ def gpu_prefill_bytes(
     return n
 
 
+def decode_window_row_bytes(model: ModelFacts, *, mtp: bool = False) -> int:
+    """Bytes one row of a GPU's decode window buffers holds (`strata_runtime.cuda.layers.WindowBuffers`),
+    all float32 or int32, beside the attention scratch the window sizes share
+    (`decode_attention_scratch_bytes`).
+
+    i x 2: position and slot. f x (4H + 1): residual, MLP output, the MTP head's embedding and output rows,
+    and the shared-expert gate's one value. f x (Q + 2K + 2Q): q/k/v, q and the attention output; i x nkv:
+    attention's counters. f x E: router logits; f x 2k + f x kI: the routing and each chosen expert's
+    activation. f x 3 max(Id, Is, 1): the dense MLP's or shared expert's gate/up and activation (with
+    ``mtp``, the MTP head's layer's)."""
+    h, hd = model.hidden_size, model.head_dim
+    q, kv = model.num_attention_heads * hd, model.num_key_value_heads * hd
+    k = max(model.num_experts_per_tok, 1)
+    n = 2 * I32 + F32 * (4 * h + 1) + F32 * (q + 2 * kv + 2 * q) + I32 * model.num_key_value_heads
+    n += F32 * max(model.num_experts, 1) + F32 * 2 * k + F32 * k * max(model.moe_intermediate_size, 1)
+    return n + F32 * 3 * max(_mlp_width(model, mtp=mtp), 1)
+
+
+def decode_attention_scratch_bytes(model: ModelFacts, *, context: int, rows: int) -> int:
+    """Decode attention's partial sums, maxima and totals (float32) for ``rows`` rows: every query head over
+    each block of `DECODE_ATTENTION_CHUNK` positions of the context."""
+    chunks = -(-context // DECODE_ATTENTION_CHUNK)
+    return F32 * rows * model.num_attention_heads * chunks * (model.head_dim + 2)
+
+
+def decode_window_bytes(model: ModelFacts, *, context: int, mtp: bool = False) -> int:
+    """One set of decode window buffers (a `strata_runtime.cuda.decode.CudaLayers`) through the main model's
+    layers, or with ``mtp`` through the MTP head's: a window of each size from 1 to R rows keeps its own
+    buffers (its CUDA graph replays on their addresses), and all of them share one attention scratch of R
+    rows, since a set's windows run one at a time on one stream. Plus the fused q/k/v kernel's counters
+    (i x (nh + 2 nkv)) for each size."""
+    sizes = range(1, MAX_WINDOW_ROWS + 1)
+    counters = I32 * (model.num_attention_heads + 2 * model.num_key_value_heads)
+    n = sum(rows * decode_window_row_bytes(model, mtp=mtp) + counters for rows in sizes)
+    return n + decode_attention_scratch_bytes(model, context=context, rows=MAX_WINDOW_ROWS)
+
+
+MTP_WINDOW_SETS = 2
+"""Sets of decode window buffers the MTP head keeps on the last stage where it drafts, beside the stage's
+own: windows at positions the host sends, and windows at positions decided on the device, which replay
+graphs of their own."""
+
+
+def _mlp_width(model: ModelFacts, *, mtp: bool = False) -> int:
+    """I' of the widest dense MLP or shared expert of the main model's layers (0 without either), or with
+    ``mtp`` of the MTP head's layer (its shared expert, or in a dense model its MLP)."""
+    if mtp:
+        return model.shared_expert_intermediate_size if model.num_experts else model.intermediate_size
+    dense = model.intermediate_size if _has_dense_layer(model) else 0
+    return max(dense, model.shared_expert_intermediate_size)
+
+
 def _has_dense_layer(model: ModelFacts) -> bool:
     """Whether any main-model layer is dense (``ModelFacts.is_sparse``'s rule, without a loop)."""
     return bool(model.mlp_only_layers) or model.num_experts == 0 or model.decoder_sparse_step > 1
@@ -237,9 +284,10 @@ def workspace_bytes(
 ) -> int:
     """Activation workspace. On a GPU (``gpu``) what its prefill path holds for a chunk of ``prefill_rows``
     rows (`prefill_rows`) with graphs of up to ``graph_rows`` rows (``memory.prefill_graph_rows``), and on
-    the last stage where it drafts (``mtp``) the MTP head's prefill path beside it (`gpu_prefill_bytes`);
-    on virtual CPU devices ``prefill_rows`` rows at `row_activation_bytes` (the array path; and
-    ``graph_rows`` more, twice with ``mtp`` on the last stage, though a CPU device resolves them to 0).
+    the last stage where it drafts (``mtp``) the MTP head's prefill path beside it (`gpu_prefill_bytes`),
+    and its decode window buffers (`decode_window_bytes`; the MTP head's `MTP_WINDOW_SETS` too); on
+    virtual CPU devices ``prefill_rows`` rows at `row_activation_bytes` (the array path; and ``graph_rows``
+    more, twice with ``mtp`` on the last stage, though a CPU device resolves them to 0).
     Either way one tile of the rows' attention scores (`attention_scores_bytes`) where prompt attention
     stores them (``stores_scores``, `stores_attention_scores`); the last stage adds a decode window's logits
     [R, V] in float32 and each of ``slots`` slots' token counts and logit bias (`TOKEN_COUNT_BYTES` per
@@ -249,6 +297,9 @@ def workspace_bytes(
         n = gpu_prefill_bytes(
             model, rows=prefill_rows, graph_rows=graph_rows, last=last, mtp=last and mtp, flash=flash
         )
+        n += decode_window_bytes(model, context=context)
+        if last and mtp:
+            n += MTP_WINDOW_SETS * decode_window_bytes(model, context=context, mtp=True)
     else:
         n = (prefill_rows + graph_rows * (2 if last and mtp else 1)) * row_activation_bytes(model)
     if stores_scores:

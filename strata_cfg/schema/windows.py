@@ -18,6 +18,9 @@ HANDOFF_ROWS = MAX_WINDOW_ROWS
 BATCH_MTP_ROWS_PER_SLOT = 2
 """Batch MTP sends each slot's token and one proposal."""
 BATCH_MTP_SLOTS_PER_WINDOW = MAX_WINDOW_ROWS // BATCH_MTP_ROWS_PER_SLOT
+DECODE_ATTENTION_CHUNK = 64
+"""Positions a block of decode attention reads (the CUDA kernel's ``ATTN_CHUNK``); each writes one partial
+result per query head to the window's scratch, so the scratch grows with the context."""
 PROMPT_GRAPH_MAX = 64
 """A prompt chunk on a GPU runs as 8-row decode graph windows when it has at most
 ``memory.prompt_graph_rows`` rows, which is at most this many; longer chunks take the prefill path."""

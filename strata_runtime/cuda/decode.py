@@ -21,11 +21,13 @@ from typing import Any
 
 import cupy as cp
 
+from strata_cfg.schema.windows import MAX_WINDOW_ROWS
+
 from ..backend import device_lock
 from ..layout import Layout
 from .compile import record_graph_build
 from .layers import LayerStack, WindowBuffers
-from .ops import PDL_ROWS, decode_expressions
+from .ops import PDL_ROWS, attention_scratch_size, decode_expressions
 
 
 class CudaLayers:
@@ -40,6 +42,7 @@ class CudaLayers:
             # Compile every kernel any window can need in one NVRTC run now, not window by window later.
             stack.kern.prepare(self.expressions())
         self._bufs: dict[int, WindowBuffers] = {}
+        self._scratch: cp.ndarray | None = None
         self._graphs: dict[int, Any] = {}
         self._seen: set[int] = set()
 
@@ -54,10 +57,20 @@ class CudaLayers:
         return frozenset(self._graphs)
 
     def buffers(self, rows: int) -> WindowBuffers:
+        """The buffers of windows of ``rows`` rows. Each size keeps its own (its graph replays on their
+        addresses), but all share one attention scratch of `MAX_WINDOW_ROWS` rows, which grows with the
+        context (8.5 MB a row at 32,768 positions of the 30B shape): these layers' windows run one at a time,
+        in the order of one stream, and attention's scratch is dead once its kernel ends."""
         s = self.stack
         if rows not in self._bufs:
             with cp.cuda.Device(s.device_id):
-                self._bufs[rows] = WindowBuffers(cp, rows, s.args, s.context, s.mlp_width)
+                if self._scratch is None:
+                    a = s.args
+                    size = attention_scratch_size(
+                        MAX_WINDOW_ROWS, a.num_attention_heads, a.num_key_value_heads, a.head_dim, s.context
+                    )
+                    self._scratch = cp.zeros(size, cp.float32)
+                self._bufs[rows] = WindowBuffers(cp, rows, s.args, s.context, s.mlp_width, self._scratch)
         return self._bufs[rows]
 
     def replay(self, b: WindowBuffers, body: Callable[[WindowBuffers], None]) -> None:

@@ -134,7 +134,11 @@ class WindowBuffers:
     """Every array one window of R rows touches, allocated once (graphs replay on fixed addresses) with
     ``xp`` (CuPy on the GPU)."""
 
-    def __init__(self, xp: Any, rows: int, args: ModelArgs, context: int, mlp_width: int) -> None:
+    def __init__(
+        self, xp: Any, rows: int, args: ModelArgs, context: int, mlp_width: int, scratch: Array | None = None
+    ) -> None:
+        """``scratch``: attention's scratch, shared with windows of other sizes that never run at the same
+        time as this one (at least `attention_scratch_size` of these rows); None: a scratch of its own."""
         h, n, k, d = args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim
         f32 = xp.float32
         self.rows = rows
@@ -144,7 +148,11 @@ class WindowBuffers:
         self.qkv = xp.zeros((rows, (n + 2 * k) * d), f32)  # [R, (N + 2K) D]
         self.q = xp.zeros((rows, n, d), f32)  # [R, N, D]
         self.attn = xp.zeros((rows, n * d), f32)  # [R, N D]
-        self.scratch = xp.zeros(attention_scratch_size(rows, n, k, d, context), f32)
+        size = attention_scratch_size(rows, n, k, d, context)
+        if scratch is None:
+            scratch = xp.zeros(size, f32)
+        assert scratch.size >= size and scratch.dtype == f32
+        self.scratch = scratch
         self.attn_done = xp.zeros((rows, k), xp.int32)  # [R, K]: the attention kernel's counters
         self.heads_done = xp.zeros(n + 2 * k, xp.int32)  # [N + 2K]: the fused q/k/v kernel's counters
         topk = max(args.num_experts_per_tok, 1)

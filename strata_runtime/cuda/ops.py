@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from strata_cfg.schema.windows import MAX_WINDOW_ROWS
+from strata_cfg.schema.windows import DECODE_ATTENTION_CHUNK, MAX_WINDOW_ROWS
 
 from ..backend import Array, cupy_module
 from . import pdl
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 _SOURCE = source("kernels.cu")
 WARPS_PER_BLOCK = 8
 THREADS = WARPS_PER_BLOCK * 32
-ATTN_CHUNK = 64  # positions per attention block; kernels.cu's ATTN_CHUNK
+ATTN_CHUNK = DECODE_ATTENTION_CHUNK  # positions per attention block; kernels.cu's ATTN_CHUNK
 ATTENTION_HEAD_DIMS = (16, 32, 64, 128, 256)
 """Head dims ``attn_split`` takes: a warp's lanes split evenly into groups of D / 8."""
 _NULL = np.uint64(0)  # a null pointer argument
