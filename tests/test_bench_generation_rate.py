@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from rt_engine_helpers import mode_plan
 
-from strata_cfg.schema.workloads import GENERATING, generation_rate
+from strata_cfg.schema.workloads import GENERATING, delivery_gaps, gap_figures_ms, generation_rate
 from strata_runtime.api import Request
 from strata_runtime.bench.harness import Arrival, InProcessDriver, Result, measure
 from strata_runtime.engine import Engine
@@ -74,7 +74,28 @@ def test_the_longest_gap_is_the_longest_wait_between_two_deliveries_of_one_strea
     assert decode_stalls.longest_gap is not None and decode_stalls.longest_gap >= 0.3
     figures = measure("solo", [decode_stalls], stats, wall=decode_stalls.finished)
     assert figures["longest_gap_ms"] == pytest.approx(1000 * decode_stalls.longest_gap)
-    two = [Result([1, 2], 4, 0.0, 0.5, 1.0, 0, 0, 0.2), Result([1, 2], 4, 0.0, 0.5, 1.0, 0, 0, 0.7)]
+    two = [Result([1, 2], 4, 0.0, 0.5, 1.0, 0, 0, (0.2,)), Result([1, 2], 4, 0.0, 0.5, 1.0, 0, 0, (0.7,))]
     assert measure("clients", two, STATS, wall=1.0)["longest_gap_ms"] == pytest.approx(700.0)
     untimed = [Result([1], 4, 0.0, 0.5, 0.5, 0, 0)]
-    assert "longest_gap_ms" not in measure("clients", untimed, STATS, wall=0.5)
+    assert not {"longest_gap_ms", "gap_p50_ms", "gap_p99_ms"} & set(
+        measure("clients", untimed, STATS, wall=0.5)
+    )
+
+
+def test_the_gap_percentiles_are_over_every_wait_of_every_stream() -> None:
+    """The median and the 99th percentile of the waits between deliveries pool every stream's waits (not
+    each stream's longest), and leave out the wait for a stream's first delivery."""
+    one = delivery_gaps([3.0, 3.1, 3.2, 3.3, 4.3])  # waits 0.1, 0.1, 0.1, 1.0 after the first at 3.0 s
+    two = delivery_gaps([0.5, 0.7])  # 0.2
+    assert one == pytest.approx((0.1, 0.1, 0.1, 1.0))
+    figures = gap_figures_ms([one, two])
+    assert figures["longest_gap_ms"] == pytest.approx(1000.0)
+    assert figures["gap_p50_ms"] == pytest.approx(100.0)  # 0.1, 0.1, [0.1], 0.2, 1.0
+    assert figures["gap_p99_ms"] == pytest.approx(1000 * (0.2 + 0.96 * 0.8))  # 3.96 of the way through
+    assert gap_figures_ms([delivery_gaps([1.0]), ()]) == {}
+    results = [
+        Result([1, 2, 3, 4, 5], 4, 0.0, 3.0, 4.3, 0, 0, one),
+        Result([1, 2], 4, 0.0, 0.5, 0.7, 0, 0, two),
+    ]
+    m = measure("two-decodes", results, STATS, wall=4.3)
+    assert {k: m[k] for k in figures} == figures

@@ -24,9 +24,11 @@ from ..schema.workloads import (
     CLIENT_COUNTS,
     GENERATING,
     PROMPTS,
+    delivery_gaps,
+    gap_figures_ms,
+    gap_text,
     generation_rate,
     longest_gap,
-    longest_gap_ms,
     prompt_context_problem,
     prompt_ids,
 )
@@ -214,9 +216,7 @@ def http_run(
         out["tok_s"] = sum(s.rate for s in streams)
     if workload in GENERATING:
         out["generation_tok_s"] = generation_rate((s.tokens, s.first, s.done) for s in streams)
-        gap = longest_gap_ms(s.longest_gap for s in streams)
-        if gap is not None:
-            out["longest_gap_ms"] = gap
+        out |= gap_figures_ms(delivery_gaps(s.deliveries) for s in streams)
     return out
 
 
@@ -367,8 +367,7 @@ def _case_line(label: str, m: dict[str, float], ratio: str = "", width: int = 20
         extra = f"  p50 {m['p50_s']:.3f}s p95 {m['p95_s']:.3f}s"
         if "generation_tok_s" in m:
             extra += f", generating {m['generation_tok_s']:.1f} tok/s"
-    if "longest_gap_ms" in m:
-        extra += f"  longest gap {m['longest_gap_ms']:.1f} ms"
+    extra += gap_text(m)
     if "decode_tok_s" in m:
         extra = f"  prompt read {m['prompt_read_tok_s']:.0f} tok/s, decode {m['decode_tok_s']:.1f} tok/s"
     if "prompt_read_s" in m:

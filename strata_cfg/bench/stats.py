@@ -2,17 +2,9 @@
 
 from __future__ import annotations
 
-import math
+from ..schema.workloads import percentile
 
-
-def percentile(values: list[float], q: float) -> float | None:
-    """The ``q`` quantile with linear interpolation between the closest ranks; None for no values."""
-    if not values:
-        return None
-    xs = sorted(values)
-    pos = q * (len(xs) - 1)
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+__all__ = ["median", "percentile"]
 
 
 def median(xs: list[float]) -> float:

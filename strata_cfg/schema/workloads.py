@@ -9,6 +9,7 @@ time to first token only.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Iterable, Sequence
 from itertools import pairwise
@@ -78,15 +79,47 @@ def generation_rate(streams: Iterable[tuple[int, float | None, float | None]]) -
     return sum(n - 1 for n, _, _ in spans) / span if span > 0 else 0.0
 
 
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The ``q`` quantile with linear interpolation between the closest ranks; None for no values."""
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = q * (len(xs) - 1)
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def delivery_gaps(deliveries: Sequence[float]) -> tuple[float, ...]:
+    """The waits between consecutive deliveries of tokens to one stream (their times, in order); the wait
+    for the first is not one (that is the time to the first token)."""
+    return tuple(b - a for a, b in pairwise(deliveries))
+
+
 def longest_gap(deliveries: Sequence[float]) -> float | None:
-    """The longest wait between two consecutive deliveries of tokens to one stream (their times, in order);
-    the wait for the first is not one. None with fewer than two deliveries."""
-    return max((b - a for a, b in pairwise(deliveries)), default=None)
+    """The longest of a stream's `delivery_gaps`; None with fewer than two deliveries."""
+    return max(delivery_gaps(deliveries), default=None)
 
 
-def longest_gap_ms(gaps: Iterable[float | None]) -> float | None:
-    """The longest of some streams' `longest_gap` values, in milliseconds (None: no stream had one)."""
-    return max((1000.0 * g for g in gaps if g is not None), default=None)
+def gap_figures_ms(streams: Iterable[Sequence[float]]) -> dict[str, float]:
+    """Over every wait of some streams (each stream's `delivery_gaps`), in milliseconds: the longest
+    (``longest_gap_ms``), the median (``gap_p50_ms``) and the 99th percentile (``gap_p99_ms``), as serving
+    benchmarks report inter-token latency. A drafting window delivers several tokens at once, so these are
+    waits between deliveries, not per token. Empty when no stream had two deliveries."""
+    gaps = [g for stream in streams for g in stream]
+    if not gaps:
+        return {}
+    p50, p99 = percentile(gaps, 0.50), percentile(gaps, 0.99)
+    assert p50 is not None and p99 is not None
+    return {"longest_gap_ms": 1000.0 * max(gaps), "gap_p50_ms": 1000.0 * p50, "gap_p99_ms": 1000.0 * p99}
+
+
+def gap_text(m: dict[str, float]) -> str:
+    """The gap figures of `gap_figures_ms` for a results table ("" without them)."""
+    if "longest_gap_ms" not in m:
+        return ""
+    return (
+        f"  gaps p50 {m['gap_p50_ms']:.1f} / p99 {m['gap_p99_ms']:.1f} / longest {m['longest_gap_ms']:.1f} ms"
+    )
 
 
 def bench_option_problem(args: Any) -> str | None:

@@ -25,9 +25,9 @@ from strata_cfg.schema.workloads import (
     GENERATING,
     PROMPTS,
     WORKLOADS,
+    delivery_gaps,
+    gap_figures_ms,
     generation_rate,
-    longest_gap,
-    longest_gap_ms,
     prompt_ids,
 )
 
@@ -58,9 +58,14 @@ class Result:
     finished: float
     accepted: int
     proposals: int
-    longest_gap: float | None = None
-    """The longest wait, in seconds, between two deliveries of tokens after the first (None: the driver
-    could not time it, or fewer than two deliveries): what a reader of the stream sees as a stall."""
+    gaps: tuple[float, ...] = ()
+    """The waits, in seconds, between consecutive deliveries of tokens after the first (`delivery_gaps`;
+    none where the driver could not time them): what a reader of the stream sees as stalls."""
+
+    @property
+    def longest_gap(self) -> float | None:
+        """The longest of `gaps` (None without any)."""
+        return max(self.gaps, default=None)
 
     @property
     def rate(self) -> float:
@@ -127,7 +132,7 @@ class InProcessDriver:
                             now,
                             h.accepted_proposals,
                             h.proposals,
-                            longest_gap(deliveries[i]),
+                            delivery_gaps(deliveries[i]),
                         )
         # Windows still in flight (a request's last windows run ahead of its stop) finish here, not in the
         # next run; the engine, once idle, hands its expert caches what their kernels counted.
@@ -285,9 +290,8 @@ def measure(name: str, results: list[Result], stats: dict[str, Any], wall: float
         out["generation_tok_s"] = generation_rate(
             (len(r.token_ids), r.first_token, r.finished) for r in results
         )
-    gap = longest_gap_ms(r.longest_gap for r in results)
-    if name in GENERATING and gap is not None:
-        out["longest_gap_ms"] = gap
+    if name in GENERATING:
+        out |= gap_figures_ms(r.gaps for r in results)
     traffic = stats.get("experts")
     if traffic is not None:  # an expert cache: how much of the expert work VRAM served, and the link's share
         served = traffic["hits"] + traffic["misses"]

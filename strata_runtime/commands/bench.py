@@ -36,6 +36,7 @@ from strata_cfg.schema.workloads import (
     WARM_PROMPTS,
     WORKLOADS,
     bench_option_problem,
+    gap_text,
     prompt_context_problem,
     prompt_ids,
 )
@@ -776,8 +777,7 @@ def render_table(
                 extra = f"  p50 {m['p50_s']:.3f}s p95 {m['p95_s']:.3f}s"
             if "generation_tok_s" in m:
                 extra += f", generating {m['generation_tok_s']:.1f} tok/s"
-            if "longest_gap_ms" in m:
-                extra += f"  longest gap {m['longest_gap_ms']:.1f} ms"
+            extra += gap_text(m)
             if "expert_vram_pct" in m:
                 per = "prompt tok" if workload == "prompt" else "tok"
                 extra += (
