@@ -125,3 +125,53 @@ def test_a_gpu_at_a_head_dim_the_fused_kernel_lacks_and_cpu_devices_plan_the_sco
         for stored, fused in zip(plan.gpus, without.gpus, strict=True):
             cublas = _cublas_attention_less_graphs(plan, stored) if path == gpu else 0
             assert stored.budget.workspace - fused.budget.workspace == tile + cublas, path.name
+
+
+def test_the_workspace_by_part_adds_up_and_its_decode_windows_grow_with_the_context():
+    """Every stage GPU's workspace is given by part, and the parts add up to it. The decode windows' part
+    is a set of window buffers on each GPU, and two more for the MTP head on the last stage where it drafts;
+    quadrupling the context grows it by three times the attention scratch of each set, and the expert cache
+    pays for it. The plan's text gives the parts."""
+    from strata_cfg.report.plan_text import plan_text
+
+    path = PROFILES / "rtx3080-20g-x2.toml"
+    short, long = plan_of(path), plan_of(path, [("memory.context", 16384)])
+    m = short.model.facts
+    for plan in (short, long):
+        context = plan.memory.context
+        *firsts, last = plan.gpus
+        for g in plan.gpus:
+            parts = g.budget.workspace_parts
+            assert list(parts) == [k for k in ("prompt", "windows", "logits", "headroom") if k in parts]
+            assert sum(parts.values()) == g.budget.workspace and parts["headroom"] == sizes.GPU_POOL_HEADROOM
+        windows = sizes.decode_window_bytes(m, context=context)
+        assert all(g.budget.workspace_parts["windows"] == windows for g in firsts)
+        head = sizes.MTP_WINDOW_SETS * sizes.decode_window_bytes(m, context=context, mtp=True)
+        assert plan.batch.mtp and last.budget.workspace_parts["windows"] == windows + head
+        assert "logits" in last.budget.workspace_parts and not any(
+            "logits" in g.budget.workspace_parts for g in firsts
+        )
+    grown = 3 * sizes.decode_attention_scratch_bytes(m, context=short.memory.context, rows=8)
+    assert (
+        long.gpus[0].budget.workspace_parts["windows"] - short.gpus[0].budget.workspace_parts["windows"]
+        == grown
+    )
+    assert (
+        long.gpus[1].budget.workspace_parts["windows"] - short.gpus[1].budget.workspace_parts["windows"]
+        == 3 * grown
+    )
+    assert all(b.experts_resident < a.experts_resident for a, b in zip(short.gpus, long.gpus, strict=True))
+    text = plan_text(short)
+    mib = short.gpus[1].budget.mib()["workspace"]
+    assert "workspace of GPU 1: prompt chunk " in text and f"headroom 256.0 = {mib} MiB" in text
+
+
+def test_a_budget_whose_workspace_parts_do_not_add_up_is_refused():
+    from pydantic import ValidationError
+
+    from strata_cfg.schema.plan import Budget
+
+    ok = dict(total=100, weights=10, kv=10, drafters=0, workspace=30, reserve=10, experts=20, free=20)
+    assert Budget(**ok, workspace_parts={"prompt": 20, "headroom": 10}).workspace == 30
+    with pytest.raises(ValidationError, match="do not add up"):
+        Budget(**ok, workspace_parts={"prompt": 20, "headroom": 5})

@@ -11,6 +11,7 @@ from collections.abc import Iterable, Sequence
 from ..schema.plan import (
     DEFAULT_DRAFT_FLOOR,
     MIB,
+    WORKSPACE_PARTS,
     BatchPlan,
     Decision,
     GpuPlan,
@@ -174,7 +175,18 @@ def _memory(plan: LaunchPlan) -> list[str]:
                 _mib(b.total),
             ]
         )
-    return table(rows, right=range(1, 9))
+    return [*table(rows, right=range(1, 9)), *workspace_lines(plan)]
+
+
+def workspace_lines(plan: LaunchPlan) -> list[str]:
+    """Each GPU's workspace by part, one line a GPU that has one."""
+    out = []
+    for g in plan.gpus:
+        parts = g.budget.workspace_parts
+        if parts:
+            terms = " + ".join(f"{WORKSPACE_PARTS.get(k, k)} {_mib(v)}" for k, v in parts.items())
+            out.append(f"workspace of GPU {g.index}: {terms} = {_mib(g.budget.workspace)} MiB")
+    return out
 
 
 def host_line(plan: LaunchPlan) -> str:

@@ -39,12 +39,17 @@ def _breakdown(need: StageNeed, reserve: int) -> str:
 
 
 def _sum_needs(needs: Sequence[StageNeed]) -> StageNeed:
+    parts: dict[str, int] = {}
+    for n in needs:
+        for name, b in n.workspace_parts:
+            parts[name] = parts.get(name, 0) + b
     return StageNeed(
         weights=sum(n.weights for n in needs),
         kv=sum(n.kv for n in needs),
         drafters=sum(n.drafters for n in needs),
         workspace=sum(n.workspace for n in needs),
         experts=sum(n.experts for n in needs),
+        workspace_parts=tuple(parts.items()),
     )
 
 
@@ -115,6 +120,7 @@ def _stage_gpu(
         kv=need.kv,
         drafters=need.drafters,
         workspace=need.workspace,
+        workspace_parts=dict(need.workspace_parts),
         reserve=reserve,
         experts=experts,
         free=total - fixed - experts,

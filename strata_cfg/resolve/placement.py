@@ -64,7 +64,11 @@ class Sizing:
     def workspace(self, model: ModelFacts, last: bool) -> int:
         """A stage's workspace (`sizes.workspace_bytes`): on the last stage the MTP head's prefill path
         beside its own where it drafts."""
-        return sizes.workspace_bytes(
+        return sum(self.workspace_parts(model, last).values())
+
+    def workspace_parts(self, model: ModelFacts, last: bool) -> dict[str, int]:
+        """`workspace` by part (`sizes.workspace_parts`)."""
+        return sizes.workspace_parts(
             model,
             context=self.context,
             prefill_rows=self.prefill_rows,
@@ -87,10 +91,13 @@ class StageNeed:
     workspace: int
     experts: int
     """Routed experts of its layers (count)."""
+    workspace_parts: tuple[tuple[str, int], ...] = ()
+    """``workspace`` by part (`sizes.workspace_parts`), adding up to it."""
 
 
 def stage_need(model: ModelFacts, shape: StageShape, sz: Sizing) -> StageNeed:
     """Bytes one stage needs by purpose (experts counted, not sized)."""
+    parts = sz.workspace_parts(model, shape.last)
     return StageNeed(
         weights=sizes.weight_bytes(model, shape, with_mtp=sz.with_mtp),
         kv=sizes.kv_bytes(
@@ -101,8 +108,9 @@ def stage_need(model: ModelFacts, shape: StageShape, sz: Sizing) -> StageNeed:
             if shape.last
             else 0
         ),
-        workspace=sz.workspace(model, shape.last),
+        workspace=sum(parts.values()),
         experts=sizes.expert_count(model, shape, with_mtp=sz.with_mtp),
+        workspace_parts=tuple(parts.items()),
     )
 
 

@@ -270,6 +270,55 @@ def attention_scores_bytes(model: ModelFacts, *, context: int, rows: int) -> int
     return min(rows, attention_tile_rows(nh, context)) * nh * context * (F32 + 2)
 
 
+def workspace_parts(
+    model: ModelFacts,
+    *,
+    context: int,
+    prefill_rows: int,
+    last: bool,
+    stores_scores: bool,
+    slots: int = 0,
+    graph_rows: int = 0,
+    gpu: bool = False,
+    mtp: bool = False,
+) -> dict[str, int]:
+    """Activation workspace by part, in the order and with the names of
+    `strata_cfg.schema.plan.WORKSPACE_PARTS` (a part that is 0 is left out).
+
+    On a GPU (``gpu``) what its prefill path holds for a chunk of ``prefill_rows`` rows (`prefill_rows`) with
+    graphs of up to ``graph_rows`` rows (``memory.prefill_graph_rows``), and on the last stage where it drafts
+    (``mtp``) the MTP head's prefill path beside it (`gpu_prefill_bytes`), and its decode window buffers
+    (`decode_window_bytes`; the MTP head's `MTP_WINDOW_SETS` too); on virtual CPU devices ``prefill_rows``
+    rows at `row_activation_bytes` (the array path; and ``graph_rows`` more, twice with ``mtp`` on the last
+    stage, though a CPU device resolves them to 0). Either way one tile of the rows' attention scores
+    (`attention_scores_bytes`) where prompt attention stores them (``stores_scores``,
+    `stores_attention_scores`); the last stage adds a decode window's logits [R, V] in float32 and each of
+    ``slots`` slots' token counts and logit bias (`TOKEN_COUNT_BYTES` per vocabulary word)."""
+    parts: dict[str, int] = {}
+    if gpu:
+        flash = not stores_scores
+        parts["prompt"] = gpu_prefill_bytes(
+            model, rows=prefill_rows, graph_rows=graph_rows, last=last, mtp=last and mtp, flash=flash
+        )
+        windows = decode_window_bytes(model, context=context)
+        if last and mtp:
+            windows += MTP_WINDOW_SETS * decode_window_bytes(model, context=context, mtp=True)
+        parts["windows"] = windows
+    else:
+        parts["prompt"] = (prefill_rows + graph_rows * (2 if last and mtp else 1)) * row_activation_bytes(
+            model
+        )
+    if stores_scores:
+        parts["scores"] = attention_scores_bytes(model, context=context, rows=prefill_rows)
+    if last:
+        parts["logits"] = (
+            MAX_WINDOW_ROWS * model.vocab_size * F32 + slots * model.vocab_size * TOKEN_COUNT_BYTES
+        )
+    if gpu:
+        parts["headroom"] = GPU_POOL_HEADROOM
+    return {k: v for k, v in parts.items() if v}
+
+
 def workspace_bytes(
     model: ModelFacts,
     *,
@@ -282,33 +331,19 @@ def workspace_bytes(
     gpu: bool = False,
     mtp: bool = False,
 ) -> int:
-    """Activation workspace. On a GPU (``gpu``) what its prefill path holds for a chunk of ``prefill_rows``
-    rows (`prefill_rows`) with graphs of up to ``graph_rows`` rows (``memory.prefill_graph_rows``), and on
-    the last stage where it drafts (``mtp``) the MTP head's prefill path beside it (`gpu_prefill_bytes`),
-    and its decode window buffers (`decode_window_bytes`; the MTP head's `MTP_WINDOW_SETS` too); on
-    virtual CPU devices ``prefill_rows`` rows at `row_activation_bytes` (the array path; and ``graph_rows``
-    more, twice with ``mtp`` on the last stage, though a CPU device resolves them to 0).
-    Either way one tile of the rows' attention scores (`attention_scores_bytes`) where prompt attention
-    stores them (``stores_scores``, `stores_attention_scores`); the last stage adds a decode window's logits
-    [R, V] in float32 and each of ``slots`` slots' token counts and logit bias (`TOKEN_COUNT_BYTES` per
-    vocabulary word)."""
-    if gpu:
-        flash = not stores_scores
-        n = gpu_prefill_bytes(
-            model, rows=prefill_rows, graph_rows=graph_rows, last=last, mtp=last and mtp, flash=flash
-        )
-        n += decode_window_bytes(model, context=context)
-        if last and mtp:
-            n += MTP_WINDOW_SETS * decode_window_bytes(model, context=context, mtp=True)
-    else:
-        n = (prefill_rows + graph_rows * (2 if last and mtp else 1)) * row_activation_bytes(model)
-    if stores_scores:
-        n += attention_scores_bytes(model, context=context, rows=prefill_rows)
-    if last:
-        n += MAX_WINDOW_ROWS * model.vocab_size * F32 + slots * model.vocab_size * TOKEN_COUNT_BYTES
-    if gpu:
-        n += GPU_POOL_HEADROOM
-    return n
+    """The whole activation workspace: the sum of `workspace_parts`."""
+    parts = workspace_parts(
+        model,
+        context=context,
+        prefill_rows=prefill_rows,
+        last=last,
+        stores_scores=stores_scores,
+        slots=slots,
+        graph_rows=graph_rows,
+        gpu=gpu,
+        mtp=mtp,
+    )
+    return sum(parts.values())
 
 
 def min_cache_experts(model: ModelFacts, n_experts: int) -> int:

@@ -128,6 +128,17 @@ class StagePlan(_Plan):
     """Slot ids whose MTP drafters live on this stage (only ever the last)."""
 
 
+WORKSPACE_PARTS = {
+    "prompt": "prompt chunk",
+    "scores": "attention scores",
+    "windows": "decode windows",
+    "logits": "logits and penalties",
+    "headroom": "headroom",
+}
+"""The parts of a GPU's workspace (`Budget.workspace_parts`), in order, with the words the plan's text gives
+them."""
+
+
 class Budget(_Plan):
     """One GPU's VRAM, in bytes, split by purpose. The terms add up to ``total``."""
 
@@ -139,7 +150,12 @@ class Budget(_Plan):
     drafters: int
     """The slot drafters' private state (last stage only)."""
     workspace: int
-    """Activation workspace for an 8-row window and for a prefill chunk."""
+    """Activation workspace: a prompt chunk's, the decode windows' buffers, the last stage's logits, and
+    the memory pool's headroom."""
+    workspace_parts: dict[str, int] = {}
+    """``workspace`` by part, adding up to it (empty where the GPU has none): ``prompt`` (a prompt chunk's
+    activations), ``scores`` (stored attention scores), ``windows`` (the decode windows' buffers),
+    ``logits`` (the last stage's window logits and slots' token counts and bias), ``headroom``."""
     reserve: int
     """Left free on purpose (``memory.vram_reserve_mib``)."""
     experts: int
@@ -156,6 +172,14 @@ class Budget(_Plan):
         "experts",
         "free",
     )
+
+    @model_validator(mode="after")
+    def _parts_add_up(self) -> Budget:
+        if self.workspace_parts and sum(self.workspace_parts.values()) != self.workspace:
+            raise ValueError(
+                f"workspace_parts {self.workspace_parts} do not add up to workspace {self.workspace}"
+            )
+        return self
 
     def mib(self) -> dict[str, float]:
         """The total and every term in MiB, rounded to 0.1."""
