@@ -62,7 +62,7 @@ class Sizing:
         return sizes.prefill_rows(self.prefill_chunk, self.prefill_chunk_alone)
 
     def workspace(self, model: ModelFacts, last: bool) -> int:
-        """A stage's workspace (`sizes.workspace_bytes`): on the last stage the MTP head's prefill path
+        """A stage's workspace (the sum of `workspace_parts`): on the last stage the MTP head's prefill path
         beside its own where it drafts."""
         return sum(self.workspace_parts(model, last).values())
 

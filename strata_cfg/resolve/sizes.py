@@ -10,6 +10,7 @@ Is shared-expert width, V vocab, a activation bytes (the model dtype), f = 4 byt
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from ..schema.facts import DTYPE_BYTES, ModelFacts
 from ..schema.windows import (
@@ -319,31 +320,9 @@ def workspace_parts(
     return {k: v for k, v in parts.items() if v}
 
 
-def workspace_bytes(
-    model: ModelFacts,
-    *,
-    context: int,
-    prefill_rows: int,
-    last: bool,
-    stores_scores: bool,
-    slots: int = 0,
-    graph_rows: int = 0,
-    gpu: bool = False,
-    mtp: bool = False,
-) -> int:
-    """The whole activation workspace: the sum of `workspace_parts`."""
-    parts = workspace_parts(
-        model,
-        context=context,
-        prefill_rows=prefill_rows,
-        last=last,
-        stores_scores=stores_scores,
-        slots=slots,
-        graph_rows=graph_rows,
-        gpu=gpu,
-        mtp=mtp,
-    )
-    return sum(parts.values())
+def workspace_bytes(model: ModelFacts, **parts: Any) -> int:
+    """The whole activation workspace: the sum of `workspace_parts` (its keyword arguments)."""
+    return sum(workspace_parts(model, **parts).values())
 
 
 def min_cache_experts(model: ModelFacts, n_experts: int) -> int:
