@@ -47,7 +47,6 @@ def _sum_needs(needs: Sequence[StageNeed]) -> StageNeed:
         weights=sum(n.weights for n in needs),
         kv=sum(n.kv for n in needs),
         drafters=sum(n.drafters for n in needs),
-        workspace=sum(n.workspace for n in needs),
         experts=sum(n.experts for n in needs),
         workspace_parts=tuple(parts.items()),
     )

@@ -88,11 +88,15 @@ class StageNeed:
     weights: int
     kv: int
     drafters: int
-    workspace: int
     experts: int
     """Routed experts of its layers (count)."""
     workspace_parts: tuple[tuple[str, int], ...] = ()
-    """``workspace`` by part (`sizes.workspace_parts`), adding up to it."""
+    """The workspace by part (`sizes.workspace_parts`)."""
+
+    @property
+    def workspace(self) -> int:
+        """Bytes of workspace: its parts added up."""
+        return sum(b for _, b in self.workspace_parts)
 
 
 def stage_need(model: ModelFacts, shape: StageShape, sz: Sizing) -> StageNeed:
@@ -108,7 +112,6 @@ def stage_need(model: ModelFacts, shape: StageShape, sz: Sizing) -> StageNeed:
             if shape.last
             else 0
         ),
-        workspace=sum(parts.values()),
         experts=sizes.expert_count(model, shape, with_mtp=sz.with_mtp),
         workspace_parts=tuple(parts.items()),
     )
