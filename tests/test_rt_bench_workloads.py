@@ -387,3 +387,53 @@ def test_each_repeats_windows_are_listed_beside_their_sum() -> None:
     assert each[1]["solo 0"] == {"windows": 10, "ms_per_window": 2.7, "tokens_per_window": 1.0}
     total = entry["windows_by_kind"]["solo 3"]
     assert total["windows"] == 70 and total["ms_per_window"] == pytest.approx(408.0 / 70)
+
+
+def test_a_runs_slowest_windows_are_its_longest_with_their_place_in_the_run() -> None:
+    """`slowest_windows` names the longest of a run's windows, longest first, each with its place in the
+    run counted from the run's first window, also when the engine's record no longer holds the earliest."""
+    from strata_runtime.bench.harness import slowest_windows
+    from strata_runtime.engine.stats import WindowStat
+
+    def win(kind: str, rows: int, ms: float, tokens: int) -> WindowStat:
+        return WindowStat(kind, rows, ms, rows - 1, 0, (0,), tokens=tokens)
+
+    older = [win("serial", 2, 99.0, 2)]  # an earlier run's window, not this run's
+    run = [
+        win("prefill", 19, 20.0, 1),
+        win("solo", 4, 96.5, 3),
+        win("solo", 1, 2.6, 1),
+        win("solo", 4, 28.0, 2),
+    ]
+    slow = slowest_windows(older + run, len(run))
+    assert [(w["window"], w["ms"], w["index"]) for w in slow] == [
+        ("solo 3", 96.5, 2),
+        ("solo 3", 28.0, 4),
+        ("prefill", 20.0, 1),
+    ]
+    assert slow[0]["rows"] == 4 and slow[0]["tokens"] == 3
+    # A record of the last 3 windows of a 4-window run: places still count from the run's first window.
+    assert [w["index"] for w in slowest_windows(run[1:], len(run), n=2)] == [2, 4]
+    assert slowest_windows(run, 0) == []
+
+
+def test_an_arms_slowest_windows_are_picked_over_its_repeats_and_listed_under_the_table() -> None:
+    from strata_runtime.bench.harness import ArmRuns, summarise
+    from strata_runtime.commands.bench import slowest_lines
+
+    arm = ArmRuns("solo")
+    arm.runs["solo"] = [{"tok_s": 100.0}, {"tok_s": 110.0}]
+    arm.tokens["solo"] = [[1], [1]]
+    w = {"window": "solo 3", "rows": 4, "tokens": 3}
+    arm.slowest["solo"] = [
+        [{**w, "ms": 40.0, "index": 2}, {**w, "ms": 9.0, "index": 7}],
+        [{**w, "ms": 96.7, "index": 2}, {**w, "ms": 30.0, "index": 12}],
+    ]
+    summary = summarise({"solo": arm}, base="solo")
+    slow = summary["solo"]["solo"]["slowest_windows"]
+    assert [(s["ms"], s["repeat"]) for s in slow] == [(96.7, 2), (40.0, 1), (30.0, 2)]
+    (line,) = slowest_lines(summary)
+    assert line.startswith(
+        "solo solo slowest windows: 96.7 ms, solo 3 (4 rows, 3 tok; window 2 of repeat 2); "
+    )
+    assert slowest_lines({"serial": {"solo": {}}}) == []

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -34,6 +34,7 @@ from strata_cfg.schema.workloads import (
 from ..api import Request, SamplingParams, Tokenizer
 from ..backend import DeviceError, cupy_module
 from ..cuda.compile import LateCompile, late_compiles
+from ..engine.stats import WindowStat, window_name
 
 if TYPE_CHECKING:
     from ..engine import Engine
@@ -147,11 +148,39 @@ class InProcessDriver:
             "proposals": after["proposals"] - before["proposals"],
             "accepted": after["accepted"] - before["accepted"],
             "windows_by_kind": window_mix(before["by_name"], after["by_name"]),
+            "slowest_windows": slowest_windows(getattr(eng, "windows", ()), windows),
         }
         cache_after = expert_traffic(eng)
         if cache_after is not None and cache_before is not None:
             stats["experts"] = {k: cache_after[k] - cache_before[k] for k in cache_after}
         return [r for r in results if r is not None], stats
+
+
+SLOWEST_WINDOWS = 3
+"""Windows the bench names as a run's slowest (`slowest_windows`)."""
+
+
+def slowest_windows(
+    recent: Sequence[WindowStat], count: int, n: int = SLOWEST_WINDOWS
+) -> list[dict[str, Any]]:
+    """The ``n`` longest of an engine's last ``count`` windows (one run's, as far back as its record of
+    recent windows reaches), longest first: each one's name (`window_name`), rows, milliseconds (the wall
+    time since the later of its launch and the window before it delivered, so a stall between windows
+    lands in the window after it) and tokens, and ``index``, its place in the run (1: the run's first
+    window, its prompt's)."""
+    ran = list(recent)[-count:] if count > 0 else []
+    skipped = count - len(ran)
+    order = sorted(range(len(ran)), key=lambda i: -ran[i].ms)[:n]
+    return [
+        {
+            "window": window_name(ran[i]),
+            "rows": ran[i].rows,
+            "ms": ran[i].ms,
+            "tokens": ran[i].tokens,
+            "index": skipped + i + 1,
+        }
+        for i in order
+    ]
 
 
 def window_mix(before: dict[str, Any], after: dict[str, Any]) -> dict[str, list[float]]:
@@ -332,6 +361,8 @@ class ArmRuns:
     windows: dict[str, list[dict[str, list[float]]]] = field(default_factory=dict)
     """Per case and repeat, its windows by kind (``{"solo 2": [windows, ms, tokens]}``, from the engine's
     totals; empty for a peer)."""
+    slowest: dict[str, list[list[dict[str, Any]]]] = field(default_factory=dict)
+    """Per case and repeat, its slowest windows (`slowest_windows`; empty for a peer)."""
 
 
 def same_shape(a: list[Any], b: list[Any]) -> bool:
@@ -473,6 +504,7 @@ def run_bench(
                 out[name].runs.setdefault(case, []).append(figures)
                 out[name].compiled.setdefault(case, []).append(late_compiles()[before:])
                 out[name].windows.setdefault(case, []).append(stats.get("windows_by_kind") or {})
+                out[name].slowest.setdefault(case, []).append(stats.get("slowest_windows") or [])
                 if r == 0:
                     out[name].tokens[case] = [res.token_ids for res in results]
                 if on_run:
@@ -502,6 +534,11 @@ def summarise(runs: dict[str, ArmRuns], base: str = "serial", compare_text: bool
                 entry["windows_by_kind"] = mix
                 # each repeat's own, to see what a slow repeat spent its time on
                 entry["windows_by_kind_repeats"] = [merge_window_mix([m]) for m in arm.windows.get(case, [])]
+            slowest = [
+                {**w, "repeat": r + 1} for r, each in enumerate(arm.slowest.get(case, [])) for w in each
+            ]
+            if slowest:
+                entry["slowest_windows"] = sorted(slowest, key=lambda w: -w["ms"])[:SLOWEST_WINDOWS]
             if base in runs and name != base and case in runs[base].runs:
                 base_rates = [f["tok_s"] for f in runs[base].runs[case]]
                 rates = [f["tok_s"] for f in figures]

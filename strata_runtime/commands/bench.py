@@ -735,6 +735,25 @@ def window_mix_lines(summary: dict[str, Any]) -> list[str]:
     return [""] + out if out else []
 
 
+def slowest_lines(summary: dict[str, Any]) -> list[str]:
+    """Under a decode table: each arm's slowest windows over all repeats (`slowest_windows`): where its
+    longest waits between deliveries came from, and at which window of the run (window 2 is the first after
+    the prompt's)."""
+    out = []
+    for name, cases in summary.items():
+        for case, e in cases.items():
+            slow = e.get("slowest_windows")
+            if not slow:
+                continue
+            parts = [
+                f"{w['ms']:.1f} ms, {w['window']} ({w['rows']} rows, {w['tokens']} tok; window {w['index']} "
+                f"of repeat {w['repeat']})"
+                for w in slow
+            ]
+            out.append(f"{name} {case} slowest windows: " + "; ".join(parts))
+    return out
+
+
 def render_table(
     workload: str,
     plans: dict[str, LaunchPlan],
@@ -795,6 +814,7 @@ def render_table(
     lines += compile_notes(summary)
     if workload != "prompt":
         lines += window_mix_lines(summary)
+        lines += slowest_lines(summary)
     for name in summary:
         if name not in plans:
             lines.append(f"\n{name}: peer engine on the same weights (greedy generate, one batch)")
