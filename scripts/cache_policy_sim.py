@@ -25,6 +25,7 @@ POLICIES = {
     "margin 2": Policy(margin=2.0),
     "margin 4": Policy(margin=4.0),
     "at most 64": Policy(max_swaps=64),
+    "at most 128": Policy(max_swaps=128),
     "decay 0.7": Policy(decay=0.7),
     "decay 0.95": Policy(decay=0.95),
     "no rebalance after a prompt": Policy(every=4, after_prompt=False),
@@ -60,7 +61,8 @@ def main() -> None:
     ]
     print(
         f"{n} requests of {args.tokens} tokens ({n // 2} settle the cache), {args.layers} layers x {experts} "
-        f"experts, top-{k}: experts over the host link per generated token (VRAM hit rate)"
+        f"experts, top-{k}: experts over the host link per generated token (VRAM hit rate, the most experts one "
+        "rebalance moved)"
     )
     print("| policy | " + " | ".join(c[0] for c in cases) + " |")
     print("| --- |" + " ---: |" * len(cases))
@@ -69,7 +71,7 @@ def main() -> None:
         for _, requests, share, streams in cases:
             slots = int(share * args.layers * experts)
             out = simulate(requests, slots, policy, streams=streams, warm=n // 2)
-            cells.append(f"{out.link:.1f} ({100 * out.hit_rate:.1f}%)")
+            cells.append(f"{out.link:.1f} ({100 * out.hit_rate:.1f}%, {out.largest})")
         print(f"| {name} | " + " | ".join(cells) + " |")
 
 

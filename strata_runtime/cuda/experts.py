@@ -209,7 +209,8 @@ class CudaExperts:
         is queued, on its stream. ``prompt``: the window was a prompt chunk through the prefill path, whose
         thousands of assignments the cache should learn before the windows after it: its counters are
         read at once (or as soon as the read in flight has landed), and their hand-over rebalances the
-        cache. Returns the swaps started now."""
+        cache. After a rebalance that left a backlog (`Residency.backlog`) they are read every window too,
+        so the rest of its swaps follow at once. Returns the swaps started now."""
         if not self.store.cached:
             return []
         stream = cupy_module().cuda.get_current_stream()
@@ -218,8 +219,9 @@ class CudaExperts:
         swaps: list[Swap] = []
         if self._read_done is not None and self._read_done.done:
             swaps = self._hand_over(stream)
+        residency = self.store.residency
         if self._read_done is None and (
-            self._read_soon or self._windows >= self.store.residency.policy.every
+            self._read_soon or residency.backlog or self._windows >= residency.policy.every
         ):
             self._queue_read(stream)
         return swaps

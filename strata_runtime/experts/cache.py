@@ -221,6 +221,10 @@ class Residency:
     scores: np.ndarray = field(init=False)
     """[L, E] float64: decayed routing counts."""
     stats: CacheStats = field(init=False, default_factory=CacheStats)
+    backlog: bool = field(init=False, default=False)
+    """Whether the last rebalance stopped at ``max_swaps`` in a tier with more swaps that would pay: the
+    next one is then due after one window, not ``every``, so a large rebalance (a new request's prompt)
+    lands over several windows, at most ``max_swaps`` a tier each, instead of one pause for all of it."""
     _since: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
@@ -279,13 +283,17 @@ class Residency:
             self._since = max(self._since, self.policy.every)
 
     def due(self) -> bool:
-        """Whether a rebalance is due (the policy adapts and ``every`` windows have passed)."""
-        return self.policy.adapt and not self.complete and self._since >= self.policy.every
+        """Whether a rebalance is due: the policy adapts and ``every`` windows have passed, or one window
+        since a rebalance that left a `backlog`."""
+        if not self.policy.adapt or self.complete:
+            return False
+        return self._since >= (1 if self.backlog else self.policy.every)
 
     def rebalance(self) -> list[Swap]:
         """Decide and record this rebalance's swaps, VRAM's first (the caller copies the weights, in the
         order given)."""
         self._since = 0
+        self.backlog = False
         if not self.policy.adapt or self.complete:
             return []
         layer_of = np.repeat(np.arange(self.layers), self.experts)  # [L E]
@@ -337,11 +345,19 @@ class Residency:
         flat = self.scores.reshape(-1)
         new = _best_first(flat, np.flatnonzero(missing & (flat > 0)))
         old = _weakest_first(flat, np.flatnonzero(present))
+        cap, margin = self.policy.max_swaps, self.policy.margin
         pairs = []
-        for n, o in zip(new[: self.policy.max_swaps], old, strict=False):
-            if flat[n] < flat[o] + self.policy.margin:
+        for n, o in zip(new[:cap], old, strict=False):
+            if flat[n] < flat[o] + margin:
                 break
             pairs.append((self._key(n), self._key(o)))
+        if (
+            len(pairs) == cap
+            and len(new) > cap
+            and len(old) > cap
+            and flat[new[cap]] >= flat[old[cap]] + margin
+        ):
+            self.backlog = True  # the next pair would have paid too
         return pairs
 
     def _key(self, flat_index: int) -> tuple[int, int]:
@@ -389,4 +405,5 @@ def restore(r: Residency, snap: Snapshot) -> list[Swap]:
         swaps.append(Swap(slot, (lo, eo), (ln, en)))
     r.scores[...] = snap.scores
     r._since = 0
+    r.backlog = False
     return swaps

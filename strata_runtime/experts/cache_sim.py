@@ -8,7 +8,8 @@ GPU path hands it over:
 
 * a request's prompt is one chunk: its counts reach the cache at once, marked as a prompt;
 * each decode window routes one row per stream; the counts of ``policy.every`` windows reach the cache
-  together (the device counters are read that often), and a rebalance is decided when one is due;
+  together (the device counters are read that often, and every window while a rebalance stopped at
+  ``max_swaps`` has more to do), and a rebalance is decided when one is due;
 * a window is served by what the cache holds when it runs (swaps take effect at once: on a GPU they land a
   window or so later, which this leaves out).
 
@@ -48,6 +49,9 @@ class Outcome:
     """Experts read from host memory per generated token (an expert a window's rows share counts once)."""
     swaps: float
     """Experts copied into slots per generated token (prompt rebalances included)."""
+    largest: int = 0
+    """The most experts one rebalance moved: the windows queued after it wait for their copies, so this
+    sets the longest pause between a stream's tokens."""
 
     @property
     def link(self) -> float:
@@ -96,6 +100,7 @@ def simulate(
     cache = Residency(n_layers, n_experts, slots, 1, policy)
     pending, windows = np.zeros((n_layers, n_experts)), 0
     hits = total = misses = swaps = tokens = 0.0
+    largest = 0
 
     def hand_over(c: np.ndarray, w: int, prompt: bool = False) -> int:
         cache.observe(c, w, prompt=prompt)
@@ -107,6 +112,7 @@ def simulate(
         for r in group:
             moved = hand_over(r.prompt, 1, prompt=True)
             swaps += moved if counted else 0
+            largest = max(largest, moved if counted else 0)
         for t in range(max(len(r.decode) for r in group)):
             c = counts(np.concatenate([r.decode[t : t + 1] for r in group if t < len(r.decode)]), n_experts)
             resident = cache.slot_of >= 0
@@ -117,10 +123,11 @@ def simulate(
                 tokens += sum(t < len(r.decode) for r in group)
             pending += c
             windows += 1
-            if windows >= policy.every:
+            if windows >= policy.every or cache.backlog:
                 moved = hand_over(pending, windows)
                 swaps += moved if counted else 0
+                largest = max(largest, moved if counted else 0)
                 pending, windows = np.zeros_like(pending), 0
     if not tokens:
         raise ValueError(f"no request after the {warm} warm-up ones to measure")
-    return Outcome(hits / total, misses / tokens, swaps / tokens)
+    return Outcome(hits / total, misses / tokens, swaps / tokens, largest)
