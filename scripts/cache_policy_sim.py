@@ -61,8 +61,8 @@ def main() -> None:
     ]
     print(
         f"{n} requests of {args.tokens} tokens ({n // 2} settle the cache), {args.layers} layers x {experts} "
-        f"experts, top-{k}: experts over the host link per generated token (VRAM hit rate, the most experts one "
-        "rebalance moved)"
+        f"experts, top-{k}: experts over the host link per generated token (VRAM hit rate, the most experts "
+        "one rebalance moved)"
     )
     print("| policy | " + " | ".join(c[0] for c in cases) + " |")
     print("| --- |" + " ---: |" * len(cases))

@@ -390,8 +390,9 @@ def test_each_repeats_windows_are_listed_beside_their_sum() -> None:
 
 
 def test_a_runs_slowest_windows_are_its_longest_with_their_place_in_the_run() -> None:
-    """`slowest_windows` names the longest of a run's windows, longest first, each with its place in the
-    run counted from the run's first window, also when the engine's record no longer holds the earliest."""
+    """`slowest_windows` names the longest of a run's decode windows (not its prompt's), longest first, each
+    with its place in the run counted from the run's first window, also when the engine's record no longer
+    holds the earliest."""
     from strata_runtime.bench.harness import slowest_windows
     from strata_runtime.engine.stats import WindowStat
 
@@ -400,7 +401,7 @@ def test_a_runs_slowest_windows_are_its_longest_with_their_place_in_the_run() ->
 
     older = [win("serial", 2, 99.0, 2)]  # an earlier run's window, not this run's
     run = [
-        win("prefill", 19, 20.0, 1),
+        win("prefill", 19, 130.0, 1),
         win("solo", 4, 96.5, 3),
         win("solo", 1, 2.6, 1),
         win("solo", 4, 28.0, 2),
@@ -409,7 +410,7 @@ def test_a_runs_slowest_windows_are_its_longest_with_their_place_in_the_run() ->
     assert [(w["window"], w["ms"], w["index"]) for w in slow] == [
         ("solo 3", 96.5, 2),
         ("solo 3", 28.0, 4),
-        ("prefill", 20.0, 1),
+        ("solo 0", 2.6, 3),
     ]
     assert slow[0]["rows"] == 4 and slow[0]["tokens"] == 3
     # A record of the last 3 windows of a 4-window run: places still count from the run's first window.
@@ -434,6 +435,6 @@ def test_an_arms_slowest_windows_are_picked_over_its_repeats_and_listed_under_th
     assert [(s["ms"], s["repeat"]) for s in slow] == [(96.7, 2), (40.0, 1), (30.0, 2)]
     (line,) = slowest_lines(summary)
     assert line.startswith(
-        "solo solo slowest windows: 96.7 ms, solo 3 (4 rows, 3 tok; window 2 of repeat 2); "
+        "solo solo slowest decode windows: 96.7 ms, solo 3 (4 rows, 3 tok; window 2 of repeat 2); "
     )
     assert slowest_lines({"serial": {"solo": {}}}) == []

@@ -163,14 +163,16 @@ SLOWEST_WINDOWS = 3
 def slowest_windows(
     recent: Sequence[WindowStat], count: int, n: int = SLOWEST_WINDOWS
 ) -> list[dict[str, Any]]:
-    """The ``n`` longest of an engine's last ``count`` windows (one run's, as far back as its record of
-    recent windows reaches), longest first: each one's name (`window_name`), rows, milliseconds (the wall
-    time since the later of its launch and the window before it delivered, so a stall between windows
-    lands in the window after it) and tokens, and ``index``, its place in the run (1: the run's first
-    window, its prompt's)."""
+    """The ``n`` longest decode windows of an engine's last ``count`` windows (one run's, as far back as its
+    record of recent windows reaches), longest first: each one's name (`window_name`), rows, milliseconds
+    (the wall time since the later of its launch and the window before it delivered, so a stall between
+    windows lands in the window after it) and tokens, and ``index``, its place in the run (1: the run's
+    first window, its prompt's). Prompt windows are left out: their time is their request's wait for its
+    first token, not a gap in its stream."""
     ran = list(recent)[-count:] if count > 0 else []
     skipped = count - len(ran)
-    order = sorted(range(len(ran)), key=lambda i: -ran[i].ms)[:n]
+    decode = [i for i, w in enumerate(ran) if w.kind != "prefill"]
+    order = sorted(decode, key=lambda i: -ran[i].ms)[:n]
     return [
         {
             "window": window_name(ran[i]),

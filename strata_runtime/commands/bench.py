@@ -736,9 +736,9 @@ def window_mix_lines(summary: dict[str, Any]) -> list[str]:
 
 
 def slowest_lines(summary: dict[str, Any]) -> list[str]:
-    """Under a decode table: each arm's slowest windows over all repeats (`slowest_windows`): where its
-    longest waits between deliveries came from, and at which window of the run (window 2 is the first after
-    the prompt's)."""
+    """Under a decode table: each arm's slowest decode windows over all repeats (`slowest_windows`): where
+    its longest waits between deliveries came from, and at which window of the run (window 2 is the first
+    after the prompt's)."""
     out = []
     for name, cases in summary.items():
         for case, e in cases.items():
@@ -750,7 +750,7 @@ def slowest_lines(summary: dict[str, Any]) -> list[str]:
                 f"of repeat {w['repeat']})"
                 for w in slow
             ]
-            out.append(f"{name} {case} slowest windows: " + "; ".join(parts))
+            out.append(f"{name} {case} slowest decode windows: " + "; ".join(parts))
     return out
 
 
