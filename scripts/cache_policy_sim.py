@@ -20,12 +20,15 @@ from strata_runtime.experts.cache_sim import calibrated_requests, simulate, unif
 from strata_runtime.experts.routing import RoutingModel
 
 POLICIES = {
-    "before (decay 0.7, margin 1, at most 32)": Policy(decay=0.7, every=4, margin=1.0, max_swaps=32),
+    "before (decay 0.7, margin 1, at most 32, no rebalance after a prompt)": Policy(
+        decay=0.7, every=4, margin=1.0, max_swaps=32, after_prompt=False
+    ),
     "default": Policy(),
     "margin 2": Policy(margin=2.0),
     "margin 4": Policy(margin=4.0),
     "at most 64": Policy(max_swaps=64),
     "at most 128": Policy(max_swaps=128),
+    "at most 32": Policy(max_swaps=32),
     "decay 0.7": Policy(decay=0.7),
     "decay 0.95": Policy(decay=0.95),
     "no rebalance after a prompt": Policy(every=4, after_prompt=False),

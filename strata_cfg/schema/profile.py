@@ -250,7 +250,8 @@ class ExpertsSection(Section):
     """How much higher a missing expert's score must be than a resident one's for it to take that slot
     (default 3): each swap copies an expert over the host link, so it must pay for itself."""
     max_swaps: int | None = Field(default=None, ge=1)
-    """Swaps per rebalance at most (default 512)."""
+    """Swaps per rebalance at most (default 512); a rebalance cut at the cap goes on at the next window, so a
+    lower cap spreads a new request's swaps, and the pause their copies bring, over several windows."""
 
 
 class ServeSection(Section):
