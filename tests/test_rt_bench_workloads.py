@@ -428,7 +428,7 @@ def test_an_arms_slowest_windows_are_picked_over_its_repeats_and_listed_under_th
     w = {"window": "solo 3", "rows": 4, "tokens": 3}
     arm.slowest["solo"] = [
         [{**w, "ms": 40.0, "index": 2}, {**w, "ms": 9.0, "index": 7}],
-        [{**w, "ms": 96.7, "index": 2}, {**w, "ms": 30.0, "index": 12}],
+        [{**w, "ms": 96.7, "index": 2}, {**w, "ms": 30.0, "index": 12, "caught_up": 64}],
     ]
     summary = summarise({"solo": arm}, base="solo")
     slow = summary["solo"]["solo"]["slowest_windows"]
@@ -437,4 +437,5 @@ def test_an_arms_slowest_windows_are_picked_over_its_repeats_and_listed_under_th
     assert line.startswith(
         "solo solo slowest decode windows: 96.7 ms, solo 3 (4 rows, 3 tok; window 2 of repeat 2); "
     )
+    assert line.endswith("30.0 ms, solo 3 (4 rows, 3 tok, head caught up on 64 rows; window 12 of repeat 2)")
     assert slowest_lines({"serial": {"solo": {}}}) == []

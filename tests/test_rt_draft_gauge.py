@@ -25,6 +25,7 @@ from strata_cfg.schema.plan import DEFAULT_DRAFT_FLOOR as FLOOR
 from strata_cfg.tui.widgets.plan_view import summary_rows
 from strata_runtime.api import Request, SamplingParams
 from strata_runtime.engine import Engine, speculative
+from strata_runtime.engine import executor as executor_module
 from strata_runtime.engine.speculative import DRAFT_PROBE_EVERY, DRAFT_WARMUP, DraftGauge
 from strata_runtime.model.mtp import MtpHead
 from strata_runtime.server.metrics import engine_lines
@@ -302,3 +303,25 @@ def test_the_depth_simulation_drafts_where_it_pays_after_other_text() -> None:
     assert good > 0.95 * good_full and good > 1.3 * none
     bad, bad_full = mean("20% / 89% / 100%", True), mean("20% / 89% / 100%", False)
     assert bad > 0.95 * none and bad > bad_full
+
+
+def test_each_window_records_the_rows_the_head_caught_up_on_before_it_was_delivered(monkeypatch) -> None:
+    """The rows of the serial windows' one catch-up pass land in the record of the window delivered after
+    it (`WindowStat.caught_up`), and the windows' figures add up to every row the passes read."""
+    plan = make_plan(stages=2, slots=2, draft_tokens=3, context=256, adaptive_depth=False)
+    requests = [(0, Request(tuple(b"The river"), 70)), (0, Request(tuple(b"Another one"), 20))]
+    passes: list[int] = []
+    run = speculative.catch_up
+
+    def counted(model, slot) -> None:
+        passes.append(model.drafters[slot].pending_rows)
+        run(model, slot)
+
+    monkeypatch.setattr(speculative, "catch_up", counted)
+    monkeypatch.setattr(executor_module, "catch_up", counted)
+    eng = Engine(plan)
+    collect(eng, requests)
+    recorded = [w.caught_up for w in eng.windows]
+    assert sum(recorded) == sum(passes) == sum(d.caught_up for d in eng.model.drafters.values())
+    assert max(recorded) > 8  # the pass over the serial windows' rows, in one window's record
+    assert sum(1 for c in recorded if c) < len(recorded) // 2  # most windows caught up on nothing

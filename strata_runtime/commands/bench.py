@@ -746,8 +746,9 @@ def slowest_lines(summary: dict[str, Any]) -> list[str]:
             if not slow:
                 continue
             parts = [
-                f"{w['ms']:.1f} ms, {w['window']} ({w['rows']} rows, {w['tokens']} tok; window {w['index']} "
-                f"of repeat {w['repeat']})"
+                f"{w['ms']:.1f} ms, {w['window']} ({w['rows']} rows, {w['tokens']} tok"
+                + (f", head caught up on {w['caught_up']} rows" if w.get("caught_up") else "")
+                + f"; window {w['index']} of repeat {w['repeat']})"
                 for w in slow
             ]
             out.append(f"{name} {case} slowest decode windows: " + "; ".join(parts))

@@ -156,6 +156,7 @@ class Engine:
         self._turns = itertools.count(1)
         self._delivered_at = time.perf_counter()
         self._first_runs_delivered = self.model.first_runs()
+        self._caught_up_delivered = self._caught_up()
         """`Model.first_runs` when the last window was delivered."""
         self.window_stats = WindowStats()
         self.warmed: dict[str, Any] | None = None
@@ -1002,6 +1003,10 @@ class Engine:
         rows = set(rows_per_slot)
         return len(rows) == 1 and rows.pop() > 1
 
+    def _caught_up(self) -> int:
+        """Rows every drafter has caught up on so far (`Drafter.caught_up`)."""
+        return sum(d.caught_up for d in self.model.drafters.values())
+
     def _room(self, slot: Slot) -> int:
         """Proposals that still fit the slot's context after its token."""
         return max(0, self.plan.memory.context - slot.length - 1)
@@ -1041,9 +1046,20 @@ class Engine:
         proposals = sum(len(e.proposals.tokens) for e in job.entries if e.slot.id in kept)
         on_device = flight.spec is not None
         tokens = sum(len(ev.token_ids) for _, ev in events)
+        caught_up = self._caught_up()
         window = WindowStat(
-            job.kind, job.rows, ms, proposals, accepted, job.slot_ids, on_device, job.paused, tokens
+            job.kind,
+            job.rows,
+            ms,
+            proposals,
+            accepted,
+            job.slot_ids,
+            on_device,
+            job.paused,
+            tokens,
+            caught_up - self._caught_up_delivered,
         )
+        self._caught_up_delivered = caught_up
         if job.kind == "solo" and self.adaptive and timed:
             self._depth_state(job.entries[0].slot.sampler)[0].observe(job.rows, ms)
         slots = [e.slot for e in job.entries]

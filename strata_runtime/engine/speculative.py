@@ -427,6 +427,7 @@ def catch_up(model: Model, slot: int) -> None:
     xp, base = drafter.device.xp, drafter.length
     tokens = [t for _, ts in drafter.pending for t in ts]
     k = len(tokens)
+    drafter.caught_up += k
     with drafter.device.use():
         parts = [rows for rows, _ in drafter.pending]
         rows = parts[0] if len(parts) == 1 else xp.concatenate(parts, axis=0)  # [k, H]

@@ -23,6 +23,9 @@ class WindowStat:
     """A decode window without proposals because its slots' drafting is paused (drafts seldom hold)."""
     tokens: int = 0
     """Tokens it emitted (none for a window run past its requests' end)."""
+    caught_up: int = 0
+    """Rows the drafting heads read in catch-up passes (rows deferred while a slot did not draft) between
+    the previous window's delivery and this one's: head work its time may hold."""
 
 
 def window_name(w: WindowStat) -> str:

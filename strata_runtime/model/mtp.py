@@ -59,6 +59,9 @@ class Drafter:
         """Rows the head has not read yet, in order from position ``length``: each window's post-norm rows
         [k, H] (copies) and the token that follows each (`strata_runtime.engine.speculative.commit` with
         ``defer``). `strata_runtime.engine.speculative.catch_up` runs them before the next draft."""
+        self.caught_up = 0
+        """Rows `catch_up` has run through the head since the drafter was made (the engine's window record
+        counts them per window)."""
 
     @property
     def nbytes(self) -> int:
