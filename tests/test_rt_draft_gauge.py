@@ -305,9 +305,10 @@ def test_the_depth_simulation_drafts_where_it_pays_after_other_text() -> None:
     assert bad > 0.95 * none and bad > bad_full
 
 
-def test_each_window_records_the_rows_the_head_caught_up_on_before_it_was_delivered(monkeypatch) -> None:
-    """The rows of the serial windows' one catch-up pass land in the record of the window delivered after
-    it (`WindowStat.caught_up`), and the windows' figures add up to every row the passes read."""
+def test_each_window_records_the_rows_the_head_caught_up_on_for_it(monkeypatch) -> None:
+    """The serial windows' rows, read in one pass when the slot left alone drafts again, are counted in the
+    record of that drafting window (`WindowStat.caught_up`), and the windows' figures add up to every row
+    the passes read."""
     plan = make_plan(stages=2, slots=2, draft_tokens=3, context=256, adaptive_depth=False)
     requests = [(0, Request(tuple(b"The river"), 70)), (0, Request(tuple(b"Another one"), 20))]
     passes: list[int] = []
@@ -324,4 +325,6 @@ def test_each_window_records_the_rows_the_head_caught_up_on_before_it_was_delive
     recorded = [w.caught_up for w in eng.windows]
     assert sum(recorded) == sum(passes) == sum(d.caught_up for d in eng.model.drafters.values())
     assert max(recorded) > 8  # the pass over the serial windows' rows, in one window's record
+    paid = max(eng.windows, key=lambda w: w.caught_up)
+    assert paid.kind == "solo" and paid.proposals > 0  # the window that drafted after the pause
     assert sum(1 for c in recorded if c) < len(recorded) // 2  # most windows caught up on nothing

@@ -64,6 +64,10 @@ class Job:
     slot's token and the same number of proposals. A window chained to one
     has `CHAINED` tokens and proposals, and placeholder positions (each entry's ``pos`` is the slot's length
     when it was built)."""
+    caught_up: int = 0
+    """Rows the drafting heads read in catch-up passes for this window (rows deferred while a slot did not
+    draft): before it was launched, to draft its proposals, and when it was finished, where a drafter's
+    deferred rows reached their bound."""
 
     def device_spec(self) -> DeviceSpec | None:
         """The shape of the window's decision on the device, when it is decided there, with each sampled

@@ -156,7 +156,6 @@ class Engine:
         self._turns = itertools.count(1)
         self._delivered_at = time.perf_counter()
         self._first_runs_delivered = self.model.first_runs()
-        self._caught_up_delivered = self._caught_up()
         """`Model.first_runs` when the last window was delivered."""
         self.window_stats = WindowStats()
         self.warmed: dict[str, Any] | None = None
@@ -667,14 +666,14 @@ class Engine:
             self._chain.append(self.executor.launch(job))
             self._extend_chain()
         flight = self._chain.popleft()
-        events = self.executor.finish(flight)
+        events = self._finish(flight)
         self._extend_chain()
         self._deliver(flight, events)
         # Windows queued past the end of every request they carry are finished now, not a step later: they
         # are only overrun (discarded), and a finished request leaves the engine idle at once.
         while self._chain and all(e.slot.finished is not None for e in self._chain[0].job.entries):
             overrun = self._chain.popleft()
-            self._deliver(overrun, self.executor.finish(overrun))
+            self._deliver(overrun, self._finish(overrun))
 
     def _extend_chain(self) -> None:
         """Queue chained windows behind the newest one until `run_ahead` are in flight or it may not go on."""
@@ -861,7 +860,7 @@ class Engine:
         finished = 0
         while self._flights and self._flights[0].done.done:
             flight = self._flights.popleft()
-            self._deliver(flight, self.executor.finish(flight))
+            self._deliver(flight, self._finish(flight))
             self._idle_since[self._group(flight.job.entries[0].slot.id)] = next(self._turns)
             finished += 1
         return finished
@@ -961,6 +960,7 @@ class Engine:
         }
         on_device = self._decided_on_device(kind, [1 + d for d in depths.values()])
         entries = []
+        caught_up = self._caught_up()
         for sid, depth in depths.items():
             slot, token = by_id[sid], by_id[sid].token
             assert token is not None  # a decoding slot has its next input
@@ -970,7 +970,8 @@ class Engine:
                 else Proposals([], [])
             )
             entries.append(Entry(slot, "decode", [token, *proposals.tokens], proposals))
-        return Job(kind, entries, paused=paused, spec_on_device=on_device)
+        caught_up = self._caught_up() - caught_up
+        return Job(kind, entries, paused=paused, spec_on_device=on_device, caught_up=caught_up)
 
     def _batch_mtp_serves(self, decoding: int) -> bool:
         """Whether ``decoding`` slots (of a group) take batch-MTP windows rather than serial ones.
@@ -1002,6 +1003,14 @@ class Engine:
             return False
         rows = set(rows_per_slot)
         return len(rows) == 1 and rows.pop() > 1
+
+    def _finish(self, flight: Flight) -> list[tuple[Slot, TokenEvent]]:
+        """`Executor.finish`, counting in the window's job the rows the drafting heads caught up on
+        meanwhile."""
+        before = self._caught_up()
+        events = self.executor.finish(flight)
+        flight.job.caught_up += self._caught_up() - before
+        return events
 
     def _caught_up(self) -> int:
         """Rows every drafter has caught up on so far (`Drafter.caught_up`)."""
@@ -1046,7 +1055,6 @@ class Engine:
         proposals = sum(len(e.proposals.tokens) for e in job.entries if e.slot.id in kept)
         on_device = flight.spec is not None
         tokens = sum(len(ev.token_ids) for _, ev in events)
-        caught_up = self._caught_up()
         window = WindowStat(
             job.kind,
             job.rows,
@@ -1057,9 +1065,8 @@ class Engine:
             on_device,
             job.paused,
             tokens,
-            caught_up - self._caught_up_delivered,
+            job.caught_up,
         )
-        self._caught_up_delivered = caught_up
         if job.kind == "solo" and self.adaptive and timed:
             self._depth_state(job.entries[0].slot.sampler)[0].observe(job.rows, ms)
         slots = [e.slot for e in job.entries]

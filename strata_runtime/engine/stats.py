@@ -24,8 +24,8 @@ class WindowStat:
     tokens: int = 0
     """Tokens it emitted (none for a window run past its requests' end)."""
     caught_up: int = 0
-    """Rows the drafting heads read in catch-up passes (rows deferred while a slot did not draft) between
-    the previous window's delivery and this one's: head work its time may hold."""
+    """Rows the drafting heads read in catch-up passes for it (`strata_runtime.engine.job.Job.caught_up`):
+    head work its time may hold."""
 
 
 def window_name(w: WindowStat) -> str:
