@@ -988,3 +988,17 @@ def test_experts_policy_inert_where_no_cache_adapts():
     frozen = plan_of(cached, ["experts.max_swaps=64", "experts.adapt=false"])
     notes = [x for x in frozen.decisions if x.rule == "experts.policy-inert"]
     assert [x.key for x in notes] == ["experts.max_swaps"] and "experts.adapt = false" in notes[0].message
+
+
+@pytest.mark.parametrize("most", [512, 64])
+def test_the_cache_note_states_the_most_a_rebalance_copies_and_the_pause_it_brings(most):
+    """The policy note gives the largest rebalance in bytes (``experts.max_swaps`` experts of the model's
+    size) and what the windows queued after it wait for over each named host link."""
+    from strata_cfg.resolve.budget import HOST_LINKS_GBS
+
+    plan = plan_of(rule_file("experts.cache"), [f"experts.max_swaps={most}"])
+    [note] = [d for d in plan.decisions if d.rule == "experts.cache" and d.key == "experts.adapt"]
+    gb = most * plan.model.facts.expert_bytes() / 1e9
+    assert f"at most {most} at a time: up to {gb:.1f} GB from host memory" in note.message
+    for link, rate in HOST_LINKS_GBS:
+        assert f"{1000 * gb / rate:.0f} ms over {link}" in note.message

@@ -222,7 +222,7 @@ def stage_gpu_budgets(
     return None if refused else plans
 
 
-def expert_notes(gpus: list[GpuPlan], sz: Sizing, led: Ledger) -> None:
+def expert_notes(gpus: list[GpuPlan], sz: Sizing, led: Ledger, expert_bytes: int) -> None:
     """Resolve ``experts.cache`` to the cache size (None: every expert resident) and say where experts are."""
     stage_gpus = [g for g in gpus if g.role == "stage"]
     partial = [g for g in stage_gpus if g.experts_resident < g.experts_total]
@@ -241,7 +241,7 @@ def expert_notes(gpus: list[GpuPlan], sz: Sizing, led: Ledger) -> None:
     if helper_held:
         led.note("experts.cache", "experts.helper_devices", f"helper GPUs hold {helper_held} more experts")
     if partial:
-        led.note("experts.cache", "experts.adapt", cache_policy_text(led))
+        led.note("experts.cache", "experts.adapt", cache_policy_text(led, expert_bytes))
     policy_inert(bool(partial), led)
     if led["batch.mtp"] and not partial:
         led.note(
@@ -278,14 +278,24 @@ def policy_inert(cached: bool, led: Ledger) -> None:
             )
 
 
-def cache_policy_text(led: Ledger) -> str:
+HOST_LINKS_GBS = (("PCIe 4.0 x16", 25.0), ("PCIe 5.0 x16", 50.0))
+"""Host-to-GPU copy rates the plan states a rebalance's pause at (pinned memory, about what such links
+measure): the machine facts do not say which link a GPU has."""
+
+
+def cache_policy_text(led: Ledger, expert_bytes: int) -> str:
     """How the expert cache follows the routing, in words (the ``experts`` policy keys, each read for the
-    ``experts.cache`` rule, so that `strata explain` names it)."""
+    ``experts.cache`` rule, so that `strata explain` names it), with the most a rebalance copies from host
+    memory, which the windows queued after it wait for: a new request's prompt can bring that much."""
     if not led["experts.adapt"]:
         return "the cache keeps its first contents (experts.adapt = false)"
     every, decay, margin, most = (led.get(key, "experts.cache") for key in POLICY_KEYS)
+    gb = most * expert_bytes / 1e9
+    pauses = ", ".join(f"{1000 * gb / rate:.0f} ms over {link}" for link, rate in HOST_LINKS_GBS)
     return (
         f"the cache rebalances every {every} windows and after each prompt chunk read in one window: "
         f"scores decay by {decay:g} a window, and a missing expert takes a slot when it beats the resident "
-        f"one by {margin:g} uses, at most {most} at a time"
+        f"one by {margin:g} uses, at most {most} at a time: up to {gb:.1f} GB from host memory, which the "
+        f"windows after it wait for ({pauses}); one cut at that cap goes on at the next window, so a lower "
+        "experts.max_swaps spreads a new request's pause over several windows"
     )

@@ -94,7 +94,7 @@ def resolve(
     if gpus is None:
         raise ProfileError(led.problems)
     gpus, sz = lone_prompt_chunk(model, machine, placed, sz, gpus, led)
-    expert_notes(gpus, sz, led)
+    expert_notes(gpus, sz, led, model.expert_bytes())
     host = host_budget(model, gpus, led)
     # 8. windows
     stage_gpus = [g for g in gpus if g.role == "stage"]
