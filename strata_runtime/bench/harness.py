@@ -166,10 +166,10 @@ def slowest_windows(
     """The ``n`` longest decode windows of an engine's last ``count`` windows (one run's, as far back as its
     record of recent windows reaches), longest first: each one's name (`window_name`), rows, milliseconds
     (the wall time since the later of its launch and the window before it delivered, so a stall between
-    windows lands in the window after it), tokens, the rows drafting heads caught up on meanwhile
-    (`WindowStat.caught_up`), and ``index``, its place in the run (1: the run's
-    first window, its prompt's). Prompt windows are left out: their time is their request's wait for its
-    first token, not a gap in its stream."""
+    windows lands in the window after it), tokens, the rows drafting heads caught up on for it
+    (`WindowStat.caught_up`), and ``index``, its place in the run (1: the run's first window, its
+    prompt's). Prompt windows are left out: their time is their request's wait for its first token, not a
+    gap in its stream."""
     ran = list(recent)[-count:] if count > 0 else []
     skipped = count - len(ran)
     decode = [i for i, w in enumerate(ran) if w.kind != "prefill"]
