@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -714,25 +715,29 @@ def window_mix_lines(summary: dict[str, Any]) -> list[str]:
     adaptive request alone chose, how often drafting paused, which of serial and batch-MTP windows ran, and
     where two arms' time went."""
     out = []
+    for name, case, mix in _each_case(summary, "windows_by_kind"):
+        parts = []
+        windows, ms, tokens = 0, 0.0, 0.0
+        for k, m in mix.items():
+            per_token = m["ms_per_window"] / m["tokens_per_window"] if m["tokens_per_window"] else 0.0
+            parts.append(
+                f"{k}: {m['windows']} x {m['ms_per_window']:.2f} ms, {m['tokens_per_window']:.2f} tok "
+                f"({per_token:.2f} ms/tok)"
+            )
+            windows += m["windows"]
+            ms += m["windows"] * m["ms_per_window"]
+            tokens += m["windows"] * m["tokens_per_window"]
+        parts.append(f"all: {windows} windows, {ms:,.0f} ms, {tokens:,.0f} tok")
+        out.append(f"{name} {case} windows (all repeats): " + "; ".join(parts))
+    return [""] + out if out else []
+
+
+def _each_case(summary: dict[str, Any], key: str) -> Iterator[tuple[str, str, Any]]:
+    """(arm, case, its entry's ``key``) for every case of every arm whose entry has a non-empty ``key``."""
     for name, cases in summary.items():
         for case, e in cases.items():
-            mix = e.get("windows_by_kind")
-            if not mix:
-                continue
-            parts = []
-            windows, ms, tokens = 0, 0.0, 0.0
-            for k, m in mix.items():
-                per_token = m["ms_per_window"] / m["tokens_per_window"] if m["tokens_per_window"] else 0.0
-                parts.append(
-                    f"{k}: {m['windows']} x {m['ms_per_window']:.2f} ms, {m['tokens_per_window']:.2f} tok "
-                    f"({per_token:.2f} ms/tok)"
-                )
-                windows += m["windows"]
-                ms += m["windows"] * m["ms_per_window"]
-                tokens += m["windows"] * m["tokens_per_window"]
-            parts.append(f"all: {windows} windows, {ms:,.0f} ms, {tokens:,.0f} tok")
-            out.append(f"{name} {case} windows (all repeats): " + "; ".join(parts))
-    return [""] + out if out else []
+            if e.get(key):
+                yield name, case, e[key]
 
 
 def slowest_lines(summary: dict[str, Any]) -> list[str]:
@@ -740,18 +745,14 @@ def slowest_lines(summary: dict[str, Any]) -> list[str]:
     its longest waits between deliveries came from, and at which window of the run (window 2 is the first
     after the prompt's)."""
     out = []
-    for name, cases in summary.items():
-        for case, e in cases.items():
-            slow = e.get("slowest_windows")
-            if not slow:
-                continue
-            parts = [
-                f"{w['ms']:.1f} ms, {w['window']} ({w['rows']} rows, {w['tokens']} tok"
-                + (f", head caught up on {w['caught_up']} rows" if w.get("caught_up") else "")
-                + f"; window {w['index']} of repeat {w['repeat']})"
-                for w in slow
-            ]
-            out.append(f"{name} {case} slowest decode windows: " + "; ".join(parts))
+    for name, case, slow in _each_case(summary, "slowest_windows"):
+        parts = [
+            f"{w['ms']:.1f} ms, {w['window']} ({w['rows']} rows, {w['tokens']} tok"
+            + (f", head caught up on {w['caught_up']} rows" if w.get("caught_up") else "")
+            + f"; window {w['index']} of repeat {w['repeat']})"
+            for w in slow
+        ]
+        out.append(f"{name} {case} slowest decode windows: " + "; ".join(parts))
     return out
 
 
