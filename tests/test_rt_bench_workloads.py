@@ -425,17 +425,21 @@ def test_an_arms_slowest_windows_are_picked_over_its_repeats_and_listed_under_th
     arm = ArmRuns("solo")
     arm.runs["solo"] = [{"tok_s": 100.0}, {"tok_s": 110.0}]
     arm.tokens["solo"] = [[1], [1]]
-    w = {"window": "solo 3", "rows": 4, "tokens": 3}
+    w = {"window": "solo 3", "rows": 4, "tokens": 3, "draft_ms": 0.04, "finish_ms": 0.5}
     arm.slowest["solo"] = [
         [{**w, "ms": 40.0, "index": 2}, {**w, "ms": 9.0, "index": 7}],
-        [{**w, "ms": 96.7, "index": 2}, {**w, "ms": 30.0, "index": 12, "caught_up": 64}],
+        [{**w, "ms": 96.7, "index": 2}, {**w, "ms": 30.0, "index": 12, "caught_up": 64, "draft_ms": 6.25}],
     ]
     summary = summarise({"solo": arm}, base="solo")
     slow = summary["solo"]["solo"]["slowest_windows"]
     assert [(s["ms"], s["repeat"]) for s in slow] == [(96.7, 2), (40.0, 1), (30.0, 2)]
     (line,) = slowest_lines(summary)
     assert line.startswith(
-        "solo solo slowest decode windows: 96.7 ms, solo 3 (4 rows, 3 tok; window 2 of repeat 2); "
+        "solo solo slowest decode windows: 96.7 ms, solo 3 (4 rows, 3 tok; host: drafting 0.0 ms before "
+        "launch, finishing 0.5 ms; window 2 of repeat 2); "
     )
-    assert line.endswith("30.0 ms, solo 3 (4 rows, 3 tok, head caught up on 64 rows; window 12 of repeat 2)")
+    assert line.endswith(
+        "30.0 ms, solo 3 (4 rows, 3 tok, head caught up on 64 rows; host: drafting 6.2 ms before launch, "
+        "finishing 0.5 ms; window 12 of repeat 2)"
+    )
     assert slowest_lines({"serial": {"solo": {}}}) == []

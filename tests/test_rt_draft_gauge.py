@@ -327,4 +327,7 @@ def test_each_window_records_the_rows_the_head_caught_up_on_for_it(monkeypatch) 
     assert max(recorded) > 8  # the pass over the serial windows' rows, in one window's record
     paid = max(eng.windows, key=lambda w: w.caught_up)
     assert paid.kind == "solo" and paid.proposals > 0  # the window that drafted after the pause
+    # The host's time on each window: drafting before launch (none for a prompt), finishing after.
+    assert paid.draft_ms > 0 and all(w.finish_ms > 0 for w in eng.windows)
+    assert all(w.draft_ms == 0 for w in eng.windows if w.kind == "prefill")
     assert sum(1 for c in recorded if c) < len(recorded) // 2  # most windows caught up on nothing

@@ -167,9 +167,10 @@ def slowest_windows(
     record of recent windows reaches), longest first: each one's name (`window_name`), rows, milliseconds
     (the wall time since the later of its launch and the window before it delivered, so a stall between
     windows lands in the window after it), tokens, the rows drafting heads caught up on for it
-    (`WindowStat.caught_up`), and ``index``, its place in the run (1: the run's first window, its
-    prompt's). Prompt windows are left out: their time is their request's wait for its first token, not a
-    gap in its stream."""
+    (`WindowStat.caught_up`), the host's milliseconds drafting its proposals before its launch and
+    finishing it (``draft_ms``, ``finish_ms``), and ``index``, its place in the run (1: the run's first
+    window, its prompt's). Prompt windows are left out: their time is their request's wait for its first
+    token, not a gap in its stream."""
     ran = list(recent)[-count:] if count > 0 else []
     skipped = count - len(ran)
     decode = [i for i, w in enumerate(ran) if w.kind != "prefill"]
@@ -181,6 +182,8 @@ def slowest_windows(
             "ms": ran[i].ms,
             "tokens": ran[i].tokens,
             "caught_up": ran[i].caught_up,
+            "draft_ms": ran[i].draft_ms,
+            "finish_ms": ran[i].finish_ms,
             "index": skipped + i + 1,
         }
         for i in order

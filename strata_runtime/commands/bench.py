@@ -749,7 +749,8 @@ def slowest_lines(summary: dict[str, Any]) -> list[str]:
         parts = [
             f"{w['ms']:.1f} ms, {w['window']} ({w['rows']} rows, {w['tokens']} tok"
             + (f", head caught up on {w['caught_up']} rows" if w.get("caught_up") else "")
-            + f"; window {w['index']} of repeat {w['repeat']})"
+            + f"; host: drafting {w.get('draft_ms', 0.0):.1f} ms before launch, "
+            f"finishing {w.get('finish_ms', 0.0):.1f} ms" + f"; window {w['index']} of repeat {w['repeat']})"
             for w in slow
         ]
         out.append(f"{name} {case} slowest decode windows: " + "; ".join(parts))

@@ -68,6 +68,10 @@ class Job:
     """Rows the drafting heads read in catch-up passes for this window (rows deferred while a slot did not
     draft): before it was launched, to draft its proposals, and when it was finished, where a drafter's
     deferred rows reached their bound."""
+    draft_ms: float = 0.0
+    """Host wall time drafting its proposals before it was launched (catch-up passes included)."""
+    finish_ms: float = 0.0
+    """Host wall time finishing it: reading its tokens, verifying and committing them."""
 
     def device_spec(self) -> DeviceSpec | None:
         """The shape of the window's decision on the device, when it is decided there, with each sampled

@@ -960,7 +960,7 @@ class Engine:
         }
         on_device = self._decided_on_device(kind, [1 + d for d in depths.values()])
         entries = []
-        caught_up = self._caught_up()
+        caught_up, t0 = self._caught_up(), time.perf_counter()
         for sid, depth in depths.items():
             slot, token = by_id[sid], by_id[sid].token
             assert token is not None  # a decoding slot has its next input
@@ -970,8 +970,9 @@ class Engine:
                 else Proposals([], [])
             )
             entries.append(Entry(slot, "decode", [token, *proposals.tokens], proposals))
-        caught_up = self._caught_up() - caught_up
-        return Job(kind, entries, paused=paused, spec_on_device=on_device, caught_up=caught_up)
+        job = Job(kind, entries, paused=paused, spec_on_device=on_device)
+        job.caught_up, job.draft_ms = self._caught_up() - caught_up, (time.perf_counter() - t0) * 1e3
+        return job
 
     def _batch_mtp_serves(self, decoding: int) -> bool:
         """Whether ``decoding`` slots (of a group) take batch-MTP windows rather than serial ones.
@@ -1006,10 +1007,11 @@ class Engine:
 
     def _finish(self, flight: Flight) -> list[tuple[Slot, TokenEvent]]:
         """`Executor.finish`, counting in the window's job the rows the drafting heads caught up on
-        meanwhile."""
-        before = self._caught_up()
+        meanwhile and the host time it took."""
+        before, t0 = self._caught_up(), time.perf_counter()
         events = self.executor.finish(flight)
         flight.job.caught_up += self._caught_up() - before
+        flight.job.finish_ms += (time.perf_counter() - t0) * 1e3
         return events
 
     def _caught_up(self) -> int:
@@ -1066,6 +1068,8 @@ class Engine:
             job.paused,
             tokens,
             job.caught_up,
+            job.draft_ms,
+            job.finish_ms,
         )
         if job.kind == "solo" and self.adaptive and timed:
             self._depth_state(job.entries[0].slot.sampler)[0].observe(job.rows, ms)

@@ -26,6 +26,11 @@ class WindowStat:
     caught_up: int = 0
     """Rows the drafting heads read in catch-up passes for it (`strata_runtime.engine.job.Job.caught_up`):
     head work its time may hold."""
+    draft_ms: float = 0.0
+    """Host wall time drafting its proposals before its launch: before ``ms`` starts, but between two
+    deliveries where nothing ran ahead of it."""
+    finish_ms: float = 0.0
+    """Host wall time finishing it (reading its tokens, verifying, committing), part of ``ms``."""
 
 
 def window_name(w: WindowStat) -> str:
