@@ -14,11 +14,11 @@ from typing import Any
 
 from ..schema.facts import DTYPE_BYTES, ModelFacts
 from ..schema.windows import (
-    DECODE_ATTENTION_CHUNK,
     FLASH_HEAD_DIMS,
     MAX_WINDOW_ROWS,
     PREFILL_EXPERT_TILE_ROWS,
     attention_tile_rows,
+    decode_attention_scratch_floats,
     prefill_graph_sizes,
 )
 
@@ -209,8 +209,7 @@ def decode_window_row_bytes(model: ModelFacts, *, mtp: bool = False) -> int:
 def decode_attention_scratch_bytes(model: ModelFacts, *, context: int, rows: int) -> int:
     """Decode attention's partial sums, maxima and totals (float32) for ``rows`` rows: every query head over
     each block of `DECODE_ATTENTION_CHUNK` positions of the context."""
-    chunks = -(-context // DECODE_ATTENTION_CHUNK)
-    return F32 * rows * model.num_attention_heads * chunks * (model.head_dim + 2)
+    return F32 * decode_attention_scratch_floats(rows, model.num_attention_heads, model.head_dim, context)
 
 
 def decode_window_bytes(model: ModelFacts, *, context: int, mtp: bool = False) -> int:

@@ -21,6 +21,14 @@ BATCH_MTP_SLOTS_PER_WINDOW = MAX_WINDOW_ROWS // BATCH_MTP_ROWS_PER_SLOT
 DECODE_ATTENTION_CHUNK = 64
 """Positions a block of decode attention reads (the CUDA kernel's ``ATTN_CHUNK``); each writes one partial
 result per query head to the window's scratch, so the scratch grows with the context."""
+
+
+def decode_attention_scratch_floats(rows: int, heads: int, head_dim: int, context: int) -> int:
+    """Float32 elements of decode attention's scratch for ``rows`` rows: each query head's partial sums
+    (``head_dim``) and its maximum and total, for every `DECODE_ATTENTION_CHUNK` positions of the context."""
+    return rows * heads * -(-context // DECODE_ATTENTION_CHUNK) * (head_dim + 2)
+
+
 PROMPT_GRAPH_MAX = 64
 """A prompt chunk on a GPU runs as 8-row decode graph windows when it has at most
 ``memory.prompt_graph_rows`` rows, which is at most this many; longer chunks take the prefill path."""

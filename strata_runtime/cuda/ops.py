@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from strata_cfg.schema.windows import DECODE_ATTENTION_CHUNK, MAX_WINDOW_ROWS
+from strata_cfg.schema.windows import DECODE_ATTENTION_CHUNK, MAX_WINDOW_ROWS, decode_attention_scratch_floats
 
 from ..backend import Array, cupy_module
 from . import pdl
@@ -54,8 +54,9 @@ def _wide(k: int) -> bool:
 
 
 def attention_scratch_size(rows: int, n_q: int, n_kv: int, head_dim: int, context: int) -> int:
-    """fp32 elements of attention scratch for a window of ``rows``: partial sums, maxima and totals."""
-    return rows * n_q * math.ceil(context / ATTN_CHUNK) * (head_dim + 2)
+    """fp32 elements of attention scratch for a window of ``rows``: partial sums, maxima and totals
+    (`decode_attention_scratch_floats`, which the plan counts too)."""
+    return decode_attention_scratch_floats(rows, n_q, head_dim, context)
 
 
 ATTENTION_WIDE_ROWS = 2
