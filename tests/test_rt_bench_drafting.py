@@ -145,3 +145,40 @@ def test_the_bench_teaches_drafting_before_the_first_repeat_unless_told_not_to(t
     assert "[solo] drafting: every repeat starts from what 1 warm-up request(s) of 24 tokens" in err
     res, err = runs[True]
     assert res["drafting_taught"] == {} and "drafting: every repeat starts" not in err
+
+
+def test_the_bench_writes_every_window_of_every_repeat_with_windows(tmp_path) -> None:
+    """``--windows PATH``: one JSON line per window, repeat by repeat in the order they ran, each run
+    starting at its prompt's window; a repeat's windows emit its request's tokens and hold the proposals
+    the summary counts. ``--windows`` with a workload that runs no requests is refused at once."""
+    import collections
+    import json
+    import subprocess
+    import sys
+
+    profile = tmp_path / "drafting.toml"
+    profile.write_text(profile_text(draft_tokens=3, context=256))
+    trace = tmp_path / "windows.jsonl"
+    argv = [sys.executable, "-m", "strata_cfg", "bench", str(profile), "--workload", "solo", "--arms"]
+    argv += ["solo,serial", "--repeats", "2", "--tokens", "20", "--json", "--windows", str(trace)]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert f"every window written to {trace}" in out.stderr
+    arms = json.loads(out.stdout)["arms"]
+    lines = [json.loads(x) for x in trace.read_text().splitlines()]
+    for arm in ("solo", "serial"):
+        for repeat in (1, 2):
+            run = [w for w in lines if w["arm"] == arm and w["repeat"] == repeat]
+            assert [w["index"] for w in run] == list(range(1, len(run) + 1))
+            assert run[0]["window"] == "prefill" and all(w["window"] != "prefill" for w in run[1:])
+            assert sum(w["tokens"] for w in run) == 20 and all(w["case"] == "solo" for w in run)
+            mix = arms[arm]["solo"]["windows_by_kind_repeats"][repeat - 1]
+            assert {k: v["windows"] for k, v in mix.items()} == collections.Counter(w["window"] for w in run)
+            assert all(0 <= w["accepted"] <= w["proposals"] <= w["rows"] - 1 for w in run[1:])
+        slow = arms[arm]["solo"]["slowest_windows"][0]
+        mine = [w for w in lines if w["arm"] == arm and w["repeat"] == slow["repeat"]]
+        assert slow["ms"] == max(w["ms"] for w in mine if w["window"] != "prefill")
+    assert sum(w["proposals"] for w in lines) > 0
+    step = [sys.executable, "-m", "strata_cfg", "bench", str(profile), "--workload", "step"]
+    refused = subprocess.run([*step, "--windows", str(tmp_path / "w")], capture_output=True, text=True)
+    assert refused.returncode != 0 and "--windows lists the windows of arms run in process" in refused.stderr

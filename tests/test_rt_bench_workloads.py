@@ -389,15 +389,15 @@ def test_each_repeats_windows_are_listed_beside_their_sum() -> None:
     assert total["windows"] == 70 and total["ms_per_window"] == pytest.approx(408.0 / 70)
 
 
-def test_a_runs_slowest_windows_are_its_longest_with_their_place_in_the_run() -> None:
-    """`slowest_windows` names the longest of a run's decode windows (not its prompt's), longest first, each
-    with its place in the run counted from the run's first window, also when the engine's record no longer
-    holds the earliest."""
-    from strata_runtime.bench.harness import slowest_windows
+def test_a_runs_window_records_count_from_its_first_window_and_its_slowest_are_its_longest() -> None:
+    """`window_records` lists a run's windows in order, each with its place in the run counted from the
+    run's first window, also when the engine's record no longer holds the earliest; `slowest_windows` names
+    the longest of them that decode (not its prompt's), longest first."""
+    from strata_runtime.bench.harness import slowest_windows, window_records
     from strata_runtime.engine.stats import WindowStat
 
     def win(kind: str, rows: int, ms: float, tokens: int) -> WindowStat:
-        return WindowStat(kind, rows, ms, rows - 1, 0, (0,), tokens=tokens)
+        return WindowStat(kind, rows, ms, rows - 1, 0, (0,), tokens=tokens, caught_up=rows, draft_ms=ms / 10)
 
     older = [win("serial", 2, 99.0, 2)]  # an earlier run's window, not this run's
     run = [
@@ -406,16 +406,34 @@ def test_a_runs_slowest_windows_are_its_longest_with_their_place_in_the_run() ->
         win("solo", 1, 2.6, 1),
         win("solo", 4, 28.0, 2),
     ]
-    slow = slowest_windows(older + run, len(run))
+    records = window_records(older + run, len(run))
+    assert [(w["index"], w["window"], w["ms"]) for w in records] == [
+        (1, "prefill", 130.0),
+        (2, "solo 3", 96.5),
+        (3, "solo 0", 2.6),
+        (4, "solo 3", 28.0),
+    ]
+    assert records[1] == {
+        "index": 2,
+        "window": "solo 3",
+        "rows": 4,
+        "ms": 96.5,
+        "tokens": 3,
+        "proposals": 3,
+        "accepted": 0,
+        "caught_up": 4,
+        "draft_ms": 9.65,
+        "finish_ms": 0.0,
+    }
+    slow = slowest_windows(records)
     assert [(w["window"], w["ms"], w["index"]) for w in slow] == [
         ("solo 3", 96.5, 2),
         ("solo 3", 28.0, 4),
         ("solo 0", 2.6, 3),
     ]
-    assert slow[0]["rows"] == 4 and slow[0]["tokens"] == 3
     # A record of the last 3 windows of a 4-window run: places still count from the run's first window.
-    assert [w["index"] for w in slowest_windows(run[1:], len(run), n=2)] == [2, 4]
-    assert slowest_windows(run, 0) == []
+    assert [w["index"] for w in slowest_windows(window_records(run[1:], len(run)), n=2)] == [2, 4]
+    assert window_records(run, 0) == [] and slowest_windows([]) == []
 
 
 def test_an_arms_slowest_windows_are_picked_over_its_repeats_and_listed_under_the_table() -> None:
@@ -426,9 +444,17 @@ def test_an_arms_slowest_windows_are_picked_over_its_repeats_and_listed_under_th
     arm.runs["solo"] = [{"tok_s": 100.0}, {"tok_s": 110.0}]
     arm.tokens["solo"] = [[1], [1]]
     w = {"window": "solo 3", "rows": 4, "tokens": 3, "draft_ms": 0.04, "finish_ms": 0.5}
-    arm.slowest["solo"] = [
-        [{**w, "ms": 40.0, "index": 2}, {**w, "ms": 9.0, "index": 7}],
-        [{**w, "ms": 96.7, "index": 2}, {**w, "ms": 30.0, "index": 12, "caught_up": 64, "draft_ms": 6.25}],
+    prompt = {**w, "window": "prefill", "ms": 500.0, "index": 1}  # slowest of all, but not a decode window
+    arm.records["solo"] = [
+        [prompt, {**w, "ms": 40.0, "index": 2}, {**w, "ms": 9.0, "index": 7}],
+        [
+            prompt,
+            {**w, "ms": 96.7, "index": 2},
+            {**w, "ms": 3.0, "index": 3},
+            {**w, "ms": 30.0, "index": 12, "caught_up": 64, "draft_ms": 6.25},
+            {**w, "ms": 20.0, "index": 13},
+            {**w, "ms": 25.0, "index": 14},
+        ],
     ]
     summary = summarise({"solo": arm}, base="solo")
     slow = summary["solo"]["solo"]["slowest_windows"]

@@ -117,6 +117,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: a temporary file)",
     )
     parser.add_argument(
+        "--windows",
+        type=Path,
+        metavar="PATH",
+        help="also write every window the arms ran to PATH, one JSON object a line: arm, case, repeat, the "
+        "window's place in the run, kind, rows, ms, tokens, proposals and how many held, rows the drafting "
+        "heads caught up on for it, and the host's ms drafting it before launch and finishing it (not with "
+        "--url, nor the step, vram and handoff workloads)",
+    )
+    parser.add_argument(
         "--run-dir", type=Path, help="where the arms' plans are written (default: a temp dir)"
     )
     parser.add_argument(
@@ -209,6 +218,11 @@ def usage_problem(args: argparse.Namespace) -> str | None:
         )
     if args.workload in GPU_WORKLOADS and (args.arms or args.peer):
         return f"--workload {args.workload} measures the profile's own plan: --arms and --peer do not apply"
+    if args.windows is not None and (args.url or args.workload in GPU_WORKLOADS):
+        where = "over --url (a launched engine lists its last windows in /v1/status)"
+        if not args.url:
+            where = f"of --workload {args.workload}, which runs no requests"
+        return f"--windows lists the windows of arms run in process, not {where}"
     problem = bench_option_problem(args)
     if problem:
         return problem
@@ -314,6 +328,8 @@ def run(args: argparse.Namespace) -> int:
         argv += ["--peer", peer]
     if args.gguf is not None:
         argv += ["--gguf", str(args.gguf)]
+    if args.windows is not None:
+        argv += ["--windows", str(args.windows.resolve())]
     return subprocess.run(argv, check=False).returncode
 
 

@@ -148,7 +148,7 @@ class InProcessDriver:
             "proposals": after["proposals"] - before["proposals"],
             "accepted": after["accepted"] - before["accepted"],
             "windows_by_kind": window_mix(before["by_name"], after["by_name"]),
-            "slowest_windows": slowest_windows(getattr(eng, "windows", ()), windows),
+            "window_records": window_records(getattr(eng, "windows", ()), windows),
         }
         cache_after = expert_traffic(eng)
         if cache_after is not None and cache_before is not None:
@@ -160,34 +160,38 @@ SLOWEST_WINDOWS = 3
 """Windows the bench names as a run's slowest (`slowest_windows`)."""
 
 
-def slowest_windows(
-    recent: Sequence[WindowStat], count: int, n: int = SLOWEST_WINDOWS
-) -> list[dict[str, Any]]:
-    """The ``n`` longest decode windows of an engine's last ``count`` windows (one run's, as far back as its
-    record of recent windows reaches), longest first: each one's name (`window_name`), rows, milliseconds
-    (the wall time since the later of its launch and the window before it delivered, so a stall between
-    windows lands in the window after it), tokens, the rows drafting heads caught up on for it
-    (`WindowStat.caught_up`), the host's milliseconds drafting its proposals before its launch and
+def window_records(recent: Sequence[WindowStat], count: int) -> list[dict[str, Any]]:
+    """Every window of an engine's last ``count`` windows (one run's, as far back as its record of recent
+    windows reaches), in the order they ran: each one's name (`window_name`), rows, milliseconds (the wall
+    time since the later of its launch and the window before it delivered, so a stall between windows lands
+    in the window after it), tokens, proposals and how many held, the rows drafting heads caught up on for
+    it (`WindowStat.caught_up`), the host's milliseconds drafting its proposals before its launch and
     finishing it (``draft_ms``, ``finish_ms``), and ``index``, its place in the run (1: the run's first
-    window, its prompt's). Prompt windows are left out: their time is their request's wait for its first
-    token, not a gap in its stream."""
+    window, its prompt's)."""
     ran = list(recent)[-count:] if count > 0 else []
     skipped = count - len(ran)
-    decode = [i for i, w in enumerate(ran) if w.kind != "prefill"]
-    order = sorted(decode, key=lambda i: -ran[i].ms)[:n]
     return [
         {
-            "window": window_name(ran[i]),
-            "rows": ran[i].rows,
-            "ms": ran[i].ms,
-            "tokens": ran[i].tokens,
-            "caught_up": ran[i].caught_up,
-            "draft_ms": ran[i].draft_ms,
-            "finish_ms": ran[i].finish_ms,
             "index": skipped + i + 1,
+            "window": window_name(w),
+            "rows": w.rows,
+            "ms": w.ms,
+            "tokens": w.tokens,
+            "proposals": w.proposals,
+            "accepted": w.accepted,
+            "caught_up": w.caught_up,
+            "draft_ms": w.draft_ms,
+            "finish_ms": w.finish_ms,
         }
-        for i in order
+        for i, w in enumerate(ran)
     ]
+
+
+def slowest_windows(records: Sequence[dict[str, Any]], n: int = SLOWEST_WINDOWS) -> list[dict[str, Any]]:
+    """The ``n`` longest decode windows of a run's `window_records`, longest first. Prompt windows are left
+    out: their time is their request's wait for its first token, not a gap in its stream."""
+    decode = [w for w in records if w["window"] != "prefill"]
+    return sorted(decode, key=lambda w: -w["ms"])[:n]
 
 
 def window_mix(before: dict[str, Any], after: dict[str, Any]) -> dict[str, list[float]]:
@@ -368,8 +372,8 @@ class ArmRuns:
     windows: dict[str, list[dict[str, list[float]]]] = field(default_factory=dict)
     """Per case and repeat, its windows by kind (``{"solo 2": [windows, ms, tokens]}``, from the engine's
     totals; empty for a peer)."""
-    slowest: dict[str, list[list[dict[str, Any]]]] = field(default_factory=dict)
-    """Per case and repeat, its slowest windows (`slowest_windows`; empty for a peer)."""
+    records: dict[str, list[list[dict[str, Any]]]] = field(default_factory=dict)
+    """Per case and repeat, every window it ran (`window_records`; empty for a peer)."""
 
 
 def same_shape(a: list[Any], b: list[Any]) -> bool:
@@ -511,7 +515,7 @@ def run_bench(
                 out[name].runs.setdefault(case, []).append(figures)
                 out[name].compiled.setdefault(case, []).append(late_compiles()[before:])
                 out[name].windows.setdefault(case, []).append(stats.get("windows_by_kind") or {})
-                out[name].slowest.setdefault(case, []).append(stats.get("slowest_windows") or [])
+                out[name].records.setdefault(case, []).append(stats.get("window_records") or [])
                 if r == 0:
                     out[name].tokens[case] = [res.token_ids for res in results]
                 if on_run:
@@ -542,7 +546,9 @@ def summarise(runs: dict[str, ArmRuns], base: str = "serial", compare_text: bool
                 # each repeat's own, to see what a slow repeat spent its time on
                 entry["windows_by_kind_repeats"] = [merge_window_mix([m]) for m in arm.windows.get(case, [])]
             slowest = [
-                {**w, "repeat": r + 1} for r, each in enumerate(arm.slowest.get(case, [])) for w in each
+                {**w, "repeat": r + 1}
+                for r, each in enumerate(arm.records.get(case, []))
+                for w in slowest_windows(each)
             ]
             if slowest:
                 entry["slowest_windows"] = sorted(slowest, key=lambda w: -w["ms"])[:SLOWEST_WINDOWS]

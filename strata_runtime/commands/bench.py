@@ -22,7 +22,7 @@ import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 from strata_cfg.schema.facts import ModelFacts
 from strata_cfg.schema.plan import LaunchPlan
@@ -47,6 +47,7 @@ from ..bench.ceilings import copy_bandwidth, decode_step_bytes, host_link_rate, 
 from ..bench.harness import (
     SETTLE_MOST,
     Arm,
+    ArmRuns,
     Arrival,
     InProcessDriver,
     Settling,
@@ -117,6 +118,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="llama.cpp peer: the GGUF file it runs, written there from the plan's model unless it exists "
         "(default: a temporary file, removed afterwards)",
     )
+    parser.add_argument(
+        "--windows",
+        metavar="PATH",
+        help="also write every window the arms ran, repeat by repeat, to PATH as JSON Lines",
+    )
+
+
+def open_trace(path: str | None) -> TextIO | None:
+    """``--windows``' file, opened for writing before anything runs, so that a path that cannot be written
+    is refused at once rather than after the run."""
+    if path is None:
+        return None
+    try:
+        return open(path, "w", encoding="utf-8")  # noqa: SIM115 - closed once the run has written it
+    except OSError as exc:
+        raise SystemExit(f"bench: --windows {path}: {exc.strerror or exc}") from exc
+
+
+def write_window_records(out: TextIO, runs: dict[str, ArmRuns]) -> None:
+    """Every window of every arm's runs, one JSON object a line, in the order each repeat ran them: the
+    arm, the case and the repeat (from 1), then `window_records`' fields."""
+    for name, arm in runs.items():
+        for case, repeats in arm.records.items():
+            for r, records in enumerate(repeats):
+                for w in records:
+                    out.write(json.dumps({"arm": name, "case": case, "repeat": r + 1, **w}) + "\n")
 
 
 def _pairs(items: list[str], what: str) -> dict[str, str]:
@@ -143,6 +170,7 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         raise SystemExit(f"bench: {problem}")
     sampling = sampling_params(args)
+    trace = open_trace(args.windows)
     arms = _pairs(args.arm, "arm")
     notes = _pairs(args.note, "note")
     plans = {name: read_plan(path) for name, path in arms.items()}
@@ -209,6 +237,10 @@ def run(args: argparse.Namespace) -> int:
         sampling=sampling,
         seeded=not args.unseeded,
     )
+    if trace is not None:
+        with trace:
+            write_window_records(trace, runs)
+        print(f"strata bench: every window written to {args.windows}", file=sys.stderr)
     base = "serial" if "serial" in plans else next(iter(plans))
     summary = summarise(runs, base=base, compare_text=sampling.temperature <= 0)
     ceiling = ceiling_report(args.workload, plans, summary, rates, args, tokenizer)
