@@ -198,7 +198,7 @@ def test_explain_a_gpu_entry_explains_that_gpu_not_another_key(capsys):
     code, out, _ = run(capsys, "explain", BOX, "machine.gpus.1")
     assert code == 0 and out.startswith("machine.gpus.1 = RTX 3080 20GB, 20480 MiB, 760 GB/s\n")
     assert "machine.backend" not in out and "machine.gpus.0" not in out
-    assert "role       stage 1 (layers 23-47)" in out and "drafters 25.4" in out
+    assert "role       stage 1 (layers 23-47)" in out and "drafters 26.5" in out
     # the TUI asks for the key under the cursor
     _, name, _ = run(capsys, "explain", BOX, "machine.gpus.0.name")
     assert name.startswith("machine.gpus.0 = RTX 3080 20GB")

@@ -469,4 +469,4 @@ def test_the_engine_rehearses_greedy_and_sampled_decisions_at_start_without_touc
         hidden, logits, length = before[s]
         np.testing.assert_array_equal(d.hidden, hidden)
         np.testing.assert_array_equal(d.logits, logits)
-        assert d.length == length and not d.pending
+        assert d.length == length and not d.pending_rows

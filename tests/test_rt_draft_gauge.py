@@ -244,15 +244,36 @@ def test_rewinding_a_drafter_forgets_exactly_the_deferred_rows_past_the_rewind()
     eng = Engine(make_plan(stages=1, slots=1, draft_tokens=3, context=64))
     drafter = eng.model.drafters[0]
     assert drafter.length == 0
-    rows = np.arange(5 * 4, dtype=np.float32).reshape(5, 4) + 1
-    drafter.pending = [(rows[:1], [11]), (rows[1:4], [12, 13, 14]), (rows[4:], [15])]
+    hidden = drafter.deferred.shape[1]
+    rows = (np.arange(5 * hidden, dtype=np.float32).reshape(5, hidden) + 1).astype(drafter.deferred.dtype)
+    drafter.defer(rows[:1], [11])
+    drafter.defer(rows[1:4], [12, 13, 14])
+    drafter.defer(rows[4:], [15])
     drafter.rewind(3)  # positions 0, 1, 2: the first window and two of the second's three rows
-    assert [t for _, t in drafter.pending] == [[11], [12, 13]] and drafter.pending_rows == 3
-    assert np.array_equal(drafter.pending[1][0], rows[1:3])
+    assert drafter.pending_tokens == [11, 12, 13] and drafter.pending_rows == 3
     drafter.rewind(3)
     assert drafter.pending_rows == 3
+    drafter.defer(rows[4:], [16])  # after the three kept, over the forgotten row
+    kept, tokens = drafter.take()
+    assert tokens == [11, 12, 13, 16] and np.array_equal(kept, rows[[0, 1, 2, 4]])
+    assert drafter.pending_rows == 0
+    drafter.defer(rows[:2], [11, 12])
     drafter.rewind(0)
-    assert drafter.pending == [] and drafter.length == 0
+    assert drafter.pending_rows == 0 and drafter.length == 0
+    # A window's own rows are held in place, not copied, when nothing is deferred before them.
+    drafter.hold(rows[1:3], [21, 22])
+    held, tokens = drafter.take()
+    assert held is not None and np.shares_memory(held, rows) and tokens == [21, 22]
+    drafter.defer(rows[:1], [31])
+    drafter.hold(rows[1:3], [32, 33])  # after deferred rows: copied behind them, read in one pass
+    both, tokens = drafter.take()
+    assert tokens == [31, 32, 33] and np.array_equal(both, rows[:3]) and not np.shares_memory(both, rows)
+    long = np.ones((drafter.deferred.shape[0] + 8, hidden), drafter.deferred.dtype)  # a prompt's chunk
+    drafter.hold(long, list(range(len(long))))
+    held, tokens = drafter.take()
+    assert np.shares_memory(held, long) and len(tokens) == len(long)
+    with pytest.raises(ValueError, match="no room"):
+        drafter.defer(np.zeros((drafter.deferred.shape[0] + 1, hidden), drafter.deferred.dtype), [0] * 73)
 
 
 def _simulation() -> ModuleType:

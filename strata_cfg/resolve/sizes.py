@@ -14,6 +14,7 @@ from typing import Any
 
 from ..schema.facts import DTYPE_BYTES, ModelFacts
 from ..schema.windows import (
+    DEFER_MOST,
     FLASH_HEAD_DIMS,
     MAX_WINDOW_ROWS,
     PREFILL_EXPERT_TILE_ROWS,
@@ -71,9 +72,11 @@ def kv_bytes(model: ModelFacts, n_layers: int, *, context: int, kv_dtype: str, s
 
 def drafter_bytes(model: ModelFacts, *, context: int, kv_dtype: str, drafters: int) -> int:
     """The slot drafters' private state: per drafter, its MTP layers' KV over the slot's context, plus the
-    draft-window buffers (residual rows [R, H] and logits [R, V], both float32)."""
+    draft-window buffers (residual rows [R, H] and logits [R, V], both float32) and the rows it defers while
+    its windows carry no proposals (`DEFER_MOST` and one window's more, [., H] float32)."""
     mtp_kv = model.mtp_layers * model.kv_bytes_per_token(kv_dtype) * context
     buffers = MAX_WINDOW_ROWS * model.hidden_size * F32 + MAX_WINDOW_ROWS * model.vocab_size * F32
+    buffers += (DEFER_MOST + MAX_WINDOW_ROWS) * model.hidden_size * F32
     return drafters * (mtp_kv + buffers)
 
 

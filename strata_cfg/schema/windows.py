@@ -18,6 +18,9 @@ HANDOFF_ROWS = MAX_WINDOW_ROWS
 BATCH_MTP_ROWS_PER_SLOT = 2
 """Batch MTP sends each slot's token and one proposal."""
 BATCH_MTP_SLOTS_PER_WINDOW = MAX_WINDOW_ROWS // BATCH_MTP_ROWS_PER_SLOT
+DEFER_MOST = 64
+"""Rows a slot's drafter may hold unread while its windows carry no proposals, before its head reads them
+anyway: its deferred rows buffer holds these and one more window's."""
 DECODE_ATTENTION_CHUNK = 64
 """Positions a block of decode attention reads (the CUDA kernel's ``ATTN_CHUNK``); each writes one partial
 result per query head to the window's scratch, so the scratch grows with the context."""

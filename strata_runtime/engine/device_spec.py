@@ -100,7 +100,7 @@ def decide(
     xp = model.last.device.xp
     s, n = len(spec.slots), spec.n
     drafters = {slot: model.drafters[slot] for slot in spec.slots}
-    assert not any(d.pending for d in drafters.values()), "a drafting window's drafters are caught up"
+    assert not any(d.pending_rows for d in drafters.values()), "a drafting window's drafters are caught up"
     each = xp.arange(s)
     if spec.params is None:  # every slot greedy
         accepted, first = _accept(xp, spec.tokens, chosen, s, n)

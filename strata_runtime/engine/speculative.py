@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from strata_cfg.schema.plan import DEFAULT_DRAFT_FLOOR
+from strata_cfg.schema.windows import DEFER_MOST
 
 from ..backend import Array, Device
 from ..layout import Layout
@@ -371,11 +372,6 @@ def verify(target: np.ndarray, proposals: Proposals, sampler: Sampler) -> Verdic
     return Verdict(n_prop, [*proposals.tokens, sampler.draw(p[n_prop])])
 
 
-DEFER_MOST = 64
-"""Rows a drafter may hold unread (`commit` with ``defer``) before they are caught up anyway: at most
-64 post-norm rows of the hidden size per slot."""
-
-
 def commit(
     model: Model,
     slot: int,
@@ -409,11 +405,13 @@ def commit(
             f"rows, window starts at {base}"
         )
     rows, tokens = normed[:kept_rows], [int(t) for t in next_tokens[:kept_rows]]
-    if defer and drafter.pending_rows + kept_rows <= DEFER_MOST:
-        with drafter.device.use():
-            drafter.pending.append((rows.copy(), tokens))  # the window's buffers are reused
-        return
-    drafter.pending.append((rows, tokens))
+    with drafter.device.use():
+        if defer and drafter.pending_rows + kept_rows <= DEFER_MOST:
+            drafter.defer(rows, tokens)  # the window's buffers are reused
+            return
+        if drafter.pending_rows + kept_rows > drafter.deferred.shape[0]:
+            catch_up(model, slot)  # rows this long (a prompt's chunk) take a pass of their own
+        drafter.hold(rows, tokens)
     catch_up(model, slot)
 
 
@@ -421,17 +419,14 @@ def catch_up(model: Model, slot: int) -> None:
     """Run ``slot``'s deferred rows through the MTP head in one pass (on the drafters' device, current
     stream), which leaves the next window's first proposal's logits in ``drafter.logits[0]``."""
     drafter = model.drafters[slot]
-    if not drafter.pending:
+    if not drafter.pending_rows:
         return
     assert model.mtp is not None
-    xp, base = drafter.device.xp, drafter.length
-    tokens = [t for _, ts in drafter.pending for t in ts]
-    k = len(tokens)
-    drafter.caught_up += k
+    base = drafter.length
     with drafter.device.use():
-        parts = [rows for rows, _ in drafter.pending]
-        rows = parts[0] if len(parts) == 1 else xp.concatenate(parts, axis=0)  # [k, H]
-        drafter.pending = []
+        rows, tokens = drafter.take()  # [k, H]
+        k = len(tokens)
+        drafter.caught_up += k
         head = model.mtp({slot: drafter}, np.asarray(tokens), rows, Layout.of([(slot, k, base)]))
         drafter.hidden[0:1] = head[k - 1 : k]
         drafter.logits[0:1] = model.mtp.logits(head[k - 1 : k])

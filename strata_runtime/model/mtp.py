@@ -9,7 +9,8 @@ model's post-final-norm hidden state at t::
     logits = lm_head(out)                                                            # shared with the model
 
 Chained proposals feed back the head's own ``out`` as the next ``hidden``. Each slot has a `Drafter` on the
-last stage's device: the MTP layer's KV over the slot's context, plus its draft-window buffers.
+last stage's device: the MTP layer's KV over the slot's context, plus its draft-window buffers and the rows
+it defers while its windows carry no proposals.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from numpy.typing import DTypeLike
 
-from strata_cfg.schema.windows import MAX_WINDOW_ROWS, PROMPT_GRAPH_MAX
+from strata_cfg.schema.windows import DEFER_MOST, MAX_WINDOW_ROWS, PROMPT_GRAPH_MAX
 
 from ..backend import Array, Device
 from ..layout import Layout, Segment
@@ -55,17 +56,21 @@ class Drafter:
         self.kv = KVCache(device, 1, 1, kv_heads, context, head_dim, kv_dtype, arrays=kv_arrays)
         self.hidden = device.zeros((MAX_WINDOW_ROWS, args.hidden_size), dtype)  # [8, H]
         self.logits = device.zeros((MAX_WINDOW_ROWS, args.vocab_size), device.xp.float32)  # [8, V]
-        self.pending: list[tuple[Array, list[int]]] = []
-        """Rows the head has not read yet, in order from position ``length``: each window's post-norm rows
-        [k, H] (copies) and the token that follows each (`strata_runtime.engine.speculative.commit` with
-        ``defer``). `strata_runtime.engine.speculative.catch_up` runs them before the next draft."""
+        rows = DEFER_MOST + MAX_WINDOW_ROWS
+        self.deferred = device.zeros((rows, args.hidden_size), device.xp.float32 if device.is_cuda else dtype)
+        """Rows the head has not read yet, in order from position ``length``: windows' post-norm rows [., H]
+        (`defer`), at most `DEFER_MOST` and then one window's. A GPU's are float32 (its final norm's)."""
+        self.pending_tokens: list[int] = []
+        """The token that follows each deferred row."""
+        self._held: Array | None = None
+        """A window's own rows, read by the head before that window's buffers are reused (`hold`)."""
         self.caught_up = 0
         """Rows `catch_up` has run through the head since the drafter was made (the engine's window record
         counts them per window)."""
 
     @property
     def nbytes(self) -> int:
-        return self.kv.nbytes + int(self.hidden.nbytes) + int(self.logits.nbytes)
+        return self.kv.nbytes + int(self.hidden.nbytes) + int(self.logits.nbytes) + int(self.deferred.nbytes)
 
     @property
     def length(self) -> int:
@@ -74,18 +79,44 @@ class Drafter:
 
     @property
     def pending_rows(self) -> int:
-        return sum(len(tokens) for _, tokens in self.pending)
+        """Rows the head has not read yet (deferred or held)."""
+        return len(self.pending_tokens)
+
+    def defer(self, rows: Array, tokens: list[int]) -> None:
+        """Copy a window's rows [k, H] (and the token that follows each) after those deferred, on the current
+        stream: the window's own buffers are reused by later windows. No allocation and no concatenation
+        when the head reads them (`take`)."""
+        assert self._held is None, "a held window is read before more rows are deferred"
+        at, k = self.pending_rows, len(tokens)
+        if at + k > self.deferred.shape[0]:
+            raise ValueError(f"slot {self.slot}: {at} rows deferred, no room for {k} more")
+        if rows.dtype != self.deferred.dtype:  # the CPU path's rows are in the model's dtype
+            self.deferred = self.deferred.astype(rows.dtype)
+        self.deferred[at : at + k] = rows
+        self.pending_tokens += tokens
+
+    def hold(self, rows: Array, tokens: list[int]) -> None:
+        """Rows [k, H] for the head to read next: in place where nothing is deferred before them (no copy,
+        whatever their count: the head reads them before their window's buffers are reused); else copied
+        behind those deferred, as `defer` copies."""
+        if self.pending_rows:
+            self.defer(rows, tokens)
+            return
+        self._held, self.pending_tokens = rows, list(tokens)
+
+    def take(self) -> tuple[Array, list[int]]:
+        """The rows the head has not read [k, H] (a view that the next `defer` overwrites) and the token
+        after each, forgotten here."""
+        rows = self._held if self._held is not None else self.deferred[: self.pending_rows]
+        tokens, self.pending_tokens, self._held = self.pending_tokens, [], None
+        return rows, tokens
 
     def rewind(self, length: int) -> None:
         """Forget positions [length, ...): of the KV, and of the deferred rows past it."""
-        kept, at = [], self.length
-        for rows, tokens in self.pending:
-            room = length - at
-            if room <= 0:
-                break
-            kept.append((rows[:room], tokens[:room]) if len(tokens) > room else (rows, tokens))
-            at += len(tokens)
-        self.pending = kept
+        keep = min(max(length - self.length, 0), self.pending_rows)
+        self.pending_tokens = self.pending_tokens[:keep]
+        if self._held is not None:
+            self._held = self._held[:keep] if keep else None
         self.kv.rewind(0, min(length, self.length))
 
 
