@@ -26,7 +26,7 @@ from strata_cfg.tui.widgets.plan_view import summary_rows
 from strata_runtime.api import Request, SamplingParams
 from strata_runtime.engine import Engine, speculative
 from strata_runtime.engine import executor as executor_module
-from strata_runtime.engine.speculative import DRAFT_PROBE_EVERY, DRAFT_WARMUP, DraftGauge
+from strata_runtime.engine.speculative import DRAFT_PROBE_EVERY, DRAFT_WARMUP, SILENT_PROBE_EVERY, DraftGauge
 from strata_runtime.model.mtp import MtpHead
 from strata_runtime.server.metrics import engine_lines
 
@@ -57,6 +57,70 @@ def test_a_gauge_drafts_while_warming_up_pauses_below_the_floor_probes_and_comes
     for _ in range(8):
         g.record(3, 3)
     assert g.estimate > 0.9
+
+
+def test_a_silent_gauge_probes_without_windows_at_a_fixed_interval_and_comes_back() -> None:
+    """A plain greedy request's gauge (``silent``) never asks its solo windows for a probe: it is due a silent
+    probe every `SILENT_PROBE_EVERY` windows without proposals, a failed one does not lengthen the wait, and
+    one that holds brings drafting back, as a probe window's would."""
+    g = DraftGauge(most=3, silent=True)
+    for _ in range(DRAFT_WARMUP):
+        g.record(1, 0)
+    assert not g.drafts and g.depth(3) == 0
+    for _probe in range(3):
+        for _ in range(SILENT_PROBE_EVERY - 1):
+            g.record(0, 0)
+            assert not g.silent_probe_due
+        g.record(0, 0)
+        assert g.silent_probe_due and g.depth(3) == 0 and not g.leaves(0, 3)
+        g.record(1, 0, silent=True)  # failed: the next comes as soon, and no window probes meanwhile
+        assert not g.silent_probe_due and g.wait == DRAFT_PROBE_EVERY
+    for _ in range(4 * DRAFT_PROBE_EVERY):
+        g.record(0, 0)
+        assert g.depth(3) == 0 and not g.leaves(0, 3)  # a due probe window never comes
+    g.record(1, 1, silent=True)
+    assert g.estimate >= FLOOR and g.depth(3) > 0 and g.leaves(0, 3)
+    loud = DraftGauge(most=3)
+    for _ in range(DRAFT_WARMUP):
+        loud.record(1, 0)
+    for _ in range(DRAFT_PROBE_EVERY):
+        loud.record(0, 0)
+    assert not loud.silent_probe_due and loud.depth(3) == 3 and loud.leaves(0, 3)  # a probe window
+
+
+def test_silent_probes_read_the_proposal_for_the_next_token_and_keep_the_greedy_text(monkeypatch) -> None:
+    """A paused plain greedy request alone runs no probe windows: every `SILENT_PROBE_EVERY` windows its
+    drafting head proposes its next token beside the windows in flight, and the next window's token decides
+    the probe. With a head that predicts the model well (drafting forced off), most such probes hold; with
+    one that never does (layer_scale 0.5), none do: so each proposal is compared with the very token it
+    proposed. Greedy text is that of an engine that never pauses."""
+    outcomes: list[int] = []
+    record = DraftGauge.record
+
+    def counted(self, proposed, accepted, silent=False) -> None:
+        if silent:
+            outcomes.append(accepted)
+        record(self, proposed, accepted, silent)
+
+    monkeypatch.setattr(DraftGauge, "record", counted)
+    monkeypatch.setattr(DraftGauge, "_best", lambda self, room: 0)  # paused from the start
+    plan = make_plan(stages=1, slots=1, draft_tokens=3, context=256, adaptive_depth=False)
+    request = Request(tuple(PROMPTS[0]), 120)
+    eng = Engine(plan)
+    (text,) = collect(eng, [(0, request)])
+    decode = [w for w in eng.windows if w.kind != "prefill"]
+    assert all(w.rows == 1 for w in decode)  # no probe window
+    assert len(outcomes) >= len(decode) // (SILENT_PROBE_EVERY + 1) - 1 >= 10
+    assert sum(outcomes) > 0.6 * len(outcomes)
+    outcomes.clear()
+    poor = make_plan(stages=1, slots=1, draft_tokens=3, context=256, adaptive_depth=False, layer_scale=0.5)
+    (poor_text,) = collect(Engine(poor), [(0, request)])
+    assert len(outcomes) >= 10 and sum(outcomes) == 0
+    monkeypatch.undo()
+    never = plan.model_copy(update={"spec": plan.spec.model_copy(update={"draft_floor": 0.0})})
+    assert collect(Engine(never), [(0, request)]) == [text]
+    poor_never = poor.model_copy(update={"spec": poor.spec.model_copy(update={"draft_floor": 0.0})})
+    assert collect(Engine(poor_never), [(0, request)]) == [poor_text]
 
 
 def test_the_floor_weighs_a_windows_first_proposal_alone() -> None:

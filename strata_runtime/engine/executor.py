@@ -326,6 +326,21 @@ class Executor:
             catch_up(self.model, slot)  # the rows of its windows without proposals, if any
             return draft(self.model, slot, token, depth, sampler, on_device)
 
+    def propose(self, slot: int) -> Array:
+        """A silent probe's proposal for ``slot``'s next token, queued on the drafters' stream: its deferred
+        rows caught up (`catch_up`), then the argmax of the head's logits, on the device (plain greedy
+        requests only, whose proposal is that argmax)."""
+        with self._on_drafters():
+            catch_up(self.model, slot)
+            drafter = self.model.drafters[slot]
+            with drafter.device.use():
+                return drafter.device.xp.argmax(drafter.logits[0])
+
+    def read_proposal(self, proposal: Array) -> int:
+        """`propose`'s token on the host (its work queued long before: the window after it has finished)."""
+        with self._on_drafters():
+            return int(self.stages[-1].device.to_host(proposal))
+
     def _retire(self, flight: Flight) -> None:
         """Hold a finished flight's arrays until the drafters' stream has read them (called on that stream's
         device: an event is recorded only on a stream of the device it was made on)."""

@@ -73,7 +73,7 @@ from .job import CHAINED, Entry, Job
 from .refusals import refusals
 from .sampling import Sampler
 from .slot import Slot
-from .speculative import DRAFT_PROBE_EVERY, DraftGauge, Proposals, drafting_pays
+from .speculative import DRAFT_PROBE_EVERY, SILENT_PROBE_EVERY, DraftGauge, Proposals, drafting_pays
 from .stats import WindowStat, WindowStats
 
 log = logging.getLogger("strata_runtime")
@@ -421,7 +421,10 @@ class Engine:
 
     def _pause_text(self) -> str:
         floor, adaptive = self.plan.spec.draft_floor, self.adaptive
-        probe = f"with one probe after {DRAFT_PROBE_EVERY} windows"
+        probe = (
+            f"with one probe after {DRAFT_PROBE_EVERY} windows (a plain greedy request alone: a silent "
+            f"probe every {SILENT_PROBE_EVERY}, its head's proposal checked against the next token)"
+        )
         if floor > 0:
             also = ", or while windows without them give more tokens per second" if adaptive else ""
             return (
@@ -592,11 +595,11 @@ class Engine:
         the full depth whenever it drafts: which tokens it samples depends on where its windows hold
         proposals, and the seed promises the same text on every run, while window times differ from run to
         run."""
-        floor = self.plan.spec.draft_floor
+        floor, silent = self.plan.spec.draft_floor, not sampler.needs_logits
         if not self.adaptive or keeps_windows(sampler):
-            return DraftGauge(floor, None, self.depth)
+            return DraftGauge(floor, None, self.depth, silent=silent)
         costs, prior = self._depth_state(sampler)
-        return DraftGauge(floor, costs, self.depth, prior)
+        return DraftGauge(floor, costs, self.depth, prior, silent=silent)
 
     def _depth_state(self, sampler: Sampler) -> tuple[WindowCosts, Holds]:
         return self.depth_state.setdefault(request_kind(sampler), (WindowCosts(), Holds(PRIOR_WEIGHT)))
@@ -1010,9 +1013,26 @@ class Engine:
         meanwhile and the host time it took."""
         before, t0 = self._caught_up(), time.perf_counter()
         events = self.executor.finish(flight)
+        self._silent_probes(flight.job, events)
         flight.job.caught_up += self._caught_up() - before
         flight.job.finish_ms += (time.perf_counter() - t0) * 1e3
         return events
+
+    def _silent_probes(self, job: Job, events: list[tuple[Slot, TokenEvent]]) -> None:
+        """A finished window's part in silent probes (`DraftGauge.silent`): a slot's first token in it
+        confirms or not the proposal its drafting head made at the window before (recorded as a probe's
+        one proposal); and a paused solo window whose slot is due one queues the next such proposal, on the
+        drafters' stream beside the windows in flight."""
+        for slot, ev in events:
+            if slot.shadow is not None and ev.token_ids:
+                proposal = self.executor.read_proposal(slot.shadow)
+                slot.shadow = None
+                slot.gauge.record(1, int(ev.token_ids[0] == proposal), silent=True)
+        if job.kind != "solo" or not job.paused or self.model.mtp is None:
+            return
+        slot = job.entries[0].slot
+        if slot.finished is None and slot.shadow is None and slot.gauge.silent_probe_due:
+            slot.shadow = self.executor.propose(slot.id)
 
     def _caught_up(self) -> int:
         """Rows every drafter has caught up on so far (`Drafter.caught_up`)."""

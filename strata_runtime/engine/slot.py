@@ -9,6 +9,7 @@ tokens, and sends only text that decodes completely.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from ..api import FinishReason, RequestHandle, TokenEvent, Tokenizer, TokenLogprob
 from .sampling import Sampler
@@ -34,6 +35,9 @@ class Slot:
     finished: FinishReason | None = None
     gauge: DraftGauge = field(default_factory=DraftGauge)
     """Whether drafting pays for this request: how often its windows' first proposal held."""
+    shadow: Any = None
+    """A silent probe's proposal for the request's next token, on the device, until a window gives that
+    token (`strata_runtime.engine.scheduler.Scheduler._silent_probes`)."""
     _text: str = ""
     """The text of ``generated[:_read]``, decoded incrementally (complete characters only)."""
     _prefix: int = 0

@@ -43,6 +43,9 @@ DRAFT_PROBE_EVERY = 16
 doubles after each probe that leaves the estimate under the floor, up to `DRAFT_PROBE_MOST`."""
 DRAFT_PROBE_MOST = 128
 """The longest wait between probes of a paused slot, in windows without proposals."""
+SILENT_PROBE_EVERY = 8
+"""Windows without proposals between two silent probes of a paused slot (`DraftGauge.silent`): such a probe
+costs no window, so it comes sooner than `DRAFT_PROBE_EVERY` and waits no longer after one that failed."""
 DRAFT_WEIGHT = 1 / 4
 """Weight of each window's first proposal in the estimate: an exponential average over about the last 4
 windows, so one probe whose proposal holds brings a paused slot back to the floor."""
@@ -85,7 +88,12 @@ class DraftGauge:
     (docs/PERFORMANCE.md), so the default, 0.25, pauses only where drafting loses in every case measured.
     A paused slot drafts again for one window after `DRAFT_PROBE_EVERY` windows, so a request whose text
     turns predictable gets its drafts back; each probe that finds them still failing doubles the wait for
-    the next (up to `DRAFT_PROBE_MOST`).
+    the next (up to `DRAFT_PROBE_MOST`). A plain greedy request probes silently (``silent``): its windows
+    keep no proposals, but every `SILENT_PROBE_EVERY` of them the drafting head catches up and proposes the
+    slot's next token, which the next window's token then confirms or not (`record` with ``silent``). A
+    failed probe then costs the head's catch-up beside the next window, not a window of two rows and the host
+    drafting before it, so it comes at a fixed interval and drafting resumes within a few windows of the
+    text turning predictable.
 
     **How deep** (``costs``: the engine's `WindowCosts`, with ``spec.adaptive_depth``). For each proposal
     position j, the chance that proposal j holds once those before it held (`holds_up_to`), and from those,
@@ -123,12 +131,17 @@ class DraftGauge:
     """Windows with proposals so far."""
     last_reached: list[int] = field(default_factory=list)
     """Per proposal position, ``drafted`` when a window last reached it."""
+    silent: bool = False
+    """Probe silently while paused (a plain greedy request: whether its first proposal holds is whether it
+    equals the next token the target chooses)."""
 
-    def record(self, proposed: int, accepted: int) -> None:
+    def record(self, proposed: int, accepted: int, silent: bool = False) -> None:
+        """A verified window's ``proposed`` proposals, of which ``accepted`` held (0 and 0: a window without
+        them); ``silent``: a silent probe's one proposal, which no window carried."""
         if proposed == 0:
             self.idle += 1
             return
-        probe = self.probe_due
+        probe = self.probe_due and not silent
         self.probed = probe
         self.idle = 0
         self.seen += proposed
@@ -146,7 +159,7 @@ class DraftGauge:
             self.last_reached[j] = self.drafted
         if self.estimate >= self.floor and (self.most == 0 or self._best(self.most) > 0):
             self.wait = DRAFT_PROBE_EVERY
-        elif probe:
+        elif probe and not silent:
             self.wait = min(2 * self.wait, DRAFT_PROBE_MOST)
 
     def wait_longer(self) -> None:
@@ -218,6 +231,11 @@ class DraftGauge:
         return self.idle >= self.wait
 
     @property
+    def silent_probe_due(self) -> bool:
+        """Whether a paused slot that probes ``silent``ly is due its next silent probe."""
+        return self.silent and self.idle >= SILENT_PROBE_EVERY
+
+    @property
     def drafts(self) -> bool:
         """Whether this slot's next window should carry proposals (`drafting_pays` for it alone)."""
         return drafting_pays([self])
@@ -230,17 +248,19 @@ class DraftGauge:
 
     def depth(self, room: int) -> int:
         """Proposals this slot's next solo window drafts, at most ``room``: the best depth, or, when that
-        is 0 and a probe is due, a probe (one proposal; every one it has room for without ``costs``)."""
+        is 0 and a probe is due, a probe (one proposal; every one it has room for without ``costs``), unless
+        it probes ``silent``ly."""
         best = self._best(room)
-        if best == 0 and room > 0 and self.probe_due:
+        if best == 0 and room > 0 and self.probe_due and not self.silent:
             return room if self.costs is None else 1
         return best
 
     def leaves(self, now: int, room: int, probe: bool = True) -> bool:
         """Whether a run of solo windows at ``now`` proposals (queued on the device, each after the one
         before) should end, so that the host launches one at another depth: the floor pauses drafting, a
-        probe is due (with ``probe``), or another depth beats ``now`` by `DEPTH_SWITCH`."""
-        if now == 0 and probe and room > 0 and self.probe_due:
+        probe is due (with ``probe``, unless it probes ``silent``ly), or another depth beats ``now`` by
+        `DEPTH_SWITCH`."""
+        if now == 0 and probe and room > 0 and self.probe_due and not self.silent:
             return True
         best = self._best(room)
         if self.costs is None:
