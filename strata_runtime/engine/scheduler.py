@@ -1024,10 +1024,12 @@ class Engine:
         one proposal); and a paused solo window whose slot is due one queues the next such proposal, on the
         drafters' stream beside the windows in flight."""
         for slot, ev in events:
-            if slot.shadow is not None and ev.token_ids:
+            if slot.shadow is None:
+                continue
+            if ev.token_ids:  # none: the request ended before it (a stop), and the probe with it
                 proposal = self.executor.read_proposal(slot.shadow)
-                slot.shadow = None
                 slot.gauge.record(1, int(ev.token_ids[0] == proposal), silent=True)
+            slot.shadow = None
         if job.kind != "solo" or not job.paused or self.model.mtp is None:
             return
         slot = job.entries[0].slot
