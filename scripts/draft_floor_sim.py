@@ -10,9 +10,12 @@ at h, a bad one at 5%). It prints the tokens per millisecond and the share of wi
   proposal's share of its window);
 * the depth after other text (``--depth``): each request follows one on other text whose first proposals
   held 42% of the time (as the bench's warm-up teaches the engine before its repeats), under the adaptive
-  depth, the full depth and no drafting, with the window times measured as the requests run.
+  depth, the full depth and no drafting, with the window times measured as the requests run;
+* silent probes (``--silent``): a paused request probing with windows of one proposal, against probing
+  silently (`DraftGauge.silent`: the head's proposal checked against the next token, at no window's cost),
+  over the floor's cases and text in long stretches, under the adaptive depth.
 
-    python scripts/draft_floor_sim.py [--requests 300] [--ms 2.90,3.90,4.80,5.72] [--depth]
+    python scripts/draft_floor_sim.py [--requests 300] [--ms 2.90,3.90,4.80,5.72] [--depth | --silent]
 
 The default times are one H200's solo windows of 1 and 4 rows on the `qwen3-30b-a3b` preset
 (docs/PERFORMANCE.md), with 2 and 3 rows between them. CPU only; no model runs.
@@ -37,6 +40,13 @@ CASES = {
     "20 / 20 / 20%": ([0.20, 0.20, 0.20], None),
     "bursts of 80 / 75 / 70%": ([0.80, 0.75, 0.70], (0.95, 0.90)),
 }
+SILENT_CASES = {
+    **CASES,
+    "long stretches of 80 / 75 / 70%": ([0.80, 0.75, 0.70], (0.98, 0.98)),
+    "long stretches of 60 / 55 / 50%": ([0.60, 0.55, 0.50], (0.98, 0.98)),
+}
+"""Bursts (p_good, p_bad): each window the text stays good with p_good, or stays bad (5% a proposal) with
+p_bad; "long stretches" last about 50 windows each."""
 
 
 OTHER_TEXT = [0.42, 0.89, 1.0]
@@ -70,6 +80,8 @@ def decode(
         while accepted < depth and rng.random() < h[accepted]:
             accepted += 1
         gauge.record(depth, accepted)
+        if depth == 0 and gauge.silent_probe_due:  # the head's proposal for the next token
+            gauge.record(1, int(rng.random() < h[0]), silent=True)
         if costs is not None:
             costs.observe(depth + 1, ms[depth])
         made, spent = made + accepted + 1, spent + ms[depth]
@@ -86,10 +98,11 @@ def measured(ms: list[float]) -> WindowCosts:
 
 
 def request(
-    holds: list[float], bursts: tuple[float, float] | None, ms: list[float], seed: int
+    holds: list[float], bursts: tuple[float, float] | None, ms: list[float], seed: int, silent: bool = False
 ) -> tuple[float, float]:
-    """One request's tokens per millisecond and share of windows without proposals."""
-    gauge = DraftGauge(0.25, measured(ms), len(ms) - 1, Holds(PRIOR_WEIGHT))
+    """One request's tokens per millisecond and share of windows without proposals (``silent``: probing
+    silently)."""
+    gauge = DraftGauge(0.25, measured(ms), len(ms) - 1, Holds(PRIOR_WEIGHT), silent=silent)
     return decode(gauge, holds, bursts, ms, random.Random(seed))
 
 
@@ -137,13 +150,30 @@ def depth_table(ms: list[float], requests: int) -> None:
         print(f"| {name} | {row[0]} | {row[1]} | {1 / ms[0]:.3f} |")
 
 
+def silent_table(ms: list[float], requests: int) -> None:
+    print("| chances | window probes: tok/ms, paused | silent probes: tok/ms, paused | no drafting |")
+    print("| --- | ---: | ---: | ---: |")
+    for name, (holds, bursts) in SILENT_CASES.items():
+        row = []
+        for silent in (False, True):
+            runs = [request(holds, bursts, ms, seed, silent) for seed in range(requests)]
+            rate = sum(r for r, _ in runs) / len(runs)
+            paused = sum(p for _, p in runs) / len(runs)
+            row.append(f"{rate:.3f}, {paused:.0%}")
+        print(f"| {name} | {row[0]} | {row[1]} | {1 / ms[0]:.3f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--ms", default="2.90,3.90,4.80,5.72", help="solo window times of 1, 2, ... rows")
     parser.add_argument("--depth", action="store_true", help="the depth after other text, not the floor")
+    parser.add_argument("--silent", action="store_true", help="window probes against silent probes")
     args = parser.parse_args()
     ms = [float(v) for v in args.ms.split(",")]
+    if args.silent:
+        silent_table(ms, args.requests)
+        return
     if args.depth:
         depth_table(ms, args.requests)
         return
