@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import argparse
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 
 from strata_runtime.engine import speculative
@@ -123,9 +123,9 @@ def every_proposal() -> Iterator[None]:
     """The floor as it read a window before: the share of all its proposals that held."""
     original = DraftGauge.record
 
-    def record(self: DraftGauge, proposed: int, accepted: int) -> None:
+    def record(self: DraftGauge, proposed: int, accepted: int, silent: bool = False) -> None:
         rate = self.rate
-        original(self, proposed, accepted)
+        original(self, proposed, accepted, silent)
         if proposed:
             keep = (1 - speculative.DRAFT_WEIGHT) ** proposed
             self.rate = keep * rate + (1 - keep) * accepted / proposed
@@ -137,30 +137,26 @@ def every_proposal() -> Iterator[None]:
         DraftGauge.record = original  # type: ignore[method-assign]
 
 
-def depth_table(ms: list[float], requests: int) -> None:
-    print("| chances of proposals 1 / 2 / 3 | adaptive depth: tok/ms, paused | full depth | no drafting |")
-    print("| --- | ---: | ---: | ---: |")
-    for name, (holds, bursts) in DEPTH_CASES.items():
+def table(
+    first: str,
+    columns: list[str],
+    cases: dict[str, tuple[list[float], tuple[float, float] | None]],
+    run: Callable[[list[float], tuple[float, float] | None, int, int], tuple[float, float]],
+    ms: list[float],
+    requests: int,
+) -> None:
+    """A markdown table: per case, for each column c, the mean tokens per millisecond and share of windows
+    paused of ``requests`` seeded requests ``run(holds, bursts, seed, c)``; then no drafting's rate."""
+    print(f"| {first} | " + " | ".join(f"{c}: tok/ms, paused" for c in columns) + " | no drafting |")
+    print("| --- |" + " ---: |" * (len(columns) + 1))
+    for name, (holds, bursts) in cases.items():
         row = []
-        for adaptive in (True, False):
-            runs = [after_other_text(holds, bursts, ms, seed, adaptive) for seed in range(requests)]
+        for c in range(len(columns)):
+            runs = [run(holds, bursts, seed, c) for seed in range(requests)]
             rate = sum(r for r, _ in runs) / len(runs)
             paused = sum(p for _, p in runs) / len(runs)
             row.append(f"{rate:.3f}, {paused:.0%}")
-        print(f"| {name} | {row[0]} | {row[1]} | {1 / ms[0]:.3f} |")
-
-
-def silent_table(ms: list[float], requests: int) -> None:
-    print("| chances | window probes: tok/ms, paused | silent probes: tok/ms, paused | no drafting |")
-    print("| --- | ---: | ---: | ---: |")
-    for name, (holds, bursts) in SILENT_CASES.items():
-        row = []
-        for silent in (False, True):
-            runs = [request(holds, bursts, ms, seed, silent) for seed in range(requests)]
-            rate = sum(r for r, _ in runs) / len(runs)
-            paused = sum(p for _, p in runs) / len(runs)
-            row.append(f"{rate:.3f}, {paused:.0%}")
-        print(f"| {name} | {row[0]} | {row[1]} | {1 / ms[0]:.3f} |")
+        print(f"| {name} | " + " | ".join(row) + f" | {1 / ms[0]:.3f} |")
 
 
 def main() -> None:
@@ -171,23 +167,24 @@ def main() -> None:
     parser.add_argument("--silent", action="store_true", help="window probes against silent probes")
     args = parser.parse_args()
     ms = [float(v) for v in args.ms.split(",")]
+    n = args.requests
+
+    def silent(h: list[float], b: tuple[float, float] | None, seed: int, c: int) -> tuple[float, float]:
+        return request(h, b, ms, seed, silent=c == 1)
+
+    def depth(h: list[float], b: tuple[float, float] | None, seed: int, c: int) -> tuple[float, float]:
+        return after_other_text(h, b, ms, seed, adaptive=c == 0)
+
+    def floor(h: list[float], b: tuple[float, float] | None, seed: int, c: int) -> tuple[float, float]:
+        with every_proposal() if c == 1 else nullcontext():
+            return request(h, b, ms, seed)
+
     if args.silent:
-        silent_table(ms, args.requests)
-        return
-    if args.depth:
-        depth_table(ms, args.requests)
-        return
-    print("| chances | first proposal: tok/ms, paused | every proposal: tok/ms, paused | no drafting |")
-    print("| --- | ---: | ---: | ---: |")
-    for name, (holds, bursts) in CASES.items():
-        row = []
-        for variant in ("first", "every"):
-            with every_proposal() if variant == "every" else nullcontext():
-                runs = [request(holds, bursts, ms, seed) for seed in range(args.requests)]
-            rate = sum(r for r, _ in runs) / len(runs)
-            paused = sum(p for _, p in runs) / len(runs)
-            row.append(f"{rate:.3f}, {paused:.0%}")
-        print(f"| {name} | {row[0]} | {row[1]} | {1 / ms[0]:.3f} |")
+        table("chances", ["window probes", "silent probes"], SILENT_CASES, silent, ms, n)
+    elif args.depth:
+        table("chances of proposals 1 / 2 / 3", ["adaptive depth", "full depth"], DEPTH_CASES, depth, ms, n)
+    else:
+        table("chances", ["first proposal", "every proposal"], CASES, floor, ms, n)
 
 
 if __name__ == "__main__":
