@@ -112,6 +112,12 @@ def test_silent_probes_read_the_proposal_for_the_next_token_and_keep_the_greedy_
     assert all(w.rows == 1 for w in decode)  # no probe window
     assert len(outcomes) >= len(decode) // (SILENT_PROBE_EVERY + 1) - 1 >= 10
     assert sum(outcomes) > 0.6 * len(outcomes)
+    probes, held = eng.totals["silent_probes"], eng.totals["silent_probes_held"]
+    assert (probes, held) == (len(outcomes), sum(outcomes))
+    assert f"({probes} silent probes, {held} held)" in eng.summary()
+    metrics = "\n".join(engine_lines(eng.stats()))
+    assert f"strata_silent_probes_total {probes}" in metrics
+    assert f"strata_silent_probes_held_total {held}" in metrics
     outcomes.clear()
     poor = make_plan(stages=1, slots=1, draft_tokens=3, context=256, adaptive_depth=False, layer_scale=0.5)
     (poor_text,) = collect(Engine(poor), [(0, request)])

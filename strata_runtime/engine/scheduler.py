@@ -1027,8 +1027,9 @@ class Engine:
             if slot.shadow is None:
                 continue
             if ev.token_ids:  # none: the request ended before it (a stop), and the probe with it
-                proposal = self.executor.read_proposal(slot.shadow)
-                slot.gauge.record(1, int(ev.token_ids[0] == proposal), silent=True)
+                held = ev.token_ids[0] == self.executor.read_proposal(slot.shadow)
+                slot.gauge.record(1, int(held), silent=True)
+                self.window_stats.silent_probe(held)
             slot.shadow = None
         if job.kind != "solo" or not job.paused or self.model.mtp is None:
             return

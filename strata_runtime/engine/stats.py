@@ -56,6 +56,8 @@ class WindowStats:
             "discarded_rows": 0,
             "decided_on_device": 0,
             "drafting_paused": 0,
+            "silent_probes": 0,
+            "silent_probes_held": 0,
         }
 
     @property
@@ -98,6 +100,12 @@ class WindowStats:
         each[1] += window.ms
         each[2] += window.tokens
 
+    def silent_probe(self, held: bool) -> None:
+        """Count a silent probe (`strata_runtime.engine.speculative.DraftGauge.silent`) and whether its
+        proposal held."""
+        self.counts["silent_probes"] += 1
+        self.counts["silent_probes_held"] += held
+
     def last(self, n: int) -> list[dict[str, Any]]:
         """The last ``n`` windows as JSON-ready dictionaries."""
         return [asdict(w) for w in list(self.recent)[-n:]]
@@ -120,6 +128,8 @@ class WindowStats:
             line += f", {t['decided_on_device']} speculative windows decided on the device"
         if t["drafting_paused"]:
             line += f", {t['drafting_paused']} windows without proposals while drafting paused"
+        if t["silent_probes"]:
+            line += f" ({t['silent_probes']} silent probes, {t['silent_probes_held']} held)"
         by = t["solo_by_proposals"]
         if len(by) > 1:
             line += ", solo windows by proposals " + ", ".join(f"{d}: {by[d]}" for d in sorted(by, key=int))

@@ -78,6 +78,17 @@ TOTALS: dict[str, tuple[str, str, float]] = {
         "or because windows without them gave more tokens per second (spec.adaptive_depth).",
         1,
     ),
+    "silent_probes": (
+        "strata_silent_probes_total",
+        "Silent probes of paused plain greedy requests: the drafting head's proposal for the next token, "
+        "checked against the token the next window gave.",
+        1,
+    ),
+    "silent_probes_held": (
+        "strata_silent_probes_held_total",
+        "Silent probes whose proposal equalled the next token.",
+        1,
+    ),
 }
 """Engine counters, exported under stable names."""
 
