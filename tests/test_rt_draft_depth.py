@@ -336,6 +336,7 @@ def test_the_status_says_how_each_slot_drafts(monkeypatch) -> None:
     assert len(d["holds"]) == 3 and all(0 <= h <= 1 for h in d["holds"]) and d["holds"][0] > 0.5
     gauge = eng.slots[0].gauge
     assert d["solo_depth"] == gauge.depth(3) == 1 and not d["paused"]
+    assert d["silent_probes"]  # a plain greedy request
     plain = Engine(make_plan(context=256))  # no drafter: nothing to say
     plain.submit(Request(PROMPT, 50))
     for _ in range(5):

@@ -528,8 +528,8 @@ class Engine:
     def _drafting_state(self, s: Slot) -> dict[str, Any]:
         """Why the slot drafts as it does: how often its windows' first proposal held, as the floor reads
         it (1 until `DRAFT_WARMUP` proposals were seen), each proposal position's chance of holding, the
-        depth its next window alone would draft, and whether that depth adapts to the measured window
-        times."""
+        depth its next window alone would draft, whether that depth adapts to the measured window
+        times, and whether it probes silently while paused."""
         g = s.gauge
         room = min(self.depth, self._room(s))
         depth = g.depth(room)
@@ -540,6 +540,7 @@ class Engine:
             "solo_depth": depth,
             "paused": room > 0 and depth == 0,
             "adaptive": g.costs is not None,
+            "silent_probes": g.silent,
         }
 
     # ---- admission and release ---------------------------------------------------------------------
