@@ -92,7 +92,7 @@ class DraftGauge:
     keep no proposals, but every `SILENT_PROBE_EVERY` of them the drafting head catches up and proposes the
     slot's next token, which the next window's token then confirms or not (`record` with ``silent``). A
     failed probe then costs the head's catch-up beside the next window, not a window of two rows and the host
-    drafting before it, so it comes at a fixed interval and drafting resumes within a few windows of the
+    drafting before it, so it comes at a fixed interval and drafting may resume within a few windows of the
     text turning predictable.
 
     **How deep** (``costs``: the engine's `WindowCosts`, with ``spec.adaptive_depth``). For each proposal
