@@ -232,3 +232,16 @@ def test_a_streams_longest_gap_is_its_longest_wait_between_two_chunks_after_the_
     http_workloads._stream(FakeClient(), {}, time.perf_counter(), out, None)  # type: ignore[arg-type]
     assert out.error is None and out.tokens == len(waits)
     assert out.longest_gap is not None and 0.15 <= out.longest_gap < 0.25
+
+
+def test_windows_with_url_is_refused_and_says_where_a_servers_windows_are(tmp_path) -> None:
+    """--windows lists the windows of arms run in process: with --url it is a usage error naming
+    /v1/status, where a launched engine lists its last windows."""
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-m", "strata_cfg", "bench", "--url", "http://127.0.0.1:9"]
+    out = subprocess.run([*argv, "--windows", str(tmp_path / "w.jsonl")], capture_output=True, text=True)
+    assert out.returncode == 2, out.stderr
+    assert "--windows lists the windows of arms run in process, not over --url" in out.stderr
+    assert "/v1/status" in out.stderr and not (tmp_path / "w.jsonl").exists()

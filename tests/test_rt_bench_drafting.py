@@ -179,6 +179,11 @@ def test_the_bench_writes_every_window_of_every_repeat_with_windows(tmp_path) ->
         mine = [w for w in lines if w["arm"] == arm and w["repeat"] == slow["repeat"]]
         assert slow["ms"] == max(w["ms"] for w in mine if w["window"] != "prefill")
     assert sum(w["proposals"] for w in lines) > 0
+    # A path that cannot be written is refused before anything runs, naming the path and why.
+    missing = tmp_path / "no-such-dir" / "w.jsonl"
+    refused = subprocess.run([*argv[:-2], "--windows", str(missing)], capture_output=True, text=True)
+    assert refused.returncode != 0 and f"--windows {missing}: No such file or directory" in refused.stderr
+    assert "repeat 1" not in refused.stderr  # no repeat ran
     step = [sys.executable, "-m", "strata_cfg", "bench", str(profile), "--workload", "step"]
     refused = subprocess.run([*step, "--windows", str(tmp_path / "w")], capture_output=True, text=True)
     assert refused.returncode != 0 and "--windows lists the windows of arms run in process" in refused.stderr
