@@ -113,10 +113,10 @@ def test_qk_norm_rope_kv_and_attention_match_the_reference(gpu, n_q, n_kv, d):
     assert rel_err(kc_d.get(), kc) < 1e-3
     assert rel_err(vc_d.get(), vc) < 1e-3
 
-    from strata_runtime.cuda.ops import attention_scratch_size
+    from strata_runtime.cuda.ops import attention_counters, attention_scratch_size
 
     scratch = cp.full(attention_scratch_size(rows, n_q, n_kv, d, t), cp.nan, cp.float32)
-    done = cp.zeros((rows, n_kv), cp.int32)
+    done = cp.zeros((rows, attention_counters(n_kv, t)), cp.int32)
     out = np.empty((rows, n_q * d), np.float32)
     ref.attention(q, kc_d.get(), vc_d.get(), pos, slot, out)
     firsts = []
@@ -132,7 +132,7 @@ def test_qk_norm_rope_kv_and_attention_match_the_reference(gpu, n_q, n_kv, d):
 def test_attention_merges_hundreds_of_chunks(gpu):
     """Past about 16k positions the merge reads the chunks' statistics from global memory instead of shared
     memory; both must agree with the reference."""
-    from strata_runtime.cuda.ops import attention_scratch_size
+    from strata_runtime.cuda.ops import attention_counters, attention_scratch_size
 
     cp, kern, ref = gpu
     g = rng()
@@ -142,7 +142,7 @@ def test_attention_merges_hundreds_of_chunks(gpu):
     kc, vc = half(g.standard_normal((slots, n_kv, t, d))), half(g.standard_normal((slots, n_kv, t, d)))
     out_d = cp.full((3, n_q * d), cp.nan, cp.float32)
     scratch = cp.full(attention_scratch_size(3, n_q, n_kv, d, t), cp.nan, cp.float32)
-    done = cp.zeros((3, n_kv), cp.int32)
+    done = cp.zeros((3, attention_counters(n_kv, t)), cp.int32)
     args = (cp.asarray(q), cp.asarray(kc), cp.asarray(vc), cp.asarray(pos), cp.asarray(slot))
     kern.attention(*args, out_d, scratch, done)
     out = np.empty((3, n_q * d), np.float32)
@@ -151,18 +151,28 @@ def test_attention_merges_hundreds_of_chunks(gpu):
 
 
 @pytest.mark.parametrize(
-    ("n_q", "n_kv", "d"), [(32, 4, 128), (8, 2, 32), (16, 2, 64), (8, 2, 256), (64, 4, 128)]
+    ("n_q", "n_kv", "d", "t"),
+    [
+        (32, 4, 128, 700),
+        (8, 2, 32, 700),
+        (16, 2, 64, 700),
+        (8, 2, 256, 700),
+        (64, 4, 128, 700),
+        (32, 4, 128, 2500),  # rows past 16 chunks merge them in groups, then the groups
+        (8, 2, 32, 2500),
+    ],
 )
-def test_attention_row_is_the_same_in_every_window(gpu, n_q, n_kv, d):
+def test_attention_row_is_the_same_in_every_window(gpu, n_q, n_kv, d, t):
     """Windows of 1-2 rows take 256-thread blocks and larger windows 128 (`attention_shape`): a row's output
-    must be the same bit for bit alone, in a 2-row window and in a 5-row window."""
-    from strata_runtime.cuda.ops import attention_scratch_size, attention_shape
+    must be the same bit for bit alone, in a 2-row window and in a 5-row window, whether its chunks merge
+    at once or in groups."""
+    from strata_runtime.cuda.ops import attention_counters, attention_scratch_size, attention_shape
 
     cp, kern, _ = gpu
     g = rng()
-    slots, t, rows = 5, 700, 5
+    slots, rows = 5, 5
     assert attention_shape(d, n_q // n_kv, 1)[1] == attention_shape(d, n_q // n_kv, rows)[1]
-    pos = np.array([699, 64, 63, 300, 1], np.int32)
+    pos = np.array([t - 1, 64, 63, 300, 1] if t <= 1024 else [t - 1, 1024, 1023, 2047, 1100], np.int32)
     slot = np.arange(rows, dtype=np.int32)
     q = cp.asarray(g.standard_normal((rows, n_q, d)).astype(np.float32))
     kc = cp.asarray(half(g.standard_normal((slots, n_kv, t, d))))
@@ -172,7 +182,7 @@ def test_attention_row_is_the_same_in_every_window(gpu, n_q, n_kv, d):
         r = len(sel)
         out = cp.full((r, n_q * d), cp.nan, cp.float32)
         scratch = cp.full(attention_scratch_size(r, n_q, n_kv, d, t), cp.nan, cp.float32)
-        done = cp.zeros((r, n_kv), cp.int32)
+        done = cp.zeros((r, attention_counters(n_kv, t)), cp.int32)
         kern.attention(q[sel], kc, vc, cp.asarray(pos[sel]), cp.asarray(slot[sel]), out, scratch, done)
         return out.get()
 

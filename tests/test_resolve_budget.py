@@ -8,6 +8,7 @@ import pytest
 from cfg_fixtures import FIXTURES, PROFILES, RULES_DIR, plan_of
 
 from strata_cfg.resolve import layer_split, sizes
+from strata_cfg.schema.windows import decode_attention_counters
 from strata_runtime.model import Model
 
 CASES = {
@@ -152,6 +153,10 @@ def test_the_workspace_by_part_adds_up_and_its_decode_windows_grow_with_the_cont
             "logits" in g.budget.workspace_parts for g in firsts
         )
     grown = 3 * sizes.decode_attention_scratch_bytes(m, context=short.memory.context, rows=8)
+    # Attention's counters, in each of the 36 rows of a set's windows (1 + 2 + ... + 8), grow too.
+    nkv, contexts = m.num_key_value_heads, (short.memory.context, long.memory.context)
+    counters = [decode_attention_counters(nkv, c) for c in contexts]
+    grown += 36 * 4 * (counters[1] - counters[0])
     assert (
         long.gpus[0].budget.workspace_parts["windows"] - short.gpus[0].budget.workspace_parts["windows"]
         == grown

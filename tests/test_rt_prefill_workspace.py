@@ -199,14 +199,15 @@ def test_the_30b_shapes_prefill_row_on_a_gpu():
     kw: dict[str, Any] = dict(context=ctx, prefill_rows=rows, stores_scores=False, slots=2, gpu=True)
     alone = sizes.workspace_bytes(m, last=True, **kw)
     # A decode window's row: positions and slots; residual, MLP output, the head's rows and the gate; q/k/v,
-    # q and attention's output; attention's counters; router logits, routing, the experts' activations; and
-    # the (absent) dense MLP's three floats. The scratch the sizes share: 8 rows of 32 heads x 128 chunks.
-    row = 2 * 4 + 4 * (4 * h + 1) + 4 * (q + 2 * kv + 2 * q) + 4 * 4 + 4 * e + 4 * 2 * k + 4 * k * i + 4 * 3
-    assert sizes.decode_window_row_bytes(m) == sizes.decode_window_row_bytes(m, mtp=True) == row == 111_208
+    # q and attention's output; router logits, routing, the experts' activations; and the (absent) dense
+    # MLP's three floats. The scratch the sizes share: 8 rows of 32 heads x 128 chunks. Attention's counters
+    # a row: for each of the 4 KV heads, the row's merge and one per 16 chunks (8 groups, 32 at 4 x ctx).
+    row = 2 * 4 + 4 * (4 * h + 1) + 4 * (q + 2 * kv + 2 * q) + 4 * e + 4 * 2 * k + 4 * k * i + 4 * 3
+    assert sizes.decode_window_row_bytes(m) == sizes.decode_window_row_bytes(m, mtp=True) == row == 111_192
     scratch = 4 * 8 * 32 * (ctx // 64) * (128 + 2)
-    windows = 36 * row + 8 * 4 * (32 + 8) + scratch
+    windows = 36 * (row + 4 * 4 * (1 + 8)) + 8 * 4 * (32 + 8) + scratch
     assert sizes.decode_window_bytes(m, context=ctx) == windows  # about 20 MiB
-    assert sizes.decode_window_bytes(m, context=4 * ctx) == windows + 3 * scratch
+    assert sizes.decode_window_bytes(m, context=4 * ctx) == windows + 3 * scratch + 36 * 4 * 4 * 24
     assert alone == stage + head + windows + sizes.GPU_POOL_HEADROOM  # the measured, unexplained pool use
     drafting = sizes.workspace_bytes(m, last=True, mtp=True, **kw)
     mtp = sizes.prefill_temp_bytes(m, rows, mtp=True) + rows * (3 * 2 * h + 2 * 4 * h)
@@ -264,14 +265,16 @@ def test_every_decode_window_holds_what_the_plan_counts(live_gpu):
 
 
 def test_decode_attention_blocks_read_the_chunk_the_plan_sizes_scratch_by():
-    """The kernel's ATTN_CHUNK (positions a decode attention block reads) is the chunk the plan sizes each
-    window's scratch by."""
+    """The kernel's ATTN_CHUNK (positions a decode attention chunk reads) and ATTN_MERGE_GROUP (chunks a
+    merge takes together) are what the plan sizes each window's scratch and counters by."""
     import re
     from pathlib import Path
 
     import strata_runtime.cuda as cuda_pkg
-    from strata_cfg.schema.windows import DECODE_ATTENTION_CHUNK
+    from strata_cfg.schema.windows import DECODE_ATTENTION_CHUNK, DECODE_ATTENTION_MERGE_GROUP
 
     src = (Path(cuda_pkg.__file__).parent / "kernels.cu").read_text()
     [chunk] = re.findall(r"constexpr int ATTN_CHUNK = (\d+);", src)
+    [group] = re.findall(r"constexpr int ATTN_MERGE_GROUP = (\d+);", src)
     assert int(chunk) == DECODE_ATTENTION_CHUNK
+    assert int(group) == DECODE_ATTENTION_MERGE_GROUP

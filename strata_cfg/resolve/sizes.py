@@ -19,6 +19,7 @@ from ..schema.windows import (
     MAX_WINDOW_ROWS,
     PREFILL_EXPERT_TILE_ROWS,
     attention_tile_rows,
+    decode_attention_counters,
     decode_attention_scratch_floats,
     prefill_graph_sizes,
 )
@@ -197,14 +198,14 @@ def decode_window_row_bytes(model: ModelFacts, *, mtp: bool = False) -> int:
     (`decode_attention_scratch_bytes`).
 
     i x 2: position and slot. f x (4H + 1): residual, MLP output, the MTP head's embedding and output rows,
-    and the shared-expert gate's one value. f x (Q + 2K + 2Q): q/k/v, q and the attention output; i x nkv:
-    attention's counters. f x E: router logits; f x 2k + f x kI: the routing and each chosen expert's
-    activation. f x 3 max(Id, Is, 1): the dense MLP's or shared expert's gate/up and activation (with
-    ``mtp``, the MTP head's layer's)."""
+    and the shared-expert gate's one value. f x (Q + 2K + 2Q): q/k/v, q and the attention output
+    (attention's counters grow with the context: `decode_window_bytes`). f x E: router logits; f x 2k + f x
+    kI: the routing and each chosen expert's activation. f x 3 max(Id, Is, 1): the dense MLP's or shared
+    expert's gate/up and activation (with ``mtp``, the MTP head's layer's)."""
     h, hd = model.hidden_size, model.head_dim
     q, kv = model.num_attention_heads * hd, model.num_key_value_heads * hd
     k = max(model.num_experts_per_tok, 1)
-    n = 2 * I32 + F32 * (4 * h + 1) + F32 * (q + 2 * kv + 2 * q) + I32 * model.num_key_value_heads
+    n = 2 * I32 + F32 * (4 * h + 1) + F32 * (q + 2 * kv + 2 * q)
     n += F32 * max(model.num_experts, 1) + F32 * 2 * k + F32 * k * max(model.moe_intermediate_size, 1)
     return n + F32 * 3 * max(_mlp_width(model, mtp=mtp), 1)
 
@@ -220,10 +221,13 @@ def decode_window_bytes(model: ModelFacts, *, context: int, mtp: bool = False) -
     layers, or with ``mtp`` through the MTP head's: a window of each size from 1 to R rows keeps its own
     buffers (its CUDA graph replays on their addresses), and all of them share one attention scratch of R
     rows, since a set's windows run one at a time on one stream. Plus the fused q/k/v kernel's counters
-    (i x (nh + 2 nkv)) for each size."""
+    (i x (nh + 2 nkv)) for each size, and attention's for each row (`decode_attention_counters`: one a KV
+    head, and one a KV head for each group of chunks its merge takes, which grow with the context)."""
     sizes = range(1, MAX_WINDOW_ROWS + 1)
     counters = I32 * (model.num_attention_heads + 2 * model.num_key_value_heads)
-    n = sum(rows * decode_window_row_bytes(model, mtp=mtp) + counters for rows in sizes)
+    row = decode_window_row_bytes(model, mtp=mtp)
+    row += I32 * decode_attention_counters(model.num_key_value_heads, context)
+    n = sum(rows * row + counters for rows in sizes)
     return n + decode_attention_scratch_bytes(model, context=context, rows=MAX_WINDOW_ROWS)
 
 

@@ -32,6 +32,18 @@ def decode_attention_scratch_floats(rows: int, heads: int, head_dim: int, contex
     return rows * heads * -(-context // DECODE_ATTENTION_CHUNK) * (head_dim + 2)
 
 
+DECODE_ATTENTION_MERGE_GROUP = 16
+"""Chunks of decode attention merged together (the CUDA kernel's ``ATTN_MERGE_GROUP``): a row whose position
+spans more chunks merges them in groups of this many, then the groups."""
+
+
+def decode_attention_counters(kv_heads: int, context: int) -> int:
+    """Int32 counters decode attention keeps per row: for each KV head, one for the row's merge and one per
+    `DECODE_ATTENTION_MERGE_GROUP` chunks of the context."""
+    chunks = -(-context // DECODE_ATTENTION_CHUNK)
+    return kv_heads * (1 + -(-chunks // DECODE_ATTENTION_MERGE_GROUP))
+
+
 PROMPT_GRAPH_MAX = 64
 """A prompt chunk on a GPU runs as 8-row decode graph windows when it has at most
 ``memory.prompt_graph_rows`` rows, which is at most this many; longer chunks take the prefill path."""

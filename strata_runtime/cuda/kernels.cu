@@ -697,17 +697,126 @@ __global__ void __launch_bounds__(256) qk_norm_rope_split(const float* __restric
 // ---- decode attention (split over position chunks, one kernel) ----------------------------------------
 // Block (r, kv head, chunk c) of B threads handles positions [c*C, c*C + C) of slot[r] for the G query
 // heads of that KV head: an unnormalised partial result with its max and sum (flash-decoding). Splitting
-// positions over blocks keeps the GPU busy for a handful of rows. The last block of (r, kv head) to finish
-// (a counter in `done`, which that block sets back to zero) merges the row's live chunks, so one kernel does
-// what a partial and a combine kernel did, without the second launch and its wait.
+// positions over blocks keeps the GPU busy for a handful of rows. The partials are merged in the same
+// kernel, by the blocks that finish last (a counter per merge, which that block sets back to zero), so one
+// kernel does what a partial and a combine kernel did, without the second launch and its wait:
+// * a row of at most ATTN_MERGE_GROUP live chunks: the last of its blocks to finish merges them all;
+// * a longer row: the chunks are merged in groups of ATTN_MERGE_GROUP consecutive chunks, each by the last
+//   of its group to finish, into one partial of the same form (kept in the scratch of the group's first
+//   chunk), and the last group to finish merges the groups. A merge thus reads at most a few dozen partials,
+//   not one per 64 positions of a 32k context, and the groups merge in parallel.
+// The grouping depends only on the row's position, so a row's result does not depend on the window.
 // A block's time is the length of its threads' chains of dependent arithmetic (all G heads over C
 // positions), so a window of one or two rows takes B = 256, and more rows, whose blocks fill the GPU, take
 // B = 128. Both sum in one order, fixed by W "canonical" warps (the partial sums of a B = 32 W block): with
 // B = 128 and W = 8 a thread does the work of two threads of the 256-thread block, one after the other, so
 // a row's result is the same bit for bit whichever B its window took. (W = 4 at head dim 16, and where the
 // shared memory of 8 warps' sums does not fit: those shapes run at 128 threads only.)
-// Scratch layout: acc [R, NKV, NC, G, D], ml [R, NKV, NC, G, 2]; done [R, NKV] int, zero between launches.
+// Scratch layout: acc [R, NKV, NC, G, D], ml [R, NKV, NC, G, 2]; done [R, NKV, 1 + ceil(NC / ATTN_MERGE_GROUP)]
+// int (the row's merge, then each group's), zero between launches.
 constexpr int ATTN_CHUNK = 64;
+constexpr int ATTN_MERGE_GROUP = 16;
+
+// Merge `count` partials of one (row, KV head), at chunk slots first, first + stride, ... of acc [NC, G, D] and
+// ml [NC, G, 2] (read through L2: other blocks wrote them), in that order: M = max m, L = sum l e^(m - M), and
+// per element sum acc e^(m - M), each term divided by L when FINAL (into out [G D]), else kept as a partial of
+// the same form in slot `first` (acc, then M and L). Block-wide; `red` is shared memory of CAP + 2 G floats.
+template <int G, int D, int B, bool FINAL>
+__device__ __forceinline__ void attn_merge(float* acc, float* ml, int first, int stride, int count, float* red,
+                                           int cap, float* __restrict__ out) {
+  constexpr int PER = (G * D + B - 1) / B;  // elements per thread
+  // Partials are loaded MC at a time (32 registers a thread), so the merge waits on one round trip to L2 per
+  // MC of them; the first MC go out before the statistics below.
+  constexpr int MC = PER >= 32 ? 1 : 32 / PER;
+  const int tid = threadIdx.x;
+  float* stat = red + cap;  // [G, 2]: each head's M and total
+  float v[MC][PER];
+#pragma unroll
+  for (int cc = 0; cc < MC; ++cc)
+#pragma unroll
+    for (int c = 0; c < PER; ++c)
+      v[cc][c] = cc < count && c * B + tid < G * D
+                     ? __ldcg(acc + (size_t)(first + cc * stride) * G * D + c * B + tid)
+                     : 0.f;
+  // The partials' maxima and totals [count, G, 2], staged in shared memory when they fit (up to cap / 2G
+  // partials), else read through L2 where they lie.
+  const bool staged = count * G * 2 <= cap;
+  if (staged)
+    for (int i = tid; i < count * G * 2; i += B) {
+      const int cc = i / (G * 2), j = i % (G * 2);
+      red[i] = __ldcg(ml + (size_t)(first + cc * stride) * G * 2 + j);
+    }
+  __syncthreads();
+  auto mlv = [&](int cc, int g, int k) {
+    return staged ? red[(cc * G + g) * 2 + k] : __ldcg(ml + ((size_t)(first + cc * stride) * G + g) * 2 + k);
+  };
+  if (tid < G) {
+    const int g = tid;
+    float m = -STRATA_INF;
+    for (int cc = 0; cc < count; ++cc) m = fmaxf(m, mlv(cc, g, 0));
+    float l = 0.f;
+    for (int cc = 0; cc < count; ++cc) l += mlv(cc, g, 1) * __expf(mlv(cc, g, 0) - m);
+    stat[g * 2] = m;
+    stat[g * 2 + 1] = l;
+  }
+  __syncthreads();
+  float a[PER];
+#pragma unroll
+  for (int c = 0; c < PER; ++c) a[c] = 0.f;
+  for (int c0 = 0; c0 < count; c0 += MC) {
+    if (c0 > 0)
+#pragma unroll
+      for (int cc = 0; cc < MC; ++cc)
+#pragma unroll
+        for (int c = 0; c < PER; ++c)
+          v[cc][c] = c0 + cc < count && c * B + tid < G * D
+                         ? __ldcg(acc + (size_t)(first + (c0 + cc) * stride) * G * D + c * B + tid)
+                         : 0.f;
+#pragma unroll
+    for (int cc = 0; cc < MC; ++cc) {
+      if (c0 + cc >= count) break;
+#pragma unroll
+      for (int c = 0; c < PER; ++c) {
+        const int g = min((c * B + tid) / D, G - 1);
+        const float w = __expf(mlv(c0 + cc, g, 0) - stat[g * 2]);
+        a[c] += v[cc][c] * (FINAL ? w / stat[g * 2 + 1] : w);
+      }
+    }
+  }
+  if (FINAL) {
+#pragma unroll
+    for (int c = 0; c < PER; ++c)
+      if (c * B + tid < G * D) out[c * B + tid] = a[c];
+    return;
+  }
+  // A group's partial into its first chunk's slot: each thread read that slot's elements it now writes, and
+  // the statistics were all read before the barrier above (or, not staged, are read again below: barrier).
+  __syncthreads();
+  float* dst = acc + (size_t)first * G * D;
+#pragma unroll
+  for (int c = 0; c < PER; ++c)
+    if (c * B + tid < G * D) dst[c * B + tid] = a[c];
+  if (tid < G) {
+    float* dml = ml + (size_t)first * G * 2;
+    dml[tid * 2] = stat[tid * 2];
+    dml[tid * 2 + 1] = stat[tid * 2 + 1];
+  }
+}
+
+// The merges of a row longer than ATTN_MERGE_GROUP chunks, for chunk c's block once its partial is written:
+// the last of its group to finish merges the group, and the last group the groups (`attn_merge`). Not
+// inlined, so that the short rows' path keeps its registers and code.
+template <int G, int D, int B, int W>
+__device__ __noinline__ void attn_merge_grouped(float* accr, float* mlr, int c, int live, int* counters,
+                                                float* red, int* last, float* out) {
+  constexpr int CAP = W * G * D - 2 * G;
+  const int grp = c / ATTN_MERGE_GROUP, first = grp * ATTN_MERGE_GROUP;
+  if (!last_to_finish(counters + 1 + grp, min(ATTN_MERGE_GROUP, live - first), last)) return;
+  attn_merge<G, D, B, false>(accr, mlr, first, 1, min(ATTN_MERGE_GROUP, live - first), red, CAP, nullptr);
+  const int groups = (live + ATTN_MERGE_GROUP - 1) / ATTN_MERGE_GROUP;
+  if (last_to_finish(counters, groups, last))
+    attn_merge<G, D, B, true>(accr, mlr, 0, ATTN_MERGE_GROUP, groups, red, CAP, out);
+}
 
 template <int D, int G, int B, int W>
 __global__ void __launch_bounds__(B) attn_split(const float* __restrict__ q, const half* __restrict__ kc,
@@ -850,7 +959,15 @@ __global__ void __launch_bounds__(B) attn_split(const float* __restrict__ q, con
     dst[i] = a;
   }
 
-  if (!last_to_finish(done + r * NKV + kvh, live, &last)) return;
+  const int groups = (NC + ATTN_MERGE_GROUP - 1) / ATTN_MERGE_GROUP;
+  int* const counters = done + ((size_t)r * NKV + kvh) * (1 + groups);  // the row's merge, then each group's
+  if (live > ATTN_MERGE_GROUP) {
+    attn_merge_grouped<G, D, B, W>(part_acc + ((size_t)r * NKV + kvh) * NC * G * D,
+                                   part_ml + ((size_t)r * NKV + kvh) * NC * G * 2, c, live, counters, red, &last,
+                                   out + (size_t)r * NQ * D + (size_t)kvh * G * D);
+    return;
+  }
+  if (!last_to_finish(counters, live, &last)) return;
   // The merge: out[r, (kvh*G + g)*D + d] = sum_c acc_c e^(m_c - M) / sum_c l_c e^(m_c - M), chunks in order.
   // Other blocks' partials are read through L2 (__ldcg).
   const float* mlr = part_ml + ((size_t)r * NKV + kvh) * NC * G * 2;
@@ -865,8 +982,8 @@ __global__ void __launch_bounds__(B) attn_split(const float* __restrict__ q, con
 #pragma unroll
     for (int c = 0; c < PER; ++c)
       early[cc][c] = cc < live && c * B + tid < G * D ? __ldcg(accr + (size_t)cc * G * D + c * B + tid) : 0.f;
-  // The chunks' maxima and totals [live, G, 2] are staged in shared memory when they fit (contexts up to
-  // about 16k positions), and read through L2 beyond.
+  // The chunks' maxima and totals [live, G, 2] are staged in shared memory when they fit, as the at most
+  // ATTN_MERGE_GROUP chunks merged here do at every head shape taken, and read through L2 otherwise.
   constexpr int CAP = W * G * D - 2 * G;
   float* stat = red + CAP;  // [G, 2]: each head's M and total
   const bool staged = live * G * 2 <= CAP;

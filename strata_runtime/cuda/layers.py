@@ -30,6 +30,7 @@ from .ops import (
     ATTENTION_HEAD_DIMS,
     STATIC_SHARED,
     Kernels,
+    attention_counters,
     attention_fits,
     attention_scratch_size,
     attention_shared_bytes,
@@ -153,7 +154,7 @@ class WindowBuffers:
             scratch = xp.zeros(size, f32)
         assert scratch.size >= size and scratch.dtype == f32
         self.scratch = scratch
-        self.attn_done = xp.zeros((rows, k), xp.int32)  # [R, K]: the attention kernel's counters
+        self.attn_done = xp.zeros((rows, attention_counters(k, context)), xp.int32)  # attention's counters
         self.heads_done = xp.zeros(n + 2 * k, xp.int32)  # [N + 2K]: the fused q/k/v kernel's counters
         topk = max(args.num_experts_per_tok, 1)
         self.router = xp.zeros((rows, max(args.num_experts, 1)), f32)  # [R, E]

@@ -19,7 +19,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from strata_cfg.schema.windows import DECODE_ATTENTION_CHUNK, MAX_WINDOW_ROWS, decode_attention_scratch_floats
+from strata_cfg.schema.windows import (
+    DECODE_ATTENTION_CHUNK,
+    MAX_WINDOW_ROWS,
+    decode_attention_counters,
+    decode_attention_scratch_floats,
+)
 
 from ..backend import Array, cupy_module
 from . import pdl
@@ -57,6 +62,12 @@ def attention_scratch_size(rows: int, n_q: int, n_kv: int, head_dim: int, contex
     """fp32 elements of attention scratch for a window of ``rows``: partial sums, maxima and totals
     (`decode_attention_scratch_floats`, which the plan counts too)."""
     return decode_attention_scratch_floats(rows, n_q, head_dim, context)
+
+
+def attention_counters(n_kv: int, context: int) -> int:
+    """int32 counters attention keeps per row (`decode_attention_counters`, which the plan counts too): zero
+    before the first launch, and the kernel leaves them at zero."""
+    return decode_attention_counters(n_kv, context)
 
 
 ATTENTION_WIDE_ROWS = 2
@@ -508,15 +519,20 @@ class Kernels(KernelCache):
     ) -> None:
         """Causal decode attention of each row over positions 0..pos[r] of its slot. out: [R, NQ * D] fp32.
 
-        One kernel: blocks of 64 positions each write a partial result to ``scratch`` (fp32, at least
-        `attention_scratch_size(R, NQ, NKV, D, T)` elements), and the last of a (row, KV head) to finish
-        merges them, counting in ``done`` ([R, NKV] int32, zero before the first launch; the kernel leaves
-        it at zero).
+        One kernel: each chunk of 64 positions writes a partial result to ``scratch`` (fp32, at least
+        `attention_scratch_size(R, NQ, NKV, D, T)` elements), and the blocks that finish last merge them (in
+        groups of `DECODE_ATTENTION_MERGE_GROUP` chunks, then the groups, for a long row), counting in
+        ``done`` ([R, `attention_counters`] int32, zero before the first launch; the kernel leaves it at
+        zero).
         """
         rows, n_q, d = q.shape
         _, n_kv, t, _ = k_cache.shape
         g = n_q // n_kv
         nc = math.ceil(t / ATTN_CHUNK)
+        if done.size < rows * attention_counters(n_kv, t):
+            raise ValueError(
+                f"attention needs {attention_counters(n_kv, t)} counters a row, got {done.shape}"
+            )
         acc = scratch[: rows * n_kv * nc * g * d]
         ml = scratch[rows * n_kv * nc * g * d : rows * n_kv * nc * g * (d + 2)]
         b, w = attention_shape(d, g, rows)
