@@ -25,6 +25,8 @@ from ..schema.workloads import (
     GENERATING,
     PROMPTS,
     delivery_gaps,
+    depth_problem,
+    depth_prompt,
     gap_figures_ms,
     gap_text,
     generation_rate,
@@ -140,6 +142,7 @@ def http_run(
     api_key: str | None,
     sampling: dict[str, float] | None = None,
     prompt_tokens: int = 0,
+    depth: int = 0,
     seed: int = 0,
     seeded: bool = True,
     windows: bool = True,
@@ -149,6 +152,7 @@ def http_run(
     decoding requests' temperature, top_p, top_k and penalties (each request seeded by its index when it
     samples, unless ``seeded`` is False); greedy without.
     ``prompt`` sends one prompt of ``prompt_tokens`` ids (`prompt_ids` with ``seed``) for one greedy token.
+    With ``depth`` each decoding request's prompt is `depth_prompt`'s ids instead of a short text.
     ``windows``: the server is a strata engine, whose window statistics come from its ``/v1/status``
     (without, the figures leave them out)."""
     model = served_model(url, api_key)
@@ -172,7 +176,7 @@ def http_run(
     before = _totals(url, api_key) if windows else {}
     t0 = time.perf_counter()
     for i in range(n):
-        send(PROMPTS[i % len(PROMPTS)], tokens, progress)
+        send(list(depth_prompt(depth, vocab, i)) if depth else PROMPTS[i % len(PROMPTS)], tokens, progress)
     if workload == "prompt":
         # The one generated token only marks the end of the read: greedy.
         send(list(prompt_ids(prompt_tokens, vocab, seed)), 1, None, greedy=True)
@@ -265,6 +269,7 @@ def bench_urls(
     api_key: str | None = None,
     sampling: dict[str, float] | None = None,
     prompt_tokens: int = 4096,
+    depth: int = 0,
     seeded: bool = True,
     ignore_eos: bool = False,
     on_run: Callable[[str, str, int, dict[str, float]], None] | None = None,
@@ -273,11 +278,13 @@ def bench_urls(
     case on every server in turn. Medians over ``repeats`` runs per server and case, and for each server
     after the first its rate over the first's (``ratio`` and its bootstrap ``ratio_ci95``). ``sampling``,
     ``seeded`` and ``ignore_eos`` as `http_run` takes them; ``prompt_tokens``: the ``prompt`` workload's
-    length, a fresh prompt each run. ``on_run(name, case, repeat, figures)`` is called after each run, as
+    length, a fresh prompt each run; ``depth``: the decoding requests' prompt length (`depth_prompt`; 0: the
+    short text prompts). ``on_run(name, case, repeat, figures)`` is called after each run, as
     the in-process harness's is (the command prints a progress line).
 
-    Raises ValueError for a prompt longer than a strata engine's context, and for ``read-beside-decode``
-    without a strata engine among the servers (its long prompt is sized by the engine's context)."""
+    Raises ValueError for a prompt (or a depth and its tokens) longer than a strata engine's context, and
+    for ``read-beside-decode`` without a strata engine among the servers (its long prompt is sized by the
+    engine's context)."""
     targets = [Target(name, url, engine_status(url, api_key)) for name, url in urls.items()]
     contexts = [t.context for t in targets if t.context is not None]
     vocabs = [t.vocab for t in targets if t.vocab is not None]
@@ -285,7 +292,9 @@ def bench_urls(
     vocab = 256 if any(t.status is None for t in targets) else min(vocabs)
     if context is not None:
         problem = prompt_context_problem(prompt_tokens, context, launched=True)
-        if workload == "prompt" and problem:
+        if workload != "prompt":
+            problem = depth_problem(workload, depth, tokens, context, launched=True)
+        if problem:
             raise ValueError(problem)
     elif workload == "read-beside-decode":
         raise ValueError(
@@ -307,6 +316,7 @@ def bench_urls(
                     api_key=api_key,
                     sampling=sampling,
                     prompt_tokens=prompt_tokens,
+                    depth=depth,
                     seed=repeat,
                     seeded=seeded,
                     windows=t.status is not None,
@@ -337,6 +347,7 @@ def bench_urls(
     return {
         "workload": workload,
         "tokens": 1 if workload == "prompt" else tokens,
+        **({"depth": depth} if depth else {}),
         "repeats": repeats,
         "base": base,
         "arms": arms,
@@ -383,6 +394,8 @@ def bench_lines(result: dict[str, Any]) -> list[str]:
     """The table of a `bench_url` or `bench_urls` result."""
     workload, repeats = result["workload"], result["repeats"]
     what = "one prompt per run" if workload == "prompt" else f"{result['tokens']} tokens per request"
+    if result.get("depth"):
+        what += f", each after a prompt of {result['depth']} tokens"
     figures = f"{'tok/s':>9} {'ms/win':>8} {'rows/win':>8} {'accept':>7}"
     header = f"{'case':<20} {figures}"
     if "arms" not in result:

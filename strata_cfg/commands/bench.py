@@ -38,6 +38,7 @@ from ..schema.workloads import (
     PEERS,
     WORKLOADS,
     bench_option_problem,
+    depth_problem,
     prompt_context_problem,
 )
 from ._common import (
@@ -76,6 +77,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=4096,
         help="prompt: the prompt's length; it and one generated token must fit memory.context (default 4096)",
+    )
+    parser.add_argument(
+        "--depth",
+        type=int,
+        default=0,
+        metavar="N",
+        help="solo, two-decodes and clients: each decoding request first reads a prompt of N fresh token "
+        "ids, so its tokens decode from KV N positions deep, as llama-bench's -d N (and the llama.cpp peer "
+        "runs so); step: the rows' KV position (default 0: the short prompts, and position 300 for step)",
     )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     add_sampling_arguments(parser, seeded="its index")
@@ -181,6 +191,7 @@ def run_url(args: argparse.Namespace) -> int:
             api_key=key,
             sampling=sampling_options(args),
             prompt_tokens=args.prompt_tokens,
+            depth=args.depth,
             seeded=not args.unseeded,
             ignore_eos=args.ignore_eos,
             on_run=progress,
@@ -223,7 +234,7 @@ def usage_problem(args: argparse.Namespace) -> str | None:
         if not args.url:
             where = f"of --workload {args.workload}, which runs no requests"
         return f"--windows lists the windows of arms run in process, not {where}"
-    problem = bench_option_problem(args)
+    problem = bench_option_problem(args) or depth_problem(args.workload, args.depth, args.tokens, None)
     if problem:
         return problem
     if (args.temperature > 0 or args.presence_penalty or args.frequency_penalty) and args.peer:
@@ -310,8 +321,10 @@ def run(args: argparse.Namespace) -> int:
                 print(f"  {p}", file=sys.stderr)
             continue
         problem = prompt_context_problem(args.prompt_tokens, plan.memory.context)
-        if args.workload == "prompt" and problem:
-            print(f"strata bench: {problem}", file=sys.stderr)
+        if args.workload != "prompt":
+            problem = depth_problem(args.workload, args.depth, args.tokens, plan.memory.context)
+        if problem:
+            print(f"strata bench: arm {name}: {problem}", file=sys.stderr)
             return EXIT_USAGE
         path = write_plan(plan, run_dir / f"{name}.json")
         argv += ["--arm", f"{name}={path}"]
@@ -338,6 +351,8 @@ def bench_argv(args: argparse.Namespace) -> list[str]:
     argv = runtime_argv("bench", "--workload", args.workload)
     argv += ["--repeats", str(args.repeats), "--tokens", str(args.tokens)]
     argv += ["--prompt-tokens", str(args.prompt_tokens)]
+    if args.depth:
+        argv += ["--position" if args.workload == "step" else "--depth", str(args.depth)]
     argv += ["--temperature", repr(args.temperature), "--top-p", repr(args.top_p), "--top-k", str(args.top_k)]
     argv += [
         "--presence-penalty",
@@ -357,6 +372,10 @@ def run_plan(args: argparse.Namespace) -> int:
         plan = resolve_args(args).plan
     except ProfileError as exc:
         return refused(exc)
+    problem = depth_problem(args.workload, args.depth, args.tokens, plan.memory.context)
+    if problem:
+        print(f"strata bench: {problem}", file=sys.stderr)
+        return EXIT_USAGE
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="strata-bench-"))
     path = write_plan(plan, run_dir / "profile.json")
     return subprocess.run([*bench_argv(args), "--arm", f"profile={path}"], check=False).returncode

@@ -61,6 +61,45 @@ def prompt_ids(length: int, vocab: int, seed: int) -> tuple[int, ...]:
     return tuple(rng.randrange(1, vocab) for _ in range(length))
 
 
+DEPTH_WORKLOADS = ("two-decodes", "clients", "solo", "step")
+"""Workloads that decode at ``--depth``: their decoding requests read a prompt of that many fresh token ids
+first (`depth_prompt`), so they decode from KV that deep, as llama-bench's ``-d`` does; ``step`` puts its
+rows' KV at that position."""
+DEPTH_SEED = 10_000
+"""Seeds of `depth_prompt`: request i's is ``DEPTH_SEED + i``, apart from the ``prompt`` workload's."""
+
+
+def depth_prompt(depth: int, vocab: int, index: int) -> tuple[int, ...]:
+    """Decoding request ``index``'s prompt at ``--depth`` ``depth``: fresh token ids (`prompt_ids`), the same
+    for every arm and repeat, in process and over HTTP."""
+    return prompt_ids(depth, vocab, DEPTH_SEED + index)
+
+
+def depth_problem(
+    workload: str, depth: int, tokens: int, context: int | None, *, launched: bool = False
+) -> str | None:
+    """Why ``--depth`` cannot run: a negative depth, a workload that does not decode at a depth, or (with the
+    plan's ``context``, or with ``launched`` a running engine's; None where it is not known yet) a prompt of
+    ``depth`` tokens and ``tokens`` generated after it (for ``step``: one row at that position) that do not
+    fit."""
+    if depth < 0:
+        return f"--depth must be at least 0, not {depth}"
+    if not depth:
+        return None
+    if workload not in DEPTH_WORKLOADS:
+        return f"--depth applies to the {', '.join(DEPTH_WORKLOADS)} workloads, not {workload}"
+    if context is None:
+        return None
+    need = depth + 1 if workload == "step" else depth + tokens
+    if need > context:
+        what = "a row at position" if workload == "step" else f"{tokens} tokens generated after a prompt of"
+        text = f"--depth {depth}: {what} {depth} need a context of {need}, but the "
+        if launched:
+            return text + f"engine's memory.context is {context}"
+        return text + f"plan's memory.context is {context}; pass --set memory.context={need} (or more)"
+    return None
+
+
 GENERATING = ("two-decodes", "clients", "solo")
 """Workloads whose figures include `generation_rate` as ``generation_tok_s``."""
 

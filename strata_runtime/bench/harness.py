@@ -26,6 +26,7 @@ from strata_cfg.schema.workloads import (
     PROMPTS,
     WORKLOADS,
     delivery_gaps,
+    depth_prompt,
     gap_figures_ms,
     generation_rate,
     prompt_ids,
@@ -246,11 +247,18 @@ GREEDY = SamplingParams(temperature=0.0)
 
 
 def _request(
-    tokenizer: Tokenizer, i: int, tokens: int, sampling: SamplingParams = GREEDY, seeded: bool = True
+    tokenizer: Tokenizer,
+    i: int,
+    tokens: int,
+    sampling: SamplingParams = GREEDY,
+    seeded: bool = True,
+    depth: int = 0,
+    vocab: int = 0,
 ) -> Request:
     """Request ``i`` of a workload; sampled and ``seeded``, it is seeded by its index, so every arm draws
-    the same."""
-    ids = tuple(tokenizer.encode(PROMPTS[i % len(PROMPTS)]))
+    the same. With ``depth`` its prompt is `depth_prompt`'s ``depth`` ids (from ``vocab``), not a short
+    text."""
+    ids = depth_prompt(depth, vocab, i) if depth else tuple(tokenizer.encode(PROMPTS[i % len(PROMPTS)]))
     if sampling.temperature > 0 and seeded:
         sampling = dataclasses.replace(sampling, seed=i)
     return Request(ids, tokens, sampling, request_id=f"bench-{i}")
@@ -268,19 +276,20 @@ def workload_arrivals(
     seed: int = 0,
     sampling: SamplingParams = GREEDY,
     seeded: bool = True,
+    depth: int = 0,
 ) -> list[Arrival]:
     """The requests of a workload (for ``clients``: of one client count; for ``prompt``: a prompt of
     ``prompt_tokens`` ids drawn from ``vocab`` with ``seed``, generating one token). The decoding requests
-    choose their tokens by ``sampling``, seeded by their index unless ``seeded`` is False."""
+    choose their tokens by ``sampling``, seeded by their index unless ``seeded`` is False; with ``depth``
+    (``solo``, ``two-decodes``, ``clients``) each first reads a prompt of that many ids (`depth_prompt`)."""
     if name == "prompt":
         ids = prompt_ids(prompt_tokens, vocab, seed)
         return [Arrival(Request(ids, 1, SamplingParams(temperature=0.0), request_id=f"bench-prompt-{seed}"))]
-    if name == "two-decodes":
-        return [Arrival(_request(tokenizer, i, tokens, sampling, seeded)) for i in range(2)]
-    if name == "clients":
-        return [Arrival(_request(tokenizer, i, tokens, sampling, seeded)) for i in range(clients)]
-    if name == "solo":
-        return [Arrival(_request(tokenizer, 0, tokens, sampling, seeded))]
+    streams = {"two-decodes": 2, "clients": clients, "solo": 1}.get(name)
+    if streams is not None:
+        return [
+            Arrival(_request(tokenizer, i, tokens, sampling, seeded, depth, vocab)) for i in range(streams)
+        ]
     if name == "read-beside-decode":
         length = max(16, min(context - 2, 48_000))
         seed_ids = tokenizer.encode(" ".join(PROMPTS))
@@ -291,10 +300,19 @@ def workload_arrivals(
     raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
 
 
-def mean_prompt_tokens(workload: str, tokenizer: Tokenizer, tokens: int, context: int, clients: int) -> int:
+def mean_prompt_tokens(
+    workload: str,
+    tokenizer: Tokenizer,
+    tokens: int,
+    context: int,
+    clients: int,
+    depth: int = 0,
+    vocab: int = 0,
+) -> int:
     """The mean prompt length, in tokens, of a decode workload's requests (for ``clients``: of ``clients``
-    of them), at least 1: what a peer's streams read first, to decode from KV as long as ours."""
-    arrivals = workload_arrivals(workload, tokenizer, tokens, context, clients)
+    of them; ``depth`` as `workload_arrivals` takes it), at least 1: what a peer's streams read first, to
+    decode from KV as long as ours."""
+    arrivals = workload_arrivals(workload, tokenizer, tokens, context, clients, vocab=vocab, depth=depth)
     lengths = [len(a.request.prompt_ids) for a in arrivals if a.request.max_tokens > 1]
     return max(1, round(sum(lengths) / len(lengths))) if lengths else 1
 
@@ -468,9 +486,11 @@ def run_bench(
     vocab: int = 0,
     sampling: SamplingParams = GREEDY,
     seeded: bool = True,
+    depth: int = 0,
 ) -> dict[str, ArmRuns]:
     """Every arm on the workload, interleaved, ``repeats`` times, its decoding requests choosing tokens by
-    ``sampling`` (seeded by their index unless ``seeded`` is False).
+    ``sampling`` (seeded by their index unless ``seeded`` is False), each after a prompt of ``depth`` ids
+    where it is not 0 (`workload_arrivals`).
 
     ``prompt`` gives every arm of a repeat the same prompt, and each repeat a fresh one (seeded by its index).
     """
@@ -506,6 +526,7 @@ def run_bench(
                     seed=r,
                     sampling=sampling,
                     seeded=seeded,
+                    depth=depth,
                 )
                 before = len(late_compiles())
                 t0 = time.perf_counter()

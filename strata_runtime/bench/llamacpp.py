@@ -123,6 +123,9 @@ class Workload:
     both decode from KV of the same length."""
     placement: Placement = Placement()
     """The plan's devices, which llama.cpp runs on."""
+    depth: int = 0
+    """The decoding requests' prompt length at ``--depth`` (0: short prompts): llama-bench then generates
+    after a KV cache that deep (its ``-d``)."""
 
 
 @dataclass
@@ -191,7 +194,8 @@ def commands(tools: dict[str, str], gguf: str, w: Workload) -> list[tuple[str, l
     if workload == "prompt" and single:
         out.append(("llama-bench", [*single, "-p", str(w.prompt_tokens), "-n", "0"]))
     if workload in ("solo", "clients") and single:
-        out.append(("llama-bench", [*single, "-p", "0", "-n", str(tokens)]))
+        depth = ["-d", str(w.depth)] if w.depth else []
+        out.append(("llama-bench", [*single, "-p", "0", "-n", str(tokens), *depth]))
     streams = {"two-decodes": [2], "clients": [c for c in w.clients if c > 1]}.get(workload, [])
     if streams and batched:
         ctx = max(streams) * (w.stream_prompt + tokens) + 16
@@ -212,10 +216,12 @@ def parse_llama_bench(text: str) -> list[Figure]:
     figures = []
     for test in json.loads(text):
         n_prompt, n_gen, rate = int(test["n_prompt"]), int(test["n_gen"]), float(test["avg_ts"])
+        depth = int(test.get("n_depth", 0))
+        at = f" @ d{depth}" if depth else ""  # llama-bench's own name of a test at a depth
         if n_gen == 0:
-            figures.append(Figure("prompt", f"pp{n_prompt}", rate))
+            figures.append(Figure("prompt", f"pp{n_prompt}{at}", rate))
         else:
-            figures.append(Figure("solo", f"tg{n_gen}", rate))
+            figures.append(Figure("solo", f"tg{n_gen}{at}", rate))
     return figures
 
 

@@ -37,6 +37,7 @@ from strata_cfg.schema.workloads import (
     WARM_PROMPTS,
     WORKLOADS,
     bench_option_problem,
+    depth_problem,
     gap_text,
     prompt_context_problem,
     prompt_ids,
@@ -87,6 +88,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--position", type=int, default=300, help="step: the KV position the rows decode at (default 300)"
+    )
+    parser.add_argument(
+        "--depth",
+        type=int,
+        default=0,
+        help="solo, two-decodes, clients: each decoding request first reads a prompt of this many fresh "
+        "token ids (default 0: a short text prompt)",
     )
     parser.add_argument("--json", action="store_true")
     add_sampling_arguments(parser, seeded="its index")
@@ -176,9 +184,11 @@ def run(args: argparse.Namespace) -> int:
     plans = {name: read_plan(path) for name, path in arms.items()}
     if args.workload in GPU_WORKLOADS:
         return run_gpu_workload(args, next(iter(plans.values())))
-    if args.workload == "prompt":
+    if args.workload not in GPU_WORKLOADS:
         for name, plan in plans.items():
             problem = prompt_context_problem(args.prompt_tokens, plan.memory.context)
+            if args.workload != "prompt":
+                problem = depth_problem(args.workload, args.depth, args.tokens, plan.memory.context)
             if problem:
                 print(f"strata bench: arm {name}: {problem}", file=sys.stderr)
                 return EXIT_USAGE
@@ -236,6 +246,7 @@ def run(args: argparse.Namespace) -> int:
         vocab=vocab,
         sampling=sampling,
         seeded=not args.unseeded,
+        depth=args.depth,
     )
     if trace is not None:
         with trace:
@@ -249,7 +260,9 @@ def run(args: argparse.Namespace) -> int:
     }
     llama = None
     if "llama.cpp" in args.peer:
-        stream_prompt = mean_prompt_tokens(args.workload, tokenizer, args.tokens, context, max(CLIENT_COUNTS))
+        stream_prompt = mean_prompt_tokens(
+            args.workload, tokenizer, args.tokens, context, max(CLIENT_COUNTS), args.depth, vocab
+        )
         llama = llama_cpp_figures(args, plans, summary, weights, stream_prompt)
     if args.json:
         out = {
@@ -280,6 +293,8 @@ def run(args: argparse.Namespace) -> int:
         }
         if args.workload == "prompt":
             out["prompt_tokens"] = args.prompt_tokens
+        if args.depth:
+            out["depth"] = args.depth
         if ceiling:
             out["ceiling"] = {k: v for k, v in ceiling.items() if k != "lines"}
         if llama is not None:
@@ -291,7 +306,11 @@ def run(args: argparse.Namespace) -> int:
         sampled = describe_sampling(sampling_options(args))
         if args.temperature > 0 and args.unseeded:
             sampled += ", unseeded"
-        print(render_table(args.workload, plans, summary, notes, args.repeats, args.tokens, sampled, base))
+        print(
+            render_table(
+                args.workload, plans, summary, notes, args.repeats, args.tokens, sampled, base, args.depth
+            )
+        )
         if ceiling:
             print("\n" + "\n".join(ceiling["lines"]))
         if settling:
@@ -356,6 +375,7 @@ def llama_cpp_figures(
             CLIENT_COUNTS,
             stream_prompt,
             placement,
+            args.depth,
         )
         peer = llamacpp.run_peer(tools, path, asked)
     figures = [{"case": f.case, "what": f.what, "tok_s": f.tok_s} for f in peer.figures]
@@ -798,10 +818,13 @@ def render_table(
     tokens: int,
     sampling: str = "greedy",
     base: str = "serial",
+    depth: int = 0,
 ) -> str:
     """The bench's table: each arm's medians, its gain over ``base`` (``serial`` where it ran, else the
     first arm) and whether its text equals ``base``'s."""
     what = f"{tokens} tokens per request, {sampling}"
+    if depth:
+        what += f", each after a prompt of {depth} tokens (decoding from KV that deep; tok/s counts its read)"
     if workload == "prompt":
         n = next(iter(summary.values()))["prompt"]["median"]["prompt_tokens"]
         what = f"one prompt of {n:.0f} tokens alone on the engine, 1 token generated; tok/s = prompt tokens/s"
