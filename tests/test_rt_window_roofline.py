@@ -137,3 +137,27 @@ def test_a_model_beyond_calibrated_routing_is_compared_under_uniform_routing_onl
     rows = table(wide, seed=0, streams=[2], acceptances=[0.7], positions=300, copy=COPY, samples=2)
     assert [r["routing"] for r in rows] == ["uniform"]
     assert rows[0]["batch_mtp"]["distinct_experts"] == pytest.approx(expected_distinct_experts(256, 40, 4))
+
+
+def test_at_a_depth_the_solo_ceiling_reads_that_deep_kv_and_compares_the_generating_rate():
+    import argparse
+
+    from strata_runtime.bench.ceilings import decode_step_bytes
+    from strata_runtime.commands.bench import ceiling_report
+    from strata_runtime.weights.tokenizer import ByteTokenizer
+
+    plan = resolve_profile(PROFILE, [("memory.context", 16384)])
+    solo = {"solo": {"solo": {"median": {"tok_s": 200.0, "generation_tok_s": 370.0}}}}
+    tok = ByteTokenizer(259)
+    flat = ceiling_report(
+        "solo", {"solo": plan}, solo, {"copy_bytes_s": COPY}, argparse.Namespace(tokens=128), tok
+    )
+    deep = ceiling_report(
+        "solo", {"solo": plan}, solo, {"copy_bytes_s": COPY}, argparse.Namespace(tokens=128, depth=8000), tok
+    )
+    kv = plan.memory.kv_dtype
+    step = decode_step_bytes(plan.model.facts, rows=1, positions=8000 + 64, kv_dtype=kv)
+    assert deep["roofline_tok_s"] == pytest.approx(COPY / step.total)
+    assert deep["roofline_tok_s"] < flat["roofline_tok_s"]  # the deep KV's bytes count
+    assert deep["arms"]["solo"]["tok_s"] == 370.0 and flat["arms"]["solo"]["tok_s"] == 200.0
+    assert any("370.0 tok/s generating" in line for line in deep["lines"])
