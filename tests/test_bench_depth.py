@@ -48,9 +48,10 @@ def test_depth_problems_name_the_flag_and_the_setting_to_change() -> None:
     assert set(DEPTH_WORKLOADS) == {"solo", "two-decodes", "clients", "step"}
     assert depth_problem("solo", 1000, 24, 1024) is None  # 1000 + 24 fits exactly
     text = str(depth_problem("solo", 1001, 24, 1024))
-    assert "need a context of 1025" in text and "pass --set memory.context=1025" in text
+    assert "a prompt of 1001 tokens and 24 generated after it need a context of 1025" in text
+    assert "pass --set memory.context=1025" in text
     assert depth_problem("step", 1023, 300, 1024) is None  # a row at the last position
-    assert "need a context of 1025" in str(depth_problem("step", 1024, 300, 1024))
+    assert "position 1024 needs a context of 1025" in str(depth_problem("step", 1024, 300, 1024))
     launched = str(depth_problem("two-decodes", 1001, 24, 1024, launched=True))
     assert "engine's memory.context is 1024" in launched and "--set" not in launched
 

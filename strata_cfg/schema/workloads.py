@@ -92,8 +92,11 @@ def depth_problem(
         return None
     need = depth + 1 if workload == "step" else depth + tokens
     if need > context:
-        what = "a row at position" if workload == "step" else f"{tokens} tokens generated after a prompt of"
-        text = f"--depth {depth}: {what} {depth} need a context of {need}, but the "
+        if workload == "step":
+            what = f"a row at position {depth} needs"
+        else:
+            what = f"a prompt of {depth} tokens and {tokens} generated after it need"
+        text = f"--depth {depth}: {what} a context of {need}, but the "
         if launched:
             return text + f"engine's memory.context is {context}"
         return text + f"plan's memory.context is {context}; pass --set memory.context={need} (or more)"
