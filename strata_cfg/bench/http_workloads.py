@@ -24,14 +24,13 @@ from ..schema.workloads import (
     CLIENT_COUNTS,
     GENERATING,
     PROMPTS,
+    context_problem,
     delivery_gaps,
-    depth_problem,
     depth_prompt,
     gap_figures_ms,
     gap_text,
     generation_rate,
     longest_gap,
-    prompt_context_problem,
     prompt_ids,
 )
 from .http_driver import Client, engine_status, served_model, sse_chunks
@@ -291,9 +290,7 @@ def bench_urls(
     context = min(contexts) if contexts else None
     vocab = 256 if any(t.status is None for t in targets) else min(vocabs)
     if context is not None:
-        problem = prompt_context_problem(prompt_tokens, context, launched=True)
-        if workload != "prompt":
-            problem = depth_problem(workload, depth, tokens, context, launched=True)
+        problem = context_problem(workload, prompt_tokens, depth, tokens, context, launched=True)
         if problem:
             raise ValueError(problem)
     elif workload == "read-beside-decode":

@@ -38,8 +38,8 @@ from ..schema.workloads import (
     PEERS,
     WORKLOADS,
     bench_option_problem,
+    context_problem,
     depth_problem,
-    prompt_context_problem,
 )
 from ._common import (
     EXIT_REFUSED,
@@ -320,9 +320,9 @@ def run(args: argparse.Namespace) -> int:
             for p in exc.problems:
                 print(f"  {p}", file=sys.stderr)
             continue
-        problem = prompt_context_problem(args.prompt_tokens, plan.memory.context)
-        if args.workload != "prompt":
-            problem = depth_problem(args.workload, args.depth, args.tokens, plan.memory.context)
+        problem = context_problem(
+            args.workload, args.prompt_tokens, args.depth, args.tokens, plan.memory.context
+        )
         if problem:
             print(f"strata bench: arm {name}: {problem}", file=sys.stderr)
             return EXIT_USAGE

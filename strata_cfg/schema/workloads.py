@@ -191,3 +191,13 @@ def prompt_context_problem(prompt_tokens: int, context: int, *, launched: bool =
             f"pass --set memory.context={prompt_tokens + 1} (or more)"
         )
     return None
+
+
+def context_problem(
+    workload: str, prompt_tokens: int, depth: int, tokens: int, context: int, *, launched: bool = False
+) -> str | None:
+    """Why a workload's requests do not fit ``context``: the ``prompt`` workload's prompt
+    (`prompt_context_problem`), or the decoding workloads' depth and tokens after it (`depth_problem`)."""
+    if workload == "prompt":
+        return prompt_context_problem(prompt_tokens, context, launched=launched)
+    return depth_problem(workload, depth, tokens, context, launched=launched)

@@ -37,9 +37,8 @@ from strata_cfg.schema.workloads import (
     WARM_PROMPTS,
     WORKLOADS,
     bench_option_problem,
-    depth_problem,
+    context_problem,
     gap_text,
-    prompt_context_problem,
     prompt_ids,
 )
 
@@ -184,14 +183,13 @@ def run(args: argparse.Namespace) -> int:
     plans = {name: read_plan(path) for name, path in arms.items()}
     if args.workload in GPU_WORKLOADS:
         return run_gpu_workload(args, next(iter(plans.values())))
-    if args.workload not in GPU_WORKLOADS:
-        for name, plan in plans.items():
-            problem = prompt_context_problem(args.prompt_tokens, plan.memory.context)
-            if args.workload != "prompt":
-                problem = depth_problem(args.workload, args.depth, args.tokens, plan.memory.context)
-            if problem:
-                print(f"strata bench: arm {name}: {problem}", file=sys.stderr)
-                return EXIT_USAGE
+    for name, plan in plans.items():
+        problem = context_problem(
+            args.workload, args.prompt_tokens, args.depth, args.tokens, plan.memory.context
+        )
+        if problem:
+            print(f"strata bench: arm {name}: {problem}", file=sys.stderr)
+            return EXIT_USAGE
     rates = measure_rates(args.workload, plans)
     weights = WeightStore()
     engines = {name: Engine(plan, progress=stderr_progress, weights=weights) for name, plan in plans.items()}

@@ -37,7 +37,7 @@ class Slot:
     """Whether drafting pays for this request: how often its windows' first proposal held."""
     shadow: Any = None
     """A silent probe's proposal for the request's next token, on the device, until a window gives that
-    token (`strata_runtime.engine.scheduler.Scheduler._silent_probes`)."""
+    token (`strata_runtime.engine.scheduler.Engine._silent_probes`)."""
     _text: str = ""
     """The text of ``generated[:_read]``, decoded incrementally (complete characters only)."""
     _prefix: int = 0
