@@ -78,10 +78,21 @@ def test_add_rms_norm_fp32_matches_twin(gpu, rows, h, with_delta):
     assert rel_err(out_d.get(), out) < REL
 
 
+@pytest.fixture(params=["tc", "split"])
+def attention_kernel(request, gpu):
+    """Decode attention on tensor cores (``attn_tc``, where the shape allows) and the FMA kernel
+    (``attn_split``, which the other shapes take): both must match the reference."""
+    _, kern, _ = gpu
+    before = kern.attention_tc
+    kern.attention_tc = request.param == "tc"
+    yield request.param
+    kern.attention_tc = before
+
+
 @pytest.mark.parametrize(
     ("n_q", "n_kv", "d"), [(32, 4, 128), (4, 2, 16), (8, 2, 32), (64, 4, 128), (16, 2, 64), (8, 2, 256)]
 )
-def test_qk_norm_rope_kv_and_attention_match_the_reference(gpu, n_q, n_kv, d):
+def test_qk_norm_rope_kv_and_attention_match_the_reference(gpu, attention_kernel, n_q, n_kv, d):
     cp, kern, ref = gpu
     g = rng()
     slots, t, rows = 3, 700, 5
@@ -129,9 +140,10 @@ def test_qk_norm_rope_kv_and_attention_match_the_reference(gpu, n_q, n_kv, d):
     np.testing.assert_array_equal(firsts[0], firsts[1])  # the merge runs chunks in order, whoever is last
 
 
-def test_attention_merges_hundreds_of_chunks(gpu):
-    """Past about 16k positions the merge reads the chunks' statistics from global memory instead of shared
-    memory; both must agree with the reference."""
+def test_attention_merges_hundreds_of_chunks(gpu, attention_kernel):
+    """Past about 16k positions `attn_split`'s merge reads the chunks' statistics from global memory instead
+    of shared memory, and `attn_tc`'s blocks each stream several chunks (ATTN_SPLITS partials a row at most);
+    both must agree with the reference."""
     from strata_runtime.cuda.ops import attention_counters, attention_scratch_size
 
     cp, kern, ref = gpu
@@ -160,19 +172,24 @@ def test_attention_merges_hundreds_of_chunks(gpu):
         (64, 4, 128, 700),
         (32, 4, 128, 2500),  # rows past 16 chunks merge them in groups, then the groups
         (8, 2, 32, 2500),
+        (32, 4, 128, 9000),  # attn_tc: rows past ATTN_SPLITS chunks stream 2 or 3 chunks a block
+        (16, 4, 64, 9000),
     ],
 )
-def test_attention_row_is_the_same_in_every_window(gpu, n_q, n_kv, d, t):
-    """Windows of 1-2 rows take 256-thread blocks and larger windows 128 (`attention_shape`): a row's output
-    must be the same bit for bit alone, in a 2-row window and in a 5-row window, whether its chunks merge
-    at once or in groups."""
+def test_attention_row_is_the_same_in_every_window(gpu, attention_kernel, n_q, n_kv, d, t):
+    """`attn_split`'s windows of 1-2 rows take 256-thread blocks and larger windows 128 (`attention_shape`);
+    `attn_tc` splits a row by its position alone. A row's output must be the same bit for bit alone, in a
+    2-row window and in a 5-row window, whether its partials merge at once or in groups."""
     from strata_runtime.cuda.ops import attention_counters, attention_scratch_size, attention_shape
 
     cp, kern, _ = gpu
     g = rng()
     slots, rows = 5, 5
     assert attention_shape(d, n_q // n_kv, 1)[1] == attention_shape(d, n_q // n_kv, rows)[1]
-    pos = np.array([t - 1, 64, 63, 300, 1] if t <= 1024 else [t - 1, 1024, 1023, 2047, 1100], np.int32)
+    pos = {700: [t - 1, 64, 63, 300, 1], 2500: [t - 1, 1024, 1023, 2047, 1100]}.get(
+        t, [t - 1, 4096, 4095, 4159, 6000]
+    )
+    pos = np.array(pos, np.int32)
     slot = np.arange(rows, dtype=np.int32)
     q = cp.asarray(g.standard_normal((rows, n_q, d)).astype(np.float32))
     kc = cp.asarray(half(g.standard_normal((slots, n_kv, t, d))))
@@ -190,6 +207,45 @@ def test_attention_row_is_the_same_in_every_window(gpu, n_q, n_kv, d, t):
     for r in range(rows):
         np.testing.assert_array_equal(attend([r])[0], every[r])
         np.testing.assert_array_equal(attend([r, (r + 1) % rows])[0], every[r])
+
+
+@pytest.mark.parametrize(("n_q", "n_kv", "d"), [(32, 4, 128), (4, 2, 16), (64, 4, 128), (16, 2, 64)])
+def test_attention_reads_nothing_past_each_rows_position(gpu, attention_kernel, n_q, n_kv, d):
+    """The cache past a row's position may hold anything (an earlier request's keys, NaN, inf): the output
+    must match the reference over positions 0..pos alone, at every kind of row (inside one chunk, ending
+    mid-chunk, and a long row whose blocks stream several chunks)."""
+    from strata_runtime.cuda.ops import attention_counters, attention_scratch_size
+
+    cp, kern, ref = gpu
+    g = rng()
+    t = 9000
+    pos = np.array([0, 40, 64, 1000, 7000], np.int32)
+    rows = len(pos)
+    slot = np.arange(rows, dtype=np.int32)
+    q = g.standard_normal((rows, n_q, d)).astype(np.float32)
+    kc, vc = half(g.standard_normal((rows, n_kv, t, d))), half(g.standard_normal((rows, n_kv, t, d)))
+    poisoned_k, poisoned_v = kc.copy(), vc.copy()
+    for r, p in enumerate(pos):
+        poisoned_k[r, :, p + 1 :] = np.float16(np.nan)
+        poisoned_v[r, :, p + 1 :: 2] = np.float16(np.inf)
+        poisoned_v[r, :, p + 2 :: 2] = np.float16(np.nan)
+    out_d = cp.full((rows, n_q * d), cp.nan, cp.float32)
+    scratch = cp.full(attention_scratch_size(rows, n_q, n_kv, d, t), cp.nan, cp.float32)
+    done = cp.zeros((rows, attention_counters(n_kv, t)), cp.int32)
+    kern.attention(
+        cp.asarray(q),
+        cp.asarray(poisoned_k),
+        cp.asarray(poisoned_v),
+        cp.asarray(pos),
+        cp.asarray(slot),
+        out_d,
+        scratch,
+        done,
+    )
+    out = np.empty((rows, n_q * d), np.float32)
+    ref.attention(q, kc, vc, pos, slot, out)
+    assert rel_err(out_d.get(), out) < REL
+    assert not done.get().any()
 
 
 def _moe_inputs(g: np.random.Generator, rows: int, e: int, h: int, inter: int) -> tuple[np.ndarray, ...]:

@@ -120,7 +120,12 @@ def test_attention_sums_in_one_order_at_every_row_count(d: int, g: int) -> None:
         assert b in (128, 256) and w * 32 >= b
         assert 4 * (w * g * d + g * d + g * ATTN_CHUNK) + 4 <= 48 * 1024, (b, w)
         assert b == 128 or d >= 32
-    assert {f"attn_split<{d},{g},{b},{w}>" for b, w in shapes} == set(Kernels.attn_exprs(d, g))
+    split = {f"attn_split<{d},{g},{b},{w}>" for b, w in shapes}
+    assert split == set(Kernels.attn_exprs(d, g, tensor_cores=False))
+    if d in (16, 32, 64, 128) and g <= 16:  # `attn_tc` takes the shape: one kernel, compiled twice
+        assert Kernels.attn_exprs(d, g) == (f"attn_tc<{d},{g},1>", f"attn_tc<{d},{g},0>")
+    else:
+        assert set(Kernels.attn_exprs(d, g)) == split
 
 
 def test_the_cuda_path_refuses_attention_whose_block_would_not_fit_in_shared_memory() -> None:
@@ -189,3 +194,21 @@ def test_a_short_output_over_a_reduction_of_whole_4096s_takes_a_warp_per_unit(n,
     assert {(e.split(",", 1)[1], b, t) for e, b, t in exprs} == {
         (f"{k},1,{warps},false>", n // 16, 32 * warps)
     }
+
+
+@pytest.mark.parametrize("sm_shared", [233_472, 167_936, 102_400])  # H100/H200, A100, the consumer chips
+@pytest.mark.parametrize(("d", "g"), [(128, 8), (128, 16), (64, 8), (16, 2)])
+def test_attention_on_tensor_cores_leaves_few_row_windows_two_blocks_an_sm(
+    sm_shared: int, d: int, g: int
+) -> None:
+    """Windows of 1-2 rows prefer a carveout with room for two ``attn_tc`` blocks an SM, not three (which
+    leaves the kernels around attention a small L1); the percentage is of the SM's own shared memory."""
+    from strata_runtime.cuda.ops import ATTENTION_FEW_BLOCKS, attention_tc_carveout, attention_tc_shared_bytes
+
+    block = attention_tc_shared_bytes(d, g) + 1024
+    pct = attention_tc_carveout(attention_tc_shared_bytes(d, g), sm_shared)
+    assert 0 < pct <= 100
+    if ATTENTION_FEW_BLOCKS * block <= sm_shared:
+        assert pct * sm_shared / 100 >= ATTENTION_FEW_BLOCKS * block
+        assert (pct - 1) * sm_shared / 100 < ATTENTION_FEW_BLOCKS * block
+    assert attention_tc_shared_bytes(128, 8) == (4 * 64 + 2 * 9) * 136 * 2  # K, V in two buffers; q's parts

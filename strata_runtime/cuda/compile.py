@@ -112,8 +112,9 @@ class KernelCache:
 
     def fn_with_shared(self, expression: str, shared_bytes: int) -> Any:
         """The compiled function of ``expression``, allowed ``shared_bytes`` of dynamic shared memory (a
-        block may take more than the default 48 KiB only with this attribute set); set once per size."""
-        fn = self.fn(expression)
+        block may take more than the default 48 KiB only with this attribute set); set once per size. The
+        attribute is the compiled function's, so a subclass's launcher of it (`Kernels.fn`) has it too."""
+        fn = KernelCache.fn(self, expression)
         if self._shared.get(expression) != shared_bytes:
             fn.max_dynamic_shared_size_bytes = shared_bytes  # CuPy's RawKernel sets the function attribute
             self._shared[expression] = shared_bytes

@@ -806,16 +806,16 @@ __device__ __forceinline__ void attn_merge(float* acc, float* ml, int first, int
 // The merges of a row longer than ATTN_MERGE_GROUP chunks, for chunk c's block once its partial is written:
 // the last of its group to finish merges the group, and the last group the groups (`attn_merge`). Not
 // inlined, so that the short rows' path keeps its registers and code.
-template <int G, int D, int B, int W>
+// `red` is shared memory of cap + 2 G floats.
+template <int G, int D, int B>
 __device__ __noinline__ void attn_merge_grouped(float* accr, float* mlr, int c, int live, int* counters,
-                                                float* red, int* last, float* out) {
-  constexpr int CAP = W * G * D - 2 * G;
+                                                float* red, int cap, int* last, float* out) {
   const int grp = c / ATTN_MERGE_GROUP, first = grp * ATTN_MERGE_GROUP;
   if (!last_to_finish(counters + 1 + grp, min(ATTN_MERGE_GROUP, live - first), last)) return;
-  attn_merge<G, D, B, false>(accr, mlr, first, 1, min(ATTN_MERGE_GROUP, live - first), red, CAP, nullptr);
+  attn_merge<G, D, B, false>(accr, mlr, first, 1, min(ATTN_MERGE_GROUP, live - first), red, cap, nullptr);
   const int groups = (live + ATTN_MERGE_GROUP - 1) / ATTN_MERGE_GROUP;
   if (last_to_finish(counters, groups, last))
-    attn_merge<G, D, B, true>(accr, mlr, 0, ATTN_MERGE_GROUP, groups, red, CAP, out);
+    attn_merge<G, D, B, true>(accr, mlr, 0, ATTN_MERGE_GROUP, groups, red, cap, out);
 }
 
 template <int D, int G, int B, int W>
@@ -962,9 +962,9 @@ __global__ void __launch_bounds__(B) attn_split(const float* __restrict__ q, con
   const int groups = (NC + ATTN_MERGE_GROUP - 1) / ATTN_MERGE_GROUP;
   int* const counters = done + ((size_t)r * NKV + kvh) * (1 + groups);  // the row's merge, then each group's
   if (live > ATTN_MERGE_GROUP) {
-    attn_merge_grouped<G, D, B, W>(part_acc + ((size_t)r * NKV + kvh) * NC * G * D,
-                                   part_ml + ((size_t)r * NKV + kvh) * NC * G * 2, c, live, counters, red, &last,
-                                   out + (size_t)r * NQ * D + (size_t)kvh * G * D);
+    attn_merge_grouped<G, D, B>(part_acc + ((size_t)r * NKV + kvh) * NC * G * D,
+                                part_ml + ((size_t)r * NKV + kvh) * NC * G * 2, c, live, counters, red,
+                                W * G * D - 2 * G, &last, out + (size_t)r * NQ * D + (size_t)kvh * G * D);
     return;
   }
   if (!last_to_finish(counters, live, &last)) return;
@@ -1028,6 +1028,265 @@ __global__ void __launch_bounds__(B) attn_split(const float* __restrict__ q, con
 #pragma unroll
   for (int c = 0; c < PER; ++c)
     if (c * B + tid < G * D) out[(size_t)r * NQ * D + (size_t)kvh * G * D + c * B + tid] = a[c];
+}
+
+// ---- decode attention on tensor cores ------------------------------------------------------------------
+// attn_tc computes what attn_split does (each row's causal attention over positions 0..pos[r] of its slot,
+// partials merged by the blocks that finish last, in the same scratch and counters), for head dims up to 128
+// and up to 16 query heads per KV head, with its products on tensor cores and a long row streamed:
+// * Block (r, kvh, s) of 4 warps takes `per` consecutive chunks of ATTN_CHUNK positions of row r: per = 1
+//   while the row has at most `splits` chunks, else ceil(chunks / splits). A row thus has at most `splits`
+//   partials, and the grid at most `splits` blocks a row and KV head, however long the context. A block
+//   streams its chunks: K and V of chunk j + 1 land in shared memory (cp.async) while chunk j is computed.
+//   The split depends only on the row's position and `splits` (ops.py's ATTN_SPLITS, the same for every
+//   window), so a row's result does not depend on its window.
+// * The G query heads of the KV head are the 16 rows of an m16n8k16 product (rows past G are zero), and
+//   warp w takes keys [16 w, 16 w + 16) of each chunk: S = q K^T with q scaled into base 2 and split into
+//   two fp16 parts (hi + lo, about 22 bits of q), an online softmax per head, and O += P V with P split the
+//   same way, all accumulated in fp32. The 4 warps' maxima, totals and O merge in shared memory, in warp
+//   order, into the block's partial in attn_split's form (natural-log maxima).
+// * A row of one partial (at most ATTN_CHUNK positions) writes its output directly; otherwise the partials
+//   merge as attn_split's chunks do (`attn_merge`; in groups of ATTN_MERGE_GROUP past that many).
+// Fragment layouts are flash.cu's (mma.m16n8k16, lane = 4 gq + tq); K is read with ldmatrix (B = K^T) and V
+// with ldmatrix.trans (B = V) from rows padded to D + 8 halves.
+// Grid (R, NKV, min(NC, splits)), 128 threads, `attention_tc_shared_bytes(D)` of dynamic shared memory (two
+// buffers of K and V tiles [ATTN_CHUNK, D + 8] fp16, then q's two parts [G + 1, D + 8] fp16).
+namespace attn_tc_ops {
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+  unsigned a;
+  asm("{ .reg .u64 s; cvta.to.shared.u64 s, %1; cvt.u32.u64 %0, s; }\n" : "=r"(a) : "l"(p));
+  return a;
+}
+
+// 16 bytes global -> shared, asynchronously; zeros when !valid (src is then not read).
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
+               : "memory");
+}
+
+__device__ __forceinline__ void ldsm_x4(unsigned* r, unsigned a) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a)
+               : "memory");
+}
+
+__device__ __forceinline__ void ldsm_x4_trans(unsigned* r, unsigned a) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a)
+               : "memory");
+}
+
+// c[16x8] += a[16x16] b[16x8], fp16 inputs, fp32 accumulation.
+__device__ __forceinline__ void mma(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// (x0, x1) as two half2s, hi = fp16(x) and lo = fp16(x - hi), lower column in the low 16 bits.
+__device__ __forceinline__ void split_half2(float x0, float x1, unsigned& hi, unsigned& lo) {
+  const half2 h = __floats2half2_rn(x0, x1);
+  const half2 l = __floats2half2_rn(x0 - __low2float(h), x1 - __high2float(h));
+  hi = *reinterpret_cast<const unsigned*>(&h);
+  lo = *reinterpret_cast<const unsigned*>(&l);
+}
+
+// Positions [t0, t0 + ATTN_CHUNK) of a [T, D] fp16 matrix into the padded shared tile at dst; positions at or
+// past `end` are zeros (the cache there may hold anything, and 0 * NaN would poison P V).
+template <int D>
+__device__ __forceinline__ void load_chunk(unsigned dst, const half* __restrict__ src, int t0, int end) {
+  constexpr int LD = D + 8, CH = D / 8;
+#pragma unroll
+  for (int i = threadIdx.x; i < ATTN_CHUNK * CH; i += 128) {
+    const int row = i / CH, col = (i % CH) * 8;
+    const bool valid = t0 + row < end;
+    cp_async16(dst + (row * LD + col) * 2, valid ? src + (size_t)(t0 + row) * D + col : src, valid);
+  }
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+}  // namespace attn_tc_ops
+
+// FEW only names a second instantiation for windows of few rows, compiled the same: ops.py gives it another
+// preferred shared-memory carveout (`attention_tc_carveout`).
+template <int D, int G, int FEW>
+__global__ void __launch_bounds__(128) attn_tc(const float* __restrict__ q, const half* __restrict__ kc,
+                                               const half* __restrict__ vc, const int* __restrict__ pos,
+                                               const int* __restrict__ slot, float* __restrict__ part_acc,
+                                               float* __restrict__ part_ml, int* __restrict__ done,
+                                               float* __restrict__ out, int NKV, int T, int NC, int splits,
+                                               float scale_log2) {
+  using namespace attn_tc_ops;
+  static_assert(D % 16 == 0 && D <= 128 && G >= 1 && G <= 16, "head dim a multiple of 16 up to 128, G <= 16");
+  constexpr int C = ATTN_CHUNK, LD = D + 8, KS = D / 16, DT = D / 8;
+  constexpr int TILE = C * LD * 2, BUF = 2 * TILE;  // bytes: K (or V) of a chunk; K and V
+  constexpr float LN2 = 0.69314718f;
+  extern __shared__ __align__(16) unsigned char attn_tiles[];  // [2 buffers][K, V][C][LD], [2][G + 1][LD] fp16
+  __shared__ int last;
+  STRATA_PDL_LAUNCH();
+  STRATA_PDL_WAIT();
+  const int r = blockIdx.x, kvh = blockIdx.y, s = blockIdx.z, NQ = NKV * G;
+  const int n = pos[r] + 1, live = (n + C - 1) / C;
+  const int per = live <= splits ? 1 : (live + splits - 1) / splits;
+  const int used = (live + per - 1) / per;  // this row's partials
+  if (n <= 0 || s >= used) return;
+  const int c0 = s * per, c1 = min(c0 + per, live);
+  const unsigned base = smem_addr(attn_tiles);
+  const size_t head = ((size_t)slot[r] * NKV + kvh) * T * D;
+  load_chunk<D>(base, kc + head, c0 * C, n);
+  load_chunk<D>(base + TILE, vc + head, c0 * C, n);
+
+  // q scaled into base 2 and split, [2 parts][G + 1 rows][LD] fp16 behind the tile buffers, read as A
+  // fragments with ldmatrix at each step (rows are heads, columns dims); row G is zeros, which the lanes of
+  // the product's rows past G read.
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3;
+  const float* qr = q + ((size_t)r * NQ + kvh * G) * D;
+  unsigned* q_tile = reinterpret_cast<unsigned*>(attn_tiles + 2 * BUF);
+  for (int i = threadIdx.x; i < (G + 1) * D / 2; i += 128) {
+    const int row = i / (D / 2), col = (i % (D / 2)) * 2;
+    const float2 v = row < G ? *reinterpret_cast<const float2*>(qr + (size_t)row * D + col) : make_float2(0.f, 0.f);
+    split_half2(v.x * scale_log2, v.y * scale_log2, q_tile[(row * LD + col) / 2],
+                q_tile[((G + 1 + row) * LD + col) / 2]);
+  }
+  float o[DT][4];
+#pragma unroll
+  for (int t = 0; t < DT; ++t) o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.f;
+  float mx[2] = {-STRATA_INF, -STRATA_INF}, sum[2] = {0.f, 0.f};
+  // ldmatrix rows of this lane: K as keys x dims (B = K^T), V as keys x dims with .trans (B = V).
+  const int k_row = (lane & 7) + ((lane >> 4) << 3), k_col = ((lane >> 3) & 1) << 3;
+  const int v_row = (lane & 7) + (((lane >> 3) & 1) << 3), v_col = (lane >> 4) << 3;
+  const unsigned k_lane = base + ((warp * 16 + k_row) * LD + k_col) * 2;
+  const unsigned v_lane = base + TILE + ((warp * 16 + v_row) * LD + v_col) * 2;
+  const unsigned q_lane = base + 2 * BUF + (min(v_row, G) * LD + v_col) * 2;  // q's rows addressed as V's
+  for (int j = c0; j < c1; ++j) {
+    const unsigned buf = ((j - c0) & 1) * BUF;
+    if (j + 1 < c1) {
+      load_chunk<D>(base + BUF - buf, kc + head, (j + 1) * C, n);
+      load_chunk<D>(base + BUF - buf + TILE, vc + head, (j + 1) * C, n);
+      asm volatile("cp.async.wait_group 2;\n" ::: "memory");  // chunk j's two groups have landed
+    } else {
+      asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    }
+    __syncthreads();
+    // S [16 heads x 16 keys] = (q_hi + q_lo) K^T, in two 8-key tiles.
+    float sc[2][4];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) sc[h][0] = sc[h][1] = sc[h][2] = sc[h][3] = 0.f;
+#pragma unroll
+    for (int k = 0; k < KS; ++k) {
+      unsigned qh[4], ql[4], b[4];  // b[0..1]: keys 0..7 of the warp's 16, b[2..3]: keys 8..15
+      ldsm_x4(qh, q_lane + k * 32);
+      ldsm_x4(ql, q_lane + (G + 1) * LD * 2 + k * 32);
+      ldsm_x4(b, k_lane + buf + k * 32);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        mma(sc[h], qh, b[2 * h], b[2 * h + 1]);
+        mma(sc[h], ql, b[2 * h], b[2 * h + 1]);
+      }
+    }
+    const int kb = j * C + warp * 16;  // the warp's first key
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (kb + h * 8 + 2 * tq + (e & 1) >= n) sc[h][e] = -STRATA_INF;
+    // Online softmax per head (rows gq and gq + 8 of this lane; a head's keys span its quad's 4 lanes).
+    unsigned ph[4], pl[4];  // P's A fragments (hi, lo)
+#pragma unroll
+    for (int h2 = 0; h2 < 2; ++h2) {
+      float m = fmaxf(mx[h2], fmaxf(fmaxf(sc[0][2 * h2], sc[0][2 * h2 + 1]), fmaxf(sc[1][2 * h2], sc[1][2 * h2 + 1])));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+      const float ms = m == -STRATA_INF ? 0.f : m;  // a warp whose keys are all past the row stays at zero
+      const float alpha = exp2f(mx[h2] - ms);       // 0 while nothing was seen; 1 when the max is unchanged
+      mx[h2] = m;
+      sum[h2] *= alpha;
+#pragma unroll
+      for (int t = 0; t < DT; ++t) {
+        o[t][2 * h2] *= alpha;
+        o[t][2 * h2 + 1] *= alpha;
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float p0 = exp2f(sc[h][2 * h2] - ms), p1 = exp2f(sc[h][2 * h2 + 1] - ms);
+        sum[h2] += p0 + p1;
+        split_half2(p0, p1, ph[2 * h + h2], pl[2 * h + h2]);
+      }
+    }
+    // O [16 heads x D] += P [16 x 16 keys] V [16 keys x D].
+#pragma unroll
+    for (int t = 0; t < DT; t += 2) {
+      unsigned b[4];  // b[0..1]: dims t*8.., b[2..3]: dims t*8+8..
+      ldsm_x4_trans(b, v_lane + buf + t * 16);
+      mma(o[t], ph, b[0], b[1]);
+      mma(o[t], pl, b[0], b[1]);
+      mma(o[t + 1], ph, b[2], b[3]);
+      mma(o[t + 1], pl, b[2], b[3]);
+    }
+    __syncthreads();  // every warp is done with this buffer before chunk j + 2 lands in it
+  }
+#pragma unroll
+  for (int h2 = 0; h2 < 2; ++h2) {
+    sum[h2] += __shfl_xor_sync(0xffffffffu, sum[h2], 1);
+    sum[h2] += __shfl_xor_sync(0xffffffffu, sum[h2], 2);
+  }
+
+  // The warps' partials [4][G][D], maxima and totals [4][G], in the tile buffers (every warp is past them).
+  float* wo = reinterpret_cast<float*>(attn_tiles);
+  float* wm = wo + 4 * G * D;
+  float* wl = wm + 4 * G;
+#pragma unroll
+  for (int h2 = 0; h2 < 2; ++h2) {
+    const int row = gq + 8 * h2;
+    if (row >= G) continue;
+#pragma unroll
+    for (int t = 0; t < DT; ++t)
+      *reinterpret_cast<float2*>(wo + (warp * G + row) * D + t * 8 + 2 * tq) = make_float2(o[t][2 * h2], o[t][2 * h2 + 1]);
+    if (tq == 0) {
+      wm[warp * G + row] = mx[h2];
+      wl[warp * G + row] = sum[h2];
+    }
+  }
+  __syncthreads();
+  float* accr = part_acc + ((size_t)r * NKV + kvh) * NC * G * D;
+  float* mlr = part_ml + ((size_t)r * NKV + kvh) * NC * G * 2;
+  float* outr = out + (size_t)r * NQ * D + (size_t)kvh * G * D;
+  for (int i = threadIdx.x; i < G * D; i += 128) {
+    const int g = i / D;
+    float m = wm[g];
+#pragma unroll
+    for (int w = 1; w < 4; ++w) m = fmaxf(m, wm[w * G + g]);  // finite: warp 0 holds the block's first key
+    float a = 0.f, l = 0.f;
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      const float f = exp2f(wm[w * G + g] - m);
+      a += wo[w * G * D + i] * f;
+      l += wl[w * G + g] * f;
+    }
+    if (used == 1) {
+      outr[i] = a / l;
+    } else {
+      accr[(size_t)s * G * D + i] = a;
+      if (i % D == 0) {
+        mlr[((size_t)s * G + g) * 2] = m * LN2;
+        mlr[((size_t)s * G + g) * 2 + 1] = l;
+      }
+    }
+  }
+  if (used == 1) return;
+  float* red = reinterpret_cast<float*>(attn_tiles);  // the merge's scratch: the tile buffers again
+  constexpr int CAP = 2 * BUF / 4 - 2 * G;
+  const int groups = (NC + ATTN_MERGE_GROUP - 1) / ATTN_MERGE_GROUP;
+  int* const counters = done + ((size_t)r * NKV + kvh) * (1 + groups);  // the row's merge, then each group's
+  if (used > ATTN_MERGE_GROUP) {
+    attn_merge_grouped<G, D, 128>(accr, mlr, s, used, counters, red, CAP, &last, outr);
+    return;
+  }
+  if (last_to_finish(counters, used, &last)) attn_merge<G, D, 128, true>(accr, mlr, 0, 1, used, red, CAP, outr);
 }
 
 // ---- routed experts -----------------------------------------------------------------------------------

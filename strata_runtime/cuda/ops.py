@@ -70,6 +70,48 @@ def attention_counters(n_kv: int, context: int) -> int:
     return decode_attention_counters(n_kv, context)
 
 
+ATTENTION_TC_HEAD_DIMS = (16, 32, 64, 128)
+"""Head dims ``attn_tc`` takes (with up to 16 query heads per KV head, on tensor cores)."""
+
+ATTN_SPLITS = 64
+"""Partials of a row and KV head in ``attn_tc``, at most: a row of more chunks splits into this many runs of
+consecutive chunks, each streamed by one block. The same for every window, so that a row's split, and its
+result, depend only on its position."""
+
+
+def attention_on_tensor_cores(head_dim: int, group: int, tensor_cores: bool = True) -> bool:
+    """Whether decode attention of this head dim and group of query heads per KV head runs ``attn_tc`` (else
+    ``attn_split``): a shape its m16n8k16 products take, on a GPU with tensor cores. It depends on the model
+    alone, so every window of a model runs the same kernel."""
+    return tensor_cores and head_dim in ATTENTION_TC_HEAD_DIMS and 1 <= group <= 16
+
+
+def attention_tc_shared_bytes(head_dim: int, group: int) -> int:
+    """Dynamic shared memory of an ``attn_tc`` block: two buffers of a chunk's keys and values, then q's two
+    fp16 parts (``group`` heads and a row of zeros), each row padded by 8 halves. At head dim 128 and 8
+    heads, 74.5 KiB: three blocks to an H200's SM."""
+    return (2 * 2 * ATTN_CHUNK + 2 * (group + 1)) * (head_dim + 8) * 2
+
+
+ATTENTION_FEW_BLOCKS = 2
+"""``attn_tc`` blocks an SM holds at once in windows of up to `ATTENTION_WIDE_ROWS` rows
+(`attention_tc_carveout`)."""
+
+
+def attention_tc_carveout(shared_bytes: int, sm_shared: int) -> int:
+    """The preferred shared-memory carveout (percent of an SM's ``sm_shared`` bytes) of ``attn_tc`` in windows
+    of few rows: room for `ATTENTION_FEW_BLOCKS` blocks of ``shared_bytes`` (and the 1 KiB the hardware
+    keeps per block), and no more.
+
+    Left to itself the driver takes the carveout that fits the most blocks, which leaves the SM's L1 small
+    for the kernels around it, and a one-row step is latency-bound in those kernels. On an H200 (head dim
+    128, 8 query heads per KV head, a 32,768-position plan) one row's step took 3.21 ms at 1,000 positions
+    with three blocks an SM, 2.73 with two and 2.70 with one; at 32,000 positions 4.50, 3.88 and 4.10. Eight
+    rows, whose blocks fill the GPU, were fastest with three: 10.58 ms at 4,000 positions against 11.06 with
+    two."""
+    return min(100, math.ceil(100 * ATTENTION_FEW_BLOCKS * (shared_bytes + 1024) / sm_shared))
+
+
 ATTENTION_WIDE_ROWS = 2
 """Windows of up to this many rows run ``attn_split`` with 256 threads a block (`attention_shape`)."""
 
@@ -274,7 +316,7 @@ def decode_expressions(
     out = ["add_rmsnorm", "qk_norm_rope_kv", "silu_mul", "add_scaled", "argmax_part", "argmax_merge"]
     out += ["choose_rows", "distribution_rows", "adjust_logits", "count_tokens", "gemv_any", *SPLIT_KERNELS]
     out += ["inverse_cdf_rows", "verify_sampled_rows"]
-    out += Kernels.attn_exprs(a.head_dim, a.num_attention_heads // a.num_key_value_heads)
+    out += Kernels.attn_exprs(a.head_dim, a.num_attention_heads // a.num_key_value_heads, tensor_cores)
     if a.num_experts:
         out += Kernels.moe_exprs(h, a.moe_intermediate_size, a.num_experts_per_tok)
     # (out features, reduction, fused norm) of every projection: q/k/v, output, router, the dense MLP or
@@ -310,6 +352,7 @@ PDL_KERNELS = frozenset(
         "add_rmsnorm",
         "qk_norm_rope_kv",
         "attn_split",
+        "attn_tc",
         "moe_gate_up",
         "moe_down",
         "moe_gate_up_any",
@@ -344,7 +387,13 @@ class Kernels(KernelCache):
         self.pdl = pdl.available(device.id)
         self.tensor_cores = int(device.compute_capability) >= 80
         """Whether the projections run on tensor cores (``gemv_mma``)."""
+        self.attention_tc = self.tensor_cores
+        """Whether decode attention runs on tensor cores where its shape allows (``attn_tc``,
+        `attention_on_tensor_cores`); else ``attn_split``."""
         self._pdl_fns: dict[str, pdl.PdlKernel] = {}
+        self._carveouts: dict[str, int] = {}
+        self.sm_shared = int(device.attributes["MaxSharedMemoryPerMultiprocessor"])
+        """Bytes of shared memory an SM has (`attention_tc_carveout`)."""
 
     @contextlib.contextmanager
     def programmatic(self, on: bool = True) -> Iterator[None]:
@@ -355,6 +404,17 @@ class Kernels(KernelCache):
             yield
         finally:
             _PROGRAMMATIC.reset(token)
+
+    def prefer_carveout(self, expression: str, percent: int) -> None:
+        """Set ``expression``'s preferred shared-memory carveout (percent of an SM's), once."""
+        if self._carveouts.get(expression) != percent:
+            KernelCache.fn(self, expression).preferred_shared_memory_carveout = percent
+            self._carveouts[expression] = percent
+
+    def allow_shared(self, expression: str, shared_bytes: int) -> None:
+        """Let ``expression``'s blocks take ``shared_bytes`` of dynamic shared memory (past the default 48
+        KiB only with the function attribute set), whichever launcher `fn` gives."""
+        self.fn_with_shared(expression, shared_bytes)
 
     def fn(self, expression: str) -> Any:
         """The launcher of ``expression``: with PDL inside a `programmatic` block where it may take it,
@@ -380,8 +440,10 @@ class Kernels(KernelCache):
         return "moe_gate_up_any", "moe_down_any"
 
     @staticmethod
-    def attn_exprs(head_dim: int, group: int) -> tuple[str, ...]:
+    def attn_exprs(head_dim: int, group: int, tensor_cores: bool = True) -> tuple[str, ...]:
         """The instantiations `attention` launches for these shapes, at any row count."""
+        if attention_on_tensor_cores(head_dim, group, tensor_cores):
+            return (f"attn_tc<{head_dim},{group},1>", f"attn_tc<{head_dim},{group},0>")
         few, many = (attention_shape(head_dim, group, rows) for rows in (1, ATTENTION_WIDE_ROWS + 1))
         shapes = dict.fromkeys((few, many))
         return tuple(f"attn_split<{head_dim},{group},{b},{w}>" for b, w in shapes)
@@ -535,6 +597,34 @@ class Kernels(KernelCache):
             )
         acc = scratch[: rows * n_kv * nc * g * d]
         ml = scratch[rows * n_kv * nc * g * d : rows * n_kv * nc * g * (d + 2)]
+        if attention_on_tensor_cores(d, g, self.attention_tc):
+            few = rows <= ATTENTION_WIDE_ROWS
+            expr, smem = f"attn_tc<{d},{g},{int(few)}>", attention_tc_shared_bytes(d, g)
+            self.allow_shared(expr, smem)
+            if few:
+                self.prefer_carveout(expr, attention_tc_carveout(smem, self.sm_shared))
+            self.fn(expr)(
+                (rows, n_kv, min(nc, ATTN_SPLITS)),
+                (128,),
+                (
+                    q,
+                    k_cache,
+                    v_cache,
+                    pos,
+                    slot,
+                    acc,
+                    ml,
+                    done,
+                    out,
+                    np.int32(n_kv),
+                    np.int32(t),
+                    np.int32(nc),
+                    np.int32(ATTN_SPLITS),
+                    np.float32(math.log2(math.e) / math.sqrt(d)),
+                ),
+                shared_mem=smem,
+            )
+            return
         b, w = attention_shape(d, g, rows)
         self.fn(f"attn_split<{d},{g},{b},{w}>")(
             (rows, n_kv, nc),

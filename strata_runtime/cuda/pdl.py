@@ -102,7 +102,7 @@ def _arg(value: Any) -> ctypes._SimpleCData[Any]:
 
 class PdlKernel:
     """A compiled kernel launched with the programmatic-stream-serialization attribute on the current stream;
-    called as a CuPy kernel is: ``kernel(grid, block, args)``."""
+    called as a CuPy kernel is: ``kernel(grid, block, args, shared_mem=bytes)``."""
 
     def __init__(self, kernel: Any) -> None:
         function = getattr(kernel, "kernel", kernel)  # a CuPy RawKernel holds its driver function
@@ -110,10 +110,12 @@ class PdlKernel:
         self._attr = _Attribute(id=PROGRAMMATIC_STREAM_SERIALIZATION)
         self._attr.value[0] = 1
 
-    def __call__(self, grid: tuple[int, ...], block: tuple[int, ...], args: tuple[Any, ...]) -> None:
+    def __call__(
+        self, grid: tuple[int, ...], block: tuple[int, ...], args: tuple[Any, ...], shared_mem: int = 0
+    ) -> None:
         g, b = (*grid, 1, 1)[:3], (*block, 1, 1)[:3]
         stream = cupy_module().cuda.get_current_stream().ptr
-        config = _Config(*g, *b, 0, ctypes.c_void_p(stream), ctypes.pointer(self._attr), 1)
+        config = _Config(*g, *b, shared_mem, ctypes.c_void_p(stream), ctypes.pointer(self._attr), 1)
         values = [_arg(a) for a in args]
         params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
         status = _driver()(ctypes.byref(config), self._ptr, params, None)
