@@ -721,13 +721,13 @@ constexpr int ATTN_MERGE_GROUP = 16;
 // ml [NC, G, 2] (read through L2: other blocks wrote them), in that order: M = max m, L = sum l e^(m - M), and
 // per element sum acc e^(m - M), each term divided by L when FINAL (into out [G D]), else kept as a partial of
 // the same form in slot `first` (acc, then M and L). Block-wide; `red` is shared memory of CAP + 2 G floats.
-template <int G, int D, int B, bool FINAL, int LOADS = 32>
+template <int G, int D, int B, bool FINAL>
 __device__ __forceinline__ void attn_merge(float* acc, float* ml, int first, int stride, int count, float* red,
                                            int cap, float* __restrict__ out) {
   constexpr int PER = (G * D + B - 1) / B;  // elements per thread
-  // Partials are loaded MC at a time (LOADS registers a thread), so the merge waits on one round trip to L2
-  // per MC of them; the first MC go out before the statistics below.
-  constexpr int MC = PER >= LOADS ? 1 : LOADS / PER;
+  // Partials are loaded MC at a time (32 registers a thread), so the merge waits on one round trip to L2 per
+  // MC of them; the first MC go out before the statistics below.
+  constexpr int MC = PER >= 32 ? 1 : 32 / PER;
   const int tid = threadIdx.x;
   float* stat = red + cap;  // [G, 2]: each head's M and total
   float v[MC][PER];
@@ -807,15 +807,15 @@ __device__ __forceinline__ void attn_merge(float* acc, float* ml, int first, int
 // the last of its group to finish merges the group, and the last group the groups (`attn_merge`). Not
 // inlined, so that the short rows' path keeps its registers and code.
 // `red` is shared memory of cap + 2 G floats.
-template <int G, int D, int B, int LOADS = 32>
+template <int G, int D, int B>
 __device__ __noinline__ void attn_merge_grouped(float* accr, float* mlr, int c, int live, int* counters,
                                                 float* red, int cap, int* last, float* out) {
   const int grp = c / ATTN_MERGE_GROUP, first = grp * ATTN_MERGE_GROUP;
   if (!last_to_finish(counters + 1 + grp, min(ATTN_MERGE_GROUP, live - first), last)) return;
-  attn_merge<G, D, B, false, LOADS>(accr, mlr, first, 1, min(ATTN_MERGE_GROUP, live - first), red, cap, nullptr);
+  attn_merge<G, D, B, false>(accr, mlr, first, 1, min(ATTN_MERGE_GROUP, live - first), red, cap, nullptr);
   const int groups = (live + ATTN_MERGE_GROUP - 1) / ATTN_MERGE_GROUP;
   if (last_to_finish(counters, groups, last))
-    attn_merge<G, D, B, true, LOADS>(accr, mlr, 0, ATTN_MERGE_GROUP, groups, red, cap, out);
+    attn_merge<G, D, B, true>(accr, mlr, 0, ATTN_MERGE_GROUP, groups, red, cap, out);
 }
 
 template <int D, int G, int B, int W>
@@ -1278,17 +1278,15 @@ __global__ void __launch_bounds__(128) attn_tc(const float* __restrict__ q, cons
     }
   }
   if (used == 1) return;
-  // The merges load 64 floats a thread at a time (8 partials at head dim 128 and 8 heads): a 128-thread block
-  // then waits on as many round trips to L2 as attn_split's 256-thread blocks do with 32.
   float* red = reinterpret_cast<float*>(attn_tiles);  // the merge's scratch: the tile buffers again
   constexpr int CAP = 2 * BUF / 4 - 2 * G;
   const int groups = (NC + ATTN_MERGE_GROUP - 1) / ATTN_MERGE_GROUP;
   int* const counters = done + ((size_t)r * NKV + kvh) * (1 + groups);  // the row's merge, then each group's
   if (used > ATTN_MERGE_GROUP) {
-    attn_merge_grouped<G, D, 128, 64>(accr, mlr, s, used, counters, red, CAP, &last, outr);
+    attn_merge_grouped<G, D, 128>(accr, mlr, s, used, counters, red, CAP, &last, outr);
     return;
   }
-  if (last_to_finish(counters, used, &last)) attn_merge<G, D, 128, true, 64>(accr, mlr, 0, 1, used, red, CAP, outr);
+  if (last_to_finish(counters, used, &last)) attn_merge<G, D, 128, true>(accr, mlr, 0, 1, used, red, CAP, outr);
 }
 
 // ---- routed experts -----------------------------------------------------------------------------------
