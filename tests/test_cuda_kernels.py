@@ -138,6 +138,10 @@ def test_qk_norm_rope_kv_and_attention_match_the_reference(gpu, attention_kernel
         assert not done.get().any()
         firsts.append(out_d.get())
     np.testing.assert_array_equal(firsts[0], firsts[1])  # the merge runs chunks in order, whoever is last
+    from strata_runtime.cuda.ops import attention_on_tensor_cores
+
+    if attention_kernel == "tc" and attention_on_tensor_cores(d, n_q // n_kv):  # it ran, not attn_split
+        assert f"attn_tc<{d},{n_q // n_kv},0>" in kern._fns
 
 
 def test_attention_merges_hundreds_of_chunks(gpu, attention_kernel):

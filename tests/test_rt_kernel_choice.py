@@ -212,3 +212,6 @@ def test_attention_on_tensor_cores_leaves_few_row_windows_two_blocks_an_sm(
         assert pct * sm_shared / 100 >= ATTENTION_FEW_BLOCKS * block
         assert (pct - 1) * sm_shared / 100 < ATTENTION_FEW_BLOCKS * block
     assert attention_tc_shared_bytes(128, 8) == (4 * 64 + 2 * 9) * 136 * 2  # K, V in two buffers; q's parts
+    if (d, g, sm_shared) == (128, 8, 233_472):  # the H200: two blocks an SM, not the three that were slower
+        room = pct * sm_shared / 100
+        assert 2 * block <= room < 3 * block
