@@ -251,6 +251,7 @@ class ReferenceKernels:
 
         self.moe_exprs, self.attn_exprs = Kernels.moe_exprs, Kernels.attn_exprs
         self.tensor_cores = True  # as on an H200
+        self.attention_tc = True
         self.gemv_expr = functools.partial(gemv_expression, tensor_cores=True)
         self.prepared: set[str] = set()
         """Every instantiation a `prepare` call listed (on a GPU: compiled before any window runs)."""

@@ -234,6 +234,28 @@ def test_spec_needs_mtp_weights_turns_drafting_off():
     assert decision(plan, "spec.needs-mtp-weights").requested
 
 
+def test_model_decode_attention_auto_takes_tensor_cores_where_the_shape_allows():
+    path = rule_file("model.decode-attention")
+    plan = plan_of(path)  # head dim 8: the tensor-core kernel does not take it
+    assert plan.model.decode_attention == "cuda_cores"
+    d = decision(plan, "model.decode-attention")
+    assert d.severity == "note" and not d.requested and d.key == "model.decode_attention"
+    assert "head dim 8" in d.message and "16, 32, 64, 128" in d.message
+    s = plan.settings["model.decode_attention"]
+    assert (s.source.kind, s.source.rule) == ("derived", "model.decode-attention")
+    # A preset's shape runs on tensor cores, silently; a written choice is the user's and needs no rule.
+    preset = plan_of(rule_file("memory.prefill-chunk-alone-cached"))  # the 30B preset on a GPU
+    assert preset.model.decode_attention == "tensor_cores"
+    assert "model.decode-attention" not in [x.rule for x in preset.decisions]
+    asked = plan_of(path, ['model.decode_attention="cuda_cores"'])
+    assert asked.model.decode_attention == "cuda_cores"
+    assert asked.settings["model.decode_attention"].source.kind == "user"
+    assert "model.decode-attention" not in [x.rule for x in asked.decisions]
+    # On virtual CPU devices the choice does nothing, and the plan says nothing about it.
+    cpu = plan_of(rule_file("spec.needs-mtp-weights"))
+    assert "model.decode-attention" not in [x.rule for x in cpu.decisions]
+
+
 def test_machine_host_ram_probed_reads_mem_available_and_says_so():
     plan = plan_of(rule_file("machine.host-ram-probed"), **PROBES["machine.host-ram-probed"])
     s = plan.settings["machine.host_ram_mib"]

@@ -104,9 +104,14 @@ def test_in_process_workloads_are_refused_over_url(workload: str) -> None:
     assert "over HTTP: two-decodes, clients, read-beside-decode, solo, prompt" in out.stderr
 
 
-def test_gpu_workloads_take_no_arms() -> None:
-    out = strata("bench", "profiles/demo.toml", "--workload", "vram", "--arms", "serial")
-    assert out.returncode == 2 and "--arms and --peer do not apply" in out.stderr
+@pytest.mark.parametrize(
+    "extra",
+    [("--arms", "serial"), ("--vary", "model.decode_attention=auto,cuda_cores"), ("--peer", "llama.cpp")],
+)
+def test_gpu_workloads_take_no_arms_variants_or_peers(extra: tuple[str, str]) -> None:
+    """They time one plan: a --vary would be silently ignored, so it is refused like --arms and --peer."""
+    out = strata("bench", "profiles/demo.toml", "--workload", "step", *extra)
+    assert out.returncode == 2 and "--arms, --vary and --peer do not apply" in out.stderr
 
 
 def test_sampled_bench_requests_draw_with_the_options_and_the_same_seed_in_every_arm() -> None:

@@ -1071,3 +1071,35 @@ def test_a_short_prompt_reaches_the_drafting_head_through_its_graphs(fake_gpu, m
     assert through == [25]  # the 20-row prompt in graph windows, the 25-row one through the prefill path
     _, through = drafter_kv(tuple(40 + (7 * i) % 50 for i in range(100)))
     assert through == [100]  # longer than 64 rows: the prefill path
+
+
+def test_the_decode_attention_choice_reaches_every_stack_and_its_graphs(fake_gpu, monkeypatch):
+    """``model.decode_attention``: ``"auto"`` runs a preset's decode attention on tensor cores in the stage's
+    layers and in the MTP head's, ``"cuda_cores"`` on CUDA cores in both, and their graphs compile that
+    kernel (and not the other) before the first window."""
+    import inspect
+
+    from strata_runtime.cuda import layers
+    from strata_runtime.model import Model
+
+    real = layers.LayerStack.of.__func__
+    asked_of: list[bool] = []
+
+    def spy(cls, *args, **kw):
+        bound = inspect.signature(real).bind(cls, *args, **kw)
+        bound.apply_defaults()
+        asked_of.append(bound.arguments["attention_tc"])
+        return real(cls, *args, **kw)
+
+    monkeypatch.setattr(layers.LayerStack, "of", classmethod(spy))
+    text = float16_profile_text(backend="cuda", preset="small", slots=2, context=256, draft_tokens=2)
+    for asked, tc in (("auto", True), ("cuda_cores", False)):
+        plan = resolve_text(text.replace("[model]", f'[model]\ndecode_attention = "{asked}"'), "a.toml").plan
+        assert plan.model.decode_attention == ("tensor_cores" if tc else "cuda_cores")
+        asked_of.clear()
+        model = Model.from_plan(plan)
+        assert model.mtp is not None and model.mtp.cuda is not None
+        assert asked_of == [tc] * (len(model.stages) + 1)  # each stage's layers, then the MTP head's
+        for cuda in [stage.cuda for stage in model.stages] + [model.mtp.cuda.layers]:
+            names = {e.split("<")[0] for e in cuda.expressions()}
+            assert ("attn_tc" in names, "attn_split" in names) == (tc, not tc)

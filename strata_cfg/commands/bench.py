@@ -227,8 +227,11 @@ def usage_problem(args: argparse.Namespace) -> str | None:
             "--url measures launched servers as they run, their expert caches and what their drafting has "
             f"learned as they are: {flag} does not apply"
         )
-    if args.workload in GPU_WORKLOADS and (args.arms or args.peer):
-        return f"--workload {args.workload} measures the profile's own plan: --arms and --peer do not apply"
+    if args.workload in GPU_WORKLOADS and (args.arms or args.peer or args.vary):
+        return (
+            f"--workload {args.workload} measures the profile's own plan: --arms, --vary and --peer do not "
+            "apply (--set changes the plan)"
+        )
     if args.windows is not None and (args.url or args.workload in GPU_WORKLOADS):
         where = "over --url (a launched engine lists its last windows in /v1/status)"
         if not args.url:

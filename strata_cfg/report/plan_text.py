@@ -60,7 +60,9 @@ def _model_line(plan: LaunchPlan) -> str:
     experts = f", {f.num_experts} experts (top {f.num_experts_per_tok})" if f.num_experts else ""
     mtp = f", MTP {f.mtp_layers} layer{'s' * (f.mtp_layers != 1)}" if f.has_mtp else ", no MTP"
     q = ", prompt attention with fp16 q" if plan.model.prefill_q == "fp16" else ""
-    return f"{name}, {f.dtype}, {f.num_hidden_layers} layers{experts}{mtp}{q}"
+    gpu = plan.machine.backend != "cpu"
+    att = ", decode attention on CUDA cores" if gpu and plan.model.decode_attention == "cuda_cores" else ""
+    return f"{name}, {f.dtype}, {f.num_hidden_layers} layers{experts}{mtp}{q}{att}"
 
 
 def _batch_line(plan: LaunchPlan) -> str:

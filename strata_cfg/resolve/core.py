@@ -219,6 +219,7 @@ def _assemble(
             layer_scale=led["model.layer_scale"],
             routing=led["model.routing"],
             prefill_q=led["model.prefill_q"],
+            decode_attention=led["model.decode_attention"],
             facts=model,
         ),
         stages=tuple(stages),

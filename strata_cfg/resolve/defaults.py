@@ -11,6 +11,11 @@ from ..schema.facts import MachineFacts, ModelFacts, run_dtype
 from ..schema.plan import DEFAULT_DRAFT_FLOOR, MAX_SWAPS, REBALANCE_EVERY, SCORE_DECAY, SWAP_MARGIN
 from ..schema.presets import PRESET_DEFAULTS
 from ..schema.profile import Profile, parse_device
+from ..schema.windows import (
+    DECODE_ATTENTION_TC_HEAD_DIMS,
+    DECODE_ATTENTION_TC_MAX_GROUP,
+    decode_attention_on_tensor_cores,
+)
 from .ledger import Ledger
 from .prompt_windows import resolve_prefill_graph_rows
 from .topology import MAX_STAGES, Topology
@@ -64,6 +69,21 @@ def resolve_defaults(
     led.take("model.layer_scale", m.layer_scale if m else None, preset_scale)
     led.take("model.routing", m.routing if m else None, "uniform")
     led.take("model.prefill_q", m.prefill_q if m else None, "split")
+    if led.take("model.decode_attention", m.decode_attention if m else None, "auto") == "auto":
+        group = model.num_attention_heads // model.num_key_value_heads
+        if decode_attention_on_tensor_cores(model.head_dim, group):
+            led.resolve_auto("model.decode_attention", "tensor_cores", "model.decode-attention")
+        else:
+            dims = ", ".join(map(str, DECODE_ATTENTION_TC_HEAD_DIMS))
+            why = (
+                f"decode attention runs on CUDA cores: its tensor-core kernel takes head dims {dims} with at "
+                f"most {DECODE_ATTENTION_TC_MAX_GROUP} query heads per KV head, and the model has head dim "
+                f"{model.head_dim} with {group}"
+            )
+            cpu = machine.backend == "cpu"  # virtual CPU devices run no attention kernel: nothing to say
+            led.resolve_auto(
+                "model.decode_attention", "cuda_cores", "model.decode-attention", None if cpu else why
+            )
 
     mem = p.memory
     max_ctx = model.max_position_embeddings

@@ -50,6 +50,12 @@ _RULES = (
     ),
     Rule("spec.needs-mtp-weights", 0, "off", "spec.draft_tokens >= 2 needs a model with MTP weights"),
     Rule(
+        "model.decode-attention",
+        0,
+        "note",
+        "model.decode_attention = auto runs on tensor cores where the model's shape allows, else CUDA cores",
+    ),
+    Rule(
         "memory.prefill-graphs-cpu",
         0,
         "note",

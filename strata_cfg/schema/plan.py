@@ -313,6 +313,9 @@ class ModelPlan(_Plan):
     """Synthetic only: the routing model (see the profile's ``model.routing``)."""
     prefill_q: Literal["split", "fp16"] = "split"
     """The query's precision in prompt attention on the GPU (``model.prefill_q``)."""
+    decode_attention: Literal["tensor_cores", "cuda_cores"] = "tensor_cores"
+    """The kernel of decode attention on a GPU (``model.decode_attention``, ``"auto"`` resolved by the
+    model's shape)."""
     facts: ModelFacts
 
     def label(self) -> str:

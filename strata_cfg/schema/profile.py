@@ -20,6 +20,7 @@ Backend = Literal["cuda", "cpu"]
 DType = Literal["float32", "float16", "bfloat16"]
 Routing = Literal["uniform", "calibrated"]
 PrefillQ = Literal["split", "fp16"]
+DecodeAttention = Literal["auto", "cuda_cores"]
 KvDType = Literal["float32", "float16", "bfloat16"]
 
 _DEVICE_RE = re.compile(r"^(?:(?P<host>[A-Za-z0-9_.-]+):)?(?P<index>\d+)$")
@@ -120,6 +121,12 @@ class ModelSection(Section):
     keep the query's fp32 precision. ``"fp16"``: rounded to fp16, as FlashAttention and llama.cpp compute
     it: faster on long prompts, and each score moves by up to about 2^-11 of its size. Decode windows and
     CPU devices are not affected."""
+    decode_attention: DecodeAttention | None = None
+    """Which kernel runs decode attention on a GPU. ``"auto"`` (default): on tensor cores where the model's
+    shape allows (head dim 16, 32, 64 or 128, at most 16 query heads per KV head: every preset), a long row
+    streamed by at most 64 blocks; else on CUDA cores. ``"cuda_cores"``: the CUDA-core kernel for every
+    shape, which on an H200 ran one- to four-row windows 2-3% faster a few thousand positions into a
+    context and up to a third slower from 16,000 on (docs/PERFORMANCE.md). CPU devices are not affected."""
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSection:

@@ -37,6 +37,18 @@ DECODE_ATTENTION_MERGE_GROUP = 16
 spans more chunks merges them in groups of this many, then the groups."""
 
 
+DECODE_ATTENTION_TC_HEAD_DIMS = (16, 32, 64, 128)
+"""Head dims decode attention's tensor-core kernel takes (the CUDA kernels' ``attn_tc``)."""
+DECODE_ATTENTION_TC_MAX_GROUP = 16
+"""Query heads per KV head that kernel takes at most: the 16 rows of its products."""
+
+
+def decode_attention_on_tensor_cores(head_dim: int, group: int) -> bool:
+    """Whether decode attention's tensor-core kernel takes a model of this head dim and ``group`` query heads
+    per KV head (``model.decode_attention = "auto"`` then runs it on a GPU)."""
+    return head_dim in DECODE_ATTENTION_TC_HEAD_DIMS and 1 <= group <= DECODE_ATTENTION_TC_MAX_GROUP
+
+
 def decode_attention_counters(kv_heads: int, context: int) -> int:
     """Int32 counters decode attention keeps per row: for each KV head, one for the row's merge and one per
     `DECODE_ATTENTION_MERGE_GROUP` chunks of the context."""

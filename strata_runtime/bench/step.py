@@ -423,7 +423,9 @@ def run_step(
         copy = copy_bandwidth(device_index)
         t0 = time.perf_counter()
         routing = step_routing(plan, Device("cuda", device_index))
-        model = KernelModel(cp, f, context, kernels_for(device_index), device_index, routing)
+        kern = kernels_for(device_index)
+        kern.attention_tc = kern.tensor_cores and plan.model.decode_attention == "tensor_cores"
+        model = KernelModel(cp, f, context, kern, device_index, routing)
         cp.cuda.Device().synchronize()
         made_s = time.perf_counter() - t0
         table = [model.time_rows(rows, position, repeats, copy) for rows in ROWS]

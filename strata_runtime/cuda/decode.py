@@ -49,7 +49,10 @@ class CudaLayers:
     def expressions(self) -> list[str]:
         """The kernel instantiations windows of 1 to 8 rows through these layers (and a head) use."""
         widths = [lay.mlp_width for lay in self.stack.layers if lay.mlp_down is not None]
-        return decode_expressions(self.stack.args, widths, self.gemv_shapes, self.stack.kern.tensor_cores)
+        kern = self.stack.kern
+        return decode_expressions(
+            self.stack.args, widths, self.gemv_shapes, kern.tensor_cores, attention_tc=kern.attention_tc
+        )
 
     @property
     def captured(self) -> frozenset[int]:

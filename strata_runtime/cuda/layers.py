@@ -305,6 +305,7 @@ class LayerStack:
         routing: DeviceRouting | None = None,
         first_layer: int = 0,
         experts: ExpertSlice | None = None,
+        attention_tc: bool = True,
     ) -> LayerStack:
         """The stack of ``layers`` (CuPy arrays on GPU ``device_id``), fusing their weights there. With
         ``routing`` (calibrated routing), each MoE layer gets its bias step; ``layers[j]`` is model layer
@@ -312,10 +313,13 @@ class LayerStack:
 
         ``experts``: where the layers' routed experts are (one entry per sparse layer, in order), from the
         stage's `CudaExperts`; without it each sparse layer's stacked experts are read where they are.
+        ``attention_tc``: decode attention on tensor cores where the shape allows (``model.decode_attention``
+        = ``"auto"``), else on CUDA cores.
         """
         cp = cupy_module()
         with cp.cuda.Device(device_id):
             kern = kernels_for(device_id)
+            kern.attention_tc = kern.tensor_cores and attention_tc
             weights = [
                 LayerWeights.of(layer, cp, routing.layer(first_layer + j) if routing is not None else None)
                 for j, layer in enumerate(layers)

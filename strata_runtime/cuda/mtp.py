@@ -51,10 +51,13 @@ class CudaMtp:
         experts: ExpertSlice | None = None,
         split_q: bool = True,
         graph_rows: int = 0,
+        attention_tc: bool = True,
     ) -> None:
         """``experts``: the head's routed experts in the last stage's expert cache, when it holds them.
         ``split_q``: the prompt rows' attention holds q as two fp16 parts (False: fp16 q). ``graph_rows``:
-        its prompt chunks through the prefill path replay a graph up to this many rows (`CudaPrefill`)."""
+        its prompt chunks through the prefill path replay a graph up to this many rows (`CudaPrefill`).
+        ``attention_tc``: decode attention on tensor cores where the shape allows
+        (``model.decode_attention``)."""
         self.device_id, self.args = device_id, args
         with cp.cuda.Device(device_id):
             h = args.hidden_size
@@ -65,7 +68,9 @@ class CudaMtp:
                 head.pre_fc_norm_hidden,
                 head.norm,
             )
-            self.stack = LayerStack.of(device_id, [head.layer], args, k_cache, v_cache, experts=experts)
+            self.stack = LayerStack.of(
+                device_id, [head.layer], args, k_cache, v_cache, experts=experts, attention_tc=attention_tc
+            )
             # The input projections (norm fused) and the LM head run beside the layer on every draft window.
             shapes = mtp_gemv_shapes(*head.lm_head.shape)
             self.layers = CudaLayers(self.stack, shapes)

@@ -23,6 +23,7 @@ from strata_cfg.schema.windows import (
     DECODE_ATTENTION_CHUNK,
     MAX_WINDOW_ROWS,
     decode_attention_counters,
+    decode_attention_on_tensor_cores,
     decode_attention_scratch_floats,
 )
 
@@ -70,9 +71,6 @@ def attention_counters(n_kv: int, context: int) -> int:
     return decode_attention_counters(n_kv, context)
 
 
-ATTENTION_TC_HEAD_DIMS = (16, 32, 64, 128)
-"""Head dims ``attn_tc`` takes (with up to 16 query heads per KV head, on tensor cores)."""
-
 ATTN_SPLITS = 64
 """Partials of a row and KV head in ``attn_tc``, at most: a row of more chunks splits into this many runs of
 consecutive chunks, each streamed by one block. The same for every window, so that a row's split, and its
@@ -81,9 +79,10 @@ result, depend only on its position."""
 
 def attention_on_tensor_cores(head_dim: int, group: int, tensor_cores: bool = True) -> bool:
     """Whether decode attention of this head dim and group of query heads per KV head runs ``attn_tc`` (else
-    ``attn_split``): a shape its m16n8k16 products take, on a GPU with tensor cores. It depends on the model
-    alone, so every window of a model runs the same kernel."""
-    return tensor_cores and head_dim in ATTENTION_TC_HEAD_DIMS and 1 <= group <= 16
+    ``attn_split``): a shape its m16n8k16 products take (`decode_attention_on_tensor_cores`), on a GPU with
+    tensor cores where the plan asks for them (``model.decode_attention``). It depends on the model and the
+    plan alone, so every window of a model runs the same kernel."""
+    return tensor_cores and decode_attention_on_tensor_cores(head_dim, group)
 
 
 def attention_tc_shared_bytes(head_dim: int, group: int) -> int:
@@ -303,20 +302,23 @@ def decode_expressions(
     gemv_shapes: Iterable[tuple[int, int, bool]] = (),
     tensor_cores: bool = True,
     max_rows: int = MAX_WINDOW_ROWS,
+    attention_tc: bool | None = None,
 ) -> list[str]:
     """Every instantiation of kernels.cu that windows of 1 to ``max_rows`` rows through layers of these
     shapes (and a head) launch: the decode graphs compile them all before the first window
     (`strata_runtime.cuda.decode.CudaLayers`). ``mlp_widths``: the widths of the layers' dense MLPs or
     shared experts; ``gemv_shapes``: (out features, reduction, fused norm) of further GEMVs on the same rows
-    (the LM head on normalised rows, the MTP head's input projections)."""
+    (the LM head on normalised rows, the MTP head's input projections). ``attention_tc``: whether attention
+    may run on tensor cores (`Kernels.attention_tc`; None: where ``tensor_cores``)."""
     a = args
+    attention_tc = tensor_cores if attention_tc is None else attention_tc
     h, q = a.hidden_size, a.num_attention_heads * a.head_dim
     qkv = (a.num_attention_heads + 2 * a.num_key_value_heads) * a.head_dim
     widths = set(mlp_widths)
     out = ["add_rmsnorm", "qk_norm_rope_kv", "silu_mul", "add_scaled", "argmax_part", "argmax_merge"]
     out += ["choose_rows", "distribution_rows", "adjust_logits", "count_tokens", "gemv_any", *SPLIT_KERNELS]
     out += ["inverse_cdf_rows", "verify_sampled_rows"]
-    out += Kernels.attn_exprs(a.head_dim, a.num_attention_heads // a.num_key_value_heads, tensor_cores)
+    out += Kernels.attn_exprs(a.head_dim, a.num_attention_heads // a.num_key_value_heads, attention_tc)
     if a.num_experts:
         out += Kernels.moe_exprs(h, a.moe_intermediate_size, a.num_experts_per_tok)
     # (out features, reduction, fused norm) of every projection: q/k/v, output, router, the dense MLP or

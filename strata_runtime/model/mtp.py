@@ -177,10 +177,13 @@ class MtpHead:
         mlp.experts.read_from(stage.experts, stage.n_sparse)
         self.weight_bytes -= int(mlp.experts.gate_up_proj.nbytes + mlp.experts.down_proj.nbytes)
 
-    def use_cuda(self, k_cache: Array, v_cache: Array, split_q: bool = True) -> str | None:
+    def use_cuda(
+        self, k_cache: Array, v_cache: Array, split_q: bool = True, attention_tc: bool = True
+    ) -> str | None:
         """Run draft windows of at most 8 rows as CUDA graphs over the drafters' shared KV [1, S, K, T, D].
         Returns why not, when the kernels cannot run this head. ``split_q``: its prompt rows' attention
-        holds q as two fp16 parts (False: fp16 q; ``model.prefill_q``)."""
+        holds q as two fp16 parts (False: fp16 q; ``model.prefill_q``). ``attention_tc``: its decode
+        attention runs on tensor cores where the shape allows (``model.decode_attention``)."""
         from ..cuda import layers
         from ..cuda.mtp import CudaMtp
 
@@ -198,6 +201,7 @@ class MtpHead:
                 experts,
                 split_q,
                 graph_rows=self.prefill_graph_rows,
+                attention_tc=attention_tc,
             )
         return why
 

@@ -327,6 +327,7 @@ class Model:
                         shared=shared,
                         helpers=helpers[sp.index],
                         prefill_split_q=plan.model.prefill_q == "split",
+                        attention_tc=plan.model.decode_attention == "tensor_cores",
                         prompt_graph_rows=plan.memory.prompt_graph_rows,
                         prefill_graph_rows=plan.memory.prefill_graph_rows,
                     )
@@ -362,7 +363,8 @@ class Model:
                 # CUDA graph can serve draft windows of any slots.
                 shape = (1, slots, args.num_key_value_heads, context, args.head_dim)
                 mtp_kv = (last_stage.device.zeros(shape, kv_dtype), last_stage.device.zeros(shape, kv_dtype))
-                if mtp.use_cuda(*mtp_kv, split_q=plan.model.prefill_q == "split") is not None:
+                split_q, tc = plan.model.prefill_q == "split", plan.model.decode_attention == "tensor_cores"
+                if mtp.use_cuda(*mtp_kv, split_q=split_q, attention_tc=tc) is not None:
                     mtp_kv = None
             drafters = {
                 s: Drafter(

@@ -101,6 +101,7 @@ class Stage:
         prefill_split_q: bool = True,
         prompt_graph_rows: int = PROMPT_GRAPH_MAX,
         prefill_graph_rows: int = 0,
+        attention_tc: bool = True,
     ) -> None:
         """``routing``: every slot's calibrated-routing tables (host), or None for the model's own router.
         ``expert_slots``: VRAM slots for the routed experts of these layers when they do not all fit
@@ -112,8 +113,10 @@ class Stage:
         ``model.prefill_q``). ``prompt_graph_rows``: a prompt chunk of at most this many rows runs on a GPU
         as 8-row graph windows, a longer one through the CUDA prefill path (``memory.prompt_graph_rows``),
         replayed as a CUDA graph where it pads to at most ``prefill_graph_rows`` rows
-        (``memory.prefill_graph_rows``)."""
+        (``memory.prefill_graph_rows``). ``attention_tc``: decode attention on a CUDA device runs on tensor
+        cores where the model's shape allows (False: on CUDA cores; ``model.decode_attention``)."""
         self.index, self.device, self.layer_range, self.args = index, device, layers, args
+        self.attention_tc = attention_tc
         self.prompt_graph_rows = max(prompt_graph_rows, MAX_WINDOW_ROWS)  # a decode window is one graph
         self.routing = routing
         self.prefill_split_q = prefill_split_q
@@ -190,7 +193,15 @@ class Stage:
         main = self.cuda_experts.view(0, self.n_sparse)
         first = self.layer_range[0]
         stack = layers.LayerStack.of(
-            gpu, self.layers, self.args, self.kv.k, self.kv.v, self.cuda_routing, first, main
+            gpu,
+            self.layers,
+            self.args,
+            self.kv.k,
+            self.kv.v,
+            self.cuda_routing,
+            first,
+            main,
+            self.attention_tc,
         )
         lm_head = self.lm_head if self.last else None
         gemv = ops.head_gemv_shapes(*lm_head.shape) if lm_head is not None else ()
