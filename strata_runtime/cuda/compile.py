@@ -9,6 +9,7 @@ device keeps its own cache (`ops.kernels_for`, `flash.flash_kernels_for`).
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections.abc import Iterable
@@ -24,9 +25,14 @@ OPTIONS = ("-std=c++17", "--use_fast_math")
 """NVRTC options of every kernel source."""
 
 
+_INCLUDE = re.compile(r'^#include "([\w.]+)"$', re.MULTILINE)
+
+
 def source(name: str) -> str:
-    """The text of a kernel source beside this module (``kernels.cu``, ``flash.cu``, ``routing.cu``)."""
-    return Path(__file__).with_name(name).read_text()
+    """The text of a kernel source beside this module (``kernels.cu``, ``flash.cu``, ``routing.cu``), with
+    each ``#include "FILE"`` of a file beside it replaced by that file's text (NVRTC gets one string)."""
+    text = Path(__file__).with_name(name).read_text()
+    return _INCLUDE.sub(lambda m: source(m.group(1)), text)
 
 
 @dataclass(frozen=True)
@@ -112,9 +118,8 @@ class KernelCache:
 
     def fn_with_shared(self, expression: str, shared_bytes: int) -> Any:
         """The compiled function of ``expression``, allowed ``shared_bytes`` of dynamic shared memory (a
-        block may take more than the default 48 KiB only with this attribute set); set once per size. The
-        attribute is the compiled function's, so a subclass's launcher of it (`Kernels.fn`) has it too."""
-        fn = KernelCache.fn(self, expression)
+        block may take more than the default 48 KiB only with this attribute set); set once per size."""
+        fn = self.fn(expression)
         if self._shared.get(expression) != shared_bytes:
             fn.max_dynamic_shared_size_bytes = shared_bytes  # CuPy's RawKernel sets the function attribute
             self._shared[expression] = shared_bytes

@@ -24,6 +24,7 @@
 // Layouts: q_hi, q_lo, out [n, NQ, D] fp16; k_cache, v_cache [S, NKV, T, D] fp16, contiguous.
 
 #include <cuda_fp16.h>
+#include "tensor_core.cuh"
 
 #define FLASH_NEG_INF __int_as_float(0xff800000)
 
@@ -31,48 +32,10 @@ namespace flash {
 
 inline constexpr int WARPS = 4, THREADS = WARPS * 32;
 
-// Shared-memory address of a generic pointer (inline PTX, so NVRTC needs no extra header).
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-  unsigned a;
-  asm("{ .reg .u64 s; cvta.to.shared.u64 s, %1; cvt.u32.u64 %0, s; }\n" : "=r"(a) : "l"(p));
-  return a;
-}
-
-// 16 bytes global -> shared address dst, asynchronously; zero-filled when !valid (src is then not read).
-__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
-               : "memory");
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+using namespace tensor_core;
 
 // Wait until at most one committed group is still in flight.
-__device__ __forceinline__ void cp_async_wait_one() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
-
-// ldmatrix from shared address a. Addresses are 32-bit shared-window offsets, a per-thread base plus
-// compile-time byte offsets, so each load costs at most one integer add (generic pointers cost a 64-bit
-// multiply-add and a conversion per load).
-__device__ __forceinline__ void ldsm_x4(unsigned* r, unsigned a) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(a)
-               : "memory");
-}
-
-__device__ __forceinline__ void ldsm_x4_trans(unsigned* r, unsigned a) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(a)
-               : "memory");
-}
-
-// c[16x8] += a[16x16] b[16x8], fp16 inputs, fp32 accumulation.
-__device__ __forceinline__ void mma16816(float* c, const unsigned* a, unsigned b0, unsigned b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
+__device__ __forceinline__ void cp_async_wait_one() { cp_async_wait<1>(); }
 
 __device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
   const half2 h = __floats2half2_rn(lo, hi);  // .x (lo) in the low 16 bits: the lower column

@@ -10,6 +10,7 @@
 // A = R * topk assignments (row, expert), I expert width, D head dim, G query heads per KV head, T context.
 
 #include <cuda_fp16.h>
+#include "tensor_core.cuh"
 
 #define STRATA_INF __int_as_float(0x7f800000)
 
@@ -1053,39 +1054,7 @@ __global__ void __launch_bounds__(B) attn_split(const float* __restrict__ q, con
 // buffers of K and V tiles [ATTN_CHUNK, D + 8] fp16, then q's two parts [G + 1, D + 8] fp16).
 namespace attn_tc_ops {
 
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-  unsigned a;
-  asm("{ .reg .u64 s; cvta.to.shared.u64 s, %1; cvt.u32.u64 %0, s; }\n" : "=r"(a) : "l"(p));
-  return a;
-}
-
-// 16 bytes global -> shared, asynchronously; zeros when !valid (src is then not read).
-__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
-               : "memory");
-}
-
-__device__ __forceinline__ void ldsm_x4(unsigned* r, unsigned a) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(a)
-               : "memory");
-}
-
-__device__ __forceinline__ void ldsm_x4_trans(unsigned* r, unsigned a) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(a)
-               : "memory");
-}
-
-// c[16x8] += a[16x16] b[16x8], fp16 inputs, fp32 accumulation.
-__device__ __forceinline__ void mma(float* c, const unsigned* a, unsigned b0, unsigned b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
+using namespace tensor_core;
 
 // (x0, x1) as two half2s, hi = fp16(x) and lo = fp16(x - hi), lower column in the low 16 bits.
 __device__ __forceinline__ void split_half2(float x0, float x1, unsigned& hi, unsigned& lo) {
@@ -1106,7 +1075,7 @@ __device__ __forceinline__ void load_chunk(unsigned dst, const half* __restrict_
     const bool valid = t0 + row < end;
     cp_async16(dst + (row * LD + col) * 2, valid ? src + (size_t)(t0 + row) * D + col : src, valid);
   }
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
+  cp_async_commit();
 }
 
 }  // namespace attn_tc_ops
@@ -1167,9 +1136,9 @@ __global__ void __launch_bounds__(128) attn_tc(const float* __restrict__ q, cons
     if (j + 1 < c1) {
       load_chunk<D>(base + BUF - buf, kc + head, (j + 1) * C, n);
       load_chunk<D>(base + BUF - buf + TILE, vc + head, (j + 1) * C, n);
-      asm volatile("cp.async.wait_group 2;\n" ::: "memory");  // chunk j's two groups have landed
+      cp_async_wait<2>();  // chunk j's two groups have landed
     } else {
-      asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+      cp_async_wait<0>();
     }
     __syncthreads();
     // S [16 heads x 16 keys] = (q_hi + q_lo) K^T, in two 8-key tiles.
@@ -1184,8 +1153,8 @@ __global__ void __launch_bounds__(128) attn_tc(const float* __restrict__ q, cons
       ldsm_x4(b, k_lane + buf + k * 32);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        mma(sc[h], qh, b[2 * h], b[2 * h + 1]);
-        mma(sc[h], ql, b[2 * h], b[2 * h + 1]);
+        mma16816(sc[h], qh, b[2 * h], b[2 * h + 1]);
+        mma16816(sc[h], ql, b[2 * h], b[2 * h + 1]);
       }
     }
     const int kb = j * C + warp * 16;  // the warp's first key
@@ -1222,10 +1191,10 @@ __global__ void __launch_bounds__(128) attn_tc(const float* __restrict__ q, cons
     for (int t = 0; t < DT; t += 2) {
       unsigned b[4];  // b[0..1]: dims t*8.., b[2..3]: dims t*8+8..
       ldsm_x4_trans(b, v_lane + buf + t * 16);
-      mma(o[t], ph, b[0], b[1]);
-      mma(o[t], pl, b[0], b[1]);
-      mma(o[t + 1], ph, b[2], b[3]);
-      mma(o[t + 1], pl, b[2], b[3]);
+      mma16816(o[t], ph, b[0], b[1]);
+      mma16816(o[t], pl, b[0], b[1]);
+      mma16816(o[t + 1], ph, b[2], b[3]);
+      mma16816(o[t + 1], pl, b[2], b[3]);
     }
     __syncthreads();  // every warp is done with this buffer before chunk j + 2 lands in it
   }

@@ -394,8 +394,8 @@ class Kernels(KernelCache):
         `attention_on_tensor_cores`); else ``attn_split``."""
         self._pdl_fns: dict[str, pdl.PdlKernel] = {}
         self._carveouts: dict[str, int] = {}
-        self.sm_shared = int(device.attributes["MaxSharedMemoryPerMultiprocessor"])
-        """Bytes of shared memory an SM has (`attention_tc_carveout`)."""
+        self._device_id = device.id
+        self._sm_shared: int | None = None
 
     @contextlib.contextmanager
     def programmatic(self, on: bool = True) -> Iterator[None]:
@@ -407,6 +407,14 @@ class Kernels(KernelCache):
         finally:
             _PROGRAMMATIC.reset(token)
 
+    @property
+    def sm_shared(self) -> int:
+        """Bytes of shared memory an SM of this device has (`attention_tc_carveout`), read once."""
+        if self._sm_shared is None:
+            device = cupy_module().cuda.Device(self._device_id)
+            self._sm_shared = int(device.attributes["MaxSharedMemoryPerMultiprocessor"])
+        return self._sm_shared
+
     def prefer_carveout(self, expression: str, percent: int) -> None:
         """Set ``expression``'s preferred shared-memory carveout (percent of an SM's), once."""
         if self._carveouts.get(expression) != percent:
@@ -415,8 +423,11 @@ class Kernels(KernelCache):
 
     def allow_shared(self, expression: str, shared_bytes: int) -> None:
         """Let ``expression``'s blocks take ``shared_bytes`` of dynamic shared memory (past the default 48
-        KiB only with the function attribute set), whichever launcher `fn` gives."""
-        self.fn_with_shared(expression, shared_bytes)
+        KiB only with the function attribute set), once per size. The attribute is the compiled function's,
+        so the launcher `fn` gives (with PDL or not) has it too."""
+        if self._shared.get(expression) != shared_bytes:
+            KernelCache.fn(self, expression).max_dynamic_shared_size_bytes = shared_bytes
+            self._shared[expression] = shared_bytes
 
     def fn(self, expression: str) -> Any:
         """The launcher of ``expression``: with PDL inside a `programmatic` block where it may take it,
