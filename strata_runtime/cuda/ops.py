@@ -594,11 +594,12 @@ class Kernels(KernelCache):
     ) -> None:
         """Causal decode attention of each row over positions 0..pos[r] of its slot. out: [R, NQ * D] fp32.
 
-        One kernel: each chunk of 64 positions writes a partial result to ``scratch`` (fp32, at least
+        One kernel: ``attn_tc`` on tensor cores where `attention_tc` and the shape allow, else
+        ``attn_split``. Each block (a chunk of 64 positions; with ``attn_tc``, a run of consecutive chunks of
+        a row past `ATTN_SPLITS` chunks) writes a partial result to ``scratch`` (fp32, at least
         `attention_scratch_size(R, NQ, NKV, D, T)` elements), and the blocks that finish last merge them (in
-        groups of `DECODE_ATTENTION_MERGE_GROUP` chunks, then the groups, for a long row), counting in
-        ``done`` ([R, `attention_counters`] int32, zero before the first launch; the kernel leaves it at
-        zero).
+        groups of `DECODE_ATTENTION_MERGE_GROUP`, then the groups, for a long row), counting in ``done`` ([R,
+        `attention_counters`] int32, zero before the first launch; the kernel leaves it at zero).
         """
         rows, n_q, d = q.shape
         _, n_kv, t, _ = k_cache.shape
@@ -610,53 +611,33 @@ class Kernels(KernelCache):
             )
         acc = scratch[: rows * n_kv * nc * g * d]
         ml = scratch[rows * n_kv * nc * g * d : rows * n_kv * nc * g * (d + 2)]
+        common = (
+            q,
+            k_cache,
+            v_cache,
+            pos,
+            slot,
+            acc,
+            ml,
+            done,
+            out,
+            np.int32(n_kv),
+            np.int32(t),
+            np.int32(nc),
+        )
         if attention_on_tensor_cores(d, g, self.attention_tc):
             few = rows <= ATTENTION_WIDE_ROWS
             expr, smem = f"attn_tc<{d},{g},{int(few)}>", attention_tc_shared_bytes(d, g)
             self.allow_shared(expr, smem)
             if few:
                 self.prefer_carveout(expr, attention_tc_carveout(smem, self.sm_shared))
-            self.fn(expr)(
-                (rows, n_kv, min(nc, ATTN_SPLITS)),
-                (128,),
-                (
-                    q,
-                    k_cache,
-                    v_cache,
-                    pos,
-                    slot,
-                    acc,
-                    ml,
-                    done,
-                    out,
-                    np.int32(n_kv),
-                    np.int32(t),
-                    np.int32(nc),
-                    np.int32(ATTN_SPLITS),
-                    np.float32(math.log2(math.e) / math.sqrt(d)),
-                ),
-                shared_mem=smem,
-            )
+            scale_log2 = np.float32(math.log2(math.e) / math.sqrt(d))  # softmax in base 2
+            grid = (rows, n_kv, min(nc, ATTN_SPLITS))
+            self.fn(expr)(grid, (128,), (*common, np.int32(ATTN_SPLITS), scale_log2), shared_mem=smem)
             return
         b, w = attention_shape(d, g, rows)
         self.fn(f"attn_split<{d},{g},{b},{w}>")(
-            (rows, n_kv, nc),
-            (b,),
-            (
-                q,
-                k_cache,
-                v_cache,
-                pos,
-                slot,
-                acc,
-                ml,
-                done,
-                out,
-                np.int32(n_kv),
-                np.int32(t),
-                np.int32(nc),
-                np.float32(1.0 / math.sqrt(d)),
-            ),
+            (rows, n_kv, nc), (b,), (*common, np.float32(1.0 / math.sqrt(d)))
         )
 
     def moe(
