@@ -356,5 +356,8 @@ def test_the_step_table_gives_each_kernel_groups_share_of_the_copy_rate() -> Non
     )
     text = render_step(res)
     assert "1 row: qkv+rope 10.0 (50%), route_bias 1.0" in text
+    assert "decode attention" not in text  # a result written before the step named its attention kernel
+    res["attention"] = "CUDA cores (attn_split)"  # `model.decode_attention = "cuda_cores"`
+    assert "uniform routing, decode attention on CUDA cores (attn_split)\n" in render_step(res)
     del res["per_kernel_gbs"]  # a result written before the rates were measured
     assert "1 row: qkv+rope 10.0, route_bias 1.0" in render_step(res)

@@ -405,7 +405,7 @@ def run_step(
     """Time the kernel step of the plan's model on GPU ``device_index``; the figures as a JSON-able dict."""
     import cupy as cp
 
-    from ..cuda.ops import kernels_for
+    from ..cuda.ops import attention_on_tensor_cores, kernels_for
 
     f, context = plan.model.facts, plan.memory.context
     position = max(0, min(position, context - 1))
@@ -425,6 +425,8 @@ def run_step(
         routing = step_routing(plan, Device("cuda", device_index))
         kern = kernels_for(device_index)
         kern.attention_tc = kern.tensor_cores and plan.model.decode_attention == "tensor_cores"
+        group = f.num_attention_heads // f.num_key_value_heads
+        on_tc = attention_on_tensor_cores(f.head_dim, group, kern.attention_tc)
         model = KernelModel(cp, f, context, kern, device_index, routing)
         cp.cuda.Device().synchronize()
         made_s = time.perf_counter() - t0
@@ -448,6 +450,7 @@ def run_step(
         "gpu": name,
         "model": model_summary(f),
         "routing": plan.model.routing,
+        "attention": "tensor cores (attn_tc)" if on_tc else "CUDA cores (attn_split)",
         "context": context,
         "position": position,
         "weights_generated_s": made_s,
@@ -500,7 +503,8 @@ def render_step(res: dict[str, Any]) -> str:
         f"{m['heads']}/{m['kv_heads']} heads x {m['head_dim']}, {m['experts']} experts top-{m['top_k']} "
         f"of width {m['expert_width']}, "
         f"vocab {m['vocab']}) on {res['device']} ({res['gpu']}), KV at position {res['position']} "
-        f"of {res['context']}, random fp16 weights, {res['routing']} routing",
+        f"of {res['context']}, random fp16 weights, {res['routing']} routing"
+        + (f", decode attention on {res['attention']}" if "attention" in res else ""),
         f"device-to-device copy measured in this run: {res['copy_gbs']:,.0f} GB/s (read + write)",
         "roofline = bytes one step must read / copy rate:",
         *(f"  {r['arithmetic']}" for r in res["rows"]),

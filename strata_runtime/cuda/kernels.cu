@@ -1050,7 +1050,7 @@ __global__ void __launch_bounds__(B) attn_split(const float* __restrict__ q, con
 //   merge as attn_split's chunks do (`attn_merge`; in groups of ATTN_MERGE_GROUP past that many).
 // Fragment layouts are flash.cu's (mma.m16n8k16, lane = 4 gq + tq); K is read with ldmatrix (B = K^T) and V
 // with ldmatrix.trans (B = V) from rows padded to D + 8 halves.
-// Grid (R, NKV, min(NC, splits)), 128 threads, `attention_tc_shared_bytes(D)` of dynamic shared memory (two
+// Grid (R, NKV, min(NC, splits)), 128 threads, `attention_tc_shared_bytes(D, G)` of dynamic shared memory (two
 // buffers of K and V tiles [ATTN_CHUNK, D + 8] fp16, then q's two parts [G + 1, D + 8] fp16).
 namespace attn_tc_ops {
 
