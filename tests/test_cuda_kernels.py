@@ -126,7 +126,11 @@ def test_qk_norm_rope_kv_and_attention_match_the_reference(gpu, attention_kernel
 
     from strata_runtime.cuda.ops import attention_counters, attention_scratch_size
 
-    scratch = cp.full(attention_scratch_size(rows, n_q, n_kv, d, t), cp.nan, cp.float32)
+    scratch = cp.full(
+        attention_scratch_size(rows, n_q, n_kv, d, t, kern.attention_on_tc(d, n_q // n_kv)),
+        cp.nan,
+        cp.float32,
+    )
     done = cp.zeros((rows, attention_counters(n_kv, t)), cp.int32)
     out = np.empty((rows, n_q * d), np.float32)
     ref.attention(q, kc_d.get(), vc_d.get(), pos, slot, out)
@@ -146,24 +150,52 @@ def test_qk_norm_rope_kv_and_attention_match_the_reference(gpu, attention_kernel
 
 def test_attention_merges_hundreds_of_chunks(gpu, attention_kernel):
     """Past about 16k positions `attn_split`'s merge reads the chunks' statistics from global memory instead
-    of shared memory, and `attn_tc`'s blocks each stream several chunks (ATTN_SPLITS partials a row at most);
-    both must agree with the reference."""
+    of shared memory, and `attn_tc`'s blocks each stream several chunks (64 runs of 10 chunks at the longest
+    row here); both must agree with the reference, with ``attn_tc``'s scratch of
+    64 partials a row and head."""
     from strata_runtime.cuda.ops import attention_counters, attention_scratch_size
 
     cp, kern, ref = gpu
     g = rng()
-    slots, n_q, n_kv, d, t = 2, 32, 4, 128, 20_000
+    slots, n_q, n_kv, d, t = 2, 32, 4, 128, 40_000
     pos, slot = np.array([t - 1, 100, 16_300], np.int32), np.array([0, 1, 1], np.int32)
     q = g.standard_normal((3, n_q, d)).astype(np.float32)
     kc, vc = half(g.standard_normal((slots, n_kv, t, d))), half(g.standard_normal((slots, n_kv, t, d)))
     out_d = cp.full((3, n_q * d), cp.nan, cp.float32)
-    scratch = cp.full(attention_scratch_size(3, n_q, n_kv, d, t), cp.nan, cp.float32)
+    scratch = cp.full(
+        attention_scratch_size(3, n_q, n_kv, d, t, kern.attention_on_tc(d, n_q // n_kv)), cp.nan, cp.float32
+    )
     done = cp.zeros((3, attention_counters(n_kv, t)), cp.int32)
     args = (cp.asarray(q), cp.asarray(kc), cp.asarray(vc), cp.asarray(pos), cp.asarray(slot))
     kern.attention(*args, out_d, scratch, done)
     out = np.empty((3, n_q * d), np.float32)
     ref.attention(q, kc, vc, pos, slot, out)
     assert rel_err(out_d.get(), out) < REL
+
+
+def test_attention_refuses_a_scratch_too_small_for_the_kernel_that_runs(gpu, attention_kernel):
+    """``attn_tc`` keeps 64 partials a row and head at most, ``attn_split`` one per 64 positions of the
+    context: each launch checks the scratch it was given against its own kernel's need."""
+    from strata_runtime.cuda.ops import attention_counters, attention_scratch_size
+
+    cp, kern, _ = gpu
+    g = rng()
+    rows, n_q, n_kv, d, t = 2, 32, 4, 128, 9000
+    tc = kern.attention_on_tc(d, n_q // n_kv)
+    assert tc == (attention_kernel == "tc")
+    need = attention_scratch_size(rows, n_q, n_kv, d, t, tc)
+    assert need == rows * n_q * (64 if tc else 141) * (d + 2)
+    q = cp.asarray(g.standard_normal((rows, n_q, d)).astype(np.float32))
+    kc = cp.asarray(half(g.standard_normal((rows, n_kv, t, d))))
+    pos, slot = cp.asarray(np.array([t - 1, 5000], np.int32)), cp.arange(rows, dtype=cp.int32)
+    out = cp.full((rows, n_q * d), cp.nan, cp.float32)
+    done = cp.zeros((rows, attention_counters(n_kv, t)), cp.int32)
+    with pytest.raises(
+        ValueError, match=f"attention needs {need} floats of scratch for 2 rows, got {need - 1}"
+    ):
+        kern.attention(q, kc, kc, pos, slot, out, cp.zeros(need - 1, cp.float32), done)
+    kern.attention(q, kc, kc, pos, slot, out, cp.zeros(need, cp.float32), done)
+    assert np.isfinite(out.get()).all()
 
 
 @pytest.mark.parametrize(
@@ -176,7 +208,7 @@ def test_attention_merges_hundreds_of_chunks(gpu, attention_kernel):
         (64, 4, 128, 700),
         (32, 4, 128, 2500),  # rows past 16 chunks merge them in groups, then the groups
         (8, 2, 32, 2500),
-        (32, 4, 128, 9000),  # attn_tc: rows past ATTN_SPLITS chunks stream 2 or 3 chunks a block
+        (32, 4, 128, 9000),  # attn_tc: up to 128 chunks in 16 runs or fewer, then up to 64
         (16, 4, 64, 9000),
     ],
 )
@@ -191,7 +223,8 @@ def test_attention_row_is_the_same_in_every_window(gpu, attention_kernel, n_q, n
     slots, rows = 5, 5
     assert attention_shape(d, n_q // n_kv, 1)[1] == attention_shape(d, n_q // n_kv, rows)[1]
     pos = {700: [t - 1, 64, 63, 300, 1], 2500: [t - 1, 1024, 1023, 2047, 1100]}.get(
-        t, [t - 1, 4096, 4095, 4159, 6000]
+        t,
+        [t - 1, 4095, 8191, 8192, 6000],  # 141, 64, 128, 129 and 94 chunks
     )
     pos = np.array(pos, np.int32)
     slot = np.arange(rows, dtype=np.int32)
@@ -202,7 +235,11 @@ def test_attention_row_is_the_same_in_every_window(gpu, attention_kernel, n_q, n
     def attend(sel: list[int]) -> np.ndarray:
         r = len(sel)
         out = cp.full((r, n_q * d), cp.nan, cp.float32)
-        scratch = cp.full(attention_scratch_size(r, n_q, n_kv, d, t), cp.nan, cp.float32)
+        scratch = cp.full(
+            attention_scratch_size(r, n_q, n_kv, d, t, kern.attention_on_tc(d, n_q // n_kv)),
+            cp.nan,
+            cp.float32,
+        )
         done = cp.zeros((r, attention_counters(n_kv, t)), cp.int32)
         kern.attention(q[sel], kc, vc, cp.asarray(pos[sel]), cp.asarray(slot[sel]), out, scratch, done)
         return out.get()
@@ -234,7 +271,11 @@ def test_attention_reads_nothing_past_each_rows_position(gpu, attention_kernel, 
         poisoned_v[r, :, p + 1 :: 2] = np.float16(np.inf)
         poisoned_v[r, :, p + 2 :: 2] = np.float16(np.nan)
     out_d = cp.full((rows, n_q * d), cp.nan, cp.float32)
-    scratch = cp.full(attention_scratch_size(rows, n_q, n_kv, d, t), cp.nan, cp.float32)
+    scratch = cp.full(
+        attention_scratch_size(rows, n_q, n_kv, d, t, kern.attention_on_tc(d, n_q // n_kv)),
+        cp.nan,
+        cp.float32,
+    )
     done = cp.zeros((rows, attention_counters(n_kv, t)), cp.int32)
     kern.attention(
         cp.asarray(q),

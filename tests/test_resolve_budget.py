@@ -128,15 +128,22 @@ def test_a_gpu_at_a_head_dim_the_fused_kernel_lacks_and_cpu_devices_plan_the_sco
             assert stored.budget.workspace - fused.budget.workspace == tile + cublas, path.name
 
 
-def test_the_workspace_by_part_adds_up_and_its_decode_windows_grow_with_the_context():
+@pytest.mark.parametrize("kernel", ["auto", "cuda_cores"])
+def test_the_workspace_by_part_adds_up_and_its_decode_windows_grow_with_the_context(kernel):
     """Every stage GPU's workspace is given by part, and the parts add up to it. The decode windows' part
     is a set of window buffers on each GPU, and two more for the MTP head on the last stage where it drafts;
-    quadrupling the context grows it by three times the attention scratch of each set, and the expert cache
-    pays for it. The plan's text gives the parts."""
+    quadrupling the context grows it by three times the attention scratch of each set on CUDA cores, and
+    not at all on tensor cores (whose scratch stops at 64 partials a row and head, reached at 4,096
+    positions); attention's counters grow either way, and the expert cache pays for it. The plan's text
+    gives the parts."""
     from strata_cfg.report.plan_text import plan_text
 
     path = PROFILES / "rtx3080-20g-x2.toml"
-    short, long = plan_of(path), plan_of(path, [("memory.context", 16384)])
+    sets = [("model.decode_attention", kernel)]
+    short, long = plan_of(path, sets), plan_of(path, [*sets, ("memory.context", 16384)])
+    assert short.memory.context == 4096
+    tc = kernel == "auto"
+    assert short.model.decode_attention == ("tensor_cores" if tc else "cuda_cores")
     m = short.model.facts
     for plan in (short, long):
         context = plan.memory.context
@@ -145,14 +152,16 @@ def test_the_workspace_by_part_adds_up_and_its_decode_windows_grow_with_the_cont
             parts = g.budget.workspace_parts
             assert list(parts) == [k for k in ("prompt", "windows", "logits", "headroom") if k in parts]
             assert sum(parts.values()) == g.budget.workspace and parts["headroom"] == sizes.GPU_POOL_HEADROOM
-        windows = sizes.decode_window_bytes(m, context=context)
+        windows = sizes.decode_window_bytes(m, context=context, attention_tc=tc)
         assert all(g.budget.workspace_parts["windows"] == windows for g in firsts)
-        head = sizes.MTP_WINDOW_SETS * sizes.decode_window_bytes(m, context=context, mtp=True)
+        head = sizes.MTP_WINDOW_SETS * sizes.decode_window_bytes(
+            m, context=context, mtp=True, attention_tc=tc
+        )
         assert plan.batch.mtp and last.budget.workspace_parts["windows"] == windows + head
         assert "logits" in last.budget.workspace_parts and not any(
             "logits" in g.budget.workspace_parts for g in firsts
         )
-    grown = 3 * sizes.decode_attention_scratch_bytes(m, context=short.memory.context, rows=8)
+    grown = 0 if tc else 3 * sizes.decode_attention_scratch_bytes(m, context=short.memory.context, rows=8)
     # Attention's counters, in each of the 36 rows of a set's windows (1 + 2 + ... + 8), grow too.
     nkv, contexts = m.num_key_value_heads, (short.memory.context, long.memory.context)
     counters = [decode_attention_counters(nkv, c) for c in contexts]

@@ -68,7 +68,8 @@ def _expected_logits(model: KernelModel, ids: np.ndarray, position: int) -> tupl
         w = {
             f.name: None if getattr(lay, f.name) is None else getattr(lay, f.name).astype(f64)
             for f in fields(lay)
-            if f.name != "experts"  # the routed experts' address tables: gate_up and down are the weights
+            # the routed experts' address tables (gate_up and down are the weights), and a flag
+            if f.name not in ("experts", "attention_tc")
         }
         qkv = _rms(x, w["ln1"]) @ w["qkv"].T  # [R, (NQ + 2 NKV) D]
         q = rope(_rms(qkv[:, : nq * d].reshape(-1, nq, d), w["q_norm"]))  # [R, NQ, D]
@@ -258,7 +259,7 @@ def test_step_memory_counts_every_weight_and_the_kv_of_eight_slots() -> None:
         getattr(lay, f.name).nbytes
         for lay in model.stack.layers
         for f in fields(lay)
-        if getattr(lay, f.name) is not None and f.name != "experts"
+        if getattr(lay, f.name) is not None and f.name not in ("experts", "attention_tc")
     )
     held += model.stack.k_cache.nbytes + model.stack.v_cache.nbytes
     held += model.emb.nbytes + model.head.nbytes + model.final_norm.nbytes

@@ -1103,3 +1103,29 @@ def test_the_decode_attention_choice_reaches_every_stack_and_its_graphs(fake_gpu
         for cuda in [stage.cuda for stage in model.stages] + [model.mtp.cuda.layers]:
             names = {e.split("<")[0] for e in cuda.expressions()}
             assert ("attn_tc" in names, "attn_split" in names) == (tc, not tc)
+
+
+def test_two_engines_of_one_device_each_run_the_decode_attention_their_plan_chose(fake_gpu):
+    """The device's kernels are one object that every stack on it shares, so the choice of decode attention
+    is each layer's: two engines built in one process (as `strata bench --vary model.decode_attention=...`
+    builds its arms) each launch their own plan's kernel, whichever was built last."""
+    from strata_runtime.engine import Engine
+
+    text = float16_profile_text(backend="cuda", preset="small", slots=2, context=256, draft_tokens=2)
+    engines = {  # both built before either runs a window; "cuda_cores" last
+        asked: Engine(
+            resolve_text(text.replace("[model]", f'[model]\ndecode_attention = "{asked}"'), "a.toml").plan
+        )
+        for asked in ("auto", "cuda_cores")
+    }
+    kern = engines["auto"].model.stages[0].cuda.stack.kern
+    assert kern is engines["cuda_cores"].model.stages[0].cuda.stack.kern  # one device, one kernel set
+    texts = []
+    for asked, kernel in (("auto", "attn_tc"), ("cuda_cores", "attn_split"), ("auto", "attn_tc")):
+        kern.attention_kernels.clear()
+        handle = engines[asked].submit(Request((5, 9, 2, 7, 11), 6, ignore_eos=True))
+        while engines[asked].step():
+            pass
+        texts.append([t for _ in range(handle.events.qsize()) for t in handle.events.get().token_ids])
+        assert kern.attention_kernels and set(kern.attention_kernels) == {kernel}, asked
+    assert len(texts[0]) == 6 and texts[0] == texts[1] == texts[2]

@@ -215,3 +215,28 @@ def test_attention_on_tensor_cores_leaves_few_row_windows_two_blocks_an_sm(
     if (d, g, sm_shared) == (128, 8, 233_472):  # the H200: two blocks an SM, not the three that were slower
         room = pct * sm_shared / 100
         assert 2 * block <= room < 3 * block
+
+
+@pytest.mark.parametrize(
+    ("context", "cuda_cores", "tensor_cores"),
+    [(1, 1, 1), (300, 5, 5), (4096, 64, 64), (4097, 65, 64), (8192, 128, 64), (32768, 512, 64)],
+)
+def test_attention_on_tensor_cores_keeps_at_most_64_partials_at_any_context(
+    context, cuda_cores, tensor_cores
+):
+    """Decode attention's scratch holds a partial result per 64 positions of the context on CUDA cores, and
+    at most `ATTN_SPLITS` = 64 on tensor cores, whose runs never outnumber them (`ATTN_SHORT_SPLITS`); the
+    plan counts the same floats as the runtime allocates."""
+    from strata_cfg.schema.windows import decode_attention_partials, decode_attention_scratch_floats
+    from strata_runtime.cuda.ops import ATTN_SHORT_SPLITS, ATTN_SPLITS, attention_scratch_size
+
+    assert ATTN_SHORT_SPLITS <= ATTN_SPLITS == 64
+    assert decode_attention_partials(context) == cuda_cores
+    assert decode_attention_partials(context, tensor_cores=True) == tensor_cores
+    for tc, partials in ((False, cuda_cores), (True, tensor_cores)):
+        floats = attention_scratch_size(3, 32, 4, 128, context, tc)
+        assert (
+            floats
+            == 3 * 32 * partials * 130
+            == decode_attention_scratch_floats(3, 32, 128, context, tensor_cores=tc)
+        )

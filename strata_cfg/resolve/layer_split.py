@@ -44,6 +44,7 @@ def sizing(model: ModelFacts, led: Ledger) -> Sizing:
         cache=None if cache == "auto" else int(cache),
         stores_scores=stores_attention_scores(led["machine.backend"], model),
         prefill_graph_rows=led["memory.prefill_graph_rows"],
+        attention_tc=led["model.decode_attention"] == "tensor_cores",
         gpu=led["machine.backend"] == "cuda",
     )
 

@@ -50,6 +50,9 @@ class Sizing:
     not where a GPU reads prompts through the fused kernel)."""
     prefill_graph_rows: int = 0
     """Rows of a prefill graph's temporaries, kept (``memory.prefill_graph_rows``)."""
+    attention_tc: bool = False
+    """Decode attention runs on tensor cores (``model.decode_attention``), whose scratch holds fewer partial
+    results a row and head (`sizes.decode_attention_scratch_bytes`)."""
     gpu: bool = False
     """The stages run on GPUs (``machine.backend = "cuda"``), whose prefill path the workspace counts
     (`sizes.gpu_prefill_bytes`); else on virtual CPU devices, through the array path
@@ -78,6 +81,7 @@ class Sizing:
             graph_rows=self.prefill_graph_rows,
             gpu=self.gpu,
             mtp=self.with_mtp,
+            attention_tc=self.attention_tc,
         )
 
 

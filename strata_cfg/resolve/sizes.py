@@ -210,25 +210,36 @@ def decode_window_row_bytes(model: ModelFacts, *, mtp: bool = False) -> int:
     return n + F32 * 3 * max(_mlp_width(model, mtp=mtp), 1)
 
 
-def decode_attention_scratch_bytes(model: ModelFacts, *, context: int, rows: int) -> int:
+def decode_attention_scratch_bytes(
+    model: ModelFacts, *, context: int, rows: int, tensor_cores: bool = False
+) -> int:
     """Decode attention's partial sums, maxima and totals (float32) for ``rows`` rows: every query head over
-    each block of `DECODE_ATTENTION_CHUNK` positions of the context."""
-    return F32 * decode_attention_scratch_floats(rows, model.num_attention_heads, model.head_dim, context)
+    each block of `DECODE_ATTENTION_CHUNK` positions of the context, or on ``tensor_cores`` at most
+    `DECODE_ATTENTION_TC_SPLITS` of them (`decode_attention_scratch_floats`)."""
+    heads, dim = model.num_attention_heads, model.head_dim
+    return F32 * decode_attention_scratch_floats(rows, heads, dim, context, tensor_cores=tensor_cores)
 
 
-def decode_window_bytes(model: ModelFacts, *, context: int, mtp: bool = False) -> int:
+def decode_window_bytes(
+    model: ModelFacts, *, context: int, mtp: bool = False, attention_tc: bool = False
+) -> int:
     """One set of decode window buffers (a `strata_runtime.cuda.decode.CudaLayers`) through the main model's
     layers, or with ``mtp`` through the MTP head's: a window of each size from 1 to R rows keeps its own
     buffers (its CUDA graph replays on their addresses), and all of them share one attention scratch of R
     rows, since a set's windows run one at a time on one stream. Plus the fused q/k/v kernel's counters
     (i x (nh + 2 nkv)) for each size, and attention's for each row (`decode_attention_counters`: one a KV
-    head, and one a KV head for each group of chunks its merge takes, which grow with the context)."""
+    head, and one a KV head for each group of chunks its merge takes, which grow with the context). The
+    scratch holds fewer partial results where decode attention runs on tensor cores (``attention_tc``,
+    ``model.decode_attention``)."""
     sizes = range(1, MAX_WINDOW_ROWS + 1)
     counters = I32 * (model.num_attention_heads + 2 * model.num_key_value_heads)
     row = decode_window_row_bytes(model, mtp=mtp)
     row += I32 * decode_attention_counters(model.num_key_value_heads, context)
     n = sum(rows * row + counters for rows in sizes)
-    return n + decode_attention_scratch_bytes(model, context=context, rows=MAX_WINDOW_ROWS)
+    scratch = decode_attention_scratch_bytes(
+        model, context=context, rows=MAX_WINDOW_ROWS, tensor_cores=attention_tc
+    )
+    return n + scratch
 
 
 MTP_WINDOW_SETS = 2
@@ -288,6 +299,7 @@ def workspace_parts(
     graph_rows: int = 0,
     gpu: bool = False,
     mtp: bool = False,
+    attention_tc: bool = False,
 ) -> dict[str, int]:
     """Activation workspace by part, in the order and with the names of
     `strata_cfg.schema.plan.WORKSPACE_PARTS` (a part that is 0 is left out).
@@ -295,7 +307,8 @@ def workspace_parts(
     On a GPU (``gpu``) what its prefill path holds for a chunk of ``prefill_rows`` rows (`prefill_rows`) with
     graphs of up to ``graph_rows`` rows (``memory.prefill_graph_rows``), and on the last stage where it drafts
     (``mtp``) the MTP head's prefill path beside it (`gpu_prefill_bytes`), and its decode window buffers
-    (`decode_window_bytes`; the MTP head's `MTP_WINDOW_SETS` too); on virtual CPU devices ``prefill_rows``
+    (`decode_window_bytes`, with decode attention on tensor cores where ``attention_tc``; the MTP head's
+    `MTP_WINDOW_SETS` too); on virtual CPU devices ``prefill_rows``
     rows at `row_activation_bytes` (the array path; and ``graph_rows`` more, twice with ``mtp`` on the last
     stage, though a CPU device resolves them to 0). Either way one tile of the rows' attention scores
     (`attention_scores_bytes`) where prompt attention stores them (``stores_scores``,
@@ -307,9 +320,10 @@ def workspace_parts(
         parts["prompt"] = gpu_prefill_bytes(
             model, rows=prefill_rows, graph_rows=graph_rows, last=last, mtp=last and mtp, flash=flash
         )
-        windows = decode_window_bytes(model, context=context)
+        windows = decode_window_bytes(model, context=context, attention_tc=attention_tc)
         if last and mtp:
-            windows += MTP_WINDOW_SETS * decode_window_bytes(model, context=context, mtp=True)
+            head = decode_window_bytes(model, context=context, mtp=True, attention_tc=attention_tc)
+            windows += MTP_WINDOW_SETS * head
         parts["windows"] = windows
     else:
         parts["prompt"] = (prefill_rows + graph_rows * (2 if last and mtp else 1)) * row_activation_bytes(

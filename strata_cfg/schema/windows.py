@@ -26,10 +26,25 @@ DECODE_ATTENTION_CHUNK = 64
 result per query head to the window's scratch, so the scratch grows with the context."""
 
 
-def decode_attention_scratch_floats(rows: int, heads: int, head_dim: int, context: int) -> int:
+DECODE_ATTENTION_TC_SPLITS = 64
+"""Partial results of a row and KV head that decode attention's tensor-core kernel writes at most, however
+long the row: past that many chunks, each of its blocks streams a run of consecutive chunks."""
+
+
+def decode_attention_partials(context: int, *, tensor_cores: bool = False) -> int:
+    """Partial results a row and query head of decode attention may write over a ``context``-position KV: one
+    per `DECODE_ATTENTION_CHUNK` positions on CUDA cores, at most `DECODE_ATTENTION_TC_SPLITS` on tensor
+    cores."""
+    chunks = -(-context // DECODE_ATTENTION_CHUNK)
+    return min(chunks, DECODE_ATTENTION_TC_SPLITS) if tensor_cores else chunks
+
+
+def decode_attention_scratch_floats(
+    rows: int, heads: int, head_dim: int, context: int, *, tensor_cores: bool = False
+) -> int:
     """Float32 elements of decode attention's scratch for ``rows`` rows: each query head's partial sums
-    (``head_dim``) and its maximum and total, for every `DECODE_ATTENTION_CHUNK` positions of the context."""
-    return rows * heads * -(-context // DECODE_ATTENTION_CHUNK) * (head_dim + 2)
+    (``head_dim``) and its maximum and total, for each partial result (`decode_attention_partials`)."""
+    return rows * heads * decode_attention_partials(context, tensor_cores=tensor_cores) * (head_dim + 2)
 
 
 DECODE_ATTENTION_MERGE_GROUP = 16

@@ -185,7 +185,9 @@ class KernelModel:
     The layers are a `strata_runtime.cuda.layers.LayerStack` run by its own kernel sequence (`LAYER_STEPS`),
     exactly as the decode graphs run a stage's. ``kern`` is the device's `strata_runtime.cuda.ops.Kernels`
     (the CPU tests pass the NumPy references, which have the launchers' names and signatures) and ``cp``
-    the array module; ``routing``, calibrated routing's tables on that device (None: the router's own).
+    the array module; ``routing``, calibrated routing's tables on that device (None: the router's own);
+    ``attention_tc``, decode attention on tensor cores where the device and shape allow
+    (``model.decode_attention``).
     """
 
     def __init__(
@@ -196,12 +198,15 @@ class KernelModel:
         kern: Kernels,
         device_index: int = 0,
         routing: DeviceRouting | None = None,
+        attention_tc: bool = True,
     ) -> None:
         self.cp, self.f, self.context = cp, f, context
         layers = [
             random_layer(cp, f, j, routing.layer(j) if routing is not None else None)
             for j in range(f.num_hidden_layers)
         ]
+        for lay in layers:
+            lay.attention_tc = attention_tc
         kv = (f.num_hidden_layers, SLOTS, f.num_key_value_heads, context, f.head_dim)  # [L, S, NKV, T, D]
         k_cache, v_cache = cp.zeros(kv, cp.float16), cp.zeros(kv, cp.float16)
         self.stack = LayerStack(device_index, facts_args(f), layers, k_cache, v_cache, kern)
@@ -424,10 +429,10 @@ def run_step(
         t0 = time.perf_counter()
         routing = step_routing(plan, Device("cuda", device_index))
         kern = kernels_for(device_index)
-        kern.attention_tc = kern.tensor_cores and plan.model.decode_attention == "tensor_cores"
+        tc = plan.model.decode_attention == "tensor_cores"
         group = f.num_attention_heads // f.num_key_value_heads
-        on_tc = attention_on_tensor_cores(f.head_dim, group, kern.attention_tc)
-        model = KernelModel(cp, f, context, kern, device_index, routing)
+        on_tc = attention_on_tensor_cores(f.head_dim, group, kern.tensor_cores and tc)
+        model = KernelModel(cp, f, context, kern, device_index, routing, attention_tc=tc)
         cp.cuda.Device().synchronize()
         made_s = time.perf_counter() - t0
         table = [model.time_rows(rows, position, repeats, copy) for rows in ROWS]

@@ -51,7 +51,7 @@ class CudaLayers:
         widths = [lay.mlp_width for lay in self.stack.layers if lay.mlp_down is not None]
         kern = self.stack.kern
         return decode_expressions(
-            self.stack.args, widths, self.gemv_shapes, kern.tensor_cores, attention_tc=kern.attention_tc
+            self.stack.args, widths, self.gemv_shapes, kern.tensor_cores, attention_tc=self.stack.attention_tc
         )
 
     @property
@@ -62,18 +62,27 @@ class CudaLayers:
     def buffers(self, rows: int) -> WindowBuffers:
         """The buffers of windows of ``rows`` rows. Each size keeps its own (its graph replays on their
         addresses), but all share one attention scratch of `MAX_WINDOW_ROWS` rows, which grows with the
-        context (8.5 MB a row at 32,768 positions of the 30B shape): these layers' windows run one at a time,
+        context on CUDA cores (8.5 MB a row at 32,768 positions of the 30B shape) and stops at 64 partials on
+        tensor cores (1.1 MB a row from 4,096 positions on): these layers' windows run one at a time,
         in the order of one stream, and attention's scratch is dead once its kernel ends."""
         s = self.stack
         if rows not in self._bufs:
             with cp.cuda.Device(s.device_id):
+                a = s.args
+                tc = s.kern.attention_on_tc(
+                    a.head_dim, a.num_attention_heads // a.num_key_value_heads, s.attention_tc
+                )
                 if self._scratch is None:
-                    a = s.args
                     size = attention_scratch_size(
-                        MAX_WINDOW_ROWS, a.num_attention_heads, a.num_key_value_heads, a.head_dim, s.context
+                        MAX_WINDOW_ROWS,
+                        a.num_attention_heads,
+                        a.num_key_value_heads,
+                        a.head_dim,
+                        s.context,
+                        tc,
                     )
                     self._scratch = cp.zeros(size, cp.float32)
-                self._bufs[rows] = WindowBuffers(cp, rows, s.args, s.context, s.mlp_width, self._scratch)
+                self._bufs[rows] = WindowBuffers(cp, rows, s.args, s.context, s.mlp_width, self._scratch, tc)
         return self._bufs[rows]
 
     def replay(self, b: WindowBuffers, body: Callable[[WindowBuffers], None]) -> None:

@@ -1035,12 +1035,15 @@ __global__ void __launch_bounds__(B) attn_split(const float* __restrict__ q, con
 // attn_tc computes what attn_split does (each row's causal attention over positions 0..pos[r] of its slot,
 // partials merged by the blocks that finish last, in the same scratch and counters), for head dims up to 128
 // and up to 16 query heads per KV head, with its products on tensor cores and a long row streamed:
-// * Block (r, kvh, s) of 4 warps takes `per` consecutive chunks of ATTN_CHUNK positions of row r: per = 1
-//   while the row has at most `splits` chunks, else ceil(chunks / splits). A row thus has at most `splits`
-//   partials, and the grid at most `splits` blocks a row and KV head, however long the context. A block
-//   streams its chunks: K and V of chunk j + 1 land in shared memory (cp.async) while chunk j is computed.
-//   The split depends only on the row's position and `splits` (ops.py's ATTN_SPLITS, the same for every
-//   window), so a row's result does not depend on its window.
+// * Block (r, kvh, s) of 4 warps takes `per` consecutive chunks of ATTN_CHUNK positions of row r: a row of
+//   up to `short_chunks` chunks splits into at most `short_splits` runs (per = ceil(chunks / short_splits)),
+//   a longer one into at most `splits` (per = ceil(chunks / splits)). A row thus has at most `splits`
+//   partials (short_splits <= splits), whose slots in the scratch are NC apart (NC >= min(chunks of the
+//   context, splits)), and the
+//   grid at most `splits` blocks a row and KV head, however long the context. A block streams its chunks: K
+//   and V of chunk j + 1 land in shared memory (cp.async) while chunk j is computed. The split depends only
+//   on the row's position and the three counts (ops.py's, the same for every window), so a row's result
+//   does not depend on its window.
 // * The G query heads of the KV head are the 16 rows of an m16n8k16 product (rows past G are zero), and
 //   warp w takes keys [16 w, 16 w + 16) of each chunk: S = q K^T with q scaled into base 2 and split into
 //   two fp16 parts (hi + lo, about 22 bits of q), an online softmax per head, and O += P V with P split the
@@ -1088,7 +1091,7 @@ __global__ void __launch_bounds__(128) attn_tc(const float* __restrict__ q, cons
                                                const int* __restrict__ slot, float* __restrict__ part_acc,
                                                float* __restrict__ part_ml, int* __restrict__ done,
                                                float* __restrict__ out, int NKV, int T, int NC, int splits,
-                                               float scale_log2) {
+                                               int short_splits, int short_chunks, float scale_log2) {
   using namespace attn_tc_ops;
   static_assert(D % 16 == 0 && D <= 128 && G >= 1 && G <= 16, "head dim a multiple of 16 up to 128, G <= 16");
   constexpr int C = ATTN_CHUNK, LD = D + 8, KS = D / 16, DT = D / 8;
@@ -1100,7 +1103,8 @@ __global__ void __launch_bounds__(128) attn_tc(const float* __restrict__ q, cons
   STRATA_PDL_WAIT();
   const int r = blockIdx.x, kvh = blockIdx.y, s = blockIdx.z, NQ = NKV * G;
   const int n = pos[r] + 1, live = (n + C - 1) / C;
-  const int per = live <= splits ? 1 : (live + splits - 1) / splits;
+  const int most = live <= short_chunks ? short_splits : splits;  // this row's runs, at most
+  const int per = (live + most - 1) / most;
   const int used = (live + per - 1) / per;  // this row's partials
   if (n <= 0 || s >= used) return;
   const int c0 = s * per, c1 = min(c0 + per, live);

@@ -93,6 +93,9 @@ class LayerWeights:
     shared_gate: Array | None  # [1, H]
     router_bias: RowBias | None = None
     experts: LayerExperts | None = None
+    attention_tc: bool = True
+    """Decode attention on tensor cores where the shape allows (``model.decode_attention``), else CUDA cores:
+    the layer's own choice, not the device's `Kernels`, which every stack of the device shares."""
     """Where the expert kernels find each routed expert (sparse layers; set by `LayerStack.of`)."""
 
     @classmethod
@@ -136,10 +139,18 @@ class WindowBuffers:
     ``xp`` (CuPy on the GPU)."""
 
     def __init__(
-        self, xp: Any, rows: int, args: ModelArgs, context: int, mlp_width: int, scratch: Array | None = None
+        self,
+        xp: Any,
+        rows: int,
+        args: ModelArgs,
+        context: int,
+        mlp_width: int,
+        scratch: Array | None = None,
+        attention_tc: bool = False,
     ) -> None:
         """``scratch``: attention's scratch, shared with windows of other sizes that never run at the same
-        time as this one (at least `attention_scratch_size` of these rows); None: a scratch of its own."""
+        time as this one (at least `attention_scratch_size` of these rows, for ``attn_tc`` where
+        ``attention_tc``); None: a scratch of its own, of the size either kernel takes."""
         h, n, k, d = args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim
         f32 = xp.float32
         self.rows = rows
@@ -149,7 +160,7 @@ class WindowBuffers:
         self.qkv = xp.zeros((rows, (n + 2 * k) * d), f32)  # [R, (N + 2K) D]
         self.q = xp.zeros((rows, n, d), f32)  # [R, N, D]
         self.attn = xp.zeros((rows, n * d), f32)  # [R, N D]
-        size = attention_scratch_size(rows, n, k, d, context)
+        size = attention_scratch_size(rows, n, k, d, context, attention_tc)
         if scratch is None:
             scratch = xp.zeros(size, f32)
         assert scratch.size >= size and scratch.dtype == f32
@@ -202,7 +213,7 @@ def _qkv_rope(k: Kernels, a: ModelArgs, lay: LayerWeights, b: WindowBuffers, kc:
 
 
 def _attention(k: Kernels, a: ModelArgs, lay: LayerWeights, b: WindowBuffers, kc: Array, vc: Array) -> None:
-    k.attention(b.q, kc, vc, b.pos, b.slot, b.attn, b.scratch, b.attn_done)
+    k.attention(b.q, kc, vc, b.pos, b.slot, b.attn, b.scratch, b.attn_done, tensor_cores=lay.attention_tc)
 
 
 def _o_proj(k: Kernels, a: ModelArgs, lay: LayerWeights, b: WindowBuffers, kc: Array, vc: Array) -> None:
@@ -319,7 +330,6 @@ class LayerStack:
         cp = cupy_module()
         with cp.cuda.Device(device_id):
             kern = kernels_for(device_id)
-            kern.attention_tc = kern.tensor_cores and attention_tc
             weights = [
                 LayerWeights.of(layer, cp, routing.layer(first_layer + j) if routing is not None else None)
                 for j, layer in enumerate(layers)
@@ -336,6 +346,8 @@ class LayerStack:
                 for lay in sparse:
                     assert lay.gate_up is not None and lay.down is not None
                     lay.experts = resident_experts(lay.gate_up, lay.down, cp)
+            for lay in weights:
+                lay.attention_tc = kern.tensor_cores and attention_tc
         return cls(device_id, args, weights, k_cache, v_cache, kern)
 
     @property
@@ -346,6 +358,11 @@ class LayerStack:
     def mlp_width(self) -> int:
         """The widest dense MLP or shared expert of the run (0 without one)."""
         return max((lay.mlp_width for lay in self.layers), default=0)
+
+    @property
+    def attention_tc(self) -> bool:
+        """Whether this stack's decode attention may run on tensor cores (`LayerWeights.attention_tc`)."""
+        return all(lay.attention_tc for lay in self.layers)
 
     def run(self, b: WindowBuffers) -> None:
         """Every layer on ``b.resid`` in place, writing each row's keys and values."""

@@ -21,9 +21,11 @@ import numpy as np
 
 from strata_cfg.schema.windows import (
     DECODE_ATTENTION_CHUNK,
+    DECODE_ATTENTION_TC_SPLITS,
     MAX_WINDOW_ROWS,
     decode_attention_counters,
     decode_attention_on_tensor_cores,
+    decode_attention_partials,
     decode_attention_scratch_floats,
 )
 
@@ -59,10 +61,13 @@ def _wide(k: int) -> bool:
     return k % 256 == 0
 
 
-def attention_scratch_size(rows: int, n_q: int, n_kv: int, head_dim: int, context: int) -> int:
+def attention_scratch_size(
+    rows: int, n_q: int, n_kv: int, head_dim: int, context: int, tensor_cores: bool = False
+) -> int:
     """fp32 elements of attention scratch for a window of ``rows``: partial sums, maxima and totals
-    (`decode_attention_scratch_floats`, which the plan counts too)."""
-    return decode_attention_scratch_floats(rows, n_q, head_dim, context)
+    (`decode_attention_scratch_floats`, which the plan counts too); fewer where ``attn_tc`` runs
+    (``tensor_cores``: `Kernels.attention_on_tc`). The CUDA cores' size holds either kernel's."""
+    return decode_attention_scratch_floats(rows, n_q, head_dim, context, tensor_cores=tensor_cores)
 
 
 def attention_counters(n_kv: int, context: int) -> int:
@@ -71,10 +76,18 @@ def attention_counters(n_kv: int, context: int) -> int:
     return decode_attention_counters(n_kv, context)
 
 
-ATTN_SPLITS = 64
-"""Partials of a row and KV head in ``attn_tc``, at most: a row of more chunks splits into this many runs of
-consecutive chunks, each streamed by one block. The same for every window, so that a row's split, and its
-result, depend only on its position."""
+ATTN_SPLITS = DECODE_ATTENTION_TC_SPLITS
+"""Runs of consecutive chunks a row splits into in ``attn_tc``, at most (64, which the plan's scratch counts):
+each run is one block's, and writes one partial result. A long row alone needs its runs to fill the GPU:
+on an H200 (a 32,768-position plan) one row at 32,000 positions took 3.86 ms in 63 runs, 4.21 in 32."""
+ATTN_SHORT_SPLITS = 16
+"""Runs a row of up to `ATTN_SHORT_CHUNKS` chunks splits into in ``attn_tc``, at most: fewer, longer runs
+merge in fewer round trips to L2, and up to 16 partials merge in one level. On an H200 the whole step at
+2,000 / 4,000 / 8,000 positions took 5-9% / 7-12% / 1-9% less than with `ATTN_SPLITS` runs (1 to 8 rows)."""
+ATTN_SHORT_CHUNKS = 128
+"""Chunks (8,192 positions) up to which a row takes `ATTN_SHORT_SPLITS` runs. Longer rows take up to
+`ATTN_SPLITS`: at 16,000 positions 16 runs made one row 10% slower. The counts are the same for every
+window, so that a row's split, and its result, depend only on its position."""
 
 
 def attention_on_tensor_cores(head_dim: int, group: int, tensor_cores: bool = True) -> bool:
@@ -581,6 +594,12 @@ class Kernels(KernelCache):
             ),
         )
 
+    def attention_on_tc(self, head_dim: int, group: int, tensor_cores: bool | None = None) -> bool:
+        """Whether `attention` launches ``attn_tc`` for this shape: where ``tensor_cores`` (None: the device's
+        default, `attention_tc`) and the device allow it (`attention_on_tensor_cores`)."""
+        tc = self.attention_tc if tensor_cores is None else self.tensor_cores and tensor_cores
+        return attention_on_tensor_cores(head_dim, group, tc)
+
     def attention(
         self,
         q: Array,
@@ -591,23 +610,31 @@ class Kernels(KernelCache):
         out: Array,
         scratch: Array,
         done: Array,
+        tensor_cores: bool | None = None,
     ) -> None:
         """Causal decode attention of each row over positions 0..pos[r] of its slot. out: [R, NQ * D] fp32.
 
-        One kernel: ``attn_tc`` on tensor cores where `attention_tc` and the shape allow, else
-        ``attn_split``. Each block (a chunk of 64 positions; with ``attn_tc``, a run of consecutive chunks of
-        a row past `ATTN_SPLITS` chunks) writes a partial result to ``scratch`` (fp32, at least
-        `attention_scratch_size(R, NQ, NKV, D, T)` elements), and the blocks that finish last merge them (in
+        One kernel: ``attn_tc`` on tensor cores where ``tensor_cores`` (None: `attention_tc`), the device
+        and the shape allow, else ``attn_split``. Each block (a chunk of 64 positions; with ``attn_tc``, a run
+        of consecutive chunks, `ATTN_SHORT_SPLITS` and `ATTN_SPLITS`) writes a partial result to
+        ``scratch`` (fp32, at least `attention_scratch_size` elements for the kernel that runs, which
+        ``attn_tc`` keeps small at any context), and the blocks that finish last merge them (in
         groups of `DECODE_ATTENTION_MERGE_GROUP`, then the groups, for a long row), counting in ``done`` ([R,
         `attention_counters`] int32, zero before the first launch; the kernel leaves it at zero).
         """
         rows, n_q, d = q.shape
         _, n_kv, t, _ = k_cache.shape
         g = n_q // n_kv
-        nc = math.ceil(t / ATTN_CHUNK)
+        tc = self.attention_on_tc(d, g, tensor_cores)
+        nc = decode_attention_partials(t, tensor_cores=tc)  # a row and head's partials, apart in the scratch
         if done.size < rows * attention_counters(n_kv, t):
             raise ValueError(
                 f"attention needs {attention_counters(n_kv, t)} counters a row, got {done.shape}"
+            )
+        if scratch.size < attention_scratch_size(rows, n_q, n_kv, d, t, tc):
+            raise ValueError(
+                f"attention needs {attention_scratch_size(rows, n_q, n_kv, d, t, tc)} floats of scratch for "
+                f"{rows} rows, got {scratch.size}"
             )
         acc = scratch[: rows * n_kv * nc * g * d]
         ml = scratch[rows * n_kv * nc * g * d : rows * n_kv * nc * g * (d + 2)]
@@ -625,15 +652,18 @@ class Kernels(KernelCache):
             np.int32(t),
             np.int32(nc),
         )
-        if attention_on_tensor_cores(d, g, self.attention_tc):
+        if tc:
             few = rows <= ATTENTION_WIDE_ROWS
             expr, smem = f"attn_tc<{d},{g},{int(few)}>", attention_tc_shared_bytes(d, g)
             self.allow_shared(expr, smem)
             if few:
                 self.prefer_carveout(expr, attention_tc_carveout(smem, self.sm_shared))
             scale_log2 = np.float32(math.log2(math.e) / math.sqrt(d))  # softmax in base 2
+            if not ATTN_SHORT_SPLITS <= ATTN_SPLITS <= DECODE_ATTENTION_TC_SPLITS:
+                raise ValueError(f"attn_tc's splits: {ATTN_SHORT_SPLITS} <= {ATTN_SPLITS} <= the scratch's")
+            counts = (np.int32(ATTN_SPLITS), np.int32(ATTN_SHORT_SPLITS), np.int32(ATTN_SHORT_CHUNKS))
             grid = (rows, n_kv, min(nc, ATTN_SPLITS))
-            self.fn(expr)(grid, (128,), (*common, np.int32(ATTN_SPLITS), scale_log2), shared_mem=smem)
+            self.fn(expr)(grid, (128,), (*common, *counts, scale_log2), shared_mem=smem)
             return
         b, w = attention_shape(d, g, rows)
         self.fn(f"attn_split<{d},{g},{b},{w}>")(

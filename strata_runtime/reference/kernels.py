@@ -136,8 +136,10 @@ def attention(
     out: np.ndarray,
     scratch: np.ndarray | None = None,
     done: np.ndarray | None = None,
+    tensor_cores: bool | None = None,
 ) -> None:
-    """``scratch`` and ``done`` are the launcher's workspace; the reference needs none."""
+    """``scratch`` and ``done`` are the launcher's workspace, and ``tensor_cores`` its choice of kernel; the
+    reference needs neither."""
     rows, n_q, d = q.shape
     n_kv = k_cache.shape[1]
     g = n_q // n_kv
