@@ -117,13 +117,14 @@ def _temps_peaks(monkeypatch) -> list[int]:
     return peaks
 
 
-def _plan(graphs: bool):
+def _plan(graphs: bool, context: int = 512, decode_attention: str = "auto"):
     """One GPU drafting with batch MTP, the small preset (dense layers, a shared expert, routed experts): a
     lone prompt reads in chunks of `CHUNK` rows. ``graphs``: chunks of up to 64 rows replay prefill graphs
     (every expert in VRAM); else an expert cache, under which chunks are launched."""
-    kw: dict[str, Any] = dict(preset="small", slots=2, batch_mtp=True, draft_tokens=3, context=512)
+    kw: dict[str, Any] = dict(preset="small", slots=2, batch_mtp=True, draft_tokens=3, context=context)
     kw |= dict(prefill_chunk=32, prefill_chunk_alone=CHUNK)
     text = float16_profile_text(**kw, expert_cache=None if graphs else 6)
+    text = text.replace("[model]", f'[model]\ndecode_attention = "{decode_attention}"')
     if graphs:
         text = text.replace("[memory]\n", "[memory]\nprefill_graph_rows = 64\nprompt_graph_rows = 8\n")
     plan = resolve_text(text, "workspace.toml").plan
@@ -233,35 +234,44 @@ def _window_set_bytes(layers: Any) -> int:
     return sum(roots.values())
 
 
-def test_every_decode_window_holds_what_the_plan_counts(live_gpu):
+@pytest.mark.parametrize(("context", "kernel"), [(512, "auto"), (5000, "auto"), (5000, "cuda_cores")])
+def test_every_decode_window_holds_what_the_plan_counts(live_gpu, context, kernel):
     """Decode windows of 1 to 8 rows through the stage's layers and through the MTP head (its two sets:
     positions from the host, positions decided on the device) hold exactly the plan's
     `decode_window_bytes` for each set: each size's own buffers, and one attention
-    scratch of 8 rows that the sizes of a set share, which grows with the context."""
+    scratch of 8 rows that the sizes of a set share, which grows with the context on CUDA cores and stops
+    at 64 partials a row and head (4,096 positions) on tensor cores."""
     from strata_runtime.cuda.ops import attention_scratch_size
     from strata_runtime.engine import Engine
 
-    plan = _plan(True)
+    plan = _plan(True, context, kernel)
+    tc = kernel == "auto"
+    assert plan.model.decode_attention == ("tensor_cores" if tc else "cuda_cores")
     engine = Engine(plan)
     model = engine.model
     [stage] = model.stages
     assert stage.cuda is not None and model.mtp is not None and model.mtp.cuda is not None
     model.capture_window_graphs()
     sets = [stage.cuda, model.mtp.cuda.layers, model.mtp.cuda.device_layers]
-    facts, context = plan.model.facts, plan.memory.context
+    facts = plan.model.facts
+    assert plan.memory.context == context
     assert all(s.stack.context == context and set(s._bufs) == set(range(1, 9)) for s in sets)
     assert len(sets) == 1 + sizes.MTP_WINDOW_SETS
-    stage_set = sizes.decode_window_bytes(facts, context=context)
-    head_set = sizes.decode_window_bytes(facts, context=context, mtp=True)
+    stage_set = sizes.decode_window_bytes(facts, context=context, attention_tc=tc)
+    head_set = sizes.decode_window_bytes(facts, context=context, mtp=True, attention_tc=tc)
     assert head_set < stage_set  # the preset's dense layers are wider than the head's shared expert
     assert [_window_set_bytes(s) for s in sets] == [stage_set, head_set, head_set]
     # One scratch a set, of 8 rows, which every size's window reads.
     a = model.args
-    scratch = attention_scratch_size(8, a.num_attention_heads, a.num_key_value_heads, a.head_dim, context)
+    scratch = attention_scratch_size(8, a.num_attention_heads, a.num_key_value_heads, a.head_dim, context, tc)
     for s in sets:
         assert len({id(b.scratch) for b in s._bufs.values()}) == 1
         assert s._bufs[1].scratch.size == scratch
-    assert 4 * scratch == sizes.decode_attention_scratch_bytes(facts, context=context, rows=8)
+    assert 4 * scratch == sizes.decode_attention_scratch_bytes(
+        facts, context=context, rows=8, tensor_cores=tc
+    )
+    partials = min(-(-context // 64), 64) if tc else -(-context // 64)
+    assert scratch == 8 * a.num_attention_heads * partials * (a.head_dim + 2)
 
 
 def test_decode_attention_blocks_read_the_chunk_the_plan_sizes_scratch_by():
