@@ -53,6 +53,22 @@ def bench(profile: str, *args: str) -> dict:
     return json.loads(out.stdout)
 
 
+def test_step_times_each_decode_attention_kernel_in_one_run(profile: str) -> None:
+    """``--vary model.decode_attention``: the whole step with each kernel, interleaved in one model, at
+    every row count; the tiny preset's shape takes tensor cores under ``"auto"``."""
+    res = bench(profile, "--workload", "step", "--vary", "model.decode_attention=auto,cuda_cores")
+    arms = res["attention_arms"]
+    names = ["profile@decode_attention:auto", "profile@decode_attention:cuda_cores"]
+    assert arms["kernels"] == dict(
+        zip(names, ["tensor cores (attn_tc)", "CUDA cores (attn_split)"], strict=True)
+    )
+    assert res["attention"] == "tensor cores (attn_tc)"  # the first plan's, for every other table
+    assert [r["rows"] for r in arms["rows"]] == [1, 2, 4, 8]
+    for r in arms["rows"]:
+        assert list(r["ms"]) == names and min(r["ms"].values()) > 0
+        assert all(len(t) == r["rows"] for t in r["tokens"].values())
+
+
 def test_step_times_every_row_count_against_the_roofline(profile: str) -> None:
     res = bench(profile, "--workload", "step")
     assert res["device"] == "cuda:0" and res["model"]["layers"] == 4 and res["copy_gbs"] > 0

@@ -362,3 +362,63 @@ def test_the_step_table_gives_each_kernel_groups_share_of_the_copy_rate() -> Non
     assert "uniform routing, decode attention on CUDA cores (attn_split)\n" in render_step(res)
     del res["per_kernel_gbs"]  # a result written before the rates were measured
     assert "1 row: qkv+rope 10.0, route_bias 1.0" in render_step(res)
+
+
+def test_the_step_times_each_plans_decode_attention_in_turn_on_one_model(monkeypatch) -> None:
+    """`time_attention_arms` times the whole step once per arm in each round, in turn, with every layer's
+    attention launched on that arm's kernel, and leaves the layers' own choice as it was; `attention_arms`
+    takes plans that differ only in ``model.decode_attention``, and the step table gives each arm's time
+    and its change from the first."""
+    from rt_plans import float16_profile_text
+
+    from strata_cfg.plan.from_profile import resolve_text
+    from strata_runtime.bench.step import attention_arms, render_step
+
+    facts = ModelFacts.from_config(preset_config("tiny"), source="synthetic:tiny", dtype="float16")
+    model = KernelModel(_numpy_as_cupy(seed=4), facts, 64, reference, attention_tc=False)
+    launched: list[bool | None] = []
+    real = reference.attention
+    monkeypatch.setattr(
+        reference, "attention", lambda *a, tensor_cores=None: launched.append(tensor_cores) or real(*a)
+    )
+    cost = {True: 2.0e-3, False: 3.0e-3}
+    order: list[tuple[bool, ...]] = []
+
+    def timer(cp: object, body, repeats: int) -> float:
+        launched.clear()
+        body()
+        order.append(tuple(set(launched)))
+        return cost[launched[0]]
+
+    arms = {"a@tc": True, "a@cuda": False}
+    res = model.time_attention_arms(2, 7, 5, arms, timer=timer, rounds=3)
+    assert order == [(True,), (False,)] * 3  # every attention launch of a timing on that arm's kernel
+    assert res["ms"] == pytest.approx({"a@tc": 2.0, "a@cuda": 3.0}) and res["rows"] == 2
+    assert res["tokens"]["a@tc"] == res["tokens"]["a@cuda"] and len(res["tokens"]["a@tc"]) == 2
+    assert not model.stack.attention_tc  # the model's own choice, restored
+
+    text = float16_profile_text(backend="cuda", preset="tiny", slots=2, context=256)
+    plans = {
+        f"p@{v}": resolve_text(text.replace("[model]", f'[model]\ndecode_attention = "{v}"'), "a.toml").plan
+        for v in ("auto", "cuda_cores")
+    }
+    assert attention_arms(plans) == {"p@auto": True, "p@cuda_cores": False}
+    other = resolve_text(text.replace("context = 256", "context = 512"), "b.toml").plan
+    with pytest.raises(ValueError, match="p@auto and q differ in their memory.context"):
+        attention_arms({"p@auto": plans["p@auto"], "q": other})
+
+    rows = [
+        {"rows": r, "ms": {"a@tc": 2.0 * r, "a@cuda": 2.5 * r}, "tokens": {"a@tc": [r], "a@cuda": [r]}}
+        for r in (1, 8)
+    ]
+    rows[1]["tokens"]["a@cuda"] = [0]
+    kernels = {"a@tc": "tensor cores (attn_tc)", "a@cuda": "CUDA cores (attn_split)"}
+    out = render_step(_step_result(attention_arms={"kernels": kernels, "rounds": 3, "rows": rows}))
+    assert out.split("\n\n")[-1].splitlines()[1:] == [
+        "rows              a@tc            a@cuda",
+        "          tensor cores        CUDA cores",
+        "   1             2.000    2.500 (+25.0%)",
+        "   8            16.000   20.000 (+25.0%)",
+        "argmax tokens: a row's differs between arms at 8 rows (random weights: near ties may differ)",
+    ]
+    assert "each plan's decode attention, ms (graph; the median of 3 interleaved rounds" in out

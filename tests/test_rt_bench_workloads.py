@@ -105,13 +105,79 @@ def test_in_process_workloads_are_refused_over_url(workload: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "extra",
-    [("--arms", "serial"), ("--vary", "model.decode_attention=auto,cuda_cores"), ("--peer", "llama.cpp")],
+    ("workload", "extra", "refusal"),
+    [
+        ("step", ("--arms", "serial"), "--arms and --peer do not apply"),
+        ("step", ("--peer", "llama.cpp"), "--arms and --peer do not apply"),
+        (
+            "vram",
+            ("--vary", "model.decode_attention=auto,cuda_cores"),
+            "--arms, --vary and --peer do not apply",
+        ),
+        ("handoff", ("--arms", "serial"), "--arms, --vary and --peer do not apply"),
+        (
+            "step",
+            ("--vary", "spec.draft_tokens=2,3"),
+            "--workload step varies only model.decode_attention, which it switches in one model on the same "
+            "weights, not spec.draft_tokens",
+        ),
+    ],
 )
-def test_gpu_workloads_take_no_arms_variants_or_peers(extra: tuple[str, str]) -> None:
-    """They time one plan: a --vary would be silently ignored, so it is refused like --arms and --peer."""
-    out = strata("bench", "profiles/demo.toml", "--workload", "step", *extra)
-    assert out.returncode == 2 and "--arms, --vary and --peer do not apply" in out.stderr
+def test_gpu_workloads_take_no_arms_peers_or_variants_they_cannot_time(workload, extra, refusal) -> None:
+    """They time one plan: an option they would ignore is refused, not silently dropped. The step workload
+    takes --vary of model.decode_attention alone, whose kernels it switches in one model."""
+    out = strata("bench", "profiles/demo.toml", "--workload", workload, *extra)
+    assert out.returncode == 2 and refusal in out.stderr, out.stderr
+
+
+def test_the_step_workload_gets_a_plan_for_each_value_of_decode_attention(monkeypatch, tmp_path) -> None:
+    """``strata bench --workload step --vary model.decode_attention=auto,cuda_cores`` runs the runtime's
+    step once with both plans as named arms, each resolved with its value, in the order given."""
+    import argparse
+    import types
+
+    from strata_cfg.commands import bench
+    from strata_cfg.schema.plan_file import read_plan
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    vary = ["--vary", "model.decode_attention=auto,cuda_cores"]
+    args = parser.parse_args(["profiles/h200.toml", "--workload", "step", *vary, "--run-dir", str(tmp_path)])
+    calls: list[list[str]] = []
+
+    def run(argv: list[str], check: bool) -> types.SimpleNamespace:
+        calls.append(argv)
+        return types.SimpleNamespace(returncode=0)
+
+    monkeypatch.setattr(bench.subprocess, "run", run)
+    assert bench.run(args) == 0
+    [argv] = calls
+    arms = [argv[i + 1].split("=", 1) for i, a in enumerate(argv) if a == "--arm"]
+    assert [name for name, _ in arms] == [
+        "profile@decode_attention:auto",
+        "profile@decode_attention:cuda_cores",
+    ]
+    plans = [read_plan(path) for _, path in arms]
+    assert [p.model.decode_attention for p in plans] == ["tensor_cores", "cuda_cores"]
+    assert plans[0].model.facts == plans[1].model.facts and plans[0].memory == plans[1].memory
+
+
+def test_the_step_workload_takes_a_variant_of_decode_attention_for_each_value() -> None:
+    """--vary model.decode_attention passes the usage checks and reaches the runtime with a plan a value,
+    which on virtual CPU devices refuses for want of a GPU, in one line."""
+    out = strata(
+        "bench",
+        "profiles/demo.toml",
+        "--workload",
+        "step",
+        "--vary",
+        "model.decode_attention=auto,cuda_cores",
+    )
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.strip().splitlines() == [
+        "strata bench: --workload step needs a CUDA GPU, but the plan's devices are virtual CPU devices "
+        '(cpu:0, cpu:1); use a profile with machine.backend = "cuda"'
+    ]
 
 
 def test_sampled_bench_requests_draw_with_the_options_and_the_same_seed_in_every_arm() -> None:

@@ -36,6 +36,7 @@ from ..schema.workloads import (
     GPU_WORKLOADS,
     HTTP_WORKLOADS,
     PEERS,
+    STEP_VARY_KEYS,
     WORKLOADS,
     bench_option_problem,
     context_problem,
@@ -68,7 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="KEY=V1,V2,...",
         help="run each arm once per value of KEY, interleaved (--vary spec.draft_tokens=2,3,4 runs "
         "solo@draft_tokens:2, ...); repeat --vary for more variants; a value with brackets or quotes is one "
-        "TOML value",
+        "TOML value; --workload step takes only model.decode_attention, and times each value's kernel in "
+        "one model",
     )
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats per arm (default 3)")
     parser.add_argument("--tokens", type=int, default=300, help="tokens per request (default 300)")
@@ -227,11 +229,23 @@ def usage_problem(args: argparse.Namespace) -> str | None:
             "--url measures launched servers as they run, their expert caches and what their drafting has "
             f"learned as they are: {flag} does not apply"
         )
-    if args.workload in GPU_WORKLOADS and (args.arms or args.peer or args.vary):
-        return (
-            f"--workload {args.workload} measures the profile's own plan: --arms, --vary and --peer do not "
-            "apply (--set changes the plan)"
-        )
+    if args.workload in GPU_WORKLOADS:
+        step = args.workload == "step"
+        if args.arms or args.peer or (args.vary and not step):
+            what = "--arms and --peer" if step else "--arms, --vary and --peer"
+            also = (
+                "; --vary model.decode_attention=V1,V2 compares its decode attention kernels" if step else ""
+            )
+            return (
+                f"--workload {args.workload} measures the profile's own plan: {what} do not apply (--set "
+                f"changes the plan{also})"
+            )
+        keys = sorted({key for item in args.vary for key, _ in item} - set(STEP_VARY_KEYS))
+        if keys:
+            return (
+                f"--workload step varies only {', '.join(STEP_VARY_KEYS)}, which it switches in one model on "
+                f"the same weights, not {', '.join(keys)} (--set changes the plan)"
+            )
     if args.windows is not None and (args.url or args.workload in GPU_WORKLOADS):
         where = "over --url (a launched engine lists its last windows in /v1/status)"
         if not args.url:
@@ -370,15 +384,21 @@ def bench_argv(args: argparse.Namespace) -> list[str]:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    """``step`` or ``vram``: the profile's plan as resolved, in the runtime, which refuses where no GPU is."""
-    try:
-        plan = resolve_args(args).plan
-    except ProfileError as exc:
-        return refused(exc)
-    problem = depth_problem(args.workload, args.depth, args.tokens, plan.memory.context)
-    if problem:
-        print(f"strata bench: {problem}", file=sys.stderr)
-        return EXIT_USAGE
+    """``step``, ``vram`` or ``handoff``: the profile's plan as resolved, in the runtime, which refuses where
+    no GPU is; ``step`` with ``--vary`` (`STEP_VARY_KEYS`) one plan per value, ``profile@KEY:VALUE``."""
+    base_sets = list(args.sets)
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="strata-bench-"))
-    path = write_plan(plan, run_dir / "profile.json")
-    return subprocess.run([*bench_argv(args), "--arm", f"profile={path}"], check=False).returncode
+    argv = bench_argv(args)
+    for suffix, varied in variants(args):
+        args.sets = [*base_sets, *varied]
+        try:
+            plan = resolve_args(args).plan
+        except ProfileError as exc:
+            return refused(exc)
+        problem = depth_problem(args.workload, args.depth, args.tokens, plan.memory.context)
+        if problem:
+            print(f"strata bench: {problem}", file=sys.stderr)
+            return EXIT_USAGE
+        name = f"profile{suffix}"
+        argv += ["--arm", f"{name}={write_plan(plan, run_dir / f'{name}.json')}"]
+    return subprocess.run(argv, check=False).returncode

@@ -12,6 +12,11 @@ programmatic launch lets kernels overlap: the step's time less the same step's w
 out (`KernelModel.time_in_step`). No engine is built: this is the kernels' own ceiling, without scheduling,
 sampling or Python between windows.
 
+With more than one plan (``strata bench --workload step --vary model.decode_attention=auto,cuda_cores``)
+it also times the whole step with each plan's decode attention kernel, switched in the one model on the
+same weights and window, in interleaved rounds (`KernelModel.time_attention_arms`): the two kernels'
+ratio comes from one run.
+
 Shapes: L layers, H hidden, NQ/NKV query/KV heads of D, E experts, K top-k, I expert width, W dense-MLP or
 shared-expert width, V vocabulary, S slots, T context, R rows.
 """
@@ -20,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -60,6 +65,8 @@ CHOICES: dict[str, tuple[float, int, float]] = {
 """The ways of choosing a window's tokens `KernelModel.time_choices` times: (inverse temperature, top-k,
 top-p) for the draw, the greedy argmax where the inverse temperature is 0."""
 SLOTS = 8  # one KV slot per row of the largest window
+ATTENTION_ROUNDS = 3
+"""Rounds of `KernelModel.time_attention_arms`: each times every arm once, in turn."""
 
 
 def step_memory_bytes(facts: ModelFacts, context: int) -> int:
@@ -213,6 +220,48 @@ class KernelModel:
         self.emb = _rnd(cp, (f.vocab_size, f.hidden_size))  # [V, H]
         self.head = _rnd(cp, (f.vocab_size, f.hidden_size))  # [V, H]
         self.final_norm = _rnd(cp, (f.hidden_size,), 1.0)  # [H]
+
+    def use_attention(self, tensor_cores: bool) -> None:
+        """Run decode attention on tensor cores where the device and shape allow (else CUDA cores) in every
+        layer from now on (`strata_runtime.cuda.layers.LayerWeights.attention_tc`)."""
+        for lay in self.stack.layers:
+            lay.attention_tc = tensor_cores
+
+    def time_attention_arms(
+        self,
+        rows: int,
+        position: int,
+        repeats: int,
+        arms: Mapping[str, bool],
+        timer: Callable[[Any, Callable[[], None], int], float] = graph_seconds,
+        rounds: int = ATTENTION_ROUNDS,
+    ) -> dict[str, Any]:
+        """The whole step at ``rows`` rows with each arm's decode attention (name -> tensor cores where the
+        shape allows), on one window: ``rounds`` rounds, each timing every arm in turn by ``timer`` as the
+        decode graphs launch it; ms per step (the median of the rounds) and each arm's argmax token of each
+        row. The layers' own choice is restored after."""
+        w = self.window(rows, position)
+        before = self.stack.attention_tc
+        times: dict[str, list[float]] = {name: [] for name in arms}
+        tokens: dict[str, list[int]] = {}
+        try:
+            with _as_engine(self.stack.kern, rows):
+                for tc in arms.values():  # each arm's kernels compiled before any timing
+                    self.use_attention(tc)
+                    self.step(w)
+                for _ in range(rounds):
+                    for name, tc in arms.items():
+                        self.use_attention(tc)
+                        times[name].append(timer(self.cp, partial(self.step, w), repeats))
+                        out = w.out.get() if hasattr(w.out, "get") else w.out
+                        tokens[name] = [int(t) for t in out]
+        finally:
+            self.use_attention(before)
+        return {
+            "rows": rows,
+            "ms": {name: float(np.median(t)) * 1e3 for name, t in times.items()},
+            "tokens": tokens,
+        }
 
     def step(self, w: StepWindow, leave_out: str | None = None) -> None:
         """Embedding, every layer, final norm and LM head, argmax: one window of w's rows; ``leave_out``
@@ -404,14 +453,47 @@ def step_routing(plan: LaunchPlan, device: Device) -> DeviceRouting | None:
     return DeviceRouting(tables, device)
 
 
+def attention_name(on_tensor_cores: bool) -> str:
+    """How the step's result names a decode attention kernel."""
+    return "tensor cores (attn_tc)" if on_tensor_cores else "CUDA cores (attn_split)"
+
+
+def attention_arms(plans: Mapping[str, LaunchPlan]) -> dict[str, bool]:
+    """Each plan's decode attention (name -> tensor cores) for `KernelModel.time_attention_arms`. The step
+    switches only that kernel in one model, so the plans may differ in nothing else it builds: the model,
+    its routing and seed, the context and the GPU; raises ValueError naming what differs."""
+    (first, base), *rest = plans.items()
+    for name, plan in rest:
+        for what, a, b in (
+            ("model", base.model.facts, plan.model.facts),
+            ("routing", (base.model.routing, base.model.seed), (plan.model.routing, plan.model.seed)),
+            ("memory.context", base.memory.context, plan.memory.context),
+            ("first GPU", base.stages[0].gpu, plan.stages[0].gpu),
+        ):
+            if a != b:
+                raise ValueError(
+                    "the step workload compares plans that differ only in model.decode_attention (it "
+                    f"switches that kernel in one model), but {first} and {name} differ in their {what}"
+                )
+    return {name: plan.model.decode_attention == "tensor_cores" for name, plan in plans.items()}
+
+
 def run_step(
-    plan: LaunchPlan, device_index: int, *, position: int = 300, repeats: int = 20
+    plan: LaunchPlan,
+    device_index: int,
+    *,
+    position: int = 300,
+    repeats: int = 20,
+    versus: Mapping[str, LaunchPlan] | None = None,
 ) -> dict[str, Any]:
-    """Time the kernel step of the plan's model on GPU ``device_index``; the figures as a JSON-able dict."""
+    """Time the kernel step of the plan's model on GPU ``device_index``; the figures as a JSON-able dict.
+    ``versus``: several plans by name (``plan`` among them, first), which differ only in
+    ``model.decode_attention``: the whole step is also timed with each one's kernel (`attention_arms`)."""
     import cupy as cp
 
     from ..cuda.ops import attention_on_tensor_cores, kernels_for
 
+    arms = attention_arms(versus) if versus is not None and len(versus) > 1 else None
     f, context = plan.model.facts, plan.memory.context
     position = max(0, min(position, context - 1))
     why = supported(facts_args(f), np.float16, np.float16, device_index)
@@ -445,6 +527,14 @@ def run_step(
         choices = {
             str(rows): model.time_choices(rows, position, max(repeats // 2, 3)) for rows in KERNEL_ROWS
         }
+        by_arm = None
+        if arms is not None:
+            named = {
+                a: attention_name(attention_on_tensor_cores(f.head_dim, group, kern.tensor_cores and tc))
+                for a, tc in arms.items()
+            }
+            timed = [model.time_attention_arms(rows, position, repeats, arms) for rows in ROWS]
+            by_arm = {"kernels": named, "rounds": ATTENTION_ROUNDS, "rows": timed}
         name = gpu_name(cp, device_index)
     del model, routing
     with cp.cuda.Device(device_index):
@@ -455,7 +545,7 @@ def run_step(
         "gpu": name,
         "model": model_summary(f),
         "routing": plan.model.routing,
-        "attention": "tensor cores (attn_tc)" if on_tc else "CUDA cores (attn_split)",
+        "attention": attention_name(on_tc),
         "context": context,
         "position": position,
         "weights_generated_s": made_s,
@@ -468,6 +558,7 @@ def run_step(
         "per_kernel_gbs": {r: {k: v["gbs"] for k, v in ks.items()} for r, ks in kernels.items()},
         "in_step_us_per_layer": in_step,
         **{key: _per_rows(choices, key) for key in CHOICE_TIMES},
+        **({"attention_arms": by_arm} if by_arm is not None else {}),
     }
 
 
@@ -555,7 +646,37 @@ def render_step(res: dict[str, Any]) -> str:
     if res.get("distribution_us"):
         lines += ["", "the whole distribution each draw takes (a sampled drafted window's p and q), µs:"]
         lines += _choice_lines(res["distribution_us"], res.get("one_block_distribution_us", {}))
+    if res.get("attention_arms"):
+        lines += ["", *_attention_arm_lines(res["attention_arms"])]
     return "\n".join(lines)
+
+
+def _attention_arm_lines(arms: dict[str, Any]) -> list[str]:
+    """The whole step with each plan's decode attention kernel: ms by row count, each arm's change from the
+    first, and whether the arms chose the same tokens."""
+    names = list(arms["kernels"])
+    width = max(16, *(len(n) for n in names))
+    lines = [
+        f"the whole step with each plan's decode attention, ms (graph; the median of {arms['rounds']} "
+        "interleaved rounds in one process, on the same weights and window):",
+        f"{'rows':>4}  " + "  ".join(f"{n:>{width}}" for n in names),
+        f"{'':>4}  " + "  ".join(f"{arms['kernels'][n].split(' (')[0]:>{width}}" for n in names),
+    ]
+    differ = []
+    for r in arms["rows"]:
+        ms, base = r["ms"], r["ms"][names[0]]
+        cells = [f"{base:.3f}"] + [f"{ms[n]:.3f} ({100 * (ms[n] / base - 1):+.1f}%)" for n in names[1:]]
+        lines.append(f"{r['rows']:>4}  " + "  ".join(f"{c:>{width}}" for c in cells))
+        if any(r["tokens"][n] != r["tokens"][names[0]] for n in names[1:]):
+            differ.append(str(r["rows"]))
+    if differ:
+        lines.append(
+            f"argmax tokens: a row's differs between arms at {', '.join(differ)} rows (random weights: near "
+            "ties may differ)"
+        )
+    else:
+        lines.append("argmax tokens: every row's the same in every arm")
+    return lines
 
 
 def _choice_lines(times: dict[str, dict[str, float]], one_block: dict[str, dict[str, float]]) -> list[str]:

@@ -182,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
     notes = _pairs(args.note, "note")
     plans = {name: read_plan(path) for name, path in arms.items()}
     if args.workload in GPU_WORKLOADS:
-        return run_gpu_workload(args, next(iter(plans.values())))
+        return run_gpu_workload(args, plans)
     for name, plan in plans.items():
         problem = context_problem(
             args.workload, args.prompt_tokens, args.depth, args.tokens, plan.memory.context
@@ -383,10 +383,12 @@ def llama_cpp_figures(
     }
 
 
-def run_gpu_workload(args: argparse.Namespace, plan: LaunchPlan) -> int:
-    """``step``, ``vram`` or ``handoff`` on the plan's GPUs, refused in one line where there are none."""
+def run_gpu_workload(args: argparse.Namespace, plans: dict[str, LaunchPlan]) -> int:
+    """``step``, ``vram`` or ``handoff`` on the first plan's GPUs, refused in one line where there are none.
+    ``step`` also compares the decode attention of several plans (`strata_runtime.bench.step.run_step`)."""
     from ..backend import DeviceError
 
+    plan = next(iter(plans.values()))
     try:
         devices = cuda_devices(plan, args.workload)
     except DeviceError as exc:
@@ -396,7 +398,7 @@ def run_gpu_workload(args: argparse.Namespace, plan: LaunchPlan) -> int:
         from ..bench.step import render_step, run_step
 
         try:
-            res = run_step(plan, plan.stages[0].gpu, position=args.position)
+            res = run_step(plan, plan.stages[0].gpu, position=args.position, versus=plans)
         except (MemoryError, ValueError) as exc:
             print(f"strata bench: {exc}", file=sys.stderr)
             return EXIT_REFUSED
