@@ -214,8 +214,8 @@ def decode_attention_scratch_bytes(
     model: ModelFacts, *, context: int, rows: int, tensor_cores: bool = False
 ) -> int:
     """Decode attention's partial sums, maxima and totals (float32) for ``rows`` rows: every query head over
-    each block of `DECODE_ATTENTION_CHUNK` positions of the context, or on ``tensor_cores`` at most
-    `DECODE_ATTENTION_TC_SPLITS` of them (`decode_attention_scratch_floats`)."""
+    each block of `DECODE_ATTENTION_CHUNK` positions of the context, or on ``tensor_cores`` at most 64 of
+    them (`decode_attention_scratch_floats`)."""
     heads, dim = model.num_attention_heads, model.head_dim
     return F32 * decode_attention_scratch_floats(rows, heads, dim, context, tensor_cores=tensor_cores)
 

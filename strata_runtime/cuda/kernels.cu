@@ -1039,11 +1039,10 @@ __global__ void __launch_bounds__(B) attn_split(const float* __restrict__ q, con
 //   up to `short_chunks` chunks splits into at most `short_splits` runs (per = ceil(chunks / short_splits)),
 //   a longer one into at most `splits` (per = ceil(chunks / splits)). A row thus has at most `splits`
 //   partials (short_splits <= splits), whose slots in the scratch are NC apart (NC >= min(chunks of the
-//   context, splits)), and the
-//   grid at most `splits` blocks a row and KV head, however long the context. A block streams its chunks: K
-//   and V of chunk j + 1 land in shared memory (cp.async) while chunk j is computed. The split depends only
-//   on the row's position and the three counts (ops.py's, the same for every window), so a row's result
-//   does not depend on its window.
+//   context, splits)), and the grid at most `splits` blocks a row and KV head, however long the context. A
+//   block streams its chunks: K and V of chunk j + 1 land in shared memory (cp.async) while chunk j is
+//   computed. The split depends only on the row's position and the three counts (ops.py's, the same for
+//   every window), so a row's result does not depend on its window.
 // * The G query heads of the KV head are the 16 rows of an m16n8k16 product (rows past G are zero), and
 //   warp w takes keys [16 w, 16 w + 16) of each chunk: S = q K^T with q scaled into base 2 and split into
 //   two fp16 parts (hi + lo, about 22 bits of q), an online softmax per head, and O += P V with P split the

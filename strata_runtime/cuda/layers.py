@@ -93,10 +93,10 @@ class LayerWeights:
     shared_gate: Array | None  # [1, H]
     router_bias: RowBias | None = None
     experts: LayerExperts | None = None
+    """Where the expert kernels find each routed expert (sparse layers; set by `LayerStack.of`)."""
     attention_tc: bool = True
     """Decode attention on tensor cores where the shape allows (``model.decode_attention``), else CUDA cores:
     the layer's own choice, not the device's `Kernels`, which every stack of the device shares."""
-    """Where the expert kernels find each routed expert (sparse layers; set by `LayerStack.of`)."""
 
     @classmethod
     def of(cls, layer: DecoderLayer, xp: Any, router_bias: RowBias | None = None) -> LayerWeights:
