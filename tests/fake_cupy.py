@@ -72,6 +72,8 @@ class FakeArray(np.ndarray):
 def _wrap(x: Any) -> Any:
     if isinstance(x, np.ndarray) and not isinstance(x, FakeArray):
         return x.view(FakeArray)
+    if isinstance(x, np.generic):  # CuPy's reductions give 0-d device arrays, not host scalars
+        return np.asarray(x).view(FakeArray)
     return x
 
 

@@ -1129,3 +1129,31 @@ def test_two_engines_of_one_device_each_run_the_decode_attention_their_plan_chos
         texts.append([t for _ in range(handle.events.qsize()) for t in handle.events.get().token_ids])
         assert kern.attention_kernels and set(kern.attention_kernels) == {kernel}, asked
     assert len(texts[0]) == 6 and texts[0] == texts[1] == texts[2]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_greedy_text_does_not_depend_on_which_depths_the_adaptive_depth_picks(fake_gpu, monkeypatch, seed):
+    """Whatever depth each solo window drafts at, and whenever a run of windows ends (here drawn at random,
+    seeded, where the adaptive depth chooses by measured times), including windows without proposals and
+    the silent probes of a paused greedy request, the text is the fixed depth's, as greedy verification
+    promises."""
+    from strata_runtime.engine import Engine, speculative
+
+    def text(plan) -> tuple[list[list[int]], Engine]:
+        engine = Engine(plan)
+        handles = [engine.submit(Request(tuple(p), 48)) for p in prompts]
+        while engine.step():
+            pass
+        out = [[t for _ in range(h.events.qsize()) for t in h.events.get().token_ids] for h in handles]
+        return out, engine
+
+    g = np.random.default_rng(24)
+    prompts = [g.integers(1, 250, int(n)).tolist() for n in g.integers(3, 30, 3)]
+    fixed, _ = text(_plan("cuda", "tiny", draft_tokens=4))
+    rng = np.random.default_rng(seed)
+    monkeypatch.setattr(speculative, "best_depth", lambda holds, costs, most: int(rng.integers(0, most + 1)))
+    monkeypatch.setattr(speculative, "worth_switching", lambda *a: bool(rng.random() < 0.5))
+    adaptive, engine = text(_plan("cuda", "tiny", draft_tokens=4, adaptive_depth=True))
+    assert engine.adaptive and [len(t) for t in fixed] == [48] * 3
+    assert adaptive == fixed
+    assert len({w.rows for w in engine.windows if w.kind == "solo"}) >= 3  # several depths ran
