@@ -89,6 +89,15 @@ def attention_kernel(request, gpu):
     kern.attention_tc = before
 
 
+def _attention_workspace(cp, kern, rows: int, n_q: int, n_kv: int, d: int, t: int) -> tuple:
+    """Decode attention's scratch, sized exactly for the kernel that runs and filled with NaN (a partial it
+    reads but never wrote shows), and its counters at zero, for ``rows`` rows over a ``t``-position cache."""
+    from strata_runtime.cuda.ops import attention_counters, attention_scratch_size
+
+    size = attention_scratch_size(rows, n_q, n_kv, d, t, kern.attention_on_tc(d, n_q // n_kv))
+    return cp.full(size, cp.nan, cp.float32), cp.zeros((rows, attention_counters(n_kv, t)), cp.int32)
+
+
 @pytest.mark.parametrize(
     ("n_q", "n_kv", "d"), [(32, 4, 128), (4, 2, 16), (8, 2, 32), (64, 4, 128), (16, 2, 64), (8, 2, 256)]
 )
@@ -124,14 +133,7 @@ def test_qk_norm_rope_kv_and_attention_match_the_reference(gpu, attention_kernel
     assert rel_err(kc_d.get(), kc) < 1e-3
     assert rel_err(vc_d.get(), vc) < 1e-3
 
-    from strata_runtime.cuda.ops import attention_counters, attention_scratch_size
-
-    scratch = cp.full(
-        attention_scratch_size(rows, n_q, n_kv, d, t, kern.attention_on_tc(d, n_q // n_kv)),
-        cp.nan,
-        cp.float32,
-    )
-    done = cp.zeros((rows, attention_counters(n_kv, t)), cp.int32)
+    scratch, done = _attention_workspace(cp, kern, rows, n_q, n_kv, d, t)
     out = np.empty((rows, n_q * d), np.float32)
     ref.attention(q, kc_d.get(), vc_d.get(), pos, slot, out)
     firsts = []
@@ -153,8 +155,6 @@ def test_attention_merges_hundreds_of_chunks(gpu, attention_kernel):
     of shared memory, and `attn_tc`'s blocks each stream several chunks (64 runs of 10 chunks at the longest
     row here); both must agree with the reference, with ``attn_tc``'s scratch of
     64 partials a row and head."""
-    from strata_runtime.cuda.ops import attention_counters, attention_scratch_size
-
     cp, kern, ref = gpu
     g = rng()
     slots, n_q, n_kv, d, t = 2, 32, 4, 128, 40_000
@@ -162,10 +162,7 @@ def test_attention_merges_hundreds_of_chunks(gpu, attention_kernel):
     q = g.standard_normal((3, n_q, d)).astype(np.float32)
     kc, vc = half(g.standard_normal((slots, n_kv, t, d))), half(g.standard_normal((slots, n_kv, t, d)))
     out_d = cp.full((3, n_q * d), cp.nan, cp.float32)
-    scratch = cp.full(
-        attention_scratch_size(3, n_q, n_kv, d, t, kern.attention_on_tc(d, n_q // n_kv)), cp.nan, cp.float32
-    )
-    done = cp.zeros((3, attention_counters(n_kv, t)), cp.int32)
+    scratch, done = _attention_workspace(cp, kern, 3, n_q, n_kv, d, t)
     args = (cp.asarray(q), cp.asarray(kc), cp.asarray(vc), cp.asarray(pos), cp.asarray(slot))
     kern.attention(*args, out_d, scratch, done)
     out = np.empty((3, n_q * d), np.float32)
@@ -216,7 +213,7 @@ def test_attention_row_is_the_same_in_every_window(gpu, attention_kernel, n_q, n
     """`attn_split`'s windows of 1-2 rows take 256-thread blocks and larger windows 128 (`attention_shape`);
     `attn_tc` splits a row by its position alone. A row's output must be the same bit for bit alone, in a
     2-row window and in a 5-row window, whether its partials merge at once or in groups."""
-    from strata_runtime.cuda.ops import attention_counters, attention_scratch_size, attention_shape
+    from strata_runtime.cuda.ops import attention_shape
 
     cp, kern, _ = gpu
     g = rng()
@@ -235,12 +232,7 @@ def test_attention_row_is_the_same_in_every_window(gpu, attention_kernel, n_q, n
     def attend(sel: list[int]) -> np.ndarray:
         r = len(sel)
         out = cp.full((r, n_q * d), cp.nan, cp.float32)
-        scratch = cp.full(
-            attention_scratch_size(r, n_q, n_kv, d, t, kern.attention_on_tc(d, n_q // n_kv)),
-            cp.nan,
-            cp.float32,
-        )
-        done = cp.zeros((r, attention_counters(n_kv, t)), cp.int32)
+        scratch, done = _attention_workspace(cp, kern, r, n_q, n_kv, d, t)
         kern.attention(q[sel], kc, vc, cp.asarray(pos[sel]), cp.asarray(slot[sel]), out, scratch, done)
         return out.get()
 
@@ -255,8 +247,6 @@ def test_attention_reads_nothing_past_each_rows_position(gpu, attention_kernel, 
     """The cache past a row's position may hold anything (an earlier request's keys, NaN, inf): the output
     must match the reference over positions 0..pos alone, at every kind of row (inside one chunk, ending
     mid-chunk, and a long row whose blocks stream several chunks)."""
-    from strata_runtime.cuda.ops import attention_counters, attention_scratch_size
-
     cp, kern, ref = gpu
     g = rng()
     t = 9000
@@ -271,12 +261,7 @@ def test_attention_reads_nothing_past_each_rows_position(gpu, attention_kernel, 
         poisoned_v[r, :, p + 1 :: 2] = np.float16(np.inf)
         poisoned_v[r, :, p + 2 :: 2] = np.float16(np.nan)
     out_d = cp.full((rows, n_q * d), cp.nan, cp.float32)
-    scratch = cp.full(
-        attention_scratch_size(rows, n_q, n_kv, d, t, kern.attention_on_tc(d, n_q // n_kv)),
-        cp.nan,
-        cp.float32,
-    )
-    done = cp.zeros((rows, attention_counters(n_kv, t)), cp.int32)
+    scratch, done = _attention_workspace(cp, kern, rows, n_q, n_kv, d, t)
     kern.attention(
         cp.asarray(q),
         cp.asarray(poisoned_k),
