@@ -253,7 +253,6 @@ class ReferenceKernels:
 
         self.moe_exprs, self.attn_exprs = Kernels.moe_exprs, Kernels.attn_exprs
         self.tensor_cores = True  # as on an H200
-        self.attention_tc = True
         self.attention_kernels: list[str] = []
         """The decode attention kernel of each launch (or capture), in order."""
         self.gemv_expr = functools.partial(gemv_expression, tensor_cores=True)
@@ -281,14 +280,14 @@ class ReferenceKernels:
         self._launched(launch[0] if launch else self.gemv_expr(x.shape[0], *w.shape, True))
         RECORDER.launch(reference_kernels.qkv_rope, w, x, qkv, norm, eps, *rest)
 
-    def attention(self, q: Any, k_cache: Any, *rest: Any, tensor_cores: bool | None = None) -> None:
+    def attention(self, q: Any, k_cache: Any, *rest: Any, tensor_cores: bool = True) -> None:
         """As the launcher: records the kernel it would launch in `attention_kernels`."""
 
         tc = self.attention_on_tc(q.shape[2], q.shape[1] // k_cache.shape[1], tensor_cores)
         self.attention_kernels.append("attn_tc" if tc else "attn_split")
         RECORDER.launch(reference_kernels.attention, q, k_cache, *rest)
 
-    def attention_on_tc(self, head_dim: int, group: int, tensor_cores: bool | None = None) -> bool:
+    def attention_on_tc(self, head_dim: int, group: int, tensor_cores: bool = True) -> bool:
         from strata_runtime.cuda.ops import Kernels
 
         return Kernels.attention_on_tc(self, head_dim, group, tensor_cores)  # type: ignore[arg-type]

@@ -79,22 +79,19 @@ def test_add_rms_norm_fp32_matches_twin(gpu, rows, h, with_delta):
 
 
 @pytest.fixture(params=["tc", "split"])
-def attention_kernel(request, gpu):
-    """Decode attention on tensor cores (``attn_tc``, where the shape allows) and the FMA kernel
-    (``attn_split``, which the other shapes take): both must match the reference."""
-    _, kern, _ = gpu
-    before = kern.attention_tc
-    kern.attention_tc = request.param == "tc"
-    yield request.param
-    kern.attention_tc = before
+def attention_kernel(request) -> bool:
+    """Decode attention on tensor cores (``attn_tc``, where the shape allows; True) and the FMA kernel
+    (``attn_split``, which the other shapes take; False), as each launch asks (``tensor_cores``): both must
+    match the reference."""
+    return request.param == "tc"
 
 
-def _attention_workspace(cp, kern, rows: int, n_q: int, n_kv: int, d: int, t: int) -> tuple:
+def _attention_workspace(cp, kern, tc: bool, rows: int, n_q: int, n_kv: int, d: int, t: int) -> tuple:
     """Decode attention's scratch, sized exactly for the kernel that runs and filled with NaN (a partial it
     reads but never wrote shows), and its counters at zero, for ``rows`` rows over a ``t``-position cache."""
     from strata_runtime.cuda.ops import attention_counters, attention_scratch_size
 
-    size = attention_scratch_size(rows, n_q, n_kv, d, t, kern.attention_on_tc(d, n_q // n_kv))
+    size = attention_scratch_size(rows, n_q, n_kv, d, t, kern.attention_on_tc(d, n_q // n_kv, tc))
     return cp.full(size, cp.nan, cp.float32), cp.zeros((rows, attention_counters(n_kv, t)), cp.int32)
 
 
@@ -133,20 +130,21 @@ def test_qk_norm_rope_kv_and_attention_match_the_reference(gpu, attention_kernel
     assert rel_err(kc_d.get(), kc) < 1e-3
     assert rel_err(vc_d.get(), vc) < 1e-3
 
-    scratch, done = _attention_workspace(cp, kern, rows, n_q, n_kv, d, t)
+    scratch, done = _attention_workspace(cp, kern, attention_kernel, rows, n_q, n_kv, d, t)
     out = np.empty((rows, n_q * d), np.float32)
     ref.attention(q, kc_d.get(), vc_d.get(), pos, slot, out)
     firsts = []
     for _ in range(2):  # the second launch finds the counters the first left: they must be back at zero
         out_d = cp.full((rows, n_q * d), cp.nan, cp.float32)
-        kern.attention(cp.asarray(q), kc_d, vc_d, cp.asarray(pos), cp.asarray(slot), out_d, scratch, done)
+        args = (cp.asarray(q), kc_d, vc_d, cp.asarray(pos), cp.asarray(slot), out_d, scratch, done)
+        kern.attention(*args, tensor_cores=attention_kernel)
         assert rel_err(out_d.get(), out) < REL
         assert not done.get().any()
         firsts.append(out_d.get())
     np.testing.assert_array_equal(firsts[0], firsts[1])  # the merge runs chunks in order, whoever is last
     from strata_runtime.cuda.ops import attention_on_tensor_cores
 
-    if attention_kernel == "tc" and attention_on_tensor_cores(d, n_q // n_kv):  # it ran, not attn_split
+    if attention_kernel and attention_on_tensor_cores(d, n_q // n_kv):  # it ran, not attn_split
         assert f"attn_tc<{d},{n_q // n_kv},0>" in kern._fns
 
 
@@ -162,9 +160,9 @@ def test_attention_merges_hundreds_of_chunks(gpu, attention_kernel):
     q = g.standard_normal((3, n_q, d)).astype(np.float32)
     kc, vc = half(g.standard_normal((slots, n_kv, t, d))), half(g.standard_normal((slots, n_kv, t, d)))
     out_d = cp.full((3, n_q * d), cp.nan, cp.float32)
-    scratch, done = _attention_workspace(cp, kern, 3, n_q, n_kv, d, t)
+    scratch, done = _attention_workspace(cp, kern, attention_kernel, 3, n_q, n_kv, d, t)
     args = (cp.asarray(q), cp.asarray(kc), cp.asarray(vc), cp.asarray(pos), cp.asarray(slot))
-    kern.attention(*args, out_d, scratch, done)
+    kern.attention(*args, out_d, scratch, done, tensor_cores=attention_kernel)
     out = np.empty((3, n_q * d), np.float32)
     ref.attention(q, kc, vc, pos, slot, out)
     assert rel_err(out_d.get(), out) < REL
@@ -178,8 +176,8 @@ def test_attention_refuses_a_scratch_too_small_for_the_kernel_that_runs(gpu, att
     cp, kern, _ = gpu
     g = rng()
     rows, n_q, n_kv, d, t = 2, 32, 4, 128, 9000
-    tc = kern.attention_on_tc(d, n_q // n_kv)
-    assert tc == (attention_kernel == "tc")
+    tc = kern.attention_on_tc(d, n_q // n_kv, attention_kernel)
+    assert tc == attention_kernel
     need = attention_scratch_size(rows, n_q, n_kv, d, t, tc)
     assert need == rows * n_q * (64 if tc else 141) * (d + 2)
     q = cp.asarray(g.standard_normal((rows, n_q, d)).astype(np.float32))
@@ -190,8 +188,8 @@ def test_attention_refuses_a_scratch_too_small_for_the_kernel_that_runs(gpu, att
     with pytest.raises(
         ValueError, match=f"attention needs {need} floats of scratch for 2 rows, got {need - 1}"
     ):
-        kern.attention(q, kc, kc, pos, slot, out, cp.zeros(need - 1, cp.float32), done)
-    kern.attention(q, kc, kc, pos, slot, out, cp.zeros(need, cp.float32), done)
+        kern.attention(q, kc, kc, pos, slot, out, cp.zeros(need - 1, cp.float32), done, tensor_cores=tc)
+    kern.attention(q, kc, kc, pos, slot, out, cp.zeros(need, cp.float32), done, tensor_cores=tc)
     assert np.isfinite(out.get()).all()
 
 
@@ -232,8 +230,9 @@ def test_attention_row_is_the_same_in_every_window(gpu, attention_kernel, n_q, n
     def attend(sel: list[int]) -> np.ndarray:
         r = len(sel)
         out = cp.full((r, n_q * d), cp.nan, cp.float32)
-        scratch, done = _attention_workspace(cp, kern, r, n_q, n_kv, d, t)
-        kern.attention(q[sel], kc, vc, cp.asarray(pos[sel]), cp.asarray(slot[sel]), out, scratch, done)
+        scratch, done = _attention_workspace(cp, kern, attention_kernel, r, n_q, n_kv, d, t)
+        rows_of = (cp.asarray(pos[sel]), cp.asarray(slot[sel]))
+        kern.attention(q[sel], kc, vc, *rows_of, out, scratch, done, tensor_cores=attention_kernel)
         return out.get()
 
     every = attend(list(range(rows)))
@@ -261,7 +260,7 @@ def test_attention_reads_nothing_past_each_rows_position(gpu, attention_kernel, 
         poisoned_v[r, :, p + 1 :: 2] = np.float16(np.inf)
         poisoned_v[r, :, p + 2 :: 2] = np.float16(np.nan)
     out_d = cp.full((rows, n_q * d), cp.nan, cp.float32)
-    scratch, done = _attention_workspace(cp, kern, rows, n_q, n_kv, d, t)
+    scratch, done = _attention_workspace(cp, kern, attention_kernel, rows, n_q, n_kv, d, t)
     kern.attention(
         cp.asarray(q),
         cp.asarray(poisoned_k),
@@ -271,6 +270,7 @@ def test_attention_reads_nothing_past_each_rows_position(gpu, attention_kernel, 
         out_d,
         scratch,
         done,
+        tensor_cores=attention_kernel,
     )
     out = np.empty((rows, n_q * d), np.float32)
     ref.attention(q, kc, vc, pos, slot, out)

@@ -376,10 +376,10 @@ def test_the_step_times_each_plans_decode_attention_in_turn_on_one_model(monkeyp
 
     facts = ModelFacts.from_config(preset_config("tiny"), source="synthetic:tiny", dtype="float16")
     model = KernelModel(_numpy_as_cupy(seed=4), facts, 64, reference, attention_tc=False)
-    launched: list[bool | None] = []
+    launched: list[bool] = []
     real = reference.attention
     monkeypatch.setattr(
-        reference, "attention", lambda *a, tensor_cores=None: launched.append(tensor_cores) or real(*a)
+        reference, "attention", lambda *a, tensor_cores=True: launched.append(tensor_cores) or real(*a)
     )
     cost = {True: 2.0e-3, False: 3.0e-3}
     order: list[tuple[bool, ...]] = []

@@ -491,7 +491,7 @@ def run_step(
     ``model.decode_attention``: the whole step is also timed with each one's kernel (`attention_arms`)."""
     import cupy as cp
 
-    from ..cuda.ops import attention_on_tensor_cores, kernels_for
+    from ..cuda.ops import kernels_for
 
     arms = attention_arms(versus) if versus is not None and len(versus) > 1 else None
     f, context = plan.model.facts, plan.memory.context
@@ -513,7 +513,7 @@ def run_step(
         kern = kernels_for(device_index)
         tc = plan.model.decode_attention == "tensor_cores"
         group = f.num_attention_heads // f.num_key_value_heads
-        on_tc = attention_on_tensor_cores(f.head_dim, group, kern.tensor_cores and tc)
+        on_tc = kern.attention_on_tc(f.head_dim, group, tc)
         model = KernelModel(cp, f, context, kern, device_index, routing, attention_tc=tc)
         cp.cuda.Device().synchronize()
         made_s = time.perf_counter() - t0
@@ -529,10 +529,7 @@ def run_step(
         }
         by_arm = None
         if arms is not None:
-            named = {
-                a: attention_name(attention_on_tensor_cores(f.head_dim, group, kern.tensor_cores and tc))
-                for a, tc in arms.items()
-            }
+            named = {a: attention_name(kern.attention_on_tc(f.head_dim, group, tc)) for a, tc in arms.items()}
             timed = [model.time_attention_arms(rows, position, repeats, arms) for rows in ROWS]
             by_arm = {"kernels": named, "rounds": ATTENTION_ROUNDS, "rows": timed}
         name = gpu_name(cp, device_index)

@@ -322,7 +322,7 @@ def decode_expressions(
     (`strata_runtime.cuda.decode.CudaLayers`). ``mlp_widths``: the widths of the layers' dense MLPs or
     shared experts; ``gemv_shapes``: (out features, reduction, fused norm) of further GEMVs on the same rows
     (the LM head on normalised rows, the MTP head's input projections). ``attention_tc``: whether attention
-    may run on tensor cores (`Kernels.attention_tc`; None: where ``tensor_cores``)."""
+    may run on tensor cores (``model.decode_attention``; None: where ``tensor_cores``)."""
     a = args
     attention_tc = tensor_cores if attention_tc is None else attention_tc
     h, q = a.hidden_size, a.num_attention_heads * a.head_dim
@@ -401,10 +401,7 @@ class Kernels(KernelCache):
         device = cupy_module().cuda.Device()
         self.pdl = pdl.available(device.id)
         self.tensor_cores = int(device.compute_capability) >= 80
-        """Whether the projections run on tensor cores (``gemv_mma``)."""
-        self.attention_tc = self.tensor_cores
-        """Whether decode attention runs on tensor cores where its shape allows (``attn_tc``,
-        `attention_on_tensor_cores`); else ``attn_split``."""
+        """Whether the projections run on tensor cores (``gemv_mma``), and decode attention may."""
         self._pdl_fns: dict[str, pdl.PdlKernel] = {}
         self._carveouts: dict[str, int] = {}
         self._device_id = device.id
@@ -594,11 +591,12 @@ class Kernels(KernelCache):
             ),
         )
 
-    def attention_on_tc(self, head_dim: int, group: int, tensor_cores: bool | None = None) -> bool:
-        """Whether `attention` launches ``attn_tc`` for this shape: where ``tensor_cores`` (None: the device's
-        default, `attention_tc`) and the device allow it (`attention_on_tensor_cores`)."""
-        tc = self.attention_tc if tensor_cores is None else self.tensor_cores and tensor_cores
-        return attention_on_tensor_cores(head_dim, group, tc)
+    def attention_on_tc(self, head_dim: int, group: int, tensor_cores: bool = True) -> bool:
+        """Whether `attention` launches ``attn_tc`` for this shape: where the caller asks for tensor cores
+        (each layer's `strata_runtime.cuda.layers.LayerWeights.attention_tc`, from ``model.decode_attention``)
+        and the device and shape allow it (`attention_on_tensor_cores`). The choice is the caller's: this
+        object is shared by every stack on the device."""
+        return attention_on_tensor_cores(head_dim, group, self.tensor_cores and tensor_cores)
 
     def attention(
         self,
@@ -610,12 +608,12 @@ class Kernels(KernelCache):
         out: Array,
         scratch: Array,
         done: Array,
-        tensor_cores: bool | None = None,
+        tensor_cores: bool = True,
     ) -> None:
         """Causal decode attention of each row over positions 0..pos[r] of its slot. out: [R, NQ * D] fp32.
 
-        One kernel: ``attn_tc`` on tensor cores where ``tensor_cores`` (None: `attention_tc`), the device
-        and the shape allow, else ``attn_split``. Each block (a chunk of 64 positions; with ``attn_tc``, a run
+        One kernel: ``attn_tc`` on tensor cores where ``tensor_cores``, the device and the shape allow
+        (`attention_on_tc`), else ``attn_split``. Each block (a chunk of 64 positions; with ``attn_tc``, a run
         of consecutive chunks, `ATTN_SHORT_SPLITS` and `ATTN_SPLITS`) writes a partial result to
         ``scratch`` (fp32, at least `attention_scratch_size` elements for the kernel that runs, which
         ``attn_tc`` keeps small at any context), and the blocks that finish last merge them (in

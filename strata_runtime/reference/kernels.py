@@ -136,7 +136,7 @@ def attention(
     out: np.ndarray,
     scratch: np.ndarray | None = None,
     done: np.ndarray | None = None,
-    tensor_cores: bool | None = None,
+    tensor_cores: bool = True,
 ) -> None:
     """``scratch`` and ``done`` are the launcher's workspace, and ``tensor_cores`` its choice of kernel; the
     reference needs neither."""
