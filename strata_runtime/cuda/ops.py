@@ -657,8 +657,6 @@ class Kernels(KernelCache):
             if few:
                 self.prefer_carveout(expr, attention_tc_carveout(smem, self.sm_shared))
             scale_log2 = np.float32(math.log2(math.e) / math.sqrt(d))  # softmax in base 2
-            if not ATTN_SHORT_SPLITS <= ATTN_SPLITS <= DECODE_ATTENTION_TC_SPLITS:
-                raise ValueError(f"attn_tc's splits: {ATTN_SHORT_SPLITS} <= {ATTN_SPLITS} <= the scratch's")
             counts = (np.int32(ATTN_SPLITS), np.int32(ATTN_SHORT_SPLITS), np.int32(ATTN_SHORT_CHUNKS))
             grid = (rows, n_kv, min(nc, ATTN_SPLITS))
             self.fn(expr)(grid, (128,), (*common, *counts, scale_log2), shared_mem=smem)
