@@ -123,10 +123,11 @@ class ModelSection(Section):
     CPU devices are not affected."""
     decode_attention: DecodeAttention | None = None
     """Which kernel runs decode attention on a GPU. ``"auto"`` (default): on tensor cores where the model's
-    shape allows (head dim 16, 32, 64 or 128, at most 16 query heads per KV head: every preset), a long row
-    streamed by at most 64 blocks; else on CUDA cores. ``"cuda_cores"``: the CUDA-core kernel for every
-    shape, which on an H200 ran one- to four-row windows 2-3% faster a few thousand positions into a
-    context and up to a third slower from 16,000 on (docs/PERFORMANCE.md). CPU devices are not affected."""
+    shape allows (head dim 16, 32, 64 or 128, at most 16 query heads per KV head: every preset), a row
+    streamed by at most 16 blocks up to 8,192 positions and 64 past that; else on CUDA cores.
+    ``"cuda_cores"``: the CUDA-core kernel for every shape, which on an H200 ran one- and two-row windows up
+    to 2% faster in the first 1,000 positions of a context and every window slower past a few thousand
+    (docs/PERFORMANCE.md). CPU devices are not affected."""
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSection:
