@@ -9,6 +9,7 @@ which slots share a window.
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -244,10 +245,41 @@ def test_the_adaptive_solo_depth_on_gpu_keeps_the_greedy_text_and_measures_its_w
     )
     assert adaptive == fixed and engine.adaptive
     measured = engine.stats()["solo_window_ms"]["greedy"]
-    ran = {w.rows for w in engine.windows if w.kind == "solo"}
-    assert set(measured) == {str(r) for r in ran} and all(ms > 0 for ms in measured.values())
+    ran = Counter(w.rows for w in engine.windows if w.kind == "solo")
+    # A window in flight while some shape ran for the first time (its graph captured) is not timed, so a
+    # row count that ran once or twice may have no time; one that ran five times has some window timed.
+    assert set(measured) <= {str(r) for r in ran} and all(ms > 0 for ms in measured.values())
+    assert {str(r) for r, n in ran.items() if n >= 5} <= set(measured), (measured, ran)
     solo = sum(1 for w in engine.windows if w.kind == "solo")
     assert sum(engine.totals["solo_by_proposals"].values()) == solo
+
+
+@pytest.mark.parametrize("split", [None, 2])
+@pytest.mark.parametrize("seed", range(4))
+def test_greedy_text_on_gpu_does_not_depend_on_the_depths_drafted(cp, monkeypatch, split, seed):
+    """Solo windows at random, seeded depths and run ends (where the adaptive depth chooses by measured
+    times, which differ from run to run) give the fixed depth's greedy text on the GPU: every kernel gives a
+    row the same result whatever the window's row count, and verification holds only what greedy windows
+    would have chosen. The first differing token is named, with the windows that ran."""
+    from strata_runtime.engine import speculative
+
+    g = np.random.default_rng(24)
+    prompts = [g.integers(1, 250, int(n)).tolist() for n in g.integers(3, 30, 3)]
+    fixed, _ = _generate(_plan(cp, model="tiny", draft_tokens=4, split=split), prompts, 48)
+    rng = np.random.default_rng(seed)
+    monkeypatch.setattr(speculative, "best_depth", lambda holds, costs, most: int(rng.integers(0, most + 1)))
+    monkeypatch.setattr(speculative, "worth_switching", lambda *a: bool(rng.random() < 0.5))
+    adaptive, engine = _generate(
+        _plan(cp, model="tiny", draft_tokens=4, split=split, adaptive_depth=True), prompts, 48
+    )
+    for i, (a, f) in enumerate(zip(adaptive, fixed, strict=True)):
+        first = next((j for j, (x, y) in enumerate(zip(a, f, strict=False)) if x != y), None)
+        assert first is None and len(a) == len(f) == 48, (
+            f"prompt {i}: first differing token {first} ({a[first] if first is not None else '-'} against "
+            f"{f[first] if first is not None else '-'}); solo windows' rows: "
+            f"{[w.rows for w in engine.windows if w.kind == 'solo']}"
+        )
+    assert len({w.rows for w in engine.windows if w.kind == "solo"}) >= 3  # several depths ran
 
 
 def _run_ahead(plan, run_ahead: int):
