@@ -209,15 +209,16 @@ def test_attention_refuses_a_scratch_too_small_for_the_kernel_that_runs(gpu, att
 )
 def test_attention_row_is_the_same_in_every_window(gpu, attention_kernel, n_q, n_kv, d, t):
     """`attn_split`'s windows of 1-2 rows take 256-thread blocks and larger windows 128 (`attention_shape`);
-    `attn_tc` splits a row by its position alone. A row's output must be the same bit for bit alone, in a
-    2-row window and in a 5-row window, whether its partials merge at once or in groups."""
+    `attn_tc` splits a row by its position alone (one run up to 3 chunks: positions 64 and 191 here; 192 is
+    the first in several). A row's output must be the same bit for bit alone, in a 2-row window and in a
+    5-row window, whether it is one run or its partials merge at once or in groups."""
     from strata_runtime.cuda.ops import attention_shape
 
     cp, kern, _ = gpu
     g = rng()
     slots, rows = 5, 5
     assert attention_shape(d, n_q // n_kv, 1)[1] == attention_shape(d, n_q // n_kv, rows)[1]
-    pos = {700: [t - 1, 64, 63, 300, 1], 2500: [t - 1, 1024, 1023, 2047, 1100]}.get(
+    pos = {700: [t - 1, 64, 191, 192, 1], 2500: [t - 1, 1024, 1023, 2047, 1100]}.get(
         t,
         [t - 1, 4095, 8191, 8192, 6000],  # 141, 64, 128, 129 and 94 chunks
     )

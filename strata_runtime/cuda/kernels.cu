@@ -1036,8 +1036,9 @@ __global__ void __launch_bounds__(B) attn_split(const float* __restrict__ q, con
 // partials merged by the blocks that finish last, in the same scratch and counters), for head dims up to 128
 // and up to 16 query heads per KV head, with its products on tensor cores and a long row streamed:
 // * Block (r, kvh, s) of 4 warps takes `per` consecutive chunks of ATTN_CHUNK positions of row r: a row of
-//   up to `short_chunks` chunks splits into at most `short_splits` runs (per = ceil(chunks / short_splits)),
-//   a longer one into at most `splits` (per = ceil(chunks / splits)). A row thus has at most `splits`
+//   up to `one_run_chunks` chunks is one run (one block, no partials, no merge), a row of up to
+//   `short_chunks` splits into at most `short_splits` runs (per = ceil(chunks / short_splits)), a longer
+//   one into at most `splits` (per = ceil(chunks / splits)). A row thus has at most `splits`
 //   partials (short_splits <= splits), whose slots in the scratch are NC apart (NC >= min(chunks of the
 //   context, splits)), and the grid at most `splits` blocks a row and KV head, however long the context. A
 //   block streams its chunks: K and V of chunk j + 1 land in shared memory (cp.async) while chunk j is
@@ -1048,7 +1049,7 @@ __global__ void __launch_bounds__(B) attn_split(const float* __restrict__ q, con
 //   two fp16 parts (hi + lo, about 22 bits of q), an online softmax per head, and O += P V with P split the
 //   same way, all accumulated in fp32. The 4 warps' maxima, totals and O merge in shared memory, in warp
 //   order, into the block's partial in attn_split's form (natural-log maxima).
-// * A row of one partial (at most ATTN_CHUNK positions) writes its output directly; otherwise the partials
+// * A row of one run writes its output directly; otherwise the partials
 //   merge as attn_split's chunks do (`attn_merge`; in groups of ATTN_MERGE_GROUP past that many).
 // Fragment layouts are flash.cu's (mma.m16n8k16, lane = 4 gq + tq); K is read with ldmatrix (B = K^T) and V
 // with ldmatrix.trans (B = V) from rows padded to D + 8 halves.
@@ -1090,7 +1091,8 @@ __global__ void __launch_bounds__(128) attn_tc(const float* __restrict__ q, cons
                                                const int* __restrict__ slot, float* __restrict__ part_acc,
                                                float* __restrict__ part_ml, int* __restrict__ done,
                                                float* __restrict__ out, int NKV, int T, int NC, int splits,
-                                               int short_splits, int short_chunks, float scale_log2) {
+                                               int short_splits, int short_chunks, int one_run_chunks,
+                                               float scale_log2) {
   using namespace attn_tc_ops;
   static_assert(D % 16 == 0 && D <= 128 && G >= 1 && G <= 16, "head dim a multiple of 16 up to 128, G <= 16");
   constexpr int C = ATTN_CHUNK, LD = D + 8, KS = D / 16, DT = D / 8;
@@ -1102,7 +1104,7 @@ __global__ void __launch_bounds__(128) attn_tc(const float* __restrict__ q, cons
   STRATA_PDL_WAIT();
   const int r = blockIdx.x, kvh = blockIdx.y, s = blockIdx.z, NQ = NKV * G;
   const int n = pos[r] + 1, live = (n + C - 1) / C;
-  const int most = live <= short_chunks ? short_splits : splits;  // this row's runs, at most
+  const int most = live <= one_run_chunks ? 1 : live <= short_chunks ? short_splits : splits;  // runs, at most
   const int per = (live + most - 1) / most;
   const int used = (live + per - 1) / per;  // this row's partials
   if (n <= 0 || s >= used) return;
