@@ -124,10 +124,10 @@ class ModelSection(Section):
     decode_attention: DecodeAttention | None = None
     """Which kernel runs decode attention on a GPU. ``"auto"`` (default): on tensor cores where the model's
     shape allows (head dim 16, 32, 64 or 128, at most 16 query heads per KV head: every preset), a row
-    streamed by at most 16 blocks up to 8,192 positions and 64 past that; else on CUDA cores.
-    ``"cuda_cores"``: the CUDA-core kernel for every shape, which on an H200 ran one- and two-row windows up
-    to 2% faster in the first 1,000 positions of a context and every window slower past a few thousand
-    (docs/PERFORMANCE.md). CPU devices are not affected."""
+    read by one block up to 192 positions, streamed by at most 16 up to 8,192 and by 64 past that; else on
+    CUDA cores. ``"cuda_cores"``: the CUDA-core kernel for every shape, which on an H200 ran one- and
+    two-row windows up to 2% faster from about 200 to 1,000 positions into a context, and every window slower
+    before that and past a few thousand (docs/PERFORMANCE.md). CPU devices are not affected."""
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSection:
