@@ -1049,8 +1049,8 @@ __global__ void __launch_bounds__(B) attn_split(const float* __restrict__ q, con
 //   two fp16 parts (hi + lo, about 22 bits of q), an online softmax per head, and O += P V with P split the
 //   same way, all accumulated in fp32. The 4 warps' maxima, totals and O merge in shared memory, in warp
 //   order, into the block's partial in attn_split's form (natural-log maxima).
-// * A row of one run writes its output directly; otherwise the partials
-//   merge as attn_split's chunks do (`attn_merge`; in groups of ATTN_MERGE_GROUP past that many).
+// * A row of one run writes its output directly; otherwise the partials merge as attn_split's chunks do
+//   (`attn_merge`; in groups of ATTN_MERGE_GROUP past that many).
 // Fragment layouts are flash.cu's (mma.m16n8k16, lane = 4 gq + tq); K is read with ldmatrix (B = K^T) and V
 // with ldmatrix.trans (B = V) from rows padded to D + 8 halves.
 // Grid (R, NKV, min(NC, splits)), 128 threads, `attention_tc_shared_bytes(D, G)` of dynamic shared memory (two
