@@ -9,8 +9,11 @@ logits are checked against an independent float64 forward pass.
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from dataclasses import fields
-from types import SimpleNamespace
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
 
 import numpy as np
 import pytest
@@ -422,3 +425,86 @@ def test_the_step_times_each_plans_decode_attention_in_turn_on_one_model(monkeyp
         "argmax tokens: a row's differs between arms at 8 rows (random weights: near ties may differ)",
     ]
     assert "each plan's decode attention, ms (graph; the median of 3 interleaved rounds" in out
+
+
+def _attention_splits_script() -> ModuleType:
+    """`scripts/attention_splits.py`, loaded as a module."""
+    path = Path(__file__).resolve().parent.parent / "scripts" / "attention_splits.py"
+    spec = importlib.util.spec_from_file_location("attention_splits", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_attention_splits_times_each_arm_with_its_own_kernel_and_split(monkeypatch) -> None:
+    """`scripts/attention_splits.py`: every timing of an arm launches attention on that arm's kernel with
+    that arm's split of a row (the engine's where the arm names none), and the engine's split holds again
+    after; arms are parsed with clear errors, and the table gives each arm's change from the first."""
+    from strata_runtime.cuda import ops
+
+    script = _attention_splits_script()
+    arms = [
+        script.Arm.parse("a=tc:0"),
+        script.Arm.parse("b=tc"),
+        script.Arm.parse("c=tc:128/1"),
+        script.Arm.parse("d=cuda_cores"),
+    ]
+    assert arms[0].split == ops.AttentionSplit(
+        0, ops.ATTN_SHORT_SPLITS, ops.ATTN_SHORT_CHUNKS, ops.ATTN_SPLITS
+    )
+    assert arms[2].split == ops.AttentionSplit(128, 1) and arms[1].split is None and not arms[3].tensor_cores
+    assert arms[2].describe() == f"tensor cores, split 128/1/{ops.ATTN_SHORT_CHUNKS}/{ops.ATTN_SPLITS}"
+    for bad, why in [
+        ("tc", "expected NAME=SPEC"),
+        ("x=gpu", "SPEC is cuda_cores, tc or"),
+        ("x=tc:1/2/3/4/5", "up to four integers"),
+        ("x=tc:3/65", "short_splits <= splits <= 64"),
+        ("x=tc:-1", "cannot be negative"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            script.Arm.parse(bad)
+
+    facts = ModelFacts.from_config(preset_config("tiny"), source="synthetic:tiny", dtype="float16")
+    model = KernelModel(_numpy_as_cupy(seed=6), facts, 64, reference, attention_tc=False)
+    launched: list[tuple[bool, ops.AttentionSplit]] = []
+    real = reference.attention
+    monkeypatch.setattr(
+        reference,
+        "attention",
+        lambda *a, tensor_cores=True: launched.append((tensor_cores, ops._ATTENTION_SPLIT.get())) or real(*a),
+    )
+    seen: list[set[tuple[bool, ops.AttentionSplit]]] = []
+
+    def timer(cp: object, body, repeats: int) -> float:
+        launched.clear()
+        body()
+        seen.append(set(launched))
+        return 1e-3 * (len(seen) % 4 + 1)
+
+    results = script.sweep(model, arms, [5, 9], [1, 2], repeats=3, rounds=2, timer=timer)
+    want = [{(a.tensor_cores, a.split or ops.ATTN_SPLIT)} for a in arms]
+    assert seen == want * 2 * 4  # 2 rounds at each of 2 positions x 2 row counts
+    assert [(r["position"], r["rows"]) for r in results] == [(5, 1), (5, 2), (9, 1), (9, 2)]
+    assert ops._ATTENTION_SPLIT.get() is ops.ATTN_SPLIT and not model.stack.attention_tc
+    assert results[0]["ms"] == pytest.approx({"a": 2.0, "b": 3.0, "c": 4.0, "d": 1.0})
+    table = script.render(arms, results).splitlines()
+    assert table[0].startswith(
+        "arms: a = tensor cores, split 0/16/128/64; b = tensor cores, split 3/16/128/64"
+    )
+    assert table[3].split() == [
+        "5",
+        "1",
+        "2.000",
+        "ms",
+        "3.000",
+        "(+50.0%)",
+        "4.000",
+        "(+100.0%)",
+        "1.000",
+        "(-50.0%)",
+        "yes",
+    ]
+    with pytest.raises(ValueError, match="arm names repeat"):
+        script.sweep(model, arms[:2] * 2, [5], [1], repeats=1, rounds=1, timer=timer)

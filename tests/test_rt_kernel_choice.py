@@ -240,3 +240,46 @@ def test_attention_on_tensor_cores_keeps_at_most_64_partials_at_any_context(
             == 3 * 32 * partials * 130
             == decode_attention_scratch_floats(3, 32, 128, context, tensor_cores=tc)
         )
+
+
+def test_attn_tc_launches_with_the_split_in_force_in_the_kernels_argument_order() -> None:
+    """`Kernels.attention` gives ``attn_tc`` the engine's split of a row (`ATTN_SPLIT`) outside
+    `attention_split` and the given one inside it, as the kernel's last integer arguments (splits,
+    short_splits, short_chunks, one_run_chunks), with a grid of at most ``splits`` runs a row and head."""
+    from types import SimpleNamespace
+
+    from strata_runtime.cuda.ops import ATTN_SPLIT, AttentionSplit, Kernels, attention_split
+
+    launches: list[tuple[str, tuple, tuple]] = []
+    stub = SimpleNamespace(
+        attention_on_tc=lambda d, g, tc: tc,
+        allow_shared=lambda expr, smem: None,
+        prefer_carveout=lambda expr, pct: None,
+        sm_shared=228 * 1024,
+        fn=lambda expr: lambda grid, block, args, shared_mem=0: launches.append((expr, grid, args)),
+    )
+    rows, n_q, n_kv, d, t = 2, 8, 2, 64, 9000
+    q = np.zeros((rows, n_q, d), np.float32)
+    kc = np.zeros((3, n_kv, t, d), np.float16)
+    big = np.zeros(10**7, np.float32)
+    done = np.zeros((rows, 1000), np.int32)
+    pos, slot = np.zeros(rows, np.int32), np.arange(rows, dtype=np.int32)
+
+    def launch() -> tuple[str, tuple, list[int]]:
+        Kernels.attention(stub, q, kc, kc, pos, slot, q, big, done, tensor_cores=True)  # type: ignore[arg-type]
+        expr, grid, args = launches.pop()
+        return expr, grid, [int(a) for a in args[12:16]]
+
+    expr, grid, counts = launch()
+    assert expr.startswith("attn_tc<64,4,")
+    assert counts == [
+        ATTN_SPLIT.splits,
+        ATTN_SPLIT.short_splits,
+        ATTN_SPLIT.short_chunks,
+        ATTN_SPLIT.one_run_chunks,
+    ]
+    assert grid == (rows, n_kv, ATTN_SPLIT.splits)
+    other = AttentionSplit(one_run_chunks=0, short_splits=4, short_chunks=32, splits=8)
+    with attention_split(other):
+        assert launch()[1:] == ((rows, n_kv, 8), [8, 4, 32, 0])
+    assert launch()[2] == counts  # the engine's split again

@@ -46,7 +46,7 @@ from ..cuda.layers import (
     step_applies,
     supported,
 )
-from ..cuda.ops import PDL_ROWS, Kernels, argmax_scratch, choose_scratch
+from ..cuda.ops import PDL_ROWS, AttentionSplit, Kernels, argmax_scratch, attention_split, choose_scratch
 from ..cuda.routing import DeviceRouting, RowBias
 from ..model.placed import routing_tables
 from ..models.qwen3_moe import ModelArgs
@@ -235,24 +235,32 @@ class KernelModel:
         arms: Mapping[str, bool],
         timer: Callable[[Any, Callable[[], None], int], float] = graph_seconds,
         rounds: int = ATTENTION_ROUNDS,
+        splits: Mapping[str, AttentionSplit] | None = None,
     ) -> dict[str, Any]:
         """The whole step at ``rows`` rows with each arm's decode attention (name -> tensor cores where the
         shape allows), on one window: ``rounds`` rounds, each timing every arm in turn by ``timer`` as the
         decode graphs launch it; ms per step (the median of the rounds) and each arm's argmax token of each
-        row. The layers' own choice is restored after."""
+        row. ``splits``: an arm's split of a row on tensor cores, where not the engine's. The layers' own
+        choice is restored after."""
         w = self.window(rows, position)
         before = self.stack.attention_tc
         times: dict[str, list[float]] = {name: [] for name in arms}
         tokens: dict[str, list[int]] = {}
+        split_of = dict(splits or {})
+
+        def arm(name: str) -> contextlib.AbstractContextManager[None]:
+            self.use_attention(arms[name])
+            return attention_split(split_of[name]) if name in split_of else contextlib.nullcontext()
+
         try:
             with _as_engine(self.stack.kern, rows):
-                for tc in arms.values():  # each arm's kernels compiled before any timing
-                    self.use_attention(tc)
-                    self.step(w)
+                for name in arms:  # each arm's kernels compiled before any timing
+                    with arm(name):
+                        self.step(w)
                 for _ in range(rounds):
-                    for name, tc in arms.items():
-                        self.use_attention(tc)
-                        times[name].append(timer(self.cp, partial(self.step, w), repeats))
+                    for name in arms:
+                        with arm(name):
+                            times[name].append(timer(self.cp, partial(self.step, w), repeats))
                         out = w.out.get() if hasattr(w.out, "get") else w.out
                         tokens[name] = [int(t) for t in out]
         finally:

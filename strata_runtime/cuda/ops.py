@@ -14,6 +14,7 @@ import contextlib
 import contextvars
 import math
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from functools import cache
 from typing import TYPE_CHECKING, Any
 
@@ -93,6 +94,66 @@ ATTN_ONE_RUN_CHUNKS = 3
 writes the row's output, with no partials and no merge. On an H200 the whole step at 1 and 2 rows took
 2.0-2.1% less at 64 positions (2 chunks) and 0.8-1.1% less at 150 (3 chunks) than in a run a chunk;
 at 300 positions (5 chunks) one run was 0.8-1.6% slower, at 1,000 10-16% slower."""
+
+
+@dataclass(frozen=True)
+class AttentionSplit:
+    """How ``attn_tc`` splits a row into runs of consecutive chunks, by the row's chunks alone: one run up to
+    ``one_run_chunks``, at most ``short_splits`` runs up to ``short_chunks``, at most ``splits`` past that.
+    The engine runs the default, `ATTN_SPLIT` (`ATTN_ONE_RUN_CHUNKS`, `ATTN_SHORT_SPLITS`,
+    `ATTN_SHORT_CHUNKS`, `ATTN_SPLITS`); a benchmark times others inside `attention_split`. Written and
+    parsed as ``one_run_chunks/short_splits/short_chunks/splits``, as ``3/16/128/64``."""
+
+    one_run_chunks: int = ATTN_ONE_RUN_CHUNKS
+    short_splits: int = ATTN_SHORT_SPLITS
+    short_chunks: int = ATTN_SHORT_CHUNKS
+    splits: int = ATTN_SPLITS
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.short_splits <= self.splits <= ATTN_SPLITS:
+            raise ValueError(
+                f"attention split {self}: need 1 <= short_splits <= splits <= {ATTN_SPLITS} (the partials "
+                "the scratch holds)"
+            )
+        if self.one_run_chunks < 0 or self.short_chunks < 0:
+            raise ValueError(f"attention split {self}: chunk counts cannot be negative")
+
+    def __str__(self) -> str:
+        return f"{self.one_run_chunks}/{self.short_splits}/{self.short_chunks}/{self.splits}"
+
+    @classmethod
+    def parse(cls, text: str) -> AttentionSplit:
+        """``one_run_chunks/short_splits/short_chunks/splits``; fewer fields keep the defaults of the rest."""
+        try:
+            counts = [int(x) for x in text.split("/")]
+        except ValueError:
+            counts = []
+        if not 1 <= len(counts) <= 4:
+            raise ValueError(
+                f"attention split {text!r}: expected up to four integers one_run_chunks/short_splits/"
+                "short_chunks/splits, as 3/16/128/64"
+            )
+        return cls(*counts)
+
+
+ATTN_SPLIT = AttentionSplit()
+"""The split the engine runs."""
+_ATTENTION_SPLIT: contextvars.ContextVar[AttentionSplit] = contextvars.ContextVar(
+    "strata_attention_split", default=ATTN_SPLIT
+)
+"""The split `Kernels.attention` gives ``attn_tc`` on this thread now: the default outside
+`attention_split`."""
+
+
+@contextlib.contextmanager
+def attention_split(split: AttentionSplit) -> Iterator[None]:
+    """Launch ``attn_tc`` with ``split`` in this block (on this thread). For benchmarks: a row's result
+    depends on its split, so an engine keeps the default for the whole of a request."""
+    token = _ATTENTION_SPLIT.set(split)
+    try:
+        yield
+    finally:
+        _ATTENTION_SPLIT.reset(token)
 
 
 def attention_on_tensor_cores(head_dim: int, group: int, tensor_cores: bool = True) -> bool:
@@ -663,13 +724,14 @@ class Kernels(KernelCache):
             if few:
                 self.prefer_carveout(expr, attention_tc_carveout(smem, self.sm_shared))
             scale_log2 = np.float32(math.log2(math.e) / math.sqrt(d))  # softmax in base 2
+            split = _ATTENTION_SPLIT.get()
             counts = (
-                np.int32(ATTN_SPLITS),
-                np.int32(ATTN_SHORT_SPLITS),
-                np.int32(ATTN_SHORT_CHUNKS),
-                np.int32(ATTN_ONE_RUN_CHUNKS),
+                np.int32(split.splits),
+                np.int32(split.short_splits),
+                np.int32(split.short_chunks),
+                np.int32(split.one_run_chunks),
             )
-            grid = (rows, n_kv, min(nc, ATTN_SPLITS))
+            grid = (rows, n_kv, min(nc, split.splits))
             self.fn(expr)(grid, (128,), (*common, *counts, scale_log2), shared_mem=smem)
             return
         b, w = attention_shape(d, g, rows)

@@ -1,0 +1,152 @@
+"""Time the whole decode step with decode attention's rows split other ways, in one process on one model.
+
+    python scripts/attention_splits.py PROFILE [--set KEY=VALUE ...] [--positions 64,150,300] [--rows 1,2]
+        [--rounds 2] [--repeats 30] [--json] ARM [ARM ...]
+
+Each ARM is NAME=SPEC, SPEC being ``cuda_cores`` (attn_split), ``tc`` (attn_tc, each row split as the
+engine splits it) or ``tc:ONE_RUN_CHUNKS/SHORT_SPLITS/SHORT_CHUNKS/SPLITS``
+(`strata_runtime.cuda.ops.AttentionSplit`; fields left out keep the engine's). At every position and row
+count the step graph runs with each arm in turn, ``--rounds`` rounds on the same weights and window
+(`KernelModel.time_attention_arms`, as ``strata bench --workload step --vary model.decode_attention``
+times the two kernels); the table gives each arm's median ms with its change from the first arm, and
+whether every arm chose the same argmax tokens.
+Needs CuPy and a GPU. docs/PERFORMANCE.md's tables of attention splits measure the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from strata_runtime.bench.step import KernelModel, graph_seconds
+from strata_runtime.cuda.ops import AttentionSplit
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    tensor_cores: bool
+    split: AttentionSplit | None  # None: the engine's
+
+    @classmethod
+    def parse(cls, text: str) -> Arm:
+        name, eq, spec = text.partition("=")
+        if not eq or not name:
+            raise ValueError(f"arm {text!r}: expected NAME=SPEC, as one=tc:3/16/128/64 or split=cuda_cores")
+        if spec == "cuda_cores":
+            return cls(name, False, None)
+        if spec == "tc":
+            return cls(name, True, None)
+        if spec.startswith("tc:"):
+            return cls(name, True, AttentionSplit.parse(spec[3:]))
+        raise ValueError(f"arm {text!r}: SPEC is cuda_cores, tc or tc:ONE_RUN_CHUNKS/SHORT_SPLITS/...")
+
+    def describe(self) -> str:
+        if not self.tensor_cores:
+            return "CUDA cores"
+        return f"tensor cores, split {self.split or AttentionSplit()}"
+
+
+def sweep(
+    model: KernelModel,
+    arms: Sequence[Arm],
+    positions: Sequence[int],
+    rows: Sequence[int],
+    repeats: int,
+    rounds: int,
+    timer: Callable[[Any, Callable[[], None], int], float] = graph_seconds,
+) -> list[dict[str, Any]]:
+    """One result per (position, row count): each arm's ms and argmax tokens."""
+    names = [a.name for a in arms]
+    if len(set(names)) != len(names):
+        raise ValueError(f"arm names repeat: {names}")
+    kernels = {a.name: a.tensor_cores for a in arms}
+    splits = {a.name: a.split for a in arms if a.split is not None}
+    out = []
+    for position in positions:
+        for r in rows:
+            res = model.time_attention_arms(
+                r, position, repeats, kernels, timer=timer, rounds=rounds, splits=splits
+            )
+            out.append({"position": position, **res})
+    return out
+
+
+def render(arms: Sequence[Arm], results: Sequence[Mapping[str, Any]]) -> str:
+    first = arms[0].name
+    lines = ["arms: " + "; ".join(f"{a.name} = {a.describe()}" for a in arms)]
+    head = f"{'position':>8} {'rows':>4}  " + "  ".join(f"{a.name:>16}" for a in arms) + "  same argmax"
+    lines += [head, "-" * len(head)]
+    for res in results:
+        ms = res["ms"]
+        cells = [f"{ms[first]:>13.3f} ms"]
+        cells += [f"{ms[a.name]:>8.3f} ({(ms[a.name] / ms[first] - 1) * 100:+5.1f}%)" for a in arms[1:]]
+        same = all(t == res["tokens"][first] for t in res["tokens"].values())
+        lines.append(
+            f"{res['position']:>8} {res['rows']:>4}  " + "  ".join(cells) + f"  {'yes' if same else 'NO'}"
+        )
+    return "\n".join(lines)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("profile")
+    ap.add_argument("arms", nargs="+", metavar="ARM", help="NAME=SPEC (see the module's docstring)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a profile override")
+    ap.add_argument("--positions", type=_ints, default=[64, 150, 300, 600, 1000])
+    ap.add_argument("--rows", type=_ints, default=[1, 2])
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=30, help="graph replays a timing")
+    ap.add_argument("--device", type=int, default=0)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    try:
+        arms = [Arm.parse(a) for a in args.arms]
+    except ValueError as e:
+        ap.error(str(e))
+    try:
+        import cupy as cp
+    except ImportError:
+        print("attention_splits: needs CuPy and a GPU", file=sys.stderr)
+        return 2
+
+    from strata_cfg.plan.from_profile import resolve_profile
+    from strata_runtime.backend import Device
+    from strata_runtime.bench.step import step_routing
+    from strata_runtime.cuda.ops import kernels_for
+
+    plan = resolve_profile(args.profile, args.set)
+    context = plan.memory.context
+    if max(args.positions) >= context:
+        ap.error(f"a position of {max(args.positions)} does not fit memory.context = {context}")
+    with cp.cuda.Device(args.device):
+        model = KernelModel(
+            cp,
+            plan.model.facts,
+            context,
+            kernels_for(args.device),
+            args.device,
+            step_routing(plan, Device("cuda", args.device)),
+        )
+        results = sweep(model, arms, args.positions, args.rows, args.repeats, args.rounds)
+    if args.json:
+        print(
+            json.dumps(
+                {"arms": [a.__dict__ | {"split": str(a.split or "")} for a in arms], "results": results}
+            )
+        )
+    else:
+        print(render(arms, results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
