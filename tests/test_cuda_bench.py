@@ -122,3 +122,41 @@ def test_solo_reports_its_fraction_of_the_one_row_roofline(profile: str) -> None
     assert ceiling["copy_bytes_s"] > 1e11 and ceiling["roofline_tok_s"] > 0
     rate = res["arms"]["solo"]["solo"]["median"]["tok_s"]
     assert ceiling["arms"]["solo"]["of_one_row_roofline"] == pytest.approx(rate / ceiling["roofline_tok_s"])
+
+
+def test_attention_splits_script_times_every_arm_at_every_position(profile: str) -> None:
+    """``scripts/attention_splits.py`` on the GPU: the whole step with two splits of a row on tensor cores
+    and on CUDA cores, at a position inside one run and one past it, each timed; the tiny preset's shape
+    takes tensor cores."""
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "attention_splits.py"
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            profile,
+            "--positions",
+            "100,300",
+            "--rows",
+            "1,2",
+            "--rounds",
+            "1",
+            "--repeats",
+            "3",
+            "--json",
+            "kept=tc",
+            "chunk=tc:0",
+            "split=cuda_cores",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout)
+    assert [(r["position"], r["rows"]) for r in res["results"]] == [(100, 1), (100, 2), (300, 1), (300, 2)]
+    for r in res["results"]:
+        assert set(r["ms"]) == {"kept", "chunk", "split"} and min(r["ms"].values()) > 0
+        assert all(len(t) == r["rows"] for t in r["tokens"].values())
+    assert [a["split"] for a in res["arms"]] == ["", "0/16/128/64", ""]
