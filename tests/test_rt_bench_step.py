@@ -9,14 +9,12 @@ logits are checked against an independent float64 forward pass.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from dataclasses import fields
-from pathlib import Path
-from types import ModuleType, SimpleNamespace
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from script_loader import load_script
 
 from strata_cfg.schema.facts import ModelFacts
 from strata_cfg.schema.presets import preset_config
@@ -427,24 +425,13 @@ def test_the_step_times_each_plans_decode_attention_in_turn_on_one_model(monkeyp
     assert "each plan's decode attention, ms (graph; the median of 3 interleaved rounds" in out
 
 
-def _attention_splits_script() -> ModuleType:
-    """`scripts/attention_splits.py`, loaded as a module."""
-    path = Path(__file__).resolve().parent.parent / "scripts" / "attention_splits.py"
-    spec = importlib.util.spec_from_file_location("attention_splits", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_attention_splits_times_each_arm_with_its_own_kernel_and_split(monkeypatch) -> None:
     """`scripts/attention_splits.py`: every timing of an arm launches attention on that arm's kernel with
     that arm's split of a row (the engine's where the arm names none), and the engine's split holds again
     after; arms are parsed with clear errors, and the table gives each arm's change from the first."""
     from strata_runtime.cuda import ops
 
-    script = _attention_splits_script()
+    script = load_script("attention_splits")
     arms = [
         script.Arm.parse("a=tc:0"),
         script.Arm.parse("b=tc"),

@@ -15,13 +15,10 @@ as it was trained to.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 from rt_plans import make_plan
+from script_loader import load_script
 
 from strata_cfg.schema.packaged import packaged_dir
 from strata_runtime.api import Request
@@ -34,7 +31,6 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 AUSTEN = packaged_dir("austen")
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 PROMPT = "It was a fine morning at Uppercross, and the two sisters walked out together"
 STEPS = 32
 CROSS_ENTROPY = 2.5
@@ -79,11 +75,7 @@ def test_logits_and_greedy_tokens_match_transformers(hf: object) -> None:
 
 
 def _training_model() -> object:
-    spec = importlib.util.spec_from_file_location("demo_torch_model", SCRIPTS / "demo_torch_model.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
+    module = load_script("demo_torch_model")
     from safetensors.torch import load_file
 
     model = module.Model(module.Shape()).eval()

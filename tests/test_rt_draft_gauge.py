@@ -10,12 +10,11 @@ gauge decides.
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 from rt_plans import make_plan, profile_text
+from script_loader import load_script
 from test_rt_engine import collect
 
 from strata_cfg.plan.from_profile import resolve_text
@@ -348,12 +347,7 @@ def test_rewinding_a_drafter_forgets_exactly_the_deferred_rows_past_the_rewind()
 
 def _simulation() -> ModuleType:
     """`scripts/draft_floor_sim.py`, loaded as a module."""
-    path = Path(__file__).resolve().parent.parent / "scripts" / "draft_floor_sim.py"
-    spec = importlib.util.spec_from_file_location("draft_floor_sim", path)
-    assert spec is not None and spec.loader is not None
-    sim = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sim)
-    return sim
+    return load_script("draft_floor_sim")
 
 
 def test_the_floor_simulation_pauses_less_and_decodes_faster_by_the_first_proposal() -> None:
