@@ -212,11 +212,10 @@ class KernelModel:
             random_layer(cp, f, j, routing.layer(j) if routing is not None else None)
             for j in range(f.num_hidden_layers)
         ]
-        for lay in layers:
-            lay.attention_tc = attention_tc
         kv = (f.num_hidden_layers, SLOTS, f.num_key_value_heads, context, f.head_dim)  # [L, S, NKV, T, D]
         k_cache, v_cache = cp.zeros(kv, cp.float16), cp.zeros(kv, cp.float16)
         self.stack = LayerStack(device_index, facts_args(f), layers, k_cache, v_cache, kern)
+        self.use_attention(attention_tc)
         self.emb = _rnd(cp, (f.vocab_size, f.hidden_size))  # [V, H]
         self.head = _rnd(cp, (f.vocab_size, f.hidden_size))  # [V, H]
         self.final_norm = _rnd(cp, (f.hidden_size,), 1.0)  # [H]
