@@ -22,8 +22,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from strata_runtime.bench.step import KernelModel, graph_seconds
-from strata_runtime.cuda.ops import AttentionSplit
+from strata_cfg.plan.from_profile import resolve_profile
+from strata_cfg.schema.errors import ProfileError
+from strata_runtime.backend import Device
+from strata_runtime.bench.step import KernelModel, graph_seconds, step_routing
+from strata_runtime.cuda.ops import AttentionSplit, kernels_for
 
 
 @dataclass(frozen=True)
@@ -113,20 +116,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         ap.error(str(e))
     try:
+        plan = resolve_profile(args.profile, args.set)
+    except ProfileError as e:
+        ap.error(str(e))
+    context = plan.memory.context
+    if max(args.positions) >= context:
+        ap.error(f"a position of {max(args.positions)} does not fit memory.context = {context}")
+    try:
         import cupy as cp
     except ImportError:
         print("attention_splits: needs CuPy and a GPU", file=sys.stderr)
         return 2
-
-    from strata_cfg.plan.from_profile import resolve_profile
-    from strata_runtime.backend import Device
-    from strata_runtime.bench.step import step_routing
-    from strata_runtime.cuda.ops import kernels_for
-
-    plan = resolve_profile(args.profile, args.set)
-    context = plan.memory.context
-    if max(args.positions) >= context:
-        ap.error(f"a position of {max(args.positions)} does not fit memory.context = {context}")
     with cp.cuda.Device(args.device):
         model = KernelModel(
             cp,

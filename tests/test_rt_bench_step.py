@@ -9,7 +9,9 @@ logits are checked against an independent float64 forward pass.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import fields
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -495,3 +497,21 @@ def test_attention_splits_times_each_arm_with_its_own_kernel_and_split(monkeypat
     ]
     with pytest.raises(ValueError, match="arm names repeat"):
         script.sweep(model, arms[:2] * 2, [5], [1], repeats=1, rounds=1, timer=timer)
+
+
+def test_attention_splits_refuses_bad_input_before_it_needs_a_gpu(monkeypatch, capsys) -> None:
+    """`scripts/attention_splits.py` names a bad arm, a bad profile key and a position past the context
+    before it looks for CuPy, and says in one line that it needs CuPy and a GPU where there is none."""
+    script = load_script("attention_splits")
+    h200 = str(Path(__file__).resolve().parent.parent / "profiles" / "h200.toml")
+    monkeypatch.setitem(sys.modules, "cupy", None)  # no CuPy, whatever this machine has
+    for argv, why in [
+        ([h200, "a=tc:x"], "attention split 'x': expected up to four integers"),
+        ([h200, "--set", "memory.contxt=9", "a=tc"], "memory.contxt"),
+        ([h200, "--positions", "64,9000", "a=tc"], "a position of 9000 does not fit"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            script.main(argv)
+        assert exit_info.value.code == 2 and why in capsys.readouterr().err
+    assert script.main([h200, "--positions", "64", "a=tc"]) == 2
+    assert capsys.readouterr().err == "attention_splits: needs CuPy and a GPU\n"
