@@ -277,7 +277,7 @@ class ReferenceKernels:
 
         q_out = rest[4]
         launch = qkv_rope_launch(x.shape[0], *w.shape, q_out.shape[2], self.tensor_cores)
-        self._launched(launch[0] if launch else self.gemv_expr(x.shape[0], *w.shape, True))
+        self._launched(launch.expression if launch else self.gemv_expr(x.shape[0], *w.shape, True))
         RECORDER.launch(reference_kernels.qkv_rope, w, x, qkv, norm, eps, *rest)
 
     def attention(self, q: Any, k_cache: Any, *rest: Any, tensor_cores: bool = True) -> None:

@@ -23,9 +23,20 @@ from strata_runtime.cuda import grouped, routing
 from strata_runtime.cuda.compile import OPTIONS, source
 from strata_runtime.cuda.flash import HOPPER_SM_SHARED, NARROW, kernel_expr, shared_bytes, tile_shape
 from strata_runtime.cuda.layers import MIN_COMPUTE_CAPABILITY, supported
-from strata_runtime.cuda.ops import PDL_KERNELS, decode_expressions, mtp_gemv_shapes, prefill_expressions
+from strata_runtime.cuda.ops import (
+    PDL_KERNELS,
+    QkvForm,
+    QkvLaunch,
+    decode_expressions,
+    mtp_gemv_shapes,
+    prefill_expressions,
+    qkv_rope_launch,
+)
 from strata_runtime.models.qwen3_moe import ModelArgs
 from strata_runtime.reference.flash import HEAD_DIMS
+
+HOPPER_BLOCK_SHARED = 227 * 1024
+"""Shared memory a block may take on an H100 or H200 (with the function attribute)."""
 
 pytestmark = pytest.mark.skipif(nvrtc.available() is not None, reason=str(nvrtc.available()))
 
@@ -175,6 +186,47 @@ def test_one_row_kernels_issue_only_weight_loads_before_waiting_for_the_kernel_b
     out_proj = nvrtc.sass(source("kernels.cu"), ["gemv_mma<1,4096,1,32,false>"], OPTIONS)
     code = out_proj["gemv_mma<1,4096,1,32,false>"]
     assert sum("LDG" in line for line in code[: next(i for i, x in enumerate(code) if "ACQBULK" in x)]) == 8
+
+
+QKV_FORMS = ["staged", "paired", "staged+paired"]
+
+
+def _qkv_form_expressions(rows: range) -> dict[str, QkvLaunch]:
+    """The q/k/v kernel of each form but the plain one at the 30B preset's shape, at each row count."""
+    out = {}
+    for form in QKV_FORMS:
+        for r in rows:
+            launch = qkv_rope_launch(r, 5120, 2048, 128, True, QkvForm.parse(form), True, HOPPER_BLOCK_SHARED)
+            assert launch is not None
+            out[launch.expression] = launch
+    return out
+
+
+def test_the_qkv_forms_compile_without_spilling_and_fit_a_hopper_block() -> None:
+    """Every `QkvForm` of the 30B preset's q/k/v projection compiles for sm_90 at 1 to 8 rows without
+    spilling, and its static and dynamic shared memory together fit a Hopper block."""
+    launches = _qkv_form_expressions(range(1, 9))
+    kernels = _check("kernels.cu", list(launches), OPTIONS)
+    for expr, k in kernels.items():
+        assert k.shared_bytes + launches[expr].shared_bytes <= HOPPER_BLOCK_SHARED, (expr, k)
+
+
+@pytest.mark.skipif(nvrtc.disassembler() is not None, reason=str(nvrtc.disassembler()))
+def test_the_staged_qkv_form_issues_its_shared_memory_copies_before_the_wait() -> None:
+    """The one-row staged q/k/v kernels queue every later unit's copy into shared memory (16 ``LDGSTS`` a
+    lane: 2 units x 4 tiles x 2 bands) before ``griddepcontrol.wait``, and nothing but weight loads there;
+    the paired ones synchronise their cluster."""
+    one_row = _qkv_form_expressions(range(1, 2))
+    for expr, code in nvrtc.sass(source("kernels.cu"), list(one_row), OPTIONS).items():
+        waits = [i for i, line in enumerate(code) if "ACQBULK" in line]
+        assert len(waits) == 1, expr
+        before = code[: waits[0]]
+        copies = sum("LDGSTS" in line for line in before)
+        assert copies == (16 if one_row[expr].shared_bytes else 0), (expr, copies)
+        loads = [line for line in before if re.search(r"\bLD(G|S)?\.", line)]
+        assert all(re.search(r"\bLDG\.E\.128\.CONSTANT\b", line) for line in loads), (expr, loads)
+        assert len(loads) <= 16, (expr, len(loads))
+        assert ("CGABAR" in "".join(code)) == expr.startswith("gemv_mma_pair<"), expr
 
 
 def _compile_part(

@@ -523,6 +523,52 @@ def test_qkv_with_rope_fused_matches_the_projection_then_qk_norm_rope_kv(gpu, n_
     assert rel_err(fused[3], vc_r[slot, :, pos]) < 1e-3
 
 
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_every_qkv_form_writes_what_the_plain_kernel_writes_bit_for_bit(gpu, rows):
+    """Each `QkvForm` the device takes, at the 30B preset's q/k/v shape (5120 x 2048, two blocks a head of
+    128): the weights' later units staged in shared memory, each head's two blocks a cluster, and both,
+    write the same qkv, q and cache bits as the plain kernel (the same sums in the same order), for rows
+    that share a slot at neighbouring positions; the plain kernel's counters stay at zero."""
+    from strata_runtime.cuda.ops import QkvForm, qkv_form
+
+    cp, kern, _ = gpu
+    n_q, n_kv, d, hidden = 32, 4, 128, 2048
+    g = rng()
+    slots, t = 3, 300
+    slot = (np.arange(rows) // 2 % slots).astype(np.int32)
+    pos = (17 * (np.arange(rows) // 2) + np.arange(rows) % 2 + 5).astype(np.int32)
+    dev = [
+        cp.asarray(a)
+        for a in (
+            half(g.standard_normal(((n_q + 2 * n_kv) * d, hidden)) * 0.05),
+            (g.standard_normal((rows, hidden)) * 2).astype(np.float32),
+            half(1 + 0.1 * g.standard_normal(hidden)),
+            half(1 + 0.1 * g.standard_normal(d)),
+            half(1 + 0.1 * g.standard_normal(d)),
+            pos,
+            slot,
+        )
+    ]
+    kc, vc = half(g.standard_normal((slots, n_kv, t, d))), half(g.standard_normal((slots, n_kv, t, d)))
+    done = cp.zeros(n_q + 2 * n_kv, cp.int32)
+
+    def run(form: QkvForm) -> tuple[np.ndarray, ...]:
+        qkv = cp.full((rows, (n_q + 2 * n_kv) * d), cp.nan, cp.float32)
+        q = cp.full((rows, n_q, d), cp.nan, cp.float32)
+        kc_d, vc_d = cp.asarray(kc), cp.asarray(vc)
+        with qkv_form(form):
+            kern.qkv_rope(dev[0], dev[1], qkv, dev[2], 1e-6, *dev[3:], q, kc_d, vc_d, 1e6, done)
+        cp.cuda.Device().synchronize()
+        return qkv.get(), q.get(), kc_d.get(), vc_d.get()
+
+    plain = run(QkvForm())
+    assert not done.any() and not np.isnan(plain[1]).any()
+    forms = [QkvForm(staged=True)] + ([QkvForm(paired=True), QkvForm(True, True)] if kern.clusters else [])
+    for form in forms:
+        for a, b in zip(run(form), plain, strict=True):
+            np.testing.assert_array_equal(a, b, err_msg=str(form))
+
+
 def launch_gemv(cp, kern, expr, grid, w, x, out, norm):
     """One explicit instantiation of a GEMV kernel on grid (blocks, threads), writing out [R, N]."""
     out[...] = cp.nan

@@ -173,10 +173,11 @@ def test_the_q_k_v_projection_fuses_rope_exactly_where_it_runs_on_tensor_cores(
             assert fused is None and not any(e.endswith(f",{d}>") and "gemv_mma" in e for e in compiled)
             continue
         assert fused is not None
-        assert fused[0] == f"{plain[0][:-1]},{d}>" and fused[1:] == plain[1:]
+        assert fused.expression == f"{plain[0][:-1]},{d}>"
+        assert (fused.blocks, fused.threads, fused.shared_bytes) == (*plain[1:], 0)
         features = 16 * int(plain[0].split(",")[2])
         assert features % d == 0 or d % features == 0
-        assert fused[0] in compiled
+        assert fused.expression in compiled
 
 
 @pytest.mark.parametrize(
@@ -283,3 +284,72 @@ def test_attn_tc_launches_with_the_split_in_force_in_the_kernels_argument_order(
     with attention_split(other):
         assert launch()[1:] == ((rows, n_kv, 8), [8, 4, 32, 0])
     assert launch()[2] == counts  # the engine's split again
+
+
+def test_each_qkv_form_launches_its_kernel_and_shared_memory_where_the_shapes_take_it() -> None:
+    """`qkv_rope_launch` at the 30B preset's q/k/v shape (5120 x 2048, heads of 128): ``staged`` appends
+    the registers' round (2) and takes 128 KiB of dynamic shared memory (2 units x 4 tiles x 2 bands x 16
+    warps x 32 lanes x 16 bytes), ``paired`` takes ``gemv_mma_pair``; blocks and threads are the plain
+    kernel's at every row count. A form is refused where the shapes or the device cannot take it."""
+    from strata_runtime.cuda.ops import QKV_FORM, QkvForm, qkv_rope_launch
+
+    n, k, d = 5120, 2048, 128
+    for rows in (1, 4, 8):
+        plain = qkv_rope_launch(rows, n, k, d, True)
+        assert plain is not None and plain.shared_bytes == 0
+        for form, expr, shared in [
+            ("plain", f"gemv_mma<{rows},2048,4,16,true,128>", 0),
+            ("staged", f"gemv_mma<{rows},2048,4,16,true,128,2>", 131072),
+            ("paired", f"gemv_mma_pair<{rows},2048,4,16,true,128>", 0),
+            ("staged+paired", f"gemv_mma_pair<{rows},2048,4,16,true,128,2>", 131072),
+        ]:
+            launch = qkv_rope_launch(rows, n, k, d, True, QkvForm.parse(form), True, 227 * 1024)
+            assert launch is not None and str(QkvForm.parse(form)) == form
+            assert (launch.expression, launch.shared_bytes) == (expr, shared)
+            assert (launch.blocks, launch.threads) == (plain.blocks, plain.threads) == (80, 512)
+    assert QkvForm.parse("paired+staged") == QkvForm(True, True) and QkvForm() == QKV_FORM
+    for args, why in [
+        ((1, n, k, d, True, QkvForm(paired=True), False), "clusters need compute capability 9.0"),
+        ((1, 1280, 1024, 64, True, QkvForm(paired=True), True), "holds 16 features, not half a head of 64"),
+        ((1, 1280, 1024, 64, True, QkvForm(staged=True), True), "sums 1 units, not whole rounds"),
+        ((8, n, 4096, d, True, QkvForm(staged=True), True, 227 * 1024), "422 KiB of shared memory"),
+        ((1, n, k, d, False, QkvForm(staged=True)), "does not run on tensor cores here"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            qkv_rope_launch(*args)
+
+
+def test_qkv_rope_launches_the_form_in_force_with_its_shared_memory() -> None:
+    """`Kernels.qkv_rope` launches the engine's form (`QKV_FORM`) outside `qkv_form` and the given one
+    inside it, with the form's dynamic shared memory allowed and passed to the launch."""
+    from types import SimpleNamespace
+
+    from strata_runtime.cuda.ops import Kernels, QkvForm, qkv_form
+
+    launches: list[tuple[str, tuple, int]] = []
+    allowed: list[tuple[str, int]] = []
+    stub = SimpleNamespace(
+        tensor_cores=True,
+        clusters=True,
+        block_shared=227 * 1024,
+        allow_shared=lambda expr, smem: allowed.append((expr, smem)),
+        fn=lambda expr: lambda grid, block, args, shared_mem=0: launches.append((expr, grid, shared_mem)),
+    )
+    rows, n_q, n_kv, d, hidden = 1, 32, 4, 128, 2048
+    w = np.zeros(((n_q + 2 * n_kv) * d, hidden), np.float16)
+    x = np.zeros((rows, hidden), np.float32)
+    q = np.zeros((rows, n_q, d), np.float32)
+    kc = np.zeros((2, n_kv, 64, d), np.float16)
+    pos = slot = np.zeros(rows, np.int32)
+    small = np.zeros(d, np.float16)
+
+    def launch() -> tuple[str, tuple, int]:
+        args = (w, x, x, small, 1e-6, small, small, pos, slot, q, kc, kc, 1e6, pos)
+        Kernels.qkv_rope(stub, *args)  # type: ignore[arg-type]
+        return launches.pop()
+
+    assert launch() == ("gemv_mma<1,2048,4,16,true,128>", (80,), 0) and not allowed
+    with qkv_form(QkvForm(staged=True, paired=True)):
+        assert launch() == ("gemv_mma_pair<1,2048,4,16,true,128,2>", (80,), 131072)
+    assert allowed == [("gemv_mma_pair<1,2048,4,16,true,128,2>", 131072)]
+    assert launch()[0] == "gemv_mma<1,2048,4,16,true,128>"  # the engine's form again

@@ -55,11 +55,24 @@ def test_strata_pdl_0_turns_it_off(monkeypatch) -> None:
 
 
 def _body(name: str) -> str:
-    """The source of kernel ``name``'s body (its first definition)."""
+    """The source of kernel ``name``'s body (its first definition); where that body only calls a device
+    function ``..._body`` (two kernels sharing one body), that function's."""
     bounds = r"__launch_bounds__\((?:[^()]|\([^()]*\))*\)"  # its arguments may hold one level of calls
-    start = re.search(rf"__global__ void(?:\s+{bounds})?\s+{name}\(", KERNELS)
+    cluster = r"__cluster_dims__\([^()]*\)"
+    start = re.search(rf"__global__ void(?:\s+{cluster})?(?:\s+{bounds})?\s+{name}\(", KERNELS)
     assert start is not None, f"kernel {name} not found in kernels.cu"
-    depth, i = 0, KERNELS.index("{", start.end())
+    body = _braces(KERNELS.index("{", start.end()), name)
+    shared = re.fullmatch(r"\{\s*(\w+_body)<[^;]*;\s*\}", body)
+    if shared is None:
+        return body
+    at = re.search(rf"__device__ __forceinline__ void {shared.group(1)}\(", KERNELS)
+    assert at is not None, f"{shared.group(1)} not found in kernels.cu"
+    return _braces(KERNELS.index("{", at.end()), shared.group(1))
+
+
+def _braces(i: int, name: str) -> str:
+    """The source from the brace at ``i`` to the one that closes it."""
+    depth = 0
     for j in range(i, len(KERNELS)):
         depth += {"{": 1, "}": -1}.get(KERNELS[j], 0)
         if depth == 0:

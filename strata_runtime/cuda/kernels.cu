@@ -225,6 +225,49 @@ __device__ __forceinline__ float2 rope_pair(float a, float b, float inv, const h
 // row, one warp per row: q normalised and rotated to q_out [R, NQ, D], k likewise and v as it is into the
 // cache at (slot[r], kv head, pos[r]) ([S, NKV, T, D] fp16). Not inlined: inlined, its registers pushed the
 // projection's loop at 2 to 8 rows past 128 and into spills.
+// One row of head h: a[w], b[w] hold pairs i = 32 w + lane (values i and i + D / 2) of the row's y. q is
+// normalised and rotated to q_out, k likewise and v as it is into the cache.
+template <int D>
+__device__ __forceinline__ void rope_head_row(const float* a, const float* b, int r, int h, const half* __restrict__ qn,
+                                              const half* __restrict__ kn, const int* __restrict__ pos,
+                                              const int* __restrict__ slot, float* __restrict__ q_out,
+                                              half* __restrict__ kc, half* __restrict__ vc, int NQ, int NKV, int T,
+                                              float theta, float eps) {
+  constexpr int HALF = D / 2, PASSES = (HALF + 31) / 32;
+  const int lane = threadIdx.x & 31;
+  const bool is_q = h < NQ, is_k = !is_q && h < NQ + NKV;
+  float total = 0.f;
+#pragma unroll
+  for (int w = 0; w < PASSES; ++w) total += warp_sum(a[w] * a[w] + b[w] * b[w]);
+  const int p = pos[r], kvh = is_q ? 0 : (h - NQ) % NKV;
+  const size_t cache = (((size_t)slot[r] * NKV + kvh) * T + p) * D;
+  if (is_q || is_k) {
+    const float inv = head_inv_rms(total, D, eps);
+#pragma unroll
+    for (int w = 0; w < PASSES; ++w) {
+      const int i = 32 * w + lane;
+      if (i >= HALF) break;
+      const float2 rot = rope_pair(a[w], b[w], inv, is_q ? qn : kn, i, D, p, theta);
+      if (is_q) {
+        float* dst = q_out + ((size_t)r * NQ + h) * D;
+        dst[i] = rot.x;
+        dst[i + HALF] = rot.y;
+      } else {
+        kc[cache + i] = __float2half(rot.x);
+        kc[cache + i + HALF] = __float2half(rot.y);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int w = 0; w < PASSES; ++w) {
+      const int i = 32 * w + lane;
+      if (i >= HALF) break;
+      vc[cache + i] = __float2half(a[w]);
+      vc[cache + i + HALF] = __float2half(b[w]);
+    }
+  }
+}
+
 template <int R, int D, int WARPS>
 __device__ __noinline__ void qkv_rope_heads(const float* __restrict__ y, int N, int n0, int F,
                                             const half* __restrict__ qn, const half* __restrict__ kn,
@@ -237,47 +280,45 @@ __device__ __noinline__ void qkv_rope_heads(const float* __restrict__ y, int N, 
   const int first = n0 / D, end = (min(n0 + F, N) - 1) / D, blocks = D > F ? D / F : 1;
   for (int h = first; h <= end; ++h) {
     if (!last_to_finish(done + h, blocks, &last)) continue;
-    const bool is_q = h < NQ, is_k = !is_q && h < NQ + NKV;
     for (int r = warp; r < R; r += WARPS) {
       const float* src = y + (size_t)r * N + (size_t)h * D;
-      float a[PASSES], b[PASSES], total = 0.f;
+      float a[PASSES], b[PASSES];
 #pragma unroll
       for (int w = 0; w < PASSES; ++w) {
         const int i = 32 * w + lane;
         a[w] = i < HALF ? __ldcg(src + i) : 0.f;
         b[w] = i < HALF ? __ldcg(src + i + HALF) : 0.f;
       }
-#pragma unroll
-      for (int w = 0; w < PASSES; ++w) total += warp_sum(a[w] * a[w] + b[w] * b[w]);
-      const int p = pos[r], kvh = is_q ? 0 : (h - NQ) % NKV;
-      const size_t cache = (((size_t)slot[r] * NKV + kvh) * T + p) * D;
-      if (is_q || is_k) {
-        const float inv = head_inv_rms(total, D, eps);
-#pragma unroll
-        for (int w = 0; w < PASSES; ++w) {
-          const int i = 32 * w + lane;
-          if (i >= HALF) break;
-          const float2 rot = rope_pair(a[w], b[w], inv, is_q ? qn : kn, i, D, p, theta);
-          if (is_q) {
-            float* dst = q_out + ((size_t)r * NQ + h) * D;
-            dst[i] = rot.x;
-            dst[i + HALF] = rot.y;
-          } else {
-            kc[cache + i] = __float2half(rot.x);
-            kc[cache + i + HALF] = __float2half(rot.y);
-          }
-        }
-      } else {
-#pragma unroll
-        for (int w = 0; w < PASSES; ++w) {
-          const int i = 32 * w + lane;
-          if (i >= HALF) break;
-          vc[cache + i] = __float2half(a[w]);
-          vc[cache + i + HALF] = __float2half(b[w]);
-        }
-      }
+      rope_head_row<D>(a, b, r, h, qn, kn, pos, slot, q_out, kc, vc, NQ, NKV, T, theta, eps);
     }
   }
+}
+
+// Thread block clusters (sm_90): this block's rank, a barrier of the cluster's threads (release-acquire, so
+// shared memory written before it is visible after it across the cluster), and a float of the shared memory
+// of the cluster's block `rank` at the address of `p` in this block's.
+__device__ __forceinline__ unsigned cluster_rank() {
+  unsigned r = 0;
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+#endif
+  return r;
+}
+
+__device__ __forceinline__ void cluster_sync() {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ float cluster_load(const float* p, unsigned rank) {
+  float v = 0.f;
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+  unsigned a = tensor_core::smem_addr(p), remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(a), "r"(rank));
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+#endif
+  return v;
 }
 
 // ---- GEMV on tensor cores: y[r, n] (+)= sum_k W[n, k] x'[r, k], the window's rows as the n8 side ---------
@@ -315,21 +356,29 @@ __device__ __forceinline__ float pow2(int e) { return __int_as_float((127 + e) <
 
 // With ROPE = D > 0 the output is q/k/v (N = (NQ + 2 NKV) D, not accumulated) and the block ends with
 // qkv_rope_heads; with ROPE = 0 the arguments after eps are unused (null).
-template <int R, int K, int MT, int WARPS, bool NORM, int ROPE = 0>
-__global__ void __launch_bounds__(WARPS * 32)
-    gemv_mma(const half* __restrict__ W, const float* __restrict__ x, float* __restrict__ y, int N, int accumulate,
-             const half* __restrict__ nw, float eps, const half* __restrict__ qn, const half* __restrict__ kn,
-             const int* __restrict__ pos, const int* __restrict__ slot, float* __restrict__ q_out,
-             half* __restrict__ kc, half* __restrict__ vc, int NQ, int NKV, int T, float theta,
-             int* __restrict__ done) {
+// STAGE > 0 (ops.QkvForm's staged) holds STAGE units a warp in registers at a time and lands the units after
+// the first round in dynamic shared memory, issued with the first round before the wait. PAIR
+// (gemv_mma_pair, QkvForm's paired) runs each head's two blocks as a cluster that exchange their halves in
+// shared memory. Neither changes a sum or its order: every form gives the same bits.
+#define GEMV_MMA_PARAMS                                                                                   \
+  const half *__restrict__ W, const float *__restrict__ x, float *__restrict__ y, int N, int accumulate,      \
+      const half *__restrict__ nw, float eps, const half *__restrict__ qn, const half *__restrict__ kn,       \
+      const int *__restrict__ pos, const int *__restrict__ slot, float *__restrict__ q_out,                  \
+      half *__restrict__ kc, half *__restrict__ vc, int NQ, int NKV, int T, float theta, int *__restrict__ done
+#define GEMV_MMA_ARGS W, x, y, N, accumulate, nw, eps, qn, kn, pos, slot, q_out, kc, vc, NQ, NKV, T, theta, done
+
+template <int R, int K, int MT, int WARPS, bool NORM, int ROPE, int STAGE, bool PAIR>
+__device__ __forceinline__ void gemv_mma_body(GEMV_MMA_PARAMS) {
   STRATA_PDL_LAUNCH();
   constexpr int J = 4 / MT, UNIT = 32 * J, UNITS = K / UNIT, PER = (UNITS + WARPS - 1) / WARPS, F = 16 * MT;
-  constexpr int GROUP = 2;  // units in flight at a time: GROUP * 8 loads of 16 bytes per lane
+  // Units in registers at a time: GROUP * MT * J * 2 loads of 16 bytes a lane.
+  constexpr int GROUP = STAGE > 0 ? STAGE : 2;
   // The unit loop is unrolled when it is short (a reduction up to 4096, or 2048 with the norm's registers):
   // a longer unrolled loop keeps more than 128 registers live and spills to local memory.
   constexpr int ALL_ROUNDS = (PER + GROUP - 1) / GROUP, ROUNDS = ALL_ROUNDS <= (NORM ? 2 : 4) ? ALL_ROUNDS : 1;
   __shared__ float red[WARPS][F][R + 1];
   __shared__ float squares[WARPS][R];
+  __shared__ float mine[PAIR ? R : 1][PAIR ? F : 1];  // with PAIR, this block's outputs
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int n0 = blockIdx.x * F;
   // Lane (g, t) reads weight rows n0 + 16m + g and n0 + 16m + g + 8 of each m-tile m.
@@ -360,11 +409,50 @@ __global__ void __launch_bounds__(WARPS * 32)
       }
     }
   };
+  // With STAGE, a warp's units after its first GROUP land in dynamic shared memory as
+  // [unit - GROUP][m][j][band][warp][lane] uint4 (cp.async, issued before the wait, like the first round's
+  // loads): each lane reads back only its own 16 bytes, so no barrier is needed, and every weight of the
+  // block is in flight at once.
+  extern __shared__ uint4 staged[];
+  constexpr int STAGED = STAGE > 0 ? PER - GROUP : 0;
+  static_assert(STAGE == 0 || (PER > GROUP && PER % GROUP == 0), "STAGE: whole rounds");
   load(0);
+  if constexpr (STAGED > 0) {
+#pragma unroll
+    for (int i = 0; i < STAGED; ++i) {
+      const int u = warp + WARPS * (GROUP + i);
+#pragma unroll
+      for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int j = 0; j < J; ++j)
+#pragma unroll
+          for (int band = 0; band < 2; ++band)
+            tensor_core::cp_async16(
+                tensor_core::smem_addr(staged + ((((i * MT + m) * J + j) * 2 + band) * WARPS + warp) * 32 + lane),
+                rows[m][band] + (min(u, UNITS - 1) * UNIT + 32 * j) / 8 + t, u < UNITS);
+    }
+    tensor_core::cp_async_commit();
+  }
   STRATA_PDL_WAIT();
 #pragma unroll ROUNDS
   for (int i0 = 0; i0 < PER; i0 += GROUP) {
-    if (i0 > 0) load(i0);
+    if constexpr (STAGED > 0) {
+      if (i0 > 0) {
+        tensor_core::cp_async_wait<0>();
+#pragma unroll
+        for (int slot = 0; slot < GROUP; ++slot)
+#pragma unroll
+          for (int m = 0; m < MT; ++m)
+#pragma unroll
+            for (int j = 0; j < J; ++j)
+#pragma unroll
+              for (int band = 0; band < 2; ++band)
+                pw[slot][m][j][band] =
+                    staged[(((((i0 - GROUP + slot) * MT + m) * J + j) * 2 + band) * WARPS + warp) * 32 + lane];
+      }
+    } else if (i0 > 0) {
+      load(i0);
+    }
 #pragma unroll
     for (int slot = 0; slot < GROUP; ++slot) {
       const int u = warp + WARPS * (i0 + slot);
@@ -453,11 +541,45 @@ __global__ void __launch_bounds__(WARPS * 32)
     }
     float* dst = y + (size_t)r * N + n;
     *dst = accumulate ? *dst + v : v;
+    if constexpr (PAIR) mine[r][f] = v;
   }
   static_assert(ROPE == 0 || ROPE % F == 0 || F % ROPE == 0, "a head's features must fill whole blocks");
-  if constexpr (ROPE > 0)
+  static_assert(!PAIR || ROPE == 2 * F, "PAIR: a cluster of two blocks holds one head");
+  if constexpr (PAIR) {
+    // The two blocks of a head exchange their halves through the cluster's shared memory: the block of
+    // the head's first F features holds each rotation pair's first value, its peer the second.
+    constexpr int HALF = ROPE / 2, PASSES = (HALF + 31) / 32;
+    cluster_sync();
+    const unsigned me = cluster_rank(), first = n0 % ROPE == 0 ? me : me ^ 1u;
+    const int h = n0 / ROPE;
+    for (int r = 2 * warp + (int)(me == first ? 0 : 1); r < R; r += 2 * WARPS) {
+      float a[PASSES], b[PASSES];
+#pragma unroll
+      for (int w = 0; w < PASSES; ++w) {
+        const int i = 32 * w + lane;
+        a[w] = i < HALF ? cluster_load(&mine[r][i], first) : 0.f;
+        b[w] = i < HALF ? cluster_load(&mine[r][i], first ^ 1u) : 0.f;
+      }
+      rope_head_row<ROPE>(a, b, r, h, qn, kn, pos, slot, q_out, kc, vc, NQ, NKV, T, theta, eps);
+    }
+    cluster_sync();  // a block's shared memory stays until its peer has read it
+  } else if constexpr (ROPE > 0) {
     qkv_rope_heads<R, ROPE, WARPS>(y, N, n0, F, qn, kn, pos, slot, q_out, kc, vc, NQ, NKV, T, theta, eps, done);
+  }
 }
+
+template <int R, int K, int MT, int WARPS, bool NORM, int ROPE = 0, int STAGE = 0>
+__global__ void __launch_bounds__(WARPS * 32) gemv_mma(GEMV_MMA_PARAMS) {
+  gemv_mma_body<R, K, MT, WARPS, NORM, ROPE, STAGE, false>(GEMV_MMA_ARGS);
+}
+
+// gemv_mma with ROPE = 2 F, each head's two blocks a cluster (sm_90).
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+template <int R, int K, int MT, int WARPS, bool NORM, int ROPE, int STAGE = 0>
+__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(WARPS * 32) gemv_mma_pair(GEMV_MMA_PARAMS) {
+  gemv_mma_body<R, K, MT, WARPS, NORM, ROPE, STAGE, true>(GEMV_MMA_ARGS);
+}
+#endif
 
 // ---- GEMV of a short output, the reduction split over a block: a router's logits ----------------------
 // y[r, n] (+)= sum_k W[n, k] x'[r, k] for N <= 256 (a router, a shared expert's gate), where one warp per

@@ -349,17 +349,123 @@ def gemv_expression(rows: int, n: int, k: int, norm: bool, tensor_cores: bool) -
     return gemv_launch(rows, n, k, norm, tensor_cores)[0]
 
 
+@dataclass(frozen=True)
+class QkvForm:
+    """How the q/k/v projection's fused kernel (``gemv_mma`` with RoPE, `Kernels.qkv_rope`) runs. Every form
+    computes the same sums in the same order, so each gives the same bits.
+
+    * ``staged``: each warp's weight units after its first round of registers land in dynamic shared memory
+      (``cp.async``), issued with the first round before the kernel waits for the one before it, so a block
+      has all its weights in flight at once instead of loading its second round after the first is used.
+      Where a warp has more than one round (the 30B preset's 5120 x 2048 projection: 128 KiB a block).
+    * ``paired``: each head's two blocks run as a thread-block cluster (``gemv_mma_pair``, compute
+      capability 9.0 and later) and read each other's half of the head from shared memory, instead of the
+      last of the two reading the whole head back through L2 after a counter. Where a block holds half a
+      head (64 features of a 128-wide head).
+
+    The engine runs the default, `QKV_FORM` (neither); a benchmark times the others inside `qkv_form`.
+    Written and parsed as ``plain``, ``staged``, ``paired`` or ``staged+paired``."""
+
+    staged: bool = False
+    paired: bool = False
+
+    def __str__(self) -> str:
+        return "+".join(n for n, on in (("staged", self.staged), ("paired", self.paired)) if on) or "plain"
+
+    @classmethod
+    def parse(cls, text: str) -> QkvForm:
+        if text == "plain":
+            return cls()
+        names = text.split("+")
+        if not set(names) <= {"staged", "paired"} or len(set(names)) != len(names):
+            raise ValueError(f"q/k/v form {text!r}: expected plain, staged, paired or staged+paired")
+        return cls(staged="staged" in names, paired="paired" in names)
+
+
+QKV_FORM = QkvForm()
+"""The q/k/v kernel's form the engine runs."""
+_QKV_FORM: contextvars.ContextVar[QkvForm] = contextvars.ContextVar("strata_qkv_form", default=QKV_FORM)
+"""The form `Kernels.qkv_rope` launches on this thread now: the default outside `qkv_form`."""
+
+
+@contextlib.contextmanager
+def qkv_form(form: QkvForm) -> Iterator[None]:
+    """Launch the q/k/v projection in ``form`` in this block (on this thread). For benchmarks."""
+    token = _QKV_FORM.set(form)
+    try:
+        yield
+    finally:
+        _QKV_FORM.reset(token)
+
+
+MMA_GROUP = 2
+"""Units of a warp's reduction ``gemv_mma`` holds in registers at a time (its ``GROUP``)."""
+
+
+@dataclass(frozen=True)
+class QkvLaunch:
+    """The fused q/k/v kernel's launch (`qkv_rope_launch`): its instantiation, blocks, threads per block
+    and dynamic shared memory in bytes."""
+
+    expression: str
+    blocks: int
+    threads: int
+    shared_bytes: int = 0
+
+
 def qkv_rope_launch(
-    rows: int, n: int, k: int, head_dim: int, tensor_cores: bool
-) -> tuple[str, int, int] | None:
-    """(instantiation, blocks, threads per block) of ``gemv_mma`` with q/k RMSNorm, RoPE and the KV write
-    fused into its end, for the q/k/v projection [n, k] (with the input norm) of heads of ``head_dim``; None
-    where the projection does not take ``gemv_mma`` (`gemv_launch`), and `Kernels.qkv_rope` launches the
-    projection and ``qk_norm_rope_kv`` one after the other. The projection sums as `Kernels.gemv` does."""
+    rows: int,
+    n: int,
+    k: int,
+    head_dim: int,
+    tensor_cores: bool,
+    form: QkvForm = QKV_FORM,
+    clusters: bool = False,
+    shared_limit: int | None = None,
+) -> QkvLaunch | None:
+    """The launch of ``gemv_mma`` with q/k RMSNorm, RoPE and the KV write fused into its end, for the q/k/v
+    projection [n, k] (with the input norm) of heads of ``head_dim``, in ``form`` on a device with
+    thread-block clusters or not; None where the projection does not take ``gemv_mma`` (`gemv_launch`), and
+    `Kernels.qkv_rope` launches the projection and ``qk_norm_rope_kv`` one after the other. The projection
+    sums as `Kernels.gemv` does. Raises ValueError for a form that these shapes or the device cannot run
+    (``shared_limit``: the bytes of shared memory a block may take on it, where known)."""
     expr, blocks, threads = gemv_launch(rows, n, k, True, tensor_cores)
     if not expr.startswith("gemv_mma<"):
+        if form != QKV_FORM:
+            raise ValueError(
+                f"q/k/v form {form}: the projection [{n}, {k}] does not run on tensor cores here"
+            )
         return None
-    return f"{expr[:-1]},{head_dim}>", blocks, threads
+    tiles, warps = gemv_mma_shape(n, k)
+    features, j = 16 * tiles, 4 // tiles
+    per = -(-(k // (32 * j)) // warps)  # units of 32 j a warp sums
+    shared = 0
+    if form.staged:
+        if per <= MMA_GROUP or per % MMA_GROUP:
+            raise ValueError(
+                f"q/k/v form {form}: a warp of [{n}, {k}] sums {per} units, not whole rounds after a first "
+                f"of {MMA_GROUP}, so none can be staged"
+            )
+        shared = (per - MMA_GROUP) * tiles * j * 2 * warps * 32 * 16  # 16 bytes a lane a piece
+        # the block's static arrays: its warps' sums and squares, and with paired its outputs
+        static = 4 * (warps * features * (rows + 1) + warps * rows + rows * features) + 64
+        if shared_limit is not None and shared + static > shared_limit:
+            raise ValueError(
+                f"q/k/v form {form}: staging [{n}, {k}] takes {(shared + static) // 1024} KiB of shared "
+                f"memory a block at {rows} rows, more than the device's {shared_limit // 1024}"
+            )
+    name = "gemv_mma"
+    if form.paired:
+        if not clusters:
+            raise ValueError(f"q/k/v form {form}: thread-block clusters need compute capability 9.0")
+        if head_dim != 2 * features:
+            raise ValueError(
+                f"q/k/v form {form}: a block holds {features} features, not half a head of {head_dim}"
+            )
+        name = "gemv_mma_pair"
+    stage = f",{MMA_GROUP}" if form.staged else ""
+    body = expr[len("gemv_mma<") : -1]
+    return QkvLaunch(f"{name}<{body},{head_dim}{stage}>", blocks, threads, shared)
 
 
 def head_gemv_shapes(vocab: int, hidden: int) -> list[tuple[int, int, bool]]:
@@ -409,7 +515,7 @@ def decode_expressions(
     for rows in range(1, max_rows + 1):
         out += [gemv_expression(rows, n, k, norm, tensor_cores) for n, k, norm in shapes]
         rope = qkv_rope_launch(rows, qkv, h, a.head_dim, tensor_cores)
-        out += [rope[0]] if rope is not None else []
+        out += [rope.expression] if rope is not None else []
     return out
 
 
@@ -428,6 +534,7 @@ PDL_KERNELS = frozenset(
     {
         "gemv_wide",
         "gemv_mma",
+        "gemv_mma_pair",
         "gemv_split",
         "gemv_any",
         "add_rmsnorm",
@@ -468,6 +575,8 @@ class Kernels(KernelCache):
         self.pdl = pdl.available(device.id)
         self.tensor_cores = int(device.compute_capability) >= 80
         """Whether the projections run on tensor cores (``gemv_mma``), and decode attention may."""
+        self.clusters = int(device.compute_capability) >= 90
+        """Whether kernels may run as thread-block clusters (`QkvForm`'s ``paired``)."""
         self._pdl_fns: dict[str, pdl.PdlKernel] = {}
         self._carveouts: dict[str, int] = {}
         self._device_id = device.id
@@ -490,6 +599,12 @@ class Kernels(KernelCache):
             device = cupy_module().cuda.Device(self._device_id)
             self._sm_shared = int(device.attributes["MaxSharedMemoryPerMultiprocessor"])
         return self._sm_shared
+
+    @property
+    def block_shared(self) -> int:
+        """Bytes of shared memory a block of this device may take (with the function attribute set)."""
+        device = cupy_module().cuda.Device(self._device_id)
+        return int(device.attributes["MaxSharedMemoryPerBlockOptin"])
 
     def prefer_carveout(self, expression: str, percent: int) -> None:
         """Set ``expression``'s preferred shared-memory carveout (percent of an SM's), once."""
@@ -589,16 +704,20 @@ class Kernels(KernelCache):
         rows = x.shape[0]
         _, n_q, d = q_out.shape
         _, n_kv, t, _ = k_cache.shape
-        launch = qkv_rope_launch(rows, n, k, d, self.tensor_cores)
+        form = _QKV_FORM.get()
+        limit = self.block_shared if form.staged else None
+        launch = qkv_rope_launch(rows, n, k, d, self.tensor_cores, form, self.clusters, limit)
         if launch is None:
             self.gemv(w, x, qkv, norm=norm, eps=eps)
             self.qk_norm_rope_kv(qkv, q_norm, k_norm, pos, slot, q_out, k_cache, v_cache, theta, eps)
             return
-        expr, blocks, threads = launch
         sizes = (np.int32(n_q), np.int32(n_kv), np.int32(t), np.float32(theta))
         rope = (q_norm, k_norm, pos, slot, q_out, k_cache, v_cache, *sizes, done)
         args = (w, x, qkv, np.int32(n), np.int32(0), norm, np.float32(eps), *rope)
-        self.fn(expr)((blocks,), (threads,), args)
+        if launch.shared_bytes:
+            self.allow_shared(launch.expression, launch.shared_bytes)
+        grid, block = (launch.blocks,), (launch.threads,)
+        self.fn(launch.expression)(grid, block, args, shared_mem=launch.shared_bytes)
 
     def add_rms_norm_fp32(self, resid: Array, delta: Array | None, w: Array, out: Array, eps: float) -> None:
         """resid += delta (if given); out = rmsnorm(resid) * w, all in fp32: the CUDA paths' rule (the
