@@ -1,57 +1,86 @@
-"""Time the whole decode step with decode attention's rows split other ways, in one process on one model.
+"""Time the whole decode step with other kernel forms, in one process on one model: each arm's decode
+attention and its split of a row, and the q/k/v projection's form.
 
-    python scripts/attention_splits.py PROFILE [--set KEY=VALUE ...] [--positions 64,150,300] [--rows 1,2]
+    python scripts/step_arms.py PROFILE [--set KEY=VALUE ...] [--positions 64,150,300] [--rows 1,2]
         [--rounds 2] [--repeats 30] [--json] ARM [ARM ...]
 
-Each ARM is NAME=SPEC, SPEC being ``cuda_cores`` (attn_split), ``tc`` (attn_tc, each row split as the
-engine splits it) or ``tc:ONE_RUN_CHUNKS/SHORT_SPLITS/SHORT_CHUNKS/SPLITS``
-(`strata_runtime.cuda.ops.AttentionSplit`; fields left out keep the engine's). At every position and row
-count the step graph runs with each arm in turn, ``--rounds`` rounds on the same weights and window
-(`KernelModel.time_attention_arms`, as ``strata bench --workload step --vary model.decode_attention``
-times the two kernels); the table gives each arm's median ms with its change from the first arm, and
-whether every arm chose the same argmax tokens.
-Needs CuPy and a GPU. docs/PERFORMANCE.md's tables of attention splits measure the same way.
+Each ARM is NAME=SPEC, SPEC a comma-separated list of settings, each left out keeping the engine's:
+* decode attention: ``cuda_cores`` (attn_split), ``tc`` (attn_tc, each row split as the engine splits it) or
+  ``tc:ONE_RUN_CHUNKS/SHORT_SPLITS/SHORT_CHUNKS/SPLITS`` (`strata_runtime.cuda.ops.AttentionSplit`; fields
+  left out keep the engine's);
+* the q/k/v projection: ``qkv:plain``, ``qkv:staged``, ``qkv:paired`` or ``qkv:staged+paired``
+  (`strata_runtime.cuda.ops.QkvForm`).
+For example ``kept=tc split=cuda_cores staged=qkv:staged``. At every position and row count the step graph
+runs with each arm in turn, ``--rounds`` rounds on the same weights and window (`KernelModel.time_arms`, as
+``strata bench --workload step --vary model.decode_attention`` times the two attention kernels); the table
+gives each arm's median ms with its change from the first arm, and whether every arm chose the same argmax
+tokens. Needs CuPy and a GPU. docs/PERFORMANCE.md's tables of attention splits measure the same way.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from strata_cfg.plan.from_profile import resolve_profile
 from strata_cfg.schema.errors import ProfileError
 from strata_runtime.backend import Device
 from strata_runtime.bench.step import KernelModel, graph_seconds, step_routing
-from strata_runtime.cuda.ops import AttentionSplit, kernels_for
+from strata_runtime.cuda.ops import QKV_FORM, AttentionSplit, QkvForm, kernels_for, qkv_form, qkv_rope_launch
 
 
 @dataclass(frozen=True)
 class Arm:
     name: str
-    tensor_cores: bool
-    split: AttentionSplit | None  # None: the engine's
+    tensor_cores: bool = True
+    split: AttentionSplit | None = None  # None: the engine's
+    qkv: QkvForm | None = None  # None: the engine's
 
     @classmethod
     def parse(cls, text: str) -> Arm:
         name, eq, spec = text.partition("=")
-        if not eq or not name:
+        if not eq or not name or not spec:
             raise ValueError(f"arm {text!r}: expected NAME=SPEC, as one=tc:3/16/128/64 or split=cuda_cores")
-        if spec == "cuda_cores":
-            return cls(name, False, None)
-        if spec == "tc":
-            return cls(name, True, None)
-        if spec.startswith("tc:"):
-            return cls(name, True, AttentionSplit.parse(spec[3:]))
-        raise ValueError(f"arm {text!r}: SPEC is cuda_cores, tc or tc:ONE_RUN_CHUNKS/SHORT_SPLITS/...")
+        tensor_cores, split, qkv, attention = True, None, None, 0
+        for setting in spec.split(","):
+            if setting.startswith("qkv:"):
+                if qkv is not None:
+                    raise ValueError(f"arm {text!r}: two q/k/v forms")
+                qkv = QkvForm.parse(setting[4:])
+                continue
+            attention += 1
+            if setting == "cuda_cores":
+                tensor_cores = False
+            elif setting.startswith("tc:"):
+                split = AttentionSplit.parse(setting[3:])
+            elif setting != "tc":
+                raise ValueError(
+                    f"arm {text!r}: a setting is cuda_cores, tc, tc:ONE_RUN_CHUNKS/SHORT_SPLITS/... or "
+                    f"qkv:FORM, not {setting!r}"
+                )
+        if attention > 1:
+            raise ValueError(f"arm {text!r}: two decode attention settings")
+        return cls(name, tensor_cores, split, qkv)
 
     def describe(self) -> str:
-        if not self.tensor_cores:
-            return "CUDA cores"
-        return f"tensor cores, split {self.split or AttentionSplit()}"
+        attention = (
+            f"tensor cores, split {self.split or AttentionSplit()}" if self.tensor_cores else "CUDA cores"
+        )
+        return f"{attention}, q/k/v {self.qkv or QKV_FORM}"
+
+    def context(self, model: KernelModel) -> contextlib.AbstractContextManager[None]:
+        """This arm's kernels in force on ``model`` inside the block."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(model.attention_arm(self.tensor_cores, self.split))
+        if self.qkv is not None:
+            stack.enter_context(qkv_form(self.qkv))
+        return stack
 
 
 def sweep(
@@ -67,14 +96,11 @@ def sweep(
     names = [a.name for a in arms]
     if len(set(names)) != len(names):
         raise ValueError(f"arm names repeat: {names}")
-    kernels = {a.name: a.tensor_cores for a in arms}
-    splits = {a.name: a.split for a in arms if a.split is not None}
+    contexts = {a.name: partial(a.context, model) for a in arms}
     out = []
     for position in positions:
         for r in rows:
-            res = model.time_attention_arms(
-                r, position, repeats, kernels, timer=timer, rounds=rounds, splits=splits
-            )
+            res = model.time_arms(r, position, repeats, contexts, timer=timer, rounds=rounds)
             out.append({"position": position, **res})
     return out
 
@@ -120,12 +146,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ProfileError as e:
         ap.error(str(e))
     context = plan.memory.context
+    f = plan.model.facts
+    qkv_shape = ((f.num_attention_heads + 2 * f.num_key_value_heads) * f.head_dim, f.hidden_size)
+    for arm in arms:
+        for rows in args.rows if arm.qkv is not None else []:
+            try:  # what the shapes allow; the device's clusters are checked when the arm first runs
+                qkv_rope_launch(rows, *qkv_shape, f.head_dim, True, arm.qkv, clusters=True)
+            except ValueError as e:
+                ap.error(f"arm {arm.name}: {e}")
     if max(args.positions) >= context:
         ap.error(f"a position of {max(args.positions)} does not fit memory.context = {context}")
     try:
         import cupy as cp
     except ImportError:
-        print("attention_splits: needs CuPy and a GPU", file=sys.stderr)
+        print("step_arms: needs CuPy and a GPU", file=sys.stderr)
         return 2
     with cp.cuda.Device(args.device):
         model = KernelModel(
@@ -140,7 +174,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         print(
             json.dumps(
-                {"arms": [a.__dict__ | {"split": str(a.split or "")} for a in arms], "results": results}
+                {
+                    "arms": [
+                        a.__dict__ | {"split": str(a.split or ""), "qkv": str(a.qkv or "")} for a in arms
+                    ],
+                    "results": results,
+                }
             )
         )
     else:

@@ -124,13 +124,13 @@ def test_solo_reports_its_fraction_of_the_one_row_roofline(profile: str) -> None
     assert ceiling["arms"]["solo"]["of_one_row_roofline"] == pytest.approx(rate / ceiling["roofline_tok_s"])
 
 
-def test_attention_splits_script_times_every_arm_at_every_position(profile: str) -> None:
-    """``scripts/attention_splits.py`` on the GPU: the whole step with two splits of a row on tensor cores
+def test_step_arms_script_times_every_arm_at_every_position(profile: str) -> None:
+    """``scripts/step_arms.py`` on the GPU: the whole step with two splits of a row on tensor cores
     and on CUDA cores, at a position inside one run and one past it, each timed; the tiny preset's shape
     takes tensor cores."""
     from pathlib import Path
 
-    script = Path(__file__).resolve().parent.parent / "scripts" / "attention_splits.py"
+    script = Path(__file__).resolve().parent.parent / "scripts" / "step_arms.py"
     out = subprocess.run(
         [
             sys.executable,

@@ -427,60 +427,78 @@ def test_the_step_times_each_plans_decode_attention_in_turn_on_one_model(monkeyp
     assert "each plan's decode attention, ms (graph; the median of 3 interleaved rounds" in out
 
 
-def test_attention_splits_times_each_arm_with_its_own_kernel_and_split(monkeypatch) -> None:
-    """`scripts/attention_splits.py`: every timing of an arm launches attention on that arm's kernel with
-    that arm's split of a row (the engine's where the arm names none), and the engine's split holds again
-    after; arms are parsed with clear errors, and the table gives each arm's change from the first."""
+def test_step_arms_times_each_arm_with_its_own_kernels(monkeypatch) -> None:
+    """`scripts/step_arms.py`: every timing of an arm launches attention on that arm's kernel with that
+    arm's split of a row, and the q/k/v projection in that arm's form (the engine's where the arm names
+    none), and the engine's choices hold again after; arms are parsed with clear errors, and the table gives
+    each arm's change from the first."""
     from strata_runtime.cuda import ops
 
-    script = load_script("attention_splits")
+    script = load_script("step_arms")
     arms = [
         script.Arm.parse("a=tc:0"),
         script.Arm.parse("b=tc"),
-        script.Arm.parse("c=tc:128/1"),
+        script.Arm.parse("c=tc:128/1,qkv:staged+paired"),
         script.Arm.parse("d=cuda_cores"),
+        script.Arm.parse("e=qkv:paired"),
     ]
     assert arms[0].split == ops.AttentionSplit(
         0, ops.ATTN_SHORT_SPLITS, ops.ATTN_SHORT_CHUNKS, ops.ATTN_SPLITS
     )
     assert arms[2].split == ops.AttentionSplit(128, 1) and arms[1].split is None and not arms[3].tensor_cores
-    assert arms[2].describe() == f"tensor cores, split 128/1/{ops.ATTN_SHORT_CHUNKS}/{ops.ATTN_SPLITS}"
+    assert arms[2].qkv == ops.QkvForm(staged=True, paired=True) and arms[1].qkv is None
+    assert arms[4] == script.Arm("e", True, None, ops.QkvForm(paired=True))
+    assert arms[2].describe() == (
+        f"tensor cores, split 128/1/{ops.ATTN_SHORT_CHUNKS}/{ops.ATTN_SPLITS}, q/k/v staged+paired"
+    )
     for bad, why in [
         ("tc", "expected NAME=SPEC"),
-        ("x=gpu", "SPEC is cuda_cores, tc or"),
+        ("x=", "expected NAME=SPEC"),
+        ("x=gpu", "a setting is cuda_cores, tc, tc:"),
         ("x=tc:1/2/3/4/5", "up to four integers"),
         ("x=tc:3/65", "short_splits <= splits <= 64"),
         ("x=tc:-1", "cannot be negative"),
+        ("x=tc,cuda_cores", "two decode attention settings"),
+        ("x=qkv:fast", "expected plain, staged, paired or staged[+]paired"),
+        ("x=qkv:staged+staged", "expected plain, staged"),
+        ("x=qkv:staged,qkv:paired", "two q/k/v forms"),
     ]:
         with pytest.raises(ValueError, match=why):
             script.Arm.parse(bad)
 
     facts = ModelFacts.from_config(preset_config("tiny"), source="synthetic:tiny", dtype="float16")
     model = KernelModel(_numpy_as_cupy(seed=6), facts, 64, reference, attention_tc=False)
-    launched: list[tuple[bool, ops.AttentionSplit]] = []
-    real = reference.attention
+    launched: list[tuple[bool, ops.AttentionSplit, ops.QkvForm]] = []
+    real, real_qkv = reference.attention, reference.qkv_rope
+    qkv_forms: list[ops.QkvForm] = []
     monkeypatch.setattr(
         reference,
         "attention",
-        lambda *a, tensor_cores=True: launched.append((tensor_cores, ops._ATTENTION_SPLIT.get())) or real(*a),
+        lambda *a, tensor_cores=True: (
+            launched.append((tensor_cores, ops._ATTENTION_SPLIT.get(), qkv_forms[-1])) or real(*a)
+        ),
     )
-    seen: list[set[tuple[bool, ops.AttentionSplit]]] = []
+    monkeypatch.setattr(
+        reference, "qkv_rope", lambda *a: qkv_forms.append(ops._QKV_FORM.get()) or real_qkv(*a)
+    )
+    seen: list[set[tuple[bool, ops.AttentionSplit, ops.QkvForm]]] = []
 
     def timer(cp: object, body, repeats: int) -> float:
         launched.clear()
         body()
         seen.append(set(launched))
-        return 1e-3 * (len(seen) % 4 + 1)
+        return 1e-3 * (len(seen) % 5 + 1)
 
     results = script.sweep(model, arms, [5, 9], [1, 2], repeats=3, rounds=2, timer=timer)
-    want = [{(a.tensor_cores, a.split or ops.ATTN_SPLIT)} for a in arms]
+    want = [{(a.tensor_cores, a.split or ops.ATTN_SPLIT, a.qkv or ops.QKV_FORM)} for a in arms]
     assert seen == want * 2 * 4  # 2 rounds at each of 2 positions x 2 row counts
     assert [(r["position"], r["rows"]) for r in results] == [(5, 1), (5, 2), (9, 1), (9, 2)]
     assert ops._ATTENTION_SPLIT.get() is ops.ATTN_SPLIT and not model.stack.attention_tc
-    assert results[0]["ms"] == pytest.approx({"a": 2.0, "b": 3.0, "c": 4.0, "d": 1.0})
+    assert ops._QKV_FORM.get() is ops.QKV_FORM
+    assert results[0]["ms"] == pytest.approx({"a": 2.0, "b": 3.0, "c": 4.0, "d": 5.0, "e": 1.0})
     table = script.render(arms, results).splitlines()
     assert table[0].startswith(
-        "arms: a = tensor cores, split 0/16/128/64; b = tensor cores, split 3/16/128/64"
+        "arms: a = tensor cores, split 0/16/128/64, q/k/v plain; b = tensor cores, split 3/16/128/64"
     )
     assert table[3].split() == [
         "5",
@@ -491,6 +509,8 @@ def test_attention_splits_times_each_arm_with_its_own_kernel_and_split(monkeypat
         "(+50.0%)",
         "4.000",
         "(+100.0%)",
+        "5.000",
+        "(+150.0%)",
         "1.000",
         "(-50.0%)",
         "yes",
@@ -499,19 +519,23 @@ def test_attention_splits_times_each_arm_with_its_own_kernel_and_split(monkeypat
         script.sweep(model, arms[:2] * 2, [5], [1], repeats=1, rounds=1, timer=timer)
 
 
-def test_attention_splits_refuses_bad_input_before_it_needs_a_gpu(monkeypatch, capsys) -> None:
-    """`scripts/attention_splits.py` names a bad arm, a bad profile key and a position past the context
-    before it looks for CuPy, and says in one line that it needs CuPy and a GPU where there is none."""
-    script = load_script("attention_splits")
-    h200 = str(Path(__file__).resolve().parent.parent / "profiles" / "h200.toml")
+def test_step_arms_refuses_bad_input_before_it_needs_a_gpu(monkeypatch, capsys) -> None:
+    """`scripts/step_arms.py` names a bad arm, a bad profile key, a q/k/v form the model's shapes cannot
+    take and a position past the context before it looks for CuPy, and says in one line that it needs CuPy
+    and a GPU where there is none."""
+    script = load_script("step_arms")
+    profiles = Path(__file__).resolve().parent.parent / "profiles"
+    h200, demo = str(profiles / "h200.toml"), str(profiles / "demo.toml")
     monkeypatch.setitem(sys.modules, "cupy", None)  # no CuPy, whatever this machine has
     for argv, why in [
         ([h200, "a=tc:x"], "attention split 'x': expected up to four integers"),
         ([h200, "--set", "memory.contxt=9", "a=tc"], "memory.contxt"),
         ([h200, "--positions", "64,9000", "a=tc"], "a position of 9000 does not fit"),
+        ([demo, "--positions", "64", "a=qkv:staged"], "arm a: q/k/v form staged: the projection"),
     ]:
         with pytest.raises(SystemExit) as exit_info:
             script.main(argv)
         assert exit_info.value.code == 2 and why in capsys.readouterr().err
     assert script.main([h200, "--positions", "64", "a=tc"]) == 2
-    assert capsys.readouterr().err == "attention_splits: needs CuPy and a GPU\n"
+    assert capsys.readouterr().err == "step_arms: needs CuPy and a GPU\n"
+    assert script.main([h200, "--positions", "64", "a=qkv:staged+paired"]) == 2  # the 30B shapes take it

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -236,34 +236,54 @@ class KernelModel:
         rounds: int = ATTENTION_ROUNDS,
         splits: Mapping[str, AttentionSplit] | None = None,
     ) -> dict[str, Any]:
-        """The whole step at ``rows`` rows with each arm's decode attention (name -> tensor cores where the
-        shape allows), on one window: ``rounds`` rounds, each timing every arm in turn by ``timer`` as the
-        decode graphs launch it; ms per step (the median of the rounds) and each arm's argmax token of each
-        row. ``splits``: an arm's split of a row on tensor cores, where not the engine's. The layers' own
-        choice is restored after."""
-        w = self.window(rows, position)
-        before = self.stack.attention_tc
-        times: dict[str, list[float]] = {name: [] for name in arms}
-        tokens: dict[str, list[int]] = {}
+        """`time_arms` with each arm's decode attention (name -> tensor cores where the shape allows) and,
+        where given, its split of a row on tensor cores (``splits``; else the engine's)."""
         split_of = dict(splits or {})
 
         def arm(name: str) -> contextlib.AbstractContextManager[None]:
-            self.use_attention(arms[name])
-            return attention_split(split_of[name]) if name in split_of else contextlib.nullcontext()
+            return self.attention_arm(arms[name], split_of.get(name))
 
+        contexts = {name: partial(arm, name) for name in arms}
+        return self.time_arms(rows, position, repeats, contexts, timer, rounds)
+
+    @contextlib.contextmanager
+    def attention_arm(self, tensor_cores: bool, split: AttentionSplit | None = None) -> Iterator[None]:
+        """Every layer's decode attention on tensor cores where the shape allows (else CUDA cores), split as
+        ``split`` where given, inside the block; the layers' own choice again after it."""
+        before = self.stack.attention_tc
+        self.use_attention(tensor_cores)
         try:
-            with _as_engine(self.stack.kern, rows):
-                for name in arms:  # each arm's kernels compiled before any timing
-                    with arm(name):
-                        self.step(w)
-                for _ in range(rounds):
-                    for name in arms:
-                        with arm(name):
-                            times[name].append(timer(self.cp, partial(self.step, w), repeats))
-                        out = w.out.get() if hasattr(w.out, "get") else w.out
-                        tokens[name] = [int(t) for t in out]
+            with attention_split(split) if split is not None else contextlib.nullcontext():
+                yield
         finally:
             self.use_attention(before)
+
+    def time_arms(
+        self,
+        rows: int,
+        position: int,
+        repeats: int,
+        arms: Mapping[str, Callable[[], contextlib.AbstractContextManager[None]]],
+        timer: Callable[[Any, Callable[[], None], int], float] = graph_seconds,
+        rounds: int = ATTENTION_ROUNDS,
+    ) -> dict[str, Any]:
+        """The whole step at ``rows`` rows inside each arm's context (name -> a context manager factory that
+        sets that arm's kernels), on one window: ``rounds`` rounds, each timing every arm in turn by
+        ``timer`` as the decode graphs launch it; ms per step (the median of the rounds) and each arm's
+        argmax token of each row."""
+        w = self.window(rows, position)
+        times: dict[str, list[float]] = {name: [] for name in arms}
+        tokens: dict[str, list[int]] = {}
+        with _as_engine(self.stack.kern, rows):
+            for arm in arms.values():  # each arm's kernels compiled before any timing
+                with arm():
+                    self.step(w)
+            for _ in range(rounds):
+                for name, arm in arms.items():
+                    with arm():
+                        times[name].append(timer(self.cp, partial(self.step, w), repeats))
+                    out = w.out.get() if hasattr(w.out, "get") else w.out
+                    tokens[name] = [int(t) for t in out]
         return {
             "rows": rows,
             "ms": {name: float(np.median(t)) * 1e3 for name, t in times.items()},
