@@ -366,6 +366,10 @@ __device__ __forceinline__ float pow2(int e) { return __int_as_float((127 + e) <
       const int *__restrict__ pos, const int *__restrict__ slot, float *__restrict__ q_out,                  \
       half *__restrict__ kc, half *__restrict__ vc, int NQ, int NKV, int T, float theta, int *__restrict__ done
 #define GEMV_MMA_ARGS W, x, y, N, accumulate, nw, eps, qn, kn, pos, slot, q_out, kc, vc, NQ, NKV, T, theta, done
+// Each 16-byte piece of a unit a lane holds: MT tiles x J pieces x 2 bands.
+#define EACH_PIECE(m, j, band)                                                                            \
+  _Pragma("unroll") for (int m = 0; m < MT; ++m) _Pragma("unroll") for (int j = 0; j < J; ++j)              \
+      _Pragma("unroll") for (int band = 0; band < 2; ++band)
 
 template <int R, int K, int MT, int WARPS, bool NORM, int ROPE, int STAGE, bool PAIR>
 __device__ __forceinline__ void gemv_mma_body(GEMV_MMA_PARAMS) {
@@ -399,13 +403,7 @@ __device__ __forceinline__ void gemv_mma_body(GEMV_MMA_PARAMS) {
     for (int slot = 0; slot < GROUP; ++slot) {
       const int u = warp + WARPS * (i0 + slot);
       if (i0 + slot < PER && u < UNITS) {
-#pragma unroll
-        for (int m = 0; m < MT; ++m)
-#pragma unroll
-          for (int j = 0; j < J; ++j)
-#pragma unroll
-            for (int band = 0; band < 2; ++band)
-              pw[slot][m][j][band] = __ldg(rows[m][band] + (u * UNIT + 32 * j) / 8 + t);
+        EACH_PIECE(m, j, band) pw[slot][m][j][band] = __ldg(rows[m][band] + (u * UNIT + 32 * j) / 8 + t);
       }
     }
   };
@@ -416,20 +414,17 @@ __device__ __forceinline__ void gemv_mma_body(GEMV_MMA_PARAMS) {
   extern __shared__ uint4 staged[];
   constexpr int STAGED = STAGE > 0 ? PER - GROUP : 0;
   static_assert(STAGE == 0 || (PER > GROUP && PER % GROUP == 0), "STAGE: whole rounds");
+  auto staged_piece = [&](int i, int m, int j, int band) {
+    return staged + ((((i * MT + m) * J + j) * 2 + band) * WARPS + warp) * 32 + lane;
+  };
   load(0);
   if constexpr (STAGED > 0) {
 #pragma unroll
     for (int i = 0; i < STAGED; ++i) {
       const int u = warp + WARPS * (GROUP + i);
-#pragma unroll
-      for (int m = 0; m < MT; ++m)
-#pragma unroll
-        for (int j = 0; j < J; ++j)
-#pragma unroll
-          for (int band = 0; band < 2; ++band)
-            tensor_core::cp_async16(
-                tensor_core::smem_addr(staged + ((((i * MT + m) * J + j) * 2 + band) * WARPS + warp) * 32 + lane),
-                rows[m][band] + (min(u, UNITS - 1) * UNIT + 32 * j) / 8 + t, u < UNITS);
+      EACH_PIECE(m, j, band)
+      tensor_core::cp_async16(tensor_core::smem_addr(staged_piece(i, m, j, band)),
+                              rows[m][band] + (min(u, UNITS - 1) * UNIT + 32 * j) / 8 + t, u < UNITS);
     }
     tensor_core::cp_async_commit();
   }
@@ -441,14 +436,7 @@ __device__ __forceinline__ void gemv_mma_body(GEMV_MMA_PARAMS) {
         tensor_core::cp_async_wait<0>();
 #pragma unroll
         for (int slot = 0; slot < GROUP; ++slot)
-#pragma unroll
-          for (int m = 0; m < MT; ++m)
-#pragma unroll
-            for (int j = 0; j < J; ++j)
-#pragma unroll
-              for (int band = 0; band < 2; ++band)
-                pw[slot][m][j][band] =
-                    staged[(((((i0 - GROUP + slot) * MT + m) * J + j) * 2 + band) * WARPS + warp) * 32 + lane];
+          EACH_PIECE(m, j, band) pw[slot][m][j][band] = *staged_piece(i0 - GROUP + slot, m, j, band);
       }
     } else if (i0 > 0) {
       load(i0);
