@@ -25,6 +25,8 @@ from strata_runtime.cuda.flash import HOPPER_SM_SHARED, NARROW, kernel_expr, sha
 from strata_runtime.cuda.layers import MIN_COMPUTE_CAPABILITY, supported
 from strata_runtime.cuda.ops import (
     PDL_KERNELS,
+    Kernels,
+    MoeForm,
     QkvForm,
     QkvLaunch,
     decode_expressions,
@@ -202,13 +204,21 @@ def _qkv_form_expressions(rows: range) -> dict[str, QkvLaunch]:
     return out
 
 
-def test_the_qkv_forms_compile_without_spilling_and_fit_a_hopper_block() -> None:
+def test_the_benchmark_forms_compile_and_fit_a_hopper_block() -> None:
     """Every `QkvForm` of the 30B preset's q/k/v projection compiles for sm_90 at 1 to 8 rows without
-    spilling, and its static and dynamic shared memory together fit a Hopper block."""
+    spilling, and its static and dynamic shared memory together fit a Hopper block. `MoeForm` ``tables``
+    compiles for the 30B preset's experts; its ``moe_down`` keeps one value in local memory across the
+    weight loads (4 bytes stored and loaded once a thread), the plain kernel already holding 128 registers,
+    the most its two blocks an SM allow."""
     launches = _qkv_form_expressions(range(1, 9))
     kernels = _check("kernels.cu", list(launches), OPTIONS)
     for expr, k in kernels.items():
         assert k.shared_bytes + launches[expr].shared_bytes <= HOPPER_BLOCK_SHARED, (expr, k)
+    tables = Kernels.moe_exprs(2048, 768, 8, MoeForm(tables=True))[:2]
+    moe = nvrtc.compile_source(source("kernels.cu"), list(tables), OPTIONS, "sm_90")
+    gate_up, down = (moe[e] for e in tables)
+    assert not gate_up.spill_stores and not gate_up.spill_loads, gate_up
+    assert down.registers <= 128 and down.spill_stores + down.spill_loads <= 8, down
 
 
 @pytest.mark.skipif(nvrtc.disassembler() is not None, reason=str(nvrtc.disassembler()))

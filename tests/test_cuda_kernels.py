@@ -392,6 +392,48 @@ def test_moe_reads_experts_from_mapped_host_memory_bit_for_bit_and_counts_the_mi
     assert int(misses.get()[0]) == int(on_host[idx].sum()) > 0
 
 
+@pytest.mark.parametrize(
+    ("rows", "e", "k", "h", "inter"), [(1, 128, 8, 2048, 768), (3, 128, 8, 2048, 768), (8, 16, 4, 256, 256)]
+)
+def test_the_expert_tables_form_gives_the_plain_forms_bits(gpu, rows, e, k, h, inter):
+    """`MoeForm` ``tables`` (each block reads the layer's whole address table beside the routing) writes
+    the plain form's routing, hidden products and residual bit for bit, with experts in VRAM and with half
+    of them in mapped host memory, and counts the same misses."""
+    from strata_runtime.cuda.experts import LayerExperts, addresses
+    from strata_runtime.cuda.ops import MoeForm, moe_form
+    from strata_runtime.experts.host import host_empty
+
+    cp, kern, _ = gpu
+    g = rng()
+    x, nw, logits, gate_up, down, resid = _moe_inputs(g, rows, e, h, inter)
+    host_gu, host_dn = host_empty(gate_up.shape, np.float16, True), host_empty(down.shape, np.float16, True)
+    host_gu[...], host_dn[...] = gate_up, down
+    dev_gu, dev_dn = cp.asarray(gate_up), cp.asarray(down)
+    on_host = g.random(e) < 0.5
+    slot_of = np.where(on_host, -1, np.arange(e)).astype(np.int32)
+    gu_addr = np.where(on_host, addresses(host_gu), addresses(dev_gu)).astype(np.uint64)
+    dn_addr = np.where(on_host, addresses(host_dn), addresses(dev_dn)).astype(np.uint64)
+
+    def run(form: MoeForm) -> tuple[np.ndarray, ...]:
+        counts, misses = cp.zeros(e, cp.float32), cp.zeros(2, cp.float32)
+        experts = LayerExperts(
+            cp.asarray(gu_addr), cp.asarray(dn_addr), lambda i: (gate_up[i], down[i]),
+            cp.asarray(slot_of), counts, misses,
+        )  # fmt: skip
+        r_d, idx_d = cp.asarray(resid), cp.full((rows, k), -1, cp.int32)
+        w_d, h_d = cp.full((rows, k), cp.nan, cp.float32), cp.full((rows * k, inter), cp.nan, cp.float32)
+        with moe_form(form):
+            kern.moe(
+                cp.asarray(x), cp.asarray(nw), cp.asarray(logits), True, 1e-6, experts, r_d, idx_d, w_d, h_d
+            )
+        return r_d.get(), idx_d.get(), w_d.get(), h_d.get(), counts.get(), misses.get()
+
+    plain, tables = run(MoeForm()), run(MoeForm(tables=True))
+    assert not np.isnan(plain[3]).any()
+    for a, b in zip(tables, plain, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_small_elementwise_kernels_match_the_reference(gpu):
     from strata_runtime.cuda.ops import argmax_scratch
 

@@ -353,3 +353,50 @@ def test_qkv_rope_launches_the_form_in_force_with_its_shared_memory() -> None:
         assert launch() == ("gemv_mma_pair<1,2048,4,16,true,128,2>", (80,), 131072)
     assert allowed == [("gemv_mma_pair<1,2048,4,16,true,128,2>", 131072)]
     assert launch()[0] == "gemv_mma<1,2048,4,16,true,128>"  # the engine's form again
+
+
+def test_the_expert_tables_form_names_its_kernels_and_passes_the_expert_count() -> None:
+    """`MoeForm` ``tables`` appends ``true`` to both wide expert kernels' instantiations; `Kernels.moe`
+    launches the form in force (`moe_form`), giving either kernel the expert count (the length of the
+    address tables it reads with ``tables``) as its last argument. The narrow kernels take the plain form
+    only."""
+    from types import SimpleNamespace
+
+    from strata_runtime.cuda.experts import resident_experts
+    from strata_runtime.cuda.ops import MOE_FORM, Kernels, MoeForm, moe_form
+
+    assert Kernels.moe_exprs(2048, 768, 8, MoeForm(tables=True)) == (
+        "moe_gate_up<2048,768,true>",
+        "moe_down<2048,768,8,true>",
+        "route_topk",
+    )
+    assert Kernels.moe_exprs(2048, 768, 8) == ("moe_gate_up<2048,768>", "moe_down<2048,768,8>", "route_topk")
+    with pytest.raises(ValueError, match="take the narrow kernels, plain only"):
+        Kernels.moe_exprs(96, 48, 4, MoeForm(tables=True))
+    assert MoeForm.parse("tables") == MoeForm(True) and str(MoeForm()) == "plain" == str(MOE_FORM)
+    with pytest.raises(ValueError, match="expected plain or tables"):
+        MoeForm.parse("table")
+
+    launches: list[tuple[str, tuple]] = []
+    stub = SimpleNamespace(
+        moe_exprs=Kernels.moe_exprs,
+        route_topk=lambda *a: launches.append(("route_topk", a)),
+        fn=lambda expr: lambda grid, block, args: launches.append((expr, args)),
+    )
+    rows, e, k, h, inter = 2, 128, 8, 2048, 768
+    experts = resident_experts(
+        np.zeros((e, 2 * inter, h), np.float16), np.zeros((e, h, inter), np.float16), np
+    )
+    x, logits = np.zeros((rows, h), np.float32), np.zeros((rows, e), np.float32)
+    idx, wts = np.zeros((rows, k), np.int32), np.zeros((rows, k), np.float32)
+    h_buf = np.zeros((rows * k, inter), np.float32)
+
+    def launch() -> list[tuple[str, int]]:
+        launches.clear()
+        Kernels.moe(stub, x, x[0], logits, True, 1e-6, experts, x, idx, wts, h_buf)  # type: ignore[arg-type]
+        return [(expr, int(args[-1])) for expr, args in launches if expr != "route_topk"]
+
+    assert launch() == [("moe_gate_up<2048,768>", e), ("moe_down<2048,768,8>", e)]
+    with moe_form(MoeForm(tables=True)):
+        assert launch() == [("moe_gate_up<2048,768,true>", e), ("moe_down<2048,768,8,true>", e)]
+    assert launch()[0][0] == "moe_gate_up<2048,768>"  # the engine's form again

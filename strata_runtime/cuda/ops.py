@@ -398,6 +398,43 @@ def qkv_form(form: QkvForm) -> Iterator[None]:
         _QKV_FORM.reset(token)
 
 
+@dataclass(frozen=True)
+class MoeForm:
+    """How the routed experts' kernels (``moe_gate_up``, ``moe_down``) find the chosen experts' weights.
+    Plain, each block reads the window's routing and then the chosen experts' addresses, two round trips
+    to memory after it waits before its first weight load. With ``tables``, it reads the layer's whole
+    address table (one address an expert) beside the routing, one round trip. The sums are the same, so
+    the bits are. The engine runs the default, `MOE_FORM` (plain); a benchmark times the other inside
+    `moe_form`. Written and parsed as ``plain`` or ``tables``."""
+
+    tables: bool = False
+
+    def __str__(self) -> str:
+        return "tables" if self.tables else "plain"
+
+    @classmethod
+    def parse(cls, text: str) -> MoeForm:
+        if text not in ("plain", "tables"):
+            raise ValueError(f"expert form {text!r}: expected plain or tables")
+        return cls(tables=text == "tables")
+
+
+MOE_FORM = MoeForm()
+"""The expert kernels' form the engine runs."""
+_MOE_FORM: contextvars.ContextVar[MoeForm] = contextvars.ContextVar("strata_moe_form", default=MOE_FORM)
+"""The form `Kernels.moe` launches on this thread now: the default outside `moe_form`."""
+
+
+@contextlib.contextmanager
+def moe_form(form: MoeForm) -> Iterator[None]:
+    """Launch the routed experts' kernels in ``form`` in this block (on this thread). For benchmarks."""
+    token = _MOE_FORM.set(form)
+    try:
+        yield
+    finally:
+        _MOE_FORM.reset(token)
+
+
 MMA_GROUP = 2
 """Units of a warp's reduction ``gemv_mma`` holds in registers at a time (its ``GROUP``)."""
 
@@ -637,10 +674,14 @@ class Kernels(KernelCache):
         return gemv_expression(rows, n, k, norm, self.tensor_cores)
 
     @staticmethod
-    def moe_exprs(h: int, i: int, topk: int) -> tuple[str, ...]:
-        """The instantiations `moe` launches for these shapes, at any row count."""
+    def moe_exprs(h: int, i: int, topk: int, form: MoeForm = MOE_FORM) -> tuple[str, ...]:
+        """The instantiations `moe` launches for these shapes in ``form``, at any row count. The narrow
+        kernels (``..._any``) take the plain form only."""
         if _wide(h) and _wide(i) and topk <= 16:
-            return f"moe_gate_up<{h},{i}>", f"moe_down<{h},{i},{topk}>", "route_topk"
+            flag = ",true" if form.tables else ""
+            return f"moe_gate_up<{h},{i}{flag}>", f"moe_down<{h},{i},{topk}{flag}>", "route_topk"
+        if form != MOE_FORM:
+            raise ValueError(f"expert form {form}: widths {h} and {i} take the narrow kernels, plain only")
         return "moe_gate_up_any", "moe_down_any"
 
     @staticmethod
@@ -894,7 +935,7 @@ class Kernels(KernelCache):
             raise ValueError(f"the expert kernels route at most 256 experts, not {n_exp}")
         tally = _tally(experts)
         a = rows * topk
-        gu_expr, down_expr, *_ = self.moe_exprs(h, inter, topk)
+        gu_expr, down_expr, *_ = self.moe_exprs(h, inter, topk, _MOE_FORM.get())
         tiles = (math.ceil(inter / WARPS_PER_BLOCK), a)
         blocks_d = (math.ceil(rows * h / WARPS_PER_BLOCK),)
         gu, down = experts.gate_up, experts.down
@@ -917,9 +958,10 @@ class Kernels(KernelCache):
         self.fn(gu_expr)(
             (a, tiles[0]),
             (THREADS,),
-            (gu, x, norm, idx, np.int32(a), np.int32(topk), np.float32(eps), h_buf, *tally),
+            (gu, x, norm, idx, np.int32(a), np.int32(topk), np.float32(eps), h_buf, *tally, np.int32(n_exp)),
         )
-        self.fn(down_expr)(blocks_d, (THREADS,), (down, h_buf, idx, wts, np.int32(rows), resid))
+        down_args = (down, h_buf, idx, wts, np.int32(rows), resid, np.int32(n_exp))
+        self.fn(down_expr)(blocks_d, (THREADS,), down_args)
 
     def silu_mul(self, gu: Array, out: Array) -> None:
         """out[R, I] = silu(gu[:, :I]) * gu[:, I:]."""
