@@ -9,12 +9,14 @@ Each ARM is NAME=SPEC, SPEC a comma-separated list of settings, each left out ke
   ``tc:ONE_RUN_CHUNKS/SHORT_SPLITS/SHORT_CHUNKS/SPLITS`` (`strata_runtime.cuda.ops.AttentionSplit`; fields
   left out keep the engine's);
 * the q/k/v projection: ``qkv:plain``, ``qkv:staged``, ``qkv:paired`` or ``qkv:staged+paired``
-  (`strata_runtime.cuda.ops.QkvForm`).
-For example ``kept=tc split=cuda_cores staged=qkv:staged``. At every position and row count the step graph
-runs with each arm in turn, ``--rounds`` rounds on the same weights and window (`KernelModel.time_arms`, as
-``strata bench --workload step --vary model.decode_attention`` times the two attention kernels); the table
-gives each arm's median ms with its change from the first arm, and whether every arm chose the same argmax
-tokens. Needs CuPy and a GPU. docs/PERFORMANCE.md's tables of attention splits measure the same way.
+  (`strata_runtime.cuda.ops.QkvForm`);
+* the routed experts' kernels: ``moe:plain`` or ``moe:tables`` (`strata_runtime.cuda.ops.MoeForm`).
+For example ``kept=tc split=cuda_cores staged=qkv:staged both=qkv:staged,moe:tables``. At every position
+and row count the step graph runs with each arm in turn, ``--rounds`` rounds on the same weights and window
+(`KernelModel.time_arms`, as ``strata bench --workload step --vary model.decode_attention`` times the two
+attention kernels); the table gives each arm's median ms with its change from the first arm, and whether
+every arm chose the same argmax tokens. Needs CuPy and a GPU. docs/PERFORMANCE.md's tables of attention
+splits measure the same way.
 """
 
 from __future__ import annotations
@@ -32,7 +34,18 @@ from strata_cfg.plan.from_profile import resolve_profile
 from strata_cfg.schema.errors import ProfileError
 from strata_runtime.backend import Device
 from strata_runtime.bench.step import KernelModel, graph_seconds, step_routing
-from strata_runtime.cuda.ops import QKV_FORM, AttentionSplit, QkvForm, kernels_for, qkv_form, qkv_rope_launch
+from strata_runtime.cuda.ops import (
+    MOE_FORM,
+    QKV_FORM,
+    AttentionSplit,
+    Kernels,
+    MoeForm,
+    QkvForm,
+    kernels_for,
+    moe_form,
+    qkv_form,
+    qkv_rope_launch,
+)
 
 
 @dataclass(frozen=True)
@@ -41,18 +54,24 @@ class Arm:
     tensor_cores: bool = True
     split: AttentionSplit | None = None  # None: the engine's
     qkv: QkvForm | None = None  # None: the engine's
+    moe: MoeForm | None = None  # None: the engine's
 
     @classmethod
     def parse(cls, text: str) -> Arm:
         name, eq, spec = text.partition("=")
         if not eq or not name or not spec:
             raise ValueError(f"arm {text!r}: expected NAME=SPEC, as one=tc:3/16/128/64 or split=cuda_cores")
-        tensor_cores, split, qkv, attention = True, None, None, 0
+        tensor_cores, split, qkv, moe, attention = True, None, None, None, 0
         for setting in spec.split(","):
             if setting.startswith("qkv:"):
                 if qkv is not None:
                     raise ValueError(f"arm {text!r}: two q/k/v forms")
                 qkv = QkvForm.parse(setting[4:])
+                continue
+            if setting.startswith("moe:"):
+                if moe is not None:
+                    raise ValueError(f"arm {text!r}: two expert forms")
+                moe = MoeForm.parse(setting[4:])
                 continue
             attention += 1
             if setting == "cuda_cores":
@@ -61,25 +80,27 @@ class Arm:
                 split = AttentionSplit.parse(setting[3:])
             elif setting != "tc":
                 raise ValueError(
-                    f"arm {text!r}: a setting is cuda_cores, tc, tc:ONE_RUN_CHUNKS/SHORT_SPLITS/... or "
-                    f"qkv:FORM, not {setting!r}"
+                    f"arm {text!r}: a setting is cuda_cores, tc, tc:ONE_RUN_CHUNKS/SHORT_SPLITS/..., "
+                    f"qkv:FORM or moe:FORM, not {setting!r}"
                 )
         if attention > 1:
             raise ValueError(f"arm {text!r}: two decode attention settings")
-        return cls(name, tensor_cores, split, qkv)
+        return cls(name, tensor_cores, split, qkv, moe)
 
     def describe(self) -> str:
         attention = (
             f"tensor cores, split {self.split or AttentionSplit()}" if self.tensor_cores else "CUDA cores"
         )
-        return f"{attention}, q/k/v {self.qkv or QKV_FORM}"
+        return f"{attention}, q/k/v {self.qkv or QKV_FORM}, experts {self.moe or MOE_FORM}"
 
-    def context(self, model: KernelModel) -> contextlib.AbstractContextManager[None]:
+    def context(self, model: KernelModel) -> contextlib.ExitStack[bool | None]:
         """This arm's kernels in force on ``model`` inside the block."""
         stack = contextlib.ExitStack()
         stack.enter_context(model.attention_arm(self.tensor_cores, self.split))
         if self.qkv is not None:
             stack.enter_context(qkv_form(self.qkv))
+        if self.moe is not None:
+            stack.enter_context(moe_form(self.moe))
         return stack
 
 
@@ -149,9 +170,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     f = plan.model.facts
     qkv_shape = ((f.num_attention_heads + 2 * f.num_key_value_heads) * f.head_dim, f.hidden_size)
     for arm in arms:
-        for rows in args.rows if arm.qkv is not None else []:
+        for rows in args.rows if arm.qkv else []:
             try:  # what the shapes allow; the device's clusters are checked when the arm first runs
-                qkv_rope_launch(rows, *qkv_shape, f.head_dim, True, arm.qkv, clusters=True)
+                qkv_rope_launch(rows, *qkv_shape, f.head_dim, True, arm.qkv or QKV_FORM, clusters=True)
+            except ValueError as e:
+                ap.error(f"arm {arm.name}: {e}")
+        if arm.moe is not None and f.num_experts:
+            try:
+                Kernels.moe_exprs(f.hidden_size, f.moe_intermediate_size, f.num_experts_per_tok, arm.moe)
             except ValueError as e:
                 ap.error(f"arm {arm.name}: {e}")
     if max(args.positions) >= context:
@@ -176,7 +202,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             json.dumps(
                 {
                     "arms": [
-                        a.__dict__ | {"split": str(a.split or ""), "qkv": str(a.qkv or "")} for a in arms
+                        a.__dict__ | {k: str(getattr(a, k) or "") for k in ("split", "qkv", "moe")}
+                        for a in arms
                     ],
                     "results": results,
                 }

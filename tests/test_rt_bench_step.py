@@ -440,21 +440,22 @@ def test_step_arms_times_each_arm_with_its_own_kernels(monkeypatch) -> None:
         script.Arm.parse("b=tc"),
         script.Arm.parse("c=tc:128/1,qkv:staged+paired"),
         script.Arm.parse("d=cuda_cores"),
-        script.Arm.parse("e=qkv:paired"),
+        script.Arm.parse("e=qkv:paired,moe:tables"),
     ]
     assert arms[0].split == ops.AttentionSplit(
         0, ops.ATTN_SHORT_SPLITS, ops.ATTN_SHORT_CHUNKS, ops.ATTN_SPLITS
     )
     assert arms[2].split == ops.AttentionSplit(128, 1) and arms[1].split is None and not arms[3].tensor_cores
     assert arms[2].qkv == ops.QkvForm(staged=True, paired=True) and arms[1].qkv is None
-    assert arms[4] == script.Arm("e", True, None, ops.QkvForm(paired=True))
+    assert arms[4] == script.Arm("e", True, None, ops.QkvForm(paired=True), ops.MoeForm(tables=True))
     assert arms[2].describe() == (
-        f"tensor cores, split 128/1/{ops.ATTN_SHORT_CHUNKS}/{ops.ATTN_SPLITS}, q/k/v staged+paired"
+        f"tensor cores, split 128/1/{ops.ATTN_SHORT_CHUNKS}/{ops.ATTN_SPLITS}, q/k/v staged+paired, "
+        "experts plain"
     )
     for bad, why in [
         ("tc", "expected NAME=SPEC"),
         ("x=", "expected NAME=SPEC"),
-        ("x=gpu", "a setting is cuda_cores, tc, tc:"),
+        ("x=gpu", "a setting is cuda_cores, tc, tc:.*qkv:FORM or moe:FORM"),
         ("x=tc:1/2/3/4/5", "up to four integers"),
         ("x=tc:3/65", "short_splits <= splits <= 64"),
         ("x=tc:-1", "cannot be negative"),
@@ -462,15 +463,21 @@ def test_step_arms_times_each_arm_with_its_own_kernels(monkeypatch) -> None:
         ("x=qkv:fast", "expected plain, staged, paired or staged[+]paired"),
         ("x=qkv:staged+staged", "expected plain, staged"),
         ("x=qkv:staged,qkv:paired", "two q/k/v forms"),
+        ("x=moe:table", "expected plain or tables"),
+        ("x=moe:tables,moe:plain", "two expert forms"),
     ]:
         with pytest.raises(ValueError, match=why):
             script.Arm.parse(bad)
 
     facts = ModelFacts.from_config(preset_config("tiny"), source="synthetic:tiny", dtype="float16")
     model = KernelModel(_numpy_as_cupy(seed=6), facts, 64, reference, attention_tc=False)
-    launched: list[tuple[bool, ops.AttentionSplit, ops.QkvForm]] = []
+    launched: list[tuple[object, ...]] = []
     real, real_qkv = reference.attention, reference.qkv_rope
     qkv_forms: list[ops.QkvForm] = []
+    real_moe = reference.moe
+    monkeypatch.setattr(
+        reference, "moe", lambda *a: launched.append(("moe", ops._MOE_FORM.get())) or real_moe(*a)
+    )
     monkeypatch.setattr(
         reference,
         "attention",
@@ -481,7 +488,7 @@ def test_step_arms_times_each_arm_with_its_own_kernels(monkeypatch) -> None:
     monkeypatch.setattr(
         reference, "qkv_rope", lambda *a: qkv_forms.append(ops._QKV_FORM.get()) or real_qkv(*a)
     )
-    seen: list[set[tuple[bool, ops.AttentionSplit, ops.QkvForm]]] = []
+    seen: list[set[tuple[object, ...]]] = []
 
     def timer(cp: object, body, repeats: int) -> float:
         launched.clear()
@@ -490,15 +497,18 @@ def test_step_arms_times_each_arm_with_its_own_kernels(monkeypatch) -> None:
         return 1e-3 * (len(seen) % 5 + 1)
 
     results = script.sweep(model, arms, [5, 9], [1, 2], repeats=3, rounds=2, timer=timer)
-    want = [{(a.tensor_cores, a.split or ops.ATTN_SPLIT, a.qkv or ops.QKV_FORM)} for a in arms]
+    want = [
+        {(a.tensor_cores, a.split or ops.ATTN_SPLIT, a.qkv or ops.QKV_FORM), ("moe", a.moe or ops.MOE_FORM)}
+        for a in arms
+    ]
     assert seen == want * 2 * 4  # 2 rounds at each of 2 positions x 2 row counts
     assert [(r["position"], r["rows"]) for r in results] == [(5, 1), (5, 2), (9, 1), (9, 2)]
     assert ops._ATTENTION_SPLIT.get() is ops.ATTN_SPLIT and not model.stack.attention_tc
-    assert ops._QKV_FORM.get() is ops.QKV_FORM
+    assert ops._QKV_FORM.get() is ops.QKV_FORM and ops._MOE_FORM.get() is ops.MOE_FORM
     assert results[0]["ms"] == pytest.approx({"a": 2.0, "b": 3.0, "c": 4.0, "d": 5.0, "e": 1.0})
     table = script.render(arms, results).splitlines()
     assert table[0].startswith(
-        "arms: a = tensor cores, split 0/16/128/64, q/k/v plain; b = tensor cores, split 3/16/128/64"
+        "arms: a = tensor cores, split 0/16/128/64, q/k/v plain, experts plain; b = tensor cores, split 3/16/"
     )
     assert table[3].split() == [
         "5",
@@ -532,10 +542,13 @@ def test_step_arms_refuses_bad_input_before_it_needs_a_gpu(monkeypatch, capsys) 
         ([h200, "--set", "memory.contxt=9", "a=tc"], "memory.contxt"),
         ([h200, "--positions", "64,9000", "a=tc"], "a position of 9000 does not fit"),
         ([demo, "--positions", "64", "a=qkv:staged"], "arm a: q/k/v form staged: the projection"),
+        ([demo, "--positions", "64", "a=moe:tables"], "arm a: expert form tables: widths"),
     ]:
         with pytest.raises(SystemExit) as exit_info:
             script.main(argv)
         assert exit_info.value.code == 2 and why in capsys.readouterr().err
     assert script.main([h200, "--positions", "64", "a=tc"]) == 2
     assert capsys.readouterr().err == "step_arms: needs CuPy and a GPU\n"
-    assert script.main([h200, "--positions", "64", "a=qkv:staged+paired"]) == 2  # the 30B shapes take it
+    assert (
+        script.main([h200, "--positions", "64", "a=qkv:staged+paired,moe:tables"]) == 2
+    )  # the 30B takes both

@@ -263,7 +263,7 @@ class KernelModel:
         rows: int,
         position: int,
         repeats: int,
-        arms: Mapping[str, Callable[[], contextlib.AbstractContextManager[None]]],
+        arms: Mapping[str, Callable[[], contextlib.AbstractContextManager[Any]]],
         timer: Callable[[Any, Callable[[], None], int], float] = graph_seconds,
         rounds: int = ATTENTION_ROUNDS,
     ) -> dict[str, Any]:
