@@ -350,6 +350,28 @@ def test_moe_rows_are_batch_invariant(gpu, e, k, h, inter):
     np.testing.assert_array_equal(run(slice(2, 5)), window[2:5])
 
 
+def _half_on_host(cp, g, gate_up, down, counts, misses):
+    """An expert cache's tables for a layer with about half its experts (at random) in pinned host memory
+    and the rest in VRAM: the `LayerExperts`, which experts are on the host, and the arrays its addresses
+    point into (VRAM first), which the caller keeps alive."""
+    from strata_runtime.cuda.experts import LayerExperts, addresses
+    from strata_runtime.experts.host import host_empty
+
+    e = gate_up.shape[0]
+    host_gu, host_dn = host_empty(gate_up.shape, np.float16, True), host_empty(down.shape, np.float16, True)
+    host_gu[...], host_dn[...] = gate_up, down
+    dev_gu, dev_dn = cp.asarray(gate_up), cp.asarray(down)
+    on_host = g.random(e) < 0.5  # half the experts hold no slot
+    slot_of = np.where(on_host, -1, np.arange(e)).astype(np.int32)
+    gu_addr = np.where(on_host, addresses(host_gu), addresses(dev_gu)).astype(np.uint64)
+    dn_addr = np.where(on_host, addresses(host_dn), addresses(dev_dn)).astype(np.uint64)
+    experts = LayerExperts(
+        cp.asarray(gu_addr), cp.asarray(dn_addr), lambda i: (gate_up[i], down[i]),
+        cp.asarray(slot_of), counts, misses,
+    )  # fmt: skip
+    return experts, on_host, (dev_gu, dev_dn, host_gu, host_dn)
+
+
 @pytest.mark.parametrize(
     ("rows", "e", "k", "h", "inter"), [(3, 128, 8, 2048, 768), (8, 16, 8, 256, 256), (5, 16, 4, 96, 48)]
 )
@@ -358,28 +380,14 @@ def test_moe_reads_experts_from_mapped_host_memory_bit_for_bit_and_counts_the_mi
 ):
     """The expert cache's miss path: the same kernel, its address tables pointing at pinned host memory for
     some experts, gives exactly the result of reading them all from VRAM, and counts routing and misses."""
-    from strata_runtime.cuda.experts import LayerExperts, addresses, resident_experts
-    from strata_runtime.experts.host import host_empty
+    from strata_runtime.cuda.experts import resident_experts
 
     cp, kern, _ = gpu
     g = rng()
     x, nw, logits, gate_up, down, resid = _moe_inputs(g, rows, e, h, inter)
-    host_gu, host_dn = host_empty(gate_up.shape, np.float16, True), host_empty(down.shape, np.float16, True)
-    host_gu[...], host_dn[...] = gate_up, down
-    dev_gu, dev_dn = cp.asarray(gate_up), cp.asarray(down)
-    on_host = g.random(e) < 0.5  # half the experts hold no slot
-    slot_of = np.where(on_host, -1, np.arange(e)).astype(np.int32)
-    gu_addr = np.where(on_host, addresses(host_gu), addresses(dev_gu)).astype(np.uint64)
-    dn_addr = np.where(on_host, addresses(host_dn), addresses(dev_dn)).astype(np.uint64)
     counts, misses = cp.zeros(e, cp.float32), cp.zeros(1, cp.float32)
-    cached = LayerExperts(
-        cp.asarray(gu_addr),
-        cp.asarray(dn_addr),
-        lambda i: (gate_up[i], down[i]),
-        cp.asarray(slot_of),
-        counts,
-        misses,
-    )
+    cached, on_host, arrays = _half_on_host(cp, g, gate_up, down, counts, misses)
+    dev_gu, dev_dn = arrays[:2]
     outs = []
     for experts in (resident_experts(dev_gu, dev_dn, cp), cached):
         r_d, idx_d = cp.asarray(resid), cp.full((rows, k), -1, cp.int32)
@@ -399,27 +407,16 @@ def test_the_expert_tables_form_gives_the_plain_forms_bits(gpu, rows, e, k, h, i
     """`MoeForm` ``tables`` (each block reads the layer's whole address table beside the routing) writes
     the plain form's routing, hidden products and residual bit for bit, with experts in VRAM and with half
     of them in mapped host memory, and counts the same misses."""
-    from strata_runtime.cuda.experts import LayerExperts, addresses
     from strata_runtime.cuda.ops import MoeForm, moe_form
-    from strata_runtime.experts.host import host_empty
 
     cp, kern, _ = gpu
     g = rng()
     x, nw, logits, gate_up, down, resid = _moe_inputs(g, rows, e, h, inter)
-    host_gu, host_dn = host_empty(gate_up.shape, np.float16, True), host_empty(down.shape, np.float16, True)
-    host_gu[...], host_dn[...] = gate_up, down
-    dev_gu, dev_dn = cp.asarray(gate_up), cp.asarray(down)
-    on_host = g.random(e) < 0.5
-    slot_of = np.where(on_host, -1, np.arange(e)).astype(np.int32)
-    gu_addr = np.where(on_host, addresses(host_gu), addresses(dev_gu)).astype(np.uint64)
-    dn_addr = np.where(on_host, addresses(host_dn), addresses(dev_dn)).astype(np.uint64)
+    counts, misses = cp.zeros(e, cp.float32), cp.zeros(1, cp.float32)
+    experts, on_host, arrays = _half_on_host(cp, g, gate_up, down, counts, misses)  # arrays: kept alive
 
     def run(form: MoeForm) -> tuple[np.ndarray, ...]:
-        counts, misses = cp.zeros(e, cp.float32), cp.zeros(2, cp.float32)
-        experts = LayerExperts(
-            cp.asarray(gu_addr), cp.asarray(dn_addr), lambda i: (gate_up[i], down[i]),
-            cp.asarray(slot_of), counts, misses,
-        )  # fmt: skip
+        counts[...], misses[...] = 0, 0
         r_d, idx_d = cp.asarray(resid), cp.full((rows, k), -1, cp.int32)
         w_d, h_d = cp.full((rows, k), cp.nan, cp.float32), cp.full((rows * k, inter), cp.nan, cp.float32)
         with moe_form(form):
@@ -429,7 +426,7 @@ def test_the_expert_tables_form_gives_the_plain_forms_bits(gpu, rows, e, k, h, i
         return r_d.get(), idx_d.get(), w_d.get(), h_d.get(), counts.get(), misses.get()
 
     plain, tables = run(MoeForm()), run(MoeForm(tables=True))
-    assert not np.isnan(plain[3]).any()
+    assert not np.isnan(plain[3]).any() and int(plain[5][0]) == int(on_host[plain[1]].sum())
     for a, b in zip(tables, plain, strict=True):
         np.testing.assert_array_equal(a, b)
 
