@@ -253,6 +253,11 @@ def test_the_step_times_what_each_group_costs_inside_it(preset: str, monkeypatch
     text = render_step(_step_result(in_step_us_per_layer={"2": res}))
     assert "costs inside the whole step" in text
     assert "  2 rows: " + ", ".join(f"{name} {cost[name]:.1f}" for name in runs) in text
+    # with each group's bytes (as `time_kernels` gives them), the share of the copy rate (4,000 GB/s here)
+    # at which those bytes move inside the step: 6 MB in 1.5 µs is 4,000 GB/s, 100%
+    nbytes = {"2": {"qkv+rope": 6e6, "attention": 1.2e6}}
+    text = render_step(_step_result(in_step_us_per_layer={"2": res}, per_kernel_bytes_per_layer=nbytes))
+    assert "  2 rows: qkv+rope 1.5 (100%), attention 3.0 (10%), o_proj 4.5, " in text
 
 
 def test_step_memory_counts_every_weight_and_the_kv_of_eight_slots() -> None:

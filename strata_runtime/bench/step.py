@@ -655,10 +655,16 @@ def render_step(res: dict[str, Any]) -> str:
             "",
             "what each group costs inside the whole step, µs per layer: the step less the same step with",
             "the group left out, launched as the decode graphs launch it (a group that overlaps others costs",
-            "less here than alone):",
+            "less here than alone), and in brackets the share of the copy rate at which its bytes move",
+            "there:",
         ]
         for rows, groups in res["in_step_us_per_layer"].items():
-            parts = ", ".join(f"{k} {v:.1f}" for k, v in groups.items())
+            nbytes = res.get("per_kernel_bytes_per_layer", {}).get(rows, {})
+            parts = ", ".join(
+                f"{k} {v:.1f}"
+                + (f" ({nbytes[k] / v / 1e3 / copy:.0%})" if nbytes.get(k) and v > 0 < copy else "")
+                for k, v in groups.items()
+            )
             lines.append(f"  {rows} row{'s' if rows != '1' else ''}: {parts}")
     if res.get("choice_us"):
         lines += [
