@@ -1,8 +1,8 @@
 """Time the whole decode step with other kernel forms, in one process on one model: each arm's decode
-attention and its split of a row, and the q/k/v projection's form.
+attention and its split of a row, the q/k/v projection's form and the expert kernels'.
 
     python scripts/step_arms.py PROFILE [--set KEY=VALUE ...] [--positions 64,150,300] [--rows 1,2]
-        [--rounds 2] [--repeats 30] [--json] ARM [ARM ...]
+        [--rounds 2] [--repeats 30] [--in-step] [--json] ARM [ARM ...]
 
 Each ARM is NAME=SPEC, SPEC a comma-separated list of settings, each left out keeping the engine's:
 * decode attention: ``cuda_cores`` (attn_split), ``tc`` (attn_tc, each row split as the engine splits it) or
@@ -15,8 +15,9 @@ For example ``kept=tc split=cuda_cores staged=qkv:staged both=qkv:staged,moe:tab
 and row count the step graph runs with each arm in turn, ``--rounds`` rounds on the same weights and window
 (`KernelModel.time_arms`, as ``strata bench --workload step --vary model.decode_attention`` times the two
 attention kernels); the table gives each arm's median ms with its change from the first arm, and whether
-every arm chose the same argmax tokens. Needs CuPy and a GPU. docs/PERFORMANCE.md's tables of attention
-splits measure the same way.
+every arm chose the same argmax tokens; with ``--in-step``, also what each kernel group costs inside the
+step in every arm (`KernelModel.time_in_step`), so that a form's effect shows in the group it changes.
+Needs CuPy and a GPU. docs/PERFORMANCE.md's tables of attention splits measure the same way.
 """
 
 from __future__ import annotations
@@ -112,8 +113,11 @@ def sweep(
     repeats: int,
     rounds: int,
     timer: Callable[[Any, Callable[[], None], int], float] = graph_seconds,
+    in_step: bool = False,
 ) -> list[dict[str, Any]]:
-    """One result per (position, row count): each arm's ms and argmax tokens."""
+    """One result per (position, row count): each arm's ms and argmax tokens; with ``in_step``, also what
+    each kernel group costs inside the step in each arm (`KernelModel.time_in_step`, µs a layer), so that a
+    form's effect shows in the group it changes."""
     names = [a.name for a in arms]
     if len(set(names)) != len(names):
         raise ValueError(f"arm names repeat: {names}")
@@ -122,6 +126,11 @@ def sweep(
     for position in positions:
         for r in rows:
             res = model.time_arms(r, position, repeats, contexts, timer=timer, rounds=rounds)
+            if in_step:
+                res["in_step"] = {}
+                for a in arms:
+                    with a.context(model):
+                        res["in_step"][a.name] = model.time_in_step(r, position, repeats, timer, rounds)
             out.append({"position": position, **res})
     return out
 
@@ -139,6 +148,11 @@ def render(arms: Sequence[Arm], results: Sequence[Mapping[str, Any]]) -> str:
         lines.append(
             f"{res['position']:>8} {res['rows']:>4}  " + "  ".join(cells) + f"  {'yes' if same else 'NO'}"
         )
+    for res in results:
+        for name, groups in res.get("in_step", {}).items():
+            if name == first:
+                lines += ["", f"µs a layer inside the step, KV at {res['position']}, {res['rows']} row(s):"]
+            lines.append(f"  {name}: " + ", ".join(f"{g} {us:.2f}" for g, us in groups.items()))
     return "\n".join(lines)
 
 
@@ -157,6 +171,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=30, help="graph replays a timing")
     ap.add_argument("--device", type=int, default=0)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument(
+        "--in-step", action="store_true", help="also each kernel group's cost inside the step, in every arm"
+    )
     args = ap.parse_args(argv)
     try:
         arms = [Arm.parse(a) for a in args.arms]
@@ -196,7 +213,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.device,
             step_routing(plan, Device("cuda", args.device)),
         )
-        results = sweep(model, arms, args.positions, args.rows, args.repeats, args.rounds)
+        results = sweep(
+            model, arms, args.positions, args.rows, args.repeats, args.rounds, in_step=args.in_step
+        )
     if args.json:
         print(
             json.dumps(

@@ -534,6 +534,37 @@ def test_step_arms_times_each_arm_with_its_own_kernels(monkeypatch) -> None:
         script.sweep(model, arms[:2] * 2, [5], [1], repeats=1, rounds=1, timer=timer)
 
 
+def test_step_arms_in_step_times_every_group_in_each_arms_own_kernels() -> None:
+    """`scripts/step_arms.py --in-step`: after each arm's whole-step timings, what each kernel group costs
+    inside the step, timed with that arm's forms in force (a timing under another arm's form fails), and
+    listed under the table arm by arm."""
+    from strata_runtime.cuda import ops
+    from strata_runtime.cuda.layers import LAYER_STEPS
+
+    script = load_script("step_arms")
+    arms = [script.Arm.parse("a=tc"), script.Arm.parse("b=qkv:staged,moe:tables")]
+    facts = ModelFacts.from_config(preset_config("tiny"), source="synthetic:tiny", dtype="float16")
+    model = KernelModel(_numpy_as_cupy(seed=6), facts, 64, reference)
+    forms: list[tuple[ops.QkvForm, ops.MoeForm]] = []
+
+    def timer(cp: object, body, repeats: int) -> float:
+        forms.append((ops._QKV_FORM.get(), ops._MOE_FORM.get()))
+        body()
+        return 1e-3 * len(forms)
+
+    results = script.sweep(model, arms, [5], [1], repeats=2, rounds=1, timer=timer, in_step=True)
+    groups = [n for n in LAYER_STEPS if any(step_applies(n, lay) for lay in model.stack.layers)]
+    in_step = results[0]["in_step"]
+    assert list(in_step) == ["a", "b"] and all(list(g) == groups for g in in_step.values())
+    whole, per_arm = 2, 2 * len(groups)  # the whole step per arm; then each group: the step and without
+    assert len(forms) == whole + 2 * per_arm
+    assert set(forms[whole : whole + per_arm]) == {(ops.QKV_FORM, ops.MOE_FORM)}
+    assert set(forms[whole + per_arm :]) == {(ops.QkvForm(staged=True), ops.MoeForm(tables=True))}
+    table = script.render(arms, results).splitlines()
+    at = table.index("µs a layer inside the step, KV at 5, 1 row(s):")
+    assert table[at + 1].startswith("  a: qkv+rope ") and table[at + 2].startswith("  b: qkv+rope ")
+
+
 def test_step_arms_refuses_bad_input_before_it_needs_a_gpu(monkeypatch, capsys) -> None:
     """`scripts/step_arms.py` names a bad arm, a bad profile key, a q/k/v form the model's shapes cannot
     take and a position past the context before it looks for CuPy, and says in one line that it needs CuPy
