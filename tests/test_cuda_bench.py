@@ -160,3 +160,32 @@ def test_step_arms_script_times_every_arm_at_every_position(profile: str) -> Non
         assert set(r["ms"]) == {"kept", "chunk", "split"} and min(r["ms"].values()) > 0
         assert all(len(t) == r["rows"] for t in r["tokens"].values())
     assert [a["split"] for a in res["arms"]] == ["", "0/16/128/64", ""]
+
+
+def test_step_arms_gives_every_kernel_form_the_plain_forms_tokens_at_the_30b_attention_shape() -> None:
+    """``scripts/step_arms.py``'s sweep on the GPU, on two layers of the 30B preset's shapes (its q/k/v,
+    5120 x 2048 in heads of 128, takes every `QkvForm`) with 16 experts: each form of the q/k/v and expert
+    kernels is timed, in the whole step and group by group, and chooses the plain kernels' argmax tokens
+    for every row, since every form gives the same bits."""
+    cp = pytest.importorskip("cupy")
+    from script_loader import load_script
+
+    from strata_cfg.schema.facts import ModelFacts
+    from strata_cfg.schema.presets import preset_config
+    from strata_runtime.bench.step import KernelModel
+    from strata_runtime.cuda.ops import kernels_for
+
+    config = preset_config("qwen3-30b-a3b") | {"num_hidden_layers": 2, "num_experts": 16}
+    facts = ModelFacts.from_config(config, source="synthetic:qwen3-30b-a3b", dtype="float16")
+    script = load_script("step_arms")
+    arms = [
+        script.Arm.parse(a) for a in ("plain=tc", "staged=qkv:staged", "all=qkv:staged+paired,moe:tables")
+    ]
+    with cp.cuda.Device(0):
+        model = KernelModel(cp, facts, 512, kernels_for(0))
+        results = script.sweep(model, arms, [100], [1, 2], repeats=3, rounds=1, in_step=True)
+    for res in results:
+        assert set(res["ms"]) == {"plain", "staged", "all"} and min(res["ms"].values()) > 0
+        assert res["tokens"]["staged"] == res["tokens"]["all"] == res["tokens"]["plain"], res["tokens"]
+        assert set(res["in_step"]) == {"plain", "staged", "all"}
+        assert all("qkv+rope" in groups and "moe" in groups for groups in res["in_step"].values())
