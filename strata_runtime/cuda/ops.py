@@ -16,7 +16,7 @@ import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from functools import cache
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -37,6 +37,7 @@ from .compile import KernelCache, source
 if TYPE_CHECKING:
     from ..models.qwen3_moe import ModelArgs
 
+T = TypeVar("T")
 _SOURCE = source("kernels.cu")
 WARPS_PER_BLOCK = 8
 THREADS = WARPS_PER_BLOCK * 32
@@ -136,6 +137,16 @@ class AttentionSplit:
         return cls(*counts)
 
 
+@contextlib.contextmanager
+def _in_force(var: contextvars.ContextVar[T], value: T) -> Iterator[None]:
+    """``var`` set to ``value`` in this block (on this thread), and back to what it was after."""
+    token = var.set(value)
+    try:
+        yield
+    finally:
+        var.reset(token)
+
+
 ATTN_SPLIT = AttentionSplit()
 """The split the engine runs."""
 _ATTENTION_SPLIT: contextvars.ContextVar[AttentionSplit] = contextvars.ContextVar(
@@ -145,15 +156,10 @@ _ATTENTION_SPLIT: contextvars.ContextVar[AttentionSplit] = contextvars.ContextVa
 `attention_split`."""
 
 
-@contextlib.contextmanager
-def attention_split(split: AttentionSplit) -> Iterator[None]:
+def attention_split(split: AttentionSplit) -> contextlib.AbstractContextManager[None]:
     """Launch ``attn_tc`` with ``split`` in this block (on this thread). For benchmarks: a row's result
     depends on its split, so an engine keeps the default for the whole of a request."""
-    token = _ATTENTION_SPLIT.set(split)
-    try:
-        yield
-    finally:
-        _ATTENTION_SPLIT.reset(token)
+    return _in_force(_ATTENTION_SPLIT, split)
 
 
 def attention_on_tensor_cores(head_dim: int, group: int, tensor_cores: bool = True) -> bool:
@@ -388,14 +394,9 @@ _QKV_FORM: contextvars.ContextVar[QkvForm] = contextvars.ContextVar("strata_qkv_
 """The form `Kernels.qkv_rope` launches on this thread now: the default outside `qkv_form`."""
 
 
-@contextlib.contextmanager
-def qkv_form(form: QkvForm) -> Iterator[None]:
+def qkv_form(form: QkvForm) -> contextlib.AbstractContextManager[None]:
     """Launch the q/k/v projection in ``form`` in this block (on this thread). For benchmarks."""
-    token = _QKV_FORM.set(form)
-    try:
-        yield
-    finally:
-        _QKV_FORM.reset(token)
+    return _in_force(_QKV_FORM, form)
 
 
 @dataclass(frozen=True)
@@ -425,14 +426,9 @@ _MOE_FORM: contextvars.ContextVar[MoeForm] = contextvars.ContextVar("strata_moe_
 """The form `Kernels.moe` launches on this thread now: the default outside `moe_form`."""
 
 
-@contextlib.contextmanager
-def moe_form(form: MoeForm) -> Iterator[None]:
+def moe_form(form: MoeForm) -> contextlib.AbstractContextManager[None]:
     """Launch the routed experts' kernels in ``form`` in this block (on this thread). For benchmarks."""
-    token = _MOE_FORM.set(form)
-    try:
-        yield
-    finally:
-        _MOE_FORM.reset(token)
+    return _in_force(_MOE_FORM, form)
 
 
 MMA_GROUP = 2
@@ -619,15 +615,10 @@ class Kernels(KernelCache):
         self._device_id = device.id
         self._sm_shared: int | None = None
 
-    @contextlib.contextmanager
-    def programmatic(self, on: bool = True) -> Iterator[None]:
+    def programmatic(self, on: bool = True) -> contextlib.AbstractContextManager[None]:
         """Launch the kernels of `PDL_KERNELS` with PDL in this block (on this thread), where ``on`` and
         the device allow it. The decode path captures one-row windows so (`strata_runtime.cuda.decode`)."""
-        token = _PROGRAMMATIC.set(on and self.pdl)
-        try:
-            yield
-        finally:
-            _PROGRAMMATIC.reset(token)
+        return _in_force(_PROGRAMMATIC, on and self.pdl)
 
     @property
     def sm_shared(self) -> int:
