@@ -6,11 +6,11 @@ attention and its split of a row, the q/k/v projection's form and the expert ker
 
 Each ARM is NAME=SPEC, SPEC a comma-separated list of settings, each left out keeping the engine's:
 * decode attention: ``cuda_cores`` (attn_split), ``tc`` (attn_tc, each row split as the engine splits it) or
-  ``tc:ONE_RUN_CHUNKS/SHORT_SPLITS/SHORT_CHUNKS/SPLITS`` (`strata_runtime.cuda.ops.AttentionSplit`; fields
+  ``tc:ONE_RUN_CHUNKS/SHORT_SPLITS/SHORT_CHUNKS/SPLITS`` (`strata_runtime.cuda.choices.AttentionSplit`; fields
   left out keep the engine's);
 * the q/k/v projection: ``qkv:plain``, ``qkv:staged``, ``qkv:paired`` or ``qkv:staged+paired``
-  (`strata_runtime.cuda.ops.QkvForm`);
-* the routed experts' kernels: ``moe:plain`` or ``moe:tables`` (`strata_runtime.cuda.ops.MoeForm`).
+  (`strata_runtime.cuda.choices.QkvForm`);
+* the routed experts' kernels: ``moe:plain`` or ``moe:tables`` (`strata_runtime.cuda.choices.MoeForm`).
 For example ``kept=tc split=cuda_cores staged=qkv:staged both=qkv:staged,moe:tables``. At every position
 and row count the step graph runs with each arm in turn, ``--rounds`` rounds on the same weights and window
 (`KernelModel.time_arms`, as ``strata bench --workload step --vary model.decode_attention`` times the two
@@ -35,18 +35,18 @@ from strata_cfg.plan.from_profile import resolve_profile
 from strata_cfg.schema.errors import ProfileError
 from strata_runtime.backend import Device
 from strata_runtime.bench.step import KernelModel, graph_seconds, step_routing
-from strata_runtime.cuda.ops import (
+from strata_runtime.cuda.choices import (
     MOE_FORM,
     QKV_FORM,
     AttentionSplit,
-    Kernels,
     MoeForm,
     QkvForm,
-    kernels_for,
+    moe_expressions,
     moe_form,
     qkv_form,
     qkv_rope_launch,
 )
+from strata_runtime.cuda.ops import kernels_for
 
 
 @dataclass(frozen=True)
@@ -194,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ap.error(f"arm {arm.name}: {e}")
         if arm.moe is not None and f.num_experts:
             try:
-                Kernels.moe_exprs(f.hidden_size, f.moe_intermediate_size, f.num_experts_per_tok, arm.moe)
+                moe_expressions(f.hidden_size, f.moe_intermediate_size, f.num_experts_per_tok, arm.moe)
             except ValueError as e:
                 ap.error(f"arm {arm.name}: {e}")
     if max(args.positions) >= context:

@@ -249,9 +249,8 @@ class ReferenceKernels:
     """The launchers of `strata_runtime.cuda.ops.Kernels`, run by the NumPy references."""
 
     def __init__(self) -> None:
-        from strata_runtime.cuda.ops import Kernels, gemv_expression
+        from strata_runtime.cuda.choices import gemv_expression
 
-        self.moe_exprs, self.attn_exprs = Kernels.moe_exprs, Kernels.attn_exprs
         self.tensor_cores = True  # as on an H200
         self.attention_kernels: list[str] = []
         """The decode attention kernel of each launch (or capture), in order."""
@@ -273,7 +272,7 @@ class ReferenceKernels:
 
     def qkv_rope(self, w: Any, x: Any, qkv: Any, norm: Any, eps: float, *rest: Any) -> None:
         """As the launcher: the fused projection's instantiation, or the projection's where it fuses none."""
-        from strata_runtime.cuda.ops import qkv_rope_launch
+        from strata_runtime.cuda.choices import qkv_rope_launch
 
         q_out = rest[4]
         launch = qkv_rope_launch(x.shape[0], *w.shape, q_out.shape[2], self.tensor_cores)

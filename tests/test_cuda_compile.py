@@ -20,20 +20,20 @@ import pytest
 
 from strata_cfg.schema.presets import preset_config, preset_names
 from strata_runtime.cuda import grouped, routing
-from strata_runtime.cuda.compile import OPTIONS, source
-from strata_runtime.cuda.flash import HOPPER_SM_SHARED, NARROW, kernel_expr, shared_bytes, tile_shape
-from strata_runtime.cuda.layers import MIN_COMPUTE_CAPABILITY, supported
-from strata_runtime.cuda.ops import (
+from strata_runtime.cuda.choices import (
     PDL_KERNELS,
-    Kernels,
     MoeForm,
     QkvForm,
     QkvLaunch,
     decode_expressions,
+    moe_expressions,
     mtp_gemv_shapes,
     prefill_expressions,
     qkv_rope_launch,
 )
+from strata_runtime.cuda.compile import OPTIONS, source
+from strata_runtime.cuda.flash import HOPPER_SM_SHARED, NARROW, kernel_expr, shared_bytes, tile_shape
+from strata_runtime.cuda.layers import MIN_COMPUTE_CAPABILITY, supported
 from strata_runtime.models.qwen3_moe import ModelArgs
 from strata_runtime.reference.flash import HEAD_DIMS
 
@@ -214,7 +214,7 @@ def test_the_benchmark_forms_compile_and_fit_a_hopper_block() -> None:
     kernels = _check("kernels.cu", list(launches), OPTIONS)
     for expr, k in kernels.items():
         assert k.shared_bytes + launches[expr].shared_bytes <= HOPPER_BLOCK_SHARED, (expr, k)
-    tables = Kernels.moe_exprs(2048, 768, 8, MoeForm(tables=True))[:2]
+    tables = moe_expressions(2048, 768, 8, MoeForm(tables=True))[:2]
     moe = nvrtc.compile_source(source("kernels.cu"), list(tables), OPTIONS, "sm_90")
     gate_up, down = (moe[e] for e in tables)
     assert not gate_up.spill_stores and not gate_up.spill_loads, gate_up

@@ -89,7 +89,7 @@ def attention_kernel(request) -> bool:
 def _attention_workspace(cp, kern, tc: bool, rows: int, n_q: int, n_kv: int, d: int, t: int) -> tuple:
     """Decode attention's scratch, sized exactly for the kernel that runs and filled with NaN (a partial it
     reads but never wrote shows), and its counters at zero, for ``rows`` rows over a ``t``-position cache."""
-    from strata_runtime.cuda.ops import attention_counters, attention_scratch_size
+    from strata_runtime.cuda.choices import attention_counters, attention_scratch_size
 
     size = attention_scratch_size(rows, n_q, n_kv, d, t, kern.attention_on_tc(d, n_q // n_kv, tc))
     return cp.full(size, cp.nan, cp.float32), cp.zeros((rows, attention_counters(n_kv, t)), cp.int32)
@@ -142,7 +142,7 @@ def test_qk_norm_rope_kv_and_attention_match_the_reference(gpu, attention_kernel
         assert not done.get().any()
         firsts.append(out_d.get())
     np.testing.assert_array_equal(firsts[0], firsts[1])  # the merge runs chunks in order, whoever is last
-    from strata_runtime.cuda.ops import attention_on_tensor_cores
+    from strata_runtime.cuda.choices import attention_on_tensor_cores
 
     if attention_kernel and attention_on_tensor_cores(d, n_q // n_kv):  # it ran, not attn_split
         assert f"attn_tc<{d},{n_q // n_kv},0>" in kern._fns
@@ -171,7 +171,7 @@ def test_attention_merges_hundreds_of_chunks(gpu, attention_kernel):
 def test_attention_refuses_a_scratch_too_small_for_the_kernel_that_runs(gpu, attention_kernel):
     """``attn_tc`` keeps 64 partials a row and head at most, ``attn_split`` one per 64 positions of the
     context: each launch checks the scratch it was given against its own kernel's need."""
-    from strata_runtime.cuda.ops import attention_counters, attention_scratch_size
+    from strata_runtime.cuda.choices import attention_counters, attention_scratch_size
 
     cp, kern, _ = gpu
     g = rng()
@@ -212,7 +212,7 @@ def test_attention_row_is_the_same_in_every_window(gpu, attention_kernel, n_q, n
     `attn_tc` splits a row by its position alone (one run up to 3 chunks: positions 64 and 191 here; 192 is
     the first in several). A row's output must be the same bit for bit alone, in a 2-row window and in a
     5-row window, whether it is one run or its partials merge at once or in groups."""
-    from strata_runtime.cuda.ops import attention_shape
+    from strata_runtime.cuda.choices import attention_shape
 
     cp, kern, _ = gpu
     g = rng()
@@ -407,7 +407,7 @@ def test_the_expert_tables_form_gives_the_plain_forms_bits(gpu, rows, e, k, h, i
     """`MoeForm` ``tables`` (each block reads the layer's whole address table beside the routing) writes
     the plain form's routing, hidden products and residual bit for bit, with experts in VRAM and with half
     of them in mapped host memory, and counts the same misses."""
-    from strata_runtime.cuda.ops import MoeForm, moe_form
+    from strata_runtime.cuda.choices import MoeForm, moe_form
 
     cp, kern, _ = gpu
     g = rng()
@@ -477,7 +477,8 @@ def test_argmax_over_slices_matches_numpy(gpu, v):
     """A row is cut into slices searched in parallel: the maximum must win wherever it lies, an equal
     maximum in a later slice must lose to the first (ties to the lower index), and rows of -inf or with
     NaNs must give what the one-block kernel gave (the first -inf; NaNs never win)."""
-    from strata_runtime.cuda.ops import argmax_scratch, argmax_slices
+    from strata_runtime.cuda.choices import argmax_slices
+    from strata_runtime.cuda.ops import argmax_scratch
 
     cp, kern, ref = gpu
     g = rng()
@@ -516,7 +517,7 @@ def test_qkv_with_rope_fused_matches_the_projection_then_qk_norm_rope_kv(gpu, n_
     the other, and the NumPy twin's. The shapes take 2, 4 and 16 blocks per head, one, and two heads per
     block; rows share a slot at neighbouring positions, as a drafted window's do. Its counters are back at
     zero after each launch, so a second launch gives the same."""
-    from strata_runtime.cuda.ops import qkv_rope_launch
+    from strata_runtime.cuda.choices import qkv_rope_launch
 
     cp, kern, ref = gpu
     assert qkv_rope_launch(rows, (n_q + 2 * n_kv) * d, hidden, d, kern.tensor_cores) is not None
@@ -568,7 +569,7 @@ def test_every_qkv_form_writes_what_the_plain_kernel_writes_bit_for_bit(gpu, row
     128): the weights' later units staged in shared memory, each head's two blocks a cluster, and both,
     write the same qkv, q and cache bits as the plain kernel (the same sums in the same order), for rows
     that share a slot at neighbouring positions; the plain kernel's counters stay at zero."""
-    from strata_runtime.cuda.ops import QkvForm, qkv_form
+    from strata_runtime.cuda.choices import QkvForm, qkv_form
 
     cp, kern, _ = gpu
     n_q, n_kv, d, hidden = 32, 4, 128, 2048
@@ -623,7 +624,7 @@ def test_gemv_rows_are_batch_invariant(gpu, n, k):
     """A row's result must not depend on which rows share its window (greedy text equality across modes):
     for the kernel `Kernels.gemv` takes for the shape, for two block shapes of the tensor-core kernel, and
     for the CUDA-core kernel with each number of output features a warp takes (`gemv_rows_per_warp`), and for
-    a short output's split reduction with each number of features a block takes (`ops.SPLIT_FEATURES`)."""
+    a short output's split reduction with each number of features a block takes (`SPLIT_FEATURES`)."""
     cp, kern, _ = gpu
     g = rng()
     w = cp.asarray(half(g.standard_normal((n, k)) * 0.05))
@@ -787,7 +788,7 @@ def test_route_topk_counts_each_assignment_by_the_tier_that_serves_it(gpu):
 )
 def test_softmax_causal_matches_twin(gpu, heads, n, pos, group):
     cp, kern, ref = gpu
-    from strata_runtime.cuda.ops import padded_keys
+    from strata_runtime.cuda.choices import padded_keys
 
     g = rng()
     rows, length = n * group, pos + n
@@ -919,7 +920,7 @@ def test_choose_gathering_keeps_the_token(gpu, v):
     ties at the k-th logit and at the top-p cut, a u of 0 and just under 1, top-k that leaves more than the
     gather holds, and logits flat (top-p keeps thousands) and peaked (top-p keeps a few). The split form
     (the passes before the gather over slices of the row in parallel) draws the same token as one block."""
-    from strata_runtime.cuda.ops import CHOOSE_GATHER
+    from strata_runtime.cuda.choices import CHOOSE_GATHER
 
     cp, kern, _ = gpu
     g = rng()
@@ -955,7 +956,7 @@ def test_split_choice_gathers_where_a_cut_fits(gpu):
     peaked rows under top-k 20, or top-p 0.8 alone, gather at least the tokens that stay and no more than
     fit; a row with temperature alone, or a top-k beyond the gather's room, gathers nothing (the merge
     then reads the whole row). Its max and argmax are the row's."""
-    from strata_runtime.cuda.ops import CHOOSE_GATHER, CHOOSE_PREP_BYTES
+    from strata_runtime.cuda.choices import CHOOSE_GATHER, CHOOSE_PREP_BYTES
 
     cp, kern, ref = gpu
     g = rng()

@@ -437,7 +437,7 @@ def test_step_arms_times_each_arm_with_its_own_kernels(monkeypatch) -> None:
     arm's split of a row, and the q/k/v projection in that arm's form (the engine's where the arm names
     none), and the engine's choices hold again after; arms are parsed with clear errors, and the table gives
     each arm's change from the first."""
-    from strata_runtime.cuda import ops
+    from strata_runtime.cuda import choices
 
     script = load_script("step_arms")
     arms = [
@@ -447,14 +447,16 @@ def test_step_arms_times_each_arm_with_its_own_kernels(monkeypatch) -> None:
         script.Arm.parse("d=cuda_cores"),
         script.Arm.parse("e=qkv:paired,moe:tables"),
     ]
-    assert arms[0].split == ops.AttentionSplit(
-        0, ops.ATTN_SHORT_SPLITS, ops.ATTN_SHORT_CHUNKS, ops.ATTN_SPLITS
+    assert arms[0].split == choices.AttentionSplit(
+        0, choices.ATTN_SHORT_SPLITS, choices.ATTN_SHORT_CHUNKS, choices.ATTN_SPLITS
     )
-    assert arms[2].split == ops.AttentionSplit(128, 1) and arms[1].split is None and not arms[3].tensor_cores
-    assert arms[2].qkv == ops.QkvForm(staged=True, paired=True) and arms[1].qkv is None
-    assert arms[4] == script.Arm("e", True, None, ops.QkvForm(paired=True), ops.MoeForm(tables=True))
+    assert (
+        arms[2].split == choices.AttentionSplit(128, 1) and arms[1].split is None and not arms[3].tensor_cores
+    )
+    assert arms[2].qkv == choices.QkvForm(staged=True, paired=True) and arms[1].qkv is None
+    assert arms[4] == script.Arm("e", True, None, choices.QkvForm(paired=True), choices.MoeForm(tables=True))
     assert arms[2].describe() == (
-        f"tensor cores, split 128/1/{ops.ATTN_SHORT_CHUNKS}/{ops.ATTN_SPLITS}, q/k/v staged+paired, "
+        f"tensor cores, split 128/1/{choices.ATTN_SHORT_CHUNKS}/{choices.ATTN_SPLITS}, q/k/v staged+paired, "
         "experts plain"
     )
     for bad, why in [
@@ -478,20 +480,20 @@ def test_step_arms_times_each_arm_with_its_own_kernels(monkeypatch) -> None:
     model = KernelModel(_numpy_as_cupy(seed=6), facts, 64, reference, attention_tc=False)
     launched: list[tuple[object, ...]] = []
     real, real_qkv = reference.attention, reference.qkv_rope
-    qkv_forms: list[ops.QkvForm] = []
+    qkv_forms: list[choices.QkvForm] = []
     real_moe = reference.moe
     monkeypatch.setattr(
-        reference, "moe", lambda *a: launched.append(("moe", ops._MOE_FORM.get())) or real_moe(*a)
+        reference, "moe", lambda *a: launched.append(("moe", choices.moe_form_in_force())) or real_moe(*a)
     )
     monkeypatch.setattr(
         reference,
         "attention",
         lambda *a, tensor_cores=True: (
-            launched.append((tensor_cores, ops._ATTENTION_SPLIT.get(), qkv_forms[-1])) or real(*a)
+            launched.append((tensor_cores, choices.attention_split_in_force(), qkv_forms[-1])) or real(*a)
         ),
     )
     monkeypatch.setattr(
-        reference, "qkv_rope", lambda *a: qkv_forms.append(ops._QKV_FORM.get()) or real_qkv(*a)
+        reference, "qkv_rope", lambda *a: qkv_forms.append(choices.qkv_form_in_force()) or real_qkv(*a)
     )
     seen: list[set[tuple[object, ...]]] = []
 
@@ -503,13 +505,16 @@ def test_step_arms_times_each_arm_with_its_own_kernels(monkeypatch) -> None:
 
     results = script.sweep(model, arms, [5, 9], [1, 2], repeats=3, rounds=2, timer=timer)
     want = [
-        {(a.tensor_cores, a.split or ops.ATTN_SPLIT, a.qkv or ops.QKV_FORM), ("moe", a.moe or ops.MOE_FORM)}
+        {
+            (a.tensor_cores, a.split or choices.ATTN_SPLIT, a.qkv or choices.QKV_FORM),
+            ("moe", a.moe or choices.MOE_FORM),
+        }
         for a in arms
     ]
     assert seen == want * 2 * 4  # 2 rounds at each of 2 positions x 2 row counts
     assert [(r["position"], r["rows"]) for r in results] == [(5, 1), (5, 2), (9, 1), (9, 2)]
-    assert ops._ATTENTION_SPLIT.get() is ops.ATTN_SPLIT and not model.stack.attention_tc
-    assert ops._QKV_FORM.get() is ops.QKV_FORM and ops._MOE_FORM.get() is ops.MOE_FORM
+    assert choices.attention_split_in_force() is choices.ATTN_SPLIT and not model.stack.attention_tc
+    assert choices.qkv_form_in_force() is choices.QKV_FORM and choices.moe_form_in_force() is choices.MOE_FORM
     assert results[0]["ms"] == pytest.approx({"a": 2.0, "b": 3.0, "c": 4.0, "d": 5.0, "e": 1.0})
     table = script.render(arms, results).splitlines()
     assert table[0].startswith(
@@ -538,17 +543,17 @@ def test_step_arms_in_step_times_every_group_in_each_arms_own_kernels() -> None:
     """`scripts/step_arms.py --in-step`: after each arm's whole-step timings, what each kernel group costs
     inside the step, timed with that arm's forms in force (a timing under another arm's form fails), and
     listed under the table arm by arm."""
-    from strata_runtime.cuda import ops
+    from strata_runtime.cuda import choices
     from strata_runtime.cuda.layers import LAYER_STEPS
 
     script = load_script("step_arms")
     arms = [script.Arm.parse("a=tc"), script.Arm.parse("b=qkv:staged,moe:tables")]
     facts = ModelFacts.from_config(preset_config("tiny"), source="synthetic:tiny", dtype="float16")
     model = KernelModel(_numpy_as_cupy(seed=6), facts, 64, reference)
-    forms: list[tuple[ops.QkvForm, ops.MoeForm]] = []
+    forms: list[tuple[choices.QkvForm, choices.MoeForm]] = []
 
     def timer(cp: object, body, repeats: int) -> float:
-        forms.append((ops._QKV_FORM.get(), ops._MOE_FORM.get()))
+        forms.append((choices.qkv_form_in_force(), choices.moe_form_in_force()))
         body()
         return 1e-3 * len(forms)
 
@@ -558,8 +563,8 @@ def test_step_arms_in_step_times_every_group_in_each_arms_own_kernels() -> None:
     assert list(in_step) == ["a", "b"] and all(list(g) == groups for g in in_step.values())
     whole, per_arm = 2, 2 * len(groups)  # the whole step per arm; then each group: the step and without
     assert len(forms) == whole + 2 * per_arm
-    assert set(forms[whole : whole + per_arm]) == {(ops.QKV_FORM, ops.MOE_FORM)}
-    assert set(forms[whole + per_arm :]) == {(ops.QkvForm(staged=True), ops.MoeForm(tables=True))}
+    assert set(forms[whole : whole + per_arm]) == {(choices.QKV_FORM, choices.MOE_FORM)}
+    assert set(forms[whole + per_arm :]) == {(choices.QkvForm(staged=True), choices.MoeForm(tables=True))}
     table = script.render(arms, results).splitlines()
     at = table.index("µs a layer inside the step, KV at 5, 1 row(s):")
     assert table[at + 1].startswith("  a: qkv+rope ") and table[at + 2].startswith("  b: qkv+rope ")

@@ -14,7 +14,7 @@ import re
 import numpy as np
 import pytest
 
-from strata_runtime.cuda.ops import gemv_expression, gemv_launch
+from strata_runtime.cuda.choices import gemv_expression, gemv_launch
 
 SHAPES = [
     (5120, 2048, True),  # q/k/v
@@ -109,7 +109,7 @@ def test_attention_sums_in_one_order_at_every_row_count(d: int, g: int) -> None:
     take) may not; its static shared memory (q, scores, the warps' sums) must fit in 48 KiB; 256 threads
     need four 16-byte pieces of a head per position; and the decode graphs compile every shape a window
     of 1-8 rows launches."""
-    from strata_runtime.cuda.ops import ATTN_CHUNK, Kernels, attention_fits, attention_shape
+    from strata_runtime.cuda.choices import ATTN_CHUNK, attention_expressions, attention_fits, attention_shape
 
     if not attention_fits(d, g):  # the CUDA path refuses the model (`layers.supported`)
         assert 4 * (4 * g * d + g * d + g * ATTN_CHUNK) > 48 * 1024
@@ -121,11 +121,11 @@ def test_attention_sums_in_one_order_at_every_row_count(d: int, g: int) -> None:
         assert 4 * (w * g * d + g * d + g * ATTN_CHUNK) + 4 <= 48 * 1024, (b, w)
         assert b == 128 or d >= 32
     split = {f"attn_split<{d},{g},{b},{w}>" for b, w in shapes}
-    assert split == set(Kernels.attn_exprs(d, g, tensor_cores=False))
+    assert split == set(attention_expressions(d, g, tensor_cores=False))
     if d in (16, 32, 64, 128) and g <= 16:  # `attn_tc` takes the shape: one kernel, compiled twice
-        assert Kernels.attn_exprs(d, g) == (f"attn_tc<{d},{g},1>", f"attn_tc<{d},{g},0>")
+        assert attention_expressions(d, g) == (f"attn_tc<{d},{g},1>", f"attn_tc<{d},{g},0>")
     else:
-        assert set(Kernels.attn_exprs(d, g)) == split
+        assert set(attention_expressions(d, g)) == split
 
 
 def test_the_cuda_path_refuses_attention_whose_block_would_not_fit_in_shared_memory() -> None:
@@ -156,7 +156,7 @@ def test_the_q_k_v_projection_fuses_rope_exactly_where_it_runs_on_tensor_cores(
     otherwise unchanged (so it sums as `Kernels.gemv` does, at any row count), with blocks that hold whole
     heads or parts of one; without tensor cores the projection and ``qk_norm_rope_kv`` run apart. The
     decode graphs compile the fused kernel at every row count."""
-    from strata_runtime.cuda.ops import decode_expressions, qkv_rope_launch
+    from strata_runtime.cuda.choices import decode_expressions, qkv_rope_launch
     from strata_runtime.models.qwen3_moe import ModelArgs
 
     n = (n_q + 2 * n_kv) * d
@@ -188,7 +188,7 @@ def test_a_short_output_over_a_reduction_of_whole_4096s_takes_a_warp_per_unit(n,
     block has 32 warps, so that every warp sums whole 128-wide units evenly (the 30B preset's output
     projection ran fastest so inside the whole step), and 16 otherwise. The tiles decide the order of a row's
     sums, so the shape must not change with the rows either."""
-    from strata_runtime.cuda.ops import gemv_mma_shape
+    from strata_runtime.cuda.choices import gemv_mma_shape
 
     assert gemv_mma_shape(n, k) == (1, warps)
     exprs = {gemv_launch(rows, n, k, False, True) for rows in range(1, 9)}
@@ -204,7 +204,11 @@ def test_attention_on_tensor_cores_leaves_few_row_windows_two_blocks_an_sm(
 ) -> None:
     """Windows of 1-2 rows prefer a carveout with room for two ``attn_tc`` blocks an SM, not three (which
     leaves the kernels around attention a small L1); the percentage is of the SM's own shared memory."""
-    from strata_runtime.cuda.ops import ATTENTION_FEW_BLOCKS, attention_tc_carveout, attention_tc_shared_bytes
+    from strata_runtime.cuda.choices import (
+        ATTENTION_FEW_BLOCKS,
+        attention_tc_carveout,
+        attention_tc_shared_bytes,
+    )
 
     block = attention_tc_shared_bytes(d, g) + 1024
     pct = attention_tc_carveout(attention_tc_shared_bytes(d, g), sm_shared)
@@ -229,7 +233,7 @@ def test_attention_on_tensor_cores_keeps_at_most_64_partials_at_any_context(
     at most `ATTN_SPLITS` = 64 on tensor cores, whose runs never outnumber them (`ATTN_SHORT_SPLITS`); the
     plan counts the same floats as the runtime allocates."""
     from strata_cfg.schema.windows import decode_attention_partials, decode_attention_scratch_floats
-    from strata_runtime.cuda.ops import ATTN_SHORT_SPLITS, ATTN_SPLITS, attention_scratch_size
+    from strata_runtime.cuda.choices import ATTN_SHORT_SPLITS, ATTN_SPLITS, attention_scratch_size
 
     assert ATTN_SHORT_SPLITS <= ATTN_SPLITS == 64
     assert decode_attention_partials(context) == cuda_cores
@@ -249,7 +253,8 @@ def test_attn_tc_launches_with_the_split_in_force_in_the_kernels_argument_order(
     short_splits, short_chunks, one_run_chunks), with a grid of at most ``splits`` runs a row and head."""
     from types import SimpleNamespace
 
-    from strata_runtime.cuda.ops import ATTN_SPLIT, AttentionSplit, Kernels, attention_split
+    from strata_runtime.cuda.choices import ATTN_SPLIT, AttentionSplit, attention_split
+    from strata_runtime.cuda.ops import Kernels
 
     launches: list[tuple[str, tuple, tuple]] = []
     stub = SimpleNamespace(
@@ -291,7 +296,7 @@ def test_each_qkv_form_launches_its_kernel_and_shared_memory_where_the_shapes_ta
     the registers' round (2) and takes 128 KiB of dynamic shared memory (2 units x 4 tiles x 2 bands x 16
     warps x 32 lanes x 16 bytes), ``paired`` takes ``gemv_mma_pair``; blocks and threads are the plain
     kernel's at every row count. A form is refused where the shapes or the device cannot take it."""
-    from strata_runtime.cuda.ops import QKV_FORM, QkvForm, qkv_rope_launch
+    from strata_runtime.cuda.choices import QKV_FORM, QkvForm, qkv_rope_launch
 
     n, k, d = 5120, 2048, 128
     for rows in (1, 4, 8):
@@ -324,7 +329,8 @@ def test_qkv_rope_launches_the_form_in_force_with_its_shared_memory() -> None:
     inside it, with the form's dynamic shared memory allowed and passed to the launch."""
     from types import SimpleNamespace
 
-    from strata_runtime.cuda.ops import Kernels, QkvForm, qkv_form
+    from strata_runtime.cuda.choices import QkvForm, qkv_form
+    from strata_runtime.cuda.ops import Kernels
 
     launches: list[tuple[str, tuple, int]] = []
     allowed: list[tuple[str, int]] = []
@@ -362,24 +368,24 @@ def test_the_expert_tables_form_names_its_kernels_and_passes_the_expert_count() 
     only."""
     from types import SimpleNamespace
 
+    from strata_runtime.cuda.choices import MOE_FORM, MoeForm, moe_expressions, moe_form
     from strata_runtime.cuda.experts import resident_experts
-    from strata_runtime.cuda.ops import MOE_FORM, Kernels, MoeForm, moe_form
+    from strata_runtime.cuda.ops import Kernels
 
-    assert Kernels.moe_exprs(2048, 768, 8, MoeForm(tables=True)) == (
+    assert moe_expressions(2048, 768, 8, MoeForm(tables=True)) == (
         "moe_gate_up<2048,768,true>",
         "moe_down<2048,768,8,true>",
         "route_topk",
     )
-    assert Kernels.moe_exprs(2048, 768, 8) == ("moe_gate_up<2048,768>", "moe_down<2048,768,8>", "route_topk")
+    assert moe_expressions(2048, 768, 8) == ("moe_gate_up<2048,768>", "moe_down<2048,768,8>", "route_topk")
     with pytest.raises(ValueError, match="take the narrow kernels, plain only"):
-        Kernels.moe_exprs(96, 48, 4, MoeForm(tables=True))
+        moe_expressions(96, 48, 4, MoeForm(tables=True))
     assert MoeForm.parse("tables") == MoeForm(True) and str(MoeForm()) == "plain" == str(MOE_FORM)
     with pytest.raises(ValueError, match="expected plain or tables"):
         MoeForm.parse("table")
 
     launches: list[tuple[str, tuple]] = []
     stub = SimpleNamespace(
-        moe_exprs=Kernels.moe_exprs,
         route_topk=lambda *a: launches.append(("route_topk", a)),
         fn=lambda expr: lambda grid, block, args: launches.append((expr, args)),
     )

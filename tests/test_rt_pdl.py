@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from strata_runtime.cuda import pdl
-from strata_runtime.cuda.ops import PDL_KERNELS
+from strata_runtime.cuda.choices import PDL_KERNELS
 
 KERNELS = (Path(pdl.__file__).with_name("kernels.cu")).read_text()
 

@@ -241,7 +241,7 @@ def test_every_decode_window_holds_what_the_plan_counts(live_gpu, context, kerne
     `decode_window_bytes` for each set: each size's own buffers, and one attention
     scratch of 8 rows that the sizes of a set share, which grows with the context on CUDA cores and stops
     at 64 partials a row and head (4,096 positions) on tensor cores."""
-    from strata_runtime.cuda.ops import attention_scratch_size
+    from strata_runtime.cuda.choices import attention_scratch_size
     from strata_runtime.engine import Engine
 
     plan = _plan(True, context, kernel)

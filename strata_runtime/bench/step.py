@@ -36,6 +36,7 @@ from strata_cfg.schema.facts import ModelFacts
 from strata_cfg.schema.plan import LaunchPlan
 
 from ..backend import Device
+from ..cuda.choices import PDL_ROWS, AttentionSplit, attention_split
 from ..cuda.experts import resident_experts
 from ..cuda.layers import (
     LAYER_STEPS,
@@ -46,7 +47,7 @@ from ..cuda.layers import (
     step_applies,
     supported,
 )
-from ..cuda.ops import PDL_ROWS, AttentionSplit, Kernels, argmax_scratch, attention_split, choose_scratch
+from ..cuda.ops import Kernels, argmax_scratch, choose_scratch
 from ..cuda.routing import DeviceRouting, RowBias
 from ..model.placed import routing_tables
 from ..models.qwen3_moe import ModelArgs

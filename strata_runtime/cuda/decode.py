@@ -25,9 +25,9 @@ from strata_cfg.schema.windows import MAX_WINDOW_ROWS
 
 from ..backend import device_lock
 from ..layout import Layout
+from .choices import PDL_ROWS, attention_scratch_size, decode_expressions
 from .compile import record_graph_build
 from .layers import LayerStack, WindowBuffers
-from .ops import PDL_ROWS, attention_scratch_size, decode_expressions
 
 
 class CudaLayers:

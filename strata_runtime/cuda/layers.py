@@ -25,17 +25,16 @@ import numpy as np
 from ..backend import Array, cupy_module, upload_into
 from ..layout import Layout
 from ..models.qwen3_moe import MLP, DecoderLayer, ModelArgs, SparseMoeBlock
-from .experts import ExpertSlice, LayerExperts, resident_experts
-from .ops import (
+from .choices import (
     ATTENTION_HEAD_DIMS,
     STATIC_SHARED,
-    Kernels,
     attention_counters,
     attention_fits,
     attention_scratch_size,
     attention_shared_bytes,
-    kernels_for,
 )
+from .experts import ExpertSlice, LayerExperts, resident_experts
+from .ops import Kernels, kernels_for
 from .routing import DeviceRouting, RowBias
 
 MIN_COMPUTE_CAPABILITY = 80

@@ -14,11 +14,11 @@ from ..backend import Array
 from ..layout import Layout
 from ..models.qwen3_moe import DecoderLayer, ModelArgs
 from .blas import matmul_nt
+from .choices import mtp_gemv_shapes
 from .decode import CudaLayers
 from .experts import ExpertSlice
 from .head import CudaHead
 from .layers import LayerStack, WindowBuffers
-from .ops import mtp_gemv_shapes
 from .prefill import CudaPrefill
 
 

@@ -41,12 +41,12 @@ from ..layout import Layout, Segment
 from ..reference.flash import HEAD_DIMS
 from ..reference.grouped import max_tiles, supported
 from .blas import capturing, matmul_nn, matmul_nt
+from .choices import padded_keys, prefill_expressions
 from .compile import record_graph_build
 from .experts import ExpertSlice
 from .flash import flash_kernels_for, flash_prefill, kernel_expr, sm_shared_bytes
 from .grouped import grouped_kernels_for
 from .layers import LayerStack, LayerWeights
-from .ops import padded_keys, prefill_expressions
 
 Rows = tuple[cp.ndarray, cp.ndarray]
 """A chunk's rows as the routing bias reads them: each row's position and slot [n] int32."""

@@ -174,7 +174,7 @@ class Stage:
             self._build_cuda()
 
     def _build_cuda(self) -> None:
-        from ..cuda import decode, experts, head, layers, ops, prefill
+        from ..cuda import choices, decode, experts, head, layers, prefill
         from ..cuda.routing import DeviceRouting
 
         dtype = self.layers[0].input_layernorm.dtype if self.layers else self.kv.k.dtype
@@ -204,7 +204,7 @@ class Stage:
             self.attention_tc,
         )
         lm_head = self.lm_head if self.last else None
-        gemv = ops.head_gemv_shapes(*lm_head.shape) if lm_head is not None else ()
+        gemv = choices.head_gemv_shapes(*lm_head.shape) if lm_head is not None else ()
         self.cuda = decode.CudaLayers(stack, gemv)
         self.cuda_prefill = prefill.CudaPrefill(
             stack, experts=main, split_q=self.prefill_split_q, graph_rows=self.prefill_graph_rows
