@@ -51,16 +51,15 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from strata_cfg.schema.plan import MIB, LaunchPlan
+from strata_cfg.schema.plan import LaunchPlan
 from strata_cfg.schema.windows import (
     BATCH_MTP_SLOTS_PER_WINDOW,
     batch_mtp_window,
     plain_windows,
     solo_window,
-    warm_prompt_lengths,
 )
 
-from ..api import PlanMismatch, Request, RequestHandle, SamplingParams, TokenEvent
+from ..api import PlanMismatch, Request, RequestHandle, TokenEvent
 from ..experts.cache import Snapshot
 from ..model import Model
 from ..model.placed import WeightStore
@@ -71,18 +70,14 @@ from .executor import Executor
 from .flight import Chained, Flight, Mark
 from .job import CHAINED, Entry, Job
 from .refusals import refusals
+from .report import engine_stats, startup_lines
 from .sampling import Sampler
 from .slot import Slot
-from .speculative import DRAFT_PROBE_EVERY, SILENT_PROBE_EVERY, DraftGauge, Proposals, drafting_pays
+from .speculative import DraftGauge, Proposals, drafting_pays
 from .stats import WindowStat, WindowStats
+from .warm import WARM_LABEL, run_staggered, warm_requests
 
 log = logging.getLogger("strata_runtime")
-
-WARM_PROMPT = 32
-"""Tokens of the prompt `Engine.warm_up` reads first."""
-WARM_TOKENS = 24
-"""Tokens the last of `Engine.warm_up`'s decoding requests generates (each earlier one two more per request
-after it, so that all end together): enough for a request alone to try each solo depth."""
 
 
 def request_kind(sampler: Sampler) -> str:
@@ -142,7 +137,8 @@ class Engine:
         self._lock = threading.Lock()
         self._admitted = 0
         self._rotation: dict[int, int] = {}
-        self._all_experts_resident = all(g.all_experts_resident for g in plan.gpus if g.role == "stage")
+        self.all_experts_resident = all(g.all_experts_resident for g in plan.gpus if g.role == "stage")
+        """Whether every stage holds all its routed experts in VRAM (no expert cache)."""
         self._plain_turn: dict[int, int] = {}
         self._prefill_turn: dict[int, bool] = {}
         self._flights: deque[Flight] = deque()
@@ -161,7 +157,7 @@ class Engine:
         self.warmed: dict[str, Any] | None = None
         """What `warm_up` ran (windows, seconds); None when it did not run."""
         device_spec.prepare(self.model, self._spec_shapes())
-        self.startup = self._startup_lines()
+        self.startup = startup_lines(self)
         for line in self.startup:
             log.info(line)
 
@@ -204,17 +200,10 @@ class Engine:
         head's), work that would otherwise fall on the first requests' windows. Returns the windows run (0
         on CPU devices, where nothing is captured).
 
-        One prompt alone (two prefill chunks, cut to a quarter of the context, where a chunk and that prompt
-        are each more than ``memory.prompt_graph_rows`` rows and every expert is in VRAM, so that the
-        prefill path runs once before a long prompt needs it, as the bench's warm-up does; else
-        `WARM_PROMPT` tokens); then one prompt of each size of prefill graph the stages replay, largest
-        first, each captured then (`strata_cfg.schema.windows.warm_prompt_lengths`; none under an expert
-        cache); and where the prefill path also reads short prompts (fewer than `PROMPT_GRAPH_MAX` rows),
-        one of that many rows, whose products at a few dozen rows load other kernels than a long chunk's;
-        then a request in every slot, each joining two tokens after the
-        one before it, greedy, sampled and penalised in turn: so windows of one slot alone (at each solo
-        depth), and of every number of slots together, serial and batch-MTP (and every pipelined group), run
-        at least twice. Then every window shape of 1 to 8 rows that this mix did not capture is captured
+        The requests (`strata_runtime.engine.warm.warm_requests`) run staggered, each joining two tokens
+        after the one before it: so windows of one slot alone (at each solo depth), and of every number of
+        slots together, serial and batch-MTP (and every pipelined group), run at least twice. Then every
+        window shape of 1 to 8 rows that this mix did not capture is captured
         (`strata_runtime.model.placed.Model.capture_window_graphs`): a short prompt's last window and a
         request's last take any row count. The requests are then forgotten (`forget_requests`): the window
         statistics and what the proposals did start afresh; the window times measured by the windows that
@@ -223,64 +212,14 @@ class Engine:
         if not any(stage.device.is_cuda for stage in self.model.stages):
             return 0
         t0 = time.perf_counter()
-        vocab, context = self.model.args.vocab_size, self.plan.memory.context
-        chunk = self.plan.memory.prefill_chunk
-        length = min(2 * chunk, context // 4)
-        # A short prompt where its chunks would take the graph windows anyway, or where experts stay off
-        # VRAM: a long one would read most of them over the host link and teach the cache random routing.
         cached = any(stage.experts.cached for stage in self.model.stages)
-        if cached or min(chunk, length) <= self.plan.memory.prompt_graph_rows:
-            length = min(WARM_PROMPT, max(1, context // 4))
-        prompt = tuple(1 + (7 * i + 3) % (vocab - 1) for i in range(length))
-        mem = self.plan.memory
-        lengths = (
-            [] if cached else warm_prompt_lengths(mem.prefill_graph_rows, mem.prompt_graph_rows, context)
-        )
-        prompts = [prompt]
-        prompts += [tuple(1 + (5 * i + 2 + k) % (vocab - 1) for i in range(n)) for k, n in enumerate(lengths)]
-        kinds = [
-            SamplingParams(),
-            SamplingParams(temperature=0.7, top_k=20, seed=1),
-            SamplingParams(presence_penalty=0.5),
-        ]
-        requests = [Request(p, 1) for p in prompts]
-        for i in range(self.n_slots):
-            ids = tuple(1 + (11 * (i + 1) + j) % (vocab - 1) for j in range(4))
-            length = WARM_TOKENS + 2 * (self.n_slots - 1 - i)  # every request decodes to about the same end
-            length = max(1, min(length, context - len(ids) - 1))
-            requests.append(Request(ids, length, kinds[i % len(kinds)], ignore_eos=True))
-        label = "warming up: the decode windows' graphs"
         windows = int(self.window_stats.counts["windows"])
-        handles: list[RequestHandle] = []
-        tokens: list[int] = []
-        done: list[bool] = []
-
-        def read_events() -> None:
-            for i, handle in enumerate(handles):
-                while not handle.events.empty():
-                    event = handle.events.get_nowait()
-                    tokens[i] += len(event.token_ids)
-                    done[i] = done[i] or event.finished is not None
-
-        for k, request in enumerate(requests):
-            handles.append(self.submit(request))
-            tokens.append(0)
-            done.append(False)
-            # the prompt alone to its end; each later request until it has two tokens, when the next joins
-            while not (done[-1] or (k > 0 and tokens[-1] >= 2)) and self.step():
-                read_events()
-            if report is not None:
-                report(label, k / len(requests))
-        while self.step():
-            read_events()
-        read_events()
-        if not all(done):
-            raise RuntimeError("the warm-up requests did not finish")
+        run_staggered(self, warm_requests(self.plan, self.model.args.vocab_size, cached), report)
         ran = int(self.window_stats.counts["windows"]) - windows
         ran += self.model.capture_window_graphs()  # shapes the mix did not run twice; every slot is free
         self.forget_requests()
         if report is not None:
-            report(label, 1.0)
+            report(WARM_LABEL, 1.0)
         seconds = time.perf_counter() - t0
         self.warmed = {"windows": ran, "seconds": round(seconds, 3)}
         log.info("warmed up: %d windows in %.1f s", ran, seconds)
@@ -316,43 +255,17 @@ class Engine:
         }
 
     def stats(self) -> dict[str, Any]:
-        return {
-            "plan": {
-                "mode": self.plan.batch.mode,
-                "slots": self.n_slots,
-                "groups": self.plan.batch.groups,
-                "batch_mtp": self.plan.batch.mtp,
-                "draft_tokens": self.plan.spec.draft_tokens,
-                "stages": [s.device for s in self.plan.stages],
-            },
-            "queue": len(self._queue),
-            "in_flight": len(self._flights) + len(self._chain),
-            "slots": [self._slot_state(i, s) for i, s in enumerate(self.slots)],
-            "totals": self.totals,  # a fresh copy
-            "solo_window_ms": (
-                {
-                    kind: {str(r): round(ms, 3) for r, ms in sorted(costs.ms.items())}
-                    for kind, (costs, _) in sorted(self.depth_state.items())
-                }
-                if self.adaptive
-                else None
-            ),
-            "batch_window_ms": (
-                {
-                    kind: {str(r): round(ms, 3) for r, ms in sorted(costs.ms.items())}
-                    for kind, costs in sorted(self.batch_costs.items())
-                    if costs.ms
-                }
-                if self.adaptive_batch
-                else None
-            ),
-            "acceptance": self.acceptance,
-            "recent_windows": self.window_stats.last(32),
-            "drafters": self.drafter_info(),
-            "experts": [stage.experts.describe() for stage in self.model.stages],
-            "compiled_at_launch": self.model.compiled_at_launch(),
-            "warm_up": self.warmed,
-        }
+        return engine_stats(self)
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a slot."""
+        return len(self._queue)
+
+    @property
+    def in_flight(self) -> int:
+        """Windows launched and not yet finished."""
+        return len(self._flights) + len(self._chain)
 
     # ---- the expert caches, between benchmark runs ----------------------------------------------------
 
@@ -398,150 +311,6 @@ class Engine:
 
     def summary(self) -> str:
         return self.window_stats.summary()
-
-    def drafter_info(self) -> dict[str, Any]:
-        d = self.model.drafters
-        if not d:
-            return {"device": None, "slots": [], "bytes_each": 0}
-        first = next(iter(d.values()))
-        return {
-            "device": str(first.device),
-            "slots": sorted(d),
-            "bytes_each": first.nbytes,
-            "kv_bytes_each": first.kv.nbytes,
-        }
-
-    def _depth_text(self) -> str:
-        if not self.adaptive:
-            return f"{self.depth} proposal(s)"
-        return (
-            f"up to {self.depth} proposal(s), as many as give the most tokens per second by each request's "
-            "acceptance and the measured window times (spec.adaptive_depth)"
-        )
-
-    def _pause_text(self) -> str:
-        floor, adaptive = self.plan.spec.draft_floor, self.adaptive
-        probe = (
-            f"with one probe after {DRAFT_PROBE_EVERY} windows (a plain greedy request alone: a silent "
-            f"probe every {SILENT_PROBE_EVERY}, its head's proposal checked against the next token)"
-        )
-        if floor > 0:
-            also = ", or while windows without them give more tokens per second" if adaptive else ""
-            return (
-                f"drafting pauses for a request while under {floor:.0%} of its proposals hold{also}, "
-                f"{probe} (spec.draft_floor)"
-            )
-        if adaptive:
-            return (
-                "drafting pauses for a request only while windows without proposals give more tokens per "
-                f"second, {probe} (spec.draft_floor = 0)"
-            )
-        return "drafting never pauses (spec.draft_floor = 0)"
-
-    def _startup_lines(self) -> list[str]:
-        p = self.plan
-        stages = ", ".join(f"{s.device} layers [{s.layers[0]}, {s.layers[1]})" for s in p.stages)
-        lines = [
-            f"stages: {stages}",
-            f"slots: {self.n_slots}, mode {p.batch.mode}, {p.batch.groups} group(s), batch MTP "
-            f"{'on' if p.batch.mtp else 'off'}, solo drafting {self._depth_text()}",
-            (
-                f"decode windows whose tokens the GPU chooses: up to {self.run_ahead} in flight, each "
-                "reading the tokens the one before chose (batch.run_ahead)"
-                if self.run_ahead > 1
-                else "decode windows: one at a time (batch.run_ahead = 1)"
-            ),
-        ]
-        if p.batch.mtp:
-            per = p.batch.slots_per_window
-            beyond = (
-                "serial windows (every expert is resident)"
-                if self._all_experts_resident
-                else "rotating batch-MTP windows (experts stream from host memory)"
-            )
-            if p.batch.slots > per:
-                lines.append(f"batch MTP: up to {per} decoding slots in one window; more: {beyond}")
-            if self.adaptive_batch:
-                lines.append(
-                    f"batch MTP or serial windows for up to {per} slots decoding together, whichever gives "
-                    "more tokens per second by their measured times (spec.adaptive_depth)"
-                )
-        if p.model.routing == "calibrated":
-            lines.append("routing: calibrated (skewed and persistent, through a router bias)")
-        info = self.drafter_info()
-        if info["device"] is None:
-            lines.append("drafters: none (the plan does not draft)")
-        else:
-            each = info["bytes_each"] / MIB
-            kv = info["kv_bytes_each"] / MIB
-            where = "solo and batch-MTP windows" + (", in each group" if self.pipelined else "")
-            lines.append(self._pause_text())
-            lines.append(
-                f"drafters: slots {info['slots']} on {info['device']} (last stage), {each:.2f} MiB each "
-                f"(MTP-layer KV {kv:.2f} MiB + draft-window buffers {each - kv:.2f} MiB); decided there, "
-                f"running ahead of the host: {where}"
-            )
-        for stage in self.model.stages:
-            if stage.device.is_cuda:
-                path = "CUDA graphs" if stage.cuda is not None else f"array path ({stage.cuda_refused})"
-                lines.append(f"decode windows on {stage.device}: {path}")
-            store = stage.experts
-            if store.cached:
-                total = len(store) * store.n_experts
-                helper = ""
-                if store.helper_slots:
-                    where = ", ".join(f"{n} on {d}" for d, n in store.helper.sizes())
-                    helper = (
-                        f", {store.helper_slots} more in the helper tier ({where}: "
-                        f"{store.helper.nbytes / MIB:.1f} MiB, read over peer-to-peer)"
-                    )
-                lines.append(
-                    f"expert cache on {stage.device}: {store.slots} of {total} routed experts in VRAM "
-                    f"({store.vram_bytes / MIB:.1f} MiB){helper}, all {total} in host memory "
-                    f"({store.host_bytes / MIB:.1f} MiB{', pinned' if stage.device.is_cuda else ''}); "
-                    f"{'adapting to the routing' if store.residency.policy.adapt else 'frozen'}"
-                )
-        lines += self.model.peer_access
-        if self.pipelined:
-            inside = ", batch MTP inside each group" if p.batch.mtp else ""
-            lines.append(
-                f"continuous pipeline: {p.batch.groups} groups in flight{inside}, one stream per stage, "
-                f"up to {len(p.stages)} chunks of one prompt in flight"
-            )
-        return lines
-
-    def _slot_state(self, i: int, s: Slot | None) -> dict[str, Any]:
-        if s is None:
-            return {"slot": i, "state": "free"}
-        return {
-            "slot": i,
-            "state": "prefill" if s.prefilling else "decode",
-            "request_id": s.handle.request.request_id,
-            "prompt_tokens": len(s.prompt),
-            "prefilled": s.prefilled,
-            "generated": len(s.generated),
-            "length": s.length,
-            "kv_lengths": self.model.kv_lengths(i),
-            **({"drafting": self._drafting_state(s)} if self.tracked else {}),
-        }
-
-    def _drafting_state(self, s: Slot) -> dict[str, Any]:
-        """Why the slot drafts as it does: how often its windows' first proposal held, as the floor reads
-        it (1 until `DRAFT_WARMUP` proposals were seen), each proposal position's chance of holding, the
-        depth its next window alone would draft, whether that depth adapts to the measured window
-        times, and whether it probes silently while paused."""
-        g = s.gauge
-        room = min(self.depth, self._room(s))
-        depth = g.depth(room)
-        return {
-            "proposals_seen": g.seen,
-            "acceptance": round(g.estimate, 4),
-            "holds": [round(h, 4) for h in g.holds_up_to(self.depth)],
-            "solo_depth": depth,
-            "paused": room > 0 and depth == 0,
-            "adaptive": g.costs is not None,
-            "silent_probes": g.silent,
-        }
 
     # ---- admission and release ---------------------------------------------------------------------
 
@@ -935,7 +704,7 @@ class Engine:
         by_id = {s.id: s for s in decoding}
         mtp = self.plan.batch.mtp and self._batch_mtp_serves(len(decoding))
         if len(decoding) == 1 and not prefilling and not pipelined:
-            room = min(self.depth, self._room(decoding[0]))
+            room = min(self.depth, self.room(decoding[0]))
             depth = decoding[0].gauge.depth(room)
             paused = room > 0 and depth == 0
             rows = solo_window(ids[0], depth)
@@ -959,7 +728,7 @@ class Engine:
             self._plain_turn[group] = turn + 1
             kind = "pipelined" if pipelined else "serial"
         depths = {
-            sid: min(sum(1 for r in rows if r.slot == sid) - 1, self._room(by_id[sid]))
+            sid: min(sum(1 for r in rows if r.slot == sid) - 1, self.room(by_id[sid]))
             for sid in dict.fromkeys(r.slot for r in rows)
         }
         on_device = self._decided_on_device(kind, [1 + d for d in depths.values()])
@@ -989,7 +758,7 @@ class Engine:
         route to the same experts and save their reads, so the windows keep rotating there."""
         if decoding <= self.plan.batch.slots_per_window:
             return True
-        return not self._all_experts_resident
+        return not self.all_experts_resident
 
     def _spec_shapes(self) -> set[tuple[int, int]]:
         """Every (slots, rows per slot) a window decided on the device can have under this plan: solo
@@ -1042,7 +811,7 @@ class Engine:
         """Rows every drafter has caught up on so far (`Drafter.caught_up`)."""
         return sum(d.caught_up for d in self.model.drafters.values())
 
-    def _room(self, slot: Slot) -> int:
+    def room(self, slot: Slot) -> int:
         """Proposals that still fit the slot's context after its token."""
         return max(0, self.plan.memory.context - slot.length - 1)
 
