@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import ctypes
 import re
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from strata_runtime.cuda import pdl
 from strata_runtime.cuda.choices import PDL_KERNELS
+from strata_runtime.cuda.compile import source
 
-KERNELS = (Path(pdl.__file__).with_name("kernels.cu")).read_text()
+KERNELS = source("kernels.cu")
 
 
 def test_the_launch_structures_have_the_driver_headers_layout() -> None:

@@ -278,12 +278,11 @@ def test_decode_attention_blocks_read_the_chunk_the_plan_sizes_scratch_by():
     """The kernel's ATTN_CHUNK (positions a decode attention chunk reads) and ATTN_MERGE_GROUP (chunks a
     merge takes together) are what the plan sizes each window's scratch and counters by."""
     import re
-    from pathlib import Path
 
-    import strata_runtime.cuda as cuda_pkg
     from strata_cfg.schema.windows import DECODE_ATTENTION_CHUNK, DECODE_ATTENTION_MERGE_GROUP
+    from strata_runtime.cuda.compile import source
 
-    src = (Path(cuda_pkg.__file__).parent / "kernels.cu").read_text()
+    src = source("kernels.cu")
     [chunk] = re.findall(r"constexpr int ATTN_CHUNK = (\d+);", src)
     [group] = re.findall(r"constexpr int ATTN_MERGE_GROUP = (\d+);", src)
     assert int(chunk) == DECODE_ATTENTION_CHUNK

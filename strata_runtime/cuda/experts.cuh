@@ -1,0 +1,340 @@
+// Part of kernels.cu, which includes it (NVRTC compiles kernels.cu as one unit): the routed experts, and the
+// dense MLP's activation and residual add.
+
+// ---- routed experts -----------------------------------------------------------------------------------
+// Each expert's weights are found through a table of device addresses: GUp[e] points at expert e's gate_up
+// [2I, H] (gate rows, then up rows), Dp[e] at its down [H, I]. An address may be a VRAM slot of the expert
+// cache, a helper slot on another GPU (read over the peer link) or pinned, mapped host memory (read over the
+// host link), so the cache can move an expert by rewriting one table entry, with no recapture of the graphs
+// that read it. With counts non-null, the blocks of feature tile 0 also add each assignment to counts[sel],
+// when slot_of[sel] < 0 (the expert holds no VRAM slot) to misses[0], and when slot_of[sel] < -1 (a helper
+// slot) to misses[1]: the cache's view of the routing.
+// Routing is the fp32 softmax over E, top-k by rank (ties to the lower expert index), weights renormalised
+// over the k chosen when norm_topk is set. The wide kernels read it from route_topk, run before them (idx
+// [R, K] and wts [R, K]); moe_gate_up_any computes it inside, every block for its own row.
+// Block-wide ranking of logits l[E] (E <= 256, 256 threads): thread e's expert is e, and it gets its rank
+// (0 = the largest logit, ties to the lower index), its softmax numerator exp(l[e] - max), and every thread
+// the max and the two totals: over all experts and over the top k.
+struct Ranked {
+  int rank;
+  float p, m, z, zk;
+};
+
+__device__ __forceinline__ Ranked block_rank(const float* __restrict__ l, int E, int topk) {
+  __shared__ __align__(16) float ls[256];
+  __shared__ float red[3][8];  // per warp: max, softmax total, top-k total
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const float v = tid < E ? l[tid] : -STRATA_INF;
+  ls[tid] = v;
+  float m = warp_max(v);
+  if (lane == 0) red[0][warp] = m;
+  __syncthreads();
+  m = red[0][0];
+#pragma unroll
+  for (int w = 1; w < 8; ++w) m = fmaxf(m, red[0][w]);
+  // The rank counts the logits above this thread's (ties: those of lower index), four at a time from one
+  // 16-byte shared load that every thread of the warp reads alike, into four counters: a fourth of the
+  // loads and four independent chains instead of one.
+  int rank = 0;
+  if (tid < E) {
+    const float4* l4 = reinterpret_cast<const float4*>(ls);
+    int c0 = 0, c1 = 0, c2 = 0, c3 = 0;
+    const int E4 = E / 4;
+    for (int q = 0; q < E4; ++q) {
+      const float4 o = l4[q];
+      const int e = 4 * q;
+      c0 += (o.x > v) || (o.x == v && e < tid);
+      c1 += (o.y > v) || (o.y == v && e + 1 < tid);
+      c2 += (o.z > v) || (o.z == v && e + 2 < tid);
+      c3 += (o.w > v) || (o.w == v && e + 3 < tid);
+    }
+    for (int e = 4 * E4; e < E; ++e) {
+      const float o = ls[e];
+      c0 += (o > v) || (o == v && e < tid);
+    }
+    rank = (c0 + c1) + (c2 + c3);
+  }
+  const float p = tid < E ? __expf(v - m) : 0.f;
+  float z = warp_sum(p), zk = warp_sum(tid < E && rank < topk ? p : 0.f);
+  if (lane == 0) { red[1][warp] = z; red[2][warp] = zk; }
+  __syncthreads();
+  float zt = 0.f, zkt = 0.f;
+  for (int w = 0; w < 8; ++w) { zt += red[1][w]; zkt += red[2][w]; }
+  return {tid < E ? rank : E, p, m, zt, zkt};  // call once per launch: its shared arrays are not reused
+}
+
+__device__ __forceinline__ void block_route(const float* __restrict__ l, int E, int topk, int j, int norm_topk,
+                                            int* sel, float* weight) {
+  // Block-wide: *sel = the j-th ranked expert of logits l[E] (E <= 256), *weight its routing weight.
+  const Ranked r = block_rank(l, E, topk);
+  if (r.rank == j) {
+    *sel = threadIdx.x;
+    *weight = r.p / (norm_topk ? r.zk : r.z);
+  }
+  __syncthreads();
+}
+
+__device__ __forceinline__ void count_assignment(int sel, const int* __restrict__ slot_of,
+                                                 float* __restrict__ counts, float* __restrict__ misses) {
+  if (counts == nullptr) return;
+  atomicAdd(counts + sel, 1.f);
+  const int where = slot_of[sel];
+  if (where < 0) atomicAdd(misses, 1.f);
+  if (where < -1) atomicAdd(misses + 1, 1.f);
+}
+
+__device__ __forceinline__ void note_route(int a, int sel, float weight, int* __restrict__ idx,
+                                           float* __restrict__ wts, const int* __restrict__ slot_of,
+                                           float* __restrict__ counts, float* __restrict__ misses) {
+  idx[a] = sel;
+  wts[a] = weight;
+  count_assignment(sel, slot_of, counts, misses);
+}
+
+// Warp w of the block computes feature i = tile * 8 + w of assignment a (row r, expert sel):
+// h[a, i] = silu(gate_i . x'[r]) * (up_i . x'[r]), inv the row's inverse RMS.
+template <int H, int I>
+__device__ __forceinline__ void gate_up_feature(const half* __restrict__ base, const float* __restrict__ xr,
+                                                const half* __restrict__ nw, float inv, int a, int i,
+                                                float* __restrict__ h) {
+  const int lane = threadIdx.x & 31;
+  const uint4* wg = reinterpret_cast<const uint4*>(base + (size_t)i * H);
+  const uint4* wu = reinterpret_cast<const uint4*>(base + (size_t)(I + i) * H);
+  constexpr int STEPS = H / 256;
+  uint4 pg[STEPS], pu[STEPS];
+#pragma unroll
+  for (int s = 0; s < STEPS; ++s) { pg[s] = __ldg(wg + s * 32 + lane); pu[s] = __ldg(wu + s * 32 + lane); }
+  float g = 0.f, u = 0.f;
+#pragma unroll
+  for (int s = 0; s < STEPS; ++s) {
+    float gf[8], uf[8], nf[8];
+    unpack8(pg[s], gf);
+    unpack8(pu[s], uf);
+    const int k0 = s * 256 + lane * 8;
+    unpack8(__ldg(reinterpret_cast<const uint4*>(nw + k0)), nf);
+    const float4* xq = reinterpret_cast<const float4*>(xr + k0);
+    const float4 xa = xq[0], xb = xq[1];
+    const float xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+#pragma unroll
+    for (int t = 0; t < 8; ++t) {
+      const float xn = xv[t] * nf[t];
+      g += gf[t] * xn;
+      u += uf[t] * xn;
+    }
+  }
+  g = warp_sum(g) * inv;
+  u = warp_sum(u) * inv;
+  if (lane == 0) h[(size_t)a * I + i] = g / (1.f + __expf(-g)) * u;
+}
+
+// Block (place p, feature tile) of a window already routed (idx [R, K] from route_topk, A = R K <= 256
+// assignments): the assignments are taken in order of expert, and block (p, tile) computes the one at place
+// p of that order. Assignments that share an expert so run side by side, and all but the first find its
+// weights in L2: a window of 8 rows (about 54 distinct experts in 64 assignments) reads each expert from
+// memory about once. Routing outside the kernel also spares every block the ranking of all E experts
+// before its first weight load. Each assignment's sums do not depend on the window (batch invariance).
+// With TABLE (choices.MoeForm's tables) the block reads all E experts' addresses (GUp [E]) beside the routing,
+// instead of the chosen experts' after it, so an expert's weights are one round trip after the wait, not
+// two; E is then GUp's length.
+template <int H, int I, bool TABLE = false>
+__global__ void __launch_bounds__(256) moe_gate_up(const unsigned long long* __restrict__ GUp,
+                                                    const float* __restrict__ x, const half* __restrict__ nw,
+                                                    const int* __restrict__ idx, int A, int topk, float eps,
+                                                    float* __restrict__ h, const int* __restrict__ slot_of,
+                                                    float* __restrict__ counts, float* __restrict__ misses, int E) {
+  STRATA_PDL_LAUNCH();
+  STRATA_PDL_WAIT();
+  __shared__ int at, ids[256];
+  __shared__ unsigned long long bases[256];
+  __shared__ float inv[1];
+  __shared__ float part[8];
+  // A one-row window's blocks all read row 0: its loads for the norm go out first, beside the routing's and
+  // the experts' addresses. The sums are those of block_inv_rms<1, H> (each thread's k in order, the warp,
+  // then the warps in order).
+  const bool one_row = A == topk;
+  constexpr int XS = H / 256;
+  float xv[XS];
+  if (one_row)
+#pragma unroll
+    for (int k = 0; k < XS; ++k) xv[k] = x[threadIdx.x + 256 * k];
+  if (TABLE && threadIdx.x < E) bases[threadIdx.x] = GUp[threadIdx.x];
+  if (threadIdx.x < A) {
+    const int e = idx[threadIdx.x];
+    ids[threadIdx.x] = e;
+    if (!TABLE) bases[threadIdx.x] = GUp[e];
+  }
+  if (one_row) {
+    float ss = 0.f;
+#pragma unroll
+    for (int k = 0; k < XS; ++k) ss += xv[k] * xv[k];
+    ss = warp_sum(ss);
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
+  }
+  __syncthreads();
+  if (one_row && threadIdx.x == 0) {
+    float t = 0.f;
+    for (int w = 0; w < 8; ++w) t += part[w];
+    inv[0] = rsqrtf(t / H + eps);
+  }
+  if (threadIdx.x < A) {  // the assignment's place in (expert, assignment) order
+    const int e = ids[threadIdx.x];
+    int place = 0;
+    for (int b = 0; b < A; ++b) {
+      const int o = ids[b];
+      place += (o < e) || (o == e && b < (int)threadIdx.x);
+    }
+    if (place == blockIdx.x) at = threadIdx.x;
+  }
+  __syncthreads();
+  const int a = at, r = a / topk, sel = ids[a];
+  if (!one_row) block_inv_rms<1, H>(x + (size_t)r * H, eps, inv);
+  if (blockIdx.y == 0 && threadIdx.x == 0) count_assignment(sel, slot_of, counts, misses);
+  const int i = blockIdx.y * 8 + (threadIdx.x >> 5);
+  if (i >= I) return;
+  gate_up_feature<H, I>(reinterpret_cast<const half*>(bases[TABLE ? sel : a]), x + (size_t)r * H, nw, inv[0], a, i,
+                        h);
+}
+
+// Blocks of moe_down an SM should hold, for its launch bounds: 2 where a lane's K I / 256 loads of 16 bytes
+// fit in registers beside the rest (at most 128 a thread). Without the bound ptxas places most loads beside
+// their first use (58 registers at the 30B preset's widths), so a lane has only a few in flight and at one
+// row the kernel waits on memory latency (docs/PERFORMANCE.md, "What limits the routed experts"). 0 (no
+// bound) where the loads would not fit.
+__host__ __device__ constexpr int moe_down_blocks(int I, int K) { return K * (I / 256) <= 24 ? 2 : 0; }
+
+// resid[r, n] += sum_j wts[r, j] * (down[idx[r, j], n, :] . h[r * K + j, :]), j in a fixed order. One warp
+// per (r, n). The source loads the rows of all K experts before using any; where `moe_down_blocks` bounds the
+// kernel, ptxas keeps that order, so they are all in flight together.
+// With TABLE (choices.MoeForm's tables) the block reads all E experts' addresses (Dp [E]) into shared memory
+// beside the routing, so a warp's weight loads are one round trip after the wait, not two.
+template <int H, int I, int K, bool TABLE = false>
+__global__ void __launch_bounds__(256, moe_down_blocks(I, K))
+    moe_down(const unsigned long long* __restrict__ Dp, const float* __restrict__ h, const int* __restrict__ idx,
+             const float* __restrict__ wts, int R, float* __restrict__ resid, int E) {
+  STRATA_PDL_LAUNCH();
+  STRATA_PDL_WAIT();
+  __shared__ unsigned long long table[TABLE ? 256 : 1], bases[TABLE ? K : 1];
+  __shared__ int experts[TABLE ? K : 1];
+  if constexpr (TABLE) {  // the row's experts and the table, side by side; a block's 8 warps share a row
+    static_assert(H % 8 == 0, "a block's warps share one row");
+    const int row = min((int)(blockIdx.x * blockDim.x >> 5) / H, R - 1);
+    if (threadIdx.x < K) experts[threadIdx.x] = idx[row * K + threadIdx.x];
+    if (threadIdx.x < E) table[threadIdx.x] = Dp[threadIdx.x];
+    __syncthreads();
+    if (threadIdx.x < K) bases[threadIdx.x] = table[experts[threadIdx.x]];
+    __syncthreads();
+  }
+  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
+  if (warp >= R * H) return;
+  const int r = warp / H, n = warp % H;
+  constexpr int STEPS = I / 256;
+  uint4 pk[K][STEPS];
+#pragma unroll
+  for (int j = 0; j < K; ++j) {
+    unsigned long long base;
+    if constexpr (TABLE)
+      base = bases[j];
+    else
+      base = Dp[idx[r * K + j]];
+    const uint4* w = reinterpret_cast<const uint4*>(reinterpret_cast<const half*>(base) + (size_t)n * I);
+#pragma unroll
+    for (int s = 0; s < STEPS; ++s) pk[j][s] = __ldg(w + s * 32 + lane);
+  }
+  float total = 0.f;
+#pragma unroll
+  for (int j = 0; j < K; ++j) {
+    float acc = 0.f;
+#pragma unroll
+    for (int s = 0; s < STEPS; ++s) {
+      float wf[8];
+      unpack8(pk[j][s], wf);
+      const float4* hr = reinterpret_cast<const float4*>(h + (size_t)(r * K + j) * I + s * 256 + lane * 8);
+      const float4 p = hr[0], q = hr[1];
+      const float hv[8] = {p.x, p.y, p.z, p.w, q.x, q.y, q.z, q.w};
+#pragma unroll
+      for (int t = 0; t < 8; ++t) acc += wf[t] * hv[t];
+    }
+    total += wts[r * K + j] * warp_sum(acc);
+  }
+  if (lane == 0) resid[(size_t)r * H + n] += total;
+}
+
+// Any H, I (small models): the same contracts with routing inside (block (feature tile, assignment) routes
+// its own row and writes idx and wts from tile 0), scalar loads.
+__global__ void __launch_bounds__(256) moe_gate_up_any(const unsigned long long* __restrict__ GUp,
+                                                        const float* __restrict__ x, const half* __restrict__ nw,
+                                                        const float* __restrict__ logits, int E, int topk,
+                                                        int norm_topk, float eps, int H, int I,
+                                                        float* __restrict__ h, int* __restrict__ idx,
+                                                        float* __restrict__ wts, const int* __restrict__ slot_of,
+                                                        float* __restrict__ counts, float* __restrict__ misses) {
+  STRATA_PDL_LAUNCH();
+  STRATA_PDL_WAIT();
+  __shared__ int sel;
+  __shared__ float weight, part[8];
+  const int a = blockIdx.y, r = a / topk, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  block_route(logits + (size_t)r * E, E, topk, a % topk, norm_topk, &sel, &weight);
+  const float* xr = x + (size_t)r * H;
+  float ss = 0.f;
+  for (int k = threadIdx.x; k < H; k += blockDim.x) ss += xr[k] * xr[k];
+  ss = warp_sum(ss);
+  if (lane == 0) part[warp] = ss;
+  __syncthreads();
+  float tot = 0.f;
+  for (int w = 0; w < 8; ++w) tot += part[w];
+  const float inv = rsqrtf(tot / H + eps);
+  if (blockIdx.x == 0 && threadIdx.x == 0) note_route(a, sel, weight, idx, wts, slot_of, counts, misses);
+  const int i = blockIdx.x * 8 + warp;
+  if (i >= I) return;
+  const half* base = reinterpret_cast<const half*>(GUp[sel]);
+  float g = 0.f, u = 0.f;
+  for (int k = lane; k < H; k += 32) {
+    const float xn = xr[k] * __half2float(nw[k]);
+    g += __half2float(base[(size_t)i * H + k]) * xn;
+    u += __half2float(base[(size_t)(I + i) * H + k]) * xn;
+  }
+  g = warp_sum(g) * inv;
+  u = warp_sum(u) * inv;
+  if (lane == 0) h[(size_t)a * I + i] = g / (1.f + __expf(-g)) * u;
+}
+
+__global__ void moe_down_any(const unsigned long long* __restrict__ Dp, const float* __restrict__ h,
+                             const int* __restrict__ idx, const float* __restrict__ wts, int R, int topk, int H,
+                             int I, float* __restrict__ resid) {
+  STRATA_PDL_LAUNCH();
+  STRATA_PDL_WAIT();
+  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
+  if (warp >= R * H) return;
+  const int r = warp / H, n = warp % H;
+  float total = 0.f;
+  for (int j = 0; j < topk; ++j) {
+    const int a = r * topk + j;
+    const half* w = reinterpret_cast<const half*>(Dp[idx[a]]) + (size_t)n * I;
+    float acc = 0.f;
+    for (int k = lane; k < I; k += 32) acc += __half2float(w[k]) * h[(size_t)a * I + k];
+    total += wts[a] * warp_sum(acc);
+  }
+  if (lane == 0) resid[(size_t)r * H + n] += total;
+}
+
+// out[r, i] = silu(gu[r, i]) * gu[r, I + i]: the SwiGLU of a dense MLP or shared expert.
+__global__ void silu_mul(const float* __restrict__ gu, float* __restrict__ out, int R, int I) {
+  STRATA_PDL_LAUNCH();
+  STRATA_PDL_WAIT();
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= R * I) return;
+  const int r = i / I, c = i % I;
+  const float g = gu[(size_t)r * 2 * I + c];
+  out[i] = g / (1.f + __expf(-g)) * gu[(size_t)r * 2 * I + I + c];
+}
+
+// resid[r, n] += scale(r) * y[r, n]; scale is sigmoid(gate[r]) when gate is given (the shared expert), else 1.
+__global__ void add_scaled(float* __restrict__ resid, const float* __restrict__ y, const float* __restrict__ gate,
+                           int R, int H) {
+  STRATA_PDL_LAUNCH();
+  STRATA_PDL_WAIT();
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= R * H) return;
+  const float s = gate == nullptr ? 1.f : 1.f / (1.f + __expf(-gate[i / H]));
+  resid[i] += s * y[i];
+}
