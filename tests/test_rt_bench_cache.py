@@ -11,7 +11,7 @@ from strata_cfg.schema.presets import preset_config
 from strata_runtime.api import Request
 from strata_runtime.bench.ceilings import decode_step_bytes
 from strata_runtime.bench.harness import Arrival, InProcessDriver, measure
-from strata_runtime.commands.bench import cache_ceiling
+from strata_runtime.bench.versus_ceilings import cache_ceiling
 from strata_runtime.engine import Engine
 
 

@@ -13,7 +13,7 @@ from rt_plans import make_plan, profile_text
 from strata_cfg.schema.workloads import PROMPTS, WARM_PROMPTS
 from strata_runtime.api import Request, SamplingParams
 from strata_runtime.bench.harness import run_bench, teach_drafting
-from strata_runtime.commands.bench import teach
+from strata_runtime.bench.preparing import teach
 from strata_runtime.engine import Engine
 from strata_runtime.engine.depth import COST_MEASURED, PRIOR_WEIGHT, Holds, WindowCosts
 

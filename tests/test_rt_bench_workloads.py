@@ -289,7 +289,7 @@ def test_the_runtime_bench_refuses_bad_sampling_options_itself() -> None:
 
 
 def test_repeats_far_apart_are_named_under_the_table() -> None:
-    from strata_runtime.commands.bench import SPREAD, spread_notes
+    from strata_runtime.bench.table import SPREAD, spread_notes
 
     def case(*rates: float) -> dict:
         return {"median": {"tok_s": sorted(rates)[len(rates) // 2]}, "tok_s_repeats": list(rates)}
@@ -420,7 +420,7 @@ def test_vary_runs_each_arm_once_per_value_interleaved(tmp_path) -> None:
 def test_the_window_listing_gives_each_kinds_time_a_token_and_the_arms_totals() -> None:
     """Each arm's windows by kind come with the milliseconds a token of that kind cost (a window's time over
     its tokens) and, last, the arm's windows, time and tokens together: what two arms' rates differ by."""
-    from strata_runtime.commands.bench import window_mix_lines
+    from strata_runtime.bench.table import window_mix_lines
 
     mix = {
         "prefill": {"windows": 7, "ms_per_window": 29.5, "tokens_per_window": 1.0},
@@ -509,7 +509,7 @@ def test_a_runs_window_records_count_from_its_first_window_and_its_slowest_are_i
 
 def test_an_arms_slowest_windows_are_picked_over_its_repeats_and_listed_under_the_table() -> None:
     from strata_runtime.bench.harness import ArmRuns, summarise
-    from strata_runtime.commands.bench import slowest_lines
+    from strata_runtime.bench.table import slowest_lines
 
     arm = ArmRuns("solo")
     arm.runs["solo"] = [{"tok_s": 100.0}, {"tok_s": 110.0}]

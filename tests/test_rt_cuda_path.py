@@ -945,7 +945,7 @@ def test_the_bench_warm_up_captures_every_window_shape(fake_gpu):
     8 replays a graph through the layers and the drafting head, so no measured repeat captures one; and the
     warm-up's windows and what its proposals did are forgotten."""
     from strata_cfg.schema.windows import MAX_WINDOW_ROWS
-    from strata_runtime.commands.bench import warm_up
+    from strata_runtime.bench.preparing import warm_up
     from strata_runtime.engine import Engine
 
     engine = Engine(_plan("cuda", "tiny", draft_tokens=3))

@@ -11,7 +11,7 @@ import types
 import pytest
 
 from strata_runtime.bench import harness
-from strata_runtime.commands.bench import compile_notes
+from strata_runtime.bench.table import compile_notes
 from strata_runtime.cuda import compile as kc
 
 

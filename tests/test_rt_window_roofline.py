@@ -10,6 +10,7 @@ import pytest
 from strata_cfg.plan.from_profile import resolve_profile
 from strata_cfg.schema.facts import expected_distinct_experts
 from strata_runtime.bench.ceilings import decode_step_bytes
+from strata_runtime.bench.versus_ceilings import batch_mtp_roofline
 from strata_runtime.bench.window_roofline import (
     Window,
     calibrated_distinct,
@@ -18,7 +19,6 @@ from strata_runtime.bench.window_roofline import (
     table,
     window,
 )
-from strata_runtime.commands.bench import batch_mtp_roofline
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILE = str(ROOT / "profiles" / "h200.toml")
@@ -113,7 +113,7 @@ def test_the_bench_sets_the_measured_windows_beside_their_byte_time():
 def test_the_two_decodes_ceiling_carries_the_rooflines_and_other_workloads_do_not():
     import argparse
 
-    from strata_runtime.commands.bench import ceiling_report
+    from strata_runtime.bench.versus_ceilings import ceiling_report
     from strata_runtime.weights.tokenizer import ByteTokenizer
 
     plans = {
@@ -143,7 +143,7 @@ def test_at_a_depth_the_solo_ceiling_reads_that_deep_kv_and_compares_the_generat
     import argparse
 
     from strata_runtime.bench.ceilings import decode_step_bytes
-    from strata_runtime.commands.bench import ceiling_report
+    from strata_runtime.bench.versus_ceilings import ceiling_report
     from strata_runtime.weights.tokenizer import ByteTokenizer
 
     plan = resolve_profile(PROFILE, [("memory.context", 16384)])
