@@ -4,19 +4,22 @@ attention and its split of a row, the q/k/v projection's form and the expert ker
     python scripts/step_arms.py PROFILE [--set KEY=VALUE ...] [--positions 64,150,300] [--rows 1,2]
         [--rounds 2] [--repeats 30] [--in-step] [--json] ARM [ARM ...]
 
-Each ARM is NAME=SPEC, SPEC a comma-separated list of settings, each left out keeping the engine's:
+Each ARM is NAME=SPEC, SPEC a comma-separated list of settings, each left out keeping the plan's (the
+engine's, or what the profile sets in ``model.decode_attention``, ``model.qkv_form`` and
+``model.expert_form``):
 * decode attention: ``cuda_cores`` (attn_split), ``tc`` (attn_tc, each row split as the engine splits it) or
   ``tc:ONE_RUN_CHUNKS/SHORT_SPLITS/SHORT_CHUNKS/SPLITS`` (`strata_runtime.cuda.choices.AttentionSplit`; fields
   left out keep the engine's);
 * the q/k/v projection: ``qkv:plain``, ``qkv:staged``, ``qkv:paired`` or ``qkv:staged+paired``
   (`strata_runtime.cuda.choices.QkvForm`);
 * the routed experts' kernels: ``moe:plain`` or ``moe:tables`` (`strata_runtime.cuda.choices.MoeForm`).
-For example ``kept=tc split=cuda_cores staged=qkv:staged both=qkv:staged,moe:tables``. At every position
-and row count the step graph runs with each arm in turn, ``--rounds`` rounds on the same weights and window
-(`KernelModel.time_arms`, as ``strata bench --workload step --vary model.decode_attention`` times the two
-attention kernels); the table gives each arm's median ms with its change from the first arm, and whether
-every arm chose the same argmax tokens; with ``--in-step``, also what each kernel group costs inside the
-step in every arm (`KernelModel.time_in_step`), so that a form's effect shows in the group it changes.
+For example ``kept=tc split=cuda_cores staged=qkv:staged both=qkv:staged,moe:tables``. At every position and
+row count the step graph runs with each arm in turn, ``--rounds`` rounds on the same weights and window
+(`KernelModel.time_arms`, as ``strata bench --workload step --vary model.qkv_form=plain,staged`` times the
+plans' kernels, without attention splits or several positions); the table gives each arm's median ms with its
+change from the first arm, and whether every arm chose the same argmax tokens; with ``--in-step``, also what
+each kernel group costs inside the step in every arm (`KernelModel.time_in_step`), so that a form's effect
+shows in the group it changes.
 Needs CuPy and a GPU. docs/PERFORMANCE.md's tables of attention splits measure the same way.
 """
 
@@ -34,16 +37,14 @@ from typing import Any
 from strata_cfg.plan.from_profile import resolve_profile
 from strata_cfg.schema.errors import ProfileError
 from strata_runtime.backend import Device
-from strata_runtime.bench.step import KernelModel, graph_seconds, step_routing
+from strata_runtime.bench.step import KernelArm, KernelModel, graph_seconds, plan_forms, step_routing
 from strata_runtime.cuda.choices import (
-    MOE_FORM,
-    QKV_FORM,
+    KERNEL_FORMS,
     AttentionSplit,
+    KernelForms,
     MoeForm,
     QkvForm,
     moe_expressions,
-    moe_form,
-    qkv_form,
     qkv_rope_launch,
 )
 from strata_runtime.cuda.ops import kernels_for
@@ -54,8 +55,8 @@ class Arm:
     name: str
     tensor_cores: bool = True
     split: AttentionSplit | None = None  # None: the engine's
-    qkv: QkvForm | None = None  # None: the engine's
-    moe: MoeForm | None = None  # None: the engine's
+    qkv: QkvForm | None = None  # None: the plan's (model.qkv_form)
+    moe: MoeForm | None = None  # None: the plan's (model.expert_form)
 
     @classmethod
     def parse(cls, text: str) -> Arm:
@@ -88,21 +89,19 @@ class Arm:
             raise ValueError(f"arm {text!r}: two decode attention settings")
         return cls(name, tensor_cores, split, qkv, moe)
 
-    def describe(self) -> str:
+    def describe(self, own: KernelForms = KERNEL_FORMS) -> str:
+        """The arm's kernels in words; ``own``: the plan's forms, which the arm keeps where it names none."""
         attention = (
             f"tensor cores, split {self.split or AttentionSplit()}" if self.tensor_cores else "CUDA cores"
         )
-        return f"{attention}, q/k/v {self.qkv or QKV_FORM}, experts {self.moe or MOE_FORM}"
+        return f"{attention}, q/k/v {self.qkv or own.qkv}, experts {self.moe or own.moe}"
 
-    def context(self, model: KernelModel) -> contextlib.ExitStack[bool | None]:
-        """This arm's kernels in force on ``model`` inside the block."""
-        stack = contextlib.ExitStack()
-        stack.enter_context(model.attention_arm(self.tensor_cores, self.split))
-        if self.qkv is not None:
-            stack.enter_context(qkv_form(self.qkv))
-        if self.moe is not None:
-            stack.enter_context(moe_form(self.moe))
-        return stack
+    def context(self, model: KernelModel) -> contextlib.AbstractContextManager[None]:
+        """This arm's kernels in force on ``model`` inside the block (a form the arm leaves out: the
+        model's, which are the plan's)."""
+        own = model.stack.forms
+        forms = KernelForms(self.qkv or own.qkv, self.moe or own.moe)
+        return model.arm(KernelArm(self.tensor_cores, self.split, forms))
 
 
 def sweep(
@@ -135,9 +134,11 @@ def sweep(
     return out
 
 
-def render(arms: Sequence[Arm], results: Sequence[Mapping[str, Any]]) -> str:
+def render(arms: Sequence[Arm], results: Sequence[Mapping[str, Any]], own: KernelForms = KERNEL_FORMS) -> str:
+    """The sweep's table: each arm's ms and its change from the first, whether every arm chose the same
+    argmax tokens, and with ``--in-step`` each arm's groups; ``own``: the plan's forms."""
     first = arms[0].name
-    lines = ["arms: " + "; ".join(f"{a.name} = {a.describe()}" for a in arms)]
+    lines = ["arms: " + "; ".join(f"{a.name} = {a.describe(own)}" for a in arms)]
     head = f"{'position':>8} {'rows':>4}  " + "  ".join(f"{a.name:>16}" for a in arms) + "  same argmax"
     lines += [head, "-" * len(head)]
     for res in results:
@@ -189,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for arm in arms:
         for rows in args.rows if arm.qkv else []:
             try:  # what the shapes allow; the device's clusters are checked when the arm first runs
-                qkv_rope_launch(rows, *qkv_shape, f.head_dim, True, arm.qkv or QKV_FORM, clusters=True)
+                qkv_rope_launch(rows, *qkv_shape, f.head_dim, True, arm.qkv, clusters=True)
             except ValueError as e:
                 ap.error(f"arm {arm.name}: {e}")
         if arm.moe is not None and f.num_experts:
@@ -212,6 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             kernels_for(args.device),
             args.device,
             step_routing(plan, Device("cuda", args.device)),
+            forms=plan_forms(plan),
         )
         results = sweep(
             model, arms, args.positions, args.rows, args.repeats, args.rounds, in_step=args.in_step
@@ -229,7 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         )
     else:
-        print(render(arms, results))
+        print(render(arms, results, plan_forms(plan)))
     return 0
 
 

@@ -57,16 +57,48 @@ def test_step_times_each_decode_attention_kernel_in_one_run(profile: str) -> Non
     """``--vary model.decode_attention``: the whole step with each kernel, interleaved in one model, at
     every row count; the tiny preset's shape takes tensor cores under ``"auto"``."""
     res = bench(profile, "--workload", "step", "--vary", "model.decode_attention=auto,cuda_cores")
-    arms = res["attention_arms"]
+    arms = res["kernel_arms"]
     names = ["profile@decode_attention:auto", "profile@decode_attention:cuda_cores"]
-    assert arms["kernels"] == dict(
-        zip(names, ["tensor cores (attn_tc)", "CUDA cores (attn_split)"], strict=True)
-    )
+    assert arms["kernels"] == dict(zip(names, ["tensor cores", "CUDA cores"], strict=True))
     assert res["attention"] == "tensor cores (attn_tc)"  # the first plan's, for every other table
     assert [r["rows"] for r in arms["rows"]] == [1, 2, 4, 8]
     for r in arms["rows"]:
         assert list(r["ms"]) == names and min(r["ms"].values()) > 0
         assert all(len(t) == r["rows"] for t in r["tokens"].values())
+
+
+def test_step_times_each_q_k_v_form_and_refuses_one_the_model_cannot_take(profile: str) -> None:
+    """``--vary model.qkv_form=plain,paired`` on the small preset (32-wide heads: two 16-feature blocks a
+    head, a cluster each): both forms timed in one model, every row choosing the same argmax token in both
+    (the forms give the same bits); ``staged``, which its one round of weights a warp cannot take, is
+    refused in one line naming the key."""
+    small = profile.replace("gpu-tiny.toml", "gpu-small.toml")
+    with open(profile) as f, open(small, "w") as g:
+        g.write(f.read().replace('synthetic = "tiny"', 'synthetic = "small"'))
+    res = bench(small, "--workload", "step", "--vary", "model.qkv_form=plain,paired")
+    arms = res["kernel_arms"]
+    names = ["profile@qkv_form:plain", "profile@qkv_form:paired"]
+    assert arms["kernels"] == dict(zip(names, ["tensor cores", "tensor cores, q/k/v paired"], strict=True))
+    for r in arms["rows"]:
+        assert list(r["ms"]) == names and min(r["ms"].values()) > 0
+        assert r["tokens"][names[0]] == r["tokens"][names[1]]
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "strata_cfg",
+            "bench",
+            small,
+            "--workload",
+            "step",
+            "--set",
+            "model.qkv_form=staged",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode != 0 and "model.qkv_form = 'staged' does not run here" in out.stderr, out.stderr
 
 
 def test_step_times_every_row_count_against_the_roofline(profile: str) -> None:

@@ -407,7 +407,7 @@ def test_the_expert_tables_form_gives_the_plain_forms_bits(gpu, rows, e, k, h, i
     """`MoeForm` ``tables`` (each block reads the layer's whole address table beside the routing) writes
     the plain form's routing, hidden products and residual bit for bit, with experts in VRAM and with half
     of them in mapped host memory, and counts the same misses."""
-    from strata_runtime.cuda.choices import MoeForm, moe_form
+    from strata_runtime.cuda.choices import MoeForm
 
     cp, kern, _ = gpu
     g = rng()
@@ -419,10 +419,8 @@ def test_the_expert_tables_form_gives_the_plain_forms_bits(gpu, rows, e, k, h, i
         counts[...], misses[...] = 0, 0
         r_d, idx_d = cp.asarray(resid), cp.full((rows, k), -1, cp.int32)
         w_d, h_d = cp.full((rows, k), cp.nan, cp.float32), cp.full((rows * k, inter), cp.nan, cp.float32)
-        with moe_form(form):
-            kern.moe(
-                cp.asarray(x), cp.asarray(nw), cp.asarray(logits), True, 1e-6, experts, r_d, idx_d, w_d, h_d
-            )
+        x_d, nw_d, logits_d = cp.asarray(x), cp.asarray(nw), cp.asarray(logits)
+        kern.moe(x_d, nw_d, logits_d, True, 1e-6, experts, r_d, idx_d, w_d, h_d, form=form)
         return r_d.get(), idx_d.get(), w_d.get(), h_d.get(), counts.get(), misses.get()
 
     plain, tables = run(MoeForm()), run(MoeForm(tables=True))
@@ -569,7 +567,7 @@ def test_every_qkv_form_writes_what_the_plain_kernel_writes_bit_for_bit(gpu, row
     128): the weights' later units staged in shared memory, each head's two blocks a cluster, and both,
     write the same qkv, q and cache bits as the plain kernel (the same sums in the same order), for rows
     that share a slot at neighbouring positions; the plain kernel's counters stay at zero."""
-    from strata_runtime.cuda.choices import QkvForm, qkv_form
+    from strata_runtime.cuda.choices import QkvForm
 
     cp, kern, _ = gpu
     n_q, n_kv, d, hidden = 32, 4, 128, 2048
@@ -596,8 +594,7 @@ def test_every_qkv_form_writes_what_the_plain_kernel_writes_bit_for_bit(gpu, row
         qkv = cp.full((rows, (n_q + 2 * n_kv) * d), cp.nan, cp.float32)
         q = cp.full((rows, n_q, d), cp.nan, cp.float32)
         kc_d, vc_d = cp.asarray(kc), cp.asarray(vc)
-        with qkv_form(form):
-            kern.qkv_rope(dev[0], dev[1], qkv, dev[2], 1e-6, *dev[3:], q, kc_d, vc_d, 1e6, done)
+        kern.qkv_rope(dev[0], dev[1], qkv, dev[2], 1e-6, *dev[3:], q, kc_d, vc_d, 1e6, done, form=form)
         cp.cuda.Device().synchronize()
         return qkv.get(), q.get(), kc_d.get(), vc_d.get()
 

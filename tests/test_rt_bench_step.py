@@ -71,8 +71,8 @@ def _expected_logits(model: KernelModel, ids: np.ndarray, position: int) -> tupl
         w = {
             f.name: None if getattr(lay, f.name) is None else getattr(lay, f.name).astype(f64)
             for f in fields(lay)
-            # the routed experts' address tables (gate_up and down are the weights), and a flag
-            if f.name not in ("experts", "attention_tc")
+            # the routed experts' address tables (gate_up and down are the weights), and the kernels' choices
+            if f.name not in ("experts", "attention_tc", "forms")
         }
         qkv = _rms(x, w["ln1"]) @ w["qkv"].T  # [R, (NQ + 2 NKV) D]
         q = rope(_rms(qkv[:, : nq * d].reshape(-1, nq, d), w["q_norm"]))  # [R, NQ, D]
@@ -267,7 +267,7 @@ def test_step_memory_counts_every_weight_and_the_kv_of_eight_slots() -> None:
         getattr(lay, f.name).nbytes
         for lay in model.stack.layers
         for f in fields(lay)
-        if getattr(lay, f.name) is not None and f.name not in ("experts", "attention_tc")
+        if getattr(lay, f.name) is not None and f.name not in ("experts", "attention_tc", "forms")
     )
     held += model.stack.k_cache.nbytes + model.stack.v_cache.nbytes
     held += model.emb.nbytes + model.head.nbytes + model.final_norm.nbytes
@@ -372,56 +372,80 @@ def test_the_step_table_gives_each_kernel_groups_share_of_the_copy_rate() -> Non
     assert "1 row: qkv+rope 10.0, route_bias 1.0" in render_step(res)
 
 
-def test_the_step_times_each_plans_decode_attention_in_turn_on_one_model(monkeypatch) -> None:
-    """`time_attention_arms` times the whole step once per arm in each round, in turn, with every layer's
-    attention launched on that arm's kernel, and leaves the layers' own choice as it was; `attention_arms`
-    takes plans that differ only in ``model.decode_attention``, and the step table gives each arm's time
-    and its change from the first."""
+def test_the_step_times_each_plans_kernels_in_turn_on_one_model(monkeypatch) -> None:
+    """`time_kernel_arms` times the whole step once per arm in each round, in turn, with every layer's
+    attention launched on that arm's kernel and its q/k/v and expert kernels in that arm's forms, and leaves
+    the layers' own choices as they were; `kernel_arms` takes plans that differ only in their kernels
+    (``model.decode_attention``, ``model.qkv_form``, ``model.expert_form``), and the step table gives each
+    arm's time and its change from the first."""
     from rt_plans import float16_profile_text
 
     from strata_cfg.plan.from_profile import resolve_text
-    from strata_runtime.bench.step import attention_arms, render_step
+    from strata_runtime.bench.step import KernelArm, kernel_arms, render_step
+    from strata_runtime.cuda.choices import KERNEL_FORMS, KernelForms, MoeForm, QkvForm
 
     facts = ModelFacts.from_config(preset_config("tiny"), source="synthetic:tiny", dtype="float16")
     model = KernelModel(_numpy_as_cupy(seed=4), facts, 64, reference, attention_tc=False)
-    launched: list[bool] = []
-    real = reference.attention
+    launched: list[tuple[object, ...]] = []
+    real, real_qkv, real_moe = reference.attention, reference.qkv_rope, reference.moe
     monkeypatch.setattr(
-        reference, "attention", lambda *a, tensor_cores=True: launched.append(tensor_cores) or real(*a)
+        reference,
+        "attention",
+        lambda *a, tensor_cores=True: launched.append(("tc", tensor_cores)) or real(*a),
+    )
+    monkeypatch.setattr(
+        reference, "qkv_rope", lambda *a, form=None: launched.append(("qkv", str(form))) or real_qkv(*a)
+    )
+    monkeypatch.setattr(
+        reference, "moe", lambda *a, form=None: launched.append(("moe", str(form))) or real_moe(*a)
     )
     cost = {True: 2.0e-3, False: 3.0e-3}
-    order: list[tuple[bool, ...]] = []
+    order: list[set[tuple[object, ...]]] = []
 
     def timer(cp: object, body, repeats: int) -> float:
         launched.clear()
         body()
-        order.append(tuple(set(launched)))
-        return cost[launched[0]]
+        order.append(set(launched))
+        return cost[("tc", True) in launched] + (1e-3 if ("qkv", "paired") in launched else 0.0)
 
-    arms = {"a@tc": True, "a@cuda": False}
-    res = model.time_attention_arms(2, 7, 5, arms, timer=timer, rounds=3)
-    assert order == [(True,), (False,)] * 3  # every attention launch of a timing on that arm's kernel
-    assert res["ms"] == pytest.approx({"a@tc": 2.0, "a@cuda": 3.0}) and res["rows"] == 2
-    assert res["tokens"]["a@tc"] == res["tokens"]["a@cuda"] and len(res["tokens"]["a@tc"]) == 2
-    assert not model.stack.attention_tc  # the model's own choice, restored
+    paired = KernelForms(QkvForm(paired=True), MoeForm(tables=True))
+    arms = {"a@tc": KernelArm(True), "a@cuda": KernelArm(False), "a@paired": KernelArm(True, forms=paired)}
+    res = model.time_kernel_arms(2, 7, 5, arms, timer=timer, rounds=3)
+    plain = {("qkv", "plain"), ("moe", "plain")}
+    forms = {("qkv", "paired"), ("moe", "tables")}
+    assert order == [{("tc", True)} | plain, {("tc", False)} | plain, {("tc", True)} | forms] * 3
+    assert res["ms"] == pytest.approx({"a@tc": 2.0, "a@cuda": 3.0, "a@paired": 3.0}) and res["rows"] == 2
+    assert res["tokens"]["a@tc"] == res["tokens"]["a@cuda"] == res["tokens"]["a@paired"]
+    assert len(res["tokens"]["a@tc"]) == 2
+    assert not model.stack.attention_tc and model.stack.forms == KERNEL_FORMS  # the model's own, restored
 
     text = float16_profile_text(backend="cuda", preset="tiny", slots=2, context=256)
+
+    def plan(line: str, name: str = "a.toml"):
+        return resolve_text(text.replace("[model]", f"[model]\n{line}"), name).plan
+
     plans = {
-        f"p@{v}": resolve_text(text.replace("[model]", f'[model]\ndecode_attention = "{v}"'), "a.toml").plan
-        for v in ("auto", "cuda_cores")
+        "p@auto": plan('decode_attention = "auto"'),
+        "p@cuda_cores": plan('decode_attention = "cuda_cores"'),
+        "p@paired": plan('qkv_form = "paired"\nexpert_form = "tables"'),
     }
-    assert attention_arms(plans) == {"p@auto": True, "p@cuda_cores": False}
+    assert kernel_arms(plans) == {
+        "p@auto": KernelArm(True),
+        "p@cuda_cores": KernelArm(False),
+        "p@paired": KernelArm(True, forms=paired),
+    }
     other = resolve_text(text.replace("context = 256", "context = 512"), "b.toml").plan
     with pytest.raises(ValueError, match="p@auto and q differ in their memory.context"):
-        attention_arms({"p@auto": plans["p@auto"], "q": other})
+        kernel_arms({"p@auto": plans["p@auto"], "q": other})
+    assert KernelArm(True, forms=paired).label() == "tensor cores, q/k/v paired, experts tables"
 
     rows = [
         {"rows": r, "ms": {"a@tc": 2.0 * r, "a@cuda": 2.5 * r}, "tokens": {"a@tc": [r], "a@cuda": [r]}}
         for r in (1, 8)
     ]
     rows[1]["tokens"]["a@cuda"] = [0]
-    kernels = {"a@tc": "tensor cores (attn_tc)", "a@cuda": "CUDA cores (attn_split)"}
-    out = render_step(_step_result(attention_arms={"kernels": kernels, "rounds": 3, "rows": rows}))
+    kernels = {"a@tc": "tensor cores", "a@cuda": "CUDA cores"}
+    out = render_step(_step_result(kernel_arms={"kernels": kernels, "rounds": 3, "rows": rows}))
     assert out.split("\n\n")[-1].splitlines()[1:] == [
         "rows              a@tc            a@cuda",
         "          tensor cores        CUDA cores",
@@ -429,7 +453,7 @@ def test_the_step_times_each_plans_decode_attention_in_turn_on_one_model(monkeyp
         "   8            16.000   20.000 (+25.0%)",
         "argmax tokens: a row's differs between arms at 8 rows (random weights: near ties may differ)",
     ]
-    assert "each plan's decode attention, ms (graph; the median of 3 interleaved rounds" in out
+    assert "each plan's kernels, ms (graph; the median of 3 interleaved rounds" in out
 
 
 def test_step_arms_times_each_arm_with_its_own_kernels(monkeypatch) -> None:
@@ -482,9 +506,7 @@ def test_step_arms_times_each_arm_with_its_own_kernels(monkeypatch) -> None:
     real, real_qkv = reference.attention, reference.qkv_rope
     qkv_forms: list[choices.QkvForm] = []
     real_moe = reference.moe
-    monkeypatch.setattr(
-        reference, "moe", lambda *a: launched.append(("moe", choices.moe_form_in_force())) or real_moe(*a)
-    )
+    monkeypatch.setattr(reference, "moe", lambda *a, form: launched.append(("moe", form)) or real_moe(*a))
     monkeypatch.setattr(
         reference,
         "attention",
@@ -492,9 +514,7 @@ def test_step_arms_times_each_arm_with_its_own_kernels(monkeypatch) -> None:
             launched.append((tensor_cores, choices.attention_split_in_force(), qkv_forms[-1])) or real(*a)
         ),
     )
-    monkeypatch.setattr(
-        reference, "qkv_rope", lambda *a: qkv_forms.append(choices.qkv_form_in_force()) or real_qkv(*a)
-    )
+    monkeypatch.setattr(reference, "qkv_rope", lambda *a, form: qkv_forms.append(form) or real_qkv(*a))
     seen: list[set[tuple[object, ...]]] = []
 
     def timer(cp: object, body, repeats: int) -> float:
@@ -514,7 +534,7 @@ def test_step_arms_times_each_arm_with_its_own_kernels(monkeypatch) -> None:
     assert seen == want * 2 * 4  # 2 rounds at each of 2 positions x 2 row counts
     assert [(r["position"], r["rows"]) for r in results] == [(5, 1), (5, 2), (9, 1), (9, 2)]
     assert choices.attention_split_in_force() is choices.ATTN_SPLIT and not model.stack.attention_tc
-    assert choices.qkv_form_in_force() is choices.QKV_FORM and choices.moe_form_in_force() is choices.MOE_FORM
+    assert model.stack.forms == choices.KERNEL_FORMS
     assert results[0]["ms"] == pytest.approx({"a": 2.0, "b": 3.0, "c": 4.0, "d": 5.0, "e": 1.0})
     table = script.render(arms, results).splitlines()
     assert table[0].startswith(
@@ -553,7 +573,7 @@ def test_step_arms_in_step_times_every_group_in_each_arms_own_kernels() -> None:
     forms: list[tuple[choices.QkvForm, choices.MoeForm]] = []
 
     def timer(cp: object, body, repeats: int) -> float:
-        forms.append((choices.qkv_form_in_force(), choices.moe_form_in_force()))
+        forms.append((model.stack.forms.qkv, model.stack.forms.moe))
         body()
         return 1e-3 * len(forms)
 

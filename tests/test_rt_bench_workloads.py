@@ -118,8 +118,8 @@ def test_in_process_workloads_are_refused_over_url(workload: str) -> None:
         (
             "step",
             ("--vary", "spec.draft_tokens=2,3"),
-            "--workload step varies only model.decode_attention, which it switches in one model on the same "
-            "weights, not spec.draft_tokens",
+            "--workload step varies only model.decode_attention, model.qkv_form, model.expert_form, which it "
+            "switches in one model on the same weights, not spec.draft_tokens",
         ),
     ],
 )

@@ -1157,3 +1157,71 @@ def test_greedy_text_does_not_depend_on_which_depths_the_adaptive_depth_picks(fa
     assert engine.adaptive and [len(t) for t in fixed] == [48] * 3
     assert adaptive == fixed
     assert len({w.rows for w in engine.windows if w.kind == "solo"}) >= 3  # several depths ran
+
+
+def test_the_plans_kernel_forms_reach_every_stack_its_graphs_and_its_launches(fake_gpu):
+    """``model.qkv_form = "paired"`` (the small preset's 32-wide heads are two 16-feature blocks): every
+    q/k/v launch of the stage's layers and of the MTP head's is paired, the graphs compile the paired
+    instantiations before the first window (none compiles late), and the text is the plain form's, in two
+    engines of one device whichever was built last."""
+    from strata_runtime.engine import Engine
+
+    text = float16_profile_text(backend="cuda", preset="small", slots=2, context=256, draft_tokens=2)
+    engines = {
+        form: Engine(resolve_text(text.replace("[model]", f'[model]\nqkv_form = "{form}"'), "a.toml").plan)
+        for form in ("plain", "paired")
+    }
+    assert (
+        engines["paired"].plan.model.qkv_form == "paired" and engines["plain"].plan.model.qkv_form == "plain"
+    )
+    model = engines["paired"].model
+    for cuda in [stage.cuda for stage in model.stages] + [model.mtp.cuda.layers]:
+        names = {e.split("<")[0] for e in cuda.expressions()}
+        assert "gemv_mma_pair" in names, names
+    kern = model.stages[0].cuda.stack.kern
+    texts = {}
+    for form in ("paired", "plain"):
+        kern.forms.clear()
+        kern.unprepared.clear()
+        handle = engines[form].submit(Request((5, 9, 2, 7, 11), 8, ignore_eos=True))
+        while engines[form].step():
+            pass
+        texts[form] = [t for _ in range(handle.events.qsize()) for t in handle.events.get().token_ids]
+        assert {f for kind, f in kern.forms if kind == "qkv"} == {form}, form
+        assert {f for kind, f in kern.forms if kind == "moe"} == {"plain"}
+        assert not [e for e in kern.unprepared if e.startswith("gemv_mma")], kern.unprepared
+    assert len(texts["plain"]) == 8 and texts["paired"] == texts["plain"]
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "why"),
+    [
+        ("qkv_form", "staged", "model.qkv_form = 'staged' does not run here: .*not whole rounds"),
+        ("expert_form", "tables", "model.expert_form = 'tables' does not run here: .*narrow kernels"),
+    ],
+)
+def test_a_kernel_form_the_model_cannot_take_is_refused_at_start_naming_its_key(fake_gpu, key, value, why):
+    """The small preset's q/k/v projection sums one round of weights a warp (nothing to stage), and its
+    128-wide experts take the narrow kernels (no tables): the engine refuses each form at start, naming the
+    profile key, instead of running the model another way."""
+    from strata_runtime.api import PlanMismatch
+    from strata_runtime.engine import Engine
+
+    text = float16_profile_text(backend="cuda", preset="small", slots=1, context=256)
+    plan = resolve_text(text.replace("[model]", f'[model]\n{key} = "{value}"'), "a.toml").plan
+    with pytest.raises(PlanMismatch, match=why):
+        Engine(plan)
+
+
+def test_paired_q_k_v_blocks_are_refused_on_a_gpu_without_clusters(fake_gpu):
+    """A head's two blocks run as a thread-block cluster, which needs compute capability 9.0: on a GPU
+    without clusters the engine refuses ``model.qkv_form = "paired"`` at start, naming the GPU and the key."""
+    from strata_runtime.api import PlanMismatch
+    from strata_runtime.cuda import layers
+    from strata_runtime.engine import Engine
+
+    layers.kernels_for(0).clusters = False  # as on an Ampere or Ada GPU
+    text = float16_profile_text(backend="cuda", preset="small", slots=1, context=256)
+    plan = resolve_text(text.replace("[model]", '[model]\nqkv_form = "paired"'), "a.toml").plan
+    with pytest.raises(PlanMismatch, match="cuda:0: model.qkv_form = 'paired' .*clusters need compute"):
+        Engine(plan)

@@ -324,12 +324,12 @@ def test_each_qkv_form_launches_its_kernel_and_shared_memory_where_the_shapes_ta
             qkv_rope_launch(*args)
 
 
-def test_qkv_rope_launches_the_form_in_force_with_its_shared_memory() -> None:
-    """`Kernels.qkv_rope` launches the engine's form (`QKV_FORM`) outside `qkv_form` and the given one
-    inside it, with the form's dynamic shared memory allowed and passed to the launch."""
+def test_qkv_rope_launches_the_layers_form_with_its_shared_memory() -> None:
+    """`Kernels.qkv_rope` launches the default form (`QKV_FORM`) unless given another (a layer's
+    ``model.qkv_form``), with the form's dynamic shared memory allowed and passed to the launch."""
     from types import SimpleNamespace
 
-    from strata_runtime.cuda.choices import QkvForm, qkv_form
+    from strata_runtime.cuda.choices import QkvForm
     from strata_runtime.cuda.ops import Kernels
 
     launches: list[tuple[str, tuple, int]] = []
@@ -349,26 +349,26 @@ def test_qkv_rope_launches_the_form_in_force_with_its_shared_memory() -> None:
     pos = slot = np.zeros(rows, np.int32)
     small = np.zeros(d, np.float16)
 
-    def launch() -> tuple[str, tuple, int]:
+    def launch(**form: QkvForm) -> tuple[str, tuple, int]:
         args = (w, x, x, small, 1e-6, small, small, pos, slot, q, kc, kc, 1e6, pos)
-        Kernels.qkv_rope(stub, *args)  # type: ignore[arg-type]
+        Kernels.qkv_rope(stub, *args, **form)  # type: ignore[arg-type]
         return launches.pop()
 
     assert launch() == ("gemv_mma<1,2048,4,16,true,128>", (80,), 0) and not allowed
-    with qkv_form(QkvForm(staged=True, paired=True)):
-        assert launch() == ("gemv_mma_pair<1,2048,4,16,true,128,2>", (80,), 131072)
+    both = QkvForm(staged=True, paired=True)
+    assert launch(form=both) == ("gemv_mma_pair<1,2048,4,16,true,128,2>", (80,), 131072)
     assert allowed == [("gemv_mma_pair<1,2048,4,16,true,128,2>", 131072)]
-    assert launch()[0] == "gemv_mma<1,2048,4,16,true,128>"  # the engine's form again
+    assert launch(form=QkvForm(paired=True)) == ("gemv_mma_pair<1,2048,4,16,true,128>", (80,), 0)
 
 
 def test_the_expert_tables_form_names_its_kernels_and_passes_the_expert_count() -> None:
     """`MoeForm` ``tables`` appends ``true`` to both wide expert kernels' instantiations; `Kernels.moe`
-    launches the form in force (`moe_form`), giving either kernel the expert count (the length of the
-    address tables it reads with ``tables``) as its last argument. The narrow kernels take the plain form
-    only."""
+    launches the form it is given (a layer's ``model.expert_form``; plain by default), giving either kernel
+    the expert count (the length of the address tables it reads with ``tables``) as its last argument. The
+    narrow kernels take the plain form only."""
     from types import SimpleNamespace
 
-    from strata_runtime.cuda.choices import MOE_FORM, MoeForm, moe_expressions, moe_form
+    from strata_runtime.cuda.choices import MOE_FORM, MoeForm, moe_expressions
     from strata_runtime.cuda.experts import resident_experts
     from strata_runtime.cuda.ops import Kernels
 
@@ -397,12 +397,12 @@ def test_the_expert_tables_form_names_its_kernels_and_passes_the_expert_count() 
     idx, wts = np.zeros((rows, k), np.int32), np.zeros((rows, k), np.float32)
     h_buf = np.zeros((rows * k, inter), np.float32)
 
-    def launch() -> list[tuple[str, int]]:
+    def launch(**form: MoeForm) -> list[tuple[str, int]]:
         launches.clear()
-        Kernels.moe(stub, x, x[0], logits, True, 1e-6, experts, x, idx, wts, h_buf)  # type: ignore[arg-type]
+        args = (x, x[0], logits, True, 1e-6, experts, x, idx, wts, h_buf)
+        Kernels.moe(stub, *args, **form)  # type: ignore[arg-type]
         return [(expr, int(args[-1])) for expr, args in launches if expr != "route_topk"]
 
     assert launch() == [("moe_gate_up<2048,768>", e), ("moe_down<2048,768,8>", e)]
-    with moe_form(MoeForm(tables=True)):
-        assert launch() == [("moe_gate_up<2048,768,true>", e), ("moe_down<2048,768,8,true>", e)]
-    assert launch()[0][0] == "moe_gate_up<2048,768>"  # the engine's form again
+    tables = [("moe_gate_up<2048,768,true>", e), ("moe_down<2048,768,8,true>", e)]
+    assert launch(form=MoeForm(tables=True)) == tables

@@ -233,9 +233,7 @@ def usage_problem(args: argparse.Namespace) -> str | None:
         step = args.workload == "step"
         if args.arms or args.peer or (args.vary and not step):
             what = "--arms and --peer" if step else "--arms, --vary and --peer"
-            also = (
-                "; --vary model.decode_attention=V1,V2 compares its decode attention kernels" if step else ""
-            )
+            also = f"; --vary {'/'.join(STEP_VARY_KEYS)}=V1,V2 compares its kernels" if step else ""
             return (
                 f"--workload {args.workload} measures the profile's own plan: {what} do not apply (--set "
                 f"changes the plan{also})"

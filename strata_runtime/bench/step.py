@@ -12,10 +12,10 @@ programmatic launch lets kernels overlap: the step's time less the same step's w
 out (`KernelModel.time_in_step`). No engine is built: this is the kernels' own ceiling, without scheduling,
 sampling or Python between windows.
 
-With more than one plan (``strata bench --workload step --vary model.decode_attention=auto,cuda_cores``)
-it also times the whole step with each plan's decode attention kernel, switched in the one model on the
-same weights and window, in interleaved rounds (`KernelModel.time_attention_arms`): the two kernels'
-ratio comes from one run.
+With more than one plan (``strata bench --workload step --vary model.decode_attention=auto,cuda_cores``,
+or ``--vary model.qkv_form=plain,staged``, or ``model.expert_form``) it also times the whole step with each
+plan's kernels, switched in the one model on the same weights and window, in interleaved rounds
+(`KernelModel.time_kernel_arms`): the kernels' ratio comes from one run.
 
 Shapes: L layers, H hidden, NQ/NKV query/KV heads of D, E experts, K top-k, I expert width, W dense-MLP or
 shared-expert width, V vocabulary, S slots, T context, R rows.
@@ -36,7 +36,15 @@ from strata_cfg.schema.facts import ModelFacts
 from strata_cfg.schema.plan import LaunchPlan
 
 from ..backend import Device
-from ..cuda.choices import PDL_ROWS, AttentionSplit, attention_split
+from ..cuda.choices import (
+    KERNEL_FORMS,
+    MOE_FORM,
+    PDL_ROWS,
+    QKV_FORM,
+    AttentionSplit,
+    KernelForms,
+    attention_split,
+)
 from ..cuda.experts import resident_experts
 from ..cuda.layers import (
     LAYER_STEPS,
@@ -44,6 +52,7 @@ from ..cuda.layers import (
     LayerWeights,
     Step,
     WindowBuffers,
+    forms_refused,
     step_applies,
     supported,
 )
@@ -67,7 +76,7 @@ CHOICES: dict[str, tuple[float, int, float]] = {
 top-p) for the draw, the greedy argmax where the inverse temperature is 0."""
 SLOTS = 8  # one KV slot per row of the largest window
 ATTENTION_ROUNDS = 3
-"""Rounds of `KernelModel.time_attention_arms`: each times every arm once, in turn."""
+"""Rounds of `KernelModel.time_kernel_arms`: each times every arm once, in turn."""
 
 
 def step_memory_bytes(facts: ModelFacts, context: int) -> int:
@@ -187,6 +196,29 @@ def graph_seconds(cp: Any, body: Callable[[], None], repeats: int) -> float:
     return float(np.median(ts))
 
 
+@dataclass(frozen=True)
+class KernelArm:
+    """The kernels of one arm of a step comparison: decode attention on tensor cores where the shape allows
+    (else CUDA cores), a split of a row on tensor cores (None: the engine's), and the q/k/v and expert
+    kernels' forms."""
+
+    tensor_cores: bool = True
+    split: AttentionSplit | None = None
+    forms: KernelForms = KERNEL_FORMS
+
+    def label(self) -> str:
+        """A short name of what differs from the engine's defaults: ``tensor cores``, ``CUDA cores``, with
+        ``, q/k/v FORM`` and ``, experts FORM`` where those are not plain."""
+        out = "tensor cores" if self.tensor_cores else "CUDA cores"
+        if self.split is not None:
+            out += f" {self.split}"
+        if self.forms.qkv != QKV_FORM:
+            out += f", q/k/v {self.forms.qkv}"
+        if self.forms.moe != MOE_FORM:
+            out += f", experts {self.forms.moe}"
+        return out
+
+
 class KernelModel:
     """The plan's model as random fp16 weights on one GPU, run one decode step at a time by the kernels.
 
@@ -207,6 +239,7 @@ class KernelModel:
         device_index: int = 0,
         routing: DeviceRouting | None = None,
         attention_tc: bool = True,
+        forms: KernelForms = KERNEL_FORMS,
     ) -> None:
         self.cp, self.f, self.context = cp, f, context
         layers = [
@@ -217,6 +250,7 @@ class KernelModel:
         k_cache, v_cache = cp.zeros(kv, cp.float16), cp.zeros(kv, cp.float16)
         self.stack = LayerStack(device_index, facts_args(f), layers, k_cache, v_cache, kern)
         self.use_attention(attention_tc)
+        self.use_forms(forms)
         self.emb = _rnd(cp, (f.vocab_size, f.hidden_size))  # [V, H]
         self.head = _rnd(cp, (f.vocab_size, f.hidden_size))  # [V, H]
         self.final_norm = _rnd(cp, (f.hidden_size,), 1.0)  # [H]
@@ -227,37 +261,41 @@ class KernelModel:
         for lay in self.stack.layers:
             lay.attention_tc = tensor_cores
 
-    def time_attention_arms(
+    def use_forms(self, forms: KernelForms) -> None:
+        """Run the q/k/v and expert kernels in ``forms`` in every layer from now on
+        (`strata_runtime.cuda.layers.LayerWeights.forms`)."""
+        for lay in self.stack.layers:
+            lay.forms = forms
+
+    def time_kernel_arms(
         self,
         rows: int,
         position: int,
         repeats: int,
-        arms: Mapping[str, bool],
+        arms: Mapping[str, KernelArm],
         timer: Callable[[Any, Callable[[], None], int], float] = graph_seconds,
         rounds: int = ATTENTION_ROUNDS,
-        splits: Mapping[str, AttentionSplit] | None = None,
     ) -> dict[str, Any]:
-        """`time_arms` with each arm's decode attention (name -> tensor cores where the shape allows) and,
-        where given, its split of a row on tensor cores (``splits``; else the engine's)."""
-        split_of = dict(splits or {})
-
-        def arm(name: str) -> contextlib.AbstractContextManager[None]:
-            return self.attention_arm(arms[name], split_of.get(name))
-
-        contexts = {name: partial(arm, name) for name in arms}
+        """`time_arms` with each arm's kernels (`KernelArm`: decode attention and its split, the q/k/v and
+        expert kernels' forms)."""
+        contexts = {name: partial(self.arm, a) for name, a in arms.items()}
         return self.time_arms(rows, position, repeats, contexts, timer, rounds)
 
     @contextlib.contextmanager
-    def attention_arm(self, tensor_cores: bool, split: AttentionSplit | None = None) -> Iterator[None]:
-        """Every layer's decode attention on tensor cores where the shape allows (else CUDA cores), split as
-        ``split`` where given, inside the block; the layers' own choice again after it."""
-        before = self.stack.attention_tc
-        self.use_attention(tensor_cores)
+    def arm(self, kernels: KernelArm) -> Iterator[None]:
+        """Every layer's kernels as ``kernels`` says inside the block: decode attention on tensor cores
+        where the shape allows (else CUDA cores), split as its ``split`` where given, the q/k/v and expert
+        kernels in its forms; the layers' own choices again after it."""
+        before = self.stack.attention_tc, self.stack.forms
+        self.use_attention(kernels.tensor_cores)
+        self.use_forms(kernels.forms)
         try:
+            split = kernels.split
             with attention_split(split) if split is not None else contextlib.nullcontext():
                 yield
         finally:
-            self.use_attention(before)
+            self.use_attention(before[0])
+            self.use_forms(before[1])
 
     def time_arms(
         self,
@@ -486,10 +524,16 @@ def attention_name(on_tensor_cores: bool) -> str:
     return "tensor cores (attn_tc)" if on_tensor_cores else "CUDA cores (attn_split)"
 
 
-def attention_arms(plans: Mapping[str, LaunchPlan]) -> dict[str, bool]:
-    """Each plan's decode attention (name -> tensor cores) for `KernelModel.time_attention_arms`. The step
-    switches only that kernel in one model, so the plans may differ in nothing else it builds: the model,
-    its routing and seed, the context and the GPU; raises ValueError naming what differs."""
+def plan_forms(plan: LaunchPlan) -> KernelForms:
+    """The plan's q/k/v and expert kernels' forms (``model.qkv_form``, ``model.expert_form``)."""
+    return KernelForms.parse(plan.model.qkv_form, plan.model.expert_form)
+
+
+def kernel_arms(plans: Mapping[str, LaunchPlan]) -> dict[str, KernelArm]:
+    """Each plan's kernels (decode attention and the q/k/v and expert kernels' forms) for
+    `KernelModel.time_kernel_arms`. The step switches only those in one model, so the plans may differ in
+    nothing else it builds: the model, its routing and seed, the context and the GPU; raises ValueError
+    naming what differs."""
     (first, base), *rest = plans.items()
     for name, plan in rest:
         for what, a, b in (
@@ -500,10 +544,14 @@ def attention_arms(plans: Mapping[str, LaunchPlan]) -> dict[str, bool]:
         ):
             if a != b:
                 raise ValueError(
-                    "the step workload compares plans that differ only in model.decode_attention (it "
-                    f"switches that kernel in one model), but {first} and {name} differ in their {what}"
+                    "the step workload compares plans that differ only in their kernels "
+                    "(model.decode_attention, model.qkv_form, model.expert_form: it switches those in one "
+                    f"model), but {first} and {name} differ in their {what}"
                 )
-    return {name: plan.model.decode_attention == "tensor_cores" for name, plan in plans.items()}
+    return {
+        name: KernelArm(plan.model.decode_attention == "tensor_cores", forms=plan_forms(plan))
+        for name, plan in plans.items()
+    }
 
 
 def run_step(
@@ -515,13 +563,14 @@ def run_step(
     versus: Mapping[str, LaunchPlan] | None = None,
 ) -> dict[str, Any]:
     """Time the kernel step of the plan's model on GPU ``device_index``; the figures as a JSON-able dict.
-    ``versus``: several plans by name (``plan`` among them, first), which differ only in
-    ``model.decode_attention``: the whole step is also timed with each one's kernel (`attention_arms`)."""
+    ``versus``: several plans by name (``plan`` among them, first), which differ only in their kernels
+    (``model.decode_attention``, ``model.qkv_form``, ``model.expert_form``): the whole step is also timed
+    with each one's (`kernel_arms`)."""
     import cupy as cp
 
     from ..cuda.ops import kernels_for
 
-    arms = attention_arms(versus) if versus is not None and len(versus) > 1 else None
+    arms = kernel_arms(versus) if versus is not None and len(versus) > 1 else None
     f, context = plan.model.facts, plan.memory.context
     position = max(0, min(position, context - 1))
     why = supported(facts_args(f), np.float16, np.float16, device_index)
@@ -542,7 +591,13 @@ def run_step(
         tc = plan.model.decode_attention == "tensor_cores"
         group = f.num_attention_heads // f.num_key_value_heads
         on_tc = kern.attention_on_tc(f.head_dim, group, tc)
-        model = KernelModel(cp, f, context, kern, device_index, routing, attention_tc=tc)
+        forms = plan_forms(plan)
+        problem = forms_refused(facts_args(f), forms, device_index)
+        for arm in (arms or {}).values():
+            problem = problem or forms_refused(facts_args(f), arm.forms, device_index)
+        if problem is not None:
+            raise ValueError(problem)
+        model = KernelModel(cp, f, context, kern, device_index, routing, attention_tc=tc, forms=forms)
         cp.cuda.Device().synchronize()
         made_s = time.perf_counter() - t0
         table = [model.time_rows(rows, position, repeats, copy) for rows in ROWS]
@@ -557,8 +612,13 @@ def run_step(
         }
         by_arm = None
         if arms is not None:
-            named = {a: attention_name(kern.attention_on_tc(f.head_dim, group, tc)) for a, tc in arms.items()}
-            timed = [model.time_attention_arms(rows, position, repeats, arms) for rows in ROWS]
+            named = {
+                name: KernelArm(
+                    kern.attention_on_tc(f.head_dim, group, a.tensor_cores), a.split, a.forms
+                ).label()
+                for name, a in arms.items()
+            }
+            timed = [model.time_kernel_arms(rows, position, repeats, arms) for rows in ROWS]
             by_arm = {"kernels": named, "rounds": ATTENTION_ROUNDS, "rows": timed}
         name = gpu_name(cp, device_index)
     del model, routing
@@ -583,7 +643,7 @@ def run_step(
         "per_kernel_gbs": {r: {k: v["gbs"] for k, v in ks.items()} for r, ks in kernels.items()},
         "in_step_us_per_layer": in_step,
         **{key: _per_rows(choices, key) for key in CHOICE_TIMES},
-        **({"attention_arms": by_arm} if by_arm is not None else {}),
+        **({"kernel_arms": by_arm} if by_arm is not None else {}),
     }
 
 
@@ -677,21 +737,21 @@ def render_step(res: dict[str, Any]) -> str:
     if res.get("distribution_us"):
         lines += ["", "the whole distribution each draw takes (a sampled drafted window's p and q), µs:"]
         lines += _choice_lines(res["distribution_us"], res.get("one_block_distribution_us", {}))
-    if res.get("attention_arms"):
-        lines += ["", *_attention_arm_lines(res["attention_arms"])]
+    if res.get("kernel_arms"):
+        lines += ["", *_kernel_arm_lines(res["kernel_arms"])]
     return "\n".join(lines)
 
 
-def _attention_arm_lines(arms: dict[str, Any]) -> list[str]:
-    """The whole step with each plan's decode attention kernel: ms by row count, each arm's change from the
-    first, and whether the arms chose the same tokens."""
+def _kernel_arm_lines(arms: dict[str, Any]) -> list[str]:
+    """The whole step with each plan's kernels: ms by row count, each arm's change from the first, and
+    whether the arms chose the same tokens."""
     names = list(arms["kernels"])
-    width = max(16, *(len(n) for n in names))
+    width = max(16, *(len(n) for n in names), *(len(k) for k in arms["kernels"].values()))
     lines = [
-        f"the whole step with each plan's decode attention, ms (graph; the median of {arms['rounds']} "
+        f"the whole step with each plan's kernels, ms (graph; the median of {arms['rounds']} "
         "interleaved rounds in one process, on the same weights and window):",
         f"{'rows':>4}  " + "  ".join(f"{n:>{width}}" for n in names),
-        f"{'':>4}  " + "  ".join(f"{arms['kernels'][n].split(' (')[0]:>{width}}" for n in names),
+        f"{'':>4}  " + "  ".join(f"{arms['kernels'][n]:>{width}}" for n in names),
     ]
     differ = []
     for r in arms["rows"]:

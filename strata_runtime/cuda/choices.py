@@ -348,8 +348,8 @@ class QkvForm:
       last of the two reading the whole head back through L2 after a counter. Where a block holds half a
       head (64 features of a 128-wide head).
 
-    The engine runs the default, `QKV_FORM` (neither); a benchmark times the others inside `qkv_form`.
-    Written and parsed as ``plain``, ``staged``, ``paired`` or ``staged+paired``."""
+    A plan chooses one (``model.qkv_form``; default `QKV_FORM`, neither). Written and parsed as ``plain``,
+    ``staged``, ``paired`` or ``staged+paired``."""
 
     staged: bool = False
     paired: bool = False
@@ -368,19 +368,7 @@ class QkvForm:
 
 
 QKV_FORM = QkvForm()
-"""The q/k/v kernel's form the engine runs."""
-_QKV_FORM: contextvars.ContextVar[QkvForm] = contextvars.ContextVar("strata_qkv_form", default=QKV_FORM)
-"""The form `Kernels.qkv_rope` launches on this thread now: the default outside `qkv_form`."""
-
-
-def qkv_form(form: QkvForm) -> contextlib.AbstractContextManager[None]:
-    """Launch the q/k/v projection in ``form`` in this block (on this thread). For benchmarks."""
-    return in_force(_QKV_FORM, form)
-
-
-def qkv_form_in_force() -> QkvForm:
-    """The form the q/k/v projection launches in on this thread now."""
-    return _QKV_FORM.get()
+"""The q/k/v kernel's form by default."""
 
 
 @dataclass(frozen=True)
@@ -389,8 +377,8 @@ class MoeForm:
     Plain, each block reads the window's routing and then the chosen experts' addresses, two round trips
     to memory after it waits before its first weight load. With ``tables``, it reads the layer's whole
     address table (one address an expert) beside the routing, one round trip. The sums are the same, so
-    the bits are. The engine runs the default, `MOE_FORM` (plain); a benchmark times the other inside
-    `moe_form`. Written and parsed as ``plain`` or ``tables``."""
+    the bits are. A plan chooses one (``model.expert_form``; default `MOE_FORM`, plain). Written and parsed
+    as ``plain`` or ``tables``."""
 
     tables: bool = False
 
@@ -405,19 +393,28 @@ class MoeForm:
 
 
 MOE_FORM = MoeForm()
-"""The expert kernels' form the engine runs."""
-_MOE_FORM: contextvars.ContextVar[MoeForm] = contextvars.ContextVar("strata_moe_form", default=MOE_FORM)
-"""The form `Kernels.moe` launches on this thread now: the default outside `moe_form`."""
+"""The expert kernels' form by default."""
 
 
-def moe_form(form: MoeForm) -> contextlib.AbstractContextManager[None]:
-    """Launch the routed experts' kernels in ``form`` in this block (on this thread). For benchmarks."""
-    return in_force(_MOE_FORM, form)
+@dataclass(frozen=True)
+class KernelForms:
+    """The forms a stack's q/k/v and expert kernels run in (``model.qkv_form``, ``model.expert_form``). Every
+    form gives the same bits, so a plan's choice changes its speed and never its text."""
+
+    qkv: QkvForm = QKV_FORM
+    moe: MoeForm = MOE_FORM
+
+    @classmethod
+    def parse(cls, qkv: str, moe: str) -> KernelForms:
+        """From the plan's names (``model.qkv_form``, ``model.expert_form``)."""
+        return cls(QkvForm.parse(qkv), MoeForm.parse(moe))
+
+    def __str__(self) -> str:
+        return f"q/k/v {self.qkv}, experts {self.moe}"
 
 
-def moe_form_in_force() -> MoeForm:
-    """The form the routed experts' kernels launch in on this thread now."""
-    return _MOE_FORM.get()
+KERNEL_FORMS = KernelForms()
+"""The forms by default: both plain."""
 
 
 def moe_expressions(h: int, i: int, topk: int, form: MoeForm = MOE_FORM) -> tuple[str, ...]:
@@ -521,13 +518,17 @@ def decode_expressions(
     tensor_cores: bool = True,
     max_rows: int = MAX_WINDOW_ROWS,
     attention_tc: bool | None = None,
+    forms: KernelForms = KERNEL_FORMS,
+    clusters: bool = True,
 ) -> list[str]:
     """Every instantiation of kernels.cu that windows of 1 to ``max_rows`` rows through layers of these
     shapes (and a head) launch: the decode graphs compile them all before the first window
     (`strata_runtime.cuda.decode.CudaLayers`). ``mlp_widths``: the widths of the layers' dense MLPs or
     shared experts; ``gemv_shapes``: (out features, reduction, fused norm) of further GEMVs on the same rows
     (the LM head on normalised rows, the MTP head's input projections). ``attention_tc``: whether attention
-    may run on tensor cores (``model.decode_attention``; None: where ``tensor_cores``)."""
+    may run on tensor cores (``model.decode_attention``; None: where ``tensor_cores``); ``forms``: the q/k/v
+    and expert kernels' forms, on a device with thread-block clusters or not (`forms_problem` says where
+    they do not fit)."""
     a = args
     attention_tc = tensor_cores if attention_tc is None else attention_tc
     h, q = a.hidden_size, a.num_attention_heads * a.head_dim
@@ -538,7 +539,7 @@ def decode_expressions(
     out += ["inverse_cdf_rows", "verify_sampled_rows"]
     out += attention_expressions(a.head_dim, a.num_attention_heads // a.num_key_value_heads, attention_tc)
     if a.num_experts:
-        out += moe_expressions(h, a.moe_intermediate_size, a.num_experts_per_tok)
+        out += moe_expressions(h, a.moe_intermediate_size, a.num_experts_per_tok, forms.moe)
     # (out features, reduction, fused norm) of every projection: q/k/v, output, router, the dense MLP or
     # shared expert (gate/up, down, gate), and the LM head.
     shapes = [(qkv, h, True), (h, q, False), (a.vocab_size, h, True), (1, h, True)]
@@ -547,9 +548,37 @@ def decode_expressions(
     shapes += list(gemv_shapes)
     for rows in range(1, max_rows + 1):
         out += [gemv_expression(rows, n, k, norm, tensor_cores) for n, k, norm in shapes]
-        rope = qkv_rope_launch(rows, qkv, h, a.head_dim, tensor_cores)
+        rope = qkv_rope_launch(rows, qkv, h, a.head_dim, tensor_cores, forms.qkv, clusters)
         out += [rope.expression] if rope is not None else []
     return out
+
+
+def forms_problem(
+    args: ModelArgs,
+    forms: KernelForms,
+    tensor_cores: bool,
+    clusters: bool,
+    shared_limit: int | None = None,
+    max_rows: int = MAX_WINDOW_ROWS,
+) -> str | None:
+    """Why layers of this model cannot run ``forms`` in windows of 1 to ``max_rows`` rows on a device with
+    tensor cores or not, thread-block clusters or not, and ``shared_limit`` bytes of shared memory a block
+    (where known), naming the plan's key; None where they can."""
+    a = args
+    qkv = (a.num_attention_heads + 2 * a.num_key_value_heads) * a.head_dim
+    try:
+        for rows in range(1, max_rows + 1):
+            qkv_rope_launch(
+                rows, qkv, a.hidden_size, a.head_dim, tensor_cores, forms.qkv, clusters, shared_limit
+            )
+    except ValueError as exc:
+        return f"model.qkv_form = {str(forms.qkv)!r} does not run here: {exc}"
+    if a.num_experts:
+        try:
+            moe_expressions(a.hidden_size, a.moe_intermediate_size, a.num_experts_per_tok, forms.moe)
+        except ValueError as exc:
+            return f"model.expert_form = {str(forms.moe)!r} does not run here: {exc}"
+    return None
 
 
 def prefill_expressions(grouped: bool) -> list[str]:

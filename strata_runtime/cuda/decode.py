@@ -51,7 +51,13 @@ class CudaLayers:
         widths = [lay.mlp_width for lay in self.stack.layers if lay.mlp_down is not None]
         kern = self.stack.kern
         return decode_expressions(
-            self.stack.args, widths, self.gemv_shapes, kern.tensor_cores, attention_tc=self.stack.attention_tc
+            self.stack.args,
+            widths,
+            self.gemv_shapes,
+            kern.tensor_cores,
+            attention_tc=self.stack.attention_tc,
+            forms=self.stack.forms,
+            clusters=kern.clusters,
         )
 
     @property

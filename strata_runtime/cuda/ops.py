@@ -27,9 +27,13 @@ from .choices import (
     ATTENTION_WIDE_ROWS,
     CHOOSE_GATHER,
     CHOOSE_PREP_BYTES,
+    MOE_FORM,
     PDL_KERNELS,
+    QKV_FORM,
     THREADS,
     WARPS_PER_BLOCK,
+    MoeForm,
+    QkvForm,
     argmax_slices,
     attention_counters,
     attention_on_tensor_cores,
@@ -42,8 +46,6 @@ from .choices import (
     gemv_launch,
     in_force,
     moe_expressions,
-    moe_form_in_force,
-    qkv_form_in_force,
     qkv_rope_launch,
 )
 from .compile import KernelCache, source
@@ -197,16 +199,17 @@ class Kernels(KernelCache):
         v_cache: Array,
         theta: float,
         done: Array,
+        form: QkvForm = QKV_FORM,
     ) -> None:
         """The q/k/v projection with its input norm, then q and k normalised and rotated per head and k and
         v written into the cache at (slot, position): `gemv` into ``qkv`` [R, (NQ + 2 NKV) D] and
-        `qk_norm_rope_kv`, in one kernel where the projection runs on tensor cores (`qkv_rope_launch`).
-        ``done``: [NQ + 2 NKV] int32, zero before the first launch (the kernel leaves it at zero)."""
+        `qk_norm_rope_kv`, in one kernel where the projection runs on tensor cores (`qkv_rope_launch`), in
+        ``form`` (the layer's, ``model.qkv_form``). ``done``: [NQ + 2 NKV] int32, zero before the first
+        launch (the kernel leaves it at zero)."""
         n, k = w.shape
         rows = x.shape[0]
         _, n_q, d = q_out.shape
         _, n_kv, t, _ = k_cache.shape
-        form = qkv_form_in_force()
         limit = self.block_shared if form.staged else None
         launch = qkv_rope_launch(rows, n, k, d, self.tensor_cores, form, self.clusters, limit)
         if launch is None:
@@ -372,6 +375,7 @@ class Kernels(KernelCache):
         idx: Array,
         wts: Array,
         h_buf: Array,
+        form: MoeForm = MOE_FORM,
     ) -> None:
         """Route and run the experts: resid[R, H] += sum_j wts[r, j] * expert_{idx[r, j]}(x'[r]).
 
@@ -382,7 +386,7 @@ class Kernels(KernelCache):
         ``counts`` [E] fp32 set, each assignment is added to ``counts`` and, when ``slot_of`` [E] int32 is
         negative for its expert (not in VRAM), to ``misses[0]``, and when below -1 (a helper slot) to
         ``misses[1]`` ([2] fp32). idx [R, k] int32 and wts [R, k] fp32 receive the routing; h_buf:
-        [R * k, I] fp32 scratch.
+        [R * k, I] fp32 scratch; ``form``: the layer's (``model.expert_form``).
 
         Shapes the wide kernels take (H and I multiples of 256, k <= 16) are routed first (``route_topk``),
         and their gate/up products run in order of expert (``moe_gate_up``), so that an expert several rows
@@ -396,7 +400,7 @@ class Kernels(KernelCache):
             raise ValueError(f"the expert kernels route at most 256 experts, not {n_exp}")
         tally = _tally(experts)
         a = rows * topk
-        gu_expr, down_expr, *_ = moe_expressions(h, inter, topk, moe_form_in_force())
+        gu_expr, down_expr, *_ = moe_expressions(h, inter, topk, form)
         tiles = (math.ceil(inter / WARPS_PER_BLOCK), a)
         blocks_d = (math.ceil(rows * h / WARPS_PER_BLOCK),)
         gu, down = experts.gate_up, experts.down

@@ -23,6 +23,7 @@ from numpy.typing import DTypeLike
 from strata_cfg.schema.windows import DEFER_MOST, MAX_WINDOW_ROWS, PROMPT_GRAPH_MAX
 
 from ..backend import Array, Device
+from ..cuda.choices import KERNEL_FORMS, KernelForms
 from ..layout import Layout, Segment
 from ..models.ops.norm import rms_norm_in_dtype
 from ..models.qwen3_moe import DecoderLayer, ModelArgs, SparseMoeBlock, linear
@@ -178,12 +179,18 @@ class MtpHead:
         self.weight_bytes -= int(mlp.experts.gate_up_proj.nbytes + mlp.experts.down_proj.nbytes)
 
     def use_cuda(
-        self, k_cache: Array, v_cache: Array, split_q: bool = True, attention_tc: bool = True
+        self,
+        k_cache: Array,
+        v_cache: Array,
+        split_q: bool = True,
+        attention_tc: bool = True,
+        forms: KernelForms = KERNEL_FORMS,
     ) -> str | None:
         """Run draft windows of at most 8 rows as CUDA graphs over the drafters' shared KV [1, S, K, T, D].
         Returns why not, when the kernels cannot run this head. ``split_q``: its prompt rows' attention
         holds q as two fp16 parts (False: fp16 q; ``model.prefill_q``). ``attention_tc``: its decode
-        attention runs on tensor cores where the shape allows (``model.decode_attention``)."""
+        attention runs on tensor cores where the shape allows (``model.decode_attention``); ``forms``: its
+        q/k/v and expert kernels' forms (``model.qkv_form``, ``model.expert_form``)."""
         from ..cuda import layers
         from ..cuda.mtp import CudaMtp
 
@@ -202,6 +209,7 @@ class MtpHead:
                 split_q,
                 graph_rows=self.prefill_graph_rows,
                 attention_tc=attention_tc,
+                forms=forms,
             )
         return why
 
