@@ -168,7 +168,8 @@ def test_the_step_times_each_way_of_choosing_tokens_on_its_own_logits() -> None:
     argmax, fails); each draw's whole distribution is timed too and is the one its token was drawn from (a
     draw from it at the row's uniform gives the token); each draw and distribution is timed by one block per
     row as well; and the step table lists the µs of each, the one-block µs in brackets."""
-    from strata_runtime.bench.step import CHOICE_TIMES, CHOICES, _per_rows, render_step
+    from strata_runtime.bench.step import CHOICE_TIMES, CHOICES, _per_rows
+    from strata_runtime.bench.step_table import render_step
 
     facts = ModelFacts.from_config(preset_config("tiny"), source="synthetic:tiny", dtype="float16")
     model = KernelModel(_numpy_as_cupy(seed=7), facts, 64, reference)
@@ -219,7 +220,7 @@ def test_the_step_times_what_each_group_costs_inside_it(preset: str, monkeypatch
     of every layer: with a timer that charges each group's launches a cost of its own, what it reports for a
     group is that group's cost per layer that runs it, for every group some layer runs and no other; and the
     step table lists the figures."""
-    from strata_runtime.bench.step import render_step
+    from strata_runtime.bench.step_table import render_step
     from strata_runtime.cuda.layers import LAYER_STEPS
 
     facts = ModelFacts.from_config(preset_config(preset), source=f"synthetic:{preset}", dtype="float16")
@@ -357,7 +358,7 @@ def test_the_kernel_groups_bytes_add_up_to_the_steps(preset: str, rows: int, dis
 
 
 def test_the_step_table_gives_each_kernel_groups_share_of_the_copy_rate() -> None:
-    from strata_runtime.bench.step import render_step
+    from strata_runtime.bench.step_table import render_step
 
     res = _step_result(
         per_kernel_us_per_layer={"1": {"qkv+rope": 10.0, "route_bias": 1.0}},
@@ -381,7 +382,8 @@ def test_the_step_times_each_plans_kernels_in_turn_on_one_model(monkeypatch) -> 
     from rt_plans import float16_profile_text
 
     from strata_cfg.plan.from_profile import resolve_text
-    from strata_runtime.bench.step import KernelArm, kernel_arms, render_step
+    from strata_runtime.bench.step import KernelArm, kernel_arms
+    from strata_runtime.bench.step_table import render_step
     from strata_runtime.cuda.choices import KERNEL_FORMS, KernelForms, MoeForm, QkvForm
 
     facts = ModelFacts.from_config(preset_config("tiny"), source="synthetic:tiny", dtype="float16")

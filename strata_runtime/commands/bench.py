@@ -382,7 +382,8 @@ def run_gpu_workload(args: argparse.Namespace, plans: dict[str, LaunchPlan]) -> 
         print(f"strata bench: {exc}", file=sys.stderr)
         return EXIT_REFUSED
     if args.workload == "step":
-        from ..bench.step import render_step, run_step
+        from ..bench.step import run_step
+        from ..bench.step_table import render_step
 
         try:
             res = run_step(plan, plan.stages[0].gpu, position=args.position, versus=plans)
