@@ -36,11 +36,8 @@ def render_step(res: dict[str, Any]) -> str:
     copy = res["copy_gbs"]
     for rows, kernels in res["per_kernel_us_per_layer"].items():
         rates = res.get("per_kernel_gbs", {}).get(rows, {})
-        parts = ", ".join(
-            f"{k} {v:.1f}" + (f" ({100 * rates[k] / copy:.0f}%)" if rates.get(k) and copy > 0 else "")
-            for k, v in kernels.items()
-        )
-        lines.append(f"  {rows} row{'s' if rows != '1' else ''}: {parts}")
+        share = {k: rates[k] / copy for k in kernels if rates.get(k) and copy > 0}
+        lines.append(_groups_line(rows, kernels, share))
     if res.get("in_step_us_per_layer"):
         lines += [
             "",
@@ -51,12 +48,10 @@ def render_step(res: dict[str, Any]) -> str:
         ]
         for rows, groups in res["in_step_us_per_layer"].items():
             nbytes = res.get("per_kernel_bytes_per_layer", {}).get(rows, {})
-            parts = ", ".join(
-                f"{k} {v:.1f}"
-                + (f" ({nbytes[k] / v / 1e3 / copy:.0%})" if nbytes.get(k) and v > 0 < copy else "")
-                for k, v in groups.items()
-            )
-            lines.append(f"  {rows} row{'s' if rows != '1' else ''}: {parts}")
+            share = {
+                k: nbytes[k] / v / 1e3 / copy for k, v in groups.items() if nbytes.get(k) and v > 0 < copy
+            }
+            lines.append(_groups_line(rows, groups, share))
     if res.get("choice_us"):
         lines += [
             "",
@@ -110,3 +105,10 @@ def _choice_lines(times: dict[str, dict[str, float]], one_block: dict[str, dict[
         )
         lines.append(f"  {rows} row{'s' if rows != '1' else ''}: {parts}")
     return lines
+
+
+def _groups_line(rows: str, us: dict[str, float], share: dict[str, float]) -> str:
+    """One row count's kernel groups, µs a layer each, and in brackets its share of the copy rate where
+    known."""
+    parts = ", ".join(f"{k} {v:.1f}" + (f" ({share[k]:.0%})" if k in share else "") for k, v in us.items())
+    return f"  {rows} row{'s' if rows != '1' else ''}: {parts}"
