@@ -243,7 +243,7 @@ def test_the_adaptive_solo_depth_on_gpu_keeps_the_greedy_text_and_measures_its_w
     adaptive, engine = _generate(
         _plan(cp, model="tiny", draft_tokens=4, split=split, adaptive_depth=True), prompts, 48
     )
-    assert adaptive == fixed and engine.adaptive
+    assert adaptive == fixed and engine.choice.adaptive
     measured = engine.stats()["solo_window_ms"]["greedy"]
     ran = Counter(w.rows for w in engine.windows if w.kind == "solo")
     # A window in flight while some shape ran for the first time (its graph captured) is not timed, so a

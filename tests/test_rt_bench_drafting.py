@@ -38,7 +38,7 @@ def _engine(measured: bool = True) -> Engine:
     for rows in ONE_PAYS:
         for _ in range(COST_MEASURED):
             costs.observe(rows, 0.0)
-    eng.depth_state["greedy"] = (costs, Holds(PRIOR_WEIGHT))
+    eng.choice.solo["greedy"] = (costs, Holds(PRIOR_WEIGHT))
     return eng
 
 
@@ -61,11 +61,11 @@ def test_restoring_the_drafting_state_brings_a_request_back_to_its_first_depth(m
     learned = eng.drafting_state()
     assert learned["greedy"].reached[0] > 0
     assert _solo_rows(eng, request)[0] == 2
-    seen = dict(eng.depth_state["greedy"][0].seen)
+    seen = dict(eng.choice.solo["greedy"][0].seen)
     eng.restore_drafting(empty)
     assert eng.drafting_state()["greedy"].reached == []
     assert _solo_rows(eng, request)[0] == 4
-    assert all(eng.depth_state["greedy"][0].seen[r] >= n for r, n in seen.items())  # times kept
+    assert all(eng.choice.solo["greedy"][0].seen[r] >= n for r, n in seen.items())  # times kept
     eng.restore_drafting(learned)
     assert eng.drafting_state()["greedy"].chance == learned["greedy"].chance
     assert _solo_rows(eng, request)[0] == 2

@@ -821,14 +821,14 @@ def test_only_windows_that_replayed_their_graph_are_timed_and_the_warm_up_keeps_
             WindowCosts, "observe", lambda self, rows, ms: timed.append(rows) or observe(self, rows, ms)
         )
         fresh = Engine(_plan("cuda", "tiny", batch_mtp=True, draft_tokens=4))
-        assert fresh.adaptive and fresh.adaptive_batch
+        assert fresh.choice.adaptive and fresh.choice.adaptive_batch
         ran, counted = serve(fresh)
         assert 0 < counted < ran  # the first windows of each shape ran eagerly or were captured
         warmed = Engine(_plan("cuda", "tiny", batch_mtp=True, draft_tokens=4))
         assert warmed.warm_up() > 0
-        kept = {kind: dict(costs.ms) for kind, (costs, _) in warmed.depth_state.items()}
+        kept = {kind: dict(costs.ms) for kind, (costs, _) in warmed.choice.solo.items()}
         assert kept["greedy"]  # measured by windows that replayed graphs
-        assert all(not holds.reached for _, holds in warmed.depth_state.values())  # proposals forgotten
+        assert all(not holds.reached for _, holds in warmed.choice.solo.values())  # proposals forgotten
         assert warmed.totals["windows"] == 0
         ran, counted = serve(warmed)
         assert ran > 0 and counted == ran  # every window replayed a graph captured in the warm-up
@@ -949,7 +949,7 @@ def test_the_bench_warm_up_captures_every_window_shape(fake_gpu):
     from strata_runtime.engine import Engine
 
     engine = Engine(_plan("cuda", "tiny", draft_tokens=3))
-    assert engine.adaptive
+    assert engine.choice.adaptive
     observed: list[int] = []
     observe = WindowCosts.observe
     with pytest.MonkeyPatch.context() as mp:
@@ -957,8 +957,8 @@ def test_the_bench_warm_up_captures_every_window_shape(fake_gpu):
             WindowCosts, "observe", lambda self, rows, ms: observed.append(rows) or observe(self, rows, ms)
         )
         warm_up({"solo": engine}, 20, engine.model.args.vocab_size, streams=1)
-    assert observed and engine.depth_state
-    assert all(not holds.reached for _, holds in engine.depth_state.values())
+    assert observed and engine.choice.solo
+    assert all(not holds.reached for _, holds in engine.choice.solo.values())
     assert engine.totals["windows"] == 0
     every = frozenset(range(1, MAX_WINDOW_ROWS + 1))
     mtp = engine.model.mtp.cuda
@@ -1154,7 +1154,7 @@ def test_greedy_text_does_not_depend_on_which_depths_the_adaptive_depth_picks(fa
     monkeypatch.setattr(speculative, "best_depth", lambda holds, costs, most: int(rng.integers(0, most + 1)))
     monkeypatch.setattr(speculative, "worth_switching", lambda *a: bool(rng.random() < 0.5))
     adaptive, engine = text(_plan("cuda", "tiny", draft_tokens=4, adaptive_depth=True))
-    assert engine.adaptive and [len(t) for t in fixed] == [48] * 3
+    assert engine.choice.adaptive and [len(t) for t in fixed] == [48] * 3
     assert adaptive == fixed
     assert len({w.rows for w in engine.windows if w.kind == "solo"}) >= 3  # several depths ran
 

@@ -28,7 +28,6 @@ from strata_runtime.engine.depth import (
     worth_switching,
 )
 from strata_runtime.engine.sampling import Sampler
-from strata_runtime.engine.scheduler import request_kind
 from strata_runtime.engine.speculative import (
     DRAFT_PROBE_EVERY,
     HOLD_PRIOR,
@@ -37,6 +36,7 @@ from strata_runtime.engine.speculative import (
     DraftGauge,
     upper_bound,
 )
+from strata_runtime.engine.window_choice import request_kind
 from strata_runtime.server.metrics import engine_lines
 
 PROMPT = tuple(b"The river runs")
@@ -241,12 +241,12 @@ def test_window_times_are_measured_per_row_count_and_reported(monkeypatch) -> No
     monkeypatch.setattr(WindowCosts, "observe", lambda self, rows, ms: OBSERVE(self, rows, H200[rows]))
     plan = make_plan(draft_tokens=4, context=256, adaptive_depth=True)
     eng = Engine(plan)
-    assert eng.adaptive and "up to 3 proposal(s)" in "".join(eng.startup)
+    assert eng.choice.adaptive and "up to 3 proposal(s)" in "".join(eng.startup)
     collect(eng, [(0, Request(PROMPT, 100))])
     collect(eng, [(0, Request(tuple(b"Another one"), 30))])
     solo = [w.rows for w in eng.windows if w.kind == "solo"]
-    assert list(eng.depth_state) == ["greedy"]
-    assert sum(eng.depth_state["greedy"][0].seen.values()) == len(solo)
+    assert list(eng.choice.solo) == ["greedy"]
+    assert sum(eng.choice.solo["greedy"][0].seen.values()) == len(solo)
     by = {str(r - 1): solo.count(r) for r in set(solo)}
     assert eng.totals["solo_by_proposals"] == by and len(by) > 1  # it tried several depths
     stats = eng.stats()
@@ -255,9 +255,11 @@ def test_window_times_are_measured_per_row_count_and_reported(monkeypatch) -> No
     lines = engine_lines(stats)
     for d, n in by.items():
         assert f'strata_solo_windows_total{{proposals="{d}"}} {n}' in lines
-    assert Engine(make_plan(draft_tokens=4, context=256, adaptive_depth=None)).adaptive  # on by default
+    assert Engine(
+        make_plan(draft_tokens=4, context=256, adaptive_depth=None)
+    ).choice.adaptive  # on by default
     off = Engine(make_plan(draft_tokens=4, context=256, adaptive_depth=False))
-    assert not off.adaptive and off.stats()["solo_window_ms"] is None
+    assert not off.choice.adaptive and off.stats()["solo_window_ms"] is None
 
 
 def test_a_seeded_sampled_request_keeps_the_full_depth_and_its_text(monkeypatch) -> None:
@@ -365,8 +367,8 @@ def test_a_new_request_starts_from_what_earlier_requests_of_its_kind_measured(mo
     sampled = solo_rows(Request(PROMPT, 30, SamplingParams(temperature=0.3)))
     assert sampled[0] == 4
     # Each kind keeps its own window times too: a sampled window takes longer to decide.
-    assert set(eng.depth_state) == {"greedy", "sampled"}
-    assert sum(eng.depth_state["sampled"][0].seen.values()) == len(sampled)
+    assert set(eng.choice.solo) == {"greedy", "sampled"}
+    assert sum(eng.choice.solo["sampled"][0].seen.values()) == len(sampled)
     assert [
         request_kind(Sampler(SamplingParams(**kw), 0))
         for kw in ({}, {"presence_penalty": 0.5}, {"temperature": 1})
@@ -392,7 +394,7 @@ def _pair(table: dict[str, dict[int, float]] | None, monkeypatch, sampling=None,
     if table is not None:
 
         def observe(self, rows, ms):
-            kind = next((k for k, c in engines[0].batch_costs.items() if c is self), None)
+            kind = next((k for k, c in engines[0].choice.batch.items() if c is self), None)
             return OBSERVE(self, rows, table[kind.split(",")[0]][rows] if kind else ms)
 
         monkeypatch.setattr(WindowCosts, "observe", observe)
@@ -410,10 +412,10 @@ def test_slots_decoding_together_take_the_batch_window_their_measured_times_favo
     """With ``spec.adaptive_depth`` two slots first run serial windows until those are measured, then try
     batch MTP and keep whichever gives more tokens per second; the greedy text is the same either way."""
     fixed, fixed_kinds, off = _pair(None, monkeypatch, adaptive_depth=False)
-    assert not off.adaptive_batch and off.stats()["batch_window_ms"] is None
+    assert not off.choice.adaptive_batch and off.stats()["batch_window_ms"] is None
     assert fixed_kinds.count("B") > 20 and "s" not in fixed_kinds  # the tiny model's drafts hold
     cheap, kinds, eng = _pair(BATCH_CHEAP, monkeypatch)
-    assert cheap == fixed and eng.adaptive_batch
+    assert cheap == fixed and eng.choice.adaptive_batch
     # Serial windows until measured (a few more were queued ahead of the host meanwhile), then batch MTP.
     first = kinds.index("B")
     assert COST_MEASURED <= first <= 2 * COST_MEASURED and kinds[first:].count("s") <= 2
@@ -448,4 +450,4 @@ def test_seeded_sampled_slots_keep_batch_mtp_whatever_the_times(monkeypatch) -> 
     seeded = SamplingParams(temperature=0.5, seed=11)
     want, want_kinds, _ = _pair(None, monkeypatch, seeded, adaptive_depth=False)
     got, kinds, eng = _pair(BATCH_DEAR, monkeypatch, seeded)
-    assert (got, kinds) == (want, want_kinds) and eng.batch_costs == {}
+    assert (got, kinds) == (want, want_kinds) and eng.choice.batch == {}

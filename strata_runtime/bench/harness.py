@@ -466,7 +466,7 @@ def teach_drafting(engine: Engine, arrivals: list[Arrival]) -> Taught | None:
     server does from the requests it serves; None where its drafting depth does not learn (it is fixed, or
     the engine does not draft). Without this, the first repeat starts from no estimate and learns while it
     is timed, and the later ones from what that very request taught."""
-    if not engine.adaptive:
+    if not engine.choice.adaptive:
         return None
     results, stats = InProcessDriver(engine).run(arrivals)
     chances = {kind: [round(c, 4) for c in prior.chance] for kind, prior in engine.drafting_state().items()}

@@ -11,9 +11,9 @@ from .speculative import DRAFT_PROBE_EVERY, SILENT_PROBE_EVERY
 
 if TYPE_CHECKING:
     from ..model import Model
-    from .depth import Holds, WindowCosts
     from .slot import Slot
     from .stats import WindowStats
+    from .window_choice import WindowChoice
 
 
 class EngineView(Protocol):
@@ -24,14 +24,11 @@ class EngineView(Protocol):
     n_slots: int
     slots: list[Slot | None]
     depth: int
-    adaptive: bool
-    adaptive_batch: bool
+    choice: WindowChoice
     pipelined: bool
     tracked: bool
     run_ahead: int
     all_experts_resident: bool
-    depth_state: dict[str, tuple[WindowCosts, Holds]]
-    batch_costs: dict[str, WindowCosts]
     window_stats: WindowStats
     warmed: dict[str, Any] | None
 
@@ -70,18 +67,18 @@ def engine_stats(engine: EngineView) -> dict[str, Any]:
         "solo_window_ms": (
             {
                 kind: {str(r): round(ms, 3) for r, ms in sorted(costs.ms.items())}
-                for kind, (costs, _) in sorted(engine.depth_state.items())
+                for kind, (costs, _) in sorted(engine.choice.solo.items())
             }
-            if engine.adaptive
+            if engine.choice.adaptive
             else None
         ),
         "batch_window_ms": (
             {
                 kind: {str(r): round(ms, 3) for r, ms in sorted(costs.ms.items())}
-                for kind, costs in sorted(engine.batch_costs.items())
+                for kind, costs in sorted(engine.choice.batch.items())
                 if costs.ms
             }
-            if engine.adaptive_batch
+            if engine.choice.adaptive_batch
             else None
         ),
         "acceptance": engine.acceptance,
@@ -110,7 +107,7 @@ def drafter_info(model: Model) -> dict[str, Any]:
 
 def _depth_text(engine: EngineView) -> str:
     """How many proposals a request alone drafts."""
-    if not engine.adaptive:
+    if not engine.choice.adaptive:
         return f"{engine.depth} proposal(s)"
     return (
         f"up to {engine.depth} proposal(s), as many as give the most tokens per second by each request's "
@@ -120,7 +117,7 @@ def _depth_text(engine: EngineView) -> str:
 
 def _pause_text(engine: EngineView) -> str:
     """When drafting pauses for a request, and how it probes while paused."""
-    floor, adaptive = engine.plan.spec.draft_floor, engine.adaptive
+    floor, adaptive = engine.plan.spec.draft_floor, engine.choice.adaptive
     probe = (
         f"with one probe after {DRAFT_PROBE_EVERY} windows (a plain greedy request alone: a silent "
         f"probe every {SILENT_PROBE_EVERY}, its head's proposal checked against the next token)"
@@ -165,7 +162,7 @@ def startup_lines(engine: EngineView) -> list[str]:
         )
         if p.batch.slots > per:
             lines.append(f"batch MTP: up to {per} decoding slots in one window; more: {beyond}")
-        if engine.adaptive_batch:
+        if engine.choice.adaptive_batch:
             lines.append(
                 f"batch MTP or serial windows for up to {per} slots decoding together, whichever gives "
                 "more tokens per second by their measured times (spec.adaptive_depth)"

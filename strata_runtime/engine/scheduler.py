@@ -15,7 +15,7 @@ a slot is free), then, by the plan's batch mode:
     but when every routed expert is resident and more slots decode than one window holds, serial
     windows instead (`_batch_mtp_serves`): a row then brings a token, not three quarters of one; and
     with ``spec.adaptive_depth``, serial windows wherever their measured times give more tokens per second
-    (`_batch_drafts`);
+    (`strata_runtime.engine.window_choice.WindowChoice.batch_drafts`);
   * *serial*: one row per slot, every decoding slot in one window (at most 8).
 
   A solo or serial window of one row per slot whose tokens the device chooses runs ahead: up to
@@ -41,7 +41,6 @@ Everything the schedule depends on is read from the plan (`batch`, `windows`, `m
 
 from __future__ import annotations
 
-import copy
 import itertools
 import logging
 import os
@@ -65,7 +64,7 @@ from ..model import Model
 from ..model.placed import WeightStore
 from ..weights.progress import Progress
 from . import device_spec
-from .depth import PRIOR_WEIGHT, Holds, WindowCosts, batch_mtp_pays
+from .depth import Holds
 from .executor import Executor
 from .flight import Chained, Flight, Mark
 from .job import CHAINED, Entry, Job
@@ -73,32 +72,12 @@ from .refusals import refusals
 from .report import engine_stats, startup_lines
 from .sampling import Sampler
 from .slot import Slot
-from .speculative import DraftGauge, Proposals, drafting_pays
+from .speculative import Proposals
 from .stats import WindowStat, WindowStats
 from .warm import WARM_LABEL, run_staggered, warm_requests
+from .window_choice import WindowChoice
 
 log = logging.getLogger("strata_runtime")
-
-
-def request_kind(sampler: Sampler) -> str:
-    """``greedy`` or ``sampled``, with ``, penalised`` for a logit bias or a penalty (`Sampler.adjusts`):
-    requests whose solo windows take different times to decide, and whose drafts hold differently often."""
-    return ("greedy" if sampler.greedy else "sampled") + (", penalised" if sampler.adjusts else "")
-
-
-def window_kind(kind: str, samplers: list[Sampler]) -> str:
-    """A batch window's kind (``serial``, ``batch-mtp``) and what deciding it takes: sampled if any of its
-    requests samples, penalised if any adjusts (``batch-mtp, sampled``)."""
-    sampled = any(not s.greedy for s in samplers)
-    adjusts = any(s.adjusts for s in samplers)
-    return f"{kind}, {'sampled' if sampled else 'greedy'}" + (", penalised" if adjusts else "")
-
-
-def keeps_windows(sampler: Sampler) -> bool:
-    """A seeded sampled request: which tokens it draws depends on which of its windows carry proposals, and
-    its seed promises the same text on every run, so its windows never follow measured times (which differ
-    from run to run)."""
-    return not sampler.greedy and sampler.params.seed is not None
 
 
 class Engine:
@@ -116,22 +95,11 @@ class Engine:
         self.n_slots = max(plan.batch.slots, 1)
         self.slots: list[Slot | None] = [None] * self.n_slots
         self.tracked = self.model.mtp is not None
-        self.depth = plan.windows.solo_rows - 1
+        self.choice = WindowChoice(plan)
+        """What the windows measured, and each request's drafting depth and batch windows' kind from it."""
+        self.depth = self.choice.depth
         """Proposals a solo window drafts at most after its token (0: the plan does not draft)."""
-        self.adaptive = plan.spec.adaptive_depth and self.depth > 0
-        """Whether a request alone drafts as many proposals as pay (`strata_runtime.engine.depth`); else every
-        drafting solo window drafts ``depth``."""
-        self.depth_state: dict[str, tuple[WindowCosts, Holds]] = {}
-        """For each kind of request (`request_kind`), its solo windows' measured times by row count and what
-        its earlier requests' proposals did: a sampled window, or one with penalties, takes longer to decide,
-        and its drafts hold less often than a greedy one's."""
         self.pipelined = plan.batch.mode == "pipelined"
-        self.adaptive_batch = plan.spec.adaptive_depth and plan.batch.mtp and plan.batch.mode == "serial"
-        """Whether slots decoding together take batch-MTP or serial windows by their measured times."""
-        self.batch_costs: dict[str, WindowCosts] = {}
-        """Serial and batch-MTP windows' measured times by row count, per `window_kind`."""
-        self._batch_mtp_last = True
-        """Whether the last batch decode window was a batch-MTP one (the kind a switch must beat)."""
         self.executor = Executor(self.model, self.tracked, overlap=self.pipelined)
         self._queue: deque[RequestHandle] = deque()
         self._lock = threading.Lock()
@@ -233,26 +201,18 @@ class Engine:
         proposals say nothing of real text."""
         self.window_stats = WindowStats()
         self._first_runs_delivered = self.model.first_runs()  # what ran outside windows is not theirs
-        kept = self.depth_state.items()
-        self.depth_state = {kind: (costs, Holds(PRIOR_WEIGHT)) for kind, (costs, _) in kept}
+        self.choice.forget_requests()
 
     def drafting_state(self) -> dict[str, Holds]:
-        """What earlier requests' proposals taught each request kind (`request_kind`): the chance that a
-        proposal at each position holds, from which a new request's drafting depth starts. A copy."""
-        return {kind: copy.deepcopy(prior) for kind, (_, prior) in self.depth_state.items()}
+        """What earlier requests' proposals taught each request kind (`WindowChoice.holds`): the chance that
+        a proposal at each position holds, from which a new request's drafting depth starts. A copy."""
+        return self.choice.holds()
 
     def restore_drafting(self, state: dict[str, Holds]) -> None:
         """Bring each request kind's shared acceptance back to ``state`` (from `drafting_state`), so that
         benchmark repeats each start from the same; a kind not in ``state`` starts afresh. The measured
         window times are kept. Call only while no request is in flight."""
-        kinds = dict.fromkeys([*self.depth_state, *state])
-        self.depth_state = {
-            kind: (
-                self.depth_state[kind][0] if kind in self.depth_state else WindowCosts(),
-                copy.deepcopy(state[kind]) if kind in state else Holds(PRIOR_WEIGHT),
-            )
-            for kind in kinds
-        }
+        self.choice.restore_holds(state)
 
     def stats(self) -> dict[str, Any]:
         return engine_stats(self)
@@ -356,57 +316,8 @@ class Engine:
                     frozenset(req.stop_ids) | frozenset(() if req.ignore_eos else self.tokenizer.eos_ids),
                     self.tokenizer,
                     self._admitted,
-                    gauge=self._gauge(sampler),
+                    gauge=self.choice.gauge(sampler),
                 )
-
-    def _gauge(self, sampler: Sampler) -> DraftGauge:
-        """A request's draft gauge. Its solo depth is chosen from the window times and from what earlier
-        requests of its kind (`request_kind`) measured, except for a seeded sampled request, which drafts
-        the full depth whenever it drafts: which tokens it samples depends on where its windows hold
-        proposals, and the seed promises the same text on every run, while window times differ from run to
-        run."""
-        floor, silent = self.plan.spec.draft_floor, not sampler.needs_logits
-        if not self.adaptive or keeps_windows(sampler):
-            return DraftGauge(floor, None, self.depth, silent=silent)
-        costs, prior = self._depth_state(sampler)
-        return DraftGauge(floor, costs, self.depth, prior, silent=silent)
-
-    def _depth_state(self, sampler: Sampler) -> tuple[WindowCosts, Holds]:
-        return self.depth_state.setdefault(request_kind(sampler), (WindowCosts(), Holds(PRIOR_WEIGHT)))
-
-    def _batch_timed(self, slots: list[Slot]) -> bool:
-        """Whether a batch window of these decoding slots is chosen by, and measured into, `batch_costs`:
-        with ``spec.adaptive_depth``, in serial mode, when one batch-MTP window holds them all and none is
-        a seeded sampled request (`keeps_windows`)."""
-        return (
-            self.adaptive_batch
-            and len(slots) <= self.plan.batch.slots_per_window
-            and not any(keeps_windows(s.sampler) for s in slots)
-        )
-
-    def _batch_costs(self, kind: str, slots: list[Slot]) -> WindowCosts:
-        return self.batch_costs.setdefault(window_kind(kind, [s.sampler for s in slots]), WindowCosts())
-
-    def _batch_drafts(self, slots: list[Slot], probe: bool = True, now_batch_mtp: bool | None = None) -> bool:
-        """Whether the next window of these decoding slots carries a proposal for each (batch MTP): drafting
-        pays by the floor (`drafting_pays`, a probe with ``probe``) and, where `_batch_timed`, a batch-MTP
-        window gives more tokens per second than a serial one by their measured times (`batch_mtp_pays`;
-        serial windows of as many slots run until their time is measured). ``now_batch_mtp``: the kind in
-        use (default: the last batch window's)."""
-        gauges = [s.gauge for s in slots]
-        if not drafting_pays(gauges, probe):
-            return False
-        return (probe and any(g.probe_due for g in gauges)) or not self._serial_wins(slots, now_batch_mtp)
-
-    def _serial_wins(self, slots: list[Slot], now_batch_mtp: bool | None = None) -> bool:
-        """Where `_batch_timed`: whether serial windows of these slots give more tokens per second than
-        batch-MTP ones by their measured times (`batch_mtp_pays`), or are not measured yet (so they run)."""
-        if not self._batch_timed(slots):
-            return False
-        now = self._batch_mtp_last if now_batch_mtp is None else now_batch_mtp
-        chances = [s.gauge.estimate for s in slots]
-        serial, batch = self._batch_costs("serial", slots), self._batch_costs("batch-mtp", slots)
-        return not batch_mtp_pays(chances, serial, batch, now)  # None: serial windows not measured yet
 
     def _reap_cancelled(self) -> None:
         busy = self._busy_slots()
@@ -502,7 +413,7 @@ class Engine:
             return None
         mtp = self.plan.batch.mtp and self._batch_mtp_serves(len(entries))
         slots = [e.slot for e in entries]
-        pays = job.kind != "solo" and mtp and self._batch_drafts(slots, now_batch_mtp=False)
+        pays = job.kind != "solo" and mtp and self.choice.batch_drafts(slots, now_batch_mtp=False)
         if pays:
             return None  # batch-MTP windows again: few enough slots decode, and drafting pays
         room = min(self.depth, self.plan.memory.context - entries[0].pos - 1)
@@ -534,7 +445,7 @@ class Engine:
         if job.kind == "solo":
             if job.entries[0].slot.gauge.leaves(n - 1, self.depth, probe=False):
                 return None  # another depth pays better: the host launches it
-        elif not self._batch_drafts([e.slot for e in job.entries], probe=False, now_batch_mtp=True):
+        elif not self.choice.batch_drafts([e.slot for e in job.entries], probe=False, now_batch_mtp=True):
             return None  # the slots' proposals rarely hold, or serial windows give more: they take over
         for e in job.entries:
             slot = e.slot
@@ -709,9 +620,9 @@ class Engine:
             paused = room > 0 and depth == 0
             rows = solo_window(ids[0], depth)
             kind = "solo"
-        elif mtp and self._batch_drafts(decoding):
+        elif mtp and self.choice.batch_drafts(decoding):
             paused = False
-            self._batch_mtp_last = True
+            self.choice.batch_mtp_last = True
             # Rotate by slot id, so that slots finishing or arriving do not make the others lose their turn.
             rotation = self._rotation.get(group, 0)
             start = next((i for i, sid in enumerate(ids) if sid >= rotation), 0)
@@ -721,7 +632,7 @@ class Engine:
         else:
             paused = mtp  # batch-MTP windows would serve these slots, but their drafts do not pay
             if mtp:
-                self._batch_mtp_last = False
+                self.choice.batch_mtp_last = False
             windows = plain_windows(ids)
             turn = self._plain_turn.get(group, 0)
             rows = windows[turn % len(windows)]
@@ -864,20 +775,9 @@ class Engine:
             job.draft_ms,
             job.finish_ms,
         )
-        if job.kind == "solo" and self.adaptive and timed:
-            self._depth_state(job.entries[0].slot.sampler)[0].observe(job.rows, ms)
-        slots = [e.slot for e in job.entries]
-        if job.kind in ("serial", "batch-mtp") and self._batch_timed(slots):
-            if timed:
-                self._batch_costs(job.kind, slots).observe(job.rows, ms)
-            if job.kind == "batch-mtp" and drafting_pays([s.gauge for s in slots], probe=False):
-                # By the floor drafting pays; if serial windows still give more, probe half as often.
-                serial = self._serial_wins(slots)
-                for s in slots:
-                    if serial:
-                        s.gauge.wait_longer()
-                    else:
-                        s.gauge.wait_as_usual()
+        if job.kind == "solo" and timed:
+            self.choice.observe_solo(job.entries[0].slot.sampler, job.rows, ms)
+        self.choice.observe_batch(job.kind, [e.slot for e in job.entries], job.rows, ms if timed else None)
         self.window_stats.record(window, flight.discarded)
         for slot, ev in events:
             slot.handle.events.put(ev)
