@@ -1174,6 +1174,8 @@ def test_the_plans_kernel_forms_reach_every_stack_its_graphs_and_its_launches(fa
     assert (
         engines["paired"].plan.model.qkv_form == "paired" and engines["plain"].plan.model.qkv_form == "plain"
     )
+    assert "decode windows on cuda:0: CUDA graphs, q/k/v paired, experts plain" in engines["paired"].startup
+    assert "decode windows on cuda:0: CUDA graphs" in engines["plain"].startup  # the default: nothing to say
     model = engines["paired"].model
     for cuda in [stage.cuda for stage in model.stages] + [model.mtp.cuda.layers]:
         names = {e.split("<")[0] for e in cuda.expressions()}

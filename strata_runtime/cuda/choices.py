@@ -412,6 +412,11 @@ class KernelForms:
     def __str__(self) -> str:
         return f"q/k/v {self.qkv}, experts {self.moe}"
 
+    @property
+    def plain(self) -> bool:
+        """Whether both kernels run in their plain form (the default)."""
+        return self.qkv == QKV_FORM and self.moe == MOE_FORM
+
 
 KERNEL_FORMS = KernelForms()
 """The forms by default: both plain."""
