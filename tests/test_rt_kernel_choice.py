@@ -316,7 +316,7 @@ def test_each_qkv_form_launches_its_kernel_and_shared_memory_where_the_shapes_ta
     for args, why in [
         ((1, n, k, d, True, QkvForm(paired=True), False), "clusters need compute capability 9.0"),
         ((1, 1280, 1024, 64, True, QkvForm(paired=True), True), "holds 16 features, not half a head of 64"),
-        ((1, 1280, 1024, 64, True, QkvForm(staged=True), True), "sums 1 units, not whole rounds"),
+        ((1, 1280, 1024, 64, True, QkvForm(staged=True), True), "sums 1 unit, not whole rounds"),
         ((8, n, 4096, d, True, QkvForm(staged=True), True, 227 * 1024), "422 KiB of shared memory"),
         ((1, n, k, d, False, QkvForm(staged=True)), "does not run on tensor cores here"),
     ]:

@@ -478,8 +478,8 @@ def qkv_rope_launch(
     if form.staged:
         if per <= MMA_GROUP or per % MMA_GROUP:
             raise ValueError(
-                f"q/k/v form {form}: a warp of [{n}, {k}] sums {per} units, not whole rounds after a first "
-                f"of {MMA_GROUP}, so none can be staged"
+                f"q/k/v form {form}: a warp of [{n}, {k}] sums {per} unit{'s' * (per != 1)}, not whole "
+                f"rounds after a first of {MMA_GROUP}, so none can be staged"
             )
         shared = (per - MMA_GROUP) * tiles * j * 2 * warps * 32 * 16  # 16 bytes a lane a piece
         # the block's static arrays: its warps' sums and squares, and with paired its outputs

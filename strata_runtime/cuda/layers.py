@@ -47,7 +47,7 @@ MIN_COMPUTE_CAPABILITY = 80
 def forms_refused(args: ModelArgs, forms: KernelForms, device_id: int) -> str | None:
     """Why layers of this model cannot run ``forms`` on CUDA device ``device_id`` (`forms_problem`, with the
     device's tensor cores, clusters and shared memory a block), or None where they can."""
-    if forms == KERNEL_FORMS:
+    if forms.plain:
         return None
     with cupy_module().cuda.Device(device_id):
         kern = kernels_for(device_id)
