@@ -394,6 +394,23 @@ def test_vary_reads_one_variant_per_value() -> None:
             parse_vary(bad)
 
 
+def test_a_bad_vary_value_is_named_as_the_vary_options_not_as_a_set() -> None:
+    """A value of ``--vary`` the profile's schema refuses is reported against ``--vary`` (where the user wrote
+    it) with its key and what was expected; the step workload refuses the run, and a decode workload the
+    arm of that value."""
+    step = strata("bench", "profiles/h200.toml", "--workload", "step", "--vary", "model.qkv_form=plain,fast")
+    assert step.returncode == 1
+    assert "--vary: model.qkv_form: expected 'plain', 'staged', 'paired' or 'staged+paired'" in step.stderr
+    assert "--set" not in step.stderr
+    solo = strata(
+        *("bench", "profiles/demo.toml", "--workload", "solo", "--arms", "solo", "--repeats", "1"),
+        *("--tokens", "2", "--vary", "model.expert_form=table", "--set", "model.qkv_form=oops"),
+    )
+    assert "strata bench: arm solo@expert_form:table refused:" in solo.stderr
+    assert "  --vary: model.expert_form: expected 'plain' or 'tables' (got \"table\")" in solo.stderr
+    assert "  --set: model.qkv_form: expected" in solo.stderr  # what --set wrote stays --set's
+
+
 def test_vary_runs_each_arm_once_per_value_interleaved(tmp_path) -> None:
     """A sweep of the solo depth in one run: one arm per value, each plan as the value says, the first the
     base (the gain of the others over it, and their greedy text equal to it). The arms' expert caches

@@ -19,6 +19,7 @@ GPUs) measure the profile's own plan on its GPUs, without arms. These three run 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import subprocess
 import sys
@@ -28,7 +29,7 @@ from typing import Any
 
 from ..bench.arms import ARMS, DEFAULT_ARMS, SEEDED_NOTE, arm_note
 from ..launch.engine_process import runtime_argv
-from ..profile.overrides import parse_set
+from ..profile.overrides import SET_ORIGIN, parse_set
 from ..schema.errors import ProfileError
 from ..schema.plan_file import write_plan
 from ..schema.sampling_options import add_sampling_arguments, sampling_options
@@ -286,6 +287,18 @@ def parse_vary(item: str) -> list[tuple[str, Any]]:
         raise ValueError(str(exc).replace("--set", "--vary", 1)) from None
 
 
+def from_vary(exc: ProfileError, varied: list[tuple[str, Any]]) -> ProfileError:
+    """``exc`` with each problem of a key that ``--vary`` set (``varied``) said to come from ``--vary``,
+    not ``--set``, so that the message points at the value the user wrote there."""
+    keys = {key for key, _ in varied}
+    return ProfileError(
+        [
+            dataclasses.replace(p, file="--vary") if p.file == SET_ORIGIN and p.key in keys else p
+            for p in exc.problems
+        ]
+    )
+
+
 def variants(args: argparse.Namespace) -> list[tuple[str, list[tuple[str, Any]]]]:
     """Each variant's name suffix and overrides: ``@draft_tokens:2`` and ``[("spec.draft_tokens", 2)]``
     for each ``--vary`` value, or one unnamed variant without any."""
@@ -332,7 +345,7 @@ def run(args: argparse.Namespace) -> int:
             plan = resolve_args(args).plan
         except ProfileError as exc:
             print(f"strata bench: arm {name} refused:", file=sys.stderr)
-            for p in exc.problems:
+            for p in from_vary(exc, varied).problems:
                 print(f"  {p}", file=sys.stderr)
             continue
         problem = context_problem(
@@ -392,7 +405,7 @@ def run_plan(args: argparse.Namespace) -> int:
         try:
             plan = resolve_args(args).plan
         except ProfileError as exc:
-            return refused(exc)
+            return refused(from_vary(exc, varied))
         problem = depth_problem(args.workload, args.depth, args.tokens, plan.memory.context)
         if problem:
             print(f"strata bench: {problem}", file=sys.stderr)
