@@ -221,6 +221,42 @@ def test_the_benchmark_forms_compile_and_fit_a_hopper_block() -> None:
     assert down.registers <= 128 and down.spill_stores + down.spill_loads <= 8, down
 
 
+PAIRED_SMALL_SPILL = r"gemv_mma_pair<[2-6],256,1,16,true,32>"
+"""The small preset's paired q/k/v kernel at 2-6 rows keeps 12 bytes a thread in local memory (8 stored,
+4 loaded): a toy shape's cost, its bits unchanged; the 30B and 235B presets' paired kernels do not spill."""
+
+
+def test_every_q_k_v_form_a_preset_can_choose_compiles_for_hopper() -> None:
+    """Every `QkvForm` that ``model.qkv_form`` may choose for another preset (where `qkv_rope_launch`
+    takes it: the small preset's 32-wide heads paired, the 235B preset's paired, whose staged form would
+    need 392 KiB a block) compiles for sm_90 at 1 to 8 rows within a Hopper block, spilling only where
+    `PAIRED_SMALL_SPILL` says."""
+    from strata_runtime.models.qwen3_moe import ModelArgs
+
+    launches: dict[str, QkvLaunch] = {}
+    refused: list[str] = []
+    for name in ("tiny", "small", "qwen3-235b-a22b"):
+        a = ModelArgs.from_config(preset_config(name))
+        n = (a.num_attention_heads + 2 * a.num_key_value_heads) * a.head_dim
+        for form, rows in ((f, r) for f in QKV_FORMS for r in range(1, 9)):
+            try:
+                launch = qkv_rope_launch(
+                    rows, n, a.hidden_size, a.head_dim, True, QkvForm.parse(form), True, HOPPER_BLOCK_SHARED
+                )
+            except ValueError:
+                refused.append(f"{name} {form}")
+                continue
+            assert launch is not None
+            launches[launch.expression] = launch
+    assert {e.split("<")[0] for e in launches} == {"gemv_mma_pair"} and len(launches) == 16
+    assert "qwen3-235b-a22b staged" in refused and "tiny paired" in refused
+    kernels = nvrtc.compile_source(source("kernels.cu"), list(launches), OPTIONS, "sm_90")
+    for expr, k in kernels.items():
+        assert k.shared_bytes + launches[expr].shared_bytes <= HOPPER_BLOCK_SHARED, (expr, k)
+        spill = k.spill_stores + k.spill_loads
+        assert spill <= (12 if re.fullmatch(PAIRED_SMALL_SPILL, expr) else 0), (expr, k)
+
+
 @pytest.mark.skipif(nvrtc.disassembler() is not None, reason=str(nvrtc.disassembler()))
 def test_the_staged_qkv_form_issues_its_shared_memory_copies_before_the_wait() -> None:
     """The one-row staged q/k/v kernels queue every later unit's copy into shared memory (16 ``LDGSTS`` a

@@ -133,8 +133,9 @@ class ModelSection(Section):
     qkv_form: QkvFormName | None = None
     """How the q/k/v projection's kernel runs on a GPU (it also normalises and rotates q and k and writes
     the KV). ``"plain"`` (default). ``"staged"``: each block queues its later weights into shared memory
-    before it waits for the kernel before it, where a warp sums more than one round of weights (the
-    30B-A3B preset's projection does). ``"paired"``: a head's two blocks run as a thread-block cluster
+    before it waits for the kernel before it, where a warp sums more than one round of weights and they fit
+    a block's shared memory (the 30B-A3B preset's projection; the 235B one's would need 392 KiB).
+    ``"paired"``: a head's two blocks run as a thread-block cluster
     (compute capability 9.0 and later) and exchange their halves of the head in shared memory, where a
     block holds half a head (the small preset's 32-wide heads, the 30B and 235B presets' 128-wide ones).
     ``"staged+paired"``: both. Every form gives the same bits;

@@ -487,7 +487,8 @@ def qkv_rope_launch(
         if shared_limit is not None and shared + static > shared_limit:
             raise ValueError(
                 f"q/k/v form {form}: staging [{n}, {k}] takes {(shared + static) // 1024} KiB of shared "
-                f"memory a block at {rows} rows, more than the device's {shared_limit // 1024}"
+                f"memory a block at {rows} row{'s' * (rows != 1)}, more than the device's "
+                f"{shared_limit // 1024}"
             )
     name = "gemv_mma"
     if form.paired:
