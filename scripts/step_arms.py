@@ -37,7 +37,7 @@ from typing import Any
 from strata_cfg.plan.from_profile import resolve_profile
 from strata_cfg.schema.errors import ProfileError
 from strata_runtime.backend import Device
-from strata_runtime.bench.step import KernelArm, KernelModel, graph_seconds, plan_forms, step_routing
+from strata_runtime.bench.step import KernelArm, KernelModel, graph_seconds, step_routing
 from strata_runtime.cuda.choices import (
     KERNEL_FORMS,
     AttentionSplit,
@@ -48,6 +48,7 @@ from strata_runtime.cuda.choices import (
     qkv_rope_launch,
 )
 from strata_runtime.cuda.ops import kernels_for
+from strata_runtime.model.placed import plan_forms
 
 
 @dataclass(frozen=True)

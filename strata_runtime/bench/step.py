@@ -58,7 +58,7 @@ from ..cuda.layers import (
 )
 from ..cuda.ops import Kernels, argmax_scratch, choose_scratch
 from ..cuda.routing import DeviceRouting, RowBias
-from ..model.placed import routing_tables
+from ..model.placed import plan_forms, routing_tables
 from ..models.qwen3_moe import ModelArgs
 from .ceilings import copy_bandwidth, decode_step_bytes
 
@@ -522,11 +522,6 @@ def step_routing(plan: LaunchPlan, device: Device) -> DeviceRouting | None:
 def attention_name(on_tensor_cores: bool) -> str:
     """How the step's result names a decode attention kernel."""
     return "tensor cores (attn_tc)" if on_tensor_cores else "CUDA cores (attn_split)"
-
-
-def plan_forms(plan: LaunchPlan) -> KernelForms:
-    """The plan's q/k/v and expert kernels' forms (``model.qkv_form``, ``model.expert_form``)."""
-    return KernelForms.parse(plan.model.qkv_form, plan.model.expert_form)
 
 
 def kernel_arms(plans: Mapping[str, LaunchPlan]) -> dict[str, KernelArm]:

@@ -100,6 +100,11 @@ def _check_facts(plan: LaunchPlan, args: ModelArgs) -> None:
             )
 
 
+def plan_forms(plan: LaunchPlan) -> KernelForms:
+    """The plan's q/k/v and expert kernels' forms (``model.qkv_form``, ``model.expert_form``)."""
+    return KernelForms.parse(plan.model.qkv_form, plan.model.expert_form)
+
+
 def routing_tables(plan: LaunchPlan, args: ModelArgs, slots: int) -> RoutingTables | None:
     """Every slot's calibrated-routing tables, when the plan asks for calibrated routing."""
     if plan.model.routing != "calibrated":
@@ -274,7 +279,7 @@ class Model:
             raise PlanMismatch("the plan drafts with MTP, but the model has no MTP weights")
         slots, context = max(plan.batch.slots, 1), plan.memory.context
         routing = routing_tables(plan, args, slots)
-        forms = KernelForms.parse(plan.model.qkv_form, plan.model.expert_form)
+        forms = plan_forms(plan)
         cache_slots = expert_slots(plan)
         store = weights if weights is not None else WeightStore()
         for d in dict.fromkeys(devices + helper_devices):
