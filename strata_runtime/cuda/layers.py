@@ -354,15 +354,11 @@ class LayerStack:
         stage's `CudaExperts`; without it each sparse layer's stacked experts are read where they are.
         ``attention_tc``: decode attention on tensor cores where the shape allows (``model.decode_attention``
         = ``"auto"``), else on CUDA cores. ``forms``: the q/k/v and expert kernels' forms (``model.qkv_form``,
-        ``model.expert_form``); raises ValueError, naming the key, where the model or the device cannot take
-        them (`forms_problem`).
+        ``model.expert_form``), which the caller has checked the model and the device take (`forms_refused`).
         """
         cp = cupy_module()
         with cp.cuda.Device(device_id):
             kern = kernels_for(device_id)
-            problem = forms_refused(args, forms, device_id)
-            if problem is not None:
-                raise ValueError(problem)
             weights = [
                 LayerWeights.of(layer, cp, routing.layer(first_layer + j) if routing is not None else None)
                 for j, layer in enumerate(layers)
