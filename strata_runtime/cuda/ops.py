@@ -106,6 +106,7 @@ class Kernels(KernelCache):
         self._carveouts: dict[str, int] = {}
         self._device_id = device.id
         self._sm_shared: int | None = None
+        self._block_shared: int | None = None
 
     def programmatic(self, on: bool = True) -> contextlib.AbstractContextManager[None]:
         """Launch the kernels of `PDL_KERNELS` with PDL in this block (on this thread), where ``on`` and
@@ -122,9 +123,12 @@ class Kernels(KernelCache):
 
     @property
     def block_shared(self) -> int:
-        """Bytes of shared memory a block of this device may take (with the function attribute set)."""
-        device = cupy_module().cuda.Device(self._device_id)
-        return int(device.attributes["MaxSharedMemoryPerBlockOptin"])
+        """Bytes of shared memory a block of this device may take (with the function attribute set), read
+        once."""
+        if self._block_shared is None:
+            device = cupy_module().cuda.Device(self._device_id)
+            self._block_shared = int(device.attributes["MaxSharedMemoryPerBlockOptin"])
+        return self._block_shared
 
     def prefer_carveout(self, expression: str, percent: int) -> None:
         """Set ``expression``'s preferred shared-memory carveout (percent of an SM's), once."""
