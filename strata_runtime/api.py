@@ -105,6 +105,8 @@ class RequestHandle:
     slot: int | None = None
     """The slot serving it, once admitted."""
     prompt_tokens: int = 0
+    cached_tokens: int = 0
+    """Prompt tokens whose KV a finished request left in the slot, not read again (prefix reuse)."""
     completion_tokens: int = 0
     accepted_proposals: int = 0
     proposals: int = 0

@@ -106,8 +106,14 @@ def assert_kv_consistent(eng: Engine) -> None:
     `DEFER_MOST`). A window decided on the device is accounted when it is finished, so its rows in flight
     do not count yet."""
     for i, slot in enumerate(eng.slots):
-        if slot is None:
-            assert eng.model.kv_lengths(i) == [0] * len(eng.model.stages)
+        if slot is None:  # a free slot keeps its last request's tokens for prefix reuse, or nothing
+            kept = eng.prefixes.kept[i]
+            assert eng.model.kv_lengths(i) == [0 if kept is None else len(kept.tokens)] * len(
+                eng.model.stages
+            )
+            if eng.tracked:
+                drafter = eng.model.drafters[i]
+                assert drafter.length + drafter.pending_rows == (0 if kept is None else kept.drafted)
             continue
         ahead = sum(  # the rows of this request's chained windows (not those of the slot's previous one)
             len(e.tokens) for f in eng._chain if f.spec is None for e in f.job.entries if e.slot is slot
@@ -117,6 +123,24 @@ def assert_kv_consistent(eng: Engine) -> None:
             drafter = eng.model.drafters[i]
             assert drafter.length + drafter.pending_rows == slot.length
             assert drafter.pending_rows <= DEFER_MOST
+
+
+def kept_tokens(eng: Engine, slot: int) -> tuple[int, ...]:
+    """The tokens free slot ``slot`` keeps for prefix reuse, checked to be what every stage's KV holds."""
+    assert eng.slots[slot] is None
+    kept = eng.prefixes.kept[slot]
+    tokens = () if kept is None else kept.tokens
+    assert eng.model.kv_lengths(slot) == [len(tokens)] * len(eng.model.stages)
+    return tokens
+
+
+def assert_keeps_what_it_read(eng: Engine, slot: int, prompt: tuple[int, ...], out: list[int]) -> None:
+    """Free slot ``slot`` keeps the KV of what its request read and nothing past it: its prompt and its
+    emitted tokens, all but the last of them at most (a last token chosen is not read unless the request
+    went on past it, as past a stop or a cancellation)."""
+    kept = kept_tokens(eng, slot)
+    assert len(prompt) + len(out) - 1 <= len(kept) <= len(prompt) + len(out)
+    assert kept == (*prompt, *out)[: len(kept)]
 
 
 def handed_to_cache(store: ExpertStore) -> list[tuple[np.ndarray, Reads | None]]:

@@ -778,6 +778,24 @@ def test_windows_adaptive_depth_inert_where_solo_windows_do_not_draft():
     assert p.line == line_of(rule_file("windows.adaptive-depth-inert"), "adaptive_depth")
 
 
+def test_windows_prefix_reuse_calibrated_says_only_a_repeated_prompt_reuses_a_slot():
+    from strata_cfg.report.plan_text import plan_text
+
+    plan = plan_of(rule_file("windows.prefix-reuse-calibrated"))
+    d = decision(plan, "windows.prefix-reuse-calibrated")
+    assert d.key == "memory.prefix_reuse" and not d.requested and "model.routing" in d.because
+    assert plan.memory.prefix_reuse and plan.model.routing == "calibrated"  # a note: reuse stays on
+    assert "prefix reuse on" in plan_text(plan)
+    off = plan_of(rule_file("windows.prefix-reuse-calibrated"), ["memory.prefix_reuse=false"])
+    assert "windows.prefix-reuse-calibrated" not in [x.rule for x in off.decisions]
+    assert not off.memory.prefix_reuse and "prefix reuse off" in plan_text(off)
+    assert off.settings["memory.prefix_reuse"].source.kind != "default"
+    uniform = plan_of(rule_file("windows.prefix-reuse-calibrated"), ['model.routing="uniform"'])
+    assert "windows.prefix-reuse-calibrated" not in [x.rule for x in uniform.decisions]
+    assert uniform.memory.prefix_reuse and uniform.settings["memory.prefix_reuse"].source.kind == "default"
+    assert plan_of(rule_file("windows.prefix-reuse-calibrated"), strict=True).memory.prefix_reuse  # a note
+
+
 def test_windows_prompt_graph_rows_sends_prompts_past_one_window_to_the_prefill_graphs():
     """With the prefill path's chunks replayed as graphs, one 16-row graph reads faster than two windows;
     launched layer by layer (``memory.prefill_graph_rows = 0``), two windows still cost less."""

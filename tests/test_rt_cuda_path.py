@@ -986,7 +986,7 @@ def test_a_window_shape_the_warm_up_missed_is_named_in_the_log(fake_gpu, caplog)
         stage = engine.model.stages[0].cuda
         stage._graphs.clear()  # as if the warm-up had not captured any of them
         stage._seen.clear()
-        engine.submit(Request(tuple(range(40, 70)), 8))
+        engine.submit(Request(tuple(range(41, 71)), 8))  # no prefix to reuse: the whole prompt is read
         while engine.step():
             pass
     missed = [r.getMessage() for r in caplog.records if "after the warm-up" in r.getMessage()]

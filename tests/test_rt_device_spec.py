@@ -15,7 +15,14 @@ from typing import Any
 
 import numpy as np
 import pytest
-from rt_engine_helpers import assert_kv_consistent, cancel_mid_chain, collect, run_checking_kv
+from rt_engine_helpers import (
+    assert_keeps_what_it_read,
+    assert_kv_consistent,
+    cancel_mid_chain,
+    collect,
+    kept_tokens,
+    run_checking_kv,
+)
 from rt_plans import make_plan
 
 from strata_runtime.api import Request, SamplingParams
@@ -175,7 +182,9 @@ def test_a_stop_token_mid_chain_emits_and_keeps_nothing_after_it(batch_mtp) -> N
     if other is not None:
         got = [t for ev in [other.events.get() for _ in range(other.events.qsize())] for t in ev.token_ids]
         assert tuple(got) == greedy_alone(PROMPTS[2], 40)
-    assert eng.slots == [None, None] and eng.model.kv_lengths(0) == [0, 0]
+    # The slot keeps the prompt and the tokens before the stop, and none of the windows run past it.
+    assert eng.slots == [None, None] and kept_tokens(eng, 0) == (*PROMPTS[1], *ref[:k])
+    assert_keeps_what_it_read(eng, 0, tuple(PROMPTS[1]), list(ref[:k]))
     again = collect(eng, [(0, Request(tuple(PROMPTS[3]), 15))])[0]
     assert tuple(again) == greedy_alone(PROMPTS[3], 15)
 
@@ -295,6 +304,8 @@ def test_settling_a_window_that_does_not_start_where_the_kv_ends_is_refused() ->
     eng = engine(2, 1, False, on_device=True)
     collect(eng, [(0, Request(tuple(PROMPTS[0]), 4))])
     model = eng.model
+    model.rewind(0, 0)  # forget what the slot keeps for prefix reuse
+    model.drafters[0].rewind(0)
     model.settle(0, 0, 3, 2)
     assert model.kv_lengths(0) == [2, 2] and model.drafters[0].length == 2
     with pytest.raises(KVError, match="starts at position 3"):

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from rt_engine_helpers import MODES, collect, mode_plan
+from rt_engine_helpers import MODES, assert_keeps_what_it_read, collect, mode_plan
 from rt_plans import make_plan
 
 from strata_cfg.schema.packaged import packaged_dir
@@ -173,7 +173,7 @@ def test_lifecycle_promotion_demotion_cancellation_and_reuse() -> None:
         events.append(a.events.get())
     assert events[-1].finished == "cancelled"
     assert eng.slots == [None, None]
-    assert eng.model.kv_lengths(0) == [0, 0] and eng.model.drafters[0].length == 0
+    assert_keeps_what_it_read(eng, 0, a.request.prompt_ids, [t for ev in events for t in ev.token_ids])
 
     c = Request(tuple(b"Reusing the freed slot"), 12)
     assert tuple(collect(eng, [(0, c)])[0]) == reference("tiny", c.prompt_ids, 12)
@@ -340,6 +340,7 @@ def test_a_lone_prompt_reads_in_its_longer_chunks_and_gives_the_same_text() -> N
     assert chunks == [[16] * 6 + [4], [64, 36]]
     assert texts[0] == texts[1]
     eng.window_stats.recent.clear()
+    eng.forget_prefixes()  # the next prompts begin as the last one did: they would reuse its KV
     collect(eng, [(0, Request(prompt[:10], 40)), (2, Request(prompt, 4))])
     beside = [w.rows for w in eng.window_stats.recent if w.kind == "prefill"]
     assert beside == [10] + [16] * 6 + [4]  # the first request decodes until after the prompt is read

@@ -152,7 +152,7 @@ def test_a_lone_prompt_holds_what_the_plans_workspace_counts(live_gpu, monkeypat
     vocab = model.args.vocab_size
     prompts = [60] if graphs else []  # a chunk of a graph's rows first, whose arena and inputs stay
     for n in [*prompts, 3 * CHUNK + 100]:  # chunks of 128, 128, 128 and 100 rows
-        engine.submit(Request(tuple(1 + (7 * i) % (vocab - 1) for i in range(n)), 2))
+        engine.submit(Request(tuple(1 + (7 * i + n) % (vocab - 1) for i in range(n)), 2))  # no shared prefix
         while engine.step():
             pass
     if graphs:

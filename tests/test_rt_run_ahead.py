@@ -12,7 +12,14 @@ import functools
 from typing import Any
 
 import pytest
-from rt_engine_helpers import assert_kv_consistent, cancel_mid_chain, collect, run_checking_kv
+from rt_engine_helpers import (
+    assert_keeps_what_it_read,
+    assert_kv_consistent,
+    cancel_mid_chain,
+    collect,
+    kept_tokens,
+    run_checking_kv,
+)
 from rt_plans import make_plan
 
 from strata_runtime.api import Request, SamplingParams
@@ -127,8 +134,9 @@ def test_a_stop_token_computes_a_bounded_overrun_that_is_neither_emitted_nor_kep
     assert k < len(decode) <= k + run_ahead - 1  # the stop came out of decode window k - 1
     assert eng.totals["discarded_rows"] == len(decode) - k  # counted, and exported as a metric
     assert "past a stop and discarded" in eng.summary()
-    assert eng.slots == [None, None] and eng.model.kv_lengths(0) == [0] * stages
-    # The slot's next request reads a clean KV.
+    # The slot keeps the prompt and the tokens before the stop, none of the overrun.
+    assert eng.slots == [None, None] and kept_tokens(eng, 0) == (*PROMPTS[1], *ref[:k])
+    # The slot's next request reads its own text.
     again = collect(eng, [(0, Request(tuple(PROMPTS[2]), 15))])[0]
     assert tuple(again) == alone(PROMPTS[2], 15)
 
@@ -183,7 +191,8 @@ def test_a_request_cancelled_mid_chain_ends_cancelled_and_the_other_slot_is_unaf
     assert finished == "cancelled"
     assert tuple(a) == alone(PROMPTS[0], 40)[: len(a)]
     assert b == list(alone(PROMPTS[2], 30))
-    assert eng.model.kv_lengths(0) == [0, 0] and eng.model.kv_lengths(1) == [0, 0]
+    assert_keeps_what_it_read(eng, 0, tuple(PROMPTS[0]), a)
+    assert_keeps_what_it_read(eng, 1, tuple(PROMPTS[2]), b)
 
 
 @pytest.mark.parametrize(
@@ -260,4 +269,8 @@ def test_pipelined_groups_chain_their_windows_and_keep_their_text(stages) -> Non
         for i in range(len(ex.log))
     )
     assert most == 2  # two windows of one group in flight
-    assert all(s is None for s in eng.slots) and eng.model.kv_lengths(0) == [0] * stages
+    for (_, r), tokens in zip(reqs, got, strict=True):  # each slot keeps what its last request read
+        slot = next(
+            i for i, k in enumerate(eng.prefixes.kept) if k is not None and k.tokens[:4] == r.prompt_ids[:4]
+        )
+        assert_keeps_what_it_read(eng, slot, r.prompt_ids, tokens)

@@ -112,7 +112,13 @@ def test_completion_chat_and_streaming(client: openai.OpenAI):
         "".join(p.choices[0].delta.content or "" for p in parts if p.choices)
         == chat.choices[0].message.content
     )
-    assert parts[-1].usage == chat.usage
+    use = parts[-1].usage
+    assert (use.prompt_tokens, use.completion_tokens) == (
+        chat.usage.prompt_tokens,
+        chat.usage.completion_tokens,
+    )
+    # The same prompt again: the slot kept it (memory.prefix_reuse), so only its last token was read.
+    assert use.prompt_tokens_details.cached_tokens == use.prompt_tokens - 1
 
 
 def test_seeded_sampling_is_reproducible(client: openai.OpenAI):

@@ -239,12 +239,14 @@ def plan_text(plan: LaunchPlan) -> str:
         else "no (one-shot generation profile)"
     )
     m = plan.memory
+    reuse = "on" if m.prefix_reuse else "off"
     lines = [
         title,
         f"  model   {_model_line(plan)}",
         f"  batch   {_batch_line(plan)}",
         f"  spec    {_spec_line(plan)}",
-        f"  memory  {m.context} tokens per slot, KV {m.kv_dtype}, prefill chunk {_chunk(m)}",
+        f"  memory  {m.context} tokens per slot, KV {m.kv_dtype}, prefix reuse {reuse}, "
+        f"prefill chunk {_chunk(m)}",
         f"  serve   {serve}",
         "",
         *_placement(plan),

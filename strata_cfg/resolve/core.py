@@ -46,7 +46,7 @@ from .prompt_chunk import lone_prompt_chunk
 from .prompt_windows import prefill_graphs_gate, resolve_prompt_graph_rows
 from .refusals import parse_time_refusals
 from .topology import Topology, is_test_split
-from .window_plan import batch_shape, resolve_windows
+from .window_plan import batch_shape, prefix_reuse_note, resolve_windows
 
 
 def resolve(
@@ -103,6 +103,7 @@ def resolve(
     speeds = [(p.shape, machine.gpus[p.gpu].bandwidth_gbs) for p in placed]
     resolve_prompt_graph_rows(led, model, speeds, not cached)
     prefill_graphs_gate(led, model, cached, len(stage_gpus), sz.with_mtp)
+    prefix_reuse_note(led)
     # 9. serving, strict
     if serving:
         serve_exposure(led)
@@ -252,6 +253,7 @@ def _assemble(
             prefill_graph_rows=led["memory.prefill_graph_rows"],
             vram_reserve_mib=led["memory.vram_reserve_mib"],
             vram_reserve_later_mib=led["memory.vram_reserve_later_mib"],
+            prefix_reuse=bool(led["memory.prefix_reuse"]),
         ),
         experts=ExpertsPlan(
             cache=led["experts.cache"] if any(g.experts_resident < g.experts_total for g in gpus) else None,

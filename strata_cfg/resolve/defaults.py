@@ -110,6 +110,7 @@ def resolve_defaults(
         )
     led.take("memory.prompt_graph_rows", mem.prompt_graph_rows if mem else None, "auto")
     led.take("memory.prefill_graph_rows", mem.prefill_graph_rows if mem else None, "auto")
+    led.take("memory.prefix_reuse", mem.prefix_reuse if mem else None, True)
     resolve_prefill_graph_rows(led)
     reserve = led.take("memory.vram_reserve_mib", mem.vram_reserve_mib if mem else None, DEFAULT_RESERVE_MIB)
     led.take("memory.vram_reserve_later_mib", mem.vram_reserve_later_mib if mem else None, reserve)

@@ -228,6 +228,13 @@ _RULES = (
         "note",
         "a stage under an expert cache launches its prompt chunks layer by layer; the others replay graphs",
     ),
+    Rule(
+        "windows.prefix-reuse-calibrated",
+        8,
+        "note",
+        "with calibrated routing a request's routing follows from its whole prompt: a slot's kept KV serves "
+        "only the same prompt again",
+    ),
     # 9: serving and strict mode
     Rule("serve.exposed", 9, "warn", "serving on a non-loopback address without serve.api_key_env"),
 )

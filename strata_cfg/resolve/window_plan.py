@@ -64,3 +64,16 @@ def resolve_windows(led: Ledger, all_experts_resident: bool) -> WindowPlan:
     return WindowPlan(
         max_rows=MAX_WINDOW_ROWS, handoff_rows=HANDOFF_ROWS, solo_rows=solo_rows, batch_rows=batch_rows
     )
+
+
+def prefix_reuse_note(led: Ledger) -> None:
+    """A note where ``memory.prefix_reuse`` meets calibrated synthetic routing: each request's routing tables
+    follow from its whole prompt, so a slot's KV serves again only a request with the same prompt."""
+    if led["memory.prefix_reuse"] and led["model.routing"] == "calibrated":
+        led.note(
+            "windows.prefix-reuse-calibrated",
+            "memory.prefix_reuse",
+            "memory.prefix_reuse with calibrated routing: a request's routing follows from its whole prompt, "
+            "so a slot's kept KV serves only a request with the same prompt",
+            because=("model.routing",),
+        )

@@ -295,6 +295,9 @@ class MemoryPlan(_Plan):
     holds that many rows' temporaries beside the longest chunk's."""
     vram_reserve_mib: int
     vram_reserve_later_mib: int
+    prefix_reuse: bool = True
+    """A free slot keeps its last request's KV, and a request that begins the same way reads only the rest
+    of its prompt."""
 
 
 class ModelPlan(_Plan):

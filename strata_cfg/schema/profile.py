@@ -253,6 +253,11 @@ class MemorySection(Section):
     many rows, so the host does not launch its kernels one by one; 0 launches every chunk. ``"auto"``
     (default): 512, or the longest chunk where that is shorter; 0 on virtual CPU devices and under an
     expert cache."""
+    prefix_reuse: bool | None = None
+    """Whether a free slot keeps its last request's KV (default true): a new request takes the free slot
+    whose kept tokens share the longest prefix with its prompt, and reads only the rest. A chat's next turn
+    or a repeated system prompt then skips what was read before. False: every request reads its whole
+    prompt."""
 
 
 class ExpertsSection(Section):

@@ -514,6 +514,8 @@ def run_bench(
                     engine.restore_experts(first if first is not None and same_shape(first, own) else own)
                 if name in drafts and hasattr(engine, "restore_drafting"):
                     engine.restore_drafting(drafts[name])
+                if hasattr(engine, "forget_prefixes"):  # no repeat reuses the prompts an earlier one read
+                    engine.forget_prefixes()
                 clients = int(case.split()[0]) if workload == "clients" else 1
                 arrivals = workload_arrivals(
                     workload,

@@ -63,6 +63,7 @@ def warm_up(engines: dict[str, Engine], length: int, vocab: int, streams: int = 
                 Arrival(Request(p, WARM_TOKENS, greedy), after_tokens=2 * i) for i, p in enumerate(short)
             ]
             InProcessDriver(engine).run(arrivals)
+        engine.forget_prefixes()  # before the capture, which writes slot 0's KV
         engine.model.capture_window_graphs()
         engine.forget_requests()
 

@@ -68,6 +68,7 @@ from .depth import Holds
 from .executor import Executor
 from .flight import Chained, Flight, Mark
 from .job import CHAINED, Entry, Job
+from .prefix import Prefixes
 from .refusals import refusals
 from .report import engine_stats, startup_lines
 from .sampling import Sampler
@@ -94,6 +95,8 @@ class Engine:
         self.tokenizer = self.model.tokenizer
         self.n_slots = max(plan.batch.slots, 1)
         self.slots: list[Slot | None] = [None] * self.n_slots
+        self.prefixes = Prefixes(self.n_slots, plan.memory.prefix_reuse)
+        """What each free slot's KV keeps for a request that begins the same way (``memory.prefix_reuse``)."""
         self.tracked = self.model.mtp is not None
         self.choice = WindowChoice(plan)
         """What the windows measured, and each request's drafting depth and batch windows' kind from it."""
@@ -173,7 +176,8 @@ class Engine:
         slots together, serial and batch-MTP (and every pipelined group), run at least twice. Then every
         window shape of 1 to 8 rows that this mix did not capture is captured
         (`strata_runtime.model.placed.Model.capture_window_graphs`): a short prompt's last window and a
-        request's last take any row count. The requests are then forgotten (`forget_requests`): the window
+        request's last take any row count. The requests are then forgotten (`forget_requests`), and what their
+        slots kept for prefix reuse (`forget_prefixes`): the window
         statistics and what the proposals did start afresh; the window times measured by the windows that
         replayed a graph are kept, so the first requests' drafting starts from what each shape takes.
         ``report`` is told (label, fraction done) as each request joins."""
@@ -184,6 +188,7 @@ class Engine:
         windows = int(self.window_stats.counts["windows"])
         run_staggered(self, warm_requests(self.plan, self.model.args.vocab_size, cached), report)
         ran = int(self.window_stats.counts["windows"]) - windows
+        self.forget_prefixes()  # the capture writes slot 0's KV, and no request begins as these did
         ran += self.model.capture_window_graphs()  # shapes the mix did not run twice; every slot is free
         self.forget_requests()
         if report is not None:
@@ -263,7 +268,7 @@ class Engine:
     @property
     def totals(self) -> dict[str, Any]:
         """Windows, rows, tokens, proposals, accepted proposals and milliseconds since the start."""
-        return self.window_stats.totals
+        return {**self.window_stats.totals, **self.prefixes.totals}
 
     @property
     def acceptance(self) -> float | None:
@@ -298,8 +303,19 @@ class Engine:
                 if handle.cancelled.is_set():
                     handle.events.put(TokenEvent((), "", "cancelled"))
                     continue
-                i = self.slots.index(None)
                 req = handle.request
+                free = [j for j, s in enumerate(self.slots) if s is None]
+                i, reuse = self.prefixes.choose(
+                    free,
+                    req.prompt_ids,
+                    self.model.routing_key(req.prompt_ids),
+                    self._group_load,
+                    whole=req.sampling.prompt_logprobs is not None,
+                )
+                self.model.rewind(i, reuse)
+                if i in self.model.drafters:
+                    self.model.drafters[i].rewind(reuse)
+                handle.cached_tokens = reuse
                 seed = (
                     req.sampling.seed
                     if req.sampling.seed is not None
@@ -316,6 +332,8 @@ class Engine:
                     frozenset(req.stop_ids) | frozenset(() if req.ignore_eos else self.tokenizer.eos_ids),
                     self.tokenizer,
                     self._admitted,
+                    prefilled=reuse,
+                    length=reuse,
                     gauge=self.choice.gauge(sampler),
                 )
 
@@ -327,11 +345,34 @@ class Engine:
                 self._release(s)
 
     def _release(self, slot: Slot) -> None:
-        """Free a slot for reuse: its KV on every stage and in its drafter is forgotten."""
-        self.model.rewind(slot.id, 0)
-        if slot.id in self.model.drafters:
-            self.model.drafters[slot.id].rewind(0)
-        self.slots[slot.id] = None
+        """Free a slot for the next request. With ``memory.prefix_reuse`` its KV keeps the tokens the request
+        read (its prompt and the generated tokens fed back, nothing past its end) for a request that begins
+        the same way (`strata_runtime.engine.prefix`); else every stage and the drafter forget it."""
+        i, keep = slot.id, 0
+        if self.prefixes.on:
+            keep = min(slot.length, len(slot.prompt) + len(slot.generated), *self.model.kv_lengths(i))
+        self.model.rewind(i, keep)
+        drafter = self.model.drafters.get(i)
+        drafted = None if drafter is None else drafter.keep(max(keep - 1, 0))
+        if keep:
+            tokens = (*slot.prompt, *slot.generated)[:keep]
+            self.prefixes.keep(i, tokens, drafted, self.model.routing_key(slot.prompt))
+        self.slots[i] = None
+
+    def forget_prefixes(self) -> None:
+        """Every free slot forgets what it kept for prefix reuse: the next requests read their whole prompts
+        (the bench starts each repeat so, as it starts each from the same expert caches)."""
+        for i, kept in enumerate(self.prefixes.kept):
+            if kept is not None and self.slots[i] is None:
+                self.model.rewind(i, 0)
+                if i in self.model.drafters:
+                    self.model.drafters[i].rewind(0)
+                self.prefixes.kept[i] = None
+
+    def _group_load(self, slot_id: int) -> int:
+        """Busy slots in ``slot_id``'s group: a new request goes to the least busy group."""
+        group = self._group(slot_id)
+        return sum(1 for s in self.slots if s is not None and self._group(s.id) == group)
 
     # ---- serial windows ------------------------------------------------------------------------------
 

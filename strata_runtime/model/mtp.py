@@ -120,6 +120,15 @@ class Drafter:
             self._held = self._held[:keep] if keep else None
         self.kv.rewind(0, min(length, self.length))
 
+    def keep(self, length: int) -> int:
+        """What a finished request leaves for the next one to reuse (`strata_runtime.engine.prefix`): the
+        positions before ``length``, of the KV and of the deferred rows, but no rows held in place (views of
+        a window's buffers, which later windows overwrite). Returns the positions kept."""
+        if self._held is not None:
+            self.rewind(self.length)
+        self.rewind(length)
+        return self.length + self.pending_rows
+
 
 class _DrafterKV:
     """Routes a multi-slot MTP window's KV reads and writes to each slot's own drafter."""

@@ -24,7 +24,7 @@ from ..cuda.choices import KernelForms
 from ..cuda.compile import first_runs, late_compile_summary
 from ..experts.cache import Policy
 from ..experts.helper_tier import HelperOutOfMemory
-from ..experts.routing import RoutingModel, RoutingTables
+from ..experts.routing import RoutingModel, RoutingTables, routing_seed
 from ..layout import Layout, Segment
 from ..models.ops.adjust import Adjusts
 from ..models.ops.choose import Draws
@@ -417,8 +417,13 @@ class Model:
 
         The windows read zeros as slot 0 at positions 0 to R - 1 and write those positions of its KV and of
         the drafters' KV, which a request then in the slot has written before and would lose: call this only
-        while no request holds a slot. A request's own prompt writes them again before anything reads them.
+        while no request holds a slot, and slot 0 keeps no prefix for reuse (it refuses otherwise). A
+        request's own prompt writes them again before anything reads them.
         """
+        if any(self.kv_lengths(0)) or (0 in self.drafters and self.drafters[0].length):
+            raise RuntimeError(
+                f"capturing window graphs writes slot 0's KV, which holds {self.kv_lengths(0)} positions"
+            )
         ran = 0
         for rows in range(1, MAX_WINDOW_ROWS + 1):
             layout = Layout.of([(0, rows, 0)])
@@ -503,6 +508,11 @@ class Model:
         self.routing.admit(slot, prompt_ids)
         for stage in self.stages:
             stage.load_routing(slot)
+
+    def routing_key(self, prompt_ids: tuple[int, ...]) -> int | None:
+        """What a request's routing depends on besides its tokens: with calibrated routing the seed of its
+        tables, which its whole prompt chooses (`admit`); None where the router's own weights route."""
+        return None if self.routing is None else routing_seed(prompt_ids)
 
     def rewind(self, slot: int, length: int) -> None:
         """Forget positions [length, ...) of ``slot`` on every stage."""

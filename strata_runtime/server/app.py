@@ -468,7 +468,7 @@ class Server:
             for task in tasks:
                 task.cancel()
             raise
-        use = p.usage(_prompt_tokens(batch), sum(n for _, _, n, _ in done))
+        use = p.usage(_prompt_tokens(batch), sum(n for _, _, n, _ in done), _cached_tokens(streams, batch))
         model, rid = self.options.model_name, batch[0].request.request_id
         choices = [p.choice(chat, i, text, end, lps) for i, (text, end, _, lps) in enumerate(done)]
         return web.json_response(p.response(chat, rid, model, choices, use))
@@ -576,7 +576,9 @@ class Server:
                 self._observe(stream)
             if batch[0].include_usage:
                 kind = "chat.completion.chunk" if chat else "text_completion"
-                use = p.usage(_prompt_tokens(batch), sum(c.generated for c in states))
+                use = p.usage(
+                    _prompt_tokens(batch), sum(c.generated for c in states), _cached_tokens(streams, batch)
+                )
                 await _send(response, p.usage_chunk(rid, model, created, kind, use))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
@@ -700,6 +702,14 @@ class _Choice:
 def _prompt_tokens(batch: list[p.Prepared]) -> int:
     """The prompt tokens of a request's choices: each prompt counted once, however many choices it has."""
     return sum(prepared.prompt_tokens for prepared in batch if prepared.choice == 0)
+
+
+def _cached_tokens(streams: list[Stream], batch: list[p.Prepared]) -> int:
+    """Of `_prompt_tokens`, those a slot kept from an earlier request and the engine did not read again
+    (``memory.prefix_reuse``)."""
+    return sum(
+        s.handle.cached_tokens for s, prepared in zip(streams, batch, strict=True) if prepared.choice == 0
+    )
 
 
 def _finish(reason: str | None) -> p.OpenAIFinish:

@@ -89,6 +89,16 @@ TOTALS: dict[str, tuple[str, str, float]] = {
         "Silent probes whose proposal equalled the next token.",
         1,
     ),
+    "prefix_requests": (
+        "strata_prefix_reuse_requests_total",
+        "Requests that began as a slot's last request did and read only the rest of their prompt.",
+        1,
+    ),
+    "prefix_tokens": (
+        "strata_prefix_reuse_tokens_total",
+        "Prompt tokens not read again: their KV was kept from an earlier request (memory.prefix_reuse).",
+        1,
+    ),
 }
 """Engine counters, exported under stable names."""
 

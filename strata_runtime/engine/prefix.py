@@ -1,0 +1,128 @@
+"""Prefix reuse: a free slot keeps its last request's KV, and a new request that begins the same way reads
+only the rest of its prompt (``memory.prefix_reuse``).
+
+A chat client sends the whole conversation again each turn, and an agent sends the same long instructions
+with every call. Both begin with tokens some slot has already read. When a request finishes, its slot keeps
+the KV of the tokens it read: the prompt and the generated tokens that were fed back, nothing past a stop.
+A new request takes the free slot whose kept tokens share the longest prefix with its prompt, rewinds that
+slot's KV to the shared part and reads its prompt from there.
+
+What a slot may keep, and what a request may take, follow from what the KV and the drafting head hold:
+
+* Position i of a stage's KV depends on the tokens [0, i] only, so the shared prefix is the same whichever
+  request wrote it.
+* The MTP head's position i reads the model's row i and the token *after* it, so the drafter keeps one
+  position fewer than the stages: the next request reads the last shared token again, and the drafter gets
+  that row from it.
+* The prompt's last token is always read: its logits choose the first token.
+* Calibrated synthetic routing draws each request's routing tables from its whole prompt
+  (`strata_runtime.experts.routing`), so a KV is reused only by a request whose tables are the same.
+* A request that asks for the prompt's log-probabilities reads its whole prompt: they come from its rows.
+
+This module decides; `strata_runtime.engine.scheduler.Engine` rewinds the KV.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Kept:
+    """What a free slot's KV holds from its last request."""
+
+    tokens: tuple[int, ...]
+    """The tokens at positions [0, len) of every stage's KV."""
+    drafted: int | None
+    """Positions the slot's drafter holds (its KV and deferred rows), at most ``len(tokens) - 1``; None
+    where the slot has no drafter."""
+    routing: int | None
+    """The routing key the KV was written under (`strata_runtime.model.Model.routing_key`)."""
+    freed: int
+    """When it was freed (the engine's release counter): the least recently used is replaced first."""
+
+
+def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i : i + 256] == b[i : i + 256]:  # a tuple slice compares in C: long runs go fast
+        i += 256
+    end = min(i + 256, n)
+    while i < end and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def reusable(kept: Kept | None, prompt: Sequence[int], routing: int | None) -> int:
+    """Positions of ``kept`` a request with this prompt (and routing key) keeps: the shared prefix, less the
+    prompt's last token, and less one more where a drafter needs the token after its last row."""
+    if kept is None or kept.routing != routing or not prompt:
+        return 0
+    shared = shared_prefix(kept.tokens, prompt)
+    n = min(shared, len(prompt) - 1)
+    if kept.drafted is not None:  # its last row's token must be shared too
+        n = min(n, shared - 1, kept.drafted)
+    return max(n, 0)
+
+
+def choose_slot(
+    free: Sequence[int],
+    kept: Sequence[Kept | None],
+    prompt: Sequence[int],
+    routing: int | None,
+    load: Callable[[int], int],
+) -> tuple[int, int]:
+    """The free slot a request takes, and the positions it reuses there.
+
+    Slots are ranked by ``load`` (the busy slots of the slot's group: pipelined groups stay balanced, and
+    with one group every slot ties), then by the positions reused, then by the oldest release (a slot that
+    never served comes first), then by id."""
+
+    def rank(i: int) -> tuple[int, int, int, int]:
+        k = kept[i]
+        return (load(i), -reusable(k, prompt, routing), -1 if k is None else k.freed, i)
+
+    best = min(free, key=rank)
+    return best, reusable(kept[best], prompt, routing)
+
+
+class Prefixes:
+    """Every slot's kept tokens while it is free, and what reuse saved since the engine started."""
+
+    def __init__(self, slots: int, on: bool) -> None:
+        self.on = on
+        """``memory.prefix_reuse``: off, a released slot keeps nothing."""
+        self.kept: list[Kept | None] = [None] * slots
+        self._releases = 0
+        self.requests = 0
+        """Requests that reused a kept prefix."""
+        self.tokens = 0
+        """Prompt tokens those requests did not read again."""
+
+    def choose(
+        self,
+        free: Sequence[int],
+        prompt: Sequence[int],
+        routing: int | None,
+        load: Callable[[int], int],
+        whole: bool = False,
+    ) -> tuple[int, int]:
+        """The free slot a request takes and the positions it reuses there (`choose_slot`), counted;
+        ``whole``: the request reads its whole prompt (it asks for the prompt's log-probabilities)."""
+        slot, reuse = choose_slot(free, self.kept, () if whole else prompt, routing, load)
+        self.kept[slot] = None
+        if reuse:
+            self.requests += 1
+            self.tokens += reuse
+        return slot, reuse
+
+    def keep(self, slot: int, tokens: tuple[int, ...], drafted: int | None, routing: int | None) -> None:
+        """A released slot's KV holds ``tokens`` (and its drafter ``drafted`` positions)."""
+        self._releases += 1
+        self.kept[slot] = Kept(tokens, drafted, routing, self._releases) if tokens else None
+
+    @property
+    def totals(self) -> dict[str, int]:
+        return {"prefix_requests": self.requests, "prefix_tokens": self.tokens}
