@@ -1,0 +1,277 @@
+"""Prefix reuse (``memory.prefix_reuse``): a free slot keeps its last request's KV, and a request that begins
+the same way reads only the rest of its prompt, with the text, log-probabilities and drafting it would have
+had reading the whole prompt.
+
+The pure rules (`strata_runtime.engine.prefix`) are checked on their own: the shared prefix, what a kept slot
+lends a prompt (less the prompt's last token, less one more where a drafter needs the token after its last
+row, nothing under another routing key) and which free slot a request takes. Then engines on virtual CPU
+devices, in every window mode: a chat's next turn reads only what is new, and its tokens and
+log-probabilities equal those of an engine that reads every prompt whole.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from rt_engine_helpers import MODES, collect, kept_tokens, mode_plan
+from rt_plans import make_plan
+
+from strata_cfg.schema.packaged import packaged_dir
+from strata_runtime.api import Request, SamplingParams
+from strata_runtime.engine import Engine
+from strata_runtime.engine.prefix import Kept, choose_slot, reusable, shared_prefix
+
+# ---- the rules --------------------------------------------------------------------------------------------
+
+
+def test_the_shared_prefix_is_the_leading_run_of_equal_tokens_however_long() -> None:
+    rng = random.Random(7)
+    for _ in range(300):
+        n = rng.choice([0, 1, 5, 255, 256, 257, 600, 1300])
+        a = tuple(rng.randrange(1, 50) for _ in range(n))
+        cut = rng.randrange(0, n + 1)
+        b = a[:cut] + tuple(rng.randrange(1, 50) for _ in range(rng.randrange(0, 300)))
+        naive = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+        assert shared_prefix(a, b) == naive >= min(cut, len(b))
+
+
+def _kept(
+    tokens: tuple[int, ...], drafted: int | None = None, routing: int | None = None, freed: int = 1
+) -> Kept:
+    return Kept(tokens, drafted, routing, freed)
+
+
+def test_a_kept_slot_lends_the_shared_prefix_less_the_prompts_last_token_and_the_drafters_last_row() -> None:
+    kept = tuple(range(1, 21))  # 20 tokens
+    longer = kept + (90, 91)
+    # Without a drafter: the whole kept run, since the prompt goes on past it.
+    assert reusable(_kept(kept), longer, None) == 20
+    # With one: a position less, as the drafter's row 19 needs the token after it (the prompt's 90).
+    assert reusable(_kept(kept, drafted=19), longer, None) == 19
+    # A drafter that holds fewer positions (rows it had not read) lends only those.
+    assert reusable(_kept(kept, drafted=12), longer, None) == 12
+    # The prompt's last token is always read: its logits choose the first token.
+    assert reusable(_kept(kept), kept, None) == 19
+    assert reusable(_kept(kept), kept[:10], None) == 9
+    # Diverging at position 8: the stages lend 8, a drafter 7 (its row 7 read the kept token 9, not 99).
+    other = kept[:8] + (99,) + kept[9:]
+    assert reusable(_kept(kept), other, None) == 8
+    assert reusable(_kept(kept, drafted=19), other, None) == 7
+    # Another routing key (calibrated routing drew other tables), nothing kept, an empty prompt: nothing.
+    assert reusable(_kept(kept, routing=5), longer, 6) == 0
+    assert reusable(_kept(kept, routing=5), longer, 5) == 20
+    assert reusable(None, longer, None) == 0
+    assert reusable(_kept(kept), (), None) == 0
+    assert reusable(_kept(kept), (50, 51), None) == 0
+
+
+def test_a_request_takes_the_least_busy_group_then_the_longest_reuse_then_the_oldest_release() -> None:
+    prompt = tuple(range(1, 31))
+    kept = [
+        _kept(prompt[:5], freed=3),  # slot 0: 5 shared
+        _kept(prompt[:20], freed=4),  # slot 1: 20 shared
+        _kept((7, 7, 7), freed=1),  # slot 2: none shared, freed first
+        None,  # slot 3: never served
+    ]
+    idle = lambda i: 0  # noqa: E731
+    assert choose_slot([0, 1, 2, 3], kept, prompt, None, idle) == (1, 20)
+    assert choose_slot([0, 2, 3], kept, prompt, None, idle) == (0, 5)
+    # Nothing shared: a slot that never served, then the least recently freed.
+    assert choose_slot([2, 3], kept, (60, 61), None, idle) == (3, 0)
+    assert choose_slot([0, 1, 2], kept, (60, 61), None, idle) == (2, 0)
+    # Pipelined groups stay balanced: slot 1's group is busier, so the longest reuse waits.
+    busy = {0: 0, 1: 2, 2: 0, 3: 2}
+    assert choose_slot([0, 1, 2, 3], kept, prompt, None, busy.__getitem__) == (0, 5)
+
+
+# ---- the engine ------------------------------------------------------------------------------------------
+
+
+def _run(eng: Engine, req: Request) -> tuple[list[int], list[float], tuple[int, int, int]]:
+    """A request alone through ``eng``: its tokens, each token's log-probability, and the prompt tokens it
+    did not read again, its proposals and those accepted."""
+    h = eng.submit(req)
+    events = []
+    while eng.step():
+        while not h.events.empty():
+            events.append(h.events.get())
+    while not h.events.empty():
+        events.append(h.events.get())
+    assert events[-1].error is None, events[-1].error
+    return (
+        [t for e in events for t in e.token_ids],
+        [lp.logprob for e in events for lp in e.logprobs],
+        (h.cached_tokens, h.proposals, h.accepted_proposals),
+    )
+
+
+@functools.cache
+def _engine(model: str, reuse: bool, stages: int = 2) -> Engine:
+    source = (
+        {"model_dir": packaged_dir("austen"), "draft_tokens": 3} if model == "austen" else {"preset": model}
+    )
+    # Every drafting window carries all its proposals (no depth chosen by the clock), so that two engines
+    # that served the same requests draft alike.
+    kw = dict(stages=stages, slots=2, context=256, prefill_chunk=16, adaptive_depth=False, **source)
+    return Engine(make_plan(prefix_reuse=reuse, **kw))
+
+
+@pytest.mark.parametrize("model", ["austen", "tiny"])
+def test_a_chats_next_turn_reads_only_what_is_new_and_gives_what_reading_it_whole_gives(model) -> None:
+    """Turn 2's prompt is turn 1's, its reply and a new message. With reuse it reads only the new part (and
+    the last shared token, where the MTP head drafts); its tokens and log-probabilities equal an engine's
+    that reads every prompt whole, bit for bit on CPU devices."""
+    eng, whole = _engine.__wrapped__(model, True), _engine.__wrapped__(model, False)  # both new
+    with_lps = SamplingParams(logprobs=2)
+    first = tuple(b"It is a truth universally acknowledged, that a single man")
+    reply, _, (cached, _, _) = _run(eng, Request(first, 24, with_lps))
+    assert cached == 0
+    assert _run(whole, Request(first, 24, with_lps))[0] == reply  # both engines learned the same of drafting
+    second = first + tuple(reply) + tuple(b" Mr. Darcy said")
+    mark = len(eng.windows)
+    got, lps, (cached, *drafting) = _run(eng, Request(second, 24, with_lps))
+    drafts = eng.tracked
+    # The slot kept the prompt and the reply's tokens fed back (all but its last, or all where a window fed
+    # that one back too); a drafting slot lends one position fewer.
+    kept = len(first) + len(reply) - (1 if drafts else 0)
+    assert cached in (kept - 1, kept)
+    assert eng.totals["prefix_tokens"] >= cached and eng.totals["prefix_requests"] >= 1
+    # Only the rest was read: the prefill windows' rows are the prompt less what was kept.
+    read = sum(w.rows for w in list(eng.windows)[mark:] if w.kind == "prefill")
+    assert read == len(second) - cached <= len(b" Mr. Darcy said") + 2
+    want, want_lps, (none, *want_drafting) = _run(whole, Request(second, 24, with_lps))
+    assert none == 0
+    assert got == want and lps == want_lps
+    # The drafter kept rows that read the right tokens: it proposes, and its proposals hold, as reading the
+    # whole prompt would have made them.
+    assert drafting == want_drafting and (not drafts or drafting[0] > 0)
+
+
+def test_a_prompt_that_parts_from_the_kept_tokens_midway_reuses_up_to_there_and_drafts_as_if_whole() -> None:
+    """An edited message: the new prompt leaves the kept tokens at position 30. The stages lend 30 positions
+    and the drafter 29 (its row 29 read the kept token 30, which the new prompt replaces), so the text, the
+    log-probabilities and the drafting are what reading the whole prompt gives."""
+    eng, whole = _engine.__wrapped__("austen", True), _engine.__wrapped__("austen", False)
+    first = tuple(b"It is a truth universally acknowledged, that a single man in possession")
+    for engine in (eng, whole):
+        _run(engine, Request(first, 16))
+    edited = first[:30] + tuple(b"quite the reverse, that a lady")
+    assert edited[30] != first[30]
+    got, lps, (cached, *drafting) = _run(eng, Request(edited, 24, SamplingParams(logprobs=1)))
+    want, want_lps, (none, *want_drafting) = _run(whole, Request(edited, 24, SamplingParams(logprobs=1)))
+    assert (cached, none) == (29, 0)
+    assert got == want and lps == want_lps and drafting == want_drafting and drafting[0] > 0
+
+
+def test_a_request_that_asks_for_the_prompts_log_probabilities_reads_its_whole_prompt() -> None:
+    eng, whole = _engine("tiny", True), _engine("tiny", False)
+    prompt = tuple(b"The quick brown fox jumps over the lazy dog")
+    _run(eng, Request(prompt, 8))
+    asks = SamplingParams(prompt_logprobs=1)
+    h = eng.submit(Request(prompt, 8, asks))
+    w = whole.submit(Request(prompt, 8, asks))
+    for engine in (eng, whole):
+        while engine.step():
+            pass
+    got = [e for e in (h.events.get() for _ in range(h.events.qsize())) if e.prompt_logprobs]
+    want = [e for e in (w.events.get() for _ in range(w.events.qsize())) if e.prompt_logprobs]
+    assert h.cached_tokens == 0
+    assert [lp.logprob for lp in got[0].prompt_logprobs] == [lp.logprob for lp in want[0].prompt_logprobs]
+    assert len(got[0].prompt_logprobs) == len(prompt) - 1
+
+
+def test_calibrated_routing_reuses_a_slot_only_for_the_same_prompt() -> None:
+    """Each request's routing tables follow from its whole prompt, so a prompt that only begins the same way
+    reads everything; the same prompt again reuses all but its last token."""
+    plan = make_plan(slots=1, context=128, prefill_chunk=16, routing="calibrated", preset="tiny")
+    assert plan.memory.prefix_reuse
+    eng = Engine(plan)
+    prompt = tuple(b"Calibrated routing follows the prompt")
+    first, _, _ = _run(eng, Request(prompt, 10))
+    longer = prompt + tuple(first) + (65, 66)
+    _, _, (cached, _, _) = _run(eng, Request(longer, 4))
+    assert cached == 0
+    again, _, (cached, _, _) = _run(eng, Request(longer, 4))
+    assert cached == len(longer) - 1
+    fresh = Engine(make_plan(slots=1, context=128, prefill_chunk=16, routing="calibrated", preset="tiny"))
+    assert again == _run(fresh, Request(longer, 4))[0]
+
+
+def test_a_follow_up_goes_to_the_slot_that_kept_its_beginning_not_the_first_free_one() -> None:
+    eng = _engine("tiny", True)
+    eng.forget_prefixes()
+    a, b = tuple(b"First conversation, about the sea"), tuple(b"Second conversation, about a garden")
+    out = collect(eng, [(0, Request(a, 6)), (0, Request(b, 6))])
+    assert kept_tokens(eng, 1)[: len(b)] == b  # b took slot 1
+    h = eng.submit(Request(b + tuple(out[1]) + (33,), 4))
+    eng.step()
+    assert h.slot == 1 and h.cached_tokens == len(b) + len(out[1]) - 1
+
+
+@functools.cache
+def _mode_engine(mode: str, reuse: bool) -> Engine:
+    stages = 2
+    kw = {"preset": "tiny", "context": 128, "prefill_chunk": 16, "prefix_reuse": reuse}
+    if MODES[mode].get("draft_tokens") or mode == "pipelined-mtp":
+        kw["preset"] = "small"
+    return Engine(mode_plan(mode, stages, **kw))
+
+
+turns = st.lists(
+    st.tuples(
+        st.integers(0, 6),  # arrival step
+        st.integers(0, 2),  # the conversation it continues
+        st.lists(st.integers(32, 126), min_size=1, max_size=10),  # its new message
+        st.integers(1, 10),  # max tokens
+    ),
+    min_size=2,
+    max_size=6,
+)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(schedule=turns)
+def test_in_every_mode_conversations_that_share_beginnings_give_the_text_of_whole_prompts(
+    mode, schedule
+) -> None:
+    """Requests that continue one of three conversations (a stem and the messages sent so far), arriving
+    staggered: in every window mode the engine that reuses prefixes gives each request the tokens of the
+    engine that reads every prompt whole (and `collect` checks the KV, kept or held, after every step)."""
+    stems = [tuple(b"Chapter one. "), tuple(b"Chapter two, "), tuple(b"Chapter one, again")]
+    said = [list(s) for s in stems]
+    reqs = []
+    for i, (at, conv, message, n) in enumerate(schedule):
+        said[conv] += message
+        reqs.append((at, Request(tuple(said[conv]), n, request_id=f"t{i}")))
+    assert collect(_mode_engine(mode, True), reqs) == collect(_mode_engine(mode, False), reqs)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_in_every_mode_a_conversations_next_turns_reuse_its_slot(mode) -> None:
+    """Conversations of three turns each, as many as the plan has slots (up to two), in flight together:
+    every later turn reads only its new message, the last token of the reply before it and, where the MTP
+    head drafts, the token before that; every turn's tokens equal the whole-prompt engine's."""
+    eng, whole = _mode_engine(mode, True), _mode_engine(mode, False)
+    eng.forget_prefixes()
+    said = [list(b"Letters from Bath: "), list(b"A walk to Meryton, ")][: eng.n_slots]
+    reread = 1 + (1 if eng.tracked else 0)
+    new: list[int] = []
+    prompts: list[list[int]] = []
+    for turn in range(3):
+        reqs = [(0, Request(tuple(s), 6 + turn)) for s in said]
+        before = eng.totals["prefix_tokens"], eng.totals["prefix_requests"]
+        got = collect(eng, reqs)
+        assert got == collect(whole, reqs)
+        reused = eng.totals["prefix_tokens"] - before[0], eng.totals["prefix_requests"] - before[1]
+        if turn:  # a reply's last token is read again unless a window had already fed it back
+            least = sum(len(p) - len(new) - reread for p in prompts)
+            assert reused[1] == len(said) and least <= reused[0] <= least + len(said)
+        new = list(b" Then: ")
+        for s, out in zip(said, got, strict=True):
+            s += out + new
+        prompts = [s[:] for s in said]
