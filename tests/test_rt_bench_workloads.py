@@ -1,4 +1,5 @@
-"""`strata bench`'s prompt, step and vram workloads on the CPU: what runs, and what is refused and why."""
+"""`strata bench`'s prompt, turns, step and vram workloads on the CPU: what runs, and what is refused and
+why."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from strata_cfg.schema.workloads import prompt_ids
+from strata_cfg.schema.workloads import TURN_MESSAGE, TURNS, prompt_ids, turn_prompts
 
 
 def strata(*args: str) -> subprocess.CompletedProcess[str]:
@@ -69,6 +70,57 @@ def test_prompt_workload_interleaves_arms_and_prints_its_arithmetic() -> None:
     assert "one prompt of 200 tokens alone on the engine" in out.stdout
     assert "FLOP per token (weights" in out.stdout and "average context of 100" in out.stdout
     assert "pipelined: " in out.stdout and "= serial" in out.stdout
+
+
+def test_each_turn_sends_everything_sent_before_and_a_new_message() -> None:
+    turns = turn_prompts(100, 384, seed=3)
+    assert [len(t) for t in turns] == [100 + (k + 1) * TURN_MESSAGE for k in range(TURNS)]
+    assert all(later[: len(t)] == t for t, later in zip(turns, turns[1:], strict=False))
+    assert min(min(t) for t in turns) >= 1 and max(max(t) for t in turns) < 384
+    assert turn_prompts(100, 384, seed=3) == turns and turn_prompts(100, 384, seed=4)[0] != turns[0]
+    assert turns[0] != prompt_ids(100 + TURN_MESSAGE, 384, 3)  # apart from the prompt workload's prompts
+
+
+def test_the_turns_workload_sends_each_turn_after_the_last_and_measures_what_reuse_saves() -> None:
+    """One conversation, interleaved with reuse off and on: with it, every later turn reads only its new
+    message and the token before it (the slot kept the turn before, less the drafter's last row); without
+    it, every prompt is read whole. The text is the same."""
+    out = strata(
+        *("bench", "profiles/demo.toml", "--workload", "turns", "--prompt-tokens", "200", "--tokens", "16"),
+        *("--vary", "memory.prefix_reuse=false,true", "--repeats", "2", "--json"),
+    )
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout)
+    off, on = (res["arms"][f"serial@prefix_reuse:{v}"]["turns"] for v in ("false", "true"))
+    sent = [200 + (k + 1) * TURN_MESSAGE for k in range(TURNS)]
+    reused = sum(n - 1 for n in sent[:-1])  # each later turn keeps the one before, less one position
+    assert on["median"]["reused_pct"] == pytest.approx(100 * reused / sum(sent[1:]))
+    assert off["median"]["reused_pct"] == 0.0
+    assert on["text_equal_to_serial@prefix_reuse:false"] is True
+    for case in (on, off):
+        m = case["median"]
+        assert m["first_turn_ttft_s"] > 0 and m["later_ttft_s"] > 0 and m["tok_s"] > 0
+
+
+def test_a_turn_arrives_only_once_the_turn_before_has_finished() -> None:
+    from rt_plans import make_plan
+
+    from strata_runtime.bench.harness import InProcessDriver, workload_arrivals
+    from strata_runtime.engine import Engine
+
+    eng = Engine(make_plan(slots=2, context=256, prefill_chunk=16))
+    arrivals = workload_arrivals("turns", eng.tokenizer, 6, 256, prompt_tokens=40, vocab=256, seed=1)
+    assert [a.after for a in arrivals] == [None, 0, 1, 2]
+    results, _ = InProcessDriver(eng).run(arrivals)
+    assert all(later.submitted >= r.finished for r, later in zip(results, results[1:], strict=False))
+    assert [r.cached for r in results] == [0] + [len(a.request.prompt_ids) for a in arrivals[:-1]]
+
+
+def test_a_conversation_that_does_not_fit_the_context_is_refused_with_the_setting_to_change() -> None:
+    out = strata("bench", "profiles/demo.toml", "--workload", "turns", "--prompt-tokens", "1000")
+    assert out.returncode == 2
+    need = 1000 + TURNS * TURN_MESSAGE + 300
+    assert f"memory.context is 1024; pass --set memory.context={need}" in out.stderr and out.stdout == ""
 
 
 def test_a_prompt_that_does_not_fit_the_context_is_refused_with_the_setting_to_change() -> None:

@@ -24,6 +24,7 @@ from ..schema.workloads import (
     CLIENT_COUNTS,
     GENERATING,
     PROMPTS,
+    TURNS,
     context_problem,
     delivery_gaps,
     depth_prompt,
@@ -32,6 +33,7 @@ from ..schema.workloads import (
     generation_rate,
     longest_gap,
     prompt_ids,
+    turn_prompts,
 )
 from .http_driver import Client, engine_status, served_model, sse_chunks
 from .stats import median, percentile
@@ -46,6 +48,8 @@ class Stream:
     done: float | None = None
     tokens: int = 0
     prompt_tokens: int = 0
+    cached_tokens: int = 0
+    """Prompt tokens the server did not read again (its usage's ``prompt_tokens_details.cached_tokens``)."""
     chunks: int = 0
     error: str | None = None
     deliveries: list[float] = field(default_factory=list)
@@ -81,6 +85,8 @@ def _stream(
             if chunk.get("usage"):
                 out.tokens = int(chunk["usage"]["completion_tokens"])
                 out.prompt_tokens = int(chunk["usage"]["prompt_tokens"])
+                details = chunk["usage"].get("prompt_tokens_details") or {}
+                out.cached_tokens = int(details.get("cached_tokens") or 0)
             elif chunk.get("choices"):
                 out.chunks += 1
                 out.deliveries.append(time.perf_counter() - t0)
@@ -155,7 +161,9 @@ def http_run(
     ``windows``: the server is a strata engine, whose window statistics come from its ``/v1/status``
     (without, the figures leave them out)."""
     model = served_model(url, api_key)
-    n = {"two-decodes": 2, "clients": clients, "solo": 1, "read-beside-decode": 1, "prompt": 0}[workload]
+    n = {"two-decodes": 2, "clients": clients, "solo": 1, "read-beside-decode": 1, "prompt": 0, "turns": 0}[
+        workload
+    ]
     streams: list[Stream] = []
     workers: list[threading.Thread] = []
     progress = threading.Event() if workload == "read-beside-decode" else None
@@ -179,6 +187,10 @@ def http_run(
     if workload == "prompt":
         # The one generated token only marks the end of the read: greedy.
         send(list(prompt_ids(prompt_tokens, vocab, seed)), 1, None, greedy=True)
+    if workload == "turns":  # one conversation: each turn once the one before has finished
+        for ids in turn_prompts(prompt_tokens, vocab, seed):
+            send(list(ids), tokens, None)
+            workers[-1].join()
     if progress is not None:
         progress.wait()  # the long prompt arrives once the decoding stream is under way
         length = max(16, min(context - 2, 48_000))
@@ -210,6 +222,15 @@ def http_run(
         out["prompt_read_tok_s"] = reader.prompt_tokens / span if span > 0 else 0.0
         out["decode_tok_s"] = decode.rate
         out["tok_s"] = out["prompt_read_tok_s"]
+    elif workload == "turns":
+        span = (streams[-1].done or streams[-1].sent) - streams[0].sent
+        out["tok_s"] = sum(s.tokens for s in streams) / span if span > 0 else 0.0
+        waits = [(s.first or s.done or s.sent) - s.sent for s in streams]
+        out["first_turn_ttft_s"] = waits[0]
+        out["later_ttft_s"] = median(waits[1:])
+        later = streams[1:]
+        sent = sum(s.prompt_tokens for s in later)
+        out["reused_pct"] = 100.0 * sum(s.cached_tokens for s in later) / sent if sent else 0.0
     elif workload == "clients":
         lat = [(s.done or s.sent) - s.sent for s in streams]
         out["tok_s"] = sum(s.tokens for s in streams) / wall if wall > 0 else 0.0
@@ -380,6 +401,11 @@ def _case_line(label: str, m: dict[str, float], ratio: str = "", width: int = 20
         extra = f"  prompt read {m['prompt_read_tok_s']:.0f} tok/s, decode {m['decode_tok_s']:.1f} tok/s"
     if "prompt_read_s" in m:
         extra = f"  {m['prompt_tokens']:.0f} prompt tokens, first token after {m['prompt_read_s']:.3f} s"
+    if "later_ttft_s" in m:
+        extra = (
+            f"  first token: turn 1 {1000 * m['first_turn_ttft_s']:.1f} ms, later turns "
+            f"{1000 * m['later_ttft_s']:.1f} ms ({m['reused_pct']:.1f}% of their prompts reused)" + extra
+        )
     if "ms_per_window" in m:
         win = f"{m['ms_per_window']:8.2f} {m['rows_per_window']:8.2f} {m['accepted_pct']:6.1f}%"
     else:
@@ -391,6 +417,8 @@ def bench_lines(result: dict[str, Any]) -> list[str]:
     """The table of a `bench_url` or `bench_urls` result."""
     workload, repeats = result["workload"], result["repeats"]
     what = "one prompt per run" if workload == "prompt" else f"{result['tokens']} tokens per request"
+    if workload == "turns":
+        what = f"one conversation of {TURNS} turns, {result['tokens']} tokens each"
     if result.get("depth"):
         what += f", each after a prompt of {result['depth']} tokens"
     figures = f"{'tok/s':>9} {'ms/win':>8} {'rows/win':>8} {'accept':>7}"

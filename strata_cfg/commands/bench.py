@@ -11,7 +11,9 @@ With ``--url`` it measures a launched engine over HTTP instead, as its clients s
 (`strata_cfg.bench`): the same workloads and figures, for the one plan that engine runs.
 
 ``prompt`` reads one prompt of ``--prompt-tokens`` alone on the engine (arms: ``serial`` unless given; over
-``--url``, its read rate and time to first token). ``step`` (the decode kernels against the byte roofline),
+``--url``, its read rate and time to first token). ``turns`` sends one conversation, each turn everything
+sent before and a new message, so that it measures prefix reuse (``--vary memory.prefix_reuse=true,false``).
+``step`` (the decode kernels against the byte roofline),
 ``vram`` (what the engine holds against the plan's budget) and ``handoff`` (the copies between two stages'
 GPUs) measure the profile's own plan on its GPUs, without arms. These three run in process only.
 """
@@ -59,8 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload", choices=WORKLOADS, default="two-decodes")
     parser.add_argument(
         "--arms",
-        help=f"comma-separated arms of {', '.join(ARMS)} (default: {', '.join(DEFAULT_ARMS)}; for prompt: "
-        "serial; step, vram and handoff take no arms)",
+        help=f"comma-separated arms of {', '.join(ARMS)} (default: {', '.join(DEFAULT_ARMS)}; for prompt "
+        "and turns: serial; step, vram and handoff take no arms)",
     )
     parser.add_argument(
         "--vary",
@@ -79,7 +81,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--prompt-tokens",
         type=int,
         default=4096,
-        help="prompt: the prompt's length; it and one generated token must fit memory.context (default 4096)",
+        help="prompt: the prompt's length; it and one generated token must fit memory.context; turns: the "
+        "conversation's first context, before its messages (default 4096)",
     )
     parser.add_argument(
         "--depth",
@@ -314,10 +317,11 @@ def _value_text(value: Any) -> str:
 
 
 def arm_names(args: argparse.Namespace) -> list[str]:
-    """The arms to run: as given, else ``serial`` for ``prompt`` and the default arms for the others."""
+    """The arms to run: as given, else ``serial`` for ``prompt`` and ``turns`` and the default arms for the
+    others."""
     if args.arms is not None:
         return [a.strip() for a in args.arms.split(",") if a.strip()]
-    return ["serial"] if args.workload == "prompt" else list(DEFAULT_ARMS)
+    return ["serial"] if args.workload in ("prompt", "turns") else list(DEFAULT_ARMS)
 
 
 def run(args: argparse.Namespace) -> int:

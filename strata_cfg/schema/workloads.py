@@ -17,9 +17,19 @@ from typing import Any
 
 from .sampling_options import options_problem
 
-WORKLOADS = ("two-decodes", "clients", "read-beside-decode", "solo", "prompt", "step", "vram", "handoff")
+WORKLOADS = (
+    "two-decodes",
+    "clients",
+    "read-beside-decode",
+    "solo",
+    "prompt",
+    "turns",
+    "step",
+    "vram",
+    "handoff",
+)
 """Workload names, as `strata bench --workload` takes them."""
-HTTP_WORKLOADS = ("two-decodes", "clients", "read-beside-decode", "solo", "prompt")
+HTTP_WORKLOADS = ("two-decodes", "clients", "read-beside-decode", "solo", "prompt", "turns")
 """Workloads that also run against a launched engine (`strata bench --url`)."""
 GPU_WORKLOADS = ("step", "vram", "handoff")
 """Workloads that need CuPy and a CUDA GPU; they measure the profile's plan, not arms."""
@@ -63,12 +73,29 @@ def prompt_ids(length: int, vocab: int, seed: int) -> tuple[int, ...]:
     return tuple(rng.randrange(1, vocab) for _ in range(length))
 
 
+TURNS = 4
+"""Requests of the ``turns`` workload: one conversation, each turn sent once the one before has finished."""
+TURN_MESSAGE = 32
+"""Fresh token ids each turn of ``turns`` adds to what was sent before."""
+
+
+def turn_prompts(prompt_tokens: int, vocab: int, seed: int) -> list[tuple[int, ...]]:
+    """The ``turns`` workload's prompts: a context of ``prompt_tokens`` fresh ids (a document, or an agent's
+    instructions) and then, each turn, everything sent before and a new message of `TURN_MESSAGE` fresh ids.
+    The replies are not sent back, so that the requests are the same in process and over HTTP (where the
+    bench sees text, not token ids). Seeded by ``seed`` (the repeat), apart from every other workload's."""
+    ids = prompt_ids(prompt_tokens + TURNS * TURN_MESSAGE, vocab, TURN_SEED + seed)
+    return [ids[: prompt_tokens + (k + 1) * TURN_MESSAGE] for k in range(TURNS)]
+
+
 DEPTH_WORKLOADS = ("two-decodes", "clients", "solo", "step")
 """Workloads that decode at ``--depth``: their decoding requests read a prompt of that many fresh token ids
 first (`depth_prompt`), so they decode from KV that deep, as llama-bench's ``-d`` does; ``step`` puts its
 rows' KV at that position."""
 DEPTH_SEED = 10_000
 """Seeds of `depth_prompt`: request i's is ``DEPTH_SEED + i``, apart from the ``prompt`` workload's."""
+TURN_SEED = 20_000
+"""Seeds of `turn_prompts`: repeat r's is ``TURN_SEED + r``."""
 
 
 def depth_prompt(depth: int, vocab: int, index: int) -> tuple[int, ...]:
@@ -105,7 +132,7 @@ def depth_problem(
     return None
 
 
-GENERATING = ("two-decodes", "clients", "solo")
+GENERATING = ("two-decodes", "clients", "solo", "turns")
 """Workloads whose figures include `generation_rate` as ``generation_tok_s``."""
 
 
@@ -202,4 +229,26 @@ def context_problem(
     (`prompt_context_problem`), or the decoding workloads' depth and tokens after it (`depth_problem`)."""
     if workload == "prompt":
         return prompt_context_problem(prompt_tokens, context, launched=launched)
+    if workload == "turns":
+        return turns_context_problem(prompt_tokens, tokens, context, launched=launched)
     return depth_problem(workload, depth, tokens, context, launched=launched)
+
+
+def turns_context_problem(
+    prompt_tokens: int, tokens: int, context: int, *, launched: bool = False
+) -> str | None:
+    """Why a ``turns`` conversation (a context of ``prompt_tokens``, `TURNS` messages of `TURN_MESSAGE`, and
+    ``tokens`` generated after the last) cannot fit ``context``."""
+    if prompt_tokens < 1:
+        return f"--prompt-tokens must be at least 1, not {prompt_tokens}"
+    need = prompt_tokens + TURNS * TURN_MESSAGE + tokens
+    if need <= context:
+        return None
+    text = (
+        f"--prompt-tokens {prompt_tokens}: a context of that many tokens, {TURNS} messages of {TURN_MESSAGE} "
+        f"and {tokens} generated after the last need a context of {need}, but the "
+    )
+    most = context - TURNS * TURN_MESSAGE - tokens
+    if launched:
+        return text + f"engine's memory.context is {context}, so at most --prompt-tokens {max(most, 0)}"
+    return text + f"plan's memory.context is {context}; pass --set memory.context={need} (or more)"

@@ -30,6 +30,7 @@ from strata_cfg.schema.workloads import (
     gap_figures_ms,
     generation_rate,
     prompt_ids,
+    turn_prompts,
 )
 
 from ..api import Request, SamplingParams, Tokenizer
@@ -43,10 +44,12 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Arrival:
-    """A request and when it arrives: at the start, or once stream 0 has produced ``after_tokens``."""
+    """A request and when it arrives: at the start, once stream 0 has produced ``after_tokens``, or (with
+    ``after``) once request ``after`` of the run has finished."""
 
     request: Request
     after_tokens: int = 0
+    after: int | None = None
 
 
 @dataclass
@@ -63,6 +66,8 @@ class Result:
     gaps: tuple[float, ...] = ()
     """The waits, in seconds, between consecutive deliveries of tokens after the first (`delivery_gaps`;
     none where the driver could not time them): what a reader of the stream sees as stalls."""
+    cached: int = 0
+    """Prompt tokens the engine did not read again: a slot kept them from an earlier request."""
 
     @property
     def longest_gap(self) -> float | None:
@@ -108,9 +113,11 @@ class InProcessDriver:
         submitted = [0.0] * len(arrivals)
         while any(r is None for r in results):
             for i, a in enumerate(arrivals):
-                if handles[i] is None and (
-                    i == 0 or len(tokens[0]) >= a.after_tokens or results[0] is not None
-                ):
+                if a.after is not None:
+                    due = results[a.after] is not None
+                else:
+                    due = i == 0 or len(tokens[0]) >= a.after_tokens or results[0] is not None
+                if handles[i] is None and due:
                     submitted[i] = time.perf_counter() - t0
                     handles[i] = eng.submit(a.request)
             eng.step()
@@ -135,6 +142,7 @@ class InProcessDriver:
                             h.accepted_proposals,
                             h.proposals,
                             delivery_gaps(deliveries[i]),
+                            h.cached_tokens,
                         )
         # Windows still in flight (a request's last windows run ahead of its stop) finish here, not in the
         # next run; the engine, once idle, hands its expert caches what their kernels counted.
@@ -279,12 +287,21 @@ def workload_arrivals(
     depth: int = 0,
 ) -> list[Arrival]:
     """The requests of a workload (for ``clients``: of one client count; for ``prompt``: a prompt of
-    ``prompt_tokens`` ids drawn from ``vocab`` with ``seed``, generating one token). The decoding requests
+    ``prompt_tokens`` ids drawn from ``vocab`` with ``seed``, generating one token; for ``turns``: the
+    `turn_prompts` of a context of ``prompt_tokens``, each turn after the one before). The decoding requests
     choose their tokens by ``sampling``, seeded by their index unless ``seeded`` is False; with ``depth``
     (``solo``, ``two-decodes``, ``clients``) each first reads a prompt of that many ids (`depth_prompt`)."""
     if name == "prompt":
         ids = prompt_ids(prompt_tokens, vocab, seed)
         return [Arrival(Request(ids, 1, SamplingParams(temperature=0.0), request_id=f"bench-prompt-{seed}"))]
+    if name == "turns":  # one conversation: each turn once the one before has finished
+        turns = []
+        for k, ids in enumerate(turn_prompts(prompt_tokens, vocab, seed)):
+            drawn = dataclasses.replace(sampling, seed=k) if sampling.temperature > 0 and seeded else sampling
+            turns.append(
+                Arrival(Request(ids, tokens, drawn, request_id=f"bench-turn-{k}"), after=k - 1 if k else None)
+            )
+        return turns
     streams = {"two-decodes": 2, "clients": clients, "solo": 1}.get(name)
     if streams is not None:
         return [
@@ -336,6 +353,15 @@ def measure(name: str, results: list[Result], stats: dict[str, Any], wall: float
         out["prompt_read_tok_s"] = reader.prompt_tokens / read_span if read_span > 0 else 0.0
         out["decode_tok_s"] = decode.rate
         out["tok_s"] = out["prompt_read_tok_s"]
+    elif name == "turns":
+        # The conversation's tokens over its time, reading included; each turn's wait for its first token.
+        span = results[-1].finished - results[0].submitted
+        out["tok_s"] = sum(len(r.token_ids) for r in results) / span if span > 0 else 0.0
+        waits = [(r.first_token or r.finished) - r.submitted for r in results]
+        out["first_turn_ttft_s"] = waits[0]
+        out["later_ttft_s"] = float(np.median(waits[1:]))
+        later = results[1:]
+        out["reused_pct"] = 100.0 * sum(r.cached for r in later) / sum(r.prompt_tokens for r in later)
     elif name == "clients":
         lat = sorted(r.finished - r.submitted for r in results)
         out["tok_s"] = sum(len(r.token_ids) for r in results) / wall if wall > 0 else 0.0

@@ -30,7 +30,13 @@ if TYPE_CHECKING:
     from ..engine import Engine
 
 
-WARM_STREAMS = {"two-decodes": 2, "clients": max(CLIENT_COUNTS), "read-beside-decode": 1, "solo": 1}
+WARM_STREAMS = {
+    "two-decodes": 2,
+    "clients": max(CLIENT_COUNTS),
+    "read-beside-decode": 1,
+    "solo": 1,
+    "turns": 1,
+}
 """Streams each workload decodes at once, which the warm-up runs too (every window shape it will use)."""
 
 

@@ -8,9 +8,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from strata_cfg.schema.plan import LaunchPlan
-from strata_cfg.schema.workloads import (
-    gap_text,
-)
+from strata_cfg.schema.workloads import TURN_MESSAGE, TURNS, gap_text
 
 if TYPE_CHECKING:
     pass
@@ -120,6 +118,11 @@ def render_table(
     if workload == "prompt":
         n = next(iter(summary.values()))["prompt"]["median"]["prompt_tokens"]
         what = f"one prompt of {n:.0f} tokens alone on the engine, 1 token generated; tok/s = prompt tokens/s"
+    if workload == "turns":
+        what = (
+            f"one conversation of {TURNS} turns, each sending what was sent before and {TURN_MESSAGE} new "
+            f"tokens, {tokens} generated each, {sampling}; tok/s = the conversation's tokens over its time"
+        )
     lines = [f"workload {workload}: {what}, medians of {repeats} interleaved repeats", ""]
     aw = max(10, *(len(n) for n in summary))  # arm names of --vary variants run longer
     gain_head = f"gain vs {base} [95% CI]"
@@ -151,6 +154,12 @@ def render_table(
                 per = "prompt tok" if workload == "prompt" else "tok"
                 extra += (
                     f"  experts {m['expert_vram_pct']:.1f}% from VRAM, {m['host_mb_per_token']:.1f} MB/{per}"
+                )
+            if "later_ttft_s" in m:
+                extra = (
+                    f"  first token: turn 1 {1000 * m['first_turn_ttft_s']:.1f} ms, later turns "
+                    f"{1000 * m['later_ttft_s']:.1f} ms ({m['reused_pct']:.1f}% of their prompts reused)"
+                    + extra
                 )
             if "decode_tok_s" in m:
                 extra = (
