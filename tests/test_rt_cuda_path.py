@@ -1227,3 +1227,32 @@ def test_paired_q_k_v_blocks_are_refused_on_a_gpu_without_clusters(fake_gpu):
     plan = resolve_text(text.replace("[model]", '[model]\nqkv_form = "paired"'), "a.toml").plan
     with pytest.raises(PlanMismatch, match="cuda:0: model.qkv_form = 'paired' .*clusters need compute"):
         Engine(plan)
+
+
+def test_prefix_reuse_on_the_cuda_path_gives_the_text_of_whole_prompts(fake_gpu):
+    """A conversation's next turns on the CUDA path (graph windows, drafting decided on the device): each
+    later turn reads only what is new, and its tokens are those of an engine that reads every prompt whole.
+    The kept positions of a reply were written by decode windows, the whole-prompt engine's by the prefill
+    path; on the fake GPU both compute alike."""
+    from strata_runtime.engine import Engine
+
+    def conversation(plan) -> tuple[list[list[int]], int]:
+        engine = Engine(plan)
+        assert engine.model.stages[0].cuda is not None
+        said, replies = list(range(40, 70)), []
+        for _ in range(3):
+            h = engine.submit(Request(tuple(said), 10))
+            while engine.step():
+                pass
+            reply = [t for _ in range(h.events.qsize()) for t in h.events.get().token_ids]
+            replies.append(reply)
+            said += reply + [33, 34, 35]
+        return replies, engine.totals["prefix_tokens"]
+
+    kw = dict(batch_mtp=True, draft_tokens=4)
+    reused, kept = conversation(_plan("cuda", "tiny", **kw))
+    assert kept > 0
+    off = _plan("cuda", "tiny", **kw)
+    off = off.model_copy(update={"memory": off.memory.model_copy(update={"prefix_reuse": False})})
+    whole, none = conversation(off)
+    assert none == 0 and reused == whole and all(len(r) == 10 for r in reused)

@@ -207,6 +207,8 @@ def test_a_follow_up_goes_to_the_slot_that_kept_its_beginning_not_the_first_free
     a, b = tuple(b"First conversation, about the sea"), tuple(b"Second conversation, about a garden")
     out = collect(eng, [(0, Request(a, 6)), (0, Request(b, 6))])
     assert kept_tokens(eng, 1)[: len(b)] == b  # b took slot 1
+    status = eng.stats()["slots"]  # /v1/status says what each free slot keeps
+    assert [s["kept_tokens"] for s in status] == [len(kept_tokens(eng, 0)), len(kept_tokens(eng, 1))]
     h = eng.submit(Request(b + tuple(out[1]) + (33,), 4))
     eng.step()
     assert h.slot == 1 and h.cached_tokens == len(b) + len(out[1]) - 1

@@ -121,6 +121,27 @@ def test_completion_chat_and_streaming(client: openai.OpenAI):
     assert use.prompt_tokens_details.cached_tokens == use.prompt_tokens - 1
 
 
+def test_the_turns_workload_over_http_reads_what_the_usage_says_was_reused(engine: Launched) -> None:
+    """`strata bench --url --workload turns`: each later turn's usage says its prompt was kept but for the
+    new message and the token before it (the demo drafts, so its drafter's last row is written again)."""
+    from strata_cfg.bench.http_workloads import http_run
+    from strata_cfg.schema.workloads import TURN_MESSAGE, TURNS
+
+    fig = http_run(
+        engine.url,
+        "turns",
+        clients=1,
+        tokens=8,
+        context=1024,
+        vocab=256,
+        api_key=engine.key,
+        prompt_tokens=100,
+    )
+    sent = [100 + (k + 1) * TURN_MESSAGE for k in range(TURNS)]
+    assert fig["reused_pct"] == pytest.approx(100 * sum(n - 1 for n in sent[:-1]) / sum(sent[1:]))
+    assert fig["later_ttft_s"] > 0 and fig["first_turn_ttft_s"] > 0 and fig["tok_s"] > 0
+
+
 def test_seeded_sampling_is_reproducible(client: openai.OpenAI):
     prompt, seed = _prompt(), secrets.randbelow(2**31) + 1
     texts = [
@@ -841,24 +862,3 @@ def test_sigterm_stops_the_launcher_and_the_engine_cleanly(engine: Launched):
     assert not alive(engine_pid)
     assert not (engine.run_dir / "launch.pid").exists()
     assert not engine.healthy()
-
-
-def test_the_turns_workload_over_http_reads_what_the_usage_says_was_reused(engine: Launched) -> None:
-    """`strata bench --url --workload turns`: each later turn's usage says its prompt was kept but for the
-    new message and the token before it (the demo drafts, so its drafter's last row is written again)."""
-    from strata_cfg.bench.http_workloads import http_run
-    from strata_cfg.schema.workloads import TURN_MESSAGE, TURNS
-
-    fig = http_run(
-        engine.url,
-        "turns",
-        clients=1,
-        tokens=8,
-        context=1024,
-        vocab=256,
-        api_key=engine.key,
-        prompt_tokens=100,
-    )
-    sent = [100 + (k + 1) * TURN_MESSAGE for k in range(TURNS)]
-    assert fig["reused_pct"] == pytest.approx(100 * sum(n - 1 for n in sent[:-1]) / sum(sent[1:]))
-    assert fig["later_ttft_s"] > 0 and fig["first_turn_ttft_s"] > 0 and fig["tok_s"] > 0

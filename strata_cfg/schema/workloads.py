@@ -132,7 +132,7 @@ def depth_problem(
     return None
 
 
-GENERATING = ("two-decodes", "clients", "solo", "turns")
+GENERATING = ("two-decodes", "clients", "solo")
 """Workloads whose figures include `generation_rate` as ``generation_tok_s``."""
 
 

@@ -11,6 +11,7 @@ from .speculative import DRAFT_PROBE_EVERY, SILENT_PROBE_EVERY
 
 if TYPE_CHECKING:
     from ..model import Model
+    from .prefix import Prefixes
     from .slot import Slot
     from .stats import WindowStats
     from .window_choice import WindowChoice
@@ -31,6 +32,7 @@ class EngineView(Protocol):
     all_experts_resident: bool
     window_stats: WindowStats
     warmed: dict[str, Any] | None
+    prefixes: Prefixes
 
     @property
     def queued(self) -> int: ...
@@ -215,9 +217,11 @@ def startup_lines(engine: EngineView) -> list[str]:
 
 
 def _slot_state(engine: EngineView, i: int, s: Slot | None) -> dict[str, Any]:
-    """Slot ``i``: free, or its request's progress, KV lengths and drafting."""
+    """Slot ``i``: free (with the tokens it keeps for prefix reuse), or its request's progress, KV lengths and
+    drafting."""
     if s is None:
-        return {"slot": i, "state": "free"}
+        kept = engine.prefixes.kept[i]
+        return {"slot": i, "state": "free", "kept_tokens": 0 if kept is None else len(kept.tokens)}
     return {
         "slot": i,
         "state": "prefill" if s.prefilling else "decode",
