@@ -805,3 +805,39 @@ def test_after_the_warm_up_requests_on_gpu_only_replay_graphs(cp, monkeypatch, s
     assert unreplayed  # the engine that did not warm up ran its first windows eagerly
     greedy = [i for i in range(slots) if i != 1]
     assert [texts[i] for i in greedy] == [fresh[i] for i in greedy]
+
+
+@pytest.mark.parametrize("mode", ["solo", "batch-mtp"])
+def test_prefix_reuse_on_gpu_gives_the_float32_text_and_log_probabilities(cp, mode):
+    """A conversation of three turns on the GPU, each turn its whole history and a new message, with prefix
+    reuse (the default): the later turns read only what is new (their kept positions were written by decode
+    windows, not the prefill path), and each turn's tokens and log-probabilities are the float32 array
+    path's, which reads every prompt whole."""
+    from strata_runtime.api import Request, SamplingParams
+    from strata_runtime.engine import Engine
+
+    start = np.random.default_rng(47).integers(1, 250, 40).tolist()
+    kw = {"slots": 2, "batch_mtp": True, "draft_tokens": 3} if mode == "batch-mtp" else {"slots": 1}
+
+    def conversation(plan) -> tuple[list[list[int]], list[list[float]], int]:
+        engine = Engine(plan)
+        said, replies, lps = list(start), [], []
+        for message in ([7, 8, 9], [11, 12, 13, 14]):
+            h = engine.submit(Request(tuple(said), 16, sampling=SamplingParams(logprobs=1), ignore_eos=True))
+            while engine.step():
+                pass
+            events = list(h.events.queue)
+            replies.append([t for ev in events for t in ev.token_ids])
+            lps.append([lp.logprob for ev in events for lp in ev.logprobs])
+            said += replies[-1] + message
+        return replies, lps, engine.totals["prefix_tokens"]
+
+    gpu = conversation(_plan(cp, model="tiny", **kw))
+    cpu_plan = _plan(cp, model="tiny", backend="cpu", **kw)
+    cpu = conversation(
+        cpu_plan.model_copy(update={"memory": cpu_plan.memory.model_copy(update={"prefix_reuse": False})})
+    )
+    assert gpu[2] > 0 and cpu[2] == 0
+    assert gpu[0] == cpu[0]
+    for a, b in zip(gpu[1], cpu[1], strict=True):
+        np.testing.assert_allclose(a, b, atol=2e-2)
