@@ -139,7 +139,8 @@ def _pause_text(engine: EngineView) -> str:
 
 
 def startup_lines(engine: EngineView) -> list[str]:
-    """What the engine logs as it starts: its stages, slots and batch mode, how far windows run ahead, how
+    """What the engine logs as it starts: its stages, slots, batch mode and prefix reuse, how far windows run
+    ahead, how
     batch MTP and solo drafting choose, where the drafters live and when drafting pauses, each stage's
     decode path and expert cache, peer access, and the continuous pipeline."""
     p = engine.plan
@@ -147,9 +148,10 @@ def startup_lines(engine: EngineView) -> list[str]:
     lines = [
         f"stages: {stages}",
         f"slots: {engine.n_slots}, mode {p.batch.mode}, {p.batch.groups} group(s), batch MTP "
-        f"{'on' if p.batch.mtp else 'off'}, solo drafting {_depth_text(engine)}",
+        f"{'on' if p.batch.mtp else 'off'}, solo drafting {_depth_text(engine)}, prefix reuse "
+        f"{'on' if p.memory.prefix_reuse else 'off'}",
         (
-            f"decode windows whose tokens the GPU chooses: up to {engine.run_ahead} in flight, each "
+            f"decode windows whose tokens the device chooses: up to {engine.run_ahead} in flight, each "
             "reading the tokens the one before chose (batch.run_ahead)"
             if engine.run_ahead > 1
             else "decode windows: one at a time (batch.run_ahead = 1)"
