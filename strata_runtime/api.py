@@ -60,6 +60,9 @@ class Request:
     ignore_eos: bool = False
     """Generate past the model's EOS ids (they are emitted as tokens), until ``max_tokens``, a stop id or a
     stop string: a benchmark's fixed-length replies."""
+    cache_salt: str = ""
+    """Prefix reuse only between requests of the same salt (``memory.prefix_reuse``): a party that sends its
+    own salt neither reuses nor reveals another party's prompts."""
 
 
 MAX_TOP_LOGPROBS = 20

@@ -39,10 +39,8 @@ def test_the_shared_prefix_is_the_leading_run_of_equal_tokens_however_long() -> 
         assert shared_prefix(a, b) == naive >= min(cut, len(b))
 
 
-def _kept(
-    tokens: tuple[int, ...], drafted: int | None = None, routing: int | None = None, freed: int = 1
-) -> Kept:
-    return Kept(tokens, drafted, routing, freed)
+def _kept(tokens: tuple[int, ...], drafted: int | None = None, key: object = None, freed: int = 1) -> Kept:
+    return Kept(tokens, drafted, key, freed)
 
 
 def test_a_kept_slot_lends_the_shared_prefix_less_the_prompts_last_token_and_the_drafters_last_row() -> None:
@@ -61,9 +59,11 @@ def test_a_kept_slot_lends_the_shared_prefix_less_the_prompts_last_token_and_the
     other = kept[:8] + (99,) + kept[9:]
     assert reusable(_kept(kept), other, None) == 8
     assert reusable(_kept(kept, drafted=19), other, None) == 7
-    # Another routing key (calibrated routing drew other tables), nothing kept, an empty prompt: nothing.
-    assert reusable(_kept(kept, routing=5), longer, 6) == 0
-    assert reusable(_kept(kept, routing=5), longer, 5) == 20
+    # Another key (calibrated routing drew other tables, or another cache salt), nothing kept, an empty
+    # prompt: nothing.
+    assert reusable(_kept(kept, key=(5, "")), longer, (6, "")) == 0
+    assert reusable(_kept(kept, key=(None, "a")), longer, (None, "b")) == 0
+    assert reusable(_kept(kept, key=(5, "a")), longer, (5, "a")) == 20
     assert reusable(None, longer, None) == 0
     assert reusable(_kept(kept), (), None) == 0
     assert reusable(_kept(kept), (50, 51), None) == 0
@@ -199,6 +199,22 @@ def test_calibrated_routing_reuses_a_slot_only_for_the_same_prompt() -> None:
     assert cached == len(longer) - 1
     fresh = Engine(make_plan(slots=1, context=128, prefill_chunk=16, routing="calibrated", preset="tiny"))
     assert again == _run(fresh, Request(longer, 4))[0]
+
+
+def test_a_request_reuses_only_what_was_sent_with_its_own_cache_salt() -> None:
+    """Parties that share a server each send their own ``cache_salt``: another party's kept prompt is read
+    again, as if nothing were kept, and what was sent with the same salt (or none, with none) is reused."""
+    eng = _engine("tiny", True)
+    eng.forget_prefixes()
+    prompt = tuple(b"A secret beginning, then a question")
+    reply, _, (cached, _, _) = _run(eng, Request(prompt, 6, cache_salt="alice"))
+    assert cached == 0
+    again = prompt + tuple(reply) + (63,)
+    assert _run(eng, Request(again, 4, cache_salt="bob"))[2][0] == 0
+    assert _run(eng, Request(again, 4))[2][0] == 0  # no salt is a salt of its own
+    eng.forget_prefixes()
+    _run(eng, Request(prompt, 6, cache_salt="alice"))
+    assert _run(eng, Request(again, 4, cache_salt="alice"))[2][0] == len(prompt) + len(reply) - 1
 
 
 def test_a_follow_up_goes_to_the_slot_that_kept_its_beginning_not_the_first_free_one() -> None:

@@ -142,6 +142,23 @@ def test_the_turns_workload_over_http_reads_what_the_usage_says_was_reused(engin
     assert fig["later_ttft_s"] > 0 and fig["first_turn_ttft_s"] > 0 and fig["tok_s"] > 0
 
 
+def test_a_cache_salt_keeps_one_partys_prompts_from_another(client: openai.OpenAI):
+    """The same chat sent under two salts: the second reads it whole (its usage reuses nothing, so it learns
+    nothing of the first); sent again under its own salt, all but its last token are reused."""
+    messages = [{"role": "user", "content": _prompt()}]
+
+    def cached(salt: str) -> tuple[int, int]:
+        reply = client.chat.completions.create(
+            model="demo", messages=messages, max_tokens=4, temperature=0, extra_body={"cache_salt": salt}
+        )
+        return reply.usage.prompt_tokens_details.cached_tokens, reply.usage.prompt_tokens
+
+    assert cached("party-a")[0] == 0
+    assert cached("party-b")[0] == 0
+    reused, sent = cached("party-b")
+    assert reused == sent - 1
+
+
 def test_seeded_sampling_is_reproducible(client: openai.OpenAI):
     prompt, seed = _prompt(), secrets.randbelow(2**31) + 1
     texts = [

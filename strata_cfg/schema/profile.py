@@ -256,8 +256,9 @@ class MemorySection(Section):
     prefix_reuse: bool | None = None
     """Whether a free slot keeps its last request's KV (default true): a new request takes the free slot
     whose kept tokens share the longest prefix with its prompt, and reads only the rest. A chat's next turn
-    or a repeated system prompt then skips what was read before. False: every request reads its whole
-    prompt."""
+    or a repeated system prompt then skips what was read before. A request reuses only what was sent with
+    its own ``cache_salt`` (an API extension for servers that several parties share). False: every request
+    reads its whole prompt."""
 
 
 class ExpertsSection(Section):

@@ -17,6 +17,9 @@ What a slot may keep, and what a request may take, follow from what the KV and t
 * The prompt's last token is always read: its logits choose the first token.
 * Calibrated synthetic routing draws each request's routing tables from its whole prompt
   (`strata_runtime.experts.routing`), so a KV is reused only by a request whose tables are the same.
+* A request's ``cache_salt`` must be the kept request's: parties that share a server each send their own,
+  and none can learn from the reuse (its usage's ``cached_tokens``, its time to the first token) what
+  another's prompts began with.
 * A request that asks for the prompt's log-probabilities reads its whole prompt: they come from its rows.
 
 This module decides; `strata_runtime.engine.scheduler.Engine` rewinds the KV.
@@ -24,7 +27,7 @@ This module decides; `strata_runtime.engine.scheduler.Engine` rewinds the KV.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 
@@ -37,8 +40,9 @@ class Kept:
     drafted: int | None
     """Positions the slot's drafter holds (its KV and deferred rows), at most ``len(tokens) - 1``; None
     where the slot has no drafter."""
-    routing: int | None
-    """The routing key the KV was written under (`strata_runtime.model.Model.routing_key`)."""
+    key: Hashable
+    """What else a request must share to reuse it: the routing key the KV was written under
+    (`strata_runtime.model.Model.routing_key`) and the kept request's cache salt."""
     freed: int
     """When it was freed (the engine's release counter): the least recently used is replaced first."""
 
@@ -55,10 +59,10 @@ def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
-def reusable(kept: Kept | None, prompt: Sequence[int], routing: int | None) -> int:
-    """Positions of ``kept`` a request with this prompt (and routing key) keeps: the shared prefix, less the
+def reusable(kept: Kept | None, prompt: Sequence[int], key: Hashable) -> int:
+    """Positions of ``kept`` a request with this prompt (and `Kept.key`) keeps: the shared prefix, less the
     prompt's last token, and less one more where a drafter needs the token after its last row."""
-    if kept is None or kept.routing != routing or not prompt:
+    if kept is None or kept.key != key or not prompt:
         return 0
     shared = shared_prefix(kept.tokens, prompt)
     n = min(shared, len(prompt) - 1)
@@ -71,7 +75,7 @@ def choose_slot(
     free: Sequence[int],
     kept: Sequence[Kept | None],
     prompt: Sequence[int],
-    routing: int | None,
+    key: Hashable,
     load: Callable[[int], int],
 ) -> tuple[int, int]:
     """The free slot a request takes, and the positions it reuses there.
@@ -82,10 +86,10 @@ def choose_slot(
 
     def rank(i: int) -> tuple[int, int, int, int]:
         k = kept[i]
-        return (load(i), -reusable(k, prompt, routing), -1 if k is None else k.freed, i)
+        return (load(i), -reusable(k, prompt, key), -1 if k is None else k.freed, i)
 
     best = min(free, key=rank)
-    return best, reusable(kept[best], prompt, routing)
+    return best, reusable(kept[best], prompt, key)
 
 
 class Prefixes:
@@ -105,23 +109,23 @@ class Prefixes:
         self,
         free: Sequence[int],
         prompt: Sequence[int],
-        routing: int | None,
+        key: Hashable,
         load: Callable[[int], int],
         whole: bool = False,
     ) -> tuple[int, int]:
         """The free slot a request takes and the positions it reuses there (`choose_slot`), counted;
         ``whole``: the request reads its whole prompt (it asks for the prompt's log-probabilities)."""
-        slot, reuse = choose_slot(free, self.kept, () if whole else prompt, routing, load)
+        slot, reuse = choose_slot(free, self.kept, () if whole else prompt, key, load)
         self.kept[slot] = None
         if reuse:
             self.requests += 1
             self.tokens += reuse
         return slot, reuse
 
-    def keep(self, slot: int, tokens: tuple[int, ...], drafted: int | None, routing: int | None) -> None:
+    def keep(self, slot: int, tokens: tuple[int, ...], drafted: int | None, key: Hashable) -> None:
         """A released slot's KV holds ``tokens`` (and its drafter ``drafted`` positions)."""
         self._releases += 1
-        self.kept[slot] = Kept(tokens, drafted, routing, self._releases) if tokens else None
+        self.kept[slot] = Kept(tokens, drafted, key, self._releases) if tokens else None
 
     @property
     def totals(self) -> dict[str, int]:

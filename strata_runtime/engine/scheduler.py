@@ -308,7 +308,7 @@ class Engine:
                 i, reuse = self.prefixes.choose(
                     free,
                     req.prompt_ids,
-                    self.model.routing_key(req.prompt_ids),
+                    (self.model.routing_key(req.prompt_ids), req.cache_salt),
                     self._group_load,
                     whole=req.sampling.prompt_logprobs is not None,
                 )
@@ -356,7 +356,8 @@ class Engine:
         drafted = None if drafter is None else drafter.keep(max(keep - 1, 0))
         if keep:
             tokens = (*slot.prompt, *slot.generated)[:keep]
-            self.prefixes.keep(i, tokens, drafted, self.model.routing_key(slot.prompt))
+            key = (self.model.routing_key(slot.prompt), slot.handle.request.cache_salt)
+            self.prefixes.keep(i, tokens, drafted, key)
         self.slots[i] = None
 
     def forget_prefixes(self) -> None:

@@ -98,6 +98,10 @@ class _Body(_Strict):
     so a reply runs to ``max_tokens`` or a stop string."""
     n: int = Field(default=1, ge=1, le=16)
     """Choices to generate for each prompt, each a request of its own (`choices`)."""
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
+    """An extension (as vLLM takes it): a request reuses a slot's kept prompt only if that prompt was sent
+    with the same salt (``memory.prefix_reuse``), so parties that share a server each send their own and
+    cannot learn from the usage or the time to the first token what another sent."""
     stream: bool = False
     stream_options: StreamOptions | None = None
 
@@ -476,6 +480,7 @@ def prepare(
         stop_ids=tuple(_checked_ids(body.stop_token_ids or [], vocab_size, "stop_token_ids")),
         request_id=new_id("chatcmpl" if isinstance(body, ChatBody) else "cmpl"),
         ignore_eos=body.ignore_eos,
+        cache_salt=body.cache_salt or "",
     )
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return Prepared(
