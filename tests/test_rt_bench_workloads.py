@@ -11,7 +11,14 @@ import sys
 import numpy as np
 import pytest
 
-from strata_cfg.schema.workloads import TURN_MESSAGE, TURNS, prompt_ids, turn_prompts
+from strata_cfg.schema.workloads import (
+    TURN_MESSAGE,
+    TURNS,
+    prompt_ids,
+    turn_prompts,
+    turns_context_problem,
+    turns_figures,
+)
 
 
 def strata(*args: str) -> subprocess.CompletedProcess[str]:
@@ -114,6 +121,25 @@ def test_a_turn_arrives_only_once_the_turn_before_has_finished() -> None:
     results, _ = InProcessDriver(eng).run(arrivals)
     assert all(later.submitted >= r.finished for r, later in zip(results, results[1:], strict=False))
     assert [r.cached for r in results] == [0] + [len(a.request.prompt_ids) for a in arrivals[:-1]]
+
+
+def test_turns_figures_are_the_conversations_rate_the_waits_and_the_share_reused() -> None:
+    # (sent, first token, done, tokens, prompt tokens, reused); the third turn's first token never came
+    turns = [(0.0, 0.5, 1.0, 10, 100, 0), (1.0, 1.1, 2.0, 10, 120, 99), (2.0, None, 2.5, 0, 140, 119)]
+    figures = turns_figures(turns)
+    assert figures["tok_s"] == pytest.approx(20 / 2.5)
+    assert figures["first_turn_ttft_s"] == pytest.approx(0.5)
+    assert figures["later_ttft_s"] == pytest.approx((0.1 + 0.5) / 2)  # the median of 0.1 and 0.5
+    assert figures["reused_pct"] == pytest.approx(100 * (99 + 119) / (120 + 140))
+
+
+def test_a_conversation_with_no_context_or_too_long_for_a_launched_engine_is_refused() -> None:
+    assert turns_context_problem(0, 16, 1024) == "--prompt-tokens must be at least 1, not 0"
+    need = 1000 + TURNS * TURN_MESSAGE + 16
+    assert turns_context_problem(1000, 16, need) is None
+    text = turns_context_problem(1000, 16, 1024, launched=True)
+    assert text is not None and f"a context of {need}" in text
+    assert text.endswith(f"engine's memory.context is 1024, so at most --prompt-tokens {1024 - need + 1000}")
 
 
 def test_a_conversation_that_does_not_fit_the_context_is_refused_with_the_setting_to_change() -> None:

@@ -34,6 +34,8 @@ from ..schema.workloads import (
     longest_gap,
     prompt_ids,
     turn_prompts,
+    turns_figures,
+    turns_text,
 )
 from .http_driver import Client, engine_status, served_model, sse_chunks
 from .stats import median, percentile
@@ -223,14 +225,9 @@ def http_run(
         out["decode_tok_s"] = decode.rate
         out["tok_s"] = out["prompt_read_tok_s"]
     elif workload == "turns":
-        span = (streams[-1].done or streams[-1].sent) - streams[0].sent
-        out["tok_s"] = sum(s.tokens for s in streams) / span if span > 0 else 0.0
-        waits = [(s.first or s.done or s.sent) - s.sent for s in streams]
-        out["first_turn_ttft_s"] = waits[0]
-        out["later_ttft_s"] = median(waits[1:])
-        later = streams[1:]
-        sent = sum(s.prompt_tokens for s in later)
-        out["reused_pct"] = 100.0 * sum(s.cached_tokens for s in later) / sent if sent else 0.0
+        out |= turns_figures(
+            [(s.sent, s.first, s.done or s.sent, s.tokens, s.prompt_tokens, s.cached_tokens) for s in streams]
+        )
     elif workload == "clients":
         lat = [(s.done or s.sent) - s.sent for s in streams]
         out["tok_s"] = sum(s.tokens for s in streams) / wall if wall > 0 else 0.0
@@ -401,11 +398,7 @@ def _case_line(label: str, m: dict[str, float], ratio: str = "", width: int = 20
         extra = f"  prompt read {m['prompt_read_tok_s']:.0f} tok/s, decode {m['decode_tok_s']:.1f} tok/s"
     if "prompt_read_s" in m:
         extra = f"  {m['prompt_tokens']:.0f} prompt tokens, first token after {m['prompt_read_s']:.3f} s"
-    if "later_ttft_s" in m:
-        extra = (
-            f"  first token: turn 1 {1000 * m['first_turn_ttft_s']:.1f} ms, later turns "
-            f"{1000 * m['later_ttft_s']:.1f} ms ({m['reused_pct']:.1f}% of their prompts reused)" + extra
-        )
+    extra = turns_text(m) + extra
     if "ms_per_window" in m:
         win = f"{m['ms_per_window']:8.2f} {m['rows_per_window']:8.2f} {m['accepted_pct']:6.1f}%"
     else:

@@ -193,6 +193,33 @@ def gap_text(m: dict[str, float]) -> str:
     )
 
 
+def turns_figures(turns: Sequence[tuple[float, float | None, float, int, int, int]]) -> dict[str, float]:
+    """The ``turns`` workload's figures from its turns in order, each (sent, first token or None, done,
+    tokens generated, prompt tokens, prompt tokens reused), in seconds from the run's start: the
+    conversation's tokens over its time (reading included), the first turn's wait for its first token, the
+    later turns' median wait, and the share of the later turns' prompts the engine did not read again."""
+    span = turns[-1][2] - turns[0][0]
+    waits = [(first if first is not None else done) - sent for sent, first, done, *_ in turns]
+    later = turns[1:]
+    sent_tokens = sum(t[4] for t in later)
+    return {
+        "tok_s": sum(t[3] for t in turns) / span if span > 0 else 0.0,
+        "first_turn_ttft_s": waits[0],
+        "later_ttft_s": percentile(waits[1:], 0.5) or 0.0,
+        "reused_pct": 100.0 * sum(t[5] for t in later) / sent_tokens if sent_tokens else 0.0,
+    }
+
+
+def turns_text(m: dict[str, float]) -> str:
+    """The figures of `turns_figures` for a results table ("" without them)."""
+    if "later_ttft_s" not in m:
+        return ""
+    return (
+        f"  first token: turn 1 {1000 * m['first_turn_ttft_s']:.1f} ms, later turns "
+        f"{1000 * m['later_ttft_s']:.1f} ms ({m['reused_pct']:.1f}% of their prompts reused)"
+    )
+
+
 def bench_option_problem(args: Any) -> str | None:
     """Why the bench's parsed arguments cannot run: `sampling_problem`, or a count of tokens or repeats
     below 1."""

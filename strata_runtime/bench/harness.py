@@ -31,6 +31,7 @@ from strata_cfg.schema.workloads import (
     generation_rate,
     prompt_ids,
     turn_prompts,
+    turns_figures,
 )
 
 from ..api import Request, SamplingParams, Tokenizer
@@ -354,14 +355,12 @@ def measure(name: str, results: list[Result], stats: dict[str, Any], wall: float
         out["decode_tok_s"] = decode.rate
         out["tok_s"] = out["prompt_read_tok_s"]
     elif name == "turns":
-        # The conversation's tokens over its time, reading included; each turn's wait for its first token.
-        span = results[-1].finished - results[0].submitted
-        out["tok_s"] = sum(len(r.token_ids) for r in results) / span if span > 0 else 0.0
-        waits = [(r.first_token or r.finished) - r.submitted for r in results]
-        out["first_turn_ttft_s"] = waits[0]
-        out["later_ttft_s"] = float(np.median(waits[1:]))
-        later = results[1:]
-        out["reused_pct"] = 100.0 * sum(r.cached for r in later) / sum(r.prompt_tokens for r in later)
+        out |= turns_figures(
+            [
+                (r.submitted, r.first_token, r.finished, len(r.token_ids), r.prompt_tokens, r.cached)
+                for r in results
+            ]
+        )
     elif name == "clients":
         lat = sorted(r.finished - r.submitted for r in results)
         out["tok_s"] = sum(len(r.token_ids) for r in results) / wall if wall > 0 else 0.0

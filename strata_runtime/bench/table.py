@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from strata_cfg.schema.plan import LaunchPlan
-from strata_cfg.schema.workloads import TURN_MESSAGE, TURNS, gap_text
+from strata_cfg.schema.workloads import TURN_MESSAGE, TURNS, gap_text, turns_text
 
 if TYPE_CHECKING:
     pass
@@ -155,12 +155,7 @@ def render_table(
                 extra += (
                     f"  experts {m['expert_vram_pct']:.1f}% from VRAM, {m['host_mb_per_token']:.1f} MB/{per}"
                 )
-            if "later_ttft_s" in m:
-                extra = (
-                    f"  first token: turn 1 {1000 * m['first_turn_ttft_s']:.1f} ms, later turns "
-                    f"{1000 * m['later_ttft_s']:.1f} ms ({m['reused_pct']:.1f}% of their prompts reused)"
-                    + extra
-                )
+            extra = turns_text(m) + extra
             if "decode_tok_s" in m:
                 extra = (
                     f"  prompt read {m['prompt_read_tok_s']:.0f} tok/s, decode {m['decode_tok_s']:.1f} tok/s"
