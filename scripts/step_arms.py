@@ -1,25 +1,18 @@
-"""Time the whole decode step with other kernel forms, in one process on one model: each arm's decode
-attention and its split of a row, the q/k/v projection's form and the expert kernels'.
+"""Time the whole decode step with other decode attention kernels, in one process on one model: each arm's
+decode attention and its split of a row.
 
     python scripts/step_arms.py PROFILE [--set KEY=VALUE ...] [--positions 64,150,300] [--rows 1,2]
         [--rounds 2] [--repeats 30] [--in-step] [--json] ARM [ARM ...]
 
-Each ARM is NAME=SPEC, SPEC a comma-separated list of settings, each left out keeping the plan's (the
-engine's, or what the profile sets in ``model.decode_attention``, ``model.qkv_form`` and
-``model.expert_form``):
-* decode attention: ``cuda_cores`` (attn_split), ``tc`` (attn_tc, each row split as the engine splits it) or
-  ``tc:ONE_RUN_CHUNKS/SHORT_SPLITS/SHORT_CHUNKS/SPLITS`` (`strata_runtime.cuda.choices.AttentionSplit`; fields
-  left out keep the engine's);
-* the q/k/v projection: ``qkv:plain``, ``qkv:staged``, ``qkv:paired`` or ``qkv:staged+paired``
-  (`strata_runtime.cuda.choices.QkvForm`);
-* the routed experts' kernels: ``moe:plain`` or ``moe:tables`` (`strata_runtime.cuda.choices.MoeForm`).
-For example ``kept=tc split=cuda_cores staged=qkv:staged both=qkv:staged,moe:tables``. At every position and
-row count the step graph runs with each arm in turn, ``--rounds`` rounds on the same weights and window
-(`KernelModel.time_arms`, as ``strata bench --workload step --vary model.qkv_form=plain,staged`` times the
-plans' kernels, without attention splits or several positions); the table gives each arm's median ms with its
-change from the first arm, and whether every arm chose the same argmax tokens; with ``--in-step``, also what
-each kernel group costs inside the step in every arm (`KernelModel.time_in_step`), so that a form's effect
-shows in the group it changes.
+Each ARM is NAME=SPEC, SPEC one of ``cuda_cores`` (attn_split), ``tc`` (attn_tc, each row split as the
+engine splits it) or ``tc:ONE_RUN_CHUNKS/SHORT_SPLITS/SHORT_CHUNKS/SPLITS``
+(`strata_runtime.cuda.choices.AttentionSplit`; fields left out keep the engine's). For example
+``kept=tc one=tc:128 split=cuda_cores``. At every position and row count the step graph runs with each arm in
+turn, ``--rounds`` rounds on the same weights and window (`KernelModel.time_arms`, as ``strata bench
+--workload step --vary model.decode_attention=auto,cuda_cores`` times the plans' kernels, without splits or
+several positions); the table gives each arm's median ms with its change from the first arm, and whether
+every arm chose the same argmax tokens; with ``--in-step``, also what each kernel group costs inside the step
+in every arm (`KernelModel.time_in_step`), so that an arm's effect shows in the group it changes.
 Needs CuPy and a GPU. docs/PERFORMANCE.md's tables of attention splits measure the same way.
 """
 
@@ -38,17 +31,8 @@ from strata_cfg.plan.from_profile import resolve_profile
 from strata_cfg.schema.errors import ProfileError
 from strata_runtime.backend import Device
 from strata_runtime.bench.step import KernelArm, KernelModel, graph_seconds, step_routing
-from strata_runtime.cuda.choices import (
-    KERNEL_FORMS,
-    AttentionSplit,
-    KernelForms,
-    MoeForm,
-    QkvForm,
-    moe_expressions,
-    qkv_rope_launch,
-)
+from strata_runtime.cuda.choices import AttentionSplit
 from strata_runtime.cuda.ops import kernels_for
-from strata_runtime.model.placed import plan_forms
 
 
 @dataclass(frozen=True)
@@ -56,53 +40,31 @@ class Arm:
     name: str
     tensor_cores: bool = True
     split: AttentionSplit | None = None  # None: the engine's
-    qkv: QkvForm | None = None  # None: the plan's (model.qkv_form)
-    moe: MoeForm | None = None  # None: the plan's (model.expert_form)
 
     @classmethod
     def parse(cls, text: str) -> Arm:
         name, eq, spec = text.partition("=")
         if not eq or not name or not spec:
             raise ValueError(f"arm {text!r}: expected NAME=SPEC, as one=tc:3/16/128/64 or split=cuda_cores")
-        tensor_cores, split, qkv, moe, attention = True, None, None, None, 0
-        for setting in spec.split(","):
-            if setting.startswith("qkv:"):
-                if qkv is not None:
-                    raise ValueError(f"arm {text!r}: two q/k/v forms")
-                qkv = QkvForm.parse(setting[4:])
-                continue
-            if setting.startswith("moe:"):
-                if moe is not None:
-                    raise ValueError(f"arm {text!r}: two expert forms")
-                moe = MoeForm.parse(setting[4:])
-                continue
-            attention += 1
-            if setting == "cuda_cores":
-                tensor_cores = False
-            elif setting.startswith("tc:"):
-                split = AttentionSplit.parse(setting[3:])
-            elif setting != "tc":
-                raise ValueError(
-                    f"arm {text!r}: a setting is cuda_cores, tc, tc:ONE_RUN_CHUNKS/SHORT_SPLITS/..., "
-                    f"qkv:FORM or moe:FORM, not {setting!r}"
-                )
-        if attention > 1:
-            raise ValueError(f"arm {text!r}: two decode attention settings")
-        return cls(name, tensor_cores, split, qkv, moe)
-
-    def describe(self, own: KernelForms = KERNEL_FORMS) -> str:
-        """The arm's kernels in words; ``own``: the plan's forms, which the arm keeps where it names none."""
-        attention = (
-            f"tensor cores, split {self.split or AttentionSplit()}" if self.tensor_cores else "CUDA cores"
+        if spec == "cuda_cores":
+            return cls(name, False)
+        if spec == "tc":
+            return cls(name)
+        if spec.startswith("tc:"):
+            return cls(name, True, AttentionSplit.parse(spec[3:]))
+        raise ValueError(
+            f"arm {text!r}: SPEC is cuda_cores, tc or tc:ONE_RUN_CHUNKS/SHORT_SPLITS/..., not {spec!r}"
         )
-        return f"{attention}, q/k/v {self.qkv or own.qkv}, experts {self.moe or own.moe}"
+
+    def describe(self) -> str:
+        """The arm's kernel in words."""
+        if not self.tensor_cores:
+            return "CUDA cores"
+        return f"tensor cores, split {self.split or AttentionSplit()}"
 
     def context(self, model: KernelModel) -> contextlib.AbstractContextManager[None]:
-        """This arm's kernels in force on ``model`` inside the block (a form the arm leaves out: the
-        model's, which are the plan's)."""
-        own = model.stack.forms
-        forms = KernelForms(self.qkv or own.qkv, self.moe or own.moe)
-        return model.arm(KernelArm(self.tensor_cores, self.split, forms))
+        """This arm's kernel in force on ``model`` inside the block."""
+        return model.arm(KernelArm(self.tensor_cores, self.split))
 
 
 def sweep(
@@ -116,8 +78,8 @@ def sweep(
     in_step: bool = False,
 ) -> list[dict[str, Any]]:
     """One result per (position, row count): each arm's ms and argmax tokens; with ``in_step``, also what
-    each kernel group costs inside the step in each arm (`KernelModel.time_in_step`, µs a layer), so that a
-    form's effect shows in the group it changes."""
+    each kernel group costs inside the step in each arm (`KernelModel.time_in_step`, µs a layer), so that an
+    arm's effect shows in the group it changes."""
     names = [a.name for a in arms]
     if len(set(names)) != len(names):
         raise ValueError(f"arm names repeat: {names}")
@@ -135,11 +97,11 @@ def sweep(
     return out
 
 
-def render(arms: Sequence[Arm], results: Sequence[Mapping[str, Any]], own: KernelForms = KERNEL_FORMS) -> str:
+def render(arms: Sequence[Arm], results: Sequence[Mapping[str, Any]]) -> str:
     """The sweep's table: each arm's ms and its change from the first, whether every arm chose the same
-    argmax tokens, and with ``--in-step`` each arm's groups; ``own``: the plan's forms."""
+    argmax tokens, and with ``--in-step`` each arm's groups."""
     first = arms[0].name
-    lines = ["arms: " + "; ".join(f"{a.name} = {a.describe(own)}" for a in arms)]
+    lines = ["arms: " + "; ".join(f"{a.name} = {a.describe()}" for a in arms)]
     head = f"{'position':>8} {'rows':>4}  " + "  ".join(f"{a.name:>16}" for a in arms) + "  same argmax"
     lines += [head, "-" * len(head)]
     for res in results:
@@ -186,19 +148,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ProfileError as e:
         ap.error(str(e))
     context = plan.memory.context
-    f = plan.model.facts
-    qkv_shape = ((f.num_attention_heads + 2 * f.num_key_value_heads) * f.head_dim, f.hidden_size)
-    for arm in arms:
-        for rows in args.rows if arm.qkv else []:
-            try:  # what the shapes allow; the device's clusters are checked when the arm first runs
-                qkv_rope_launch(rows, *qkv_shape, f.head_dim, True, arm.qkv, clusters=True)
-            except ValueError as e:
-                ap.error(f"arm {arm.name}: {e}")
-        if arm.moe is not None and f.num_experts:
-            try:
-                moe_expressions(f.hidden_size, f.moe_intermediate_size, f.num_experts_per_tok, arm.moe)
-            except ValueError as e:
-                ap.error(f"arm {arm.name}: {e}")
     if max(args.positions) >= context:
         ap.error(f"a position of {max(args.positions)} does not fit memory.context = {context}")
     try:
@@ -214,7 +163,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             kernels_for(args.device),
             args.device,
             step_routing(plan, Device("cuda", args.device)),
-            forms=plan_forms(plan),
         )
         results = sweep(
             model, arms, args.positions, args.rows, args.repeats, args.rounds, in_step=args.in_step
@@ -222,17 +170,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         print(
             json.dumps(
-                {
-                    "arms": [
-                        a.__dict__ | {k: str(getattr(a, k) or "") for k in ("split", "qkv", "moe")}
-                        for a in arms
-                    ],
-                    "results": results,
-                }
+                {"arms": [a.__dict__ | {"split": str(a.split or "")} for a in arms], "results": results}
             )
         )
     else:
-        print(render(arms, results, plan_forms(plan)))
+        print(render(arms, results))
     return 0
 
 

@@ -252,10 +252,6 @@ class ReferenceKernels:
         from strata_runtime.cuda.choices import gemv_expression
 
         self.tensor_cores = True  # as on an H200
-        self.clusters = True
-        self.block_shared = 227 * 1024
-        self.forms: list[tuple[str, str]] = []
-        """The form of each q/k/v launch (``qkv``, form) and expert launch (``moe``, form), in order."""
         self.attention_kernels: list[str] = []
         """The decode attention kernel of each launch (or capture), in order."""
         self.gemv_expr = functools.partial(gemv_expression, tensor_cores=True)
@@ -274,28 +270,21 @@ class ReferenceKernels:
         self._launched(self.gemv_expr(x.shape[0], *w.shape, norm is not None))
         RECORDER.launch(reference_kernels.gemv, w, x, out, accumulate, norm, eps)
 
-    def qkv_rope(self, w: Any, x: Any, qkv: Any, norm: Any, eps: float, *rest: Any, form: Any = None) -> None:
-        """As the launcher: the fused projection's instantiation in ``form``, or the projection's where it
-        fuses none."""
-        from strata_runtime.cuda.choices import QKV_FORM, qkv_rope_launch
+    def qkv_rope(self, w: Any, x: Any, qkv: Any, norm: Any, eps: float, *rest: Any) -> None:
+        """As the launcher: the fused projection's instantiation, or the projection's where it fuses none."""
+        from strata_runtime.cuda.choices import qkv_rope_launch
 
-        form = QKV_FORM if form is None else form
-        self.forms.append(("qkv", str(form)))
         q_out = rest[4]
-        launch = qkv_rope_launch(
-            x.shape[0], *w.shape, q_out.shape[2], self.tensor_cores, form, self.clusters, self.block_shared
-        )
-        self._launched(launch.expression if launch else self.gemv_expr(x.shape[0], *w.shape, True))
+        launch = qkv_rope_launch(x.shape[0], *w.shape, q_out.shape[2], self.tensor_cores)
+        self._launched(launch[0] if launch else self.gemv_expr(x.shape[0], *w.shape, True))
         RECORDER.launch(reference_kernels.qkv_rope, w, x, qkv, norm, eps, *rest)
 
-    def moe(self, x: Any, norm: Any, logits: Any, *rest: Any, form: Any = None) -> None:
-        """As the launcher: the expert kernels' instantiations in ``form``."""
-        from strata_runtime.cuda.choices import MOE_FORM, moe_expressions
+    def moe(self, x: Any, norm: Any, logits: Any, *rest: Any) -> None:
+        """As the launcher: the expert kernels' instantiations."""
+        from strata_runtime.cuda.choices import moe_expressions
 
-        form = MOE_FORM if form is None else form
-        self.forms.append(("moe", str(form)))
         idx, h_buf = rest[4], rest[6]  # after logits: norm_topk, eps, experts, resid, idx, wts, h_buf
-        for expr in moe_expressions(x.shape[1], h_buf.shape[1], idx.shape[1], form):
+        for expr in moe_expressions(x.shape[1], h_buf.shape[1], idx.shape[1]):
             self._launched(expr)
         RECORDER.launch(reference_kernels.moe, x, norm, logits, *rest)
 

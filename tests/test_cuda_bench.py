@@ -67,40 +67,6 @@ def test_step_times_each_decode_attention_kernel_in_one_run(profile: str) -> Non
         assert all(len(t) == r["rows"] for t in r["tokens"].values())
 
 
-def test_step_times_each_q_k_v_form_and_refuses_one_the_model_cannot_take(profile: str) -> None:
-    """``--vary model.qkv_form=plain,paired`` on the small preset (32-wide heads: two 16-feature blocks a
-    head, a cluster each): both forms timed in one model, every row choosing the same argmax token in both
-    (the forms give the same bits); ``staged``, which its one round of weights a warp cannot take, is
-    refused in one line naming the key."""
-    small = profile.replace("gpu-tiny.toml", "gpu-small.toml")
-    with open(profile) as f, open(small, "w") as g:
-        g.write(f.read().replace('synthetic = "tiny"', 'synthetic = "small"'))
-    res = bench(small, "--workload", "step", "--vary", "model.qkv_form=plain,paired")
-    arms = res["kernel_arms"]
-    names = ["profile@qkv_form:plain", "profile@qkv_form:paired"]
-    assert arms["kernels"] == dict(zip(names, ["tensor cores", "tensor cores, q/k/v paired"], strict=True))
-    for r in arms["rows"]:
-        assert list(r["ms"]) == names and min(r["ms"].values()) > 0
-        assert r["tokens"][names[0]] == r["tokens"][names[1]]
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "strata_cfg",
-            "bench",
-            small,
-            "--workload",
-            "step",
-            "--set",
-            "model.qkv_form=staged",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode != 0 and "model.qkv_form = 'staged' does not run here" in out.stderr, out.stderr
-
-
 def test_step_times_every_row_count_against_the_roofline(profile: str) -> None:
     res = bench(profile, "--workload", "step")
     assert res["device"] == "cuda:0" and res["model"]["layers"] == 4 and res["copy_gbs"] > 0
@@ -192,32 +158,3 @@ def test_step_arms_script_times_every_arm_at_every_position(profile: str) -> Non
         assert set(r["ms"]) == {"kept", "chunk", "split"} and min(r["ms"].values()) > 0
         assert all(len(t) == r["rows"] for t in r["tokens"].values())
     assert [a["split"] for a in res["arms"]] == ["", "0/16/128/64", ""]
-
-
-def test_step_arms_gives_every_kernel_form_the_plain_forms_tokens_at_the_30b_attention_shape() -> None:
-    """``scripts/step_arms.py``'s sweep on the GPU, on two layers of the 30B preset's shapes (its q/k/v,
-    5120 x 2048 in heads of 128, takes every `QkvForm`) with 16 experts: each form of the q/k/v and expert
-    kernels is timed, in the whole step and group by group, and chooses the plain kernels' argmax tokens
-    for every row, since every form gives the same bits."""
-    cp = pytest.importorskip("cupy")
-    from script_loader import load_script
-
-    from strata_cfg.schema.facts import ModelFacts
-    from strata_cfg.schema.presets import preset_config
-    from strata_runtime.bench.step import KernelModel
-    from strata_runtime.cuda.ops import kernels_for
-
-    config = preset_config("qwen3-30b-a3b") | {"num_hidden_layers": 2, "num_experts": 16}
-    facts = ModelFacts.from_config(config, source="synthetic:qwen3-30b-a3b", dtype="float16")
-    script = load_script("step_arms")
-    arms = [
-        script.Arm.parse(a) for a in ("plain=tc", "staged=qkv:staged", "all=qkv:staged+paired,moe:tables")
-    ]
-    with cp.cuda.Device(0):
-        model = KernelModel(cp, facts, 512, kernels_for(0))
-        results = script.sweep(model, arms, [100], [1, 2], repeats=3, rounds=1, in_step=True)
-    for res in results:
-        assert set(res["ms"]) == {"plain", "staged", "all"} and min(res["ms"].values()) > 0
-        assert res["tokens"]["staged"] == res["tokens"]["all"] == res["tokens"]["plain"], res["tokens"]
-        assert set(res["in_step"]) == {"plain", "staged", "all"}
-        assert all("qkv+rope" in groups and "moe" in groups for groups in res["in_step"].values())

@@ -22,14 +22,9 @@ from strata_cfg.schema.presets import preset_config, preset_names
 from strata_runtime.cuda import grouped, routing
 from strata_runtime.cuda.choices import (
     PDL_KERNELS,
-    MoeForm,
-    QkvForm,
-    QkvLaunch,
     decode_expressions,
-    moe_expressions,
     mtp_gemv_shapes,
     prefill_expressions,
-    qkv_rope_launch,
 )
 from strata_runtime.cuda.compile import OPTIONS, source
 from strata_runtime.cuda.flash import HOPPER_SM_SHARED, NARROW, kernel_expr, shared_bytes, tile_shape
@@ -188,91 +183,6 @@ def test_one_row_kernels_issue_only_weight_loads_before_waiting_for_the_kernel_b
     out_proj = nvrtc.sass(source("kernels.cu"), ["gemv_mma<1,4096,1,32,false>"], OPTIONS)
     code = out_proj["gemv_mma<1,4096,1,32,false>"]
     assert sum("LDG" in line for line in code[: next(i for i, x in enumerate(code) if "ACQBULK" in x)]) == 8
-
-
-QKV_FORMS = ["staged", "paired", "staged+paired"]
-
-
-def _qkv_form_expressions(rows: range) -> dict[str, QkvLaunch]:
-    """The q/k/v kernel of each form but the plain one at the 30B preset's shape, at each row count."""
-    out = {}
-    for form in QKV_FORMS:
-        for r in rows:
-            launch = qkv_rope_launch(r, 5120, 2048, 128, True, QkvForm.parse(form), True, HOPPER_BLOCK_SHARED)
-            assert launch is not None
-            out[launch.expression] = launch
-    return out
-
-
-def test_the_benchmark_forms_compile_and_fit_a_hopper_block() -> None:
-    """Every `QkvForm` of the 30B preset's q/k/v projection compiles for sm_90 at 1 to 8 rows without
-    spilling, and its static and dynamic shared memory together fit a Hopper block. `MoeForm` ``tables``
-    compiles for the 30B preset's experts; its ``moe_down`` keeps one value in local memory across the
-    weight loads (4 bytes stored and loaded once a thread), the plain kernel already holding 128 registers,
-    the most its two blocks an SM allow."""
-    launches = _qkv_form_expressions(range(1, 9))
-    kernels = _check("kernels.cu", list(launches), OPTIONS)
-    for expr, k in kernels.items():
-        assert k.shared_bytes + launches[expr].shared_bytes <= HOPPER_BLOCK_SHARED, (expr, k)
-    tables = moe_expressions(2048, 768, 8, MoeForm(tables=True))[:2]
-    moe = nvrtc.compile_source(source("kernels.cu"), list(tables), OPTIONS, "sm_90")
-    gate_up, down = (moe[e] for e in tables)
-    assert not gate_up.spill_stores and not gate_up.spill_loads, gate_up
-    assert down.registers <= 128 and down.spill_stores + down.spill_loads <= 8, down
-
-
-PAIRED_SMALL_SPILL = r"gemv_mma_pair<[2-6],256,1,16,true,32>"
-"""The small preset's paired q/k/v kernel at 2-6 rows keeps 12 bytes a thread in local memory (8 stored,
-4 loaded): a toy shape's cost, its bits unchanged; the 30B and 235B presets' paired kernels do not spill."""
-
-
-def test_every_q_k_v_form_a_preset_can_choose_compiles_for_hopper() -> None:
-    """Every `QkvForm` that ``model.qkv_form`` may choose for another preset (where `qkv_rope_launch`
-    takes it: the small preset's 32-wide heads paired, the 235B preset's paired, whose staged form would
-    need 392 KiB a block) compiles for sm_90 at 1 to 8 rows within a Hopper block, spilling only where
-    `PAIRED_SMALL_SPILL` says."""
-    from strata_runtime.models.qwen3_moe import ModelArgs
-
-    launches: dict[str, QkvLaunch] = {}
-    refused: list[str] = []
-    for name in ("tiny", "small", "qwen3-235b-a22b"):
-        a = ModelArgs.from_config(preset_config(name))
-        n = (a.num_attention_heads + 2 * a.num_key_value_heads) * a.head_dim
-        for form, rows in ((f, r) for f in QKV_FORMS for r in range(1, 9)):
-            try:
-                launch = qkv_rope_launch(
-                    rows, n, a.hidden_size, a.head_dim, True, QkvForm.parse(form), True, HOPPER_BLOCK_SHARED
-                )
-            except ValueError:
-                refused.append(f"{name} {form}")
-                continue
-            assert launch is not None
-            launches[launch.expression] = launch
-    assert {e.split("<")[0] for e in launches} == {"gemv_mma_pair"} and len(launches) == 16
-    assert "qwen3-235b-a22b staged" in refused and "tiny paired" in refused
-    kernels = nvrtc.compile_source(source("kernels.cu"), list(launches), OPTIONS, "sm_90")
-    for expr, k in kernels.items():
-        assert k.shared_bytes + launches[expr].shared_bytes <= HOPPER_BLOCK_SHARED, (expr, k)
-        spill = k.spill_stores + k.spill_loads
-        assert spill <= (12 if re.fullmatch(PAIRED_SMALL_SPILL, expr) else 0), (expr, k)
-
-
-@pytest.mark.skipif(nvrtc.disassembler() is not None, reason=str(nvrtc.disassembler()))
-def test_the_staged_qkv_form_issues_its_shared_memory_copies_before_the_wait() -> None:
-    """The one-row staged q/k/v kernels queue every later unit's copy into shared memory (16 ``LDGSTS`` a
-    lane: 2 units x 4 tiles x 2 bands) before ``griddepcontrol.wait``, and nothing but weight loads there;
-    the paired ones synchronise their cluster."""
-    one_row = _qkv_form_expressions(range(1, 2))
-    for expr, code in nvrtc.sass(source("kernels.cu"), list(one_row), OPTIONS).items():
-        waits = [i for i, line in enumerate(code) if "ACQBULK" in line]
-        assert len(waits) == 1, expr
-        before = code[: waits[0]]
-        copies = sum("LDGSTS" in line for line in before)
-        assert copies == (16 if one_row[expr].shared_bytes else 0), (expr, copies)
-        loads = [line for line in before if re.search(r"\bLD(G|S)?\.", line)]
-        assert all(re.search(r"\bLDG\.E\.128\.CONSTANT\b", line) for line in loads), (expr, loads)
-        assert len(loads) <= 16, (expr, len(loads))
-        assert ("CGABAR" in "".join(code)) == expr.startswith("gemv_mma_pair<"), expr
 
 
 def _compile_part(

@@ -400,35 +400,6 @@ def test_moe_reads_experts_from_mapped_host_memory_bit_for_bit_and_counts_the_mi
     assert int(misses.get()[0]) == int(on_host[idx].sum()) > 0
 
 
-@pytest.mark.parametrize(
-    ("rows", "e", "k", "h", "inter"), [(1, 128, 8, 2048, 768), (3, 128, 8, 2048, 768), (8, 16, 4, 256, 256)]
-)
-def test_the_expert_tables_form_gives_the_plain_forms_bits(gpu, rows, e, k, h, inter):
-    """`MoeForm` ``tables`` (each block reads the layer's whole address table beside the routing) writes
-    the plain form's routing, hidden products and residual bit for bit, with experts in VRAM and with half
-    of them in mapped host memory, and counts the same misses."""
-    from strata_runtime.cuda.choices import MoeForm
-
-    cp, kern, _ = gpu
-    g = rng()
-    x, nw, logits, gate_up, down, resid = _moe_inputs(g, rows, e, h, inter)
-    counts, misses = cp.zeros(e, cp.float32), cp.zeros(1, cp.float32)
-    experts, on_host, arrays = _half_on_host(cp, g, gate_up, down, counts, misses)  # arrays: kept alive
-
-    def run(form: MoeForm) -> tuple[np.ndarray, ...]:
-        counts[...], misses[...] = 0, 0
-        r_d, idx_d = cp.asarray(resid), cp.full((rows, k), -1, cp.int32)
-        w_d, h_d = cp.full((rows, k), cp.nan, cp.float32), cp.full((rows * k, inter), cp.nan, cp.float32)
-        x_d, nw_d, logits_d = cp.asarray(x), cp.asarray(nw), cp.asarray(logits)
-        kern.moe(x_d, nw_d, logits_d, True, 1e-6, experts, r_d, idx_d, w_d, h_d, form=form)
-        return r_d.get(), idx_d.get(), w_d.get(), h_d.get(), counts.get(), misses.get()
-
-    plain, tables = run(MoeForm()), run(MoeForm(tables=True))
-    assert not np.isnan(plain[3]).any() and int(plain[5][0]) == int(on_host[plain[1]].sum())
-    for a, b in zip(tables, plain, strict=True):
-        np.testing.assert_array_equal(a, b)
-
-
 def test_small_elementwise_kernels_match_the_reference(gpu):
     from strata_runtime.cuda.ops import argmax_scratch
 
@@ -559,51 +530,6 @@ def test_qkv_with_rope_fused_matches_the_projection_then_qk_norm_rope_kv(gpu, n_
     assert rel_err(fused[1], q_r) < 1e-3  # sincos of large angles in fp32
     assert rel_err(fused[2], kc_r[slot, :, pos]) < 1e-3
     assert rel_err(fused[3], vc_r[slot, :, pos]) < 1e-3
-
-
-@pytest.mark.parametrize("rows", [1, 3, 8])
-def test_every_qkv_form_writes_what_the_plain_kernel_writes_bit_for_bit(gpu, rows):
-    """Each `QkvForm` the device takes, at the 30B preset's q/k/v shape (5120 x 2048, two blocks a head of
-    128): the weights' later units staged in shared memory, each head's two blocks a cluster, and both,
-    write the same qkv, q and cache bits as the plain kernel (the same sums in the same order), for rows
-    that share a slot at neighbouring positions; the plain kernel's counters stay at zero."""
-    from strata_runtime.cuda.choices import QkvForm
-
-    cp, kern, _ = gpu
-    n_q, n_kv, d, hidden = 32, 4, 128, 2048
-    g = rng()
-    slots, t = 3, 300
-    slot = (np.arange(rows) // 2 % slots).astype(np.int32)
-    pos = (17 * (np.arange(rows) // 2) + np.arange(rows) % 2 + 5).astype(np.int32)
-    dev = [
-        cp.asarray(a)
-        for a in (
-            half(g.standard_normal(((n_q + 2 * n_kv) * d, hidden)) * 0.05),
-            (g.standard_normal((rows, hidden)) * 2).astype(np.float32),
-            half(1 + 0.1 * g.standard_normal(hidden)),
-            half(1 + 0.1 * g.standard_normal(d)),
-            half(1 + 0.1 * g.standard_normal(d)),
-            pos,
-            slot,
-        )
-    ]
-    kc, vc = half(g.standard_normal((slots, n_kv, t, d))), half(g.standard_normal((slots, n_kv, t, d)))
-    done = cp.zeros(n_q + 2 * n_kv, cp.int32)
-
-    def run(form: QkvForm) -> tuple[np.ndarray, ...]:
-        qkv = cp.full((rows, (n_q + 2 * n_kv) * d), cp.nan, cp.float32)
-        q = cp.full((rows, n_q, d), cp.nan, cp.float32)
-        kc_d, vc_d = cp.asarray(kc), cp.asarray(vc)
-        kern.qkv_rope(dev[0], dev[1], qkv, dev[2], 1e-6, *dev[3:], q, kc_d, vc_d, 1e6, done, form=form)
-        cp.cuda.Device().synchronize()
-        return qkv.get(), q.get(), kc_d.get(), vc_d.get()
-
-    plain = run(QkvForm())
-    assert not done.any() and not np.isnan(plain[1]).any()
-    forms = [QkvForm(staged=True)] + ([QkvForm(paired=True), QkvForm(True, True)] if kern.clusters else [])
-    for form in forms:
-        for a, b in zip(run(form), plain, strict=True):
-            np.testing.assert_array_equal(a, b, err_msg=str(form))
 
 
 def launch_gemv(cp, kern, expr, grid, w, x, out, norm):

@@ -256,26 +256,6 @@ def test_model_decode_attention_auto_takes_tensor_cores_where_the_shape_allows()
     assert "model.decode-attention" not in [x.rule for x in cpu.decisions]
 
 
-def test_kernel_forms_are_plain_unless_asked_and_the_gpu_plan_text_names_them():
-    """``model.qkv_form`` and ``model.expert_form`` default to ``plain``; a written form is the user's, it
-    reaches the plan as written, and the model line of a GPU plan names it (a CPU plan's, which runs no
-    kernel, does not)."""
-    from strata_cfg.report.plan_text import plan_text
-
-    path = rule_file("memory.prefill-chunk-alone-cached")  # the 30B preset on a GPU
-    plan = plan_of(path)
-    for key in ("model.qkv_form", "model.expert_form"):
-        assert plan.settings[key].value == "plain" and plan.settings[key].source.kind == "default"
-    assert (plan.model.qkv_form, plan.model.expert_form) == ("plain", "plain")
-    assert "q/k/v kernel" not in plan_text(plan) and "expert kernels" not in plan_text(plan)
-    asked = plan_of(path, ['model.qkv_form="staged+paired"', 'model.expert_form="tables"'])
-    assert (asked.model.qkv_form, asked.model.expert_form) == ("staged+paired", "tables")
-    assert asked.settings["model.qkv_form"].source.kind == "user"
-    assert ", q/k/v kernel staged+paired, expert kernels tables\n" in plan_text(asked)
-    cpu = plan_of(rule_file("spec.needs-mtp-weights"), ['model.qkv_form="staged"'])
-    assert cpu.model.qkv_form == "staged" and "q/k/v kernel" not in plan_text(cpu)
-
-
 def test_machine_host_ram_probed_reads_mem_available_and_says_so():
     plan = plan_of(rule_file("machine.host-ram-probed"), **PROBES["machine.host-ram-probed"])
     s = plan.settings["machine.host_ram_mib"]

@@ -72,7 +72,7 @@ def _expected_logits(model: KernelModel, ids: np.ndarray, position: int) -> tupl
             f.name: None if getattr(lay, f.name) is None else getattr(lay, f.name).astype(f64)
             for f in fields(lay)
             # the routed experts' address tables (gate_up and down are the weights), and the kernels' choices
-            if f.name not in ("experts", "attention_tc", "forms")
+            if f.name not in ("experts", "attention_tc")
         }
         qkv = _rms(x, w["ln1"]) @ w["qkv"].T  # [R, (NQ + 2 NKV) D]
         q = rope(_rms(qkv[:, : nq * d].reshape(-1, nq, d), w["q_norm"]))  # [R, NQ, D]
@@ -268,7 +268,7 @@ def test_step_memory_counts_every_weight_and_the_kv_of_eight_slots() -> None:
         getattr(lay, f.name).nbytes
         for lay in model.stack.layers
         for f in fields(lay)
-        if getattr(lay, f.name) is not None and f.name not in ("experts", "attention_tc", "forms")
+        if getattr(lay, f.name) is not None and f.name not in ("experts", "attention_tc")
     )
     held += model.stack.k_cache.nbytes + model.stack.v_cache.nbytes
     held += model.emb.nbytes + model.head.nbytes + model.final_norm.nbytes
@@ -375,51 +375,38 @@ def test_the_step_table_gives_each_kernel_groups_share_of_the_copy_rate() -> Non
 
 def test_the_step_times_each_plans_kernels_in_turn_on_one_model(monkeypatch) -> None:
     """`time_kernel_arms` times the whole step once per arm in each round, in turn, with every layer's
-    attention launched on that arm's kernel and its q/k/v and expert kernels in that arm's forms, and leaves
-    the layers' own choices as they were; `kernel_arms` takes plans that differ only in their kernels
-    (``model.decode_attention``, ``model.qkv_form``, ``model.expert_form``), and the step table gives each
-    arm's time and its change from the first."""
+    attention launched on that arm's kernel, and leaves the layers' own choice as it was; `kernel_arms` takes
+    plans that differ only in ``model.decode_attention``, and the step table gives each arm's time and its
+    change from the first."""
     from rt_plans import float16_profile_text
 
     from strata_cfg.plan.from_profile import resolve_text
     from strata_runtime.bench.step import KernelArm, kernel_arms
     from strata_runtime.bench.step_table import render_step
-    from strata_runtime.cuda.choices import KERNEL_FORMS, KernelForms, MoeForm, QkvForm
+    from strata_runtime.cuda.choices import AttentionSplit
 
     facts = ModelFacts.from_config(preset_config("tiny"), source="synthetic:tiny", dtype="float16")
     model = KernelModel(_numpy_as_cupy(seed=4), facts, 64, reference, attention_tc=False)
-    launched: list[tuple[object, ...]] = []
-    real, real_qkv, real_moe = reference.attention, reference.qkv_rope, reference.moe
+    launched: list[bool] = []
+    real = reference.attention
     monkeypatch.setattr(
-        reference,
-        "attention",
-        lambda *a, tensor_cores=True: launched.append(("tc", tensor_cores)) or real(*a),
-    )
-    monkeypatch.setattr(
-        reference, "qkv_rope", lambda *a, form=None: launched.append(("qkv", str(form))) or real_qkv(*a)
-    )
-    monkeypatch.setattr(
-        reference, "moe", lambda *a, form=None: launched.append(("moe", str(form))) or real_moe(*a)
+        reference, "attention", lambda *a, tensor_cores=True: launched.append(tensor_cores) or real(*a)
     )
     cost = {True: 2.0e-3, False: 3.0e-3}
-    order: list[set[tuple[object, ...]]] = []
+    order: list[set[bool]] = []
 
     def timer(cp: object, body, repeats: int) -> float:
         launched.clear()
         body()
         order.append(set(launched))
-        return cost[("tc", True) in launched] + (1e-3 if ("qkv", "paired") in launched else 0.0)
+        return cost[True in launched]
 
-    paired = KernelForms(QkvForm(paired=True), MoeForm(tables=True))
-    arms = {"a@tc": KernelArm(True), "a@cuda": KernelArm(False), "a@paired": KernelArm(True, forms=paired)}
+    arms = {"a@tc": KernelArm(True), "a@cuda": KernelArm(False)}
     res = model.time_kernel_arms(2, 7, 5, arms, timer=timer, rounds=3)
-    plain = {("qkv", "plain"), ("moe", "plain")}
-    forms = {("qkv", "paired"), ("moe", "tables")}
-    assert order == [{("tc", True)} | plain, {("tc", False)} | plain, {("tc", True)} | forms] * 3
-    assert res["ms"] == pytest.approx({"a@tc": 2.0, "a@cuda": 3.0, "a@paired": 3.0}) and res["rows"] == 2
-    assert res["tokens"]["a@tc"] == res["tokens"]["a@cuda"] == res["tokens"]["a@paired"]
-    assert len(res["tokens"]["a@tc"]) == 2
-    assert not model.stack.attention_tc and model.stack.forms == KERNEL_FORMS  # the model's own, restored
+    assert order == [{True}, {False}] * 3
+    assert res["ms"] == pytest.approx({"a@tc": 2.0, "a@cuda": 3.0}) and res["rows"] == 2
+    assert res["tokens"]["a@tc"] == res["tokens"]["a@cuda"] and len(res["tokens"]["a@tc"]) == 2
+    assert not model.stack.attention_tc  # the model's own, restored
 
     text = float16_profile_text(backend="cuda", preset="tiny", slots=2, context=256)
 
@@ -429,17 +416,15 @@ def test_the_step_times_each_plans_kernels_in_turn_on_one_model(monkeypatch) -> 
     plans = {
         "p@auto": plan('decode_attention = "auto"'),
         "p@cuda_cores": plan('decode_attention = "cuda_cores"'),
-        "p@paired": plan('qkv_form = "paired"\nexpert_form = "tables"'),
     }
-    assert kernel_arms(plans) == {
-        "p@auto": KernelArm(True),
-        "p@cuda_cores": KernelArm(False),
-        "p@paired": KernelArm(True, forms=paired),
-    }
+    assert kernel_arms(plans) == {"p@auto": KernelArm(True), "p@cuda_cores": KernelArm(False)}
     other = resolve_text(text.replace("context = 256", "context = 512"), "b.toml").plan
     with pytest.raises(ValueError, match="p@auto and q differ in their memory.context"):
         kernel_arms({"p@auto": plans["p@auto"], "q": other})
-    assert KernelArm(True, forms=paired).label() == "tensor cores, q/k/v paired, experts tables"
+    split = AttentionSplit(128, 1)
+    assert (
+        KernelArm(False).label() == "CUDA cores" and KernelArm(True, split).label() == f"tensor cores {split}"
+    )
 
     rows = [
         {"rows": r, "ms": {"a@tc": 2.0 * r, "a@cuda": 2.5 * r}, "tokens": {"a@tc": [r], "a@cuda": [r]}}
@@ -460,18 +445,16 @@ def test_the_step_times_each_plans_kernels_in_turn_on_one_model(monkeypatch) -> 
 
 def test_step_arms_times_each_arm_with_its_own_kernels(monkeypatch) -> None:
     """`scripts/step_arms.py`: every timing of an arm launches attention on that arm's kernel with that
-    arm's split of a row, and the q/k/v projection in that arm's form (the engine's where the arm names
-    none), and the engine's choices hold again after; arms are parsed with clear errors, and the table gives
-    each arm's change from the first."""
+    arm's split of a row, and the engine's choices hold again after; arms are parsed with clear errors, and
+    the table gives each arm's change from the first."""
     from strata_runtime.cuda import choices
 
     script = load_script("step_arms")
     arms = [
         script.Arm.parse("a=tc:0"),
         script.Arm.parse("b=tc"),
-        script.Arm.parse("c=tc:128/1,qkv:staged+paired"),
+        script.Arm.parse("c=tc:128/1"),
         script.Arm.parse("d=cuda_cores"),
-        script.Arm.parse("e=qkv:paired,moe:tables"),
     ]
     assert arms[0].split == choices.AttentionSplit(
         0, choices.ATTN_SHORT_SPLITS, choices.ATTN_SHORT_CHUNKS, choices.ATTN_SPLITS
@@ -479,25 +462,18 @@ def test_step_arms_times_each_arm_with_its_own_kernels(monkeypatch) -> None:
     assert (
         arms[2].split == choices.AttentionSplit(128, 1) and arms[1].split is None and not arms[3].tensor_cores
     )
-    assert arms[2].qkv == choices.QkvForm(staged=True, paired=True) and arms[1].qkv is None
-    assert arms[4] == script.Arm("e", True, None, choices.QkvForm(paired=True), choices.MoeForm(tables=True))
-    assert arms[2].describe() == (
-        f"tensor cores, split 128/1/{choices.ATTN_SHORT_CHUNKS}/{choices.ATTN_SPLITS}, q/k/v staged+paired, "
-        "experts plain"
+    assert (
+        arms[2].describe() == f"tensor cores, split 128/1/{choices.ATTN_SHORT_CHUNKS}/{choices.ATTN_SPLITS}"
     )
+    assert arms[3].describe() == "CUDA cores"
     for bad, why in [
         ("tc", "expected NAME=SPEC"),
         ("x=", "expected NAME=SPEC"),
-        ("x=gpu", "a setting is cuda_cores, tc, tc:.*qkv:FORM or moe:FORM"),
+        ("x=gpu", "SPEC is cuda_cores, tc or tc:ONE_RUN_CHUNKS"),
         ("x=tc:1/2/3/4/5", "up to four integers"),
         ("x=tc:3/65", "short_splits <= splits <= 64"),
         ("x=tc:-1", "cannot be negative"),
-        ("x=tc,cuda_cores", "two decode attention settings"),
-        ("x=qkv:fast", "expected plain, staged, paired or staged[+]paired"),
-        ("x=qkv:staged+staged", "expected plain, staged"),
-        ("x=qkv:staged,qkv:paired", "two q/k/v forms"),
-        ("x=moe:table", "expected plain or tables"),
-        ("x=moe:tables,moe:plain", "two expert forms"),
+        ("x=tc,cuda_cores", "SPEC is cuda_cores, tc or tc:"),
     ]:
         with pytest.raises(ValueError, match=why):
             script.Arm.parse(bad)
@@ -505,43 +481,30 @@ def test_step_arms_times_each_arm_with_its_own_kernels(monkeypatch) -> None:
     facts = ModelFacts.from_config(preset_config("tiny"), source="synthetic:tiny", dtype="float16")
     model = KernelModel(_numpy_as_cupy(seed=6), facts, 64, reference, attention_tc=False)
     launched: list[tuple[object, ...]] = []
-    real, real_qkv = reference.attention, reference.qkv_rope
-    qkv_forms: list[choices.QkvForm] = []
-    real_moe = reference.moe
-    monkeypatch.setattr(reference, "moe", lambda *a, form: launched.append(("moe", form)) or real_moe(*a))
+    real = reference.attention
     monkeypatch.setattr(
         reference,
         "attention",
         lambda *a, tensor_cores=True: (
-            launched.append((tensor_cores, choices.attention_split_in_force(), qkv_forms[-1])) or real(*a)
+            launched.append((tensor_cores, choices.attention_split_in_force())) or real(*a)
         ),
     )
-    monkeypatch.setattr(reference, "qkv_rope", lambda *a, form: qkv_forms.append(form) or real_qkv(*a))
     seen: list[set[tuple[object, ...]]] = []
 
     def timer(cp: object, body, repeats: int) -> float:
         launched.clear()
         body()
         seen.append(set(launched))
-        return 1e-3 * (len(seen) % 5 + 1)
+        return 1e-3 * (len(seen) % 4 + 1)
 
     results = script.sweep(model, arms, [5, 9], [1, 2], repeats=3, rounds=2, timer=timer)
-    want = [
-        {
-            (a.tensor_cores, a.split or choices.ATTN_SPLIT, a.qkv or choices.QKV_FORM),
-            ("moe", a.moe or choices.MOE_FORM),
-        }
-        for a in arms
-    ]
+    want = [{(a.tensor_cores, a.split or choices.ATTN_SPLIT)} for a in arms]
     assert seen == want * 2 * 4  # 2 rounds at each of 2 positions x 2 row counts
     assert [(r["position"], r["rows"]) for r in results] == [(5, 1), (5, 2), (9, 1), (9, 2)]
     assert choices.attention_split_in_force() is choices.ATTN_SPLIT and not model.stack.attention_tc
-    assert model.stack.forms == choices.KERNEL_FORMS
-    assert results[0]["ms"] == pytest.approx({"a": 2.0, "b": 3.0, "c": 4.0, "d": 5.0, "e": 1.0})
+    assert results[0]["ms"] == pytest.approx({"a": 2.0, "b": 3.0, "c": 4.0, "d": 1.0})
     table = script.render(arms, results).splitlines()
-    assert table[0].startswith(
-        "arms: a = tensor cores, split 0/16/128/64, q/k/v plain, experts plain; b = tensor cores, split 3/16/"
-    )
+    assert table[0].startswith("arms: a = tensor cores, split 0/16/128/64; b = tensor cores, split 3/16/")
     assert table[3].split() == [
         "5",
         "1",
@@ -551,8 +514,6 @@ def test_step_arms_times_each_arm_with_its_own_kernels(monkeypatch) -> None:
         "(+50.0%)",
         "4.000",
         "(+100.0%)",
-        "5.000",
-        "(+150.0%)",
         "1.000",
         "(-50.0%)",
         "yes",
@@ -563,38 +524,36 @@ def test_step_arms_times_each_arm_with_its_own_kernels(monkeypatch) -> None:
 
 def test_step_arms_in_step_times_every_group_in_each_arms_own_kernels() -> None:
     """`scripts/step_arms.py --in-step`: after each arm's whole-step timings, what each kernel group costs
-    inside the step, timed with that arm's forms in force (a timing under another arm's form fails), and
+    inside the step, timed with that arm's kernel in force (a timing under another arm's kernel fails), and
     listed under the table arm by arm."""
-    from strata_runtime.cuda import choices
     from strata_runtime.cuda.layers import LAYER_STEPS
 
     script = load_script("step_arms")
-    arms = [script.Arm.parse("a=tc"), script.Arm.parse("b=qkv:staged,moe:tables")]
+    arms = [script.Arm.parse("a=tc"), script.Arm.parse("b=cuda_cores")]
     facts = ModelFacts.from_config(preset_config("tiny"), source="synthetic:tiny", dtype="float16")
     model = KernelModel(_numpy_as_cupy(seed=6), facts, 64, reference)
-    forms: list[tuple[choices.QkvForm, choices.MoeForm]] = []
+    kernels: list[bool] = []
 
     def timer(cp: object, body, repeats: int) -> float:
-        forms.append((model.stack.forms.qkv, model.stack.forms.moe))
+        kernels.append(model.stack.attention_tc)
         body()
-        return 1e-3 * len(forms)
+        return 1e-3 * len(kernels)
 
     results = script.sweep(model, arms, [5], [1], repeats=2, rounds=1, timer=timer, in_step=True)
     groups = [n for n in LAYER_STEPS if any(step_applies(n, lay) for lay in model.stack.layers)]
     in_step = results[0]["in_step"]
     assert list(in_step) == ["a", "b"] and all(list(g) == groups for g in in_step.values())
     whole, per_arm = 2, 2 * len(groups)  # the whole step per arm; then each group: the step and without
-    assert len(forms) == whole + 2 * per_arm
-    assert set(forms[whole : whole + per_arm]) == {(choices.QKV_FORM, choices.MOE_FORM)}
-    assert set(forms[whole + per_arm :]) == {(choices.QkvForm(staged=True), choices.MoeForm(tables=True))}
+    assert len(kernels) == whole + 2 * per_arm
+    assert set(kernels[whole : whole + per_arm]) == {True} and set(kernels[whole + per_arm :]) == {False}
     table = script.render(arms, results).splitlines()
     at = table.index("µs a layer inside the step, KV at 5, 1 row(s):")
     assert table[at + 1].startswith("  a: qkv+rope ") and table[at + 2].startswith("  b: qkv+rope ")
 
 
 def test_step_arms_refuses_bad_input_before_it_needs_a_gpu(monkeypatch, capsys) -> None:
-    """`scripts/step_arms.py` names a bad arm, a bad profile key, a q/k/v form the model's shapes cannot
-    take and a position past the context before it looks for CuPy, and says in one line that it needs CuPy
+    """`scripts/step_arms.py` names a bad arm, a bad profile key and a position past the context before it
+    looks for CuPy, and says in one line that it needs CuPy
     and a GPU where there is none."""
     script = load_script("step_arms")
     profiles = Path(__file__).resolve().parent.parent / "profiles"
@@ -604,14 +563,10 @@ def test_step_arms_refuses_bad_input_before_it_needs_a_gpu(monkeypatch, capsys) 
         ([h200, "a=tc:x"], "attention split 'x': expected up to four integers"),
         ([h200, "--set", "memory.contxt=9", "a=tc"], "memory.contxt"),
         ([h200, "--positions", "64,9000", "a=tc"], "a position of 9000 does not fit"),
-        ([demo, "--positions", "64", "a=qkv:staged"], "arm a: q/k/v form staged: the projection"),
-        ([demo, "--positions", "64", "a=moe:tables"], "arm a: expert form tables: widths"),
+        ([demo, "--positions", "64,2000", "a=tc"], "a position of 2000 does not fit"),
     ]:
         with pytest.raises(SystemExit) as exit_info:
             script.main(argv)
         assert exit_info.value.code == 2 and why in capsys.readouterr().err
     assert script.main([h200, "--positions", "64", "a=tc"]) == 2
     assert capsys.readouterr().err == "step_arms: needs CuPy and a GPU\n"
-    assert (
-        script.main([h200, "--positions", "64", "a=qkv:staged+paired,moe:tables"]) == 2
-    )  # the 30B takes both

@@ -196,8 +196,8 @@ def test_in_process_workloads_are_refused_over_url(workload: str) -> None:
         (
             "step",
             ("--vary", "spec.draft_tokens=2,3"),
-            "--workload step varies only model.decode_attention, model.qkv_form, model.expert_form, which it "
-            "switches in one model on the same weights, not spec.draft_tokens",
+            "--workload step varies only model.decode_attention, which it switches in one model on the same "
+            "weights, not spec.draft_tokens",
         ),
     ],
 )
@@ -476,17 +476,18 @@ def test_a_bad_vary_value_is_named_as_the_vary_options_not_as_a_set() -> None:
     """A value of ``--vary`` the profile's schema refuses is reported against ``--vary`` (where the user wrote
     it) with its key and what was expected; the step workload refuses the run, and a decode workload the
     arm of that value."""
-    step = strata("bench", "profiles/h200.toml", "--workload", "step", "--vary", "model.qkv_form=plain,fast")
+    vary = ("--vary", "model.decode_attention=auto,fast")
+    step = strata("bench", "profiles/h200.toml", "--workload", "step", *vary)
     assert step.returncode == 1
-    assert "--vary: model.qkv_form: expected 'plain', 'staged', 'paired' or 'staged+paired'" in step.stderr
+    assert "--vary: model.decode_attention: expected 'auto' or 'cuda_cores'" in step.stderr
     assert "--set" not in step.stderr
     solo = strata(
         *("bench", "profiles/demo.toml", "--workload", "solo", "--arms", "solo", "--repeats", "1"),
-        *("--tokens", "2", "--vary", "model.expert_form=table", "--set", "model.qkv_form=oops"),
+        *("--tokens", "2", "--vary", "model.prefill_q=fp8", "--set", "model.decode_attention=oops"),
     )
-    assert "strata bench: arm solo@expert_form:table refused:" in solo.stderr
-    assert "  --vary: model.expert_form: expected 'plain' or 'tables' (got \"table\")" in solo.stderr
-    assert "  --set: model.qkv_form: expected" in solo.stderr  # what --set wrote stays --set's
+    assert "strata bench: arm solo@prefill_q:fp8 refused:" in solo.stderr
+    assert "  --vary: model.prefill_q: expected 'split' or 'fp16' (got \"fp8\")" in solo.stderr
+    assert "  --set: model.decode_attention: expected" in solo.stderr  # what --set wrote stays --set's
 
 
 def test_vary_runs_each_arm_once_per_value_interleaved(tmp_path) -> None:

@@ -173,11 +173,10 @@ def test_the_q_k_v_projection_fuses_rope_exactly_where_it_runs_on_tensor_cores(
             assert fused is None and not any(e.endswith(f",{d}>") and "gemv_mma" in e for e in compiled)
             continue
         assert fused is not None
-        assert fused.expression == f"{plain[0][:-1]},{d}>"
-        assert (fused.blocks, fused.threads, fused.shared_bytes) == (*plain[1:], 0)
+        assert fused[0] == f"{plain[0][:-1]},{d}>" and fused[1:] == plain[1:]
         features = 16 * int(plain[0].split(",")[2])
         assert features % d == 0 or d % features == 0
-        assert fused.expression in compiled
+        assert fused[0] in compiled
 
 
 @pytest.mark.parametrize(
@@ -289,120 +288,3 @@ def test_attn_tc_launches_with_the_split_in_force_in_the_kernels_argument_order(
     with attention_split(other):
         assert launch()[1:] == ((rows, n_kv, 8), [8, 4, 32, 0])
     assert launch()[2] == counts  # the engine's split again
-
-
-def test_each_qkv_form_launches_its_kernel_and_shared_memory_where_the_shapes_take_it() -> None:
-    """`qkv_rope_launch` at the 30B preset's q/k/v shape (5120 x 2048, heads of 128): ``staged`` appends
-    the registers' round (2) and takes 128 KiB of dynamic shared memory (2 units x 4 tiles x 2 bands x 16
-    warps x 32 lanes x 16 bytes), ``paired`` takes ``gemv_mma_pair``; blocks and threads are the plain
-    kernel's at every row count. A form is refused where the shapes or the device cannot take it."""
-    from strata_runtime.cuda.choices import QKV_FORM, QkvForm, qkv_rope_launch
-
-    n, k, d = 5120, 2048, 128
-    for rows in (1, 4, 8):
-        plain = qkv_rope_launch(rows, n, k, d, True)
-        assert plain is not None and plain.shared_bytes == 0
-        for form, expr, shared in [
-            ("plain", f"gemv_mma<{rows},2048,4,16,true,128>", 0),
-            ("staged", f"gemv_mma<{rows},2048,4,16,true,128,2>", 131072),
-            ("paired", f"gemv_mma_pair<{rows},2048,4,16,true,128>", 0),
-            ("staged+paired", f"gemv_mma_pair<{rows},2048,4,16,true,128,2>", 131072),
-        ]:
-            launch = qkv_rope_launch(rows, n, k, d, True, QkvForm.parse(form), True, 227 * 1024)
-            assert launch is not None and str(QkvForm.parse(form)) == form
-            assert (launch.expression, launch.shared_bytes) == (expr, shared)
-            assert (launch.blocks, launch.threads) == (plain.blocks, plain.threads) == (80, 512)
-    assert QkvForm.parse("paired+staged") == QkvForm(True, True) and QkvForm() == QKV_FORM
-    for args, why in [
-        ((1, n, k, d, True, QkvForm(paired=True), False), "clusters need compute capability 9.0"),
-        ((1, 1280, 1024, 64, True, QkvForm(paired=True), True), "holds 16 features, not half a head of 64"),
-        ((1, 1280, 1024, 64, True, QkvForm(staged=True), True), "sums 1 unit, not whole rounds"),
-        ((8, n, 4096, d, True, QkvForm(staged=True), True, 227 * 1024), "422 KiB of shared memory"),
-        ((1, n, k, d, False, QkvForm(staged=True)), "does not run on tensor cores here"),
-    ]:
-        with pytest.raises(ValueError, match=why):
-            qkv_rope_launch(*args)
-
-
-def test_qkv_rope_launches_the_layers_form_with_its_shared_memory() -> None:
-    """`Kernels.qkv_rope` launches the default form (`QKV_FORM`) unless given another (a layer's
-    ``model.qkv_form``), with the form's dynamic shared memory allowed and passed to the launch."""
-    from types import SimpleNamespace
-
-    from strata_runtime.cuda.choices import QkvForm
-    from strata_runtime.cuda.ops import Kernels
-
-    launches: list[tuple[str, tuple, int]] = []
-    allowed: list[tuple[str, int]] = []
-    stub = SimpleNamespace(
-        tensor_cores=True,
-        clusters=True,
-        block_shared=227 * 1024,
-        allow_shared=lambda expr, smem: allowed.append((expr, smem)),
-        fn=lambda expr: lambda grid, block, args, shared_mem=0: launches.append((expr, grid, shared_mem)),
-    )
-    rows, n_q, n_kv, d, hidden = 1, 32, 4, 128, 2048
-    w = np.zeros(((n_q + 2 * n_kv) * d, hidden), np.float16)
-    x = np.zeros((rows, hidden), np.float32)
-    q = np.zeros((rows, n_q, d), np.float32)
-    kc = np.zeros((2, n_kv, 64, d), np.float16)
-    pos = slot = np.zeros(rows, np.int32)
-    small = np.zeros(d, np.float16)
-
-    def launch(**form: QkvForm) -> tuple[str, tuple, int]:
-        args = (w, x, x, small, 1e-6, small, small, pos, slot, q, kc, kc, 1e6, pos)
-        Kernels.qkv_rope(stub, *args, **form)  # type: ignore[arg-type]
-        return launches.pop()
-
-    assert launch() == ("gemv_mma<1,2048,4,16,true,128>", (80,), 0) and not allowed
-    both = QkvForm(staged=True, paired=True)
-    assert launch(form=both) == ("gemv_mma_pair<1,2048,4,16,true,128,2>", (80,), 131072)
-    assert allowed == [("gemv_mma_pair<1,2048,4,16,true,128,2>", 131072)]
-    assert launch(form=QkvForm(paired=True)) == ("gemv_mma_pair<1,2048,4,16,true,128>", (80,), 0)
-
-
-def test_the_expert_tables_form_names_its_kernels_and_passes_the_expert_count() -> None:
-    """`MoeForm` ``tables`` appends ``true`` to both wide expert kernels' instantiations; `Kernels.moe`
-    launches the form it is given (a layer's ``model.expert_form``; plain by default), giving either kernel
-    the expert count (the length of the address tables it reads with ``tables``) as its last argument. The
-    narrow kernels take the plain form only."""
-    from types import SimpleNamespace
-
-    from strata_runtime.cuda.choices import MOE_FORM, MoeForm, moe_expressions
-    from strata_runtime.cuda.experts import resident_experts
-    from strata_runtime.cuda.ops import Kernels
-
-    assert moe_expressions(2048, 768, 8, MoeForm(tables=True)) == (
-        "moe_gate_up<2048,768,true>",
-        "moe_down<2048,768,8,true>",
-        "route_topk",
-    )
-    assert moe_expressions(2048, 768, 8) == ("moe_gate_up<2048,768>", "moe_down<2048,768,8>", "route_topk")
-    with pytest.raises(ValueError, match="take the narrow kernels, plain only"):
-        moe_expressions(96, 48, 4, MoeForm(tables=True))
-    assert MoeForm.parse("tables") == MoeForm(True) and str(MoeForm()) == "plain" == str(MOE_FORM)
-    with pytest.raises(ValueError, match="expected plain or tables"):
-        MoeForm.parse("table")
-
-    launches: list[tuple[str, tuple]] = []
-    stub = SimpleNamespace(
-        route_topk=lambda *a: launches.append(("route_topk", a)),
-        fn=lambda expr: lambda grid, block, args: launches.append((expr, args)),
-    )
-    rows, e, k, h, inter = 2, 128, 8, 2048, 768
-    experts = resident_experts(
-        np.zeros((e, 2 * inter, h), np.float16), np.zeros((e, h, inter), np.float16), np
-    )
-    x, logits = np.zeros((rows, h), np.float32), np.zeros((rows, e), np.float32)
-    idx, wts = np.zeros((rows, k), np.int32), np.zeros((rows, k), np.float32)
-    h_buf = np.zeros((rows * k, inter), np.float32)
-
-    def launch(**form: MoeForm) -> list[tuple[str, int]]:
-        launches.clear()
-        args = (x, x[0], logits, True, 1e-6, experts, x, idx, wts, h_buf)
-        Kernels.moe(stub, *args, **form)  # type: ignore[arg-type]
-        return [(expr, int(args[-1])) for expr, args in launches if expr != "route_topk"]
-
-    assert launch() == [("moe_gate_up<2048,768>", e), ("moe_down<2048,768,8>", e)]
-    tables = [("moe_gate_up<2048,768,true>", e), ("moe_down<2048,768,8,true>", e)]
-    assert launch(form=MoeForm(tables=True)) == tables

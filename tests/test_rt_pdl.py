@@ -55,24 +55,11 @@ def test_strata_pdl_0_turns_it_off(monkeypatch) -> None:
 
 
 def _body(name: str) -> str:
-    """The source of kernel ``name``'s body (its first definition); where that body only calls a device
-    function ``..._body`` (two kernels sharing one body), that function's."""
+    """The source of kernel ``name``'s body (its first definition)."""
     bounds = r"__launch_bounds__\((?:[^()]|\([^()]*\))*\)"  # its arguments may hold one level of calls
-    cluster = r"__cluster_dims__\([^()]*\)"
-    start = re.search(rf"__global__ void(?:\s+{cluster})?(?:\s+{bounds})?\s+{name}\(", KERNELS)
+    start = re.search(rf"__global__ void(?:\s+{bounds})?\s+{name}\(", KERNELS)
     assert start is not None, f"kernel {name} not found in kernels.cu"
-    body = _braces(KERNELS.index("{", start.end()), name)
-    shared = re.fullmatch(r"\{\s*(\w+_body)<[^;]*;\s*\}", body)
-    if shared is None:
-        return body
-    at = re.search(rf"__device__ __forceinline__ void {shared.group(1)}\(", KERNELS)
-    assert at is not None, f"{shared.group(1)} not found in kernels.cu"
-    return _braces(KERNELS.index("{", at.end()), shared.group(1))
-
-
-def _braces(i: int, name: str) -> str:
-    """The source from the brace at ``i`` to the one that closes it."""
-    depth = 0
+    depth, i = 0, KERNELS.index("{", start.end())
     for j in range(i, len(KERNELS)):
         depth += {"{": 1, "}": -1}.get(KERNELS[j], 0)
         if depth == 0:

@@ -62,10 +62,6 @@ def _model_line(plan: LaunchPlan) -> str:
     q = ", prompt attention with fp16 q" if plan.model.prefill_q == "fp16" else ""
     gpu = plan.machine.backend != "cpu"
     att = ", decode attention on CUDA cores" if gpu and plan.model.decode_attention == "cuda_cores" else ""
-    if gpu and plan.model.qkv_form != "plain":
-        att += f", q/k/v kernel {plan.model.qkv_form}"
-    if gpu and plan.model.expert_form != "plain":
-        att += f", expert kernels {plan.model.expert_form}"
     return f"{name}, {f.dtype}, {f.num_hidden_layers} layers{experts}{mtp}{q}{att}"
 
 

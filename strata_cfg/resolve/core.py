@@ -221,8 +221,6 @@ def _assemble(
             routing=led["model.routing"],
             prefill_q=led["model.prefill_q"],
             decode_attention=led["model.decode_attention"],
-            qkv_form=led["model.qkv_form"],
-            expert_form=led["model.expert_form"],
             facts=model,
         ),
         stages=tuple(stages),

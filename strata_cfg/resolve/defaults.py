@@ -69,8 +69,6 @@ def resolve_defaults(
     led.take("model.layer_scale", m.layer_scale if m else None, preset_scale)
     led.take("model.routing", m.routing if m else None, "uniform")
     led.take("model.prefill_q", m.prefill_q if m else None, "split")
-    led.take("model.qkv_form", m.qkv_form if m else None, "plain")
-    led.take("model.expert_form", m.expert_form if m else None, "plain")
     if led.take("model.decode_attention", m.decode_attention if m else None, "auto") == "auto":
         group = model.num_attention_heads // model.num_key_value_heads
         if decode_attention_on_tensor_cores(model.head_dim, group):

@@ -319,10 +319,6 @@ class ModelPlan(_Plan):
     decode_attention: Literal["tensor_cores", "cuda_cores"] = "tensor_cores"
     """The kernel of decode attention on a GPU (``model.decode_attention``, ``"auto"`` resolved by the
     model's shape)."""
-    qkv_form: Literal["plain", "staged", "paired", "staged+paired"] = "plain"
-    """The form of the q/k/v projection's kernel on a GPU (``model.qkv_form``)."""
-    expert_form: Literal["plain", "tables"] = "plain"
-    """The form of the routed experts' kernels on a GPU (``model.expert_form``)."""
     facts: ModelFacts
 
     def label(self) -> str:

@@ -21,8 +21,6 @@ DType = Literal["float32", "float16", "bfloat16"]
 Routing = Literal["uniform", "calibrated"]
 PrefillQ = Literal["split", "fp16"]
 DecodeAttention = Literal["auto", "cuda_cores"]
-QkvFormName = Literal["plain", "staged", "paired", "staged+paired"]
-ExpertFormName = Literal["plain", "tables"]
 KvDType = Literal["float32", "float16", "bfloat16"]
 
 _DEVICE_RE = re.compile(r"^(?:(?P<host>[A-Za-z0-9_.-]+):)?(?P<index>\d+)$")
@@ -130,24 +128,6 @@ class ModelSection(Section):
     CUDA cores. ``"cuda_cores"``: the CUDA-core kernel for every shape, which on an H200 ran one- and
     two-row windows up to 2% faster from about 200 to 1,000 positions into a context, and every window slower
     before that and past a few thousand (docs/PERFORMANCE.md). CPU devices are not affected."""
-    qkv_form: QkvFormName | None = None
-    """How the q/k/v projection's kernel runs on a GPU (it also normalises and rotates q and k and writes
-    the KV). ``"plain"`` (default). ``"staged"``: each block queues its later weights into shared memory
-    before it waits for the kernel before it, where a warp sums more than one round of weights and they fit
-    a block's shared memory (the 30B-A3B preset's projection; the 235B one's would need 392 KiB).
-    ``"paired"``: a head's two blocks run as a thread-block cluster
-    (compute capability 9.0 and later) and exchange their halves of the head in shared memory, where a
-    block holds half a head (the small preset's 32-wide heads, the 30B and 235B presets' 128-wide ones).
-    ``"staged+paired"``: both. Every form gives the same bits;
-    the engine refuses, at start and naming this key, a form the model's shapes or the GPU cannot take.
-    Compare them with ``strata bench PROFILE --workload step --vary model.qkv_form=plain,staged``. CPU
-    devices are not affected."""
-    expert_form: ExpertFormName | None = None
-    """How the routed experts' kernels find the chosen experts on a GPU. ``"plain"`` (default): each block
-    reads the window's routing, then the chosen experts' addresses. ``"tables"``: it reads the layer's whole
-    table of expert addresses beside the routing, one round trip to memory fewer before its first weight
-    load; for models whose hidden and expert widths are multiples of 256 with at most 16 experts a token
-    (every preset). Both give the same bits. CPU devices are not affected."""
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSection:

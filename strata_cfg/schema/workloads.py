@@ -33,7 +33,7 @@ HTTP_WORKLOADS = ("two-decodes", "clients", "read-beside-decode", "solo", "promp
 """Workloads that also run against a launched engine (`strata bench --url`)."""
 GPU_WORKLOADS = ("step", "vram", "handoff")
 """Workloads that need CuPy and a CUDA GPU; they measure the profile's plan, not arms."""
-STEP_VARY_KEYS = ("model.decode_attention", "model.qkv_form", "model.expert_form")
+STEP_VARY_KEYS = ("model.decode_attention",)
 """Keys ``--workload step`` may ``--vary``: what it switches in one model on the same weights and window."""
 PEERS = ("transformers", "llama.cpp")
 """Peer engines `strata bench --peer` runs on the same weights: transformers' ``generate`` as an arm, and

@@ -12,10 +12,9 @@ programmatic launch lets kernels overlap: the step's time less the same step's w
 out (`KernelModel.time_in_step`). No engine is built: this is the kernels' own ceiling, without scheduling,
 sampling or Python between windows.
 
-With more than one plan (``strata bench --workload step --vary model.decode_attention=auto,cuda_cores``,
-or ``--vary model.qkv_form=plain,staged``, or ``model.expert_form``) it also times the whole step with each
-plan's kernels, switched in the one model on the same weights and window, in interleaved rounds
-(`KernelModel.time_kernel_arms`): the kernels' ratio comes from one run.
+With more than one plan (``strata bench --workload step --vary model.decode_attention=auto,cuda_cores``)
+it also times the whole step with each plan's kernel, switched in the one model on the same weights and
+window, in interleaved rounds (`KernelModel.time_kernel_arms`): the kernels' ratio comes from one run.
 
 Shapes: L layers, H hidden, NQ/NKV query/KV heads of D, E experts, K top-k, I expert width, W dense-MLP or
 shared-expert width, V vocabulary, S slots, T context, R rows.
@@ -37,12 +36,8 @@ from strata_cfg.schema.plan import LaunchPlan
 
 from ..backend import Device
 from ..cuda.choices import (
-    KERNEL_FORMS,
-    MOE_FORM,
     PDL_ROWS,
-    QKV_FORM,
     AttentionSplit,
-    KernelForms,
     attention_split,
 )
 from ..cuda.experts import resident_experts
@@ -52,13 +47,12 @@ from ..cuda.layers import (
     LayerWeights,
     Step,
     WindowBuffers,
-    forms_refused,
     step_applies,
     supported,
 )
 from ..cuda.ops import Kernels, argmax_scratch, choose_scratch
 from ..cuda.routing import DeviceRouting, RowBias
-from ..model.placed import plan_forms, routing_tables
+from ..model.placed import routing_tables
 from ..models.qwen3_moe import ModelArgs
 from .ceilings import copy_bandwidth, decode_step_bytes
 
@@ -199,23 +193,16 @@ def graph_seconds(cp: Any, body: Callable[[], None], repeats: int) -> float:
 @dataclass(frozen=True)
 class KernelArm:
     """The kernels of one arm of a step comparison: decode attention on tensor cores where the shape allows
-    (else CUDA cores), a split of a row on tensor cores (None: the engine's), and the q/k/v and expert
-    kernels' forms."""
+    (else CUDA cores), and a split of a row on tensor cores (None: the engine's)."""
 
     tensor_cores: bool = True
     split: AttentionSplit | None = None
-    forms: KernelForms = KERNEL_FORMS
 
     def label(self) -> str:
-        """A short name of what differs from the engine's defaults: ``tensor cores``, ``CUDA cores``, with
-        ``, q/k/v FORM`` and ``, experts FORM`` where those are not plain."""
+        """A short name of the arm: ``tensor cores`` or ``CUDA cores``, with the split where given."""
         out = "tensor cores" if self.tensor_cores else "CUDA cores"
         if self.split is not None:
             out += f" {self.split}"
-        if self.forms.qkv != QKV_FORM:
-            out += f", q/k/v {self.forms.qkv}"
-        if self.forms.moe != MOE_FORM:
-            out += f", experts {self.forms.moe}"
         return out
 
 
@@ -239,7 +226,6 @@ class KernelModel:
         device_index: int = 0,
         routing: DeviceRouting | None = None,
         attention_tc: bool = True,
-        forms: KernelForms = KERNEL_FORMS,
     ) -> None:
         self.cp, self.f, self.context = cp, f, context
         layers = [
@@ -250,7 +236,6 @@ class KernelModel:
         k_cache, v_cache = cp.zeros(kv, cp.float16), cp.zeros(kv, cp.float16)
         self.stack = LayerStack(device_index, facts_args(f), layers, k_cache, v_cache, kern)
         self.use_attention(attention_tc)
-        self.use_forms(forms)
         self.emb = _rnd(cp, (f.vocab_size, f.hidden_size))  # [V, H]
         self.head = _rnd(cp, (f.vocab_size, f.hidden_size))  # [V, H]
         self.final_norm = _rnd(cp, (f.hidden_size,), 1.0)  # [H]
@@ -261,12 +246,6 @@ class KernelModel:
         for lay in self.stack.layers:
             lay.attention_tc = tensor_cores
 
-    def use_forms(self, forms: KernelForms) -> None:
-        """Run the q/k/v and expert kernels in ``forms`` in every layer from now on
-        (`strata_runtime.cuda.layers.LayerWeights.forms`)."""
-        for lay in self.stack.layers:
-            lay.forms = forms
-
     def time_kernel_arms(
         self,
         rows: int,
@@ -276,26 +255,23 @@ class KernelModel:
         timer: Callable[[Any, Callable[[], None], int], float] = graph_seconds,
         rounds: int = ATTENTION_ROUNDS,
     ) -> dict[str, Any]:
-        """`time_arms` with each arm's kernels (`KernelArm`: decode attention and its split, the q/k/v and
-        expert kernels' forms)."""
+        """`time_arms` with each arm's kernels (`KernelArm`: decode attention and its split)."""
         contexts = {name: partial(self.arm, a) for name, a in arms.items()}
         return self.time_arms(rows, position, repeats, contexts, timer, rounds)
 
     @contextlib.contextmanager
     def arm(self, kernels: KernelArm) -> Iterator[None]:
         """Every layer's kernels as ``kernels`` says inside the block: decode attention on tensor cores
-        where the shape allows (else CUDA cores), split as its ``split`` where given, the q/k/v and expert
-        kernels in its forms; the layers' own choices again after it."""
-        before = self.stack.attention_tc, self.stack.forms
+        where the shape allows (else CUDA cores), split as its ``split`` where given; the layers' own choice
+        again after it."""
+        before = self.stack.attention_tc
         self.use_attention(kernels.tensor_cores)
-        self.use_forms(kernels.forms)
         try:
             split = kernels.split
             with attention_split(split) if split is not None else contextlib.nullcontext():
                 yield
         finally:
-            self.use_attention(before[0])
-            self.use_forms(before[1])
+            self.use_attention(before)
 
     def time_arms(
         self,
@@ -525,10 +501,9 @@ def attention_name(on_tensor_cores: bool) -> str:
 
 
 def kernel_arms(plans: Mapping[str, LaunchPlan]) -> dict[str, KernelArm]:
-    """Each plan's kernels (decode attention and the q/k/v and expert kernels' forms) for
-    `KernelModel.time_kernel_arms`. The step switches only those in one model, so the plans may differ in
-    nothing else it builds: the model, its routing and seed, the context and the GPU; raises ValueError
-    naming what differs."""
+    """Each plan's kernels (its decode attention) for `KernelModel.time_kernel_arms`. The step switches only
+    that kernel in one model, so the plans may differ in nothing else it builds: the model, its routing and
+    seed, the context and the GPU; raises ValueError naming what differs."""
     (first, base), *rest = plans.items()
     for name, plan in rest:
         for what, a, b in (
@@ -539,14 +514,10 @@ def kernel_arms(plans: Mapping[str, LaunchPlan]) -> dict[str, KernelArm]:
         ):
             if a != b:
                 raise ValueError(
-                    "the step workload compares plans that differ only in their kernels "
-                    "(model.decode_attention, model.qkv_form, model.expert_form: it switches those in one "
-                    f"model), but {first} and {name} differ in their {what}"
+                    "the step workload compares plans that differ only in model.decode_attention (it "
+                    f"switches that kernel in one model), but {first} and {name} differ in their {what}"
                 )
-    return {
-        name: KernelArm(plan.model.decode_attention == "tensor_cores", forms=plan_forms(plan))
-        for name, plan in plans.items()
-    }
+    return {name: KernelArm(plan.model.decode_attention == "tensor_cores") for name, plan in plans.items()}
 
 
 def run_step(
@@ -558,9 +529,8 @@ def run_step(
     versus: Mapping[str, LaunchPlan] | None = None,
 ) -> dict[str, Any]:
     """Time the kernel step of the plan's model on GPU ``device_index``; the figures as a JSON-able dict.
-    ``versus``: several plans by name (``plan`` among them, first), which differ only in their kernels
-    (``model.decode_attention``, ``model.qkv_form``, ``model.expert_form``): the whole step is also timed
-    with each one's (`kernel_arms`)."""
+    ``versus``: several plans by name (``plan`` among them, first), which differ only in
+    ``model.decode_attention``: the whole step is also timed with each one's kernel (`kernel_arms`)."""
     import cupy as cp
 
     from ..cuda.ops import kernels_for
@@ -586,13 +556,7 @@ def run_step(
         tc = plan.model.decode_attention == "tensor_cores"
         group = f.num_attention_heads // f.num_key_value_heads
         on_tc = kern.attention_on_tc(f.head_dim, group, tc)
-        forms = plan_forms(plan)
-        problem = forms_refused(facts_args(f), forms, device_index)
-        for arm in (arms or {}).values():
-            problem = problem or forms_refused(facts_args(f), arm.forms, device_index)
-        if problem is not None:
-            raise ValueError(problem)
-        model = KernelModel(cp, f, context, kern, device_index, routing, attention_tc=tc, forms=forms)
+        model = KernelModel(cp, f, context, kern, device_index, routing, attention_tc=tc)
         cp.cuda.Device().synchronize()
         made_s = time.perf_counter() - t0
         table = [model.time_rows(rows, position, repeats, copy) for rows in ROWS]
@@ -608,9 +572,7 @@ def run_step(
         by_arm = None
         if arms is not None:
             named = {
-                name: KernelArm(
-                    kern.attention_on_tc(f.head_dim, group, a.tensor_cores), a.split, a.forms
-                ).label()
+                name: KernelArm(kern.attention_on_tc(f.head_dim, group, a.tensor_cores), a.split).label()
                 for name, a in arms.items()
             }
             timed = [model.time_kernel_arms(rows, position, repeats, arms) for rows in ROWS]

@@ -1,6 +1,5 @@
 """Which instantiation of each decode kernel of ``kernels.cu`` a launch takes, with what grid and shared
-memory, and the settings a benchmark can put in force around launches (attention's split, the q/k/v and
-expert kernels' forms).
+memory, and the setting a benchmark can put in force around launches (attention's split).
 
 Pure Python over shapes, with no CuPy: `strata_runtime.cuda.ops.Kernels` launches what these functions
 choose, the decode graphs compile the instantiations `decode_expressions` lists, and the plan's checks, the
@@ -334,174 +333,24 @@ def gemv_expression(rows: int, n: int, k: int, norm: bool, tensor_cores: bool) -
     return gemv_launch(rows, n, k, norm, tensor_cores)[0]
 
 
-@dataclass(frozen=True)
-class QkvForm:
-    """How the q/k/v projection's fused kernel (``gemv_mma`` with RoPE, `Kernels.qkv_rope`) runs. Every form
-    computes the same sums in the same order, so each gives the same bits.
-
-    * ``staged``: each warp's weight units after its first round of registers land in dynamic shared memory
-      (``cp.async``), issued with the first round before the kernel waits for the one before it, so a block
-      has all its weights in flight at once instead of loading its second round after the first is used.
-      Where a warp has more than one round (the 30B preset's 5120 x 2048 projection: 128 KiB a block).
-    * ``paired``: each head's two blocks run as a thread-block cluster (``gemv_mma_pair``, compute
-      capability 9.0 and later) and read each other's half of the head from shared memory, instead of the
-      last of the two reading the whole head back through L2 after a counter. Where a block holds half a
-      head (64 features of a 128-wide head).
-
-    A plan chooses one (``model.qkv_form``; default `QKV_FORM`, neither). Written and parsed as ``plain``,
-    ``staged``, ``paired`` or ``staged+paired``."""
-
-    staged: bool = False
-    paired: bool = False
-
-    def __str__(self) -> str:
-        return "+".join(n for n, on in (("staged", self.staged), ("paired", self.paired)) if on) or "plain"
-
-    @classmethod
-    def parse(cls, text: str) -> QkvForm:
-        if text == "plain":
-            return cls()
-        names = text.split("+")
-        if not set(names) <= {"staged", "paired"} or len(set(names)) != len(names):
-            raise ValueError(f"q/k/v form {text!r}: expected plain, staged, paired or staged+paired")
-        return cls(staged="staged" in names, paired="paired" in names)
-
-
-QKV_FORM = QkvForm()
-"""The q/k/v kernel's form by default."""
-
-
-@dataclass(frozen=True)
-class MoeForm:
-    """How the routed experts' kernels (``moe_gate_up``, ``moe_down``) find the chosen experts' weights.
-    Plain, each block reads the window's routing and then the chosen experts' addresses, two round trips
-    to memory after it waits before its first weight load. With ``tables``, it reads the layer's whole
-    address table (one address an expert) beside the routing, one round trip. The sums are the same, so
-    the bits are. A plan chooses one (``model.expert_form``; default `MOE_FORM`, plain). Written and parsed
-    as ``plain`` or ``tables``."""
-
-    tables: bool = False
-
-    def __str__(self) -> str:
-        return "tables" if self.tables else "plain"
-
-    @classmethod
-    def parse(cls, text: str) -> MoeForm:
-        if text not in ("plain", "tables"):
-            raise ValueError(f"expert form {text!r}: expected plain or tables")
-        return cls(tables=text == "tables")
-
-
-MOE_FORM = MoeForm()
-"""The expert kernels' form by default."""
-
-
-@dataclass(frozen=True)
-class KernelForms:
-    """The forms a stack's q/k/v and expert kernels run in (``model.qkv_form``, ``model.expert_form``). Every
-    form gives the same bits, so a plan's choice changes its speed and never its text."""
-
-    qkv: QkvForm = QKV_FORM
-    moe: MoeForm = MOE_FORM
-
-    @classmethod
-    def parse(cls, qkv: str, moe: str) -> KernelForms:
-        """From the plan's names (``model.qkv_form``, ``model.expert_form``)."""
-        return cls(QkvForm.parse(qkv), MoeForm.parse(moe))
-
-    def __str__(self) -> str:
-        return f"q/k/v {self.qkv}, experts {self.moe}"
-
-    @property
-    def plain(self) -> bool:
-        """Whether both kernels run in their plain form (the default)."""
-        return self.qkv == QKV_FORM and self.moe == MOE_FORM
-
-
-KERNEL_FORMS = KernelForms()
-"""The forms by default: both plain."""
-
-
-def moe_expressions(h: int, i: int, topk: int, form: MoeForm = MOE_FORM) -> tuple[str, ...]:
-    """The instantiations `Kernels.moe` launches for these shapes in ``form``, at any row count. The narrow
-    kernels (``..._any``) take the plain form only."""
+def moe_expressions(h: int, i: int, topk: int) -> tuple[str, ...]:
+    """The instantiations `Kernels.moe` launches for these shapes, at any row count."""
     if _wide(h) and _wide(i) and topk <= 16:
-        flag = ",true" if form.tables else ""
-        return f"moe_gate_up<{h},{i}{flag}>", f"moe_down<{h},{i},{topk}{flag}>", "route_topk"
-    if form != MOE_FORM:
-        raise ValueError(f"expert form {form}: widths {h} and {i} take the narrow kernels, plain only")
+        return f"moe_gate_up<{h},{i}>", f"moe_down<{h},{i},{topk}>", "route_topk"
     return "moe_gate_up_any", "moe_down_any"
 
 
-MMA_GROUP = 2
-"""Units of a warp's reduction ``gemv_mma`` holds in registers at a time (its ``GROUP``)."""
-
-
-@dataclass(frozen=True)
-class QkvLaunch:
-    """The fused q/k/v kernel's launch (`qkv_rope_launch`): its instantiation, blocks, threads per block
-    and dynamic shared memory in bytes."""
-
-    expression: str
-    blocks: int
-    threads: int
-    shared_bytes: int = 0
-
-
 def qkv_rope_launch(
-    rows: int,
-    n: int,
-    k: int,
-    head_dim: int,
-    tensor_cores: bool,
-    form: QkvForm = QKV_FORM,
-    clusters: bool = False,
-    shared_limit: int | None = None,
-) -> QkvLaunch | None:
-    """The launch of ``gemv_mma`` with q/k RMSNorm, RoPE and the KV write fused into its end, for the q/k/v
-    projection [n, k] (with the input norm) of heads of ``head_dim``, in ``form`` on a device with
-    thread-block clusters or not; None where the projection does not take ``gemv_mma`` (`gemv_launch`), and
-    `Kernels.qkv_rope` launches the projection and ``qk_norm_rope_kv`` one after the other. The projection
-    sums as `Kernels.gemv` does. Raises ValueError for a form that these shapes or the device cannot run
-    (``shared_limit``: the bytes of shared memory a block may take on it, where known)."""
+    rows: int, n: int, k: int, head_dim: int, tensor_cores: bool
+) -> tuple[str, int, int] | None:
+    """(instantiation, blocks, threads per block) of ``gemv_mma`` with q/k RMSNorm, RoPE and the KV write
+    fused into its end, for the q/k/v projection [n, k] (with the input norm) of heads of ``head_dim``; None
+    where the projection does not take ``gemv_mma`` (`gemv_launch`), and `Kernels.qkv_rope` launches the
+    projection and ``qk_norm_rope_kv`` one after the other. The projection sums as `Kernels.gemv` does."""
     expr, blocks, threads = gemv_launch(rows, n, k, True, tensor_cores)
     if not expr.startswith("gemv_mma<"):
-        if form != QKV_FORM:
-            raise ValueError(
-                f"q/k/v form {form}: the projection [{n}, {k}] does not run on tensor cores here"
-            )
         return None
-    tiles, warps = gemv_mma_shape(n, k)
-    features, j = 16 * tiles, 4 // tiles
-    per = -(-(k // (32 * j)) // warps)  # units of 32 j a warp sums
-    shared = 0
-    if form.staged:
-        if per <= MMA_GROUP or per % MMA_GROUP:
-            raise ValueError(
-                f"q/k/v form {form}: a warp of [{n}, {k}] sums {per} unit{'s' * (per != 1)}, not whole "
-                f"rounds after a first of {MMA_GROUP}, so none can be staged"
-            )
-        shared = (per - MMA_GROUP) * tiles * j * 2 * warps * 32 * 16  # 16 bytes a lane a piece
-        # the block's static arrays: its warps' sums and squares, and with paired its outputs
-        static = 4 * (warps * features * (rows + 1) + warps * rows + rows * features) + 64
-        if shared_limit is not None and shared + static > shared_limit:
-            raise ValueError(
-                f"q/k/v form {form}: staging [{n}, {k}] takes {(shared + static) // 1024} KiB of shared "
-                f"memory a block at {rows} row{'s' * (rows != 1)}, more than the device's "
-                f"{shared_limit // 1024}"
-            )
-    name = "gemv_mma"
-    if form.paired:
-        if not clusters:
-            raise ValueError(f"q/k/v form {form}: thread-block clusters need compute capability 9.0")
-        if head_dim != 2 * features:
-            raise ValueError(
-                f"q/k/v form {form}: a block holds {features} features, not half a head of {head_dim}"
-            )
-        name = "gemv_mma_pair"
-    stage = f",{MMA_GROUP}" if form.staged else ""
-    body = expr[len("gemv_mma<") : -1]
-    return QkvLaunch(f"{name}<{body},{head_dim}{stage}>", blocks, threads, shared)
+    return f"{expr[:-1]},{head_dim}>", blocks, threads
 
 
 def head_gemv_shapes(vocab: int, hidden: int) -> list[tuple[int, int, bool]]:
@@ -524,17 +373,13 @@ def decode_expressions(
     tensor_cores: bool = True,
     max_rows: int = MAX_WINDOW_ROWS,
     attention_tc: bool | None = None,
-    forms: KernelForms = KERNEL_FORMS,
-    clusters: bool = True,
 ) -> list[str]:
     """Every instantiation of kernels.cu that windows of 1 to ``max_rows`` rows through layers of these
     shapes (and a head) launch: the decode graphs compile them all before the first window
     (`strata_runtime.cuda.decode.CudaLayers`). ``mlp_widths``: the widths of the layers' dense MLPs or
     shared experts; ``gemv_shapes``: (out features, reduction, fused norm) of further GEMVs on the same rows
     (the LM head on normalised rows, the MTP head's input projections). ``attention_tc``: whether attention
-    may run on tensor cores (``model.decode_attention``; None: where ``tensor_cores``); ``forms``: the q/k/v
-    and expert kernels' forms, on a device with thread-block clusters or not (`forms_problem` says where
-    they do not fit)."""
+    may run on tensor cores (``model.decode_attention``; None: where ``tensor_cores``)."""
     a = args
     attention_tc = tensor_cores if attention_tc is None else attention_tc
     h, q = a.hidden_size, a.num_attention_heads * a.head_dim
@@ -545,7 +390,7 @@ def decode_expressions(
     out += ["inverse_cdf_rows", "verify_sampled_rows"]
     out += attention_expressions(a.head_dim, a.num_attention_heads // a.num_key_value_heads, attention_tc)
     if a.num_experts:
-        out += moe_expressions(h, a.moe_intermediate_size, a.num_experts_per_tok, forms.moe)
+        out += moe_expressions(h, a.moe_intermediate_size, a.num_experts_per_tok)
     # (out features, reduction, fused norm) of every projection: q/k/v, output, router, the dense MLP or
     # shared expert (gate/up, down, gate), and the LM head.
     shapes = [(qkv, h, True), (h, q, False), (a.vocab_size, h, True), (1, h, True)]
@@ -554,37 +399,9 @@ def decode_expressions(
     shapes += list(gemv_shapes)
     for rows in range(1, max_rows + 1):
         out += [gemv_expression(rows, n, k, norm, tensor_cores) for n, k, norm in shapes]
-        rope = qkv_rope_launch(rows, qkv, h, a.head_dim, tensor_cores, forms.qkv, clusters)
-        out += [rope.expression] if rope is not None else []
+        rope = qkv_rope_launch(rows, qkv, h, a.head_dim, tensor_cores)
+        out += [rope[0]] if rope is not None else []
     return out
-
-
-def forms_problem(
-    args: ModelArgs,
-    forms: KernelForms,
-    tensor_cores: bool,
-    clusters: bool,
-    shared_limit: int | None = None,
-    max_rows: int = MAX_WINDOW_ROWS,
-) -> str | None:
-    """Why layers of this model cannot run ``forms`` in windows of 1 to ``max_rows`` rows on a device with
-    tensor cores or not, thread-block clusters or not, and ``shared_limit`` bytes of shared memory a block
-    (where known), naming the plan's key; None where they can."""
-    a = args
-    qkv = (a.num_attention_heads + 2 * a.num_key_value_heads) * a.head_dim
-    try:
-        for rows in range(1, max_rows + 1):
-            qkv_rope_launch(
-                rows, qkv, a.hidden_size, a.head_dim, tensor_cores, forms.qkv, clusters, shared_limit
-            )
-    except ValueError as exc:
-        return f"model.qkv_form = {str(forms.qkv)!r} does not run here: {exc}"
-    if a.num_experts:
-        try:
-            moe_expressions(a.hidden_size, a.moe_intermediate_size, a.num_experts_per_tok, forms.moe)
-        except ValueError as exc:
-            return f"model.expert_form = {str(forms.moe)!r} does not run here: {exc}"
-    return None
 
 
 def prefill_expressions(grouped: bool) -> list[str]:
@@ -599,7 +416,6 @@ PDL_KERNELS = frozenset(
     {
         "gemv_wide",
         "gemv_mma",
-        "gemv_mma_pair",
         "gemv_split",
         "gemv_any",
         "add_rmsnorm",

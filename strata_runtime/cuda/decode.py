@@ -56,8 +56,6 @@ class CudaLayers:
             self.gemv_shapes,
             kern.tensor_cores,
             attention_tc=self.stack.attention_tc,
-            forms=self.stack.forms,
-            clusters=kern.clusters,
         )
 
     @property

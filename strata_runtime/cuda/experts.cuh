@@ -133,15 +133,12 @@ __device__ __forceinline__ void gate_up_feature(const half* __restrict__ base, c
 // weights in L2: a window of 8 rows (about 54 distinct experts in 64 assignments) reads each expert from
 // memory about once. Routing outside the kernel also spares every block the ranking of all E experts
 // before its first weight load. Each assignment's sums do not depend on the window (batch invariance).
-// With TABLE (choices.MoeForm's tables) the block reads all E experts' addresses (GUp [E]) beside the routing,
-// instead of the chosen experts' after it, so an expert's weights are one round trip after the wait, not
-// two; E is then GUp's length.
-template <int H, int I, bool TABLE = false>
+template <int H, int I>
 __global__ void __launch_bounds__(256) moe_gate_up(const unsigned long long* __restrict__ GUp,
                                                     const float* __restrict__ x, const half* __restrict__ nw,
                                                     const int* __restrict__ idx, int A, int topk, float eps,
                                                     float* __restrict__ h, const int* __restrict__ slot_of,
-                                                    float* __restrict__ counts, float* __restrict__ misses, int E) {
+                                                    float* __restrict__ counts, float* __restrict__ misses) {
   STRATA_PDL_LAUNCH();
   STRATA_PDL_WAIT();
   __shared__ int at, ids[256];
@@ -149,19 +146,18 @@ __global__ void __launch_bounds__(256) moe_gate_up(const unsigned long long* __r
   __shared__ float inv[1];
   __shared__ float part[8];
   // A one-row window's blocks all read row 0: its loads for the norm go out first, beside the routing's and
-  // the experts' addresses. The sums are those of block_inv_rms<1, H> (each thread's k in order, the warp,
-  // then the warps in order).
+  // the chosen experts' addresses, so the block waits on one round trip for all three. The sums are those of
+  // block_inv_rms<1, H> (each thread's k in order, the warp, then the warps in order).
   const bool one_row = A == topk;
   constexpr int XS = H / 256;
   float xv[XS];
   if (one_row)
 #pragma unroll
     for (int k = 0; k < XS; ++k) xv[k] = x[threadIdx.x + 256 * k];
-  if (TABLE && threadIdx.x < E) bases[threadIdx.x] = GUp[threadIdx.x];
   if (threadIdx.x < A) {
     const int e = idx[threadIdx.x];
     ids[threadIdx.x] = e;
-    if (!TABLE) bases[threadIdx.x] = GUp[e];
+    bases[threadIdx.x] = GUp[e];
   }
   if (one_row) {
     float ss = 0.f;
@@ -191,8 +187,7 @@ __global__ void __launch_bounds__(256) moe_gate_up(const unsigned long long* __r
   if (blockIdx.y == 0 && threadIdx.x == 0) count_assignment(sel, slot_of, counts, misses);
   const int i = blockIdx.y * 8 + (threadIdx.x >> 5);
   if (i >= I) return;
-  gate_up_feature<H, I>(reinterpret_cast<const half*>(bases[TABLE ? sel : a]), x + (size_t)r * H, nw, inv[0], a, i,
-                        h);
+  gate_up_feature<H, I>(reinterpret_cast<const half*>(bases[a]), x + (size_t)r * H, nw, inv[0], a, i, h);
 }
 
 // Blocks of moe_down an SM should hold, for its launch bounds: 2 where a lane's K I / 256 loads of 16 bytes
@@ -205,25 +200,12 @@ __host__ __device__ constexpr int moe_down_blocks(int I, int K) { return K * (I 
 // resid[r, n] += sum_j wts[r, j] * (down[idx[r, j], n, :] . h[r * K + j, :]), j in a fixed order. One warp
 // per (r, n). The source loads the rows of all K experts before using any; where `moe_down_blocks` bounds the
 // kernel, ptxas keeps that order, so they are all in flight together.
-// With TABLE (choices.MoeForm's tables) the block reads all E experts' addresses (Dp [E]) into shared memory
-// beside the routing, so a warp's weight loads are one round trip after the wait, not two.
-template <int H, int I, int K, bool TABLE = false>
+template <int H, int I, int K>
 __global__ void __launch_bounds__(256, moe_down_blocks(I, K))
     moe_down(const unsigned long long* __restrict__ Dp, const float* __restrict__ h, const int* __restrict__ idx,
-             const float* __restrict__ wts, int R, float* __restrict__ resid, int E) {
+             const float* __restrict__ wts, int R, float* __restrict__ resid) {
   STRATA_PDL_LAUNCH();
   STRATA_PDL_WAIT();
-  __shared__ unsigned long long table[TABLE ? 256 : 1], bases[TABLE ? K : 1];
-  __shared__ int experts[TABLE ? K : 1];
-  if constexpr (TABLE) {  // the row's experts and the table, side by side; a block's 8 warps share a row
-    static_assert(H % 8 == 0, "a block's warps share one row");
-    const int row = min((int)(blockIdx.x * blockDim.x >> 5) / H, R - 1);
-    if (threadIdx.x < K) experts[threadIdx.x] = idx[row * K + threadIdx.x];
-    if (threadIdx.x < E) table[threadIdx.x] = Dp[threadIdx.x];
-    __syncthreads();
-    if (threadIdx.x < K) bases[threadIdx.x] = table[experts[threadIdx.x]];
-    __syncthreads();
-  }
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
   if (warp >= R * H) return;
   const int r = warp / H, n = warp % H;
@@ -231,12 +213,8 @@ __global__ void __launch_bounds__(256, moe_down_blocks(I, K))
   uint4 pk[K][STEPS];
 #pragma unroll
   for (int j = 0; j < K; ++j) {
-    unsigned long long base;
-    if constexpr (TABLE)
-      base = bases[j];
-    else
-      base = Dp[idx[r * K + j]];
-    const uint4* w = reinterpret_cast<const uint4*>(reinterpret_cast<const half*>(base) + (size_t)n * I);
+    const uint4* w = reinterpret_cast<const uint4*>(reinterpret_cast<const half*>(Dp[idx[r * K + j]]) +
+                                                    (size_t)n * I);
 #pragma unroll
     for (int s = 0; s < STEPS; ++s) pk[j][s] = __ldg(w + s * 32 + lane);
   }

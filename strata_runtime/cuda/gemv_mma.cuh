@@ -35,33 +35,21 @@ __device__ __forceinline__ float pow2(int e) { return __int_as_float((127 + e) <
 
 // With ROPE = D > 0 the output is q/k/v (N = (NQ + 2 NKV) D, not accumulated) and the block ends with
 // qkv_rope_heads; with ROPE = 0 the arguments after eps are unused (null).
-// STAGE > 0 (choices.QkvForm's staged) holds STAGE units a warp in registers at a time and lands the units after
-// the first round in dynamic shared memory, issued with the first round before the wait. PAIR
-// (gemv_mma_pair, QkvForm's paired) runs each head's two blocks as a cluster that exchange their halves in
-// shared memory. Neither changes a sum or its order: every form gives the same bits.
-#define GEMV_MMA_PARAMS                                                                                   \
-  const half *__restrict__ W, const float *__restrict__ x, float *__restrict__ y, int N, int accumulate,      \
-      const half *__restrict__ nw, float eps, const half *__restrict__ qn, const half *__restrict__ kn,       \
-      const int *__restrict__ pos, const int *__restrict__ slot, float *__restrict__ q_out,                  \
-      half *__restrict__ kc, half *__restrict__ vc, int NQ, int NKV, int T, float theta, int *__restrict__ done
-#define GEMV_MMA_ARGS W, x, y, N, accumulate, nw, eps, qn, kn, pos, slot, q_out, kc, vc, NQ, NKV, T, theta, done
-// Each 16-byte piece of a unit a lane holds: MT tiles x J pieces x 2 bands.
-#define EACH_PIECE(m, j, band)                                                                            \
-  _Pragma("unroll") for (int m = 0; m < MT; ++m) _Pragma("unroll") for (int j = 0; j < J; ++j)              \
-      _Pragma("unroll") for (int band = 0; band < 2; ++band)
-
-template <int R, int K, int MT, int WARPS, bool NORM, int ROPE, int STAGE, bool PAIR>
-__device__ __forceinline__ void gemv_mma_body(GEMV_MMA_PARAMS) {
+template <int R, int K, int MT, int WARPS, bool NORM, int ROPE = 0>
+__global__ void __launch_bounds__(WARPS * 32)
+    gemv_mma(const half* __restrict__ W, const float* __restrict__ x, float* __restrict__ y, int N, int accumulate,
+             const half* __restrict__ nw, float eps, const half* __restrict__ qn, const half* __restrict__ kn,
+             const int* __restrict__ pos, const int* __restrict__ slot, float* __restrict__ q_out,
+             half* __restrict__ kc, half* __restrict__ vc, int NQ, int NKV, int T, float theta,
+             int* __restrict__ done) {
   STRATA_PDL_LAUNCH();
   constexpr int J = 4 / MT, UNIT = 32 * J, UNITS = K / UNIT, PER = (UNITS + WARPS - 1) / WARPS, F = 16 * MT;
-  // Units in registers at a time: GROUP * MT * J * 2 loads of 16 bytes a lane.
-  constexpr int GROUP = STAGE > 0 ? STAGE : 2;
+  constexpr int GROUP = 2;  // units in registers at a time: GROUP * MT * J * 2 loads of 16 bytes a lane
   // The unit loop is unrolled when it is short (a reduction up to 4096, or 2048 with the norm's registers):
   // a longer unrolled loop keeps more than 128 registers live and spills to local memory.
   constexpr int ALL_ROUNDS = (PER + GROUP - 1) / GROUP, ROUNDS = ALL_ROUNDS <= (NORM ? 2 : 4) ? ALL_ROUNDS : 1;
   __shared__ float red[WARPS][F][R + 1];
   __shared__ float squares[WARPS][R];
-  __shared__ float mine[PAIR ? R : 1][PAIR ? F : 1];  // with PAIR, this block's outputs
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int n0 = blockIdx.x * F;
   // Lane (g, t) reads weight rows n0 + 16m + g and n0 + 16m + g + 8 of each m-tile m.
@@ -82,44 +70,21 @@ __device__ __forceinline__ void gemv_mma_body(GEMV_MMA_PARAMS) {
     for (int slot = 0; slot < GROUP; ++slot) {
       const int u = warp + WARPS * (i0 + slot);
       if (i0 + slot < PER && u < UNITS) {
-        EACH_PIECE(m, j, band) pw[slot][m][j][band] = __ldg(rows[m][band] + (u * UNIT + 32 * j) / 8 + t);
+#pragma unroll
+        for (int m = 0; m < MT; ++m)
+#pragma unroll
+          for (int j = 0; j < J; ++j)
+#pragma unroll
+            for (int band = 0; band < 2; ++band)
+              pw[slot][m][j][band] = __ldg(rows[m][band] + (u * UNIT + 32 * j) / 8 + t);
       }
     }
   };
-  // With STAGE, a warp's units after its first GROUP land in dynamic shared memory as
-  // [unit - GROUP][m][j][band][warp][lane] uint4 (cp.async, issued before the wait, like the first round's
-  // loads): each lane reads back only its own 16 bytes, so no barrier is needed, and every weight of the
-  // block is in flight at once.
-  extern __shared__ uint4 staged[];
-  constexpr int STAGED = STAGE > 0 ? PER - GROUP : 0;
-  static_assert(STAGE == 0 || (PER > GROUP && PER % GROUP == 0), "STAGE: whole rounds");
-  auto staged_piece = [&](int i, int m, int j, int band) {
-    return staged + ((((i * MT + m) * J + j) * 2 + band) * WARPS + warp) * 32 + lane;
-  };
   load(0);
-  if constexpr (STAGED > 0) {
-#pragma unroll
-    for (int i = 0; i < STAGED; ++i) {
-      const int u = warp + WARPS * (GROUP + i);
-      EACH_PIECE(m, j, band)
-      tensor_core::cp_async16(tensor_core::smem_addr(staged_piece(i, m, j, band)),
-                              rows[m][band] + (min(u, UNITS - 1) * UNIT + 32 * j) / 8 + t, u < UNITS);
-    }
-    tensor_core::cp_async_commit();
-  }
   STRATA_PDL_WAIT();
 #pragma unroll ROUNDS
   for (int i0 = 0; i0 < PER; i0 += GROUP) {
-    if constexpr (STAGED > 0) {
-      if (i0 > 0) {
-        tensor_core::cp_async_wait<0>();
-#pragma unroll
-        for (int slot = 0; slot < GROUP; ++slot)
-          EACH_PIECE(m, j, band) pw[slot][m][j][band] = *staged_piece(i0 - GROUP + slot, m, j, band);
-      }
-    } else if (i0 > 0) {
-      load(i0);
-    }
+    if (i0 > 0) load(i0);
 #pragma unroll
     for (int slot = 0; slot < GROUP; ++slot) {
       const int u = warp + WARPS * (i0 + slot);
@@ -208,42 +173,8 @@ __device__ __forceinline__ void gemv_mma_body(GEMV_MMA_PARAMS) {
     }
     float* dst = y + (size_t)r * N + n;
     *dst = accumulate ? *dst + v : v;
-    if constexpr (PAIR) mine[r][f] = v;
   }
   static_assert(ROPE == 0 || ROPE % F == 0 || F % ROPE == 0, "a head's features must fill whole blocks");
-  static_assert(!PAIR || ROPE == 2 * F, "PAIR: a cluster of two blocks holds one head");
-  if constexpr (PAIR) {
-    // The two blocks of a head exchange their halves through the cluster's shared memory: the block of
-    // the head's first F features holds each rotation pair's first value, its peer the second.
-    constexpr int HALF = ROPE / 2, PASSES = (HALF + 31) / 32;
-    cluster_sync();
-    const unsigned me = cluster_rank(), first = n0 % ROPE == 0 ? me : me ^ 1u;
-    const int h = n0 / ROPE;
-    for (int r = 2 * warp + (int)(me == first ? 0 : 1); r < R; r += 2 * WARPS) {
-      float a[PASSES], b[PASSES];
-#pragma unroll
-      for (int w = 0; w < PASSES; ++w) {
-        const int i = 32 * w + lane;
-        a[w] = i < HALF ? cluster_load(&mine[r][i], first) : 0.f;
-        b[w] = i < HALF ? cluster_load(&mine[r][i], first ^ 1u) : 0.f;
-      }
-      rope_head_row<ROPE>(a, b, r, h, qn, kn, pos, slot, q_out, kc, vc, NQ, NKV, T, theta, eps);
-    }
-    cluster_sync();  // a block's shared memory stays until its peer has read it
-  } else if constexpr (ROPE > 0) {
+  if constexpr (ROPE > 0)
     qkv_rope_heads<R, ROPE, WARPS>(y, N, n0, F, qn, kn, pos, slot, q_out, kc, vc, NQ, NKV, T, theta, eps, done);
-  }
 }
-
-template <int R, int K, int MT, int WARPS, bool NORM, int ROPE = 0, int STAGE = 0>
-__global__ void __launch_bounds__(WARPS * 32) gemv_mma(GEMV_MMA_PARAMS) {
-  gemv_mma_body<R, K, MT, WARPS, NORM, ROPE, STAGE, false>(GEMV_MMA_ARGS);
-}
-
-// gemv_mma with ROPE = 2 F, each head's two blocks a cluster (sm_90).
-#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
-template <int R, int K, int MT, int WARPS, bool NORM, int ROPE, int STAGE = 0>
-__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(WARPS * 32) gemv_mma_pair(GEMV_MMA_PARAMS) {
-  gemv_mma_body<R, K, MT, WARPS, NORM, ROPE, STAGE, true>(GEMV_MMA_ARGS);
-}
-#endif

@@ -14,7 +14,7 @@
 // (strata_runtime/cuda/compile.py's `source` inlines each include):
 //   gemv.cuh          GEMV on CUDA cores (gemv_wide, gemv_any)
 //   rope.cuh          q/k RMSNorm + NeoX RoPE of one head (rope_head_row), shared by gemv_mma and qk_norm_rope_kv
-//   gemv_mma.cuh      GEMV on tensor cores, with the q/k/v projection's fused RoPE (gemv_mma, gemv_mma_pair)
+//   gemv_mma.cuh      GEMV on tensor cores, with the q/k/v projection's fused RoPE (gemv_mma)
 //   gemv_split.cuh    GEMV of a short output, the reduction split over a block: a router's logits (gemv_split)
 //   norms.cuh         residual add + RMSNorm (add_rmsnorm); q/k norm + RoPE + KV write (qk_norm_rope_kv)
 //   attention.cuh     decode attention: attn_split on CUDA cores, attn_tc on tensor cores

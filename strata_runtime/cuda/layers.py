@@ -27,14 +27,11 @@ from ..layout import Layout
 from ..models.qwen3_moe import MLP, DecoderLayer, ModelArgs, SparseMoeBlock
 from .choices import (
     ATTENTION_HEAD_DIMS,
-    KERNEL_FORMS,
     STATIC_SHARED,
-    KernelForms,
     attention_counters,
     attention_fits,
     attention_scratch_size,
     attention_shared_bytes,
-    forms_problem,
 )
 from .experts import ExpertSlice, LayerExperts, resident_experts
 from .ops import Kernels, kernels_for
@@ -42,18 +39,6 @@ from .routing import DeviceRouting, RowBias
 
 MIN_COMPUTE_CAPABILITY = 80
 """The kernels' oldest GPU generation (Ampere): they use cp.async, mma.sync and warp reductions of 8.0."""
-
-
-def forms_refused(args: ModelArgs, forms: KernelForms, device_id: int) -> str | None:
-    """Why layers of this model cannot run ``forms`` on CUDA device ``device_id`` (`forms_problem`, with the
-    device's tensor cores, clusters and shared memory a block), or None where they can."""
-    if forms.plain:
-        return None
-    with cupy_module().cuda.Device(device_id):
-        kern = kernels_for(device_id)
-        shared = kern.block_shared if forms.qkv.staged else None
-        problem = forms_problem(args, forms, kern.tensor_cores, kern.clusters, shared)
-    return None if problem is None else f"cuda:{device_id}: {problem}"
 
 
 def supported(args: ModelArgs, dtype: Any, kv_dtype: Any, device_id: int | None = None) -> str | None:
@@ -111,9 +96,6 @@ class LayerWeights:
     attention_tc: bool = True
     """Decode attention on tensor cores where the shape allows (``model.decode_attention``), else CUDA cores:
     the layer's own choice, not the device's `Kernels`, which every stack of the device shares."""
-    forms: KernelForms = KERNEL_FORMS
-    """The forms its q/k/v and expert kernels run in (``model.qkv_form``, ``model.expert_form``), the
-    layer's own likewise."""
 
     @classmethod
     def of(cls, layer: DecoderLayer, xp: Any, router_bias: RowBias | None = None) -> LayerWeights:
@@ -226,7 +208,7 @@ def _qkv_rope(k: Kernels, a: ModelArgs, lay: LayerWeights, b: WindowBuffers, kc:
     projection runs on tensor cores (`Kernels.qkv_rope`)."""
     eps = a.rms_norm_eps
     norms = (lay.q_norm, lay.k_norm, b.pos, b.slot, b.q, kc, vc, a.rope_theta, b.heads_done)
-    k.qkv_rope(lay.qkv, b.resid, b.qkv, lay.ln1, eps, *norms, form=lay.forms.qkv)
+    k.qkv_rope(lay.qkv, b.resid, b.qkv, lay.ln1, eps, *norms)
 
 
 def _attention(k: Kernels, a: ModelArgs, lay: LayerWeights, b: WindowBuffers, kc: Array, vc: Array) -> None:
@@ -275,7 +257,6 @@ def _moe(k: Kernels, a: ModelArgs, lay: LayerWeights, b: WindowBuffers, kc: Arra
         b.idx,
         b.wts,
         b.h,
-        form=lay.forms.moe,
     )
 
 
@@ -344,7 +325,6 @@ class LayerStack:
         first_layer: int = 0,
         experts: ExpertSlice | None = None,
         attention_tc: bool = True,
-        forms: KernelForms = KERNEL_FORMS,
     ) -> LayerStack:
         """The stack of ``layers`` (CuPy arrays on GPU ``device_id``), fusing their weights there. With
         ``routing`` (calibrated routing), each MoE layer gets its bias step; ``layers[j]`` is model layer
@@ -353,8 +333,7 @@ class LayerStack:
         ``experts``: where the layers' routed experts are (one entry per sparse layer, in order), from the
         stage's `CudaExperts`; without it each sparse layer's stacked experts are read where they are.
         ``attention_tc``: decode attention on tensor cores where the shape allows (``model.decode_attention``
-        = ``"auto"``), else on CUDA cores. ``forms``: the q/k/v and expert kernels' forms (``model.qkv_form``,
-        ``model.expert_form``), which the caller has checked the model and the device take (`forms_refused`).
+        = ``"auto"``), else on CUDA cores.
         """
         cp = cupy_module()
         with cp.cuda.Device(device_id):
@@ -377,7 +356,6 @@ class LayerStack:
                     lay.experts = resident_experts(lay.gate_up, lay.down, cp)
             for lay in weights:
                 lay.attention_tc = kern.tensor_cores and attention_tc
-                lay.forms = forms
         return cls(device_id, args, weights, k_cache, v_cache, kern)
 
     @property
@@ -393,12 +371,6 @@ class LayerStack:
     def attention_tc(self) -> bool:
         """Whether this stack's decode attention may run on tensor cores (`LayerWeights.attention_tc`)."""
         return all(lay.attention_tc for lay in self.layers)
-
-    @property
-    def forms(self) -> KernelForms:
-        """The forms this stack's q/k/v and expert kernels run in (`LayerWeights.forms`, the same in every
-        layer)."""
-        return self.layers[0].forms if self.layers else KERNEL_FORMS
 
     def run(self, b: WindowBuffers) -> None:
         """Every layer on ``b.resid`` in place, writing each row's keys and values."""

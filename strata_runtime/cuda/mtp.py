@@ -14,7 +14,7 @@ from ..backend import Array
 from ..layout import Layout
 from ..models.qwen3_moe import DecoderLayer, ModelArgs
 from .blas import matmul_nt
-from .choices import KERNEL_FORMS, KernelForms, mtp_gemv_shapes
+from .choices import mtp_gemv_shapes
 from .decode import CudaLayers
 from .experts import ExpertSlice
 from .head import CudaHead
@@ -52,14 +52,12 @@ class CudaMtp:
         split_q: bool = True,
         graph_rows: int = 0,
         attention_tc: bool = True,
-        forms: KernelForms = KERNEL_FORMS,
     ) -> None:
         """``experts``: the head's routed experts in the last stage's expert cache, when it holds them.
         ``split_q``: the prompt rows' attention holds q as two fp16 parts (False: fp16 q). ``graph_rows``:
         its prompt chunks through the prefill path replay a graph up to this many rows (`CudaPrefill`).
         ``attention_tc``: decode attention on tensor cores where the shape allows
-        (``model.decode_attention``); ``forms``: its q/k/v and expert kernels' forms (``model.qkv_form``,
-        ``model.expert_form``)."""
+        (``model.decode_attention``)."""
         self.device_id, self.args = device_id, args
         with cp.cuda.Device(device_id):
             h = args.hidden_size
@@ -78,7 +76,6 @@ class CudaMtp:
                 v_cache,
                 experts=experts,
                 attention_tc=attention_tc,
-                forms=forms,
             )
             # The input projections (norm fused) and the LM head run beside the layer on every draft window.
             shapes = mtp_gemv_shapes(*head.lm_head.shape)

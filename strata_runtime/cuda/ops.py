@@ -27,13 +27,9 @@ from .choices import (
     ATTENTION_WIDE_ROWS,
     CHOOSE_GATHER,
     CHOOSE_PREP_BYTES,
-    MOE_FORM,
     PDL_KERNELS,
-    QKV_FORM,
     THREADS,
     WARPS_PER_BLOCK,
-    MoeForm,
-    QkvForm,
     argmax_slices,
     attention_counters,
     attention_on_tensor_cores,
@@ -100,13 +96,10 @@ class Kernels(KernelCache):
         self.pdl = pdl.available(device.id)
         self.tensor_cores = int(device.compute_capability) >= 80
         """Whether the projections run on tensor cores (``gemv_mma``), and decode attention may."""
-        self.clusters = int(device.compute_capability) >= 90
-        """Whether kernels may run as thread-block clusters (`QkvForm`'s ``paired``)."""
         self._pdl_fns: dict[str, pdl.PdlKernel] = {}
         self._carveouts: dict[str, int] = {}
         self._device_id = device.id
         self._sm_shared: int | None = None
-        self._block_shared: int | None = None
 
     def programmatic(self, on: bool = True) -> contextlib.AbstractContextManager[None]:
         """Launch the kernels of `PDL_KERNELS` with PDL in this block (on this thread), where ``on`` and
@@ -120,15 +113,6 @@ class Kernels(KernelCache):
             device = cupy_module().cuda.Device(self._device_id)
             self._sm_shared = int(device.attributes["MaxSharedMemoryPerMultiprocessor"])
         return self._sm_shared
-
-    @property
-    def block_shared(self) -> int:
-        """Bytes of shared memory a block of this device may take (with the function attribute set), read
-        once."""
-        if self._block_shared is None:
-            device = cupy_module().cuda.Device(self._device_id)
-            self._block_shared = int(device.attributes["MaxSharedMemoryPerBlockOptin"])
-        return self._block_shared
 
     def prefer_carveout(self, expression: str, percent: int) -> None:
         """Set ``expression``'s preferred shared-memory carveout (percent of an SM's), once."""
@@ -203,19 +187,16 @@ class Kernels(KernelCache):
         v_cache: Array,
         theta: float,
         done: Array,
-        form: QkvForm = QKV_FORM,
     ) -> None:
         """The q/k/v projection with its input norm, then q and k normalised and rotated per head and k and
         v written into the cache at (slot, position): `gemv` into ``qkv`` [R, (NQ + 2 NKV) D] and
-        `qk_norm_rope_kv`, in one kernel where the projection runs on tensor cores (`qkv_rope_launch`), in
-        ``form`` (the layer's, ``model.qkv_form``). ``done``: [NQ + 2 NKV] int32, zero before the first
-        launch (the kernel leaves it at zero)."""
+        `qk_norm_rope_kv`, in one kernel where the projection runs on tensor cores (`qkv_rope_launch`).
+        ``done``: [NQ + 2 NKV] int32, zero before the first launch (the kernel leaves it at zero)."""
         n, k = w.shape
         rows = x.shape[0]
         _, n_q, d = q_out.shape
         _, n_kv, t, _ = k_cache.shape
-        limit = self.block_shared if form.staged else None
-        launch = qkv_rope_launch(rows, n, k, d, self.tensor_cores, form, self.clusters, limit)
+        launch = qkv_rope_launch(rows, n, k, d, self.tensor_cores)
         if launch is None:
             self.gemv(w, x, qkv, norm=norm, eps=eps)
             self.qk_norm_rope_kv(qkv, q_norm, k_norm, pos, slot, q_out, k_cache, v_cache, theta, eps)
@@ -223,10 +204,8 @@ class Kernels(KernelCache):
         sizes = (np.int32(n_q), np.int32(n_kv), np.int32(t), np.float32(theta))
         rope = (q_norm, k_norm, pos, slot, q_out, k_cache, v_cache, *sizes, done)
         args = (w, x, qkv, np.int32(n), np.int32(0), norm, np.float32(eps), *rope)
-        if launch.shared_bytes:
-            self.allow_shared(launch.expression, launch.shared_bytes)
-        grid, block = (launch.blocks,), (launch.threads,)
-        self.fn(launch.expression)(grid, block, args, shared_mem=launch.shared_bytes)
+        expr, blocks, threads = launch
+        self.fn(expr)((blocks,), (threads,), args)
 
     def add_rms_norm_fp32(self, resid: Array, delta: Array | None, w: Array, out: Array, eps: float) -> None:
         """resid += delta (if given); out = rmsnorm(resid) * w, all in fp32: the CUDA paths' rule (the
@@ -379,7 +358,6 @@ class Kernels(KernelCache):
         idx: Array,
         wts: Array,
         h_buf: Array,
-        form: MoeForm = MOE_FORM,
     ) -> None:
         """Route and run the experts: resid[R, H] += sum_j wts[r, j] * expert_{idx[r, j]}(x'[r]).
 
@@ -390,7 +368,7 @@ class Kernels(KernelCache):
         ``counts`` [E] fp32 set, each assignment is added to ``counts`` and, when ``slot_of`` [E] int32 is
         negative for its expert (not in VRAM), to ``misses[0]``, and when below -1 (a helper slot) to
         ``misses[1]`` ([2] fp32). idx [R, k] int32 and wts [R, k] fp32 receive the routing; h_buf:
-        [R * k, I] fp32 scratch; ``form``: the layer's (``model.expert_form``).
+        [R * k, I] fp32 scratch.
 
         Shapes the wide kernels take (H and I multiples of 256, k <= 16) are routed first (``route_topk``),
         and their gate/up products run in order of expert (``moe_gate_up``), so that an expert several rows
@@ -404,7 +382,7 @@ class Kernels(KernelCache):
             raise ValueError(f"the expert kernels route at most 256 experts, not {n_exp}")
         tally = _tally(experts)
         a = rows * topk
-        gu_expr, down_expr, *_ = moe_expressions(h, inter, topk, form)
+        gu_expr, down_expr, *_ = moe_expressions(h, inter, topk)
         tiles = (math.ceil(inter / WARPS_PER_BLOCK), a)
         blocks_d = (math.ceil(rows * h / WARPS_PER_BLOCK),)
         gu, down = experts.gate_up, experts.down
@@ -427,10 +405,9 @@ class Kernels(KernelCache):
         self.fn(gu_expr)(
             (a, tiles[0]),
             (THREADS,),
-            (gu, x, norm, idx, np.int32(a), np.int32(topk), np.float32(eps), h_buf, *tally, np.int32(n_exp)),
+            (gu, x, norm, idx, np.int32(a), np.int32(topk), np.float32(eps), h_buf, *tally),
         )
-        down_args = (down, h_buf, idx, wts, np.int32(rows), resid, np.int32(n_exp))
-        self.fn(down_expr)(blocks_d, (THREADS,), down_args)
+        self.fn(down_expr)(blocks_d, (THREADS,), (down, h_buf, idx, wts, np.int32(rows), resid))
 
     def silu_mul(self, gu: Array, out: Array) -> None:
         """out[R, I] = silu(gu[:, :I]) * gu[:, I:]."""

@@ -90,30 +90,3 @@ __device__ __noinline__ void qkv_rope_heads(const float* __restrict__ y, int N, 
     }
   }
 }
-
-// Thread block clusters (sm_90): this block's rank, a barrier of the cluster's threads (release-acquire, so
-// shared memory written before it is visible after it across the cluster), and a float of the shared memory
-// of the cluster's block `rank` at the address of `p` in this block's.
-__device__ __forceinline__ unsigned cluster_rank() {
-  unsigned r = 0;
-#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-#endif
-  return r;
-}
-
-__device__ __forceinline__ void cluster_sync() {
-#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ float cluster_load(const float* p, unsigned rank) {
-  float v = 0.f;
-#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
-  unsigned a = tensor_core::smem_addr(p), remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(a), "r"(rank));
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
-#endif
-  return v;
-}

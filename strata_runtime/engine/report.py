@@ -189,8 +189,6 @@ def startup_lines(engine: EngineView) -> list[str]:
     for stage in engine.model.stages:
         if stage.device.is_cuda:
             path = "CUDA graphs" if stage.cuda is not None else f"array path ({stage.cuda_refused})"
-            if stage.cuda is not None and not stage.forms.plain:
-                path += f", {stage.forms}"  # model.qkv_form, model.expert_form
             lines.append(f"decode windows on {stage.device}: {path}")
         store = stage.experts
         if store.cached:

@@ -23,7 +23,6 @@ from numpy.typing import DTypeLike
 from strata_cfg.schema.windows import DEFER_MOST, MAX_WINDOW_ROWS, PROMPT_GRAPH_MAX
 
 from ..backend import Array, Device
-from ..cuda.choices import KERNEL_FORMS, KernelForms
 from ..layout import Layout, Segment
 from ..models.ops.norm import rms_norm_in_dtype
 from ..models.qwen3_moe import DecoderLayer, ModelArgs, SparseMoeBlock, linear
@@ -193,13 +192,11 @@ class MtpHead:
         v_cache: Array,
         split_q: bool = True,
         attention_tc: bool = True,
-        forms: KernelForms = KERNEL_FORMS,
     ) -> str | None:
         """Run draft windows of at most 8 rows as CUDA graphs over the drafters' shared KV [1, S, K, T, D].
         Returns why not, when the kernels cannot run this head. ``split_q``: its prompt rows' attention
         holds q as two fp16 parts (False: fp16 q; ``model.prefill_q``). ``attention_tc``: its decode
-        attention runs on tensor cores where the shape allows (``model.decode_attention``); ``forms``: its
-        q/k/v and expert kernels' forms (``model.qkv_form``, ``model.expert_form``)."""
+        attention runs on tensor cores where the shape allows (``model.decode_attention``)."""
         from ..cuda import layers
         from ..cuda.mtp import CudaMtp
 
@@ -218,7 +215,6 @@ class MtpHead:
                 split_q,
                 graph_rows=self.prefill_graph_rows,
                 attention_tc=attention_tc,
-                forms=forms,
             )
         return why
 

@@ -20,7 +20,6 @@ from strata_cfg.schema.windows import MAX_WINDOW_ROWS
 
 from ..api import PlanMismatch, SamplingParams, Tokenizer
 from ..backend import DTYPES, Array, Device, enable_peer_access, peer_access_enabled, transfer
-from ..cuda.choices import KernelForms
 from ..cuda.compile import first_runs, late_compile_summary
 from ..experts.cache import Policy
 from ..experts.helper_tier import HelperOutOfMemory
@@ -98,11 +97,6 @@ def _check_facts(plan: LaunchPlan, args: ModelArgs) -> None:
             raise PlanMismatch(
                 f"the plan was resolved for {name} = {planned}, but the model has {actual}; resolve again"
             )
-
-
-def plan_forms(plan: LaunchPlan) -> KernelForms:
-    """The plan's q/k/v and expert kernels' forms (``model.qkv_form``, ``model.expert_form``)."""
-    return KernelForms.parse(plan.model.qkv_form, plan.model.expert_form)
 
 
 def routing_tables(plan: LaunchPlan, args: ModelArgs, slots: int) -> RoutingTables | None:
@@ -279,7 +273,6 @@ class Model:
             raise PlanMismatch("the plan drafts with MTP, but the model has no MTP weights")
         slots, context = max(plan.batch.slots, 1), plan.memory.context
         routing = routing_tables(plan, args, slots)
-        forms = plan_forms(plan)
         cache_slots = expert_slots(plan)
         store = weights if weights is not None else WeightStore()
         for d in dict.fromkeys(devices + helper_devices):
@@ -335,7 +328,6 @@ class Model:
                         helpers=helpers[sp.index],
                         prefill_split_q=plan.model.prefill_q == "split",
                         attention_tc=plan.model.decode_attention == "tensor_cores",
-                        forms=forms,
                         prompt_graph_rows=plan.memory.prompt_graph_rows,
                         prefill_graph_rows=plan.memory.prefill_graph_rows,
                     )
@@ -372,7 +364,7 @@ class Model:
                 shape = (1, slots, args.num_key_value_heads, context, args.head_dim)
                 mtp_kv = (last_stage.device.zeros(shape, kv_dtype), last_stage.device.zeros(shape, kv_dtype))
                 split_q, tc = plan.model.prefill_q == "split", plan.model.decode_attention == "tensor_cores"
-                if mtp.use_cuda(*mtp_kv, split_q=split_q, attention_tc=tc, forms=forms) is not None:
+                if mtp.use_cuda(*mtp_kv, split_q=split_q, attention_tc=tc) is not None:
                     mtp_kv = None
             drafters = {
                 s: Drafter(

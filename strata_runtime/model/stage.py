@@ -17,9 +17,7 @@ from numpy.typing import DTypeLike
 
 from strata_cfg.schema.windows import MAX_WINDOW_ROWS, PROMPT_GRAPH_MAX
 
-from ..api import PlanMismatch
 from ..backend import Array, Device
-from ..cuda.choices import KERNEL_FORMS, KernelForms
 from ..experts.cache import Policy
 from ..experts.routing import RoutingTables, apply_bias
 from ..experts.store import ExpertStore
@@ -104,7 +102,6 @@ class Stage:
         prompt_graph_rows: int = PROMPT_GRAPH_MAX,
         prefill_graph_rows: int = 0,
         attention_tc: bool = True,
-        forms: KernelForms = KERNEL_FORMS,
     ) -> None:
         """``routing``: every slot's calibrated-routing tables (host), or None for the model's own router.
         ``expert_slots``: VRAM slots for the routed experts of these layers when they do not all fit
@@ -117,12 +114,9 @@ class Stage:
         as 8-row graph windows, a longer one through the CUDA prefill path (``memory.prompt_graph_rows``),
         replayed as a CUDA graph where it pads to at most ``prefill_graph_rows`` rows
         (``memory.prefill_graph_rows``). ``attention_tc``: decode attention on a CUDA device runs on tensor
-        cores where the model's shape allows (False: on CUDA cores; ``model.decode_attention``).
-        ``forms``: the forms of its q/k/v and expert kernels on a CUDA device (``model.qkv_form``,
-        ``model.expert_form``)."""
+        cores where the model's shape allows (False: on CUDA cores; ``model.decode_attention``)."""
         self.index, self.device, self.layer_range, self.args = index, device, layers, args
         self.attention_tc = attention_tc
-        self.forms = forms
         self.prompt_graph_rows = max(prompt_graph_rows, MAX_WINDOW_ROWS)  # a decode window is one graph
         self.routing = routing
         self.prefill_split_q = prefill_split_q
@@ -187,9 +181,6 @@ class Stage:
         self.cuda_refused = layers.supported(self.args, dtype, self.kv.k.dtype, self.device.index)
         if self.cuda_refused is not None:
             return
-        problem = layers.forms_refused(self.args, self.forms, self.device.index)
-        if problem is not None:  # the plan asked for these forms: refused, never run another way
-            raise PlanMismatch(problem)
         gpu, eps = self.device.index, self.args.rms_norm_eps
         if self.routing is not None:
             self.cuda_routing = DeviceRouting(self.routing, self.device)
@@ -211,7 +202,6 @@ class Stage:
             first,
             main,
             self.attention_tc,
-            self.forms,
         )
         lm_head = self.lm_head if self.last else None
         gemv = choices.head_gemv_shapes(*lm_head.shape) if lm_head is not None else ()

@@ -102,10 +102,8 @@ def qkv_rope(
     v_cache: np.ndarray,
     theta: float,
     done: np.ndarray | None = None,
-    form: object = None,
 ) -> None:
-    """``done`` is the launcher's workspace; the reference needs none. ``form``: the launcher's form
-    (`strata_runtime.cuda.choices.QkvForm`); every form computes the same, so the reference has one."""
+    """``done`` is the launcher's workspace; the reference needs none."""
     gemv(w, x, qkv, norm=norm, eps=eps)
     qk_norm_rope_kv(qkv, q_norm, k_norm, pos, slot, q_out, k_cache, v_cache, theta, eps)
 
@@ -178,11 +176,9 @@ def moe(
     idx: np.ndarray,
     wts: np.ndarray,
     h_buf: np.ndarray,
-    form: object = None,
 ) -> None:
     """``experts.weights(e)``: expert e's gate/up [2I, H] and down [H, I] (the kernel reads the same through
-    ``experts``' address tables); ``counts``, ``slot_of`` and ``misses`` as the launcher's. ``form``: the
-    launcher's (`strata_runtime.cuda.choices.MoeForm`), which computes the same in every form."""
+    ``experts``' address tables); ``counts``, ``slot_of`` and ``misses`` as the launcher's."""
     rows, topk = idx.shape
     inter = h_buf.shape[1]
     p = np.exp(logits - logits.max(-1, keepdims=True))
