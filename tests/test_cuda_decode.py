@@ -841,3 +841,45 @@ def test_prefix_reuse_on_gpu_gives_the_float32_text_and_log_probabilities(cp, mo
     assert gpu[0] == cpu[0]
     for a, b in zip(gpu[1], cpu[1], strict=True):
         np.testing.assert_allclose(a, b, atol=2e-2)
+
+
+@pytest.mark.parametrize("mode", ["batch-mtp", "pipelined-mtp"])
+def test_a_prefix_copied_between_slots_on_gpu_gives_the_float32_text(cp, mode):
+    """Two requests that begin with the same 60 tokens, the second sent while the first decodes: on the GPU
+    the second's slot copies the prefix's KV from the first's (each stage's on its own stream; with
+    pipelined groups, from each stage's thread) and its drafter's on the drafters' stream, and both requests
+    get the float32 array path's tokens, which reads every prompt whole."""
+    from rt_plans import with_mtp_in_groups
+
+    from strata_runtime.api import Request
+    from strata_runtime.engine import Engine
+
+    system = np.random.default_rng(48).integers(1, 250, 60).tolist()
+
+    def serve(plan) -> tuple[list[list[int]], dict[str, int]]:
+        engine = Engine(plan)
+        first = engine.submit(Request((*system, 7, 8), 24, ignore_eos=True))
+        engine.step()  # admitted
+        while not engine.slots[first.slot].decoding:
+            engine.step()
+        second = engine.submit(Request((*system, 9, 10, 11), 24, ignore_eos=True))
+        while engine.step():
+            pass
+        engine.close()
+        return [
+            [t for ev in list(h.events.queue) for t in ev.token_ids] for h in (first, second)
+        ], engine.totals
+
+    if mode == "batch-mtp":
+        plan = _plan(cp, model="tiny", slots=2, batch_mtp=True, draft_tokens=3)
+    else:  # the resolver keeps a split of one GPU in serial windows; pipeline it by hand
+        base = _plan(cp, model="tiny", slots=4, draft_tokens=4, split=2)
+        piped = base.batch.model_copy(update={"mode": "pipelined", "groups": 2})
+        plan = with_mtp_in_groups(base.model_copy(update={"batch": piped}))
+    gpu, totals = serve(plan)
+    assert totals["prefix_copies"] == 1 and totals["prefix_tokens"] == len(system) - 1
+    cpu_plan = _plan(cp, model="tiny", backend="cpu", slots=2)
+    cpu, none = serve(
+        cpu_plan.model_copy(update={"memory": cpu_plan.memory.model_copy(update={"prefix_reuse": False})})
+    )
+    assert none["prefix_tokens"] == 0 and gpu == cpu and all(len(t) == 24 for t in gpu)

@@ -1186,3 +1186,55 @@ def test_prefix_reuse_on_the_cuda_path_gives_the_text_of_whole_prompts(fake_gpu)
     off = off.model_copy(update={"memory": off.memory.model_copy(update={"prefix_reuse": False})})
     whole, none = conversation(off)
     assert none == 0 and reused == whole and all(len(r) == 10 for r in reused)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(batch_mtp=True, draft_tokens=4),  # one stage, drafting decided on the device
+        dict(stages=2, slots=4, groups=2, draft_tokens=4),  # pipelined groups: each stage's own thread
+    ],
+)
+def test_a_prefix_copied_between_slots_on_the_cuda_path_gives_the_text_of_whole_prompts(fake_gpu, kw):
+    """Two requests that begin with the same instructions, the second sent while the first decodes: on the
+    CUDA path the second's slot copies the prefix's KV from the first's on every stage's stream (and its
+    drafter's on the drafters' stream), and both get the tokens of an engine that reads every prompt whole."""
+    from strata_runtime.engine import Engine
+
+    system = list(range(40, 90))
+
+    def serve(plan) -> tuple[list[list[int]], Engine, int]:
+        engine = Engine(plan)
+        assert engine.model.stages[0].cuda is not None
+        first = engine.submit(Request((*system, 7, 8), 12))
+        engine.step()  # admitted
+        while not engine.slots[first.slot].decoding:
+            engine.step()
+        second = engine.submit(Request((*system, 9, 10, 11), 12))
+        while engine.step():
+            pass
+        out = [
+            [t for _ in range(h.events.qsize()) for t in h.events.get().token_ids] for h in (first, second)
+        ]
+        return out, engine, second.slot
+
+    text = float16_profile_text(backend="cuda", preset="tiny", context=256, **{"slots": 2, **kw})
+    plan = resolve_text(text, "a.toml").plan
+    copied, eng, second = serve(plan)
+    n = len(system) - 1  # a drafter's row less
+    assert eng.totals["prefix_copies"] == 1 and eng.totals["prefix_tokens"] == n
+    off = plan.model_copy(update={"memory": plan.memory.model_copy(update={"prefix_reuse": False})})
+    whole, other, slot = serve(off)
+    assert other.totals["prefix_tokens"] == 0 and copied == whole and all(len(r) == 12 for r in copied)
+    # The second request's slot holds what reading its prompt wrote: every stage's KV and its drafter's,
+    # to fp16's last bit (the prefill path's sums for a row depend on the length of the prompt it reads, so
+    # the first request's rows may differ by one unit from what the second's own prompt writes). The
+    # whole-prompt engine's slot keeps nothing, but its arrays still hold what the request wrote.
+    assert slot == second
+    pairs = [(a.kv, b.kv, second) for a, b in zip(eng.model.stages, other.model.stages, strict=True)]
+    pairs.append((eng.model.drafters[second].kv, other.model.drafters[second].kv, 0))
+    for mine, theirs, at in pairs:
+        for a, b in ((mine.k, theirs.k), (mine.v, theirs.v)):
+            x, y = np.asarray(a[:, at, :, :n]), np.asarray(b[:, at, :, :n])
+            np.testing.assert_allclose(x, y, rtol=4e-3, atol=4e-3)
+            assert x.any()

@@ -341,7 +341,8 @@ def test_a_lone_prompt_reads_in_its_longer_chunks_and_gives_the_same_text() -> N
     assert texts[0] == texts[1]
     eng.window_stats.recent.clear()
     eng.forget_prefixes()  # the next prompts begin as the last one did: they would reuse its KV
-    collect(eng, [(0, Request(prompt[:10], 40)), (2, Request(prompt, 4))])
+    other = tuple(reversed(prompt[:10]))  # begins otherwise: the prompt copies no prefix of it
+    collect(eng, [(0, Request(other, 40)), (2, Request(prompt, 4))])
     beside = [w.rows for w in eng.window_stats.recent if w.kind == "prefill"]
     assert beside == [10] + [16] * 6 + [4]  # the first request decodes until after the prompt is read
 

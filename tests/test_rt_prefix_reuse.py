@@ -1,6 +1,7 @@
 """Prefix reuse (``memory.prefix_reuse``): a free slot keeps its last request's KV, and a request that begins
 the same way reads only the rest of its prompt, with the text, log-probabilities and drafting it would have
-had reading the whole prompt.
+had reading the whole prompt. Where another slot, busy or free, holds a longer shared prefix, the new
+request's slot copies that prefix's KV instead.
 
 The pure rules (`strata_runtime.engine.prefix`) are checked on their own: the shared prefix, what a kept slot
 lends a prompt (less the prompt's last token, less one more where a drafter needs the token after its last
@@ -17,13 +18,14 @@ import random
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from rt_engine_helpers import MODES, collect, kept_tokens, mode_plan
+from rt_engine_helpers import MODES, assert_kv_consistent, collect, kept_tokens, mode_plan
 from rt_plans import make_plan
 
 from strata_cfg.schema.packaged import packaged_dir
 from strata_runtime.api import Request, SamplingParams
 from strata_runtime.engine import Engine
-from strata_runtime.engine.prefix import Kept, choose_slot, reusable, shared_prefix
+from strata_runtime.engine.prefix import Kept, Prefixes, best_donor, choose_slot, reusable, shared_prefix
+from strata_runtime.server.metrics import engine_lines
 
 # ---- the rules --------------------------------------------------------------------------------------------
 
@@ -86,6 +88,36 @@ def test_a_request_takes_the_least_busy_group_then_the_longest_reuse_then_the_ol
     # Pipelined groups stay balanced: slot 1's group is busier, so the longest reuse waits.
     busy = {0: 0, 1: 2, 2: 0, 3: 2}
     assert choose_slot([0, 1, 2, 3], kept, prompt, None, busy.__getitem__) == (0, 5)
+
+
+def test_a_request_copies_the_prefix_another_slot_holds_where_it_shares_more_than_its_own() -> None:
+    """`best_donor` finds the slot that lends the most under the same rules (`reusable`); `Prefixes.choose`
+    copies from it where it lends more than the chosen slot's own kept tokens, counts the copy, and never
+    names the chosen slot as its own donor; a request that reads its whole prompt copies nothing."""
+    prompt = tuple(range(1, 41))
+    donors = {
+        0: _kept(prompt[:30], drafted=29),  # lends 29 (a drafter's last row needs the token after it)
+        2: _kept(prompt[:30]),  # lends 30
+        3: _kept(prompt[:35], key=("other",)),  # another key: nothing
+    }
+    assert best_donor(donors, prompt, None) == (2, 30)
+    assert best_donor({0: donors[0], 5: _kept(prompt[:30], drafted=29)}, prompt, None) == (
+        0,
+        29,
+    )  # lower slot
+    assert best_donor({}, prompt, None) == (None, 0)
+    idle = lambda i: 0  # noqa: E731
+
+    p = Prefixes(4, on=True)
+    p.kept[1] = _kept(prompt[:10])  # slot 1's own: 10
+    assert p.choose([1], prompt, None, idle, donors=donors) == (1, 30, 2)
+    assert p.totals == {"prefix_requests": 1, "prefix_tokens": 30, "prefix_copies": 1}
+    assert p.kept[1] is None  # taken
+    p.kept[1] = _kept(prompt[:36])  # its own lends more than any other slot
+    assert p.choose([1], prompt, None, idle, donors=donors) == (1, 36, None)
+    assert p.choose([2], prompt, None, idle, donors=donors) == (2, 29, 0)  # slot 2 is not its own donor
+    assert p.choose([1], prompt, None, idle, whole=True, donors=donors) == (1, 0, None)
+    assert p.totals == {"prefix_requests": 3, "prefix_tokens": 95, "prefix_copies": 2}
 
 
 # ---- the engine ------------------------------------------------------------------------------------------
@@ -228,6 +260,70 @@ def test_a_follow_up_goes_to_the_slot_that_kept_its_beginning_not_the_first_free
     h = eng.submit(Request(b + tuple(out[1]) + (33,), 4))
     eng.step()
     assert h.slot == 1 and h.cached_tokens == len(b) + len(out[1]) - 1
+
+
+def _two_clients(eng: Engine, first: Request, second: Request) -> tuple[list, list, int, list]:
+    """``first`` alone until it decodes, then ``second`` beside it: each one's tokens and log-probabilities,
+    the prompt rows the engine read for ``second``, and each one's proposals and those accepted."""
+    handles = [eng.submit(first)]
+    eng.step()  # admitted
+    slot = eng.slots[handles[0].slot]
+    while not slot.decoding:
+        eng.step()
+    mark = len(eng.windows)
+    handles.append(eng.submit(second))
+    events: list[list] = [[], []]
+    while eng.step():
+        assert_kv_consistent(eng)
+        for h, got in zip(handles, events, strict=True):
+            while not h.events.empty():
+                got.append(h.events.get())
+    for h, got in zip(handles, events, strict=True):
+        while not h.events.empty():
+            got.append(h.events.get())
+        assert got[-1].error is None, got[-1].error
+    read = sum(w.rows for w in list(eng.windows)[mark:] if w.kind == "prefill")
+    tokens = [[t for e in got for t in e.token_ids] for got in events]
+    lps = [[lp.logprob for e in got for lp in e.logprobs] for got in events]
+    return tokens, lps, read, [(h.proposals, h.accepted_proposals) for h in handles]
+
+
+@pytest.mark.parametrize("model", ["austen", "tiny"])
+def test_two_clients_with_one_system_prompt_read_it_once_and_get_what_reading_it_whole_gives(model) -> None:
+    """The second client's request arrives while the first's decodes and begins with the same instructions:
+    its slot copies the prefix's KV (and its drafter's) from the first's and reads only its own question
+    (and the last shared token, where the MTP head drafts); its tokens, log-probabilities and KV equal an
+    engine's that reads every prompt whole."""
+    eng, whole = _engine.__wrapped__(model, True), _engine.__wrapped__(model, False)
+    system = tuple(b"You answer in the manner of a novel of manners, briefly. ")
+    first = Request(system + tuple(b"Who is Mr. Bingley?"), 20, SamplingParams(logprobs=1))
+    second = Request(system + tuple(b"Is Netherfield far?"), 20, SamplingParams(logprobs=1))
+    got, lps, read, drafting = _two_clients(eng, first, second)
+    want, want_lps, whole_read, want_drafting = _two_clients(whole, first, second)
+    assert got == want and lps == want_lps
+    assert eng.totals["prefix_copies"] == 1 and whole.totals["prefix_copies"] == 0
+    lent = len(system) - (1 if eng.tracked else 0)  # all the shared instructions, a drafter's row fewer
+    assert eng.totals["prefix_tokens"] == lent
+    metrics = "\n".join(engine_lines(eng.stats()))
+    assert (
+        "strata_prefix_reuse_copies_total 1\n" in metrics
+        and f"strata_prefix_reuse_tokens_total {lent}" in metrics
+    )
+    assert whole_read == len(second.prompt_ids) and read == len(second.prompt_ids) - lent
+    # What the copy wrote is what reading the prompt wrote: the second slot keeps the same KV on every stage
+    # and in its drafter (whose proposals then come as the whole-prompt engine's would; the two engines'
+    # windows differ, so their drafting differs by when each chose to draft).
+    # (The whole-prompt engine's slot keeps nothing, but its arrays still hold what the request wrote.)
+    n = len(second.prompt_ids) - 1  # the prompt's rows, past the copied ones: a stage's and a drafter's
+    for stage, other in zip(eng.model.stages, whole.model.stages, strict=True):
+        assert int(stage.kv.lengths[1]) > n
+        assert (stage.kv.k[:, 1, :, :n] == other.kv.k[:, 1, :, :n]).all()
+        assert (stage.kv.v[:, 1, :, :n] == other.kv.v[:, 1, :, :n]).all()
+    if eng.tracked:
+        mine, theirs = eng.model.drafters[1].kv, whole.model.drafters[1].kv
+        assert int(mine.lengths[0]) >= n and (mine.k[..., :n, :] == theirs.k[..., :n, :]).all()
+        assert (mine.v[..., :n, :] == theirs.v[..., :n, :]).all() and mine.k[..., :lent, :].any()
+        assert drafting[1][0] > 0 and want_drafting[1][0] > 0
 
 
 @functools.cache

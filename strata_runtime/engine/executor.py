@@ -84,6 +84,8 @@ class Executor:
         if overlap and self.gpu and len(self.stages) > 1:
             self._workers = [StageWorker(f"strata-stage-{s.index}") for s in self.stages]
         self._retired: deque[tuple[Any, Flight]] = deque()
+        self._copy_error: BaseException | None = None
+        """A prefix copy that failed on a stage's thread, raised by the next `finish`."""
 
     def _new_stream(self, stage: Stage) -> Any:
         """A non-blocking CUDA stream on the stage's GPU (None on a CPU device)."""
@@ -97,6 +99,52 @@ class Executor:
         for w in self._workers or []:
             w.close()
         self._workers = None
+
+    # ---- copying a prefix between slots ------------------------------------------------------------
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Empty slot ``dst`` takes positions [0, n) of slot ``src``'s KV on every stage, and of its drafter's
+        KV (`strata_runtime.engine.prefix`): counted now; copied on each stage's stream after every window
+        queued there before (through the stage's thread, where it has one), so before any window of ``dst``.
+        The drafters' copy runs on their stream after the last stage's copy, and the last stage's stream waits
+        for it, so drafting there (windows decided on the device) reads it too."""
+        drafters = self.model.drafters
+        pair = None
+        if dst in drafters:
+            pair = (drafters[src], drafters[dst])
+            pair[1].rewind(0)
+            pair[1].kv.claim(0, pair[0].kv, 0, n)
+        for stage in self.stages:
+            stage.kv.claim(dst, stage.kv, src, n)
+        last = len(self.stages) - 1
+        for s in range(len(self.stages)):
+            task = functools.partial(self._copy_share, s, src, dst, n, pair if s == last else None)
+            if self._workers is not None:
+                self._workers[s].submit(task)
+            else:
+                task()
+
+    def _copy_share(self, s: int, src: int, dst: int, n: int, drafters: tuple[Any, Any] | None) -> None:
+        """Stage ``s``'s part of `copy_prefix`, queued on its stream (and the drafters' on theirs)."""
+        stage, stream = self.stages[s], self._streams[s]
+        try:
+            lock = device_lock(stage.device.index) if stream is not None else contextlib.nullcontext()
+            with stage.device.use(), _using(stream), lock:  # not while this thread's peer captures a graph
+                stage.kv.copy_rows(stage.kv, src, dst, n)
+                if drafters is None:
+                    return
+                source, target = drafters
+                if stream is None:
+                    target.kv.copy_rows(source.kv, 0, 0, n)
+                    return
+                event = cupy_module().cuda.Event
+                draft = self._draft_stream
+                draft.wait_event(stream.record(event(disable_timing=True)))
+                with draft:
+                    target.kv.copy_rows(source.kv, 0, 0, n)
+                stream.wait_event(draft.record(event(disable_timing=True)))
+        except BaseException as exc:  # on a stage's thread: the engine's next `finish` raises it
+            self._copy_error = exc
 
     # ---- launching ----------------------------------------------------------------------------------
 
@@ -357,6 +405,8 @@ class Executor:
         flight.done.wait()
         if flight.error is not None:
             raise flight.error
+        if self._copy_error is not None:
+            raise self._copy_error
         logit_row = {r: i for i, r in enumerate(flight.needed)}
         events = []
         row = 0

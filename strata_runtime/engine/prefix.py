@@ -5,7 +5,10 @@ A chat client sends the whole conversation again each turn, and an agent sends t
 with every call. Both begin with tokens some slot has already read. When a request finishes, its slot keeps
 the KV of the tokens it read: the prompt and the generated tokens that were fed back, nothing past a stop.
 A new request takes the free slot whose kept tokens share the longest prefix with its prompt, rewinds that
-slot's KV to the shared part and reads its prompt from there.
+slot's KV to the shared part and reads its prompt from there. Where another slot holds a longer shared
+prefix (a busy slot serving a request that began the same way, or a free slot that a busier group owns),
+the new request's slot copies that prefix's KV from it instead (`choose`): two clients that send the same
+long system prompt at once read it once.
 
 What a slot may keep, and what a request may take, follow from what the KV and the drafting head hold:
 
@@ -22,12 +25,16 @@ What a slot may keep, and what a request may take, follow from what the KV and t
   another's prompts began with.
 * A request that asks for the prompt's log-probabilities reads its whole prompt: they come from its rows.
 
-This module decides; `strata_runtime.engine.scheduler.Engine` rewinds the KV.
+A copy follows the same rules, over what the other slot holds for certain: a busy slot's tokens that its
+KV and drafter have read and that no rejected draft can rewind (the prompt's rows and the confirmed
+tokens), a free slot's kept tokens, and of its drafter only the KV, never rows not yet read.
+
+This module decides; `strata_runtime.engine.scheduler.Engine` rewinds or copies the KV.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -92,6 +99,18 @@ def choose_slot(
     return best, reusable(kept[best], prompt, key)
 
 
+def best_donor(donors: Mapping[int, Kept], prompt: Sequence[int], key: Hashable) -> tuple[int | None, int]:
+    """The slot whose held tokens (``donors``: slot -> what it holds for certain) a request with this prompt
+    and key reuses the most positions of, and those positions; (None, 0) where none shares any. Ties go to
+    the lowest slot."""
+    best, most = None, 0
+    for slot in sorted(donors):
+        n = reusable(donors[slot], prompt, key)
+        if n > most:
+            best, most = slot, n
+    return best, most
+
+
 class Prefixes:
     """Every slot's kept tokens while it is free, and what reuse saved since the engine started."""
 
@@ -104,6 +123,8 @@ class Prefixes:
         """Requests that reused a kept prefix."""
         self.tokens = 0
         """Prompt tokens those requests did not read again."""
+        self.copies = 0
+        """Requests among them whose prefix was copied from another slot."""
 
     def choose(
         self,
@@ -112,15 +133,25 @@ class Prefixes:
         key: Hashable,
         load: Callable[[int], int],
         whole: bool = False,
-    ) -> tuple[int, int]:
-        """The free slot a request takes and the positions it reuses there (`choose_slot`), counted;
-        ``whole``: the request reads its whole prompt (it asks for the prompt's log-probabilities)."""
-        slot, reuse = choose_slot(free, self.kept, () if whole else prompt, key, load)
+        donors: Mapping[int, Kept] | None = None,
+    ) -> tuple[int, int, int | None]:
+        """The free slot a request takes (`choose_slot`), the positions it reuses, and the slot it copies
+        them from (None: its own kept tokens), counted. ``donors``: what the other slots hold for certain
+        (slot -> `Kept`), of which the one sharing the most (`best_donor`) is copied where it shares more
+        than the chosen slot's own; ``whole``: the request reads its whole prompt (it asks for the prompt's
+        log-probabilities)."""
+        prompt = () if whole else prompt
+        slot, reuse = choose_slot(free, self.kept, prompt, key, load)
+        donor, copied = best_donor({i: k for i, k in (donors or {}).items() if i != slot}, prompt, key)
+        source = None
+        if copied > reuse:
+            source, reuse = donor, copied
+            self.copies += 1
         self.kept[slot] = None
         if reuse:
             self.requests += 1
             self.tokens += reuse
-        return slot, reuse
+        return slot, reuse, source
 
     def keep(self, slot: int, tokens: tuple[int, ...], drafted: int | None, key: Hashable) -> None:
         """A released slot's KV holds ``tokens`` (and its drafter ``drafted`` positions)."""
@@ -129,4 +160,4 @@ class Prefixes:
 
     @property
     def totals(self) -> dict[str, int]:
-        return {"prefix_requests": self.requests, "prefix_tokens": self.tokens}
+        return {"prefix_requests": self.requests, "prefix_tokens": self.tokens, "prefix_copies": self.copies}

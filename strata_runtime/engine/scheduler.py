@@ -68,7 +68,7 @@ from .depth import Holds
 from .executor import Executor
 from .flight import Chained, Flight, Mark
 from .job import CHAINED, Entry, Job
-from .prefix import Prefixes
+from .prefix import Kept, Prefixes
 from .refusals import refusals
 from .report import engine_stats, startup_lines
 from .sampling import Sampler
@@ -305,16 +305,19 @@ class Engine:
                     continue
                 req = handle.request
                 free = [j for j, s in enumerate(self.slots) if s is None]
-                i, reuse = self.prefixes.choose(
+                i, reuse, source = self.prefixes.choose(
                     free,
                     req.prompt_ids,
                     (self.model.routing_key(req.prompt_ids), req.cache_salt),
                     self._group_load,
                     whole=req.sampling.prompt_logprobs is not None,
+                    donors=self._donors(),
                 )
-                self.model.rewind(i, reuse)
+                self.model.rewind(i, reuse if source is None else 0)
                 if i in self.model.drafters:
-                    self.model.drafters[i].rewind(reuse)
+                    self.model.drafters[i].rewind(reuse if source is None else 0)
+                if source is not None:
+                    self.executor.copy_prefix(source, i, reuse)
                 handle.cached_tokens = reuse
                 seed = (
                     req.sampling.seed
@@ -359,6 +362,30 @@ class Engine:
             key = (self.model.routing_key(slot.prompt), slot.handle.request.cache_salt)
             self.prefixes.keep(i, tokens, drafted, key)
         self.slots[i] = None
+
+    def _donors(self) -> dict[int, Kept]:
+        """What each slot holds for certain, for a request to copy a prefix from
+        (`strata_runtime.engine.prefix`): a free slot its kept tokens, a busy one the tokens its KV has read
+        and no rejected draft rewinds (its confirmed length, whose windows have run); of a drafter only its
+        KV. Empty with prefix reuse off, or where only some slots draft."""
+        drafters = self.model.drafters
+        if not self.prefixes.on or len(drafters) not in (0, self.n_slots):
+            return {}
+        out: dict[int, Kept] = {}
+        for i, slot in enumerate(self.slots):
+            if slot is None:
+                kept = self.prefixes.kept[i]
+                if kept is None:
+                    continue
+                tokens, key = kept.tokens, kept.key
+            else:
+                held = min(slot.length, len(slot.prompt) + len(slot.generated), *self.model.kv_lengths(i))
+                tokens = (*slot.prompt, *slot.generated)[:held]
+                key = (self.model.routing_key(slot.prompt), slot.handle.request.cache_salt)
+            drafted = min(drafters[i].length, len(tokens) - 1) if i in drafters else None
+            if tokens:
+                out[i] = Kept(tokens, drafted, key, 0)
+        return out
 
     def forget_prefixes(self) -> None:
         """Every free slot forgets what it kept for prefix reuse: the next requests read their whole prompts

@@ -71,6 +71,22 @@ class KVCache:
         self.v[layer, seg.slot, :, seg.pos : end] = values.transpose(1, 0, 2)  # [K, n, D]
         return self.k[layer, seg.slot, :, :end], self.v[layer, seg.slot, :, :end]
 
+    def claim(self, slot: int, source: KVCache, src: int, n: int) -> None:
+        """Count positions [0, n) of ``source``'s slot ``src`` as empty slot ``slot``'s (prefix reuse across
+        slots); `copy_rows` copies them."""
+        if self.lengths[slot] != 0:
+            held = int(self.lengths[slot])
+            raise KVError(f"slot {slot}: a prefix is copied only into an empty slot, it holds {held}")
+        if not 0 <= n <= source.lengths[src]:
+            raise KVError(f"slot {src}: cannot lend {n} positions, it holds {int(source.lengths[src])}")
+        self.lengths[slot] = n
+
+    def copy_rows(self, source: KVCache, src: int, slot: int, n: int) -> None:
+        """Copy positions [0, n) of ``source``'s slot ``src`` into slot ``slot``, every layer, on the current
+        stream."""
+        self.k[:, slot, :, :n] = source.k[:, src, :, :n]
+        self.v[:, slot, :, :n] = source.v[:, src, :, :n]
+
     def rewind(self, slot: int, length: int) -> None:
         """Forget positions [length, ...) of ``slot``: rejected rows, or the whole slot on release."""
         if not 0 <= length <= self.lengths[slot]:

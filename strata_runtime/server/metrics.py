@@ -91,12 +91,18 @@ TOTALS: dict[str, tuple[str, str, float]] = {
     ),
     "prefix_requests": (
         "strata_prefix_reuse_requests_total",
-        "Requests that began as a slot's last request did and read only the rest of their prompt.",
+        "Requests that began as another request did and read only the rest of their prompt.",
         1,
     ),
     "prefix_tokens": (
         "strata_prefix_reuse_tokens_total",
         "Prompt tokens not read again: their KV was kept from an earlier request (memory.prefix_reuse).",
+        1,
+    ),
+    "prefix_copies": (
+        "strata_prefix_reuse_copies_total",
+        "Requests whose reused prefix was copied from another slot's KV (a busy one, or one a busier group "
+        "owns) rather than kept in their own.",
         1,
     ),
 }
