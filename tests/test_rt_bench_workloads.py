@@ -12,9 +12,11 @@ import numpy as np
 import pytest
 
 from strata_cfg.schema.workloads import (
+    SHARED_REQUESTS,
     TURN_MESSAGE,
     TURNS,
     prompt_ids,
+    shared_prompts,
     turn_prompts,
     turns_context_problem,
     turns_figures,
@@ -131,6 +133,38 @@ def test_turns_figures_are_the_conversations_rate_the_waits_and_the_share_reused
     assert figures["first_turn_ttft_s"] == pytest.approx(0.5)
     assert figures["later_ttft_s"] == pytest.approx((0.1 + 0.5) / 2)  # the median of 0.1 and 0.5
     assert figures["reused_pct"] == pytest.approx(100 * (99 + 119) / (120 + 140))
+
+
+def test_the_shared_workload_sends_one_context_with_a_question_each_and_measures_the_copied_prefix() -> None:
+    """Four requests with one context: the first alone, the others once it has its first token. With prefix
+    reuse the second copies the context from the first's busy slot (the demo drafts: a position less), and
+    the third and fourth, queued for the demo's two slots, reuse a freed slot's; without it every prompt is
+    read whole. The text is the same."""
+    prompts = shared_prompts(100, 384, seed=3)
+    assert len(prompts) == SHARED_REQUESTS and all(p[:100] == prompts[0][:100] for p in prompts)
+    assert len({p[100:] for p in prompts}) == SHARED_REQUESTS and all(
+        len(p) == 100 + TURN_MESSAGE for p in prompts
+    )
+    assert shared_prompts(100, 384, seed=3) == prompts and shared_prompts(100, 384, seed=4)[0] != prompts[0]
+    out = strata(
+        *("bench", "profiles/demo.toml", "--workload", "shared", "--prompt-tokens", "200", "--tokens", "16"),
+        *("--vary", "memory.prefix_reuse=false,true", "--repeats", "2", "--json"),
+    )
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout)
+    off, on = (res["arms"][f"serial@prefix_reuse:{v}"]["shared"] for v in ("false", "true"))
+    sent = (SHARED_REQUESTS - 1) * (200 + TURN_MESSAGE)
+    assert on["median"]["reused_pct"] == pytest.approx(100 * (SHARED_REQUESTS - 1) * 199 / sent)
+    assert off["median"]["reused_pct"] == 0.0 and on["text_equal_to_serial@prefix_reuse:false"] is True
+    for case in (on, off):
+        m = case["median"]
+        assert m["first_turn_ttft_s"] > 0 and m["later_ttft_s"] > 0 and m["tok_s"] > 0
+    assert (
+        strata(
+            "bench", "profiles/demo.toml", "--workload", "shared", "--url", "http://127.0.0.1:9"
+        ).returncode
+        == 2
+    )
 
 
 def test_a_conversation_with_no_context_or_too_long_for_a_launched_engine_is_refused() -> None:

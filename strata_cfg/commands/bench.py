@@ -12,7 +12,9 @@ With ``--url`` it measures a launched engine over HTTP instead, as its clients s
 
 ``prompt`` reads one prompt of ``--prompt-tokens`` alone on the engine (arms: ``serial`` unless given; over
 ``--url``, its read rate and time to first token). ``turns`` sends one conversation, each turn everything
-sent before and a new message, so that it measures prefix reuse (``--vary memory.prefix_reuse=true,false``).
+sent before and a new message, so that it measures prefix reuse (``--vary memory.prefix_reuse=true,false``);
+``shared`` sends four requests with the same context, the later ones while the first decodes, so that it
+measures a prefix copied from a busy slot (in process only).
 ``step`` (the decode kernels against the byte roofline),
 ``vram`` (what the engine holds against the plan's budget) and ``handoff`` (the copies between two stages'
 GPUs) measure the profile's own plan on its GPUs, without arms. These three run in process only.
@@ -62,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--arms",
         help=f"comma-separated arms of {', '.join(ARMS)} (default: {', '.join(DEFAULT_ARMS)}; for prompt "
-        "and turns: serial; step, vram and handoff take no arms)",
+        "turns and shared: serial; step, vram and handoff take no arms)",
     )
     parser.add_argument(
         "--vary",
@@ -82,7 +84,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=4096,
         help="prompt: the prompt's length; it and one generated token must fit memory.context; turns: the "
-        "conversation's first context, before its messages (default 4096)",
+        "conversation's first context, before its messages; shared: the context every request begins with "
+        "(default 4096)",
     )
     parser.add_argument(
         "--depth",
@@ -317,11 +320,11 @@ def _value_text(value: Any) -> str:
 
 
 def arm_names(args: argparse.Namespace) -> list[str]:
-    """The arms to run: as given, else ``serial`` for ``prompt`` and ``turns`` and the default arms for the
-    others."""
+    """The arms to run: as given, else ``serial`` for ``prompt``, ``turns`` and ``shared`` and the default
+    arms for the others."""
     if args.arms is not None:
         return [a.strip() for a in args.arms.split(",") if a.strip()]
-    return ["serial"] if args.workload in ("prompt", "turns") else list(DEFAULT_ARMS)
+    return ["serial"] if args.workload in ("prompt", "turns", "shared") else list(DEFAULT_ARMS)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -24,6 +24,7 @@ WORKLOADS = (
     "solo",
     "prompt",
     "turns",
+    "shared",
     "step",
     "vram",
     "handoff",
@@ -77,6 +78,21 @@ TURNS = 4
 """Requests of the ``turns`` workload: one conversation, each turn sent once the one before has finished."""
 TURN_MESSAGE = 32
 """Fresh token ids each turn of ``turns`` adds to what was sent before."""
+
+
+SHARED_REQUESTS = 4
+"""Requests of the ``shared`` workload: the same instructions, each with a question of its own."""
+SHARED_SEED = 30_000
+"""Seeds of `shared_prompts`: repeat r's is ``SHARED_SEED + r``."""
+
+
+def shared_prompts(prompt_tokens: int, vocab: int, seed: int) -> list[tuple[int, ...]]:
+    """The ``shared`` workload's prompts: the same ``prompt_tokens`` fresh ids (an agent's instructions, or
+    a system prompt that several clients send) and then a question of `TURN_MESSAGE` fresh ids of each
+    request's own. Seeded by ``seed`` (the repeat), apart from every other workload's."""
+    ids = prompt_ids(prompt_tokens + SHARED_REQUESTS * TURN_MESSAGE, vocab, SHARED_SEED + seed)
+    context, questions = ids[:prompt_tokens], ids[prompt_tokens:]
+    return [context + questions[k * TURN_MESSAGE : (k + 1) * TURN_MESSAGE] for k in range(SHARED_REQUESTS)]
 
 
 def turn_prompts(prompt_tokens: int, vocab: int, seed: int) -> list[tuple[int, ...]]:
@@ -210,12 +226,13 @@ def turns_figures(turns: Sequence[tuple[float, float | None, float, int, int, in
     }
 
 
-def turns_text(m: dict[str, float]) -> str:
-    """The figures of `turns_figures` for a results table ("" without them)."""
+def turns_text(m: dict[str, float], what: str = "turn") -> str:
+    """The figures of `turns_figures` for a results table ("" without them); ``what``: the requests' name
+    (``turn``, or ``request`` for the ``shared`` workload)."""
     if "later_ttft_s" not in m:
         return ""
     return (
-        f"  first token: turn 1 {1000 * m['first_turn_ttft_s']:.1f} ms, later turns "
+        f"  first token: {what} 1 {1000 * m['first_turn_ttft_s']:.1f} ms, later {what}s "
         f"{1000 * m['later_ttft_s']:.1f} ms ({m['reused_pct']:.1f}% of their prompts reused)"
     )
 
@@ -258,24 +275,29 @@ def context_problem(
         return prompt_context_problem(prompt_tokens, context, launched=launched)
     if workload == "turns":
         return turns_context_problem(prompt_tokens, tokens, context, launched=launched)
+    if workload == "shared":
+        return turns_context_problem(prompt_tokens, tokens, context, launched=launched, messages=1)
     return depth_problem(workload, depth, tokens, context, launched=launched)
 
 
 def turns_context_problem(
-    prompt_tokens: int, tokens: int, context: int, *, launched: bool = False
+    prompt_tokens: int, tokens: int, context: int, *, launched: bool = False, messages: int = TURNS
 ) -> str | None:
     """Why a ``turns`` conversation (a context of ``prompt_tokens``, `TURNS` messages of `TURN_MESSAGE`, and
-    ``tokens`` generated after the last) cannot fit ``context``."""
+    ``tokens`` generated after the last) cannot fit ``context``; with ``messages`` = 1, a ``shared``
+    request (the context and one question)."""
     if prompt_tokens < 1:
         return f"--prompt-tokens must be at least 1, not {prompt_tokens}"
-    need = prompt_tokens + TURNS * TURN_MESSAGE + tokens
+    need = prompt_tokens + messages * TURN_MESSAGE + tokens
     if need <= context:
         return None
+    what = f"{TURNS} messages of {TURN_MESSAGE}" if messages > 1 else f"a question of {TURN_MESSAGE}"
+    after = "the last" if messages > 1 else "it"
     text = (
-        f"--prompt-tokens {prompt_tokens}: a context of that many tokens, {TURNS} messages of {TURN_MESSAGE} "
-        f"and {tokens} generated after the last need a context of {need}, but the "
+        f"--prompt-tokens {prompt_tokens}: a context of that many tokens, {what} "
+        f"and {tokens} generated after {after} need a context of {need}, but the "
     )
-    most = context - TURNS * TURN_MESSAGE - tokens
+    most = context - messages * TURN_MESSAGE - tokens
     if launched:
         return text + f"engine's memory.context is {context}, so at most --prompt-tokens {max(most, 0)}"
     return text + f"plan's memory.context is {context}; pass --set memory.context={need} (or more)"

@@ -30,6 +30,7 @@ from strata_cfg.schema.workloads import (
     gap_figures_ms,
     generation_rate,
     prompt_ids,
+    shared_prompts,
     turn_prompts,
     turns_figures,
 )
@@ -289,7 +290,9 @@ def workload_arrivals(
 ) -> list[Arrival]:
     """The requests of a workload (for ``clients``: of one client count; for ``prompt``: a prompt of
     ``prompt_tokens`` ids drawn from ``vocab`` with ``seed``, generating one token; for ``turns``: the
-    `turn_prompts` of a context of ``prompt_tokens``, each turn after the one before). The decoding requests
+    `turn_prompts` of a context of ``prompt_tokens``, each turn after the one before; for ``shared``: the
+    `shared_prompts` of that context, the first alone and the others once it has its first token, so that
+    its slot holds the context). The decoding requests
     choose their tokens by ``sampling``, seeded by their index unless ``seeded`` is False; with ``depth``
     (``solo``, ``two-decodes``, ``clients``) each first reads a prompt of that many ids (`depth_prompt`)."""
     if name == "prompt":
@@ -303,6 +306,13 @@ def workload_arrivals(
                 Arrival(Request(ids, tokens, drawn, request_id=f"bench-turn-{k}"), after=k - 1 if k else None)
             )
         return turns
+    if name == "shared":
+        out = []
+        for k, ids in enumerate(shared_prompts(prompt_tokens, vocab, seed)):
+            drawn = dataclasses.replace(sampling, seed=k) if sampling.temperature > 0 and seeded else sampling
+            request = Request(ids, tokens, drawn, request_id=f"bench-shared-{k}")
+            out.append(Arrival(request, after_tokens=1 if k else 0))
+        return out
     streams = {"two-decodes": 2, "clients": clients, "solo": 1}.get(name)
     if streams is not None:
         return [
@@ -354,7 +364,7 @@ def measure(name: str, results: list[Result], stats: dict[str, Any], wall: float
         out["prompt_read_tok_s"] = reader.prompt_tokens / read_span if read_span > 0 else 0.0
         out["decode_tok_s"] = decode.rate
         out["tok_s"] = out["prompt_read_tok_s"]
-    elif name == "turns":
+    elif name in ("turns", "shared"):
         out |= turns_figures(
             [
                 (r.submitted, r.first_token, r.finished, len(r.token_ids), r.prompt_tokens, r.cached)

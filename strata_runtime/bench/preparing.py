@@ -36,6 +36,7 @@ WARM_STREAMS = {
     "read-beside-decode": 1,
     "solo": 1,
     "turns": 1,
+    "shared": 2,
 }
 """Streams each workload decodes at once, which the warm-up runs too (every window shape it will use)."""
 

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from strata_cfg.schema.plan import LaunchPlan
-from strata_cfg.schema.workloads import TURN_MESSAGE, TURNS, gap_text, turns_text
+from strata_cfg.schema.workloads import SHARED_REQUESTS, TURN_MESSAGE, TURNS, gap_text, turns_text
 
 if TYPE_CHECKING:
     pass
@@ -123,6 +123,12 @@ def render_table(
             f"one conversation of {TURNS} turns, each sending what was sent before and {TURN_MESSAGE} new "
             f"tokens, {tokens} generated each, {sampling}; tok/s = the conversation's tokens over its time"
         )
+    if workload == "shared":
+        what = (
+            f"{SHARED_REQUESTS} requests with the same context and a question of {TURN_MESSAGE} tokens each, "
+            f"the first alone and the others once it has its first token, {tokens} generated each, "
+            f"{sampling}; tok/s = all their tokens over their time"
+        )
     lines = [f"workload {workload}: {what}, medians of {repeats} interleaved repeats", ""]
     aw = max(10, *(len(n) for n in summary))  # arm names of --vary variants run longer
     gain_head = f"gain vs {base} [95% CI]"
@@ -155,7 +161,7 @@ def render_table(
                 extra += (
                     f"  experts {m['expert_vram_pct']:.1f}% from VRAM, {m['host_mb_per_token']:.1f} MB/{per}"
                 )
-            extra = turns_text(m) + extra
+            extra = turns_text(m, "request" if workload == "shared" else "turn") + extra
             if "decode_tok_s" in m:
                 extra = (
                     f"  prompt read {m['prompt_read_tok_s']:.0f} tok/s, decode {m['decode_tok_s']:.1f} tok/s"

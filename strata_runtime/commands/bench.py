@@ -73,7 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--prompt-tokens",
         type=int,
         default=4096,
-        help="prompt: the prompt's length in tokens; turns: the conversation's first context (default 4096)",
+        help="prompt: the prompt's length in tokens; turns: the conversation's first context; shared: the "
+        "context every request begins with (default 4096)",
     )
     parser.add_argument(
         "--position", type=int, default=300, help="step: the KV position the rows decode at (default 300)"
@@ -209,7 +210,8 @@ def run(args: argparse.Namespace) -> int:
     vocab = next(iter(plans.values())).model.facts.vocab_size
     # Two prefill chunks take the long-prompt path as a long prompt does, at a fraction of its cost.
     chunk = max(p.memory.prefill_chunk for p in plans.values())
-    length = min(args.prompt_tokens, 2 * chunk) if args.workload in ("prompt", "turns") else 2 * chunk
+    long_prompt = args.workload in ("prompt", "turns", "shared")
+    length = min(args.prompt_tokens, 2 * chunk) if long_prompt else 2 * chunk
     warm_up(engines, min(length, context - 2), vocab, streams=WARM_STREAMS.get(args.workload, 0))
     tokenizer = next(iter(engines.values())).tokenizer
     settling = {} if args.cold_experts else settle(engines, args.workload, args.tokens, tokenizer)
