@@ -24,7 +24,16 @@ from rt_plans import make_plan
 from strata_cfg.schema.packaged import packaged_dir
 from strata_runtime.api import Request, SamplingParams
 from strata_runtime.engine import Engine
-from strata_runtime.engine.prefix import Kept, Prefixes, best_donor, choose_slot, reusable, shared_prefix
+from strata_runtime.engine.prefix import (
+    WAIT_LEAST,
+    Kept,
+    Prefixes,
+    best_donor,
+    choose_slot,
+    reusable,
+    shared_prefix,
+    worth_waiting,
+)
 from strata_runtime.server.metrics import engine_lines
 
 # ---- the rules --------------------------------------------------------------------------------------------
@@ -118,6 +127,21 @@ def test_a_request_copies_the_prefix_another_slot_holds_where_it_shares_more_tha
     assert p.choose([2], prompt, None, idle, donors=donors) == (2, 29, 0)  # slot 2 is not its own donor
     assert p.choose([1], prompt, None, idle, whole=True, donors=donors) == (1, 0, None)
     assert p.totals == {"prefix_requests": 3, "prefix_tokens": 95, "prefix_copies": 2}
+    assert p.best([1], prompt, None, idle, donors=donors) == (1, 30, 2) and p.totals["prefix_copies"] == 2
+
+
+def test_a_request_waits_for_a_slot_still_reading_a_prompt_that_would_lend_it_enough_more() -> None:
+    prompt = tuple(range(1, 201))
+    whole = _kept(prompt[:150] + (999,) * 40, drafted=189)  # slot 3 reads it: it will lend 149 (a drafter)
+    reading, held = {3: whole}, {3: _kept(prompt[:60], drafted=59)}  # it holds 60 so far: lends 59
+    assert worth_waiting(reading, held, prompt, None, now=0)
+    assert worth_waiting(reading, held, prompt, None, now=149 - WAIT_LEAST)
+    assert not worth_waiting(reading, held, prompt, None, now=149 - WAIT_LEAST + 1)  # too little to gain
+    assert not worth_waiting(
+        reading, {3: _kept(prompt[:151], drafted=150)}, prompt, None, now=0
+    )  # it holds them
+    assert not worth_waiting(reading, held, prompt, ("other",), now=0)  # another key: it would lend nothing
+    assert not worth_waiting({}, held, prompt, None, now=0)
 
 
 # ---- the engine ------------------------------------------------------------------------------------------
@@ -363,6 +387,34 @@ def test_in_every_mode_conversations_that_share_beginnings_give_the_text_of_whol
         said[conv] += message
         reqs.append((at, Request(tuple(said[conv]), n, request_id=f"t{i}")))
     assert collect(_mode_engine(mode, True), reqs) == collect(_mode_engine(mode, False), reqs)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_in_every_mode_a_burst_with_one_long_system_prompt_reads_it_once(mode) -> None:
+    """Two requests sent at once that begin with the same 100 tokens: the second waits at the head of the
+    queue until the first's slot has read them (the gain is at least `WAIT_LEAST`), then copies them, and
+    both get the whole-prompt engine's tokens. With 30 shared tokens (under `WAIT_LEAST`) the second does
+    not wait: it reads its whole prompt beside the first. (With one slot it waits for the slot, and then
+    reuses what the first kept there.)"""
+    eng, whole = _mode_engine(mode, True), _mode_engine(mode, False)
+    rng = random.Random(11)
+    for shared, waits in ((100, True), (30, False)):
+        eng.forget_prefixes()
+        system = tuple(rng.randrange(33, 126) for _ in range(shared))
+        reqs = [(0, Request(system + tuple(b"first?"), 6)), (0, Request(system + tuple(b"Second!"), 6))]
+        before = dict(eng.totals)
+        mark = len(eng.windows)
+        assert collect(eng, reqs) == collect(whole, reqs)
+        lent = shared - (1 if eng.tracked else 0)
+        copies = eng.totals["prefix_copies"] - before["prefix_copies"]
+        saved = eng.totals["prefix_tokens"] - before["prefix_tokens"]
+        read = sum(w.rows for w in list(eng.windows)[mark:] if w.kind == "prefill")
+        one = eng.n_slots == 1  # the second waits for the slot anyway, and reuses what the first kept there
+        if waits or one:
+            assert (copies, saved) == (0 if one else 1, lent) and read == len(system) * 2 + 13 - lent
+        else:
+            assert (copies, saved) == (0, 0) and read == len(system) * 2 + 13
+    assert WAIT_LEAST <= 100 - 1 and WAIT_LEAST > 30
 
 
 @pytest.mark.parametrize("mode", list(MODES))

@@ -25,6 +25,11 @@ What a slot may keep, and what a request may take, follow from what the KV and t
   another's prompts began with.
 * A request that asks for the prompt's log-probabilities reads its whole prompt: they come from its rows.
 
+A request that arrives while a busy slot is still reading a prompt that shares at least `WAIT_LEAST` more
+tokens with its own than any other slot holds waits at the head of the queue until that slot holds them,
+then copies them (`worth_waiting`): a burst of requests with one long system prompt reads it once, where
+reading it side by side would take as long for the first and longer for the rest.
+
 A copy follows the same rules, over what the other slot holds for certain: a busy slot's tokens that its
 KV and drafter have read and that no rejected draft can rewind (the prompt's rows and the confirmed
 tokens), a free slot's kept tokens, and of its drafter only the KV, never rows not yet read.
@@ -99,6 +104,11 @@ def choose_slot(
     return best, reusable(kept[best], prompt, key)
 
 
+WAIT_LEAST = 64
+"""Prompt tokens a request must gain by waiting for a busy slot still reading them (`worth_waiting`): below
+it, the request reads them itself rather than queue behind that slot's prompt."""
+
+
 def best_donor(donors: Mapping[int, Kept], prompt: Sequence[int], key: Hashable) -> tuple[int | None, int]:
     """The slot whose held tokens (``donors``: slot -> what it holds for certain) a request with this prompt
     and key reuses the most positions of, and those positions; (None, 0) where none shares any. Ties go to
@@ -109,6 +119,23 @@ def best_donor(donors: Mapping[int, Kept], prompt: Sequence[int], key: Hashable)
         if n > most:
             best, most = slot, n
     return best, most
+
+
+def worth_waiting(
+    reading: Mapping[int, Kept],
+    held: Mapping[int, Kept],
+    prompt: Sequence[int],
+    key: Hashable,
+    now: int,
+) -> bool:
+    """Whether a request should wait: the busy slot still reading the prompt that would lend it the most
+    (``reading``: slot -> `Kept` of the whole prompt it reads) would lend at least `WAIT_LEAST` more than
+    the ``now`` positions the other slots lend, and does not hold them yet (``held``: slot -> what it holds
+    for certain now)."""
+    slot, later = best_donor(reading, prompt, key)
+    if slot is None or later < now + WAIT_LEAST:
+        return False
+    return reusable(held.get(slot), prompt, key) < later
 
 
 class Prefixes:
@@ -140,18 +167,28 @@ class Prefixes:
         (slot -> `Kept`), of which the one sharing the most (`best_donor`) is copied where it shares more
         than the chosen slot's own; ``whole``: the request reads its whole prompt (it asks for the prompt's
         log-probabilities)."""
-        prompt = () if whole else prompt
-        slot, reuse = choose_slot(free, self.kept, prompt, key, load)
-        donor, copied = best_donor({i: k for i, k in (donors or {}).items() if i != slot}, prompt, key)
-        source = None
-        if copied > reuse:
-            source, reuse = donor, copied
-            self.copies += 1
+        slot, reuse, source = self.best(free, prompt, key, load, whole, donors)
+        self.copies += source is not None
         self.kept[slot] = None
         if reuse:
             self.requests += 1
             self.tokens += reuse
         return slot, reuse, source
+
+    def best(
+        self,
+        free: Sequence[int],
+        prompt: Sequence[int],
+        key: Hashable,
+        load: Callable[[int], int],
+        whole: bool = False,
+        donors: Mapping[int, Kept] | None = None,
+    ) -> tuple[int, int, int | None]:
+        """What `choose` would choose, changing nothing."""
+        prompt = () if whole else prompt
+        slot, reuse = choose_slot(free, self.kept, prompt, key, load)
+        donor, copied = best_donor({i: k for i, k in (donors or {}).items() if i != slot}, prompt, key)
+        return (slot, copied, donor) if copied > reuse else (slot, reuse, None)
 
     def keep(self, slot: int, tokens: tuple[int, ...], drafted: int | None, key: Hashable) -> None:
         """A released slot's KV holds ``tokens`` (and its drafter ``drafted`` positions)."""

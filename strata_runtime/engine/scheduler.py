@@ -68,7 +68,7 @@ from .depth import Holds
 from .executor import Executor
 from .flight import Chained, Flight, Mark
 from .job import CHAINED, Entry, Job
-from .prefix import Kept, Prefixes
+from .prefix import Kept, Prefixes, worth_waiting
 from .refusals import refusals
 from .report import engine_stats, startup_lines
 from .sampling import Sampler
@@ -305,13 +305,17 @@ class Engine:
                     continue
                 req = handle.request
                 free = [j for j, s in enumerate(self.slots) if s is None]
+                key = (self.model.routing_key(req.prompt_ids), req.cache_salt)
+                whole, donors = req.sampling.prompt_logprobs is not None, self._donors()
+                if not whole and donors is not None:
+                    reading = self._reading()
+                    others = {i: k for i, k in donors.items() if i not in reading}
+                    _, now, _ = self.prefixes.best(free, req.prompt_ids, key, self._group_load, False, others)
+                    if worth_waiting(reading, donors, req.prompt_ids, key, now):
+                        self._queue.appendleft(handle)  # until that slot has read what they share
+                        break
                 i, reuse, source = self.prefixes.choose(
-                    free,
-                    req.prompt_ids,
-                    (self.model.routing_key(req.prompt_ids), req.cache_salt),
-                    self._group_load,
-                    whole=req.sampling.prompt_logprobs is not None,
-                    donors=self._donors(),
+                    free, req.prompt_ids, key, self._group_load, whole=whole, donors=donors
                 )
                 self.model.rewind(i, reuse if source is None else 0)
                 if i in self.model.drafters:
@@ -363,14 +367,14 @@ class Engine:
             self.prefixes.keep(i, tokens, drafted, key)
         self.slots[i] = None
 
-    def _donors(self) -> dict[int, Kept]:
+    def _donors(self) -> dict[int, Kept] | None:
         """What each slot holds for certain, for a request to copy a prefix from
         (`strata_runtime.engine.prefix`): a free slot its kept tokens, a busy one the tokens its KV has read
         and no rejected draft rewinds (its confirmed length, whose windows have run); of a drafter only its
-        KV. Empty with prefix reuse off, or where only some slots draft."""
+        KV. None with prefix reuse off, or where only some slots draft (nothing is copied)."""
         drafters = self.model.drafters
         if not self.prefixes.on or len(drafters) not in (0, self.n_slots):
-            return {}
+            return None
         out: dict[int, Kept] = {}
         for i, slot in enumerate(self.slots):
             if slot is None:
@@ -386,6 +390,20 @@ class Engine:
             if tokens:
                 out[i] = Kept(tokens, drafted, key, 0)
         return out
+
+    def _reading(self) -> dict[int, Kept]:
+        """The whole prompt each busy slot is still reading, as it will hold it once read (`_donors`)."""
+        drafters = self.model.drafters
+        return {
+            i: Kept(
+                slot.prompt,
+                len(slot.prompt) - 1 if i in drafters else None,
+                (self.model.routing_key(slot.prompt), slot.handle.request.cache_salt),
+                0,
+            )
+            for i, slot in enumerate(self.slots)
+            if slot is not None and slot.prefilling
+        }
 
     def forget_prefixes(self) -> None:
         """Every free slot forgets what it kept for prefix reuse: the next requests read their whole prompts
