@@ -136,10 +136,10 @@ def test_turns_figures_are_the_conversations_rate_the_waits_and_the_share_reused
 
 
 def test_the_shared_workload_sends_one_context_with_a_question_each_and_measures_the_copied_prefix() -> None:
-    """Four requests with one context: the first alone, the others once it has its first token. With prefix
-    reuse the second copies the context from the first's busy slot (the demo drafts: a position less), and
-    the third and fourth, queued for the demo's two slots, reuse a freed slot's; without it every prompt is
-    read whole. The text is the same."""
+    """Four requests with one context, sent at once. With prefix reuse the second waits for the first's slot
+    to read the context and copies it (the demo drafts: a position less), and the third and fourth, queued
+    for the demo's two slots, reuse a freed slot's; without it every prompt is read whole. The text is the
+    same."""
     prompts = shared_prompts(100, 384, seed=3)
     assert len(prompts) == SHARED_REQUESTS and all(p[:100] == prompts[0][:100] for p in prompts)
     assert len({p[100:] for p in prompts}) == SHARED_REQUESTS and all(

@@ -291,8 +291,7 @@ def workload_arrivals(
     """The requests of a workload (for ``clients``: of one client count; for ``prompt``: a prompt of
     ``prompt_tokens`` ids drawn from ``vocab`` with ``seed``, generating one token; for ``turns``: the
     `turn_prompts` of a context of ``prompt_tokens``, each turn after the one before; for ``shared``: the
-    `shared_prompts` of that context, the first alone and the others once it has its first token, so that
-    its slot holds the context). The decoding requests
+    `shared_prompts` of that context, all at once). The decoding requests
     choose their tokens by ``sampling``, seeded by their index unless ``seeded`` is False; with ``depth``
     (``solo``, ``two-decodes``, ``clients``) each first reads a prompt of that many ids (`depth_prompt`)."""
     if name == "prompt":
@@ -310,8 +309,7 @@ def workload_arrivals(
         out = []
         for k, ids in enumerate(shared_prompts(prompt_tokens, vocab, seed)):
             drawn = dataclasses.replace(sampling, seed=k) if sampling.temperature > 0 and seeded else sampling
-            request = Request(ids, tokens, drawn, request_id=f"bench-shared-{k}")
-            out.append(Arrival(request, after_tokens=1 if k else 0))
+            out.append(Arrival(Request(ids, tokens, drawn, request_id=f"bench-shared-{k}")))
         return out
     streams = {"two-decodes": 2, "clients": clients, "solo": 1}.get(name)
     if streams is not None:

@@ -126,7 +126,7 @@ def render_table(
     if workload == "shared":
         what = (
             f"{SHARED_REQUESTS} requests with the same context and a question of {TURN_MESSAGE} tokens each, "
-            f"the first alone and the others once it has its first token, {tokens} generated each, "
+            f"all sent at once, {tokens} generated each, "
             f"{sampling}; tok/s = all their tokens over their time"
         )
     lines = [f"workload {workload}: {what}, medians of {repeats} interleaved repeats", ""]
