@@ -100,9 +100,10 @@ def test_a_request_takes_the_least_busy_group_then_the_longest_reuse_then_the_ol
 
 
 def test_a_request_copies_the_prefix_another_slot_holds_where_it_shares_more_than_its_own() -> None:
-    """`best_donor` finds the slot that lends the most under the same rules (`reusable`); `Prefixes.choose`
-    copies from it where it lends more than the chosen slot's own kept tokens, counts the copy, and never
-    names the chosen slot as its own donor; a request that reads its whole prompt copies nothing."""
+    """`best_donor` finds the slot that lends the most under the same rules (`reusable`); `Prefixes.best`
+    copies from it where it lends more than the chosen slot's own kept tokens and never names the chosen
+    slot as its own donor; a request that reads its whole prompt copies nothing; `take` counts the choice
+    and the copy."""
     prompt = tuple(range(1, 41))
     donors = {
         0: _kept(prompt[:30], drafted=29),  # lends 29 (a drafter's last row needs the token after it)
@@ -119,15 +120,21 @@ def test_a_request_copies_the_prefix_another_slot_holds_where_it_shares_more_tha
 
     p = Prefixes(4, on=True)
     p.kept[1] = _kept(prompt[:10])  # slot 1's own: 10
-    assert p.choose([1], prompt, None, idle, donors=donors) == (1, 30, 2)
+
+    def choose(free: list[int], whole: bool = False) -> tuple[int, int, int | None]:
+        chosen = p.best(free, prompt, None, idle, whole, donors)
+        p.take(*chosen)
+        return chosen
+
+    assert p.best([1], prompt, None, idle, donors=donors) == (1, 30, 2) and p.totals["prefix_copies"] == 0
+    assert choose([1]) == (1, 30, 2)
     assert p.totals == {"prefix_requests": 1, "prefix_tokens": 30, "prefix_copies": 1}
     assert p.kept[1] is None  # taken
     p.kept[1] = _kept(prompt[:36])  # its own lends more than any other slot
-    assert p.choose([1], prompt, None, idle, donors=donors) == (1, 36, None)
-    assert p.choose([2], prompt, None, idle, donors=donors) == (2, 29, 0)  # slot 2 is not its own donor
-    assert p.choose([1], prompt, None, idle, whole=True, donors=donors) == (1, 0, None)
+    assert choose([1]) == (1, 36, None)
+    assert choose([2]) == (2, 29, 0)  # slot 2 is not its own donor
+    assert choose([1], whole=True) == (1, 0, None)
     assert p.totals == {"prefix_requests": 3, "prefix_tokens": 95, "prefix_copies": 2}
-    assert p.best([1], prompt, None, idle, donors=donors) == (1, 30, 2) and p.totals["prefix_copies"] == 2
 
 
 def test_a_request_waits_for_a_slot_still_reading_a_prompt_that_would_lend_it_enough_more() -> None:

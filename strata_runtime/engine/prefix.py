@@ -7,8 +7,8 @@ the KV of the tokens it read: the prompt and the generated tokens that were fed 
 A new request takes the free slot whose kept tokens share the longest prefix with its prompt, rewinds that
 slot's KV to the shared part and reads its prompt from there. Where another slot holds a longer shared
 prefix (a busy slot serving a request that began the same way, or a free slot that a busier group owns),
-the new request's slot copies that prefix's KV from it instead (`choose`): two clients that send the same
-long system prompt at once read it once.
+the new request's slot copies that prefix's KV from it instead (`Prefixes.best`): two clients that send
+the same long system prompt at once read it once.
 
 What a slot may keep, and what a request may take, follow from what the KV and the drafting head hold:
 
@@ -153,28 +153,6 @@ class Prefixes:
         self.copies = 0
         """Requests among them whose prefix was copied from another slot."""
 
-    def choose(
-        self,
-        free: Sequence[int],
-        prompt: Sequence[int],
-        key: Hashable,
-        load: Callable[[int], int],
-        whole: bool = False,
-        donors: Mapping[int, Kept] | None = None,
-    ) -> tuple[int, int, int | None]:
-        """The free slot a request takes (`choose_slot`), the positions it reuses, and the slot it copies
-        them from (None: its own kept tokens), counted. ``donors``: what the other slots hold for certain
-        (slot -> `Kept`), of which the one sharing the most (`best_donor`) is copied where it shares more
-        than the chosen slot's own; ``whole``: the request reads its whole prompt (it asks for the prompt's
-        log-probabilities)."""
-        slot, reuse, source = self.best(free, prompt, key, load, whole, donors)
-        self.copies += source is not None
-        self.kept[slot] = None
-        if reuse:
-            self.requests += 1
-            self.tokens += reuse
-        return slot, reuse, source
-
     def best(
         self,
         free: Sequence[int],
@@ -184,11 +162,24 @@ class Prefixes:
         whole: bool = False,
         donors: Mapping[int, Kept] | None = None,
     ) -> tuple[int, int, int | None]:
-        """What `choose` would choose, changing nothing."""
+        """The free slot a request takes (`choose_slot`), the positions it reuses, and the slot it copies
+        them from (None: its own kept tokens); nothing changes until `take`. ``donors``: what the other
+        slots hold for certain (slot -> `Kept`), of which the one sharing the most (`best_donor`) is copied
+        where it shares more than the chosen slot's own; ``whole``: the request reads its whole prompt (it
+        asks for the prompt's log-probabilities)."""
         prompt = () if whole else prompt
         slot, reuse = choose_slot(free, self.kept, prompt, key, load)
         donor, copied = best_donor({i: k for i, k in (donors or {}).items() if i != slot}, prompt, key)
         return (slot, copied, donor) if copied > reuse else (slot, reuse, None)
+
+    def take(self, slot: int, reuse: int, source: int | None) -> None:
+        """A request took ``slot`` as `best` chose, reusing ``reuse`` positions (copied from ``source``):
+        counted, and the slot keeps nothing of its own any more."""
+        self.copies += source is not None
+        self.kept[slot] = None
+        if reuse:
+            self.requests += 1
+            self.tokens += reuse
 
     def keep(self, slot: int, tokens: tuple[int, ...], drafted: int | None, key: Hashable) -> None:
         """A released slot's KV holds ``tokens`` (and its drafter ``drafted`` positions)."""

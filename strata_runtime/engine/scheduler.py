@@ -314,9 +314,9 @@ class Engine:
                     if worth_waiting(reading, donors, req.prompt_ids, key, now):
                         self._queue.appendleft(handle)  # until that slot has read what they share
                         break
-                i, reuse, source = self.prefixes.choose(
-                    free, req.prompt_ids, key, self._group_load, whole=whole, donors=donors
-                )
+                choice = self.prefixes.best(free, req.prompt_ids, key, self._group_load, whole, donors)
+                self.prefixes.take(*choice)
+                i, reuse, source = choice
                 self.model.rewind(i, reuse if source is None else 0)
                 if i in self.model.drafters:
                     self.model.drafters[i].rewind(reuse if source is None else 0)
