@@ -732,9 +732,20 @@ def test_the_warm_up_captures_the_graphs_requests_then_replay(fake_gpu, monkeypa
             pass
         return [[t for _ in range(h.events.qsize()) for t in h.events.get().token_ids] for h in handles]
 
+    from strata_runtime.model.kvcache import KVCache
+
+    copies: list[int] = []
+    copy_rows = KVCache.copy_rows
+    monkeypatch.setattr(KVCache, "copy_rows", lambda kv, *a: copies.append(a[-1]) or copy_rows(kv, *a))
     warmed = Engine(plan)
     assert warmed.stats()["warm_up"] is None
     assert warmed.warm_up() > 0 and captures
+    # It copied one position between two slots (the copy's kernels compiled), then forgot it: every slot
+    # holds nothing, and no request counts a copy.
+    drafting = 1 if warmed.model.drafters else 0  # the drafters' copy: one slot's drafter to another's
+    assert copies == [1] * (len(warmed.model.stages) + drafting) and warmed.totals["prefix_copies"] == 0
+    assert all(warmed.model.kv_lengths(i) == [0] * len(warmed.model.stages) for i in range(warmed.n_slots))
+    assert all(d.length == 0 for d in warmed.model.drafters.values())
     assert warmed.stats()["warm_up"]["windows"] > 0 and warmed.stats()["warm_up"]["seconds"] > 0
     assert warmed.totals["windows"] == 0 and warmed.totals["tokens"] == 0  # the warm-up is forgotten
     held = len(captures)

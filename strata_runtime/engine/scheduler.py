@@ -188,6 +188,7 @@ class Engine:
         windows = int(self.window_stats.counts["windows"])
         run_staggered(self, warm_requests(self.plan, self.model.args.vocab_size, cached), report)
         ran = int(self.window_stats.counts["windows"]) - windows
+        self._warm_copy()
         self.forget_prefixes()  # the capture writes slot 0's KV, and no request begins as these did
         ran += self.model.capture_window_graphs()  # shapes the mix did not run twice; every slot is free
         self.forget_requests()
@@ -404,6 +405,26 @@ class Engine:
             for i, slot in enumerate(self.slots)
             if slot is not None and slot.prefilling
         }
+
+    def _warm_copy(self) -> None:
+        """Copy one position of a slot's kept prefix into another free slot and forget it, so that the copy's
+        kernels are compiled before a request copies a prefix (`Executor.copy_prefix`)."""
+        kept = [i for i, k in enumerate(self.prefixes.kept) if k is not None and self.slots[i] is None]
+        free = [i for i, s in enumerate(self.slots) if s is None]
+        if not kept or len(free) < 2 or self._donors() is None:
+            return
+        src = kept[0]
+        if src in self.model.drafters and self.model.drafters[src].length < 1:
+            return
+        dst = next(i for i in free if i != src)
+        self.model.rewind(dst, 0)
+        if dst in self.model.drafters:
+            self.model.drafters[dst].rewind(0)
+        self.prefixes.kept[dst] = None
+        self.executor.copy_prefix(src, dst, 1)
+        self.model.rewind(dst, 0)
+        if dst in self.model.drafters:
+            self.model.drafters[dst].rewind(0)
 
     def forget_prefixes(self) -> None:
         """Every free slot forgets what it kept for prefix reuse: the next requests read their whole prompts
