@@ -159,12 +159,6 @@ def test_the_shared_workload_sends_one_context_with_a_question_each_and_measures
     for case in (on, off):
         m = case["median"]
         assert m["first_turn_ttft_s"] > 0 and m["later_ttft_s"] > 0 and m["tok_s"] > 0
-    assert (
-        strata(
-            "bench", "profiles/demo.toml", "--workload", "shared", "--url", "http://127.0.0.1:9"
-        ).returncode
-        == 2
-    )
 
 
 def test_a_conversation_with_no_context_or_too_long_for_a_launched_engine_is_refused() -> None:

@@ -142,6 +142,30 @@ def test_the_turns_workload_over_http_reads_what_the_usage_says_was_reused(engin
     assert fig["later_ttft_s"] > 0 and fig["first_turn_ttft_s"] > 0 and fig["tok_s"] > 0
 
 
+def test_the_shared_workload_over_http_copies_the_context_the_first_request_reads(engine: Launched) -> None:
+    """`strata bench --url --workload shared`: four requests with one context sent at once; each later one's
+    usage says the context was reused but for its last token (the demo drafts), copied from the first's slot
+    once it had read it or kept in a freed one, and the server counts at least one copy."""
+    from strata_cfg.bench.http_workloads import http_run
+    from strata_cfg.schema.workloads import SHARED_REQUESTS, TURN_MESSAGE
+
+    copies = _metrics(engine)["strata_prefix_reuse_copies_total"]
+    fig = http_run(
+        engine.url,
+        "shared",
+        clients=1,
+        tokens=8,
+        context=1024,
+        vocab=256,
+        api_key=engine.key,
+        prompt_tokens=100,
+    )
+    sent = (SHARED_REQUESTS - 1) * (100 + TURN_MESSAGE)
+    assert fig["reused_pct"] == pytest.approx(100 * (SHARED_REQUESTS - 1) * 99 / sent)
+    assert fig["later_ttft_s"] > 0 and fig["first_turn_ttft_s"] > 0 and fig["tok_s"] > 0
+    assert _metrics(engine)["strata_prefix_reuse_copies_total"] >= copies + 1
+
+
 def test_a_cache_salt_keeps_one_partys_prompts_from_another(client: openai.OpenAI):
     """The same chat sent under two salts: the second reads it whole (its usage reuses nothing, so it learns
     nothing of the first); sent again under its own salt, all but its last token are reused."""

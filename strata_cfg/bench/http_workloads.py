@@ -24,6 +24,7 @@ from ..schema.workloads import (
     CLIENT_COUNTS,
     GENERATING,
     PROMPTS,
+    SHARED_REQUESTS,
     TURNS,
     context_problem,
     delivery_gaps,
@@ -33,6 +34,7 @@ from ..schema.workloads import (
     generation_rate,
     longest_gap,
     prompt_ids,
+    shared_prompts,
     turn_prompts,
     turns_figures,
     turns_text,
@@ -163,9 +165,7 @@ def http_run(
     ``windows``: the server is a strata engine, whose window statistics come from its ``/v1/status``
     (without, the figures leave them out)."""
     model = served_model(url, api_key)
-    n = {"two-decodes": 2, "clients": clients, "solo": 1, "read-beside-decode": 1, "prompt": 0, "turns": 0}[
-        workload
-    ]
+    n = {"two-decodes": 2, "clients": clients, "solo": 1, "read-beside-decode": 1}.get(workload, 0)
     streams: list[Stream] = []
     workers: list[threading.Thread] = []
     progress = threading.Event() if workload == "read-beside-decode" else None
@@ -193,6 +193,9 @@ def http_run(
         for ids in turn_prompts(prompt_tokens, vocab, seed):
             send(list(ids), tokens, None)
             workers[-1].join()
+    if workload == "shared":  # one context, a question each, all at once
+        for ids in shared_prompts(prompt_tokens, vocab, seed):
+            send(list(ids), tokens, None)
     if progress is not None:
         progress.wait()  # the long prompt arrives once the decoding stream is under way
         length = max(16, min(context - 2, 48_000))
@@ -224,7 +227,7 @@ def http_run(
         out["prompt_read_tok_s"] = reader.prompt_tokens / span if span > 0 else 0.0
         out["decode_tok_s"] = decode.rate
         out["tok_s"] = out["prompt_read_tok_s"]
-    elif workload == "turns":
+    elif workload in ("turns", "shared"):
         out |= turns_figures(
             [(s.sent, s.first, s.done or s.sent, s.tokens, s.prompt_tokens, s.cached_tokens) for s in streams]
         )
@@ -387,7 +390,7 @@ def _plan_line(plan: dict[str, Any] | None) -> str:
     )
 
 
-def _case_line(label: str, m: dict[str, float], ratio: str = "", width: int = 20) -> str:
+def _case_line(label: str, m: dict[str, float], ratio: str = "", width: int = 20, what: str = "turn") -> str:
     extra = ""
     if "p50_s" in m:
         extra = f"  p50 {m['p50_s']:.3f}s p95 {m['p95_s']:.3f}s"
@@ -398,7 +401,7 @@ def _case_line(label: str, m: dict[str, float], ratio: str = "", width: int = 20
         extra = f"  prompt read {m['prompt_read_tok_s']:.0f} tok/s, decode {m['decode_tok_s']:.1f} tok/s"
     if "prompt_read_s" in m:
         extra = f"  {m['prompt_tokens']:.0f} prompt tokens, first token after {m['prompt_read_s']:.3f} s"
-    extra = turns_text(m) + extra
+    extra = turns_text(m, what) + extra
     if "ms_per_window" in m:
         win = f"{m['ms_per_window']:8.2f} {m['rows_per_window']:8.2f} {m['accepted_pct']:6.1f}%"
     else:
@@ -412,6 +415,10 @@ def bench_lines(result: dict[str, Any]) -> list[str]:
     what = "one prompt per run" if workload == "prompt" else f"{result['tokens']} tokens per request"
     if workload == "turns":
         what = f"one conversation of {TURNS} turns, {result['tokens']} tokens each"
+    if workload == "shared":
+        what = f"{SHARED_REQUESTS} requests with one context and a question each, at once, "
+        what += f"{result['tokens']} tokens each"
+    named = "request" if workload == "shared" else "turn"
     if result.get("depth"):
         what += f", each after a prompt of {result['depth']} tokens"
     figures = f"{'tok/s':>9} {'ms/win':>8} {'rows/win':>8} {'accept':>7}"
@@ -422,7 +429,7 @@ def bench_lines(result: dict[str, Any]) -> list[str]:
             _plan_line(result["plan"]),
             "",
             header,
-            *(_case_line(case, e["median"]) for case, e in result["cases"].items()),
+            *(_case_line(case, e["median"], what=named) for case, e in result["cases"].items()),
         ]
     base = result["base"]
     lines = [f"workload {workload} over HTTP, servers interleaved: {what}, medians of {repeats} runs"]
@@ -439,5 +446,5 @@ def bench_lines(result: dict[str, Any]) -> list[str]:
             if "ratio" in e:
                 lo, hi = e["ratio_ci95"]
                 ratio = f"  {e['ratio']:.2f}x [{lo:.2f}, {hi:.2f}]"
-            lines.append(_case_line(f"{case:<{cases}} {name:<{names}}", e["median"], ratio, width))
+            lines.append(_case_line(f"{case:<{cases}} {name:<{names}}", e["median"], ratio, width, named))
     return lines

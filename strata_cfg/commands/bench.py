@@ -14,7 +14,7 @@ With ``--url`` it measures a launched engine over HTTP instead, as its clients s
 ``--url``, its read rate and time to first token). ``turns`` sends one conversation, each turn everything
 sent before and a new message, so that it measures prefix reuse (``--vary memory.prefix_reuse=true,false``);
 ``shared`` sends four requests with the same context at once, so that it measures a prefix copied between
-slots (in process only).
+slots.
 ``step`` (the decode kernels against the byte roofline),
 ``vram`` (what the engine holds against the plan's budget) and ``handoff`` (the copies between two stages'
 GPUs) measure the profile's own plan on its GPUs, without arms. These three run in process only.

@@ -30,7 +30,7 @@ WORKLOADS = (
     "handoff",
 )
 """Workload names, as `strata bench --workload` takes them."""
-HTTP_WORKLOADS = ("two-decodes", "clients", "read-beside-decode", "solo", "prompt", "turns")
+HTTP_WORKLOADS = ("two-decodes", "clients", "read-beside-decode", "solo", "prompt", "turns", "shared")
 """Workloads that also run against a launched engine (`strata bench --url`)."""
 GPU_WORKLOADS = ("step", "vram", "handoff")
 """Workloads that need CuPy and a CUDA GPU; they measure the profile's plan, not arms."""
@@ -213,8 +213,9 @@ def turns_figures(turns: Sequence[tuple[float, float | None, float, int, int, in
     """The ``turns`` workload's figures from its turns in order, each (sent, first token or None, done,
     tokens generated, prompt tokens, prompt tokens reused), in seconds from the run's start: the
     conversation's tokens over its time (reading included), the first turn's wait for its first token, the
-    later turns' median wait, and the share of the later turns' prompts the engine did not read again."""
-    span = turns[-1][2] - turns[0][0]
+    later turns' median wait, and the share of the later turns' prompts the engine did not read again. The
+    ``shared`` workload's, whose requests are sent at once, the same way."""
+    span = max(t[2] for t in turns) - min(t[0] for t in turns)
     waits = [(first if first is not None else done) - sent for sent, first, done, *_ in turns]
     later = turns[1:]
     sent_tokens = sum(t[4] for t in later)
