@@ -121,15 +121,14 @@ def test_completion_chat_and_streaming(client: openai.OpenAI):
     assert use.prompt_tokens_details.cached_tokens == use.prompt_tokens - 1
 
 
-def test_the_turns_workload_over_http_reads_what_the_usage_says_was_reused(engine: Launched) -> None:
-    """`strata bench --url --workload turns`: each later turn's usage says its prompt was kept but for the
-    new message and the token before it (the demo drafts, so its drafter's last row is written again)."""
+def _reuse_figures(engine: Launched, workload: str) -> dict[str, float]:
+    """`strata bench --url`'s figures of ``workload`` (``turns`` or ``shared``) on a 100-token context, 8
+    tokens generated a request, and checked to have times and a rate."""
     from strata_cfg.bench.http_workloads import http_run
-    from strata_cfg.schema.workloads import TURN_MESSAGE, TURNS
 
     fig = http_run(
         engine.url,
-        "turns",
+        workload,
         clients=1,
         tokens=8,
         context=1024,
@@ -137,32 +136,30 @@ def test_the_turns_workload_over_http_reads_what_the_usage_says_was_reused(engin
         api_key=engine.key,
         prompt_tokens=100,
     )
+    assert fig["later_ttft_s"] > 0 and fig["first_turn_ttft_s"] > 0 and fig["tok_s"] > 0
+    return fig
+
+
+def test_the_turns_workload_over_http_reads_what_the_usage_says_was_reused(engine: Launched) -> None:
+    """`strata bench --url --workload turns`: each later turn's usage says its prompt was kept but for the
+    new message and the token before it (the demo drafts, so its drafter's last row is written again)."""
+    from strata_cfg.schema.workloads import TURN_MESSAGE, TURNS
+
+    fig = _reuse_figures(engine, "turns")
     sent = [100 + (k + 1) * TURN_MESSAGE for k in range(TURNS)]
     assert fig["reused_pct"] == pytest.approx(100 * sum(n - 1 for n in sent[:-1]) / sum(sent[1:]))
-    assert fig["later_ttft_s"] > 0 and fig["first_turn_ttft_s"] > 0 and fig["tok_s"] > 0
 
 
 def test_the_shared_workload_over_http_copies_the_context_the_first_request_reads(engine: Launched) -> None:
     """`strata bench --url --workload shared`: four requests with one context sent at once; each later one's
     usage says the context was reused but for its last token (the demo drafts), copied from the first's slot
     once it had read it or kept in a freed one, and the server counts at least one copy."""
-    from strata_cfg.bench.http_workloads import http_run
     from strata_cfg.schema.workloads import SHARED_REQUESTS, TURN_MESSAGE
 
     copies = _metrics(engine)["strata_prefix_reuse_copies_total"]
-    fig = http_run(
-        engine.url,
-        "shared",
-        clients=1,
-        tokens=8,
-        context=1024,
-        vocab=256,
-        api_key=engine.key,
-        prompt_tokens=100,
-    )
+    fig = _reuse_figures(engine, "shared")
     sent = (SHARED_REQUESTS - 1) * (100 + TURN_MESSAGE)
     assert fig["reused_pct"] == pytest.approx(100 * (SHARED_REQUESTS - 1) * 99 / sent)
-    assert fig["later_ttft_s"] > 0 and fig["first_turn_ttft_s"] > 0 and fig["tok_s"] > 0
     assert _metrics(engine)["strata_prefix_reuse_copies_total"] >= copies + 1
 
 
