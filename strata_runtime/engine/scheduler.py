@@ -318,9 +318,7 @@ class Engine:
                 choice = self.prefixes.best(free, req.prompt_ids, key, self._group_load, whole, donors)
                 self.prefixes.take(*choice)
                 i, reuse, source = choice
-                self.model.rewind(i, reuse if source is None else 0)
-                if i in self.model.drafters:
-                    self.model.drafters[i].rewind(reuse if source is None else 0)
+                self._rewind_slot(i, reuse if source is None else 0)
                 if source is not None:
                     self.executor.copy_prefix(source, i, reuse)
                 handle.cached_tokens = reuse
@@ -343,6 +341,7 @@ class Engine:
                     prefilled=reuse,
                     length=reuse,
                     gauge=self.choice.gauge(sampler),
+                    prefix_key=key,
                 )
 
     def _reap_cancelled(self) -> None:
@@ -356,26 +355,41 @@ class Engine:
         """Free a slot for the next request. With ``memory.prefix_reuse`` its KV keeps the tokens the request
         read (its prompt and the generated tokens fed back, nothing past its end) for a request that begins
         the same way (`strata_runtime.engine.prefix`); else every stage and the drafter forget it."""
-        i, keep = slot.id, 0
-        if self.prefixes.on:
-            keep = min(slot.length, len(slot.prompt) + len(slot.generated), *self.model.kv_lengths(i))
-        self.model.rewind(i, keep)
+        i = slot.id
+        tokens = self._held(slot) if self.prefixes.on else ()
+        self.model.rewind(i, len(tokens))
         drafter = self.model.drafters.get(i)
-        drafted = None if drafter is None else drafter.keep(max(keep - 1, 0))
-        if keep:
-            tokens = (*slot.prompt, *slot.generated)[:keep]
-            key = (self.model.routing_key(slot.prompt), slot.handle.request.cache_salt)
-            self.prefixes.keep(i, tokens, drafted, key)
+        drafted = None if drafter is None else drafter.keep(max(len(tokens) - 1, 0))
+        if tokens:
+            self.prefixes.keep(i, tokens, drafted, slot.prefix_key)
         self.slots[i] = None
+
+    def _held(self, slot: Slot) -> tuple[int, ...]:
+        """The tokens busy ``slot``'s KV holds for certain: its prompt and the generated tokens fed back, up
+        to its confirmed length (whose windows have run; no rejected draft rewinds them) on every stage."""
+        held = min(slot.length, len(slot.prompt) + len(slot.generated), *self.model.kv_lengths(slot.id))
+        return (*slot.prompt, *slot.generated)[:held]
+
+    @property
+    def _copies(self) -> bool:
+        """Whether a request may copy a prefix from another slot: prefix reuse is on, and every slot drafts
+        or none does (a drafter's KV is copied with the stages')."""
+        return self.prefixes.on and len(self.model.drafters) in (0, self.n_slots)
+
+    def _rewind_slot(self, i: int, length: int) -> None:
+        """Slot ``i`` keeps positions [0, length) on every stage and in its drafter."""
+        self.model.rewind(i, length)
+        if i in self.model.drafters:
+            self.model.drafters[i].rewind(length)
 
     def _donors(self) -> dict[int, Kept] | None:
         """What each slot holds for certain, for a request to copy a prefix from
         (`strata_runtime.engine.prefix`): a free slot its kept tokens, a busy one the tokens its KV has read
         and no rejected draft rewinds (its confirmed length, whose windows have run); of a drafter only its
-        KV. None with prefix reuse off, or where only some slots draft (nothing is copied)."""
-        drafters = self.model.drafters
-        if not self.prefixes.on or len(drafters) not in (0, self.n_slots):
+        KV. None where nothing is copied (`_copies`)."""
+        if not self._copies:
             return None
+        drafters = self.model.drafters
         out: dict[int, Kept] = {}
         for i, slot in enumerate(self.slots):
             if slot is None:
@@ -384,9 +398,7 @@ class Engine:
                     continue
                 tokens, key = kept.tokens, kept.key
             else:
-                held = min(slot.length, len(slot.prompt) + len(slot.generated), *self.model.kv_lengths(i))
-                tokens = (*slot.prompt, *slot.generated)[:held]
-                key = (self.model.routing_key(slot.prompt), slot.handle.request.cache_salt)
+                tokens, key = self._held(slot), slot.prefix_key
             drafted = min(drafters[i].length, len(tokens) - 1) if i in drafters else None
             if tokens:
                 out[i] = Kept(tokens, drafted, key, 0)
@@ -396,12 +408,7 @@ class Engine:
         """The whole prompt each busy slot is still reading, as it will hold it once read (`_donors`)."""
         drafters = self.model.drafters
         return {
-            i: Kept(
-                slot.prompt,
-                len(slot.prompt) - 1 if i in drafters else None,
-                (self.model.routing_key(slot.prompt), slot.handle.request.cache_salt),
-                0,
-            )
+            i: Kept(slot.prompt, len(slot.prompt) - 1 if i in drafters else None, slot.prefix_key, 0)
             for i, slot in enumerate(self.slots)
             if slot is not None and slot.prefilling
         }
@@ -411,29 +418,23 @@ class Engine:
         kernels are compiled before a request copies a prefix (`Executor.copy_prefix`)."""
         kept = [i for i, k in enumerate(self.prefixes.kept) if k is not None and self.slots[i] is None]
         free = [i for i, s in enumerate(self.slots) if s is None]
-        if not kept or len(free) < 2 or self._donors() is None:
+        if not kept or len(free) < 2 or not self._copies:
             return
         src = kept[0]
         if src in self.model.drafters and self.model.drafters[src].length < 1:
             return
         dst = next(i for i in free if i != src)
-        self.model.rewind(dst, 0)
-        if dst in self.model.drafters:
-            self.model.drafters[dst].rewind(0)
+        self._rewind_slot(dst, 0)
         self.prefixes.kept[dst] = None
         self.executor.copy_prefix(src, dst, 1)
-        self.model.rewind(dst, 0)
-        if dst in self.model.drafters:
-            self.model.drafters[dst].rewind(0)
+        self._rewind_slot(dst, 0)
 
     def forget_prefixes(self) -> None:
         """Every free slot forgets what it kept for prefix reuse: the next requests read their whole prompts
         (the bench starts each repeat so, as it starts each from the same expert caches)."""
         for i, kept in enumerate(self.prefixes.kept):
             if kept is not None and self.slots[i] is None:
-                self.model.rewind(i, 0)
-                if i in self.model.drafters:
-                    self.model.drafters[i].rewind(0)
+                self._rewind_slot(i, 0)
                 self.prefixes.kept[i] = None
 
     def _group_load(self, slot_id: int) -> int:

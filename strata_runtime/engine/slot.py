@@ -8,6 +8,7 @@ tokens, and sends only text that decodes completely.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -48,6 +49,9 @@ class Slot:
     _stops: StopText = field(init=False)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     """The prompt's log-probabilities read so far (where the request asks), sent with its first token."""
+    prefix_key: Hashable = None
+    """What another request must share to reuse this one's KV (`strata_runtime.engine.prefix.Kept.key`):
+    the routing key its prompt chose and its cache salt, set at admission."""
 
     def __post_init__(self) -> None:
         self._stops = StopText(self.handle.request.stop_strings)
