@@ -170,6 +170,27 @@ def test_a_conversation_with_no_context_or_too_long_for_a_launched_engine_is_ref
     assert text.endswith(f"engine's memory.context is 1024, so at most --prompt-tokens {1024 - need + 1000}")
 
 
+def test_a_shared_context_that_does_not_fit_is_refused_naming_one_question_and_the_tokens_after_it() -> None:
+    from strata_cfg.schema.workloads import context_problem, turns_text
+
+    need = 1000 + TURN_MESSAGE + 16
+    assert context_problem("shared", 1000, 0, 16, need) is None
+    text = context_problem("shared", 1000, 0, 16, 1024, launched=True)
+    assert text == (
+        f"--prompt-tokens 1000: a context of that many tokens, a question of {TURN_MESSAGE} and 16 generated "
+        f"after it need a context of {need}, but the engine's memory.context is 1024, so at most "
+        f"--prompt-tokens {1024 - TURN_MESSAGE - 16}"
+    )
+    out = strata("bench", "profiles/demo.toml", "--workload", "shared", "--prompt-tokens", "1000")
+    assert out.returncode == 2 and f"pass --set memory.context={1000 + TURN_MESSAGE + 300}" in out.stderr
+    m = {"first_turn_ttft_s": 0.1, "later_ttft_s": 0.02, "reused_pct": 96.0}
+    assert (
+        turns_text(m, "shared")
+        == "  first token: request 1 100.0 ms, later requests 20.0 ms (96.0% of their prompts reused)"
+    )
+    assert turns_text(m, "turns").startswith("  first token: turn 1 100.0 ms, later turns 20.0 ms")
+
+
 def test_a_conversation_that_does_not_fit_the_context_is_refused_with_the_setting_to_change() -> None:
     out = strata("bench", "profiles/demo.toml", "--workload", "turns", "--prompt-tokens", "1000")
     assert out.returncode == 2

@@ -390,7 +390,7 @@ def _plan_line(plan: dict[str, Any] | None) -> str:
     )
 
 
-def _case_line(label: str, m: dict[str, float], ratio: str = "", width: int = 20, what: str = "turn") -> str:
+def _case_line(label: str, m: dict[str, float], ratio: str = "", width: int = 20, workload: str = "") -> str:
     extra = ""
     if "p50_s" in m:
         extra = f"  p50 {m['p50_s']:.3f}s p95 {m['p95_s']:.3f}s"
@@ -401,7 +401,7 @@ def _case_line(label: str, m: dict[str, float], ratio: str = "", width: int = 20
         extra = f"  prompt read {m['prompt_read_tok_s']:.0f} tok/s, decode {m['decode_tok_s']:.1f} tok/s"
     if "prompt_read_s" in m:
         extra = f"  {m['prompt_tokens']:.0f} prompt tokens, first token after {m['prompt_read_s']:.3f} s"
-    extra = turns_text(m, what) + extra
+    extra = turns_text(m, workload) + extra
     if "ms_per_window" in m:
         win = f"{m['ms_per_window']:8.2f} {m['rows_per_window']:8.2f} {m['accepted_pct']:6.1f}%"
     else:
@@ -418,7 +418,6 @@ def bench_lines(result: dict[str, Any]) -> list[str]:
     if workload == "shared":
         what = f"{SHARED_REQUESTS} requests with one context and a question each, at once, "
         what += f"{result['tokens']} tokens each"
-    named = "request" if workload == "shared" else "turn"
     if result.get("depth"):
         what += f", each after a prompt of {result['depth']} tokens"
     figures = f"{'tok/s':>9} {'ms/win':>8} {'rows/win':>8} {'accept':>7}"
@@ -429,7 +428,7 @@ def bench_lines(result: dict[str, Any]) -> list[str]:
             _plan_line(result["plan"]),
             "",
             header,
-            *(_case_line(case, e["median"], what=named) for case, e in result["cases"].items()),
+            *(_case_line(case, e["median"], workload=workload) for case, e in result["cases"].items()),
         ]
     base = result["base"]
     lines = [f"workload {workload} over HTTP, servers interleaved: {what}, medians of {repeats} runs"]
@@ -446,5 +445,5 @@ def bench_lines(result: dict[str, Any]) -> list[str]:
             if "ratio" in e:
                 lo, hi = e["ratio_ci95"]
                 ratio = f"  {e['ratio']:.2f}x [{lo:.2f}, {hi:.2f}]"
-            lines.append(_case_line(f"{case:<{cases}} {name:<{names}}", e["median"], ratio, width, named))
+            lines.append(_case_line(f"{case:<{cases}} {name:<{names}}", e["median"], ratio, width, workload))
     return lines

@@ -227,11 +227,12 @@ def turns_figures(turns: Sequence[tuple[float, float | None, float, int, int, in
     }
 
 
-def turns_text(m: dict[str, float], what: str = "turn") -> str:
-    """The figures of `turns_figures` for a results table ("" without them); ``what``: the requests' name
-    (``turn``, or ``request`` for the ``shared`` workload)."""
+def turns_text(m: dict[str, float], workload: str = "turns") -> str:
+    """The figures of `turns_figures` for a results table of ``workload`` (``turns`` or ``shared``, whose
+    requests it names so); "" without them."""
     if "later_ttft_s" not in m:
         return ""
+    what = "request" if workload == "shared" else "turn"
     return (
         f"  first token: {what} 1 {1000 * m['first_turn_ttft_s']:.1f} ms, later {what}s "
         f"{1000 * m['later_ttft_s']:.1f} ms ({m['reused_pct']:.1f}% of their prompts reused)"

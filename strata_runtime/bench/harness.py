@@ -256,6 +256,11 @@ def expert_traffic(engine: Engine) -> dict[str, int] | None:
 GREEDY = SamplingParams(temperature=0.0)
 
 
+def _drawn(sampling: SamplingParams, i: int, seeded: bool) -> SamplingParams:
+    """Request ``i``'s sampling: sampled and ``seeded``, seeded by its index, so every arm draws the same."""
+    return dataclasses.replace(sampling, seed=i) if sampling.temperature > 0 and seeded else sampling
+
+
 def _request(
     tokenizer: Tokenizer,
     i: int,
@@ -269,9 +274,7 @@ def _request(
     the same. With ``depth`` its prompt is `depth_prompt`'s ``depth`` ids (from ``vocab``), not a short
     text."""
     ids = depth_prompt(depth, vocab, i) if depth else tuple(tokenizer.encode(PROMPTS[i % len(PROMPTS)]))
-    if sampling.temperature > 0 and seeded:
-        sampling = dataclasses.replace(sampling, seed=i)
-    return Request(ids, tokens, sampling, request_id=f"bench-{i}")
+    return Request(ids, tokens, _drawn(sampling, i, seeded), request_id=f"bench-{i}")
 
 
 def workload_arrivals(
@@ -300,17 +303,16 @@ def workload_arrivals(
     if name == "turns":  # one conversation: each turn once the one before has finished
         turns = []
         for k, ids in enumerate(turn_prompts(prompt_tokens, vocab, seed)):
-            drawn = dataclasses.replace(sampling, seed=k) if sampling.temperature > 0 and seeded else sampling
+            drawn = _drawn(sampling, k, seeded)
             turns.append(
                 Arrival(Request(ids, tokens, drawn, request_id=f"bench-turn-{k}"), after=k - 1 if k else None)
             )
         return turns
     if name == "shared":
-        out = []
-        for k, ids in enumerate(shared_prompts(prompt_tokens, vocab, seed)):
-            drawn = dataclasses.replace(sampling, seed=k) if sampling.temperature > 0 and seeded else sampling
-            out.append(Arrival(Request(ids, tokens, drawn, request_id=f"bench-shared-{k}")))
-        return out
+        return [
+            Arrival(Request(ids, tokens, _drawn(sampling, k, seeded), request_id=f"bench-shared-{k}"))
+            for k, ids in enumerate(shared_prompts(prompt_tokens, vocab, seed))
+        ]
     streams = {"two-decodes": 2, "clients": clients, "solo": 1}.get(name)
     if streams is not None:
         return [

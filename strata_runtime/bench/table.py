@@ -161,7 +161,7 @@ def render_table(
                 extra += (
                     f"  experts {m['expert_vram_pct']:.1f}% from VRAM, {m['host_mb_per_token']:.1f} MB/{per}"
                 )
-            extra = turns_text(m, "request" if workload == "shared" else "turn") + extra
+            extra = turns_text(m, workload) + extra
             if "decode_tok_s" in m:
                 extra = (
                     f"  prompt read {m['prompt_read_tok_s']:.0f} tok/s, decode {m['decode_tok_s']:.1f} tok/s"
