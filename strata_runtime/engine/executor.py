@@ -103,16 +103,16 @@ class Executor:
     # ---- copying a prefix between slots ------------------------------------------------------------
 
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
-        """Empty slot ``dst`` takes positions [0, n) of slot ``src``'s KV on every stage, and of its drafter's
-        KV (`strata_runtime.engine.prefix`): counted now; copied on each stage's stream after every window
-        queued there before (through the stage's thread, where it has one), so before any window of ``dst``.
-        The drafters' copy runs on their stream after the last stage's copy, and the last stage's stream waits
-        for it, so drafting there (windows decided on the device) reads it too."""
+        """Empty slot ``dst`` (its stages and drafter rewound to 0 by the caller) takes positions [0, n) of
+        slot ``src``'s KV on every stage, and of its drafter's KV (`strata_runtime.engine.prefix`): counted
+        now; copied on each stage's stream after every window queued there before (through the stage's
+        thread, where it has one), so before any window of ``dst``. The drafters' copy runs on their stream
+        after the last stage's copy, and the last stage's stream waits for it, so drafting there (windows
+        decided on the device) reads it too."""
         drafters = self.model.drafters
         pair = None
         if dst in drafters:
             pair = (drafters[src], drafters[dst])
-            pair[1].rewind(0)
             pair[1].kv.claim(0, pair[0].kv, 0, n)
         for stage in self.stages:
             stage.kv.claim(dst, stage.kv, src, n)
