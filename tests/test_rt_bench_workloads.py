@@ -135,6 +135,20 @@ def test_turns_figures_are_the_conversations_rate_the_waits_and_the_share_reused
     assert figures["reused_pct"] == pytest.approx(100 * (99 + 119) / (120 + 140))
 
 
+def test_requests_sent_at_once_count_the_one_that_reused_least_as_the_reader_whatever_their_order() -> None:
+    """The shared workload's requests reach the engine in any order: the one that read the context (reused
+    the least; of equals, the first sent) is its first, the others are the later ones."""
+    # (sent, first token, done, tokens, prompt tokens, reused): the second sent read the context
+    rows = [(0.0, 0.3, 1.0, 8, 132, 99), (0.001, 0.1, 0.9, 8, 132, 0), (0.002, 0.4, 1.2, 8, 132, 99)]
+    figures = turns_figures(rows, at_once=True)
+    assert figures["first_turn_ttft_s"] == pytest.approx(0.099)
+    assert figures["later_ttft_s"] == pytest.approx((0.3 + 0.398) / 2)
+    assert figures["reused_pct"] == pytest.approx(100 * 99 / 132)
+    assert turns_figures(rows)["reused_pct"] == pytest.approx(100 * 99 / 264)  # a conversation: in order
+    none = [(0.0, 0.5, 1.0, 8, 132, 0), (0.001, 0.2, 1.0, 8, 132, 0)]
+    assert turns_figures(none, at_once=True)["first_turn_ttft_s"] == pytest.approx(0.5)  # the first sent
+
+
 def test_the_shared_workload_sends_one_context_with_a_question_each_and_measures_the_copied_prefix() -> None:
     """Four requests with one context, sent at once. With prefix reuse the second waits for the first's slot
     to read the context and copies it (the demo drafts: a position less), and the third and fourth, queued
@@ -186,7 +200,7 @@ def test_a_shared_context_that_does_not_fit_is_refused_naming_one_question_and_t
     m = {"first_turn_ttft_s": 0.1, "later_ttft_s": 0.02, "reused_pct": 96.0}
     assert (
         turns_text(m, "shared")
-        == "  first token: request 1 100.0 ms, later requests 20.0 ms (96.0% of their prompts reused)"
+        == "  first token: the reader 100.0 ms, the others 20.0 ms (96.0% of their prompts reused)"
     )
     assert turns_text(m, "turns").startswith("  first token: turn 1 100.0 ms, later turns 20.0 ms")
 

@@ -151,9 +151,10 @@ def test_the_turns_workload_over_http_reads_what_the_usage_says_was_reused(engin
 
 
 def test_the_shared_workload_over_http_copies_the_context_the_first_request_reads(engine: Launched) -> None:
-    """`strata bench --url --workload shared`: four requests with one context sent at once; each later one's
-    usage says the context was reused but for its last token (the demo drafts), copied from the first's slot
-    once it had read it or kept in a freed one, and the server counts at least one copy."""
+    """`strata bench --url --workload shared`: four requests with one context sent at once (they reach the
+    engine in any order); but for the one that read it, each one's usage says the context was reused but for
+    its last token (the demo drafts), copied from the reader's slot once it had read it or kept in a freed
+    one, and the server counts at least one copy."""
     from strata_cfg.schema.workloads import SHARED_REQUESTS, TURN_MESSAGE
 
     copies = _metrics(engine)["strata_prefix_reuse_copies_total"]

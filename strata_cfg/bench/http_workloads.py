@@ -228,9 +228,10 @@ def http_run(
         out["decode_tok_s"] = decode.rate
         out["tok_s"] = out["prompt_read_tok_s"]
     elif workload in ("turns", "shared"):
-        out |= turns_figures(
-            [(s.sent, s.first, s.done or s.sent, s.tokens, s.prompt_tokens, s.cached_tokens) for s in streams]
-        )
+        rows = [
+            (s.sent, s.first, s.done or s.sent, s.tokens, s.prompt_tokens, s.cached_tokens) for s in streams
+        ]
+        out |= turns_figures(rows, at_once=workload == "shared")
     elif workload == "clients":
         lat = [(s.done or s.sent) - s.sent for s in streams]
         out["tok_s"] = sum(s.tokens for s in streams) / wall if wall > 0 else 0.0

@@ -209,12 +209,20 @@ def gap_text(m: dict[str, float]) -> str:
     )
 
 
-def turns_figures(turns: Sequence[tuple[float, float | None, float, int, int, int]]) -> dict[str, float]:
+def turns_figures(
+    turns: Sequence[tuple[float, float | None, float, int, int, int]], *, at_once: bool = False
+) -> dict[str, float]:
     """The ``turns`` workload's figures from its turns in order, each (sent, first token or None, done,
     tokens generated, prompt tokens, prompt tokens reused), in seconds from the run's start: the
     conversation's tokens over its time (reading included), the first turn's wait for its first token, the
-    later turns' median wait, and the share of the later turns' prompts the engine did not read again. The
-    ``shared`` workload's, whose requests are sent at once, the same way."""
+    later turns' median wait, and the share of the later turns' prompts the engine did not read again.
+
+    The ``shared`` workload's the same way, ``at_once``: its requests are sent together and reach the engine
+    in any order, so its "first" is the request that read the context, the one that reused the least (of
+    those, the first sent), and the others are the later ones."""
+    if at_once and turns:
+        reader = min(range(len(turns)), key=lambda k: (turns[k][5], turns[k][0], k))
+        turns = [turns[reader], *turns[:reader], *turns[reader + 1 :]]
     span = max(t[2] for t in turns) - min(t[0] for t in turns)
     waits = [(first if first is not None else done) - sent for sent, first, done, *_ in turns]
     later = turns[1:]
@@ -232,9 +240,9 @@ def turns_text(m: dict[str, float], workload: str = "turns") -> str:
     requests it names so); "" without them."""
     if "later_ttft_s" not in m:
         return ""
-    what = "request" if workload == "shared" else "turn"
+    first, later = ("the reader", "the others") if workload == "shared" else ("turn 1", "later turns")
     return (
-        f"  first token: {what} 1 {1000 * m['first_turn_ttft_s']:.1f} ms, later {what}s "
+        f"  first token: {first} {1000 * m['first_turn_ttft_s']:.1f} ms, {later} "
         f"{1000 * m['later_ttft_s']:.1f} ms ({m['reused_pct']:.1f}% of their prompts reused)"
     )
 

@@ -369,7 +369,8 @@ def measure(name: str, results: list[Result], stats: dict[str, Any], wall: float
             [
                 (r.submitted, r.first_token, r.finished, len(r.token_ids), r.prompt_tokens, r.cached)
                 for r in results
-            ]
+            ],
+            at_once=name == "shared",
         )
     elif name == "clients":
         lat = sorted(r.finished - r.submitted for r in results)
