@@ -45,7 +45,27 @@ def test_helper_gpus_add_nothing_to_host_memory(tmp_path):
 def test_every_expert_in_vram_means_no_host_tier():
     plan = plan_of(PROFILES / "h200.toml")
     assert plan.host.total == 0 and all(t.bytes == 0 for t in plan.host.tiers)
-    assert host_line(plan) == "host memory: no host tier (every routed expert is in VRAM)"
+    assert host_line(plan) == "host memory: no host tier (every routed expert is in VRAM), no prefix store"
+
+
+def test_the_prefix_store_is_pinned_host_memory_beside_the_experts_and_refused_where_it_does_not_fit():
+    plan = plan_of(PROFILES / "h200.toml", ["memory.prefix_store_mib=2048", "machine.host_ram_mib=8192"])
+    assert (plan.memory.prefix_store_mib, plan.host.prefix_store) == (2048, 2048 * MIB)
+    assert plan.host.total == 2048 * MIB and plan.host.free == (8192 - 2048 - 4096) * MIB
+    assert host_line(plan).startswith(
+        "host memory: 2048.0 MiB prefix store + 4096.0 reserve = 6144.0 of 8192.0"
+    )
+    both = plan_of(STREAMS, ["memory.prefix_store_mib=64"])
+    assert both.host.total == both.host.tiers[0].bytes + 64 * MIB
+    assert "MiB of experts pinned (GPU 0 " in host_line(both) and " + 64.0 MiB prefix store + " in host_line(
+        both
+    )
+    p = problem(
+        problems_of(PROFILES / "h200.toml", ["memory.prefix_store_mib=4097", "machine.host_ram_mib=8192"]),
+        "host.ram-overflow",
+    )
+    assert p.key == "machine.host_ram_mib" and "memory.prefix_store_mib = 4097 MiB" in p.message
+    assert "experts" not in p.message.split(";")[0] and p.message.endswith("or lower memory.prefix_store_mib")
 
 
 def test_unknown_ram_is_not_checked_and_the_plan_says_so():

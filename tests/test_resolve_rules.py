@@ -17,6 +17,7 @@ from strata_cfg.resolve.groups import auto_groups
 from strata_cfg.resolve.ledger import Ledger
 from strata_cfg.resolve.pipeline_windows import pipeline_windows_gate
 from strata_cfg.resolve.topology import Topology
+from strata_cfg.schema.plan import MIB
 
 UNREACHABLE = {
     # Two stages on one GPU are refused unless it is a test split, and a test split turns batching off in
@@ -93,6 +94,16 @@ def test_memory_prefill_chunk_alone_floor_raises_a_lone_prompts_chunk_to_every_p
     assert plan.memory.prefill_chunk_alone == plan.memory.prefill_chunk == 256
     assert decision(plan, "memory.prefill-chunk-alone-floor").severity == "clamp"
     assert plan.settings["memory.prefill_chunk_alone"].requested == 64
+
+
+def test_memory_prefix_store_needs_reuse_turns_the_store_off_where_slots_keep_nothing():
+    plan = plan_of(rule_file("memory.prefix-store-needs-reuse"))
+    assert plan.memory.prefix_store_mib == 0 and plan.host.prefix_store == 0 and not plan.memory.prefix_reuse
+    d = decision(plan, "memory.prefix-store-needs-reuse")
+    assert d.severity == "off" and d.requested and d.because == ("memory.prefix_reuse",)
+    assert plan.settings["memory.prefix_store_mib"].requested == 512
+    on = plan_of(rule_file("memory.prefix-store-needs-reuse"), ["memory.prefix_reuse=true"])
+    assert on.memory.prefix_store_mib == 512 and on.host.prefix_store == 512 * MIB
 
 
 def test_memory_prefill_chunk_alone_pipelined_drops_the_lone_prompt_window_and_its_workspace():

@@ -128,13 +128,13 @@ def test_a_request_copies_the_prefix_another_slot_holds_where_it_shares_more_tha
 
     assert p.best([1], prompt, None, idle, donors=donors) == (1, 30, 2) and p.totals["prefix_copies"] == 0
     assert choose([1]) == (1, 30, 2)
-    assert p.totals == {"prefix_requests": 1, "prefix_tokens": 30, "prefix_copies": 1}
+    assert p.totals == {"prefix_requests": 1, "prefix_tokens": 30, "prefix_copies": 1, "prefix_restores": 0}
     assert p.kept[1] is None  # taken
     p.kept[1] = _kept(prompt[:36])  # its own lends more than any other slot
     assert choose([1]) == (1, 36, None)
     assert choose([2]) == (2, 29, 0)  # slot 2 is not its own donor
     assert choose([1], whole=True) == (1, 0, None)
-    assert p.totals == {"prefix_requests": 3, "prefix_tokens": 95, "prefix_copies": 2}
+    assert p.totals == {"prefix_requests": 3, "prefix_tokens": 95, "prefix_copies": 2, "prefix_restores": 0}
 
 
 def test_a_request_waits_for_a_slot_still_reading_a_prompt_that_would_lend_it_enough_more() -> None:

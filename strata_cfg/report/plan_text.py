@@ -192,15 +192,17 @@ def workspace_lines(plan: LaunchPlan) -> list[str]:
 
 
 def host_line(plan: LaunchPlan) -> str:
-    """The host-memory budget in one line: the experts pinned there by GPU, the reserve, and the RAM."""
+    """The host-memory budget in one line: the experts pinned there by GPU, the prefix store, the reserve,
+    and the RAM."""
     h = plan.host
     if not h.total:
-        return "host memory: no host tier (every routed expert is in VRAM)"
+        return "host memory: no host tier (every routed expert is in VRAM), no prefix store"
+    experts = h.total - h.prefix_store
     per_gpu = ", ".join(f"GPU {t.gpu} {_mib(t.bytes)}" for t in h.tiers if t.bytes)
-    line = (
-        f"host memory: {_mib(h.total)} MiB of experts pinned ({per_gpu}) + {_mib(h.reserve)} reserve = "
-        f"{_mib(h.total + h.reserve)}"
-    )
+    parts = [f"{_mib(experts)} MiB of experts pinned ({per_gpu})"] if experts else []
+    if h.prefix_store:
+        parts.append(f"{_mib(h.prefix_store)} MiB prefix store")
+    line = f"host memory: {' + '.join(parts)} + {_mib(h.reserve)} reserve = {_mib(h.total + h.reserve)}"
     if h.ram is None:
         return line + "; RAM unknown, not checked (set machine.host_ram_mib)"
     source = "probed" if h.ram_source == "probe" else "machine.host_ram_mib"
@@ -236,6 +238,8 @@ def plan_text(plan: LaunchPlan) -> str:
     )
     m = plan.memory
     reuse = "on" if m.prefix_reuse else "off"
+    if m.prefix_store_mib:
+        reuse += f" (store {m.prefix_store_mib} MiB in host memory)"
     lines = [
         title,
         f"  model   {_model_line(plan)}",

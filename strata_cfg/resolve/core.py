@@ -252,6 +252,7 @@ def _assemble(
             vram_reserve_mib=led["memory.vram_reserve_mib"],
             vram_reserve_later_mib=led["memory.vram_reserve_later_mib"],
             prefix_reuse=bool(led["memory.prefix_reuse"]),
+            prefix_store_mib=led["memory.prefix_store_mib"],
         ),
         experts=ExpertsPlan(
             cache=led["experts.cache"] if any(g.experts_resident < g.experts_total for g in gpus) else None,

@@ -108,7 +108,17 @@ def resolve_defaults(
         )
     led.take("memory.prompt_graph_rows", mem.prompt_graph_rows if mem else None, "auto")
     led.take("memory.prefill_graph_rows", mem.prefill_graph_rows if mem else None, "auto")
-    led.take("memory.prefix_reuse", mem.prefix_reuse if mem else None, True)
+    reuse = led.take("memory.prefix_reuse", mem.prefix_reuse if mem else None, True)
+    store = led.take("memory.prefix_store_mib", mem.prefix_store_mib if mem else None, 0)
+    if store and not reuse:
+        led.change(
+            "memory.prefix_store_mib",
+            0,
+            "memory.prefix-store-needs-reuse",
+            "memory.prefix_store_mib stores what slots kept, and with memory.prefix_reuse false they keep "
+            "nothing; 0",
+            because=("memory.prefix_reuse",),
+        )
     resolve_prefill_graph_rows(led)
     reserve = led.take("memory.vram_reserve_mib", mem.vram_reserve_mib if mem else None, DEFAULT_RESERVE_MIB)
     led.take("memory.vram_reserve_later_mib", mem.vram_reserve_later_mib if mem else None, reserve)

@@ -48,6 +48,12 @@ _RULES = (
         "clamp",
         "memory.prefill_chunk_alone is at least memory.prefill_chunk",
     ),
+    Rule(
+        "memory.prefix-store-needs-reuse",
+        0,
+        "off",
+        "memory.prefix_store_mib needs memory.prefix_reuse (slots keep nothing to store without it)",
+    ),
     Rule("spec.needs-mtp-weights", 0, "off", "spec.draft_tokens >= 2 needs a model with MTP weights"),
     Rule(
         "model.decode-attention",
@@ -185,7 +191,8 @@ _RULES = (
         "host.ram-overflow",
         7,
         "error",
-        "the experts kept in pinned host memory, plus memory.host_reserve_mib, exceed the host's RAM",
+        "the experts kept in pinned host memory and the prefix store, plus memory.host_reserve_mib, exceed the "
+        "host's RAM",
     ),
     # 8: windows
     Rule(

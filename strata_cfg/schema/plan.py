@@ -298,6 +298,8 @@ class MemoryPlan(_Plan):
     prefix_reuse: bool = True
     """A free slot keeps its last request's KV, and a request that begins the same way reads only the rest
     of its prompt."""
+    prefix_store_mib: int = 0
+    """Host memory for kept prefixes that no slot holds any more (0: none; off without ``prefix_reuse``)."""
 
 
 class ModelPlan(_Plan):
@@ -371,12 +373,15 @@ class HostTier(_Plan):
 
 
 class HostPlan(_Plan):
-    """The host-memory budget: the host tier of experts against the machine's RAM, in bytes."""
+    """The host-memory budget: the host tier of experts and the prefix store against the machine's RAM, in
+    bytes."""
 
     tiers: tuple[HostTier, ...]
     """One per GPU, in the order of ``gpus``."""
+    prefix_store: int = 0
+    """Bytes the prefix store may pin at most (``memory.prefix_store_mib``)."""
     total: int
-    """Bytes of every host tier together."""
+    """Bytes of every host tier and the prefix store together."""
     reserve: int
     """Left for everything else (``memory.host_reserve_mib``)."""
     ram: int | None

@@ -239,6 +239,13 @@ class MemorySection(Section):
     or a repeated system prompt then skips what was read before. A request reuses only what was sent with
     its own ``cache_salt`` (an API extension for servers that several parties share). False: every request
     reads its whole prompt."""
+    prefix_store_mib: int | None = Field(default=None, ge=0, le=1 << 30)
+    """Host memory, in MiB, for kept prefixes that no slot holds any more (default 0: none). When a request
+    takes a free slot and does not reuse what that slot kept, at least 64 tokens that no other slot holds
+    are first copied into host memory; a later request that begins with them copies them back instead of
+    reading them (a conversation whose slot another client took, an agent's instructions after a burst of
+    other work). The least recently used go first. Pinned on a GPU machine; counted in the host budget.
+    Needs ``prefix_reuse``."""
 
 
 class ExpertsSection(Section):

@@ -35,7 +35,8 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -43,7 +44,17 @@ import numpy as np
 from strata_cfg.schema.windows import MAX_WINDOW_ROWS
 
 from ..api import TokenEvent, TokenLogprob
-from ..backend import Array, Device, cupy_module, device_lock, download, holding, peer_copy, transfer
+from ..backend import (
+    WATCHED,
+    Array,
+    Device,
+    cupy_module,
+    device_lock,
+    download,
+    holding,
+    peer_copy,
+    transfer,
+)
 from ..model import Model
 from ..model.stage import Stage
 from .device_spec import decide
@@ -57,6 +68,24 @@ from .speculative import Proposals, Verdict, catch_up, commit, draft, verify, ve
 PROMPT_LOGPROB_ROWS = 256
 """Prompt rows whose logits are taken at once for a request that asks the prompt's log-probabilities: 156 MB
 of fp32 logits at a 151,936-word vocabulary."""
+
+
+@dataclass
+class SavedPrefix:
+    """Host copies of a slot's first ``n`` positions for the prefix store (`Executor.save_prefix`): each
+    stage's keys and values [layers, K, n, D] (filled on the stage's thread), and the drafter's first
+    ``drafted`` positions (None without a drafter)."""
+
+    n: int
+    drafted: int | None
+    stages: list[tuple[np.ndarray, np.ndarray] | None]
+    drafter: tuple[np.ndarray, np.ndarray] | None = None
+
+
+def _filled(copies: tuple[np.ndarray, np.ndarray] | None) -> tuple[np.ndarray, np.ndarray]:
+    if copies is None:  # the save queued before this restore on the same thread has run
+        raise RuntimeError("a stored prefix is restored before it was saved")
+    return copies
 
 
 def _using(stream: Any) -> Any:
@@ -118,33 +147,124 @@ class Executor:
             stage.kv.claim(dst, stage.kv, src, n)
         last = len(self.stages) - 1
         for s in range(len(self.stages)):
-            task = functools.partial(self._copy_share, s, src, dst, n, pair if s == last else None)
-            if self._workers is not None:
-                self._workers[s].submit(task)
-            else:
-                task()
+            self._on_stage(
+                s, functools.partial(self._copy_share, s, src, dst, n, pair if s == last else None)
+            )
 
     def _copy_share(self, s: int, src: int, dst: int, n: int, drafters: tuple[Any, Any] | None) -> None:
         """Stage ``s``'s part of `copy_prefix`, queued on its stream (and the drafters' on theirs)."""
         stage, stream = self.stages[s], self._streams[s]
         try:
-            lock = device_lock(stage.device.index) if stream is not None else contextlib.nullcontext()
-            with stage.device.use(), _using(stream), lock:  # not while this thread's peer captures a graph
+            with stage.device.use(), _using(stream), self._lock_for(s):
                 stage.kv.copy_rows(stage.kv, src, dst, n)
-                if drafters is None:
-                    return
-                source, target = drafters
-                if stream is None:
-                    target.kv.copy_rows(source.kv, 0, 0, n)
-                    return
-                event = cupy_module().cuda.Event
-                draft = self._draft_stream
-                draft.wait_event(stream.record(event(disable_timing=True)))
-                with draft:
-                    target.kv.copy_rows(source.kv, 0, 0, n)
-                stream.wait_event(draft.record(event(disable_timing=True)))
+                if drafters is not None:
+                    source, target = drafters
+                    self._on_draft_stream(stream, lambda: target.kv.copy_rows(source.kv, 0, 0, n))
         except BaseException as exc:  # on a stage's thread: the engine's next `finish` raises it
             self._copy_error = exc
+
+    def kv_bytes(self, n: int, drafted: int | None) -> int:
+        """Host bytes of `save_prefix`'s copies of ``n`` positions (and ``drafted`` of the drafter's)."""
+        per = sum(int(st.kv.k[:, 0, :, 0].nbytes) * 2 for st in self.stages)
+        drafter = next(iter(self.model.drafters.values()), None)
+        extra = 0 if drafter is None or not drafted else int(drafter.kv.k[:, 0, :, 0].nbytes) * 2 * drafted
+        return per * n + extra
+
+    def save_prefix(self, slot: int, n: int, drafted: int | None) -> SavedPrefix:
+        """Host copies of positions [0, n) of ``slot``'s KV on every stage, and of ``drafted`` of its
+        drafter's, for the host's prefix store (`strata_runtime.engine.prefix.PrefixStore`): queued on each
+        stage's stream after every window queued there before (through the stage's thread, where it has
+        one), so before any later window overwrites them; the drafter's on the drafters' stream after the
+        last stage's copy. The host does not wait; a later `restore_prefix` on those streams comes after."""
+        saved = SavedPrefix(n, drafted, [None] * len(self.stages))
+        for s in range(len(self.stages)):
+            self._on_stage(s, functools.partial(self._save_share, saved, s, slot))
+        return saved
+
+    def restore_prefix(self, saved: SavedPrefix, slot: int, n: int) -> None:
+        """Empty slot ``slot`` (its stages and drafter rewound to 0 by the caller) takes positions [0, n) of
+        ``saved``, at most what it holds: counted now, copied on each stage's stream after every window
+        queued there before, so before any window of ``slot`` (the drafter's as `copy_prefix` orders
+        them)."""
+        drafter = self.model.drafters.get(slot)
+        if drafter is not None:
+            if saved.drafted is None or n > saved.drafted:
+                raise ValueError(f"a stored prefix lends {n} positions, its drafter holds {saved.drafted}")
+            drafter.kv.lengths[0] = n
+        for stage in self.stages:
+            if stage.kv.lengths[slot] != 0 or n > saved.n:
+                raise ValueError(
+                    f"slot {slot} holds {int(stage.kv.lengths[slot])}: no room for a stored prefix"
+                )
+            stage.kv.lengths[slot] = n
+        for s in range(len(self.stages)):
+            self._on_stage(s, functools.partial(self._restore_share, saved, s, slot, n))
+
+    def forget_saved(self, saved: SavedPrefix) -> None:
+        """``saved`` leaves the store: on a GPU its pinned host copies go back to their pool only once each
+        stage's stream has run every copy queued from or into them before now."""
+        if self._streams[0] is None:
+            return
+        for s in range(len(self.stages)):
+            self._on_stage(s, functools.partial(self._release_share, saved, s))
+
+    def _release_share(self, saved: SavedPrefix, s: int) -> None:
+        stream = self._streams[s]
+        with self.stages[s].device.use(), self._lock_for(s):
+            WATCHED.hold(stream.record(cupy_module().cuda.Event(disable_timing=True)), saved)
+
+    def _lock_for(self, s: int) -> Any:
+        """Stage ``s``'s device lock on a GPU (no copy is queued while another thread captures a graph
+        there); nothing on the CPU."""
+        if self._streams[s] is None:
+            return contextlib.nullcontext()
+        return device_lock(self.stages[s].device.index)
+
+    def _on_stage(self, s: int, task: Any) -> None:
+        if self._workers is not None:
+            self._workers[s].submit(task)
+        else:
+            task()
+
+    def _save_share(self, saved: SavedPrefix, s: int, slot: int) -> None:
+        """Stage ``s``'s part of `save_prefix` (and the drafter's, on the last stage)."""
+        stage, stream = self.stages[s], self._streams[s]
+        try:
+            with stage.device.use(), _using(stream), self._lock_for(s):
+                saved.stages[s] = stage.kv.save_rows(slot, saved.n)
+                drafted = saved.drafted
+                if s == len(self.stages) - 1 and drafted:
+                    kv = self.model.drafters[slot].kv
+                    saved.drafter = self._on_draft_stream(stream, lambda: kv.save_rows(0, drafted))
+        except BaseException as exc:  # on a stage's thread: the engine's next `finish` raises it
+            self._copy_error = exc
+
+    def _restore_share(self, saved: SavedPrefix, s: int, slot: int, n: int) -> None:
+        """Stage ``s``'s part of `restore_prefix` (and the drafter's, on the last stage)."""
+        stage, stream = self.stages[s], self._streams[s]
+        try:
+            with stage.device.use(), _using(stream), self._lock_for(s):
+                keys, values = _filled(saved.stages[s])
+                stage.kv.load_rows(slot, keys, values, n)
+                drafter = self.model.drafters.get(slot)
+                if s == len(self.stages) - 1 and drafter is not None and n:
+                    dk, dv = _filled(saved.drafter)
+                    self._on_draft_stream(stream, lambda: drafter.kv.load_rows(0, dk, dv, n))
+        except BaseException as exc:
+            self._copy_error = exc
+
+    def _on_draft_stream(self, stream: Any, copy: Callable[[], Any]) -> Any:
+        """Run ``copy`` on the drafters' stream after what ``stream`` has queued, and make ``stream`` wait for
+        it; on the CPU, now."""
+        if stream is None:
+            return copy()
+        event = cupy_module().cuda.Event
+        draft = self._draft_stream
+        draft.wait_event(stream.record(event(disable_timing=True)))
+        with draft:
+            out = copy()
+        stream.wait_event(draft.record(event(disable_timing=True)))
+        return out
 
     # ---- launching ----------------------------------------------------------------------------------
 

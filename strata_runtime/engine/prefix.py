@@ -34,13 +34,21 @@ A copy follows the same rules, over what the other slot holds for certain: a bus
 KV and drafter have read and that no rejected draft can rewind (the prompt's rows and the confirmed
 tokens), a free slot's kept tokens, and of its drafter only the KV, never rows not yet read.
 
+A slot keeps only its last request's tokens: when a request takes a free slot whose kept prefix it does not
+reuse, that prefix would be lost, and a conversation whose slot another client took would read its whole
+history again at its next turn. With ``memory.prefix_store_mib`` such a prefix is first copied into host
+memory (`PrefixStore`: at least `STORE_LEAST` tokens that no other slot or stored prefix holds), and a
+request whose prompt begins with a stored prefix that shares more than any slot copies it back into its
+slot instead of reading it. The least recently used stored prefix makes room first.
+
 This module decides; `strata_runtime.engine.scheduler.Engine` rewinds or copies the KV.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -152,6 +160,8 @@ class Prefixes:
         """Prompt tokens those requests did not read again."""
         self.copies = 0
         """Requests among them whose prefix was copied from another slot."""
+        self.restores = 0
+        """Requests among them whose prefix was copied back from the host's store (`PrefixStore`)."""
 
     def best(
         self,
@@ -172,10 +182,11 @@ class Prefixes:
         donor, copied = best_donor({i: k for i, k in (donors or {}).items() if i != slot}, prompt, key)
         return (slot, copied, donor) if copied > reuse else (slot, reuse, None)
 
-    def take(self, slot: int, reuse: int, source: int | None) -> None:
-        """A request took ``slot`` as `best` chose, reusing ``reuse`` positions (copied from ``source``):
-        counted, and the slot keeps nothing of its own any more."""
+    def take(self, slot: int, reuse: int, source: int | None, restored: bool = False) -> None:
+        """A request took ``slot`` as `best` chose, reusing ``reuse`` positions (copied from ``source``, or
+        from the host's store where ``restored``): counted, and the slot keeps nothing of its own any more."""
         self.copies += source is not None
+        self.restores += restored
         self.kept[slot] = None
         if reuse:
             self.requests += 1
@@ -188,4 +199,120 @@ class Prefixes:
 
     @property
     def totals(self) -> dict[str, int]:
-        return {"prefix_requests": self.requests, "prefix_tokens": self.tokens, "prefix_copies": self.copies}
+        return {
+            "prefix_requests": self.requests,
+            "prefix_tokens": self.tokens,
+            "prefix_copies": self.copies,
+            "prefix_restores": self.restores,
+        }
+
+
+STORE_LEAST = 64
+"""Tokens a prefix must hold that no slot or stored prefix holds, to be stored (`PrefixStore.worth_storing`):
+below it, reading them again costs about what the copies would."""
+
+
+@dataclass
+class Stored:
+    """One prefix in the host's store: what it holds (as a slot's `Kept`, ``freed`` its last use), its
+    bytes, and the host copies of its KV (the executor's, opaque here)."""
+
+    kept: Kept
+    nbytes: int
+    copies: Any = field(repr=False)
+
+
+class PrefixStore:
+    """Prefixes that no slot holds any more, in host memory (``memory.prefix_store_mib``): at most
+    ``capacity`` bytes, the least recently used dropped first."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.entries: list[Stored] = []
+        self._uses = 0
+        self.saved = 0
+        """Prefixes stored since the engine started."""
+        self.dropped = 0
+        """Stored prefixes dropped to make room, or because a longer one holds them."""
+
+    @property
+    def on(self) -> bool:
+        return self.capacity > 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.entries)
+
+    def best(self, prompt: Sequence[int], key: Hashable) -> tuple[Stored | None, int]:
+        """The stored prefix a request with this prompt reuses the most positions of (`reusable`), and those
+        positions; (None, 0) where none shares any. Ties go to the most recently used."""
+        best, most = None, 0
+        for e in sorted(self.entries, key=lambda e: -e.kept.freed):
+            n = reusable(e.kept, prompt, key)
+            if n > most:
+                best, most = e, n
+        return best, most
+
+    def worth_storing(self, kept: Kept, held: Mapping[int, Kept]) -> bool:
+        """Whether a slot's kept prefix, about to be lost, should be stored: it holds at least `STORE_LEAST`
+        positions more than any other slot (``held``: slot -> what it holds) or stored prefix would lend a
+        request that sent exactly its tokens and one more."""
+        if not self.on:
+            return False
+        probe = (*kept.tokens, -1)
+        own = reusable(kept, probe, kept.key)
+        others = [reusable(k, probe, kept.key) for k in (*held.values(), *(e.kept for e in self.entries))]
+        return own >= max(others, default=0) + STORE_LEAST
+
+    def room(self, kept: Kept, nbytes: int) -> list[Stored] | None:
+        """Make room for a prefix of ``nbytes`` that holds ``kept``: the stored prefixes it holds whole, then
+        the least recently used, are taken out and returned (the caller frees their copies); None (nothing
+        taken out) where it would not fit an empty store."""
+        if nbytes > self.capacity:
+            return None
+        held = [e for e in self.entries if e.kept.key == kept.key and _holds(kept, e.kept)]
+        out = [e for e in self.entries if e in held]
+        left = sorted((e for e in self.entries if e not in held), key=lambda e: e.kept.freed)
+        total = sum(e.nbytes for e in left)
+        while left and total + nbytes > self.capacity:
+            e = left.pop(0)
+            total -= e.nbytes
+            out.append(e)
+        self.entries = [e for e in self.entries if e not in out]
+        self.dropped += len(out)
+        return out
+
+    def add(self, kept: Kept, nbytes: int, copies: Any) -> Stored:
+        """Store a prefix (after `room`)."""
+        self._uses += 1
+        entry = Stored(Kept(kept.tokens, kept.drafted, kept.key, self._uses), nbytes, copies)
+        self.entries.append(entry)
+        self.saved += 1
+        return entry
+
+    def used(self, entry: Stored) -> None:
+        """A request copied ``entry`` back: it is the most recently used."""
+        self._uses += 1
+        entry.kept = Kept(entry.kept.tokens, entry.kept.drafted, entry.kept.key, self._uses)
+
+    def clear(self) -> list[Stored]:
+        """Forget every stored prefix; returns them (the caller frees their copies)."""
+        out, self.entries = self.entries, []
+        return out
+
+    @property
+    def totals(self) -> dict[str, int]:
+        return {
+            "prefix_store_saved": self.saved,
+            "prefix_store_dropped": self.dropped,
+            "prefix_store_entries": len(self.entries),
+            "prefix_store_bytes": self.nbytes,
+        }
+
+
+def _holds(outer: Kept, inner: Kept) -> bool:
+    """Whether ``outer`` holds everything ``inner`` does: its tokens begin with ``inner``'s, and its drafter
+    holds at least as many positions."""
+    if len(inner.tokens) > len(outer.tokens) or outer.tokens[: len(inner.tokens)] != inner.tokens:
+        return False
+    return inner.drafted is None or (outer.drafted is not None and outer.drafted >= inner.drafted)

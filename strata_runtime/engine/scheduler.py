@@ -50,7 +50,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from strata_cfg.schema.plan import LaunchPlan
+from strata_cfg.schema.plan import MIB, LaunchPlan
 from strata_cfg.schema.windows import (
     BATCH_MTP_SLOTS_PER_WINDOW,
     batch_mtp_window,
@@ -68,7 +68,7 @@ from .depth import Holds
 from .executor import Executor
 from .flight import Chained, Flight, Mark
 from .job import CHAINED, Entry, Job
-from .prefix import Kept, Prefixes, worth_waiting
+from .prefix import STORE_LEAST, Kept, Prefixes, PrefixStore, worth_waiting
 from .refusals import refusals
 from .report import engine_stats, startup_lines
 from .sampling import Sampler
@@ -97,6 +97,9 @@ class Engine:
         self.slots: list[Slot | None] = [None] * self.n_slots
         self.prefixes = Prefixes(self.n_slots, plan.memory.prefix_reuse)
         """What each free slot's KV keeps for a request that begins the same way (``memory.prefix_reuse``)."""
+        store = plan.memory.prefix_store_mib * MIB if plan.memory.prefix_reuse else 0
+        self.store = PrefixStore(store)
+        """Kept prefixes that no slot holds any more, in host memory (``memory.prefix_store_mib``)."""
         self.tracked = self.model.mtp is not None
         self.choice = WindowChoice(plan)
         """What the windows measured, and each request's drafting depth and batch windows' kind from it."""
@@ -269,7 +272,7 @@ class Engine:
     @property
     def totals(self) -> dict[str, Any]:
         """Windows, rows, tokens, proposals, accepted proposals and milliseconds since the start."""
-        return {**self.window_stats.totals, **self.prefixes.totals}
+        return {**self.window_stats.totals, **self.prefixes.totals, **self.store.totals}
 
     @property
     def acceptance(self) -> float | None:
@@ -308,18 +311,30 @@ class Engine:
                 free = [j for j, s in enumerate(self.slots) if s is None]
                 key = (self.model.routing_key(req.prompt_ids), req.cache_salt)
                 whole, donors = req.sampling.prompt_logprobs is not None, self._donors()
+                stored, from_store = None, 0
                 if not whole and donors is not None:
+                    stored, from_store = self.store.best(req.prompt_ids, key)
                     reading = self._reading()
                     others = {i: k for i, k in donors.items() if i not in reading}
                     _, now, _ = self.prefixes.best(free, req.prompt_ids, key, self._group_load, False, others)
-                    if worth_waiting(reading, donors, req.prompt_ids, key, now):
+                    if worth_waiting(reading, donors, req.prompt_ids, key, max(now, from_store)):
                         self._queue.appendleft(handle)  # until that slot has read what they share
                         break
-                choice = self.prefixes.best(free, req.prompt_ids, key, self._group_load, whole, donors)
-                self.prefixes.take(*choice)
-                i, reuse, source = choice
-                self._rewind_slot(i, reuse if source is None else 0)
-                if source is not None:
+                i, reuse, source = self.prefixes.best(
+                    free, req.prompt_ids, key, self._group_load, whole, donors
+                )
+                restore = stored is not None and from_store >= reuse + STORE_LEAST
+                own = reuse if source is None and not restore else 0
+                if donors is not None:
+                    self._store_kept(i, own, donors)
+                if restore:
+                    reuse, source = from_store, None
+                self.prefixes.take(i, reuse, source, restored=restore)
+                self._rewind_slot(i, own)
+                if stored is not None and restore:
+                    self.store.used(stored)
+                    self.executor.restore_prefix(stored.copies, i, reuse)
+                elif source is not None:
                     self.executor.copy_prefix(source, i, reuse)
                 handle.cached_tokens = reuse
                 seed = (
@@ -375,6 +390,28 @@ class Engine:
         """Whether a request may copy a prefix from another slot: prefix reuse is on, and every slot drafts
         or none does (a drafter's KV is copied with the stages')."""
         return self.prefixes.on and len(self.model.drafters) in (0, self.n_slots)
+
+    def _store_kept(self, i: int, keeps: int, held: dict[int, Kept]) -> None:
+        """Free slot ``i``, about to keep only its first ``keeps`` positions for a new request, first copies
+        what it kept into the host's prefix store where that is worth it (`PrefixStore.worth_storing`,
+        against what the other slots hold, ``held``), making room by dropping stored prefixes."""
+        kept = held.get(i)
+        if kept is None or not self.store.on or keeps >= len(kept.tokens):
+            return
+        drafted = None if kept.drafted is None else min(kept.drafted, keeps)
+        others = {j: k for j, k in held.items() if j != i} | {
+            i: Kept(kept.tokens[:keeps], drafted, kept.key, 0)
+        }
+        if not self.store.worth_storing(kept, others):
+            return
+        n = len(kept.tokens)
+        nbytes = self.executor.kv_bytes(n, kept.drafted)
+        dropped = self.store.room(kept, nbytes)
+        if dropped is None:  # larger than the whole store
+            return
+        for entry in dropped:
+            self.executor.forget_saved(entry.copies)
+        self.store.add(kept, nbytes, self.executor.save_prefix(i, n, kept.drafted))
 
     def _rewind_slot(self, i: int, length: int) -> None:
         """Slot ``i`` keeps positions [0, length) on every stage and in its drafter."""
@@ -436,6 +473,8 @@ class Engine:
             if kept is not None and self.slots[i] is None:
                 self._rewind_slot(i, 0)
                 self.prefixes.kept[i] = None
+        for entry in self.store.clear():
+            self.executor.forget_saved(entry.copies)
 
     def _group_load(self, slot_id: int) -> int:
         """Busy slots in ``slot_id``'s group: a new request goes to the least busy group."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.typing import DTypeLike
 
-from ..backend import Array, Device
+from ..backend import Array, Device, cupy_module, pinned_empty
 from ..layout import Segment
 
 
@@ -86,6 +86,34 @@ class KVCache:
         stream."""
         self.k[:, slot, :, :n] = source.k[:, src, :, :n]
         self.v[:, slot, :, :n] = source.v[:, src, :, :n]
+
+    def save_rows(self, slot: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Host copies of positions [0, n) of ``slot``, every layer: keys and values [layers, K, n, D]. On a
+        GPU they are pinned and queued on the current stream (they hold the rows once it has passed this
+        point; the host does not wait), one copy per layer and head, each a contiguous run of the cache."""
+        shape = (self._layers, self.k.shape[2], n, self.k.shape[4])
+        if not self.device.is_cuda:
+            return np.array(self.k[:, slot, :, :n]), np.array(self.v[:, slot, :, :n])
+        stream = cupy_module().cuda.get_current_stream()
+        out = pinned_empty(shape, self.k.dtype), pinned_empty(shape, self.v.dtype)
+        for cache, host in zip((self.k, self.v), out, strict=True):
+            for layer in range(shape[0]):
+                for head in range(shape[1]):
+                    cache[layer, slot, head, :n].get(stream=stream, out=host[layer, head], blocking=False)
+        return out
+
+    def load_rows(self, slot: int, keys: np.ndarray, values: np.ndarray, n: int) -> None:
+        """Copy positions [0, n) of host copies from `save_rows` into ``slot`` (whose length the caller
+        counted), on the current stream; on a GPU the host copies must be pinned and outlive the copy."""
+        if not self.device.is_cuda:
+            self.k[:, slot, :, :n] = keys[:, :, :n]
+            self.v[:, slot, :, :n] = values[:, :, :n]
+            return
+        stream = cupy_module().cuda.get_current_stream()
+        for cache, host in ((self.k, keys), (self.v, values)):
+            for layer in range(host.shape[0]):
+                for head in range(host.shape[1]):
+                    cache[layer, slot, head, :n].set(host[layer, head, :n], stream=stream)
 
     def rewind(self, slot: int, length: int) -> None:
         """Forget positions [length, ...) of ``slot``: rejected rows, or the whole slot on release."""
