@@ -53,13 +53,15 @@ def profile_text(
     adaptive_depth: bool | None = None,
     cache_policy: dict[str, Any] | None = None,
     prefix_reuse: bool | None = None,
+    prefix_store_mib: int | None = None,
 ) -> str:
     """``adaptive_depth`` False: every drafting solo window carries all its proposals (window shapes then
     do not depend on measured times). ``helpers``: helper GPUs (``experts.helper_devices``) after the
     stages' GPUs; ``peer``: a peer device (``experts.peer_device``) after them instead;
     ``helper_vram_mib``: the VRAM of each (the resolver fills a helper GPU with as many of the experts the
     stages lack as fit). ``cache_policy``: keys of the profile's ``[experts]`` table (``max_swaps`` ...).
-    ``prefix_reuse``: ``memory.prefix_reuse`` (unset: the default, on)."""
+    ``prefix_reuse``: ``memory.prefix_reuse`` (unset: the default, on); ``prefix_store_mib``:
+    ``memory.prefix_store_mib``."""
     if model_dir is not None:
         n_layers = json.loads((Path(model_dir) / "config.json").read_text())["num_hidden_layers"]
         model = f"path = {json.dumps(str(model_dir))}"
@@ -96,6 +98,7 @@ def profile_text(
     lines += ["[memory]", f"context = {context}", f"prefill_chunk = {prefill_chunk}", "vram_reserve_mib = 0"]
     lines += [f"prefill_chunk_alone = {prefill_chunk_alone}"] if prefill_chunk_alone is not None else []
     lines += [f"prefix_reuse = {str(prefix_reuse).lower()}"] if prefix_reuse is not None else []
+    lines += [f"prefix_store_mib = {prefix_store_mib}"] if prefix_store_mib is not None else []
     if expert_cache is not None or adapt is not None or extra or cache_policy:
         lines += ["[experts]"]
         lines += [f"cache = {expert_cache}"] if expert_cache is not None else []

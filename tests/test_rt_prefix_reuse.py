@@ -25,9 +25,11 @@ from strata_cfg.schema.packaged import packaged_dir
 from strata_runtime.api import Request, SamplingParams
 from strata_runtime.engine import Engine
 from strata_runtime.engine.prefix import (
+    STORE_LEAST,
     WAIT_LEAST,
     Kept,
     Prefixes,
+    PrefixStore,
     best_donor,
     choose_slot,
     reusable,
@@ -448,3 +450,119 @@ def test_in_every_mode_a_conversations_next_turns_reuse_its_slot(mode) -> None:
         for s, out in zip(said, got, strict=True):
             s += out + new
         prompts = [s[:] for s in said]
+
+
+# ---- the host's prefix store ----------------------------------------------------------------------------
+
+
+def test_the_store_keeps_a_prefix_only_where_it_holds_enough_that_nothing_else_does() -> None:
+    store = PrefixStore(1000)
+    conv = tuple(range(1, 101))  # 100 tokens
+    kept = _kept(conv, drafted=99)
+    assert store.worth_storing(kept, {})
+    # Another slot holds all but its last 63 positions: too little would be lost.
+    assert not store.worth_storing(kept, {1: _kept(conv[:38], drafted=37)})
+    assert store.worth_storing(kept, {1: _kept(conv[:30], drafted=29)})
+    assert store.worth_storing(kept, {1: _kept(conv, drafted=99, key="other salt")})  # another key lends none
+    assert not PrefixStore(0).worth_storing(kept, {})  # off
+    store.add(kept, 400, "copies")
+    assert not store.worth_storing(kept, {})  # stored already
+    longer = _kept(conv + tuple(range(200, 270)), drafted=169)
+    assert store.worth_storing(longer, {})  # 70 positions more than the stored one
+    assert STORE_LEAST == 64
+
+
+def test_the_store_lends_its_longest_match_and_makes_room_from_what_a_new_prefix_holds_then_the_oldest() -> (
+    None
+):
+    store = PrefixStore(1000)
+    a, b, c = (tuple(range(k, k + 100)) for k in (1, 1000, 2000))
+    ea, eb = store.add(_kept(a), 300, "a"), store.add(_kept(b), 300, "b")
+    assert store.best(a + (5, 6), None) == (ea, 100) and store.best(b[:50] + (7,), None) == (eb, 50)
+    assert store.best(c, None) == (None, 0) and store.best(a + (5,), "other salt") == (None, 0)
+    assert store.nbytes == 600 and store.totals["prefix_store_entries"] == 2
+    # a, used since b was stored, is no longer the oldest: c makes room by dropping b.
+    store.used(ea)
+    assert store.room(_kept(c), 500) == [eb] and store.entries == [ea]
+    ec = store.add(_kept(c), 500, "c")
+    # A longer a holds the stored a whole: it goes first, whatever its age, and nothing else must.
+    assert store.room(_kept(a + (9, 9)), 300) == [ea] and store.entries == [ec]
+    assert store.room(_kept(b), 1001) is None and store.entries == [ec]  # larger than the whole store
+    assert store.room(_kept(b), 600, spare=ec) is None and store.entries == [ec]  # not beside the one in use
+    ed = store.add(_kept(b), 400, "d")
+    assert store.room(_kept(a), 500, spare=ec) == [ed] and store.entries == [ec]  # the older ec stays
+    assert store.totals == {
+        "prefix_store_saved": 4,
+        "prefix_store_dropped": 3,
+        "prefix_store_entries": 1,
+        "prefix_store_bytes": 500,
+    }
+    assert store.clear() == [ec] and store.nbytes == 0
+
+
+def _store_engine(mode: str, store_mib: int) -> Engine:
+    stages = 2
+    kw = {"preset": "tiny", "context": 192, "prefill_chunk": 16, "prefix_store_mib": store_mib}
+    if MODES[mode].get("draft_tokens") or mode == "pipelined-mtp":
+        kw["preset"] = "small"
+    return Engine(mode_plan(mode, stages, **kw))
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_in_every_mode_conversations_that_outnumber_the_slots_copy_their_history_back_from_the_store(
+    mode,
+) -> None:
+    """One conversation more than the plan has slots, taking turns one request at a time: each turn finds its
+    conversation's slot taken by another. With a store each later turn copies its history back (the slot's
+    prefix was stored before the other conversation overwrote it) and reads only the rest: its new message,
+    the tokens reuse always reads again and, where the drafter had not yet read the reply's rows, those
+    (a drafter's stored positions are its KV's). Without one it reads its whole prompt. The tokens are the
+    same, and every slot's KV matches what it holds after every step (`collect`)."""
+    eng, without = _store_engine(mode, 64), _store_engine(mode, 0)
+    rng = random.Random(5)
+    said = [[rng.randrange(33, 126) for _ in range(80)] for _ in range(eng.n_slots + 1)]
+    reread = 1 + (1 if eng.tracked else 0)
+    for turn in range(2):
+        for conv in range(len(said)):
+            req = [(0, Request(tuple(said[conv]), 5))]
+            before, mark = dict(eng.totals), len(eng.windows)
+            (out,) = collect(eng, req)
+            assert [out] == collect(without, req)
+            restored = eng.totals["prefix_restores"] - before["prefix_restores"]
+            reused = eng.totals["prefix_tokens"] - before["prefix_tokens"]
+            read = sum(w.rows for w in list(eng.windows)[mark:] if w.kind == "prefill")
+            assert read == len(said[conv]) - reused
+            if turn:  # at least the first turn's prompt came back, at most all but what is always read
+                assert (
+                    restored == 1 and 80 - 1 <= reused <= len(said[conv]) - len(b" and then? ") - reread + 1
+                )
+            else:
+                assert restored == reused == 0
+            said[conv] += out + list(b" and then? ")
+    t = eng.totals
+    assert t["prefix_store_saved"] >= len(said) and t["prefix_store_bytes"] <= 64 << 20
+    assert without.totals["prefix_restores"] == without.totals["prefix_store_saved"] == 0
+
+
+def test_a_full_store_drops_its_least_recently_used_prefix_and_never_holds_more_than_its_bytes() -> None:
+    """A store with room for about one conversation's history: storing the next drops the one stored
+    before, whose conversation then reads its whole prompt again, with the same tokens."""
+    eng, without = _store_engine("serial", 64), _store_engine("serial", 0)
+    per = eng.executor.kv_bytes(90, 89 if eng.tracked else None)
+    eng.store.capacity = per + per // 2  # room for one stored history, not two
+    rng = random.Random(9)
+    said = [[33 + c] + [rng.randrange(33, 126) for _ in range(79)] for c in range(eng.n_slots + 2)]
+    for conv in range(len(said)):  # two more conversations than slots: two histories stored, one dropped
+        req = [(0, Request(tuple(said[conv]), 5))]
+        (out,) = collect(eng, req)
+        said[conv] += out + list(b" ok")
+    assert eng.totals["prefix_store_saved"] == 2 and eng.totals["prefix_store_dropped"] == 1
+    assert [e.kept.tokens[0] for e in eng.store.entries] == [34]  # the second conversation's
+    # The second copies its history back; the slot it takes stores its own history, for which the store
+    # drops nothing but what it has room for beside the one being copied back: here, nothing is stored.
+    for conv, restores in ((1, 1), (0, 0)):
+        before = eng.totals["prefix_restores"]
+        req = [(0, Request(tuple(said[conv]), 5))]
+        assert collect(eng, req) == collect(without, req)
+        assert eng.totals["prefix_restores"] - before == restores
+        assert eng.store.nbytes <= eng.store.capacity

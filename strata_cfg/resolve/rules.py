@@ -191,8 +191,8 @@ _RULES = (
         "host.ram-overflow",
         7,
         "error",
-        "the experts kept in pinned host memory and the prefix store, plus memory.host_reserve_mib, exceed the "
-        "host's RAM",
+        "the experts kept in pinned host memory and the prefix store, plus memory.host_reserve_mib, exceed "
+        "the host's RAM",
     ),
     # 8: windows
     Rule(

@@ -264,18 +264,20 @@ class PrefixStore:
         others = [reusable(k, probe, kept.key) for k in (*held.values(), *(e.kept for e in self.entries))]
         return own >= max(others, default=0) + STORE_LEAST
 
-    def room(self, kept: Kept, nbytes: int) -> list[Stored] | None:
+    def room(self, kept: Kept, nbytes: int, spare: Stored | None = None) -> list[Stored] | None:
         """Make room for a prefix of ``nbytes`` that holds ``kept``: the stored prefixes it holds whole, then
-        the least recently used, are taken out and returned (the caller frees their copies); None (nothing
-        taken out) where it would not fit an empty store."""
-        if nbytes > self.capacity:
+        the least recently used, are taken out and returned (the caller frees their copies), never
+        ``spare`` (a request is copying it back); None (nothing taken out) where it would not fit so."""
+        keep = [e for e in self.entries if e is spare]
+        if nbytes + sum(e.nbytes for e in keep) > self.capacity:
             return None
-        held = [e for e in self.entries if e.kept.key == kept.key and _holds(kept, e.kept)]
-        out = [e for e in self.entries if e in held]
-        left = sorted((e for e in self.entries if e not in held), key=lambda e: e.kept.freed)
-        total = sum(e.nbytes for e in left)
-        while left and total + nbytes > self.capacity:
-            e = left.pop(0)
+        out = [e for e in self.entries if e is not spare and e.kept.key == kept.key and _holds(kept, e.kept)]
+        rest = sorted(
+            (e for e in self.entries if e is not spare and e not in out), key=lambda e: e.kept.freed
+        )
+        total = sum(e.nbytes for e in (*keep, *rest))
+        while total + nbytes > self.capacity:
+            e = rest.pop(0)
             total -= e.nbytes
             out.append(e)
         self.entries = [e for e in self.entries if e not in out]

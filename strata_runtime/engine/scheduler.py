@@ -68,7 +68,7 @@ from .depth import Holds
 from .executor import Executor
 from .flight import Chained, Flight, Mark
 from .job import CHAINED, Entry, Job
-from .prefix import STORE_LEAST, Kept, Prefixes, PrefixStore, worth_waiting
+from .prefix import STORE_LEAST, Kept, Prefixes, PrefixStore, Stored, worth_waiting
 from .refusals import refusals
 from .report import engine_stats, startup_lines
 from .sampling import Sampler
@@ -326,7 +326,7 @@ class Engine:
                 restore = stored is not None and from_store >= reuse + STORE_LEAST
                 own = reuse if source is None and not restore else 0
                 if donors is not None:
-                    self._store_kept(i, own, donors)
+                    self._store_kept(i, own, donors, stored if restore else None)
                 if restore:
                     reuse, source = from_store, None
                 self.prefixes.take(i, reuse, source, restored=restore)
@@ -391,10 +391,11 @@ class Engine:
         or none does (a drafter's KV is copied with the stages')."""
         return self.prefixes.on and len(self.model.drafters) in (0, self.n_slots)
 
-    def _store_kept(self, i: int, keeps: int, held: dict[int, Kept]) -> None:
+    def _store_kept(self, i: int, keeps: int, held: dict[int, Kept], restoring: Stored | None) -> None:
         """Free slot ``i``, about to keep only its first ``keeps`` positions for a new request, first copies
         what it kept into the host's prefix store where that is worth it (`PrefixStore.worth_storing`,
-        against what the other slots hold, ``held``), making room by dropping stored prefixes."""
+        against what the other slots hold, ``held``), making room by dropping stored prefixes other than
+        the one the request copies back (``restoring``)."""
         kept = held.get(i)
         if kept is None or not self.store.on or keeps >= len(kept.tokens):
             return
@@ -406,8 +407,8 @@ class Engine:
             return
         n = len(kept.tokens)
         nbytes = self.executor.kv_bytes(n, kept.drafted)
-        dropped = self.store.room(kept, nbytes)
-        if dropped is None:  # larger than the whole store
+        dropped = self.store.room(kept, nbytes, restoring)
+        if dropped is None:  # it does not fit beside the prefix copied back
             return
         for entry in dropped:
             self.executor.forget_saved(entry.copies)
