@@ -1249,3 +1249,58 @@ def test_a_prefix_copied_between_slots_on_the_cuda_path_gives_the_text_of_whole_
             x, y = np.asarray(a[:, at, :, :n]), np.asarray(b[:, at, :, :n])
             np.testing.assert_allclose(x, y, rtol=4e-3, atol=4e-3)
             assert x.any()
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(batch_mtp=True, draft_tokens=4),  # one stage, drafting decided on the device
+        dict(stages=2, slots=4, groups=2, draft_tokens=4),  # pipelined groups: each stage's own thread
+    ],
+)
+def test_a_history_stored_in_host_memory_comes_back_on_the_cuda_path_with_the_text_of_whole_prompts(
+    fake_gpu, kw
+):
+    """One conversation more than the slots, one request at a time: the first conversation's slot is taken,
+    so its history goes to the host's prefix store (pinned copies queued on every stage's stream, its
+    drafter's on the drafters' stream), and its next turn copies it back from pinned memory. The slot then
+    holds the stored rows bit for bit, and every turn's tokens are an engine's without a store."""
+    import fake_cupy
+
+    from strata_runtime.engine import Engine
+
+    def serve(plan) -> tuple[list[list[int]], Engine]:
+        engine = Engine(plan)
+        assert engine.model.stages[0].cuda is not None
+        said = [[40 + c] + list(range(50 + c, 120 + c)) for c in range(engine.n_slots + 1)]
+        out = []
+        for conv in [*range(len(said)), 0]:
+            h = engine.submit(Request(tuple(said[conv]), 6))
+            fake_cupy.UPLOADS.clear()
+            while engine.step():
+                pass
+            if engine.totals["prefix_restores"]:
+                assert fake_cupy.UPLOADS and all(fake_cupy.UPLOADS), "a restore came from pageable memory"
+            reply = [t for _ in range(h.events.qsize()) for t in h.events.get().token_ids]
+            out.append(reply)
+            said[conv] += reply + [33, 34]
+        return out, engine
+
+    text = float16_profile_text(backend="cuda", preset="tiny", context=256, **{"slots": 2, **kw})
+    plan = resolve_text(text, "a.toml").plan
+    store = plan.model_copy(update={"memory": plan.memory.model_copy(update={"prefix_store_mib": 16})})
+    stored, eng = serve(store)
+    assert eng.totals["prefix_store_saved"] >= 1 and eng.totals["prefix_restores"] == 1
+    (entry,) = [e for e in eng.store.entries if e.kept.tokens[0] == 40]
+    slot = next(i for i, k in enumerate(eng.prefixes.kept) if k is not None and k.tokens[0] == 40)
+    n = eng.totals["prefix_tokens"]  # the turn copied back this many positions, of every stage and drafter
+    assert n >= 70
+    for stage, (keys, values) in zip(eng.model.stages, entry.copies.stages, strict=True):
+        assert np.array_equal(np.asarray(stage.kv.k[:, slot, :, :n]), keys[:, :, :n])
+        assert np.array_equal(np.asarray(stage.kv.v[:, slot, :, :n]), values[:, :, :n])
+    dk, dv = entry.copies.drafter
+    drafter = eng.model.drafters[slot].kv
+    assert np.array_equal(np.asarray(drafter.k[:, 0, :, :n]), dk[:, :, :n])
+    assert np.array_equal(np.asarray(drafter.v[:, 0, :, :n]), dv[:, :, :n])
+    whole, _ = serve(plan)
+    assert stored == whole and all(len(r) == 6 for r in stored)
