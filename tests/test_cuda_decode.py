@@ -883,3 +883,45 @@ def test_a_prefix_copied_between_slots_on_gpu_gives_the_float32_text(cp, mode):
         cpu_plan.model_copy(update={"memory": cpu_plan.memory.model_copy(update={"prefix_reuse": False})})
     )
     assert none["prefix_tokens"] == 0 and gpu == cpu and all(len(t) == 24 for t in gpu)
+
+
+@pytest.mark.parametrize("mode", ["batch-mtp", "pipelined-mtp"])
+def test_a_history_stored_in_host_memory_comes_back_on_gpu_with_the_float32_text(cp, mode):
+    """One conversation more than the slots, one request at a time, with a prefix store: the first
+    conversation's history goes to pinned host memory when another takes its slot (copies queued on each
+    stage's stream, from each stage's thread under pipelined groups, the drafter's on the drafters' stream)
+    and comes back for its next turn, and every turn's tokens are the float32 array path's, which reads every
+    prompt whole."""
+    from rt_plans import with_mtp_in_groups
+
+    from strata_runtime.api import Request
+    from strata_runtime.engine import Engine
+
+    def serve(plan) -> tuple[list[list[int]], dict[str, int]]:
+        engine = Engine(plan)
+        said = np.random.default_rng(49).integers(1, 250, (engine.n_slots + 1, 80)).tolist()
+        out = []
+        for conv in [*range(len(said)), 0]:
+            h = engine.submit(Request(tuple(said[conv]), 16, ignore_eos=True))
+            while engine.step():
+                pass
+            reply = [t for ev in list(h.events.queue) for t in ev.token_ids]
+            out.append(reply)
+            said[conv] += reply + [33, 34]
+        engine.close()
+        return out, engine.totals
+
+    if mode == "batch-mtp":
+        plan = _plan(cp, model="tiny", slots=2, batch_mtp=True, draft_tokens=3)
+    else:  # the resolver keeps a split of one GPU in serial windows; pipeline it by hand
+        base = _plan(cp, model="tiny", slots=4, draft_tokens=4, split=2)
+        piped = base.batch.model_copy(update={"mode": "pipelined", "groups": 2})
+        plan = with_mtp_in_groups(base.model_copy(update={"batch": piped}))
+    plan = plan.model_copy(update={"memory": plan.memory.model_copy(update={"prefix_store_mib": 64})})
+    gpu, totals = serve(plan)
+    assert totals["prefix_store_saved"] >= 1 and totals["prefix_restores"] == 1
+    cpu_plan = _plan(cp, model="tiny", backend="cpu", slots=plan.batch.slots)
+    cpu, none = serve(
+        cpu_plan.model_copy(update={"memory": cpu_plan.memory.model_copy(update={"prefix_reuse": False})})
+    )
+    assert none["prefix_tokens"] == 0 and gpu == cpu and all(len(t) == 16 for t in gpu)
