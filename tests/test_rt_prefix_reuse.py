@@ -519,6 +519,8 @@ def test_in_every_mode_conversations_that_outnumber_the_slots_copy_their_history
     (a drafter's stored positions are its KV's). Without one it reads its whole prompt. The tokens are the
     same, and every slot's KV matches what it holds after every step (`collect`)."""
     eng, without = _store_engine(mode, 64), _store_engine(mode, 0)
+    assert "prefix reuse on (store 64 MiB in host memory)" in eng.startup[1]
+    assert without.startup[1].endswith("prefix reuse on")
     rng = random.Random(5)
     said = [[rng.randrange(33, 126) for _ in range(80)] for _ in range(eng.n_slots + 1)]
     reread = 1 + (1 if eng.tracked else 0)
@@ -541,6 +543,11 @@ def test_in_every_mode_conversations_that_outnumber_the_slots_copy_their_history
             said[conv] += out + list(b" and then? ")
     t = eng.totals
     assert t["prefix_store_saved"] >= len(said) and t["prefix_store_bytes"] <= 64 << 20
+    metrics = "\n".join(engine_lines(eng.stats()))
+    assert f"strata_prefix_reuse_restores_total {len(said)}\n" in metrics
+    assert f"strata_prefix_store_saved_total {t['prefix_store_saved']}\n" in metrics
+    assert f"strata_prefix_store_bytes {t['prefix_store_bytes']}\n" in metrics
+    assert f"strata_prefix_store_entries {len(eng.store.entries)}\n" in metrics
     assert without.totals["prefix_restores"] == without.totals["prefix_store_saved"] == 0
 
 

@@ -11,7 +11,7 @@ from .speculative import DRAFT_PROBE_EVERY, SILENT_PROBE_EVERY
 
 if TYPE_CHECKING:
     from ..model import Model
-    from .prefix import Prefixes
+    from .prefix import Prefixes, PrefixStore
     from .slot import Slot
     from .stats import WindowStats
     from .window_choice import WindowChoice
@@ -33,6 +33,7 @@ class EngineView(Protocol):
     window_stats: WindowStats
     warmed: dict[str, Any] | None
     prefixes: Prefixes
+    store: PrefixStore
 
     @property
     def queued(self) -> int: ...
@@ -149,7 +150,8 @@ def startup_lines(engine: EngineView) -> list[str]:
         f"stages: {stages}",
         f"slots: {engine.n_slots}, mode {p.batch.mode}, {p.batch.groups} group(s), batch MTP "
         f"{'on' if p.batch.mtp else 'off'}, solo drafting {_depth_text(engine)}, prefix reuse "
-        f"{'on' if p.memory.prefix_reuse else 'off'}",
+        f"{'on' if p.memory.prefix_reuse else 'off'}"
+        + (f" (store {p.memory.prefix_store_mib} MiB in host memory)" if engine.store.on else ""),
         (
             f"decode windows whose tokens the device chooses: up to {engine.run_ahead} in flight, each "
             "reading the tokens the one before chose (batch.run_ahead)"

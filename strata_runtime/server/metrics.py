@@ -105,8 +105,31 @@ TOTALS: dict[str, tuple[str, str, float]] = {
         "owns) rather than kept in their own.",
         1,
     ),
+    "prefix_restores": (
+        "strata_prefix_reuse_restores_total",
+        "Requests whose reused prefix was copied back from the host's prefix store "
+        "(memory.prefix_store_mib).",
+        1,
+    ),
+    "prefix_store_saved": (
+        "strata_prefix_store_saved_total",
+        "Kept prefixes copied into the host's prefix store before a new request overwrote their slot.",
+        1,
+    ),
+    "prefix_store_dropped": (
+        "strata_prefix_store_dropped_total",
+        "Stored prefixes dropped to make room (the least recently used), or held whole by a newer one.",
+        1,
+    ),
 }
 """Engine counters, exported under stable names."""
+
+GAUGES: dict[str, tuple[str, str]] = {
+    # the engine's stats()["totals"] key: (metric, help)
+    "prefix_store_entries": ("strata_prefix_store_entries", "Prefixes the host's prefix store holds."),
+    "prefix_store_bytes": ("strata_prefix_store_bytes", "Bytes of KV the host's prefix store holds."),
+}
+"""Engine gauges among its totals, exported under stable names."""
 
 
 def engine_lines(stats: dict[str, Any]) -> list[str]:
@@ -118,6 +141,10 @@ def engine_lines(stats: dict[str, Any]) -> list[str]:
             out += _head(name, "counter", help_)
             value = totals[key] * scale if scale != 1 else totals[key]
             out.append(_line(name, value))
+    for key, (name, help_) in GAUGES.items():
+        if isinstance(totals.get(key), int | float):
+            out += _head(name, "gauge", help_)
+            out.append(_line(name, totals[key]))
     by = totals.get("solo_by_proposals")
     if isinstance(by, dict) and by:
         name = "strata_solo_windows_total"
