@@ -135,6 +135,46 @@ def test_turns_figures_are_the_conversations_rate_the_waits_and_the_share_reused
     assert figures["reused_pct"] == pytest.approx(100 * (99 + 119) / (120 + 140))
 
 
+def test_conversations_take_turns_each_on_its_own_context_and_the_store_keeps_their_history() -> None:
+    """The ``conversations`` workload: one conversation more than the plan's slots, turn by turn (every
+    conversation's first turn, then every second ...), each request after the one before. On the demo (two
+    slots) with a prefix store every later turn reuses its conversation's sent prompt, less a drafter's row;
+    without one, each finds its slot taken and reads its whole prompt. The text is the same."""
+    from strata_cfg.schema.workloads import conversation_prompts
+
+    convs = conversation_prompts(100, 384, seed=2, conversations=3)
+    assert len(convs) == 3 and all(len(c) == TURNS for c in convs)
+    assert len({c[0][:100] for c in convs}) == 3  # each conversation its own context
+    for c in convs:
+        assert all(
+            b[: len(a)] == a and len(b) == len(a) + TURN_MESSAGE for a, b in zip(c, c[1:], strict=False)
+        )
+    assert conversation_prompts(100, 384, seed=3, conversations=3)[0][0] != convs[0][0]
+    out = strata(
+        *("bench", "profiles/demo.toml", "--workload", "conversations", "--prompt-tokens", "150"),
+        *("--tokens", "12", "--vary", "memory.prefix_store_mib=0,64", "--repeats", "2", "--json"),
+    )
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout)
+    off, on = (res["arms"][f"serial@prefix_store_mib:{v}"]["conversations"] for v in (0, 64))
+    sent = [150 + (k + 1) * TURN_MESSAGE for k in range(TURNS)]
+    # A stored history lends its turn's prompt, less a drafter's row, where the drafter had read it.
+    most = 100 * sum(n - 1 for n in sent[:-1]) / sum(sent[1:])
+    assert off["median"]["reused_pct"] == 0.0 and 0.8 * most < on["median"]["reused_pct"] <= most
+    assert on["text_equal_to_serial@prefix_store_mib:0"] is True
+    assert on["median"]["later_ttft_s"] < off["median"]["later_ttft_s"]
+
+
+def test_the_first_turns_of_several_conversations_are_the_first_figure() -> None:
+    # (sent, first token, done, tokens, prompt tokens, reused): two conversations' first turns, then theirs
+    rows = [(0.0, 0.4, 1.0, 8, 100, 0), (1.0, 1.2, 2.0, 8, 100, 0), (2.0, 2.1, 3.0, 8, 140, 99)]
+    rows.append((3.0, 3.3, 4.0, 8, 140, 0))
+    figures = turns_figures(rows, firsts=2)
+    assert figures["first_turn_ttft_s"] == pytest.approx((0.4 + 0.2) / 2)
+    assert figures["later_ttft_s"] == pytest.approx((0.1 + 0.3) / 2)
+    assert figures["reused_pct"] == pytest.approx(100 * 99 / 280)
+
+
 def test_requests_sent_at_once_count_the_one_that_reused_least_as_the_reader_whatever_their_order() -> None:
     """The shared workload's requests reach the engine in any order: the one that read the context (reused
     the least; of equals, the first sent) is its first, the others are the later ones."""
@@ -237,11 +277,12 @@ def test_gpu_workloads_refuse_a_cuda_plan_without_cupy() -> None:
     assert len(lines) == 1 and "--workload step needs a CUDA GPU" in lines[0] and "CuPy" in lines[0]
 
 
-@pytest.mark.parametrize("workload", ["step", "vram", "handoff"])
+@pytest.mark.parametrize("workload", ["step", "vram", "handoff", "conversations"])
 def test_in_process_workloads_are_refused_over_url(workload: str) -> None:
     out = strata("bench", "--url", "http://127.0.0.1:9", "--workload", workload)
     assert out.returncode == 2
-    assert f"--workload {workload} runs in the engine's own process" in out.stderr
+    why = "one conversation more than the plan has slots" if workload == "conversations" else "the GPU"
+    assert f"--workload {workload} runs in the engine's own process (" in out.stderr and why in out.stderr
     assert "over HTTP: two-decodes, clients, read-beside-decode, solo, prompt" in out.stderr
 
 

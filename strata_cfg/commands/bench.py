@@ -14,7 +14,8 @@ With ``--url`` it measures a launched engine over HTTP instead, as its clients s
 ``--url``, its read rate and time to first token). ``turns`` sends one conversation, each turn everything
 sent before and a new message, so that it measures prefix reuse (``--vary memory.prefix_reuse=true,false``);
 ``shared`` sends four requests with the same context at once, so that it measures a prefix copied between
-slots.
+slots; ``conversations`` sends one conversation more than the arms have slots, taking turns, so that it
+measures the prefix store (``--vary memory.prefix_store_mib=0,512``); in process only.
 ``step`` (the decode kernels against the byte roofline),
 ``vram`` (what the engine holds against the plan's budget) and ``handoff`` (the copies between two stages'
 GPUs) measure the profile's own plan on its GPUs, without arms. These three run in process only.
@@ -38,6 +39,7 @@ from ..schema.errors import ProfileError
 from ..schema.plan_file import write_plan
 from ..schema.sampling_options import add_sampling_arguments, sampling_options
 from ..schema.workloads import (
+    CONTEXT_WORKLOADS,
     GPU_WORKLOADS,
     HTTP_WORKLOADS,
     PEERS,
@@ -64,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--arms",
         help=f"comma-separated arms of {', '.join(ARMS)} (default: {', '.join(DEFAULT_ARMS)}; for prompt "
-        "turns and shared: serial; step, vram and handoff take no arms)",
+        "turns, shared and conversations: serial; step, vram and handoff take no arms)",
     )
     parser.add_argument(
         "--vary",
@@ -84,8 +86,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=4096,
         help="prompt: the prompt's length; it and one generated token must fit memory.context; turns: the "
-        "conversation's first context, before its messages; shared: the context every request begins with "
-        "(default 4096)",
+        "conversation's first context, before its messages; shared: the context every request begins with; "
+        "conversations: each conversation's first context (default 4096)",
     )
     parser.add_argument(
         "--depth",
@@ -219,8 +221,13 @@ def run_url(args: argparse.Namespace) -> int:
 def usage_problem(args: argparse.Namespace) -> str | None:
     """A combination of options the workload cannot run with."""
     if args.url and args.workload not in HTTP_WORKLOADS:
+        why = (
+            "it sends one conversation more than the plan has slots"
+            if args.workload == "conversations"
+            else "it needs the plan and the GPU"
+        )
         return (
-            f"--workload {args.workload} runs in the engine's own process (it needs the plan and the GPU), "
+            f"--workload {args.workload} runs in the engine's own process ({why}), "
             f"not over --url; over HTTP: {', '.join(HTTP_WORKLOADS)}"
         )
     if args.ignore_eos and not args.url:
@@ -320,11 +327,13 @@ def _value_text(value: Any) -> str:
 
 
 def arm_names(args: argparse.Namespace) -> list[str]:
-    """The arms to run: as given, else ``serial`` for ``prompt``, ``turns`` and ``shared`` and the default
-    arms for the others."""
+    """The arms to run: as given, else ``serial`` for ``prompt`` and the workloads on a context
+    (`CONTEXT_WORKLOADS`) and the default arms for the others."""
     if args.arms is not None:
         return [a.strip() for a in args.arms.split(",") if a.strip()]
-    return ["serial"] if args.workload in ("prompt", "turns", "shared") else list(DEFAULT_ARMS)
+    return (
+        ["serial"] if args.workload == "prompt" or args.workload in CONTEXT_WORKLOADS else list(DEFAULT_ARMS)
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -25,6 +25,7 @@ WORKLOADS = (
     "prompt",
     "turns",
     "shared",
+    "conversations",
     "step",
     "vram",
     "handoff",
@@ -32,6 +33,9 @@ WORKLOADS = (
 """Workload names, as `strata bench --workload` takes them."""
 HTTP_WORKLOADS = ("two-decodes", "clients", "read-beside-decode", "solo", "prompt", "turns", "shared")
 """Workloads that also run against a launched engine (`strata bench --url`)."""
+CONTEXT_WORKLOADS = ("turns", "shared", "conversations")
+"""Workloads whose requests begin with a context of ``--prompt-tokens`` fresh ids, and measure what prefix
+reuse saves (`turns_figures`); like ``prompt``, they run the serial arm unless told otherwise."""
 GPU_WORKLOADS = ("step", "vram", "handoff")
 """Workloads that need CuPy and a CUDA GPU; they measure the profile's plan, not arms."""
 STEP_VARY_KEYS = ("model.decode_attention",)
@@ -93,6 +97,24 @@ def shared_prompts(prompt_tokens: int, vocab: int, seed: int) -> list[tuple[int,
     ids = prompt_ids(prompt_tokens + SHARED_REQUESTS * TURN_MESSAGE, vocab, SHARED_SEED + seed)
     context, questions = ids[:prompt_tokens], ids[prompt_tokens:]
     return [context + questions[k * TURN_MESSAGE : (k + 1) * TURN_MESSAGE] for k in range(SHARED_REQUESTS)]
+
+
+CONVERSATION_SEED = 40_000
+"""Seeds of `conversation_prompts`: repeat r's conversation c is ``CONVERSATION_SEED + 64 * r + c``."""
+
+
+def conversation_prompts(
+    prompt_tokens: int, vocab: int, seed: int, conversations: int
+) -> list[list[tuple[int, ...]]]:
+    """The ``conversations`` workload's prompts: ``conversations`` conversations, each `turn_prompts`-like
+    (a context of ``prompt_tokens`` fresh ids of its own, then `TURNS` turns, each adding a message of
+    `TURN_MESSAGE` fresh ids to everything sent before); one list of turns per conversation. Seeded by
+    ``seed`` (the repeat), apart from every other workload's."""
+    out = []
+    for c in range(conversations):
+        ids = prompt_ids(prompt_tokens + TURNS * TURN_MESSAGE, vocab, CONVERSATION_SEED + 64 * seed + c)
+        out.append([ids[: prompt_tokens + (k + 1) * TURN_MESSAGE] for k in range(TURNS)])
+    return out
 
 
 def turn_prompts(prompt_tokens: int, vocab: int, seed: int) -> list[tuple[int, ...]]:
@@ -210,7 +232,10 @@ def gap_text(m: dict[str, float]) -> str:
 
 
 def turns_figures(
-    turns: Sequence[tuple[float, float | None, float, int, int, int]], *, at_once: bool = False
+    turns: Sequence[tuple[float, float | None, float, int, int, int]],
+    *,
+    at_once: bool = False,
+    firsts: int = 1,
 ) -> dict[str, float]:
     """The ``turns`` workload's figures from its turns in order, each (sent, first token or None, done,
     tokens generated, prompt tokens, prompt tokens reused), in seconds from the run's start: the
@@ -219,18 +244,20 @@ def turns_figures(
 
     The ``shared`` workload's the same way, ``at_once``: its requests are sent together and reach the engine
     in any order, so its "first" is the request that read the context, the one that reused the least (of
-    those, the first sent), and the others are the later ones."""
+    those, the first sent), and the others are the later ones. The ``conversations`` workload's with
+    ``firsts``, its conversations' count: its first ``firsts`` requests are their first turns, whose median
+    wait is the first turns' figure."""
     if at_once and turns:
         reader = min(range(len(turns)), key=lambda k: (turns[k][5], turns[k][0], k))
         turns = [turns[reader], *turns[:reader], *turns[reader + 1 :]]
     span = max(t[2] for t in turns) - min(t[0] for t in turns)
     waits = [(first if first is not None else done) - sent for sent, first, done, *_ in turns]
-    later = turns[1:]
+    later = turns[firsts:]
     sent_tokens = sum(t[4] for t in later)
     return {
         "tok_s": sum(t[3] for t in turns) / span if span > 0 else 0.0,
-        "first_turn_ttft_s": waits[0],
-        "later_ttft_s": percentile(waits[1:], 0.5) or 0.0,
+        "first_turn_ttft_s": percentile(waits[:firsts], 0.5) or 0.0,
+        "later_ttft_s": percentile(waits[firsts:], 0.5) or 0.0,
         "reused_pct": 100.0 * sum(t[5] for t in later) / sent_tokens if sent_tokens else 0.0,
     }
 
@@ -240,7 +267,10 @@ def turns_text(m: dict[str, float], workload: str = "turns") -> str:
     requests it names so); "" without them."""
     if "later_ttft_s" not in m:
         return ""
-    first, later = ("the reader", "the others") if workload == "shared" else ("turn 1", "later turns")
+    first, later = {
+        "shared": ("the reader", "the others"),
+        "conversations": ("first turns", "later turns"),
+    }.get(workload, ("turn 1", "later turns"))
     return (
         f"  first token: {first} {1000 * m['first_turn_ttft_s']:.1f} ms, {later} "
         f"{1000 * m['later_ttft_s']:.1f} ms ({m['reused_pct']:.1f}% of their prompts reused)"
@@ -283,7 +313,7 @@ def context_problem(
     (`prompt_context_problem`), or the decoding workloads' depth and tokens after it (`depth_problem`)."""
     if workload == "prompt":
         return prompt_context_problem(prompt_tokens, context, launched=launched)
-    if workload == "turns":
+    if workload in ("turns", "conversations"):
         return turns_context_problem(prompt_tokens, tokens, context, launched=launched)
     if workload == "shared":
         return turns_context_problem(prompt_tokens, tokens, context, launched=launched, messages=1)

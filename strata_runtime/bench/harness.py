@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -22,9 +22,12 @@ import numpy as np
 from strata_cfg.schema.plan import LaunchPlan
 from strata_cfg.schema.workloads import (
     CLIENT_COUNTS,
+    CONTEXT_WORKLOADS,
     GENERATING,
     PROMPTS,
+    TURNS,
     WORKLOADS,
+    conversation_prompts,
     delivery_gaps,
     depth_prompt,
     gap_figures_ms,
@@ -277,6 +280,12 @@ def _request(
     return Request(ids, tokens, _drawn(sampling, i, seeded), request_id=f"bench-{i}")
 
 
+def conversation_count(engines: Iterable[Any]) -> int:
+    """Conversations of the ``conversations`` workload: one more than the most slots an arm has, so that each
+    turn finds its conversation's slot taken by another (arms that are not engines count one slot)."""
+    return max((getattr(e, "n_slots", 1) for e in engines), default=1) + 1
+
+
 def workload_arrivals(
     name: str,
     tokenizer: Tokenizer,
@@ -294,7 +303,8 @@ def workload_arrivals(
     """The requests of a workload (for ``clients``: of one client count; for ``prompt``: a prompt of
     ``prompt_tokens`` ids drawn from ``vocab`` with ``seed``, generating one token; for ``turns``: the
     `turn_prompts` of a context of ``prompt_tokens``, each turn after the one before; for ``shared``: the
-    `shared_prompts` of that context, all at once). The decoding requests
+    `shared_prompts` of that context, all at once; for ``conversations``: ``clients`` conversations'
+    `conversation_prompts`, turn by turn, each request after the one before). The decoding requests
     choose their tokens by ``sampling``, seeded by their index unless ``seeded`` is False; with ``depth``
     (``solo``, ``two-decodes``, ``clients``) each first reads a prompt of that many ids (`depth_prompt`)."""
     if name == "prompt":
@@ -312,6 +322,16 @@ def workload_arrivals(
         return [
             Arrival(Request(ids, tokens, _drawn(sampling, k, seeded), request_id=f"bench-shared-{k}"))
             for k, ids in enumerate(shared_prompts(prompt_tokens, vocab, seed))
+        ]
+    if name == "conversations":  # ``clients`` conversations taking turns, each request after the one before
+        convs = conversation_prompts(prompt_tokens, vocab, seed, clients)
+        order = [(c, t) for t in range(TURNS) for c in range(clients)]
+        return [
+            Arrival(
+                Request(convs[c][t], tokens, _drawn(sampling, k, seeded), request_id=f"bench-conv-{c}-{t}"),
+                after=k - 1 if k else None,
+            )
+            for k, (c, t) in enumerate(order)
         ]
     streams = {"two-decodes": 2, "clients": clients, "solo": 1}.get(name)
     if streams is not None:
@@ -364,13 +384,14 @@ def measure(name: str, results: list[Result], stats: dict[str, Any], wall: float
         out["prompt_read_tok_s"] = reader.prompt_tokens / read_span if read_span > 0 else 0.0
         out["decode_tok_s"] = decode.rate
         out["tok_s"] = out["prompt_read_tok_s"]
-    elif name in ("turns", "shared"):
+    elif name in CONTEXT_WORKLOADS:
         out |= turns_figures(
             [
                 (r.submitted, r.first_token, r.finished, len(r.token_ids), r.prompt_tokens, r.cached)
                 for r in results
             ],
             at_once=name == "shared",
+            firsts=len(results) // TURNS if name == "conversations" else 1,
         )
     elif name == "clients":
         lat = sorted(r.finished - r.submitted for r in results)
@@ -531,6 +552,7 @@ def run_bench(
     ``prompt`` gives every arm of a repeat the same prompt, and each repeat a fresh one (seeded by its index).
     """
     cases = [f"{c} clients" for c in CLIENT_COUNTS] if workload == "clients" else [workload]
+    conversations = conversation_count(engines.values())
     out = {name: ArmRuns(name) for name in engines}
     # Every arm starts every repeat (and case) from what the first arm's expert caches held when the run
     # began, after the warm-up: no arm runs on a cache another arm just taught, and no repeat on one that
@@ -553,6 +575,8 @@ def run_bench(
                 if hasattr(engine, "forget_prefixes"):  # no repeat reuses the prompts an earlier one read
                     engine.forget_prefixes()
                 clients = int(case.split()[0]) if workload == "clients" else 1
+                if workload == "conversations":
+                    clients = conversations
                 arrivals = workload_arrivals(
                     workload,
                     engine.tokenizer,

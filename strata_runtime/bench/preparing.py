@@ -37,6 +37,7 @@ WARM_STREAMS = {
     "solo": 1,
     "turns": 1,
     "shared": 2,
+    "conversations": 1,
 }
 """Streams each workload decodes at once, which the warm-up runs too (every window shape it will use)."""
 

@@ -123,6 +123,12 @@ def render_table(
             f"one conversation of {TURNS} turns, each sending what was sent before and {TURN_MESSAGE} new "
             f"tokens, {tokens} generated each, {sampling}; tok/s = the conversation's tokens over its time"
         )
+    if workload == "conversations":
+        what = (
+            f"conversations of {TURNS} turns, one more than the arm with the most slots has, taking turns "
+            f"one request at a time; each turn sends what was sent before and {TURN_MESSAGE} new tokens, "
+            f"{tokens} generated each, {sampling}; tok/s = all their tokens over their time"
+        )
     if workload == "shared":
         what = (
             f"{SHARED_REQUESTS} requests with the same context and a question of {TURN_MESSAGE} tokens each, "

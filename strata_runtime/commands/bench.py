@@ -28,6 +28,7 @@ from strata_cfg.schema.plan_file import read_plan
 from strata_cfg.schema.sampling_options import add_sampling_arguments, describe_sampling, sampling_options
 from strata_cfg.schema.workloads import (
     CLIENT_COUNTS,
+    CONTEXT_WORKLOADS,
     GPU_WORKLOADS,
     PEERS,
     WORKLOADS,
@@ -210,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
     vocab = next(iter(plans.values())).model.facts.vocab_size
     # Two prefill chunks take the long-prompt path as a long prompt does, at a fraction of its cost.
     chunk = max(p.memory.prefill_chunk for p in plans.values())
-    long_prompt = args.workload in ("prompt", "turns", "shared")
+    long_prompt = args.workload == "prompt" or args.workload in CONTEXT_WORKLOADS
     length = min(args.prompt_tokens, 2 * chunk) if long_prompt else 2 * chunk
     warm_up(engines, min(length, context - 2), vocab, streams=WARM_STREAMS.get(args.workload, 0))
     tokenizer = next(iter(engines.values())).tokenizer
