@@ -843,14 +843,25 @@ def test_prefix_reuse_on_gpu_gives_the_float32_text_and_log_probabilities(cp, mo
         np.testing.assert_allclose(a, b, atol=2e-2)
 
 
+def _drafting_plan(cp, mode: str):
+    """The tiny preset on this GPU with a drafter per slot: batch MTP over 2 slots, or pipelined groups with
+    MTP inside each over 4 slots on a split of the one GPU."""
+    from rt_plans import with_mtp_in_groups
+
+    if mode == "batch-mtp":
+        return _plan(cp, model="tiny", slots=2, batch_mtp=True, draft_tokens=3)
+    # the resolver keeps a split of one GPU in serial windows; pipeline it by hand
+    base = _plan(cp, model="tiny", slots=4, draft_tokens=4, split=2)
+    piped = base.batch.model_copy(update={"mode": "pipelined", "groups": 2})
+    return with_mtp_in_groups(base.model_copy(update={"batch": piped}))
+
+
 @pytest.mark.parametrize("mode", ["batch-mtp", "pipelined-mtp"])
 def test_a_prefix_copied_between_slots_on_gpu_gives_the_float32_text(cp, mode):
     """Two requests that begin with the same 60 tokens, the second sent while the first decodes: on the GPU
     the second's slot copies the prefix's KV from the first's (each stage's on its own stream; with
     pipelined groups, from each stage's thread) and its drafter's on the drafters' stream, and both requests
     get the float32 array path's tokens, which reads every prompt whole."""
-    from rt_plans import with_mtp_in_groups
-
     from strata_runtime.api import Request
     from strata_runtime.engine import Engine
 
@@ -870,12 +881,7 @@ def test_a_prefix_copied_between_slots_on_gpu_gives_the_float32_text(cp, mode):
             [t for ev in list(h.events.queue) for t in ev.token_ids] for h in (first, second)
         ], engine.totals
 
-    if mode == "batch-mtp":
-        plan = _plan(cp, model="tiny", slots=2, batch_mtp=True, draft_tokens=3)
-    else:  # the resolver keeps a split of one GPU in serial windows; pipeline it by hand
-        base = _plan(cp, model="tiny", slots=4, draft_tokens=4, split=2)
-        piped = base.batch.model_copy(update={"mode": "pipelined", "groups": 2})
-        plan = with_mtp_in_groups(base.model_copy(update={"batch": piped}))
+    plan = _drafting_plan(cp, mode)
     gpu, totals = serve(plan)
     assert totals["prefix_copies"] == 1 and totals["prefix_tokens"] == len(system) - 1
     cpu_plan = _plan(cp, model="tiny", backend="cpu", slots=2)
@@ -892,8 +898,6 @@ def test_a_history_stored_in_host_memory_comes_back_on_gpu_with_the_float32_text
     stage's stream, from each stage's thread under pipelined groups, the drafter's on the drafters' stream)
     and comes back for its next turn, and every turn's tokens are the float32 array path's, which reads every
     prompt whole."""
-    from rt_plans import with_mtp_in_groups
-
     from strata_runtime.api import Request
     from strata_runtime.engine import Engine
 
@@ -911,12 +915,7 @@ def test_a_history_stored_in_host_memory_comes_back_on_gpu_with_the_float32_text
         engine.close()
         return out, engine.totals
 
-    if mode == "batch-mtp":
-        plan = _plan(cp, model="tiny", slots=2, batch_mtp=True, draft_tokens=3)
-    else:  # the resolver keeps a split of one GPU in serial windows; pipeline it by hand
-        base = _plan(cp, model="tiny", slots=4, draft_tokens=4, split=2)
-        piped = base.batch.model_copy(update={"mode": "pipelined", "groups": 2})
-        plan = with_mtp_in_groups(base.model_copy(update={"batch": piped}))
+    plan = _drafting_plan(cp, mode)
     plan = plan.model_copy(update={"memory": plan.memory.model_copy(update={"prefix_store_mib": 64})})
     gpu, totals = serve(plan)
     assert totals["prefix_store_saved"] >= 1 and totals["prefix_restores"] == 1

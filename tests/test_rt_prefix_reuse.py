@@ -359,13 +359,16 @@ def test_two_clients_with_one_system_prompt_read_it_once_and_get_what_reading_it
         assert drafting[1][0] > 0 and want_drafting[1][0] > 0
 
 
+def _engine_in_mode(mode: str, **kw: object) -> Engine:
+    """An engine of window mode ``mode`` on two virtual CPU stages (the drafting modes' model has an MTP
+    head); ``kw``: more plan keywords."""
+    preset = "small" if MODES[mode].get("draft_tokens") or mode == "pipelined-mtp" else "tiny"
+    return Engine(mode_plan(mode, 2, **{"preset": preset, "prefill_chunk": 16, **kw}))
+
+
 @functools.cache
 def _mode_engine(mode: str, reuse: bool) -> Engine:
-    stages = 2
-    kw = {"preset": "tiny", "context": 128, "prefill_chunk": 16, "prefix_reuse": reuse}
-    if MODES[mode].get("draft_tokens") or mode == "pipelined-mtp":
-        kw["preset"] = "small"
-    return Engine(mode_plan(mode, stages, **kw))
+    return _engine_in_mode(mode, context=128, prefix_reuse=reuse)
 
 
 turns = st.lists(
@@ -501,11 +504,7 @@ def test_the_store_lends_its_longest_match_and_makes_room_from_what_a_new_prefix
 
 
 def _store_engine(mode: str, store_mib: int) -> Engine:
-    stages = 2
-    kw = {"preset": "tiny", "context": 192, "prefill_chunk": 16, "prefix_store_mib": store_mib}
-    if MODES[mode].get("draft_tokens") or mode == "pipelined-mtp":
-        kw["preset"] = "small"
-    return Engine(mode_plan(mode, stages, **kw))
+    return _engine_in_mode(mode, context=192, prefix_store_mib=store_mib)
 
 
 @pytest.mark.parametrize("mode", list(MODES))
