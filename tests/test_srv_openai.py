@@ -164,6 +164,35 @@ def test_the_shared_workload_over_http_copies_the_context_the_first_request_read
     assert _metrics(engine)["strata_prefix_reuse_copies_total"] >= copies + 1
 
 
+def test_chats_that_outnumber_the_slots_get_their_history_back_from_the_prefix_store(
+    engine: Launched, client: openai.OpenAI
+):
+    """The demo keeps a prefix store: three chats over its two slots, one message each in turn, so the
+    first chat's slot serves the third before the first chat's next turn. That turn's usage says its
+    history was reused (all but the new message, the reply's last token and a drafter's row at most), and
+    the server counts one copy back from the store."""
+    chats = [
+        [{"role": "system", "content": f"Chat {c}: " + "Answer as a narrator of manners would. " * 4}]
+        for c in range(3)
+    ]
+    before = _metrics(engine)
+    for turn in range(2):
+        for chat in chats:
+            chat.append({"role": "user", "content": f"Turn {turn}: who called at Longbourn?"})
+            reply = client.chat.completions.create(model="demo", messages=chat, max_tokens=12, temperature=0)
+            chat.append({"role": "assistant", "content": reply.choices[0].message.content})
+            usage = reply.usage
+            if turn == 0:  # only the chat template's opening, which every chat shares, at most
+                assert usage.prompt_tokens_details.cached_tokens < len("Chat 0: ") + 16
+            else:  # the history came back: at most the new message and a few tokens around it were read
+                read = usage.prompt_tokens - usage.prompt_tokens_details.cached_tokens
+                assert read <= len(f"Turn {turn}: who called at Longbourn?") + 40
+    after = _metrics(engine)
+    assert after["strata_prefix_reuse_restores_total"] - before["strata_prefix_reuse_restores_total"] >= 3
+    assert after["strata_prefix_store_saved_total"] > before["strata_prefix_store_saved_total"]
+    assert 0 < after["strata_prefix_store_bytes"] <= 256 << 20
+
+
 def test_a_cache_salt_keeps_one_partys_prompts_from_another(client: openai.OpenAI):
     """The same chat sent under two salts: the second reads it whole (its usage reuses nothing, so it learns
     nothing of the first); sent again under its own salt, all but its last token are reused."""
