@@ -429,6 +429,35 @@ def test_in_every_mode_a_burst_with_one_long_system_prompt_reads_it_once(mode) -
     assert WAIT_LEAST <= 100 - 1 and WAIT_LEAST > 30
 
 
+def test_a_request_that_waits_keeps_a_free_slot_and_lets_an_unrelated_one_past() -> None:
+    """While a request waits for a busy slot to read the instructions it shares, it keeps one free slot for
+    itself: unrelated requests behind it take the other free slots at once (two of the three), never the
+    waiting request's. All get the whole-prompt engine's tokens, and the waiting one copies the
+    instructions."""
+    eng, whole = (
+        _engine_in_mode("serial", context=256),
+        _engine_in_mode("serial", context=256, prefix_reuse=False),
+    )
+    assert eng.n_slots == 4
+    rng = random.Random(13)
+    system = tuple(rng.randrange(33, 126) for _ in range(120))
+    reading = eng.submit(Request(system + tuple(b"first?"), 6))
+    eng.step()
+    assert eng.slots[reading.slot].prefilling  # 16 rows a chunk: 127 tokens take several windows
+    sharing = eng.submit(Request(system + tuple(b"second!"), 6))
+    others = [eng.submit(Request(tuple(b"Unrelated %d: a note on the weather." % k), 6)) for k in range(3)]
+    eng.step()
+    assert sharing.slot is None  # it waits for the instructions
+    assert [h.slot is not None for h in others] == [True, True, False]  # its one free slot stays free
+    assert None in eng.slots
+    reqs = [h.request for h in (reading, sharing, *others)]
+    while eng.step():
+        pass
+    got = [[t for ev in list(h.events.queue) for t in ev.token_ids] for h in (reading, sharing, *others)]
+    assert got == collect(whole, [(0, r) for r in reqs])
+    assert sharing.cached_tokens == len(system) - (1 if eng.tracked else 0)
+
+
 @pytest.mark.parametrize("mode", list(MODES))
 def test_in_every_mode_a_conversations_next_turns_reuse_its_slot(mode) -> None:
     """Conversations of three turns each, as many as the plan has slots (up to two), in flight together:

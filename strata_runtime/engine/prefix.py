@@ -28,7 +28,8 @@ What a slot may keep, and what a request may take, follow from what the KV and t
 A request that arrives while a busy slot is still reading a prompt that shares at least `WAIT_LEAST` more
 tokens with its own than any other slot holds waits at the head of the queue until that slot holds them,
 then copies them (`worth_waiting`): a burst of requests with one long system prompt reads it once, where
-reading it side by side would take as long for the first and longer for the rest.
+reading it side by side would take as long for the first and longer for the rest. A waiting request keeps
+one free slot for itself; requests behind it that need not wait take the others.
 
 A copy follows the same rules, over what the other slot holds for certain: a busy slot's tokens that its
 KV and drafter have read and that no rejected draft can rewind (the prompt's rows and the confirmed

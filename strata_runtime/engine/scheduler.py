@@ -301,63 +301,67 @@ class Engine:
         return None
 
     def _admit(self) -> None:
+        """Admit queued requests, in order, while slots are free. A request that should wait for a busy slot
+        still reading what it shares (`worth_waiting`) stays at the head of the queue and keeps one free slot
+        for itself; a later request may take any slot beyond those."""
         with self._lock:
-            while self._queue and None in self.slots:
+            waiting: list[RequestHandle] = []
+            while self._queue and self.slots.count(None) > len(waiting):
                 handle = self._queue.popleft()
                 if handle.cancelled.is_set():
                     handle.events.put(TokenEvent((), "", "cancelled"))
-                    continue
-                req = handle.request
-                free = [j for j, s in enumerate(self.slots) if s is None]
-                key = (self.model.routing_key(req.prompt_ids), req.cache_salt)
-                whole, donors = req.sampling.prompt_logprobs is not None, self._donors()
-                stored, from_store = None, 0
-                if not whole and donors is not None:
-                    stored, from_store = self.store.best(req.prompt_ids, key)
-                    reading = self._reading()
-                    others = {i: k for i, k in donors.items() if i not in reading}
-                    _, now, _ = self.prefixes.best(free, req.prompt_ids, key, self._group_load, False, others)
-                    if worth_waiting(reading, donors, req.prompt_ids, key, max(now, from_store)):
-                        self._queue.appendleft(handle)  # until that slot has read what they share
-                        break
-                i, reuse, source = self.prefixes.best(
-                    free, req.prompt_ids, key, self._group_load, whole, donors
-                )
-                restore = stored is not None and from_store >= reuse + STORE_LEAST
-                own = reuse if source is None and not restore else 0
-                if donors is not None:
-                    self._store_kept(i, own, donors, stored if restore else None)
-                if restore:
-                    reuse, source = from_store, None
-                self.prefixes.take(i, reuse, source, restored=restore)
-                self._rewind_slot(i, own)
-                if stored is not None and restore:
-                    self.store.used(stored)
-                    self.executor.restore_prefix(stored.copies, i, reuse)
-                elif source is not None:
-                    self.executor.copy_prefix(source, i, reuse)
-                handle.cached_tokens = reuse
-                seed = (
-                    req.sampling.seed
-                    if req.sampling.seed is not None
-                    else int.from_bytes(os.urandom(4), "little")
-                )
-                self._admitted += 1
-                handle.slot = i
-                self.model.admit(i, req.prompt_ids)
-                sampler = Sampler(req.sampling, seed)
-                self.slots[i] = Slot(
-                    i,
-                    handle,
-                    sampler,
-                    frozenset(req.stop_ids) | frozenset(() if req.ignore_eos else self.tokenizer.eos_ids),
-                    self.tokenizer,
-                    self._admitted,
-                    prefilled=reuse,
-                    length=reuse,
-                    gauge=self.choice.gauge(sampler),
-                    prefix_key=key,
-                )
+                elif not self._take_slot(handle):
+                    waiting.append(handle)
+            self._queue.extendleft(reversed(waiting))
+
+    def _take_slot(self, handle: RequestHandle) -> bool:
+        """Give ``handle``'s request a free slot, reusing, copying or restoring a prefix where it can; False
+        (nothing done) where it should wait for a busy slot still reading what it shares."""
+        req = handle.request
+        free = [j for j, s in enumerate(self.slots) if s is None]
+        key = (self.model.routing_key(req.prompt_ids), req.cache_salt)
+        whole, donors = req.sampling.prompt_logprobs is not None, self._donors()
+        stored, from_store = None, 0
+        if not whole and donors is not None:
+            stored, from_store = self.store.best(req.prompt_ids, key)
+            reading = self._reading()
+            others = {i: k for i, k in donors.items() if i not in reading}
+            _, now, _ = self.prefixes.best(free, req.prompt_ids, key, self._group_load, False, others)
+            if worth_waiting(reading, donors, req.prompt_ids, key, max(now, from_store)):
+                return False  # until that slot has read what they share
+        i, reuse, source = self.prefixes.best(free, req.prompt_ids, key, self._group_load, whole, donors)
+        restore = stored is not None and from_store >= reuse + STORE_LEAST
+        own = reuse if source is None and not restore else 0
+        if donors is not None:
+            self._store_kept(i, own, donors, stored if restore else None)
+        if restore:
+            reuse, source = from_store, None
+        self.prefixes.take(i, reuse, source, restored=restore)
+        self._rewind_slot(i, own)
+        if stored is not None and restore:
+            self.store.used(stored)
+            self.executor.restore_prefix(stored.copies, i, reuse)
+        elif source is not None:
+            self.executor.copy_prefix(source, i, reuse)
+        handle.cached_tokens = reuse
+        seed = req.sampling.seed if req.sampling.seed is not None else int.from_bytes(os.urandom(4), "little")
+        self._admitted += 1
+        handle.slot = i
+        self.model.admit(i, req.prompt_ids)
+        sampler = Sampler(req.sampling, seed)
+        self.slots[i] = Slot(
+            i,
+            handle,
+            sampler,
+            frozenset(req.stop_ids) | frozenset(() if req.ignore_eos else self.tokenizer.eos_ids),
+            self.tokenizer,
+            self._admitted,
+            prefilled=reuse,
+            length=reuse,
+            gauge=self.choice.gauge(sampler),
+            prefix_key=key,
+        )
+        return True
 
     def _reap_cancelled(self) -> None:
         busy = self._busy_slots()
