@@ -101,6 +101,47 @@ def test_a_request_takes_the_least_busy_group_then_the_longest_reuse_then_the_ol
     assert choose_slot([0, 1, 2, 3], kept, prompt, None, busy.__getitem__) == (0, 5)
 
 
+def test_a_request_that_may_copy_takes_a_free_slot_rather_than_cut_a_long_kept_history_short() -> None:
+    """With ``spare`` (the request may copy a prefix from another slot), a slot whose kept tokens it would
+    cut short by `STORE_LEAST` or more comes after one it would not: an empty slot, a slot whose kept
+    tokens the prompt continues, or one that keeps little."""
+    prompt = tuple(range(1, 31))
+    history = _kept(prompt[:5] + tuple(range(100, 170)), freed=1)  # shares 5, would lose 70
+    idle = lambda i: 0  # noqa: E731
+    assert choose_slot([0, 1], [history, None], prompt, None, idle) == (0, 5)  # the longest reuse
+    assert choose_slot([0, 1], [history, None], prompt, None, idle, spare=True) == (1, 0)
+    assert choose_slot([0, 1], [history, None], prompt, "other salt", idle, spare=True) == (1, 0)
+    short = _kept(prompt[:5] + tuple(range(100, 100 + STORE_LEAST - 1)), freed=1)  # would lose 63
+    assert choose_slot([0, 1], [short, None], prompt, None, idle, spare=True) == (0, 5)
+    continued = _kept(prompt[:20], freed=1)
+    assert choose_slot([0, 1], [continued, None], prompt, None, idle, spare=True) == (0, 20)
+    other = _kept(tuple(range(200, 300)), freed=2)  # every slot would be cut: the longest reuse, as before
+    assert choose_slot([0, 1], [history, other], prompt, None, idle, spare=True) == (0, 5)
+    # Prefixes.best spares the history and copies the 5 shared positions from it instead.
+    p = Prefixes(2, True)
+    p.kept[0] = history
+    assert p.best([0, 1], prompt, None, idle, donors={0: history}) == (1, 5, 0)
+
+
+def test_a_second_conversation_spares_the_first_ones_history_without_a_store() -> None:
+    """Two slots, no store: a conversation's first turn while the other slot keeps another conversation's
+    long history takes the empty slot (copying the chat template's shared opening), so the first
+    conversation's next turn still reuses its history in place. The tokens are the whole-prompt engine's."""
+    eng = _engine_in_mode("serial", context=256, slots=2)
+    whole = _engine_in_mode("serial", context=256, slots=2, prefix_reuse=False)
+    opening = tuple(b"<|system|>")
+    a = opening + tuple(random.Random(3).randrange(33, 126) for _ in range(100))
+    b = opening + tuple(b"Another client, another question entirely.")
+    reqs = [Request(a, 6), Request(b, 6)]
+    outs = [collect(eng, [(0, r)]) for r in reqs]
+    assert outs == [collect(whole, [(0, r)]) for r in reqs]
+    assert eng.totals["prefix_copies"] == 1 and eng.totals["prefix_tokens"] == len(opening)
+    follow = Request(a + tuple(outs[0][0]) + tuple(b" And then?"), 6)
+    before = eng.totals["prefix_tokens"]
+    assert collect(eng, [(0, follow)]) == collect(whole, [(0, follow)])
+    assert eng.totals["prefix_tokens"] - before >= len(a) + len(outs[0][0]) - 2
+
+
 def test_a_request_copies_the_prefix_another_slot_holds_where_it_shares_more_than_its_own() -> None:
     """`best_donor` finds the slot that lends the most under the same rules (`reusable`); `Prefixes.best`
     copies from it where it lends more than the chosen slot's own kept tokens and never names the chosen

@@ -98,16 +98,26 @@ def choose_slot(
     prompt: Sequence[int],
     key: Hashable,
     load: Callable[[int], int],
+    spare: bool = False,
 ) -> tuple[int, int]:
     """The free slot a request takes, and the positions it reuses there.
 
     Slots are ranked by ``load`` (the busy slots of the slot's group: pipelined groups stay balanced, and
-    with one group every slot ties), then by the positions reused, then by the oldest release (a slot that
-    never served comes first), then by id."""
+    with one group every slot ties), then, with ``spare`` (the request may copy a prefix from another
+    slot instead), a slot whose kept tokens the request would not cut short by `STORE_LEAST` or more
+    before one it would (an empty slot, one whose kept tokens the prompt continues, or one that keeps
+    little), then by the positions reused, then by the oldest release (a slot that never served comes
+    first), then by id."""
 
-    def rank(i: int) -> tuple[int, int, int, int]:
+    def cuts(k: Kept | None) -> bool:
+        if k is None:
+            return False
+        shared = shared_prefix(k.tokens, prompt) if k.key == key else 0
+        return len(k.tokens) - shared >= STORE_LEAST
+
+    def rank(i: int) -> tuple[int, int, int, int, int]:
         k = kept[i]
-        return (load(i), -reusable(k, prompt, key), -1 if k is None else k.freed, i)
+        return (load(i), int(spare and cuts(k)), -reusable(k, prompt, key), -1 if k is None else k.freed, i)
 
     best = min(free, key=rank)
     return best, reusable(kept[best], prompt, key)
@@ -179,7 +189,7 @@ class Prefixes:
         where it shares more than the chosen slot's own; ``whole``: the request reads its whole prompt (it
         asks for the prompt's log-probabilities)."""
         prompt = () if whole else prompt
-        slot, reuse = choose_slot(free, self.kept, prompt, key, load)
+        slot, reuse = choose_slot(free, self.kept, prompt, key, load, spare=donors is not None)
         donor, copied = best_donor({i: k for i, k in (donors or {}).items() if i != slot}, prompt, key)
         return (slot, copied, donor) if copied > reuse else (slot, reuse, None)
 
@@ -209,8 +219,10 @@ class Prefixes:
 
 
 STORE_LEAST = 64
-"""Tokens a prefix must hold that no slot or stored prefix holds, to be stored (`PrefixStore.worth_storing`):
-below it, reading them again costs about what the copies would."""
+"""Positions worth keeping: a prefix is stored where it holds this many that no slot or stored prefix
+holds (`PrefixStore.worth_storing`) and copied back where it lends this many more than the slots; a
+request takes another free slot rather than cut a slot's kept tokens short by this many (`choose_slot`).
+Below it, reading them again costs about what the copies would."""
 
 
 @dataclass
