@@ -1,5 +1,5 @@
-"""The plan view's lines, as pure functions of the plan: the host-memory line (only when experts live in host
-memory) and the batch line."""
+"""The plan view's lines, as pure functions of the plan: the host-memory line (only when experts or a prefix
+store live in host memory) and the batch line."""
 
 from __future__ import annotations
 
@@ -25,6 +25,14 @@ def test_the_host_line_shows_the_experts_pinned_and_the_ram():
 
 def test_no_host_line_when_every_expert_is_in_vram():
     assert "host" not in _rows(plan_of(PROFILES / "h200.toml"))
+
+
+def test_the_host_line_names_the_prefix_store_apart_from_the_experts():
+    store = _rows(plan_of(PROFILES / "h200.toml", ["memory.prefix_store_mib=2048"]))
+    assert store["host"] == "2048 MiB prefix store; RAM unknown"
+    box = PROFILES / "rtx3080-20g-x2.toml"
+    both = _rows(plan_of(box, ["memory.prefix_store_mib=512"]))["host"]
+    assert both == _rows(plan_of(box))["host"].replace("pinned;", "pinned, 512 MiB prefix store;")
 
 
 def test_the_batch_line_says_batch_mtp_runs_inside_the_pipelined_groups():

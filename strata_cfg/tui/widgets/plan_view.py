@@ -147,11 +147,16 @@ def batch_text(plan: LaunchPlan) -> Text:
 
 
 def host_text(plan: LaunchPlan) -> Text | None:
-    """The host-memory budget in a few words, or None when no expert lives in host memory."""
+    """The host-memory budget in a few words, or None when neither experts nor a prefix store live in host
+    memory."""
     h = plan.host
     if not h.total:
         return None
-    text = Text(f"{_mib(h.total)} MiB experts pinned; ")
+    experts = h.total - h.prefix_store
+    parts = [f"{_mib(experts)} MiB experts pinned"] if experts else []
+    if h.prefix_store:
+        parts.append(f"{_mib(h.prefix_store)} MiB prefix store")
+    text = Text(", ".join(parts) + "; ")
     if h.ram is None:
         text.append("RAM unknown", style="dim")
     else:
@@ -160,8 +165,8 @@ def host_text(plan: LaunchPlan) -> Text | None:
 
 
 def summary_rows(plan: LaunchPlan) -> list[tuple[str, Text]]:
-    """(label, text) lines: the model, the batch line, spec, memory, and host memory when experts live
-    there."""
+    """(label, text) lines: the model, the batch line, spec, memory, and host memory when experts or a
+    prefix store live there."""
     f = plan.model.facts
     model = plan.model.label()
     s = plan.spec
