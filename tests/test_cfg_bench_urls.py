@@ -107,6 +107,19 @@ def test_only_strata_engines_give_the_prompt_ids_their_vocabulary(calls) -> None
         http_workloads.bench_urls({"b": "http://b"}, "read-beside-decode", repeats=1)
 
 
+def test_conversations_outnumber_the_most_slots_a_strata_server_has_and_need_one(calls) -> None:
+    """Every server gets one conversation more than the strata servers' most slots (2 here, so 3), a
+    server other than strata too; without a strata server among the URLs nothing counts the slots."""
+    res = http_workloads.bench_urls(
+        {"a": "http://a", "b": "http://b"}, "conversations", repeats=1, prompt_tokens=100, tokens=8
+    )
+    assert [(c["url"], c["clients"]) for c in calls] == [("http://a", 3), ("http://b", 3)]
+    assert res["conversations"] == 3
+    assert "3 conversations of 4 turns (one more than the most slots" in http_workloads.bench_lines(res)[0]
+    with pytest.raises(ValueError, match="conversations sends one conversation more than a strata engine"):
+        http_workloads.bench_urls({"b": "http://b"}, "conversations", repeats=1, prompt_tokens=100)
+
+
 def test_one_server_keeps_the_one_server_layout(calls) -> None:
     res = http_workloads.bench_url("http://b", "two-decodes", tokens=8, repeats=2)
     assert res["url"] == "http://b" and res["server"] == "openai-compatible" and res["plan"] is None

@@ -164,6 +164,24 @@ def test_the_shared_workload_over_http_copies_the_context_the_first_request_read
     assert _metrics(engine)["strata_prefix_reuse_copies_total"] >= copies + 1
 
 
+def test_the_conversations_workload_over_http_reuses_histories_from_the_prefix_store(
+    engine: Launched,
+) -> None:
+    """`strata bench --url --workload conversations`: three conversations over the demo's two slots, taking
+    turns; the demo's prefix store gives each later turn its sent prompt back, where it was stored (a turn
+    adds 32 ids and its reply, which is not sent back: only every other later turn's history is stored
+    anew), so the usage's share reused lies between half and all of what a slot per conversation lends."""
+    from strata_cfg.bench.http_workloads import bench_url
+    from strata_cfg.schema.workloads import TURN_MESSAGE, TURNS
+
+    res = bench_url(engine.url, "conversations", tokens=8, repeats=1, api_key=engine.key, prompt_tokens=100)
+    assert res["conversations"] == 3
+    fig = res["cases"]["conversations"]["median"]
+    sent = [100 + (k + 1) * TURN_MESSAGE for k in range(TURNS)]
+    most = 100 * sum(n - 1 for n in sent[:-1]) / sum(sent[1:])
+    assert most / 2 < fig["reused_pct"] <= most and fig["later_ttft_s"] > 0
+
+
 def test_chats_that_outnumber_the_slots_get_their_history_back_from_the_prefix_store(
     engine: Launched, client: openai.OpenAI
 ):

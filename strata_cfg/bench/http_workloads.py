@@ -22,11 +22,13 @@ from typing import Any
 
 from ..schema.workloads import (
     CLIENT_COUNTS,
+    CONTEXT_WORKLOADS,
     GENERATING,
     PROMPTS,
     SHARED_REQUESTS,
     TURNS,
     context_problem,
+    conversation_prompts,
     delivery_gaps,
     depth_prompt,
     gap_figures_ms,
@@ -196,6 +198,12 @@ def http_run(
     if workload == "shared":  # one context, a question each, all at once
         for ids in shared_prompts(prompt_tokens, vocab, seed):
             send(list(ids), tokens, None)
+    if workload == "conversations":  # ``clients`` conversations taking turns, one request at a time
+        convs = conversation_prompts(prompt_tokens, vocab, seed, clients)
+        for turn in range(TURNS):
+            for conv in convs:
+                send(list(conv[turn]), tokens, None)
+                workers[-1].join()
     if progress is not None:
         progress.wait()  # the long prompt arrives once the decoding stream is under way
         length = max(16, min(context - 2, 48_000))
@@ -227,11 +235,13 @@ def http_run(
         out["prompt_read_tok_s"] = reader.prompt_tokens / span if span > 0 else 0.0
         out["decode_tok_s"] = decode.rate
         out["tok_s"] = out["prompt_read_tok_s"]
-    elif workload in ("turns", "shared"):
+    elif workload in CONTEXT_WORKLOADS:
         rows = [
             (s.sent, s.first, s.done or s.sent, s.tokens, s.prompt_tokens, s.cached_tokens) for s in streams
         ]
-        out |= turns_figures(rows, at_once=workload == "shared")
+        out |= turns_figures(
+            rows, at_once=workload == "shared", firsts=clients if workload == "conversations" else 1
+        )
     elif workload == "clients":
         lat = [(s.done or s.sent) - s.sent for s in streams]
         out["tok_s"] = sum(s.tokens for s in streams) / wall if wall > 0 else 0.0
@@ -320,7 +330,15 @@ def bench_urls(
             "read-beside-decode sizes its long prompt by a strata engine's context, and none of the URLs is "
             "a strata engine (none answers /v1/status)"
         )
+    slots = [int(t.status["plan"]["batch"]["slots"]) for t in targets if t.status is not None]
+    if workload == "conversations" and not slots:
+        raise ValueError(
+            "conversations sends one conversation more than a strata engine has slots, and none of the URLs "
+            "is a strata engine (none answers /v1/status)"
+        )
     cases = [(f"{c} clients", c) for c in CLIENT_COUNTS] if workload == "clients" else [(workload, 1)]
+    if workload == "conversations":
+        cases = [(workload, max(slots) + 1)]
     runs: dict[str, dict[str, list[dict[str, float]]]] = {t.name: {c: [] for c, _ in cases} for t in targets}
     for repeat in range(repeats):
         for case, clients in cases:
@@ -367,6 +385,7 @@ def bench_urls(
         "workload": workload,
         "tokens": 1 if workload == "prompt" else tokens,
         **({"depth": depth} if depth else {}),
+        **({"conversations": cases[0][1]} if workload == "conversations" else {}),
         "repeats": repeats,
         "base": base,
         "arms": arms,
@@ -419,6 +438,11 @@ def bench_lines(result: dict[str, Any]) -> list[str]:
     if workload == "shared":
         what = f"{SHARED_REQUESTS} requests with one context and a question each, at once, "
         what += f"{result['tokens']} tokens each"
+    if workload == "conversations":
+        what = (
+            f"{result['conversations']} conversations of {TURNS} turns (one more than the most slots a "
+            f"strata server has), taking turns one request at a time, {result['tokens']} tokens each"
+        )
     if result.get("depth"):
         what += f", each after a prompt of {result['depth']} tokens"
     figures = f"{'tok/s':>9} {'ms/win':>8} {'rows/win':>8} {'accept':>7}"

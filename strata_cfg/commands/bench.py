@@ -14,8 +14,8 @@ With ``--url`` it measures a launched engine over HTTP instead, as its clients s
 ``--url``, its read rate and time to first token). ``turns`` sends one conversation, each turn everything
 sent before and a new message, so that it measures prefix reuse (``--vary memory.prefix_reuse=true,false``);
 ``shared`` sends four requests with the same context at once, so that it measures a prefix copied between
-slots; ``conversations`` sends one conversation more than the arms have slots, taking turns, so that it
-measures the prefix store (``--vary memory.prefix_store_mib=0,512``); in process only.
+slots; ``conversations`` sends one conversation more than the arms (or over ``--url``, the strata servers)
+have slots, taking turns, so that it measures the prefix store (``--vary memory.prefix_store_mib=0,512``).
 ``step`` (the decode kernels against the byte roofline),
 ``vram`` (what the engine holds against the plan's budget) and ``handoff`` (the copies between two stages'
 GPUs) measure the profile's own plan on its GPUs, without arms. These three run in process only.
@@ -221,13 +221,8 @@ def run_url(args: argparse.Namespace) -> int:
 def usage_problem(args: argparse.Namespace) -> str | None:
     """A combination of options the workload cannot run with."""
     if args.url and args.workload not in HTTP_WORKLOADS:
-        why = (
-            "it sends one conversation more than the plan has slots"
-            if args.workload == "conversations"
-            else "it needs the plan and the GPU"
-        )
         return (
-            f"--workload {args.workload} runs in the engine's own process ({why}), "
+            f"--workload {args.workload} runs in the engine's own process (it needs the plan and the GPU), "
             f"not over --url; over HTTP: {', '.join(HTTP_WORKLOADS)}"
         )
     if args.ignore_eos and not args.url:

@@ -31,7 +31,16 @@ WORKLOADS = (
     "handoff",
 )
 """Workload names, as `strata bench --workload` takes them."""
-HTTP_WORKLOADS = ("two-decodes", "clients", "read-beside-decode", "solo", "prompt", "turns", "shared")
+HTTP_WORKLOADS = (
+    "two-decodes",
+    "clients",
+    "read-beside-decode",
+    "solo",
+    "prompt",
+    "turns",
+    "shared",
+    "conversations",
+)
 """Workloads that also run against a launched engine (`strata bench --url`)."""
 CONTEXT_WORKLOADS = ("turns", "shared", "conversations")
 """Workloads whose requests begin with a context of ``--prompt-tokens`` fresh ids, and measure what prefix
