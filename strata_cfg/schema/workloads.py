@@ -31,22 +31,13 @@ WORKLOADS = (
     "handoff",
 )
 """Workload names, as `strata bench --workload` takes them."""
-HTTP_WORKLOADS = (
-    "two-decodes",
-    "clients",
-    "read-beside-decode",
-    "solo",
-    "prompt",
-    "turns",
-    "shared",
-    "conversations",
-)
-"""Workloads that also run against a launched engine (`strata bench --url`)."""
+GPU_WORKLOADS = ("step", "vram", "handoff")
+"""Workloads that need CuPy and a CUDA GPU; they measure the profile's plan, not arms."""
+HTTP_WORKLOADS = tuple(w for w in WORKLOADS if w not in GPU_WORKLOADS)
+"""Workloads that also run against a launched engine (`strata bench --url`): all but the GPU's."""
 CONTEXT_WORKLOADS = ("turns", "shared", "conversations")
 """Workloads whose requests begin with a context of ``--prompt-tokens`` fresh ids, and measure what prefix
 reuse saves (`turns_figures`); like ``prompt``, they run the serial arm unless told otherwise."""
-GPU_WORKLOADS = ("step", "vram", "handoff")
-"""Workloads that need CuPy and a CUDA GPU; they measure the profile's plan, not arms."""
 STEP_VARY_KEYS = ("model.decode_attention",)
 """Keys ``--workload step`` may ``--vary``: what it switches in one model on the same weights and window."""
 PEERS = ("transformers", "llama.cpp")
