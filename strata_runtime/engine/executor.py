@@ -70,7 +70,7 @@ PROMPT_LOGPROB_ROWS = 256
 of fp32 logits at a 151,936-word vocabulary."""
 
 
-@dataclass
+@dataclass(eq=False)
 class SavedPrefix:
     """Host copies of a slot's first ``n`` positions for the prefix store (`Executor.save_prefix`): each
     stage's keys and values [layers, K, n, D] (filled on the stage's thread), and the drafter's first

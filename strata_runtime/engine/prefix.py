@@ -225,10 +225,10 @@ request takes another free slot rather than cut a slot's kept tokens short by th
 Below it, reading them again costs about what the copies would."""
 
 
-@dataclass
+@dataclass(eq=False)
 class Stored:
     """One prefix in the host's store: what it holds (as a slot's `Kept`, ``freed`` its last use), its
-    bytes, and the host copies of its KV (the executor's, opaque here)."""
+    bytes, and the host copies of its KV (the executor's, opaque here). Equal only to itself."""
 
     kept: Kept
     nbytes: int
