@@ -47,21 +47,30 @@ class _Closing(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        type(self).bodies.append(body)
+        type(self).bodies.append({**body, "path": self.path})
         n = int(body["max_tokens"])
+        chat = "messages" in body  # a chat reply's text is its message's content, streamed as deltas
+
+        def choice(text: str, finish: str | None) -> dict:
+            if chat:
+                return {
+                    "delta" if body.get("stream") else "message": {"content": text},
+                    "finish_reason": finish,
+                }
+            return {"text": text, "finish_reason": finish}
+
+        # a prompt token per message (one for a completion), all but the last reused
+        sent = len(body.get("messages", [0]))
+        prompt = {"prompt_tokens": sent, "prompt_tokens_details": {"cached_tokens": sent - 1}}
         if not body.get("stream"):
-            whole = {
-                "choices": [{"text": "a" * n, "finish_reason": "length"}],
-                "usage": {"completion_tokens": n},
-            }
+            whole = {"choices": [choice("a" * n, "length")], "usage": {"completion_tokens": n, **prompt}}
             self._reply([json.dumps(whole).encode()], "application/json")
             return
         chunks = [
-            b"data: " + json.dumps({"choices": [{"text": "a", "finish_reason": None}]}).encode() + b"\n\n"
-            for _ in range(n - 1)
+            b"data: " + json.dumps({"choices": [choice("a", None)]}).encode() + b"\n\n" for _ in range(n - 1)
         ]
-        last = {"choices": [{"text": "a", "finish_reason": "length"}]}
-        usage = {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": n}}
+        last = {"choices": [choice("a", "length")]}
+        usage = {"choices": [], "usage": {"completion_tokens": n, **prompt}}
         chunks += [b"data: " + json.dumps(x).encode() + b"\n\n" for x in (last, usage)]
         self._reply([*chunks, b"data: [DONE]\n\n"], "text/event-stream")
 
@@ -85,6 +94,34 @@ def test_a_connection_the_server_closed_between_requests_is_opened_again(closing
     assert _Closing.requests == 5 and _Closing.opened == 5  # each on a connection of its own
     result = run_load(closing_server, clients=2, requests_per_client=6, max_tokens=3, stream=stream)
     assert len(result.errors) == 0 and len(result.served) == 12
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_chat_load_test_sends_each_conversation_so_far_and_begins_anew_after_its_turns(
+    closing_server, stream
+) -> None:
+    """`run_load(chat=True)`: each request goes to the chat API with the system prompt, the exchanges so
+    far (each reply as the assistant's message) and a new message; after ``turns`` turns the client begins
+    a new conversation. The prompt tokens and those reused come from each reply's usage."""
+    from strata_cfg.bench.load_test import CHAT_SYSTEM
+
+    result = run_load(
+        closing_server, clients=1, requests_per_client=5, max_tokens=3, stream=stream, chat=True, turns=2
+    )
+    assert len(result.served) == 5 and not result.errors
+    bodies = _Closing.bodies[:]
+    assert {b["path"] for b in bodies} == {"/v1/chat/completions"}
+    assert [len(b["messages"]) for b in bodies] == [2, 4, 2, 4, 2]
+    assert all(b["messages"][0] == {"role": "system", "content": CHAT_SYSTEM} for b in bodies)
+    second = bodies[1]["messages"]
+    assert second[1:] == [
+        {"role": "user", "content": "Once upon a time (0.0)"},
+        {"role": "assistant", "content": "aaa"},
+        {"role": "user", "content": "Once upon a time (0.1)"},
+    ]
+    assert bodies[2]["messages"][1] == {"role": "user", "content": "Once upon a time (0.2)"}
+    j = result.to_json()
+    assert (j["prompt_tokens"], j["cached_tokens"]) == (14, 9) and j["reused_pct"] == round(100 * 9 / 14, 2)
 
 
 def test_a_server_that_refuses_a_fresh_connection_is_still_an_error() -> None:

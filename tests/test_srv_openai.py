@@ -486,6 +486,58 @@ def test_loadtest_reports_requests_errors_and_latency(engine: Launched):
     assert 0 < result["latency_p50_s"] <= result["latency_p95_s"]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_chat_loadtest_holds_a_conversation_per_client_and_reports_the_prompt_reused(
+    engine: Launched, stream: bool
+):
+    """Three chats over the demo's two slots, three turns each: every request sends the shared system
+    prompt, the chat so far and a new message; the server reuses most of each prompt (the system prompt
+    copied between slots, each chat's history kept in its slot or in the prefix store), and the report
+    says how much, from the usage."""
+    from strata_cfg.bench.load_test import CHAT_SYSTEM, run_load
+
+    result = run_load(
+        engine.url,
+        clients=3,
+        requests_per_client=3,
+        max_tokens=8,
+        chat=True,
+        stream=stream,
+        api_key=engine.key,
+    )
+    j = result.to_json()
+    assert j["errors"] == 0 and j["requests"] == 9 and j["chat"] is True
+    assert all(s.text for s in result.served) and j["tokens"] == 8 * 9
+    # Every prompt holds the system prompt at least; later turns hold it and the chat so far.
+    assert all(s.prompt_tokens > len(CHAT_SYSTEM) for s in result.served)
+    assert j["prompt_tokens"] == sum(s.prompt_tokens for s in result.served)
+    assert j["reused_pct"] > 60 and j["cached_tokens"] > 9 * (len(CHAT_SYSTEM) // 2)
+    assert any("not read again" in line for line in result.lines())
+    assert result.lines()[0].startswith("3 chats, 8 tokens each")
+
+
+def test_the_chat_flag_reaches_the_loadtest(engine: Launched):
+    proc = strata(
+        *(
+            "loadtest",
+            engine.url,
+            "--clients",
+            "2",
+            "--seconds",
+            "1",
+            "--max-tokens",
+            "4",
+            "--json",
+            "--chat",
+        ),
+        *("--api-key-env", "STRATA_TEST_KEY"),
+        env={"STRATA_TEST_KEY": engine.key},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["chat"] is True and result["errors"] == 0 and result["cached_tokens"] > 0
+
+
 def test_a_sampled_loadtest_sends_requests_the_server_accepts(engine: Launched):
     proc = strata(
         *("loadtest", engine.url, "--clients", "2", "--seconds", "1", "--max-tokens", "8", "--json"),

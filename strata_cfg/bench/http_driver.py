@@ -7,16 +7,16 @@ wherever strata_cfg is installed, without the engine.
 
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import json
 import time
 import urllib.parse
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 
-@dataclass
+@dataclasses.dataclass
 class Sample:
     """One request as the client saw it."""
 
@@ -28,6 +28,12 @@ class Sample:
     retry_after: float | None = None
     """Set when the server refused the request for capacity (HTTP 429): the seconds its ``Retry-After``
     asked the client to wait (1 when it named none)."""
+    text: str = ""
+    """The reply's text (a completion's, or a chat reply's content)."""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    """Prompt tokens the server did not read again (``usage.prompt_tokens_details.cached_tokens``; 0 where
+    it does not say)."""
 
 
 class Client:
@@ -93,10 +99,14 @@ class Client:
         return self._send("POST", "/v1/completions", json.dumps(body))
 
     def complete(self, body: dict[str, Any]) -> Sample:
-        """One completion, timed and checked whole (streamed when ``body`` asks for it)."""
+        """One completion (a chat completion where ``body`` has ``messages``), timed and checked whole
+        (streamed when ``body`` asks for it)."""
         start = time.perf_counter()
         try:
-            r = self.post_completion(body)
+            if "messages" in body:
+                r = self._send("POST", "/v1/chat/completions", json.dumps(body))
+            else:
+                r = self.post_completion(body)
             if r.status != 200:
                 retry = _retry_after(r.getheader("Retry-After")) if r.status == 429 else None
                 error = f"HTTP {r.status}: {r.read()[:200]!r}"
@@ -125,15 +135,17 @@ class Client:
             if chunk.get("usage"):
                 usage = chunk["usage"]
             for choice in chunk.get("choices", []):
-                if choice.get("text") and first is None:
+                piece = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+                if piece and first is None:
                     first = time.perf_counter() - start
-                text += choice.get("text") or ""
+                text += piece
                 finish = choice.get("finish_reason") or finish
         r.read()  # the end of the chunked body, so the connection can carry the next request
         seconds = time.perf_counter() - start
         if not done or finish not in ("stop", "length") or usage is None:
             return Sample(False, seconds, error=f"incomplete stream (done={done}, finish={finish})")
-        return Sample(True, seconds, tokens=int(usage["completion_tokens"]), first_token_s=first)
+        sample = Sample(True, seconds, tokens=int(usage["completion_tokens"]), first_token_s=first, text=text)
+        return _with_prompt_usage(sample, usage)
 
 
 def _retry_after(value: str | None) -> float:
@@ -161,11 +173,22 @@ def _check_whole(data: dict[str, Any], seconds: float) -> Sample:
     try:
         choice = data["choices"][0]
         tokens = int(data["usage"]["completion_tokens"])
+        text = choice["text"] if "text" in choice else choice["message"]["content"]
     except (KeyError, IndexError, TypeError, ValueError):
         return Sample(False, seconds, error=f"malformed response: {str(data)[:200]}")
     if choice.get("finish_reason") not in ("stop", "length") or tokens < 1:
         return Sample(False, seconds, error=f"incomplete response: {str(data)[:200]}")
-    return Sample(True, seconds, tokens=tokens)
+    return _with_prompt_usage(Sample(True, seconds, tokens=tokens, text=text or ""), data["usage"])
+
+
+def _with_prompt_usage(sample: Sample, usage: dict[str, Any]) -> Sample:
+    """``sample`` with the prompt tokens and those reused that ``usage`` reports (0 where it does not)."""
+    details = usage.get("prompt_tokens_details") or {}
+    return dataclasses.replace(
+        sample,
+        prompt_tokens=int(usage.get("prompt_tokens") or 0),
+        cached_tokens=int(details.get("cached_tokens") or 0),
+    )
 
 
 def engine_status(url: str, api_key: str | None = None, timeout: float = 30.0) -> dict[str, Any] | None:

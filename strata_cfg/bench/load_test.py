@@ -1,8 +1,11 @@
 """`strata loadtest`: N clients keep a running engine busy for T seconds (or a fixed number of requests
-each), each sending one ``/v1/completions`` request after another; the result is requests served, errors,
-latency percentiles and the aggregate token rate, and with ``stream=True`` the time to the first token. A
-request the server refuses for capacity (429) is counted apart, not as an error, and its client waits as
-its ``Retry-After`` says before the next one."""
+each), each sending one ``/v1/completions`` request after another, or with ``chat=True`` holding one
+conversation each through ``/v1/chat/completions`` (every request sends the chat so far: a system prompt
+every client shares, its messages and the replies); the result is requests served, errors, latency
+percentiles, the aggregate token rate, the share of prompt tokens the server did not read again (from the
+usage's ``cached_tokens``), and with ``stream=True`` the time to the first token. A request the server
+refuses for capacity (429) is counted apart, not as an error, and its client waits as its ``Retry-After``
+says before the next one."""
 
 from __future__ import annotations
 
@@ -14,6 +17,15 @@ from typing import Any
 from ..schema.sampling_options import describe_sampling
 from .http_driver import Client, Sample, served_model
 from .stats import percentile
+
+CHAT_SYSTEM = (
+    "You are a narrator in the manner of the old novels of manners. Answer every question about the "
+    "household, its visitors and their letters in a few measured sentences, as the narrator would, and "
+    "keep to what was said before in this conversation."
+)
+"""The system prompt every client of a ``chat`` load test sends first (`run_load`)."""
+CHAT_TURNS = 4
+"""Turns of each conversation of a ``chat`` load test before its client begins a new one."""
 
 
 @dataclass
@@ -28,6 +40,8 @@ class LoadResult:
     samples: list[Sample] = field(default_factory=list)
     sampling: dict[str, Any] = field(default_factory=dict)
     """The sampling fields every request carried (none: greedy)."""
+    chat: bool = False
+    """Each client held one conversation through ``/v1/chat/completions``."""
 
     @property
     def served(self) -> list[Sample]:
@@ -52,10 +66,18 @@ class LoadResult:
     def first_token(self, q: float) -> float | None:
         return percentile([s.first_token_s for s in self.served if s.first_token_s is not None], q)
 
+    @property
+    def reused_pct(self) -> float | None:
+        """The share of the served requests' prompt tokens the server did not read again; None where it
+        reported no prompt tokens."""
+        sent = sum(s.prompt_tokens for s in self.served)
+        return 100.0 * sum(s.cached_tokens for s in self.served) / sent if sent else None
+
     def to_json(self) -> dict[str, Any]:
         return {
             "url": self.url,
             "clients": self.clients,
+            "chat": self.chat,
             "max_tokens": self.max_tokens,
             "sampling": dict(self.sampling),
             "stream": self.stream,
@@ -70,12 +92,16 @@ class LoadResult:
             "latency_p95_s": _round(self.latency(0.95)),
             "first_token_p50_s": _round(self.first_token(0.50)),
             "first_token_p95_s": _round(self.first_token(0.95)),
+            "prompt_tokens": sum(s.prompt_tokens for s in self.served),
+            "cached_tokens": sum(s.cached_tokens for s in self.served),
+            "reused_pct": None if self.reused_pct is None else round(self.reused_pct, 2),
         }
 
     def lines(self) -> list[str]:
         j = self.to_json()
+        who = f"{j['clients']} chats" if self.chat else f"{j['clients']} clients"
         out = [
-            f"{j['clients']} clients, {j['max_tokens']} tokens each, {describe_sampling(j['sampling'])}, "
+            f"{who}, {j['max_tokens']} tokens each, {describe_sampling(j['sampling'])}, "
             f"{j['wall_s']} s: "
             f"{j['requests']} requests served, "
             + (f"{j['rejected']} refused at capacity (HTTP 429), " if j["rejected"] else "")
@@ -85,6 +111,11 @@ class LoadResult:
         ]
         if self.stream:
             out.append(f"  first token p50 {_ms(j['first_token_p50_s'])}, p95 {_ms(j['first_token_p95_s'])}")
+        if j["reused_pct"] is not None:
+            out.append(
+                f"  prompt tokens: {j['prompt_tokens']}, {j['cached_tokens']} of them not read again "
+                f"({j['reused_pct']:.1f}%)"
+            )
         out += [f"  error: {e}" for e in j["error_samples"]]
         return out
 
@@ -110,11 +141,18 @@ def run_load(
     api_key: str | None = None,
     timeout: float = 600.0,
     ignore_eos: bool = False,
+    chat: bool = False,
+    system: str = CHAT_SYSTEM,
+    turns: int = CHAT_TURNS,
 ) -> LoadResult:
     """Keep ``clients`` clients sending requests for ``seconds`` (or ``requests_per_client`` each), each
     with the fields of ``sampling`` (OpenAI's names; greedy without); a sampled request is seeded by its
     client and number, so a run sends the same requests every time. ``ignore_eos``: every request asks to
-    generate past end-of-text, to ``max_tokens``."""
+    generate past end-of-text, to ``max_tokens``. ``chat``: each client holds one conversation, whose every
+    request sends ``system`` (the same for every client), the messages sent before with their replies, and
+    a new message (``prompt`` and the client's and request's numbers), for ``turns`` turns, after which
+    the client begins a new conversation (so that a chat stays within the server's context); a request
+    that fails leaves its message out of the conversation."""
     if (seconds is None) == (requests_per_client is None):
         raise ValueError("give exactly one of seconds or requests_per_client")
     model = served_model(url, api_key, timeout=min(timeout, 30.0))
@@ -126,20 +164,25 @@ def run_load(
     def client_loop(index: int) -> None:
         client = Client(url, api_key, timeout)
         sent = 0
+        said: list[dict[str, str]] = [{"role": "system", "content": system}]
         try:
             while True:
                 if deadline is not None and time.perf_counter() >= deadline:
                     break
                 if requests_per_client is not None and sent >= requests_per_client:
                     break
+                # Distinct prompts per client and request, so no two requests are the same work.
+                message = f"{prompt} ({index}.{sent})"
                 body: dict[str, Any] = {
                     "model": model,
-                    # Distinct prompts per client and request, so no two requests are the same work.
-                    "prompt": f"{prompt} ({index}.{sent})",
                     "max_tokens": max_tokens,
                     "temperature": 0.0,
                     **(sampling or {}),
                 }
+                if chat:
+                    body["messages"] = [*said, {"role": "user", "content": message}]
+                else:
+                    body["prompt"] = message
                 if body["temperature"] > 0:
                     body["seed"] = index * 1_000_003 + sent
                 if stream:
@@ -150,6 +193,10 @@ def run_load(
                 sent += 1
                 with lock:
                     samples.append(sample)
+                if chat and sample.ok:
+                    said += [body["messages"][-1], {"role": "assistant", "content": sample.text}]
+                    if len(said) > 2 * turns:  # the system prompt and `turns` exchanges: begin anew
+                        said = said[:1]
                 if sample.retry_after is not None:  # refused at capacity: wait as the server asked
                     left = None if deadline is None else deadline - time.perf_counter()
                     time.sleep(
@@ -172,4 +219,5 @@ def run_load(
         wall_s=wall,
         samples=samples,
         sampling=dict(sampling or {}),
+        chat=chat,
     )

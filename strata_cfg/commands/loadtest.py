@@ -1,9 +1,10 @@
 """`strata loadtest URL --clients N --seconds T`: a bounded load test against a running engine.
 
-N clients each send one completion request after another for T seconds; the command reports requests
+N clients each send one completion request after another for T seconds (with ``--chat``, each holds one
+conversation through the chat API, every request sending the chat so far); the command reports requests
 served, requests refused at capacity (429, after which a client waits as ``Retry-After`` says), errors,
-p50/p95 latency and the aggregate token rate, and exits 1 when any request failed (a refusal is not a
-failure).
+p50/p95 latency, the aggregate token rate and the share of prompt tokens the server did not read again,
+and exits 1 when any request failed (a refusal is not a failure).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import json
 import os
 import sys
 
-from ..bench.load_test import run_load
+from ..bench.load_test import CHAT_TURNS, run_load
 from ..schema.sampling_options import add_sampling_arguments, options_problem, sampling_options
 from ._arg_types import positive_seconds
 
@@ -27,6 +28,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default 64)")
     parser.add_argument(
         "--prompt", default="Once upon a time", help="prompt text (made distinct per request)"
+    )
+    parser.add_argument(
+        "--chat",
+        action="store_true",
+        help="each client holds one conversation through /v1/chat/completions: every request sends a "
+        "system prompt all clients share, the messages before with their replies, and a new message (the "
+        "prompt text); measures what the server's prefix reuse saves",
+    )
+    parser.add_argument(
+        "--turns",
+        type=int,
+        default=CHAT_TURNS,
+        help=f"with --chat: turns of each conversation before its client begins a new one, so that a chat "
+        f"stays within the server's context (default {CHAT_TURNS})",
     )
     add_sampling_arguments(parser, seeded="its client and number")
     parser.add_argument("--stream", action="store_true", help="stream responses and measure the first token")
@@ -43,8 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.clients < 1 or args.max_tokens < 1:
-        print("strata loadtest: --clients and --max-tokens must be positive", file=sys.stderr)
+    if args.clients < 1 or args.max_tokens < 1 or args.turns < 1:
+        print("strata loadtest: --clients, --max-tokens and --turns must be positive", file=sys.stderr)
         return 2
     problem = options_problem(args)
     if problem:
@@ -67,6 +82,8 @@ def run(args: argparse.Namespace) -> int:
             stream=args.stream,
             api_key=key,
             ignore_eos=args.ignore_eos,
+            chat=args.chat,
+            turns=args.turns,
         )
     except (OSError, RuntimeError, ValueError) as exc:
         print(f"strata loadtest: cannot reach the engine at {args.url}: {exc}", file=sys.stderr)
