@@ -330,17 +330,17 @@ class Engine:
             if worth_waiting(reading, donors, req.prompt_ids, key, max(now, from_store)):
                 return False  # until that slot has read what they share
         i, reuse, source = self.prefixes.best(free, req.prompt_ids, key, self._group_load, whole, donors)
-        restore = stored is not None and from_store >= reuse + STORE_LEAST
-        own = reuse if source is None and not restore else 0
+        restoring = stored if from_store >= reuse + STORE_LEAST else None
+        own = reuse if source is None and restoring is None else 0
         if donors is not None:
-            self._store_kept(i, own, donors, stored if restore else None)
-        if restore:
+            self._store_kept(i, own, donors, restoring)
+        if restoring is not None:
             reuse, source = from_store, None
-        self.prefixes.take(i, reuse, source, restored=restore)
+        self.prefixes.take(i, reuse, source, restored=restoring is not None)
         self._rewind_slot(i, own)
-        if stored is not None and restore:
-            self.store.used(stored)
-            self.executor.restore_prefix(stored.copies, i, reuse)
+        if restoring is not None:
+            self.store.used(restoring)
+            self.executor.restore_prefix(restoring.copies, i, reuse)
         elif source is not None:
             self.executor.copy_prefix(source, i, reuse)
         handle.cached_tokens = reuse
