@@ -573,6 +573,27 @@ def test_the_store_lends_its_longest_match_and_makes_room_from_what_a_new_prefix
     assert store.clear() == [ec] and store.nbytes == 0
 
 
+def test_a_copied_or_restored_prefix_goes_only_into_an_empty_slot_and_never_past_what_its_lender_holds() -> (
+    None
+):
+    """`KVCache.fill`, which counts a prefix copied from another slot or the host's store: the errors name
+    the slot that is not empty, and the lender that holds too little."""
+    from strata_runtime.backend import Device
+    from strata_runtime.model.kvcache import KVCache, KVError
+
+    kv = KVCache(Device.parse("cpu:0"), 2, 3, 1, 16, 4, "float32")
+    kv.fill(0, 5, 8, "a stored prefix")
+    assert list(kv.lengths) == [5, 0, 0]
+    with pytest.raises(KVError, match="slot 0: a prefix is copied only into an empty slot, it holds 5"):
+        kv.fill(0, 2, 8, "a stored prefix")
+    with pytest.raises(KVError, match="a stored prefix: cannot lend 9 positions, it holds 8"):
+        kv.fill(1, 9, 8, "a stored prefix")
+    with pytest.raises(KVError, match="slot 0: cannot lend 6 positions, it holds 5"):
+        kv.claim(2, kv, 0, 6)
+    kv.claim(2, kv, 0, 5)
+    assert list(kv.lengths) == [5, 0, 5]
+
+
 def _store_engine(mode: str, store_mib: int) -> Engine:
     return _engine_in_mode(mode, context=192, prefix_store_mib=store_mib)
 

@@ -188,15 +188,9 @@ class Executor:
         them)."""
         drafter = self.model.drafters.get(slot)
         if drafter is not None:
-            if saved.drafted is None or n > saved.drafted:
-                raise ValueError(f"a stored prefix lends {n} positions, its drafter holds {saved.drafted}")
-            drafter.kv.lengths[0] = n
+            drafter.kv.fill(0, n, saved.drafted or 0, "a stored prefix's drafter")
         for stage in self.stages:
-            if stage.kv.lengths[slot] != 0 or n > saved.n:
-                raise ValueError(
-                    f"slot {slot} holds {int(stage.kv.lengths[slot])}: no room for a stored prefix"
-                )
-            stage.kv.lengths[slot] = n
+            stage.kv.fill(slot, n, saved.n, "a stored prefix")
         for s in range(len(self.stages)):
             self._on_stage(s, functools.partial(self._restore_share, saved, s, slot, n))
 

@@ -74,11 +74,16 @@ class KVCache:
     def claim(self, slot: int, source: KVCache, src: int, n: int) -> None:
         """Count positions [0, n) of ``source``'s slot ``src`` as empty slot ``slot``'s (prefix reuse across
         slots); `copy_rows` copies them."""
+        self.fill(slot, n, int(source.lengths[src]), f"slot {src}")
+
+    def fill(self, slot: int, n: int, held: int, lender: str) -> None:
+        """Count positions [0, n) of a prefix that ``lender`` holds ``held`` positions of (another slot, or
+        the host's prefix store) as empty slot ``slot``'s; the caller copies them."""
         if self.lengths[slot] != 0:
-            held = int(self.lengths[slot])
-            raise KVError(f"slot {slot}: a prefix is copied only into an empty slot, it holds {held}")
-        if not 0 <= n <= source.lengths[src]:
-            raise KVError(f"slot {src}: cannot lend {n} positions, it holds {int(source.lengths[src])}")
+            have = int(self.lengths[slot])
+            raise KVError(f"slot {slot}: a prefix is copied only into an empty slot, it holds {have}")
+        if not 0 <= n <= held:
+            raise KVError(f"{lender}: cannot lend {n} positions, it holds {held}")
         self.lengths[slot] = n
 
     def copy_rows(self, source: KVCache, src: int, slot: int, n: int) -> None:
