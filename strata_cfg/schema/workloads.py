@@ -110,11 +110,7 @@ def conversation_prompts(
     (a context of ``prompt_tokens`` fresh ids of its own, then `TURNS` turns, each adding a message of
     `TURN_MESSAGE` fresh ids to everything sent before); one list of turns per conversation. Seeded by
     ``seed`` (the repeat), apart from every other workload's."""
-    out = []
-    for c in range(conversations):
-        ids = prompt_ids(prompt_tokens + TURNS * TURN_MESSAGE, vocab, CONVERSATION_SEED + 64 * seed + c)
-        out.append([ids[: prompt_tokens + (k + 1) * TURN_MESSAGE] for k in range(TURNS)])
-    return out
+    return [_turns(prompt_tokens, vocab, CONVERSATION_SEED + 64 * seed + c) for c in range(conversations)]
 
 
 def turn_prompts(prompt_tokens: int, vocab: int, seed: int) -> list[tuple[int, ...]]:
@@ -122,7 +118,13 @@ def turn_prompts(prompt_tokens: int, vocab: int, seed: int) -> list[tuple[int, .
     instructions) and then, each turn, everything sent before and a new message of `TURN_MESSAGE` fresh ids.
     The replies are not sent back, so that the requests are the same in process and over HTTP (where the
     bench sees text, not token ids). Seeded by ``seed`` (the repeat), apart from every other workload's."""
-    ids = prompt_ids(prompt_tokens + TURNS * TURN_MESSAGE, vocab, TURN_SEED + seed)
+    return _turns(prompt_tokens, vocab, TURN_SEED + seed)
+
+
+def _turns(prompt_tokens: int, vocab: int, seed: int) -> list[tuple[int, ...]]:
+    """One conversation's `TURNS` prompts from fresh ids seeded by ``seed``: a context of ``prompt_tokens``,
+    then each turn everything before and a message of `TURN_MESSAGE`."""
+    ids = prompt_ids(prompt_tokens + TURNS * TURN_MESSAGE, vocab, seed)
     return [ids[: prompt_tokens + (k + 1) * TURN_MESSAGE] for k in range(TURNS)]
 
 
@@ -263,8 +265,8 @@ def turns_figures(
 
 
 def turns_text(m: dict[str, float], workload: str = "turns") -> str:
-    """The figures of `turns_figures` for a results table of ``workload`` (``turns`` or ``shared``, whose
-    requests it names so); "" without them."""
+    """The figures of `turns_figures` for a results table of ``workload`` (``turns``, ``shared`` or
+    ``conversations``, whose requests it names so); "" without them."""
     if "later_ttft_s" not in m:
         return ""
     first, later = {
