@@ -197,9 +197,8 @@ def host_line(plan: LaunchPlan) -> str:
     h = plan.host
     if not h.total:
         return "host memory: no host tier (every routed expert is in VRAM), no prefix store"
-    experts = h.total - h.prefix_store
     per_gpu = ", ".join(f"GPU {t.gpu} {_mib(t.bytes)}" for t in h.tiers if t.bytes)
-    parts = [f"{_mib(experts)} MiB of experts pinned ({per_gpu})"] if experts else []
+    parts = [f"{_mib(h.experts)} MiB of experts pinned ({per_gpu})"] if h.experts else []
     if h.prefix_store:
         parts.append(f"{_mib(h.prefix_store)} MiB prefix store")
     line = f"host memory: {' + '.join(parts)} + {_mib(h.reserve)} reserve = {_mib(h.total + h.reserve)}"

@@ -391,6 +391,11 @@ class HostPlan(_Plan):
     free: int | None
     """``ram - total - reserve`` (never negative: a plan that does not fit is refused); None when unknown."""
 
+    @property
+    def experts(self) -> int:
+        """Bytes of every host tier together: ``total`` less the prefix store."""
+        return self.total - self.prefix_store
+
 
 class ServePlan(_Plan):
     host: str

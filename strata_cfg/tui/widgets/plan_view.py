@@ -152,8 +152,7 @@ def host_text(plan: LaunchPlan) -> Text | None:
     h = plan.host
     if not h.total:
         return None
-    experts = h.total - h.prefix_store
-    parts = [f"{_mib(experts)} MiB experts pinned"] if experts else []
+    parts = [f"{_mib(h.experts)} MiB experts pinned"] if h.experts else []
     if h.prefix_store:
         parts.append(f"{_mib(h.prefix_store)} MiB prefix store")
     text = Text(", ".join(parts) + "; ")
