@@ -182,6 +182,13 @@ def test_loadtest_refuses_bad_sampling_options_naming_them(option, needle):
     assert result.returncode == 2 and needle in result.stderr, result.stdout + result.stderr
 
 
+@pytest.mark.parametrize("option", [("--turns", "0"), ("--clients", "0"), ("--max-tokens", "-1")])
+def test_loadtest_refuses_counts_below_one_naming_them(option):
+    result = strata("loadtest", "http://127.0.0.1:9", "--seconds", "1", "--chat", *option, timeout=30)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "strata loadtest: --clients, --max-tokens and --turns must be positive" in result.stderr
+
+
 def test_loadtest_requests_carry_the_sampling_and_a_seed_each(monkeypatch):
     """Every request body has the sampling fields; a sampled request gets a seed of its own (client and
     number), the same in every run; greedy requests get none."""
