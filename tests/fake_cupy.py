@@ -45,6 +45,10 @@ def is_pinned(host: np.ndarray) -> bool:
     return any(start <= at and at + host.nbytes <= start + size for start, size, _ in _PINNED)
 
 
+def _pinned_at(address: int) -> bool:
+    return any(start <= address < start + size for start, size, _ in _PINNED)
+
+
 def alloc_pinned_memory(size: int) -> bytearray:
     buf = bytearray(size)
     _PINNED.append((np.frombuffer(buf, np.uint8).ctypes.data, size, buf))
@@ -227,6 +231,19 @@ class _Runtime:
 
     def memcpyAsync(self, dst: int, src: int, size: int, kind: int, stream: int) -> None:  # noqa: N802
         ctypes.memmove(dst, src, size)
+
+    COPIES_2D: list[tuple[int, bool]] = []
+    """For every ``memcpy2DAsync``: its rows, and whether its host side (the one not in a device array) is
+    pinned memory."""
+
+    def memcpy2DAsync(  # noqa: N802
+        self, dst: int, dpitch: int, src: int, spitch: int, width: int, height: int, kind: int, stream: int
+    ) -> None:
+        if width > min(dpitch, spitch):
+            raise CUDARuntimeError(1)  # cudaErrorInvalidValue: rows would overlap
+        self.COPIES_2D.append((height, any(_pinned_at(p) for p in (dst, src))))
+        for r in range(height):
+            ctypes.memmove(dst + r * dpitch, src + r * spitch, width)
 
     def memGetInfo(self) -> tuple[int, int]:  # noqa: N802
         return (80 << 30, 80 << 30)

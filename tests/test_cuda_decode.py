@@ -924,3 +924,43 @@ def test_a_history_stored_in_host_memory_comes_back_on_gpu_with_the_float32_text
         cpu_plan.model_copy(update={"memory": cpu_plan.memory.model_copy(update={"prefix_reuse": False})})
     )
     assert none["prefix_tokens"] == 0 and gpu == cpu and all(len(t) == 16 for t in gpu)
+
+
+@pytest.mark.parametrize("pitch", [None, 3000])
+def test_the_prefix_stores_strided_copies_on_gpu_move_exactly_a_slots_runs_of_positions(
+    cp, monkeypatch, pitch
+):
+    """`KVCache.save_rows` and `load_rows` through ``cudaMemcpy2DAsync`` on a real GPU: runs of a slot's
+    positions of a cache that is a view of a wider one go to other places in pinned host rows, and back into
+    another slot, exactly; nothing else is written. With a narrow pitch limit, a copy per layer."""
+    from strata_runtime.backend import Device
+    from strata_runtime.model import kvcache
+    from strata_runtime.model.kvcache import HostRows, KVCache
+
+    if pitch is not None:
+        monkeypatch.setattr(kvcache, "MAX_PITCH", pitch)
+    layers, heads, context, dim = 3, 2, 40, 8
+    rng = np.random.default_rng(11)
+    host_wide = [
+        (rng.standard_normal((layers, 3, heads, context, dim)) + 1).astype(np.float16) for _ in range(2)
+    ]
+    wide = [cp.asarray(w) for w in host_wide]
+    kv = KVCache(
+        Device("cuda", 0), layers, 2, heads, context, dim, np.float16, (wide[0][:, 1:], wide[1][:, 1:])
+    )
+    host = HostRows(kv, 64)
+    host.keys[...] = host.values[...] = 0
+    runs = [(50, 0, 7), (3, 7, 20)]
+    kv.save_rows(1, host, runs)
+    cp.cuda.get_current_stream().synchronize()
+    for w, rows in zip(host_wide, (host.keys, host.values), strict=True):
+        np.testing.assert_array_equal(rows[:, :, 50:57], w[:, 2, :, 0:7])
+        np.testing.assert_array_equal(rows[:, :, 3:23], w[:, 2, :, 7:27])
+        assert not rows[:, :, 23:50].any() and not rows[:, :, 57:].any()
+    kv.load_rows(0, host, runs)
+    cp.cuda.get_current_stream().synchronize()
+    for w, before in zip(wide, host_wide, strict=True):
+        after = w.get()
+        np.testing.assert_array_equal(after[:, 1, :, :27], before[:, 2, :, :27])
+        np.testing.assert_array_equal(after[:, 1, :, 27:], before[:, 1, :, 27:])
+        np.testing.assert_array_equal(after[:, [0, 2]], before[:, [0, 2]])

@@ -1199,6 +1199,55 @@ def test_prefix_reuse_on_the_cuda_path_gives_the_text_of_whole_prompts(fake_gpu)
     assert none == 0 and reused == whole and all(len(r) == 10 for r in reused)
 
 
+@pytest.mark.parametrize("pitch", [None, 3000])
+def test_the_prefix_stores_strided_copies_move_exactly_a_slots_runs_of_positions(
+    fake_gpu, monkeypatch, pitch
+):
+    """`KVCache.save_rows` and `load_rows` on the CUDA path (one 2D copy per KV head, or per layer where a
+    layer's pitch is wider than a copy takes) against NumPy's slices: runs of a slot's positions at other
+    places in the host rows, and back into another slot, of a cache that is a view of a wider one (as the
+    drafters' are) whose slot stride is not the cache's own."""
+    import fake_cupy
+
+    from strata_runtime.backend import Device
+    from strata_runtime.model import kvcache
+    from strata_runtime.model.kvcache import HostRows, KVCache
+
+    if pitch is not None:
+        monkeypatch.setattr(kvcache, "MAX_PITCH", pitch)  # a layer's pitch (3 slots x 2 heads x 40 x 8 x 2 B)
+    layers, heads, context, dim = 3, 2, 40, 8
+    rng = np.random.default_rng(11)
+    shape = (layers, 3, heads, context, dim)
+    wide = [(rng.standard_normal(shape) + 1).astype(np.float16).view(fake_cupy.FakeArray) for _ in range(2)]
+    views = (wide[0][:, 1:], wide[1][:, 1:])  # slots 1 and 2 of the wider cache
+    kv = KVCache(Device("cuda", 0), layers, 2, heads, context, dim, np.float16, views)
+    assert kv.k.strides[1] == heads * context * dim * 2 and kv.k.strides[0] == 3 * heads * context * dim * 2
+    host = HostRows(kv, 64)
+    assert fake_cupy.is_pinned(host.keys) and fake_cupy.is_pinned(host.values)
+    host.keys[...] = host.values[...] = 0
+    runs = [(50, 0, 7), (3, 7, 20)]  # 27 positions of slot 1: the first 7 at 50, the rest at 3
+    copies = fake_cupy._Runtime.COPIES_2D
+    copies.clear()
+    kv.save_rows(1, host, runs)
+    for cache, rows in ((kv.k, host.keys), (kv.v, host.values)):
+        np.testing.assert_array_equal(rows[:, :, 50:57], cache[:, 1, :, 0:7])
+        np.testing.assert_array_equal(rows[:, :, 3:23], cache[:, 1, :, 7:27])
+        assert not rows[:, :, 23:50].any() and not rows[:, :, 57:].any()  # nothing else written
+    keys, values = host.rows(runs)
+    np.testing.assert_array_equal(keys, kv.k[:, 1, :, :27])
+    np.testing.assert_array_equal(values, kv.v[:, 1, :, :27])
+    # Per head, a row for each of 3 layers; past the pitch, per layer, a row for each of 2 heads.
+    assert [rows for rows, _ in copies] == ([layers] * heads if pitch is None else [heads] * layers) * 4
+    assert all(pinned for _, pinned in copies)
+    before = [w.copy() for w in wide]
+    kv.load_rows(0, host, runs)
+    for cache in (kv.k, kv.v):
+        np.testing.assert_array_equal(cache[:, 0, :, :27], cache[:, 1, :, :27])
+    for w, b in zip(wide, before, strict=True):  # the wider cache's other slots, and positions past 27
+        np.testing.assert_array_equal(w[:, 0], b[:, 0])
+        np.testing.assert_array_equal(w[:, 1:, :, 27:], b[:, 1:, :, 27:])
+
+
 @pytest.mark.parametrize(
     "kw",
     [
@@ -1271,16 +1320,23 @@ def test_a_history_stored_in_host_memory_comes_back_on_the_cuda_path_with_the_te
 
     def serve(plan) -> tuple[list[list[int]], Engine]:
         engine = Engine(plan)
-        assert engine.model.stages[0].cuda is not None
+        stages = engine.model.stages
+        assert stages[0].cuda is not None
         said = [[40 + c] + list(range(50 + c, 120 + c)) for c in range(engine.n_slots + 1)]
         out = []
         for conv in [*range(len(said)), 0]:
             h = engine.submit(Request(tuple(said[conv]), 6))
-            fake_cupy.UPLOADS.clear()
+            copies = fake_cupy._Runtime.COPIES_2D
+            copies.clear()
             while engine.step():
                 pass
-            if engine.totals["prefix_restores"]:
-                assert fake_cupy.UPLOADS and all(fake_cupy.UPLOADS), "a restore came from pageable memory"
+            if engine.totals["prefix_store_saved"] or engine.totals["prefix_restores"]:
+                assert copies and all(pinned for _, pinned in copies), "a store's copy used pageable memory"
+                # Keys and values of a run of pages: a stage's in one strided copy per KV head (a row per
+                # layer) or per layer (a row per head), whichever are fewer; the drafter's one layer in one.
+                heads, layers = engine.plan.model.facts.num_key_value_heads, [len(s.kv.k) for s in stages]
+                assert {rows for rows, _ in copies} <= {*layers, heads}
+                assert len(copies) % (sum(2 * min(heads, n) for n in layers) + 2) == 0
             reply = [t for _ in range(h.events.qsize()) for t in h.events.get().token_ids]
             out.append(reply)
             said[conv] += reply + [33, 34]
@@ -1295,10 +1351,10 @@ def test_a_history_stored_in_host_memory_comes_back_on_the_cuda_path_with_the_te
     slot = next(i for i, k in enumerate(eng.prefixes.kept) if k is not None and k.tokens[0] == 40)
     n = eng.totals["prefix_tokens"]  # the turn copied back this many positions, of every stage and drafter
     assert n >= 70
-    for stage, (keys, values) in zip(eng.model.stages, entry.copies.stages, strict=True):
+    *stages, (dk, dv) = eng.executor.stored_rows(entry)
+    for stage, (keys, values) in zip(eng.model.stages, stages, strict=True):
         assert np.array_equal(np.asarray(stage.kv.k[:, slot, :, :n]), keys[:, :, :n])
         assert np.array_equal(np.asarray(stage.kv.v[:, slot, :, :n]), values[:, :, :n])
-    dk, dv = entry.copies.drafter
     drafter = eng.model.drafters[slot].kv
     assert np.array_equal(np.asarray(drafter.k[:, 0, :, :n]), dk[:, :, :n])
     assert np.array_equal(np.asarray(drafter.v[:, 0, :, :n]), dv[:, :, :n])

@@ -25,6 +25,7 @@ from strata_cfg.schema.packaged import packaged_dir
 from strata_runtime.api import Request, SamplingParams
 from strata_runtime.engine import Engine
 from strata_runtime.engine.prefix import (
+    PAGE,
     STORE_LEAST,
     WAIT_LEAST,
     Kept,
@@ -32,6 +33,8 @@ from strata_runtime.engine.prefix import (
     PrefixStore,
     best_donor,
     choose_slot,
+    page_runs,
+    pages_for,
     reusable,
     shared_prefix,
     worth_waiting,
@@ -529,7 +532,7 @@ def test_in_every_mode_a_conversations_next_turns_reuse_its_slot(mode) -> None:
 
 
 def test_the_store_keeps_a_prefix_only_where_it_holds_enough_that_nothing_else_does() -> None:
-    store = PrefixStore(1000)
+    store = PrefixStore(20, 100)
     conv = tuple(range(1, 101))  # 100 tokens
     kept = _kept(conv, drafted=99)
     assert store.worth_storing(kept, {})
@@ -537,8 +540,8 @@ def test_the_store_keeps_a_prefix_only_where_it_holds_enough_that_nothing_else_d
     assert not store.worth_storing(kept, {1: _kept(conv[:38], drafted=37)})
     assert store.worth_storing(kept, {1: _kept(conv[:30], drafted=29)})
     assert store.worth_storing(kept, {1: _kept(conv, drafted=99, key="other salt")})  # another key lends none
-    assert not PrefixStore(0).worth_storing(kept, {})  # off
-    store.add(kept, 400, "copies")
+    assert not PrefixStore(0, 100).worth_storing(kept, {})  # off
+    store.store(kept)
     assert not store.worth_storing(kept, {})  # stored already
     longer = _kept(conv + tuple(range(200, 270)), drafted=169)
     assert store.worth_storing(longer, {})  # 70 positions more than the stored one
@@ -548,29 +551,51 @@ def test_the_store_keeps_a_prefix_only_where_it_holds_enough_that_nothing_else_d
 def test_the_store_lends_its_longest_match_and_makes_room_from_what_a_new_prefix_holds_then_the_oldest() -> (
     None
 ):
-    store = PrefixStore(1000)
+    """Five pages of 64 positions; each prefix of 100 tokens takes two."""
+    store = PrefixStore(5, 10)
     a, b, c = (tuple(range(k, k + 100)) for k in (1, 1000, 2000))
-    ea, eb = store.add(_kept(a), 300, "a"), store.add(_kept(b), 300, "b")
+    (ea, none), (eb, _) = store.store(_kept(a)), store.store(_kept(b))
+    assert none == [] and (ea.pages, eb.pages) == ((0, 1), (2, 3))
     assert store.best(a + (5, 6), None) == (ea, 100) and store.best(b[:50] + (7,), None) == (eb, 50)
     assert store.best(c, None) == (None, 0) and store.best(a + (5,), "other salt") == (None, 0)
-    assert store.nbytes == 600 and store.totals["prefix_store_entries"] == 2
-    # a, used since b was stored, is no longer the oldest: c makes room by dropping b.
+    assert store.nbytes == 40 and store.totals["prefix_store_entries"] == 2
+    # a, used since b was stored, is no longer the oldest: c makes room by dropping b, and takes its pages.
     store.used(ea)
-    assert store.room(_kept(c), 500) == [eb] and store.entries == [ea]
-    ec = store.add(_kept(c), 500, "c")
+    ec, dropped = store.store(_kept(c))
+    assert dropped == [eb] and store.entries == [ea, ec] and ec.pages == (2, 3)
     # A longer a holds the stored a whole: it goes first, whatever its age, and nothing else must.
-    assert store.room(_kept(a + (9, 9)), 300) == [ea] and store.entries == [ec]
-    assert store.room(_kept(b), 1001) is None and store.entries == [ec]  # larger than the whole store
-    assert store.room(_kept(b), 600, spare=ec) is None and store.entries == [ec]  # not beside the one in use
-    ed = store.add(_kept(b), 400, "d")
-    assert store.room(_kept(a), 500, spare=ec) == [ed] and store.entries == [ec]  # the older ec stays
+    ea2, dropped = store.store(_kept(a + (9, 9)))
+    assert dropped == [ea] and store.entries == [ec, ea2] and ea2.pages == (0, 1)
+    assert store.store(_kept(tuple(range(5000, 5321)))) == (None, [])  # 6 pages: more than the store
+    assert store.store(_kept(b + c + a), spare=ec) == (None, [])  # 5 pages: not beside the one in use
+    assert store.entries == [ec, ea2]
+    # 3 pages, beside the one in use: no three free pages in a row are left, so it takes the lowest.
+    ed, dropped = store.store(_kept(b + c[:50]), spare=ec)
+    assert dropped == [ea2] and store.entries == [ec, ed] and ed.pages == (0, 1, 4)
+    assert page_runs(ed.pages, 150) == [(0, 0, 128), (256, 128, 22)]
     assert store.totals == {
-        "prefix_store_saved": 4,
+        "prefix_store_saved": 5,
         "prefix_store_dropped": 3,
-        "prefix_store_entries": 1,
-        "prefix_store_bytes": 500,
+        "prefix_store_entries": 2,
+        "prefix_store_bytes": 50,
     }
-    assert store.clear() == [ec] and store.nbytes == 0
+    store.clear()
+    assert store.nbytes == 0 and store.entries == [] and store.store(_kept(b + c + a))[0] is not None
+    # A prefix takes consecutive pages where there are enough, even above lower free ones.
+    store.clear()
+    (x, _), (y, _), (z, _) = (store.store(_kept(t)) for t in (a[:60], b[:60], c))
+    assert (x.pages, y.pages, z.pages) == ((0,), (1,), (2, 3))
+    store.used(y)
+    w, dropped = store.store(_kept(tuple(range(3000, 3150))))  # 3 pages: x and z make room, in that order
+    assert dropped == [x, z] and w.pages == (2, 3, 4)
+
+
+def test_a_prefixs_pages_are_copied_in_one_run_for_each_stretch_of_consecutive_pages() -> None:
+    assert PAGE == 64 and [pages_for(n) for n in (1, 64, 65, 128)] == [1, 1, 2, 2]
+    assert page_runs((3, 4, 0, 1), 200) == [(192, 0, 128), (0, 128, 72)]
+    assert page_runs((3, 4, 0, 1), 64) == [(192, 0, 64)]  # only the pages n positions fill
+    assert page_runs((5, 2), 70) == [(320, 0, 64), (128, 64, 6)]
+    assert page_runs((5, 2), 0) == []
 
 
 def test_a_copied_or_restored_prefix_goes_only_into_an_empty_slot_and_never_past_what_its_lender_holds() -> (
@@ -609,7 +634,13 @@ def test_in_every_mode_conversations_that_outnumber_the_slots_copy_their_history
     (a drafter's stored positions are its KV's). Without one it reads its whole prompt. The tokens are the
     same, and every slot's KV matches what it holds after every step (`collect`)."""
     eng, without = _store_engine(mode, 64), _store_engine(mode, 0)
-    assert "prefix reuse on (store 64 MiB in host memory)" in eng.startup[1]
+    # A page holds 64 positions of every layer's keys and values, and of the drafter's one layer.
+    f, kv = eng.plan.model.facts, eng.model.stages[0].kv
+    layers = f.num_hidden_layers + (1 if eng.model.drafters else 0)
+    per = layers * f.num_key_value_heads * f.head_dim * 2 * kv.k.dtype.itemsize
+    assert eng.store.page_bytes == PAGE * per and eng.store.pages == (64 << 20) // (PAGE * per) > 0
+    pages = f"{eng.store.pages} pages of 64 positions"
+    assert f"prefix reuse on (store 64 MiB in host memory: {pages})" in eng.startup[1]
     assert without.startup[1].endswith("prefix reuse on")
     rng = random.Random(5)
     said = [[rng.randrange(33, 126) for _ in range(80)] for _ in range(eng.n_slots + 1)]
@@ -641,12 +672,11 @@ def test_in_every_mode_conversations_that_outnumber_the_slots_copy_their_history
     assert without.totals["prefix_restores"] == without.totals["prefix_store_saved"] == 0
 
 
-def test_a_full_store_drops_its_least_recently_used_prefix_and_never_holds_more_than_its_bytes() -> None:
+def test_a_full_store_drops_its_least_recently_used_prefix_and_never_holds_more_than_its_pages() -> None:
     """A store with room for about one conversation's history: storing the next drops the one stored
     before, whose conversation then reads its whole prompt again, with the same tokens."""
     eng, without = _store_engine("serial", 64), _store_engine("serial", 0)
-    per = eng.executor.kv_bytes(90, 89 if eng.tracked else None)
-    eng.store.capacity = per + per // 2  # room for one stored history, not two
+    eng.store = PrefixStore(pages_for(90) + 1, eng.store.page_bytes)  # room for one stored history, not two
     rng = random.Random(9)
     said = [[33 + c] + [rng.randrange(33, 126) for _ in range(79)] for c in range(eng.n_slots + 2)]
     for conv in range(len(said)):  # two more conversations than slots: two histories stored, one dropped
@@ -662,4 +692,4 @@ def test_a_full_store_drops_its_least_recently_used_prefix_and_never_holds_more_
         req = [(0, Request(tuple(said[conv]), 5))]
         assert collect(eng, req) == collect(without, req)
         assert eng.totals["prefix_restores"] - before == restores
-        assert eng.store.nbytes <= eng.store.capacity
+        assert eng.store.nbytes <= eng.store.pages * eng.store.page_bytes

@@ -36,7 +36,6 @@ import contextlib
 import functools
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -45,7 +44,6 @@ from strata_cfg.schema.windows import MAX_WINDOW_ROWS
 
 from ..api import TokenEvent, TokenLogprob
 from ..backend import (
-    WATCHED,
     Array,
     Device,
     cupy_module,
@@ -56,36 +54,23 @@ from ..backend import (
     transfer,
 )
 from ..model import Model
+from ..model.kvcache import HostRows
 from ..model.stage import Stage
 from .device_spec import decide
 from .flight import Chained, Flight, Mark, StageMark, StageWorker, wait_any
 from .job import Entry, Job
 from .logprobs import token_logprobs
+from .prefix import PAGE, Stored, page_runs
 from .sampling import Sampler
 from .slot import Slot
 from .speculative import Proposals, Verdict, catch_up, commit, draft, verify, verify_choices
 
+Run = tuple[int, int, int]
+"""A run of a prefix's positions in the prefix store's pages (`strata_runtime.engine.prefix.page_runs`)."""
+
 PROMPT_LOGPROB_ROWS = 256
 """Prompt rows whose logits are taken at once for a request that asks the prompt's log-probabilities: 156 MB
 of fp32 logits at a 151,936-word vocabulary."""
-
-
-@dataclass(eq=False)
-class SavedPrefix:
-    """Host copies of a slot's first ``n`` positions for the prefix store (`Executor.save_prefix`): each
-    stage's keys and values [layers, K, n, D] (filled on the stage's thread), and the drafter's first
-    ``drafted`` positions (None without a drafter)."""
-
-    n: int
-    drafted: int | None
-    stages: list[tuple[np.ndarray, np.ndarray] | None]
-    drafter: tuple[np.ndarray, np.ndarray] | None = None
-
-
-def _filled(copies: tuple[np.ndarray, np.ndarray] | None) -> tuple[np.ndarray, np.ndarray]:
-    if copies is None:  # the save queued before this restore on the same thread has run
-        raise RuntimeError("a stored prefix is restored before it was saved")
-    return copies
 
 
 def _using(stream: Any) -> Any:
@@ -115,6 +100,9 @@ class Executor:
         self._retired: deque[tuple[Any, Flight]] = deque()
         self._copy_error: BaseException | None = None
         """A prefix copy that failed on a stage's thread, raised by the next `finish`."""
+        self._store: list[HostRows] = []
+        """The prefix store's host memory of each stage (`open_store`), and a drafter's."""
+        self._store_drafter: HostRows | None = None
 
     def _new_stream(self, stage: Stage) -> Any:
         """A non-blocking CUDA stream on the stage's GPU (None on a CPU device)."""
@@ -163,49 +151,56 @@ class Executor:
         except BaseException as exc:  # on a stage's thread: the engine's next `finish` raises it
             self._copy_error = exc
 
-    def kv_bytes(self, n: int, drafted: int | None) -> int:
-        """Host bytes of `save_prefix`'s copies of ``n`` positions (and ``drafted`` of the drafter's)."""
-        per = sum(int(st.kv.k[:, 0, :, 0].nbytes) * 2 for st in self.stages)
+    @property
+    def page_bytes(self) -> int:
+        """Host bytes of one page of the prefix store (`strata_runtime.engine.prefix.PAGE` positions of every
+        stage's KV and of a drafter's)."""
+        caches = [st.kv for st in self.stages] + [d.kv for d in list(self.model.drafters.values())[:1]]
+        return PAGE * sum(int(kv.k[:, 0, :, 0].nbytes + kv.v[:, 0, :, 0].nbytes) for kv in caches)
+
+    def open_store(self, pages: int) -> None:
+        """Allocate the prefix store's host memory, ``pages`` pages of every stage's KV and of a drafter's
+        (page-locked on a GPU), once: `save_prefix` and `restore_prefix` copy into and out of it."""
+        positions = pages * PAGE
+        self._store = [HostRows(st.kv, positions) for st in self.stages]
         drafter = next(iter(self.model.drafters.values()), None)
-        extra = 0 if drafter is None or not drafted else int(drafter.kv.k[:, 0, :, 0].nbytes) * 2 * drafted
-        return per * n + extra
+        self._store_drafter = None if drafter is None else HostRows(drafter.kv, positions)
 
-    def save_prefix(self, slot: int, n: int, drafted: int | None) -> SavedPrefix:
-        """Host copies of positions [0, n) of ``slot``'s KV on every stage, and of ``drafted`` of its
-        drafter's, for the host's prefix store (`strata_runtime.engine.prefix.PrefixStore`): queued on each
-        stage's stream after every window queued there before (through the stage's thread, where it has
-        one), so before any later window overwrites them; the drafter's on the drafters' stream after the
-        last stage's copy. The host does not wait; a later `restore_prefix` on those streams comes after."""
-        saved = SavedPrefix(n, drafted, [None] * len(self.stages))
+    def stored_rows(self, entry: Stored) -> list[tuple[np.ndarray, np.ndarray]]:
+        """What ``entry``'s pages hold: each stage's keys and values [layers, K, n, D], then (with drafters)
+        the drafter's of its ``drafted`` positions. For tests; on a GPU valid once the copies have run."""
+        runs = page_runs(entry.pages, len(entry.kept.tokens))
+        out = [rows.rows(runs) for rows in self._store]
+        if self._store_drafter is not None and entry.kept.drafted:
+            out.append(self._store_drafter.rows(page_runs(entry.pages, entry.kept.drafted)))
+        return out
+
+    def save_prefix(self, slot: int, entry: Stored) -> None:
+        """Copy positions [0, n) of ``slot``'s KV on every stage, and the first ``drafted`` of its drafter's
+        (``entry.kept``'s), into ``entry``'s pages of the host's prefix store
+        (`strata_runtime.engine.prefix.PrefixStore`): queued on each stage's stream after every window
+        queued there before (through the stage's thread, where it has one), so before any later window
+        overwrites them; the drafter's on the drafters' stream after the last stage's copy. The host does
+        not wait. Whatever is queued later on those streams (a `restore_prefix`, or a save into the same
+        pages once they hold another prefix) comes after."""
+        runs = page_runs(entry.pages, len(entry.kept.tokens))
+        drafted = page_runs(entry.pages, entry.kept.drafted or 0)
         for s in range(len(self.stages)):
-            self._on_stage(s, functools.partial(self._save_share, saved, s, slot))
-        return saved
+            self._on_stage(s, functools.partial(self._save_share, s, slot, runs, drafted))
 
-    def restore_prefix(self, saved: SavedPrefix, slot: int, n: int) -> None:
+    def restore_prefix(self, entry: Stored, slot: int, n: int) -> None:
         """Empty slot ``slot`` (its stages and drafter rewound to 0 by the caller) takes positions [0, n) of
-        ``saved``, at most what it holds: counted now, copied on each stage's stream after every window
-        queued there before, so before any window of ``slot`` (the drafter's as `copy_prefix` orders
+        stored ``entry``, at most what it holds: counted now, copied on each stage's stream after every
+        window queued there before, so before any window of ``slot`` (the drafter's as `copy_prefix` orders
         them)."""
         drafter = self.model.drafters.get(slot)
         if drafter is not None:
-            drafter.kv.fill(0, n, saved.drafted or 0, "a stored prefix's drafter")
+            drafter.kv.fill(0, n, entry.kept.drafted or 0, "a stored prefix's drafter")
         for stage in self.stages:
-            stage.kv.fill(slot, n, saved.n, "a stored prefix")
+            stage.kv.fill(slot, n, len(entry.kept.tokens), "a stored prefix")
+        runs = page_runs(entry.pages, n)
         for s in range(len(self.stages)):
-            self._on_stage(s, functools.partial(self._restore_share, saved, s, slot, n))
-
-    def forget_saved(self, saved: SavedPrefix) -> None:
-        """``saved`` leaves the store: on a GPU its pinned host copies go back to their pool only once each
-        stage's stream has run every copy queued from or into them before now."""
-        if self._streams[0] is None:
-            return
-        for s in range(len(self.stages)):
-            self._on_stage(s, functools.partial(self._release_share, saved, s))
-
-    def _release_share(self, saved: SavedPrefix, s: int) -> None:
-        stream = self._streams[s]
-        with self.stages[s].device.use(), self._lock_for(s):
-            WATCHED.hold(stream.record(cupy_module().cuda.Event(disable_timing=True)), saved)
+            self._on_stage(s, functools.partial(self._restore_share, s, slot, runs))
 
     def _lock_for(self, s: int) -> Any:
         """Stage ``s``'s device lock on a GPU (no copy is queued while another thread captures a graph
@@ -220,30 +215,28 @@ class Executor:
         else:
             task()
 
-    def _save_share(self, saved: SavedPrefix, s: int, slot: int) -> None:
+    def _save_share(self, s: int, slot: int, runs: list[Run], drafted: list[Run]) -> None:
         """Stage ``s``'s part of `save_prefix` (and the drafter's, on the last stage)."""
         stage, stream = self.stages[s], self._streams[s]
         try:
             with stage.device.use(), _using(stream), self._lock_for(s):
-                saved.stages[s] = stage.kv.save_rows(slot, saved.n)
-                drafted = saved.drafted
-                if s == len(self.stages) - 1 and drafted:
+                stage.kv.save_rows(slot, self._store[s], runs)
+                into = self._store_drafter
+                if s == len(self.stages) - 1 and drafted and into is not None:
                     kv = self.model.drafters[slot].kv
-                    saved.drafter = self._on_draft_stream(stream, lambda: kv.save_rows(0, drafted))
+                    self._on_draft_stream(stream, lambda: kv.save_rows(0, into, drafted))
         except BaseException as exc:  # on a stage's thread: the engine's next `finish` raises it
             self._copy_error = exc
 
-    def _restore_share(self, saved: SavedPrefix, s: int, slot: int, n: int) -> None:
+    def _restore_share(self, s: int, slot: int, runs: list[Run]) -> None:
         """Stage ``s``'s part of `restore_prefix` (and the drafter's, on the last stage)."""
         stage, stream = self.stages[s], self._streams[s]
         try:
             with stage.device.use(), _using(stream), self._lock_for(s):
-                keys, values = _filled(saved.stages[s])
-                stage.kv.load_rows(slot, keys, values, n)
-                drafter = self.model.drafters.get(slot)
-                if s == len(self.stages) - 1 and drafter is not None and n:
-                    dk, dv = _filled(saved.drafter)
-                    self._on_draft_stream(stream, lambda: drafter.kv.load_rows(0, dk, dv, n))
+                stage.kv.load_rows(slot, self._store[s], runs)
+                drafter, source = self.model.drafters.get(slot), self._store_drafter
+                if s == len(self.stages) - 1 and drafter is not None and source is not None and runs:
+                    self._on_draft_stream(stream, lambda: drafter.kv.load_rows(0, source, runs))
         except BaseException as exc:
             self._copy_error = exc
 

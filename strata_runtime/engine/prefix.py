@@ -48,8 +48,7 @@ This module decides; `strata_runtime.engine.scheduler.Engine` rewinds or copies 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -225,23 +224,49 @@ request takes another free slot rather than cut a slot's kept tokens short by th
 Below it, reading them again costs about what the copies would."""
 
 
+PAGE = 64
+"""Positions in one page of the prefix store's host memory: a stored prefix holds whole pages, the last
+one partly filled."""
+
+
+def pages_for(n: int) -> int:
+    """Pages that hold ``n`` positions."""
+    return -(-n // PAGE)
+
+
+def page_runs(pages: Sequence[int], n: int) -> list[tuple[int, int, int]]:
+    """The copies that move positions [0, n) of a prefix into or out of its ``pages`` (in order of position):
+    (first position in the store's memory, first position of the prefix, positions), one for each run of
+    consecutive pages."""
+    runs: list[tuple[int, int, int]] = []
+    for j, page in enumerate(pages[: pages_for(n)]):
+        at, pos, count = page * PAGE, j * PAGE, min(PAGE, n - j * PAGE)
+        if runs and runs[-1][0] + runs[-1][2] == at:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + count)
+        else:
+            runs.append((at, pos, count))
+    return runs
+
+
 @dataclass(eq=False)
 class Stored:
-    """One prefix in the host's store: what it holds (as a slot's `Kept`, ``freed`` its last use), its
-    bytes, and the host copies of its KV (the executor's, opaque here). Equal only to itself."""
+    """One prefix in the host's store: what it holds (as a slot's `Kept`, ``freed`` its last use), and the
+    pages of the store's memory that hold its KV (`page_runs`). Equal only to itself."""
 
     kept: Kept
-    nbytes: int
-    copies: Any = field(repr=False)
+    pages: tuple[int, ...]
 
 
 class PrefixStore:
-    """Prefixes that no slot holds any more, in host memory (``memory.prefix_store_mib``): at most
-    ``capacity`` bytes, the least recently used dropped first."""
+    """Prefixes that no slot holds any more, in host memory (``memory.prefix_store_mib``): ``pages`` pages of
+    `PAGE` positions, ``page_bytes`` each (every stage's KV and a drafter's), allocated once, the least
+    recently used prefix dropped first to make room. Which pages a prefix takes is decided here; the
+    executor copies into and out of them."""
 
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
+    def __init__(self, pages: int, page_bytes: int) -> None:
+        self.pages, self.page_bytes = pages, page_bytes
         self.entries: list[Stored] = []
+        self._free = list(range(pages))
         self._uses = 0
         self.saved = 0
         """Prefixes stored since the engine started."""
@@ -250,11 +275,12 @@ class PrefixStore:
 
     @property
     def on(self) -> bool:
-        return self.capacity > 0
+        return self.pages > 0
 
     @property
     def nbytes(self) -> int:
-        return sum(e.nbytes for e in self.entries)
+        """Bytes of the store's memory its prefixes hold (whole pages)."""
+        return sum(len(e.pages) for e in self.entries) * self.page_bytes
 
     def best(self, prompt: Sequence[int], key: Hashable) -> tuple[Stored | None, int]:
         """The stored prefix a request with this prompt reuses the most positions of (`reusable`), and those
@@ -277,43 +303,58 @@ class PrefixStore:
         others = [reusable(k, probe, kept.key) for k in (*held.values(), *(e.kept for e in self.entries))]
         return own >= max(others, default=0) + STORE_LEAST
 
-    def room(self, kept: Kept, nbytes: int, spare: Stored | None = None) -> list[Stored] | None:
-        """Make room for a prefix of ``nbytes`` that holds ``kept``: the stored prefixes it holds whole, then
-        the least recently used, are taken out and returned (the caller frees their copies), never
-        ``spare`` (a request is copying it back); None (nothing taken out) where it would not fit so."""
-        keep = [e for e in self.entries if e is spare]
-        if nbytes + sum(e.nbytes for e in keep) > self.capacity:
-            return None
+    def store(self, kept: Kept, spare: Stored | None = None) -> tuple[Stored | None, list[Stored]]:
+        """Store ``kept`` in pages of its own, after making room: the stored prefixes it holds whole, then the
+        least recently used, are dropped (returned second), never ``spare`` (a request is copying it back).
+        (None, []) where it would not fit so: larger than the store, or than what ``spare`` leaves."""
+        need = pages_for(len(kept.tokens))
+        if need + (len(spare.pages) if spare is not None else 0) > self.pages:
+            return None, []
         out = [e for e in self.entries if e is not spare and e.kept.key == kept.key and _holds(kept, e.kept)]
-        rest = sorted(
-            (e for e in self.entries if e is not spare and e not in out), key=lambda e: e.kept.freed
-        )
-        total = sum(e.nbytes for e in (*keep, *rest))
-        while total + nbytes > self.capacity:
+        rest = [e for e in self.entries if e is not spare and e not in out]
+        rest.sort(key=lambda e: e.kept.freed)
+        free = len(self._free) + sum(len(e.pages) for e in out)
+        while free < need:
             e = rest.pop(0)
-            total -= e.nbytes
+            free += len(e.pages)
             out.append(e)
         self.entries = [e for e in self.entries if e not in out]
+        for e in out:
+            self._free.extend(e.pages)
         self.dropped += len(out)
-        return out
-
-    def add(self, kept: Kept, nbytes: int, copies: Any) -> Stored:
-        """Store a prefix (after `room`)."""
         self._uses += 1
-        entry = Stored(Kept(kept.tokens, kept.drafted, kept.key, self._uses), nbytes, copies)
+        entry = Stored(Kept(kept.tokens, kept.drafted, kept.key, self._uses), self._take(need))
         self.entries.append(entry)
         self.saved += 1
-        return entry
+        return entry, out
+
+    def _take(self, count: int) -> tuple[int, ...]:
+        """``count`` free pages: the first run of that many consecutive ones where there is one (a prefix in
+        one run moves in one copy a KV head), else the lowest free pages."""
+        self._free.sort()
+        free, start = self._free, 0
+        for j in range(len(free)):
+            if j > 0 and free[j] != free[j - 1] + 1:
+                start = j
+            if j - start + 1 == count:
+                taken = free[start : j + 1]
+                break
+        else:
+            taken = free[:count]
+        gone = set(taken)
+        self._free = [p for p in free if p not in gone]
+        return tuple(taken)
 
     def used(self, entry: Stored) -> None:
         """A request copied ``entry`` back: it is the most recently used."""
         self._uses += 1
         entry.kept = Kept(entry.kept.tokens, entry.kept.drafted, entry.kept.key, self._uses)
 
-    def clear(self) -> list[Stored]:
-        """Forget every stored prefix; returns them (the caller frees their copies)."""
-        out, self.entries = self.entries, []
-        return out
+    def clear(self) -> None:
+        """Forget every stored prefix."""
+        for e in self.entries:
+            self._free.extend(e.pages)
+        self.entries = []
 
     @property
     def totals(self) -> dict[str, int]:

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from strata_cfg.schema.plan import MIB, LaunchPlan
 
+from .prefix import PAGE
 from .speculative import DRAFT_PROBE_EVERY, SILENT_PROBE_EVERY
 
 if TYPE_CHECKING:
@@ -139,6 +140,17 @@ def _pause_text(engine: EngineView) -> str:
     return "drafting never pauses (spec.draft_floor = 0)"
 
 
+def _store_text(engine: EngineView) -> str:
+    """The start-up line's words on the host's prefix store (nothing where it is off)."""
+    mib, store = engine.plan.memory.prefix_store_mib, engine.store
+    if not mib or not engine.plan.memory.prefix_reuse:
+        return ""
+    if not store.on:
+        page = store.page_bytes / MIB
+        return f" (store {mib} MiB: less than one page of {PAGE} positions, {page:.1f} MiB, so none)"
+    return f" (store {mib} MiB in host memory: {store.pages} pages of {PAGE} positions)"
+
+
 def startup_lines(engine: EngineView) -> list[str]:
     """What the engine logs as it starts: its stages, slots, batch mode and prefix reuse, how far windows run
     ahead, how
@@ -150,8 +162,7 @@ def startup_lines(engine: EngineView) -> list[str]:
         f"stages: {stages}",
         f"slots: {engine.n_slots}, mode {p.batch.mode}, {p.batch.groups} group(s), batch MTP "
         f"{'on' if p.batch.mtp else 'off'}, solo drafting {_depth_text(engine)}, prefix reuse "
-        f"{'on' if p.memory.prefix_reuse else 'off'}"
-        + (f" (store {p.memory.prefix_store_mib} MiB in host memory)" if engine.store.on else ""),
+        f"{'on' if p.memory.prefix_reuse else 'off'}" + _store_text(engine),
         (
             f"decode windows whose tokens the device chooses: up to {engine.run_ahead} in flight, each "
             "reading the tokens the one before chose (batch.run_ahead)"

@@ -97,9 +97,6 @@ class Engine:
         self.slots: list[Slot | None] = [None] * self.n_slots
         self.prefixes = Prefixes(self.n_slots, plan.memory.prefix_reuse)
         """What each free slot's KV keeps for a request that begins the same way (``memory.prefix_reuse``)."""
-        store = plan.memory.prefix_store_mib * MIB if plan.memory.prefix_reuse else 0
-        self.store = PrefixStore(store)
-        """Kept prefixes that no slot holds any more, in host memory (``memory.prefix_store_mib``)."""
         self.tracked = self.model.mtp is not None
         self.choice = WindowChoice(plan)
         """What the windows measured, and each request's drafting depth and batch windows' kind from it."""
@@ -107,6 +104,13 @@ class Engine:
         """Proposals a solo window drafts at most after its token (0: the plan does not draft)."""
         self.pipelined = plan.batch.mode == "pipelined"
         self.executor = Executor(self.model, self.tracked, overlap=self.pipelined)
+        store = plan.memory.prefix_store_mib * MIB if plan.memory.prefix_reuse else 0
+        page = self.executor.page_bytes
+        self.store = PrefixStore(store // page, page)
+        """Kept prefixes that no slot holds any more, in host memory (``memory.prefix_store_mib``), in pages
+        the executor allocates once, here."""
+        if self.store.on:
+            self.executor.open_store(self.store.pages)
         self._queue: deque[RequestHandle] = deque()
         self._lock = threading.Lock()
         self._admitted = 0
@@ -340,7 +344,7 @@ class Engine:
         self._rewind_slot(i, own)
         if restoring is not None:
             self.store.used(restoring)
-            self.executor.restore_prefix(restoring.copies, i, reuse)
+            self.executor.restore_prefix(restoring, i, reuse)
         elif source is not None:
             self.executor.copy_prefix(source, i, reuse)
         handle.cached_tokens = reuse
@@ -409,14 +413,9 @@ class Engine:
         }
         if not self.store.worth_storing(kept, others):
             return
-        n = len(kept.tokens)
-        nbytes = self.executor.kv_bytes(n, kept.drafted)
-        dropped = self.store.room(kept, nbytes, restoring)
-        if dropped is None:  # it does not fit beside the prefix copied back
-            return
-        for entry in dropped:
-            self.executor.forget_saved(entry.copies)
-        self.store.add(kept, nbytes, self.executor.save_prefix(i, n, kept.drafted))
+        entry, _ = self.store.store(kept, restoring)
+        if entry is not None:  # else it does not fit beside the prefix copied back
+            self.executor.save_prefix(i, entry)
 
     def _rewind_slot(self, i: int, length: int) -> None:
         """Slot ``i`` keeps positions [0, length) on every stage and in its drafter."""
@@ -478,8 +477,7 @@ class Engine:
             if kept is not None and self.slots[i] is None:
                 self._rewind_slot(i, 0)
                 self.prefixes.kept[i] = None
-        for entry in self.store.clear():
-            self.executor.forget_saved(entry.copies)
+        self.store.clear()
 
     def _group_load(self, slot_id: int) -> int:
         """Busy slots in ``slot_id``'s group: a new request goes to the least busy group."""

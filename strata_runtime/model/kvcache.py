@@ -8,11 +8,17 @@ is what makes a skipped rollback impossible rather than silently wrong.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 from numpy.typing import DTypeLike
 
-from ..backend import Array, Device, cupy_module, pinned_empty
+from ..backend import Array, Device, cupy_module
+from ..experts.host import host_empty
 from ..layout import Segment
+
+MAX_PITCH = 2**31 - 1
+"""The widest row pitch, in bytes, that a CUDA 2D copy takes (``cudaDevAttrMaxPitch`` on current GPUs)."""
 
 
 class KVError(RuntimeError):
@@ -92,36 +98,85 @@ class KVCache:
         self.k[:, slot, :, :n] = source.k[:, src, :, :n]
         self.v[:, slot, :, :n] = source.v[:, src, :, :n]
 
-    def save_rows(self, slot: int, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """Host copies of positions [0, n) of ``slot``, every layer: keys and values [layers, K, n, D]. On a
-        GPU they are pinned and queued on the current stream (they hold the rows once it has passed this
-        point; the host does not wait), one copy per layer and head, each a contiguous run of the cache."""
-        shape = (self._layers, self.k.shape[2], n, self.k.shape[4])
-        if not self.device.is_cuda:
-            return np.array(self.k[:, slot, :, :n]), np.array(self.v[:, slot, :, :n])
-        stream = cupy_module().cuda.get_current_stream()
-        out = pinned_empty(shape, self.k.dtype), pinned_empty(shape, self.v.dtype)
-        for cache, host in zip((self.k, self.v), out, strict=True):
-            for layer in range(shape[0]):
-                for head in range(shape[1]):
-                    cache[layer, slot, head, :n].get(stream=stream, out=host[layer, head], blocking=False)
-        return out
+    def save_rows(self, slot: int, into: HostRows, runs: Sequence[tuple[int, int, int]]) -> None:
+        """Copy runs of ``slot``'s positions into host rows ``into`` (the prefix store's): each run ``(at,
+        pos, count)`` copies positions [pos, pos + count) of every layer and KV head to [at, at + count). On
+        a GPU queued on the current stream, the host does not wait (see `HostRows`)."""
+        for at, pos, count in runs:
+            if self.device.is_cuda:
+                _copy_run(self.k, slot, into.keys, at, pos, count, to_host=True)
+                _copy_run(self.v, slot, into.values, at, pos, count, to_host=True)
+            else:
+                into.keys[:, :, at : at + count] = self.k[:, slot, :, pos : pos + count]
+                into.values[:, :, at : at + count] = self.v[:, slot, :, pos : pos + count]
 
-    def load_rows(self, slot: int, keys: np.ndarray, values: np.ndarray, n: int) -> None:
-        """Copy positions [0, n) of host copies from `save_rows` into ``slot`` (whose length the caller
-        counted), on the current stream; on a GPU the host copies must be pinned and outlive the copy."""
-        if not self.device.is_cuda:
-            self.k[:, slot, :, :n] = keys[:, :, :n]
-            self.v[:, slot, :, :n] = values[:, :, :n]
-            return
-        stream = cupy_module().cuda.get_current_stream()
-        for cache, host in ((self.k, keys), (self.v, values)):
-            for layer in range(host.shape[0]):
-                for head in range(host.shape[1]):
-                    cache[layer, slot, head, :n].set(host[layer, head, :n], stream=stream)
+    def load_rows(self, slot: int, source: HostRows, runs: Sequence[tuple[int, int, int]]) -> None:
+        """Copy runs of host rows ``source`` back into ``slot`` (whose length the caller counted), the
+        reverse of `save_rows`, on the current stream."""
+        for at, pos, count in runs:
+            if self.device.is_cuda:
+                _copy_run(self.k, slot, source.keys, at, pos, count, to_host=False)
+                _copy_run(self.v, slot, source.values, at, pos, count, to_host=False)
+            else:
+                self.k[:, slot, :, pos : pos + count] = source.keys[:, :, at : at + count]
+                self.v[:, slot, :, pos : pos + count] = source.values[:, :, at : at + count]
 
     def rewind(self, slot: int, length: int) -> None:
         """Forget positions [length, ...) of ``slot``: rejected rows, or the whole slot on release."""
         if not 0 <= length <= self.lengths[slot]:
             raise KVError(f"slot {slot}: cannot rewind to {length}, it holds {int(self.lengths[slot])}")
         self.lengths[slot] = length
+
+
+class HostRows:
+    """Host memory for ``positions`` positions of a KV cache's every layer and KV head, keys and values
+    [layers, K, positions, D] each (the prefix store's, allocated once): page-locked on a GPU, so that copies
+    into and out of it are queued without the host waiting, and so that it is never taken back while a
+    copy runs (it lives as long as the engine)."""
+
+    def __init__(self, kv: KVCache, positions: int) -> None:
+        layers, _, kv_heads, _, head_dim = kv.k.shape
+        shape = (int(layers), int(kv_heads), positions, int(head_dim))
+        pinned = kv.device.is_cuda
+        self.keys = host_empty(shape, kv.k.dtype, pinned)
+        self.values = host_empty(shape, kv.v.dtype, pinned)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.keys.nbytes + self.values.nbytes)
+
+    def rows(self, runs: Sequence[tuple[int, int, int]]) -> tuple[np.ndarray, np.ndarray]:
+        """The keys and values [layers, K, n, D] that ``runs`` (`KVCache.save_rows`'s) hold, in order of
+        position: a copy, to read what was stored."""
+        parts = [(self.keys[:, :, at : at + n], self.values[:, :, at : at + n]) for at, _, n in runs]
+        return np.concatenate([k for k, _ in parts], axis=2), np.concatenate([v for _, v in parts], axis=2)
+
+
+def _copy_run(
+    cache: Array, slot: int, host: np.ndarray, at: int, pos: int, count: int, to_host: bool
+) -> None:
+    """Queue on the current stream the copy between positions [pos, pos + count) of ``slot`` in a device
+    cache [layers, slots, K, T, D] and positions [at, at + count) of host rows [layers, K, C, D]: one strided
+    copy per KV head (a row per layer), or per layer (a row per head) where a layer's pitch is too wide for
+    one, whichever takes fewer copies."""
+    rt = cupy_module().cuda.runtime
+    layers, _, kv_heads, _, head_dim = (int(d) for d in cache.shape)
+    item = cache.dtype.itemsize
+    s_layer, s_slot, s_head, s_pos, s_dim = (int(x) for x in cache.strides)
+    h_layer, h_head, h_pos, _ = (int(x) for x in host.strides)
+    if s_dim != item or s_pos != head_dim * item or h_pos != head_dim * item:
+        raise ValueError("a KV cache's positions must each be one contiguous run of a head's dimensions")
+    width = count * head_dim * item
+    dev = int(cache.data.ptr) + slot * s_slot + pos * s_pos
+    mem = int(host.ctypes.data) + at * h_pos
+    by_head = (kv_heads, layers, s_head, h_head, s_layer, h_layer)  # copies, rows, step, step, pitch, pitch
+    by_layer = (layers, kv_heads, s_layer, h_layer, s_head, h_head)
+    shapes = [c for c in (by_head, by_layer) if max(c[4], c[5]) <= MAX_PITCH]
+    copies, rows, d_step, h_step, d_pitch, h_pitch = min(shapes, key=lambda c: c[0])
+    stream = cupy_module().cuda.get_current_stream().ptr
+    for j in range(copies):
+        d, h = dev + j * d_step, mem + j * h_step
+        if to_host:
+            rt.memcpy2DAsync(h, h_pitch, d, d_pitch, width, rows, rt.memcpyDefault, stream)
+        else:
+            rt.memcpy2DAsync(d, d_pitch, h, h_pitch, width, rows, rt.memcpyDefault, stream)
