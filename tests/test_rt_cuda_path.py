@@ -1239,6 +1239,12 @@ def test_the_prefix_stores_strided_copies_move_exactly_a_slots_runs_of_positions
     # Per head, a row for each of 3 layers; past the pitch, per layer, a row for each of 2 heads.
     assert [rows for rows, _ in copies] == ([layers] * heads if pitch is None else [heads] * layers) * 4
     assert all(pinned for _, pinned in copies)
+    # The copies go through raw addresses: one past either array is refused before anything moves.
+    for bad in ([(60, 0, 5)], [(0, 36, 5)]):
+        copies.clear()
+        with pytest.raises(ValueError, match="falls outside the cache"):
+            kv.save_rows(1, host, bad)
+        assert not copies
     before = [w.copy() for w in wide]
     kv.load_rows(0, host, runs)
     for cache in (kv.k, kv.v):

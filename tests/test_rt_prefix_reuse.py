@@ -693,3 +693,36 @@ def test_a_full_store_drops_its_least_recently_used_prefix_and_never_holds_more_
         assert collect(eng, req) == collect(without, req)
         assert eng.totals["prefix_restores"] - before == restores
         assert eng.store.nbytes <= eng.store.pages * eng.store.page_bytes
+
+
+@functools.cache
+def _store_mode_engine(mode: str, store: bool) -> Engine:
+    return _engine_in_mode(mode, context=256, prefix_reuse=store, prefix_store_mib=4 if store else 0)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_in_every_mode_more_conversations_than_slots_give_the_text_of_whole_prompts_through_a_small_store(
+    mode,
+) -> None:
+    """Two conversations more than the mode's slots, of 70-token beginnings, their turns arriving at random
+    steps (seeded schedules), through a store of five pages (two conversations' histories): slots are taken
+    from conversations, their histories stored and dropped, some copied back while others are stored. Every
+    request gets the tokens of the engine that reads every prompt whole (and `collect` checks each slot's
+    KV after every step), and the store is used: prefixes stored, dropped and copied back."""
+    eng, whole = _store_mode_engine(mode, True), _store_mode_engine(mode, False)
+    assert eng.store.pages >= 5  # the host memory the engine allocated holds these five pages
+    restores, saved, dropped = eng.totals["prefix_restores"], 0, 0
+    for seed in range(4):
+        eng.forget_prefixes()
+        eng.store = PrefixStore(5, eng.store.page_bytes)
+        rng = random.Random(seed)
+        said = [[rng.randrange(33, 126) for _ in range(70)] for _ in range(eng.n_slots + 2)]
+        reqs = []
+        for i in range(8):
+            at, conv = rng.randrange(0, 3 * i + 1), rng.randrange(len(said))
+            said[conv] += [rng.randrange(32, 127) for _ in range(rng.randint(1, 12))]
+            reqs.append((at, Request(tuple(said[conv]), rng.randint(1, 8), request_id=f"c{i}")))
+        assert collect(eng, reqs) == collect(whole, reqs)
+        assert sum(len(e.pages) for e in eng.store.entries) <= 5
+        saved, dropped = saved + eng.store.saved, dropped + eng.store.dropped
+    assert saved >= 4 and dropped >= 1 and eng.totals["prefix_restores"] - restores >= 2

@@ -160,7 +160,14 @@ def _copy_run(
     copy per KV head (a row per layer), or per layer (a row per head) where a layer's pitch is too wide for
     one, whichever takes fewer copies."""
     rt = cupy_module().cuda.runtime
-    layers, _, kv_heads, _, head_dim = (int(d) for d in cache.shape)
+    layers, slots, kv_heads, context, head_dim = (int(d) for d in cache.shape)
+    inside = 0 <= slot < slots and min(pos, at) >= 0 and pos + count <= context
+    if not inside or at + count > host.shape[2]:
+        # The copy goes through raw addresses: nothing else would stop it writing past either array.
+        raise ValueError(
+            f"a copy of positions [{pos}, {pos + count}) of slot {slot} to [{at}, {at + count}) falls "
+            f"outside the cache ({slots} slots of {context}) or the host rows ({host.shape[2]})"
+        )
     item = cache.dtype.itemsize
     s_layer, s_slot, s_head, s_pos, s_dim = (int(x) for x in cache.strides)
     h_layer, h_head, h_pos, _ = (int(x) for x in host.strides)
