@@ -43,6 +43,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     """Report each prompt token's log-probability after the tokens before it (all but the first) and those
     of this many most likely tokens at its place, as for generated tokens; None reports none."""
+    grammar: str | None = None
+    """A grammar the reply must follow, in llguidance's format (`strata_runtime.structured.json_grammar`
+    writes one for a JSON schema); None: free text. Its requests do not draft."""
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,8 @@ class RequestHandle:
     request: Request
     events: queue.Queue[TokenEvent] = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    grammar: Any = None
+    """The engine's: the reply's place in the request's grammar (`strata_runtime.structured.Matcher`)."""
     slot: int | None = None
     """The slot serving it, once admitted."""
     prompt_tokens: int = 0
@@ -124,6 +129,8 @@ class Tokenizer(Protocol):
 
     eos_ids: tuple[int, ...]
     """Ids that end a generation."""
+    special_ids: tuple[int, ...]
+    """Ids of special tokens: control tokens that are never part of a text."""
 
     def encode(self, text: str) -> list[int]: ...
 

@@ -325,21 +325,23 @@ RUNTIME_MAY_IMPORT: dict[str, set[str]] = {
     "backend": set(),
     "layout": set(),
     "reference": set(),
+    "structured": {"api"},
     "models": {"layout", "reference"},
     "experts": {"backend", "layout", "reference"},
     "weights": {"backend", "experts", "models", "reference"},
     "cuda": {"backend", "layout", "models", "reference", "experts"},
     "model": {"api", "backend", "layout", "models", "weights", "cuda", "experts"},
-    "engine": {"api", "backend", "experts", "layout", "model", "weights"},
-    "server": {"api"},
+    "engine": {"api", "backend", "experts", "layout", "model", "structured", "weights"},
+    "server": {"api", "structured"},
     "bench": {"api", "backend", "cuda", "engine", "experts", "model", "models", "weights"},
-    "commands": {"api", "backend", "bench", "engine", "model", "server", "weights"},
+    "commands": {"api", "backend", "bench", "engine", "model", "server", "structured", "weights"},
     "__main__": set(),
     "strata_runtime": set(),
 }
 """The runtime's own layering: the foundation (the request interface, devices, a window's rows, the kernels'
-references), then the architecture, its weights and its CUDA path, the placed model, the engine, and the
-server, bench and commands on top. The server reaches the engine only through `api.EngineCore`."""
+references, grammars over a tokenizer), then the architecture, its weights and its CUDA path, the placed
+model, the engine, and the server, bench and commands on top. The server reaches the engine only through
+`api.EngineCore`."""
 
 
 def test_each_part_of_the_runtime_imports_only_the_parts_before_it(runtime_graph):

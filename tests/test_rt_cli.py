@@ -59,9 +59,47 @@ def test_generate_with_penalties_repeats_fewer_tokens() -> None:
     assert len(set(runs[True])) > len(set(runs[False]))
 
 
+def test_generate_replies_in_json_that_follows_a_schema_file_or_in_any_json_object(tmp_path) -> None:
+    """--json-schema FILE and --json-object reach the request through both generate commands: the reply
+    follows the schema and ends with `stop` once complete; any object starts as one (the demo model's
+    strings run on, so it may end by length)."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "title": {"type": "string", "maxLength": 10},
+            "year": {"type": "integer", "minimum": 1700, "maximum": 1900},
+        },
+        "required": ["title", "year"],
+        "additionalProperties": False,
+    }
+    path = tmp_path / "book.json"
+    path.write_text(json.dumps(schema))
+    args = [
+        "generate",
+        "profiles/demo.toml",
+        "--prompt",
+        "A novel: ",
+        "--max-tokens",
+        "60",
+        "--json",
+        "--quiet",
+    ]
+    out = strata(*args, "--json-schema", str(path))
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout)
+    book = json.loads(res["text"])
+    assert res["finish_reason"] == "stop" and list(book) == ["title", "year"]
+    assert len(book["title"]) <= 10 and 1700 <= book["year"] <= 1900
+    free = json.loads(strata(*args, "--json-object").stdout)
+    assert free["text"].startswith("{") and free["error"] is None
+    both = strata(*args, "--json-object", "--json-schema", str(path))
+    assert both.returncode == 2 and "not allowed with argument" in both.stderr
+
+
 @pytest.mark.parametrize(
     ("option", "needle"),
     [
+        (("--json-schema", "/nonexistent/s.json"), "--json-schema /nonexistent/s.json: cannot read it"),
         (("--temperature", "0.5", "--top-p", "1.5"), "--top-p must be in (0, 1], not 1.5"),
         (("--top-k", "-1"), "--top-k must be at least 0"),
         (("--presence-penalty", "3"), "--presence-penalty must be in [-2, 2], as OpenAI defines it, not 3.0"),
@@ -75,6 +113,25 @@ def test_generate_with_penalties_repeats_fewer_tokens() -> None:
 def test_generate_refuses_bad_sampling_options_naming_them(option, needle) -> None:
     out = strata("generate", "--prompt", "Hello", "--max-tokens", "4", *option)
     assert out.returncode == 2 and needle in out.stderr, out.stderr
+
+
+def test_a_schema_file_that_is_not_a_json_object_is_refused_naming_the_file_and_place(tmp_path) -> None:
+    bad, listed = tmp_path / "bad.json", tmp_path / "list.json"
+    bad.write_text('{\n  "type": "object",\n  "properties": {,}\n}\n')
+    listed.write_text("[1, 2]")
+    out = strata("generate", "--prompt", "x", "--json-schema", str(bad))
+    assert out.returncode == 2 and f"--json-schema {bad}: not JSON at line 3, column 18" in out.stderr
+    out = strata("generate", "--prompt", "x", "--json-schema", str(listed))
+    assert out.returncode == 2 and "a JSON schema is an object, not a list" in out.stderr
+    schema = tmp_path / "nonsense.json"
+    schema.write_text('{"type": "nonsense"}')
+    args = ["generate", "--prompt", "x", "--json-schema", str(schema), "--json", "--quiet"]
+    res = json.loads(strata(*args).stdout)  # JSON, but not a schema: the request ends at once, saying why
+    assert (
+        res["finish_reason"] == "error"
+        and res["error"].startswith("grammar: ")
+        and "nonsense" in res["error"]
+    )
 
 
 def test_the_runtime_generate_refuses_bad_sampling_options_itself(tmp_path) -> None:

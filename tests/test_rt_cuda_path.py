@@ -509,6 +509,44 @@ def test_windows_running_ahead_on_the_cuda_path_give_the_array_paths_text(fake_g
     assert alone[0] == cpu[0]
 
 
+def test_a_reply_with_a_grammar_on_the_cuda_path_is_chosen_by_the_host_beside_windows_that_run_ahead(
+    fake_gpu,
+):
+    """On a split whose serial windows run ahead (the device choosing tokens and the next window reading
+    them), a request with a JSON schema gets its tokens chosen by the host over the allowed ones: its reply
+    is the schema's JSON, the same greedy reply as on the array path, and the request beside it (greedy, its
+    tokens chosen on the device) gets the text it gets alone."""
+    import json
+
+    from strata_runtime.api import SamplingParams
+    from strata_runtime.engine import Engine
+    from strata_runtime.structured import json_grammar
+
+    schema = {
+        "type": "object",
+        "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99}, "ok": {"type": "boolean"}},
+        "required": ["id", "ok"],
+        "additionalProperties": False,
+    }
+    shaped = Request(tuple(b"Give me JSON: "), 40, sampling=SamplingParams(grammar=json_grammar(schema)))
+    plain = Request((72, 101, 108, 108, 111), 14)
+
+    def generate(plan, requests) -> list[list[int]]:
+        engine = Engine(plan)
+        handles = [engine.submit(r) for r in requests]
+        while engine.step():
+            pass
+        return [[t for _ in range(h.events.qsize()) for t in h.events.get().token_ids] for h in handles]
+
+    split = _cuda_split(slots=2, groups=1)
+    split = split.model_copy(update={"batch": split.batch.model_copy(update={"run_ahead": 3})})
+    reply, beside = generate(split, [shaped, plain])
+    value = json.loads(bytes(reply))
+    assert set(value) == {"id", "ok"} and 0 <= value["id"] <= 99 and isinstance(value["ok"], bool)
+    assert [reply] == generate(_plan("cpu", "tiny"), [shaped])
+    assert [beside] == generate(split, [plain]) and len(beside) == 14
+
+
 def test_sampled_drafting_on_the_cuda_path_takes_every_distribution_from_the_kernel(fake_gpu, monkeypatch):
     """A sampled request that drafts on the CUDA path, seeded or not, with top-k and top-p: every distribution
     its windows draw proposals from and verify them against comes from the ``distribution_rows`` launcher (its

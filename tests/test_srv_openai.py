@@ -121,6 +121,51 @@ def test_completion_chat_and_streaming(client: openai.OpenAI):
     assert use.prompt_tokens_details.cached_tokens == use.prompt_tokens - 1
 
 
+def test_replies_follow_a_json_schema_or_any_json_object_through_the_openai_client(client: openai.OpenAI):
+    """``response_format`` through the openai client: its ``parse`` helper sends a pydantic model's schema
+    (strict) and reads the reply back into the model; ``json_object`` gives any JSON object, streamed or
+    whole, the same greedy text; every reply ends with ``stop`` when its JSON is complete."""
+    import pydantic
+
+    class Book(pydantic.BaseModel):
+        title: str = pydantic.Field(max_length=12)
+        year: int = pydantic.Field(ge=1700, le=1900)
+        kept: bool
+
+    messages = [{"role": "user", "content": "Name a novel as JSON. " + _prompt()}]
+    parsed = client.chat.completions.parse(
+        model="demo", messages=messages, response_format=Book, max_tokens=120, temperature=0
+    )
+    choice = parsed.choices[0]
+    assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Book)
+    assert len(choice.message.parsed.title) <= 12 and 1700 <= choice.message.parsed.year <= 1900
+    for temperature in (0.0, 1.0):  # sampled replies stay inside the grammar too
+        any_object = {"type": "json_object"}
+        whole = client.chat.completions.create(
+            model="demo",
+            messages=messages,
+            response_format=any_object,
+            max_tokens=300,
+            temperature=temperature,
+            seed=5,
+        )
+        streamed = client.chat.completions.create(
+            model="demo",
+            messages=messages,
+            response_format=any_object,
+            max_tokens=300,
+            temperature=temperature,
+            seed=5,
+            stream=True,
+        )
+        text = "".join(p.choices[0].delta.content or "" for p in streamed if p.choices)
+        assert text == whole.choices[0].message.content
+        if whole.choices[0].finish_reason == "stop":
+            assert isinstance(json.loads(text), dict)
+        else:  # cut by max_tokens: the start of a JSON object
+            assert whole.choices[0].finish_reason == "length" and text.startswith("{")
+
+
 def _reuse_figures(engine: Launched, workload: str) -> dict[str, float]:
     """`strata bench --url`'s figures of ``workload`` (``turns`` or ``shared``) on a 100-token context, 8
     tokens generated a request, and checked to have times and a rate."""
@@ -438,6 +483,23 @@ BAD_INPUTS = [
         400,
         "messages.0.content",
         "a string or a list of text parts",
+    ),
+    (
+        "/v1/chat/completions",
+        "application/json",
+        json.dumps(
+            {
+                "model": "demo",
+                "messages": [{"role": "user", "content": "hi"}],
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": 5}},
+                },
+            }
+        ).encode(),
+        400,
+        "response_format.json_schema.schema",
+        "cannot be followed",
     ),
     ("/v1/nothing", "application/json", b"{}", 404, None, "no route POST /v1/nothing"),
 ]

@@ -6,6 +6,7 @@ keeps serving afterwards, are in test_srv_openai.py.
 
 from __future__ import annotations
 
+import json
 import math
 import random
 
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 
 from strata_runtime.server import metrics
 from strata_runtime.server import protocol as p
+from strata_runtime.structured import json_grammar
 
 BAD_COMPLETIONS = [
     # (body, status, param, words the message must contain)
@@ -387,12 +389,31 @@ REFUSED = [
     ("chat", {"logprobs": 1}, "logprobs", ["`logprobs`"]),  # a switch on chat
     ("chat", {"top_logprobs": 2}, "top_logprobs", ["`top_logprobs`", "`logprobs` set to true"]),
     ("chat", {"logprobs": True, "top_logprobs": -1}, "top_logprobs", ["`top_logprobs`"]),
-    ("chat", {"response_format": {"type": "json_object"}}, "response_format", ["`json_object`", "free text"]),
+    ("chat", {"response_format": {"type": "yaml"}}, "response_format", ['{"type": "json_object"}']),
+    ("chat", {"response_format": {"type": "json_schema"}}, "response_format.json_schema", ["an object"]),
     (
         "completions",
         {"response_format": {"type": "json_schema", "json_schema": {}}},
-        "response_format",
-        ["`json_schema`"],
+        "response_format.json_schema.name",
+        ["`response_format.json_schema.name`", "64"],
+    ),
+    (
+        "chat",
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}}},
+        "response_format.json_schema.name",
+        ["letters, digits"],
+    ),
+    (
+        "chat",
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}},
+        "response_format.json_schema.schema",
+        ["JSON schema (an object)"],
+    ),
+    (
+        "chat",
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": "yes"}}},
+        "response_format.json_schema.strict",
+        ["true or false"],
     ),
     ("chat", {"response_format": "text"}, "response_format", ['{"type": "text"}']),
     ("chat", {"presence_penalty": 2.5}, "presence_penalty", ["`presence_penalty`", "less than"]),
@@ -411,6 +432,32 @@ def test_fields_that_would_change_the_answer_are_refused_by_name(endpoint, extra
     assert (info.value.status, info.value.param) == (400, param)
     for w in words:
         assert w in info.value.message
+
+
+def test_response_format_asks_the_engine_for_json_that_follows_its_schema():
+    """``json_object`` asks for any JSON object, ``json_schema`` for JSON that follows its schema (any object
+    where it gives none), laid out compactly; ``text`` for free text, on both endpoints."""
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    formats = [
+        ({"type": "text"}, None),
+        ({"type": "json_object"}, {"type": "object"}),
+        ({"type": "json_schema", "json_schema": {"name": "place", "schema": schema, "strict": True}}, schema),
+        ({"type": "json_schema", "json_schema": {"name": "any-1"}}, {"type": "object"}),
+    ]
+    for fmt, want in formats:
+        chat = p.parse_chat(
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "response_format": fmt}
+        )
+        completion = p.parse_completion({"model": "m", "prompt": "x", "response_format": fmt})
+        for body in (chat, completion):
+            got = p.prepare(body, [1, 2], context=64, vocab_size=300, default_max_tokens=None)
+            grammar = got.request.sampling.grammar
+            if want is None:
+                assert grammar is None
+            else:
+                (entry,) = json.loads(grammar)["grammars"]
+                assert entry["json_schema"] == {**want, "x-guidance": {"whitespace_flexible": False}}
+                assert json_grammar(want) == grammar
 
 
 def test_response_format_text_and_neutral_values_are_accepted():

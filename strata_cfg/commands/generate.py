@@ -17,9 +17,11 @@ from ..launch.engine_process import exec_runtime
 from ..plan.from_profile import resolve_text
 from ..schema.errors import ProfileError
 from ..schema.sampling_options import (
+    add_json_arguments,
     add_logprobs_argument,
     add_penalty_arguments,
     generation_problem,
+    json_schema_of,
     logprobs_problem,
     options_problem,
     sampling_options,
@@ -50,6 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="generate past the model's end-of-text tokens, to --max-tokens or a stop string",
     )
     add_logprobs_argument(parser)
+    add_json_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print token_ids, text and accepted_proposals")
     parser.add_argument("--quiet", action="store_true", help="no progress bar, start-up log or summary")
 
@@ -78,6 +81,8 @@ def runtime_args(args: argparse.Namespace) -> list[str]:
         out += ["--stop", s]
     if args.logprobs is not None:
         out += ["--logprobs", str(args.logprobs)]
+    if args.json_schema is not None:
+        out += ["--json-schema", str(Path(args.json_schema).resolve())]
     out += [
         flag
         for flag, on in (
@@ -85,6 +90,7 @@ def runtime_args(args: argparse.Namespace) -> list[str]:
             ("--json", args.json),
             ("--quiet", args.quiet),
             ("--ignore-eos", args.ignore_eos),
+            ("--json-object", args.json_object),
         )
         if on
     ]
@@ -99,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
         generation_problem(args.max_tokens, args.seed)
         or options_problem(args)
         or logprobs_problem(args.logprobs)
+        or (None if args.json_schema is None else json_schema_of(args.json_schema)[1])
     )
     if problem:
         print(f"strata generate: {problem}", file=sys.stderr)

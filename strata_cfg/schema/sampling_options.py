@@ -125,3 +125,33 @@ def add_penalty_arguments(parser: Any) -> None:
             help=f"{name} penalty in [-2, 2], as OpenAI defines it: a token's logit loses it {what} "
             "(default 0)",
         )
+
+
+def add_json_arguments(parser: Any) -> None:
+    """``--json-schema FILE`` and ``--json-object`` on a generate command's parser: a reply in JSON."""
+    shape = parser.add_mutually_exclusive_group()
+    shape.add_argument(
+        "--json-schema",
+        metavar="FILE",
+        help="reply with JSON that follows the JSON schema in FILE (structured output)",
+    )
+    shape.add_argument("--json-object", action="store_true", help="reply with any JSON object")
+
+
+def json_schema_of(path: str) -> tuple[dict[str, Any] | None, str | None]:
+    """The JSON schema in the file at ``path``, or why it cannot be one (naming the file, and the line and
+    column where it is not JSON)."""
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except OSError as exc:
+        return None, f"--json-schema {path}: cannot read it ({exc.strerror or exc})"
+    except UnicodeDecodeError:
+        return None, f"--json-schema {path}: not UTF-8 text"
+    except json.JSONDecodeError as exc:
+        return None, f"--json-schema {path}: not JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}"
+    if not isinstance(value, dict):
+        return None, f"--json-schema {path}: a JSON schema is an object, not a {type(value).__name__}"
+    return value, None

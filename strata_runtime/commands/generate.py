@@ -15,15 +15,18 @@ from pathlib import Path
 
 from strata_cfg.schema.plan_file import read_plan
 from strata_cfg.schema.sampling_options import (
+    add_json_arguments,
     add_logprobs_argument,
     add_penalty_arguments,
     generation_problem,
+    json_schema_of,
     logprobs_problem,
     options_problem,
     sampling_options,
 )
 
 from ..api import Request, SamplingParams, Tokenizer, TokenLogprob, token_name
+from ..structured import json_grammar
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,6 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="generate past the model's end-of-text tokens, to --max-tokens or a stop string",
     )
     add_logprobs_argument(parser)
+    add_json_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--quiet", action="store_true", help="no progress bar, start-up log or summary")
 
@@ -66,6 +70,9 @@ def run(args: argparse.Namespace) -> int:
         or options_problem(args)
         or logprobs_problem(args.logprobs)
     )
+    schema = None
+    if args.json_schema is not None:
+        schema, problem = json_schema_of(args.json_schema)
     if problem:
         raise SystemExit(f"strata_runtime generate: {problem}")
     if not args.quiet:
@@ -82,7 +89,10 @@ def run(args: argparse.Namespace) -> int:
         prompt = tuple(tok.apply_chat_template([{"role": "user", "content": args.prompt}]))
     else:
         prompt = tuple(tok.encode(args.prompt))
-    sampling = SamplingParams(**sampling_options(args), seed=args.seed, logprobs=args.logprobs)
+    shaped = args.json_schema is not None or args.json_object
+    grammar = json_grammar(schema) if shaped else None
+    options = sampling_options(args)
+    sampling = SamplingParams(**options, seed=args.seed, logprobs=args.logprobs, grammar=grammar)
     request = Request(
         prompt, args.max_tokens, sampling, stop_strings=tuple(args.stop), ignore_eos=args.ignore_eos
     )

@@ -45,8 +45,8 @@ class Entry:
     def on_device(self) -> bool:
         """A decode row with no proposals: the device chooses its token (after the request's logit bias and
         penalties, `strata_runtime.model.adjust`), and the host reads the chosen token and neither the logits
-        nor a verification."""
-        return self.kind == "decode" and not self.proposals.tokens
+        nor a verification; not for a request with a grammar, whose tokens the host chooses."""
+        return self.kind == "decode" and not self.proposals.tokens and not self.slot.sampler.host_only
 
 
 @dataclass

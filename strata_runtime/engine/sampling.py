@@ -25,6 +25,7 @@ from ..api import SamplingParams
 from ..backend import Array
 from ..model import adjust_row, inverse_cdf
 from ..model import distribution as rule
+from ..structured import Matcher
 
 
 def distribution(logits: Array, params: SamplingParams, xp: Any = np, *, sort_rows: bool = False) -> Array:
@@ -41,8 +42,11 @@ class Sampler:
     until the first such window (``on_device`` is then False), then those the host decided.
     """
 
-    def __init__(self, params: SamplingParams, seed: int) -> None:
+    def __init__(self, params: SamplingParams, seed: int, grammar: Matcher | None = None) -> None:
+        """``grammar``: the reply's place in its grammar (`strata_runtime.structured`), where the request
+        has one: its tokens are chosen on the host, over the tokens the grammar allows."""
         self.params = params
+        self.grammar = grammar
         self.greedy = params.temperature <= 0.0
         self.rng = np.random.default_rng(seed)
         self.adjusts = bool(params.presence_penalty or params.frequency_penalty or params.logit_bias)
@@ -68,12 +72,21 @@ class Sampler:
     @property
     def needs_logits(self) -> bool:
         """Whether choosing on the host needs the logits: sampling, or greedy over adjusted logits (a plain
-        greedy choice is the device's argmax)."""
-        return not self.greedy or self.adjusts
+        greedy choice is the device's argmax), or a grammar."""
+        return not self.greedy or self.adjusts or self.grammar is not None
+
+    @property
+    def host_only(self) -> bool:
+        """The host chooses every token (a grammar's allowed tokens follow from the token before), so no
+        window runs ahead of it and the request does not draft."""
+        return self.grammar is not None
 
     def record(self, tokens: Iterable[int], counted: bool = False) -> None:
-        """Tokens now generated for the request (the penalties count them); ``counted``: the device chose
-        them and has counted them already."""
+        """Tokens now generated for the request (the penalties count them, the grammar goes on with them);
+        ``counted``: the device chose them and has counted them already."""
+        if self.grammar is not None:
+            tokens = list(tokens)
+            self.grammar.accept(tokens)
         if self.adjusts:
             tokens = list(tokens)
             self.counts.update(tokens)
@@ -96,8 +109,18 @@ class Sampler:
         and each row before it one fewer (a verified window's row j follows proposals[:j]; a drafter's one
         row follows its whole chain so far). They count as generated for the rows that follow them.
         """
+        if self.grammar is not None:
+            if drafted:
+                raise ValueError("a request with a grammar does not draft")
+            out = self._biased(logits, drafted)
+            out[:, ~self.grammar.allowed()] = -np.inf
+            return out
+        return self._biased(logits, drafted)
+
+    def _biased(self, logits: np.ndarray, drafted: Sequence[int]) -> np.ndarray:
+        """`adjusted` without the grammar."""
         if not self.adjusts:
-            return np.asarray(logits, dtype=np.float64)
+            return np.array(logits, dtype=np.float64)
         rows = np.asarray(logits)
         freq, presence = self.params.frequency_penalty, self.params.presence_penalty
         first_row = rows.shape[0] - len(drafted)  # the first row that follows drafted[0]

@@ -62,6 +62,7 @@ from ..api import PlanMismatch, Request, RequestHandle, TokenEvent
 from ..experts.cache import Snapshot
 from ..model import Model
 from ..model.placed import WeightStore
+from ..structured import GrammarError, grammars_for
 from ..weights.progress import Progress
 from . import device_spec
 from .depth import Holds
@@ -93,6 +94,8 @@ class Engine:
         self.plan = plan
         self.model = Model.from_plan(plan, progress, weights)
         self.tokenizer = self.model.tokenizer
+        self.grammars = grammars_for(self.tokenizer, self.model.args.vocab_size)
+        """Requests' grammars over the model's vocabulary (`strata_runtime.structured`)."""
         self.n_slots = max(plan.batch.slots, 1)
         self.slots: list[Slot | None] = [None] * self.n_slots
         self.prefixes = Prefixes(self.n_slots, plan.memory.prefix_reuse)
@@ -145,6 +148,11 @@ class Engine:
         handle = RequestHandle(request)
         handle.prompt_tokens = len(request.prompt_ids)
         problem = self._check(request)
+        if problem is None and request.sampling.grammar is not None:
+            try:  # compiled here, on the caller's thread, not the engine's
+                handle.grammar = self.grammars.matcher(request.sampling.grammar)
+            except GrammarError as exc:
+                problem = f"grammar: {exc}"
         if problem:
             handle.events.put(TokenEvent((), "", "error", 0, problem))
             return handle
@@ -352,7 +360,7 @@ class Engine:
         self._admitted += 1
         handle.slot = i
         self.model.admit(i, req.prompt_ids)
-        sampler = Sampler(req.sampling, seed)
+        sampler = Sampler(req.sampling, seed, handle.grammar)
         self.slots[i] = Slot(
             i,
             handle,
@@ -540,7 +548,7 @@ class Engine:
         kinds = ("solo", "serial") if group is None else ("pipelined",)
         if job.kind not in kinds or self._queue:
             return None
-        if any(len(e.tokens) != 1 or e.kind != "decode" for e in job.entries):
+        if any(len(e.tokens) != 1 or e.kind != "decode" or not e.on_device for e in job.entries):
             return None
         everyone = [s for s in self.slots if s is not None and s.finished is None]
         live = everyone if group is None else [s for s in everyone if self._group(s.id) == group]
@@ -764,9 +772,10 @@ class Engine:
             return None
         ids = [s.id for s in decoding]
         by_id = {s.id: s for s in decoding}
-        mtp = self.plan.batch.mtp and self._batch_mtp_serves(len(decoding))
+        host_only = any(s.sampler.host_only for s in decoding)  # a grammar's: no slot drafts beside it
+        mtp = self.plan.batch.mtp and self._batch_mtp_serves(len(decoding)) and not host_only
         if len(decoding) == 1 and not prefilling and not pipelined:
-            room = min(self.depth, self.room(decoding[0]))
+            room = 0 if host_only else min(self.depth, self.room(decoding[0]))
             depth = decoding[0].gauge.depth(room)
             paused = room > 0 and depth == 0
             rows = solo_window(ids[0], depth)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..api import FinishReason, RequestHandle, TokenEvent, Tokenizer, TokenLogprob
+from ..structured import GrammarError
 from .sampling import Sampler
 from .speculative import DraftGauge
 from .stops import StopText
@@ -122,7 +123,14 @@ class Slot:
                 self.finished = "length"
                 break
         self.generated.extend(kept)
-        self.sampler.record(kept, counted)  # the penalties of the next window count these
+        error = None
+        try:
+            self.sampler.record(kept, counted)  # the penalties of the next window count these
+        except GrammarError as exc:  # a token outside the grammar: only a grammar with no way on gives one
+            self.finished, error = "error", f"the reply left its grammar: {exc}"
+        grammar = self.sampler.grammar
+        if self.finished is None and grammar is not None and grammar.finished:
+            self.finished = "stop"  # the grammar allows nothing more: the reply is complete
         self.handle.completion_tokens = len(self.generated)
         self.handle.accepted_proposals += accepted
         text = self._decoded()
@@ -137,7 +145,7 @@ class Slot:
         elif self.finished is not None:
             new += self._stops.flush()
         self.sent_text += new
-        return TokenEvent(tuple(kept), new, self.finished, accepted, logprobs=logprobs[: len(kept)])
+        return TokenEvent(tuple(kept), new, self.finished, accepted, error, logprobs=logprobs[: len(kept)])
 
     def _decoded(self) -> str:
         """The text of every generated token, as a whole decode would give it, without decoding them all.

@@ -7,6 +7,7 @@ OpenAI's error shape (``{"error": {"message", "type", "param", "code"}}``), so c
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from dataclasses import dataclass, replace
@@ -15,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ..api import MAX_TOP_LOGPROBS, Request, SamplingParams, Tokenizer, TokenLogprob, token_name
+from ..structured import json_grammar
 
 MAX_STOP_STRINGS = 4
 """OpenAI's own limit on ``stop`` sequences."""
@@ -283,21 +285,59 @@ def _refuse_unsupported(body: _Body, neutral: dict[str, tuple[Any, ...]]) -> Non
     _check_response_format(extra.get("response_format"))
 
 
-def _check_response_format(value: Any) -> None:
-    """``{"type": "text"}`` is what this server always does; the JSON modes need constrained decoding."""
-    if value is None or value == {"type": "text"}:
-        return
+def _check_response_format(value: Any) -> str | None:
+    """The grammar a ``response_format`` asks the reply to follow (`strata_runtime.structured`): None for
+    ``{"type": "text"}`` (free text, the default); any JSON object for ``json_object``; JSON that follows the
+    schema of ``json_schema.schema`` (any JSON object where it gives none) for ``json_schema``. Whether the
+    schema compiles over the model's vocabulary is checked later (`strata_runtime.structured.Grammars`)."""
+    if value is None:
+        return None
     kind = value.get("type") if isinstance(value, dict) else None
-    if isinstance(kind, str) and kind.startswith("json"):
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return json_grammar(None)
+    if kind != "json_schema":
         raise ApiError(
             400,
-            f"`response_format` type `{kind}` is not supported: this server generates free text only "
-            '(`{"type": "text"}`), with no constrained decoding',
+            '`response_format` must be {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", '
+            '"json_schema": {"name": ..., "schema": {...}}}',
             "response_format",
         )
-    raise ApiError(
-        400, '`response_format` must be {"type": "text"} (the only format served)', "response_format"
-    )
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise ApiError(
+            400,
+            '`response_format.json_schema` must be an object: {"name": ..., "schema": {...}}',
+            "response_format.json_schema",
+        )
+    name = spec.get("name")
+    if not isinstance(name, str) or not _SCHEMA_NAME.fullmatch(name):
+        raise ApiError(
+            400,
+            "`response_format.json_schema.name` must be 1 to 64 letters, digits, underscores or dashes",
+            "response_format.json_schema.name",
+        )
+    schema = spec.get("schema")
+    if schema is not None and not isinstance(schema, dict):
+        raise ApiError(
+            400, "`response_format.json_schema.schema` must be a JSON schema (an object)", SCHEMA_FIELD
+        )
+    strict = spec.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        field = "response_format.json_schema.strict"
+        raise ApiError(400, f"`{field}` must be true or false", field)
+    return json_grammar(schema)
+
+
+_SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+SCHEMA_FIELD = "response_format.json_schema.schema"
+"""The field named where a schema does not compile (`strata_runtime.server.app`)."""
+
+
+def grammar_of(body: _Body) -> str | None:
+    """The grammar a validated body's ``response_format`` asks for (None: free text)."""
+    return _check_response_format((body.model_extra or {}).get("response_format"))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -474,6 +514,7 @@ def prepare(
             logit_bias=logit_bias(body.logit_bias or {}, vocab_size),
             logprobs=asked_logprobs(body),
             prompt_logprobs=body.logprobs if isinstance(body, CompletionBody) and body.echo else None,
+            grammar=grammar_of(body),
         ),
         # The engine cuts stop strings (`strata_runtime.engine.stops`), as it does for `strata generate`.
         stop_strings=tuple(stop),

@@ -37,6 +37,7 @@ class ByteTokenizer:
             raise ValueError(f"a byte-level tokenizer needs a vocabulary of at least 259, not {vocab_size}")
         self.vocab_size = vocab_size
         self.eos_ids: tuple[int, ...] = (self.SPECIALS["<|endoftext|>"], self.SPECIALS["<|im_end|>"])
+        self.special_ids: tuple[int, ...] = tuple(sorted(self.SPECIALS.values()))
 
     def encode(self, text: str) -> list[int]:
         ids: list[int] = []
@@ -104,6 +105,9 @@ class HFTokenizer:
         if self.template is None and jinja.is_file():
             self.template = jinja.read_text()
         self.eos_ids = self._eos_ids(config, gen_cfg, tok_cfg)
+        added = self._tok.get_added_tokens_decoder()
+        self.special_ids: tuple[int, ...] = tuple(sorted(i for i, t in added.items() if t.special))
+        """Ids of the special tokens (control tokens, never part of a text)."""
         decoder = json.loads(self._tok.to_str()).get("decoder")
         self._byte_level = '"ByteLevel"' in json.dumps(decoder)
         """Pieces are written in GPT-2's byte alphabet (the decoder is byte-level, alone or in a sequence)."""

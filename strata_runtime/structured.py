@@ -1,0 +1,149 @@
+"""Structured output: replies that follow a grammar, such as JSON text that follows a JSON schema (OpenAI's
+``response_format``).
+
+A request's grammar (`strata_runtime.api.SamplingParams.grammar`) is held to token by token. Before each of
+its tokens is chosen, the grammar says which tokens of the vocabulary may come next (`Matcher.allowed`); the
+others' logits become minus infinity, after the request's logit bias and penalties and before temperature,
+top-k and top-p, so greedy and sampled choices alike only ever pick a token that keeps the text inside the
+grammar. The end-of-text tokens are allowed only where the text is complete, and a reply whose grammar admits
+nothing more ends there (`Matcher.finished`) with the reason ``stop``. A reply cut by ``max_tokens`` or a stop
+string is a prefix of grammatical text, not grammatical text.
+
+The grammar engine is llguidance: a Rust library, used by llama.cpp and vLLM for the same purpose, that
+compiles JSON schemas, regular expressions and Lark grammars into a parser over the model's own tokens and
+computes the allowed tokens of a 150,000-token vocabulary in tens of microseconds. It works on token bytes,
+so it needs only what every tokenizer here gives: each token's bytes (`Tokenizer.token_bytes`), which ids
+are special (never part of the text), and the end-of-text ids.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+from .api import Tokenizer
+
+
+class GrammarError(ValueError):
+    """A grammar that cannot be compiled, or a token it does not allow; the message says why."""
+
+
+def json_grammar(schema: Mapping[str, Any] | None = None) -> str:
+    """The grammar of JSON text that follows ``schema`` (a JSON schema), or of any JSON object (None), in
+    llguidance's grammar format. The text is laid out compactly, with no blanks between JSON's tokens, so
+    that a model cannot spend its reply on whitespace, unless the schema sets its own layout (llguidance's
+    ``x-guidance`` key)."""
+    body: dict[str, Any] = {"type": "object"} if schema is None else dict(schema)
+    body.setdefault("x-guidance", {"whitespace_flexible": False})
+    return json.dumps({"grammars": [{"json_schema": body}]})
+
+
+class Grammars:
+    """Grammars over one tokenizer's vocabulary of ``vocab_size`` ids (the model's, which may hold ids the
+    tokenizer does not use: those are never allowed). The vocabulary is read into llguidance once, on first
+    use (under a second for 150,000 tokens), and shared by every grammar."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self._lock = threading.Lock()
+        self._tokens: Any = None
+
+    def _vocabulary(self) -> Any:
+        with self._lock:
+            if self._tokens is None:
+                llguidance = _llguidance()
+                wrapper = llguidance.TokenizerWrapper(_Vocabulary(self.tokenizer, self.vocab_size))
+                eos = list(self.tokenizer.eos_ids)
+                self._tokens = llguidance.LLTokenizer(wrapper, n_vocab=self.vocab_size, eos_token=eos)
+            return self._tokens
+
+    def check(self, grammar: str) -> None:
+        """Raise `GrammarError` saying why where ``grammar`` does not compile over this vocabulary."""
+        why = _llguidance().LLMatcher.validate_grammar(grammar, self._vocabulary())
+        if why:
+            raise GrammarError(_short(why))
+
+    def matcher(self, grammar: str) -> Matcher:
+        """A new reply's state in ``grammar``: nothing generated yet."""
+        llguidance = _llguidance()
+        ll = llguidance.LLMatcher(self._vocabulary(), grammar)
+        if ll.is_error():
+            raise GrammarError(_short(ll.get_error()))
+        return Matcher(ll, self.vocab_size)
+
+
+_SHARED: dict[tuple[int, int], Grammars] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def grammars_for(tokenizer: Tokenizer, vocab_size: int) -> Grammars:
+    """The `Grammars` of a tokenizer and vocabulary size, made once for all who ask (the engine, which
+    follows grammars, and the server, which checks them before a request reaches the engine)."""
+    key = (id(tokenizer), vocab_size)
+    with _SHARED_LOCK:
+        found = _SHARED.get(key)
+        if found is None or found.tokenizer is not tokenizer:  # an id reused after a tokenizer was dropped
+            found = _SHARED[key] = Grammars(tokenizer, vocab_size)
+        return found
+
+
+class Matcher:
+    """One reply's place in its grammar."""
+
+    def __init__(self, ll: Any, vocab_size: int) -> None:
+        self._ll, self.vocab_size = ll, vocab_size
+
+    def allowed(self) -> np.ndarray:
+        """Which tokens may come next: a bool array [vocab_size]."""
+        words = np.frombuffer(self._ll.compute_bitmask(), dtype="<u4")
+        bits = np.unpackbits(words.view(np.uint8), bitorder="little")
+        return bits[: self.vocab_size].astype(bool)
+
+    def accept(self, tokens: Iterable[int]) -> None:
+        """The reply goes on with ``tokens``; `GrammarError` where the grammar does not allow one."""
+        for t in tokens:
+            if not self._ll.consume_token(int(t)):
+                why = _short(self._ll.get_error())
+                raise GrammarError(f"token {int(t)} does not follow the grammar: {why}")
+
+    @property
+    def finished(self) -> bool:
+        """The grammar allows nothing more: the reply is complete."""
+        return bool(self._ll.is_stopped())
+
+
+class _Vocabulary:
+    """What llguidance reads of a tokenizer: each id's bytes, the special ids, the end-of-text id, and a way
+    to tokenize text (for a grammar's literal strings)."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+        self._tokenizer = tokenizer
+        self.tokens = [tokenizer.token_bytes(i) for i in range(vocab_size)]
+        special = set(tokenizer.special_ids) | set(tokenizer.eos_ids)
+        self.special_token_ids = sorted(i for i in special if 0 <= i < vocab_size)
+        self.eos_token_id = tokenizer.eos_ids[0] if tokenizer.eos_ids else None
+        self.bos_token_id = None
+
+    def __call__(self, text: bytes | str) -> list[int]:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")
+        return self._tokenizer.encode(text)
+
+
+def _short(why: str) -> str:
+    """llguidance's message without the grammar it echoes after it."""
+    return why.split("\n<state>")[0].split("\n<grammar>")[0].strip()
+
+
+def _llguidance() -> Any:
+    try:
+        import llguidance
+    except ImportError as exc:  # a dependency of the package: only a broken install lacks it
+        raise GrammarError(
+            "structured output needs the `llguidance` package (a dependency of strata-cfg: reinstall it)"
+        ) from exc
+    return llguidance
