@@ -45,7 +45,7 @@ class SamplingParams:
     of this many most likely tokens at its place, as for generated tokens; None reports none."""
     grammar: str | None = None
     """A grammar the reply must follow, in llguidance's format (`strata_runtime.structured.json_grammar`
-    writes one for a JSON schema); None: free text. Its requests do not draft."""
+    writes one for a JSON schema); None: free text. Its tokens are chosen and verified on the host."""
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -99,9 +99,21 @@ class Matcher:
 
     def allowed(self) -> np.ndarray:
         """Which tokens may come next: a bool array [vocab_size]."""
-        words = np.frombuffer(self._ll.compute_bitmask(), dtype="<u4")
-        bits = np.unpackbits(words.view(np.uint8), bitorder="little")
-        return bits[: self.vocab_size].astype(bool)
+        return _unpacked(self._ll.compute_bitmask(), self.vocab_size)
+
+    def allowed_after(self, drafted: Sequence[int]) -> list[np.ndarray]:
+        """`allowed` after each prefix of ``drafted`` (proposals not accepted yet), k = 0 .. len(drafted)
+        of them; the place in the grammar does not move. After a proposal the grammar does not allow, every
+        token is allowed: the rows that follow it are never used, since that proposal cannot be accepted."""
+        masks = [self.allowed()]
+        ahead = self._ll.deep_copy() if len(drafted) else None  # the reply's own place stays where it is
+        for t in drafted:
+            if ahead is None or ahead.is_stopped() or not ahead.consume_token(int(t)):
+                ahead = None  # past the end of the grammar, or off it: these rows are never used
+                masks.append(np.ones(self.vocab_size, dtype=bool))
+            else:
+                masks.append(_unpacked(ahead.compute_bitmask(), self.vocab_size))
+        return masks
 
     def accept(self, tokens: Iterable[int]) -> None:
         """The reply goes on with ``tokens``; `GrammarError` where the grammar does not allow one."""
@@ -132,6 +144,12 @@ class _Vocabulary:
         if isinstance(text, bytes):
             text = text.decode("utf-8", errors="replace")
         return self._tokenizer.encode(text)
+
+
+def _unpacked(bitmask: bytes, vocab_size: int) -> np.ndarray:
+    """llguidance's bitmask (32-bit little-endian words, token i at bit i) as a bool array [vocab_size]."""
+    bits = np.unpackbits(np.frombuffer(bitmask, dtype=np.uint8), bitorder="little")
+    return bits[:vocab_size].astype(bool)
 
 
 def _short(why: str) -> str:

@@ -89,6 +89,32 @@ def test_a_json_grammar_allows_exactly_the_bytes_that_keep_the_text_valid_and_th
         grammars.matcher(json_grammar()).accept(b" ")
 
 
+def test_the_allowed_tokens_after_proposals_are_those_of_the_grammar_moved_on_and_leave_the_reply_in_place():
+    """`Matcher.allowed_after` (what drafted rows are masked with): after each prefix of the proposals, what
+    a matcher that had accepted that prefix allows; after a proposal off the grammar, or past its end (the
+    end-of-text token), every token; and the reply's own place in the grammar does not move."""
+    tok = ByteTokenizer(300)
+    grammars = Grammars(tok, 300)
+    grammar = json_grammar(PERSON)
+    m = grammars.matcher(grammar)
+    m.accept(b'{"name":"Al","age":4')
+    before = m.allowed()
+    drafted = list(b'2,"tags":[]}') + [258, ord("x")]  # to the end of the JSON, then past it
+    masks = m.allowed_after(drafted)
+    assert len(masks) == len(drafted) + 1
+    for k in range(13):  # the JSON's own continuation: a matcher moved on by the first k proposals
+        moved = grammars.matcher(grammar)
+        moved.accept(b'{"name":"Al","age":4' + bytes(drafted[:k]))
+        assert (masks[k] == moved.allowed()).all()
+    assert masks[12].sum() == len(tok.eos_ids)  # complete: only the end of the text
+    assert masks[13].all() and masks[14].all()  # after the end, nothing is used
+    off = m.allowed_after(list(b"x,"))  # "x" does not follow "4"
+    assert (off[0] == before).all() and off[1].all() and off[2].all()
+    assert (m.allowed() == before).all()
+    m.accept(b'2,"tags":[]}')
+    assert m.finished
+
+
 def test_any_json_object_and_bad_schemas_are_told_apart_before_a_request_runs():
     grammars = Grammars(ByteTokenizer(300), 300)
     grammars.check(json_grammar())  # any JSON object
@@ -132,6 +158,30 @@ def test_in_every_mode_replies_with_a_schema_are_json_that_follows_it_and_leave_
     for tokens in got[2:]:
         _follows_person(bytes(tokens))
         assert len(tokens) < 80
+
+
+@functools.cache
+def _undrafted_small() -> Engine:
+    """The drafting modes' model (the ``small`` preset) in serial windows, which do not draft."""
+    return Engine(mode_plan("serial", 2, preset="small", context=192, prefill_chunk=16))
+
+
+@pytest.mark.parametrize("mode", ["solo", "batch-mtp", "pipelined-mtp"])
+def test_drafted_replies_with_a_schema_are_the_greedy_replies_without_drafting(mode):
+    """Requests with a schema draft like any other (their proposals drawn and verified over the tokens the
+    grammar allows after the proposals before them), and greedy, what they keep is what a model that does not
+    draft decodes: the drafting changes the speed, never the text."""
+    eng, plain = _engine(mode), _undrafted_small()
+    grammar = json_grammar(PERSON)
+    rng = random.Random(41)
+    prompts = [tuple(rng.randrange(33, 126) for _ in range(rng.randint(4, 30))) for _ in range(3)]
+    reqs = [(i, Request(p, 80, SamplingParams(grammar=grammar))) for i, p in enumerate(prompts)]
+    before = eng.totals["accepted"]
+    got = collect(eng, reqs)
+    assert got == [collect(plain, [(0, r)])[0] for _, r in reqs]
+    for tokens in got:
+        _follows_person(bytes(tokens))
+    assert eng.totals["accepted"] > before  # proposals were drafted and held
 
 
 def test_a_greedy_reply_with_a_grammar_takes_the_most_likely_allowed_token_each_time():
@@ -185,6 +235,44 @@ def test_a_sampled_first_token_under_a_grammar_follows_the_model_renormalised_ov
     assert (expected >= 20).all()  # enough of each for the chi-square to mean something
     chi2 = float(((counts - expected) ** 2 / expected).sum())
     assert chi2 < 13.8, (counts, expected)
+
+
+def test_sampled_drafted_replies_under_a_grammar_keep_the_models_distribution_over_the_allowed_tokens():
+    """Two digits under a grammar (11, 12, 21 or 22), sampled with drafting: the second digit is a proposal
+    drawn from the drafting head over the allowed tokens and verified against the target's distribution
+    over them. Over 800 seeds the pairs' frequencies match the model's own: the first digit's softmax over
+    "1" and "2" times the second's after it (Pearson's chi-square, 3 degrees of freedom, under 16.3: p >
+    0.001)."""
+    eng = _engine("solo")
+    model = Model.from_plan(mode_plan("solo", 1, preset="small", context=192, prefill_chunk=16))
+    grammar = json_grammar({"enum": [11, 12, 21, 22]})
+    prompt = tuple(b"Two digits: ")
+    one, two, t = ord("1"), ord("2"), 1.3
+
+    def after(seen: tuple[int, ...]) -> np.ndarray:
+        rows = model.logits(model.forward(np.array(seen), Layout.of([(0, len(seen), 0)])))
+        model.rewind(0, 0)
+        scaled = np.asarray(rows)[-1, [one, two]].astype(np.float64) / t
+        p = np.exp(scaled - scaled.max())
+        return p / p.sum()
+
+    first = after(prompt)
+    want = {
+        (a, b): first[i] * after((*prompt, a))[j]
+        for i, a in enumerate((one, two))
+        for j, b in enumerate((one, two))
+    }
+    n = 800
+    before = eng.totals["proposals"]
+    reqs = [(0, Request(prompt, 4, SamplingParams(temperature=t, seed=s, grammar=grammar))) for s in range(n)]
+    got = collect(eng, reqs, check_kv=False)
+    assert eng.totals["proposals"] - before >= n // 2  # most second digits were proposals
+    counts = {pair: sum(tuple(r) == pair for r in got) for pair in want}
+    assert sum(counts.values()) == n  # every reply is two digits, complete
+    expected = {pair: p * n for pair, p in want.items()}
+    assert min(expected.values()) >= 20, expected
+    chi2 = sum((counts[k] - expected[k]) ** 2 / expected[k] for k in want)
+    assert chi2 < 16.3, (counts, expected)
 
 
 def test_a_request_whose_grammar_does_not_compile_ends_at_once_with_the_reason():

@@ -44,7 +44,8 @@ class Sampler:
 
     def __init__(self, params: SamplingParams, seed: int, grammar: Matcher | None = None) -> None:
         """``grammar``: the reply's place in its grammar (`strata_runtime.structured`), where the request
-        has one: its tokens are chosen on the host, over the tokens the grammar allows."""
+        has one: its tokens are chosen and its proposals drawn and verified on the host, over the tokens the
+        grammar allows."""
         self.params = params
         self.grammar = grammar
         self.greedy = params.temperature <= 0.0
@@ -77,8 +78,8 @@ class Sampler:
 
     @property
     def host_only(self) -> bool:
-        """The host chooses every token (a grammar's allowed tokens follow from the token before), so no
-        window runs ahead of it and the request does not draft."""
+        """The host chooses and verifies every token (a grammar's allowed tokens follow from the tokens
+        before), so no window runs ahead of it or is decided on the device."""
         return self.grammar is not None
 
     def record(self, tokens: Iterable[int], counted: bool = False) -> None:
@@ -109,13 +110,13 @@ class Sampler:
         and each row before it one fewer (a verified window's row j follows proposals[:j]; a drafter's one
         row follows its whole chain so far). They count as generated for the rows that follow them.
         """
-        if self.grammar is not None:
-            if drafted:
-                raise ValueError("a request with a grammar does not draft")
-            out = self._biased(logits, drafted)
-            out[:, ~self.grammar.allowed()] = -np.inf
-            return out
-        return self._biased(logits, drafted)
+        out = self._biased(logits, drafted)
+        if self.grammar is not None:  # each row over the tokens its grammar allows after what it follows
+            masks = self.grammar.allowed_after(drafted)
+            first_row = out.shape[0] - len(drafted)
+            for j in range(out.shape[0]):
+                out[j, ~masks[max(0, j - first_row + 1)]] = -np.inf
+        return out
 
     def _biased(self, logits: np.ndarray, drafted: Sequence[int]) -> np.ndarray:
         """`adjusted` without the grammar."""

@@ -772,10 +772,9 @@ class Engine:
             return None
         ids = [s.id for s in decoding]
         by_id = {s.id: s for s in decoding}
-        host_only = any(s.sampler.host_only for s in decoding)  # a grammar's: no slot drafts beside it
-        mtp = self.plan.batch.mtp and self._batch_mtp_serves(len(decoding)) and not host_only
+        mtp = self.plan.batch.mtp and self._batch_mtp_serves(len(decoding))
         if len(decoding) == 1 and not prefilling and not pipelined:
-            room = 0 if host_only else min(self.depth, self.room(decoding[0]))
+            room = min(self.depth, self.room(decoding[0]))
             depth = decoding[0].gauge.depth(room)
             paused = room > 0 and depth == 0
             rows = solo_window(ids[0], depth)
@@ -802,7 +801,8 @@ class Engine:
             sid: min(sum(1 for r in rows if r.slot == sid) - 1, self.room(by_id[sid]))
             for sid in dict.fromkeys(r.slot for r in rows)
         }
-        on_device = self._decided_on_device(kind, [1 + d for d in depths.values()])
+        host_only = any(by_id[sid].sampler.host_only for sid in depths)  # a grammar's: the host decides
+        on_device = not host_only and self._decided_on_device(kind, [1 + d for d in depths.values()])
         entries = []
         caught_up, t0 = self._caught_up(), time.perf_counter()
         for sid, depth in depths.items():
