@@ -1,0 +1,60 @@
+"""What holding a reply to a grammar costs, apart from what the grammar changes in the text.
+
+One greedy request, free and under a grammar that allows any text (llguidance's regex ``(?s:.*)``), so
+both arms generate the same tokens; the arms alternate in one engine (A B A B ...), after a warm-up of
+each, and the medians are printed with their ratio. Under a grammar the host chooses every token over the
+allowed ones and decides the drafted windows (docs/RUNTIME.md, "Replies that follow a grammar").
+Usage: ``python scripts/bench_grammar_cost.py [PROFILE] [--tokens N] [--repeats N]`` (default: the demo
+profile, 200 tokens, 5 repeats).
+"""
+
+import argparse
+import statistics
+import time
+
+import llguidance
+
+from strata_cfg.plan.from_profile import resolve_path
+from strata_runtime.api import Request, SamplingParams
+from strata_runtime.engine import Engine
+
+PROMPT = "The old man looked at the sea and said"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("profile", nargs="?", default="profiles/demo.toml")
+    parser.add_argument("--tokens", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    engine = Engine(resolve_path(args.profile).plan)
+    prompt = tuple(engine.tokenizer.encode(PROMPT))
+    anything = llguidance.LLMatcher.grammar_from_regex(r"(?s:.*)")
+
+    def run(grammar: str | None) -> tuple[list[int], float]:
+        engine.forget_prefixes()  # each run reads its prompt
+        handle = engine.submit(Request(prompt, args.tokens, SamplingParams(grammar=grammar)))
+        t0 = time.perf_counter()
+        while engine.step():
+            pass
+        seconds = time.perf_counter() - t0
+        return [t for _ in range(handle.events.qsize()) for t in handle.events.get().token_ids], seconds
+
+    run(None)
+    run(anything)
+    rates: dict[str, list[float]] = {"free": [], "under a grammar": []}
+    for _ in range(args.repeats):
+        free, free_s = run(None)
+        shaped, shaped_s = run(anything)
+        if free != shaped:
+            raise SystemExit("the grammar that allows any text changed the tokens")
+        rates["free"].append(len(free) / free_s)
+        rates["under a grammar"].append(len(shaped) / shaped_s)
+    for arm, values in rates.items():
+        print(f"{arm}: {statistics.median(values):.1f} tok/s ({', '.join(f'{v:.1f}' for v in values)})")
+    ratio = statistics.median(rates["under a grammar"]) / statistics.median(rates["free"])
+    print(f"under a grammar / free: {ratio:.2f}x, {len(free)} tokens")
+
+
+if __name__ == "__main__":
+    main()
