@@ -140,24 +140,9 @@ def test_replies_follow_a_json_schema_or_any_json_object_through_the_openai_clie
     assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Book)
     assert len(choice.message.parsed.title) <= 12 and 1700 <= choice.message.parsed.year <= 1900
     for temperature in (0.0, 1.0):  # sampled replies stay inside the grammar too
-        any_object = {"type": "json_object"}
-        whole = client.chat.completions.create(
-            model="demo",
-            messages=messages,
-            response_format=any_object,
-            max_tokens=300,
-            temperature=temperature,
-            seed=5,
-        )
-        streamed = client.chat.completions.create(
-            model="demo",
-            messages=messages,
-            response_format=any_object,
-            max_tokens=300,
-            temperature=temperature,
-            seed=5,
-            stream=True,
-        )
+        ask = dict(model="demo", messages=messages, max_tokens=300, temperature=temperature, seed=5)
+        whole = client.chat.completions.create(**ask, response_format={"type": "json_object"})
+        streamed = client.chat.completions.create(**ask, response_format={"type": "json_object"}, stream=True)
         text = "".join(p.choices[0].delta.content or "" for p in streamed if p.choices)
         assert text == whole.choices[0].message.content
         if whole.choices[0].finish_reason == "stop":
