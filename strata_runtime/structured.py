@@ -45,7 +45,8 @@ def json_grammar(schema: Mapping[str, Any] | None = None) -> str:
 class Grammars:
     """Grammars over one tokenizer's vocabulary of ``vocab_size`` ids (the model's, which may hold ids the
     tokenizer does not use: those are never allowed). The vocabulary is read into llguidance once, on first
-    use (under a second for 150,000 tokens), and shared by every grammar."""
+    use (0.83 s for a 151,936-token byte-level vocabulary on a 2-core machine), and shared by every
+    grammar."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
