@@ -515,7 +515,8 @@ def test_a_reply_with_a_grammar_on_the_cuda_path_is_chosen_by_the_host_beside_wi
     """On a split whose serial windows run ahead (the device choosing tokens and the next window reading
     them), a request with a JSON schema gets its tokens chosen by the host over the allowed ones: its reply
     is the schema's JSON, the same greedy reply as on the array path, and the request beside it (greedy, its
-    tokens chosen on the device) gets the text it gets alone."""
+    tokens chosen on the device) gets the text it gets alone. With batch MTP both draft, and the replies are
+    the same."""
     import json
 
     from strata_runtime.api import SamplingParams
@@ -531,8 +532,11 @@ def test_a_reply_with_a_grammar_on_the_cuda_path_is_chosen_by_the_host_beside_wi
     shaped = Request(tuple(b"Give me JSON: "), 40, sampling=SamplingParams(grammar=json_grammar(schema)))
     plain = Request((72, 101, 108, 108, 111), 14)
 
+    engines: list[Engine] = []
+
     def generate(plan, requests) -> list[list[int]]:
         engine = Engine(plan)
+        engines.append(engine)
         handles = [engine.submit(r) for r in requests]
         while engine.step():
             pass
@@ -545,6 +549,15 @@ def test_a_reply_with_a_grammar_on_the_cuda_path_is_chosen_by_the_host_beside_wi
     assert set(value) == {"id", "ok"} and 0 <= value["id"] <= 99 and isinstance(value["ok"], bool)
     assert [reply] == generate(_plan("cpu", "tiny"), [shaped])
     assert [beside] == generate(split, [plain]) and len(beside) == 14
+    # Batch MTP: the window that holds both drafts, and is decided on the host, not the device.
+    text = float16_profile_text(
+        backend="cuda", preset="tiny", context=256, slots=2, batch_mtp=True, draft_tokens=4
+    )
+    mtp = resolve_text(text, "cuda-mtp.toml").plan
+    assert mtp.batch.mtp
+    assert generate(mtp, [shaped, plain]) == [reply, beside]
+    kinds = {w.kind for w in engines[-1].windows}
+    assert "batch-mtp" in kinds and engines[-1].totals["accepted"] > 0
 
 
 def test_sampled_drafting_on_the_cuda_path_takes_every_distribution_from_the_kernel(fake_gpu, monkeypatch):
