@@ -42,6 +42,21 @@ def json_grammar(schema: Mapping[str, Any] | None = None) -> str:
     return json.dumps({"grammars": [{"json_schema": body}]})
 
 
+def regex_grammar(pattern: str) -> str:
+    """The grammar of text that matches the regular expression ``pattern`` whole (Rust's regex syntax)."""
+    return str(_llguidance().LLMatcher.grammar_from_regex(pattern))
+
+
+def choice_grammar(choices: Sequence[str]) -> str:
+    """The grammar of text that is exactly one of ``choices``."""
+    return lark_grammar("start: " + " | ".join(json.dumps(c) for c in choices))
+
+
+def lark_grammar(text: str) -> str:
+    """The grammar a Lark grammar ``text`` (with a ``start`` rule) describes, as llguidance reads Lark."""
+    return str(_llguidance().LLMatcher.grammar_from_lark(text))
+
+
 class Grammars:
     """Grammars over one tokenizer's vocabulary of ``vocab_size`` ids (the model's, which may hold ids the
     tokenizer does not use: those are never allowed). The vocabulary is read into llguidance once, on first

@@ -151,6 +151,44 @@ def test_replies_follow_a_json_schema_or_any_json_object_through_the_openai_clie
             assert whole.choices[0].finish_reason == "length" and text.startswith("{")
 
 
+def test_structured_outputs_hold_replies_to_a_choice_a_regex_or_a_grammar(client: openai.OpenAI):
+    """vLLM's ``structured_outputs`` through the openai client's ``extra_body``: a choice gives exactly one
+    of the choices, a regular expression a reply that matches it whole, a Lark grammar a sentence of it,
+    greedy and sampled, on chat and completions; a pattern that does not compile is a 400 naming it."""
+    import re
+
+    messages = [{"role": "user", "content": "Is it fine? " + _prompt()}]
+    cases = [
+        ({"choice": ["yes", "no", "perhaps not"]}, lambda t: t in ("yes", "no", "perhaps not")),
+        ({"regex": r"[A-Z][a-z]{2,5} [0-9]{1,3}"}, lambda t: re.fullmatch(r"[A-Z][a-z]{2,5} [0-9]{1,3}", t)),
+        (
+            {"grammar": 'start: "Mr. " NAME\nNAME: /[A-Z][a-z]{1,8}/'},
+            lambda t: re.fullmatch(r"Mr\. [A-Z][a-z]{1,8}", t),
+        ),
+    ]
+    for asked, follows in cases:
+        for temperature in (0.0, 1.0):
+            ask = dict(
+                model="demo",
+                max_tokens=40,
+                temperature=temperature,
+                seed=3,
+                extra_body={"structured_outputs": asked},
+            )
+            chat = client.chat.completions.create(messages=messages, **ask)
+            text = client.completions.create(prompt="It is ", **ask).choices[0].text
+            for reply in (chat.choices[0].message.content, text):
+                assert follows(reply), (asked, reply)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model="demo", messages=messages, extra_body={"structured_outputs": {"regex": "(unclosed"}}
+        )
+    assert (
+        info.value.body["param"] == "structured_outputs.regex"
+        and "cannot be followed" in info.value.body["message"]
+    )
+
+
 def _reuse_figures(engine: Launched, workload: str) -> dict[str, float]:
     """`strata bench --url`'s figures of ``workload`` (``turns`` or ``shared``) on a 100-token context, 8
     tokens generated a request, and checked to have times and a rate."""

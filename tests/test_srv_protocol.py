@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from strata_runtime.server import metrics
 from strata_runtime.server import protocol as p
-from strata_runtime.structured import json_grammar
+from strata_runtime.structured import choice_grammar, json_grammar, lark_grammar, regex_grammar
 
 BAD_COMPLETIONS = [
     # (body, status, param, words the message must contain)
@@ -416,6 +416,41 @@ REFUSED = [
         ["true or false"],
     ),
     ("chat", {"response_format": "text"}, "response_format", ['{"type": "text"}']),
+    ("chat", {"structured_outputs": {}}, "structured_outputs", ["exactly one of", "`choice`"]),
+    (
+        "completions",
+        {"structured_outputs": {"regex": "a", "choice": ["a"]}},
+        "structured_outputs",
+        ["exactly one of"],
+    ),
+    (
+        "chat",
+        {"structured_outputs": {"whitespace_pattern": " "}},
+        "structured_outputs",
+        ["(not `whitespace_pattern`)"],
+    ),
+    ("chat", {"structured_outputs": {"choice": []}}, "structured_outputs.choice", ["one or more non-empty"]),
+    (
+        "chat",
+        {"structured_outputs": {"choice": ["a", ""]}},
+        "structured_outputs.choice",
+        ["non-empty strings"],
+    ),
+    ("chat", {"structured_outputs": {"regex": ""}}, "structured_outputs.regex", ["non-empty string"]),
+    (
+        "chat",
+        {"structured_outputs": {"json": "{nope"}},
+        "structured_outputs.json",
+        ["is not JSON", "character 1"],
+    ),
+    ("chat", {"structured_outputs": {"json": [1]}}, "structured_outputs.json", ["a JSON schema"]),
+    ("chat", {"structured_outputs": {"json_object": 1}}, "structured_outputs.json_object", ["must be true"]),
+    (
+        "chat",
+        {"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
+        "structured_outputs",
+        ["not both"],
+    ),
     ("chat", {"presence_penalty": 2.5}, "presence_penalty", ["`presence_penalty`", "less than"]),
     ("completions", {"frequency_penalty": -3}, "frequency_penalty", ["`frequency_penalty`"]),
     ("completions", {"logit_bias": {"65": "up"}}, "logit_bias", ["`logit_bias`", "number"]),
@@ -458,6 +493,31 @@ def test_response_format_asks_the_engine_for_json_that_follows_its_schema():
                 (entry,) = json.loads(grammar)["grammars"]
                 assert entry["json_schema"] == {**want, "x-guidance": {"whitespace_flexible": False}}
                 assert json_grammar(want) == grammar
+
+
+def test_structured_outputs_ask_the_engine_for_a_schema_a_regex_a_choice_or_a_lark_grammar():
+    """vLLM's ``structured_outputs`` extension: each kind gives the grammar `strata_runtime.structured`
+    writes for it, on both endpoints, and a compile failure names the kind's field."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}}
+    kinds = [
+        ({"json": schema}, json_grammar(schema)),
+        ({"json": json.dumps(schema)}, json_grammar(schema)),
+        ({"json_object": True}, json_grammar()),
+        ({"regex": r"\d{3}"}, regex_grammar(r"\d{3}")),
+        ({"choice": ["yes", "no"]}, choice_grammar(["yes", "no"])),
+        ({"grammar": 'start: "a" | "b"'}, lark_grammar('start: "a" | "b"')),
+    ]
+    for asked, want in kinds:
+        for raw in (
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "structured_outputs": asked},
+            {"model": "m", "prompt": "x", "structured_outputs": asked, "response_format": {"type": "text"}},
+        ):
+            body = p.parse_chat(raw) if "messages" in raw else p.parse_completion(raw)
+            got = p.prepare(body, [1, 2], context=64, vocab_size=300, default_max_tokens=None)
+            assert got.request.sampling.grammar == want
+            assert p.grammar_field(body) == f"structured_outputs.{next(iter(asked))}"
+    plain = p.parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}]})
+    assert p.grammar_field(plain) == "response_format.json_schema.schema"
 
 
 def test_response_format_text_and_neutral_values_are_accepted():

@@ -340,7 +340,7 @@ class Server:
             )
             for ids, text in p.prompts(body, tokenizer, self.vocab_size)
         ]
-        await self._check_grammar(batch[0].request.sampling.grammar)
+        await self._check_grammar(batch[0].request.sampling.grammar, p.grammar_field(body))
         return await self._run(request, [c for one in batch for c in p.choices(one, body.n)], chat=False)
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
@@ -351,19 +351,19 @@ class Server:
         prepared = p.prepare(
             body, ids, context=self.context, vocab_size=self.vocab_size, default_max_tokens=None
         )
-        await self._check_grammar(prepared.request.sampling.grammar)
+        await self._check_grammar(prepared.request.sampling.grammar, p.grammar_field(body))
         return await self._run(request, p.choices(prepared, body.n), chat=True)
 
-    async def _check_grammar(self, grammar: str | None) -> None:
-        """A 400 naming the schema where a request's grammar does not compile over the model's vocabulary
-        (checked on a worker thread: the first check reads the vocabulary, under a second)."""
+    async def _check_grammar(self, grammar: str | None, field: str) -> None:
+        """A 400 naming ``field`` where a request's grammar does not compile over the model's vocabulary
+        (checked on a worker thread: the first check reads the vocabulary)."""
         if grammar is None:
             return
         grammars = grammars_for(self._engine().tokenizer, self.vocab_size)
         try:
             await asyncio.to_thread(grammars.check, grammar)
         except GrammarError as exc:
-            raise p.ApiError(400, f"`{p.SCHEMA_FIELD}` cannot be followed: {exc}", p.SCHEMA_FIELD) from None
+            raise p.ApiError(400, f"`{field}` cannot be followed: {exc}", field) from None
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """A prompt's token ids (a chat's through the model's chat template), as the completion endpoints

@@ -7,6 +7,7 @@ OpenAI's error shape (``{"error": {"message", "type", "param", "code"}}``), so c
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
@@ -16,7 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ..api import MAX_TOP_LOGPROBS, Request, SamplingParams, Tokenizer, TokenLogprob, token_name
-from ..structured import json_grammar
+from ..structured import choice_grammar, json_grammar, lark_grammar, regex_grammar
 
 MAX_STOP_STRINGS = 4
 """OpenAI's own limit on ``stop`` sequences."""
@@ -282,7 +283,7 @@ def _refuse_unsupported(body: _Body, neutral: dict[str, tuple[Any, ...]]) -> Non
         # `type(v) is type(value)`: 0 is not false here, and 1.0 is not 1.
         if value is not None and not any(type(v) is type(value) and v == value for v in values):
             raise ApiError(400, f"`{name}` is not supported by this server", name)
-    _check_response_format(extra.get("response_format"))
+    grammar_of(body)
 
 
 def _check_response_format(value: Any) -> str | None:
@@ -332,12 +333,71 @@ def _check_response_format(value: Any) -> str | None:
 
 _SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 SCHEMA_FIELD = "response_format.json_schema.schema"
-"""The field named where a schema does not compile (`strata_runtime.server.app`)."""
 
 
 def grammar_of(body: _Body) -> str | None:
-    """The grammar a validated body's ``response_format`` asks for (None: free text)."""
-    return _check_response_format((body.model_extra or {}).get("response_format"))
+    """The grammar a validated body asks the reply to follow (None: free text): its ``response_format``,
+    or its ``structured_outputs`` (`_structured_outputs`); not both."""
+    extra = body.model_extra or {}
+    asked = extra.get("structured_outputs")
+    if asked is None:
+        return _check_response_format(extra.get("response_format"))
+    if _check_response_format(extra.get("response_format")) is not None:
+        raise ApiError(400, "give `response_format` or `structured_outputs`, not both", "structured_outputs")
+    return _structured_outputs(asked)
+
+
+def grammar_field(body: _Body) -> str:
+    """The field a 400 names where a body's grammar does not compile over the model's vocabulary."""
+    asked = (body.model_extra or {}).get("structured_outputs")
+    if isinstance(asked, dict) and len(asked) == 1:
+        return f"structured_outputs.{next(iter(asked))}"
+    return SCHEMA_FIELD
+
+
+STRUCTURED_KEYS = ("json", "json_object", "regex", "choice", "grammar")
+"""What ``structured_outputs`` may ask for, as vLLM takes it: one of them."""
+
+
+def _structured_outputs(value: Any) -> str:
+    """The grammar of vLLM's ``structured_outputs`` extension: ``{"json": SCHEMA}`` (an object, or its JSON
+    text), ``{"json_object": true}``, ``{"regex": PATTERN}`` (the whole reply matches it), ``{"choice":
+    [TEXT, ...]}`` (the reply is exactly one of them) or ``{"grammar": LARK}`` (a Lark grammar with a
+    ``start`` rule), exactly one."""
+    if not isinstance(value, dict) or len(value) != 1 or next(iter(value)) not in STRUCTURED_KEYS:
+        unknown = sorted(set(value) - set(STRUCTURED_KEYS)) if isinstance(value, dict) else []
+        why = f" (not {', '.join(f'`{k}`' for k in unknown)})" if unknown else ""
+        raise ApiError(
+            400,
+            "`structured_outputs` must be an object with exactly one of "
+            + ", ".join(f"`{k}`" for k in STRUCTURED_KEYS)
+            + why,
+            "structured_outputs",
+        )
+    key, spec = next(iter(value.items()))
+    field = f"structured_outputs.{key}"
+    if key == "json":
+        if isinstance(spec, str):
+            try:
+                spec = json.loads(spec)
+            except json.JSONDecodeError as exc:
+                raise ApiError(
+                    400, f"`{field}` is not JSON: {exc.msg} at character {exc.pos}", field
+                ) from None
+        if not isinstance(spec, dict):
+            raise ApiError(400, f"`{field}` must be a JSON schema (an object, or its JSON text)", field)
+        return json_grammar(spec)
+    if key == "json_object":
+        if spec is not True:
+            raise ApiError(400, f"`{field}` must be true", field)
+        return json_grammar(None)
+    if key == "choice":
+        if not isinstance(spec, list) or not spec or not all(isinstance(c, str) and c for c in spec):
+            raise ApiError(400, f"`{field}` must be a list of one or more non-empty strings", field)
+        return choice_grammar(spec)
+    if not isinstance(spec, str) or not spec:
+        raise ApiError(400, f"`{field}` must be a non-empty string", field)
+    return regex_grammar(spec) if key == "regex" else lark_grammar(spec)
 
 
 # ----------------------------------------------------------------------------------------------------------
