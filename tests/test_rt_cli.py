@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -94,6 +95,18 @@ def test_generate_replies_in_json_that_follows_a_schema_file_or_in_any_json_obje
     assert free["text"].startswith("{") and free["error"] is None
     both = strata(*args, "--json-object", "--json-schema", str(path))
     assert both.returncode == 2 and "not allowed with argument" in both.stderr
+
+
+def test_generate_replies_with_one_of_the_choices_or_text_that_matches_a_regex() -> None:
+    args = ["generate", "profiles/demo.toml", "--prompt", "Is it fine? ", "--json", "--quiet"]
+    for temperature in ("0", "1"):
+        sampled = ["--temperature", temperature, "--seed", "2"]
+        chose = json.loads(strata(*args, *sampled, "--choice", "yes", "--choice", "not at all").stdout)
+        assert chose["text"] in ("yes", "not at all") and chose["finish_reason"] == "stop"
+        year = json.loads(strata(*args, *sampled, "--regex", "1[78][0-9]{2}").stdout)
+        assert re.fullmatch("1[78][0-9]{2}", year["text"]) and year["finish_reason"] == "stop"
+    empty = strata(*args, "--choice", "")
+    assert empty.returncode == 2 and "--choice must not be empty" in empty.stderr
 
 
 @pytest.mark.parametrize(

@@ -25,6 +25,7 @@ from ..schema.sampling_options import (
     logprobs_problem,
     options_problem,
     sampling_options,
+    shape_problem,
 )
 from ._common import EXIT_USAGE, add_resolve_options, refused, resolve_args
 
@@ -83,6 +84,10 @@ def runtime_args(args: argparse.Namespace) -> list[str]:
         out += ["--logprobs", str(args.logprobs)]
     if args.json_schema is not None:
         out += ["--json-schema", str(Path(args.json_schema).resolve())]
+    if args.regex is not None:
+        out += ["--regex", args.regex]
+    for text in args.choice or []:
+        out += ["--choice", text]
     out += [
         flag
         for flag, on in (
@@ -106,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
         or options_problem(args)
         or logprobs_problem(args.logprobs)
         or (None if args.json_schema is None else json_schema_of(args.json_schema)[1])
+        or shape_problem(args)
     )
     if problem:
         print(f"strata generate: {problem}", file=sys.stderr)

@@ -128,7 +128,8 @@ def add_penalty_arguments(parser: Any) -> None:
 
 
 def add_json_arguments(parser: Any) -> None:
-    """``--json-schema FILE`` and ``--json-object`` on a generate command's parser: a reply in JSON."""
+    """``--json-schema FILE``, ``--json-object``, ``--regex PATTERN`` and ``--choice TEXT`` on a generate
+    command's parser: a reply held to a shape (structured output), one of them."""
     shape = parser.add_mutually_exclusive_group()
     shape.add_argument(
         "--json-schema",
@@ -136,6 +137,19 @@ def add_json_arguments(parser: Any) -> None:
         help="reply with JSON that follows the JSON schema in FILE (structured output)",
     )
     shape.add_argument("--json-object", action="store_true", help="reply with any JSON object")
+    shape.add_argument("--regex", metavar="PATTERN", help="reply with text that matches PATTERN whole")
+    shape.add_argument(
+        "--choice", action="append", metavar="TEXT", help="reply with exactly one of the --choice texts"
+    )
+
+
+def shape_problem(args: Any) -> str | None:
+    """Why a generate command's ``--regex`` or ``--choice`` is not valid (a schema file: `json_schema_of`)."""
+    if args.regex is not None and not args.regex:
+        return "--regex must not be empty"
+    if args.choice is not None and not all(args.choice):
+        return "--choice must not be empty"
+    return None
 
 
 def json_schema_of(path: str) -> tuple[dict[str, Any] | None, str | None]:

@@ -23,10 +23,11 @@ from strata_cfg.schema.sampling_options import (
     logprobs_problem,
     options_problem,
     sampling_options,
+    shape_problem,
 )
 
 from ..api import Request, SamplingParams, Tokenizer, TokenLogprob, token_name
-from ..structured import json_grammar
+from ..structured import choice_grammar, json_grammar, regex_grammar
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -69,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
         generation_problem(args.max_tokens, args.seed)
         or options_problem(args)
         or logprobs_problem(args.logprobs)
+        or shape_problem(args)
     )
     schema = None
     if args.json_schema is not None:
@@ -89,8 +91,13 @@ def run(args: argparse.Namespace) -> int:
         prompt = tuple(tok.apply_chat_template([{"role": "user", "content": args.prompt}]))
     else:
         prompt = tuple(tok.encode(args.prompt))
-    shaped = args.json_schema is not None or args.json_object
-    grammar = json_grammar(schema) if shaped else None
+    grammar = None
+    if args.json_schema is not None or args.json_object:
+        grammar = json_grammar(schema)
+    elif args.regex is not None:
+        grammar = regex_grammar(args.regex)
+    elif args.choice:
+        grammar = choice_grammar(args.choice)
     options = sampling_options(args)
     sampling = SamplingParams(**options, seed=args.seed, logprobs=args.logprobs, grammar=grammar)
     request = Request(
