@@ -151,6 +151,36 @@ def test_replies_follow_a_json_schema_or_any_json_object_through_the_openai_clie
             assert whole.choices[0].finish_reason == "length" and text.startswith("{")
 
 
+def test_every_choice_of_a_request_with_a_schema_follows_it(client: openai.OpenAI):
+    """``n`` choices of one request with a schema, sampled: each is a request of its own with its own place
+    in the grammar, and each reply follows the schema."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "mood": {"enum": ["calm", "cross", "merry"]},
+            "n": {"type": "integer", "minimum": 0, "maximum": 9},
+        },
+        "required": ["mood", "n"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "mood", "schema": schema}}
+    reply = client.chat.completions.create(
+        model="demo",
+        messages=[{"role": "user", "content": "How is she? " + _prompt()}],
+        response_format=fmt,
+        n=3,
+        temperature=1.0,
+        seed=11,
+        max_tokens=60,
+    )
+    assert len(reply.choices) == 3
+    for choice in reply.choices:
+        value = json.loads(choice.message.content)
+        assert (
+            value["mood"] in ("calm", "cross", "merry") and value["n"] <= 9 and choice.finish_reason == "stop"
+        )
+
+
 def test_structured_outputs_hold_replies_to_a_choice_a_regex_or_a_grammar(client: openai.OpenAI):
     """vLLM's ``structured_outputs`` through the openai client's ``extra_body``: a choice gives exactly one
     of the choices, a regular expression a reply that matches it whole, a Lark grammar a sentence of it,
