@@ -109,6 +109,26 @@ def test_generate_replies_with_one_of_the_choices_or_text_that_matches_a_regex()
     assert empty.returncode == 2 and "--choice must not be empty" in empty.stderr
 
 
+def test_bench_holds_every_reply_to_a_shape_in_every_arm_with_equal_text() -> None:
+    """--choice (like --json-schema, --json-object and --regex) reaches every request of every arm: a
+    two-letter choice ends each reply after its two tokens, where a free reply runs to its 24, in an arm
+    that drafts and one that does not, with the same text; the table says what the replies were held to."""
+    args = ["bench", "profiles/demo.toml", "--workload", "solo", "--arms", "solo", "--tokens", "24"]
+    out = strata(*args, "--repeats", "1", "--choice", "ab", "--vary", "spec.draft_tokens=0,4", "--json")
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout)
+    assert res["held_to"] == "one of 'ab'" and len(res["arms"]) == 2
+    for arm in res["arms"].values():
+        kinds = arm["solo"]["windows_by_kind"].values()
+        assert sum(k["windows"] * k["tokens_per_window"] for k in kinds) == 2
+        assert all(v for k, v in arm["solo"].items() if k.startswith("text_equal_to_"))
+    table = strata(*args, "--repeats", "1", "--regex", "[a-z]{1,8}").stdout
+    assert "every reply held to the regex '[a-z]{1,8}'" in table
+    for refused in (["bench", "--url", "http://127.0.0.1:9"], [*args, "--peer", "llama.cpp"]):
+        out = strata(*refused, "--json-object")
+        assert out.returncode == 2 and "run in process" in out.stderr, out.stderr
+
+
 @pytest.mark.parametrize(
     ("option", "needle"),
     [

@@ -37,7 +37,14 @@ from ..launch.engine_process import runtime_argv
 from ..profile.overrides import SET_ORIGIN, parse_set
 from ..schema.errors import ProfileError
 from ..schema.plan_file import write_plan
-from ..schema.sampling_options import add_sampling_arguments, sampling_options
+from ..schema.sampling_options import (
+    add_json_arguments,
+    add_sampling_arguments,
+    json_schema_of,
+    sampling_options,
+    shape_problem,
+    shaped,
+)
 from ..schema.workloads import (
     CONTEXT_WORKLOADS,
     GPU_WORKLOADS,
@@ -100,6 +107,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     add_sampling_arguments(parser, seeded="its index")
+    add_json_arguments(parser)
     parser.add_argument(
         "--unseeded",
         action="store_true",
@@ -261,6 +269,18 @@ def usage_problem(args: argparse.Namespace) -> str | None:
     problem = bench_option_problem(args) or depth_problem(args.workload, args.depth, args.tokens, None)
     if problem:
         return problem
+    if shaped(args):
+        where = "over --url" if args.url else "by a --peer" if args.peer else ""
+        if not where and args.workload in GPU_WORKLOADS:
+            where = f"by --workload {args.workload}"
+        if where:
+            flags = "--json-schema, --json-object, --regex, --choice"
+            return f"replies held to a shape ({flags}) run in process, not {where}"
+        problem = shape_problem(args)
+        if problem is None and args.json_schema is not None:
+            problem = json_schema_of(args.json_schema)[1]
+        if problem:
+            return problem
     if (args.temperature > 0 or args.presence_penalty or args.frequency_penalty) and args.peer:
         return (
             "--peer runs greedy decoding only: leave out --temperature and the penalties, or run the peer "
@@ -400,6 +420,10 @@ def bench_argv(args: argparse.Namespace) -> list[str]:
         repr(args.frequency_penalty),
     ]
     argv += ["--unseeded"] if args.unseeded else []
+    argv += ["--json-schema", str(Path(args.json_schema).resolve())] if args.json_schema is not None else []
+    argv += ["--json-object"] if args.json_object else []
+    argv += ["--regex", args.regex] if args.regex is not None else []
+    argv += [a for text in args.choice or [] for a in ("--choice", text)]
     argv += ["--cold-experts"] if args.cold_experts else []
     argv += ["--cold-drafting"] if args.cold_drafting else []
     return argv + (["--json"] if args.json else [])

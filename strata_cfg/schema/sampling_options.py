@@ -143,6 +143,22 @@ def add_json_arguments(parser: Any) -> None:
     )
 
 
+def shaped(args: Any) -> bool:
+    """Whether the shape options (`add_json_arguments`) hold the replies to anything."""
+    return args.json_schema is not None or args.json_object or args.regex is not None or bool(args.choice)
+
+
+def shape_words(args: Any) -> str:
+    """What the shape options hold the replies to, in words (for a bench's table)."""
+    if args.json_schema is not None:
+        return f"the JSON schema in {args.json_schema}"
+    if args.json_object:
+        return "a JSON object"
+    if args.regex is not None:
+        return f"the regex {args.regex!r}"
+    return "one of " + ", ".join(repr(c) for c in args.choice or [])
+
+
 def shape_problem(args: Any) -> str | None:
     """Why a generate command's ``--regex`` or ``--choice`` is not valid (a schema file: `json_schema_of`)."""
     if args.regex is not None and not args.regex:

@@ -25,7 +25,13 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from strata_cfg.schema.plan import LaunchPlan
 from strata_cfg.schema.plan_file import read_plan
-from strata_cfg.schema.sampling_options import add_sampling_arguments, describe_sampling, sampling_options
+from strata_cfg.schema.sampling_options import (
+    add_json_arguments,
+    add_sampling_arguments,
+    describe_sampling,
+    sampling_options,
+    shape_words,
+)
 from strata_cfg.schema.workloads import (
     CLIENT_COUNTS,
     CONTEXT_WORKLOADS,
@@ -52,6 +58,7 @@ from ..bench.preparing import WARM_STREAMS, settle, settling_line, taught_line, 
 from ..bench.table import render_table
 from ..bench.versus_ceilings import ceiling_report, measure_rates
 from ..model.placed import WeightStore
+from .generate import grammar_of_options
 
 if TYPE_CHECKING:
     pass
@@ -89,6 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", action="store_true")
     add_sampling_arguments(parser, seeded="its index")
+    add_json_arguments(parser)
     parser.add_argument("--unseeded", action="store_true", help="sampled requests carry no seed")
     parser.add_argument(
         "--cold-experts",
@@ -168,7 +176,10 @@ def run(args: argparse.Namespace) -> int:
     problem = bench_option_problem(args)
     if problem:
         raise SystemExit(f"bench: {problem}")
-    sampling = sampling_params(args)
+    grammar, problem = grammar_of_options(args)
+    if problem:
+        raise SystemExit(f"bench: {problem}")
+    sampling = dataclasses.replace(sampling_params(args), grammar=grammar)
     trace = open_trace(args.windows)
     arms = _pairs(args.arm, "arm")
     notes = _pairs(args.note, "note")
@@ -261,6 +272,7 @@ def run(args: argparse.Namespace) -> int:
             "repeats": args.repeats,
             "tokens": args.tokens,
             "sampling": sampling_options(args),
+            "held_to": None if grammar is None else shape_words(args),
             "seeded": args.temperature > 0 and not args.unseeded,
             "base": base,
             "arms": {
@@ -297,6 +309,8 @@ def run(args: argparse.Namespace) -> int:
         sampled = describe_sampling(sampling_options(args))
         if args.temperature > 0 and args.unseeded:
             sampled += ", unseeded"
+        if grammar is not None:
+            sampled += f", every reply held to {shape_words(args)}"
         print(
             render_table(
                 args.workload, plans, summary, notes, args.repeats, args.tokens, sampled, base, args.depth

@@ -54,6 +54,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bar, start-up log or summary")
 
 
+def grammar_of_options(args: argparse.Namespace) -> tuple[str | None, str | None]:
+    """The grammar the shape options ask every reply to follow (`add_json_arguments`: a JSON schema's file,
+    any JSON object, a regex or choices), or why they cannot (None, None: free text)."""
+    if args.json_schema is not None:
+        schema, problem = json_schema_of(args.json_schema)
+        return (None, problem) if problem else (json_grammar(schema), None)
+    if args.json_object:
+        return json_grammar(None), None
+    if args.regex is not None:
+        return regex_grammar(args.regex), None
+    if args.choice:
+        return choice_grammar(args.choice), None
+    return None, None
+
+
 def parse_ids(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(t) for t in text.replace(" ", "").split(",") if t)
@@ -72,9 +87,7 @@ def run(args: argparse.Namespace) -> int:
         or logprobs_problem(args.logprobs)
         or shape_problem(args)
     )
-    schema = None
-    if args.json_schema is not None:
-        schema, problem = json_schema_of(args.json_schema)
+    grammar, problem = (None, problem) if problem else grammar_of_options(args)
     if problem:
         raise SystemExit(f"strata_runtime generate: {problem}")
     if not args.quiet:
@@ -91,13 +104,6 @@ def run(args: argparse.Namespace) -> int:
         prompt = tuple(tok.apply_chat_template([{"role": "user", "content": args.prompt}]))
     else:
         prompt = tuple(tok.encode(args.prompt))
-    grammar = None
-    if args.json_schema is not None or args.json_object:
-        grammar = json_grammar(schema)
-    elif args.regex is not None:
-        grammar = regex_grammar(args.regex)
-    elif args.choice:
-        grammar = choice_grammar(args.choice)
     options = sampling_options(args)
     sampling = SamplingParams(**options, seed=args.seed, logprobs=args.logprobs, grammar=grammar)
     request = Request(
