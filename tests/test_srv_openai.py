@@ -631,6 +631,26 @@ def test_a_chat_loadtest_holds_a_conversation_per_client_and_reports_the_prompt_
     assert result.lines()[0].startswith("3 chats, 8 tokens each")
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_loadtest_with_a_choice_holds_every_reply_to_it(engine: Launched, stream: bool):
+    """`run_load`'s ``shape`` (the loadtest's --choice and its kin) goes in every request as
+    ``structured_outputs``: every reply, whole or streamed, is one of the choices."""
+    from strata_cfg.bench.load_test import run_load
+
+    choices = ["yes", "no", "not today"]
+    result = run_load(
+        engine.url,
+        clients=2,
+        requests_per_client=3,
+        max_tokens=16,
+        stream=stream,
+        api_key=engine.key,
+        shape={"choice": choices},
+    )
+    assert result.to_json()["errors"] == 0 and len(result.served) == 6
+    assert all(s.text in choices for s in result.served)
+
+
 def test_the_chat_flag_reaches_the_loadtest(engine: Launched):
     proc = strata(
         *(
@@ -641,9 +661,11 @@ def test_the_chat_flag_reaches_the_loadtest(engine: Launched):
             "--seconds",
             "1",
             "--max-tokens",
-            "4",
+            "16",
             "--json",
             "--chat",
+            "--regex",
+            "[A-Z][a-z]{1,6}",
         ),
         *("--api-key-env", "STRATA_TEST_KEY"),
         env={"STRATA_TEST_KEY": engine.key},
@@ -651,6 +673,8 @@ def test_the_chat_flag_reaches_the_loadtest(engine: Launched):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(proc.stdout)
     assert result["chat"] is True and result["errors"] == 0 and result["cached_tokens"] > 0
+    # The regex ends every reply within 7 characters (one token each): free, they run to their 16.
+    assert result["tokens"] <= 7 * result["requests"]
 
 
 def test_a_sampled_loadtest_sends_requests_the_server_accepts(engine: Launched):

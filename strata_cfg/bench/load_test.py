@@ -144,6 +144,7 @@ def run_load(
     chat: bool = False,
     system: str = CHAT_SYSTEM,
     turns: int = CHAT_TURNS,
+    shape: dict[str, Any] | None = None,
 ) -> LoadResult:
     """Keep ``clients`` clients sending requests for ``seconds`` (or ``requests_per_client`` each), each
     with the fields of ``sampling`` (OpenAI's names; greedy without); a sampled request is seeded by its
@@ -152,7 +153,8 @@ def run_load(
     request sends ``system`` (the same for every client), the messages sent before with their replies, and
     a new message (``prompt`` and the client's and request's numbers), for ``turns`` turns, after which
     the client begins a new conversation (so that a chat stays within the server's context); a request
-    that fails leaves its message out of the conversation."""
+    that fails leaves its message out of the conversation. ``shape``: every request's
+    ``structured_outputs`` (a reply held to a schema, a regex or a choice), None for free text."""
     if (seconds is None) == (requests_per_client is None):
         raise ValueError("give exactly one of seconds or requests_per_client")
     model = served_model(url, api_key, timeout=min(timeout, 30.0))
@@ -189,6 +191,8 @@ def run_load(
                     body.update(stream=True, stream_options={"include_usage": True})
                 if ignore_eos:
                     body["ignore_eos"] = True
+                if shape is not None:
+                    body["structured_outputs"] = shape
                 sample = client.complete(body)
                 sent += 1
                 with lock:

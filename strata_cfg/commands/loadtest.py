@@ -15,7 +15,15 @@ import os
 import sys
 
 from ..bench.load_test import CHAT_TURNS, run_load
-from ..schema.sampling_options import add_sampling_arguments, options_problem, sampling_options
+from ..schema.sampling_options import (
+    add_json_arguments,
+    add_sampling_arguments,
+    json_schema_of,
+    options_problem,
+    sampling_options,
+    shape_problem,
+    structured_outputs,
+)
 from ._arg_types import positive_seconds
 
 
@@ -51,6 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="ask the server to generate past end-of-text, so every reply is --max-tokens long (the "
         "ignore_eos extension strata, vLLM and llama.cpp's server take)",
     )
+    add_json_arguments(parser)
     parser.add_argument(
         "--api-key-env", help="environment variable holding the API key, if the engine needs one"
     )
@@ -61,7 +70,9 @@ def run(args: argparse.Namespace) -> int:
     if args.clients < 1 or args.max_tokens < 1 or args.turns < 1:
         print("strata loadtest: --clients, --max-tokens and --turns must be positive", file=sys.stderr)
         return 2
-    problem = options_problem(args)
+    problem = options_problem(args) or shape_problem(args)
+    if problem is None and args.json_schema is not None:
+        problem = json_schema_of(args.json_schema)[1]
     if problem:
         print(f"strata loadtest: {problem}", file=sys.stderr)
         return 2
@@ -84,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
             ignore_eos=args.ignore_eos,
             chat=args.chat,
             turns=args.turns,
+            shape=structured_outputs(args),
         )
     except (OSError, RuntimeError, ValueError) as exc:
         print(f"strata loadtest: cannot reach the engine at {args.url}: {exc}", file=sys.stderr)

@@ -148,6 +148,20 @@ def shaped(args: Any) -> bool:
     return args.json_schema is not None or args.json_object or args.regex is not None or bool(args.choice)
 
 
+def structured_outputs(args: Any) -> dict[str, Any] | None:
+    """The shape options as a request's ``structured_outputs`` field (the extension strata and vLLM take),
+    None where they ask for nothing; a schema file must have been checked (`json_schema_of`)."""
+    if args.json_schema is not None:
+        return {"json": json_schema_of(args.json_schema)[0]}
+    if args.json_object:
+        return {"json_object": True}
+    if args.regex is not None:
+        return {"regex": args.regex}
+    if args.choice:
+        return {"choice": list(args.choice)}
+    return None
+
+
 def shape_words(args: Any) -> str:
     """What the shape options hold the replies to, in words (for a bench's table)."""
     if args.json_schema is not None:
