@@ -672,6 +672,25 @@ def test_in_every_mode_conversations_that_outnumber_the_slots_copy_their_history
     assert without.totals["prefix_restores"] == without.totals["prefix_store_saved"] == 0
 
 
+def test_the_plan_says_how_much_history_the_store_holds_and_the_engine_allocates_that_many_pages() -> None:
+    """`LaunchPlan.prefix_store_pages` (the plan text's "positions of history") is what the engine's store
+    holds, with and without drafters; a store smaller than a page holds none, as the plan says."""
+    from strata_cfg.report.plan_text import plan_text
+
+    for mode, mib in (("serial", 1), ("batch-mtp", 1), ("serial", 0)):
+        eng = _engine_in_mode(mode, context=64, prefix_store_mib=mib)
+        plan = eng.plan
+        assert eng.store.pages == plan.prefix_store_pages and (eng.store.pages > 0) == (mib > 0)
+        if mib:
+            text = f"(store 1 MiB in host memory: {plan.prefix_store_pages * PAGE:,} positions of history)"
+            assert text in plan_text(plan)
+    # A model whose page (64 positions of 4,096 layers) is larger than the store holds none.
+    plan = mode_plan("serial", 2, preset="tiny", context=64, prefix_store_mib=1)
+    facts = plan.model.facts.model_copy(update={"num_hidden_layers": 4096})
+    huge = plan.model_copy(update={"model": plan.model.model_copy(update={"facts": facts})})
+    assert huge.prefix_store_pages == 0 and "less than a page, none" in plan_text(huge)
+
+
 def test_a_full_store_drops_its_least_recently_used_prefix_and_never_holds_more_than_its_pages() -> None:
     """A store with room for about one conversation's history: storing the next drops the one stored
     before, whose conversation then reads its whole prompt again, with the same tokens."""

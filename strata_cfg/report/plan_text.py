@@ -11,6 +11,7 @@ from collections.abc import Iterable, Sequence
 from ..schema.plan import (
     DEFAULT_DRAFT_FLOOR,
     MIB,
+    PREFIX_STORE_PAGE,
     WORKSPACE_PARTS,
     BatchPlan,
     Decision,
@@ -237,8 +238,12 @@ def plan_text(plan: LaunchPlan) -> str:
     )
     m = plan.memory
     reuse = "on" if m.prefix_reuse else "off"
-    if m.prefix_store_mib:
-        reuse += f" (store {m.prefix_store_mib} MiB in host memory)"
+    if m.prefix_store_mib and m.prefix_reuse:
+        pages = plan.prefix_store_pages
+        reuse += f" (store {m.prefix_store_mib} MiB in host memory: "
+        reuse += (
+            f"{pages * PREFIX_STORE_PAGE:,} positions of history)" if pages else "less than a page, none)"
+        )
     lines = [
         title,
         f"  model   {_model_line(plan)}",

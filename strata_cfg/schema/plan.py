@@ -278,6 +278,11 @@ class WindowPlan(_Plan):
     """Rows of a full batch window."""
 
 
+PREFIX_STORE_PAGE = 64
+"""Positions in one page of the host's prefix store (``memory.prefix_store_mib``): a stored prefix takes
+whole pages, each of every layer's keys and values and of one drafter's."""
+
+
 class MemoryPlan(_Plan):
     context: int
     """Tokens per slot."""
@@ -444,6 +449,19 @@ class LaunchPlan(_Plan):
     @property
     def last_stage(self) -> StagePlan:
         return self.stages[-1]
+
+    @property
+    def prefix_store_pages(self) -> int:
+        """Pages of `PREFIX_STORE_PAGE` positions that the prefix store holds: ``memory.prefix_store_mib``
+        over the bytes of a page of every layer's KV and, where slots draft, one drafter's layer (0: no
+        store, or one smaller than a page)."""
+        m = self.memory
+        if not (m.prefix_reuse and m.prefix_store_mib):
+            return 0
+        facts = self.model.facts
+        layers = facts.num_hidden_layers + (1 if any(s.drafters for s in self.stages) else 0)
+        page = PREFIX_STORE_PAGE * layers * facts.kv_bytes_per_token(m.kv_dtype)
+        return m.prefix_store_mib * MIB // page
 
     def to_json(self) -> dict[str, Any]:
         """The public JSON form."""

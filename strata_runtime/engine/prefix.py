@@ -50,6 +50,8 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
+from strata_cfg.schema.plan import PREFIX_STORE_PAGE
+
 
 @dataclass(frozen=True)
 class Kept:
@@ -224,9 +226,9 @@ request takes another free slot rather than cut a slot's kept tokens short by th
 Below it, reading them again costs about what the copies would."""
 
 
-PAGE = 64
-"""Positions in one page of the prefix store's host memory: a stored prefix holds whole pages, the last
-one partly filled."""
+PAGE = PREFIX_STORE_PAGE
+"""Positions in one page of the prefix store's host memory (the plan's `PREFIX_STORE_PAGE`): a stored
+prefix holds whole pages, the last one partly filled."""
 
 
 def pages_for(n: int) -> int:

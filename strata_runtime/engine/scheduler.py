@@ -50,7 +50,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from strata_cfg.schema.plan import MIB, LaunchPlan
+from strata_cfg.schema.plan import LaunchPlan
 from strata_cfg.schema.windows import (
     BATCH_MTP_SLOTS_PER_WINDOW,
     batch_mtp_window,
@@ -107,9 +107,7 @@ class Engine:
         """Proposals a solo window drafts at most after its token (0: the plan does not draft)."""
         self.pipelined = plan.batch.mode == "pipelined"
         self.executor = Executor(self.model, self.tracked, overlap=self.pipelined)
-        store = plan.memory.prefix_store_mib * MIB if plan.memory.prefix_reuse else 0
-        page = self.executor.page_bytes
-        self.store = PrefixStore(store // page, page)
+        self.store = PrefixStore(plan.prefix_store_pages, self.executor.page_bytes)
         """Kept prefixes that no slot holds any more, in host memory (``memory.prefix_store_mib``), in pages
         the executor allocates once, here."""
         if self.store.on:
