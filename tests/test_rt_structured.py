@@ -224,6 +224,21 @@ def test_in_every_mode_seeded_schedules_of_replies_with_and_without_schemas_keep
                 _follows_person(text)
 
 
+def test_windows_with_a_grammar_are_timed_apart_from_the_others():
+    """A grammar's windows are decided on the host, so their times would mislead the depth chosen for
+    other requests: they are measured under kinds of their own (``greedy, grammar``), solo and batch."""
+    solo = Engine(mode_plan("solo", 2, preset="small", context=192, prefill_chunk=16))
+    shaped = SamplingParams(grammar=json_grammar(PERSON))
+    collect(solo, [(0, Request(tuple(b"Who? "), 40, shaped))])
+    assert set(solo.choice.solo) == {"greedy, grammar"}
+    assert sum(solo.choice.solo["greedy, grammar"][0].seen.values()) > 0  # its windows were measured there
+    collect(solo, [(0, Request(tuple(b"Who? "), 8))])
+    assert set(solo.choice.solo) == {"greedy, grammar", "greedy"}
+    batch = Engine(mode_plan("batch-mtp", 2, preset="small", context=192, prefill_chunk=16))
+    collect(batch, [(0, Request(tuple(b"Who? "), 40, shaped)), (0, Request(tuple(b"What? "), 40))])
+    assert any(kind.endswith(", grammar") for kind in batch.choice.batch)
+
+
 def test_a_greedy_reply_with_a_grammar_takes_the_most_likely_allowed_token_each_time():
     """The engine's greedy reply under a grammar, against the model's own logits: at each step the token is
     the argmax of the logits over the tokens the grammar allows after the reply so far."""

@@ -21,17 +21,21 @@ from .speculative import DraftGauge, drafting_pays
 
 
 def request_kind(sampler: Sampler) -> str:
-    """``greedy`` or ``sampled``, with ``, penalised`` for a logit bias or a penalty (`Sampler.adjusts`):
-    requests whose solo windows take different times to decide, and whose drafts hold differently often."""
-    return ("greedy" if sampler.greedy else "sampled") + (", penalised" if sampler.adjusts else "")
+    """``greedy`` or ``sampled``, with ``, penalised`` for a logit bias or a penalty (`Sampler.adjusts`) and
+    ``, grammar`` for a grammar (decided on the host, `Sampler.host_only`): requests whose solo windows take
+    different times to decide, and whose drafts hold differently often."""
+    kind = ("greedy" if sampler.greedy else "sampled") + (", penalised" if sampler.adjusts else "")
+    return kind + (", grammar" if sampler.host_only else "")
 
 
 def window_kind(kind: str, samplers: list[Sampler]) -> str:
     """A batch window's kind (``serial``, ``batch-mtp``) and what deciding it takes: sampled if any of its
-    requests samples, penalised if any adjusts (``batch-mtp, sampled``)."""
+    requests samples, penalised if any adjusts, grammar if any follows one (``batch-mtp, sampled``)."""
     sampled = any(not s.greedy for s in samplers)
     adjusts = any(s.adjusts for s in samplers)
-    return f"{kind}, {'sampled' if sampled else 'greedy'}" + (", penalised" if adjusts else "")
+    grammar = any(s.host_only for s in samplers)
+    out = f"{kind}, {'sampled' if sampled else 'greedy'}" + (", penalised" if adjusts else "")
+    return out + (", grammar" if grammar else "")
 
 
 def keeps_windows(sampler: Sampler) -> bool:
