@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -92,18 +93,24 @@ class Grammars:
         return Matcher(ll, self.vocab_size)
 
 
-_SHARED: dict[tuple[int, int], Grammars] = {}
+_SHARED: OrderedDict[tuple[int, int], Grammars] = OrderedDict()
 _SHARED_LOCK = threading.Lock()
+SHARED_MOST = 4
+"""Tokenizers whose `Grammars` are kept for all who ask (a process serves one model; tests build many)."""
 
 
 def grammars_for(tokenizer: Tokenizer, vocab_size: int) -> Grammars:
     """The `Grammars` of a tokenizer and vocabulary size, made once for all who ask (the engine, which
-    follows grammars, and the server, which checks them before a request reaches the engine)."""
+    follows grammars, and the server, which checks them before a request reaches the engine); the least
+    recently asked are let go beyond `SHARED_MOST`."""
     key = (id(tokenizer), vocab_size)
     with _SHARED_LOCK:
         found = _SHARED.get(key)
         if found is None or found.tokenizer is not tokenizer:  # an id reused after a tokenizer was dropped
             found = _SHARED[key] = Grammars(tokenizer, vocab_size)
+        _SHARED.move_to_end(key)
+        while len(_SHARED) > SHARED_MOST:
+            _SHARED.popitem(last=False)
         return found
 
 
