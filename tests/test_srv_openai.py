@@ -15,6 +15,7 @@ import signal
 import socket
 import threading
 import time
+from typing import Any
 
 import openai
 import pytest
@@ -601,6 +602,13 @@ def test_loadtest_reports_requests_errors_and_latency(engine: Launched):
     assert 0 < result["latency_p50_s"] <= result["latency_p95_s"]
 
 
+def _load(engine: Launched, **kw: Any) -> Any:
+    """`strata_cfg.bench.load_test.run_load` against the launched engine, with its key."""
+    from strata_cfg.bench.load_test import run_load
+
+    return run_load(engine.url, api_key=engine.key, **kw)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_chat_loadtest_holds_a_conversation_per_client_and_reports_the_prompt_reused(
     engine: Launched, stream: bool
@@ -609,17 +617,9 @@ def test_a_chat_loadtest_holds_a_conversation_per_client_and_reports_the_prompt_
     prompt, the chat so far and a new message; the server reuses most of each prompt (the system prompt
     copied between slots, each chat's history kept in its slot or in the prefix store), and the report
     says how much, from the usage."""
-    from strata_cfg.bench.load_test import CHAT_SYSTEM, run_load
+    from strata_cfg.bench.load_test import CHAT_SYSTEM
 
-    result = run_load(
-        engine.url,
-        clients=3,
-        requests_per_client=3,
-        max_tokens=8,
-        chat=True,
-        stream=stream,
-        api_key=engine.key,
-    )
+    result = _load(engine, clients=3, requests_per_client=3, max_tokens=8, chat=True, stream=stream)
     j = result.to_json()
     assert j["errors"] == 0 and j["requests"] == 9 and j["chat"] is True
     assert all(s.text for s in result.served) and j["tokens"] == 8 * 9
@@ -635,17 +635,9 @@ def test_a_chat_loadtest_holds_a_conversation_per_client_and_reports_the_prompt_
 def test_a_loadtest_with_a_choice_holds_every_reply_to_it(engine: Launched, stream: bool):
     """`run_load`'s ``shape`` (the loadtest's --choice and its kin) goes in every request as
     ``structured_outputs``: every reply, whole or streamed, is one of the choices."""
-    from strata_cfg.bench.load_test import run_load
-
     choices = ["yes", "no", "not today"]
-    result = run_load(
-        engine.url,
-        clients=2,
-        requests_per_client=3,
-        max_tokens=16,
-        stream=stream,
-        api_key=engine.key,
-        shape={"choice": choices},
+    result = _load(
+        engine, clients=2, requests_per_client=3, max_tokens=16, stream=stream, shape={"choice": choices}
     )
     assert result.to_json()["errors"] == 0 and len(result.served) == 6
     assert all(s.text in choices for s in result.served)
