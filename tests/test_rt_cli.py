@@ -124,9 +124,9 @@ def test_bench_holds_every_reply_to_a_shape_in_every_arm_with_equal_text() -> No
         assert all(v for k, v in arm["solo"].items() if k.startswith("text_equal_to_"))
     table = strata(*args, "--repeats", "1", "--regex", "[a-z]{1,8}").stdout
     assert "every reply held to the regex '[a-z]{1,8}'" in table
-    for refused in (["bench", "--url", "http://127.0.0.1:9"], [*args, "--peer", "llama.cpp"]):
+    for refused in ([*args, "--peer", "llama.cpp"], [*args[:2], "--workload", "step"]):
         out = strata(*refused, "--json-object")
-        assert out.returncode == 2 and "run in process" in out.stderr, out.stderr
+        assert out.returncode == 2 and "are not measured by" in out.stderr, out.stderr
 
 
 @pytest.mark.parametrize(

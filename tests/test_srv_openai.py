@@ -711,6 +711,21 @@ def test_bench_drives_the_launched_engine_over_http(engine: Launched):
     assert 0 < after[tokens] - before.get(tokens, 0) <= 4 * 24
 
 
+def test_bench_over_http_holds_every_reply_to_a_shape(engine: Launched):
+    """`strata bench --url ... --choice ab`: every decoding request carries the choice as its
+    ``structured_outputs``, so each of the two streams of each run ends after its two tokens."""
+    before = _metrics(engine)
+    proc = strata(
+        *("bench", "--url", engine.url, "--workload", "two-decodes", "--repeats", "2", "--tokens", "24"),
+        *("--choice", "ab", "--api-key-env", "STRATA_TEST_KEY", "--json"),
+        env={"STRATA_TEST_KEY": engine.key},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    after = _metrics(engine)
+    tokens = "strata_completion_tokens_total"
+    assert after[tokens] - before.get(tokens, 0) == 2 * 2 * 2  # two runs of two streams, two tokens each
+
+
 def test_bench_reads_a_prompt_over_http(engine: Launched):
     """`--workload prompt` over HTTP: one fresh prompt of --prompt-tokens ids per run, read for one token;
     its read rate is the prompt over the time to its first token."""

@@ -129,15 +129,19 @@ def request_body(
     index: int,
     seeded: bool = True,
     ignore_eos: bool = False,
+    shape: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A streamed completion request of the workload: ``sampling`` (greedy without), seeded by ``index``
-    when it samples and ``seeded``; with ``ignore_eos`` it asks to generate past end-of-text."""
+    when it samples and ``seeded``; with ``ignore_eos`` it asks to generate past end-of-text; ``shape``:
+    its ``structured_outputs`` (a reply held to a schema, a regex or a choice)."""
     body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True}
     body.update(sampling or GREEDY)
     if body["temperature"] > 0 and seeded:
         body["seed"] = index
     if ignore_eos:
         body["ignore_eos"] = True
+    if shape is not None:
+        body["structured_outputs"] = shape
     body["stream_options"] = {"include_usage": True}
     return body
 
@@ -158,6 +162,7 @@ def http_run(
     seeded: bool = True,
     windows: bool = True,
     ignore_eos: bool = False,
+    shape: dict[str, Any] | None = None,
 ) -> dict[str, float]:
     """One run of a workload over HTTP, with the same figures as the in-process harness. ``sampling``: the
     decoding requests' temperature, top_p, top_k and penalties (each request seeded by its index when it
@@ -165,7 +170,7 @@ def http_run(
     ``prompt`` sends one prompt of ``prompt_tokens`` ids (`prompt_ids` with ``seed``) for one greedy token.
     With ``depth`` each decoding request's prompt is `depth_prompt`'s ids instead of a short text.
     ``windows``: the server is a strata engine, whose window statistics come from its ``/v1/status``
-    (without, the figures leave them out)."""
+    (without, the figures leave them out). ``shape``: the decoding requests' ``structured_outputs``."""
     model = served_model(url, api_key)
     n = {"two-decodes": 2, "clients": clients, "solo": 1, "read-beside-decode": 1}.get(workload, 0)
     streams: list[Stream] = []
@@ -176,7 +181,14 @@ def http_run(
         prompt: str | list[int], max_tokens: int, watch: threading.Event | None, greedy: bool = False
     ) -> None:
         body = request_body(
-            model, prompt, max_tokens, GREEDY if greedy else sampling, len(streams), seeded, ignore_eos
+            model,
+            prompt,
+            max_tokens,
+            GREEDY if greedy else sampling,
+            len(streams),
+            seeded,
+            ignore_eos,
+            None if greedy else shape,
         )
         stream = Stream(sent=time.perf_counter() - t0)
         worker = threading.Thread(target=_stream, args=(Client(url, api_key, 600.0), body, t0, stream, watch))
@@ -303,15 +315,16 @@ def bench_urls(
     depth: int = 0,
     seeded: bool = True,
     ignore_eos: bool = False,
+    shape: dict[str, Any] | None = None,
     on_run: Callable[[str, str, int, dict[str, float]], None] | None = None,
 ) -> dict[str, Any]:
     """A bench workload against launched servers (``urls``: by name), interleaved: each repeat runs every
     case on every server in turn. Medians over ``repeats`` runs per server and case, and for each server
     after the first its rate over the first's (``ratio`` and its bootstrap ``ratio_ci95``). ``sampling``,
-    ``seeded`` and ``ignore_eos`` as `http_run` takes them; ``prompt_tokens``: the ``prompt`` workload's
-    length, a fresh prompt each run; ``depth``: the decoding requests' prompt length (`depth_prompt`; 0: the
-    short text prompts). ``on_run(name, case, repeat, figures)`` is called after each run, as
-    the in-process harness's is (the command prints a progress line).
+    ``seeded``, ``ignore_eos`` and ``shape`` as `http_run` takes them; ``prompt_tokens``: the ``prompt``
+    workload's length, a fresh prompt each run; ``depth``: the decoding requests' prompt length
+    (`depth_prompt`; 0: the short text prompts). ``on_run(name, case, repeat, figures)`` is called after
+    each run, as the in-process harness's is (the command prints a progress line).
 
     Raises ValueError for a prompt (or a depth and its tokens) longer than a strata engine's context, and
     for ``read-beside-decode`` without a strata engine among the servers (its long prompt is sized by the
@@ -358,6 +371,7 @@ def bench_urls(
                     seeded=seeded,
                     windows=t.status is not None,
                     ignore_eos=ignore_eos,
+                    shape=shape,
                 )
                 runs[t.name][case].append(figures)
                 if on_run is not None:

@@ -44,6 +44,7 @@ from ..schema.sampling_options import (
     sampling_options,
     shape_problem,
     shaped,
+    structured_outputs,
 )
 from ..schema.workloads import (
     CONTEXT_WORKLOADS,
@@ -213,6 +214,7 @@ def run_url(args: argparse.Namespace) -> int:
             depth=args.depth,
             seeded=not args.unseeded,
             ignore_eos=args.ignore_eos,
+            shape=structured_outputs(args),
             on_run=progress,
         )
         if len(urls) == 1:
@@ -270,12 +272,12 @@ def usage_problem(args: argparse.Namespace) -> str | None:
     if problem:
         return problem
     if shaped(args):
-        where = "over --url" if args.url else "by a --peer" if args.peer else ""
+        where = "by a --peer" if args.peer else ""
         if not where and args.workload in GPU_WORKLOADS:
             where = f"by --workload {args.workload}"
         if where:
             flags = "--json-schema, --json-object, --regex, --choice"
-            return f"replies held to a shape ({flags}) run in process, not {where}"
+            return f"replies held to a shape ({flags}) are not measured {where}"
         problem = shape_problem(args)
         if problem is None and args.json_schema is not None:
             problem = json_schema_of(args.json_schema)[1]
