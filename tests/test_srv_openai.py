@@ -711,19 +711,26 @@ def test_bench_drives_the_launched_engine_over_http(engine: Launched):
     assert 0 < after[tokens] - before.get(tokens, 0) <= 4 * 24
 
 
-def test_bench_over_http_holds_every_reply_to_a_shape(engine: Launched):
-    """`strata bench --url ... --choice ab`: every decoding request carries the choice as its
-    ``structured_outputs``, so each of the two streams of each run ends after its two tokens."""
+def _bench_moved(engine: Launched, *args: str) -> dict[str, float]:
+    """Run `strata bench --url` against the launched demo with ``args``; what it moved the server's
+    counters by."""
     before = _metrics(engine)
     proc = strata(
-        *("bench", "--url", engine.url, "--workload", "two-decodes", "--repeats", "2", "--tokens", "24"),
-        *("--choice", "ab", "--api-key-env", "STRATA_TEST_KEY", "--json"),
+        *("bench", "--url", engine.url, *args, "--api-key-env", "STRATA_TEST_KEY", "--json"),
         env={"STRATA_TEST_KEY": engine.key},
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     after = _metrics(engine)
-    tokens = "strata_completion_tokens_total"
-    assert after[tokens] - before.get(tokens, 0) == 2 * 2 * 2  # two runs of two streams, two tokens each
+    return {k: v - before.get(k, 0) for k, v in after.items()}
+
+
+def test_bench_over_http_holds_every_reply_to_a_shape(engine: Launched):
+    """`strata bench --url ... --choice ab`: every decoding request carries the choice as its
+    ``structured_outputs``, so each of the two streams of each run ends after its two tokens."""
+    moved = _bench_moved(
+        engine, "--workload", "two-decodes", "--repeats", "2", "--tokens", "24", "--choice", "ab"
+    )
+    assert moved["strata_completion_tokens_total"] == 2 * 2 * 2  # two runs of two streams, two tokens each
 
 
 def test_bench_reads_a_prompt_over_http(engine: Launched):
@@ -756,18 +763,13 @@ def test_bench_reads_a_prompt_over_http(engine: Launched):
 
 
 def test_a_sampled_bench_over_http_sends_requests_the_server_accepts(engine: Launched):
-    before = _metrics(engine)
-    proc = strata(
-        *("bench", "--url", engine.url, "--workload", "solo", "--repeats", "1", "--tokens", "16"),
+    moved = _bench_moved(
+        engine,
+        *("--workload", "solo", "--repeats", "1", "--tokens", "16"),
         *("--temperature", "0.8", "--top-p", "0.9", "--top-k", "20"),
         *("--presence-penalty", "1.5", "--frequency-penalty", "0.5"),
-        *("--api-key-env", "STRATA_TEST_KEY", "--json"),
-        env={"STRATA_TEST_KEY": engine.key},
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    after = _metrics(engine)
-    ok = 'strata_requests_total{endpoint="completions",outcome="ok"}'
-    assert after[ok] - before.get(ok, 0) == 1
+    assert moved['strata_requests_total{endpoint="completions",outcome="ok"}'] == 1
 
 
 def test_tokenize_and_detokenize_read_prompts_as_the_completion_endpoints_do(engine: Launched):
