@@ -330,6 +330,27 @@ def test_sampled_drafted_replies_under_a_grammar_keep_the_models_distribution_ov
     assert chi2 < 16.3, (counts, expected)
 
 
+def test_a_token_outside_the_grammar_ends_the_request_with_an_error_not_the_engine():
+    """`Slot.emit` with a token the grammar does not allow (a grammar with no way on): the request ends with
+    an error saying so, and the caller's float64 logits are never masked in place."""
+    from strata_runtime.api import RequestHandle
+    from strata_runtime.engine.sampling import Sampler
+    from strata_runtime.engine.slot import Slot
+
+    tok = ByteTokenizer(300)
+    grammar = json_grammar(PERSON)
+    req = Request(tuple(b"x"), 10, SamplingParams(grammar=grammar))
+    sampler = Sampler(req.sampling, 0, Grammars(tok, 300).matcher(grammar))
+    logits = np.random.default_rng(3).standard_normal((1, 300)) + 1.0  # float64, the caller's
+    before = logits.copy()
+    masked = sampler.adjusted(logits)
+    assert np.isinf(masked).sum() == 299 and (logits == before).all()
+    slot = Slot(0, RequestHandle(req), sampler, frozenset(), tok, admitted_at=0)
+    event = slot.emit([ord("x")], 0)
+    assert event.finished == "error" and event.error is not None
+    assert event.error.startswith("the reply left its grammar: token 120 does not follow the grammar")
+
+
 def test_a_request_whose_grammar_does_not_compile_ends_at_once_with_the_reason():
     eng = _engine("serial")
     handle = eng.submit(Request(tuple(b"x"), 4, SamplingParams(grammar=json_grammar({"type": "nonsense"}))))

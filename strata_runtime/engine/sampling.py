@@ -74,7 +74,7 @@ class Sampler:
     def needs_logits(self) -> bool:
         """Whether choosing on the host needs the logits: sampling, or greedy over adjusted logits (a plain
         greedy choice is the device's argmax), or a grammar."""
-        return not self.greedy or self.adjusts or self.grammar is not None
+        return not self.greedy or self.adjusts or self.host_only
 
     @property
     def host_only(self) -> bool:
@@ -112,6 +112,8 @@ class Sampler:
         """
         out = self._biased(logits, drafted)
         if self.grammar is not None:  # each row over the tokens its grammar allows after what it follows
+            if np.may_share_memory(out, logits):
+                out = out.copy()  # the masks are written in place, never into the caller's logits
             masks = self.grammar.allowed_after(drafted)
             first_row = out.shape[0] - len(drafted)
             for j in range(out.shape[0]):
@@ -119,9 +121,9 @@ class Sampler:
         return out
 
     def _biased(self, logits: np.ndarray, drafted: Sequence[int]) -> np.ndarray:
-        """`adjusted` without the grammar."""
+        """`adjusted` without the grammar (unadjusted float64 rows are the caller's own, not a copy)."""
         if not self.adjusts:
-            return np.array(logits, dtype=np.float64)
+            return np.asarray(logits, dtype=np.float64)
         rows = np.asarray(logits)
         freq, presence = self.params.frequency_penalty, self.params.presence_penalty
         first_row = rows.shape[0] - len(drafted)  # the first row that follows drafted[0]
