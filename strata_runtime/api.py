@@ -140,8 +140,12 @@ class Tokenizer(Protocol):
         """The bytes one token stands for (a piece of a UTF-8 character, where a token holds part of one)."""
         ...
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of a chat prompt ending where the assistant's reply begins."""
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """Token ids of a chat prompt ending where the assistant's reply begins: OpenAI's messages (an
+        assistant's may hold ``tool_calls``; ``tool`` messages answer them), offering ``tools`` (OpenAI's
+        tool definitions) where given."""
         ...
 
     @property

@@ -326,20 +326,21 @@ RUNTIME_MAY_IMPORT: dict[str, set[str]] = {
     "layout": set(),
     "reference": set(),
     "structured": {"api"},
+    "chat": set(),
     "models": {"layout", "reference"},
     "experts": {"backend", "layout", "reference"},
-    "weights": {"backend", "experts", "models", "reference"},
+    "weights": {"backend", "chat", "experts", "models", "reference"},
     "cuda": {"backend", "layout", "models", "reference", "experts"},
     "model": {"api", "backend", "layout", "models", "weights", "cuda", "experts"},
     "engine": {"api", "backend", "experts", "layout", "model", "structured", "weights"},
-    "server": {"api", "structured"},
+    "server": {"api", "chat", "structured"},
     "bench": {"api", "backend", "cuda", "engine", "experts", "model", "models", "weights"},
     "commands": {"api", "backend", "bench", "engine", "model", "server", "structured", "weights"},
     "__main__": set(),
     "strata_runtime": set(),
 }
 """The runtime's own layering: the foundation (the request interface, devices, a window's rows, the kernels'
-references, grammars over a tokenizer), then the architecture, its weights and its CUDA path, the placed
+references, grammars over a tokenizer, the chat layout of tools), then the architecture, its weights and its CUDA path, the placed
 model, the engine, and the server, bench and commands on top. The server reaches the engine only through
 `api.EngineCore`."""
 

@@ -220,6 +220,172 @@ def test_structured_outputs_hold_replies_to_a_choice_a_regex_or_a_grammar(client
     )
 
 
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city for some days",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 12},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+NOW_TOOL = {"type": "function", "function": {"name": "now", "description": "The time"}}
+
+
+def _streamed_calls(stream: Any) -> tuple[str, list[tuple[str, str]], str | None]:
+    """A streamed reply's text, its calls (name, arguments) gathered by index, and its finish."""
+    text, calls, finish = "", {}, None
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        text += delta.content or ""
+        for call in delta.tool_calls or []:
+            name, args = calls.get(call.index, ("", ""))
+            calls[call.index] = (name + (call.function.name or ""), args + (call.function.arguments or ""))
+        finish = chunk.choices[0].finish_reason or finish
+    return text, [calls[i] for i in sorted(calls)], finish
+
+
+def test_a_required_tool_call_follows_the_tools_schema_whole_and_streamed(client: openai.OpenAI):
+    """``tool_choice`` "required" with ``parallel_tool_calls`` false, and a named function: the reply is
+    one call to an offered tool, its arguments following the tool's schema, with no text, finish
+    ``tool_calls``; streamed, the same call arrives as a ``tool_calls`` delta. Greedy and sampled."""
+    messages = [{"role": "user", "content": "What is the weather in Bath? " + _prompt()}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice, parallel in (("required", False), (named, False), (named, True)):
+        for temperature in (0.0, 1.0):
+            ask = dict(
+                model="demo",
+                messages=messages,
+                tools=[WEATHER_TOOL, NOW_TOOL],
+                tool_choice=choice,
+                parallel_tool_calls=parallel,
+                max_tokens=150,  # the demo's context is 1,024 tokens, the byte-level prompt with tools 850
+                temperature=temperature,
+                seed=9,
+            )
+            whole = client.chat.completions.create(**ask)
+            reply = whole.choices[0]
+            if not parallel:
+                assert reply.finish_reason == "tool_calls" and reply.message.content is None, reply
+                assert len(reply.message.tool_calls) == 1
+            calls = reply.message.tool_calls
+            assert calls and all(c.id.startswith("call_") and c.type == "function" for c in calls)
+            for call in calls:
+                assert call.function.name in (
+                    ("get_weather", "now") if choice == "required" else ("get_weather",)
+                )
+                args = json.loads(call.function.arguments)
+                if call.function.name == "get_weather":
+                    assert set(args) == {"city", "days"} and isinstance(args["city"], str)
+                    assert len(args["city"]) <= 12 and 1 <= args["days"] <= 7
+                else:
+                    assert args == {}
+            text, streamed, finish = _streamed_calls(client.chat.completions.create(**ask, stream=True))
+            assert streamed == [(c.function.name, c.function.arguments) for c in calls]
+            assert finish == reply.finish_reason and text == (reply.message.content or "")
+
+
+def test_a_reply_that_calls_a_tool_on_its_own_is_read_into_tool_calls(client: openai.OpenAI):
+    """``tool_choice`` "auto": the demo model writes text, which stays text; held by ``structured_outputs``
+    to a sentence and then a call in the Hermes layout, its text and its call are read apart, whole and
+    streamed, with the finish ``tool_calls``. Without tools the same reply is all text."""
+    messages = [{"role": "user", "content": "What time is it? " + _prompt()}]
+    plain = client.chat.completions.create(
+        model="demo", messages=messages, tools=[NOW_TOOL], max_tokens=16, temperature=0
+    )
+    assert plain.choices[0].message.tool_calls is None and plain.choices[0].message.content
+    shape = r'[A-Z][a-z]{2,6}\. <tool_call>\n\{"name": "now", "arguments": \{\}\}\n</tool_call>'
+    ask = dict(
+        model="demo",
+        messages=messages,
+        max_tokens=80,
+        temperature=0,
+        extra_body={"structured_outputs": {"regex": shape}},
+    )
+    whole = client.chat.completions.create(**ask, tools=[NOW_TOOL, WEATHER_TOOL])
+    reply = whole.choices[0]
+    assert reply.finish_reason == "tool_calls" and re.fullmatch(r"[A-Z][a-z]{2,6}\.", reply.message.content)
+    assert [(c.function.name, c.function.arguments) for c in reply.message.tool_calls] == [("now", "{}")]
+    text, streamed, finish = _streamed_calls(
+        client.chat.completions.create(**ask, tools=[NOW_TOOL, WEATHER_TOOL], stream=True)
+    )
+    assert (text, streamed, finish) == (reply.message.content, [("now", "{}")], "tool_calls")
+    bare = client.chat.completions.create(**ask).choices[0]
+    assert bare.finish_reason == "stop" and bare.message.tool_calls is None
+    assert re.fullmatch(shape.replace("\\n", "\n"), bare.message.content)
+
+
+def test_a_conversation_goes_on_after_a_tools_answer(engine: Launched, client: openai.OpenAI):
+    """The call a reply made and the tool's answer go back in the next request: the prompt holds the tools,
+    the call and the answer in the Hermes layout (`/tokenize` shows it), and the reply goes on from there.
+    ``tool_choice`` "none" leaves the tools out of the prompt."""
+    first = [{"role": "user", "content": "Weather in Bath for two days? " + _prompt()}]
+    ask = dict(model="demo", tools=[WEATHER_TOOL], max_tokens=100, temperature=0, parallel_tool_calls=False)
+    reply = client.chat.completions.create(**ask, messages=first, tool_choice="required").choices[0]
+    call = reply.message.tool_calls[0]
+    history = [
+        *first,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temp_c": 11, "sky": "rain"}'},
+    ]
+    status, body = http(
+        "POST",
+        f"{engine.url}/tokenize",
+        json.dumps({"model": "demo", "messages": history, "tools": [WEATHER_TOOL]}).encode(),
+        {"Content-Type": "application/json", "Authorization": f"Bearer {engine.key}"},
+    )
+    assert status == 200
+    prompt = bytes(t for t in json.loads(body)["tokens"] if t < 256).decode()
+    assert json.dumps(WEATHER_TOOL, ensure_ascii=False) in prompt  # the offered tool, a line of JSON
+    args = json.dumps(json.loads(call.function.arguments))
+    assert f'assistant: <tool_call>\n{{"name": "get_weather", "arguments": {args}}}\n</tool_call>\n' in prompt
+    assert 'user: <tool_response>\n{"temp_c": 11, "sky": "rain"}\n</tool_response>\n' in prompt
+    after = client.chat.completions.create(**ask, messages=history, max_completion_tokens=12).choices[0]
+    assert after.message.content and after.finish_reason in ("length", "stop", "tool_calls")
+    status, body = http(
+        "POST",
+        f"{engine.url}/tokenize",
+        json.dumps(
+            {"model": "demo", "messages": first, "tools": [WEATHER_TOOL], "tool_choice": "none"}
+        ).encode(),
+        {"Content-Type": "application/json", "Authorization": f"Bearer {engine.key}"},
+    )
+    assert status == 200 and b"get_weather" not in bytes(t for t in json.loads(body)["tokens"] if t < 256)
+
+
+def test_bad_tools_are_refused_naming_the_field(client: openai.OpenAI):
+    messages = [{"role": "user", "content": "hi"}]
+    bad_schema = {
+        "type": "function",
+        "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "strnig"}}}},
+    }
+    cases = [
+        (
+            dict(tools=[NOW_TOOL], tool_choice={"type": "function", "function": {"name": "later"}}),
+            "tool_choice.function.name",
+        ),
+        (dict(tools=[NOW_TOOL, NOW_TOOL]), "tools.1.function.name"),
+        (dict(tools=[NOW_TOOL, bad_schema], tool_choice="required"), "tools.1.function.parameters"),
+        (
+            dict(tools=[NOW_TOOL], tool_choice="required", response_format={"type": "json_object"}),
+            "tool_choice",
+        ),
+    ]
+    for extra, param in cases:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model="demo", messages=messages, max_tokens=4, **extra)
+        assert info.value.body["param"] == param, info.value.body
+
+
 def _reuse_figures(engine: Launched, workload: str) -> dict[str, float]:
     """`strata bench --url`'s figures of ``workload`` (``turns`` or ``shared``) on a 100-token context, 8
     tokens generated a request, and checked to have times and a rate."""

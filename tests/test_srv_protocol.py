@@ -14,9 +14,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from strata_runtime.chat import ToolCall
 from strata_runtime.server import metrics
 from strata_runtime.server import protocol as p
-from strata_runtime.structured import choice_grammar, json_grammar, lark_grammar, regex_grammar
+from strata_runtime.server.tools import tool_use
+from strata_runtime.structured import choice_grammar, grammars_for, json_grammar, lark_grammar, regex_grammar
+from strata_runtime.weights.tokenizer import ByteTokenizer
 
 BAD_COMPLETIONS = [
     # (body, status, param, words the message must contain)
@@ -71,9 +74,34 @@ BAD_CHATS = [
         ["`messages.0.content`", "a string or a list of text parts"],
     ),
     (
-        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
-        "tools",
-        ["`tools`", "not supported"],
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "functions": [{"name": "f"}]},
+        "functions",
+        ["`functions`", "not supported"],
+    ),
+    (
+        {
+            "model": "m",
+            "messages": [
+                {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {}}]}
+            ],
+        },
+        "messages.0.tool_calls.0.function.name",
+        ["`messages.0.tool_calls.0.function.name`", "required"],
+    ),
+    (
+        {
+            "model": "m",
+            "messages": [
+                {
+                    "role": "assistant",
+                    "tool_calls": [
+                        {"id": "c", "type": "function", "function": {"name": "f", "arguments": {}}}
+                    ],
+                }
+            ],
+        },
+        "messages.0.tool_calls.0.function.arguments",
+        ["`messages.0.tool_calls.0.function.arguments`", "string"],
     ),
 ]
 
@@ -696,3 +724,156 @@ def test_metrics_report_the_expert_cache_per_gpu():
     idle_text = metrics.render(metrics.ServerCounters(), idle, ready=True, in_flight=0)
     assert 'strata_expert_hits_total{device="cuda:0"} 0' in idle_text
     assert "strata_expert_hit_ratio{" not in idle_text
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+NOW = {"type": "function", "function": {"name": "now"}}
+
+BAD_TOOLS = [
+    # (extra fields of a chat body, param, words the message must contain)
+    ({"tools": {"name": "f"}}, "tools", ["a list of tools"]),
+    ({"tools": [{"type": "function"}]}, "tools.0", ["`tools.0.function` must be an object"]),
+    ({"tools": [{"type": "code", "function": {"name": "f"}}]}, "tools.0", ['"type": "function"']),
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools.0.function.name", ["1 to 64"]),
+    ({"tools": [NOW, NOW]}, "tools.1.function.name", ["two tools are named `now`"]),
+    (
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]},
+        "tools.0.function.parameters",
+        ["a JSON schema"],
+    ),
+    (
+        {"tools": [{"type": "function", "function": {"name": "f", "strict": 1}}]},
+        "tools.0.function.strict",
+        [],
+    ),
+    ({"tools": [NOW] * 129}, "tools", ["at most 128"]),
+    ({"tool_choice": "required"}, "tool_choice", ['"required" needs `tools`']),
+    ({"tools": [NOW], "tool_choice": "always"}, "tool_choice", ['"none", "auto", "required"']),
+    (
+        {"tools": [NOW], "tool_choice": {"type": "function", "function": {"name": "later"}}},
+        "tool_choice.function.name",
+        ["no tool is named `later`", "`now`"],
+    ),
+    ({"tools": [NOW], "parallel_tool_calls": "no"}, "parallel_tool_calls", ["true or false"]),
+    (
+        {"tools": [NOW], "tool_choice": "required", "response_format": {"type": "json_object"}},
+        "tool_choice",
+        ["`response_format` or `structured_outputs`"],
+    ),
+]
+
+
+@pytest.mark.parametrize(("extra", "param", "words"), BAD_TOOLS)
+def test_bad_tools_name_the_field(extra, param, words):
+    body = p.parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}], **extra})
+    with pytest.raises(p.ApiError) as info:
+        tool_use(body.model_extra or {}, p.grammar_of(body))
+    assert (info.value.status, info.value.param) == (400, param)
+    for w in words:
+        assert w in info.value.message
+
+
+def _tools_prepared(**extra) -> p.Prepared:
+    body = p.parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}], **extra})
+    tools = tool_use(body.model_extra or {}, p.grammar_of(body))
+    return p.prepare(body, [1, 2], context=64, vocab_size=300, default_max_tokens=None, tools=tools)
+
+
+def test_tool_choice_decides_what_the_prompt_offers_and_what_the_reply_is_held_to():
+    """ "auto" (the default with tools) offers them and holds nothing; "none" offers none; "required" and
+    a named function hold the reply to calls; no tools, or an empty list, is a chat without tools."""
+    auto = _tools_prepared(tools=[WEATHER, NOW])
+    assert auto.tools is not None and auto.tools.choice == "auto" and auto.tools.offered == [WEATHER, NOW]
+    assert auto.request.sampling.grammar is None
+    assert _tools_prepared(tools=[WEATHER], tool_choice="none").tools is None
+    assert _tools_prepared(tools=[]).tools is None and _tools_prepared(tool_choice="none").tools is None
+    required = _tools_prepared(tools=[WEATHER, NOW], tool_choice="required")
+    named = _tools_prepared(
+        tools=[WEATHER, NOW], tool_choice={"type": "function", "function": {"name": "now"}}
+    )
+    for prepared in (required, named):
+        assert prepared.tools is not None and prepared.request.sampling.grammar == prepared.tools.grammar
+    # Without a structured output the reply's text is free: `response_format` text is no grammar.
+    free = _tools_prepared(tools=[NOW], tool_choice="required", response_format={"type": "text"})
+    assert free.request.sampling.grammar is not None
+
+
+def _walk(grammar: str, text: str) -> str:
+    """Where ``text`` leaves ``grammar`` ("ok" where it follows it whole and may end there)."""
+    tok = ByteTokenizer(300)
+    matcher = grammars_for(tok, 300).matcher(grammar)
+    for i, b in enumerate(text.encode()):
+        if not matcher.allowed()[b]:
+            return f"off at {i}: {text[i:]!r}"
+        matcher.accept([b])
+    return "ok" if matcher.allowed()[tok.eos_ids[0]] else "unfinished"
+
+
+def test_a_required_call_follows_the_tools_parameters_in_the_templates_layout():
+    """The grammar of "required": one call or more, a line apart, each to an offered tool with arguments
+    that follow its parameters (none: an empty object), laid out as chat templates write calls; with
+    ``parallel_tool_calls`` false exactly one; a named function only that function."""
+    weather = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Bath"}}\n</tool_call>'
+    now = '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'
+    grammar = _tools_prepared(tools=[WEATHER, NOW], tool_choice="required").request.sampling.grammar
+    assert grammar is not None
+    assert _walk(grammar, weather) == "ok" and _walk(grammar, now + "\n" + weather) == "ok"
+    assert _walk(grammar, "Sure. " + now).startswith("off at 0")
+    at = weather.index('"Bath"')
+    assert _walk(grammar, weather.replace('"Bath"', "3")).startswith(f"off at {at}:")  # city is a string
+    at = weather.index(": ") + 1
+    assert _walk(grammar, weather.replace(": ", ":")).startswith(f"off at {at}:")  # the layout's blanks
+    assert _walk(grammar, now.replace("{}", '{"x": 1}')).startswith("off at")  # `now` takes no arguments
+    assert _walk(grammar, now[:-3]) == "unfinished"
+    one = _tools_prepared(tools=[WEATHER, NOW], tool_choice="required", parallel_tool_calls=False)
+    assert _walk(one.request.sampling.grammar, now) == "ok"
+    assert _walk(one.request.sampling.grammar, now + "\n" + now).startswith("off at")
+    named = _tools_prepared(
+        tools=[WEATHER, NOW], tool_choice={"type": "function", "function": {"name": "now"}}
+    )
+    assert _walk(named.request.sampling.grammar, now) == "ok"
+    assert _walk(named.request.sampling.grammar, weather).startswith(f"off at {weather.index('get')}:")
+
+
+def test_earlier_calls_and_tool_answers_reach_the_template():
+    body = p.parse_chat(
+        {
+            "model": "m",
+            "messages": [
+                {"role": "user", "content": "x"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}},
+                        {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "not json"}},
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "done"}]},
+            ],
+        }
+    )
+    messages = p.chat_messages(body)
+    assert messages[1] == {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}},
+            {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "not json"}},
+        ],
+    }
+    assert messages[2] == {"role": "tool", "content": "done", "tool_call_id": "c1"}
+
+
+def test_a_reply_with_calls_is_answered_with_tool_calls():
+    call = ToolCall("now", "{}")
+    body = p.choice(True, 0, None, "tool_calls", None, [call])
+    assert body["message"] == {"role": "assistant", "content": None, "tool_calls": [call.openai()]}
+    assert body["finish_reason"] == "tool_calls"
+    assert "tool_calls" not in p.choice(True, 0, "hi", "stop")["message"]

@@ -22,12 +22,14 @@ from aiohttp import web
 
 from strata_cfg.schema.plan import LaunchPlan
 
-from ..api import EngineCore, TokenLogprob, token_name
-from ..structured import GrammarError, grammars_for
+from ..api import EngineCore, Tokenizer, TokenLogprob, token_name
+from ..chat import CallSplitter, ChatTemplateError, ToolCall, split_reply
+from ..structured import GrammarError, grammars_for, json_grammar
 from . import protocol as p
 from .connection import AccessLog, JsonErrorRunner
 from .engine_loop import EngineFactory, EngineLoop, Stream
 from .metrics import ServerCounters, expert_cache, render
+from .tools import ToolUse, tool_use
 
 log = logging.getLogger("strata.serve")
 
@@ -347,11 +349,15 @@ class Server:
         body = p.parse_chat(await _json_body(request))
         p.check_model(body.model, self.options.model_name)
         engine = self._engine()
-        ids = engine.tokenizer.apply_chat_template(p.chat_messages(body))
+        tools = tool_use(body.model_extra or {}, p.grammar_of(body))
+        ids = _chat_ids(engine.tokenizer, p.chat_messages(body), tools)
         prepared = p.prepare(
-            body, ids, context=self.context, vocab_size=self.vocab_size, default_max_tokens=None
+            body, ids, context=self.context, vocab_size=self.vocab_size, default_max_tokens=None, tools=tools
         )
-        await self._check_grammar(prepared.request.sampling.grammar, p.grammar_field(body))
+        if tools is not None and tools.grammar is not None:
+            await self._check_tools(tools)
+        else:
+            await self._check_grammar(prepared.request.sampling.grammar, p.grammar_field(body))
         return await self._run(request, p.choices(prepared, body.n), chat=True)
 
     async def _check_grammar(self, grammar: str | None, field: str) -> None:
@@ -365,6 +371,16 @@ class Server:
         except GrammarError as exc:
             raise p.ApiError(400, f"`{field}` cannot be followed: {exc}", field) from None
 
+    async def _check_tools(self, tools: ToolUse) -> None:
+        """A 400 naming the tool whose ``parameters`` a required call cannot follow, or ``tool_choice``
+        where the calls' grammar does not compile as a whole."""
+        assert tools.grammar is not None
+        for i, tool in enumerate(tools.tools):
+            params = tool["function"].get("parameters")
+            if params is not None and tools.function in (None, tool["function"]["name"]):
+                await self._check_grammar(json_grammar(params), f"tools.{i}.function.parameters")
+        await self._check_grammar(tools.grammar, "tool_choice")
+
     async def tokenize(self, request: web.Request) -> web.Response:
         """A prompt's token ids (a chat's through the model's chat template), as the completion endpoints
         would read it, with the context they must fit in."""
@@ -375,7 +391,7 @@ class Server:
         if body.prompt is not None:
             ids = tokenizer.encode(body.prompt)
         else:
-            ids = tokenizer.apply_chat_template(p.chat_messages(body))
+            ids = _chat_ids(tokenizer, p.chat_messages(body), tool_use(body.model_extra or {}, None))
         return web.json_response({"count": len(ids), "max_model_len": self.context, "tokens": ids})
 
     async def detokenize(self, request: web.Request) -> web.Response:
@@ -484,7 +500,15 @@ class Server:
             raise
         use = p.usage(_prompt_tokens(batch), sum(n for _, _, n, _ in done), _cached_tokens(streams, batch))
         model, rid = self.options.model_name, batch[0].request.request_id
-        choices = [p.choice(chat, i, text, end, lps) for i, (text, end, _, lps) in enumerate(done)]
+        choices = []
+        for i, ((text, end, _, lps), prepared) in enumerate(zip(done, batch, strict=True)):
+            words: str | None = text
+            calls: list[ToolCall] = []
+            if prepared.tools is not None:
+                words, calls = split_reply(text)
+            if calls and end == "stop":
+                end = "tool_calls"
+            choices.append(p.choice(chat, i, words, end, lps, calls))
         return web.json_response(p.response(chat, rid, model, choices, use))
 
     async def _collect(
@@ -549,17 +573,23 @@ class Server:
             finish: str | None,
             entries: tuple[TokenLogprob, ...] = (),
             lead: bool = False,
+            calls: list[ToolCall] | None = None,
         ) -> dict[str, Any]:
             lps = None if text is None else self._logprobs(c.prepared, list(entries), chat, c.offset, lead)
             if lps is not None and not chat:
                 c.offset += sum(len(name) for name in lps["tokens"])
             end = _finish(finish) if finish else None
+            if end == "stop" and c.splitter is not None and c.splitter.calls:
+                end = "tool_calls"
             if chat:
-                delta = (
+                delta: dict[str, Any] = (
                     {"role": "assistant", "content": ""}
                     if text is None
                     else ({"content": text} if text else {})
                 )
+                if calls and c.splitter is not None:  # numbered from the reply's first call
+                    first = c.splitter.calls - len(calls)
+                    delta = {"tool_calls": [call.openai(first + k) for k, call in enumerate(calls)]}
                 return p.chat_chunk(rid, model, created, delta, end, lps, c.index)
             return p.completion_chunk(rid, model, created, text or "", end, lps, c.index)
 
@@ -621,7 +651,9 @@ class Server:
             return True
         c.generated += piece.tokens
         c.held += piece.logprobs
-        if piece.text or piece.finish:
+        if c.splitter is not None:
+            await _send_split(response, c, piece, chunk)
+        elif piece.text or piece.finish:
             await _send(response, chunk(c, piece.text, piece.finish, c.held))
             c.held = ()
         c.finished = piece.finish is not None
@@ -711,6 +743,37 @@ class _Choice:
         """Log-probabilities of tokens whose text is not out yet."""
         self.generated = 0
         self.finished = False
+        self.splitter = CallSplitter() if prepared.tools is not None else None
+        """Reads a reply that was offered tools into its text and its calls as it streams."""
+
+
+async def _send_split(
+    response: web.StreamResponse, c: _Choice, piece: Piece, chunk: Callable[..., dict[str, Any]]
+) -> None:
+    """Send what a piece of a reply that was offered tools adds: its text outside calls as content, each
+    call as a ``tool_calls`` delta once it is closed (a tail that may begin one is held back until it is
+    known), and the finish, as ``tool_calls`` where the reply made any and ended by itself."""
+    assert c.splitter is not None
+    parts = c.splitter.feed(piece.text) + (c.splitter.close() if piece.finish else [])
+    calls = [x for x in parts if isinstance(x, ToolCall)]
+    text = "".join(x for x in parts if isinstance(x, str))
+    # The calls go last: a piece's text before a call is sent first; text after a call within one piece is
+    # rare (a new call or the end follows a call) and goes with it.
+    if text and calls:
+        await _send(response, chunk(c, text, None, c.held))
+        c.held, text = (), ""
+    if text or calls or piece.finish:
+        await _send(response, chunk(c, text, piece.finish, c.held, calls=calls))
+        c.held = ()
+
+
+def _chat_ids(tokenizer: Tokenizer, messages: list[dict[str, Any]], tools: ToolUse | None) -> list[int]:
+    """A chat's prompt ids through the model's chat template, offering ``tools`` (unless ``tool_choice`` is
+    ``"none"``); a 400 naming ``messages`` where the template refuses them."""
+    try:
+        return tokenizer.apply_chat_template(messages, tools.offered if tools is not None else None)
+    except ChatTemplateError as exc:
+        raise p.ApiError(400, str(exc), "messages") from None
 
 
 def _prompt_tokens(batch: list[p.Prepared]) -> int:

@@ -12,12 +12,17 @@ import re
 import time
 import uuid
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ..api import MAX_TOP_LOGPROBS, Request, SamplingParams, Tokenizer, TokenLogprob, token_name
+from ..chat import ToolCall
 from ..structured import choice_grammar, json_grammar, lark_grammar, regex_grammar
+from .errors import ApiError as ApiError
+
+if TYPE_CHECKING:
+    from .tools import ToolUse
 
 MAX_STOP_STRINGS = 4
 """OpenAI's own limit on ``stop`` sequences."""
@@ -29,32 +34,6 @@ MAX_LOGIT_BIAS = 100.0
 """OpenAI's bound on a ``logit_bias`` value: -100 bans a token, +100 all but forces it."""
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 """OpenAI's default for ``/v1/completions``; chat defaults to the rest of the context."""
-
-
-class ApiError(Exception):
-    """A request the server refuses, with the HTTP status and the field at fault."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        *,
-        type_: str = "invalid_request_error",
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.type = type_
-        self.code = code
-        self.headers = headers or {}
-        """HTTP headers of the answer (``Retry-After`` on a 429)."""
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -128,9 +107,27 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str = Field(min_length=1)
+    arguments: str
+    """The arguments as JSON text, as the reply that made the call gave them."""
+
+
+class MessageToolCall(_Strict):
+    """A call an earlier assistant message made (`strata_runtime.chat`)."""
+
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    """An assistant message's calls."""
+    tool_call_id: str | None = None
+    """A ``tool`` message's answer is to this call."""
 
 
 class ChatBody(_Body):
@@ -167,7 +164,17 @@ DetokenizeBody.model_rebuild()
 
 _FIELDS = frozenset(
     name
-    for m in (CompletionBody, ChatBody, ChatMessage, TextPart, StreamOptions, TokenizeBody, DetokenizeBody)
+    for m in (
+        CompletionBody,
+        ChatBody,
+        ChatMessage,
+        TextPart,
+        MessageToolCall,
+        FunctionCall,
+        StreamOptions,
+        TokenizeBody,
+        DetokenizeBody,
+    )
     for name in m.model_fields
 )
 _EXPECTED = {
@@ -262,7 +269,6 @@ def parse_chat(raw: Any) -> ChatBody:
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "`top_logprobs` needs `logprobs` set to true", "top_logprobs")
     neutral = {
-        "tools": ([],),
         "functions": ([],),
         # Completion fields that some servers also take on chat: refused here rather than ignored.
         "echo": (False,),
@@ -419,6 +425,8 @@ class Prepared:
     which the reply leaves out)."""
     choice: int = 0
     """Which of its prompt's ``n`` choices this is (`choices`)."""
+    tools: ToolUse | None = None
+    """A chat's tools, offered in its prompt: the reply's calls are read out of its text."""
 
 
 def check_model(name: str, served: str) -> None:
@@ -499,14 +507,35 @@ def parse_detokenize(raw: Any, vocab_size: int) -> DetokenizeBody:
     return body
 
 
-def chat_messages(body: ChatBody | TokenizeBody) -> list[dict[str, str]]:
-    """Messages as plain role/content strings, text parts joined."""
+def chat_messages(body: ChatBody | TokenizeBody) -> list[dict[str, Any]]:
+    """Messages as a chat template reads them: a role and a text each (text parts joined), an assistant's
+    ``tool_calls`` (each call's arguments as a JSON object where its text is one, as templates that write
+    them with ``tojson`` expect), a tool answer's ``tool_call_id``."""
     out = []
     for m in body.messages or []:
         parts = m.content if isinstance(m.content, list) else [TextPart(type="text", text=m.content or "")]
-        text = "".join(part.text for part in parts)
-        out.append({"role": m.role, "content": text})
+        message: dict[str, Any] = {"role": m.role, "content": "".join(part.text for part in parts)}
+        if m.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)},
+                }
+                for c in m.tool_calls
+            ]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        out.append(message)
     return out
+
+
+def _arguments(text: str) -> dict[str, Any] | str:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return text
+    return value if isinstance(value, dict) else text
 
 
 def prepare(
@@ -517,12 +546,14 @@ def prepare(
     vocab_size: int,
     default_max_tokens: int | None,
     echo: str | None = None,
+    tools: ToolUse | None = None,
 ) -> Prepared:
     """Check the prompt and ``max_tokens`` against the context, ``logit_bias`` against the vocabulary, and
     build the engine request.
 
     ``default_max_tokens`` None means "the rest of the context" (chat's default). ``echo``: the prompt's
-    text, which a completion with ``echo`` returns before its reply.
+    text, which a completion with ``echo`` returns before its reply. ``tools``: a chat's tools, whose calls
+    the reply is read for, and which hold it to calls where it must make one.
     """
     n = len(ids)
     if n == 0:
@@ -574,7 +605,7 @@ def prepare(
             logit_bias=logit_bias(body.logit_bias or {}, vocab_size),
             logprobs=asked_logprobs(body),
             prompt_logprobs=body.logprobs if isinstance(body, CompletionBody) and body.echo else None,
-            grammar=grammar_of(body),
+            grammar=(tools.grammar if tools is not None else None) or grammar_of(body),
         ),
         # The engine cuts stop strings (`strata_runtime.engine.stops`), as it does for `strata generate`.
         stop_strings=tuple(stop),
@@ -591,6 +622,7 @@ def prepare(
         include_usage=include_usage,
         echo=echo if echoing else None,
         generate=max_tokens > 0,
+        tools=tools if tools is not None and tools.offered else None,
     )
 
 
@@ -647,7 +679,7 @@ def logit_bias(bias: dict[str, float], vocab_size: int) -> tuple[tuple[int, floa
 # ----------------------------------------------------------------------------------------------------------
 # Responses.
 
-OpenAIFinish = Literal["stop", "length"]
+OpenAIFinish = Literal["stop", "length", "tool_calls"]
 
 
 def new_id(prefix: str) -> str:
@@ -666,13 +698,20 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 
 
 def choice(
-    chat: bool, index: int, text: str, finish: OpenAIFinish, logprobs: dict[str, Any] | None = None
+    chat: bool,
+    index: int,
+    text: str | None,
+    finish: OpenAIFinish,
+    logprobs: dict[str, Any] | None = None,
+    calls: list[ToolCall] | None = None,
 ) -> dict[str, Any]:
-    """One choice of a whole reply: a chat completion's (the text as the assistant's message) or a text
-    completion's."""
+    """One choice of a whole reply: a chat completion's (the text as the assistant's message, with its
+    tool calls where it made any) or a text completion's."""
     body: dict[str, Any] = {"index": index}
     if chat:
         body["message"] = {"role": "assistant", "content": text}
+        if calls:
+            body["message"]["tool_calls"] = [c.openai() for c in calls]
     else:
         body["text"] = text
     return body | {"finish_reason": finish, "logprobs": logprobs}
@@ -714,7 +753,7 @@ def chat_chunk(
     request_id: str,
     model: str,
     created: int,
-    delta: dict[str, str],
+    delta: dict[str, Any],
     finish: OpenAIFinish | None,
     logprobs: dict[str, Any] | None = None,
     index: int = 0,

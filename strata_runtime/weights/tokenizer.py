@@ -1,7 +1,9 @@
 """Tokenizers: byte-level for synthetic models, ``tokenizer.json`` (via ``tokenizers``) for checkpoints.
 
 Both implement `strata_runtime.api.Tokenizer`. Chat prompts use the checkpoint's own chat template when it
-has one (rendered with jinja2 when that is installed), and a plain ChatML layout otherwise.
+has one (rendered with jinja2 when that is installed, in a sandbox and with the helpers transformers gives
+templates), and a plain ChatML layout otherwise. Tools and tool calls are written in the Hermes layout
+(`strata_runtime.chat`) wherever the template does not write them itself.
 """
 
 from __future__ import annotations
@@ -9,9 +11,12 @@ from __future__ import annotations
 import functools
 import importlib
 import json
+from datetime import datetime
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
+
+from ..chat import ChatTemplateError, has_tool_parts, plain_messages
 
 
 def chatml(messages: list[dict[str, str]]) -> str:
@@ -79,10 +84,14 @@ class ByteTokenizer:
     )
     """`apply_chat_template`'s transcript as a Jinja template."""
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         """A plain transcript ending in ``assistant: ``. A synthetic model has no chat template, and ending
-        on a printable byte keeps its planted token chain (and so the reply) in readable characters."""
-        return self.encode("".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: ")
+        on a printable byte keeps its planted token chain (and so the reply) in readable characters. Tools
+        and calls are written in the Hermes layout (`strata_runtime.chat.plain_messages`)."""
+        plain = plain_messages(messages, tools)
+        return self.encode("".join(f"{m['role']}: {m['content']}\n" for m in plain) + "assistant: ")
 
 
 class HFTokenizer:
@@ -154,17 +163,66 @@ class HFTokenizer:
         """The checkpoint's own template, or ChatML where it has none (as `apply_chat_template` uses)."""
         return self.template if self.template is not None else CHATML_TEMPLATE
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        text = None
-        if self.template is not None:
-            try:
-                jinja2 = importlib.import_module("jinja2")
-            except ImportError:
-                jinja2 = None
-            if jinja2 is not None:
-                env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
-                text = env.from_string(self.template).render(messages=messages, add_generation_prompt=True)
-        return self.encode(text if text is not None else chatml(messages))
+    @property
+    def template_knows_tools(self) -> bool:
+        """Whether the checkpoint's template writes tools and calls itself (it reads ``tools`` and each
+        message's ``tool_calls``); otherwise they are written in the Hermes layout before it renders."""
+        return self.template is not None and "tools" in self.template and "tool_calls" in self.template
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """The prompt the checkpoint's template renders (given ``tools`` where it knows them), or ChatML.
+        `ChatTemplateError` where the template refuses the messages (its ``raise_exception``)."""
+        tooled = bool(tools) or has_tool_parts(messages)
+        template = _compiled(self.template) if self.template is not None else None
+        if template is None:
+            return self.encode(chatml(plain_messages(messages, tools)))
+        if tooled and self.template_knows_tools:
+            view: dict[str, Any] = {"messages": messages, "tools": tools or None}
+        else:
+            view = {"messages": plain_messages(messages, tools) if tooled else messages}
+        try:
+            text = template.render(**view, add_generation_prompt=True)
+        except Exception as exc:  # a template's own refusal, or one that fails on these messages
+            raise ChatTemplateError(f"the model's chat template cannot render these messages: {exc}") from exc
+        return self.encode(text)
+
+
+@functools.lru_cache(maxsize=4)
+def _compiled(template: str) -> Any:
+    """A checkpoint's chat template compiled as transformers compiles it, or None without jinja2: in an
+    immutable sandbox (a template is code from the checkpoint's files), with loop controls, the ``tojson``
+    of `strata_runtime.chat` (no HTML escapes, keys in order), ``raise_exception`` and ``strftime_now``."""
+    try:
+        jinja2 = importlib.import_module("jinja2")
+        sandbox = importlib.import_module("jinja2.sandbox")
+    except ImportError:
+        return None
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(
+        value: Any,
+        ensure_ascii: bool = False,
+        indent: Any = None,
+        separators: Any = None,
+        sort_keys: bool = False,
+    ) -> str:
+        return json.dumps(
+            value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
+
+    def strftime_now(fmt: str) -> str:
+        return datetime.now().strftime(fmt)
+
+    env = sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
+    return env.from_string(template)
 
 
 def byte_level_chars() -> list[str]:

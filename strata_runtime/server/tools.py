@@ -1,0 +1,167 @@
+"""OpenAI's tool calling on ``/v1/chat/completions``: a request's ``tools``, ``tool_choice`` and
+``parallel_tool_calls`` checked, and the grammar that holds a reply to calls where the request requires them.
+
+The tools reach the model through the chat template (`strata_runtime.chat` writes them where the template
+does not); the reply's calls are read out of its text (`strata_runtime.chat.split_reply`). With
+``tool_choice`` ``"auto"`` the model decides whether to call; ``"required"`` and a named function hold the
+reply to one call or more (one, with ``parallel_tool_calls`` false) of the allowed tools, each call's
+arguments following that tool's ``parameters`` schema, through the same grammars as structured output.
+``"none"`` leaves the tools out of the prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, Literal
+
+from ..chat import CALL_CLOSE, CALL_OPEN
+from ..structured import lark_grammar
+from .errors import ApiError
+
+MAX_TOOLS = 128
+"""OpenAI's limit on a request's tools."""
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+CALL_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+"""A held call's JSON is laid out as the chat templates write calls (Python's ``json.dumps`` defaults), the
+text the model was trained on."""
+
+Choice = Literal["none", "auto", "required", "function"]
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """What a chat request asks of tools."""
+
+    tools: tuple[dict[str, Any], ...]
+    """The tool definitions as the request gave them (``{"type": "function", "function": {...}}``)."""
+    choice: Choice
+    function: str | None = None
+    """The one tool the reply must call (``choice`` ``"function"``)."""
+    parallel: bool = True
+    """Whether a reply may make more than one call."""
+
+    @property
+    def offered(self) -> list[dict[str, Any]] | None:
+        """The tools the prompt offers: none with ``tool_choice`` ``"none"``."""
+        return list(self.tools) if self.choice != "none" else None
+
+    @cached_property
+    def grammar(self) -> str | None:
+        """The grammar a reply follows where it must call (``"required"`` or a named function): calls to
+        the allowed tools, a line apart, each with arguments that follow the tool's ``parameters``."""
+        if self.choice not in ("required", "function"):
+            return None
+        functions = [t["function"] for t in self.tools]
+        if self.function is not None:
+            functions = [f for f in functions if f["name"] == self.function]
+        rules = [f"f{i}: %json {json.dumps(_call_schema(f))}" for i, f in enumerate(functions)]
+        calls = 'start: call ("\\n" call)*' if self.parallel else "start: call"
+        return lark_grammar(
+            "\n".join(
+                [
+                    calls,
+                    f"call: {json.dumps(CALL_OPEN + chr(10))} body {json.dumps(chr(10) + CALL_CLOSE)}",
+                    "body: " + " | ".join(f"f{i}" for i in range(len(functions))),
+                    *rules,
+                ]
+            )
+        )
+
+
+def _call_schema(function: dict[str, Any]) -> dict[str, Any]:
+    """The JSON schema of one call to ``function``: its name, then arguments that follow its ``parameters``
+    (an empty object where it has none, as OpenAI reads a function without parameters)."""
+    params = function.get("parameters")
+    if params is None:
+        params = {"type": "object", "properties": {}, "additionalProperties": False}
+    return {
+        "type": "object",
+        "properties": {"name": {"const": function["name"]}, "arguments": params},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+        "x-guidance": CALL_LAYOUT,
+    }
+
+
+def tool_use(extra: dict[str, Any], grammar: str | None) -> ToolUse | None:
+    """The tools a chat body's extra fields ask for (None: no tools), checked, with 400s naming the field
+    at fault. ``grammar``: the body's structured output, which a required call cannot be combined with."""
+    tools, choice, parallel = extra.get("tools"), extra.get("tool_choice"), extra.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise ApiError(400, "`parallel_tool_calls` must be true or false", "parallel_tool_calls")
+    checked = _tools(tools) if tools is not None else ()
+    kind, name = _choice(choice, checked)
+    if not checked:
+        return None
+    if kind in ("required", "function") and grammar is not None:
+        raise ApiError(
+            400,
+            "a reply cannot both call a tool (`tool_choice`) and follow `response_format` or "
+            "`structured_outputs`; give one of them",
+            "tool_choice",
+        )
+    return ToolUse(checked, kind, name, parallel is not False)
+
+
+def _tools(value: Any) -> tuple[dict[str, Any], ...]:
+    if not isinstance(value, list):
+        raise ApiError(400, "`tools` must be a list of tools", "tools")
+    if len(value) > MAX_TOOLS:
+        raise ApiError(400, f"`tools` may hold at most {MAX_TOOLS} tools (got {len(value)})", "tools")
+    seen: set[str] = set()
+    for i, tool in enumerate(value):
+        where = f"tools.{i}"
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            raise ApiError(400, f'`{where}` must be {{"type": "function", "function": {{...}}}}', where)
+        function = tool.get("function")
+        if not isinstance(function, dict):
+            raise ApiError(
+                400, f'`{where}.function` must be an object: {{"name": ..., "parameters": {{...}}}}', where
+            )
+        name = function.get("name")
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            field = f"{where}.function.name"
+            raise ApiError(400, f"`{field}` must be 1 to 64 letters, digits, underscores or dashes", field)
+        if name in seen:
+            field = f"{where}.function.name"
+            raise ApiError(400, f"`{field}`: two tools are named `{name}`", field)
+        seen.add(name)
+        for key, kind, words in (
+            ("description", str, "a string"),
+            ("parameters", dict, "a JSON schema (an object)"),
+            ("strict", bool, "true or false"),
+        ):
+            if function.get(key) is not None and not isinstance(function[key], kind):
+                field = f"{where}.function.{key}"
+                raise ApiError(400, f"`{field}` must be {words}", field)
+    return tuple(value)
+
+
+def _choice(value: Any, tools: tuple[dict[str, Any], ...]) -> tuple[Choice, str | None]:
+    """``tool_choice`` as a kind and, for a named function, its name; the default is ``"auto"`` with tools
+    and ``"none"`` without."""
+    if value is None:
+        return ("auto" if tools else "none"), None
+    if value in ("none", "auto", "required"):
+        kind: Choice = value
+        if kind != "none" and not tools:
+            raise ApiError(400, f'`tool_choice` "{kind}" needs `tools`', "tool_choice")
+        return kind, None
+    function = value.get("function") if isinstance(value, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(value, dict) or value.get("type") != "function" or not isinstance(name, str):
+        raise ApiError(
+            400,
+            '`tool_choice` must be "none", "auto", "required" or {"type": "function", "function": '
+            '{"name": ...}}',
+            "tool_choice",
+        )
+    names = [t["function"]["name"] for t in tools]
+    if name not in names:
+        field = "tool_choice.function.name"
+        offered = ", ".join(f"`{n}`" for n in names) or "none"
+        raise ApiError(400, f"`{field}`: no tool is named `{name}` (the tools: {offered})", field)
+    return "function", name
