@@ -846,14 +846,29 @@ def test_prefix_reuse_on_gpu_gives_the_float32_text_and_log_probabilities(cp, mo
 def _drafting_plan(cp, mode: str):
     """The tiny preset on this GPU with a drafter per slot: batch MTP over 2 slots, or pipelined groups with
     MTP inside each over 4 slots on a split of the one GPU."""
-    from rt_plans import with_mtp_in_groups
+    from rt_plans import float16_profile_text, with_mtp_in_groups
+
+    from strata_cfg.plan.from_profile import resolve_text
+    from strata_cfg.schema.plan import LaunchPlan
 
     if mode == "batch-mtp":
         return _plan(cp, model="tiny", slots=2, batch_mtp=True, draft_tokens=3)
-    # the resolver keeps a split of one GPU in serial windows; pipeline it by hand
-    base = _plan(cp, model="tiny", slots=4, draft_tokens=4, split=2)
-    piped = base.batch.model_copy(update={"mode": "pipelined", "groups": 2})
-    return with_mtp_in_groups(base.model_copy(update={"batch": piped}))
+    # The resolver runs a split of one GPU one request at a time (batch.test-split): resolve the pipelined
+    # plan for two GPUs of this one's size, then place its second stage (and the drafters) on this GPU too.
+    vram = cp.cuda.runtime.memGetInfo()[1] // (1 << 20)
+    text = float16_profile_text(
+        vram_mib=vram,
+        preset="tiny",
+        stages=2,
+        slots=4,
+        groups=2,
+        draft_tokens=4,
+        context=512,
+        routing="uniform",
+    )
+    plan = with_mtp_in_groups(resolve_text(text, "gpu-test.toml").plan)
+    assert (plan.batch.slots, plan.batch.groups, plan.batch.mode) == (4, 2, "pipelined")
+    return LaunchPlan.model_validate_json(plan.model_dump_json().replace('"cuda:1"', '"cuda:0"'))
 
 
 @pytest.mark.parametrize("mode", ["batch-mtp", "pipelined-mtp"])
