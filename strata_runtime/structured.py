@@ -58,6 +58,19 @@ def lark_grammar(text: str) -> str:
     return str(_llguidance().LLMatcher.grammar_from_lark(text))
 
 
+def text_grammar(text: str) -> str:
+    """The grammar ``text`` writes in Lark (a ``start`` rule) or in GBNF, the EBNF form llama.cpp and vLLM
+    take (``root ::= ...``; converted to Lark by llguidance); `GrammarError` where it is neither."""
+    _llguidance()
+    import llguidance.gbnf_to_lark as gbnf
+
+    try:
+        lark = gbnf.any_to_lark(text)
+    except gbnf.GbnfToLarkError as exc:
+        raise GrammarError(f"not a Lark grammar (no `start:` rule) nor GBNF: {exc}") from None
+    return lark_grammar(lark)
+
+
 class Grammars:
     """Grammars over one tokenizer's vocabulary of ``vocab_size`` ids (the model's, which may hold ids the
     tokenizer does not use: those are never allowed). The vocabulary is read into llguidance once, on first

@@ -196,6 +196,10 @@ def test_structured_outputs_hold_replies_to_a_choice_a_regex_or_a_grammar(client
             {"grammar": 'start: "Mr. " NAME\nNAME: /[A-Z][a-z]{1,8}/'},
             lambda t: re.fullmatch(r"Mr\. [A-Z][a-z]{1,8}", t),
         ),
+        (  # the same in GBNF, as llama.cpp and vLLM take grammars
+            {"grammar": 'root ::= "Mr. " [A-Z] [a-z]{1,8}'},
+            lambda t: re.fullmatch(r"Mr\. [A-Z][a-z]{1,8}", t),
+        ),
     ]
     for asked, follows in cases:
         for temperature in (0.0, 1.0):

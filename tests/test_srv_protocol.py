@@ -877,3 +877,35 @@ def test_a_reply_with_calls_is_answered_with_tool_calls():
     assert body["message"] == {"role": "assistant", "content": None, "tool_calls": [call.openai()]}
     assert body["finish_reason"] == "tool_calls"
     assert "tool_calls" not in p.choice(True, 0, "hi", "stop")["message"]
+
+
+def test_a_grammar_may_be_written_in_gbnf_as_llama_cpp_and_vllm_take_it():
+    """``structured_outputs.grammar`` in GBNF (a ``root ::=`` rule) holds the reply as the same grammar in
+    Lark does; text that is neither is a 400 naming the field before anything reaches the engine."""
+    gbnf = 'root ::= "Mr. " name\nname ::= [A-Z] [a-z]+'
+    lark = 'start: "Mr. " name\nname: /[A-Z]/ /[a-z]/+'
+    for text in (gbnf, lark):
+        body = p.parse_chat(
+            {
+                "model": "m",
+                "messages": [{"role": "user", "content": "x"}],
+                "structured_outputs": {"grammar": text},
+            }
+        )
+        grammar = p.prepare(
+            body, [1, 2], context=64, vocab_size=300, default_max_tokens=None
+        ).request.sampling.grammar
+        assert grammar is not None
+        assert _walk(grammar, "Mr. Darcy") == "ok" and _walk(grammar, "Mr. ") == "unfinished"
+        assert _walk(grammar, "Mrs. Bennet").startswith("off at 2:") and _walk(
+            grammar, "Mr. darcy"
+        ).startswith("off at 4:")
+    with pytest.raises(p.ApiError) as info:
+        p.parse_chat(
+            {
+                "model": "m",
+                "messages": [{"role": "user", "content": "x"}],
+                "structured_outputs": {"grammar": "root = x"},
+            }
+        )
+    assert info.value.param == "structured_outputs.grammar" and "nor GBNF" in info.value.message

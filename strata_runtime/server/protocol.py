@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from ..api import MAX_TOP_LOGPROBS, Request, SamplingParams, Tokenizer, TokenLogprob, token_name
 from ..chat import ToolCall
-from ..structured import choice_grammar, json_grammar, lark_grammar, regex_grammar
+from ..structured import GrammarError, choice_grammar, json_grammar, regex_grammar, text_grammar
 from .errors import ApiError as ApiError
 
 if TYPE_CHECKING:
@@ -368,8 +368,8 @@ STRUCTURED_KEYS = ("json", "json_object", "regex", "choice", "grammar")
 def _structured_outputs(value: Any) -> str:
     """The grammar of vLLM's ``structured_outputs`` extension: ``{"json": SCHEMA}`` (an object, or its JSON
     text), ``{"json_object": true}``, ``{"regex": PATTERN}`` (the whole reply matches it), ``{"choice":
-    [TEXT, ...]}`` (the reply is exactly one of them) or ``{"grammar": LARK}`` (a Lark grammar with a
-    ``start`` rule), exactly one."""
+    [TEXT, ...]}`` (the reply is exactly one of them) or ``{"grammar": TEXT}`` (a Lark grammar with a
+    ``start`` rule, or a GBNF one with a ``root`` rule), exactly one."""
     if not isinstance(value, dict) or len(value) != 1 or next(iter(value)) not in STRUCTURED_KEYS:
         unknown = sorted(set(value) - set(STRUCTURED_KEYS)) if isinstance(value, dict) else []
         why = f" (not {', '.join(f'`{k}`' for k in unknown)})" if unknown else ""
@@ -403,7 +403,12 @@ def _structured_outputs(value: Any) -> str:
         return choice_grammar(spec)
     if not isinstance(spec, str) or not spec:
         raise ApiError(400, f"`{field}` must be a non-empty string", field)
-    return regex_grammar(spec) if key == "regex" else lark_grammar(spec)
+    if key == "regex":
+        return regex_grammar(spec)
+    try:
+        return text_grammar(spec)
+    except GrammarError as exc:
+        raise ApiError(400, f"`{field}` cannot be followed: {exc}", field) from None
 
 
 # ----------------------------------------------------------------------------------------------------------
