@@ -141,11 +141,15 @@ class Tokenizer(Protocol):
         ...
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """Token ids of a chat prompt ending where the assistant's reply begins: OpenAI's messages (an
         assistant's may hold ``tool_calls``; ``tool`` messages answer them), offering ``tools`` (OpenAI's
-        tool definitions) where given."""
+        tool definitions) where given. ``template_kwargs``: more variables for a chat template that reads
+        them (Qwen3's ``enable_thinking``)."""
         ...
 
     @property

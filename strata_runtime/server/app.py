@@ -15,7 +15,7 @@ import signal
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from aiohttp import web
@@ -23,7 +23,16 @@ from aiohttp import web
 from strata_cfg.schema.plan import LaunchPlan
 
 from ..api import EngineCore, Tokenizer, TokenLogprob, token_name
-from ..chat import CallSplitter, ChatTemplateError, ToolCall, split_reply
+from ..chat import (
+    CallSplitter,
+    ChatTemplateError,
+    ThinkSplitter,
+    ToolCall,
+    opens_thinking,
+    reasons,
+    split_reply,
+    split_thinking,
+)
 from ..structured import GrammarError, grammars_for, json_grammar
 from . import protocol as p
 from .connection import AccessLog, JsonErrorRunner
@@ -350,10 +359,12 @@ class Server:
         p.check_model(body.model, self.options.model_name)
         engine = self._engine()
         tools = tool_use(body.model_extra or {}, p.grammar_of(body))
-        ids = _chat_ids(engine.tokenizer, p.chat_messages(body), tools)
+        ids = _chat_ids(engine.tokenizer, p.chat_messages(body), tools, p.template_kwargs(body))
         prepared = p.prepare(
             body, ids, context=self.context, vocab_size=self.vocab_size, default_max_tokens=None, tools=tools
         )
+        if reasons(engine.tokenizer):
+            prepared = replace(prepared, thinking=opens_thinking(engine.tokenizer, ids))
         if tools is not None and tools.grammar is not None:
             await self._check_tools(tools)
         else:
@@ -504,11 +515,17 @@ class Server:
         for i, ((text, end, _, lps), prepared) in enumerate(zip(done, batch, strict=True)):
             words: str | None = text
             calls: list[ToolCall] = []
+            reasoning: str | None = None
+            if prepared.thinking is not None:
+                reasoning, words = split_thinking(text, prepared.thinking)
             if prepared.tools is not None:
-                words, calls = split_reply(text)
+                words, calls = split_reply(words or "")
             if calls and end == "stop":
                 end = "tool_calls"
-            choices.append(p.choice(chat, i, words, end, lps, calls))
+            body = p.choice(chat, i, words, end, lps, calls)
+            if prepared.thinking is not None:
+                body["message"]["reasoning_content"] = reasoning
+            choices.append(body)
         return web.json_response(p.response(chat, rid, model, choices, use))
 
     async def _collect(
@@ -573,8 +590,10 @@ class Server:
             finish: str | None,
             entries: tuple[TokenLogprob, ...] = (),
             lead: bool = False,
-            calls: list[ToolCall] | None = None,
+            delta: dict[str, Any] | None = None,
         ) -> dict[str, Any]:
+            """A chunk of choice ``c``: its text (None: the chat's first chunk, naming the role) or, on chat,
+            the ``delta`` given (reasoning or tool calls), with the log-probabilities of ``entries``."""
             lps = None if text is None else self._logprobs(c.prepared, list(entries), chat, c.offset, lead)
             if lps is not None and not chat:
                 c.offset += sum(len(name) for name in lps["tokens"])
@@ -582,14 +601,12 @@ class Server:
             if end == "stop" and c.splitter is not None and c.splitter.calls:
                 end = "tool_calls"
             if chat:
-                delta: dict[str, Any] = (
-                    {"role": "assistant", "content": ""}
-                    if text is None
-                    else ({"content": text} if text else {})
-                )
-                if calls and c.splitter is not None:  # numbered from the reply's first call
-                    first = c.splitter.calls - len(calls)
-                    delta = {"tool_calls": [call.openai(first + k) for k, call in enumerate(calls)]}
+                if delta is None:
+                    delta = (
+                        {"role": "assistant", "content": ""}
+                        if text is None
+                        else ({"content": text} if text else {})
+                    )
                 return p.chat_chunk(rid, model, created, delta, end, lps, c.index)
             return p.completion_chunk(rid, model, created, text or "", end, lps, c.index)
 
@@ -651,8 +668,8 @@ class Server:
             return True
         c.generated += piece.tokens
         c.held += piece.logprobs
-        if c.splitter is not None:
-            await _send_split(response, c, piece, chunk)
+        if c.splitter is not None or c.thinker is not None:
+            await _send_parts(response, c, piece, chunk)
         elif piece.text or piece.finish:
             await _send(response, chunk(c, piece.text, piece.finish, c.held))
             c.held = ()
@@ -745,33 +762,67 @@ class _Choice:
         self.finished = False
         self.splitter = CallSplitter() if prepared.tools is not None else None
         """Reads a reply that was offered tools into its text and its calls as it streams."""
+        self.calls_sent = 0
+        """Calls streamed so far."""
+        self.thinker = ThinkSplitter(prepared.thinking) if prepared.thinking is not None else None
+        """Reads a reply of a model that reasons into its reasoning and the rest as it streams."""
 
 
-async def _send_split(
+async def _send_parts(
     response: web.StreamResponse, c: _Choice, piece: Piece, chunk: Callable[..., dict[str, Any]]
 ) -> None:
-    """Send what a piece of a reply that was offered tools adds: its text outside calls as content, each
-    call as a ``tool_calls`` delta once it is closed (a tail that may begin one is held back until it is
-    known), and the finish, as ``tool_calls`` where the reply made any and ended by itself."""
-    assert c.splitter is not None
-    parts = c.splitter.feed(piece.text) + (c.splitter.close() if piece.finish else [])
-    calls = [x for x in parts if isinstance(x, ToolCall)]
-    text = "".join(x for x in parts if isinstance(x, str))
-    # The calls go last: a piece's text before a call is sent first; text after a call within one piece is
-    # rare (a new call or the end follows a call) and goes with it.
-    if text and calls:
-        await _send(response, chunk(c, text, None, c.held))
-        c.held, text = (), ""
-    if text or calls or piece.finish:
-        await _send(response, chunk(c, text, piece.finish, c.held, calls=calls))
+    """Send what a piece of a chat reply that is read into parts adds: its reasoning as ``reasoning_content``
+    deltas, the text outside calls as ``content``, each call as a ``tool_calls`` delta once it is closed (a
+    tail that may begin a tag is held back until it is known), and the finish, as ``tool_calls`` where the
+    reply made calls and ended by itself. The pieces' log-probabilities go with the first chunk sent."""
+    done = piece.finish is not None
+    thought = [("content", piece.text)] if c.thinker is None else c.thinker.feed(piece.text)
+    if done and c.thinker is not None:
+        thought += c.thinker.close()
+    deltas: list[dict[str, Any]] = []
+    for kind, text in thought:
+        if kind == "reasoning":
+            deltas.append({"reasoning_content": text})
+        elif c.splitter is None:
+            deltas.append({"content": text})
+        else:
+            deltas += [_delta(c, x) for x in c.splitter.feed(text)]
+    if done and c.splitter is not None:
+        deltas += [_delta(c, x) for x in c.splitter.close()]
+    merged: list[dict[str, Any]] = []
+    for delta in deltas:  # neighbouring text of one kind goes in one chunk
+        key = next(iter(delta))
+        if merged and key in ("content", "reasoning_content") and next(iter(merged[-1])) == key:
+            merged[-1] = {key: merged[-1][key] + delta[key]}
+        elif key != "tool_calls" or delta[key]:
+            merged.append(delta)
+    if done and not merged:
+        merged.append({})
+    for k, delta in enumerate(merged):
+        last = k == len(merged) - 1
+        await _send(response, chunk(c, "", piece.finish if last else None, c.held, delta=delta))
         c.held = ()
 
 
-def _chat_ids(tokenizer: Tokenizer, messages: list[dict[str, Any]], tools: ToolUse | None) -> list[int]:
+def _delta(c: _Choice, part: str | ToolCall) -> dict[str, Any]:
+    """A streamed delta of a reply's text or of one call, numbered from the reply's first call."""
+    if isinstance(part, str):
+        return {"content": part}
+    c.calls_sent += 1
+    return {"tool_calls": [part.openai(c.calls_sent - 1)]}
+
+
+def _chat_ids(
+    tokenizer: Tokenizer,
+    messages: list[dict[str, Any]],
+    tools: ToolUse | None,
+    template_kwargs: dict[str, Any] | None = None,
+) -> list[int]:
     """A chat's prompt ids through the model's chat template, offering ``tools`` (unless ``tool_choice`` is
     ``"none"``); a 400 naming ``messages`` where the template refuses them."""
     try:
-        return tokenizer.apply_chat_template(messages, tools.offered if tools is not None else None)
+        offered = tools.offered if tools is not None else None
+        return tokenizer.apply_chat_template(messages, offered, template_kwargs)
     except ChatTemplateError as exc:
         raise p.ApiError(400, str(exc), "messages") from None
 

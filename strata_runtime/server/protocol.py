@@ -138,6 +138,9 @@ class ChatBody(_Body):
     """Return each generated token's log-probability."""
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     """With ``logprobs``: also those of this many most likely tokens at each place."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """An extension (as vLLM takes it): more variables for the model's chat template, such as Qwen3's
+    ``enable_thinking``."""
 
 
 class TokenizeBody(_Strict):
@@ -432,6 +435,9 @@ class Prepared:
     """Which of its prompt's ``n`` choices this is (`choices`)."""
     tools: ToolUse | None = None
     """A chat's tools, offered in its prompt: the reply's calls are read out of its text."""
+    thinking: bool | None = None
+    """A chat reply of a model that reasons (``<think>`` blocks): its reasoning is read apart from the rest
+    (True: the prompt already opened the block). None: the reply is not read for reasoning."""
 
 
 def check_model(name: str, served: str) -> None:
@@ -822,3 +828,20 @@ def chat_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprob]) -> dict[str
 def usage_chunk(request_id: str, model: str, created: int, kind: str, use: dict[str, int]) -> dict[str, Any]:
     """The last chunk of a stream with ``stream_options.include_usage``: no choices, only the counts."""
     return {"id": request_id, "object": kind, "created": created, "model": model, "choices": [], "usage": use}
+
+
+TEMPLATE_OWN = frozenset({"messages", "tools", "add_generation_prompt"})
+"""The chat template's variables the server sets itself."""
+
+
+def template_kwargs(body: ChatBody) -> dict[str, Any] | None:
+    """A chat's ``chat_template_kwargs``, each key a name a template can read and none of the server's own
+    (`TEMPLATE_OWN`)."""
+    given = body.chat_template_kwargs
+    for key in given or {}:
+        field = f"chat_template_kwargs.{key}"
+        if not key.isidentifier() or key.startswith("_"):
+            raise ApiError(400, f"`{field}`: a template variable is a name (letters, digits and `_`)", field)
+        if key in TEMPLATE_OWN:
+            raise ApiError(400, f"`{field}` is set by the server (give `{key}` as its own field)", field)
+    return given or None

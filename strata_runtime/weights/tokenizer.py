@@ -85,11 +85,15 @@ class ByteTokenizer:
     """`apply_chat_template`'s transcript as a Jinja template."""
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        """A plain transcript ending in ``assistant: ``. A synthetic model has no chat template, and ending
-        on a printable byte keeps its planted token chain (and so the reply) in readable characters. Tools
-        and calls are written in the Hermes layout (`strata_runtime.chat.plain_messages`)."""
+        """A plain transcript ending in ``assistant: ``. A synthetic model has no chat template (to read
+        ``template_kwargs``), and ending on a printable byte keeps its planted token chain (and so the reply)
+        in readable characters. Tools and calls are written in the Hermes layout
+        (`strata_runtime.chat.plain_messages`)."""
         plain = plain_messages(messages, tools)
         return self.encode("".join(f"{m['role']}: {m['content']}\n" for m in plain) + "assistant: ")
 
@@ -170,10 +174,14 @@ class HFTokenizer:
         return self.template is not None and "tools" in self.template and "tool_calls" in self.template
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        """The prompt the checkpoint's template renders (given ``tools`` where it knows them), or ChatML.
-        `ChatTemplateError` where the template refuses the messages (its ``raise_exception``)."""
+        """The prompt the checkpoint's template renders (given ``tools`` where it knows them, and
+        ``template_kwargs`` as more variables), or ChatML. `ChatTemplateError` where the template refuses
+        the messages (its ``raise_exception``)."""
         tooled = bool(tools) or has_tool_parts(messages)
         template = _compiled(self.template) if self.template is not None else None
         if template is None:
@@ -183,7 +191,7 @@ class HFTokenizer:
         else:
             view = {"messages": plain_messages(messages, tools) if tooled else messages}
         try:
-            text = template.render(**view, add_generation_prompt=True)
+            text = template.render(**(template_kwargs or {}), **view, add_generation_prompt=True)
         except Exception as exc:  # a template's own refusal, or one that fails on these messages
             raise ChatTemplateError(f"the model's chat template cannot render these messages: {exc}") from exc
         return self.encode(text)

@@ -1,0 +1,228 @@
+"""Replies of models that reason in ``<think>`` blocks (Qwen3): the reasoning read apart from the rest, whole
+and streamed, before tool calls are read; ``chat_template_kwargs`` reaching the chat template.
+
+The demo model's byte tokenizer has no ``<think>`` token, so the server tests give the demo engine a byte
+tokenizer that holds both tags as tokens (as Qwen3's vocabulary does) and hold replies to a think block
+through ``structured_outputs``, which the demo model would not write by itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from types import MappingProxyType
+from typing import Any
+
+import aiohttp
+import numpy as np
+import pytest
+from srv_helpers import DEMO
+
+from strata_cfg.plan.from_profile import resolve_profile
+from strata_runtime.chat import ThinkSplitter, opens_thinking, reasons, split_thinking
+from strata_runtime.engine import Engine
+from strata_runtime.server import ServeOptions, Server
+from strata_runtime.server import protocol as p
+from strata_runtime.weights.tokenizer import ByteTokenizer, HFTokenizer
+
+
+def _pieces(text: str, g: np.random.Generator, opened: bool = False) -> list[tuple[str, str]]:
+    splitter, out, at = ThinkSplitter(opened), [], 0
+    while at < len(text):
+        n = int(g.integers(1, 7))
+        out += splitter.feed(text[at : at + n])
+        at += n
+    return out + splitter.close()
+
+
+def test_reasoning_splits_from_the_reply_whole_and_in_any_pieces():
+    """Seeded replies with and without a think block, blanks around its tags: the reasoning is the block's
+    text, the rest follows without the blanks after the tag; fed in random pieces, the same parts come out
+    and no piece of a tag is ever said."""
+    g = np.random.default_rng(53)
+    words = ["Let", "me", "think", "<b>", "</thi", "42", "café", "\n"]
+    for _ in range(300):
+        thought = " ".join(words[i] for i in g.integers(0, len(words), int(g.integers(1, 8)))).strip()
+        answer = " ".join(words[i] for i in g.integers(0, len(words), int(g.integers(0, 6)))).strip()
+        opened = bool(g.integers(0, 2))
+        thinks = opened or bool(g.integers(0, 2))
+        blanks = ["", "\n", "\n\n", " "]
+        text = (
+            ("" if opened else blanks[int(g.integers(0, 4))] + "<think>") + "\n" + thought + "\n</think>"
+            if thinks
+            else ""
+        )
+        text += blanks[int(g.integers(0, 4))] + answer
+        reasoning, rest = split_thinking(text, opened)
+        if thinks and thought:
+            assert reasoning == thought and rest == answer.lstrip(), (text, reasoning, rest)
+        elif not thinks:
+            assert reasoning is None and rest == text.lstrip()
+        parts = _pieces(text, g, opened)
+        assert "".join(t for k, t in parts if k == "reasoning") == (reasoning or "")
+        assert "".join(t for k, t in parts if k == "content") == rest
+        assert not any("<think" in t or "</think>" in t for k, t in parts if k == "reasoning")
+
+
+def test_a_block_is_reasoning_only_at_the_start_and_an_unclosed_one_is_all_reasoning():
+    assert split_thinking("Hello <think>x</think> there") == (None, "Hello <think>x</think> there")
+    assert split_thinking("<think>\nstill going") == ("still going", "")
+    assert split_thinking("<thi") == (None, "<thi")  # the start of a tag that never came
+    splitter = ThinkSplitter()
+    assert splitter.feed("  <thi") == [] and splitter.feed("nk>\nhm") == [("reasoning", "hm")]
+    assert splitter.feed("m</th") == [("reasoning", "m")] and splitter.feed("ink>\n\nOK") == [
+        ("content", "OK")
+    ]
+
+
+class ThinkingBytes(ByteTokenizer):
+    """The byte tokenizer with Qwen3's think tags as tokens of their own."""
+
+    SPECIALS = MappingProxyType({**ByteTokenizer.SPECIALS, "<think>": 259, "</think>": 260})
+
+
+def test_a_model_reasons_where_its_vocabulary_holds_the_tags_and_its_template_may_open_the_block():
+    tok = ThinkingBytes(512)
+    assert reasons(tok) and not reasons(ByteTokenizer(512))
+    assert opens_thinking(tok, tok.encode("user: hi\nassistant: <think>\n"))
+    assert not opens_thinking(tok, tok.encode("user: <think>\nassistant: "))
+
+
+def test_an_hf_tokenizer_with_think_tokens_reasons(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers, trainers
+
+    tok = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(["let me think about it"] * 20, trainers.BpeTrainer(special_tokens=["<unk>"]))
+    tok.add_tokens(["<think>", "</think>"])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    assert reasons(HFTokenizer(tmp_path, {}))
+
+
+def test_chat_template_kwargs_reach_the_template_and_are_checked():
+    class Templated(HFTokenizer):
+        def __init__(self) -> None:
+            self.template = (
+                "{% for m in messages %}{{ m.content }}{% endfor %}"
+                "{% if enable_thinking is defined and not enable_thinking %}"
+                "<think>\n\n</think>\n\n{% endif %}"
+            )
+
+        def encode(self, text: str) -> list[int]:
+            return list(text.encode())
+
+    tok = Templated()
+    messages = [{"role": "user", "content": "hi"}]
+    assert bytes(tok.apply_chat_template(messages)) == b"hi"
+    assert bytes(tok.apply_chat_template(messages, None, {"enable_thinking": False})).startswith(b"hi<think>")
+    base = {"model": "m", "messages": messages}
+    assert p.template_kwargs(p.parse_chat({**base, "chat_template_kwargs": {"enable_thinking": False}})) == {
+        "enable_thinking": False
+    }
+    for key in ("messages", "add_generation_prompt", "not a name", "_private"):
+        with pytest.raises(p.ApiError) as info:
+            p.template_kwargs(p.parse_chat({**base, "chat_template_kwargs": {key: 1}}))
+        assert info.value.param == f"chat_template_kwargs.{key}"
+    with pytest.raises(p.ApiError) as info:
+        p.parse_chat({**base, "chat_template_kwargs": ["enable_thinking"]})
+    assert info.value.param == "chat_template_kwargs"
+
+
+NOW_TOOL = {"type": "function", "function": {"name": "now"}}
+
+
+def _serve(
+    tokenizer_class: type[ByteTokenizer], bodies: list[dict[str, Any]]
+) -> list[tuple[dict, list[dict]]]:
+    """Each chat body's whole reply and its streamed chunks, from the demo engine served in process with
+    ``tokenizer_class`` as its tokenizer."""
+    plan = resolve_profile(DEMO)
+
+    def factory(progress: Any) -> Engine:
+        engine = Engine(plan, progress=progress)
+        engine.tokenizer = tokenizer_class(engine.model.args.vocab_size)
+        return engine
+
+    async def scenario() -> list[tuple[dict, list[dict]]]:
+        options = ServeOptions(host="127.0.0.1", port=0, model_name="demo", api_key=None)
+        server, stop = Server(plan, factory, options), asyncio.Event()
+        task = asyncio.create_task(server.serve(stop))
+        while server.port is None or server.engine is None or server.engine.state != "ready":
+            assert not task.done(), "the server stopped before it was ready"
+            await asyncio.sleep(0.05)
+        url = f"http://127.0.0.1:{server.port}/v1/chat/completions"
+        out = []
+        async with aiohttp.ClientSession() as s:
+            for body in bodies:
+                async with s.post(url, json=body) as r:
+                    assert r.status == 200, await r.text()
+                    whole = await r.json()
+                chunks = []
+                async with s.post(url, json={**body, "stream": True}) as r:
+                    async for line in r.content:
+                        data = line.decode().strip().removeprefix("data: ")
+                        if data and data != "[DONE]":
+                            chunks.append(json.loads(data))
+                out.append((whole, chunks))
+        stop.set()
+        assert await task == 0
+        return out
+
+    return asyncio.run(scenario())
+
+
+def _streamed(chunks: list[dict]) -> tuple[str, str, list[dict], str | None]:
+    reasoning = content = ""
+    calls: list[dict] = []
+    finish = None
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            delta = choice["delta"]
+            reasoning += delta.get("reasoning_content") or ""
+            content += delta.get("content") or ""
+            calls += delta.get("tool_calls") or []
+            finish = choice["finish_reason"] or finish
+    return reasoning, content, calls, finish
+
+
+def test_the_server_reads_reasoning_apart_whole_and_streamed_and_then_the_calls():
+    """Greedy replies held to a think block and an answer, to a think block and a call (with a tool
+    offered), and to an answer alone: ``reasoning_content`` holds the block's text and ``content`` the
+    rest, whole and streamed alike; calls are read from the text after the block; a reply with no block has
+    no reasoning. A model whose vocabulary has no think tags is not read for reasoning at all."""
+    messages = [{"role": "user", "content": "Think first."}]
+    ask = {"model": "demo", "messages": messages, "max_tokens": 120, "temperature": 0}
+    think = r"<think>\n[a-z ]{4,24}\n</think>\n\n"
+    bodies = [
+        {**ask, "structured_outputs": {"regex": think + r"[A-Z][a-z]{2,8}\."}},
+        {
+            **ask,
+            "tools": [NOW_TOOL],
+            "structured_outputs": {
+                "regex": think + r'<tool_call>\n\{"name": "now", "arguments": \{\}\}\n</tool_call>'
+            },
+        },
+        {**ask, "structured_outputs": {"regex": r"[A-Z][a-z]{2,8}\."}},
+    ]
+    (answer, called, plain) = _serve(ThinkingBytes, bodies)
+    for whole, chunks in (answer, called, plain):
+        message = whole["choices"][0]["message"]
+        reasoning, content, calls, finish = _streamed(chunks)
+        assert reasoning == (message["reasoning_content"] or "") and content == (message["content"] or "")
+        assert [c["function"] for c in calls] == [c["function"] for c in message.get("tool_calls") or []]
+        assert finish == whole["choices"][0]["finish_reason"]
+    m = answer[0]["choices"][0]["message"]
+    assert re.fullmatch(r"[a-z ]{4,24}", m["reasoning_content"]) and re.fullmatch(
+        r"[A-Z][a-z]{2,8}\.", m["content"]
+    )
+    m = called[0]["choices"][0]
+    assert m["finish_reason"] == "tool_calls" and m["message"]["content"] is None
+    assert m["message"]["reasoning_content"] and m["message"]["tool_calls"][0]["function"]["name"] == "now"
+    m = plain[0]["choices"][0]["message"]
+    assert m["reasoning_content"] is None and re.fullmatch(r"[A-Z][a-z]{2,8}\.", m["content"])
+    ((whole, chunks),) = _serve(ByteTokenizer, bodies[:1])
+    message = whole["choices"][0]["message"]
+    assert "reasoning_content" not in message and message["content"].startswith("<think>\n")
+    assert _streamed(chunks)[1] == message["content"]
