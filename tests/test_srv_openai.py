@@ -364,6 +364,13 @@ def test_a_conversation_goes_on_after_a_tools_answer(engine: Launched, client: o
         {"Content-Type": "application/json", "Authorization": f"Bearer {engine.key}"},
     )
     assert status == 200 and b"get_weather" not in bytes(t for t in json.loads(body)["tokens"] if t < 256)
+    status, body = http(
+        "POST",
+        f"{engine.url}/tokenize",
+        json.dumps({"model": "demo", "messages": first, "chat_template_kwargs": {"tools": []}}).encode(),
+        {"Content-Type": "application/json", "Authorization": f"Bearer {engine.key}"},
+    )
+    assert status == 400 and json.loads(body)["error"]["param"] == "chat_template_kwargs.tools"
 
 
 def test_bad_tools_are_refused_naming_the_field(client: openai.OpenAI):

@@ -402,7 +402,8 @@ class Server:
         if body.prompt is not None:
             ids = tokenizer.encode(body.prompt)
         else:
-            ids = _chat_ids(tokenizer, p.chat_messages(body), tool_use(body.model_extra or {}, None))
+            tools = tool_use(body.model_extra or {}, None)
+            ids = _chat_ids(tokenizer, p.chat_messages(body), tools, p.template_kwargs(body))
         return web.json_response({"count": len(ids), "max_model_len": self.context, "tokens": ids})
 
     async def detokenize(self, request: web.Request) -> web.Response:

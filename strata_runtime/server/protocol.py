@@ -149,6 +149,7 @@ class TokenizeBody(_Strict):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeBody(_Strict):
@@ -834,7 +835,7 @@ TEMPLATE_OWN = frozenset({"messages", "tools", "add_generation_prompt"})
 """The chat template's variables the server sets itself."""
 
 
-def template_kwargs(body: ChatBody) -> dict[str, Any] | None:
+def template_kwargs(body: ChatBody | TokenizeBody) -> dict[str, Any] | None:
     """A chat's ``chat_template_kwargs``, each key a name a template can read and none of the server's own
     (`TEMPLATE_OWN`)."""
     given = body.chat_template_kwargs
