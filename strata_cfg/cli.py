@@ -35,6 +35,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "launch": ("strata_cfg.commands.launch", "start a profile's engine, wait until it serves, supervise it"),
     "loadtest": ("strata_cfg.commands.loadtest", "N clients for T seconds against a running engine"),
     "generate": ("strata_cfg.commands.generate", "one request through the engine: text, or JSON with --json"),
+    "chat": ("strata_cfg.commands.chat", "talk to the model in the terminal, a line a message"),
     "gguf": ("strata_cfg.commands.gguf", "write a profile's model as a GGUF file for llama.cpp"),
     "bench": (
         "strata_cfg.commands.bench",

@@ -13,6 +13,7 @@ import sys
 
 COMMANDS: dict[str, str] = {
     "generate": "one request from a plan, printed as text or JSON",
+    "chat": "a conversation with the model in the terminal, a line a message",
     "bench": "benchmark workloads over resolved arm plans",
     "serve": "the OpenAI-compatible HTTP server",
     "gguf": "the plan's model written as a GGUF file for llama.cpp",

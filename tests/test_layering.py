@@ -270,6 +270,7 @@ ONLY_FROM = {
     "strata_cfg.schema.workloads": ("strata_runtime.bench.", "strata_runtime.commands.bench"),
     "strata_cfg.schema.sampling_options": (
         "strata_runtime.commands.bench",
+        "strata_runtime.commands.chat",
         "strata_runtime.commands.generate",
     ),
 }

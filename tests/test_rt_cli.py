@@ -242,3 +242,57 @@ def test_generate_passes_ignore_eos_to_the_runtimes_request() -> None:
     runtime = argparse.ArgumentParser()
     rt_generate.add_arguments(runtime)
     assert runtime.parse_args(["--plan", "p.json", *forwarded]).ignore_eos is True
+
+
+def chat(lines: list[str], *args: str) -> tuple[list[dict], str]:
+    """`strata chat` on the demo with ``lines`` as its input, greedy: each turn's JSON object, and stderr."""
+    out = subprocess.run(
+        [sys.executable, "-m", "strata_cfg", "chat", "profiles/demo.toml", "--json", "--quiet"]
+        + ["--temperature", "0", *args],
+        input="".join(line + "\n" for line in lines),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    return [json.loads(line) for line in out.stdout.splitlines()], out.stderr
+
+
+def test_chat_sends_the_whole_conversation_each_turn_and_reuses_the_kept_history() -> None:
+    """Each turn's prompt is the conversation so far through the chat template: the second holds the first
+    turn and its reply, and reads only what is new (the slot kept the rest); `/reset` starts again, so the
+    same first message gets the same prompt and (greedy) the same reply, which is `strata generate
+    --chat`'s for that message."""
+    turns, _ = chat(
+        ["Tell me about Emma.", "And her father?", "/reset", "Tell me about Emma."], "--max-tokens", "24"
+    )
+    first, second, again = turns
+    assert len(turns) == 3
+    assert second["prompt_tokens"] > first["prompt_tokens"] + first["completion_tokens"]
+    assert second["cached_tokens"] >= first["prompt_tokens"] + first["completion_tokens"] - 2
+    assert (again["prompt_tokens"], again["reply"]) == (first["prompt_tokens"], first["reply"])
+    one = strata(
+        "generate", "profiles/demo.toml", "--chat", "--prompt", "Tell me about Emma.", "--max-tokens", "24"
+    )
+    assert one.returncode == 0 and one.stdout.rstrip("\n") == first["reply"]
+
+
+def test_chat_leaves_the_oldest_turns_out_where_the_conversation_outgrows_the_context() -> None:
+    """With a 256-token context and 40-token replies, long messages soon do not fit with all the turns
+    before them: the oldest are left out (in pairs of a message and its reply, the system message kept),
+    every prompt leaves room for a reply, and a message that cannot fit even alone is not sent."""
+    long = [f"Message {i}: " + "the quick brown fox jumps over the lazy dog " * 2 for i in range(6)]
+    turns, err = chat(
+        [*long, "x" * 400, "short"],
+        "--max-tokens",
+        "40",
+        "--set",
+        "memory.context=256",
+        "--system",
+        "Be brief.",
+    )
+    assert len(turns) == 7 and "(not sent:" in err
+    assert all(t["prompt_tokens"] + 16 <= 256 for t in turns)
+    dropped = [t["dropped_messages"] for t in turns]
+    assert dropped[0] == 0 and sum(dropped) > 0 and all(d % 2 == 0 for d in dropped)
+    assert sum(dropped) <= 2 * len(turns)  # each message is left out once, for good

@@ -1,0 +1,195 @@
+"""`python -m strata_runtime chat --plan plan.json`: a conversation with the model in the terminal.
+
+Each line read from stdin is the user's next message; the reply streams to stdout as the engine accepts it,
+and the whole conversation goes through the model's chat template every turn. With prefix reuse (the
+plan's ``memory.prefix_reuse``) a turn reads only what is new since the last: the slot kept the history's KV.
+A line ``/reset`` starts the conversation again, ``/quit`` (or the end of input) ends it. Ctrl-C stops a
+reply (what was said stays in the history); at the prompt it ends the conversation.
+
+Where the conversation outgrows the context, its oldest turns are left out (the system message stays),
+and the turn's line says how many. ``--json`` prints one object per turn instead of the text, for scripts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from strata_cfg.schema.plan_file import read_plan
+from strata_cfg.schema.sampling_options import add_penalty_arguments, options_problem, sampling_options
+
+from ..api import Request, RequestHandle, SamplingParams, Tokenizer
+
+if TYPE_CHECKING:
+    from ..engine import Engine
+
+LEAST_ROOM = 16
+"""Tokens a turn must be able to generate; older turns are left out of the prompt to make this room."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--plan", required=True, type=Path, help="a resolved plan (strata plan --json)")
+    parser.add_argument("--system", help="a system message that starts the conversation")
+    parser.add_argument("--max-tokens", type=int, default=512, help="tokens a reply may generate (512)")
+    parser.add_argument("--temperature", type=float, default=0.7, help="0 is greedy (default 0.7)")
+    parser.add_argument("--top-p", type=float, default=0.8, help="top-p (default 0.8)")
+    parser.add_argument("--top-k", type=int, default=20, help="top-k (default 20; 0: none)")
+    add_penalty_arguments(parser)
+    parser.add_argument("--seed", type=int, help="seed of the first reply, the next ones +1 each")
+    parser.add_argument("--json", action="store_true", help="one JSON object per turn instead of the text")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar, start-up log or turn lines")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..api import PlanMismatch
+    from ..engine import Engine
+    from ..weights.progress import stderr_progress
+
+    problem = options_problem(args) or _problem(args)
+    if problem:
+        print(f"strata_runtime chat: {problem}", file=sys.stderr)
+        return 2
+    if not args.quiet and not args.json:
+        logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    try:
+        plan = read_plan(args.plan)
+        engine = Engine(plan, progress=None if args.quiet else stderr_progress)
+    except (PlanMismatch, OSError, ValueError, RuntimeError) as exc:
+        print(f"strata_runtime chat: {exc}", file=sys.stderr)
+        return 1
+    chat = Chat(engine, plan.memory.context, args)
+    interactive = sys.stdin.isatty()
+    if interactive and not args.quiet:
+        print("Type a message; /reset starts again, /quit ends.", file=sys.stderr)
+    try:
+        while True:
+            if interactive:
+                print("> ", end="", file=sys.stderr, flush=True)
+            line = sys.stdin.readline()
+            if not line or line.strip() in ("/quit", "/exit"):
+                break
+            if line.strip() == "/reset":
+                chat.reset()
+                if not args.json:
+                    print("(a new conversation)", file=sys.stderr)
+            elif line.strip():
+                chat.turn(line.rstrip("\n"))
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+    finally:
+        engine.close()
+    return 0
+
+
+def _problem(args: argparse.Namespace) -> str | None:
+    if args.max_tokens < 1:
+        return f"--max-tokens must be at least 1, not {args.max_tokens}"
+    if args.seed is not None and not 0 <= args.seed < 2**63:
+        return f"--seed must be in [0, 2^63), not {args.seed}"
+    return None
+
+
+class Chat:
+    """One conversation: its messages, and each turn through the engine."""
+
+    def __init__(self, engine: Engine, context: int, args: argparse.Namespace) -> None:
+        self.engine, self.context, self.args = engine, context, args
+        self.messages: list[dict[str, Any]] = []
+        self.turns = 0
+        self.reset()
+
+    def reset(self) -> None:
+        self.messages = [{"role": "system", "content": self.args.system}] if self.args.system else []
+
+    def turn(self, text: str) -> None:
+        """The user says ``text``; the reply streams out and joins the history."""
+        self.messages.append({"role": "user", "content": text})
+        tok: Tokenizer = self.engine.tokenizer
+        fitted = fit(tok, self.messages, self.context, min(self.args.max_tokens, LEAST_ROOM))
+        if fitted is None:
+            self.messages.pop()
+            why = f"the message alone does not leave {LEAST_ROOM} tokens of the {self.context}-token context"
+            print(f"(not sent: {why})", file=sys.stderr)
+            return
+        ids, dropped = fitted
+        head = 1 if self.args.system else 0
+        del self.messages[head : head + dropped]  # for good: later turns then begin as this one does
+        seed = None if self.args.seed is None else (self.args.seed + self.turns) % 2**63
+        sampling = SamplingParams(**sampling_options(self.args), seed=seed)
+        room = min(self.args.max_tokens, self.context - len(ids))
+        handle = self.engine.submit(Request(tuple(ids), room, sampling))
+        self.turns += 1
+        reply, finish, seconds, first = stream(self.engine, handle, echo=not self.args.json)
+        self.messages.append({"role": "assistant", "content": reply})
+        tokens = handle.completion_tokens
+        if self.args.json:
+            out = {
+                "reply": reply,
+                "finish_reason": finish,
+                "prompt_tokens": len(ids),
+                "cached_tokens": handle.cached_tokens,
+                "completion_tokens": tokens,
+                "dropped_messages": dropped,
+                "seconds": round(seconds, 4),
+            }
+            print(json.dumps(out), flush=True)
+            return
+        print(flush=True)
+        if not self.args.quiet:
+            rate = tokens / seconds if seconds else 0.0
+            line = (
+                f"[{tokens} tokens, {rate:.1f} tok/s, first token {first * 1e3:.0f} ms, "
+                f"{handle.cached_tokens} of {len(ids)} prompt tokens reused"
+            )
+            line += f", {dropped} oldest messages left out" if dropped else ""
+            line += (
+                ", stopped"
+                if finish == "cancelled"
+                else (", cut at --max-tokens" if finish == "length" else "")
+            )
+            print(line + "]", file=sys.stderr)
+
+
+def fit(
+    tok: Tokenizer, messages: list[dict[str, Any]], context: int, room: int
+) -> tuple[list[int], int] | None:
+    """The prompt ids of ``messages`` with the oldest turns after a system message left out until the
+    prompt leaves ``room`` tokens of the context, and how many messages were left out; None where even the
+    last message alone does not. A turn is a user's message and the replies to it, left out together, so
+    the prompt still begins with a user's message."""
+    head = messages[:1] if messages and messages[0]["role"] == "system" else []
+    rest = messages[len(head) :]
+    for dropped in (i for i, m in enumerate(rest) if m["role"] == "user"):
+        ids = tok.apply_chat_template(head + rest[dropped:])
+        if len(ids) + room <= context:
+            return ids, dropped
+    return None
+
+
+def stream(engine: Engine, handle: RequestHandle, echo: bool) -> tuple[str, str, float, float]:
+    """Run ``handle``'s request to its end, writing its text to stdout as it comes where ``echo``; Ctrl-C
+    stops it. Its text, how it ended, its seconds and the seconds to its first token."""
+    t0 = time.perf_counter()
+    first = 0.0
+    text, finish = "", ""
+    while not finish:
+        try:
+            engine.step()
+        except KeyboardInterrupt:
+            handle.cancel()
+            continue
+        while not handle.events.empty():
+            event = handle.events.get()
+            if event.token_ids and not first:
+                first = time.perf_counter() - t0
+            text += event.text
+            if echo:
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
+            finish = event.finished or finish
+    return text, finish, time.perf_counter() - t0, first
