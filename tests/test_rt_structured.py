@@ -357,3 +357,25 @@ def test_a_request_whose_grammar_does_not_compile_ends_at_once_with_the_reason()
     event = handle.events.get_nowait()
     assert event.finished == "error" and event.error is not None
     assert event.error.startswith("grammar: ") and "nonsense" in event.error
+
+
+def test_a_grammar_that_compiled_is_not_checked_again_and_one_that_did_not_always_is(monkeypatch):
+    import llguidance
+
+    from strata_runtime.structured import GrammarError, Grammars, json_grammar, regex_grammar
+    from strata_runtime.weights.tokenizer import ByteTokenizer
+
+    checked = []
+    real = llguidance.LLMatcher.validate_grammar
+    monkeypatch.setattr(
+        llguidance.LLMatcher, "validate_grammar", lambda g, t: checked.append(g) or real(g, t)
+    )
+    grammars = Grammars(ByteTokenizer(300), 300)
+    good, bad = regex_grammar("[a-c]{2}"), json_grammar({"type": "strnig"})
+    for _ in range(3):
+        grammars.check(good)
+    assert checked == [good]
+    for _ in range(2):
+        with pytest.raises(GrammarError):
+            grammars.check(bad)
+    assert checked == [good, bad, bad]
