@@ -18,7 +18,6 @@ are special (never part of the text), and the end-of-text ids.
 
 from __future__ import annotations
 
-import functools
 import json
 import threading
 from collections import OrderedDict
@@ -35,8 +34,8 @@ class GrammarError(ValueError):
 
 
 COMPILED_MOST = 64
-"""Regular expressions and grammars whose compiled form is kept: a server checks a request's grammar as it
-parses the body and again as it builds the engine's request, and clients send the same few again and again."""
+"""Grammars a vocabulary's `Grammars` remembers to have compiled (`Grammars.check`): clients send the same
+few schemas again and again."""
 
 
 def json_grammar(schema: Mapping[str, Any] | None = None) -> str:
@@ -49,7 +48,6 @@ def json_grammar(schema: Mapping[str, Any] | None = None) -> str:
     return json.dumps({"grammars": [{"json_schema": body}]})
 
 
-@functools.lru_cache(maxsize=COMPILED_MOST)
 def regex_grammar(pattern: str) -> str:
     """The grammar of text that matches the regular expression ``pattern`` whole (Rust's regex syntax)."""
     return str(_llguidance().LLMatcher.grammar_from_regex(pattern))
@@ -60,13 +58,11 @@ def choice_grammar(choices: Sequence[str]) -> str:
     return lark_grammar("start: " + " | ".join(json.dumps(c) for c in choices))
 
 
-@functools.lru_cache(maxsize=COMPILED_MOST)
 def lark_grammar(text: str) -> str:
     """The grammar a Lark grammar ``text`` (with a ``start`` rule) describes, as llguidance reads Lark."""
     return str(_llguidance().LLMatcher.grammar_from_lark(text))
 
 
-@functools.lru_cache(maxsize=COMPILED_MOST)
 def text_grammar(text: str) -> str:
     """The grammar ``text`` writes in Lark (a ``start`` rule) or in GBNF, the EBNF form llama.cpp and vLLM
     take (``root ::= ...``; converted to Lark by llguidance); `GrammarError` where it is neither."""

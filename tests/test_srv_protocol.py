@@ -910,25 +910,3 @@ def test_a_grammar_may_be_written_in_gbnf_as_llama_cpp_and_vllm_take_it():
         )
     assert info.value.param == "structured_outputs.grammar" and "nor GBNF" in info.value.message
 
-
-def test_a_requests_pattern_is_compiled_once_however_often_the_server_asks_for_its_grammar(monkeypatch):
-    import llguidance
-
-    compiled = []
-    real = llguidance.LLMatcher.grammar_from_regex
-
-    def counting(pattern: str) -> str:
-        compiled.append(pattern)
-        return real(pattern)
-
-    monkeypatch.setattr(llguidance.LLMatcher, "grammar_from_regex", counting)
-    pattern = "[a-c]{3} compiled once"  # a pattern no other test sends
-    raw = {
-        "model": "m",
-        "messages": [{"role": "user", "content": "x"}],
-        "structured_outputs": {"regex": pattern},
-    }
-    for _ in range(3):
-        body = p.parse_chat(raw)
-        p.prepare(body, [1, 2], context=64, vocab_size=300, default_max_tokens=None)
-    assert compiled == [pattern]
