@@ -909,4 +909,3 @@ def test_a_grammar_may_be_written_in_gbnf_as_llama_cpp_and_vllm_take_it():
             }
         )
     assert info.value.param == "structured_outputs.grammar" and "nor GBNF" in info.value.message
-
