@@ -795,7 +795,7 @@ async def _send_parts(
         key = next(iter(delta))
         if merged and key in ("content", "reasoning_content") and next(iter(merged[-1])) == key:
             merged[-1] = {key: merged[-1][key] + delta[key]}
-        elif key != "tool_calls" or delta[key]:
+        else:
             merged.append(delta)
     if done and not merged:
         merged.append({})
