@@ -11,6 +11,9 @@ A chat template that knows tools (a checkpoint's own, given ``tools``) renders a
 `plain_messages` writes it for layouts that only know a role and a text per message (the ChatML fallback,
 the byte tokenizer's transcript, a template without tools), so every layout gives the model the same text.
 `split_reply` and `CallSplitter` read a reply (whole, or as it streams) into its text and its calls.
+
+Models that reason first (Qwen3) open their reply with a ``<think>`` block; `split_thinking` and
+`ThinkSplitter` read it apart from the rest, before the calls are read.
 """
 
 from __future__ import annotations
