@@ -16,6 +16,7 @@ from pathlib import Path
 from ..launch.engine_process import exec_runtime
 from ..plan.from_profile import resolve_text
 from ..schema.errors import ProfileError
+from ..schema.plan import LaunchPlan
 from ..schema.sampling_options import (
     add_json_arguments,
     add_logprobs_argument,
@@ -117,10 +118,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"strata generate: {problem}", file=sys.stderr)
         return EXIT_USAGE
     try:
-        if args.model is not None:
-            plan = resolve_text(model_profile_text(args.model), None, args.sets, strict=args.strict).plan
-        else:
-            plan = resolve_args(args).plan
+        plan = plan_of(args)
     except ProfileError as exc:
         return refused(exc, as_json=args.json)
     exec_runtime("generate", plan, runtime_args(args))
+
+
+def plan_of(args: argparse.Namespace) -> LaunchPlan:
+    """The plan of the command's PROFILE (with its ``--set`` overrides), or of a minimal profile for
+    ``--model DIR``. Raises `ProfileError`."""
+    if args.model is not None:
+        return resolve_text(model_profile_text(args.model), None, args.sets, strict=args.strict).plan
+    return resolve_args(args).plan

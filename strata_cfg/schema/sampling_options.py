@@ -199,3 +199,26 @@ def json_schema_of(path: str) -> tuple[dict[str, Any] | None, str | None]:
     if not isinstance(value, dict):
         return None, f"--json-schema {path}: a JSON schema is an object, not a {type(value).__name__}"
     return value, None
+
+
+def add_chat_arguments(parser: Any) -> None:
+    """A terminal chat's options (`strata chat` and the runtime's ``chat``): the system message, the
+    sampling (by default as Qwen3's model cards recommend without reasoning), the seed, and the output."""
+    parser.add_argument("--system", help="a system message that starts the conversation")
+    parser.add_argument("--max-tokens", type=int, default=512, help="tokens a reply may generate (512)")
+    parser.add_argument("--temperature", type=float, default=0.7, help="0 is greedy (default 0.7)")
+    parser.add_argument("--top-p", type=float, default=0.8, help="top-p (default 0.8)")
+    parser.add_argument("--top-k", type=int, default=20, help="top-k (default 20; 0: none)")
+    add_penalty_arguments(parser)
+    parser.add_argument("--seed", type=int, help="seed of the first reply, the next ones +1 each")
+    parser.add_argument("--json", action="store_true", help="one JSON object per turn instead of the text")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar, start-up log or turn lines")
+
+
+def chat_problem(args: Any) -> str | None:
+    """Why a terminal chat's options (`add_chat_arguments`) are not valid."""
+    if args.max_tokens < 1:
+        return f"--max-tokens must be at least 1, not {args.max_tokens}"
+    if args.seed is not None and not 0 <= args.seed < 2**63:
+        return f"--seed must be in [0, 2^63), not {args.seed}"
+    return options_problem(args)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from strata_cfg.schema.plan_file import read_plan
-from strata_cfg.schema.sampling_options import add_penalty_arguments, options_problem, sampling_options
+from strata_cfg.schema.sampling_options import add_chat_arguments, chat_problem, sampling_options
 
 from ..api import Request, RequestHandle, SamplingParams, Tokenizer
 
@@ -34,15 +34,7 @@ LEAST_ROOM = 16
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan", required=True, type=Path, help="a resolved plan (strata plan --json)")
-    parser.add_argument("--system", help="a system message that starts the conversation")
-    parser.add_argument("--max-tokens", type=int, default=512, help="tokens a reply may generate (512)")
-    parser.add_argument("--temperature", type=float, default=0.7, help="0 is greedy (default 0.7)")
-    parser.add_argument("--top-p", type=float, default=0.8, help="top-p (default 0.8)")
-    parser.add_argument("--top-k", type=int, default=20, help="top-k (default 20; 0: none)")
-    add_penalty_arguments(parser)
-    parser.add_argument("--seed", type=int, help="seed of the first reply, the next ones +1 each")
-    parser.add_argument("--json", action="store_true", help="one JSON object per turn instead of the text")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar, start-up log or turn lines")
+    add_chat_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -50,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     from ..engine import Engine
     from ..weights.progress import stderr_progress
 
-    problem = options_problem(args) or _problem(args)
+    problem = chat_problem(args)
     if problem:
         print(f"strata_runtime chat: {problem}", file=sys.stderr)
         return 2
@@ -84,14 +76,6 @@ def run(args: argparse.Namespace) -> int:
     finally:
         engine.close()
     return 0
-
-
-def _problem(args: argparse.Namespace) -> str | None:
-    if args.max_tokens < 1:
-        return f"--max-tokens must be at least 1, not {args.max_tokens}"
-    if args.seed is not None and not 0 <= args.seed < 2**63:
-        return f"--seed must be in [0, 2^63), not {args.seed}"
-    return None
 
 
 class Chat:
