@@ -296,3 +296,22 @@ def test_chat_leaves_the_oldest_turns_out_where_the_conversation_outgrows_the_co
     dropped = [t["dropped_messages"] for t in turns]
     assert dropped[0] == 0 and sum(dropped) > 0 and all(d % 2 == 0 for d in dropped)
     assert sum(dropped) <= 2 * len(turns)  # each message is left out once, for good
+
+
+@pytest.mark.parametrize(
+    ("option", "needle"),
+    [
+        (("--max-tokens", "0"), "--max-tokens must be at least 1"),
+        (("--top-p", "0"), "--top-p must be in (0, 1]"),
+        (("--seed", "-1"), "--seed"),
+    ],
+)
+def test_chat_refuses_bad_options_naming_them(option, needle) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "strata_cfg", "chat", "profiles/demo.toml", *option],
+        input="hi\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2 and needle in out.stderr, out.stderr
