@@ -99,6 +99,10 @@ class TokenEvent:
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
     """Where the request asked (`SamplingParams.prompt_logprobs`), in the request's first event: one per
     prompt token after the first."""
+    stop: str | int | None = None
+    """In the last event of a reply that ended with ``stop``: the stop string it was cut at, or the token
+    that ended it (an end-of-text id or one of the request's stop ids); None where its grammar was
+    complete."""
 
 
 @dataclass

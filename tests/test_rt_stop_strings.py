@@ -80,6 +80,8 @@ def test_the_stop_string_completed_first_wins_not_the_one_starting_first():
     for cuts in ([], [1], [2], [3], [1, 2], [1, 3], [2, 3], [1, 2, 3]):  # and of its bytes into windows
         slot = stream_slot("abcd", stops, cuts)
         assert (slot.sent_text, slot.finished) == ("ab", "stop"), cuts
+    slot = _slot(stops)
+    assert slot.emit(list(b"ab"), 0).stop is None and slot.emit(list(b"cd"), 0).stop == "c"  # the one cut at
 
 
 def test_of_two_stop_strings_ending_together_the_longer_is_cut():
@@ -136,7 +138,7 @@ def test_a_stop_token_ends_the_reply_with_what_was_held_back():
     req = Request((1, 2), 100, stop_ids=(300,), stop_strings=("V=",))
     slot = Slot(0, RequestHandle(req), Sampler(req.sampling, 0), frozenset({300}), ByteTokenizer(384), 0)
     first, last = slot.emit(list(b"abV"), 0), slot.emit([300], 0)
-    assert (first.text, last.text, last.finished) == ("ab", "V", "stop")
+    assert (first.text, last.text, last.finished, last.stop) == ("ab", "V", "stop", 300)
 
 
 def test_ignore_eos_generates_past_the_models_end_of_text_to_max_tokens() -> None:

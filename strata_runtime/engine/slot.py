@@ -114,9 +114,10 @@ class Slot:
         """
         req = self.handle.request
         kept: list[int] = []
+        stop: str | int | None = None
         for t in tokens:
             if t in self.stop_ids:
-                self.finished = "stop"
+                self.finished, stop = "stop", t
                 break
             kept.append(t)
             if len(self.generated) + len(kept) >= req.max_tokens:
@@ -141,11 +142,12 @@ class Slot:
         # The stop-string cutter holds back a tail that may begin a stop string arriving over several windows.
         new = self._stops.feed(fresh)
         if self._stops.stopped:
-            self.finished = "stop"
+            self.finished, stop = "stop", self._stops.hit
         elif self.finished is not None:
             new += self._stops.flush()
         self.sent_text += new
-        return TokenEvent(tuple(kept), new, self.finished, accepted, error, logprobs=logprobs[: len(kept)])
+        logprobs = logprobs[: len(kept)]
+        return TokenEvent(tuple(kept), new, self.finished, accepted, error, logprobs=logprobs, stop=stop)
 
     def _decoded(self) -> str:
         """The text of every generated token, as a whole decode would give it, without decoding them all.

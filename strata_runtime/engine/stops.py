@@ -27,6 +27,8 @@ class StopText:
         self.stops = tuple(s for s in stops if s)
         self.pending = ""
         self.stopped = False
+        self.hit: str | None = None
+        """The stop string the reply was cut at, once it was."""
 
     def feed(self, text: str) -> str:
         """The part of ``pending + text`` that is safe to send now."""
@@ -36,8 +38,9 @@ class StopText:
         # (end, start) of each stop string's first occurrence: the earliest end wins, then the longest.
         hits = [(i + len(s), i) for s in self.stops if (i := buf.find(s)) >= 0]
         if hits:
-            self.stopped, self.pending = True, ""
-            return buf[: min(hits)[1]]
+            end, start = min(hits)
+            self.stopped, self.pending, self.hit = True, "", buf[start:end]
+            return buf[:start]
         hold = max((_overlap(buf, s) for s in self.stops), default=0)
         self.pending = buf[len(buf) - hold :]
         return buf[: len(buf) - hold]

@@ -34,6 +34,7 @@ from ..chat import (
     split_thinking,
 )
 from ..structured import GrammarError, grammars_for, json_grammar
+from . import anthropic
 from . import protocol as p
 from .connection import AccessLog, JsonErrorRunner
 from .engine_loop import EngineFactory, EngineLoop, Stream
@@ -76,6 +77,8 @@ class Piece:
     """The tokens' log-probabilities, where the request asked for them."""
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
     """The prompt's, in the first piece, where an echoed completion asked for them."""
+    stop: str | int | None = None
+    """In the last piece: the stop string or token that ended the reply (`api.TokenEvent.stop`)."""
 
 
 @dataclass
@@ -128,6 +131,8 @@ class Server:
                 web.get("/metrics", self.metrics),
                 web.post("/v1/completions", self.completions),
                 web.post("/v1/chat/completions", self.chat),
+                web.post("/v1/messages", self.messages),
+                web.post("/v1/messages/count_tokens", self.count_tokens),
                 web.post("/tokenize", self.tokenize),
                 web.post("/detokenize", self.detokenize),
                 web.get("/tokenizer_info", self.tokenizer_info),
@@ -180,10 +185,19 @@ class Server:
     @web.middleware
     async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
-            return await handler(request)
+            return await self._errors_in_shape(request, handler)
         except p.ApiError as exc:
+            if request.path.startswith("/v1/messages"):
+                return web.json_response(anthropic.error_body(exc), status=exc.status, headers=exc.headers)
             return _error_response(exc)
-        except web.HTTPException as exc:  # aiohttp's own 404 / 405 / 413, in OpenAI's shape
+
+    async def _errors_in_shape(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Every failure as an `ApiError` (which `_errors` writes in the shape of the path's API)."""
+        try:
+            return await handler(request)
+        except p.ApiError:
+            raise
+        except web.HTTPException as exc:  # aiohttp's own 404 / 405 / 413, as an ApiError
             if exc.status < 400:
                 raise
             message = {
@@ -191,7 +205,7 @@ class Server:
                 405: f"{request.method} is not allowed on {request.path}",
                 413: f"the request body is larger than {MAX_BODY_BYTES} bytes",
             }.get(exc.status, exc.reason)
-            return _error_response(p.ApiError(exc.status, message))
+            raise p.ApiError(exc.status, message) from None
         except asyncio.CancelledError:
             raise
         except ConnectionResetError:
@@ -201,9 +215,9 @@ class Server:
             return web.Response(status=CLIENT_CLOSED)
         except Exception:
             log.exception("unexpected error serving %s %s", request.method, request.path)
-            return _error_response(
-                p.ApiError(500, "internal server error (logged by the server)", type_="server_error")
-            )
+            raise p.ApiError(
+                500, "internal server error (logged by the server)", type_="server_error"
+            ) from None
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -212,11 +226,13 @@ class Server:
             return await handler(request)
         given = request.headers.get("Authorization", "")
         scheme, _, token = given.partition(" ")
+        if "x-api-key" in request.headers:  # Anthropic's clients send the key this way
+            given, scheme, token = request.headers["x-api-key"], "bearer", request.headers["x-api-key"]
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
             what = "no API key given" if not given else "the API key is not valid"
             raise p.ApiError(
                 401,
-                f"{what}: send `Authorization: Bearer <key>`",
+                f"{what}: send `Authorization: Bearer <key>` (or `x-api-key: <key>`)",
                 "Authorization",
                 type_="authentication_error",
                 code="invalid_api_key",
@@ -355,7 +371,13 @@ class Server:
         return await self._run(request, [c for one in batch for c in p.choices(one, body.n)], chat=False)
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
-        body = p.parse_chat(await _json_body(request))
+        body, prepared = await self._chat_prepared(await _json_body(request))
+        return await self._run(request, p.choices(prepared, body.n), chat=True)
+
+    async def _chat_prepared(self, raw: Any) -> tuple[p.ChatBody, p.Prepared]:
+        """A chat body checked and made the engine's request (through the chat template, with its tools
+        and grammar checked over the vocabulary)."""
+        body = p.parse_chat(raw)
         p.check_model(body.model, self.options.model_name)
         engine = self._engine()
         tools = tool_use(body.model_extra or {}, p.grammar_of(body))
@@ -369,7 +391,114 @@ class Server:
             await self._check_tools(tools)
         else:
             await self._check_grammar(prepared.request.sampling.grammar, p.grammar_field(body))
-        return await self._run(request, p.choices(prepared, body.n), chat=True)
+        return body, prepared
+
+    # ---- Anthropic's Messages API ----------------------------------------------------------------------
+
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        return await self._counted("messages", request, self._messages)
+
+    async def _messages(self, request: web.Request) -> web.StreamResponse:
+        """``POST /v1/messages``: the body read as a chat (`anthropic.to_chat`), served by the chat path, and
+        answered in Anthropic's shapes."""
+        try:
+            _, prepared = await self._chat_prepared(anthropic.to_chat(await _json_body(request)))
+        except p.ApiError as exc:  # the chat path names its own fields: name the Messages API's
+            named = anthropic.field_of(exc.param)
+            if exc.param is not None and named is not None:
+                exc.message = exc.message.replace(f"`{exc.param}`", f"`{named}`")
+            exc.param = named
+            raise
+        assert self.engine is not None
+        self._admit(1)
+        self.counters.prompt_tokens += prepared.prompt_tokens
+        stream = self.engine.submit(prepared.request)
+        try:
+            if prepared.stream:
+                return await self._stream_message(request, stream, prepared)
+            return await self._whole_message(stream, prepared)
+        finally:
+            stream.close()
+
+    async def count_tokens(self, request: web.Request) -> web.Response:
+        """``POST /v1/messages/count_tokens``: the prompt tokens a Messages body would read."""
+        raw = anthropic.to_chat(await _json_body(request), counting=True)
+        body = p.parse_chat(raw)
+        p.check_model(body.model, self.options.model_name)
+        tools = tool_use(body.model_extra or {}, p.grammar_of(body))
+        ids = _chat_ids(self._engine().tokenizer, p.chat_messages(body), tools, p.template_kwargs(body))
+        return web.json_response({"input_tokens": len(ids)})
+
+    async def _whole_message(self, stream: Stream, prepared: p.Prepared) -> web.Response:
+        texts: list[str] = []
+        tokens, finish, stop = 0, "stop", None
+        async for piece in self._pieces(stream):
+            if piece.finish in ("error", "cancelled"):
+                why = piece.error if piece.finish == "error" else "the server is shutting down"
+                raise p.ApiError(500 if piece.finish == "error" else 503, f"the request ended early: {why}")
+            texts.append(piece.text)
+            tokens += piece.tokens
+            finish, stop = piece.finish or finish, piece.stop if piece.finish else stop
+        self._observe(stream)
+        parts = _reply_parts(_Choice(0, prepared), "".join(texts), True)
+        calls = any(isinstance(part, ToolCall) for _, part in parts)
+        blocks = anthropic.content_blocks(parts)
+        reason = anthropic.stop_reason(finish, calls, stop)
+        use = anthropic.usage(prepared.prompt_tokens, tokens, stream.handle.cached_tokens)
+        return web.json_response(
+            anthropic.message(anthropic.new_message_id(), self.options.model_name, blocks, reason, use)
+        )
+
+    async def _stream_message(
+        self, request: web.Request, stream: Stream, prepared: p.Prepared
+    ) -> web.StreamResponse:
+        """The reply as Anthropic's events: ``message_start`` (once the engine took the request, so its
+        usage says what it read), blocks of reasoning, text and calls as they come, ``message_delta`` with
+        how it ended, ``message_stop``; an ``error`` event where the request ended early."""
+        response = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no",
+            }
+        )
+        await response.prepare(request)
+        c, blocks = _Choice(0, prepared), anthropic.BlockStream()
+        started, tokens = False, 0
+        async for piece in self._pieces(stream):
+            if piece.finish in ("error", "cancelled"):
+                why = piece.error if piece.finish == "error" else "the server is shutting down"
+                status = 500 if piece.finish == "error" else 503
+                error = anthropic.error_body(p.ApiError(status, f"the request ended early: {why}"))["error"]
+                await response.write(anthropic.event("error", error=error))
+                break
+            if not started:
+                use = anthropic.usage(prepared.prompt_tokens, 0, stream.handle.cached_tokens)
+                start = anthropic.message(
+                    anthropic.new_message_id(), self.options.model_name, [], (None, None), use
+                )
+                await response.write(anthropic.event("message_start", message=start))
+                started = True
+            tokens += piece.tokens
+            for kind, part in _reply_parts(c, piece.text, piece.finish is not None):
+                if isinstance(part, ToolCall):
+                    events = blocks.call(part)
+                else:
+                    events = blocks.text("thinking" if kind == "reasoning" else "text", part)
+                for chunk in events:
+                    await response.write(chunk)
+            if piece.finish is not None:
+                for chunk in blocks.close():
+                    await response.write(chunk)
+                reason, sequence = anthropic.stop_reason(piece.finish, c.calls_sent > 0, piece.stop)
+                delta = {"stop_reason": reason, "stop_sequence": sequence}
+                await response.write(
+                    anthropic.event("message_delta", delta=delta, usage={"output_tokens": tokens})
+                )
+                await response.write(anthropic.event("message_stop"))
+                self._observe(stream)
+        await response.write_eof()
+        return response
 
     async def _check_grammar(self, grammar: str | None, field: str) -> None:
         """A 400 naming ``field`` where a request's grammar does not compile over the model's vocabulary
@@ -495,7 +624,12 @@ class Server:
                 yield Piece("", event.finished, n, event.error)
                 return
             yield Piece(
-                event.text, event.finished, n, logprobs=event.logprobs, prompt_logprobs=event.prompt_logprobs
+                event.text,
+                event.finished,
+                n,
+                logprobs=event.logprobs,
+                prompt_logprobs=event.prompt_logprobs,
+                stop=event.stop,
             )
 
     async def _whole(self, streams: list[Stream], batch: list[p.Prepared], *, chat: bool) -> web.Response:
@@ -514,13 +648,7 @@ class Server:
         model, rid = self.options.model_name, batch[0].request.request_id
         choices = []
         for i, ((text, end, _, lps), prepared) in enumerate(zip(done, batch, strict=True)):
-            words: str | None = text
-            calls: list[ToolCall] = []
-            reasoning: str | None = None
-            if prepared.thinking is not None:
-                reasoning, words = split_thinking(text, prepared.thinking)
-            if prepared.tools is not None:
-                words, calls = split_reply(words or "")
+            reasoning, words, calls = _read_reply(prepared, text)
             if calls and end == "stop":
                 end = "tool_calls"
             body = p.choice(chat, i, words, end, lps, calls)
@@ -777,19 +905,12 @@ async def _send_parts(
     tail that may begin a tag is held back until it is known), and the finish, as ``tool_calls`` where the
     reply made calls and ended by itself. The pieces' log-probabilities go with the first chunk sent."""
     done = piece.finish is not None
-    thought = [("content", piece.text)] if c.thinker is None else c.thinker.feed(piece.text)
-    if done and c.thinker is not None:
-        thought += c.thinker.close()
     deltas: list[dict[str, Any]] = []
-    for kind, text in thought:
-        if kind == "reasoning":
-            deltas.append({"reasoning_content": text})
-        elif c.splitter is None:
-            deltas.append({"content": text})
+    for kind, part in _reply_parts(c, piece.text, done):
+        if isinstance(part, ToolCall):
+            deltas.append({"tool_calls": [part.openai(c.calls_sent - 1)]})
         else:
-            deltas += [_delta(c, x) for x in c.splitter.feed(text)]
-    if done and c.splitter is not None:
-        deltas += [_delta(c, x) for x in c.splitter.close()]
+            deltas.append({"reasoning_content" if kind == "reasoning" else "content": part})
     merged: list[dict[str, Any]] = []
     for delta in deltas:  # neighbouring text of one kind goes in one chunk
         key = next(iter(delta))
@@ -805,12 +926,36 @@ async def _send_parts(
         c.held = ()
 
 
-def _delta(c: _Choice, part: str | ToolCall) -> dict[str, Any]:
-    """A streamed delta of a reply's text or of one call, numbered from the reply's first call."""
-    if isinstance(part, str):
-        return {"content": part}
-    c.calls_sent += 1
-    return {"tool_calls": [part.openai(c.calls_sent - 1)]}
+def _reply_parts(c: _Choice, text: str, done: bool) -> list[tuple[str, str | ToolCall]]:
+    """What a stretch of a streamed reply says, in order: ``("reasoning", text)``, ``("content", text)`` and
+    ``("call", ToolCall)`` (counted in ``c.calls_sent``), as choice ``c``'s splitters read it (held tails
+    given where ``done``)."""
+    thought = [("content", text)] if c.thinker is None else c.thinker.feed(text)
+    if done and c.thinker is not None:
+        thought += c.thinker.close()
+    out: list[tuple[str, str | ToolCall]] = []
+    for kind, words in thought:
+        if kind == "reasoning" or c.splitter is None:
+            out += [(kind, words)] if words else []
+        else:
+            out += [("call" if isinstance(x, ToolCall) else "content", x) for x in c.splitter.feed(words)]
+    if done and c.splitter is not None:
+        out += [("call" if isinstance(x, ToolCall) else "content", x) for x in c.splitter.close()]
+    c.calls_sent += sum(isinstance(part, ToolCall) for _, part in out)
+    return out
+
+
+def _read_reply(prepared: p.Prepared, text: str) -> tuple[str | None, str | None, list[ToolCall]]:
+    """A whole chat reply's reasoning (where the model reasons), its text and its calls (where it was
+    offered tools)."""
+    words: str | None = text
+    calls: list[ToolCall] = []
+    reasoning: str | None = None
+    if prepared.thinking is not None:
+        reasoning, words = split_thinking(text, prepared.thinking)
+    if prepared.tools is not None:
+        words, calls = split_reply(words or "")
+    return reasoning, words, calls
 
 
 def _chat_ids(
