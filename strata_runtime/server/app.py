@@ -59,6 +59,9 @@ PREFLIGHT_MAX_AGE_S = 600
 OPEN_PATHS = frozenset({"/health"})
 """Paths answered without the API key, so a supervisor or load balancer can probe readiness."""
 
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+"""A streamed reply's headers: server-sent events, not cached, not buffered by a proxy in front."""
+
 NEEDS_ENGINE = frozenset({"/tokenizer_info"})
 """GET paths answered from the loaded engine (its tokenizer): 503 while it loads, as every POST is."""
 
@@ -434,8 +437,7 @@ class Server:
         tokens, finish, stop = 0, "stop", None
         async for piece in self._pieces(stream):
             if piece.finish in ("error", "cancelled"):
-                why = piece.error if piece.finish == "error" else "the server is shutting down"
-                raise p.ApiError(500 if piece.finish == "error" else 503, f"the request ended early: {why}")
+                raise _ended_early(piece)
             texts.append(piece.text)
             tokens += piece.tokens
             finish, stop = piece.finish or finish, piece.stop if piece.finish else stop
@@ -455,21 +457,13 @@ class Server:
         """The reply as Anthropic's events: ``message_start`` (once the engine took the request, so its
         usage says what it read), blocks of reasoning, text and calls as they come, ``message_delta`` with
         how it ended, ``message_stop``; an ``error`` event where the request ended early."""
-        response = web.StreamResponse(
-            headers={
-                "Content-Type": "text/event-stream",
-                "Cache-Control": "no-cache",
-                "X-Accel-Buffering": "no",
-            }
-        )
+        response = web.StreamResponse(headers=SSE_HEADERS)
         await response.prepare(request)
         c, blocks = _Choice(0, prepared), anthropic.BlockStream()
         started, tokens = False, 0
         async for piece in self._pieces(stream):
             if piece.finish in ("error", "cancelled"):
-                why = piece.error if piece.finish == "error" else "the server is shutting down"
-                status = 500 if piece.finish == "error" else 503
-                error = anthropic.error_body(p.ApiError(status, f"the request ended early: {why}"))["error"]
+                error = anthropic.error_body(_ended_early(piece))["error"]
                 await response.write(anthropic.event("error", error=error))
                 break
             if not started:
@@ -702,13 +696,7 @@ class Server:
     ) -> web.StreamResponse:
         """Server-sent chunks of every choice as the engine gives them, each chunk naming its choice; a
         request that ends early ends the stream with an error event."""
-        response = web.StreamResponse(
-            headers={
-                "Content-Type": "text/event-stream",
-                "Cache-Control": "no-cache",
-                "X-Accel-Buffering": "no",
-            }
-        )
+        response = web.StreamResponse(headers=SSE_HEADERS)
         await response.prepare(request)
         rid, model, created = batch[0].request.request_id, self.options.model_name, int(time.time())
         states = [_Choice(i, prepared) for i, prepared in enumerate(batch)]
@@ -781,10 +769,7 @@ class Server:
         """Send what one piece of choice ``c`` adds; False where it ended the request early (an error event
         went out)."""
         if piece.finish in ("error", "cancelled"):
-            why = piece.error if piece.finish == "error" else "the server is shutting down"
-            status = 500 if piece.finish == "error" else 503
-            err = p.ApiError(status, f"the request ended early: {why}", type_="server_error")
-            await _send(response, err.body())
+            await _send(response, _ended_early(piece).body())
             return False
         if c.echo is not None:
             # The echoed prompt goes first, with its log-probabilities, which the first piece brings.
@@ -924,6 +909,13 @@ async def _send_parts(
         last = k == len(merged) - 1
         await _send(response, chunk(c, "", piece.finish if last else None, c.held, delta=delta))
         c.held = ()
+
+
+def _ended_early(piece: Piece) -> p.ApiError:
+    """The error of a request the engine ended early: it failed (500), or the server is stopping (503)."""
+    why = piece.error if piece.finish == "error" else "the server is shutting down"
+    status = 500 if piece.finish == "error" else 503
+    return p.ApiError(status, f"the request ended early: {why}", type_="server_error")
 
 
 def _reply_parts(c: _Choice, text: str, done: bool) -> list[tuple[str, str | ToolCall]]:
