@@ -279,6 +279,25 @@ def test_a_reply_whole_and_streamed_is_the_chat_endpoints_reply(engine: Launched
     assert final.usage.input_tokens + final.usage.cache_read_input_tokens == chat.usage.prompt_tokens
 
 
+def test_a_last_assistant_message_is_the_start_of_the_reply(engine: Launched, client):
+    """A prefill: the reply goes on from the assistant's text, as the chat endpoint's
+    ``continue_final_message`` does, and holds only what follows it."""
+    messages = [{"role": "user", "content": _prompt()}, {"role": "assistant", "content": "Her name was"}]
+    reply = client.messages.create(
+        model="demo", max_tokens=16, messages=messages, extra_body={"temperature": 0}
+    )
+    chat = openai.OpenAI(
+        base_url=f"{engine.url}/v1", api_key=engine.key, max_retries=0
+    ).chat.completions.create(
+        model="demo",
+        max_tokens=16,
+        temperature=0,
+        messages=messages,
+        extra_body={"continue_final_message": True},
+    )
+    assert reply.content[0].text == chat.choices[0].message.content
+
+
 def test_a_stop_sequence_ends_the_reply_and_is_named(client):
     ask = dict(
         model="demo",

@@ -397,6 +397,32 @@ def test_bad_tools_are_refused_naming_the_field(client: openai.OpenAI):
         assert info.value.body["param"] == param, info.value.body
 
 
+def test_continue_final_message_goes_on_with_the_assistants_text(client: openai.OpenAI):
+    """vLLM's ``continue_final_message``: the last (assistant) message is the start of the reply, so the
+    greedy reply is the completion of the transcript that ends with that text (the demo's chat layout is a
+    plain transcript); a last message that is not the assistant's is a 400 naming the field."""
+    question = _prompt()
+    chat = client.chat.completions.create(
+        model="demo",
+        messages=[{"role": "user", "content": question}, {"role": "assistant", "content": "Her name was"}],
+        max_tokens=16,
+        temperature=0,
+        extra_body={"continue_final_message": True},
+    )
+    text = client.completions.create(
+        model="demo", prompt=f"user: {question}\nassistant: Her name was", max_tokens=16, temperature=0
+    )
+    assert chat.choices[0].message.content == text.choices[0].text
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model="demo",
+            messages=[{"role": "user", "content": question}],
+            max_tokens=4,
+            extra_body={"continue_final_message": True},
+        )
+    assert info.value.body["param"] == "continue_final_message"
+
+
 def _reuse_figures(engine: Launched, workload: str) -> dict[str, float]:
     """`strata bench --url`'s figures of ``workload`` (``turns`` or ``shared``) on a 100-token context, 8
     tokens generated a request, and checked to have times and a rate."""

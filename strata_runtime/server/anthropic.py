@@ -8,7 +8,8 @@ blocks sent back are dropped (the chat template leaves earlier reasoning out any
 ``description``, ``input_schema``) become functions; ``tool_choice`` ``auto``, ``any``, ``tool`` and
 ``none`` become ``"auto"``, ``"required"``, a named function and ``"none"``, and ``disable_parallel_tool_use``
 ``parallel_tool_calls: false``; ``thinking`` ``enabled`` / ``disabled`` becomes the template's
-``enable_thinking``; ``stop_sequences`` become ``stop``. Images and documents are refused by name.
+``enable_thinking``; ``stop_sequences`` become ``stop``; a last message of the assistant's is the start of
+the reply, which goes on from it (``continue_final_message``). Images and documents are refused by name.
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ def to_chat(raw: Any, *, counting: bool = False) -> dict[str, Any]:
         "model": model,
         "messages": _system(raw.get("system")) + _messages(raw.get("messages")),
     }
+    last = body["messages"][-1]
+    if last["role"] == "assistant" and not last.get("tool_calls"):
+        body["continue_final_message"] = True  # a prefill: the reply goes on from the assistant's text
     if not counting:
         max_tokens = raw.get("max_tokens")
         if type(max_tokens) is not int or max_tokens < 1:

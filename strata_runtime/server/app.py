@@ -384,7 +384,19 @@ class Server:
         p.check_model(body.model, self.options.model_name)
         engine = self._engine()
         tools = tool_use(body.model_extra or {}, p.grammar_of(body))
-        ids = _chat_ids(engine.tokenizer, p.chat_messages(body), tools, p.template_kwargs(body))
+        messages, prefill = p.chat_messages(body), ""
+        if body.continue_final_message:
+            last = messages[-1]
+            if last["role"] != "assistant" or last.get("tool_calls"):
+                raise p.ApiError(
+                    400,
+                    "`continue_final_message` goes on with the last message: it must be the assistant's "
+                    "text (no tool calls)",
+                    "continue_final_message",
+                )
+            messages, prefill = messages[:-1], str(last["content"])
+        ids = _chat_ids(engine.tokenizer, messages, tools, p.template_kwargs(body))
+        ids += engine.tokenizer.encode(prefill) if prefill else []
         prepared = p.prepare(
             body, ids, context=self.context, vocab_size=self.vocab_size, default_max_tokens=None, tools=tools
         )

@@ -141,6 +141,9 @@ class ChatBody(_Body):
     chat_template_kwargs: dict[str, Any] | None = None
     """An extension (as vLLM takes it): more variables for the model's chat template, such as Qwen3's
     ``enable_thinking``."""
+    continue_final_message: bool = False
+    """An extension (as vLLM takes it): the last message is the start of the assistant's reply, which the
+    model goes on with (a "prefill"), instead of a finished turn."""
 
 
 class TokenizeBody(_Strict):
