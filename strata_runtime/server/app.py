@@ -84,6 +84,18 @@ class Piece:
     """In the last piece: the stop string or token that ended the reply (`api.TokenEvent.stop`)."""
 
 
+@dataclass(frozen=True)
+class _Whole:
+    """A whole reply as `Server._collect` gathers it."""
+
+    text: str
+    end: p.OpenAIFinish
+    tokens: int
+    logprobs: dict[str, Any] | None
+    stop: str | int | None
+    """The stop string or token that ended it (`api.TokenEvent.stop`)."""
+
+
 @dataclass
 class ServeOptions:
     """Where one server listens, what it calls its model, and how it guards and stops."""
@@ -445,20 +457,12 @@ class Server:
         return web.json_response({"input_tokens": len(ids)})
 
     async def _whole_message(self, stream: Stream, prepared: p.Prepared) -> web.Response:
-        texts: list[str] = []
-        tokens, finish, stop = 0, "stop", None
-        async for piece in self._pieces(stream):
-            if piece.finish in ("error", "cancelled"):
-                raise _ended_early(piece)
-            texts.append(piece.text)
-            tokens += piece.tokens
-            finish, stop = piece.finish or finish, piece.stop if piece.finish else stop
-        self._observe(stream)
-        parts = _reply_parts(_Choice(0, prepared), "".join(texts), True)
+        whole = await self._collect(stream, prepared, chat=True)
+        parts = _reply_parts(_Choice(0, prepared), whole.text, True)
         calls = any(isinstance(part, ToolCall) for _, part in parts)
         blocks = anthropic.content_blocks(parts)
-        reason = anthropic.stop_reason(finish, calls, stop)
-        use = anthropic.usage(prepared.prompt_tokens, tokens, stream.handle.cached_tokens)
+        reason = anthropic.stop_reason(whole.end, calls, whole.stop)
+        use = anthropic.usage(prepared.prompt_tokens, whole.tokens, stream.handle.cached_tokens)
         return web.json_response(
             anthropic.message(anthropic.new_message_id(), self.options.model_name, blocks, reason, use)
         )
@@ -496,7 +500,8 @@ class Server:
             if piece.finish is not None:
                 for chunk in blocks.close():
                     await response.write(chunk)
-                reason, sequence = anthropic.stop_reason(piece.finish, c.calls_sent > 0, piece.stop)
+                calls = c.splitter is not None and c.splitter.calls > 0
+                reason, sequence = anthropic.stop_reason(piece.finish, calls, piece.stop)
                 delta = {"stop_reason": reason, "stop_sequence": sequence}
                 await response.write(
                     anthropic.event("message_delta", delta=delta, usage={"output_tokens": tokens})
@@ -650,28 +655,26 @@ class Server:
             for task in tasks:
                 task.cancel()
             raise
-        use = p.usage(_prompt_tokens(batch), sum(n for _, _, n, _ in done), _cached_tokens(streams, batch))
+        use = p.usage(_prompt_tokens(batch), sum(w.tokens for w in done), _cached_tokens(streams, batch))
         model, rid = self.options.model_name, batch[0].request.request_id
         choices = []
-        for i, ((text, end, _, lps), prepared) in enumerate(zip(done, batch, strict=True)):
-            reasoning, words, calls = _read_reply(prepared, text)
-            if calls and end == "stop":
-                end = "tool_calls"
-            body = p.choice(chat, i, words, end, lps, calls)
+        for i, (whole, prepared) in enumerate(zip(done, batch, strict=True)):
+            reasoning, words, calls = _read_reply(prepared, whole.text)
+            end: p.OpenAIFinish = "tool_calls" if calls and whole.end == "stop" else whole.end
+            body = p.choice(chat, i, words, end, whole.logprobs, calls)
             if prepared.thinking is not None:
                 body["message"]["reasoning_content"] = reasoning
             choices.append(body)
         return web.json_response(p.response(chat, rid, model, choices, use))
 
-    async def _collect(
-        self, stream: Stream, prepared: p.Prepared, chat: bool
-    ) -> tuple[str, p.OpenAIFinish, int, dict[str, Any] | None]:
+    async def _collect(self, stream: Stream, prepared: p.Prepared, chat: bool) -> _Whole:
         """A whole reply: its text (after the echoed prompt, where asked), how it ended, the tokens it
-        generated, and its ``logprobs`` object."""
+        generated, its ``logprobs`` object and what stopped it."""
         texts: list[str] = []
         entries: list[TokenLogprob] = []
         n = 0
         finish: str | None = None
+        stop: str | int | None = None
         async for piece in self._pieces(stream):
             if piece.finish == "error":
                 raise p.ApiError(500, f"the engine failed this request: {piece.error}", type_="server_error")
@@ -684,11 +687,11 @@ class Server:
                 texts.append(piece.text)
                 entries += piece.logprobs
                 n += piece.tokens
-            finish = piece.finish
+            finish, stop = piece.finish, piece.stop
         self._observe(stream)
         lps = self._logprobs(prepared, entries, chat, 0, lead=prepared.echo is not None)
         end = _finish(finish) if prepared.generate else "length"
-        return (prepared.echo or "") + "".join(texts), end, n, lps
+        return _Whole((prepared.echo or "") + "".join(texts), end, n, lps, stop)
 
     def _logprobs(
         self, prepared: p.Prepared, entries: list[TokenLogprob], chat: bool, offset: int, lead: bool = False
@@ -888,8 +891,6 @@ class _Choice:
         self.finished = False
         self.splitter = CallSplitter() if prepared.tools is not None else None
         """Reads a reply that was offered tools into its text and its calls as it streams."""
-        self.calls_sent = 0
-        """Calls streamed so far."""
         self.thinker = ThinkSplitter(prepared.thinking) if prepared.thinking is not None else None
         """Reads a reply of a model that reasons into its reasoning and the rest as it streams."""
 
@@ -902,23 +903,11 @@ async def _send_parts(
     tail that may begin a tag is held back until it is known), and the finish, as ``tool_calls`` where the
     reply made calls and ended by itself. The pieces' log-probabilities go with the first chunk sent."""
     done = piece.finish is not None
-    deltas: list[dict[str, Any]] = []
-    for kind, part in _reply_parts(c, piece.text, done):
-        if isinstance(part, ToolCall):
-            deltas.append({"tool_calls": [part.openai(c.calls_sent - 1)]})
-        else:
-            deltas.append({"reasoning_content" if kind == "reasoning" else "content": part})
-    merged: list[dict[str, Any]] = []
-    for delta in deltas:  # neighbouring text of one kind goes in one chunk
-        key = next(iter(delta))
-        if merged and key in ("content", "reasoning_content") and next(iter(merged[-1])) == key:
-            merged[-1] = {key: merged[-1][key] + delta[key]}
-        else:
-            merged.append(delta)
-    if done and not merged:
-        merged.append({})
-    for k, delta in enumerate(merged):
-        last = k == len(merged) - 1
+    deltas = _deltas(c, _reply_parts(c, piece.text, done))
+    if done and not deltas:
+        deltas.append({})
+    for k, delta in enumerate(deltas):
+        last = k == len(deltas) - 1
         await _send(response, chunk(c, "", piece.finish if last else None, c.held, delta=delta))
         c.held = ()
 
@@ -930,10 +919,29 @@ def _ended_early(piece: Piece) -> p.ApiError:
     return p.ApiError(status, f"the request ended early: {why}", type_="server_error")
 
 
+def _deltas(c: _Choice, parts: list[tuple[str, str | ToolCall]]) -> list[dict[str, Any]]:
+    """The chat deltas of a stretch of choice ``c``'s reply (`_reply_parts`): neighbouring text of one kind
+    in one delta, each call in a ``tool_calls`` delta numbered from the reply's first call."""
+    first = (c.splitter.calls if c.splitter is not None else 0) - sum(
+        isinstance(x, ToolCall) for _, x in parts
+    )
+    deltas: list[dict[str, Any]] = []
+    for kind, part in parts:
+        if isinstance(part, ToolCall):
+            deltas.append({"tool_calls": [part.openai(first)]})
+            first += 1
+            continue
+        key = "reasoning_content" if kind == "reasoning" else "content"
+        if deltas and next(iter(deltas[-1])) == key:
+            deltas[-1] = {key: deltas[-1][key] + part}
+        else:
+            deltas.append({key: part})
+    return deltas
+
+
 def _reply_parts(c: _Choice, text: str, done: bool) -> list[tuple[str, str | ToolCall]]:
     """What a stretch of a streamed reply says, in order: ``("reasoning", text)``, ``("content", text)`` and
-    ``("call", ToolCall)`` (counted in ``c.calls_sent``), as choice ``c``'s splitters read it (held tails
-    given where ``done``)."""
+    ``("call", ToolCall)``, as choice ``c``'s splitters read it (held tails given where ``done``)."""
     thought = [("content", text)] if c.thinker is None else c.thinker.feed(text)
     if done and c.thinker is not None:
         thought += c.thinker.close()
@@ -945,7 +953,6 @@ def _reply_parts(c: _Choice, text: str, done: bool) -> list[tuple[str, str | Too
             out += [("call" if isinstance(x, ToolCall) else "content", x) for x in c.splitter.feed(words)]
     if done and c.splitter is not None:
         out += [("call" if isinstance(x, ToolCall) else "content", x) for x in c.splitter.close()]
-    c.calls_sent += sum(isinstance(part, ToolCall) for _, part in out)
     return out
 
 
