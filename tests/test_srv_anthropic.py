@@ -296,6 +296,8 @@ def test_a_last_assistant_message_is_the_start_of_the_reply(engine: Launched, cl
         extra_body={"continue_final_message": True},
     )
     assert reply.content[0].text == chat.choices[0].message.content
+    counted = client.messages.count_tokens(model="demo", messages=messages)  # the prefill counted as read
+    assert counted.input_tokens == reply.usage.input_tokens + reply.usage.cache_read_input_tokens
 
 
 def test_a_stop_sequence_ends_the_reply_and_is_named(client):
@@ -394,6 +396,14 @@ def test_errors_come_in_anthropics_shape_naming_the_field(engine: Launched, clie
     assert info.value.body["type"] == "error" and info.value.body["error"]["type"] == "invalid_request_error"
     message = info.value.body["error"]["message"]
     assert message.startswith("`tool_choice.name`: no tool is named `later`"), message
+    with pytest.raises(anthropic_sdk.BadRequestError) as info:  # counting names the same fields
+        client.messages.count_tokens(
+            model="demo",
+            messages=[{"role": "user", "content": "x"}],
+            tools=[WEATHER],
+            tool_choice={"type": "tool", "name": "later"},
+        )
+    assert info.value.body["error"]["message"].startswith("`tool_choice.name`: no tool is named `later`")
     with pytest.raises(anthropic_sdk.NotFoundError):
         client.messages.create(model="other", max_tokens=8, messages=[{"role": "user", "content": "x"}])
     with pytest.raises(anthropic_sdk.AuthenticationError):

@@ -202,8 +202,9 @@ class Server:
         try:
             return await self._errors_in_shape(request, handler)
         except p.ApiError as exc:
-            if request.path.startswith("/v1/messages"):
-                return web.json_response(anthropic.error_body(exc), status=exc.status, headers=exc.headers)
+            if request.path.startswith("/v1/messages"):  # Anthropic's shape, naming the Messages API's fields
+                body = anthropic.error_body(anthropic.renamed(exc))
+                return web.json_response(body, status=exc.status, headers=exc.headers)
             return _error_response(exc)
 
     async def _errors_in_shape(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -242,8 +243,10 @@ class Server:
         given = request.headers.get("Authorization", "")
         scheme, _, token = given.partition(" ")
         if "x-api-key" in request.headers:  # Anthropic's clients send the key this way
-            given, scheme, token = request.headers["x-api-key"], "bearer", request.headers["x-api-key"]
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            given = token = request.headers["x-api-key"]
+        elif scheme.lower() != "bearer":
+            token = ""
+        if not token or not hmac.compare_digest(token.strip().encode(), key.encode()):
             what = "no API key given" if not given else "the API key is not valid"
             raise p.ApiError(
                 401,
@@ -396,19 +399,7 @@ class Server:
         p.check_model(body.model, self.options.model_name)
         engine = self._engine()
         tools = tool_use(body.model_extra or {}, p.grammar_of(body))
-        messages, prefill = p.chat_messages(body), ""
-        if body.continue_final_message:
-            last = messages[-1]
-            if last["role"] != "assistant" or last.get("tool_calls"):
-                raise p.ApiError(
-                    400,
-                    "`continue_final_message` goes on with the last message: it must be the assistant's "
-                    "text (no tool calls)",
-                    "continue_final_message",
-                )
-            messages, prefill = messages[:-1], str(last["content"])
-        ids = _chat_ids(engine.tokenizer, messages, tools, p.template_kwargs(body))
-        ids += engine.tokenizer.encode(prefill) if prefill else []
+        ids = _chat_prompt(engine.tokenizer, body, tools)
         prepared = p.prepare(
             body, ids, context=self.context, vocab_size=self.vocab_size, default_max_tokens=None, tools=tools
         )
@@ -428,14 +419,7 @@ class Server:
     async def _messages(self, request: web.Request) -> web.StreamResponse:
         """``POST /v1/messages``: the body read as a chat (`anthropic.to_chat`), served by the chat path, and
         answered in Anthropic's shapes."""
-        try:
-            _, prepared = await self._chat_prepared(anthropic.to_chat(await _json_body(request)))
-        except p.ApiError as exc:  # the chat path names its own fields: name the Messages API's
-            named = anthropic.field_of(exc.param)
-            if exc.param is not None and named is not None:
-                exc.message = exc.message.replace(f"`{exc.param}`", f"`{named}`")
-            exc.param = named
-            raise
+        _, prepared = await self._chat_prepared(anthropic.to_chat(await _json_body(request)))
         assert self.engine is not None
         self._admit(1)
         self.counters.prompt_tokens += prepared.prompt_tokens
@@ -453,8 +437,7 @@ class Server:
         body = p.parse_chat(raw)
         p.check_model(body.model, self.options.model_name)
         tools = tool_use(body.model_extra or {}, p.grammar_of(body))
-        ids = _chat_ids(self._engine().tokenizer, p.chat_messages(body), tools, p.template_kwargs(body))
-        return web.json_response({"input_tokens": len(ids)})
+        return web.json_response({"input_tokens": len(_chat_prompt(self._engine().tokenizer, body, tools))})
 
     async def _whole_message(self, stream: Stream, prepared: p.Prepared) -> web.Response:
         whole = await self._collect(stream, prepared, chat=True)
@@ -967,6 +950,24 @@ def _read_reply(prepared: p.Prepared, text: str) -> tuple[str | None, str | None
     if prepared.tools is not None:
         words, calls = split_reply(words or "")
     return reasoning, words, calls
+
+
+def _chat_prompt(tokenizer: Tokenizer, body: p.ChatBody, tools: ToolUse | None) -> list[int]:
+    """A chat body's prompt ids (`_chat_ids`); with ``continue_final_message``, the template's prompt for
+    the messages before the last, followed by the last (the assistant's start of the reply)."""
+    messages, prefill = p.chat_messages(body), ""
+    if body.continue_final_message:
+        last = messages[-1]
+        if last["role"] != "assistant" or last.get("tool_calls"):
+            raise p.ApiError(
+                400,
+                "`continue_final_message` goes on with the last message: it must be the assistant's "
+                "text (no tool calls)",
+                "continue_final_message",
+            )
+        messages, prefill = messages[:-1], str(last["content"])
+    ids = _chat_ids(tokenizer, messages, tools, p.template_kwargs(body))
+    return ids + (tokenizer.encode(prefill) if prefill else [])
 
 
 def _chat_ids(

@@ -200,8 +200,8 @@ class HFTokenizer:
 @functools.lru_cache(maxsize=4)
 def _compiled(template: str) -> Any:
     """A checkpoint's chat template compiled as transformers compiles it, or None without jinja2: in an
-    immutable sandbox (a template is code from the checkpoint's files), with loop controls, the ``tojson``
-    of `strata_runtime.chat` (no HTML escapes, keys in order), ``raise_exception`` and ``strftime_now``."""
+    immutable sandbox (a template is code from the checkpoint's files), with loop controls, transformers'
+    ``tojson`` (no HTML escapes, keys in order), ``raise_exception`` and ``strftime_now``."""
     try:
         jinja2 = importlib.import_module("jinja2")
         sandbox = importlib.import_module("jinja2.sandbox")
