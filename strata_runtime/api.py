@@ -46,6 +46,28 @@ class SamplingParams:
     grammar: str | None = None
     """A grammar the reply must follow, in llguidance's format (`strata_runtime.structured.json_grammar`
     writes one for a JSON schema); None: free text. Its tokens are chosen and verified on the host."""
+    reasoning: Reasoning | None = None
+    """The reply may reason in a think block before what ``grammar`` holds (a model that reasons: Qwen3),
+    with a budget of tokens; None: ``grammar`` holds the reply from its first token."""
+
+
+@dataclass(frozen=True)
+class Reasoning:
+    """A reply's think block, which comes before what its grammar holds (`SamplingParams.reasoning`): the
+    block is free text, then the grammar, where the request has one, holds the rest (blanks after the
+    block allowed); with no grammar the rest is free. Its tokens are chosen on the host until the block
+    ends (`strata_runtime.structured.reasoning_grammar`)."""
+
+    open_id: int
+    """The token that opens a think block (``<think>``)."""
+    close_id: int
+    """The token that closes it (``</think>``)."""
+    opened: bool = False
+    """The prompt already opened the block (a template that ends the prompt with ``<think>``): the reply
+    starts in it. Otherwise the reply may open one with its first token, or answer at once."""
+    budget: int | None = None
+    """The most tokens the block may hold, its opening tag not counted; the closing tag is the only choice
+    after them. None: no bound but the request's ``max_tokens``."""
 
 
 @dataclass(frozen=True)

@@ -313,14 +313,32 @@ def split_thinking(text: str, opened: bool = False) -> tuple[str | None, str]:
     )
 
 
+def think_ids(tokenizer: Any) -> tuple[int, int] | None:
+    """The ``<think>`` and ``</think>`` tokens of a model that reasons in think blocks: its vocabulary
+    holds each tag as one token, as Qwen3's does. None for a model that does not."""
+    ids = [tokenizer.encode(tag) for tag in (THINK_OPEN, THINK_CLOSE)]
+    if all(len(one) == 1 for one in ids):
+        return ids[0][0], ids[1][0]
+    return None
+
+
 def reasons(tokenizer: Any) -> bool:
-    """Whether a model reasons in ``<think>`` blocks: its vocabulary holds each tag as one token, as
-    Qwen3's does (a model's replies are read for reasoning only then)."""
-    return all(len(tokenizer.encode(tag)) == 1 for tag in (THINK_OPEN, THINK_CLOSE))
+    """Whether a model reasons in ``<think>`` blocks (`think_ids`): a model's replies are read for
+    reasoning only then."""
+    return think_ids(tokenizer) is not None
+
+
+def thinking_at_end(tokenizer: Any, prompt: Sequence[int]) -> str | None:
+    """How a chat prompt ends, for a model that reasons: ``"open"`` inside a think block its template
+    opened (as the templates of models that always reason do: the reply begins with reasoning),
+    ``"closed"`` right after a block its template wrote and closed (Qwen3's with ``enable_thinking:
+    false``: the reply does not reason), None otherwise (the reply may open a block)."""
+    tail = b"".join(tokenizer.token_bytes(t) for t in prompt[-8:]).decode("utf-8", errors="ignore").rstrip()
+    if tail.endswith(THINK_OPEN):
+        return "open"
+    return "closed" if tail.endswith(THINK_CLOSE) else None
 
 
 def opens_thinking(tokenizer: Any, prompt: Sequence[int]) -> bool:
-    """Whether a chat prompt ends inside a ``<think>`` block its template opened (as the templates of
-    models that always reason do), so that the reply begins with reasoning."""
-    tail = b"".join(tokenizer.token_bytes(t) for t in prompt[-8:]).decode("utf-8", errors="ignore")
-    return tail.rstrip().endswith(THINK_OPEN)
+    """Whether a chat prompt ends inside a ``<think>`` block its template opened (`thinking_at_end`)."""
+    return thinking_at_end(tokenizer, prompt) == "open"

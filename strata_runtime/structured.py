@@ -26,7 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from .api import Tokenizer
+from .api import Reasoning, Tokenizer
+from .chat import think_ids
 
 
 class GrammarError(ValueError):
@@ -76,6 +77,46 @@ def text_grammar(text: str) -> str:
     return lark_grammar(lark)
 
 
+BLANKS = r"/[ \t\r\n]{0,4}/"
+"""What may come between a think block and what a grammar holds after it: Qwen3 writes a blank line; a few
+blanks at most, so that a model cannot spend its reply on them."""
+
+
+def reasoning_grammar(reply: str | None, reasoning: Reasoning) -> str:
+    """The grammar of a reply that reasons first (`Reasoning`): a think block of free text, at most
+    ``reasoning.budget`` tokens of it, closed by its tag, then what the grammar ``reply`` holds (blanks
+    before it allowed). A reply that may open the block holds ``reply`` from its start where it does not.
+
+    With no ``reply`` grammar this is the grammar of the block alone, which `Grammars.matcher` holds only
+    the start of a reply to (`Matcher.released`)."""
+    o, c = f"<[{reasoning.open_id}]>", f"<[{reasoning.close_id}]>"
+    bound = "" if reasoning.budget is None else f"[max_tokens={reasoning.budget}]"
+    block = f"reason {c}" if reasoning.opened else f"{o} reason {c}"
+    lines = [f"reason{bound}: /(?s:.*)/"]
+    if reply is None:
+        return "\n".join([f"start: {block}", *lines])
+    grammars = _top_level(reply)
+    name = grammars[0].setdefault("name", "reply")
+    body = f"{block} {BLANKS} @{name}"
+    start = f"start: {body}" if reasoning.opened else f"start: think? @{name}\nthink: {block} {BLANKS}"
+    wrapper = {"name": "reasoning", "lark_grammar": "\n".join([start, *lines])}
+    taken = {g.get("name") for g in grammars}
+    if "reasoning" in taken:
+        raise GrammarError("a grammar may not name one of its parts `reasoning`")
+    return json.dumps({"grammars": [wrapper, *grammars]})
+
+
+def _top_level(grammar: str) -> list[dict[str, Any]]:
+    """The grammars of llguidance's top-level form (``{"grammars": [...]}``), or a Lark text as one."""
+    try:
+        parsed = json.loads(grammar)
+    except ValueError:
+        return [{"lark_grammar": grammar}]
+    if not isinstance(parsed, dict) or not isinstance(parsed.get("grammars"), list):
+        raise GrammarError('a grammar must be Lark text or llguidance\'s {"grammars": [...]} form')
+    return [dict(g) for g in parsed["grammars"]]
+
+
 class Grammars:
     """Grammars over one tokenizer's vocabulary of ``vocab_size`` ids (the model's, which may hold ids the
     tokenizer does not use: those are never allowed). The vocabulary is read into llguidance once, on first
@@ -113,13 +154,21 @@ class Grammars:
             while len(self._good) > COMPILED_MOST:
                 self._good.popitem(last=False)
 
-    def matcher(self, grammar: str) -> Matcher:
-        """A new reply's state in ``grammar``: nothing generated yet."""
+    def matcher(self, grammar: str | None, reasoning: Reasoning | None = None) -> Matcher:
+        """A new reply's state in ``grammar``: nothing generated yet. With ``reasoning`` the reply may
+        reason first (`reasoning_grammar`); with no grammar as well, only its think block is held, and the
+        rest of the reply is free (`Matcher.released`)."""
+        prefix = reasoning is not None and grammar is None
+        if reasoning is not None:
+            grammar = reasoning_grammar(grammar, reasoning)
+        if grammar is None:
+            raise GrammarError("a matcher needs a grammar: the reply's, or its think block's")
         llguidance = _llguidance()
         ll = llguidance.LLMatcher(self._vocabulary(), grammar)
         if ll.is_error():
             raise GrammarError(_short(ll.get_error()))
-        return Matcher(ll, self.vocab_size)
+        may_open = reasoning.open_id if prefix and reasoning is not None and not reasoning.opened else None
+        return Matcher(ll, self.vocab_size, prefix=prefix, may_open=may_open)
 
 
 _SHARED: OrderedDict[tuple[int, int], Grammars] = OrderedDict()
@@ -144,13 +193,24 @@ def grammars_for(tokenizer: Tokenizer, vocab_size: int) -> Grammars:
 
 
 class Matcher:
-    """One reply's place in its grammar."""
+    """One reply's place in its grammar.
 
-    def __init__(self, ll: Any, vocab_size: int) -> None:
+    A grammar that holds only the start of a reply (``prefix``: a think block's) lets the reply go free once
+    it is complete (`released`); one that holds only a reply that opens with ``may_open`` (the block's
+    opening tag) lets it go free at once where its first token is another."""
+
+    def __init__(
+        self, ll: Any, vocab_size: int, *, prefix: bool = False, may_open: int | None = None
+    ) -> None:
         self._ll, self.vocab_size = ll, vocab_size
+        self.prefix, self.may_open = prefix, may_open
+        self._free = False
+        self._started = False
 
     def allowed(self) -> np.ndarray:
         """Which tokens may come next: a bool array [vocab_size]."""
+        if self._free or (self.may_open is not None and not self._started):
+            return np.ones(self.vocab_size, dtype=bool)
         return _unpacked(self._ll.compute_bitmask(), self.vocab_size)
 
     def allowed_after(self, drafted: Sequence[int]) -> list[np.ndarray]:
@@ -158,10 +218,17 @@ class Matcher:
         of them; the place in the grammar does not move. After a proposal the grammar does not allow, every
         token is allowed: the rows that follow it are never used, since that proposal cannot be accepted."""
         masks = [self.allowed()]
-        ahead = self._ll.deep_copy() if len(drafted) else None  # the reply's own place stays where it is
+        ahead = self._ll.deep_copy() if len(drafted) and not self._free else None
+        started = self._started
         for t in drafted:
+            if ahead is not None and self.may_open is not None and not started and int(t) != self.may_open:
+                ahead = None  # the reply does not open the block: free from here
+            started = True
             if ahead is None or ahead.is_stopped() or not ahead.consume_token(int(t)):
-                ahead = None  # past the end of the grammar, or off it: these rows are never used
+                ahead = None  # free, past the end of the grammar, or off it (rows never used)
+                masks.append(np.ones(self.vocab_size, dtype=bool))
+            elif self.prefix and ahead.is_stopped():
+                ahead = None  # the held start is complete: free from here
                 masks.append(np.ones(self.vocab_size, dtype=bool))
             else:
                 masks.append(_unpacked(ahead.compute_bitmask(), self.vocab_size))
@@ -170,14 +237,27 @@ class Matcher:
     def accept(self, tokens: Iterable[int]) -> None:
         """The reply goes on with ``tokens``; `GrammarError` where the grammar does not allow one."""
         for t in tokens:
+            if self._free:
+                return
+            if self.may_open is not None and not self._started and int(t) != self.may_open:
+                self._started = self._free = True
+                return
+            self._started = True
             if not self._ll.consume_token(int(t)):
                 why = _short(self._ll.get_error())
                 raise GrammarError(f"token {int(t)} does not follow the grammar: {why}")
+            if self.prefix and self._ll.is_stopped():
+                self._free = True
+
+    @property
+    def released(self) -> bool:
+        """The grammar held only the start of the reply, and that is complete: the rest is free."""
+        return self._free
 
     @property
     def finished(self) -> bool:
         """The grammar allows nothing more: the reply is complete."""
-        return bool(self._ll.is_stopped())
+        return not self.prefix and bool(self._ll.is_stopped())
 
 
 class _Vocabulary:
@@ -187,7 +267,8 @@ class _Vocabulary:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
         self._tokenizer = tokenizer
         self.tokens = [tokenizer.token_bytes(i) for i in range(vocab_size)]
-        special = set(tokenizer.special_ids) | set(tokenizer.eos_ids)
+        # A model's think tags are never text for a grammar (one that holds a think block names them).
+        special = set(tokenizer.special_ids) | set(tokenizer.eos_ids) | set(think_ids(tokenizer) or ())
         self.special_token_ids = sorted(i for i in special if 0 <= i < vocab_size)
         self.eos_token_id = tokenizer.eos_ids[0] if tokenizer.eos_ids else None
         self.bos_token_id = None

@@ -11,17 +11,18 @@ from __future__ import annotations
 import functools
 import json
 import random
+from types import MappingProxyType
 
 import numpy as np
 import pytest
 from rt_engine_helpers import MODES, collect, mode_plan, run_checking_kv
 from rt_plans import make_plan
 
-from strata_runtime.api import Request, SamplingParams
+from strata_runtime.api import Reasoning, Request, SamplingParams
 from strata_runtime.engine import Engine
 from strata_runtime.layout import Layout
 from strata_runtime.model import Model
-from strata_runtime.structured import GrammarError, Grammars, json_grammar
+from strata_runtime.structured import GrammarError, Grammars, json_grammar, lark_grammar, reasoning_grammar
 from strata_runtime.weights.tokenizer import ByteTokenizer
 
 PERSON = {
@@ -125,6 +126,166 @@ def test_any_json_object_and_bad_schemas_are_told_apart_before_a_request_runs():
         grammars.check("not a grammar")
 
 
+# ---- replies that reason first ----------------------------------------------------------------------------
+
+
+class ThinkingTokens(ByteTokenizer):
+    """The byte tokenizer with think tags as tokens of their own, as Qwen3's vocabulary has them."""
+
+    SPECIALS = MappingProxyType({**ByteTokenizer.SPECIALS, "<think>": 259, "</think>": 260})
+
+
+OPEN, CLOSE = 259, 260
+TEXT = [i for i in range(33, 127)]
+"""Printable ASCII: text any think block may hold."""
+
+
+def test_a_reply_may_reason_first_within_its_budget_then_follows_its_grammar():
+    """The reply may open a think block (or answer at once); the block holds text, never the opening tag
+    again nor the end of the text; after ``budget`` tokens only the closing tag; then a few blanks and the
+    JSON. Where the prompt opened the block, the reply starts in it."""
+    tok = ThinkingTokens(300)
+    grammars = Grammars(tok, 300)
+    m = grammars.matcher(json_grammar(PERSON), Reasoning(OPEN, CLOSE, budget=3))
+    assert _allowed(m) == [ord("{"), OPEN]
+    m.accept([OPEN])
+    inside = _allowed(m)
+    assert set(TEXT) <= set(inside) and CLOSE in inside and OPEN not in inside
+    assert not set(tok.eos_ids) & set(inside)
+    m.accept(b"ab")
+    assert CLOSE in _allowed(m)
+    m.accept(b"c")
+    assert _allowed(m) == [CLOSE]  # the budget is spent
+    m.accept([CLOSE])
+    assert _allowed(m) == sorted([ord("{"), *b" \t\r\n"])
+    m.accept(b"\n\n")
+    m.accept(b'{"name":"Al","age":4,"tags":[]}')
+    assert m.finished and not m.released
+    answering = grammars.matcher(json_grammar(PERSON), Reasoning(OPEN, CLOSE))
+    answering.accept(b'{"name":"Al"')  # no block: the grammar holds the reply from its start
+    with pytest.raises(GrammarError):
+        answering.accept([CLOSE])
+    opened = grammars.matcher(json_grammar(PERSON), Reasoning(OPEN, CLOSE, opened=True))
+    assert OPEN not in _allowed(opened) and CLOSE in _allowed(opened) and ord("x") in _allowed(opened)
+    opened.accept([*b"x" * 40, CLOSE, ord("{")])  # no budget: as long as it takes
+    assert _allowed(opened) == [ord('"')]
+
+
+def test_a_budget_alone_holds_only_the_block_and_lets_the_rest_go_free():
+    """With no grammar a budget holds the block alone: a reply that does not open one is free from its first
+    token; one that does is free once the block is closed, and never finished by it."""
+    tok = ThinkingTokens(300)
+    grammars = Grammars(tok, 300)
+    answering = grammars.matcher(None, Reasoning(OPEN, CLOSE, budget=2))
+    assert answering.allowed().all()
+    answering.accept(b"Hi")
+    assert answering.released and answering.allowed().all() and not answering.finished
+    m = grammars.matcher(None, Reasoning(OPEN, CLOSE, budget=2))
+    m.accept([OPEN, ord("a"), ord("b")])
+    assert _allowed(m) == [CLOSE] and not m.released
+    m.accept([CLOSE, 258, ord("x")])  # the end of the text, and more, past the block: free
+    assert m.released and m.allowed().all() and not m.finished
+    opened = grammars.matcher(None, Reasoning(OPEN, CLOSE, opened=True, budget=1))
+    assert OPEN not in _allowed(opened)
+    opened.accept(b"a")
+    assert _allowed(opened) == [CLOSE]
+    with pytest.raises(GrammarError):
+        grammars.matcher(None)
+    with pytest.raises(GrammarError, match="reasoning"):
+        reasoning_grammar(
+            '{"grammars": [{"name": "reasoning", "lark_grammar": "start: \\"a\\""}]}', Reasoning(OPEN, CLOSE)
+        )
+
+
+def test_a_checkpoints_think_tags_are_never_text_to_a_grammar(tmp_path):
+    """Qwen3's think tags are added tokens that are not special. A grammar's text never holds them (a JSON
+    string cannot hold a think tag), and after the block's closing tag only what follows the block is
+    allowed."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers, trainers
+
+    from strata_runtime.weights.tokenizer import HFTokenizer
+
+    raw = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(initial_alphabet=alphabet, special_tokens=["<|im_end|>"])
+    raw.train_from_iterator(["let me think {} about it"] * 20, trainer)
+    raw.add_tokens(["<think>", "</think>"])
+    raw.save(str(tmp_path / "tokenizer.json"))
+    tok = HFTokenizer(tmp_path, {"eos_token": "<|im_end|>"})
+    (open_id,), (close_id,) = tok.encode("<think>"), tok.encode("</think>")
+    assert open_id not in tok.special_ids
+    grammars = Grammars(tok, raw.get_vocab_size())
+    text = grammars.matcher(lark_grammar("start: /(?s:.*)/")).allowed()
+    assert text[tok.encode("let")[0]] and not text[open_id] and not text[close_id]
+    m = grammars.matcher(json_grammar(), Reasoning(open_id, close_id, opened=True))
+    m.accept(tok.encode("let me think"))
+    m.accept([close_id])
+    after = {tok.decode([int(i)]) for i in np.flatnonzero(m.allowed())}
+    assert "{" in after and all(t.lstrip(" \t\r\n").startswith("{") or not t.strip() for t in after)
+
+
+def test_a_slot_lets_a_released_reply_go_back_to_the_devices_choices():
+    """Once the block a budget held is closed, the request's tokens are no longer the host's to choose
+    (`Sampler.host_only`): its windows may be decided on the device and run ahead again."""
+    from strata_runtime.api import RequestHandle
+    from strata_runtime.engine.sampling import Sampler
+    from strata_runtime.engine.slot import Slot
+
+    tok = ThinkingTokens(300)
+    reasoning = Reasoning(OPEN, CLOSE, budget=2)
+    req = Request(tuple(b"x"), 10, SamplingParams(reasoning=reasoning))
+    sampler = Sampler(req.sampling, 0, Grammars(tok, 300).matcher(None, reasoning))
+    slot = Slot(0, RequestHandle(req), sampler, frozenset(), tok, admitted_at=0)
+    slot.emit([OPEN, ord("a")], 0)
+    assert sampler.host_only
+    event = slot.emit([ord("b"), CLOSE, ord("c")], 0)
+    assert event.finished is None and event.error is None and not sampler.host_only
+
+
+@pytest.mark.parametrize(
+    ("grammar", "reasoning"),
+    [
+        (json_grammar(PERSON), Reasoning(OPEN, CLOSE, budget=4)),
+        (json_grammar(PERSON), Reasoning(OPEN, CLOSE, opened=True)),
+        (None, Reasoning(OPEN, CLOSE, budget=3)),
+        (None, Reasoning(OPEN, CLOSE, opened=True, budget=2)),
+    ],
+)
+def test_the_allowed_tokens_after_proposals_through_a_think_block_are_a_moved_matchers(grammar, reasoning):
+    """Seeded random proposals, each allowed where it is drafted (into the block, through its close and on
+    into the JSON or free text, or answering at once): `Matcher.allowed_after` is, after each prefix, what a
+    matcher that accepted that prefix allows, and the reply's own place does not move."""
+    tok = ThinkingTokens(300)
+    grammars = Grammars(tok, 300)
+    rng = np.random.default_rng(53)
+    json_text = list(b'{"name":"Al","age":4,"tags":["a"]}')
+    through = 0
+    for _ in range(12):
+        m, drafted = grammars.matcher(grammar, reasoning), []
+        probe = grammars.matcher(grammar, reasoning)
+        while len(drafted) < 12:
+            allowed = np.flatnonzero(probe.allowed())
+            if probe.finished or len(allowed) == 0:
+                break
+            nxt = json_text[len(drafted) - drafted.index(CLOSE) - 1] if CLOSE in drafted and grammar else None
+            if nxt is None or nxt not in allowed:
+                tags = [t for t in (OPEN, CLOSE) if t in allowed]
+                text = [t for t in TEXT if t in allowed] or [int(t) for t in allowed]
+                nxt = int(rng.choice(tags if tags and rng.random() < 0.3 else text))
+            drafted.append(int(nxt))
+            probe.accept([nxt])
+        masks = m.allowed_after(drafted)
+        assert m.allowed_after([])[0].tolist() == masks[0].tolist()
+        for k in range(len(drafted) + 1):
+            moved = grammars.matcher(grammar, reasoning)
+            moved.accept(drafted[:k])
+            assert (masks[k] == moved.allowed()).all(), (drafted, k)
+        through += CLOSE in drafted[:-1]
+    assert through >= 3  # proposals went through the block's close and on
+
+
 # ---- the engine -----------------------------------------------------------------------------------------
 
 
@@ -158,6 +319,49 @@ def test_in_every_mode_replies_with_a_schema_are_json_that_follows_it_and_leave_
     for tokens in got[2:]:
         _follows_person(bytes(tokens))
         assert len(tokens) < 80
+
+
+@functools.cache
+def _thinking_engine(mode: str) -> Engine:
+    """`_engine`'s model with a tokenizer that has think tags."""
+    preset = "small" if MODES[mode].get("draft_tokens") or mode == "pipelined-mtp" else "tiny"
+    eng = Engine(mode_plan(mode, 2, preset=preset, context=192, prefill_chunk=16))
+    eng.tokenizer = ThinkingTokens(eng.model.args.vocab_size)
+    return eng
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_in_every_mode_replies_reason_within_their_budget_then_follow_their_schema_or_go_free(mode):
+    """Greedy and sampled replies biased to open a think block, with a budget and a JSON schema: each opens
+    the block, holds it to the budget, closes it and writes JSON that follows the schema, ending by ``stop``.
+    A greedy reply whose prompt opened the block, with a budget and no grammar, closes it within the budget
+    and then goes on free: what follows the block is what a free reply of the prompt and the block gives."""
+    eng = _thinking_engine(mode)
+    grammar, opens = json_grammar(PERSON), ((OPEN, 100.0),)
+    rng = random.Random(37)
+    prompts = [tuple(rng.randrange(33, 126) for _ in range(rng.randint(4, 30))) for _ in range(3)]
+    held = Reasoning(OPEN, CLOSE, budget=6)
+    reqs = [
+        (0, Request(prompts[0], 80, SamplingParams(logit_bias=opens, grammar=grammar, reasoning=held))),
+        (
+            0,
+            Request(
+                prompts[1], 80, SamplingParams(1.0, seed=5, logit_bias=opens, grammar=grammar, reasoning=held)
+            ),
+        ),
+        (1, Request(prompts[2], 30, SamplingParams(reasoning=Reasoning(OPEN, CLOSE, opened=True, budget=5)))),
+    ]
+    got = collect(eng, reqs)
+    for tokens in got[:2]:
+        close = tokens.index(CLOSE)
+        assert tokens[0] == OPEN and 1 < close <= 7 and OPEN not in tokens[1:]
+        _follows_person(bytes(tokens[close + 1 :]).lstrip(b" \t\r\n"))
+        assert len(tokens) < 80
+    tokens = got[2]
+    close = tokens.index(CLOSE)
+    assert 0 < close <= 5 and len(tokens) == 30
+    block = tuple(tokens[: close + 1])
+    assert collect(eng, [(0, Request(prompts[2] + block, 30 - len(block)))])[0] == tokens[close + 1 :]
 
 
 @functools.cache

@@ -85,6 +85,7 @@ def test_a_messages_body_reads_as_the_chat_it_asks_for():
         {
             "role": "assistant",
             "content": "Checking.",
+            "reasoning_content": "look it up",
             "tool_calls": [
                 {
                     "id": "toolu_1",
@@ -113,6 +114,15 @@ def test_a_messages_body_reads_as_the_chat_it_asks_for():
     assert a.to_chat({"model": "m", "messages": [{"role": "user", "content": "x"}]}, counting=True)[
         "messages"
     ]
+    ask = {"model": "m", "max_tokens": 9, "messages": [{"role": "user", "content": "x"}]}
+    budgeted = a.to_chat({**ask, "thinking": {"type": "enabled", "budget_tokens": 8}})
+    assert budgeted["thinking_token_budget"] == 8
+    assert budgeted["chat_template_kwargs"] == {"enable_thinking": True}
+    adaptive = a.to_chat({**ask, "thinking": {"type": "adaptive"}})
+    assert (
+        adaptive["chat_template_kwargs"] == {"enable_thinking": True}
+        and "thinking_token_budget" not in adaptive
+    )
 
 
 BAD = [
@@ -176,6 +186,32 @@ BAD = [
             "thinking": {"type": "on"},
         },
         "thinking.type",
+    ),
+    (
+        {
+            "model": "m",
+            "max_tokens": 4,
+            "messages": [{"role": "user", "content": "x"}],
+            "thinking": {"type": "enabled", "budget_tokens": 4},
+        },
+        "thinking.budget_tokens",
+    ),
+    (
+        {
+            "model": "m",
+            "max_tokens": 4,
+            "messages": [{"role": "user", "content": "x"}],
+            "thinking": {"type": "enabled", "budget_tokens": "2"},
+        },
+        "thinking.budget_tokens",
+    ),
+    (
+        {
+            "model": "m",
+            "max_tokens": 4,
+            "messages": [{"role": "assistant", "content": [{"type": "thinking", "thinking": 3}]}],
+        },
+        "messages.0.content.0.thinking",
     ),
 ]
 

@@ -187,42 +187,90 @@ def _streamed(chunks: list[dict]) -> tuple[str, str, list[dict], str | None]:
     return reasoning, content, calls, finish
 
 
+class ClosingBytes(ThinkingBytes):
+    """`ThinkingBytes` whose chat prompt ends with a closed, empty think block, as Qwen3's template writes it
+    with ``enable_thinking: false``."""
+
+    def apply_chat_template(self, messages, tools=None, template_kwargs=None):
+        return super().apply_chat_template(messages, tools, template_kwargs) + self.encode(
+            "<think>\n\n</think>\n\n"
+        )
+
+
+OPEN = ThinkingBytes.SPECIALS["<think>"]
+NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
+"""A tool's parameters that hold a required call's arguments to ``{}`` (the demo would go on writing keys)."""
+
+
 def test_the_server_reads_reasoning_apart_whole_and_streamed_and_then_the_calls():
-    """Greedy replies held to a think block and an answer, to a think block and a call (with a tool
-    offered), and to an answer alone: ``reasoning_content`` holds the block's text and ``content`` the
-    rest, whole and streamed alike; calls are read from the text after the block; a reply with no block has
-    no reasoning. A model whose vocabulary has no think tags is not read for reasoning at all."""
+    """Greedy replies of a model that reasons, held to an answer or a required call after their think
+    block (a logit bias makes the demo open the block, a budget closes it): ``reasoning_content`` holds the
+    block's text and ``content`` the rest, whole and streamed alike; calls are read from the text after the
+    block; a reply with no block has no reasoning. A model whose vocabulary has no think tags is not read for
+    reasoning at all."""
     messages = [{"role": "user", "content": "Think first."}]
     ask = {"model": "demo", "messages": messages, "max_tokens": 120, "temperature": 0}
-    think = r"<think>\n[a-z ]{4,24}\n</think>\n\n"
+    opens = {"logit_bias": {str(OPEN): 100}}
+    answer = r"[A-Z][a-z]{2,8}\."
+    now = {"type": "function", "function": {"name": "now", "parameters": NO_ARGUMENTS}}
+    one = {"parallel_tool_calls": False}  # else the demo goes on making calls
     bodies = [
-        {**ask, "structured_outputs": {"regex": think + r"[A-Z][a-z]{2,8}\."}},
-        {
-            **ask,
-            "tools": [NOW_TOOL],
-            "structured_outputs": {
-                "regex": think + r'<tool_call>\n\{"name": "now", "arguments": \{\}\}\n</tool_call>'
-            },
-        },
-        {**ask, "structured_outputs": {"regex": r"[A-Z][a-z]{2,8}\."}},
+        {**ask, **opens, "thinking_token_budget": 12, "structured_outputs": {"regex": answer}},
+        {**ask, **opens, "thinking_token_budget": 8, "tools": [now], "tool_choice": "required", **one},
+        {**ask, "logit_bias": {str(OPEN): -100}, "structured_outputs": {"regex": answer}},
     ]
-    (answer, called, plain) = _serve(ThinkingBytes, bodies)
-    for whole, chunks in (answer, called, plain):
+    (answered, called, plain) = _serve(ThinkingBytes, bodies)
+    for whole, chunks in (answered, called, plain):
         message = whole["choices"][0]["message"]
         reasoning, content, calls, finish = _streamed(chunks)
         assert reasoning == (message["reasoning_content"] or "") and content == (message["content"] or "")
         assert [c["function"] for c in calls] == [c["function"] for c in message.get("tool_calls") or []]
         assert finish == whole["choices"][0]["finish_reason"]
-    m = answer[0]["choices"][0]["message"]
-    assert re.fullmatch(r"[a-z ]{4,24}", m["reasoning_content"]) and re.fullmatch(
-        r"[A-Z][a-z]{2,8}\.", m["content"]
-    )
+    m = answered[0]["choices"][0]
+    assert m["finish_reason"] == "stop" and re.fullmatch(answer, m["message"]["content"])
+    assert 0 < len(m["message"]["reasoning_content"]) <= 12
     m = called[0]["choices"][0]
     assert m["finish_reason"] == "tool_calls" and m["message"]["content"] is None
-    assert m["message"]["reasoning_content"] and m["message"]["tool_calls"][0]["function"]["name"] == "now"
+    assert 0 < len(m["message"]["reasoning_content"]) <= 8
+    assert m["message"]["tool_calls"][0]["function"]["name"] == "now"
     m = plain[0]["choices"][0]["message"]
-    assert m["reasoning_content"] is None and re.fullmatch(r"[A-Z][a-z]{2,8}\.", m["content"])
-    ((whole, chunks),) = _serve(ByteTokenizer, bodies[:1])
+    assert m["reasoning_content"] is None and re.fullmatch(answer, m["content"])
+    think = r"<think>\n[a-z ]{4,24}\n</think>\n\n"
+    ((whole, chunks),) = _serve(ByteTokenizer, [{**ask, "structured_outputs": {"regex": think + answer}}])
     message = whole["choices"][0]["message"]
     assert "reasoning_content" not in message and message["content"].startswith("<think>\n")
     assert _streamed(chunks)[1] == message["content"]
+
+
+def test_a_budget_cuts_the_reasoning_where_it_runs_out_and_the_rest_is_free():
+    """One greedy reply under budgets of 5 and 12 tokens, and none: the shorter block is the start of the
+    longer (the same tokens until the budget closes it), each at most its budget long; after the block the
+    reply runs free to its length. Where the template closed the block (``enable_thinking: false``) no
+    budget is kept, and a grammar holds the reply from its first token."""
+    messages = [{"role": "user", "content": "Think first."}]
+    ask = {"model": "demo", "messages": messages, "max_tokens": 40, "temperature": 0}
+    opens = {"logit_bias": {str(OPEN): 100}}
+    replies = _serve(ThinkingBytes, [{**ask, **opens, "thinking_token_budget": n} for n in (5, 12)])
+    short, long = (whole["choices"][0] for whole, _ in replies)
+    for choice, n in ((short, 5), (long, 12)):
+        assert choice["finish_reason"] == "length" and choice["message"]["content"]
+        assert 0 < len(choice["message"]["reasoning_content"]) <= n
+    assert long["message"]["reasoning_content"].startswith(short["message"]["reasoning_content"])
+    assert short["message"]["reasoning_content"] != long["message"]["reasoning_content"]
+    closed = _serve(
+        ClosingBytes,
+        [
+            {**ask, **opens, "thinking_token_budget": 5},
+            {
+                **ask,
+                **opens,
+                "thinking_token_budget": 5,
+                "structured_outputs": {"regex": r"[A-Z][a-z]{2,8}\."},
+            },
+        ],
+    )
+    free, held = (whole["choices"][0]["message"] for whole, _ in closed)
+    # No budget closes a block the biased reply opens: all its 40 tokens are the opening tag.
+    assert free["reasoning_content"] == "<think>" * 39 and not free["content"]
+    assert held["reasoning_content"] is None
+    assert re.fullmatch(r"[A-Z][a-z]{2,8}\.", held["content"])

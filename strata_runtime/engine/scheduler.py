@@ -62,7 +62,7 @@ from ..api import PlanMismatch, Request, RequestHandle, TokenEvent
 from ..experts.cache import Snapshot
 from ..model import Model
 from ..model.placed import WeightStore
-from ..structured import GrammarError, grammars_for
+from ..structured import GrammarError, Grammars, grammars_for
 from ..weights.progress import Progress
 from . import device_spec
 from .depth import Holds
@@ -94,8 +94,6 @@ class Engine:
         self.plan = plan
         self.model = Model.from_plan(plan, progress, weights)
         self.tokenizer = self.model.tokenizer
-        self.grammars = grammars_for(self.tokenizer, self.model.args.vocab_size)
-        """Requests' grammars over the model's vocabulary (`strata_runtime.structured`)."""
         self.n_slots = max(plan.batch.slots, 1)
         self.slots: list[Slot | None] = [None] * self.n_slots
         self.prefixes = Prefixes(self.n_slots, plan.memory.prefix_reuse)
@@ -140,15 +138,22 @@ class Engine:
         for line in self.startup:
             log.info(line)
 
+    @property
+    def grammars(self) -> Grammars:
+        """Requests' grammars over the model's vocabulary, read through the engine's tokenizer
+        (`strata_runtime.structured`)."""
+        return grammars_for(self.tokenizer, self.model.args.vocab_size)
+
     # ---- EngineCore ----------------------------------------------------------------------------------
 
     def submit(self, request: Request) -> RequestHandle:
         handle = RequestHandle(request)
         handle.prompt_tokens = len(request.prompt_ids)
         problem = self._check(request)
-        if problem is None and request.sampling.grammar is not None:
+        sampling = request.sampling
+        if problem is None and (sampling.grammar is not None or sampling.reasoning is not None):
             try:  # compiled here, on the caller's thread, not the engine's
-                handle.grammar = self.grammars.matcher(request.sampling.grammar)
+                handle.grammar = self.grammars.matcher(sampling.grammar, sampling.reasoning)
             except GrammarError as exc:
                 problem = f"grammar: {exc}"
         if problem:

@@ -4,11 +4,13 @@ events, so clients built on Anthropic's SDK (agents, coding tools) can use the e
 
 What maps to what: ``system`` becomes the system message; a message's ``text`` blocks its text,
 ``tool_use`` blocks an assistant's ``tool_calls``, ``tool_result`` blocks ``tool`` messages; ``thinking``
-blocks sent back are dropped (the chat template leaves earlier reasoning out anyway). ``tools`` (``name``,
-``description``, ``input_schema``) become functions; ``tool_choice`` ``auto``, ``any``, ``tool`` and
-``none`` become ``"auto"``, ``"required"``, a named function and ``"none"``, and ``disable_parallel_tool_use``
-``parallel_tool_calls: false``; ``thinking`` ``enabled`` / ``disabled`` becomes the template's
-``enable_thinking``; ``stop_sequences`` become ``stop``; a last message of the assistant's is the start of
+blocks sent back become the assistant's ``reasoning_content`` (the chat template decides whether the prompt
+shows them; ``redacted_thinking`` blocks are dropped). ``tools`` (``name``, ``description``,
+``input_schema``) become functions; ``tool_choice`` ``auto``, ``any``, ``tool`` and ``none`` become
+``"auto"``, ``"required"``, a named function and ``"none"``, and ``disable_parallel_tool_use``
+``parallel_tool_calls: false``; ``thinking`` ``enabled`` (or ``adaptive``) / ``disabled`` becomes the
+template's ``enable_thinking``, and ``budget_tokens`` the reasoning's budget (``thinking_token_budget``);
+``stop_sequences`` become ``stop``; a last message of the assistant's is the start of
 the reply, which goes on from it (``continue_final_message``). Images and documents are refused by name.
 """
 
@@ -81,13 +83,30 @@ def to_chat(raw: Any, *, counting: bool = False) -> dict[str, Any]:
         body["tools"] = _tools(raw["tools"])
     if raw.get("tool_choice") is not None:
         body.update(_tool_choice(raw["tool_choice"]))
-    thinking = raw.get("thinking")
-    if thinking is not None:
-        kind = thinking.get("type") if isinstance(thinking, dict) else None
-        if kind not in ("enabled", "disabled"):
-            raise ApiError(400, '`thinking.type` must be "enabled" or "disabled"', "thinking.type")
-        body["chat_template_kwargs"] = {"enable_thinking": kind == "enabled"}
+    if raw.get("thinking") is not None:
+        body.update(_thinking(raw["thinking"], body.get("max_tokens")))
     return body
+
+
+def _thinking(value: Any, max_tokens: int | None) -> dict[str, Any]:
+    """``thinking``: whether the model reasons first (the template's ``enable_thinking``), and for how many
+    tokens at most (``budget_tokens``, less than ``max_tokens`` as Anthropic requires; no lower bound
+    here)."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind not in ("enabled", "adaptive", "disabled"):
+        raise ApiError(400, '`thinking.type` must be "enabled", "adaptive" or "disabled"', "thinking.type")
+    out: dict[str, Any] = {"chat_template_kwargs": {"enable_thinking": kind != "disabled"}}
+    budget = value.get("budget_tokens")
+    if kind == "enabled" and budget is not None:
+        if type(budget) is not int or budget < 1 or (max_tokens is not None and budget >= max_tokens):
+            below = f", less than `max_tokens` ({max_tokens})" if max_tokens is not None else ""
+            raise ApiError(
+                400,
+                f"`thinking.budget_tokens` must be a whole number of tokens, 1 or more{below}",
+                "thinking.budget_tokens",
+            )
+        out["thinking_token_budget"] = budget
+    return out
 
 
 def _system(value: Any) -> list[dict[str, Any]]:
@@ -154,8 +173,9 @@ def _user(blocks: list[Any], where: str) -> list[dict[str, Any]]:
 
 
 def _assistant(blocks: list[Any], where: str) -> list[dict[str, Any]]:
-    """An assistant message's blocks: its text, and each ``tool_use`` one of its ``tool_calls``."""
-    text, calls = "", []
+    """An assistant message's blocks: its text, its ``thinking`` as its reasoning, and each ``tool_use`` one
+    of its ``tool_calls``."""
+    text, reasoning, calls = "", None, []
     for j, block in enumerate(blocks):
         at = f"{where}.content.{j}"
         kind = _kind(block, at)
@@ -171,9 +191,16 @@ def _assistant(blocks: list[Any], where: str) -> list[dict[str, Any]]:
             calls.append(
                 {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
             )
-        elif kind not in ("thinking", "redacted_thinking"):
+        elif kind == "thinking":
+            thought = block.get("thinking")
+            if not isinstance(thought, str):
+                raise ApiError(400, f"`{at}.thinking` must be the reasoning's text", f"{at}.thinking")
+            reasoning = (reasoning or "") + thought
+        elif kind != "redacted_thinking":
             raise _unsupported(kind, at)
     message: dict[str, Any] = {"role": "assistant", "content": text}
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
     if calls:
         message["tool_calls"] = calls
     return [message]
@@ -246,6 +273,8 @@ def field_of(param: str | None) -> str | None:
         return None
     if param == "stop":
         return "stop_sequences"
+    if param == "thinking_token_budget":
+        return "thinking.budget_tokens"
     if param.startswith("tools.") and ".function." in param:
         i, rest = param[len("tools.") :].split(".function.", 1)
         return f"tools.{i}." + {"parameters": "input_schema"}.get(rest, rest)

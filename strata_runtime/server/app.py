@@ -22,18 +22,18 @@ from aiohttp import web
 
 from strata_cfg.schema.plan import LaunchPlan
 
-from ..api import EngineCore, Tokenizer, TokenLogprob, token_name
+from ..api import EngineCore, Reasoning, Tokenizer, TokenLogprob, token_name
 from ..chat import (
     CallSplitter,
     ChatTemplateError,
     ThinkSplitter,
     ToolCall,
-    opens_thinking,
-    reasons,
     split_reply,
     split_thinking,
+    think_ids,
+    thinking_at_end,
 )
-from ..structured import GrammarError, grammars_for, json_grammar
+from ..structured import GrammarError, grammars_for, json_grammar, reasoning_grammar
 from . import anthropic
 from . import protocol as p
 from .connection import AccessLog, JsonErrorRunner
@@ -403,12 +403,30 @@ class Server:
         prepared = p.prepare(
             body, ids, context=self.context, vocab_size=self.vocab_size, default_max_tokens=None, tools=tools
         )
-        if reasons(engine.tokenizer):
-            prepared = replace(prepared, thinking=opens_thinking(engine.tokenizer, ids))
+        tags = think_ids(engine.tokenizer)
+        ends = thinking_at_end(engine.tokenizer, ids) if tags is not None else None
+        if tags is not None:
+            prepared = replace(prepared, thinking=ends == "open")
+        field = "tool_choice" if tools is not None and tools.grammar is not None else p.grammar_field(body)
         if tools is not None and tools.grammar is not None:
             await self._check_tools(tools)
         else:
-            await self._check_grammar(prepared.request.sampling.grammar, p.grammar_field(body))
+            await self._check_grammar(prepared.request.sampling.grammar, field)
+        sampling = prepared.request.sampling
+        budget = body.thinking_token_budget
+        if tags is not None and ends != "closed" and (sampling.grammar is not None or budget is not None):
+            # The reply reasons before its grammar holds it, or within a budget (a prompt whose template
+            # closed the block, as Qwen3's does with `enable_thinking: false`, does not reason).
+            reasoning = Reasoning(*tags, opened=ends == "open", budget=budget)
+            try:
+                whole = reasoning_grammar(sampling.grammar, reasoning)
+            except GrammarError as exc:
+                raise p.ApiError(400, f"`{field}` cannot be followed: {exc}", field) from None
+            await self._check_grammar(
+                whole, field if sampling.grammar is not None else "thinking_token_budget"
+            )
+            request = replace(prepared.request, sampling=replace(sampling, reasoning=reasoning))
+            prepared = replace(prepared, request=request)
         return body, prepared
 
     # ---- Anthropic's Messages API ----------------------------------------------------------------------

@@ -128,6 +128,9 @@ class ChatMessage(_Strict):
     """An assistant message's calls."""
     tool_call_id: str | None = None
     """A ``tool`` message's answer is to this call."""
+    reasoning_content: str | None = None
+    """An assistant message's reasoning, as a reply gave it (`ChatBody`): the model's chat template decides
+    whether the prompt shows it (Qwen3's shows it only after the last user message)."""
 
 
 class ChatBody(_Body):
@@ -144,6 +147,9 @@ class ChatBody(_Body):
     continue_final_message: bool = False
     """An extension (as vLLM takes it): the last message is the start of the assistant's reply, which the
     model goes on with (a "prefill"), instead of a finished turn."""
+    thinking_token_budget: int | None = Field(default=None, ge=1)
+    """An extension (as vLLM takes it): a model that reasons in think blocks reasons for at most this many
+    tokens; after them the block is closed and the reply goes on."""
 
 
 class TokenizeBody(_Strict):
@@ -541,6 +547,8 @@ def chat_messages(body: ChatBody | TokenizeBody) -> list[dict[str, Any]]:
             ]
         if m.tool_call_id is not None:
             message["tool_call_id"] = m.tool_call_id
+        if m.reasoning_content is not None and m.role == "assistant":
+            message["reasoning_content"] = m.reasoning_content
         out.append(message)
     return out
 
