@@ -333,7 +333,7 @@ def thinking_at_end(tokenizer: Any, prompt: Sequence[int]) -> str | None:
     opened (as the templates of models that always reason do: the reply begins with reasoning),
     ``"closed"`` right after a block its template wrote and closed (Qwen3's with ``enable_thinking:
     false``: the reply does not reason), None otherwise (the reply may open a block)."""
-    tail = b"".join(tokenizer.token_bytes(t) for t in prompt[-8:]).decode("utf-8", errors="ignore").rstrip()
+    tail = b"".join(tokenizer.token_bytes(t) for t in prompt[-24:]).decode("utf-8", errors="ignore").rstrip()
     if tail.endswith(THINK_OPEN):
         return "open"
     return "closed" if tail.endswith(THINK_CLOSE) else None

@@ -5,6 +5,7 @@ layout; a checkpoint's template rendered as transformers renders it, in a sandbo
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -223,16 +224,24 @@ class _TextTokenizer(HFTokenizer):
     def encode(self, text: str) -> list[int]:
         return list(text.encode())
 
+    def token_bytes(self, token: int) -> bytes:
+        return bytes([token])
+
 
 def _text(tokenizer: HFTokenizer, messages: list[dict], tools: list[dict] | None = None) -> str:
     return bytes(tokenizer.apply_chat_template(messages, tools)).decode()
 
 
+QWEN3_TEMPLATE = (Path(__file__).parent / "templates" / "qwen3.jinja").read_text()
+"""The chat template published with Qwen3's checkpoints (their ``tokenizer_config.json``)."""
+
+
+@pytest.mark.parametrize("template", [HERMES_TEMPLATE, QWEN3_TEMPLATE], ids=["hermes", "qwen3"])
 @pytest.mark.parametrize("tools", [TOOLS, None])
-def test_every_chat_layout_gives_the_model_the_same_prompt_for_tools_and_calls(tools):
-    """A template that writes tools itself, the same chat through a template that does not (ChatML: the
-    calls written into the messages first), and no template at all give one text."""
-    knows = _TextTokenizer(HERMES_TEMPLATE)
+def test_every_chat_layout_gives_the_model_the_same_prompt_for_tools_and_calls(tools, template):
+    """A template that writes tools itself (Qwen3's own among them), the same chat through a template that
+    does not (ChatML: the calls written into the messages first), and no template at all give one text."""
+    knows = _TextTokenizer(template)
     assert knows.template_knows_tools and not _TextTokenizer(CHATML_TEMPLATE).template_knows_tools
     own = _text(knows, CONVERSATION, tools)
     assert own == _text(_TextTokenizer(CHATML_TEMPLATE), CONVERSATION, tools)
@@ -242,17 +251,72 @@ def test_every_chat_layout_gives_the_model_the_same_prompt_for_tools_and_calls(t
     assert ("# Tools" in own) == (tools is not None)
 
 
-def test_a_checkpoints_template_renders_as_transformers_renders_it():
+AGENT_STEPS = [
+    {"role": "user", "content": "Weather in Bath?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "reasoning_content": "The tool knows.",
+        "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Bath"}}}],
+    },
+    {"role": "tool", "content": '{"temp": 11}'},
+]
+"""An agent's step after the last user message, its reasoning sent back."""
+
+
+@pytest.mark.parametrize(
+    ("template", "messages", "kwargs"),
+    [
+        (HERMES_TEMPLATE, CONVERSATION, {}),
+        (QWEN3_TEMPLATE, CONVERSATION, {}),
+        (QWEN3_TEMPLATE, AGENT_STEPS, {}),
+        (QWEN3_TEMPLATE, CONVERSATION[:2], {"enable_thinking": False}),
+    ],
+    ids=["hermes", "qwen3", "qwen3-agent-steps", "qwen3-no-thinking"],
+)
+def test_a_checkpoints_template_renders_as_transformers_renders_it(template, messages, kwargs):
     """The same template, tools and messages rendered by transformers and by the runtime: ``tojson`` keeps
     keys in order and writes ``<``, ``&`` and non-ASCII text as themselves (Jinja's own filter would sort
     and escape them)."""
     utils = pytest.importorskip("transformers.utils.chat_template_utils")
-    ours = _compiled(HERMES_TEMPLATE).render(messages=CONVERSATION, tools=TOOLS, add_generation_prompt=True)
+    ours = _compiled(template).render(messages=messages, tools=TOOLS, add_generation_prompt=True, **kwargs)
     rendered, _ = utils.render_jinja_template(
-        conversations=[CONVERSATION], tools=TOOLS, chat_template=HERMES_TEMPLATE, add_generation_prompt=True
+        conversations=[messages], tools=TOOLS, chat_template=template, add_generation_prompt=True, **kwargs
     )
     assert ours == rendered[0]
     assert "<today> & tomorrow" in ours
+
+
+def test_reasoning_sent_back_reaches_qwen3s_template_for_an_agents_steps():
+    """An assistant message's ``reasoning_content``, read from a chat body as the server reads it, is shown
+    by Qwen3's template for the steps after the last user message; a template that closes the block
+    (``enable_thinking: false``) ends the prompt after it."""
+    from strata_runtime.chat import thinking_at_end
+    from strata_runtime.server import protocol as p
+
+    body = p.parse_chat(
+        {"model": "m", "messages": AGENT_STEPS[:1] + [_openai(AGENT_STEPS[1]), AGENT_STEPS[2]]}
+    )
+    tok = _TextTokenizer(QWEN3_TEMPLATE)
+    text = _text(tok, p.chat_messages(body), TOOLS)
+    assert "<|im_start|>assistant\n<think>\nThe tool knows.\n</think>\n\n<tool_call>" in text
+    assert thinking_at_end(tok, tok.encode(text)) is None
+    closed = bytes(tok.apply_chat_template(p.chat_messages(body), TOOLS, {"enable_thinking": False})).decode()
+    assert closed.endswith("<think>\n\n</think>\n\n")
+    assert thinking_at_end(tok, tok.encode(closed)) == "closed"
+
+
+def _openai(message: dict) -> dict:
+    """A message as an OpenAI client sends it (a call's ``id``, ``type`` and its arguments as JSON text)."""
+    calls = [
+        {
+            "id": f"c{i}",
+            "type": "function",
+            "function": {**c["function"], "arguments": json.dumps(c["function"]["arguments"])},
+        }
+        for i, c in enumerate(message.get("tool_calls") or [])
+    ]
+    return {**message, "tool_calls": calls} if calls else message
 
 
 def test_a_template_that_refuses_or_escapes_its_sandbox_is_a_chat_template_error():
