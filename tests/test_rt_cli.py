@@ -304,6 +304,8 @@ def test_chat_leaves_the_oldest_turns_out_where_the_conversation_outgrows_the_co
         (("--max-tokens", "0"), "--max-tokens must be at least 1"),
         (("--top-p", "0"), "--top-p must be in (0, 1]"),
         (("--seed", "-1"), "--seed"),
+        (("--thinking-budget", "0"), "--thinking-budget must be at least 1"),
+        (("--thinking-budget", "9", "--no-think"), "give one of them"),
     ],
 )
 def test_chat_refuses_bad_options_naming_them(option, needle) -> None:

@@ -274,3 +274,46 @@ def test_a_budget_cuts_the_reasoning_where_it_runs_out_and_the_rest_is_free():
     assert free["reasoning_content"] == "<think>" * 39 and not free["content"]
     assert held["reasoning_content"] is None
     assert re.fullmatch(r"[A-Z][a-z]{2,8}\.", held["content"])
+
+
+class OpeningBytes(ThinkingBytes):
+    """`ThinkingBytes` whose chat prompt opens a think block, as the templates of models that always reason
+    do."""
+
+    def apply_chat_template(self, messages, tools=None, template_kwargs=None):
+        ids = super().apply_chat_template(messages, tools, template_kwargs)
+        if (template_kwargs or {}).get("enable_thinking") is False:
+            return ids + self.encode("<think>\n\n</think>\n\n")
+        return ids + self.encode("<think>\n")
+
+
+def test_the_terminal_chat_reads_reasoning_apart_and_bounds_it(capsys):
+    """`strata chat`'s turns with a model that reasons: the reasoning goes to stderr and into the history
+    apart from the answer (``reasoning_content``), a budget closes the block, ``--no-think`` leaves none."""
+    import argparse
+
+    from strata_runtime.commands import chat as runtime_chat
+
+    plan = resolve_profile(DEMO)
+    engine = Engine(plan)
+    engine.tokenizer = OpeningBytes(engine.model.args.vocab_size)
+    parser = argparse.ArgumentParser()
+    runtime_chat.add_arguments(parser)
+    base = ["--plan", "p", "--temperature", "0", "--max-tokens", "30", "--quiet"]
+    try:
+        chat = runtime_chat.Chat(
+            engine, plan.memory.context, parser.parse_args([*base, "--thinking-budget", "6"])
+        )
+        chat.turn("Think first.")
+        out = capsys.readouterr()
+        said = chat.messages[-1]
+        assert 0 < len(said["reasoning_content"]) <= 6 and said["reasoning_content"] in out.err
+        assert said["content"] and out.out.strip() == said["content"].strip()
+        chat = runtime_chat.Chat(
+            engine, plan.memory.context, parser.parse_args([*base, "--no-think", "--json"])
+        )
+        chat.turn("Answer at once.")
+        (line,) = capsys.readouterr().out.splitlines()
+        assert json.loads(line)["reasoning"] is None and "reasoning_content" not in chat.messages[-1]
+    finally:
+        engine.close()

@@ -36,7 +36,10 @@ def runtime_args(args: argparse.Namespace) -> list[str]:
         out += ["--system", args.system]
     if args.seed is not None:
         out += ["--seed", str(args.seed)]
-    return out + [flag for flag, on in (("--json", args.json), ("--quiet", args.quiet)) if on]
+    if args.thinking_budget is not None:
+        out += ["--thinking-budget", str(args.thinking_budget)]
+    flags = (("--json", args.json), ("--quiet", args.quiet), ("--no-think", args.no_think))
+    return out + [flag for flag, on in flags if on]
 
 
 def run(args: argparse.Namespace) -> int:

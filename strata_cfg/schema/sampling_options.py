@@ -211,6 +211,17 @@ def add_chat_arguments(parser: Any) -> None:
     parser.add_argument("--top-k", type=int, default=20, help="top-k (default 20; 0: none)")
     add_penalty_arguments(parser)
     parser.add_argument("--seed", type=int, help="seed of the first reply, the next ones +1 each")
+    parser.add_argument(
+        "--no-think",
+        action="store_true",
+        help="a model that reasons (Qwen3) answers without reasoning (its template's enable_thinking off)",
+    )
+    parser.add_argument(
+        "--thinking-budget",
+        type=int,
+        metavar="N",
+        help="a model that reasons reasons for at most N tokens a reply, then answers",
+    )
     parser.add_argument("--json", action="store_true", help="one JSON object per turn instead of the text")
     parser.add_argument("--quiet", action="store_true", help="no progress bar, start-up log or turn lines")
 
@@ -221,4 +232,8 @@ def chat_problem(args: Any) -> str | None:
         return f"--max-tokens must be at least 1, not {args.max_tokens}"
     if args.seed is not None and not 0 <= args.seed < 2**63:
         return f"--seed must be in [0, 2^63), not {args.seed}"
+    if args.thinking_budget is not None and args.thinking_budget < 1:
+        return f"--thinking-budget must be at least 1, not {args.thinking_budget}"
+    if args.thinking_budget is not None and args.no_think:
+        return "--thinking-budget bounds the reasoning that --no-think turns off: give one of them"
     return options_problem(args)

@@ -8,6 +8,11 @@ reply (what was said stays in the history); at the prompt it ends the conversati
 
 Where the conversation outgrows the context, its oldest turns are left out (the system message stays),
 and the turn's line says how many. ``--json`` prints one object per turn instead of the text, for scripts.
+
+A model that reasons in think blocks (Qwen3) has its reasoning written to stderr (dimmed on a terminal) and
+its answer to stdout; the history keeps the reasoning apart (``reasoning_content``), for the chat template
+to show or leave out. ``--no-think`` turns the reasoning off through the template (``enable_thinking``), and
+``--thinking-budget N`` closes a block after N tokens.
 """
 
 from __future__ import annotations
@@ -17,13 +22,15 @@ import json
 import logging
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from strata_cfg.schema.plan_file import read_plan
 from strata_cfg.schema.sampling_options import add_chat_arguments, chat_problem, sampling_options
 
-from ..api import Request, RequestHandle, SamplingParams, Tokenizer
+from ..api import Reasoning, Request, RequestHandle, SamplingParams, Tokenizer
+from ..chat import ThinkSplitter, think_ids, thinking_at_end
 
 if TYPE_CHECKING:
     from ..engine import Engine
@@ -94,7 +101,8 @@ class Chat:
         """The user says ``text``; the reply streams out and joins the history."""
         self.messages.append({"role": "user", "content": text})
         tok: Tokenizer = self.engine.tokenizer
-        fitted = fit(tok, self.messages, self.context, min(self.args.max_tokens, LEAST_ROOM))
+        kwargs = {"enable_thinking": False} if self.args.no_think else None
+        fitted = fit(tok, self.messages, self.context, min(self.args.max_tokens, LEAST_ROOM), kwargs)
         if fitted is None:
             self.messages.pop()
             why = f"the message alone does not leave {LEAST_ROOM} tokens of the {self.context}-token context"
@@ -104,43 +112,57 @@ class Chat:
         head = 1 if self.args.system else 0
         del self.messages[head : head + dropped]  # for good: later turns then begin as this one does
         seed = None if self.args.seed is None else (self.args.seed + self.turns) % 2**63
-        sampling = SamplingParams(**sampling_options(self.args), seed=seed)
+        tags = think_ids(tok)
+        ends = thinking_at_end(tok, ids) if tags is not None else None
+        reasoning = None
+        if tags is not None and ends != "closed" and self.args.thinking_budget is not None:
+            reasoning = Reasoning(*tags, opened=ends == "open", budget=self.args.thinking_budget)
+        sampling = SamplingParams(**sampling_options(self.args), seed=seed, reasoning=reasoning)
         room = min(self.args.max_tokens, self.context - len(ids))
         handle = self.engine.submit(Request(tuple(ids), room, sampling))
         self.turns += 1
-        reply, finish, seconds, first = stream(self.engine, handle, echo=not self.args.json)
-        self.messages.append({"role": "assistant", "content": reply})
+        splitter = ThinkSplitter(ends == "open") if tags is not None else None
+        said = stream(self.engine, handle, echo=not self.args.json, splitter=splitter)
+        message: dict[str, Any] = {"role": "assistant", "content": said.answer}
+        if said.reasoning is not None:
+            message["reasoning_content"] = said.reasoning
+        self.messages.append(message)
         tokens = handle.completion_tokens
         if self.args.json:
             out = {
-                "reply": reply,
-                "finish_reason": finish,
+                "reply": said.answer,
+                "reasoning": said.reasoning,
+                "finish_reason": said.finish,
                 "prompt_tokens": len(ids),
                 "cached_tokens": handle.cached_tokens,
                 "completion_tokens": tokens,
                 "dropped_messages": dropped,
-                "seconds": round(seconds, 4),
+                "seconds": round(said.seconds, 4),
             }
             print(json.dumps(out), flush=True)
             return
         print(flush=True)
         if not self.args.quiet:
-            rate = tokens / seconds if seconds else 0.0
+            rate = tokens / said.seconds if said.seconds else 0.0
             line = (
-                f"[{tokens} tokens, {rate:.1f} tok/s, first token {first * 1e3:.0f} ms, "
+                f"[{tokens} tokens, {rate:.1f} tok/s, first token {said.first * 1e3:.0f} ms, "
                 f"{handle.cached_tokens} of {len(ids)} prompt tokens reused"
             )
             line += f", {dropped} oldest messages left out" if dropped else ""
             line += (
                 ", stopped"
-                if finish == "cancelled"
-                else (", cut at --max-tokens" if finish == "length" else "")
+                if said.finish == "cancelled"
+                else (", cut at --max-tokens" if said.finish == "length" else "")
             )
             print(line + "]", file=sys.stderr)
 
 
 def fit(
-    tok: Tokenizer, messages: list[dict[str, Any]], context: int, room: int
+    tok: Tokenizer,
+    messages: list[dict[str, Any]],
+    context: int,
+    room: int,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> tuple[list[int], int] | None:
     """The prompt ids of ``messages`` with the oldest turns after a system message left out until the
     prompt leaves ``room`` tokens of the context, and how many messages were left out; None where even the
@@ -149,18 +171,35 @@ def fit(
     head = messages[:1] if messages and messages[0]["role"] == "system" else []
     rest = messages[len(head) :]
     for dropped in (i for i, m in enumerate(rest) if m["role"] == "user"):
-        ids = tok.apply_chat_template(head + rest[dropped:])
+        ids = tok.apply_chat_template(head + rest[dropped:], None, template_kwargs)
         if len(ids) + room <= context:
             return ids, dropped
     return None
 
 
-def stream(engine: Engine, handle: RequestHandle, echo: bool) -> tuple[str, str, float, float]:
-    """Run ``handle``'s request to its end, writing its text to stdout as it comes where ``echo``; Ctrl-C
-    stops it. Its text, how it ended, its seconds and the seconds to its first token."""
+@dataclass
+class Said:
+    """A reply as `stream` ran it."""
+
+    answer: str
+    reasoning: str | None
+    """The reply's think block (None where it has none, or the model does not reason)."""
+    finish: str
+    seconds: float
+    first: float
+    """Seconds to the first token."""
+
+
+DIM, PLAIN = "\x1b[2m", "\x1b[0m"
+
+
+def stream(engine: Engine, handle: RequestHandle, echo: bool, splitter: ThinkSplitter | None = None) -> Said:
+    """Run ``handle``'s request to its end, writing its text to stdout as it comes where ``echo`` (the
+    reasoning ``splitter`` reads apart to stderr, dimmed on a terminal); Ctrl-C stops it."""
     t0 = time.perf_counter()
     first = 0.0
-    text, finish = "", ""
+    answer, reasoning, finish = "", None, ""
+    dim = sys.stderr.isatty()
     while not finish:
         try:
             engine.step()
@@ -171,9 +210,21 @@ def stream(engine: Engine, handle: RequestHandle, echo: bool) -> tuple[str, str,
             event = handle.events.get()
             if event.token_ids and not first:
                 first = time.perf_counter() - t0
-            text += event.text
-            if echo:
-                sys.stdout.write(event.text)
-                sys.stdout.flush()
             finish = event.finished or finish
-    return text, finish, time.perf_counter() - t0, first
+            pieces = [("content", event.text)] if splitter is None else splitter.feed(event.text)
+            if splitter is not None and finish:
+                pieces += splitter.close()
+            for part, text in pieces:
+                if part == "reasoning":
+                    reasoning = (reasoning or "") + text
+                    if echo:
+                        sys.stderr.write(f"{DIM}{text}{PLAIN}" if dim else text)
+                        sys.stderr.flush()
+                    continue
+                if echo and reasoning is not None and not answer:
+                    sys.stderr.write("\n")
+                answer += text
+                if echo:
+                    sys.stdout.write(text)
+                    sys.stdout.flush()
+    return Said(answer, reasoning, finish, time.perf_counter() - t0, first)
