@@ -326,8 +326,8 @@ RUNTIME_MAY_IMPORT: dict[str, set[str]] = {
     "backend": set(),
     "layout": set(),
     "reference": set(),
-    "structured": {"api"},
     "chat": set(),
+    "structured": {"api", "chat"},
     "models": {"layout", "reference"},
     "experts": {"backend", "layout", "reference"},
     "weights": {"backend", "chat", "experts", "models", "reference"},
@@ -336,12 +336,12 @@ RUNTIME_MAY_IMPORT: dict[str, set[str]] = {
     "engine": {"api", "backend", "experts", "layout", "model", "structured", "weights"},
     "server": {"api", "chat", "structured"},
     "bench": {"api", "backend", "cuda", "engine", "experts", "model", "models", "weights"},
-    "commands": {"api", "backend", "bench", "engine", "model", "server", "structured", "weights"},
+    "commands": {"api", "backend", "bench", "chat", "engine", "model", "server", "structured", "weights"},
     "__main__": set(),
     "strata_runtime": set(),
 }
 """The runtime's own layering: the foundation (the request interface, devices, a window's rows, the kernels'
-references, grammars over a tokenizer, the chat layout of tools), then the architecture, its weights and its
+references, the chat layout of tools and reasoning, grammars over a tokenizer), then the architecture, its weights and its
 CUDA path, the placed model, the engine, and the server, bench and commands on top. The server reaches the
 engine only through `api.EngineCore`."""
 
