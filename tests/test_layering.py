@@ -341,9 +341,9 @@ RUNTIME_MAY_IMPORT: dict[str, set[str]] = {
     "strata_runtime": set(),
 }
 """The runtime's own layering: the foundation (the request interface, devices, a window's rows, the kernels'
-references, the chat layout of tools and reasoning, grammars over a tokenizer), then the architecture, its weights and its
-CUDA path, the placed model, the engine, and the server, bench and commands on top. The server reaches the
-engine only through `api.EngineCore`."""
+references, the chat layout of tools and reasoning, grammars over a tokenizer), then the architecture, its
+weights and its CUDA path, the placed model, the engine, and the server, bench and commands on top. The
+server reaches the engine only through `api.EngineCore`."""
 
 
 def test_each_part_of_the_runtime_imports_only_the_parts_before_it(runtime_graph):

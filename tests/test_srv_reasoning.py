@@ -134,10 +134,10 @@ NOW_TOOL = {"type": "function", "function": {"name": "now"}}
 
 
 def _serve(
-    tokenizer_class: type[ByteTokenizer], bodies: list[dict[str, Any]]
+    tokenizer_class: type[ByteTokenizer], bodies: list[dict[str, Any]], path: str = "/v1/chat/completions"
 ) -> list[tuple[dict, list[dict]]]:
-    """Each chat body's whole reply and its streamed chunks, from the demo engine served in process with
-    ``tokenizer_class`` as its tokenizer."""
+    """Each body's whole reply and its streamed chunks (or events), from the demo engine served in process
+    with ``tokenizer_class`` as its tokenizer."""
     plan = resolve_profile(DEMO)
 
     def factory(progress: Any) -> Engine:
@@ -152,7 +152,7 @@ def _serve(
         while server.port is None or server.engine is None or server.engine.state != "ready":
             assert not task.done(), "the server stopped before it was ready"
             await asyncio.sleep(0.05)
-        url = f"http://127.0.0.1:{server.port}/v1/chat/completions"
+        url = f"http://127.0.0.1:{server.port}{path}"
         out = []
         async with aiohttp.ClientSession() as s:
             for body in bodies:
@@ -162,8 +162,9 @@ def _serve(
                 chunks = []
                 async with s.post(url, json={**body, "stream": True}) as r:
                     async for line in r.content:
-                        data = line.decode().strip().removeprefix("data: ")
-                        if data and data != "[DONE]":
+                        data = line.decode().strip()
+                        if data.startswith("data: ") and data != "data: [DONE]":
+                            data = data.removeprefix("data: ")
                             chunks.append(json.loads(data))
                 out.append((whole, chunks))
         stop.set()
@@ -317,3 +318,20 @@ def test_the_terminal_chat_reads_reasoning_apart_and_bounds_it(capsys):
         assert json.loads(line)["reasoning"] is None and "reasoning_content" not in chat.messages[-1]
     finally:
         engine.close()
+
+
+def test_the_responses_api_gives_the_reasoning_as_an_item_of_its_own():
+    """A reply that starts in a think block the template opened: a ``reasoning`` item before the message,
+    whole and streamed alike, its tokens counted; streamed, its text arrives as reasoning deltas."""
+    ask = {"model": "demo", "input": "Think first.", "max_output_tokens": 40, "temperature": 0}
+    ((whole, events),) = _serve(OpeningBytes, [ask], "/v1/responses")
+    kinds = [item["type"] for item in whole["output"]]
+    assert kinds[0] == "reasoning" and set(kinds) <= {"reasoning", "message"}
+    text = whole["output"][0]["content"][0]["text"]
+    streamed = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
+    assert text and streamed == text
+    assert events[-1]["response"]["output"] == [
+        {**item, "id": events[-1]["response"]["output"][i]["id"]} for i, item in enumerate(whole["output"])
+    ]
+    use = whole["usage"]
+    assert 0 < use["output_tokens_details"]["reasoning_tokens"] <= use["output_tokens"]

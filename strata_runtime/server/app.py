@@ -34,7 +34,7 @@ from ..chat import (
     thinking_at_end,
 )
 from ..structured import GrammarError, grammars_for, json_grammar, reasoning_grammar
-from . import anthropic
+from . import anthropic, responses
 from . import protocol as p
 from .connection import AccessLog, JsonErrorRunner
 from .engine_loop import EngineFactory, EngineLoop, Stream
@@ -96,6 +96,16 @@ class _Whole:
     """The stop string or token that ended it (`api.TokenEvent.stop`)."""
 
 
+@dataclass(frozen=True)
+class _Reply:
+    """A Responses API request on its way: its id, when it was made, the body as read, the engine request."""
+
+    id: str
+    created: int
+    asked: responses.Asked
+    prepared: p.Prepared
+
+
 @dataclass
 class ServeOptions:
     """Where one server listens, what it calls its model, and how it guards and stops."""
@@ -128,6 +138,8 @@ class Server:
         self.engine: EngineLoop | None = None
         self.port: int | None = None
         """The port bound, once listening (``options.port`` may be 0: any free port)."""
+        self.kept = responses.Store()
+        """Replies of the Responses API kept for ``previous_response_id`` (`responses.Store`)."""
 
     # ---- application ---------------------------------------------------------------------------------------
 
@@ -148,6 +160,8 @@ class Server:
                 web.post("/v1/chat/completions", self.chat),
                 web.post("/v1/messages", self.messages),
                 web.post("/v1/messages/count_tokens", self.count_tokens),
+                web.post("/v1/responses", self.responses),
+                web.get("/v1/responses/{response_id}", self.stored_response),
                 web.post("/tokenize", self.tokenize),
                 web.post("/detokenize", self.detokenize),
                 web.get("/tokenizer_info", self.tokenizer_info),
@@ -205,6 +219,8 @@ class Server:
             if request.path.startswith("/v1/messages"):  # Anthropic's shape, naming the Messages API's fields
                 body = anthropic.error_body(anthropic.renamed(exc))
                 return web.json_response(body, status=exc.status, headers=exc.headers)
+            if request.path.startswith("/v1/responses"):  # naming the Responses API's fields
+                return _error_response(responses.renamed(exc))
             return _error_response(exc)
 
     async def _errors_in_shape(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -511,6 +527,120 @@ class Server:
                 self._observe(stream)
         await response.write_eof()
         return response
+
+    # ---- OpenAI's Responses API ----------------------------------------------------------------------------
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        return await self._counted("responses", request, self._responses)
+
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        """``POST /v1/responses``: the body read as a chat (`responses.to_chat`), served by the chat path, and
+        answered as the Responses API's output items; the reply kept for a later ``previous_response_id``."""
+        asked = responses.to_chat(await _json_body(request), self.kept)
+        _, prepared = await self._chat_prepared(asked.chat)
+        assert self.engine is not None
+        self._admit(1)
+        self.counters.prompt_tokens += prepared.prompt_tokens
+        reply = _Reply(responses.new_id("resp"), int(time.time()), asked, prepared)
+        stream = self.engine.submit(prepared.request)
+        try:
+            if prepared.stream:
+                return await self._stream_response(request, stream, reply)
+            whole = await self._collect(stream, prepared, chat=True)
+            parts = _reply_parts(_Choice(0, prepared), whole.text, True)
+            status = "incomplete" if whole.end == "length" else "completed"
+            body = self._response_object(
+                reply, status, responses.output_items(parts), parts, stream, whole.tokens
+            )
+            return web.json_response(body)
+        finally:
+            stream.close()
+
+    async def _stream_response(
+        self, request: web.Request, stream: Stream, reply: _Reply
+    ) -> web.StreamResponse:
+        """The reply as the Responses API's events: ``response.created`` and ``response.in_progress``, each
+        output item as it comes (opened, its deltas, closed), then ``response.completed`` (or
+        ``response.incomplete``, cut by ``max_output_tokens``); ``response.failed`` where it ended early."""
+        response = web.StreamResponse(headers=SSE_HEADERS)
+        await response.prepare(request)
+        events, c = responses.EventStream(), _Choice(0, reply.prepared)
+        start = responses.response(
+            reply.id, reply.created, self.options.model_name, reply.asked.echo, "in_progress", [], None
+        )
+        await response.write(events.event("response.created", response=start))
+        await response.write(events.event("response.in_progress", response=start))
+        tokens, parts = 0, []
+        async for piece in self._pieces(stream):
+            if piece.finish in ("error", "cancelled"):
+                error = {"code": "server_error", "message": _ended_early(piece).message}
+                await response.write(
+                    events.event("error", code=error["code"], message=error["message"], param=None)
+                )
+                failed = responses.response(
+                    reply.id,
+                    reply.created,
+                    self.options.model_name,
+                    reply.asked.echo,
+                    "failed",
+                    events.items,
+                    None,
+                    error,
+                )
+                await response.write(events.event("response.failed", response=failed))
+                break
+            tokens += piece.tokens
+            for kind, part in _reply_parts(c, piece.text, piece.finish is not None):
+                parts.append((kind, part))
+                chunks = events.call(part) if isinstance(part, ToolCall) else events.text(kind, str(part))
+                for chunk in chunks:
+                    await response.write(chunk)
+            if piece.finish is not None:
+                for chunk in events.close():
+                    await response.write(chunk)
+                status = "incomplete" if piece.finish == "length" else "completed"
+                body = self._response_object(reply, status, events.items, parts, stream, tokens)
+                await response.write(events.event(f"response.{status}", response=body))
+                self._observe(stream)
+        await response.write_eof()
+        return response
+
+    def _response_object(
+        self,
+        reply: _Reply,
+        status: str,
+        output: list[dict[str, Any]],
+        parts: list[tuple[str, str | ToolCall]],
+        stream: Stream,
+        tokens: int,
+    ) -> dict[str, Any]:
+        """A finished reply's response object, kept where the request asked (``store``)."""
+        thought = "".join(p for kind, p in parts if kind == "reasoning" and isinstance(p, str))
+        # The reasoning's tokens as the tokenizer reads its text back, with its two tags; at most the reply's.
+        reasoning = len(self._engine().tokenizer.encode(thought)) + 2 if thought else 0
+        prepared = reply.prepared
+        use = responses.usage(
+            prepared.prompt_tokens, tokens, stream.handle.cached_tokens, min(reasoning, tokens)
+        )
+        model, echo = self.options.model_name, reply.asked.echo
+        body = responses.response(reply.id, reply.created, model, echo, status, output, use)
+        if reply.asked.store:
+            messages = [*reply.asked.history, responses.reply_message(parts)]
+            self.kept.put(reply.id, responses.Kept(messages, body))
+        return body
+
+    async def stored_response(self, request: web.Request) -> web.Response:
+        """``GET /v1/responses/{id}``: a reply kept with ``store``."""
+        found = self.kept.get(request.match_info["response_id"])
+        if found is None:
+            raise p.ApiError(
+                404,
+                f"no stored response `{request.match_info['response_id']}` (this server keeps the last "
+                f"{self.kept.most} replies made with `store`, in memory, until it restarts)",
+                "response_id",
+                code="response_not_found",
+            )
+        return web.json_response(found.response)
 
     async def _check_grammar(self, grammar: str | None, field: str) -> None:
         """A 400 naming ``field`` where a request's grammar does not compile over the model's vocabulary

@@ -1,0 +1,516 @@
+"""OpenAI's Responses API (``POST /v1/responses``) over the chat path: a body read into the chat body the
+server already serves, and the reply written back as the Responses API's output items, whole or as its
+stream of events, so clients built on that API (agents, coding tools) can use the engine.
+
+What maps to what: ``instructions`` becomes the system message; ``input`` (a string, or a list of items)
+the messages: a message item's text parts (``input_text``, ``output_text``) its text, ``function_call``
+items an assistant's ``tool_calls``, ``function_call_output`` items ``tool`` messages, and a ``reasoning``
+item the next assistant message's ``reasoning_content``. ``tools`` (``function`` tools: ``name``,
+``description``, ``parameters``) become functions; ``tool_choice`` and ``parallel_tool_calls`` carry over;
+``text.format`` (``json_schema``, ``json_object``) becomes ``response_format``; ``reasoning.effort``
+``none`` or ``minimal`` turns the chat template's ``enable_thinking`` off; ``max_output_tokens`` becomes
+``max_tokens``.
+
+Replies are kept (``store``, the default) for a later request's ``previous_response_id``, which goes on
+from the conversation they end, and for ``GET /v1/responses/{id}``: in memory, at most `KEPT`, the least
+recently used let go first. Images, files, built-in tools and background runs are refused by name.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import threading
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from ..chat import ToolCall
+from .errors import ApiError
+
+KEPT = 256
+"""Stored replies kept for ``previous_response_id``, the least recently used let go first."""
+PASSED = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "stream")
+"""Fields a Responses body gives the chat path as they are (``top_k`` and ``seed`` as vLLM takes them)."""
+TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
+"""A message item's parts that are text (a refusal's text is in its ``refusal``)."""
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+@dataclass(frozen=True)
+class Kept:
+    """A stored reply: the conversation it ends (without the request's ``instructions``, which a later
+    request does not inherit), and the response object ``GET`` gives."""
+
+    messages: list[dict[str, Any]]
+    response: dict[str, Any]
+
+
+class Store:
+    """Stored replies by id, at most ``most``, the least recently used let go first."""
+
+    def __init__(self, most: int = KEPT) -> None:
+        self.most = most
+        self._kept: OrderedDict[str, Kept] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def put(self, response_id: str, kept: Kept) -> None:
+        with self._lock:
+            self._kept[response_id] = kept
+            self._kept.move_to_end(response_id)
+            while len(self._kept) > self.most:
+                self._kept.popitem(last=False)
+
+    def get(self, response_id: str) -> Kept | None:
+        with self._lock:
+            found = self._kept.get(response_id)
+            if found is not None:
+                self._kept.move_to_end(response_id)
+            return found
+
+
+@dataclass(frozen=True)
+class Asked:
+    """A Responses body read for the chat path: the chat body, the conversation before the reply (without
+    ``instructions``), and the request's fields the response object repeats."""
+
+    chat: dict[str, Any]
+    history: list[dict[str, Any]]
+    echo: dict[str, Any]
+    store: bool
+
+
+def to_chat(raw: Any, store: Store) -> Asked:
+    """A Responses body as the chat body it asks for, checked, with 400s naming the Responses field at
+    fault; ``previous_response_id`` is looked up in ``store``."""
+    if not isinstance(raw, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    model = raw.get("model")
+    if not isinstance(model, str) or not model:
+        raise ApiError(400, "`model` is required: the served model's name", "model")
+    for key, why in (("background", "background runs"), ("conversation", "conversations kept by the server")):
+        if raw.get(key) not in (None, False):
+            raise ApiError(400, f"`{key}`: {why} are not supported by this server", key)
+    history = _previous(raw.get("previous_response_id"), store) + _input(raw.get("input"))
+    instructions = raw.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise ApiError(400, "`instructions` must be a string: the system message", "instructions")
+    system = [{"role": "system", "content": instructions}] if instructions else []
+    body: dict[str, Any] = {"model": model, "messages": system + history}
+    limit = raw.get("max_output_tokens")
+    if limit is not None:
+        if type(limit) is not int or limit < 1:
+            raise ApiError(
+                400, "`max_output_tokens` must be a whole number of tokens, 1 or more", "max_output_tokens"
+            )
+        body["max_tokens"] = limit
+    for key in PASSED:
+        if raw.get(key) is not None:
+            body[key] = raw[key]
+    if raw.get("tools") is not None:
+        body["tools"] = _tools(raw["tools"])
+    if raw.get("tool_choice") is not None:
+        body["tool_choice"] = _tool_choice(raw["tool_choice"])
+    if raw.get("parallel_tool_calls") is not None:
+        body["parallel_tool_calls"] = raw["parallel_tool_calls"]
+    if raw.get("text") is not None:
+        body.update(_text(raw["text"]))
+    if raw.get("reasoning") is not None:
+        body.update(_reasoning(raw["reasoning"]))
+    keep = raw.get("store", True)
+    if not isinstance(keep, bool):
+        raise ApiError(400, "`store` must be true or false", "store")
+    return Asked(body, history, _echo(raw), keep)
+
+
+def _previous(value: Any, store: Store) -> list[dict[str, Any]]:
+    if value is None:
+        return []
+    found = store.get(value) if isinstance(value, str) else None
+    if found is None:
+        raise ApiError(
+            404,
+            f"`previous_response_id`: no stored response {json.dumps(value)} (this server keeps the last "
+            f"{store.most} replies made with `store`, in memory, until it restarts)",
+            "previous_response_id",
+            code="response_not_found",
+        )
+    return copy.deepcopy(found.messages)
+
+
+def _input(value: Any) -> list[dict[str, Any]]:
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise ApiError(400, "`input` is required: a string, or a list of one or more items", "input")
+    out: list[dict[str, Any]] = []
+    reasoning: str | None = None
+    for i, item in enumerate(value):
+        where = f"input.{i}"
+        if not isinstance(item, dict):
+            raise ApiError(400, f"`{where}` must be an item (an object)", where)
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise ApiError(
+                    400,
+                    f'`{where}.role` must be "user", "system", "developer" or "assistant"',
+                    f"{where}.role",
+                )
+            message: dict[str, Any] = {"role": role, "content": _text_of(item.get("content"), where)}
+            if role == "assistant" and reasoning is not None:
+                message["reasoning_content"], reasoning = reasoning, None
+            out.append(message)
+        elif kind == "function_call":
+            name, args, call_id = item.get("name"), item.get("arguments"), item.get("call_id")
+            if not isinstance(name, str) or not isinstance(args, str) or not isinstance(call_id, str):
+                raise ApiError(
+                    400,
+                    f"`{where}` must give the call's `call_id`, `name` and `arguments` (JSON text)",
+                    where,
+                )
+            if not out or out[-1]["role"] != "assistant":
+                out.append({"role": "assistant", "content": ""})
+            if reasoning is not None:
+                out[-1]["reasoning_content"], reasoning = reasoning, None
+            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+            out[-1].setdefault("tool_calls", []).append(call)
+        elif kind == "function_call_output":
+            call_id, output = item.get("call_id"), item.get("output")
+            if not isinstance(call_id, str):
+                raise ApiError(
+                    400, f"`{where}.call_id` must be the id of the call it answers", f"{where}.call_id"
+                )
+            if not isinstance(output, str):
+                output = _text_of(output, f"{where}.output", field="output")
+            out.append({"role": "tool", "tool_call_id": call_id, "content": output})
+        elif kind == "reasoning":
+            parts = item.get("content") or item.get("summary") or []
+            if not isinstance(parts, list) or not all(
+                isinstance(p, dict) and isinstance(p.get("text"), str) for p in parts
+            ):
+                raise ApiError(
+                    400, f"`{where}.content` must be a list of reasoning text parts", f"{where}.content"
+                )
+            reasoning = (reasoning or "") + "".join(p["text"] for p in parts)
+        else:
+            raise ApiError(
+                400,
+                f"`{where}.type`: {kind} items are not supported by this server (messages, function calls, "
+                "their outputs and reasoning only)",
+                f"{where}.type",
+            )
+    return out
+
+
+def _text_of(content: Any, where: str, field: str = "content") -> str:
+    """A message's text: a string, or its text parts joined."""
+    at = where if field == "output" else f"{where}.content"
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ApiError(400, f"`{at}` must be a string or a list of parts", at)
+    text = ""
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in TEXT_PARTS:
+            raise ApiError(
+                400,
+                f"`{at}.{j}.type`: {kind} parts are not supported by this server (text only)",
+                f"{at}.{j}.type",
+            )
+        words = part.get("refusal" if kind == "refusal" else "text")
+        if not isinstance(words, str):
+            raise ApiError(400, f"`{at}.{j}` must hold its text", f"{at}.{j}")
+        text += words
+    return text
+
+
+def _tools(value: Any) -> list[dict[str, Any]]:
+    if not isinstance(value, list):
+        raise ApiError(400, "`tools` must be a list of function tools", "tools")
+    out = []
+    for i, tool in enumerate(value):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind != "function":
+            raise ApiError(
+                400,
+                f"`tools.{i}.type`: {kind} tools are not supported by this server (function tools only)",
+                f"tools.{i}.type",
+            )
+        function = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def _tool_choice(value: Any) -> Any:
+    if value in ("auto", "none", "required"):
+        return value
+    if isinstance(value, dict) and value.get("type") == "function" and isinstance(value.get("name"), str):
+        return {"type": "function", "function": {"name": value["name"]}}
+    raise ApiError(
+        400,
+        '`tool_choice` must be "auto", "none", "required" or {"type": "function", "name": ...}',
+        "tool_choice",
+    )
+
+
+def _text(value: Any) -> dict[str, Any]:
+    fmt = value.get("format") if isinstance(value, dict) else None
+    if fmt is None:
+        return {}
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"response_format": {"type": "json_object"}}
+    if kind == "json_schema":
+        schema = {"name": fmt.get("name") or "reply", "schema": fmt.get("schema")}
+        if fmt.get("strict") is not None:
+            schema["strict"] = fmt["strict"]
+        return {"response_format": {"type": "json_schema", "json_schema": schema}}
+    raise ApiError(
+        400, '`text.format.type` must be "text", "json_schema" or "json_object"', "text.format.type"
+    )
+
+
+def _reasoning(value: Any) -> dict[str, Any]:
+    effort = value.get("effort") if isinstance(value, dict) else "?"
+    if effort is not None and effort not in EFFORTS:
+        raise ApiError(400, f"`reasoning.effort` must be one of {', '.join(EFFORTS)}", "reasoning.effort")
+    return {"chat_template_kwargs": {"enable_thinking": False}} if effort in ("none", "minimal") else {}
+
+
+def _echo(raw: dict[str, Any]) -> dict[str, Any]:
+    """The request's fields a response object repeats."""
+    fmt: dict[str, Any] = raw["text"] if isinstance(raw.get("text"), dict) else {}
+    effort: dict[str, Any] = raw["reasoning"] if isinstance(raw.get("reasoning"), dict) else {}
+    return {
+        "instructions": raw.get("instructions"),
+        "max_output_tokens": raw.get("max_output_tokens"),
+        "metadata": raw.get("metadata") or {},
+        "parallel_tool_calls": raw.get("parallel_tool_calls", True),
+        "previous_response_id": raw.get("previous_response_id"),
+        "reasoning": {"effort": effort.get("effort"), "summary": None},
+        "store": raw.get("store", True),
+        "temperature": raw.get("temperature", 1.0),
+        "text": {"format": fmt.get("format") or {"type": "text"}},
+        "tool_choice": raw.get("tool_choice", "auto"),
+        "tools": raw.get("tools") or [],
+        "top_p": raw.get("top_p", 1.0),
+        "truncation": "disabled",
+    }
+
+
+def field_of(param: str | None) -> str | None:
+    """The Responses field an error of the chat path names."""
+    if param is None:
+        return None
+    if param == "max_tokens":
+        return "max_output_tokens"
+    if param.startswith(("response_format", "structured_outputs")):
+        return "text.format"
+    if param.startswith("tools.") and ".function." in param:
+        i, rest = param[len("tools.") :].split(".function.", 1)
+        return f"tools.{i}.{rest}"
+    if param.startswith("tool_choice"):
+        return "tool_choice.name" if param.endswith(".name") else "tool_choice"
+    if param.startswith("messages"):
+        return "input"
+    return param
+
+
+def renamed(exc: ApiError) -> ApiError:
+    """``exc`` naming the Responses field where the chat path named its own, in its ``param`` and message."""
+    named = field_of(exc.param)
+    if exc.param is not None and named is not None:
+        exc.message = exc.message.replace(f"`{exc.param}`", f"`{named}`")
+    exc.param = named
+    return exc
+
+
+# ---- the reply ---------------------------------------------------------------------------------------------
+
+
+def output_items(parts: list[tuple[str, str | ToolCall]]) -> list[dict[str, Any]]:
+    """A whole reply's output items in the order written: its parts (reasoning, text, calls, as a stream
+    reads them), neighbouring text of one kind in one item."""
+    items: list[dict[str, Any]] = []
+    for kind, part in parts:
+        if isinstance(part, ToolCall):
+            items.append(_call_item(part, new_id("fc"), "completed"))
+        elif items and items[-1]["type"] == _ITEM[kind] and items[-1]["status"] == "completed":
+            items[-1]["content"][0]["text"] += part
+        else:
+            items.append(_text_item(kind, new_id(_PREFIX[kind]), part, "completed"))
+    return items
+
+
+_ITEM = {"reasoning": "reasoning", "content": "message"}
+_PREFIX = {"reasoning": "rs", "content": "msg"}
+
+
+def _text_item(kind: str, item_id: str, text: str | None, status: str) -> dict[str, Any]:
+    """A reasoning or message item; ``text`` None: as it opens, before its content."""
+    if kind == "reasoning":
+        content = [] if text is None else [{"type": "reasoning_text", "text": text}]
+        return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
+    content = [] if text is None else [_output_text(text)]
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
+
+
+def _output_text(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _call_item(call: ToolCall, item_id: str, status: str, arguments: str | None = None) -> dict[str, Any]:
+    return {
+        "type": "function_call",
+        "id": item_id,
+        "call_id": call.id,
+        "name": call.name,
+        "arguments": call.arguments if arguments is None else arguments,
+        "status": status,
+    }
+
+
+def reply_message(parts: list[tuple[str, str | ToolCall]]) -> dict[str, Any]:
+    """A reply as the assistant message a later request's conversation holds (``previous_response_id``)."""
+    text = "".join(p for kind, p in parts if kind == "content" and isinstance(p, str))
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    thought = [p for kind, p in parts if kind == "reasoning" and isinstance(p, str)]
+    if thought:
+        message["reasoning_content"] = "".join(thought)
+    calls = [p.openai() for _, p in parts if isinstance(p, ToolCall)]
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def usage(
+    prompt_tokens: int, output_tokens: int, cached_tokens: int, reasoning_tokens: int
+) -> dict[str, Any]:
+    return {
+        "input_tokens": prompt_tokens,
+        "input_tokens_details": {"cached_tokens": cached_tokens},
+        "output_tokens": output_tokens,
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+        "total_tokens": prompt_tokens + output_tokens,
+    }
+
+
+def response(
+    response_id: str,
+    created: int,
+    model: str,
+    echo: dict[str, Any],
+    status: str,
+    output: list[dict[str, Any]],
+    use: dict[str, Any] | None,
+    error: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """A response object; ``status`` ``incomplete`` says the reply was cut by ``max_output_tokens``."""
+    return {
+        "id": response_id,
+        "object": "response",
+        "created_at": created,
+        "status": status,
+        "error": error,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "model": model,
+        "output": output,
+        "usage": use,
+        **echo,
+    }
+
+
+class EventStream:
+    """A streamed reply as the Responses API's events, each numbered: an item opens when its kind of text
+    first comes (reasoning or the message), takes deltas and closes when another kind comes; a call is an
+    item of its own, its arguments in one delta. `items` are the items closed so far, as a whole reply has
+    them."""
+
+    def __init__(self) -> None:
+        self.sequence = 0
+        self.items: list[dict[str, Any]] = []
+        self._open: tuple[str, str, list[str]] | None = None
+        """The open text item: its kind, its id and its text so far."""
+
+    def event(self, kind: str, **fields: Any) -> bytes:
+        data = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return f"event: {kind}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+    def text(self, kind: str, text: str) -> list[bytes]:
+        """``kind``: ``reasoning`` or ``content``."""
+        out: list[bytes] = []
+        if self._open is None or self._open[0] != kind:
+            out += self.close()
+            item_id = new_id(_PREFIX[kind])
+            self._open = (kind, item_id, [])
+            at = len(self.items)
+            item = _text_item(kind, item_id, None, "in_progress")
+            part = {"type": "reasoning_text", "text": ""} if kind == "reasoning" else _output_text("")
+            out += [
+                self.event("response.output_item.added", output_index=at, item=item),
+                self.event(
+                    "response.content_part.added",
+                    item_id=item_id,
+                    output_index=at,
+                    content_index=0,
+                    part=part,
+                ),
+            ]
+        _, item_id, said = self._open
+        said.append(text)
+        where = {"item_id": item_id, "output_index": len(self.items), "content_index": 0}
+        if kind == "reasoning":
+            return out + [self.event("response.reasoning_text.delta", **where, delta=text)]
+        return out + [self.event("response.output_text.delta", **where, delta=text, logprobs=[])]
+
+    def call(self, call: ToolCall) -> list[bytes]:
+        out = self.close()
+        item_id, at = new_id("fc"), len(self.items)
+        where = {"item_id": item_id, "output_index": at}
+        done = _call_item(call, item_id, "completed")
+        out += [
+            self.event(
+                "response.output_item.added",
+                output_index=at,
+                item=_call_item(call, item_id, "in_progress", ""),
+            ),
+            self.event("response.function_call_arguments.delta", **where, delta=call.arguments),
+            self.event(
+                "response.function_call_arguments.done", **where, name=call.name, arguments=call.arguments
+            ),
+            self.event("response.output_item.done", output_index=at, item=done),
+        ]
+        self.items.append(done)
+        return out
+
+    def close(self) -> list[bytes]:
+        """Close the open text item, if one is."""
+        if self._open is None:
+            return []
+        kind, item_id, said = self._open
+        self._open = None
+        text, at = "".join(said), len(self.items)
+        where = {"item_id": item_id, "output_index": at, "content_index": 0}
+        item = _text_item(kind, item_id, text, "completed")
+        part = item["content"][0]
+        if kind == "reasoning":
+            out = [self.event("response.reasoning_text.done", **where, text=text)]
+        else:
+            out = [self.event("response.output_text.done", **where, text=text, logprobs=[])]
+        out += [
+            self.event("response.content_part.done", **where, part=part),
+            self.event("response.output_item.done", output_index=at, item=item),
+        ]
+        self.items.append(item)
+        return out
