@@ -397,14 +397,16 @@ def test_bad_tools_are_refused_naming_the_field(client: openai.OpenAI):
         assert info.value.body["param"] == param, info.value.body
 
 
-def test_continue_final_message_goes_on_with_the_assistants_text(client: openai.OpenAI):
+def test_continue_final_message_goes_on_with_the_assistants_text(engine: Launched, client: openai.OpenAI):
     """vLLM's ``continue_final_message``: the last (assistant) message is the start of the reply, so the
     greedy reply is the completion of the transcript that ends with that text (the demo's chat layout is a
-    plain transcript); a last message that is not the assistant's is a 400 naming the field."""
+    plain transcript), and ``/tokenize`` counts the prompt the chat read; a last message that is not the
+    assistant's is a 400 naming the field."""
     question = _prompt()
+    messages = [{"role": "user", "content": question}, {"role": "assistant", "content": "Her name was"}]
     chat = client.chat.completions.create(
         model="demo",
-        messages=[{"role": "user", "content": question}, {"role": "assistant", "content": "Her name was"}],
+        messages=messages,
         max_tokens=16,
         temperature=0,
         extra_body={"continue_final_message": True},
@@ -413,6 +415,13 @@ def test_continue_final_message_goes_on_with_the_assistants_text(client: openai.
         model="demo", prompt=f"user: {question}\nassistant: Her name was", max_tokens=16, temperature=0
     )
     assert chat.choices[0].message.content == text.choices[0].text
+    status, body = http(
+        "POST",
+        f"{engine.url}/tokenize",
+        json.dumps({"model": "demo", "messages": messages, "continue_final_message": True}).encode(),
+        {"Content-Type": "application/json", "Authorization": f"Bearer {engine.key}"},
+    )
+    assert status == 200 and json.loads(body)["count"] == chat.usage.prompt_tokens == text.usage.prompt_tokens
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(
             model="demo",

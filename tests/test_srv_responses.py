@@ -352,6 +352,19 @@ def test_a_required_call_comes_back_as_a_function_call_item_whole_and_streamed(e
             {"type": "function_call_output", "call_id": call.call_id, "output": "rain"},
         ],
     )
+    # An agent's loop sends the reply's own output items back, with the call's output after them.
+    again = client.responses.create(
+        model="demo",
+        max_output_tokens=8,
+        temperature=0,
+        tools=[WEATHER],
+        input=[
+            {"role": "user", "content": question},
+            *[item.model_dump(exclude_none=True) for item in whole.output],
+            {"type": "function_call_output", "call_id": call.call_id, "output": "rain"},
+        ],
+    )
+    assert again.usage.input_tokens == after.usage.input_tokens and again.output_text == after.output_text
     tools = [{"type": "function", "function": {k: WEATHER[k] for k in ("name", "description", "parameters")}}]
     history = [
         {"role": "user", "content": question},

@@ -673,8 +673,7 @@ class Server:
         if body.prompt is not None:
             ids = tokenizer.encode(body.prompt)
         else:
-            tools = tool_use(body.model_extra or {}, None)
-            ids = _chat_ids(tokenizer, p.chat_messages(body), tools, p.template_kwargs(body))
+            ids = _chat_prompt(tokenizer, body, tool_use(body.model_extra or {}, None))
         return web.json_response({"count": len(ids), "max_model_len": self.context, "tokens": ids})
 
     async def detokenize(self, request: web.Request) -> web.Response:
@@ -1100,7 +1099,7 @@ def _read_reply(prepared: p.Prepared, text: str) -> tuple[str | None, str | None
     return reasoning, words, calls
 
 
-def _chat_prompt(tokenizer: Tokenizer, body: p.ChatBody, tools: ToolUse | None) -> list[int]:
+def _chat_prompt(tokenizer: Tokenizer, body: p.ChatBody | p.TokenizeBody, tools: ToolUse | None) -> list[int]:
     """A chat body's prompt ids (`_chat_ids`); with ``continue_final_message``, the template's prompt for
     the messages before the last, followed by the last (the assistant's start of the reply)."""
     messages, prefill = p.chat_messages(body), ""

@@ -159,6 +159,8 @@ class TokenizeBody(_Strict):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    continue_final_message: bool = False
+    """As a chat takes it: the last message is the start of the reply (counted as the chat would read it)."""
 
 
 class DetokenizeBody(_Strict):
