@@ -82,26 +82,22 @@ BLANKS = r"/[ \t\r\n]{0,4}/"
 blanks at most, so that a model cannot spend its reply on them."""
 
 
-def reasoning_grammar(reply: str | None, reasoning: Reasoning) -> str:
+def reasoning_grammar(reply: str, reasoning: Reasoning) -> str:
     """The grammar of a reply that reasons first (`Reasoning`): a think block of free text, at most
     ``reasoning.budget`` tokens of it, closed by its tag, then what the grammar ``reply`` holds (blanks
     before it allowed). A reply that may open the block holds ``reply`` from its start where it does not.
-
-    With no ``reply`` grammar this is the grammar of the block alone, which `Grammars.matcher` holds only
-    the start of a reply to (`Matcher.released`)."""
+    (A budget with no grammar is kept by the engine without one: `strata_runtime.engine.sampling`.)"""
     o, c = f"<[{reasoning.open_id}]>", f"<[{reasoning.close_id}]>"
     bound = "" if reasoning.budget is None else f"[max_tokens={reasoning.budget}]"
     block = f"reason {c}" if reasoning.opened else f"{o} reason {c}"
-    lines = [f"reason{bound}: /(?s:.*)/"]
-    if reply is None:
-        return "\n".join([f"start: {block}", *lines])
     grammars = _top_level(reply)
     name = grammars[0].setdefault("name", "reply")
-    body = f"{block} {BLANKS} @{name}"
-    start = f"start: {body}" if reasoning.opened else f"start: think? @{name}\nthink: {block} {BLANKS}"
-    wrapper = {"name": "reasoning", "lark_grammar": "\n".join([start, *lines])}
-    taken = {g.get("name") for g in grammars}
-    if "reasoning" in taken:
+    if reasoning.opened:
+        start = f"start: {block} {BLANKS} @{name}"
+    else:
+        start = f"start: think? @{name}\nthink: {block} {BLANKS}"
+    wrapper = {"name": "reasoning", "lark_grammar": "\n".join([start, f"reason{bound}: /(?s:.*)/"])}
+    if "reasoning" in {g.get("name") for g in grammars}:
         raise GrammarError("a grammar may not name one of its parts `reasoning`")
     return json.dumps({"grammars": [wrapper, *grammars]})
 
@@ -154,21 +150,16 @@ class Grammars:
             while len(self._good) > COMPILED_MOST:
                 self._good.popitem(last=False)
 
-    def matcher(self, grammar: str | None, reasoning: Reasoning | None = None) -> Matcher:
+    def matcher(self, grammar: str, reasoning: Reasoning | None = None) -> Matcher:
         """A new reply's state in ``grammar``: nothing generated yet. With ``reasoning`` the reply may
-        reason first (`reasoning_grammar`); with no grammar as well, only its think block is held, and the
-        rest of the reply is free (`Matcher.released`)."""
-        prefix = reasoning is not None and grammar is None
+        reason first (`reasoning_grammar`)."""
         if reasoning is not None:
             grammar = reasoning_grammar(grammar, reasoning)
-        if grammar is None:
-            raise GrammarError("a matcher needs a grammar: the reply's, or its think block's")
         llguidance = _llguidance()
         ll = llguidance.LLMatcher(self._vocabulary(), grammar)
         if ll.is_error():
             raise GrammarError(_short(ll.get_error()))
-        may_open = reasoning.open_id if prefix and reasoning is not None and not reasoning.opened else None
-        return Matcher(ll, self.vocab_size, prefix=prefix, may_open=may_open)
+        return Matcher(ll, self.vocab_size)
 
 
 _SHARED: OrderedDict[tuple[int, int], Grammars] = OrderedDict()
@@ -193,24 +184,13 @@ def grammars_for(tokenizer: Tokenizer, vocab_size: int) -> Grammars:
 
 
 class Matcher:
-    """One reply's place in its grammar.
+    """One reply's place in its grammar."""
 
-    A grammar that holds only the start of a reply (``prefix``: a think block's) lets the reply go free once
-    it is complete (`released`); one that holds only a reply that opens with ``may_open`` (the block's
-    opening tag) lets it go free at once where its first token is another."""
-
-    def __init__(
-        self, ll: Any, vocab_size: int, *, prefix: bool = False, may_open: int | None = None
-    ) -> None:
+    def __init__(self, ll: Any, vocab_size: int) -> None:
         self._ll, self.vocab_size = ll, vocab_size
-        self.prefix, self.may_open = prefix, may_open
-        self._free = False
-        self._started = False
 
     def allowed(self) -> np.ndarray:
         """Which tokens may come next: a bool array [vocab_size]."""
-        if self._free or (self.may_open is not None and not self._started):
-            return np.ones(self.vocab_size, dtype=bool)
         return _unpacked(self._ll.compute_bitmask(), self.vocab_size)
 
     def allowed_after(self, drafted: Sequence[int]) -> list[np.ndarray]:
@@ -218,17 +198,10 @@ class Matcher:
         of them; the place in the grammar does not move. After a proposal the grammar does not allow, every
         token is allowed: the rows that follow it are never used, since that proposal cannot be accepted."""
         masks = [self.allowed()]
-        ahead = self._ll.deep_copy() if len(drafted) and not self._free else None
-        started = self._started
+        ahead = self._ll.deep_copy() if len(drafted) else None  # the reply's own place stays where it is
         for t in drafted:
-            if ahead is not None and self.may_open is not None and not started and int(t) != self.may_open:
-                ahead = None  # the reply does not open the block: free from here
-            started = True
             if ahead is None or ahead.is_stopped() or not ahead.consume_token(int(t)):
-                ahead = None  # free, past the end of the grammar, or off it (rows never used)
-                masks.append(np.ones(self.vocab_size, dtype=bool))
-            elif self.prefix and ahead.is_stopped():
-                ahead = None  # the held start is complete: free from here
+                ahead = None  # past the end of the grammar, or off it: these rows are never used
                 masks.append(np.ones(self.vocab_size, dtype=bool))
             else:
                 masks.append(_unpacked(ahead.compute_bitmask(), self.vocab_size))
@@ -237,27 +210,14 @@ class Matcher:
     def accept(self, tokens: Iterable[int]) -> None:
         """The reply goes on with ``tokens``; `GrammarError` where the grammar does not allow one."""
         for t in tokens:
-            if self._free:
-                return
-            if self.may_open is not None and not self._started and int(t) != self.may_open:
-                self._started = self._free = True
-                return
-            self._started = True
             if not self._ll.consume_token(int(t)):
                 why = _short(self._ll.get_error())
                 raise GrammarError(f"token {int(t)} does not follow the grammar: {why}")
-            if self.prefix and self._ll.is_stopped():
-                self._free = True
-
-    @property
-    def released(self) -> bool:
-        """The grammar held only the start of the reply, and that is complete: the rest is free."""
-        return self._free
 
     @property
     def finished(self) -> bool:
         """The grammar allows nothing more: the reply is complete."""
-        return not self.prefix and bool(self._ll.is_stopped())
+        return bool(self._ll.is_stopped())
 
 
 class _Vocabulary:

@@ -22,7 +22,7 @@ from rt_engine_helpers import (
 )
 from rt_plans import make_plan
 
-from strata_runtime.api import Request, SamplingParams
+from strata_runtime.api import Reasoning, Request, SamplingParams
 from strata_runtime.engine import Engine
 from strata_runtime.engine.flight import Chained, Flight
 from strata_runtime.engine.job import CHAINED, Job
@@ -274,3 +274,32 @@ def test_pipelined_groups_chain_their_windows_and_keep_their_text(stages) -> Non
             i for i, k in enumerate(eng.prefixes.kept) if k is not None and k.tokens[:4] == r.prompt_ids[:4]
         )
         assert_keeps_what_it_read(eng, slot, r.prompt_ids, tokens)
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+@pytest.mark.parametrize("draft_tokens", [0, 4])
+def test_a_think_budget_closes_the_block_where_it_runs_out_while_windows_run_ahead(stages, draft_tokens):
+    """Replies whose prompt opened a think block, with budgets of 3 to 11 tokens and no grammar: windows
+    (serial, or solo windows drafting and decided on the device) run ahead up to the token a spent budget
+    forces and never past it; the host makes that token the block's close, and the reply goes on free. The
+    text is the text of windows one at a time, and each reply's close sits at its budget (the models here
+    never choose the close themselves)."""
+    close = 300  # an id the synthetic vocabulary holds but the model does not favour
+    budgets = [3, 7, 11]
+
+    def requests() -> list[tuple[int, Request]]:
+        return [
+            (at, Request(tuple(PROMPTS[i]), 24, SamplingParams(reasoning=Reasoning(299, close, True, n))))
+            for i, (at, n) in enumerate(zip([0, 0, 2], budgets, strict=True))
+        ]
+
+    base = collect(engine(stages, 1 if draft_tokens else 3, 1, draft_tokens), requests())
+    eng = engine(stages, 1 if draft_tokens else 3, 3, draft_tokens)
+    spy = Spy(eng)
+    got = collect(eng, requests())
+    assert got == base
+    for tokens, n in zip(got, budgets, strict=True):
+        assert tokens.index(close) == n and close not in tokens[:n] and len(tokens) == 24
+    assert spy.chained  # windows ran ahead
+    if draft_tokens:
+        assert any(e.proposals.tokens for job in spy.chained for e in job.entries if job.spec_on_device)

@@ -160,7 +160,7 @@ def test_a_reply_may_reason_first_within_its_budget_then_follows_its_grammar():
     assert _allowed(m) == sorted([ord("{"), *b" \t\r\n"])
     m.accept(b"\n\n")
     m.accept(b'{"name":"Al","age":4,"tags":[]}')
-    assert m.finished and not m.released
+    assert m.finished
     answering = grammars.matcher(json_grammar(PERSON), Reasoning(OPEN, CLOSE))
     answering.accept(b'{"name":"Al"')  # no block: the grammar holds the reply from its start
     with pytest.raises(GrammarError):
@@ -169,32 +169,43 @@ def test_a_reply_may_reason_first_within_its_budget_then_follows_its_grammar():
     assert OPEN not in _allowed(opened) and CLOSE in _allowed(opened) and ord("x") in _allowed(opened)
     opened.accept([*b"x" * 40, CLOSE, ord("{")])  # no budget: as long as it takes
     assert _allowed(opened) == [ord('"')]
-
-
-def test_a_budget_alone_holds_only_the_block_and_lets_the_rest_go_free():
-    """With no grammar a budget holds the block alone: a reply that does not open one is free from its first
-    token; one that does is free once the block is closed, and never finished by it."""
-    tok = ThinkingTokens(300)
-    grammars = Grammars(tok, 300)
-    answering = grammars.matcher(None, Reasoning(OPEN, CLOSE, budget=2))
-    assert answering.allowed().all()
-    answering.accept(b"Hi")
-    assert answering.released and answering.allowed().all() and not answering.finished
-    m = grammars.matcher(None, Reasoning(OPEN, CLOSE, budget=2))
-    m.accept([OPEN, ord("a"), ord("b")])
-    assert _allowed(m) == [CLOSE] and not m.released
-    m.accept([CLOSE, 258, ord("x")])  # the end of the text, and more, past the block: free
-    assert m.released and m.allowed().all() and not m.finished
-    opened = grammars.matcher(None, Reasoning(OPEN, CLOSE, opened=True, budget=1))
-    assert OPEN not in _allowed(opened)
-    opened.accept(b"a")
-    assert _allowed(opened) == [CLOSE]
-    with pytest.raises(GrammarError):
-        grammars.matcher(None)
     with pytest.raises(GrammarError, match="reasoning"):
         reasoning_grammar(
             '{"grammars": [{"name": "reasoning", "lark_grammar": "start: \\"a\\""}]}', Reasoning(OPEN, CLOSE)
         )
+
+
+def test_a_budget_alone_is_kept_without_a_grammar_and_the_host_chooses_only_the_forced_close():
+    """With no grammar, a budget is counted as the reply goes (`ThinkBudget`): the host chooses only the
+    token a spent budget forces (every other token stays the device's), and only ``</think>`` may be it; a
+    reply that does not open the block with its first token, or closes it, is free."""
+    from strata_runtime.engine.sampling import Sampler, ThinkBudget
+
+    answering = ThinkBudget(Reasoning(OPEN, CLOSE, budget=2))
+    assert answering.hold_at == 3
+    answering.record(b"Hi")
+    assert answering.hold_at is None and not answering.forcing
+    closing = ThinkBudget(Reasoning(OPEN, CLOSE, budget=5))
+    closing.record([OPEN, ord("a"), CLOSE, ord("b")])
+    assert closing.hold_at is None and not closing.forcing
+    reasoning = Reasoning(OPEN, CLOSE, opened=True, budget=2)
+    sampler = Sampler(SamplingParams(reasoning=reasoning), 0)
+    assert sampler.hold_at == 2 and not sampler.host_only and not sampler.needs_logits
+    sampler.record(b"ab")
+    assert sampler.host_only and sampler.needs_logits  # the budget is spent: the host forces the close
+    logits = np.random.default_rng(7).standard_normal((1, 300)) + 1.0
+    masked = sampler.adjusted(logits)
+    assert np.isfinite(masked[0]).sum() == 1 and masked[0, CLOSE] == logits[0, CLOSE]
+    with pytest.raises(GrammarError, match="budget of 2"):
+        Sampler(SamplingParams(reasoning=reasoning), 0).record(b"abc")
+    sampler.record([CLOSE, ord("x")])
+    assert sampler.hold_at is None and not sampler.host_only
+    held = Sampler(
+        SamplingParams(reasoning=reasoning),
+        0,
+        Grammars(ThinkingTokens(300), 300).matcher(json_grammar(PERSON), reasoning),
+    )
+    assert held.think is None  # a grammar holds the budget itself
 
 
 def test_a_checkpoints_think_tags_are_never_text_to_a_grammar(tmp_path):
@@ -226,36 +237,17 @@ def test_a_checkpoints_think_tags_are_never_text_to_a_grammar(tmp_path):
     assert "{" in after and all(t.lstrip(" \t\r\n").startswith("{") or not t.strip() for t in after)
 
 
-def test_a_slot_lets_a_released_reply_go_back_to_the_devices_choices():
-    """Once the block a budget held is closed, the request's tokens are no longer the host's to choose
-    (`Sampler.host_only`): its windows may be decided on the device and run ahead again."""
-    from strata_runtime.api import RequestHandle
-    from strata_runtime.engine.sampling import Sampler
-    from strata_runtime.engine.slot import Slot
-
-    tok = ThinkingTokens(300)
-    reasoning = Reasoning(OPEN, CLOSE, budget=2)
-    req = Request(tuple(b"x"), 10, SamplingParams(reasoning=reasoning))
-    sampler = Sampler(req.sampling, 0, Grammars(tok, 300).matcher(None, reasoning))
-    slot = Slot(0, RequestHandle(req), sampler, frozenset(), tok, admitted_at=0)
-    slot.emit([OPEN, ord("a")], 0)
-    assert sampler.host_only
-    event = slot.emit([ord("b"), CLOSE, ord("c")], 0)
-    assert event.finished is None and event.error is None and not sampler.host_only
-
-
 @pytest.mark.parametrize(
     ("grammar", "reasoning"),
     [
         (json_grammar(PERSON), Reasoning(OPEN, CLOSE, budget=4)),
         (json_grammar(PERSON), Reasoning(OPEN, CLOSE, opened=True)),
-        (None, Reasoning(OPEN, CLOSE, budget=3)),
-        (None, Reasoning(OPEN, CLOSE, opened=True, budget=2)),
+        (json_grammar(PERSON), Reasoning(OPEN, CLOSE, opened=True, budget=2)),
     ],
 )
 def test_the_allowed_tokens_after_proposals_through_a_think_block_are_a_moved_matchers(grammar, reasoning):
     """Seeded random proposals, each allowed where it is drafted (into the block, through its close and on
-    into the JSON or free text, or answering at once): `Matcher.allowed_after` is, after each prefix, what a
+    into the JSON, or answering at once): `Matcher.allowed_after` is, after each prefix, what a
     matcher that accepted that prefix allows, and the reply's own place does not move."""
     tok = ThinkingTokens(300)
     grammars = Grammars(tok, 300)
@@ -269,7 +261,7 @@ def test_the_allowed_tokens_after_proposals_through_a_think_block_are_a_moved_ma
             allowed = np.flatnonzero(probe.allowed())
             if probe.finished or len(allowed) == 0:
                 break
-            nxt = json_text[len(drafted) - drafted.index(CLOSE) - 1] if CLOSE in drafted and grammar else None
+            nxt = json_text[len(drafted) - drafted.index(CLOSE) - 1] if CLOSE in drafted else None
             if nxt is None or nxt not in allowed:
                 tags = [t for t in (OPEN, CLOSE) if t in allowed]
                 text = [t for t in TEXT if t in allowed] or [int(t) for t in allowed]

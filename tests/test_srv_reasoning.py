@@ -244,20 +244,20 @@ def test_the_server_reads_reasoning_apart_whole_and_streamed_and_then_the_calls(
 
 
 def test_a_budget_cuts_the_reasoning_where_it_runs_out_and_the_rest_is_free():
-    """One greedy reply under budgets of 5 and 12 tokens, and none: the shorter block is the start of the
-    longer (the same tokens until the budget closes it), each at most its budget long; after the block the
-    reply runs free to its length. Where the template closed the block (``enable_thinking: false``) no
-    budget is kept, and a grammar holds the reply from its first token."""
+    """One greedy reply, starting in a block the template opened, under budgets of 5 and 12 tokens: the
+    shorter block is the start of the longer (the same tokens until the budget closes it), each at most its
+    budget long; after the block the reply runs free to its length. Where the template closed the block
+    (``enable_thinking: false``) no budget is kept, and a grammar holds the reply from its first token."""
     messages = [{"role": "user", "content": "Think first."}]
     ask = {"model": "demo", "messages": messages, "max_tokens": 40, "temperature": 0}
-    opens = {"logit_bias": {str(OPEN): 100}}
-    replies = _serve(ThinkingBytes, [{**ask, **opens, "thinking_token_budget": n} for n in (5, 12)])
+    replies = _serve(OpeningBytes, [{**ask, "thinking_token_budget": n} for n in (5, 12)])
     short, long = (whole["choices"][0] for whole, _ in replies)
     for choice, n in ((short, 5), (long, 12)):
         assert choice["finish_reason"] == "length" and choice["message"]["content"]
         assert 0 < len(choice["message"]["reasoning_content"]) <= n
     assert long["message"]["reasoning_content"].startswith(short["message"]["reasoning_content"])
     assert short["message"]["reasoning_content"] != long["message"]["reasoning_content"]
+    opens = {"logit_bias": {str(OPEN): 100}}
     closed = _serve(
         ClosingBytes,
         [

@@ -21,17 +21,69 @@ from typing import Any
 
 import numpy as np
 
-from ..api import SamplingParams
+from ..api import Reasoning, SamplingParams
 from ..backend import Array
 from ..model import adjust_row, inverse_cdf
 from ..model import distribution as rule
-from ..structured import Matcher
+from ..structured import GrammarError, Matcher
 
 
 def distribution(logits: Array, params: SamplingParams, xp: Any = np, *, sort_rows: bool = False) -> Array:
     """Next-token probabilities [n, V] (float64) at a request's temperature, top-k and top-p: the rule of
     `strata_runtime.models.ops.distribution`, on ``xp`` arrays (NumPy on the host)."""
     return rule(logits, params.temperature, params.top_k, params.top_p, xp, sort_rows=sort_rows)
+
+
+class ThinkBudget:
+    """Where a reply stands in a think block with a budget (`Reasoning`), for a request with no grammar: the
+    block's tokens are chosen as any others (on the device, running ahead), except the one a spent budget
+    makes ``</think>``, which the host chooses.
+
+    That token's place is known from the start (`hold_at`): the budget's count of tokens after the block
+    opens, which is the reply's first token, or the prompt where it opened the block. Windows never reach
+    past it before the host has read what comes before it (`strata_runtime.engine.scheduler`); where the
+    block is still open there, `forcing` is set and only ``</think>`` may be chosen. A reply that does not
+    open the block with its first token, or closes it, is free from then on.
+    """
+
+    def __init__(self, reasoning: Reasoning) -> None:
+        assert reasoning.budget is not None
+        self.reasoning = reasoning
+        self.state = "open" if reasoning.opened else "start"
+        """``start`` (the reply may open a block), ``open`` (in it), ``done`` (closed, or never opened)."""
+        self.used = 0
+        """Tokens of the block so far, its opening tag not counted."""
+
+    @property
+    def hold_at(self) -> int | None:
+        """The index, among the reply's tokens, of the token the host must choose (the block's close, where
+        the budget is spent); None once the block is closed or was never opened."""
+        if self.state == "done":
+            return None
+        budget = self.reasoning.budget
+        assert budget is not None
+        return budget + (0 if self.reasoning.opened else 1)
+
+    @property
+    def forcing(self) -> bool:
+        """The budget is spent and the block still open: the next token is ``</think>``."""
+        return self.state == "open" and self.used >= (self.reasoning.budget or 0)
+
+    def record(self, tokens: Iterable[int]) -> None:
+        """The reply goes on with ``tokens``; `GrammarError` where one passes a spent budget (windows that
+        ran past the hold: a scheduling fault, ended as the request's error)."""
+        for t in tokens:
+            if self.state == "done":
+                return
+            if self.state == "start":
+                self.state = "open" if t == self.reasoning.open_id else "done"
+                continue
+            if self.forcing and t != self.reasoning.close_id:
+                raise GrammarError(f"token {t} passed the think block's budget of {self.reasoning.budget}")
+            if t == self.reasoning.close_id:
+                self.state = "done"
+            else:
+                self.used += 1
 
 
 class Sampler:
@@ -48,6 +100,9 @@ class Sampler:
         grammar allows."""
         self.params = params
         self.grammar = grammar
+        r = params.reasoning
+        self.think = ThinkBudget(r) if r is not None and r.budget is not None and grammar is None else None
+        """A think block's budget, where no grammar holds the reply (a grammar holds the budget itself)."""
         self.greedy = params.temperature <= 0.0
         self.rng = np.random.default_rng(seed)
         self.adjusts = bool(params.presence_penalty or params.frequency_penalty or params.logit_bias)
@@ -79,8 +134,14 @@ class Sampler:
     @property
     def host_only(self) -> bool:
         """The host chooses and verifies every token (a grammar's allowed tokens follow from the tokens
-        before), so no window runs ahead of it or is decided on the device."""
-        return self.grammar is not None
+        before), so no window runs ahead of it or is decided on the device; or the next token is the one a
+        spent think budget forces."""
+        return self.grammar is not None or (self.think is not None and self.think.forcing)
+
+    @property
+    def hold_at(self) -> int | None:
+        """The index of the reply's token that the host must choose (`ThinkBudget.hold_at`), or None."""
+        return self.think.hold_at if self.think is not None else None
 
     def record(self, tokens: Iterable[int], counted: bool = False) -> None:
         """Tokens now generated for the request (the penalties count them, the grammar goes on with them);
@@ -88,6 +149,9 @@ class Sampler:
         if self.grammar is not None:
             tokens = list(tokens)
             self.grammar.accept(tokens)
+        if self.think is not None:
+            tokens = list(tokens)
+            self.think.record(tokens)
         if self.adjusts:
             tokens = list(tokens)
             self.counts.update(tokens)
@@ -111,6 +175,13 @@ class Sampler:
         row follows its whole chain so far). They count as generated for the rows that follow them.
         """
         out = self._biased(logits, drafted)
+        if self.think is not None and self.think.forcing:  # the budget is spent: the block's close alone
+            if np.may_share_memory(out, logits):
+                out = out.copy()
+            close = self.think.reasoning.close_id
+            kept = out[:, close].copy()
+            out[:] = -np.inf
+            out[:, close] = kept
         if self.grammar is not None:  # each row over the tokens its grammar allows after what it follows
             if np.may_share_memory(out, logits):
                 out = out.copy()  # the masks are written in place, never into the caller's logits

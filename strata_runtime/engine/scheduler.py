@@ -151,7 +151,7 @@ class Engine:
         handle.prompt_tokens = len(request.prompt_ids)
         problem = self._check(request)
         sampling = request.sampling
-        if problem is None and (sampling.grammar is not None or sampling.reasoning is not None):
+        if problem is None and sampling.grammar is not None:
             try:  # compiled here, on the caller's thread, not the engine's
                 handle.grammar = self.grammars.matcher(sampling.grammar, sampling.reasoning)
             except GrammarError as exc:
@@ -567,7 +567,7 @@ class Engine:
                 continue
             pos = e.pos + 1
             fits = pos + 1 <= self.plan.memory.context
-            if slot.handle.cancelled.is_set() or not fits:
+            if slot.handle.cancelled.is_set() or not fits or self._past_hold(slot, 1):
                 return None
             entries.append(Entry(slot, "decode", [CHAINED], pos=pos))
             rows.append(row)
@@ -611,7 +611,7 @@ class Engine:
             return None  # the slots' proposals rarely hold, or serial windows give more: they take over
         for e in job.entries:
             slot = e.slot
-            if slot.handle.cancelled.is_set() or self._ends_in_flight(slot):
+            if slot.handle.cancelled.is_set() or self._ends_in_flight(slot) or self._past_hold(slot, n):
                 return None
             if self._reach(slot) + n > self.plan.memory.context:
                 return None
@@ -619,6 +619,13 @@ class Engine:
             Entry(e.slot, "decode", [CHAINED] * n, Proposals([CHAINED] * (n - 1), [])) for e in job.entries
         ]
         return Job(job.kind, entries, spec_on_device=True), None
+
+    def _past_hold(self, slot: Slot, rows: int) -> bool:
+        """A window of ``rows`` rows for ``slot`` after the windows in flight could give it the token its
+        host must choose (`Sampler.hold_at`: where a think budget may be spent), or one past it: the chain
+        ends, and the host reads what comes before that token first."""
+        hold = slot.sampler.hold_at
+        return hold is not None and len(slot.generated) + self._reach(slot) - slot.length + rows > hold
 
     def _reach(self, slot: Slot) -> int:
         """The furthest the windows in flight could take ``slot``'s KV: its length plus every row they hold
@@ -886,8 +893,13 @@ class Engine:
         return sum(d.caught_up for d in self.model.drafters.values())
 
     def room(self, slot: Slot) -> int:
-        """Proposals that still fit the slot's context after its token."""
-        return max(0, self.plan.memory.context - slot.length - 1)
+        """Proposals that still fit the slot's context after its token, and that keep a window before the
+        token its host must choose (`Sampler.hold_at`)."""
+        room = self.plan.memory.context - slot.length - 1
+        hold = slot.sampler.hold_at
+        if hold is not None:
+            room = min(room, hold - len(slot.generated) - 1)
+        return max(0, room)
 
     def _out_of_context(self, slot: Slot) -> bool:
         if slot.length + 1 <= self.plan.memory.context:

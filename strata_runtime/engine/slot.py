@@ -132,8 +132,6 @@ class Slot:
         grammar = self.sampler.grammar
         if self.finished is None and grammar is not None and grammar.finished:
             self.finished = "stop"  # the grammar allows nothing more: the reply is complete
-        if grammar is not None and grammar.released:
-            self.sampler.grammar = None  # it held the reply's start (a think block): the rest is free
         self.handle.completion_tokens = len(self.generated)
         self.handle.accepted_proposals += accepted
         text = self._decoded()

@@ -434,13 +434,12 @@ class Server:
             # The reply reasons before its grammar holds it, or within a budget (a prompt whose template
             # closed the block, as Qwen3's does with `enable_thinking: false`, does not reason).
             reasoning = Reasoning(*tags, opened=ends == "open", budget=budget)
-            try:
-                whole = reasoning_grammar(sampling.grammar, reasoning)
-            except GrammarError as exc:
-                raise p.ApiError(400, f"`{field}` cannot be followed: {exc}", field) from None
-            await self._check_grammar(
-                whole, field if sampling.grammar is not None else "thinking_token_budget"
-            )
+            if sampling.grammar is not None:  # a budget alone the engine keeps without a grammar
+                try:
+                    whole = reasoning_grammar(sampling.grammar, reasoning)
+                except GrammarError as exc:
+                    raise p.ApiError(400, f"`{field}` cannot be followed: {exc}", field) from None
+                await self._check_grammar(whole, field)
             request = replace(prepared.request, sampling=replace(sampling, reasoning=reasoning))
             prepared = replace(prepared, request=request)
         return body, prepared
