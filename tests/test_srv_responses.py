@@ -177,7 +177,7 @@ def test_the_chat_paths_fields_are_named_as_the_responses_api_names_them():
     assert r.field_of("tools.2.function.parameters") == "tools.2.parameters"
     assert r.field_of("tool_choice.function.name") == "tool_choice.name"
     assert r.field_of("messages.3.tool_calls.0.function.arguments") == "input"
-    exc = r.renamed(ApiError(400, "`max_tokens` is 9, too many", "max_tokens"))
+    exc = ApiError(400, "`max_tokens` is 9, too many", "max_tokens").renamed(r.field_of)
     assert exc.param == "max_output_tokens" and exc.message.startswith("`max_output_tokens` is 9")
 
 
@@ -336,34 +336,13 @@ def test_a_required_call_comes_back_as_a_function_call_item_whole_and_streamed(e
     with client.responses.stream(**ask) as stream:
         final = stream.get_final_response()
     assert [(i.name, i.arguments) for i in final.output] == [(call.name, call.arguments)]
-    after = client.responses.create(
-        model="demo",
-        max_output_tokens=8,
-        temperature=0,
-        tools=[WEATHER],
-        input=[
-            {"role": "user", "content": question},
-            {
-                "type": "function_call",
-                "call_id": call.call_id,
-                "name": call.name,
-                "arguments": call.arguments,
-            },
-            {"type": "function_call_output", "call_id": call.call_id, "output": "rain"},
-        ],
-    )
+    follow = dict(model="demo", max_output_tokens=8, temperature=0, tools=[WEATHER])
+    answer = {"type": "function_call_output", "call_id": call.call_id, "output": "rain"}
+    made = {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments}
+    after = client.responses.create(**follow, input=[{"role": "user", "content": question}, made, answer])
     # An agent's loop sends the reply's own output items back, with the call's output after them.
-    again = client.responses.create(
-        model="demo",
-        max_output_tokens=8,
-        temperature=0,
-        tools=[WEATHER],
-        input=[
-            {"role": "user", "content": question},
-            *[item.model_dump(exclude_none=True) for item in whole.output],
-            {"type": "function_call_output", "call_id": call.call_id, "output": "rain"},
-        ],
-    )
+    own = [item.model_dump(exclude_none=True) for item in whole.output]
+    again = client.responses.create(**follow, input=[{"role": "user", "content": question}, *own, answer])
     assert again.usage.input_tokens == after.usage.input_tokens and again.output_text == after.output_text
     tools = [{"type": "function", "function": {k: WEATHER[k] for k in ("name", "description", "parameters")}}]
     history = [

@@ -285,16 +285,6 @@ def field_of(param: str | None) -> str | None:
     return param
 
 
-def renamed(exc: ApiError) -> ApiError:
-    """``exc`` naming the Messages API's field where the chat path named its own (`field_of`), in its
-    ``param`` and its message."""
-    named = field_of(exc.param)
-    if exc.param is not None and named is not None:
-        exc.message = exc.message.replace(f"`{exc.param}`", f"`{named}`")
-    exc.param = named
-    return exc
-
-
 def new_message_id() -> str:
     return f"msg_{uuid.uuid4().hex[:24]}"
 

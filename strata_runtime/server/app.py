@@ -217,10 +217,10 @@ class Server:
             return await self._errors_in_shape(request, handler)
         except p.ApiError as exc:
             if request.path.startswith("/v1/messages"):  # Anthropic's shape, naming the Messages API's fields
-                body = anthropic.error_body(anthropic.renamed(exc))
+                body = anthropic.error_body(exc.renamed(anthropic.field_of))
                 return web.json_response(body, status=exc.status, headers=exc.headers)
             if request.path.startswith("/v1/responses"):  # naming the Responses API's fields
-                return _error_response(responses.renamed(exc))
+                return _error_response(exc.renamed(responses.field_of))
             return _error_response(exc)
 
     async def _errors_in_shape(self, request: web.Request, handler: Handler) -> web.StreamResponse:

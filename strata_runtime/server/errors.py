@@ -3,6 +3,7 @@ as OpenAI's error JSON (``{"error": {"message", "type", "param", "code"}}``) so 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 
@@ -30,3 +31,12 @@ class ApiError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def renamed(self, field_of: Callable[[str | None], str | None]) -> ApiError:
+        """This error naming another API's field where the chat path named its own (``field_of`` maps one
+        to the other: Anthropic's Messages API, OpenAI's Responses API), in its ``param`` and its message."""
+        named = field_of(self.param)
+        if self.param is not None and named is not None:
+            self.message = self.message.replace(f"`{self.param}`", f"`{named}`")
+        self.param = named
+        return self

@@ -326,15 +326,6 @@ def field_of(param: str | None) -> str | None:
     return param
 
 
-def renamed(exc: ApiError) -> ApiError:
-    """``exc`` naming the Responses field where the chat path named its own, in its ``param`` and message."""
-    named = field_of(exc.param)
-    if exc.param is not None and named is not None:
-        exc.message = exc.message.replace(f"`{exc.param}`", f"`{named}`")
-    exc.param = named
-    return exc
-
-
 # ---- the reply ---------------------------------------------------------------------------------------------
 
 
