@@ -319,6 +319,34 @@ def test_windows_running_ahead_on_gpu_give_the_text_of_windows_one_at_a_time(cp,
         assert all(len(t) == 30 for t in texts[0])
 
 
+def test_a_think_budget_on_gpu_closes_the_block_where_it_runs_out_while_windows_run_ahead(cp):
+    """Greedy replies whose prompt opened a think block, with budgets and no grammar, serial and drafting
+    (solo windows decided on the GPU), three windows running ahead: each block is the free reply's first
+    ``budget`` tokens, the close comes at the budget, and the reply runs to its length without an error."""
+    from strata_runtime.api import Reasoning, Request, SamplingParams
+    from strata_runtime.engine import Engine
+
+    g = np.random.default_rng(31)
+    prompt = tuple(g.integers(1, 250, 12).tolist())
+    for plan in (_plan(cp, model="tiny", slots=1), _plan(cp, model="tiny", slots=1, draft_tokens=4)):
+        engine = Engine(_run_ahead(plan, 3))
+        free = engine.submit(Request(prompt, 32))
+        while engine.step():
+            pass
+        free_tokens = [t for ev in list(free.events.queue) for t in ev.token_ids]
+        unused = [t for t in range(300, 384) if t not in free_tokens and t not in engine.tokenizer.eos_ids]
+        close = unused[0]  # a token the free reply never chooses: only the budget puts it there
+        for budget in (3, 9, 17):
+            reasoning = Reasoning(unused[1], close, opened=True, budget=budget)
+            handle = engine.submit(Request(prompt, 32, SamplingParams(reasoning=reasoning)))
+            while engine.step():
+                pass
+            events = list(handle.events.queue)
+            tokens = [t for ev in events for t in ev.token_ids]
+            assert events[-1].error is None and len(tokens) == 32
+            assert tokens[:budget] == free_tokens[:budget] and tokens[budget] == close
+
+
 def test_penalised_requests_on_gpu_run_ahead_with_the_text_the_host_verifies(cp):
     """Requests with a logit bias and penalties have their rows adjusted and chosen on the GPU, so their
     windows run ahead; greedy, their text is the text of solo drafting, whose windows the host verifies
