@@ -182,7 +182,7 @@ def test_a_batch_with_a_failed_choice_answers_at_once_and_cancels_the_others(pla
             (kept,) = engines[0].submitted
             assert kept.cancelled.is_set() and kept.completion_tokens < 500
             await asyncio.sleep(0.2)
-            waiting = [t for t in asyncio.all_tasks() if "_collect" in repr(t.get_coro())]
+            waiting = [t for t in asyncio.all_tasks() if "Server.collect" in repr(t.get_coro())]
             assert waiting == []
         stop.set()
         return await task

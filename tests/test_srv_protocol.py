@@ -915,15 +915,16 @@ def test_streamed_calls_are_numbered_from_the_replys_first_even_when_one_piece_c
     """The ``index`` of a streamed ``tool_calls`` delta counts the reply's calls: two calls closed by one
     piece get consecutive indices, and a call in a later piece the next one."""
     from strata_runtime.chat import call_text
-    from strata_runtime.server.app import _Choice, _deltas, _reply_parts
+    from strata_runtime.server.app import _deltas
+    from strata_runtime.server.replies import Choice, reply_parts
 
-    c = _Choice(0, _tools_prepared(tools=[WEATHER, NOW]))
+    c = Choice(0, _tools_prepared(tools=[WEATHER, NOW]))
     first = "Checking. " + call_text("now", {}) + "\n" + call_text("get_weather", {"city": "Bath"})
-    deltas = _deltas(c, _reply_parts(c, first, False))
+    deltas = _deltas(c, reply_parts(c, first, False))
     assert deltas[0] == {"content": "Checking."}
     assert [(d["tool_calls"][0]["index"], d["tool_calls"][0]["function"]["name"]) for d in deltas[1:]] == [
         (0, "now"),
         (1, "get_weather"),
     ]
-    (later,) = _deltas(c, _reply_parts(c, "\n" + call_text("now", {}), True))
+    (later,) = _deltas(c, reply_parts(c, "\n" + call_text("now", {}), True))
     assert later["tool_calls"][0]["index"] == 2

@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 from aiohttp import web
@@ -24,21 +25,18 @@ from strata_cfg.schema.plan import LaunchPlan
 
 from ..api import EngineCore, Reasoning, Tokenizer, TokenLogprob, token_name
 from ..chat import (
-    CallSplitter,
     ChatTemplateError,
-    ThinkSplitter,
     ToolCall,
-    split_reply,
-    split_thinking,
     think_ids,
     thinking_at_end,
 )
 from ..structured import GrammarError, grammars_for, json_grammar, reasoning_grammar
-from . import anthropic, responses
+from . import anthropic, messages_api, responses, responses_api
 from . import protocol as p
 from .connection import AccessLog, JsonErrorRunner
 from .engine_loop import EngineFactory, EngineLoop, Stream
 from .metrics import ServerCounters, expert_cache, render
+from .replies import SSE_HEADERS, Choice, Piece, Whole, ended_early, read_reply, reply_parts
 from .tools import ToolUse, tool_use
 
 log = logging.getLogger("strata.serve")
@@ -59,51 +57,10 @@ PREFLIGHT_MAX_AGE_S = 600
 OPEN_PATHS = frozenset({"/health"})
 """Paths answered without the API key, so a supervisor or load balancer can probe readiness."""
 
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-"""A streamed reply's headers: server-sent events, not cached, not buffered by a proxy in front."""
-
 NEEDS_ENGINE = frozenset({"/tokenizer_info"})
 """GET paths answered from the loaded engine (its tokenizer): 503 while it loads, as every POST is."""
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-@dataclass(frozen=True)
-class Piece:
-    """A stretch of a request's reply: its text, the tokens it took, and how the request ended, if it did."""
-
-    text: str
-    finish: str | None
-    tokens: int
-    error: str | None = None
-    logprobs: tuple[TokenLogprob, ...] = ()
-    """The tokens' log-probabilities, where the request asked for them."""
-    prompt_logprobs: tuple[TokenLogprob, ...] = ()
-    """The prompt's, in the first piece, where an echoed completion asked for them."""
-    stop: str | int | None = None
-    """In the last piece: the stop string or token that ended the reply (`api.TokenEvent.stop`)."""
-
-
-@dataclass(frozen=True)
-class _Whole:
-    """A whole reply as `Server._collect` gathers it."""
-
-    text: str
-    end: p.OpenAIFinish
-    tokens: int
-    logprobs: dict[str, Any] | None
-    stop: str | int | None
-    """The stop string or token that ended it (`api.TokenEvent.stop`)."""
-
-
-@dataclass(frozen=True)
-class _Reply:
-    """A Responses API request on its way: its id, when it was made, the body as read, the engine request."""
-
-    id: str
-    created: int
-    asked: responses.Asked
-    prepared: p.Prepared
 
 
 @dataclass
@@ -139,7 +96,7 @@ class Server:
         self.port: int | None = None
         """The port bound, once listening (``options.port`` may be 0: any free port)."""
         self.kept = responses.Store()
-        """Replies of the Responses API kept for ``previous_response_id`` (`responses.Store`)."""
+        """Replies of the Responses API kept for ``previous_response_id`` (`responses_api`)."""
 
     # ---- application ---------------------------------------------------------------------------------------
 
@@ -158,10 +115,16 @@ class Server:
                 web.get("/metrics", self.metrics),
                 web.post("/v1/completions", self.completions),
                 web.post("/v1/chat/completions", self.chat),
-                web.post("/v1/messages", self.messages),
-                web.post("/v1/messages/count_tokens", self.count_tokens),
-                web.post("/v1/responses", self.responses),
-                web.get("/v1/responses/{response_id}", self.stored_response),
+                web.post(
+                    "/v1/messages",
+                    partial(self.counted, "messages", run=partial(messages_api.messages, self)),
+                ),
+                web.post("/v1/messages/count_tokens", partial(messages_api.count_tokens, self)),
+                web.post(
+                    "/v1/responses",
+                    partial(self.counted, "responses", run=partial(responses_api.create, self)),
+                ),
+                web.get("/v1/responses/{response_id}", partial(responses_api.stored, self)),
                 web.post("/tokenize", self.tokenize),
                 web.post("/detokenize", self.detokenize),
                 web.get("/tokenizer_info", self.tokenizer_info),
@@ -362,14 +325,15 @@ class Server:
     # ---- generation ----------------------------------------------------------------------------------------
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._counted("completions", request, self._completion)
+        return await self.counted("completions", request, self._completion)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._counted("chat", request, self._chat)
+        return await self.counted("chat", request, self._chat)
 
-    async def _counted(
+    async def counted(
         self, endpoint: str, request: web.Request, run: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
+        """``run``'s answer to ``request``, counted by ``endpoint`` and outcome (``/metrics``)."""
         outcome = "server_error"
         try:
             response = await run(request)
@@ -405,10 +369,10 @@ class Server:
         return await self._run(request, [c for one in batch for c in p.choices(one, body.n)], chat=False)
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
-        body, prepared = await self._chat_prepared(await _json_body(request))
+        body, prepared = await self.prepare_chat(await _json_body(request))
         return await self._run(request, p.choices(prepared, body.n), chat=True)
 
-    async def _chat_prepared(self, raw: Any) -> tuple[p.ChatBody, p.Prepared]:
+    async def prepare_chat(self, raw: Any) -> tuple[p.ChatBody, p.Prepared]:
         """A chat body checked and made the engine's request (through the chat template, with its tools
         and grammar checked over the vocabulary)."""
         body = p.parse_chat(raw)
@@ -443,203 +407,6 @@ class Server:
             request = replace(prepared.request, sampling=replace(sampling, reasoning=reasoning))
             prepared = replace(prepared, request=request)
         return body, prepared
-
-    # ---- Anthropic's Messages API ----------------------------------------------------------------------
-
-    async def messages(self, request: web.Request) -> web.StreamResponse:
-        return await self._counted("messages", request, self._messages)
-
-    async def _messages(self, request: web.Request) -> web.StreamResponse:
-        """``POST /v1/messages``: the body read as a chat (`anthropic.to_chat`), served by the chat path, and
-        answered in Anthropic's shapes."""
-        _, prepared = await self._chat_prepared(anthropic.to_chat(await _json_body(request)))
-        assert self.engine is not None
-        self._admit(1)
-        self.counters.prompt_tokens += prepared.prompt_tokens
-        stream = self.engine.submit(prepared.request)
-        try:
-            if prepared.stream:
-                return await self._stream_message(request, stream, prepared)
-            return await self._whole_message(stream, prepared)
-        finally:
-            stream.close()
-
-    async def count_tokens(self, request: web.Request) -> web.Response:
-        """``POST /v1/messages/count_tokens``: the prompt tokens a Messages body would read."""
-        raw = anthropic.to_chat(await _json_body(request), counting=True)
-        body = p.parse_chat(raw)
-        p.check_model(body.model, self.options.model_name)
-        tools = tool_use(body.model_extra or {}, p.grammar_of(body))
-        return web.json_response({"input_tokens": len(_chat_prompt(self._engine().tokenizer, body, tools))})
-
-    async def _whole_message(self, stream: Stream, prepared: p.Prepared) -> web.Response:
-        whole = await self._collect(stream, prepared, chat=True)
-        parts = _reply_parts(_Choice(0, prepared), whole.text, True)
-        calls = any(isinstance(part, ToolCall) for _, part in parts)
-        blocks = anthropic.content_blocks(parts)
-        reason = anthropic.stop_reason(whole.end, calls, whole.stop)
-        use = anthropic.usage(prepared.prompt_tokens, whole.tokens, stream.handle.cached_tokens)
-        return web.json_response(
-            anthropic.message(anthropic.new_message_id(), self.options.model_name, blocks, reason, use)
-        )
-
-    async def _stream_message(
-        self, request: web.Request, stream: Stream, prepared: p.Prepared
-    ) -> web.StreamResponse:
-        """The reply as Anthropic's events: ``message_start`` (once the engine took the request, so its
-        usage says what it read), blocks of reasoning, text and calls as they come, ``message_delta`` with
-        how it ended, ``message_stop``; an ``error`` event where the request ended early."""
-        response = web.StreamResponse(headers=SSE_HEADERS)
-        await response.prepare(request)
-        c, blocks = _Choice(0, prepared), anthropic.BlockStream()
-        started, tokens = False, 0
-        async for piece in self._pieces(stream):
-            if piece.finish in ("error", "cancelled"):
-                error = anthropic.error_body(_ended_early(piece))["error"]
-                await response.write(anthropic.event("error", error=error))
-                break
-            if not started:
-                use = anthropic.usage(prepared.prompt_tokens, 0, stream.handle.cached_tokens)
-                start = anthropic.message(
-                    anthropic.new_message_id(), self.options.model_name, [], (None, None), use
-                )
-                await response.write(anthropic.event("message_start", message=start))
-                started = True
-            tokens += piece.tokens
-            for kind, part in _reply_parts(c, piece.text, piece.finish is not None):
-                if isinstance(part, ToolCall):
-                    events = blocks.call(part)
-                else:
-                    events = blocks.text("thinking" if kind == "reasoning" else "text", part)
-                for chunk in events:
-                    await response.write(chunk)
-            if piece.finish is not None:
-                for chunk in blocks.close():
-                    await response.write(chunk)
-                calls = c.splitter is not None and c.splitter.calls > 0
-                reason, sequence = anthropic.stop_reason(piece.finish, calls, piece.stop)
-                delta = {"stop_reason": reason, "stop_sequence": sequence}
-                await response.write(
-                    anthropic.event("message_delta", delta=delta, usage={"output_tokens": tokens})
-                )
-                await response.write(anthropic.event("message_stop"))
-                self._observe(stream)
-        await response.write_eof()
-        return response
-
-    # ---- OpenAI's Responses API ----------------------------------------------------------------------------
-
-    async def responses(self, request: web.Request) -> web.StreamResponse:
-        return await self._counted("responses", request, self._responses)
-
-    async def _responses(self, request: web.Request) -> web.StreamResponse:
-        """``POST /v1/responses``: the body read as a chat (`responses.to_chat`), served by the chat path, and
-        answered as the Responses API's output items; the reply kept for a later ``previous_response_id``."""
-        asked = responses.to_chat(await _json_body(request), self.kept)
-        _, prepared = await self._chat_prepared(asked.chat)
-        assert self.engine is not None
-        self._admit(1)
-        self.counters.prompt_tokens += prepared.prompt_tokens
-        reply = _Reply(responses.new_id("resp"), int(time.time()), asked, prepared)
-        stream = self.engine.submit(prepared.request)
-        try:
-            if prepared.stream:
-                return await self._stream_response(request, stream, reply)
-            whole = await self._collect(stream, prepared, chat=True)
-            parts = _reply_parts(_Choice(0, prepared), whole.text, True)
-            status = "incomplete" if whole.end == "length" else "completed"
-            body = self._response_object(
-                reply, status, responses.output_items(parts), parts, stream, whole.tokens
-            )
-            return web.json_response(body)
-        finally:
-            stream.close()
-
-    async def _stream_response(
-        self, request: web.Request, stream: Stream, reply: _Reply
-    ) -> web.StreamResponse:
-        """The reply as the Responses API's events: ``response.created`` and ``response.in_progress``, each
-        output item as it comes (opened, its deltas, closed), then ``response.completed`` (or
-        ``response.incomplete``, cut by ``max_output_tokens``); ``response.failed`` where it ended early."""
-        response = web.StreamResponse(headers=SSE_HEADERS)
-        await response.prepare(request)
-        events, c = responses.EventStream(), _Choice(0, reply.prepared)
-        start = responses.response(
-            reply.id, reply.created, self.options.model_name, reply.asked.echo, "in_progress", [], None
-        )
-        await response.write(events.event("response.created", response=start))
-        await response.write(events.event("response.in_progress", response=start))
-        tokens, parts = 0, []
-        async for piece in self._pieces(stream):
-            if piece.finish in ("error", "cancelled"):
-                error = {"code": "server_error", "message": _ended_early(piece).message}
-                await response.write(
-                    events.event("error", code=error["code"], message=error["message"], param=None)
-                )
-                failed = responses.response(
-                    reply.id,
-                    reply.created,
-                    self.options.model_name,
-                    reply.asked.echo,
-                    "failed",
-                    events.items,
-                    None,
-                    error,
-                )
-                await response.write(events.event("response.failed", response=failed))
-                break
-            tokens += piece.tokens
-            for kind, part in _reply_parts(c, piece.text, piece.finish is not None):
-                parts.append((kind, part))
-                chunks = events.call(part) if isinstance(part, ToolCall) else events.text(kind, str(part))
-                for chunk in chunks:
-                    await response.write(chunk)
-            if piece.finish is not None:
-                for chunk in events.close():
-                    await response.write(chunk)
-                status = "incomplete" if piece.finish == "length" else "completed"
-                body = self._response_object(reply, status, events.items, parts, stream, tokens)
-                await response.write(events.event(f"response.{status}", response=body))
-                self._observe(stream)
-        await response.write_eof()
-        return response
-
-    def _response_object(
-        self,
-        reply: _Reply,
-        status: str,
-        output: list[dict[str, Any]],
-        parts: list[tuple[str, str | ToolCall]],
-        stream: Stream,
-        tokens: int,
-    ) -> dict[str, Any]:
-        """A finished reply's response object, kept where the request asked (``store``)."""
-        thought = "".join(p for kind, p in parts if kind == "reasoning" and isinstance(p, str))
-        # The reasoning's tokens as the tokenizer reads its text back, with its two tags; at most the reply's.
-        reasoning = len(self._engine().tokenizer.encode(thought)) + 2 if thought else 0
-        prepared = reply.prepared
-        use = responses.usage(
-            prepared.prompt_tokens, tokens, stream.handle.cached_tokens, min(reasoning, tokens)
-        )
-        model, echo = self.options.model_name, reply.asked.echo
-        body = responses.response(reply.id, reply.created, model, echo, status, output, use)
-        if reply.asked.store:
-            messages = [*reply.asked.history, responses.reply_message(parts)]
-            self.kept.put(reply.id, responses.Kept(messages, body))
-        return body
-
-    async def stored_response(self, request: web.Request) -> web.Response:
-        """``GET /v1/responses/{id}``: a reply kept with ``store``."""
-        found = self.kept.get(request.match_info["response_id"])
-        if found is None:
-            raise p.ApiError(
-                404,
-                f"no stored response `{request.match_info['response_id']}` (this server keeps the last "
-                f"{self.kept.most} replies made with `store`, in memory, until it restarts)",
-                "response_id",
-                code="response_not_found",
-            )
-        return web.json_response(found.response)
 
     async def _check_grammar(self, grammar: str | None, field: str) -> None:
         """A 400 naming ``field`` where a request's grammar does not compile over the model's vocabulary
@@ -701,6 +468,29 @@ class Server:
         assert self.engine is not None and self.engine.engine is not None
         return self.engine.engine
 
+    # ---- what the other APIs' endpoints use: the chat path as a whole ----------------------------------
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The loaded engine's tokenizer."""
+        return self._engine().tokenizer
+
+    async def read_json(self, request: web.Request) -> Any:
+        """A request's JSON body; 415 or 400 where it is not JSON."""
+        return await _json_body(request)
+
+    def chat_prompt(self, body: p.ChatBody, tools: ToolUse | None) -> list[int]:
+        """A chat body's prompt ids, as the chat path reads them."""
+        return _chat_prompt(self._engine().tokenizer, body, tools)
+
+    def submit(self, prepared: p.Prepared) -> Stream:
+        """Admit one prepared request (`_admit`: a 429 at capacity), count its prompt and hand it to the
+        engine; the caller closes the stream."""
+        assert self.engine is not None
+        self._admit(1)
+        self.counters.prompt_tokens += prepared.prompt_tokens
+        return self.engine.submit(prepared.request)
+
     async def _run(self, request: web.Request, batch: list[p.Prepared], *, chat: bool) -> web.StreamResponse:
         """Run a request's choices (its prompts times ``n``), each a request of its own in the engine, side by
         side; answer them whole or streamed, a choice each in order."""
@@ -743,7 +533,7 @@ class Server:
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
 
-    def _observe(self, stream: Stream) -> None:
+    def observe(self, stream: Stream) -> None:
         """A completed request's latency, time to its first token and time per token after it."""
         c = self.counters
         c.latency.observe(time.monotonic() - stream.submitted_at)
@@ -754,7 +544,7 @@ class Server:
         if stream.tokens > 1:
             c.per_token.observe((last - first) / (stream.tokens - 1))
 
-    async def _pieces(self, stream: Stream) -> AsyncIterator[Piece]:
+    async def pieces(self, stream: Stream) -> AsyncIterator[Piece]:
         """The request's text as the engine sends it (stop strings already cut), ending with its finish."""
         async for event in stream.events():
             self._count_event(event.token_ids, event.accepted_proposals)
@@ -775,7 +565,7 @@ class Server:
     async def _whole(self, streams: list[Stream], batch: list[p.Prepared], *, chat: bool) -> web.Response:
         """The whole reply: a choice per stream, in order, and the usage of them all."""
         tasks = [
-            asyncio.ensure_future(self._collect(s, prepared, chat))
+            asyncio.ensure_future(self.collect(s, prepared, chat))
             for s, prepared in zip(streams, batch, strict=True)
         ]
         try:
@@ -788,7 +578,7 @@ class Server:
         model, rid = self.options.model_name, batch[0].request.request_id
         choices = []
         for i, (whole, prepared) in enumerate(zip(done, batch, strict=True)):
-            reasoning, words, calls = _read_reply(prepared, whole.text)
+            reasoning, words, calls = read_reply(prepared, whole.text)
             end: p.OpenAIFinish = "tool_calls" if calls and whole.end == "stop" else whole.end
             body = p.choice(chat, i, words, end, whole.logprobs, calls)
             if prepared.thinking is not None:
@@ -796,7 +586,7 @@ class Server:
             choices.append(body)
         return web.json_response(p.response(chat, rid, model, choices, use))
 
-    async def _collect(self, stream: Stream, prepared: p.Prepared, chat: bool) -> _Whole:
+    async def collect(self, stream: Stream, prepared: p.Prepared, chat: bool) -> Whole:
         """A whole reply: its text (after the echoed prompt, where asked), how it ended, the tokens it
         generated, its ``logprobs`` object and what stopped it."""
         texts: list[str] = []
@@ -804,7 +594,7 @@ class Server:
         n = 0
         finish: str | None = None
         stop: str | int | None = None
-        async for piece in self._pieces(stream):
+        async for piece in self.pieces(stream):
             if piece.finish == "error":
                 raise p.ApiError(500, f"the engine failed this request: {piece.error}", type_="server_error")
             if piece.finish == "cancelled":
@@ -817,10 +607,10 @@ class Server:
                 entries += piece.logprobs
                 n += piece.tokens
             finish, stop = piece.finish, piece.stop
-        self._observe(stream)
+        self.observe(stream)
         lps = self._logprobs(prepared, entries, chat, 0, lead=prepared.echo is not None)
         end = _finish(finish) if prepared.generate else "length"
-        return _Whole((prepared.echo or "") + "".join(texts), end, n, lps, stop)
+        return Whole((prepared.echo or "") + "".join(texts), end, n, lps, stop)
 
     def _logprobs(
         self, prepared: p.Prepared, entries: list[TokenLogprob], chat: bool, offset: int, lead: bool = False
@@ -843,10 +633,10 @@ class Server:
         response = web.StreamResponse(headers=SSE_HEADERS)
         await response.prepare(request)
         rid, model, created = batch[0].request.request_id, self.options.model_name, int(time.time())
-        states = [_Choice(i, prepared) for i, prepared in enumerate(batch)]
+        states = [Choice(i, prepared) for i, prepared in enumerate(batch)]
 
         def chunk(
-            c: _Choice,
+            c: Choice,
             text: str | None,
             finish: str | None,
             entries: tuple[TokenLogprob, ...] = (),
@@ -877,7 +667,7 @@ class Server:
         arrivals: asyncio.Queue[tuple[int, Piece | None]] = asyncio.Queue()
 
         async def follow(i: int, stream: Stream) -> None:
-            async for piece in self._pieces(stream):
+            async for piece in self.pieces(stream):
                 await arrivals.put((i, piece))
             await arrivals.put((i, None))
 
@@ -895,7 +685,7 @@ class Server:
                 task.cancel()
         if not failed and all(c.finished for c in states):
             for stream in streams:
-                self._observe(stream)
+                self.observe(stream)
             if batch[0].include_usage:
                 kind = "chat.completion.chunk" if chat else "text_completion"
                 use = p.usage(
@@ -908,12 +698,12 @@ class Server:
 
     @staticmethod
     async def _stream_piece(
-        response: web.StreamResponse, c: _Choice, piece: Piece, chunk: Callable[..., dict[str, Any]]
+        response: web.StreamResponse, c: Choice, piece: Piece, chunk: Callable[..., dict[str, Any]]
     ) -> bool:
         """Send what one piece of choice ``c`` adds; False where it ended the request early (an error event
         went out)."""
         if piece.finish in ("error", "cancelled"):
-            await _send(response, _ended_early(piece).body())
+            await _send(response, ended_early(piece).body())
             return False
         if c.echo is not None:
             # The echoed prompt goes first, with its log-probabilities, which the first piece brings.
@@ -1005,34 +795,15 @@ class Server:
                 await asyncio.sleep(0.05)
 
 
-class _Choice:
-    """One choice of a streamed reply: where its text and log-probabilities stand."""
-
-    def __init__(self, index: int, prepared: p.Prepared) -> None:
-        self.index, self.prepared = index, prepared
-        self.echo = prepared.echo
-        """The prompt's text, until it is sent (with ``echo``)."""
-        self.offset = 0
-        """Where the next token's text starts, for a completion's logprobs."""
-        self.held: tuple[TokenLogprob, ...] = ()
-        """Log-probabilities of tokens whose text is not out yet."""
-        self.generated = 0
-        self.finished = False
-        self.splitter = CallSplitter() if prepared.tools is not None else None
-        """Reads a reply that was offered tools into its text and its calls as it streams."""
-        self.thinker = ThinkSplitter(prepared.thinking) if prepared.thinking is not None else None
-        """Reads a reply of a model that reasons into its reasoning and the rest as it streams."""
-
-
 async def _send_parts(
-    response: web.StreamResponse, c: _Choice, piece: Piece, chunk: Callable[..., dict[str, Any]]
+    response: web.StreamResponse, c: Choice, piece: Piece, chunk: Callable[..., dict[str, Any]]
 ) -> None:
     """Send what a piece of a chat reply that is read into parts adds: its reasoning as ``reasoning_content``
     deltas, the text outside calls as ``content``, each call as a ``tool_calls`` delta once it is closed (a
     tail that may begin a tag is held back until it is known), and the finish, as ``tool_calls`` where the
     reply made calls and ended by itself. The pieces' log-probabilities go with the first chunk sent."""
     done = piece.finish is not None
-    deltas = _deltas(c, _reply_parts(c, piece.text, done))
+    deltas = _deltas(c, reply_parts(c, piece.text, done))
     if done and not deltas:
         deltas.append({})
     for k, delta in enumerate(deltas):
@@ -1041,14 +812,7 @@ async def _send_parts(
         c.held = ()
 
 
-def _ended_early(piece: Piece) -> p.ApiError:
-    """The error of a request the engine ended early: it failed (500), or the server is stopping (503)."""
-    why = piece.error if piece.finish == "error" else "the server is shutting down"
-    status = 500 if piece.finish == "error" else 503
-    return p.ApiError(status, f"the request ended early: {why}", type_="server_error")
-
-
-def _deltas(c: _Choice, parts: list[tuple[str, str | ToolCall]]) -> list[dict[str, Any]]:
+def _deltas(c: Choice, parts: list[tuple[str, str | ToolCall]]) -> list[dict[str, Any]]:
     """The chat deltas of a stretch of choice ``c``'s reply (`_reply_parts`): neighbouring text of one kind
     in one delta, each call in a ``tool_calls`` delta numbered from the reply's first call."""
     first = (c.splitter.calls if c.splitter is not None else 0) - sum(
@@ -1066,36 +830,6 @@ def _deltas(c: _Choice, parts: list[tuple[str, str | ToolCall]]) -> list[dict[st
         else:
             deltas.append({key: part})
     return deltas
-
-
-def _reply_parts(c: _Choice, text: str, done: bool) -> list[tuple[str, str | ToolCall]]:
-    """What a stretch of a streamed reply says, in order: ``("reasoning", text)``, ``("content", text)`` and
-    ``("call", ToolCall)``, as choice ``c``'s splitters read it (held tails given where ``done``)."""
-    thought = [("content", text)] if c.thinker is None else c.thinker.feed(text)
-    if done and c.thinker is not None:
-        thought += c.thinker.close()
-    out: list[tuple[str, str | ToolCall]] = []
-    for kind, words in thought:
-        if kind == "reasoning" or c.splitter is None:
-            out += [(kind, words)] if words else []
-        else:
-            out += [("call" if isinstance(x, ToolCall) else "content", x) for x in c.splitter.feed(words)]
-    if done and c.splitter is not None:
-        out += [("call" if isinstance(x, ToolCall) else "content", x) for x in c.splitter.close()]
-    return out
-
-
-def _read_reply(prepared: p.Prepared, text: str) -> tuple[str | None, str | None, list[ToolCall]]:
-    """A whole chat reply's reasoning (where the model reasons), its text and its calls (where it was
-    offered tools)."""
-    words: str | None = text
-    calls: list[ToolCall] = []
-    reasoning: str | None = None
-    if prepared.thinking is not None:
-        reasoning, words = split_thinking(text, prepared.thinking)
-    if prepared.tools is not None:
-        words, calls = split_reply(words or "")
-    return reasoning, words, calls
 
 
 def _chat_prompt(tokenizer: Tokenizer, body: p.ChatBody | p.TokenizeBody, tools: ToolUse | None) -> list[int]:

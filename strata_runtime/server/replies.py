@@ -1,0 +1,99 @@
+"""A generation request's reply as the server reads it, shared by the APIs it answers in (OpenAI's chat and
+completions, Anthropic's Messages, OpenAI's Responses): the pieces the engine sends, a whole reply gathered
+from them, and a chat reply read, as it streams or whole, into its reasoning, its text and its calls."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..api import TokenLogprob
+from ..chat import CallSplitter, ThinkSplitter, ToolCall, split_reply, split_thinking
+from . import protocol as p
+
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+"""A streamed reply's headers: server-sent events, not cached, not buffered by a proxy in front."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A stretch of a request's reply: its text, the tokens it took, and how the request ended, if it did."""
+
+    text: str
+    finish: str | None
+    tokens: int
+    error: str | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
+    """The tokens' log-probabilities, where the request asked for them."""
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    """The prompt's, in the first piece, where an echoed completion asked for them."""
+    stop: str | int | None = None
+    """In the last piece: the stop string or token that ended the reply (`api.TokenEvent.stop`)."""
+
+
+@dataclass(frozen=True)
+class Whole:
+    """A whole reply as `Server.collect` gathers it."""
+
+    text: str
+    end: p.OpenAIFinish
+    tokens: int
+    logprobs: dict[str, Any] | None
+    stop: str | int | None
+    """The stop string or token that ended it (`api.TokenEvent.stop`)."""
+
+
+class Choice:
+    """One choice of a streamed reply: where its text and log-probabilities stand."""
+
+    def __init__(self, index: int, prepared: p.Prepared) -> None:
+        self.index, self.prepared = index, prepared
+        self.echo = prepared.echo
+        """The prompt's text, until it is sent (with ``echo``)."""
+        self.offset = 0
+        """Where the next token's text starts, for a completion's logprobs."""
+        self.held: tuple[TokenLogprob, ...] = ()
+        """Log-probabilities of tokens whose text is not out yet."""
+        self.generated = 0
+        self.finished = False
+        self.splitter = CallSplitter() if prepared.tools is not None else None
+        """Reads a reply that was offered tools into its text and its calls as it streams."""
+        self.thinker = ThinkSplitter(prepared.thinking) if prepared.thinking is not None else None
+        """Reads a reply of a model that reasons into its reasoning and the rest as it streams."""
+
+
+def ended_early(piece: Piece) -> p.ApiError:
+    """The error of a request the engine ended early: it failed (500), or the server is stopping (503)."""
+    why = piece.error if piece.finish == "error" else "the server is shutting down"
+    status = 500 if piece.finish == "error" else 503
+    return p.ApiError(status, f"the request ended early: {why}", type_="server_error")
+
+
+def reply_parts(c: Choice, text: str, done: bool) -> list[tuple[str, str | ToolCall]]:
+    """What a stretch of a streamed reply says, in order: ``("reasoning", text)``, ``("content", text)`` and
+    ``("call", ToolCall)``, as choice ``c``'s splitters read it (held tails given where ``done``)."""
+    thought = [("content", text)] if c.thinker is None else c.thinker.feed(text)
+    if done and c.thinker is not None:
+        thought += c.thinker.close()
+    out: list[tuple[str, str | ToolCall]] = []
+    for kind, words in thought:
+        if kind == "reasoning" or c.splitter is None:
+            out += [(kind, words)] if words else []
+        else:
+            out += [("call" if isinstance(x, ToolCall) else "content", x) for x in c.splitter.feed(words)]
+    if done and c.splitter is not None:
+        out += [("call" if isinstance(x, ToolCall) else "content", x) for x in c.splitter.close()]
+    return out
+
+
+def read_reply(prepared: p.Prepared, text: str) -> tuple[str | None, str | None, list[ToolCall]]:
+    """A whole chat reply's reasoning (where the model reasons), its text and its calls (where it was
+    offered tools)."""
+    words: str | None = text
+    calls: list[ToolCall] = []
+    reasoning: str | None = None
+    if prepared.thinking is not None:
+        reasoning, words = split_thinking(text, prepared.thinking)
+    if prepared.tools is not None:
+        words, calls = split_reply(words or "")
+    return reasoning, words, calls
