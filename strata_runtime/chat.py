@@ -303,6 +303,27 @@ class ThinkSplitter:
             out.append((part, text))
 
 
+class ThinkCount:
+    """How many of a reply's tokens its think block took, both tags counted (a usage's
+    ``reasoning_tokens``), read from the reply's token ids as they come: the block is the reply's start
+    where its first token opens it, or where the prompt opened it (``opened``), up to ``</think>``."""
+
+    def __init__(self, opened: bool, open_id: int, close_id: int) -> None:
+        self.open_id, self.close_id = open_id, close_id
+        self.state = "in" if opened else "start"
+        self.tokens = 0
+
+    def feed(self, ids: Sequence[int]) -> None:
+        for t in ids:
+            if self.state == "done":
+                return
+            if self.state == "start" and t != self.open_id:
+                self.state = "done"
+                return
+            self.tokens += 1
+            self.state = "done" if t == self.close_id else "in"
+
+
 def split_thinking(text: str, opened: bool = False) -> tuple[str | None, str]:
     """A whole reply's reasoning (None where it has none) and the rest, as `ThinkSplitter` reads it."""
     splitter = ThinkSplitter(opened)

@@ -20,7 +20,7 @@ import pytest
 from srv_helpers import DEMO
 
 from strata_cfg.plan.from_profile import resolve_profile
-from strata_runtime.chat import ThinkSplitter, opens_thinking, reasons, split_thinking
+from strata_runtime.chat import ThinkCount, ThinkSplitter, opens_thinking, reasons, split_thinking
 from strata_runtime.engine import Engine
 from strata_runtime.server import ServeOptions, Server
 from strata_runtime.server import protocol as p
@@ -82,6 +82,19 @@ class ThinkingBytes(ByteTokenizer):
     SPECIALS = MappingProxyType({**ByteTokenizer.SPECIALS, "<think>": 259, "</think>": 260})
 
 
+def test_a_think_blocks_tokens_are_counted_with_both_tags_and_only_at_the_replys_start():
+    count = ThinkCount(False, 259, 260)
+    count.feed([259, 1, 2])
+    count.feed([3, 260, 4, 259, 5])
+    assert count.tokens == 5
+    late = ThinkCount(False, 259, 260)
+    late.feed([1, 259, 2, 260])
+    assert late.tokens == 0
+    opened = ThinkCount(True, 259, 260)
+    opened.feed([1, 2, 260, 3])
+    assert opened.tokens == 3
+
+
 def test_a_model_reasons_where_its_vocabulary_holds_the_tags_and_its_template_may_open_the_block():
     tok = ThinkingBytes(512)
     assert reasons(tok) and not reasons(ByteTokenizer(512))
@@ -134,10 +147,13 @@ NOW_TOOL = {"type": "function", "function": {"name": "now"}}
 
 
 def _serve(
-    tokenizer_class: type[ByteTokenizer], bodies: list[dict[str, Any]], path: str = "/v1/chat/completions"
+    tokenizer_class: type[ByteTokenizer],
+    bodies: list[dict[str, Any]],
+    path: str = "/v1/chat/completions",
+    streamed: dict[str, Any] | None = None,
 ) -> list[tuple[dict, list[dict]]]:
-    """Each body's whole reply and its streamed chunks (or events), from the demo engine served in process
-    with ``tokenizer_class`` as its tokenizer."""
+    """Each body's whole reply and its streamed chunks (or events; the streamed request with ``streamed``
+    added), from the demo engine served in process with ``tokenizer_class`` as its tokenizer."""
     plan = resolve_profile(DEMO)
 
     def factory(progress: Any) -> Engine:
@@ -160,7 +176,7 @@ def _serve(
                     assert r.status == 200, await r.text()
                     whole = await r.json()
                 chunks = []
-                async with s.post(url, json={**body, "stream": True}) as r:
+                async with s.post(url, json={**body, **(streamed or {}), "stream": True}) as r:
                     async for line in r.content:
                         data = line.decode().strip()
                         if data.startswith("data: ") and data != "data: [DONE]":
@@ -334,4 +350,28 @@ def test_the_responses_api_gives_the_reasoning_as_an_item_of_its_own():
         {**item, "id": events[-1]["response"]["output"][i]["id"]} for i, item in enumerate(whole["output"])
     ]
     use = whole["usage"]
-    assert 0 < use["output_tokens_details"]["reasoning_tokens"] <= use["output_tokens"]
+    if kinds == ["reasoning"]:  # never closed: every token is the block's
+        assert use["output_tokens_details"]["reasoning_tokens"] == use["output_tokens"]
+    else:
+        assert 0 < use["output_tokens_details"]["reasoning_tokens"] < use["output_tokens"]
+
+
+def test_reasoning_tokens_are_the_think_blocks_counted_whole_and_streamed():
+    """``completion_tokens_details.reasoning_tokens``: the tokens of the block the template opened, up to
+    the close a budget of 6 forces (7), whole and in a stream's usage chunk; a reply of a model without
+    think tags has no such count."""
+    ask = {
+        "model": "demo",
+        "messages": [{"role": "user", "content": "Think."}],
+        "max_tokens": 30,
+        "temperature": 0,
+    }
+    budgeted = {**ask, "thinking_token_budget": 6}
+    ((whole, chunks),) = _serve(
+        OpeningBytes, [budgeted], streamed={"stream_options": {"include_usage": True}}
+    )
+    assert whole["usage"]["completion_tokens_details"] == {"reasoning_tokens": 7}
+    (last,) = [c for c in chunks if c.get("usage")]
+    assert last["usage"]["completion_tokens_details"] == {"reasoning_tokens": 7}
+    ((plain, _),) = _serve(ByteTokenizer, [ask])
+    assert "completion_tokens_details" not in plain["usage"]

@@ -36,7 +36,7 @@ from . import protocol as p
 from .connection import AccessLog, JsonErrorRunner
 from .engine_loop import EngineFactory, EngineLoop, Stream
 from .metrics import ServerCounters, expert_cache, render
-from .replies import SSE_HEADERS, Choice, Piece, Whole, ended_early, read_reply, reply_parts
+from .replies import SSE_HEADERS, Choice, Piece, Whole, ended_early, read_reply, reply_parts, think_count
 from .tools import ToolUse, tool_use
 
 log = logging.getLogger("strata.serve")
@@ -386,7 +386,7 @@ class Server:
         tags = think_ids(engine.tokenizer)
         ends = thinking_at_end(engine.tokenizer, ids) if tags is not None else None
         if tags is not None:
-            prepared = replace(prepared, thinking=ends == "open")
+            prepared = replace(prepared, thinking=ends == "open", think_tags=tags)
         field = "tool_choice" if tools is not None and tools.grammar is not None else p.grammar_field(body)
         if tools is not None and tools.grammar is not None:
             await self._check_tools(tools)
@@ -469,11 +469,6 @@ class Server:
         return self.engine.engine
 
     # ---- what the other APIs' endpoints use: the chat path as a whole ----------------------------------
-
-    @property
-    def tokenizer(self) -> Tokenizer:
-        """The loaded engine's tokenizer."""
-        return self._engine().tokenizer
 
     async def read_json(self, request: web.Request) -> Any:
         """A request's JSON body; 415 or 400 where it is not JSON."""
@@ -560,6 +555,7 @@ class Server:
                 logprobs=event.logprobs,
                 prompt_logprobs=event.prompt_logprobs,
                 stop=event.stop,
+                token_ids=tuple(event.token_ids),
             )
 
     async def _whole(self, streams: list[Stream], batch: list[p.Prepared], *, chat: bool) -> web.Response:
@@ -574,7 +570,13 @@ class Server:
             for task in tasks:
                 task.cancel()
             raise
-        use = p.usage(_prompt_tokens(batch), sum(w.tokens for w in done), _cached_tokens(streams, batch))
+        thought = [w.reasoning_tokens for w in done if w.reasoning_tokens is not None]
+        use = p.usage(
+            _prompt_tokens(batch),
+            sum(w.tokens for w in done),
+            _cached_tokens(streams, batch),
+            sum(thought) if thought else None,
+        )
         model, rid = self.options.model_name, batch[0].request.request_id
         choices = []
         for i, (whole, prepared) in enumerate(zip(done, batch, strict=True)):
@@ -594,7 +596,10 @@ class Server:
         n = 0
         finish: str | None = None
         stop: str | int | None = None
+        thought = think_count(prepared)
         async for piece in self.pieces(stream):
+            if thought is not None:
+                thought.feed(piece.token_ids)
             if piece.finish == "error":
                 raise p.ApiError(500, f"the engine failed this request: {piece.error}", type_="server_error")
             if piece.finish == "cancelled":
@@ -610,7 +615,8 @@ class Server:
         self.observe(stream)
         lps = self._logprobs(prepared, entries, chat, 0, lead=prepared.echo is not None)
         end = _finish(finish) if prepared.generate else "length"
-        return Whole((prepared.echo or "") + "".join(texts), end, n, lps, stop)
+        reasoning = None if thought is None else thought.tokens
+        return Whole((prepared.echo or "") + "".join(texts), end, n, lps, stop, reasoning)
 
     def _logprobs(
         self, prepared: p.Prepared, entries: list[TokenLogprob], chat: bool, offset: int, lead: bool = False
@@ -688,8 +694,12 @@ class Server:
                 self.observe(stream)
             if batch[0].include_usage:
                 kind = "chat.completion.chunk" if chat else "text_completion"
+                thought = [c.reasoning_tokens for c in states if c.reasoning_tokens is not None]
                 use = p.usage(
-                    _prompt_tokens(batch), sum(c.generated for c in states), _cached_tokens(streams, batch)
+                    _prompt_tokens(batch),
+                    sum(c.generated for c in states),
+                    _cached_tokens(streams, batch),
+                    sum(thought) if thought else None,
                 )
                 await _send(response, p.usage_chunk(rid, model, created, kind, use))
         await response.write(b"data: [DONE]\n\n")
@@ -715,6 +725,7 @@ class Server:
                 await _send(response, chunk(c, "", "length"))
             return True
         c.generated += piece.tokens
+        c.count(piece)
         c.held += piece.logprobs
         if c.splitter is not None or c.thinker is not None:
             await _send_parts(response, c, piece, chunk)

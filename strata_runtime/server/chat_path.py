@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
 
-from ..api import Tokenizer
 from . import protocol as p
 
 if TYPE_CHECKING:
@@ -34,9 +33,6 @@ class ChatPath(Protocol):
     def kept(self) -> Store:
         """Replies of the Responses API kept for ``previous_response_id``."""
         ...
-
-    @property
-    def tokenizer(self) -> Tokenizer: ...
 
     async def read_json(self, request: web.Request) -> Any: ...
 

@@ -450,6 +450,8 @@ class Prepared:
     thinking: bool | None = None
     """A chat reply of a model that reasons (``<think>`` blocks): its reasoning is read apart from the rest
     (True: the prompt already opened the block). None: the reply is not read for reasoning."""
+    think_tags: tuple[int, int] | None = None
+    """The model's ``<think>`` and ``</think>`` ids, where it reasons: its usage counts the block's tokens."""
 
 
 def check_model(name: str, served: str) -> None:
@@ -711,15 +713,21 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+def usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, reasoning_tokens: int | None = None
+) -> dict[str, Any]:
     """OpenAI's usage counts; ``cached_tokens``: prompt tokens the engine did not read again, because a slot
-    kept them from an earlier request (``memory.prefix_reuse``)."""
-    return {
+    kept them from an earlier request (``memory.prefix_reuse``); ``reasoning_tokens``: those of the replies'
+    think blocks, where the model reasons (``completion_tokens_details``)."""
+    out: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+    if reasoning_tokens is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return out
 
 
 def choice(

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..api import TokenLogprob
-from ..chat import CallSplitter, ThinkSplitter, ToolCall, split_reply, split_thinking
+from ..chat import CallSplitter, ThinkCount, ThinkSplitter, ToolCall, split_reply, split_thinking
 from . import protocol as p
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -29,6 +29,7 @@ class Piece:
     """The prompt's, in the first piece, where an echoed completion asked for them."""
     stop: str | int | None = None
     """In the last piece: the stop string or token that ended the reply (`api.TokenEvent.stop`)."""
+    token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,8 @@ class Whole:
     logprobs: dict[str, Any] | None
     stop: str | int | None
     """The stop string or token that ended it (`api.TokenEvent.stop`)."""
+    reasoning_tokens: int | None = None
+    """The tokens its think block took (`chat.ThinkCount`); None where the model does not reason."""
 
 
 class Choice:
@@ -60,6 +63,25 @@ class Choice:
         """Reads a reply that was offered tools into its text and its calls as it streams."""
         self.thinker = ThinkSplitter(prepared.thinking) if prepared.thinking is not None else None
         """Reads a reply of a model that reasons into its reasoning and the rest as it streams."""
+        self.thought = think_count(prepared)
+        """Counts the tokens of its think block as they stream (`count`)."""
+
+    def count(self, piece: Piece) -> None:
+        """Count a piece's tokens that belong to the reply's think block."""
+        if self.thought is not None:
+            self.thought.feed(piece.token_ids)
+
+    @property
+    def reasoning_tokens(self) -> int | None:
+        """The tokens of the reply's think block so far; None where the model does not reason."""
+        return None if self.thought is None else self.thought.tokens
+
+
+def think_count(prepared: p.Prepared) -> ThinkCount | None:
+    """A counter of a chat reply's think-block tokens, where the model reasons."""
+    if prepared.thinking is None or prepared.think_tags is None:
+        return None
+    return ThinkCount(prepared.thinking, *prepared.think_tags)
 
 
 def ended_early(piece: Piece) -> p.ApiError:

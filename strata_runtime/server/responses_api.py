@@ -41,7 +41,8 @@ async def create(server: ChatPath, request: web.Request) -> web.StreamResponse:
         whole = await server.collect(stream, prepared, chat=True)
         parts = reply_parts(Choice(0, prepared), whole.text, True)
         status = "incomplete" if whole.end == "length" else "completed"
-        body = _finished(server, reply, status, responses.output_items(parts), parts, stream, whole.tokens)
+        output = responses.output_items(parts)
+        body = _finished(server, reply, status, output, parts, stream, whole.tokens, whole.reasoning_tokens)
         return web.json_response(body)
     finally:
         stream.close()
@@ -85,6 +86,7 @@ async def _streamed(
             await response.write(events.event("response.failed", response=failed))
             break
         tokens += piece.tokens
+        c.count(piece)
         for kind, part in reply_parts(c, piece.text, piece.finish is not None):
             parts.append((kind, part))
             chunks = events.call(part) if isinstance(part, ToolCall) else events.text(kind, part)
@@ -94,7 +96,7 @@ async def _streamed(
             for chunk in events.close():
                 await response.write(chunk)
             status = "incomplete" if piece.finish == "length" else "completed"
-            body = _finished(server, reply, status, events.items, parts, stream, tokens)
+            body = _finished(server, reply, status, events.items, parts, stream, tokens, c.reasoning_tokens)
             await response.write(events.event(f"response.{status}", response=body))
             server.observe(stream)
     await response.write_eof()
@@ -109,13 +111,11 @@ def _finished(
     parts: list[tuple[str, str | ToolCall]],
     stream: Stream,
     tokens: int,
+    reasoning_tokens: int | None,
 ) -> dict[str, Any]:
     """A finished reply's response object, kept where the request asked (``store``)."""
-    thought = "".join(x for kind, x in parts if kind == "reasoning" and isinstance(x, str))
-    # The reasoning's tokens as the tokenizer reads its text back, with its two tags; at most the reply's.
-    reasoning = len(server.tokenizer.encode(thought)) + 2 if thought else 0
     use = responses.usage(
-        reply.prepared.prompt_tokens, tokens, stream.handle.cached_tokens, min(reasoning, tokens)
+        reply.prepared.prompt_tokens, tokens, stream.handle.cached_tokens, reasoning_tokens or 0
     )
     model, echo = server.options.model_name, reply.asked.echo
     body = responses.response(reply.id, reply.created, model, echo, status, output, use)
