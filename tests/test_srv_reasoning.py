@@ -141,6 +141,18 @@ def test_chat_template_kwargs_reach_the_template_and_are_checked():
     with pytest.raises(p.ApiError) as info:
         p.parse_chat({**base, "chat_template_kwargs": ["enable_thinking"]})
     assert info.value.param == "chat_template_kwargs"
+    # `reasoning_effort` reaches the template; none and minimal turn thinking off, unless the kwargs say.
+    effort = p.template_kwargs(p.parse_chat({**base, "reasoning_effort": "none"}))
+    assert effort == {"reasoning_effort": "none", "enable_thinking": False}
+    assert bytes(tok.apply_chat_template(messages, None, effort)).startswith(b"hi<think>")
+    assert p.template_kwargs(p.parse_chat({**base, "reasoning_effort": "high"})) == {
+        "reasoning_effort": "high"
+    }
+    kept = {**base, "reasoning_effort": "minimal", "chat_template_kwargs": {"enable_thinking": True}}
+    assert p.template_kwargs(p.parse_chat(kept)) == {"reasoning_effort": "minimal", "enable_thinking": True}
+    with pytest.raises(p.ApiError) as info:
+        p.parse_chat({**base, "reasoning_effort": "max"})
+    assert info.value.param == "reasoning_effort"
 
 
 NOW_TOOL = {"type": "function", "function": {"name": "now"}}

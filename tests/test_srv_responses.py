@@ -12,6 +12,7 @@ import pytest
 from srv_helpers import Launched, http, launch
 
 from strata_runtime.chat import ToolCall
+from strata_runtime.server import protocol as p
 from strata_runtime.server import responses as r
 from strata_runtime.server.errors import ApiError
 
@@ -114,7 +115,8 @@ def test_a_responses_body_reads_as_the_chat_it_asks_for():
         "type": "json_schema",
         "json_schema": {"name": "w", "schema": {"type": "object"}, "strict": True},
     }
-    assert chat["chat_template_kwargs"] == {"enable_thinking": False}
+    assert chat["reasoning_effort"] == "minimal"
+    assert p.template_kwargs(p.parse_chat(chat)) == {"reasoning_effort": "minimal", "enable_thinking": False}
     assert chat["max_tokens"] == 9 and chat["temperature"] == 0.5 and chat["parallel_tool_calls"] is False
     assert (
         asked.store and asked.echo["instructions"] == "Be brief." and asked.echo["metadata"] == {"user": "u"}

@@ -133,6 +133,12 @@ class ChatMessage(_Strict):
     whether the prompt shows it (Qwen3's shows it only after the last user message)."""
 
 
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+"""OpenAI's reasoning efforts (``reasoning_effort`` on chat, ``reasoning.effort`` on the Responses API)."""
+NO_THINKING_EFFORTS = ("none", "minimal")
+"""The efforts that turn a model's thinking off, where its template has a switch (``enable_thinking``)."""
+
+
 class ChatBody(_Body):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -150,6 +156,10 @@ class ChatBody(_Body):
     thinking_token_budget: int | None = Field(default=None, ge=1)
     """An extension (as vLLM takes it): a model that reasons in think blocks reasons for at most this many
     tokens; after them the block is closed and the reply goes on."""
+    reasoning_effort: ReasoningEffort | None = None
+    """How hard a model that reasons should think: given to the chat template as ``reasoning_effort`` (the
+    templates of models with effort levels read it), and ``none`` or ``minimal`` turn Qwen3's thinking off
+    (``enable_thinking: false``) unless ``chat_template_kwargs`` says otherwise."""
 
 
 class TokenizeBody(_Strict):
@@ -858,7 +868,7 @@ TEMPLATE_OWN = frozenset({"messages", "tools", "add_generation_prompt"})
 
 def template_kwargs(body: ChatBody | TokenizeBody) -> dict[str, Any] | None:
     """A chat's ``chat_template_kwargs``, each key a name a template can read and none of the server's own
-    (`TEMPLATE_OWN`)."""
+    (`TEMPLATE_OWN`), after what its ``reasoning_effort`` gives the template (`ChatBody.reasoning_effort`)."""
     given = body.chat_template_kwargs
     for key in given or {}:
         field = f"chat_template_kwargs.{key}"
@@ -866,4 +876,10 @@ def template_kwargs(body: ChatBody | TokenizeBody) -> dict[str, Any] | None:
             raise ApiError(400, f"`{field}`: a template variable is a name (letters, digits and `_`)", field)
         if key in TEMPLATE_OWN:
             raise ApiError(400, f"`{field}` is set by the server (give `{key}` as its own field)", field)
-    return given or None
+    effort = body.reasoning_effort if isinstance(body, ChatBody) else None
+    if effort is None:
+        return given or None
+    implied: dict[str, Any] = {"reasoning_effort": effort}
+    if effort in NO_THINKING_EFFORTS:
+        implied["enable_thinking"] = False
+    return implied | (given or {})

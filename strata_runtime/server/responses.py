@@ -8,8 +8,8 @@ items an assistant's ``tool_calls``, ``function_call_output`` items ``tool`` mes
 item the next assistant message's ``reasoning_content``. ``tools`` (``function`` tools: ``name``,
 ``description``, ``parameters``) become functions; ``tool_choice`` and ``parallel_tool_calls`` carry over;
 ``text.format`` (``json_schema``, ``json_object``) becomes ``response_format``; ``reasoning.effort``
-``none`` or ``minimal`` turns the chat template's ``enable_thinking`` off; ``max_output_tokens`` becomes
-``max_tokens``.
+becomes ``reasoning_effort`` (``none`` or ``minimal`` turn Qwen3's thinking off); ``max_output_tokens``
+becomes ``max_tokens``.
 
 Replies are kept (``store``, the default) for a later request's ``previous_response_id``, which goes on
 from the conversation they end, and for ``GET /v1/responses/{id}``: in memory, at most `KEPT`, the least
@@ -24,9 +24,10 @@ import threading
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_args
 
 from ..chat import ToolCall
+from . import protocol as p
 from .errors import ApiError
 
 KEPT = 256
@@ -35,7 +36,6 @@ PASSED = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequenc
 """Fields a Responses body gives the chat path as they are (``top_k`` and ``seed`` as vLLM takes them)."""
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
 """A message item's parts that are text (a refusal's text is in its ``refusal``)."""
-EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
 
 def new_id(prefix: str) -> str:
@@ -281,10 +281,12 @@ def _text(value: Any) -> dict[str, Any]:
 
 
 def _reasoning(value: Any) -> dict[str, Any]:
+    """``reasoning.effort``, as chat's ``reasoning_effort`` (`protocol.ChatBody.reasoning_effort`)."""
     effort = value.get("effort") if isinstance(value, dict) else "?"
-    if effort is not None and effort not in EFFORTS:
-        raise ApiError(400, f"`reasoning.effort` must be one of {', '.join(EFFORTS)}", "reasoning.effort")
-    return {"chat_template_kwargs": {"enable_thinking": False}} if effort in ("none", "minimal") else {}
+    if effort is not None and effort not in get_args(p.ReasoningEffort):
+        efforts = ", ".join(get_args(p.ReasoningEffort))
+        raise ApiError(400, f"`reasoning.effort` must be one of {efforts}", "reasoning.effort")
+    return {} if effort is None else {"reasoning_effort": effort}
 
 
 def _echo(raw: dict[str, Any]) -> dict[str, Any]:
