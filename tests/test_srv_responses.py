@@ -287,8 +287,8 @@ def test_a_reply_whole_and_streamed_is_the_chat_endpoints_reply(client):
 
 def test_a_conversation_goes_on_from_a_stored_reply(engine: Launched, client):
     """``previous_response_id``: the second turn is the chat endpoint's reply to the whole conversation, and
-    reuses the first turn's kept tokens; a stored reply is given back by ``GET``, one made with ``store:
-    false`` is not, and an unknown one is a 404 naming the field."""
+    reuses the first turn's kept tokens; a stored reply is given back by ``GET`` until a ``DELETE`` lets
+    it go, one made with ``store: false`` is not, and an unknown one is a 404 naming the field."""
     question = _prompt()
     first = client.responses.create(model="demo", max_output_tokens=12, temperature=0, input=question)
     second = client.responses.create(
@@ -308,6 +308,11 @@ def test_a_conversation_goes_on_from_a_stored_reply(engine: Launched, client):
     assert second.usage.input_tokens == chat.usage.prompt_tokens  # the same conversation, token for token
     assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
     assert client.responses.retrieve(first.id).output_text == first.output_text
+    client.responses.delete(first.id)  # let go: neither given back nor continued from
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete(first.id)
     unkept = client.responses.create(model="demo", max_output_tokens=4, input=question, store=False)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(unkept.id)

@@ -125,6 +125,7 @@ class Server:
                     partial(self.counted, "responses", run=partial(responses_api.create, self)),
                 ),
                 web.get("/v1/responses/{response_id}", partial(responses_api.stored, self)),
+                web.delete("/v1/responses/{response_id}", partial(responses_api.drop, self)),
                 web.post("/tokenize", self.tokenize),
                 web.post("/detokenize", self.detokenize),
                 web.get("/tokenizer_info", self.tokenizer_info),
@@ -160,7 +161,7 @@ class Server:
             )
         asked = request.headers.get("Access-Control-Request-Headers", "Authorization, Content-Type")
         headers = {
-            "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+            "Access-Control-Allow-Methods": "GET, POST, DELETE, OPTIONS",
             "Access-Control-Allow-Headers": asked,
             "Access-Control-Max-Age": str(PREFLIGHT_MAX_AGE_S),
         }

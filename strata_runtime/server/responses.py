@@ -12,8 +12,9 @@ becomes ``reasoning_effort`` (``none`` or ``minimal`` turn Qwen3's thinking off)
 becomes ``max_tokens``.
 
 Replies are kept (``store``, the default) for a later request's ``previous_response_id``, which goes on
-from the conversation they end, and for ``GET /v1/responses/{id}``: in memory, at most `KEPT`, the least
-recently used let go first. Images, files, built-in tools and background runs are refused by name.
+from the conversation they end, and for ``GET /v1/responses/{id}`` (``DELETE`` lets one go): in memory,
+at most `KEPT`, the least recently used let go first. Images, files, built-in tools and background runs
+are refused by name.
 """
 
 from __future__ import annotations
@@ -65,6 +66,11 @@ class Store:
             self._kept.move_to_end(response_id)
             while len(self._kept) > self.most:
                 self._kept.popitem(last=False)
+
+    def drop(self, response_id: str) -> bool:
+        """Let a reply go; whether it was kept."""
+        with self._lock:
+            return self._kept.pop(response_id, None) is not None
 
     def get(self, response_id: str) -> Kept | None:
         with self._lock:

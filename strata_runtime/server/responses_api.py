@@ -1,6 +1,6 @@
 """The endpoints of OpenAI's Responses API: ``POST /v1/responses``, served by the chat path, its reply written
 back as output items, whole or as the API's numbered events, and kept for a later request; and ``GET
-/v1/responses/{id}``. How a body reads and how a reply is written are in `responses`."""
+/v1/responses/{id}`` and ``DELETE`` of it. How a body reads and how a reply is written are in `responses`."""
 
 from __future__ import annotations
 
@@ -50,16 +50,29 @@ async def create(server: ChatPath, request: web.Request) -> web.StreamResponse:
 
 async def stored(server: ChatPath, request: web.Request) -> web.Response:
     """``GET /v1/responses/{id}``: a reply kept with ``store``."""
-    found = server.kept.get(request.match_info["response_id"])
+    response_id = request.match_info["response_id"]
+    found = server.kept.get(response_id)
     if found is None:
-        raise p.ApiError(
-            404,
-            f"no stored response `{request.match_info['response_id']}` (this server keeps the last "
-            f"{server.kept.most} replies made with `store`, in memory, until it restarts)",
-            "response_id",
-            code="response_not_found",
-        )
+        raise _not_kept(server, response_id)
     return web.json_response(found.response)
+
+
+async def drop(server: ChatPath, request: web.Request) -> web.Response:
+    """``DELETE /v1/responses/{id}``: let a kept reply go; no later ``previous_response_id`` finds it."""
+    response_id = request.match_info["response_id"]
+    if not server.kept.drop(response_id):
+        raise _not_kept(server, response_id)
+    return web.json_response({"id": response_id, "object": "response", "deleted": True})
+
+
+def _not_kept(server: ChatPath, response_id: str) -> p.ApiError:
+    return p.ApiError(
+        404,
+        f"no stored response `{response_id}` (this server keeps the last {server.kept.most} replies made "
+        "with `store`, in memory, until it restarts)",
+        "response_id",
+        code="response_not_found",
+    )
 
 
 async def _streamed(
