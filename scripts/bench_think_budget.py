@@ -1,0 +1,74 @@
+"""What a think budget costs a reply that runs under it (no grammar), against the same reply free.
+
+One greedy request whose prompt opened a think block: free, and with a budget (``--budget``, half its
+tokens by default; with one token less than ``--tokens`` the two replies are the same but for the last
+token, which leaves the cost of stopping short of the forced token alone). Under the
+budget the block's tokens are chosen as the free reply's are (on the device, drafted, windows running
+ahead), except the one the spent budget forces, ``</think>``, which the host chooses; the windows before it
+stop short of it (docs/RUNTIME.md, "A budget with no grammar"). So the budget's reply is the free reply's
+first half, the close, then the model's own continuation. The arms alternate in one engine (A B A B ...),
+after a warm-up of each, and the medians are printed with their ratio; every reply runs to ``--tokens``
+(``ignore_eos``). The close is a token the free reply never chooses, so only the budget puts it there.
+Usage: ``python scripts/bench_think_budget.py [PROFILE] [--tokens N] [--budget N] [--repeats N]
+[--set KEY=VALUE ...]``
+(default: the demo profile, 200 tokens, 5 repeats).
+"""
+
+import argparse
+import statistics
+import time
+
+from strata_cfg.plan.from_profile import resolve_path
+from strata_runtime.api import Reasoning, Request, SamplingParams
+from strata_runtime.chat import think_ids
+from strata_runtime.engine import Engine
+
+PROMPT = "The old man looked at the sea and said"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("profile", nargs="?", default="profiles/demo.toml")
+    parser.add_argument("--tokens", type=int, default=200)
+    parser.add_argument("--budget", type=int, help="the think block's budget (default: half of --tokens)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a profile override")
+    args = parser.parse_args()
+    engine = Engine(resolve_path(args.profile, tuple(args.set)).plan)
+    prompt = tuple(engine.tokenizer.encode(PROMPT))
+
+    def run(sampling: SamplingParams) -> tuple[list[int], float]:
+        engine.forget_prefixes()  # each run reads its prompt
+        handle = engine.submit(Request(prompt, args.tokens, sampling, ignore_eos=True))
+        t0 = time.perf_counter()
+        while engine.step():
+            pass
+        seconds = time.perf_counter() - t0
+        return [t for _ in range(handle.events.qsize()) for t in handle.events.get().token_ids], seconds
+
+    free, _ = run(SamplingParams())
+    tags = think_ids(engine.tokenizer)
+    if (
+        tags is None or tags[1] in free
+    ):  # no think tags, or a reply that closes by itself: a token it never uses
+        unused = [t for t in range(engine.model.args.vocab_size - 1, 0, -1) if t not in free]
+        tags = (unused[1], unused[0])
+    budget = args.budget if args.budget is not None else args.tokens // 2
+    if not 1 <= budget < args.tokens:
+        parser.error(f"--budget must be at least 1 and less than --tokens ({args.tokens})")
+    budgeted = SamplingParams(reasoning=Reasoning(*tags, opened=True, budget=budget))
+    held, _ = run(budgeted)
+    assert held[:budget] == free[:budget] and held[budget] == tags[1], "the budget did not close the block"
+    rates: dict[str, list[float]] = {"free": [], f"a budget of {budget}": []}
+    for _ in range(args.repeats):
+        for arm, sampling in zip(rates, (SamplingParams(), budgeted), strict=True):
+            tokens, seconds = run(sampling)
+            rates[arm].append(len(tokens) / seconds)
+    for arm, values in rates.items():
+        print(f"{arm}: {statistics.median(values):.1f} tok/s ({', '.join(f'{v:.1f}' for v in values)})")
+    ratio = statistics.median(rates[f"a budget of {budget}"]) / statistics.median(rates["free"])
+    print(f"budget / free: {ratio:.2f}x, {args.tokens} tokens, the close at token {budget}")
+
+
+if __name__ == "__main__":
+    main()
