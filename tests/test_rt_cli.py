@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -317,3 +318,72 @@ def test_chat_refuses_bad_options_naming_them(option, needle) -> None:
         timeout=120,
     )
     assert out.returncode == 2 and needle in out.stderr, out.stderr
+
+
+@pytest.fixture(scope="module")
+def small_server(tmp_path_factory: pytest.TempPathFactory):
+    """The demo launched with a 256-token context and an API key (in ``STRATA_TEST_KEY``)."""
+    from srv_helpers import launch
+
+    launched = launch(tmp_path_factory.mktemp("chat-url"), "memory.context=256", key="chat-url-key")
+    yield launched
+    launched.stop()
+
+
+def chat_url(server, lines: list[str], *args: str) -> tuple[list[dict], str]:
+    """`strata chat --url` with ``lines`` as its input, greedy: each turn's JSON object, and stderr."""
+    out = subprocess.run(
+        [sys.executable, "-m", "strata_cfg", "chat", "--url", server.url, "--api-key-env", "STRATA_TEST_KEY"]
+        + ["--json", "--quiet", "--temperature", "0", *args],
+        input="".join(line + "\n" for line in lines),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "STRATA_TEST_KEY": server.key},
+    )
+    assert out.returncode == 0, out.stderr
+    return [json.loads(line) for line in out.stdout.splitlines()], out.stderr
+
+
+def test_chat_with_a_launched_engine_over_http_is_the_chat_run_here(small_server) -> None:
+    """`strata chat --url`: each turn sends the conversation to the engine's chat endpoint and streams the
+    reply back; greedy, the replies and prompts are those of the chat run here on the same profile, and the
+    second turn reuses the first's kept tokens."""
+    lines = ["Tell me about Emma.", "And her father?"]
+    over_http, _ = chat_url(small_server, lines, "--max-tokens", "24")
+    here, _ = chat(lines, "--max-tokens", "24", "--set", "memory.context=256")
+    assert [(t["reply"], t["prompt_tokens"]) for t in over_http] == [
+        (t["reply"], t["prompt_tokens"]) for t in here
+    ]
+    assert over_http[1]["cached_tokens"] > 0 and over_http[0]["finish_reason"] in ("length", "stop")
+
+
+def test_chat_over_http_leaves_the_oldest_turns_out_where_the_engine_says_they_do_not_fit(
+    small_server,
+) -> None:
+    """With a 256-token context and 40-token replies, the engine refuses a history that leaves no room
+    (``context_length_exceeded``): the oldest turns are left out, a message and its reply together, until
+    it fits; a message that cannot fit alone is not sent, and the conversation goes on after it."""
+    long = [f"Message {i}: " + "the quick brown fox jumps over the lazy dog " * 2 for i in range(6)]
+    turns, err = chat_url(
+        small_server, [*long, "x" * 400, "short"], "--max-tokens", "40", "--system", "Be brief."
+    )
+    assert len(turns) == 7 and "(not sent:" in err and "context" in err
+    assert all(t["prompt_tokens"] + 40 <= 256 for t in turns)
+    dropped = [t["dropped_messages"] for t in turns]
+    assert dropped[0] == 0 and sum(dropped) > 0 and all(d % 2 == 0 for d in dropped)
+
+
+def test_chat_refuses_a_url_beside_a_profile_or_a_key_without_one() -> None:
+    for argv, needle in (
+        (["profiles/demo.toml", "--url", "http://127.0.0.1:9"], "one of them"),
+        (["--api-key-env", "X"], "goes with --url"),
+    ):
+        out = subprocess.run(
+            [sys.executable, "-m", "strata_cfg", "chat", *argv],
+            input="",
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 2 and needle in out.stderr, out.stderr

@@ -54,7 +54,11 @@ def exec_runtime(
     cmd: str, plan: LaunchPlan, extra_args: Sequence[str] = (), run_dir: str | os.PathLike[str] | None = None
 ) -> NoReturn:
     """Replace this process with the runtime (signals and the terminal go straight to the engine)."""
-    argv = runtime_command(cmd, plan, extra_args, run_dir)
+    exec_argv(runtime_command(cmd, plan, extra_args, run_dir))
+
+
+def exec_argv(argv: list[str]) -> NoReturn:
+    """Replace this process with ``argv`` (a runtime command line, `runtime_argv`)."""
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(argv[0], argv)
