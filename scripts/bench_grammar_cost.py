@@ -6,10 +6,10 @@ after a warm-up of each, and the medians are printed with their ratio. Under a g
 every token over the allowed ones and decides the drafted windows (docs/RUNTIME.md, "Replies that follow a
 grammar"). Every reply runs to ``--tokens`` (``ignore_eos``), so both arms generate as many tokens.
 
-On a GPU in float16, a window of another shape (the adaptive solo depth may draft deeper in one arm)
-rounds a row's logits differently, and where two tokens are nearly tied (random weights have many such
-places) greedy text can part there; the script then says where the arms' texts first differ, and the rates
-still compare equal numbers of tokens. ``--set spec.adaptive_depth=false`` keeps every window's shape.
+On a synthetic preset the arms' texts part: its vocabulary is far larger than its byte-level tokenizer, a
+random model often prefers an id the tokenizer has no text for, and no grammar allows a token without text.
+The script then says where the texts first differ, and the rates still compare equal numbers of tokens.
+``--set spec.adaptive_depth=false`` keeps every window's shape the same in both arms.
 Usage: ``python scripts/bench_grammar_cost.py [PROFILE] [--tokens N] [--repeats N] [--set KEY=VALUE ...]``
 (default: the demo profile, 200 tokens, 5 repeats).
 """
