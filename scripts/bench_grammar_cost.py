@@ -17,6 +17,7 @@ Usage: ``python scripts/bench_grammar_cost.py [PROFILE] [--tokens N] [--repeats 
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import llguidance
 
@@ -27,41 +28,59 @@ from strata_runtime.engine import Engine
 PROMPT = "The old man looked at the sea and said"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def arguments(doc: str) -> argparse.ArgumentParser:
+    """The options of this script and of `bench_think_budget.py`: a profile, tokens, repeats, overrides."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("profile", nargs="?", default="profiles/demo.toml")
     parser.add_argument("--tokens", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a profile override")
-    args = parser.parse_args()
+    return parser
+
+
+def runner(args: argparse.Namespace) -> tuple[Engine, Callable[[SamplingParams], tuple[list[int], float]]]:
+    """The profile's engine, and a run of `PROMPT` to ``--tokens`` (``ignore_eos``) under given sampling:
+    its tokens and seconds, the prompt read each time."""
     engine = Engine(resolve_path(args.profile, tuple(args.set)).plan)
     prompt = tuple(engine.tokenizer.encode(PROMPT))
-    anything = llguidance.LLMatcher.grammar_from_regex(r"(?s:.*)")
 
-    def run(grammar: str | None) -> tuple[list[int], float]:
+    def run(sampling: SamplingParams) -> tuple[list[int], float]:
         engine.forget_prefixes()  # each run reads its prompt
-        handle = engine.submit(Request(prompt, args.tokens, SamplingParams(grammar=grammar), ignore_eos=True))
+        handle = engine.submit(Request(prompt, args.tokens, sampling, ignore_eos=True))
         t0 = time.perf_counter()
         while engine.step():
             pass
         seconds = time.perf_counter() - t0
         return [t for _ in range(handle.events.qsize()) for t in handle.events.get().token_ids], seconds
 
-    run(None)
-    run(anything)
+    return engine, run
+
+
+def report(rates: dict[str, list[float]]) -> float:
+    """Print each arm's median rate and its runs; the second arm's median over the first's."""
+    for arm, values in rates.items():
+        print(f"{arm}: {statistics.median(values):.1f} tok/s ({', '.join(f'{v:.1f}' for v in values)})")
+    first, second = (statistics.median(values) for values in rates.values())
+    return second / first
+
+
+def main() -> None:
+    args = arguments(__doc__).parse_args()
+    _, run = runner(args)
+    free_params = SamplingParams()
+    held = SamplingParams(grammar=llguidance.LLMatcher.grammar_from_regex(r"(?s:.*)"))
+    run(free_params)
+    run(held)
     rates: dict[str, list[float]] = {"free": [], "under a grammar": []}
     parted: list[int] = []
     for _ in range(args.repeats):
-        free, free_s = run(None)
-        shaped, shaped_s = run(anything)
+        free, free_s = run(free_params)
+        shaped, shaped_s = run(held)
         if free != shaped:
             parted.append(next(i for i, (a, b) in enumerate(zip(free, shaped, strict=True)) if a != b))
         rates["free"].append(len(free) / free_s)
         rates["under a grammar"].append(len(shaped) / shaped_s)
-    for arm, values in rates.items():
-        print(f"{arm}: {statistics.median(values):.1f} tok/s ({', '.join(f'{v:.1f}' for v in values)})")
-    ratio = statistics.median(rates["under a grammar"]) / statistics.median(rates["free"])
-    print(f"under a grammar / free: {ratio:.2f}x, {len(free)} tokens")
+    print(f"under a grammar / free: {report(rates):.2f}x, {args.tokens} tokens")
     if parted:
         print(f"the texts parted in {len(parted)} of {args.repeats} repeats, first at tokens {parted}")
     else:

@@ -14,38 +14,20 @@ Usage: ``python scripts/bench_think_budget.py [PROFILE] [--tokens N] [--budget N
 (default: the demo profile, 200 tokens, 5 repeats).
 """
 
-import argparse
-import statistics
-import time
+from bench_grammar_cost import arguments, report, runner
 
-from strata_cfg.plan.from_profile import resolve_path
-from strata_runtime.api import Reasoning, Request, SamplingParams
+from strata_runtime.api import Reasoning, SamplingParams
 from strata_runtime.chat import think_ids
-from strata_runtime.engine import Engine
-
-PROMPT = "The old man looked at the sea and said"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("profile", nargs="?", default="profiles/demo.toml")
-    parser.add_argument("--tokens", type=int, default=200)
+    parser = arguments(__doc__)
     parser.add_argument("--budget", type=int, help="the think block's budget (default: half of --tokens)")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a profile override")
     args = parser.parse_args()
-    engine = Engine(resolve_path(args.profile, tuple(args.set)).plan)
-    prompt = tuple(engine.tokenizer.encode(PROMPT))
-
-    def run(sampling: SamplingParams) -> tuple[list[int], float]:
-        engine.forget_prefixes()  # each run reads its prompt
-        handle = engine.submit(Request(prompt, args.tokens, sampling, ignore_eos=True))
-        t0 = time.perf_counter()
-        while engine.step():
-            pass
-        seconds = time.perf_counter() - t0
-        return [t for _ in range(handle.events.qsize()) for t in handle.events.get().token_ids], seconds
-
+    budget = args.budget if args.budget is not None else args.tokens // 2
+    if not 1 <= budget < args.tokens:
+        parser.error(f"--budget must be at least 1 and less than --tokens ({args.tokens})")
+    engine, run = runner(args)
     free, _ = run(SamplingParams())
     tags = think_ids(engine.tokenizer)
     if (
@@ -53,9 +35,6 @@ def main() -> None:
     ):  # no think tags, or a reply that closes by itself: a token it never uses
         unused = [t for t in range(engine.model.args.vocab_size - 1, 0, -1) if t not in free]
         tags = (unused[1], unused[0])
-    budget = args.budget if args.budget is not None else args.tokens // 2
-    if not 1 <= budget < args.tokens:
-        parser.error(f"--budget must be at least 1 and less than --tokens ({args.tokens})")
     budgeted = SamplingParams(reasoning=Reasoning(*tags, opened=True, budget=budget))
     held, _ = run(budgeted)
     assert held[:budget] == free[:budget] and held[budget] == tags[1], "the budget did not close the block"
@@ -64,10 +43,7 @@ def main() -> None:
         for arm, sampling in zip(rates, (SamplingParams(), budgeted), strict=True):
             tokens, seconds = run(sampling)
             rates[arm].append(len(tokens) / seconds)
-    for arm, values in rates.items():
-        print(f"{arm}: {statistics.median(values):.1f} tok/s ({', '.join(f'{v:.1f}' for v in values)})")
-    ratio = statistics.median(rates[f"a budget of {budget}"]) / statistics.median(rates["free"])
-    print(f"budget / free: {ratio:.2f}x, {args.tokens} tokens, the close at token {budget}")
+    print(f"budget / free: {report(rates):.2f}x, {args.tokens} tokens, the close at token {budget}")
 
 
 if __name__ == "__main__":

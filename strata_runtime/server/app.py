@@ -571,13 +571,7 @@ class Server:
             for task in tasks:
                 task.cancel()
             raise
-        thought = [w.reasoning_tokens for w in done if w.reasoning_tokens is not None]
-        use = p.usage(
-            _prompt_tokens(batch),
-            sum(w.tokens for w in done),
-            _cached_tokens(streams, batch),
-            sum(thought) if thought else None,
-        )
+        use = _usage(batch, streams, [w.tokens for w in done], [w.reasoning_tokens for w in done])
         model, rid = self.options.model_name, batch[0].request.request_id
         choices = []
         for i, (whole, prepared) in enumerate(zip(done, batch, strict=True)):
@@ -695,13 +689,8 @@ class Server:
                 self.observe(stream)
             if batch[0].include_usage:
                 kind = "chat.completion.chunk" if chat else "text_completion"
-                thought = [c.reasoning_tokens for c in states if c.reasoning_tokens is not None]
-                use = p.usage(
-                    _prompt_tokens(batch),
-                    sum(c.generated for c in states),
-                    _cached_tokens(streams, batch),
-                    sum(thought) if thought else None,
-                )
+                generated = [c.generated for c in states]
+                use = _usage(batch, streams, generated, [c.reasoning_tokens for c in states])
                 await _send(response, p.usage_chunk(rid, model, created, kind, use))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
@@ -875,6 +864,20 @@ def _chat_ids(
         return tokenizer.apply_chat_template(messages, offered, template_kwargs)
     except ChatTemplateError as exc:
         raise p.ApiError(400, str(exc), "messages") from None
+
+
+def _usage(
+    batch: list[p.Prepared], streams: list[Stream], generated: list[int], reasoning: list[int | None]
+) -> dict[str, Any]:
+    """A request's usage over its choices: each prompt counted once, every choice's tokens, those of their
+    think blocks where the model reasons."""
+    thought = [n for n in reasoning if n is not None]
+    return p.usage(
+        _prompt_tokens(batch),
+        sum(generated),
+        _cached_tokens(streams, batch),
+        sum(thought) if thought else None,
+    )
 
 
 def _prompt_tokens(batch: list[p.Prepared]) -> int:
