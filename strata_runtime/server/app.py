@@ -814,8 +814,8 @@ async def _send_parts(
 
 
 def _deltas(c: Choice, parts: list[tuple[str, str | ToolCall]]) -> list[dict[str, Any]]:
-    """The chat deltas of a stretch of choice ``c``'s reply (`replies.reply_parts`): neighbouring text of one kind
-    in one delta, each call in a ``tool_calls`` delta numbered from the reply's first call."""
+    """The chat deltas of a stretch of choice ``c``'s reply (`replies.reply_parts`): neighbouring text of
+    one kind in one delta, each call in a ``tool_calls`` delta numbered from the reply's first call."""
     first = (c.splitter.calls if c.splitter is not None else 0) - sum(
         isinstance(x, ToolCall) for _, x in parts
     )
