@@ -190,6 +190,63 @@ def test_a_batch_with_a_failed_choice_answers_at_once_and_cancels_the_others(pla
     assert asyncio.run(scenario()) == 0
 
 
+class _RefusesAll(_Wrapped):
+    """The real engine, which refuses every request at submission."""
+
+    def submit(self, request):
+        handle = RequestHandle(request)
+        handle.events.put(TokenEvent((), "", "error", 0, "refused by the test"))
+        return handle
+
+
+def test_a_request_the_engine_ends_early_fails_in_each_apis_own_shape(plan):
+    """The engine fails a request: the Responses API answers a whole one with a 500 in OpenAI's shape, and
+    ends a stream with ``error`` and ``response.failed`` (numbered on from ``response.created``); the
+    Messages API ends its stream with Anthropic's ``error`` event."""
+
+    async def scenario() -> int:
+        server, stop = (
+            _server(plan, lambda progress: _RefusesAll(Engine(plan, progress=progress))),
+            asyncio.Event(),
+        )
+        task = await _started(server, stop)
+        base = f"http://127.0.0.1:{server.port}"
+        async with aiohttp.ClientSession() as s:
+            await _until_ready(s, base)
+            ask = {"model": "demo", "input": "hi", "max_output_tokens": 8}
+            status, body = await _post(s, f"{base}/v1/responses", ask)
+            assert status == 500 and "refused by the test" in body["error"]["message"]
+            async with s.post(f"{base}/v1/responses", json={**ask, "stream": True}) as r:
+                events = [
+                    json.loads(line[len(b"data: ") :])
+                    async for line in r.content
+                    if line.startswith(b"data: ")
+                ]
+            assert [e["type"] for e in events] == [
+                "response.created",
+                "response.in_progress",
+                "error",
+                "response.failed",
+            ]
+            assert [e["sequence_number"] for e in events] == [0, 1, 2, 3]
+            failed = events[-1]["response"]
+            assert failed["status"] == "failed" and "refused by the test" in failed["error"]["message"]
+            message = {
+                "model": "demo",
+                "max_tokens": 8,
+                "stream": True,
+                "messages": [{"role": "user", "content": "hi"}],
+            }
+            async with s.post(f"{base}/v1/messages", json=message) as r:
+                lines = [line async for line in r.content if line.startswith(b"data: ")]
+            (last,) = [json.loads(line[len(b"data: ") :]) for line in lines]
+            assert last["type"] == "error" and "refused by the test" in last["error"]["message"]
+        stop.set()
+        return await task
+
+    assert asyncio.run(scenario()) == 0
+
+
 def test_sigterm_finishes_short_requests_and_cancels_long_ones_within_the_bound(plan, tmp_path):
     port = free_port()
     plan_file = write_plan(plan, tmp_path / "plan.json")
