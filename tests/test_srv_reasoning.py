@@ -387,3 +387,18 @@ def test_reasoning_tokens_are_the_think_blocks_counted_whole_and_streamed():
     assert last["usage"]["completion_tokens_details"] == {"reasoning_tokens": 7}
     ((plain, _),) = _serve(ByteTokenizer, [ask])
     assert "completion_tokens_details" not in plain["usage"]
+
+
+def test_the_responses_api_takes_a_thinking_budget():
+    """``thinking_token_budget`` on a Responses body closes the block the template opened after 5 tokens:
+    6 reasoning tokens with the close, then the message."""
+    ask = {
+        "model": "demo",
+        "input": "Think.",
+        "max_output_tokens": 30,
+        "temperature": 0,
+        "thinking_token_budget": 5,
+    }
+    ((whole, _),) = _serve(OpeningBytes, [ask], "/v1/responses")
+    assert [item["type"] for item in whole["output"]] == ["reasoning", "message"]
+    assert whole["usage"]["output_tokens_details"]["reasoning_tokens"] == 6

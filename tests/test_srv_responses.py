@@ -121,6 +121,8 @@ def test_a_responses_body_reads_as_the_chat_it_asks_for():
     assert (
         asked.store and asked.echo["instructions"] == "Be brief." and asked.echo["metadata"] == {"user": "u"}
     )
+    budgeted = r.to_chat({"model": "m", "input": "hi", "thinking_token_budget": 64}, r.Store())
+    assert p.parse_chat(budgeted.chat).thinking_token_budget == 64
     plain = r.to_chat({"model": "m", "input": "hi", "store": False}, r.Store())
     assert plain.chat["messages"] == [{"role": "user", "content": "hi"}] and not plain.store
 

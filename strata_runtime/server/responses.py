@@ -33,8 +33,18 @@ from .errors import ApiError
 
 KEPT = 256
 """Stored replies kept for ``previous_response_id``, the least recently used let go first."""
-PASSED = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "stream")
-"""Fields a Responses body gives the chat path as they are (``top_k`` and ``seed`` as vLLM takes them)."""
+PASSED = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "stream",
+    "thinking_token_budget",
+)
+"""Fields a Responses body gives the chat path as they are (``top_k``, ``seed`` and
+``thinking_token_budget`` as extensions, as the chat path takes them)."""
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
 """A message item's parts that are text (a refusal's text is in its ``refusal``)."""
 
