@@ -263,11 +263,9 @@ RUNTIME_MAY_IMPORT_FROM_CFG = {
     "strata_cfg.schema.presets": "a synthetic model's config.json: the preset table defines the model",
     "strata_cfg.schema.workloads": "the bench workloads, shared with the HTTP bench driver",
     "strata_cfg.schema.sampling_options": "the sampling options, checked as strata's own commands check them",
-    "strata_cfg.bench.http_driver": "the one HTTP client of a launched engine (a terminal chat with one)",
 }
 """Every strata_cfg module the runtime imports, and why."""
 ONLY_FROM = {
-    "strata_cfg.bench.http_driver": ("strata_runtime.commands.chat",),
     "strata_cfg.schema.presets": ("strata_runtime.weights.synthetic", "strata_runtime.bench.peer"),
     "strata_cfg.schema.workloads": ("strata_runtime.bench.", "strata_runtime.commands.bench"),
     "strata_cfg.schema.sampling_options": (

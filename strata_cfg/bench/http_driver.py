@@ -83,10 +83,6 @@ class Client:
         self.reused = True
         return r
 
-    def post(self, path: str, body: dict[str, Any]) -> http.client.HTTPResponse:
-        """The response to ``POST path`` with the JSON ``body``, its body not yet read."""
-        return self._send("POST", path, json.dumps(body))
-
     def get(self, path: str) -> tuple[int, bytes]:
         """The status and body of ``GET path``."""
         r = self._send("GET", path, None)

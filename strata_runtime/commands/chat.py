@@ -29,12 +29,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from strata_cfg.bench.http_driver import Client, served_model, sse_chunks
 from strata_cfg.schema.plan_file import read_plan
 from strata_cfg.schema.sampling_options import add_chat_arguments, chat_problem, sampling_options
 
 from ..api import Reasoning, Request, RequestHandle, SamplingParams, Tokenizer
 from ..chat import ThinkSplitter, think_ids, thinking_at_end
+from .http_client import Endpoint, events
 
 if TYPE_CHECKING:
     from ..engine import Engine
@@ -106,7 +106,8 @@ def _here(args: argparse.Namespace) -> Chat:
 
 def _over_http(args: argparse.Namespace) -> HttpChat:
     key = os.environ.get(args.api_key_env) if args.api_key_env else None
-    return HttpChat(Client(args.url, key, timeout=600.0), served_model(args.url, key), args)
+    endpoint = Endpoint(args.url, key)
+    return HttpChat(endpoint, endpoint.model(), args)
 
 
 @dataclass
@@ -238,8 +239,8 @@ class HttpChat:
     streamed back. Where the engine says the history outgrows its context, the oldest turn is left out and
     the turn is sent again."""
 
-    def __init__(self, client: Client, model: str, args: argparse.Namespace) -> None:
-        self.client, self.model, self.args = client, model, args
+    def __init__(self, endpoint: Endpoint, model: str, args: argparse.Namespace) -> None:
+        self.endpoint, self.model, self.args = endpoint, model, args
         self.messages = _history(args)
         self.turns = 0
 
@@ -247,7 +248,7 @@ class HttpChat:
         self.messages = _history(self.args)
 
     def close(self) -> None:
-        self.client.close()
+        self.endpoint.close()
 
     def _body(self) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -271,7 +272,7 @@ class HttpChat:
         self.messages.append({"role": "user", "content": text})
         head, dropped = (1 if self.args.system else 0), 0
         while True:
-            r = self.client.post("/v1/chat/completions", self._body())
+            r = self.endpoint.request("POST", "/v1/chat/completions", self._body())
             if r.status == 200:
                 break
             error = (json.loads(r.read() or b"{}").get("error") or {}) if r.status < 500 else {}
@@ -287,9 +288,7 @@ class HttpChat:
         self.turns += 1
         said, use = Said(not self.args.json), dict[str, Any]()
         try:
-            for chunk in sse_chunks(r):
-                if chunk is None:
-                    break
+            for chunk in events(r):
                 if "error" in chunk:
                     said.done("error")
                     print(f"\n(the engine ended the reply: {chunk['error'].get('message')})", file=sys.stderr)
@@ -301,9 +300,8 @@ class HttpChat:
                     said.say("content", delta.get("content") or "")
                     if choice.get("finish_reason"):
                         said.done(choice["finish_reason"])
-            r.read()
         except KeyboardInterrupt:
-            self.client.close()  # the server cancels a request whose client left
+            self.endpoint.close()  # the server cancels a request whose client left
             said.done("cancelled")
         self.messages.append(said.message())
         cached = (use.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
