@@ -343,12 +343,6 @@ def think_ids(tokenizer: Any) -> tuple[int, int] | None:
     return None
 
 
-def reasons(tokenizer: Any) -> bool:
-    """Whether a model reasons in ``<think>`` blocks (`think_ids`): a model's replies are read for
-    reasoning only then."""
-    return think_ids(tokenizer) is not None
-
-
 def thinking_at_end(tokenizer: Any, prompt: Sequence[int]) -> str | None:
     """How a chat prompt ends, for a model that reasons: ``"open"`` inside a think block its template
     opened (as the templates of models that always reason do: the reply begins with reasoning),
@@ -358,8 +352,3 @@ def thinking_at_end(tokenizer: Any, prompt: Sequence[int]) -> str | None:
     if tail.endswith(THINK_OPEN):
         return "open"
     return "closed" if tail.endswith(THINK_CLOSE) else None
-
-
-def opens_thinking(tokenizer: Any, prompt: Sequence[int]) -> bool:
-    """Whether a chat prompt ends inside a ``<think>`` block its template opened (`thinking_at_end`)."""
-    return thinking_at_end(tokenizer, prompt) == "open"

@@ -20,7 +20,7 @@ import pytest
 from srv_helpers import DEMO
 
 from strata_cfg.plan.from_profile import resolve_profile
-from strata_runtime.chat import ThinkCount, ThinkSplitter, opens_thinking, reasons, split_thinking
+from strata_runtime.chat import ThinkCount, ThinkSplitter, split_thinking, think_ids, thinking_at_end
 from strata_runtime.engine import Engine
 from strata_runtime.server import ServeOptions, Server
 from strata_runtime.server import protocol as p
@@ -97,9 +97,9 @@ def test_a_think_blocks_tokens_are_counted_with_both_tags_and_only_at_the_replys
 
 def test_a_model_reasons_where_its_vocabulary_holds_the_tags_and_its_template_may_open_the_block():
     tok = ThinkingBytes(512)
-    assert reasons(tok) and not reasons(ByteTokenizer(512))
-    assert opens_thinking(tok, tok.encode("user: hi\nassistant: <think>\n"))
-    assert not opens_thinking(tok, tok.encode("user: <think>\nassistant: "))
+    assert think_ids(tok) == (259, 260) and think_ids(ByteTokenizer(512)) is None
+    assert thinking_at_end(tok, tok.encode("user: hi\nassistant: <think>\n")) == "open"
+    assert thinking_at_end(tok, tok.encode("user: <think>\nassistant: ")) is None
 
 
 def test_an_hf_tokenizer_with_think_tokens_reasons(tmp_path):
@@ -111,7 +111,7 @@ def test_an_hf_tokenizer_with_think_tokens_reasons(tmp_path):
     tok.train_from_iterator(["let me think about it"] * 20, trainers.BpeTrainer(special_tokens=["<unk>"]))
     tok.add_tokens(["<think>", "</think>"])
     tok.save(str(tmp_path / "tokenizer.json"))
-    assert reasons(HFTokenizer(tmp_path, {}))
+    assert think_ids(HFTokenizer(tmp_path, {})) is not None
 
 
 def test_chat_template_kwargs_reach_the_template_and_are_checked():
