@@ -17,10 +17,10 @@ the reply, which goes on from it (``continue_final_message``). Images and docume
 from __future__ import annotations
 
 import json
-import uuid
 from typing import Any
 
 from ..chat import ToolCall
+from . import protocol as p
 from .errors import ApiError
 
 ERROR_TYPES = {
@@ -286,7 +286,7 @@ def field_of(param: str | None) -> str | None:
 
 
 def new_message_id() -> str:
-    return f"msg_{uuid.uuid4().hex[:24]}"
+    return p.new_id("msg", "_")
 
 
 def stop_reason(finish: str, calls: bool, stop: str | int | None) -> tuple[str, str | None]:

@@ -719,8 +719,10 @@ def logit_bias(bias: dict[str, float], vocab_size: int) -> tuple[tuple[int, floa
 OpenAIFinish = Literal["stop", "length", "tool_calls"]
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+def new_id(prefix: str, joint: str = "-") -> str:
+    """A fresh id: OpenAI's ``chatcmpl-...``, or with ``joint`` ``_`` Anthropic's ``msg_...`` and the
+    Responses API's ``resp_...``."""
+    return f"{prefix}{joint}{uuid.uuid4().hex[:24]}"
 
 
 def usage(

@@ -22,7 +22,6 @@ from __future__ import annotations
 import copy
 import json
 import threading
-import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, get_args
@@ -50,7 +49,8 @@ TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
 
 
 def new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
+    """A fresh id of the Responses API (``resp_...``, ``msg_...``)."""
+    return p.new_id(prefix, "_")
 
 
 @dataclass(frozen=True)
