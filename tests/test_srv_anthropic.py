@@ -221,6 +221,7 @@ def test_a_bad_messages_body_names_the_field(raw, param):
     with pytest.raises(ApiError) as info:
         a.to_chat(raw)
     assert (info.value.status, info.value.param) == (400, param)
+    assert f"`{param}`" in info.value.message  # the message names the field too
     assert a.error_body(info.value)["error"]["type"] == "invalid_request_error"
 
 

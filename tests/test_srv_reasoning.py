@@ -150,9 +150,23 @@ def test_chat_template_kwargs_reach_the_template_and_are_checked():
     }
     kept = {**base, "reasoning_effort": "minimal", "chat_template_kwargs": {"enable_thinking": True}}
     assert p.template_kwargs(p.parse_chat(kept)) == {"reasoning_effort": "minimal", "enable_thinking": True}
-    with pytest.raises(p.ApiError) as info:
-        p.parse_chat({**base, "reasoning_effort": "max"})
-    assert info.value.param == "reasoning_effort"
+    bad = [
+        ({"reasoning_effort": "max"}, "reasoning_effort", "should be 'none', 'minimal'"),
+        ({"thinking_token_budget": 0}, "thinking_token_budget", "greater than or equal to 1"),
+        (
+            {"messages": [{"role": "assistant", "content": "x", "reasoning_content": 3}]},
+            "messages.0.reasoning_content",
+            "a valid string",
+        ),
+    ]
+    for fields, param, why in bad:
+        with pytest.raises(p.ApiError) as info:
+            p.parse_chat({**base, **fields})
+        assert (
+            info.value.param == param
+            and info.value.message.startswith(f"`{param}`")
+            and why in info.value.message
+        )
 
 
 NOW_TOOL = {"type": "function", "function": {"name": "now"}}

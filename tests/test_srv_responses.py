@@ -174,6 +174,7 @@ def test_a_bad_responses_body_names_the_field(raw, param):
     with pytest.raises(ApiError) as info:
         r.to_chat(raw, r.Store())
     assert (info.value.status, info.value.param) == (400, param)
+    assert f"`{param}`" in info.value.message  # the message names the field too
 
 
 def test_the_chat_paths_fields_are_named_as_the_responses_api_names_them():
