@@ -207,6 +207,14 @@ class Matcher:
                 masks.append(_unpacked(ahead.compute_bitmask(), self.vocab_size))
         return masks
 
+    def forced(self, most: int) -> list[int]:
+        """The tokens the grammar forces next, at most ``most`` (llguidance's fast-forward tokens: the only
+        text the grammar allows from here, as the tokenizer spells it); empty where the next token is a
+        choice, or the grammar has ended."""
+        if most <= 0 or self._ll.is_stopped():
+            return []
+        return [int(t) for t in self._ll.compute_ff_tokens()[:most]]
+
     def accept(self, tokens: Iterable[int]) -> None:
         """The reply goes on with ``tokens``; `GrammarError` where the grammar does not allow one."""
         for t in tokens:

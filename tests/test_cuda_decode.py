@@ -347,6 +347,50 @@ def test_a_think_budget_on_gpu_closes_the_block_where_it_runs_out_while_windows_
             assert tokens[:budget] == free_tokens[:budget] and tokens[budget] == close
 
 
+def test_schema_replies_on_gpu_read_what_the_grammar_forces_as_proposals_and_keep_their_text(cp):
+    """Greedy and seeded sampled replies under a JSON schema on the GPU, alone in serial windows and in
+    drafting solo windows: with the grammar's forced tokens read as proposals (several rows a window)
+    the text is the text with forcing off, one token a window, and every reply is JSON of the schema."""
+    from strata_runtime.api import Request, SamplingParams
+    from strata_runtime.engine import Engine
+    from strata_runtime.structured import json_grammar
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 8},
+            "n": {"type": "integer", "minimum": 0, "maximum": 999},
+        },
+        "required": ["name", "n"],
+        "additionalProperties": False,
+    }
+    grammar = json_grammar(schema)
+    g = np.random.default_rng(37)
+    prompt = tuple(g.integers(33, 126, 14).tolist())
+    samplings = [SamplingParams(grammar=grammar), SamplingParams(temperature=0.8, seed=4, grammar=grammar)]
+    for plan in (_plan(cp, model="tiny", slots=1), _plan(cp, model="tiny", slots=1, draft_tokens=4)):
+        engine = Engine(plan)
+        texts = {}
+        for forcing in (False, True):
+            engine.forcing = forcing
+            before = engine.totals["forced"]
+            replies = []
+            for sampling in samplings:
+                handle = engine.submit(Request(prompt, 60, sampling))
+                while engine.step():
+                    pass
+                events = list(handle.events.queue)
+                assert events[-1].error is None and events[-1].finished == "stop"
+                replies.append([t for ev in events for t in ev.token_ids])
+            texts[forcing] = replies
+            assert (engine.totals["forced"] > before) == forcing
+        assert texts[True][0] == texts[False][0]
+        if not plan.spec.draft_tokens:  # drafted under a grammar, a sampled reply draws in another order
+            assert texts[True][1] == texts[False][1]
+        for tokens in texts[True]:
+            assert set(json.loads(bytes(tokens))) == {"name", "n"}
+
+
 def test_penalised_requests_on_gpu_run_ahead_with_the_text_the_host_verifies(cp):
     """Requests with a logit bias and penalties have their rows adjusted and chosen on the GPU, so their
     windows run ahead; greedy, their text is the text of solo drafting, whose windows the host verifies

@@ -313,6 +313,54 @@ def test_in_every_mode_replies_with_a_schema_are_json_that_follows_it_and_leave_
         assert len(tokens) < 80
 
 
+@pytest.mark.parametrize("mode", list(MODES))
+def test_in_every_mode_what_a_grammar_forces_is_read_as_proposals_and_changes_no_text(mode):
+    """Where a schema leaves one way on (its keys, the punctuation between them), the tokens are read as
+    proposals, several in one window, and verified as a drafter's. Greedy and sampled replies, each alone
+    and two together: greedy text is the text with forcing off (one token a window), and so is seeded
+    sampled text where the mode does not draft (each forced proposal takes the uniform its draw would
+    have), where fewer windows run with forcing than without. (A drafter under a grammar proposes forced
+    tokens too, its choices being over the allowed tokens: there forcing saves the drafting, at most as
+    many windows.)"""
+    eng = _engine(mode)
+    grammar = json_grammar(PERSON)
+    rng = random.Random(43)
+    prompts = [tuple(rng.randrange(33, 126) for _ in range(rng.randint(4, 30))) for _ in range(3)]
+    reqs = [
+        (0, Request(prompts[0], 80, SamplingParams(grammar=grammar))),
+        (0, Request(prompts[1], 80, SamplingParams(temperature=0.9, seed=3, grammar=grammar))),
+        (0, Request(prompts[2], 80, SamplingParams(grammar=grammar))),
+    ]
+    runs = {}
+    for forcing in (True, False):
+        eng.forcing = forcing
+        try:
+            before = dict(eng.totals)
+            alone = [collect(eng, [req])[0] for req in reqs[:2]]
+            together = collect(eng, [reqs[1], (2, reqs[2][1])])
+            after = eng.totals
+            runs[forcing] = (
+                alone,
+                together,
+                after["windows"] - before["windows"],
+                after["forced"] - before["forced"],
+                after["proposals"] + after["accepted"] - before["proposals"] - before["accepted"],
+            )
+        finally:
+            eng.forcing = True
+    alone, together, windows, forced, drafted = runs[True]
+    plain_alone, plain_together, plain_windows, none, _ = runs[False]
+    assert none == 0 and forced >= 2 * len(b'{"name":"')  # each reply's opening, at least
+    assert alone[0] == plain_alone[0] and together[1] == plain_together[1]  # greedy
+    if MODES[mode].get("draft_tokens"):  # the drafter, choosing over the allowed tokens, proposes them too
+        assert windows <= plain_windows
+    else:
+        assert windows < plain_windows and drafted == 0  # forced proposals are not counted as drafts
+        assert alone[1] == plain_alone[1] and together[0] == plain_together[0]  # seeded sampled
+    for tokens in (*alone, *together):
+        _follows_person(bytes(tokens))
+
+
 @functools.cache
 def _thinking_engine(mode: str) -> Engine:
     """`_engine`'s model with a tokenizer that has think tags."""

@@ -565,11 +565,14 @@ class Executor:
         plain = e.kind == "decode" and not e.proposals.tokens  # the drafter may read these rows later
         rows = normed[row : row + n]
         commit(self.model, slot.id, slot.length, kept, rows, verdict.tokens, self.tracked, defer=plain)
-        proposed = len(e.proposals.tokens)
         lps = self._logprobs(flight, slot, logit_row[row], verdict.tokens)
-        event = slot.advance(
-            kept, verdict.tokens, proposed, verdict.accepted, counted=e.on_device, logprobs=lps
-        )
+        if e.proposals.forced:  # a grammar's, not a drafter's: no measure of drafting
+            event = slot.advance(kept, verdict.tokens, 0, 0, logprobs=lps)
+        else:
+            proposed = len(e.proposals.tokens)
+            event = slot.advance(
+                kept, verdict.tokens, proposed, verdict.accepted, counted=e.on_device, logprobs=lps
+            )
         return [(slot, event)]
 
     @staticmethod

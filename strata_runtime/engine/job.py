@@ -106,10 +106,6 @@ class Job:
     def rows(self) -> int:
         return sum(len(e.tokens) for e in self.entries)
 
-    @property
-    def proposals(self) -> int:
-        return sum(len(e.proposals.tokens) for e in self.entries)
-
     def draws(self) -> Draws | None:
         """For each needed row, what the device draws it with (`strata_runtime.models.ops.choose.Draws`:
         1 / temperature, a uniform drawn now from the slot's generator, in launch order, top-k, top-p), or

@@ -53,6 +53,7 @@ from typing import Any
 from strata_cfg.schema.plan import LaunchPlan
 from strata_cfg.schema.windows import (
     BATCH_MTP_SLOTS_PER_WINDOW,
+    MAX_WINDOW_ROWS,
     batch_mtp_window,
     plain_windows,
     solo_window,
@@ -64,7 +65,7 @@ from ..model import Model
 from ..model.placed import WeightStore
 from ..structured import GrammarError, Grammars, grammars_for
 from ..weights.progress import Progress
-from . import device_spec
+from . import device_spec, speculative
 from .depth import Holds
 from .executor import Executor
 from .flight import Chained, Flight, Mark
@@ -103,6 +104,9 @@ class Engine:
         """What the windows measured, and each request's drafting depth and batch windows' kind from it."""
         self.depth = self.choice.depth
         """Proposals a solo window drafts at most after its token (0: the plan does not draft)."""
+        self.forcing = True
+        """Whether the tokens a request's grammar forces are read as proposals (`speculative.forced`), up to
+        a window's rows at once; off, one a window as any other token (`scripts/bench_forced.py` compares)."""
         self.pipelined = plan.batch.mode == "pipelined"
         self.executor = Executor(self.model, self.tracked, overlap=self.pipelined)
         self.store = PrefixStore(plan.prefix_store_pages, self.executor.page_bytes)
@@ -783,10 +787,17 @@ class Engine:
         ids = [s.id for s in decoding]
         by_id = {s.id: s for s in decoding}
         mtp = self.plan.batch.mtp and self._batch_mtp_serves(len(decoding))
+        forced: dict[int, Proposals] = {}  # what a grammar forces, proposed in a drafter's stead
         if len(decoding) == 1 and not prefilling and not pipelined:
-            room = min(self.depth, self.room(decoding[0]))
-            depth = decoding[0].gauge.depth(room)
-            paused = room > 0 and depth == 0
+            slot = decoding[0]
+            room = min(self.depth, self.room(slot))
+            most = min(MAX_WINDOW_ROWS - 1, self.room(slot)) if self.forcing else 0
+            given = speculative.forced(slot.sampler, most)
+            if given is not None:
+                forced[slot.id], depth, paused = given, len(given.tokens), False
+            else:
+                depth = slot.gauge.depth(room)
+                paused = room > 0 and depth == 0
             rows = solo_window(ids[0], depth)
             kind = "solo"
         elif mtp and self.choice.batch_drafts(decoding):
@@ -818,11 +829,13 @@ class Engine:
         for sid, depth in depths.items():
             slot, token = by_id[sid], by_id[sid].token
             assert token is not None  # a decoding slot has its next input
-            proposals = (
-                self.executor.draft(sid, token, depth, slot.sampler, on_device)
-                if depth > 0
-                else Proposals([], [])
-            )
+            given = forced.get(sid) or speculative.forced(slot.sampler, depth if self.forcing else 0)
+            if given is not None and len(given.tokens) == depth:
+                proposals = given  # a batch-MTP window's proposal too, where the grammar forces one
+            elif depth > 0:
+                proposals = self.executor.draft(sid, token, depth, slot.sampler, on_device)
+            else:
+                proposals = Proposals([], [])
             entries.append(Entry(slot, "decode", [token, *proposals.tokens], proposals))
         job = Job(kind, entries, paused=paused, spec_on_device=on_device)
         job.caught_up, job.draft_ms = self._caught_up() - caught_up, (time.perf_counter() - t0) * 1e3
@@ -933,7 +946,8 @@ class Engine:
         accepted = sum(ev.accepted_proposals for _, ev in events)
         # Proposals verified for a request: not those of rows queued past its end (discarded).
         kept = {slot.id for slot, _ in events}
-        proposals = sum(len(e.proposals.tokens) for e in job.entries if e.slot.id in kept)
+        verified = [e for e in job.entries if e.slot.id in kept]
+        proposals = sum(len(e.proposals.tokens) for e in verified if not e.proposals.forced)
         on_device = flight.spec is not None
         tokens = sum(len(ev.token_ids) for _, ev in events)
         window = WindowStat(
@@ -949,6 +963,7 @@ class Engine:
             job.caught_up,
             job.draft_ms,
             job.finish_ms,
+            sum(len(e.proposals.tokens) for e in verified if e.proposals.forced),
         )
         if job.kind == "solo" and timed:
             self.choice.observe_solo(job.entries[0].slot.sampler, job.rows, ms)

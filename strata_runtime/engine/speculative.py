@@ -34,6 +34,38 @@ class Proposals:
 
     tokens: list[int]
     q: list[np.ndarray]
+    forced: bool = False
+    """The tokens a request's grammar forces next (`forced`), not a drafter's: verified as any proposals,
+    but not counted as drafting (its gauge, its acceptance)."""
+
+
+def forced(sampler: Sampler, most: int) -> Proposals | None:
+    """The tokens a grammar-held request's grammar forces next, at most ``most``, as proposals; None where
+    it forces none (or holds no grammar).
+
+    A grammar forces a stretch of text where it allows only one way on: a JSON schema's keys and the
+    punctuation between them. Its tokens go into the window as proposals, so one window reads them all and
+    chooses the token after them. They are verified like a drafter's, each row's token chosen over the
+    tokens the grammar allows after the proposals before it; llguidance allows forced text only as it
+    spells it, so every forced proposal holds, greedy or sampled (q is certain of the token, which the
+    target's distribution over the one allowed token is too), and the text is the text of one token a
+    window.
+    """
+    grammar = sampler.grammar
+    if grammar is None or most <= 0:
+        return None
+    tokens = grammar.forced(most)
+    if not tokens:
+        return None
+    q = [] if sampler.greedy else [_certain(t, grammar.vocab_size) for t in tokens]
+    return Proposals(tokens, q, forced=True)
+
+
+def _certain(token: int, vocab_size: int) -> np.ndarray:
+    """The distribution [V] that is ``token`` for sure."""
+    q = np.zeros(vocab_size, dtype=np.float64)
+    q[token] = 1.0
+    return q
 
 
 DRAFT_WARMUP = 8

@@ -31,6 +31,8 @@ class WindowStat:
     deliveries where nothing ran ahead of it."""
     finish_ms: float = 0.0
     """Host wall time finishing it (reading its tokens, verifying, committing), part of ``ms``."""
+    forced: int = 0
+    """Tokens a request's grammar forced, read in it as proposals (not among ``proposals``)."""
 
 
 def window_name(w: WindowStat) -> str:
@@ -58,6 +60,7 @@ class WindowStats:
             "drafting_paused": 0,
             "silent_probes": 0,
             "silent_probes_held": 0,
+            "forced": 0,
         }
 
     @property
@@ -95,6 +98,7 @@ class WindowStats:
         t["ms"] += window.ms
         t["decided_on_device"] += window.on_device
         t["drafting_paused"] += window.paused
+        t["forced"] += window.forced
         each = self.named.setdefault(window_name(window), [0, 0.0, 0])
         each[0] += 1
         each[1] += window.ms
@@ -133,6 +137,8 @@ class WindowStats:
         by = t["solo_by_proposals"]
         if len(by) > 1:
             line += ", solo windows by proposals " + ", ".join(f"{d}: {by[d]}" for d in sorted(by, key=int))
+        if t["forced"]:
+            line += f", {t['forced']} tokens a grammar forced read as proposals"
         if t["discarded_rows"]:
             line += f", {t['discarded_rows']} rows run ahead past a stop and discarded"
         return line
