@@ -4,9 +4,11 @@ One greedy request under a JSON schema (a book's record by default, five require
 for another), with the engine's forcing off (every token chosen in a window of its own, or drafted) and on
 (the keys and punctuation the schema leaves no choice in read as proposals, up to seven a window:
 docs/RUNTIME.md, "Replies that follow a grammar"). The arms alternate in one engine (A B A B ...), after a
-warm-up of each, and the medians are printed with their ratio. Both arms must give the same text, which the
-script checks. A synthetic preset's tokenizer spells text byte by byte, so its forced stretches are
-several times longer in tokens than a real tokenizer's: there the gain is an upper bound.
+warm-up of each, and the medians are printed with their ratio. Both arms should give the same text, which
+the script checks and reports: on a GPU a window of several rows may round a row otherwise than a window
+of one, and on a random model's near ties the texts can then part. A synthetic preset's tokenizer spells
+text byte by byte, so its forced stretches are several times longer in tokens than a real tokenizer's:
+there the gain is an upper bound.
 Usage: ``python scripts/bench_forced.py [PROFILE] [--schema FILE] [--repeats N] [--set KEY=VALUE ...]``
 (default: the demo profile, 5 repeats; ``--tokens`` bounds a reply, 200 by default).
 """
@@ -48,23 +50,36 @@ def main() -> None:
         engine.forcing = forcing
         texts[arm], _ = run(held)
     rates: dict[str, list[float]] = {arm: [] for arm in arms}
+    parted: dict[str, list[int]] = {arm: [] for arm in arms}
     forced = tokens = 0
     for _ in range(args.repeats):
         for arm, forcing in arms.items():
             engine.forcing = forcing
             before = engine.totals["forced"]
             reply, seconds = run(held)
-            if reply != texts[arm] or reply != texts["one token a window"]:
-                raise SystemExit(f"{arm}: the reply changed ({bytes(reply[:60])!r}...)")
+            if reply != texts[arm]:
+                parted[arm].append(_parting(reply, texts[arm]))
             rates[arm].append(len(reply) / seconds)
             if forcing:
                 forced += engine.totals["forced"] - before
                 tokens += len(reply)
-    print(f"forced / one a window: {report(rates):.2f}x, {len(texts['one token a window'])}-token replies")
-    print(
-        f"{100 * forced / max(tokens, 1):.1f}% of the reply's tokens were forced; the same text in both arms"
-    )
-    print("reply:", engine.tokenizer.decode(texts["one token a window"])[:120])
+    print(f"forced / one a window: {report(rates):.2f}x")
+    print(f"{100 * forced / max(tokens, 1):.1f}% of the forcing arm's tokens were forced")
+    one, ahead = texts.values()
+    if one == ahead and not any(parted.values()):
+        print("the same text in both arms and in every repeat")
+    else:  # on a GPU a window's rows may round otherwise than one row's: a near tie can go either way
+        print(f"the arms' texts part at token {_parting(one, ahead)}")
+        print(f"repeats that parted from their arm's first reply, at tokens: {parted}")
+    for arm, reply in texts.items():
+        print(f"{arm} ({len(reply)} tokens): {engine.tokenizer.decode(reply)[:100]}")
+
+
+def _parting(a: list[int], b: list[int]) -> int:
+    """The first token at which two replies differ (-1 where they are the same)."""
+    if a == b:
+        return -1
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 if __name__ == "__main__":
