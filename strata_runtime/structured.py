@@ -215,6 +215,20 @@ class Matcher:
             return []
         return [int(t) for t in self._ll.compute_ff_tokens()[:most]]
 
+    def ends_within(self, tokens: Sequence[int]) -> int | None:
+        """How many of ``tokens`` complete the reply, where the grammar allows nothing more after them
+        (a window's last tokens past that point are not the reply's: an end-of-text token a request that
+        ignores it would keep, say); None where it goes on after all of them. The place does not move."""
+        if not tokens:
+            return None
+        ahead = self._ll.deep_copy()
+        for i, t in enumerate(tokens):
+            if ahead.is_stopped():
+                return i
+            if not ahead.consume_token(int(t)):
+                return None  # off the grammar: `accept` says so
+        return None
+
     def accept(self, tokens: Iterable[int]) -> None:
         """The reply goes on with ``tokens``; `GrammarError` where the grammar does not allow one."""
         for t in tokens:

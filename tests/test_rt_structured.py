@@ -329,7 +329,7 @@ def test_in_every_mode_what_a_grammar_forces_is_read_as_proposals_and_changes_no
     reqs = [
         (0, Request(prompts[0], 80, SamplingParams(grammar=grammar))),
         (0, Request(prompts[1], 80, SamplingParams(temperature=0.9, seed=3, grammar=grammar))),
-        (0, Request(prompts[2], 80, SamplingParams(grammar=grammar))),
+        (0, Request(prompts[2], 80, SamplingParams(grammar=grammar), ignore_eos=True)),
     ]
     runs = {}
     for forcing in (True, False):

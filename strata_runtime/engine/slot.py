@@ -115,6 +115,10 @@ class Slot:
         req = self.handle.request
         kept: list[int] = []
         stop: str | int | None = None
+        grammar = self.sampler.grammar
+        ends = None if grammar is None else grammar.ends_within(tokens)
+        if ends is not None:  # the reply is complete before the window's last tokens
+            tokens = tokens[:ends]
         for t in tokens:
             if t in self.stop_ids:
                 self.finished, stop = "stop", t
@@ -129,7 +133,6 @@ class Slot:
             self.sampler.record(kept, counted)  # the penalties of the next window count these
         except GrammarError as exc:  # a token outside the grammar: only a grammar with no way on gives one
             self.finished, error = "error", f"the reply left its grammar: {exc}"
-        grammar = self.sampler.grammar
         if self.finished is None and grammar is not None and grammar.finished:
             self.finished = "stop"  # the grammar allows nothing more: the reply is complete
         self.handle.completion_tokens = len(self.generated)
