@@ -348,9 +348,10 @@ def test_a_think_budget_on_gpu_closes_the_block_where_it_runs_out_while_windows_
 
 
 def test_schema_replies_on_gpu_read_what_the_grammar_forces_as_proposals_and_keep_their_text(cp):
-    """Greedy and seeded sampled replies under a JSON schema on the GPU, alone in serial windows and in
-    drafting solo windows: with the grammar's forced tokens read as proposals (several rows a window)
-    the text is the text with forcing off, one token a window, and every reply is JSON of the schema."""
+    """Greedy and seeded sampled replies under a JSON schema on the GPU (end-of-text ignored), alone in
+    solo windows, drafting or not, and together in serial windows: with the grammar's forced tokens read
+    as proposals (several rows a window) the text is the text with forcing off, one token a window, and
+    every reply is JSON of the schema, ending with it."""
     from strata_runtime.api import Request, SamplingParams
     from strata_runtime.engine import Engine
     from strata_runtime.structured import json_grammar
@@ -368,17 +369,22 @@ def test_schema_replies_on_gpu_read_what_the_grammar_forces_as_proposals_and_kee
     g = np.random.default_rng(37)
     prompt = tuple(g.integers(33, 126, 14).tolist())
     samplings = [SamplingParams(grammar=grammar), SamplingParams(temperature=0.8, seed=4, grammar=grammar)]
-    for plan in (_plan(cp, model="tiny", slots=1), _plan(cp, model="tiny", slots=1, draft_tokens=4)):
+    plans = [_plan(cp, model="tiny", slots=n, draft_tokens=d) for n, d in ((1, 0), (1, 4), (2, 0))]
+    for plan in plans:
         engine = Engine(plan)
         texts = {}
         for forcing in (False, True):
             engine.forcing = forcing
             before = engine.totals["forced"]
-            replies = []
-            for sampling in samplings:
-                handle = engine.submit(Request(prompt, 60, sampling))
-                while engine.step():
+            handles = []
+            for sampling in samplings:  # two slots: both at once, in serial windows of spare rows
+                handles.append(engine.submit(Request(prompt, 60, sampling, ignore_eos=True)))
+                while plan.batch.slots == 1 and engine.step():
                     pass
+            while engine.step():
+                pass
+            replies = []
+            for handle in handles:
                 events = list(handle.events.queue)
                 assert events[-1].error is None and events[-1].finished == "stop"
                 replies.append([t for ev in events for t in ev.token_ids])

@@ -822,6 +822,13 @@ class Engine:
             sid: min(sum(1 for r in rows if r.slot == sid) - 1, self.room(by_id[sid]))
             for sid in dict.fromkeys(r.slot for r in rows)
         }
+        spare = MAX_WINDOW_ROWS - len(rows) if self.forcing else 0
+        for sid, depth in depths.items():  # rows the window has room for go to what a grammar forces
+            if depth == 0 and spare > 0:
+                given = speculative.forced(by_id[sid].sampler, min(spare, self.room(by_id[sid])))
+                if given is not None:
+                    forced[sid], depths[sid] = given, len(given.tokens)
+                    spare -= len(given.tokens)
         host_only = any(by_id[sid].sampler.host_only for sid in depths)  # a grammar's: the host decides
         on_device = not host_only and self._decided_on_device(kind, [1 + d for d in depths.values()])
         entries = []
