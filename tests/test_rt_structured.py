@@ -320,8 +320,9 @@ def test_in_every_mode_what_a_grammar_forces_is_read_as_proposals_and_changes_no
     and two together: greedy text is the text with forcing off (one token a window), and so is seeded
     sampled text where the mode does not draft (each forced proposal takes the uniform its draw would
     have), where fewer windows run with forcing than without. (A drafter under a grammar proposes forced
-    tokens too, its choices being over the allowed tokens: there forcing saves the drafting, at most as
-    many windows.)"""
+    tokens too, its choices being over the allowed tokens: there forcing saves the drafting, and how many
+    windows run follows the depth that measured times choose.) Where the requests share windows, their
+    spare rows (or a batch-MTP window's proposal rows) carry forced tokens."""
     eng = _engine(mode)
     grammar = json_grammar(PERSON)
     rng = random.Random(43)
@@ -338,6 +339,7 @@ def test_in_every_mode_what_a_grammar_forces_is_read_as_proposals_and_changes_no
             before = dict(eng.totals)
             alone = [collect(eng, [req])[0] for req in reqs[:2]]
             together = collect(eng, [reqs[1], (2, reqs[2][1])])
+            shared = [w for w in list(eng.windows)[-40:] if w.kind != "solo" and w.forced]
             after = eng.totals
             runs[forcing] = (
                 alone,
@@ -345,16 +347,17 @@ def test_in_every_mode_what_a_grammar_forces_is_read_as_proposals_and_changes_no
                 after["windows"] - before["windows"],
                 after["forced"] - before["forced"],
                 after["proposals"] + after["accepted"] - before["proposals"] - before["accepted"],
+                shared,
             )
         finally:
             eng.forcing = True
-    alone, together, windows, forced, drafted = runs[True]
-    plain_alone, plain_together, plain_windows, none, _ = runs[False]
+    alone, together, windows, forced, drafted, shared = runs[True]
+    plain_alone, plain_together, plain_windows, none, _, _ = runs[False]
+    if mode != "solo":  # windows of both requests, in rows they had to spare (or a batch-MTP proposal)
+        assert shared
     assert none == 0 and forced >= 2 * len(b'{"name":"')  # each reply's opening, at least
     assert alone[0] == plain_alone[0] and together[1] == plain_together[1]  # greedy
-    if MODES[mode].get("draft_tokens"):  # the drafter, choosing over the allowed tokens, proposes them too
-        assert windows <= plain_windows
-    else:
+    if not MODES[mode].get("draft_tokens"):  # (drafting, the depth follows measured times)
         assert windows < plain_windows and drafted == 0  # forced proposals are not counted as drafts
         assert alone[1] == plain_alone[1] and together[0] == plain_together[0]  # seeded sampled
     for tokens in (*alone, *together):
