@@ -515,8 +515,8 @@ def test_a_reply_with_a_grammar_on_the_cuda_path_is_chosen_by_the_host_beside_wi
     """On a split whose serial windows run ahead (the device choosing tokens and the next window reading
     them), a request with a JSON schema gets its tokens chosen by the host over the allowed ones: its reply
     is the schema's JSON, the same greedy reply as on the array path, and the request beside it (greedy, its
-    tokens chosen on the device) gets the text it gets alone. With batch MTP both draft, and the replies are
-    the same."""
+    tokens chosen on the device) gets the text it gets alone. With batch MTP the replies are the same, with
+    the schema's forced tokens read as proposals and, with that off, with both requests drafting."""
     import json
 
     from strata_runtime.api import SamplingParams
@@ -534,8 +534,9 @@ def test_a_reply_with_a_grammar_on_the_cuda_path_is_chosen_by_the_host_beside_wi
 
     engines: list[Engine] = []
 
-    def generate(plan, requests) -> list[list[int]]:
+    def generate(plan, requests, forcing: bool = True) -> list[list[int]]:
         engine = Engine(plan)
+        engine.forcing = forcing
         engines.append(engine)
         handles = [engine.submit(r) for r in requests]
         while engine.step():
@@ -555,7 +556,9 @@ def test_a_reply_with_a_grammar_on_the_cuda_path_is_chosen_by_the_host_beside_wi
     )
     mtp = resolve_text(text, "cuda-mtp.toml").plan
     assert mtp.batch.mtp
-    assert generate(mtp, [shaped, plain]) == [reply, beside]
+    assert generate(mtp, [shaped, plain]) == [reply, beside]  # the schema's keys read as forced proposals
+    assert engines[-1].totals["forced"] > 0
+    assert generate(mtp, [shaped, plain], forcing=False) == [reply, beside]  # and drafted
     kinds = {w.kind for w in engines[-1].windows}
     assert "batch-mtp" in kinds and engines[-1].totals["accepted"] > 0
 

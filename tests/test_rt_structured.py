@@ -22,6 +22,7 @@ from strata_runtime.api import Reasoning, Request, SamplingParams
 from strata_runtime.engine import Engine
 from strata_runtime.layout import Layout
 from strata_runtime.model import Model
+from strata_runtime.server.metrics import engine_lines
 from strata_runtime.structured import GrammarError, Grammars, json_grammar, lark_grammar, reasoning_grammar
 from strata_runtime.weights.tokenizer import ByteTokenizer
 
@@ -356,6 +357,9 @@ def test_in_every_mode_what_a_grammar_forces_is_read_as_proposals_and_changes_no
     if mode != "solo":  # windows of both requests, in rows they had to spare (or a batch-MTP proposal)
         assert shared
     assert none == 0 and forced >= 2 * len(b'{"name":"')  # each reply's opening, at least
+    total = eng.totals["forced"]
+    assert f"{total} tokens a grammar forced" in eng.summary()
+    assert f"strata_forced_tokens_total {total}" in "\n".join(engine_lines(eng.stats()))
     assert alone[0] == plain_alone[0] and together[1] == plain_together[1]  # greedy
     if not MODES[mode].get("draft_tokens"):  # (drafting, the depth follows measured times)
         assert windows < plain_windows and drafted == 0  # forced proposals are not counted as drafts

@@ -89,6 +89,12 @@ TOTALS: dict[str, tuple[str, str, float]] = {
         "Silent probes whose proposal equalled the next token.",
         1,
     ),
+    "forced": (
+        "strata_forced_tokens_total",
+        "Tokens a request's grammar forced (a JSON schema's keys and punctuation), read in windows as "
+        "proposals.",
+        1,
+    ),
     "prefix_requests": (
         "strata_prefix_reuse_requests_total",
         "Requests that began as another request did and read only the rest of their prompt.",
