@@ -1,10 +1,12 @@
 """What holding a reply to a grammar costs, apart from what the grammar changes in the text.
 
 One greedy request, free and under a grammar that allows any text (llguidance's regex ``(?s:.*)``), so
-both arms choose the same tokens from the same logits; the arms alternate in one engine (A B A B ...),
-after a warm-up of each, and the medians are printed with their ratio. Under a grammar the host chooses
-every token over the allowed ones and decides the drafted windows (docs/RUNTIME.md, "Replies that follow a
-grammar"). Every reply runs to ``--tokens`` (``ignore_eos``), so both arms generate as many tokens.
+both arms choose the same tokens from the same logits; the arms alternate in one engine (A B C A B C ...),
+after a warm-up of each, and the medians are printed with their ratio. Under a grammar the device masks
+each row to the allowed tokens and chooses, the host verifying drafted windows by the chosen tokens; a
+third arm has the host read the logits and choose, as before that (``Engine.masks_on_device`` off), and
+must give the grammar arm's text (docs/RUNTIME.md, "Replies that follow a grammar"). Every reply runs to
+``--tokens`` (``ignore_eos``), so the arms generate as many tokens.
 
 On a synthetic preset the arms' texts part: its vocabulary is far larger than its byte-level tokenizer, a
 random model often prefers an id the tokenizer has no text for, and no grammar allows a token without text.
@@ -60,27 +62,37 @@ def report(rates: dict[str, list[float]]) -> float:
     """Print each arm's median rate and its runs; the second arm's median over the first's."""
     for arm, values in rates.items():
         print(f"{arm}: {statistics.median(values):.1f} tok/s ({', '.join(f'{v:.1f}' for v in values)})")
-    first, second = (statistics.median(values) for values in rates.values())
+    first, second = (statistics.median(values) for values in list(rates.values())[:2])
     return second / first
 
 
 def main() -> None:
     args = arguments(__doc__).parse_args()
-    _, run = runner(args)
+    engine, run = runner(args)
     free_params = SamplingParams()
     held = SamplingParams(grammar=llguidance.LLMatcher.grammar_from_regex(r"(?s:.*)"))
-    run(free_params)
-    run(held)
-    rates: dict[str, list[float]] = {"free": [], "under a grammar": []}
+    arms = {"free": (free_params, True), "under a grammar": (held, True), "masks on the host": (held, False)}
+    for sampling, on_device in arms.values():  # the warm-up
+        engine.masks_on_device = on_device
+        run(sampling)
+    rates: dict[str, list[float]] = {arm: [] for arm in arms}
     parted: list[int] = []
     for _ in range(args.repeats):
-        free, free_s = run(free_params)
-        shaped, shaped_s = run(held)
+        replies = {}
+        for arm, (sampling, on_device) in arms.items():
+            engine.masks_on_device = on_device
+            replies[arm], seconds = run(sampling)
+            rates[arm].append(len(replies[arm]) / seconds)
+        free, shaped = replies["free"], replies["under a grammar"]
         if free != shaped:
             parted.append(next(i for i, (a, b) in enumerate(zip(free, shaped, strict=True)) if a != b))
-        rates["free"].append(len(free) / free_s)
-        rates["under a grammar"].append(len(shaped) / shaped_s)
+        if replies["masks on the host"] != shaped:
+            raise SystemExit(
+                "the grammar's reply with masks on the host is not its reply with masks on the device"
+            )
     print(f"under a grammar / free: {report(rates):.2f}x, {args.tokens} tokens")
+    host, device = (statistics.median(rates[arm]) for arm in ("masks on the host", "under a grammar"))
+    print(f"masks on the device / on the host: {device / host:.2f}x (the same text)")
     if parted:
         print(f"the texts parted in {len(parted)} of {args.repeats} repeats, first at tokens {parted}")
     else:

@@ -197,15 +197,22 @@ class Matcher:
         """`allowed` after each prefix of ``drafted`` (proposals not accepted yet), k = 0 .. len(drafted)
         of them; the place in the grammar does not move. After a proposal the grammar does not allow, every
         token is allowed: the rows that follow it are never used, since that proposal cannot be accepted."""
-        masks = [self.allowed()]
+        return [_unpacked(bits.tobytes(), self.vocab_size) for bits in self.bitmasks_after(drafted)]
+
+    def bitmasks_after(self, drafted: Sequence[int]) -> np.ndarray:
+        """`allowed_after` packed as llguidance computes it, for the device (`strata_runtime.reference.
+        kernels.mask_logits`): uint32 [len(drafted) + 1, W], token t at bit t % 32 of word t // 32."""
+        first = np.frombuffer(self._ll.compute_bitmask(), dtype="<u4")
+        out = np.empty((len(drafted) + 1, first.shape[0]), dtype=np.uint32)
+        out[0] = first
         ahead = self._ll.deep_copy() if len(drafted) else None  # the reply's own place stays where it is
-        for t in drafted:
+        for k, t in enumerate(drafted, start=1):
             if ahead is None or ahead.is_stopped() or not ahead.consume_token(int(t)):
                 ahead = None  # past the end of the grammar, or off it: these rows are never used
-                masks.append(np.ones(self.vocab_size, dtype=bool))
+                out[k] = 0xFFFFFFFF
             else:
-                masks.append(_unpacked(ahead.compute_bitmask(), self.vocab_size))
-        return masks
+                out[k] = np.frombuffer(ahead.compute_bitmask(), dtype="<u4")
+        return out
 
     def forced(self, most: int) -> list[int]:
         """The tokens the grammar forces next, at most ``most`` (llguidance's fast-forward tokens: the only

@@ -1093,6 +1093,33 @@ def test_inverse_cdf_and_sampled_verification_kernels_match_their_twins(gpu, v):
 
 
 @pytest.mark.parametrize("v", [151936, 1000, 37])
+def test_mask_logits_matches_twin(gpu, v):
+    """A grammar's masks on some rows of a window, in place, bit for bit against the NumPy twin: each
+    masked row keeps exactly the tokens its packed mask sets (a few, or most), the other rows are untouched,
+    and the argmax of a masked row is an allowed token."""
+    cp, kern, ref = gpu
+    g = rng()
+    rows, w = 6, (v + 31) // 32
+    for trial in range(4):
+        logits = (g.standard_normal((rows, v)) * 4).astype(np.float32)
+        masked = np.sort(g.choice(rows, 2 + trial, replace=False)).astype(np.int64)
+        share = 0.002 if trial % 2 else 0.9  # a key's few allowed tokens, or free text's many
+        allowed = g.random((masked.size, w * 32)) < share
+        allowed[:, 0] = True  # at least one
+        bits = np.packbits(allowed, axis=1, bitorder="little").view("<u4").astype(np.uint32)
+        out_d = cp.asarray(logits)
+        kern.mask_logits(out_d, cp.asarray(masked), cp.asarray(bits))
+        want = logits.copy()
+        ref.mask_logits(want, masked, bits)
+        got = out_d.get()
+        assert np.array_equal(got, want)
+        assert np.array_equal(np.isfinite(want[masked]), allowed[:, :v])
+        untouched = np.setdiff1d(np.arange(rows), masked)
+        assert np.array_equal(got[untouched], logits[untouched])
+        assert allowed[np.arange(masked.size), np.argmax(got[masked], axis=1)].all()
+
+
+@pytest.mark.parametrize("v", [151936, 1000, 37])
 def test_adjust_logits_and_count_tokens_match_twin(gpu, v):
     """The logit bias and penalties of some rows of a window, in place, bit for bit against the NumPy twin
     (both compute in float64 without fused multiply-adds and round once); the token counts, with a slot and

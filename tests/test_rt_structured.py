@@ -117,6 +117,30 @@ def test_the_allowed_tokens_after_proposals_are_those_of_the_grammar_moved_on_an
     assert m.finished
 
 
+def test_the_packed_masks_the_device_applies_keep_exactly_the_allowed_tokens_after_each_proposal():
+    """`Matcher.bitmasks_after`, applied by the device's step (`mask_logits`, NumPy on a CPU device): after
+    each prefix of the proposals, a row keeps its logit for exactly the tokens `allowed_after` allows and is
+    minus infinity elsewhere; rows it is not asked to mask are untouched."""
+    from strata_runtime.models.ops.adjust import mask_logits
+
+    tok = ByteTokenizer(300)
+    m = Grammars(tok, 300).matcher(json_grammar(PERSON))
+    m.accept(b'{"name":"Al","age":4')
+    drafted = list(b'2,"tags":["a') + [258, ord("x")]
+    bits = m.bitmasks_after(drafted)
+    masks = m.allowed_after(drafted)
+    assert bits.dtype == np.uint32 and bits.shape == (len(drafted) + 1, (300 + 31) // 32)
+    logits = np.random.default_rng(5).standard_normal((len(drafted) + 3, 300)).astype(np.float32) + 1
+    rows = np.arange(2, len(drafted) + 3)  # the first two rows are another request's
+    out = logits.copy()
+    mask_logits(out, rows, bits)
+    for k, row in enumerate(rows):
+        assert np.array_equal(np.isfinite(out[row]), masks[k]), k
+        assert np.array_equal(out[row][masks[k]], logits[row][masks[k]])
+    assert 1 <= masks[0].sum() < 20 and masks[-1].all()  # a number's digits; past the end, anything
+    assert np.array_equal(out[:2], logits[:2])
+
+
 def test_any_json_object_and_bad_schemas_are_told_apart_before_a_request_runs():
     grammars = Grammars(ByteTokenizer(300), 300)
     grammars.check(json_grammar())  # any JSON object
@@ -365,6 +389,48 @@ def test_in_every_mode_what_a_grammar_forces_is_read_as_proposals_and_changes_no
         assert windows < plain_windows and drafted == 0  # forced proposals are not counted as drafts
         assert alone[1] == plain_alone[1] and together[0] == plain_together[0]  # seeded sampled
     for tokens in (*alone, *together):
+        _follows_person(bytes(tokens))
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_in_every_mode_a_grammars_rows_masked_and_chosen_on_the_device_keep_the_hosts_text(mode):
+    """A grammar's rows are masked to its allowed tokens and chosen where the logits are (`Entry.masked`),
+    and the host reads only the tokens: greedy and seeded sampled replies under a schema, alone and beside
+    a free request, are the replies the host gives choosing from the logits it reads (with masks on the
+    device off), and the windows whose rows are all chosen on the device read no logits back."""
+    eng = _engine(mode)
+    grammar = json_grammar(PERSON)
+    rng = random.Random(47)
+    prompts = [tuple(rng.randrange(33, 126) for _ in range(rng.randint(4, 30))) for _ in range(3)]
+    reqs = [
+        (0, Request(prompts[0], 80, SamplingParams(grammar=grammar))),
+        (0, Request(prompts[1], 80, SamplingParams(temperature=0.9, top_k=40, seed=3, grammar=grammar))),
+        (1, Request(prompts[2], 20)),
+    ]
+    read: list[bool] = []
+    launch = eng.executor.launch
+
+    def launching(job, after=None):
+        flight = launch(job, after)
+        if flight.masks is not None and all(e.masked or e.on_device for e in job.entries):
+            read.append(flight.sampled)  # whether the host reads the window's logits
+        return flight
+
+    eng.executor.launch = launching
+    try:
+        runs = {}
+        for on_device in (True, False):
+            eng.masks_on_device = on_device
+            runs[on_device] = [collect(eng, [req])[0] for req in reqs[:2]] + collect(eng, reqs)
+    finally:
+        eng.masks_on_device = True
+        del eng.executor.launch
+    device, host = runs[True], runs[False]
+    assert device[0] == host[0] and device[2] == host[2] and device[4] == host[4]  # greedy
+    if not MODES[mode].get("draft_tokens"):  # drafted and sampled, the host verifies as before
+        assert device[1] == host[1] and device[3] == host[3]
+    assert read and not any(read)
+    for tokens in device[:4]:
         _follows_person(bytes(tokens))
 
 

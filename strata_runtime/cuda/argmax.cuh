@@ -100,6 +100,19 @@ __global__ void adjust_logits(float* __restrict__ logits, int V, const long long
   }
 }
 
+// A grammar's allowed tokens: row rows[a] of logits [R, V] keeps token t where bit t of its mask is set
+// (bits[a * W + t / 32], bit t % 32: llguidance's packed bitmask) and becomes minus infinity elsewhere.
+// reference/kernels.py's mask_logits is the NumPy twin.
+__global__ void mask_logits(float* __restrict__ logits, int V, const long long* __restrict__ rows,
+                            const unsigned* __restrict__ bits, int W) {
+  const int a = blockIdx.y;
+  float* l = logits + (size_t)rows[a] * V;
+  const unsigned* m = bits + (size_t)a * W;
+  for (int t = blockIdx.x * blockDim.x + threadIdx.x; t < V; t += gridDim.x * blockDim.x) {
+    if (!((m[t >> 5] >> (t & 31)) & 1u)) l[t] = -INFINITY;
+  }
+}
+
 // counts[slot[i], tokens[i]] += add[i] for i < n (a slot and token may repeat).
 __global__ void count_tokens(int* __restrict__ counts, int V, const long long* __restrict__ slot,
                              const long long* __restrict__ tokens, const int* __restrict__ add, int n) {

@@ -387,7 +387,7 @@ def decode_expressions(
     widths = set(mlp_widths)
     out = ["add_rmsnorm", "qk_norm_rope_kv", "silu_mul", "add_scaled", "argmax_part", "argmax_merge"]
     out += ["choose_rows", "distribution_rows", "adjust_logits", "count_tokens", "gemv_any", *SPLIT_KERNELS]
-    out += ["inverse_cdf_rows", "verify_sampled_rows"]
+    out += ["inverse_cdf_rows", "verify_sampled_rows", "mask_logits"]
     out += attention_expressions(a.head_dim, a.num_attention_heads // a.num_key_value_heads, attention_tc)
     if a.num_experts:
         out += moe_expressions(h, a.moe_intermediate_size, a.num_experts_per_tok)

@@ -53,6 +53,17 @@ class CudaHead:
             self.kern.argmax(cp.ascontiguousarray(logits), out, argmax_scratch(cp, *logits.shape))
             return out.astype(cp.int64)
 
+    def mask(self, logits: Any, rows: np.ndarray, bits: np.ndarray) -> None:
+        """Rows ``rows`` (host int64 [M]) of logits [R, V], in place: minus infinity where the row's packed
+        mask ``bits`` (host uint32 [M, W]) clears a token (`strata_runtime.cuda.ops.Kernels.mask_logits`);
+        the host arrays go up through pinned memory, on the current stream."""
+        with cp.cuda.Device(self.device_id):
+            r = cp.empty(rows.shape[0], cp.int64)
+            b = cp.empty(bits.shape, cp.uint32)
+            upload_into(r, rows.astype(np.int64))
+            upload_into(b, np.ascontiguousarray(bits, dtype=np.uint32))
+            self.kern.mask_logits(logits, r, b)
+
     def choose(self, logits: Any, draws: Draws) -> cp.ndarray:
         """Each row's chosen token [R] (int64) of logits [R, V] by ``draws`` (`strata_runtime.models.ops.
         choose`); the host arrays go up through pinned memory, on the current stream."""

@@ -611,6 +611,16 @@ class Kernels(KernelCache):
         args = (logits, np.int32(v), rows, slot, counts, bias, frequency, presence, *extra)
         self.fn("adjust_logits")(blocks, (256,), args)
 
+    def mask_logits(self, logits: Array, rows: Array, bits: Array) -> None:
+        """Rows ``rows`` [M] (int64) of logits [R, V] (fp32), in place: minus infinity for each token whose
+        bit is clear in the row's packed mask ``bits`` [M, W] (uint32, token t at bit t % 32 of word t // 32:
+        a grammar's allowed tokens, ``mask_logits`` of kernels.cu)."""
+        _, v = logits.shape
+        m, w = bits.shape
+        if m:
+            blocks = (max(1, min(64, math.ceil(v / 1024))), int(m))
+            self.fn("mask_logits")(blocks, (256,), (logits, np.int32(v), rows, bits, np.int32(w)))
+
     def count_tokens(self, counts: Array, slot: Array, tokens: Array, add: Array) -> None:
         """counts[slot[i], tokens[i]] += add[i]: counts [S, V] int32; slot, tokens int64 and add int32 [n]."""
         n = int(tokens.shape[0])

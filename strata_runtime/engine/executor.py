@@ -262,12 +262,13 @@ class Executor:
         sampled = (
             bool(needed)
             and not job.spec_on_device
-            and any(e.slot.sampler.needs_logits and not e.on_device for e in job.entries)
+            and any(e.slot.sampler.needs_logits and not (e.on_device or e.masked) for e in job.entries)
         )
         flight = Flight(
             job, job.layout(), needed, sampled, self._marks(), after, job.draws(), job.device_spec()
         )
         flight.adjusts = job.adjusts()
+        flight.masks = job.masks()
         flight.first_runs = self.model.first_runs()
         flight.wants_logprobs = bool(needed) and any(
             e.slot.sampler.params.logprobs is not None for e in job.entries
@@ -407,6 +408,8 @@ class Executor:
         if spec is not None and spec.tokens is None:  # launched by the host: its tokens and positions
             spec.tokens = dev.upload(flight.job.token_array())
             spec.positions = dev.upload(flight.layout.positions())
+        if flight.masks is not None:  # a grammar's rows: only the tokens it allows may be chosen
+            self.model.mask(logits, *flight.masks)
         counted = None
         if flight.adjusts is not None:  # a speculative window's rows read its proposals from its tokens
             counted = self.model.adjust(logits, flight.adjusts, None if spec is None else spec.tokens)
@@ -559,6 +562,9 @@ class Executor:
             return self._finish_prefill(flight, slot, n, decided, normed[row : row + n], at)
         if e.on_device:  # the device chose the token (and counted it): nothing to verify
             verdict = Verdict(0, [int(flight.chosen_host[logit_row[row]])])
+        elif e.masked:  # the device chose each row's token over the allowed ones: the proposals hold by them
+            first = logit_row[row]
+            verdict = verify_choices(flight.chosen_host[first : first + n], e.proposals.tokens)
         else:
             verdict = verify(target(logit_row[row], n), e.proposals, slot.sampler)
         kept = verdict.accepted + 1

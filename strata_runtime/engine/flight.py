@@ -144,6 +144,9 @@ class Flight:
     adjusts: Adjusts | None = None
     """The needed rows the device adjusts for a logit bias or penalty before choosing them
     (`strata_runtime.engine.job.Job.adjusts`); None: none."""
+    masks: tuple[np.ndarray, np.ndarray] | None = None
+    """The needed rows the device masks to a grammar's allowed tokens before choosing them, and their packed
+    masks (`strata_runtime.engine.job.Job.masks`); None: none."""
     positions: list[Array] = field(default_factory=list)
     """A window chained to a speculative one: its rows' positions on each stage's device, in stage order
     (decided on the device; the layout's positions are placeholders then)."""

@@ -36,6 +36,9 @@ class Entry:
     chunk starts past the chunks still in flight."""
     ends_prompt: bool = False
     """A prefill chunk that ends its prompt: its last row decides the first generated token."""
+    masked: bool = False
+    """Decode rows of a request held to a grammar, chosen on the device over the tokens the grammar allows
+    (`Job.masks`): the host reads the chosen tokens, not the logits, and verifies the proposals by them."""
 
     def __post_init__(self) -> None:
         if self.pos < 0:
@@ -110,7 +113,7 @@ class Job:
         """For each needed row, what the device draws it with (`strata_runtime.models.ops.choose.Draws`:
         1 / temperature, a uniform drawn now from the slot's generator, in launch order, top-k, top-p), or
         the argmax (1 / temperature 0); None when no row is drawn there."""
-        if not any(e.on_device and not e.slot.sampler.greedy for e in self.entries):
+        if not any((e.on_device or e.masked) and not e.slot.sampler.greedy for e in self.entries):
             return None
         inv_temp: list[float] = []
         uniform: list[float] = []
@@ -119,7 +122,7 @@ class Job:
         for e in self.entries:
             rows = len(e.tokens) if e.kind == "decode" else int(e.ends_prompt)
             sampler = e.slot.sampler
-            drawn = e.on_device and not sampler.greedy
+            drawn = (e.on_device or e.masked) and not sampler.greedy
             inv_temp += [sampler.inv_temperature if drawn else 0.0] * rows
             uniform += [sampler.uniform() if drawn else 0.0 for _ in range(rows)]
             top_k += [sampler.params.top_k if drawn else 0] * rows
@@ -174,6 +177,25 @@ class Job:
             tuple(fresh),
             (c[:, 0], c[:, 1], c[:, 2]),
         )
+
+    def masks(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """For the rows of `Entry.masked` entries (indices into `needed`), the packed masks of the tokens
+        their grammar allows there (`strata_runtime.structured.Matcher.bitmasks_after`: row j after the
+        entry's first j proposals), computed now, from where each reply stands; None when no row is masked."""
+        rows: list[int] = []
+        bits: list[np.ndarray] = []
+        at = 0
+        for e in self.entries:
+            n = len(e.tokens) if e.kind == "decode" else int(e.ends_prompt)
+            if e.masked:
+                grammar = e.slot.sampler.grammar
+                assert grammar is not None
+                rows += range(at, at + n)
+                bits.append(grammar.bitmasks_after(e.proposals.tokens))
+            at += n
+        if not rows:
+            return None
+        return np.array(rows, np.int64), np.concatenate(bits)
 
     def needed(self) -> list[int]:
         """Rows whose logits decide a token: every decode row, and the last row of a prompt's final chunk

@@ -107,6 +107,9 @@ class Engine:
         self.forcing = True
         """Whether the tokens a request's grammar forces are read as proposals (`speculative.forced`), up to
         a window's rows at once; off, one a window as any other token (`scripts/bench_forced.py` compares)."""
+        self.masks_on_device = True
+        """Whether a grammar's rows are masked and chosen on the device (`Entry.masked`); off, the host reads
+        their logits and chooses (`scripts/bench_grammar_cost.py` compares)."""
         self.pipelined = plan.batch.mode == "pipelined"
         self.executor = Executor(self.model, self.tracked, overlap=self.pipelined)
         self.store = PrefixStore(plan.prefix_store_pages, self.executor.page_bytes)
@@ -843,7 +846,8 @@ class Engine:
                 proposals = self.executor.draft(sid, token, depth, slot.sampler, on_device)
             else:
                 proposals = Proposals([], [])
-            entries.append(Entry(slot, "decode", [token, *proposals.tokens], proposals))
+            masked = self.masks_on_device and _masks_on_device(slot.sampler, proposals)
+            entries.append(Entry(slot, "decode", [token, *proposals.tokens], proposals, masked=masked))
         job = Job(kind, entries, paused=paused, spec_on_device=on_device)
         job.caught_up, job.draft_ms = self._caught_up() - caught_up, (time.perf_counter() - t0) * 1e3
         return job
@@ -983,3 +987,13 @@ class Engine:
                     if slot.id in queued.job.slot_ids:  # when queued: before the release rewinds it
                         queued.wait_queued()
                 self._release(slot)
+
+
+def _masks_on_device(sampler: Sampler, proposals: Proposals) -> bool:
+    """Whether a request's rows are masked to its grammar and chosen on the device (`Entry.masked`): a
+    grammar holds it, no logit bias or penalty adjusts it (those rows the host adjusts with the proposals
+    they follow), and its proposals, if any, are forced or verified greedily (a sampled drafter's need the
+    distribution they were drawn from, which only the host has)."""
+    if sampler.grammar is None or sampler.adjusts:
+        return False
+    return not proposals.tokens or proposals.forced or sampler.greedy

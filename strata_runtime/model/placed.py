@@ -474,6 +474,11 @@ class Model:
         (`strata_runtime.model.stage.Stage.verify_sampled`)."""
         return self.last.verify_sampled(p, q, tokens, uniforms)
 
+    def mask(self, logits: Array, rows: np.ndarray, bits: np.ndarray) -> None:
+        """A grammar's masks on the last stage's device: rows ``rows`` of logits [R, V] in place
+        (`strata_runtime.model.stage.Stage.mask`)."""
+        self.last.mask(logits, rows, bits)
+
     def adjust(
         self, logits: Array, adjusts: Adjusts, tokens: Array | None = None
     ) -> tuple[Array, Array] | None:

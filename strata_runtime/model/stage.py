@@ -22,6 +22,7 @@ from ..experts.cache import Policy
 from ..experts.routing import RoutingTables, apply_bias
 from ..experts.store import ExpertStore
 from ..layout import Layout
+from ..models.ops.adjust import mask_logits
 from ..models.ops.choose import Draws, choose_on_host
 from ..models.ops.distribution import distribution, inverse_cdf, verify_sampled
 from ..models.ops.norm import rms_norm_in_dtype
@@ -345,6 +346,16 @@ class Stage:
             return self.cuda_head.verify_sampled(p, q, tokens, uniforms)
         with self.device.use():
             return verify_sampled(self.device.xp, p, q, tokens, uniforms)
+
+    def mask(self, logits: Array, rows: np.ndarray, bits: np.ndarray) -> None:
+        """Rows ``rows`` [M] of logits [R, V] on this device (last stage only), in place: minus infinity for
+        each token a grammar does not allow there, by the row's packed mask ``bits`` [M, W] (host uint32,
+        `strata_runtime.structured.Matcher.bitmasks_after`)."""
+        if self.cuda_head is not None:
+            self.cuda_head.mask(logits, rows, bits)
+            return
+        with self.device.use():
+            mask_logits(logits, rows, bits)
 
     def choose(self, logits: Array, draws: Draws) -> Array:
         """Each row's chosen token [R] (int64) of logits [R, V] on this device (last stage only), by

@@ -384,6 +384,15 @@ EXTRA_MOST = 8
 this many proposals (kernels.cu's ADJUST_EXTRA)."""
 
 
+def mask_logits(logits: np.ndarray, rows: np.ndarray, bits: np.ndarray) -> None:
+    """Rows ``rows`` [M] of logits [R, V], in place: minus infinity for each token whose bit is clear in the
+    row's packed mask ``bits`` [M, W] (uint32, token t at bit t % 32 of word t // 32)."""
+    v = logits.shape[1]
+    for a, r in enumerate(np.asarray(rows)):
+        allowed = np.unpackbits(np.asarray(bits[a], "<u4").view(np.uint8), bitorder="little")[:v]
+        np.putmask(logits[int(r)], allowed == 0, -np.inf)
+
+
 def count_tokens(counts: np.ndarray, slot: np.ndarray, tokens: np.ndarray, add: np.ndarray) -> None:
     """counts[slot[i], tokens[i]] += add[i] for each i (a slot and token may repeat); counts [S, V] int32."""
     np.add.at(counts, (np.asarray(slot), np.asarray(tokens)), np.asarray(add, dtype=counts.dtype))

@@ -11,6 +11,10 @@ before choosing their tokens, so that a penalised request's windows run ahead li
 On CPU devices the device's steps are `adjust_logits` and `count_tokens` (NumPy); on GPUs, the kernels of the
 same names in kernels.cu.
 
+A request held to a grammar has its rows masked there too (`mask_logits`, ``mask_logits`` of kernels.cu on a
+GPU): each token the grammar does not allow becomes minus infinity, by the packed mask the host computed for
+the row when it launched the window (`strata_runtime.structured.Matcher.bitmasks_after`).
+
 `Adjusts` is what one window asks of the device. Its rows without proposals are chosen there and counted
 there as they are chosen; a speculative window decided there counts the tokens it keeps
 (`strata_runtime.engine.device_spec`). The tokens the host decided since the slot's last such window (a
@@ -23,9 +27,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ...reference.kernels import adjust_logits, count_tokens
+from ...reference.kernels import adjust_logits, count_tokens, mask_logits
 
-__all__ = ["Adjusts", "adjust_logits", "adjust_row", "count_tokens"]
+__all__ = ["Adjusts", "adjust_logits", "adjust_row", "count_tokens", "mask_logits"]
 
 
 class Adjusts(NamedTuple):
