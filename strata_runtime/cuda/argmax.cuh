@@ -109,7 +109,7 @@ __global__ void mask_logits(float* __restrict__ logits, int V, const long long* 
   float* l = logits + (size_t)rows[a] * V;
   const unsigned* m = bits + (size_t)a * W;
   for (int t = blockIdx.x * blockDim.x + threadIdx.x; t < V; t += gridDim.x * blockDim.x) {
-    if (!((m[t >> 5] >> (t & 31)) & 1u)) l[t] = -INFINITY;
+    if (!((m[t >> 5] >> (t & 31)) & 1u)) l[t] = -STRATA_INF;
   }
 }
 
