@@ -214,6 +214,19 @@ class Matcher:
                 out[k] = np.frombuffer(ahead.compute_bitmask(), dtype="<u4")
         return out
 
+    def copy(self) -> Matcher:
+        """Another place in the same grammar, where this one stands now, that moves on its own."""
+        return Matcher(self._ll.deep_copy(), self.vocab_size)
+
+    def bitmask_after(self, token: int) -> np.ndarray:
+        """Move on by ``token`` and return the packed mask of what may follow (`bitmasks_after`'s row);
+        every token where ``token`` is not allowed or the grammar has ended (such a row is never used: the
+        reply ends, or its own place fails on that token with `GrammarError`)."""
+        if not self._ll.is_stopped() and self._ll.consume_token(int(token)) and not self._ll.is_stopped():
+            return np.frombuffer(self._ll.compute_bitmask(), dtype="<u4").copy()
+        words = (self.vocab_size + 31) // 32
+        return np.full(words, 0xFFFFFFFF, dtype=np.uint32)
+
     def forced(self, most: int) -> list[int]:
         """The tokens the grammar forces next, at most ``most`` (llguidance's fast-forward tokens: the only
         text the grammar allows from here, as the tokenizer spells it); empty where the next token is a

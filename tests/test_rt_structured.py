@@ -408,12 +408,15 @@ def test_in_every_mode_a_grammars_rows_masked_and_chosen_on_the_device_keep_the_
         (1, Request(prompts[2], 20)),
     ]
     read: list[bool] = []
+    chained: list[int] = []
     launch = eng.executor.launch
 
     def launching(job, after=None):
         flight = launch(job, after)
         if flight.masks is not None and all(e.masked or e.on_device for e in job.entries):
             read.append(flight.sampled)  # whether the host reads the window's logits
+        if after is not None and any(e.masked for e in job.entries):
+            chained.append(len(job.entries))  # queued before the host read the tokens its masks follow
         return flight
 
     eng.executor.launch = launching
@@ -430,6 +433,8 @@ def test_in_every_mode_a_grammars_rows_masked_and_chosen_on_the_device_keep_the_
     if not MODES[mode].get("draft_tokens"):  # drafted and sampled, the host verifies as before
         assert device[1] == host[1] and device[3] == host[3]
     assert read and not any(read)
+    if mode == "serial":  # a schema's reply runs ahead, alone and beside the free request
+        assert 1 in chained and 2 in chained
     for tokens in device[:4]:
         _follows_person(bytes(tokens))
 

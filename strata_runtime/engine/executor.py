@@ -268,7 +268,7 @@ class Executor:
             job, job.layout(), needed, sampled, self._marks(), after, job.draws(), job.device_spec()
         )
         flight.adjusts = job.adjusts()
-        flight.masks = job.masks()
+        flight.masks = job.masks() if after is None else None  # a chained window's: `_chained_masks`
         flight.first_runs = self.model.first_runs()
         flight.wants_logprobs = bool(needed) and any(
             e.slot.sampler.params.logprobs is not None for e in job.entries
@@ -331,6 +331,8 @@ class Executor:
             )
             flight.positions.append(positions)
             return first.embed(tokens)
+        if any(e.masked for e in flight.job.entries):
+            flight.source = source  # its tokens move the grammars on before this window's masks
         chosen = source.chosen  # [needed rows of the source] on the last stage's device
         (chosen,) = self._from_last(flight, source, stream, chosen)
         if after.rows != tuple(range(len(chosen))):
@@ -408,6 +410,8 @@ class Executor:
         if spec is not None and spec.tokens is None:  # launched by the host: its tokens and positions
             spec.tokens = dev.upload(flight.job.token_array())
             spec.positions = dev.upload(flight.layout.positions())
+        if flight.source is not None:
+            flight.masks = self._chained_masks(flight)
         if flight.masks is not None:  # a grammar's rows: only the tokens it allows may be chosen
             self.model.mask(logits, *flight.masks)
         counted = None
@@ -439,6 +443,24 @@ class Executor:
         else:
             flight.chosen_host = np.asarray(chosen)
             flight.logits = np.asarray(logits) if flight.sampled else None
+
+    @staticmethod
+    def _chained_masks(flight: Flight) -> tuple[np.ndarray, np.ndarray]:
+        """The masks of a chained window's rows under a grammar (one row a slot), computed on its last stage
+        once its forward pass is queued: wait for the window before it (the GPU runs this one's layers
+        meanwhile), read the token each row follows, and move each reply's place ahead
+        (`Slot.ahead`) on by it. The host so never holds up the device between two such windows."""
+        source, rows = flight.source, flight.after.rows if flight.after is not None else None
+        assert source is not None and rows is not None
+        flight.source = None
+        source.done.wait()
+        masked, bits = [], []
+        for i, e in enumerate(flight.job.entries):
+            if e.masked:
+                assert e.slot.ahead is not None, "a chained row under a grammar moves a place ahead"
+                masked.append(i)
+                bits.append(e.slot.ahead.bitmask_after(int(source.chosen_host[rows[i]])))
+        return np.array(masked, np.int64), np.stack(bits)
 
     def _release_workspace(self, flight: Flight, stage: Stage) -> None:
         """Give a long prefill chunk's activation memory on this stage's GPU back to the driver.

@@ -144,6 +144,9 @@ class Flight:
     adjusts: Adjusts | None = None
     """The needed rows the device adjusts for a logit bias or penalty before choosing them
     (`strata_runtime.engine.job.Job.adjusts`); None: none."""
+    source: Flight | None = None
+    """A chained window with rows under a grammar: the window whose chosen tokens it reads, until its last
+    stage has read them on the host to compute the next masks."""
     masks: tuple[np.ndarray, np.ndarray] | None = None
     """The needed rows the device masks to a grammar's allowed tokens before choosing them, and their packed
     masks (`strata_runtime.engine.job.Job.masks`); None: none."""

@@ -558,7 +558,11 @@ class Engine:
         kinds = ("solo", "serial") if group is None else ("pipelined",)
         if job.kind not in kinds or self._queue:
             return None
-        if any(len(e.tokens) != 1 or e.kind != "decode" or not e.on_device for e in job.entries):
+        if any(
+            len(e.tokens) != 1 or e.kind != "decode" or not (e.on_device or e.masked) for e in job.entries
+        ):
+            return None
+        if any(e.masked for e in job.entries) and not self._grammars_run_ahead(before, group):
             return None
         everyone = [s for s in self.slots if s is not None and s.finished is None]
         live = everyone if group is None else [s for s in everyone if self._group(s.id) == group]
@@ -576,7 +580,7 @@ class Engine:
             fits = pos + 1 <= self.plan.memory.context
             if slot.handle.cancelled.is_set() or not fits or self._past_hold(slot, 1):
                 return None
-            entries.append(Entry(slot, "decode", [CHAINED], pos=pos))
+            entries.append(Entry(slot, "decode", [CHAINED], pos=pos, masked=e.masked))
             rows.append(row)
         if not entries:
             return None
@@ -593,6 +597,30 @@ class Engine:
         kind = job.kind if group is not None else "solo" if len(entries) == 1 else "serial"
         paused = (alone and kind == "solo" and not drafts_alone) or (kind != "solo" and mtp and not pays)
         return Job(kind, entries, paused=paused), tuple(rows)
+
+    def _grammars_run_ahead(self, before: Flight, group: int | None) -> bool:
+        """Whether a window after ``before``, whose rows under a grammar are masked on the device, may be
+        queued before the host has read ``before``'s tokens: its masks then follow from the tokens read on
+        its last stage (`Executor._chained_masks`), each reply's place moved on ahead of the host's
+        (`Slot.ahead`, copied from the host's where a chain starts: ``before`` is not finished yet).
+
+        Not in pipelined groups (whose last stage's shares run on a thread of their own), not with two
+        windows in flight already (the chained window's last stage waits for the one before it, so a
+        longer chain would only hold up the host), and not where a reply was forced to ``before``'s token
+        (the grammar likely forces more, which an unchained window reads as proposals, several at once)."""
+        if group is not None or len(self._chain) > 1:
+            return False
+        for e in before.job.entries:
+            if not e.masked:
+                continue
+            grammar = e.slot.sampler.grammar
+            assert grammar is not None
+            if before.after is None:
+                e.slot.ahead = grammar.copy()  # where the reply stands before ``before``'s token
+            ahead = e.slot.ahead
+            if ahead is None or ahead.forced(1):
+                return False
+        return True
 
     def _spec_continuation(self, before: Flight, group: int | None = None) -> tuple[Job, None] | None:
         """The window after a speculative window decided on the device, chained to it: the same slots, each

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..api import FinishReason, RequestHandle, TokenEvent, Tokenizer, TokenLogprob
-from ..structured import GrammarError
+from ..structured import GrammarError, Matcher
 from .sampling import Sampler
 from .speculative import DraftGauge
 from .stops import StopText
@@ -37,6 +37,11 @@ class Slot:
     finished: FinishReason | None = None
     gauge: DraftGauge = field(default_factory=DraftGauge)
     """Whether drafting pays for this request: how often its windows' first proposal held."""
+    ahead: Matcher | None = None
+    """Under a grammar, with windows running ahead of the host: the reply's place in its grammar after the
+    tokens the windows in flight chose, moved on as each next window's masks are computed
+    (`strata_runtime.engine.executor.Executor._chained_masks`); the host's own place (the sampler's) moves
+    only as windows are finished."""
     shadow: Any = None
     """A silent probe's proposal for the request's next token, on the device, until a window gives that
     token (`strata_runtime.engine.scheduler.Engine._silent_probes`)."""
