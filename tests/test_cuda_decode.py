@@ -349,9 +349,10 @@ def test_a_think_budget_on_gpu_closes_the_block_where_it_runs_out_while_windows_
 
 def test_schema_replies_on_gpu_read_what_the_grammar_forces_as_proposals_and_keep_their_text(cp):
     """Greedy and seeded sampled replies under a JSON schema on the GPU (end-of-text ignored), alone in
-    solo windows, drafting or not, and together in serial windows: with the grammar's forced tokens read
-    as proposals (several rows a window) the text is the text with forcing off, one token a window, and
-    every reply is JSON of the schema, ending with it."""
+    solo windows, drafting or not, and together in serial windows, windows running ahead: masked and
+    chosen on the device (running ahead where they do not draft), greedy text is the host's choice from the
+    logits; with the grammar's forced tokens read as proposals (several rows a window) the text is the
+    text with forcing off, one token a window; every reply is JSON of the schema, ending with it."""
     from strata_runtime.api import Request, SamplingParams
     from strata_runtime.engine import Engine
     from strata_runtime.structured import json_grammar
@@ -371,10 +372,10 @@ def test_schema_replies_on_gpu_read_what_the_grammar_forces_as_proposals_and_kee
     samplings = [SamplingParams(grammar=grammar), SamplingParams(temperature=0.8, seed=4, grammar=grammar)]
     plans = [_plan(cp, model="tiny", slots=n, draft_tokens=d) for n, d in ((1, 0), (1, 4), (2, 0))]
     for plan in plans:
-        engine = Engine(plan)
+        engine = Engine(_run_ahead(plan, 3))
         texts = {}
-        for forcing in (False, True):
-            engine.forcing = forcing
+        for forcing, on_device in ((False, False), (False, True), (True, True)):
+            engine.forcing, engine.masks_on_device = forcing, on_device
             before = engine.totals["forced"]
             handles = []
             for sampling in samplings:  # two slots: both at once, in serial windows of spare rows
@@ -388,12 +389,13 @@ def test_schema_replies_on_gpu_read_what_the_grammar_forces_as_proposals_and_kee
                 events = list(handle.events.queue)
                 assert events[-1].error is None and events[-1].finished == "stop"
                 replies.append([t for ev in events for t in ev.token_ids])
-            texts[forcing] = replies
+            texts[forcing, on_device] = replies
             assert (engine.totals["forced"] > before) == forcing
-        assert texts[True][0] == texts[False][0]
+        host, device, forced = texts[False, False], texts[False, True], texts[True, True]
+        assert host[0] == device[0] == forced[0]  # greedy: chosen on the host, on the device, forced
         if not plan.spec.draft_tokens:  # drafted under a grammar, a sampled reply draws in another order
-            assert texts[True][1] == texts[False][1]
-        for tokens in texts[True]:
+            assert forced[1] == device[1]
+        for tokens in (*forced, *device):
             assert set(json.loads(bytes(tokens))) == {"name", "n"}
 
 
