@@ -141,6 +141,29 @@ def test_the_packed_masks_the_device_applies_keep_exactly_the_allowed_tokens_aft
     assert np.array_equal(out[:2], logits[:2])
 
 
+def test_a_greedy_proposal_under_a_grammar_is_the_argmax_over_what_it_allows_after_the_chain():
+    """A drafter's greedy proposal under a grammar is masked and chosen where its logits are (a token comes
+    back, not the row): the argmax over the tokens the grammar allows after the proposals before it, which
+    is what the host's choice from the row gives (`Sampler.adjusted`)."""
+    from strata_runtime.engine.sampling import Sampler
+    from strata_runtime.engine.speculative import _choose
+
+    model = Model.from_plan(make_plan(stages=1, preset="tiny", context=64))
+    v = model.args.vocab_size
+    grammar = json_grammar(PERSON)
+    sampler = Sampler(SamplingParams(grammar=grammar), 0, Grammars(ByteTokenizer(v), v).matcher(grammar))
+    dev = model.last.device
+    g = np.random.default_rng(11)
+    chains = [[], list(b'{"name":"'), list(b'{"name":"Al","age":'), list(b'{"name":"Al","age":4'), list(b"x")]
+    for chain in chains:
+        for _ in range(3):
+            logits = g.standard_normal(v).astype(np.float32) * 3
+            token, q = _choose(model, sampler, dev, dev.upload(logits), chain)
+            assert q is None
+            assert token == int(np.argmax(sampler.adjusted(logits[None, :], chain)[0]))
+    assert sampler.grammar.allowed()[ord("{")] and sampler.grammar.allowed().sum() == 1  # still at the start
+
+
 def test_any_json_object_and_bad_schemas_are_told_apart_before_a_request_runs():
     grammars = Grammars(ByteTokenizer(300), 300)
     grammars.check(json_grammar())  # any JSON object

@@ -346,6 +346,13 @@ def _choose(
     if not sampler.needs_logits:
         with dev.use():
             return int(dev.xp.argmax(logits)), None
+    if sampler.grammar is not None and sampler.greedy and not sampler.adjusts:
+        # The argmax over what the grammar allows after the chain, masked on the device: a token comes
+        # back, not a vocabulary-wide row.
+        with dev.use():
+            row = logits[None, :].copy()
+            model.mask(row, np.zeros(1, np.int64), sampler.grammar.bitmasks_after(chain)[-1:])
+            return int(model.argmax(row)[0]), None
     if on_device and not sampler.adjusts:
         with dev.use():
             q = model.distribution(logits[None, :], sampler.params)  # [1, V]
