@@ -329,6 +329,12 @@ def test_the_allowed_tokens_after_proposals_through_a_think_block_are_a_moved_ma
 # ---- the engine -----------------------------------------------------------------------------------------
 
 
+def _prompts(seed: int, n: int) -> list[tuple[int, ...]]:
+    """``n`` prompts of 4 to 30 printable bytes, seeded."""
+    rng = random.Random(seed)
+    return [tuple(rng.randrange(33, 126) for _ in range(rng.randint(4, 30))) for _ in range(n)]
+
+
 @functools.cache
 def _engine(mode: str) -> Engine:
     preset = "small" if MODES[mode].get("draft_tokens") or mode == "pipelined-mtp" else "tiny"
@@ -342,8 +348,7 @@ def test_in_every_mode_replies_with_a_schema_are_json_that_follows_it_and_leave_
     nothing more), never by length; the (greedy) requests without a schema get the tokens they get alone."""
     eng = _engine(mode)
     grammar = json_grammar(PERSON)
-    rng = random.Random(31)
-    prompts = [tuple(rng.randrange(33, 126) for _ in range(rng.randint(4, 30))) for _ in range(5)]
+    prompts = _prompts(31, 5)
     free = [
         (0, Request(prompts[0], 12)),
         (1, Request(prompts[1], 9)),
@@ -373,8 +378,7 @@ def test_in_every_mode_what_a_grammar_forces_is_read_as_proposals_and_changes_no
     spare rows (or a batch-MTP window's proposal rows) carry forced tokens."""
     eng = _engine(mode)
     grammar = json_grammar(PERSON)
-    rng = random.Random(43)
-    prompts = [tuple(rng.randrange(33, 126) for _ in range(rng.randint(4, 30))) for _ in range(3)]
+    prompts = _prompts(43, 3)
     reqs = [
         (0, Request(prompts[0], 80, SamplingParams(grammar=grammar))),
         (0, Request(prompts[1], 80, SamplingParams(temperature=0.9, seed=3, grammar=grammar))),
@@ -423,8 +427,7 @@ def test_in_every_mode_a_grammars_rows_masked_and_chosen_on_the_device_keep_the_
     device off), and the windows whose rows are all chosen on the device read no logits back."""
     eng = _engine(mode)
     grammar = json_grammar(PERSON)
-    rng = random.Random(47)
-    prompts = [tuple(rng.randrange(33, 126) for _ in range(rng.randint(4, 30))) for _ in range(3)]
+    prompts = _prompts(47, 3)
     reqs = [
         (0, Request(prompts[0], 80, SamplingParams(grammar=grammar))),
         (0, Request(prompts[1], 80, SamplingParams(temperature=0.9, top_k=40, seed=3, grammar=grammar))),
@@ -479,8 +482,7 @@ def test_in_every_mode_replies_reason_within_their_budget_then_follow_their_sche
     and then goes on free: what follows the block is what a free reply of the prompt and the block gives."""
     eng = _thinking_engine(mode)
     grammar, opens = json_grammar(PERSON), ((OPEN, 100.0),)
-    rng = random.Random(37)
-    prompts = [tuple(rng.randrange(33, 126) for _ in range(rng.randint(4, 30))) for _ in range(3)]
+    prompts = _prompts(37, 3)
     held = Reasoning(OPEN, CLOSE, budget=6)
     reqs = [
         (0, Request(prompts[0], 80, SamplingParams(logit_bias=opens, grammar=grammar, reasoning=held))),
@@ -518,8 +520,7 @@ def test_drafted_replies_with_a_schema_are_the_greedy_replies_without_drafting(m
     draft decodes: the drafting changes the speed, never the text."""
     eng, plain = _engine(mode), _undrafted_small()
     grammar = json_grammar(PERSON)
-    rng = random.Random(41)
-    prompts = [tuple(rng.randrange(33, 126) for _ in range(rng.randint(4, 30))) for _ in range(3)]
+    prompts = _prompts(41, 3)
     reqs = [(i, Request(p, 80, SamplingParams(grammar=grammar))) for i, p in enumerate(prompts)]
     before = eng.totals["accepted"]
     got = collect(eng, reqs)
