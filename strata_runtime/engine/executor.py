@@ -580,6 +580,10 @@ class Executor:
         if e.kind == "prefill":
             # Only the last row of the prompt's last chunk has logits; an earlier chunk decides nothing.
             at = logit_row.get(row + n - 1)
+            if at is not None and e.masked:  # under a grammar, the first token is the device's choice
+                return self._finish_prefill(
+                    flight, slot, n, None, normed[row : row + n], at, int(flight.chosen_host[at])
+                )
             decided = None if at is None else target(at, 1)
             return self._finish_prefill(flight, slot, n, decided, normed[row : row + n], at)
         if e.on_device:  # the device chose the token (and counted it): nothing to verify
@@ -660,17 +664,27 @@ class Executor:
         return tuple(out)
 
     def _finish_prefill(
-        self, flight: Flight, slot: Slot, n: int, target: np.ndarray | None, normed: Array, at: int | None
+        self,
+        flight: Flight,
+        slot: Slot,
+        n: int,
+        target: np.ndarray | None,
+        normed: Array,
+        at: int | None,
+        chosen: int | None = None,
     ) -> list[tuple[Slot, TokenEvent]]:
         """Commit a prompt chunk; ``target`` is its last row's argmax or logits, only in the last chunk, whose
-        last row is needed row ``at``."""
+        last row is needed row ``at``; or ``chosen``, the first token the device chose there."""
         p, prompt = slot.prefilled, slot.prompt
         done = p + n == len(prompt)
         first: int | None = None
         if done:
-            assert target is not None
-            # The first token is a window of one row and no proposals: `verify` decides it as it decides any.
-            token = verify(target[-1:], Proposals([], []), slot.sampler).tokens[0]
+            if chosen is not None:
+                token = chosen
+            else:
+                assert target is not None
+                # A window of one row and no proposals: `verify` decides it as it decides any.
+                token = verify(target[-1:], Proposals([], []), slot.sampler).tokens[0]
             first, following = token, [*prompt[p + 1 : p + n], token]
         else:
             following = list(prompt[p + 1 : p + n + 1])

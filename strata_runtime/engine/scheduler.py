@@ -789,7 +789,10 @@ class Engine:
         m = self.plan.memory
         n = min(m.prefill_chunk_alone if alone else m.prefill_chunk, len(slot.prompt) - start)
         tokens = list(slot.prompt[start : start + n])
-        entry = Entry(slot, "prefill", tokens, pos=start, ends_prompt=start + n == len(slot.prompt))
+        ends = start + n == len(slot.prompt)
+        entry = Entry(
+            slot, "prefill", tokens, pos=start, ends_prompt=ends, masked=ends and self._masked(slot)
+        )
         return Job("prefill", [entry])
 
     def _with_short_prompts(self, job: Job, prefilling: list[Slot]) -> Job:
@@ -805,7 +808,10 @@ class Engine:
             if slot is first or not 0 < rest <= room:
                 continue
             tokens = list(slot.prompt[slot.length :])
-            job.entries.append(Entry(slot, "prefill", tokens, pos=slot.length, ends_prompt=True))
+            masked = self._masked(slot)
+            job.entries.append(
+                Entry(slot, "prefill", tokens, pos=slot.length, ends_prompt=True, masked=masked)
+            )
             room -= rest
         return job
 
@@ -874,11 +880,22 @@ class Engine:
                 proposals = self.executor.draft(sid, token, depth, slot.sampler, on_device)
             else:
                 proposals = Proposals([], [])
-            masked = self.masks_on_device and _masks_on_device(slot.sampler, proposals)
+            masked = self._masked(slot, proposals)
             entries.append(Entry(slot, "decode", [token, *proposals.tokens], proposals, masked=masked))
         job = Job(kind, entries, paused=paused, spec_on_device=on_device)
         job.caught_up, job.draft_ms = self._caught_up() - caught_up, (time.perf_counter() - t0) * 1e3
         return job
+
+    def _masked(self, slot: Slot, proposals: Proposals | None = None) -> bool:
+        """Whether ``slot``'s rows in a window (its next token, after ``proposals``; a prompt's first
+        token without) are masked to its grammar and chosen on the device (`Entry.masked`): with
+        `masks_on_device`, a grammar, no logit bias or penalty (those rows the host adjusts with the
+        proposals they follow), and proposals, if any, forced or verified greedily (a sampled drafter's need
+        the distribution they were drawn from, which only the host has)."""
+        sampler = slot.sampler
+        if not self.masks_on_device or sampler.grammar is None or sampler.adjusts:
+            return False
+        return proposals is None or not proposals.tokens or proposals.forced or sampler.greedy
 
     def _batch_mtp_serves(self, decoding: int) -> bool:
         """Whether ``decoding`` slots (of a group) take batch-MTP windows rather than serial ones.
@@ -1015,13 +1032,3 @@ class Engine:
                     if slot.id in queued.job.slot_ids:  # when queued: before the release rewinds it
                         queued.wait_queued()
                 self._release(slot)
-
-
-def _masks_on_device(sampler: Sampler, proposals: Proposals) -> bool:
-    """Whether a request's rows are masked to its grammar and chosen on the device (`Entry.masked`): a
-    grammar holds it, no logit bias or penalty adjusts it (those rows the host adjusts with the proposals
-    they follow), and its proposals, if any, are forced or verified greedily (a sampled drafter's need the
-    distribution they were drawn from, which only the host has)."""
-    if sampler.grammar is None or sampler.adjusts:
-        return False
-    return not proposals.tokens or proposals.forced or sampler.greedy
