@@ -30,6 +30,11 @@ def cut_char_by_char(text: str, stops: tuple[str, ...]) -> tuple[str, bool]:
     return text, False
 
 
+def stop_end(text: str, stops: tuple[str, ...]) -> int:
+    """Where generating one character at a time would have stopped: the end of the first complete stop."""
+    return next(end for end in range(1, len(text) + 1) if any(s and text[:end].endswith(s) for s in stops))
+
+
 def pieces(text: str, cuts: list[int]) -> list[str]:
     bounds = sorted({0, len(text), *(c for c in cuts if 0 <= c <= len(text))})
     return [text[a:b] for a, b in itertools.pairwise(bounds)]
@@ -107,22 +112,28 @@ def test_any_split_gives_the_text_cut_character_by_character(text, stops, cuts):
 
 def test_every_two_window_split_of_a_slot_cuts_the_same():
     """Byte tokens through Slot.emit, cut at every offset: the stop string straddles the windows at each
-    of its own characters, and a multi-byte character before it is split too."""
+    of its own characters, and a multi-byte character before it is split too. The reply's tokens, and its
+    usage, end with the one that completed the stop string, however the windows split."""
     text, stops = "héllo, V=AB: rest", ("V=AB", ":")
     final, _ = cut_char_by_char(text, stops)
     assert final == "héllo, "
+    through = list(text[: stop_end(text, stops)].encode())  # the tokens generated one at a time
     for k in range(len(text.encode()) + 1):
         slot = stream_slot(text, stops, [k])
         assert (slot.sent_text, slot.finished) == (final, "stop"), k
+        # A window's tokens after the one that completed the stop string are not the reply's.
+        assert slot.generated == through and slot.handle.completion_tokens == len(through), k
 
 
 def test_every_three_window_split_of_a_slot_cuts_the_same():
     text, stops = "ab=cd=ef", ("d=e", "=c")
     final, _ = cut_char_by_char(text, stops)
     assert final == "ab"
+    through = list(text[: stop_end(text, stops)].encode())
     for i, j in itertools.combinations(range(1, len(text)), 2):
         slot = stream_slot(text, stops, [i, j])
         assert (slot.sent_text, slot.finished) == (final, "stop"), (i, j)
+        assert slot.generated == through, (i, j)
 
 
 def test_held_back_text_is_sent_when_the_request_ends_without_the_stop_string():

@@ -467,6 +467,43 @@ def test_in_every_mode_a_grammars_rows_masked_and_chosen_on_the_device_keep_the_
         _follows_person(bytes(tokens))
 
 
+def test_replies_under_a_grammar_running_ahead_stop_and_end_where_the_hosts_windows_do():
+    """Replies under a schema in serial windows running three deep, on a split of two stages: cut by
+    ``max_tokens``, by a stop string inside the JSON, by the grammar's end, and one beside a free request.
+    Each ends with the tokens the host's own choice gives (masks on the device off, no window running
+    ahead), and the KV stays consistent after every step."""
+    plan = make_plan(stages=2, preset="tiny", slots=2, groups=1, context=192, prefill_chunk=16, run_ahead=3)
+    eng = Engine(plan)
+    grammar = json_grammar(PERSON)
+    prompts = _prompts(53, 4)
+    reqs = [
+        (0, Request(prompts[0], 9, SamplingParams(grammar=grammar))),
+        (0, Request(prompts[1], 80, SamplingParams(grammar=grammar, temperature=0.8, seed=2))),
+        (2, Request(prompts[2], 80, SamplingParams(grammar=grammar), stop_strings=('"age"',))),
+        (3, Request(prompts[3], 16)),
+    ]
+    chained: list[int] = []
+    launch = eng.executor.launch
+
+    def launching(job, after=None):
+        if after is not None and any(e.masked for e in job.entries):
+            chained.append(len(job.entries))
+        return launch(job, after)
+
+    eng.executor.launch = launching
+    runs = {}
+    for on_device in (True, False):
+        eng.masks_on_device = on_device
+        runs[on_device] = collect(eng, reqs), len(chained)
+    eng.masks_on_device = True
+    (device, ran_ahead), (host, after_host) = runs[True], runs[False]
+    assert device == host
+    assert ran_ahead > 0 and after_host == ran_ahead  # only masked rows chain under a grammar
+    assert len(device[0]) == 9 and bytes(device[0]).startswith(b'{"name":"')
+    assert bytes(device[2]).startswith(b'{"name":"') and b'"age"' in bytes(device[2])[-8:]  # cut there
+    _follows_person(bytes(device[1]))
+
+
 @functools.cache
 def _thinking_engine(mode: str) -> Engine:
     """`_engine`'s model with a tokenizer that has think tags."""

@@ -151,11 +151,25 @@ class Slot:
         new = self._stops.feed(fresh)
         if self._stops.stopped:
             self.finished, stop = "stop", self._stops.hit
+            kept = self._through_stop(kept)
         elif self.finished is not None:
             new += self._stops.flush()
         self.sent_text += new
         logprobs = logprobs[: len(kept)]
         return TokenEvent(tuple(kept), new, self.finished, accepted, error, logprobs=logprobs, stop=stop)
+
+    def _through_stop(self, kept: list[int]) -> list[int]:
+        """A window's new tokens up to the one whose text completed the stop string: the later ones, which
+        a window of several rows chose as well, are not the reply's (one token a window, generation would
+        have stopped there), so neither its tokens nor its usage count them."""
+        base = len(self.generated) - len(kept)
+        for k in range(1, len(kept)):
+            text = self.tokenizer.decode(self.generated[: base + k])
+            if len(text.rstrip("\ufffd")) >= self._stops.end:
+                del self.generated[base + k :]
+                self.handle.completion_tokens = len(self.generated)
+                return kept[:k]
+        return kept
 
     def _decoded(self) -> str:
         """The text of every generated token, as a whole decode would give it, without decoding them all.

@@ -29,17 +29,23 @@ class StopText:
         self.stopped = False
         self.hit: str | None = None
         """The stop string the reply was cut at, once it was."""
+        self.end = 0
+        """Where in the reply's text (characters from its start) that stop string ends, once it was hit."""
+        self._seen = 0
 
     def feed(self, text: str) -> str:
         """The part of ``pending + text`` that is safe to send now."""
         if self.stopped:
             return ""
         buf = self.pending + text
+        offset = self._seen - len(self.pending)  # where ``buf`` begins in the reply's text
+        self._seen += len(text)
         # (end, start) of each stop string's first occurrence: the earliest end wins, then the longest.
         hits = [(i + len(s), i) for s in self.stops if (i := buf.find(s)) >= 0]
         if hits:
             end, start = min(hits)
             self.stopped, self.pending, self.hit = True, "", buf[start:end]
+            self.end = offset + end
             return buf[:start]
         hold = max((_overlap(buf, s) for s in self.stops), default=0)
         self.pending = buf[len(buf) - hold :]
