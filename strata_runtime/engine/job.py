@@ -37,8 +37,9 @@ class Entry:
     ends_prompt: bool = False
     """A prefill chunk that ends its prompt: its last row decides the first generated token."""
     masked: bool = False
-    """Decode rows of a request held to a grammar, chosen on the device over the tokens the grammar allows
-    (`Job.masks`): the host reads the chosen tokens, not the logits, and verifies the proposals by them."""
+    """Rows of a request held to a grammar (its decode rows, or the last row of its prompt), chosen on the
+    device over the tokens the grammar allows (`Job.masks`): the host reads the chosen tokens, not the
+    logits, and verifies the proposals by them."""
 
     def __post_init__(self) -> None:
         if self.pos < 0:
