@@ -457,9 +457,11 @@ class Executor:
         masked, bits = [], []
         for i, e in enumerate(flight.job.entries):
             if e.masked:
-                assert e.slot.ahead is not None, "a chained row under a grammar moves a place ahead"
+                ahead = e.slot.ahead
+                assert ahead is not None, "a chained row under a grammar moves a place ahead"
                 masked.append(i)
-                bits.append(e.slot.ahead.bitmask_after(int(source.chosen_host[rows[i]])))
+                bits.append(ahead.bitmask_after(int(source.chosen_host[rows[i]])))
+                e.slot.ahead_forced = bool(ahead.forced(1))
         return np.array(masked, np.int64), np.stack(bits)
 
     def _release_workspace(self, flight: Flight, stage: Stage) -> None:

@@ -604,21 +604,25 @@ class Engine:
         its last stage (`Executor._chained_masks`), each reply's place moved on ahead of the host's
         (`Slot.ahead`, copied from the host's where a chain starts: ``before`` is not finished yet).
 
-        Not in pipelined groups (whose last stage's shares run on a thread of their own), not with two
-        windows in flight already (the chained window's last stage waits for the one before it, so a
-        longer chain would only hold up the host), and not where a reply was forced to ``before``'s token
-        (the grammar likely forces more, which an unchained window reads as proposals, several at once)."""
-        if group is not None or len(self._chain) > 1:
+        Not with two windows of the chain (or group) in flight already (the chained window's last stage
+        waits for the one before it, so a longer chain would only hold the host up), and not where a reply
+        was forced to ``before``'s token (the grammar likely forces more, which an unchained window reads
+        as proposals, several at once). Past a chain's start the scheduler reads only `Slot.ahead_forced`:
+        a stage's thread may be moving the place on meanwhile."""
+        flying = self._chain if group is None else self._in_flight(group)
+        if len(flying) > 1:
             return False
         for e in before.job.entries:
             if not e.masked:
                 continue
-            grammar = e.slot.sampler.grammar
-            assert grammar is not None
-            if before.after is None:
+            if before.after is None:  # no window of this reply's chain is in flight
+                grammar = e.slot.sampler.grammar
+                assert grammar is not None
                 e.slot.ahead = grammar.copy()  # where the reply stands before ``before``'s token
-            ahead = e.slot.ahead
-            if ahead is None or ahead.forced(1):
+                forced = bool(e.slot.ahead.forced(1))
+            else:
+                forced = e.slot.ahead_forced
+            if forced:
                 return False
         return True
 
