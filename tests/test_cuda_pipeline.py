@@ -140,3 +140,52 @@ def test_vram_per_gpu_stays_within_5_percent_of_the_plan(cp) -> None:
         assert abs(g["load_vs_plan"]) <= 0.05, g
         assert abs(g["full_context_vs_plan"]) <= 0.05, g
         assert g["pool_total_mib"] <= g["pool_peak_mib"] <= g["pool_cap_mib"], g
+
+
+def test_schema_replies_in_pipelined_groups_run_ahead_with_the_hosts_text(cp):
+    """Greedy replies under a JSON schema beside a free request, in pipelined groups over two GPUs (each
+    stage queued by a thread of its own): their rows masked and chosen on the device, each group's windows
+    running ahead (the masks computed on the last stage's thread from the tokens the window before chose),
+    give the host's own choice from the logits, and the windows really were chained."""
+    import json
+
+    from strata_runtime.api import Request, SamplingParams
+    from strata_runtime.engine import Engine
+    from strata_runtime.structured import json_grammar
+
+    schema = {
+        "type": "object",
+        "properties": {"word": {"type": "string", "maxLength": 12}, "n": {"type": "integer", "maximum": 99}},
+        "required": ["word", "n"],
+        "additionalProperties": False,
+    }
+    shaped = SamplingParams(grammar=json_grammar(schema))
+    plan = _plan(cp, groups=2)
+    plan = plan.model_copy(update={"batch": plan.batch.model_copy(update={"run_ahead": 3})})
+    assert plan.batch.mode == "pipelined"
+    engine = Engine(plan)
+    chained: list[int] = []
+    launch = engine.executor.launch
+
+    def launching(job, after=None):
+        if after is not None and any(e.masked for e in job.entries):
+            chained.append(len(job.entries))
+        return launch(job, after)
+
+    engine.executor.launch = launching
+    texts = {}
+    for on_device in (False, True):
+        engine.masks_on_device = on_device
+        handles = [
+            engine.submit(Request(PROMPTS[1], 40, shaped)),
+            engine.submit(Request(PROMPTS[3], 40, shaped)),
+            engine.submit(Request(PROMPTS[2], 24)),
+        ]
+        while engine.step():
+            pass
+        texts[on_device] = [[t for ev in list(h.events.queue) for t in ev.token_ids] for h in handles]
+        assert all(list(h.events.queue)[-1].error is None for h in handles)
+    assert texts[True] == texts[False]
+    assert chained
+    for tokens in texts[True][:2]:
+        assert set(json.loads(bytes(tokens))) == {"word", "n"}
