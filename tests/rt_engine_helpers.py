@@ -47,6 +47,29 @@ def mode_plan(mode: str, stages: int, **kw: Any) -> LaunchPlan:
     return make_plan(stages=stages, **args)
 
 
+def launches(eng: Engine) -> list[tuple[Any, Any, Any]]:
+    """Every window ``eng`` launches from now on, as (job, what it is chained to or None, its flight); ``del
+    eng.executor.launch`` stops the recording."""
+    seen: list[tuple[Any, Any, Any]] = []
+    launch = eng.executor.launch
+
+    def launching(job: Any, after: Any = None) -> Any:
+        flight = launch(job, after)
+        seen.append((job, after, flight))
+        return flight
+
+    eng.executor.launch = launching  # type: ignore[method-assign]
+    return seen
+
+
+def chained_grammar_windows(seen: list[tuple[Any, Any, Any]]) -> list[int]:
+    """Of `launches`' windows, those with rows under a grammar chained behind another (queued before the host
+    read the tokens their masks follow): how many slots each holds."""
+    return [
+        len(job.entries) for job, after, _ in seen if after is not None and any(e.masked for e in job.entries)
+    ]
+
+
 def collect(eng: Engine, schedule: list[tuple[int, Request]], check_kv: bool = True) -> list[list[int]]:
     """Submit each request at its step, run to the end, return each request's tokens."""
     handles: list[Any] = [None] * len(schedule)

@@ -149,6 +149,8 @@ def test_schema_replies_in_pipelined_groups_run_ahead_with_the_hosts_text(cp):
     give the host's own choice from the logits, and the windows really were chained."""
     import json
 
+    from rt_engine_helpers import chained_grammar_windows, launches
+
     from strata_runtime.api import Request, SamplingParams
     from strata_runtime.engine import Engine
     from strata_runtime.structured import json_grammar
@@ -164,15 +166,7 @@ def test_schema_replies_in_pipelined_groups_run_ahead_with_the_hosts_text(cp):
     plan = plan.model_copy(update={"batch": plan.batch.model_copy(update={"run_ahead": 3})})
     assert plan.batch.mode == "pipelined"
     engine = Engine(plan)
-    chained: list[int] = []
-    launch = engine.executor.launch
-
-    def launching(job, after=None):
-        if after is not None and any(e.masked for e in job.entries):
-            chained.append(len(job.entries))
-        return launch(job, after)
-
-    engine.executor.launch = launching
+    seen = launches(engine)
     texts = {}
     for on_device in (False, True):
         engine.masks_on_device = on_device
@@ -186,6 +180,6 @@ def test_schema_replies_in_pipelined_groups_run_ahead_with_the_hosts_text(cp):
         texts[on_device] = [[t for ev in list(h.events.queue) for t in ev.token_ids] for h in handles]
         assert all(list(h.events.queue)[-1].error is None for h in handles)
     assert texts[True] == texts[False]
-    assert chained
+    assert chained_grammar_windows(seen)
     for tokens in texts[True][:2]:
         assert set(json.loads(bytes(tokens))) == {"word", "n"}

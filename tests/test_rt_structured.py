@@ -15,7 +15,7 @@ from types import MappingProxyType
 
 import numpy as np
 import pytest
-from rt_engine_helpers import MODES, collect, mode_plan, run_checking_kv
+from rt_engine_helpers import MODES, chained_grammar_windows, collect, launches, mode_plan, run_checking_kv
 from rt_plans import make_plan
 
 from strata_runtime.api import Reasoning, Request, SamplingParams
@@ -433,21 +433,7 @@ def test_in_every_mode_a_grammars_rows_masked_and_chosen_on_the_device_keep_the_
         (0, Request(prompts[1], 80, SamplingParams(temperature=0.9, top_k=40, seed=3, grammar=grammar))),
         (1, Request(prompts[2], 20)),
     ]
-    read: list[bool] = []
-    kinds: set[str] = set()
-    chained: list[int] = []
-    launch = eng.executor.launch
-
-    def launching(job, after=None):
-        flight = launch(job, after)
-        if flight.masks is not None and all(e.masked or e.on_device for e in job.entries):
-            read.append(flight.sampled)  # whether the host reads the window's logits
-            kinds.add(job.kind)
-        if after is not None and any(e.masked for e in job.entries):
-            chained.append(len(job.entries))  # queued before the host read the tokens its masks follow
-        return flight
-
-    eng.executor.launch = launching
+    seen = launches(eng)
     try:
         runs = {}
         for on_device in (True, False):
@@ -457,10 +443,17 @@ def test_in_every_mode_a_grammars_rows_masked_and_chosen_on_the_device_keep_the_
         eng.masks_on_device = True
         del eng.executor.launch
     device, host = runs[True], runs[False]
+    # Windows whose rows are all chosen on the device, and whether the host read their logits back.
+    read = [
+        (f.sampled, j.kind)
+        for j, _, f in seen
+        if f.masks is not None and all(e.masked or e.on_device for e in j.entries)
+    ]
+    chained = chained_grammar_windows(seen)
     assert device[0] == host[0] and device[2] == host[2] and device[4] == host[4]  # greedy
     if not MODES[mode].get("draft_tokens"):  # drafted and sampled, the host verifies as before
         assert device[1] == host[1] and device[3] == host[3]
-    assert read and not any(read) and "prefill" in kinds  # a prompt's first token too
+    assert read and not any(r for r, _ in read) and "prefill" in {k for _, k in read}  # a first token too
     if mode == "serial":  # a schema's reply runs ahead, alone and beside the free request
         assert 1 in chained and 2 in chained
     if mode == "pipelined":  # in each group's windows
@@ -484,19 +477,11 @@ def test_replies_under_a_grammar_running_ahead_stop_and_end_where_the_hosts_wind
         (2, Request(prompts[2], 80, SamplingParams(grammar=grammar), stop_strings=('"age"',))),
         (3, Request(prompts[3], 16)),
     ]
-    chained: list[int] = []
-    launch = eng.executor.launch
-
-    def launching(job, after=None):
-        if after is not None and any(e.masked for e in job.entries):
-            chained.append(len(job.entries))
-        return launch(job, after)
-
-    eng.executor.launch = launching
+    seen = launches(eng)
     runs = {}
     for on_device in (True, False):
         eng.masks_on_device = on_device
-        runs[on_device] = collect(eng, reqs), len(chained)
+        runs[on_device] = collect(eng, reqs), len(chained_grammar_windows(seen))
     eng.masks_on_device = True
     (device, ran_ahead), (host, after_host) = runs[True], runs[False]
     assert device == host
