@@ -423,22 +423,30 @@ def test_in_every_mode_what_a_grammar_forces_is_read_as_proposals_and_changes_no
 def test_in_every_mode_a_grammars_rows_masked_and_chosen_on_the_device_keep_the_hosts_text(mode):
     """A grammar's rows are masked to its allowed tokens and chosen where the logits are (`Entry.masked`),
     and the host reads only the tokens: greedy and seeded sampled replies under a schema, alone and beside
-    a free request, are the replies the host gives choosing from the logits it reads (with masks on the
-    device off), and the windows whose rows are all chosen on the device read no logits back."""
+    a free request, and a greedy one with a logit bias and penalties (adjusted on the device too), are the
+    replies the host gives choosing from the logits it reads (with masks on the device off); the windows
+    whose rows are all chosen on the device read no logits back. In serial windows and pipelined groups the
+    replies run ahead of the host: a window's masks follow from the tokens the window before it chose,
+    read once its own layers are queued."""
     eng = _engine(mode)
     grammar = json_grammar(PERSON)
-    prompts = _prompts(47, 3)
+    prompts = _prompts(47, 4)
+    adjusted = SamplingParams(
+        grammar=grammar, presence_penalty=0.5, frequency_penalty=1.0, logit_bias=((ord("x"), 8.0),)
+    )
     reqs = [
         (0, Request(prompts[0], 80, SamplingParams(grammar=grammar))),
         (0, Request(prompts[1], 80, SamplingParams(temperature=0.9, top_k=40, seed=3, grammar=grammar))),
         (1, Request(prompts[2], 20)),
+        (0, Request(prompts[3], 80, adjusted)),
     ]
     seen = launches(eng)
     try:
         runs = {}
         for on_device in (True, False):
             eng.masks_on_device = on_device
-            runs[on_device] = [collect(eng, [req])[0] for req in reqs[:2]] + collect(eng, reqs)
+            alone = [collect(eng, [req])[0] for req in (reqs[0], reqs[1], reqs[3])]
+            runs[on_device] = alone[:2] + collect(eng, reqs[:3]) + alone[2:]
     finally:
         eng.masks_on_device = True
         del eng.executor.launch
@@ -451,6 +459,8 @@ def test_in_every_mode_a_grammars_rows_masked_and_chosen_on_the_device_keep_the_
     ]
     chained = chained_grammar_windows(seen)
     assert device[0] == host[0] and device[2] == host[2] and device[4] == host[4]  # greedy
+    assert device[5] == host[5] and any(f.masks is not None and f.adjusts is not None for _, _, f in seen)
+    assert bytes(device[5]).startswith(b'{"name":"xx')  # the bias shows, and the penalties end its run
     if not MODES[mode].get("draft_tokens"):  # drafted and sampled, the host verifies as before
         assert device[1] == host[1] and device[3] == host[3]
     assert read and not any(r for r, _ in read) and "prefill" in {k for _, k in read}  # a first token too
@@ -458,7 +468,7 @@ def test_in_every_mode_a_grammars_rows_masked_and_chosen_on_the_device_keep_the_
         assert 1 in chained and 2 in chained
     if mode == "pipelined":  # in each group's windows
         assert 1 in chained
-    for tokens in device[:4]:
+    for tokens in (*device[:4], device[5]):
         _follows_person(bytes(tokens))
 
 

@@ -603,9 +603,9 @@ class Executor:
         if e.proposals.forced:  # a grammar's, not a drafter's: no measure of drafting
             event = slot.advance(kept, verdict.tokens, 0, 0, logprobs=lps)
         else:
-            proposed = len(e.proposals.tokens)
+            proposed, counted = len(e.proposals.tokens), e.on_device or (e.masked and not e.proposals.tokens)
             event = slot.advance(
-                kept, verdict.tokens, proposed, verdict.accepted, counted=e.on_device, logprobs=lps
+                kept, verdict.tokens, proposed, verdict.accepted, counted=counted, logprobs=lps
             )
         return [(slot, event)]
 

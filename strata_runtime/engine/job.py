@@ -150,7 +150,7 @@ class Job:
         for e in self.entries:
             sampler = e.slot.sampler
             n = len(e.tokens) if e.kind == "decode" else int(e.ends_prompt)
-            if sampler.adjusts and (e.on_device or self.spec_on_device):
+            if sampler.adjusts and (e.on_device or e.masked or self.spec_on_device):
                 new, add = sampler.device_update()
                 if new:
                     fresh.append((e.slot.id, sampler.bias_ids, sampler.bias))
@@ -159,7 +159,7 @@ class Job:
                     rows.append(at + j)
                     extra_from.append(at + 1)
                     extra_count.append(j)
-                chosen += [e.on_device] * n
+                chosen += [e.on_device or e.masked] * n
                 slots += [e.slot.id] * n
                 freq += [sampler.params.frequency_penalty] * n
                 pres += [sampler.params.presence_penalty] * n

@@ -893,12 +893,16 @@ class Engine:
     def _masked(self, slot: Slot, proposals: Proposals | None = None) -> bool:
         """Whether ``slot``'s rows in a window (its next token, after ``proposals``; a prompt's first
         token without) are masked to its grammar and chosen on the device (`Entry.masked`): with
-        `masks_on_device`, a grammar, no logit bias or penalty (those rows the host adjusts with the
-        proposals they follow), and proposals, if any, forced or verified greedily (a sampled drafter's need
-        the distribution they were drawn from, which only the host has)."""
+        `masks_on_device` and a grammar; proposals, if any, forced or verified greedily (a sampled drafter's
+        need the distribution they were drawn from, which only the host has); and where a logit bias or
+        penalty adjusts the request, only a decode row without proposals, which the device adjusts and whose
+        token it counts as it does any such row's (the host adjusts the others, with the proposals they
+        follow)."""
         sampler = slot.sampler
-        if not self.masks_on_device or sampler.grammar is None or sampler.adjusts:
+        if not self.masks_on_device or sampler.grammar is None:
             return False
+        if sampler.adjusts:  # adjusted and counted on the device only as a decode row without proposals
+            return proposals is not None and not proposals.tokens
         return proposals is None or not proposals.tokens or proposals.forced or sampler.greedy
 
     def _batch_mtp_serves(self, decoding: int) -> bool:
