@@ -36,7 +36,8 @@ class Proposals:
     q: list[np.ndarray]
     forced: bool = False
     """The tokens a request's grammar forces next (`forced`), not a drafter's: verified as any proposals,
-    but not counted as drafting (its gauge, its acceptance)."""
+    each as if drawn from a q certain of it (``q`` stays empty), but not counted as drafting (its gauge,
+    its acceptance)."""
 
 
 def forced(sampler: Sampler, most: int) -> Proposals | None:
@@ -48,24 +49,14 @@ def forced(sampler: Sampler, most: int) -> Proposals | None:
     chooses the token after them. They are verified like a drafter's, each row's token chosen over the
     tokens the grammar allows after the proposals before it; llguidance allows forced text only as it
     spells it, so every forced proposal holds, greedy or sampled (q is certain of the token, which the
-    target's distribution over the one allowed token is too), and the text is the text of one token a
-    window.
+    target's distribution over the one allowed token is too: `verify` reads it so, with no array), and the
+    text is the text of one token a window.
     """
     grammar = sampler.grammar
     if grammar is None or most <= 0:
         return None
     tokens = grammar.forced(most)
-    if not tokens:
-        return None
-    q = [] if sampler.greedy else [_certain(t, grammar.vocab_size) for t in tokens]
-    return Proposals(tokens, q, forced=True)
-
-
-def _certain(token: int, vocab_size: int) -> np.ndarray:
-    """The distribution [V] that is ``token`` for sure."""
-    q = np.zeros(vocab_size, dtype=np.float64)
-    q[token] = 1.0
-    return q
+    return Proposals(tokens, [], forced=True) if tokens else None
 
 
 DRAFT_WARMUP = 8
@@ -422,10 +413,15 @@ def verify(target: np.ndarray, proposals: Proposals, sampler: Sampler) -> Verdic
         return verify_choices(target if target.ndim == 1 else np.argmax(target, axis=-1), proposals.tokens)
     p = distribution(target, sampler.params)  # [n, V]
     for j, tok in enumerate(proposals.tokens):
-        q = proposals.q[j]
-        if sampler.uniform() * q[tok] < p[j, tok]:  # accept with probability min(1, p/q)
+        # A forced proposal's q is certain of its token (1 there, 0 elsewhere), so it needs no array.
+        q_tok = 1.0 if proposals.forced else proposals.q[j][tok]
+        if sampler.uniform() * q_tok < p[j, tok]:  # accept with probability min(1, p/q)
             continue
-        residual = np.maximum(p[j] - q, 0.0)
+        if proposals.forced:
+            residual = p[j].copy()
+            residual[tok] = 0.0  # max(p - q, 0) where q is 1 at ``tok``
+        else:
+            residual = np.maximum(p[j] - proposals.q[j], 0.0)
         fix = sampler.draw(residual if residual.sum() > 0 else p[j])
         return Verdict(j, [*proposals.tokens[:j], fix])
     return Verdict(n_prop, [*proposals.tokens, sampler.draw(p[n_prop])])
