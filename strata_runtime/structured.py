@@ -186,8 +186,13 @@ def grammars_for(tokenizer: Tokenizer, vocab_size: int) -> Grammars:
 class Matcher:
     """One reply's place in its grammar."""
 
-    def __init__(self, ll: Any, vocab_size: int) -> None:
+    def __init__(self, ll: Any, vocab_size: int, words: int | None = None) -> None:
         self._ll, self.vocab_size = ll, vocab_size
+        self._words = len(ll.compute_bitmask()) // 4 if words is None else words
+        """The packed masks' width in 32-bit words, as llguidance lays them out (one more than the
+        vocabulary needs where its size is a multiple of 32)."""
+        self._lost = False
+        """A token moved this copy off the grammar or past its end (`_move`); never a reply's own place."""
 
     def allowed(self) -> np.ndarray:
         """Which tokens may come next: a bool array [vocab_size]."""
@@ -202,30 +207,39 @@ class Matcher:
     def bitmasks_after(self, drafted: Sequence[int]) -> np.ndarray:
         """`allowed_after` packed as llguidance computes it, for the device (`strata_runtime.reference.
         kernels.mask_logits`): uint32 [len(drafted) + 1, W], token t at bit t % 32 of word t // 32."""
-        first = np.frombuffer(self._ll.compute_bitmask(), dtype="<u4")
-        out = np.empty((len(drafted) + 1, first.shape[0]), dtype=np.uint32)
-        out[0] = first
-        ahead = self._ll.deep_copy() if len(drafted) else None  # the reply's own place stays where it is
-        for k, t in enumerate(drafted, start=1):
-            if ahead is None or ahead.is_stopped() or not ahead.consume_token(int(t)):
-                ahead = None  # past the end of the grammar, or off it: these rows are never used
-                out[k] = 0xFFFFFFFF
-            else:
-                out[k] = np.frombuffer(ahead.compute_bitmask(), dtype="<u4")
-        return out
+        ahead = self.copy()  # the reply's own place stays where it is
+        return np.stack([ahead._packed(), *(ahead.bitmask_after(t) for t in drafted)])
+
+    def bitmask_last(self, drafted: Sequence[int]) -> np.ndarray:
+        """`bitmasks_after`'s last row alone [1, W]: what may follow all of ``drafted``."""
+        ahead = self.copy()
+        for t in drafted:
+            ahead._move(t)
+        return ahead._packed()[None, :]
 
     def copy(self) -> Matcher:
         """Another place in the same grammar, where this one stands now, that moves on its own."""
-        return Matcher(self._ll.deep_copy(), self.vocab_size)
+        other = Matcher(self._ll.deep_copy(), self.vocab_size, self._words)
+        other._lost = self._lost
+        return other
 
     def bitmask_after(self, token: int) -> np.ndarray:
         """Move on by ``token`` and return the packed mask of what may follow (`bitmasks_after`'s row);
-        every token where ``token`` is not allowed or the grammar has ended (such a row is never used: the
-        reply ends, or its own place fails on that token with `GrammarError`)."""
-        if not self._ll.is_stopped() and self._ll.consume_token(int(token)) and not self._ll.is_stopped():
-            return np.frombuffer(self._ll.compute_bitmask(), dtype="<u4").copy()
-        words = (self.vocab_size + 31) // 32
-        return np.full(words, 0xFFFFFFFF, dtype=np.uint32)
+        every token where ``token`` is not allowed or the grammar had ended before it (such a row is never
+        used: the reply ends, or its own place fails on that token with `GrammarError`)."""
+        self._move(token)
+        return self._packed()
+
+    def _move(self, token: int) -> None:
+        """Move on by ``token``; off the grammar or past its end the place is lost (`_packed` allows all)."""
+        if not self._lost:
+            self._lost = self._ll.is_stopped() or not self._ll.consume_token(int(token))
+
+    def _packed(self) -> np.ndarray:
+        """The packed mask [W] of what may come next: every token once the place is lost."""
+        if self._lost:
+            return np.full(self._words, 0xFFFFFFFF, dtype=np.uint32)
+        return np.frombuffer(self._ll.compute_bitmask(), dtype="<u4").copy()
 
     def forced(self, most: int) -> list[int]:
         """The tokens the grammar forces next, at most ``most`` (llguidance's fast-forward tokens: the only

@@ -141,6 +141,23 @@ def test_the_packed_masks_the_device_applies_keep_exactly_the_allowed_tokens_aft
     assert np.array_equal(out[:2], logits[:2])
 
 
+def test_a_place_ahead_gives_masks_as_wide_as_llguidance_lays_them_out_wherever_it_stands():
+    """A place ahead of the host's (`Matcher.copy`, moved by `bitmask_after`) gives rows of the width of
+    llguidance's own masks, whatever it moved by: a token the grammar allows, the one that completes it, or
+    one off it (every token allowed). On a vocabulary whose size is a multiple of 32 llguidance lays its
+    masks one word wider than the vocabulary needs, and a window stacks its slots' rows together."""
+    v = 512
+    m = Grammars(ByteTokenizer(v), v).matcher(json_grammar({"enum": [7]}))
+    width = m.bitmasks_after([]).shape[1]
+    assert width == len(m._ll.compute_bitmask()) // 4
+    ahead = m.copy()
+    rows = [ahead.bitmask_after(ord("7")), ahead.bitmask_after(ord("x")), ahead.bitmask_after(ord("y"))]
+    assert all(r.shape == (width,) for r in rows)
+    assert np.unpackbits(rows[1].view(np.uint8), bitorder="little")[:v].all()  # lost: anything
+    assert np.stack([m.bitmask_last([ord("x")])[0], *rows]).shape == (4, width)
+    assert m.allowed()[ord("7")] and m.allowed().sum() == 1  # the reply's own place did not move
+
+
 def test_a_greedy_proposal_under_a_grammar_is_the_argmax_over_what_it_allows_after_the_chain():
     """A drafter's greedy proposal under a grammar is masked and chosen where its logits are (a token comes
     back, not the row): the argmax over the tokens the grammar allows after the proposals before it, which

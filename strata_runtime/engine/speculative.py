@@ -342,7 +342,7 @@ def _choose(
         # back, not a vocabulary-wide row.
         with dev.use():
             row = logits[None, :].copy()
-            model.mask(row, np.zeros(1, np.int64), sampler.grammar.bitmasks_after(chain)[-1:])
+            model.mask(row, np.zeros(1, np.int64), sampler.grammar.bitmask_last(chain))
             return int(model.argmax(row)[0]), None
     if on_device and not sampler.adjusts:
         with dev.use():
