@@ -23,7 +23,7 @@ import numpy as np
 
 from ..api import Reasoning, SamplingParams
 from ..backend import Array
-from ..model import adjust_row, inverse_cdf
+from ..model import adjust_row, inverse_cdf, mask_logits
 from ..model import distribution as rule
 from ..structured import GrammarError, Matcher
 
@@ -185,10 +185,10 @@ class Sampler:
         if self.grammar is not None:  # each row over the tokens its grammar allows after what it follows
             if np.may_share_memory(out, logits):
                 out = out.copy()  # the masks are written in place, never into the caller's logits
-            masks = self.grammar.allowed_after(drafted)
+            bits = self.grammar.bitmasks_after(drafted)
             first_row = out.shape[0] - len(drafted)
-            for j in range(out.shape[0]):  # putmask: a tenth of a boolean index's time on a 150k row
-                np.putmask(out[j], ~masks[max(0, j - first_row + 1)], -np.inf)
+            follows = [max(0, j - first_row + 1) for j in range(out.shape[0])]  # row j's proposals
+            mask_logits(out, np.arange(out.shape[0]), bits[follows])  # the device's rule, on the host
         return out
 
     def _biased(self, logits: np.ndarray, drafted: Sequence[int]) -> np.ndarray:

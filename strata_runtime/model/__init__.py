@@ -6,9 +6,18 @@
 stage's device.
 """
 
-from ..models.ops.adjust import Adjusts, adjust_row
+from ..models.ops.adjust import Adjusts, adjust_row, mask_logits
 from ..models.ops.choose import Draws
 from ..models.ops.distribution import distribution, inverse_cdf, verify_sampled
 from .placed import Model
 
-__all__ = ["Adjusts", "Draws", "Model", "adjust_row", "distribution", "inverse_cdf", "verify_sampled"]
+__all__ = [
+    "Adjusts",
+    "Draws",
+    "Model",
+    "adjust_row",
+    "distribution",
+    "inverse_cdf",
+    "mask_logits",
+    "verify_sampled",
+]
