@@ -260,8 +260,21 @@ def policy_inert(cached: bool, led: Ledger) -> None:
     """Say which cache-policy keys the profile sets for nothing: all of them where every expert is resident
     (no GPU holds a cache), the adaptation's own where ``experts.adapt = false`` freezes the cache."""
     if cached and led["experts.adapt"]:
+        if led.user_set("experts.recall_stored") and not led["memory.prefix_store_mib"]:
+            led.note(
+                "experts.policy-inert",
+                "experts.recall_stored",
+                "experts.recall_stored does nothing: without a prefix store (memory.prefix_store_mib = 0) "
+                "no conversation is copied back",
+                requested=True,
+                because=("memory.prefix_store_mib",),
+            )
         return
-    keys = POLICY_KEYS if cached else ("experts.adapt", *POLICY_KEYS)
+    keys = (
+        (*POLICY_KEYS, "experts.recall_stored")
+        if cached
+        else ("experts.adapt", *POLICY_KEYS, "experts.recall_stored")
+    )
     why = (
         "experts.adapt = false keeps the cache's first contents"
         if cached

@@ -264,6 +264,7 @@ def _assemble(
             rebalance_every=int(led["experts.rebalance_every"]),
             swap_margin=float(led["experts.swap_margin"]),
             max_swaps=int(led["experts.max_swaps"]),
+            recall_stored=bool(led["experts.recall_stored"]),
         ),
         host=host,
         windows=windows,

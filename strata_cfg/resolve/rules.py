@@ -171,8 +171,8 @@ _RULES = (
         "experts.policy-inert",
         7,
         "note",
-        "the expert cache's policy keys do nothing where every expert is resident, and its adaptation's "
-        "where experts.adapt = false",
+        "the expert cache's policy keys do nothing where every expert is resident, its adaptation's where "
+        "experts.adapt = false, and experts.recall_stored without a prefix store",
     ),
     Rule(
         "batch-mtp.all-experts-resident",

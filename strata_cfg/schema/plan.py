@@ -363,6 +363,9 @@ class ExpertsPlan(_Plan):
     """Score a newcomer must beat the expert it evicts by (``experts.swap_margin``)."""
     max_swaps: int = MAX_SWAPS
     """Swaps per rebalance at most (``experts.max_swaps``)."""
+    recall_stored: bool = True
+    """Whether a prefix copied back from the prefix store brings back what the cache had learned from its
+    conversation (``experts.recall_stored``)."""
 
 
 class HostTier(_Plan):

@@ -274,6 +274,10 @@ class ExpertsSection(Section):
     max_swaps: int | None = Field(default=None, ge=1)
     """Swaps per rebalance at most (default 512); a rebalance cut at the cap goes on at the next window, so a
     lower cap spreads a new request's swaps, and the pause their copies bring, over several windows."""
+    recall_stored: bool | None = None
+    """Whether a conversation copied back from the prefix store brings back the experts it routed to (default
+    true): what the cache had learned when its slot was released is added to the cache's scores, and the
+    cache rebalances at once, as after a prompt chunk, since the history copied back is not read again."""
 
 
 class ServeSection(Section):

@@ -269,6 +269,16 @@ class CudaExperts:
             self.apply(swaps, stream)
         return swaps
 
+    def recall(self, scores: np.ndarray, stream: Any) -> list[Swap]:
+        """`ExpertStore.recall`: the rebalance's experts loaded on ``stream`` (the stage's, so that the
+        windows queued after it read the new tables). Returns the swaps started."""
+        if not self.store.cached:
+            return []
+        swaps = self.store.recall(scores, load=False)
+        if swaps:
+            self.apply(swaps, stream)
+        return swaps
+
     def restore(self, snap: Snapshot) -> None:
         """Bring the cache back to ``snap`` and wait for it (a benchmark's arms each start from the same
         contents); counts not yet handed to the cache are dropped."""

@@ -202,6 +202,41 @@ class Executor:
         for s in range(len(self.stages)):
             self._on_stage(s, functools.partial(self._restore_share, s, slot, runs))
 
+    def expert_scores(self) -> list[Any] | None:
+        """What each stage's expert cache has learned of the routing (`Stage.expert_scores`), for
+        `recall_experts`; None where no stage has a cache that adapts. Each stage's entry is taken by the
+        thread that owns its cache (the stage's, where it has one), after the windows queued there before:
+        the list is filled in as they get to it, and a `recall_experts` queued later reads it after."""
+        if all(not stage.experts.cached for stage in self.stages):
+            return None
+        out: list[Any] = [None] * len(self.stages)
+
+        def take(s: int) -> None:
+            out[s] = self.stages[s].expert_scores()
+
+        for s in range(len(self.stages)):
+            self._on_stage(s, functools.partial(take, s))
+        return out
+
+    def recall_experts(self, scores: list[Any]) -> None:
+        """Bring back into each stage's expert cache what ``scores`` (`expert_scores`, taken when a stored
+        conversation's slot was released) had taught it, rebalancing it at once: queued on each stage's
+        stream after every window queued there before (through the stage's thread, where it has one), so the
+        swaps' copies come before the windows queued after."""
+        for s in range(len(self.stages)):
+            self._on_stage(s, functools.partial(self._recall_share, s, scores))
+
+    def _recall_share(self, s: int, scores: list[Any]) -> None:
+        """Stage ``s``'s part of `recall_experts`."""
+        stage, stream = self.stages[s], self._streams[s]
+        if scores[s] is None:
+            return
+        try:
+            with stage.device.use(), _using(stream), self._lock_for(s):
+                stage.recall_experts(scores[s])
+        except BaseException as exc:  # on a stage's thread: the engine's next `finish` raises it
+            self._copy_error = exc
+
     def _lock_for(self, s: int) -> Any:
         """Stage ``s``'s device lock on a GPU (no copy is queued while another thread captures a graph
         there); nothing on the CPU."""

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from strata_cfg.schema.plan import PREFIX_STORE_PAGE
 
@@ -257,6 +258,10 @@ class Stored:
 
     kept: Kept
     pages: tuple[int, ...]
+    experts: list[Any] | None = None
+    """What each stage's expert cache had learned of the routing when the prefix's slot was released (the
+    executor's `expert_scores`), brought back when a request copies the prefix back; None without an expert
+    cache that adapts, or with ``experts.recall_stored = false``."""
 
 
 class PrefixStore:

@@ -117,6 +117,12 @@ class Engine:
         the executor allocates once, here."""
         if self.store.on:
             self.executor.open_store(self.store.pages)
+        self._recalls = self.store.on and plan.experts.recall_stored
+        """Whether a prefix copied back from the store brings back what the expert caches had learned from
+        its conversation (``experts.recall_stored``; nothing changes where no cache adapts)."""
+        self._routed: dict[int, list[Any] | None] = {}
+        """For each released slot, what the expert caches had learned when it was released
+        (`Executor.expert_scores`), kept with its prefix where the store takes it."""
         self._queue: deque[RequestHandle] = deque()
         self._lock = threading.Lock()
         self._admitted = 0
@@ -363,6 +369,8 @@ class Engine:
         if restoring is not None:
             self.store.used(restoring)
             self.executor.restore_prefix(restoring, i, reuse)
+            if restoring.experts is not None:
+                self.executor.recall_experts(restoring.experts)
         elif source is not None:
             self.executor.copy_prefix(source, i, reuse)
         handle.cached_tokens = reuse
@@ -403,6 +411,8 @@ class Engine:
         drafted = None if drafter is None else drafter.keep(max(len(tokens) - 1, 0))
         if tokens:
             self.prefixes.keep(i, tokens, drafted, slot.prefix_key)
+            if self._recalls:
+                self._routed[i] = self.executor.expert_scores()
         self.slots[i] = None
 
     def _held(self, slot: Slot) -> tuple[int, ...]:
@@ -433,6 +443,7 @@ class Engine:
             return
         entry, _ = self.store.store(kept, restoring)
         if entry is not None:  # else it does not fit beside the prefix copied back
+            entry.experts = self._routed.get(i)
             self.executor.save_prefix(i, entry)
 
     def _rewind_slot(self, i: int, length: int) -> None:

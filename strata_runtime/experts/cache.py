@@ -282,6 +282,18 @@ class Residency:
         if prompt and self.policy.after_prompt:
             self._since = max(self._since, self.policy.every)
 
+    def recall(self, scores: np.ndarray) -> None:
+        """Add ``scores`` [L, E] (another moment's `scores`: what a conversation's windows had taught the
+        cache when its slot was released), decaying the present ones as one window does, and make a
+        rebalance due at once, as a prompt chunk does: a conversation copied back from the host's prefix
+        store (docs/RUNTIME.md, "The prefix store") is not read again, so without this the cache would learn
+        what it routes to only from its new tokens. Nothing is served, so the statistics do not change."""
+        if self.complete or not self.policy.adapt:
+            return
+        self.scores *= self.policy.decay
+        self.scores += scores
+        self._since = max(self._since, self.policy.every)
+
     def due(self) -> bool:
         """Whether a rebalance is due: the policy adapts and ``every`` windows have passed, or one window
         since a rebalance that left a `backlog`."""

@@ -176,6 +176,24 @@ class ExpertStore:
             self._load(s)
         return swaps
 
+    def scores(self) -> np.ndarray | None:
+        """A copy of the cache's scores [L, E] (what it has learned of the routing), for `recall`; None where
+        there is nothing to learn (every expert resident, or ``experts.adapt = false``)."""
+        r = self.residency
+        return None if r.complete or not r.policy.adapt else r.scores.copy()
+
+    def recall(self, scores: np.ndarray, load: bool = True) -> list[Swap]:
+        """`Residency.recall` ``scores`` (from `scores`), then the rebalance it makes due: the slot tables
+        change now, and with ``load`` the weights move at once (the array path's upkeep; on a GPU
+        `strata_runtime.cuda.experts.CudaExperts.recall` moves them on the stage's stream)."""
+        r = self.residency
+        r.recall(scores)
+        swaps = r.rebalance() if r.due() else []
+        if load:
+            for s in swaps:
+                self._load(s)
+        return swaps
+
     def snapshot(self) -> Snapshot:
         """What the cache holds and has learned now (`restore` brings it back)."""
         return snapshot(self.residency)

@@ -17,7 +17,7 @@ from numpy.typing import DTypeLike
 
 from strata_cfg.schema.windows import MAX_WINDOW_ROWS, PROMPT_GRAPH_MAX
 
-from ..backend import Array, Device
+from ..backend import Array, Device, cupy_module
 from ..experts.cache import Policy
 from ..experts.routing import RoutingTables, apply_bias
 from ..experts.store import ExpertStore
@@ -252,6 +252,22 @@ class Stage:
             else:  # a window longer than any decode window holds a prompt chunk
                 self.experts.end_window(prompt=layout.rows > MAX_WINDOW_ROWS)
             return out
+
+    def expert_scores(self) -> np.ndarray | None:
+        """What this stage's expert cache has learned of the routing so far (`ExpertStore.scores`), for
+        `recall_experts`; None without a cache that adapts."""
+        return self.experts.scores() if self.experts.cached else None
+
+    def recall_experts(self, scores: np.ndarray) -> None:
+        """Bring back into this stage's expert cache what ``scores`` (from `expert_scores`) had taught it, and
+        rebalance it at once (`ExpertStore.recall`): on a GPU the swaps' copies are queued on the current
+        stream, which must be the stage's, before the windows that read the new tables."""
+        if not self.experts.cached:
+            return
+        if self.cuda_experts is not None:
+            self.cuda_experts.recall(scores, cupy_module().cuda.get_current_stream())
+        else:
+            self.experts.recall(scores)
 
     def _through_prefill(self, layout: Layout) -> bool:
         """Whether a window of ``layout`` goes through the CUDA prefill path."""
