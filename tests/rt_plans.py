@@ -105,7 +105,7 @@ def profile_text(
         lines += [f"adapt = {'true' if adapt else 'false'}"] if adapt is not None else []
         lines += [f"helper_devices = {list(range(stages, stages + helpers))}"] if helpers else []
         lines += [f"peer_device = {stages}"] if peer else []
-        lines += [f"{key} = {value}" for key, value in (cache_policy or {}).items()]
+        lines += [f"{key} = {json.dumps(value)}" for key, value in (cache_policy or {}).items()]
     if serve or batch_mtp:
         lines += ["[serve]"]
     return "\n".join(lines) + "\n"

@@ -1039,6 +1039,16 @@ def test_experts_policy_inert_where_no_cache_adapts():
     frozen = plan_of(cached, ["experts.max_swaps=64", "experts.adapt=false"])
     notes = [x for x in frozen.decisions if x.rule == "experts.policy-inert"]
     assert [x.key for x in notes] == ["experts.max_swaps"] and "experts.adapt = false" in notes[0].message
+    # experts.recall_stored is the cache's too, and also does nothing without a prefix store to copy from.
+    stored = plan_of(cached, ["experts.recall_stored=false", "memory.prefix_store_mib=256"])
+    assert stored.experts.recall_stored is False
+    assert "experts.policy-inert" not in [x.rule for x in stored.decisions]
+    alone = plan_of(cached, ["experts.recall_stored=false"])
+    [note] = [x for x in alone.decisions if x.rule == "experts.policy-inert"]
+    assert note.key == "experts.recall_stored" and "without a prefix store" in note.message
+    resident = plan_of(path, ["experts.recall_stored=true", "memory.prefix_store_mib=256"])
+    notes = [x.key for x in resident.decisions if x.rule == "experts.policy-inert"]
+    assert "experts.recall_stored" in notes
 
 
 @pytest.mark.parametrize("most", [512, 64])

@@ -277,3 +277,53 @@ def test_the_simulation_counts_an_expert_a_windows_rows_share_once() -> None:
     req = RequestTrace(np.zeros((1, 4)), decode)
     out = simulate([req, req], 1, Policy(adapt=False), streams=2)  # expert 0 resident, 3 not
     assert out.hit_rate == 0.5 and out.misses == 0.5 and out.swaps == 0  # one read per window, 2 tokens
+
+
+def test_recalled_scores_add_to_the_decayed_ones_and_bring_a_rebalance_without_counting_any_work() -> None:
+    """`Residency.recall` adds another moment's scores to the present ones decayed by one window, and the
+    rebalance it makes due moves in the experts those scores rank highest; the statistics (what was served)
+    do not change. A frozen or complete cache ignores it."""
+    rng = np.random.default_rng(4)
+    r = Residency(2, 8, 4, 1, Policy(every=4, margin=1.0))
+    r.observe(rng.poisson(2.0, (2, 8)).astype(np.float64) + 0.5)
+    r.rebalance()
+    present, stats = r.scores.copy(), (r.stats.hits, r.stats.misses, r.stats.windows)
+    recalled = np.zeros((2, 8))
+    recalled[0, [1, 6]] = 50.0  # a conversation's experts, two a layer
+    recalled[1, [2, 7]] = 60.0
+    assert not r.due()
+    r.recall(recalled)
+    np.testing.assert_allclose(r.scores, present * 0.9 + recalled)
+    assert (r.stats.hits, r.stats.misses, r.stats.windows) == stats
+    assert r.due(), "the recall brings a rebalance at once, as a prompt chunk does"
+    r.rebalance()
+    assert all(r.resident(j, e) for j, e in ((0, 1), (0, 6), (1, 2), (1, 7)))
+    check_bijection(r)
+    for frozen in (Residency(2, 8, 4, 1, Policy(adapt=False)), Residency(2, 8, 16, 1)):
+        before = frozen.scores.copy()
+        frozen.recall(recalled)
+        np.testing.assert_array_equal(frozen.scores, before)
+        assert not frozen.due()
+
+
+def test_the_store_hands_out_its_scores_and_a_recall_loads_the_experts_it_brings_in() -> None:
+    """`ExpertStore.scores` is a copy of what the cache learned (None where nothing adapts), and
+    `ExpertStore.recall` of scores taken from another store's routing moves those experts into slots, whose
+    weights are the host tier's."""
+    store, gate_up, down = _store(7)
+    other, _, _ = _store(7)
+    counts = np.zeros((3, 6))
+    counts[:, 4:] = 9.0  # experts the first fill left out of some layers
+    other.observe(counts)
+    scores = other.scores()
+    assert scores is not None and scores is not other.residency.scores
+    swaps = store.recall(scores)
+    assert swaps and all(store.resident(j, e) for j in range(3) for e in (4, 5))
+    for j, e in ((j, e) for j in range(3) for e in (4, 5)):
+        gu, dn = store.weights(j, e)
+        np.testing.assert_array_equal(gu, gate_up[j][e])
+        np.testing.assert_array_equal(dn, down[j][e])
+        assert not np.shares_memory(gu, gate_up[j])
+    assert _store(None)[0].scores() is None
+    frozen = ExpertStore(Device("cpu", 0), [1], gate_up[:1], down[:1], 2, Policy(adapt=False))
+    assert frozen.scores() is None

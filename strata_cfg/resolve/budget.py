@@ -311,4 +311,10 @@ def cache_policy_text(led: Ledger, expert_bytes: int) -> str:
         f"one by {margin:g} uses, at most {most} at a time: up to {gb:.1f} GB from host memory, which the "
         f"windows after it wait for ({pauses}); one cut at that cap goes on at the next window, so a lower "
         "experts.max_swaps spreads a new request's pause over several windows"
+        + (
+            "; a conversation copied back from the prefix store brings back the experts it routed to "
+            "(experts.recall_stored)"
+            if led["memory.prefix_store_mib"] and led.get("experts.recall_stored", "experts.cache")
+            else ""
+        )
     )
