@@ -23,7 +23,9 @@ def cp():
     return pytest.importorskip("cupy")
 
 
-def _plan(cp, *, cache: int | None, slots: int = 2, batch_mtp: bool = True, chunk: int = 64, adapt=True):
+def _plan(
+    cp, *, cache: int | None, slots: int = 2, batch_mtp: bool = True, chunk: int = 64, adapt=True, **kw
+):
     from rt_plans import float16_profile_text
 
     from strata_cfg.plan.from_profile import resolve_text
@@ -39,6 +41,7 @@ def _plan(cp, *, cache: int | None, slots: int = 2, batch_mtp: bool = True, chun
         expert_cache=cache,
         adapt=adapt if cache is not None else None,
         serve=True,
+        **kw,
     )
     return resolve_text(text, "cache-test.toml").plan
 
@@ -86,6 +89,46 @@ def test_greedy_text_with_a_small_cache_on_the_gpu_equals_the_all_resident_run(c
                 else:
                     want = store.host_gate_up[j][e].ctypes.data
                 assert int(gu[j, e]) == want
+
+
+def test_a_conversation_copied_back_from_the_store_brings_its_experts_back_on_the_gpu(cp):
+    """Three conversations over two slots under a cache of 24 experts, with a prefix store: each later
+    turn copies its history back. With ``experts.recall_stored`` the cache's swaps for it are queued on the
+    stage's stream before the turn's windows: the text is the same as without, the restored turns find more
+    of their expert work in VRAM, and the kernels' tables end equal to the cache's."""
+    from strata_runtime.engine import Engine
+
+    runs = {}
+    for recall in (False, True):
+        engine = Engine(
+            _plan(cp, cache=24, batch_mtp=False, prefix_store_mib=64, cache_policy={"recall_stored": recall})
+        )
+        rng = np.random.default_rng(5)
+        said = [[int(t) for t in rng.integers(33, 126, 120)] for _ in range(3)]
+        texts, hits = [], [0.0, 0.0]
+        for turn in range(3):
+            for conv in range(3):
+                restores = engine.totals["prefix_restores"]
+                for stage in engine.model.stages:
+                    assert stage.cuda_experts is not None
+                    stage.cuda_experts.settle()
+                before = [(s.experts.stats.hits, s.experts.stats.misses) for s in engine.model.stages]
+                (out,) = _generate(engine, [tuple(said[conv])], 12)
+                for stage in engine.model.stages:
+                    stage.cuda_experts.settle()
+                after = [(s.experts.stats.hits, s.experts.stats.misses) for s in engine.model.stages]
+                if turn:
+                    assert engine.totals["prefix_restores"] == restores + 1
+                    hits[0] += sum(h - h0 for (h0, _), (h, _) in zip(before, after, strict=True))
+                    hits[1] += sum(h - h0 + m - m0 for (h0, m0), (h, m) in zip(before, after, strict=True))
+                texts.append(out)
+                said[conv] += out + [32, 97, 110, 100, 63, 32]
+        for stage in engine.model.stages:
+            cp.cuda.Device(stage.device.index).synchronize()
+            np.testing.assert_array_equal(stage.cuda_experts.slot_of.get(), stage.experts.residency.slot_of)
+        runs[recall] = texts, hits[0] / hits[1]
+    assert runs[True][0] == runs[False][0]
+    assert runs[True][1] > runs[False][1] + 0.02, runs  # about 5 points on the CPU path
 
 
 def test_a_long_prompt_chunk_under_a_cache_stays_within_the_references_tolerance(cp):
