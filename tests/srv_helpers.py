@@ -1,7 +1,9 @@
-"""Shared by the server and launcher tests: a free port, raw HTTP, and a `strata launch` process to drive."""
+"""Shared by the server and launcher tests: a free port, raw HTTP, a `strata launch` process to drive, and the
+demo engine served in process with a tokenizer of a test's choosing."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -14,6 +16,13 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import aiohttp
+
+from strata_cfg.plan.from_profile import resolve_profile
+from strata_runtime.engine import Engine
+from strata_runtime.server import ServeOptions, Server
+from strata_runtime.weights.tokenizer import ByteTokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO = REPO / "profiles" / "demo.toml"
@@ -152,3 +161,67 @@ def launch(
         raise
     assert proc.poll() is None, launched.output()
     return launched
+
+
+def serve_demo(
+    tokenizer_class: type[ByteTokenizer],
+    bodies: list[dict[str, Any]],
+    path: str = "/v1/chat/completions",
+    streamed: dict[str, Any] | None = None,
+    status: int = 200,
+) -> list[tuple[dict, list[dict]]]:
+    """Each body's whole reply and its streamed chunks (or events; the streamed request with ``streamed``
+    added), from the demo engine served in process with ``tokenizer_class`` as its tokenizer. ``status``:
+    the status every whole reply must have (then nothing is streamed unless it is 200)."""
+    plan = resolve_profile(DEMO)
+
+    def factory(progress: Any) -> Engine:
+        engine = Engine(plan, progress=progress)
+        engine.tokenizer = tokenizer_class(engine.model.args.vocab_size)
+        return engine
+
+    async def scenario() -> list[tuple[dict, list[dict]]]:
+        options = ServeOptions(host="127.0.0.1", port=0, model_name="demo", api_key=None)
+        server, stop = Server(plan, factory, options), asyncio.Event()
+        task = asyncio.create_task(server.serve(stop))
+        while server.port is None or server.engine is None or server.engine.state != "ready":
+            assert not task.done(), "the server stopped before it was ready"
+            await asyncio.sleep(0.05)
+        url = f"http://127.0.0.1:{server.port}{path}"
+        out = []
+        async with aiohttp.ClientSession() as s:
+            for body in bodies:
+                async with s.post(url, json=body) as r:
+                    assert r.status == status, await r.text()
+                    whole = await r.json()
+                chunks = []
+                if status != 200:
+                    out.append((whole, chunks))
+                    continue
+                async with s.post(url, json={**body, **(streamed or {}), "stream": True}) as r:
+                    async for line in r.content:
+                        data = line.decode().strip()
+                        if data.startswith("data: ") and data != "data: [DONE]":
+                            data = data.removeprefix("data: ")
+                            chunks.append(json.loads(data))
+                out.append((whole, chunks))
+        stop.set()
+        assert await task == 0
+        return out
+
+    return asyncio.run(scenario())
+
+
+def streamed_reply(chunks: list[dict]) -> tuple[str, str, list[dict], str | None]:
+    """A streamed chat reply's reasoning, content, calls and finish reason, gathered from its chunks."""
+    reasoning = content = ""
+    calls: list[dict] = []
+    finish = None
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            delta = choice["delta"]
+            reasoning += delta.get("reasoning_content") or ""
+            content += delta.get("content") or ""
+            calls += delta.get("tool_calls") or []
+            finish = choice["finish_reason"] or finish
+    return reasoning, content, calls, finish

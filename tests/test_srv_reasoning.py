@@ -8,21 +8,17 @@ through ``structured_outputs``, which the demo model would not write by itself.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 from types import MappingProxyType
-from typing import Any
 
-import aiohttp
 import numpy as np
 import pytest
-from srv_helpers import DEMO
+from srv_helpers import DEMO, serve_demo, streamed_reply
 
 from strata_cfg.plan.from_profile import resolve_profile
 from strata_runtime.chat import ThinkCount, ThinkSplitter, split_thinking, think_ids, thinking_at_end
 from strata_runtime.engine import Engine
-from strata_runtime.server import ServeOptions, Server
 from strata_runtime.server import protocol as p
 from strata_runtime.weights.tokenizer import ByteTokenizer, HFTokenizer
 
@@ -172,64 +168,6 @@ def test_chat_template_kwargs_reach_the_template_and_are_checked():
 NOW_TOOL = {"type": "function", "function": {"name": "now"}}
 
 
-def _serve(
-    tokenizer_class: type[ByteTokenizer],
-    bodies: list[dict[str, Any]],
-    path: str = "/v1/chat/completions",
-    streamed: dict[str, Any] | None = None,
-) -> list[tuple[dict, list[dict]]]:
-    """Each body's whole reply and its streamed chunks (or events; the streamed request with ``streamed``
-    added), from the demo engine served in process with ``tokenizer_class`` as its tokenizer."""
-    plan = resolve_profile(DEMO)
-
-    def factory(progress: Any) -> Engine:
-        engine = Engine(plan, progress=progress)
-        engine.tokenizer = tokenizer_class(engine.model.args.vocab_size)
-        return engine
-
-    async def scenario() -> list[tuple[dict, list[dict]]]:
-        options = ServeOptions(host="127.0.0.1", port=0, model_name="demo", api_key=None)
-        server, stop = Server(plan, factory, options), asyncio.Event()
-        task = asyncio.create_task(server.serve(stop))
-        while server.port is None or server.engine is None or server.engine.state != "ready":
-            assert not task.done(), "the server stopped before it was ready"
-            await asyncio.sleep(0.05)
-        url = f"http://127.0.0.1:{server.port}{path}"
-        out = []
-        async with aiohttp.ClientSession() as s:
-            for body in bodies:
-                async with s.post(url, json=body) as r:
-                    assert r.status == 200, await r.text()
-                    whole = await r.json()
-                chunks = []
-                async with s.post(url, json={**body, **(streamed or {}), "stream": True}) as r:
-                    async for line in r.content:
-                        data = line.decode().strip()
-                        if data.startswith("data: ") and data != "data: [DONE]":
-                            data = data.removeprefix("data: ")
-                            chunks.append(json.loads(data))
-                out.append((whole, chunks))
-        stop.set()
-        assert await task == 0
-        return out
-
-    return asyncio.run(scenario())
-
-
-def _streamed(chunks: list[dict]) -> tuple[str, str, list[dict], str | None]:
-    reasoning = content = ""
-    calls: list[dict] = []
-    finish = None
-    for chunk in chunks:
-        for choice in chunk["choices"]:
-            delta = choice["delta"]
-            reasoning += delta.get("reasoning_content") or ""
-            content += delta.get("content") or ""
-            calls += delta.get("tool_calls") or []
-            finish = choice["finish_reason"] or finish
-    return reasoning, content, calls, finish
-
-
 class ClosingBytes(ThinkingBytes):
     """`ThinkingBytes` whose chat prompt ends with a closed, empty think block, as Qwen3's template writes it
     with ``enable_thinking: false``."""
@@ -262,10 +200,10 @@ def test_the_server_reads_reasoning_apart_whole_and_streamed_and_then_the_calls(
         {**ask, **opens, "thinking_token_budget": 8, "tools": [now], "tool_choice": "required", **one},
         {**ask, "logit_bias": {str(OPEN): -100}, "structured_outputs": {"regex": answer}},
     ]
-    (answered, called, plain) = _serve(ThinkingBytes, bodies)
+    (answered, called, plain) = serve_demo(ThinkingBytes, bodies)
     for whole, chunks in (answered, called, plain):
         message = whole["choices"][0]["message"]
-        reasoning, content, calls, finish = _streamed(chunks)
+        reasoning, content, calls, finish = streamed_reply(chunks)
         assert reasoning == (message["reasoning_content"] or "") and content == (message["content"] or "")
         assert [c["function"] for c in calls] == [c["function"] for c in message.get("tool_calls") or []]
         assert finish == whole["choices"][0]["finish_reason"]
@@ -279,10 +217,10 @@ def test_the_server_reads_reasoning_apart_whole_and_streamed_and_then_the_calls(
     m = plain[0]["choices"][0]["message"]
     assert m["reasoning_content"] is None and re.fullmatch(answer, m["content"])
     think = r"<think>\n[a-z ]{4,24}\n</think>\n\n"
-    ((whole, chunks),) = _serve(ByteTokenizer, [{**ask, "structured_outputs": {"regex": think + answer}}])
+    ((whole, chunks),) = serve_demo(ByteTokenizer, [{**ask, "structured_outputs": {"regex": think + answer}}])
     message = whole["choices"][0]["message"]
     assert "reasoning_content" not in message and message["content"].startswith("<think>\n")
-    assert _streamed(chunks)[1] == message["content"]
+    assert streamed_reply(chunks)[1] == message["content"]
 
 
 def test_a_budget_cuts_the_reasoning_where_it_runs_out_and_the_rest_is_free():
@@ -292,7 +230,7 @@ def test_a_budget_cuts_the_reasoning_where_it_runs_out_and_the_rest_is_free():
     (``enable_thinking: false``) no budget is kept, and a grammar holds the reply from its first token."""
     messages = [{"role": "user", "content": "Think first."}]
     ask = {"model": "demo", "messages": messages, "max_tokens": 40, "temperature": 0}
-    replies = _serve(OpeningBytes, [{**ask, "thinking_token_budget": n} for n in (5, 12)])
+    replies = serve_demo(OpeningBytes, [{**ask, "thinking_token_budget": n} for n in (5, 12)])
     short, long = (whole["choices"][0] for whole, _ in replies)
     for choice, n in ((short, 5), (long, 12)):
         assert choice["finish_reason"] == "length" and choice["message"]["content"]
@@ -300,7 +238,7 @@ def test_a_budget_cuts_the_reasoning_where_it_runs_out_and_the_rest_is_free():
     assert long["message"]["reasoning_content"].startswith(short["message"]["reasoning_content"])
     assert short["message"]["reasoning_content"] != long["message"]["reasoning_content"]
     opens = {"logit_bias": {str(OPEN): 100}}
-    closed = _serve(
+    closed = serve_demo(
         ClosingBytes,
         [
             {**ask, **opens, "thinking_token_budget": 5},
@@ -366,7 +304,7 @@ def test_the_responses_api_gives_the_reasoning_as_an_item_of_its_own():
     """A reply that starts in a think block the template opened: a ``reasoning`` item before the message,
     whole and streamed alike, its tokens counted; streamed, its text arrives as reasoning deltas."""
     ask = {"model": "demo", "input": "Think first.", "max_output_tokens": 40, "temperature": 0}
-    ((whole, events),) = _serve(OpeningBytes, [ask], "/v1/responses")
+    ((whole, events),) = serve_demo(OpeningBytes, [ask], "/v1/responses")
     kinds = [item["type"] for item in whole["output"]]
     assert kinds[0] == "reasoning" and set(kinds) <= {"reasoning", "message"}
     text = whole["output"][0]["content"][0]["text"]
@@ -382,7 +320,7 @@ def test_the_responses_api_gives_the_reasoning_as_an_item_of_its_own():
         assert 0 < use["output_tokens_details"]["reasoning_tokens"] < use["output_tokens"]
 
 
-def test_reasoning_tokens_are_the_think_blocks_counted_whole_and_streamed():
+def test_reasoning_tokens_are_the_think_blocks_counted_whole_andstreamed_reply():
     """``completion_tokens_details.reasoning_tokens``: the tokens of the block the template opened, up to
     the close a budget of 6 forces (7), whole and in a stream's usage chunk; a reply of a model without
     think tags has no such count."""
@@ -393,13 +331,13 @@ def test_reasoning_tokens_are_the_think_blocks_counted_whole_and_streamed():
         "temperature": 0,
     }
     budgeted = {**ask, "thinking_token_budget": 6}
-    ((whole, chunks),) = _serve(
+    ((whole, chunks),) = serve_demo(
         OpeningBytes, [budgeted], streamed={"stream_options": {"include_usage": True}}
     )
     assert whole["usage"]["completion_tokens_details"] == {"reasoning_tokens": 7}
     (last,) = [c for c in chunks if c.get("usage")]
     assert last["usage"]["completion_tokens_details"] == {"reasoning_tokens": 7}
-    ((plain, _),) = _serve(ByteTokenizer, [ask])
+    ((plain, _),) = serve_demo(ByteTokenizer, [ask])
     assert "completion_tokens_details" not in plain["usage"]
 
 
@@ -413,6 +351,6 @@ def test_the_responses_api_takes_a_thinking_budget():
         "temperature": 0,
         "thinking_token_budget": 5,
     }
-    ((whole, _),) = _serve(OpeningBytes, [ask], "/v1/responses")
+    ((whole, _),) = serve_demo(OpeningBytes, [ask], "/v1/responses")
     assert [item["type"] for item in whole["output"]] == ["reasoning", "message"]
     assert whole["usage"]["output_tokens_details"]["reasoning_tokens"] == 6

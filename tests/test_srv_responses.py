@@ -107,6 +107,7 @@ def test_a_responses_body_reads_as_the_chat_it_asks_for():
                 "name": "get_weather",
                 "description": WEATHER["description"],
                 "parameters": WEATHER["parameters"],
+                "strict": True,  # the Responses API's default
             },
         }
     ]

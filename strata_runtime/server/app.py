@@ -27,6 +27,7 @@ from ..api import EngineCore, Reasoning, Tokenizer, TokenLogprob, token_name
 from ..chat import (
     ChatTemplateError,
     ToolCall,
+    call_ids,
     think_ids,
     thinking_at_end,
 )
@@ -379,7 +380,7 @@ class Server:
         body = p.parse_chat(raw)
         p.check_model(body.model, self.options.model_name)
         engine = self._engine()
-        tools = tool_use(body.model_extra or {}, p.grammar_of(body))
+        tools = tool_use(body.model_extra or {}, p.grammar_of(body), call_ids(engine.tokenizer))
         ids = _chat_prompt(engine.tokenizer, body, tools)
         prepared = p.prepare(
             body, ids, context=self.context, vocab_size=self.vocab_size, default_max_tokens=None, tools=tools
@@ -421,12 +422,12 @@ class Server:
             raise p.ApiError(400, f"`{field}` cannot be followed: {exc}", field) from None
 
     async def _check_tools(self, tools: ToolUse) -> None:
-        """A 400 naming the tool whose ``parameters`` a required call cannot follow, or ``tool_choice``
-        where the calls' grammar does not compile as a whole."""
+        """A 400 naming the tool whose ``parameters`` a held call cannot follow, or ``tool_choice`` where the
+        calls' grammar does not compile as a whole."""
         assert tools.grammar is not None
-        for i, tool in enumerate(tools.tools):
-            params = tool["function"].get("parameters")
-            if params is not None and tools.function in (None, tool["function"]["name"]):
+        for i in tools.held:
+            params = tools.tools[i]["function"].get("parameters")
+            if params is not None:
                 await self._check_grammar(json_grammar(params), f"tools.{i}.function.parameters")
         await self._check_grammar(tools.grammar, "tool_choice")
 

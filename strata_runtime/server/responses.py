@@ -6,7 +6,8 @@ What maps to what: ``instructions`` becomes the system message; ``input`` (a str
 the messages: a message item's text parts (``input_text``, ``output_text``) its text, ``function_call``
 items an assistant's ``tool_calls``, ``function_call_output`` items ``tool`` messages, and a ``reasoning``
 item the next assistant message's ``reasoning_content``. ``tools`` (``function`` tools: ``name``,
-``description``, ``parameters``) become functions; ``tool_choice`` and ``parallel_tool_calls`` carry over;
+``description``, ``parameters``, ``strict``, true unless given, as the Responses API has it) become
+functions; ``tool_choice`` and ``parallel_tool_calls`` carry over;
 ``text.format`` (``json_schema``, ``json_object``) becomes ``response_format``; ``reasoning.effort``
 becomes ``reasoning_effort`` (``none`` or ``minimal`` turn Qwen3's thinking off); ``max_output_tokens``
 becomes ``max_tokens``.
@@ -261,6 +262,7 @@ def _tools(value: Any) -> list[dict[str, Any]]:
                 f"tools.{i}.type",
             )
         function = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
+        function["strict"] = tool.get("strict", True)  # the Responses API holds calls by default
         out.append({"type": "function", "function": function})
     return out
 

@@ -42,28 +42,67 @@ class ToolUse:
     """The one tool the reply must call (``choice`` ``"function"``)."""
     parallel: bool = True
     """Whether a reply may make more than one call."""
+    call_tokens: tuple[int, int] | None = None
+    """The model's ``<tool_call>`` and ``</tool_call>`` tokens where its vocabulary holds each tag as one
+    token (`strata_runtime.chat.call_ids`): a held call is written with them, as the model was trained to
+    write calls, and only then can ``"auto"`` hold the calls of strict tools (`grammar`)."""
 
     @property
     def offered(self) -> list[dict[str, Any]] | None:
-        """The tools the prompt offers: none with ``tool_choice`` ``"none"``."""
-        return list(self.tools) if self.choice != "none" else None
+        """The tools the prompt offers (none with ``tool_choice`` ``"none"``), as the request gave them but
+        for ``strict``, which tells the server how to hold calls, not the model what a tool does (so a tool
+        reads the same to the model on every API)."""
+        if self.choice == "none":
+            return None
+        return [
+            {**t, "function": {k: v for k, v in t["function"].items() if k != "strict"}} for t in self.tools
+        ]
+
+    @property
+    def strict(self) -> bool:
+        """Whether some tool asks that its calls' arguments follow its ``parameters`` (``"strict": true``)."""
+        return any(t["function"].get("strict") is True for t in self.tools)
+
+    @property
+    def held(self) -> list[int]:
+        """The tools whose ``parameters`` the grammar holds a call's arguments to (their indices): the
+        allowed ones where a call is required, the strict ones where ``"auto"`` holds calls, else none."""
+        if self.grammar is None:
+            return []
+        names = [t["function"]["name"] for t in self.tools]
+        if self.choice == "auto":
+            return [i for i, t in enumerate(self.tools) if t["function"].get("strict") is True]
+        return [i for i, name in enumerate(names) if self.function in (None, name)]
 
     @cached_property
     def grammar(self) -> str | None:
-        """The grammar a reply follows where it must call (``"required"`` or a named function): calls to
-        the allowed tools, a line apart, each with arguments that follow the tool's ``parameters``."""
-        if self.choice not in ("required", "function"):
-            return None
+        """The grammar a reply follows where its calls are held: calls to the allowed tools, a line apart,
+        each with arguments that follow the tool's ``parameters``, where the reply must call (``"required"``
+        or a named function); and with ``"auto"`` where some tool is strict and the model writes its calls
+        with tokens of their own (`call_tokens`), free text, then calls held so from the model's
+        ``<tool_call>`` token on (a strict tool's arguments follow its ``parameters``, another's are any JSON
+        object). None where nothing holds the reply."""
         functions = [t["function"] for t in self.tools]
+        auto = self.choice == "auto" and self.strict and self.call_tokens is not None
+        if self.choice not in ("required", "function") and not auto:
+            return None
         if self.function is not None:
             functions = [f for f in functions if f["name"] == self.function]
-        rules = [f"f{i}: %json {json.dumps(_call_schema(f))}" for i, f in enumerate(functions)]
-        calls = 'start: call ("\\n" call)*' if self.parallel else "start: call"
+        rules = [
+            f"f{i}: %json {json.dumps(_call_schema(f, loose=auto and f.get('strict') is not True))}"
+            for i, f in enumerate(functions)
+        ]
+        if self.call_tokens is not None:
+            opening, closing = (f"<[{t}]>" for t in self.call_tokens)
+        else:
+            opening, closing = json.dumps(CALL_OPEN), json.dumps(CALL_CLOSE)
+        calls = 'call ("\\n" call)*' if self.parallel else "call"
+        start = f"start: text ({calls})?\ntext: /(?s:.*)/" if auto else f"start: {calls}"
         return lark_grammar(
             "\n".join(
                 [
-                    calls,
-                    f"call: {json.dumps(CALL_OPEN + chr(10))} body {json.dumps(chr(10) + CALL_CLOSE)}",
+                    start,
+                    f'call: {opening} "\\n" body "\\n" {closing}',
                     "body: " + " | ".join(f"f{i}" for i in range(len(functions))),
                     *rules,
                 ]
@@ -71,11 +110,14 @@ class ToolUse:
         )
 
 
-def _call_schema(function: dict[str, Any]) -> dict[str, Any]:
+def _call_schema(function: dict[str, Any], loose: bool = False) -> dict[str, Any]:
     """The JSON schema of one call to ``function``: its name, then arguments that follow its ``parameters``
-    (an empty object where it has none, as OpenAI reads a function without parameters)."""
+    (an empty object where it has none, as OpenAI reads a function without parameters), or with ``loose``
+    any JSON object."""
     params = function.get("parameters")
-    if params is None:
+    if loose:
+        params = {"type": "object"}
+    elif params is None:
         params = {"type": "object", "properties": {}, "additionalProperties": False}
     return {
         "type": "object",
@@ -86,9 +128,13 @@ def _call_schema(function: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def tool_use(extra: dict[str, Any], grammar: str | None) -> ToolUse | None:
+def tool_use(
+    extra: dict[str, Any], grammar: str | None, call_tokens: tuple[int, int] | None = None
+) -> ToolUse | None:
     """The tools a chat body's extra fields ask for (None: no tools), checked, with 400s naming the field
-    at fault. ``grammar``: the body's structured output, which a required call cannot be combined with."""
+    at fault. ``grammar``: the body's structured output, which a required call cannot be combined with (with
+    ``"auto"`` it holds the reply, and strict tools' calls are not held). ``call_tokens``: the model's call
+    tags as tokens of their own (`ToolUse.call_tokens`)."""
     tools, choice, parallel = extra.get("tools"), extra.get("tool_choice"), extra.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise ApiError(400, "`parallel_tool_calls` must be true or false", "parallel_tool_calls")
@@ -103,7 +149,7 @@ def tool_use(extra: dict[str, Any], grammar: str | None) -> ToolUse | None:
             "`structured_outputs`; give one of them",
             "tool_choice",
         )
-    return ToolUse(checked, kind, name, parallel is not False)
+    return ToolUse(checked, kind, name, parallel is not False, call_tokens if grammar is None else None)
 
 
 def _tools(value: Any) -> tuple[dict[str, Any], ...]:

@@ -1,0 +1,132 @@
+"""Strict tools under ``tool_choice: "auto"``: the model decides whether to call, and once it opens a call
+with its ``<tool_call>`` token the call is held to the tools' schemas (`strata_runtime.server.tools`).
+
+The demo model's byte tokenizer spells the call tags in text, so these tests give the demo engine a byte
+tokenizer that holds both tags as tokens of their own, as Qwen's vocabulary does; a logit bias makes the
+demo open a call, which it would not do by itself.
+"""
+
+from __future__ import annotations
+
+import json
+from types import MappingProxyType
+
+from srv_helpers import serve_demo, streamed_reply
+
+from strata_runtime.chat import CALL_CLOSE, CALL_OPEN, call_ids, call_text
+from strata_runtime.server.tools import ToolUse, tool_use
+from strata_runtime.structured import GrammarError, grammars_for
+from strata_runtime.weights.tokenizer import ByteTokenizer
+
+
+class CallingBytes(ByteTokenizer):
+    """The byte tokenizer with Qwen's call tags as tokens of their own."""
+
+    SPECIALS = MappingProxyType({**ByteTokenizer.SPECIALS, CALL_OPEN: 261, CALL_CLOSE: 262})
+
+
+class UnmarkedCallingBytes(CallingBytes):
+    """`CallingBytes` that does not count the call tags among its special tokens, as Qwen's tokenizer does
+    not (they are added tokens there, not special ones)."""
+
+    def __init__(self, vocab_size: int) -> None:
+        super().__init__(vocab_size)
+        self.special_ids = tuple(t for t in self.special_ids if t not in (261, 262))
+
+
+OPEN = CallingBytes.SPECIALS[CALL_OPEN]
+ARGS = {
+    "type": "object",
+    "properties": {
+        "city": {"enum": ["Bath", "York"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": ARGS, "strict": True}}
+NOW = {"type": "function", "function": {"name": "now"}}
+
+
+def _follows(grammar: str, text: str, tokenizer: type[CallingBytes] = CallingBytes) -> bool:
+    """Whether ``text`` and then the end of the reply follow ``grammar`` over ``tokenizer``'s vocabulary."""
+    tok = tokenizer(512)
+    matcher = grammars_for(tok, 512).matcher(grammar)
+    try:
+        matcher.accept([*tok.encode(text), tok.eos_ids[1]])
+    except GrammarError:
+        return False
+    return matcher.finished
+
+
+def test_auto_holds_a_strict_tools_calls_from_the_models_call_token_on():
+    """With a strict tool and a vocabulary that holds the call tags, ``"auto"`` allows any text, then calls:
+    a strict tool's arguments must follow its schema, another tool's may be any object; nothing but calls
+    follows the first call, and one call at most without ``parallel_tool_calls``. The tags are the model's
+    tokens, never text: a reply that spells them in text stays text. Without a strict tool, or without
+    the tags as tokens, ``"auto"`` holds nothing."""
+    ids = call_ids(CallingBytes(512))
+    assert ids == (261, 262) and call_ids(ByteTokenizer(512)) is None
+    use = ToolUse((WEATHER, NOW), "auto", call_tokens=ids)
+    assert use.held == [0] and use.grammar is not None
+    good = call_text("get_weather", {"city": "Bath", "days": 2})
+    assert _follows(use.grammar, "Let me check.")
+    assert _follows(use.grammar, "Let me check.\n\n" + good)
+    assert _follows(use.grammar, good + "\n" + call_text("now", {"any": [1, "x"]}))
+    for tokenizer in (CallingBytes, UnmarkedCallingBytes):  # the tags are never text, marked or not
+        assert not _follows(use.grammar, call_text("get_weather", {"city": "Rome", "days": 2}), tokenizer)
+    assert not _follows(use.grammar, call_text("get_weather", {"city": "Bath", "days": 9}))
+    assert not _follows(use.grammar, call_text("get_weather", {"city": "Bath"}))
+    assert not _follows(use.grammar, good + "\nand then some text")
+    one = ToolUse((WEATHER, NOW), "auto", parallel=False, call_tokens=ids)
+    assert one.grammar is not None and not _follows(one.grammar, good + "\n" + good)
+    assert ToolUse((NOW,), "auto", call_tokens=ids).grammar is None
+    assert ToolUse((WEATHER,), "auto").grammar is None
+    # A required call is written with the model's tokens too; without them, in text.
+    required = ToolUse((WEATHER,), "required", call_tokens=ids)
+    assert required.grammar is not None and f"<[{OPEN}]>" in json.dumps(required.grammar)
+    assert f"<[{OPEN}]>" not in json.dumps(ToolUse((WEATHER,), "required").grammar)
+    # `strict` tells the server how to hold calls: the model is not shown it.
+    assert use.offered == [
+        {"type": "function", "function": {"name": "get_weather", "parameters": ARGS}},
+        NOW,
+    ]
+    # Beside a response format, "auto" follows the format and holds no call.
+    beside = tool_use({"tools": [WEATHER]}, '{"grammars": []}', ids)
+    assert beside is not None and beside.grammar is None
+
+
+def test_a_strict_tool_called_by_choice_gets_arguments_that_follow_its_schema():
+    """The demo, biased to open a call with its ``<tool_call>`` token and with ``tool_choice`` left to
+    ``"auto"``: with the tool strict the reply is one call whose arguments follow the schema, whole and
+    streamed alike. Without ``strict`` nothing holds the call's text, and the demo (never trained on calls)
+    writes another reply."""
+    body = {
+        "model": "demo",
+        "messages": [{"role": "user", "content": "The weather in Bath?"}],
+        "max_tokens": 120,
+        "temperature": 0,
+        "parallel_tool_calls": False,
+        "logit_bias": {str(OPEN): 100},
+    }
+    loose = {**WEATHER, "function": {**WEATHER["function"], "strict": False}}
+    held, free = serve_demo(CallingBytes, [{**body, "tools": [WEATHER]}, {**body, "tools": [loose]}])
+    whole, chunks = held
+    choice = whole["choices"][0]
+    _, content, calls, finish = streamed_reply(chunks)
+    assert content == "" and finish == choice["finish_reason"] == "tool_calls", choice
+    assert choice["message"]["content"] is None
+    (call,) = choice["message"]["tool_calls"]
+    args = json.loads(call["function"]["arguments"])
+    assert call["function"]["name"] == "get_weather" and args["city"] in ("Bath", "York")
+    assert set(args) == {"city", "days"} and 1 <= args["days"] <= 7
+    assert [c["function"] for c in calls] == [call["function"]]
+    other = free[0]["choices"][0]["message"]
+    assert (other["content"], other.get("tool_calls")) != (None, choice["message"]["tool_calls"])
+
+
+def test_a_strict_tools_schema_that_cannot_be_followed_is_a_400_naming_it():
+    bad = {"type": "function", "function": {"name": "f", "strict": True, "parameters": {"type": "nonsense"}}}
+    body = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "tools": [NOW, bad]}
+    ((whole, _),) = serve_demo(CallingBytes, [body], status=400)
+    assert whole["error"]["param"] == "tools.1.function.parameters", whole
