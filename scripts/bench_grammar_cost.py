@@ -2,12 +2,10 @@
 
 One greedy request, free and under a grammar that allows any text (llguidance's regex ``(?s:.*)``), so
 both arms choose the same tokens from the same logits; the arms alternate in one engine (A B C A B C ...),
-after a warm-up of each, and the medians are printed with their ratio. Under a grammar a greedy reply's
-windows are chosen as a free reply's are and the host keeps the tokens the grammar allows, choosing again
-in a masked window where one is not (`Sampler.optimistic`); a third arm masks every window, the device
-choosing over the allowed tokens (``Engine.optimistic_grammars`` off), and a fourth has the host read the
-logits and choose (``Engine.masks_on_device`` off as well). Both must give the grammar arm's text
-(docs/RUNTIME.md, "Replies that follow a grammar"). Every reply runs to
+after a warm-up of each, and the medians are printed with their ratio. Under a grammar the device masks
+each row to the allowed tokens and chooses, the host verifying drafted windows by the chosen tokens; a
+third arm has the host read the logits and choose, as before that (``Engine.masks_on_device`` off), and
+must give the grammar arm's text (docs/RUNTIME.md, "Replies that follow a grammar"). Every reply runs to
 ``--tokens`` (``ignore_eos``), so the arms generate as many tokens.
 
 On a synthetic preset the arms' texts part: its vocabulary is far larger than its byte-level tokenizer, a
@@ -73,39 +71,28 @@ def main() -> None:
     engine, run = runner(args)
     free_params = SamplingParams()
     held = SamplingParams(grammar=llguidance.LLMatcher.grammar_from_regex(r"(?s:.*)"))
-    arms = {
-        "free": (free_params, "on"),
-        "under a grammar": (held, "on"),
-        "every window masked": (held, "masked"),
-        "masks on the host": (held, "host"),
-    }
-
-    def arm_settings(how: str) -> None:
-        engine.masks_on_device = how != "host"
-        engine.optimistic_grammars = how == "on"
-
-    for sampling, how in arms.values():  # the warm-up
-        arm_settings(how)
+    arms = {"free": (free_params, True), "under a grammar": (held, True), "masks on the host": (held, False)}
+    for sampling, on_device in arms.values():  # the warm-up
+        engine.masks_on_device = on_device
         run(sampling)
     rates: dict[str, list[float]] = {arm: [] for arm in arms}
     parted: list[int] = []
     for _ in range(args.repeats):
         replies = {}
-        for arm, (sampling, how) in arms.items():
-            arm_settings(how)
+        for arm, (sampling, on_device) in arms.items():
+            engine.masks_on_device = on_device
             replies[arm], seconds = run(sampling)
             rates[arm].append(len(replies[arm]) / seconds)
         free, shaped = replies["free"], replies["under a grammar"]
         if free != shaped:
             parted.append(next(i for i, (a, b) in enumerate(zip(free, shaped, strict=True)) if a != b))
-        for arm in ("every window masked", "masks on the host"):
-            if replies[arm] != shaped:
-                raise SystemExit(f"the grammar's reply with {arm} is not its reply under the grammar")
+        if replies["masks on the host"] != shaped:
+            raise SystemExit(
+                "the grammar's reply with masks on the host is not its reply with masks on the device"
+            )
     print(f"under a grammar / free: {report(rates):.2f}x, {args.tokens} tokens")
-    grammar_arms = ("masks on the host", "every window masked", "under a grammar")
-    host, masked, device = (statistics.median(rates[arm]) for arm in grammar_arms)
-    print(f"masks on the device / on the host: {masked / host:.2f}x (the same text)")
-    print(f"chosen unmasked, then held / every window masked: {device / masked:.2f}x (the same text)")
+    host, device = (statistics.median(rates[arm]) for arm in ("masks on the host", "under a grammar"))
+    print(f"masks on the device / on the host: {device / host:.2f}x (the same text)")
     if parted:
         print(f"the texts parted in {len(parted)} of {args.repeats} repeats, first at tokens {parted}")
     else:

@@ -263,18 +263,6 @@ class Matcher:
                 return None  # off the grammar: `accept` says so
         return None
 
-    def allowed_prefix(self, tokens: Sequence[int]) -> int:
-        """How many of ``tokens``, from the first, the grammar allows in turn (all of them where it ends
-        within them: `ends_within` cuts those past its end). The place does not move."""
-        ids = [int(t) for t in tokens]
-        n = int(self._ll.validate_tokens(ids))
-        if n < len(ids):
-            ahead = self._ll.deep_copy()
-            ahead.consume_tokens(ids[:n])
-            if ahead.is_stopped():
-                return len(ids)
-        return n
-
     def accept(self, tokens: Iterable[int]) -> None:
         """The reply goes on with ``tokens``; `GrammarError` where the grammar does not allow one."""
         for t in tokens:

@@ -778,39 +778,3 @@ def test_a_grammar_that_compiled_is_not_checked_again_and_one_that_did_not_alway
         with pytest.raises(GrammarError):
             grammars.check(bad)
     assert checked == [good, bad, bad]
-
-
-@pytest.mark.parametrize("mode", list(MODES))
-def test_greedy_replies_chosen_unmasked_then_held_to_the_grammar_are_the_masked_ones(mode, monkeypatch):
-    """A greedy request under a grammar (no bias or penalties) has its windows chosen as a free request's
-    are, and the host keeps its tokens up to the first the grammar does not allow, choosing that place
-    again in a masked window (`Sampler.optimistic`). Its text is the text of every window masked, in every
-    mode, for schema and regex replies beside free and sampled ones; on these random models the unmasked
-    choice often leaves the grammar, so places are chosen again, and windows go unmasked in between."""
-    from strata_runtime.engine.sampling import Sampler
-
-    missed = []
-    original = Sampler.missed
-    monkeypatch.setattr(Sampler, "missed", lambda self: (missed.append(1), original(self)))
-    preset = "small" if MODES[mode].get("draft_tokens") or mode == "pipelined-mtp" else "tiny"
-    on, off = (Engine(mode_plan(mode, 2, preset=preset, context=192, prefill_chunk=16)) for _ in range(2))
-    off.optimistic_grammars = False
-    unmasked = []
-    launch = on.executor.launch
-
-    def counting(job, after=None):
-        unmasked.extend(e for e in job.entries if e.slot.sampler.grammar is not None and not e.masked)
-        return launch(job, after)
-
-    on.executor.launch = counting
-    schema, digits = json_grammar(PERSON), lark_grammar('start: /[0-9]{2,40}/ "."')
-    prompts = _prompts(83, 4)
-    reqs = [
-        (0, Request(prompts[0], 60, SamplingParams(grammar=schema))),
-        (0, Request(prompts[1], 30, SamplingParams(grammar=digits))),
-        (1, Request(prompts[2], 20)),
-        (1, Request(prompts[3], 20, SamplingParams(temperature=0.8, seed=4, grammar=schema))),
-    ]
-    assert collect(on, reqs) == collect(off, reqs)
-    assert missed and unmasked, (len(missed), len(unmasked))
-    _follows_person(bytes(collect(on, reqs[:1])[0]))

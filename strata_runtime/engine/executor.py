@@ -73,19 +73,6 @@ PROMPT_LOGPROB_ROWS = 256
 of fp32 logits at a 151,936-word vocabulary."""
 
 
-def _held_to_grammar(slot: Slot, verdict: Verdict) -> tuple[Verdict, bool]:
-    """An `optimistic` request's window, chosen without its grammar's masks: its tokens up to the first the
-    grammar does not allow (with the proposals among them), and whether one was cut there (the next window
-    chooses that place again, masked). Any other request's verdict as it is."""
-    sampler = slot.sampler
-    if not sampler.optimistic or sampler.grammar is None:
-        return verdict, False
-    ok = sampler.grammar.allowed_prefix(verdict.tokens)
-    if ok == len(verdict.tokens):
-        return verdict, False
-    return Verdict(min(verdict.accepted, ok), verdict.tokens[:ok]), True
-
-
 def _using(stream: Any) -> Any:
     """``stream`` as the current stream of its device (a null context without one)."""
     return stream if stream is not None else contextlib.nullcontext()
@@ -643,8 +630,7 @@ class Executor:
             verdict = verify_choices(flight.chosen_host[first : first + n], e.proposals.tokens)
         else:
             verdict = verify(target(logit_row[row], n), e.proposals, slot.sampler)
-        verdict, missed = _held_to_grammar(slot, verdict)
-        kept = len(verdict.tokens)  # the rows of its input and its kept proposals
+        kept = verdict.accepted + 1
         plain = e.kind == "decode" and not e.proposals.tokens  # the drafter may read these rows later
         rows = normed[row : row + n]
         commit(self.model, slot.id, slot.length, kept, rows, verdict.tokens, self.tracked, defer=plain)
@@ -656,8 +642,6 @@ class Executor:
             event = slot.advance(
                 kept, verdict.tokens, proposed, verdict.accepted, counted=counted, logprobs=lps
             )
-        if missed:
-            slot.sampler.missed()
         return [(slot, event)]
 
     @staticmethod
@@ -700,14 +684,9 @@ class Executor:
                 )
         elif not 0 <= accepted < n:
             raise RuntimeError(f"slot {slot.id}: the device kept {accepted} of {n - 1} proposals")
-        verdict, missed = _held_to_grammar(slot, Verdict(accepted, tokens))
-        accepted, tokens = verdict.accepted, verdict.tokens
-        self.model.settle(slot.id, base, n, len(tokens))
+        self.model.settle(slot.id, base, n, accepted + 1)
         lps = self._logprobs(flight, slot, row, tokens)  # every row of a window decided there is needed
-        event = slot.advance(len(tokens), tokens, n - 1, accepted, counted=True, logprobs=lps)
-        if missed:
-            slot.sampler.missed()
-        return [(slot, event)]
+        return [(slot, slot.advance(accepted + 1, tokens, n - 1, accepted, counted=True, logprobs=lps))]
 
     def _prompt_logprobs(self, normed: Array, following: list[int], top: int) -> tuple[TokenLogprob, ...]:
         """The log-probability of each prompt token in ``following`` after the rows before it: row i of a

@@ -119,15 +119,6 @@ class Sampler:
         that adjusts there)."""
         self.uncounted: list[int] = []
         """Tokens the host decided since the device's counts were last brought up to date."""
-        self.optimistic = False
-        """Under a grammar, a greedy request without a bias or penalties: its windows are chosen as a free
-        request's are (on the device, drafting there, no masks), and the host then keeps the tokens the
-        grammar allows, up to the first it does not (`Matcher.allowed_prefix`); that place is chosen again
-        in a masked window (`masked_next`). The argmax over all tokens, where the grammar allows it, is the
-        argmax over the allowed ones, so the text is the masked path's. Set by the engine at admission."""
-        self.masked_next = False
-        """The next window masks the reply's rows (an optimistic request's): its last window chose a token
-        the grammar does not allow (`missed`), or the grammar forces the next token (read as a proposal)."""
 
     @property
     def inv_temperature(self) -> float:
@@ -143,16 +134,9 @@ class Sampler:
     @property
     def host_only(self) -> bool:
         """The host chooses and verifies every token (a grammar's allowed tokens follow from the tokens
-        before), so no window runs ahead of it or is decided on the device, except an `optimistic` request's
-        windows that do not mask; or the next token is the one a spent think budget forces."""
-        if self.think is not None and self.think.forcing:
-            return True
-        return self.grammar is not None and (not self.optimistic or self.masked_next)
-
-    def missed(self) -> None:
-        """An `optimistic` request's window chose a token its grammar does not allow (the tokens before it
-        are kept): the next window chooses that place again over the allowed tokens."""
-        self.masked_next = True
+        before), so no window runs ahead of it or is decided on the device; or the next token is the one a
+        spent think budget forces."""
+        return self.grammar is not None or (self.think is not None and self.think.forcing)
 
     @property
     def hold_at(self) -> int | None:
@@ -165,8 +149,6 @@ class Sampler:
         if self.grammar is not None:
             tokens = list(tokens)
             self.grammar.accept(tokens)
-            if self.optimistic:  # a forced token is read as a proposal, in a masked window
-                self.masked_next = bool(self.grammar.forced(1))
         if self.think is not None:
             tokens = list(tokens)
             self.think.record(tokens)

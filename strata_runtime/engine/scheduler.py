@@ -110,10 +110,6 @@ class Engine:
         self.masks_on_device = True
         """Whether a grammar's rows are masked and chosen on the device (`Entry.masked`); off, the host reads
         their logits and chooses (`scripts/bench_grammar_cost.py` compares)."""
-        self.optimistic_grammars = True
-        """Whether a greedy request under a grammar, without a bias or penalties, has its windows chosen
-        without masks and its tokens kept up to the first the grammar does not allow (`Sampler.optimistic`);
-        off, every window masks its rows (`scripts/bench_grammar_cost.py` compares)."""
         self.pipelined = plan.batch.mode == "pipelined"
         self.executor = Executor(self.model, self.tracked, overlap=self.pipelined)
         self.store = PrefixStore(plan.prefix_store_pages, self.executor.page_bytes)
@@ -383,13 +379,6 @@ class Engine:
         handle.slot = i
         self.model.admit(i, req.prompt_ids)
         sampler = Sampler(req.sampling, seed, handle.grammar)
-        sampler.optimistic = (
-            self.optimistic_grammars
-            and self.masks_on_device
-            and sampler.grammar is not None
-            and sampler.greedy
-            and not sampler.adjusts
-        )
         self.slots[i] = Slot(
             i,
             handle,
@@ -586,8 +575,6 @@ class Engine:
             return None
         if any(e.masked for e in job.entries) and not self._grammars_run_ahead(before, group):
             return None
-        if any(e.slot.sampler.grammar is not None and not e.masked for e in job.entries):
-            return None  # an optimistic request's tokens: the host checks them before its next window
         everyone = [s for s in self.slots if s is not None and s.finished is None]
         live = everyone if group is None else [s for s in everyone if self._group(s.id) == group]
         if any(s.prefilling for s in live):
@@ -666,8 +653,6 @@ class Engine:
             live = [s for s in live if self._group(s.id) == group]
         if any(s.prefilling for s in live) or {s.id for s in live} != set(job.slot_ids):
             return None
-        if any(e.slot.sampler.grammar is not None for e in job.entries):
-            return None  # an optimistic request's tokens: the host checks them before its next window
         n = before.spec.n
         if job.kind == "solo":
             if job.entries[0].slot.gauge.leaves(n - 1, self.depth, probe=False):
@@ -926,8 +911,6 @@ class Engine:
         follow)."""
         sampler = slot.sampler
         if not self.masks_on_device or sampler.grammar is None:
-            return False
-        if proposals is not None and not sampler.host_only:  # an optimistic request's window: no masks
             return False
         if sampler.adjusts:  # adjusted and counted on the device only as a decode row without proposals
             return proposals is not None and not proposals.tokens

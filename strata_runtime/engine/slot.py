@@ -107,8 +107,7 @@ class Slot:
         of them held; ``counted``: the device chose them and counted them for the penalties; ``logprobs``: one
         per token, where the request asks. Returns the event to send."""
         self.length += rows
-        if tokens:  # none: a grammar's place is chosen again after the same input (`Sampler.missed`)
-            self.token = tokens[-1]
+        self.token = tokens[-1]
         self.handle.proposals += proposed
         self.gauge.record(proposed, accepted)
         return self.emit(tokens, accepted, counted, logprobs)

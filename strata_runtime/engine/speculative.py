@@ -459,8 +459,6 @@ def commit(
             f"slot {slot}: drafter holds {drafter.length} positions and {drafter.pending_rows} deferred "
             f"rows, window starts at {base}"
         )
-    if kept_rows == 0:  # nothing kept (a grammar's place chosen again): the drafter stays where it was
-        return
     rows, tokens = normed[:kept_rows], [int(t) for t in next_tokens[:kept_rows]]
     with drafter.device.use():
         if defer and drafter.pending_rows + kept_rows <= DEFER_MOST:

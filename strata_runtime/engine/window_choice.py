@@ -22,11 +22,10 @@ from .speculative import DraftGauge, drafting_pays
 
 def request_kind(sampler: Sampler) -> str:
     """``greedy`` or ``sampled``, with ``, penalised`` for a logit bias or a penalty (`Sampler.adjusts`) and
-    ``, grammar`` for a grammar (decided on the host, `Sampler.host_only`, or chosen without masks and
-    checked by the host before the next window, `Sampler.optimistic`): requests whose solo windows take
+    ``, grammar`` for a grammar (decided on the host, `Sampler.host_only`): requests whose solo windows take
     different times to decide, and whose drafts hold differently often."""
     kind = ("greedy" if sampler.greedy else "sampled") + (", penalised" if sampler.adjusts else "")
-    return kind + (", grammar" if sampler.host_only or sampler.grammar is not None else "")
+    return kind + (", grammar" if sampler.host_only else "")
 
 
 def window_kind(kind: str, samplers: list[Sampler]) -> str:
@@ -34,7 +33,7 @@ def window_kind(kind: str, samplers: list[Sampler]) -> str:
     requests samples, penalised if any adjusts, grammar if any follows one (``batch-mtp, sampled``)."""
     sampled = any(not s.greedy for s in samplers)
     adjusts = any(s.adjusts for s in samplers)
-    grammar = any(s.host_only or s.grammar is not None for s in samplers)
+    grammar = any(s.host_only for s in samplers)
     out = f"{kind}, {'sampled' if sampled else 'greedy'}" + (", penalised" if adjusts else "")
     return out + (", grammar" if grammar else "")
 
