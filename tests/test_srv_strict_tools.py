@@ -13,9 +13,10 @@ from types import MappingProxyType
 
 from srv_helpers import serve_demo, streamed_reply
 
+from strata_runtime.api import Reasoning
 from strata_runtime.chat import CALL_CLOSE, CALL_OPEN, call_ids, call_text
 from strata_runtime.server.tools import ToolUse, tool_use
-from strata_runtime.structured import GrammarError, grammars_for
+from strata_runtime.structured import GrammarError, grammars_for, reasoning_grammar
 from strata_runtime.weights.tokenizer import ByteTokenizer
 
 
@@ -32,6 +33,12 @@ class UnmarkedCallingBytes(CallingBytes):
     def __init__(self, vocab_size: int) -> None:
         super().__init__(vocab_size)
         self.special_ids = tuple(t for t in self.special_ids if t not in (261, 262))
+
+
+class ThinkingCallingBytes(CallingBytes):
+    """`CallingBytes` with Qwen3's think tags as tokens too."""
+
+    SPECIALS = MappingProxyType({**CallingBytes.SPECIALS, "<think>": 259, "</think>": 260})
 
 
 OPEN = CallingBytes.SPECIALS[CALL_OPEN]
@@ -91,6 +98,12 @@ def test_auto_holds_a_strict_tools_calls_from_the_models_call_token_on():
         {"type": "function", "function": {"name": "get_weather", "parameters": ARGS}},
         NOW,
     ]
+    # A model that reasons first: the think block, then the same reply.
+    thinking = reasoning_grammar(use.grammar, Reasoning(259, 260, opened=False))
+    for reply, follows in ((good, True), ("It is sunny.", True), (call_text("now", {}), True)):
+        assert _follows(thinking, "<think>\nhm\n</think>\n\n" + reply, ThinkingCallingBytes) is follows
+    bad = call_text("get_weather", {"city": "Rome", "days": 2})
+    assert not _follows(thinking, "<think>\nhm\n</think>\n\n" + bad, ThinkingCallingBytes)
     # Beside a response format, "auto" follows the format and holds no call.
     beside = tool_use({"tools": [WEATHER]}, '{"grammars": []}', ids)
     assert beside is not None and beside.grammar is None
