@@ -15,7 +15,7 @@ import signal
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -23,17 +23,13 @@ from aiohttp import web
 
 from strata_cfg.schema.plan import LaunchPlan
 
-from ..api import EngineCore, Reasoning, Tokenizer, TokenLogprob, token_name
+from ..api import EngineCore, TokenLogprob, token_name
 from ..chat import (
-    ChatTemplateError,
     ToolCall,
-    call_ids,
-    think_ids,
-    thinking_at_end,
 )
-from ..structured import GrammarError, grammars_for, json_grammar, reasoning_grammar
 from . import anthropic, messages_api, responses, responses_api
 from . import protocol as p
+from .chat_request import chat_prompt, check_grammar, prepare_chat
 from .connection import AccessLog, JsonErrorRunner
 from .engine_loop import EngineFactory, EngineLoop, Stream
 from .metrics import ServerCounters, expert_cache, render
@@ -367,7 +363,9 @@ class Server:
             )
             for ids, text in p.prompts(body, tokenizer, self.vocab_size)
         ]
-        await self._check_grammar(batch[0].request.sampling.grammar, p.grammar_field(body))
+        await check_grammar(
+            batch[0].request.sampling.grammar, p.grammar_field(body), tokenizer, self.vocab_size
+        )
         return await self._run(request, [c for one in batch for c in p.choices(one, body.n)], chat=False)
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
@@ -375,61 +373,10 @@ class Server:
         return await self._run(request, p.choices(prepared, body.n), chat=True)
 
     async def prepare_chat(self, raw: Any) -> tuple[p.ChatBody, p.Prepared]:
-        """A chat body checked and made the engine's request (through the chat template, with its tools
-        and grammar checked over the vocabulary)."""
-        body = p.parse_chat(raw)
-        p.check_model(body.model, self.options.model_name)
-        engine = self._engine()
-        tools = tool_use(body.model_extra or {}, p.grammar_of(body), call_ids(engine.tokenizer))
-        ids = _chat_prompt(engine.tokenizer, body, tools)
-        prepared = p.prepare(
-            body, ids, context=self.context, vocab_size=self.vocab_size, default_max_tokens=None, tools=tools
+        """A chat body checked and made the engine's request (`chat_request.prepare_chat`)."""
+        return await prepare_chat(
+            raw, self._engine().tokenizer, self.options.model_name, self.context, self.vocab_size
         )
-        tags = think_ids(engine.tokenizer)
-        ends = thinking_at_end(engine.tokenizer, ids) if tags is not None else None
-        if tags is not None:
-            prepared = replace(prepared, thinking=ends == "open", think_tags=tags)
-        field = "tool_choice" if tools is not None and tools.grammar is not None else p.grammar_field(body)
-        if tools is not None and tools.grammar is not None:
-            await self._check_tools(tools)
-        else:
-            await self._check_grammar(prepared.request.sampling.grammar, field)
-        sampling = prepared.request.sampling
-        budget = body.thinking_token_budget
-        if tags is not None and ends != "closed" and (sampling.grammar is not None or budget is not None):
-            # The reply reasons before its grammar holds it, or within a budget (a prompt whose template
-            # closed the block, as Qwen3's does with `enable_thinking: false`, does not reason).
-            reasoning = Reasoning(*tags, opened=ends == "open", budget=budget)
-            if sampling.grammar is not None:  # a budget alone the engine keeps without a grammar
-                try:
-                    whole = reasoning_grammar(sampling.grammar, reasoning)
-                except GrammarError as exc:
-                    raise p.ApiError(400, f"`{field}` cannot be followed: {exc}", field) from None
-                await self._check_grammar(whole, field)
-            request = replace(prepared.request, sampling=replace(sampling, reasoning=reasoning))
-            prepared = replace(prepared, request=request)
-        return body, prepared
-
-    async def _check_grammar(self, grammar: str | None, field: str) -> None:
-        """A 400 naming ``field`` where a request's grammar does not compile over the model's vocabulary
-        (checked on a worker thread: the first check reads the vocabulary)."""
-        if grammar is None:
-            return
-        grammars = grammars_for(self._engine().tokenizer, self.vocab_size)
-        try:
-            await asyncio.to_thread(grammars.check, grammar)
-        except GrammarError as exc:
-            raise p.ApiError(400, f"`{field}` cannot be followed: {exc}", field) from None
-
-    async def _check_tools(self, tools: ToolUse) -> None:
-        """A 400 naming the tool whose ``parameters`` a held call cannot follow, or ``tool_choice`` where the
-        calls' grammar does not compile as a whole."""
-        assert tools.grammar is not None
-        for i in tools.held:
-            params = tools.tools[i]["function"].get("parameters")
-            if params is not None:
-                await self._check_grammar(json_grammar(params), f"tools.{i}.function.parameters")
-        await self._check_grammar(tools.grammar, "tool_choice")
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """A prompt's token ids (a chat's through the model's chat template), as the completion endpoints
@@ -441,7 +388,7 @@ class Server:
         if body.prompt is not None:
             ids = tokenizer.encode(body.prompt)
         else:
-            ids = _chat_prompt(tokenizer, body, tool_use(body.model_extra or {}, None))
+            ids = chat_prompt(tokenizer, body, tool_use(body.model_extra or {}, None))
         return web.json_response({"count": len(ids), "max_model_len": self.context, "tokens": ids})
 
     async def detokenize(self, request: web.Request) -> web.Response:
@@ -478,7 +425,7 @@ class Server:
 
     def chat_prompt(self, body: p.ChatBody, tools: ToolUse | None) -> list[int]:
         """A chat body's prompt ids, as the chat path reads them."""
-        return _chat_prompt(self._engine().tokenizer, body, tools)
+        return chat_prompt(self._engine().tokenizer, body, tools)
 
     def submit(self, prepared: p.Prepared) -> Stream:
         """Admit one prepared request (`_admit`: a 429 at capacity), count its prompt and hand it to the
@@ -832,39 +779,6 @@ def _deltas(c: Choice, parts: list[tuple[str, str | ToolCall]]) -> list[dict[str
         else:
             deltas.append({key: part})
     return deltas
-
-
-def _chat_prompt(tokenizer: Tokenizer, body: p.ChatBody | p.TokenizeBody, tools: ToolUse | None) -> list[int]:
-    """A chat body's prompt ids (`_chat_ids`); with ``continue_final_message``, the template's prompt for
-    the messages before the last, followed by the last (the assistant's start of the reply)."""
-    messages, prefill = p.chat_messages(body), ""
-    if body.continue_final_message:
-        last = messages[-1]
-        if last["role"] != "assistant" or last.get("tool_calls"):
-            raise p.ApiError(
-                400,
-                "`continue_final_message` goes on with the last message: it must be the assistant's "
-                "text (no tool calls)",
-                "continue_final_message",
-            )
-        messages, prefill = messages[:-1], str(last["content"])
-    ids = _chat_ids(tokenizer, messages, tools, p.template_kwargs(body))
-    return ids + (tokenizer.encode(prefill) if prefill else [])
-
-
-def _chat_ids(
-    tokenizer: Tokenizer,
-    messages: list[dict[str, Any]],
-    tools: ToolUse | None,
-    template_kwargs: dict[str, Any] | None = None,
-) -> list[int]:
-    """A chat's prompt ids through the model's chat template, offering ``tools`` (unless ``tool_choice`` is
-    ``"none"``); a 400 naming ``messages`` where the template refuses them."""
-    try:
-        offered = tools.offered if tools is not None else None
-        return tokenizer.apply_chat_template(messages, offered, template_kwargs)
-    except ChatTemplateError as exc:
-        raise p.ApiError(400, str(exc), "messages") from None
 
 
 def _usage(
