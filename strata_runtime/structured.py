@@ -90,7 +90,7 @@ def reasoning_grammar(reply: str, reasoning: Reasoning) -> str:
     o, c = f"<[{reasoning.open_id}]>", f"<[{reasoning.close_id}]>"
     bound = "" if reasoning.budget is None else f"[max_tokens={reasoning.budget}]"
     block = f"reason {c}" if reasoning.opened else f"{o} reason {c}"
-    grammars = _top_level(reply)
+    grammars = top_level(reply)
     name = grammars[0].setdefault("name", "reply")
     if reasoning.opened:
         start = f"start: {block} {BLANKS} @{name}"
@@ -102,7 +102,7 @@ def reasoning_grammar(reply: str, reasoning: Reasoning) -> str:
     return json.dumps({"grammars": [wrapper, *grammars]})
 
 
-def _top_level(grammar: str) -> list[dict[str, Any]]:
+def top_level(grammar: str) -> list[dict[str, Any]]:
     """The grammars of llguidance's top-level form (``{"grammars": [...]}``), or a Lark text as one."""
     try:
         parsed = json.loads(grammar)

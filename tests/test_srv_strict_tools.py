@@ -16,7 +16,7 @@ from srv_helpers import serve_demo, streamed_reply
 from strata_runtime.api import Reasoning
 from strata_runtime.chat import CALL_CLOSE, CALL_OPEN, call_ids, call_text
 from strata_runtime.server.tools import ToolUse, tool_use
-from strata_runtime.structured import GrammarError, grammars_for, reasoning_grammar
+from strata_runtime.structured import GrammarError, grammars_for, json_grammar, reasoning_grammar
 from strata_runtime.weights.tokenizer import ByteTokenizer
 
 
@@ -49,6 +49,12 @@ ARGS = {
         "days": {"type": "integer", "minimum": 1, "maximum": 7},
     },
     "required": ["city", "days"],
+    "additionalProperties": False,
+}
+ANSWER = {
+    "type": "object",
+    "properties": {"answer": {"type": "string"}},
+    "required": ["answer"],
     "additionalProperties": False,
 }
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": ARGS, "strict": True}}
@@ -104,9 +110,17 @@ def test_auto_holds_a_strict_tools_calls_from_the_models_call_token_on():
         assert _follows(thinking, "<think>\nhm\n</think>\n\n" + reply, ThinkingCallingBytes) is follows
     bad = call_text("get_weather", {"city": "Rome", "days": 2})
     assert not _follows(thinking, "<think>\nhm\n</think>\n\n" + bad, ThinkingCallingBytes)
-    # Beside a response format, "auto" follows the format and holds no call.
-    beside = tool_use({"tools": [WEATHER]}, '{"grammars": []}', ids)
-    assert beside is not None and beside.grammar is None
+    # Beside a response format, the reply follows the format or is calls; without a strict tool, the
+    # format alone holds it (the tools hold nothing).
+    beside = tool_use({"tools": [WEATHER]}, json_grammar(ANSWER), ids)
+    assert beside is not None and beside.grammar is not None and beside.held == [0]
+    assert _follows(beside.grammar, '{"answer":"rain"}')
+    assert _follows(beside.grammar, good)
+    assert not _follows(beside.grammar, "It is sunny.")
+    assert not _follows(beside.grammar, '{"answer":"rain"}' + good)
+    assert not _follows(beside.grammar, call_text("get_weather", {"city": "Rome", "days": 2}))
+    loose = tool_use({"tools": [NOW]}, json_grammar(ANSWER), ids)
+    assert loose is not None and loose.grammar is None
 
 
 def test_a_strict_tool_called_by_choice_gets_arguments_that_follow_its_schema():
@@ -138,8 +152,11 @@ def test_a_strict_tool_called_by_choice_gets_arguments_that_follow_its_schema():
     assert (other["content"], other.get("tool_calls")) != (None, choice["message"]["tool_calls"])
 
 
-def test_a_strict_tools_schema_that_cannot_be_followed_is_a_400_naming_it():
+def test_a_strict_tools_schema_or_a_format_beside_it_that_cannot_be_followed_is_a_400_naming_it():
     bad = {"type": "function", "function": {"name": "f", "strict": True, "parameters": {"type": "nonsense"}}}
     body = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "tools": [NOW, bad]}
-    ((whole, _),) = serve_demo(CallingBytes, [body], status=400)
-    assert whole["error"]["param"] == "tools.1.function.parameters", whole
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}
+    beside = {**body, "tools": [WEATHER], "response_format": fmt}
+    (tool, form) = serve_demo(CallingBytes, [body, beside], status=400)
+    assert tool[0]["error"]["param"] == "tools.1.function.parameters", tool
+    assert form[0]["error"]["param"] == "response_format.json_schema.schema", form

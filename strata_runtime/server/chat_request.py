@@ -34,6 +34,8 @@ async def prepare_chat(
         prepared = replace(prepared, thinking=ends == "open", think_tags=tags)
     field = "tool_choice" if tools is not None and tools.grammar is not None else p.grammar_field(body)
     if tools is not None and tools.grammar is not None:
+        if tools.reply_format is not None:  # "auto": the format's reply or calls; the format named first
+            await check_grammar(tools.reply_format, p.grammar_field(body), tokenizer, vocab_size)
         await _check_tools(tools, tokenizer, vocab_size)
     else:
         await check_grammar(prepared.request.sampling.grammar, field, tokenizer, vocab_size)

@@ -18,7 +18,7 @@ from functools import cached_property
 from typing import Any, Literal
 
 from ..chat import CALL_CLOSE, CALL_OPEN
-from ..structured import lark_grammar
+from ..structured import GrammarError, lark_grammar, top_level
 from .errors import ApiError
 
 MAX_TOOLS = 128
@@ -46,6 +46,9 @@ class ToolUse:
     """The model's ``<tool_call>`` and ``</tool_call>`` tokens where its vocabulary holds each tag as one
     token (`strata_runtime.chat.call_ids`): a held call is written with them, as the model was trained to
     write calls, and only then can ``"auto"`` hold the calls of strict tools (`grammar`)."""
+    reply_format: str | None = None
+    """The grammar the reply follows where it does not call (``response_format`` or ``structured_outputs``,
+    with ``"auto"``): under strict tools the reply is then either that or calls."""
 
     @property
     def offered(self) -> list[dict[str, Any]] | None:
@@ -81,7 +84,8 @@ class ToolUse:
         or a named function); and with ``"auto"`` where some tool is strict and the model writes its calls
         with tokens of their own (`call_tokens`), free text, then calls held so from the model's
         ``<tool_call>`` token on (a strict tool's arguments follow its ``parameters``, another's are any JSON
-        object). None where nothing holds the reply."""
+        object), or with a `reply_format`, either a reply that follows it or calls. None where nothing
+        holds the reply (or only the format does: then the format is the reply's grammar)."""
         functions = [t["function"] for t in self.tools]
         auto = self.choice == "auto" and self.strict and self.call_tokens is not None
         if self.choice not in ("required", "function") and not auto:
@@ -97,17 +101,20 @@ class ToolUse:
         else:
             opening, closing = json.dumps(CALL_OPEN), json.dumps(CALL_CLOSE)
         calls = 'call ("\\n" call)*' if self.parallel else "call"
+        held = [
+            f'call: {opening} "\\n" body "\\n" {closing}',
+            "body: " + " | ".join(f"f{i}" for i in range(len(functions))),
+            *rules,
+        ]
+        if auto and self.reply_format is not None:  # the format's reply, or calls
+            grammars = top_level(self.reply_format)
+            name = grammars[0].setdefault("name", "reply")
+            if "calls" in {g.get("name") for g in grammars}:
+                raise GrammarError("a grammar may not name one of its parts `calls`")
+            either = {"name": "calls", "lark_grammar": "\n".join([f"start: @{name} | {calls}", *held])}
+            return json.dumps({"grammars": [either, *grammars]})
         start = f"start: text ({calls})?\ntext: /(?s:.*)/" if auto else f"start: {calls}"
-        return lark_grammar(
-            "\n".join(
-                [
-                    start,
-                    f'call: {opening} "\\n" body "\\n" {closing}',
-                    "body: " + " | ".join(f"f{i}" for i in range(len(functions))),
-                    *rules,
-                ]
-            )
-        )
+        return lark_grammar("\n".join([start, *held]))
 
 
 def _call_schema(function: dict[str, Any], loose: bool = False) -> dict[str, Any]:
@@ -133,8 +140,8 @@ def tool_use(
 ) -> ToolUse | None:
     """The tools a chat body's extra fields ask for (None: no tools), checked, with 400s naming the field
     at fault. ``grammar``: the body's structured output, which a required call cannot be combined with (with
-    ``"auto"`` it holds the reply, and strict tools' calls are not held). ``call_tokens``: the model's call
-    tags as tokens of their own (`ToolUse.call_tokens`)."""
+    ``"auto"`` and strict tools, the reply follows it or calls). ``call_tokens``: the model's call tags as
+    tokens of their own (`ToolUse.call_tokens`)."""
     tools, choice, parallel = extra.get("tools"), extra.get("tool_choice"), extra.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise ApiError(400, "`parallel_tool_calls` must be true or false", "parallel_tool_calls")
@@ -149,7 +156,7 @@ def tool_use(
             "`structured_outputs`; give one of them",
             "tool_choice",
         )
-    return ToolUse(checked, kind, name, parallel is not False, call_tokens if grammar is None else None)
+    return ToolUse(checked, kind, name, parallel is not False, call_tokens, grammar)
 
 
 def _tools(value: Any) -> tuple[dict[str, Any], ...]:
