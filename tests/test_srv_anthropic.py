@@ -109,6 +109,9 @@ def test_a_messages_body_reads_as_the_chat_it_asks_for():
         }
     ]
     assert body["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
+    held = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]}
+    (tool,) = a.to_chat({**held, "tools": [{**WEATHER, "strict": True}]})["tools"]
+    assert tool["function"]["strict"] is True  # its calls held to the schema under "auto" too
     assert body["parallel_tool_calls"] is False and body["stop"] == ["\n\n"] and body["max_tokens"] == 9
     assert body["chat_template_kwargs"] == {"enable_thinking": False} and body["temperature"] == 0.5
     assert a.to_chat({"model": "m", "messages": [{"role": "user", "content": "x"}]}, counting=True)[

@@ -6,8 +6,8 @@ What maps to what: ``system`` becomes the system message; a message's ``text`` b
 ``tool_use`` blocks an assistant's ``tool_calls``, ``tool_result`` blocks ``tool`` messages; ``thinking``
 blocks sent back become the assistant's ``reasoning_content`` (the chat template decides whether the prompt
 shows them; ``redacted_thinking`` blocks are dropped). ``tools`` (``name``, ``description``,
-``input_schema``) become functions; ``tool_choice`` ``auto``, ``any``, ``tool`` and ``none`` become
-``"auto"``, ``"required"``, a named function and ``"none"``, and ``disable_parallel_tool_use``
+``input_schema``, ``strict``) become functions; ``tool_choice`` ``auto``, ``any``, ``tool`` and ``none``
+become ``"auto"``, ``"required"``, a named function and ``"none"``, and ``disable_parallel_tool_use``
 ``parallel_tool_calls: false``; ``thinking`` ``enabled`` (or ``adaptive``) / ``disabled`` becomes the
 template's ``enable_thinking``, and ``budget_tokens`` the reasoning's budget (``thinking_token_budget``);
 ``stop_sequences`` become ``stop``; a last message of the assistant's is the start of
@@ -245,6 +245,8 @@ def _tools(value: Any) -> list[dict[str, Any]]:
         function = {"name": tool.get("name"), "parameters": tool["input_schema"]}
         if tool.get("description") is not None:
             function["description"] = tool["description"]
+        if tool.get("strict") is not None:  # its calls held to the schema, as the chat path holds them
+            function["strict"] = tool["strict"]
         out.append({"type": "function", "function": function})
     return out
 
