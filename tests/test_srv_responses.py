@@ -289,6 +289,46 @@ def test_a_reply_whole_and_streamed_is_the_chat_endpoints_reply(client):
     assert final.usage.input_tokens_details.cached_tokens > 0  # the same prompt, read before
 
 
+def test_the_output_texts_log_probabilities_are_the_chat_endpoints_whole_and_streamed(client):
+    """``include: ["message.output_text.logprobs"]`` with ``top_logprobs``: the message's text carries its
+    tokens' log-probabilities, as ``/v1/chat/completions`` gives them for the same greedy reply; streamed,
+    each text delta carries those of its tokens, and together they are the whole reply's. Without
+    ``include`` the text carries none."""
+    question = _prompt()
+    ask = dict(model="demo", max_output_tokens=16, temperature=0, input=question)
+    wanted = dict(include=["message.output_text.logprobs"], top_logprobs=2)
+    whole = client.responses.create(**ask, **wanted)
+    chat = client.chat.completions.create(
+        model="demo",
+        max_tokens=16,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        messages=[{"role": "user", "content": question}],
+    )
+    (item,) = whole.output
+    (text,) = item.content
+    got = [lp.model_dump() for lp in text.logprobs]
+    want = [lp.model_dump() for lp in chat.choices[0].logprobs.content]
+    assert got and [g["token"] for g in got] == [w["token"] for w in want]
+    for g, w in zip(got, want, strict=True):
+        assert g["logprob"] == pytest.approx(w["logprob"]) and len(g["top_logprobs"]) == 2
+    assert bytes(b for g in got for b in g["bytes"]).decode().strip() == text.text.strip()
+    streamed, done = [], None
+    with client.responses.stream(**ask, **wanted) as stream:
+        for event in stream:
+            if event.type == "response.output_text.delta":
+                streamed += [lp.model_dump() for lp in event.logprobs]
+            if event.type == "response.output_text.done":
+                done = [lp.model_dump() for lp in event.logprobs]
+    assert [g["token"] for g in streamed] == [g["token"] for g in got] and done == streamed
+    plain = client.responses.create(**ask)
+    assert plain.output[0].content[0].logprobs == []
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(**ask, include="message.output_text.logprobs")
+    assert info.value.body["param"] == "include"
+
+
 def test_a_conversation_goes_on_from_a_stored_reply(engine: Launched, client):
     """``previous_response_id``: the second turn is the chat endpoint's reply to the whole conversation, and
     reuses the first turn's kept tokens; a stored reply is given back by ``GET`` until a ``DELETE`` lets

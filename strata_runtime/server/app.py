@@ -427,6 +427,12 @@ class Server:
         """A chat body's prompt ids, as the chat path reads them."""
         return chat_prompt(self._engine().tokenizer, body, tools)
 
+    def chat_logprobs(self, prepared: p.Prepared, entries: tuple[TokenLogprob, ...]) -> list[dict[str, Any]]:
+        """Generated tokens' log-probabilities as chat's ``logprobs.content`` entries (none where the
+        request did not ask)."""
+        lps = self._logprobs(prepared, list(entries), True, 0)
+        return [] if lps is None else list(lps["content"])
+
     def submit(self, prepared: p.Prepared) -> Stream:
         """Admit one prepared request (`_admit`: a 429 at capacity), count its prompt and hand it to the
         engine; the caller closes the stream."""

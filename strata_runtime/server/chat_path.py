@@ -11,6 +11,7 @@ from aiohttp import web
 from . import protocol as p
 
 if TYPE_CHECKING:
+    from ..api import TokenLogprob
     from .engine_loop import Stream
     from .replies import Piece, Whole
     from .responses import Store
@@ -41,6 +42,11 @@ class ChatPath(Protocol):
     def chat_prompt(self, body: p.ChatBody, tools: ToolUse | None) -> list[int]: ...
 
     def submit(self, prepared: p.Prepared) -> Stream: ...
+
+    def chat_logprobs(self, prepared: p.Prepared, entries: tuple[TokenLogprob, ...]) -> list[dict[str, Any]]:
+        """Generated tokens' log-probabilities as chat's ``logprobs.content`` entries (none where the
+        request did not ask)."""
+        ...
 
     def pieces(self, stream: Stream) -> AsyncIterator[Piece]: ...
 

@@ -10,7 +10,8 @@ item the next assistant message's ``reasoning_content``. ``tools`` (``function``
 functions; ``tool_choice`` and ``parallel_tool_calls`` carry over;
 ``text.format`` (``json_schema``, ``json_object``) becomes ``response_format``; ``reasoning.effort``
 becomes ``reasoning_effort`` (``none`` or ``minimal`` turn Qwen3's thinking off); ``max_output_tokens``
-becomes ``max_tokens``.
+becomes ``max_tokens``; ``include: ["message.output_text.logprobs"]`` and ``top_logprobs`` become
+``logprobs`` and ``top_logprobs``, and the message text carries its tokens' (`TokenSpans`).
 
 Replies are kept (``store``, the default) for a later request's ``previous_response_id``, which goes on
 from the conversation they end, and for ``GET /v1/responses/{id}`` (``DELETE`` lets one go): in memory,
@@ -139,6 +140,7 @@ def to_chat(raw: Any, store: Store) -> Asked:
         body.update(_text(raw["text"]))
     if raw.get("reasoning") is not None:
         body.update(_reasoning(raw["reasoning"]))
+    body.update(_logprobs(raw.get("include"), raw.get("top_logprobs")))
     keep = raw.get("store", True)
     if not isinstance(keep, bool):
         raise ApiError(400, "`store` must be true or false", "store")
@@ -307,6 +309,22 @@ def _reasoning(value: Any) -> dict[str, Any]:
     return {} if effort is None else {"reasoning_effort": effort}
 
 
+LOGPROBS = "message.output_text.logprobs"
+"""The ``include`` entry that asks for the output text's log-probabilities."""
+
+
+def _logprobs(include: Any, top: Any) -> dict[str, Any]:
+    """``include`` (``message.output_text.logprobs``) and ``top_logprobs``, as chat's ``logprobs`` and
+    ``top_logprobs``. Other entries of ``include`` ask for what this server does not keep (encrypted
+    reasoning, tools' results): they add nothing, as such items are never in its replies."""
+    listed = isinstance(include, list) and all(isinstance(x, str) for x in include)
+    if include is not None and not listed:
+        raise ApiError(400, "`include` must be a list of strings", "include")
+    if LOGPROBS not in (include or []) and top is None:
+        return {}
+    return {"logprobs": True, "top_logprobs": 0 if top is None else top}
+
+
 def _echo(raw: dict[str, Any]) -> dict[str, Any]:
     """The request's fields a response object repeats."""
     fmt: dict[str, Any] = raw["text"] if isinstance(raw.get("text"), dict) else {}
@@ -349,18 +367,63 @@ def field_of(param: str | None) -> str | None:
 # ---- the reply ---------------------------------------------------------------------------------------------
 
 
-def output_items(parts: list[tuple[str, str | ToolCall]]) -> list[dict[str, Any]]:
+def output_items(
+    parts: list[tuple[str, str | ToolCall]], spans: TokenSpans | None = None
+) -> list[dict[str, Any]]:
     """A whole reply's output items in the order written: its parts (reasoning, text, calls, as a stream
-    reads them), neighbouring text of one kind in one item."""
+    reads them), neighbouring text of one kind in one item; with ``spans``, each message's text carries the
+    log-probabilities of the tokens it came from."""
     items: list[dict[str, Any]] = []
     for kind, part in parts:
         if isinstance(part, ToolCall):
             items.append(_call_item(part, new_id("fc"), "completed"))
-        elif items and items[-1]["type"] == _ITEM[kind] and items[-1]["status"] == "completed":
+            continue
+        if items and items[-1]["type"] == _ITEM[kind] and items[-1]["status"] == "completed":
             items[-1]["content"][0]["text"] += part
         else:
             items.append(_text_item(kind, new_id(_PREFIX[kind]), part, "completed"))
+        if spans is not None and kind == "content":
+            items[-1]["content"][0]["logprobs"] += spans.take(part)
     return items
+
+
+class TokenSpans:
+    """A reply's generated tokens as log-probability entries (chat's shape: ``token``, ``logprob``,
+    ``bytes``, ``top_logprobs``) and where each token's bytes fall in the reply's text, so that a stretch of
+    its message text gets the entries of the tokens it came from (`take`): in order, each entry once, those
+    of text that is not the message's (reasoning, a call, blanks next to them) left out."""
+
+    def __init__(self) -> None:
+        self._entries: list[dict[str, Any]] = []
+        self._starts: list[int] = []
+        self._ends: list[int] = []
+        self._data = bytearray()
+        self._cursor = 0
+        self._given = 0
+
+    def add(self, entries: list[dict[str, Any]]) -> None:
+        """The next tokens' entries, in the order generated."""
+        for entry in entries:
+            self._starts.append(len(self._data))
+            self._data += bytes(entry["bytes"])
+            self._ends.append(len(self._data))
+            self._entries.append(entry)
+
+    def take(self, text: str) -> list[dict[str, Any]]:
+        """The entries of the tokens that ``text``, the next stretch of message text, came from; none where
+        it is not found past the stretches taken before."""
+        raw = text.encode("utf-8")
+        at = self._data.find(raw, self._cursor)
+        if at < 0 or not raw:
+            return []
+        end, out = at + len(raw), []
+        while self._given < len(self._entries) and self._ends[self._given] <= at:
+            self._given += 1  # tokens of text between the stretches, not the message's
+        while self._given < len(self._entries) and self._starts[self._given] < end:
+            out.append(self._entries[self._given])
+            self._given += 1
+        self._cursor = end
+        return out
 
 
 _ITEM = {"reasoning": "reasoning", "content": "message"}
@@ -452,14 +515,16 @@ class EventStream:
         self.items: list[dict[str, Any]] = []
         self._open: tuple[str, str, list[str]] | None = None
         """The open text item: its kind, its id and its text so far."""
+        self._logprobs: list[dict[str, Any]] = []
+        """The open message's log-probabilities so far, where the request asked."""
 
     def event(self, kind: str, **fields: Any) -> bytes:
         data = {"type": kind, "sequence_number": self.sequence, **fields}
         self.sequence += 1
         return f"event: {kind}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
 
-    def text(self, kind: str, text: str) -> list[bytes]:
-        """``kind``: ``reasoning`` or ``content``."""
+    def text(self, kind: str, text: str, logprobs: list[dict[str, Any]] | None = None) -> list[bytes]:
+        """``kind``: ``reasoning`` or ``content``; ``logprobs``: a message text's tokens' (`TokenSpans`)."""
         out: list[bytes] = []
         if self._open is None or self._open[0] != kind:
             out += self.close()
@@ -483,7 +548,8 @@ class EventStream:
         where = {"item_id": item_id, "output_index": len(self.items), "content_index": 0}
         if kind == "reasoning":
             return out + [self.event("response.reasoning_text.delta", **where, delta=text)]
-        return out + [self.event("response.output_text.delta", **where, delta=text, logprobs=[])]
+        self._logprobs += logprobs or []
+        return out + [self.event("response.output_text.delta", **where, delta=text, logprobs=logprobs or [])]
 
     def call(self, call: ToolCall) -> list[bytes]:
         out = self.close()
@@ -518,7 +584,8 @@ class EventStream:
         if kind == "reasoning":
             out = [self.event("response.reasoning_text.done", **where, text=text)]
         else:
-            out = [self.event("response.output_text.done", **where, text=text, logprobs=[])]
+            part["logprobs"], self._logprobs = self._logprobs, []
+            out = [self.event("response.output_text.done", **where, text=text, logprobs=part["logprobs"])]
         out += [
             self.event("response.content_part.done", **where, part=part),
             self.event("response.output_item.done", output_index=at, item=item),

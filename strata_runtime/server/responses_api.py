@@ -41,7 +41,11 @@ async def create(server: ChatPath, request: web.Request) -> web.StreamResponse:
         whole = await server.collect(stream, prepared, chat=True)
         parts = reply_parts(Choice(0, prepared), whole.text, True)
         status = "incomplete" if whole.end == "length" else "completed"
-        output = responses.output_items(parts)
+        spans = None
+        if whole.logprobs is not None:  # the request asked (``include``): each message's tokens'
+            spans = responses.TokenSpans()
+            spans.add(whole.logprobs["content"])
+        output = responses.output_items(parts, spans)
         body = _finished(server, reply, status, output, parts, stream, whole.tokens, whole.reasoning_tokens)
         return web.json_response(body)
     finally:
@@ -89,6 +93,7 @@ async def _streamed(
     await response.write(events.event("response.created", response=start))
     await response.write(events.event("response.in_progress", response=start))
     tokens, parts = 0, []
+    spans = responses.TokenSpans() if reply.prepared.request.sampling.logprobs is not None else None
     async for piece in server.pieces(stream):
         if piece.finish in ("error", "cancelled"):
             error = {"code": "server_error", "message": ended_early(piece).message}
@@ -100,9 +105,15 @@ async def _streamed(
             break
         tokens += piece.tokens
         c.count(piece)
+        if spans is not None:
+            spans.add(server.chat_logprobs(reply.prepared, piece.logprobs))
         for kind, part in reply_parts(c, piece.text, piece.finish is not None):
             parts.append((kind, part))
-            chunks = events.call(part) if isinstance(part, ToolCall) else events.text(kind, part)
+            if isinstance(part, ToolCall):
+                chunks = events.call(part)
+            else:
+                lps = spans.take(part) if spans is not None and kind == "content" else None
+                chunks = events.text(kind, part, lps)
             for chunk in chunks:
                 await response.write(chunk)
         if piece.finish is not None:
