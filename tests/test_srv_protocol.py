@@ -915,7 +915,7 @@ def test_streamed_calls_are_numbered_from_the_replys_first_even_when_one_piece_c
     """The ``index`` of a streamed ``tool_calls`` delta counts the reply's calls: two calls closed by one
     piece get consecutive indices, and a call in a later piece the next one."""
     from strata_runtime.chat import call_text
-    from strata_runtime.server.app import _deltas
+    from strata_runtime.server.openai_stream import _deltas
     from strata_runtime.server.replies import Choice, reply_parts
 
     c = Choice(0, _tools_prepared(tools=[WEATHER, NOW]))

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP server: routes, authentication, streaming, and a clean SIGTERM.
+"""The OpenAI-compatible HTTP server: routes, authentication, whole replies, and a clean SIGTERM (streamed
+replies are `openai_stream`'s, a chat body's preparation `chat_request`'s).
 
 The server binds its port first and answers ``/health`` with 503 while the engine loads on its own thread,
 so a launcher can show progress. Every error a client can cause comes back as OpenAI's error JSON naming
@@ -24,16 +25,14 @@ from aiohttp import web
 from strata_cfg.schema.plan import LaunchPlan
 
 from ..api import EngineCore, TokenLogprob, token_name
-from ..chat import (
-    ToolCall,
-)
 from . import anthropic, messages_api, responses, responses_api
 from . import protocol as p
 from .chat_request import chat_prompt, check_grammar, prepare_chat
 from .connection import AccessLog, JsonErrorRunner
 from .engine_loop import EngineFactory, EngineLoop, Stream
 from .metrics import ServerCounters, expert_cache, render
-from .replies import SSE_HEADERS, Choice, Piece, Whole, ended_early, read_reply, reply_parts, think_count
+from .openai_stream import finish_reason, stream_reply, usage
+from .replies import Piece, Whole, read_reply, think_count
 from .tools import ToolUse, tool_use
 
 log = logging.getLogger("strata.serve")
@@ -430,7 +429,7 @@ class Server:
     def chat_logprobs(self, prepared: p.Prepared, entries: tuple[TokenLogprob, ...]) -> list[dict[str, Any]]:
         """Generated tokens' log-probabilities as chat's ``logprobs.content`` entries (none where the
         request did not ask)."""
-        lps = self._logprobs(prepared, list(entries), True, 0)
+        lps = self.logprobs(prepared, list(entries), True, 0)
         return [] if lps is None else list(lps["content"])
 
     def submit(self, prepared: p.Prepared) -> Stream:
@@ -452,7 +451,7 @@ class Server:
                 self.counters.prompt_tokens += prepared.prompt_tokens
                 streams.append(self.engine.submit(prepared.request))
             if batch[0].stream:
-                return await self._stream(request, streams, batch, chat=chat)
+                return await stream_reply(self, request, streams, batch, chat=chat)
             return await self._whole(streams, batch, chat=chat)
         finally:
             for stream in streams:
@@ -525,7 +524,7 @@ class Server:
             for task in tasks:
                 task.cancel()
             raise
-        use = _usage(batch, streams, [w.tokens for w in done], [w.reasoning_tokens for w in done])
+        use = usage(batch, streams, [w.tokens for w in done], [w.reasoning_tokens for w in done])
         model, rid = self.options.model_name, batch[0].request.request_id
         choices = []
         for i, (whole, prepared) in enumerate(zip(done, batch, strict=True)):
@@ -562,12 +561,12 @@ class Server:
                 n += piece.tokens
             finish, stop = piece.finish, piece.stop
         self.observe(stream)
-        lps = self._logprobs(prepared, entries, chat, 0, lead=prepared.echo is not None)
-        end = _finish(finish) if prepared.generate else "length"
+        lps = self.logprobs(prepared, entries, chat, 0, lead=prepared.echo is not None)
+        end = finish_reason(finish) if prepared.generate else "length"
         reasoning = None if thought is None else thought.tokens
         return Whole((prepared.echo or "") + "".join(texts), end, n, lps, stop, reasoning)
 
-    def _logprobs(
+    def logprobs(
         self, prepared: p.Prepared, entries: list[TokenLogprob], chat: bool, offset: int, lead: bool = False
     ) -> dict[str, Any] | None:
         """The reply's ``logprobs`` object for ``entries`` (None where the request did not ask); ``lead``:
@@ -579,105 +578,6 @@ class Server:
             return p.chat_logprobs(tokenizer, entries)
         first = prepared.request.prompt_ids[0] if lead else None
         return p.completion_logprobs(tokenizer, entries, offset, first)
-
-    async def _stream(
-        self, request: web.Request, streams: list[Stream], batch: list[p.Prepared], *, chat: bool
-    ) -> web.StreamResponse:
-        """Server-sent chunks of every choice as the engine gives them, each chunk naming its choice; a
-        request that ends early ends the stream with an error event."""
-        response = web.StreamResponse(headers=SSE_HEADERS)
-        await response.prepare(request)
-        rid, model, created = batch[0].request.request_id, self.options.model_name, int(time.time())
-        states = [Choice(i, prepared) for i, prepared in enumerate(batch)]
-
-        def chunk(
-            c: Choice,
-            text: str | None,
-            finish: str | None,
-            entries: tuple[TokenLogprob, ...] = (),
-            lead: bool = False,
-            delta: dict[str, Any] | None = None,
-        ) -> dict[str, Any]:
-            """A chunk of choice ``c``: its text (None: the chat's first chunk, naming the role) or, on chat,
-            the ``delta`` given (reasoning or tool calls), with the log-probabilities of ``entries``."""
-            lps = None if text is None else self._logprobs(c.prepared, list(entries), chat, c.offset, lead)
-            if lps is not None and not chat:
-                c.offset += sum(len(name) for name in lps["tokens"])
-            end = _finish(finish) if finish else None
-            if end == "stop" and c.splitter is not None and c.splitter.calls:
-                end = "tool_calls"
-            if chat:
-                if delta is None:
-                    delta = (
-                        {"role": "assistant", "content": ""}
-                        if text is None
-                        else ({"content": text} if text else {})
-                    )
-                return p.chat_chunk(rid, model, created, delta, end, lps, c.index)
-            return p.completion_chunk(rid, model, created, text or "", end, lps, c.index)
-
-        if chat:
-            for c in states:
-                await _send(response, chunk(c, None, None))
-        arrivals: asyncio.Queue[tuple[int, Piece | None]] = asyncio.Queue()
-
-        async def follow(i: int, stream: Stream) -> None:
-            async for piece in self.pieces(stream):
-                await arrivals.put((i, piece))
-            await arrivals.put((i, None))
-
-        followers = [asyncio.create_task(follow(i, s)) for i, s in enumerate(streams)]
-        try:
-            running, failed = len(streams), False
-            while running and not failed:
-                i, piece = await arrivals.get()
-                if piece is None:
-                    running -= 1
-                    continue
-                failed = not await self._stream_piece(response, states[i], piece, chunk)
-        finally:
-            for task in followers:
-                task.cancel()
-        if not failed and all(c.finished for c in states):
-            for stream in streams:
-                self.observe(stream)
-            if batch[0].include_usage:
-                kind = "chat.completion.chunk" if chat else "text_completion"
-                generated = [c.generated for c in states]
-                use = _usage(batch, streams, generated, [c.reasoning_tokens for c in states])
-                await _send(response, p.usage_chunk(rid, model, created, kind, use))
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
-        return response
-
-    @staticmethod
-    async def _stream_piece(
-        response: web.StreamResponse, c: Choice, piece: Piece, chunk: Callable[..., dict[str, Any]]
-    ) -> bool:
-        """Send what one piece of choice ``c`` adds; False where it ended the request early (an error event
-        went out)."""
-        if piece.finish in ("error", "cancelled"):
-            await _send(response, ended_early(piece).body())
-            return False
-        if c.echo is not None:
-            # The echoed prompt goes first, with its log-probabilities, which the first piece brings.
-            await _send(response, chunk(c, c.echo, None, piece.prompt_logprobs, True))
-            c.echo = None
-        if not c.prepared.generate:  # the prompt alone (`max_tokens: 0`): its first token is not sent
-            c.finished = piece.finish is not None
-            if c.finished:
-                await _send(response, chunk(c, "", "length"))
-            return True
-        c.generated += piece.tokens
-        c.count(piece)
-        c.held += piece.logprobs
-        if c.splitter is not None or c.thinker is not None:
-            await _send_parts(response, c, piece, chunk)
-        elif piece.text or piece.finish:
-            await _send(response, chunk(c, piece.text, piece.finish, c.held))
-            c.held = ()
-        c.finished = piece.finish is not None
-        return True
 
     def _count_event(self, token_ids: tuple[int, ...], accepted: int) -> None:
         self.counters.completion_tokens += len(token_ids)
@@ -750,74 +650,6 @@ class Server:
                 await asyncio.sleep(0.05)
 
 
-async def _send_parts(
-    response: web.StreamResponse, c: Choice, piece: Piece, chunk: Callable[..., dict[str, Any]]
-) -> None:
-    """Send what a piece of a chat reply that is read into parts adds: its reasoning as ``reasoning_content``
-    deltas, the text outside calls as ``content``, each call as a ``tool_calls`` delta once it is closed (a
-    tail that may begin a tag is held back until it is known), and the finish, as ``tool_calls`` where the
-    reply made calls and ended by itself. The pieces' log-probabilities go with the first chunk sent."""
-    done = piece.finish is not None
-    deltas = _deltas(c, reply_parts(c, piece.text, done))
-    if done and not deltas:
-        deltas.append({})
-    for k, delta in enumerate(deltas):
-        last = k == len(deltas) - 1
-        await _send(response, chunk(c, "", piece.finish if last else None, c.held, delta=delta))
-        c.held = ()
-
-
-def _deltas(c: Choice, parts: list[tuple[str, str | ToolCall]]) -> list[dict[str, Any]]:
-    """The chat deltas of a stretch of choice ``c``'s reply (`replies.reply_parts`): neighbouring text of
-    one kind in one delta, each call in a ``tool_calls`` delta numbered from the reply's first call."""
-    first = (c.splitter.calls if c.splitter is not None else 0) - sum(
-        isinstance(x, ToolCall) for _, x in parts
-    )
-    deltas: list[dict[str, Any]] = []
-    for kind, part in parts:
-        if isinstance(part, ToolCall):
-            deltas.append({"tool_calls": [part.openai(first)]})
-            first += 1
-            continue
-        key = "reasoning_content" if kind == "reasoning" else "content"
-        if deltas and next(iter(deltas[-1])) == key:
-            deltas[-1] = {key: deltas[-1][key] + part}
-        else:
-            deltas.append({key: part})
-    return deltas
-
-
-def _usage(
-    batch: list[p.Prepared], streams: list[Stream], generated: list[int], reasoning: list[int | None]
-) -> dict[str, Any]:
-    """A request's usage over its choices: each prompt counted once, every choice's tokens, those of their
-    think blocks where the model reasons."""
-    thought = [n for n in reasoning if n is not None]
-    return p.usage(
-        _prompt_tokens(batch),
-        sum(generated),
-        _cached_tokens(streams, batch),
-        sum(thought) if thought else None,
-    )
-
-
-def _prompt_tokens(batch: list[p.Prepared]) -> int:
-    """The prompt tokens of a request's choices: each prompt counted once, however many choices it has."""
-    return sum(prepared.prompt_tokens for prepared in batch if prepared.choice == 0)
-
-
-def _cached_tokens(streams: list[Stream], batch: list[p.Prepared]) -> int:
-    """Of `_prompt_tokens`, those a slot kept from an earlier request and the engine did not read again
-    (``memory.prefix_reuse``)."""
-    return sum(
-        s.handle.cached_tokens for s, prepared in zip(streams, batch, strict=True) if prepared.choice == 0
-    )
-
-
-def _finish(reason: str | None) -> p.OpenAIFinish:
-    return "length" if reason == "length" else "stop"
-
-
 def _error_response(exc: p.ApiError) -> web.Response:
     return web.json_response(exc.body(), status=exc.status, headers=exc.headers)
 
@@ -835,7 +667,3 @@ async def _json_body(request: web.Request) -> Any:
         raise p.ApiError(
             400, f"the request body nests arrays or objects more than {p.MAX_DEPTH} deep"
         ) from None
-
-
-async def _send(response: web.StreamResponse, data: dict[str, Any]) -> None:
-    await response.write(b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n")
