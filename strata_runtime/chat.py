@@ -334,23 +334,25 @@ def split_thinking(text: str, opened: bool = False) -> tuple[str | None, str]:
     )
 
 
+def _tag_ids(tokenizer: Any, opening: str, closing: str) -> tuple[int, int] | None:
+    """The ids of a pair of tags where the tokenizer holds each as one token; None where it spells one."""
+    ids = [tokenizer.encode(tag) for tag in (opening, closing)]
+    if all(len(one) == 1 for one in ids):
+        return ids[0][0], ids[1][0]
+    return None
+
+
 def call_ids(tokenizer: Any) -> tuple[int, int] | None:
     """The ``<tool_call>`` and ``</tool_call>`` tokens of a model whose vocabulary holds each tag as one
     token, as Qwen's does (the model writes its calls with them); None for a model that spells them in
     text."""
-    ids = [tokenizer.encode(tag) for tag in (CALL_OPEN, CALL_CLOSE)]
-    if all(len(one) == 1 for one in ids):
-        return ids[0][0], ids[1][0]
-    return None
+    return _tag_ids(tokenizer, CALL_OPEN, CALL_CLOSE)
 
 
 def think_ids(tokenizer: Any) -> tuple[int, int] | None:
     """The ``<think>`` and ``</think>`` tokens of a model that reasons in think blocks: its vocabulary
     holds each tag as one token, as Qwen3's does. None for a model that does not."""
-    ids = [tokenizer.encode(tag) for tag in (THINK_OPEN, THINK_CLOSE)]
-    if all(len(one) == 1 for one in ids):
-        return ids[0][0], ids[1][0]
-    return None
+    return _tag_ids(tokenizer, THINK_OPEN, THINK_CLOSE)
 
 
 def thinking_at_end(tokenizer: Any, prompt: Sequence[int]) -> str | None:
