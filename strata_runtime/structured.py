@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -90,19 +90,29 @@ def reasoning_grammar(reply: str, reasoning: Reasoning) -> str:
     o, c = f"<[{reasoning.open_id}]>", f"<[{reasoning.close_id}]>"
     bound = "" if reasoning.budget is None else f"[max_tokens={reasoning.budget}]"
     block = f"reason {c}" if reasoning.opened else f"{o} reason {c}"
-    grammars = top_level(reply)
-    name = grammars[0].setdefault("name", "reply")
-    if reasoning.opened:
-        start = f"start: {block} {BLANKS} @{name}"
-    else:
-        start = f"start: think? @{name}\nthink: {block} {BLANKS}"
-    wrapper = {"name": "reasoning", "lark_grammar": "\n".join([start, f"reason{bound}: /(?s:.*)/"])}
-    if "reasoning" in {g.get("name") for g in grammars}:
-        raise GrammarError("a grammar may not name one of its parts `reasoning`")
-    return json.dumps({"grammars": [wrapper, *grammars]})
+
+    def lark(name: str) -> str:
+        if reasoning.opened:
+            start = f"start: {block} {BLANKS} @{name}"
+        else:
+            start = f"start: think? @{name}\nthink: {block} {BLANKS}"
+        return "\n".join([start, f"reason{bound}: /(?s:.*)/"])
+
+    return around(reply, "reasoning", lark)
 
 
-def top_level(grammar: str) -> list[dict[str, Any]]:
+def around(grammar: str, name: str, lark: Callable[[str], str]) -> str:
+    """A grammar named ``name``, of the Lark text ``lark(part)``, that holds ``grammar`` where that text
+    names ``@part`` (llguidance's top-level form, ``grammar``'s parts after the new one); `GrammarError`
+    where ``grammar`` names a part ``name`` already."""
+    grammars = _top_level(grammar)
+    part = grammars[0].setdefault("name", "reply")
+    if name in {g.get("name") for g in grammars}:
+        raise GrammarError(f"a grammar may not name one of its parts `{name}`")
+    return json.dumps({"grammars": [{"name": name, "lark_grammar": lark(part)}, *grammars]})
+
+
+def _top_level(grammar: str) -> list[dict[str, Any]]:
     """The grammars of llguidance's top-level form (``{"grammars": [...]}``), or a Lark text as one."""
     try:
         parsed = json.loads(grammar)

@@ -18,7 +18,7 @@ from functools import cached_property
 from typing import Any, Literal
 
 from ..chat import CALL_CLOSE, CALL_OPEN
-from ..structured import GrammarError, lark_grammar, top_level
+from ..structured import around, lark_grammar
 from .errors import ApiError
 
 MAX_TOOLS = 128
@@ -107,12 +107,9 @@ class ToolUse:
             *rules,
         ]
         if auto and self.reply_format is not None:  # the format's reply, or calls
-            grammars = top_level(self.reply_format)
-            name = grammars[0].setdefault("name", "reply")
-            if "calls" in {g.get("name") for g in grammars}:
-                raise GrammarError("a grammar may not name one of its parts `calls`")
-            either = {"name": "calls", "lark_grammar": "\n".join([f"start: @{name} | {calls}", *held])}
-            return json.dumps({"grammars": [either, *grammars]})
+            return around(
+                self.reply_format, "calls", lambda part: "\n".join([f"start: @{part} | {calls}", *held])
+            )
         start = f"start: text ({calls})?\ntext: /(?s:.*)/" if auto else f"start: {calls}"
         return lark_grammar("\n".join([start, *held]))
 
