@@ -780,3 +780,17 @@ def test_a_grammar_that_compiled_is_not_checked_again_and_one_that_did_not_alway
         with pytest.raises(GrammarError):
             grammars.check(bad)
     assert checked == [good, bad, bad]
+
+
+def test_a_grammar_that_names_a_part_as_its_wrapper_does_is_refused_by_name():
+    """A think block's wrapper, and a format beside strict calls, name their own part; a grammar that
+    already names one of its parts so is a `GrammarError` that says which name."""
+    from strata_runtime.server.tools import ToolUse
+
+    taken = json.dumps({"grammars": [{"name": "reasoning", "lark_grammar": 'start: "x"'}]})
+    with pytest.raises(GrammarError, match="may not name one of its parts `reasoning`"):
+        reasoning_grammar(taken, Reasoning(259, 260, opened=False))
+    calls = json.dumps({"grammars": [{"name": "calls", "lark_grammar": 'start: "x"'}]})
+    strict = {"type": "function", "function": {"name": "f", "strict": True}}
+    with pytest.raises(GrammarError, match="may not name one of its parts `calls`"):
+        _ = ToolUse((strict,), "auto", call_tokens=(261, 262), reply_format=calls).grammar
