@@ -167,6 +167,7 @@ BAD = [
     ({"model": "m", "input": "x", "instructions": 3}, "instructions"),
     ({"model": "m", "input": "x", "background": True}, "background"),
     ({"model": "m", "input": "x", "store": "yes"}, "store"),
+    ({"model": "m", "input": "x", "include": "message.output_text.logprobs"}, "include"),
 ]
 
 
@@ -327,6 +328,7 @@ def test_the_output_texts_log_probabilities_are_the_chat_endpoints_whole_and_str
     with pytest.raises(openai.BadRequestError) as info:
         client.responses.create(**ask, include="message.output_text.logprobs")
     assert info.value.body["param"] == "include"
+    assert "`include` must be a list of strings" in info.value.body["message"]
 
 
 def test_a_conversation_goes_on_from_a_stored_reply(engine: Launched, client):

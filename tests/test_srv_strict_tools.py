@@ -159,4 +159,6 @@ def test_a_strict_tools_schema_or_a_format_beside_it_that_cannot_be_followed_is_
     beside = {**body, "tools": [WEATHER], "response_format": fmt}
     (tool, form) = serve_demo(CallingBytes, [body, beside], status=400)
     assert tool[0]["error"]["param"] == "tools.1.function.parameters", tool
+    assert "`tools.1.function.parameters` cannot be followed" in tool[0]["error"]["message"]
     assert form[0]["error"]["param"] == "response_format.json_schema.schema", form
+    assert "`response_format.json_schema.schema` cannot be followed" in form[0]["error"]["message"]

@@ -72,10 +72,9 @@ class ToolUse:
         allowed ones where a call is required, the strict ones where ``"auto"`` holds calls, else none."""
         if self.grammar is None:
             return []
-        names = [t["function"]["name"] for t in self.tools]
         if self.choice == "auto":
             return [i for i, t in enumerate(self.tools) if t["function"].get("strict") is True]
-        return [i for i, name in enumerate(names) if self.function in (None, name)]
+        return [i for i, t in enumerate(self.tools) if self.function in (None, t["function"]["name"])]
 
     @cached_property
     def grammar(self) -> str | None:
