@@ -165,7 +165,9 @@ BAD = [
     ({"model": "m", "input": "x", "reasoning": {"effort": "max"}}, "reasoning.effort"),
     ({"model": "m", "input": "x", "max_output_tokens": 0}, "max_output_tokens"),
     ({"model": "m", "input": "x", "instructions": 3}, "instructions"),
-    ({"model": "m", "input": "x", "background": True}, "background"),
+    ({"model": "m", "input": "x", "background": 1}, "background"),
+    ({"model": "m", "input": "x", "background": True, "store": False}, "store"),
+    ({"model": "m", "input": "x", "conversation": "conv_1"}, "conversation"),
     ({"model": "m", "input": "x", "store": "yes"}, "store"),
     ({"model": "m", "input": "x", "include": "message.output_text.logprobs"}, "include"),
 ]

@@ -122,6 +122,7 @@ class Server:
                 ),
                 web.get("/v1/responses/{response_id}", partial(responses_api.stored, self)),
                 web.delete("/v1/responses/{response_id}", partial(responses_api.drop, self)),
+                web.post("/v1/responses/{response_id}/cancel", partial(responses_api.cancel, self)),
                 web.post("/tokenize", self.tokenize),
                 web.post("/detokenize", self.detokenize),
                 web.get("/tokenizer_info", self.tokenizer_info),

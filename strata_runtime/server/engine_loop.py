@@ -77,11 +77,16 @@ class Stream:
         """Wake the task waiting in `events` to look at the queue again (on the event loop's thread)."""
         self._wakeup.set()
 
-    def close(self) -> None:
-        """Forget the request; cancel it first when it has not finished (the client went away)."""
+    def cancel(self) -> None:
+        """Ask the engine to stop the request; its events go on, ending with a ``cancelled`` one (where it had
+        not finished already)."""
         if not self.finished:
             self.handle.cancel()
             self._owner.wake()
+
+    def close(self) -> None:
+        """Forget the request; cancel it first when it has not finished (the client went away)."""
+        self.cancel()
         self._owner.forget(self)
 
 

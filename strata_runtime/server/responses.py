@@ -30,10 +30,13 @@ from typing import Any, get_args
 
 from ..chat import ToolCall
 from . import protocol as p
+from .background import Run
 from .errors import ApiError
 
 KEPT = 256
 """Stored replies kept for ``previous_response_id``, the least recently used let go first."""
+EVENT_BYTES = 64 << 20
+"""Finished background replies' events kept for a stream picked up again, the oldest replies' let go first."""
 PASSED = (
     "temperature",
     "top_p",
@@ -43,9 +46,10 @@ PASSED = (
     "frequency_penalty",
     "stream",
     "thinking_token_budget",
+    "ignore_eos",
 )
-"""Fields a Responses body gives the chat path as they are (``top_k``, ``seed`` and
-``thinking_token_budget`` as extensions, as the chat path takes them)."""
+"""Fields a Responses body gives the chat path as they are (``top_k``, ``seed``, ``thinking_token_budget``
+and ``ignore_eos`` as extensions, as the chat path takes them)."""
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
 """A message item's parts that are text (a refusal's text is in its ``refusal``)."""
 
@@ -58,17 +62,26 @@ def new_id(prefix: str) -> str:
 @dataclass(frozen=True)
 class Kept:
     """A stored reply: the conversation it ends (without the request's ``instructions``, which a later
-    request does not inherit), and the response object ``GET`` gives."""
+    request does not inherit; None for a reply that did not end well, or has not ended), the response object
+    ``GET`` gives, and the `Run` of one made in the background."""
 
-    messages: list[dict[str, Any]]
+    messages: list[dict[str, Any]] | None
     response: dict[str, Any]
+    run: Run | None = None
+
+    def now(self) -> dict[str, Any]:
+        """The response object as it stands (a background reply's, while it runs)."""
+        return self.run.now() if self.run is not None else self.response
 
 
 class Store:
-    """Stored replies by id, at most ``most``, the least recently used let go first."""
+    """Stored replies by id, at most ``most``, the least recently used let go first (a background reply not
+    while it runs); and finished background replies' events, at most ``event_bytes`` of them, the oldest
+    replies' let go first."""
 
-    def __init__(self, most: int = KEPT) -> None:
+    def __init__(self, most: int = KEPT, event_bytes: int = EVENT_BYTES) -> None:
         self.most = most
+        self.event_bytes = event_bytes
         self._kept: OrderedDict[str, Kept] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -76,13 +89,29 @@ class Store:
         with self._lock:
             self._kept[response_id] = kept
             self._kept.move_to_end(response_id)
-            while len(self._kept) > self.most:
-                self._kept.popitem(last=False)
+            over = len(self._kept) - self.most
+            for old in [k for k, v in self._kept.items() if v.run is None or v.run.finished][: max(over, 0)]:
+                del self._kept[old]
+            ended = [v.run for v in self._kept.values() if v.run is not None and v.run.finished]
+            held = sum(run.size for run in ended)
+            for run in ended:
+                if held <= self.event_bytes:
+                    break
+                if run.events is not None:
+                    held -= run.size
+                    run.forget_events()
 
-    def drop(self, response_id: str) -> bool:
-        """Let a reply go; whether it was kept."""
+    def update(self, response_id: str, kept: Kept) -> None:
+        """Replace a reply kept, where it still is (one deleted since is not kept again)."""
         with self._lock:
-            return self._kept.pop(response_id, None) is not None
+            held = response_id in self._kept
+        if held:
+            self.put(response_id, kept)
+
+    def drop(self, response_id: str) -> Kept | None:
+        """Let a reply go; what was kept, if it was."""
+        with self._lock:
+            return self._kept.pop(response_id, None)
 
     def get(self, response_id: str) -> Kept | None:
         with self._lock:
@@ -101,6 +130,7 @@ class Asked:
     history: list[dict[str, Any]]
     echo: dict[str, Any]
     store: bool
+    background: bool = False
 
 
 def to_chat(raw: Any, store: Store) -> Asked:
@@ -111,9 +141,13 @@ def to_chat(raw: Any, store: Store) -> Asked:
     model = raw.get("model")
     if not isinstance(model, str) or not model:
         raise ApiError(400, "`model` is required: the served model's name", "model")
-    for key, why in (("background", "background runs"), ("conversation", "conversations kept by the server")):
-        if raw.get(key) not in (None, False):
-            raise ApiError(400, f"`{key}`: {why} are not supported by this server", key)
+    if raw.get("conversation") is not None:
+        raise ApiError(
+            400,
+            "`conversation`: conversations kept by the server are not supported by this server; carry one "
+            "on with `previous_response_id`",
+            "conversation",
+        )
     history = _previous(raw.get("previous_response_id"), store) + _input(raw.get("input"))
     instructions = raw.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
@@ -141,10 +175,18 @@ def to_chat(raw: Any, store: Store) -> Asked:
     if raw.get("reasoning") is not None:
         body.update(_reasoning(raw["reasoning"]))
     body.update(_logprobs(raw.get("include"), raw.get("top_logprobs")))
-    keep = raw.get("store", True)
+    keep, background = raw.get("store", True), raw.get("background", False)
     if not isinstance(keep, bool):
         raise ApiError(400, "`store` must be true or false", "store")
-    return Asked(body, history, _echo(raw), keep)
+    if not isinstance(background, bool):
+        raise ApiError(400, "`background` must be true or false", "background")
+    if background and not keep:
+        raise ApiError(
+            400,
+            "`background`: a background reply is kept to be followed, so `store` cannot be false",
+            "store",
+        )
+    return Asked(body, history, _echo(raw), keep, background)
 
 
 def _previous(value: Any, store: Store) -> list[dict[str, Any]]:
@@ -158,6 +200,14 @@ def _previous(value: Any, store: Store) -> list[dict[str, Any]]:
             f"{store.most} replies made with `store`, in memory, until it restarts)",
             "previous_response_id",
             code="response_not_found",
+        )
+    if found.messages is None:
+        status = found.now()["status"]
+        raise ApiError(
+            400,
+            f"`previous_response_id`: response {json.dumps(value)} is {status.replace('_', ' ')}; a "
+            "conversation goes on only from a reply that ended completed or incomplete",
+            "previous_response_id",
         )
     return copy.deepcopy(found.messages)
 
@@ -334,6 +384,7 @@ def _echo(raw: dict[str, Any]) -> dict[str, Any]:
         "max_output_tokens": raw.get("max_output_tokens"),
         "metadata": raw.get("metadata") or {},
         "parallel_tool_calls": raw.get("parallel_tool_calls", True),
+        "background": raw.get("background", False),
         "previous_response_id": raw.get("previous_response_id"),
         "reasoning": {"effort": effort.get("effort"), "summary": None},
         "store": raw.get("store", True),
