@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,10 +125,14 @@ def read_call(inner: str) -> ToolCall | None:
     return ToolCall(body["name"], json.dumps(args, ensure_ascii=False))
 
 
-def split_reply(text: str) -> tuple[str | None, list[ToolCall]]:
+CallReader = Callable[[str], "ToolCall | None"]
+"""What reads a ``<tool_call>`` block's inner text into a call (None where it holds none)."""
+
+
+def split_reply(text: str, read: CallReader = read_call) -> tuple[str | None, list[ToolCall]]:
     """A whole reply's text outside its calls (None where nothing is left) and its calls, in order, as
     `CallSplitter` reads it."""
-    splitter = CallSplitter()
+    splitter = CallSplitter(read)
     pieces = splitter.feed(text) + splitter.close()
     words = "".join(p for p in pieces if isinstance(p, str))
     return (words or None), [p for p in pieces if isinstance(p, ToolCall)]
@@ -141,10 +145,11 @@ class CallSplitter:
     call not yet closed, and blanks that may turn out to stand next to a call: the layout's line breaks
     around calls, and blanks at the reply's start and end, are not text. `close` gives what is left when
     the reply ends: a block that was never closed is text, as written. A block that does not hold a call
-    (`read_call`) is text too.
+    (``read``: `read_call` in the Hermes layout) is text too.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, read: CallReader = read_call) -> None:
+        self._read = read
         self._held = ""
         self._in_call = False
         self._blanks = ""
@@ -166,7 +171,7 @@ class CallSplitter:
                     return out
                 cut = end + len(CALL_CLOSE)
                 block, self._held, self._in_call = self._held[:cut], self._held[cut:], False
-                call = read_call(block[len(CALL_OPEN) : end].strip())
+                call = self._read(block[len(CALL_OPEN) : end].strip())
                 if call is None:
                     self._blanks = self._before
                     self._say(block, out)

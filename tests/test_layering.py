@@ -327,21 +327,22 @@ RUNTIME_MAY_IMPORT: dict[str, set[str]] = {
     "layout": set(),
     "reference": set(),
     "chat": set(),
+    "xml_calls": {"chat"},
     "structured": {"api", "chat"},
     "models": {"layout", "reference"},
     "experts": {"backend", "layout", "reference"},
-    "weights": {"backend", "chat", "experts", "models", "reference"},
+    "weights": {"backend", "chat", "experts", "models", "reference", "xml_calls"},
     "cuda": {"backend", "layout", "models", "reference", "experts"},
     "model": {"api", "backend", "layout", "models", "weights", "cuda", "experts"},
     "engine": {"api", "backend", "experts", "layout", "model", "structured", "weights"},
-    "server": {"api", "chat", "structured"},
+    "server": {"api", "chat", "structured", "xml_calls"},
     "bench": {"api", "backend", "cuda", "engine", "experts", "model", "models", "weights"},
     "commands": {"api", "backend", "bench", "chat", "engine", "model", "server", "structured", "weights"},
     "__main__": set(),
     "strata_runtime": set(),
 }
 """The runtime's own layering: the foundation (the request interface, devices, a window's rows, the kernels'
-references, the chat layout of tools and reasoning, grammars over a tokenizer), then the architecture, its
+references, the chat layouts of tools and reasoning, grammars over a tokenizer), then the architecture, its
 weights and its CUDA path, the placed model, the engine, and the server, bench and commands on top. The
 server reaches the engine only through `api.EngineCore`."""
 

@@ -12,6 +12,7 @@ from typing import Any
 from ..api import Reasoning, Tokenizer
 from ..chat import ChatTemplateError, call_ids, think_ids, thinking_at_end
 from ..structured import GrammarError, grammars_for, json_grammar, reasoning_grammar
+from ..xml_calls import call_layout
 from . import protocol as p
 from .tools import ToolUse, tool_use
 
@@ -23,7 +24,7 @@ async def prepare_chat(
     ``model_name`` whose model has this tokenizer, ``context`` positions a slot and ``vocab_size`` ids."""
     body = p.parse_chat(raw)
     p.check_model(body.model, model_name)
-    tools = tool_use(body.model_extra or {}, p.grammar_of(body), call_ids(tokenizer))
+    tools = tool_use(body.model_extra or {}, p.grammar_of(body), call_ids(tokenizer), call_layout(tokenizer))
     ids = chat_prompt(tokenizer, body, tools)
     prepared = p.prepare(
         body, ids, context=context, vocab_size=vocab_size, default_max_tokens=None, tools=tools

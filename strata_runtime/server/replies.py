@@ -59,7 +59,7 @@ class Choice:
         """Log-probabilities of tokens whose text is not out yet."""
         self.generated = 0
         self.finished = False
-        self.splitter = CallSplitter() if prepared.tools is not None else None
+        self.splitter = CallSplitter(prepared.tools.read_call) if prepared.tools is not None else None
         """Reads a reply that was offered tools into its text and its calls as it streams."""
         self.thinker = ThinkSplitter(prepared.thinking) if prepared.thinking is not None else None
         """Reads a reply of a model that reasons into its reasoning and the rest as it streams."""
@@ -117,5 +117,5 @@ def read_reply(prepared: p.Prepared, text: str) -> tuple[str | None, str | None,
     if prepared.thinking is not None:
         reasoning, words = split_thinking(text, prepared.thinking)
     if prepared.tools is not None:
-        words, calls = split_reply(words or "")
+        words, calls = split_reply(words or "", prepared.tools.read_call)
     return reasoning, words, calls

@@ -17,8 +17,10 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Literal
 
-from ..chat import CALL_CLOSE, CALL_OPEN
+from .. import xml_calls
+from ..chat import CALL_CLOSE, CALL_OPEN, CallReader, read_call
 from ..structured import around, lark_grammar
+from ..xml_calls import Layout
 from .errors import ApiError
 
 MAX_TOOLS = 128
@@ -49,6 +51,17 @@ class ToolUse:
     reply_format: str | None = None
     """The grammar the reply follows where it does not call (``response_format`` or ``structured_outputs``,
     with ``"auto"``): under strict tools the reply is then either that or calls."""
+    layout: Layout = "hermes"
+    """How the model writes its calls (`strata_runtime.xml_calls.call_layout`): they are read, and held, in
+    that layout."""
+
+    @property
+    def read_call(self) -> CallReader:
+        """What reads a call block of the model's layout (XML values typed by these tools' schemas)."""
+        if self.layout == "xml":
+            tools = self.tools
+            return lambda inner: xml_calls.read_call(inner, tools)
+        return read_call
 
     @property
     def offered(self) -> list[dict[str, Any]] | None:
@@ -67,10 +80,18 @@ class ToolUse:
         return any(t["function"].get("strict") is True for t in self.tools)
 
     @property
+    def holds(self) -> bool:
+        """Whether a grammar holds the reply's calls: where it must call (``"required"`` or a named
+        function), and with ``"auto"`` where some tool is strict and the model writes its calls with tokens
+        of their own (`call_tokens`)."""
+        auto = self.choice == "auto" and self.strict and self.call_tokens is not None
+        return self.choice in ("required", "function") or auto
+
+    @property
     def held(self) -> list[int]:
         """The tools whose ``parameters`` the grammar holds a call's arguments to (their indices): the
         allowed ones where a call is required, the strict ones where ``"auto"`` holds calls, else none."""
-        if self.grammar is None:
+        if not self.holds:
             return []
         if self.choice == "auto":
             return [i for i, t in enumerate(self.tools) if t["function"].get("strict") is True]
@@ -85,16 +106,21 @@ class ToolUse:
         ``<tool_call>`` token on (a strict tool's arguments follow its ``parameters``, another's are any JSON
         object), or with a `reply_format`, either a reply that follows it or calls. None where nothing
         holds the reply (or only the format does: then the format is the reply's grammar)."""
-        functions = [t["function"] for t in self.tools]
-        auto = self.choice == "auto" and self.strict and self.call_tokens is not None
-        if self.choice not in ("required", "function") and not auto:
+        if not self.holds:
             return None
+        functions = [t["function"] for t in self.tools]
+        auto = self.choice == "auto"
         if self.function is not None:
             functions = [f for f in functions if f["name"] == self.function]
-        rules = [
-            f"f{i}: %json {json.dumps(_call_schema(f, loose=auto and f.get('strict') is not True))}"
-            for i, f in enumerate(functions)
-        ]
+        if self.layout == "xml":
+            rules = [xml_calls.text_rule()]
+            for i, f in enumerate(functions):
+                rules += xml_calls.function_rule(f"f{i}", f, loose=auto and f.get("strict") is not True)
+        else:
+            rules = [
+                f"f{i}: %json {json.dumps(_call_schema(f, loose=auto and f.get('strict') is not True))}"
+                for i, f in enumerate(functions)
+            ]
         if self.call_tokens is not None:
             opening, closing = (f"<[{t}]>" for t in self.call_tokens)
         else:
@@ -132,12 +158,15 @@ def _call_schema(function: dict[str, Any], loose: bool = False) -> dict[str, Any
 
 
 def tool_use(
-    extra: dict[str, Any], grammar: str | None, call_tokens: tuple[int, int] | None = None
+    extra: dict[str, Any],
+    grammar: str | None,
+    call_tokens: tuple[int, int] | None = None,
+    layout: Layout = "hermes",
 ) -> ToolUse | None:
     """The tools a chat body's extra fields ask for (None: no tools), checked, with 400s naming the field
     at fault. ``grammar``: the body's structured output, which a required call cannot be combined with (with
     ``"auto"`` and strict tools, the reply follows it or calls). ``call_tokens``: the model's call tags as
-    tokens of their own (`ToolUse.call_tokens`)."""
+    tokens of their own (`ToolUse.call_tokens`); ``layout``, how it writes calls (`ToolUse.layout`)."""
     tools, choice, parallel = extra.get("tools"), extra.get("tool_choice"), extra.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise ApiError(400, "`parallel_tool_calls` must be true or false", "parallel_tool_calls")
@@ -152,7 +181,18 @@ def tool_use(
             "`structured_outputs`; give one of them",
             "tool_choice",
         )
-    return ToolUse(checked, kind, name, parallel is not False, call_tokens, grammar)
+    use = ToolUse(checked, kind, name, parallel is not False, call_tokens, grammar, layout)
+    if layout == "xml":
+        for i in use.held:
+            function = checked[i]["function"]
+            try:
+                xml_calls.function_rule(
+                    "f", function, loose=kind == "auto" and function.get("strict") is not True
+                )
+            except ValueError as exc:
+                field = f"tools.{i}.function.parameters"
+                raise ApiError(400, f"`{field}` cannot be held: {exc}", field) from None
+    return use
 
 
 def _tools(value: Any) -> tuple[dict[str, Any], ...]:

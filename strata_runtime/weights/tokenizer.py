@@ -17,6 +17,7 @@ from types import MappingProxyType
 from typing import Any
 
 from ..chat import ChatTemplateError, has_tool_parts, plain_messages
+from ..xml_calls import for_template, layout_of
 
 
 def chatml(messages: list[dict[str, str]]) -> str:
@@ -187,6 +188,8 @@ class HFTokenizer:
         if template is None:
             return self.encode(chatml(plain_messages(messages, tools)))
         if tooled and self.template_knows_tools:
+            if layout_of(self.template) == "xml":  # it writes earlier calls' arguments one by one
+                messages = for_template(messages)
             view: dict[str, Any] = {"messages": messages, "tools": tools or None}
         else:
             view = {"messages": plain_messages(messages, tools) if tooled else messages}

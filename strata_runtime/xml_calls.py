@@ -1,0 +1,256 @@
+"""Tool calls in the XML layout Qwen3-Coder models are trained on, beside the Hermes layout of `chat`.
+
+A call is a ``<tool_call>`` block, as in the Hermes layout, but what it holds is not JSON: the function's
+name in a ``<function=NAME>`` tag, then each argument in a ``<parameter=KEY>`` tag of its own, its value
+written on the lines between as raw text (a string as itself, a number or a boolean as its JSON, an object
+or a list as JSON), and ``</function>``::
+
+    <tool_call>
+    <function=get_weather>
+    <parameter=city>
+    Bath
+    </parameter>
+    <parameter=days>
+    3
+    </parameter>
+    </function>
+    </tool_call>
+
+A checkpoint whose chat template writes calls this way (`layout_of`) is read and held in it: `read_call`
+reads a block's text back into a call, its values typed by the tool's ``parameters`` schema; `for_template`
+gives the template the calls of earlier turns with their arguments as mappings, as it writes them one by
+one; `function_rule` is the grammar of one call's body, for calls the server holds to their schemas.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+from .chat import ToolCall
+
+Layout = Literal["hermes", "xml"]
+"""How a model writes its tool calls: JSON in ``<tool_call>`` blocks (Qwen3's "Hermes" layout), or XML tags
+(Qwen3-Coder's)."""
+
+_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.S)
+_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
+PARAMETER_CLOSE = "</parameter>"
+STRING_KEYS = ("pattern", "format", "minLength", "maxLength")
+"""What a string parameter's schema may say that a held call cannot hold in this layout (the value is raw
+text, not JSON: only its ``enum`` or ``const`` is held)."""
+
+
+def layout_of(template: str | None) -> Layout:
+    """The layout a chat template writes calls in: XML where it writes ``<function=`` and ``<parameter=``
+    tags, else Hermes (which the server writes itself for a template that knows no tools)."""
+    if template is not None and "<function=" in template and "<parameter=" in template:
+        return "xml"
+    return "hermes"
+
+
+def call_layout(tokenizer: Any) -> Layout:
+    """The layout a model's tokenizer has its calls written in: its chat template's where the template
+    writes tools itself, else Hermes (the server writes them for it)."""
+    if not getattr(tokenizer, "template_knows_tools", False):
+        return "hermes"
+    return layout_of(getattr(tokenizer, "template", None))
+
+
+def read_call(inner: str, tools: Sequence[Mapping[str, Any]] = ()) -> ToolCall | None:
+    """The call a ``<tool_call>`` block's text writes, its arguments typed by the named tool's
+    ``parameters`` (`_value`), or None where the text is not one call."""
+    found = _FUNCTION.fullmatch(inner.strip())
+    if found is None:
+        return None
+    name, body = found.group(1).strip(), found.group(2)
+    if not name:
+        return None
+    properties = _properties(name, tools)
+    args: dict[str, Any] = {}
+    end = 0
+    for param in _PARAMETER.finditer(body):
+        if body[end : param.start()].strip():
+            return None  # text between the tags: not this layout
+        key, raw = param.group(1).strip(), param.group(2)
+        raw = raw[1:] if raw.startswith("\n") else raw
+        raw = raw[:-1] if raw.endswith("\n") else raw
+        args[key] = _value(raw, properties.get(key))
+        end = param.end()
+    if body[end:].strip():
+        return None
+    return ToolCall(name, json.dumps(args, ensure_ascii=False))
+
+
+def _properties(name: str, tools: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
+    for tool in tools:
+        function = tool.get("function", tool)
+        if function.get("name") == name:
+            params = function.get("parameters")
+            props = params.get("properties") if isinstance(params, Mapping) else None
+            return props if isinstance(props, Mapping) else {}
+    return {}
+
+
+def _value(raw: str, schema: Any) -> Any:
+    """A parameter's raw text as the value its schema says it is: a string as itself; a number, a boolean,
+    null, an object or a list as the JSON it is written in (an object or a list also as the Python literal
+    a template's ``string`` filter writes), where it parses as one of the schema's types; else, and without
+    a schema, the text."""
+    types = _types(schema)
+    if not types or types == {"string"}:
+        return raw
+    if "boolean" in types and raw.strip().lower() in ("true", "false"):
+        return raw.strip().lower() == "true"
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        value = raw
+        if types & {"object", "array"}:
+            try:
+                value = ast.literal_eval(raw.strip())
+            except (ValueError, SyntaxError, MemoryError, RecursionError):
+                return raw
+    return value if _is(value, types) else raw
+
+
+ALIASES = {"int": "integer", "float": "number", "bool": "boolean", "str": "string", "text": "string"}
+ALIASES |= {"dict": "object", "list": "array"}
+"""Type names some tool definitions use in place of JSON schema's."""
+
+
+def _types(schema: Any) -> set[str]:
+    """The JSON types a parameter's schema allows (``any`` where it says none it can be read from)."""
+    if not isinstance(schema, Mapping):
+        return set()
+    kind = schema.get("type")
+    if isinstance(kind, str):
+        return {ALIASES.get(kind, kind)}
+    if isinstance(kind, list):
+        return {ALIASES.get(k, k) for k in kind if isinstance(k, str)}
+    if "enum" in schema or "const" in schema:
+        values = schema.get("enum") or [schema.get("const")]
+        return {_type_name(v) for v in values}
+    found: set[str] = set()
+    for key in ("anyOf", "oneOf"):
+        for part in schema.get(key) or ():
+            found |= _types(part)
+    return found or {"any"}
+
+
+def _type_name(value: Any) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    if value is None:
+        return "null"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    return "object" if isinstance(value, dict) else "any"
+
+
+def _is(value: Any, types: set[str]) -> bool:
+    if "any" in types:
+        return True
+    kind = _type_name(value)
+    return kind in types or (kind == "integer" and "number" in types)
+
+
+def for_template(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` as an XML-layout template reads them: each earlier call's arguments as a mapping (the
+    template writes them a parameter at a time), where they came as JSON text."""
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        calls = message.get("tool_calls")
+        if not calls:
+            out.append(dict(message))
+            continue
+        written = []
+        for call in calls:
+            function = dict(call.get("function", call))
+            args = function.get("arguments")
+            if isinstance(args, str):
+                try:
+                    parsed = json.loads(args)
+                except json.JSONDecodeError:
+                    parsed = None
+                function["arguments"] = parsed if isinstance(parsed, dict) else {}
+            written.append({**call, "function": function} if "function" in call else function)
+        out.append({**message, "tool_calls": written})
+    return out
+
+
+# ---- held calls -------------------------------------------------------------------------------------------
+
+
+def function_rule(rule: str, function: Mapping[str, Any], loose: bool) -> list[str]:
+    """The grammar (llguidance's Lark) of a call's body to ``function`` in this layout, as rule ``rule``
+    and the rules it uses: its name's tag, then each of its ``parameters``' properties in their order
+    (those it does not require may be left out), then ``</function>``; with ``loose``, or where the schema
+    lists no properties, any parameters. A string value is any text without ``</parameter>`` (or one of
+    its ``enum``); every other value is JSON that follows its schema. `ValueError` names a string property
+    whose schema says more than this layout can hold (`STRING_KEYS`). The rules use ``TEXT`` (`text_rule`)."""
+    name = function["name"]
+    params = function.get("parameters")
+    properties = params.get("properties") if isinstance(params, Mapping) and not loose else None
+    head = json.dumps(f"<function={name}>\n")
+    if not properties:
+        key = f"{rule}_any"
+        return [f'{rule}: {head} {key}* "</function>"', f'{key}: "<parameter=" /[^>\\n]+/ ">\\n" TEXT']
+    required = set(params.get("required") or ()) if isinstance(params, Mapping) else set()
+    rules, parts = [], []
+    for i, (key, schema) in enumerate(properties.items()):
+        part = f"{rule}_{i}"
+        opening = json.dumps(f"<parameter={key}>\n")
+        rules.append(f"{part}: {opening} {_value_rule(key, schema)}")
+        parts.append(part if key in required else f"{part}?")
+    return [f'{rule}: {head} {" ".join(parts)} "</function>"', *rules]
+
+
+def _value_rule(key: str, schema: Any) -> str:
+    close = json.dumps(f"\n{PARAMETER_CLOSE}\n")
+    types = _types(schema)
+    if not types or types == {"string"}:
+        if isinstance(schema, Mapping):
+            choices = schema.get("enum") or ([schema["const"]] if "const" in schema else None)
+            if choices:
+                return "(" + " | ".join(json.dumps(str(c)) for c in choices) + f") {close}"
+            said = [k for k in STRING_KEYS if k in schema]
+            if said:
+                raise ValueError(
+                    f"`{key}`: a string's `{said[0]}` cannot be held in this model's call layout (its value "
+                    "is raw text); only its `enum` or `const` can"
+                )
+        return "TEXT"
+    body = dict(schema) if isinstance(schema, Mapping) else {}
+    body["x-guidance"] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+    return f"%json {json.dumps(body)} {close}"
+
+
+def text_rule() -> str:
+    """The rule ``TEXT`` that `function_rule`'s rules use (once in a grammar)."""
+    return f"TEXT: /{_text_then_close()}/"
+
+
+def _text_then_close() -> str:
+    """A regular expression of a string value and the line that closes it: any text in which
+    ``</parameter>`` does not occur, then ``\\n</parameter>\\n``. Split at each ``<``, the text is what comes
+    before the first ``<`` and then pieces, each a ``<`` and text without one that does not start with
+    ``/parameter>``."""
+    tail = PARAMETER_CLOSE[1:]  # "/parameter>"
+
+    def not_starting(word: str) -> str:
+        first = re.escape(word[0])
+        rest = f"|{first}{not_starting(word[1:])}" if len(word) > 1 else ""
+        return f"(?:[^<{first}][^<]*{rest})?"
+
+    piece = f"<{not_starting(tail)}"
+    return f"[^<]*(?:{piece})*\\n</parameter>\\n".replace("/", "\\/")

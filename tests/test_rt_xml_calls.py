@@ -1,0 +1,258 @@
+"""Tool calls in the XML layout of Qwen3-Coder's checkpoints (strata_runtime/xml_calls.py): a call block read
+into a call with its values typed by the tool's schema; a reply read whole and as it streams in arbitrary
+pieces; earlier calls given to the checkpoint's own template (its published one, in tests/templates) so it
+writes them as the model writes them; calls held to their schemas by a grammar; and the demo served in
+process with such a tokenizer, its required call in this layout read back as OpenAI's ``tool_calls``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import MappingProxyType
+
+import numpy as np
+import pytest
+from srv_helpers import serve_demo, streamed_reply
+from test_rt_tool_calls import _TextTokenizer
+from test_srv_strict_tools import ARGS, NOW, WEATHER, CallingBytes, _follows
+
+from strata_runtime.chat import CALL_CLOSE, CALL_OPEN, CallSplitter, split_reply
+from strata_runtime.server.errors import ApiError
+from strata_runtime.server.tools import tool_use
+from strata_runtime.xml_calls import call_layout, layout_of, read_call
+
+CODER_TEMPLATE = (Path(__file__).parent / "templates" / "qwen3_coder.jinja").read_text()
+"""The chat template published with Qwen3-Coder's checkpoints."""
+QWEN3_TEMPLATE = (Path(__file__).parent / "templates" / "qwen3.jinja").read_text()
+
+SEARCH = {
+    "type": "function",
+    "function": {
+        "name": "search",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "query": {"type": "string"},
+                "limit": {"type": "integer"},
+                "score": {"type": "number"},
+                "exact": {"type": "boolean"},
+                "filters": {"type": "object"},
+                "tags": {"type": "array"},
+                "after": {"type": ["string", "null"]},
+                "mode": {"enum": [1, 2]},
+                "code": {"type": "str"},
+            },
+        },
+    },
+}
+
+
+def _block(name: str, params: list[tuple[str, str]]) -> str:
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params)
+    return f"{CALL_OPEN}\n<function={name}>\n{body}</function>\n{CALL_CLOSE}"
+
+
+def _inner(block: str) -> str:
+    return block[len(CALL_OPEN) : -len(CALL_CLOSE)]
+
+
+def test_a_call_blocks_values_are_typed_by_the_tools_schema():
+    """Each value as the schema's type says (an object also as the Python literal Qwen3-Coder's template
+    writes for one); a value that does not parse as its type, an unknown parameter and a string stay text;
+    a block of another layout, or with text between the tags, is not a call."""
+    params = [
+        ("query", "  a <b>bold</b> query\nover two lines "),
+        ("limit", "5"),
+        ("score", "0.5"),
+        ("exact", "True"),
+        ("filters", "{'lang': 'en', 'n': [1, 2]}"),
+        ("tags", '["a", "b"]'),
+        ("after", "null"),
+        ("mode", "2"),
+        ("code", "007"),
+        ("extra", "12"),
+    ]
+    call = read_call(_inner(_block("search", params)), [SEARCH])
+    assert call is not None and call.name == "search"
+    assert json.loads(call.arguments) == {
+        "query": "  a <b>bold</b> query\nover two lines ",
+        "limit": 5,
+        "score": 0.5,
+        "exact": True,
+        "filters": {"lang": "en", "n": [1, 2]},
+        "tags": ["a", "b"],
+        "after": None,
+        "mode": 2,
+        "code": "007",
+        "extra": "12",
+    }
+    odd = read_call(_inner(_block("search", [("limit", "five"), ("exact", "maybe")])), [SEARCH])
+    assert odd is not None and json.loads(odd.arguments) == {"limit": "five", "exact": "maybe"}
+    assert read_call('{"name": "search", "arguments": {}}', [SEARCH]) is None
+    assert read_call("<function=search>\nhi\n<parameter=a>\nb\n</parameter>\n</function>", [SEARCH]) is None
+    empty = read_call("<function=now>\n</function>")
+    assert empty is not None and (empty.name, empty.arguments) == ("now", "{}")
+
+
+def test_a_reply_in_this_layout_splits_the_same_whole_and_in_any_pieces():
+    """Text, then calls: the splitter given this layout's reader finds the same calls and text whether the
+    reply comes whole or in seeded random pieces; Hermes' reader finds no calls in it."""
+    g = np.random.default_rng(7)
+    tools = [SEARCH, WEATHER]
+
+    def read(inner: str):
+        return read_call(inner, tools)
+
+    for _ in range(20):
+        calls = [
+            (
+                "search",
+                [("query", f"q{int(g.integers(0, 99))} </para"), ("limit", str(int(g.integers(1, 9))))],
+            ),
+            ("get_weather", [("city", "Bath"), ("days", "3")]),
+        ][: int(g.integers(1, 3))]
+        text = "Let me look.\n" + "\n".join(_block(n, p) for n, p in calls) + "\n"
+        words, whole = split_reply(text, read)
+        assert words == "Let me look." and [c.name for c in whole] == [n for n, _ in calls]
+        splitter, fed, at = CallSplitter(read), [], 0
+        while at < len(text):
+            n = int(g.integers(1, 9))
+            fed += splitter.feed(text[at : at + n])
+            at += n
+        fed += splitter.close()
+        got = [(c.name, c.arguments) for c in fed if not isinstance(c, str)]
+        assert got == [(c.name, c.arguments) for c in whole]
+        assert "".join(c for c in fed if isinstance(c, str)) == words
+        assert split_reply(text)[1] == []
+
+
+def test_the_checkpoints_template_writes_earlier_calls_as_the_model_writes_them():
+    """Qwen3-Coder's published template is read as this layout, Qwen3's as Hermes; a conversation whose
+    assistant called a tool (arguments as JSON text, as OpenAI sends them) renders through the checkpoint's
+    own template, and the call it writes reads back as the same call."""
+    coder, qwen3 = _TextTokenizer(CODER_TEMPLATE), _TextTokenizer(QWEN3_TEMPLATE)
+    assert layout_of(CODER_TEMPLATE) == call_layout(coder) == "xml"
+    assert layout_of(QWEN3_TEMPLATE) == call_layout(qwen3) == "hermes" == call_layout(CallingBytes(512))
+    arguments = {"query": "two\nlines", "limit": 5, "exact": False}
+    conversation = [
+        {"role": "user", "content": "Find it."},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "search", "arguments": json.dumps(arguments)},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "found"},
+    ]
+    text = bytes(coder.apply_chat_template(conversation, [SEARCH])).decode()
+    start = text.index(CALL_OPEN, text.index("<|im_start|>assistant"))
+    block = text[start : text.index(CALL_CLOSE, start) + len(CALL_CLOSE)]
+    assert "<parameter=limit>\n5\n</parameter>" in block
+    call = read_call(_inner(block), [SEARCH])
+    assert call is not None and json.loads(call.arguments) == arguments
+    assert text.endswith("<tool_response>\nfound\n</tool_response>\n<|im_end|>\n<|im_start|>assistant\n")
+
+
+def _xml_use(tools: list[dict], choice: object = "required"):
+    return tool_use({"tools": tools, "tool_choice": choice}, None, (261, 262), "xml")
+
+
+def test_held_calls_follow_each_tools_schema_in_this_layout():
+    """A required call: the tool's properties in their order, those it requires present, an ``enum``'s
+    strings and JSON values that follow their schemas, any text without ``</parameter>`` for a string;
+    under ``"auto"``, free text before the calls and a tool that is not strict taking any parameters."""
+    note = {
+        "type": "function",
+        "function": {
+            "name": "note",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "text": {"type": "string"},
+                    "tags": {"type": "array", "items": {"type": "string"}},
+                },
+                "required": ["text"],
+            },
+        },
+    }
+    grammar = _xml_use([WEATHER, NOW, note]).grammar
+    assert grammar is not None
+
+    block = _block
+    good = [
+        block("get_weather", [("city", "Bath"), ("days", "3")]),
+        block("now", []),
+        block("note", [("text", "a <b>tag</b>, </para and </parameter \nsecond line")]),
+        block("note", [("text", "hi"), ("tags", '["a", "b"]')]),
+        block("now", []) + "\n" + block("get_weather", [("city", "York"), ("days", "7")]),
+    ]
+    bad = [
+        block("get_weather", [("city", "Leeds"), ("days", "3")]),
+        block("get_weather", [("city", "Bath"), ("days", "9")]),
+        block("get_weather", [("days", "3"), ("city", "Bath")]),
+        block("note", [("text", "hi </parameter> there")]),
+        block("note", []),
+        block("note", [("text", "hi"), ("tags", "a, b")]),
+        "Sure. " + block("now", []),
+    ]
+    for text in good:
+        assert _follows(grammar, text), text
+    for text in bad:
+        assert not _follows(grammar, text), text
+    strict = {**note, "function": {**note["function"], "strict": True}}
+    auto = _xml_use([WEATHER, strict, {**NOW, "function": {**NOW["function"], "parameters": ARGS}}], "auto")
+    assert auto.grammar is not None
+    assert _follows(auto.grammar, "Let me see. " + block("now", [("anything", "goes")]))
+    assert not _follows(auto.grammar, "Let me see. " + block("note", [("tags", "[]")]))
+
+
+def test_a_strings_constraint_this_layout_cannot_hold_is_a_400_naming_the_tool():
+    pattern = {
+        "type": "function",
+        "function": {
+            "name": "f",
+            "parameters": {"type": "object", "properties": {"id": {"type": "string", "pattern": "^[a-z]+$"}}},
+        },
+    }
+    with pytest.raises(ApiError) as info:
+        _xml_use([NOW, pattern])
+    assert info.value.param == "tools.1.function.parameters" and "`pattern`" in info.value.message
+    assert _xml_use([NOW, pattern], "auto").grammar is None  # not strict, not held: nothing to refuse
+    assert tool_use({"tools": [NOW, pattern], "tool_choice": "required"}, None, (261, 262)) is not None
+
+
+class CoderBytes(CallingBytes):
+    """`CallingBytes` whose template (as a checkpoint's would be read) writes calls in the XML layout."""
+
+    SPECIALS = MappingProxyType(dict(CallingBytes.SPECIALS))
+    template = CODER_TEMPLATE
+    template_knows_tools = True
+
+
+def test_the_served_demo_with_this_layout_makes_a_required_call_read_back_as_tool_calls():
+    """The demo engine served with a tokenizer whose template writes XML calls: a call required of the
+    weather tool (one call at most) comes back, whole and streamed, as one OpenAI ``tool_calls`` entry whose
+    JSON arguments follow the schema (the integer typed as one), and the reply ends with it."""
+    body = {
+        "model": "demo",
+        "messages": [{"role": "user", "content": "Weather?"}],
+        "max_tokens": 200,
+        "temperature": 0,
+        "tools": [WEATHER],
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+    }
+    ((whole, chunks),) = serve_demo(CoderBytes, [body])
+    choice = whole["choices"][0]
+    (call,) = choice["message"]["tool_calls"]
+    args = json.loads(call["function"]["arguments"])
+    assert call["function"]["name"] == "get_weather" and args["city"] in ("Bath", "York")
+    assert isinstance(args["days"], int) and 1 <= args["days"] <= 7
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    _, content, calls, finish = streamed_reply(chunks)
+    assert content == "" and finish == "tool_calls" and [c["function"] for c in calls] == [call["function"]]
