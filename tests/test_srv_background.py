@@ -155,12 +155,11 @@ def test_a_background_reply_deleted_while_it_runs_stops_and_stays_deleted(engine
 
 
 def test_background_errors_name_their_field(engine: Launched, client):
-    """``background`` without ``store``, or not a boolean; a ``conversation``; cancelling a reply made in
+    """``background`` without ``store``, or not a boolean; cancelling a reply made in
     the foreground or one not kept; the events of a foreground reply; a cursor that is not a number."""
     bad = [
         ({"background": True, "store": False}, "store", "`store` cannot be false"),
         ({"background": "yes"}, "background", "must be true or false"),
-        ({"conversation": "conv_1"}, "conversation", "previous_response_id"),
     ]
     for extra, param, words in bad:
         with pytest.raises(openai.BadRequestError) as info:

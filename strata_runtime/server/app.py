@@ -25,7 +25,7 @@ from aiohttp import web
 from strata_cfg.schema.plan import LaunchPlan
 
 from ..api import EngineCore, TokenLogprob, token_name
-from . import anthropic, messages_api, responses, responses_api
+from . import anthropic, conversations, conversations_api, messages_api, responses, responses_api
 from . import protocol as p
 from .chat_request import chat_prompt, check_grammar, prepare_chat
 from .connection import AccessLog, JsonErrorRunner
@@ -93,6 +93,8 @@ class Server:
         """The port bound, once listening (``options.port`` may be 0: any free port)."""
         self.kept = responses.Store()
         """Replies of the Responses API kept for ``previous_response_id`` (`responses_api`)."""
+        self.conversations = conversations.Conversations()
+        """Conversations kept for the Conversations API and the Responses API's ``conversation``."""
 
     # ---- application ---------------------------------------------------------------------------------------
 
@@ -123,6 +125,24 @@ class Server:
                 web.get("/v1/responses/{response_id}", partial(responses_api.stored, self)),
                 web.delete("/v1/responses/{response_id}", partial(responses_api.drop, self)),
                 web.post("/v1/responses/{response_id}/cancel", partial(responses_api.cancel, self)),
+                web.post("/v1/conversations", partial(conversations_api.create, self)),
+                web.get("/v1/conversations/{conversation_id}", partial(conversations_api.get, self)),
+                web.post("/v1/conversations/{conversation_id}", partial(conversations_api.update, self)),
+                web.delete("/v1/conversations/{conversation_id}", partial(conversations_api.delete, self)),
+                web.get(
+                    "/v1/conversations/{conversation_id}/items", partial(conversations_api.list_items, self)
+                ),
+                web.post(
+                    "/v1/conversations/{conversation_id}/items", partial(conversations_api.add_items, self)
+                ),
+                web.get(
+                    "/v1/conversations/{conversation_id}/items/{item_id}",
+                    partial(conversations_api.get_item, self),
+                ),
+                web.delete(
+                    "/v1/conversations/{conversation_id}/items/{item_id}",
+                    partial(conversations_api.delete_item, self),
+                ),
                 web.post("/tokenize", self.tokenize),
                 web.post("/detokenize", self.detokenize),
                 web.get("/tokenizer_info", self.tokenizer_info),

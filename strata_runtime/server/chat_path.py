@@ -12,6 +12,7 @@ from . import protocol as p
 
 if TYPE_CHECKING:
     from ..api import TokenLogprob
+    from .conversations import Conversations
     from .engine_loop import Stream
     from .replies import Piece, Whole
     from .responses import Store
@@ -33,6 +34,11 @@ class ChatPath(Protocol):
     @property
     def kept(self) -> Store:
         """Replies of the Responses API kept for ``previous_response_id``."""
+        ...
+
+    @property
+    def conversations(self) -> Conversations:
+        """Conversations kept for the Responses API's ``conversation`` (`conversations`)."""
         ...
 
     async def read_json(self, request: web.Request) -> Any: ...

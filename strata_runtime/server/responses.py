@@ -15,8 +15,10 @@ becomes ``max_tokens``; ``include: ["message.output_text.logprobs"]`` and ``top_
 
 Replies are kept (``store``, the default) for a later request's ``previous_response_id``, which goes on
 from the conversation they end, and for ``GET /v1/responses/{id}`` (``DELETE`` lets one go): in memory,
-at most `KEPT`, the least recently used let go first. Images, files, built-in tools and background runs
-are refused by name.
+at most `KEPT`, the least recently used let go first. A reply on a kept conversation (``conversation``,
+`conversations`) reads its items first and adds its input and output to it. A background reply
+(``background``) runs on after its request is answered (`responses_api`, `background`). Images, files and
+built-in tools are refused by name.
 """
 
 from __future__ import annotations
@@ -25,13 +27,16 @@ import copy
 import json
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Any, get_args
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, get_args
 
 from ..chat import ToolCall
 from . import protocol as p
 from .background import Run
 from .errors import ApiError
+
+if TYPE_CHECKING:
+    from .conversations import Conversation, Conversations
 
 KEPT = 256
 """Stored replies kept for ``previous_response_id``, the least recently used let go first."""
@@ -131,24 +136,28 @@ class Asked:
     echo: dict[str, Any]
     store: bool
     background: bool = False
+    conversation: str | None = None
+    """The conversation the reply goes on (``conversation``): its input and output items are added to it
+    when the reply ends well."""
+    items: list[dict[str, Any]] = field(default_factory=list)
+    """The request's input as items a conversation keeps (`stored_items`), where it goes on one."""
 
 
-def to_chat(raw: Any, store: Store) -> Asked:
+def to_chat(raw: Any, store: Store, conversations: Conversations | None = None) -> Asked:
     """A Responses body as the chat body it asks for, checked, with 400s naming the Responses field at
-    fault; ``previous_response_id`` is looked up in ``store``."""
+    fault; ``previous_response_id`` is looked up in ``store``, ``conversation`` in ``conversations``."""
     if not isinstance(raw, dict):
         raise ApiError(400, "the request body must be a JSON object")
     model = raw.get("model")
     if not isinstance(model, str) or not model:
         raise ApiError(400, "`model` is required: the served model's name", "model")
-    if raw.get("conversation") is not None:
-        raise ApiError(
-            400,
-            "`conversation`: conversations kept by the server are not supported by this server; carry one "
-            "on with `previous_response_id`",
-            "conversation",
-        )
-    history = _previous(raw.get("previous_response_id"), store) + _input(raw.get("input"))
+    history = _previous(raw.get("previous_response_id"), store)
+    fresh = read_input(raw.get("input"))
+    conversation, items = _conversation(raw, conversations), []
+    if conversation is not None:
+        history += read_input(copy.deepcopy(conversation.items)) if conversation.items else []
+        items = stored_items(raw["input"], "input")
+    history += fresh
     instructions = raw.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise ApiError(400, "`instructions` must be a string: the system message", "instructions")
@@ -186,7 +195,28 @@ def to_chat(raw: Any, store: Store) -> Asked:
             "`background`: a background reply is kept to be followed, so `store` cannot be false",
             "store",
         )
-    return Asked(body, history, _echo(raw), keep, background)
+    conversation_id = conversation.id if conversation is not None else None
+    return Asked(body, history, _echo(raw), keep, background, conversation_id, items)
+
+
+def _conversation(raw: dict[str, Any], conversations: Conversations | None) -> Conversation | None:
+    """The conversation ``conversation`` names (its id, or ``{"id": ...}``): a 404 naming it where the
+    server keeps none such, a 400 beside ``previous_response_id`` (one way to carry a conversation on)."""
+    value = raw.get("conversation")
+    if value is None:
+        return None
+    conversation_id = value.get("id") if isinstance(value, dict) else value
+    if not isinstance(conversation_id, str):
+        raise ApiError(400, '`conversation` must be a conversation\'s id, or {"id": ...}', "conversation")
+    if raw.get("previous_response_id") is not None:
+        raise ApiError(
+            400,
+            "`conversation` cannot be given with `previous_response_id`: each carries a conversation on",
+            "conversation",
+        )
+    if conversations is None:
+        raise ApiError(400, "`conversation`: this server keeps no conversations", "conversation")
+    return conversations.get(conversation_id, "conversation")
 
 
 def _previous(value: Any, store: Store) -> list[dict[str, Any]]:
@@ -212,7 +242,7 @@ def _previous(value: Any, store: Store) -> list[dict[str, Any]]:
     return copy.deepcopy(found.messages)
 
 
-def _input(value: Any) -> list[dict[str, Any]]:
+def read_input(value: Any) -> list[dict[str, Any]]:
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
@@ -276,6 +306,45 @@ def _input(value: Any) -> list[dict[str, Any]]:
                 f"{where}.type",
             )
     return out
+
+
+def stored_items(value: Any, where: str) -> list[dict[str, Any]]:
+    """Input items (as the Responses API's ``input`` takes them; a string is a user message) checked, with
+    400s naming ``where`` and the item at fault, and written as a conversation keeps them: each with an
+    ``id`` (its own where it has one) and a message's text as parts."""
+    items = [{"type": "message", "role": "user", "content": value}] if isinstance(value, str) else value
+    try:
+        read_input(items)
+    except ApiError as exc:
+        param = exc.param or "input"
+        named = where + param[len("input") :]
+        raise ApiError(exc.status, exc.message.replace(f"`{param}`", f"`{named}`"), named) from None
+    return [_stored(item) for item in items]
+
+
+def _stored(item: dict[str, Any]) -> dict[str, Any]:
+    kind = item.get("type", "message" if "role" in item else None)
+    if kind == "message":
+        role, content = item["role"], item.get("content")
+        if isinstance(content, str):
+            part = "output_text" if role == "assistant" else "input_text"
+            content = [
+                {"type": part, "text": content, **({"annotations": []} if role == "assistant" else {})}
+            ]
+        return {
+            "type": "message",
+            "id": item.get("id") or new_id("msg"),
+            "status": "completed",
+            "role": role,
+            "content": copy.deepcopy(content),
+        }
+    prefix = {"function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}[str(kind)]
+    stored = copy.deepcopy(item)
+    stored["type"] = kind
+    stored["id"] = item.get("id") or new_id(prefix)
+    if kind != "reasoning":
+        stored.setdefault("status", "completed")
+    return stored
 
 
 def _text_of(content: Any, where: str, field: str = "content") -> str:
@@ -385,6 +454,7 @@ def _echo(raw: dict[str, Any]) -> dict[str, Any]:
         "metadata": raw.get("metadata") or {},
         "parallel_tool_calls": raw.get("parallel_tool_calls", True),
         "background": raw.get("background", False),
+        "conversation": _conversation_echo(raw.get("conversation")),
         "previous_response_id": raw.get("previous_response_id"),
         "reasoning": {"effort": effort.get("effort"), "summary": None},
         "store": raw.get("store", True),
@@ -395,6 +465,12 @@ def _echo(raw: dict[str, Any]) -> dict[str, Any]:
         "top_p": raw.get("top_p", 1.0),
         "truncation": "disabled",
     }
+
+
+def _conversation_echo(value: Any) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    return {"id": value.get("id") if isinstance(value, dict) else value}
 
 
 def field_of(param: str | None) -> str | None:

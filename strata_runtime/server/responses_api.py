@@ -7,6 +7,7 @@ followed by its id; ``GET /v1/responses/{id}`` (a kept reply, or a background re
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -45,7 +46,7 @@ async def create(server: ChatPath, request: web.Request) -> web.StreamResponse:
     """``POST /v1/responses``: the body read as a chat (`responses.to_chat`), served by the chat path, and
     answered as the Responses API's output items; the reply kept for a later ``previous_response_id``. With
     ``background``, the request is answered at once and the reply runs on (`_background`)."""
-    asked = responses.to_chat(await server.read_json(request), server.kept)
+    asked = responses.to_chat(await server.read_json(request), server.kept, server.conversations)
     _, prepared = await server.prepare_chat(asked.chat)
     reply = Reply(responses.new_id("resp"), int(time.time()), asked, prepared)
     stream = server.submit(prepared)
@@ -310,7 +311,11 @@ def _keep(
 ) -> None:
     """Keep an ended reply where the request asked (``store``): its response object, and the conversation it
     ends where it ended well (``parts``, its reply), for a later ``previous_response_id``. A background
-    reply deleted while it ran stays deleted."""
+    reply deleted while it ran stays deleted. A reply on a kept conversation (``conversation``) that ended
+    well adds its input and output items to it."""
+    if parts is not None and reply.asked.conversation is not None:
+        added = reply.asked.items + copy.deepcopy(body["output"])
+        server.conversations.add(reply.asked.conversation, added)
     if not reply.asked.store:
         return
     messages = None if parts is None else [*reply.asked.history, responses.reply_message(parts)]
