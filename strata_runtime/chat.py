@@ -19,10 +19,11 @@ Models that reason first (Qwen3) open their reply with a ``<think>`` block; `spl
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
@@ -92,13 +93,17 @@ def has_tool_parts(messages: Sequence[Mapping[str, Any]]) -> bool:
     return any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
 
 
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 @dataclass(frozen=True)
 class ToolCall:
     """One call a reply made: the tool's name and its arguments as JSON text."""
 
     name: str
     arguments: str
-    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+    id: str = field(default_factory=lambda: new_call_id())
 
     def openai(self, index: int | None = None) -> dict[str, Any]:
         """The call as OpenAI's ``tool_calls`` item (with ``index``, as a streamed delta carries it)."""
@@ -129,10 +134,107 @@ CallReader = Callable[[str], "ToolCall | None"]
 """What reads a ``<tool_call>`` block's inner text into a call (None where it holds none)."""
 
 
-def split_reply(text: str, read: CallReader = read_call) -> tuple[str | None, list[ToolCall]]:
+class ArgumentStream(Protocol):
+    """A call's arguments as JSON text, written as the call's text arrives: `feed` gives what each stretch
+    adds, `close` what is left when the call ends (the arguments are what the two gave, joined)."""
+
+    def feed(self, text: str) -> str: ...
+
+    def close(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class CallFormat:
+    """How a model writes its calls: ``read``, a whole block's text read into a call; ``head``, where a
+    block's text so far shows that it is a call (the function's name, and how much of the text names it),
+    None where it does not (yet); ``arguments``, the stream of a call's arguments after its head, given
+    the function's name."""
+
+    read: CallReader
+    head: Callable[[str], tuple[str, int] | None]
+    arguments: Callable[[str], ArgumentStream]
+
+
+_HERMES_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\{)')
+
+
+def _hermes_head(text: str) -> tuple[str, int] | None:
+    """A Hermes call's head: ``{"name": "NAME", "arguments": `` with its object's first brace come."""
+    found = _HERMES_HEAD.match(text)
+    if found is None:
+        return None
+    try:
+        name = json.loads(f'"{found.group(1)}"')
+    except json.JSONDecodeError:
+        return None
+    return (name, found.end()) if name else None
+
+
+class JsonValue:
+    """A JSON value's text as it arrives, up to the end of the value (what follows it, such as the call
+    object's closing brace, is not the value's): strings, escapes and nesting followed, nothing parsed."""
+
+    def __init__(self) -> None:
+        self._depth = 0
+        self._in_string = False
+        self._escaped = False
+        self._done = False
+
+    def feed(self, text: str) -> str:
+        if self._done:
+            return ""
+        for i, ch in enumerate(text):
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif ch == "\\":
+                    self._escaped = True
+                elif ch == '"':
+                    self._in_string = False
+            elif ch == '"':
+                self._in_string = True
+            elif ch in "{[":
+                self._depth += 1
+            elif ch in "}]":
+                self._depth -= 1
+                if self._depth <= 0:
+                    self._done = True
+                    return text[: i + 1]
+        return text
+
+    def close(self) -> str:
+        return ""
+
+
+HERMES = CallFormat(read_call, _hermes_head, lambda name: JsonValue())
+"""Qwen's Hermes layout: a call is JSON, ``{"name": ..., "arguments": {...}}``."""
+
+
+@dataclass(frozen=True)
+class CallStart:
+    """A call whose head has been read (`CallFormat.head`), before its arguments: a streamed reply says it
+    as it comes (`CallSplitter`'s ``progress``); the call's `ToolCall` has the same ``id``."""
+
+    id: str
+    name: str
+
+
+@dataclass(frozen=True)
+class CallArguments:
+    """The next stretch of the open call's arguments (JSON text)."""
+
+    text: str
+
+
+Said = str | ToolCall | CallStart | CallArguments
+"""What a `CallSplitter` gives: text outside calls, a call's start and its arguments as they come (with
+``progress``), and each call whole when it ends."""
+
+
+def split_reply(text: str, form: CallFormat = HERMES) -> tuple[str | None, list[ToolCall]]:
     """A whole reply's text outside its calls (None where nothing is left) and its calls, in order, as
     `CallSplitter` reads it."""
-    splitter = CallSplitter(read)
+    splitter = CallSplitter(form)
     pieces = splitter.feed(text) + splitter.close()
     words = "".join(p for p in pieces if isinstance(p, str))
     return (words or None), [p for p in pieces if isinstance(p, ToolCall)]
@@ -143,15 +245,22 @@ class CallSplitter:
 
     `feed` gives what can be said so far. It holds back a tail that may be the start of ``<tool_call>``, a
     call not yet closed, and blanks that may turn out to stand next to a call: the layout's line breaks
-    around calls, and blanks at the reply's start and end, are not text. `close` gives what is left when
-    the reply ends: a block that was never closed is text, as written. A block that does not hold a call
-    (``read``: `read_call` in the Hermes layout) is text too.
+    around calls, and blanks at the reply's start and end, are not text. A block whose text begins as a
+    call does (``form``'s ``head``: Hermes' ``{"name": "NAME", "arguments": {``) is a call from there on:
+    its arguments are what the model writes (`CallFormat.arguments`), and with ``progress`` the splitter
+    gives its `CallStart` at once and its arguments as they come (`CallArguments`), then the `ToolCall`
+    when it ends, even where the reply ends first (cut by its token limit). Another block is read whole
+    when it closes (``form``'s ``read``): it is text where it holds no call, as is a block that was never
+    closed.
     """
 
-    def __init__(self, read: CallReader = read_call) -> None:
-        self._read = read
+    def __init__(self, form: CallFormat = HERMES, progress: bool = False) -> None:
+        self._form = form
+        self._progress = progress
         self._held = ""
         self._in_call = False
+        self._call: tuple[str, str, ArgumentStream, list[str]] | None = None
+        """The call being read since its head: its id, its name, its arguments' stream and what it gave."""
         self._blanks = ""
         """Blanks after the text given so far, said only if more text follows."""
         self._after_call = True
@@ -161,24 +270,34 @@ class CallSplitter:
         self.calls = 0
         """Calls read so far."""
 
-    def feed(self, text: str) -> list[str | ToolCall]:
+    def feed(self, text: str) -> list[Said]:
         self._held += text
-        out: list[str | ToolCall] = []
+        out: list[Said] = []
         while True:
             if self._in_call:
                 end = self._held.find(CALL_CLOSE)
-                if end < 0:
-                    return out
-                cut = end + len(CALL_CLOSE)
-                block, self._held, self._in_call = self._held[:cut], self._held[cut:], False
-                call = self._read(block[len(CALL_OPEN) : end].strip())
-                if call is None:
-                    self._blanks = self._before
-                    self._say(block, out)
+                if self._call is None and not self._begin(end, out):
+                    if end < 0:
+                        return out
+                    cut = end + len(CALL_CLOSE)
+                    block, self._held, self._in_call = self._held[:cut], self._held[cut:], False
+                    call = self._form.read(block[len(CALL_OPEN) : end].strip())
+                    if call is None:
+                        self._blanks = self._before
+                        self._say(block, out)
+                        continue
+                    self._end(call, out)
                     continue
-                self.calls += 1
-                self._blanks, self._after_call = "", True
-                out.append(call)
+                if self._call is not None:
+                    end = self._held.find(CALL_CLOSE)
+                    if end < 0:
+                        cut = len(self._held) - _partial_tail(self._held, CALL_CLOSE)
+                        self._arguments(self._held[:cut], out)
+                        self._held = self._held[cut:]
+                        return out
+                    self._arguments(self._held[:end], out)
+                    self._held, self._in_call = self._held[end + len(CALL_CLOSE) :], False
+                    self._finish(out)
                 continue
             start = self._held.find(CALL_OPEN)
             if start < 0:
@@ -190,15 +309,55 @@ class CallSplitter:
             self._before, self._blanks = self._blanks, ""  # blanks before a call are the layout's
             self._held, self._in_call = self._held[start:], True
 
-    def close(self) -> list[str | ToolCall]:
-        out: list[str | ToolCall] = []
+    def close(self) -> list[Said]:
+        out: list[Said] = []
+        if self._call is not None:  # a call cut short: a call, its arguments as far as they came
+            self._arguments(self._held, out)
+            self._held, self._in_call = "", False
+            self._finish(out)
         if self._in_call:  # a block never closed: text, with the blanks before it
             self._blanks = self._before
         self._say(self._held, out)
         self._held, self._in_call, self._blanks = "", False, ""
         return out
 
-    def _say(self, text: str, out: list[str | ToolCall]) -> None:
+    def _begin(self, end: int, out: list[Said]) -> bool:
+        """Whether the open block's text so far (up to its close, where it has come) begins as a call;
+        if so the call is open, its head taken off the held text."""
+        inner = self._held[len(CALL_OPEN) : end if end >= 0 else len(self._held)]
+        head = self._form.head(inner)
+        if head is None:
+            return False
+        name, used = head
+        call_id = new_call_id()
+        self._call = (call_id, name, self._form.arguments(name), [])
+        self._held = self._held[len(CALL_OPEN) + used :]
+        if self._progress:
+            out.append(CallStart(call_id, name))
+        return True
+
+    def _arguments(self, text: str, out: list[Said], last: bool = False) -> None:
+        assert self._call is not None
+        stream, said = self._call[2], self._call[3]
+        more = stream.feed(text) + (stream.close() if last else "")
+        if more:
+            said.append(more)
+            if self._progress:
+                out.append(CallArguments(more))
+
+    def _finish(self, out: list[Said]) -> None:
+        assert self._call is not None
+        self._arguments("", out, last=True)
+        call_id, name, _, said = self._call
+        self._call = None
+        self._end(ToolCall(name, "".join(said), call_id), out)
+
+    def _end(self, call: ToolCall, out: list[Said]) -> None:
+        self.calls += 1
+        self._blanks, self._after_call = "", True
+        out.append(call)
+
+    def _say(self, text: str, out: list[Said]) -> None:
         """Add ``text`` (outside calls) to ``out``, with the blanks held before it, holding its own trailing
         blanks."""
         if not text:

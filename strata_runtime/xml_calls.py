@@ -16,8 +16,10 @@ or a list as JSON), and ``</function>``::
     </function>
     </tool_call>
 
-A checkpoint whose chat template writes calls this way (`layout_of`) is read and held in it: `read_call`
-reads a block's text back into a call, its values typed by the tool's ``parameters`` schema; `for_template`
+A checkpoint whose chat template writes calls this way (`layout_of`) is read and held in it: `call_format`
+reads a reply's calls, each from its ``<function=NAME>`` tag on, its parameters written as the JSON
+arguments OpenAI's API carries as they come (`Arguments`), each value typed by the tool's ``parameters``
+schema; `read_call` reads a whole block's text the same way; `for_template`
 gives the template the calls of earlier turns with their arguments as mappings, as it writes them one by
 one; `function_rule` is the grammar of one call's body, for calls the server holds to their schemas.
 """
@@ -30,7 +32,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from .chat import ToolCall
+from .chat import CallFormat, ToolCall
 
 Layout = Literal["hermes", "xml"]
 """How a model writes its tool calls: JSON in ``<tool_call>`` blocks (Qwen3's "Hermes" layout), or XML tags
@@ -58,6 +60,142 @@ def call_layout(tokenizer: Any) -> Layout:
     if not getattr(tokenizer, "template_knows_tools", False):
         return "hermes"
     return layout_of(getattr(tokenizer, "template", None))
+
+
+def call_format(tools: Sequence[Mapping[str, Any]]) -> CallFormat:
+    """This layout as `chat.CallSplitter` reads it: a block is a call from its ``<function=NAME>`` tag on,
+    its arguments written as JSON as its parameters come (`Arguments`), typed by ``tools``' schemas."""
+    return CallFormat(
+        lambda inner: read_call(inner, tools),
+        _head,
+        lambda name: Arguments(_properties(name, tools)),
+    )
+
+
+_HEAD = re.compile(r"\s*<function=([^>\n]+)>")
+
+
+def _head(text: str) -> tuple[str, int] | None:
+    found = _HEAD.match(text)
+    if found is None or not found.group(1).strip():
+        return None
+    return found.group(1).strip(), found.end()
+
+
+class Arguments:
+    """A call's parameters, as they come, written as its arguments' JSON object (``{"KEY": VALUE, ...}``,
+    laid out as ``json.dumps`` lays it out): a string value's text as it comes (but for a line break and a
+    tail that may begin ``</parameter>``, held until known), any other value once its tag closes, typed
+    by its schema (`_value`). Text outside the tags is not the call's; ``</function>`` ends it."""
+
+    def __init__(self, properties: Mapping[str, Any]) -> None:
+        self._properties = properties
+        self._held = ""
+        self._count = 0
+        self._key: str | None = None
+        """The open parameter's name."""
+        self._string = False
+        """Whether its value is written as it comes (a string)."""
+        self._started = False
+        """Whether its value's first character has come (a line break there is the layout's)."""
+        self._ended = False
+
+    def feed(self, text: str) -> str:
+        self._held += text
+        out: list[str] = []
+        while not self._ended:
+            if self._key is not None:
+                if not self._value(out):
+                    break
+                continue
+            self._held = self._held.lstrip()
+            if self._held.startswith(FUNCTION_CLOSE):
+                self._ended = True
+                break
+            if not self._held.startswith(PARAMETER_OPEN):
+                cut = min(_next_tag(self._held), len(self._held))
+                if cut == len(self._held) and _could_begin(self._held):
+                    break
+                self._held = self._held[max(cut, 1) :] if self._held else ""
+                if not self._held:
+                    break
+                continue
+            close = self._held.find(">")
+            if close < 0:
+                break
+            self._key = self._held[len(PARAMETER_OPEN) : close].strip()
+            self._held, self._started = self._held[close + 1 :], False
+            self._string = _types(self._properties.get(self._key)) in (set(), {"string"})
+            out.append(("{" if self._count == 0 else ", ") + json.dumps(self._key, ensure_ascii=False) + ": ")
+            out.append('"' if self._string else "")
+            self._count += 1
+        return "".join(out)
+
+    def _value(self, out: list[str]) -> bool:
+        """Write what can be of the open parameter's value; whether it closed."""
+        if not self._started:
+            if not self._held:
+                return False
+            self._started = True
+            if self._held.startswith("\n"):
+                self._held = self._held[1:]
+        end = self._held.find(PARAMETER_CLOSE)
+        if end < 0:
+            if self._string:
+                tails = (
+                    _partial_tail(self._held, "\n" + PARAMETER_CLOSE),
+                    _partial_tail(self._held, PARAMETER_CLOSE),
+                )
+                keep = max(*tails, 1 if self._held.endswith("\n") else 0)
+                said, self._held = self._held[: len(self._held) - keep], self._held[len(self._held) - keep :]
+                out.append(_escaped(said))
+            return False
+        raw, self._held = self._held[:end], self._held[end + len(PARAMETER_CLOSE) :]
+        raw = raw[:-1] if raw.endswith("\n") else raw
+        self._close_value(raw, out)
+        return True
+
+    def _close_value(self, raw: str, out: list[str]) -> None:
+        if self._string:
+            out.append(_escaped(raw) + '"')
+        else:
+            out.append(json.dumps(_value(raw, self._properties.get(self._key or "")), ensure_ascii=False))
+        self._key = None
+
+    def close(self) -> str:
+        out: list[str] = []
+        if self._key is not None:  # a parameter never closed: its value as far as it came
+            raw = self._held[1:] if not self._started and self._held.startswith("\n") else self._held
+            self._close_value(raw, out)
+        self._held, self._ended = "", True
+        return "".join(out) + ("}" if self._count else "{}")
+
+
+PARAMETER_OPEN = "<parameter="
+FUNCTION_CLOSE = "</function>"
+
+
+def _escaped(text: str) -> str:
+    """A stretch of a JSON string's text, escaped as ``json.dumps`` escapes it."""
+    return json.dumps(text, ensure_ascii=False)[1:-1]
+
+
+def _next_tag(text: str) -> int:
+    """Where the next ``<`` after the first character is (the length of ``text`` where none is)."""
+    at = text.find("<", 1)
+    return at if at >= 0 else len(text)
+
+
+def _could_begin(text: str) -> bool:
+    """Whether ``text`` may yet turn out to begin a parameter's tag or ``</function>``."""
+    return PARAMETER_OPEN.startswith(text) or FUNCTION_CLOSE.startswith(text)
+
+
+def _partial_tail(text: str, tag: str) -> int:
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
 
 
 def read_call(inner: str, tools: Sequence[Mapping[str, Any]] = ()) -> ToolCall | None:

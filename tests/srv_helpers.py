@@ -213,7 +213,8 @@ def serve_demo(
 
 
 def streamed_reply(chunks: list[dict]) -> tuple[str, str, list[dict], str | None]:
-    """A streamed chat reply's reasoning, content, calls and finish reason, gathered from its chunks."""
+    """A streamed chat reply's reasoning, content, calls and finish reason, gathered from its chunks as
+    OpenAI's client gathers them: a call's deltas by its ``index``, its arguments joined."""
     reasoning = content = ""
     calls: list[dict] = []
     finish = None
@@ -222,6 +223,11 @@ def streamed_reply(chunks: list[dict]) -> tuple[str, str, list[dict], str | None
             delta = choice["delta"]
             reasoning += delta.get("reasoning_content") or ""
             content += delta.get("content") or ""
-            calls += delta.get("tool_calls") or []
+            for part in delta.get("tool_calls") or []:
+                if part["index"] == len(calls):
+                    calls.append({**part, "function": dict(part["function"])})
+                else:
+                    assert part["index"] == len(calls) - 1 and set(part) == {"index", "function"}, part
+                    calls[-1]["function"]["arguments"] += part["function"]["arguments"]
             finish = choice["finish_reason"] or finish
     return reasoning, content, calls, finish

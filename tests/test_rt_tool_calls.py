@@ -13,7 +13,9 @@ import pytest
 from strata_runtime.chat import (
     CALL_CLOSE,
     CALL_OPEN,
+    CallArguments,
     CallSplitter,
+    CallStart,
     ChatTemplateError,
     ToolCall,
     call_text,
@@ -115,6 +117,41 @@ def test_blocks_that_are_not_calls_and_unclosed_blocks_stay_text():
     assert split_reply(cut) == (cut, [])
     words, calls = split_reply(f'{CALL_OPEN}\n{{"name": "now"}}\n{CALL_CLOSE}')
     assert words is None and calls[0].arguments == "{}"  # no arguments: an empty object
+
+
+def test_a_call_is_said_as_it_comes_and_a_call_cut_short_is_a_call():
+    """With ``progress``, a call is begun once its head (``{"name": ..., "arguments": {``) has come, and its
+    arguments come in stretches that join into the call's arguments (as written: strings, escapes and
+    nesting followed, the call object's own closing brace left out), fed in any seeded pieces; a reply cut
+    inside a call's arguments ends with that call, its arguments as far as they came; a block whose head
+    never reads as a call is read whole when it closes, as before."""
+    g = np.random.default_rng(11)
+    args = '{"a": "x}\\" {y", "b": [1, {"c": [2]}], "d": "中文"}'
+    text = f'Checking.\n{CALL_OPEN}\n{{"name": "get_weather", "arguments": {args}}}\n{CALL_CLOSE}\nDone.'
+    for _ in range(20):
+        splitter, fed, at = CallSplitter(progress=True), [], 0
+        while at < len(text):
+            n = int(g.integers(1, 6))
+            fed += splitter.feed(text[at : at + n])
+            at += n
+        fed += splitter.close()
+        (start,) = [x for x in fed if isinstance(x, CallStart)]
+        (call,) = [x for x in fed if isinstance(x, ToolCall)]
+        stretches = [x.text for x in fed if isinstance(x, CallArguments)]
+        assert (start.id, start.name) == (call.id, call.name) and "".join(stretches) == call.arguments == args
+        assert [x for x in fed if isinstance(x, str)] and "".join(x for x in fed if isinstance(x, str)) == (
+            "Checking.Done."
+        )
+        assert fed.index(start) < fed.index(call) and len(stretches) > 1
+    assert split_reply(text)[1][0].arguments == args
+    cut = text[: text.index('"b"')]
+    words, (partial,) = split_reply(cut)
+    assert words == "Checking." and partial.arguments == '{"a": "x}\\" {y", '
+    swapped = f'{CALL_OPEN}\n{{"arguments": {{}}, "name": "now"}}\n{CALL_CLOSE}'
+    splitter = CallSplitter(progress=True)
+    assert splitter.feed(swapped[:-3]) == []  # no head: read when it closes
+    (late,) = splitter.feed(swapped[-3:])
+    assert isinstance(late, ToolCall) and late.name == "now"
 
 
 def test_a_call_reads_as_openai_writes_it():

@@ -16,10 +16,18 @@ from srv_helpers import serve_demo, streamed_reply
 from test_rt_tool_calls import _TextTokenizer
 from test_srv_strict_tools import ARGS, NOW, WEATHER, CallingBytes, _follows
 
-from strata_runtime.chat import CALL_CLOSE, CALL_OPEN, CallSplitter, split_reply
+from strata_runtime.chat import (
+    CALL_CLOSE,
+    CALL_OPEN,
+    CallArguments,
+    CallSplitter,
+    CallStart,
+    ToolCall,
+    split_reply,
+)
 from strata_runtime.server.errors import ApiError
 from strata_runtime.server.tools import tool_use
-from strata_runtime.xml_calls import call_layout, layout_of, read_call
+from strata_runtime.xml_calls import call_format, call_layout, layout_of, read_call
 
 CODER_TEMPLATE = (Path(__file__).parent / "templates" / "qwen3_coder.jinja").read_text()
 """The chat template published with Qwen3-Coder's checkpoints."""
@@ -95,34 +103,40 @@ def test_a_call_blocks_values_are_typed_by_the_tools_schema():
 
 
 def test_a_reply_in_this_layout_splits_the_same_whole_and_in_any_pieces():
-    """Text, then calls: the splitter given this layout's reader finds the same calls and text whether the
-    reply comes whole or in seeded random pieces; Hermes' reader finds no calls in it."""
+    """Text, then calls: the splitter reading this layout finds the same calls and text whether the reply
+    comes whole or in seeded random pieces; in pieces, with ``progress``, each call is said as it begins
+    and its arguments as they come, and they join into the call's arguments (a string's text, line breaks
+    and a tail that looks like the closing tag included); Hermes' splitter finds no calls in it."""
     g = np.random.default_rng(7)
-    tools = [SEARCH, WEATHER]
-
-    def read(inner: str):
-        return read_call(inner, tools)
-
+    form = call_format([SEARCH, WEATHER])
     for _ in range(20):
+        query = f'q{int(g.integers(0, 99))} </para\n<b>x</b> \\ "quoted"\n'
         calls = [
-            (
-                "search",
-                [("query", f"q{int(g.integers(0, 99))} </para"), ("limit", str(int(g.integers(1, 9))))],
-            ),
+            ("search", [("query", query), ("limit", str(int(g.integers(1, 9)))), ("exact", "false")]),
             ("get_weather", [("city", "Bath"), ("days", "3")]),
         ][: int(g.integers(1, 3))]
         text = "Let me look.\n" + "\n".join(_block(n, p) for n, p in calls) + "\n"
-        words, whole = split_reply(text, read)
+        words, whole = split_reply(text, form)
         assert words == "Let me look." and [c.name for c in whole] == [n for n, _ in calls]
-        splitter, fed, at = CallSplitter(read), [], 0
+        assert json.loads(whole[0].arguments)["query"] == query  # its closing line break is the layout's
+        splitter, fed, at = CallSplitter(form, progress=True), [], 0
         while at < len(text):
             n = int(g.integers(1, 9))
             fed += splitter.feed(text[at : at + n])
             at += n
         fed += splitter.close()
-        got = [(c.name, c.arguments) for c in fed if not isinstance(c, str)]
+        got = [(c.name, c.arguments) for c in fed if isinstance(c, ToolCall)]
         assert got == [(c.name, c.arguments) for c in whole]
         assert "".join(c for c in fed if isinstance(c, str)) == words
+        said, starts = [], [c for c in fed if isinstance(c, CallStart)]
+        for part in fed:
+            if isinstance(part, CallStart):
+                said.append("")
+            elif isinstance(part, CallArguments):
+                said[-1] += part.text
+        assert said == [c.arguments for c in whole] and [s.name for s in starts] == [c.name for c in whole]
+        assert [s.id for s in starts] == [c.id for c in fed if isinstance(c, ToolCall)]
+        assert sum(isinstance(c, CallArguments) for c in fed) > len(whole)  # more than one stretch each
         assert split_reply(text)[1] == []
 
 
@@ -256,3 +270,7 @@ def test_the_served_demo_with_this_layout_makes_a_required_call_read_back_as_too
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
     _, content, calls, finish = streamed_reply(chunks)
     assert content == "" and finish == "tool_calls" and [c["function"] for c in calls] == [call["function"]]
+    said = [
+        c for chunk in chunks for choice in chunk["choices"] for c in choice["delta"].get("tool_calls") or []
+    ]
+    assert len(said) > 2 and said[0]["function"]["name"] == "get_weather"  # begun, then as it came

@@ -373,9 +373,11 @@ def test_a_required_tool_call_comes_back_as_a_tool_use_block_whole_and_streamed(
         assert call.name == "get_weather" and set(call.input) == {"city"} and len(call.input["city"]) <= 8
         assert call.id.startswith("toolu_")
     with client.messages.stream(**ask, extra_body={"temperature": 0}) as stream:
+        partial = [e.partial_json for e in stream if e.type == "input_json"]
         final = stream.get_final_message()
     greedy = client.messages.create(**ask, extra_body={"temperature": 0})
     assert [(b.name, b.input) for b in final.content] == [(b.name, b.input) for b in greedy.content]
+    assert len(partial) > 1 and json.loads("".join(partial)) == greedy.content[0].input  # as it came
     assert final.stop_reason == "tool_use"
     history = [
         {"role": "user", "content": question},

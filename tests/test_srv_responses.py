@@ -389,8 +389,10 @@ def test_a_required_call_comes_back_as_a_function_call_item_whole_and_streamed(e
     args = json.loads(call.arguments)
     assert set(args) == {"city"} and len(args["city"]) <= 8 and call.call_id.startswith("call_")
     with client.responses.stream(**ask) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.function_call_arguments.delta"]
         final = stream.get_final_response()
     assert [(i.name, i.arguments) for i in final.output] == [(call.name, call.arguments)]
+    assert len(deltas) > 1 and "".join(deltas) == call.arguments  # the arguments as they came
     follow = dict(model="demo", max_output_tokens=8, temperature=0, tools=[WEATHER])
     answer = {"type": "function_call_output", "call_id": call.call_id, "output": "rain"}
     made = {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments}

@@ -148,6 +148,12 @@ def test_a_strict_tool_called_by_choice_gets_arguments_that_follow_its_schema():
     assert call["function"]["name"] == "get_weather" and args["city"] in ("Bath", "York")
     assert set(args) == {"city", "days"} and 1 <= args["days"] <= 7
     assert [c["function"] for c in calls] == [call["function"]]
+    said = [
+        c for chunk in chunks for choice in chunk["choices"] for c in choice["delta"].get("tool_calls") or []
+    ]
+    assert (
+        len(said) > 2 and said[0]["id"] == calls[0]["id"]
+    )  # the call begun, then its arguments as they came
     other = free[0]["choices"][0]["message"]
     assert (other["content"], other.get("tool_calls")) != (None, choice["message"]["tool_calls"])
 

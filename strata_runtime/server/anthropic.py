@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..chat import ToolCall
+from ..chat import CallStart, ToolCall
 from . import protocol as p
 from .errors import ApiError
 
@@ -328,12 +328,18 @@ def content_blocks(parts: list[tuple[str, str | ToolCall]]) -> list[dict[str, An
     return blocks
 
 
-def tool_use(call: ToolCall) -> dict[str, Any]:
+def tool_use(call: ToolCall | CallStart) -> dict[str, Any]:
+    """A call as a ``tool_use`` block: its input the call's arguments (empty where the call has only begun,
+    and where its arguments are not a JSON object: a call cut short by the token limit)."""
+    try:
+        given = json.loads(call.arguments) if isinstance(call, ToolCall) else {}
+    except json.JSONDecodeError:
+        given = {}
     return {
         "type": "tool_use",
         "id": call.id.replace("call_", "toolu_", 1),
         "name": call.name,
-        "input": json.loads(call.arguments),
+        "input": given if isinstance(given, dict) else {},
     }
 
 
@@ -366,11 +372,22 @@ def event(kind: str, **fields: Any) -> bytes:
 class BlockStream:
     """A streamed reply's content blocks as Anthropic's events: a block opens when its kind of text first
     comes (thinking or text), takes deltas, and closes when another kind comes; a call is a block of its
-    own, its input in one ``input_json_delta``."""
+    own, opened as the call begins (`call_start`), its input in ``input_json_delta``s as it comes, closed
+    when the call ends (a call read only when it ended comes whole, its input in one delta)."""
 
     def __init__(self) -> None:
         self.index = -1
         self.open: str | None = None
+        self._started: set[str] = set()
+        """The calls said as they came."""
+
+    def call_start(self, start: CallStart) -> list[bytes]:
+        self._started.add(start.id)
+        return self._start("tool_use", tool_use(start))
+
+    def call_arguments(self, text: str) -> list[bytes]:
+        delta = {"type": "input_json_delta", "partial_json": text}
+        return [event("content_block_delta", index=self.index, delta=delta)]
 
     def text(self, kind: str, text: str) -> list[bytes]:
         """``kind``: ``thinking`` or ``text``."""
@@ -383,6 +400,8 @@ class BlockStream:
         return out + [event("content_block_delta", index=self.index, delta=delta)]
 
     def call(self, call: ToolCall) -> list[bytes]:
+        if call.id in self._started:  # said as it came: only its block's end is left
+            return self.close()
         block = tool_use(call)
         out = self._start("tool_use", {**block, "input": {}})
         out.append(

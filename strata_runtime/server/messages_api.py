@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from ..chat import ToolCall
+from ..chat import CallArguments, CallStart, ToolCall
 from . import anthropic
 from . import protocol as p
 from .chat_path import ChatPath
 from .engine_loop import Stream
-from .replies import SSE_HEADERS, Choice, ended_early, reply_parts
+from .replies import SSE_HEADERS, Choice, ended_early, reply_parts, whole_parts
 from .tools import tool_use
 
 
@@ -39,7 +39,7 @@ async def count_tokens(server: ChatPath, request: web.Request) -> web.Response:
 
 async def _whole(server: ChatPath, stream: Stream, prepared: p.Prepared) -> web.Response:
     whole = await server.collect(stream, prepared, chat=True)
-    parts = reply_parts(Choice(0, prepared), whole.text, True)
+    parts = whole_parts(prepared, whole.text)
     calls = any(isinstance(part, ToolCall) for _, part in parts)
     blocks = anthropic.content_blocks(parts)
     reason = anthropic.stop_reason(whole.end, calls, whole.stop)
@@ -56,7 +56,7 @@ async def _streamed(
     ended, ``message_stop``; an ``error`` event where the request ended early."""
     response = web.StreamResponse(headers=SSE_HEADERS)
     await response.prepare(request)
-    c, blocks = Choice(0, prepared), anthropic.BlockStream()
+    c, blocks = Choice(0, prepared, progress=True), anthropic.BlockStream()
     started, tokens = False, 0
     async for piece in server.pieces(stream):
         if piece.finish in ("error", "cancelled"):
@@ -71,7 +71,11 @@ async def _streamed(
             started = True
         tokens += piece.tokens
         for kind, part in reply_parts(c, piece.text, piece.finish is not None):
-            if isinstance(part, ToolCall):
+            if isinstance(part, CallStart):
+                events = blocks.call_start(part)
+            elif isinstance(part, CallArguments):
+                events = blocks.call_arguments(part.text)
+            elif isinstance(part, ToolCall):
                 events = blocks.call(part)
             else:
                 events = blocks.text("thinking" if kind == "reasoning" else "text", part)

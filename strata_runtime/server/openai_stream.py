@@ -14,7 +14,7 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from ..api import TokenLogprob
-from ..chat import ToolCall
+from ..chat import CallArguments, CallStart, Said, ToolCall
 from . import protocol as p
 from .chat_path import ServeNames
 from .engine_loop import Stream
@@ -44,7 +44,7 @@ async def stream_reply(
     response = web.StreamResponse(headers=SSE_HEADERS)
     await response.prepare(request)
     rid, model, created = batch[0].request.request_id, server.options.model_name, int(time.time())
-    states = [Choice(i, prepared) for i, prepared in enumerate(batch)]
+    states = [Choice(i, prepared, progress=chat) for i, prepared in enumerate(batch)]
 
     def chunk(
         c: Choice,
@@ -153,17 +153,31 @@ async def _send_parts(
         c.held = ()
 
 
-def _deltas(c: Choice, parts: list[tuple[str, str | ToolCall]]) -> list[dict[str, Any]]:
+def _deltas(c: Choice, parts: list[tuple[str, Said]]) -> list[dict[str, Any]]:
     """The chat deltas of a stretch of choice ``c``'s reply (`replies.reply_parts`): neighbouring text of
-    one kind in one delta, each call in a ``tool_calls`` delta numbered from the reply's first call."""
-    first = (c.splitter.calls if c.splitter is not None else 0) - sum(
-        isinstance(x, ToolCall) for _, x in parts
-    )
+    one kind in one delta; a call as it comes, numbered from the reply's first call (its ``id``, ``type``
+    and ``name`` with its first arguments, then its arguments' deltas), or whole where it was read only
+    when it ended."""
     deltas: list[dict[str, Any]] = []
     for kind, part in parts:
+        if isinstance(part, CallStart):
+            c.started.add(part.id)
+            call = {"index": c.calls_sent, "id": part.id, "type": "function"}
+            deltas.append({"tool_calls": [call | {"function": {"name": part.name, "arguments": ""}}]})
+            c.calls_sent += 1
+            continue
+        if isinstance(part, CallArguments):
+            last = deltas[-1]["tool_calls"][0] if deltas and "tool_calls" in deltas[-1] else None
+            if last is not None and last["index"] == c.calls_sent - 1:
+                last["function"]["arguments"] += part.text
+            else:
+                call = {"index": c.calls_sent - 1, "function": {"arguments": part.text}}
+                deltas.append({"tool_calls": [call]})
+            continue
         if isinstance(part, ToolCall):
-            deltas.append({"tool_calls": [part.openai(first)]})
-            first += 1
+            if part.id not in c.started:
+                deltas.append({"tool_calls": [part.openai(c.calls_sent)]})
+                c.calls_sent += 1
             continue
         key = "reasoning_content" if kind == "reasoning" else "content"
         if deltas and next(iter(deltas[-1])) == key:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..api import TokenLogprob
-from ..chat import CallSplitter, ThinkCount, ThinkSplitter, ToolCall, split_reply, split_thinking
+from ..chat import CallSplitter, Said, ThinkCount, ThinkSplitter, ToolCall, split_reply, split_thinking
 from . import protocol as p
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -49,7 +49,8 @@ class Whole:
 class Choice:
     """One choice of a streamed reply: where its text and log-probabilities stand."""
 
-    def __init__(self, index: int, prepared: p.Prepared) -> None:
+    def __init__(self, index: int, prepared: p.Prepared, progress: bool = False) -> None:
+        """``progress``: a streamed reply, which says each call as it comes (`chat.CallSplitter`)."""
         self.index, self.prepared = index, prepared
         self.echo = prepared.echo
         """The prompt's text, until it is sent (with ``echo``)."""
@@ -59,7 +60,12 @@ class Choice:
         """Log-probabilities of tokens whose text is not out yet."""
         self.generated = 0
         self.finished = False
-        self.splitter = CallSplitter(prepared.tools.read_call) if prepared.tools is not None else None
+        self.calls_sent = 0
+        """Calls said so far in a streamed chat reply (each numbered in order)."""
+        self.started: set[str] = set()
+        """The ids of calls said as they came."""
+        tools = prepared.tools
+        self.splitter = CallSplitter(tools.call_format, progress) if tools is not None else None
         """Reads a reply that was offered tools into its text and its calls as it streams."""
         self.thinker = ThinkSplitter(prepared.thinking) if prepared.thinking is not None else None
         """Reads a reply of a model that reasons into its reasoning and the rest as it streams."""
@@ -91,21 +97,28 @@ def ended_early(piece: Piece) -> p.ApiError:
     return p.ApiError(status, f"the request ended early: {why}", type_="server_error")
 
 
-def reply_parts(c: Choice, text: str, done: bool) -> list[tuple[str, str | ToolCall]]:
+def reply_parts(c: Choice, text: str, done: bool) -> list[tuple[str, Said]]:
     """What a stretch of a streamed reply says, in order: ``("reasoning", text)``, ``("content", text)`` and
-    ``("call", ToolCall)``, as choice ``c``'s splitters read it (held tails given where ``done``)."""
+    ``("call", ToolCall)``, and for a choice that says calls as they come (``progress``), each call's
+    `CallStart` and `CallArguments` before its ``ToolCall``; as choice ``c``'s splitters read it (held
+    tails given where ``done``)."""
     thought = [("content", text)] if c.thinker is None else c.thinker.feed(text)
     if done and c.thinker is not None:
         thought += c.thinker.close()
-    out: list[tuple[str, str | ToolCall]] = []
+    out: list[tuple[str, Said]] = []
     for kind, words in thought:
         if kind == "reasoning" or c.splitter is None:
             out += [(kind, words)] if words else []
         else:
-            out += [("call" if isinstance(x, ToolCall) else "content", x) for x in c.splitter.feed(words)]
+            out += [("content" if isinstance(x, str) else "call", x) for x in c.splitter.feed(words)]
     if done and c.splitter is not None:
-        out += [("call" if isinstance(x, ToolCall) else "content", x) for x in c.splitter.close()]
+        out += [("content" if isinstance(x, str) else "call", x) for x in c.splitter.close()]
     return out
+
+
+def whole_parts(prepared: p.Prepared, text: str) -> list[tuple[str, str | ToolCall]]:
+    """A whole reply's parts (`reply_parts`): its reasoning, text and calls."""
+    return [(k, x) for k, x in reply_parts(Choice(0, prepared), text, True) if isinstance(x, str | ToolCall)]
 
 
 def read_reply(prepared: p.Prepared, text: str) -> tuple[str | None, str | None, list[ToolCall]]:
@@ -117,5 +130,5 @@ def read_reply(prepared: p.Prepared, text: str) -> tuple[str | None, str | None,
     if prepared.thinking is not None:
         reasoning, words = split_thinking(text, prepared.thinking)
     if prepared.tools is not None:
-        words, calls = split_reply(words or "", prepared.tools.read_call)
+        words, calls = split_reply(words or "", prepared.tools.call_format)
     return reasoning, words, calls

@@ -30,7 +30,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, get_args
 
-from ..chat import ToolCall
+from ..chat import CallStart, ToolCall
 from . import protocol as p
 from .background import Run
 from .errors import ApiError
@@ -644,6 +644,8 @@ class EventStream:
         """The open text item: its kind, its id and its text so far."""
         self._logprobs: list[dict[str, Any]] = []
         """The open message's log-probabilities so far, where the request asked."""
+        self._call: tuple[str, str] | None = None
+        """The call said as it comes: its call id and its item's id."""
 
     def event(self, kind: str, **fields: Any) -> bytes:
         data = {"type": kind, "sequence_number": self.sequence, **fields}
@@ -678,7 +680,34 @@ class EventStream:
         self._logprobs += logprobs or []
         return out + [self.event("response.output_text.delta", **where, delta=text, logprobs=logprobs or [])]
 
+    def call_start(self, start: CallStart) -> list[bytes]:
+        """A call's item opened as the call begins; its arguments follow as they come (`call_arguments`)."""
+        out = self.close()
+        item_id, at = new_id("fc"), len(self.items)
+        self._call = (start.id, item_id)
+        opened = _call_item(ToolCall(start.name, "", start.id), item_id, "in_progress")
+        return out + [self.event("response.output_item.added", output_index=at, item=opened)]
+
+    def call_arguments(self, text: str) -> list[bytes]:
+        assert self._call is not None
+        where = {"item_id": self._call[1], "output_index": len(self.items)}
+        return [self.event("response.function_call_arguments.delta", **where, delta=text)]
+
     def call(self, call: ToolCall) -> list[bytes]:
+        """A call ended: its item closed (opened now, its arguments in one delta, where it was read only
+        when it ended)."""
+        if self._call is not None and self._call[0] == call.id:
+            item_id, at = self._call[1], len(self.items)
+            self._call = None
+            where = {"item_id": item_id, "output_index": at}
+            done = _call_item(call, item_id, "completed")
+            self.items.append(done)
+            return [
+                self.event(
+                    "response.function_call_arguments.done", **where, name=call.name, arguments=call.arguments
+                ),
+                self.event("response.output_item.done", output_index=at, item=done),
+            ]
         out = self.close()
         item_id, at = new_id("fc"), len(self.items)
         where = {"item_id": item_id, "output_index": at}

@@ -16,13 +16,13 @@ from typing import Any
 
 from aiohttp import web
 
-from ..chat import ToolCall
+from ..chat import CallArguments, CallStart, ToolCall
 from . import protocol as p
 from . import responses
 from .background import Run
 from .chat_path import ChatPath
 from .engine_loop import Stream
-from .replies import SSE_HEADERS, Choice, ended_early, reply_parts
+from .replies import SSE_HEADERS, Choice, ended_early, reply_parts, whole_parts
 
 log = logging.getLogger("strata.serve")
 
@@ -56,7 +56,7 @@ async def create(server: ChatPath, request: web.Request) -> web.StreamResponse:
         if prepared.stream:
             return await _streamed(server, request, stream, reply)
         whole = await server.collect(stream, prepared, chat=True)
-        parts = reply_parts(Choice(0, prepared), whole.text, True)
+        parts = whole_parts(prepared, whole.text)
         status = "incomplete" if whole.end == "length" else "completed"
         spans = None
         if whole.logprobs is not None:  # the request asked (``include``): each message's tokens'
@@ -232,8 +232,8 @@ async def _write_reply(
     closed and ``response.cancelled``. A background reply first says ``response.in_progress`` and keeps its
     `run`'s response object up to date. The reply is kept (`_keep`) before its last event is written, and
     its response object returned."""
-    c = Choice(0, reply.prepared)
-    tokens, parts = 0, []
+    c = Choice(0, reply.prepared, progress=True)
+    tokens, parts = 0, list[tuple[str, str | ToolCall]]()
     spans = responses.TokenSpans() if reply.prepared.request.sampling.logprobs is not None else None
     async for piece in server.pieces(stream):
         if run is not None and run.response["status"] == "queued" and piece.finish not in ENDED_EARLY:
@@ -259,10 +259,15 @@ async def _write_reply(
         if spans is not None:
             spans.add(server.chat_logprobs(reply.prepared, piece.logprobs))
         for kind, part in reply_parts(c, piece.text, piece.finish is not None):
-            parts.append((kind, part))
-            if isinstance(part, ToolCall):
+            if isinstance(part, CallStart):
+                chunks = events.call_start(part)
+            elif isinstance(part, CallArguments):
+                chunks = events.call_arguments(part.text)
+            elif isinstance(part, ToolCall):
+                parts.append((kind, part))
                 chunks = events.call(part)
             else:
+                parts.append((kind, part))
                 lps = spans.take(part) if spans is not None and kind == "content" else None
                 chunks = events.text(kind, part, lps)
             for chunk in chunks:

@@ -18,7 +18,7 @@ from functools import cached_property
 from typing import Any, Literal
 
 from .. import xml_calls
-from ..chat import CALL_CLOSE, CALL_OPEN, CallReader, read_call
+from ..chat import CALL_CLOSE, CALL_OPEN, HERMES, CallFormat
 from ..structured import around, lark_grammar
 from ..xml_calls import Layout
 from .errors import ApiError
@@ -55,13 +55,10 @@ class ToolUse:
     """How the model writes its calls (`strata_runtime.xml_calls.call_layout`): they are read, and held, in
     that layout."""
 
-    @property
-    def read_call(self) -> CallReader:
-        """What reads a call block of the model's layout (XML values typed by these tools' schemas)."""
-        if self.layout == "xml":
-            tools = self.tools
-            return lambda inner: xml_calls.read_call(inner, tools)
-        return read_call
+    @cached_property
+    def call_format(self) -> CallFormat:
+        """How the model's layout is read (XML values typed by these tools' schemas)."""
+        return xml_calls.call_format(self.tools) if self.layout == "xml" else HERMES
 
     @property
     def offered(self) -> list[dict[str, Any]] | None:
