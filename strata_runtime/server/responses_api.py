@@ -235,11 +235,30 @@ async def _write_reply(
     c = Choice(0, reply.prepared, progress=True)
     tokens, parts = 0, list[tuple[str, str | ToolCall]]()
     spans = responses.TokenSpans() if reply.prepared.request.sampling.logprobs is not None else None
+
+    async def say(text: str, done: bool) -> None:
+        """Write what a stretch of the reply says: its items' deltas, and items opened and closed."""
+        for kind, part in reply_parts(c, text, done):
+            if isinstance(part, CallStart):
+                chunks = events.call_start(part)
+            elif isinstance(part, CallArguments):
+                chunks = events.call_arguments(part.text)
+            elif isinstance(part, ToolCall):
+                parts.append((kind, part))
+                chunks = events.call(part)
+            else:
+                parts.append((kind, part))
+                lps = spans.take(part) if spans is not None and kind == "content" else None
+                chunks = events.text(kind, part, lps)
+            for chunk in chunks:
+                await write(chunk)
+
     async for piece in server.pieces(stream):
         if run is not None and run.response["status"] == "queued" and piece.finish not in ENDED_EARLY:
             run.response = _object(server, reply, "in_progress", [], None)
             await write(events.event("response.in_progress", response=run.response))
         if piece.finish == "cancelled" and run is not None:
+            await say("", True)  # what was held, and a call cut short, said as they stand
             for chunk in events.close():
                 await write(chunk)
             use = _usage(reply, stream, tokens, c.reasoning_tokens)
@@ -258,20 +277,7 @@ async def _write_reply(
         c.count(piece)
         if spans is not None:
             spans.add(server.chat_logprobs(reply.prepared, piece.logprobs))
-        for kind, part in reply_parts(c, piece.text, piece.finish is not None):
-            if isinstance(part, CallStart):
-                chunks = events.call_start(part)
-            elif isinstance(part, CallArguments):
-                chunks = events.call_arguments(part.text)
-            elif isinstance(part, ToolCall):
-                parts.append((kind, part))
-                chunks = events.call(part)
-            else:
-                parts.append((kind, part))
-                lps = spans.take(part) if spans is not None and kind == "content" else None
-                chunks = events.text(kind, part, lps)
-            for chunk in chunks:
-                await write(chunk)
+        await say(piece.text, piece.finish is not None)
         if piece.finish is not None:
             for chunk in events.close():
                 await write(chunk)
