@@ -274,40 +274,47 @@ class CallSplitter:
         self._held += text
         out: list[Said] = []
         while True:
-            if self._in_call:
+            if not self._in_call:
+                words, found = self._upto(CALL_OPEN)
+                self._say(words, out)
+                if not found:
+                    return out
+                self._before, self._blanks = self._blanks, ""  # blanks before a call are the layout's
+                self._held, self._in_call = CALL_OPEN + self._held, True
+            elif self._call is None and not self._begin(out):
                 end = self._held.find(CALL_CLOSE)
-                if self._call is None and not self._begin(end, out):
-                    if end < 0:
-                        return out
-                    cut = end + len(CALL_CLOSE)
-                    block, self._held, self._in_call = self._held[:cut], self._held[cut:], False
-                    call = self._form.read(block[len(CALL_OPEN) : end].strip())
-                    if call is None:
-                        self._blanks = self._before
-                        self._say(block, out)
-                        continue
-                    self._end(call, out)
-                    continue
-                if self._call is not None:
-                    end = self._held.find(CALL_CLOSE)
-                    if end < 0:
-                        cut = len(self._held) - _partial_tail(self._held, CALL_CLOSE)
-                        self._arguments(self._held[:cut], out)
-                        self._held = self._held[cut:]
-                        return out
-                    self._arguments(self._held[:end], out)
-                    self._held, self._in_call = self._held[end + len(CALL_CLOSE) :], False
-                    self._finish(out)
-                continue
-            start = self._held.find(CALL_OPEN)
-            if start < 0:
-                cut = len(self._held) - _partial_tail(self._held, CALL_OPEN)
-                self._say(self._held[:cut], out)
-                self._held = self._held[cut:]
-                return out
-            self._say(self._held[:start], out)
-            self._before, self._blanks = self._blanks, ""  # blanks before a call are the layout's
-            self._held, self._in_call = self._held[start:], True
+                if end < 0:
+                    return out
+                self._read_block(end, out)
+            else:
+                arguments, found = self._upto(CALL_CLOSE)
+                self._arguments(arguments, out)
+                if not found:
+                    return out
+                self._in_call = False
+                self._finish(out)
+
+    def _upto(self, tag: str) -> tuple[str, bool]:
+        """The held text before ``tag``, taken off with the tag, and whether the tag came; where it has not,
+        the text that cannot be the start of it (the rest stays held)."""
+        at = self._held.find(tag)
+        if at >= 0:
+            text, self._held = self._held[:at], self._held[at + len(tag) :]
+            return text, True
+        cut = len(self._held) - _partial_tail(self._held, tag)
+        text, self._held = self._held[:cut], self._held[cut:]
+        return text, False
+
+    def _read_block(self, end: int, out: list[Said]) -> None:
+        """Read the block that closes at ``end`` whole: a call, or text as written."""
+        cut = end + len(CALL_CLOSE)
+        block, self._held, self._in_call = self._held[:cut], self._held[cut:], False
+        call = self._form.read(block[len(CALL_OPEN) : end].strip())
+        if call is None:
+            self._blanks = self._before
+            self._say(block, out)
+        else:
+            self._end(call, out)
 
     def close(self) -> list[Said]:
         out: list[Said] = []
@@ -321,9 +328,10 @@ class CallSplitter:
         self._held, self._in_call, self._blanks = "", False, ""
         return out
 
-    def _begin(self, end: int, out: list[Said]) -> bool:
+    def _begin(self, out: list[Said]) -> bool:
         """Whether the open block's text so far (up to its close, where it has come) begins as a call;
         if so the call is open, its head taken off the held text."""
+        end = self._held.find(CALL_CLOSE)
         inner = self._held[len(CALL_OPEN) : end if end >= 0 else len(self._held)]
         head = self._form.head(inner)
         if head is None:
