@@ -11,6 +11,10 @@ import time
 import pytest
 from srv_helpers import Launched, launch
 
+from strata_runtime.server import conversations
+from strata_runtime.server import responses as r
+from strata_runtime.server.errors import ApiError
+
 openai = pytest.importorskip("openai")
 
 
@@ -124,6 +128,24 @@ def test_a_reply_that_does_not_end_well_adds_nothing(client):
     assert client.responses.cancel(started.id).status == "cancelled"
     time.sleep(0.2)
     assert [i.content[0].text for i in client.conversations.items.list(conversation.id)] == ["Begin."]
+
+
+def test_a_full_conversation_takes_no_more_items(monkeypatch):
+    """At `MOST_ITEMS` a conversation refuses more items, and a reply that would add to it, naming the
+    field; below it, it takes them."""
+    monkeypatch.setattr(conversations, "MOST_ITEMS", 3)
+    kept = conversations.Conversations()
+    said = [{"type": "message", "id": i, "role": "user", "content": i} for i in "ab"]
+    conversation = kept.new(said, {})
+    conversation.room(1, "items")
+    with pytest.raises(ApiError) as info:
+        conversation.room(2, "items")
+    assert info.value.param == "items" and "at most 3" in info.value.message
+    with pytest.raises(ApiError) as info:
+        r.to_chat({"model": "m", "input": "hi", "conversation": conversation.id}, r.Store(), kept)
+    assert info.value.param == "conversation"
+    kept.add(conversation.id, [{**said[0], "id": "c"}])
+    assert [i["id"] for i in kept.get(conversation.id).items] == ["a", "b", "c"]
 
 
 def test_conversation_errors_name_their_field(engine: Launched, client):

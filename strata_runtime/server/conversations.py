@@ -18,6 +18,8 @@ from .errors import ApiError
 
 KEPT = 256
 """Conversations kept, the least recently used let go first."""
+MOST_ITEMS = 4096
+"""Items a conversation holds at most (a request that would add more is refused)."""
 
 
 @dataclass
@@ -26,6 +28,16 @@ class Conversation:
     created_at: int
     metadata: dict[str, str]
     items: list[dict[str, Any]] = field(default_factory=list)
+
+    def room(self, more: int, param: str) -> None:
+        """A 400 naming ``param`` where ``more`` items would take the conversation past `MOST_ITEMS`."""
+        if len(self.items) + more > MOST_ITEMS:
+            raise ApiError(
+                400,
+                f"`{param}`: conversation `{self.id}` holds {len(self.items)} items, and a conversation "
+                f"keeps at most {MOST_ITEMS}; start another",
+                param,
+            )
 
     def body(self) -> dict[str, Any]:
         """The conversation object."""

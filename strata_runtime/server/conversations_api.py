@@ -121,6 +121,7 @@ async def add_items(server: ChatPath, request: web.Request) -> web.Response:
     """``POST /v1/conversations/{id}/items``: ``items`` added at its end; the items as kept."""
     conversation = server.conversations.get(request.match_info["conversation_id"])
     items = _items_field(await _object_body(server, request), ADDED_ITEMS, required=True)
+    conversation.room(len(items), "items")
     server.conversations.add(conversation.id, items)
     return web.json_response(_page(items, False))
 

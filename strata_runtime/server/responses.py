@@ -157,6 +157,7 @@ def to_chat(raw: Any, store: Store, conversations: Conversations | None = None) 
     if conversation is not None:
         history += read_input(copy.deepcopy(conversation.items)) if conversation.items else []
         items = stored_items(raw["input"], "input")
+        conversation.room(len(items) + 1, "conversation")  # its input, and at least one item of output
     history += fresh
     instructions = raw.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
