@@ -356,7 +356,7 @@ def function_rule(rule: str, function: Mapping[str, Any], loose: bool) -> list[s
 def _value_rule(key: str, schema: Any) -> str:
     close = json.dumps(f"\n{PARAMETER_CLOSE}\n")
     types = _types(schema)
-    if not types or types == {"string"}:
+    if not types or ("string" in types and types <= {"string", "null"}):  # raw text ("null": None)
         if isinstance(schema, Mapping):
             choices = schema.get("enum") or ([schema["const"]] if "const" in schema else None)
             if choices:

@@ -223,6 +223,15 @@ def test_held_calls_follow_each_tools_schema_in_this_layout():
     assert auto.grammar is not None
     assert _follows(auto.grammar, "Let me see. " + block("now", [("anything", "goes")]))
     assert not _follows(auto.grammar, "Let me see. " + block("note", [("tags", "[]")]))
+    maybe = {"type": "object", "properties": {"after": {"type": ["string", "null"]}}, "required": ["after"]}
+    tool = {"type": "function", "function": {"name": "f", "parameters": maybe}}
+    held = _xml_use([tool]).grammar
+    assert held is not None
+    for raw, value in (("Bath", "Bath"), ("null", None)):  # raw text, as a string is written
+        text = block("f", [("after", raw)])
+        assert _follows(held, text) and json.loads(
+            split_reply(text, call_format([tool]))[1][0].arguments
+        ) == {"after": value}
 
 
 def test_a_strings_constraint_this_layout_cannot_hold_is_a_400_naming_the_tool():
