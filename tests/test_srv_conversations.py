@@ -5,11 +5,12 @@ what cannot be done is an error naming the field."""
 
 from __future__ import annotations
 
+import json
 import secrets
 import time
 
 import pytest
-from srv_helpers import Launched, launch
+from srv_helpers import Launched, http, launch
 
 from strata_runtime.server import conversations
 from strata_runtime.server import responses as r
@@ -179,3 +180,64 @@ def test_conversation_errors_name_their_field(engine: Launched, client):
     with pytest.raises(openai.BadRequestError) as info:
         client.responses.create(model="demo", input="hi", extra_body={"conversation": 3})
     assert info.value.body["param"] == "conversation"
+
+
+def test_truncated_drops_the_oldest_steps_and_keeps_the_task_and_the_input():
+    """A step is a user or an assistant message with the tool answers after it; the system messages and the
+    first user message stay, and the last step (the input) is never dropped."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "task"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "r1"},
+        {"role": "assistant", "content": "a"},
+        {"role": "user", "content": "now"},
+    ]
+    contents = [[m["content"] for m in r.truncated(messages, k) or []] for k in range(4)]
+    assert contents == [
+        ["s", "task", "", "r1", "a", "now"],
+        ["s", "task", "a", "now"],
+        ["s", "task", "now"],
+        [],
+    ]
+    assert r.truncated(messages, 3) is None
+
+
+def _count(engine: Launched, messages: list[dict]) -> int:
+    status, body = http(
+        "POST",
+        f"{engine.url}/tokenize",
+        json.dumps({"model": "demo", "messages": messages}).encode(),
+        {"Content-Type": "application/json", "Authorization": f"Bearer {engine.key}"},
+    )
+    assert status == 200, body
+    return int(json.loads(body)["count"])
+
+
+def test_truncation_auto_drops_as_few_old_steps_as_make_a_long_conversation_fit(engine: Launched, client):
+    """A conversation longer than the demo's 1,024-token context: without ``truncation`` a 400 naming the
+    input; with ``"auto"``, the reply to the conversation without as few of its oldest steps as let the
+    prompt and the output fit, as the chat endpoint gives it, its usage that prompt's; the conversation
+    itself keeps every item."""
+    lines = [f"Line {i}: " + " ".join(["Emma walked to Highbury"] * 4) for i in range(12)]
+    items = [{"role": "user" if i % 2 == 0 else "assistant", "content": text} for i, text in enumerate(lines)]
+    conversation = client.conversations.create(items=items)
+    ask = dict(
+        model="demo", input="And then?", conversation=conversation.id, max_output_tokens=8, temperature=0
+    )
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(**ask)
+    assert info.value.body["param"] == "input" and info.value.body["code"] == "context_length_exceeded"
+    reply = client.responses.create(**ask, truncation="auto")
+    assert reply.truncation == "auto"
+    messages = [{"role": m["role"], "content": m["content"]} for m in items] + [
+        {"role": "user", "content": "And then?"}
+    ]
+    counts = [_count(engine, r.truncated(messages, k)) for k in range(1, 8)]
+    fewest = next(k for k, n in enumerate(counts, start=1) if n + 8 <= 1024)
+    assert fewest > 1 and counts[fewest - 2] + 8 > 1024  # one step fewer does not fit
+    assert reply.usage.input_tokens == counts[fewest - 1]
+    kept = r.truncated(messages, fewest)
+    assert reply.output_text == _chat(client, kept, 8)
+    assert len(list(client.conversations.items.list(conversation.id, limit=100))) == 14

@@ -141,6 +141,8 @@ class Asked:
     when the reply ends well."""
     items: list[dict[str, Any]] = field(default_factory=list)
     """The request's input as items a conversation keeps (`stored_items`), where it goes on one."""
+    truncate: bool = False
+    """``truncation: "auto"``: a conversation longer than the context loses its oldest steps (`truncated`)."""
 
 
 def to_chat(raw: Any, store: Store, conversations: Conversations | None = None) -> Asked:
@@ -196,8 +198,27 @@ def to_chat(raw: Any, store: Store, conversations: Conversations | None = None) 
             "`background`: a background reply is kept to be followed, so `store` cannot be false",
             "store",
         )
+    truncation = raw.get("truncation")
+    if truncation not in (None, "disabled", "auto"):
+        raise ApiError(400, '`truncation` must be "auto" or "disabled"', "truncation")
     conversation_id = conversation.id if conversation is not None else None
-    return Asked(body, history, _echo(raw), keep, background, conversation_id, items)
+    return Asked(body, history, _echo(raw), keep, background, conversation_id, items, truncation == "auto")
+
+
+def truncated(messages: list[dict[str, Any]], dropped: int) -> list[dict[str, Any]] | None:
+    """``messages`` without their ``dropped`` oldest steps (``truncation: "auto"``), or None where they have
+    fewer to drop. A step is a user or assistant message with the tool answers after it; what is kept is the
+    system messages, the first user message (an agent's task) and the latest steps, the last of which holds
+    the request's input."""
+    head = 0
+    while head < len(messages) and messages[head]["role"] == "system":
+        head += 1
+    if head < len(messages) and messages[head]["role"] == "user":
+        head += 1
+    steps = [i for i in range(head, len(messages)) if messages[i]["role"] in ("user", "assistant")]
+    if dropped >= len(steps):  # the last step is the input: never dropped
+        return None
+    return messages[:head] + messages[steps[dropped] :]
 
 
 def _conversation(raw: dict[str, Any], conversations: Conversations | None) -> Conversation | None:
@@ -464,7 +485,7 @@ def _echo(raw: dict[str, Any]) -> dict[str, Any]:
         "tool_choice": raw.get("tool_choice", "auto"),
         "tools": raw.get("tools") or [],
         "top_p": raw.get("top_p", 1.0),
-        "truncation": "disabled",
+        "truncation": raw.get("truncation") or "disabled",
     }
 
 

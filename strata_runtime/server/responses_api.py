@@ -47,7 +47,7 @@ async def create(server: ChatPath, request: web.Request) -> web.StreamResponse:
     answered as the Responses API's output items; the reply kept for a later ``previous_response_id``. With
     ``background``, the request is answered at once and the reply runs on (`_background`)."""
     asked = responses.to_chat(await server.read_json(request), server.kept, server.conversations)
-    _, prepared = await server.prepare_chat(asked.chat)
+    prepared = await _prepare(server, asked)
     reply = Reply(responses.new_id("resp"), int(time.time()), asked, prepared)
     stream = server.submit(prepared)
     if asked.background:
@@ -69,6 +69,36 @@ async def create(server: ChatPath, request: web.Request) -> web.StreamResponse:
         return web.json_response(body)
     finally:
         stream.close()
+
+
+async def _prepare(server: ChatPath, asked: responses.Asked) -> p.Prepared:
+    """The chat made the engine's request; with ``truncation: "auto"``, where the conversation does not fit
+    the context, without as few of its oldest steps as make it fit (`responses.truncated`, found by
+    bisection), and the context error where none do."""
+    try:
+        return (await server.prepare_chat(asked.chat))[1]
+    except p.ApiError as exc:
+        if not asked.truncate or exc.code != "context_length_exceeded":
+            raise
+        error = exc
+    messages = asked.chat["messages"]
+    low, high, best = 1, len(messages), None  # the fewest steps to drop lies in [low, high]
+    while low <= high:
+        dropped = (low + high) // 2
+        kept = responses.truncated(messages, dropped)
+        if kept is None:  # fewer steps than that to drop
+            high = dropped - 1
+            continue
+        try:
+            best = (await server.prepare_chat({**asked.chat, "messages": kept}))[1]
+            high = dropped - 1
+        except p.ApiError as exc:
+            if exc.code != "context_length_exceeded":
+                raise
+            low = dropped + 1
+    if best is None:
+        raise error
+    return best
 
 
 async def stored(server: ChatPath, request: web.Request) -> web.StreamResponse:
