@@ -241,3 +241,25 @@ def test_truncation_auto_drops_as_few_old_steps_as_make_a_long_conversation_fit(
     kept = r.truncated(messages, fewest)
     assert reply.output_text == _chat(client, kept, 8)
     assert len(list(client.conversations.items.list(conversation.id, limit=100))) == 14
+
+
+def test_a_kept_replys_input_items_are_listed(client):
+    """``GET /v1/responses/{id}/input_items``: the request's input as items with ids, newest first unless
+    asked otherwise, in pages the SDK follows; a string input is one user message."""
+    said = [("user", "Who is Emma?"), ("assistant", "A heroine."), ("user", "And Harriet?")]
+    reply = client.responses.create(
+        model="demo",
+        input=[{"role": role, "content": text} for role, text in said],
+        max_output_tokens=2,
+    )
+    listed = client.responses.input_items.list(reply.id, order="asc", limit=1)
+    assert _texts(listed.data) == said[:1] and listed.has_more
+    assert _texts(list(client.responses.input_items.list(reply.id, limit=1))) == said[::-1]
+    assert all(item.id for item in listed.data)
+    short = client.responses.create(model="demo", input="Hi.", max_output_tokens=2)
+    assert _texts(client.responses.input_items.list(short.id)) == [("user", "Hi.")]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.input_items.list(reply.id, after="msg_x")
+    assert info.value.body["param"] == "after"
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_x")

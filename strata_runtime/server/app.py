@@ -125,6 +125,7 @@ class Server:
                 web.get("/v1/responses/{response_id}", partial(responses_api.stored, self)),
                 web.delete("/v1/responses/{response_id}", partial(responses_api.drop, self)),
                 web.post("/v1/responses/{response_id}/cancel", partial(responses_api.cancel, self)),
+                web.get("/v1/responses/{response_id}/input_items", partial(responses_api.input_items, self)),
                 web.post("/v1/conversations", partial(conversations_api.create, self)),
                 web.get("/v1/conversations/{conversation_id}", partial(conversations_api.get, self)),
                 web.post("/v1/conversations/{conversation_id}", partial(conversations_api.update, self)),

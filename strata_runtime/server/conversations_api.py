@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from aiohttp import web
@@ -87,24 +88,30 @@ async def delete(server: ChatPath, request: web.Request) -> web.Response:
 
 
 async def list_items(server: ChatPath, request: web.Request) -> web.Response:
-    """``GET /v1/conversations/{id}/items``: a page of its items, newest first (``order=desc``, the default)
-    or oldest first, after the item ``after``, at most ``limit`` (1 to 100)."""
+    """``GET /v1/conversations/{id}/items``: a page of its items (`page`)."""
     conversation = server.conversations.get(request.match_info["conversation_id"])
-    query = request.query
+    return web.json_response(page(conversation.items, request.query, "the conversation"))
+
+
+def page(items: list[dict[str, Any]], query: Mapping[str, str], holder: str) -> dict[str, Any]:
+    """A page of ``items`` (each with an ``id``) as OpenAI lists them: newest first (``order=desc``, the
+    default) or oldest first, those after the item ``after``, at most ``limit`` (1 to 100, `PAGE` by
+    default), with ``first_id``, ``last_id`` and ``has_more``; 400s naming the parameter at fault (an
+    ``after`` that ``holder`` does not hold among them)."""
     limit = query.get("limit", str(PAGE))
     if not limit.isdigit() or not 1 <= int(limit) <= 100:
         raise ApiError(400, "`limit` must be a whole number from 1 to 100", "limit")
     order = query.get("order", "desc")
     if order not in ("asc", "desc"):
         raise ApiError(400, '`order` must be "asc" or "desc"', "order")
-    items = conversation.items if order == "asc" else conversation.items[::-1]
+    items = items if order == "asc" else items[::-1]
     after = query.get("after")
     if after is not None:
         at = next((i for i, item in enumerate(items) if item["id"] == after), None)
         if at is None:
-            raise ApiError(400, f"`after`: the conversation holds no item `{after}`", "after")
+            raise ApiError(400, f"`after`: {holder} holds no item `{after}`", "after")
         items = items[at + 1 :]
-    return web.json_response(_page(items[: int(limit)], len(items) > int(limit)))
+    return _page(items[: int(limit)], len(items) > int(limit))
 
 
 def _page(items: list[dict[str, Any]], more: bool) -> dict[str, Any]:

@@ -73,6 +73,8 @@ class Kept:
     messages: list[dict[str, Any]] | None
     response: dict[str, Any]
     run: Run | None = None
+    input_items: list[dict[str, Any]] = field(default_factory=list)
+    """The request's ``input`` as items (`stored_items`), for ``GET /v1/responses/{id}/input_items``."""
 
     def now(self) -> dict[str, Any]:
         """The response object as it stands (a background reply's, while it runs)."""
@@ -140,7 +142,7 @@ class Asked:
     """The conversation the reply goes on (``conversation``): its input and output items are added to it
     when the reply ends well."""
     items: list[dict[str, Any]] = field(default_factory=list)
-    """The request's input as items a conversation keeps (`stored_items`), where it goes on one."""
+    """The request's input as items (`stored_items`): kept with the reply, and added to its conversation."""
     truncate: bool = False
     """``truncation: "auto"``: a conversation longer than the context loses its oldest steps (`truncated`)."""
 
@@ -155,10 +157,9 @@ def to_chat(raw: Any, store: Store, conversations: Conversations | None = None) 
         raise ApiError(400, "`model` is required: the served model's name", "model")
     history = _previous(raw.get("previous_response_id"), store)
     fresh = read_input(raw.get("input"))
-    conversation, items = _conversation(raw, conversations), []
+    conversation, items = _conversation(raw, conversations), stored_items(raw["input"], "input")
     if conversation is not None:
         history += read_input(copy.deepcopy(conversation.items)) if conversation.items else []
-        items = stored_items(raw["input"], "input")
         conversation.room(len(items) + 1, "conversation")  # its input, and at least one item of output
     history += fresh
     instructions = raw.get("instructions")

@@ -21,6 +21,7 @@ from . import protocol as p
 from . import responses
 from .background import Run
 from .chat_path import ChatPath
+from .conversations_api import page
 from .engine_loop import Stream
 from .replies import SSE_HEADERS, Choice, ended_early, reply_parts, whole_parts
 
@@ -137,6 +138,16 @@ async def stored(server: ChatPath, request: web.Request) -> web.StreamResponse:
     return await _follow(request, run, int(after))
 
 
+async def input_items(server: ChatPath, request: web.Request) -> web.Response:
+    """``GET /v1/responses/{id}/input_items``: a page of a kept reply's ``input`` as items
+    (`conversations_api.page`)."""
+    response_id = request.match_info["response_id"]
+    found = server.kept.get(response_id)
+    if found is None:
+        raise _not_kept(server, response_id)
+    return web.json_response(page(found.input_items, request.query, f"response `{response_id}`"))
+
+
 async def drop(server: ChatPath, request: web.Request) -> web.Response:
     """``DELETE /v1/responses/{id}``: let a kept reply go (a background one that runs is cancelled); no later
     ``previous_response_id`` finds it."""
@@ -206,7 +217,7 @@ async def _background(
     events = responses.EventStream()
     queued = _object(server, reply, "queued", [], None)
     run = Run(stream, queued)
-    server.kept.put(reply.id, responses.Kept(None, queued, run))
+    server.kept.put(reply.id, responses.Kept(None, queued, run, reply.asked.items))
     run.write(events.event("response.created", response=queued))
     run.write(events.event("response.queued", response=queued))
     run.task = asyncio.ensure_future(_run(server, stream, reply, events, run))
@@ -360,7 +371,7 @@ def _keep(
     if not reply.asked.store:
         return
     messages = None if parts is None else [*reply.asked.history, responses.reply_message(parts)]
-    kept = responses.Kept(messages, body, run)
+    kept = responses.Kept(messages, body, run, reply.asked.items)
     if run is None:
         server.kept.put(reply.id, kept)
     else:
