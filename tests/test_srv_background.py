@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 from srv_helpers import Launched, get_json, http, launch
 
-from strata_runtime.server import responses as r
+from strata_runtime.server import responses_store as rs
 from strata_runtime.server.background import Run
 
 openai = pytest.importorskip("openai")
@@ -196,24 +196,24 @@ def _run(size: int, *, finished: bool) -> Run:
 def test_the_store_keeps_running_replies_and_lets_the_oldest_finished_events_go():
     """Past ``most`` replies the least recently used finished one goes, never one still running; past
     ``event_bytes`` of finished runs' events the oldest runs' events go (their response objects stay)."""
-    store = r.Store(most=2, event_bytes=250)
+    store = rs.Store(most=2, event_bytes=250)
     running = _run(100, finished=False)
-    store.put("a", r.Kept(None, {}, running))
-    store.put("b", r.Kept([], {}, _run(100, finished=True)))
+    store.put("a", rs.Kept(None, {}, running))
+    store.put("b", rs.Kept([], {}, _run(100, finished=True)))
     old = store.get("b")
-    store.put("c", r.Kept([], {}, _run(100, finished=True)))
+    store.put("c", rs.Kept([], {}, _run(100, finished=True)))
     assert store.get("a") is not None and store.get("b") is None and store.get("c") is not None
-    store.put("d", r.Kept([], {}, _run(100, finished=True)))
+    store.put("d", rs.Kept([], {}, _run(100, finished=True)))
     assert store.get("a") is not None and store.get("c") is None
     assert old is not None and old.run is not None and old.run.events is not None  # let go, not emptied
-    store = r.Store(most=8, event_bytes=250)
+    store = rs.Store(most=8, event_bytes=250)
     runs = [_run(100, finished=True) for _ in range(4)]
     for i, run in enumerate(runs):
-        store.put(str(i), r.Kept([], {}, run))
+        store.put(str(i), rs.Kept([], {}, run))
     assert [run.events is None for run in runs] == [True, True, False, False]
     assert all(store.get(str(i)) is not None for i in range(4))
-    store.update("gone", r.Kept([], {}))
+    store.update("gone", rs.Kept([], {}))
     assert store.get("gone") is None
-    store.put("x", r.Kept(None, {"status": "queued"}, running))
-    store.update("x", r.Kept([], {"status": "completed"}, running))
+    store.put("x", rs.Kept(None, {"status": "queued"}, running))
+    store.update("x", rs.Kept([], {"status": "completed"}, running))
     assert store.get("x").messages == []

@@ -14,6 +14,7 @@ from srv_helpers import Launched, http, launch
 
 from strata_runtime.server import conversations
 from strata_runtime.server import responses as r
+from strata_runtime.server import responses_store as rs
 from strata_runtime.server.errors import ApiError
 
 openai = pytest.importorskip("openai")
@@ -143,7 +144,7 @@ def test_a_full_conversation_takes_no_more_items(monkeypatch):
         conversation.room(2, "items")
     assert info.value.param == "items" and "at most 3" in info.value.message
     with pytest.raises(ApiError) as info:
-        r.to_chat({"model": "m", "input": "hi", "conversation": conversation.id}, r.Store(), kept)
+        r.to_chat({"model": "m", "input": "hi", "conversation": conversation.id}, rs.Store(), kept)
     assert info.value.param == "conversation"
     kept.add(conversation.id, [{**said[0], "id": "c"}])
     assert [i["id"] for i in kept.get(conversation.id).items] == ["a", "b", "c"]

@@ -14,6 +14,8 @@ from srv_helpers import Launched, http, launch
 from strata_runtime.chat import ToolCall
 from strata_runtime.server import protocol as p
 from strata_runtime.server import responses as r
+from strata_runtime.server import responses_reply as reply
+from strata_runtime.server import responses_store as rs
 from strata_runtime.server.errors import ApiError
 
 openai = pytest.importorskip("openai")
@@ -78,7 +80,7 @@ def test_a_responses_body_reads_as_the_chat_it_asks_for():
             "temperature": 0.5,
             "metadata": {"user": "u"},
         },
-        r.Store(),
+        rs.Store(),
     )
     chat = asked.chat
     assert chat["messages"][0] == {"role": "system", "content": "Be brief."}
@@ -122,25 +124,25 @@ def test_a_responses_body_reads_as_the_chat_it_asks_for():
     assert (
         asked.store and asked.echo["instructions"] == "Be brief." and asked.echo["metadata"] == {"user": "u"}
     )
-    budgeted = r.to_chat({"model": "m", "input": "hi", "thinking_token_budget": 64}, r.Store())
+    budgeted = r.to_chat({"model": "m", "input": "hi", "thinking_token_budget": 64}, rs.Store())
     assert p.parse_chat(budgeted.chat).thinking_token_budget == 64
-    plain = r.to_chat({"model": "m", "input": "hi", "store": False}, r.Store())
+    plain = r.to_chat({"model": "m", "input": "hi", "store": False}, rs.Store())
     assert plain.chat["messages"] == [{"role": "user", "content": "hi"}] and not plain.store
 
 
 def test_a_previous_response_goes_on_from_its_conversation_without_its_instructions():
-    store = r.Store(most=2)
+    store = rs.Store(most=2)
     store.put(
-        "resp_a", r.Kept([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello"}], {})
+        "resp_a", rs.Kept([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello"}], {})
     )
     asked = r.to_chat(
         {"model": "m", "instructions": "Now in French.", "previous_response_id": "resp_a", "input": "more"},
         store,
     )
     assert [m["content"] for m in asked.chat["messages"]] == ["Now in French.", "hi", "Hello", "more"]
-    store.put("resp_b", r.Kept([], {}))
+    store.put("resp_b", rs.Kept([], {}))
     store.get("resp_a")  # used: kept over resp_b
-    store.put("resp_c", r.Kept([], {}))
+    store.put("resp_c", rs.Kept([], {}))
     assert store.get("resp_b") is None and store.get("resp_a") is not None
     with pytest.raises(ApiError) as info:
         r.to_chat({"model": "m", "previous_response_id": "resp_b", "input": "x"}, store)
@@ -176,7 +178,7 @@ BAD = [
 @pytest.mark.parametrize(("raw", "param"), BAD)
 def test_a_bad_responses_body_names_the_field(raw, param):
     with pytest.raises(ApiError) as info:
-        r.to_chat(raw, r.Store())
+        r.to_chat(raw, rs.Store())
     assert (info.value.status, info.value.param) == (400, param)
     assert f"`{param}`" in info.value.message  # the message names the field too
 
@@ -203,7 +205,7 @@ def _events(chunks: list[bytes]) -> list[dict]:
 def test_a_streams_items_open_and_close_as_the_kind_of_text_changes():
     """Reasoning, then text in two deltas, then a call: three items, each opened, filled and closed, the
     events numbered from 0; the items closed are the whole reply's output items."""
-    s = r.EventStream()
+    s = reply.EventStream()
     call = ToolCall("now", "{}")
     chunks = (
         s.text("reasoning", "hm") + s.text("content", "It is ") + s.text("content", "late.") + s.call(call)
@@ -231,7 +233,9 @@ def test_a_streams_items_open_and_close_as_the_kind_of_text_changes():
     ]
     assert [e["output_index"] for e in events if e["type"] == "response.output_item.done"] == [0, 1, 2]
     assert events[10]["text"] == "It is late."
-    whole = r.output_items([("reasoning", "hm"), ("content", "It is "), ("content", "late."), ("call", call)])
+    whole = reply.output_items(
+        [("reasoning", "hm"), ("content", "It is "), ("content", "late."), ("call", call)]
+    )
     assert [(i["type"], i.get("content"), i.get("arguments")) for i in whole] == [
         (i["type"], i.get("content"), i.get("arguments")) for i in s.items
     ]

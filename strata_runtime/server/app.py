@@ -25,7 +25,15 @@ from aiohttp import web
 from strata_cfg.schema.plan import LaunchPlan
 
 from ..api import EngineCore, TokenLogprob, token_name
-from . import anthropic, conversations, conversations_api, messages_api, responses, responses_api
+from . import (
+    anthropic,
+    conversations,
+    conversations_api,
+    messages_api,
+    responses,
+    responses_api,
+    responses_store,
+)
 from . import protocol as p
 from .chat_request import chat_prompt, check_grammar, prepare_chat
 from .connection import AccessLog, JsonErrorRunner
@@ -91,7 +99,7 @@ class Server:
         self.engine: EngineLoop | None = None
         self.port: int | None = None
         """The port bound, once listening (``options.port`` may be 0: any free port)."""
-        self.kept = responses.Store()
+        self.kept = responses_store.Store()
         """Replies of the Responses API kept for ``previous_response_id`` (`responses_api`)."""
         self.conversations = conversations.Conversations()
         """Conversations kept for the Conversations API and the Responses API's ``conversation``."""

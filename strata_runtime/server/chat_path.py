@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from .conversations import Conversations
     from .engine_loop import Stream
     from .replies import Piece, Whole
-    from .responses import Store
+    from .responses_store import Store
     from .tools import ToolUse
 
 

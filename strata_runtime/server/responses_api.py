@@ -1,8 +1,9 @@
 """The endpoints of OpenAI's Responses API: ``POST /v1/responses``, served by the chat path, its reply written
 back as output items, whole or as the API's numbered events, or run in the background (``background``) and
 followed by its id; ``GET /v1/responses/{id}`` (a kept reply, or a background reply's events from a cursor),
-``DELETE`` of it, and ``POST /v1/responses/{id}/cancel``. How a body reads and how a reply is written are in
-`responses`; a background reply's events, in `background`."""
+``DELETE`` of it, ``POST /v1/responses/{id}/cancel`` and ``GET /v1/responses/{id}/input_items``. How a body
+reads is in `responses`, how a reply is written in `responses_reply`, what is kept in `responses_store`, and
+a background reply's events in `background`."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from aiohttp import web
 
 from ..chat import CallArguments, CallStart, ToolCall
 from . import protocol as p
-from . import responses
+from . import responses, responses_reply, responses_store
 from .background import Run
 from .chat_path import ChatPath
 from .conversations_api import page
@@ -49,7 +50,7 @@ async def create(server: ChatPath, request: web.Request) -> web.StreamResponse:
     ``background``, the request is answered at once and the reply runs on (`_background`)."""
     asked = responses.to_chat(await server.read_json(request), server.kept, server.conversations)
     prepared = await _prepare(server, asked)
-    reply = Reply(responses.new_id("resp"), int(time.time()), asked, prepared)
+    reply = Reply(responses_reply.new_id("resp"), int(time.time()), asked, prepared)
     stream = server.submit(prepared)
     if asked.background:
         return await _background(server, request, stream, reply)
@@ -61,9 +62,9 @@ async def create(server: ChatPath, request: web.Request) -> web.StreamResponse:
         status = "incomplete" if whole.end == "length" else "completed"
         spans = None
         if whole.logprobs is not None:  # the request asked (``include``): each message's tokens'
-            spans = responses.TokenSpans()
+            spans = responses_reply.TokenSpans()
             spans.add(whole.logprobs["content"])
-        output = responses.output_items(parts, spans)
+        output = responses_reply.output_items(parts, spans)
         use = _usage(reply, stream, whole.tokens, whole.reasoning_tokens)
         body = _object(server, reply, status, output, use)
         _keep(server, reply, body, parts)
@@ -198,7 +199,7 @@ async def _streamed(
     reply's (`_write_reply`)."""
     response = web.StreamResponse(headers=SSE_HEADERS)
     await response.prepare(request)
-    events = responses.EventStream()
+    events = responses_reply.EventStream()
     start = _object(server, reply, "in_progress", [], None)
     await response.write(events.event("response.created", response=start))
     await response.write(events.event("response.in_progress", response=start))
@@ -214,10 +215,10 @@ async def _background(
     ``response.queued``, then the reply's) written to its `Run` by a task of its own, which a closed
     connection does not stop; answered with the queued response object, or, streamed, with the run's
     events as they come."""
-    events = responses.EventStream()
+    events = responses_reply.EventStream()
     queued = _object(server, reply, "queued", [], None)
     run = Run(stream, queued)
-    server.kept.put(reply.id, responses.Kept(None, queued, run, reply.asked.items))
+    server.kept.put(reply.id, responses_store.Kept(None, queued, run, reply.asked.items))
     run.write(events.event("response.created", response=queued))
     run.write(events.event("response.queued", response=queued))
     run.task = asyncio.ensure_future(_run(server, stream, reply, events, run))
@@ -227,7 +228,7 @@ async def _background(
 
 
 async def _run(
-    server: ChatPath, stream: Stream, reply: Reply, events: responses.EventStream, run: Run
+    server: ChatPath, stream: Stream, reply: Reply, events: responses_reply.EventStream, run: Run
 ) -> None:
     """Write a background reply to its run, and end the run however the reply ends."""
 
@@ -263,7 +264,7 @@ async def _write_reply(
     server: ChatPath,
     stream: Stream,
     reply: Reply,
-    events: responses.EventStream,
+    events: responses_reply.EventStream,
     write: Write,
     run: Run | None = None,
 ) -> dict[str, Any]:
@@ -275,7 +276,7 @@ async def _write_reply(
     its response object returned."""
     c = Choice(0, reply.prepared, progress=True)
     tokens, parts = 0, list[tuple[str, str | ToolCall]]()
-    spans = responses.TokenSpans() if reply.prepared.request.sampling.logprobs is not None else None
+    spans = responses_reply.TokenSpans() if reply.prepared.request.sampling.logprobs is not None else None
 
     async def say(text: str, done: bool) -> None:
         """Write what a stretch of the reply says: its items' deltas, and items opened and closed."""
@@ -336,7 +337,7 @@ async def _write_reply(
 
 
 def _usage(reply: Reply, stream: Stream, tokens: int, reasoning_tokens: int | None) -> dict[str, Any]:
-    return responses.usage(
+    return responses_reply.usage(
         reply.prepared.prompt_tokens, tokens, stream.handle.cached_tokens, reasoning_tokens or 0
     )
 
@@ -351,7 +352,7 @@ def _object(
 ) -> dict[str, Any]:
     """The reply's response object as it stands."""
     model, echo = server.options.model_name, reply.asked.echo
-    return responses.response(reply.id, reply.created, model, echo, status, output, use, error)
+    return responses_reply.response(reply.id, reply.created, model, echo, status, output, use, error)
 
 
 def _keep(
@@ -370,8 +371,8 @@ def _keep(
         server.conversations.add(reply.asked.conversation, added)
     if not reply.asked.store:
         return
-    messages = None if parts is None else [*reply.asked.history, responses.reply_message(parts)]
-    kept = responses.Kept(messages, body, run, reply.asked.items)
+    messages = None if parts is None else [*reply.asked.history, responses_reply.reply_message(parts)]
+    kept = responses_store.Kept(messages, body, run, reply.asked.items)
     if run is None:
         server.kept.put(reply.id, kept)
     else:
