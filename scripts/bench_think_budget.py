@@ -17,7 +17,7 @@ Usage: ``python scripts/bench_think_budget.py [PROFILE] [--tokens N] [--budget N
 from bench_grammar_cost import arguments, report, runner
 
 from strata_runtime.api import Reasoning, SamplingParams
-from strata_runtime.chat import think_ids
+from strata_runtime.thinking import think_ids
 
 
 def main() -> None:

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from .api import Reasoning, Tokenizer
-from .chat import think_ids
+from .thinking import think_ids
 
 
 class GrammarError(ValueError):

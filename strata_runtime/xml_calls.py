@@ -32,7 +32,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from .chat import CallFormat, ToolCall
+from .chat import CallFormat, ToolCall, partial_tail
 
 Layout = Literal["hermes", "xml"]
 """How a model writes its tool calls: JSON in ``<tool_call>`` blocks (Qwen3's "Hermes" layout), or XML tags
@@ -143,8 +143,8 @@ class Arguments:
         if end < 0:
             if self._string:
                 tails = (
-                    _partial_tail(self._held, "\n" + PARAMETER_CLOSE),
-                    _partial_tail(self._held, PARAMETER_CLOSE),
+                    partial_tail(self._held, "\n" + PARAMETER_CLOSE),
+                    partial_tail(self._held, PARAMETER_CLOSE),
                 )
                 keep = max(*tails, 1 if self._held.endswith("\n") else 0)
                 said, self._held = self._held[: len(self._held) - keep], self._held[len(self._held) - keep :]
@@ -189,13 +189,6 @@ def _next_tag(text: str) -> int:
 def _could_begin(text: str) -> bool:
     """Whether ``text`` may yet turn out to begin a parameter's tag or ``</function>``."""
     return PARAMETER_OPEN.startswith(text) or FUNCTION_CLOSE.startswith(text)
-
-
-def _partial_tail(text: str, tag: str) -> int:
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
 
 
 def read_call(inner: str, tools: Sequence[Mapping[str, Any]] = ()) -> ToolCall | None:

@@ -328,8 +328,8 @@ def test_reasoning_sent_back_reaches_qwen3s_template_for_an_agents_steps():
     """An assistant message's ``reasoning_content``, read from a chat body as the server reads it, is shown
     by Qwen3's template for the steps after the last user message; a template that closes the block
     (``enable_thinking: false``) ends the prompt after it."""
-    from strata_runtime.chat import thinking_at_end
     from strata_runtime.server import protocol as p
+    from strata_runtime.thinking import thinking_at_end
 
     body = p.parse_chat(
         {"model": "m", "messages": AGENT_STEPS[:1] + [_openai(AGENT_STEPS[1]), AGENT_STEPS[2]]}

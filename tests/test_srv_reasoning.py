@@ -17,9 +17,9 @@ import pytest
 from srv_helpers import DEMO, serve_demo, streamed_reply
 
 from strata_cfg.plan.from_profile import resolve_profile
-from strata_runtime.chat import ThinkCount, ThinkSplitter, split_thinking, think_ids, thinking_at_end
 from strata_runtime.engine import Engine
 from strata_runtime.server import protocol as p
+from strata_runtime.thinking import ThinkCount, ThinkSplitter, split_thinking, think_ids, thinking_at_end
 from strata_runtime.weights.tokenizer import ByteTokenizer, HFTokenizer
 
 

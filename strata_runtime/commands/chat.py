@@ -33,7 +33,7 @@ from strata_cfg.schema.plan_file import read_plan
 from strata_cfg.schema.sampling_options import add_chat_arguments, chat_problem, sampling_options
 
 from ..api import Reasoning, Request, RequestHandle, SamplingParams, Tokenizer
-from ..chat import ThinkSplitter, think_ids, thinking_at_end
+from ..thinking import ThinkSplitter, think_ids, thinking_at_end
 from .http_client import Endpoint, events
 
 if TYPE_CHECKING:

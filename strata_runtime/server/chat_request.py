@@ -10,8 +10,9 @@ from dataclasses import replace
 from typing import Any
 
 from ..api import Reasoning, Tokenizer
-from ..chat import ChatTemplateError, call_ids, think_ids, thinking_at_end
+from ..chat import ChatTemplateError, call_ids
 from ..structured import GrammarError, grammars_for, json_grammar, reasoning_grammar
+from ..thinking import think_ids, thinking_at_end
 from ..xml_calls import call_layout
 from . import protocol as p
 from .tools import ToolUse, tool_use

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..api import TokenLogprob
-from ..chat import CallSplitter, Said, ThinkCount, ThinkSplitter, ToolCall, split_reply, split_thinking
+from ..chat import CallSplitter, Said, ToolCall, split_reply
+from ..thinking import ThinkCount, ThinkSplitter, split_thinking
 from . import protocol as p
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -43,7 +44,7 @@ class Whole:
     stop: str | int | None
     """The stop string or token that ended it (`api.TokenEvent.stop`)."""
     reasoning_tokens: int | None = None
-    """The tokens its think block took (`chat.ThinkCount`); None where the model does not reason."""
+    """The tokens its think block took (`thinking.ThinkCount`); None where the model does not reason."""
 
 
 class Choice:
