@@ -145,10 +145,13 @@ def test_a_background_reply_deleted_while_it_runs_stops_and_stays_deleted(engine
     for event in client.responses.retrieve(started.id, stream=True):
         if event.type == "response.output_text.delta":
             break
+    kept = get_json(f"{engine.url}/v1/status", engine.key)["responses"]
+    assert kept["running_in_background"] == 1 and kept["kept"] >= 1
     client.responses.delete(started.id)
     assert _until_idle(engine) == 0
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(started.id)
+    assert get_json(f"{engine.url}/v1/status", engine.key)["responses"]["running_in_background"] == 0
     finished = _until_ended(client, client.responses.create(**_ask(6), background=True).id)
     assert finished.status in ("completed", "incomplete")
     assert client.responses.cancel(finished.id).model_dump() == finished.model_dump()

@@ -330,6 +330,7 @@ class Server:
             "uptime_s": round(time.time() - self.started, 3),
             "load_seconds": engine.load_seconds if engine else None,
             "requests_in_flight": engine.in_flight if engine else 0,
+            "responses": {**self.kept.counts(), "conversations": len(self.conversations)},
             "engine": stats,
             "experts": expert_cache(stats),
             "decisions": [d.model_dump(mode="json") for d in self.plan.decisions],

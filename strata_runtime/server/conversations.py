@@ -81,6 +81,10 @@ class Conversations:
             )
         return found
 
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._kept)
+
     def drop(self, conversation_id: str) -> None:
         self.get(conversation_id)
         with self._lock:

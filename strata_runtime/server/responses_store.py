@@ -69,6 +69,12 @@ class Store:
         if held:
             self.put(response_id, kept)
 
+    def counts(self) -> dict[str, int]:
+        """How many replies are kept, and how many of them are background replies still running."""
+        with self._lock:
+            running = sum(1 for v in self._kept.values() if v.run is not None and not v.run.finished)
+            return {"kept": len(self._kept), "running_in_background": running}
+
     def drop(self, response_id: str) -> Kept | None:
         """Let a reply go; what was kept, if it was."""
         with self._lock:
