@@ -100,6 +100,21 @@ class CompletionBody(_Body):
     """Each generated token's log-probability, and those of this many most likely tokens at its place."""
     echo: bool = False
     """Return the prompt before the completion (with ``logprobs``, the prompt tokens' figures too)."""
+    suffix: str | None = None
+    """The text that comes after the completion: the model fills in the middle (`FIM_TAGS`)."""
+
+
+FIM_TAGS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
+"""The tokens a fill-in-the-middle prompt is written with, as Qwen's coder models (and StarCoder's family,
+which use them too) were trained: the prefix, the suffix, then the middle, which the model writes."""
+
+
+def fim_ids(tokenizer: Tokenizer) -> tuple[int, int, int] | None:
+    """The model's fill-in-the-middle tokens (`FIM_TAGS`), where its vocabulary holds each as one token."""
+    ids = [tokenizer.encode(tag) for tag in FIM_TAGS]
+    if not all(len(one) == 1 for one in ids):
+        return None
+    return ids[0][0], ids[1][0], ids[2][0]
 
 
 class TextPart(_Strict):
@@ -284,7 +299,7 @@ def _check_text(text: str, path: tuple[str | int, ...]) -> None:
 def parse_completion(raw: Any) -> CompletionBody:
     """Validate a ``/v1/completions`` body."""
     body: CompletionBody = _parse(CompletionBody, raw)
-    _refuse_unsupported(body, {"suffix": ("",), "best_of": (1,)})
+    _refuse_unsupported(body, {"best_of": (1,)})
     return body
 
 
@@ -484,7 +499,26 @@ def prompts(
 ) -> list[tuple[list[int], str | None]]:
     """A completion's prompts: each one's token ids, with its text where it came as text (an id prompt's text
     is its ids' decoding, which an echo then shows). A string or a list of ids is one prompt; a list of
-    strings or of id lists is a batch."""
+    strings or of id lists is a batch. With a ``suffix``, each prompt is the prefix of a fill-in-the-middle
+    prompt (`fim_ids`)."""
+    read = _prompts(body, tokenizer, vocab_size)
+    if not body.suffix:
+        return read
+    fim = fim_ids(tokenizer)
+    if fim is None:
+        raise ApiError(
+            400,
+            "`suffix`: this model has no fill-in-the-middle tokens (" + ", ".join(FIM_TAGS) + " as tokens "
+            "of their own), so it cannot write the text between a prompt and a suffix",
+            "suffix",
+        )
+    after = tokenizer.encode(body.suffix)
+    return [([fim[0], *ids, fim[1], *after, fim[2]], text) for ids, text in read]
+
+
+def _prompts(
+    body: CompletionBody, tokenizer: Tokenizer, vocab_size: int
+) -> list[tuple[list[int], str | None]]:
     p = body.prompt
     if isinstance(p, str):
         return [(tokenizer.encode(p), p)]
