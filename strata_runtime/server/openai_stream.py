@@ -140,8 +140,8 @@ async def _send_parts(
     response: web.StreamResponse, c: Choice, piece: Piece, chunk: Callable[..., dict[str, Any]]
 ) -> None:
     """Send what a piece of a chat reply that is read into parts adds: its reasoning as ``reasoning_content``
-    deltas, the text outside calls as ``content``, each call as a ``tool_calls`` delta once it is closed (a
-    tail that may begin a tag is held back until it is known), and the finish, as ``tool_calls`` where the
+    deltas, the text outside calls as ``content``, each call in ``tool_calls`` deltas as it comes (`_deltas`;
+    a tail that may begin a tag is held back until it is known), and the finish, as ``tool_calls`` where the
     reply made calls and ended by itself. The pieces' log-probabilities go with the first chunk sent."""
     done = piece.finish is not None
     deltas = _deltas(c, reply_parts(c, piece.text, done))
