@@ -88,6 +88,9 @@ class Request:
     cache_salt: str = ""
     """Prefix reuse only between requests of the same salt (``memory.prefix_reuse``): a party that sends its
     own salt neither reuses nor reveals another party's prompts."""
+    priority: int = 0
+    """Lower is sooner: of the requests waiting for a slot, one of the lowest priority is admitted first (in
+    order of arrival among equals). A request already in a slot keeps it."""
 
 
 MAX_TOP_LOGPROBS = 20

@@ -406,3 +406,35 @@ def test_a_seeded_request_on_an_idle_engine_does_not_depend_on_the_requests_befo
         collect(eng, history)
         assert not eng._chain and not eng._flights
         assert collect(eng, sampled) == fresh
+
+
+def test_waiting_requests_get_the_free_slot_in_order_of_priority_then_of_arrival() -> None:
+    """One slot, held by a request; four wait, of priorities 1, 0, 1 and -1: the slot goes to them as it
+    frees in the order -1, 0, then the two of priority 1 as they came, and each gets the text it gets
+    alone."""
+    plan = make_plan(stages=1, slots=1, context=128, prefill_chunk=16)
+    eng = Engine(plan)
+    first = eng.submit(Request(tuple(b"Holding the slot"), 6))
+    eng.step()
+    assert first.slot == 0
+    waiting = {
+        name: eng.submit(Request(tuple(f"Request {name}".encode()), 4, priority=priority))
+        for name, priority in (("a", 1), ("b", 0), ("c", 1), ("d", -1))
+    }
+    order: list[str] = []
+    for _ in range(400):
+        eng.step()
+        order += [n for n, h in waiting.items() if h.slot is not None and n not in order]
+        if len(order) == 4 and eng.slots == [None]:
+            break
+    assert order == ["d", "b", "a", "c"]
+    for handle in waiting.values():
+        tokens = [t for ev in _drained(handle) for t in ev.token_ids]
+        assert tuple(tokens) == reference("tiny", handle.request.prompt_ids, 4)
+
+
+def _drained(handle: Any) -> list[Any]:
+    out = []
+    while not handle.events.empty():
+        out.append(handle.events.get())
+    return out

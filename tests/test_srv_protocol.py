@@ -43,6 +43,8 @@ BAD_COMPLETIONS = [
     ({"model": "m", "prompt": "hi", "ignore_eos": 1}, 400, "ignore_eos", ["`ignore_eos`", "boolean"]),
     ({"model": "m", "prompt": "hi", "cache_salt": ""}, 400, "cache_salt", ["`cache_salt`", "at least 1"]),
     ({"model": "m", "prompt": "hi", "cache_salt": 7}, 400, "cache_salt", ["`cache_salt`", "string"]),
+    ({"model": "m", "prompt": "hi", "priority": "high"}, 400, "priority", ["`priority`", "integer"]),
+    ({"model": "m", "prompt": "hi", "priority": 2**31}, 400, "priority", ["`priority`"]),
 ]
 
 
@@ -291,10 +293,10 @@ def test_sampling_and_stop_reach_the_engine_request():
         (p.parse_completion, {"prompt": "x"}),
         (p.parse_chat, {"messages": [{"role": "user"}]}),
     ):
-        body = parse({"model": "m", **extra, "ignore_eos": True, "cache_salt": "tenant-7"})
+        body = parse({"model": "m", **extra, "ignore_eos": True, "cache_salt": "tenant-7", "priority": -3})
         req = p.prepare(body, [3], context=100, vocab_size=64, default_max_tokens=16).request
-        assert req.ignore_eos and req.cache_salt == "tenant-7"
-    assert r.cache_salt == ""  # none given: the salt of every request that gives none
+        assert req.ignore_eos and req.cache_salt == "tenant-7" and req.priority == -3
+    assert r.cache_salt == "" and r.priority == 0  # none given: the salt and priority of most requests
     assert r.request_id.startswith("cmpl-")
     for stop in (["a", "b", "c", "d", "e"], [""]):
         body = p.parse_completion({"model": "m", "prompt": "x", "stop": stop})

@@ -445,3 +445,12 @@ def test_errors_name_the_responses_api_field(client):
             model="demo", input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]
         )
     assert info.value.body["param"] == "input.0.content.0.type"
+
+
+def test_the_priority_extension_reaches_the_chat_body_from_the_responses_and_messages_apis():
+    from strata_runtime.server import anthropic
+
+    asked = r.to_chat({"model": "m", "input": "hi", "priority": -2}, rs.Store())
+    assert asked.chat["priority"] == -2
+    raw = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "priority": 5}
+    assert anthropic.to_chat(raw)["priority"] == 5

@@ -172,8 +172,9 @@ class Engine:
         if problem:
             handle.events.put(TokenEvent((), "", "error", 0, problem))
             return handle
-        with self._lock:
-            self._queue.append(handle)
+        with self._lock:  # behind every request waiting of its priority or a lower one
+            at = next((i for i, h in enumerate(self._queue) if h.request.priority > request.priority), None)
+            self._queue.insert(len(self._queue) if at is None else at, handle)
         return handle
 
     def step(self) -> bool:
@@ -329,9 +330,9 @@ class Engine:
         return None
 
     def _admit(self) -> None:
-        """Admit queued requests, in order, while slots are free. A request that should wait for a busy slot
-        still reading what it shares (`worth_waiting`) stays at the head of the queue and keeps one free slot
-        for itself; a later request may take any slot beyond those."""
+        """Admit queued requests, in order (of priority, then of arrival), while slots are free. A request
+        that should wait for a busy slot still reading what it shares (`worth_waiting`) stays at the head of
+        the queue and keeps one free slot for itself; a later request may take any slot beyond those."""
         with self._lock:
             waiting: list[RequestHandle] = []
             while self._queue and self.slots.count(None) > len(waiting):

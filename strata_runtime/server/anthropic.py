@@ -67,7 +67,7 @@ def to_chat(raw: Any, *, counting: bool = False) -> dict[str, Any]:
                 400, "`max_tokens` is required: the most tokens the reply may have (1 or more)", "max_tokens"
             )
         body["max_tokens"] = max_tokens
-    for key in ("temperature", "top_p", "top_k", "stream"):
+    for key in ("temperature", "top_p", "top_k", "stream", "priority"):
         if raw.get(key) is not None:
             body[key] = raw[key]
     stops = raw.get("stop_sequences")

@@ -84,6 +84,9 @@ class _Body(_Strict):
     """An extension (as vLLM takes it): a request reuses a slot's kept prompt only if that prompt was sent
     with the same salt (``memory.prefix_reuse``), so parties that share a server each send their own and
     cannot learn from the usage or the time to the first token what another sent."""
+    priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)
+    """An extension (as vLLM takes it): lower is sooner. Of the requests waiting for a slot, one of the
+    lowest priority gets the next one free (`strata_runtime.api.Request.priority`)."""
     stream: bool = False
     stream_options: StreamOptions | None = None
 
@@ -684,6 +687,7 @@ def prepare(
         request_id=new_id("chatcmpl" if isinstance(body, ChatBody) else "cmpl"),
         ignore_eos=body.ignore_eos,
         cache_salt=body.cache_salt or "",
+        priority=body.priority,
     )
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return Prepared(

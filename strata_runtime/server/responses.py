@@ -42,9 +42,10 @@ PASSED = (
     "stream",
     "thinking_token_budget",
     "ignore_eos",
+    "priority",
 )
-"""Fields a Responses body gives the chat path as they are (``top_k``, ``seed``, ``thinking_token_budget``
-and ``ignore_eos`` as extensions, as the chat path takes them)."""
+"""Fields a Responses body gives the chat path as they are (``top_k``, ``seed``, ``thinking_token_budget``,
+``ignore_eos`` and ``priority`` as extensions, as the chat path takes them)."""
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
 """A message item's parts that are text (a refusal's text is in its ``refusal``)."""
 
