@@ -12,6 +12,8 @@ from types import MappingProxyType
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from srv_helpers import serve_demo, streamed_reply
 from test_rt_tool_calls import _TextTokenizer
 from test_srv_strict_tools import ARGS, NOW, WEATHER, CallingBytes, _follows
@@ -19,6 +21,7 @@ from test_srv_strict_tools import ARGS, NOW, WEATHER, CallingBytes, _follows
 from strata_runtime.chat import (
     CALL_CLOSE,
     CALL_OPEN,
+    HERMES,
     CallArguments,
     CallSplitter,
     CallStart,
@@ -283,3 +286,98 @@ def test_the_served_demo_with_this_layout_makes_a_required_call_read_back_as_too
         c for chunk in chunks for choice in chunk["choices"] for c in choice["delta"].get("tool_calls") or []
     ]
     assert len(said) > 2 and said[0]["function"]["name"] == "get_weather"  # begun, then as it came
+
+
+PIECES = [
+    CALL_OPEN,
+    CALL_CLOSE,
+    "<function=search>",
+    "<function=get_weather>",
+    "</function>",
+    "<parameter=query>",
+    "<parameter=limit>",
+    "<parameter=city>",
+    "</parameter>",
+    "<parameter=",
+    "</para",
+    '{"name": "now", "arguments": {',
+    '"x": [1, "}"]',
+    "\n",
+    " ",
+    "a",
+    "<",
+    "/",
+    ">",
+    "5",
+    "{",
+    "}",
+    '"',
+    "\\",
+    "true",
+    "null",
+    "中",
+]
+"""Stretches of text a reply is made of in `test_any_reply_in_any_pieces_splits_as_it_does_whole`: calls
+of both layouts, their tags cut short, and the characters their readers must follow."""
+
+
+VALUES = st.text(alphabet='ab <>/\n"\\{}5中', max_size=10)
+"""A parameter's or an argument's value, with the characters the readers must follow."""
+XML_CALLS = st.builds(
+    lambda name, params: (
+        f"{CALL_OPEN}\n<function={name}>\n"
+        + "".join(f"<parameter={k}>{a}{v}{b}</parameter>\n" for k, v, a, b in params)
+        + f"</function>\n{CALL_CLOSE}"
+    ),
+    st.sampled_from(["search", "get_weather"]),
+    st.lists(
+        st.tuples(
+            st.sampled_from(["query", "limit", "city", "days"]),
+            VALUES,
+            st.sampled_from(["\n", ""]),
+            st.sampled_from(["\n", ""]),
+        ),
+        max_size=3,
+    ),
+)
+HERMES_CALLS = st.builds(
+    lambda name, value: (
+        f'{CALL_OPEN}\n{{"name": "{name}", "arguments": {{"x": {json.dumps(value)}}}}}\n{CALL_CLOSE}'
+    ),
+    st.sampled_from(["now", "get_weather"]),
+    VALUES,
+)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(st.one_of(st.sampled_from(PIECES), XML_CALLS, HERMES_CALLS), max_size=12),
+    st.integers(0, 2**32 - 1),
+    st.sampled_from(["hermes", "xml"]),
+)
+def test_any_reply_in_any_pieces_splits_as_it_does_whole(pieces, seed, layout):
+    """Whatever the reply and however it arrives, the splitter says the text and the calls that the whole
+    reply holds; each call begun as it came has, as its arguments, what its stretches joined; and in the XML
+    layout every call's arguments are a JSON object, however the model broke its tags."""
+    text = "".join(pieces)
+    form = call_format([SEARCH, WEATHER]) if layout == "xml" else HERMES
+    splitter, fed, at, g = CallSplitter(form, progress=True), [], 0, np.random.default_rng(seed)
+    while at < len(text):  # in pieces of 1 to 6 characters
+        n = int(g.integers(1, 7))
+        fed += splitter.feed(text[at : at + n])
+        at += n
+    fed += splitter.close()
+    words, calls = split_reply(text, form)
+    assert ("".join(x for x in fed if isinstance(x, str)) or None) == words
+    got = [x for x in fed if isinstance(x, ToolCall)]
+    assert [(c.name, c.arguments) for c in got] == [(c.name, c.arguments) for c in calls]
+    said: dict[str, str] = {}
+    for part in fed:
+        if isinstance(part, CallStart):
+            said[part.id] = ""
+            last = part.id
+        elif isinstance(part, CallArguments):
+            said[last] += part.text
+    assert all(said[c.id] == c.arguments for c in got if c.id in said)
+    if layout == "xml":
+        assert all(isinstance(json.loads(c.arguments), dict) for c in got if c.id in said)
