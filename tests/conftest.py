@@ -1,8 +1,11 @@
-"""Shared test configuration: the `gpu` marker skips without a CUDA device, `gpu2` with fewer than two."""
+"""Shared test configuration: the `gpu` marker skips without a CUDA device, `gpu2` with fewer than two; the
+server tests' demo `engine`, launched once a module, and its openai `client`."""
 
 from __future__ import annotations
 
 import importlib.util
+import secrets
+from typing import Any
 
 import pytest
 
@@ -30,3 +33,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 "needs a CUDA GPU with CuPy" if n == 1 else f"needs {n} CUDA GPUs with CuPy ({count} here)"
             )
             item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Any:
+    """The demo engine started by `strata launch` (CPU) with an API key, once for a test module."""
+    from srv_helpers import launch
+
+    launched = launch(tmp_path_factory.mktemp(request.module.__name__), key=secrets.token_urlsafe(16))
+    yield launched
+    launched.stop()
+
+
+@pytest.fixture(scope="module")
+def client(engine: Any) -> Any:
+    """The openai SDK's client of the module's `engine`, retrying nothing."""
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=f"{engine.url}/v1", api_key=engine.key, max_retries=0, timeout=60)

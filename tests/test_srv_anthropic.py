@@ -9,7 +9,7 @@ import json
 import secrets
 
 import pytest
-from srv_helpers import Launched, http, launch
+from srv_helpers import Launched, http
 
 from strata_runtime.chat import ToolCall
 from strata_runtime.server import anthropic as a
@@ -270,13 +270,6 @@ def test_a_streams_blocks_open_and_close_as_the_kind_of_text_changes():
     assert a.stop_reason("stop", True, None) == ("tool_use", None)
     assert a.stop_reason("stop", False, "\n\n") == ("stop_sequence", "\n\n")
     assert a.stop_reason("stop", False, 258) == ("end_turn", None)
-
-
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Launched:
-    launched = launch(tmp_path_factory.mktemp("anthropic"), key=secrets.token_urlsafe(16))
-    yield launched
-    launched.stop()
 
 
 @pytest.fixture(scope="module")

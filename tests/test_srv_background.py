@@ -11,7 +11,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from srv_helpers import Launched, get_json, http, launch
+from srv_helpers import Launched, get_json, http
 
 from strata_runtime.server import responses_store as rs
 from strata_runtime.server.background import Run
@@ -19,18 +19,6 @@ from strata_runtime.server.background import Run
 openai = pytest.importorskip("openai")
 
 ENDED = ("completed", "incomplete", "failed", "cancelled")
-
-
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Launched:
-    launched = launch(tmp_path_factory.mktemp("background"), key=secrets.token_urlsafe(16))
-    yield launched
-    launched.stop()
-
-
-@pytest.fixture(scope="module")
-def client(engine: Launched):
-    return openai.OpenAI(base_url=f"{engine.url}/v1", api_key=engine.key, max_retries=0, timeout=60)
 
 
 def _ask(tokens: int, **more) -> dict:

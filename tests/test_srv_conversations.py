@@ -10,7 +10,7 @@ import secrets
 import time
 
 import pytest
-from srv_helpers import Launched, http, launch
+from srv_helpers import Launched, http
 
 from strata_runtime.server import conversations
 from strata_runtime.server import responses as r
@@ -18,18 +18,6 @@ from strata_runtime.server import responses_store as rs
 from strata_runtime.server.errors import ApiError
 
 openai = pytest.importorskip("openai")
-
-
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Launched:
-    launched = launch(tmp_path_factory.mktemp("conversations"), key=secrets.token_urlsafe(16))
-    yield launched
-    launched.stop()
-
-
-@pytest.fixture(scope="module")
-def client(engine: Launched):
-    return openai.OpenAI(base_url=f"{engine.url}/v1", api_key=engine.key, max_retries=0, timeout=60)
 
 
 def _chat(client, messages: list[dict], tokens: int) -> str:

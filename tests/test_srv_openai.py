@@ -19,19 +19,7 @@ from typing import Any
 
 import openai
 import pytest
-from srv_helpers import Launched, alive, get_json, http, launch, strata, wait_for
-
-
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Launched:
-    launched = launch(tmp_path_factory.mktemp("srv"), key=secrets.token_urlsafe(16))
-    yield launched
-    launched.stop()
-
-
-@pytest.fixture(scope="module")
-def client(engine: Launched) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{engine.url}/v1", api_key=engine.key, max_retries=0, timeout=60)
+from srv_helpers import Launched, alive, get_json, http, strata, wait_for
 
 
 def _prompt() -> str:

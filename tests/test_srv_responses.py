@@ -9,7 +9,7 @@ import json
 import secrets
 
 import pytest
-from srv_helpers import Launched, http, launch
+from srv_helpers import Launched, http
 
 from strata_runtime.chat import ToolCall
 from strata_runtime.server import protocol as p
@@ -243,18 +243,6 @@ def test_a_streams_items_open_and_close_as_the_kind_of_text_changes():
 
 
 # ---- the SDK against the demo engine ---------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Launched:
-    launched = launch(tmp_path_factory.mktemp("responses"), key=secrets.token_urlsafe(16))
-    yield launched
-    launched.stop()
-
-
-@pytest.fixture(scope="module")
-def client(engine: Launched):
-    return openai.OpenAI(base_url=f"{engine.url}/v1", api_key=engine.key, max_retries=0, timeout=60)
 
 
 def _prompt() -> str:
