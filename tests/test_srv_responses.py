@@ -162,7 +162,7 @@ BAD = [
     ({"model": "m", "input": [{"type": "function_call", "name": "f"}]}, "input.0"),
     ({"model": "m", "input": [{"type": "function_call_output", "output": "x"}]}, "input.0.call_id"),
     ({"model": "m", "input": "x", "tools": [{"type": "web_search"}]}, "tools.0.type"),
-    ({"model": "m", "input": "x", "tool_choice": {"type": "allowed_tools"}}, "tool_choice"),
+    ({"model": "m", "input": "x", "tool_choice": {"type": "mcp"}}, "tool_choice"),
     ({"model": "m", "input": "x", "text": {"format": {"type": "yaml"}}}, "text.format.type"),
     ({"model": "m", "input": "x", "reasoning": {"effort": "max"}}, "reasoning.effort"),
     ({"model": "m", "input": "x", "max_output_tokens": 0}, "max_output_tokens"),

@@ -11,10 +11,12 @@ from __future__ import annotations
 import json
 from types import MappingProxyType
 
+import pytest
 from srv_helpers import serve_demo, streamed_reply
 
 from strata_runtime.api import Reasoning
 from strata_runtime.chat import CALL_CLOSE, CALL_OPEN, call_ids, call_text
+from strata_runtime.server.errors import ApiError
 from strata_runtime.server.tools import ToolUse, tool_use
 from strata_runtime.structured import GrammarError, grammars_for, json_grammar, reasoning_grammar
 from strata_runtime.weights.tokenizer import ByteTokenizer
@@ -168,3 +170,82 @@ def test_a_strict_tools_schema_or_a_format_beside_it_that_cannot_be_followed_is_
     assert "`tools.1.function.parameters` cannot be followed" in tool[0]["error"]["message"]
     assert form[0]["error"]["param"] == "response_format.json_schema.schema", form
     assert "`response_format.json_schema.schema` cannot be followed" in form[0]["error"]["message"]
+
+
+def _allowed(mode: str, *names: str) -> dict:
+    tools = [{"type": "function", "function": {"name": n}} for n in names]
+    return {"type": "allowed_tools", "allowed_tools": {"mode": mode, "tools": tools}}
+
+
+def test_allowed_tools_hold_the_reply_to_calls_of_the_tools_it_lists():
+    """``tool_choice`` ``allowed_tools``: every tool stays in the prompt, and the reply may call only the
+    listed ones: ``required``, one call or more of them; ``auto``, text, or calls of them from the call
+    token on (a tool that is not strict taking any arguments)."""
+    tools = {"tools": [WEATHER, NOW]}
+    required = tool_use({**tools, "tool_choice": _allowed("required", "now")}, None, (261, 262))
+    assert required is not None and required.grammar is not None and required.allowed == ("now",)
+    assert [t["function"]["name"] for t in required.offered or []] == ["get_weather", "now"]
+    assert _follows(required.grammar, call_text("now", {}))
+    assert not _follows(required.grammar, call_text("get_weather", {"city": "Bath", "days": 2}))
+    assert not _follows(required.grammar, "Hello.")
+    auto = tool_use({**tools, "tool_choice": _allowed("auto", "get_weather")}, None, (261, 262))
+    assert auto is not None and auto.grammar is not None and auto.held == [0]  # strict: held to its schema
+    assert _follows(auto.grammar, "Hello.")
+    assert _follows(auto.grammar, "Let me look. " + call_text("get_weather", {"city": "York", "days": 1}))
+    assert not _follows(
+        auto.grammar, "Let me look. " + call_text("get_weather", {"city": "Leeds", "days": 1})
+    )
+    assert not _follows(auto.grammar, "Let me look. " + call_text("now", {}))
+    loose = tool_use({**tools, "tool_choice": _allowed("auto", "now")}, None, (261, 262))
+    assert loose is not None and loose.grammar is not None and loose.held == []
+    assert _follows(loose.grammar, call_text("now", {"any": ["thing"]}))
+    assert tool_use({**tools, "tool_choice": _allowed("auto", "now")}, None).grammar is None  # no tokens
+
+
+def test_allowed_tools_that_name_no_tool_or_no_mode_are_a_400_naming_the_part():
+    tools = {"tools": [WEATHER, NOW]}
+    bad = [
+        (_allowed("auto", "later"), "tool_choice.allowed_tools.tools.0", "`now`"),
+        (_allowed("sometimes", "now"), "tool_choice.allowed_tools.mode", '"required"'),
+        (
+            {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": []}},
+            "tool_choice.allowed_tools.tools",
+            "one or more",
+        ),
+    ]
+    for choice, param, words in bad:
+        with pytest.raises(ApiError) as info:
+            tool_use({**tools, "tool_choice": choice}, None, (261, 262))
+        assert info.value.param == param and words in info.value.message, choice
+
+
+def test_the_served_demo_calls_only_an_allowed_tool_on_chat_and_on_the_responses_api():
+    """Required of one allowed tool of two: the demo's reply calls it, on chat and on the Responses API
+    (whose ``allowed_tools`` names tools as its own function tools do)."""
+    chat = {
+        "model": "demo",
+        "messages": [{"role": "user", "content": "Weather?"}],
+        "max_tokens": 60,
+        "temperature": 0,
+        "tools": [WEATHER, NOW],
+        "tool_choice": _allowed("required", "now"),
+        "parallel_tool_calls": False,
+    }
+    ((whole, _),) = serve_demo(CallingBytes, [chat])
+    (call,) = whole["choices"][0]["message"]["tool_calls"]
+    assert call["function"]["name"] == "now"
+    responses = {
+        "model": "demo",
+        "input": "Weather?",
+        "max_output_tokens": 60,
+        "temperature": 0,
+        "tools": [{"type": "function", **WEATHER["function"]}, {"type": "function", **NOW["function"]}],
+        "tool_choice": {
+            "type": "allowed_tools",
+            "mode": "required",
+            "tools": [{"type": "function", "name": "now"}],
+        },
+        "parallel_tool_calls": False,
+    }
+    ((reply, _),) = serve_demo(CallingBytes, [responses], path="/v1/responses", streamed={"stream": False})
+    assert [(i["type"], i.get("name")) for i in reply["output"]] == [("function_call", "now")]

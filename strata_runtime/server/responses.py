@@ -334,13 +334,26 @@ def _tools(value: Any) -> list[dict[str, Any]]:
 
 
 def _tool_choice(value: Any) -> Any:
+    """``tool_choice`` in chat's shape: a function named, or ``allowed_tools`` (``mode`` and ``tools``, each
+    ``{"type": "function", "name": ...}``) as chat's ``{"type": "allowed_tools", "allowed_tools": ...}``."""
     if value in ("auto", "none", "required"):
         return value
     if isinstance(value, dict) and value.get("type") == "function" and isinstance(value.get("name"), str):
         return {"type": "function", "function": {"name": value["name"]}}
+    if isinstance(value, dict) and value.get("type") == "allowed_tools":
+        tools = value.get("tools")
+        listed = [
+            {"type": "function", "function": {"name": t.get("name")}} if isinstance(t, dict) else t
+            for t in (tools if isinstance(tools, list) else [])
+        ]
+        return {
+            "type": "allowed_tools",
+            "allowed_tools": {"mode": value.get("mode"), "tools": listed or tools},
+        }
     raise ApiError(
         400,
-        '`tool_choice` must be "auto", "none", "required" or {"type": "function", "name": ...}',
+        '`tool_choice` must be "auto", "none", "required", {"type": "function", "name": ...} or '
+        '{"type": "allowed_tools", "mode": ..., "tools": [...]}',
         "tool_choice",
     )
 
@@ -429,6 +442,9 @@ def field_of(param: str | None) -> str | None:
     if param.startswith("tools.") and ".function." in param:
         i, rest = param[len("tools.") :].split(".function.", 1)
         return f"tools.{i}.{rest}"
+    if param.startswith("tool_choice.allowed_tools."):  # chat's allowed_tools, as the Responses API has it
+        rest = param[len("tool_choice.allowed_tools.") :]
+        return "tool_choice." + rest.removesuffix(".function.name")
     if param.startswith("tool_choice"):
         return "tool_choice.name" if param.endswith(".name") else "tool_choice"
     if param.startswith("messages"):

@@ -5,8 +5,9 @@ The tools reach the model through the chat template (`strata_runtime.chat` write
 does not); the reply's calls are read out of its text (`strata_runtime.chat.split_reply`). With
 ``tool_choice`` ``"auto"`` the model decides whether to call; ``"required"`` and a named function hold the
 reply to one call or more (one, with ``parallel_tool_calls`` false) of the allowed tools, each call's
-arguments following that tool's ``parameters`` schema, through the same grammars as structured output.
-``"none"`` leaves the tools out of the prompt.
+arguments following that tool's ``parameters`` schema, through the same grammars as structured output;
+``allowed_tools`` keeps every tool in the prompt and holds the calls to those it lists. ``"none"`` leaves the
+tools out of the prompt.
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ class ToolUse:
     layout: Layout = "hermes"
     """How the model writes its calls (`strata_runtime.xml_calls.call_layout`): they are read, and held, in
     that layout."""
+    allowed: tuple[str, ...] | None = None
+    """The only tools the reply may call (``tool_choice`` ``allowed_tools``), all of them still offered in
+    the prompt; None: any."""
 
     @cached_property
     def call_format(self) -> CallFormat:
@@ -81,7 +85,11 @@ class ToolUse:
         """Whether a grammar holds the reply's calls: where it must call (``"required"`` or a named
         function), and with ``"auto"`` where some tool is strict and the model writes its calls with tokens
         of their own (`call_tokens`)."""
-        auto = self.choice == "auto" and self.strict and self.call_tokens is not None
+        auto = (
+            self.choice == "auto"
+            and (self.strict or self.allowed is not None)
+            and self.call_tokens is not None
+        )
         return self.choice in ("required", "function") or auto
 
     @property
@@ -90,9 +98,14 @@ class ToolUse:
         allowed ones where a call is required, the strict ones where ``"auto"`` holds calls, else none."""
         if not self.holds:
             return []
+        callable_ = [i for i, t in enumerate(self.tools) if self._callable(t["function"]["name"])]
         if self.choice == "auto":
-            return [i for i, t in enumerate(self.tools) if t["function"].get("strict") is True]
-        return [i for i, t in enumerate(self.tools) if self.function in (None, t["function"]["name"])]
+            return [i for i in callable_ if self.tools[i]["function"].get("strict") is True]
+        return callable_
+
+    def _callable(self, name: str) -> bool:
+        """Whether the reply may call the tool named ``name`` (the named one, or one of the allowed)."""
+        return self.function in (None, name) and (self.allowed is None or name in self.allowed)
 
     @cached_property
     def grammar(self) -> str | None:
@@ -105,10 +118,8 @@ class ToolUse:
         holds the reply (or only the format does: then the format is the reply's grammar)."""
         if not self.holds:
             return None
-        functions = [t["function"] for t in self.tools]
+        functions = [t["function"] for t in self.tools if self._callable(t["function"]["name"])]
         auto = self.choice == "auto"
-        if self.function is not None:
-            functions = [f for f in functions if f["name"] == self.function]
         if self.layout == "xml":
             rules = [xml_calls.text_rule()]
             for i, f in enumerate(functions):
@@ -178,7 +189,8 @@ def tool_use(
             "`structured_outputs`; give one of them",
             "tool_choice",
         )
-    use = ToolUse(checked, kind, name, parallel is not False, call_tokens, grammar, layout)
+    allowed = _allowed(choice, checked) if kind in ("auto", "required") and isinstance(choice, dict) else None
+    use = ToolUse(checked, kind, name, parallel is not False, call_tokens, grammar, layout, allowed)
     if layout == "xml":
         for i in use.held:
             function = checked[i]["function"]
@@ -228,11 +240,21 @@ def _tools(value: Any) -> tuple[dict[str, Any], ...]:
 
 def _choice(value: Any, tools: tuple[dict[str, Any], ...]) -> tuple[Choice, str | None]:
     """``tool_choice`` as a kind and, for a named function, its name; the default is ``"auto"`` with tools
-    and ``"none"`` without."""
+    and ``"none"`` without. ``{"type": "allowed_tools", ...}`` is its mode (`_allowed` reads its tools)."""
     if value is None:
         return ("auto" if tools else "none"), None
+    if isinstance(value, dict) and value.get("type") == "allowed_tools":
+        spec = value.get("allowed_tools")
+        mode = spec.get("mode") if isinstance(spec, dict) else None
+        if mode not in ("auto", "required"):
+            field = "tool_choice.allowed_tools.mode"
+            raise ApiError(400, f'`{field}` must be "auto" or "required"', field)
+        if not tools:
+            raise ApiError(400, "`tool_choice` allowed_tools needs `tools`", "tool_choice")
+        kind: Choice = mode
+        return kind, None
     if value in ("none", "auto", "required"):
-        kind: Choice = value
+        kind = value
         if kind != "none" and not tools:
             raise ApiError(400, f'`tool_choice` "{kind}" needs `tools`', "tool_choice")
         return kind, None
@@ -251,3 +273,28 @@ def _choice(value: Any, tools: tuple[dict[str, Any], ...]) -> tuple[Choice, str 
         offered = ", ".join(f"`{n}`" for n in names) or "none"
         raise ApiError(400, f"`{field}`: no tool is named `{name}` (the tools: {offered})", field)
     return "function", name
+
+
+def _allowed(value: dict[str, Any], tools: tuple[dict[str, Any], ...]) -> tuple[str, ...]:
+    """The names an ``allowed_tools`` choice lets the reply call (``allowed_tools.tools``: function tools of
+    the request's, at least one)."""
+    listed = value["allowed_tools"].get("tools")
+    field = "tool_choice.allowed_tools.tools"
+    if not isinstance(listed, list) or not listed:
+        raise ApiError(400, f"`{field}` must be a list of one or more of the request's tools", field)
+    names = [t["function"]["name"] for t in tools]
+    out: list[str] = []
+    for i, tool in enumerate(listed):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or name not in names:
+            at = f"{field}.{i}"
+            offered = ", ".join(f"`{n}`" for n in names)
+            raise ApiError(
+                400,
+                f'`{at}` must be {{"type": "function", "function": {{"name": ...}}}} naming one of the '
+                f"request's tools ({offered})",
+                at,
+            )
+        out.append(str(name))
+    return tuple(out)
