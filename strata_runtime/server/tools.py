@@ -83,8 +83,8 @@ class ToolUse:
     @property
     def holds(self) -> bool:
         """Whether a grammar holds the reply's calls: where it must call (``"required"`` or a named
-        function), and with ``"auto"`` where some tool is strict and the model writes its calls with tokens
-        of their own (`call_tokens`)."""
+        function), and with ``"auto"`` where some tool is strict or the calls are limited to some tools
+        (`allowed`) and the model writes its calls with tokens of their own (`call_tokens`)."""
         auto = (
             self.choice == "auto"
             and (self.strict or self.allowed is not None)
@@ -94,8 +94,9 @@ class ToolUse:
 
     @property
     def held(self) -> list[int]:
-        """The tools whose ``parameters`` the grammar holds a call's arguments to (their indices): the
-        allowed ones where a call is required, the strict ones where ``"auto"`` holds calls, else none."""
+        """The tools whose ``parameters`` the grammar holds a call's arguments to (their indices): those the
+        reply may call where a call is required, the strict ones of them where ``"auto"`` holds calls, else
+        none."""
         if not self.holds:
             return []
         callable_ = [i for i, t in enumerate(self.tools) if self._callable(t["function"]["name"])]
