@@ -10,7 +10,9 @@ a slot is free), then, by the plan's batch mode:
   prompt never stalls the other slots' decoding; a prompt that is the only work reads in chunks of
   ``memory.prefill_chunk_alone``. A decode window is
   * *solo*: one decoding slot and nothing prefilling: its token plus ``windows.solo_rows - 1`` chained MTP
-    proposals (solo promotion; a newcomer demotes it again);
+    proposals (solo promotion; a newcomer demotes it again), or, with ``spec.method = "ngram"``, the
+    tokens that followed the latest earlier occurrence of its text's last few tokens
+    (`strata_runtime.engine.lookup`), decided on the host;
   * *batch MTP*: 2 rows per slot (token + proposal), at most 4 slots per window, the start rotating;
     but when every routed expert is resident and more slots decode than one window holds, serial
     windows instead (`_batch_mtp_serves`): a row then brings a token, not three quarters of one; and
@@ -70,6 +72,7 @@ from .depth import Holds
 from .executor import Executor
 from .flight import Chained, Flight, Mark
 from .job import CHAINED, Entry, Job
+from .lookup import TextLookup
 from .prefix import STORE_LEAST, Kept, Prefixes, PrefixStore, Stored, worth_waiting
 from .refusals import refusals
 from .report import engine_stats, startup_lines
@@ -107,6 +110,8 @@ class Engine:
         self.forcing = True
         """Whether the tokens a request's grammar forces are read as proposals (`speculative.forced`), up to
         a window's rows at once; off, one a window as any other token (`scripts/bench_forced.py` compares)."""
+        self.lookup = plan.spec.ngram
+        """Whether a request alone drafts by n-gram lookup in its own text (``spec.method = "ngram"``)."""
         self.masks_on_device = True
         """Whether a grammar's rows are masked and chosen on the device (`Entry.masked`); off, the host reads
         their logits and chooses (`scripts/bench_grammar_cost.py` compares)."""
@@ -391,8 +396,30 @@ class Engine:
             length=reuse,
             gauge=self.choice.gauge(sampler),
             prefix_key=key,
+            lookup=self._text_lookup(req.prompt_ids, sampler),
         )
         return True
+
+    def _text_lookup(self, prompt: tuple[int, ...], sampler: Sampler) -> TextLookup | None:
+        """A request's n-gram lookup (``spec.method = "ngram"``), except under a grammar, whose forced
+        tokens are its proposals (a looked-up token the grammar does not allow would only fail)."""
+        if not self.lookup or sampler.grammar is not None:
+            return None
+        return TextLookup(prompt, self.plan.spec.ngram_min, self.plan.spec.ngram_max)
+
+    def _looked_up(self, slot: Slot, depth: int) -> Proposals | None:
+        """Up to ``depth`` proposals from ``slot``'s own text (`TextLookup.propose`); None where it has no
+        lookup or the lookup finds nothing, which counts in the slot's gauge as a first proposal that did
+        not hold: drafting by lookup pays by how often a window gets a proposal that holds, so a stretch of
+        new text pauses it and the windows run ahead again."""
+        if slot.lookup is None or depth <= 0:
+            return None
+        slot.lookup.follow(slot.generated)
+        tokens = slot.lookup.propose(depth)
+        if not tokens:
+            slot.gauge.record(1, 0, silent=True)
+            return None
+        return Proposals(tokens, [], looked_up=True)
 
     def _reap_cancelled(self) -> None:
         busy = self._busy_slots()
@@ -840,7 +867,7 @@ class Engine:
         ids = [s.id for s in decoding]
         by_id = {s.id: s for s in decoding}
         mtp = self.plan.batch.mtp and self._batch_mtp_serves(len(decoding))
-        forced: dict[int, Proposals] = {}  # what a grammar forces, proposed in a drafter's stead
+        forced: dict[int, Proposals] = {}  # what a grammar forces (or a lookup finds), in a drafter's stead
         if len(decoding) == 1 and not prefilling and not pipelined:
             slot = decoding[0]
             room = min(self.depth, self.room(slot))
@@ -851,6 +878,11 @@ class Engine:
             else:
                 depth = slot.gauge.depth(room)
                 paused = room > 0 and depth == 0
+                looked = self._looked_up(slot, depth) if self.lookup else None
+                if looked is not None:
+                    forced[slot.id] = looked
+                elif self.lookup:
+                    depth = 0  # the text gives nothing to propose: a plain window (drafting not paused)
             rows = solo_window(ids[0], depth)
             kind = "solo"
         elif mtp and self.choice.batch_drafts(decoding):
@@ -915,7 +947,7 @@ class Engine:
             return False
         if sampler.adjusts:  # adjusted and counted on the device only as a decode row without proposals
             return proposals is not None and not proposals.tokens
-        return proposals is None or not proposals.tokens or proposals.forced or sampler.greedy
+        return proposals is None or not proposals.tokens or proposals.certain or sampler.greedy
 
     def _batch_mtp_serves(self, decoding: int) -> bool:
         """Whether ``decoding`` slots (of a group) take batch-MTP windows rather than serial ones.
@@ -945,6 +977,8 @@ class Engine:
         logit bias or penalties)."""
         if kind not in ("solo", "batch-mtp", "pipelined-mtp") or self.model.mtp is None:
             return False
+        if kind == "solo" and self.lookup:
+            return False  # looked-up proposals: the host looks up the next ones from the tokens it reads
         rows = set(rows_per_slot)
         return len(rows) == 1 and rows.pop() > 1
 
@@ -963,6 +997,9 @@ class Engine:
         confirms or not the proposal its drafting head made at the window before (recorded as a probe's
         one proposal); and a paused solo window whose slot is due one queues the next such proposal, on the
         drafters' stream beside the windows in flight."""
+        if self.lookup and job.kind == "solo" and job.paused:
+            self._lookup_probes(events)
+            return
         for slot, ev in events:
             if slot.shadow is None:
                 continue
@@ -976,6 +1013,19 @@ class Engine:
         slot = job.entries[0].slot
         if slot.finished is None and slot.shadow is None and slot.gauge.silent_probe_due:
             slot.shadow = self.executor.propose(slot.id)
+
+    def _lookup_probes(self, events: list[tuple[Slot, TokenEvent]]) -> None:
+        """A paused solo window's silent probe under n-gram lookup, free on the host: would a lookup on the
+        text before the window's token have proposed it? Every such window is one, so drafting resumes in
+        the window after the text turns repetitive."""
+        for slot, ev in events:
+            if slot.lookup is None or not ev.token_ids or slot.finished is not None:
+                continue
+            slot.lookup.follow(slot.generated)
+            guess = slot.lookup.propose(1, len(slot.lookup) - len(ev.token_ids))
+            held = bool(guess) and guess[0] == ev.token_ids[0]
+            slot.gauge.record(1, int(held), silent=True)
+            self.window_stats.silent_probe(held)
 
     def _caught_up(self) -> int:
         """Rows every drafter has caught up on so far (`Drafter.caught_up`)."""

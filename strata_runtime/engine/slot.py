@@ -14,6 +14,7 @@ from typing import Any
 
 from ..api import FinishReason, RequestHandle, TokenEvent, Tokenizer, TokenLogprob
 from ..structured import GrammarError, Matcher
+from .lookup import TextLookup
 from .sampling import Sampler
 from .speculative import DraftGauge
 from .stops import StopText
@@ -58,6 +59,8 @@ class Slot:
     _stops: StopText = field(init=False)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     """The prompt's log-probabilities read so far (where the request asks), sent with its first token."""
+    lookup: TextLookup | None = None
+    """The request's tokens, looked up for proposals where the plan drafts by n-gram lookup."""
     prefix_key: Hashable = None
     """What another request must share to reuse this one's KV (`strata_runtime.engine.prefix.Kept.key`):
     the routing key its prompt chose and its cache salt, set at admission."""

@@ -38,6 +38,14 @@ class Proposals:
     """The tokens a request's grammar forces next (`forced`), not a drafter's: verified as any proposals,
     each as if drawn from a q certain of it (``q`` stays empty), but not counted as drafting (its gauge,
     its acceptance)."""
+    looked_up: bool = False
+    """Tokens read from the request's own text (`strata_runtime.engine.lookup`): verified as drawn from a q
+    certain of each (``q`` stays empty), and counted as drafting."""
+
+    @property
+    def certain(self) -> bool:
+        """Whether each proposal was chosen for sure, not drawn (forced or looked up): ``q`` is 1 at it."""
+        return self.forced or self.looked_up
 
 
 def forced(sampler: Sampler, most: int) -> Proposals | None:
@@ -413,11 +421,11 @@ def verify(target: np.ndarray, proposals: Proposals, sampler: Sampler) -> Verdic
         return verify_choices(target if target.ndim == 1 else np.argmax(target, axis=-1), proposals.tokens)
     p = distribution(target, sampler.params)  # [n, V]
     for j, tok in enumerate(proposals.tokens):
-        # A forced proposal's q is certain of its token (1 there, 0 elsewhere), so it needs no array.
-        q_tok = 1.0 if proposals.forced else proposals.q[j][tok]
+        # A forced or looked-up proposal's q is certain of its token (1 there, 0 elsewhere): no array.
+        q_tok = 1.0 if proposals.certain else proposals.q[j][tok]
         if sampler.uniform() * q_tok < p[j, tok]:  # accept with probability min(1, p/q)
             continue
-        if proposals.forced:
+        if proposals.certain:
             residual = p[j].copy()
             residual[tok] = 0.0  # max(p - q, 0) where q is 1 at ``tok``
         else:

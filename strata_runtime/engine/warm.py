@@ -28,7 +28,8 @@ def warm_requests(plan: LaunchPlan, vocab: int, cached: bool) -> list[Request]:
     each more than ``memory.prompt_graph_rows`` rows and every expert is in VRAM, so that the prefill path
     runs once before a long prompt needs it, as the bench's warm-up does; else `WARM_PROMPT` tokens); then
     one prompt of each size of prefill graph the stages replay, largest first, each captured then
-    (`strata_cfg.schema.windows.warm_prompt_lengths`; none under an expert cache); then a request for every
+    (`strata_cfg.schema.windows.warm_prompt_lengths`; none under an expert cache); with n-gram lookup, a
+    request alone whose prompt repeats, so that its lookups propose; then a request for every
     slot, greedy, sampled and penalised in turn, each generating two tokens more than the next so that all
     end together (`WARM_TOKENS` the last)."""
     mem = plan.memory
@@ -47,6 +48,9 @@ def warm_requests(plan: LaunchPlan, vocab: int, cached: bool) -> list[Request]:
         SamplingParams(presence_penalty=0.5),
     ]
     requests = [Request(p, 1) for p in prompts]
+    if plan.spec.ngram:  # a prompt that repeats: lookups find it, so solo windows with proposals run too
+        loop = tuple(1 + (13 * j + 5) % (vocab - 1) for j in range(3))
+        requests.append(Request(loop * 8, WARM_TOKENS, ignore_eos=True))
     slots = max(plan.batch.slots, 1)
     for i in range(slots):
         ids = tuple(1 + (11 * (i + 1) + j) % (vocab - 1) for j in range(4))

@@ -57,6 +57,8 @@ class WindowChoice:
         self.adaptive_batch = plan.spec.adaptive_depth and plan.batch.mtp and plan.batch.mode == "serial"
         """Whether slots decoding together take batch-MTP or serial windows by their measured times."""
         self.floor = plan.spec.draft_floor
+        self.lookup = plan.spec.ngram
+        """Drafting by n-gram lookup: every request probes silently (a lookup costs the host, no window)."""
         self.slots_per_window = plan.batch.slots_per_window
         self.solo: dict[str, tuple[WindowCosts, Holds]] = {}
         """For each kind of request (`request_kind`), its solo windows' measured times by row count and what
@@ -72,7 +74,7 @@ class WindowChoice:
         """A request's draft gauge. Its solo depth is chosen from the window times and from what earlier
         requests of its kind measured, except for a seeded sampled request, which drafts the full depth
         whenever it drafts (`keeps_windows`)."""
-        silent = not sampler.needs_logits
+        silent = self.lookup or not sampler.needs_logits
         if not self.adaptive or keeps_windows(sampler):
             return DraftGauge(self.floor, None, self.depth, silent=silent)
         costs, prior = self._solo(sampler)

@@ -1,0 +1,227 @@
+"""N-gram lookup drafting (``spec.method = "ngram"``): what a lookup proposes, that verifying its proposals
+keeps greedy text and the target's sampled distribution, and when the engine drafts by it."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from rt_plans import make_plan
+
+from strata_cfg.schema.packaged import packaged_dir
+from strata_cfg.schema.plan import LaunchPlan
+from strata_runtime.api import Request, RequestHandle, SamplingParams, TokenEvent
+from strata_runtime.engine import Engine
+from strata_runtime.engine.lookup import TextLookup
+from strata_runtime.engine.sampling import Sampler
+from strata_runtime.engine.slot import Slot
+from strata_runtime.engine.speculative import DRAFT_WARMUP, Proposals, verify
+
+# ---- what a lookup proposes ----------------------------------------------------------------------------
+
+
+def reference_proposal(text: list[int], most: int, shortest: int, longest: int) -> list[int]:
+    """The lookup's rule, written the slow way: for n from ``longest`` down to ``shortest``, the latest
+    earlier occurrence of the last n tokens (ending before the last token); the tokens after it, read on
+    through the proposals themselves where they run into the end."""
+    size = len(text)
+    for n in range(min(longest, size - 1), shortest - 1, -1):
+        tail = text[size - n :]
+        for end in range(size - 2, n - 2, -1):
+            if text[end - n + 1 : end + 1] == tail:
+                seq = list(text)
+                at = end + 1
+                while len(seq) < size + most:
+                    seq.append(seq[at])
+                    at += 1
+                return seq[size:]
+    return []
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    text=st.lists(st.integers(0, 3), min_size=0, max_size=40),
+    most=st.integers(0, 7),
+    shortest=st.integers(1, 3),
+    extra=st.integers(0, 3),
+)
+def test_a_lookup_proposes_what_the_slow_rule_proposes(text, most, shortest, extra) -> None:
+    """Over a small alphabet, so that runs repeat often: the vectorised search, the latest-first choice and
+    the read-through of short loops agree with the rule written as loops."""
+    longest = shortest + extra
+    lookup = TextLookup(text, shortest, longest)
+    assert lookup.propose(most) == reference_proposal(text, most, shortest, longest)
+
+
+def test_the_longest_run_that_matches_wins_over_a_later_shorter_one() -> None:
+    # "7 8 9" last occurred at the start (followed by 1 2); "8 9" alone later (followed by 5).
+    text = [7, 8, 9, 1, 2, 3, 8, 9, 5, 6, 7, 8, 9]
+    assert TextLookup(text, 2, 3).propose(2) == [1, 2]
+    assert TextLookup(text, 2, 2).propose(2) == [5, 6]  # only two tokens matched: the latest "8 9"
+
+
+def test_no_run_long_enough_proposes_nothing() -> None:
+    text = [1, 2, 3, 9, 4, 5, 6, 9]  # "9" recurs, but no two-token run does
+    assert TextLookup(text, 2, 4).propose(3) == []
+    assert TextLookup(text, 1, 4).propose(3) == [4, 5, 6]
+
+
+def test_a_short_loop_is_proposed_as_far_as_asked() -> None:
+    text = [5, 1, 2, 3, 1, 2, 3, 1, 2]
+    assert TextLookup(text, 2, 4).propose(7) == [3, 1, 2, 3, 1, 2, 3]
+
+
+def test_following_a_reply_equals_looking_up_the_whole_text() -> None:
+    rng = np.random.default_rng(3)
+    prompt = [int(t) for t in rng.integers(1, 6, 30)]
+    reply = [int(t) for t in rng.integers(1, 6, 200)]
+    lookup = TextLookup(prompt, 2, 4)
+    for k in range(1, len(reply) + 1, 7):  # the reply grows as windows finish
+        lookup.follow(reply[:k])
+        whole = TextLookup(prompt + reply[:k], 2, 4)
+        assert len(lookup) == len(prompt) + k
+        assert lookup.propose(5) == whole.propose(5)
+        assert lookup.propose(1, len(lookup) - 1) == whole.propose(1, len(whole) - 1)
+
+
+def test_lengths_out_of_order_are_refused() -> None:
+    with pytest.raises(ValueError, match="shortest <= longest"):
+        TextLookup([1, 2, 3], 3, 2)
+
+
+# ---- verifying looked-up proposals ---------------------------------------------------------------------
+
+V = 5
+TRIALS = 20_000
+P_THRESHOLD = 1e-3
+
+
+def test_sampled_verification_of_looked_up_proposals_keeps_the_target_distribution() -> None:
+    """Two looked-up proposals (fixed tokens, not draws), verified against p as proposals from a q certain
+    of them: the first two emitted tokens follow the target's joint distribution exactly (chi-square)."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(17)
+    p0 = rng.dirichlet(np.full(V, 0.7))
+    p1 = rng.dirichlet(np.full(V, 0.7), size=V)  # the target after each first token
+    p2 = rng.dirichlet(np.full(V, 0.7), size=(V, V))
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=0), seed=23)
+    d1, d2 = int(np.argmax(p0)), 3  # a likely first proposal, and a fixed second one
+    counts = np.zeros((V, V))
+    accepted = 0
+    for _ in range(TRIALS):
+        target = np.log(np.stack([p0, p1[d1], p2[d1, d2]]))
+        verdict = verify(target, Proposals([d1, d2], [], looked_up=True), sampler)
+        accepted += verdict.accepted
+        t1 = verdict.tokens[0]
+        t2 = verdict.tokens[1] if len(verdict.tokens) >= 2 else sampler.draw(p1[t1])
+        counts[t1, t2] += 1
+    expected = TRIALS * p0[:, None] * p1
+    chi2 = ((counts - expected) ** 2 / expected).sum()
+    dof = V * V - 1
+    p_value = float(torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(chi2 / 2.0)))
+    assert p_value > P_THRESHOLD, f"chi2 {chi2:.1f}, p = {p_value:.2e}"
+    assert accepted > TRIALS // 10  # proposals held often enough to be tested
+
+
+# ---- the engine drafting by lookup ---------------------------------------------------------------------
+
+
+def lookup_plan(draft_tokens: int, **kw: object) -> LaunchPlan:
+    """The plan of `make_plan` with the solo path drafting by n-gram lookup instead of the MTP head (windows
+    of ``draft_tokens`` rows; no MTP head loaded)."""
+    plan = make_plan(draft_tokens=draft_tokens, **kw)
+    spec = plan.spec.model_copy(update={"mtp": False, "ngram": True, "ngram_min": 2, "ngram_max": 4})
+    return plan.model_copy(update={"spec": spec})
+
+
+@functools.cache
+def engine(draft_tokens: int, stages: int, lookup: bool) -> Engine:
+    kw = {"stages": stages, "context": 192, "prefill_chunk": 16}
+    return Engine(lookup_plan(draft_tokens, **kw) if lookup else make_plan(draft_tokens=0, **kw))
+
+
+def generate(
+    eng: Engine, prompt: tuple[int, ...], n: int, sampling: SamplingParams | None = None
+) -> list[int]:
+    h = eng.submit(Request(prompt, n, sampling or SamplingParams()))
+    while eng.step():
+        pass
+    return [t for _ in range(h.events.qsize()) for t in h.events.get().token_ids]
+
+
+LOOP = (40, 41, 42, 43, 44, 45)
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+@settings(max_examples=8, deadline=None)
+@given(head=st.lists(st.integers(1, 383), min_size=0, max_size=20), repeats=st.integers(0, 4))
+def test_greedy_text_drafted_by_lookup_is_the_text_without_drafting(stages, head, repeats) -> None:
+    prompt = (*head, *LOOP * repeats, *head[:3]) or (7,)
+    drafting, plain = engine(5, stages, True), engine(0, stages, False)
+    assert generate(drafting, prompt, 48) == generate(plain, prompt, 48)
+
+
+def test_a_repeating_text_is_drafted_and_its_proposals_hold() -> None:
+    """The tiny model's greedy text comes back to earlier stretches; there its lookups propose them, and
+    the proposals hold: fewer windows than tokens."""
+    eng = engine(5, 1, True)
+    before = dict(eng.totals)
+    tokens = generate(eng, (*LOOP * 4, 40), 120)
+    made = eng.totals["proposals"] - before["proposals"]
+    held = eng.totals["accepted"] - before["accepted"]
+    windows = eng.totals["windows"] - before["windows"]
+    assert len(tokens) == 120
+    assert made > 0 and held / made > 0.5, f"{held}/{made} looked-up proposals held"
+    assert windows < len(tokens) - held // 2, f"{windows} windows for {len(tokens)} tokens"
+
+
+def test_the_trained_demo_drafts_by_lookup_where_it_repeats_its_prompt() -> None:
+    """The packaged demo model on a prompt that lists the same phrase: looked-up proposals hold, and the
+    text is the text without drafting."""
+    plan = {"model_dir": packaged_dir("austen"), "stages": 1, "context": 320, "prefill_chunk": 64}
+    drafting, plain = Engine(lookup_plan(5, **plan)), Engine(make_plan(draft_tokens=0, **plan))
+    prompt = tuple(b"my dear sister, my dear sister, my dear sister, my dear")
+    text = generate(drafting, prompt, 96)
+    assert text == generate(plain, prompt, 96)
+    assert drafting.totals["accepted"] > 0
+
+
+def test_sampled_seeded_text_drafted_by_lookup_repeats_with_its_seed() -> None:
+    eng = engine(5, 1, True)
+    s = SamplingParams(temperature=0.8, seed=5)
+    prompt = (*LOOP * 3, 40)
+    a = generate(eng, prompt, 40, s)
+    assert a == generate(eng, prompt, 40, s)
+    assert a != generate(eng, prompt, 40, SamplingParams(temperature=0.8, seed=6))
+
+
+def test_new_text_pauses_drafting_and_a_probe_that_holds_brings_it_back() -> None:
+    """A slot whose lookups find nothing counts each as a first proposal that failed: after the warm-up its
+    gauge pauses drafting (so its windows chain again); a silent probe whose lookup would have proposed the
+    token that came raises the estimate again, and one that would not lowers it."""
+    eng = engine(5, 1, True)
+    sampler = Sampler(SamplingParams(), 0)
+    prompt = tuple(range(100, 140))
+    slot = Slot(0, RequestHandle(Request(prompt, 50)), sampler, frozenset(), eng.tokenizer, 1)
+    slot.gauge, slot.lookup = eng.choice.gauge(sampler), TextLookup(prompt, 2, 4)
+    slot.generated = [139]
+    for _ in range(DRAFT_WARMUP + 4):
+        assert eng._looked_up(slot, 3) is None  # "138 139" did not occur before
+    assert slot.gauge.silent and not slot.gauge.drafts, slot.gauge.rate
+    rate = slot.gauge.rate
+    eng._lookup_probes([(slot, _event(slot, 7))])  # a lookup before 7 proposed nothing: a failed probe
+    assert slot.gauge.rate < rate
+    slot.lookup, slot.generated = TextLookup((5, 6, 7, 5, 6), 2, 4), []
+    rate = slot.gauge.rate
+    eng._lookup_probes([(slot, _event(slot, 7))])  # "5 6" was followed by 7, and 7 came
+    assert slot.gauge.rate > rate
+    assert eng._looked_up(slot, 3) is not None  # "6 7" occurred: the lookup proposes again
+
+
+def _event(slot: Slot, token: int) -> TokenEvent:
+    """A window's event that emitted ``token`` for ``slot`` (its reply grows by it, as `Slot.emit` does)."""
+    slot.generated.append(token)
+    return TokenEvent((token,), "", None, 0)
