@@ -254,6 +254,14 @@ class SpecPlan(_Plan):
     """The speculative window: the token plus ``draft_tokens - 1`` proposals (0 or 1: no drafting)."""
     mtp: bool
     """Whether the solo path drafts with the MTP head."""
+    ngram: bool = False
+    """Whether the solo path drafts by n-gram lookup (``spec.method = "ngram"``): the request's latest
+    ``ngram_max`` down to ``ngram_min`` tokens are looked up earlier in its prompt and reply, and the tokens
+    that followed their latest match are proposed. No MTP weights needed."""
+    ngram_min: int = 2
+    """The shortest run of latest tokens a lookup matches."""
+    ngram_max: int = 4
+    """The longest run of latest tokens a lookup matches (the longest that matches is used)."""
     draft_floor: float = DEFAULT_DRAFT_FLOOR
     """Drafting pauses for a request while fewer than this share of its windows' first proposals hold (0:
     never)."""
