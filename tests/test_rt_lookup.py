@@ -167,15 +167,12 @@ def test_greedy_text_drafted_by_lookup_is_the_text_without_drafting(stages, head
 def test_a_repeating_text_is_drafted_and_its_proposals_hold() -> None:
     """The tiny model's greedy text comes back to earlier stretches; there its lookups propose them, and
     the proposals hold: fewer windows than tokens."""
-    eng = engine(5, 1, True)
-    before = dict(eng.totals)
+    eng = Engine(lookup_plan(5, stages=1, context=192, prefill_chunk=16))
     tokens = generate(eng, (*LOOP * 4, 40), 120)
-    made = eng.totals["proposals"] - before["proposals"]
-    held = eng.totals["accepted"] - before["accepted"]
-    windows = eng.totals["windows"] - before["windows"]
+    made, held, windows = eng.totals["proposals"], eng.totals["accepted"], eng.totals["windows"]
     assert len(tokens) == 120
-    assert made > 0 and held / made > 0.5, f"{held}/{made} looked-up proposals held"
-    assert windows < len(tokens) - held // 2, f"{windows} windows for {len(tokens)} tokens"
+    assert made > 0 and held >= 10, f"{held}/{made} looked-up proposals held"
+    assert windows <= len(tokens) - held + 1, f"{windows} windows for {len(tokens)} tokens"
 
 
 def test_the_trained_demo_drafts_by_lookup_where_it_repeats_its_prompt() -> None:
@@ -225,3 +222,12 @@ def _event(slot: Slot, token: int) -> TokenEvent:
     """A window's event that emitted ``token`` for ``slot`` (its reply grows by it, as `Slot.emit` does)."""
     slot.generated.append(token)
     return TokenEvent((token,), "", None, 0)
+
+
+def test_the_engine_says_it_drafts_by_lookup() -> None:
+    eng = engine(5, 1, True)
+    lines = "\n".join(eng.startup)
+    assert 'looked up in its own text (4 down to 2 tokens matched, spec.method = "ngram")' in lines
+    assert "silent probe every window" in lines and "drafters: none (a request alone looks" in lines
+    assert eng.stats()["plan"]["draft_method"] == "ngram"
+    assert engine(0, 1, False).stats()["plan"]["draft_method"] is None

@@ -62,6 +62,7 @@ def engine_stats(engine: EngineView) -> dict[str, Any]:
             "groups": engine.plan.batch.groups,
             "batch_mtp": engine.plan.batch.mtp,
             "draft_tokens": engine.plan.spec.draft_tokens,
+            "draft_method": _draft_method(engine.plan),
             "stages": [s.device for s in engine.plan.stages],
         },
         "queue": engine.queued,
@@ -109,13 +110,25 @@ def drafter_info(model: Model) -> dict[str, Any]:
     }
 
 
+def _draft_method(plan: LaunchPlan) -> str | None:
+    """What a request alone drafts with: ``mtp`` (the MTP head), ``ngram`` (its own text), or None."""
+    return "ngram" if plan.spec.ngram else "mtp" if plan.spec.mtp else None
+
+
 def _depth_text(engine: EngineView) -> str:
-    """How many proposals a request alone drafts."""
+    """How many proposals a request alone drafts, and from what."""
+    spec = engine.plan.spec
+    source = (
+        f" looked up in its own text ({spec.ngram_max} down to {spec.ngram_min} tokens matched, "
+        'spec.method = "ngram")'
+        if spec.ngram
+        else ""
+    )
     if not engine.choice.adaptive:
-        return f"{engine.depth} proposal(s)"
+        return f"{engine.depth} proposal(s){source}"
     return (
-        f"up to {engine.depth} proposal(s), as many as give the most tokens per second by each request's "
-        "acceptance and the measured window times (spec.adaptive_depth)"
+        f"up to {engine.depth} proposal(s){source}, as many as give the most tokens per second by each "
+        "request's acceptance and the measured window times (spec.adaptive_depth)"
     )
 
 
@@ -126,6 +139,11 @@ def _pause_text(engine: EngineView) -> str:
         f"with one probe after {DRAFT_PROBE_EVERY} windows (a plain greedy request alone: a silent "
         f"probe every {SILENT_PROBE_EVERY}, its head's proposal checked against the next token)"
     )
+    if engine.plan.spec.ngram:
+        probe = (
+            "with a silent probe every window (would a lookup before its token have proposed it?); a "
+            "lookup that finds nothing counts as a proposal that did not hold"
+        )
     if floor > 0:
         also = ", or while windows without them give more tokens per second" if adaptive else ""
         return (
@@ -187,7 +205,10 @@ def startup_lines(engine: EngineView) -> list[str]:
     if p.model.routing == "calibrated":
         lines.append("routing: calibrated (skewed and persistent, through a router bias)")
     info = drafter_info(engine.model)
-    if info["device"] is None:
+    if engine.plan.spec.ngram:
+        lines.append(_pause_text(engine))
+        lines.append("drafters: none (a request alone looks its proposals up in its text, on the host)")
+    elif info["device"] is None:
         lines.append("drafters: none (the plan does not draft)")
     else:
         each = info["bytes_each"] / MIB
