@@ -7,6 +7,7 @@ they are pinned by calling their gate directly.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 from cfg_fixtures import PROFILES, RULES_DIR, decision, line_of, plan_of, problem, problems_of
@@ -245,6 +246,114 @@ def test_spec_needs_mtp_weights_turns_drafting_off():
     assert decision(plan, "spec.needs-mtp-weights").requested
 
 
+NGRAM = ['spec.method="ngram"']
+
+
+def _no_mtp_profile(tmp_path, spec: str) -> Path:
+    """A profile of the model without MTP weights whose ``[spec]`` table is ``spec``."""
+    path = tmp_path / "nomtp.toml"
+    path.write_text(
+        f'extends = "{RULES_DIR.parent / "base-cpu2.toml"}"\n'
+        f'[model]\npath = "{RULES_DIR.parent / "models" / "nomtp-micro"}"\n[spec]\n{spec}\n'
+    )
+    return path
+
+
+def test_spec_needs_mtp_weights_does_not_turn_ngram_lookup_off(tmp_path):
+    # Without MTP weights, n-gram lookup drafts: the default window is 4 and no rule turns it off.
+    plan = plan_of(_no_mtp_profile(tmp_path, 'method = "ngram"'))
+    assert not plan.model.facts.has_mtp
+    s = plan.spec
+    assert (s.draft_tokens, s.mtp, s.ngram, s.ngram_min, s.ngram_max) == (4, False, True, 2, 4)
+    assert s.adaptive_depth and plan.windows.solo_rows == s.draft_tokens
+    assert plan.settings["spec.draft_tokens"].source.kind == "default"
+    assert plan.settings["spec.method"].source.kind == "user"
+    assert "spec.needs-mtp-weights" not in [d.rule for d in plan.decisions]
+    j = plan.to_json()["spec"]  # what `strata plan --json` prints
+    assert (j["ngram"], j["ngram_min"], j["ngram_max"], j["mtp"]) == (True, 2, 4, False)
+    # No drafter, no MTP head: lookup reads the request's own tokens.
+    assert all(st.drafters == () and "mtp" not in st.holds for st in plan.stages)
+    assert all(g.budget.drafters == 0 for g in plan.gpus)
+    # A written window is kept, and its solo rows follow it.
+    three = plan_of(_no_mtp_profile(tmp_path, 'method = "ngram"\ndraft_tokens = 3'))
+    assert (three.spec.draft_tokens, three.spec.ngram, three.windows.solo_rows) == (3, True, 3)
+    # Without a proposal in the window, nothing drafts and nothing adapts.
+    off = plan_of(_no_mtp_profile(tmp_path, 'method = "ngram"\ndraft_tokens = 1'))
+    assert (off.spec.ngram, off.spec.mtp, off.spec.adaptive_depth, off.windows.solo_rows) == (
+        False,
+        False,
+        False,
+        1,
+    )
+
+
+def test_spec_needs_mtp_weights_still_turns_mtp_off_on_the_same_model(tmp_path):
+    plan = plan_of(_no_mtp_profile(tmp_path, 'method = "mtp"'))
+    assert (plan.spec.draft_tokens, plan.spec.mtp, plan.spec.ngram) == (0, False, False)
+    assert plan.settings["spec.draft_tokens"].source.kind == "default"  # unset: 0 without MTP weights
+    asked = plan_of(_no_mtp_profile(tmp_path, 'method = "mtp"\ndraft_tokens = 4'))
+    assert (asked.spec.draft_tokens, asked.spec.mtp, asked.spec.ngram) == (0, False, False)
+    d = decision(asked, "spec.needs-mtp-weights")
+    assert d.requested and "spec.method" in d.because
+    assert asked.windows.solo_rows == 1
+
+
+def test_spec_ngram_defaults_follow_a_written_bound(tmp_path):
+    plan = plan_of(_no_mtp_profile(tmp_path, 'method = "ngram"\nngram_min = 6'))
+    assert (plan.spec.ngram_min, plan.spec.ngram_max) == (6, 6)
+    plan = plan_of(_no_mtp_profile(tmp_path, 'method = "ngram"\nngram_max = 1'))
+    assert (plan.spec.ngram_min, plan.spec.ngram_max) == (1, 1)
+    plan = plan_of(_no_mtp_profile(tmp_path, 'method = "ngram"\nngram_min = 3\nngram_max = 5'))
+    assert (plan.spec.ngram_min, plan.spec.ngram_max) == (3, 5)
+
+
+def test_spec_ngram_min_over_max_names_the_file_line_and_key(tmp_path):
+    path = _no_mtp_profile(tmp_path, 'method = "ngram"\nngram_min = 5\nngram_max = 3')
+    [p] = problems_of(path)
+    assert (p.file, p.line, p.key) == (str(path), line_of(path, "ngram_max"), "spec.ngram_max")
+    assert "ngram_min = 5" in p.message and "ngram_max = 3" in p.message
+    # From --set too: the key's origin is the override.
+    [p] = problems_of(rule_file("batch-mtp.spec-ngram"), ["spec.ngram_min=4", "spec.ngram_max=2"])
+    assert p.key == "spec.ngram_max" and p.file == "--set"
+
+
+def test_spec_ngram_inert_notes_each_written_bound_under_mtp():
+    path = rule_file("spec.ngram-inert")
+    plan = plan_of(path)
+    assert plan.spec.mtp and not plan.spec.ngram
+    notes = [d for d in plan.decisions if d.rule == "spec.ngram-inert"]
+    assert [d.key for d in notes] == ["spec.ngram_min", "spec.ngram_max"]
+    for d in notes:
+        assert d.severity == "note" and d.requested and d.because == ("spec.method",)
+        assert 'does nothing: spec.method is "mtp"' in d.message
+        assert d.origin is not None and d.origin.line == line_of(path, d.key.split(".")[1])
+    lookup = plan_of(path, NGRAM)
+    assert lookup.spec.ngram and (lookup.spec.ngram_min, lookup.spec.ngram_max) == (3, 6)
+    assert "spec.ngram-inert" not in [d.rule for d in lookup.decisions]
+    # An unset bound says nothing.
+    plain = plan_of(rule_file("batch-mtp.needs-spec"))
+    assert "spec.ngram-inert" not in [d.rule for d in plain.decisions]
+    # Strict mode refuses what does nothing.
+    problems = problems_of(path, strict=True)
+    assert {p.key for p in problems} == {"spec.ngram_min", "spec.ngram_max"}
+
+
+def test_plan_text_says_the_solo_path_drafts_by_ngram_lookup():
+    from strata_cfg.report.engine_args import engine_args_text
+    from strata_cfg.report.plan_text import plan_text
+
+    path = rule_file("spec.ngram-inert")
+    text = plan_text(plan_of(path, NGRAM))
+    assert "window 4: token + up to 3 proposals by n-gram lookup (3-6 tokens matched)" in text
+    assert "MTP proposals" not in text
+    same = plan_text(plan_of(path, [*NGRAM, "spec.ngram_max=3", "spec.adaptive_depth=false"]))
+    assert "window 4: token + 3 proposals by n-gram lookup (3 tokens matched)" in same
+    mtp = plan_text(plan_of(path))
+    assert "window 4: token + up to 3 MTP proposals" in mtp and "proposals by n-gram" not in mtp
+    assert 'spec.method = "ngram"' in engine_args_text(plan_of(path, NGRAM))
+    assert "ngram" not in engine_args_text(plan_of(path))
+
+
 def test_model_decode_attention_auto_takes_tensor_cores_where_the_shape_allows():
     path = rule_file("model.decode-attention")
     plan = plan_of(path)  # head dim 8: the tensor-core kernel does not take it
@@ -416,11 +525,32 @@ def test_batch_mtp_needs_spec():
     assert "spec.draft_tokens = 1" in _batch_mtp_off("batch-mtp.needs-spec")
 
 
+def test_batch_mtp_spec_ngram_turns_batch_mtp_and_its_drafters_off():
+    message = _batch_mtp_off("batch-mtp.spec-ngram")
+    assert 'spec.method = "ngram"' in message
+    plan = plan_of(rule_file("batch-mtp.spec-ngram"))
+    assert plan.model.facts.has_mtp
+    off = decision(plan, "batch-mtp.spec-ngram")
+    assert off.because == ("spec.method",) and off.severity == "off"
+    assert "batch-mtp.spec-ngram" in plan.settings["spec.method"].rules
+    assert (plan.spec.ngram, plan.spec.mtp, plan.windows.solo_rows) == (True, False, 4)
+    # Nothing drafts with the MTP head: no drafters, no MTP head, no drafter memory.
+    last = plan.stages[-1]
+    assert last.drafters == () and "drafters" not in last.holds and "mtp" not in last.holds
+    assert all(g.budget.drafters == 0 for g in plan.gpus)
+    # The same profile drafting with MTP runs batch MTP with a drafter per slot.
+    mtp = plan_of(rule_file("batch-mtp.spec-ngram"), ['spec.method="mtp"'])
+    assert mtp.batch.mtp and mtp.spec.mtp and not mtp.spec.ngram
+    assert mtp.stages[-1].drafters == (0, 1) and "mtp" in mtp.stages[-1].holds
+    assert sum(g.budget.drafters for g in mtp.gpus) > 0
+
+
 def test_batch_mtp_shared_gpu_is_a_reason_when_batching_survives():
     led = Ledger()
     led.take("batch.slots", 2, 1)
     led.take("batch.mtp", True, False)
     led.take("spec.draft_tokens", 4, 4)
+    led.take("spec.method", None, "mtp")
     led.take("experts.helper_devices", None, ())
     led.take("experts.remote_opt", None, False)
     topo = Topology(
@@ -506,6 +636,7 @@ def test_batch_mtp_pipelined_groups():
     ("rule_id", "sets"),
     [
         ("batch-mtp.needs-mtp-weights", ["split.layers=[2]"]),
+        ("batch-mtp.spec-ngram", ["split.layers=[2]"]),
         ("batch-mtp.needs-spec", ["split.layers=[2]"]),
         ("batch-mtp.needs-serve", ["split.layers=[2]"]),
         ("batch-mtp.helper-caches", []),
@@ -622,6 +753,13 @@ def test_pipeline_windows_needs_mtp():
     assert "MTP" in _windows_off("pipeline-windows.needs-mtp")
 
 
+def test_pipeline_windows_needs_mtp_names_spec_method_under_ngram_lookup():
+    plan = plan_of(rule_file("pipeline-windows.needs-mtp"), ["spec.draft_tokens=4", *NGRAM])
+    assert plan.spec.ngram and plan.spec.pipeline_windows == 0
+    d = decision(plan, "pipeline-windows.needs-mtp")
+    assert "n-gram lookup" in d.message and d.because == ("spec.method",)
+
+
 def test_pipeline_windows_batch():
     assert "batch slots" in _windows_off("pipeline-windows.batch")
 
@@ -630,6 +768,7 @@ def test_pipeline_windows_peer_device_is_a_reason_on_a_two_stage_split():
     led = Ledger()
     led.take("split.pipeline_windows", 1, 0)
     led.take("spec.draft_tokens", 4, 4)
+    led.take("spec.method", None, "mtp")
     led.take("batch.slots", None, 1)
     led.take("experts.peer_device", 3, None)
     led.take("experts.helper_devices", None, ())

@@ -171,7 +171,7 @@ async def test_explain_shows_value_source_and_rules_of_the_key_under_the_cursor(
         page = plain(app.screen.body)
         assert page.startswith("batch.mtp = true")
         assert f"source     user ({DEMO}:{row + 1})" in page
-        assert "on         every gate passed (8 checked)" in page and "groups.batch-mtp-yield" in page
+        assert "on         every gate passed (9 checked)" in page and "groups.batch-mtp-yield" in page
         await pilot.press("escape")
         # On the table header: every key of the table, defaults and derived ones included.
         await go_to_end_of(pilot, "[batch]")

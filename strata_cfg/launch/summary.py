@@ -21,7 +21,8 @@ def summary(plan: LaunchPlan) -> list[str]:
     mtp = "on" if b.mtp else "off"
     lines.append(f"  batch: {b.slots} slot(s), {b.groups} group(s), {b.mode}, batch MTP {mtp}")
     lines.append(
-        f"  spec: {plan.spec.draft_tokens} draft tokens; context {plan.memory.context} tokens per slot"
+        f"  spec: {plan.spec.draft_tokens} draft tokens{' by n-gram lookup' if plan.spec.ngram else ''}; "
+        f"context {plan.memory.context} tokens per slot"
     )
     if plan.serve is not None:
         key = f", API key from ${plan.serve.api_key_env}" if plan.serve.api_key_env else ", no API key"

@@ -50,11 +50,17 @@ def engine_args(plan: LaunchPlan) -> list[str]:
 
 def engine_args_text(plan: LaunchPlan) -> str:
     """The command line; a plan that runs batch MTP inside pipelined groups gets a comment line first,
-    since the C++ engine refuses ``--batch-mtp`` with more than one group."""
+    since the C++ engine refuses ``--batch-mtp`` with more than one group, and so does one whose solo path
+    drafts by n-gram lookup, which no flag of the line says."""
     note = (
         "# batch.mtp_in_groups: the Strata C++ engine refuses --batch-mtp with --batch-groups > 1; "
         "strata_runtime runs it\n"
         if plan.batch.mtp_in_groups
         else ""
     )
+    if plan.spec.ngram:
+        note += (
+            '# spec.method = "ngram": no flag of this line asks for n-gram lookup (--spec is the window); '
+            "strata_runtime drafts by it\n"
+        )
     return note + shlex.join(engine_args(plan)) + "\n"

@@ -98,7 +98,7 @@ def _ahead(b: BatchPlan) -> str:
 def floor_text(plan: LaunchPlan) -> str | None:
     """``spec.draft_floor`` in words where it is not the default (None where it is, or nothing drafts)."""
     s = plan.spec
-    if not s.mtp or s.draft_floor == DEFAULT_DRAFT_FLOOR:
+    if not (s.mtp or s.ngram) or s.draft_floor == DEFAULT_DRAFT_FLOOR:
         return None
     if s.draft_floor > 0:
         return f"drafting pauses under {s.draft_floor:.0%} of proposals held"
@@ -107,15 +107,19 @@ def floor_text(plan: LaunchPlan) -> str | None:
 
 def proposals_text(plan: LaunchPlan) -> str:
     """The solo window in words: ``window 4: token + up to 3 MTP proposals`` (``spec.adaptive_depth``: as
-    many as pay), or ``... + 3 MTP proposals`` where every drafting window carries them all."""
+    many as pay), or ``... + 3 MTP proposals`` where every drafting window carries them all; by n-gram
+    lookup, ``window 4: token + up to 3 proposals by n-gram lookup (2-4 tokens matched)``."""
     s = plan.spec
-    most = s.draft_tokens - 1
-    return f"window {s.draft_tokens}: token + {'up to ' if s.adaptive_depth else ''}{most} MTP proposals"
+    most = f"{'up to ' if s.adaptive_depth else ''}{s.draft_tokens - 1}"
+    if s.ngram:
+        run = str(s.ngram_min) if s.ngram_min == s.ngram_max else f"{s.ngram_min}-{s.ngram_max}"
+        return f"window {s.draft_tokens}: token + {most} proposals by n-gram lookup ({run} tokens matched)"
+    return f"window {s.draft_tokens}: token + {most} MTP proposals"
 
 
 def _spec_line(plan: LaunchPlan) -> str:
     s = plan.spec
-    if not s.mtp:
+    if not (s.mtp or s.ngram):
         return "no drafting (the token alone)"
     line = f"{proposals_text(plan)} when one request runs alone"
     floor = floor_text(plan)

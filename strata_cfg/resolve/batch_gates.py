@@ -53,6 +53,13 @@ def batch_mtp_reasons(model: ModelFacts, topo: Topology, led: Ledger, *, serving
             ("model.path",) if led.user_set("model.path") else ("model.synthetic",),
         ),
         Reason(
+            "batch-mtp.spec-ngram",
+            led["spec.method"] == "ngram",
+            'batch MTP is off: spec.method = "ngram" proposes from the text; batch MTP drafts with the MTP '
+            "head",
+            ("spec.method",),
+        ),
+        Reason(
             "batch-mtp.needs-spec",
             draft < 2,
             f"batch MTP is off: spec.draft_tokens = {draft} turns MTP drafting off",

@@ -34,7 +34,7 @@ from ..schema.plan import (
 from ..schema.profile import Profile, is_loopback
 from .batch_gates import batch_gate, batch_mtp_gate
 from .budget import PlacedStage, expert_notes, gpu_budgets
-from .defaults import drafts_with_mtp, estimated_bandwidth, resolve_defaults
+from .defaults import drafts_by_lookup, drafts_with_mtp, estimated_bandwidth, resolve_defaults
 from .final_checks import serve_exposure, strict_mode
 from .groups import resolve_groups
 from .host_budget import host_budget
@@ -206,7 +206,8 @@ def _assemble(
             )
         )
     m = profile.model
-    drafts = drafts_with_mtp(model, led)
+    mtp = drafts_with_mtp(model, led)
+    lookup = drafts_by_lookup(led)
     return LaunchPlan(
         profile=name,
         profile_file=profile_file,
@@ -238,8 +239,11 @@ def _assemble(
         spec=SpecPlan(
             draft_tokens=led["spec.draft_tokens"],
             draft_floor=led["spec.draft_floor"],
-            adaptive_depth=bool(led["spec.adaptive_depth"]) and drafts,
-            mtp=drafts,
+            adaptive_depth=bool(led["spec.adaptive_depth"]) and (mtp or lookup),
+            mtp=mtp,
+            ngram=lookup,
+            ngram_min=led["spec.ngram_min"],
+            ngram_max=led["spec.ngram_max"],
             pipeline_windows=led["split.pipeline_windows"],
         ),
         memory=MemoryPlan(

@@ -28,11 +28,20 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_DRAFT_TOKENS = 4
 DEFAULT_HOST_RESERVE_MIB = 4096
 DEFAULT_RUN_AHEAD = 2
+DEFAULT_NGRAM_MIN = 2
+DEFAULT_NGRAM_MAX = 4
 
 
 def drafts_with_mtp(model: ModelFacts, led: Ledger) -> bool:
-    """Whether the solo path drafts with the MTP head: the model has one and the window holds a proposal."""
-    return model.has_mtp and led["spec.draft_tokens"] >= 2
+    """Whether the solo path drafts with the MTP head: ``spec.method = "mtp"``, the model has one and the
+    window holds a proposal."""
+    return model.has_mtp and led["spec.method"] == "mtp" and led["spec.draft_tokens"] >= 2
+
+
+def drafts_by_lookup(led: Ledger) -> bool:
+    """Whether the solo path drafts by n-gram lookup: ``spec.method = "ngram"`` and the window holds a
+    proposal."""
+    return bool(led["spec.method"] == "ngram" and led["spec.draft_tokens"] >= 2)
 
 
 def resolve_defaults(
@@ -133,18 +142,39 @@ def resolve_defaults(
     led.take("batch.run_ahead", b.run_ahead if b else None, DEFAULT_RUN_AHEAD)
 
     s = p.spec
+    method = led.take("spec.method", s.method if s else None, "mtp")
+    lookup = method == "ngram"
     draft = led.take(
-        "spec.draft_tokens", s.draft_tokens if s else None, DEFAULT_DRAFT_TOKENS if model.has_mtp else 0
+        "spec.draft_tokens",
+        s.draft_tokens if s else None,
+        DEFAULT_DRAFT_TOKENS if model.has_mtp or lookup else 0,
     )
     led.take("spec.draft_floor", s.draft_floor if s else None, DEFAULT_DRAFT_FLOOR)
     led.take("spec.adaptive_depth", s.adaptive_depth if s else None, True)
-    if draft >= 2 and not model.has_mtp:
+    # A written bound moves the other's default so the two stay ordered (both written: the schema checks).
+    asked_min, asked_max = (s.ngram_min, s.ngram_max) if s else (None, None)
+    led.take("spec.ngram_min", asked_min, min(DEFAULT_NGRAM_MIN, asked_max or DEFAULT_NGRAM_MIN))
+    led.take("spec.ngram_max", asked_max, max(DEFAULT_NGRAM_MAX, asked_min or DEFAULT_NGRAM_MAX))
+    if draft >= 2 and not model.has_mtp and not lookup:
         led.change(
             "spec.draft_tokens",
             0,
             "spec.needs-mtp-weights",
-            f"speculative decoding is off: {model.source} has no MTP weights to draft with",
+            f"speculative decoding is off: {model.source} has no MTP weights to draft with "
+            '(spec.method = "ngram" drafts without them)',
+            because=("spec.method",),
         )
+    if not lookup:
+        for key in ("spec.ngram_min", "spec.ngram_max"):
+            if led.user_set(key):
+                led.note(
+                    "spec.ngram-inert",
+                    key,
+                    f'{key} does nothing: spec.method is "mtp" (n-gram lookup drafts only with '
+                    'spec.method = "ngram")',
+                    requested=True,
+                    because=("spec.method",),
+                )
 
     e = p.experts
     led.take("experts.cache", e.cache if e else None, "auto")

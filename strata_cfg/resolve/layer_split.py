@@ -15,7 +15,8 @@ from .topology import Topology
 
 def _mtp_passes(led: Ledger, *, spec_mtp: bool, batch_mtp: bool) -> int:
     """MTP head runs per decode step in the mode the profile mostly runs: the chained proposals of the solo
-    path, one proposal per slot with batch MTP, none in plain batch windows."""
+    path, one proposal per slot with batch MTP, none in plain batch windows (nor where the solo path drafts
+    by n-gram lookup, which reads no weights: ``spec_mtp`` is false there)."""
     if batch_mtp:
         return 1
     if led["batch.slots"] >= 2:
@@ -28,7 +29,7 @@ def sizing(model: ModelFacts, led: Ledger) -> Sizing:
     slots = max(led["batch.slots"], 1)
     batch_mtp = bool(led["batch.mtp"])
     spec_mtp = drafts_with_mtp(model, led)
-    drafting = spec_mtp or batch_mtp
+    drafting = spec_mtp or batch_mtp  # n-gram lookup needs no drafter and no MTP head
     cache = led["experts.cache"]
     return Sizing(
         context=led["memory.context"],

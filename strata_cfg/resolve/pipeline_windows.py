@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..schema.facts import ModelFacts
-from .defaults import drafts_with_mtp
+from .defaults import drafts_by_lookup, drafts_with_mtp
 from .gate import Reason, first_failing
 from .ledger import Ledger
 from .topology import Topology, is_test_split
@@ -14,6 +14,7 @@ def pipeline_windows_gate(model: ModelFacts, topo: Topology, led: Ledger) -> Non
     if not led["split.pipeline_windows"]:
         return
     layers = ("split.layers",)
+    lookup = drafts_by_lookup(led)
     reasons = (
         ("pipeline-windows.needs-split", not topo.split, "there is no layer split", layers),
         (
@@ -31,8 +32,10 @@ def pipeline_windows_gate(model: ModelFacts, topo: Topology, led: Ledger) -> Non
         (
             "pipeline-windows.needs-mtp",
             not drafts_with_mtp(model, led),
-            "the solo path does not draft with MTP",
-            ("spec.draft_tokens",),
+            'the solo path drafts by n-gram lookup (spec.method = "ngram"), not with MTP'
+            if lookup
+            else "the solo path does not draft with MTP",
+            ("spec.method",) if lookup else ("spec.draft_tokens",),
         ),
         ("pipeline-windows.batch", led["batch.slots"] >= 2, "batch slots are on", ("batch.slots",)),
         (

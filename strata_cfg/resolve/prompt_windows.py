@@ -143,7 +143,8 @@ def resolve_prompt_graph_rows(
         led.resolve_auto(KEY, MAX_WINDOW_ROWS, RULE, cached)
         return MAX_WINDOW_ROWS
     graphs = led[GRAPHS_KEY] >= PREFILL_GRAPH_MIN_ROWS
-    costs = prompt_costs(model, stages, drafting=led["spec.draft_tokens"] >= 2, graphs=graphs)
+    mtp_drafts = led["spec.draft_tokens"] >= 2 and led["spec.method"] == "mtp"  # n-gram lookup reads nothing
+    costs = prompt_costs(model, stages, drafting=mtp_drafts, graphs=graphs)
     rows = costs.graph_rows()
     message = None
     if rows < PROMPT_GRAPH_MAX:

@@ -54,7 +54,18 @@ _RULES = (
         "off",
         "memory.prefix_store_mib needs memory.prefix_reuse (slots keep nothing to store without it)",
     ),
-    Rule("spec.needs-mtp-weights", 0, "off", "spec.draft_tokens >= 2 needs a model with MTP weights"),
+    Rule(
+        "spec.needs-mtp-weights",
+        0,
+        "off",
+        'spec.draft_tokens >= 2 with spec.method = "mtp" needs a model with MTP weights',
+    ),
+    Rule(
+        "spec.ngram-inert",
+        0,
+        "note",
+        'spec.ngram_min and spec.ngram_max do nothing unless spec.method = "ngram"',
+    ),
     Rule(
         "model.decode-attention",
         0,
@@ -101,6 +112,12 @@ _RULES = (
     # 3: batch-MTP gate, first part (the first failing reason wins)
     Rule("batch-mtp.needs-batching", 3, "off", "batch MTP needs batching (2 or more slots)"),
     Rule("batch-mtp.needs-mtp-weights", 3, "off", "batch MTP needs a model with MTP weights"),
+    Rule(
+        "batch-mtp.spec-ngram",
+        3,
+        "off",
+        'batch MTP drafts with the MTP head, so spec.method = "ngram" turns it off',
+    ),
     Rule("batch-mtp.needs-spec", 3, "off", "batch MTP needs spec.draft_tokens >= 2"),
     Rule("batch-mtp.shared-gpu", 3, "off", "batch MTP does not run with two stages on one GPU"),
     Rule("batch-mtp.needs-serve", 3, "off", "batch MTP needs a [serve] table (it is a serving feature)"),

@@ -11,7 +11,7 @@ import ipaddress
 import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from .packaged import PackagedName
 from .presets import PresetName
@@ -22,6 +22,7 @@ Routing = Literal["uniform", "calibrated"]
 PrefillQ = Literal["split", "fp16"]
 DecodeAttention = Literal["auto", "cuda_cores"]
 KvDType = Literal["float32", "float16", "bfloat16"]
+SpecMethod = Literal["mtp", "ngram"]
 
 _DEVICE_RE = re.compile(r"^(?:(?P<host>[A-Za-z0-9_.-]+):)?(?P<index>\d+)$")
 _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -178,11 +179,29 @@ class BatchSection(Section):
 
 
 class SpecSection(Section):
-    """Speculative decoding with the model's MTP head on the solo path."""
+    """Speculative decoding on the solo path: proposals from the model's MTP head, or from n-gram lookup in
+    the request's own text, verified by the model in one window."""
 
+    method: SpecMethod | None = None
+    """Where proposals come from. ``"mtp"`` (default): the model's MTP head drafts them, chained, one head
+    pass each; a model without MTP weights does not draft. ``"ngram"``: n-gram lookup (prompt lookup
+    decoding), for any model: the request's latest ``ngram_max`` down to ``ngram_min`` tokens are looked up
+    earlier in its prompt and reply, and the tokens that followed their latest match are proposed. It costs
+    no head pass and no drafter memory; its proposals hold where a reply repeats its context (code edits,
+    quoting, structured output), and seldom elsewhere. Batch MTP drafts with the MTP head, so it is off
+    with ``"ngram"``."""
     draft_tokens: int | None = Field(default=None, ge=0, le=8)
-    """Speculative window (``--spec``): the token plus up to T-1 chained MTP proposals, verified in one
-    window of at most 8 rows. 2 or more enables MTP drafting; 0 or 1 turns it off."""
+    """Speculative window (``--spec``): the token plus up to T-1 proposals (chained MTP proposals, or the
+    tokens that followed an n-gram match), verified in one window of at most 8 rows. 2 or more enables
+    drafting; 0 or 1 turns it off. Default 4 with MTP weights or ``method = "ngram"``, else 0."""
+    ngram_min: int | None = Field(default=None, ge=1, le=16)
+    """``method = "ngram"`` only: the shortest run of the request's latest tokens a lookup matches (default 2,
+    or ``ngram_max`` where that is less). Shorter runs find a match more often, and more of those matches
+    propose tokens that do not hold."""
+    ngram_max: int | None = Field(default=None, ge=1, le=16)
+    """``method = "ngram"`` only: the longest run of the request's latest tokens a lookup matches (default
+    4, or ``ngram_min`` where that is more); the longest run that matches is used. At least ``ngram_min``.
+    These are lengths of the run matched, not of the proposals: ``draft_tokens`` bounds those."""
     draft_floor: float | None = Field(default=None, ge=0.0, le=1.0)
     """Drafting pauses for a request while fewer than this share of its windows' first proposals hold
     (default 0.25), with a probe window now and then to measure again (a plain greedy request alone probes
@@ -198,6 +217,17 @@ class SpecSection(Section):
     by both kinds' measured times. False: every drafting window carries all ``draft_tokens - 1``
     proposals, and batch MTP follows ``draft_floor`` alone. A seeded sampled request always drafts as
     with false, so that its seed gives the same text on every run."""
+
+    @field_validator("ngram_max")
+    @classmethod
+    def _ngram_order(cls, value: int | None, info: ValidationInfo) -> int | None:
+        low = info.data.get("ngram_min")
+        if value is not None and low is not None and low > value:
+            raise ValueError(
+                f"`ngram_max = {value}` is less than `ngram_min = {low}`: a lookup matches the latest "
+                "ngram_max down to ngram_min tokens, so ngram_min must not be more than ngram_max"
+            )
+        return value
 
 
 class MemorySection(Section):
