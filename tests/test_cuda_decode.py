@@ -71,6 +71,7 @@ def _plan(
     routing="uniform",
     split=None,
     adaptive_depth=False,
+    method="mtp",
 ):
     """``split``: the first layer of a second stage on the same GPU (a solo-mode test split).
     ``adaptive_depth`` is off unless asked for: with it, the solo depth follows measured window times, so
@@ -91,6 +92,7 @@ routing = "{routing}"
 slots = {slots}
 mtp = {"true" if batch_mtp else "false"}
 [spec]
+method = "{method}"
 draft_tokens = {draft_tokens}
 adaptive_depth = {"true" if adaptive_depth else "false"}
 [memory]
@@ -230,6 +232,32 @@ def test_greedy_text_on_gpu_does_not_depend_on_drafting_or_batching(cp):
     assert engine.totals["accepted"] > 0
     solo = [_generate(_plan(cp, model="tiny", slots=1, draft_tokens=6), [p])[0][0] for p in prompts]
     assert solo == plain
+
+
+@pytest.mark.parametrize("split", [None, 2])
+def test_greedy_text_drafted_by_lookup_on_gpu_is_the_text_without_drafting(cp, split):
+    """``spec.method = "ngram"`` on the GPU (one stage and two): prompts that end in a loop, so that lookups
+    propose from the first window; the host verifies the proposals by the device's choices, and the text is
+    the plain text. A seeded sampled request drafted so repeats its text."""
+    from strata_runtime.api import Request, SamplingParams
+
+    g = np.random.default_rng(26)
+    loop = g.integers(1, 250, 5).tolist()
+    prompts = [g.integers(1, 250, 8).tolist() + loop * 4 for _ in range(3)]
+    plain, _ = _generate(_plan(cp, model="tiny", split=split), prompts, 64)
+    plan = _plan(cp, model="tiny", split=split, draft_tokens=5, method="ngram", adaptive_depth=True)
+    looked, engine = _generate(plan, prompts, 64)
+    assert plan.spec.ngram and not plan.spec.mtp and engine.model.mtp is None
+    assert looked == plain
+    assert engine.totals["accepted"] > 0, engine.totals
+    sampled = SamplingParams(temperature=0.8, seed=3)
+    texts = []
+    for _ in range(2):
+        h = engine.submit(Request(tuple(prompts[0]), 40, sampled))
+        while engine.step():
+            pass
+        texts.append([t for _ in range(h.events.qsize()) for t in h.events.get().token_ids])
+    assert texts[0] == texts[1] and len(texts[0]) == 40
 
 
 @pytest.mark.parametrize("split", [None, 2])

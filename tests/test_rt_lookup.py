@@ -4,6 +4,7 @@ keeps greedy text and the target's sampled distribution, and when the engine dra
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from rt_plans import make_plan
 
+from strata_cfg.plan.from_profile import resolve_path
 from strata_cfg.schema.packaged import packaged_dir
 from strata_cfg.schema.plan import LaunchPlan
 from strata_runtime.api import Request, RequestHandle, SamplingParams, TokenEvent
@@ -231,3 +233,16 @@ def test_the_engine_says_it_drafts_by_lookup() -> None:
     assert "silent probe every window" in lines and "drafters: none (a request alone looks" in lines
     assert eng.stats()["plan"]["draft_method"] == "ngram"
     assert engine(0, 1, False).stats()["plan"]["draft_method"] is None
+
+
+def test_a_profile_asking_for_lookup_gives_an_engine_that_drafts_by_it() -> None:
+    """The demo profile with ``spec.method = "ngram"``, resolved as `strata serve` resolves it: the engine
+    loads no MTP head, looks its proposals up, and keeps the greedy text of the profile without drafting."""
+    demo = str(Path(__file__).resolve().parent.parent / "profiles" / "demo.toml")
+    plan = resolve_path(demo, ('spec.method="ngram"', "batch.slots=1")).plan
+    plain = resolve_path(demo, ("spec.draft_tokens=0", "batch.slots=1")).plan
+    eng = Engine(plan)
+    assert eng.lookup and eng.model.mtp is None and plan.windows.solo_rows == 4
+    prompt = tuple(b"of the subject of the subject of the")
+    assert generate(eng, prompt, 64) == generate(Engine(plain), prompt, 64)
+    assert eng.totals["accepted"] > 0
