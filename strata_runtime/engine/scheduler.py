@@ -1016,15 +1016,16 @@ class Engine:
 
     def _lookup_probes(self, events: list[tuple[Slot, TokenEvent]]) -> None:
         """A paused solo window's silent probe under n-gram lookup, free on the host: would a lookup on the
-        text before the window's token have proposed it? Every such window is one, so drafting resumes in
-        the window after the text turns repetitive."""
+        text before the window's token have proposed it? Every such window is one, each weighing
+        `LOOKUP_PROBE_WEIGHT`, so drafting resumes a few windows after the text turns repetitive, and not
+        on one lucky guess."""
         for slot, ev in events:
             if slot.lookup is None or not ev.token_ids or slot.finished is not None:
                 continue
             slot.lookup.follow(slot.generated)
             guess = slot.lookup.propose(1, len(slot.lookup) - len(ev.token_ids))
             held = bool(guess) and guess[0] == ev.token_ids[0]
-            slot.gauge.record(1, int(held), silent=True)
+            slot.gauge.record(1, int(held), silent=True, weight=speculative.LOOKUP_PROBE_WEIGHT)
             self.window_stats.silent_probe(held)
 
     def _caught_up(self) -> int:

@@ -80,6 +80,10 @@ costs no window, so it comes sooner than `DRAFT_PROBE_EVERY` and waits no longer
 DRAFT_WEIGHT = 1 / 4
 """Weight of each window's first proposal in the estimate: an exponential average over about the last 4
 windows, so one probe whose proposal holds brings a paused slot back to the floor."""
+LOOKUP_PROBE_WEIGHT = 1 / 8
+"""Weight of an n-gram lookup's silent probe in the estimate (`strata_runtime.engine.lookup`): the host
+probes after every paused window, so one probe that holds by chance must not bring drafting back (at 1/4 it
+would, from any estimate); three in a row do, from none."""
 
 
 HOLD_WARMUP = 4
@@ -166,9 +170,12 @@ class DraftGauge:
     """Probe silently while paused (a plain greedy request: whether its first proposal holds is whether it
     equals the next token the target chooses)."""
 
-    def record(self, proposed: int, accepted: int, silent: bool = False) -> None:
+    def record(
+        self, proposed: int, accepted: int, silent: bool = False, weight: float = DRAFT_WEIGHT
+    ) -> None:
         """A verified window's ``proposed`` proposals, of which ``accepted`` held (0 and 0: a window without
-        them); ``silent``: a silent probe's one proposal, which no window carried."""
+        them); ``silent``: a silent probe's one proposal, which no window carried; ``weight``: the outcome's
+        weight in the estimate."""
         if proposed == 0:
             self.idle += 1
             return
@@ -178,7 +185,7 @@ class DraftGauge:
         self.seen += proposed
         # The floor weighs the chance that a window's first proposal holds: a deeper solo window's later
         # proposals are tried only once the ones before them held, and count in `own` (per position).
-        self.rate = (1 - DRAFT_WEIGHT) * self.rate + DRAFT_WEIGHT * (accepted > 0)
+        self.rate = (1 - weight) * self.rate + weight * (accepted > 0)
         self.drafted += 1
         for j in range(min(accepted + 1, proposed)):
             held = j < accepted
