@@ -220,6 +220,26 @@ def test_new_text_pauses_drafting_and_a_probe_that_holds_brings_it_back() -> Non
     assert eng._looked_up(slot, 3) is not None  # "6 7" occurred: the lookup proposes again
 
 
+def test_one_lucky_probe_does_not_bring_lookup_drafting_back_and_a_run_of_them_does() -> None:
+    """Probed after every paused window, a lookup guesses right now and then on any text (a sampled reply
+    repeats short runs by chance): one probe that holds must not bring drafting back, a few in a row must."""
+    eng = engine(5, 1, True)
+    sampler = Sampler(SamplingParams(), 0)
+    slot = Slot(0, RequestHandle(Request((1,), 50)), sampler, frozenset(), eng.tokenizer, 1)
+    slot.gauge = eng.choice.gauge(sampler)
+    slot.lookup, slot.generated = TextLookup((3, 4, 5, 3, 4), 2, 4), []
+    for _ in range(DRAFT_WARMUP + 8):
+        eng._lookup_probes([(slot, _event(slot, 9))])  # a lookup would have proposed 5, and 9 came
+        slot.lookup, slot.generated = TextLookup((3, 4, 5, 3, 4), 2, 4), []
+    assert not slot.gauge.drafts
+    resumed = []
+    for _ in range(4):
+        eng._lookup_probes([(slot, _event(slot, 5))])  # it would have held
+        slot.lookup, slot.generated = TextLookup((3, 4, 5, 3, 4), 2, 4), []
+        resumed.append(slot.gauge.drafts)
+    assert resumed[0] is False and resumed[-1] is True, resumed
+
+
 def _event(slot: Slot, token: int) -> TokenEvent:
     """A window's event that emitted ``token`` for ``slot`` (its reply grows by it, as `Slot.emit` does)."""
     slot.generated.append(token)
