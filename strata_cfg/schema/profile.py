@@ -188,8 +188,8 @@ class SpecSection(Section):
     decoding), for any model: the request's latest ``ngram_max`` down to ``ngram_min`` tokens are looked up
     earlier in its prompt and reply, and the tokens that followed their latest match are proposed. It costs
     no head pass and no drafter memory; its proposals hold where a reply repeats its context (code edits,
-    quoting, structured output), and seldom elsewhere. Batch MTP drafts with the MTP head, so it is off
-    with ``"ngram"``."""
+    quoting, a list continued, a loop), and seldom elsewhere; a reply held to a grammar does not look up.
+    Batch MTP drafts with the MTP head, so it is off with ``"ngram"``."""
     draft_tokens: int | None = Field(default=None, ge=0, le=8)
     """Speculative window (``--spec``): the token plus up to T-1 proposals (chained MTP proposals, or the
     tokens that followed an n-gram match), verified in one window of at most 8 rows. 2 or more enables
