@@ -17,6 +17,7 @@ from strata_cfg.schema.packaged import packaged_dir
 from strata_cfg.schema.plan import LaunchPlan
 from strata_runtime.api import Request, RequestHandle, SamplingParams, TokenEvent
 from strata_runtime.engine import Engine
+from strata_runtime.engine.job import Job
 from strata_runtime.engine.lookup import TextLookup
 from strata_runtime.engine.sampling import Sampler
 from strata_runtime.engine.slot import Slot
@@ -211,11 +212,13 @@ def test_new_text_pauses_drafting_and_a_probe_that_holds_brings_it_back() -> Non
         assert eng._looked_up(slot, 3) is None  # "138 139" did not occur before
     assert slot.gauge.silent and not slot.gauge.drafts, slot.gauge.rate
     rate = slot.gauge.rate
-    eng._lookup_probes([(slot, _event(slot, 7))])  # a lookup before 7 proposed nothing: a failed probe
+    eng._lookup_probes(
+        Job("solo", []), [(slot, _event(slot, 7))]
+    )  # a lookup before 7 proposed nothing: a failed probe
     assert slot.gauge.rate < rate
     slot.lookup, slot.generated = TextLookup((5, 6, 7, 5, 6), 2, 4), []
     rate = slot.gauge.rate
-    eng._lookup_probes([(slot, _event(slot, 7))])  # "5 6" was followed by 7, and 7 came
+    eng._lookup_probes(Job("solo", []), [(slot, _event(slot, 7))])  # "5 6" was followed by 7, and 7 came
     assert slot.gauge.rate > rate
     assert eng._looked_up(slot, 3) is not None  # "6 7" occurred: the lookup proposes again
 
@@ -229,12 +232,14 @@ def test_one_lucky_probe_does_not_bring_lookup_drafting_back_and_a_run_of_them_d
     slot.gauge = eng.choice.gauge(sampler)
     slot.lookup, slot.generated = TextLookup((3, 4, 5, 3, 4), 2, 4), []
     for _ in range(DRAFT_WARMUP + 8):
-        eng._lookup_probes([(slot, _event(slot, 9))])  # a lookup would have proposed 5, and 9 came
+        eng._lookup_probes(
+            Job("solo", []), [(slot, _event(slot, 9))]
+        )  # a lookup would have proposed 5, and 9 came
         slot.lookup, slot.generated = TextLookup((3, 4, 5, 3, 4), 2, 4), []
     assert not slot.gauge.drafts
     resumed = []
     for _ in range(4):
-        eng._lookup_probes([(slot, _event(slot, 5))])  # it would have held
+        eng._lookup_probes(Job("solo", []), [(slot, _event(slot, 5))])  # it would have held
         slot.lookup, slot.generated = TextLookup((3, 4, 5, 3, 4), 2, 4), []
         resumed.append(slot.gauge.drafts)
     assert resumed[0] is False and resumed[-1] is True, resumed
@@ -266,3 +271,28 @@ def test_a_profile_asking_for_lookup_gives_an_engine_that_drafts_by_it() -> None
     prompt = tuple(b"of the subject of the subject of the")
     assert generate(eng, prompt, 64) == generate(Engine(plain), prompt, 64)
     assert eng.totals["accepted"] > 0
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_slots_decoding_together_draft_by_lookup_in_the_rows_their_window_spares(stages) -> None:
+    """Two requests at once, on one stage (serial windows) and on two (pipelined groups of one slot each):
+    each looks its proposals up in the rows its window has to spare; the text of each is the text of the
+    same requests without drafting, and the windows that carried several slots' rows carried proposals
+    that held."""
+    kw = {"stages": stages, "slots": 2, "context": 192, "prefill_chunk": 16}
+    if stages == 2:
+        kw["groups"] = 2
+    drafting, plain = Engine(lookup_plan(5, **kw)), Engine(make_plan(draft_tokens=0, **kw))
+    prompts = [(*LOOP * 4, 40), (9, *LOOP[::-1] * 4, 45)]
+
+    def both(eng: Engine) -> list[list[int]]:
+        handles = [eng.submit(Request(p, 96)) for p in prompts]
+        while eng.step():
+            pass
+        return [[t for _ in range(h.events.qsize()) for t in h.events.get().token_ids] for h in handles]
+
+    assert both(drafting) == both(plain)
+    kind = "serial" if stages == 1 else "pipelined"
+    shared = [w for w in drafting.windows if w.kind == kind and w.proposals]
+    assert shared and sum(w.accepted for w in shared) > 0, drafting.totals
+    assert all(w.rows <= 8 for w in drafting.windows if w.kind != "prefill")

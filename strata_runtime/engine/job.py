@@ -72,6 +72,9 @@ class Job:
     """Rows the drafting heads read in catch-up passes for this window (rows deferred while a slot did not
     draft): before it was launched, to draft its proposals, and when it was finished, where a drafter's
     deferred rows reached their bound."""
+    looked: set[int] = field(default_factory=set)
+    """Slots whose text was looked up for this window (``spec.method = "ngram"``), whether the lookup found
+    proposals or not: its outcome is counted, so the slot takes no silent probe from this window."""
     draft_ms: float = 0.0
     """Host wall time drafting its proposals before it was launched (catch-up passes included)."""
     finish_ms: float = 0.0

@@ -628,6 +628,8 @@ class Engine:
         pays = job.kind != "solo" and mtp and self.choice.batch_drafts(slots, now_batch_mtp=False)
         if pays:
             return None  # batch-MTP windows again: few enough slots decode, and drafting pays
+        if self.lookup and job.kind != "solo" and any(self._looks_up(s) for s in slots):
+            return None  # a slot's lookups pay again: the host looks its next proposals up
         room = min(self.depth, self.plan.memory.context - entries[0].pos - 1)
         alone = len(everyone) == 1 and room > 0
         drafts_alone = alone and entries[0].slot.gauge.leaves(0, room)
@@ -868,6 +870,7 @@ class Engine:
         by_id = {s.id: s for s in decoding}
         mtp = self.plan.batch.mtp and self._batch_mtp_serves(len(decoding))
         forced: dict[int, Proposals] = {}  # what a grammar forces (or a lookup finds), in a drafter's stead
+        looked_for: set[int] = set()  # slots whose text was looked up for this window
         if len(decoding) == 1 and not prefilling and not pipelined:
             slot = decoding[0]
             room = min(self.depth, self.room(slot))
@@ -879,6 +882,8 @@ class Engine:
                 depth = slot.gauge.depth(room)
                 paused = room > 0 and depth == 0
                 looked = self._looked_up(slot, depth) if self.lookup else None
+                if depth > 0 and slot.lookup is not None:
+                    looked_for.add(slot.id)
                 if looked is not None:
                     forced[slot.id] = looked
                 elif self.lookup:
@@ -914,6 +919,8 @@ class Engine:
                 if given is not None:
                     forced[sid], depths[sid] = given, len(given.tokens)
                     spare -= len(given.tokens)
+        if self.lookup and kind in ("serial", "pipelined"):
+            self._look_up_spare_rows(len(rows), by_id, depths, forced, looked_for)
         host_only = any(by_id[sid].sampler.host_only for sid in depths)  # a grammar's: the host decides
         on_device = not host_only and self._decided_on_device(kind, [1 + d for d in depths.values()])
         entries = []
@@ -930,9 +937,41 @@ class Engine:
                 proposals = Proposals([], [])
             masked = self._masked(slot, proposals)
             entries.append(Entry(slot, "decode", [token, *proposals.tokens], proposals, masked=masked))
-        job = Job(kind, entries, paused=paused, spec_on_device=on_device)
+        job = Job(kind, entries, paused=paused, spec_on_device=on_device, looked=looked_for)
         job.caught_up, job.draft_ms = self._caught_up() - caught_up, (time.perf_counter() - t0) * 1e3
         return job
+
+    def _look_up_spare_rows(
+        self,
+        rows: int,
+        by_id: dict[int, Slot],
+        depths: dict[int, int],
+        given: dict[int, Proposals],
+        looked_for: set[int],
+    ) -> None:
+        """A serial or pipelined window of ``rows`` rows: its rows up to `MAX_WINDOW_ROWS`, less those
+        ``given`` to what grammars force, go to looked-up proposals: shared
+        evenly among its slots whose lookups pay (`_looks_up`), each at most the depth its gauge chooses for
+        it alone. A slot whose lookup finds nothing counts a failed proposal (`_looked_up`)."""
+        used = rows + sum(len(g.tokens) for g in given.values())
+        drafting = [sid for sid, d in depths.items() if d == 0 and self._looks_up(by_id[sid])]
+        if not drafting:
+            return
+        share = (MAX_WINDOW_ROWS - used) // len(drafting)
+        for sid in drafting:
+            slot = by_id[sid]
+            most = min(share, slot.gauge.depth(min(self.depth, self.room(slot))))
+            if most <= 0:
+                continue
+            looked_for.add(sid)
+            found = self._looked_up(slot, most)
+            if found is not None:
+                given[sid], depths[sid] = found, len(found.tokens)
+
+    def _looks_up(self, slot: Slot) -> bool:
+        """Whether ``slot``'s next window should carry looked-up proposals: it has a lookup, and its gauge
+        says drafting pays at some depth it has room for."""
+        return slot.lookup is not None and slot.gauge.depth(min(self.depth, self.room(slot))) > 0
 
     def _masked(self, slot: Slot, proposals: Proposals | None = None) -> bool:
         """Whether ``slot``'s rows in a window (its next token, after ``proposals``; a prompt's first
@@ -997,8 +1036,8 @@ class Engine:
         confirms or not the proposal its drafting head made at the window before (recorded as a probe's
         one proposal); and a paused solo window whose slot is due one queues the next such proposal, on the
         drafters' stream beside the windows in flight."""
-        if self.lookup and job.kind == "solo" and job.paused:
-            self._lookup_probes(events)
+        if self.lookup:
+            self._lookup_probes(job, events)
             return
         for slot, ev in events:
             if slot.shadow is None:
@@ -1014,13 +1053,13 @@ class Engine:
         if slot.finished is None and slot.shadow is None and slot.gauge.silent_probe_due:
             slot.shadow = self.executor.propose(slot.id)
 
-    def _lookup_probes(self, events: list[tuple[Slot, TokenEvent]]) -> None:
-        """A paused solo window's silent probe under n-gram lookup, free on the host: would a lookup on the
-        text before the window's token have proposed it? Every such window is one, each weighing
-        `LOOKUP_PROBE_WEIGHT`, so drafting resumes a few windows after the text turns repetitive, and not
-        on one lucky guess."""
+    def _lookup_probes(self, job: Job, events: list[tuple[Slot, TokenEvent]]) -> None:
+        """Under n-gram lookup, a silent probe for each slot of a finished window whose text was not looked
+        up for it (`Job.looked`: drafting paused, or no rows to spare), free on the host: would a lookup on
+        the text before the window's first token have proposed it? Each weighs `LOOKUP_PROBE_WEIGHT`, so
+        drafting resumes a few windows after the text turns repetitive, and not on one lucky guess."""
         for slot, ev in events:
-            if slot.lookup is None or not ev.token_ids or slot.finished is not None:
+            if slot.lookup is None or not ev.token_ids or slot.finished is not None or slot.id in job.looked:
                 continue
             slot.lookup.follow(slot.generated)
             guess = slot.lookup.propose(1, len(slot.lookup) - len(ev.token_ids))
