@@ -296,3 +296,23 @@ def test_slots_decoding_together_draft_by_lookup_in_the_rows_their_window_spares
     shared = [w for w in drafting.windows if w.kind == kind and w.proposals]
     assert shared and sum(w.accepted for w in shared) > 0, drafting.totals
     assert all(w.rows <= 8 for w in drafting.windows if w.kind != "prefill")
+
+
+@pytest.mark.parametrize(("eight_rows_ms", "depth"), [(10.0, 0), (2.0, 3)])
+def test_a_serial_window_takes_the_lookup_depth_its_measured_times_pay_for(eight_rows_ms, depth) -> None:
+    """Two slots whose lookups hold: their serial window takes three proposals each where an 8-row window
+    costs twice a 2-row one (8 tokens for 2 ms beat 2 for 1), and none where it costs ten times as much
+    (every row count between is costed from those two, as the engine costs one it has not measured)."""
+    eng = Engine(lookup_plan(4, slots=2, context=192, prefill_chunk=16))
+    sampler = Sampler(SamplingParams(), 0)
+    slots = []
+    for i in range(2):
+        slot = Slot(i, RequestHandle(Request((1,), 50)), sampler, frozenset(), eng.tokenizer, 1)
+        slot.gauge, slot.lookup = eng.choice.gauge(sampler), TextLookup((3, 4, 5, 3, 4), 2, 4)
+        slots.append(slot)
+    costs = eng.choice.lookup_costs(slots)
+    assert costs is not None
+    for _ in range(3):
+        eng.choice.observe_lookup("serial", slots, 2, 1.0)
+        eng.choice.observe_lookup("serial", slots, 8, eight_rows_ms)
+    assert eng._spare_depth("serial", slots, slots, 2) == depth

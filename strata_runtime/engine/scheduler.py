@@ -68,7 +68,7 @@ from ..model.placed import WeightStore
 from ..structured import GrammarError, Grammars, grammars_for
 from ..weights.progress import Progress
 from . import device_spec, speculative
-from .depth import Holds
+from .depth import Holds, expected_tokens
 from .executor import Executor
 from .flight import Chained, Flight, Mark
 from .job import CHAINED, Entry, Job
@@ -628,14 +628,16 @@ class Engine:
         pays = job.kind != "solo" and mtp and self.choice.batch_drafts(slots, now_batch_mtp=False)
         if pays:
             return None  # batch-MTP windows again: few enough slots decode, and drafting pays
-        if self.lookup and job.kind != "solo" and any(self._looks_up(s) for s in slots):
-            return None  # a slot's lookups pay again: the host looks its next proposals up
         room = min(self.depth, self.plan.memory.context - entries[0].pos - 1)
         alone = len(everyone) == 1 and room > 0
         drafts_alone = alone and entries[0].slot.gauge.leaves(0, room)
         if drafts_alone and (group is None or not any(f.job.kind == "prefill" for f in self._flights)):
             return None  # one slot left (pipelined: and no prompt in flight): its solo windows draft
         kind = job.kind if group is not None else "solo" if len(entries) == 1 else "serial"
+        if self.lookup and kind != "solo":
+            drafting = [s for s in slots if self._lookup_pays(s)]
+            if self._spare_depth(kind, slots, drafting, len(entries)) > 0:
+                return None  # a slot's lookups pay again: the host looks its next proposals up
         paused = (alone and kind == "solo" and not drafts_alone) or (kind != "solo" and mtp and not pays)
         return Job(kind, entries, paused=paused), tuple(rows)
 
@@ -920,7 +922,7 @@ class Engine:
                     forced[sid], depths[sid] = given, len(given.tokens)
                     spare -= len(given.tokens)
         if self.lookup and kind in ("serial", "pipelined"):
-            self._look_up_spare_rows(len(rows), by_id, depths, forced, looked_for)
+            self._look_up_spare_rows(kind, len(rows), by_id, depths, forced, looked_for)
         host_only = any(by_id[sid].sampler.host_only for sid in depths)  # a grammar's: the host decides
         on_device = not host_only and self._decided_on_device(kind, [1 + d for d in depths.values()])
         entries = []
@@ -943,35 +945,60 @@ class Engine:
 
     def _look_up_spare_rows(
         self,
+        kind: str,
         rows: int,
         by_id: dict[int, Slot],
         depths: dict[int, int],
         given: dict[int, Proposals],
         looked_for: set[int],
     ) -> None:
-        """A serial or pipelined window of ``rows`` rows: its rows up to `MAX_WINDOW_ROWS`, less those
-        ``given`` to what grammars force, go to looked-up proposals: shared
-        evenly among its slots whose lookups pay (`_looks_up`), each at most the depth its gauge chooses for
-        it alone. A slot whose lookup finds nothing counts a failed proposal (`_looked_up`)."""
+        """A serial or pipelined window of ``rows`` rows (plus those ``given`` to what grammars force): its
+        slots whose lookups pay (`_lookup_pays`) get looked-up proposals in its rows up to `MAX_WINDOW_ROWS`,
+        as many each as `_spare_depth` gives. A slot whose lookup finds nothing counts a failed proposal
+        (`_looked_up`)."""
         used = rows + sum(len(g.tokens) for g in given.values())
-        drafting = [sid for sid, d in depths.items() if d == 0 and self._looks_up(by_id[sid])]
-        if not drafting:
-            return
-        share = (MAX_WINDOW_ROWS - used) // len(drafting)
-        for sid in drafting:
-            slot = by_id[sid]
-            most = min(share, slot.gauge.depth(min(self.depth, self.room(slot))))
-            if most <= 0:
-                continue
-            looked_for.add(sid)
-            found = self._looked_up(slot, most)
+        slots = [by_id[sid] for sid in depths]
+        drafting = [by_id[sid] for sid, d in depths.items() if d == 0 and self._lookup_pays(by_id[sid])]
+        depth = self._spare_depth(kind, slots, drafting, used)
+        for slot in drafting if depth > 0 else []:
+            looked_for.add(slot.id)
+            found = self._looked_up(slot, min(depth, self.room(slot)))
             if found is not None:
-                given[sid], depths[sid] = found, len(found.tokens)
+                given[slot.id], depths[slot.id] = found, len(found.tokens)
 
-    def _looks_up(self, slot: Slot) -> bool:
-        """Whether ``slot``'s next window should carry looked-up proposals: it has a lookup, and its gauge
-        says drafting pays at some depth it has room for."""
-        return slot.lookup is not None and slot.gauge.depth(min(self.depth, self.room(slot))) > 0
+    def _lookup_pays(self, slot: Slot) -> bool:
+        """Whether ``slot`` has a lookup whose proposals hold often enough to draft (its gauge at or over
+        ``spec.draft_floor``) and room for one."""
+        return slot.lookup is not None and slot.gauge.estimate >= slot.gauge.floor and self.room(slot) > 0
+
+    def _spare_depth(self, kind: str, slots: list[Slot], drafting: list[Slot], used: int) -> int:
+        """Looked-up proposals each slot of ``drafting`` gets in a window of ``slots`` that holds ``used``
+        rows without them: the rows up to `MAX_WINDOW_ROWS` shared evenly, at most the plan's depth. With
+        ``spec.adaptive_depth``, a serial window takes the depth with the most expected tokens per
+        millisecond by the serial windows' measured times (`WindowChoice.lookup_costs`; a row count not
+        measured yet is tried), each slot's proposals holding as its gauge expects and every other slot
+        giving its one token. Pipelined windows overlap, so their times are no measure: there each slot's
+        depth for its solo windows bounds it."""
+        if not drafting:
+            return 0
+        most = min(self.depth, (MAX_WINDOW_ROWS - used) // len(drafting))
+        if most <= 0:
+            return 0
+        if kind != "serial":
+            return min(most, max(s.gauge.depth(min(self.depth, self.room(s))) for s in drafting))
+        costs = self.choice.lookup_costs(slots)
+        if costs is None:
+            return most
+        holds = [s.gauge.optimistic_holds(most) for s in drafting]
+        plain = len(slots) - len(drafting)
+        values = []
+        for d in range(most + 1):
+            ms = costs.cost(used + d * len(drafting))
+            tokens = plain + sum(expected_tokens(h, d) for h in holds)
+            values.append(None if ms is None else tokens / ms)
+        if any(v is None for v in values):
+            return most
+        return max(range(most + 1), key=lambda d: (values[d] or 0.0, d))
 
     def _masked(self, slot: Slot, proposals: Proposals | None = None) -> bool:
         """Whether ``slot``'s rows in a window (its next token, after ``proposals``; a prompt's first
@@ -1134,6 +1161,7 @@ class Engine:
         if job.kind == "solo" and timed:
             self.choice.observe_solo(job.entries[0].slot.sampler, job.rows, ms)
         self.choice.observe_batch(job.kind, [e.slot for e in job.entries], job.rows, ms if timed else None)
+        self.choice.observe_lookup(job.kind, [e.slot for e in job.entries], job.rows, ms if timed else None)
         self.window_stats.record(window, flight.discarded)
         for slot, ev in events:
             slot.handle.events.put(ev)

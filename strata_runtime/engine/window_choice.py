@@ -139,6 +139,20 @@ class WindowChoice:
                 else:
                     s.gauge.wait_as_usual()
 
+    def lookup_costs(self, slots: list[Slot]) -> WindowCosts | None:
+        """Under n-gram lookup with ``spec.adaptive_depth``: the measured times, by row count, of serial
+        windows of these slots' kind, by which they take looked-up proposals (None: they take every spare
+        row)."""
+        return self._batch(slots, "serial") if self.lookup and self.adaptive else None
+
+    def observe_lookup(self, kind: str, slots: list[Slot], rows: int, ms: float | None) -> None:
+        """A window finished: under n-gram lookup, a serial window's time counts in `lookup_costs` (where it
+        replayed its shape: ``ms`` is not None)."""
+        costs = self.lookup_costs(slots) if kind == "serial" and ms is not None else None
+        if costs is not None:
+            assert ms is not None
+            costs.observe(rows, ms)
+
     def _batch(self, slots: list[Slot], kind: str) -> WindowCosts:
         return self.batch.setdefault(window_kind(kind, [s.sampler for s in slots]), WindowCosts())
 
