@@ -316,3 +316,29 @@ def test_a_serial_window_takes_the_lookup_depth_its_measured_times_pay_for(eight
         eng.choice.observe_lookup("serial", slots, 2, 1.0)
         eng.choice.observe_lookup("serial", slots, 8, eight_rows_ms)
     assert eng._spare_depth("serial", slots, slots, 2) == depth
+
+
+def test_lookup_drafted_replies_keep_their_log_probabilities_and_stop_strings() -> None:
+    """A greedy request that asks for log-probabilities and stops at a string, drafted by lookup on the
+    demo: its tokens, text, finish and log-probabilities are those without drafting (each token's figure is
+    its row's, proposal or not), and the reply ends where the stop string completes."""
+    plan = {"model_dir": packaged_dir("austen"), "stages": 1, "context": 320, "prefill_chunk": 64}
+    prompt = tuple(b"my dear sister, my dear sister, my dear sister, my dear")
+    sampling = SamplingParams(logprobs=2)
+
+    def reply(eng: Engine) -> tuple[list[int], str, str | None, list[float]]:
+        h = eng.submit(Request(prompt, 120, sampling, stop_strings=("subject of the s",)))
+        while eng.step():
+            pass
+        events = [h.events.get() for _ in range(h.events.qsize())]
+        tokens = [t for e in events for t in e.token_ids]
+        figures = [lp.logprob for e in events for lp in e.logprobs]
+        return tokens, "".join(e.text for e in events), events[-1].finished, figures
+
+    drafting = Engine(lookup_plan(5, **plan))
+    tokens, text, finished, figures = reply(drafting)
+    plain = reply(Engine(make_plan(draft_tokens=0, **plan)))
+    assert (tokens, text, finished) == plain[:3] and finished == "stop"
+    assert "subject of the s" not in text and len(figures) == len(tokens)
+    np.testing.assert_allclose(figures, plain[3], rtol=1e-4, atol=1e-5)
+    assert drafting.totals["accepted"] > 0
