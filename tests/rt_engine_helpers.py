@@ -4,7 +4,8 @@
 number of stages (pipelined groups need a split). `collect` submits requests at given steps and steps the
 engine until every request has finished, checking after every step that each stage's KV (and each drafter)
 holds exactly what its slot has committed. `handed_to_cache` records what an expert cache is told.
-`bench_with_and_without` runs the bench's CLI with and without one flag.
+`bench_with_and_without` runs the bench's CLI with and without one flag. `generate` runs one request to its
+end; `chi_square_p` is the p-value of counts against the counts a distribution expects.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import numpy as np
 from rt_plans import make_plan, pipelined_mtp_plan
 
 from strata_cfg.schema.plan import LaunchPlan
-from strata_runtime.api import Request
+from strata_runtime.api import Request, SamplingParams
 from strata_runtime.engine import Engine
 from strata_runtime.engine.speculative import DEFER_MOST
 from strata_runtime.experts.cache import HELPER, HOST, Reads
@@ -218,3 +219,24 @@ def bench_with_and_without(profile: Path, argv: list[str], flag: str) -> dict[bo
         assert out.returncode == 0, out.stderr
         runs[bool(extra)] = (json.loads(out.stdout), out.stderr)
     return runs
+
+
+def generate(
+    eng: Engine, prompt: tuple[int, ...], n: int, sampling: SamplingParams | None = None
+) -> list[int]:
+    """The tokens of one request of ``n`` tokens, run to its end on ``eng``."""
+    h = eng.submit(Request(prompt, n, sampling or SamplingParams()))
+    while eng.step():
+        pass
+    return [t for _ in range(h.events.qsize()) for t in h.events.get().token_ids]
+
+
+def chi_square_p(counts: np.ndarray, expected: np.ndarray) -> float:
+    """The p-value of ``counts`` against the ``expected`` counts of the same cells (Pearson's chi-square,
+    one degree of freedom fewer than cells). Needs torch, for the survival function: callers skip without
+    it."""
+    import torch
+
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    dof = counts.size - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(chi2 / 2.0)))

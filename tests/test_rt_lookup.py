@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from rt_engine_helpers import chi_square_p, generate
 from rt_plans import make_plan
 
 from strata_cfg.plan.from_profile import resolve_path
@@ -105,7 +106,7 @@ P_THRESHOLD = 1e-3
 def test_sampled_verification_of_looked_up_proposals_keeps_the_target_distribution() -> None:
     """Two looked-up proposals (fixed tokens, not draws), verified against p as proposals from a q certain
     of them: the first two emitted tokens follow the target's joint distribution exactly (chi-square)."""
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     rng = np.random.default_rng(17)
     p0 = rng.dirichlet(np.full(V, 0.7))
     p1 = rng.dirichlet(np.full(V, 0.7), size=V)  # the target after each first token
@@ -122,10 +123,8 @@ def test_sampled_verification_of_looked_up_proposals_keeps_the_target_distributi
         t2 = verdict.tokens[1] if len(verdict.tokens) >= 2 else sampler.draw(p1[t1])
         counts[t1, t2] += 1
     expected = TRIALS * p0[:, None] * p1
-    chi2 = ((counts - expected) ** 2 / expected).sum()
-    dof = V * V - 1
-    p_value = float(torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(chi2 / 2.0)))
-    assert p_value > P_THRESHOLD, f"chi2 {chi2:.1f}, p = {p_value:.2e}"
+    p_value = chi_square_p(counts, expected)
+    assert p_value > P_THRESHOLD, f"p = {p_value:.2e}"
     assert accepted > TRIALS // 10  # proposals held often enough to be tested
 
 
@@ -144,15 +143,6 @@ def lookup_plan(draft_tokens: int, **kw: object) -> LaunchPlan:
 def engine(draft_tokens: int, stages: int, lookup: bool) -> Engine:
     kw = {"stages": stages, "context": 192, "prefill_chunk": 16}
     return Engine(lookup_plan(draft_tokens, **kw) if lookup else make_plan(draft_tokens=0, **kw))
-
-
-def generate(
-    eng: Engine, prompt: tuple[int, ...], n: int, sampling: SamplingParams | None = None
-) -> list[int]:
-    h = eng.submit(Request(prompt, n, sampling or SamplingParams()))
-    while eng.step():
-        pass
-    return [t for _ in range(h.events.qsize()) for t in h.events.get().token_ids]
 
 
 LOOP = (40, 41, 42, 43, 44, 45)

@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from rt_engine_helpers import chi_square_p, generate
 from rt_plans import make_plan
 
 from strata_cfg.schema.packaged import packaged_dir
-from strata_runtime.api import Request, SamplingParams
+from strata_runtime.api import SamplingParams
 from strata_runtime.engine import Engine
 from strata_runtime.engine.sampling import Sampler, distribution
 from strata_runtime.engine.speculative import Proposals, Verdict, verify
@@ -25,15 +26,6 @@ DEMO_ACCEPTANCE = 0.5
 @functools.cache
 def solo_engine(draft_tokens: int, stages: int) -> Engine:
     return Engine(make_plan(stages=stages, draft_tokens=draft_tokens, context=160, prefill_chunk=16))
-
-
-def generate(
-    eng: Engine, prompt: tuple[int, ...], n: int, sampling: SamplingParams | None = None
-) -> list[int]:
-    h = eng.submit(Request(prompt, n, sampling or SamplingParams()))
-    while eng.step():
-        pass
-    return [t for _ in range(h.events.qsize()) for t in h.events.get().token_ids]
 
 
 @pytest.mark.parametrize("depth", [1, 2, 3, 4, 5, 6, 7])
@@ -93,7 +85,7 @@ def test_sampled_drafting_has_the_target_distribution(verifier) -> None:
     The target's rows depend on the proposals (p1 is the target after d1), as in a real window, and the
     drafter's q differs from p on purpose.
     """
-    torch = pytest.importorskip("torch")  # for the chi-square survival function
+    pytest.importorskip("torch")  # for the chi-square survival function
 
     rng = np.random.default_rng(7)
     p0, q0 = _dist(rng), _dist(rng)  # [V]
@@ -115,10 +107,8 @@ def test_sampled_drafting_has_the_target_distribution(verifier) -> None:
         else:  # rejected at the first proposal: the second token comes from the next window's p1[t1]
             counts[t1, sampler.draw(p1[t1])] += 1
     expected = TRIALS * p0[:, None] * p1  # the target's joint of the first two tokens
-    chi2 = ((counts - expected) ** 2 / expected).sum()
-    dof = V * V - 1
-    p_value = float(torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(chi2 / 2.0)))
-    assert p_value > P_THRESHOLD, f"chi2 {chi2:.1f}, p = {p_value:.2e}"
+    p_value = chi_square_p(counts, expected)
+    assert p_value > P_THRESHOLD, f"p = {p_value:.2e}"
     assert accepted > TRIALS // 4  # and it really drafted: many proposals were accepted
 
 
