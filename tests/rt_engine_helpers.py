@@ -5,7 +5,8 @@ number of stages (pipelined groups need a split). `collect` submits requests at 
 engine until every request has finished, checking after every step that each stage's KV (and each drafter)
 holds exactly what its slot has committed. `handed_to_cache` records what an expert cache is told.
 `bench_with_and_without` runs the bench's CLI with and without one flag. `generate` runs one request to its
-end; `chi_square_p` is the p-value of counts against the counts a distribution expects.
+end; `chi_square_p` is the p-value of counts against the counts a distribution expects, `two_sample_p` of
+two samples' counts against their drawing from one distribution.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
 
@@ -240,3 +242,15 @@ def chi_square_p(counts: np.ndarray, expected: np.ndarray) -> float:
     chi2 = float(((counts - expected) ** 2 / expected).sum())
     dof = counts.size - 1
     return float(torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(chi2 / 2.0)))
+
+
+def two_sample_p(a: Counter[Hashable], b: Counter[Hashable], least: int = 10) -> tuple[float, int]:
+    """The p-value that samples ``a`` and ``b`` (of the same size) come from one distribution, by the
+    two-sample chi-square test over the outcomes either drew at least ``least`` times together, and its
+    degrees of freedom. Needs torch, as `chi_square_p`."""
+    import torch
+
+    cells = [k for k in a.keys() | b.keys() if a[k] + b[k] >= least]
+    chi2 = sum((a[k] - b[k]) ** 2 / (a[k] + b[k]) for k in cells)
+    dof = len(cells) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(chi2 / 2.0))), dof

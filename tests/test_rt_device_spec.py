@@ -22,6 +22,7 @@ from rt_engine_helpers import (
     collect,
     kept_tokens,
     run_checking_kv,
+    two_sample_p,
 )
 from rt_plans import make_plan
 
@@ -363,13 +364,10 @@ def test_sampled_windows_decided_on_the_device_have_the_distribution_of_host_dec
     on the device or on the host, whose rule a chi-square test holds to the target's (`test_rt_spec` and,
     with penalties, `test_rt_penalties`): a two-sample chi-square test over the runs of three tokens. With
     penalties, each row of the window and each draft follows the proposals before it."""
-    torch = pytest.importorskip("torch")  # for the chi-square survival function
+    pytest.importorskip("torch")  # for the chi-square survival function
     device, host = _first_tokens(True, 1500, **adjust), _first_tokens(False, 1500, **adjust)
-    cells = [k for k in device.keys() | host.keys() if device[k] + host[k] >= 10]
-    chi2 = sum((device[k] - host[k]) ** 2 / (device[k] + host[k]) for k in cells)
-    dof = len(cells) - 1
-    p_value = float(torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(chi2 / 2.0)))
-    assert dof >= 10 and p_value > 1e-3, f"chi2 {chi2:.1f} over {dof} degrees of freedom, p = {p_value:.2e}"
+    p_value, dof = two_sample_p(device, host)
+    assert dof >= 10 and p_value > 1e-3, f"{dof} degrees of freedom, p = {p_value:.2e}"
 
 
 def test_a_greedy_and_a_sampled_slot_in_one_window_are_each_decided_by_their_own_rule() -> None:

@@ -4,13 +4,14 @@ keeps greedy text and the target's sampled distribution, and when the engine dra
 from __future__ import annotations
 
 import functools
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from rt_engine_helpers import chi_square_p, generate
+from rt_engine_helpers import chi_square_p, generate, two_sample_p
 from rt_plans import make_plan
 
 from strata_cfg.plan.from_profile import resolve_path
@@ -332,3 +333,39 @@ def test_lookup_drafted_replies_keep_their_log_probabilities_and_stop_strings() 
     assert "subject of the s" not in text and len(figures) == len(tokens)
     np.testing.assert_allclose(figures, plain[3], rtol=1e-4, atol=1e-5)
     assert drafting.totals["accepted"] > 0
+
+
+SAMPLED_PROMPT = (*LOOP * 4, 40, 114, 41, 48, 126, 43, 42, 309, 367, 82, 59, 48)
+"""Where the tiny model's own greedy text comes back to an earlier stretch ("48 126 43 42"): sampled cold
+with top-k 3, it often follows it, so looked-up proposals hold about a quarter of the time."""
+
+
+def test_sampled_lookup_windows_are_drawn_on_the_device_with_the_distribution_of_no_drafting() -> None:
+    """A sampled request's looked-up proposals are verified by the device's draws (`Entry.compared`): no
+    window with proposals reads logits back, and over 1,000 seeds each the first four tokens come out with
+    the same distribution as without drafting (a two-sample chi-square test over the runs of four tokens)."""
+    pytest.importorskip("torch")
+    kw = {"stages": 1, "context": 192, "prefill_chunk": 16}
+    drafting, plain = Engine(lookup_plan(4, **kw)), Engine(make_plan(draft_tokens=0, **kw))
+    read_logits = []
+    launch = drafting.executor.launch
+
+    def recording(job, after=None):  # type: ignore[no-untyped-def]
+        flight = launch(job, after)
+        if any(e.proposals.tokens for e in job.entries):
+            read_logits.append(flight.sampled)
+        return flight
+
+    drafting.executor.launch = recording  # type: ignore[method-assign]
+
+    def runs(eng: Engine) -> Counter[tuple[int, ...]]:
+        return Counter(
+            tuple(generate(eng, SAMPLED_PROMPT, 4, SamplingParams(temperature=0.5, top_k=3, seed=s)))
+            for s in range(1000)
+        )
+
+    looked, without = runs(drafting), runs(plain)
+    assert drafting.totals["accepted"] > 200, drafting.totals
+    assert read_logits and not any(read_logits)
+    p_value, dof = two_sample_p(looked, without)
+    assert dof >= 10 and p_value > 1e-3, f"{dof} degrees of freedom, p = {p_value:.2e}"

@@ -297,7 +297,7 @@ class Executor:
         sampled = (
             bool(needed)
             and not job.spec_on_device
-            and any(e.slot.sampler.needs_logits and not (e.on_device or e.masked) for e in job.entries)
+            and any(e.slot.sampler.needs_logits and not e.chosen_on_device for e in job.entries)
         )
         flight = Flight(
             job, job.layout(), needed, sampled, self._marks(), after, job.draws(), job.device_spec()
@@ -625,7 +625,7 @@ class Executor:
             return self._finish_prefill(flight, slot, n, decided, normed[row : row + n], at)
         if e.on_device:  # the device chose the token (and counted it): nothing to verify
             verdict = Verdict(0, [int(flight.chosen_host[logit_row[row]])])
-        elif e.masked:  # the device chose each row's token over the allowed ones: the proposals hold by them
+        elif e.masked or e.compared:  # the device chose each row's token: the proposals hold by them
             first = logit_row[row]
             verdict = verify_choices(flight.chosen_host[first : first + n], e.proposals.tokens)
         else:

@@ -52,6 +52,27 @@ class Entry:
         nor a verification; not for a request with a grammar, whose tokens the host chooses."""
         return self.kind == "decode" and not self.proposals.tokens and not self.slot.sampler.host_only
 
+    @property
+    def compared(self) -> bool:
+        """A sampled request's looked-up proposals (`Proposals.looked_up`; no bias, penalty or grammar): the
+        device draws every row's token as it draws any, and the host keeps the proposals while each equals
+        the draw at the row before it, then that row's draw. For proposals certain of their tokens this is
+        the rejection rule: a proposal holds with the target's probability of it, and the token after the
+        last one that held is drawn from the target without it. So the host reads tokens, not logits."""
+        sampler = self.slot.sampler
+        return (
+            self.kind == "decode"
+            and self.proposals.looked_up
+            and not sampler.greedy
+            and not sampler.adjusts
+            and not sampler.host_only
+        )
+
+    @property
+    def chosen_on_device(self) -> bool:
+        """Every row's token is the device's choice (`on_device`, `masked` or `compared`)."""
+        return self.on_device or self.masked or self.compared
+
 
 @dataclass
 class Job:
@@ -117,7 +138,7 @@ class Job:
         """For each needed row, what the device draws it with (`strata_runtime.models.ops.choose.Draws`:
         1 / temperature, a uniform drawn now from the slot's generator, in launch order, top-k, top-p), or
         the argmax (1 / temperature 0); None when no row is drawn there."""
-        if not any((e.on_device or e.masked) and not e.slot.sampler.greedy for e in self.entries):
+        if not any(e.chosen_on_device and not e.slot.sampler.greedy for e in self.entries):
             return None
         inv_temp: list[float] = []
         uniform: list[float] = []
@@ -126,7 +147,7 @@ class Job:
         for e in self.entries:
             rows = len(e.tokens) if e.kind == "decode" else int(e.ends_prompt)
             sampler = e.slot.sampler
-            drawn = (e.on_device or e.masked) and not sampler.greedy
+            drawn = e.chosen_on_device and not sampler.greedy
             inv_temp += [sampler.inv_temperature if drawn else 0.0] * rows
             uniform += [sampler.uniform() if drawn else 0.0 for _ in range(rows)]
             top_k += [sampler.params.top_k if drawn else 0] * rows
