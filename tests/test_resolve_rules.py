@@ -348,6 +348,9 @@ def test_plan_text_says_the_solo_path_drafts_by_ngram_lookup():
     assert "MTP proposals" not in text
     same = plan_text(plan_of(path, [*NGRAM, "spec.ngram_max=3", "spec.adaptive_depth=false"]))
     assert "window 4: token + 3 proposals by n-gram lookup (3 tokens matched)" in same
+    several = plan_text(plan_of(path, [*NGRAM, "batch.slots=2"]))
+    assert "when one request runs alone, and in the rows a window of several spares" in several
+    assert "a window of several spares" not in text
     mtp = plan_text(plan_of(path))
     assert "window 4: token + up to 3 MTP proposals" in mtp and "proposals by n-gram" not in mtp
     assert 'spec.method = "ngram"' in engine_args_text(plan_of(path, NGRAM))

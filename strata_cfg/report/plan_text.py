@@ -122,6 +122,8 @@ def _spec_line(plan: LaunchPlan) -> str:
     if not (s.mtp or s.ngram):
         return "no drafting (the token alone)"
     line = f"{proposals_text(plan)} when one request runs alone"
+    if s.ngram and plan.batch.slots > 1:
+        line += ", and in the rows a window of several spares (up to 8)"
     floor = floor_text(plan)
     if floor is not None:
         line += f"; {floor}"
