@@ -189,7 +189,8 @@ class SpecSection(Section):
     earlier in its prompt and reply, and the tokens that followed their latest match are proposed. It costs
     no head pass and no drafter memory; its proposals hold where a reply repeats its context (code edits,
     quoting, a list continued, a loop), and seldom elsewhere; a reply held to a grammar does not look up.
-    Batch MTP drafts with the MTP head, so it is off with ``"ngram"``."""
+    With several slots, windows of several take looked-up proposals in the rows they spare too. Batch MTP
+    drafts with the MTP head, so it is off with ``"ngram"``."""
     draft_tokens: int | None = Field(default=None, ge=0, le=8)
     """Speculative window (``--spec``): the token plus up to T-1 proposals (chained MTP proposals, or the
     tokens that followed an n-gram match), verified in one window of at most 8 rows. 2 or more enables
