@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from rt_engine_helpers import chi_square_p, generate, two_sample_p
+from rt_engine_helpers import chi_square_p, collect, generate, two_sample_p
 from rt_plans import make_plan
 
 from strata_cfg.plan.from_profile import resolve_path
@@ -369,3 +369,30 @@ def test_sampled_lookup_windows_are_drawn_on_the_device_with_the_distribution_of
     assert read_logits and not any(read_logits)
     p_value, dof = two_sample_p(looked, without)
     assert dof >= 10 and p_value > 1e-3, f"{dof} degrees of freedom, p = {p_value:.2e}"
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_requests_arriving_and_leaving_under_lookup_keep_their_text_and_a_consistent_kv(stages) -> None:
+    """Six requests over four slots, arriving at different steps, some repeating their prompts, greedy and
+    penalised (a presence penalty, verified on the host) and seeded sampled ones among them: after every
+    step each stage's KV holds exactly what its slot committed, and each greedy reply (penalised or not) is
+    the reply without drafting."""
+    kw = {"stages": stages, "slots": 4, "context": 192, "prefill_chunk": 16}
+    penalised = SamplingParams(presence_penalty=0.5)
+    sampled = SamplingParams(temperature=0.7, top_k=5, seed=9)
+    kinds = [SamplingParams(), penalised, SamplingParams(), sampled, SamplingParams(), penalised]
+    prompts = [(*LOOP * 3, 40), SAMPLED_PROMPT, (7, 8, 9), (*LOOP[::-1] * 3,), SAMPLED_PROMPT[:20], (5,) * 12]
+
+    def schedule() -> list[tuple[int, Request]]:
+        return [
+            (3 * i, Request(p, 40 + 4 * i, k)) for i, (p, k) in enumerate(zip(prompts, kinds, strict=True))
+        ]
+
+    drafting = Engine(lookup_plan(4, **kw))
+    looked = collect(drafting, schedule())
+    plain = collect(Engine(make_plan(draft_tokens=0, **kw)), schedule(), check_kv=False)
+    greedy = [i for i, k in enumerate(kinds) if k.temperature == 0]
+    assert [looked[i] for i in greedy] == [plain[i] for i in greedy]
+    assert [len(t) for t in looked] == [40 + 4 * i for i in range(6)]
+    assert drafting.totals["accepted"] > 0
+    assert max(w.rows for w in drafting.windows if w.kind != "prefill") <= 8  # proposals only in spare rows
