@@ -18,7 +18,8 @@ a slot is free), then, by the plan's batch mode:
     windows instead (`_batch_mtp_serves`): a row then brings a token, not three quarters of one; and
     with ``spec.adaptive_depth``, serial windows wherever their measured times give more tokens per second
     (`strata_runtime.engine.window_choice.WindowChoice.batch_drafts`);
-  * *serial*: one row per slot, every decoding slot in one window (at most 8).
+  * *serial*: one row per slot, every decoding slot in one window (at most 8); with
+    ``spec.method = "ngram"``, looked-up proposals in the rows it spares (`_look_up_spare_rows`).
 
   A solo or serial window of one row per slot whose tokens the device chooses runs ahead: up to
   ``batch.run_ahead`` windows are in flight, each reading on the device the tokens the one before it chose,
@@ -111,7 +112,8 @@ class Engine:
         """Whether the tokens a request's grammar forces are read as proposals (`speculative.forced`), up to
         a window's rows at once; off, one a window as any other token (`scripts/bench_forced.py` compares)."""
         self.lookup = plan.spec.ngram
-        """Whether a request alone drafts by n-gram lookup in its own text (``spec.method = "ngram"``)."""
+        """Whether requests draft by n-gram lookup in their own text (``spec.method = "ngram"``): alone, in
+        solo windows; together, in the rows a serial or pipelined window spares (`_look_up_spare_rows`)."""
         self.masks_on_device = True
         """Whether a grammar's rows are masked and chosen on the device (`Entry.masked`); off, the host reads
         their logits and chooses (`scripts/bench_grammar_cost.py` compares)."""
