@@ -885,7 +885,7 @@ class Engine:
             else:
                 depth = slot.gauge.depth(room)
                 paused = room > 0 and depth == 0
-                looked = self._looked_up(slot, depth) if self.lookup else None
+                looked = self._looked_up(slot, depth)
                 if depth > 0 and slot.lookup is not None:
                     looked_for.add(slot.id)
                 if looked is not None:
@@ -971,7 +971,11 @@ class Engine:
     def _lookup_pays(self, slot: Slot) -> bool:
         """Whether ``slot`` has a lookup whose proposals hold often enough to draft (its gauge at or over
         ``spec.draft_floor``) and room for one."""
-        return slot.lookup is not None and slot.gauge.estimate >= slot.gauge.floor and self.room(slot) > 0
+        return (
+            slot.lookup is not None
+            and speculative.drafting_pays([slot.gauge], probe=False)
+            and self.room(slot) > 0
+        )
 
     def _spare_depth(self, kind: str, slots: list[Slot], drafting: list[Slot], used: int) -> int:
         """Looked-up proposals each slot of ``drafting`` gets in a window of ``slots`` that holds ``used``

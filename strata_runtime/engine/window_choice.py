@@ -148,9 +148,10 @@ class WindowChoice:
     def observe_lookup(self, kind: str, slots: list[Slot], rows: int, ms: float | None) -> None:
         """A window finished: under n-gram lookup, a serial window's time counts in `lookup_costs` (where it
         replayed its shape: ``ms`` is not None)."""
-        costs = self.lookup_costs(slots) if kind == "serial" and ms is not None else None
+        if kind != "serial" or ms is None:
+            return
+        costs = self.lookup_costs(slots)
         if costs is not None:
-            assert ms is not None
             costs.observe(rows, ms)
 
     def _batch(self, slots: list[Slot], kind: str) -> WindowCosts:
