@@ -24,6 +24,7 @@ from strata_runtime.engine.lookup import TextLookup
 from strata_runtime.engine.sampling import Sampler
 from strata_runtime.engine.slot import Slot
 from strata_runtime.engine.speculative import DRAFT_WARMUP, Proposals, verify
+from strata_runtime.engine.warm import warm_requests
 
 # ---- what a lookup proposes ----------------------------------------------------------------------------
 
@@ -396,3 +397,26 @@ def test_requests_arriving_and_leaving_under_lookup_keep_their_text_and_a_consis
     assert [len(t) for t in looked] == [40 + 4 * i for i in range(6)]
     assert drafting.totals["accepted"] > 0
     assert max(w.rows for w in drafting.windows if w.kind != "prefill") <= 8  # proposals only in spare rows
+
+
+def test_a_reply_held_to_a_grammar_does_not_look_up() -> None:
+    """Under a grammar the tokens it forces are the proposals: a looked-up token it does not allow would
+    only fail, so such a request gets no lookup; one without a grammar does."""
+    eng = engine(5, 1, True)
+    free = eng._text_lookup((1, 2, 3), Sampler(SamplingParams(), 0))
+    held = eng._text_lookup((1, 2, 3), Sampler(SamplingParams(), 0, grammar=object()))
+    assert isinstance(free, TextLookup) and held is None
+
+
+def test_the_warm_up_runs_a_request_whose_lookups_propose() -> None:
+    """With lookup drafting, the warm-up's requests include one whose prompt repeats, so that solo windows
+    with looked-up proposals run (and are timed) before the first real request; without it, none repeats."""
+    plan = lookup_plan(5, stages=1, context=192, prefill_chunk=16)
+    proposing = [
+        r for r in warm_requests(plan, 384, cached=False) if TextLookup(r.prompt_ids, 2, 4).propose(3)
+    ]
+    assert proposing and all(r.max_tokens > 1 for r in proposing)
+    plain = make_plan(draft_tokens=0, stages=1, context=192, prefill_chunk=16)
+    assert not [
+        r for r in warm_requests(plain, 384, cached=False) if TextLookup(r.prompt_ids, 2, 4).propose(3)
+    ]
