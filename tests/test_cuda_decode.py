@@ -506,7 +506,7 @@ def test_speculative_windows_decided_on_gpu_draft_accept_and_read_as_host_decisi
         for on_device in (False, True):
             engine = Engine(plan)
             if not on_device:
-                engine._decided_on_device = lambda kind, entries: False
+                engine._decided_on_device = lambda *args: False
             handles = [engine.submit(Request(tuple(p), 40)) for p in prompts[:slots]]
             while engine.step():
                 chained += sum(1 for f in engine._chain if f.spec is not None and f.after is not None)

@@ -52,7 +52,7 @@ def engine(stages: int, slots: int, batch_mtp: bool, on_device: bool, run_ahead:
     )
     eng = Engine(plan)
     if not on_device:
-        eng._decided_on_device = lambda kind, entries: False  # type: ignore[method-assign]
+        eng._decided_on_device = lambda *args: False  # type: ignore[method-assign]
     return eng
 
 

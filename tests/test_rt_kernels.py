@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from strata_runtime.models.ops.activation import silu_mul
+from strata_runtime.models.ops.lookup import lookup_propose
 from strata_runtime.models.ops.norm import rms_norm_in_dtype
 from strata_runtime.models.ops.rope import rope
 from strata_runtime.reference import ops as reference
@@ -86,3 +87,19 @@ def test_tiny_model_on_the_gpu_matches_the_cpu_path() -> None:
     a = want.logits(want.forward(prompt, lay))
     b = got.logits(got.forward(prompt, lay)).get()
     assert np.abs(a - b).max() / np.abs(a).max() < 1e-4
+
+
+@pytest.mark.parametrize(("slots", "width", "alphabet"), [(1, 200, 3), (3, 4097, 5), (2, 40000, 50)])
+def test_lookup_propose(slots, width, alphabet) -> None:
+    """The n-gram lookup of windows decided on the device: the same proposals and found flags as the NumPy
+    path, over histories of random tokens (a small alphabet repeats runs often) and random lengths."""
+    import cupy as cp
+
+    rng = np.random.default_rng(107)
+    for _ in range(20):
+        history = rng.integers(1, alphabet + 1, (slots, width)).astype(np.int64)
+        lengths = rng.integers(1, width + 1, slots).astype(np.int64)
+        for shortest, longest, most in [(1, 1, 1), (2, 4, 4), (3, 8, 7)]:
+            want = lookup_propose(history, lengths, shortest, longest, most)
+            got = lookup_propose(cp.asarray(history), cp.asarray(lengths), shortest, longest, most)
+            assert np.array_equal(got[0].get(), want[0]) and np.array_equal(got[1].get(), want[1])

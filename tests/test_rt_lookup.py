@@ -25,6 +25,7 @@ from strata_runtime.engine.sampling import Sampler
 from strata_runtime.engine.slot import Slot
 from strata_runtime.engine.speculative import DRAFT_WARMUP, Proposals, verify
 from strata_runtime.engine.warm import warm_requests
+from strata_runtime.models.ops.lookup import lookup_propose
 
 # ---- what a lookup proposes ----------------------------------------------------------------------------
 
@@ -60,6 +61,38 @@ def test_a_lookup_proposes_what_the_slow_rule_proposes(text, most, shortest, ext
     longest = shortest + extra
     lookup = TextLookup(text, shortest, longest)
     assert lookup.propose(most) == reference_proposal(text, most, shortest, longest)
+
+
+def histories(texts: list[list[int]], width: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Texts as a device lookup reads them: [S, width] with random tokens past each text (positions a
+    window wrote and did not keep), and their lengths."""
+    history = rng.integers(0, 4, (len(texts), width)).astype(np.int64)
+    for i, text in enumerate(texts):
+        history[i, : len(text)] = text
+    return history, np.array([len(t) for t in texts], np.int64)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    texts=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=40), min_size=1, max_size=3),
+    most=st.integers(1, 7),
+    shortest=st.integers(1, 3),
+    extra=st.integers(0, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_a_lookup_on_the_device_proposes_what_the_host_lookup_proposes(
+    texts, most, shortest, extra, seed
+) -> None:
+    """The lookup of windows decided on the device (its NumPy path), over several slots' histories with
+    junk past their texts: where the host's lookup proposes, the same tokens, marked found; where it
+    proposes nothing, the last token repeated, marked not found."""
+    longest = shortest + extra
+    history, lengths = histories(texts, 48, np.random.default_rng(seed))
+    proposals, found = lookup_propose(history, lengths, shortest, longest, most)
+    for i, text in enumerate(texts):
+        want = TextLookup(text, shortest, longest).propose(most)
+        assert bool(found[i]) == bool(want)
+        assert proposals[i].tolist() == (want or [text[-1]] * most)
 
 
 def test_the_longest_run_that_matches_wins_over_a_later_shorter_one() -> None:

@@ -41,6 +41,7 @@ from ..api import SamplingParams
 from ..backend import Array
 from ..layout import Layout
 from ..model import Model
+from ..models.ops.lookup import lookup_propose
 
 
 @dataclass(eq=False)
@@ -75,6 +76,15 @@ class DeviceSpec:
     host: dict[str, np.ndarray] = field(default_factory=dict)
     """``accepted``, ``first``, ``tokens`` and ``positions`` on the host (pinned copies the host did not wait
     for)."""
+    lookup: tuple[int, int] | None = None
+    """The shortest and longest runs an n-gram lookup matches, where the proposals are looked up in each
+    slot's own text (``spec.method = "ngram"``) rather than drafted by the MTP head (`decide_lookup`)."""
+    history: Array = None
+    """Looked-up windows: every slot's tokens by position [slots, C] (int64, on the last device), which the
+    decision writes each slot's chosen tokens into and looks the next proposals up in."""
+    sync: list[tuple[int, int, np.ndarray]] = field(default_factory=list)
+    """Looked-up windows the host launched: (slot, first position, tokens) of each slot's text that its
+    history lacks, written before the decision reads it."""
 
 
 def leading_matches(xp: Any, tokens: Array, picks: Array) -> Array:
@@ -95,6 +105,9 @@ def decide(
     slot's token after its kept proposals), ``next_tokens`` and ``next_positions`` there, and each slot's
     drafter as host drafting leaves it (row j: the hidden state and logits proposal j + 1 came from).
     ``layout`` gives the window's slots and row counts; its positions are ``spec.positions``."""
+    if spec.lookup is not None:
+        decide_lookup(model, spec, chosen)
+        return
     mtp = model.mtp
     assert mtp is not None, "a window decided on the device drafts with the MTP head"
     xp = model.last.device.xp
@@ -131,6 +144,44 @@ def decide(
         proposals.append(_propose(model, spec, draft, j, proposals))
     spec.accepted, spec.first = accepted, first
     spec.next_tokens, spec.next_positions = _next_window(xp, first, proposals, start, n)
+
+
+def decide_lookup(model: Model, spec: DeviceSpec, chosen: Array) -> None:
+    """Decide a looked-up window (`DeviceSpec.lookup`) from its chosen tokens [S n] on the last device: each
+    row's argmax, or for a sampled slot each row's draw (the window's rows are drawn as any sampled row is).
+
+    A proposal holds while it equals the choice at the row before it, for a sampled slot as much as for a
+    greedy one: a looked-up proposal is certain of its token, and for such a proposal the rejection rule is
+    exactly that (it holds with the target's probability of it, and otherwise the row's draw, which is then
+    some other token, is the target's distribution without it). Each slot's chosen tokens go into its history
+    at the positions after its token's (where they are not kept, a later window overwrites them before any
+    lookup reads them), and the next proposals are looked up in the text up to the token after the kept ones
+    (`strata_runtime.models.ops.lookup.lookup_propose`)."""
+    assert spec.lookup is not None and spec.history is not None
+    assert spec.penalties is None, "a request with a logit bias or penalties verifies its lookups on the host"
+    device = model.last.device
+    xp, s, n = device.xp, len(spec.slots), spec.n
+    history = spec.history
+    for slot, at, tokens in spec.sync:
+        history[slot, at : at + len(tokens)] = device.upload(tokens)
+    picks = chosen.reshape(s, n).astype(xp.int64)
+    accepted = leading_matches(xp, spec.tokens.reshape(s, n), picks)
+    first = picks[xp.arange(s), accepted]
+    base = spec.positions.reshape(s, n)[:, 0]  # [S]: each slot's token's position
+    start = base + accepted + 1  # [S]: each slot's first rejected position, where ``first`` goes
+    after = xp.arange(1, n + 1)
+    if s == 1:  # a solo window: its slot's history row as a view
+        row = spec.slots[0]
+        history[row, base[0] + after] = picks[0]
+        mine = history[row : row + 1]
+    else:
+        rows = device.upload(np.asarray(spec.slots, np.int64))
+        history[rows[:, None], base[:, None] + after[None, :]] = picks
+        mine = history[rows]
+    shortest, longest = spec.lookup
+    proposals, _ = lookup_propose(mine, start + 1, shortest, longest, n - 1)
+    spec.accepted, spec.first = accepted, first
+    spec.next_tokens, spec.next_positions = _next_window(xp, first, list(proposals.T), start, n)
 
 
 def _keep_draft(drafters: dict[int, Any], spec: DeviceSpec, j: int, hidden: Array, logits: Array) -> None:
@@ -259,7 +310,7 @@ REHEARSED = SamplingParams(temperature=1.0, top_k=2, top_p=0.5)
 step `distribution` can take runs."""
 
 
-def prepare(model: Model, shapes: set[tuple[int, int]]) -> None:
+def prepare(model: Model, shapes: set[tuple[int, int]], history: Array = None) -> None:
     """Run the array steps of `decide` once for each window shape (S slots, n rows) on dummy values, on the
     last stage's device: a greedy slot's, and a sampled slot's (`verify_sampled` and a draft's draw, with
     `REHEARSED`) for each n. CuPy compiles a kernel the first time it meets an operation on arrays of a new
@@ -267,6 +318,9 @@ def prepare(model: Model, shapes: set[tuple[int, int]]) -> None:
     greedy steps, timed alone on an H200); done at start, no window waits for it. On CPU devices the same
     steps run once and compile nothing."""
     device = model.last.device
+    if history is not None:
+        _prepare_lookup(model, shapes, history)
+        return
     if model.mtp is None or not model.drafters or not shapes:
         return
     xp, a = device.xp, model.args
@@ -289,5 +343,23 @@ def prepare(model: Model, shapes: set[tuple[int, int]]) -> None:
             logits = xp.zeros((n, a.vocab_size), xp.float32)
             _accept_each(model, spec, xp.zeros(n, xp.int64), logits, model.drafters)
             _propose(model, spec, logits[:1], 0, [])
+        if device.is_cuda:
+            xp.cuda.get_current_stream().synchronize()
+
+
+def _prepare_lookup(model: Model, shapes: set[tuple[int, int]], history: Array) -> None:
+    """`decide_lookup` once for each solo window's shape, on a scratch history of the same width (the
+    lookup kernel compiled, and CuPy's kernels for the steps around it)."""
+    device = model.last.device
+    xp = device.xp
+    with device.use():
+        scratch = xp.zeros((1, history.shape[1]), xp.int64)
+        for s, n in sorted(shapes):
+            if s != 1:
+                continue
+            spec = DeviceSpec((0,), n, lookup=(1, 1), history=scratch)
+            spec.tokens, spec.positions = xp.zeros(n, xp.int64), xp.arange(n, dtype=xp.int64)
+            spec.sync = [(0, 0, np.zeros(1, np.int64))]
+            decide_lookup(model, spec, xp.zeros(n, xp.int64))
         if device.is_cuda:
             xp.cuda.get_current_stream().synchronize()

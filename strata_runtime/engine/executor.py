@@ -103,6 +103,17 @@ class Executor:
         self._store: list[HostRows] = []
         """The prefix store's host memory of each stage (`open_store`), and a drafter's."""
         self._store_drafter: HostRows | None = None
+        self.lookup_history: Array = None
+        """Every slot's tokens by position on the last device, where windows decided there look their
+        proposals up (`open_lookup`); None without n-gram lookup."""
+
+    def open_lookup(self, slots: int, context: int) -> None:
+        """Allocate the slots' token histories for looked-up windows decided on the device
+        (`strata_runtime.engine.device_spec.decide_lookup`): ``context`` positions each, and room for a
+        window's rows past them."""
+        device = self.stages[-1].device
+        with device.use():
+            self.lookup_history = device.xp.zeros((slots, context + MAX_WINDOW_ROWS), device.xp.int64)
 
     def _new_stream(self, stage: Stage) -> Any:
         """A non-blocking CUDA stream on the stage's GPU (None on a CPU device)."""
@@ -302,6 +313,8 @@ class Executor:
         flight = Flight(
             job, job.layout(), needed, sampled, self._marks(), after, job.draws(), job.device_spec()
         )
+        if flight.spec is not None and flight.spec.lookup is not None:
+            flight.spec.history = self.lookup_history
         flight.adjusts = job.adjusts()
         flight.masks = job.masks() if after is None else None  # a chained window's: `_chained_masks`
         flight.first_runs = self.model.first_runs()
@@ -673,8 +686,10 @@ class Executor:
         i = spec.slots.index(slot.id)
         accepted, after = int(spec.host["accepted"][i]), int(spec.host["first"][i])
         tokens = [*window[1 : 1 + accepted], after]
-        if slot.sampler.greedy:  # the same decision as the host's own verification, or nothing is emitted
-            # (of the target's choices, made on rows the device adjusted where the request asks)
+        if slot.sampler.greedy or spec.lookup is not None:
+            # The same decision as the host's own verification, or nothing is emitted: of the target's
+            # choices, made on rows the device adjusted where the request asks (a looked-up window's sampled
+            # rows are its draws, which decide it the same way).
             verdict = verify_choices(flight.chosen_host[row : row + n], window[1:])
             if verdict.tokens != tokens:
                 raise RuntimeError(
@@ -686,7 +701,10 @@ class Executor:
             raise RuntimeError(f"slot {slot.id}: the device kept {accepted} of {n - 1} proposals")
         self.model.settle(slot.id, base, n, accepted + 1)
         lps = self._logprobs(flight, slot, row, tokens)  # every row of a window decided there is needed
-        return [(slot, slot.advance(accepted + 1, tokens, n - 1, accepted, counted=True, logprobs=lps))]
+        event = slot.advance(accepted + 1, tokens, n - 1, accepted, counted=True, logprobs=lps)
+        if spec.lookup is not None and slot.lookup is not None:  # the device's history holds it all now
+            slot.lookup.on_device = slot.length + 1
+        return [(slot, event)]
 
     def _prompt_logprobs(self, normed: Array, following: list[int], top: int) -> tuple[TokenLogprob, ...]:
         """The log-probability of each prompt token in ``following`` after the rows before it: row i of a

@@ -109,6 +109,8 @@ class Job:
             return None
         n = len(self.entries[0].tokens)
         spec = DeviceSpec(tuple(e.slot.id for e in self.entries), n)
+        if all(e.proposals.looked_up for e in self.entries):
+            return self._lookup_spec(spec)
         samplers = [e.slot.sampler for e in self.entries]
         if any(s.adjusts for s in samplers):
             spec.penalties = tuple(
@@ -120,6 +122,22 @@ class Job:
             spec.uniforms = np.array(
                 [[0.0 if s.greedy else s.uniform() for _ in range(2 * n - 1)] for s in samplers]
             )
+        return spec
+
+    def _lookup_spec(self, spec: DeviceSpec) -> DeviceSpec:
+        """A looked-up window's decision (`strata_runtime.engine.device_spec.decide_lookup`): the lengths of
+        its runs, and, where the host launched it, each slot's text up to its token that the device's
+        history lacks (`TextLookup.on_device`, which then holds it all)."""
+        for e in self.entries:
+            lookup = e.slot.lookup
+            assert lookup is not None and not e.slot.sampler.adjusts
+            spec.lookup = (lookup.shortest, lookup.longest)
+            if e.tokens[0] == CHAINED:
+                continue
+            assert len(lookup) == e.pos + 1, "the host's lookup follows the whole reply before it proposes"
+            if lookup.on_device < len(lookup):
+                spec.sync.append((e.slot.id, lookup.on_device, lookup.text(lookup.on_device, len(lookup))))
+                lookup.on_device = len(lookup)
         return spec
 
     def layout(self) -> Layout:

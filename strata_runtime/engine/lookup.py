@@ -30,6 +30,10 @@ class TextLookup:
         self._n = 0
         self._reply = 0
         """How many of the reply's tokens ``_tokens`` holds after the prompt."""
+        self.on_device = 0
+        """How many of the first tokens the device's history of this request holds (windows decided on the
+        device look up there, `strata_runtime.models.ops.lookup`): a window the host launches copies the
+        rest first (`text`)."""
         self._extend(prompt)
 
     def __len__(self) -> int:
@@ -43,6 +47,11 @@ class TextLookup:
             self._tokens = grown
         self._tokens[self._n : need] = tokens
         self._n = need
+
+    def text(self, start: int, end: int) -> np.ndarray:
+        """Tokens ``start`` to ``end`` (a copy)."""
+        assert 0 <= start <= end <= self._n
+        return self._tokens[start:end].copy()
 
     def follow(self, generated: list[int]) -> None:
         """Take in the reply's tokens that are new since the last call (``generated`` is the whole reply so

@@ -114,6 +114,11 @@ class Engine:
         self.lookup = plan.spec.ngram
         """Whether requests draft by n-gram lookup in their own text (``spec.method = "ngram"``): alone, in
         solo windows; together, in the rows a serial or pipelined window spares (`_look_up_spare_rows`)."""
+        self.lookup_on_device = True
+        """Whether a request alone whose lookups pay has its windows decided on the device, each looking up
+        the next one's proposals there, so that they run ahead of the host (`_decided_on_device`); off, the
+        host looks up every window's proposals from the tokens it reads (`scripts/bench_lookup.py`
+        compares)."""
         self.masks_on_device = True
         """Whether a grammar's rows are masked and chosen on the device (`Entry.masked`); off, the host reads
         their logits and chooses (`scripts/bench_grammar_cost.py` compares)."""
@@ -153,7 +158,9 @@ class Engine:
         self.window_stats = WindowStats()
         self.warmed: dict[str, Any] | None = None
         """What `warm_up` ran (windows, seconds); None when it did not run."""
-        device_spec.prepare(self.model, self._spec_shapes())
+        if self.lookup:
+            self.executor.open_lookup(self.n_slots, plan.memory.context)
+        device_spec.prepare(self.model, self._spec_shapes(), self.executor.lookup_history)
         self.startup = startup_lines(self)
         for line in self.startup:
             log.info(line)
@@ -699,10 +706,13 @@ class Engine:
                 return None
             if self._reach(slot) + n > self.plan.memory.context:
                 return None
+        looked_up = before.spec.lookup is not None
         entries = [
-            Entry(e.slot, "decode", [CHAINED] * n, Proposals([CHAINED] * (n - 1), [])) for e in job.entries
+            Entry(e.slot, "decode", [CHAINED] * n, Proposals([CHAINED] * (n - 1), [], looked_up=looked_up))
+            for e in job.entries
         ]
-        return Job(job.kind, entries, spec_on_device=True), None
+        looked = set(job.slot_ids) if looked_up else set()
+        return Job(job.kind, entries, spec_on_device=True, looked=looked), None
 
     def _past_hold(self, slot: Slot, rows: int) -> bool:
         """A window of ``rows`` rows for ``slot`` after the windows in flight could give it the token its
@@ -926,7 +936,10 @@ class Engine:
         if self.lookup and kind in ("serial", "pipelined"):
             self._look_up_spare_rows(kind, len(rows), by_id, depths, forced, looked_for)
         host_only = any(by_id[sid].sampler.host_only for sid in depths)  # a grammar's: the host decides
-        on_device = not host_only and self._decided_on_device(kind, [1 + d for d in depths.values()])
+        looked_up = [forced[sid] if sid in forced and forced[sid].looked_up else None for sid in depths]
+        on_device = not host_only and self._decided_on_device(
+            kind, [1 + d for d in depths.values()], [by_id[sid] for sid in depths], looked_up
+        )
         entries = []
         caught_up, t0 = self._caught_up(), time.perf_counter()
         for sid, depth in depths.items():
@@ -1042,17 +1055,32 @@ class Engine:
             shapes |= {(s, 2) for s in range(1, min(self.n_slots, BATCH_MTP_SLOTS_PER_WINDOW) + 1)}
         return shapes
 
-    def _decided_on_device(self, kind: str, rows_per_slot: list[int]) -> bool:
-        """Whether a decode window whose slots hold ``rows_per_slot`` rows each is decided on the device
+    def _decided_on_device(
+        self,
+        kind: str,
+        rows_per_slot: list[int],
+        slots: list[Slot] | None = None,
+        looked_up: list[Proposals | None] | None = None,
+    ) -> bool:
+        """Whether a decode window whose ``slots`` hold ``rows_per_slot`` rows each is decided on the device
         (`strata_runtime.engine.device_spec`): a solo or batch-MTP window (serial, or a pipelined group's)
         whose slots have the same number of proposals, at least one (greedy or sampled, with or without a
-        logit bias or penalties)."""
-        if kind not in ("solo", "batch-mtp", "pipelined-mtp") or self.model.mtp is None:
-            return False
-        if kind == "solo" and self.lookup:
-            return False  # looked-up proposals: the host looks up the next ones from the tokens it reads
+        logit bias or penalties). Under n-gram lookup, a solo window whose proposals were looked up
+        (``looked_up``, each slot's), for a request without a logit bias or penalties: the device looks the
+        next window's proposals up in its history of the request's text."""
         rows = set(rows_per_slot)
-        return len(rows) == 1 and rows.pop() > 1
+        if len(rows) != 1 or rows.pop() < 2:
+            return False
+        if self.lookup:
+            return (
+                self.lookup_on_device
+                and kind == "solo"
+                and looked_up is not None
+                and slots is not None
+                and all(p is not None for p in looked_up)
+                and not any(s.sampler.adjusts for s in slots)
+            )
+        return kind in ("solo", "batch-mtp", "pipelined-mtp") and self.model.mtp is not None
 
     def _finish(self, flight: Flight) -> list[tuple[Slot, TokenEvent]]:
         """`Executor.finish`, counting in the window's job the rows the drafting heads caught up on
