@@ -82,6 +82,9 @@ class DeviceSpec:
     history: Array = None
     """Looked-up windows: every slot's tokens by position [slots, C] (int64, on the last device), which the
     decision writes each slot's chosen tokens into and looks the next proposals up in."""
+    found: Array = None
+    """Looked-up windows: whether each slot's lookup for the next window found a run [S] (where not, the
+    next window's proposals only repeat the slot's last token, and the host ends the chain)."""
     sync: list[tuple[int, int, np.ndarray]] = field(default_factory=list)
     """Looked-up windows the host launched: (slot, first position, tokens) of each slot's text that its
     history lacks, written before the decision reads it."""
@@ -179,7 +182,7 @@ def decide_lookup(model: Model, spec: DeviceSpec, chosen: Array) -> None:
         history[rows[:, None], base[:, None] + after[None, :]] = picks
         mine = history[rows]
     shortest, longest = spec.lookup
-    proposals, _ = lookup_propose(mine, start + 1, shortest, longest, n - 1)
+    proposals, spec.found = lookup_propose(mine, start + 1, shortest, longest, n - 1)
     spec.accepted, spec.first = accepted, first
     spec.next_tokens, spec.next_positions = _next_window(xp, first, list(proposals.T), start, n)
 

@@ -482,6 +482,8 @@ class Executor:
                 "tokens": spec.tokens,
                 "positions": spec.positions,
             }
+            if spec.found is not None:
+                read["found"] = spec.found
             spec.host = {name: download(a) if dev.is_cuda else np.asarray(a) for name, a in read.items()}
             flight.keep += [*read.values(), spec.uniforms, spec.next_tokens, spec.next_positions]
         if dev.is_cuda:
@@ -704,6 +706,7 @@ class Executor:
         event = slot.advance(accepted + 1, tokens, n - 1, accepted, counted=True, logprobs=lps)
         if spec.lookup is not None and slot.lookup is not None:  # the device's history holds it all now
             slot.lookup.on_device = slot.length + 1
+            slot.lookup.device_missed = not spec.host["found"][i]
         return [(slot, event)]
 
     def _prompt_logprobs(self, normed: Array, following: list[int], top: int) -> tuple[TokenLogprob, ...]:

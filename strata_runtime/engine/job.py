@@ -135,6 +135,7 @@ class Job:
             if e.tokens[0] == CHAINED:
                 continue
             assert len(lookup) == e.pos + 1, "the host's lookup follows the whole reply before it proposes"
+            lookup.device_missed = False  # the host found these proposals
             if lookup.on_device < len(lookup):
                 spec.sync.append((e.slot.id, lookup.on_device, lookup.text(lookup.on_device, len(lookup))))
                 lookup.on_device = len(lookup)

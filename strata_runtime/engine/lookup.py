@@ -34,6 +34,9 @@ class TextLookup:
         """How many of the first tokens the device's history of this request holds (windows decided on the
         device look up there, `strata_runtime.models.ops.lookup`): a window the host launches copies the
         rest first (`text`)."""
+        self.device_missed = False
+        """Whether the latest window decided on the device found no run for the window after it (whose
+        proposals then only repeat the last token): no window is chained after that one."""
         self._extend(prompt)
 
     def __len__(self) -> int:

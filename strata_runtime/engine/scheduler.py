@@ -695,6 +695,8 @@ class Engine:
         if any(s.prefilling for s in live) or {s.id for s in live} != set(job.slot_ids):
             return None
         n = before.spec.n
+        if any(e.slot.lookup is not None and e.slot.lookup.device_missed for e in job.entries):
+            return None  # a lookup on the device found nothing: the host looks up, or pauses drafting
         if job.kind == "solo":
             if job.entries[0].slot.gauge.leaves(n - 1, self.depth, probe=False):
                 return None  # another depth pays better: the host launches it
