@@ -280,7 +280,7 @@ def test_the_engine_says_it_drafts_by_lookup() -> None:
     eng = engine(5, 1, True)
     lines = "\n".join(eng.startup)
     assert 'looked up in its own text (4 down to 2 tokens matched, spec.method = "ngram")' in lines
-    assert "silent probe every window" in lines and "drafters: none (a request alone looks" in lines
+    assert "silent probe every window" in lines and "decided on cpu:0, running ahead of the host" in lines
     assert eng.stats()["plan"]["draft_method"] == "ngram"
     assert engine(0, 1, False).stats()["plan"]["draft_method"] is None
 

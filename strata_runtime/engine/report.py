@@ -207,7 +207,15 @@ def startup_lines(engine: EngineView) -> list[str]:
     info = drafter_info(engine.model)
     if engine.plan.spec.ngram:
         lines.append(_pause_text(engine))
-        lines.append("drafters: none (a request alone looks its proposals up in its text, on the host)")
+        history = engine.executor.lookup_history
+        where = engine.model.last.device
+        kib = 0 if history is None else history.nbytes // 1024
+        lines.append(
+            "drafters: none; a request alone (without a logit bias or penalties) has its looked-up windows "
+            f"decided on {where}, running ahead of the host, each looking the next window's proposals up in "
+            f"the slots' token histories there ({kib:,} KiB); slots decoding together are looked up on the "
+            "host"
+        )
     elif info["device"] is None:
         lines.append("drafters: none (the plan does not draft)")
     else:

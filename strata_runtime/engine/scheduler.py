@@ -640,6 +640,8 @@ class Engine:
         room = min(self.depth, self.plan.memory.context - entries[0].pos - 1)
         alone = len(everyone) == 1 and room > 0
         drafts_alone = alone and entries[0].slot.gauge.leaves(0, room)
+        if drafts_alone and self.lookup and not self._lookup_finds(entries[0].slot):
+            drafts_alone = False  # its lookups pay, but its text up to now gives none: the chain goes on
         if drafts_alone and (group is None or not any(f.job.kind == "prefill" for f in self._flights)):
             return None  # one slot left (pipelined: and no prompt in flight): its solo windows draft
         kind = job.kind if group is not None else "solo" if len(entries) == 1 else "serial"
@@ -982,6 +984,15 @@ class Engine:
             found = self._looked_up(slot, min(depth, self.room(slot)))
             if found is not None:
                 given[slot.id], depths[slot.id] = found, len(found.tokens)
+
+    def _lookup_finds(self, slot: Slot) -> bool:
+        """Whether a lookup in ``slot``'s text as the host has read it finds a run to propose from. A plain
+        window chained to one in flight ends its chain only where it does: a lookup that finds nothing
+        would launch the host's next window without proposals, only later (and count as a miss)."""
+        if slot.lookup is None:
+            return False
+        slot.lookup.follow(slot.generated)
+        return bool(slot.lookup.propose(1))
 
     def _lookup_pays(self, slot: Slot) -> bool:
         """Whether ``slot`` has a lookup whose proposals hold often enough to draft (its gauge at or over
