@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from rt_engine_helpers import chi_square_p, collect, generate, two_sample_p
+from rt_engine_helpers import chi_square_p, collect, generate, launches, two_sample_p
 from rt_plans import make_plan
 
 from strata_cfg.plan.from_profile import resolve_path
@@ -453,3 +453,56 @@ def test_the_warm_up_runs_a_request_whose_lookups_propose() -> None:
     assert not [
         r for r in warm_requests(plain, 384, cached=False) if TextLookup(r.prompt_ids, 2, 4).propose(3)
     ]
+
+
+# ---- looked-up windows decided on the device -----------------------------------------------------------
+
+
+def _runs_ahead(eng: Engine, prompt: tuple[int, ...], n: int, sampling: SamplingParams | None = None):  # type: ignore[no-untyped-def]
+    """A request run to its end, with every window it launched: (tokens, [(job, chained?, flight)])."""
+    seen = launches(eng)
+    tokens = generate(eng, prompt, n, sampling)
+    del eng.executor.launch
+    return tokens, [(job, after is not None, flight) for job, after, flight in seen]
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_looked_up_windows_of_a_request_alone_are_decided_on_the_device_and_run_ahead(stages) -> None:
+    """A request alone whose text repeats: its looked-up windows are decided on the device, windows are
+    chained behind them with proposals the device looked up, and its greedy text is the text without
+    drafting; with the device's decisions off, no window is."""
+    kw = {"stages": stages, "context": 192, "prefill_chunk": 16}
+    prompt = (*LOOP * 4, 40)
+    eng = Engine(lookup_plan(5, **kw))
+    tokens, seen = _runs_ahead(eng, prompt, 120)
+    assert tokens == generate(Engine(make_plan(draft_tokens=0, **kw)), prompt, 120)
+    decided = [(job, chained) for job, chained, _ in seen if job.spec_on_device]
+    assert all(job.kind == "solo" and all(e.proposals.looked_up for e in job.entries) for job, _ in decided)
+    assert sum(1 for _, chained in decided if chained) >= 5, f"{len(decided)} decided on the device"
+    text = [*prompt, *tokens]
+    for _, chained, flight in seen:  # what the device looked up is what the host's lookup gives there
+        if chained and flight.spec is not None:
+            at, window = int(flight.spec.host["positions"][0]), flight.spec.host["tokens"].tolist()
+            want = TextLookup(text[: at + 1], 2, 4).propose(len(window) - 1) or [text[at]] * (len(window) - 1)
+            assert window == [text[at], *want], f"the window at position {at}"
+    eng.lookup_on_device = False
+    again, seen = _runs_ahead(eng, prompt, 120)
+    assert again == tokens and not any(job.spec_on_device for job, _, _ in seen)
+
+
+def test_a_lookup_on_the_device_that_finds_nothing_ends_its_chain() -> None:
+    """Where the device's lookup for the next window finds no run, that window only repeats the last token;
+    the host reads it and chains nothing more, so at most the windows already in flight (one, at two in
+    flight) carry such proposals after each miss. A window the device decided reports whether its lookup
+    found a run, and a window without one follows only such a report."""
+    eng = Engine(lookup_plan(5, stages=1, context=256, prefill_chunk=16))
+    rng = np.random.default_rng(11)
+    prompt = (*LOOP * 3, *(int(t) for t in rng.integers(1, 383, 12)), *LOOP * 2, 40)
+    _, seen = _runs_ahead(eng, prompt, 200)
+    decided = [(chained, flight.spec) for _, chained, flight in seen if flight.spec is not None]
+    missed = [not bool(spec.host["found"][0]) for _, spec in decided]
+    assert any(missed), "the test's text makes a lookup on the device miss"
+    after_miss = sum(1 for k in range(1, len(decided)) if decided[k][0] and missed[k - 1])
+    assert after_miss <= sum(missed), f"{after_miss} windows chained after {sum(missed)} misses"
+    for k in range(2, len(decided)):  # no chain goes on two windows past a miss
+        assert not (decided[k][0] and decided[k - 1][0] and missed[k - 2]), f"window {k} chained past a miss"
