@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol
 
 from strata_cfg.schema.plan import MIB, LaunchPlan
+from strata_cfg.schema.windows import MAX_WINDOW_ROWS
 
 from .prefix import PAGE
 from .speculative import DRAFT_PROBE_EVERY, SILENT_PROBE_EVERY
@@ -207,12 +208,11 @@ def startup_lines(engine: EngineView) -> list[str]:
     info = drafter_info(engine.model)
     if engine.plan.spec.ngram:
         lines.append(_pause_text(engine))
-        history = engine.executor.lookup_history
-        where = engine.model.last.device
-        kib = 0 if history is None else history.nbytes // 1024
+        last = engine.model.last.device
+        kib = engine.n_slots * (engine.plan.memory.context + MAX_WINDOW_ROWS) * 8 // 1024  # int64 tokens
         lines.append(
             "drafters: none; a request alone (without a logit bias or penalties) has its looked-up windows "
-            f"decided on {where}, running ahead of the host, each looking the next window's proposals up in "
+            f"decided on {last}, running ahead of the host, each looking the next window's proposals up in "
             f"the slots' token histories there ({kib:,} KiB); slots decoding together are looked up on the "
             "host"
         )
