@@ -506,3 +506,24 @@ def test_a_lookup_on_the_device_that_finds_nothing_ends_its_chain() -> None:
     assert after_miss <= sum(missed), f"{after_miss} windows chained after {sum(missed)} misses"
     for k in range(2, len(decided)):  # no chain goes on two windows past a miss
         assert not (decided[k][0] and decided[k - 1][0] and missed[k - 2]), f"window {k} chained past a miss"
+
+
+def test_a_plain_chain_goes_on_while_the_text_read_so_far_gives_no_lookup() -> None:
+    """A request alone whose lookups pay, between stretches its text repeats: its chain of plain windows
+    ends only where a lookup in the text the host has read finds a run (else the host's next window would
+    find none either, and run without proposals and unchained). Ending it wherever lookups pay, as before,
+    launches more plain windows from the host, for the same text."""
+
+    def host_plain(always_ends: bool) -> tuple[list[int], int]:
+        eng = Engine(lookup_plan(5, stages=1, context=256, prefill_chunk=16))
+        if always_ends:
+            eng._lookup_finds = lambda slot: True  # type: ignore[method-assign]
+        rng = np.random.default_rng(11)
+        prompt = (*LOOP * 3, *(int(t) for t in rng.integers(1, 383, 12)), *LOOP * 2, 40)
+        tokens, seen = _runs_ahead(eng, prompt, 200)
+        plain = [job for job, chained, _ in seen if job.kind == "solo" and not chained]
+        return tokens, sum(1 for job in plain if not any(e.proposals.tokens for e in job.entries))
+
+    (text, launched), (before, launched_before) = host_plain(False), host_plain(True)
+    assert text == before
+    assert launched < launched_before, f"{launched} plain windows from the host, {launched_before} before"
