@@ -28,6 +28,11 @@ the window's input tokens and positions, checks a greedy slot's decision against
 `strata_runtime.engine.speculative.verify`, and accounts the KV (`strata_runtime.model.placed.Model.settle`).
 The same functions run on NumPy arrays on CPU devices and on CuPy arrays on GPUs; a sampled slot's
 distributions come from `strata_runtime.model.placed.Model.distribution`, one kernel on a GPU.
+
+Under n-gram lookup (``spec.method = "ngram"``) a solo window's proposals come from the request's own text,
+and `decide_lookup` takes the place of the accept, catch-up and draft steps: it keeps the proposals by the
+rows' choices, writes those into the slot's token history on the device, and looks the next window's
+proposals up there (`strata_runtime.models.ops.lookup`).
 """
 
 from __future__ import annotations
