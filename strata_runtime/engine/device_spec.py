@@ -32,7 +32,7 @@ distributions come from `strata_runtime.model.placed.Model.distribution`, one ke
 Under n-gram lookup (``spec.method = "ngram"``) a solo window's proposals come from the request's own text,
 and `decide_lookup` takes the place of the accept, catch-up and draft steps: it keeps the proposals by the
 rows' choices, writes those into the slot's token history on the device, and looks the next window's
-proposals up there (`strata_runtime.models.ops.lookup`).
+proposals up there (`strata_runtime.model.placed.Model.look_up`).
 """
 
 from __future__ import annotations
@@ -46,7 +46,6 @@ from ..api import SamplingParams
 from ..backend import Array
 from ..layout import Layout
 from ..model import Model
-from ..models.ops.lookup import lookup_propose
 
 
 @dataclass(eq=False)
@@ -164,7 +163,7 @@ def decide_lookup(model: Model, spec: DeviceSpec, chosen: Array) -> None:
     some other token, is the target's distribution without it). Each slot's chosen tokens go into its history
     at the positions after its token's (where they are not kept, a later window overwrites them before any
     lookup reads them), and the next proposals are looked up in the text up to the token after the kept ones
-    (`strata_runtime.models.ops.lookup.lookup_propose`)."""
+    (`strata_runtime.model.placed.Model.look_up`)."""
     assert spec.lookup is not None and spec.history is not None
     assert spec.penalties is None, "a request with a logit bias or penalties verifies its lookups on the host"
     device = model.last.device
@@ -187,7 +186,7 @@ def decide_lookup(model: Model, spec: DeviceSpec, chosen: Array) -> None:
         history[rows[:, None], base[:, None] + after[None, :]] = picks
         mine = history[rows]
     shortest, longest = spec.lookup
-    proposals, spec.found = lookup_propose(mine, start + 1, shortest, longest, n - 1)
+    proposals, spec.found = model.look_up(mine, start + 1, shortest, longest, n - 1)
     spec.accepted, spec.first = accepted, first
     spec.next_tokens, spec.next_positions = _next_window(xp, first, list(proposals.T), start, n)
 

@@ -27,6 +27,7 @@ from ..experts.routing import RoutingModel, RoutingTables, routing_seed
 from ..layout import Layout, Segment
 from ..models.ops.adjust import Adjusts
 from ..models.ops.choose import Draws
+from ..models.ops.lookup import lookup_propose
 from ..models.qwen3_moe import ModelArgs, fuse_tensors, stage_shapes
 from ..weights.checkpoint import Checkpoint, load_tensors
 from ..weights.progress import Progress
@@ -467,6 +468,15 @@ class Model:
         stage's device: the first token whose cumulative weight exceeds its uniform times the row's total
         (`strata_runtime.model.stage.Stage.draw`)."""
         return self.last.draw(probs, uniforms)
+
+    def look_up(
+        self, history: Array, lengths: Array, shortest: int, longest: int, most: int
+    ) -> tuple[Array, Array]:
+        """An n-gram lookup in each of histories [S, C] on the last stage's device, the first ``lengths``
+        [S] tokens of each its text: (proposals [S, most], found [S]), by the rule of
+        `strata_runtime.models.ops.lookup.lookup_propose` (one kernel on a GPU)."""
+        with self.last.device.use():
+            return lookup_propose(history, lengths, shortest, longest, most)
 
     def verify_sampled(self, p: Array, q: Array, tokens: Array, uniforms: Array) -> tuple[Array, Array]:
         """Speculative rejection sampling of one slot's window on the last stage's device: (proposals kept,
