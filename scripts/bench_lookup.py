@@ -1,17 +1,19 @@
 """Looked-up windows decided on the device against decided on the host (``spec.method = "ngram"``).
 
-One request alone, whose proposals come from its own text. With ``Engine.lookup_on_device`` on, a window
-whose proposals were looked up is decided on the device, which looks up the next window's proposals in its
-copy of the request's text, so the windows after it are queued before the host has read any of them; off,
-the host reads each window's tokens and looks up the next proposals itself (docs/RUNTIME.md, "Drafting from
+One request alone, whose proposals come from its own text (or ``--clients N`` at once, in serial windows).
+With ``Engine.lookup_on_device`` on, a window whose proposals were looked up is decided on the device, which
+looks up the next window's proposals in its copy of the request's text, so the windows after it are queued
+before the host has read any of them; off, the host reads each window's tokens and looks up the next
+proposals itself (docs/RUNTIME.md, "Drafting from
 the request's own text"). The arms alternate in one engine (A B A B ...), after a warm-up of each, and the
 medians are printed with their ratio, with the share of each arm's windows decided on the device and of its
 proposals that held. Greedy replies must be the same in both arms, which the script checks.
-Usage: ``python scripts/bench_lookup.py [PROFILE] [--tokens N] [--repeats N] [--temperature T] [--set
-KEY=VALUE ...]`` (default: the demo profile with ``spec.method = "ngram"``, 200 tokens, 5 repeats; a sampled
-request takes seed 1 in every run).
+Usage: ``python scripts/bench_lookup.py [PROFILE] [--tokens N] [--repeats N] [--temperature T] [--clients
+N] [--set KEY=VALUE ...]`` (default: the demo profile with ``spec.method = "ngram"``, 200 tokens, 5
+repeats; a sampled request takes seed 1 in every run).
 """
 
+from bench_forced import _clients
 from bench_grammar_cost import arguments, report, runner
 
 from strata_runtime.api import SamplingParams
@@ -20,9 +22,12 @@ from strata_runtime.api import SamplingParams
 def main() -> None:
     parser = arguments(__doc__)
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--clients", type=int, default=1, help="requests at once, each its own prompt")
     args = parser.parse_args()
-    args.set = ['spec.method="ngram"', "batch.slots=1", *args.set]
+    args.set = ['spec.method="ngram"', f"batch.slots={args.clients}", *args.set]
     engine, run = runner(args)
+    if args.clients > 1:
+        run = _clients(engine, args)
     greedy = args.temperature == 0
     sampling = SamplingParams(temperature=args.temperature, seed=None if greedy else 1)
     arms = {"decided on the host": False, "decided on the device": True}

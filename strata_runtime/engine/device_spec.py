@@ -355,18 +355,17 @@ def prepare(model: Model, shapes: set[tuple[int, int]], history: Array = None) -
 
 
 def _prepare_lookup(model: Model, shapes: set[tuple[int, int]], history: Array) -> None:
-    """`decide_lookup` once for each solo window's shape, on a scratch history of the same width (the
-    lookup kernel compiled, and CuPy's kernels for the steps around it)."""
+    """`decide_lookup` once for each window shape, on a scratch history of the same width (the lookup kernel
+    compiled, and CuPy's kernels for the steps around it)."""
     device = model.last.device
     xp = device.xp
     with device.use():
-        scratch = xp.zeros((1, history.shape[1]), xp.int64)
         for s, n in sorted(shapes):
-            if s != 1:
-                continue
-            spec = DeviceSpec((0,), n, lookup=(1, 1), history=scratch)
-            spec.tokens, spec.positions = xp.zeros(n, xp.int64), xp.arange(n, dtype=xp.int64)
+            scratch = xp.zeros((s, history.shape[1]), xp.int64)
+            spec = DeviceSpec(tuple(range(s)), n, lookup=(1, 1), history=scratch)
+            spec.tokens = xp.zeros(s * n, xp.int64)
+            spec.positions = xp.tile(xp.arange(n, dtype=xp.int64), s)
             spec.sync = [(0, 0, np.zeros(1, np.int64))]
-            decide_lookup(model, spec, xp.zeros(n, xp.int64))
+            decide_lookup(model, spec, xp.zeros(s * n, xp.int64))
         if device.is_cuda:
             xp.cuda.get_current_stream().synchronize()

@@ -646,7 +646,7 @@ class Engine:
             return None  # one slot left (pipelined: and no prompt in flight): its solo windows draft
         kind = job.kind if group is not None else "solo" if len(entries) == 1 else "serial"
         if self.lookup and kind != "solo":
-            drafting = [s for s in slots if self._lookup_pays(s)]
+            drafting = [s for s in slots if self._lookup_pays(s) and self._lookup_finds(s)]
             if self._spare_depth(kind, slots, drafting, len(entries)) > 0:
                 return None  # a slot's lookups pay again: the host looks its next proposals up
         paused = (alone and kind == "solo" and not drafts_alone) or (kind != "solo" and mtp and not pays)
@@ -701,6 +701,12 @@ class Engine:
             return None  # a lookup on the device found nothing: the host looks up, or pauses drafting
         if job.kind == "solo":
             if job.entries[0].slot.gauge.leaves(n - 1, self.depth, probe=False):
+                return None  # another depth pays better: the host launches it
+        elif before.spec.lookup is not None:  # a serial window's lookups: while each pays at this depth
+            slots = [e.slot for e in job.entries]
+            if not all(self._lookup_pays(s) for s in slots):
+                return None
+            if self._spare_depth(job.kind, slots, slots, len(slots)) != n - 1:
                 return None  # another depth pays better: the host launches it
         elif not self.choice.batch_drafts([e.slot for e in job.entries], probe=False, now_batch_mtp=True):
             return None  # the slots' proposals rarely hold, or serial windows give more: they take over
@@ -1062,8 +1068,12 @@ class Engine:
 
     def _spec_shapes(self) -> set[tuple[int, int]]:
         """Every (slots, rows per slot) a window decided on the device can have under this plan: solo
-        windows of one slot at each depth room allows, and batch-MTP windows of 1 to 4 slots of 2 rows."""
+        windows of one slot at each depth room allows, serial windows of looked-up proposals (under n-gram
+        lookup), and batch-MTP windows of 1 to 4 slots of 2 rows."""
         shapes = {(1, rows) for rows in range(2, self.depth + 2)}
+        if self.lookup:  # serial windows' lookups: each slot as many rows, the window at most 8 of them
+            together = range(2, self.n_slots + 1)
+            shapes |= {(s, rows) for s in together for rows in range(2, MAX_WINDOW_ROWS // s + 1)}
         if self.plan.batch.mtp:
             shapes |= {(s, 2) for s in range(1, min(self.n_slots, BATCH_MTP_SLOTS_PER_WINDOW) + 1)}
         return shapes
@@ -1087,7 +1097,7 @@ class Engine:
         if self.lookup:
             return (
                 self.lookup_on_device
-                and kind == "solo"
+                and kind in ("solo", "serial")
                 and looked_up is not None
                 and slots is not None
                 and all(p is not None for p in looked_up)
