@@ -527,3 +527,34 @@ def test_a_plain_chain_goes_on_while_the_text_read_so_far_gives_no_lookup() -> N
     (text, launched), (before, launched_before) = host_plain(False), host_plain(True)
     assert text == before
     assert launched < launched_before, f"{launched} plain windows from the host, {launched_before} before"
+
+
+def test_serial_windows_of_looked_up_proposals_are_decided_on_the_device_and_run_ahead() -> None:
+    """Two requests at once in serial windows, each text repeating, every spare row taken (no measured
+    times): windows whose slots all carry as many looked-up proposals are decided on the device, windows
+    are chained behind them with the proposals the host's lookup gives each slot at its position, and each
+    text is its text without drafting."""
+    kw = {"stages": 1, "slots": 2, "context": 192, "prefill_chunk": 16}
+    eng, plain = Engine(lookup_plan(5, **kw)), Engine(make_plan(draft_tokens=0, **kw))
+    eng.choice.adaptive = False
+    prompts = [(1, 2, 3) * 3 + (1,), (5, 6) * 8]
+
+    def both(e: Engine) -> list[list[int]]:
+        handles = [e.submit(Request(p, 96)) for p in prompts]
+        while e.step():
+            pass
+        return [[t for _ in range(h.events.qsize()) for t in h.events.get().token_ids] for h in handles]
+
+    seen = launches(eng)
+    texts = both(eng)
+    assert texts == both(plain)
+    chained = [f for job, after, f in seen if job.kind == "serial" and after and f.spec is not None]
+    assert len(chained) >= 8, f"{len(chained)} serial windows chained behind one decided on the device"
+    text = dict(enumerate(list(p) + t for p, t in zip(prompts, texts, strict=True)))  # slot i: request i
+    for flight in chained:
+        spec = flight.spec
+        for i, sid in enumerate(spec.slots):
+            rows = spec.host["tokens"][i * spec.n : (i + 1) * spec.n].tolist()
+            at = int(spec.host["positions"][i * spec.n])
+            want = TextLookup(text[sid][: at + 1], 2, 4).propose(spec.n - 1) or [text[sid][at]] * (spec.n - 1)
+            assert rows == [text[sid][at], *want], f"slot {sid}'s rows at position {at}"
