@@ -213,8 +213,8 @@ def startup_lines(engine: EngineView) -> list[str]:
         lines.append(
             "drafters: none; a request alone (without a logit bias or penalties) has its looked-up windows "
             f"decided on {last}, running ahead of the host, each looking the next window's proposals up in "
-            f"the slots' token histories there ({kib:,} KiB); slots decoding together are looked up on the "
-            "host"
+            f"the slots' token histories there ({kib:,} KiB), and so has a serial window whose slots all "
+            "carry as many; other windows of slots decoding together are looked up on the host"
         )
     elif info["device"] is None:
         lines.append("drafters: none (the plan does not draft)")
