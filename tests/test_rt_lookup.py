@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -458,7 +459,9 @@ def test_the_warm_up_runs_a_request_whose_lookups_propose() -> None:
 # ---- looked-up windows decided on the device -----------------------------------------------------------
 
 
-def _runs_ahead(eng: Engine, prompt: tuple[int, ...], n: int, sampling: SamplingParams | None = None):  # type: ignore[no-untyped-def]
+def _runs_ahead(
+    eng: Engine, prompt: tuple[int, ...], n: int, sampling: SamplingParams | None = None
+) -> tuple[list[int], list[tuple[Job, bool, Any]]]:
     """A request run to its end, with every window it launched: (tokens, [(job, chained?, flight)])."""
     seen = launches(eng)
     tokens = generate(eng, prompt, n, sampling)
