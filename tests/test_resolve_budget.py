@@ -189,3 +189,20 @@ def test_a_budget_whose_workspace_parts_do_not_add_up_is_refused():
     assert Budget(**ok, workspace_parts={"prompt": 20, "headroom": 10}).workspace == 30
     with pytest.raises(ValidationError, match="do not add up"):
         Budget(**ok, workspace_parts={"prompt": 20, "headroom": 5})
+
+
+@pytest.mark.parametrize("slots", [1, 3])
+def test_lookup_drafting_counts_the_token_histories_the_engine_allocates(slots):
+    """Under ``spec.method = "ngram"`` the last stage's workspace counts each slot's token history, which
+    windows decided on the device look their proposals up in: the engine allocates exactly that, and the
+    last stage's logits part is that much more than the same plan's with the MTP head's drafting."""
+    from strata_runtime.engine import Engine
+
+    common = [f"batch.slots={slots}", "batch.mtp=false", "memory.context=300"]
+    lookup = plan_of(None, [*common, 'spec.method="ngram"'])
+    mtp = plan_of(None, common)
+    want = sizes.lookup_history_bytes(context=300, slots=slots)
+    last = {g.index: g.budget for g in lookup.gpus}[lookup.stages[-1].gpu]
+    with_mtp = {g.index: g.budget for g in mtp.gpus}[mtp.stages[-1].gpu]
+    assert dict(last.workspace_parts)["logits"] - dict(with_mtp.workspace_parts)["logits"] == want
+    assert Engine(lookup).executor.lookup_history.nbytes == want

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ..schema.facts import MachineFacts, ModelFacts
 from ..schema.plan import MIB
-from .defaults import drafts_with_mtp
+from .defaults import drafts_by_lookup, drafts_with_mtp
 from .ledger import Ledger
 from .placement import Sizing, auto_split, faster_last, stage_times
 from .sizes import stores_attention_scores
@@ -47,6 +47,7 @@ def sizing(model: ModelFacts, led: Ledger) -> Sizing:
         prefill_graph_rows=led["memory.prefill_graph_rows"],
         attention_tc=led["model.decode_attention"] == "tensor_cores",
         gpu=led["machine.backend"] == "cuda",
+        lookup=drafts_by_lookup(led),
     )
 
 

@@ -57,6 +57,9 @@ class Sizing:
     """The stages run on GPUs (``machine.backend = "cuda"``), whose prefill path the workspace counts
     (`sizes.gpu_prefill_bytes`); else on virtual CPU devices, through the array path
     (`sizes.row_activation_bytes`)."""
+    lookup: bool = False
+    """The solo path drafts by n-gram lookup: the last stage keeps each slot's token history
+    (`sizes.lookup_history_bytes`)."""
 
     @property
     def prefill_rows(self) -> int:
@@ -82,6 +85,7 @@ class Sizing:
             gpu=self.gpu,
             mtp=self.with_mtp,
             attention_tc=self.attention_tc,
+            lookup=self.lookup,
         )
 
 

@@ -300,6 +300,7 @@ def workspace_parts(
     gpu: bool = False,
     mtp: bool = False,
     attention_tc: bool = False,
+    lookup: bool = False,
 ) -> dict[str, int]:
     """Activation workspace by part, in the order and with the names of
     `strata_cfg.schema.plan.WORKSPACE_PARTS` (a part that is 0 is left out).
@@ -313,7 +314,8 @@ def workspace_parts(
     stage, though a CPU device resolves them to 0). Either way one tile of the rows' attention scores
     (`attention_scores_bytes`) where prompt attention stores them (``stores_scores``,
     `stores_attention_scores`); the last stage adds a decode window's logits [R, V] in float32 and each of
-    ``slots`` slots' token counts and logit bias (`TOKEN_COUNT_BYTES` per vocabulary word)."""
+    ``slots`` slots' token counts and logit bias (`TOKEN_COUNT_BYTES` per vocabulary word), and under n-gram
+    lookup (``lookup``) each slot's token history (`lookup_history_bytes`)."""
     parts: dict[str, int] = {}
     if gpu:
         flash = not stores_scores
@@ -335,9 +337,18 @@ def workspace_parts(
         parts["logits"] = (
             MAX_WINDOW_ROWS * model.vocab_size * F32 + slots * model.vocab_size * TOKEN_COUNT_BYTES
         )
+        if lookup:
+            parts["logits"] += lookup_history_bytes(context=context, slots=slots)
     if gpu:
         parts["headroom"] = GPU_POOL_HEADROOM
     return {k: v for k, v in parts.items() if v}
+
+
+def lookup_history_bytes(*, context: int, slots: int) -> int:
+    """The slots' token histories on the last stage under n-gram lookup, where windows decided on the
+    device look their proposals up (`strata_runtime.engine.executor.Executor.open_lookup`): int64 over the
+    context and a window's rows past it, a slot."""
+    return slots * (context + MAX_WINDOW_ROWS) * 8
 
 
 def workspace_bytes(model: ModelFacts, **parts: Any) -> int:
