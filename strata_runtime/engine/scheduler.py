@@ -1082,8 +1082,8 @@ class Engine:
         self,
         kind: str,
         rows_per_slot: list[int],
-        slots: list[Slot] | None = None,
-        looked_up: list[Proposals | None] | None = None,
+        slots: list[Slot],
+        looked_up: list[Proposals | None],
     ) -> bool:
         """Whether a decode window whose ``slots`` hold ``rows_per_slot`` rows each is decided on the device
         (`strata_runtime.engine.device_spec`): a solo or batch-MTP window (serial, or a pipelined group's)
@@ -1098,8 +1098,6 @@ class Engine:
             return (
                 self.lookup_on_device
                 and kind in ("solo", "serial")
-                and looked_up is not None
-                and slots is not None
                 and all(p is not None for p in looked_up)
                 and not any(s.sampler.adjusts for s in slots)
             )
