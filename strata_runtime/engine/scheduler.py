@@ -1088,9 +1088,9 @@ class Engine:
         """Whether a decode window whose ``slots`` hold ``rows_per_slot`` rows each is decided on the device
         (`strata_runtime.engine.device_spec`): a solo or batch-MTP window (serial, or a pipelined group's)
         whose slots have the same number of proposals, at least one (greedy or sampled, with or without a
-        logit bias or penalties). Under n-gram lookup, a solo window whose proposals were looked up
-        (``looked_up``, each slot's), for a request without a logit bias or penalties: the device looks the
-        next window's proposals up in its history of the request's text."""
+        logit bias or penalties). Under n-gram lookup, a solo or serial window whose slots' proposals were
+        all looked up (``looked_up``, each slot's), none with a logit bias or penalties: the device looks the
+        next window's proposals up in its history of each request's text."""
         rows = set(rows_per_slot)
         if len(rows) != 1 or rows.pop() < 2:
             return False
