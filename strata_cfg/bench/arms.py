@@ -36,7 +36,7 @@ def arm_runs_as_named(name: str, plan: LaunchPlan) -> bool:
         "batch-mtp": b.mtp,
         "solo": b.slots <= 1,
         "pipelined-mtp": b.mode == "pipelined" and b.groups > 1 and b.mtp,
-        "solo-adaptive": b.slots <= 1 and (plan.spec.mtp or plan.spec.ngram) and plan.spec.adaptive_depth,
+        "solo-adaptive": b.slots <= 1 and plan.spec.drafts and plan.spec.adaptive_depth,
         "solo-fixed": b.slots <= 1 and not plan.spec.adaptive_depth,
     }[name]
 
@@ -49,6 +49,6 @@ def arm_note(name: str, plan: LaunchPlan) -> str | None:
     why = [d.message for d in plan.decisions if d.key in keys and d.severity != "note" or d.requested]
     b = plan.batch
     runs = f"{b.mode}, {b.groups} group(s), batch MTP {'on' if b.mtp else 'off'}"
-    if name == "solo-adaptive" and not (plan.spec.mtp or plan.spec.ngram):
+    if name == "solo-adaptive" and not plan.spec.drafts:
         runs += ", no drafting"
     return f"forced: runs as {runs}" + (f" ({'; '.join(why)})" if why else "")

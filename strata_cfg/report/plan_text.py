@@ -98,7 +98,7 @@ def _ahead(b: BatchPlan) -> str:
 def floor_text(plan: LaunchPlan) -> str | None:
     """``spec.draft_floor`` in words where it is not the default (None where it is, or nothing drafts)."""
     s = plan.spec
-    if not (s.mtp or s.ngram) or s.draft_floor == DEFAULT_DRAFT_FLOOR:
+    if not s.drafts or s.draft_floor == DEFAULT_DRAFT_FLOOR:
         return None
     if s.draft_floor > 0:
         return f"drafting pauses under {s.draft_floor:.0%} of proposals held"
@@ -119,7 +119,7 @@ def proposals_text(plan: LaunchPlan) -> str:
 
 def _spec_line(plan: LaunchPlan) -> str:
     s = plan.spec
-    if not (s.mtp or s.ngram):
+    if not s.drafts:
         return "no drafting (the token alone)"
     line = f"{proposals_text(plan)} when one request runs alone"
     if s.ngram and plan.batch.slots > 1:

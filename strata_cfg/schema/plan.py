@@ -272,6 +272,11 @@ class SpecPlan(_Plan):
     pipeline_windows: int
     """Overlapped solo windows on a two-stage split (0: off)."""
 
+    @property
+    def drafts(self) -> bool:
+        """Whether the solo path drafts at all: with the MTP head, or by n-gram lookup."""
+        return self.mtp or self.ngram
+
 
 class WindowPlan(_Plan):
     """Bounds on window shapes."""

@@ -169,7 +169,7 @@ def summary_rows(plan: LaunchPlan) -> list[tuple[str, Text]]:
     f = plan.model.facts
     model = plan.model.label()
     s = plan.spec
-    spec = proposals_text(plan) if s.mtp or s.ngram else "no drafting"
+    spec = proposals_text(plan) if s.drafts else "no drafting"
     if s.pipeline_windows:
         spec += f", {s.pipeline_windows} pipeline windows"
     floor = floor_text(plan)
