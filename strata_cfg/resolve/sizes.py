@@ -21,6 +21,7 @@ from ..schema.windows import (
     attention_tile_rows,
     decode_attention_counters,
     decode_attention_scratch_floats,
+    lookup_history_positions,
     prefill_graph_sizes,
 )
 
@@ -348,7 +349,7 @@ def lookup_history_bytes(*, context: int, slots: int) -> int:
     """The slots' token histories on the last stage under n-gram lookup, where windows decided on the
     device look their proposals up (`strata_runtime.engine.executor.Executor.open_lookup`): int64 over the
     context and a window's rows past it, a slot."""
-    return slots * (context + MAX_WINDOW_ROWS) * 8
+    return slots * lookup_history_positions(context) * 8
 
 
 def workspace_bytes(model: ModelFacts, **parts: Any) -> int:

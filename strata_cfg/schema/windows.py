@@ -31,6 +31,13 @@ DECODE_ATTENTION_TC_SPLITS = 64
 long the row: past that many chunks, each of its blocks streams a run of consecutive chunks."""
 
 
+def lookup_history_positions(context: int) -> int:
+    """Positions of a slot's token history where the solo path drafts by n-gram lookup (each window decided
+    on the device writes its rows' choices past its token before the next proposals are looked up there):
+    the context, and a window's rows past it."""
+    return context + MAX_WINDOW_ROWS
+
+
 def decode_attention_partials(context: int, *, tensor_cores: bool = False) -> int:
     """Partial results a row and query head of decode attention may write over a ``context``-position KV: one
     per `DECODE_ATTENTION_CHUNK` positions on CUDA cores, at most `DECODE_ATTENTION_TC_SPLITS` on tensor

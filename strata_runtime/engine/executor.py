@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from strata_cfg.schema.windows import MAX_WINDOW_ROWS
+from strata_cfg.schema.windows import MAX_WINDOW_ROWS, lookup_history_positions
 
 from ..api import TokenEvent, TokenLogprob
 from ..backend import (
@@ -113,7 +113,7 @@ class Executor:
         window's rows past them."""
         device = self.stages[-1].device
         with device.use():
-            self.lookup_history = device.xp.zeros((slots, context + MAX_WINDOW_ROWS), device.xp.int64)
+            self.lookup_history = device.xp.zeros((slots, lookup_history_positions(context)), device.xp.int64)
 
     def _new_stream(self, stage: Stage) -> Any:
         """A non-blocking CUDA stream on the stage's GPU (None on a CPU device)."""

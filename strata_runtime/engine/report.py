@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol
 
 from strata_cfg.schema.plan import MIB, LaunchPlan
-from strata_cfg.schema.windows import MAX_WINDOW_ROWS
+from strata_cfg.schema.windows import lookup_history_positions
 
 from .prefix import PAGE
 from .speculative import DRAFT_PROBE_EVERY, SILENT_PROBE_EVERY
@@ -209,7 +209,7 @@ def startup_lines(engine: EngineView) -> list[str]:
     if engine.plan.spec.ngram:
         lines.append(_pause_text(engine))
         last = engine.model.last.device
-        kib = engine.n_slots * (engine.plan.memory.context + MAX_WINDOW_ROWS) * 8 // 1024  # int64 tokens
+        kib = engine.n_slots * lookup_history_positions(engine.plan.memory.context) * 8 // 1024  # int64
         lines.append(
             "drafters: none; a request alone (without a logit bias or penalties) has its looked-up windows "
             f"decided on {last}, running ahead of the host, each looking the next window's proposals up in "
