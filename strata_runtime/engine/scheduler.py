@@ -12,7 +12,8 @@ a slot is free), then, by the plan's batch mode:
   * *solo*: one decoding slot and nothing prefilling: its token plus ``windows.solo_rows - 1`` chained MTP
     proposals (solo promotion; a newcomer demotes it again), or, with ``spec.method = "ngram"``, the
     tokens that followed the latest earlier occurrence of its text's last few tokens
-    (`strata_runtime.engine.lookup`), decided on the host;
+    (`strata_runtime.engine.lookup`), decided on the device, which looks the next window's proposals up
+    there (`strata_runtime.engine.device_spec.decide_lookup`);
   * *batch MTP*: 2 rows per slot (token + proposal), at most 4 slots per window, the start rotating;
     but when every routed expert is resident and more slots decode than one window holds, serial
     windows instead (`_batch_mtp_serves`): a row then brings a token, not three quarters of one; and
@@ -115,10 +116,10 @@ class Engine:
         """Whether requests draft by n-gram lookup in their own text (``spec.method = "ngram"``): alone, in
         solo windows; together, in the rows a serial or pipelined window spares (`_look_up_spare_rows`)."""
         self.lookup_on_device = True
-        """Whether a request alone whose lookups pay has its windows decided on the device, each looking up
-        the next one's proposals there, so that they run ahead of the host (`_decided_on_device`); off, the
-        host looks up every window's proposals from the tokens it reads (`scripts/bench_lookup.py`
-        compares)."""
+        """Whether windows of looked-up proposals (a request alone's, or a serial window's where every slot
+        carries as many) are decided on the device, each looking up the next one's proposals there, so that
+        they run ahead of the host (`_decided_on_device`); off, the host looks up every window's proposals
+        from the tokens it reads (`scripts/bench_lookup.py` compares)."""
         self.masks_on_device = True
         """Whether a grammar's rows are masked and chosen on the device (`Entry.masked`); off, the host reads
         their logits and chooses (`scripts/bench_grammar_cost.py` compares)."""
@@ -946,7 +947,7 @@ class Engine:
         if self.lookup and kind in ("serial", "pipelined"):
             self._look_up_spare_rows(kind, len(rows), by_id, depths, forced, looked_for)
         host_only = any(by_id[sid].sampler.host_only for sid in depths)  # a grammar's: the host decides
-        looked_up = [forced[sid] if sid in forced and forced[sid].looked_up else None for sid in depths]
+        looked_up = all(sid in forced and forced[sid].looked_up for sid in depths)
         on_device = not host_only and self._decided_on_device(
             kind, [1 + d for d in depths.values()], [by_id[sid] for sid in depths], looked_up
         )
@@ -1083,14 +1084,14 @@ class Engine:
         kind: str,
         rows_per_slot: list[int],
         slots: list[Slot],
-        looked_up: list[Proposals | None],
+        looked_up: bool,
     ) -> bool:
         """Whether a decode window whose ``slots`` hold ``rows_per_slot`` rows each is decided on the device
         (`strata_runtime.engine.device_spec`): a solo or batch-MTP window (serial, or a pipelined group's)
         whose slots have the same number of proposals, at least one (greedy or sampled, with or without a
         logit bias or penalties). Under n-gram lookup, a solo or serial window whose slots' proposals were
-        all looked up (``looked_up``, each slot's), none with a logit bias or penalties: the device looks the
-        next window's proposals up in its history of each request's text."""
+        all ``looked_up``, none with a logit bias or penalties: the device looks the next window's proposals
+        up in its history of each request's text."""
         rows = set(rows_per_slot)
         if len(rows) != 1 or rows.pop() < 2:
             return False
@@ -1098,7 +1099,7 @@ class Engine:
             return (
                 self.lookup_on_device
                 and kind in ("solo", "serial")
-                and all(p is not None for p in looked_up)
+                and looked_up
                 and not any(s.sampler.adjusts for s in slots)
             )
         return kind in ("solo", "batch-mtp", "pipelined-mtp") and self.model.mtp is not None
