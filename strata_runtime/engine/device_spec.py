@@ -176,17 +176,10 @@ def decide_lookup(model: Model, spec: DeviceSpec, chosen: Array) -> None:
     first = picks[xp.arange(s), accepted]
     base = spec.positions.reshape(s, n)[:, 0]  # [S]: each slot's token's position
     start = base + accepted + 1  # [S]: each slot's first rejected position, where ``first`` goes
-    after = xp.arange(1, n + 1)
-    if s == 1:  # a solo window: its slot's history row as a view
-        row = spec.slots[0]
-        history[row, base[0] + after] = picks[0]
-        mine = history[row : row + 1]
-    else:
-        rows = device.upload(np.asarray(spec.slots, np.int64))
-        history[rows[:, None], base[:, None] + after[None, :]] = picks
-        mine = history[rows]
+    rows = device.upload(np.asarray(spec.slots, np.int64))
+    history[rows[:, None], base[:, None] + xp.arange(1, n + 1)[None, :]] = picks
     shortest, longest = spec.lookup
-    proposals, spec.found = model.look_up(mine, start + 1, shortest, longest, n - 1)
+    proposals, spec.found = model.look_up(history[rows], start + 1, shortest, longest, n - 1)
     spec.accepted, spec.first = accepted, first
     spec.next_tokens, spec.next_positions = _next_window(xp, first, list(proposals.T), start, n)
 
