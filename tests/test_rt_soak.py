@@ -1,0 +1,304 @@
+"""A soak of the engine loop: random mixes of requests on random plans, checked after every step.
+
+Each scenario is drawn from its number alone (`draw`), so a failure reproduces by that number:
+``STRATA_SOAK_FROM=<n> STRATA_SOAK_SCENARIOS=1 pytest tests/test_rt_soak.py``. CI runs the first
+`SCENARIOS` of them; ``STRATA_SOAK_SCENARIOS`` runs more (the development loop runs thousands).
+
+A scenario picks a plan (1 to 3 virtual CPU stages, a window mode, drafting by the MTP head or by lookup in
+the request's own text, the context, the prompt chunk, prefix reuse, the adaptive depth) and 1 to 6
+requests arriving at random steps: short prompts and prompts that fill most of the context, prompts that
+share a beginning or repeat a stretch, greedy and sampled requests, presence and frequency penalties, logit
+biases, stop tokens and stop strings, log-probabilities, a JSON schema, a think budget, priorities, and
+cancellations at random steps; and the slots, how many windows run ahead, and an expert cache that keeps
+half or three quarters of each layer's experts in VRAM.
+
+Checked after every step: each stage's KV, and each drafter's, holds exactly what its slot committed
+(`assert_kv_consistent`). Checked at the end:
+
+* no request got an error, and each finished once, with no more tokens than its ``max_tokens`` allows and
+  no more than its context holds (the prompt and every token but the last);
+* a reply that finished at a stop token ends there without emitting it, and the text of one that
+  finished at a stop string holds none of them; a reply under the schema that stopped is complete JSON; a
+  think block closes where its budget runs out;
+* a greedy request that was not cancelled gives the tokens it gives alone, on one stage, without drafting,
+  and one that was cancelled gives a beginning of them;
+* every slot is free again, and the engine serves a request after the mix as it would alone.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from rt_engine_helpers import assert_kv_consistent, collect, mode_plan
+from rt_plans import make_plan
+
+from strata_cfg.schema.plan import LaunchPlan
+from strata_runtime.api import Reasoning, Request, RequestHandle, SamplingParams, TokenEvent
+from strata_runtime.engine import Engine
+from strata_runtime.structured import json_grammar
+from strata_runtime.weights.tokenizer import ByteTokenizer
+
+SCENARIOS = int(os.environ.get("STRATA_SOAK_SCENARIOS", "48"))
+FIRST = int(os.environ.get("STRATA_SOAK_FROM", "0"))
+
+PRINTABLE = range(32, 127)
+"""Prompt tokens (the tiny preset's byte tokenizer reads them as printable text)."""
+VOCAB = 384
+"""The tiny preset's vocabulary: what a reply's tokens, and so stop tokens, are drawn from."""
+EOS = ByteTokenizer(VOCAB).eos_ids
+"""End-of-text ids: a reply that chooses one ends there, as at a stop token."""
+THINK = (299, 300)
+"""A think block's open and close (ids the synthetic vocabulary holds and the model does not favour)."""
+GRAMMAR = json_grammar(
+    {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}, "t": {"enum": ["a", "bc"]}},
+        "required": ["n", "t"],
+        "additionalProperties": False,
+    }
+)
+"""A small JSON schema: replies under it are complete JSON by the time they stop."""
+
+
+@dataclass(frozen=True)
+class Arrival:
+    at: int
+    """The engine step before which the request is submitted."""
+    request: Request
+    cancel_at: int | None
+    """The step before which it is cancelled (None: never)."""
+
+
+@dataclass(frozen=True)
+class Scenario:
+    number: int
+    stages: int
+    mode: str
+    lookup: bool
+    """Drafting by n-gram lookup (``spec.method = "ngram"``) where the mode drafts alone."""
+    draft_tokens: int
+    slots: int | None
+    """Slots where the mode's own number is not kept (None: kept)."""
+    context: int
+    chunk: int
+    prefix_reuse: bool
+    adaptive_depth: bool
+    run_ahead: int
+    expert_cache: int | None
+    """Experts of each layer kept in VRAM, of the preset's 8 (None: all)."""
+    arrivals: tuple[Arrival, ...]
+
+    def plan(self) -> LaunchPlan:
+        kw: dict[str, Any] = {
+            "preset": "tiny",
+            "context": self.context,
+            "prefill_chunk": self.chunk,
+            "prefix_reuse": self.prefix_reuse,
+            "adaptive_depth": self.adaptive_depth,
+            "run_ahead": self.run_ahead,
+            "expert_cache": self.expert_cache,
+        }
+        if self.slots is not None:
+            kw["slots"] = self.slots
+        if self.mode in ("solo", "serial", "pipelined"):
+            kw["draft_tokens"] = self.draft_tokens
+        plan = mode_plan(self.mode, self.stages, **kw)
+        if self.lookup:
+            spec = plan.spec.model_copy(update={"mtp": False, "ngram": True, "ngram_min": 2, "ngram_max": 4})
+            plan = plan.model_copy(update={"spec": spec})
+        return plan
+
+
+def _prompt(g: random.Random, context: int, shared: list[int], loop: list[int]) -> tuple[int, ...]:
+    """Short (most), long (up to the context less one), or built from the scenario's shared beginning and
+    a stretch repeated (what lookups and prefix copies read)."""
+    kind = g.random()
+    if kind < 0.45:
+        return tuple(g.choice(PRINTABLE) for _ in range(g.randint(1, 24)))
+    if kind < 0.65:
+        n = g.randint(context // 2, context - 1)
+        return tuple(g.choice(PRINTABLE) for _ in range(n))
+    head = shared[: g.randint(1, len(shared))]
+    body = loop * g.randint(1, 4) + [g.choice(PRINTABLE) for _ in range(g.randint(0, 6))]
+    return tuple((head + body)[: context - 1])
+
+
+def _sampling(g: random.Random) -> SamplingParams:
+    kw: dict[str, Any] = {}
+    if g.random() < 0.4:
+        kw["temperature"] = g.choice([0.3, 0.7, 1.0, 1.3])
+        kw["top_k"] = g.choice([0, 0, 3, 20])
+        kw["top_p"] = g.choice([1.0, 1.0, 0.8])
+        kw["seed"] = g.choice([None, g.randrange(1 << 30)])
+    if g.random() < 0.2:
+        kw["presence_penalty"] = g.choice([0.5, 1.5])
+        kw["frequency_penalty"] = g.choice([0.0, 0.4])
+    if g.random() < 0.2:
+        kw["logit_bias"] = tuple((g.choice(PRINTABLE), g.choice([-100.0, -2.0, 3.0])) for _ in range(2))
+    if g.random() < 0.15:
+        kw["logprobs"] = g.choice([0, 2])
+    if g.random() < 0.1:
+        kw["grammar"] = GRAMMAR
+    elif g.random() < 0.08:  # a think block opened by the prompt, closed when its budget runs out
+        kw["reasoning"] = Reasoning(THINK[0], THINK[1], True, g.choice([None, 1, 4, 9]))
+    return SamplingParams(**kw)
+
+
+def draw(number: int) -> Scenario:
+    """Scenario ``number``: the same plan and requests every time."""
+    g = random.Random(number)
+    stages = g.choice([1, 1, 2, 3])
+    modes = ["solo", "serial", "pipelined", "batch-mtp"] + (["pipelined-mtp"] if stages > 1 else [])
+    mode = g.choice(modes)
+    lookup = mode in ("solo", "serial", "pipelined") and g.random() < 0.5
+    draft_tokens = g.choice([0, 3, 5]) if mode in ("solo", "serial", "pipelined") else 3
+    lookup = lookup and draft_tokens > 0
+    slots = g.choice([None, None, 2, 8]) if mode in ("serial", "pipelined", "batch-mtp") else None
+    context = g.choice([64, 96, 128])
+    chunk = g.choice([8, 16, 32])
+    shared = [g.choice(PRINTABLE) for _ in range(g.randint(4, 40))]
+    loop = [g.choice(PRINTABLE) for _ in range(g.randint(2, 6))]
+    arrivals = []
+    for i in range(g.randint(1, 6)):
+        at = g.randint(0, 24)
+        stops: dict[str, Any] = {}
+        if g.random() < 0.2:
+            stops["stop_ids"] = tuple(g.randrange(VOCAB) for _ in range(g.randint(1, 8)))
+        if g.random() < 0.2:
+            stops["stop_strings"] = tuple(
+                "".join(chr(g.choice(PRINTABLE)) for _ in range(g.randint(1, 2)))
+                for _ in range(g.randint(1, 2))
+            )
+        request = Request(
+            _prompt(g, context, shared, loop),
+            g.choice([1, 2, 5, 16, 40, 90]),
+            _sampling(g),
+            request_id=f"s{number}-{i}",
+            priority=g.choice([0, 0, 0, 1]),
+            **stops,
+        )
+        cancel_at = at + g.randint(0, 30) if g.random() < 0.15 else None
+        arrivals.append(Arrival(at, request, cancel_at))
+    return Scenario(
+        number,
+        stages,
+        mode,
+        lookup,
+        draft_tokens,
+        slots,
+        context,
+        chunk,
+        prefix_reuse=g.random() < 0.7,
+        adaptive_depth=g.random() < 0.5,
+        run_ahead=g.choice([1, 2, 2, 4]),
+        expert_cache=g.choice([None, None, None, 4, 6]),
+        arrivals=tuple(arrivals),
+    )
+
+
+@functools.cache
+def _alone_engine(context: int) -> Engine:
+    return Engine(make_plan(stages=1, context=context, prefill_chunk=16, prefix_reuse=False))
+
+
+def alone(request: Request, context: int) -> tuple[int, ...]:
+    """The request's tokens alone: one stage, one slot, no drafting, no prefix kept."""
+    return tuple(collect(_alone_engine(context), [(0, request)])[0])
+
+
+@dataclass
+class Reply:
+    tokens: list[int]
+    text: str
+    finished: list[str]
+    events: list[TokenEvent]
+
+
+def run(eng: Engine, arrivals: tuple[Arrival, ...]) -> list[Reply]:
+    """Submit and cancel each request at its step, run to the end, checking the KV after every step."""
+    handles: list[RequestHandle | None] = [None] * len(arrivals)
+    replies = [Reply([], "", [], []) for _ in arrivals]
+    step = 0
+    while True:
+        for i, a in enumerate(arrivals):
+            if handles[i] is None and a.at <= step:
+                handles[i] = eng.submit(a.request)
+            handle = handles[i]
+            if handle is not None and a.cancel_at is not None and a.cancel_at <= step:
+                handle.cancel()
+        busy = eng.step()
+        step += 1
+        assert step < 20_000, "the engine keeps stepping"
+        assert_kv_consistent(eng)
+        for handle, reply in zip(handles, replies, strict=True):
+            while handle is not None and not handle.events.empty():
+                ev = handle.events.get()
+                reply.events.append(ev)
+                reply.tokens += ev.token_ids
+                reply.text += ev.text
+                if ev.finished is not None:
+                    reply.finished.append(ev.finished)
+        if not busy and all(h is not None for h in handles):
+            break
+    assert all(s is None for s in eng.slots), "every slot is free at the end"
+    return replies
+
+
+def check_reply(a: Arrival, reply: Reply, context: int) -> None:
+    req = a.request
+    assert all(ev.error is None for ev in reply.events), [ev.error for ev in reply.events]
+    assert len(reply.finished) == 1, reply.finished
+    (finished,) = reply.finished
+    assert finished in ("stop", "length", "cancelled")
+    assert len(reply.tokens) <= req.max_tokens
+    # The context holds the prompt and every token but the last, which no window needs to read.
+    assert len(req.prompt_ids) + len(reply.tokens) <= context + 1
+    if finished == "cancelled":
+        assert a.cancel_at is not None
+    if finished == "length":
+        assert len(reply.tokens) == req.max_tokens or len(req.prompt_ids) + len(reply.tokens) == context + 1
+    stop = reply.events[-1].stop
+    if isinstance(stop, int):
+        assert finished == "stop" and (stop in req.stop_ids or stop in EOS), stop
+    if isinstance(stop, str):
+        assert finished == "stop" and stop in req.stop_strings, stop
+    assert not any(t in req.stop_ids for t in reply.tokens), "a stop token ends a reply and is not emitted"
+    assert not any(s in reply.text for s in req.stop_strings), "no stop string is emitted"
+    if req.sampling.logprobs is not None:
+        for ev in reply.events:
+            assert len(ev.logprobs) == len(ev.token_ids)
+    if req.sampling.grammar is not None and finished == "stop" and not req.stop_ids and not req.stop_strings:
+        assert json.loads(reply.text).keys() == {"n", "t"}, "the grammar's reply is complete"
+    budget = req.sampling.reasoning.budget if req.sampling.reasoning is not None else None
+    if budget is not None and len(reply.tokens) > budget and finished != "cancelled":
+        assert THINK[1] in reply.tokens[: budget + 1], "the think block closes where its budget runs out"
+
+
+def scenario_ids() -> list[int]:
+    return list(range(FIRST, FIRST + SCENARIOS))
+
+
+@pytest.mark.parametrize("number", scenario_ids())
+def test_a_random_mix_of_requests_runs_as_each_would_alone(number: int) -> None:
+    s = draw(number)
+    eng = Engine(s.plan())
+    replies = run(eng, s.arrivals)
+    for a, reply in zip(s.arrivals, replies, strict=True):
+        check_reply(a, reply, s.context)
+        if a.request.sampling.temperature > 0:
+            continue
+        reference = alone(a.request, s.context)
+        if reply.finished == ["cancelled"]:
+            assert tuple(reply.tokens) == reference[: len(reply.tokens)], a.request.request_id
+        else:
+            assert tuple(reply.tokens) == reference, (a.request.request_id, s)
+    # After the mix, the engine serves a greedy request as it would alone (nothing left behind).
+    after = Request(s.arrivals[0].request.prompt_ids, 12, request_id="after")
+    (reply,) = run(eng, (Arrival(0, after, None),))
+    assert tuple(reply.tokens) == alone(after, s.context)
