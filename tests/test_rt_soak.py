@@ -2,7 +2,9 @@
 
 Each scenario is drawn from its number alone (`draw`), so a failure reproduces by that number:
 ``STRATA_SOAK_FROM=<n> STRATA_SOAK_SCENARIOS=1 pytest tests/test_rt_soak.py``. CI runs the first
-`SCENARIOS` of them; ``STRATA_SOAK_SCENARIOS`` runs more (the development loop runs thousands).
+`SCENARIOS` of them; ``STRATA_SOAK_SCENARIOS`` runs more (the development loop runs thousands). On a GPU
+(``-m gpu``) the first `GPU_SCENARIOS` run again in float16 through the CUDA path
+(``STRATA_SOAK_GPU_SCENARIOS``).
 
 A scenario picks a plan (1 to 3 virtual CPU stages, a window mode, drafting by the MTP head or by lookup in
 the request's own text, the context, the prompt chunk, prefix reuse, the adaptive depth) and 1 to 6
@@ -35,9 +37,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from rt_engine_helpers import assert_kv_consistent, collect, mode_plan
-from rt_plans import make_plan
+from rt_engine_helpers import MODES, assert_kv_consistent, collect, mode_plan
+from rt_plans import float16_profile_text, make_plan, with_mtp_in_groups
 
+from strata_cfg.plan.from_profile import resolve_text
 from strata_cfg.schema.plan import LaunchPlan
 from strata_runtime.api import Reasoning, Request, RequestHandle, SamplingParams, TokenEvent
 from strata_runtime.engine import Engine
@@ -45,6 +48,7 @@ from strata_runtime.structured import json_grammar
 from strata_runtime.weights.tokenizer import ByteTokenizer
 
 SCENARIOS = int(os.environ.get("STRATA_SOAK_SCENARIOS", "48"))
+GPU_SCENARIOS = int(os.environ.get("STRATA_SOAK_GPU_SCENARIOS", "24"))
 FIRST = int(os.environ.get("STRATA_SOAK_FROM", "0"))
 
 PRINTABLE = range(32, 127)
@@ -94,7 +98,9 @@ class Scenario:
     """Experts of each layer kept in VRAM, of the preset's 8 (None: all)."""
     arrivals: tuple[Arrival, ...]
 
-    def plan(self) -> LaunchPlan:
+    def plan(self, vram_mib: int | None = None) -> LaunchPlan:
+        """The scenario's plan on virtual CPU devices, or with ``vram_mib`` (the card's) in float16 on the
+        one GPU, every stage on it."""
         kw: dict[str, Any] = {
             "preset": "tiny",
             "context": self.context,
@@ -104,15 +110,34 @@ class Scenario:
             "run_ahead": self.run_ahead,
             "expert_cache": self.expert_cache,
         }
-        if self.slots is not None:
-            kw["slots"] = self.slots
         if self.mode in ("solo", "serial", "pipelined"):
             kw["draft_tokens"] = self.draft_tokens
-        plan = mode_plan(self.mode, self.stages, **kw)
+        if self.slots is not None:
+            kw["slots"] = self.slots
+        if vram_mib is None:
+            plan = mode_plan(self.mode, self.stages, **kw)
+        else:
+            kw = {**MODES[self.mode], **kw, "stages": self.stages}
+            plan = on_one_gpu(kw, vram_mib, mtp_in_groups=self.mode == "pipelined-mtp")
         if self.lookup:
             spec = plan.spec.model_copy(update={"mtp": False, "ngram": True, "ngram_min": 2, "ngram_max": 4})
             plan = plan.model_copy(update={"spec": spec})
         return plan
+
+
+def on_one_gpu(kw: dict[str, Any], vram_mib: int, mtp_in_groups: bool = False) -> LaunchPlan:
+    """`make_plan`'s plan of keywords ``kw`` (a mode's among them) in float16 on a GPU of ``vram_mib``, each
+    stage resolved as a GPU of its own and then placed on the one (a pipelined plan is resolved for as many
+    GPUs, as the resolver runs a split of one GPU one request at a time)."""
+    if kw.get("groups") and kw["stages"] == 1:
+        kw = {**kw, "groups": None}  # groups need a split; one stage keeps one group
+    plan = resolve_text(float16_profile_text(vram_mib=vram_mib, **kw), "soak.toml").plan
+    if mtp_in_groups:
+        plan = with_mtp_in_groups(plan)
+    text = plan.model_dump_json()
+    for device in range(1, kw["stages"]):
+        text = text.replace(f'"cuda:{device}"', '"cuda:0"')
+    return LaunchPlan.model_validate_json(text)
 
 
 def _prompt(g: random.Random, context: int, shared: list[int], loop: list[int]) -> tuple[int, ...]:
@@ -203,13 +228,17 @@ def draw(number: int) -> Scenario:
 
 
 @functools.cache
-def _alone_engine(context: int) -> Engine:
-    return Engine(make_plan(stages=1, context=context, prefill_chunk=16, prefix_reuse=False))
+def _alone_engine(context: int, vram_mib: int | None) -> Engine:
+    kw: dict[str, Any] = {"context": context, "prefill_chunk": 16, "prefix_reuse": False}
+    if vram_mib is None:
+        return Engine(make_plan(stages=1, **kw))
+    return Engine(on_one_gpu({"preset": "tiny", "stages": 1, **kw}, vram_mib))
 
 
-def alone(request: Request, context: int) -> tuple[int, ...]:
-    """The request's tokens alone: one stage, one slot, no drafting, no prefix kept."""
-    return tuple(collect(_alone_engine(context), [(0, request)])[0])
+def alone(request: Request, context: int, vram_mib: int | None = None) -> tuple[int, ...]:
+    """The request's tokens alone: one stage, one slot, no drafting, no prefix kept (on the GPU with
+    ``vram_mib``)."""
+    return tuple(collect(_alone_engine(context, vram_mib), [(0, request)])[0])
 
 
 @dataclass
@@ -280,20 +309,15 @@ def check_reply(a: Arrival, reply: Reply, context: int) -> None:
         assert THINK[1] in reply.tokens[: budget + 1], "the think block closes where its budget runs out"
 
 
-def scenario_ids() -> list[int]:
-    return list(range(FIRST, FIRST + SCENARIOS))
-
-
-@pytest.mark.parametrize("number", scenario_ids())
-def test_a_random_mix_of_requests_runs_as_each_would_alone(number: int) -> None:
-    s = draw(number)
-    eng = Engine(s.plan())
+def soak(s: Scenario, vram_mib: int | None = None) -> None:
+    """Run scenario ``s`` (on the GPU with ``vram_mib``) and check what the module's docstring says."""
+    eng = Engine(s.plan(vram_mib))
     replies = run(eng, s.arrivals)
     for a, reply in zip(s.arrivals, replies, strict=True):
         check_reply(a, reply, s.context)
         if a.request.sampling.temperature > 0:
             continue
-        reference = alone(a.request, s.context)
+        reference = alone(a.request, s.context, vram_mib)
         if reply.finished == ["cancelled"]:
             assert tuple(reply.tokens) == reference[: len(reply.tokens)], a.request.request_id
         else:
@@ -301,4 +325,19 @@ def test_a_random_mix_of_requests_runs_as_each_would_alone(number: int) -> None:
     # After the mix, the engine serves a greedy request as it would alone (nothing left behind).
     after = Request(s.arrivals[0].request.prompt_ids, 12, request_id="after")
     (reply,) = run(eng, (Arrival(0, after, None),))
-    assert tuple(reply.tokens) == alone(after, s.context)
+    assert tuple(reply.tokens) == alone(after, s.context, vram_mib)
+    eng.close()
+
+
+@pytest.mark.parametrize("number", range(FIRST, FIRST + SCENARIOS))
+def test_a_random_mix_of_requests_runs_as_each_would_alone(number: int) -> None:
+    soak(draw(number))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("number", range(FIRST, FIRST + GPU_SCENARIOS))
+def test_a_random_mix_of_requests_on_the_gpu_runs_as_each_would_alone(number: int) -> None:
+    """The same scenarios in float16 through the CUDA path, every stage on the one GPU: windows replayed as
+    CUDA graphs, decided on the device and run ahead of the host."""
+    cp = pytest.importorskip("cupy")
+    soak(draw(number), cp.cuda.runtime.memGetInfo()[1] // (1 << 20))
