@@ -7,12 +7,13 @@ Each scenario is drawn from its number alone (`draw`), so a failure reproduces b
 (``STRATA_SOAK_GPU_SCENARIOS``).
 
 A scenario picks a plan (1 to 3 virtual CPU stages, a window mode, drafting by the MTP head or by lookup in
-the request's own text, the context, the prompt chunk, prefix reuse, the adaptive depth) and 1 to 6
-requests arriving at random steps: short prompts and prompts that fill most of the context, prompts that
-share a beginning or repeat a stretch, greedy and sampled requests, presence and frequency penalties, logit
-biases, stop tokens and stop strings, log-probabilities, a JSON schema, a think budget, priorities, and
-cancellations at random steps; and the slots, how many windows run ahead, and an expert cache that keeps
-half or three quarters of each layer's experts in VRAM.
+the request's own text, the slots, the context, the prompt chunk, prefix reuse and a prefix store, the
+adaptive depth, how many windows run ahead, an expert cache that keeps half or three quarters of each
+layer's experts in VRAM, uniform or calibrated routing) and 1 to 6 requests arriving at random steps: short
+prompts and prompts that fill most of the context, prompts that share a beginning or repeat a stretch,
+greedy and sampled requests, presence and frequency penalties, logit biases, stop tokens and stop strings,
+end-of-text ignored, log-probabilities of the reply and of the prompt, a JSON schema, a think budget,
+priorities, cache salts, and cancellations at random steps.
 
 Checked after every step: each stage's KV, and each drafter's, holds exactly what its slot committed
 (`assert_kv_consistent`). Checked at the end:
@@ -21,7 +22,8 @@ Checked after every step: each stage's KV, and each drafter's, holds exactly wha
   no more than its context holds (the prompt and every token but the last);
 * a reply that finished at a stop token ends there without emitting it, and the text of one that
   finished at a stop string holds none of them; a reply under the schema that stopped is complete JSON; a
-  think block closes where its budget runs out;
+  think block closes where its budget runs out; a prompt's log-probabilities come one per token but the
+  first;
 * a greedy request that was not cancelled gives the tokens it gives alone, on one stage, without drafting,
   and one that was cancelled gives a beginning of them;
 * every slot is free again, and the engine serves a request after the mix as it would alone.
@@ -96,6 +98,9 @@ class Scenario:
     run_ahead: int
     expert_cache: int | None
     """Experts of each layer kept in VRAM, of the preset's 8 (None: all)."""
+    routing: str
+    prefix_store_mib: int | None
+    """Host memory for prompts kept past their slot (`memory.prefix_store_mib`; None: no store)."""
     arrivals: tuple[Arrival, ...]
 
     def plan(self, vram_mib: int | None = None) -> LaunchPlan:
@@ -109,6 +114,8 @@ class Scenario:
             "adaptive_depth": self.adaptive_depth,
             "run_ahead": self.run_ahead,
             "expert_cache": self.expert_cache,
+            "routing": self.routing,
+            "prefix_store_mib": self.prefix_store_mib,
         }
         if self.mode in ("solo", "serial", "pipelined"):
             kw["draft_tokens"] = self.draft_tokens
@@ -168,6 +175,8 @@ def _sampling(g: random.Random) -> SamplingParams:
         kw["logit_bias"] = tuple((g.choice(PRINTABLE), g.choice([-100.0, -2.0, 3.0])) for _ in range(2))
     if g.random() < 0.15:
         kw["logprobs"] = g.choice([0, 2])
+    if g.random() < 0.08:
+        kw["prompt_logprobs"] = g.choice([0, 1])
     if g.random() < 0.1:
         kw["grammar"] = GRAMMAR
     elif g.random() < 0.08:  # a think block opened by the prompt, closed when its budget runs out
@@ -206,6 +215,8 @@ def draw(number: int) -> Scenario:
             _sampling(g),
             request_id=f"s{number}-{i}",
             priority=g.choice([0, 0, 0, 1]),
+            ignore_eos=g.random() < 0.1,
+            cache_salt=g.choice(["", "", "", "other party"]),
             **stops,
         )
         cancel_at = at + g.randint(0, 30) if g.random() < 0.15 else None
@@ -223,22 +234,24 @@ def draw(number: int) -> Scenario:
         adaptive_depth=g.random() < 0.5,
         run_ahead=g.choice([1, 2, 2, 4]),
         expert_cache=g.choice([None, None, None, 4, 6]),
+        routing=g.choice(["uniform", "uniform", "calibrated"]),
+        prefix_store_mib=g.choice([None, None, 1]),
         arrivals=tuple(arrivals),
     )
 
 
 @functools.cache
-def _alone_engine(context: int, vram_mib: int | None) -> Engine:
-    kw: dict[str, Any] = {"context": context, "prefill_chunk": 16, "prefix_reuse": False}
+def _alone_engine(context: int, routing: str, vram_mib: int | None) -> Engine:
+    kw: dict[str, Any] = {"context": context, "prefill_chunk": 16, "prefix_reuse": False, "routing": routing}
     if vram_mib is None:
         return Engine(make_plan(stages=1, **kw))
     return Engine(on_one_gpu({"preset": "tiny", "stages": 1, **kw}, vram_mib))
 
 
-def alone(request: Request, context: int, vram_mib: int | None = None) -> tuple[int, ...]:
-    """The request's tokens alone: one stage, one slot, no drafting, no prefix kept (on the GPU with
-    ``vram_mib``)."""
-    return tuple(collect(_alone_engine(context, vram_mib), [(0, request)])[0])
+def alone(request: Request, s: Scenario, vram_mib: int | None = None) -> tuple[int, ...]:
+    """The request's tokens alone on scenario ``s``'s model and context: one stage, one slot, no drafting,
+    no prefix kept (on the GPU with ``vram_mib``)."""
+    return tuple(collect(_alone_engine(s.context, s.routing, vram_mib), [(0, request)])[0])
 
 
 @dataclass
@@ -302,6 +315,12 @@ def check_reply(a: Arrival, reply: Reply, context: int) -> None:
     if req.sampling.logprobs is not None:
         for ev in reply.events:
             assert len(ev.logprobs) == len(ev.token_ids)
+    if req.sampling.prompt_logprobs is not None and finished != "cancelled":
+        assert len(reply.events[0].prompt_logprobs) == len(req.prompt_ids) - 1, (
+            "one per prompt token but the first"
+        )
+    if req.ignore_eos:
+        assert not isinstance(stop, int) or stop not in EOS or stop in req.stop_ids
     if req.sampling.grammar is not None and finished == "stop" and not req.stop_ids and not req.stop_strings:
         assert json.loads(reply.text).keys() == {"n", "t"}, "the grammar's reply is complete"
     budget = req.sampling.reasoning.budget if req.sampling.reasoning is not None else None
@@ -317,7 +336,7 @@ def soak(s: Scenario, vram_mib: int | None = None) -> None:
         check_reply(a, reply, s.context)
         if a.request.sampling.temperature > 0:
             continue
-        reference = alone(a.request, s.context, vram_mib)
+        reference = alone(a.request, s, vram_mib)
         if reply.finished == ["cancelled"]:
             assert tuple(reply.tokens) == reference[: len(reply.tokens)], a.request.request_id
         else:
@@ -325,7 +344,7 @@ def soak(s: Scenario, vram_mib: int | None = None) -> None:
     # After the mix, the engine serves a greedy request as it would alone (nothing left behind).
     after = Request(s.arrivals[0].request.prompt_ids, 12, request_id="after")
     (reply,) = run(eng, (Arrival(0, after, None),))
-    assert tuple(reply.tokens) == alone(after, s.context, vram_mib)
+    assert tuple(reply.tokens) == alone(after, s, vram_mib)
     eng.close()
 
 
