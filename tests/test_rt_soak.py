@@ -2,7 +2,7 @@
 
 Each scenario is drawn from its number alone (`draw`), so a failure reproduces by that number:
 ``STRATA_SOAK_FROM=<n> STRATA_SOAK_SCENARIOS=1 pytest tests/test_rt_soak.py``. CI runs the first
-`SCENARIOS` of them, and ``STRATA_SOAK_SCENARIOS`` runs more (thousands take about an hour). On a GPU
+`SCENARIOS` of them, and ``STRATA_SOAK_SCENARIOS`` runs more (a thousand take about 7 minutes on two cores). On a GPU
 (``-m gpu``) the first `GPU_SCENARIOS` run again in float16 through the CUDA path
 (``STRATA_SOAK_GPU_SCENARIOS``).
 
