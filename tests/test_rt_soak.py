@@ -2,8 +2,8 @@
 
 Each scenario is drawn from its number alone (`draw`), so a failure reproduces by that number:
 ``STRATA_SOAK_FROM=<n> STRATA_SOAK_SCENARIOS=1 pytest tests/test_rt_soak.py``. CI runs the first
-`SCENARIOS` of them, and ``STRATA_SOAK_SCENARIOS`` runs more (a thousand take about 7 minutes on two cores). On a GPU
-(``-m gpu``) the first `GPU_SCENARIOS` run again in float16 through the CUDA path
+`SCENARIOS` of them, and ``STRATA_SOAK_SCENARIOS`` runs more (a thousand take about 7 minutes on two
+cores). On a GPU (``-m gpu``) the first `GPU_SCENARIOS` run again in float16 through the CUDA path
 (``STRATA_SOAK_GPU_SCENARIOS``).
 
 A scenario picks a plan (1 to 3 virtual CPU stages, a window mode, drafting by the MTP head or by lookup in
