@@ -241,17 +241,25 @@ def draw(number: int) -> Scenario:
 
 
 @functools.cache
-def _alone_engine(context: int, routing: str, vram_mib: int | None) -> Engine:
-    kw: dict[str, Any] = {"context": context, "prefill_chunk": 16, "prefix_reuse": False, "routing": routing}
+def _alone_engine(context: int, chunk: int, routing: str, vram_mib: int | None) -> Engine:
+    kw: dict[str, Any] = {
+        "context": context,
+        "prefill_chunk": chunk,
+        "prefix_reuse": False,
+        "routing": routing,
+    }
     if vram_mib is None:
         return Engine(make_plan(stages=1, **kw))
     return Engine(on_one_gpu({"preset": "tiny", "stages": 1, **kw}, vram_mib))
 
 
 def alone(request: Request, s: Scenario, vram_mib: int | None = None) -> tuple[int, ...]:
-    """The request's tokens alone on scenario ``s``'s model and context: one stage, one slot, no drafting,
-    no prefix kept (on the GPU with ``vram_mib``)."""
-    return tuple(collect(_alone_engine(s.context, s.routing, vram_mib), [(0, request)])[0])
+    """The request's tokens alone on scenario ``s``'s model and context: one stage, one slot, no drafting, no
+    prefix kept. On virtual CPU devices its prompt is read in chunks of 16 whatever the scenario's chunk (the
+    array path's rows do not depend on the rows beside them); on the GPU (``vram_mib``) in the scenario's
+    chunks, since fp16 products there may route a prompt row whose experts nearly tie otherwise."""
+    chunk = 16 if vram_mib is None else s.chunk
+    return tuple(collect(_alone_engine(s.context, chunk, s.routing, vram_mib), [(0, request)])[0])
 
 
 @dataclass
