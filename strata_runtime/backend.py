@@ -146,6 +146,15 @@ class Device:
         with self.use():
             return int(cp.get_default_memory_pool().used_bytes())
 
+    def release_memory(self) -> None:
+        """Give the device memory this process's pool holds unused back to the driver, once the work queued
+        on the device is done (a no-op on CPU devices), so that another process can take it."""
+        if self.is_cuda:
+            cp = cupy_module()
+            with self.use():
+                cp.cuda.Device(self.index).synchronize()
+                cp.get_default_memory_pool().free_all_blocks()
+
     def synchronize(self) -> None:
         if self.is_cuda:
             with self.use():

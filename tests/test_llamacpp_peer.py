@@ -482,3 +482,49 @@ def test_experts_that_do_not_fit_stay_in_host_memory_in_llama_cpp_as_in_the_plan
     peer = llamacpp.run_peer(tools, "m.gguf", asked, run=lambda cmd, **kw: _done(BENCH_TG))
     assert any(f"routed experts of {len(expected)} layers stay in host memory" in n for n in peer.notes)
     assert llamacpp.Placement.of_plan(resolve_profile("profiles/h200.toml"), {}).offload() == []
+
+
+def test_the_runtimes_device_memory_is_given_back_before_llama_cpp_loads_its_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`strata bench --peer llama.cpp` runs llama.cpp's tools only after the GGUF file is written from the
+    arms' weights and the arms' engines and weights are gone, each device's pool released: on a GPU whose
+    model takes over half its memory, llama.cpp's own copy would not fit beside ours."""
+    import argparse
+    import gc
+    import weakref
+
+    from strata_cfg.plan.from_profile import resolve_path
+    from strata_cfg.schema.plan_file import write_plan
+    from strata_runtime.backend import Device
+    from strata_runtime.commands import bench
+    from strata_runtime.engine import Engine
+
+    live: weakref.WeakSet[Engine] = weakref.WeakSet()
+    init = Engine.__init__
+
+    def recording(self: Engine, *args: Any, **kw: Any) -> None:
+        init(self, *args, **kw)
+        live.add(self)
+
+    released: list[str] = []
+    monkeypatch.setattr(Engine, "__init__", recording)
+    monkeypatch.setattr(Device, "release_memory", lambda self: released.append(str(self)))
+    keep = tmp_path / "model.gguf"
+    seen: dict[str, Any] = {}
+
+    def run_peer(tools: dict[str, str], path: str, asked: Any, **kw: Any) -> llamacpp.PeerRun:
+        gc.collect()
+        seen.update(engines=len(live), written=Path(path).stat().st_size, released=sorted(released))
+        return llamacpp.PeerRun([llamacpp.Figure("solo", "tg8", 1.0)])
+
+    monkeypatch.setattr(llamacpp, "find_tools", lambda: {"llama-bench": "llama-bench"})
+    monkeypatch.setattr(llamacpp, "run_peer", run_peer)
+    plan = write_plan(resolve_path("profiles/demo.toml", ("batch.slots=1",)).plan, tmp_path / "solo.json")
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    argv = ["--arm", f"solo={plan}", "--workload", "solo", "--repeats", "1", "--tokens", "8"]
+    args = parser.parse_args([*argv, "--peer", "llama.cpp", "--gguf", str(keep)])
+    assert bench.run(args) == 0
+    assert seen == {"engines": 0, "written": keep.stat().st_size, "released": ["cpu:0", "cpu:1"]}
+    assert keep.stat().st_size > 0

@@ -103,3 +103,19 @@ def test_lookup_propose(slots, width, alphabet) -> None:
             want = lookup_propose(history, lengths, shortest, longest, most)
             got = lookup_propose(cp.asarray(history), cp.asarray(lengths), shortest, longest, most)
             assert np.array_equal(got[0].get(), want[0]) and np.array_equal(got[1].get(), want[1])
+
+
+def test_a_device_gives_its_pools_unused_memory_back(cp):
+    """`Device.release_memory` (what the bench calls before llama.cpp loads its own copy of the model): the
+    pool keeps the blocks still in use and hands every free block back to the driver."""
+    from strata_runtime.backend import Device
+
+    device = Device("cuda", 0)
+    pool = cp.get_default_memory_pool()
+    with device.use():
+        kept = cp.ones(1 << 20, cp.uint8)
+        freed = cp.zeros(64 << 20, cp.uint8)
+        del freed
+        assert pool.total_bytes() >= pool.used_bytes() + (64 << 20)
+        device.release_memory()
+        assert pool.total_bytes() == pool.used_bytes() and int(kept.sum()) == 1 << 20

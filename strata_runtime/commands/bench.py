@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import gc
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -43,6 +46,7 @@ from strata_cfg.schema.workloads import (
 )
 
 from ..api import SamplingParams
+from ..backend import Device
 from ..bench.harness import (
     Arm,
     ArmRuns,
@@ -196,14 +200,7 @@ def run(args: argparse.Namespace) -> int:
     rates = measure_rates(args.workload, plans)
     weights = WeightStore()
     engines = {name: Engine(plan, progress=stderr_progress, weights=weights) for name, plan in plans.items()}
-    for name, engine in engines.items():
-        print(f"[{name}] " + " | ".join(engine.startup), file=sys.stderr)
-        vram = [d.memory_used() for d in dict.fromkeys(s.device for s in engine.model.stages)]
-        if any(v is not None for v in vram):
-            print(
-                f"[{name}] device memory in use after load (MiB): {[round(v / 2**20) for v in vram if v]}",
-                file=sys.stderr,
-            )
+    report_engines(engines)
     context = min(p.memory.context for p in plans.values())
     contenders: dict[str, Arm] = dict(engines)
     if args.peer:
@@ -265,7 +262,8 @@ def run(args: argparse.Namespace) -> int:
         stream_prompt = mean_prompt_tokens(
             args.workload, tokenizer, args.tokens, context, max(CLIENT_COUNTS), args.depth, vocab
         )
-        llama = llama_cpp_figures(args, plans, summary, weights, stream_prompt)
+        release = functools.partial(release_devices, engines, contenders, weights)
+        llama = llama_cpp_figures(args, plans, summary, weights, stream_prompt, release)
     if args.json:
         out = {
             "workload": args.workload,
@@ -330,16 +328,46 @@ def run(args: argparse.Namespace) -> int:
     return 0 if equal else 1
 
 
+def report_engines(engines: dict[str, Any]) -> None:
+    """Each arm's start-up lines, and the device memory its engine holds after loading."""
+    for name, engine in engines.items():
+        print(f"[{name}] " + " | ".join(engine.startup), file=sys.stderr)
+        vram = [d.memory_used() for d in dict.fromkeys(s.device for s in engine.model.stages)]
+        if any(v is not None for v in vram):
+            print(
+                f"[{name}] device memory in use after load (MiB): {[round(v / 2**20) for v in vram if v]}",
+                file=sys.stderr,
+            )
+
+
+def release_devices(engines: dict[str, Any], contenders: dict[str, Any], weights: WeightStore) -> None:
+    """Close the arms' engines and drop them, their peer arms and the weights they shared, and give every
+    GPU's pooled memory back to the driver: a peer that loads the model itself (llama.cpp, in a process of
+    its own) would not fit beside the runtime's copy of a model over half the GPU's memory. The arms have
+    run by then, and everything printed after comes from their figures."""
+    devices = {Device.parse(g.device) for e in engines.values() for g in e.plan.gpus if g.role != "idle"}
+    for engine in engines.values():
+        engine.close()
+    engines.clear()
+    contenders.clear()
+    weights.stages.clear()
+    gc.collect()  # engines hold reference cycles (stages, slots, flights)
+    for device in devices:
+        device.release_memory()
+
+
 def llama_cpp_figures(
     args: argparse.Namespace,
     plans: dict[str, LaunchPlan],
     summary: dict[str, Any],
     weights: WeightStore,
     stream_prompt: int,
+    release: Callable[[], None] = lambda: None,
 ) -> dict[str, Any]:
     """The llama.cpp peer beside the first arm: its figures as lines and as JSON, or the one line that says
     why it was skipped (printed to stderr). ``stream_prompt``: each of its decode streams' prompt length (our
-    requests' mean)."""
+    requests' mean). ``release`` gives the runtime's device memory back once the GGUF file is written from
+    its weights, before llama.cpp loads its own copy (`release_devices`)."""
     import tempfile
 
     from ..bench import llamacpp
@@ -382,6 +410,7 @@ def llama_cpp_figures(
             placement,
             args.depth,
         )
+        release()
         peer = llamacpp.run_peer(tools, path, asked)
     figures = [{"case": f.case, "what": f.what, "tok_s": f.tok_s} for f in peer.figures]
     return {
