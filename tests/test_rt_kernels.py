@@ -105,9 +105,10 @@ def test_lookup_propose(slots, width, alphabet) -> None:
             assert np.array_equal(got[0].get(), want[0]) and np.array_equal(got[1].get(), want[1])
 
 
-def test_a_device_gives_its_pools_unused_memory_back(cp):
+def test_a_device_gives_its_pools_unused_memory_back() -> None:
     """`Device.release_memory` (what the bench calls before llama.cpp loads its own copy of the model): the
     pool keeps the blocks still in use and hands every free block back to the driver."""
+    cp = pytest.importorskip("cupy")
     from strata_runtime.backend import Device
 
     device = Device("cuda", 0)
