@@ -561,3 +561,33 @@ def test_serial_windows_of_looked_up_proposals_are_decided_on_the_device_and_run
             at = int(spec.host["positions"][i * spec.n])
             want = TextLookup(text[sid][: at + 1], 2, 4).propose(spec.n - 1) or [text[sid][at]] * (spec.n - 1)
             assert rows == [text[sid][at], *want], f"slot {sid}'s rows at position {at}"
+
+
+@pytest.mark.parametrize("lookup_first", [True, False])
+def test_arms_drafting_by_lookup_and_by_the_mtp_head_share_one_copy_of_the_weights(lookup_first) -> None:
+    """Bench arms of one profile that differ in how they draft (``--vary spec.method=mtp,ngram``) hold the
+    main weights once: the arm with the MTP head adds the head's tensors to the shared ones, whichever arm
+    is built first, and the device's cap grows by their size. Each arm's greedy text is its own engine's
+    alone (and the text without drafting)."""
+    from strata_runtime.model.placed import WeightStore
+
+    kw = {"stages": 2, "context": 192, "prefill_chunk": 16}
+    plans = [lookup_plan(5, **kw), make_plan(draft_tokens=5, **kw)]
+    if not lookup_first:
+        plans.reverse()
+    store = WeightStore()
+    engines = [Engine(plan, weights=store) for plan in plans]
+    assert len(store.stages) == 2  # one entry a stage, not one a stage and arm
+    lookup, mtp = engines if lookup_first else engines[::-1]
+    for a, b in zip(lookup.model.stages, mtp.model.stages, strict=True):
+        assert a.shared is b.shared
+    assert mtp.model.mtp is not None and lookup.model.mtp is None
+    tensors = mtp.model.stages[-1].shared.tensors
+    head = sum(int(t.nbytes) for name, t in tensors.items() if name.startswith("mtp."))
+    assert head > 0
+    budgets = [plan.gpus[-1].budget for plan in plans]
+    adds = budgets[1].kv + budgets[1].drafters + budgets[1].workspace
+    assert store.limits["cpu:1"] == budgets[0].total - budgets[0].reserve + adds + (head if lookup_first else 0)
+    prompt = (*LOOP * 3, 40, 114, 41)
+    plain = generate(engine(0, 2, False), prompt, 40)
+    assert generate(lookup, prompt, 40) == plain and generate(mtp, prompt, 40) == plain
