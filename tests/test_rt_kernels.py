@@ -117,6 +117,7 @@ def test_a_device_gives_its_pools_unused_memory_back() -> None:
         kept = cp.ones(1 << 20, cp.uint8)
         freed = cp.zeros(64 << 20, cp.uint8)
         del freed
-        assert pool.total_bytes() >= pool.used_bytes() + (64 << 20)
+        before = pool.total_bytes()
+        assert before >= pool.used_bytes() + (64 << 20)
         device.release_memory()
-        assert pool.total_bytes() == pool.used_bytes() and int(kept.sum()) == 1 << 20
+        assert pool.total_bytes() <= before - (64 << 20) and int(kept.sum()) == 1 << 20
