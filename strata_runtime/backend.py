@@ -155,6 +155,15 @@ class Device:
                 cp.cuda.Device(self.index).synchronize()
                 cp.get_default_memory_pool().free_all_blocks()
 
+    def memory_free(self) -> tuple[int, int] | None:
+        """(free, total) bytes of this GPU as its driver counts them, every process's use taken off (None on
+        CPU devices)."""
+        if not self.is_cuda:
+            return None
+        with self.use():
+            free, total = cupy_module().cuda.runtime.memGetInfo()
+        return int(free), int(total)
+
     def synchronize(self) -> None:
         if self.is_cuda:
             with self.use():

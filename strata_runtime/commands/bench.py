@@ -352,8 +352,12 @@ def release_devices(engines: dict[str, Any], contenders: dict[str, Any], weights
     contenders.clear()
     weights.stages.clear()
     gc.collect()  # engines hold reference cycles (stages, slots, flights)
-    for device in devices:
+    for device in sorted(devices, key=str):
         device.release_memory()
+        free = device.memory_free()
+        if free is not None:
+            gib = f"{free[0] / 2**30:.1f} of {free[1] / 2**30:.1f} GiB"
+            print(f"[llama.cpp] the arms are closed: {device} has {gib} free", file=sys.stderr)
 
 
 def llama_cpp_figures(
