@@ -487,8 +487,9 @@ def test_experts_that_do_not_fit_stay_in_host_memory_in_llama_cpp_as_in_the_plan
 def test_the_runtimes_device_memory_is_given_back_before_llama_cpp_loads_its_copy(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`strata bench --peer llama.cpp` runs llama.cpp's tools only after the GGUF file is written from the
-    arms' weights and the arms' engines and weights are gone, each device's pool released: on a GPU whose
+    """`strata bench --peer llama.cpp` runs llama.cpp's tools where no arm holds the GPU: where its GGUF file
+    must be written from the arms' weights, only after that and after the arms' engines and weights are
+    gone, each device's pool released; where the file is ready, before any arm is built. On a GPU whose
     model takes over half its memory, llama.cpp's own copy would not fit beside ours."""
     import argparse
     import gc
@@ -501,11 +502,13 @@ def test_the_runtimes_device_memory_is_given_back_before_llama_cpp_loads_its_cop
     from strata_runtime.engine import Engine
 
     live: weakref.WeakSet[Engine] = weakref.WeakSet()
+    built = [0]  # engines built by the run (set to 0 before each)
     init = Engine.__init__
 
     def recording(self: Engine, *args: Any, **kw: Any) -> None:
         init(self, *args, **kw)
         live.add(self)
+        built[0] += 1
 
     released: list[str] = []
     monkeypatch.setattr(Engine, "__init__", recording)
@@ -515,7 +518,9 @@ def test_the_runtimes_device_memory_is_given_back_before_llama_cpp_loads_its_cop
 
     def run_peer(tools: dict[str, str], path: str, asked: Any, **kw: Any) -> llamacpp.PeerRun:
         gc.collect()
-        seen.update(engines=len(live), written=Path(path).stat().st_size, released=sorted(released))
+        seen.update(
+            engines=len(live), built=built[0], written=Path(path).stat().st_size, released=sorted(released)
+        )
         return llamacpp.PeerRun([llamacpp.Figure("solo", "tg8", 1.0)])
 
     monkeypatch.setattr(llamacpp, "find_tools", lambda: {"llama-bench": "llama-bench"})
@@ -526,5 +531,16 @@ def test_the_runtimes_device_memory_is_given_back_before_llama_cpp_loads_its_cop
     argv = ["--arm", f"solo={plan}", "--workload", "solo", "--repeats", "1", "--tokens", "8"]
     args = parser.parse_args([*argv, "--peer", "llama.cpp", "--gguf", str(keep)])
     assert bench.run(args) == 0
-    assert seen == {"engines": 0, "written": keep.stat().st_size, "released": ["cpu:0", "cpu:1"]}
-    assert keep.stat().st_size > 0
+    written = keep.stat().st_size
+    assert written > 0 and seen == {
+        "engines": 0,
+        "built": 1,
+        "written": written,
+        "released": ["cpu:0", "cpu:1"],
+    }
+    # Run again: the file is ready, so llama.cpp runs first, before any arm is built, and nothing is released.
+    built[0] = 0
+    released.clear()
+    assert bench.run(args) == 0
+    assert seen == {"engines": 0, "built": 0, "written": written, "released": []}
+    assert built[0] == 1  # the arm ran after it

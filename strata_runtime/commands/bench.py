@@ -61,7 +61,7 @@ from ..bench.harness import (
 from ..bench.preparing import WARM_STREAMS, settle, settling_line, taught_line, teach, warm_up
 from ..bench.table import render_table
 from ..bench.versus_ceilings import ceiling_report, measure_rates
-from ..model.placed import WeightStore
+from ..model.placed import WeightStore, plan_tokenizer
 from .generate import grammar_of_options
 
 if TYPE_CHECKING:
@@ -198,6 +198,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"strata bench: arm {name}: {problem}", file=sys.stderr)
             return EXIT_USAGE
     rates = measure_rates(args.workload, plans)
+    ran: dict[str, Any] = {}
+    if "llama.cpp" in args.peer:  # where its file is ready, llama.cpp runs first, on a GPU nothing else holds
+        ran = llama_cpp_peer(
+            args, plans, peer_prompt(args, plans, plan_tokenizer(next(iter(plans.values()))))
+        )
     weights = WeightStore()
     engines = {name: Engine(plan, progress=stderr_progress, weights=weights) for name, plan in plans.items()}
     report_engines(engines)
@@ -259,11 +264,10 @@ def run(args: argparse.Namespace) -> int:
     }
     llama = None
     if "llama.cpp" in args.peer:
-        stream_prompt = mean_prompt_tokens(
-            args.workload, tokenizer, args.tokens, context, max(CLIENT_COUNTS), args.depth, vocab
-        )
-        release = functools.partial(release_devices, engines, contenders, weights)
-        llama = llama_cpp_figures(args, plans, summary, weights, stream_prompt, release)
+        if not ran:  # its file is written from the arms' weights, and it runs once they are closed
+            release = functools.partial(release_devices, engines, contenders, weights)
+            ran = llama_cpp_peer(args, plans, peer_prompt(args, plans, tokenizer), weights, release)
+        llama = llama_cpp_figures(ran, plans, summary)
     if args.json:
         out = {
             "workload": args.workload,
@@ -328,6 +332,16 @@ def run(args: argparse.Namespace) -> int:
     return 0 if equal else 1
 
 
+def peer_prompt(args: argparse.Namespace, plans: dict[str, LaunchPlan], tokenizer: Any) -> int:
+    """The prompt each of a peer's decode streams reads first: our requests' mean, so that both decode from KV
+    of the same length."""
+    vocab = next(iter(plans.values())).model.facts.vocab_size
+    context = min(p.memory.context for p in plans.values())
+    return mean_prompt_tokens(
+        args.workload, tokenizer, args.tokens, context, max(CLIENT_COUNTS), args.depth, vocab
+    )
+
+
 def report_engines(engines: dict[str, Any]) -> None:
     """Each arm's start-up lines, and the device memory its engine holds after loading."""
     for name, engine in engines.items():
@@ -360,49 +374,55 @@ def release_devices(engines: dict[str, Any], contenders: dict[str, Any], weights
             print(f"[llama.cpp] the arms are closed: {device} has {gib} free", file=sys.stderr)
 
 
-def llama_cpp_figures(
+def llama_cpp_peer(
     args: argparse.Namespace,
     plans: dict[str, LaunchPlan],
-    summary: dict[str, Any],
-    weights: WeightStore,
     stream_prompt: int,
+    weights: WeightStore | None = None,
     release: Callable[[], None] = lambda: None,
 ) -> dict[str, Any]:
-    """The llama.cpp peer beside the first arm: its figures as lines and as JSON, or the one line that says
-    why it was skipped (printed to stderr). ``stream_prompt``: each of its decode streams' prompt length (our
-    requests' mean). ``release`` gives the runtime's device memory back once the GGUF file is written from
-    its weights, before llama.cpp loads its own copy (`release_devices`)."""
+    """Run the llama.cpp peer for the first arm: {"peer": what it measured} or {"skipped": why} (printed to
+    stderr). ``stream_prompt``: each of its decode streams' prompt length (our requests' mean).
+
+    Without ``weights`` (before any arm is loaded) it runs only where its GGUF file exists and holds the
+    plan's weights (None otherwise: it runs after the arms). With them it writes the file where it is
+    missing, then ``release`` gives the runtime's device memory back before llama.cpp loads its own copy
+    (`release_devices`)."""
     import tempfile
 
     from ..bench import llamacpp
     from ..bench.gguf_export import ExportError, kept_file, write_model
 
-    first = next(iter(plans))
-    plan = plans[first]
+    plan = plans[next(iter(plans))]
+    ready = args.gguf is not None and Path(args.gguf).exists()
+    if weights is None and not (ready and kept_file(args.gguf, plan)[0]):
+        return {}
     tools = llamacpp.find_tools()
     skipped = llamacpp.skip_reason(tools, args.workload)
     if skipped:
         print(f"[llama.cpp] {skipped}", file=sys.stderr)
-        return {"lines": [], "json": {"skipped": skipped}}
+        return {"skipped": skipped}
     try:
         placement = llamacpp.Placement.of_plan(plan)
     except ValueError as exc:
         print(f"[llama.cpp] skipped: {exc}", file=sys.stderr)
-        return {"lines": [], "json": {"skipped": str(exc)}}
+        return {"skipped": str(exc)}
     with tempfile.TemporaryDirectory(prefix="strata-gguf-") as tmp:
         path = args.gguf or str(Path(tmp) / f"{plan.profile}.gguf")
         if Path(path).exists():
             usable, line = kept_file(path, plan)
             if not usable:
                 print(f"[llama.cpp] skipped: {line}", file=sys.stderr)
-                return {"lines": [], "json": {"skipped": line}}
-            print(f"[llama.cpp] {line}", file=sys.stderr)
+                return {"skipped": line}
+            when = "before the arms load, on the free GPU" if weights is None else "after the arms"
+            print(f"[llama.cpp] {line}; llama.cpp runs {when}", file=sys.stderr)
         else:
+            assert weights is not None
             try:
                 size = write_model(path, plan, weights)
             except ExportError as exc:
                 print(f"[llama.cpp] skipped: {exc}", file=sys.stderr)
-                return {"lines": [], "json": {"skipped": str(exc)}}
+                return {"skipped": str(exc)}
             print(f"[llama.cpp] wrote {path} ({size / 2**20:,.1f} MiB of tensors)", file=sys.stderr)
         asked = llamacpp.Workload(
             args.workload,
@@ -415,7 +435,18 @@ def llama_cpp_figures(
             args.depth,
         )
         release()
-        peer = llamacpp.run_peer(tools, path, asked)
+        return {"peer": llamacpp.run_peer(tools, path, asked)}
+
+
+def llama_cpp_figures(
+    ran: dict[str, Any], plans: dict[str, LaunchPlan], summary: dict[str, Any]
+) -> dict[str, Any]:
+    """What `llama_cpp_peer` ran, beside the first arm's figures: lines and JSON."""
+    from ..bench import llamacpp
+
+    if "peer" not in ran:
+        return {"lines": [], "json": {"skipped": ran["skipped"]}}
+    peer, first = ran["peer"], next(iter(plans))
     figures = [{"case": f.case, "what": f.what, "tok_s": f.tok_s} for f in peer.figures]
     return {
         "lines": llamacpp.render(peer, summary[first], first),

@@ -92,6 +92,16 @@ class WeightStore:
         return shared
 
 
+def plan_tokenizer(plan: LaunchPlan, ckpt: Checkpoint | None = None) -> Tokenizer:
+    """The tokenizer of the plan's model, without loading it: its checkpoint's (``ckpt``, when it is open
+    already), or byte-level ids for a synthetic preset."""
+    vocab = plan.model.facts.vocab_size
+    if plan.model.path is None:
+        return ByteTokenizer(vocab)
+    ckpt = ckpt if ckpt is not None else Checkpoint(plan.model.path)
+    return tokenizer_for(str(ckpt.directory), vocab, ckpt.config)
+
+
 def _load_fused(
     synth: SyntheticModel | None,
     ckpt: Checkpoint | None,
@@ -424,10 +434,7 @@ class Model:
                 )
                 for s in ids
             }
-        if ckpt is not None:
-            tokenizer = tokenizer_for(str(ckpt.directory), args.vocab_size, config)
-        else:
-            tokenizer = ByteTokenizer(args.vocab_size)
+        tokenizer = plan_tokenizer(plan, ckpt)
         model = cls(stages, args, mtp, drafters, tokenizer, routing)
         model.peer_access = peer_access
         return model
