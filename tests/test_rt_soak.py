@@ -9,7 +9,7 @@ cores). On a GPU (``-m gpu``) the first `GPU_SCENARIOS` run again in float16 thr
 A scenario picks a plan (1 to 3 virtual CPU stages, a window mode, drafting by the MTP head or by lookup in
 the request's own text, the slots, the context, the prompt chunk, prefix reuse and a prefix store, the
 adaptive depth, how many windows run ahead, an expert cache that keeps half or three quarters of each
-layer's experts in VRAM, uniform or calibrated routing) and 1 to 6 requests arriving at random steps: short
+layer's experts in VRAM, with a helper device holding more of them or not, uniform or calibrated routing) and 1 to 6 requests arriving at random steps: short
 prompts and prompts that fill most of the context, prompts that share a beginning or repeat a stretch,
 greedy and sampled requests, presence and frequency penalties, logit biases, stop tokens and stop strings,
 end-of-text ignored, log-probabilities of the reply and of the prompt, a JSON schema, a think budget,
@@ -99,6 +99,9 @@ class Scenario:
     run_ahead: int
     expert_cache: int | None
     """Experts of each layer kept in VRAM, of the preset's 8 (None: all)."""
+    helper: bool
+    """A helper device holding some of the experts the expert cache leaves out (the second tier; on virtual
+    CPU devices only, since the GPU run has one card)."""
     routing: str
     prefix_store_mib: int | None
     """Host memory for prompts kept past their slot (`memory.prefix_store_mib`; None: no store)."""
@@ -122,6 +125,8 @@ class Scenario:
             kw["draft_tokens"] = self.draft_tokens
         if self.slots is not None:
             kw["slots"] = self.slots
+        if self.helper and vram_mib is None:
+            kw.update(helpers=1, helper_vram_mib=1)
         if vram_mib is None:
             plan = mode_plan(self.mode, self.stages, **kw)
         else:
@@ -187,7 +192,7 @@ def _sampling(g: random.Random) -> SamplingParams:
 
 def draw(number: int) -> Scenario:
     """Scenario ``number``: the same plan and requests every time."""
-    g = random.Random(number)
+    g, helper_draw = random.Random(number), random.Random(f"{number} helper")
     stages = g.choice([1, 1, 2, 3])
     modes = ["solo", "serial", "pipelined", "batch-mtp"] + (["pipelined-mtp"] if stages > 1 else [])
     mode = g.choice(modes)
@@ -234,7 +239,9 @@ def draw(number: int) -> Scenario:
         prefix_reuse=g.random() < 0.7,
         adaptive_depth=g.random() < 0.5,
         run_ahead=g.choice([1, 2, 2, 4]),
-        expert_cache=g.choice([None, None, None, 4, 6]),
+        expert_cache=(cache := g.choice([None, None, None, 4, 6])),
+        # drawn apart, so that adding the helper left every other draw of a numbered scenario as it was
+        helper=cache is not None and mode in ("solo", "serial", "pipelined") and helper_draw.random() < 0.3,
         routing=g.choice(["uniform", "uniform", "calibrated"]),
         prefix_store_mib=g.choice([None, None, 1]),
         arrivals=tuple(arrivals),
