@@ -236,13 +236,24 @@ def test_clients_pair_each_stream_count_with_llama_cpp_and_a_failure_is_a_note()
         ("8 clients", 800.0),
     ]
     ours = {"1 clients": {"median": {"tok_s": 425.0}}, "8 clients": {"median": {"tok_s": 400.0}}}
-    lines = llamacpp.render(run, ours, "serial")
+    lines = llamacpp.render(run, {"serial": ours})
     assert any("1 clients" in ln and "= 2.00x" in ln for ln in lines)
     assert any("8 clients" in ln and "= 0.50x" in ln for ln in lines)
     # llama.cpp's decode rate leaves out reading the prompts: beside it goes our generation rate.
     ours["8 clients"]["median"]["generation_tok_s"] = 1000.0
-    lines = llamacpp.render(run, ours, "serial")
+    lines = llamacpp.render(run, {"serial": ours})
     assert any("8 clients" in ln and "1,000.0 tok/s generating = 1.25x" in ln for ln in lines)
+    # Every arm goes beside each figure, each with its ratio.
+    other = {"8 clients": {"median": {"tok_s": 1600.0}}}
+    lines = llamacpp.render(run, {"serial": ours, "batch": other})
+    eight = [ln for ln in lines if "-> " in ln and ("8 clients" in ln or ln.startswith(" " * 20))]
+    assert any("-> serial 1,000.0" in ln for ln in eight) and any(
+        "-> batch 1,600.0 tok/s = 2.00x" in ln for ln in eight
+    )
+    assert llamacpp.ratios(run, {"serial": ours, "batch": other}) == {
+        "serial": {"1 clients": 2.0, "8 clients": 1.25},
+        "batch": {"8 clients": 2.0},
+    }
     solo = llamacpp.Workload("solo", 64, 0, 2, ())
     failed = llamacpp.run_peer(
         tools, "m.gguf", solo, run=lambda cmd, **kw: _done("", 1, "error: unknown model architecture")
@@ -425,7 +436,7 @@ def test_each_llama_cpp_tool_runs_in_the_placements_environment_and_is_shown_wit
         ["CUDA_VISIBLE_DEVICES=0,1", "lb"],
         ["CUDA_VISIBLE_DEVICES=0,1", "lbb"],
     ]
-    assert any("ran: CUDA_VISIBLE_DEVICES=0,1 lb" in line for line in llamacpp.render(peer, {}, "serial"))
+    assert any("ran: CUDA_VISIBLE_DEVICES=0,1 lb" in line for line in llamacpp.render(peer, {"serial": {}}))
 
 
 def test_a_kept_gguf_is_reused_only_for_the_weights_it_was_written_from(tmp_path: Path, tiny) -> None:

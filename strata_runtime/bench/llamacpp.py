@@ -288,19 +288,43 @@ def run_peer(
     return out
 
 
-def render(peer: PeerRun, ours: dict[str, dict[str, Any]], arm: str) -> list[str]:
-    """Lines of llama.cpp's figures beside arm ``arm``'s (``ours``: that arm's summary by case, each with its
-    median figures)."""
-    lines = [f"llama.cpp on the same weights (GGUF, fp16), beside arm {arm!r}:"]
+def beside(figure: Figure, ours: dict[str, dict[str, Any]]) -> tuple[float, str] | None:
+    """An arm's figure for ``figure``'s case (``ours``: the arm's summary by case, each with its median
+    figures), and what it is: beside llama.cpp's decode figures, which leave out reading the prompt, our
+    generation rate where the arm has one; None where the arm has no figure for the case."""
+    median = ours.get(figure.case, {}).get("median", {})
+    key = "tok_s" if figure.case == "prompt" or "generation_tok_s" not in median else "generation_tok_s"
+    mine = median.get(key)
+    if not mine or figure.tok_s <= 0:
+        return None
+    return float(mine), " generating" if key == "generation_tok_s" else ""
+
+
+def ratios(peer: PeerRun, arms: dict[str, dict[str, dict[str, Any]]]) -> dict[str, dict[str, float]]:
+    """Each arm's figure over llama.cpp's, by case (``arms``: each arm's summary by case)."""
+    out: dict[str, dict[str, float]] = {}
+    for arm, ours in arms.items():
+        for f in peer.figures:
+            mine = beside(f, ours)
+            if mine is not None:
+                out.setdefault(arm, {})[f.case] = round(mine[0] / f.tok_s, 3)
+    return out
+
+
+def render(peer: PeerRun, arms: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
+    """Lines of llama.cpp's figures, each with every arm's figure for the case beside it and the ratio
+    (``arms``: each arm's summary by case, in the order they ran)."""
+    names = ", ".join(repr(a) for a in arms)
+    lines = [f"llama.cpp on the same weights (GGUF, fp16), beside arm{'s' if len(arms) > 1 else ''} {names}:"]
     width = max((len(f.what) for f in peer.figures), default=0)
     for f in peer.figures:
-        median = ours.get(f.case, {}).get("median", {})
-        # llama.cpp's decode figures leave out reading the prompt; so does our generation rate
-        key = "tok_s" if f.case == "prompt" or "generation_tok_s" not in median else "generation_tok_s"
-        mine = median.get(key)
-        what = " generating" if key == "generation_tok_s" else ""
-        ratio = f" -> {arm} {mine:,.1f} tok/s{what} = {mine / f.tok_s:.2f}x" if mine and f.tok_s > 0 else ""
-        lines.append(f"  {f.case:>12} {f.what:>{width}}: {f.tok_s:10,.1f} tok/s{ratio}")
+        head = f"  {f.case:>12} {f.what:>{width}}: {f.tok_s:10,.1f} tok/s"
+        besides = [(arm, mine) for arm, ours in arms.items() if (mine := beside(f, ours)) is not None]
+        if not besides:
+            lines.append(head)
+        for i, (arm, (tok_s, what)) in enumerate(besides):
+            lead = head if i == 0 else " " * len(head)
+            lines.append(f"{lead} -> {arm} {tok_s:,.1f} tok/s{what} = {tok_s / f.tok_s:.2f}x")
     lines += [f"  note: {n}" for n in peer.notes]
     lines += ["  ran: " + " ".join(c) for c in peer.commands]
     return lines

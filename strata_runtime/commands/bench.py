@@ -448,9 +448,16 @@ def llama_cpp_figures(
         return {"lines": [], "json": {"skipped": ran["skipped"]}}
     peer, first = ran["peer"], next(iter(plans))
     figures = [{"case": f.case, "what": f.what, "tok_s": f.tok_s} for f in peer.figures]
+    arms = {name: summary[name] for name in plans}
     return {
-        "lines": llamacpp.render(peer, summary[first], first),
-        "json": {"figures": figures, "commands": peer.commands, "notes": peer.notes, "beside": first},
+        "lines": llamacpp.render(peer, arms),
+        "json": {
+            "figures": figures,
+            "commands": peer.commands,
+            "notes": peer.notes,
+            "beside": first,
+            "ratios": llamacpp.ratios(peer, arms),
+        },
     }
 
 
