@@ -385,9 +385,9 @@ def llama_cpp_peer(
     stderr). ``stream_prompt``: each of its decode streams' prompt length (our requests' mean).
 
     Without ``weights`` (before any arm is loaded) it runs only where its GGUF file exists and holds the
-    plan's weights (None otherwise: it runs after the arms). With them it writes the file where it is
-    missing, then ``release`` gives the runtime's device memory back before llama.cpp loads its own copy
-    (`release_devices`)."""
+    plan's weights, and returns {} otherwise (it runs after the arms). With them it writes the file where
+    it is missing, then ``release`` gives the runtime's device memory back before llama.cpp loads its own
+    copy (`release_devices`)."""
     import tempfile
 
     from ..bench import llamacpp
@@ -414,7 +414,7 @@ def llama_cpp_peer(
             if not usable:
                 print(f"[llama.cpp] skipped: {line}", file=sys.stderr)
                 return {"skipped": line}
-            when = "before the arms load, on the free GPU" if weights is None else "after the arms"
+            when = "before the arms load" if weights is None else "after the arms"
             print(f"[llama.cpp] {line}; llama.cpp runs {when}", file=sys.stderr)
         else:
             assert weights is not None
@@ -441,7 +441,7 @@ def llama_cpp_peer(
 def llama_cpp_figures(
     ran: dict[str, Any], plans: dict[str, LaunchPlan], summary: dict[str, Any]
 ) -> dict[str, Any]:
-    """What `llama_cpp_peer` ran, beside the first arm's figures: lines and JSON."""
+    """What `llama_cpp_peer` ran, beside every arm's figures: lines and JSON."""
     from ..bench import llamacpp
 
     if "peer" not in ran:
