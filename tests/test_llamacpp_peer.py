@@ -3,6 +3,8 @@ command lines and output, and the arm end to end with a stand-in ``llama-bench``
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -555,3 +557,36 @@ def test_the_runtimes_device_memory_is_given_back_before_llama_cpp_loads_its_cop
     assert bench.run(args) == 0
     assert seen == {"engines": 0, "built": 0, "written": written, "released": []}
     assert built[0] == 1  # the arm ran after it
+
+
+def test_llama_cpp_is_not_started_where_the_closed_arms_left_too_little_room_and_the_bench_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the GGUF file had to be written after the arms and the plan's GPUs then have less free memory
+    than the file holds, llama.cpp is not started (it would fail to load): the peer is skipped in one line
+    that says how to run it before the arms instead, and the arm's figures still come."""
+    import argparse
+
+    from strata_cfg.plan.from_profile import resolve_path
+    from strata_cfg.schema.plan_file import write_plan
+    from strata_runtime.backend import Device
+    from strata_runtime.commands import bench
+
+    started: list[str] = []
+    monkeypatch.setattr(Device, "release_memory", lambda self: None)
+    monkeypatch.setattr(Device, "memory_free", lambda self: (1 << 20, 80 << 30))  # 1 MiB free a device
+    monkeypatch.setattr(llamacpp, "find_tools", lambda: {"llama-bench": "llama-bench"})
+    monkeypatch.setattr(llamacpp, "run_peer", lambda *a, **kw: started.append("llama-bench"))
+    plan = write_plan(resolve_path("profiles/demo.toml", ("batch.slots=1",)).plan, tmp_path / "solo.json")
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    keep = tmp_path / "model.gguf"
+    argv = ["--arm", f"solo={plan}", "--workload", "solo", "--repeats", "1", "--tokens", "8", "--json"]
+    args = parser.parse_args([*argv, "--peer", "llama.cpp", "--gguf", str(keep)])
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert bench.run(args) == 0
+    report = json.loads(out.getvalue())
+    skipped = report["peers"]["llama.cpp"]["skipped"]
+    assert started == [] and "GiB free, less than the model's" in skipped and f"--gguf {keep}" in skipped
+    assert report["arms"]["solo"]["solo"]["median"]["tok_s"] > 0

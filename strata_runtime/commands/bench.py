@@ -354,11 +354,14 @@ def report_engines(engines: dict[str, Any]) -> None:
             )
 
 
-def release_devices(engines: dict[str, Any], contenders: dict[str, Any], weights: WeightStore) -> None:
+def release_devices(
+    engines: dict[str, Any], contenders: dict[str, Any], weights: WeightStore
+) -> dict[str, tuple[int, int]]:
     """Close the arms' engines and drop them, their peer arms and the weights they shared, and give every
     GPU's pooled memory back to the driver: a peer that loads the model itself (llama.cpp, in a process of
     its own) would not fit beside the runtime's copy of a model over half the GPU's memory. The arms have
-    run by then, and everything printed after comes from their figures."""
+    run by then, and everything printed after comes from their figures. Returns each GPU's (free, total)
+    bytes after."""
     devices = {Device.parse(g.device) for e in engines.values() for g in e.plan.gpus if g.role != "idle"}
     for engine in engines.values():
         engine.close()
@@ -366,12 +369,15 @@ def release_devices(engines: dict[str, Any], contenders: dict[str, Any], weights
     contenders.clear()
     weights.stages.clear()
     gc.collect()  # engines hold reference cycles (stages, slots, flights)
+    out: dict[str, tuple[int, int]] = {}
     for device in sorted(devices, key=str):
         device.release_memory()
         free = device.memory_free()
         if free is not None:
+            out[str(device)] = free
             gib = f"{free[0] / 2**30:.1f} of {free[1] / 2**30:.1f} GiB"
             print(f"[llama.cpp] the arms are closed: {device} has {gib} free", file=sys.stderr)
+    return out
 
 
 def llama_cpp_peer(
@@ -379,7 +385,7 @@ def llama_cpp_peer(
     plans: dict[str, LaunchPlan],
     stream_prompt: int,
     weights: WeightStore | None = None,
-    release: Callable[[], None] = lambda: None,
+    release: Callable[[], dict[str, tuple[int, int]]] = dict,
 ) -> dict[str, Any]:
     """Run the llama.cpp peer for the first arm: {"peer": what it measured} or {"skipped": why} (printed to
     stderr). ``stream_prompt``: each of its decode streams' prompt length (our requests' mean).
@@ -434,7 +440,17 @@ def llama_cpp_peer(
             placement,
             args.depth,
         )
-        release()
+        room = sum(free for free, _ in release().values())
+        size = Path(path).stat().st_size
+        if weights is not None and 0 < room < size:  # what llama.cpp would load could not fit
+            again = f"--gguf {path}" if args.gguf else "--gguf FILE, after `strata gguf PROFILE FILE`"
+            why = (
+                f"skipped: with the arms closed the plan's GPUs have {room / 2**30:.1f} GiB free, less than "
+                f"the model's {size / 2**30:.1f} GiB; run again with {again}: a ready file runs llama.cpp "
+                "before the arms load"
+            )
+            print(f"[llama.cpp] {why}", file=sys.stderr)
+            return {"skipped": why}
         return {"peer": llamacpp.run_peer(tools, path, asked)}
 
 
