@@ -50,7 +50,7 @@ def main() -> None:
             schema = json.load(f)
     engine, one = runner(args)
     held = SamplingParams(grammar=json_grammar(schema))
-    run = one if args.clients == 1 else _clients(engine, args)
+    run = one if args.clients == 1 else clients_runner(engine, args)
     arms = {"one token a window": False, "forced tokens as proposals": True}
     texts: dict[str, list[int]] = {}
     for arm, forcing in arms.items():  # the warm-up
@@ -82,7 +82,9 @@ def main() -> None:
         print(f"{arm} ({len(reply)} tokens): {engine.tokenizer.decode(reply)[:100]}")
 
 
-def _clients(engine: Engine, args: argparse.Namespace) -> Callable[[SamplingParams], tuple[list[int], float]]:
+def clients_runner(
+    engine: Engine, args: argparse.Namespace
+) -> Callable[[SamplingParams], tuple[list[int], float]]:
     """A run of ``--clients`` requests submitted together, each `PROMPT` with a number of its own: their
     tokens one after another, and the seconds until the last ended."""
     prompts = [tuple(engine.tokenizer.encode(f"{PROMPT} ({i + 1})")) for i in range(args.clients)]

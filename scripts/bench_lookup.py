@@ -13,7 +13,7 @@ N] [--set KEY=VALUE ...]`` (default: the demo profile with ``spec.method = "ngra
 repeats; a sampled request takes seed 1 in every run).
 """
 
-from bench_forced import _clients
+from bench_forced import clients_runner
 from bench_grammar_cost import arguments, report, runner
 
 from strata_runtime.api import SamplingParams
@@ -27,7 +27,7 @@ def main() -> None:
     args.set = ['spec.method="ngram"', f"batch.slots={args.clients}", *args.set]
     engine, run = runner(args)
     if args.clients > 1:
-        run = _clients(engine, args)
+        run = clients_runner(engine, args)
     greedy = args.temperature == 0
     sampling = SamplingParams(temperature=args.temperature, seed=None if greedy else 1)
     arms = {"decided on the host": False, "decided on the device": True}
