@@ -400,8 +400,8 @@ def llama_cpp_peer(
     from ..bench.gguf_export import ExportError, kept_file, write_model
 
     plan = plans[next(iter(plans))]
-    ready = args.gguf is not None and Path(args.gguf).exists()
-    if weights is None and not (ready and kept_file(args.gguf, plan)[0]):
+    kept = kept_file(args.gguf, plan) if args.gguf is not None and Path(args.gguf).exists() else None
+    if weights is None and not (kept is not None and kept[0]):
         return {}
     tools = llamacpp.find_tools()
     skipped = llamacpp.skip_reason(tools, args.workload)
@@ -415,8 +415,8 @@ def llama_cpp_peer(
         return {"skipped": str(exc)}
     with tempfile.TemporaryDirectory(prefix="strata-gguf-") as tmp:
         path = args.gguf or str(Path(tmp) / f"{plan.profile}.gguf")
-        if Path(path).exists():
-            usable, line = kept_file(path, plan)
+        if kept is not None:  # the file --gguf names
+            usable, line = kept
             if not usable:
                 print(f"[llama.cpp] skipped: {line}", file=sys.stderr)
                 return {"skipped": line}
