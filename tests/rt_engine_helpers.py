@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from rt_plans import make_plan, pipelined_mtp_plan
+from rt_plans import make_plan, with_mtp_in_groups
 
 from strata_cfg.schema.plan import LaunchPlan
 from strata_runtime.api import Request, SamplingParams
@@ -40,14 +40,15 @@ MODES: dict[str, dict[str, Any]] = {
 groups, which needs a split (`mode_plan` gives it two stages at least)."""
 
 
-def mode_plan(mode: str, stages: int, **kw: Any) -> LaunchPlan:
-    """The plan of window mode ``mode`` on ``stages`` virtual CPU stages (``kw``: more plan keywords)."""
+def mode_plan(mode: str, stages: int, make: Callable[..., LaunchPlan] = make_plan, **kw: Any) -> LaunchPlan:
+    """The plan of window mode ``mode`` on ``stages`` virtual CPU stages (``kw``: more plan keywords), made
+    by ``make`` from `rt_plans.make_plan`'s keywords (by default that function itself)."""
     args = {**MODES[mode], **kw}
     if mode == "pipelined" and stages == 1:
         args["groups"] = None  # groups need a split; one stage keeps one group
     if mode == "pipelined-mtp":
-        return pipelined_mtp_plan(stages=max(stages, 2), **args)
-    return make_plan(stages=stages, **args)
+        return with_mtp_in_groups(make(stages=max(stages, 2), **args))
+    return make(stages=stages, **args)
 
 
 def launches(eng: Engine) -> list[tuple[Any, Any, Any]]:

@@ -40,8 +40,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from rt_engine_helpers import MODES, assert_kv_consistent, collect, mode_plan
-from rt_plans import float16_profile_text, make_plan, with_mtp_in_groups
+from rt_engine_helpers import assert_kv_consistent, collect, mode_plan
+from rt_plans import float16_profile_text, make_plan
 
 from strata_cfg.plan.from_profile import resolve_text
 from strata_cfg.schema.plan import LaunchPlan
@@ -127,28 +127,21 @@ class Scenario:
             kw["slots"] = self.slots
         if self.helper and vram_mib is None:
             kw.update(helpers=1, helper_vram_mib=1)
-        if vram_mib is None:
-            plan = mode_plan(self.mode, self.stages, **kw)
-        else:
-            kw = {**MODES[self.mode], **kw, "stages": self.stages}
-            plan = on_one_gpu(kw, vram_mib, mtp_in_groups=self.mode == "pipelined-mtp")
+        make = make_plan if vram_mib is None else functools.partial(on_one_gpu, vram_mib)
+        plan = mode_plan(self.mode, self.stages, make, **kw)
         if self.lookup:
             spec = plan.spec.model_copy(update={"mtp": False, "ngram": True, "ngram_min": 2, "ngram_max": 4})
             plan = plan.model_copy(update={"spec": spec})
         return plan
 
 
-def on_one_gpu(kw: dict[str, Any], vram_mib: int, mtp_in_groups: bool = False) -> LaunchPlan:
-    """`make_plan`'s plan of keywords ``kw`` (a mode's among them) in float16 on a GPU of ``vram_mib``, each
-    stage resolved as a GPU of its own and then placed on the one (a pipelined plan is resolved for as many
-    GPUs, as the resolver runs a split of one GPU one request at a time)."""
-    if kw.get("groups") and kw["stages"] == 1:
-        kw = {**kw, "groups": None}  # groups need a split; one stage keeps one group
+def on_one_gpu(vram_mib: int, **kw: Any) -> LaunchPlan:
+    """`make_plan`'s plan of keywords ``kw`` in float16 on a GPU of ``vram_mib``, each stage resolved as a
+    GPU of its own and then placed on the one (a pipelined plan is resolved for as many GPUs, as the
+    resolver runs a split of one GPU one request at a time)."""
     plan = resolve_text(float16_profile_text(vram_mib=vram_mib, **kw), "soak.toml").plan
-    if mtp_in_groups:
-        plan = with_mtp_in_groups(plan)
     text = plan.model_dump_json()
-    for device in range(1, kw["stages"]):
+    for device in range(1, kw.get("stages", 1)):
         text = text.replace(f'"cuda:{device}"', '"cuda:0"')
     return LaunchPlan.model_validate_json(text)
 
@@ -258,7 +251,7 @@ def _alone_engine(context: int, chunk: int, routing: str, vram_mib: int | None) 
     }
     if vram_mib is None:
         return Engine(make_plan(stages=1, **kw))
-    return Engine(on_one_gpu({"preset": "tiny", "stages": 1, **kw}, vram_mib))
+    return Engine(on_one_gpu(vram_mib, preset="tiny", stages=1, **kw))
 
 
 def alone(request: Request, s: Scenario, vram_mib: int | None = None) -> tuple[int, ...]:
