@@ -107,7 +107,8 @@ def test_lookup_propose(slots, width, alphabet) -> None:
 
 def test_a_device_gives_its_pools_unused_memory_back() -> None:
     """`Device.release_memory` (what the bench calls before llama.cpp loads its own copy of the model): the
-    pool keeps the blocks still in use and hands every free block back to the driver."""
+    pool keeps the blocks still in use and hands every free block back to the driver, which `memory_free`
+    then counts."""
     cp = pytest.importorskip("cupy")
     from strata_runtime.backend import Device
 
@@ -117,7 +118,10 @@ def test_a_device_gives_its_pools_unused_memory_back() -> None:
         kept = cp.ones(1 << 20, cp.uint8)
         freed = cp.zeros(64 << 20, cp.uint8)
         del freed
-        before = pool.total_bytes()
+        before, (free, total) = pool.total_bytes(), device.memory_free()
         assert before >= pool.used_bytes() + (64 << 20)
         device.release_memory()
         assert pool.total_bytes() <= before - (64 << 20) and int(kept.sum()) == 1 << 20
+        # The driver counts the block free again (`Device.memory_free`, the line the bench prints).
+        after, same = device.memory_free()
+        assert same == total and after >= free + (64 << 20)
