@@ -363,10 +363,9 @@ def release_devices(
     run by then, and everything printed after comes from their figures. Returns each GPU's (free, total)
     bytes after."""
     devices = {Device.parse(g.device) for e in engines.values() for g in e.plan.gpus if g.role != "idle"}
-    for engine in engines.values():
-        engine.close()
-    engines.clear()
     contenders.clear()
+    while engines:  # no name is left holding the last engine (a loop's would, and with it every weight)
+        engines.popitem()[1].close()
     weights.stages.clear()
     gc.collect()  # engines hold reference cycles (stages, slots, flights)
     out: dict[str, tuple[int, int]] = {}
