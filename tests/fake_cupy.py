@@ -287,6 +287,14 @@ class ReferenceKernels:
         self._launched(self.gemv_expr(x.shape[0], *w.shape, norm is not None))
         RECORDER.launch(reference_kernels.gemv, w, x, out, accumulate, norm, eps)
 
+    def gemv_i8(self, q: Any, scale: Any, x: Any, out: Any) -> None:
+        from strata_runtime.cuda.choices import gemv_i8_launch
+
+        self._launched(gemv_i8_launch(x.shape[0], q.shape[0])[0])
+        from strata_runtime.models.ops.int8 import linear_int8
+
+        RECORDER.launch(linear_int8, np, q, scale, x, out)
+
     def qkv_rope(self, w: Any, x: Any, qkv: Any, norm: Any, eps: float, *rest: Any) -> None:
         """As the launcher: the fused projection's instantiation, or the projection's where it fuses none."""
         from strata_runtime.cuda.choices import qkv_rope_launch

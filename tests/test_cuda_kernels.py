@@ -1168,3 +1168,29 @@ def test_adjust_logits_and_count_tokens_match_twin(gpu, v):
         kern.count_tokens(counts_d, cp.asarray(cs), cp.asarray(ct), cp.asarray(add))
         ref.count_tokens(counts, cs, ct, add)
         assert np.array_equal(counts_d.get(), counts)
+
+
+@pytest.mark.parametrize(("n", "k"), [(5003, 2048), (1001, 272), (37, 512), (151936, 2048)])
+def test_gemv_i8_matches_twin_and_its_rows_are_batch_invariant(gpu, n, k):
+    """The MTP head's 8-bit LM head (``spec.draft_head = "int8"``): the kernel against its NumPy twin at
+    every row count a window takes, on a quantized head (one of the vocabulary's size), and each row the
+    same bits whichever rows share its launch."""
+    from strata_runtime.models.ops.int8 import linear_int8, quantize_rows
+
+    cp, kern, _ = gpu
+    g = rng()
+    q, scale = quantize_rows(np, half(g.standard_normal((n, k)) * 0.05))
+    x = (g.standard_normal((8, k)) * 3).astype(np.float32)
+    q_d, s_d, x_d = cp.asarray(q), cp.asarray(scale), cp.asarray(x)
+    alone = []
+    for rows in range(1, 9):
+        out_d = cp.full((rows, n), cp.nan, cp.float32)
+        kern.gemv_i8(q_d, s_d, x_d[:rows], out_d)
+        want = np.empty((rows, n), np.float32)
+        linear_int8(np, q, scale, x[:rows], want)
+        assert rel_err(out_d.get(), want) < REL, rows
+        alone.append(out_d.get()[-1])
+    for rows in range(1, 9):
+        out_d = cp.full((1, n), cp.nan, cp.float32)
+        kern.gemv_i8(q_d, s_d, x_d[rows - 1 : rows], out_d)
+        assert np.array_equal(out_d.get()[0], alone[rows - 1]), rows

@@ -1205,3 +1205,38 @@ def test_the_cache_note_states_the_most_a_rebalance_copies_and_the_pause_it_brin
     assert f"at most {most} at a time: up to {gb:.1f} GB from host memory" in note.message
     for link, rate in HOST_LINKS_GBS:
         assert f"{1000 * gb / rate:.0f} ms over {link}" in note.message
+
+
+def test_spec_draft_head_inert_where_the_mtp_head_does_not_draft():
+    from strata_cfg.resolve.sizes import int8_draft_head_bytes
+
+    path = rule_file("spec.draft-head-inert")
+    plan = plan_of(path)
+    d = decision(plan, "spec.draft-head-inert")
+    assert d.requested and d.key == "spec.draft_head" and "n-gram lookup" in d.message
+    assert plan.spec.draft_head == "shared"  # the plan says what runs: nothing drafts through a head
+    [p] = problems_of(path, strict=True)
+    assert p.key == "spec.draft_head" and p.line == line_of(path, "draft_head")
+    # Where the MTP head drafts, the 8-bit head runs, and the last GPU's weights hold its bytes.
+    mtp = plan_of(path, ['spec.method="mtp"'])
+    shared = plan_of(path, ['spec.method="mtp"', 'spec.draft_head="shared"'])
+    assert "spec.draft-head-inert" not in [x.rule for x in mtp.decisions]
+    assert (mtp.spec.draft_head, shared.spec.draft_head) == ("int8", "shared")
+    last = [g for g in mtp.gpus if g.role == "stage"][-1].index
+    grew = {g.index: g.budget.weights - s.budget.weights for g, s in zip(mtp.gpus, shared.gpus, strict=True)}
+    assert grew == {
+        g.index: int8_draft_head_bytes(mtp.model.facts) if g.index == last else 0 for g in mtp.gpus
+    }
+    assert int8_draft_head_bytes(mtp.model.facts) > 0
+    off = plan_of(path, ['spec.method="mtp"', "spec.draft_tokens=0"])
+    assert "spec.draft_tokens = 0" in decision(off, "spec.draft-head-inert").message
+    assert off.spec.draft_head == "shared"
+
+
+def test_plan_text_says_the_mtp_head_drafts_through_the_8bit_head():
+    from strata_cfg.report.plan_text import plan_text
+
+    path = rule_file("spec.draft-head-inert")
+    assert "8-bit copy of the LM head" in plan_text(plan_of(path, ['spec.method="mtp"']))
+    assert "8-bit" not in plan_text(plan_of(path, ['spec.method="mtp"', 'spec.draft_head="shared"']))
+    assert "8-bit" not in plan_text(plan_of(path))  # inert: nothing drafts through a head

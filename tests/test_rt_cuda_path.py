@@ -654,6 +654,11 @@ def test_host_launched_drafts_decided_on_the_device_are_drawn_by_the_draw_launch
     assert on_device.tokens == on_host.tokens
 
 
+def _int8_head(plan):
+    """``plan`` with the MTP head drafting through its 8-bit LM head (``spec.draft_head = "int8"``)."""
+    return plan.model_copy(update={"spec": plan.spec.model_copy(update={"draft_head": "int8"})})
+
+
 def test_no_window_waits_for_a_gemv_to_compile(fake_gpu):
     """Every GEMV a window launches (the layers', the LM head's on normalised rows, the MTP head's input
     projections) at every row count the engine runs (solo drafting, serial and batch-MTP windows, greedy
@@ -669,6 +674,7 @@ def test_no_window_waits_for_a_gemv_to_compile(fake_gpu):
         _plan("cuda", "tiny", draft_tokens=3),
         _plan("cuda", "tiny", batch_mtp=True, draft_tokens=4),
         _plan("cuda", "small", batch_mtp=True, draft_tokens=2),
+        _int8_head(_plan("cuda", "tiny", batch_mtp=True, draft_tokens=4)),  # drafts through gemv_i8
     ):
         kernels.prepared.clear()
         kernels.unprepared.clear()
@@ -683,6 +689,7 @@ def test_no_window_waits_for_a_gemv_to_compile(fake_gpu):
         assert all(h.events.qsize() for h in handles)
         assert engine.totals["accepted"] > 0  # drafts were verified
         assert kernels.prepared and kernels.unprepared == [], sorted(set(kernels.unprepared))
+        assert any(e.startswith("gemv_i8<") for e in kernels.prepared) == (plan.spec.draft_head == "int8")
 
 
 def test_a_gpu_older_than_ampere_runs_the_array_path_and_says_why(fake_gpu, monkeypatch):

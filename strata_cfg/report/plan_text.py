@@ -129,6 +129,9 @@ def _spec_line(plan: LaunchPlan) -> str:
         line += f"; {floor}"
     if s.pipeline_windows:
         line += f"; {s.pipeline_windows} overlapped pipeline windows"
+    if s.draft_head == "int8":
+        mib = plan.model.facts.int8_head_bytes() / MIB
+        line += f"; drafts through an 8-bit copy of the LM head ({mib:,.1f} MiB on the last stage)"
     return line
 
 

@@ -38,7 +38,7 @@ from .defaults import drafts_by_lookup, drafts_with_mtp, estimated_bandwidth, re
 from .final_checks import serve_exposure, strict_mode
 from .groups import resolve_groups
 from .host_budget import host_budget
-from .layer_split import place_layers, sizing
+from .layer_split import draft_head_note, place_layers, sizing
 from .ledger import Ledger
 from .pipeline_windows import pipeline_windows_gate
 from .placement import Sizing, stage_shapes
@@ -82,6 +82,7 @@ def resolve(
     for gate in GATES:
         gate(inputs, led)
     # 6. placement
+    draft_head_note(model, led)
     sz = sizing(model, led)
     topo, boundaries = place_layers(model, machine, topo, sz, led)
     _raise_if_refused(led)
@@ -245,6 +246,7 @@ def _assemble(
             ngram_min=led["spec.ngram_min"],
             ngram_max=led["spec.ngram_max"],
             pipeline_windows=led["split.pipeline_windows"],
+            draft_head="int8" if sz.int8_draft_head else "shared",
         ),
         memory=MemoryPlan(
             context=led["memory.context"],

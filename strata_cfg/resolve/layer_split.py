@@ -48,6 +48,31 @@ def sizing(model: ModelFacts, led: Ledger) -> Sizing:
         attention_tc=led["model.decode_attention"] == "tensor_cores",
         gpu=led["machine.backend"] == "cuda",
         lookup=drafts_by_lookup(led),
+        int8_draft_head=drafting and led["spec.draft_head"] == "int8",
+    )
+
+
+def draft_head_note(model: ModelFacts, led: Ledger) -> None:
+    """A note (which strict mode refuses) where the profile asks for the 8-bit draft head and the MTP head
+    does not draft: neither the solo path (no drafting, or n-gram lookup) nor batch MTP."""
+    if led["spec.draft_head"] != "int8" or not led.user_set("spec.draft_head"):
+        return
+    if drafts_with_mtp(model, led) or led["batch.mtp"]:
+        return
+    why = (
+        f"{model.source} has no MTP weights"
+        if not model.has_mtp
+        else 'the solo path drafts by n-gram lookup (spec.method = "ngram") and batch MTP is off'
+        if led["spec.method"] == "ngram"
+        else f"the solo path does not draft (spec.draft_tokens = {led['spec.draft_tokens']}) and batch MTP "
+        "is off"
+    )
+    led.note(
+        "spec.draft-head-inert",
+        "spec.draft_head",
+        f'spec.draft_head = "int8" does nothing: the MTP head does not draft ({why})',
+        requested=True,
+        because=("spec.method", "spec.draft_tokens", "batch.mtp"),
     )
 
 

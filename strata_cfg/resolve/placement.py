@@ -60,6 +60,9 @@ class Sizing:
     lookup: bool = False
     """The solo path drafts by n-gram lookup: the last stage keeps each slot's token history
     (`sizes.lookup_history_bytes`)."""
+    int8_draft_head: bool = False
+    """The MTP head drafts through an 8-bit copy of the LM head, which the last stage holds
+    (``spec.draft_head = "int8"``, `sizes.int8_draft_head_bytes`)."""
 
     @property
     def prefill_rows(self) -> int:
@@ -111,7 +114,7 @@ def stage_need(model: ModelFacts, shape: StageShape, sz: Sizing) -> StageNeed:
     """Bytes one stage needs by purpose (experts counted, not sized)."""
     parts = sz.workspace_parts(model, shape.last)
     return StageNeed(
-        weights=sizes.weight_bytes(model, shape, with_mtp=sz.with_mtp),
+        weights=sizes.weight_bytes(model, shape, with_mtp=sz.with_mtp, int8_head=sz.int8_draft_head),
         kv=sizes.kv_bytes(
             model, shape.end - shape.start, context=sz.context, kv_dtype=sz.kv_dtype, slots=sz.slots
         ),
@@ -302,7 +305,7 @@ def auto_split(model: ModelFacts, gpus: Sequence[GpuFacts], sz: Sizing) -> tuple
     # Constant per-position extras, computed once.
     emb = model.embedding_bytes()
     last_fixed = (
-        sizes.weight_bytes(model, last_shape, with_mtp=sz.with_mtp)
+        sizes.weight_bytes(model, last_shape, with_mtp=sz.with_mtp, int8_head=sz.int8_draft_head)
         + sizes.drafter_bytes(model, context=sz.context, kv_dtype=sz.kv_dtype, drafters=sz.drafters)
         + sz.workspace(model, True)
     )

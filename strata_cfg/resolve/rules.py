@@ -170,6 +170,13 @@ _RULES = (
         "split.auto", 6, "note", 'split.layers = "auto": boundaries that minimise the slowest stage\'s time'
     ),
     Rule(
+        "spec.draft-head-inert",
+        6,
+        "note",
+        'spec.draft_head = "int8" does nothing where the MTP head does not draft (no drafting, or n-gram '
+        "lookup without batch MTP)",
+    ),
+    Rule(
         "split.auto-order",
         6,
         "note",

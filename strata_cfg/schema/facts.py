@@ -308,6 +308,11 @@ class ModelFacts(_Facts):
         head = 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
         return (head + self.hidden_size) * self.weight_bytes
 
+    def int8_head_bytes(self) -> int:
+        """The LM head as 8-bit weights with a float32 scale a vocabulary row: the copy the MTP head drafts
+        through under ``spec.draft_head = "int8"``."""
+        return self.vocab_size * self.hidden_size + 4 * self.vocab_size
+
     def mtp_bytes(self) -> tuple[int, int]:
         """``(non-expert bytes, routed-expert bytes)`` of the MTP head: its norms, fc, layers and norm."""
         if not self.has_mtp:

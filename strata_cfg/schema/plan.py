@@ -271,6 +271,9 @@ class SpecPlan(_Plan):
     MTP by the floor alone (and False where the solo path does not draft)."""
     pipeline_windows: int
     """Overlapped solo windows on a two-stage split (0: off)."""
+    draft_head: Literal["shared", "int8"] = "shared"
+    """The LM head the MTP head drafts through: the model's own (``"shared"``), or an 8-bit copy of it on
+    the last stage (``"int8"``, only where the MTP head drafts)."""
 
     @property
     def drafts(self) -> bool:

@@ -23,6 +23,7 @@ PrefillQ = Literal["split", "fp16"]
 DecodeAttention = Literal["auto", "cuda_cores"]
 KvDType = Literal["float32", "float16", "bfloat16"]
 SpecMethod = Literal["mtp", "ngram"]
+DraftHead = Literal["shared", "int8"]
 
 _DEVICE_RE = re.compile(r"^(?:(?P<host>[A-Za-z0-9_.-]+):)?(?P<index>\d+)$")
 _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -210,6 +211,14 @@ class SpecSection(Section):
     never pauses. Windows with one proposal per slot cost about twice the rows for (1 + acceptance) tokens
     per slot, so drafting under about a quarter accepted loses on the GPUs measured; a GPU whose wider
     windows cost relatively less can set it lower."""
+    draft_head: DraftHead | None = None
+    """The LM head the MTP head drafts through. ``"shared"`` (default): the model's own, as the checkpoint
+    shares it between the model and its MTP head. ``"int8"``: a copy of it with 8-bit weights and one scale
+    per vocabulary row, made on the last stage when the engine loads (vocab x hidden bytes more there, half
+    the fp16 head): each draft step then reads half the bytes through the head, which is most of what a
+    draft step reads. Proposals can differ where two tokens' draft logits are nearly equal; what is emitted
+    does not, since the model verifies every proposal with its own head (greedy text is the same, and
+    sampled drafting keeps the model's distribution). Does nothing where the MTP head does not draft."""
     adaptive_depth: bool | None = None
     """Whether a request running alone drafts only as many of the window's proposals as pay (default
     true): the depth that gives the most tokens per second, from the request's measured acceptance at

@@ -328,6 +328,18 @@ def gemv_launch(rows: int, n: int, k: int, norm: bool, tensor_cores: bool) -> tu
     return f"gemv_wide<{rows},{k},{per},{flag}>", math.ceil(math.ceil(n / per) / WARPS_PER_BLOCK), THREADS
 
 
+I8_FEATURES_PER_WARP = 4
+"""Rows of an 8-bit head each warp of ``gemv_i8`` sums (each load of x serves them all), as the fp16 kernel
+takes for a vocabulary-sized head (`gemv_rows_per_warp`)."""
+
+
+def gemv_i8_launch(rows: int, n: int) -> tuple[str, int, int]:
+    """(instantiation, blocks, threads per block) of ``gemv_i8`` for ``rows`` rows (at most
+    `MAX_WINDOW_ROWS`) through 8-bit weights of ``n`` rows."""
+    warps = math.ceil(n / I8_FEATURES_PER_WARP)
+    return f"gemv_i8<{rows},{I8_FEATURES_PER_WARP}>", math.ceil(warps / WARPS_PER_BLOCK), THREADS
+
+
 def gemv_expression(rows: int, n: int, k: int, norm: bool, tensor_cores: bool) -> str:
     """The instantiation `Kernels.gemv` launches (`gemv_launch`)."""
     return gemv_launch(rows, n, k, norm, tensor_cores)[0]

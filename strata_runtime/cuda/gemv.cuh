@@ -132,3 +132,74 @@ __global__ void gemv_wide(const half* __restrict__ W, const float* __restrict__ 
     }
   }
 }
+
+// ---- GEMV through 8-bit weights: y[r, n] = scale[n] * sum_k Q[n, k] x[r, k] ---------------------------------
+// The MTP head's draft LM head under spec.draft_head = "int8": Q int8 [N, K] with one fp32 scale per row (the
+// row's largest magnitude / 127). One warp per NR consecutive rows of Q; each lane reads 16 bytes (16 weights)
+// of a row a step, so a warp streams 512 contiguous bytes. K is a multiple of 16 (rows 16-byte aligned).
+
+// Sixteen signed bytes as floats: each byte b, its sign bit flipped (b + 128), is placed under the exponent
+// of 2^23 by one byte permute, and one exact subtraction takes the offset off: 2^23 + b + 128 - (2^23 + 128).
+__device__ __forceinline__ void unpack16_i8(const uint4& p, float* f) {
+  const unsigned w[4] = {p.x ^ 0x80808080u, p.y ^ 0x80808080u, p.z ^ 0x80808080u, p.w ^ 0x80808080u};
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      f[4 * i + j] = __uint_as_float(__byte_perm(w[i], 0x4B000000u, 0x7540u | j)) - 8388736.f;
+}
+
+template <int R, int NR>
+__global__ void gemv_i8(const signed char* __restrict__ Q, const float* __restrict__ scale,
+                        const float* __restrict__ x, float* __restrict__ y, int N, int K) {
+  STRATA_PDL_LAUNCH();
+  STRATA_PDL_WAIT();
+  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  const int n0 = warp * NR;
+  if (n0 >= N) return;
+  float acc[NR][R];
+#pragma unroll
+  for (int j = 0; j < NR; ++j)
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[j][r] = 0.f;
+#pragma unroll 4
+  for (int k0 = lane * 16; k0 < K; k0 += 512) {
+    uint4 pk[NR];
+#pragma unroll
+    for (int j = 0; j < NR; ++j) {
+      const int n = min(n0 + j, N - 1);
+      pk[j] = __ldg(reinterpret_cast<const uint4*>(Q + (size_t)n * K + k0));
+    }
+    float wf[NR][16];
+#pragma unroll
+    for (int j = 0; j < NR; ++j) unpack16_i8(pk[j], wf[j]);
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const float4* xr = reinterpret_cast<const float4*>(x + (size_t)r * K + k0);
+      float xf[16];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const float4 v = __ldg(xr + q);
+        xf[4 * q] = v.x; xf[4 * q + 1] = v.y; xf[4 * q + 2] = v.z; xf[4 * q + 3] = v.w;
+      }
+#pragma unroll
+      for (int j = 0; j < NR; ++j) {
+        float s = 0.f;
+#pragma unroll
+        for (int e = 0; e < 16; ++e) s += wf[j][e] * xf[e];
+        acc[j][r] += s;
+      }
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < NR; ++j) {
+    const int n = n0 + j;
+    const float sc = n < N ? scale[n] : 0.f;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const float v = warp_sum(acc[j][r]);
+      if (lane == 0 && n < N) y[(size_t)r * N + n] = v * sc;
+    }
+  }
+}

@@ -12,7 +12,7 @@
 // This file holds what every kernel shares (PDL, warp reductions, the block counter); the kernels are in the
 // files it includes at its end, in this order, and NVRTC compiles the whole as one unit
 // (strata_runtime/cuda/compile.py's `source` inlines each include):
-//   gemv.cuh          GEMV on CUDA cores (gemv_wide, gemv_any)
+//   gemv.cuh          GEMV on CUDA cores (gemv_wide, gemv_any), and through 8-bit weights (gemv_i8)
 //   rope.cuh          q/k RMSNorm + NeoX RoPE of one head (rope_head_row), shared by gemv_mma and qk_norm_rope_kv
 //   gemv_mma.cuh      GEMV on tensor cores, with the q/k/v projection's fused RoPE (gemv_mma)
 //   gemv_split.cuh    GEMV of a short output, the reduction split over a block: a router's logits (gemv_split)

@@ -39,6 +39,7 @@ from .choices import (
     attention_tc_carveout,
     attention_tc_shared_bytes,
     gemv_expression,
+    gemv_i8_launch,
     gemv_launch,
     in_force,
     moe_expressions,
@@ -170,6 +171,13 @@ class Kernels(KernelCache):
             args = (w, x, out, np.int32(n), np.int32(accumulate))
         rope = NO_ROPE if expr.startswith("gemv_mma<") else ()
         self.fn(expr)((blocks,), (threads,), (*args, nw, np.float32(eps), *rope))
+
+    def gemv_i8(self, q: Array, scale: Array, x: Array, out: Array) -> None:
+        """out[R, N] = (x[R, K] @ q[N, K].T) * scale[N]: q int8, scale, x and out fp32; at most
+        `MAX_WINDOW_ROWS` rows, K a multiple of 16 (`gemv_i8_launch`)."""
+        n, k = q.shape
+        expr, blocks, threads = gemv_i8_launch(x.shape[0], n)
+        self.fn(expr)((blocks,), (threads,), (q, scale, x, out, np.int32(n), np.int32(k)))
 
     def qkv_rope(
         self,

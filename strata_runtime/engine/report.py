@@ -228,6 +228,13 @@ def startup_lines(engine: EngineView) -> list[str]:
             f"(MTP-layer KV {kv:.2f} MiB + draft-window buffers {each - kv:.2f} MiB); decided there, "
             f"running ahead of the host: {where}"
         )
+        head = engine.model.mtp.draft_head if engine.model.mtp is not None else None
+        if head is not None:
+            mib = head.nbytes / MIB
+            lines.append(
+                f"draft logits through an 8-bit copy of the LM head on {head.device} ({mib:.1f} MiB, "
+                'spec.draft_head = "int8"); the model verifies with its own'
+            )
     for stage in engine.model.stages:
         if stage.device.is_cuda:
             path = "CUDA graphs" if stage.cuda is not None else f"array path ({stage.cuda_refused})"

@@ -26,6 +26,7 @@ from ..backend import Array, Device
 from ..layout import Layout, Segment
 from ..models.ops.norm import rms_norm_in_dtype
 from ..models.qwen3_moe import DecoderLayer, ModelArgs, SparseMoeBlock, linear
+from .draft_head import Int8Head
 from .kvcache import KVCache
 from .stage import Rope, Stage, in_graph_windows
 
@@ -175,6 +176,9 @@ class MtpHead:
         self.cuda: CudaMtp | None = None  # once `use_cuda` hands it the drafters' shared KV
         self.stage: Stage | None = None
         """The last stage, when its expert cache holds this head's routed experts too."""
+        self.draft_head: Int8Head | None = None
+        """The 8-bit copy of the LM head that draft logits read (``spec.draft_head = "int8"``), else None:
+        the shared head."""
 
     def share_experts(self, stage: Stage) -> None:
         """Read the routed experts through ``stage``'s expert cache when it holds them (the last stage's
@@ -257,8 +261,16 @@ class MtpHead:
             x = self.layer(xp, x, layout, kv, 0, cos, sin)  # [R, H]
             return rms_norm_in_dtype(x, self.norm, eps)  # [R, H]
 
+    def quantize_head(self) -> None:
+        """Draft through an 8-bit copy of the LM head from now on (``spec.draft_head = "int8"``), made on
+        this device (`strata_runtime.model.draft_head`)."""
+        self.draft_head = Int8Head.of(self.device, self.lm_head)
+
     def logits(self, out: Array) -> Array:
-        """Draft logits [R, V] in fp32 from the head's output rows."""
+        """Draft logits [R, V] in fp32 from the head's output rows: through the 8-bit head where it has one,
+        else the shared head."""
+        if self.draft_head is not None:
+            return self.draft_head.logits(out)
         if self.cuda is not None:
             return self.cuda.logits(out)  # [R, V] fp32
         with self.device.use():

@@ -412,6 +412,13 @@ class Model:
                 prefill_graph_rows=plan.memory.prefill_graph_rows,
             )
             mtp.share_experts(last_stage)
+            if plan.spec.draft_head == "int8":
+                try:
+                    mtp.quantize_head()
+                except MemoryError as exc:
+                    raise PlanMismatch(
+                        out_of_memory(plan, plan.last_stage.index, last_stage.device, exc)
+                    ) from exc
             ids = list(plan.last_stage.drafters) or list(range(slots))
             mtp_kv = None
             if last_stage.device.is_cuda:
