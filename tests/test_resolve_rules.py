@@ -1218,7 +1218,7 @@ def test_spec_draft_head_inert_where_the_mtp_head_does_not_draft():
     [p] = problems_of(path, strict=True)
     assert p.key == "spec.draft_head" and p.line == line_of(path, "draft_head")
     # Where the MTP head drafts, the 8-bit head runs, and the last GPU's weights hold its bytes.
-    mtp = plan_of(path, ['spec.method="mtp"'])
+    mtp = plan_of(path, ['spec.method="mtp"'])  # written int8: taken on CPU devices too
     shared = plan_of(path, ['spec.method="mtp"', 'spec.draft_head="shared"'])
     assert "spec.draft-head-inert" not in [x.rule for x in mtp.decisions]
     assert (mtp.spec.draft_head, shared.spec.draft_head) == ("int8", "shared")
@@ -1240,3 +1240,33 @@ def test_plan_text_says_the_mtp_head_drafts_through_the_8bit_head():
     assert "8-bit copy of the LM head" in plan_text(plan_of(path, ['spec.method="mtp"']))
     assert "8-bit" not in plan_text(plan_of(path, ['spec.method="mtp"', 'spec.draft_head="shared"']))
     assert "8-bit" not in plan_text(plan_of(path))  # inert: nothing drafts through a head
+
+
+def test_spec_draft_head_auto_takes_the_8bit_head_where_it_displaces_no_expert():
+    """``spec.draft_head = "auto"`` on one H200 holding every expert: the 8-bit copy, counted in the last
+    GPU's weights. Capped at 24 GiB, where an expert cache holds what fits, the model's own head, and the
+    note says the copy would have held fewer experts. On virtual CPU devices the shared head, silently."""
+    from strata_cfg.resolve.sizes import int8_draft_head_bytes
+
+    path = rule_file("spec.draft-head-auto")
+    plan = plan_of(path)
+    d = decision(plan, "spec.draft-head-auto")
+    assert plan.spec.draft_head == "int8" and "8-bit copy" in d.message and not d.requested
+    assert plan.settings["spec.draft_head"].value == "int8"
+    shared = plan_of(path, ['spec.draft_head="shared"'])
+    assert plan.gpus[0].budget.weights - shared.gpus[0].budget.weights == int8_draft_head_bytes(
+        plan.model.facts
+    )
+    assert "spec.draft-head-auto" not in [x.rule for x in shared.decisions]  # written: no rule decides
+    assert plan.gpus[0].experts_resident == plan.gpus[0].experts_total
+    capped = plan_of(path, ['machine.gpus=[{name="GPU", vram_mib=24576, bandwidth_gbs=4800}]'])
+    d = decision(capped, "spec.draft-head-auto")
+    assert capped.spec.draft_head == "shared" and "fewer" in d.message
+    assert capped.gpus[0].experts_resident < capped.gpus[0].experts_total
+    asked = plan_of(
+        path, ['machine.gpus=[{name="GPU", vram_mib=24576, bandwidth_gbs=4800}]', 'spec.draft_head="int8"']
+    )
+    assert asked.spec.draft_head == "int8"  # written, it is taken: the cache holds fewer experts
+    assert asked.gpus[0].experts_resident < capped.gpus[0].experts_resident
+    cpu = plan_of(rule_file("spec.draft-head-inert"), ['spec.method="mtp"', 'spec.draft_head="auto"'])
+    assert cpu.spec.draft_head == "shared" and "spec.draft-head-auto" not in [x.rule for x in cpu.decisions]

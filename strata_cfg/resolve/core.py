@@ -38,6 +38,7 @@ from .defaults import drafts_by_lookup, drafts_with_mtp, estimated_bandwidth, re
 from .final_checks import serve_exposure, strict_mode
 from .groups import resolve_groups
 from .host_budget import host_budget
+from .draft_head import draft_head_auto
 from .layer_split import draft_head_note, place_layers, sizing
 from .ledger import Ledger
 from .pipeline_windows import pipeline_windows_gate
@@ -95,6 +96,7 @@ def resolve(
     if gpus is None:
         raise ProfileError(led.problems)
     gpus, sz = lone_prompt_chunk(model, machine, placed, sz, gpus, led)
+    gpus, sz = draft_head_auto(model, machine, placed, sz, gpus, led)
     expert_notes(gpus, sz, led, model.expert_bytes())
     host = host_budget(model, gpus, led)
     # 8. windows

@@ -30,7 +30,6 @@ DEFAULT_HOST_RESERVE_MIB = 4096
 DEFAULT_RUN_AHEAD = 2
 DEFAULT_NGRAM_MIN = 2
 DEFAULT_NGRAM_MAX = 4
-DEFAULT_DRAFT_HEAD = "shared"
 
 
 def drafts_with_mtp(model: ModelFacts, led: Ledger) -> bool:
@@ -152,7 +151,7 @@ def resolve_defaults(
     )
     led.take("spec.draft_floor", s.draft_floor if s else None, DEFAULT_DRAFT_FLOOR)
     led.take("spec.adaptive_depth", s.adaptive_depth if s else None, True)
-    led.take("spec.draft_head", s.draft_head if s else None, DEFAULT_DRAFT_HEAD)
+    led.take("spec.draft_head", s.draft_head if s else None, "auto")  # resolved after the budget
     # A written bound moves the other's default so the two stay ordered (both written: the schema checks).
     asked_min, asked_max = (s.ngram_min, s.ngram_max) if s else (None, None)
     led.take("spec.ngram_min", asked_min, min(DEFAULT_NGRAM_MIN, asked_max or DEFAULT_NGRAM_MIN))

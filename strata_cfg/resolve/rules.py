@@ -212,6 +212,13 @@ _RULES = (
         "4096 rows, where their workspace costs at most 1/32 of the cache's slots",
     ),
     Rule(
+        "spec.draft-head-auto",
+        7,
+        "note",
+        'spec.draft_head = "auto" on GPUs: the MTP head drafts through an 8-bit copy of the LM head where the '
+        "copy displaces no routed expert from VRAM, else through the model's own",
+    ),
+    Rule(
         "host.ram-overflow",
         7,
         "error",

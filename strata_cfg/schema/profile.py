@@ -23,7 +23,7 @@ PrefillQ = Literal["split", "fp16"]
 DecodeAttention = Literal["auto", "cuda_cores"]
 KvDType = Literal["float32", "float16", "bfloat16"]
 SpecMethod = Literal["mtp", "ngram"]
-DraftHead = Literal["shared", "int8"]
+DraftHead = Literal["auto", "shared", "int8"]
 
 _DEVICE_RE = re.compile(r"^(?:(?P<host>[A-Za-z0-9_.-]+):)?(?P<index>\d+)$")
 _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -212,11 +212,12 @@ class SpecSection(Section):
     per slot, so drafting under about a quarter accepted loses on the GPUs measured; a GPU whose wider
     windows cost relatively less can set it lower."""
     draft_head: DraftHead | None = None
-    """The LM head the MTP head drafts through. ``"shared"`` (default): the model's own, as the checkpoint
-    shares it between the model and its MTP head. ``"int8"``: a copy of it with 8-bit weights and one scale
-    per vocabulary row, made on the last stage when the engine loads (vocab x hidden bytes more there, half
-    the fp16 head): each draft step then reads half the bytes through the head, which is most of what a
-    draft step reads. Proposals can differ where two tokens' draft logits are nearly equal; what is emitted
+    """The LM head the MTP head drafts through. ``"int8"``: a copy of the model's with 8-bit weights and one
+    scale per vocabulary row, made on the last stage when the engine loads (vocab x hidden bytes more there,
+    half the fp16 head): each draft step then reads half the bytes through the head, which is most of what
+    a draft step reads. ``"shared"``: the model's own, as the checkpoint shares it between the model and its
+    MTP head. ``"auto"`` (default): ``"int8"`` on GPUs where the copy displaces no routed expert from VRAM
+    (no expert cache holds fewer for it), else ``"shared"``. Proposals can differ where two tokens' draft logits are nearly equal; what is emitted
     does not, since the model verifies every proposal with its own head (greedy text is the same, and
     sampled drafting keeps the model's distribution). Does nothing where the MTP head does not draft."""
     adaptive_depth: bool | None = None
