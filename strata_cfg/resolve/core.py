@@ -35,10 +35,10 @@ from ..schema.profile import Profile, is_loopback
 from .batch_gates import batch_gate, batch_mtp_gate
 from .budget import PlacedStage, expert_notes, gpu_budgets
 from .defaults import drafts_by_lookup, drafts_with_mtp, estimated_bandwidth, resolve_defaults
+from .draft_head import draft_head_auto
 from .final_checks import serve_exposure, strict_mode
 from .groups import resolve_groups
 from .host_budget import host_budget
-from .draft_head import draft_head_auto
 from .layer_split import draft_head_note, place_layers, sizing
 from .ledger import Ledger
 from .pipeline_windows import pipeline_windows_gate
