@@ -76,7 +76,8 @@ def draft_head_auto(
         KEY,
         "int8",
         RULE,
-        f"the MTP head drafts through an 8-bit copy of the LM head ({mib:,.1f} MiB on GPU {last}, which holds "
-        "every expert with it): half the bytes of most of a draft step; the model verifies with its own",
+        f"the MTP head drafts through an 8-bit copy of the LM head ({mib:,.1f} MiB on GPU {last}, which "
+        "holds every expert with it): half the bytes of most of a draft step; the model verifies with its "
+        "own",
     )
     return budgets, taken

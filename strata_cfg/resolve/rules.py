@@ -215,8 +215,8 @@ _RULES = (
         "spec.draft-head-auto",
         7,
         "note",
-        'spec.draft_head = "auto" on GPUs: the MTP head drafts through an 8-bit copy of the LM head where the '
-        "copy displaces no routed expert from VRAM, else through the model's own",
+        'spec.draft_head = "auto" on GPUs: the MTP head drafts through an 8-bit copy of the LM head where '
+        "the copy displaces no routed expert from VRAM, else through the model's own",
     ),
     Rule(
         "host.ram-overflow",

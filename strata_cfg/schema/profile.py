@@ -217,9 +217,10 @@ class SpecSection(Section):
     half the fp16 head): each draft step then reads half the bytes through the head, which is most of what
     a draft step reads. ``"shared"``: the model's own, as the checkpoint shares it between the model and its
     MTP head. ``"auto"`` (default): ``"int8"`` on GPUs where the copy displaces no routed expert from VRAM
-    (no expert cache holds fewer for it), else ``"shared"``. Proposals can differ where two tokens' draft logits are nearly equal; what is emitted
-    does not, since the model verifies every proposal with its own head (greedy text is the same, and
-    sampled drafting keeps the model's distribution). Does nothing where the MTP head does not draft."""
+    (no expert cache holds fewer for it), else ``"shared"``. Proposals can differ where two tokens' draft
+    logits are nearly equal; what is emitted does not, since the model verifies every proposal with its own
+    head (greedy text is the same, and sampled drafting keeps the model's distribution). Does nothing where
+    the MTP head does not draft."""
     adaptive_depth: bool | None = None
     """Whether a request running alone drafts only as many of the window's proposals as pay (default
     true): the depth that gives the most tokens per second, from the request's measured acceptance at
