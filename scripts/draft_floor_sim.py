@@ -13,9 +13,13 @@ at h, a bad one at 5%). It prints the tokens per millisecond and the share of wi
   depth, the full depth and no drafting, with the window times measured as the requests run;
 * silent probes (``--silent``): a paused request probing with windows of one proposal, against probing
   silently (`DraftGauge.silent`: the head's proposal checked against the next token, at no window's cost),
-  over the floor's cases and text in long stretches, under the adaptive depth.
+  over the floor's cases and text in long stretches, under the adaptive depth;
+* the silent probes' interval (``--intervals 8,2``): a plain greedy request after one on other text, as the
+  bench runs it, probing silently every so many paused windows, each probe charged ``--probe-ms`` (the
+  head's pass over the rows it deferred and its LM head).
 
-    python scripts/draft_floor_sim.py [--requests 300] [--ms 2.90,3.90,4.80,5.72] [--depth | --silent]
+    python scripts/draft_floor_sim.py [--requests 300] [--ms 2.90,3.90,4.80,5.72] [--depth | --silent |
+        --intervals 8,2 [--probe-ms 0.12]]
 
 The default times are one H200's solo windows of 1 and 4 rows on the `qwen3-30b-a3b` preset
 (docs/PERFORMANCE.md), with 2 and 3 rows between them. CPU only; no model runs.
@@ -67,9 +71,11 @@ def decode(
     ms: list[float],
     rng: random.Random,
     costs: WindowCosts | None = None,
+    probe_ms: float = 0.0,
 ) -> tuple[float, float]:
     """One request of 128 tokens on ``gauge``: its tokens per millisecond and share of windows without
-    proposals; each window's time is added to ``costs`` when given."""
+    proposals; each window's time is added to ``costs`` when given, and ``probe_ms`` to the request's time
+    for each silent probe."""
     made, spent, windows, paused, good = 0, 0.0, 0, 0, True
     while made < 128:
         if bursts is not None:
@@ -82,6 +88,7 @@ def decode(
         gauge.record(depth, accepted)
         if depth == 0 and gauge.silent_probe_due:  # the head's proposal for the next token
             gauge.record(1, int(rng.random() < h[0]), silent=True)
+            spent += probe_ms
         if costs is not None:
             costs.observe(depth + 1, ms[depth])
         made, spent = made + accepted + 1, spent + ms[depth]
@@ -116,6 +123,29 @@ def after_other_text(
     costs, prior = (WindowCosts(), Holds(PRIOR_WEIGHT)) if adaptive else (None, None)
     decode(DraftGauge(0.25, costs, most, prior), OTHER_TEXT, None, ms, rng, costs)
     return decode(DraftGauge(0.25, costs, most, prior), holds, bursts, ms, rng, costs)
+
+
+def silent_after_other_text(
+    holds: list[float], bursts: tuple[float, float] | None, ms: list[float], seed: int, probe_ms: float
+) -> tuple[float, float]:
+    """`after_other_text` under the adaptive depth for a plain greedy request, which probes silently."""
+    rng = random.Random(seed)
+    costs, prior = WindowCosts(), Holds(PRIOR_WEIGHT)
+    most = len(ms) - 1
+    decode(DraftGauge(0.25, costs, most, prior, silent=True), OTHER_TEXT, None, ms, rng, costs, probe_ms)
+    gauge = DraftGauge(0.25, costs, most, prior, silent=True)
+    return decode(gauge, holds, bursts, ms, rng, costs, probe_ms)
+
+
+@contextmanager
+def probes_every(windows: int) -> Iterator[None]:
+    """Silent probes every ``windows`` paused windows (`speculative.SILENT_PROBE_EVERY`)."""
+    kept = speculative.SILENT_PROBE_EVERY
+    speculative.SILENT_PROBE_EVERY = windows
+    try:
+        yield
+    finally:
+        speculative.SILENT_PROBE_EVERY = kept
 
 
 @contextmanager
@@ -165,6 +195,8 @@ def main() -> None:
     parser.add_argument("--ms", default="2.90,3.90,4.80,5.72", help="solo window times of 1, 2, ... rows")
     parser.add_argument("--depth", action="store_true", help="the depth after other text, not the floor")
     parser.add_argument("--silent", action="store_true", help="window probes against silent probes")
+    parser.add_argument("--intervals", help="silent probes every so many paused windows, e.g. 8,2")
+    parser.add_argument("--probe-ms", type=float, default=0.12, help="what a silent probe costs (ms)")
     args = parser.parse_args()
     ms = [float(v) for v in args.ms.split(",")]
     n = args.requests
@@ -179,7 +211,16 @@ def main() -> None:
         with every_proposal() if c == 1 else nullcontext():
             return request(h, b, ms, seed)
 
-    if args.silent:
+    if args.intervals:
+        every = [int(v) for v in args.intervals.split(",")]
+
+        def interval(h: list[float], b: tuple[float, float] | None, seed: int, c: int) -> tuple[float, float]:
+            with probes_every(every[c]):
+                return silent_after_other_text(h, b, ms, seed, args.probe_ms)
+
+        columns = [f"silent probes every {e}" for e in every]
+        table("chances of proposals 1 / 2 / 3", columns, {**DEPTH_CASES, **SILENT_CASES}, interval, ms, n)
+    elif args.silent:
         table("chances", ["window probes", "silent probes"], SILENT_CASES, silent, ms, n)
     elif args.depth:
         table("chances of proposals 1 / 2 / 3", ["adaptive depth", "full depth"], DEPTH_CASES, depth, ms, n)

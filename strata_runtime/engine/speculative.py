@@ -74,9 +74,15 @@ DRAFT_PROBE_EVERY = 16
 doubles after each probe that leaves the estimate under the floor, up to `DRAFT_PROBE_MOST`."""
 DRAFT_PROBE_MOST = 128
 """The longest wait between probes of a paused slot, in windows without proposals."""
-SILENT_PROBE_EVERY = 8
+SILENT_PROBE_EVERY = 2
 """Windows without proposals between two silent probes of a paused slot (`DraftGauge.silent`): such a probe
-costs no window, so it comes sooner than `DRAFT_PROBE_EVERY` and waits no longer after one that failed."""
+costs no window, so it comes sooner than `DRAFT_PROBE_EVERY` and waits no longer after one that failed. At
+first proposals that hold about half the time the floor's short average dips under it by chance every few
+windows (three misses in a row), and each such pause lasted until a probe held: at 8 windows apart, 35% of
+a request's windows went without proposals where drafting paid. Two apart, `scripts/draft_floor_sim.py
+--intervals 8,2` (an H100's window times, each probe charged the head's pass) gives 3-4% more tokens per
+second at first proposals that hold 42-56% of the time, 1-2% at 65% and in bursts, and 1-5% fewer at
+20-30%, where drafting seldom pays (docs/PERFORMANCE.md, "Silent probes two windows apart")."""
 DRAFT_WEIGHT = 1 / 4
 """Weight of each window's first proposal in the estimate: an exponential average over about the last 4
 windows, so one probe whose proposal holds brings a paused slot back to the floor."""
