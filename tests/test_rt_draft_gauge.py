@@ -92,7 +92,8 @@ def test_silent_probes_read_the_proposal_for_the_next_token_and_keep_the_greedy_
     drafting head proposes its next token beside the windows in flight, and the next window's token decides
     the probe. With a head that predicts the model well (drafting forced off), most such probes hold; with
     one that does not (layer_scale 0.5), hardly any do (a match by chance in some 40 probes): so each
-    proposal is compared with the very token it proposed. Greedy text is that of an engine that never pauses."""
+    proposal is compared with the very token it proposed. Greedy text is that of an engine that never
+    pauses."""
     outcomes: list[int] = []
     record = DraftGauge.record
 
