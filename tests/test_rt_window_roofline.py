@@ -51,6 +51,12 @@ def test_a_batch_mtp_window_reads_the_drafting_head_as_well(facts):
     lm_head = facts.vocab_size * facts.hidden_size * facts.weight_bytes
     # the LM head once more, and the head's layer with as many experts as the window's own layers read
     assert extra > lm_head + batch.distinct_experts * facts.expert_bytes()
+    # Drafting through the 8-bit head reads its bytes instead of the fp16 head's, and nothing else changes.
+    int8 = window(
+        facts, "batch-mtp", 2, "uniform", seed=0, positions=300, copy=COPY, samples=4, int8_head=True
+    )
+    assert int8.distinct_experts == batch.distinct_experts
+    assert (batch.gbytes - int8.gbytes) * 1e9 == pytest.approx(lm_head - facts.int8_head_bytes())
 
 
 def test_calibrated_routing_shares_experts_between_a_streams_positions(facts):
@@ -88,16 +94,22 @@ def test_the_bench_sets_the_measured_windows_beside_their_byte_time():
     out = batch_mtp_roofline(plans, _two_decodes(76.0, 3.8, 5.4), positions=300, copy=COPY)
     assert out["accepted"] == pytest.approx(0.76)
     uniform, calibrated = out["routings"]["uniform"], out["routings"]["calibrated"]
-    again = table(
-        plans["serial"].model.facts,
-        seed=0,
-        streams=[2],
-        acceptances=[0.76],
-        positions=300,
-        copy=COPY,
-        samples=16,
+    assert plans["batch-mtp"].spec.draft_head == "int8"  # on this GPU profile the drafts read the 8-bit head
+    again, shared = (
+        table(
+            plans["serial"].model.facts,
+            seed=0,
+            streams=[2],
+            acceptances=[0.76],
+            positions=300,
+            copy=COPY,
+            samples=16,
+            int8_head=int8,
+        )
+        for int8 in (True, False)
     )
     assert uniform["gain"]["0.76"] == pytest.approx(again[0]["gain"]["0.76"])
+    assert uniform["gain"]["0.76"] > shared[0]["gain"]["0.76"]
     assert calibrated["gain"]["0.76"] > uniform["gain"]["0.76"]
     text = "\n".join(out["lines"])
     assert "76.0% accepted" in text and "uniform routing, this plan's" in text and "under calibrated" in text

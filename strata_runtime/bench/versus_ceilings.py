@@ -149,6 +149,7 @@ def batch_mtp_roofline(
         positions=positions,
         copy=copy,
         samples=ROOFLINE_SAMPLES,
+        int8_head=plan.spec.draft_head == "int8",
     )
     by = {r["routing"]: r for r in rows}
     key = f"{accepted:g}"

@@ -77,8 +77,10 @@ def window(
     positions: int,
     copy: float,
     samples: int,
+    int8_head: bool = False,
 ) -> Window:
-    """A serial (one row a stream) or batch-MTP (two rows a stream) window of ``streams`` streams."""
+    """A serial (one row a stream) or batch-MTP (two rows a stream) window of ``streams`` streams
+    (``int8_head``: its drafts read the 8-bit LM head, ``spec.draft_head = "int8"``)."""
     per = 2 if kind == "batch-mtp" else 1
     rows = streams * per
     if routing == "uniform":
@@ -87,19 +89,23 @@ def window(
         distinct = calibrated_distinct(facts, seed, streams, per, samples)
     nbytes = decode_step_bytes(facts, rows=rows, positions=positions, distinct_experts=distinct).total
     if kind == "batch-mtp":
-        nbytes += drafting_bytes(facts, distinct)
+        nbytes += drafting_bytes(facts, distinct, int8_head)
     return Window(kind, streams, rows, distinct, nbytes / 1e9, nbytes / copy * 1e3)
 
 
-def drafting_bytes(facts: ModelFacts, distinct: float) -> int:
+def drafting_bytes(facts: ModelFacts, distinct: float, int8_head: bool = False) -> int:
     """What a batch-MTP window reads to draft the next one's proposals: the MTP head's own weights
     (`ModelFacts.mtp_bytes`, less its routed experts) and, per MTP layer, ``distinct`` experts as the
-    window's own rows route, then the LM head once for every stream's proposal. Serial windows of streams
-    that do not draft read none of it."""
+    window's own rows route, then the LM head once for every stream's proposal: the model's, or with
+    ``int8_head`` its 8-bit copy (`ModelFacts.int8_head_bytes`). Serial windows of streams that do not
+    draft read none of it."""
     dense, _ = facts.mtp_bytes()
     experts = facts.mtp_layers * round(distinct * facts.expert_bytes())
     # the LM head again, as `decode_step_bytes` counts it: it is not kept in L2 between launches
-    head = (facts.vocab_size * facts.hidden_size + facts.hidden_size) * facts.weight_bytes
+    if int8_head:
+        head = facts.int8_head_bytes() + facts.hidden_size * facts.weight_bytes
+    else:
+        head = (facts.vocab_size * facts.hidden_size + facts.hidden_size) * facts.weight_bytes
     return dense + experts + head
 
 
@@ -118,9 +124,11 @@ def table(
     positions: int,
     copy: float,
     samples: int,
+    int8_head: bool = False,
 ) -> list[dict[str, Any]]:
-    """Per routing and stream count: both windows and the gain at each acceptance. Calibrated routing is
-    left out where the model's shape is beyond it (`RoutingModel` refuses it)."""
+    """Per routing and stream count: both windows and the gain at each acceptance (``int8_head``: the
+    drafts read the 8-bit LM head). Calibrated routing is left out where the model's shape is beyond it
+    (`RoutingModel` refuses it)."""
     out: list[dict[str, Any]] = []
     try:
         RoutingModel(facts.num_hidden_layers, facts.num_experts, facts.num_experts_per_tok, seed)
@@ -130,7 +138,17 @@ def table(
     for routing in routings:
         for s in streams:
             serial, batch = (
-                window(facts, k, s, routing, seed=seed, positions=positions, copy=copy, samples=samples)
+                window(
+                    facts,
+                    k,
+                    s,
+                    routing,
+                    seed=seed,
+                    positions=positions,
+                    copy=copy,
+                    samples=samples,
+                    int8_head=int8_head,
+                )
                 for k in ("serial", "batch-mtp")
             )
             gains = {f"{a:g}": gain_at_roofline(serial, batch, a) for a in acceptances}
