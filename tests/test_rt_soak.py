@@ -6,8 +6,8 @@ Each scenario is drawn from its number alone (`draw`), so a failure reproduces b
 cores). On a GPU (``-m gpu``) the first `GPU_SCENARIOS` run again in float16 through the CUDA path
 (``STRATA_SOAK_GPU_SCENARIOS``).
 
-A scenario picks a plan (1 to 3 virtual CPU stages, a window mode, drafting by the MTP head or by lookup in
-the request's own text, the slots, the context, the prompt chunk, prefix reuse and a prefix store, the
+A scenario picks a plan (1 to 3 virtual CPU stages, a window mode, drafting by the MTP head, through the
+model's LM head or its 8-bit copy, or by lookup in the request's own text, the slots, the context, the prompt chunk, prefix reuse and a prefix store, the
 adaptive depth, how many windows run ahead, an expert cache that keeps half or three quarters of each layer's
 experts in VRAM, with a helper device holding more of them or not, uniform or calibrated routing) and 1 to 6
 requests arriving at random steps: short prompts and prompts that fill most of the context, prompts that share
@@ -106,6 +106,9 @@ class Scenario:
     prefix_store_mib: int | None
     """Host memory for prompts kept past their slot (`memory.prefix_store_mib`; None: no store)."""
     arrivals: tuple[Arrival, ...]
+    int8_head: bool = False
+    """The MTP head drafts through its 8-bit LM head (``spec.draft_head = "int8"``) where it drafts; else as
+    the plan resolves (the shared head on virtual CPU devices, the 8-bit one on a GPU holding every expert)."""
 
     def plan(self, vram_mib: int | None = None) -> LaunchPlan:
         """The scenario's plan on virtual CPU devices, or with ``vram_mib`` (the card's) in float16 on the
@@ -132,6 +135,8 @@ class Scenario:
         if self.lookup:
             spec = plan.spec.model_copy(update={"mtp": False, "ngram": True, "ngram_min": 2, "ngram_max": 4})
             plan = plan.model_copy(update={"spec": spec})
+        elif self.int8_head and (plan.spec.mtp or plan.batch.mtp):
+            plan = plan.model_copy(update={"spec": plan.spec.model_copy(update={"draft_head": "int8"})})
         return plan
 
 
@@ -186,6 +191,7 @@ def _sampling(g: random.Random) -> SamplingParams:
 def draw(number: int) -> Scenario:
     """Scenario ``number``: the same plan and requests every time."""
     g, helper_draw = random.Random(number), random.Random(f"{number} helper")
+    head_draw = random.Random(f"{number} draft head")  # apart too, as the helper's
     stages = g.choice([1, 1, 2, 3])
     modes = ["solo", "serial", "pipelined", "batch-mtp"] + (["pipelined-mtp"] if stages > 1 else [])
     mode = g.choice(modes)
@@ -238,6 +244,7 @@ def draw(number: int) -> Scenario:
         routing=g.choice(["uniform", "uniform", "calibrated"]),
         prefix_store_mib=g.choice([None, None, 1]),
         arrivals=tuple(arrivals),
+        int8_head=head_draw.random() < 0.5,
     )
 
 
