@@ -7,13 +7,14 @@ cores). On a GPU (``-m gpu``) the first `GPU_SCENARIOS` run again in float16 thr
 (``STRATA_SOAK_GPU_SCENARIOS``).
 
 A scenario picks a plan (1 to 3 virtual CPU stages, a window mode, drafting by the MTP head, through the
-model's LM head or its 8-bit copy, or by lookup in the request's own text, the slots, the context, the prompt chunk, prefix reuse and a prefix store, the
-adaptive depth, how many windows run ahead, an expert cache that keeps half or three quarters of each layer's
-experts in VRAM, with a helper device holding more of them or not, uniform or calibrated routing) and 1 to 6
-requests arriving at random steps: short prompts and prompts that fill most of the context, prompts that share
-a beginning or repeat a stretch, greedy and sampled requests, presence and frequency penalties, logit biases,
-stop tokens and stop strings, end-of-text ignored, log-probabilities of the reply and of the prompt, a JSON
-schema, a think budget, priorities, cache salts, and cancellations at random steps.
+model's LM head or its 8-bit copy, or by lookup in the request's own text, the slots, the context, the prompt
+chunk, prefix reuse and a prefix store, the adaptive depth, how many windows run ahead, an expert cache that
+keeps half or three quarters of each layer's experts in VRAM, with a helper device holding more of them or
+not, uniform or calibrated routing) and 1 to 6 requests arriving at random steps: short prompts and prompts
+that fill most of the context, prompts that share a beginning or repeat a stretch, greedy and sampled
+requests, presence and frequency penalties, logit biases, stop tokens and stop strings, end-of-text ignored,
+log-probabilities of the reply and of the prompt, a JSON schema, a think budget, priorities, cache salts, and
+cancellations at random steps.
 
 Checked after every step: each stage's KV, and each drafter's, holds exactly what its slot committed
 (`assert_kv_consistent`; on GPUs with pipelined groups, whose stages run on threads of their own, within
@@ -108,7 +109,8 @@ class Scenario:
     arrivals: tuple[Arrival, ...]
     int8_head: bool = False
     """The MTP head drafts through its 8-bit LM head (``spec.draft_head = "int8"``) where it drafts; else as
-    the plan resolves (the shared head on virtual CPU devices, the 8-bit one on a GPU holding every expert)."""
+    the plan resolves (the shared head on virtual CPU devices, the 8-bit one on a GPU holding every
+    expert)."""
 
     def plan(self, vram_mib: int | None = None) -> LaunchPlan:
         """The scenario's plan on virtual CPU devices, or with ``vram_mib`` (the card's) in float16 on the
