@@ -31,9 +31,10 @@ class Int8Head:
             from ..cuda.choices import gemv_i8_launch
             from ..cuda.ops import kernels_for
 
-            self._kern = kernels_for(device.index)
-            # Compiled now, so that no draft window waits for a compile.
-            self._kern.prepare([gemv_i8_launch(r, q.shape[0])[0] for r in range(1, MAX_WINDOW_ROWS + 1)])
+            with device.use():  # compiled and loaded in this device's context, not the current one's
+                self._kern = kernels_for(device.index)
+                # Compiled now, so that no draft window waits for a compile.
+                self._kern.prepare([gemv_i8_launch(r, q.shape[0])[0] for r in range(1, MAX_WINDOW_ROWS + 1)])
 
     @classmethod
     def of(cls, device: Device, lm_head: Array) -> Int8Head:
