@@ -739,3 +739,21 @@ def test_an_arms_slowest_windows_are_picked_over_its_repeats_and_listed_under_th
         "finishing 0.5 ms; window 12 of repeat 2)"
     )
     assert slowest_lines({"serial": {"solo": {}}}) == []
+
+
+def test_the_draft_heads_vary_as_arms_of_one_run_with_the_same_text(tmp_path) -> None:
+    """``--vary spec.draft_head=shared,int8`` runs the MTP head through the model's LM head and through its
+    8-bit copy as two arms of one run: each arm's plan says which, and greedy text is the same."""
+    out = strata(
+        *("bench", "profiles/demo.toml", "--workload", "solo", "--arms", "solo"),
+        *("--vary", "spec.draft_head=shared,int8", "--repeats", "1", "--tokens", "24", "--json"),
+        *("--run-dir", str(tmp_path)),
+    )
+    assert out.returncode == 0, out.stderr
+    arms = json.loads(out.stdout)["arms"]
+    heads = {name: arm["plan"]["draft_head"] for name, arm in arms.items()}
+    assert sorted(heads.values()) == ["int8", "shared"], heads
+    int8 = next(name for name, head in heads.items() if head == "int8")
+    shared = next(name for name, head in heads.items() if head == "shared")
+    assert arms[int8]["solo"][f"text_equal_to_{shared}"] is True
+    assert "8-bit copy of the LM head" in out.stderr  # the int8 arm's engine says what its drafts read

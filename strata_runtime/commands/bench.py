@@ -287,6 +287,7 @@ def run(args: argparse.Namespace) -> int:
                         "slots": p.batch.slots,
                         "draft_tokens": p.spec.draft_tokens,
                         "adaptive_depth": p.spec.adaptive_depth,
+                        "draft_head": p.spec.draft_head,
                     },
                     "note": notes.get(n),
                     "budget_mib": budgets[n],
