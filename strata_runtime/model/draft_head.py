@@ -27,7 +27,7 @@ class Int8Head:
     def __init__(self, device: Device, q: Array, scale: Array) -> None:
         self.device, self.q, self.scale = device, q, scale
         self._kern = None
-        if device.is_cuda:
+        if device.is_cuda and q.shape[1] % 16 == 0:  # the kernel reads rows 16 bytes at a time (else CuPy)
             from ..cuda.choices import gemv_i8_launch
             from ..cuda.ops import kernels_for
 
