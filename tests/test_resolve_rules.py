@@ -1208,8 +1208,6 @@ def test_the_cache_note_states_the_most_a_rebalance_copies_and_the_pause_it_brin
 
 
 def test_spec_draft_head_inert_where_the_mtp_head_does_not_draft():
-    from strata_cfg.resolve.sizes import int8_draft_head_bytes
-
     path = rule_file("spec.draft-head-inert")
     plan = plan_of(path)
     d = decision(plan, "spec.draft-head-inert")
@@ -1224,10 +1222,8 @@ def test_spec_draft_head_inert_where_the_mtp_head_does_not_draft():
     assert (mtp.spec.draft_head, shared.spec.draft_head) == ("int8", "shared")
     last = [g for g in mtp.gpus if g.role == "stage"][-1].index
     grew = {g.index: g.budget.weights - s.budget.weights for g, s in zip(mtp.gpus, shared.gpus, strict=True)}
-    assert grew == {
-        g.index: int8_draft_head_bytes(mtp.model.facts) if g.index == last else 0 for g in mtp.gpus
-    }
-    assert int8_draft_head_bytes(mtp.model.facts) > 0
+    assert grew == {g.index: mtp.model.facts.int8_head_bytes() if g.index == last else 0 for g in mtp.gpus}
+    assert mtp.model.facts.int8_head_bytes() > 0
     off = plan_of(path, ['spec.method="mtp"', "spec.draft_tokens=0"])
     assert "spec.draft_tokens = 0" in decision(off, "spec.draft-head-inert").message
     assert off.spec.draft_head == "shared"
@@ -1246,17 +1242,13 @@ def test_spec_draft_head_auto_takes_the_8bit_head_where_it_displaces_no_expert()
     """``spec.draft_head = "auto"`` on one H200 holding every expert: the 8-bit copy, counted in the last
     GPU's weights. Capped at 24 GiB, where an expert cache holds what fits, the model's own head, and the
     note says the copy would have held fewer experts. On virtual CPU devices the shared head, silently."""
-    from strata_cfg.resolve.sizes import int8_draft_head_bytes
-
     path = rule_file("spec.draft-head-auto")
     plan = plan_of(path)
     d = decision(plan, "spec.draft-head-auto")
     assert plan.spec.draft_head == "int8" and "8-bit copy" in d.message and not d.requested
     assert plan.settings["spec.draft_head"].value == "int8"
     shared = plan_of(path, ['spec.draft_head="shared"'])
-    assert plan.gpus[0].budget.weights - shared.gpus[0].budget.weights == int8_draft_head_bytes(
-        plan.model.facts
-    )
+    assert plan.gpus[0].budget.weights - shared.gpus[0].budget.weights == plan.model.facts.int8_head_bytes()
     assert "spec.draft-head-auto" not in [x.rule for x in shared.decisions]  # written: no rule decides
     assert plan.gpus[0].experts_resident == plan.gpus[0].experts_total
     capped = plan_of(path, ['machine.gpus=[{name="GPU", vram_mib=24576, bandwidth_gbs=4800}]'])

@@ -10,7 +10,6 @@ import pytest
 from rt_engine_helpers import generate, two_sample_p
 from rt_plans import make_plan
 
-from strata_cfg.resolve.sizes import int8_draft_head_bytes
 from strata_cfg.schema.plan import LaunchPlan
 from strata_runtime.api import Request, SamplingParams
 from strata_runtime.engine import Engine
@@ -79,7 +78,7 @@ def test_drafting_through_the_8bit_head_gives_the_same_greedy_text(stages, slots
     int8, shared = Engine(_with_head(plan, "int8")), Engine(plan)
     head = int8.model.mtp.draft_head
     assert head is not None and shared.model.mtp.draft_head is None
-    assert head.nbytes == int8_draft_head_bytes(plan.model.facts)
+    assert head.nbytes == plan.model.facts.int8_head_bytes()
     rows = np.random.default_rng(4).standard_normal((2, plan.model.facts.hidden_size)).astype(np.float32)
     mine, theirs = int8.model.mtp.logits(rows), shared.model.mtp.logits(rows)
     assert mine.shape == theirs.shape and not np.array_equal(mine, theirs)  # drafts read the 8-bit head

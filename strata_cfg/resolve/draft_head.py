@@ -41,13 +41,10 @@ def draft_head_auto(
     where the copy is taken."""
     if led[KEY] != "auto":
         return gpus, sz
-    if not sz.with_mtp:
-        led.resolve_auto(KEY, "shared", RULE)  # the MTP head does not draft: nothing reads a head for drafts
-        return gpus, sz
-    if led["machine.backend"] != "cuda":
-        led.resolve_auto(
-            KEY, "shared", RULE
-        )  # virtual CPU devices: the float32 head costs less than 8-bit rows
+    # Without a note: the MTP head does not draft, or virtual CPU devices, whose float32 head costs less than
+    # widening 8-bit rows.
+    if not sz.with_mtp or led["machine.backend"] != "cuda":
+        led.resolve_auto(KEY, "shared", RULE)
         return gpus, sz
     mib = model.int8_head_bytes() / MIB
     stage = {g.index: g for g in gpus if g.role == "stage"}

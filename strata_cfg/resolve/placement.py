@@ -62,7 +62,7 @@ class Sizing:
     (`sizes.lookup_history_bytes`)."""
     int8_draft_head: bool = False
     """The MTP head drafts through an 8-bit copy of the LM head, which the last stage holds
-    (``spec.draft_head = "int8"``, `sizes.int8_draft_head_bytes`)."""
+    (``spec.draft_head = "int8"``, `ModelFacts.int8_head_bytes`)."""
 
     @property
     def prefill_rows(self) -> int:

@@ -50,7 +50,7 @@ class StageShape:
 def weight_bytes(model: ModelFacts, stage: StageShape, *, with_mtp: bool, int8_head: bool = False) -> int:
     """Non-expert weights of the stage's layers, plus embedding (first) and head / MTP (last), and on the
     last stage the MTP head's 8-bit copy of the LM head where it drafts through one (``int8_head``,
-    `int8_draft_head_bytes`)."""
+    `ModelFacts.int8_head_bytes`)."""
     n = sum(model.layer_bytes(layer)[0] for layer in range(stage.start, stage.end))
     if stage.first:
         n += model.embedding_bytes()
@@ -59,14 +59,8 @@ def weight_bytes(model: ModelFacts, stage: StageShape, *, with_mtp: bool, int8_h
         if with_mtp:
             n += model.mtp_bytes()[0]
         if int8_head:
-            n += int8_draft_head_bytes(model)
+            n += model.int8_head_bytes()
     return n
-
-
-def int8_draft_head_bytes(model: ModelFacts) -> int:
-    """The LM head as the MTP head drafts through it under ``spec.draft_head = "int8"``: V x H int8 weights
-    and one float32 scale a vocabulary row (`ModelFacts.int8_head_bytes`)."""
-    return model.int8_head_bytes()
 
 
 def expert_count(model: ModelFacts, stage: StageShape, *, with_mtp: bool) -> int:

@@ -360,7 +360,6 @@ class Model:
                 tuple(sorted(host)),
                 tuple((str(d), n) for d, n in helpers[sp.index]),
             )
-
             try:
                 load = partial(_load_fused, synth, ckpt, device, dtype, progress, label, host)
                 shared = store.stage(key, shapes, device, dtype, load)
