@@ -114,27 +114,23 @@ def request(
 
 
 def after_other_text(
-    holds: list[float], bursts: tuple[float, float] | None, ms: list[float], seed: int, adaptive: bool
+    holds: list[float],
+    bursts: tuple[float, float] | None,
+    ms: list[float],
+    seed: int,
+    adaptive: bool,
+    probe_ms: float | None = None,
 ) -> tuple[float, float]:
     """A request after one on other text (`OTHER_TEXT`), as the engine runs them: the window times and,
-    with ``adaptive``, the chances by position are what the engine measured so far."""
+    with ``adaptive``, the chances by position are what the engine measured so far. With ``probe_ms``, a
+    plain greedy request, which probes silently, each probe costing that many milliseconds."""
     rng = random.Random(seed)
-    most = len(ms) - 1
+    most, silent = len(ms) - 1, probe_ms is not None
     costs, prior = (WindowCosts(), Holds(PRIOR_WEIGHT)) if adaptive else (None, None)
-    decode(DraftGauge(0.25, costs, most, prior), OTHER_TEXT, None, ms, rng, costs)
-    return decode(DraftGauge(0.25, costs, most, prior), holds, bursts, ms, rng, costs)
-
-
-def silent_after_other_text(
-    holds: list[float], bursts: tuple[float, float] | None, ms: list[float], seed: int, probe_ms: float
-) -> tuple[float, float]:
-    """`after_other_text` under the adaptive depth for a plain greedy request, which probes silently."""
-    rng = random.Random(seed)
-    costs, prior = WindowCosts(), Holds(PRIOR_WEIGHT)
-    most = len(ms) - 1
-    decode(DraftGauge(0.25, costs, most, prior, silent=True), OTHER_TEXT, None, ms, rng, costs, probe_ms)
-    gauge = DraftGauge(0.25, costs, most, prior, silent=True)
-    return decode(gauge, holds, bursts, ms, rng, costs, probe_ms)
+    for text, chunks in ((OTHER_TEXT, None), (holds, bursts)):
+        gauge = DraftGauge(0.25, costs, most, prior, silent=silent)
+        out = decode(gauge, text, chunks, ms, rng, costs, probe_ms or 0.0)
+    return out
 
 
 @contextmanager
@@ -216,7 +212,7 @@ def main() -> None:
 
         def interval(h: list[float], b: tuple[float, float] | None, seed: int, c: int) -> tuple[float, float]:
             with probes_every(every[c]):
-                return silent_after_other_text(h, b, ms, seed, args.probe_ms)
+                return after_other_text(h, b, ms, seed, True, args.probe_ms)
 
         columns = [f"silent probes every {e}" for e in every]
         table("chances of proposals 1 / 2 / 3", columns, {**DEPTH_CASES, **SILENT_CASES}, interval, ms, n)
