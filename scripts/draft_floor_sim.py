@@ -14,12 +14,14 @@ at h, a bad one at 5%). It prints the tokens per millisecond and the share of wi
 * silent probes (``--silent``): a paused request probing with windows of one proposal, against probing
   silently (`DraftGauge.silent`: the head's proposal checked against the next token, at no window's cost),
   over the floor's cases and text in long stretches, under the adaptive depth;
-* the silent probes' interval (``--intervals 8,2``): a plain greedy request after one on other text, as the
-  bench runs it, probing silently every so many paused windows, each probe charged ``--probe-ms`` (the
-  head's pass over the rows it deferred and its LM head).
+* the silent probes' interval (``--intervals 8,2,1-8``): a plain greedy request after one on other text, as
+  the bench runs it, probing silently every so many paused windows (``A-B``: A windows apart at first and
+  after a probe that holds, the wait doubled after each that fails, up to B; the engine's
+  `speculative.SILENT_PROBE_FIRST` and `SILENT_PROBE_MOST`), each probe charged ``--probe-ms`` (the head's
+  pass over the rows it deferred and its LM head).
 
     python scripts/draft_floor_sim.py [--requests 300] [--ms 2.90,3.90,4.80,5.72] [--depth | --silent |
-        --intervals 8,2 [--probe-ms 0.12]]
+        --intervals 8,2,1-8 [--probe-ms 0.12]]
 
 The default times are one H200's solo windows of 1 and 4 rows on the `qwen3-30b-a3b` preset
 (docs/PERFORMANCE.md), with 2 and 3 rows between them. CPU only; no model runs.
@@ -134,14 +136,22 @@ def after_other_text(
 
 
 @contextmanager
-def probes_every(windows: int) -> Iterator[None]:
-    """Silent probes every ``windows`` paused windows (`speculative.SILENT_PROBE_EVERY`)."""
-    kept = speculative.SILENT_PROBE_EVERY
-    speculative.SILENT_PROBE_EVERY = windows
+def probes_every(first: int, most: int | None = None) -> Iterator[None]:
+    """Silent probes ``first`` paused windows apart, the wait doubled after each that fails up to ``most``
+    (default ``first``: a fixed interval), as `speculative.SILENT_PROBE_FIRST` and `SILENT_PROBE_MOST` set
+    them. A gauge takes its first wait when it is made, so make it inside."""
+    kept = speculative.SILENT_PROBE_FIRST, speculative.SILENT_PROBE_MOST
+    speculative.SILENT_PROBE_FIRST, speculative.SILENT_PROBE_MOST = first, first if most is None else most
     try:
         yield
     finally:
-        speculative.SILENT_PROBE_EVERY = kept
+        speculative.SILENT_PROBE_FIRST, speculative.SILENT_PROBE_MOST = kept
+
+
+def interval(text: str) -> tuple[int, int]:
+    """``N`` (every N paused windows) or ``A-B`` (A apart, doubling after each failed probe up to B)."""
+    first, _, most = text.partition("-")
+    return int(first), int(most or first)
 
 
 @contextmanager
@@ -191,7 +201,7 @@ def main() -> None:
     parser.add_argument("--ms", default="2.90,3.90,4.80,5.72", help="solo window times of 1, 2, ... rows")
     parser.add_argument("--depth", action="store_true", help="the depth after other text, not the floor")
     parser.add_argument("--silent", action="store_true", help="window probes against silent probes")
-    parser.add_argument("--intervals", help="silent probes every so many paused windows, e.g. 8,2")
+    parser.add_argument("--intervals", help="silent probes' intervals: N or A-B (backing off), e.g. 2,1-8")
     parser.add_argument("--probe-ms", type=float, default=0.12, help="what a silent probe costs (ms)")
     args = parser.parse_args()
     ms = [float(v) for v in args.ms.split(",")]
@@ -208,14 +218,16 @@ def main() -> None:
             return request(h, b, ms, seed)
 
     if args.intervals:
-        every = [int(v) for v in args.intervals.split(",")]
+        spans = [interval(v) for v in args.intervals.split(",")]
 
-        def interval(h: list[float], b: tuple[float, float] | None, seed: int, c: int) -> tuple[float, float]:
-            with probes_every(every[c]):
+        def probing(h: list[float], b: tuple[float, float] | None, seed: int, c: int) -> tuple[float, float]:
+            with probes_every(*spans[c]):
                 return after_other_text(h, b, ms, seed, True, args.probe_ms)
 
-        columns = [f"silent probes every {e}" for e in every]
-        table("chances of proposals 1 / 2 / 3", columns, {**DEPTH_CASES, **SILENT_CASES}, interval, ms, n)
+        columns = [
+            f"silent probes every {a}" if a == b else f"silent probes {a} to {b} apart" for a, b in spans
+        ]
+        table("chances of proposals 1 / 2 / 3", columns, {**DEPTH_CASES, **SILENT_CASES}, probing, ms, n)
     elif args.silent:
         table("chances", ["window probes", "silent probes"], SILENT_CASES, silent, ms, n)
     elif args.depth:

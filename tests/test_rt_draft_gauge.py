@@ -25,7 +25,13 @@ from strata_cfg.tui.widgets.plan_view import summary_rows
 from strata_runtime.api import Request, SamplingParams
 from strata_runtime.engine import Engine, speculative
 from strata_runtime.engine import executor as executor_module
-from strata_runtime.engine.speculative import DRAFT_PROBE_EVERY, DRAFT_WARMUP, SILENT_PROBE_EVERY, DraftGauge
+from strata_runtime.engine.speculative import (
+    DRAFT_PROBE_EVERY,
+    DRAFT_WARMUP,
+    SILENT_PROBE_FIRST,
+    SILENT_PROBE_MOST,
+    DraftGauge,
+)
 from strata_runtime.model.mtp import MtpHead
 from strata_runtime.server.metrics import engine_lines
 
@@ -58,27 +64,31 @@ def test_a_gauge_drafts_while_warming_up_pauses_below_the_floor_probes_and_comes
     assert g.estimate > 0.9
 
 
-def test_a_silent_gauge_probes_without_windows_at_a_fixed_interval_and_comes_back() -> None:
+def test_a_silent_gauge_probes_without_windows_backing_off_and_comes_back() -> None:
     """A plain greedy request's gauge (``silent``) never asks its solo windows for a probe: it is due a silent
-    probe every `SILENT_PROBE_EVERY` windows without proposals, a failed one does not lengthen the wait, and
-    one that holds brings drafting back, as a probe window's would."""
+    probe `SILENT_PROBE_FIRST` windows into a pause, each failed one doubles the wait for the next up to
+    `SILENT_PROBE_MOST` (never the probe windows' wait), and one that holds brings drafting back and the
+    next pause's first probe as soon as the first."""
     g = DraftGauge(most=3, silent=True)
     for _ in range(DRAFT_WARMUP):
         g.record(1, 0)
     assert not g.drafts and g.depth(3) == 0
-    for _probe in range(3):
-        for _ in range(SILENT_PROBE_EVERY - 1):
+    waits = []
+    for _probe in range(6):
+        idle = 0
+        while not g.silent_probe_due:
             g.record(0, 0)
-            assert not g.silent_probe_due
-        g.record(0, 0)
-        assert g.silent_probe_due and g.depth(3) == 0 and not g.leaves(0, 3)
-        g.record(1, 0, silent=True)  # failed: the next comes as soon, and no window probes meanwhile
+            idle += 1
+            assert g.depth(3) == 0 and not g.leaves(0, 3)  # a due probe window never comes
+        waits.append(idle)
+        g.record(1, 0, silent=True)  # failed
         assert not g.silent_probe_due and g.wait == DRAFT_PROBE_EVERY
-    for _ in range(4 * DRAFT_PROBE_EVERY):
-        g.record(0, 0)
-        assert g.depth(3) == 0 and not g.leaves(0, 3)  # a due probe window never comes
+    first, most = SILENT_PROBE_FIRST, SILENT_PROBE_MOST
+    assert waits == [min(first << k, most) for k in range(6)] and waits[-1] == most > first
+    g.record(0, 0)
     g.record(1, 1, silent=True)
     assert g.estimate >= FLOOR and g.depth(3) > 0 and g.leaves(0, 3)
+    assert g.silent_wait == first
     loud = DraftGauge(most=3)
     for _ in range(DRAFT_WARMUP):
         loud.record(1, 0)
@@ -88,12 +98,12 @@ def test_a_silent_gauge_probes_without_windows_at_a_fixed_interval_and_comes_bac
 
 
 def test_silent_probes_read_the_proposal_for_the_next_token_and_keep_the_greedy_text(monkeypatch) -> None:
-    """A paused plain greedy request alone runs no probe windows: every `SILENT_PROBE_EVERY` windows its
-    drafting head proposes its next token beside the windows in flight, and the next window's token decides
-    the probe. With a head that predicts the model well (drafting forced off), most such probes hold; with
-    one that does not (layer_scale 0.5), hardly any do (a match by chance in some 40 probes): so each
-    proposal is compared with the very token it proposed. Greedy text is that of an engine that never
-    pauses."""
+    """A paused plain greedy request alone runs no probe windows: every few windows (`SILENT_PROBE_FIRST`
+    apart while its probes hold) its drafting head proposes its next token beside the windows in flight,
+    and the next window's token decides the probe. With a head that predicts the model well (drafting
+    forced off), most such probes hold; with one that does not (layer_scale 0.5), hardly any do (a match
+    by chance in some 40 probes): so each proposal is compared with the very token it proposed. Greedy
+    text is that of an engine that never pauses."""
     outcomes: list[int] = []
     record = DraftGauge.record
 
@@ -110,7 +120,7 @@ def test_silent_probes_read_the_proposal_for_the_next_token_and_keep_the_greedy_
     (text,) = collect(eng, [(0, request)])
     decode = [w for w in eng.windows if w.kind != "prefill"]
     assert all(w.rows == 1 for w in decode)  # no probe window
-    assert len(outcomes) >= len(decode) // (SILENT_PROBE_EVERY + 1) - 1 >= 10
+    assert len(outcomes) >= len(decode) // (SILENT_PROBE_FIRST + 2) - 1 >= 10
     assert sum(outcomes) > 0.6 * len(outcomes)
     probes, held = eng.totals["silent_probes"], eng.totals["silent_probes_held"]
     assert (probes, held) == (len(outcomes), sum(outcomes))
@@ -438,19 +448,24 @@ def test_each_window_records_the_rows_the_head_caught_up_on_for_it(monkeypatch) 
     assert sum(1 for c in recorded if c) < len(recorded) // 2  # most windows caught up on nothing
 
 
-def test_silent_probes_come_often_enough_that_a_chance_pause_ends_soon() -> None:
-    """`scripts/draft_floor_sim.py --intervals` over the engine's own gauge, at one H100's window times: where
-    first proposals hold half the time, the floor's short average dips under it by chance, and the engine's
-    interval between silent probes (`SILENT_PROBE_EVERY`) ends such pauses sooner than probes 8 windows
-    apart did, each probe charged the head's pass: fewer windows paused, more tokens a millisecond."""
+def test_silent_probes_end_a_chance_pause_soon_and_back_off_where_drafts_fail() -> None:
+    """`scripts/draft_floor_sim.py --intervals` over the engine's own gauge, at one H100's window times, each
+    probe charged the head's pass. Where first proposals hold half the time, the floor's short average dips
+    under it by chance, and the engine's silent probes (`SILENT_PROBE_FIRST` apart, backing off to
+    `SILENT_PROBE_MOST`) end such pauses sooner than probes 8 windows apart did: fewer windows paused, more
+    tokens a millisecond. Where they hold 20% of the time, backing off after failed probes charges fewer of
+    them than a fixed interval of 2 did: more tokens a millisecond."""
     sim = _simulation()
     ms = [3.15, 4.47, 5.3, 6.04]
+    engine = (SILENT_PROBE_FIRST, SILENT_PROBE_MOST)
 
-    def mean(every: int, requests: int = 60) -> tuple[float, float]:
-        holds, bursts = sim.DEPTH_CASES["50% / 89% / 100%"]
-        with sim.probes_every(every):
+    def mean(case: str, span: tuple[int, int], requests: int = 200) -> tuple[float, float]:
+        holds, bursts = sim.DEPTH_CASES[case]
+        with sim.probes_every(*span):
             runs = [sim.after_other_text(holds, bursts, ms, seed, True, 0.12) for seed in range(requests)]
         return sum(r for r, _ in runs) / len(runs), sum(p for _, p in runs) / len(runs)
 
-    (rate, paused), (rate_8, paused_8) = mean(SILENT_PROBE_EVERY), mean(8)
+    (rate, paused), (rate_8, paused_8) = mean("50% / 89% / 100%", engine), mean("50% / 89% / 100%", (8, 8))
     assert paused < 0.6 * paused_8 and rate > 1.02 * rate_8
+    (rate, _), (rate_2, _) = mean("20% / 89% / 100%", engine), mean("20% / 89% / 100%", (2, 2))
+    assert rate > 1.02 * rate_2

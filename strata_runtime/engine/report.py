@@ -9,7 +9,7 @@ from strata_cfg.schema.plan import MIB, LaunchPlan
 from strata_cfg.schema.windows import lookup_history_positions
 
 from .prefix import PAGE
-from .speculative import DRAFT_PROBE_EVERY, SILENT_PROBE_EVERY
+from .speculative import DRAFT_PROBE_EVERY, SILENT_PROBE_FIRST, SILENT_PROBE_MOST
 
 if TYPE_CHECKING:
     from ..model import Model
@@ -137,8 +137,9 @@ def _pause_text(engine: EngineView) -> str:
     """When drafting pauses for a request, and how it probes while paused."""
     floor, adaptive = engine.plan.spec.draft_floor, engine.choice.adaptive
     probe = (
-        f"with one probe after {DRAFT_PROBE_EVERY} windows (a plain greedy request alone: a silent "
-        f"probe every {SILENT_PROBE_EVERY}, its head's proposal checked against the next token)"
+        f"with one probe after {DRAFT_PROBE_EVERY} windows (a plain greedy request alone: silent probes "
+        f"{SILENT_PROBE_FIRST} window{'s' if SILENT_PROBE_FIRST > 1 else ''} apart, twice as far after each "
+        f"that fails, up to {SILENT_PROBE_MOST}, its head's proposal checked against the next token)"
     )
     if engine.plan.spec.ngram:
         probe = (

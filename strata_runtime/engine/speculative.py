@@ -74,15 +74,21 @@ DRAFT_PROBE_EVERY = 16
 doubles after each probe that leaves the estimate under the floor, up to `DRAFT_PROBE_MOST`."""
 DRAFT_PROBE_MOST = 128
 """The longest wait between probes of a paused slot, in windows without proposals."""
-SILENT_PROBE_EVERY = 2
-"""Windows without proposals between two silent probes of a paused slot (`DraftGauge.silent`): such a probe
-costs no window, so it comes sooner than `DRAFT_PROBE_EVERY` and waits no longer after one that failed. At
-first proposals that hold about half the time the floor's short average dips under it by chance every few
-windows (three misses in a row), and each such pause lasted until a probe held: at 8 windows apart, 35% of
-a request's windows went without proposals where drafting paid. Two apart, `scripts/draft_floor_sim.py
---intervals 8,2` (an H100's window times, each probe charged the head's pass) gives 3-4% more tokens per
-second at first proposals that hold 42-56% of the time, 1-2% at 65% and in bursts, and 1-5% fewer at
-20-30%, where drafting seldom pays (docs/PERFORMANCE.md, "Silent probes two windows apart")."""
+SILENT_PROBE_FIRST = 1
+"""Windows without proposals before a paused slot's first silent probe (`DraftGauge.silent`), and again
+after each probe that holds: such a probe costs no window, only the head's pass beside the next one, so it
+comes far sooner than `DRAFT_PROBE_EVERY`. At first proposals that hold about half the time the floor's
+short average dips under it by chance every few windows (three misses in a row), and each such pause lasts
+until a probe holds: at 8 windows apart, 35% of a request's windows went without proposals where drafting
+paid."""
+SILENT_PROBE_MOST = 8
+"""The longest wait between two silent probes: the wait doubles after each probe that fails, from
+`SILENT_PROBE_FIRST`, so a request whose drafts seldom hold (where drafting seldom pays) is not charged the
+head's pass every window or two. Against a fixed interval of 2, `scripts/draft_floor_sim.py --intervals
+2,1-8` (an H100's window times, each probe charged the head's pass, 1,000 requests a case) gives the same
+tokens per second within 0.4% at first proposals that hold 42-80% of the time and in long stretches, 0.8%
+fewer in short bursts, and 3% more at 20%; against probes 8 apart, 2-3% more at 42-56% and 1-2% fewer at
+20-30% (docs/PERFORMANCE.md, "Silent probes: one window apart, backing off")."""
 DRAFT_WEIGHT = 1 / 4
 """Weight of each window's first proposal in the estimate: an exponential average over about the last 4
 windows, so one probe whose proposal holds brings a paused slot back to the floor."""
@@ -130,11 +136,11 @@ class DraftGauge:
     A paused slot drafts again for one window after `DRAFT_PROBE_EVERY` windows, so a request whose text
     turns predictable gets its drafts back; each probe that finds them still failing doubles the wait for
     the next (up to `DRAFT_PROBE_MOST`). A plain greedy request probes silently (``silent``): its windows
-    keep no proposals, but every `SILENT_PROBE_EVERY` of them the drafting head catches up and proposes the
+    keep no proposals, but after `silent_wait` of them the drafting head catches up and proposes the
     slot's next token, which the next window's token then confirms or not (`record` with ``silent``). A
     failed probe then costs the head's catch-up beside the next window, not a window of two rows and the host
-    drafting before it, so it comes at a fixed interval and drafting may resume within a few windows of the
-    text turning predictable.
+    drafting before it, so the first comes at once and drafting may resume within a few windows of the text
+    turning predictable; each that fails doubles the wait for the next, up to `SILENT_PROBE_MOST`.
 
     **How deep** (``costs``: the engine's `WindowCosts`, with ``spec.adaptive_depth``). For each proposal
     position j, the chance that proposal j holds once those before it held (`holds_up_to`), and from those,
@@ -175,6 +181,9 @@ class DraftGauge:
     silent: bool = False
     """Probe silently while paused (a plain greedy request: whether its first proposal holds is whether it
     equals the next token the target chooses)."""
+    silent_wait: int = field(default_factory=lambda: SILENT_PROBE_FIRST)
+    """Windows without proposals before the next silent probe: `SILENT_PROBE_FIRST`, doubled after each
+    silent probe that fails (up to `SILENT_PROBE_MOST`), back to the first after one that holds."""
 
     def record(
         self, proposed: int, accepted: int, silent: bool = False, weight: float = DRAFT_WEIGHT
@@ -185,6 +194,10 @@ class DraftGauge:
         if proposed == 0:
             self.idle += 1
             return
+        if silent:
+            self.silent_wait = (
+                SILENT_PROBE_FIRST if accepted else min(2 * self.silent_wait, SILENT_PROBE_MOST)
+            )
         probe = self.probe_due and not silent
         self.probed = probe
         self.idle = 0
@@ -277,7 +290,7 @@ class DraftGauge:
     @property
     def silent_probe_due(self) -> bool:
         """Whether a paused slot that probes ``silent``ly is due its next silent probe."""
-        return self.silent and self.idle >= SILENT_PROBE_EVERY
+        return self.silent and self.idle >= self.silent_wait
 
     @property
     def drafts(self) -> bool:
