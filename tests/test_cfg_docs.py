@@ -56,6 +56,36 @@ def test_no_document_cites_files_outside_the_repository(doc):
     assert OUTSIDE.findall(doc.read_text()) == []
 
 
+CITATION = re.compile(r'docs/(\w+\.md),? \(?"([^"]+)"')
+"""A citation of a document's section by its title: docs/RUNTIME.md, "How deep a request alone drafts"."""
+TITLE = re.compile(r"^(?:#+ +(.+?) *$|(?:[*-] )?\*\*([^*]+?)\.?\*\*)", re.M)
+"""A section's title: a heading, or the bold words a paragraph or a list item starts with."""
+
+
+def _titles(doc: str) -> set[str]:
+    return {(m.group(1) or m.group(2)).strip() for m in TITLE.finditer((REPO / "docs" / doc).read_text())}
+
+
+def test_every_section_a_source_or_document_cites_exists():
+    """Code, scripts, tests and documents cite a document's sections by title: each cited title begins a
+    heading or a paragraph's bold lead of that document, or names a dated run's heading by its lease ("a
+    twelfth lease") or by the name it gives itself in quotes (a section renamed leaves no citation
+    behind)."""
+    sources = [*sorted(REPO.glob("strata_*/**/*.py")), *sorted(REPO.glob("scripts/*.py"))]
+    sources += [*sorted(REPO.glob("tests/*.py")), *DOCS]
+    titles = {p.name: _titles(p.name) for p in (REPO / "docs").glob("*.md")}
+    cited, missing = 0, []
+    for path in sources:
+        text = re.sub(r"\s*\n\s*(?:#\s*)?", " ", path.read_text())  # a citation may wrap, in comments too
+        for m in CITATION.finditer(text):
+            doc, title = m.groups()
+            cited += 1
+            named = (title, f", {title} (", f'"{title}"')
+            if not any(t.startswith(title) or any(n in t for n in named[1:]) for t in titles.get(doc, ())):
+                missing.append(f"{path.relative_to(REPO)}: {doc}, {title!r}")
+    assert missing == [] and cited > 50
+
+
 def test_no_strata_cfg_source_cites_files_outside_the_repository():
     cited = [
         f"{path.relative_to(REPO)}: {m.group(0)}"
