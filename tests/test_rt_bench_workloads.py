@@ -513,6 +513,8 @@ def test_solo_fixed_arm_runs_beside_solo_whose_depth_is_chosen_per_window(tmp_pa
         for kind, m in mix.items():
             assert kind == "prefill" or 0 < m["tokens_per_window"] <= int(kind.split()[1]) + 1
             assert m["ms_per_window"] > 0
+        both = "solo 0" in mix and any(k.startswith("solo ") and k != "solo 0" for k in mix)
+        assert ("drafting" in arm["solo"]) == both  # what drafting saved, where it both ran and paused
     assert set(arms["solo-fixed"]["solo"]["windows_by_kind"]) <= {"prefill", "solo 0", "solo 3"}
     table = strata(
         *("bench", "profiles/demo.toml", "--workload", "solo", "--arms", "solo-fixed"),
@@ -638,6 +640,39 @@ def test_the_window_listing_gives_each_kinds_time_a_token_and_the_arms_totals() 
     assert window_mix_lines({"serial": {"solo": {}}}) == []
 
 
+def test_the_window_listing_says_what_a_request_alones_drafting_saved_or_cost() -> None:
+    """Where a request alone drafted in some windows and not in others, the listing weighs each drafting
+    window's time against its tokens at the rate of the windows without proposals: saved on a resident
+    model's figures, cost under an expert cache's (one H200's runs), and in `--json` as ``drafting``."""
+    from strata_runtime.bench.harness import drafting_balance
+    from strata_runtime.bench.table import window_mix_lines
+
+    resident = {
+        "prefill": {"windows": 3, "ms_per_window": 9.26, "tokens_per_window": 1.0},
+        "solo 0": {"windows": 89, "ms_per_window": 2.60, "tokens_per_window": 1.0},
+        "solo 3": {"windows": 114, "ms_per_window": 5.36, "tokens_per_window": 2.56},
+    }
+    cached = {
+        "solo 0": {"windows": 256, "ms_per_window": 8.27, "tokens_per_window": 1.0},
+        "solo 2": {"windows": 58, "ms_per_window": 25.65, "tokens_per_window": 2.16},
+    }
+    saved, cost = drafting_balance(resident), drafting_balance(cached)
+    assert saved is not None and cost is not None
+    assert saved["saved_ms"] == pytest.approx(114 * (2.56 * 2.60 - 5.36))
+    assert saved["share"] == pytest.approx(saved["saved_ms"] / (3 * 9.26 + 89 * 2.60 + 114 * 5.36))
+    assert cost["saved_ms"] == pytest.approx(58 * (2.16 * 8.27 - 25.65)) and cost["saved_ms"] < 0
+    assert drafting_balance({"solo 0": resident["solo 0"]}) is None  # drafting never ran
+    assert drafting_balance({"solo 3": resident["solo 3"]}) is None  # nothing to weigh it against
+    summary = {"a": {"solo": {"windows_by_kind": resident, "drafting": saved}}}
+    summary["b"] = {"solo": {"windows_by_kind": cached, "drafting": cost}}
+    lines = window_mix_lines(summary)
+    assert lines[2] == (
+        f"  drafting saved {saved['saved_ms']:,.0f} ms ({saved['share']:.1%} of the windows' time) against "
+        "its tokens at the 2.60 ms a token of the windows without proposals"
+    )
+    assert lines[4].startswith(f"  drafting cost {-cost['saved_ms']:,.0f} ms (")
+
+
 def test_each_repeats_windows_are_listed_beside_their_sum() -> None:
     """``windows_by_kind_repeats`` gives every repeat's windows by kind, in order, so a slow repeat shows
     what it spent its time on; added up they are ``windows_by_kind``."""
@@ -657,6 +692,8 @@ def test_each_repeats_windows_are_listed_beside_their_sum() -> None:
     assert each[1]["solo 0"] == {"windows": 10, "ms_per_window": 2.7, "tokens_per_window": 1.0}
     total = entry["windows_by_kind"]["solo 3"]
     assert total["windows"] == 70 and total["ms_per_window"] == pytest.approx(408.0 / 70)
+    # Over all repeats the request both drafted and paused: what drafting saved, at 2.7 ms a token.
+    assert entry["drafting"]["saved_ms"] == pytest.approx(190 * 2.7 - 408.0)
 
 
 def test_a_runs_window_records_count_from_its_first_window_and_its_slowest_are_its_longest() -> None:

@@ -238,6 +238,25 @@ def merge_window_mix(mixes: list[dict[str, list[float]]]) -> dict[str, dict[str,
     }
 
 
+def drafting_balance(mix: dict[str, dict[str, float]]) -> dict[str, float] | None:
+    """What a request alone's drafting saved, from its windows by kind (`merge_window_mix`): each drafting
+    solo window ("solo k", k proposals) against the time its tokens take at the rate of the same run's
+    windows without proposals ("solo 0"). ``saved_ms`` (negative where drafting cost time), ``share`` of
+    all the windows' time, and ``base_ms_per_token``; None without both kinds. The windows without
+    proposals ran where drafting paused, often on other text, so this is a measure of what drafting did,
+    not of what the other choice would have done."""
+    base = mix.get("solo 0")
+    drafting = {k: m for k, m in mix.items() if k.startswith("solo ") and k != "solo 0"}
+    if base is None or not drafting or not base["tokens_per_window"]:
+        return None
+    rate = base["ms_per_window"] / base["tokens_per_window"]
+    saved = sum(
+        m["windows"] * (m["tokens_per_window"] * rate - m["ms_per_window"]) for m in drafting.values()
+    )
+    total = sum(m["windows"] * m["ms_per_window"] for m in mix.values())
+    return {"saved_ms": saved, "share": saved / total if total else 0.0, "base_ms_per_token": rate}
+
+
 def expert_traffic(engine: Engine) -> dict[str, int] | None:
     """What the engine's expert caches served so far, summed over its stages: assignments read from VRAM
     (hits) and from host memory (misses), and bytes moved over the host link; None when every expert is
@@ -626,6 +645,9 @@ def summarise(runs: dict[str, ArmRuns], base: str = "serial", compare_text: bool
             mix = merge_window_mix(arm.windows.get(case, []))
             if mix:
                 entry["windows_by_kind"] = mix
+                balance = drafting_balance(mix)
+                if balance is not None:
+                    entry["drafting"] = balance
                 # each repeat's own, to see what a slow repeat spent its time on
                 entry["windows_by_kind_repeats"] = [merge_window_mix([m]) for m in arm.windows.get(case, [])]
             slowest = [

@@ -55,7 +55,8 @@ def window_mix_lines(summary: dict[str, Any]) -> list[str]:
     """Under a decode table: each arm's windows by kind (solo windows by their proposals), with what each
     kind took and gave (ms a window, tokens a window, ms a token), then all of them together: the depths an
     adaptive request alone chose, how often drafting paused, which of serial and batch-MTP windows ran, and
-    where two arms' time went."""
+    where two arms' time went; under it, where a request alone both drafted and did not, what drafting
+    saved or cost (`strata_runtime.bench.harness.drafting_balance`)."""
     out = []
     for name, case, mix in _each_case(summary, "windows_by_kind"):
         parts = []
@@ -71,6 +72,14 @@ def window_mix_lines(summary: dict[str, Any]) -> list[str]:
             tokens += m["windows"] * m["tokens_per_window"]
         parts.append(f"all: {windows} windows, {ms:,.0f} ms, {tokens:,.0f} tok")
         out.append(f"{name} {case} windows (all repeats): " + "; ".join(parts))
+        drafting = summary[name][case].get("drafting")
+        if drafting is not None:
+            verb = "saved" if drafting["saved_ms"] >= 0 else "cost"
+            out.append(
+                f"  drafting {verb} {abs(drafting['saved_ms']):,.0f} ms ({abs(drafting['share']):.1%} of the "
+                f"windows' time) against its tokens at the {drafting['base_ms_per_token']:.2f} ms a token of "
+                "the windows without proposals"
+            )
     return [""] + out if out else []
 
 
