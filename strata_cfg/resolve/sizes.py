@@ -31,7 +31,7 @@ GPU_POOL_HEADROOM = 256 << 20
 small arrays). On one H200 capped at 24 GiB (the 30B shape, one stage that drafts) an 8183-token prompt's
 pool once held 184-254 MiB more than the counted workspace, almost all of it the decode windows' buffers
 (231 MiB, then uncounted, each window size with its own attention scratch); those are now counted
-(`decode_window_bytes`) and share one scratch a set (docs/PERFORMANCE.md, "a twelfth lease")."""
+(`decode_window_bytes`) and share one scratch a set (docs/PERFORMANCE_LOG.md, "a twelfth lease")."""
 HALF = 2
 """float16: the CUDA path's activations, whatever the checkpoint's dtype (bfloat16 is converted on load)."""
 I32 = 4
