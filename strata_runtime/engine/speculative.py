@@ -88,7 +88,9 @@ head's pass every window or two. Against a fixed interval of 2, `scripts/draft_f
 2,1-8` (an H100's window times, each probe charged the head's pass, 1,000 requests a case) gives the same
 tokens per second within 0.4% at first proposals that hold 42-80% of the time and in long stretches, 0.8%
 fewer in short bursts, and 3% more at 20%; against probes 8 apart, 2-3% more at 42-56% and 1-2% fewer at
-20-30% (docs/PERFORMANCE.md, "Silent probes: one window apart, backing off")."""
+20-30%. On one H200, against probes every 2: +2.2% on the preset's 200-token requests, +1.0-1.2% where
+41-45% of proposals hold or drafts rarely hold (docs/PERFORMANCE.md, "Silent probes: one window apart,
+backing off")."""
 DRAFT_WEIGHT = 1 / 4
 """Weight of each window's first proposal in the estimate: an exponential average over about the last 4
 windows, so one probe whose proposal holds brings a paused slot back to the floor."""
