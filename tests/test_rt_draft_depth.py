@@ -235,6 +235,49 @@ def test_a_request_alone_settles_on_the_depth_the_window_times_favour(monkeypatc
         assert settled.count(want) >= 12, (table, rows)
 
 
+def test_each_window_the_depth_choice_decided_records_the_rates_it_was_chosen_by(monkeypatch) -> None:
+    """A solo window whose depth the adaptive choice decided carries the expected tokens a millisecond of
+    every depth at that moment (`DraftGauge.rates`): the depth it ran is the best of them, or, in a run of
+    windows queued on the device, within `DEPTH_SWITCH` of the best. So `strata bench --windows` says why
+    each window drafted as deep as it did. With no window time measured yet there is nothing to record."""
+    from strata_runtime.bench.harness import window_records
+    from strata_runtime.engine.depth import DEPTH_SWITCH
+
+    # The rates are the ones the depth is chosen by: the chances at the upper end of their intervals. A
+    # request whose first proposal failed in its first three windows still drafts one (at the H200's
+    # times), where the chances as measured would favour none.
+    g = DraftGauge(floor=0.0, costs=_costs(H200), most=3)
+    for _ in range(3):
+        g.record(1, 0)
+    rates = g.rates(3)
+    assert rates is not None and max(range(4), key=lambda d: rates[d]) == g.depth(3) == 1
+    plain = [expected_tokens(g.holds_up_to(3), d) / H200[d + 1] for d in range(4)]
+    assert max(range(4), key=lambda d: plain[d]) == 0
+    monkeypatch.setattr(WindowCosts, "observe", lambda self, rows, ms: OBSERVE(self, rows, ONE_PAYS[rows]))
+    plan = make_plan(draft_tokens=4, context=256, adaptive_depth=True)
+    eng = Engine(plan.model_copy(update={"spec": plan.spec.model_copy(update={"draft_floor": 0.0})}))
+    collect(eng, [(0, Request(PROMPT, 150))])
+    solo = [w for w in eng.windows if w.kind == "solo"]
+    rated = [w for w in solo if w.rates is not None]
+    first = solo.index(rated[0])
+    assert solo[0].rates is None and rated == solo[first:] and len(rated) > 0.8 * len(solo)
+    for w in rated:
+        assert len(w.rates) == 4 and all(r > 0 for r in w.rates)
+        assert w.rates[w.rows - 1] * DEPTH_SWITCH >= max(w.rates), w
+    best = [w for w in rated if w.rates[w.rows - 1] == max(w.rates)]
+    assert len(best) > 0.8 * len(rated)
+    assert {w.rows for w in rated[-10:]} == {2}  # one proposal pays on this table, and the rates say so
+    assert all(max(w.rates) == w.rates[1] for w in rated[-10:])
+    records = window_records(eng.windows, len(eng.windows))
+    assert [r.get("rates") for r in records if r["window"].startswith("solo")] == [
+        None if w.rates is None else list(w.rates) for w in solo
+    ]
+    assert all("rates" not in r for r in records if r["window"] == "prefill")
+    off = Engine(make_plan(draft_tokens=4, context=256, adaptive_depth=False))
+    collect(off, [(0, Request(PROMPT, 20))])
+    assert all(w.rates is None for w in off.windows)  # a fixed depth: no choice to explain
+
+
 def test_window_times_are_measured_per_row_count_and_reported(monkeypatch) -> None:
     """Every solo window's time is measured (whichever request ran it); the status, the summary and the
     metrics say how many solo windows drafted how many proposals, and the times they are chosen by."""

@@ -181,7 +181,8 @@ def window_records(recent: Sequence[WindowStat], count: int) -> list[dict[str, A
     in the window after it), tokens, proposals and how many held, the rows drafting heads caught up on for
     it (`WindowStat.caught_up`), the host's milliseconds drafting its proposals before its launch and
     finishing it (``draft_ms``, ``finish_ms``), and ``index``, its place in the run (1: the run's first
-    window, its prompt's)."""
+    window, its prompt's); a solo window whose depth the adaptive choice decided also has ``rates``, the
+    expected tokens a millisecond of each depth 0, 1, ... when it was chosen (`WindowStat.rates`)."""
     ran = list(recent)[-count:] if count > 0 else []
     skipped = count - len(ran)
     return [
@@ -196,6 +197,7 @@ def window_records(recent: Sequence[WindowStat], count: int) -> list[dict[str, A
             "caught_up": w.caught_up,
             "draft_ms": w.draft_ms,
             "finish_ms": w.finish_ms,
+            **({"rates": list(w.rates)} if w.rates is not None else {}),
         }
         for i, w in enumerate(ran)
     ]

@@ -96,6 +96,9 @@ class Job:
     looked: set[int] = field(default_factory=set)
     """Slots whose text was looked up for this window (``spec.method = "ngram"``), whether the lookup found
     proposals or not: its outcome is counted, so the slot takes no silent probe from this window."""
+    rates: tuple[float, ...] | None = None
+    """A solo window of a request alone whose depth the adaptive choice decided: the expected tokens a
+    millisecond of each depth when it was chosen (`strata_runtime.engine.speculative.DraftGauge.rates`)."""
     draft_ms: float = 0.0
     """Host wall time drafting its proposals before it was launched (catch-up passes included)."""
     finish_ms: float = 0.0

@@ -651,7 +651,8 @@ class Engine:
             if self._spare_depth(kind, slots, drafting, len(entries)) > 0:
                 return None  # a slot's lookups pay again: the host looks its next proposals up
         paused = (alone and kind == "solo" and not drafts_alone) or (kind != "solo" and mtp and not pays)
-        return Job(kind, entries, paused=paused), tuple(rows)
+        rates = entries[0].slot.gauge.rates(room) if alone and kind == "solo" else None
+        return Job(kind, entries, paused=paused, rates=rates), tuple(rows)
 
     def _grammars_run_ahead(self, before: Flight, group: int | None) -> bool:
         """Whether a window after ``before``, whose rows under a grammar are masked on the device, may be
@@ -723,7 +724,8 @@ class Engine:
             for e in job.entries
         ]
         looked = set(job.slot_ids) if looked_up else set()
-        return Job(job.kind, entries, spec_on_device=True, looked=looked), None
+        rates = job.entries[0].slot.gauge.rates(self.depth) if job.kind == "solo" else None
+        return Job(job.kind, entries, spec_on_device=True, looked=looked, rates=rates), None
 
     def _past_hold(self, slot: Slot, rows: int) -> bool:
         """A window of ``rows`` rows for ``slot`` after the windows in flight could give it the token its
@@ -895,6 +897,7 @@ class Engine:
         by_id = {s.id: s for s in decoding}
         mtp = self.plan.batch.mtp and self._batch_mtp_serves(len(decoding))
         forced: dict[int, Proposals] = {}  # what a grammar forces (or a lookup finds), in a drafter's stead
+        rates: tuple[float, ...] | None = None  # a request alone's depth choice (`DraftGauge.rates`)
         looked_for: set[int] = set()  # slots whose text was looked up for this window
         if len(decoding) == 1 and not prefilling and not pipelined:
             slot = decoding[0]
@@ -905,6 +908,7 @@ class Engine:
                 forced[slot.id], depth, paused = given, len(given.tokens), False
             else:
                 depth = slot.gauge.depth(room)
+                rates = slot.gauge.rates(room)
                 paused = room > 0 and depth == 0
                 looked = self._looked_up(slot, depth)
                 if depth > 0 and slot.lookup is not None:
@@ -965,7 +969,7 @@ class Engine:
                 proposals = Proposals([], [])
             masked = self._masked(slot, proposals)
             entries.append(Entry(slot, "decode", [token, *proposals.tokens], proposals, masked=masked))
-        job = Job(kind, entries, paused=paused, spec_on_device=on_device, looked=looked_for)
+        job = Job(kind, entries, paused=paused, spec_on_device=on_device, looked=looked_for, rates=rates)
         job.caught_up, job.draft_ms = self._caught_up() - caught_up, (time.perf_counter() - t0) * 1e3
         return job
 
@@ -1213,6 +1217,7 @@ class Engine:
             job.draft_ms,
             job.finish_ms,
             sum(len(e.proposals.tokens) for e in verified if e.proposals.forced),
+            job.rates,
         )
         if job.kind == "solo" and timed:
             self.choice.observe_solo(job.entries[0].slot.sampler, job.rows, ms)

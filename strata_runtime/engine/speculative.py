@@ -24,7 +24,7 @@ from strata_cfg.schema.windows import DEFER_MOST
 from ..backend import Array, Device
 from ..layout import Layout
 from ..model import Model
-from .depth import Holds, WindowCosts, best_depth, worth_switching
+from .depth import Holds, WindowCosts, best_depth, value, worth_switching
 from .sampling import Sampler, distribution
 
 
@@ -298,6 +298,18 @@ class DraftGauge:
     def drafts(self) -> bool:
         """Whether this slot's next window should carry proposals (`drafting_pays` for it alone)."""
         return drafting_pays([self])
+
+    def rates(self, room: int) -> tuple[float, ...] | None:
+        """The expected tokens a millisecond of a solo window at each depth 0..``room``, as the depth is
+        chosen (`optimistic_holds` over the measured window times, `strata_runtime.engine.depth.value`);
+        None without ``costs`` or while a depth's time is not known. Recorded with each window the choice
+        decided (`strata_runtime.engine.stats.WindowStat.rates`), so a run's windows say why they drafted
+        as deep as they did."""
+        if self.costs is None or room <= 0:
+            return None
+        holds = self.optimistic_holds(room)
+        out = [value(holds, self.costs, d) for d in range(room + 1)]
+        return None if any(v is None for v in out) else tuple(round(v, 4) for v in out if v is not None)
 
     def _best(self, room: int) -> int:
         """The solo depth that pays, at most ``room``, without probing: 0 under the floor."""

@@ -33,6 +33,9 @@ class WindowStat:
     """Host wall time finishing it (reading its tokens, verifying, committing), part of ``ms``."""
     forced: int = 0
     """Tokens a request's grammar forced, read in it as proposals (not among ``proposals``)."""
+    rates: tuple[float, ...] | None = None
+    """A solo window whose depth the adaptive choice decided: the expected tokens a millisecond of each depth
+    0, 1, ... when it was chosen (`strata_runtime.engine.job.Job.rates`); None otherwise."""
 
 
 def window_name(w: WindowStat) -> str:
