@@ -673,6 +673,47 @@ def test_the_window_listing_says_what_a_request_alones_drafting_saved_or_cost() 
     assert lines[4].startswith(f"  drafting cost {-cost['saved_ms']:,.0f} ms (")
 
 
+def test_the_adaptive_depths_expectations_are_set_beside_what_its_windows_gave() -> None:
+    """Where the adaptive depth chose a request's windows (their records carry ``rates``), the bench sets
+    what each depth was expected to give when it was chosen beside what its windows gave: per kind, the
+    mean of the chosen depth's rate, and the windows' tokens over their milliseconds (`--json`:
+    ``depth_calibration``)."""
+    from strata_runtime.bench.harness import ArmRuns, depth_calibration, summarise
+    from strata_runtime.bench.table import window_mix_lines
+
+    def window(rows: int, ms: float, tokens: int, rates: list[float] | None) -> dict:
+        w = {"window": f"solo {rows - 1}", "rows": rows, "ms": ms, "tokens": tokens}
+        return w if rates is None else {**w, "rates": rates}
+
+    records = [
+        {"window": "prefill", "rows": 19, "ms": 130.0, "tokens": 1},
+        window(3, 160.0, 1, None),  # before any window time was known: nothing to set beside it
+        window(3, 30.0, 2, [0.15, 0.12, 0.16]),
+        window(3, 25.0, 3, [0.14, 0.12, 0.18]),
+        window(1, 8.0, 1, [0.13, 0.11, 0.10]),
+        window(1, 7.0, 1, [0.14, 0.11, 0.10]),
+    ]
+    got = depth_calibration(records)
+    assert set(got) == {"solo 0", "solo 2"}
+    assert got["solo 2"]["windows"] == 2 and got["solo 2"]["expected_tok_per_ms"] == pytest.approx(0.17)
+    assert got["solo 2"]["tok_per_ms"] == pytest.approx(5 / 55)
+    assert got["solo 0"]["expected_tok_per_ms"] == pytest.approx(0.135)
+    assert got["solo 0"]["tok_per_ms"] == pytest.approx(2 / 15)
+    assert depth_calibration(records[:2]) == {}
+    arm = ArmRuns("solo")
+    arm.runs["solo"] = [{"tok_s": 90.0}, {"tok_s": 95.0}]
+    arm.tokens["solo"] = [[1], [1]]
+    arm.records["solo"] = [records[:4], records[4:]]  # two repeats: pooled
+    entry = summarise({"solo": arm}, base="solo")["solo"]["solo"]
+    assert entry["depth_calibration"] == got
+    arm.windows["solo"] = [{"solo 2": [2, 55.0, 5], "solo 0": [2, 15.0, 2]}]
+    lines = window_mix_lines(summarise({"solo": arm}, base="solo"))
+    assert (
+        "  the adaptive depth, expected when chosen against given: solo 0: 0.135 -> 0.133 tok/ms "
+        "(2 windows); solo 2: 0.170 -> 0.091 tok/ms (2 windows)" in lines
+    )
+
+
 def test_each_repeats_windows_are_listed_beside_their_sum() -> None:
     """``windows_by_kind_repeats`` gives every repeat's windows by kind, in order, so a slow repeat shows
     what it spent its time on; added up they are ``windows_by_kind``."""

@@ -259,6 +259,29 @@ def drafting_balance(mix: dict[str, dict[str, float]]) -> dict[str, float] | Non
     return {"saved_ms": saved, "share": saved / total if total else 0.0, "base_ms_per_token": rate}
 
 
+def depth_calibration(records: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """How the adaptive depth's expectations held up, from `window_records` (of one or more runs): per solo
+    window kind ("solo k") among the windows that carry ``rates``, how many, the mean tokens a millisecond
+    their depth was expected to give when it was chosen (``rates[k]``), and what they gave (their tokens
+    over their milliseconds). A kind that gives far less than expected was chosen on chances or times
+    that did not hold."""
+    by: dict[str, list[float]] = {}
+    for w in records:
+        rates = w.get("rates")
+        if rates is None or not w["window"].startswith("solo "):
+            continue
+        k = w["rows"] - 1
+        acc = by.setdefault(w["window"], [0, 0.0, 0.0, 0.0])
+        acc[0] += 1
+        acc[1] += rates[k]
+        acc[2] += w["tokens"]
+        acc[3] += w["ms"]
+    return {
+        kind: {"windows": n, "expected_tok_per_ms": expected / n, "tok_per_ms": tokens / ms if ms else 0.0}
+        for kind, (n, expected, tokens, ms) in sorted(by.items())
+    }
+
+
 def expert_traffic(engine: Engine) -> dict[str, int] | None:
     """What the engine's expert caches served so far, summed over its stages: assignments read from VRAM
     (hits) and from host memory (misses), and bytes moved over the host link; None when every expert is
@@ -659,6 +682,9 @@ def summarise(runs: dict[str, ArmRuns], base: str = "serial", compare_text: bool
             ]
             if slowest:
                 entry["slowest_windows"] = sorted(slowest, key=lambda w: -w["ms"])[:SLOWEST_WINDOWS]
+            calibration = depth_calibration([w for each in arm.records.get(case, []) for w in each])
+            if calibration:
+                entry["depth_calibration"] = calibration
             if base in runs and name != base and case in runs[base].runs:
                 base_rates = [f["tok_s"] for f in runs[base].runs[case]]
                 rates = [f["tok_s"] for f in figures]

@@ -56,7 +56,9 @@ def window_mix_lines(summary: dict[str, Any]) -> list[str]:
     kind took and gave (ms a window, tokens a window, ms a token), then all of them together: the depths an
     adaptive request alone chose, how often drafting paused, which of serial and batch-MTP windows ran, and
     where two arms' time went; under it, where a request alone both drafted and did not, what drafting
-    saved or cost (`strata_runtime.bench.harness.drafting_balance`)."""
+    saved or cost (`strata_runtime.bench.harness.drafting_balance`), and where the adaptive depth chose its
+    windows, what each depth was expected to give against what it gave
+    (`strata_runtime.bench.harness.depth_calibration`)."""
     out = []
     for name, case, mix in _each_case(summary, "windows_by_kind"):
         parts = []
@@ -79,6 +81,16 @@ def window_mix_lines(summary: dict[str, Any]) -> list[str]:
                 f"  drafting {verb} {abs(drafting['saved_ms']):,.0f} ms ({abs(drafting['share']):.1%} of the "
                 f"windows' time) against its tokens at the {drafting['base_ms_per_token']:.2f} ms a token of "
                 "the windows without proposals"
+            )
+        calibration = summary[name][case].get("depth_calibration")
+        if calibration:
+            out.append(
+                "  the adaptive depth, expected when chosen against given: "
+                + "; ".join(
+                    f"{k}: {c['expected_tok_per_ms']:.3f} -> {c['tok_per_ms']:.3f} tok/ms "
+                    f"({c['windows']} windows)"
+                    for k, c in calibration.items()
+                )
             )
     return [""] + out if out else []
 
