@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -326,7 +327,15 @@ class Executor:
                 self._workers[s].submit(functools.partial(self._share, flight, s))
             else:
                 self._share(flight, s)
+        flight.launch_ms = (time.perf_counter() - flight.launched_at) * 1e3
         return flight
+
+    @property
+    def synchronous(self) -> bool:
+        """Whether a window computes while it is launched (virtual CPU devices), not on a device's stream
+        after it: a window's own time is then its launch and its finish, where the wall time between
+        deliveries would charge a window that ran ahead to the one before it."""
+        return not self.gpu
 
     def _marks(self) -> list[Mark]:
         return [StageMark() for _ in self.stages]

@@ -154,6 +154,9 @@ class Flight:
     """A window chained to a speculative one: its rows' positions on each stage's device, in stage order
     (decided on the device; the layout's positions are placeholders then)."""
     launched_at: float = field(default_factory=time.perf_counter)
+    launch_ms: float = 0.0
+    """Host wall time queueing the window through its stages (`Executor.launch`): on virtual CPU devices,
+    which compute as they are queued, its own compute."""
     first_runs: int = 0
     """`strata_runtime.model.placed.Model.first_runs` when the window launched."""
     hidden: list[Array] = field(default_factory=list)

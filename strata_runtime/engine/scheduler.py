@@ -1219,10 +1219,15 @@ class Engine:
             sum(len(e.proposals.tokens) for e in verified if e.proposals.forced),
             job.rates,
         )
+        # What the window's shape costs, for the choices of depth and window kind: the wall time between
+        # deliveries, or on devices that compute as windows are launched its own launch and finish (there a
+        # window that ran ahead finishes while the one before is finished, and the wall time would charge
+        # both to the first and next to nothing to the second).
+        own = flight.launch_ms + job.finish_ms if self.executor.synchronous else ms
         if job.kind == "solo" and timed:
-            self.choice.observe_solo(job.entries[0].slot.sampler, job.rows, ms)
-        self.choice.observe_batch(job.kind, [e.slot for e in job.entries], job.rows, ms if timed else None)
-        self.choice.observe_lookup(job.kind, [e.slot for e in job.entries], job.rows, ms if timed else None)
+            self.choice.observe_solo(job.entries[0].slot.sampler, job.rows, own)
+        self.choice.observe_batch(job.kind, [e.slot for e in job.entries], job.rows, own if timed else None)
+        self.choice.observe_lookup(job.kind, [e.slot for e in job.entries], job.rows, own if timed else None)
         self.window_stats.record(window, flight.discarded)
         for slot, ev in events:
             slot.handle.events.put(ev)
