@@ -207,7 +207,8 @@ class SpecSection(Section):
     draft_floor: float | None = Field(default=None, ge=0.0, le=1.0)
     """Drafting pauses for a request while fewer than this share of its windows' first proposals hold
     (default 0.25), with a probe window now and then to measure again (a plain greedy request alone probes
-    silently instead: every 2 windows its drafting head's proposal is checked against the next token); 0
+    silently instead: its drafting head's proposal is checked against the next token, one window into a
+    pause and then twice as far apart after each that fails, up to 8 windows); 0
     never pauses. Windows with one proposal per slot cost about twice the rows for (1 + acceptance) tokens
     per slot, so drafting under about a quarter accepted loses on the GPUs measured; a GPU whose wider
     windows cost relatively less can set it lower."""
