@@ -149,9 +149,16 @@ def probes_every(first: int, most: int | None = None) -> Iterator[None]:
 
 
 def interval(text: str) -> tuple[int, int]:
-    """``N`` (every N paused windows) or ``A-B`` (A apart, doubling after each failed probe up to B)."""
+    """``N`` (every N paused windows) or ``A-B`` (A apart, doubling after each failed probe up to B); a
+    `ValueError` naming the span where it is neither, or not 1 <= A <= B."""
     first, _, most = text.partition("-")
-    return int(first), int(most or first)
+    try:
+        a, b = int(first), int(most or first)
+    except ValueError:
+        raise ValueError(f"--intervals: {text!r} is not N or A-B (windows, e.g. 2 or 1-8)") from None
+    if not 1 <= a <= b:
+        raise ValueError(f"--intervals: {text!r} needs 1 <= A <= B")
+    return a, b
 
 
 @contextmanager
@@ -218,7 +225,10 @@ def main() -> None:
             return request(h, b, ms, seed)
 
     if args.intervals:
-        spans = [interval(v) for v in args.intervals.split(",")]
+        try:
+            spans = [interval(v) for v in args.intervals.split(",")]
+        except ValueError as exc:
+            parser.error(str(exc))
 
         def probing(h: list[float], b: tuple[float, float] | None, seed: int, c: int) -> tuple[float, float]:
             with probes_every(*spans[c]):

@@ -361,6 +361,18 @@ def _simulation() -> ModuleType:
     return load_script("draft_floor_sim")
 
 
+def test_the_simulations_probe_intervals_are_read_or_refused_by_name() -> None:
+    """``--intervals`` takes N or A-B; anything else is refused naming the span and the form it needs."""
+    sim = _simulation()
+    assert sim.interval("2") == (2, 2) and sim.interval("1-8") == (1, 8)
+    with pytest.raises(ValueError, match=r"--intervals: 'x-8' is not N or A-B"):
+        sim.interval("x-8")
+    with pytest.raises(ValueError, match=r"--intervals: '8-2' needs 1 <= A <= B"):
+        sim.interval("8-2")
+    with pytest.raises(ValueError, match=r"--intervals: '0' needs 1 <= A <= B"):
+        sim.interval("0")
+
+
 def test_the_floor_simulation_pauses_less_and_decodes_faster_by_the_first_proposal() -> None:
     """`scripts/draft_floor_sim.py` (docs/PERFORMANCE.md's table) over the engine's own gauge: where
     proposals hold 75%, 70% and 65% of the time they are tried, the floor read by each window's first
