@@ -24,10 +24,6 @@ KEY = "spec.draft_head"
 RULE = "spec.draft-head-auto"
 
 
-def _resident(plan: GpuPlan) -> bool:
-    return plan.experts_resident == plan.experts_total
-
-
 def draft_head_auto(
     model: ModelFacts,
     machine: MachineFacts,
@@ -52,8 +48,8 @@ def draft_head_auto(
     trial = stage_gpu_budgets(model, machine, placed, replace(sz, int8_draft_head=True), Ledger())
     if (
         trial is None
-        or not _resident(trial[last])
-        or any(_resident(g) and not _resident(trial[i]) for i, g in stage.items())
+        or not trial[last].all_experts_resident
+        or any(g.all_experts_resident and not trial[i].all_experts_resident for i, g in stage.items())
     ):
         held = (
             "" if trial is None else f" ({stage[last].experts_resident - trial[last].experts_resident} fewer)"
