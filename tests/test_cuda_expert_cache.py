@@ -91,6 +91,27 @@ def test_greedy_text_with_a_small_cache_on_the_gpu_equals_the_all_resident_run(c
                 assert int(gu[j, e]) == want
 
 
+def test_the_mtp_heads_layer_held_whole_on_the_gpu_gives_the_all_resident_text(cp, monkeypatch):
+    """22 slots with the share a whole fixed layer may take raised to three quarters: the MTP head's layer
+    holds its 16 experts in VRAM (its drafter reads them through the tables on the drafters' stream), the
+    main layers share 6, and the greedy text with batch MTP is the all-resident run's."""
+    from strata_runtime.engine import Engine
+    from strata_runtime.experts import cache
+
+    resident = _generate(Engine(_plan(cp, cache=None)), PROMPTS, 24)
+    monkeypatch.setattr(cache, "WHOLE_FIXED_MOST", 0.75)
+    engine = Engine(_plan(cp, cache=22))
+    last = engine.model.stages[-1]
+    r = last.experts.residency
+    assert len(r.fixed) == 1 and (r.slot_of[max(r.fixed)] >= 0).all()
+    cached = _generate(engine, PROMPTS, 24)
+    assert cached == resident
+    assert sum(w.proposals for w in engine.windows) > 0 and r.stats.misses > 0
+    assert (r.slot_of[max(r.fixed)] >= 0).all()
+    cp.cuda.Device(last.device.index).synchronize()
+    np.testing.assert_array_equal(last.cuda_experts.slot_of.get(), r.slot_of)
+
+
 def test_a_conversation_copied_back_from_the_store_brings_its_experts_back_on_the_gpu(cp):
     """Three conversations over two slots under a cache of 24 experts, with a prefix store: each later
     turn copies its history back. With ``experts.recall_stored`` the cache's swaps for it are queued on the

@@ -14,7 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from strata_runtime.backend import Device
-from strata_runtime.experts.cache import Policy, Residency, even_fill
+from strata_runtime.experts import cache
+from strata_runtime.experts.cache import Policy, Residency, even_fill, whole_fixed
 from strata_runtime.experts.store import ExpertStore
 
 
@@ -36,6 +37,65 @@ def test_even_fill_spreads_the_slots_over_the_layers(layers, experts, slots) -> 
     assert per_layer.sum() == slots
     assert per_layer.max() - per_layer.min() <= 1
     assert sorted(table[table >= 0].tolist()) == list(range(slots))
+
+
+@pytest.mark.parametrize(
+    ("layers", "experts", "slots", "whole"), [(5, 8, 20, {4}), (9, 16, 100, {0, 8}), (3, 4, 4, {1})]
+)
+def test_even_fill_holds_the_whole_layers_and_spreads_the_rest(layers, experts, slots, whole) -> None:
+    table = even_fill(layers, experts, slots, whole)
+    per_layer = (table >= 0).sum(axis=1)
+    assert all(per_layer[j] == experts for j in whole)
+    rest = [int(per_layer[j]) for j in range(layers) if j not in whole]
+    assert sum(rest) == slots - len(whole) * experts and max(rest) - min(rest) <= 1
+    assert sorted(table[table >= 0].tolist()) == list(range(slots))
+    with pytest.raises(ValueError, match="cannot hold"):
+        even_fill(layers, experts, len(whole) * experts - 1, whole)
+
+
+def test_the_mtp_heads_layer_is_held_whole_where_that_costs_at_most_an_eighth_of_the_slots() -> None:
+    """A fixed layer never adapts: held whole (9 layers of 8 experts, 64 slots: 8 = an eighth), its experts
+    all hit, however the routing moves the other layers; one slot fewer, it gets an even share again."""
+    assert whole_fixed(9, 8, 64, {8}) == {8} and whole_fixed(9, 8, 63, {8}) == frozenset()
+    assert whole_fixed(9, 8, 64, ()) == frozenset()
+    r = Residency(9, 8, 64, 1, Policy(every=1, margin=0.0), fixed=frozenset({8}))
+    assert (r.slot_of[8] >= 0).all() and (r.slot_of[:8] >= 0).sum() == 56
+    counts = np.zeros((9, 8))
+    counts[:, 4:] = 10  # the experts the even fill left out of the main layers (7 a layer: 0..6)
+    for _ in range(4):
+        r.observe(counts)
+        assert all(s.loaded[0] != 8 and (s.evicted is None or s.evicted[0] != 8) for s in r.rebalance())
+    assert (r.slot_of[8] >= 0).all()
+    check_bijection(r)
+    before = r.stats.misses
+    r.observe(counts)
+    assert r.stats.misses == before  # the main layers learned experts 4..7, the MTP head's are all there
+    narrow = Residency(9, 8, 63, 1, Policy(), fixed=frozenset({8}))
+    assert (narrow.slot_of[8] >= 0).sum() == 7
+
+
+def test_an_engine_with_its_mtp_heads_experts_held_whole_gives_the_requests_text(monkeypatch) -> None:
+    """The demo model's MTP head under a cache of 20 of its 40 experts, with the share a whole fixed layer
+    may take raised to a half: the head's layer holds all 8 of its experts, the main layers 3 each, and the
+    greedy text with drafting is the request's alone."""
+    from rt_engine_helpers import collect
+    from rt_plans import make_plan
+    from test_rt_engine import model_source, reference
+
+    from strata_runtime.api import Request
+    from strata_runtime.engine import Engine
+
+    monkeypatch.setattr(cache, "WHOLE_FIXED_MOST", 0.5)
+    plan = make_plan(
+        slots=1, draft_tokens=2, context=128, prefill_chunk=32, expert_cache=20, **model_source("austen")
+    )
+    eng = Engine(plan)
+    r = eng.model.stages[-1].experts.residency
+    assert r.fixed == {4} and (r.slot_of >= 0).sum(axis=1).tolist() == [3, 3, 3, 3, 8]
+    prompt = tuple(b"She said to her sister that")
+    assert tuple(collect(eng, [(0, Request(prompt, 24))])[0]) == reference("austen", prompt, 24)
+    assert sum(w.proposals for w in eng.windows) > 0  # the head drafted, through its slots
+    assert (r.slot_of[4] >= 0).all() and r.stats.misses > 0  # the main layers missed, the head's layer stayed
 
 
 @settings(max_examples=60, deadline=None)
