@@ -3,6 +3,7 @@ generated token, and the ceiling those allow, with the arithmetic checked by han
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from rt_engine_helpers import mode_plan
 
@@ -10,12 +11,14 @@ from strata_cfg.schema.facts import ModelFacts
 from strata_cfg.schema.presets import preset_config
 from strata_runtime.api import Request
 from strata_runtime.bench.ceilings import decode_step_bytes
-from strata_runtime.bench.harness import Arrival, InProcessDriver, measure
+from strata_runtime.bench.harness import Arrival, InProcessDriver, cache_figures, measure
 from strata_runtime.bench.versus_ceilings import cache_ceiling
 from strata_runtime.engine import Engine
 
 
 def test_a_cached_engines_run_reports_vram_share_and_link_bytes_per_token():
+    """The decode windows' share and bytes per generated token, apart from the prompt chunks': their
+    assignments and bytes are the prompt's own figures, per prompt token."""
     eng = Engine(mode_plan("serial", 2, preset="small", context=96, prefill_chunk=16, expert_cache=4))
     arrivals = [Arrival(Request(tuple(range(40, 60)), 12)), Arrival(Request(tuple(range(70, 75)), 12))]
     results, stats = InProcessDriver(eng).run(arrivals)
@@ -24,21 +27,72 @@ def test_a_cached_engines_run_reports_vram_share_and_link_bytes_per_token():
     assert traffic["hits"] == sum(c.hits for c in caches) > 0
     assert traffic["misses"] == sum(c.misses for c in caches) > 0
     assert traffic["host_bytes"] == sum(c.miss_bytes + c.swap_bytes for c in caches)
+    assert traffic["prompt_hits"] + traffic["prompt_misses"] > 0  # the 20-token prompt's chunks
     fig = measure("two-decodes", results, stats, wall=1.0)
-    served = traffic["hits"] + traffic["misses"]
-    assert fig["expert_vram_pct"] == pytest.approx(100 * traffic["hits"] / served)
+    d_hits = traffic["hits"] - traffic["prompt_hits"]
+    d_served = traffic["hits"] + traffic["misses"] - traffic["prompt_hits"] - traffic["prompt_misses"]
+    assert fig["expert_vram_pct"] == pytest.approx(100 * d_hits / d_served)
     tokens = sum(len(r.token_ids) for r in results)
-    assert fig["host_mb_per_token"] == pytest.approx(traffic["host_bytes"] / tokens / 1e6)
-    # A prompt alone: the link's bytes per prompt token, not per its one generated token.
+    decode_bytes = traffic["host_bytes"] - traffic["prompt_host_bytes"]
+    assert fig["host_mb_per_token"] == pytest.approx(decode_bytes / tokens / 1e6)
+    p_served = traffic["prompt_hits"] + traffic["prompt_misses"]
+    assert fig["prompt_expert_vram_pct"] == pytest.approx(100 * traffic["prompt_hits"] / p_served)
+    assert fig["prompt_host_mb_per_token"] == pytest.approx(traffic["prompt_host_bytes"] / 25 / 1e6)
+    # A prompt alone: the prompt chunks' share, and the link's bytes per prompt token.
     prompt, stats = InProcessDriver(eng).run([Arrival(Request(tuple(range(30, 90)), 1))])
     traffic = stats["experts"]
-    assert traffic["host_bytes"] > 0
+    assert traffic["prompt_host_bytes"] > 0
     fig = measure("prompt", prompt, stats, wall=1.0)
-    assert fig["host_mb_per_token"] == pytest.approx(traffic["host_bytes"] / 60 / 1e6)
+    moved = traffic["prompt_host_bytes"] + traffic["swap_bytes"]
+    assert fig["host_mb_per_token"] == pytest.approx(moved / 60 / 1e6)
+    p_served = traffic["prompt_hits"] + traffic["prompt_misses"]
+    assert fig["expert_vram_pct"] == pytest.approx(100 * traffic["prompt_hits"] / p_served)
     # An engine with every expert resident reports no cache figures.
     resident = Engine(mode_plan("serial", 2, preset="small", context=96, prefill_chunk=16))
     results, stats = InProcessDriver(resident).run(arrivals[:1])
     assert "experts" not in stats and "expert_vram_pct" not in measure("two-decodes", results, stats, 1.0)
+
+
+def test_a_prompt_chunk_reads_an_expert_in_host_memory_once_a_tile_and_a_decode_miss_reads_it_whole():
+    """The link bytes by hand: a prompt chunk routing 300 rows to an expert held in host memory reads it in
+    3 tiles of at most 128 rows, 1 row in 1; a decode hand-over's 5 host assignments read 5 experts whole."""
+    from strata_cfg.schema.windows import PREFILL_EXPERT_TILE_ROWS
+    from strata_runtime.experts.cache import Policy, Reads, Residency
+
+    assert PREFILL_EXPERT_TILE_ROWS == 128
+    r = Residency(2, 4, 4, expert_bytes=10, policy=Policy(adapt=False))  # experts 0 and 1 of each layer
+    counts = np.zeros((2, 4))
+    counts[0, 0], counts[0, 3], counts[1, 2] = 500, 300, 1  # one resident, two in host memory
+    r.observe(counts, prompt=True)
+    s = r.stats
+    assert (s.prompt_hits, s.prompt_misses, s.hits, s.misses) == (500, 301, 500, 301)
+    assert s.prompt_miss_bytes == s.miss_bytes == (3 + 1) * 10
+    decode = np.zeros((2, 4))
+    decode[0, 2], decode[1, 1] = 5, 2
+    r.observe(decode, reads=Reads(0, 5))
+    assert (s.prompt_hits, s.prompt_misses, s.hits, s.misses) == (500, 301, 502, 306)
+    assert s.miss_bytes == 40 + 5 * 10 and s.prompt_miss_bytes == 40
+
+
+def test_the_cache_figures_split_decode_from_prompts_by_hand():
+    traffic = {"hits": 900, "misses": 300, "swaps": 4, "miss_bytes": 5_000_000, "swap_bytes": 1_000_000}
+    traffic |= {"prompt_hits": 600, "prompt_misses": 200, "prompt_host_bytes": 3_000_000}
+    decode = cache_figures(traffic, generated=10, prompt_tokens=100, prompt=False)
+    assert decode["expert_vram_pct"] == pytest.approx(75.0)  # 300 of 400 decode assignments
+    assert decode["host_mb_per_token"] == pytest.approx(0.3)  # (2 MB of misses + 1 MB of swaps) / 10
+    assert (
+        decode["prompt_expert_vram_pct"] == pytest.approx(75.0) and decode["prompt_host_mb_per_token"] == 0.03
+    )
+    prompt = cache_figures(traffic, generated=1, prompt_tokens=100, prompt=True)
+    assert prompt["expert_vram_pct"] == pytest.approx(75.0) and prompt["host_mb_per_token"] == pytest.approx(
+        0.04
+    )
+    unmarked = traffic | {"prompt_hits": 0, "prompt_misses": 0, "prompt_host_bytes": 0}
+    prompt = cache_figures(unmarked, generated=1, prompt_tokens=100, prompt=True)  # read in graph windows
+    assert prompt["expert_vram_pct"] == pytest.approx(75.0) and prompt["host_mb_per_token"] == pytest.approx(
+        0.06
+    )
+    assert "prompt_expert_vram_pct" not in cache_figures(unmarked, 10, 100, prompt=False)
 
 
 @pytest.mark.parametrize(("link_bound", "hit_pct"), [(True, 50.0), (False, 99.5)])
@@ -55,7 +109,13 @@ def test_the_cache_ceiling_is_the_slower_link_for_the_window(link_bound, hit_pct
     assert (host / link > vram / copy) == link_bound
     assert out["cache_ceiling_tok_s"] == pytest.approx(tokens / max(vram / copy, host / link))
     assert out["of_cache_ceiling"] == pytest.approx(100.0 / out["cache_ceiling_tok_s"])
-    assert "ceiling" in out["line"] and f"{hit_pct:.1f}%" in out["line"]
+    assert "ceiling" in out["line"] and f"{hit_pct:.1f}%" in out["line"] and "prompts" not in out["line"]
+    m |= {"prompt_expert_vram_pct": 41.25, "prompt_host_mb_per_token": 12.5}
+    out = cache_ceiling(facts, m, positions=300, kv_dtype="float16", copy=copy, link=link)
+    assert "the prompts' chunks: 41.2% from VRAM, 12.5 MB a prompt token" in out["line"]
+    assert out["prompt_expert_vram_pct"] == 41.25 and out["cache_ceiling_tok_s"] == pytest.approx(
+        tokens / max(vram / copy, host / link)
+    )
 
 
 def _phrase(salt: int) -> tuple[int, ...]:

@@ -282,19 +282,48 @@ def depth_calibration(records: Sequence[dict[str, Any]]) -> dict[str, dict[str, 
     }
 
 
+TRAFFIC_KEYS = ("hits", "misses", "swaps", "miss_bytes", "swap_bytes", "prompt_hits", "prompt_misses")
+
+
 def expert_traffic(engine: Engine) -> dict[str, int] | None:
     """What the engine's expert caches served so far, summed over its stages: assignments read from VRAM
-    (hits) and from host memory (misses), and bytes moved over the host link; None when every expert is
-    resident."""
+    (hits) and from elsewhere (misses), swaps, and bytes moved over the host link by misses and by swaps, with
+    the prompt chunks' share of the assignments and of the miss bytes (``prompt_*``); ``host_bytes`` is all
+    the link moved. None when every expert is resident."""
     caches = [e for e in engine.stats()["experts"] if e["cached"]]
     if not caches:
         return None
-    return {
-        "hits": sum(e["hits"] for e in caches),
-        "misses": sum(e["misses"] for e in caches),
-        "host_bytes": sum(e["miss_bytes"] + e["swap_bytes"] for e in caches),
-        "swaps": sum(e["swaps"] for e in caches),
-    }
+    out = {key: sum(int(e[key]) for e in caches) for key in TRAFFIC_KEYS}
+    out["prompt_host_bytes"] = sum(int(e["prompt_miss_bytes"]) for e in caches)
+    out["host_bytes"] = out["miss_bytes"] + out["swap_bytes"]
+    return out
+
+
+def cache_figures(
+    traffic: dict[str, int], generated: int, prompt_tokens: int, prompt: bool
+) -> dict[str, float]:
+    """The bench's expert-cache figures of a run: the share of expert work VRAM served and the host link's
+    megabytes per token (with the swaps' copies), of the decode windows per generated token, or with
+    ``prompt`` (the prompt workload) of the prompt chunks per prompt token; beside the decode figures, the
+    prompts' share and megabytes per prompt token where the run read prompts through the prefill path."""
+    hits, misses = traffic["hits"], traffic["misses"]
+    p_hits, p_misses, p_bytes = traffic["prompt_hits"], traffic["prompt_misses"], traffic["prompt_host_bytes"]
+    d_hits, d_served = hits - p_hits, hits + misses - p_hits - p_misses
+    out: dict[str, float] = {"expert_swaps": float(traffic["swaps"])}
+    if prompt:  # prompts read in graph windows are not marked as a prompt's: then every assignment counts
+        marked = p_hits + p_misses > 0
+        served = p_hits + p_misses if marked else hits + misses
+        out["expert_vram_pct"] = 100.0 * (p_hits if marked else hits) / served if served else 0.0
+        moved = (p_bytes if marked else traffic["miss_bytes"]) + traffic["swap_bytes"]
+        out["host_mb_per_token"] = moved / prompt_tokens / 1e6 if prompt_tokens else 0.0
+        return out
+    out["expert_vram_pct"] = 100.0 * d_hits / d_served if d_served else 0.0
+    moved = traffic["miss_bytes"] - p_bytes + traffic["swap_bytes"]
+    out["host_mb_per_token"] = moved / generated / 1e6 if generated else 0.0
+    if p_hits + p_misses:
+        out["prompt_expert_vram_pct"] = 100.0 * p_hits / (p_hits + p_misses)
+        out["prompt_host_mb_per_token"] = p_bytes / prompt_tokens / 1e6 if prompt_tokens else 0.0
+    return out
 
 
 # ---- workloads --------------------------------------------------------------------------------------
@@ -453,12 +482,9 @@ def measure(name: str, results: list[Result], stats: dict[str, Any], wall: float
         out |= gap_figures_ms(r.gaps for r in results)
     traffic = stats.get("experts")
     if traffic is not None:  # an expert cache: how much of the expert work VRAM served, and the link's share
-        served = traffic["hits"] + traffic["misses"]
-        # Per token of the run's work: generated, or for the prompt workload the prompt's.
-        work = out["prompt_tokens"] if name == "prompt" else sum(len(r.token_ids) for r in results)
-        out["expert_vram_pct"] = 100.0 * traffic["hits"] / served if served else 0.0
-        out["host_mb_per_token"] = traffic["host_bytes"] / work / 1e6 if work else 0.0
-        out["expert_swaps"] = float(traffic["swaps"])
+        generated = sum(len(r.token_ids) for r in results)
+        prompt_tokens = sum(r.prompt_tokens - r.cached for r in results)
+        out |= cache_figures(traffic, generated, prompt_tokens, prompt=name == "prompt")
     return out
 
 
@@ -511,8 +537,8 @@ SETTLE_MOST = 6
 
 @dataclass(frozen=True)
 class Settling:
-    """One warm-up request while the expert caches settle: the share of its expert work (row and chosen
-    expert pairs) that VRAM served, and the experts its windows swapped into slots."""
+    """One warm-up request while the expert caches settle: the share of its decode windows' expert work (row
+    and chosen expert pairs) that VRAM served, and the experts its windows swapped into slots."""
 
     from_vram: float
     swaps: int
@@ -540,12 +566,17 @@ def settle_experts(
     caches = adaptive_caches(engine)
     slots = sum(c.slots for c in caches)
     out: list[Settling] = []
+
+    def figures(c: Any) -> tuple[int, int, int]:  # decode windows' hits and misses, and swaps
+        s = c.stats
+        return s.hits - s.prompt_hits, s.misses - s.prompt_misses, s.swaps
+
     while caches and len(out) < most and not settled(out, slots):
-        before = [(c.stats.hits, c.stats.misses, c.stats.swaps) for c in caches]
+        before = [figures(c) for c in caches]
         InProcessDriver(engine).run(arrivals(len(out)))
-        hits = sum(c.stats.hits - b[0] for c, b in zip(caches, before, strict=True))
-        misses = sum(c.stats.misses - b[1] for c, b in zip(caches, before, strict=True))
-        swaps = sum(c.stats.swaps - b[2] for c, b in zip(caches, before, strict=True))
+        hits, misses, swaps = (
+            sum(figures(c)[i] - b[i] for c, b in zip(caches, before, strict=True)) for i in range(3)
+        )
         out.append(Settling(hits / (hits + misses) if hits + misses else 1.0, swaps))
     return out
 

@@ -155,6 +155,6 @@ def settling_line(steps: list[Settling], slots: int, tokens: int) -> str:
     how = "settled" if settled(steps, slots) else "still learning"
     return (
         f"expert cache {how} after {len(steps)} warm-up request(s) of {tokens} tokens, which every repeat "
-        f"starts from: {shares} of expert work from VRAM, {swaps:,} experts swapped in for {slots:,} slots "
-        "(--cold-experts skips this)"
+        f"starts from: {shares} of the decode windows' expert work from VRAM, {swaps:,} experts swapped in "
+        f"for {slots:,} slots (--cold-experts skips this)"
     )

@@ -188,7 +188,9 @@ def cache_ceiling(
 
     A window of R rows reads the step's bytes from VRAM, less the experts it read from host memory (the
     measured miss share), and moves the measured host bytes per token times the window's tokens over the
-    link; the two links work at once, so the slower of the two bounds the window.
+    link; the two links work at once, so the slower of the two bounds the window. The share and the bytes
+    are the decode windows' (`strata_runtime.bench.harness.cache_figures`); a run that read prompts through
+    the prefill path has the prompts' own figures beside them.
     """
     rows = max(1, round(m["rows_per_window"]))
     tokens = m["tok_s"] * m["ms_per_window"] / 1000  # tokens each window yields, measured
@@ -204,7 +206,16 @@ def cache_ceiling(
         f"({si(vram / copy, 's')}) and {si(host, 'B')} over the link ({si(host / link, 's')}): ceiling "
         f"{ceiling:,.1f} tok/s, measured {m['tok_s']:,.1f} = {100 * m['tok_s'] / ceiling:.0f}% of it"
     )
+    prompts: dict[str, float] = {
+        k: m[k] for k in ("prompt_expert_vram_pct", "prompt_host_mb_per_token") if k in m
+    }
+    if prompts:
+        line += (
+            f" (decode windows; the prompts' chunks: {prompts['prompt_expert_vram_pct']:.1f}% from VRAM, "
+            f"{prompts['prompt_host_mb_per_token']:.1f} MB a prompt token)"
+        )
     return {
+        **prompts,
         "expert_vram_pct": m["expert_vram_pct"],
         "host_mb_per_token": m["host_mb_per_token"],
         "cache_ceiling_tok_s": ceiling,

@@ -46,6 +46,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
+from strata_cfg.schema.windows import PREFILL_EXPERT_TILE_ROWS
+
 if TYPE_CHECKING:
     from strata_cfg.schema.plan import ExpertsPlan
 
@@ -119,7 +121,15 @@ class CacheStats:
     """Of the swaps, those into a helper slot from host memory."""
     windows: int = 0
     miss_bytes: int = 0
-    """Expert weights read over the host link by misses."""
+    """Expert weights read over the host link by misses: a decode window's miss reads its expert whole, a
+    prompt chunk reads an expert held in host memory once for each tile of up to
+    `PREFILL_EXPERT_TILE_ROWS` of its rows routed to it."""
+    prompt_hits: int = 0
+    """Of the hits, those of prompt chunks (the hand-overs marked as a prompt's)."""
+    prompt_misses: int = 0
+    """Of the misses, those of prompt chunks."""
+    prompt_miss_bytes: int = 0
+    """Of ``miss_bytes``, those of prompt chunks."""
     swap_bytes: int = 0
     """Expert weights copied from host memory into slots of either tier (the helper tier's over its own
     GPU's host link)."""
@@ -150,6 +160,9 @@ class CacheStats:
             "helper_swaps": self.helper_swaps,
             "windows": self.windows,
             "miss_bytes": self.miss_bytes,
+            "prompt_hits": self.prompt_hits,
+            "prompt_misses": self.prompt_misses,
+            "prompt_miss_bytes": self.prompt_miss_bytes,
             "swap_bytes": self.swap_bytes,
             "helper_bytes": self.helper_bytes,
             "peer_swap_bytes": self.peer_swap_bytes,
@@ -298,17 +311,29 @@ class Residency:
         """Add the routing counts [L, E] (assignments per expert) of ``windows`` windows, decaying the older
         scores once per window. ``reads``: the assignments served by the helper tier and by host memory, as
         counted where they ran (default: by where each expert is now). ``prompt``: the windows hold a prompt
-        chunk, whose thousands of assignments show what the request uses: a rebalance is due at once."""
+        chunk, whose thousands of assignments show what the request uses: a rebalance is due at once. Its
+        assignments count in the statistics' prompt figures too, and its bytes by tiles (`CacheStats`): an
+        expert its rows share crosses a link once a tile, where a decode window's miss reads it whole (a
+        hand-over that holds decode windows beside a prompt chunk is counted as a prompt's)."""
         total = int(counts.sum())
+        tiers = self.tiers()
         if reads is None:
-            tiers = self.tiers()
             reads = Reads(int(counts[tiers == HELPER].sum()), int(counts[tiers == HOST].sum()))
-        s = self.stats
+        s, eb = self.stats, self.expert_bytes
         s.hits += total - reads.helper - reads.host
         s.misses += reads.helper + reads.host
         s.helper_hits += reads.helper
-        s.miss_bytes += reads.host * self.expert_bytes
-        s.helper_bytes += reads.helper * self.expert_bytes
+        if prompt:
+            tiles = np.ceil(counts / PREFILL_EXPERT_TILE_ROWS)
+            host_bytes = int(tiles[tiers == HOST].sum()) * eb
+            s.prompt_hits += total - reads.helper - reads.host
+            s.prompt_misses += reads.helper + reads.host
+            s.prompt_miss_bytes += host_bytes
+            s.miss_bytes += host_bytes
+            s.helper_bytes += int(tiles[tiers == HELPER].sum()) * eb
+        else:
+            s.miss_bytes += reads.host * eb
+            s.helper_bytes += reads.helper * eb
         s.windows += windows
         if self.complete:
             return
