@@ -95,11 +95,11 @@ def test_the_mtp_heads_layer_held_whole_on_the_gpu_gives_the_all_resident_text(c
     """22 slots with the share a whole fixed layer may take raised to three quarters: the MTP head's layer
     holds its 16 experts in VRAM (its drafter reads them through the tables on the drafters' stream), the
     main layers share 6, and the greedy text with batch MTP is the all-resident run's."""
+    from strata_cfg.schema import facts
     from strata_runtime.engine import Engine
-    from strata_runtime.experts import cache
 
     resident = _generate(Engine(_plan(cp, cache=None)), PROMPTS, 24)
-    monkeypatch.setattr(cache, "WHOLE_FIXED_MOST", 0.75)
+    monkeypatch.setattr(facts, "MTP_WHOLE_MOST", 0.75)
     engine = Engine(_plan(cp, cache=22))
     last = engine.model.stages[-1]
     r = last.experts.residency

@@ -1238,6 +1238,26 @@ def test_plan_text_says_the_mtp_head_drafts_through_the_8bit_head():
     assert "8-bit" not in plan_text(plan_of(path))  # inert: nothing drafts through a head
 
 
+def test_experts_mtp_whole_keeps_the_heads_experts_where_they_take_at_most_an_eighth_of_the_slots():
+    """Under a cache of about 2,000 slots the MTP head's 128 experts are held whole, and the note says how
+    many of the GPU's slots they take; with the head not drafting, with every expert resident, or with a
+    cache under 8 x 128 slots, the head's layer gets no such place and the note is absent."""
+    path = rule_file("experts.mtp-whole")
+    plan = plan_of(path)
+    g = plan.gpus[0]
+    assert g.experts_whole == 128 and 8 * 128 <= g.experts_resident < g.experts_total
+    d = decision(plan, "experts.mtp-whole")
+    assert f"all 128 routed experts of the MTP head's layer among the {g.experts_resident}" in d.message
+    off = plan_of(path, ["spec.draft_tokens=0", "batch.mtp=false"])
+    assert off.gpus[0].experts_whole == 0 and "experts.mtp-whole" not in [x.rule for x in off.decisions]
+    assert off.gpus[0].experts_total == g.experts_total - 128  # no head loaded: its experts are not counted
+    small = plan_of(path, ["experts.cache=1023"])
+    assert small.gpus[0].experts_whole == 0 and "experts.mtp-whole" not in [x.rule for x in small.decisions]
+    assert plan_of(path, ["experts.cache=1024"]).gpus[0].experts_whole == 128
+    roomy = plan_of(path, ['machine.gpus=[{name="GPU", vram_mib=143771, bandwidth_gbs=4800}]'])
+    assert roomy.gpus[0].all_experts_resident and roomy.gpus[0].experts_whole == 0
+
+
 def test_spec_draft_head_auto_takes_the_8bit_head_where_it_displaces_no_expert():
     """``spec.draft_head = "auto"`` on one H200 holding every expert: the 8-bit copy, counted in the last
     GPU's weights. Capped at 24 GiB, where an expert cache holds what fits, the model's own head, and the

@@ -13,9 +13,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from strata_cfg.schema import facts
+from strata_cfg.schema.facts import mtp_experts_whole
 from strata_runtime.backend import Device
-from strata_runtime.experts import cache
-from strata_runtime.experts.cache import Policy, Residency, even_fill, whole_fixed
+from strata_runtime.experts.cache import Policy, Residency, even_fill
 from strata_runtime.experts.store import ExpertStore
 
 
@@ -55,9 +56,9 @@ def test_even_fill_holds_the_whole_layers_and_spreads_the_rest(layers, experts, 
 
 def test_the_mtp_heads_layer_is_held_whole_where_that_costs_at_most_an_eighth_of_the_slots() -> None:
     """A fixed layer never adapts: held whole (9 layers of 8 experts, 64 slots: 8 = an eighth), its experts
-    all hit, however the routing moves the other layers; one slot fewer, it gets an even share again."""
-    assert whole_fixed(9, 8, 64, {8}) == {8} and whole_fixed(9, 8, 63, {8}) == frozenset()
-    assert whole_fixed(9, 8, 64, ()) == frozenset()
+    all hit, however the routing moves the other layers; one slot fewer, it gets an even share again, and
+    the plan's decision (``whole``) overrides the rule either way."""
+    assert mtp_experts_whole(8, 64) and not mtp_experts_whole(8, 63) and not mtp_experts_whole(0, 64)
     r = Residency(9, 8, 64, 1, Policy(every=1, margin=0.0), fixed=frozenset({8}))
     assert (r.slot_of[8] >= 0).all() and (r.slot_of[:8] >= 0).sum() == 56
     counts = np.zeros((9, 8))
@@ -70,8 +71,12 @@ def test_the_mtp_heads_layer_is_held_whole_where_that_costs_at_most_an_eighth_of
     before = r.stats.misses
     r.observe(counts)
     assert r.stats.misses == before  # the main layers learned experts 4..7, the MTP head's are all there
-    narrow = Residency(9, 8, 63, 1, Policy(), fixed=frozenset({8}))
-    assert (narrow.slot_of[8] >= 0).sum() == 7
+    assert (Residency(9, 8, 63, 1, Policy(), fixed=frozenset({8})).slot_of[8] >= 0).sum() == 7
+    assert (
+        Residency(9, 8, 64, 1, Policy(), fixed=frozenset({8}), whole=False).slot_of[8] >= 0
+    ).sum() == 8 - 1
+    assert (Residency(9, 8, 40, 1, Policy(), fixed=frozenset({8}), whole=True).slot_of[8] >= 0).all()
+    assert (Residency(9, 8, 7, 1, Policy(), fixed=frozenset({8}), whole=True).slot_of[8] >= 0).sum() == 0
 
 
 def test_an_engine_with_its_mtp_heads_experts_held_whole_gives_the_requests_text(monkeypatch) -> None:
@@ -85,7 +90,7 @@ def test_an_engine_with_its_mtp_heads_experts_held_whole_gives_the_requests_text
     from strata_runtime.api import Request
     from strata_runtime.engine import Engine
 
-    monkeypatch.setattr(cache, "WHOLE_FIXED_MOST", 0.5)
+    monkeypatch.setattr(facts, "MTP_WHOLE_MOST", 0.5)
     plan = make_plan(
         slots=1, draft_tokens=2, context=128, prefill_chunk=32, expert_cache=20, **model_source("austen")
     )

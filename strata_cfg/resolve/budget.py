@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from ..schema.facts import GpuFacts, MachineFacts, ModelFacts
+from ..schema.facts import GpuFacts, MachineFacts, ModelFacts, mtp_experts_whole
 from ..schema.plan import Budget, GpuPlan
 from . import sizes
 from .ledger import Ledger
@@ -113,6 +113,8 @@ def _stage_gpu(
             )
             return None
     experts = resident * eb
+    mtp = model.mtp_layers * model.num_experts if sz.with_mtp and any(p.shape.last for _, p in placed) else 0
+    whole = mtp if resident < need.experts and mtp_experts_whole(mtp, resident) else 0
     budget = Budget(
         total=total,
         weights=need.weights,
@@ -133,6 +135,7 @@ def _stage_gpu(
         budget=budget,
         experts_total=need.experts,
         experts_resident=resident,
+        experts_whole=whole,
     )
 
 
@@ -238,6 +241,16 @@ def expert_notes(gpus: list[GpuPlan], sz: Sizing, led: Ledger, expert_bytes: int
             f"GPU {g.index} holds {g.experts_resident} of its {g.experts_total} routed experts in VRAM; "
             f"the other {missing} stream from host memory through that cache",
         )
+    for g in partial:
+        if g.experts_whole:
+            led.note(
+                "experts.mtp-whole",
+                "experts.cache",
+                f"GPU {g.index} keeps all {g.experts_whole} routed experts of the MTP head's layer among the "
+                f"{g.experts_resident} it holds in VRAM: the head runs at every drafting step "
+                "and on the drafters' stream, which the cache's swaps are not ordered with, so its layer "
+                "cannot follow its routing as the other layers' slots do",
+            )
     if helper_held:
         led.note("experts.cache", "experts.helper_devices", f"helper GPUs hold {helper_held} more experts")
     if partial:

@@ -192,6 +192,13 @@ _RULES = (
         "experts.cache", 7, "note", "not every expert fits: the rest stream from host memory through a cache"
     ),
     Rule(
+        "experts.mtp-whole",
+        7,
+        "note",
+        "under an expert cache the MTP head's layer, which cannot follow its routing, holds all its experts "
+        "where they take at most an eighth of the GPU's slots",
+    ),
+    Rule(
         "experts.policy-inert",
         7,
         "note",

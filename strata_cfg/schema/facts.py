@@ -40,6 +40,19 @@ MAX_POSITIONS = 1 << 24
 MAX_MTP_LAYERS = 16
 
 
+MTP_WHOLE_MOST = 1 / 8
+"""The share of a GPU's expert slots the MTP head's routed experts may take to be held whole (rule
+``experts.mtp-whole``)."""
+
+
+def mtp_experts_whole(mtp_experts: int, slots: int) -> bool:
+    """Whether an expert cache of ``slots`` VRAM slots holds every one of the MTP head's ``mtp_experts``
+    routed experts: where they take at most `MTP_WHOLE_MOST` of the slots. That layer runs on the drafters'
+    stream, which the cache's swaps are not ordered with, so it cannot follow its routing; an even share
+    would leave it the experts of the lowest ids whatever it routes to."""
+    return 0 < mtp_experts <= slots * MTP_WHOLE_MOST
+
+
 def expected_distinct_experts(n_experts: int, top_k: int, rows: int) -> float:
     """Distinct experts that ``rows`` rows route to under uniform random routing (exactly top-k at 1 row)."""
     if n_experts == 0 or top_k == 0:

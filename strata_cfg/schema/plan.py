@@ -200,6 +200,9 @@ class GpuPlan(_Plan):
     """Routed experts of the layers placed on this GPU."""
     experts_resident: int = 0
     """How many of those fit in VRAM."""
+    experts_whole: int = 0
+    """Of ``experts_resident`` under an expert cache, the MTP head's routed experts, all of them, held for
+    good (rule ``experts.mtp-whole``); 0 where the head's layer has an even share like any layer's."""
 
     @model_validator(mode="before")
     @classmethod

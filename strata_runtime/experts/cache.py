@@ -34,7 +34,7 @@ The cache is one pool for all the stage's layers, so a layer whose routing is sp
 one whose routing repeats. It starts with the slots spread evenly over the layers (experts in id order, the
 helper tier with the experts VRAM does not hold, in the same order); the first windows (the prompt's chunks,
 which route thousands of rows) then fill it with what the request uses. The MTP head's layer, which cannot
-adapt, holds all its experts where that costs at most an eighth of the slots (`whole_fixed`).
+adapt, holds all its experts where that costs at most an eighth of the slots (`Residency.whole`).
 Swapping changes where an expert's product is computed, never its value: the policy cannot change any token.
 """
 
@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
+from strata_cfg.schema.facts import mtp_experts_whole
 from strata_cfg.schema.windows import PREFILL_EXPERT_TILE_ROWS
 
 if TYPE_CHECKING:
@@ -170,27 +171,6 @@ class CacheStats:
         }
 
 
-WHOLE_FIXED_MOST = 1 / 8
-"""The share of a cache's VRAM slots its fixed layers (the MTP head's) may take to hold every one of their
-experts (`whole_fixed`)."""
-
-
-def whole_fixed(layers: int, experts: int, slots: int, fixed: Collection[int]) -> frozenset[int]:
-    """The fixed layers that start with, and so keep, every expert in VRAM: all of them where that takes at
-    most `WHOLE_FIXED_MOST` of the slots, else none.
-
-    A fixed layer never adapts, so an even share would leave it the experts of the lowest ids, about
-    slots / layers of them, whatever it routes to. The MTP head's layer runs at every drafting step, every
-    silent probe and every row the head catches up on: as often as a main layer or more. With a third of
-    the experts in VRAM (a 24 GiB card and Qwen3-30B-A3B), its layer's misses were a sixth of what one
-    stream read over the host link; held whole, it takes 85 more slots (4% of about 2,140), which the
-    main layers' adaptive share misses much less."""
-    fixed = frozenset(j for j in fixed if 0 <= j < layers)
-    if not fixed or len(fixed) * experts > slots * WHOLE_FIXED_MOST:
-        return frozenset()
-    return fixed
-
-
 def even_fill(layers: int, experts: int, slots: int, whole: Collection[int] = ()) -> np.ndarray:
     """Initial contents: every expert of the layers in ``whole``, then the remaining slots spread as evenly
     as possible over the other layers, each layer's experts in id order, as a table [L, E] of slot numbers
@@ -254,10 +234,14 @@ class Residency:
     policy: Policy = field(default_factory=Policy)
     fixed: frozenset[int] = frozenset()
     """Layers whose experts never move (the MTP head's: its windows run on another stream, which the
-    swaps are not ordered with); they keep their initial slots in both tiers: every expert in VRAM where
-    that is cheap (`whole_fixed`), else an even share like any layer's."""
+    swaps are not ordered with); they keep their initial slots in both tiers (`whole`)."""
     helper_slots: int = 0
     """Slots of the second tier, on helper or peer devices (0: none)."""
+    whole: bool | None = None
+    """Whether the ``fixed`` layers start with, and so keep, every expert in VRAM, as the plan decides (the
+    GPU's ``experts_whole``, rule ``experts.mtp-whole``); None: by the same rule here
+    (`strata_cfg.schema.facts.mtp_experts_whole` over this cache's slots). Otherwise they get an even share
+    like any layer's: the experts of the lowest ids, whatever they route to."""
     slot_of: np.ndarray = field(init=False)
     """[L, E] int32: the VRAM slot of each (layer, expert), -1 when it holds none."""
     owner: np.ndarray = field(init=False)
@@ -276,8 +260,12 @@ class Residency:
     _since: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
-        whole = whole_fixed(self.layers, self.experts, self.slots, self.fixed)
-        self.slot_of = even_fill(self.layers, self.experts, self.slots, whole)
+        fixed = [j for j in self.fixed if 0 <= j < self.layers]
+        whole = self.whole
+        if whole is None:
+            whole = not self.complete and mtp_experts_whole(len(fixed) * self.experts, self.slots)
+        whole = whole and len(fixed) * self.experts <= self.slots  # a stage's share of a GPU may hold fewer
+        self.slot_of = even_fill(self.layers, self.experts, self.slots, fixed if whole else ())
         self.owner = _owners(self.slot_of, self.slots)
         self.helper_of = helper_fill(self.slot_of, self.helper_slots)
         self.helper_owner = _owners(self.helper_of, self.helper_slots)

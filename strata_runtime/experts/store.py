@@ -42,10 +42,12 @@ class ExpertStore:
         policy: Policy | None = None,
         fixed: frozenset[int] = frozenset(),
         helpers: Sequence[tuple[Device, int]] = (),
+        whole: bool | None = None,
     ) -> None:
         """``gate_up[j]`` [E, 2I, H] and ``down[j]`` [E, H, I]: layer j's experts, on the device when
         ``slots`` is None (every expert resident), else in host memory (the host tier). ``slots``: the
-        VRAM slots of the cache. ``fixed``: layers whose experts keep their first slots. ``helpers``:
+        VRAM slots of the cache. ``fixed``: layers whose experts keep their first slots; ``whole``: whether
+        those hold every expert in VRAM (`Residency.whole`; None: by `mtp_experts_whole`). ``helpers``:
         (device, slots) of the helper tier on each helper device (only under a cache; at most the experts
         VRAM cannot hold, the last devices' shares cut first)."""
         if len(gate_up) != len(layer_ids) or len(down) != len(layer_ids):
@@ -76,7 +78,7 @@ class ExpertStore:
         dtype = gate_up[0].dtype
         self.helper = HelperTier(parts, gu_shape, dn_shape, dtype)
         self.residency = Residency(
-            n_layers, n_exp, capacity, self.expert_bytes, policy or Policy(), fixed, len(self.helper)
+            n_layers, n_exp, capacity, self.expert_bytes, policy or Policy(), fixed, len(self.helper), whole
         )
         self.pool_gate_up = device.empty((capacity, *gu_shape), dtype)  # [C, 2I, H]
         self.pool_down = device.empty((capacity, *dn_shape), dtype)  # [C, H, I]

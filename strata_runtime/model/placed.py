@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import DTypeLike
 
-from strata_cfg.schema.plan import LaunchPlan
+from strata_cfg.schema.plan import GpuPlan, LaunchPlan
 from strata_cfg.schema.windows import MAX_WINDOW_ROWS
 
 from ..api import PlanMismatch, SamplingParams, Tokenizer
@@ -182,6 +182,11 @@ def routed_expert_names(args: ModelArgs, layers: tuple[int, int], mtp: bool) -> 
     return [f"{p}mlp.experts.{part}" for p in prefixes for part in ("gate_up_proj", "down_proj")]
 
 
+def gpu_of(plan: LaunchPlan, index: int) -> GpuPlan:
+    """The plan's GPU of index ``index``."""
+    return next(g for g in plan.gpus if g.index == index)
+
+
 def expert_slots(plan: LaunchPlan) -> list[int | None]:
     """Each stage's VRAM expert slots when its GPU cannot hold all its routed experts (None: all fit).
 
@@ -191,7 +196,7 @@ def expert_slots(plan: LaunchPlan) -> list[int | None]:
     """
     out: list[int | None] = []
     for sp in plan.stages:
-        gpu = next(g for g in plan.gpus if g.index == sp.gpu)
+        gpu = gpu_of(plan, sp.gpu)
         if gpu.experts_resident >= gpu.experts_total:
             out.append(None)
             continue
@@ -378,6 +383,7 @@ class Model:
                         kv_dtype=kv_dtype,
                         routing=routing,
                         expert_slots=cache_slots[sp.index],
+                        head_experts_whole=head and gpu_of(plan, sp.gpu).experts_whole > 0,
                         policy=Policy.of(plan.experts),
                         shared=shared,
                         helpers=helpers[sp.index],

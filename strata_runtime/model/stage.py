@@ -96,6 +96,7 @@ class Stage:
         kv_dtype: DTypeLike,
         routing: RoutingTables | None = None,
         expert_slots: int | None = None,
+        head_experts_whole: bool = False,
         policy: Policy | None = None,
         shared: StageWeights | None = None,
         helpers: Sequence[tuple[Device, int]] = (),
@@ -107,6 +108,8 @@ class Stage:
         """``routing``: every slot's calibrated-routing tables (host), or None for the model's own router.
         ``expert_slots``: VRAM slots for the routed experts of these layers when they do not all fit
         (their tensors in ``tensors`` are then host arrays, the host tier); None: all resident.
+        ``head_experts_whole``: under a cache, the MTP head's layer holds all its experts in those slots (the
+        plan's ``experts_whole``), not an even share.
         ``shared``: these tensors as other models of the same stage layout share them; the first stage built
         on them makes the expert cache, the others read the same one. ``helpers``: the cache's second tier,
         (device, slots) on each helper or peer device (`strata_runtime.model.placed.helper_slots`).
@@ -147,7 +150,9 @@ class Stage:
             self.experts = shared.experts
         else:
             fixed = frozenset(range(self.n_sparse, len(ids)))  # the MTP head's layer: see Residency.fixed
-            self.experts = ExpertStore(device, ids, gate_up, down, expert_slots, policy, fixed, helpers)
+            self.experts = ExpertStore(
+                device, ids, gate_up, down, expert_slots, policy, fixed, helpers, whole=head_experts_whole
+            )
             if shared is not None:
                 shared.experts = self.experts
         if self.experts.cached:
