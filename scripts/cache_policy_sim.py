@@ -1,12 +1,13 @@
 """Compare expert-cache policies by the experts they move over the host link per generated token.
 
-    python scripts/cache_policy_sim.py [--requests 12] [--tokens 128] [--layers 48] [--seed 0]
+    python scripts/cache_policy_sim.py [--requests 12] [--tokens 128] [--layers 48] [--seed 0] [--lag 0]
 
 Replays requests through the cache's own bookkeeping (strata_runtime/experts/cache_sim.py) in a model of
 Qwen3-30B-A3B's shape (48 sparse layers of 128 experts, top-8), with 34% and 63% of the experts in VRAM (a
 24 GiB card, and each GPU of two 20 GiB ones), under calibrated routing (short and long prompts, one and two
-streams) and uniform routing. The first half of the requests settle the cache. docs/RUNTIME.md shows this
-script's table.
+streams) and uniform routing. The first half of the requests settle the cache. ``--lag``: decode windows
+between a rebalance's decision and its landing (a GPU's windows run ahead of its hand-overs). docs/RUNTIME.md
+shows this script's tables.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ POLICIES = {
         decay=0.7, every=4, margin=1.0, max_swaps=32, after_prompt=False
     ),
     "default": Policy(),
+    "margin 1": Policy(margin=1.0),
     "margin 2": Policy(margin=2.0),
     "margin 4": Policy(margin=4.0),
     "at most 64": Policy(max_swaps=64),
@@ -32,6 +34,8 @@ POLICIES = {
     "decay 0.7": Policy(decay=0.7),
     "decay 0.95": Policy(decay=0.95),
     "no rebalance after a prompt": Policy(every=4, after_prompt=False),
+    "every 2 windows": Policy(every=2),
+    "every 2 windows, margin 2": Policy(every=2, margin=2.0),
 }
 
 
@@ -41,6 +45,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lag", type=int, default=0, help="decode windows a rebalance lands after its decision")
     args = ap.parse_args()
     experts, k, n = 128, 8, args.requests
     g = np.random.default_rng(args.seed)
@@ -64,8 +69,8 @@ def main() -> None:
     ]
     print(
         f"{n} requests of {args.tokens} tokens ({n // 2} settle the cache), {args.layers} layers x {experts} "
-        f"experts, top-{k}: experts over the host link per generated token (VRAM hit rate, the most experts "
-        "one rebalance moved)"
+        f"experts, top-{k}, rebalances landing {args.lag} windows late: experts over the host link per "
+        "generated token (VRAM hit rate, the most experts one rebalance moved)"
     )
     print("| policy | " + " | ".join(c[0] for c in cases) + " |")
     print("| --- |" + " ---: |" * len(cases))
@@ -73,7 +78,7 @@ def main() -> None:
         cells = []
         for _, requests, share, streams in cases:
             slots = int(share * args.layers * experts)
-            out = simulate(requests, slots, policy, streams=streams, warm=n // 2)
+            out = simulate(requests, slots, policy, streams=streams, warm=n // 2, lag=args.lag)
             cells.append(f"{out.link:.1f} ({100 * out.hit_rate:.1f}%, {out.largest})")
         print(f"| {name} | " + " | ".join(cells) + " |")
 

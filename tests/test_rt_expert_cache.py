@@ -344,6 +344,21 @@ def test_the_simulation_counts_an_expert_a_windows_rows_share_once() -> None:
     assert out.hit_rate == 0.5 and out.misses == 0.5 and out.swaps == 0  # one read per window, 2 tokens
 
 
+def test_a_rebalance_that_lands_late_leaves_the_windows_before_it_reading_its_newcomers_from_host() -> None:
+    """A prompt that routes to experts 2 and 3 (of 4, 2 slots holding 0 and 1) brings them in at once; the
+    decode windows read them from VRAM from the first, or, with the rebalance landing 3 windows late, from
+    host memory in those 3 windows: 2 experts a window, over 8 tokens."""
+    from strata_runtime.experts.cache_sim import RequestTrace, simulate
+
+    prompt = np.array([[0.0, 0.0, 50.0, 50.0]])
+    decode = np.tile(np.array([2, 3]), (8, 1, 1))  # [T, L, k]
+    req = RequestTrace(prompt, decode)
+    on_time = simulate([req], 2, Policy())
+    late = simulate([req], 2, Policy(), lag=3)
+    assert on_time.misses == 0 and on_time.hit_rate == 1.0 and on_time.swaps == late.swaps == 2 / 8
+    assert late.misses == 3 * 2 / 8 and late.hit_rate == 1 - 3 / 8
+
+
 def test_recalled_scores_add_to_the_decayed_ones_and_bring_a_rebalance_without_counting_any_work() -> None:
     """`Residency.recall` adds another moment's scores to the present ones decayed by one window, and the
     rebalance it makes due moves in the experts those scores rank highest; the statistics (what was served)

@@ -10,8 +10,11 @@ GPU path hands it over:
 * each decode window routes one row per stream; the counts of ``policy.every`` windows reach the cache
   together (the device counters are read that often, and every window while a rebalance stopped at
   ``max_swaps`` has more to do), and a rebalance is decided when one is due;
-* a window is served by what the cache holds when it runs (swaps take effect at once: on a GPU they land a
-  window or so later, which this leaves out).
+* a window is served by what the cache held ``lag`` windows before it (default 0: swaps take effect at
+  once). On a GPU a rebalance lands later: the counters are read behind the window that filled them and
+  handed over once that read has landed, while windows queued ahead run on, so the newcomers a rebalance
+  brings are read from host memory by the windows in between (one stream on the 24 GiB profile: about one
+  more read a swapped-in expert, docs/PERFORMANCE_LOG.md, "a twenty-second lease").
 
 Requests run ``streams`` at a time, their decode windows together (a window of several rows then reads an
 expert its rows share once, as the GPU's grouped decode kernels do). The first ``warm`` requests settle the
@@ -22,6 +25,7 @@ Letters: L sparse layers, E experts, k experts per row, T positions.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -93,18 +97,31 @@ def uniform_requests(
 
 
 def simulate(
-    requests: Sequence[RequestTrace], slots: int, policy: Policy, *, streams: int = 1, warm: int = 0
+    requests: Sequence[RequestTrace],
+    slots: int,
+    policy: Policy,
+    *,
+    streams: int = 1,
+    warm: int = 0,
+    lag: int = 0,
 ) -> Outcome:
-    """Replay ``requests``, ``streams`` at a time, through a cache of ``slots`` slots under ``policy``."""
+    """Replay ``requests``, ``streams`` at a time, through a cache of ``slots`` slots under ``policy``, each
+    rebalance landing ``lag`` decode windows after it is decided."""
     n_layers, n_experts = requests[0].prompt.shape
     cache = Residency(n_layers, n_experts, slots, 1, policy)
     pending, windows = np.zeros((n_layers, n_experts)), 0
     hits = total = misses = swaps = tokens = 0.0
     largest = 0
+    clock = 0  # decode windows so far
+    landing: deque[tuple[int, np.ndarray]] = deque()  # (the window it lands at, what VRAM holds then)
+    held = cache.slot_of >= 0  # what the windows read from now
 
     def hand_over(c: np.ndarray, w: int, prompt: bool = False) -> int:
         cache.observe(c, w, prompt=prompt)
-        return len(cache.rebalance()) if cache.due() else 0
+        moved = len(cache.rebalance()) if cache.due() else 0
+        if moved:
+            landing.append((clock + lag, cache.slot_of >= 0))
+        return moved
 
     for start in range(0, len(requests), streams):
         group = requests[start : start + streams]
@@ -115,7 +132,10 @@ def simulate(
             largest = max(largest, moved if counted else 0)
         for t in range(max(len(r.decode) for r in group)):
             c = counts(np.concatenate([r.decode[t : t + 1] for r in group if t < len(r.decode)]), n_experts)
-            resident = cache.slot_of >= 0
+            while landing and landing[0][0] <= clock:
+                held = landing.popleft()[1]
+            resident = held
+            clock += 1
             if counted:
                 total += c.sum()
                 hits += c[resident].sum()
