@@ -185,9 +185,8 @@ def even_fill(layers: int, experts: int, slots: int, whole: Collection[int] = ()
     spread = slots - len(whole) * experts
     per_layer = dict.fromkeys(whole, experts)
     if rest:
-        per_layer |= {
-            j: spread // len(rest) + (1 if i < spread % len(rest) else 0) for i, j in enumerate(rest)
-        }
+        each, extra = divmod(spread, len(rest))
+        per_layer |= {j: each + (1 if i < extra else 0) for i, j in enumerate(rest)}
     slot = 0
     for j in range(layers):
         n = per_layer.get(j, 0)
@@ -304,14 +303,16 @@ class Residency:
         expert its rows share crosses a link once a tile, where a decode window's miss reads it whole (a
         hand-over that holds decode windows beside a prompt chunk is counted as a prompt's)."""
         total = int(counts.sum())
-        tiers = self.tiers()
+        tiers = self.tiers() if reads is None or prompt else None
         if reads is None:
+            assert tiers is not None
             reads = Reads(int(counts[tiers == HELPER].sum()), int(counts[tiers == HOST].sum()))
         s, eb = self.stats, self.expert_bytes
         s.hits += total - reads.helper - reads.host
         s.misses += reads.helper + reads.host
         s.helper_hits += reads.helper
         if prompt:
+            assert tiers is not None
             tiles = np.ceil(counts / PREFILL_EXPERT_TILE_ROWS)
             host_bytes = int(tiles[tiers == HOST].sum()) * eb
             s.prompt_hits += total - reads.helper - reads.host
