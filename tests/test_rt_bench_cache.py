@@ -72,13 +72,21 @@ def test_a_prompt_chunk_reads_an_expert_in_host_memory_once_a_tile_and_a_decode_
     r.observe(decode, reads=Reads(0, 5))
     assert (s.prompt_hits, s.prompt_misses, s.hits, s.misses) == (500, 301, 502, 306)
     assert s.miss_bytes == 40 + 5 * 10 and s.prompt_miss_bytes == 40
+    # The tables send 5 of those 7 decode assignments to host memory: the kernels' 5 reads are on time;
+    # 7 counted (expert 1 of layer 1 read from host, as a window before a swap's landing does) are 2 late.
+    assert s.late_reads == 0
+    r.observe(decode, reads=Reads(0, 7))
+    assert s.late_reads == 2
+    r.observe(counts, reads=Reads(0, 400), prompt=True)  # a prompt's hand-over is not judged
+    assert s.late_reads == 2
 
 
 def test_the_cache_figures_split_decode_from_prompts_by_hand():
     traffic = {"hits": 900, "misses": 300, "swaps": 4, "miss_bytes": 5_000_000, "swap_bytes": 1_000_000}
-    traffic |= {"prompt_hits": 600, "prompt_misses": 200, "prompt_host_bytes": 3_000_000}
+    traffic |= {"prompt_hits": 600, "prompt_misses": 200, "prompt_host_bytes": 3_000_000, "late_reads": 25}
     decode = cache_figures(traffic, generated=10, prompt_tokens=100, prompt=False)
     assert decode["expert_vram_pct"] == pytest.approx(75.0)  # 300 of 400 decode assignments
+    assert decode["late_read_pct"] == pytest.approx(25.0)  # 25 of the 100 decode misses
     assert decode["host_mb_per_token"] == pytest.approx(0.3)  # (2 MB of misses + 1 MB of swaps) / 10
     assert (
         decode["prompt_expert_vram_pct"] == pytest.approx(75.0) and decode["prompt_host_mb_per_token"] == 0.03
@@ -87,12 +95,12 @@ def test_the_cache_figures_split_decode_from_prompts_by_hand():
     assert prompt["expert_vram_pct"] == pytest.approx(75.0) and prompt["host_mb_per_token"] == pytest.approx(
         0.04
     )
-    unmarked = traffic | {"prompt_hits": 0, "prompt_misses": 0, "prompt_host_bytes": 0}
+    unmarked = traffic | {"prompt_hits": 0, "prompt_misses": 0, "prompt_host_bytes": 0, "late_reads": 0}
     prompt = cache_figures(unmarked, generated=1, prompt_tokens=100, prompt=True)  # read in graph windows
     assert prompt["expert_vram_pct"] == pytest.approx(75.0) and prompt["host_mb_per_token"] == pytest.approx(
         0.06
     )
-    assert "prompt_expert_vram_pct" not in cache_figures(unmarked, 10, 100, prompt=False)
+    assert {"prompt_expert_vram_pct", "late_read_pct"}.isdisjoint(cache_figures(unmarked, 10, 100, False))
 
 
 @pytest.mark.parametrize(("link_bound", "hit_pct"), [(True, 50.0), (False, 99.5)])
@@ -110,9 +118,10 @@ def test_the_cache_ceiling_is_the_slower_link_for_the_window(link_bound, hit_pct
     assert out["cache_ceiling_tok_s"] == pytest.approx(tokens / max(vram / copy, host / link))
     assert out["of_cache_ceiling"] == pytest.approx(100.0 / out["cache_ceiling_tok_s"])
     assert "ceiling" in out["line"] and f"{hit_pct:.1f}%" in out["line"] and "prompts" not in out["line"]
-    m |= {"prompt_expert_vram_pct": 41.25, "prompt_host_mb_per_token": 12.5}
+    m |= {"prompt_expert_vram_pct": 41.25, "prompt_host_mb_per_token": 12.5, "late_read_pct": 21.0}
     out = cache_ceiling(facts, m, positions=300, kv_dtype="float16", copy=copy, link=link)
     assert "the prompts' chunks: 41.2% from VRAM, 12.5 MB a prompt token" in out["line"]
+    assert "21% of the decode windows' misses read experts a rebalance had already sent for" in out["line"]
     assert out["prompt_expert_vram_pct"] == 41.25 and out["cache_ceiling_tok_s"] == pytest.approx(
         tokens / max(vram / copy, host / link)
     )

@@ -206,16 +206,21 @@ def cache_ceiling(
         f"({si(vram / copy, 's')}) and {si(host, 'B')} over the link ({si(host / link, 's')}): ceiling "
         f"{ceiling:,.1f} tok/s, measured {m['tok_s']:,.1f} = {100 * m['tok_s'] / ceiling:.0f}% of it"
     )
-    prompts: dict[str, float] = {
-        k: m[k] for k in ("prompt_expert_vram_pct", "prompt_host_mb_per_token") if k in m
+    extra: dict[str, float] = {
+        k: m[k] for k in ("prompt_expert_vram_pct", "prompt_host_mb_per_token", "late_read_pct") if k in m
     }
-    if prompts:
+    if "prompt_expert_vram_pct" in extra:
         line += (
-            f" (decode windows; the prompts' chunks: {prompts['prompt_expert_vram_pct']:.1f}% from VRAM, "
-            f"{prompts['prompt_host_mb_per_token']:.1f} MB a prompt token)"
+            f" (decode windows; the prompts' chunks: {extra['prompt_expert_vram_pct']:.1f}% from VRAM, "
+            f"{extra['prompt_host_mb_per_token']:.1f} MB a prompt token)"
+        )
+    if "late_read_pct" in extra:
+        line += (
+            f"; {extra['late_read_pct']:.0f}% of the decode windows' misses read experts a rebalance had "
+            "already sent for"
         )
     return {
-        **prompts,
+        **extra,
         "expert_vram_pct": m["expert_vram_pct"],
         "host_mb_per_token": m["host_mb_per_token"],
         "cache_ceiling_tok_s": ceiling,

@@ -131,6 +131,11 @@ class CacheStats:
     """Of the misses, those of prompt chunks."""
     prompt_miss_bytes: int = 0
     """Of ``miss_bytes``, those of prompt chunks."""
+    late_reads: int = 0
+    """Decode windows' assignments the kernels read from host memory beyond those the cache's tables, as the
+    host holds them at the hand-over, send there: mostly experts a rebalance has already decided to bring
+    in, read by the windows queued ahead before its copies landed (a GPU's counters only; 0 where the
+    reads are not counted apart from the tables)."""
     swap_bytes: int = 0
     """Expert weights copied from host memory into slots of either tier (the helper tier's over its own
     GPU's host link)."""
@@ -164,6 +169,7 @@ class CacheStats:
             "prompt_hits": self.prompt_hits,
             "prompt_misses": self.prompt_misses,
             "prompt_miss_bytes": self.prompt_miss_bytes,
+            "late_reads": self.late_reads,
             "swap_bytes": self.swap_bytes,
             "helper_bytes": self.helper_bytes,
             "peer_swap_bytes": self.peer_swap_bytes,
@@ -303,16 +309,17 @@ class Residency:
         expert its rows share crosses a link once a tile, where a decode window's miss reads it whole (a
         hand-over that holds decode windows beside a prompt chunk is counted as a prompt's)."""
         total = int(counts.sum())
-        tiers = self.tiers() if reads is None or prompt else None
+        tiers = self.tiers()
+        held = Reads(int(counts[tiers == HELPER].sum()), int(counts[tiers == HOST].sum()))
         if reads is None:
-            assert tiers is not None
-            reads = Reads(int(counts[tiers == HELPER].sum()), int(counts[tiers == HOST].sum()))
+            reads = held
+        elif not prompt:
+            self.stats.late_reads += max(0, reads.host - held.host)
         s, eb = self.stats, self.expert_bytes
         s.hits += total - reads.helper - reads.host
         s.misses += reads.helper + reads.host
         s.helper_hits += reads.helper
         if prompt:
-            assert tiers is not None
             tiles = np.ceil(counts / PREFILL_EXPERT_TILE_ROWS)
             host_bytes = int(tiles[tiers == HOST].sum()) * eb
             s.prompt_hits += total - reads.helper - reads.host
