@@ -29,6 +29,10 @@ def test_a_cached_engines_run_reports_vram_share_and_link_bytes_per_token():
     assert traffic["host_bytes"] == sum(c.miss_bytes + c.swap_bytes for c in caches)
     assert traffic["prompt_hits"] + traffic["prompt_misses"] > 0  # the 20-token prompt's chunks
     fig = measure("two-decodes", results, stats, wall=1.0)
+    decode = [v for kind, v in stats["windows_by_kind"].items() if kind != "prefill"]
+    assert decode and len(decode) < len(stats["windows_by_kind"])  # the prompts' windows are left out
+    assert fig["decode_window_ms"] == pytest.approx(sum(v[1] for v in decode) / sum(v[0] for v in decode))
+    assert fig["decode_window_tokens"] == pytest.approx(sum(v[2] for v in decode) / sum(v[0] for v in decode))
     d_hits = traffic["hits"] - traffic["prompt_hits"]
     d_served = traffic["hits"] + traffic["misses"] - traffic["prompt_hits"] - traffic["prompt_misses"]
     assert fig["expert_vram_pct"] == pytest.approx(100 * d_hits / d_served)
@@ -125,6 +129,13 @@ def test_the_cache_ceiling_is_the_slower_link_for_the_window(link_bound, hit_pct
     assert out["prompt_expert_vram_pct"] == 41.25 and out["cache_ceiling_tok_s"] == pytest.approx(
         tokens / max(vram / copy, host / link)
     )
+    # With the decode windows' own figures (a run's windows by kind): 3 tokens in 25 ms a window, 120 tok/s.
+    m |= {"decode_window_ms": 25.0, "decode_window_tokens": 3.0}
+    out = cache_ceiling(facts, m, positions=300, kv_dtype="float16", copy=copy, link=link)
+    host = m["host_mb_per_token"] * 1e6 * 3.0
+    assert out["cache_ceiling_tok_s"] == pytest.approx(3.0 / max(vram / copy, host / link))
+    assert out["of_cache_ceiling"] == pytest.approx(120.0 / out["cache_ceiling_tok_s"])
+    assert "measured 120.0 (the decode windows')" in out["line"]
 
 
 def _phrase(salt: int) -> tuple[int, ...]:

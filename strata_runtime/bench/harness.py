@@ -497,6 +497,11 @@ def measure(name: str, results: list[Result], stats: dict[str, Any], wall: float
         generated = sum(len(r.token_ids) for r in results)
         prompt_tokens = sum(r.prompt_tokens - r.cached for r in results)
         out |= cache_figures(traffic, generated, prompt_tokens, prompt=name == "prompt")
+        kinds = [w for kind, w in (stats.get("windows_by_kind") or {}).items() if kind != "prefill"]
+        windows = sum(w[0] for w in kinds)
+        if windows and name != "prompt":  # what a decode window takes and yields, for the cache's ceiling
+            out["decode_window_ms"] = sum(w[1] for w in kinds) / windows
+            out["decode_window_tokens"] = sum(w[2] for w in kinds) / windows
     return out
 
 

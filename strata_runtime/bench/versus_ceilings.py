@@ -189,11 +189,18 @@ def cache_ceiling(
     A window of R rows reads the step's bytes from VRAM, less the experts it read from host memory (the
     measured miss share), and moves the measured host bytes per token times the window's tokens over the
     link; the two links work at once, so the slower of the two bounds the window. The share and the bytes
-    are the decode windows' (`strata_runtime.bench.harness.cache_figures`); a run that read prompts through
-    the prefill path has the prompts' own figures beside them.
+    are the decode windows' (`strata_runtime.bench.harness.cache_figures`), and so are the tokens a window
+    yields and the rate set against the ceiling where the run counted its windows by kind
+    (``decode_window_ms``); a run that read prompts through the prefill path has the prompts' own figures
+    beside them.
     """
     rows = max(1, round(m["rows_per_window"]))
-    tokens = m["tok_s"] * m["ms_per_window"] / 1000  # tokens each window yields, measured
+    if m.get("decode_window_ms"):  # the decode windows' own tokens and time, without the prompts'
+        tokens = m["decode_window_tokens"]
+        rate, what = 1000 * tokens / m["decode_window_ms"], " (the decode windows')"
+    else:
+        tokens = m["tok_s"] * m["ms_per_window"] / 1000  # tokens each window yields, measured
+        rate, what = m["tok_s"], ""
     step = decode_step_bytes(facts, rows=rows, positions=positions, kv_dtype=kv_dtype)
     hit = m["expert_vram_pct"] / 100
     vram = step.total - (1 - hit) * step.experts
@@ -204,7 +211,7 @@ def cache_ceiling(
         f"expert cache: {100 * hit:.1f}% of expert work from VRAM, {m['host_mb_per_token']:.1f} MB/token "
         f"over the host link; a {rows}-row window ({tokens:.2f} tokens) reads {si(vram, 'B')} from VRAM "
         f"({si(vram / copy, 's')}) and {si(host, 'B')} over the link ({si(host / link, 's')}): ceiling "
-        f"{ceiling:,.1f} tok/s, measured {m['tok_s']:,.1f} = {100 * m['tok_s'] / ceiling:.0f}% of it"
+        f"{ceiling:,.1f} tok/s, measured {rate:,.1f}{what} = {100 * rate / ceiling:.0f}% of it"
     )
     extra: dict[str, float] = {
         k: m[k] for k in ("prompt_expert_vram_pct", "prompt_host_mb_per_token", "late_read_pct") if k in m
@@ -224,6 +231,6 @@ def cache_ceiling(
         "expert_vram_pct": m["expert_vram_pct"],
         "host_mb_per_token": m["host_mb_per_token"],
         "cache_ceiling_tok_s": ceiling,
-        "of_cache_ceiling": m["tok_s"] / ceiling if ceiling else 0.0,
+        "of_cache_ceiling": rate / ceiling if ceiling else 0.0,
         "line": line,
     }
