@@ -26,7 +26,7 @@ TOLERANCE = st.Locality(
     best_40=0.05,
     held_out_40=0.05,  # the published range is 68-73%
     # The oracle comes from another study (its own prompts and lengths); the model was tuned to the imp
-    # figures, and EXPERTS.md's simulation was already 5.6 points under it at m = 16.
+    # figures, and the first simulation of this routing model was already 5.6 points under it at m = 16.
     oracle_4=0.06,
     oracle_16=0.06,
     oracle_64=0.06,
