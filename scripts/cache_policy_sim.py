@@ -1,13 +1,15 @@
 """Compare expert-cache policies by the experts they move over the host link per generated token.
 
     python scripts/cache_policy_sim.py [--requests 12] [--tokens 128] [--layers 48] [--seed 0] [--lag 0]
+        [--prompt-lag N]
 
 Replays requests through the cache's own bookkeeping (strata_runtime/experts/cache_sim.py) in a model of
 Qwen3-30B-A3B's shape (48 sparse layers of 128 experts, top-8), with 34% and 63% of the experts in VRAM (a
 24 GiB card, and each GPU of two 20 GiB ones), under calibrated routing (short and long prompts, one and two
 streams) and uniform routing. The first half of the requests settle the cache. ``--lag``: decode windows
-between a rebalance's decision and its landing (a GPU's windows run ahead of its hand-overs). docs/RUNTIME.md
-shows this script's tables.
+between a rebalance's decision and its landing (a GPU's windows run ahead of its hand-overs);
+``--prompt-lag``: the same for the rebalance a prompt brings (default: ``--lag``; 0: as if the first decode
+window waited for it). docs/RUNTIME.md shows this script's tables.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lag", type=int, default=0, help="decode windows a rebalance lands after its decision")
+    ap.add_argument("--prompt-lag", type=int, default=None, help="the same for a prompt's rebalance")
     args = ap.parse_args()
     experts, k, n = 128, 8, args.requests
     g = np.random.default_rng(args.seed)
@@ -69,7 +72,8 @@ def main() -> None:
     ]
     print(
         f"{n} requests of {args.tokens} tokens ({n // 2} settle the cache), {args.layers} layers x {experts} "
-        f"experts, top-{k}, rebalances landing {args.lag} windows late: experts over the host link per "
+        f"experts, top-{k}, rebalances landing {args.lag} windows late (a prompt's "
+        f"{args.lag if args.prompt_lag is None else args.prompt_lag}): experts over the host link per "
         "generated token (VRAM hit rate, the most experts one rebalance moved)"
     )
     print("| policy | " + " | ".join(c[0] for c in cases) + " |")
@@ -78,7 +82,15 @@ def main() -> None:
         cells = []
         for _, requests, share, streams in cases:
             slots = int(share * args.layers * experts)
-            out = simulate(requests, slots, policy, streams=streams, warm=n // 2, lag=args.lag)
+            out = simulate(
+                requests,
+                slots,
+                policy,
+                streams=streams,
+                warm=n // 2,
+                lag=args.lag,
+                prompt_lag=args.prompt_lag,
+            )
             cells.append(f"{out.link:.1f} ({100 * out.hit_rate:.1f}%, {out.largest})")
         print(f"| {name} | " + " | ".join(cells) + " |")
 

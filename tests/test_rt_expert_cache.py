@@ -357,6 +357,8 @@ def test_a_rebalance_that_lands_late_leaves_the_windows_before_it_reading_its_ne
     late = simulate([req], 2, Policy(), lag=3)
     assert on_time.misses == 0 and on_time.hit_rate == 1.0 and on_time.swaps == late.swaps == 2 / 8
     assert late.misses == 3 * 2 / 8 and late.hit_rate == 1 - 3 / 8
+    # The prompt's rebalance landing before the first decode window: on time again, whatever ``lag``.
+    assert simulate([req], 2, Policy(), lag=3, prompt_lag=0) == on_time
 
 
 def test_recalled_scores_add_to_the_decayed_ones_and_bring_a_rebalance_without_counting_any_work() -> None:

@@ -104,9 +104,12 @@ def simulate(
     streams: int = 1,
     warm: int = 0,
     lag: int = 0,
+    prompt_lag: int | None = None,
 ) -> Outcome:
     """Replay ``requests``, ``streams`` at a time, through a cache of ``slots`` slots under ``policy``, each
-    rebalance landing ``lag`` decode windows after it is decided."""
+    rebalance landing ``lag`` decode windows after it is decided, one a prompt brings ``prompt_lag``
+    windows after (default: ``lag``; 0 as if the first decode window waited for it)."""
+    late_prompt = lag if prompt_lag is None else prompt_lag
     n_layers, n_experts = requests[0].prompt.shape
     cache = Residency(n_layers, n_experts, slots, 1, policy)
     pending, windows = np.zeros((n_layers, n_experts)), 0
@@ -120,7 +123,7 @@ def simulate(
         cache.observe(c, w, prompt=prompt)
         moved = len(cache.rebalance()) if cache.due() else 0
         if moved:
-            landing.append((clock + lag, cache.slot_of >= 0))
+            landing.append((clock + (late_prompt if prompt else lag), cache.slot_of >= 0))
         return moved
 
     for start in range(0, len(requests), streams):
