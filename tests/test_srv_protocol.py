@@ -675,6 +675,7 @@ def _expert_stats(rng: random.Random) -> dict:
             "windows": rng.randrange(1, 900),
             "miss_bytes": misses * expert,
             "swap_bytes": rng.randrange(0, 300) * expert,
+            "late_reads": rng.randrange(1, misses + 1),
         }
 
     return {
@@ -717,6 +718,7 @@ def test_metrics_report_the_expert_cache_per_gpu():
         assert values[f"strata_expert_swaps_total{label}"] == sum(e["swaps"] for e in stages)
         moved = sum(e["miss_bytes"] + e["swap_bytes"] for e in stages)
         assert values[f"strata_expert_host_bytes_total{label}"] == moved
+        assert values[f"strata_expert_late_reads_total{label}"] == sum(e["late_reads"] for e in stages)
         assert math.isclose(values[f"strata_expert_hit_ratio{label}"], hits / (hits + misses))
     assert "# TYPE strata_expert_hits_total counter" in text
     assert "# TYPE strata_expert_hit_ratio gauge" in text

@@ -210,6 +210,10 @@ EXPERT_COUNTERS: dict[str, tuple[str, str]] = {
         "strata_expert_host_bytes_total",
         "Expert bytes moved over the host link: misses' reads plus swaps' copies.",
     ),
+    "late_reads": (
+        "strata_expert_late_reads_total",
+        "Decode assignments read from host memory before a decided swap of their expert into VRAM landed.",
+    ),
 }
 
 
