@@ -591,9 +591,8 @@ def settle_experts(
     while caches and len(out) < most and not settled(out, slots):
         before = [figures(c) for c in caches]
         InProcessDriver(engine).run(arrivals(len(out)))
-        hits, misses, swaps = (
-            sum(figures(c)[i] - b[i] for c, b in zip(caches, before, strict=True)) for i in range(3)
-        )
+        after = [figures(c) for c in caches]
+        hits, misses, swaps = (sum(a[i] - b[i] for a, b in zip(after, before, strict=True)) for i in range(3))
         out.append(Settling(hits / (hits + misses) if hits + misses else 1.0, swaps))
     return out
 
