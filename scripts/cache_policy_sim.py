@@ -50,6 +50,9 @@ def main() -> None:
     ap.add_argument("--lag", type=int, default=0, help="decode windows a rebalance lands after its decision")
     ap.add_argument("--prompt-lag", type=int, default=None, help="the same for a prompt's rebalance")
     args = ap.parse_args()
+    for flag, lag in (("--lag", args.lag), ("--prompt-lag", args.prompt_lag)):
+        if lag is not None and lag < 0:
+            ap.error(f"{flag}: a rebalance lands 0 or more windows after it is decided, not {lag}")
     experts, k, n = 128, 8, args.requests
     g = np.random.default_rng(args.seed)
     model = RoutingModel(args.layers, experts, k, model_seed=args.seed)

@@ -359,6 +359,8 @@ def test_a_rebalance_that_lands_late_leaves_the_windows_before_it_reading_its_ne
     assert late.misses == 3 * 2 / 8 and late.hit_rate == 1 - 3 / 8
     # The prompt's rebalance landing before the first decode window: on time again, whatever ``lag``.
     assert simulate([req], 2, Policy(), lag=3, prompt_lag=0) == on_time
+    with pytest.raises(ValueError, match="lands 0 or more windows after it is decided, not -1"):
+        simulate([req], 2, Policy(), lag=3, prompt_lag=-1)
 
 
 def test_recalled_scores_add_to_the_decayed_ones_and_bring_a_rebalance_without_counting_any_work() -> None:

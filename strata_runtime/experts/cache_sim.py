@@ -110,6 +110,10 @@ def simulate(
     rebalance landing ``lag`` decode windows after it is decided, one a prompt brings ``prompt_lag``
     windows after (default: ``lag``; 0 as if the first decode window waited for it)."""
     late_prompt = lag if prompt_lag is None else prompt_lag
+    if lag < 0 or late_prompt < 0:
+        raise ValueError(
+            f"a rebalance lands 0 or more windows after it is decided, not {min(lag, late_prompt)}"
+        )
     n_layers, n_experts = requests[0].prompt.shape
     cache = Residency(n_layers, n_experts, slots, 1, policy)
     pending, windows = np.zeros((n_layers, n_experts)), 0
