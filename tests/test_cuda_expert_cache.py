@@ -168,6 +168,41 @@ def test_a_long_prompt_chunk_under_a_cache_stays_within_the_references_tolerance
     assert int(a.argmax()) == int(b.argmax())
 
 
+@pytest.mark.parametrize("lands", [True, False])
+def test_a_prompt_chunks_rebalance_lands_before_the_first_window_after_it_on_the_gpu(cp, monkeypatch, lands):
+    """A 200-row prompt chunk through the prefill path under a cache of 6 slots, then an 8-row window over
+    its last tokens. The chunk's counts are handed over before the window is queued: the rebalance they
+    bring has moved experts, and the window reads from host memory exactly the assignments the cache's
+    tables send there (the window's own counters, read by hand). With the hand-over left to after the
+    window (`CudaExperts.before_window` a no-op: the engine before it), either nothing has moved yet or
+    the window read by tables the rebalance has since changed (it routes 32 assignments a layer over 16
+    experts, so it uses the experts moved)."""
+    from strata_runtime.cuda.experts import CudaExperts
+    from strata_runtime.experts.cache import HOST
+    from strata_runtime.layout import Layout
+    from strata_runtime.model import Model
+
+    if not lands:
+        monkeypatch.setattr(CudaExperts, "before_window", lambda self: [])
+    model = Model.from_plan(_plan(cp, cache=6, chunk=256, batch_mtp=False))
+    (stage,) = model.stages
+    tables, r = stage.cuda_experts, stage.experts.residency
+    ids = np.random.default_rng(11).integers(1, 1000, 200)
+    model.forward(ids, Layout.of([(0, 200, 0)]))
+    model.forward(ids[-8:], Layout.of([(0, 8, 200)]))
+    cp.cuda.Device(stage.device.index).synchronize()
+    assert tables._read_done is None or tables._read_prompt  # the counters hold the window's alone
+    counts, misses = tables.counts.get(), tables.misses.get()
+    assert counts.sum() == 8 * 4 * stage.n_sparse  # 8 rows, 4 experts each, in every sparse layer
+    expected = int(counts[r.tiers() == HOST].sum())
+    read = int(misses[:, 0].sum() - misses[:, 1].sum())
+    if lands:
+        assert r.stats.swaps > 0
+        assert read == expected
+    else:
+        assert r.stats.swaps == 0 or read != expected
+
+
 def test_the_engine_holds_no_more_device_memory_than_the_plan_and_says_so_when_it_cannot(cp, monkeypatch):
     from strata_runtime.api import PlanMismatch
     from strata_runtime.engine import Engine

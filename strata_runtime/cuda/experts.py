@@ -14,9 +14,14 @@ The upkeep runs between windows, on the stream the stage computes on, without wa
 * every ``policy.every`` windows the counters are copied to pinned host memory and cleared, behind the
   window that filled them; a later call, once that copy has landed (an event query, never a wait), hands
   them to the `Residency`, and it may decide swaps;
-* only that call, made on the stage's own stream, moves experts. The MTP head's windows run on another
-  stream of the last GPU, so its layer's experts keep their first slots (`Residency.fixed`), and its
-  counts on the device may race with a read and be lost: statistics, never a result;
+* only that call, made on the stage's own stream, moves experts. A prompt chunk's counts are the exception
+  to "never a wait": the window after the chunk that is not one itself (`before_window`: a decode window,
+  or a short prompt's graph windows) waits on the host for them and hands them over first, so that the
+  rebalance they bring is queued before it. Otherwise the windows queued ahead while the chunk still ran
+  would read the request's experts from host memory while the rebalance copies the same experts in;
+* the MTP head's windows run on another stream of the last GPU, so its layer's experts keep their first
+  slots (`Residency.fixed`), and its counts on the device may race with a read and be lost: statistics,
+  never a result;
 * a swap is applied in three stream-ordered steps: the tables first stop pointing at the slots being
   reused (their old experts, and every expert on its way into a slot, are read from host memory from then
   on), a copy stream then loads the new experts into those slots once every window queued before has
@@ -224,6 +229,28 @@ class CudaExperts:
             self._read_soon or residency.backlog or self._windows >= residency.policy.every
         ):
             self._queue_read(stream)
+        return swaps
+
+    def before_window(self) -> list[Swap]:
+        """Before queueing a window that is not a prompt chunk through the prefill path, on the stage's
+        stream: when a prompt chunk's counts are not yet handed over (read in flight, or still on the device
+        behind another read), wait for them and hand them over now, so that the rebalance they bring is
+        queued ahead of this window, which then waits for its copies instead of reading the request's
+        experts from host memory beside them. Returns the swaps started now."""
+        if not self.store.cached:
+            return []
+        if not (self._read_soon or (self._read_done is not None and self._read_prompt)):
+            return []
+        stream = cupy_module().cuda.get_current_stream()
+        swaps: list[Swap] = []
+        if self._read_done is not None:
+            self._read_done.synchronize()
+            swaps += self._hand_over(stream)
+        if self._read_soon:
+            self._queue_read(stream)
+            assert self._read_done is not None
+            self._read_done.synchronize()
+            swaps += self._hand_over(stream)
         return swaps
 
     def settle(self) -> list[Swap]:

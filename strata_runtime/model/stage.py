@@ -231,7 +231,10 @@ class Stage:
         self, hidden: Array, layout: Layout, positions: Array | None = None, account: bool = True
     ) -> Array:
         """Run this stage's layers over a window's hidden rows [R, H], writing their KV; then account the
-        window's routing to the expert cache (which may start moving experts, without waiting).
+        window's routing to the expert cache (which may start moving experts, without waiting). The first
+        window after a prompt chunk through the CUDA prefill path that is not one itself waits on the host
+        for that chunk's routing counts first, so that the rebalance they bring is queued ahead of it
+        (`CudaExperts.before_window`).
 
         On a GPU a window of at most 8 rows (decode, drafts) runs as one replayed CUDA graph, a prompt
         chunk of up to `prompt_graph_rows` rows as several, and a longer chunk through the CUDA prefill path;
@@ -247,13 +250,16 @@ class Stage:
                 layout, positions = layout.placed(self.device.to_host(positions)), None
             if account:
                 self.kv.begin(layout.segments)
+            prefill = positions is None and self._through_prefill(layout)
+            if self.cuda_experts is not None and not prefill:
+                self.cuda_experts.before_window()  # a prompt chunk's rebalance lands before this window
             if positions is not None:
                 assert self.cuda is not None
                 out = self.cuda.forward(hidden, layout, positions)  # [R, H] fp32
             else:
                 out = self._layers(hidden, layout)
             if self.cuda_experts is not None:
-                self.cuda_experts.after_window(prompt=positions is None and self._through_prefill(layout))
+                self.cuda_experts.after_window(prompt=prefill)
             else:  # a window longer than any decode window holds a prompt chunk
                 self.experts.end_window(prompt=layout.rows > MAX_WINDOW_ROWS)
             return out
