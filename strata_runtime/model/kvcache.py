@@ -138,8 +138,8 @@ class HostRows:
         layers, _, kv_heads, _, head_dim = kv.k.shape
         shape = (int(layers), int(kv_heads), positions, int(head_dim))
         pinned = kv.device.is_cuda
-        self.keys = host_empty(shape, kv.k.dtype, pinned)
-        self.values = host_empty(shape, kv.v.dtype, pinned)
+        self.keys = host_empty(shape, kv.k.dtype, pinned, kv.device.index)
+        self.values = host_empty(shape, kv.v.dtype, pinned, kv.device.index)
 
     @property
     def nbytes(self) -> int:

@@ -152,13 +152,15 @@ def load_tensors(
             if not src.stacked:
                 whole = checkpoint.read(src.parts[0][0], shape)
                 if on_host:
-                    out[name] = host_empty(shape, dtype, pinned=device.is_cuda)
+                    out[name] = host_empty(shape, dtype, pinned=device.is_cuda, near=device.index)
                     out[name][...] = whole
                 else:
                     out[name] = device.asarray(whole, dtype)
             else:
                 arr = (
-                    host_empty(shape, dtype, pinned=device.is_cuda) if on_host else device.empty(shape, dtype)
+                    host_empty(shape, dtype, pinned=device.is_cuda, near=device.index)
+                    if on_host
+                    else device.empty(shape, dtype)
                 )
                 for e, part in enumerate(src.parts):
                     piece_shape = _piece_shape(shape, src, part)

@@ -110,7 +110,7 @@ class SyntheticModel:
 
     def _host_tensor(self, name: str, shape: tuple[int, ...], device: Device, dtype: Any) -> np.ndarray:
         """A stacked [E, ...] tensor in host memory, generated on ``device`` an item at a time."""
-        arr = host_empty(shape, dtype, pinned=device.is_cuda)
+        arr = host_empty(shape, dtype, pinned=device.is_cuda, near=device.index)
         item = tuple(shape[1:])
         std = self._std(name, shape)
         for e in range(shape[0]):
