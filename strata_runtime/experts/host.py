@@ -84,8 +84,11 @@ def gpu_cpus(device_id: int, sysfs: Path = SYSFS) -> frozenset[int]:
     has one node, or the node is not known (another system, a virtual machine that hides it)."""
     if device_id in _NODE_CPUS and sysfs == SYSFS:
         return _NODE_CPUS[device_id]
-    bus = cupy_module().cuda.Device(device_id).pci_bus_id
-    cpus = node_cpus(bus, sysfs)
+    try:
+        bus = cupy_module().cuda.Device(device_id).pci_bus_id
+    except (AttributeError, RuntimeError):  # a CuPy or a driver that cannot say: placed as before
+        bus = ""
+    cpus = node_cpus(bus, sysfs) if bus else frozenset()
     if sysfs == SYSFS:
         _NODE_CPUS[device_id] = cpus
     return cpus
