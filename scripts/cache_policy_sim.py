@@ -8,8 +8,8 @@ Qwen3-30B-A3B's shape (48 sparse layers of 128 experts, top-8), with 34% and 63%
 24 GiB card, and each GPU of two 20 GiB ones), under calibrated routing (short and long prompts, one and two
 streams) and uniform routing. The first half of the requests settle the cache. ``--lag``: decode windows
 between a rebalance's decision and its landing (a GPU's windows run ahead of its hand-overs);
-``--prompt-lag``: the same for the rebalance a prompt brings (default: ``--lag``; 0: as if the first decode
-window waited for it). docs/RUNTIME.md shows this script's tables.
+``--prompt-lag``: the same for the rebalance a prompt brings (default: ``--lag``; 0: as the engine lands it
+on a GPU, before the first window after the prompt). docs/RUNTIME.md shows this script's tables.
 """
 
 from __future__ import annotations

@@ -108,7 +108,8 @@ def simulate(
 ) -> Outcome:
     """Replay ``requests``, ``streams`` at a time, through a cache of ``slots`` slots under ``policy``, each
     rebalance landing ``lag`` decode windows after it is decided, one a prompt brings ``prompt_lag``
-    windows after (default: ``lag``; 0 as if the first decode window waited for it)."""
+    windows after (default: ``lag``; 0 as a GPU stage lands it, before the first window after the prompt,
+    `strata_runtime.cuda.experts.CudaExperts.before_window`)."""
     late_prompt = lag if prompt_lag is None else prompt_lag
     if lag < 0 or late_prompt < 0:
         raise ValueError(
