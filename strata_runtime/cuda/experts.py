@@ -241,17 +241,7 @@ class CudaExperts:
             return []
         if not (self._read_soon or (self._read_done is not None and self._read_prompt)):
             return []
-        stream = cupy_module().cuda.get_current_stream()
-        swaps: list[Swap] = []
-        if self._read_done is not None:
-            self._read_done.synchronize()
-            swaps += self._hand_over(stream)
-        if self._read_soon:
-            self._queue_read(stream)
-            assert self._read_done is not None
-            self._read_done.synchronize()
-            swaps += self._hand_over(stream)
-        return swaps
+        return self._hand_over_now(cupy_module().cuda.get_current_stream(), self._read_soon)
 
     def settle(self) -> list[Swap]:
         """Hand the cache every assignment the kernels have counted, waiting for the GPU: for when the stage
@@ -261,17 +251,21 @@ class CudaExperts:
         cp = cupy_module()
         with cp.cuda.Device(self.device_id):
             cp.cuda.Device(self.device_id).synchronize()  # the counts of every stream's windows are in
-            stream = cp.cuda.get_current_stream()
-            swaps: list[Swap] = []
-            if self._read_done is not None:
-                self._read_done.synchronize()
-                swaps += self._hand_over(stream)
-            if self._windows:
-                self._queue_read(stream)
-                assert self._read_done is not None
-                self._read_done.synchronize()
-                swaps += self._hand_over(stream)
-            return swaps
+            return self._hand_over_now(cp.cuda.get_current_stream(), self._windows > 0)
+
+    def _hand_over_now(self, stream: Any, counters: bool) -> list[Swap]:
+        """Wait for the read in flight and hand it over; then, with ``counters``, read the counters behind
+        the work queued on ``stream``, wait for them and hand them over too. Returns the swaps started."""
+        swaps: list[Swap] = []
+        if self._read_done is not None:
+            self._read_done.synchronize()
+            swaps += self._hand_over(stream)
+        if counters:
+            self._queue_read(stream)
+            assert self._read_done is not None
+            self._read_done.synchronize()
+            swaps += self._hand_over(stream)
+        return swaps
 
     def _queue_read(self, stream: Any) -> None:
         """Copy the counters to pinned memory behind the work queued on ``stream`` and clear them."""
