@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from strata_runtime.experts import host
 from strata_runtime.experts.host import cpu_list, node_cpus, on_cpus
 
 
@@ -60,3 +61,28 @@ def test_the_block_runs_on_the_nodes_cpus_and_the_thread_goes_back_after():
     with pytest.raises(RuntimeError), on_cpus(one):
         raise RuntimeError("restored on the way out")
     assert os.sched_getaffinity(0) == before
+
+
+class _Device:
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    @property
+    def pci_bus_id(self) -> str:
+        if self.index > 0:
+            raise AttributeError("pci_bus_id")  # a CuPy that cannot say
+        return "0000:1B:00.0"
+
+
+def test_a_gpus_cpus_come_from_its_bus_id_and_none_where_cupy_cannot_give_it(monkeypatch):
+    cuda = type("cuda", (), {"Device": _Device})
+    monkeypatch.setattr(host, "cupy_module", lambda: type("cupy", (), {"cuda": cuda}))
+    asked = []
+    monkeypatch.setattr(host, "node_cpus", lambda bus: asked.append(bus) or frozenset({8, 9}))
+    host.gpu_cpus.cache_clear()
+    try:
+        assert host.gpu_cpus(0) == frozenset({8, 9})
+        assert host.gpu_cpus(1) == frozenset()
+        assert asked == ["0000:1B:00.0"]
+    finally:
+        host.gpu_cpus.cache_clear()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -76,22 +77,15 @@ def cpu_list(text: str) -> frozenset[int]:
     return frozenset(cpus)
 
 
-_NODE_CPUS: dict[int, frozenset[int]] = {}
-
-
-def gpu_cpus(device_id: int, sysfs: Path = SYSFS) -> frozenset[int]:
+@functools.cache
+def gpu_cpus(device_id: int) -> frozenset[int]:
     """The CPUs of the NUMA node GPU ``device_id`` hangs off, from Linux's sysfs; empty where the machine
     has one node, or the node is not known (another system, a virtual machine that hides it)."""
-    if device_id in _NODE_CPUS and sysfs == SYSFS:
-        return _NODE_CPUS[device_id]
     try:
         bus = cupy_module().cuda.Device(device_id).pci_bus_id
     except (AttributeError, RuntimeError):  # a CuPy or a driver that cannot say: placed as before
-        bus = ""
-    cpus = node_cpus(bus, sysfs) if bus else frozenset()
-    if sysfs == SYSFS:
-        _NODE_CPUS[device_id] = cpus
-    return cpus
+        return frozenset()
+    return node_cpus(bus)
 
 
 def node_cpus(bus_id: str, sysfs: Path = SYSFS) -> frozenset[int]:
