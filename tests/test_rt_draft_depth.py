@@ -9,7 +9,6 @@ is known; the text must not depend on it.
 from __future__ import annotations
 
 from collections import Counter
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -18,16 +17,12 @@ from rt_plans import make_plan
 
 from strata_runtime.api import Request, SamplingParams
 from strata_runtime.engine import Engine, scheduler
-from strata_runtime.engine import depth as depth_module
 from strata_runtime.engine.depth import (
     COST_KEPT,
     COST_MEASURED,
-    COST_STALE,
     PRIOR_WEIGHT,
     Holds,
-    WindowClock,
     WindowCosts,
-    batch_mtp_pays,
     best_depth,
     expected_tokens,
     worth_switching,
@@ -41,7 +36,7 @@ from strata_runtime.engine.speculative import (
     DraftGauge,
     upper_bound,
 )
-from strata_runtime.engine.window_choice import WindowChoice, request_kind
+from strata_runtime.engine.window_choice import request_kind
 from strata_runtime.server.metrics import engine_lines
 
 PROMPT = tuple(b"The river runs")
@@ -98,54 +93,6 @@ def test_window_costs_are_measured_or_the_least_the_measured_ones_allow() -> Non
     for _ in range(COST_KEPT):
         costs.observe(4, 10.0)  # the recent windows count
     assert costs.cost(4) == pytest.approx(10.0)
-
-
-def test_a_row_counts_time_goes_stale_and_is_measured_afresh() -> None:
-    """A row count not run for `COST_STALE` windows of the others counts as not measured: it is costed at
-    the least the fresh times allow, and its next windows are measured from nothing, not averaged with the
-    old ones."""
-    costs = _costs({1: 3.0, 4: 40.0})  # four rows measured while they were dear
-    assert costs.cost(2) == pytest.approx(20.0)  # half of four rows' time: more than one row's
-    for _ in range(COST_STALE):
-        costs.observe(1, 3.0)
-    assert costs.measured(4) and costs.cost(2) == pytest.approx(20.0)
-    costs.observe(1, 3.0)
-    assert costs.stale(4) and not costs.measured(4)
-    assert costs.cost(4) == costs.cost(2) == pytest.approx(3.0)  # only the one-row time is fresh
-    assert not costs.stale(1) and costs.measured(1)
-    for _ in range(COST_MEASURED - 1):
-        costs.observe(4, 8.0)
-    assert not costs.measured(4) and costs.cost(4) == pytest.approx(3.0)  # measuring afresh
-    costs.observe(4, 8.0)
-    assert costs.cost(4) == pytest.approx(8.0)  # the new times alone: the old 40 ms are gone
-    assert costs.seen[4] == 2 * COST_MEASURED  # every window is still counted
-
-
-def test_serial_and_batch_mtp_times_go_stale_on_one_clock() -> None:
-    """Slots decoding together keep serial and batch-MTP times apart, on one clock: batch-MTP windows
-    measured while dear are tried again once serial windows ran `COST_STALE` times since, and the other way
-    round; each table alone would never see the other kind's windows go by."""
-    clock = WindowClock()
-    serial, batch = WindowCosts(clock), WindowCosts(clock)
-    for _ in range(COST_MEASURED):
-        serial.observe(2, 4.0)
-        batch.observe(4, 20.0)
-    assert batch_mtp_pays([0.7, 0.7], serial, batch, now_batch_mtp=True) is False
-    for _ in range(COST_STALE + 1):
-        serial.observe(2, 4.0)
-    assert batch.stale(4) and batch_mtp_pays([0.7, 0.7], serial, batch, now_batch_mtp=False) is True
-    for _ in range(COST_MEASURED):
-        batch.observe(4, 5.0)
-    assert batch_mtp_pays([0.7, 0.7], serial, batch, now_batch_mtp=True) is True
-    for _ in range(COST_STALE + 1):
-        batch.observe(4, 5.0)
-    assert batch_mtp_pays([0.7, 0.7], serial, batch, now_batch_mtp=True) is None  # serial measured again
-    alone = WindowCosts()
-    for _ in range(COST_MEASURED):
-        alone.observe(4, 20.0)
-    for _ in range(COST_STALE + 1):
-        serial.observe(2, 4.0)
-    assert alone.measured(4)  # its own clock: nothing went by
 
 
 def test_the_best_depth_follows_the_holds_and_the_window_times() -> None:
@@ -286,31 +233,6 @@ def test_a_request_alone_settles_on_the_depth_the_window_times_favour(monkeypatc
         assert tokens == fixed  # greedy: the same text at any depth
         settled = rows[-15:]  # after trying the others
         assert settled.count(want) >= 12, (table, rows)
-
-
-def test_a_request_drafts_again_once_the_times_that_stopped_it_go_stale(monkeypatch) -> None:
-    """Under an expert cache, windows of several rows measured while the cache is still learning take
-    several times what they take once it has learned. Measured then, they stop a request from drafting;
-    once their times go stale, the depth is tried again and the request settles where the times now favour
-    (two rows here), with the same greedy text."""
-    cold, warm = {1: 3.0, 2: 20.0, 3: 30.0, 4: 40.0}, ONE_PAYS
-    seen = [0]
-
-    def observe(self, rows, ms):
-        seen[0] += 1
-        OBSERVE(self, rows, (cold if seen[0] <= 20 else warm)[rows])
-
-    monkeypatch.setattr(depth_module, "COST_STALE", 40)
-    fixed, _ = _solo(None, monkeypatch, adaptive_depth=False)
-    monkeypatch.setattr(WindowCosts, "observe", observe)
-    tokens, rows = _solo(None, monkeypatch)
-    assert tokens == fixed
-    assert rows[COST_MEASURED : COST_MEASURED + 20].count(1) >= 15  # the cold times stopped drafting
-    assert rows[-15:].count(2) >= 12, rows  # and the warm ones brought it back
-    seen[0] = 0
-    monkeypatch.setattr(depth_module, "COST_STALE", 10_000)
-    _, never = _solo(None, monkeypatch)
-    assert never[-40:] == [1] * 40, never  # without the times going stale it never drafts again
 
 
 def test_each_window_the_depth_choice_decided_records_the_rates_it_was_chosen_by(monkeypatch) -> None:
@@ -592,30 +514,6 @@ def test_slots_decoding_together_take_the_batch_window_their_measured_times_favo
     runs = settled.split("B")
     assert len(runs) >= 3 and len(runs[0]) >= DRAFT_PROBE_EVERY
     assert all(len(b) >= 2 * len(a) - 1 for a, b in zip(runs[:-2], runs[1:-1], strict=True))
-
-
-def test_batch_mtp_measured_while_dear_is_tried_again_once_serial_windows_ran_long_enough() -> None:
-    """The engine's serial and batch-MTP tables share one clock: batch-MTP windows measured while dear (an
-    expert cache still learning) stop counting once `COST_STALE` serial windows ran, so batch MTP is tried
-    again; and serial times measured long ago are measured again the same way."""
-    plan = make_plan(stages=1, slots=2, batch_mtp=True, draft_tokens=3, context=256, adaptive_depth=True)
-    choice = WindowChoice(plan)
-    slots = [SimpleNamespace(sampler=Sampler(SamplingParams(), 0), gauge=DraftGauge()) for _ in range(2)]
-    for _ in range(COST_MEASURED):
-        choice.observe_batch("serial", slots, 2, 4.0)
-        choice.observe_batch("batch-mtp", slots, 4, 20.0)
-    assert choice.serial_wins(slots, now_batch_mtp=False)
-    for _ in range(COST_STALE):
-        choice.observe_batch("serial", slots, 2, 4.0)
-    assert choice.serial_wins(slots, now_batch_mtp=False)
-    choice.observe_batch("serial", slots, 2, 4.0)
-    assert not choice.serial_wins(slots, now_batch_mtp=False)  # batch MTP's time is stale: tried again
-    for _ in range(COST_MEASURED):
-        choice.observe_batch("batch-mtp", slots, 4, 4.4)
-    assert not choice.serial_wins(slots, now_batch_mtp=True)  # measured afresh, and now it pays
-    for _ in range(COST_STALE + 1):
-        choice.observe_batch("batch-mtp", slots, 4, 4.4)
-    assert choice.serial_wins(slots, now_batch_mtp=True)  # serial windows' time is stale: they run again
 
 
 def test_seeded_sampled_slots_keep_batch_mtp_whatever_the_times(monkeypatch) -> None:

@@ -16,11 +16,6 @@ measured while the engine runs:
 `best_depth` picks the d in 0..most with the highest E(d) / cost(d + 1). A row count not measured yet is
 costed at the least it can take given the measured ones (`WindowCosts.cost`), which is optimistic: each
 depth that might beat the one in use is tried, and measured, once; from then on the measurements decide.
-A row count's time also goes stale: after `COST_STALE` windows of other row counts it is costed as if
-never measured, so a depth given up is measured again. Times move with the state of the engine, not only
-with the depth: under an expert cache, a request's first windows read most of their experts over the host
-link, so windows of several rows measured while the cache was still learning took several times what they
-take once it has learned, and without this a request would never draft again.
 A request starts at full depth (its h_j start at 1, and with nothing measured the deepest window wins).
 
 The same measurements decide whether slots that decode together take batch-MTP windows (a token and one
@@ -39,7 +34,6 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 COST_KEPT = 15
 """Recent windows of each row count whose median is its time: robust to the one-off slow window (a kernel
@@ -47,11 +41,6 @@ compiled or a graph captured at its first launch, a host pause), and following s
 grows)."""
 COST_MEASURED = 3
 """Windows of a row count before its measured time replaces the estimate."""
-COST_STALE = 256
-"""Windows of the other row counts (or of kinds sharing a `WindowClock`) after which a row count's
-measured time no longer counts (`WindowCosts.stale`): it is costed at the least the fresh times allow until
-it is measured again, afresh. Measuring again a depth that does not pay costs a few windows at it, about 1%
-of the windows between two such tries."""
 DEPTH_SWITCH = 1.05
 """A run of windows at one depth changes depth only for at least 5% more expected tokens per second:
 changing ends a chain of windows queued on the device, which costs a host round trip."""
@@ -91,53 +80,29 @@ class Holds:
         return None
 
 
-@dataclass
-class WindowClock:
-    """Windows counted by every `WindowCosts` that shares this clock: serial and batch-MTP windows of slots
-    decoding together keep their times apart, yet one kind's time goes stale while the other kind runs."""
-
-    windows: int = 0
-
-
 class WindowCosts:
-    """The engine's measured time of a window by its row count (milliseconds: the median of the last
-    `COST_KEPT` windows since the row count last went stale), shared by every request of one kind;
-    ``clock``, shared with other such tables whose windows make this one's stale (None: its own)."""
+    """The engine's measured time of a solo window by its row count (milliseconds: the median of the last
+    `COST_KEPT` windows), shared by every request of one kind."""
 
-    def __init__(self, clock: WindowClock | None = None) -> None:
+    def __init__(self) -> None:
         self.recent: dict[int, deque[float]] = {}
         self.ms: dict[int, float] = {}
         self.seen: dict[int, int] = {}
-        """Windows of each row count, all told."""
-        self.clock = WindowClock() if clock is None else clock
-        self.last: dict[int, int] = {}
-        """The clock's count at each row count's last window."""
 
     def observe(self, rows: int, ms: float) -> None:
         recent = self.recent.setdefault(rows, deque(maxlen=COST_KEPT))
-        if self.stale(rows):  # measured afresh: the old times no longer say what this window costs
-            recent.clear()
-        self.clock.windows += 1
-        self.last[rows] = self.clock.windows
         recent.append(ms)
         self.seen[rows] = self.seen.get(rows, 0) + 1
         self.ms[rows] = statistics.median(recent)
 
-    def stale(self, rows: int) -> bool:
-        """Whether more than `COST_STALE` windows on the clock ran since the last of ``rows`` rows."""
-        return rows in self.last and self.clock.windows - self.last[rows] > COST_STALE
-
     def measured(self, rows: int) -> bool:
-        """Whether ``rows``' time is known: `COST_MEASURED` windows of it since it last went stale, and it
-        is not stale now."""
-        return len(self.recent.get(rows, ())) >= COST_MEASURED and not self.stale(rows)
+        return self.seen.get(rows, 0) >= COST_MEASURED
 
     def cost(self, rows: int) -> float | None:
         """The time of a ``rows``-row window: measured, or else the least it can be given the measured row
-        counts (None while none is measured; a stale time counts as not measured). A wider window never
-        takes less time than a narrower one, and a window's time per row falls as it widens, so an r-row
-        window takes at least what any measured narrower one took, and at least r / r' of what any measured
-        wider one (r' rows) took."""
+        counts (None while none is measured). A wider window never takes less time than a narrower one,
+        and a window's time per row falls as it widens, so an r-row window takes at least what any
+        measured narrower one took, and at least r / r' of what any measured wider one (r' rows) took."""
         if self.measured(rows):
             return self.ms[rows]
         known = [r for r in self.ms if self.measured(r)]

@@ -14,7 +14,7 @@ import copy
 
 from strata_cfg.schema.plan import LaunchPlan
 
-from .depth import PRIOR_WEIGHT, Holds, WindowClock, WindowCosts, batch_mtp_pays
+from .depth import PRIOR_WEIGHT, Holds, WindowCosts, batch_mtp_pays
 from .sampling import Sampler
 from .slot import Slot
 from .speculative import DraftGauge, drafting_pays
@@ -64,9 +64,7 @@ class WindowChoice:
         """For each kind of request (`request_kind`), its solo windows' measured times by row count and what
         its earlier requests' proposals did."""
         self.batch: dict[str, WindowCosts] = {}
-        """Serial and batch-MTP windows' measured times by row count, per `window_kind`, on one clock: a
-        kind's times go stale while the other kind runs (`strata_runtime.engine.depth.COST_STALE`)."""
-        self.batch_clock = WindowClock()
+        """Serial and batch-MTP windows' measured times by row count, per `window_kind`."""
         self.batch_mtp_last = True
         """Whether the last batch decode window was a batch-MTP one (the kind a switch must beat)."""
 
@@ -157,9 +155,7 @@ class WindowChoice:
             costs.observe(rows, ms)
 
     def _batch(self, slots: list[Slot], kind: str) -> WindowCosts:
-        return self.batch.setdefault(
-            window_kind(kind, [s.sampler for s in slots]), WindowCosts(self.batch_clock)
-        )
+        return self.batch.setdefault(window_kind(kind, [s.sampler for s in slots]), WindowCosts())
 
     # ---- between requests and benchmark repeats ----------------------------------------------------
 
