@@ -55,45 +55,71 @@ def best_ms(body: Callable[[], object], reps: int = 5) -> float:
     return best
 
 
+EXPERT_PIECES = ((2048 * 1536 * 2, "6.29 MB", (96, 192, 768)), (2048 * 768 * 2, "3.1 MB", (64, 256)))
+"""One expert's gate/up and down at the 30B preset's widths, and the block counts each is read over."""
+
+
+class HostReads:
+    """A pinned, mapped host region of ``nbytes`` and the kernel that reads it in place (a context manager
+    that frees the region)."""
+
+    def __init__(self, nbytes: int) -> None:
+        rt = cp.cuda.runtime
+        self.nbytes = nbytes
+        self.ptr = int(rt.hostAlloc(nbytes, rt.hostAllocPortable | rt.hostAllocMapped))
+        ctypes.memset(self.ptr, 1, nbytes)
+        self.kernel = cp.RawKernel(SOURCE, "rd")
+        self.out = cp.zeros(1, cp.float32)
+
+    def __enter__(self) -> HostReads:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        cp.cuda.runtime.freeHost(self.ptr)
+
+    def read(self, base: int, size: int, blocks: int) -> None:
+        """Read ``size`` bytes from host address ``base`` in a kernel of ``blocks`` blocks."""
+        n16 = size // 16
+        self.kernel((blocks,), (256,), (base, np.int64(n16), self.out, np.int32(-(-n16 // blocks))))
+
+    def pieces_rate(self, size: int, blocks: int, count: int = 48) -> float:
+        """Bytes/s of ``count`` pieces of ``size`` bytes read one after the other, a launch each over
+        ``blocks`` blocks: as a one-row window's expert kernels read its misses."""
+        assert count * size <= self.nbytes
+
+        def pieces() -> None:
+            for j in range(count):
+                self.read(self.ptr + j * size, size, blocks)
+
+        return count * size / best_ms(pieces, 3) * 1e3
+
+
+def expert_read_rate() -> float:
+    """Bytes/s at which kernels read one expert's gate/up after another from pinned host memory (48 of
+    them, 96 blocks each): the rate a one-row window's misses cross the host link at."""
+    size, _, (blocks, *_) = EXPERT_PIECES[0]
+    with HostReads(48 * size) as reads:
+        return reads.pieces_rate(size, blocks)
+
+
 def main() -> None:
     rt = cp.cuda.runtime
     cpus = sorted(os.sched_getaffinity(0))
     print(f"CPUs {cpus[0]}..{cpus[-1]} ({len(cpus)})")
-    kernel = cp.RawKernel(SOURCE, "rd")
     nbytes = 1 << 30
-    ptr = int(rt.hostAlloc(nbytes, rt.hostAllocPortable | rt.hostAllocMapped))
-    try:
-        ctypes.memset(ptr, 1, nbytes)
+    with HostReads(nbytes) as reads:
         dev = cp.empty(nbytes, cp.uint8)
-        out = cp.zeros(1, cp.float32)
         stream = cp.cuda.get_current_stream().ptr
-        ms = best_ms(lambda: rt.memcpyAsync(dev.data.ptr, ptr, nbytes, rt.memcpyHostToDevice, stream))
+        ms = best_ms(lambda: rt.memcpyAsync(dev.data.ptr, reads.ptr, nbytes, rt.memcpyHostToDevice, stream))
         print(f"copy engine, 1 GiB: {nbytes / ms / 1e6:.1f} GB/s")
-
-        def read(base: int, size: int, blocks: int) -> None:
-            n16 = size // 16
-            kernel((blocks,), (256,), (base, np.int64(n16), out, np.int32(-(-n16 // blocks))))
-
         for blocks in (132, 528, 1056, 4096):
-            ms = best_ms(functools.partial(read, ptr, nbytes, blocks))
+            ms = best_ms(functools.partial(reads.read, reads.ptr, nbytes, blocks))
             print(f"kernel, 1 GiB over {blocks} blocks: {nbytes / ms / 1e6:.1f} GB/s")
-        for size, label, counts in (
-            (2048 * 1536 * 2, "6.29 MB", (96, 192, 768)),
-            (2048 * 768 * 2, "3.1 MB", (64, 256)),
-        ):
+        for size, label, counts in EXPERT_PIECES:
             for blocks in counts:
-
-                def pieces(s: int = size, b: int = blocks) -> None:
-                    for j in range(48):
-                        read(ptr + j * s, s, b)
-
-                ms = best_ms(pieces, 3)
-                rate, each = 48 * size / ms / 1e6, ms / 48 * 1000
-                print(
-                    f"kernel, 48 x {label}, a launch each, {blocks} blocks: {rate:.1f} GB/s ({each:.0f} us)"
-                )
-    finally:
-        rt.freeHost(ptr)
+                rate = reads.pieces_rate(size, blocks)
+                each = f"{size / rate * 1e6:.0f} us"
+                print(f"kernel, 48 x {label}, a launch each, {blocks} blocks: {rate / 1e9:.1f} GB/s ({each})")
 
 
 if __name__ == "__main__":

@@ -223,3 +223,46 @@ def test_the_engine_holds_no_more_device_memory_than_the_plan_and_says_so_when_i
             Engine(plan)
     finally:
         pool.set_limit(size=0)  # no cap for the tests that follow in this process
+
+
+def test_the_cache_timeline_script_splits_a_streams_decode_time(cp, tmp_path) -> None:
+    """``scripts/cache_timeline.py`` on a cache that holds part of the small preset's experts: it finds the
+    timed request's decode windows (a token each after the prompt's), their misses over the host link, the
+    waits for rebalances' copies and the work between two graphs."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from rt_plans import float16_profile_text
+
+    text = float16_profile_text(
+        vram_mib=cp.cuda.runtime.memGetInfo()[1] // (1 << 20),
+        preset="small",
+        slots=1,
+        batch_mtp=False,
+        draft_tokens=0,
+        context=512,
+        prefill_chunk=64,
+        expert_cache=6,
+        adapt=True,
+    )
+    profile, out = tmp_path / "cached.toml", tmp_path / "split.json"
+    profile.write_text(text)
+    script = Path(__file__).resolve().parent.parent / "scripts" / "cache_timeline.py"
+    run = subprocess.run(
+        [sys.executable, str(script), str(profile), "--tokens", "24", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    split = json.loads(out.read_text())
+    assert split["windows"] == 23  # a token a window after the prompt's, no drafting
+    parts = split["ms_per_token_by_part"]
+    graphs = parts["the layers' graphs"]
+    link = parts["of them, the misses' bytes at the kernels' host read rate"]
+    assert split["miss_mb_per_window"] > 0 and split["kernel_read_gbs"] > 1 and 0 < link < graphs
+    assert parts["waiting for rebalances' copies"] >= 0
+    assert parts["between graphs: LM head, the token's choice, the next embedding"] > 0
+    assert 0 < split["graph_ms_median"] < split["ms_per_token"]
