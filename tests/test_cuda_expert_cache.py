@@ -23,19 +23,27 @@ def cp():
     return pytest.importorskip("cupy")
 
 
-def _plan(
-    cp, *, cache: int | None, slots: int = 2, batch_mtp: bool = True, chunk: int = 64, adapt=True, **kw
-):
+def _text(
+    cp,
+    *,
+    cache: int | None,
+    slots: int = 2,
+    batch_mtp: bool = True,
+    chunk: int = 64,
+    adapt=True,
+    draft_tokens: int = 3,
+    **kw,
+) -> str:
+    """The small preset's profile on this GPU, its routed experts in a cache of ``cache`` slots (None: all
+    resident)."""
     from rt_plans import float16_profile_text
 
-    from strata_cfg.plan.from_profile import resolve_text
-
-    text = float16_profile_text(
+    return float16_profile_text(
         vram_mib=cp.cuda.runtime.memGetInfo()[1] // (1 << 20),
         preset="small",
         slots=slots,
         batch_mtp=batch_mtp,
-        draft_tokens=3,
+        draft_tokens=draft_tokens,
         context=512,
         prefill_chunk=chunk,
         expert_cache=cache,
@@ -43,7 +51,13 @@ def _plan(
         serve=True,
         **kw,
     )
-    return resolve_text(text, "cache-test.toml").plan
+
+
+def _plan(cp, **kw):
+    """The resolved plan of `_text` (same keywords)."""
+    from strata_cfg.plan.from_profile import resolve_text
+
+    return resolve_text(_text(cp, **kw), "cache-test.toml").plan
 
 
 def _generate(engine, prompts, tokens: int) -> list[list[int]]:
@@ -234,19 +248,7 @@ def test_the_cache_timeline_script_splits_a_streams_decode_time(cp, tmp_path) ->
     import sys
     from pathlib import Path
 
-    from rt_plans import float16_profile_text
-
-    text = float16_profile_text(
-        vram_mib=cp.cuda.runtime.memGetInfo()[1] // (1 << 20),
-        preset="small",
-        slots=1,
-        batch_mtp=False,
-        draft_tokens=0,
-        context=512,
-        prefill_chunk=64,
-        expert_cache=6,
-        adapt=True,
-    )
+    text = _text(cp, cache=6, slots=1, batch_mtp=False, draft_tokens=0)
     profile, out = tmp_path / "cached.toml", tmp_path / "split.json"
     profile.write_text(text)
     script = Path(__file__).resolve().parent.parent / "scripts" / "cache_timeline.py"
