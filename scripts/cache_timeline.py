@@ -7,8 +7,8 @@ Runs ``strata bench PROFILE --workload solo --arms solo --repeats 1 --tokens N``
 events added around every decode window's layer graph (`strata_runtime.cuda.decode.CudaLayers.replay`),
 around the compute stream's wait for each rebalance's copies
 (`strata_runtime.cuda.experts.CudaExperts.apply`), and a note of every hand-over's misses; the engine's
-code is wrapped, not changed. Then it splits the timed
-request's decode windows (those after its prompt) into:
+code is wrapped, not changed. Then it splits the timed request's decode windows (those after its prompt; a
+window is a token where the request does not draft) into:
 
 * the layers' graphs, and of them the time the misses' bytes take at the rate kernels read pinned host memory
   (measured first, as ``scripts/host_read_rate.py`` reads one expert's gate/up after another);
@@ -114,11 +114,11 @@ class Trace:
         }
         return {
             "windows": n,
-            "ms_per_token": span / n,
+            "ms_per_window": span / n,
             "graph_ms_median": float(np.median([cp.cuda.get_elapsed_time(a, b) for a, b in decode])),
             "miss_mb_per_window": miss_bytes / count / 1e6,
             "kernel_read_gbs": read_rate / 1e9,
-            "ms_per_token_by_part": {k: v / n for k, v in rows.items()},
+            "ms_per_window_by_part": {k: v / n for k, v in rows.items()},
             "share_by_part": {k: v / span for k, v in rows.items()},
         }
 
@@ -143,11 +143,11 @@ def main() -> None:
     out = trace.split(rate)
     print(
         f"\n{out['windows']} decode windows of the timed request ({time.perf_counter() - t0:.0f} s in all): "
-        f"{out['ms_per_token']:.2f} ms a token, graphs {out['graph_ms_median']:.2f} ms (median), "
+        f"{out['ms_per_window']:.2f} ms a window, graphs {out['graph_ms_median']:.2f} ms (median), "
         f"{out['miss_mb_per_window']:.1f} MB of misses a window"
     )
-    print("| where the time goes | ms a token | share |\n| --- | ---: | ---: |")
-    for part, ms in out["ms_per_token_by_part"].items():
+    print("| where the time goes | ms a window | share |\n| --- | ---: | ---: |")
+    for part, ms in out["ms_per_window_by_part"].items():
         print(f"| {part} | {ms:.2f} | {100 * out['share_by_part'][part]:.1f}% |")
     if args.json:
         with open(args.json, "w") as f:

@@ -261,10 +261,10 @@ def test_the_cache_timeline_script_splits_a_streams_decode_time(cp, tmp_path) ->
     assert run.returncode == 0, run.stderr[-3000:]
     split = json.loads(out.read_text())
     assert split["windows"] == 23  # a token a window after the prompt's, no drafting
-    parts = split["ms_per_token_by_part"]
+    parts = split["ms_per_window_by_part"]
     graphs = parts["the layers' graphs"]
     link = parts["of them, the misses' bytes at the kernels' host read rate"]
     assert split["miss_mb_per_window"] > 0 and split["kernel_read_gbs"] > 1 and 0 < link < graphs
     assert parts["waiting for rebalances' copies"] >= 0
     assert parts["between graphs: LM head, the token's choice, the next embedding"] > 0
-    assert 0 < split["graph_ms_median"] < split["ms_per_token"]
+    assert 0 < split["graph_ms_median"] < split["ms_per_window"]
