@@ -11,7 +11,8 @@ code is wrapped, not changed. Then it splits the timed request's decode windows 
 window is a token where the request does not draft) into:
 
 * the layers' graphs, and of them the time the misses' bytes take at the rate kernels read pinned host memory
-  (measured first, as ``scripts/host_read_rate.py`` reads one expert's gate/up after another);
+  (measured first, as ``strata bench`` prices a cache's misses: one expert's gate/up after another, a launch
+  each);
 * the compute stream's waits for rebalances' copies;
 * the rest between two graphs (the LM head, the token's choice, the next embedding).
 
@@ -23,8 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,12 +31,13 @@ from typing import Any
 import cupy as cp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from host_read_rate import expert_read_rate  # noqa: E402
+from strata_cfg.cli import main as strata
+from strata_runtime.bench.ceilings import host_read_rate
+from strata_runtime.cuda.decode import CudaLayers
+from strata_runtime.cuda.experts import CudaExperts
 
-from strata_cfg.cli import main as strata  # noqa: E402
-from strata_runtime.cuda.decode import CudaLayers  # noqa: E402
-from strata_runtime.cuda.experts import CudaExperts  # noqa: E402
+EXPERT_GATE_UP = 2 * 768 * 2048 * 2
+"""Bytes of one expert's gate/up at the 30B preset's widths: the pieces the read rate is measured in."""
 
 
 @dataclass
@@ -130,7 +130,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--json", metavar="FILE", help="also write the split as JSON")
     args = ap.parse_args()
-    rate = expert_read_rate()
+    rate = host_read_rate(0, EXPERT_GATE_UP)
     print(f"kernels read pinned host memory at {rate / 1e9:.1f} GB/s (48 experts' gate/up, a launch each)")
     trace = Trace()
     trace.install()

@@ -92,6 +92,7 @@ def test_the_cache_figures_split_decode_from_prompts_by_hand():
     assert decode["expert_vram_pct"] == pytest.approx(75.0)  # 300 of 400 decode assignments
     assert decode["late_read_pct"] == pytest.approx(25.0)  # 25 of the 100 decode misses
     assert decode["host_mb_per_token"] == pytest.approx(0.3)  # (2 MB of misses + 1 MB of swaps) / 10
+    assert decode["swap_mb_per_token"] == pytest.approx(0.1)  # the swaps' share
     assert (
         decode["prompt_expert_vram_pct"] == pytest.approx(75.0) and decode["prompt_host_mb_per_token"] == 0.03
     )
@@ -223,3 +224,24 @@ def test_the_bench_settles_the_cache_before_the_first_repeat_unless_told_not_to(
     assert "[serial] expert cache " in err and "warm-up request(s) of 8 tokens" in err
     res, err = runs[True]
     assert res["settling"] == {} and "expert cache settled" not in err and "still learning" not in err
+
+
+def test_the_cache_ceiling_prices_misses_at_the_kernels_read_rate_and_swaps_at_the_copy_rate():
+    """With the rate kernels read pinned host memory at (a miss's) and the swaps' share measured, the link's
+    time is the misses' bytes at that rate plus the swaps' at the copy engine's; without either, all of it
+    at the copy engine's, as before."""
+    facts = ModelFacts.from_config(preset_config("qwen3-30b-a3b"), source="synthetic", dtype="float16")
+    m = {"rows_per_window": 1.0, "tok_s": 60.0, "ms_per_window": 1000 / 60.0, "expert_vram_pct": 83.4}
+    m |= {"host_mb_per_token": 665.8, "swap_mb_per_token": 37.0}
+    copy, link, read = 3e12, 55e9, 49.5e9
+    out = cache_ceiling(facts, m, positions=100, kv_dtype="float16", copy=copy, link=link, read=read)
+    host_s = (665.8 - 37.0) * 1e6 / read + 37.0e6 / link
+    assert out["cache_ceiling_tok_s"] == pytest.approx(1.0 / host_s)  # bound by the link
+    assert "misses 629 MB at the kernels' read rate, swaps 37 MB copied" in out["line"]
+    slower = cache_ceiling(facts, m, positions=100, kv_dtype="float16", copy=copy, link=link)
+    assert slower["cache_ceiling_tok_s"] == pytest.approx(1.0 / (665.8e6 / link))
+    assert slower["cache_ceiling_tok_s"] > out["cache_ceiling_tok_s"] and "read rate" not in slower["line"]
+    del m["swap_mb_per_token"]  # an older run's figures: no split to price
+    assert cache_ceiling(facts, m, 100, "float16", copy, link, read)["cache_ceiling_tok_s"] == pytest.approx(
+        slower["cache_ceiling_tok_s"]
+    )

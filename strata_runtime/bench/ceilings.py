@@ -10,6 +10,7 @@ measured with CuPy on the GPU in the same run as the figure they divide.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -216,8 +217,8 @@ def matrix_rate(device_index: int, n: int = 8192, reps: int = 10) -> float:
 
 
 def host_link_rate(device_index: int, nbytes: int = 1 << 28, reps: int = 10) -> float:
-    """Host-to-device copy rate from pinned memory to GPU ``device_index`` in bytes/s: the link an expert
-    cache's misses and swaps cross."""
+    """Host-to-device copy rate from pinned memory to GPU ``device_index`` in bytes/s: the rate an expert
+    cache's swaps cross the host link at (its misses are read by kernels: `host_read_rate`)."""
     import cupy as cp
 
     with cp.cuda.Device(device_index):
@@ -228,3 +229,75 @@ def host_link_rate(device_index: int, nbytes: int = 1 << 28, reps: int = 10) -> 
         dst = None
         cp.get_default_memory_pool().free_all_blocks()
     return nbytes / s
+
+
+HOST_READ_SOURCE = r"""
+extern "C" __global__ void host_read(const uint4* __restrict__ p, long long n16, float* out, int per_block) {
+  // Block b reads its own contiguous span of per_block 16-byte words; 256 threads, 8 loads in flight each.
+  long long base = (long long)blockIdx.x * per_block;
+  float acc = 0.f;
+  for (int i = threadIdx.x; i < per_block; i += 256 * 8) {
+    uint4 v[8];
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      long long k = base + i + u * 256;
+      v[u] = (i + u * 256 < per_block && k < n16) ? __ldg(p + k) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < 8; ++u) acc += __int_as_float(v[u].x ^ v[u].w);
+  }
+  if (acc == 1.2345f) out[0] = acc;  // never: keeps the loads
+}
+"""
+HOST_READ_BLOCK_BYTES = 1 << 16
+"""Bytes each block of ``host_read`` reads of one piece: 96 blocks for one expert's gate/up at the 30B
+preset's widths (6.29 MB), about as many as the expert kernels give one expert at one row."""
+
+
+class HostReads:
+    """A pinned, mapped host region of ``nbytes`` (filled) and a kernel that reads it in place, as the expert
+    kernels read an expert that holds no VRAM slot; CuPy on the current device. A context manager that frees
+    the region."""
+
+    def __init__(self, nbytes: int) -> None:
+        import cupy as cp
+
+        rt = cp.cuda.runtime
+        self.cp, self.nbytes = cp, nbytes
+        self.ptr = int(rt.hostAlloc(nbytes, rt.hostAllocPortable | rt.hostAllocMapped))
+        ctypes.memset(self.ptr, 1, nbytes)
+        self.kernel = cp.RawKernel(HOST_READ_SOURCE, "host_read")
+        self.out = cp.zeros(1, cp.float32)
+
+    def __enter__(self) -> HostReads:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cp.cuda.runtime.freeHost(self.ptr)
+
+    def read(self, base: int, size: int, blocks: int) -> None:
+        """Read ``size`` bytes from host address ``base`` in one launch of ``blocks`` blocks."""
+        n16 = size // 16
+        self.kernel((blocks,), (256,), (base, np.int64(n16), self.out, np.int32(-(-n16 // blocks))))
+
+    def pieces_rate(self, size: int, blocks: int, count: int, reps: int = 3) -> float:
+        """Bytes/s of ``count`` pieces of ``size`` bytes read one after the other, a launch each over
+        ``blocks`` blocks, as a one-row window's expert kernels read its misses."""
+        assert count * size <= self.nbytes
+
+        def pieces() -> None:
+            for j in range(count):
+                self.read(self.ptr + j * size, size, blocks)
+
+        return count * size / _event_seconds(self.cp, pieces, reps)
+
+
+def host_read_rate(device_index: int, piece: int, count: int = 48) -> float:
+    """The rate in bytes/s at which kernels on GPU ``device_index`` read pinned host memory in place, as an
+    expert cache's misses cross the host link: ``count`` pieces of ``piece`` bytes (an expert's gate/up) one
+    after the other, a launch each. On an H100 about 90% of the copy engine's rate (`host_link_rate`)."""
+    import cupy as cp
+
+    size = -(-piece // 16) * 16
+    with cp.cuda.Device(device_index), HostReads(count * size) as reads:
+        return reads.pieces_rate(size, max(1, -(-size // HOST_READ_BLOCK_BYTES)), count)

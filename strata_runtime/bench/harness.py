@@ -312,10 +312,11 @@ def cache_figures(
     traffic: dict[str, int], generated: int, prompt_tokens: int, prompt: bool
 ) -> dict[str, float]:
     """The bench's expert-cache figures of a run: the share of expert work VRAM served and the host link's
-    megabytes per token (with the swaps' copies), of the decode windows per generated token, or with
-    ``prompt`` (the prompt workload) of the prompt chunks per prompt token; beside the decode figures, the
-    prompts' share and megabytes per prompt token where the run read prompts through the prefill path, and
-    the share of the decode windows' misses that were late reads (`CacheStats.late_reads`)."""
+    megabytes per token (with the swaps' copies, and those apart), of the decode windows per generated
+    token, or with ``prompt`` (the prompt workload) of the prompt chunks per prompt token; beside the decode
+    figures, the prompts' share and megabytes per prompt token where the run read prompts through the
+    prefill path, and the share of the decode windows' misses that were late reads
+    (`CacheStats.late_reads`)."""
     hits, misses = traffic["hits"], traffic["misses"]
     p_hits, p_misses, p_bytes = traffic["prompt_hits"], traffic["prompt_misses"], traffic["prompt_host_bytes"]
     d_hits, d_served = hits - p_hits, hits + misses - p_hits - p_misses
@@ -330,6 +331,7 @@ def cache_figures(
     out["expert_vram_pct"] = 100.0 * d_hits / d_served if d_served else 0.0
     moved = traffic["miss_bytes"] - p_bytes + traffic["swap_bytes"]
     out["host_mb_per_token"] = moved / generated / 1e6 if generated else 0.0
+    out["swap_mb_per_token"] = traffic["swap_bytes"] / generated / 1e6 if generated else 0.0
     if traffic["late_reads"] and misses > p_misses:  # of the decode windows' misses
         out["late_read_pct"] = 100.0 * traffic["late_reads"] / (misses - p_misses)
     if p_hits + p_misses:

@@ -15,7 +15,15 @@ from strata_cfg.schema.workloads import (
 )
 
 from ..api import Tokenizer
-from .ceilings import copy_bandwidth, decode_step_bytes, host_link_rate, matrix_rate, prompt_flops, si
+from .ceilings import (
+    copy_bandwidth,
+    decode_step_bytes,
+    host_link_rate,
+    host_read_rate,
+    matrix_rate,
+    prompt_flops,
+    si,
+)
 from .preparing import WARM_STREAMS
 from .window_roofline import table
 
@@ -41,6 +49,8 @@ def measure_rates(workload: str, plans: dict[str, LaunchPlan]) -> dict[str, floa
         rates = {"copy_bytes_s": copy_bandwidth(gpu)}
         if any(g.experts_resident < g.experts_total for p in plans.values() for g in p.gpus):
             rates["host_link_bytes_s"] = host_link_rate(gpu)
+            f = next(iter(plans.values())).model.facts  # a miss reads an expert's fp16 gate/up, then down
+            rates["host_read_bytes_s"] = host_read_rate(gpu, 2 * f.moe_intermediate_size * f.hidden_size * 2)
         return rates
     return {}
 
@@ -100,11 +110,17 @@ def ceiling_report(
         what = "tok/s generating" if depth else "tok/s"
         lines.append(f"  {name}: {rate:,.1f} {what} = {100 * rate / roof:.0f}% of the one-row roofline")
         if link and "host_mb_per_token" in m:
-            cache = cache_ceiling(facts, m, positions, plan.memory.kv_dtype, copy, link)
+            read = rates.get("host_read_bytes_s")
+            cache = cache_ceiling(facts, m, positions, plan.memory.kv_dtype, copy, link, read)
             arms[name].update({k: v for k, v in cache.items() if k != "line"})
             lines.append(f"    {cache['line']}")
     if link:
-        lines.append(f"host link (pinned host to {device}) measured in this run: {si(link, 'B/s')}")
+        line = (
+            f"host link (pinned host to {device}) measured in this run: {si(link, 'B/s')} by the copy engine"
+        )
+        if rates.get("host_read_bytes_s"):
+            line += f", {si(rates['host_read_bytes_s'], 'B/s')} read by kernels in place (a miss's rate)"
+        lines.append(line)
     out = {
         "step_bytes": step.total,
         "copy_bytes_s": copy,
@@ -182,15 +198,24 @@ def batch_mtp_roofline(
 
 
 def cache_ceiling(
-    facts: ModelFacts, m: dict[str, float], positions: int, kv_dtype: str, copy: float, link: float
+    facts: ModelFacts,
+    m: dict[str, float],
+    positions: int,
+    kv_dtype: str,
+    copy: float,
+    link: float,
+    read: float | None = None,
 ) -> dict[str, Any]:
     """The tok/s an arm's windows allow at the hit rate it measured, VRAM and host link read side by side.
 
     A window of R rows reads the step's bytes from VRAM, less the experts it read from host memory (the
     measured miss share), and moves the measured host bytes per token times the window's tokens over the
-    link; the two links work at once, so the slower of the two bounds the window. The share and the bytes
-    are the decode windows' (`strata_runtime.bench.harness.cache_figures`), and so are the tokens a window
-    yields and the rate set against the ceiling where the run counted its windows by kind
+    link; the two links work at once, so the slower of the two bounds the window. With ``read`` (the rate
+    kernels read pinned host memory at, `strata_runtime.bench.ceilings.host_read_rate`) and the swaps'
+    share of the host bytes measured, the misses cross the link at ``read`` and the swaps' copies at
+    ``link`` (the copy engine's rate), one after the other; else all of it at ``link``. The share and the
+    bytes are the decode windows' (`strata_runtime.bench.harness.cache_figures`), and so are the tokens a
+    window yields and the rate set against the ceiling where the run counted its windows by kind
     (``decode_window_ms``); a run that read prompts through the prefill path has the prompts' own figures
     beside them.
     """
@@ -205,13 +230,20 @@ def cache_ceiling(
     hit = m["expert_vram_pct"] / 100
     vram = step.total - (1 - hit) * step.experts
     host = m["host_mb_per_token"] * 1e6 * tokens
-    floor = max(vram / copy, host / link)
+    if read and "swap_mb_per_token" in m:
+        swaps = m["swap_mb_per_token"] * 1e6 * tokens
+        host_s = (host - swaps) / read + swaps / link
+        how = f"misses {si(host - swaps, 'B')} at the kernels' read rate, swaps {si(swaps, 'B')} copied"
+    else:
+        host_s, how = host / link, ""
+    floor = max(vram / copy, host_s)
     ceiling = tokens / floor if floor > 0 else 0.0
     line = (
         f"expert cache: {100 * hit:.1f}% of expert work from VRAM, {m['host_mb_per_token']:.1f} MB/token "
         f"over the host link; a {rows}-row window ({tokens:.2f} tokens) reads {si(vram, 'B')} from VRAM "
-        f"({si(vram / copy, 's')}) and {si(host, 'B')} over the link ({si(host / link, 's')}): ceiling "
-        f"{ceiling:,.1f} tok/s, measured {rate:,.1f}{what} = {100 * rate / ceiling:.0f}% of it"
+        f"({si(vram / copy, 's')}) and {si(host, 'B')} over the link ({si(host_s, 's')}"
+        f"{': ' + how if how else ''}): ceiling {ceiling:,.1f} tok/s, measured {rate:,.1f}{what} = "
+        f"{100 * rate / ceiling:.0f}% of it"
     )
     extra: dict[str, float] = {
         k: m[k] for k in ("prompt_expert_vram_pct", "prompt_host_mb_per_token", "late_read_pct") if k in m
