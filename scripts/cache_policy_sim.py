@@ -9,7 +9,9 @@ Qwen3-30B-A3B's shape (48 sparse layers of 128 experts, top-8), with 34% and 63%
 streams) and uniform routing. The first half of the requests settle the cache. ``--lag``: decode windows
 between a rebalance's decision and its landing (a GPU's windows run ahead of its hand-overs);
 ``--prompt-lag``: the same for the rebalance a prompt brings (default: ``--lag``; 0: as the engine lands it
-on a GPU, before the first window after the prompt). docs/RUNTIME.md shows this script's tables.
+on a GPU, before the first window after the prompt). The last row is the bound no policy can pass: a cache
+that knows every window to come (`strata_runtime.experts.cache_sim.foresight`). docs/RUNTIME.md shows this
+script's tables.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import argparse
 import numpy as np
 
 from strata_runtime.experts.cache import Policy
-from strata_runtime.experts.cache_sim import calibrated_requests, simulate, uniform_requests
+from strata_runtime.experts.cache_sim import calibrated_requests, foresight, simulate, uniform_requests
 from strata_runtime.experts.routing import RoutingModel
 
 POLICIES = {
@@ -96,6 +98,11 @@ def main() -> None:
             )
             cells.append(f"{out.link:.1f} ({100 * out.hit_rate:.1f}%, {out.largest})")
         print(f"| {name} | " + " | ".join(cells) + " |")
+    cells = []
+    for _, requests, share, streams in cases:  # lags do not apply: it moves each expert before its window
+        out = foresight(requests, int(share * args.layers * experts), streams=streams, warm=n // 2)
+        cells.append(f"{out.link:.1f} ({100 * out.hit_rate:.1f}%)")
+    print("| knowing every window to come (a bound, `foresight`) | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

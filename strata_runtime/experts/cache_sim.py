@@ -159,3 +159,48 @@ def simulate(
     if not tokens:
         raise ValueError(f"no request after the {warm} warm-up ones to measure")
     return Outcome(hits / total, misses / tokens, swaps / tokens, largest)
+
+
+def foresight(requests: Sequence[RequestTrace], slots: int, *, streams: int = 1, warm: int = 0) -> Outcome:
+    """The fewest experts any cache of ``slots`` slots moves over the host link per generated token on
+    ``requests`` (decode windows grouped as `simulate` groups them): a cache that knows every window to
+    come. An expert a window needs that is in no slot crosses the link once, whether it is then kept in a
+    slot or only read; after each window the cache keeps, of what it held and what the window read, the
+    experts needed again soonest. For experts of one size, each crossing at one cost, that is optimal
+    (Belady's rule, applied a window at a time, the newcomers among the candidates), so a policy's misses
+    plus swaps (`Outcome.link`) can come no lower. Prompts are not counted, as in `simulate`, and teach it
+    nothing it does not know. ``misses`` counts every crossing, ``swaps`` is 0, and ``hit_rate`` is the
+    share of the windows' distinct experts found in a slot.
+
+    The cache starts empty; the first ``warm`` requests fill it and are not counted."""
+    n_experts = requests[0].prompt.shape[1]
+    windows: list[np.ndarray] = []  # each window's distinct experts, as layer * E + expert
+    counted: list[bool] = []
+    tokens = 0
+    for start in range(0, len(requests), streams):
+        group = requests[start : start + streams]
+        for t in range(max(len(r.decode) for r in group)):
+            rows = np.concatenate([r.decode[t : t + 1] for r in group if t < len(r.decode)])  # [R, L, k]
+            windows.append(np.unique(rows + np.arange(rows.shape[1])[None, :, None] * n_experts))
+            counted.append(start >= warm)
+            tokens += rows.shape[0] if start >= warm else 0
+    if not tokens:
+        raise ValueError(f"no request after the {warm} warm-up ones to measure")
+    size = requests[0].prompt.size
+    upcoming = np.full(size, len(windows))  # each expert's next window from the one at hand
+    next_use: list[np.ndarray] = [np.empty(0, np.int64)] * len(windows)
+    for w in range(len(windows) - 1, -1, -1):  # each need's next window, from the end
+        next_use[w] = upcoming[windows[w]]
+        upcoming[windows[w]] = w
+    held = np.empty(0, np.int64)  # experts in a slot
+    due = np.zeros(size, np.int64)  # each expert's next window, as known at its last use
+    hits = crossings = 0
+    for w, need in enumerate(windows):
+        found = int(np.isin(need, held, assume_unique=True).sum())
+        if counted[w]:
+            hits += found
+            crossings += len(need) - found
+        due[need] = next_use[w]
+        pool = np.union1d(held, need)
+        held = pool[np.argsort(due[pool], kind="stable")[:slots]] if len(pool) > slots else pool
+    return Outcome(hits / (hits + crossings), crossings / tokens, 0.0)
