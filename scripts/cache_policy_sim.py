@@ -9,9 +9,10 @@ Qwen3-30B-A3B's shape (48 sparse layers of 128 experts, top-8), with 34% and 63%
 streams) and uniform routing. The first half of the requests settle the cache. ``--lag``: decode windows
 between a rebalance's decision and its landing (a GPU's windows run ahead of its hand-overs);
 ``--prompt-lag``: the same for the rebalance a prompt brings (default: ``--lag``; 0: as the engine lands it
-on a GPU, before the first window after the prompt). The last row is the bound no policy can pass: a cache
-that knows every window to come (`strata_runtime.experts.cache_sim.foresight`). docs/RUNTIME.md shows this
-script's tables.
+on a GPU, before the first window after the prompt). Two rows follow the engine's policies: a design whose
+expert kernels keep each miss they read in a slot, so that keeping it copies nothing over the link
+(`strata_runtime.experts.cache_sim.filled_on_miss`), and the bound no policy can pass, a cache that knows
+every window to come (`foresight`). docs/RUNTIME.md shows this script's tables.
 """
 
 from __future__ import annotations
@@ -21,7 +22,13 @@ import argparse
 import numpy as np
 
 from strata_runtime.experts.cache import Policy
-from strata_runtime.experts.cache_sim import calibrated_requests, foresight, simulate, uniform_requests
+from strata_runtime.experts.cache_sim import (
+    calibrated_requests,
+    filled_on_miss,
+    foresight,
+    simulate,
+    uniform_requests,
+)
 from strata_runtime.experts.routing import RoutingModel
 
 POLICIES = {
@@ -98,6 +105,11 @@ def main() -> None:
             )
             cells.append(f"{out.link:.1f} ({100 * out.hit_rate:.1f}%, {out.largest})")
         print(f"| {name} | " + " | ".join(cells) + " |")
+    cells = []
+    for _, requests, share, streams in cases:
+        out = filled_on_miss(requests, int(share * args.layers * experts), 0.95, streams=streams, warm=n // 2)
+        cells.append(f"{out.link:.1f} ({100 * out.hit_rate:.1f}%)")
+    print("| kernels that keep what they read (decay 0.95, `filled_on_miss`) | " + " | ".join(cells) + " |")
     cells = []
     for _, requests, share, streams in cases:  # lags do not apply: it moves each expert before its window
         out = foresight(requests, int(share * args.layers * experts), streams=streams, warm=n // 2)

@@ -204,3 +204,46 @@ def foresight(requests: Sequence[RequestTrace], slots: int, *, streams: int = 1,
         pool = np.union1d(held, need)
         held = pool[np.argsort(due[pool], kind="stable")[:slots]] if len(pool) > slots else pool
     return Outcome(hits / (hits + crossings), crossings / tokens, 0.0)
+
+
+def filled_on_miss(
+    requests: Sequence[RequestTrace], slots: int, decay: float, *, streams: int = 1, warm: int = 0
+) -> Outcome:
+    """A cache whose expert kernels keep what they read: an expert a window reads from host memory is written
+    into a slot on its way, so keeping it costs no copy over the link, only the read it took anyway. It is
+    kept over the expert held with the lowest score, where its own score is higher; a score is an
+    exponential count of the windows that used the expert (each window multiplies every score by
+    ``decay``, then adds one for each expert it reads), with a prompt's routing counts added as it is read.
+    Decode windows grouped as `simulate` groups them; ``misses`` is every read from host memory, ``swaps``
+    is 0 (nothing is copied). The cache starts empty; the first ``warm`` requests fill it and are not
+    counted. An engine does not work this way: it is the policy a fill-on-miss design could run, for
+    comparison with `simulate`'s and the `foresight` bound."""
+    n_layers, n_experts = requests[0].prompt.shape
+    score = np.zeros(n_layers * n_experts)
+    held = np.zeros(n_layers * n_experts, bool)
+    hits = reads = tokens = 0
+    for start in range(0, len(requests), streams):
+        group = requests[start : start + streams]
+        counted = start >= warm
+        for r in group:
+            score += r.prompt.ravel()
+        for t in range(max(len(r.decode) for r in group)):
+            rows = np.concatenate([r.decode[t : t + 1] for r in group if t < len(r.decode)])  # [R, L, k]
+            need = np.unique(rows + np.arange(n_layers)[None, :, None] * n_experts)
+            score *= decay
+            score[need] += 1
+            miss = need[~held[need]]
+            if counted:
+                hits += len(need) - len(miss)
+                reads += len(miss)
+                tokens += rows.shape[0]
+            room = slots - int(held.sum())
+            held[miss[:room]] = True  # free slots first
+            for x in miss[max(room, 0) :]:
+                kept = np.flatnonzero(held & (score < score[x]))
+                if len(kept):
+                    held[kept[np.argmin(score[kept])]] = False
+                    held[x] = True
+    if not tokens:
+        raise ValueError(f"no request after the {warm} warm-up ones to measure")
+    return Outcome(hits / (hits + reads), reads / tokens, 0.0)
