@@ -293,19 +293,31 @@ def test_a_rebalance_cut_at_max_swaps_goes_on_the_next_window_until_nothing_more
     assert len(exact.rebalance()) == 6 and not exact.backlog, "the cap reached with nothing more to move"
 
 
+CALIBRATED_REQUESTS = 8
+"""Requests of `_calibrated`; the first half settle the cache."""
+
+
+def _calibrated() -> tuple[list, int, np.random.Generator, list[list[int]]]:
+    """Eight requests of 64 tokens under calibrated routing over 12 layers of 128 experts (top-8), seeded;
+    the slots of 34% of the experts, the generator (for more traces) and the prompts."""
+    from strata_runtime.experts.cache_sim import calibrated_requests
+    from strata_runtime.experts.routing import RoutingModel
+
+    layers, experts, k = 12, 128, 8
+    g = np.random.default_rng(5)
+    model = RoutingModel(layers, experts, k, model_seed=5)
+    prompts = [g.integers(0, 32000, int(g.integers(20, 200))).tolist() for _ in range(CALIBRATED_REQUESTS)]
+    return calibrated_requests(model, prompts, 64), int(0.34 * layers * experts), g, prompts
+
+
 def test_a_cap_on_swaps_bounds_the_largest_rebalance_and_costs_little_once_it_goes_on() -> None:
     """On calibrated routing a cap of 32 swaps a rebalance moves at most 32 experts at once (a new
     request's prompt brings a shorter pause) and, going on at the next window, moves within 12% as many
     experts over the host link per token as 512 (without going on: about 19% more)."""
-    from strata_runtime.experts.cache_sim import calibrated_requests, simulate
-    from strata_runtime.experts.routing import RoutingModel
+    from strata_runtime.experts.cache_sim import simulate
 
-    layers, experts, k, n = 12, 128, 8, 8
-    g = np.random.default_rng(5)
-    model = RoutingModel(layers, experts, k, model_seed=5)
-    prompts = [g.integers(0, 32000, int(g.integers(20, 200))).tolist() for _ in range(n)]
-    calibrated = calibrated_requests(model, prompts, 64)
-    slots = int(0.34 * layers * experts)
+    calibrated, slots, g, prompts = _calibrated()
+    n = CALIBRATED_REQUESTS
     wide = simulate(calibrated, slots, Policy(max_swaps=512), warm=n // 2)
     capped = simulate(calibrated, slots, Policy(max_swaps=32), warm=n // 2)
     assert wide.largest > 32 and capped.largest <= 32
@@ -316,17 +328,12 @@ def test_the_default_policy_moves_fewer_experts_over_the_host_link_than_the_old_
     """On calibrated routing (each request its own hot set) the default policy learns a new request from its
     prompt and moves far fewer experts over the host link per token than the old one (decay 0.7, margin 1,
     at most 32 swaps), and on uniform routing (nothing to learn) it swaps no more than a few per cent."""
-    from strata_runtime.experts.cache_sim import calibrated_requests, simulate, uniform_requests
-    from strata_runtime.experts.routing import RoutingModel
+    from strata_runtime.experts.cache_sim import simulate, uniform_requests
 
-    layers, experts, k, n = 12, 128, 8, 8
-    g = np.random.default_rng(5)
-    model = RoutingModel(layers, experts, k, model_seed=5)
-    prompts = [g.integers(0, 32000, int(g.integers(20, 200))).tolist() for _ in range(n)]
-    calibrated = calibrated_requests(model, prompts, 64)
-    uniform = uniform_requests(g, [len(p) for p in prompts], 64, layers, experts, k)
+    calibrated, slots, g, prompts = _calibrated()
+    n = CALIBRATED_REQUESTS
+    uniform = uniform_requests(g, [len(p) for p in prompts], 64, 12, 128, 8)  # as `_calibrated`'s shape
     old = Policy(decay=0.7, every=4, margin=1.0, max_swaps=32, after_prompt=False)
-    slots = int(0.34 * layers * experts)
     new_c, old_c = (simulate(calibrated, slots, p, warm=n // 2) for p in (Policy(), old))
     assert new_c.link < 0.8 * old_c.link and new_c.hit_rate > old_c.hit_rate
     new_u, old_u = (simulate(uniform, slots, p, warm=n // 2) for p in (Policy(), old))
@@ -468,12 +475,10 @@ def test_kernels_that_keep_what_they_read_keep_the_expert_used_more() -> None:
     default policy moves, and no fewer than the foresight bound."""
     from strata_runtime.experts.cache_sim import (
         RequestTrace,
-        calibrated_requests,
         filled_on_miss,
         foresight,
         simulate,
     )
-    from strata_runtime.experts.routing import RoutingModel
 
     decode = np.array([0, 0, 1, 0]).reshape(4, 1, 1)  # [T, L, k]: one layer, one expert a row
     req = RequestTrace(np.zeros((1, 2)), decode)
@@ -481,12 +486,8 @@ def test_kernels_that_keep_what_they_read_keep_the_expert_used_more() -> None:
     assert kept.misses == 2 / 4 and kept.hit_rate == 2 / 4
     forgetful = filled_on_miss([req], 1, 0.0)  # 1 replaces 0, then 0 replaces 1
     assert forgetful.misses == 3 / 4
-    layers, experts, k, n = 12, 128, 8, 8
-    g = np.random.default_rng(5)
-    model = RoutingModel(layers, experts, k, model_seed=5)
-    prompts = [g.integers(0, 32000, int(g.integers(20, 200))).tolist() for _ in range(n)]
-    calibrated = calibrated_requests(model, prompts, 64)
-    slots = int(0.34 * layers * experts)
+    calibrated, slots, g, prompts = _calibrated()
+    n = CALIBRATED_REQUESTS
     filled = filled_on_miss(calibrated, slots, 0.95, warm=n // 2)
     default = simulate(calibrated, slots, Policy(), warm=n // 2)
     assert foresight(calibrated, slots, warm=n // 2).link < filled.link < default.link
