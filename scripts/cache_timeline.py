@@ -3,7 +3,8 @@ host link inside them, the waits for rebalances' copies, and the work between tw
 
     python scripts/cache_timeline.py PROFILE [--set KEY=VALUE ...] [--tokens 128]
 
-Runs ``strata bench PROFILE --workload solo --arms solo --repeats 1 --tokens N`` in this process with CUDA
+Runs ``strata bench PROFILE --workload solo --arms solo --repeats 1 --tokens N``, its engine in this process
+(where ``strata bench`` starts one of its own), with CUDA
 events added around every decode window's layer graph (`strata_runtime.cuda.decode.CudaLayers.replay`),
 around the compute stream's wait for each rebalance's copies
 (`strata_runtime.cuda.experts.CudaExperts.apply`), and a note of every hand-over's misses; the engine's
@@ -24,14 +25,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import time
 from dataclasses import dataclass, field
 from typing import Any
+from unittest import mock
 
 import cupy as cp
 import numpy as np
 
+import strata_cfg.commands.bench as cfg_bench
 from strata_cfg.cli import main as strata
+from strata_runtime.__main__ import main as runtime
 from strata_runtime.bench.ceilings import host_read_rate
 from strata_runtime.cuda.decode import CudaLayers
 from strata_runtime.cuda.experts import CudaExperts
@@ -123,6 +128,13 @@ class Trace:
         }
 
 
+def in_this_process(argv: list[str], check: bool = False) -> subprocess.CompletedProcess[bytes]:
+    """``strata bench`` starts the engine as ``python -m strata_runtime bench ...``; run it in this process
+    instead, where the trace's wrappers are."""
+    assert argv[1:3] == ["-m", "strata_runtime"], argv
+    return subprocess.CompletedProcess(argv, runtime(argv[3:]))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("profile")
@@ -137,7 +149,8 @@ def main() -> None:
     sets = [x for kv in args.set for x in ("--set", kv)]
     bench = ["bench", args.profile, *sets, "--workload", "solo", "--arms", "solo", "--repeats", "1"]
     t0 = time.perf_counter()
-    code = strata([*bench, "--tokens", str(args.tokens)])
+    with mock.patch.object(cfg_bench.subprocess, "run", in_this_process):
+        code = strata([*bench, "--tokens", str(args.tokens)])
     if code:
         raise SystemExit(code)
     out = trace.split(rate)
