@@ -26,7 +26,7 @@ Letters: L sparse layers, E experts, k experts per row, T positions.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -70,6 +70,18 @@ def counts(rows: np.ndarray, n_experts: int) -> np.ndarray:
     layer = np.broadcast_to(np.arange(n_layers)[None, :, None], rows.shape)
     np.add.at(out, (layer.ravel(), rows.ravel()), 1)
     return out
+
+
+def window_rows(group: Sequence[RequestTrace]) -> Iterator[np.ndarray]:
+    """The decode windows of requests decoding together, one position each: the rows [R, L, k] of those still
+    decoding."""
+    for t in range(max(len(r.decode) for r in group)):
+        yield np.concatenate([r.decode[t : t + 1] for r in group if t < len(r.decode)])
+
+
+def distinct(rows: np.ndarray, n_experts: int) -> np.ndarray:
+    """A window's distinct experts, as layer * E + expert, from its rows [R, L, k]."""
+    return np.unique(rows + np.arange(rows.shape[1])[None, :, None] * n_experts)
 
 
 def calibrated_requests(
@@ -138,8 +150,8 @@ def simulate(
             moved = hand_over(r.prompt, 1, prompt=True)
             swaps += moved if counted else 0
             largest = max(largest, moved if counted else 0)
-        for t in range(max(len(r.decode) for r in group)):
-            c = counts(np.concatenate([r.decode[t : t + 1] for r in group if t < len(r.decode)]), n_experts)
+        for rows in window_rows(group):
+            c = counts(rows, n_experts)
             while landing and landing[0][0] <= clock:
                 held = landing.popleft()[1]
             resident = held
@@ -148,7 +160,7 @@ def simulate(
                 total += c.sum()
                 hits += c[resident].sum()
                 misses += np.count_nonzero((c > 0) & ~resident)
-                tokens += sum(t < len(r.decode) for r in group)
+                tokens += rows.shape[0]
             pending += c
             windows += 1
             if windows >= policy.every or cache.backlog:
@@ -179,9 +191,8 @@ def foresight(requests: Sequence[RequestTrace], slots: int, *, streams: int = 1,
     tokens = 0
     for start in range(0, len(requests), streams):
         group = requests[start : start + streams]
-        for t in range(max(len(r.decode) for r in group)):
-            rows = np.concatenate([r.decode[t : t + 1] for r in group if t < len(r.decode)])  # [R, L, k]
-            windows.append(np.unique(rows + np.arange(rows.shape[1])[None, :, None] * n_experts))
+        for rows in window_rows(group):
+            windows.append(distinct(rows, n_experts))
             counted.append(start >= warm)
             tokens += rows.shape[0] if start >= warm else 0
     if not tokens:
@@ -227,9 +238,8 @@ def filled_on_miss(
         counted = start >= warm
         for r in group:
             score += r.prompt.ravel()
-        for t in range(max(len(r.decode) for r in group)):
-            rows = np.concatenate([r.decode[t : t + 1] for r in group if t < len(r.decode)])  # [R, L, k]
-            need = np.unique(rows + np.arange(n_layers)[None, :, None] * n_experts)
+        for rows in window_rows(group):
+            need = distinct(rows, n_experts)
             score *= decay
             score[need] += 1
             miss = need[~held[need]]
