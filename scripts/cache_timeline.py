@@ -12,8 +12,8 @@ code is wrapped, not changed. Then it splits the timed request's decode windows 
 window is a token where the request does not draft) into:
 
 * the layers' graphs, and of them the time the misses' bytes take at the rate kernels read pinned host memory
-  (measured first, as ``strata bench`` prices a cache's misses: one expert's gate/up after another, a launch
-  each);
+  (as the bench measures it before the engine starts, to price a cache's misses: one expert's gate/up after
+  another, a launch each);
 * the compute stream's waits for rebalances' copies;
 * the rest between two graphs (the LM head, the token's choice, the next embedding).
 
@@ -37,12 +37,9 @@ import numpy as np
 import strata_cfg.commands.bench as cfg_bench
 from strata_cfg.cli import main as strata
 from strata_runtime.__main__ import main as runtime
-from strata_runtime.bench.ceilings import host_read_rate
+from strata_runtime.commands import bench as runtime_bench
 from strata_runtime.cuda.decode import CudaLayers
 from strata_runtime.cuda.experts import CudaExperts
-
-EXPERT_GATE_UP = 2 * 768 * 2048 * 2
-"""Bytes of one expert's gate/up at the 30B preset's widths: the pieces the read rate is measured in."""
 
 
 @dataclass
@@ -55,10 +52,13 @@ class Trace:
     """(the compute stream, event before a rebalance, event after its copies and tables)."""
     reads: list[tuple[int, int, int, bool]] = field(default_factory=list)
     """Each hand-over: (windows, misses, bytes an expert, whether a prompt chunk's)."""
+    rates: dict[str, float] = field(default_factory=dict)
+    """The rates the bench measured before its engine started (`measure_rates`)."""
 
     def install(self) -> None:
-        """Wrap the three engine methods this trace reads."""
+        """Wrap the three engine methods this trace reads, and the bench's measurement of its rates."""
         replay, apply, hand_over = CudaLayers.replay, CudaExperts.apply, CudaExperts._hand_over
+        measure = runtime_bench.measure_rates
         trace = self
 
         def timed(events: list[tuple[int, Any, Any]], key: int, stream: Any, body: Any) -> None:
@@ -81,16 +81,23 @@ class Trace:
             trace.reads.append(noted)
             return hand_over(self, stream)
 
+        def measure_noted(workload: str, plans: Any) -> dict[str, float]:
+            rates = measure(workload, plans)
+            trace.rates.update(rates)
+            return rates
+
+        runtime_bench.measure_rates = measure_noted
         CudaLayers.replay = replay_timed  # type: ignore[method-assign]
         CudaExperts.apply = apply_timed  # type: ignore[method-assign]
         CudaExperts._hand_over = hand_over_noted  # type: ignore[method-assign]
 
-    def split(self, read_rate: float) -> dict[str, Any]:
+    def split(self) -> dict[str, Any]:
         """The timed request's decode windows (those after the last prompt's hand-over) split as the module
-        docstring says; ``read_rate``: the kernels' host read rate in bytes/s."""
+        docstring says."""
         cp.cuda.Device().synchronize()
         prompts = [i for i, r in enumerate(self.reads) if r[3]]
-        if not prompts or not self.windows:
+        read_rate = self.rates.get("host_read_bytes_s")
+        if not prompts or not self.windows or not read_rate:
             raise SystemExit("no expert cache at work: the profile's experts all fit, or nothing ran")
         after = self.reads[prompts[-1] + 1 :]
         count = sum(r[0] for r in after)
@@ -142,8 +149,6 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--json", metavar="FILE", help="also write the split as JSON")
     args = ap.parse_args()
-    rate = host_read_rate(0, EXPERT_GATE_UP)
-    print(f"kernels read pinned host memory at {rate / 1e9:.1f} GB/s (48 experts' gate/up, a launch each)")
     trace = Trace()
     trace.install()
     sets = [x for kv in args.set for x in ("--set", kv)]
@@ -153,9 +158,10 @@ def main() -> None:
         code = strata([*bench, "--tokens", str(args.tokens)])
     if code:
         raise SystemExit(code)
-    out = trace.split(rate)
+    out = trace.split()
     print(
-        f"\n{out['windows']} decode windows of the timed request ({time.perf_counter() - t0:.0f} s in all): "
+        f"\nkernels read pinned host memory at {out['kernel_read_gbs']:.1f} GB/s (the bench's measurement); "
+        f"{out['windows']} decode windows of the timed request ({time.perf_counter() - t0:.0f} s in all): "
         f"{out['ms_per_window']:.2f} ms a window, graphs {out['graph_ms_median']:.2f} ms (median), "
         f"{out['miss_mb_per_window']:.1f} MB of misses a window"
     )
