@@ -173,3 +173,28 @@ def test_at_a_depth_the_solo_ceiling_reads_that_deep_kv_and_compares_the_generat
     assert deep["roofline_tok_s"] < flat["roofline_tok_s"]  # the deep KV's bytes count
     assert deep["arms"]["solo"]["tok_s"] == 370.0 and flat["arms"]["solo"]["tok_s"] == 200.0
     assert any("370.0 tok/s generating" in line for line in deep["lines"])
+
+
+def test_the_solo_ceiling_prices_a_caches_misses_at_the_measured_kernel_read_rate():
+    """With the host link and the kernels' read rate among the measured rates, the cache line splits the
+    link's time into misses at the read rate and swaps at the copy rate, and names both rates; without the
+    read rate it prices every byte at the copy rate."""
+    import argparse
+
+    from strata_runtime.bench.versus_ceilings import ceiling_report
+    from strata_runtime.weights.tokenizer import ByteTokenizer
+
+    plan = resolve_profile(PROFILE, [])
+    median = {"tok_s": 60.0, "rows_per_window": 1.0, "ms_per_window": 1000 / 60.0, "expert_vram_pct": 83.4}
+    median |= {"host_mb_per_token": 665.8, "swap_mb_per_token": 37.0}
+    solo = {"solo": {"solo": {"median": median}}}
+    args, tok = argparse.Namespace(tokens=128), ByteTokenizer(259)
+    rates = {"copy_bytes_s": COPY, "host_link_bytes_s": 55e9, "host_read_bytes_s": 49.5e9}
+    priced = ceiling_report("solo", {"solo": plan}, solo, rates, args, tok)
+    text = "\n".join(priced["lines"])
+    assert "misses 629 MB at the kernels' read rate, swaps 37 MB copied" in text
+    assert "55 GB/s by the copy engine, 49.5 GB/s read by kernels in place" in text
+    del rates["host_read_bytes_s"]
+    plain = ceiling_report("solo", {"solo": plan}, solo, rates, args, tok)
+    assert plain["arms"]["solo"]["cache_ceiling_tok_s"] > priced["arms"]["solo"]["cache_ceiling_tok_s"]
+    assert "read rate" not in "\n".join(plain["lines"])
