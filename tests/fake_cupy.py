@@ -308,8 +308,9 @@ class ReferenceKernels:
         """As the launcher: the expert kernels' instantiations."""
         from strata_runtime.cuda.choices import moe_expressions
 
-        idx, h_buf = rest[4], rest[6]  # after logits: norm_topk, eps, experts, resid, idx, wts, h_buf
-        for expr in moe_expressions(x.shape[1], h_buf.shape[1], idx.shape[1]):
+        experts, idx, h_buf = rest[2], rest[4], rest[6]  # after logits: norm_topk, eps, experts, resid, ...
+        keep = getattr(experts, "keep", None) is not None
+        for expr in moe_expressions(x.shape[1], h_buf.shape[1], idx.shape[1], keep):
             self._launched(expr)
         RECORDER.launch(reference_kernels.moe, x, norm, logits, *rest)
 

@@ -1427,3 +1427,45 @@ def test_a_history_stored_in_host_memory_comes_back_on_the_cuda_path_with_the_te
     assert np.array_equal(np.asarray(drafter.v[:, 0, :, :n]), dv[:, :, :n])
     whole, _ = serve(plan)
     assert stored == whole and all(len(r) == 6 for r in stored)
+
+
+def test_a_cache_that_keeps_its_misses_on_the_cuda_path_changes_no_token_and_fills_its_slots(fake_gpu):
+    """With ``experts.keep_misses`` the admission (``moe_admit``'s NumPy twin) picks slots between the routing
+    and the expert kernels, which write what they read from host memory there: greedy text equals the
+    all-resident run's, nothing is swapped, experts are kept, and every slot the device's tables or ``fill``
+    give an expert holds that expert's weights, byte for byte."""
+    from strata_runtime.engine import Engine
+    from strata_runtime.reference.keep import held
+
+    def generate(plan) -> tuple[list[list[int]], Engine]:
+        engine = Engine(plan)
+        prompts = [tuple(range(40, 140)), (72, 101, 108, 108, 111) * 3]
+        handles = [engine.submit(Request(p, 16)) for p in prompts]
+        while engine.step():
+            pass
+        return [
+            [t for _ in range(h.events.qsize()) for t in h.events.get().token_ids] for h in handles
+        ], engine
+
+    kw = {"preset": "small", "batch_mtp": True, "draft_tokens": 3, "stages": 2, "prefill_chunk": 96}
+    resident, _ = generate(_plan("cuda", **kw))
+    cached, engine = generate(_plan("cuda", expert_cache=5, cache_policy={"keep_misses": True}, **kw))
+    assert cached == resident
+    for stage in engine.model.stages:
+        store, tables = stage.experts, stage.cuda_experts
+        assert tables is not None and tables.keeping
+        tables.settle()
+        stats = store.stats
+        assert stats.swaps == 0 and stats.swap_bytes == 0
+        assert stats.kept > 0 and stats.misses > 0
+        slots = held(np.asarray(tables.slot_of), np.asarray(tables.fill))
+        assert (slots == store.residency.slot_of).all()  # the host learned the device's tables
+        assert sorted(slots[slots >= 0].tolist()) == list(range(store.slots))  # each slot held once
+        for j, e in zip(*np.nonzero(slots >= 0), strict=True):
+            s = int(slots[j, e])
+            gate_up, down = store.host_weights(int(j), int(e))
+            assert np.array_equal(store.pool_gate_up[s], gate_up) and np.array_equal(store.pool_down[s], down)
+            if int(tables.fill[j, e]) < 0:  # committed: the tables read the slot
+                assert int(tables.gate_up[j, e]) == store.pool_gate_up[s].ctypes.data
+        for j, e in zip(*np.nonzero(slots < 0), strict=True):
+            assert int(tables.gate_up[j, e]) == store.host_weights(int(j), int(e))[0].ctypes.data

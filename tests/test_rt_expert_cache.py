@@ -491,3 +491,51 @@ def test_kernels_that_keep_what_they_read_keep_the_expert_used_more() -> None:
     filled = filled_on_miss(calibrated, slots, 0.95, warm=n // 2)
     default = simulate(calibrated, slots, Policy(), warm=n // 2)
     assert foresight(calibrated, slots, warm=n // 2).link < filled.link < default.link
+
+
+def test_the_admission_rule_keeps_missing_experts_in_usable_victims_slots_in_order() -> None:
+    """`admit` (the rule the GPU's ``moe_admit`` runs): the missing experts, in id order, take the usable
+    queued slots in queue order; a victim that no longer holds its slot, or that this window routes to in
+    the same layer, is passed over; ``taken`` moves past the last entry used, or past every entry looked
+    at when too few were usable; experts already held or in a helper slot (code below -1) take none."""
+    from strata_runtime.reference.keep import LOOKED_AT, Victims, admit
+
+    slot_of = np.full((3, 8), -1, np.int32)
+    slot_of[0, :4] = [0, 1, 2, 3]
+    slot_of[1, :3] = [4, 5, 6]
+    slot_of[2, 5] = -3  # a helper slot
+    keys = [1 * 8 + 0, 0 * 8 + 2, 1 * 8 + 7, 0 * 8 + 3, 1 * 8 + 1, 0 * 8 + 0]
+    slots = [4, 2, 9, 3, 5, 0]  # the third entry is stale: expert (1, 7) holds no slot
+    queue = Victims(np.array(slots, np.int32), np.array(keys, np.int32), 0)
+    # Layer 0 routes to 2 (held), 5, 6 (missing) and 3 (held, so its entry is passed over).
+    moves = admit(slot_of, 0, np.array([6, 2, 5, 3, 5]), queue)
+    assert moves == [(4, (1, 0), (0, 5)), (5, (1, 1), (0, 6))]
+    assert queue.taken == 5
+    assert slot_of[1, 0] == slot_of[1, 1] == -1 and slot_of[0, 5] == 4 and slot_of[0, 6] == 5
+    assert slot_of[0, 2] == 2 and slot_of[0, 3] == 3  # routed here: kept their slots
+    # Too few usable entries left: one expert kept, the rest not, and the queue is used up.
+    moves = admit(slot_of, 2, np.array([1, 2, 5]), queue)
+    assert moves == [(0, (0, 0), (2, 1))] and queue.taken == len(slots)
+    assert slot_of[2, 5] == -3 and slot_of[2, 2] == -1
+    assert admit(slot_of, 1, np.array([3]), queue) == []  # nothing left to take
+    # At most LOOKED_AT entries are looked at: past them, nothing is usable this window.
+    stale = Victims(np.full(LOOKED_AT + 1, 7, np.int32), np.full(LOOKED_AT + 1, 8 * 2 + 7, np.int32), 0)
+    stale.slot[-1], stale.key[-1] = 6, 8 * 1 + 2
+    assert admit(slot_of, 0, np.array([7]), stale) == [] and stale.taken == LOOKED_AT
+    assert admit(slot_of, 0, np.array([7]), stale) == [(6, (1, 2), (0, 7))]
+
+
+def test_keeping_misses_moves_fewer_experts_over_the_link_than_swapping_under_calibrated_routing() -> None:
+    """The cache's own bookkeeping replayed on calibrated traces at 34% of the experts: keeping what the
+    kernels read copies nothing, and crosses the link less than the default policy's misses and swaps,
+    above the `foresight` bound; every decode window's misses are counted before the admission."""
+    from strata_runtime.experts.cache import Policy
+    from strata_runtime.experts.cache_sim import foresight, simulate
+
+    requests, slots, _, _ = _calibrated()
+    warm = len(requests) // 2
+    swapping = simulate(requests, slots, Policy(), warm=warm, lag=1)
+    keeping = simulate(requests, slots, Policy(keep_misses=True), warm=warm)
+    bound = foresight(requests, slots, warm=warm)
+    assert keeping.swaps == 0 and swapping.swaps > 0
+    assert bound.link < keeping.link < 0.9 * swapping.link

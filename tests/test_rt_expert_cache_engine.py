@@ -191,3 +191,30 @@ def test_a_restored_cache_holds_and_knows_what_it_did_so_a_rerun_serves_the_same
     before = served()
     assert collect(eng, requests) == first
     assert [(h - h0, m - m0) for (h, m), (h0, m0) in zip(served(), before, strict=True)] == first_served
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+@pytest.mark.parametrize("mode", ["serial", "batch-mtp"])
+def test_a_cache_that_keeps_its_misses_gives_the_all_resident_text_and_copies_no_swap(stages, mode):
+    """``experts.keep_misses`` on the array path: each expert a window reads from host memory takes a queued
+    victim's slot (`Residency.admit`); no token changes, experts are kept and no swap is copied."""
+    plan = mode_plan(
+        mode,
+        stages,
+        preset="small",
+        context=96,
+        prefill_chunk=CHUNK,
+        expert_cache=6,
+        cache_policy={"keep_misses": True},
+    )
+    keeping = Engine(plan)
+    requests = [
+        (0, Request(prompt(20, 1), 10, request_id="a")),
+        (2, Request(prompt(9, 2), 12, request_id="b")),
+    ]
+    assert collect(keeping, requests) == collect(engine("small", stages, mode, None), requests)
+    for stage in keeping.model.stages:
+        stats = stage.experts.stats
+        assert stats.kept > 0 and stats.swaps == 0 and stats.swap_bytes == 0
+        r = stage.experts.residency
+        assert sorted(r.slot_of[r.slot_of >= 0].tolist()) == list(range(r.slots))  # each slot held once

@@ -432,7 +432,7 @@ def test_a_restored_cache_on_the_cuda_path_forgets_the_reads_counted_before(fake
     start = engine.expert_state()
     every = store.residency.policy.every
     tables.counts[0, 1] = 3.0  # what an arm's windows counted on the device
-    tables.misses[0] = (7.0, 2.0)
+    tables.misses[0, :2] = (7.0, 2.0)
     for _ in range(every):  # the last one queues the counters' read, not yet handed over
         tables.after_window()
     engine.restore_experts(start)

@@ -253,6 +253,15 @@ def expert_notes(gpus: list[GpuPlan], sz: Sizing, led: Ledger, expert_bytes: int
             )
     if helper_held:
         led.note("experts.cache", "experts.helper_devices", f"helper GPUs hold {helper_held} more experts")
+    if partial and led["experts.keep_misses"] and (led["experts.helper_devices"] or helper_held):
+        led.change(
+            "experts.keep_misses",
+            False,
+            "experts.keep-misses-tiers",
+            "experts.keep_misses is off: the helper tier (helper GPUs or a peer device) adapts by swaps, "
+            "which keeping misses would race with",
+            because=("experts.helper_devices", "experts.peer_device"),
+        )
     if partial:
         led.note("experts.cache", "experts.adapt", cache_policy_text(led, expert_bytes))
     policy_inert(bool(partial), led)
@@ -271,7 +280,8 @@ POLICY_KEYS = ("experts.rebalance_every", "experts.score_decay", "experts.swap_m
 
 def policy_inert(cached: bool, led: Ledger) -> None:
     """Say which cache-policy keys the profile sets for nothing: all of them where every expert is resident
-    (no GPU holds a cache), the adaptation's own where ``experts.adapt = false`` freezes the cache."""
+    (no GPU holds a cache), the adaptation's own where ``experts.adapt = false`` freezes the cache, and the
+    swaps' margin where the cache keeps its misses instead of swapping."""
     if cached and led["experts.adapt"]:
         if led.user_set("experts.recall_stored") and not led["memory.prefix_store_mib"]:
             led.note(
@@ -282,11 +292,20 @@ def policy_inert(cached: bool, led: Ledger) -> None:
                 requested=True,
                 because=("memory.prefix_store_mib",),
             )
+        if led["experts.keep_misses"] and led.user_set("experts.swap_margin"):
+            led.note(
+                "experts.policy-inert",
+                "experts.swap_margin",
+                "experts.swap_margin does nothing: with experts.keep_misses the cache copies no swaps; a "
+                "kept miss takes the queued slot of one of the least used experts",
+                requested=True,
+                because=("experts.keep_misses",),
+            )
         return
     keys = (
-        (*POLICY_KEYS, "experts.recall_stored")
+        (*POLICY_KEYS, "experts.keep_misses", "experts.recall_stored")
         if cached
-        else ("experts.adapt", *POLICY_KEYS, "experts.recall_stored")
+        else ("experts.adapt", *POLICY_KEYS, "experts.keep_misses", "experts.recall_stored")
     )
     why = (
         "experts.adapt = false keeps the cache's first contents"
@@ -316,6 +335,13 @@ def cache_policy_text(led: Ledger, expert_bytes: int) -> str:
     if not led["experts.adapt"]:
         return "the cache keeps its first contents (experts.adapt = false)"
     every, decay, margin, most = (led.get(key, "experts.cache") for key in POLICY_KEYS)
+    if led.get("experts.keep_misses", "experts.cache"):
+        return (
+            f"the cache keeps what the kernels read from host memory: every {every} windows and after each "
+            f"prompt chunk read in one window it queues its {most} least used experts (scores decay by "
+            f"{decay:g} a window), and each expert a window reads from host memory takes the next queued "
+            "slot, written as it is read: nothing is copied, and no window waits"
+        )
     gb = most * expert_bytes / 1e9
     pauses = ", ".join(f"{1000 * gb / rate:.0f} ms over {link}" for link, rate in HOST_LINKS_GBS)
     return (

@@ -272,6 +272,7 @@ def _assemble(
             rebalance_every=int(led["experts.rebalance_every"]),
             swap_margin=float(led["experts.swap_margin"]),
             max_swaps=int(led["experts.max_swaps"]),
+            keep_misses=bool(led["experts.keep_misses"]),
             recall_stored=bool(led["experts.recall_stored"]),
         ),
         host=host,

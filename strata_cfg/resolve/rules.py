@@ -199,6 +199,12 @@ _RULES = (
         "where they take at most an eighth of the GPU's slots",
     ),
     Rule(
+        "experts.keep-misses-tiers",
+        7,
+        "note",
+        "experts.keep_misses is off with helper GPUs or a peer device: their tier adapts by swaps",
+    ),
+    Rule(
         "experts.policy-inert",
         7,
         "note",

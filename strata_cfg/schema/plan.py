@@ -381,7 +381,10 @@ class ExpertsPlan(_Plan):
     swap_margin: float = SWAP_MARGIN
     """Score a newcomer must beat the expert it evicts by (``experts.swap_margin``)."""
     max_swaps: int = MAX_SWAPS
-    """Swaps per rebalance at most (``experts.max_swaps``)."""
+    """Swaps per rebalance at most (``experts.max_swaps``); under ``keep_misses``, the victims queued."""
+    keep_misses: bool = False
+    """Whether the cache keeps the experts the kernels read from host memory, in the slots of queued
+    victims, instead of copying swaps (``experts.keep_misses``)."""
     recall_stored: bool = True
     """Whether a prefix copied back from the prefix store brings back what the cache had learned from its
     conversation (``experts.recall_stored``)."""

@@ -345,11 +345,15 @@ def gemv_expression(rows: int, n: int, k: int, norm: bool, tensor_cores: bool) -
     return gemv_launch(rows, n, k, norm, tensor_cores)[0]
 
 
-def moe_expressions(h: int, i: int, topk: int) -> tuple[str, ...]:
-    """The instantiations `Kernels.moe` launches for these shapes, at any row count."""
+def moe_expressions(h: int, i: int, topk: int, keep: bool = False) -> tuple[str, ...]:
+    """The instantiations `Kernels.moe` launches for these shapes, at any row count: the gate/up kernel, the
+    down kernel, then any others. ``keep``: under a cache that keeps its misses (``moe_admit`` between the
+    routing and the experts, which write the experts they keep)."""
     if _wide(h) and _wide(i) and topk <= 16:
+        if keep:
+            return f"moe_gate_up<{h},{i},true>", f"moe_down<{h},{i},{topk},true>", "route_topk", "moe_admit"
         return f"moe_gate_up<{h},{i}>", f"moe_down<{h},{i},{topk}>", "route_topk"
-    return "moe_gate_up_any", "moe_down_any"
+    return ("moe_gate_up_any", "moe_down_any") + (("route_topk", "moe_admit") if keep else ())
 
 
 def qkv_rope_launch(
@@ -385,13 +389,15 @@ def decode_expressions(
     tensor_cores: bool = True,
     max_rows: int = MAX_WINDOW_ROWS,
     attention_tc: bool | None = None,
+    keep: bool = False,
 ) -> list[str]:
     """Every instantiation of kernels.cu that windows of 1 to ``max_rows`` rows through layers of these
     shapes (and a head) launch: the decode graphs compile them all before the first window
     (`strata_runtime.cuda.decode.CudaLayers`). ``mlp_widths``: the widths of the layers' dense MLPs or
     shared experts; ``gemv_shapes``: (out features, reduction, fused norm) of further GEMVs on the same rows
     (the LM head on normalised rows, the MTP head's input projections). ``attention_tc``: whether attention
-    may run on tensor cores (``model.decode_attention``; None: where ``tensor_cores``)."""
+    may run on tensor cores (``model.decode_attention``; None: where ``tensor_cores``). ``keep``: the layers'
+    expert cache keeps its misses (`moe_expressions`)."""
     a = args
     attention_tc = tensor_cores if attention_tc is None else attention_tc
     h, q = a.hidden_size, a.num_attention_heads * a.head_dim
@@ -402,7 +408,7 @@ def decode_expressions(
     out += ["inverse_cdf_rows", "verify_sampled_rows", "mask_logits"]
     out += attention_expressions(a.head_dim, a.num_attention_heads // a.num_key_value_heads, attention_tc)
     if a.num_experts:
-        out += moe_expressions(h, a.moe_intermediate_size, a.num_experts_per_tok)
+        out += moe_expressions(h, a.moe_intermediate_size, a.num_experts_per_tok, keep)
     # (out features, reduction, fused norm) of every projection: q/k/v, output, router, the dense MLP or
     # shared expert (gate/up, down, gate), and the LM head.
     shapes = [(qkv, h, True), (h, q, False), (a.vocab_size, h, True), (1, h, True)]
@@ -438,6 +444,7 @@ PDL_KERNELS = frozenset(
         "moe_down",
         "moe_gate_up_any",
         "moe_down_any",
+        "moe_admit",
         "route_topk",
         "silu_mul",
         "add_scaled",

@@ -56,6 +56,7 @@ class CudaLayers:
             self.gemv_shapes,
             kern.tensor_cores,
             attention_tc=self.stack.attention_tc,
+            keep=any(lay.experts is not None and lay.experts.keep is not None for lay in self.stack.layers),
         )
 
     @property

@@ -9,6 +9,11 @@
 // that read it. With counts non-null, the blocks of feature tile 0 also add each assignment to counts[sel],
 // when slot_of[sel] < 0 (the expert holds no VRAM slot) to misses[0], and when slot_of[sel] < -1 (a helper
 // slot) to misses[1]: the cache's view of the routing.
+// A cache that keeps its misses (experts.keep_misses) also gives the kernels fill[e], the VRAM slot expert e
+// is being written into (-1: none), and the slots' addresses: moe_admit, run after the routing, picks those
+// slots from a queue of victims, and the gate/up and down kernels write each such expert's weights into its
+// slot as they read them from host memory; the next window's moe_admit of the layer points the tables at the
+// slot. The weights read are the same either way, so no result changes.
 // Routing is the fp32 softmax over E, top-k by rank (ties to the lower expert index), weights renormalised
 // over the k chosen when norm_topk is set. The wide kernels read it from route_topk, run before them (idx
 // [R, K] and wts [R, K]); moe_gate_up_any computes it inside, every block for its own row.
@@ -91,12 +96,107 @@ __device__ __forceinline__ void note_route(int a, int sel, float weight, int* __
   count_assignment(sel, slot_of, counts, misses);
 }
 
+// ---- keeping misses ----------------------------------------------------------------------------------
+// The device state of a stage's cache that keeps its misses, as the addresses and sizes moe_admit reads
+// (strata_runtime/cuda/experts.py writes it once): tables [L, E] (gate/up and down addresses, tier codes),
+// the host copies' addresses [L, E], the slots' addresses [C], fill [L, E], the queue of victims (slots and
+// keys, layer * E + expert), the queue's (taken, count), the counters [L, 3] (column 2: experts kept), and E.
+enum KeepState {
+  KS_GU, KS_DN, KS_CODE, KS_HOST_GU, KS_HOST_DN, KS_SLOT_GU, KS_SLOT_DN, KS_FILL, KS_VICTIMS, KS_KEYS, KS_QUEUE,
+  KS_COUNTERS, KS_E, KS_FIELDS
+};
+
+// The exclusive prefix count of flag over the block's threads (256), and the total in *total.
+__device__ __forceinline__ int block_rank_of(bool flag, int* __restrict__ warps, int* total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const unsigned ballot = __ballot_sync(0xffffffffu, flag);
+  if (lane == 0) warps[warp] = __popc(ballot);
+  __syncthreads();
+  int before = 0, all = 0;
+  for (int w = 0; w < 8; ++w) {
+    before += w < warp ? warps[w] : 0;
+    all += warps[w];
+  }
+  *total = all;
+  __syncthreads();  // warps[] is reused by the next call
+  return before + __popc(ballot & ((1u << lane) - 1u));
+}
+
+// One block of 256 threads (E <= 256), before layer j's expert kernels of a window routed to idx [A]: the rule
+// of strata_runtime.experts.cache.admit. First the experts the layer's last window kept are committed (the
+// tables point at their slots). Then the experts of idx in host memory (tier code -1), in id order, take the
+// usable victims among the next 64 of the queue, in queue order: a victim is usable when it still holds its
+// slot (tier code or fill equal to it) and is not one of this window's experts of layer j. Each victim is sent
+// back to host memory in the tables and its newcomer's fill set to the slot, which the expert kernels then
+// write as they read the newcomer from host memory.
+__global__ void __launch_bounds__(256) moe_admit(const unsigned long long* __restrict__ st, int j,
+                                                  const int* __restrict__ idx, int A) {
+  STRATA_PDL_LAUNCH();
+  STRATA_PDL_WAIT();
+  constexpr int LOOK = 64;
+  unsigned long long* gu = reinterpret_cast<unsigned long long*>(st[KS_GU]);
+  unsigned long long* dn = reinterpret_cast<unsigned long long*>(st[KS_DN]);
+  int* code = reinterpret_cast<int*>(st[KS_CODE]);
+  const unsigned long long* host_gu = reinterpret_cast<const unsigned long long*>(st[KS_HOST_GU]);
+  const unsigned long long* host_dn = reinterpret_cast<const unsigned long long*>(st[KS_HOST_DN]);
+  const unsigned long long* slot_gu = reinterpret_cast<const unsigned long long*>(st[KS_SLOT_GU]);
+  const unsigned long long* slot_dn = reinterpret_cast<const unsigned long long*>(st[KS_SLOT_DN]);
+  int* fill = reinterpret_cast<int*>(st[KS_FILL]);
+  const int* victims = reinterpret_cast<const int*>(st[KS_VICTIMS]);
+  const int* keys = reinterpret_cast<const int*>(st[KS_KEYS]);
+  int* queue = reinterpret_cast<int*>(st[KS_QUEUE]);
+  float* counters = reinterpret_cast<float*>(st[KS_COUNTERS]);
+  const int E = (int)st[KS_E], t = threadIdx.x, row = j * E;
+  __shared__ int routed[256], usable_at[LOOK], warps[8];
+  if (t < E) {
+    const int f = fill[row + t];
+    if (f >= 0) {
+      gu[row + t] = slot_gu[f];
+      dn[row + t] = slot_dn[f];
+      code[row + t] = f;
+      fill[row + t] = -1;
+    }
+  }
+  routed[t] = 0;
+  __syncthreads();
+  if (t < A) routed[idx[t]] = 1;
+  __syncthreads();
+  int missing;
+  const bool miss = t < E && routed[t] && code[row + t] == -1;
+  const int rank = block_rank_of(miss, warps, &missing);
+  const int lo = queue[0], hi = min(lo + LOOK, queue[1]);
+  if (missing == 0 || lo >= hi) return;
+  bool ok = false;
+  if (t < hi - lo) {
+    const int s = victims[lo + t], key = keys[lo + t], kj = key / E, ke = key % E;
+    ok = (code[key] == s || fill[key] == s) && !(kj == j && routed[ke]);
+  }
+  int usable;
+  const int place = block_rank_of(ok, warps, &usable);
+  if (ok) usable_at[place] = t;
+  __syncthreads();
+  const int n = min(missing, usable);
+  if (miss && rank < n) {
+    const int q = lo + usable_at[rank], s = victims[q], key = keys[q];
+    gu[key] = host_gu[key];
+    dn[key] = host_dn[key];
+    code[key] = -1;
+    fill[key] = -1;
+    fill[row + t] = s;
+  }
+  if (t == 0) {
+    queue[0] = n == missing ? lo + usable_at[n - 1] + 1 : hi;
+    counters[j * 3 + 2] += (float)n;
+  }
+}
+
 // Warp w of the block computes feature i = tile * 8 + w of assignment a (row r, expert sel):
 // h[a, i] = silu(gate_i . x'[r]) * (up_i . x'[r]), inv the row's inverse RMS.
-template <int H, int I>
+// keep (KEEP only): where the expert is being kept (moe_admit), or null; the rows read are written there.
+template <int H, int I, bool KEEP = false>
 __device__ __forceinline__ void gate_up_feature(const half* __restrict__ base, const float* __restrict__ xr,
                                                 const half* __restrict__ nw, float inv, int a, int i,
-                                                float* __restrict__ h) {
+                                                float* __restrict__ h, half* __restrict__ keep = nullptr) {
   const int lane = threadIdx.x & 31;
   const uint4* wg = reinterpret_cast<const uint4*>(base + (size_t)i * H);
   const uint4* wu = reinterpret_cast<const uint4*>(base + (size_t)(I + i) * H);
@@ -104,6 +204,12 @@ __device__ __forceinline__ void gate_up_feature(const half* __restrict__ base, c
   uint4 pg[STEPS], pu[STEPS];
 #pragma unroll
   for (int s = 0; s < STEPS; ++s) { pg[s] = __ldg(wg + s * 32 + lane); pu[s] = __ldg(wu + s * 32 + lane); }
+  if (KEEP && keep != nullptr) {
+    uint4* kg = reinterpret_cast<uint4*>(keep + (size_t)i * H);
+    uint4* ku = reinterpret_cast<uint4*>(keep + (size_t)(I + i) * H);
+#pragma unroll
+    for (int s = 0; s < STEPS; ++s) { kg[s * 32 + lane] = pg[s]; ku[s * 32 + lane] = pu[s]; }
+  }
   float g = 0.f, u = 0.f;
 #pragma unroll
   for (int s = 0; s < STEPS; ++s) {
@@ -133,16 +239,19 @@ __device__ __forceinline__ void gate_up_feature(const half* __restrict__ base, c
 // weights in L2: a window of 8 rows (about 54 distinct experts in 64 assignments) reads each expert from
 // memory about once. Routing outside the kernel also spares every block the ranking of all E experts
 // before its first weight load. Each assignment's sums do not depend on the window (batch invariance).
-template <int H, int I>
+// KEEP: fill [E] and slot_gu [C] (the slots' gate/up addresses) as the header says.
+template <int H, int I, bool KEEP = false>
 __global__ void __launch_bounds__(256) moe_gate_up(const unsigned long long* __restrict__ GUp,
                                                     const float* __restrict__ x, const half* __restrict__ nw,
                                                     const int* __restrict__ idx, int A, int topk, float eps,
                                                     float* __restrict__ h, const int* __restrict__ slot_of,
-                                                    float* __restrict__ counts, float* __restrict__ misses) {
+                                                    float* __restrict__ counts, float* __restrict__ misses,
+                                                    const int* __restrict__ fill = nullptr,
+                                                    const unsigned long long* __restrict__ slot_gu = nullptr) {
   STRATA_PDL_LAUNCH();
   STRATA_PDL_WAIT();
   __shared__ int at, ids[256];
-  __shared__ unsigned long long bases[256];
+  __shared__ unsigned long long bases[256], keeps[KEEP ? 256 : 1];
   __shared__ float inv[1];
   __shared__ float part[8];
   // A one-row window's blocks all read row 0: its loads for the norm go out first, beside the routing's and
@@ -158,6 +267,10 @@ __global__ void __launch_bounds__(256) moe_gate_up(const unsigned long long* __r
     const int e = idx[threadIdx.x];
     ids[threadIdx.x] = e;
     bases[threadIdx.x] = GUp[e];
+    if (KEEP) {
+      const int f = fill[e];
+      keeps[threadIdx.x] = f >= 0 ? slot_gu[f] : 0ull;
+    }
   }
   if (one_row) {
     float ss = 0.f;
@@ -187,7 +300,8 @@ __global__ void __launch_bounds__(256) moe_gate_up(const unsigned long long* __r
   if (blockIdx.y == 0 && threadIdx.x == 0) count_assignment(sel, slot_of, counts, misses);
   const int i = blockIdx.y * 8 + (threadIdx.x >> 5);
   if (i >= I) return;
-  gate_up_feature<H, I>(reinterpret_cast<const half*>(bases[a]), x + (size_t)r * H, nw, inv[0], a, i, h);
+  gate_up_feature<H, I, KEEP>(reinterpret_cast<const half*>(bases[a]), x + (size_t)r * H, nw, inv[0], a, i, h,
+                              KEEP ? reinterpret_cast<half*>(keeps[KEEP ? a : 0]) : nullptr);
 }
 
 // Blocks of moe_down an SM should hold, for its launch bounds: 2 where a lane's K I / 256 loads of 16 bytes
@@ -200,10 +314,13 @@ __host__ __device__ constexpr int moe_down_blocks(int I, int K) { return K * (I 
 // resid[r, n] += sum_j wts[r, j] * (down[idx[r, j], n, :] . h[r * K + j, :]), j in a fixed order. One warp
 // per (r, n). The source loads the rows of all K experts before using any; where `moe_down_blocks` bounds the
 // kernel, ptxas keeps that order, so they are all in flight together.
-template <int H, int I, int K>
+// KEEP: fill [E] and slot_dn [C] (the slots' down addresses) as the header says; the rows read of an expert
+// being kept are written into its slot.
+template <int H, int I, int K, bool KEEP = false>
 __global__ void __launch_bounds__(256, moe_down_blocks(I, K))
     moe_down(const unsigned long long* __restrict__ Dp, const float* __restrict__ h, const int* __restrict__ idx,
-             const float* __restrict__ wts, int R, float* __restrict__ resid) {
+             const float* __restrict__ wts, int R, float* __restrict__ resid, const int* __restrict__ fill = nullptr,
+             const unsigned long long* __restrict__ slot_dn = nullptr) {
   STRATA_PDL_LAUNCH();
   STRATA_PDL_WAIT();
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
@@ -217,6 +334,16 @@ __global__ void __launch_bounds__(256, moe_down_blocks(I, K))
                                                     (size_t)n * I);
 #pragma unroll
     for (int s = 0; s < STEPS; ++s) pk[j][s] = __ldg(w + s * 32 + lane);
+  }
+  if (KEEP) {
+#pragma unroll
+    for (int j = 0; j < K; ++j) {
+      const int f = fill[idx[r * K + j]];
+      if (f < 0) continue;
+      uint4* dst = reinterpret_cast<uint4*>(reinterpret_cast<half*>(slot_dn[f]) + (size_t)n * I);
+#pragma unroll
+      for (int s = 0; s < STEPS; ++s) dst[s * 32 + lane] = pk[j][s];
+    }
   }
   float total = 0.f;
 #pragma unroll
@@ -245,7 +372,9 @@ __global__ void __launch_bounds__(256) moe_gate_up_any(const unsigned long long*
                                                         int norm_topk, float eps, int H, int I,
                                                         float* __restrict__ h, int* __restrict__ idx,
                                                         float* __restrict__ wts, const int* __restrict__ slot_of,
-                                                        float* __restrict__ counts, float* __restrict__ misses) {
+                                                        float* __restrict__ counts, float* __restrict__ misses,
+                                                        const int* __restrict__ fill,
+                                                        const unsigned long long* __restrict__ slot_gu) {
   STRATA_PDL_LAUNCH();
   STRATA_PDL_WAIT();
   __shared__ int sel;
@@ -265,11 +394,18 @@ __global__ void __launch_bounds__(256) moe_gate_up_any(const unsigned long long*
   const int i = blockIdx.x * 8 + warp;
   if (i >= I) return;
   const half* base = reinterpret_cast<const half*>(GUp[sel]);
+  const int f = fill != nullptr ? fill[sel] : -1;
+  half* keep = f >= 0 ? reinterpret_cast<half*>(slot_gu[f]) : nullptr;
   float g = 0.f, u = 0.f;
   for (int k = lane; k < H; k += 32) {
     const float xn = xr[k] * __half2float(nw[k]);
-    g += __half2float(base[(size_t)i * H + k]) * xn;
-    u += __half2float(base[(size_t)(I + i) * H + k]) * xn;
+    const half wg = base[(size_t)i * H + k], wu = base[(size_t)(I + i) * H + k];
+    if (keep != nullptr) {
+      keep[(size_t)i * H + k] = wg;
+      keep[(size_t)(I + i) * H + k] = wu;
+    }
+    g += __half2float(wg) * xn;
+    u += __half2float(wu) * xn;
   }
   g = warp_sum(g) * inv;
   u = warp_sum(u) * inv;
@@ -278,7 +414,8 @@ __global__ void __launch_bounds__(256) moe_gate_up_any(const unsigned long long*
 
 __global__ void moe_down_any(const unsigned long long* __restrict__ Dp, const float* __restrict__ h,
                              const int* __restrict__ idx, const float* __restrict__ wts, int R, int topk, int H,
-                             int I, float* __restrict__ resid) {
+                             int I, float* __restrict__ resid, const int* __restrict__ fill,
+                             const unsigned long long* __restrict__ slot_dn) {
   STRATA_PDL_LAUNCH();
   STRATA_PDL_WAIT();
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
@@ -288,8 +425,14 @@ __global__ void moe_down_any(const unsigned long long* __restrict__ Dp, const fl
   for (int j = 0; j < topk; ++j) {
     const int a = r * topk + j;
     const half* w = reinterpret_cast<const half*>(Dp[idx[a]]) + (size_t)n * I;
+    const int f = fill != nullptr ? fill[idx[a]] : -1;
+    half* keep = f >= 0 ? reinterpret_cast<half*>(slot_dn[f]) + (size_t)n * I : nullptr;
     float acc = 0.f;
-    for (int k = lane; k < I; k += 32) acc += __half2float(w[k]) * h[(size_t)a * I + k];
+    for (int k = lane; k < I; k += 32) {
+      const half wk = w[k];
+      if (keep != nullptr) keep[k] = wk;
+      acc += __half2float(wk) * h[(size_t)a * I + k];
+    }
     total += wts[a] * warp_sum(acc);
   }
   if (lane == 0) resid[(size_t)r * H + n] += total;

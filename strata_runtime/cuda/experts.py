@@ -46,6 +46,7 @@ from ..backend import Array, cupy_module
 from ..experts.cache import HELPER, Reads, Snapshot, Swap
 from ..experts.host import host_empty
 from ..experts.store import ExpertStore
+from ..reference.keep import held
 
 
 def addresses(stacked: Array) -> np.ndarray:
@@ -80,7 +81,35 @@ class LayerExperts:
     counts: Array | None = None
     """[E] fp32: assignments per expert since the last read."""
     misses: Array | None = None
-    """[2] fp32: assignments not read from VRAM since the last read, and of those the helper tier's."""
+    """[3] fp32: assignments not read from VRAM since the last read, of those the helper tier's, and the
+    experts kept (`Keep`)."""
+    keep: Keep | None = None
+    """Where the cache keeps its misses (`Policy.keep_misses`): what ``moe_admit`` and the expert kernels
+    read for it (None: it does not)."""
+
+
+@dataclass
+class Keep:
+    """What a layer's kernels read where the cache keeps its misses (`strata_runtime.experts.cache.admit`)."""
+
+    state: Array
+    """[13] uint64: the stage's tables, queue and counters as ``moe_admit`` reads them (`KEEP_STATE`)."""
+    layer: int
+    """The layer's index in the stage's tables."""
+    fill: Array
+    """[E] int32, the layer's row of the stage's ``fill`` [L, E]: the slot each expert is being written into
+    (-1: none)."""
+    slot_gate_up: Array
+    """[C] uint64: every slot's gate/up address."""
+    slot_down: Array
+    """[C] uint64: every slot's down address."""
+    owner: CudaExperts
+
+    def slot(self, s: int) -> tuple[Array, Array]:
+        """Slot ``s``'s (gate/up, down) arrays, where the kernels' NumPy reference writes a kept expert."""
+        store = self.owner.store
+        assert store.pool_gate_up is not None and store.pool_down is not None
+        return store.pool_gate_up[s], store.pool_down[s]
 
 
 @dataclass
@@ -125,7 +154,9 @@ class CudaExperts:
             self.down = cp.zeros((n_layers, n_exp), cp.uint64)
             self.slot_of = cp.zeros((n_layers, n_exp), cp.int32)
             self.counts = cp.zeros((n_layers, n_exp), cp.float32)
-            self.misses = cp.zeros((n_layers, 2), cp.float32)
+            self.misses = cp.zeros((n_layers, 3), cp.float32)
+            self._keep_state(n_layers, n_exp)
+            fixed = store.residency.fixed
             self.layers = [
                 LayerExperts(
                     self.gate_up[j],
@@ -134,6 +165,7 @@ class CudaExperts:
                     self.slot_of[j],
                     self.counts[j],
                     self.misses[j],
+                    None if j in fixed else self._keep(j),
                 )
                 for j in range(n_layers)
             ]
@@ -143,7 +175,7 @@ class CudaExperts:
             self._tables = [_pinned_tables(n_layers, n_exp) for _ in range(2)]
             self._table_done: list[Any] = [None, None]
             self._turn = 0
-            self._read = (_pinned((n_layers, n_exp), np.float32), _pinned((n_layers, 2), np.float32))
+            self._read = (_pinned((n_layers, n_exp), np.float32), _pinned((n_layers, 3), np.float32))
             self._read_done: Any = None
             self._read_windows = 0
             self._read_prompt = False
@@ -152,6 +184,52 @@ class CudaExperts:
             self._read_soon = False
             self._upload(self._table_arrays(pending=()), cp.cuda.get_current_stream())
             cp.cuda.get_current_stream().synchronize()
+
+    @property
+    def keeping(self) -> bool:
+        """Whether the cache keeps its misses now (`Keep`; benchmark arms sharing the cache may differ): the
+        tables then change on the device. Otherwise the queue of victims stays empty, and the admission
+        before each layer's expert kernels keeps nothing."""
+        policy = self.store.residency.policy
+        return self.store.cached and policy.keep_misses and policy.adapt
+
+    def _keep_state(self, n_layers: int, n_exp: int) -> None:
+        """The device state of keeping misses (`Keep`), whatever the policy now: host addresses and slot
+        addresses on the device, ``fill`` [L, E], the queue of victims and the pointers ``moe_admit``
+        reads."""
+        cp = cupy_module()
+        most = self.store.residency.policy.max_swaps
+        self.host_gate_up, self.host_down = cp.asarray(self._host_gu), cp.asarray(self._host_dn)
+        self.slot_gate_up, self.slot_down = cp.asarray(self._slot_gu), cp.asarray(self._slot_dn)
+        self.fill = cp.full((n_layers, n_exp), -1, cp.int32)
+        self.victims = cp.zeros(most, cp.int32)
+        self.victim_keys = cp.zeros(most, cp.int32)
+        self.queue = cp.zeros(2, cp.int32)  # taken, count
+        fields = {
+            "KS_GU": self.gate_up,
+            "KS_DN": self.down,
+            "KS_CODE": self.slot_of,
+            "KS_HOST_GU": self.host_gate_up,
+            "KS_HOST_DN": self.host_down,
+            "KS_SLOT_GU": self.slot_gate_up,
+            "KS_SLOT_DN": self.slot_down,
+            "KS_FILL": self.fill,
+            "KS_VICTIMS": self.victims,
+            "KS_KEYS": self.victim_keys,
+            "KS_QUEUE": self.queue,
+            "KS_COUNTERS": self.misses,
+        }
+        assert tuple(fields) == KEEP_STATE[:-1]
+        self.keep_state = cp.asarray(np.array([a.data.ptr for a in fields.values()] + [n_exp], np.uint64))
+        # Pinned buffers for the queue going up (two sets, as the tables) and the tables coming down.
+        self._queues = [(_pinned((most,), np.int32), _pinned((most,), np.int32), _pinned((2,), np.int32))]
+        self._queues.append(tuple(_pinned(b.shape, np.int32) for b in self._queues[0]))  # type: ignore[arg-type]
+        self._queue_done: list[Any] = [None, None]
+        self._queue_turn = 0
+        self._read_tables = (_pinned((n_layers, n_exp), np.int32), _pinned((n_layers, n_exp), np.int32))
+
+    def _keep(self, j: int) -> Keep:
+        return Keep(self.keep_state, j, self.fill[j], self.slot_gate_up, self.slot_down, self)
 
     def _at(self, j: int, e: int) -> tuple[Array, Array]:
         """The arrays at the addresses the device tables give expert ``e`` of layer ``j`` now (a VRAM slot,
@@ -274,6 +352,10 @@ class CudaExperts:
         counts, misses = self._read
         self.counts.get(stream=stream, out=counts, blocking=False)
         self.misses.get(stream=stream, out=misses, blocking=False)
+        if self.keeping:  # what the admissions have made of the tables
+            code, fill = self._read_tables
+            self.slot_of.get(stream=stream, out=code, blocking=False)
+            self.fill.get(stream=stream, out=fill, blocking=False)
         self.counts.fill(0)
         self.misses.fill(0)
         self._read_done = cupy_module().cuda.Event(disable_timing=True)
@@ -282,20 +364,59 @@ class CudaExperts:
     def _hand_over(self, stream: Any) -> list[Swap]:
         """Give the landed read to the cache, which may decide swaps; start them on ``stream``."""
         counts, misses = self._read
-        away, helper = (int(n) for n in misses.sum(axis=0))
+        away, helper, kept = (int(n) for n in misses.sum(axis=0))
         windows, self._read_done = self._read_windows, None
         reads = Reads(helper, away - helper)
+        if self.keeping:
+            residency = self.store.residency
+            queue = residency.queue
+            residency.learn(held(*self._read_tables), kept)
+            self.store.decide(counts.astype(np.float64), windows, reads, self._read_prompt)
+            if residency.queue is not queue:
+                self._upload_queue(stream)
+            return []
         swaps = self.store.decide(counts.astype(np.float64), windows, reads, self._read_prompt)
         if swaps:
             self.apply(swaps, stream)
         return swaps
 
+    def _upload_queue(self, stream: Any) -> None:
+        """Copy the cache's queue of victims to the device on ``stream``, through pinned memory: the
+        admissions of the windows queued after it take from it."""
+        i = self._queue_turn
+        self._queue_turn ^= 1
+        if self._queue_done[i] is not None:
+            self._queue_done[i].synchronize()  # the upload two turns ago
+        queue = self.store.residency.queue
+        slots, keys, meta = self._queues[i]
+        n = len(queue.slot)
+        slots[:n], keys[:n], meta[...] = queue.slot, queue.key, (queue.taken, n)
+        self.victims[:n].set(slots[:n], stream=stream)
+        self.victim_keys[:n].set(keys[:n], stream=stream)
+        self.queue.set(meta, stream=stream)
+        done = cupy_module().cuda.Event(disable_timing=True)
+        done.record(stream)
+        self._queue_done[i] = done
+
+    def learn_now(self) -> None:
+        """Wait for the stage's stream and take what the admissions have made of the tables (the host's
+        tables lag the device's where the cache keeps its misses): for code that reads the host's tables."""
+        if not self.keeping:
+            return
+        stream = cupy_module().cuda.get_current_stream()
+        stream.synchronize()
+        self.store.residency.learn(held(self.slot_of.get(), self.fill.get()))
+
     def recall(self, scores: np.ndarray, stream: Any) -> list[Swap]:
         """`ExpertStore.recall`: the rebalance's experts loaded on ``stream`` (the stage's, so that the
-        windows queued after it read the new tables). Returns the swaps started."""
+        windows queued after it read the new tables), or, where the cache keeps its misses, its new queue.
+        Returns the swaps started."""
         if not self.store.cached:
             return []
+        queue = self.store.residency.queue
         swaps = self.store.recall(scores, load=False)
+        if self.keeping and self.store.residency.queue is not queue:
+            self._upload_queue(stream)
         if swaps:
             self.apply(swaps, stream)
         return swaps
@@ -307,6 +428,11 @@ class CudaExperts:
         with cp.cuda.Device(self.device_id):
             stream = cp.cuda.get_current_stream()
             stream.synchronize()
+            if self.store.cached:  # the device's tables, with the experts being kept in their slots
+                self.store.residency.learn(held(self.slot_of.get(), self.fill.get()))
+                self.fill.fill(-1)
+                self.queue.fill(0)
+                self._upload(self._table_arrays(pending=()), stream)
             swaps = self.store.restore(snap)
             if self.store.cached:
                 self._read_done, self._windows, self._read_soon = None, 0, False
@@ -373,6 +499,24 @@ _NO_ADDRESSES = np.zeros(0, np.uint64)
 def _pick(table: np.ndarray, index: np.ndarray) -> np.ndarray:
     """``table[index]``, or zeros where ``table`` is empty (a tier with no slots: ``np.where`` masks them)."""
     return table[index] if table.size else np.zeros(index.shape, np.uint64)
+
+
+KEEP_STATE = (
+    "KS_GU",
+    "KS_DN",
+    "KS_CODE",
+    "KS_HOST_GU",
+    "KS_HOST_DN",
+    "KS_SLOT_GU",
+    "KS_SLOT_DN",
+    "KS_FILL",
+    "KS_VICTIMS",
+    "KS_KEYS",
+    "KS_QUEUE",
+    "KS_COUNTERS",
+    "KS_E",
+)
+"""The fields of ``moe_admit``'s state, in the order of experts.cuh's ``KeepState``."""
 
 
 def _pinned(shape: tuple[int, ...], dtype: Any) -> np.ndarray:

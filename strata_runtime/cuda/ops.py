@@ -376,7 +376,9 @@ class Kernels(KernelCache):
         ``counts`` [E] fp32 set, each assignment is added to ``counts`` and, when ``slot_of`` [E] int32 is
         negative for its expert (not in VRAM), to ``misses[0]``, and when below -1 (a helper slot) to
         ``misses[1]`` ([2] fp32). idx [R, k] int32 and wts [R, k] fp32 receive the routing; h_buf:
-        [R * k, I] fp32 scratch.
+        [R * k, I] fp32 scratch. With ``keep`` set (a `strata_runtime.cuda.experts.Keep`: the cache keeps
+        its misses), the window is routed first and ``moe_admit`` picks the slots the experts it reads from
+        host memory are written into as the expert kernels read them.
 
         Shapes the wide kernels take (H and I multiples of 256, k <= 16) are routed first (``route_topk``),
         and their gate/up products run in order of expert (``moe_gate_up``), so that an expert several rows
@@ -390,32 +392,36 @@ class Kernels(KernelCache):
             raise ValueError(f"the expert kernels route at most 256 experts, not {n_exp}")
         tally = _tally(experts)
         a = rows * topk
-        gu_expr, down_expr, *_ = moe_expressions(h, inter, topk)
+        keep = getattr(experts, "keep", None)
+        gu_expr, down_expr, *_ = moe_expressions(h, inter, topk, keep is not None)
         tiles = (math.ceil(inter / WARPS_PER_BLOCK), a)
         blocks_d = (math.ceil(rows * h / WARPS_PER_BLOCK),)
         gu, down = experts.gate_up, experts.down
+        if a > THREADS and (keep is not None or gu_expr != "moe_gate_up_any"):
+            raise ValueError(f"the expert kernels take at most {THREADS} assignments a window, not {a}")
+        kept_gu = kept_dn = (_NULL, _NULL)
+        if keep is not None:  # routed first, so that the admission sees the window's experts
+            self.route_topk(logits, norm_topk, idx, wts)
+            self.fn("moe_admit")((1,), (THREADS,), (keep.state, np.int32(keep.layer), idx, np.int32(a)))
+            kept_gu, kept_dn = (keep.fill, keep.slot_gate_up), (keep.fill, keep.slot_down)
         if gu_expr == "moe_gate_up_any":
             common = (logits, np.int32(n_exp), np.int32(topk), np.int32(norm_topk), np.float32(eps))
             self.fn(gu_expr)(
                 tiles,
                 (THREADS,),
-                (gu, x, norm, *common, np.int32(h), np.int32(inter), h_buf, idx, wts, *tally),
+                (gu, x, norm, *common, np.int32(h), np.int32(inter), h_buf, idx, wts, *tally, *kept_gu),
             )
-            self.fn(down_expr)(
-                blocks_d,
-                (THREADS,),
-                (down, h_buf, idx, wts, np.int32(rows), np.int32(topk), np.int32(h), np.int32(inter), resid),
-            )
+            dims = (np.int32(rows), np.int32(topk), np.int32(h), np.int32(inter))
+            self.fn(down_expr)(blocks_d, (THREADS,), (down, h_buf, idx, wts, *dims, resid, *kept_dn))
             return
-        if a > THREADS:
-            raise ValueError(f"the expert kernels take at most {THREADS} assignments a window, not {a}")
-        self.route_topk(logits, norm_topk, idx, wts)
+        if keep is None:
+            self.route_topk(logits, norm_topk, idx, wts)
         self.fn(gu_expr)(
             (a, tiles[0]),
             (THREADS,),
-            (gu, x, norm, idx, np.int32(a), np.int32(topk), np.float32(eps), h_buf, *tally),
+            (gu, x, norm, idx, np.int32(a), np.int32(topk), np.float32(eps), h_buf, *tally, *kept_gu),
         )
-        self.fn(down_expr)(blocks_d, (THREADS,), (down, h_buf, idx, wts, np.int32(rows), resid))
+        self.fn(down_expr)(blocks_d, (THREADS,), (down, h_buf, idx, wts, np.int32(rows), resid, *kept_dn))
 
     def silu_mul(self, gu: Array, out: Array) -> None:
         """out[R, I] = silu(gu[:, :I]) * gu[:, I:]."""

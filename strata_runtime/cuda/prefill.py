@@ -425,6 +425,7 @@ class CudaPrefill:
         product read the buffer). The chunk's assignments are sorted by expert into one [A, H] block, so the
         temporaries are as large as the assignments whatever the skew of the routing."""
         assert self.experts is not None
+        self.experts.owner.learn_now()  # this path reads the host's tables
         store = self.experts.store
         n_exp, (n_rows, h) = self.args.num_experts, x.shape
         topk, inter = self.args.num_experts_per_tok, self.args.moe_intermediate_size

@@ -49,6 +49,9 @@ import numpy as np
 from strata_cfg.schema.facts import mtp_experts_whole
 from strata_cfg.schema.windows import PREFILL_EXPERT_TILE_ROWS
 
+from ..reference.keep import Victims
+from ..reference.keep import admit as admit_misses
+
 if TYPE_CHECKING:
     from strata_cfg.schema.plan import ExpertsPlan
 
@@ -71,6 +74,10 @@ class Policy:
     adapt: bool = True
     after_prompt: bool = True
     """Whether a prompt chunk's counts bring a rebalance at once."""
+    keep_misses: bool = False
+    """Whether the cache keeps the experts the kernels read from host memory instead of swapping (`admit`):
+    a rebalance then copies nothing; it queues the ``max_swaps`` lowest-scored residents (`Victims`), and
+    each expert a window reads from host memory takes the next queued slot, written as it is read."""
 
     @classmethod
     def of(cls, plan: ExpertsPlan) -> Policy:
@@ -81,6 +88,7 @@ class Policy:
             margin=plan.swap_margin,
             max_swaps=plan.max_swaps,
             adapt=plan.adapt,
+            keep_misses=plan.keep_misses,
         )
 
 
@@ -104,6 +112,12 @@ class Reads(NamedTuple):
 
     helper: int = 0
     host: int = 0
+
+
+def admit(slot_of: np.ndarray, j: int, routed: np.ndarray, queue: Victims) -> list[Swap]:
+    """`strata_runtime.reference.keep.admit` (the rule the GPU's admission kernel runs), its moves as swaps
+    (no copy: each newcomer comes with the read that misses it)."""
+    return [Swap(slot, evicted, loaded) for slot, evicted, loaded in admit_misses(slot_of, j, routed, queue)]
 
 
 @dataclass
@@ -136,6 +150,9 @@ class CacheStats:
     host holds them at the hand-over, send there: mostly experts a rebalance has already decided to bring
     in, read by the windows queued ahead before its copies landed (a GPU's counters only; 0 where the
     reads are not counted apart from the tables)."""
+    kept: int = 0
+    """Experts kept in a VRAM slot as the kernels read them from host memory (`Policy.keep_misses`): each
+    took the slot of a queued victim, with no copy of its own."""
     swap_bytes: int = 0
     """Expert weights copied from host memory into slots of either tier (the helper tier's over its own
     GPU's host link)."""
@@ -170,6 +187,7 @@ class CacheStats:
             "prompt_misses": self.prompt_misses,
             "prompt_miss_bytes": self.prompt_miss_bytes,
             "late_reads": self.late_reads,
+            "kept": self.kept,
             "swap_bytes": self.swap_bytes,
             "helper_bytes": self.helper_bytes,
             "peer_swap_bytes": self.peer_swap_bytes,
@@ -258,6 +276,9 @@ class Residency:
     scores: np.ndarray = field(init=False)
     """[L, E] float64: decayed routing counts."""
     stats: CacheStats = field(init=False, default_factory=CacheStats)
+    queue: Victims = field(init=False, default_factory=Victims)
+    """Under `Policy.keep_misses`: the residents the kept misses evict next (`victims`, made at each
+    rebalance)."""
     backlog: bool = field(init=False, default=False)
     """Whether the last rebalance stopped at ``max_swaps`` in a tier with more swaps that would pay: the
     next one is then due after one window, not ``every``, so a large rebalance (a new request's prompt)
@@ -313,7 +334,7 @@ class Residency:
         held = Reads(int(counts[tiers == HELPER].sum()), int(counts[tiers == HOST].sum()))
         if reads is None:
             reads = held
-        elif not prompt:
+        elif not prompt and not self.policy.keep_misses:  # kept misses change the tiers within a window
             self.stats.late_reads += max(0, reads.host - held.host)
         s, eb = self.stats, self.expert_bytes
         s.hits += total - reads.helper - reads.host
@@ -365,6 +386,9 @@ class Residency:
         self.backlog = False
         if not self.policy.adapt or self.complete:
             return []
+        if self.policy.keep_misses:
+            self.queue = self.victims()
+            return []
         layer_of = np.repeat(np.arange(self.layers), self.experts)  # [L E]
         movable = ~np.isin(layer_of, sorted(self.fixed))
         into_vram = self._into_vram(movable)
@@ -376,6 +400,35 @@ class Residency:
         s.swap_bytes += len(swaps) * self.expert_bytes  # an exchange's evicted expert: into its helper slot
         s.peer_swap_bytes += sum(sw.source >= 0 for sw in swaps) * self.expert_bytes
         return swaps
+
+    def victims(self) -> Victims:
+        """The ``policy.max_swaps`` lowest-scored residents of VRAM outside the ``fixed`` layers, weakest
+        first (ties to the lower (layer, expert)): the slots the next misses take (`admit`)."""
+        table = self.slot_of.reshape(-1)
+        layer_of = np.repeat(np.arange(self.layers), self.experts)
+        held = np.flatnonzero((table >= 0) & ~np.isin(layer_of, sorted(self.fixed)))
+        key = _weakest_first(self.scores.reshape(-1), held)[: self.policy.max_swaps]
+        return Victims(table[key].astype(np.int32), key.astype(np.int32))
+
+    def admit(self, j: int, routed: np.ndarray) -> list[Swap]:
+        """`admit` over this cache's tables and queue (``policy.keep_misses``; otherwise nothing): the caller
+        writes each newcomer into its slot (the array path copies it from host memory, which its read of the
+        miss has just crossed)."""
+        if not self.policy.keep_misses or not self.policy.adapt or self.complete or j in self.fixed:
+            return []
+        swaps = admit(self.slot_of, j, routed, self.queue)
+        for sw in swaps:
+            self.owner[sw.slot] = sw.loaded
+        self.stats.kept += len(swaps)
+        return swaps
+
+    def learn(self, slot_of: np.ndarray, kept: int = 0) -> None:
+        """Take ``slot_of`` [L, E] (slot or -1) as what VRAM holds: a GPU's admissions change its tables
+        where the host does not see them, and it reads them back with the counters. ``kept``: the
+        admissions since the last read, as the device counted them."""
+        self.slot_of[...] = slot_of
+        self.owner = _owners(self.slot_of, self.slots)
+        self.stats.kept += kept
 
     def _into_vram(self, movable: np.ndarray) -> list[Swap]:
         """The best experts VRAM lacks (from the helper tier or host memory) for its weakest residents."""
@@ -475,4 +528,5 @@ def restore(r: Residency, snap: Snapshot) -> list[Swap]:
     r.scores[...] = snap.scores
     r._since = 0
     r.backlog = False
+    r.queue = Victims()
     return swaps

@@ -154,13 +154,16 @@ def simulate(
             c = counts(rows, n_experts)
             while landing and landing[0][0] <= clock:
                 held = landing.popleft()[1]
-            resident = held
+            resident = cache.slot_of >= 0 if policy.keep_misses else held
             clock += 1
             if counted:
                 total += c.sum()
                 hits += c[resident].sum()
                 misses += np.count_nonzero((c > 0) & ~resident)
                 tokens += rows.shape[0]
+            if policy.keep_misses:  # the window's reads keep what they miss, layer by layer
+                for j in range(n_layers):
+                    cache.admit(j, rows[:, j].ravel())
             pending += c
             windows += 1
             if windows >= policy.every or cache.backlog:

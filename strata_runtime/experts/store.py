@@ -62,6 +62,9 @@ class ExpertStore:
         parts = _cut(helpers, n_layers * n_exp - capacity) if self.cached else []
         self._window = np.zeros((n_layers, n_exp), np.float64)
         """Assignments per expert counted by the array path in the current window."""
+        self._reads = np.zeros(2, np.int64)
+        """Of those, the helper tier's and host memory's (counted as they are read, under
+        `Policy.keep_misses`, whose admissions change the tiers within the window)."""
         if not self.cached:
             self.residency = Residency(
                 n_layers, n_exp, capacity, self.expert_bytes, policy or Policy(), fixed
@@ -146,16 +149,28 @@ class ExpertStore:
     # ---- the array path's window ---------------------------------------------------------------------
 
     def count(self, j: int, experts: np.ndarray, assignments: np.ndarray) -> None:
-        """Record a layer's routing in the current window (the array path reads `weights` meanwhile)."""
+        """Record layer ``j``'s routing in the current window, once the array path has read the experts'
+        `weights` (``experts`` [n] distinct ids, ``assignments`` [n] rows each). Under a cache that keeps
+        its misses (`Policy.keep_misses`) the experts it read from host memory then take their queued slots
+        (`Residency.admit`), loaded from the host copies just read."""
+        experts, assignments = np.asarray(experts), np.asarray(assignments)
         self._window[j, experts] += assignments
+        if not self.cached or not self.residency.policy.keep_misses:
+            return
+        tiers = self.residency.tiers()[j, experts]
+        self._reads += Reads(int(assignments[tiers == HELPER].sum()), int(assignments[tiers == HOST].sum()))
+        for s in self.residency.admit(j, experts):
+            self._load(s)
 
     def end_window(self, prompt: bool = False) -> list[Swap]:
         """Close the array path's window: account its routing and keep the cache in step (``prompt``: the
         window holds a prompt chunk, as `Residency.observe`)."""
         counts, self._window = self._window, np.zeros_like(self._window)
+        reads, self._reads = self._reads, np.zeros(2, np.int64)
         if not counts.any():
             return []
-        return self.observe(counts, prompt=prompt)
+        kept = self.cached and self.residency.policy.keep_misses
+        return self.observe(counts, reads=Reads(*map(int, reads)) if kept else None, prompt=prompt)
 
     # ---- after a window ----------------------------------------------------------------------------
 

@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from .keep import moe_admit
+
 
 def _f32(a: np.ndarray) -> np.ndarray:
     return a.astype(np.float32)
@@ -178,7 +180,7 @@ def moe(
     h_buf: np.ndarray,
 ) -> None:
     """``experts.weights(e)``: expert e's gate/up [2I, H] and down [H, I] (the kernel reads the same through
-    ``experts``' address tables); ``counts``, ``slot_of`` and ``misses`` as the launcher's."""
+    ``experts``' address tables); ``counts``, ``slot_of``, ``misses`` and ``keep`` as the launcher's."""
     rows, topk = idx.shape
     inter = h_buf.shape[1]
     p = np.exp(logits - logits.max(-1, keepdims=True))
@@ -187,6 +189,9 @@ def moe(
     idx[...] = order
     w = np.take_along_axis(p, order, axis=-1)  # [R, k]
     wts[...] = w / w.sum(-1, keepdims=True) if norm_topk else w
+    keep = getattr(experts, "keep", None)
+    if keep is not None:
+        moe_admit(keep, idx)
     xn = x * _rms_inv(x, eps) * _f32(norm)  # [R, H]
     for r in range(rows):
         total = np.zeros(x.shape[1], np.float32)
@@ -194,6 +199,9 @@ def moe(
             e = int(idx[r, j])
             _count(experts, np.array([e]))
             gate_up, down = experts.weights(e)
+            if keep is not None and keep.fill[e] >= 0:  # the kernels write what they read into its slot
+                for dst, src in zip(keep.slot(int(keep.fill[e])), (gate_up, down), strict=True):
+                    dst[...] = src
             gu = _f32(gate_up) @ xn[r]  # [2I]
             h = _silu(gu[:inter]) * gu[inter:]  # [I]
             h_buf[r * topk + j] = h
