@@ -83,7 +83,7 @@ def test_greedy_text_with_a_small_cache_on_the_gpu_equals_the_all_resident_run(c
     from strata_runtime.engine import Engine
 
     resident = _generate(Engine(_plan(cp, cache=None, batch_mtp=batch_mtp)), PROMPTS, 24)
-    engine = Engine(_plan(cp, cache=6, batch_mtp=batch_mtp))
+    engine = Engine(_plan(cp, cache=6, batch_mtp=batch_mtp, cache_policy={"keep_misses": False}))
     cached = _generate(engine, PROMPTS, 24)
     assert cached == resident
     stats = [s.experts.stats for s in engine.model.stages]
@@ -127,8 +127,8 @@ def test_the_mtp_heads_layer_held_whole_on_the_gpu_gives_the_all_resident_text(c
 
 
 def test_a_conversation_copied_back_from_the_store_brings_its_experts_back_on_the_gpu(cp):
-    """Three conversations over two slots under a cache of 24 experts, with a prefix store: each later
-    turn copies its history back. With ``experts.recall_stored`` the cache's swaps for it are queued on the
+    """Three conversations over two slots under a cache of 24 experts that swaps, with a prefix store: each
+    later turn copies its history back. With ``experts.recall_stored`` the cache's swaps for it are queued on the
     stage's stream before the turn's windows: the text is the same as without, the restored turns find more
     of their expert work in VRAM, and the kernels' tables end equal to the cache's."""
     from strata_runtime.engine import Engine
@@ -136,7 +136,13 @@ def test_a_conversation_copied_back_from_the_store_brings_its_experts_back_on_th
     runs = {}
     for recall in (False, True):
         engine = Engine(
-            _plan(cp, cache=24, batch_mtp=False, prefix_store_mib=64, cache_policy={"recall_stored": recall})
+            _plan(
+                cp,
+                cache=24,
+                batch_mtp=False,
+                prefix_store_mib=64,
+                cache_policy={"recall_stored": recall, "keep_misses": False},
+            )
         )
         rng = np.random.default_rng(5)
         said = [[int(t) for t in rng.integers(33, 126, 120)] for _ in range(3)]
@@ -198,7 +204,9 @@ def test_a_prompt_chunks_rebalance_lands_before_the_first_window_after_it_on_the
 
     if not lands:
         monkeypatch.setattr(CudaExperts, "before_window", lambda self: [])
-    model = Model.from_plan(_plan(cp, cache=6, chunk=256, batch_mtp=False))
+    model = Model.from_plan(
+        _plan(cp, cache=6, chunk=256, batch_mtp=False, cache_policy={"keep_misses": False})
+    )
     (stage,) = model.stages
     tables, r = stage.cuda_experts, stage.experts.residency
     ids = np.random.default_rng(11).integers(1, 1000, 200)

@@ -86,13 +86,21 @@ def test_a_prompt_chunk_reads_an_expert_in_host_memory_once_a_tile_and_a_decode_
 
 
 def test_the_cache_figures_split_decode_from_prompts_by_hand():
-    traffic = {"hits": 900, "misses": 300, "swaps": 4, "miss_bytes": 5_000_000, "swap_bytes": 1_000_000}
+    traffic = {
+        "hits": 900,
+        "misses": 300,
+        "swaps": 4,
+        "kept": 2,
+        "miss_bytes": 5_000_000,
+        "swap_bytes": 1_000_000,
+    }
     traffic |= {"prompt_hits": 600, "prompt_misses": 200, "prompt_host_bytes": 3_000_000, "late_reads": 25}
     decode = cache_figures(traffic, generated=10, prompt_tokens=100, prompt=False)
     assert decode["expert_vram_pct"] == pytest.approx(75.0)  # 300 of 400 decode assignments
     assert decode["late_read_pct"] == pytest.approx(25.0)  # 25 of the 100 decode misses
     assert decode["host_mb_per_token"] == pytest.approx(0.3)  # (2 MB of misses + 1 MB of swaps) / 10
     assert decode["swap_mb_per_token"] == pytest.approx(0.1)  # the swaps' share
+    assert decode["expert_swaps"] == 4 and decode["expert_kept"] == 2
     assert (
         decode["prompt_expert_vram_pct"] == pytest.approx(75.0) and decode["prompt_host_mb_per_token"] == 0.03
     )
@@ -143,13 +151,19 @@ def _phrase(salt: int) -> tuple[int, ...]:
     return tuple(32 + (11 * i + 17 * salt) % 90 for i in range(6)) * 3
 
 
-def test_settling_runs_warm_up_requests_until_the_caches_could_have_turned_over():
+@pytest.mark.parametrize("keep", [False, True])
+def test_settling_runs_warm_up_requests_until_the_caches_could_have_turned_over(keep):
     """Each warm-up request is the k-th of the caller's, its figures what the caches served during it; the
-    requests stop at the first that leaves the caches `settled` (as many experts swapped in as they hold
-    slots, or none swapped by the last), or after ``most``."""
+    requests stop at the first that leaves the caches `settled` (as many experts brought in as they hold
+    slots, or none by the last), or after ``most``. A cache that keeps its misses brings them in by keeping
+    them, not by swaps."""
     from strata_runtime.bench.harness import adaptive_caches, settle_experts, settled
 
-    eng = Engine(mode_plan("serial", 2, preset="small", context=96, prefill_chunk=16, expert_cache=4))
+    policy = {"keep_misses": True} if keep else None
+    plan = mode_plan(
+        "serial", 2, preset="small", context=96, prefill_chunk=16, expert_cache=4, cache_policy=policy
+    )
+    eng = Engine(plan)
     slots = sum(c.slots for c in adaptive_caches(eng))
     assert slots == 8  # 4 slots on each of the two stages
     asked: list[int] = []
@@ -167,7 +181,7 @@ def test_settling_runs_warm_up_requests_until_the_caches_could_have_turned_over(
     assert asked == list(range(len(steps))) and 1 <= len(steps) <= 6
     assert all(not settled(steps[:k], slots) for k in range(len(steps)))
     assert settled(steps, slots) or len(steps) == 6
-    assert steps[0].swaps > 0  # the first request teaches the caches what it uses
+    assert steps[0].moved > 0  # the first request teaches the caches what it uses
     after = served()
     assert after[0] > before[0] and after[1] > before[1]
     assert all(0.0 <= x.from_vram <= 1.0 for x in steps)
@@ -220,7 +234,7 @@ def test_the_bench_settles_the_cache_before_the_first_repeat_unless_told_not_to(
     res, err = runs[False]
     assert list(res["settling"]) == ["serial"]  # batch-mtp shares serial's caches
     steps = res["settling"]["serial"]
-    assert 1 <= len(steps) <= 6 and steps[0]["swaps"] > 0
+    assert 1 <= len(steps) <= 6 and steps[0]["moved"] > 0
     assert "[serial] expert cache " in err and "warm-up request(s) of 8 tokens" in err
     res, err = runs[True]
     assert res["settling"] == {} and "expert cache settled" not in err and "still learning" not in err

@@ -382,9 +382,9 @@ def test_calibrated_routing_through_the_cuda_path_gives_the_array_paths_logits(f
 
 
 def test_an_expert_cache_on_the_cuda_path_changes_no_token(fake_gpu):
-    """The CUDA path with a cache: the kernels read experts through address tables (slots and host memory),
-    the prefill path copies misses into staging, the MTP head's experts share the cache, the upkeep runs
-    between windows; greedy text equals the all-resident run's, and the cache moved experts."""
+    """The CUDA path with a cache that swaps: the kernels read experts through address tables (slots and host
+    memory), the prefill path copies misses into staging, the MTP head's experts share the cache, the upkeep
+    runs between windows; greedy text equals the all-resident run's, and the cache moved experts."""
     from strata_runtime.engine import Engine
 
     def generate(plan) -> tuple[list[list[int]], Engine]:
@@ -399,7 +399,7 @@ def test_an_expert_cache_on_the_cuda_path_changes_no_token(fake_gpu):
 
     kw = {"preset": "small", "batch_mtp": True, "draft_tokens": 3, "stages": 2, "prefill_chunk": 96}
     resident, _ = generate(_plan("cuda", **kw))
-    cached, engine = generate(_plan("cuda", expert_cache=5, **kw))
+    cached, engine = generate(_plan("cuda", expert_cache=5, cache_policy={"keep_misses": False}, **kw))
     assert cached == resident
     for stage in engine.model.stages:
         assert stage.cuda_experts is not None and stage.experts.cached

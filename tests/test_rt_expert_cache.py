@@ -243,15 +243,22 @@ def test_a_prompt_chunk_brings_a_rebalance_at_once_and_other_windows_wait_their_
 
 
 def test_the_plans_cache_policy_reaches_the_cache_and_its_defaults_are_the_runtimes() -> None:
-    """The profile's ``experts`` keys set the policy; left out, the plan's defaults equal `Policy()`'s, so the
-    resolver's documented defaults are the ones that run."""
+    """The profile's ``experts`` keys set the policy; left out, the plan's defaults equal `Policy()`'s but for
+    keeping misses (a `Policy()` swaps, as the simulation's baseline), so the resolver's documented defaults
+    are the ones that run."""
     from rt_plans import make_plan
 
     from strata_runtime.model import Model
 
     kw = dict(preset="small", context=64, prefill_chunk=16, expert_cache=4)
-    assert Policy.of(make_plan(**kw).experts) == Policy()
-    keys = {"score_decay": 0.5, "rebalance_every": 3, "swap_margin": 1.5, "max_swaps": 7}
+    assert Policy.of(make_plan(**kw).experts) == Policy(keep_misses=True)
+    keys = {
+        "score_decay": 0.5,
+        "rebalance_every": 3,
+        "swap_margin": 1.5,
+        "max_swaps": 7,
+        "keep_misses": False,
+    }
     [stage] = Model.from_plan(make_plan(cache_policy=keys, **kw)).stages
     assert stage.experts.residency.policy == Policy(decay=0.5, every=3, margin=1.5, max_swaps=7)
 

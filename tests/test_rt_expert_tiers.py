@@ -408,10 +408,9 @@ def test_a_prompt_chunks_routing_reaches_the_cache_at_the_next_window_and_all_of
 
 def test_a_prompt_chunks_hand_over_rebalances_the_cache_on_the_cuda_path(fake_gpu):
     """With rebalances otherwise far apart, the hand-over of a prompt chunk's counts (at the window after it)
-    moves the experts the prompt routed to into VRAM at once."""
-    plan = cuda_plan(
-        expert_cache=4, slots=1, groups=1, prefill_chunk_alone=96, cache_policy={"rebalance_every": 1000}
-    )
+    moves the experts the prompt routed to into VRAM at once, where the cache swaps."""
+    policy = {"rebalance_every": 1000, "keep_misses": False}
+    plan = cuda_plan(expert_cache=4, slots=1, groups=1, prefill_chunk_alone=96, cache_policy=policy)
     engine = Engine(plan)
     [stage] = engine.model.stages
     store = stage.experts

@@ -189,7 +189,7 @@ def resolve_defaults(
     led.take("experts.rebalance_every", e.rebalance_every if e else None, REBALANCE_EVERY)
     led.take("experts.swap_margin", e.swap_margin if e else None, SWAP_MARGIN)
     led.take("experts.max_swaps", e.max_swaps if e else None, MAX_SWAPS)
-    led.take("experts.keep_misses", e.keep_misses if e else None, False)
+    led.take("experts.keep_misses", e.keep_misses if e else None, True)
     led.take("experts.recall_stored", e.recall_stored if e else None, True)
 
     if p.serve is not None:

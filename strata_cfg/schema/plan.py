@@ -382,7 +382,7 @@ class ExpertsPlan(_Plan):
     """Score a newcomer must beat the expert it evicts by (``experts.swap_margin``)."""
     max_swaps: int = MAX_SWAPS
     """Swaps per rebalance at most (``experts.max_swaps``); under ``keep_misses``, the victims queued."""
-    keep_misses: bool = False
+    keep_misses: bool = True
     """Whether the cache keeps the experts the kernels read from host memory, in the slots of queued
     victims, instead of copying swaps (``experts.keep_misses``)."""
     recall_stored: bool = True

@@ -286,6 +286,7 @@ TRAFFIC_KEYS = (
     "hits",
     "misses",
     "swaps",
+    "kept",
     "miss_bytes",
     "swap_bytes",
     "prompt_hits",
@@ -296,7 +297,7 @@ TRAFFIC_KEYS = (
 
 def expert_traffic(engine: Engine) -> dict[str, int] | None:
     """What the engine's expert caches served so far, summed over its stages: assignments read from VRAM
-    (hits) and from elsewhere (misses), swaps, and bytes moved over the host link by misses and by swaps, with
+    (hits) and from elsewhere (misses), swaps, experts kept as they were read, and bytes moved over the host link by misses and by swaps, with
     the prompt chunks' share of the assignments and of the miss bytes (``prompt_*``); ``host_bytes`` is all
     the link moved. None when every expert is resident."""
     caches = [e for e in engine.stats()["experts"] if e["cached"]]
@@ -320,7 +321,7 @@ def cache_figures(
     hits, misses = traffic["hits"], traffic["misses"]
     p_hits, p_misses, p_bytes = traffic["prompt_hits"], traffic["prompt_misses"], traffic["prompt_host_bytes"]
     d_hits, d_served = hits - p_hits, hits + misses - p_hits - p_misses
-    out: dict[str, float] = {"expert_swaps": float(traffic["swaps"])}
+    out = {"expert_swaps": float(traffic["swaps"]), "expert_kept": float(traffic["kept"])}
     if prompt:  # prompts read in graph windows are not marked as a prompt's: then every assignment counts
         marked = p_hits + p_misses > 0
         served = p_hits + p_misses if marked else hits + misses
@@ -557,10 +558,11 @@ SETTLE_MOST = 6
 @dataclass(frozen=True)
 class Settling:
     """One warm-up request while the expert caches settle: the share of its decode windows' expert work (row
-    and chosen expert pairs) that VRAM served, and the experts its windows swapped into slots."""
+    and chosen expert pairs) that VRAM served, and the experts its windows brought into slots (swapped in,
+    or kept as they were read: `Policy.keep_misses`)."""
 
     from_vram: float
-    swaps: int
+    moved: int
 
 
 def adaptive_caches(engine: Engine) -> list[Any]:
@@ -570,9 +572,9 @@ def adaptive_caches(engine: Engine) -> list[Any]:
 
 def settled(steps: list[Settling], slots: int) -> bool:
     """Whether warm-up requests that did ``steps`` have settled caches of ``slots`` slots in all: they have
-    swapped in as many experts as the caches hold (every slot could have been refilled with what the text
-    uses), or the last swapped none."""
-    return bool(steps) and (sum(x.swaps for x in steps) >= slots or steps[-1].swaps == 0)
+    brought in as many experts as the caches hold (every slot could have been refilled with what the text
+    uses), or the last brought in none."""
+    return bool(steps) and (sum(x.moved for x in steps) >= slots or steps[-1].moved == 0)
 
 
 def settle_experts(
@@ -586,16 +588,16 @@ def settle_experts(
     slots = sum(c.slots for c in caches)
     out: list[Settling] = []
 
-    def figures(c: Any) -> tuple[int, int, int]:  # decode windows' hits and misses, and swaps
+    def figures(c: Any) -> tuple[int, int, int]:  # decode windows' hits and misses, experts brought in
         s = c.stats
-        return s.hits - s.prompt_hits, s.misses - s.prompt_misses, s.swaps
+        return s.hits - s.prompt_hits, s.misses - s.prompt_misses, s.swaps + s.kept
 
     while caches and len(out) < most and not settled(out, slots):
         before = [figures(c) for c in caches]
         InProcessDriver(engine).run(arrivals(len(out)))
         after = [figures(c) for c in caches]
-        hits, misses, swaps = (sum(a[i] - b[i] for a, b in zip(after, before, strict=True)) for i in range(3))
-        out.append(Settling(hits / (hits + misses) if hits + misses else 1.0, swaps))
+        hits, misses, moved = (sum(a[i] - b[i] for a, b in zip(after, before, strict=True)) for i in range(3))
+        out.append(Settling(hits / (hits + misses) if hits + misses else 1.0, moved))
     return out
 
 

@@ -151,10 +151,10 @@ def taught_line(t: Taught, tokens: int) -> str:
 def settling_line(steps: list[Settling], slots: int, tokens: int) -> str:
     """One line on how an arm's expert caches (``slots`` slots in all) settled before the first repeat."""
     shares = " -> ".join(f"{x.from_vram:.1%}" for x in steps)
-    swaps = sum(x.swaps for x in steps)
+    moved = sum(x.moved for x in steps)
     how = "settled" if settled(steps, slots) else "still learning"
     return (
         f"expert cache {how} after {len(steps)} warm-up request(s) of {tokens} tokens, which every repeat "
-        f"starts from: {shares} of the decode windows' expert work from VRAM, {swaps:,} experts swapped in "
+        f"starts from: {shares} of the decode windows' expert work from VRAM, {moved:,} experts brought in "
         f"for {slots:,} slots (--cold-experts skips this)"
     )
