@@ -128,9 +128,9 @@ def test_the_mtp_heads_layer_held_whole_on_the_gpu_gives_the_all_resident_text(c
 
 def test_a_conversation_copied_back_from_the_store_brings_its_experts_back_on_the_gpu(cp):
     """Three conversations over two slots under a cache of 24 experts that swaps, with a prefix store: each
-    later turn copies its history back. With ``experts.recall_stored`` the cache's swaps for it are queued on the
-    stage's stream before the turn's windows: the text is the same as without, the restored turns find more
-    of their expert work in VRAM, and the kernels' tables end equal to the cache's."""
+    later turn copies its history back. With ``experts.recall_stored`` the cache's swaps for it are queued
+    on the stage's stream before the turn's windows: the text is the same as without, the restored turns
+    find more of their expert work in VRAM, and the kernels' tables end equal to the cache's."""
     from strata_runtime.engine import Engine
 
     runs = {}

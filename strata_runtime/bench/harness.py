@@ -297,9 +297,9 @@ TRAFFIC_KEYS = (
 
 def expert_traffic(engine: Engine) -> dict[str, int] | None:
     """What the engine's expert caches served so far, summed over its stages: assignments read from VRAM
-    (hits) and from elsewhere (misses), swaps, experts kept as they were read, and bytes moved over the host link by misses and by swaps, with
-    the prompt chunks' share of the assignments and of the miss bytes (``prompt_*``); ``host_bytes`` is all
-    the link moved. None when every expert is resident."""
+    (hits) and from elsewhere (misses), swaps, experts kept as they were read, and bytes moved over the host
+    link by misses and by swaps, with the prompt chunks' share of the assignments and of the miss bytes
+    (``prompt_*``); ``host_bytes`` is all the link moved. None when every expert is resident."""
     caches = [e for e in engine.stats()["experts"] if e["cached"]]
     if not caches:
         return None
