@@ -76,7 +76,7 @@ class Trace:
             timed(trace.waits, stream.ptr, stream, lambda: apply(self, swaps, stream))
 
         def hand_over_noted(self: CudaExperts, stream: Any) -> Any:
-            away, helper = self._read[1].sum(axis=0)  # misses, of which read from a helper slot
+            away, helper, _ = self._read[1].sum(axis=0)  # misses, of them from a helper slot, experts kept
             noted = (self._read_windows, int(away - helper), self.store.expert_bytes, self._read_prompt)
             trace.reads.append(noted)
             return hand_over(self, stream)

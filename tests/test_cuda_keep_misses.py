@@ -117,8 +117,11 @@ def test_the_admission_and_the_expert_kernels_keep_misses_as_their_numpy_twin_do
             )
             cp.cuda.Device(0).synchronize()
             moe_admit(SimpleNamespace(owner=twin, layer=j), idx.get())
-            for name in MIRRORED:
-                np.testing.assert_array_equal(getattr(tables, name).get(), getattr(twin, name), err_msg=name)
+            for name in MIRRORED:  # the counters' first two columns are the expert kernels' counts
+                got, want = getattr(tables, name).get(), getattr(twin, name)
+                if name == "misses":
+                    got, want = got[:, 2], want[:, 2]
+                np.testing.assert_array_equal(got, want, err_msg=f"{name}, window {w}, layer {j}")
             # The layer's output against the float32 reference over the experts' own weights.
             want = np.zeros((rows, h), np.float32)
             own = SimpleNamespace(weights=lambda e, j=j: store.host_weights(j, e), counts=None)
