@@ -9,10 +9,12 @@ Qwen3-30B-A3B's shape (48 sparse layers of 128 experts, top-8), with 34% and 63%
 streams) and uniform routing. The first half of the requests settle the cache. ``--lag``: decode windows
 between a rebalance's decision and its landing (a GPU's windows run ahead of its hand-overs);
 ``--prompt-lag``: the same for the rebalance a prompt brings (default: ``--lag``; 0: as the engine lands it
-on a GPU, before the first window after the prompt). Two rows follow the engine's policies: a design whose
-expert kernels keep each miss they read in a slot, so that keeping it copies nothing over the link
-(`strata_runtime.experts.cache_sim.filled_on_miss`), and the bound no policy can pass, a cache that knows
-every window to come (`foresight`). docs/RUNTIME.md shows this script's tables.
+on a GPU, before the first window after the prompt; a cache that keeps its misses has no rebalance to
+land). The policies that swap vary one key of the swapping default each. Two rows follow them: kernels that
+keep each miss they read over the held expert of lowest score, where the miss scores higher
+(`strata_runtime.experts.cache_sim.filled_on_miss`; the engine's rule instead takes the next slot its queue
+of victims gives), and the bound no policy can pass, a cache that knows every window to come
+(`foresight`). docs/RUNTIME.md shows this script's tables.
 """
 
 from __future__ import annotations
@@ -35,7 +37,10 @@ POLICIES = {
     "before (decay 0.7, margin 1, at most 32, no rebalance after a prompt)": Policy(
         decay=0.7, every=4, margin=1.0, max_swaps=32, after_prompt=False
     ),
-    "default": Policy(),
+    "**keeping misses** (the engine's default): decay 0.9, 512 queued": Policy(keep_misses=True),
+    "keeping misses, decay 0.95": Policy(keep_misses=True, decay=0.95),
+    "keeping misses, 256 queued": Policy(keep_misses=True, max_swaps=256),
+    "swapping (`experts.keep_misses = false`): decay 0.9, margin 3, at most 512": Policy(),
     "margin 1": Policy(margin=1.0),
     "margin 2": Policy(margin=2.0),
     "margin 4": Policy(margin=4.0),
@@ -109,7 +114,11 @@ def main() -> None:
     for _, requests, share, streams in cases:
         out = filled_on_miss(requests, int(share * args.layers * experts), 0.95, streams=streams, warm=n // 2)
         cells.append(f"{out.link:.1f} ({100 * out.hit_rate:.1f}%)")
-    print("| kernels that keep what they read (decay 0.95, `filled_on_miss`) | " + " | ".join(cells) + " |")
+    print(
+        "| keeping each miss over the lowest score (decay 0.95, `filled_on_miss`) | "
+        + " | ".join(cells)
+        + " |"
+    )
     cells = []
     for _, requests, share, streams in cases:  # lags do not apply: it moves each expert before its window
         out = foresight(requests, int(share * args.layers * experts), streams=streams, warm=n // 2)

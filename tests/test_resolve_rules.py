@@ -1195,16 +1195,20 @@ def test_experts_policy_inert_where_no_cache_adapts():
 
 @pytest.mark.parametrize("most", [512, 64])
 def test_the_cache_note_states_the_most_a_rebalance_copies_and_the_pause_it_brings(most):
-    """The policy note gives the largest rebalance in bytes (``experts.max_swaps`` experts of the model's
-    size) and what the windows queued after it wait for over each named host link."""
+    """The policy note of a cache that swaps gives the largest rebalance in bytes (``experts.max_swaps``
+    experts of the model's size) and what the windows queued after it wait for over each named host link;
+    that of a cache that keeps its misses (the default) the victims it queues, and that nothing waits."""
     from strata_cfg.resolve.budget import HOST_LINKS_GBS
 
-    plan = plan_of(rule_file("experts.cache"), [f"experts.max_swaps={most}"])
+    plan = plan_of(rule_file("experts.cache"), [f"experts.max_swaps={most}", "experts.keep_misses=false"])
     [note] = [d for d in plan.decisions if d.rule == "experts.cache" and d.key == "experts.adapt"]
     gb = most * plan.model.facts.expert_bytes() / 1e9
     assert f"at most {most} at a time: up to {gb:.1f} GB from host memory" in note.message
     for link, rate in HOST_LINKS_GBS:
         assert f"{1000 * gb / rate:.0f} ms over {link}" in note.message
+    keeping = plan_of(rule_file("experts.cache"), [f"experts.max_swaps={most}"])
+    [note] = [d for d in keeping.decisions if d.rule == "experts.cache" and d.key == "experts.adapt"]
+    assert f"queues its {most} least used experts" in note.message and "no window waits" in note.message
 
 
 def test_spec_draft_head_inert_where_the_mtp_head_does_not_draft():
@@ -1282,3 +1286,22 @@ def test_spec_draft_head_auto_takes_the_8bit_head_where_it_displaces_no_expert()
     assert asked.gpus[0].experts_resident < capped.gpus[0].experts_resident
     cpu = plan_of(rule_file("spec.draft-head-inert"), ['spec.method="mtp"', 'spec.draft_head="auto"'])
     assert cpu.spec.draft_head == "shared" and "spec.draft-head-auto" not in [x.rule for x in cpu.decisions]
+
+
+def test_experts_keep_misses_tiers_turns_keeping_off_beside_a_helper_tier(tmp_path):
+    """Asked for with a helper GPU, keeping misses is turned off (the helper tier adapts by swaps) and the
+    decision says it overrode the profile; left to its default there, it is off with the same reason, not
+    marked as overriding anything; without the helper GPU it stays on."""
+    path = rule_file("experts.keep-misses-tiers")
+    plan = plan_of(path)
+    assert plan.experts.cache is not None and plan.experts.keep_misses is False
+    d = decision(plan, "experts.keep-misses-tiers")
+    assert d.key == "experts.keep_misses" and d.requested and "helper tier" in d.message
+    unwritten = tmp_path / "unwritten.toml"
+    text = path.read_text().replace("keep_misses = true\n", "")
+    unwritten.write_text(text.replace('"../base-cpu4.toml"', f'"{RULES_DIR.parent / "base-cpu4.toml"}"'))
+    quiet = plan_of(unwritten)
+    assert quiet.experts.keep_misses is False and not decision(quiet, "experts.keep-misses-tiers").requested
+    alone = plan_of(path, ["experts.helper_devices=[]"])
+    assert alone.experts.keep_misses is True
+    assert "experts.keep-misses-tiers" not in [x.rule for x in alone.decisions]

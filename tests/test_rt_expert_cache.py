@@ -546,3 +546,22 @@ def test_keeping_misses_moves_fewer_experts_over_the_link_than_swapping_under_ca
     bound = foresight(requests, slots, warm=warm)
     assert keeping.swaps == 0 and swapping.swaps > 0
     assert bound.link < keeping.link < 0.9 * swapping.link
+
+
+def test_a_used_up_queue_of_victims_makes_the_next_rebalance_due_after_one_window() -> None:
+    """Keeping misses with a queue of two victims: a window that reads three experts from host memory keeps
+    two and uses the queue up, so a rebalance (a new queue) is due after one window, not ``every``; the
+    device's tables, learned with the queue used up, do the same."""
+    r = Residency(2, 8, 4, 1, Policy(every=4, max_swaps=2, keep_misses=True))
+    r.scores[...] = np.arange(16).reshape(2, 8)
+    r.observe(np.zeros((2, 8)), windows=4)
+    assert r.due() and r.rebalance() == [] and len(r.queue.slot) == 2
+    kept = r.admit(1, np.array([5, 6, 7]))
+    assert [sw.loaded for sw in kept] == [(1, 5), (1, 6)] and r.stats.kept == 2
+    r.observe(np.zeros((2, 8)))
+    assert r.backlog and r.due()
+    r.rebalance()
+    r.observe(np.zeros((2, 8)))
+    assert not r.due()
+    r.learn(r.slot_of.copy(), used_up=True)
+    assert r.due()

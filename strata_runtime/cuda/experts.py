@@ -226,7 +226,11 @@ class CudaExperts:
         self._queues.append(tuple(_pinned(b.shape, np.int32) for b in self._queues[0]))  # type: ignore[arg-type]
         self._queue_done: list[Any] = [None, None]
         self._queue_turn = 0
-        self._read_tables = (_pinned((n_layers, n_exp), np.int32), _pinned((n_layers, n_exp), np.int32))
+        self._read_tables = (
+            _pinned((n_layers, n_exp), np.int32),
+            _pinned((n_layers, n_exp), np.int32),
+            _pinned((2,), np.int32),
+        )
 
     def _keep(self, j: int) -> Keep:
         return Keep(self.keep_state, j, self.fill[j], self.slot_gate_up, self.slot_down, self)
@@ -353,9 +357,10 @@ class CudaExperts:
         self.counts.get(stream=stream, out=counts, blocking=False)
         self.misses.get(stream=stream, out=misses, blocking=False)
         if self.keeping:  # what the admissions have made of the tables
-            code, fill = self._read_tables
+            code, fill, queue = self._read_tables
             self.slot_of.get(stream=stream, out=code, blocking=False)
             self.fill.get(stream=stream, out=fill, blocking=False)
+            self.queue.get(stream=stream, out=queue, blocking=False)
         self.counts.fill(0)
         self.misses.fill(0)
         self._read_done = cupy_module().cuda.Event(disable_timing=True)
@@ -370,7 +375,8 @@ class CudaExperts:
         if self.keeping:
             residency = self.store.residency
             queue = residency.queue
-            residency.learn(held(*self._read_tables), kept)
+            code, fill, (taken, count) = self._read_tables
+            residency.learn(held(code, fill), kept, used_up=bool(count) and taken >= count)
             self.store.decide(counts.astype(np.float64), windows, reads, self._read_prompt)
             if residency.queue is not queue:
                 self._upload_queue(stream)

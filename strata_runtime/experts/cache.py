@@ -280,9 +280,10 @@ class Residency:
     """Under `Policy.keep_misses`: the residents the kept misses evict next (`victims`, made at each
     rebalance)."""
     backlog: bool = field(init=False, default=False)
-    """Whether the last rebalance stopped at ``max_swaps`` in a tier with more swaps that would pay: the
-    next one is then due after one window, not ``every``, so a large rebalance (a new request's prompt)
-    lands over several windows, at most ``max_swaps`` a tier each, instead of one pause for all of it."""
+    """Whether the last rebalance stopped at ``max_swaps`` in a tier with more swaps that would pay, or the
+    windows since used up its queue of victims (`Policy.keep_misses`): the next one is then due after one
+    window, not ``every``, so a large rebalance (a new request's prompt) lands over several windows, at
+    most ``max_swaps`` a tier each, instead of one pause for all of it, and misses go on being kept."""
     _since: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
@@ -420,15 +421,18 @@ class Residency:
         for sw in swaps:
             self.owner[sw.slot] = sw.loaded
         self.stats.kept += len(swaps)
+        self.backlog |= self.queue.taken >= len(self.queue.slot) > 0
         return swaps
 
-    def learn(self, slot_of: np.ndarray, kept: int = 0) -> None:
+    def learn(self, slot_of: np.ndarray, kept: int = 0, used_up: bool = False) -> None:
         """Take ``slot_of`` [L, E] (slot or -1) as what VRAM holds: a GPU's admissions change its tables
         where the host does not see them, and it reads them back with the counters. ``kept``: the
-        admissions since the last read, as the device counted them."""
+        admissions since the last read, as the device counted them; ``used_up``: whether they had used up
+        the queue (`backlog`)."""
         self.slot_of[...] = slot_of
         self.owner = _owners(self.slot_of, self.slots)
         self.stats.kept += kept
+        self.backlog |= used_up
 
     def _into_vram(self, movable: np.ndarray) -> list[Swap]:
         """The best experts VRAM lacks (from the helper tier or host memory) for its weakest residents."""
