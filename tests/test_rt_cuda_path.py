@@ -1469,3 +1469,22 @@ def test_a_cache_that_keeps_its_misses_on_the_cuda_path_changes_no_token_and_fil
                 assert int(tables.gate_up[j, e]) == store.pool_gate_up[s].ctypes.data
         for j, e in zip(*np.nonzero(slots < 0), strict=True):
             assert int(tables.gate_up[j, e]) == store.host_weights(int(j), int(e))[0].ctypes.data
+
+
+def test_arms_sharing_a_cache_that_keeps_misses_may_queue_more_victims_than_the_first_arm(fake_gpu):
+    """Benchmark arms share a stage's cache and each hands it its own policy: a queue as long as the
+    cache's slots must reach the device whatever the first arm's ``experts.max_swaps`` was."""
+    from strata_runtime.engine import Engine
+    from strata_runtime.experts.cache import Policy
+
+    engine = Engine(_plan("cuda", expert_cache=5, cache_policy={"keep_misses": True, "max_swaps": 1}))
+    stage = engine.model.stages[0]
+    tables, r = stage.cuda_experts, stage.experts.residency
+    r.policy = Policy(keep_misses=True, max_swaps=512)
+    r.scores[...] = np.arange(r.scores.size).reshape(r.scores.shape)
+    r.queue = r.victims()
+    movable = int((r.slot_of[[j for j in range(r.layers) if j not in r.fixed]] >= 0).sum())
+    assert len(r.queue.slot) == movable > 1
+    tables._upload_queue(tables.copy_stream)
+    np.testing.assert_array_equal(np.asarray(tables.victims[:movable]), r.queue.slot)
+    assert list(np.asarray(tables.queue)) == [0, movable]

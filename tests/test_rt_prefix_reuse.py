@@ -754,8 +754,8 @@ def _vram_share(eng: Engine) -> list[tuple[float, float]]:
 
 @pytest.mark.parametrize("stages", [1, 2])
 def test_a_conversation_copied_back_from_the_store_brings_back_the_experts_it_routes_to(stages) -> None:
-    """Three conversations over two slots under an expert cache that holds about a third of the experts
-    (the router's own routing, so a conversation's tokens route alike and the cache can learn them). A later
+    """Three conversations over two slots under an expert cache that swaps and holds about a third of the
+    experts (the router's own routing, so a conversation's tokens route alike and the cache can learn them). A later
     turn copies its history back from the store instead of reading it, so the cache learns nothing of it from
     the prompt; with ``experts.recall_stored`` what the cache had learned when the conversation's slot was
     released is added back, and the cache rebalances before the turn's windows. The restored turns then
@@ -770,7 +770,7 @@ def test_a_conversation_copied_back_from_the_store_brings_back_the_experts_it_ro
             prefill_chunk=16,
             expert_cache=24 if stages == 1 else 12,
             prefix_store_mib=64,
-            cache_policy={"recall_stored": recall},
+            cache_policy={"recall_stored": recall, "keep_misses": False},
         )
         assert plan.experts.recall_stored is recall
         eng = Engine(plan)

@@ -198,7 +198,7 @@ class CudaExperts:
         addresses on the device, ``fill`` [L, E], the queue of victims and the pointers ``moe_admit``
         reads."""
         cp = cupy_module()
-        most = self.store.residency.policy.max_swaps
+        most = max(self.store.slots, 1)  # a queue holds residents: as long as any arm's policy makes it
         self.host_gate_up, self.host_down = cp.asarray(self._host_gu), cp.asarray(self._host_dn)
         self.slot_gate_up, self.slot_down = cp.asarray(self._slot_gu), cp.asarray(self._slot_dn)
         self.fill = cp.full((n_layers, n_exp), -1, cp.int32)
