@@ -37,8 +37,8 @@ POLICIES = {
     "before (decay 0.7, margin 1, at most 32, no rebalance after a prompt)": Policy(
         decay=0.7, every=4, margin=1.0, max_swaps=32, after_prompt=False
     ),
-    "**keeping misses** (the engine's default): decay 0.9, 512 queued": Policy(keep_misses=True),
-    "keeping misses, decay 0.95": Policy(keep_misses=True, decay=0.95),
+    "**keeping misses** (the engine's default): decay 0.95, 512 queued": Policy(keep_misses=True, decay=0.95),
+    "keeping misses, decay 0.9": Policy(keep_misses=True),
     "keeping misses, 256 queued": Policy(keep_misses=True, max_swaps=256),
     "swapping (`experts.keep_misses = false`): decay 0.9, margin 3, at most 512": Policy(),
     "margin 1": Policy(margin=1.0),

@@ -244,14 +244,15 @@ def test_a_prompt_chunk_brings_a_rebalance_at_once_and_other_windows_wait_their_
 
 def test_the_plans_cache_policy_reaches_the_cache_and_its_defaults_are_the_runtimes() -> None:
     """The profile's ``experts`` keys set the policy; left out, the plan's defaults equal `Policy()`'s but for
-    keeping misses (a `Policy()` swaps, as the simulation's baseline), so the resolver's documented defaults
-    are the ones that run."""
+    keeping misses and the decay that goes with it (a `Policy()` swaps, as the simulation's baseline), so
+    the resolver's documented defaults are the ones that run; swapping, the decay is `Policy()`'s."""
     from rt_plans import make_plan
 
     from strata_runtime.model import Model
 
     kw = dict(preset="small", context=64, prefill_chunk=16, expert_cache=4)
-    assert Policy.of(make_plan(**kw).experts) == Policy(keep_misses=True)
+    assert Policy.of(make_plan(**kw).experts) == Policy(keep_misses=True, decay=0.95)
+    assert Policy.of(make_plan(cache_policy={"keep_misses": False}, **kw).experts) == Policy()
     keys = {
         "score_decay": 0.5,
         "rebalance_every": 3,

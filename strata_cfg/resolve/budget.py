@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from ..schema.facts import GpuFacts, MachineFacts, ModelFacts, mtp_experts_whole
-from ..schema.plan import Budget, GpuPlan
+from ..schema.plan import KEEP_SCORE_DECAY, Budget, GpuPlan
 from . import sizes
 from .ledger import Ledger
 from .placement import Sizing, StageNeed, stage_need
@@ -262,6 +262,8 @@ def expert_notes(gpus: list[GpuPlan], sz: Sizing, led: Ledger, expert_bytes: int
             "which keeping misses would race with",
             because=("experts.helper_devices", "experts.peer_device"),
         )
+    if partial and led["experts.keep_misses"] and not led.user_set("experts.score_decay"):
+        led.resolve_auto("experts.score_decay", KEEP_SCORE_DECAY, "experts.cache")
     if partial:
         led.note("experts.cache", "experts.adapt", cache_policy_text(led, expert_bytes))
     policy_inert(bool(partial), led)

@@ -306,8 +306,8 @@ class ExpertsSection(Section):
     """Whether the expert cache follows the routing (default true): every few windows the most used experts
     that hold no VRAM slot replace the least used ones that do. False freezes it at its first contents."""
     score_decay: float | None = Field(default=None, gt=0, lt=1)
-    """How fast the cache forgets (default 0.9): each window multiplies every expert's score, its decayed
-    count of uses, by this before adding the window's own uses."""
+    """How fast the cache forgets (default 0.95 where it keeps its misses, else 0.9): each window multiplies
+    every expert's score, its decayed count of uses, by this before adding the window's own uses."""
     rebalance_every: int | None = Field(default=None, ge=1)
     """Windows between rebalances of the cache (default 4); a prompt chunk read in one window brings one at
     once."""
