@@ -755,11 +755,11 @@ def _vram_share(eng: Engine) -> list[tuple[float, float]]:
 @pytest.mark.parametrize("stages", [1, 2])
 def test_a_conversation_copied_back_from_the_store_brings_back_the_experts_it_routes_to(stages) -> None:
     """Three conversations over two slots under an expert cache that swaps and holds about a third of the
-    experts (the router's own routing, so a conversation's tokens route alike and the cache can learn them). A later
-    turn copies its history back from the store instead of reading it, so the cache learns nothing of it from
-    the prompt; with ``experts.recall_stored`` what the cache had learned when the conversation's slot was
-    released is added back, and the cache rebalances before the turn's windows. The restored turns then
-    find more of their expert work in VRAM than without it, on every stage, and the text is the same."""
+    experts (the router's own routing, so a conversation's tokens route alike and the cache can learn them).
+    A later turn copies its history back from the store instead of reading it, so the cache learns nothing
+    of it from the prompt; with ``experts.recall_stored`` what the cache had learned when the conversation's
+    slot was released is added back, and the cache rebalances before the turn's windows. The restored turns
+    then find more of their expert work in VRAM than without it, on every stage, and the text is the same."""
     runs: dict[bool, tuple[list[list[int]], list[float]]] = {}
     for recall in (False, True):
         plan = make_plan(
