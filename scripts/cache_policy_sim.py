@@ -39,7 +39,7 @@ POLICIES = {
     ),
     "**keeping misses** (the engine's default): decay 0.95, 512 queued": Policy(keep_misses=True, decay=0.95),
     "keeping misses, decay 0.9": Policy(keep_misses=True),
-    "keeping misses, 256 queued": Policy(keep_misses=True, max_swaps=256),
+    "keeping misses, 256 queued": Policy(keep_misses=True, decay=0.95, max_swaps=256),
     "swapping (`experts.keep_misses = false`): decay 0.9, margin 3, at most 512": Policy(),
     "margin 1": Policy(margin=1.0),
     "margin 2": Policy(margin=2.0),

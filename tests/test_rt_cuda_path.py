@@ -11,6 +11,7 @@ the eager run; greedy text must not depend on drafting.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import numpy as np
 import pytest
@@ -381,25 +382,28 @@ def test_calibrated_routing_through_the_cuda_path_gives_the_array_paths_logits(f
     assert gpu.stages[0].cuda._graphs
 
 
+def _two_prompts(plan, tokens: int) -> tuple[list[list[int]], Any]:
+    """Greedy text of two prompts (the first a chunk past the graph windows) through an engine of ``plan``,
+    and the engine."""
+    from strata_runtime.engine import Engine
+
+    engine = Engine(plan)
+    prompts = [tuple(range(40, 140)), (72, 101, 108, 108, 111) * 3]
+    handles = [engine.submit(Request(p, tokens)) for p in prompts]
+    while engine.step():
+        pass
+    return [[t for _ in range(h.events.qsize()) for t in h.events.get().token_ids] for h in handles], engine
+
+
 def test_an_expert_cache_on_the_cuda_path_changes_no_token(fake_gpu):
     """The CUDA path with a cache that swaps: the kernels read experts through address tables (slots and host
     memory), the prefill path copies misses into staging, the MTP head's experts share the cache, the upkeep
     runs between windows; greedy text equals the all-resident run's, and the cache moved experts."""
-    from strata_runtime.engine import Engine
-
-    def generate(plan) -> tuple[list[list[int]], Engine]:
-        engine = Engine(plan)
-        prompts = [tuple(range(40, 140)), (72, 101, 108, 108, 111) * 3]  # one chunk past the graph windows
-        handles = [engine.submit(Request(p, 12)) for p in prompts]
-        while engine.step():
-            pass
-        return [
-            [t for _ in range(h.events.qsize()) for t in h.events.get().token_ids] for h in handles
-        ], engine
-
     kw = {"preset": "small", "batch_mtp": True, "draft_tokens": 3, "stages": 2, "prefill_chunk": 96}
-    resident, _ = generate(_plan("cuda", **kw))
-    cached, engine = generate(_plan("cuda", expert_cache=5, cache_policy={"keep_misses": False}, **kw))
+    resident, _ = _two_prompts(_plan("cuda", **kw), 12)
+    cached, engine = _two_prompts(
+        _plan("cuda", expert_cache=5, cache_policy={"keep_misses": False}, **kw), 12
+    )
     assert cached == resident
     for stage in engine.model.stages:
         assert stage.cuda_experts is not None and stage.experts.cached
@@ -1434,22 +1438,11 @@ def test_a_cache_that_keeps_its_misses_on_the_cuda_path_changes_no_token_and_fil
     and the expert kernels, which write what they read from host memory there: greedy text equals the
     all-resident run's, nothing is swapped, experts are kept, and every slot the device's tables or ``fill``
     give an expert holds that expert's weights, byte for byte."""
-    from strata_runtime.engine import Engine
     from strata_runtime.reference.keep import held
 
-    def generate(plan) -> tuple[list[list[int]], Engine]:
-        engine = Engine(plan)
-        prompts = [tuple(range(40, 140)), (72, 101, 108, 108, 111) * 3]
-        handles = [engine.submit(Request(p, 16)) for p in prompts]
-        while engine.step():
-            pass
-        return [
-            [t for _ in range(h.events.qsize()) for t in h.events.get().token_ids] for h in handles
-        ], engine
-
     kw = {"preset": "small", "batch_mtp": True, "draft_tokens": 3, "stages": 2, "prefill_chunk": 96}
-    resident, _ = generate(_plan("cuda", **kw))
-    cached, engine = generate(_plan("cuda", expert_cache=5, cache_policy={"keep_misses": True}, **kw))
+    resident, _ = _two_prompts(_plan("cuda", **kw), 16)
+    cached, engine = _two_prompts(_plan("cuda", expert_cache=5, cache_policy={"keep_misses": True}, **kw), 16)
     assert cached == resident
     for stage in engine.model.stages:
         store, tables = stage.experts, stage.cuda_experts
