@@ -672,6 +672,7 @@ def _expert_stats(rng: random.Random) -> dict:
             "misses": misses,
             "hit_rate": hits / (hits + misses),
             "swaps": rng.randrange(0, 300),
+            "kept": rng.randrange(1, 300),
             "windows": rng.randrange(1, 900),
             "miss_bytes": misses * expert,
             "swap_bytes": rng.randrange(0, 300) * expert,
@@ -716,6 +717,7 @@ def test_metrics_report_the_expert_cache_per_gpu():
         assert values[f"strata_expert_hits_total{label}"] == hits
         assert values[f"strata_expert_misses_total{label}"] == misses
         assert values[f"strata_expert_swaps_total{label}"] == sum(e["swaps"] for e in stages)
+        assert values[f"strata_expert_kept_total{label}"] == sum(e["kept"] for e in stages)
         moved = sum(e["miss_bytes"] + e["swap_bytes"] for e in stages)
         assert values[f"strata_expert_host_bytes_total{label}"] == moved
         assert values[f"strata_expert_late_reads_total{label}"] == sum(e["late_reads"] for e in stages)

@@ -206,6 +206,10 @@ EXPERT_COUNTERS: dict[str, tuple[str, str]] = {
     "hits": ("strata_expert_hits_total", "Routed-expert assignments served from a VRAM slot."),
     "misses": ("strata_expert_misses_total", "Routed-expert assignments read from host memory."),
     "swaps": ("strata_expert_swaps_total", "Experts copied from host memory into a VRAM slot."),
+    "kept": (
+        "strata_expert_kept_total",
+        "Experts kept in a VRAM slot as the kernels read them from host memory (experts.keep_misses).",
+    ),
     "host_link_bytes": (
         "strata_expert_host_bytes_total",
         "Expert bytes moved over the host link: misses' reads plus swaps' copies.",
@@ -231,8 +235,8 @@ def expert_cache(stats: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def expert_lines(stats: dict[str, Any]) -> list[str]:
-    """The expert cache per device: hits, misses, swaps, bytes over the host link, and the hit ratio
-    (hits over lookups since the start; absent for a device that has not looked one up)."""
+    """The expert cache per device: hits, misses, swaps, experts kept, bytes over the host link, and the hit
+    ratio (hits over lookups since the start; absent for a device that has not looked one up)."""
     by_device: dict[str, Counter[str]] = {}
     for entry in expert_cache(stats):
         counts = by_device.setdefault(str(entry.get("device", "?")), Counter())
