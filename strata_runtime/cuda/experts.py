@@ -30,6 +30,16 @@ The upkeep runs between windows, on the stream the stage computes on, without wa
   The copies into VRAM come first, those from a helper slot over the peer link; then the copies from host
   memory into helper slots, which may overwrite a helper slot a VRAM copy has just read.
 
+Where the cache keeps its misses (`Policy.keep_misses`, the default), a rebalance copies nothing: it uploads
+a queue of victims (`Residency.victims`), and ``moe_admit``, run before each layer's expert kernels, gives
+each expert the window reads from host memory a victim's slot (``fill``), which the expert kernels write as
+they read it; the layer's next admission points the tables at the slot (`Keep`). The tables then change on
+the device, so the counters' read also brings back the tier codes, ``fill`` and the queue's use, and the
+host takes them as what VRAM holds (`Residency.learn`) before it ranks the next queue. It never uploads
+whole tables while windows may admit: a restore first waits for the stream and learns the device's tables.
+The state exists whatever the policy, so that benchmark arms sharing the cache may keep or swap; swapping,
+the queue stays empty and the admission keeps nothing.
+
 Letters: L sparse layers of the stage, E experts, C slots, S helper slots.
 """
 

@@ -30,6 +30,13 @@ to host memory), then into the helper tier from what only host memory holds, spa
 first pass just moved there. So the experts ranked highest are in VRAM, the next ones in the helper tier,
 the rest in host memory, each move paid for by a margin, and both tiers stay full.
 
+By default the cache keeps its misses instead (`Policy.keep_misses`): a miss has crossed the host link once
+the kernels read it, so they write it into a slot on its way. Every ``every`` windows (and after a prompt
+chunk) a rebalance then ranks a queue of the ``max_swaps`` weakest residents (`victims`), and each expert a
+window reads from host memory takes the next usable one's slot (`admit`, the rule of
+`strata_runtime.reference.keep.admit`), in a decode window as it runs. Nothing is copied, no window waits,
+and the scores decay more slowly by default (0.95, the plan's ``KEEP_SCORE_DECAY``): they rank the queue.
+
 The cache is one pool for all the stage's layers, so a layer whose routing is spread wide gets more slots than
 one whose routing repeats. It starts with the slots spread evenly over the layers (experts in id order, the
 helper tier with the experts VRAM does not hold, in the same order); the first windows (the prompt's chunks,
