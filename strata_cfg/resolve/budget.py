@@ -248,7 +248,7 @@ def expert_notes(gpus: list[GpuPlan], sz: Sizing, led: Ledger, expert_bytes: int
                 "experts.cache",
                 f"GPU {g.index} keeps all {g.experts_whole} routed experts of the MTP head's layer among the "
                 f"{g.experts_resident} it holds in VRAM: the head runs at every drafting step "
-                "and on the drafters' stream, which the cache's swaps are not ordered with, so its layer "
+                "and on the drafters' stream, which the cache's moves are not ordered with, so its layer "
                 "cannot follow its routing as the other layers' slots do",
             )
     if helper_held:

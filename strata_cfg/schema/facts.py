@@ -48,7 +48,7 @@ MTP_WHOLE_MOST = 1 / 8
 def mtp_experts_whole(mtp_experts: int, slots: int) -> bool:
     """Whether an expert cache of ``slots`` VRAM slots holds every one of the MTP head's ``mtp_experts``
     routed experts: where they take at most `MTP_WHOLE_MOST` of the slots. That layer runs on the drafters'
-    stream, which the cache's swaps are not ordered with, so it cannot follow its routing; an even share
+    stream, which the cache's moves are not ordered with, so it cannot follow its routing; an even share
     would leave it the experts of the lowest ids whatever it routes to."""
     return 0 < mtp_experts <= slots * MTP_WHOLE_MOST
 
