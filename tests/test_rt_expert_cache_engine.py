@@ -228,3 +228,22 @@ def test_a_cache_that_keeps_its_misses_gives_the_all_resident_text_and_copies_no
         assert stats.kept > 0 and stats.swaps == 0 and stats.swap_bytes == 0
         r = stage.experts.residency
         assert sorted(r.slot_of[r.slot_of >= 0].tolist()) == list(range(r.slots))  # each slot held once
+
+
+def test_the_array_path_keeps_no_miss_of_a_prompt_chunk_and_keeps_the_decode_windows():
+    """As on a GPU, where prompt chunks go through the prefill path, a window that holds a prompt chunk
+    (more rows than any decode window) keeps none of its misses, queue or not; the decode windows do."""
+    from rt_plans import make_plan
+
+    plan = make_plan(preset="small", context=64, prefill_chunk=16, expert_cache=4, cache_policy={})
+    eng = Engine(plan)
+    [stage] = eng.model.stages
+    r = stage.experts.residency
+    assert r.policy.keep_misses
+    collect(eng, [(0, Request(prompt(16, 4), 6))])
+    kept = r.stats.kept
+    assert kept > 0  # the decode windows kept misses
+    r.queue = r.victims()  # a full queue, which the next prompt chunk could take from
+    eng.submit(Request(prompt(16, 9), 4))
+    eng.step()  # the new prompt: one chunk of 16 rows, most of it read from host memory
+    assert r.stats.prompt_misses > 0 and r.stats.kept == kept

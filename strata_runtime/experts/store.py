@@ -65,6 +65,8 @@ class ExpertStore:
         self._reads = np.zeros(2, np.int64)
         """Of those, the helper tier's and host memory's (counted as they are read, under
         `Policy.keep_misses`, whose admissions change the tiers within the window)."""
+        self._prompt = False
+        """Whether the array path's current window holds a prompt chunk (`begin_window`)."""
         if not self.cached:
             self.residency = Residency(
                 n_layers, n_exp, capacity, self.expert_bytes, policy or Policy(), fixed
@@ -148,17 +150,24 @@ class ExpertStore:
 
     # ---- the array path's window ---------------------------------------------------------------------
 
+    def begin_window(self, prompt: bool = False) -> None:
+        """Open one of the array path's windows; ``prompt``: it holds a prompt chunk, whose misses are not
+        kept (as on a GPU, where prompt chunks go through the prefill path, which keeps nothing)."""
+        self._prompt = prompt
+
     def count(self, j: int, experts: np.ndarray, assignments: np.ndarray) -> None:
         """Record layer ``j``'s routing in the current window, once the array path has read the experts'
         `weights` (``experts`` [n] distinct ids, ``assignments`` [n] rows each). Under a cache that keeps
-        its misses (`Policy.keep_misses`) the experts it read from host memory then take their queued slots
-        (`Residency.admit`), loaded from the host copies just read."""
+        its misses (`Policy.keep_misses`) the experts a window that holds no prompt chunk read from host
+        memory then take their queued slots (`Residency.admit`), loaded from the host copies just read."""
         experts, assignments = np.asarray(experts), np.asarray(assignments)
         self._window[j, experts] += assignments
         if not self.cached or not self.residency.policy.keep_misses:
             return
         tiers = self.residency.tiers()[j, experts]
         self._reads += Reads(int(assignments[tiers == HELPER].sum()), int(assignments[tiers == HOST].sum()))
+        if self._prompt:
+            return
         for s in self.residency.admit(j, experts):
             self._load(s)
 

@@ -253,6 +253,9 @@ class Stage:
             prefill = positions is None and self._through_prefill(layout)
             if self.cuda_experts is not None and not prefill:
                 self.cuda_experts.before_window()  # a prompt chunk's rebalance lands before this window
+            chunk = layout.rows > MAX_WINDOW_ROWS  # on the array path: a window that holds a prompt chunk
+            if self.cuda_experts is None:
+                self.experts.begin_window(prompt=chunk)
             if positions is not None:
                 assert self.cuda is not None
                 out = self.cuda.forward(hidden, layout, positions)  # [R, H] fp32
@@ -260,8 +263,8 @@ class Stage:
                 out = self._layers(hidden, layout)
             if self.cuda_experts is not None:
                 self.cuda_experts.after_window(prompt=prefill)
-            else:  # a window longer than any decode window holds a prompt chunk
-                self.experts.end_window(prompt=layout.rows > MAX_WINDOW_ROWS)
+            else:
+                self.experts.end_window(prompt=chunk)
             return out
 
     def expert_scores(self) -> np.ndarray | None:
