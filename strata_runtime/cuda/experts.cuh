@@ -123,7 +123,7 @@ __device__ __forceinline__ int block_rank_of(bool flag, int* __restrict__ warps,
 }
 
 // One block of 256 threads (E <= 256), before layer j's expert kernels of a window routed to idx [A]: the rule
-// of strata_runtime.experts.cache.admit. First the experts the layer's last window kept are committed (the
+// of strata_runtime.reference.keep.admit. First the experts the layer's last window kept are committed (the
 // tables point at their slots). Then the experts of idx in host memory (tier code -1), in id order, take the
 // usable victims among the next 64 of the queue, in queue order: a victim is usable when it still holds its
 // slot (tier code or fill equal to it) and is not one of this window's experts of layer j. Each victim is sent

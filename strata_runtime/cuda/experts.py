@@ -100,7 +100,8 @@ class LayerExperts:
 
 @dataclass
 class Keep:
-    """What a layer's kernels read where the cache keeps its misses (`strata_runtime.experts.cache.admit`)."""
+    """What a layer's kernels read where the cache keeps its misses (the rule of
+    `strata_runtime.reference.keep.admit`)."""
 
     state: Array
     """[13] uint64: the stage's tables, queue and counters as ``moe_admit`` reads them (`KEEP_STATE`)."""
@@ -419,8 +420,12 @@ class CudaExperts:
         tables lag the device's where the cache keeps its misses): for code that reads the host's tables."""
         if not self.keeping:
             return
-        stream = cupy_module().cuda.get_current_stream()
-        stream.synchronize()
+        cupy_module().cuda.get_current_stream().synchronize()
+        self._learn()
+
+    def _learn(self) -> None:
+        """Take the device's tables as what VRAM holds (`Residency.learn`), once the work that changes them
+        has finished."""
         self.store.residency.learn(held(self.slot_of.get(), self.fill.get()))
 
     def recall(self, scores: np.ndarray, stream: Any) -> list[Swap]:
@@ -445,7 +450,7 @@ class CudaExperts:
             stream = cp.cuda.get_current_stream()
             stream.synchronize()
             if self.store.cached:  # the device's tables, with the experts being kept in their slots
-                self.store.residency.learn(held(self.slot_of.get(), self.fill.get()))
+                self._learn()
                 self.fill.fill(-1)
                 self.queue.fill(0)
                 self._upload(self._table_arrays(pending=()), stream)

@@ -33,7 +33,7 @@ the rest in host memory, each move paid for by a margin, and both tiers stay ful
 By default the cache keeps its misses instead (`Policy.keep_misses`): a miss has crossed the host link once
 the kernels read it, so they write it into a slot on its way. Every ``every`` windows (and after a prompt
 chunk) a rebalance then ranks a queue of the ``max_swaps`` weakest residents (`victims`), and each expert a
-window reads from host memory takes the next usable one's slot (`admit`, the rule of
+window reads from host memory takes the next usable one's slot (`Residency.admit`, the rule of
 `strata_runtime.reference.keep.admit`), in a decode window as it runs. Nothing is copied, no window waits,
 and the scores decay more slowly by default (0.95, the plan's ``KEEP_SCORE_DECAY``): they rank the queue.
 
@@ -56,8 +56,7 @@ import numpy as np
 from strata_cfg.schema.facts import mtp_experts_whole
 from strata_cfg.schema.windows import PREFILL_EXPERT_TILE_ROWS
 
-from ..reference.keep import Victims
-from ..reference.keep import admit as admit_misses
+from ..reference.keep import Victims, admit
 
 if TYPE_CHECKING:
     from strata_cfg.schema.plan import ExpertsPlan
@@ -82,9 +81,10 @@ class Policy:
     after_prompt: bool = True
     """Whether a prompt chunk's counts bring a rebalance at once."""
     keep_misses: bool = False
-    """Whether the cache keeps the experts the kernels read from host memory instead of swapping (`admit`):
-    a rebalance then copies nothing; it queues the ``max_swaps`` lowest-scored residents (`Victims`), and
-    each expert a window reads from host memory takes the next queued slot, written as it is read."""
+    """Whether the cache keeps the experts the kernels read from host memory instead of swapping
+    (`Residency.admit`): a rebalance then copies nothing; it queues the ``max_swaps`` lowest-scored
+    residents (`Victims`), and each expert a window reads from host memory takes the next queued slot,
+    written as it is read."""
 
     @classmethod
     def of(cls, plan: ExpertsPlan) -> Policy:
@@ -119,12 +119,6 @@ class Reads(NamedTuple):
 
     helper: int = 0
     host: int = 0
-
-
-def admit(slot_of: np.ndarray, j: int, routed: np.ndarray, queue: Victims) -> list[Swap]:
-    """`strata_runtime.reference.keep.admit` (the rule the GPU's admission kernel runs), its moves as swaps
-    (no copy: each newcomer comes with the read that misses it)."""
-    return [Swap(slot, evicted, loaded) for slot, evicted, loaded in admit_misses(slot_of, j, routed, queue)]
 
 
 @dataclass
@@ -411,7 +405,7 @@ class Residency:
 
     def victims(self) -> Victims:
         """The ``policy.max_swaps`` lowest-scored residents of VRAM outside the ``fixed`` layers, weakest
-        first (ties to the lower (layer, expert)): the slots the next misses take (`admit`)."""
+        first (ties to the lower (layer, expert)): the slots the next misses take (`Residency.admit`)."""
         table = self.slot_of.reshape(-1)
         layer_of = np.repeat(np.arange(self.layers), self.experts)
         held = np.flatnonzero((table >= 0) & ~np.isin(layer_of, sorted(self.fixed)))
@@ -419,12 +413,13 @@ class Residency:
         return Victims(table[key].astype(np.int32), key.astype(np.int32))
 
     def admit(self, j: int, routed: np.ndarray) -> list[Swap]:
-        """`admit` over this cache's tables and queue (``policy.keep_misses``; otherwise nothing): the caller
-        writes each newcomer into its slot (the array path copies it from host memory, which its read of the
-        miss has just crossed)."""
+        """`strata_runtime.reference.keep.admit` (the rule the GPU's admission kernel runs) over this cache's
+        tables and queue (``policy.keep_misses``; otherwise nothing), its moves as swaps with no copy of
+        their own: the caller writes each newcomer into its slot (the array path copies it from host memory,
+        which its read of the miss has just crossed)."""
         if not self.policy.keep_misses or not self.policy.adapt or self.complete or j in self.fixed:
             return []
-        swaps = admit(self.slot_of, j, routed, self.queue)
+        swaps = [Swap(*move) for move in admit(self.slot_of, j, routed, self.queue)]
         for sw in swaps:
             self.owner[sw.slot] = sw.loaded
         self.stats.kept += len(swaps)
