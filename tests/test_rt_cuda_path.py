@@ -1481,3 +1481,24 @@ def test_arms_sharing_a_cache_that_keeps_misses_may_queue_more_victims_than_the_
     tables._upload_queue(tables.copy_stream)
     np.testing.assert_array_equal(np.asarray(tables.victims[:movable]), r.queue.slot)
     assert list(np.asarray(tables.queue)) == [0, movable]
+
+
+def test_prompts_through_per_expert_products_read_the_devices_tables_where_the_cache_keeps_misses(
+    fake_gpu, monkeypatch
+):
+    """A model whose widths the grouped kernels do not take reads a prompt chunk through one product per
+    expert, where the host's tables say each expert is. Keeping misses changes the tables on the device, so
+    that path first takes the device's: a request whose prompt follows another's decode gets the same text
+    whether the cache keeps its misses or swaps."""
+    from strata_runtime.cuda import prefill
+
+    monkeypatch.setattr(prefill, "supported", lambda *shape: False)
+    prompts = [tuple(range(40, 140)), tuple(range(150, 250))]
+    kw = {"preset": "small", "stages": 1, "prefill_chunk": 96, "expert_cache": 5}
+    texts = {}
+    for keep in (False, True):
+        text, engine = _greedy(_plan("cuda", cache_policy={"keep_misses": keep}, **kw), prompts, 16)
+        assert engine.model.stages[0].cuda_prefill.grouped is None
+        texts[keep] = text
+        assert engine.model.stages[0].experts.stats.kept > 0 or not keep
+    assert texts[True] == texts[False]
