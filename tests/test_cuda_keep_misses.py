@@ -150,6 +150,7 @@ def test_the_admission_and_the_expert_kernels_keep_misses_as_their_numpy_twin_do
 def test_greedy_text_with_a_cache_that_keeps_its_misses_on_the_gpu_equals_the_all_resident_run(cp):
     """The small preset through the engine on this GPU, batch MTP, a cache of 6 slots that keeps its misses:
     the greedy text of three requests is the all-resident run's, experts were kept and none swapped."""
+    from rt_engine_helpers import collect
     from rt_plans import float16_profile_text
 
     from strata_cfg.plan.from_profile import resolve_text
@@ -169,16 +170,7 @@ def test_greedy_text_with_a_cache_that_keeps_its_misses_on_the_gpu_equals_the_al
         )
         engine = Engine(resolve_text(text, "keep-test.toml").plan)
         prompts = [tuple(range(40, 90)), (72, 101, 108, 108, 111, 32) * 3, tuple(range(100, 133))]
-        handles = [engine.submit(Request(p, 24)) for p in prompts]
-        while engine.step():
-            pass
-        out = []
-        for handle in handles:
-            got = []
-            while not handle.events.empty():
-                got += handle.events.get().token_ids
-            out.append(got)
-        return out, engine
+        return collect(engine, [(0, Request(p, 24)) for p in prompts], check_kv=False), engine
 
     resident, _ = generate()
     kept, engine = generate(expert_cache=6, cache_policy={"keep_misses": True})
