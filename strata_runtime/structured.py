@@ -134,6 +134,7 @@ class Grammars:
         self._lock = threading.Lock()
         self._tokens: Any = None
         self._good: OrderedDict[str, None] = OrderedDict()
+        self._ends = _Ends(())
 
     def _vocabulary(self) -> Any:
         with self._lock:
@@ -141,7 +142,12 @@ class Grammars:
                 llguidance = _llguidance()
                 wrapper = llguidance.TokenizerWrapper(_Vocabulary(self.tokenizer, self.vocab_size))
                 eos = list(self.tokenizer.eos_ids)
-                self._tokens = llguidance.LLTokenizer(wrapper, n_vocab=self.vocab_size, eos_token=eos)
+                try:
+                    self._tokens = llguidance.LLTokenizer(wrapper, n_vocab=self.vocab_size, eos_token=eos)
+                except TypeError:  # llguidance before 1.7 (the newest wheel for glibc < 2.31) takes one id
+                    first = eos[0] if eos else None
+                    self._tokens = llguidance.LLTokenizer(wrapper, n_vocab=self.vocab_size, eos_token=first)
+                    self._ends = _Ends(tuple(eos))
             return self._tokens
 
     def check(self, grammar: str) -> None:
@@ -169,7 +175,28 @@ class Grammars:
         ll = llguidance.LLMatcher(self._vocabulary(), grammar)
         if ll.is_error():
             raise GrammarError(_short(ll.get_error()))
-        return Matcher(ll, self.vocab_size)
+        return Matcher(ll, self.vocab_size, ends=self._ends)
+
+
+class _Ends:
+    """A model's end-of-text ids where llguidance knows only the first (releases before 1.7 take one): the
+    others are allowed wherever the first is, and read as the first. Empty (nothing to do) where llguidance
+    knows them all."""
+
+    def __init__(self, eos: tuple[int, ...]) -> None:
+        self.first = eos[0] if eos else -1
+        self.others = np.asarray(eos[1:], np.int64)
+
+    def token(self, t: int) -> int:
+        """The id llguidance reads for ``t``."""
+        return self.first if len(self.others) and t in self.others else t
+
+    def widen(self, packed: np.ndarray) -> np.ndarray:
+        """``packed`` (uint32 words, token t at bit t % 32 of word t // 32) with the other end-of-text ids'
+        bits set where the first's is."""
+        if len(self.others) and packed[self.first // 32] >> np.uint32(self.first % 32) & np.uint32(1):
+            np.bitwise_or.at(packed, self.others // 32, np.uint32(1) << (self.others % 32).astype(np.uint32))
+        return packed
 
 
 _SHARED: OrderedDict[tuple[int, int], Grammars] = OrderedDict()
@@ -196,8 +223,9 @@ def grammars_for(tokenizer: Tokenizer, vocab_size: int) -> Grammars:
 class Matcher:
     """One reply's place in its grammar."""
 
-    def __init__(self, ll: Any, vocab_size: int, words: int | None = None) -> None:
+    def __init__(self, ll: Any, vocab_size: int, words: int | None = None, ends: _Ends | None = None) -> None:
         self._ll, self.vocab_size = ll, vocab_size
+        self._ends = _Ends(()) if ends is None else ends
         self._words = len(ll.compute_bitmask()) // 4 if words is None else words
         """The packed masks' width in 32-bit words, as llguidance lays them out (one more than the
         vocabulary needs where its size is a multiple of 32)."""
@@ -206,7 +234,7 @@ class Matcher:
 
     def allowed(self) -> np.ndarray:
         """Which tokens may come next: a bool array [vocab_size]."""
-        return _unpacked(self._ll.compute_bitmask(), self.vocab_size)
+        return _unpacked(self._packed().tobytes(), self.vocab_size)
 
     def allowed_after(self, drafted: Sequence[int]) -> list[np.ndarray]:
         """`allowed` after each prefix of ``drafted`` (proposals not accepted yet), k = 0 .. len(drafted)
@@ -229,7 +257,7 @@ class Matcher:
 
     def copy(self) -> Matcher:
         """Another place in the same grammar, where this one stands now, that moves on its own."""
-        other = Matcher(self._ll.deep_copy(), self.vocab_size, self._words)
+        other = Matcher(self._ll.deep_copy(), self.vocab_size, self._words, self._ends)
         other._lost = self._lost
         return other
 
@@ -243,13 +271,13 @@ class Matcher:
     def _move(self, token: int) -> None:
         """Move on by ``token``; off the grammar or past its end the place is lost (`_packed` allows all)."""
         if not self._lost:
-            self._lost = self._ll.is_stopped() or not self._ll.consume_token(int(token))
+            self._lost = self._ll.is_stopped() or not self._ll.consume_token(self._ends.token(int(token)))
 
     def _packed(self) -> np.ndarray:
         """The packed mask [W] of what may come next: every token once the place is lost."""
         if self._lost:
             return np.full(self._words, 0xFFFFFFFF, dtype=np.uint32)
-        return np.frombuffer(self._ll.compute_bitmask(), dtype="<u4").copy()
+        return self._ends.widen(np.frombuffer(self._ll.compute_bitmask(), dtype="<u4").copy())
 
     def forced(self, most: int) -> list[int]:
         """The tokens the grammar forces next, at most ``most`` (llguidance's fast-forward tokens: the only
@@ -269,14 +297,14 @@ class Matcher:
         for i, t in enumerate(tokens):
             if ahead.is_stopped():
                 return i
-            if not ahead.consume_token(int(t)):
+            if not ahead.consume_token(self._ends.token(int(t))):
                 return None  # off the grammar: `accept` says so
         return None
 
     def accept(self, tokens: Iterable[int]) -> None:
         """The reply goes on with ``tokens``; `GrammarError` where the grammar does not allow one."""
         for t in tokens:
-            if not self._ll.consume_token(int(t)):
+            if not self._ll.consume_token(self._ends.token(int(t))):
                 why = _short(self._ll.get_error())
                 raise GrammarError(f"token {int(t)} does not follow the grammar: {why}")
 

@@ -117,6 +117,47 @@ def test_the_allowed_tokens_after_proposals_are_those_of_the_grammar_moved_on_an
     assert m.finished
 
 
+def _one_end_of_text_id(monkeypatch) -> None:
+    """llguidance as it was before 1.7 (the newest release built for glibc older than 2.31): its tokenizer
+    takes one end-of-text id, and refuses a list."""
+    import llguidance
+
+    real = llguidance.LLTokenizer
+
+    def one_id(tokenizer, n_vocab=None, eos_token=None, **kw):
+        if isinstance(eos_token, list):
+            raise TypeError("argument 'eos_token': 'list' object cannot be interpreted as an integer")
+        return real(tokenizer, n_vocab=n_vocab, eos_token=eos_token, **kw)
+
+    monkeypatch.setattr(llguidance, "LLTokenizer", one_id)
+
+
+def test_an_llguidance_that_knows_one_end_of_text_id_still_allows_and_reads_each_of_the_models():
+    """Where llguidance takes one end-of-text id, the model's others are allowed where it is, and end the
+    reply as it does: every mask, packed or not, and every verdict are those of an llguidance that knows
+    them all. (The tokenizer here has two.)"""
+    tok = ByteTokenizer(300)
+    grammar = json_grammar(PERSON)
+    text = list(b'{"name":"Al","age":42,"tags":["b"]}')
+    assert len(tok.eos_ids) == 2
+    knows_all = Grammars(tok, 300).matcher(grammar)
+    with pytest.MonkeyPatch.context() as mp:
+        _one_end_of_text_id(mp)
+        knows_one = Grammars(tok, 300).matcher(grammar)
+    for drafted in (text, [*text, tok.eos_ids[1], ord("x")], [*text[:5], tok.eos_ids[1]]):
+        assert (knows_one.bitmasks_after(drafted) == knows_all.bitmasks_after(drafted)).all()
+        assert knows_one.ends_within(drafted) == knows_all.ends_within(drafted)
+    with pytest.raises(GrammarError):  # mid-text, no end-of-text id is allowed
+        knows_one.copy().accept([*text[:5], tok.eos_ids[1]])
+    for m in (knows_one, knows_all):
+        m.accept(text)
+    assert knows_one.finished and _allowed(knows_one) == _allowed(knows_all) == sorted(tok.eos_ids)
+    for eos in tok.eos_ids:
+        ended = knows_one.copy()
+        ended.accept([eos])
+        assert ended.finished
+
+
 def test_the_packed_masks_the_device_applies_keep_exactly_the_allowed_tokens_after_each_proposal():
     """`Matcher.bitmasks_after`, applied by the device's step (`mask_logits`, NumPy on a CPU device): after
     each prefix of the proposals, a row keeps its logit for exactly the tokens `allowed_after` allows and is
