@@ -9,9 +9,9 @@ Qwen3-30B-A3B's shape (48 sparse layers of 128 experts, top-8), with 34% and 63%
 streams) and uniform routing. The first half of the requests settle the cache. ``--lag``: decode windows
 between a rebalance's decision and its landing (a GPU's windows run ahead of its hand-overs);
 ``--prompt-lag``: the same for the rebalance a prompt brings (default: ``--lag``; 0: as the engine lands it
-on a GPU, before the first window after the prompt; a cache that keeps its misses has no rebalance to
-land). The policies that swap vary one key of the swapping default each. Two rows follow them: kernels that
-keep each miss they read over the held expert of lowest score, where the miss scores higher
+on a GPU, before the first window after the prompt; for a cache that keeps its misses, its new queue of
+victims lands so). The policies that swap vary one key of the swapping default each. Two rows follow
+them: kernels that keep each miss they read over the held expert of lowest score, where the miss scores higher
 (`strata_runtime.experts.cache_sim.filled_on_miss`; the engine's rule instead takes the next slot its queue
 of victims gives), and the bound no policy can pass, a cache that knows every window to come
 (`foresight`). docs/RUNTIME.md shows this script's tables.

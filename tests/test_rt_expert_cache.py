@@ -549,6 +549,23 @@ def test_keeping_misses_moves_fewer_experts_over_the_link_than_swapping_under_ca
     assert bound.link < keeping.link < 0.9 * swapping.link
 
 
+def test_a_queue_of_victims_that_lands_late_leaves_the_windows_before_it_keeping_nothing() -> None:
+    """Keeping misses with a queue of one victim, a rebalance every window: one layer of 8 experts, 2 slots
+    (experts 0 and 1), the decode windows routing to 2, 2, 3, 3, 4, 4. On time, each newcomer is kept at
+    its first window and found at its second: 3 misses in 6 windows. With each new queue landing 2 windows
+    after its decision, expert 3's first window finds the queue used up and keeps nothing, its second keeps
+    it (a miss again), and expert 4's first finds a queue whose victim (1) has left its slot already: 5
+    misses. A prompt's queue lands on time in both (``prompt_lag=0``)."""
+    from strata_runtime.experts.cache_sim import RequestTrace, simulate
+
+    req = RequestTrace(np.zeros((1, 8)), np.array([2, 2, 3, 3, 4, 4]).reshape(6, 1, 1))
+    policy = Policy(keep_misses=True, every=1, max_swaps=1, decay=0.5)
+    on_time = simulate([req], 2, policy, lag=0, prompt_lag=0)
+    late = simulate([req], 2, policy, lag=2, prompt_lag=0)
+    assert on_time.misses == 3 / 6 and on_time.swaps == late.swaps == 0
+    assert late.misses == 5 / 6
+
+
 def test_a_used_up_queue_of_victims_makes_the_next_rebalance_due_after_one_window() -> None:
     """Keeping misses with a queue of two victims: a window that reads three experts from host memory keeps
     two and uses the queue up, so a rebalance (a new queue) is due after one window, not ``every``; the

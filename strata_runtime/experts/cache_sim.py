@@ -14,7 +14,10 @@ GPU path hands it over:
   once). On a GPU a rebalance lands later: the counters are read behind the window that filled them and
   handed over once that read has landed, while windows queued ahead run on, so the newcomers a rebalance
   brings are read from host memory by the windows in between (one stream on the 24 GiB profile: about one
-  more read a swapped-in expert, docs/PERFORMANCE_LOG.md, "a twenty-second lease").
+  more read a swapped-in expert, docs/PERFORMANCE_LOG.md, "a twenty-second lease"). A cache that keeps its
+  misses has no copies to land, but its new queue of victims lands as late: the windows in between take
+  from the queue before it, and once that is used up they keep nothing (two streams use up a queue of 512
+  in about five windows).
 
 Requests run ``streams`` at a time, their decode windows together (a window of several rows then reads an
 expert its rows share once, as the GPU's grouped decode kernels do). The first ``warm`` requests settle the
@@ -31,6 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..reference.keep import Victims
 from .cache import Policy, Residency
 from .routing import RoutingModel
 
@@ -134,13 +138,19 @@ def simulate(
     largest = 0
     clock = 0  # decode windows so far
     landing: deque[tuple[int, np.ndarray]] = deque()  # (the window it lands at, what VRAM holds then)
+    queues: deque[tuple[int, Victims]] = deque()  # keeping misses: (the window it lands at, a new queue)
     held = cache.slot_of >= 0  # what the windows read from now
 
     def hand_over(c: np.ndarray, w: int, prompt: bool = False) -> int:
+        queue = cache.queue
         cache.observe(c, w, prompt=prompt)
         moved = len(cache.rebalance()) if cache.due() else 0
+        at = clock + (late_prompt if prompt else lag)
         if moved:
-            landing.append((clock + (late_prompt if prompt else lag), cache.slot_of >= 0))
+            landing.append((at, cache.slot_of >= 0))
+        if cache.queue is not queue and at > clock:  # the windows before it take from the queue they hold
+            queues.append((at, cache.queue))
+            cache.queue = queue
         return moved
 
     for start in range(0, len(requests), streams):
@@ -154,6 +164,8 @@ def simulate(
             c = counts(rows, n_experts)
             while landing and landing[0][0] <= clock:
                 held = landing.popleft()[1]
+            while queues and queues[0][0] <= clock:
+                cache.queue = queues.popleft()[1]
             resident = cache.slot_of >= 0 if policy.keep_misses else held
             clock += 1
             if counted:
