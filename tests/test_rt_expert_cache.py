@@ -566,20 +566,25 @@ def test_a_queue_of_victims_that_lands_late_leaves_the_windows_before_it_keeping
     assert late.misses == 5 / 6
 
 
-def test_a_used_up_queue_of_victims_makes_the_next_rebalance_due_after_one_window() -> None:
-    """Keeping misses with a queue of two victims: a window that reads three experts from host memory keeps
-    two and uses the queue up, so a rebalance (a new queue) is due after one window, not ``every``; the
-    device's tables, learned with the queue used up, do the same."""
-    r = Residency(2, 8, 4, 1, Policy(every=4, max_swaps=2, keep_misses=True))
+def test_a_queue_of_victims_half_taken_makes_the_next_rebalance_due_after_one_window() -> None:
+    """Keeping misses with a queue of four victims (every resident): a window that keeps one expert leaves
+    the next rebalance ``every`` windows away; one that keeps a second has taken half the queue
+    (`QUEUE_REFRESH`), so a new queue is due after one window; the device's tables, learned with half the
+    queue taken, do the same, and with less taken they do not."""
+    r = Residency(2, 8, 4, 1, Policy(every=4, max_swaps=4, keep_misses=True))
     r.scores[...] = np.arange(16).reshape(2, 8)
     r.observe(np.zeros((2, 8)), windows=4)
-    assert r.due() and r.rebalance() == [] and len(r.queue.slot) == 2
-    kept = r.admit(1, np.array([5, 6, 7]))
-    assert [sw.loaded for sw in kept] == [(1, 5), (1, 6)] and r.stats.kept == 2
+    assert r.due() and r.rebalance() == [] and len(r.queue.slot) == 4
+    assert [sw.loaded for sw in r.admit(1, np.array([5]))] == [(1, 5)]
+    r.observe(np.zeros((2, 8)))
+    assert not r.backlog and not r.due()
+    assert [sw.loaded for sw in r.admit(1, np.array([6]))] == [(1, 6)] and r.stats.kept == 2
     r.observe(np.zeros((2, 8)))
     assert r.backlog and r.due()
     r.rebalance()
     r.observe(np.zeros((2, 8)))
     assert not r.due()
-    r.learn(r.slot_of.copy(), used_up=True)
+    r.learn(r.slot_of.copy(), taken=1, queued=4)
+    assert not r.due()
+    r.learn(r.slot_of.copy(), taken=2, queued=4)
     assert r.due()

@@ -387,7 +387,7 @@ class CudaExperts:
             residency = self.store.residency
             queue = residency.queue
             code, fill, (taken, count) = self._read_tables
-            residency.learn(held(code, fill), kept, used_up=bool(count) and taken >= count)
+            residency.learn(held(code, fill), kept, taken, count)
             self.store.decide(counts.astype(np.float64), windows, reads, self._read_prompt)
             if residency.queue is not queue:
                 self._upload_queue(stream)
