@@ -289,9 +289,10 @@ class Residency:
     rebalance)."""
     backlog: bool = field(init=False, default=False)
     """Whether the last rebalance stopped at ``max_swaps`` in a tier with more swaps that would pay, or the
-    windows since used up its queue of victims (`Policy.keep_misses`): the next one is then due after one
-    window, not ``every``, so a large rebalance (a new request's prompt) lands over several windows, at
-    most ``max_swaps`` a tier each, instead of one pause for all of it, and misses go on being kept."""
+    windows since took half its queue of victims (`Policy.keep_misses`, `QUEUE_REFRESH`): the next one is
+    then due after one window, not ``every``, so a large rebalance (a new request's prompt) lands over
+    several windows, at most ``max_swaps`` a tier each, instead of one pause for all of it, and misses go
+    on being kept."""
     _since: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
