@@ -43,6 +43,19 @@ def _logits(model, runs, tokens) -> np.ndarray:
     return np.asarray(model.logits(normed))
 
 
+def _far_rows(a: np.ndarray, b: np.ndarray) -> tuple[float, np.ndarray]:
+    """``a`` against ``b`` row by row: the relative error of the rows within 2e-2 of ``b``'s, and which rows
+    are further. fp16 weights, KV and activations move a row by a few 1e-3; but where a router's top-k is
+    a near tie (a k-th/k+1-th margin of 2e-5 to 1e-3 measured) fp16 may swap one expert of the row, which
+    moves it by 0.05 to 0.25 (and its slot's later rows, through its KV, by up to 7e-3). Which rows swap
+    depends on the BLAS's order of summation (its kernels, its threads), so a norm over the whole chunk
+    may pass on one machine and fail on another; a misplaced weight, buffer, slot or position moves every
+    row of a run by O(1)."""
+    err = np.linalg.norm(a - b, axis=-1) / np.linalg.norm(b, axis=-1)
+    far = err > 2e-2
+    return float(np.linalg.norm((a - b)[~far]) / np.linalg.norm(b[~far])), far
+
+
 def test_windows_through_the_cuda_path_give_the_array_paths_logits(fake_gpu):
     from strata_runtime.model import Model
 
@@ -60,15 +73,17 @@ def test_windows_through_the_cuda_path_give_the_array_paths_logits(fake_gpu):
     ]
     for runs, tokens in windows:
         a, b = _logits(gpu, runs, tokens), _logits(cpu, runs, tokens)
-        # fp16 weights and KV against float32: a few 1e-3 relative (measured 1e-3 to 7e-3); a misplaced
-        # weight, buffer or step gives O(1).
-        assert np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-2, runs
+        # fp16 weights and KV against float32: a few 1e-3 relative (measured 1e-3 to 7e-3), but a row whose
+        # router is a near tie may swap an expert (`_far_rows`); a misplaced weight, buffer or step gives
+        # O(1) on every row of a run.
+        rel, far = _far_rows(a, b)
+        assert rel < 1e-2 and far.mean() <= 0.05, (runs, rel, np.flatnonzero(far))
         # The same token wherever the reference's two best logits are not a near tie: fp16 moves a logit
         # by up to a few 1e-3 here (99th percentile 3.6e-3 in the two slots' chunks, where one row's best
         # two are 2e-3 apart and swap).
         top2 = np.sort(b, axis=-1)[:, -2:]
         decided = top2[:, 1] - top2[:, 0] > 5e-3
-        assert decided.mean() > 0.9 and (a.argmax(-1) == b.argmax(-1))[decided].all(), runs
+        assert decided.mean() > 0.9 and (a.argmax(-1) == b.argmax(-1))[decided & ~far].all(), runs
 
     replays = []
     for _ in range(3):  # eager, captured, replayed
@@ -143,11 +158,14 @@ def test_prompt_chunks_replay_prefill_graphs_with_the_launched_paths_logits(fake
     for runs, tokens in windows:
         a, b = _logits(graphed, runs, tokens), _logits(reference, runs, tokens)
         # As the launched path against the float32 array path (`test_windows_through_...` above): padding
-        # moves a row only by rounding (a product's sums over more rows), which may flip a near tie.
-        assert np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-2, runs
+        # moves a row only by rounding (a product's sums over more rows), which may flip a near tie, of
+        # the logits or of a router (`_far_rows`: measured 0.0012 to 0.0056 for the other rows, and up
+        # to 4 of 86 rows swapping an expert, depending on the BLAS).
+        rel, far = _far_rows(a, b)
+        assert rel < 1e-2 and far.mean() <= 0.05, (runs, rel, np.flatnonzero(far))
         top2 = np.sort(b, axis=-1)[:, -2:]
         decided = top2[:, 1] - top2[:, 0] > 5e-3
-        assert decided.mean() > 0.9 and (a.argmax(-1) == b.argmax(-1))[decided].all(), runs
+        assert decided.mean() > 0.9 and (a.argmax(-1) == b.argmax(-1))[decided & ~far].all(), runs
         first = a if first is None else first
         if runs == [(1, 100, 0)]:
             assert np.array_equal(a, first)  # the replay reads slot and positions from the device
@@ -303,8 +321,11 @@ def test_fp16_q_prompt_attention_reaches_the_flash_calls(fake_gpu, monkeypatch):
         hidden = np.random.default_rng(5).standard_normal((120, model.args.hidden_size)).astype(np.float32)
         outs[q] = np.asarray(stage.cuda_prefill.forward(hidden, layout))
         assert seen and all(seen) == (q == "split") and any(seen) == (q == "split")
-    rel = np.linalg.norm(outs["fp16"] - outs["split"]) / np.linalg.norm(outs["split"])
-    assert 0 < rel < 1e-2
+    # fp16 q moves a row by about 2e-3, and may swap an expert where a router's top-k is a near tie
+    # (`_far_rows`: 3 of the 120 rows here, by 0.05 to 0.07; the chunk's norm measured 0.005 to 0.019,
+    # depending on the BLAS).
+    rel, far = _far_rows(outs["fp16"], outs["split"])
+    assert 0 < rel < 5e-3 and far.mean() <= 0.05, (rel, np.flatnonzero(far))
 
 
 def test_the_padded_expert_products_match_the_grouped_ones(fake_gpu):
