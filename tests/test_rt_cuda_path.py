@@ -1485,6 +1485,22 @@ def test_a_cache_that_keeps_its_misses_on_the_cuda_path_changes_no_token_and_fil
             assert int(tables.gate_up[j, e]) == store.host_weights(int(j), int(e))[0].ctypes.data
 
 
+def test_a_cache_that_keeps_misses_on_the_cuda_path_renews_its_queue_once_the_windows_took_half(fake_gpu):
+    """Keeping misses, the host reads the device's counters and tables every window, so that it sees how far
+    the windows went through the queue of victims: with a queue of two and rebalances 1,000 windows apart,
+    a new queue comes whenever a window has taken one, and the windows go on keeping misses long after the
+    prompt's queue was used up. The text is the all-resident run's."""
+    kw = {"preset": "small", "stages": 1, "prefill_chunk": 96}
+    policy = {"keep_misses": True, "max_swaps": 2, "rebalance_every": 1000}
+    resident, _ = _two_prompts(_plan("cuda", **kw), 24)
+    cached, engine = _two_prompts(_plan("cuda", expert_cache=5, cache_policy=policy, **kw), 24)
+    assert cached == resident
+    stage = engine.model.stages[0]
+    stage.cuda_experts.settle()
+    assert stage.experts.residency.policy.max_swaps == 2
+    assert stage.experts.stats.kept >= 8, stage.experts.stats.kept  # four queues' worth (one, read every 4)
+
+
 def test_arms_sharing_a_cache_that_keeps_misses_may_queue_more_victims_than_the_first_arm(fake_gpu):
     """Benchmark arms share a stage's cache and each hands it its own policy: a queue as long as the
     cache's slots must reach the device whatever the first arm's ``experts.max_swaps`` was."""

@@ -308,7 +308,10 @@ class CudaExperts:
         thousands of assignments the cache should learn before the windows after it: its counters are
         read at once (or as soon as the read in flight has landed), and their hand-over rebalances the
         cache. After a rebalance that left a backlog (`Residency.backlog`) they are read every window too,
-        so the rest of its swaps follow at once. Returns the swaps started now."""
+        so the rest of its swaps follow at once; and so they are while the cache keeps its misses, so that
+        the host sees how much of the queue of victims the windows have taken and brings a new one once
+        they have taken half (`strata_runtime.experts.cache.QUEUE_REFRESH`), not only every ``every``
+        windows. Returns the swaps started now."""
         if not self.store.cached:
             return []
         stream = cupy_module().cuda.get_current_stream()
@@ -319,7 +322,7 @@ class CudaExperts:
             swaps = self._hand_over(stream)
         residency = self.store.residency
         if self._read_done is None and (
-            self._read_soon or residency.backlog or self._windows >= residency.policy.every
+            self._read_soon or residency.backlog or self.keeping or self._windows >= residency.policy.every
         ):
             self._queue_read(stream)
         return swaps
