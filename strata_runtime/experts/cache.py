@@ -69,7 +69,8 @@ QUEUE_REFRESH = 0.5
 queue, becomes due after one window: a GPU's new queue reaches the windows a few after its decision, and
 the windows in between keep nothing once the queue they hold is used up. Two streams on the 24 GiB profile
 take about a hundred victims a window, a queue of 512 in five (`scripts/cache_policy_sim.py --lag 2`: 60.5
-experts over the host link a token refreshing at a used-up queue, 55.4 at half, 54.9 with no lag)."""
+experts over the host link a token renewing a used-up queue, 55.4 renewing it at half; 53.8 at half with no
+lag)."""
 
 
 @dataclass(frozen=True)
