@@ -323,11 +323,12 @@ class Residency:
             return VRAM
         return HELPER if self.helper_of[layer, expert] >= 0 else HOST
 
-    def tiers(self) -> np.ndarray:
-        """[L, E] int8: every expert's tier."""
-        out = np.full((self.layers, self.experts), HOST, np.int8)
-        out[self.helper_of >= 0] = HELPER
-        out[self.slot_of >= 0] = VRAM
+    def tiers(self, layer: int | None = None) -> np.ndarray:
+        """[L, E] int8: every expert's tier; [E], layer ``layer``'s alone."""
+        rows = slice(None) if layer is None else layer
+        out = np.full(self.slot_of[rows].shape, HOST, np.int8)
+        out[self.helper_of[rows] >= 0] = HELPER
+        out[self.slot_of[rows] >= 0] = VRAM
         return out
 
     def observe(

@@ -164,7 +164,7 @@ class ExpertStore:
         self._window[j, experts] += assignments
         if not self.cached or not self.residency.policy.keep_misses:
             return
-        tiers = self.residency.tiers()[j, experts]
+        tiers = self.residency.tiers(j)[experts]  # a layer's, not the whole table, in every layer's count
         self._reads += Reads(int(assignments[tiers == HELPER].sum()), int(assignments[tiers == HOST].sum()))
         if self._prompt:
             return
