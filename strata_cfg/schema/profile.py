@@ -318,7 +318,7 @@ class ExpertsSection(Section):
     """Swaps per rebalance at most (default 512); a rebalance cut at the cap goes on at the next window, so a
     lower cap spreads a new request's swaps, and the pause their copies bring, over several windows."""
     keep_misses: bool | None = None
-    """Whether the cache keeps the experts the kernels read from host memory (default false): instead of
+    """Whether the cache keeps the experts the kernels read from host memory (default true): instead of
     copying swaps, each rebalance queues the ``max_swaps`` least used experts in VRAM, and each expert a
     window reads from host memory takes the next queued slot, written there as it is read, so keeping it
     costs no second crossing of the host link. Not with helper GPUs or a peer device, whose tier adapts by
