@@ -4,6 +4,7 @@ server tests' demo `engine`, launched once a module, and its openai `client`."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import secrets
 from typing import Any
 
@@ -19,6 +20,21 @@ def _gpu_count() -> int:
         return int(cupy.cuda.runtime.getDeviceCount())
     except Exception:
         return 0
+
+
+MAX_WORKERS = 8
+"""The most processes `pytest -n auto` starts: each loads torch and launches demo engines, and past a few
+the suite is bound by its slowest tests, not by the cores."""
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """`-n auto`: one process a core this process may run on, at most `MAX_WORKERS`; one where CuPy is
+    installed, since the GPU tests would share a device."""
+    if importlib.util.find_spec("cupy") is not None:
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cores, MAX_WORKERS))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
