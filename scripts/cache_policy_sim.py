@@ -1,7 +1,7 @@
 """Compare expert-cache policies by the experts they move over the host link per generated token.
 
     python scripts/cache_policy_sim.py [--requests 12] [--tokens 128] [--layers 48] [--seed 0] [--lag 0]
-        [--prompt-lag N]
+        [--prompt-lag N] [--break-even SHARES [--experts 128] [--top-k 8]]
 
 Replays requests through the cache's own bookkeeping (strata_runtime/experts/cache_sim.py) in a model of
 Qwen3-30B-A3B's shape (48 sparse layers of 128 experts, top-8), with 34% and 63% of the experts in VRAM (a
@@ -15,6 +15,11 @@ them: kernels that keep each miss they read over the held expert of lowest score
 (`strata_runtime.experts.cache_sim.filled_on_miss`; the engine's rule instead takes the next slot its queue
 of victims gives), and the bound no policy can pass, a cache that knows every window to come
 (`foresight`). docs/RUNTIME.md shows this script's tables.
+
+``--break-even 0.05,0.1,...``: instead, keeping misses against swapping (each at its defaults) at those
+shares of the experts in VRAM, one and two streams, calibrated routing, with the slots a layer in units of
+top-k (``--experts`` and ``--top-k`` set the layer's shape): where the plan's rule
+``experts.keep-misses-small-cache`` draws its line.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import numpy as np
 
 from strata_runtime.experts.cache import Policy
 from strata_runtime.experts.cache_sim import (
+    RequestTrace,
     calibrated_requests,
     filled_on_miss,
     foresight,
@@ -63,11 +69,16 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lag", type=int, default=0, help="decode windows a rebalance lands after its decision")
     ap.add_argument("--prompt-lag", type=int, default=None, help="the same for a prompt's rebalance")
+    ap.add_argument("--break-even", help="shares of the experts in VRAM: keeping against swapping at each")
+    ap.add_argument("--experts", type=int, default=128, help="experts a layer (with --break-even)")
+    ap.add_argument("--top-k", type=int, default=8, help="experts a token routes to (with --break-even)")
     args = ap.parse_args()
     for flag, lag in (("--lag", args.lag), ("--prompt-lag", args.prompt_lag)):
         if lag is not None and lag < 0:
             ap.error(f"{flag}: a rebalance lands 0 or more windows after it is decided, not {lag}")
     experts, k, n = 128, 8, args.requests
+    if args.break_even:
+        experts, k = args.experts, args.top_k
     g = np.random.default_rng(args.seed)
     model = RoutingModel(args.layers, experts, k, model_seed=args.seed)
 
@@ -75,6 +86,9 @@ def main() -> None:
         return [g.integers(0, 32000, int(g.integers(lo, hi))).tolist() for _ in range(n)]
 
     short = calibrated_requests(model, prompts(20, 200), args.tokens)
+    if args.break_even:
+        break_even(args, short, experts, k)
+        return
     long = calibrated_requests(model, prompts(500, 2000), args.tokens)
     uniform = uniform_requests(
         g, [int(x) for x in g.integers(20, 200, n)], args.tokens, args.layers, experts, k
@@ -124,6 +138,31 @@ def main() -> None:
         out = foresight(requests, int(share * args.layers * experts), streams=streams, warm=n // 2)
         cells.append(f"{out.link:.1f} ({100 * out.hit_rate:.1f}%)")
     print("| knowing every window to come (a bound, `foresight`) | " + " | ".join(cells) + " |")
+
+
+def break_even(args: argparse.Namespace, requests: list[RequestTrace], experts: int, k: int) -> None:
+    """Keeping misses against swapping, each at its defaults, at each share of ``--break-even``."""
+    n = args.requests
+    print(
+        f"{n} requests of {args.tokens} tokens ({n // 2} settle the cache), {args.layers} layers x {experts} "
+        f"experts, top-{k}, calibrated routing, rebalances landing {args.lag} windows late: experts over the "
+        "host link per generated token, keeping / swapping"
+    )
+    print(
+        "| share | slots a layer | x top-k | one stream | keeping / swapping | two streams "
+        "| keeping / swapping |"
+    )
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    keep, swap = Policy(keep_misses=True, decay=0.95), Policy()
+    for share in (float(x) for x in args.break_even.split(",")):
+        slots = int(share * args.layers * experts)
+        cells = []
+        for streams in (1, 2):
+            kw = dict(streams=streams, warm=n // 2, lag=args.lag, prompt_lag=args.prompt_lag)
+            kept, swapped = simulate(requests, slots, keep, **kw), simulate(requests, slots, swap, **kw)
+            cells += [f"{kept.link:.1f} / {swapped.link:.1f}", f"{kept.link / swapped.link:.3f}"]
+        per = slots / args.layers
+        print(f"| {share:.0%} | {per:.1f} | {per / k:.2f} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
