@@ -1288,6 +1288,30 @@ def test_spec_draft_head_auto_takes_the_8bit_head_where_it_displaces_no_expert()
     assert cpu.spec.draft_head == "shared" and "spec.draft-head-auto" not in [x.rule for x in cpu.decisions]
 
 
+def test_experts_keep_misses_small_cache_swaps_where_a_layer_has_fewer_than_twice_top_k_slots():
+    """Under twice top-k slots a layer, keeping misses is off by default, with the slots of each small GPU
+    in the reason and the swapping policy's own decay; written true, it stays on with a note that it may
+    move more; a cache of twice top-k slots a layer or more keeps its misses."""
+    path = rule_file("experts.keep-misses-small-cache")
+    plan = plan_of(path)
+    assert plan.experts.cache is not None and plan.experts.keep_misses is False
+    d = decision(plan, "experts.keep-misses-small-cache")
+    assert d.key == "experts.keep_misses" and not d.requested
+    assert "GPU 0 3.0, GPU 1 2.0" in d.message and "2 x the 2 experts" in d.message
+    assert plan.settings["experts.score_decay"].value == 0.9  # the swapping default, not keeping's 0.95
+    asked = plan_of(path, ["experts.keep_misses=true"])
+    assert asked.experts.keep_misses is True
+    note = decision(asked, "experts.keep-misses-small-cache")
+    assert note.requested and "may move more" in note.message
+    assert asked.settings["experts.score_decay"].value == 0.95
+    roomy = plan_of(path, ["experts.cache=12"])  # 6 slots a layer on GPU 0, 4 on GPU 1 (with the MTP layer)
+    assert roomy.experts.keep_misses is True
+    assert "experts.keep-misses-small-cache" not in [x.rule for x in roomy.decisions]
+    one_short = plan_of(path, ["experts.cache=11"])  # GPU 1: 11 slots over 3 layers, under 4 a layer
+    assert one_short.experts.keep_misses is False
+    assert "GPU 1 3.7" in decision(one_short, "experts.keep-misses-small-cache").message
+
+
 def test_experts_keep_misses_tiers_turns_keeping_off_beside_a_helper_tier(tmp_path):
     """Asked for with a helper GPU, keeping misses is turned off (the helper tier adapts by swaps) and the
     decision says it overrode the profile; left to its default there, it is off with the same reason, not

@@ -159,7 +159,7 @@ def test_settling_runs_warm_up_requests_until_the_caches_could_have_turned_over(
     them, not by swaps."""
     from strata_runtime.bench.harness import adaptive_caches, settle_experts, settled
 
-    policy = {"keep_misses": True} if keep else None
+    policy = {"keep_misses": keep}
     plan = mode_plan(
         "serial", 2, preset="small", context=96, prefill_chunk=16, expert_cache=4, cache_policy=policy
     )
@@ -196,12 +196,17 @@ def test_caches_have_settled_once_they_could_have_turned_over_or_stopped_moving(
     assert settled([Settling(0.5, 4), Settling(0.6, 0)], 10)
 
 
-def test_every_repeat_starts_from_the_caches_the_run_began_with():
+@pytest.mark.parametrize("keep", [False, True])
+def test_every_repeat_starts_from_the_caches_the_run_began_with(keep):
     """The same request in two repeats is served hit for hit alike: the second repeat does not start from
-    what the first taught the cache."""
+    what the first taught the cache, whether the cache swaps or keeps its misses."""
     from strata_runtime.bench.harness import run_bench
 
-    eng = Engine(mode_plan("serial", 2, preset="small", context=96, prefill_chunk=16, expert_cache=4))
+    policy = {"keep_misses": keep}
+    plan = mode_plan(
+        "serial", 2, preset="small", context=96, prefill_chunk=16, expert_cache=4, cache_policy=policy
+    )
+    eng = Engine(plan)
     runs = run_bench({"serial": eng}, "solo", tokens=16, repeats=3, context=96)["serial"].runs["solo"]
     shares = [r["expert_vram_pct"] for r in runs]
     assert len(shares) == 3 and shares[0] == shares[1] == shares[2], shares

@@ -251,8 +251,13 @@ def test_the_plans_cache_policy_reaches_the_cache_and_its_defaults_are_the_runti
     from strata_runtime.model import Model
 
     kw = dict(preset="small", context=64, prefill_chunk=16, expert_cache=4)
-    assert Policy.of(make_plan(**kw).experts) == Policy(keep_misses=True, decay=0.95)
-    assert Policy.of(make_plan(cache_policy={"keep_misses": False}, **kw).experts) == Policy()
+    roomy = {**kw, "expert_cache": 32}  # 8 slots a layer of the stage's 4 x 16 experts: twice top-4
+    assert Policy.of(make_plan(**roomy).experts) == Policy(keep_misses=True, decay=0.95)
+    # One slot fewer, or the 4 of `kw`, is under twice top-k a layer: the cache swaps (rule
+    # experts.keep-misses-small-cache), at the swapping decay.
+    assert Policy.of(make_plan(**{**kw, "expert_cache": 31}).experts) == Policy()
+    assert Policy.of(make_plan(**kw).experts) == Policy()
+    assert Policy.of(make_plan(cache_policy={"keep_misses": False}, **roomy).experts) == Policy()
     keys = {
         "score_decay": 0.5,
         "rebalance_every": 3,

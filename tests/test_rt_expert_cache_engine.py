@@ -24,9 +24,21 @@ CHUNK = 8
 
 
 @functools.cache
-def engine(preset: str, stages: int, mode: str, cache: int | None, adapt: bool = True) -> Engine:
+def engine(
+    preset: str, stages: int, mode: str, cache: int | None, adapt: bool = True, keep: bool | None = None
+) -> Engine:
+    """``keep``: whether the cache keeps its misses (None: as the plan resolves; the small caches here
+    swap by default, rule ``experts.keep-misses-small-cache``)."""
+    policy = None if keep is None else {"keep_misses": keep}
     plan = mode_plan(
-        mode, stages, preset=preset, context=96, prefill_chunk=CHUNK, expert_cache=cache, adapt=adapt
+        mode,
+        stages,
+        preset=preset,
+        context=96,
+        prefill_chunk=CHUNK,
+        expert_cache=cache,
+        adapt=adapt,
+        cache_policy=policy,
     )
     return Engine(plan)
 
@@ -46,10 +58,15 @@ arrivals = st.lists(
 @pytest.mark.parametrize("stages", [1, 2, 3])
 @pytest.mark.parametrize("mode", list(MODES))
 @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(schedule=arrivals, cache=st.sampled_from([0, 1, 3, 12]))
-def test_greedy_text_with_any_cache_size_equals_the_all_resident_run(preset, stages, mode, schedule, cache):
+@given(schedule=arrivals, cache=st.sampled_from([0, 1, 3, 12]), keep=st.sampled_from([None, True]))
+def test_greedy_text_with_any_cache_size_equals_the_all_resident_run(
+    preset, stages, mode, schedule, cache, keep
+):
+    """Swapping (the default of caches this small) or keeping every miss, the text is the resident run's."""
     requests = [(at, Request(prompt(n, i), m, request_id=f"r{i}")) for i, (at, n, m) in enumerate(schedule)]
-    cached = engine(preset, stages, mode, cache)
+    cached = engine(preset, stages, mode, cache, keep=keep)
+    if keep:
+        assert all(stage.experts.residency.policy.keep_misses for stage in cached.model.stages)
     for stage, gpu in zip(cached.model.stages, cached.plan.gpus, strict=True):
         assert stage.experts.cached == (gpu.experts_resident < gpu.experts_total)
     assert cache == 12 or all(stage.experts.cached for stage in cached.model.stages)
@@ -78,7 +95,7 @@ def test_the_adaptive_tier_moves_experts_and_serves_more_from_vram_than_a_frozen
     over the host link. (With 6 slots of a stage's 64 experts, keeping moves more than swapping here.)"""
     phrase = prompt(6, 3) * 4
     figures = {}
-    for name, policy in (("frozen", {"adapt": False}), ("swap", {"keep_misses": False}), ("keep", {})):
+    for name, policy in (("frozen", {"adapt": False}), ("swap", {}), ("keep", {"keep_misses": True})):
         plan = mode_plan(
             "serial", 2, preset="small", context=96, prefill_chunk=CHUNK, expert_cache=6, cache_policy=policy
         )
@@ -140,7 +157,7 @@ def test_benchmark_arms_sharing_a_cache_each_adapt_by_their_own_plans_policy():
 
     store = WeightStore()
     kw = dict(preset="small", context=64, prefill_chunk=16, expert_cache=4)
-    a = Engine(make_plan(cache_policy={"max_swaps": 1}, **kw), weights=store)
+    a = Engine(make_plan(cache_policy={"max_swaps": 1, "keep_misses": True}, **kw), weights=store)
     b = Engine(
         make_plan(cache_policy={"max_swaps": 7, "swap_margin": 0.5, "keep_misses": False}, **kw),
         weights=store,
@@ -235,7 +252,8 @@ def test_the_array_path_keeps_no_miss_of_a_prompt_chunk_and_keeps_the_decode_win
     (more rows than any decode window) keeps none of its misses, queue or not; the decode windows do."""
     from rt_plans import make_plan
 
-    plan = make_plan(preset="small", context=64, prefill_chunk=16, expert_cache=4, cache_policy={})
+    policy = {"keep_misses": True}
+    plan = make_plan(preset="small", context=64, prefill_chunk=16, expert_cache=4, cache_policy=policy)
     eng = Engine(plan)
     [stage] = eng.model.stages
     r = stage.experts.residency

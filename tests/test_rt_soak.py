@@ -108,6 +108,9 @@ class Scenario:
     """Host memory for prompts kept past their slot (`memory.prefix_store_mib`; None: no store)."""
     arrivals: tuple[Arrival, ...]
     int8_head: bool = False
+    keep_misses: bool | None = None
+    """Whether the cache keeps its misses, written into the plan (None: as the plan resolves, which swaps
+    where a cache holds fewer than twice a token's experts a layer, as every cache drawn here does)."""
     """The MTP head drafts through its 8-bit LM head (``spec.draft_head = "int8"``) where it drafts; else as
     the plan resolves (the shared head on virtual CPU devices, the 8-bit one on a GPU holding every
     expert)."""
@@ -126,6 +129,8 @@ class Scenario:
             "routing": self.routing,
             "prefix_store_mib": self.prefix_store_mib,
         }
+        if self.keep_misses is not None:
+            kw["cache_policy"] = {"keep_misses": self.keep_misses}
         if self.mode in ("solo", "serial", "pipelined"):
             kw["draft_tokens"] = self.draft_tokens
         if self.slots is not None:
@@ -194,6 +199,7 @@ def draw(number: int) -> Scenario:
     """Scenario ``number``: the same plan and requests every time."""
     g, helper_draw = random.Random(number), random.Random(f"{number} helper")
     head_draw = random.Random(f"{number} draft head")  # apart too, as the helper's
+    keep_draw = random.Random(f"{number} keep misses")
     stages = g.choice([1, 1, 2, 3])
     modes = ["solo", "serial", "pipelined", "batch-mtp"] + (["pipelined-mtp"] if stages > 1 else [])
     mode = g.choice(modes)
@@ -247,6 +253,7 @@ def draw(number: int) -> Scenario:
         prefix_store_mib=g.choice([None, None, 1]),
         arrivals=tuple(arrivals),
         int8_head=head_draw.random() < 0.5,
+        keep_misses=True if keep_draw.random() < 0.5 else None,
     )
 
 

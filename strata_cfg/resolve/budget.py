@@ -225,8 +225,57 @@ def stage_gpu_budgets(
     return None if refused else plans
 
 
-def expert_notes(gpus: list[GpuPlan], sz: Sizing, led: Ledger, expert_bytes: int) -> None:
+KEEP_MIN_SLOTS = 2.0
+"""Slots a layer, in units of the experts one token routes to (``num_experts_per_tok``), below which a cache
+that keeps every miss churns: each window's misses take most of a layer's slots, evicting experts the next
+windows route to again, where a cache that swaps keeps its most used ones. In the cache simulation of the
+Qwen3-30B-A3B shape (calibrated routing, new queues landing two windows late as on a GPU), keeping and
+swapping break even at 1.5 to 2 times top-k slots a layer for one stream and at about 2.3 for two, with
+128, 64 and 256 experts a layer alike; above it keeping moves fewer experts over the host link."""
+
+
+def keep_slots_per_layer(g: GpuPlan, experts_per_layer: int) -> float:
+    """A cached GPU's average slots per sparse layer, the MTP head's layer held whole left out."""
+    layers = (g.experts_total - g.experts_whole) / experts_per_layer
+    return (g.experts_resident - g.experts_whole) / layers if layers > 0 else 0.0
+
+
+def keep_misses_small_cache(partial: Sequence[GpuPlan], model: ModelFacts, led: Ledger) -> None:
+    """Rule ``experts.keep-misses-small-cache``: a cache of fewer than `KEEP_MIN_SLOTS` times top-k slots a
+    layer swaps instead of keeping its misses; a profile that asks to keep them is told it may churn."""
+    k = model.num_experts_per_tok
+    if not partial or not led["experts.keep_misses"] or not k or not model.num_experts:
+        return
+    small = [(g, keep_slots_per_layer(g, model.num_experts)) for g in partial]
+    small = [(g, per) for g, per in small if per < KEEP_MIN_SLOTS * k]
+    if not small:
+        return
+    where = ", ".join(f"GPU {g.index} {per:.1f}" for g, per in small)
+    why = (
+        f"slots a layer ({where}) are fewer than {KEEP_MIN_SLOTS:g} x the {k} experts a token routes to: "
+        "keeping every miss would evict experts the next windows route to again"
+    )
+    if led.user_set("experts.keep_misses"):
+        led.note(
+            "experts.keep-misses-small-cache",
+            "experts.keep_misses",
+            f"experts.keep_misses = true may move more over the host link than swapping: {why}",
+            requested=True,
+            because=("experts.cache",),
+        )
+        return
+    led.change(
+        "experts.keep_misses",
+        False,
+        "experts.keep-misses-small-cache",
+        f"experts.keep_misses is off: the cache swaps, keeping its most used experts; {why}",
+        because=("experts.cache",),
+    )
+
+
+def expert_notes(gpus: list[GpuPlan], sz: Sizing, led: Ledger, model: ModelFacts) -> None:
     """Resolve ``experts.cache`` to the cache size (None: every expert resident) and say where experts are."""
+    expert_bytes = model.expert_bytes()
     stage_gpus = [g for g in gpus if g.role == "stage"]
     partial = [g for g in stage_gpus if g.experts_resident < g.experts_total]
     if sz.cache is None:
@@ -262,6 +311,7 @@ def expert_notes(gpus: list[GpuPlan], sz: Sizing, led: Ledger, expert_bytes: int
             "which keeping misses would race with",
             because=("experts.helper_devices", "experts.peer_device"),
         )
+    keep_misses_small_cache(partial, model, led)
     if partial and led["experts.keep_misses"] and not led.user_set("experts.score_decay"):
         led.resolve_auto("experts.score_decay", KEEP_SCORE_DECAY, "experts.cache")
     if partial:

@@ -97,7 +97,7 @@ def resolve(
         raise ProfileError(led.problems)
     gpus, sz = lone_prompt_chunk(model, machine, placed, sz, gpus, led)
     gpus, sz = draft_head_auto(model, machine, placed, sz, gpus, led)
-    expert_notes(gpus, sz, led, model.expert_bytes())
+    expert_notes(gpus, sz, led, model)
     host = host_budget(model, gpus, led)
     # 8. windows
     stage_gpus = [g for g in gpus if g.role == "stage"]

@@ -205,6 +205,13 @@ _RULES = (
         "experts.keep_misses is off with helper GPUs or a peer device: their tier adapts by swaps",
     ),
     Rule(
+        "experts.keep-misses-small-cache",
+        7,
+        "note",
+        "experts.keep_misses is off by default where a cache holds fewer than twice a token's experts a "
+        "layer: keeping every miss would churn",
+    ),
+    Rule(
         "experts.policy-inert",
         7,
         "note",

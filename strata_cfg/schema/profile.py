@@ -322,7 +322,8 @@ class ExpertsSection(Section):
     copying swaps, each rebalance queues the ``max_swaps`` least used experts in VRAM, and each expert a
     window reads from host memory takes the next queued slot, written there as it is read, so keeping it
     costs no second crossing of the host link. Not with helper GPUs or a peer device, whose tier adapts by
-    swaps."""
+    swaps; false by default where a cache holds fewer than twice a token's experts a layer, where keeping
+    every miss would churn."""
     recall_stored: bool | None = None
     """Whether a conversation copied back from the prefix store brings back the experts it routed to (default
     true): what the cache had learned when its slot was released is added to the cache's scores, and the
