@@ -10,6 +10,7 @@ and a frozen cache never does.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import numpy as np
 import pytest
@@ -17,10 +18,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rt_engine_helpers import MODES, collect, mode_plan
 
+from strata_cfg.schema.plan import LaunchPlan
 from strata_runtime.api import Request
 from strata_runtime.engine import Engine
 
 CHUNK = 8
+
+
+def cache_plan(preset: str, stages: int, mode: str, cache: int | None, **kw: Any) -> LaunchPlan:
+    """The plan of these tests' engines: ``cache`` slots a stage GPU (None: every expert resident), a
+    context of 96 read in chunks of `CHUNK`; ``kw``: more `rt_plans.make_plan` keywords."""
+    return mode_plan(mode, stages, preset=preset, context=96, prefill_chunk=CHUNK, expert_cache=cache, **kw)
 
 
 @functools.cache
@@ -30,17 +38,7 @@ def engine(
     """``keep``: whether the cache keeps its misses (None: as the plan resolves; the small caches here
     swap by default, rule ``experts.keep-misses-small-cache``)."""
     policy = None if keep is None else {"keep_misses": keep}
-    plan = mode_plan(
-        mode,
-        stages,
-        preset=preset,
-        context=96,
-        prefill_chunk=CHUNK,
-        expert_cache=cache,
-        adapt=adapt,
-        cache_policy=policy,
-    )
-    return Engine(plan)
+    return Engine(cache_plan(preset, stages, mode, cache, adapt=adapt, cache_policy=policy))
 
 
 def prompt(length: int, salt: int) -> tuple[int, ...]:

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from rt_engine_helpers import assert_reads_by_tier, collect, handed_to_cache, mode_plan
+from rt_engine_helpers import assert_reads_by_tier, collect, handed_to_cache
 from rt_plans import make_plan
 from test_rt_expert_cache import check_bijection
-from test_rt_expert_cache_engine import CHUNK, arrivals, prompt
+from test_rt_expert_cache_engine import arrivals, cache_plan, prompt
 
 from strata_runtime.api import PlanMismatch, Request
 from strata_runtime.backend import Device
@@ -165,17 +165,7 @@ def test_helper_gpus_are_shared_among_the_stages_in_proportion_to_what_they_lack
 @functools.cache
 def engine(preset: str, stages: int, mode: str, cache: int | None, helper: str | None, vram: int) -> Engine:
     kw = {"helpers": 1} if helper == "helper" else {"peer": True} if helper == "peer" else {}
-    plan = mode_plan(
-        mode,
-        stages,
-        preset=preset,
-        context=96,
-        prefill_chunk=CHUNK,
-        expert_cache=cache,
-        helper_vram_mib=vram,
-        **kw,
-    )
-    return Engine(plan)
+    return Engine(cache_plan(preset, stages, mode, cache, helper_vram_mib=vram, **kw))
 
 
 SETUPS = [  # (preset, stages, mode, helper kind): the resolver allows no peer device on a split, and no
