@@ -230,8 +230,9 @@ KEEP_MIN_SLOTS = 2.0
 that keeps every miss churns: each window's misses take most of a layer's slots, evicting experts the next
 windows route to again, where a cache that swaps keeps its most used ones. In the cache simulation of the
 Qwen3-30B-A3B shape (calibrated routing, new queues landing two windows late as on a GPU), keeping and
-swapping break even at 1.5 to 2 times top-k slots a layer for one stream and at about 2.3 for two, with
-128, 64 and 256 experts a layer alike; above it keeping moves fewer experts over the host link."""
+swapping break even at 1.5 to 2 times top-k slots a layer for one stream and at 2.5 to 2.8 for two, with
+64, 128 and 256 experts a layer (``scripts/cache_policy_sim.py --break-even``); the line sits between, where
+one stream, a lone user's case, keeps fewer misses than it would swap in every shape simulated."""
 
 
 def keep_slots_per_layer(g: GpuPlan, experts_per_layer: int) -> float:
