@@ -10,6 +10,13 @@ from typing import Any
 
 import pytest
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One BLAS and OpenMP thread a worker (set before NumPy or torch is imported): `-n auto` runs a worker a
+    # core, and threads beyond that would spin against each other, slowing every worker and making the
+    # tests that time windows (adaptive drafting) see noise.
+    for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_var, "1")
+
 
 def _gpu_count() -> int:
     if importlib.util.find_spec("cupy") is None:
