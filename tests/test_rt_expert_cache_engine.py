@@ -110,6 +110,26 @@ def test_the_adaptive_tier_moves_experts_and_serves_more_from_vram_than_a_frozen
     assert figures["swap"][1] < figures["frozen"][1] and figures["keep"][1] < figures["frozen"][1], figures
 
 
+@pytest.mark.parametrize("routing", ["uniform", "calibrated"])
+def test_on_each_side_of_the_keep_line_the_plans_default_moves_fewer_bytes_over_the_link(routing):
+    """One request through two stages, the second's cache at 1.5 and then 2.5 times top-k slots a layer
+    (18 and 30 slots over its 3 layers of 16 experts, top-4): below the line of rule
+    experts.keep-misses-small-cache the plan swaps by default, above it it keeps its misses, and on each
+    side its choice moves fewer bytes over the host link than the other policy."""
+    moved = {}
+    for cache in (18, 30):
+        for keep in (None, False, True):
+            policy = None if keep is None else {"keep_misses": keep}
+            eng = Engine(cache_plan("small", 2, "serial", cache, cache_policy=policy, routing=routing))
+            collect(eng, [(0, Request(prompt(20, 7), 60))])
+            stats = [stage.experts.stats for stage in eng.model.stages]
+            moved[cache, keep] = sum(s.miss_bytes + s.swap_bytes for s in stats), eng.plan.experts.keep_misses
+    assert moved[18, None] == moved[18, False] and not moved[18, None][1]  # the default swaps
+    assert moved[30, None] == moved[30, True] and moved[30, None][1]  # the default keeps
+    assert moved[18, False][0] < moved[18, True][0], moved
+    assert moved[30, True][0] < moved[30, False][0], moved
+
+
 def test_the_engine_reports_each_stages_cache():
     eng = engine("tiny", 2, "serial", 3)
     collect(eng, [(0, Request(prompt(20, 1), 8))])
