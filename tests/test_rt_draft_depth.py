@@ -301,8 +301,11 @@ def test_on_cpu_devices_each_window_is_timed_by_its_own_launch_and_finish(stages
         by.setdefault(rows, []).append(ms)
     assert sum(len(v) for v in by.values()) > 40
     for rows, times in by.items():
+        # Charged the gap between deliveries, a window ran ahead gets about 0.08 ms against a median of
+        # 3-8 ms (under 3%); a loaded machine (other tests on the other cores) stretches some windows and
+        # leaves the fastest at 30% of the median or more.
         if len(times) >= COST_MEASURED:
-            assert min(times) > 0.5 * float(np.median(times)), (rows, sorted(times)[:5])
+            assert min(times) > 0.15 * float(np.median(times)), (rows, sorted(times)[:5])
     solo = [w for w in eng.windows if w.kind == "solo"]
     assert len(solo) == len(observed)
 
