@@ -231,8 +231,10 @@ that keeps every miss churns: each window's misses take most of a layer's slots,
 windows route to again, where a cache that swaps keeps its most used ones. In the cache simulation of the
 Qwen3-30B-A3B shape (calibrated routing, new queues landing two windows late as on a GPU), keeping and
 swapping break even at 1.5 to 2 times top-k slots a layer for one stream and at 2.5 to 2.8 for two, with
-64, 128 and 256 experts a layer (``scripts/cache_policy_sim.py --break-even``); the line sits between, where
-one stream, a lone user's case, keeps fewer misses than it would swap in every shape simulated."""
+64, 128 and 256 experts a layer (``scripts/cache_policy_sim.py --break-even``). The engine's array path
+breaks even at 2 times top-k for one request (``tests/test_rt_expert_cache_engine.py``). The line is one
+stream's: at or above it keeping moves less for one stream in every shape simulated, and two streams
+decoding together lose at most about a sixth to it between 2 and 2.8 times."""
 
 
 def keep_slots_per_layer(g: GpuPlan, experts_per_layer: int) -> float:
