@@ -593,3 +593,33 @@ def test_a_queue_of_victims_half_taken_makes_the_next_rebalance_due_after_one_wi
     assert not r.due()
     r.learn(r.slot_of.copy(), taken=2, queued=4)
     assert r.due()
+
+
+def test_the_simulations_break_even_table_compares_both_policies_in_the_layer_shape_asked_for(
+    monkeypatch, capsys
+) -> None:
+    """``scripts/cache_policy_sim.py --break-even``: one row a share, in the shape ``--experts`` and
+    ``--top-k`` give (slots a layer and their multiple of top-k), each stream count's keeping / swapping
+    figures and their ratio; a larger cache moves fewer experts under either policy."""
+    import sys
+
+    from script_loader import load_script
+
+    sim = load_script("cache_policy_sim")
+    argv = ["cache_policy_sim.py", "--layers", "16", "--requests", "4", "--tokens", "24", "--lag", "2"]
+    argv += ["--experts", "16", "--top-k", "2", "--break-even", "0.125,0.5"]
+    monkeypatch.setattr(sys, "argv", argv)
+    sim.main()
+    out = capsys.readouterr().out.splitlines()
+    assert "16 layers x 16 experts, top-2" in out[0] and "2 windows late" in out[0]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in out[3:]]
+    assert [r[:3] for r in rows] == [["12%", "2.0", "1.00"], ["50%", "8.0", "4.00"]]
+    moved = []
+    for r in rows:
+        for figures, ratio in ((r[3], r[4]), (r[5], r[6])):
+            kept, swapped = (float(x) for x in figures.split(" / "))
+            assert float(ratio) == pytest.approx(kept / swapped, rel=0.05)  # the figures are rounded
+            moved.append((kept, swapped))
+    small_one, small_two, large_one, large_two = moved
+    for large, small in ((large_one, small_one), (large_two, small_two)):
+        assert large[0] < small[0] and large[1] < small[1], moved
