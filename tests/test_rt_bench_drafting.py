@@ -134,14 +134,16 @@ def test_nothing_is_taught_where_the_depth_does_not_learn(monkeypatch) -> None:
 
 def test_the_bench_teaches_drafting_before_the_first_repeat_unless_told_not_to(tmp_path) -> None:
     """The line and ``drafting_taught`` in the JSON say what the warm-up taught; ``--cold-drafting`` leaves
-    every repeat to start from nothing."""
+    every repeat to start from nothing. The warm-up's proposals, or its silent probes where the measured
+    window times say drafting does not pay (they are wall-clock times), teach greedy requests' chances."""
     profile = tmp_path / "drafting.toml"
     profile.write_text(profile_text(draft_tokens=4, context=256, adaptive_depth=True))
     argv = ["--workload", "solo", "--arms", "solo", "--repeats", "2", "--tokens", "24"]
     runs = bench_with_and_without(profile, argv, "--cold-drafting")
     res, err = runs[False]
     taught = res["drafting_taught"]["solo"]
-    assert taught["requests"] == 1 and taught["proposals"] > 0 and taught["chances"]["greedy"]
+    assert taught["requests"] == 1 and taught["chances"]["greedy"]
+    assert 0 <= taught["accepted"] <= taught["proposals"]
     assert "[solo] drafting: every repeat starts from what 1 warm-up request(s) of 24 tokens" in err
     res, err = runs[True]
     assert res["drafting_taught"] == {} and "drafting: every repeat starts" not in err
