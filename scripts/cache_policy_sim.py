@@ -28,6 +28,7 @@ import argparse
 
 import numpy as np
 
+from strata_cfg.schema.plan import KEEP_SCORE_DECAY
 from strata_runtime.experts.cache import Policy
 from strata_runtime.experts.cache_sim import (
     RequestTrace,
@@ -70,15 +71,19 @@ def main() -> None:
     ap.add_argument("--lag", type=int, default=0, help="decode windows a rebalance lands after its decision")
     ap.add_argument("--prompt-lag", type=int, default=None, help="the same for a prompt's rebalance")
     ap.add_argument("--break-even", help="shares of the experts in VRAM: keeping against swapping at each")
-    ap.add_argument("--experts", type=int, default=128, help="experts a layer (with --break-even)")
-    ap.add_argument("--top-k", type=int, default=8, help="experts a token routes to (with --break-even)")
+    ap.add_argument("--experts", type=int, help="experts a layer (with --break-even; default 128)")
+    ap.add_argument("--top-k", type=int, help="experts a token routes to (with --break-even; default 8)")
     args = ap.parse_args()
     for flag, lag in (("--lag", args.lag), ("--prompt-lag", args.prompt_lag)):
         if lag is not None and lag < 0:
             ap.error(f"{flag}: a rebalance lands 0 or more windows after it is decided, not {lag}")
-    experts, k, n = 128, 8, args.requests
-    if args.break_even:
-        experts, k = args.experts, args.top_k
+    if args.break_even is None and (args.experts is not None or args.top_k is not None):
+        ap.error("--experts and --top-k set the layer's shape of --break-even, which is not given")
+    if args.break_even is not None:
+        args.shares = _shares(ap, args.break_even)
+    experts, k, n = args.experts or 128, args.top_k or 8, args.requests
+    if not 0 < k <= experts:
+        ap.error(f"--top-k: a token routes to 1 to --experts ({experts}) experts, not {k}")
     g = np.random.default_rng(args.seed)
     model = RoutingModel(args.layers, experts, k, model_seed=args.seed)
 
@@ -86,7 +91,7 @@ def main() -> None:
         return [g.integers(0, 32000, int(g.integers(lo, hi))).tolist() for _ in range(n)]
 
     short = calibrated_requests(model, prompts(20, 200), args.tokens)
-    if args.break_even:
+    if args.break_even is not None:
         break_even(args, short, experts, k)
         return
     long = calibrated_requests(model, prompts(500, 2000), args.tokens)
@@ -140,21 +145,34 @@ def main() -> None:
     print("| knowing every window to come (a bound, `foresight`) | " + " | ".join(cells) + " |")
 
 
+def _shares(ap: argparse.ArgumentParser, text: str) -> list[float]:
+    """``--break-even``'s shares of the experts, each in (0, 1]; anything else is a usage error."""
+    try:
+        shares = [float(x) for x in text.split(",")]
+    except ValueError:
+        ap.error(f"--break-even: shares of the experts in VRAM, such as 0.1,0.2, not {text!r}")
+    bad = [x for x in shares if not 0 < x <= 1]
+    if bad:
+        ap.error(f"--break-even: a share of the experts is above 0 and at most 1, not {bad[0]:g}")
+    return shares
+
+
 def break_even(args: argparse.Namespace, requests: list[RequestTrace], experts: int, k: int) -> None:
-    """Keeping misses against swapping, each at its defaults, at each share of ``--break-even``."""
+    """Keeping misses against swapping, each at the plan's defaults, at each share of ``--break-even``."""
     n = args.requests
+    prompt_lag = args.lag if args.prompt_lag is None else args.prompt_lag
     print(
         f"{n} requests of {args.tokens} tokens ({n // 2} settle the cache), {args.layers} layers x {experts} "
-        f"experts, top-{k}, calibrated routing, rebalances landing {args.lag} windows late: experts over the "
-        "host link per generated token, keeping / swapping"
+        f"experts, top-{k}, calibrated routing, rebalances landing {args.lag} windows late (a prompt's "
+        f"{prompt_lag}): experts over the host link per generated token, keeping / swapping"
     )
     print(
         "| share | slots a layer | x top-k | one stream | keeping / swapping | two streams "
         "| keeping / swapping |"
     )
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    keep, swap = Policy(keep_misses=True, decay=0.95), Policy()
-    for share in (float(x) for x in args.break_even.split(",")):
+    keep, swap = Policy(keep_misses=True, decay=KEEP_SCORE_DECAY), Policy()
+    for share in args.shares:
         slots = int(share * args.layers * experts)
         cells = []
         for streams in (1, 2):

@@ -623,3 +623,38 @@ def test_the_simulations_break_even_table_compares_both_policies_in_the_layer_sh
     small_one, small_two, large_one, large_two = moved
     for large, small in ((large_one, small_one), (large_two, small_two)):
         assert large[0] < small[0] and large[1] < small[1], moved
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--experts", "64"],
+            "--experts and --top-k set the layer's shape of --break-even, which is not given",
+        ),
+        (
+            ["--break-even", "0.1,x"],
+            "--break-even: shares of the experts in VRAM, such as 0.1,0.2, not '0.1,x'",
+        ),
+        (
+            ["--break-even", "0.1,1.5"],
+            "--break-even: a share of the experts is above 0 and at most 1, not 1.5",
+        ),
+        (
+            ["--break-even", "0.1", "--experts", "8", "--top-k", "9"],
+            "--top-k: a token routes to 1 to --experts",
+        ),
+    ],
+)
+def test_the_simulation_refuses_a_break_even_it_cannot_run_by_name(
+    monkeypatch, capsys, args, message
+) -> None:
+    import sys
+
+    from script_loader import load_script
+
+    sim = load_script("cache_policy_sim")
+    monkeypatch.setattr(sys, "argv", ["cache_policy_sim.py", *args])
+    with pytest.raises(SystemExit) as exc:
+        sim.main()
+    assert exc.value.code == 2 and message in capsys.readouterr().err
