@@ -234,7 +234,10 @@ swapping break even at 1.5 to 2 times top-k slots a layer for one stream and at 
 64, 128 and 256 experts a layer (``scripts/cache_policy_sim.py --break-even``). The engine's array path
 breaks even at 2 times top-k for one request (``tests/test_rt_expert_cache_engine.py``). The line is one
 stream's: at or above it keeping moves less for one stream in every shape simulated, and two streams
-decoding together lose at most about a sixth to it between 2 and 2.8 times."""
+decoding together move up to 8% more under it in the 30B shape (17% with 64 experts of top-4) until they
+break even. It does not follow ``batch.slots``: raising it for servers of several slots, which often decode
+one request at a time, would make one stream move more (14-18% in the 30B shape) than it saves two
+(docs/RUNTIME.md)."""
 
 
 def keep_slots_per_layer(g: GpuPlan, experts_per_layer: int) -> float:
