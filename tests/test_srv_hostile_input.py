@@ -8,8 +8,11 @@ and the expert cache in /v1/status and /metrics, from a stats dict the test give
 from __future__ import annotations
 
 import asyncio
+import collections
+import copy
 import json
 import logging
+import random
 import socket
 import threading
 import time
@@ -221,3 +224,64 @@ def test_status_and_metrics_show_the_expert_cache(url):
     assert 'strata_expert_misses_total{device="cpu:1"} 100' in text
     assert f'strata_expert_host_bytes_total{{device="cpu:1"}} {moved}' in text
     assert 'strata_expert_hit_ratio{device="cpu:1"} 0.9' in text
+
+
+VALID = {
+    "/v1/completions": {"model": "demo", "prompt": "Hello", "max_tokens": 3, "temperature": 0},
+    "/v1/chat/completions": {
+        "model": "demo",
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 3,
+    },
+    "/v1/messages": {"model": "demo", "max_tokens": 3, "messages": [{"role": "user", "content": "Hi"}]},
+    "/v1/responses": {"model": "demo", "input": "Hi", "max_output_tokens": 3},
+    "/tokenize": {"prompt": "Hi"},
+    "/detokenize": {"tokens": [65, 66]},
+}
+"""A valid body of each POST path, which `test_random_malformed_fields_never_fail_the_server` corrupts."""
+FIELDS = [
+    "n", "stop", "seed", "logprobs", "top_logprobs", "echo", "stream", "stream_options", "logit_bias",
+    "presence_penalty", "frequency_penalty", "top_p", "top_k", "min_p", "response_format", "tools",
+    "tool_choice", "suffix", "best_of", "max_completion_tokens", "temperature", "max_tokens", "prompt",
+    "messages", "system", "input", "instructions", "background", "store", "metadata", "tokens", "reasoning",
+    "thinking", "text", "ignore_eos", "priority", "cache_salt", "parallel_tool_calls", "stop_sequences",
+    "include", "truncation",
+]  # fmt: skip
+HOSTILE: list[Any] = [
+    None, -1, 0, 2**31, 10**30, -(10**30), 1.5, -0.5, 1e308, "", "\u0000", "a" * 5000, [], [None], [1, "a"],
+    {}, {"a": 1}, {"type": None}, True, [[1, 2]], [{"role": "user"}], [{"role": "tool", "content": 3}],
+    {"type": "json_schema"},
+    {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}},
+    [{"type": "function"}], {"type": "function", "function": {}}, "required", {"0": 1e300}, [-1], [10**9],
+]  # fmt: skip
+"""Values of the wrong type, range or shape for most fields."""
+
+
+def test_random_malformed_fields_never_fail_the_server(url, logs):
+    """Seeded: 400 bodies, each a valid one with one or two fields (or the first message's) set to a hostile
+    value. Each gets an answer below 500; an error is the path's error JSON, OpenAI's naming the field in
+    ``param``; nothing logs a traceback, and the engine serves after."""
+    rng = random.Random(20261207)
+    answered = collections.Counter()
+    for _ in range(400):
+        path = rng.choice(list(VALID))
+        body = copy.deepcopy(VALID[path])
+        for _ in range(rng.randint(1, 2)):
+            value = copy.deepcopy(rng.choice(HOSTILE))
+            if path == "/v1/chat/completions" and rng.random() < 0.3:
+                body["messages"][0][rng.choice(["role", "content", "name", "tool_calls"])] = value
+            else:
+                body[rng.choice(FIELDS + list(body))] = value
+        status, reply = http(
+            "POST", f"{url}{path}", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        answered[status // 100] += 1
+        assert status < 500, (path, body, reply[:300])
+        if status >= 400:
+            error = json.loads(reply)["error"]
+            if path != "/v1/messages":  # Anthropic's error JSON has no field of its own: the message names it
+                assert error["param"], (path, body, error)
+            assert error["message"], (path, body, error)
+    assert answered[2] > 100 and answered[4] > 100, answered  # both kinds of answer were exercised
+    _no_traceback(logs)
+    _still_serving(url)
