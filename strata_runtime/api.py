@@ -6,6 +6,8 @@ only through `submit` / `cancel` and the `RequestHandle` queue of events. Nothin
 
 from __future__ import annotations
 
+import math
+import numbers
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -96,6 +98,43 @@ class Request:
 MAX_TOP_LOGPROBS = 20
 """The most alternatives a request may ask the log-probabilities of, at each place (vLLM's default bound;
 the command line's ``--logprobs`` takes the same)."""
+
+
+def _whole(v: Any) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def sampling_problem(s: SamplingParams) -> str | None:
+    """What in ``s`` no token chooser can run, naming the field (None: nothing). The server's request schema
+    refuses all of it before a request is built; `EngineCore.submit` checks it for every other caller, so
+    that such a request gets an error event instead of failing the engine's step (a negative seed, top-p 0)
+    or choosing nonsense (a temperature or bias that is not a number)."""
+    if not _finite(s.temperature) or s.temperature < 0:
+        return f"temperature: a finite number at least 0 (0 is greedy), not {s.temperature!r}"
+    if not _finite(s.top_p) or not 0 < s.top_p <= 1:
+        return f"top_p: a number above 0 and at most 1, not {s.top_p!r}"
+    if not _whole(s.top_k) or s.top_k < 0:
+        return f"top_k: a whole number at least 0 (0 cuts nothing), not {s.top_k!r}"
+    if s.seed is not None and (not _whole(s.seed) or s.seed < 0):
+        return f"seed: None or a whole number at least 0, not {s.seed!r}"
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not _finite(getattr(s, name)):
+            return f"{name}: a finite number, not {getattr(s, name)!r}"
+    for pair in s.logit_bias:
+        if len(pair) != 2 or not _whole(pair[0]) or not _finite(pair[1]):
+            return f"logit_bias: (token id, finite bias) pairs, not {pair!r}"
+    for name in ("logprobs", "prompt_logprobs"):
+        v = getattr(s, name)
+        if v is not None and (not _whole(v) or not 0 <= v <= MAX_TOP_LOGPROBS):
+            return f"{name}: None or a whole number from 0 to {MAX_TOP_LOGPROBS}, not {v!r}"
+    budget = s.reasoning.budget if s.reasoning is not None else None
+    if budget is not None and (not _whole(budget) or budget < 1):
+        return f"reasoning.budget: None or a whole number at least 1, not {budget!r}"
+    return None
 
 
 @dataclass(frozen=True)

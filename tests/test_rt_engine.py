@@ -314,6 +314,36 @@ def test_bad_requests_get_an_error_event_naming_the_field() -> None:
     assert "does not fit the context of 128" in h.events.get().error
 
 
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize(
+    ("sampling", "field"),
+    [
+        (SamplingParams(temperature=1.0, seed=-1), "seed"),
+        (SamplingParams(temperature=1.0, top_p=0.0), "top_p"),
+        (SamplingParams(temperature=NAN), "temperature"),
+        (SamplingParams(temperature=-1.0), "temperature"),
+        (SamplingParams(temperature=1.0, top_k=-3), "top_k"),
+        (SamplingParams(temperature=1.0, top_k=True), "top_k"),
+        (SamplingParams(presence_penalty=INF), "presence_penalty"),
+        (SamplingParams(frequency_penalty=NAN), "frequency_penalty"),
+        (SamplingParams(logit_bias=((5, NAN),)), "logit_bias"),
+        (SamplingParams(logprobs=1000), "logprobs"),
+        (SamplingParams(prompt_logprobs=-1), "prompt_logprobs"),
+    ],
+)
+def test_sampling_no_chooser_can_run_is_an_error_event_and_the_engine_serves_on(sampling, field) -> None:
+    """`Engine.submit` from any caller, not only through the server's schema: a negative seed or top-p 0
+    failed the engine's step, a NaN temperature or bias chose nonsense. Each is an error event naming the
+    field, and the next request decodes as it would have."""
+    eng = engine(1, "serial")
+    event = eng.submit(Request(tuple(b"hello"), 4, sampling)).events.get_nowait()  # given at once, unstepped
+    assert event.finished == "error" and event.error.startswith(f"{field}:"), event
+    prompt = tuple(b"Once upon")
+    assert tuple(collect(eng, [(0, Request(prompt, 5))])[0]) == reference("tiny", prompt, 5)
+
+
 def test_logits_are_computed_only_for_rows_that_decide_a_token() -> None:
     """A prompt's chunks need no LM head except for the last row of its last chunk; decode rows all do."""
     eng = Engine(make_plan(preset="tiny", stages=2, context=128, prefill_chunk=16, draft_tokens=3))

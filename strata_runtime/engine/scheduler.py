@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import numbers
 import os
 import threading
 import time
@@ -63,7 +64,7 @@ from strata_cfg.schema.windows import (
     solo_window,
 )
 
-from ..api import PlanMismatch, Request, RequestHandle, TokenEvent
+from ..api import PlanMismatch, Request, RequestHandle, TokenEvent, sampling_problem
 from ..experts.cache import Snapshot
 from ..model import Model
 from ..model.placed import WeightStore
@@ -331,10 +332,13 @@ class Engine:
         vocab = self.model.args.vocab_size
         if not r.prompt_ids:
             return "prompt_ids: the prompt is empty"
-        if any(not 0 <= t < vocab for t in r.prompt_ids):
+        if any(not isinstance(t, numbers.Integral) or not 0 <= t < vocab for t in r.prompt_ids):
             return f"prompt_ids: every id must be in [0, {vocab})"
-        if r.max_tokens < 1:
+        if not isinstance(r.max_tokens, numbers.Integral) or r.max_tokens < 1:
             return "max_tokens: must be at least 1"
+        problem = sampling_problem(r.sampling)
+        if problem is not None:
+            return problem
         if any(not 0 <= t < vocab for t, _ in r.sampling.logit_bias):
             return f"logit_bias: every token id must be in [0, {vocab})"
         if len(r.prompt_ids) + 1 > self.plan.memory.context:
