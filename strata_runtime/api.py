@@ -108,6 +108,25 @@ def _finite(v: Any) -> bool:
     return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
 
 
+def request_problem(r: Request) -> str | None:
+    """What in ``r`` is not of the shape its fields say, naming the field, or what in its sampling no token
+    chooser can run (`sampling_problem`); None: nothing. The engine checks its vocabulary and context
+    besides."""
+    if not r.prompt_ids or not all(_whole(t) for t in r.prompt_ids):
+        return "prompt_ids: a non-empty sequence of token ids"
+    if not _whole(r.max_tokens) or r.max_tokens < 1:
+        return f"max_tokens: a whole number at least 1, not {r.max_tokens!r}"
+    if not all(_whole(t) for t in r.stop_ids):
+        return f"stop_ids: token ids, not {r.stop_ids!r}"
+    if not all(isinstance(t, str) and t for t in r.stop_strings):
+        return f"stop_strings: non-empty strings, not {r.stop_strings!r}"
+    if not _whole(r.priority):
+        return f"priority: a whole number, not {r.priority!r}"
+    if not isinstance(r.cache_salt, str):
+        return f"cache_salt: a string, not {r.cache_salt!r}"
+    return sampling_problem(r.sampling)
+
+
 def sampling_problem(s: SamplingParams) -> str | None:
     """What in ``s`` no token chooser can run, naming the field (None: nothing). The server's request schema
     refuses all of it before a request is built; `EngineCore.submit` checks it for every other caller, so

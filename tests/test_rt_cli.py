@@ -142,6 +142,7 @@ def test_bench_holds_every_reply_to_a_shape_in_every_arm_with_equal_text() -> No
         (("--seed", "-1"), "--seed must be in [0, 2^63), not -1"),
         (("--logprobs", "21"), "--logprobs must be in [0, 20]"),
         (("--logprobs", "-1"), "--logprobs must be in [0, 20]"),
+        (("--stop", ""), "--stop must not be empty"),
     ],
 )
 def test_generate_refuses_bad_sampling_options_naming_them(option, needle) -> None:

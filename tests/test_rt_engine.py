@@ -337,8 +337,31 @@ def test_sampling_no_chooser_can_run_is_an_error_event_and_the_engine_serves_on(
     """`Engine.submit` from any caller, not only through the server's schema: a negative seed or top-p 0
     failed the engine's step, a NaN temperature or bias chose nonsense. Each is an error event naming the
     field, and the next request decodes as it would have."""
-    eng = engine(1, "serial")
-    event = eng.submit(Request(tuple(b"hello"), 4, sampling)).events.get_nowait()  # given at once, unstepped
+    _refused_then_serves(Request(tuple(b"hello"), 4, sampling), field)
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [
+        ({"stop_strings": ("",)}, "stop_strings"),
+        ({"stop_strings": (5,)}, "stop_strings"),
+        ({"stop_ids": ("a",)}, "stop_ids"),
+        ({"priority": "x"}, "priority"),
+        ({"cache_salt": None}, "cache_salt"),
+        ({"max_tokens": 2.5}, "max_tokens"),
+        ({"prompt_ids": (1.5, 2)}, "prompt_ids"),
+    ],
+)
+def test_a_request_field_of_the_wrong_shape_is_an_error_event(fields, field) -> None:
+    """A stop string that is not a string failed the engine's step; a priority that is not a number failed
+    the next submit's ordering; an empty stop string stopped nothing."""
+    _refused_then_serves(Request(**{"prompt_ids": tuple(b"hello"), "max_tokens": 4, **fields}), field)
+
+
+def _refused_then_serves(request: Request, field: str) -> None:
+    # An engine of its own: a request wrongly let in stays in its queue, and would run in the next test's.
+    eng = Engine(mode_plan("serial", 1, preset="tiny", context=128, prefill_chunk=16))
+    event = eng.submit(request).events.get_nowait()  # given at once, without a step
     assert event.finished == "error" and event.error.startswith(f"{field}:"), event
     prompt = tuple(b"Once upon")
     assert tuple(collect(eng, [(0, Request(prompt, 5))])[0]) == reference("tiny", prompt, 5)

@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         print("strata generate: give a PROFILE or --model DIR, not both")
         return EXIT_USAGE
     problem = (
-        generation_problem(args.max_tokens, args.seed)
+        generation_problem(args.max_tokens, args.seed, args.stop)
         or options_problem(args)
         or logprobs_problem(args.logprobs)
         or (None if args.json_schema is None else json_schema_of(args.json_schema)[1])

@@ -7,6 +7,7 @@ loads; the names in a request are OpenAI's (``top_p``, ``presence_penalty``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 PENALTY_BOUND = 2.0
@@ -67,12 +68,14 @@ def options_problem(args: Any) -> str | None:
     return sampling_problem(**sampling_options(args))
 
 
-def generation_problem(max_tokens: int, seed: int) -> str | None:
-    """Why ``--max-tokens`` or ``--seed`` of a generate command is not valid."""
+def generation_problem(max_tokens: int, seed: int, stops: Sequence[str] = ()) -> str | None:
+    """Why ``--max-tokens``, ``--seed`` or a ``--stop`` of a generate command is not valid."""
     if max_tokens < 1:
         return f"--max-tokens must be at least 1, not {max_tokens}"
     if not 0 <= seed < 2**63:
         return f"--seed must be in [0, 2^63), not {seed}"
+    if any(not stop for stop in stops):
+        return "--stop must not be empty"
     return None
 
 

@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     from ..weights.progress import stderr_progress
 
     problem = (
-        generation_problem(args.max_tokens, args.seed)
+        generation_problem(args.max_tokens, args.seed, args.stop)
         or options_problem(args)
         or logprobs_problem(args.logprobs)
         or shape_problem(args)

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import numbers
 import os
 import threading
 import time
@@ -64,7 +63,7 @@ from strata_cfg.schema.windows import (
     solo_window,
 )
 
-from ..api import PlanMismatch, Request, RequestHandle, TokenEvent, sampling_problem
+from ..api import PlanMismatch, Request, RequestHandle, TokenEvent, request_problem
 from ..experts.cache import Snapshot
 from ..model import Model
 from ..model.placed import WeightStore
@@ -332,13 +331,11 @@ class Engine:
         vocab = self.model.args.vocab_size
         if not r.prompt_ids:
             return "prompt_ids: the prompt is empty"
-        if any(not isinstance(t, numbers.Integral) or not 0 <= t < vocab for t in r.prompt_ids):
-            return f"prompt_ids: every id must be in [0, {vocab})"
-        if not isinstance(r.max_tokens, numbers.Integral) or r.max_tokens < 1:
-            return "max_tokens: must be at least 1"
-        problem = sampling_problem(r.sampling)
+        problem = request_problem(r)
         if problem is not None:
             return problem
+        if any(not 0 <= t < vocab for t in r.prompt_ids):
+            return f"prompt_ids: every id must be in [0, {vocab})"
         if any(not 0 <= t < vocab for t, _ in r.sampling.logit_bias):
             return f"logit_bias: every token id must be in [0, {vocab})"
         if len(r.prompt_ids) + 1 > self.plan.memory.context:
