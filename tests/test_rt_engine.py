@@ -21,7 +21,7 @@ from rt_plans import make_plan
 
 from strata_cfg.schema.packaged import packaged_dir
 from strata_cfg.schema.plan import LaunchPlan
-from strata_runtime.api import PlanMismatch, Request, SamplingParams
+from strata_runtime.api import PlanMismatch, Reasoning, Request, SamplingParams
 from strata_runtime.engine import Engine
 
 PRESET_FOR_STAGES = {1: "tiny", 2: "tiny", 3: "tiny", 4: "small"}
@@ -350,11 +350,15 @@ def test_sampling_no_chooser_can_run_is_an_error_event_and_the_engine_serves_on(
         ({"cache_salt": None}, "cache_salt"),
         ({"max_tokens": 2.5}, "max_tokens"),
         ({"prompt_ids": (1.5, 2)}, "prompt_ids"),
+        ({"sampling": SamplingParams(reasoning=Reasoning(5, 10**6, opened=True, budget=1))}, "reasoning"),
+        ({"sampling": SamplingParams(reasoning=Reasoning(-1, 6))}, "reasoning"),
+        ({"sampling": SamplingParams(reasoning=Reasoning(5, 6, budget=0))}, "reasoning.budget"),
     ],
 )
 def test_a_request_field_of_the_wrong_shape_is_an_error_event(fields, field) -> None:
-    """A stop string that is not a string failed the engine's step; a priority that is not a number failed
-    the next submit's ordering; an empty stop string stopped nothing."""
+    """A stop string that is not a string, or a think block's closing id past the vocabulary, failed the
+    engine's step; a priority that is not a number failed the next submit's ordering; an empty stop string
+    stopped nothing."""
     _refused_then_serves(Request(**{"prompt_ids": tuple(b"hello"), "max_tokens": 4, **fields}), field)
 
 

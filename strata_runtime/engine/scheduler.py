@@ -338,6 +338,9 @@ class Engine:
             return f"prompt_ids: every id must be in [0, {vocab})"
         if any(not 0 <= t < vocab for t, _ in r.sampling.logit_bias):
             return f"logit_bias: every token id must be in [0, {vocab})"
+        think = r.sampling.reasoning
+        if think is not None and not (0 <= think.open_id < vocab and 0 <= think.close_id < vocab):
+            return f"reasoning: the think block's open_id and close_id must be in [0, {vocab})"
         if len(r.prompt_ids) + 1 > self.plan.memory.context:
             return (
                 f"prompt_ids: a prompt of {len(r.prompt_ids)} tokens does not fit the context of "
