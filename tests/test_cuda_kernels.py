@@ -859,6 +859,7 @@ def test_choose_gathering_keeps_the_token(gpu, v):
         inv_temp = g.uniform(0.3, 2.0, rows).astype(np.float32)
         top_k = g.choice([1, 2, 20, 50, 200, CHOOSE_GATHER - 1, CHOOSE_GATHER + 500], rows).astype(np.int32)
         top_p = np.where(g.random(rows) < 0.3, 1.0, g.uniform(0.05, 0.99, rows)).astype(np.float32)
+        top_p[2:4] = 1e-30  # the top token alone stays
         u = g.random(rows).astype(np.float32)
         u[:2] = [0.0, np.float32(1.0) - np.float32(2**-24)]
         gathered_rows += int(((top_k < v) & (top_k < CHOOSE_GATHER)).sum())
@@ -871,6 +872,8 @@ def test_choose_gathering_keeps_the_token(gpu, v):
         np.testing.assert_array_equal(outs[0], outs[1], err_msg="split against one block")
         np.testing.assert_array_equal(outs[1], outs[2], err_msg="gathered against the whole row")
         assert (outs[0] >= 0).all() and (outs[0] < v).all()
+        top = np.flatnonzero(logits[2] == logits[2].max())  # ties at the max: top-k may cut to one of them
+        assert outs[0][2] in top and outs[0][3] in np.flatnonzero(logits[3] == logits[3].max())
     assert gathered_rows > 100
 
 
@@ -928,6 +931,8 @@ def test_choose_matches_twin(gpu, rows, v):
         top_p = np.where(g.random(rows) < 0.5, 1.0, g.uniform(0.05, 0.99, rows)).astype(np.float32)
         if trial == 1:
             logits[:, : v // 3] = logits[:, :1]  # many ties at one logit
+        if trial == 2:
+            top_p[:] = 1e-30  # a share of the total that rounds to 0: the top token alone stays
         u = g.random(rows)
         if trial == 0:
             u[0] = 0.0  # the first token with weight

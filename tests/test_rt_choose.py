@@ -112,6 +112,23 @@ def test_ties_at_the_cuts_stay_as_the_host_keeps_them() -> None:
     assert kept == {1, 2} == set(np.flatnonzero(want).tolist())
 
 
+@pytest.mark.parametrize("top_p", [1e-30, 1e-16])
+def test_a_top_p_whose_share_rounds_to_nothing_keeps_the_top_token(top_p) -> None:
+    """A top-p above 0 (as the API allows) whose share of the weights rounds to 0 in the cut's fixed point
+    keeps the top token, as the smallest prefix reaching it is never empty: every draw is the argmax, and
+    the host's distribution agrees. Nothing stayed before, and the draw failed the engine's step."""
+    g = np.random.default_rng(31)
+    logits = (g.standard_normal((5, 300)) * 3).astype(np.float32)
+    uniform = np.array([0.0, 0.3, 0.5, 0.9, 1.0 - 2**-24], np.float32)
+    got = choose_tokens(
+        logits, np.ones(5, np.float32), uniform, np.zeros(5, np.int32), np.full(5, top_p, np.float32)
+    )
+    np.testing.assert_array_equal(got, logits.argmax(axis=1))
+    want = distribution(logits, SamplingParams(temperature=1.0, top_p=top_p))
+    np.testing.assert_array_equal(want.argmax(axis=1), logits.argmax(axis=1))
+    assert (np.count_nonzero(want, axis=1) == 1).all()
+
+
 def _logit_rows(g: np.random.Generator, kind: str, rows: int, v: int) -> np.ndarray:
     """Logits flat (normal, sd 3), coarse (ties at every value) or peaked (a few tokens far above a body)."""
     x = g.standard_normal((rows, v)) * (3 if kind != "peaked" else 2)

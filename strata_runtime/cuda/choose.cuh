@@ -402,7 +402,9 @@ __device__ __forceinline__ void choose_row(const float* __restrict__ l, int V, f
     // Without top-k, the split kernels summed every token's weight and made the gather's choice.
     const bool split = prep != nullptr && !(k > 0 && k < V);
     const u64 total = split ? prep->total : cut_sums(vals, n, mx, 1.f / t, fixed, cut_key, cut_count, cut_mass);
-    const u64 need = (u64)((double)p * (double)total);  // a token stays while the weight before it < need
+    // A token stays while the weight before it < need; at least 1, so a top-p whose share of the total
+    // rounds to 0 keeps the top token.
+    const u64 need = max((u64)((double)p * (double)total), 1ull);
     if (!compact && room > 0 && !split)
       for (int j = 0; j < CHOOSE_CUTS; ++j)
         if (cut_mass[j] >= need) {

@@ -131,7 +131,7 @@ __global__ void __launch_bounds__(256) choose_split_gather(const float* __restri
   }
   __syncthreads();
   int cut = -1;  // choose_row's rule, the same in every block
-  const u64 need = (u64)((double)p * (double)mass[CHOOSE_CUTS]);
+  const u64 need = max((u64)((double)p * (double)mass[CHOOSE_CUTS]), 1ull);  // as choose_row's
   for (int j = 0; j < CHOOSE_CUTS; ++j)
     if (topk ? cnt[j] >= k : mass[j] >= need) {
       if (cnt[j] <= room) cut = j;

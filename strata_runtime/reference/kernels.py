@@ -269,7 +269,8 @@ def staying_weights(row: np.ndarray, inv_temp: float, top_k: int, top_p: float) 
     weights = np.exp((x - x.max()) * inv_temp)  # [V]
     if np.float32(top_p) < 1:
         fixed = np.floor(np.where(stays, weights, 0.0) * FIXED_ONE).astype(np.uint64)
-        need = np.uint64(float(np.float32(top_p)) * float(fixed.sum()))
+        # At least the top token stays: a top-p so small that its share of the total rounds to 0 keeps it.
+        need = max(np.uint64(float(np.float32(top_p)) * float(fixed.sum())), np.uint64(1))
         order = np.lexsort((np.arange(v), -x))  # descending logit, then ascending index
         before = np.cumsum(fixed[order]) - fixed[order]  # the weight before each, in that order
         kept = np.zeros(v, dtype=bool)
