@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import copy
 import json
 import logging
@@ -283,5 +284,37 @@ def test_random_malformed_fields_never_fail_the_server(url, logs):
                 assert error["param"], (path, body, error)
             assert error["message"], (path, body, error)
     assert answered[2] > 100 and answered[4] > 100, answered  # both kinds of answer were exercised
+    _no_traceback(logs)
+    _still_serving(url)
+
+
+EXTREMES = [
+    {"temperature": t, "top_p": p, "top_k": k}
+    for t in (1e-300, 2.0)
+    for p in (1e-300, 1.0)
+    for k in (0, 1, 10**6)
+] + [
+    {"temperature": 1.0, "presence_penalty": 2.0, "frequency_penalty": -2.0},
+    {"temperature": 1.0, "logit_bias": {"65": 100, "66": -100}, "top_p": 1e-30},
+    {"temperature": 0.0, "logit_bias": {"65": -100}, "presence_penalty": -2.0, "logprobs": 20},
+]
+"""Sampling at the edges of what the schema allows."""
+
+
+@pytest.mark.parametrize("sampling", EXTREMES)
+def test_two_requests_at_the_edges_of_sampling_decode_together(url, logs, sampling):
+    """Two requests at once (so their rows share windows), each with sampling at the edge of the schema's
+    ranges: both answered in full, and the engine serves after. Top-p 1e-300 in a shared window failed the
+    engine's step."""
+    body = json.dumps({"model": "demo", "prompt": "Hello", "max_tokens": 24, **sampling}).encode()
+
+    def one() -> tuple[int, bytes]:
+        return http("POST", f"{url}/v1/completions", body, {"Content-Type": "application/json"})
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(lambda _: one(), range(2)))
+    for status, reply in answers:
+        assert status == 200, reply
+        assert json.loads(reply)["usage"]["completion_tokens"] >= 1
     _no_traceback(logs)
     _still_serving(url)
