@@ -590,6 +590,40 @@ def test_sampled_speculative_windows_on_gpu_are_seeded_and_greedy_when_cold(cp):
         assert first == run(plan, asked, hot) and first != greedy
 
 
+@pytest.mark.parametrize(
+    "edge",
+    [
+        {"temperature": 1e-300},
+        {"temperature": 1.0, "top_p": 1e-30},
+        {"temperature": 2.0, "top_p": 1e-30, "top_k": 1},
+    ],
+    ids=["temperature-1e-300", "top-p-1e-30", "top-k-1"],
+)
+def test_sampling_at_the_edges_of_the_schema_on_gpu_gives_the_greedy_text(cp, edge):
+    """Sampled requests whose sampling leaves only each row's top token, at the edges of what the API allows,
+    alone and two in one window with batch MTP: the greedy text. A temperature of 1e-300 made the device's
+    1 / temperature a float32 infinity; a top-p of 1e-30 rounded to a cut that kept no token."""
+    from strata_runtime.api import Request, SamplingParams
+    from strata_runtime.engine import Engine
+
+    g = np.random.default_rng(43)
+    prompts = [g.integers(1, 250, int(n)).tolist() for n in g.integers(3, 30, 2)]
+
+    def run(plan, asked, sampling):
+        engine = Engine(plan)
+        handles = [engine.submit(Request(tuple(p), 24, sampling)) for p in asked]
+        while engine.step():
+            pass
+        events = [list(h.events.queue) for h in handles]
+        assert all(ev.error is None for evs in events for ev in evs), events
+        return [[t for ev in evs for t in ev.token_ids] for evs in events]
+
+    for slots, batch_mtp in ((1, False), (2, True)):
+        plan = _plan(cp, model="tiny", slots=slots, batch_mtp=batch_mtp, draft_tokens=4)
+        asked = prompts[:slots]
+        assert run(plan, asked, SamplingParams(seed=9, **edge)) == run(plan, asked, SamplingParams())
+
+
 def test_batch_mtp_in_pipelined_groups_on_gpu_is_decided_there_with_the_serial_text(cp):
     """Two stages of one GPU, two groups with batch MTP inside: each group's windows are decided on the GPU
     by the last stage's thread, on the MTP head's own graphs, while the engine thread drafts on the host for

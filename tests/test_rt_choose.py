@@ -12,6 +12,7 @@ import pytest
 from strata_runtime.api import SamplingParams
 from strata_runtime.engine.sampling import Sampler, distribution
 from strata_runtime.models.ops.choose import choose_tokens
+from strata_runtime.models.ops.distribution import TEMPERATURE_FLOOR
 
 P_THRESHOLD = 1e-3
 """A correct sampler fails a chi-square test this often (seeded, so a failure reproduces)."""
@@ -127,6 +128,23 @@ def test_a_top_p_whose_share_rounds_to_nothing_keeps_the_top_token(top_p) -> Non
     want = distribution(logits, SamplingParams(temperature=1.0, top_p=top_p))
     np.testing.assert_array_equal(want.argmax(axis=1), logits.argmax(axis=1))
     assert (np.count_nonzero(want, axis=1) == 1).all()
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 1e-40, 1e-7])
+def test_a_vanishing_temperature_is_floored_where_the_device_reads_its_inverse(temperature) -> None:
+    """Below `TEMPERATURE_FLOOR` the device's 1 / temperature (a float32) is the floor's, as the host's rule
+    divides by it: finite (1e-300 overflowed float32 to infinity, and the device's weights to NaN), and the
+    device's draws stay among the tokens the host's distribution keeps."""
+    sampler = Sampler(SamplingParams(temperature=temperature), seed=1)
+    assert sampler.inv_temperature == 1 / TEMPERATURE_FLOOR
+    assert np.isfinite(np.float32(sampler.inv_temperature))
+    g = np.random.default_rng(32)
+    logits = (g.standard_normal((4, 200)) * 3).astype(np.float32)
+    logits[:, 7] = logits.max(axis=1) + 1e-6  # within the floor's reach of the top
+    inv = np.full(4, np.float32(sampler.inv_temperature))
+    drawn = choose_tokens(logits, inv, np.array([0.0, 0.4, 0.8, 0.999], np.float32))
+    kept = distribution(logits, SamplingParams(temperature=temperature))
+    assert all(kept[r, t] > 0 for r, t in enumerate(drawn)), (drawn, np.flatnonzero(kept[0]))
 
 
 def _logit_rows(g: np.random.Generator, kind: str, rows: int, v: int) -> np.ndarray:

@@ -362,13 +362,17 @@ def test_a_request_field_of_the_wrong_shape_is_an_error_event(fields, field) -> 
     _refused_then_serves(Request(**{"prompt_ids": tuple(b"hello"), "max_tokens": 4, **fields}), field)
 
 
-def test_sampled_requests_at_a_vanishing_top_p_decode_together_as_greedy_ones() -> None:
-    """Two sampled requests at top-p 1e-30 (which the API's schema allows) in one window: only each row's top
-    token stays, so both give the greedy text. Their window's draw had kept no token, and failed the
-    engine's step."""
+@pytest.mark.parametrize(
+    "vanishing",
+    [SamplingParams(temperature=1.0, top_p=1e-30, seed=7), SamplingParams(temperature=1e-300, seed=7)],
+    ids=["top-p", "temperature"],
+)
+def test_sampled_requests_at_a_vanishing_cut_decode_together_as_greedy_ones(vanishing) -> None:
+    """Two sampled requests at top-p 1e-30 or temperature 1e-300 (both within the API's schema) in one window:
+    only each row's top token stays, so both give the greedy text. At that top-p their window's draw had
+    kept no token, and failed the engine's step."""
     eng = Engine(mode_plan("serial", 1, preset="tiny", context=128, prefill_chunk=16, draft_tokens=3))
     prompt = tuple(b"Once upon")
-    vanishing = SamplingParams(temperature=1.0, top_p=1e-30, seed=7)
     got = collect(eng, [(0, Request(prompt, 6, vanishing)), (0, Request(prompt, 6, vanishing))])
     assert [tuple(t) for t in got] == [reference("tiny", prompt, 6)] * 2
 

@@ -14,6 +14,7 @@ from strata_cfg.schema.windows import MAX_WINDOW_ROWS
 
 from ..backend import upload_into
 from ..models.ops.choose import Draws
+from ..models.ops.distribution import inv_temperature
 from .blas import matmul_nt
 from .ops import argmax_scratch, kernels_for
 
@@ -85,7 +86,7 @@ class CudaHead:
         with cp.cuda.Device(self.device_id):
             out = cp.empty(logits.shape, cp.float64)
             rows = cp.ascontiguousarray(logits, dtype=cp.float32)
-            self.kern.distribution(rows, 1.0 / temperature, top_k, top_p, out)
+            self.kern.distribution(rows, inv_temperature(temperature), top_k, top_p, out)
             return out
 
     def draw(self, probs: Any, uniforms: Any) -> cp.ndarray:

@@ -25,6 +25,7 @@ from ..api import Reasoning, SamplingParams
 from ..backend import Array
 from ..model import adjust_row, inverse_cdf, mask_logits
 from ..model import distribution as rule
+from ..models.ops.distribution import inv_temperature
 from ..structured import GrammarError, Matcher
 
 
@@ -122,8 +123,9 @@ class Sampler:
 
     @property
     def inv_temperature(self) -> float:
-        """1 / temperature for a draw on the device; 0 for greedy (the argmax)."""
-        return 0.0 if self.greedy else 1.0 / self.params.temperature
+        """1 / temperature for a draw on the device (at most 1 / `TEMPERATURE_FLOOR`, as the host's rule
+        divides); 0 for greedy (the argmax)."""
+        return 0.0 if self.greedy else inv_temperature(self.params.temperature)
 
     @property
     def needs_logits(self) -> bool:

@@ -27,6 +27,17 @@ from typing import Any
 
 import numpy as np
 
+TEMPERATURE_FLOOR = 1e-6
+"""The least temperature a draw divides by: below it (above 0, which is greedy) a row's logits are divided by
+this instead, which already leaves only the top token and those within about 1e-5 of it. On a device, 1 /
+temperature is a float32, which a temperature under about 3e-39 would overflow to infinity, and its weights
+to NaN (`inv_temperature`)."""
+
+
+def inv_temperature(temperature: float) -> float:
+    """1 / temperature, at most 1 / `TEMPERATURE_FLOOR`, for a temperature above 0."""
+    return 1.0 / max(temperature, TEMPERATURE_FLOOR)
+
 
 def distribution(
     logits: Any, temperature: float, top_k: int, top_p: float, xp: Any = np, *, sort_rows: bool = False
@@ -35,7 +46,7 @@ def distribution(
     ``xp`` arrays: NumPy on the host, CuPy where a GPU runs the same steps without the kernel. Top-p sorts
     each whole row on the GPU and with ``sort_rows``; on the host it otherwise sorts a row's likeliest
     tokens (`nucleus_host`), for the same distribution."""
-    x = xp.asarray(logits, dtype=xp.float64) / max(temperature, 1e-6)  # [n, V]
+    x = xp.asarray(logits, dtype=xp.float64) / max(temperature, TEMPERATURE_FLOOR)  # [n, V]
     if 0 < top_k < x.shape[-1]:
         kth = xp.partition(x, -top_k, axis=-1)[:, -top_k][:, None]  # [n, 1]
         x = xp.where(x < kth, -xp.inf, x)  # ties at the k-th largest all stay
