@@ -566,19 +566,15 @@ def test_sampled_verification_on_gpu_equals_numpy(cp):
 def test_sampled_speculative_windows_on_gpu_are_seeded_and_greedy_when_cold(cp):
     """Sampled requests with drafting are decided on the GPU: chained, reproducible from their seeds, and at a
     temperature low enough that every row's distribution is its argmax, the greedy text."""
-    from strata_runtime.api import Request, SamplingParams
-    from strata_runtime.engine import Engine
+    from strata_runtime.api import SamplingParams
 
     g = np.random.default_rng(41)
     prompts = [g.integers(1, 250, int(n)).tolist() for n in g.integers(3, 30, 2)]
 
     def run(plan, asked, sampling):
-        engine = Engine(plan)
-        handles = [engine.submit(Request(tuple(p), 32, sampling)) for p in asked]
-        while engine.step():
-            pass
+        texts, engine = _sampled(plan, asked, sampling, 32)
         assert engine.totals["decided_on_device"] > 0
-        return [[t for ev in list(h.events.queue) for t in ev.token_ids] for h in handles]
+        return texts
 
     for slots, batch_mtp in ((1, False), (2, True)):
         plan = _plan(cp, model="tiny", slots=slots, batch_mtp=batch_mtp, draft_tokens=4)
@@ -603,25 +599,32 @@ def test_sampling_at_the_edges_of_the_schema_on_gpu_gives_the_greedy_text(cp, ed
     """Sampled requests whose sampling leaves only each row's top token, at the edges of what the API allows,
     alone and two in one window with batch MTP: the greedy text. A temperature of 1e-300 made the device's
     1 / temperature a float32 infinity; a top-p of 1e-30 rounded to a cut that kept no token."""
-    from strata_runtime.api import Request, SamplingParams
-    from strata_runtime.engine import Engine
+    from strata_runtime.api import SamplingParams
 
     g = np.random.default_rng(43)
     prompts = [g.integers(1, 250, int(n)).tolist() for n in g.integers(3, 30, 2)]
-
-    def run(plan, asked, sampling):
-        engine = Engine(plan)
-        handles = [engine.submit(Request(tuple(p), 24, sampling)) for p in asked]
-        while engine.step():
-            pass
-        events = [list(h.events.queue) for h in handles]
-        assert all(ev.error is None for evs in events for ev in evs), events
-        return [[t for ev in evs for t in ev.token_ids] for evs in events]
-
     for slots, batch_mtp in ((1, False), (2, True)):
         plan = _plan(cp, model="tiny", slots=slots, batch_mtp=batch_mtp, draft_tokens=4)
         asked = prompts[:slots]
-        assert run(plan, asked, SamplingParams(seed=9, **edge)) == run(plan, asked, SamplingParams())
+        edged, greedy = (
+            _sampled(plan, asked, s, 24)[0] for s in (SamplingParams(seed=9, **edge), SamplingParams())
+        )
+        assert edged == greedy
+
+
+def _sampled(plan, prompts, sampling, max_tokens):
+    """Each prompt's tokens from a fresh engine of ``plan``, every request at ``sampling``, run to the end
+    (none may end in an error), and the engine."""
+    from strata_runtime.api import Request
+    from strata_runtime.engine import Engine
+
+    engine = Engine(plan)
+    handles = [engine.submit(Request(tuple(p), max_tokens, sampling)) for p in prompts]
+    while engine.step():
+        pass
+    events = [list(h.events.queue) for h in handles]
+    assert all(ev.error is None for evs in events for ev in evs), events
+    return [[t for ev in evs for t in ev.token_ids] for evs in events], engine
 
 
 def test_batch_mtp_in_pipelined_groups_on_gpu_is_decided_there_with_the_serial_text(cp):

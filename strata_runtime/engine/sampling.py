@@ -23,9 +23,8 @@ import numpy as np
 
 from ..api import Reasoning, SamplingParams
 from ..backend import Array
-from ..model import adjust_row, inverse_cdf, mask_logits
+from ..model import adjust_row, inv_temperature, inverse_cdf, mask_logits
 from ..model import distribution as rule
-from ..models.ops.distribution import inv_temperature
 from ..structured import GrammarError, Matcher
 
 
