@@ -112,8 +112,10 @@ def request_problem(r: Request) -> str | None:
     """What in ``r`` is not of the shape its fields say, naming the field, or what in its sampling no token
     chooser can run (`sampling_problem`); None: nothing. The engine checks its vocabulary and context
     besides."""
-    if not r.prompt_ids or not all(_whole(t) for t in r.prompt_ids):
-        return "prompt_ids: a non-empty sequence of token ids"
+    if not r.prompt_ids:
+        return "prompt_ids: the prompt is empty"
+    if not all(_whole(t) for t in r.prompt_ids):
+        return "prompt_ids: a sequence of token ids"
     if not _whole(r.max_tokens) or r.max_tokens < 1:
         return f"max_tokens: a whole number at least 1, not {r.max_tokens!r}"
     if not all(_whole(t) for t in r.stop_ids):

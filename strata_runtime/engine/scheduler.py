@@ -329,8 +329,6 @@ class Engine:
 
     def _check(self, r: Request) -> str | None:
         vocab = self.model.args.vocab_size
-        if not r.prompt_ids:
-            return "prompt_ids: the prompt is empty"
         problem = request_problem(r)
         if problem is not None:
             return problem
