@@ -265,6 +265,17 @@ class EngineCore(Protocol):
         """Live slot, queue and window statistics (JSON-serialisable)."""
         ...
 
+    def recover(self, error: BaseException) -> int:
+        """After ``step`` raised ``error``: end every admitted request with an error event and serve the queue
+        on, without loading anything again; returns the requests ended. Raises where the engine cannot go on
+        (a device that reports an error)."""
+        ...
+
+    def self_check(self) -> str | None:
+        """Run a fixed request alone: the first call records what the model gives, later ones say where the
+        model now departs from that (None: nowhere). Only while no request holds a slot."""
+        ...
+
 
 def token_name(tokenizer: Tokenizer, token: int) -> tuple[str, list[int]]:
     """A token's text and bytes as OpenAI reports them: its UTF-8 text, or where it holds only part of a

@@ -169,6 +169,12 @@ class Device:
             with self.use():
                 cupy_module().cuda.get_current_stream().synchronize()
 
+    def wait_idle(self) -> None:
+        """Block until everything queued on any stream of this device has run (a no-op on CPU devices);
+        raises the error a kernel left on the device, where one did."""
+        if self.is_cuda:
+            cupy_module().cuda.Device(self.index).synchronize()
+
 
 def transfer(arr: Array, src: Device, dst: Device) -> Array:
     """Move hidden rows from ``src`` to ``dst``, ordered after the work queued on ``src``'s current stream.

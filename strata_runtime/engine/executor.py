@@ -69,6 +69,9 @@ from .speculative import Proposals, Verdict, catch_up, commit, draft, verify, ve
 Run = tuple[int, int, int]
 """A run of a prefix's positions in the prefix store's pages (`strata_runtime.engine.prefix.page_runs`)."""
 
+QUIESCE_S = 60.0
+"""How long `Executor.quiesce` waits for a stage's thread to run what it was given."""
+
 PROMPT_LOGPROB_ROWS = 256
 """Prompt rows whose logits are taken at once for a request that asks the prompt's log-probabilities: 156 MB
 of fp32 logits at a 151,936-word vocabulary."""
@@ -128,6 +131,19 @@ class Executor:
         for w in self._workers or []:
             w.close()
         self._workers = None
+
+    def quiesce(self, timeout_s: float = QUIESCE_S) -> None:
+        """After a window failed: wait until every stage's thread has queued what it was given and every
+        device has run what was queued on it, then forget the failure and what finished flights held for
+        the drafters. Raises where a stage's thread does not come back within ``timeout_s`` or a device
+        reports an error (a kernel's fault stays on its device: nothing more can run there)."""
+        for s, worker in enumerate(self._workers or []):
+            if not worker.drain(timeout_s):
+                raise RuntimeError(f"stage {s}'s thread did not come back within {timeout_s:.0f} s")
+        for stage in self.stages:
+            stage.device.wait_idle()
+        self._retired.clear()
+        self._copy_error = None
 
     # ---- copying a prefix between slots ------------------------------------------------------------
 

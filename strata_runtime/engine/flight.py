@@ -208,6 +208,13 @@ class StageWorker:
         self._queue.put(None)
         self._thread.join()
 
+    def drain(self, timeout_s: float) -> bool:
+        """Wait until the thread has run every share given to it so far; False where it has not within
+        ``timeout_s`` (a share that hangs)."""
+        passed = threading.Event()
+        self._queue.put(passed.set)
+        return passed.wait(timeout_s)
+
     def _run(self) -> None:
         while True:
             share = self._queue.get()

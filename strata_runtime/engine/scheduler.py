@@ -69,7 +69,7 @@ from ..model import Model
 from ..model.placed import WeightStore
 from ..structured import GrammarError, Grammars, grammars_for
 from ..weights.progress import Progress
-from . import device_spec, speculative
+from . import check, device_spec, speculative
 from .depth import Holds, expected_tokens
 from .executor import Executor
 from .flight import Chained, Flight, Mark
@@ -86,6 +86,9 @@ from .warm import WARM_LABEL, run_staggered, warm_requests
 from .window_choice import WindowChoice
 
 log = logging.getLogger("strata_runtime")
+
+CHECK_STEPS = 1000
+"""Steps the self-check request may take (`Engine.self_check`): it needs a few."""
 
 
 class Engine:
@@ -157,6 +160,8 @@ class Engine:
         self._first_runs_delivered = self.model.first_runs()
         """`Model.first_runs` when the last window was delivered."""
         self.window_stats = WindowStats()
+        self._checked: check.Reading | None = None
+        """What the first `self_check` read, which later ones compare with."""
         self.warmed: dict[str, Any] | None = None
         """What `warm_up` ran (windows, seconds); None when it did not run."""
         if self.lookup:
@@ -187,10 +192,15 @@ class Engine:
         if problem:
             handle.events.put(TokenEvent((), "", "error", 0, problem))
             return handle
-        with self._lock:  # behind every request waiting of its priority or a lower one
-            at = next((i for i, h in enumerate(self._queue) if h.request.priority > request.priority), None)
-            self._queue.insert(len(self._queue) if at is None else at, handle)
+        with self._lock:
+            self._enqueue(handle)
         return handle
+
+    def _enqueue(self, handle: RequestHandle) -> None:
+        """Queue ``handle`` behind every request waiting of its priority or a lower one (under the lock)."""
+        priority = handle.request.priority
+        at = next((i for i, h in enumerate(self._queue) if h.request.priority > priority), None)
+        self._queue.insert(len(self._queue) if at is None else at, handle)
 
     def step(self) -> bool:
         self._reap_cancelled()
@@ -207,6 +217,77 @@ class Engine:
         else:
             self._serial_round(prefilling, decoding)
         return True
+
+    def recover(self, error: BaseException) -> int:
+        """After `step` raised ``error``: end every admitted request with an error event saying so, and
+        bring the engine back to where it serves the queue, without loading anything again. Returns the
+        requests ended; queued requests wait on and are served as usual.
+
+        Every window in flight is let go once its stages' threads and devices have run what was queued
+        (`Executor.quiesce`, which raises where a device reports an error: then nothing more can run
+        there). Every slot forgets its KV and what it kept for prefix reuse, and the prefix store is
+        emptied: a window that failed part-way may have written any of it. What the engine learned of
+        window times and drafting, and what the expert caches hold, stay. Whether the model still computes
+        what it computed at start is `self_check`'s to say."""
+        self.executor.quiesce()
+        self._flights.clear()
+        self._chain.clear()
+        why = f"the engine failed while running this request ({type(error).__name__}: {error})"
+        ended = 0
+        for i, slot in enumerate(self.slots):
+            if slot is not None and slot.finished is None:
+                slot.handle.events.put(slot.finish("error", why))
+                ended += 1
+            self.slots[i] = None
+            self._rewind_slot(i, 0)
+            self.prefixes.kept[i] = None
+        self.store.clear()
+        self._routed.clear()
+        self._idle_since.clear()
+        self._delivered_at = time.perf_counter()
+        self._settle_experts()
+        return ended
+
+    def self_check(self) -> str | None:
+        """Run the self-check request (`strata_runtime.engine.check`) alone. The first call records what the
+        model gives: make it while the engine is known sound (after loading). Each later call compares with
+        that, and returns where the model now departs from it, or None.
+
+        Call only while no request holds a slot. Requests queued meanwhile wait; the check leaves no trace in
+        the window statistics, what proposals did, or the kept prefixes."""
+        assert all(s is None for s in self.slots), "the self-check runs while no request holds a slot"
+        request = check.probe_request(self.model.args.vocab_size, self.plan.memory.context)
+        stats, holds = self.window_stats, self.choice.holds()
+        self.window_stats = WindowStats()
+        with self._lock:
+            waiting, self._queue = self._queue, deque()
+        try:
+            handle = self.submit(request)
+            events: list[TokenEvent] = []
+            for _ in range(CHECK_STEPS):
+                self.step()
+                while not handle.events.empty():
+                    events.append(handle.events.get_nowait())
+                if events and events[-1].finished is not None:
+                    break
+            else:
+                raise RuntimeError(f"the self-check request did not finish within {CHECK_STEPS} steps")
+        finally:
+            with self._lock:
+                arrived, self._queue = self._queue, waiting
+                for queued in arrived:
+                    self._enqueue(queued)
+            self.window_stats = stats
+            self.choice.restore_holds(holds)
+        if handle.slot is not None and self.slots[handle.slot] is None:  # what it kept for prefix reuse
+            self._rewind_slot(handle.slot, 0)
+            self.prefixes.kept[handle.slot] = None
+            self._routed.pop(handle.slot, None)
+        reading = check.read(events)
+        if self._checked is None:
+            self._checked = reading
+            return None
+        return check.disagreement(self._checked, reading)
 
     def close(self) -> None:
         """Stop the engine's stage threads (an engine that is dropped need not call it: they are daemons)."""

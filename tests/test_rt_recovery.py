@@ -1,0 +1,270 @@
+"""A failed step, recovered from: `Engine.recover` ends the admitted requests and serves the queue on, and
+`Engine.self_check` says whether the model still computes what it computed at start.
+
+Faults are planted where a bug would raise: the host queuing a window (`Executor.launch`), and a stage's
+layers while a window runs (`Stage.forward`, whose error the window carries to its finish), in every window
+mode, at several points of a run (with windows chained ahead or not).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+from rt_engine_helpers import assert_kv_consistent, collect, mode_plan
+from rt_plans import make_plan
+
+from strata_runtime.api import Request, TokenLogprob
+from strata_runtime.backend import Device
+from strata_runtime.engine import Engine, check
+
+PROMPTS = [tuple(range(40 + 7 * i, 58 + 7 * i)) for i in range(5)]
+TOKENS = 10
+
+
+class Planted(RuntimeError):
+    """The fault a test plants."""
+
+
+def _engine(mode: str, stages: int, **kw: Any) -> Engine:
+    return Engine(mode_plan(mode, stages, preset="tiny", context=128, prefill_chunk=16, **kw))
+
+
+@functools.cache
+def _reference(prompt: tuple[int, ...]) -> tuple[int, ...]:
+    """The request alone on one stage, one slot, no drafting."""
+    eng = Engine(make_plan(stages=1, preset="tiny", context=128, prefill_chunk=16))
+    return tuple(collect(eng, [(0, Request(prompt, TOKENS))])[0])
+
+
+def _plant(eng: Engine, where: str, at: int) -> list[int]:
+    """Make the ``at``-th call (from 1) of ``where`` raise `Planted`, once; returns the calls counted."""
+    calls = [0]
+    if where == "launch":
+        owner, name = eng.executor, "launch"
+    else:
+        owner, name = eng.model.stages[-1], "forward"
+    real = getattr(owner, name)
+
+    def planted(*args: Any, **kw: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == at:
+            raise Planted(f"planted in {where}")
+        return real(*args, **kw)
+
+    setattr(owner, name, planted)
+    return calls
+
+
+def _drain(handle: Any) -> list[Any]:
+    events = []
+    while not handle.events.empty():
+        events.append(handle.events.get_nowait())
+    return events
+
+
+CASES = [
+    ("serial", 1, {}),
+    ("solo", 1, {}),
+    ("pipelined", 2, {}),
+    ("batch-mtp", 2, {}),
+    ("pipelined-mtp", 2, {}),
+    ("serial", 2, {"prefix_store_mib": 4}),
+    ("serial", 1, {"expert_cache": 4}),
+]
+
+
+@pytest.mark.parametrize(("mode", "stages", "kw"), CASES, ids=[f"{m}-{n}-{sorted(k)}" for m, n, k in CASES])
+@pytest.mark.parametrize("where", ["launch", "forward"])
+@pytest.mark.parametrize("at", [4, 9])
+def test_a_failed_step_ends_the_admitted_requests_and_the_queue_is_served_as_alone(
+    mode, stages, kw, where, at
+):
+    eng = _engine(mode, stages, **kw)
+    slots = eng.n_slots
+    assert eng.self_check() is None
+    handles = [eng.submit(Request(p, TOKENS)) for p in PROMPTS[: slots + 2]]  # two wait for a slot
+    calls = _plant(eng, where, at)
+    with pytest.raises(Planted):
+        for _ in range(1000):
+            eng.step()
+    admitted = [h for h in handles if h.slot is not None and eng.slots[h.slot] is not None]
+    admitted = [h for h in admitted if eng.slots[h.slot].handle is h and eng.slots[h.slot].finished is None]
+    assert admitted, "the fault came while requests were being served"
+    delattr(eng.model.stages[-1] if where == "forward" else eng.executor, where)
+
+    assert eng.recover(Planted(f"planted in {where}")) == len(admitted)
+    assert eng.in_flight == 0 and all(s is None for s in eng.slots)
+    assert_kv_consistent(eng)  # every slot is empty: nothing it held is reused
+    for h in admitted:
+        last = _drain(h)[-1]
+        assert last.finished == "error" and f"planted in {where}" in last.error, last
+    assert eng.self_check() is None, "the model is as it was"
+
+    # Every request not ended is served to its end with the text it gets alone.
+    waiting = [(h, p) for h, p in zip(handles, PROMPTS, strict=False) if h not in admitted]
+    while eng.step():
+        assert_kv_consistent(eng)
+    for h, prompt in waiting:
+        events = _drain(h)
+        assert events[-1].finished == "length" and events[-1].error is None
+        assert tuple(t for ev in events for t in ev.token_ids) == _reference(prompt)
+    # Requests after the recovery, several at once, each get their text alone.
+    after = [(i, Request(p, TOKENS)) for i, p in enumerate(PROMPTS)]
+    assert [tuple(t) for t in collect(eng, after)] == [_reference(p) for p in PROMPTS]
+    assert calls[0] >= at  # the planted fault fired (windows in flight may have run on)
+
+
+def test_the_requests_served_before_the_fault_keep_their_whole_text():
+    """A request that finished before the failed step is not touched, and one queued behind the admitted ones
+    gets all its tokens, from its first."""
+    eng = _engine("serial", 1)
+    first = collect(eng, [(0, Request(PROMPTS[0], TOKENS))])[0]
+    handles = [eng.submit(Request(p, TOKENS)) for p in PROMPTS]
+    _plant(eng, "launch", 3)
+    with pytest.raises(Planted):
+        while eng.step():
+            pass
+    del eng.executor.launch
+    ended = eng.recover(Planted("planted"))
+    while eng.step():
+        pass
+    outcomes = [[ev for ev in _drain(h)] for h in handles]
+    assert sum(o[-1].finished == "error" for o in outcomes) == ended == eng.n_slots
+    for events, prompt in zip(outcomes, PROMPTS, strict=True):
+        if events[-1].finished != "error":
+            assert tuple(t for ev in events for t in ev.token_ids) == _reference(prompt)
+    assert tuple(first) == _reference(PROMPTS[0])
+
+
+def test_after_recovering_no_slot_lends_what_it_kept_for_prefix_reuse():
+    """A window that failed part-way may have written any slot's KV: a request that begins as an earlier one
+    did reads its whole prompt again, and gets its text."""
+    eng = _engine("serial", 1)
+    prompt = PROMPTS[1]
+    collect(eng, [(0, Request(prompt, TOKENS))])
+    keeper = next(i for i, k in enumerate(eng.prefixes.kept) if k is not None)
+    other = eng.submit(Request(PROMPTS[3], TOKENS))
+    eng.step()
+    assert other.slot != keeper, "the other request leaves the kept prompt where it is"
+    _plant(eng, "launch", 1)
+    with pytest.raises(Planted):
+        eng.step()
+    del eng.executor.launch
+    eng.recover(Planted("planted"))
+    assert all(k is None for k in eng.prefixes.kept)
+    handle = eng.submit(Request(prompt, TOKENS))
+    while eng.step():
+        assert_kv_consistent(eng)
+    assert handle.cached_tokens == 0
+    assert tuple(t for ev in _drain(handle) for t in ev.token_ids) == _reference(prompt)
+
+
+def test_after_recovering_the_prefix_store_lends_nothing():
+    """The store's pages are copied from slots on the stages' streams, which a failed window may have left
+    part-way: a conversation stored before the fault is read again whole."""
+    eng = Engine(make_plan(stages=1, preset="tiny", context=128, prefill_chunk=16, prefix_store_mib=4))
+    prompt = tuple(range(30, 110))  # long enough to be worth storing
+    collect(eng, [(0, Request(prompt, TOKENS))])
+    eng.submit(Request(PROMPTS[3], TOKENS))  # takes the one slot: the first prompt goes to the store
+    eng.step()
+    assert eng.store.best(prompt, (None, ""))[1] >= len(prompt) - 1
+    _plant(eng, "launch", 1)
+    with pytest.raises(Planted):
+        while eng.step():
+            pass
+    del eng.executor.launch
+    eng.recover(Planted("planted"))
+    assert not eng.store.entries
+    handle = eng.submit(Request(prompt, TOKENS))
+    while eng.step():
+        assert_kv_consistent(eng)
+    assert handle.cached_tokens == 0
+    assert tuple(t for ev in _drain(handle) for t in ev.token_ids) == _reference(prompt)
+
+
+def test_a_device_that_reports_an_error_ends_recovery(monkeypatch):
+    """Where a device still holds a kernel's fault, nothing more can run there: `recover` raises it, and
+    leaves the requests as they were."""
+    eng = _engine("serial", 1)
+    handle = eng.submit(Request(PROMPTS[0], TOKENS))
+    eng.step()
+
+    def faulted(self: Device) -> None:
+        raise RuntimeError(f"{self}: an illegal memory access was encountered")
+
+    monkeypatch.setattr(Device, "wait_idle", faulted)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        eng.recover(Planted("planted"))
+    assert eng.slots[handle.slot] is not None and not any(ev.finished for ev in _drain(handle))
+
+
+@pytest.mark.parametrize(("mode", "stages"), [("serial", 1), ("batch-mtp", 2), ("pipelined", 2)])
+def test_the_self_check_finds_a_changed_model_and_agrees_again_once_it_is_restored(mode, stages):
+    eng = _engine(mode, stages)
+    assert eng.self_check() is None
+    assert eng.self_check() is None
+    norm = eng.model.stages[-1].norm
+    saved = norm.copy()
+    norm *= 1.5  # the final norm's weight, as a broken weight would be
+    problem = eng.self_check()
+    assert problem is not None and "position" in problem and "at start" in problem
+    norm[...] = saved
+    assert eng.self_check() is None
+
+
+def test_the_self_check_leaves_no_trace_and_queued_requests_wait_for_it():
+    eng = _engine("batch-mtp", 2)
+    collect(eng, [(0, Request(PROMPTS[0], TOKENS)), (1, Request(PROMPTS[1], TOKENS))])
+
+    def learned() -> dict[str, Any]:
+        return {kind: (h.chance, h.reached) for kind, h in eng.drafting_state().items()}
+
+    totals, holds, kept = dict(eng.totals), learned(), list(eng.prefixes.kept)
+    assert holds and any(reached for _, reached in holds.values())
+    queued = eng.submit(Request(PROMPTS[2], TOKENS))
+    assert eng.self_check() is None
+    assert queued.slot is None and queued.events.empty(), "a queued request waits while the check runs"
+    assert dict(eng.totals) == totals and learned() == holds and eng.prefixes.kept == kept
+    while eng.step():
+        pass
+    assert tuple(t for ev in _drain(queued) for t in ev.token_ids) == _reference(PROMPTS[2])
+
+
+def _reading(*positions: tuple[int, float, tuple[tuple[int, float], ...]]) -> check.Reading:
+    return check.Reading(tuple(TokenLogprob(t, lp, top) for t, lp, top in positions))
+
+
+P1 = (5, -1.0, ((5, -1.0), (9, -2.0)))
+P2 = (7, -0.5, ((7, -0.5), (3, -0.55)))
+P3 = (2, -3.0, ())
+START = _reading(P1, P2, P3)
+
+
+@pytest.mark.parametrize(
+    ("now", "found"),
+    [
+        (START, None),
+        (_reading((5, -1.05, ((5, -1.05), (9, -1.95))), P2, P3), None),
+        (_reading((5, -1.2, ((5, -1.2), (9, -2.0))), P2, P3), "position 1: token 5's"),
+        (_reading((5, float("nan"), ((5, -1.0), (9, -2.0))), P2, P3), "position 1: token 5's"),
+        (_reading((5, -1.0, ((5, -1.0), (9, -2.5))), P2, P3), "position 1: alternative 9's"),
+        # the reply parts at a near tie (3 was within 0.1 of 7): nothing after it is compared
+        (_reading(P1, (3, -0.5, ((3, -0.5), (7, -0.55))), (8, -9.0, ())), None),
+        # ... but not where the token taken was rated far below the one chosen at start
+        (_reading(P1, (4, -0.5, ((4, -0.5), (7, -0.55))), P3), "position 2: it chose"),
+        (_reading(P1, P2), "it gave 2 log-probabilities, against 3"),
+    ],
+)
+def test_a_reading_departs_from_the_first_by_more_than_the_tolerance(now, found):
+    problem = check.disagreement(START, now)
+    assert problem == found if found is None else (problem is not None and problem.startswith(found)), problem
+
+
+def test_the_probe_fits_any_context_and_vocabulary():
+    for vocab, context in [(300, 128), (151_936, 8192), (5, 24), (2, 8)]:
+        r = check.probe_request(vocab, context)
+        assert len(r.prompt_ids) + r.max_tokens + 1 <= context
+        assert all(0 < t < vocab for t in r.prompt_ids)
+        assert r.sampling.temperature == 0 and r.ignore_eos
