@@ -108,6 +108,12 @@ class _Wrapped:
     def step(self) -> bool:
         return self._engine.step()
 
+    def recover(self, error):
+        return self._engine.recover(error)
+
+    def self_check(self):
+        return self._engine.self_check()
+
 
 class _FailingStep(_Wrapped):
     """The real engine, whose step raises once a request is being served."""
@@ -119,7 +125,14 @@ class _FailingStep(_Wrapped):
         return busy
 
 
+def _recovering(plan, recoveries: int):
+    return plan.model_copy(update={"serve": plan.serve.model_copy(update={"recoveries": recoveries})})
+
+
 def test_an_engine_that_fails_while_serving_gives_500s_and_a_nonzero_exit(plan):
+    """With ``serve.recoveries = 0`` the first failed step ends the server."""
+    plan = _recovering(plan, 0)
+
     async def scenario() -> int:
         server = _server(plan, lambda progress: _FailingStep(Engine(plan, progress=progress)))
         task = await _started(server, asyncio.Event())
@@ -137,6 +150,144 @@ def test_an_engine_that_fails_while_serving_gives_500s_and_a_nonzero_exit(plan):
         return await asyncio.wait_for(task, 30)
 
     assert asyncio.run(scenario()) == 1
+
+
+def _poisoned(plan):
+    """The real engine, whose host raises once while queuing the first decode window of a request whose
+    prompt holds "poison", once it has two tokens: a bug that one request's window triggers, part-way
+    through a step, while other requests are in flight."""
+
+    def build(progress) -> Engine:
+        engine = Engine(plan, progress=progress)
+        poison, launch, fired = tuple(engine.tokenizer.encode("poison")), engine.executor.launch, []
+
+        def holds(prompt: tuple[int, ...]) -> bool:
+            return any(prompt[i : i + len(poison)] == poison for i in range(len(prompt)))
+
+        def launching(job, after=None):
+            if not fired and any(
+                e.kind == "decode" and holds(e.slot.prompt) and len(e.slot.generated) >= 2
+                for e in job.entries
+            ):
+                fired.append(job)
+                raise RuntimeError("a poisoned window")
+            return launch(job, after)
+
+        engine.executor.launch = launching
+        return engine
+
+    return build
+
+
+def test_a_failed_step_ends_the_requests_in_flight_and_the_server_serves_on(plan):
+    """Two requests in flight when a step fails end with errors (a 500, and a stream's error event); a
+    request queued behind them, and every later one, gets the text it gets on a sound engine, and
+    ``/v1/status`` and ``/metrics`` count the recovery."""
+    greedy = {"model": "demo", "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0}
+
+    async def scenario() -> tuple[int, Server]:
+        server, stop = _server(plan, _poisoned(plan)), asyncio.Event()
+        task = await _started(server, stop)
+        base = f"http://127.0.0.1:{server.port}"
+        async with aiohttp.ClientSession() as s:
+            await _until_ready(s, base)
+            status, before = await _post(s, f"{base}/v1/completions", greedy)
+            assert status == 200
+            long_body = {"model": "demo", "prompt": "It is a truth", "max_tokens": 400, "temperature": 0}
+            async with s.post(f"{base}/v1/completions", json={**long_body, "stream": True}) as stream:
+                await stream.content.readline()  # the first chunk: the request is being served
+                poisoned = asyncio.create_task(
+                    _post(s, f"{base}/v1/completions", {**greedy, "prompt": "a poison pen", "max_tokens": 30})
+                )
+                while True:  # both slots are taken before the third request comes
+                    async with s.get(f"{base}/v1/status") as r:
+                        slots = (await r.json())["engine"]["slots"]
+                        if all(slot["state"] != "free" for slot in slots) or poisoned.done():
+                            break
+                queued = asyncio.create_task(_post(s, f"{base}/v1/completions", greedy))
+                text = (await stream.read()).decode()
+            assert (
+                '"error"' in text and "a poisoned window" in text and text.rstrip().endswith("data: [DONE]")
+            )
+            status, body = await poisoned
+            assert status == 500
+            message = body["error"]["message"]
+            assert (
+                "the engine failed while running this request" in message and "a poisoned window" in message
+            )
+            status, served = await queued
+            assert status == 200 and served["choices"] == before["choices"]
+            async with s.get(f"{base}/v1/status") as r:
+                recoveries = (await r.json())["recoveries"]
+            assert [(r["ended"], r["error"]) for r in recoveries] == [(2, "RuntimeError: a poisoned window")]
+            async with s.get(f"{base}/metrics") as r:
+                assert "\nstrata_engine_recoveries_total 1\n" in await r.text()
+            async with s.get(f"{base}/health") as r:
+                assert r.status == 200
+            status, after = await _post(s, f"{base}/v1/completions", greedy)
+            assert status == 200 and after["choices"] == before["choices"]
+        stop.set()
+        return await task, server
+
+    code, server = asyncio.run(scenario())
+    assert code == 0
+
+
+def test_a_step_that_fails_again_and_again_ends_the_server_after_serve_recoveries(plan):
+    """Every step fails once a request is served: three failures are recovered from, each ending its request
+    with a 500; the fourth within ten minutes ends the server, with a failure code."""
+
+    async def scenario() -> tuple[int, list[str]]:
+        server = _server(plan, lambda progress: _FailingStep(Engine(plan, progress=progress)))
+        task = await _started(server, asyncio.Event())
+        base = f"http://127.0.0.1:{server.port}"
+        messages = []
+        async with aiohttp.ClientSession() as s:
+            await _until_ready(s, base)
+            for _ in range(4):
+                status, body = await _post(
+                    s, f"{base}/v1/completions", {"model": "demo", "prompt": "hi", "max_tokens": 50}
+                )
+                assert status == 500
+                messages.append(body["error"]["message"])
+        return await asyncio.wait_for(task, 30), messages
+
+    code, messages = asyncio.run(scenario())
+    assert code == 1
+    assert all("the engine failed while running this request" in m for m in messages[:3]), messages
+    assert "the engine failed while stepping (4 times in 10 minutes)" in messages[3], messages
+    assert all("a device fell off the bus" in m for m in messages)
+
+
+class _BreaksItsModel(_Wrapped):
+    """The real engine, whose step, once a request is served, leaves the final norm's weight changed (as a
+    fault that wrote into the model would) and raises."""
+
+    def step(self) -> bool:
+        busy = self._engine.step()
+        if busy and self._engine.totals["tokens"] >= 2:
+            self._engine.model.stages[-1].norm *= 1.5
+            raise RuntimeError("a stray write")
+        return busy
+
+
+def test_a_recovered_engine_whose_self_check_departs_ends_the_server(plan):
+    async def scenario() -> tuple[int, Server]:
+        server = _server(plan, lambda progress: _BreaksItsModel(Engine(plan, progress=progress)))
+        task = await _started(server, asyncio.Event())
+        base = f"http://127.0.0.1:{server.port}"
+        async with aiohttp.ClientSession() as s:
+            await _until_ready(s, base)
+            status, body = await _post(
+                s, f"{base}/v1/completions", {"model": "demo", "prompt": "hi", "max_tokens": 50}
+            )
+            assert status == 500 and "a stray write" in body["error"]["message"]
+        return await asyncio.wait_for(task, 30), server
+
+    code, server = asyncio.run(scenario())
+    assert code == 1
+    assert server.engine is not None and server.engine.recovered == []
+    assert "its self-check departs from what it gave after loading: position" in (server.engine.error or "")
 
 
 class _RefusesFirstByte(_Wrapped):

@@ -10,6 +10,7 @@ from collections.abc import Iterable, Sequence
 
 from ..schema.plan import (
     DEFAULT_DRAFT_FLOOR,
+    DEFAULT_RECOVERIES,
     MIB,
     PREFIX_STORE_PAGE,
     WORKSPACE_PARTS,
@@ -45,6 +46,15 @@ def _slots(ids: Sequence[int]) -> str:
     if len(ids) > 2 and list(ids) == list(range(ids[0], ids[-1] + 1)):
         return f"{ids[0]}-{ids[-1]}"
     return ", ".join(str(i) for i in ids)
+
+
+def _recoveries(n: int) -> str:
+    """``serve.recoveries`` where it is not the default."""
+    if n == DEFAULT_RECOVERIES:
+        return ""
+    if n == 0:
+        return ", exits at a failed step"
+    return f", recovers from {n} failed step{'s' * (n != 1)} in 10 min"
 
 
 def holds_text(stage: StagePlan) -> str:
@@ -242,6 +252,7 @@ def plan_text(plan: LaunchPlan) -> str:
         )
         + (f", browsers from {', '.join(plan.serve.allowed_origins)}" if plan.serve.allowed_origins else "")
         + ("" if plan.serve.warm_up else ", no warm-up")
+        + _recoveries(plan.serve.recoveries)
         if plan.serve
         else "no (one-shot generation profile)"
     )

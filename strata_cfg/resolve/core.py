@@ -285,6 +285,7 @@ def _assemble(
                 model_name=led["serve.model_name"],
                 max_queued=led["serve.max_queued"],
                 warm_up=bool(led["serve.warm_up"]),
+                recoveries=int(led["serve.recoveries"]),
                 allowed_origins=tuple(led["serve.allowed_origins"]),
                 loopback=is_loopback(led["serve.host"]),
             )

@@ -8,7 +8,14 @@ described in docs/PROFILES.md, "How a profile is resolved".
 from __future__ import annotations
 
 from ..schema.facts import MachineFacts, ModelFacts, run_dtype
-from ..schema.plan import DEFAULT_DRAFT_FLOOR, MAX_SWAPS, REBALANCE_EVERY, SCORE_DECAY, SWAP_MARGIN
+from ..schema.plan import (
+    DEFAULT_DRAFT_FLOOR,
+    DEFAULT_RECOVERIES,
+    MAX_SWAPS,
+    REBALANCE_EVERY,
+    SCORE_DECAY,
+    SWAP_MARGIN,
+)
 from ..schema.presets import PRESET_DEFAULTS
 from ..schema.profile import Profile, parse_device
 from ..schema.windows import (
@@ -200,6 +207,7 @@ def resolve_defaults(
         led.take("serve.model_name", sv.model_name, led["name"])
         led.take("serve.max_queued", sv.max_queued, None)
         led.take("serve.warm_up", sv.warm_up, True)
+        led.take("serve.recoveries", sv.recoveries, DEFAULT_RECOVERIES)
         led.take("serve.allowed_origins", tuple(sv.allowed_origins) if sv.allowed_origins else None, ())
 
     sp = p.split

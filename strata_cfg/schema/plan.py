@@ -432,6 +432,10 @@ class HostPlan(_Plan):
         return self.total - self.prefix_store
 
 
+DEFAULT_RECOVERIES = 3
+"""``serve.recoveries`` when the profile leaves it out."""
+
+
 class ServePlan(_Plan):
     host: str
     port: int
@@ -444,6 +448,9 @@ class ServePlan(_Plan):
     max_queued: int | None = None
     """Requests that may wait for a batch slot beyond ``batch.slots`` in flight; one more is answered 429
     (None: no bound)."""
+    recoveries: int = DEFAULT_RECOVERIES
+    """Failed engine steps recovered from within ten minutes, the engine's requests ending with an error;
+    one more ends the server (0: the first does)."""
     loopback: bool = False
     """Whether ``host`` keeps the server on this machine (a loopback address); the engine warns when it
     binds anywhere else without an API key."""

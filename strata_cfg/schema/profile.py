@@ -347,6 +347,11 @@ class ServeSection(Section):
     warm_up: bool | None = None
     """Run every decode window shape before answering, so that the first requests find their CUDA graphs
     captured (default true; nothing to do on CPU devices)."""
+    recoveries: int | None = Field(default=None, ge=0)
+    """Failed engine steps the server recovers from within ten minutes: the requests the engine was running
+    end with an error, the rest are served on, and nothing is loaded again (default 3). One more within the
+    ten minutes, or any that a self-check finds left the model computing something else, ends the server,
+    as a failure to load does; 0 ends it at the first."""
     max_queued: int | None = Field(default=None, ge=0)
     """Requests that may wait for a free batch slot. A generation request that would bring more than
     ``batch.slots`` plus these in flight is answered 429 at once, with ``Retry-After``, instead of waiting

@@ -330,6 +330,7 @@ class Server:
             "uptime_s": round(time.time() - self.started, 3),
             "load_seconds": engine.load_seconds if engine else None,
             "requests_in_flight": engine.in_flight if engine else 0,
+            "recoveries": list(engine.recovered) if engine else [],
             "responses": {**self.kept.counts(), "conversations": len(self.conversations)},
             "engine": stats,
             "experts": expert_cache(stats),
@@ -345,6 +346,7 @@ class Server:
             engine.stats if engine else {},
             ready=bool(engine and engine.state == "ready" and not self.draining),
             in_flight=engine.in_flight if engine else 0,
+            recoveries=len(engine.recovered) if engine else 0,
         )
         return web.Response(
             text=text, content_type="text/plain", charset="utf-8", headers={"X-Format": "0.0.4"}
@@ -644,7 +646,8 @@ class Server:
             stop = asyncio.Event()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, stop.set)
-        self.engine = EngineLoop(self._factory, loop)
+        recoveries = self.plan.serve.recoveries if self.plan.serve is not None else 0
+        self.engine = EngineLoop(self._factory, loop, recoveries)
         self.engine.start()
         failed = asyncio.ensure_future(self._wait_failed())
         stopped = asyncio.ensure_future(stop.wait())

@@ -15,6 +15,7 @@ import queue
 import threading
 import time
 import traceback
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
@@ -29,6 +30,9 @@ STATS_EVERY_S = 0.05
 """How stale ``/v1/status`` and ``/metrics`` may be while the engine is busy."""
 IDLE_WAIT_S = 0.25
 """How long the idle engine thread sleeps between looks at its queue (`submit` and `cancel` wake it)."""
+RECOVERY_PERIOD_S = 600.0
+"""The window in which ``serve.recoveries`` failed steps are recovered from: one more within it ends the
+server (`EngineLoop._recover`)."""
 
 
 class Stream:
@@ -131,9 +135,15 @@ class LoadProgress:
 class EngineLoop:
     """Owns the engine thread: load, step loop, progress, failure, and stop."""
 
-    def __init__(self, factory: EngineFactory, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, factory: EngineFactory, loop: asyncio.AbstractEventLoop, recoveries: int = 0) -> None:
         self._factory = factory
         self._loop = loop
+        self.recoveries = recoveries
+        """Failed steps recovered from within `RECOVERY_PERIOD_S` at most (``serve.recoveries``); 0: the first
+        failed step ends the server."""
+        self.recovered: list[dict[str, Any]] = []
+        """Each recovery: when (Unix time), the step's error, and the requests it ended."""
+        self._failed_at: deque[float] = deque()
         self.engine: EngineCore | None = None
         self.state: LoadState = "loading"
         self.loading = LoadProgress()
@@ -198,6 +208,12 @@ class EngineLoop:
         except BaseException as exc:  # a load failure of any kind must reach the server, not kill the thread
             self._fail("the engine failed to load", exc)
             return
+        if self.recoveries:
+            try:  # what the model gives now, sound: a recovered engine must give the same
+                self.engine.self_check()
+            except BaseException as exc:
+                self._fail("the engine failed its self-check after loading", exc)
+                return
         self.load_seconds = time.monotonic() - started
         self.state = "ready"
         log.info("engine ready in %.1f s", self.load_seconds)
@@ -213,6 +229,9 @@ class EngineLoop:
                 if self._changed or not busy or now - taken >= STATS_EVERY_S:
                     self._changed = False
                     self.stats, taken = self.engine.stats(), now
+            except Exception as exc:
+                if not self._recover(exc):
+                    return
             except BaseException as exc:
                 self._fail("the engine failed while stepping", exc)
                 return
@@ -223,6 +242,56 @@ class EngineLoop:
             if not busy:
                 self._wake.wait(IDLE_WAIT_S)
                 self._wake.clear()
+
+    def _recover(self, exc: Exception) -> bool:
+        """A step raised ``exc``: end the requests the engine was running, bring it back
+        (`EngineCore.recover`) and check that the model gives what it gave after loading
+        (`EngineCore.self_check`). False (the server then ends, as after a failed load) where recovery is
+        off, the step failed more than ``recoveries`` times within `RECOVERY_PERIOD_S`, or the engine cannot
+        go on."""
+        assert self.engine is not None
+        now = time.monotonic()
+        while self._failed_at and now - self._failed_at[0] > RECOVERY_PERIOD_S:
+            self._failed_at.popleft()
+        self._failed_at.append(now)
+        if len(self._failed_at) > self.recoveries:
+            what = "the engine failed while stepping"
+            if self.recoveries:
+                what += f" ({len(self._failed_at)} times in {RECOVERY_PERIOD_S / 60:.0f} minutes)"
+            self._fail(what, exc)
+            return False
+        log.error(
+            "the engine failed while stepping; ending the requests it runs and recovering\n%s",
+            "".join(traceback.format_exception(exc)).rstrip(),
+        )
+        try:
+            ended = self.engine.recover(exc)
+            problem = self.engine.self_check()
+        except BaseException as again:
+            self._fail(
+                f"the engine failed while stepping ({type(exc).__name__}: {exc}), then while recovering",
+                again,
+            )
+            return False
+        if problem is not None:
+            self._fail(
+                "the engine failed while stepping, and after recovering its self-check departs from what it "
+                f"gave after loading: {problem}",
+                exc,
+            )
+            return False
+        self.recovered.append({"at": time.time(), "error": f"{type(exc).__name__}: {exc}", "ended": ended})
+        log.warning(
+            "recovered from a failed step: %d request(s) ended with an error; the self-check agrees with "
+            "the start (%d of %d recoveries in %.0f minutes used)",
+            ended,
+            len(self._failed_at),
+            self.recoveries,
+            RECOVERY_PERIOD_S / 60,
+        )
+        self._changed = True
+        self._schedule_pump()
+        return True
 
     def _fail(self, what: str, exc: BaseException) -> None:
         self.error = f"{what}: {type(exc).__name__}: {exc}"

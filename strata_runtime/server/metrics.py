@@ -292,11 +292,24 @@ def _head(name: str, kind: str, help_: str) -> list[str]:
     return [f"# HELP {name} {help_}", f"# TYPE {name} {kind}"]
 
 
-def render(counters: ServerCounters, engine_stats: dict[str, Any], *, ready: bool, in_flight: int) -> str:
+def render(
+    counters: ServerCounters,
+    engine_stats: dict[str, Any],
+    *,
+    ready: bool,
+    in_flight: int,
+    recoveries: int = 0,
+) -> str:
     """The whole ``/metrics`` page."""
     out: list[str] = []
     out += _head("strata_ready", "gauge", "1 once the model is loaded and serving.")
     out.append(_line("strata_ready", int(ready)))
+    out += _head(
+        "strata_engine_recoveries_total",
+        "counter",
+        "Failed engine steps recovered from (serve.recoveries); their requests ended with an error.",
+    )
+    out.append(_line("strata_engine_recoveries_total", recoveries))
     out += _head("strata_requests_in_flight", "gauge", "HTTP generation requests being served or queued.")
     out.append(_line("strata_requests_in_flight", in_flight))
     out += _head("strata_requests_total", "counter", "HTTP generation requests by endpoint and outcome.")
