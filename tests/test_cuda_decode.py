@@ -347,6 +347,52 @@ def test_windows_running_ahead_on_gpu_give_the_text_of_windows_one_at_a_time(cp,
         assert all(len(t) == 30 for t in texts[0])
 
 
+@pytest.mark.parametrize(("split", "slots", "batch_mtp"), [(None, 3, False), (2, 2, True), (None, 1, False)])
+def test_a_failed_step_on_gpu_is_recovered_from_and_the_self_check_agrees(cp, split, slots, batch_mtp):
+    """A fault planted in the host's queuing of a window, while windows run ahead on the streams: `recover`
+    waits for the GPU, ends the admitted requests, and the queued ones get their greedy text; the self-check
+    agrees with its first reading (the GPU's windows of other row counts stay within its tolerance), and
+    finds the final norm's weight scaled."""
+    from strata_runtime.api import Request
+    from strata_runtime.engine import Engine
+
+    g = np.random.default_rng(24)
+    prompts = [g.integers(1, 250, int(n)).tolist() for n in g.integers(3, 30, slots + 2)]
+    draft = 4 if batch_mtp or slots == 1 else 0
+    plan = _plan(cp, model="tiny", slots=slots, split=split, batch_mtp=batch_mtp, draft_tokens=draft)
+    alone = [_generate(plan, [p])[0][0] for p in prompts]
+    engine = Engine(plan)
+    assert engine.self_check() is None
+    handles = [engine.submit(Request(tuple(p), 24)) for p in prompts]
+    launch, calls = engine.executor.launch, [0]
+
+    def planted(job, after=None):
+        calls[0] += 1
+        if calls[0] == 6:
+            raise RuntimeError("planted")
+        return launch(job, after)
+
+    engine.executor.launch = planted
+    with pytest.raises(RuntimeError, match="planted"):
+        while engine.step():
+            pass
+    del engine.executor.launch
+    assert engine.recover(RuntimeError("planted")) >= 1
+    assert engine.self_check() is None
+    while engine.step():
+        pass
+    for h, text in zip(handles, alone, strict=True):
+        events = list(h.events.queue)
+        if events[-1].finished == "error":
+            assert "planted" in events[-1].error
+        else:
+            assert [t for ev in events for t in ev.token_ids] == text
+    assert sum(list(h.events.queue)[-1].finished != "error" for h in handles) >= 2
+    norm = engine.model.stages[-1].norm
+    norm *= 1.5
+    assert (engine.self_check() or "").startswith("position")
+
+
 def test_a_think_budget_on_gpu_closes_the_block_where_it_runs_out_while_windows_run_ahead(cp):
     """Greedy replies whose prompt opened a think block, with budgets and no grammar, serial and drafting
     (solo windows decided on the GPU), three windows running ahead: each block is the free reply's first
