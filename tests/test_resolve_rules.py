@@ -1138,6 +1138,24 @@ def test_serve_max_queued_reaches_the_plan_and_its_text_and_a_negative_one_is_re
     assert p.key == "serve.max_queued" and "greater than or equal to 0" in p.message
 
 
+def test_serve_recoveries_and_step_timeout_reach_the_plan_and_its_text_and_negatives_are_refused():
+    from strata_cfg.report.plan_text import plan_text
+
+    default = plan_of(rule_file("serve.exposed"))
+    assert default.serve is not None
+    assert (default.serve.recoveries, default.serve.step_timeout_s) == (3, 300.0)
+    serve_line = next(line for line in plan_text(default).splitlines() if "http://" in line)
+    assert "recover" not in serve_line and "step" not in serve_line
+    plan = plan_of(rule_file("serve.exposed"), ["serve.recoveries=5", "serve.step_timeout_s=45"])
+    assert plan.serve is not None and (plan.serve.recoveries, plan.serve.step_timeout_s) == (5, 45.0)
+    assert ", recovers from 5 failed steps in 10 min, a step hung after 45 s" in plan_text(plan)
+    off = plan_of(rule_file("serve.exposed"), ["serve.recoveries=0", "serve.step_timeout_s=0"])
+    assert ", exits at a failed step, no step timeout" in plan_text(off)
+    for key in ("serve.recoveries", "serve.step_timeout_s"):
+        [p] = problems_of(rule_file("serve.exposed"), sets=[f"{key}=-1"])
+        assert p.key == key and "greater than or equal to 0" in p.message
+
+
 def test_the_launch_summary_says_how_many_requests_may_wait():
     from strata_cfg.launch.summary import summary
 

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from typing import Any
 
 import aiohttp
@@ -288,6 +289,74 @@ def test_a_recovered_engine_whose_self_check_departs_ends_the_server(plan):
     assert code == 1
     assert server.engine is not None and server.engine.recovered == []
     assert "its self-check departs from what it gave after loading: position" in (server.engine.error or "")
+
+
+class _Hangs(_Wrapped):
+    """The real engine, whose step blocks (as on a hung GPU) once a request is served, until released."""
+
+    def __init__(self, engine: Engine, release: threading.Event) -> None:
+        super().__init__(engine)
+        self.release = release
+
+    def step(self) -> bool:
+        busy = self._engine.step()
+        if busy and self._engine.totals["tokens"] >= 2:
+            self.release.wait(60)
+        return busy
+
+
+def test_a_step_that_hangs_past_serve_step_timeout_s_ends_the_server_with_its_stack_in_the_log(plan, caplog):
+    plan = plan.model_copy(update={"serve": plan.serve.model_copy(update={"step_timeout_s": 0.5})})
+    release = threading.Event()
+
+    async def scenario() -> tuple[int, Server, float]:
+        server = _server(plan, lambda progress: _Hangs(Engine(plan, progress=progress), release))
+        task = await _started(server, asyncio.Event())
+        base = f"http://127.0.0.1:{server.port}"
+        async with aiohttp.ClientSession() as s:
+            await _until_ready(s, base)
+            asked = time.monotonic()
+            status, body = await _post(
+                s, f"{base}/v1/completions", {"model": "demo", "prompt": "hi", "max_tokens": 50}
+            )
+            waited = time.monotonic() - asked
+            assert status == 500 and "has not returned for 0.5 s" in body["error"]["message"]
+        return await asyncio.wait_for(task, 30), server, waited
+
+    try:
+        code, server, waited = asyncio.run(scenario())
+    finally:
+        release.set()
+    assert code == 1 and 0.5 <= waited < 10
+    assert server.engine is not None and "serve.step_timeout_s" in (server.engine.error or "")
+    assert "the engine thread, where it hangs" in caplog.text and "in step" in caplog.text
+
+
+def test_a_slow_step_within_serve_step_timeout_s_is_not_taken_for_a_hang(plan):
+    """Steps of 0.2 s under a bound of 1 s: every request is served, and the server stops cleanly."""
+    plan = plan.model_copy(update={"serve": plan.serve.model_copy(update={"step_timeout_s": 1.0})})
+
+    class Slow(_Wrapped):
+        def step(self) -> bool:
+            busy = self._engine.step()
+            if busy:
+                time.sleep(0.2)
+            return busy
+
+    async def scenario() -> int:
+        server, stop = _server(plan, lambda progress: Slow(Engine(plan, progress=progress))), asyncio.Event()
+        task = await _started(server, stop)
+        base = f"http://127.0.0.1:{server.port}"
+        async with aiohttp.ClientSession() as s:
+            await _until_ready(s, base)
+            status, body = await _post(
+                s, f"{base}/v1/completions", {"model": "demo", "prompt": "hi", "max_tokens": 12}
+            )
+            assert status == 200 and body["usage"]["completion_tokens"] == 12
+        stop.set()
+        return await task
+
+    assert asyncio.run(scenario()) == 0
 
 
 class _RefusesFirstByte(_Wrapped):

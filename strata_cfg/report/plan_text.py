@@ -11,6 +11,7 @@ from collections.abc import Iterable, Sequence
 from ..schema.plan import (
     DEFAULT_DRAFT_FLOOR,
     DEFAULT_RECOVERIES,
+    DEFAULT_STEP_TIMEOUT_S,
     MIB,
     PREFIX_STORE_PAGE,
     WORKSPACE_PARTS,
@@ -55,6 +56,13 @@ def _recoveries(n: int) -> str:
     if n == 0:
         return ", exits at a failed step"
     return f", recovers from {n} failed step{'s' * (n != 1)} in 10 min"
+
+
+def _step_timeout(seconds: float) -> str:
+    """``serve.step_timeout_s`` where it is not the default."""
+    if seconds == DEFAULT_STEP_TIMEOUT_S:
+        return ""
+    return ", no step timeout" if seconds == 0 else f", a step hung after {seconds:g} s"
 
 
 def holds_text(stage: StagePlan) -> str:
@@ -253,6 +261,7 @@ def plan_text(plan: LaunchPlan) -> str:
         + (f", browsers from {', '.join(plan.serve.allowed_origins)}" if plan.serve.allowed_origins else "")
         + ("" if plan.serve.warm_up else ", no warm-up")
         + _recoveries(plan.serve.recoveries)
+        + _step_timeout(plan.serve.step_timeout_s)
         if plan.serve
         else "no (one-shot generation profile)"
     )

@@ -286,6 +286,7 @@ def _assemble(
                 max_queued=led["serve.max_queued"],
                 warm_up=bool(led["serve.warm_up"]),
                 recoveries=int(led["serve.recoveries"]),
+                step_timeout_s=float(led["serve.step_timeout_s"]),
                 allowed_origins=tuple(led["serve.allowed_origins"]),
                 loopback=is_loopback(led["serve.host"]),
             )

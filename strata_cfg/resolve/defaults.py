@@ -11,6 +11,7 @@ from ..schema.facts import MachineFacts, ModelFacts, run_dtype
 from ..schema.plan import (
     DEFAULT_DRAFT_FLOOR,
     DEFAULT_RECOVERIES,
+    DEFAULT_STEP_TIMEOUT_S,
     MAX_SWAPS,
     REBALANCE_EVERY,
     SCORE_DECAY,
@@ -208,6 +209,7 @@ def resolve_defaults(
         led.take("serve.max_queued", sv.max_queued, None)
         led.take("serve.warm_up", sv.warm_up, True)
         led.take("serve.recoveries", sv.recoveries, DEFAULT_RECOVERIES)
+        led.take("serve.step_timeout_s", sv.step_timeout_s, DEFAULT_STEP_TIMEOUT_S)
         led.take("serve.allowed_origins", tuple(sv.allowed_origins) if sv.allowed_origins else None, ())
 
     sp = p.split

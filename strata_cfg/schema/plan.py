@@ -434,6 +434,8 @@ class HostPlan(_Plan):
 
 DEFAULT_RECOVERIES = 3
 """``serve.recoveries`` when the profile leaves it out."""
+DEFAULT_STEP_TIMEOUT_S = 300.0
+"""``serve.step_timeout_s`` when the profile leaves it out."""
 
 
 class ServePlan(_Plan):
@@ -451,6 +453,8 @@ class ServePlan(_Plan):
     recoveries: int = DEFAULT_RECOVERIES
     """Failed engine steps recovered from within ten minutes, the engine's requests ending with an error;
     one more ends the server (0: the first does)."""
+    step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S
+    """Seconds a step may take before the server counts the engine as hung and ends (0: never)."""
     loopback: bool = False
     """Whether ``host`` keeps the server on this machine (a loopback address); the engine warns when it
     binds anywhere else without an API key."""

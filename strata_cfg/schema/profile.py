@@ -352,6 +352,10 @@ class ServeSection(Section):
     end with an error, the rest are served on, and nothing is loaded again (default 3). One more within the
     ten minutes, or any that a self-check finds left the model computing something else, ends the server,
     as a failure to load does; 0 ends it at the first."""
+    step_timeout_s: float | None = Field(default=None, ge=0)
+    """Seconds one step of the engine may take before the server counts it as hung and ends, so that its
+    supervisor starts it again (default 300; 0: never). A GPU or kernel that hangs never gives the step
+    back: without this, ``/health`` would say ready while nothing is served."""
     max_queued: int | None = Field(default=None, ge=0)
     """Requests that may wait for a free batch slot. A generation request that would bring more than
     ``batch.slots`` plus these in flight is answered 429 at once, with ``Retry-After``, instead of waiting

@@ -646,8 +646,9 @@ class Server:
             stop = asyncio.Event()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, stop.set)
-        recoveries = self.plan.serve.recoveries if self.plan.serve is not None else 0
-        self.engine = EngineLoop(self._factory, loop, recoveries)
+        serve = self.plan.serve
+        recoveries, timeout = (serve.recoveries, serve.step_timeout_s) if serve is not None else (0, 0.0)
+        self.engine = EngineLoop(self._factory, loop, recoveries, timeout)
         self.engine.start()
         failed = asyncio.ensure_future(self._wait_failed())
         stopped = asyncio.ensure_future(stop.wait())

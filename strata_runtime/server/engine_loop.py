@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import sys
 import threading
 import time
 import traceback
@@ -30,6 +31,8 @@ STATS_EVERY_S = 0.05
 """How stale ``/v1/status`` and ``/metrics`` may be while the engine is busy."""
 IDLE_WAIT_S = 0.25
 """How long the idle engine thread sleeps between looks at its queue (`submit` and `cancel` wake it)."""
+WATCH_EVERY_S = 1.0
+"""How often the watchdog looks at the step in progress (at most; a quarter of a shorter timeout)."""
 RECOVERY_PERIOD_S = 600.0
 """The window in which ``serve.recoveries`` failed steps are recovered from: one more within it ends the
 server (`EngineLoop._recover`)."""
@@ -135,9 +138,20 @@ class LoadProgress:
 class EngineLoop:
     """Owns the engine thread: load, step loop, progress, failure, and stop."""
 
-    def __init__(self, factory: EngineFactory, loop: asyncio.AbstractEventLoop, recoveries: int = 0) -> None:
+    def __init__(
+        self,
+        factory: EngineFactory,
+        loop: asyncio.AbstractEventLoop,
+        recoveries: int = 0,
+        step_timeout_s: float = 0.0,
+    ) -> None:
         self._factory = factory
         self._loop = loop
+        self.step_timeout_s = step_timeout_s
+        """Seconds a step (or a recovery) may take before the watchdog counts the engine as hung and fails
+        it (``serve.step_timeout_s``); 0: no watchdog."""
+        self._busy_since: float | None = None
+        """When the step (or recovery, or self-check) in progress began; None between them."""
         self.recoveries = recoveries
         """Failed steps recovered from within `RECOVERY_PERIOD_S` at most (``serve.recoveries``); 0: the first
         failed step ends the server."""
@@ -165,6 +179,8 @@ class EngineLoop:
 
     def start(self) -> None:
         self._thread.start()
+        if self.step_timeout_s > 0:
+            threading.Thread(target=self._watch, name="strata-watchdog", daemon=True).start()
 
     def submit(self, request: Request) -> Stream:
         assert self.engine is not None and self.state == "ready"
@@ -177,6 +193,10 @@ class EngineLoop:
     def forget(self, stream: Stream) -> None:
         self._streams.discard(stream)
         self._changed = True
+
+    @property
+    def failed(self) -> bool:
+        return self.state == "failed"
 
     @property
     def in_flight(self) -> int:
@@ -210,18 +230,25 @@ class EngineLoop:
             return
         if self.recoveries:
             try:  # what the model gives now, sound: a recovered engine must give the same
+                self._busy_since = time.monotonic()
                 self.engine.self_check()
             except BaseException as exc:
                 self._fail("the engine failed its self-check after loading", exc)
                 return
+            finally:
+                self._busy_since = None
         self.load_seconds = time.monotonic() - started
         self.state = "ready"
         log.info("engine ready in %.1f s", self.load_seconds)
         self._loop.call_soon_threadsafe(self.settled.set)
         taken = time.monotonic()
-        while not self._stop.is_set():
+        while not self._stop.is_set() and not self.failed:  # the watchdog may have failed it
             try:
+                self._busy_since = time.monotonic()
                 busy = self.engine.step()
+                self._busy_since = None
+                if self.failed:  # the watchdog gave the step up for hung: the server is ending
+                    return
                 # Statistics are a few dictionaries per slot and window: taken after a step that admitted
                 # or released a request, after an idle one, and otherwise at most every STATS_EVERY_S
                 # (windows can be a millisecond).
@@ -264,9 +291,10 @@ class EngineLoop:
             "the engine failed while stepping; ending the requests it runs and recovering\n%s",
             "".join(traceback.format_exception(exc)).rstrip(),
         )
-        try:
+        try:  # watched as the step was: ``_busy_since`` is still the failed step's start
             ended = self.engine.recover(exc)
             problem = self.engine.self_check()
+            self._busy_since = None
         except BaseException as again:
             self._fail(
                 f"the engine failed while stepping ({type(exc).__name__}: {exc}), then while recovering",
@@ -293,9 +321,30 @@ class EngineLoop:
         self._schedule_pump()
         return True
 
-    def _fail(self, what: str, exc: BaseException) -> None:
-        self.error = f"{what}: {type(exc).__name__}: {exc}"
-        log.error("%s\n%s", what, "".join(traceback.format_exception(exc)).rstrip())
+    def _watch(self) -> None:
+        """The watchdog's thread: fail the engine where a step has not returned within `step_timeout_s`. A
+        GPU or kernel that hangs never gives the step back, and nothing else would end the server: its
+        ``/health`` would say ready while nothing is served. The engine thread's stack goes to the log."""
+        every = min(WATCH_EVERY_S, self.step_timeout_s / 4)
+        while not self._stop.wait(every) and self.state != "failed":
+            since = self._busy_since
+            if since is None or time.monotonic() - since <= self.step_timeout_s:
+                continue
+            frame = sys._current_frames().get(self._thread.ident or -1)
+            stack = "".join(traceback.format_stack(frame)).rstrip() if frame is not None else "(gone)"
+            self._fail(
+                f"the engine's step has not returned for {self.step_timeout_s:g} s (serve.step_timeout_s): "
+                "a GPU or kernel hangs, or a step is far slower than it should be; the server ends so that "
+                "its supervisor starts it again",
+                stack=f"the engine thread, where it hangs:\n{stack}",
+            )
+            return
+
+    def _fail(self, what: str, exc: BaseException | None = None, stack: str | None = None) -> None:
+        self.error = what if exc is None else f"{what}: {type(exc).__name__}: {exc}"
+        if exc is not None:
+            stack = "".join(traceback.format_exception(exc)).rstrip()
+        log.error("%s\n%s", what, stack)
         log.error("%s", self.error)
         self.state = "failed"
         try:
@@ -307,7 +356,10 @@ class EngineLoop:
     def _schedule_pump(self) -> None:
         if not self._pump_scheduled:
             self._pump_scheduled = True
-            self._loop.call_soon_threadsafe(self._pump)
+            try:
+                self._loop.call_soon_threadsafe(self._pump)
+            except RuntimeError:  # the event loop is closed: the server has ended, nobody is waiting
+                pass
 
     def _pump(self) -> None:
         self._pump_scheduled = False
