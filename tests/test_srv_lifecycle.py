@@ -329,7 +329,73 @@ def test_a_step_that_hangs_past_serve_step_timeout_s_ends_the_server_with_its_st
         release.set()
     assert code == 1 and 0.5 <= waited < 10
     assert server.engine is not None and "serve.step_timeout_s" in (server.engine.error or "")
+    assert server.engine.hung
     assert "the engine thread, where it hangs" in caplog.text and "in step" in caplog.text
+
+
+HANGING_SERVE = """
+import atexit, sys, threading
+from strata_runtime.__main__ import main
+from strata_runtime.commands import serve
+from strata_runtime.engine import Engine
+
+forever = threading.Event()
+atexit.register(forever.wait)  # as an exit handler that waits on the hung device would
+
+
+class Hangs:
+    def __init__(self, engine):
+        self.engine, self.tokenizer = engine, engine.tokenizer
+        self.submit, self.stats = engine.submit, engine.stats
+        self.recover, self.self_check = engine.recover, engine.self_check
+
+    def step(self):
+        busy = self.engine.step()
+        if busy and self.engine.totals["tokens"] >= 2:
+            forever.wait()
+        return busy
+
+
+serve._factory = lambda plan: lambda progress: Hangs(Engine(plan, progress=progress))
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_the_serve_process_whose_step_hangs_exits_with_1_past_exit_handlers_that_would_wait(plan, tmp_path):
+    """`strata serve` ends the process itself once the watchdog has given a step up: its engine thread is
+    still blocked, and an exit handler may wait on the same device."""
+    plan = plan.model_copy(update={"serve": plan.serve.model_copy(update={"step_timeout_s": 0.5})})
+    port = free_port()
+    plan_file = str(write_plan(plan, tmp_path / "plan.json"))
+    command = [sys.executable, "-c", HANGING_SERVE, "serve", "--plan", plan_file, "--port", str(port)]
+    proc = subprocess.Popen(command, cwd=REPO, stderr=subprocess.PIPE, text=True)
+
+    async def ask() -> tuple[int, dict[str, Any]]:
+        base = f"http://127.0.0.1:{port}"
+        async with aiohttp.ClientSession() as s:
+            await _until_ready_or_gone(s, base)
+            body = {"model": "demo", "prompt": "hi", "max_tokens": 9}
+            return await _post(s, f"{base}/v1/completions", body)
+
+    try:
+        status, body = asyncio.run(ask())
+        assert proc.wait(timeout=30) == 1
+    finally:
+        proc.kill()
+    assert status == 500 and "has not returned" in body["error"]["message"]
+    assert "the engine thread, where it hangs" in proc.stderr.read()
+
+
+async def _until_ready_or_gone(session: aiohttp.ClientSession, base: str) -> None:
+    for _ in range(1200):
+        try:
+            async with session.get(f"{base}/health") as r:
+                if r.status == 200:
+                    return
+        except aiohttp.ClientConnectionError:
+            pass
+        await asyncio.sleep(0.05)
+    raise AssertionError("the server was not ready within a minute")
 
 
 def test_a_slow_step_within_serve_step_timeout_s_is_not_taken_for_a_hang(plan):

@@ -119,4 +119,11 @@ def run(args: argparse.Namespace) -> int:
     warning = exposure_warning(plan, options.host, options.api_key)
     if warning:
         log.warning("%s", warning)
-    return asyncio.run(Server(plan, _factory(plan), options).serve())
+    server = Server(plan, _factory(plan), options)
+    code = asyncio.run(server.serve())
+    if server.engine is not None and server.engine.hung:
+        # The engine thread is still blocked on its device: leave without the interpreter's exit handlers,
+        # which may wait on that device too (a pool freeing its memory), so the supervisor sees the exit.
+        logging.shutdown()
+        os._exit(code)
+    return code

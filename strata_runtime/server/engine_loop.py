@@ -10,6 +10,7 @@ thread-safe queue.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import sys
@@ -152,6 +153,8 @@ class EngineLoop:
         it (``serve.step_timeout_s``); 0: no watchdog."""
         self._busy_since: float | None = None
         """When the step (or recovery, or self-check) in progress began; None between them."""
+        self.hung = False
+        """The watchdog failed the engine: its thread is still blocked in a step."""
         self.recoveries = recoveries
         """Failed steps recovered from within `RECOVERY_PERIOD_S` at most (``serve.recoveries``); 0: the first
         failed step ends the server."""
@@ -332,6 +335,7 @@ class EngineLoop:
                 continue
             frame = sys._current_frames().get(self._thread.ident or -1)
             stack = "".join(traceback.format_stack(frame)).rstrip() if frame is not None else "(gone)"
+            self.hung = True
             self._fail(
                 f"the engine's step has not returned for {self.step_timeout_s:g} s (serve.step_timeout_s): "
                 "a GPU or kernel hangs, or a step is far slower than it should be; the server ends so that "
@@ -356,10 +360,8 @@ class EngineLoop:
     def _schedule_pump(self) -> None:
         if not self._pump_scheduled:
             self._pump_scheduled = True
-            try:
+            with contextlib.suppress(RuntimeError):  # a closed event loop: the server ended, nobody waits
                 self._loop.call_soon_threadsafe(self._pump)
-            except RuntimeError:  # the event loop is closed: the server has ended, nobody is waiting
-                pass
 
     def _pump(self) -> None:
         self._pump_scheduled = False
