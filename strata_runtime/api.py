@@ -95,6 +95,11 @@ class Request:
     order of arrival among equals). A request already in a slot keeps it."""
 
 
+ADJUST_MOST = 1e30
+"""The largest logit bias or penalty, in magnitude, `sampling_problem` lets through: logits are adjusted in
+float32 (a penalty once per time its token came, up to a context's length), where a larger one overflows to
+infinity and the distribution to NaN. A bias of 1e30 bans or forces a token as surely as OpenAI's 100."""
+
 MAX_TOP_LOGPROBS = 20
 """The most alternatives a request may ask the log-probabilities of, at each place (vLLM's default bound;
 the command line's ``--logprobs`` takes the same)."""
@@ -143,11 +148,12 @@ def sampling_problem(s: SamplingParams) -> str | None:
     if s.seed is not None and (not _whole(s.seed) or s.seed < 0):
         return f"seed: None or a whole number at least 0, not {s.seed!r}"
     for name in ("presence_penalty", "frequency_penalty"):
-        if not _finite(getattr(s, name)):
-            return f"{name}: a finite number, not {getattr(s, name)!r}"
+        v = getattr(s, name)
+        if not _finite(v) or abs(v) > ADJUST_MOST:
+            return f"{name}: a number of magnitude at most {ADJUST_MOST:g} (float32 logits), not {v!r}"
     for pair in s.logit_bias:
-        if len(pair) != 2 or not _whole(pair[0]) or not _finite(pair[1]):
-            return f"logit_bias: (token id, finite bias) pairs, not {pair!r}"
+        if len(pair) != 2 or not _whole(pair[0]) or not _finite(pair[1]) or abs(pair[1]) > ADJUST_MOST:
+            return f"logit_bias: (token id, bias of magnitude at most {ADJUST_MOST:g}) pairs, not {pair!r}"
     for name in ("logprobs", "prompt_logprobs"):
         v = getattr(s, name)
         if v is not None and (not _whole(v) or not 0 <= v <= MAX_TOP_LOGPROBS):

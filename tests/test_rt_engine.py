@@ -329,6 +329,9 @@ NAN, INF = float("nan"), float("inf")
         (SamplingParams(presence_penalty=INF), "presence_penalty"),
         (SamplingParams(frequency_penalty=NAN), "frequency_penalty"),
         (SamplingParams(logit_bias=((5, NAN),)), "logit_bias"),
+        (SamplingParams(logit_bias=((5, 1e300),), temperature=0.8), "logit_bias"),
+        (SamplingParams(frequency_penalty=-1e31), "frequency_penalty"),
+        (SamplingParams(presence_penalty=3e38), "presence_penalty"),
         (SamplingParams(logprobs=1000), "logprobs"),
         (SamplingParams(prompt_logprobs=-1), "prompt_logprobs"),
     ],
@@ -338,6 +341,19 @@ def test_sampling_no_chooser_can_run_is_an_error_event_and_the_engine_serves_on(
     failed the engine's step, a NaN temperature or bias chose nonsense. Each is an error event naming the
     field, and the next request decodes as it would have."""
     _refused_then_serves(Request(tuple(b"hello"), 4, sampling), field)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_the_largest_bias_and_penalty_the_engine_takes_choose_as_they_say_sampled_too(temperature) -> None:
+    """A bias of 1e30 forces its token and a frequency penalty of -1e30 repeats the first token, in float32
+    arithmetic, greedy or sampled (at 1e300 the sampled distribution was NaN and chose other tokens)."""
+    eng = engine(2, "batch-mtp")
+    forced = SamplingParams(temperature=temperature, seed=3, logit_bias=((5, 1e30), (6, -1e30)))
+    repeats = SamplingParams(temperature=temperature, seed=4, frequency_penalty=-1e30)
+    requests = [Request(tuple(b"hello"), 8, forced), Request(tuple(b"world"), 8, repeats)]
+    (a, b) = collect(eng, [(0, r) for r in requests])
+    assert a == [5] * 8
+    assert b == [b[0]] * 8
 
 
 @pytest.mark.parametrize(
