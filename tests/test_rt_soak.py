@@ -52,6 +52,7 @@ from strata_runtime.structured import json_grammar
 from strata_runtime.weights.tokenizer import ByteTokenizer
 
 SCENARIOS = int(os.environ.get("STRATA_SOAK_SCENARIOS", "48"))
+FAULT_SCENARIOS = int(os.environ.get("STRATA_SOAK_FAULT_SCENARIOS", "24"))
 GPU_SCENARIOS = int(os.environ.get("STRATA_SOAK_GPU_SCENARIOS", "24"))
 FIRST = int(os.environ.get("STRATA_SOAK_FROM", "0"))
 
@@ -304,10 +305,49 @@ def assert_kv_within_flights(eng: Engine) -> None:
         assert all(base <= n <= base + rows for n in lengths), (i, base, rows, lengths)
 
 
-def run(eng: Engine, arrivals: tuple[Arrival, ...]) -> list[Reply]:
+class Planted(RuntimeError):
+    """A fault a scenario plants in the engine (`plant`)."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    where: str
+    """``launch`` (the host queuing a window) or ``forward`` (a stage's layers, while a window runs)."""
+    stage: int
+    at: int
+    """The call, from 1, that raises."""
+
+
+def draw_fault(s: Scenario) -> Fault:
+    g = random.Random(f"{s.number} fault")
+    return Fault(g.choice(["launch", "forward"]), g.randrange(s.stages), g.randint(1, 14))
+
+
+def plant(eng: Engine, fault: Fault) -> list[int]:
+    """Make ``fault``'s call raise `Planted`, once; returns the calls counted so far (`unplant` takes it
+    out)."""
+    owner: Any = eng.executor if fault.where == "launch" else eng.model.stages[fault.stage]
+    real, calls = getattr(owner, fault.where), [0]
+
+    def planted(*args: Any, **kw: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == fault.at:
+            raise Planted(f"planted in {fault.where} at call {fault.at}")
+        return real(*args, **kw)
+
+    setattr(owner, fault.where, planted)
+    return calls
+
+
+def unplant(eng: Engine, fault: Fault) -> None:
+    delattr(eng.executor if fault.where == "launch" else eng.model.stages[fault.stage], fault.where)
+
+
+def run(eng: Engine, arrivals: tuple[Arrival, ...], ended: set[int] | None = None) -> list[Reply]:
     """Submit and cancel each request at its step, run to the end, checking the KV after every step (on GPUs
     with pipelined groups, within the windows in flight: `assert_kv_within_flights`; once every request has
-    finished, exactly)."""
+    finished, exactly). With ``ended``, a step that raises `Planted` is recovered from (`Engine.recover`),
+    and the arrivals whose requests held a slot then are added to it; without, it fails the run."""
     threaded = eng.pipelined and any(stage.device.is_cuda for stage in eng.model.stages)
     check_kv = assert_kv_within_flights if threaded else assert_kv_consistent
     handles: list[RequestHandle | None] = [None] * len(arrivals)
@@ -320,10 +360,20 @@ def run(eng: Engine, arrivals: tuple[Arrival, ...]) -> list[Reply]:
             handle = handles[i]
             if handle is not None and a.cancel_at is not None and a.cancel_at <= step:
                 handle.cancel()
-        busy = eng.step()
+        try:
+            busy = eng.step()
+        except Planted as exc:
+            if ended is None:
+                raise
+            held = {id(slot.handle) for slot in eng.slots if slot is not None and slot.finished is None}
+            ended |= {i for i, h in enumerate(handles) if id(h) in held}
+            assert eng.recover(exc) == len(held)
+            assert eng.self_check() is None, "the model computes what it did at start"
+            busy = True
         step += 1
         assert step < 20_000, "the engine keeps stepping"
-        check_kv(eng)
+        if not any(f.error is not None for f in (*eng._chain, *eng._flights)):  # (a failed window's
+            check_kv(eng)  # stages hold what they wrote before it failed, until its finish raises)
         for handle, reply in zip(handles, replies, strict=True):
             while handle is not None and not handle.events.empty():
                 ev = handle.events.get()
@@ -398,6 +448,36 @@ def soak(s: Scenario, vram_mib: int | None = None) -> None:
 @pytest.mark.parametrize("number", range(FIRST, FIRST + SCENARIOS))
 def test_a_random_mix_of_requests_runs_as_each_would_alone(number: int) -> None:
     soak(draw(number))
+
+
+@pytest.mark.parametrize("number", range(FIRST, FIRST + FAULT_SCENARIOS))
+def test_a_random_mix_with_a_failed_step_ends_what_it_held_and_serves_the_rest_as_alone(number: int) -> None:
+    """The scenario with a fault planted where a bug would raise (`draw_fault`): the requests that held a
+    slot when it came end with an error, after a beginning of their greedy text; every other request is
+    served as in the soak, and the engine after them as alone; the self-check agrees after the recovery."""
+    s = draw(number)
+    fault = draw_fault(s)
+    eng = Engine(s.plan())
+    assert eng.self_check() is None
+    calls = plant(eng, fault)
+    ended: set[int] = set()
+    replies = run(eng, s.arrivals, ended)
+    unplant(eng, fault)
+    assert bool(ended) <= (calls[0] >= fault.at), "only the planted fault ends requests"
+    for i, (a, reply) in enumerate(zip(s.arrivals, replies, strict=True)):
+        reference = alone(a.request, s) if a.request.sampling.temperature == 0 else None
+        if i in ended and reply.finished == ["error"]:
+            assert "planted" in (reply.events[-1].error or "")
+            assert len(reply.tokens) <= a.request.max_tokens
+            assert reference is None or tuple(reply.tokens) == reference[: len(reply.tokens)]
+            continue
+        assert i not in ended or reply.finished[0] != "error", "a request the fault ended says so"
+        check_reply(a, reply, s.context)
+        if reference is not None and reply.finished != ["cancelled"]:
+            assert tuple(reply.tokens) == reference, (a.request.request_id, s, fault)
+    after = Request(s.arrivals[0].request.prompt_ids, 12, request_id="after")
+    (reply,) = run(eng, (Arrival(0, after, None),))
+    assert tuple(reply.tokens) == alone(after, s)
 
 
 @pytest.mark.gpu
