@@ -32,10 +32,10 @@ def _engine(mode: str, stages: int, **kw: Any) -> Engine:
 
 
 @functools.cache
-def _reference(prompt: tuple[int, ...]) -> tuple[int, ...]:
+def _reference(prompt: tuple[int, ...], tokens: int = TOKENS) -> tuple[int, ...]:
     """The request alone on one stage, one slot, no drafting."""
     eng = Engine(make_plan(stages=1, preset="tiny", context=128, prefill_chunk=16))
-    return tuple(collect(eng, [(0, Request(prompt, TOKENS))])[0])
+    return tuple(collect(eng, [(0, Request(prompt, tokens))])[0])
 
 
 def _plant(eng: Engine, where: str, at: int) -> list[int]:
@@ -90,7 +90,7 @@ def test_a_failed_step_ends_the_admitted_requests_and_the_queue_is_served_as_alo
         for _ in range(1000):
             eng.step()
     admitted = [h for h in handles if h.slot is not None and eng.slots[h.slot] is not None]
-    admitted = [h for h in admitted if eng.slots[h.slot].handle is h and eng.slots[h.slot].finished is None]
+    admitted = [h for h in admitted if eng.slots[h.slot].handle is h and not eng.slots[h.slot].told]
     assert admitted, "the fault came while requests were being served"
     delattr(eng.model.stages[-1] if where == "forward" else eng.executor, where)
 
@@ -114,6 +114,34 @@ def test_a_failed_step_ends_the_admitted_requests_and_the_queue_is_served_as_alo
     after = [(i, Request(p, TOKENS)) for i, p in enumerate(PROMPTS)]
     assert [tuple(t) for t in collect(eng, after)] == [_reference(p) for p in PROMPTS]
     assert calls[0] >= at  # the planted fault fired (windows in flight may have run on)
+
+
+@pytest.mark.parametrize(("mode", "stages"), [("serial", 1), ("solo", 1), ("pipelined", 2), ("batch-mtp", 2)])
+def test_wherever_the_fault_comes_every_request_ends_exactly_once(mode, stages):
+    """A fault at each of a run's launches in turn: among them those right after a window that finished a
+    request, before its events were delivered (the request is then ended by the recovery, with an error).
+    Every request ends once: by its length, or by an error."""
+    for at in range(1, 40):
+        eng = _engine(mode, stages)
+        handles = [eng.submit(Request(p, n)) for p, n in zip(PROMPTS, (3, 9, 2, 12, 5), strict=True)]
+        calls = _plant(eng, "launch", at)
+        try:
+            while eng.step():
+                pass
+        except Planted as exc:
+            eng.recover(exc)
+            while eng.step():
+                pass
+        for h, prompt in zip(handles, PROMPTS, strict=True):
+            events = _drain(h)
+            assert [ev.finished for ev in events if ev.finished] in (["length"], ["error"]), (at, events)
+            if events[-1].finished == "length":
+                assert tuple(t for ev in events for t in ev.token_ids) == _reference(
+                    prompt, h.request.max_tokens
+                )
+        if calls[0] < at:
+            return  # the run ended before the fault's call: every later one would too
+    raise AssertionError("the runs always reached the fault")
 
 
 def test_the_requests_served_before_the_fault_keep_their_whole_text():

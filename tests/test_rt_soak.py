@@ -29,6 +29,11 @@ the rows of its windows in flight, and exactly once they have finished). Checked
 * a greedy request that was not cancelled gives the tokens it gives alone, on one stage, without drafting,
   and one that was cancelled gives a beginning of them;
 * every slot is free again, and the engine serves a request after the mix as it would alone.
+
+The first `FAULT_SCENARIOS` (``STRATA_SOAK_FAULT_SCENARIOS``) run again with a fault planted (`draw_fault`):
+the host's queuing of a window, or a stage's layers, raises once at a drawn call. The engine recovers
+(`Engine.recover`); the requests that held a slot end with an error after a beginning of their greedy text,
+every other one is checked as above, and the self-check agrees with its reading before the mix.
 """
 
 from __future__ import annotations
@@ -365,7 +370,7 @@ def run(eng: Engine, arrivals: tuple[Arrival, ...], ended: set[int] | None = Non
         except Planted as exc:
             if ended is None:
                 raise
-            held = {id(slot.handle) for slot in eng.slots if slot is not None and slot.finished is None}
+            held = {id(slot.handle) for slot in eng.slots if slot is not None and not slot.told}
             ended |= {i for i, h in enumerate(handles) if id(h) in held}
             assert eng.recover(exc) == len(held)
             assert eng.self_check() is None, "the model computes what it did at start"

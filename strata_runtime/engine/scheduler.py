@@ -235,8 +235,8 @@ class Engine:
         why = f"the engine failed while running this request ({type(error).__name__}: {error})"
         ended = 0
         for i, slot in enumerate(self.slots):
-            if slot is not None and slot.finished is None:
-                slot.handle.events.put(slot.finish("error", why))
+            if slot is not None and not slot.told:  # (a window may have finished it, undelivered)
+                slot.tell(slot.finish("error", why))
                 ended += 1
             self.slots[i] = None
             self._rewind_slot(i, 0)
@@ -518,7 +518,7 @@ class Engine:
         busy = self._busy_slots()
         for s in self.slots:
             if s is not None and s.handle.cancelled.is_set() and s.id not in busy:
-                s.handle.events.put(s.finish("cancelled"))
+                s.tell(s.finish("cancelled"))
                 self._release(s)
 
     def _release(self, slot: Slot) -> None:
@@ -1253,7 +1253,7 @@ class Engine:
     def _out_of_context(self, slot: Slot) -> bool:
         if slot.length + 1 <= self.plan.memory.context:
             return False
-        slot.handle.events.put(slot.finish("length"))
+        slot.tell(slot.finish("length"))
         self._release(slot)
         return True
 
@@ -1313,7 +1313,7 @@ class Engine:
         self.choice.observe_lookup(job.kind, [e.slot for e in job.entries], job.rows, own if timed else None)
         self.window_stats.record(window, flight.discarded)
         for slot, ev in events:
-            slot.handle.events.put(ev)
+            slot.tell(ev)
             if ev.finished is not None:
                 for queued in (*self._flights, *self._chain):  # a chained window behind it counts its KV
                     if slot.id in queued.job.slot_ids:  # when queued: before the release rewinds it

@@ -36,6 +36,9 @@ class Slot:
     sent_text: str = ""
     """The text sent so far: always a prefix of the final reply."""
     finished: FinishReason | None = None
+    told: bool = False
+    """The request's last event (the one with ``finished``) has been put in its queue (`tell`): ``finished``
+    alone is set a little before, where a window's events are decided, and they are put once delivered."""
     gauge: DraftGauge = field(default_factory=DraftGauge)
     """Whether drafting pays for this request: how often its windows' first proposal held."""
     ahead: Matcher | None = None
@@ -204,6 +207,11 @@ class Slot:
             self._text += done[len(before) :]
             self._prefix, self._read = self._read, end
         return visible
+
+    def tell(self, event: TokenEvent) -> None:
+        """Put ``event`` in the request's queue, noting whether it was the last."""
+        self.handle.events.put(event)
+        self.told = self.told or event.finished is not None
 
     def finish(self, reason: FinishReason, error: str | None = None) -> TokenEvent:
         self.finished = reason
