@@ -317,7 +317,8 @@ class Planted(RuntimeError):
 @dataclass(frozen=True)
 class Fault:
     where: str
-    """``launch`` (the host queuing a window) or ``forward`` (a stage's layers, while a window runs)."""
+    """``launch`` (the host queuing a window), ``forward`` (a stage's layers, while a window runs) or
+    ``admit`` (a request taking its slot)."""
     stage: int
     at: int
     """The call, from 1, that raises."""
@@ -325,13 +326,14 @@ class Fault:
 
 def draw_fault(s: Scenario) -> Fault:
     g = random.Random(f"{s.number} fault")
-    return Fault(g.choice(["launch", "forward"]), g.randrange(s.stages), g.randint(1, 14))
+    where = g.choice(["launch", "launch", "forward", "forward", "admit"])
+    return Fault(where, g.randrange(s.stages), g.randint(1, 14 if where != "admit" else 4))
 
 
 def plant(eng: Engine, fault: Fault) -> list[int]:
     """Make ``fault``'s call raise `Planted`, once; returns the calls counted so far (`unplant` takes it
     out)."""
-    owner: Any = eng.executor if fault.where == "launch" else eng.model.stages[fault.stage]
+    owner = _owner(eng, fault)
     real, calls = getattr(owner, fault.where), [0]
 
     def planted(*args: Any, **kw: Any) -> Any:
@@ -345,7 +347,11 @@ def plant(eng: Engine, fault: Fault) -> list[int]:
 
 
 def unplant(eng: Engine, fault: Fault) -> None:
-    delattr(eng.executor if fault.where == "launch" else eng.model.stages[fault.stage], fault.where)
+    delattr(_owner(eng, fault), fault.where)
+
+
+def _owner(eng: Engine, fault: Fault) -> Any:
+    return {"launch": eng.executor, "admit": eng.model}.get(fault.where, eng.model.stages[fault.stage])
 
 
 def run(eng: Engine, arrivals: tuple[Arrival, ...], ended: set[int] | None = None) -> list[Reply]:
@@ -471,8 +477,9 @@ def test_a_random_mix_with_a_failed_step_ends_what_it_held_and_serves_the_rest_a
     assert bool(ended) <= (calls[0] >= fault.at), "only the planted fault ends requests"
     for i, (a, reply) in enumerate(zip(s.arrivals, replies, strict=True)):
         reference = alone(a.request, s) if a.request.sampling.temperature == 0 else None
-        if i in ended and reply.finished == ["error"]:
-            assert "planted" in (reply.events[-1].error or "")
+        error = reply.events[-1].error or ""
+        if reply.finished == ["error"] and (i in ended or "while admitting this request" in error):
+            assert "planted" in error
             assert len(reply.tokens) <= a.request.max_tokens
             assert reference is None or tuple(reply.tokens) == reference[: len(reply.tokens)]
             continue

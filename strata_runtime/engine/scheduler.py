@@ -433,13 +433,23 @@ class Engine:
         the queue and keeps one free slot for itself; a later request may take any slot beyond those."""
         with self._lock:
             waiting: list[RequestHandle] = []
-            while self._queue and self.slots.count(None) > len(waiting):
-                handle = self._queue.popleft()
-                if handle.cancelled.is_set():
-                    handle.events.put(TokenEvent((), "", "cancelled"))
-                elif not self._take_slot(handle):
-                    waiting.append(handle)
-            self._queue.extendleft(reversed(waiting))
+            try:
+                while self._queue and self.slots.count(None) > len(waiting):
+                    handle = self._queue.popleft()
+                    if handle.cancelled.is_set():
+                        handle.events.put(TokenEvent((), "", "cancelled"))
+                        continue
+                    try:
+                        if not self._take_slot(handle):
+                            waiting.append(handle)
+                    except BaseException as exc:  # no longer queued: where no slot holds it, answered here
+                        if not any(s is not None and s.handle is handle for s in self.slots):
+                            why = f"({type(exc).__name__}: {exc})"
+                            why = f"the engine failed while admitting this request {why}"
+                            handle.events.put(TokenEvent((), "", "error", 0, why))
+                        raise
+            finally:
+                self._queue.extendleft(reversed(waiting))
 
     def _take_slot(self, handle: RequestHandle) -> bool:
         """Give ``handle``'s request a free slot, reusing, copying or restoring a prefix where it can; False
