@@ -58,6 +58,7 @@ from strata_runtime.weights.tokenizer import ByteTokenizer
 
 SCENARIOS = int(os.environ.get("STRATA_SOAK_SCENARIOS", "48"))
 FAULT_SCENARIOS = int(os.environ.get("STRATA_SOAK_FAULT_SCENARIOS", "24"))
+GPU_FAULT_SCENARIOS = int(os.environ.get("STRATA_SOAK_GPU_FAULT_SCENARIOS", "16"))
 GPU_SCENARIOS = int(os.environ.get("STRATA_SOAK_GPU_SCENARIOS", "24"))
 FIRST = int(os.environ.get("STRATA_SOAK_FROM", "0"))
 
@@ -466,9 +467,22 @@ def test_a_random_mix_with_a_failed_step_ends_what_it_held_and_serves_the_rest_a
     """The scenario with a fault planted where a bug would raise (`draw_fault`): the requests that held a
     slot when it came end with an error, after a beginning of their greedy text; every other request is
     served as in the soak, and the engine after them as alone; the self-check agrees after the recovery."""
-    s = draw(number)
+    fault_soak(draw(number))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("number", range(FIRST, FIRST + GPU_FAULT_SCENARIOS))
+def test_a_random_mix_on_the_gpu_with_a_failed_step_ends_what_it_held_and_serves_the_rest(
+    number: int,
+) -> None:
+    """The same on the one GPU: the recovery waits for windows queued ahead on the streams."""
+    cp = pytest.importorskip("cupy")
+    fault_soak(draw(number), cp.cuda.runtime.memGetInfo()[1] // (1 << 20))
+
+
+def fault_soak(s: Scenario, vram_mib: int | None = None) -> None:
     fault = draw_fault(s)
-    eng = Engine(s.plan())
+    eng = Engine(s.plan(vram_mib))
     assert eng.self_check() is None
     calls = plant(eng, fault)
     ended: set[int] = set()
@@ -476,7 +490,7 @@ def test_a_random_mix_with_a_failed_step_ends_what_it_held_and_serves_the_rest_a
     unplant(eng, fault)
     assert bool(ended) <= (calls[0] >= fault.at), "only the planted fault ends requests"
     for i, (a, reply) in enumerate(zip(s.arrivals, replies, strict=True)):
-        reference = alone(a.request, s) if a.request.sampling.temperature == 0 else None
+        reference = alone(a.request, s, vram_mib) if a.request.sampling.temperature == 0 else None
         error = reply.events[-1].error or ""
         if reply.finished == ["error"] and (i in ended or "while admitting this request" in error):
             assert "planted" in error
@@ -489,7 +503,7 @@ def test_a_random_mix_with_a_failed_step_ends_what_it_held_and_serves_the_rest_a
             assert tuple(reply.tokens) == reference, (a.request.request_id, s, fault)
     after = Request(s.arrivals[0].request.prompt_ids, 12, request_id="after")
     (reply,) = run(eng, (Arrival(0, after, None),))
-    assert tuple(reply.tokens) == alone(after, s)
+    assert tuple(reply.tokens) == alone(after, s, vram_mib)
 
 
 @pytest.mark.gpu
