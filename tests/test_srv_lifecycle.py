@@ -130,12 +130,12 @@ def _recovering(plan, recoveries: int):
     return plan.model_copy(update={"serve": plan.serve.model_copy(update={"recoveries": recoveries})})
 
 
-def test_an_engine_that_fails_while_serving_gives_500s_and_a_nonzero_exit(plan):
-    """With ``serve.recoveries = 0`` the first failed step ends the server."""
-    plan = _recovering(plan, 0)
+def _one_request_then_the_end(plan, wrap) -> tuple[int, Server, int, dict[str, Any]]:
+    """Serve the real engine wrapped in ``wrap``, send one completion, and wait (bounded) for the server to
+    end by itself: its exit code, the server, and the completion's status and body."""
 
-    async def scenario() -> int:
-        server = _server(plan, lambda progress: _FailingStep(Engine(plan, progress=progress)))
+    async def scenario() -> tuple[int, Server, int, dict[str, Any]]:
+        server = _server(plan, lambda progress: wrap(Engine(plan, progress=progress)))
         task = await _started(server, asyncio.Event())
         base = f"http://127.0.0.1:{server.port}"
         async with aiohttp.ClientSession() as s:
@@ -143,14 +143,19 @@ def test_an_engine_that_fails_while_serving_gives_500s_and_a_nonzero_exit(plan):
             status, body = await _post(
                 s, f"{base}/v1/completions", {"model": "demo", "prompt": "hi", "max_tokens": 50}
             )
-            assert status == 500
-            message = body["error"]["message"]
-            assert "the engine failed" in message and "a device fell off the bus" in message
-            assert "Traceback" not in json.dumps(body)
-        # The server ends by itself, with a failure code, so a supervisor restarts it.
-        return await asyncio.wait_for(task, 30)
+        return await asyncio.wait_for(task, 30), server, status, body
 
-    assert asyncio.run(scenario()) == 1
+    return asyncio.run(scenario())
+
+
+def test_an_engine_that_fails_while_serving_gives_500s_and_a_nonzero_exit(plan):
+    """With ``serve.recoveries = 0`` the first failed step ends the server."""
+    code, _, status, body = _one_request_then_the_end(_recovering(plan, 0), _FailingStep)
+    assert status == 500
+    message = body["error"]["message"]
+    assert "the engine failed" in message and "a device fell off the bus" in message
+    assert "Traceback" not in json.dumps(body)
+    assert code == 1  # the server ends by itself, with a failure code, so a supervisor restarts it
 
 
 def _poisoned(plan):
@@ -273,19 +278,8 @@ class _BreaksItsModel(_Wrapped):
 
 
 def test_a_recovered_engine_whose_self_check_departs_ends_the_server(plan):
-    async def scenario() -> tuple[int, Server]:
-        server = _server(plan, lambda progress: _BreaksItsModel(Engine(plan, progress=progress)))
-        task = await _started(server, asyncio.Event())
-        base = f"http://127.0.0.1:{server.port}"
-        async with aiohttp.ClientSession() as s:
-            await _until_ready(s, base)
-            status, body = await _post(
-                s, f"{base}/v1/completions", {"model": "demo", "prompt": "hi", "max_tokens": 50}
-            )
-            assert status == 500 and "a stray write" in body["error"]["message"]
-        return await asyncio.wait_for(task, 30), server
-
-    code, server = asyncio.run(scenario())
+    code, server, status, body = _one_request_then_the_end(plan, _BreaksItsModel)
+    assert status == 500 and "a stray write" in body["error"]["message"]
     assert code == 1
     assert server.engine is not None and server.engine.recovered == []
     assert "its self-check departs from what it gave after loading: position" in (server.engine.error or "")
@@ -373,7 +367,7 @@ def test_the_serve_process_whose_step_hangs_exits_with_1_past_exit_handlers_that
     async def ask() -> tuple[int, dict[str, Any]]:
         base = f"http://127.0.0.1:{port}"
         async with aiohttp.ClientSession() as s:
-            await _until_ready_or_gone(s, base)
+            await _until_serving(s, base)
             body = {"model": "demo", "prompt": "hi", "max_tokens": 9}
             return await _post(s, f"{base}/v1/completions", body)
 
@@ -386,7 +380,8 @@ def test_the_serve_process_whose_step_hangs_exits_with_1_past_exit_handlers_that
     assert "the engine thread, where it hangs" in proc.stderr.read()
 
 
-async def _until_ready_or_gone(session: aiohttp.ClientSession, base: str) -> None:
+async def _until_serving(session: aiohttp.ClientSession, base: str) -> None:
+    """Poll a server process's ``/health`` (refused connections while it starts) until it answers 200."""
     for _ in range(1200):
         try:
             async with session.get(f"{base}/health") as r:
@@ -549,14 +544,7 @@ def test_sigterm_finishes_short_requests_and_cancels_long_ones_within_the_bound(
 
     async def scenario() -> tuple[str, dict[str, Any]]:
         async with aiohttp.ClientSession() as s:
-            for _ in range(1200):
-                try:
-                    async with s.get(f"{base}/health") as r:
-                        if r.status == 200:
-                            break
-                except aiohttp.ClientConnectionError:
-                    pass
-                await asyncio.sleep(0.05)
+            await _until_serving(s, base)
             long_body = {"model": "demo", "prompt": "Once upon a time", "max_tokens": 1000, "stream": True}
             long_body["temperature"] = 0
             async with s.post(f"{base}/v1/completions", json=long_body) as stream:
