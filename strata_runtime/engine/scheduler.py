@@ -254,7 +254,8 @@ class Engine:
         that, and returns where the model now departs from it, or None.
 
         Call only while no request holds a slot. Requests queued meanwhile wait; the check leaves no trace in
-        the window statistics, what proposals did, or the kept prefixes."""
+        the window statistics, what proposals did, or the kept prefixes (an expert cache counts its routing
+        as a request's)."""
         assert all(s is None for s in self.slots), "the self-check runs while no request holds a slot"
         request = check.probe_request(self.model.args.vocab_size, self.plan.memory.context)
         stats, holds = self.window_stats, self.choice.holds()
