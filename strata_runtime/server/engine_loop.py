@@ -235,6 +235,11 @@ class EngineLoop:
             try:  # what the model gives now, sound: a recovered engine must give the same
                 self._busy_since = time.monotonic()
                 self.engine.self_check()
+                log.info(
+                    "self-check read in %.0f ms: a failed step is recovered from (serve.recoveries = %d)",
+                    (time.monotonic() - self._busy_since) * 1e3,
+                    self.recoveries,
+                )
             except BaseException as exc:
                 self._fail("the engine failed its self-check after loading", exc)
                 return
