@@ -17,8 +17,10 @@ from dataclasses import dataclass
 
 from ..api import Request, SamplingParams, TokenEvent, TokenLogprob
 
-PROBE_PROMPT = 16
-"""Prompt tokens of the probe (fewer where the context is shorter)."""
+PROBE_PROMPT = 64
+"""Prompt tokens of the probe (fewer where the context is shorter): enough that their routing reaches most
+of a layer's experts (64 tokens of top-8 routing make 512 choices among 128 experts), so that a broken
+expert shows."""
 PROBE_REPLY = 3
 """Tokens the probe generates: the first from the prompt's last row, the others from decode windows."""
 TOP = 2
