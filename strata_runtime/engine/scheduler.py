@@ -240,8 +240,7 @@ class Engine:
                 ended += 1
             self.slots[i] = None
             self._rewind_slot(i, 0)
-            self.prefixes.kept[i] = None
-        self.store.clear()
+        self.forget_prefixes()  # and the store
         self._routed.clear()
         self._idle_since.clear()
         self._delivered_at = time.perf_counter()
@@ -443,11 +442,9 @@ class Engine:
                     try:
                         if not self._take_slot(handle):
                             waiting.append(handle)
-                    except BaseException as exc:  # no longer queued: where no slot holds it, answered here
-                        if not any(s is not None and s.handle is handle for s in self.slots):
-                            why = f"({type(exc).__name__}: {exc})"
-                            why = f"the engine failed while admitting this request {why}"
-                            handle.events.put(TokenEvent((), "", "error", 0, why))
+                    except BaseException as exc:  # no longer queued, and in no slot (the slot is set last)
+                        why = f"the engine failed while admitting this request ({type(exc).__name__}: {exc})"
+                        handle.events.put(TokenEvent((), "", "error", 0, why))
                         raise
             finally:
                 self._queue.extendleft(reversed(waiting))

@@ -334,7 +334,7 @@ class EngineLoop:
         GPU or kernel that hangs never gives the step back, and nothing else would end the server: its
         ``/health`` would say ready while nothing is served. The engine thread's stack goes to the log."""
         every = min(WATCH_EVERY_S, self.step_timeout_s / 4)
-        while not self._stop.wait(every) and self.state != "failed":
+        while not self._stop.wait(every) and not self.failed:
             since = self._busy_since
             if since is None or time.monotonic() - since <= self.step_timeout_s:
                 continue
