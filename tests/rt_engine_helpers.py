@@ -6,7 +6,8 @@ engine until every request has finished, checking after every step that each sta
 holds exactly what its slot has committed. `handed_to_cache` records what an expert cache is told.
 `bench_with_and_without` runs the bench's CLI with and without one flag. `generate` runs one request to its
 end; `chi_square_p` is the p-value of counts against the counts a distribution expects, `two_sample_p` of
-two samples' counts against their drawing from one distribution.
+two samples' counts against their drawing from one distribution. `plant` makes one call of an engine's
+method raise `Planted`, a fault for the recovery tests.
 """
 
 from __future__ import annotations
@@ -255,3 +256,22 @@ def two_sample_p(a: Counter[Hashable], b: Counter[Hashable], least: int = 10) ->
     chi2 = sum((a[k] - b[k]) ** 2 / (a[k] + b[k]) for k in cells)
     dof = len(cells) - 1
     return float(torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(chi2 / 2.0))), dof
+
+
+class Planted(RuntimeError):
+    """A fault a test plants in the engine (`plant`)."""
+
+
+def plant(owner: Any, name: str, at: int) -> list[int]:
+    """Make the ``at``-th call (from 1) of ``owner``'s method ``name`` raise `Planted`, once; returns the
+    calls counted so far (``delattr(owner, name)`` takes it out)."""
+    real, calls = getattr(owner, name), [0]
+
+    def planted(*args: Any, **kw: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == at:
+            raise Planted(f"planted in {name} at call {at}")
+        return real(*args, **kw)
+
+    setattr(owner, name, planted)
+    return calls

@@ -12,7 +12,7 @@ import functools
 from typing import Any
 
 import pytest
-from rt_engine_helpers import assert_kv_consistent, collect, mode_plan
+from rt_engine_helpers import Planted, assert_kv_consistent, collect, mode_plan, plant
 from rt_plans import make_plan
 
 from strata_runtime.api import Request, TokenLogprob
@@ -21,10 +21,6 @@ from strata_runtime.engine import Engine, check
 
 PROMPTS = [tuple(range(40 + 7 * i, 58 + 7 * i)) for i in range(5)]
 TOKENS = 10
-
-
-class Planted(RuntimeError):
-    """The fault a test plants."""
 
 
 def _engine(mode: str, stages: int, **kw: Any) -> Engine:
@@ -39,22 +35,8 @@ def _reference(prompt: tuple[int, ...], tokens: int = TOKENS) -> tuple[int, ...]
 
 
 def _plant(eng: Engine, where: str, at: int) -> list[int]:
-    """Make the ``at``-th call (from 1) of ``where`` raise `Planted`, once; returns the calls counted."""
-    calls = [0]
-    if where == "launch":
-        owner, name = eng.executor, "launch"
-    else:
-        owner, name = eng.model.stages[-1], "forward"
-    real = getattr(owner, name)
-
-    def planted(*args: Any, **kw: Any) -> Any:
-        calls[0] += 1
-        if calls[0] == at:
-            raise Planted(f"planted in {where}")
-        return real(*args, **kw)
-
-    setattr(owner, name, planted)
-    return calls
+    """`plant` in the host's launch or the last stage's layers."""
+    return plant(eng.executor if where == "launch" else eng.model.stages[-1], where, at)
 
 
 def _drain(handle: Any) -> list[Any]:

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from rt_engine_helpers import assert_kv_consistent, collect, mode_plan
+from rt_engine_helpers import Planted, assert_kv_consistent, collect, mode_plan, plant
 from rt_plans import float16_profile_text, make_plan
 
 from strata_cfg.plan.from_profile import resolve_text
@@ -311,10 +311,6 @@ def assert_kv_within_flights(eng: Engine) -> None:
         assert all(base <= n <= base + rows for n in lengths), (i, base, rows, lengths)
 
 
-class Planted(RuntimeError):
-    """A fault a scenario plants in the engine (`plant`)."""
-
-
 @dataclass(frozen=True)
 class Fault:
     where: str
@@ -331,20 +327,9 @@ def draw_fault(s: Scenario) -> Fault:
     return Fault(where, g.randrange(s.stages), g.randint(1, 14 if where != "admit" else 4))
 
 
-def plant(eng: Engine, fault: Fault) -> list[int]:
-    """Make ``fault``'s call raise `Planted`, once; returns the calls counted so far (`unplant` takes it
-    out)."""
-    owner = _owner(eng, fault)
-    real, calls = getattr(owner, fault.where), [0]
-
-    def planted(*args: Any, **kw: Any) -> Any:
-        calls[0] += 1
-        if calls[0] == fault.at:
-            raise Planted(f"planted in {fault.where} at call {fault.at}")
-        return real(*args, **kw)
-
-    setattr(owner, fault.where, planted)
-    return calls
+def plant_fault(eng: Engine, fault: Fault) -> list[int]:
+    """`plant` ``fault`` (`unplant` takes it out)."""
+    return plant(_owner(eng, fault), fault.where, fault.at)
 
 
 def unplant(eng: Engine, fault: Fault) -> None:
@@ -484,7 +469,7 @@ def fault_soak(s: Scenario, vram_mib: int | None = None) -> None:
     fault = draw_fault(s)
     eng = Engine(s.plan(vram_mib))
     assert eng.self_check() is None
-    calls = plant(eng, fault)
+    calls = plant_fault(eng, fault)
     ended: set[int] = set()
     replies = run(eng, s.arrivals, ended)
     unplant(eng, fault)
