@@ -126,8 +126,9 @@ class _FailingStep(_Wrapped):
         return busy
 
 
-def _recovering(plan, recoveries: int):
-    return plan.model_copy(update={"serve": plan.serve.model_copy(update={"recoveries": recoveries})})
+def _serving(plan, **serve: Any):
+    """``plan`` with these ``[serve]`` settings."""
+    return plan.model_copy(update={"serve": plan.serve.model_copy(update=serve)})
 
 
 def _one_request_then_the_end(plan, wrap) -> tuple[int, Server, int, dict[str, Any]]:
@@ -150,7 +151,7 @@ def _one_request_then_the_end(plan, wrap) -> tuple[int, Server, int, dict[str, A
 
 def test_an_engine_that_fails_while_serving_gives_500s_and_a_nonzero_exit(plan):
     """With ``serve.recoveries = 0`` the first failed step ends the server."""
-    code, _, status, body = _one_request_then_the_end(_recovering(plan, 0), _FailingStep)
+    code, _, status, body = _one_request_then_the_end(_serving(plan, recoveries=0), _FailingStep)
     assert status == 500
     message = body["error"]["message"]
     assert "the engine failed" in message and "a device fell off the bus" in message
@@ -300,7 +301,7 @@ class _Hangs(_Wrapped):
 
 
 def test_a_step_that_hangs_past_serve_step_timeout_s_ends_the_server_with_its_stack_in_the_log(plan, caplog):
-    plan = plan.model_copy(update={"serve": plan.serve.model_copy(update={"step_timeout_s": 0.5})})
+    plan = _serving(plan, step_timeout_s=0.5)
     release = threading.Event()
 
     async def scenario() -> tuple[int, Server, float]:
@@ -358,7 +359,7 @@ sys.exit(main(sys.argv[1:]))
 def test_the_serve_process_whose_step_hangs_exits_with_1_past_exit_handlers_that_would_wait(plan, tmp_path):
     """`strata serve` ends the process itself once the watchdog has given a step up: its engine thread is
     still blocked, and an exit handler may wait on the same device."""
-    plan = plan.model_copy(update={"serve": plan.serve.model_copy(update={"step_timeout_s": 0.5})})
+    plan = _serving(plan, step_timeout_s=0.5)
     port = free_port()
     plan_file = str(write_plan(plan, tmp_path / "plan.json"))
     command = [sys.executable, "-c", HANGING_SERVE, "serve", "--plan", plan_file, "--port", str(port)]
@@ -395,7 +396,7 @@ async def _until_serving(session: aiohttp.ClientSession, base: str) -> None:
 
 def test_a_slow_step_within_serve_step_timeout_s_is_not_taken_for_a_hang(plan):
     """Steps of 0.2 s under a bound of 1 s: every request is served, and the server stops cleanly."""
-    plan = plan.model_copy(update={"serve": plan.serve.model_copy(update={"step_timeout_s": 1.0})})
+    plan = _serving(plan, step_timeout_s=1.0)
 
     class Slow(_Wrapped):
         def step(self) -> bool:
