@@ -536,7 +536,6 @@ class Executor:
                 assert ahead is not None, "a chained row under a grammar moves a place ahead"
                 masked.append(i)
                 bits.append(ahead.bitmask_after(int(source.chosen_host[rows[i]])))
-                e.slot.ahead_forced = bool(ahead.forced(1))
         return np.array(masked, np.int64), np.stack(bits)
 
     def _release_workspace(self, flight: Flight, stage: Stage) -> None:

@@ -754,22 +754,23 @@ class Engine:
         Not with two windows of the chain (or group) in flight already (the chained window's last stage
         waits for the one before it, so a longer chain would only hold the host up), and not where a reply
         was forced to ``before``'s token (the grammar likely forces more, which an unchained window reads
-        as proposals, several at once). Past a chain's start the scheduler reads only `Slot.ahead_forced`:
-        a stage's thread may be moving the place on meanwhile."""
+        as proposals, several at once). With ``before`` the only window in flight, the host has finished
+        every window before it, so its own place in each grammar (the sampler's) stands right before
+        ``before``'s token: whether that token was forced is read there, never from `Slot.ahead`, which a
+        stage's thread may be moving on meanwhile. So the choice follows the tokens alone, not how soon a
+        stage's thread computes a chained window's masks."""
         flying = self._chain if group is None else self._in_flight(group)
         if len(flying) > 1:
             return False
+        assert flying and flying[-1] is before
         for e in before.job.entries:
             if not e.masked:
                 continue
-            if before.after is None:  # no window of this reply's chain is in flight
-                grammar = e.slot.sampler.grammar
-                assert grammar is not None
-                e.slot.ahead = grammar.copy()  # where the reply stands before ``before``'s token
-                forced = bool(e.slot.ahead.forced(1))
-            else:
-                forced = e.slot.ahead_forced
-            if forced:
+            grammar = e.slot.sampler.grammar
+            assert grammar is not None
+            if before.after is None:  # a chain starts: the reply's place ahead starts from the host's
+                e.slot.ahead = grammar.copy()
+            if grammar.forced(1):
                 return False
         return True
 

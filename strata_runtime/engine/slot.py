@@ -46,9 +46,6 @@ class Slot:
     tokens the windows in flight chose, moved on as each next window's masks are computed
     (`strata_runtime.engine.executor.Executor._chained_masks`); the host's own place (the sampler's) moves
     only as windows are finished."""
-    ahead_forced: bool = False
-    """Whether the grammar forces the token after the last one ``ahead`` moved on by (set where the masks
-    are computed, read by the scheduler, which so never touches ``ahead`` while a stage's thread may)."""
     shadow: Any = None
     """A silent probe's proposal for the request's next token, on the device, until a window gives that
     token (`strata_runtime.engine.scheduler.Engine._silent_probes`)."""
