@@ -254,6 +254,18 @@ class Tokenizer(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class Recovery:
+    """What `EngineCore.recover` did with the requests a failed step held."""
+
+    resumed: int
+    """Carried on: each reads its prompt and the tokens it was sent again and goes on from there, so that
+    its caller sees a pause, not an error."""
+    ended: int
+    """Ended with an error event naming the step's error: a request held when a step failed before too (it
+    may be what fails), and one whose tokens decided in the failed step cannot be sent on."""
+
+
 class EngineCore(Protocol):
     """What a running engine offers its callers."""
 
@@ -271,10 +283,10 @@ class EngineCore(Protocol):
         """Live slot, queue and window statistics (JSON-serialisable)."""
         ...
 
-    def recover(self, error: BaseException) -> int:
-        """After ``step`` raised ``error``: end every admitted request with an error event and serve the queue
-        on, without loading anything again; returns the requests ended. Raises where the engine cannot go on
-        (a device that reports an error)."""
+    def recover(self, error: BaseException) -> Recovery:
+        """After ``step`` raised ``error``: bring the engine back without loading anything again, carrying
+        on the requests it held where it can and ending the others with an error event; the queue is
+        served on. Raises where the engine cannot go on (a device that reports an error)."""
         ...
 
     def self_check(self) -> str | None:

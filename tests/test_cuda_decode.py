@@ -350,7 +350,8 @@ def test_windows_running_ahead_on_gpu_give_the_text_of_windows_one_at_a_time(cp,
 @pytest.mark.parametrize(("split", "slots", "batch_mtp"), [(None, 3, False), (2, 2, True), (None, 1, False)])
 def test_a_failed_step_on_gpu_is_recovered_from_and_the_self_check_agrees(cp, split, slots, batch_mtp):
     """A fault planted in the host's queuing of a window, while windows run ahead on the streams: `recover`
-    waits for the GPU, ends the admitted requests, and the queued ones get their greedy text; the self-check
+    waits for the GPU and carries the admitted requests on (each reads its prompt and tokens again, through
+    the prompt kernels), and they and the queued ones get their greedy text alone; the self-check
     agrees with its first reading (the GPU's windows of other row counts stay within its tolerance), and
     finds the final norm's weight scaled."""
     from strata_runtime.api import Request
@@ -377,17 +378,14 @@ def test_a_failed_step_on_gpu_is_recovered_from_and_the_self_check_agrees(cp, sp
         while engine.step():
             pass
     del engine.executor.launch
-    assert engine.recover(RuntimeError("planted")) >= 1
+    recovery = engine.recover(RuntimeError("planted"))
+    assert recovery.resumed >= 1 and recovery.ended == 0
     assert engine.self_check() is None
     while engine.step():
         pass
-    for h, text in zip(handles, alone, strict=True):
+    for h, text in zip(handles, alone, strict=True):  # carried on or queued, each as alone
         events = list(h.events.queue)
-        if events[-1].finished == "error":
-            assert "planted" in events[-1].error
-        else:
-            assert [t for ev in events for t in ev.token_ids] == text
-    assert sum(list(h.events.queue)[-1].finished != "error" for h in handles) >= 2
+        assert events[-1].finished == "length" and [t for ev in events for t in ev.token_ids] == text
     norm = engine.model.stages[-1].norm
     norm *= 1.5
     assert (engine.self_check() or "").startswith("position")

@@ -15,9 +15,10 @@ import pytest
 from rt_engine_helpers import Planted, assert_kv_consistent, collect, mode_plan, plant
 from rt_plans import make_plan
 
-from strata_runtime.api import Request, TokenLogprob
+from strata_runtime.api import Recovery, Request, SamplingParams, TokenLogprob
 from strata_runtime.backend import Device
 from strata_runtime.engine import Engine, check
+from strata_runtime.structured import json_grammar
 
 PROMPTS = [tuple(range(40 + 7 * i, 58 + 7 * i)) for i in range(5)]
 TOKENS = 10
@@ -25,6 +26,12 @@ TOKENS = 10
 
 def _engine(mode: str, stages: int, **kw: Any) -> Engine:
     return Engine(mode_plan(mode, stages, preset="tiny", context=128, prefill_chunk=16, **kw))
+
+
+def _reference_of(request: Request) -> tuple[int, ...]:
+    """``request`` alone on one stage, one slot, no drafting."""
+    eng = Engine(make_plan(stages=1, preset="tiny", context=128, prefill_chunk=16))
+    return tuple(collect(eng, [(0, request)])[0])
 
 
 @functools.cache
@@ -60,9 +67,12 @@ CASES = [
 @pytest.mark.parametrize(("mode", "stages", "kw"), CASES, ids=[f"{m}-{n}-{sorted(k)}" for m, n, k in CASES])
 @pytest.mark.parametrize("where", ["launch", "forward"])
 @pytest.mark.parametrize("at", [4, 9])
-def test_a_failed_step_ends_the_admitted_requests_and_the_queue_is_served_as_alone(
+def test_a_failed_step_carries_the_held_requests_on_and_every_request_gets_its_text_alone(
     mode, stages, kw, where, at
 ):
+    """The requests the failed step held are carried on (each reads its prompt and the tokens it was sent
+    again, from a KV the recovery emptied) and the queued ones are served after them: each gets the text
+    it gets alone, every token once, and ends by its length."""
     eng = _engine(mode, stages, **kw)
     slots = eng.n_slots
     assert eng.self_check() is None
@@ -71,38 +81,44 @@ def test_a_failed_step_ends_the_admitted_requests_and_the_queue_is_served_as_alo
     with pytest.raises(Planted):
         for _ in range(1000):
             eng.step()
-    admitted = [h for h in handles if h.slot is not None and eng.slots[h.slot] is not None]
-    admitted = [h for h in admitted if eng.slots[h.slot].handle is h and not eng.slots[h.slot].told]
-    assert admitted, "the fault came while requests were being served"
+    held = [h for h in handles if h.slot is not None and eng.slots[h.slot] is not None]
+    held = [h for h in held if eng.slots[h.slot].handle is h and not eng.slots[h.slot].told]
+    assert held, "the fault came while requests were being served"
+    sent = sum(eng.slots[h.slot].told_tokens for h in held)
     delattr(eng.model.stages[-1] if where == "forward" else eng.executor, where)
 
-    assert eng.recover(Planted(f"planted in {where}")) == len(admitted)
+    assert eng.recover(Planted(f"planted in {where}")) == Recovery(resumed=len(held), ended=0)
     assert eng.in_flight == 0 and all(s is None for s in eng.slots)
     assert_kv_consistent(eng)  # every slot is empty: nothing it held is reused
-    for h in admitted:
-        last = _drain(h)[-1]
-        assert last.finished == "error" and f"planted in {where}" in last.error, last
     assert eng.self_check() is None, "the model is as it was"
+    assert all(h.events.empty() or _last(h).finished is None for h in held)
 
-    # Every request not ended is served to its end with the text it gets alone.
-    waiting = [(h, p) for h, p in zip(handles, PROMPTS, strict=False) if h not in admitted]
     while eng.step():
         assert_kv_consistent(eng)
-    for h, prompt in waiting:
+    for h, prompt in zip(handles, PROMPTS, strict=False):
         events = _drain(h)
-        assert events[-1].finished == "length" and events[-1].error is None
+        assert [ev.finished for ev in events if ev.finished] == ["length"] and not any(
+            ev.error for ev in events
+        )
         assert tuple(t for ev in events for t in ev.token_ids) == _reference(prompt)
+    if at == 9:
+        assert sent > 0, "some carried on had tokens sent before the fault"
     # Requests after the recovery, several at once, each get their text alone.
     after = [(i, Request(p, TOKENS)) for i, p in enumerate(PROMPTS)]
     assert [tuple(t) for t in collect(eng, after)] == [_reference(p) for p in PROMPTS]
     assert calls[0] >= at  # the planted fault fired (windows in flight may have run on)
 
 
+def _last(handle: Any) -> Any:
+    """The newest event in ``handle``'s queue, left there."""
+    return handle.events.queue[-1]
+
+
 @pytest.mark.parametrize(("mode", "stages"), [("serial", 1), ("solo", 1), ("pipelined", 2), ("batch-mtp", 2)])
-def test_wherever_the_fault_comes_every_request_ends_exactly_once(mode, stages):
+def test_wherever_the_fault_comes_every_request_gets_its_text_once(mode, stages):
     """A fault at each of a run's launches in turn: among them those right after a window that finished a
-    request, before its events were delivered (the request is then ended by the recovery, with an error).
-    Every request ends once: by its length, or by an error."""
+    request or gave a token, before its events were delivered (the recovery delivers them). Every request
+    gets the text it gets alone, every token once, and ends once, by its length."""
     for at in range(1, 40):
         eng = _engine(mode, stages)
         handles = [eng.submit(Request(p, n)) for p, n in zip(PROMPTS, (3, 9, 2, 12, 5), strict=True)]
@@ -111,41 +127,129 @@ def test_wherever_the_fault_comes_every_request_ends_exactly_once(mode, stages):
             while eng.step():
                 pass
         except Planted as exc:
-            eng.recover(exc)
+            assert eng.recover(exc).ended == 0
             while eng.step():
                 pass
         for h, prompt in zip(handles, PROMPTS, strict=True):
             events = _drain(h)
-            assert [ev.finished for ev in events if ev.finished] in (["length"], ["error"]), (at, events)
-            if events[-1].finished == "length":
-                assert tuple(t for ev in events for t in ev.token_ids) == _reference(
-                    prompt, h.request.max_tokens
-                )
+            assert [ev.finished for ev in events if ev.finished] == ["length"], (at, events)
+            assert tuple(t for ev in events for t in ev.token_ids) == _reference(prompt, h.request.max_tokens)
+            assert "".join(ev.text for ev in events) == eng.tokenizer.decode(
+                _reference(prompt, h.request.max_tokens)
+            )
         if calls[0] < at:
             return  # the run ended before the fault's call: every later one would too
     raise AssertionError("the runs always reached the fault")
 
 
-def test_the_requests_served_before_the_fault_keep_their_whole_text():
-    """A request that finished before the failed step is not touched, and one queued behind the admitted ones
-    gets all its tokens, from its first."""
+def test_a_request_held_by_a_second_failed_step_is_ended_and_the_others_carried_on():
+    """A request carried through one recovery and held when a step fails again may be what fails: it is
+    ended with the error. A request admitted after the first failure is carried on through the second, to
+    the text it gets alone."""
     eng = _engine("serial", 1)
-    first = collect(eng, [(0, Request(PROMPTS[0], TOKENS))])[0]
-    handles = [eng.submit(Request(p, TOKENS)) for p in PROMPTS]
+    early = [eng.submit(Request(p, TOKENS)) for p in PROMPTS[: eng.n_slots - 1]]
     _plant(eng, "launch", 3)
     with pytest.raises(Planted):
         while eng.step():
             pass
     del eng.executor.launch
-    ended = eng.recover(Planted("planted"))
+    assert eng.recover(Planted("the first")) == Recovery(resumed=len(early), ended=0)
+    late = eng.submit(Request(PROMPTS[-1], TOKENS))
+    eng.step()  # the carried-on requests take their slots back, before the queued one
+    states = [eng.stats()["slots"][h.slot] for h in early]
+    assert [s["restarts"] for s in states] == [1] * len(early)
+    assert "reread" in {s["state"] for s in states}  # (one that was reading its prompt: "prefill")
+    _plant(eng, "launch", 3)
+    with pytest.raises(Planted):
+        while eng.step():
+            pass
+    del eng.executor.launch
+    assert late.slot is not None and all(eng.slots[h.slot].handle is h for h in (*early, late))
+    assert eng.recover(Planted("the second")) == Recovery(resumed=1, ended=len(early))
     while eng.step():
         pass
-    outcomes = [[ev for ev in _drain(h)] for h in handles]
-    assert sum(o[-1].finished == "error" for o in outcomes) == ended == eng.n_slots
-    for events, prompt in zip(outcomes, PROMPTS, strict=True):
-        if events[-1].finished != "error":
-            assert tuple(t for ev in events for t in ev.token_ids) == _reference(prompt)
-    assert tuple(first) == _reference(PROMPTS[0])
+    assert tuple(t for ev in _drain(late) for t in ev.token_ids) == _reference(PROMPTS[-1])
+    for h in early:
+        last = _drain(h)[-1]
+        assert last.finished == "error" and "the second" in last.error
+
+
+@pytest.mark.parametrize(("mode", "stages"), [("serial", 1), ("pipelined", 2), ("batch-mtp", 2)])
+def test_replies_with_penalties_a_grammar_and_stop_strings_are_carried_on_to_their_text_alone(mode, stages):
+    """What a reply's next tokens follow besides the KV goes on from the tokens sent: its penalties' counts
+    (the device's start afresh from the host's), its place in a grammar and its stop strings' search. Each
+    greedy reply carried through a failed step is the one it gets alone, ending where it ends alone."""
+    eng = _engine(mode, stages)
+    penalised = SamplingParams(presence_penalty=0.8, frequency_penalty=1.5, logit_bias=((ord("e"), 3.0),))
+    person = json_grammar(
+        {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    )
+    requests = [
+        Request(PROMPTS[0], 24, penalised),
+        Request(PROMPTS[1], 40, SamplingParams(grammar=person)),
+        Request(PROMPTS[2], 24),
+    ]
+    alone = [_reference_of(r) for r in requests]
+    stop = eng.tokenizer.decode(list(alone[2][8:10]))  # met after a few tokens sent
+    requests[2] = Request(PROMPTS[2], 24, stop_strings=(stop,))
+    alone[2] = _reference_of(requests[2])
+    for at in (5, 8):
+        handles = [eng.submit(r) for r in requests]
+        _plant(eng, "launch", at)
+        with pytest.raises(Planted):
+            while eng.step():
+                pass
+        del eng.executor.launch
+        assert eng.recover(Planted("planted")).ended == 0
+        while eng.step():
+            pass
+        for h, tokens in zip(handles, alone, strict=True):
+            events = _drain(h)
+            assert tuple(t for ev in events for t in ev.token_ids) == tokens, (at, h.request)
+            assert events[-1].finished in ("stop", "length") and not any(ev.error for ev in events)
+    assert len(alone[2]) < 24  # the stop string ends it early
+
+
+def test_tokens_decided_but_not_sent_are_sent_on_unless_they_need_their_log_probabilities():
+    """A fault inside a window's deciding, after two of its three slots were decided: the one whose request
+    does not ask for log-probabilities gets its decided tokens in one event and is carried on; the one that
+    asks is ended with the error (its log-probabilities are gone with the window); the undecided one is
+    carried on. Those carried on get the text they get alone."""
+    eng = _engine("serial", 1)
+    a = eng.submit(Request(PROMPTS[0], TOKENS))
+    b = eng.submit(Request(PROMPTS[1], TOKENS, SamplingParams(logprobs=1)))
+    c = eng.submit(Request(PROMPTS[2], TOKENS))
+    while not all(h.completion_tokens >= 2 for h in (a, b, c)):
+        eng.step()
+    decide = eng.executor._decide
+    decided: dict[int, list[Any]] = {}
+
+    def failing(flight: Any, e: Any, row: int, logit_row: Any) -> Any:
+        done = decided.setdefault(id(flight), [])
+        if a in done and b in done and e.slot.handle is c:
+            raise Planted("planted in deciding")
+        done.append(e.slot.handle)
+        return decide(flight, e, row, logit_row)
+
+    eng.executor._decide = failing  # type: ignore[method-assign]
+    with pytest.raises(Planted):
+        while eng.step():
+            pass
+    del eng.executor._decide
+    untold = {id(h): eng.slots[h.slot].untold()[0] for h in (a, b, c)}
+    assert untold[id(a)] and untold[id(b)] and not untold[id(c)]
+    assert eng.recover(Planted("planted in deciding")) == Recovery(resumed=2, ended=1)
+    while eng.step():
+        pass
+    for h, prompt in ((a, PROMPTS[0]), (c, PROMPTS[2])):
+        events = _drain(h)
+        assert events[-1].finished == "length"
+        assert tuple(t for ev in events for t in ev.token_ids) == _reference(prompt)
+    events = _drain(b)
+    assert events[-1].finished == "error" and "planted in deciding" in events[-1].error
+    sent = [t for ev in events for t in ev.token_ids]
+    assert sent == list(_reference(PROMPTS[1])[: len(sent)])  # what it was sent before stands
+    assert all(len(ev.logprobs) == len(ev.token_ids) for ev in events)
 
 
 def test_after_recovering_no_slot_lends_what_it_kept_for_prefix_reuse():

@@ -756,24 +756,29 @@ class Executor:
         chosen: int | None = None,
     ) -> list[tuple[Slot, TokenEvent]]:
         """Commit a prompt chunk; ``target`` is its last row's argmax or logits, only in the last chunk, whose
-        last row is needed row ``at``; or ``chosen``, the first token the device chose there."""
-        p, prompt = slot.prefilled, slot.prompt
-        done = p + n == len(prompt)
+        last row is needed row ``at``; or ``chosen``, the first token the device chose there. A slot reading
+        its prompt and tokens again after a recovery (`Slot.restart`) has its next token already."""
+        p, reading, again = slot.prefilled, slot.reading, slot.resume_token
+        done = p + n == len(reading)
         first: int | None = None
         if done:
-            if chosen is not None:
+            if again is not None:
+                token = again
+            elif chosen is not None:
                 token = chosen
             else:
                 assert target is not None
                 # A window of one row and no proposals: `verify` decides it as it decides any.
                 token = verify(target[-1:], Proposals([], []), slot.sampler).tokens[0]
-            first, following = token, [*prompt[p + 1 : p + n], token]
+            first, following = token, [*reading[p + 1 : p + n], token]
         else:
-            following = list(prompt[p + 1 : p + n + 1])
+            following = list(reading[p + 1 : p + n + 1])
         commit(self.model, slot.id, slot.length, n, normed, following, self.tracked)
         top = slot.sampler.params.prompt_logprobs
-        if top is not None:
-            slot.prompt_logprobs += self._prompt_logprobs(normed, list(prompt[p + 1 : p + n + 1]), top)
-        lps = () if first is None or at is None else self._logprobs(flight, slot, at, [first])
+        if top is not None and again is None:
+            slot.prompt_logprobs += self._prompt_logprobs(normed, list(reading[p + 1 : p + n + 1]), top)
+        lps: tuple[TokenLogprob, ...] = ()
+        if first is not None and at is not None and again is None:
+            lps = self._logprobs(flight, slot, at, [first])
         event = slot.prefilled_chunk(n, first, lps)
         return [] if event is None else [(slot, event)]

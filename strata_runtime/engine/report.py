@@ -274,13 +274,14 @@ def _slot_state(engine: EngineView, i: int, s: Slot | None) -> dict[str, Any]:
         return {"slot": i, "state": "free", "kept_tokens": 0 if kept is None else len(kept.tokens)}
     return {
         "slot": i,
-        "state": "prefill" if s.prefilling else "decode",
+        "state": ("reread" if s.resume_token is not None else "prefill") if s.prefilling else "decode",
         "request_id": s.handle.request.request_id,
         "prompt_tokens": len(s.prompt),
         "prefilled": s.prefilled,
         "generated": len(s.generated),
         "length": s.length,
         "kv_lengths": engine.model.kv_lengths(i),
+        "restarts": s.restarts,
         **({"drafting": _drafting_state(engine, s)} if engine.tracked else {}),
     }
 

@@ -63,7 +63,7 @@ from strata_cfg.schema.windows import (
     solo_window,
 )
 
-from ..api import PlanMismatch, Request, RequestHandle, TokenEvent, request_problem
+from ..api import PlanMismatch, Recovery, Request, RequestHandle, TokenEvent, request_problem
 from ..experts.cache import Snapshot
 from ..model import Model
 from ..model.placed import WeightStore
@@ -89,6 +89,10 @@ log = logging.getLogger("strata_runtime")
 
 CHECK_STEPS = 1000
 """Steps the self-check request may take (`Engine.self_check`): it needs a few."""
+
+RESTARTS_MOST = 1
+"""Recoveries a request is carried through (`Engine.recover`): one held when a step fails again after it
+was carried on is ended with the error instead, since it may be what makes the steps fail."""
 
 
 class Engine:
@@ -151,6 +155,10 @@ class Engine:
         """Windows in flight, in launch order (which is also the order they finish in)."""
         self._chain: deque[Flight] = deque()
         """Serial decode windows in flight, each after the window it reads its tokens from (run-ahead)."""
+        self._undelivered: list[tuple[Slot, TokenEvent]] = []
+        """The events of the window finished last, until they are delivered."""
+        self._restarting: list[Slot] = []
+        """Requests a recovery carries on (`recover`), until they take their slots back (`_admit`)."""
         self.run_ahead = plan.batch.run_ahead
         """Chained windows in flight at most (``batch.run_ahead``); 1 runs every window alone."""
         self._idle_since: dict[int, int] = {}
@@ -218,41 +226,76 @@ class Engine:
             self._serial_round(prefilling, decoding)
         return True
 
-    def recover(self, error: BaseException) -> int:
-        """After `step` raised ``error``: end every admitted request with an error event saying so, and
-        bring the engine back to where it serves the queue, without loading anything again. Returns the
-        requests ended; queued requests wait on and are served as usual.
+    def recover(self, error: BaseException) -> Recovery:
+        """After `step` raised ``error``: bring the engine back to where it serves, without loading anything
+        again, carrying on the requests it held (`Slot.restart`: each reads its prompt and the tokens it
+        was sent again, then goes on) and serving the queue after them.
 
         Every window in flight is let go once its stages' threads and devices have run what was queued
         (`Executor.quiesce`, which raises where a device reports an error: then nothing more can run
-        there). Every slot forgets its KV and what it kept for prefix reuse, and the prefix store is
-        emptied: a window that failed part-way may have written any of it. What the engine learned of
-        window times and drafting, and what the expert caches hold, stay. Whether the model still computes
-        what it computed at start is `self_check`'s to say."""
+        there). Events a window decided before the failure and not yet delivered are delivered first. Every
+        slot forgets its KV and what it kept for prefix reuse, and the prefix store is emptied: a window
+        that failed part-way may have written any of it. A request is ended with an error event instead
+        where it was carried through a recovery before (`RESTARTS_MOST`: it may be what fails), or where it
+        was decided tokens that cannot be sent on as they were (with their log-probabilities, or with the
+        request's end). What the engine learned of window times and drafting, and what the expert caches
+        hold, stay. Whether the model still computes what it computed at start is `self_check`'s to say; the
+        requests carried on wait for it, in `_restarting`, and take their own slots back at the next step."""
         self.executor.quiesce()
         self._flights.clear()
         self._chain.clear()
+        undelivered, self._undelivered = self._undelivered, []
         why = f"the engine failed while running this request ({type(error).__name__}: {error})"
-        ended = 0
+        resumed = ended = 0
         for i, slot in enumerate(self.slots):
-            if slot is not None and not slot.told:  # (a window may have finished it, undelivered)
-                slot.tell(slot.finish("error", why))
-                ended += 1
             self.slots[i] = None
             self._rewind_slot(i, 0)
+            if slot is None or slot.told:
+                continue
+            sent = self._sent_on(slot, undelivered)
+            if slot.told:  # its last event was decided before the failure
+                continue
+            if sent and slot.finished is None and slot.restarts < RESTARTS_MOST:
+                slot.restart()
+                self._restarting.append(slot)
+                resumed += 1
+            else:
+                slot.tell(slot.finish("error", why))
+                ended += 1
         self.forget_prefixes()  # and the store
         self._routed.clear()
         self._idle_since.clear()
         self._delivered_at = time.perf_counter()
         self._settle_experts()
-        return ended
+        return Recovery(resumed, ended)
+
+    @staticmethod
+    def _sent_on(slot: Slot, undelivered: list[tuple[Slot, TokenEvent]]) -> bool:
+        """Send ``slot``'s tokens that a window decided before a step failed and no event put yet: the
+        window's own event, where the failure came before it was delivered, or one event with their tokens
+        and text where they carry no more than that. False where there are such tokens and neither can
+        send them (a failure inside a window's deciding, where the request asks for log-probabilities, or
+        a decided end): the request is then ended."""
+        tokens, text = slot.untold()
+        event = next((ev for s, ev in undelivered if s is slot), None)
+        if event is not None and list(event.token_ids) == tokens and event.text == text:
+            slot.tell(event)
+            return True
+        if slot.finished is None and not tokens:
+            return True
+        params = slot.sampler.params
+        if slot.finished is not None or params.logprobs is not None or params.prompt_logprobs is not None:
+            return False
+        slot.tell(TokenEvent(tuple(tokens), text, None, 0))
+        return True
 
     def self_check(self) -> str | None:
         """Run the self-check request (`strata_runtime.engine.check`) alone. The first call records what the
         model gives: make it while the engine is known sound (after loading). Each later call compares with
         that, and returns where the model now departs from it, or None.
 
-        Call only while no request holds a slot. Requests queued meanwhile wait; the check leaves no trace in
+        Call only while no request holds a slot. Requests queued meanwhile wait, and so do those a recovery
+        carries on (`recover`, which leaves every slot free for the check); the check leaves no trace in
         the window statistics, what proposals did, or the kept prefixes (an expert cache counts its routing
         as a request's)."""
         assert all(s is None for s in self.slots), "the self-check runs while no request holds a slot"
@@ -261,6 +304,7 @@ class Engine:
         self.window_stats = WindowStats()
         with self._lock:
             waiting, self._queue = self._queue, deque()
+        restarting, self._restarting = self._restarting, []
         try:
             handle = self.submit(request)
             events: list[TokenEvent] = []
@@ -277,6 +321,7 @@ class Engine:
                 arrived, self._queue = self._queue, waiting
                 for queued in arrived:
                     self._enqueue(queued)
+            self._restarting = restarting
             self.window_stats = stats
             self.choice.restore_holds(holds)
         if handle.slot is not None and self.slots[handle.slot] is None:  # what it kept for prefix reuse
@@ -431,6 +476,13 @@ class Engine:
         """Admit queued requests, in order (of priority, then of arrival), while slots are free. A request
         that should wait for a busy slot still reading what it shares (`worth_waiting`) stays at the head of
         the queue and keeps one free slot for itself; a later request may take any slot beyond those."""
+        while self._restarting:  # before any queued request: their slots are their own
+            slot = self._restarting.pop(0)
+            assert self.slots[slot.id] is None, "a request carried on takes its own slot back"
+            self._rewind_slot(slot.id, 0)
+            self.prefixes.kept[slot.id] = None
+            self.model.admit(slot.id, slot.prompt)
+            self.slots[slot.id] = slot
         with self._lock:
             waiting: list[RequestHandle] = []
             try:
@@ -607,7 +659,7 @@ class Engine:
         """The whole prompt each busy slot is still reading, as it will hold it once read (`_donors`)."""
         drafters = self.model.drafters
         return {
-            i: Kept(slot.prompt, len(slot.prompt) - 1 if i in drafters else None, slot.prefix_key, 0)
+            i: Kept(slot.reading, len(slot.reading) - 1 if i in drafters else None, slot.prefix_key, 0)
             for i, slot in enumerate(self.slots)
             if slot is not None and slot.prefilling
         }
@@ -951,12 +1003,13 @@ class Engine:
         chunk is ``memory.prefill_chunk_alone`` long (nothing waits behind it)."""
         start = slot.length if pos is None else pos  # while a slot prefills, its length is its prompt offset
         m = self.plan.memory
-        n = min(m.prefill_chunk_alone if alone else m.prefill_chunk, len(slot.prompt) - start)
-        tokens = list(slot.prompt[start : start + n])
-        ends = start + n == len(slot.prompt)
-        entry = Entry(
-            slot, "prefill", tokens, pos=start, ends_prompt=ends, masked=ends and self._masked(slot)
-        )
+        reading = slot.reading
+        n = min(m.prefill_chunk_alone if alone else m.prefill_chunk, len(reading) - start)
+        tokens = list(reading[start : start + n])
+        ends = start + n == len(reading)
+        # (read again after a recovery, the last row's token is known: nothing to mask or choose there)
+        masked = ends and slot.resume_token is None and self._masked(slot)
+        entry = Entry(slot, "prefill", tokens, pos=start, ends_prompt=ends, masked=masked)
         return Job("prefill", [entry])
 
     def _with_short_prompts(self, job: Job, prefilling: list[Slot]) -> Job:
@@ -968,11 +1021,11 @@ class Engine:
         room = self.plan.memory.prefill_chunk - job.rows
         first = job.entries[0].slot
         for slot in sorted(prefilling, key=lambda s: s.admitted_at):
-            rest = len(slot.prompt) - slot.length
+            rest = len(slot.reading) - slot.length
             if slot is first or not 0 < rest <= room:
                 continue
-            tokens = list(slot.prompt[slot.length :])
-            masked = self._masked(slot)
+            tokens = list(slot.reading[slot.length :])
+            masked = slot.resume_token is None and self._masked(slot)
             job.entries.append(
                 Entry(slot, "prefill", tokens, pos=slot.length, ends_prompt=True, masked=masked)
             )
@@ -1205,6 +1258,7 @@ class Engine:
         meanwhile and the host time it took."""
         before, t0 = self._caught_up(), time.perf_counter()
         events = self.executor.finish(flight)
+        self._undelivered = events  # until `_deliver` has sent them (a failure meanwhile: `recover` does)
         self._silent_probes(flight.job, events)
         flight.job.caught_up += self._caught_up() - before
         flight.job.finish_ms += (time.perf_counter() - t0) * 1e3
@@ -1328,3 +1382,4 @@ class Engine:
                     if slot.id in queued.job.slot_ids:  # when queued: before the release rewinds it
                         queued.wait_queued()
                 self._release(slot)
+        self._undelivered = []

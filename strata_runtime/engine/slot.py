@@ -64,6 +64,16 @@ class Slot:
     prefix_key: Hashable = None
     """What another request must share to reuse this one's KV (`strata_runtime.engine.prefix.Kept.key`):
     the routing key its prompt chose and its cache salt, set at admission."""
+    resume: tuple[int, ...] = ()
+    """After a recovery (`restart`), until the KV holds them again: the generated tokens read after the
+    prompt, all but the last (``resume_token``), which becomes the next input once they are read."""
+    resume_token: int | None = None
+    restarts: int = 0
+    """Recoveries this request was carried through."""
+    told_tokens: int = 0
+    """Generated tokens in the events put so far (`tell`)."""
+    told_chars: int = 0
+    """Characters of ``sent_text`` in the events put so far."""
 
     def __post_init__(self) -> None:
         self._stops = StopText(self.handle.request.stop_strings)
@@ -71,6 +81,12 @@ class Slot:
     @property
     def prompt(self) -> tuple[int, ...]:
         return self.handle.request.prompt_ids
+
+    @property
+    def reading(self) -> tuple[int, ...]:
+        """What the KV holds once the prompt is read: the prompt, and after a recovery the generated tokens
+        read again (``resume``)."""
+        return self.prompt + self.resume if self.resume else self.prompt
 
     @property
     def decoding(self) -> bool:
@@ -88,6 +104,10 @@ class Slot:
         self.length += n
         self.prefilled += n
         if first is None:
+            return None
+        if self.resume_token is not None:  # read again after a recovery: the token was sent before
+            assert first == self.resume_token
+            self.token, self.resume, self.resume_token = first, (), None
             return None
         self.token = first
         event = self.emit([first], 0, logprobs=logprobs)
@@ -209,6 +229,30 @@ class Slot:
         """Put ``event`` in the request's queue, noting whether it was the last."""
         self.handle.events.put(event)
         self.told = self.told or event.finished is not None
+        self.told_tokens += len(event.token_ids)
+        self.told_chars += len(event.text)
+
+    def untold(self) -> tuple[list[int], str]:
+        """The generated tokens and text that windows decided but no event put yet (a step that failed
+        between deciding a window and delivering its events)."""
+        return self.generated[self.told_tokens :], self.sent_text[self.told_chars :]
+
+    def restart(self) -> None:
+        """After a recovery, with the KV forgotten: read the prompt again, and then, where the request was
+        decoding, the tokens it was given, all but the last, which is the next input again. What the
+        reply's text, stop strings, grammar and penalties know stays: they followed those same tokens. The
+        device's counts for the penalties start afresh from the host's."""
+        assert self.finished is None and self.untold() == ([], "")
+        if self.token is None:  # still reading the prompt: from its start, its log-probabilities again
+            self.resume, self.resume_token, self.prompt_logprobs = (), None, []
+        else:
+            assert self.generated and self.token == self.generated[-1]
+            self.resume, self.resume_token = tuple(self.generated[:-1]), self.generated[-1]
+        self.length = self.prefilled = 0
+        self.token = None
+        self.ahead = self.shadow = None
+        self.sampler.on_device, self.sampler.uncounted = False, []
+        self.restarts += 1
 
     def finish(self, reason: FinishReason, error: str | None = None) -> TokenEvent:
         self.finished = reason

@@ -346,7 +346,7 @@ class Server:
             engine.stats if engine else {},
             ready=bool(engine and engine.state == "ready" and not self.draining),
             in_flight=engine.in_flight if engine else 0,
-            recoveries=len(engine.recovered) if engine else 0,
+            recoveries=engine.recovered if engine else (),
         )
         return web.Response(
             text=text, content_type="text/plain", charset="utf-8", headers={"X-Format": "0.0.4"}

@@ -279,8 +279,8 @@ class EngineLoop:
                 self._wake.clear()
 
     def _recover(self, exc: Exception) -> bool:
-        """A step raised ``exc``: end the requests the engine was running, bring it back
-        (`EngineCore.recover`) and check that the model gives what it gave after loading
+        """A step raised ``exc``: bring the engine back, carrying on the requests it was running where it
+        can (`EngineCore.recover`), and check that the model gives what it gave after loading
         (`EngineCore.self_check`). False (the server then ends, as after a failed load) where recovery is
         off, the step failed more than ``recoveries`` times within `RECOVERY_PERIOD_S`, or the engine cannot
         go on."""
@@ -300,7 +300,7 @@ class EngineLoop:
             "".join(traceback.format_exception(exc)).rstrip(),
         )
         try:  # watched as the step was: ``_busy_since`` is still the failed step's start
-            ended = self.engine.recover(exc)
+            recovery = self.engine.recover(exc)
             problem = self.engine.self_check()
             self._busy_since = None
         except BaseException as again:
@@ -316,11 +316,19 @@ class EngineLoop:
                 exc,
             )
             return False
-        self.recovered.append({"at": time.time(), "error": f"{type(exc).__name__}: {exc}", "ended": ended})
+        self.recovered.append(
+            {
+                "at": time.time(),
+                "error": f"{type(exc).__name__}: {exc}",
+                "resumed": recovery.resumed,
+                "ended": recovery.ended,
+            }
+        )
         log.warning(
-            "recovered from a failed step: %d request(s) ended with an error; the self-check agrees with "
-            "the start (%d of %d recoveries in %.0f minutes used)",
-            ended,
+            "recovered from a failed step: %d request(s) carried on, %d ended with an error; the self-check "
+            "agrees with the start (%d of %d recoveries in %.0f minutes used)",
+            recovery.resumed,
+            recovery.ended,
             len(self._failed_at),
             self.recoveries,
             RECOVERY_PERIOD_S / 60,

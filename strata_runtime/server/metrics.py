@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -298,7 +299,7 @@ def render(
     *,
     ready: bool,
     in_flight: int,
-    recoveries: int = 0,
+    recoveries: Sequence[Mapping[str, Any]] = (),
 ) -> str:
     """The whole ``/metrics`` page."""
     out: list[str] = []
@@ -307,9 +308,17 @@ def render(
     out += _head(
         "strata_engine_recoveries_total",
         "counter",
-        "Failed engine steps recovered from (serve.recoveries); their requests ended with an error.",
+        "Failed engine steps recovered from (serve.recoveries).",
     )
-    out.append(_line("strata_engine_recoveries_total", recoveries))
+    out.append(_line("strata_engine_recoveries_total", len(recoveries)))
+    out += _head(
+        "strata_engine_recovered_requests_total",
+        "counter",
+        "Requests a failed step held, by what the recovery did: carried on (resumed) or ended with an error.",
+    )
+    for outcome in ("resumed", "ended"):
+        n = sum(int(r[outcome]) for r in recoveries)
+        out.append(_line("strata_engine_recovered_requests_total", n, {"outcome": outcome}))
     out += _head("strata_requests_in_flight", "gauge", "HTTP generation requests being served or queued.")
     out.append(_line("strata_requests_in_flight", in_flight))
     out += _head("strata_requests_total", "counter", "HTTP generation requests by endpoint and outcome.")
