@@ -210,6 +210,41 @@ def test_replies_with_penalties_a_grammar_and_stop_strings_are_carried_on_to_the
     assert len(alone[2]) < 24  # the stop string ends it early
 
 
+@pytest.mark.parametrize(("mode", "stages"), [("serial", 1), ("pipelined", 2)])
+@pytest.mark.parametrize("where", ["launch", "forward"])
+def test_seeded_sampled_replies_carried_on_draw_what_they_draw_without_the_failure(mode, stages, where):
+    """The windows queued ahead of a failure drew numbers from each request's generator; a reply carried on
+    draws from where its kept tokens left it (`Sampler.take_back`), so a seeded reply is the one the same
+    engine gives without the failure. (Where windows draft, which of them carry proposals after the
+    failure can differ from the run without it, and with them the numbers a token is drawn with.)"""
+    sampled = [SamplingParams(temperature=0.9, top_k=40, seed=7 + i) for i in range(3)]
+    requests = [Request(p, 16, params) for p, params in zip(PROMPTS, sampled, strict=False)]
+    requests = requests[: _engine(mode, stages).n_slots]
+    sound = _engine(mode, stages)
+    without = [
+        [t for ev in _drain_all(sound, h) for t in ev.token_ids] for h in [sound.submit(r) for r in requests]
+    ]
+    for at in (4, 7):
+        eng = _engine(mode, stages)
+        handles = [eng.submit(r) for r in requests]
+        _plant(eng, where, at)
+        with pytest.raises(Planted):
+            while eng.step():
+                pass
+        delattr(eng.model.stages[-1] if where == "forward" else eng.executor, where)
+        assert eng.recover(Planted("planted")).ended == 0
+        while eng.step():
+            pass
+        assert [[t for ev in _drain(h) for t in ev.token_ids] for h in handles] == without, at
+
+
+def _drain_all(eng: Engine, handle: Any) -> list[Any]:
+    """Step ``eng`` until it is idle, then `_drain` ``handle``."""
+    while eng.step():
+        pass
+    return _drain(handle)
+
+
 def test_tokens_decided_but_not_sent_are_sent_on_unless_they_need_their_log_probabilities():
     """A fault inside a window's deciding, after two of its three slots were decided: the one whose request
     does not ask for log-probabilities gets its decided tokens in one event and is carried on; the one that

@@ -330,6 +330,8 @@ class Executor:
         flight = Flight(
             job, job.layout(), needed, sampled, self._marks(), after, job.draws(), job.device_spec()
         )
+        for e in job.entries:
+            e.drawn_to = e.slot.sampler.drawn
         if flight.spec is not None and flight.spec.lookup is not None:
             flight.spec.history = self.lookup_history
         flight.adjusts = job.adjusts()
@@ -620,10 +622,12 @@ class Executor:
         row = 0
         with self._on_drafters(after=flight):
             for e in flight.job.entries:
+                sampler, before = e.slot.sampler, e.slot.sampler.drawn
                 if flight.spec is not None:
                     events += self._settle(flight, e, row)
                 else:
                     events += self._decide(flight, e, row, logit_row)
+                sampler.kept = e.drawn_to + sampler.drawn - before  # (windows ahead drew after it)
                 row += len(e.tokens)
             self._retire(flight)
         return events

@@ -40,6 +40,9 @@ class Entry:
     """Rows of a request held to a grammar (its decode rows, or the last row of its prompt), chosen on the
     device over the tokens the grammar allows (`Job.masks`): the host reads the chosen tokens, not the
     logits, and verifies the proposals by them."""
+    drawn_to: int = 0
+    """Its request's numbers drawn (`Sampler.drawn`) once the window was launched: what deciding the rows
+    adds to them follows (`Sampler.kept`)."""
 
     def __post_init__(self) -> None:
         if self.pos < 0:

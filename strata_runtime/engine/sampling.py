@@ -105,6 +105,11 @@ class Sampler:
         """A think block's budget, where no grammar holds the reply (a grammar holds the budget itself)."""
         self.greedy = params.temperature <= 0.0
         self.rng = np.random.default_rng(seed)
+        self.drawn = 0
+        """Numbers drawn from ``rng`` so far (`uniform`, `draw`)."""
+        self.kept = 0
+        """Of them, those drawn for the windows that decided the reply's tokens so far (the rest were drawn
+        for windows queued ahead; `take_back` undoes them)."""
         self.adjusts = bool(params.presence_penalty or params.frequency_penalty or params.logit_bias)
         """The logits change before a token is chosen (a bias or a penalty is set)."""
         self.counts: Counter[int] = Counter()
@@ -207,7 +212,20 @@ class Sampler:
 
     def draw(self, probs: np.ndarray) -> int:
         """One token from a distribution [V]."""
-        return int(inverse_cdf(probs, self.rng.random()))
+        return int(inverse_cdf(probs, self.uniform()))
 
     def uniform(self) -> float:
+        self.drawn += 1
         return float(self.rng.random())
+
+    def take_back(self) -> None:
+        """Put the generator back to where it stood after the numbers that decided the reply's tokens so far
+        (``kept``), as if the windows queued after them had never drawn: a reply carried through a failed
+        step (`strata_runtime.engine.slot.Slot.restart`) then draws what it would have drawn without the
+        failure. PCG64, ``default_rng``'s generator, steps once a number and moves any count of steps,
+        back by going round its period of 2**128."""
+        extra = self.drawn - self.kept
+        if extra:
+            assert isinstance(self.rng.bit_generator, np.random.PCG64)
+            self.rng.bit_generator.advance(2**128 - extra)
+        self.drawn = self.kept

@@ -241,7 +241,8 @@ class Slot:
         """After a recovery, with the KV forgotten: read the prompt again, and then, where the request was
         decoding, the tokens it was given, all but the last, which is the next input again. What the
         reply's text, stop strings, grammar and penalties know stays: they followed those same tokens. The
-        device's counts for the penalties start afresh from the host's."""
+        device's counts for the penalties start afresh from the host's, and the generator goes back to where
+        the tokens left it (`Sampler.take_back`), so a seeded reply draws on as it would have."""
         assert self.finished is None and self.untold() == ([], "")
         if self.token is None:  # still reading the prompt: from its start, its log-probabilities again
             self.resume, self.resume_token, self.prompt_logprobs = (), None, []
@@ -252,6 +253,7 @@ class Slot:
         self.token = None
         self.ahead = self.shadow = None
         self.sampler.on_device, self.sampler.uncounted = False, []
+        self.sampler.take_back()
         self.restarts += 1
 
     def finish(self, reason: FinishReason, error: str | None = None) -> TokenEvent:
