@@ -13,6 +13,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from strata_cfg.schema.sampling_options import MAX_TOP_LOGPROBS as MAX_TOP_LOGPROBS
+
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
 
@@ -99,10 +101,6 @@ ADJUST_MOST = 1e30
 """The largest logit bias or penalty, in magnitude, `sampling_problem` lets through: logits are adjusted in
 float32 (a penalty once per time its token came, up to a context's length), where a larger one overflows to
 infinity and the distribution to NaN. A bias of 1e30 bans or forces a token as surely as OpenAI's 100."""
-
-MAX_TOP_LOGPROBS = 20
-"""The most alternatives a request may ask the log-probabilities of, at each place (vLLM's default bound;
-the command line's ``--logprobs`` takes the same)."""
 
 
 def _whole(v: Any) -> bool:

@@ -404,6 +404,7 @@ def test_sampled_bench_requests_draw_with_the_options_and_the_same_seed_in_every
     [
         (("--temperature", "-1"), "--temperature must be at least 0"),
         (("--temperature", "nan"), "--temperature must be at least 0"),
+        (("--temperature", "2.5"), "--temperature must be at least 0 and at most 2, as OpenAI defines it"),
         (("--temperature", "0.7", "--top-p", "0"), "--top-p must be in (0, 1]"),
         (("--top-k", "-2"), "--top-k must be at least 0"),
         (("--temperature", "0.7", "--peer", "transformers"), "--peer runs greedy decoding only"),

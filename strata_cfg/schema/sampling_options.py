@@ -13,6 +13,11 @@ from typing import Any
 PENALTY_BOUND = 2.0
 """OpenAI's bound on a presence or frequency penalty: each lies in [-2, 2]."""
 
+TEMPERATURE_MOST = 2.0
+"""OpenAI's bound on a temperature: it lies in [0, 2]. The server's request schema and these options share
+both bounds; the engine's own check (`strata_runtime.api.sampling_problem`) takes any finite temperature and
+penalty a float32 logit can hold, for callers of its Python API."""
+
 
 def sampling_problem(
     temperature: float,
@@ -23,8 +28,8 @@ def sampling_problem(
 ) -> str | None:
     """Why sampling options are not valid: a bench's or a load test's (every request draws with them), or a
     generate command's."""
-    if not temperature >= 0:  # also refuses nan
-        return f"--temperature must be at least 0, not {temperature}"
+    if not 0 <= temperature <= TEMPERATURE_MOST:  # also refuses nan
+        return f"--temperature must be at least 0 and at most 2, as OpenAI defines it, not {temperature}"
     if not 0 < top_p <= 1:
         return f"--top-p must be in (0, 1], not {top_p}"
     if top_k < 0:
@@ -80,7 +85,8 @@ def generation_problem(max_tokens: int, seed: int, stops: Sequence[str] = ()) ->
 
 
 MAX_TOP_LOGPROBS = 20
-"""The most alternatives a request may ask the log-probabilities of, at each place (vLLM's default bound)."""
+"""The most alternatives a request may ask the log-probabilities of, at each place (vLLM's default bound):
+``--logprobs`` here, and a request's in the engine and the server."""
 
 
 def logprobs_problem(logprobs: int | None) -> str | None:

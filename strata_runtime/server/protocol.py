@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from strata_cfg.schema.sampling_options import PENALTY_BOUND, TEMPERATURE_MOST
+
 from ..api import MAX_TOP_LOGPROBS, Request, SamplingParams, Tokenizer, TokenLogprob, token_name
 from ..chat import ToolCall
 from ..structured import GrammarError, choice_grammar, json_grammar, regex_grammar, text_grammar
@@ -61,13 +63,13 @@ class _Body(_Strict):
     max_tokens: int | None = Field(default=None, ge=0)
     """Tokens to generate at most; checked against the context once the prompt is tokenized. 0 only with a
     completion's ``echo``: the prompt alone, with its log-probabilities where asked."""
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    temperature: float = Field(default=1.0, ge=0.0, le=TEMPERATURE_MOST)
     """0 is greedy."""
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0)
     """An extension: 0 is no top-k cut."""
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(default=0.0, ge=-PENALTY_BOUND, le=PENALTY_BOUND)
+    frequency_penalty: float = Field(default=0.0, ge=-PENALTY_BOUND, le=PENALTY_BOUND)
     logit_bias: dict[str, float] | None = None
     """Token id (as a string, a JSON object's key) -> bias in [-100, 100], added to that token's logit."""
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
