@@ -262,7 +262,9 @@ RUNTIME_MAY_IMPORT_FROM_CFG = {
     "strata_cfg.schema.safetensors_header": "the one reader of a checkpoint file's header",
     "strata_cfg.schema.presets": "a synthetic model's config.json: the preset table defines the model",
     "strata_cfg.schema.workloads": "the bench workloads, shared with the HTTP bench driver",
-    "strata_cfg.schema.sampling_options": "the sampling options, checked as strata's own commands check them",
+    "strata_cfg.schema.sampling_options": (
+        "the sampling options, checked as strata's own commands check them, and OpenAI's bounds on them"
+    ),
 }
 """Every strata_cfg module the runtime imports, and why."""
 ONLY_FROM = {
@@ -272,6 +274,8 @@ ONLY_FROM = {
         "strata_runtime.commands.bench",
         "strata_runtime.commands.chat",
         "strata_runtime.commands.generate",
+        "strata_runtime.api",
+        "strata_runtime.server.protocol",
     ),
 }
 """Those that are not the plan's own contract, and the only runtime modules that may import them."""
