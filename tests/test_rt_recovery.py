@@ -401,6 +401,37 @@ def test_the_self_check_leaves_no_trace_and_queued_requests_wait_for_it():
     assert tuple(t for ev in _drain(queued) for t in ev.token_ids) == _reference(PROMPTS[2])
 
 
+def test_a_request_arriving_while_the_self_check_runs_waits_for_it_and_for_those_carried_on():
+    """The server's threads submit while the engine thread runs the self-check after a recovery: a request
+    that arrives then is not admitted until the check is done, and the requests carried on take their own
+    slots back before it; each gets its text alone."""
+    eng = _engine("serial", 1)
+    assert eng.self_check() is None
+    handles = [eng.submit(Request(p, TOKENS)) for p in PROMPTS[: eng.n_slots]]
+    _plant(eng, "launch", 6)
+    with pytest.raises(Planted):
+        while eng.step():
+            pass
+    del eng.executor.launch
+    assert eng.recover(Planted("planted")).resumed == eng.n_slots
+    launch, arrived = eng.executor.launch, []
+
+    def arriving(job: Any, after: Any = None) -> Any:
+        if not arrived:  # the check's first window: a request comes in meanwhile
+            arrived.append(eng.submit(Request(PROMPTS[-1], TOKENS)))
+        return launch(job, after)
+
+    eng.executor.launch = arriving  # type: ignore[method-assign]
+    assert eng.self_check() is None
+    del eng.executor.launch
+    (late,) = arrived
+    assert late.slot is None and late.events.empty()
+    while eng.step():
+        assert_kv_consistent(eng)
+    for h, prompt in zip((*handles, late), (*PROMPTS[: eng.n_slots], PROMPTS[-1]), strict=True):
+        assert tuple(t for ev in _drain(h) for t in ev.token_ids) == _reference(prompt)
+
+
 def _reading(*positions: tuple[int, float, tuple[tuple[int, float], ...]]) -> check.Reading:
     return check.Reading(tuple(TokenLogprob(t, lp, top) for t, lp, top in positions))
 

@@ -159,6 +159,8 @@ class Engine:
         """The events of the window finished last, until they are delivered."""
         self._restarting: list[Slot] = []
         """Requests a recovery carries on (`recover`), until they take their slots back (`_admit`)."""
+        self._admitting = True
+        """Whether `_admit` admits: not while the self-check runs (`self_check`)."""
         self.run_ahead = plan.batch.run_ahead
         """Chained windows in flight at most (``batch.run_ahead``); 1 runs every window alone."""
         self._idle_since: dict[int, int] = {}
@@ -294,19 +296,20 @@ class Engine:
         model gives: make it while the engine is known sound (after loading). Each later call compares with
         that, and returns where the model now departs from it, or None.
 
-        Call only while no request holds a slot. Requests queued meanwhile wait, and so do those a recovery
-        carries on (`recover`, which leaves every slot free for the check); the check leaves no trace in
-        the window statistics, what proposals did, or the kept prefixes (an expert cache counts its routing
-        as a request's)."""
+        Call only while no request holds a slot. No request is admitted while it runs: those queued, those
+        that arrive meanwhile (from the server's threads) and those a recovery carries on (`recover`, which
+        leaves every slot free for the check) wait for it. It leaves no trace in the window statistics,
+        what proposals did, or the kept prefixes (an expert cache counts its routing as a request's)."""
         assert all(s is None for s in self.slots), "the self-check runs while no request holds a slot"
         request = check.probe_request(self.model.args.vocab_size, self.plan.memory.context)
         stats, holds = self.window_stats, self.choice.holds()
         self.window_stats = WindowStats()
-        with self._lock:
-            waiting, self._queue = self._queue, deque()
-        restarting, self._restarting = self._restarting, []
+        self._admitting = False
         try:
-            handle = self.submit(request)
+            handle = RequestHandle(request)
+            problem = self._check(request)
+            assert problem is None, problem
+            assert self._take_slot(handle), "the self-check's request takes a free slot at once"
             events: list[TokenEvent] = []
             for _ in range(CHECK_STEPS):
                 self.step()
@@ -317,11 +320,7 @@ class Engine:
             else:
                 raise RuntimeError(f"the self-check request did not finish within {CHECK_STEPS} steps")
         finally:
-            with self._lock:
-                arrived, self._queue = self._queue, waiting
-                for queued in arrived:
-                    self._enqueue(queued)
-            self._restarting = restarting
+            self._admitting = True
             self.window_stats = stats
             self.choice.restore_holds(holds)
         if handle.slot is not None and self.slots[handle.slot] is None:  # what it kept for prefix reuse
@@ -475,14 +474,18 @@ class Engine:
     def _admit(self) -> None:
         """Admit queued requests, in order (of priority, then of arrival), while slots are free. A request
         that should wait for a busy slot still reading what it shares (`worth_waiting`) stays at the head of
-        the queue and keeps one free slot for itself; a later request may take any slot beyond those."""
+        the queue and keeps one free slot for itself; a later request may take any slot beyond those. Those
+        a recovery carries on take their own slots back first. Nothing is admitted while the self-check
+        runs."""
+        if not self._admitting:
+            return
         while self._restarting:  # before any queued request: their slots are their own
-            slot = self._restarting.pop(0)
+            slot = self._restarting[0]
             assert self.slots[slot.id] is None, "a request carried on takes its own slot back"
             self._rewind_slot(slot.id, 0)
             self.prefixes.kept[slot.id] = None
             self.model.admit(slot.id, slot.prompt)
-            self.slots[slot.id] = slot
+            self.slots[slot.id] = self._restarting.pop(0)
         with self._lock:
             waiting: list[RequestHandle] = []
             try:
