@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from rt_engine_helpers import Planted, assert_kv_consistent, collect, mode_plan, plant
 from rt_plans import make_plan
+from script_loader import load_script
 
 from strata_runtime.api import Recovery, Request, SamplingParams, TokenLogprob
 from strata_runtime.backend import Device
@@ -430,6 +431,20 @@ def test_a_request_arriving_while_the_self_check_runs_waits_for_it_and_for_those
         assert_kv_consistent(eng)
     for h, prompt in zip((*handles, late), (*PROMPTS[: eng.n_slots], PROMPTS[-1]), strict=True):
         assert tuple(t for ev in _drain(h) for t in ev.token_ids) == _reference(prompt)
+
+
+def test_the_recovery_bench_measures_a_pause_after_which_every_reply_is_as_without_the_failure():
+    """`scripts/bench_recovery.py` on a two-stage pipelined plan: the requests carried on get their next
+    tokens after the recovery and the self-check, and their replies are those of a run without the fault."""
+    bench = load_script("bench_recovery")
+    eng = _engine("pipelined", 2)
+    assert eng.self_check() is None
+    without = bench.replies(eng, [eng.submit(r) for r in bench.requests(eng, 12 + bench.AFTER)])
+    eng.forget_prefixes()
+    got = bench.pause(eng, 12)
+    assert got["recovery"] == Recovery(resumed=eng.n_slots, ended=0)
+    assert got["tokens"] == without and all(len(t) == 12 + bench.AFTER for t in without)
+    assert 0 < got["check_ms"] < got["pause_ms"] and got["resume_ms"] > 0
 
 
 def _reading(*positions: tuple[int, float, tuple[tuple[int, float], ...]]) -> check.Reading:
