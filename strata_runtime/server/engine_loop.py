@@ -296,7 +296,7 @@ class EngineLoop:
             self._fail(what, exc)
             return False
         log.error(
-            "the engine failed while stepping; ending the requests it runs and recovering\n%s",
+            "the engine failed while stepping; recovering\n%s",
             "".join(traceback.format_exception(exc)).rstrip(),
         )
         try:  # watched as the step was: ``_busy_since`` is still the failed step's start
