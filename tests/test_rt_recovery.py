@@ -18,7 +18,7 @@ from script_loader import load_script
 
 from strata_runtime.api import Recovery, Request, SamplingParams, TokenLogprob
 from strata_runtime.backend import Device
-from strata_runtime.engine import Engine, check
+from strata_runtime.engine import Engine, check, scheduler
 from strata_runtime.structured import json_grammar
 
 PROMPTS = [tuple(range(40 + 7 * i, 58 + 7 * i)) for i in range(5)]
@@ -244,6 +244,32 @@ def _drain_all(eng: Engine, handle: Any) -> list[Any]:
     while eng.step():
         pass
     return _drain(handle)
+
+
+def test_with_more_restarts_allowed_a_request_failing_again_while_it_reads_again_keeps_its_text(monkeypatch):
+    """Where `RESTARTS_MOST` carries a request through two failures, the second coming while it reads its
+    tokens again (its re-read chunk's launch fails): it reads them once more, from the start, and gets its
+    text alone, every token once."""
+    monkeypatch.setattr(scheduler, "RESTARTS_MOST", 2)
+    eng = _engine("serial", 1)
+    handles = [eng.submit(Request(p, TOKENS)) for p in PROMPTS[:2]]
+    _plant(eng, "launch", 9)
+    with pytest.raises(Planted):
+        while eng.step():
+            pass
+    del eng.executor.launch
+    assert eng.recover(Planted("the first")) == Recovery(resumed=2, ended=0)
+    assert all(s.resume for s in eng._restarting), "each was given tokens before the fault"
+    _plant(eng, "launch", 1)  # the first re-read chunk
+    with pytest.raises(Planted):
+        while eng.step():
+            pass
+    del eng.executor.launch
+    assert eng.recover(Planted("the second")) == Recovery(resumed=2, ended=0)
+    while eng.step():
+        assert_kv_consistent(eng)
+    for h, prompt in zip(handles, PROMPTS, strict=False):
+        assert tuple(t for ev in _drain(h) for t in ev.token_ids) == _reference(prompt)
 
 
 def test_tokens_decided_but_not_sent_are_sent_on_unless_they_need_their_log_probabilities():

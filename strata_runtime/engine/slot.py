@@ -244,7 +244,9 @@ class Slot:
         device's counts for the penalties start afresh from the host's, and the generator goes back to where
         the tokens left it (`Sampler.take_back`), so a seeded reply draws on as it would have."""
         assert self.finished is None and self.untold() == ([], "")
-        if self.token is None:  # still reading the prompt: from its start, its log-probabilities again
+        if self.resume_token is not None:  # still reading its tokens again: from the start once more
+            pass
+        elif self.token is None:  # still reading the prompt: from its start, its log-probabilities again
             self.resume, self.resume_token, self.prompt_logprobs = (), None, []
         else:
             assert self.generated and self.token == self.generated[-1]
