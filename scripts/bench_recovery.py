@@ -36,11 +36,16 @@ def requests(engine: Engine, tokens: int) -> list[Request]:
     ]
 
 
+def drained(handle: RequestHandle) -> list[int]:
+    """The tokens of every event in ``handle``'s queue, which it empties."""
+    return [t for _ in range(handle.events.qsize()) for t in handle.events.get().token_ids]
+
+
 def replies(engine: Engine, handles: list[RequestHandle]) -> list[list[int]]:
     """Run ``engine`` until it is idle; each handle's tokens (every event drained)."""
     while engine.step():
         pass
-    return [[t for _ in range(h.events.qsize()) for t in h.events.get().token_ids] for h in handles]
+    return [drained(h) for h in handles]
 
 
 def pause(engine: Engine, at: int) -> dict[str, Any]:
@@ -54,7 +59,7 @@ def pause(engine: Engine, at: int) -> dict[str, Any]:
         steps.append(now - last)
         last = now
     for got, h in zip(tokens, handles, strict=True):
-        got += [t for _ in range(h.events.qsize()) for t in h.events.get().token_ids]
+        got += drained(h)
 
     def planted(job: Any, after: Any = None) -> Any:
         raise Planted("planted in the host's launch")

@@ -1010,9 +1010,9 @@ class Engine:
         n = min(m.prefill_chunk_alone if alone else m.prefill_chunk, len(reading) - start)
         tokens = list(reading[start : start + n])
         ends = start + n == len(reading)
-        # (read again after a recovery, the last row's token is known: nothing to mask or choose there)
-        masked = ends and slot.resume_token is None and self._masked(slot)
-        entry = Entry(slot, "prefill", tokens, pos=start, ends_prompt=ends, masked=masked)
+        entry = Entry(
+            slot, "prefill", tokens, pos=start, ends_prompt=ends, masked=ends and self._masked(slot)
+        )
         return Job("prefill", [entry])
 
     def _with_short_prompts(self, job: Job, prefilling: list[Slot]) -> Job:
@@ -1028,7 +1028,7 @@ class Engine:
             if slot is first or not 0 < rest <= room:
                 continue
             tokens = list(slot.reading[slot.length :])
-            masked = slot.resume_token is None and self._masked(slot)
+            masked = self._masked(slot)
             job.entries.append(
                 Entry(slot, "prefill", tokens, pos=slot.length, ends_prompt=True, masked=masked)
             )
@@ -1198,9 +1198,12 @@ class Engine:
         need the distribution they were drawn from, which only the host has); and where a logit bias or
         penalty adjusts the request, only a decode row without proposals, which the device adjusts and whose
         token it counts as it does any such row's (the host adjusts the others, with the proposals they
-        follow)."""
+        follow). Not the prompt's last row where a recovery has the slot read its tokens again: its token
+        is known (`Slot.resume_token`), nothing is chosen there."""
         sampler = slot.sampler
         if not self.masks_on_device or sampler.grammar is None:
+            return False
+        if proposals is None and slot.resume_token is not None:
             return False
         if sampler.adjusts:  # adjusted and counted on the device only as a decode row without proposals
             return proposals is not None and not proposals.tokens

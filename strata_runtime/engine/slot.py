@@ -244,13 +244,12 @@ class Slot:
         device's counts for the penalties start afresh from the host's, and the generator goes back to where
         the tokens left it (`Sampler.take_back`), so a seeded reply draws on as it would have."""
         assert self.finished is None and self.untold() == ([], "")
-        if self.resume_token is not None:  # still reading its tokens again: from the start once more
-            pass
-        elif self.token is None:  # still reading the prompt: from its start, its log-probabilities again
-            self.resume, self.resume_token, self.prompt_logprobs = (), None, []
-        else:
+        if self.token is not None:  # decoding: its tokens are read again after the prompt
             assert self.generated and self.token == self.generated[-1]
             self.resume, self.resume_token = tuple(self.generated[:-1]), self.generated[-1]
+        elif self.resume_token is None:  # reading its prompt: from the start, its log-probabilities again
+            self.prompt_logprobs = []
+        # (else it was reading its tokens again: from the start once more, as they were)
         self.length = self.prefilled = 0
         self.token = None
         self.ahead = self.shadow = None
