@@ -37,9 +37,8 @@ def _reference_of(request: Request) -> tuple[int, ...]:
 
 @functools.cache
 def _reference(prompt: tuple[int, ...], tokens: int = TOKENS) -> tuple[int, ...]:
-    """The request alone on one stage, one slot, no drafting."""
-    eng = Engine(make_plan(stages=1, preset="tiny", context=128, prefill_chunk=16))
-    return tuple(collect(eng, [(0, Request(prompt, tokens))])[0])
+    """A plain request of ``prompt`` alone (`_reference_of`), once for each."""
+    return _reference_of(Request(prompt, tokens))
 
 
 def _plant(eng: Engine, where: str, at: int) -> list[int]:
