@@ -619,6 +619,49 @@ def test_vary_runs_each_arm_once_per_value_interleaved(tmp_path) -> None:
         assert case["median"]["accepted_pct"] > 0  # these draft
 
 
+TINY_TWO_SLOTS = """
+[machine]
+backend = "cpu"
+gpus = [{ name = "virtual CPU device", vram_mib = 1024, bandwidth_gbs = 20 }]
+
+[model]
+synthetic = "tiny"
+
+[batch]
+slots = 2
+mtp = true
+
+[serve]
+port = 8000
+"""
+
+
+def test_vary_over_the_routing_compares_each_arm_with_the_arm_of_its_kind_on_the_same_routing(tmp_path) -> None:
+    """Other routing is another model with other text: batch MTP under calibrated routing is measured
+    against serial windows under calibrated routing, for its gain and its text, and the run succeeds. Against
+    the first arm (uniform routing) its text would differ and the run would fail."""
+    profile = tmp_path / "tiny.toml"
+    profile.write_text(TINY_TWO_SLOTS)
+    args = ("bench", str(profile), "--workload", "two-decodes", "--arms", "serial,batch-mtp", "--repeats", "2")
+    args += ("--tokens", "16", "--vary", "model.routing=uniform,calibrated")
+    out = strata(*args, "--json")
+    assert out.returncode == 0, out.stderr
+    arms = json.loads(out.stdout)["arms"]
+    pairs = {"uniform": "serial@routing:uniform", "calibrated": "serial@routing:calibrated"}
+    assert list(arms) == [*pairs.values(), "batch-mtp@routing:uniform", "batch-mtp@routing:calibrated"]
+    for routing, serial in pairs.items():
+        mtp = arms[f"batch-mtp@routing:{routing}"]["two-decodes"]
+        assert mtp["reference"] == serial and mtp[f"text_equal_to_{serial}"] is True
+        assert mtp["median"]["accepted_pct"] > 0 and "gain_ci95" in mtp
+        own = arms[serial]["two-decodes"]
+        assert own["reference"] == serial and "gain" not in own  # each routing's serial arm is its own base
+    table = strata(*args)
+    assert table.returncode == 0, table.stderr
+    assert "gain vs its reference [95% CI]" in table.stdout and "DIFFERS" not in table.stdout
+    row = next(line for line in table.stdout.splitlines() if line.startswith("batch-mtp@routing:calibrated"))
+    assert "= serial@routing:calibrated" in row
+
+
 def test_the_window_listing_gives_each_kinds_time_a_token_and_the_arms_totals() -> None:
     """Each arm's windows by kind come with the milliseconds a token of that kind cost (a window's time over
     its tokens) and, last, the arm's windows, time and tokens together: what two arms' rates differ by."""

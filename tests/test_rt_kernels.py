@@ -114,14 +114,17 @@ def test_a_device_gives_its_pools_unused_memory_back() -> None:
 
     device = Device("cuda", 0)
     pool = cp.get_default_memory_pool()
+    block = 4 << 30
     with device.use():
         kept = cp.ones(1 << 20, cp.uint8)
-        freed = cp.zeros(64 << 20, cp.uint8)
+        freed = cp.zeros(block, cp.uint8)
         del freed
         before, (free, total) = pool.total_bytes(), device.memory_free()
-        assert before >= pool.used_bytes() + (64 << 20)
+        assert before >= pool.used_bytes() + block
         device.release_memory()
-        assert pool.total_bytes() <= before - (64 << 20) and int(kept.sum()) == 1 << 20
-        # The driver counts the block free again (`Device.memory_free`, the line the bench prints).
+        assert pool.total_bytes() <= before - block and int(kept.sum()) == 1 << 20
+        # The driver counts the block free again (`Device.memory_free`, the line the bench prints). It counts
+        # every process's use, and parallel test workers allocate on the same GPU in between (a 64 MiB block
+        # was once lost in their noise), so the block is large and half of it must show.
         after, same = device.memory_free()
-        assert same == total and after >= free + (64 << 20)
+        assert same == total and after >= free + block // 2

@@ -701,11 +701,41 @@ def run_bench(
     return out
 
 
-def summarise(runs: dict[str, ArmRuns], base: str = "serial", compare_text: bool = True) -> dict[str, Any]:
-    """Medians per arm and case, the gain over ``base`` with its interval, and the text-equality check
-    (None without ``compare_text``: sampled arms that verify drafts draw differently)."""
+def same_model(a: LaunchPlan, b: LaunchPlan) -> bool:
+    """Whether two arms' plans run the same model: its weights and its routing, which decide the greedy text.
+    The kernels' precision settings (``model.prefill_q``, ``model.decode_attention``) do not count."""
+    fields = ("path", "synthetic", "packaged", "seed", "layer_scale", "routing", "facts")
+    return all(getattr(a.model, f) == getattr(b.model, f) for f in fields)
+
+
+def references(plans: Mapping[str, LaunchPlan], base: str) -> dict[str, str]:
+    """Each arm's reference, for its gain and its text: ``base`` where the arm runs ``base``'s model, else
+    the arm of ``base``'s kind on its own model (``serial@routing:calibrated`` for
+    ``batch-mtp@routing:calibrated`` under ``--vary model.routing=...``), or the first arm on it. Arms on
+    other weights or routing give other text, so they are compared only with arms on theirs."""
+    kind = base.split("@", 1)[0]
+    out = {}
+    for name, plan in plans.items():
+        if base in plans and same_model(plan, plans[base]):
+            out[name] = base
+            continue
+        peers = [n for n, p in plans.items() if same_model(p, plan)]
+        out[name] = next((n for n in peers if n.split("@", 1)[0] == kind), peers[0])
+    return out
+
+
+def summarise(
+    runs: dict[str, ArmRuns],
+    base: str = "serial",
+    compare_text: bool = True,
+    refs: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """Medians per arm and case, the gain over its reference (``refs``, by default ``base`` for every arm,
+    as for peers) with its interval, and the text-equality check (None without ``compare_text``: sampled
+    arms that verify drafts draw differently)."""
     summary: dict[str, Any] = {}
     for name, arm in runs.items():
+        ref = (refs or {}).get(name, base)
         cases = {}
         for case, figures in arm.runs.items():
             med = {k: statistics.median(f[k] for f in figures) for k in figures[0]}
@@ -736,14 +766,16 @@ def summarise(runs: dict[str, ArmRuns], base: str = "serial", compare_text: bool
             calibration = depth_calibration([w for each in arm.records.get(case, []) for w in each])
             if calibration:
                 entry["depth_calibration"] = calibration
-            if base in runs and name != base and case in runs[base].runs:
-                base_rates = [f["tok_s"] for f in runs[base].runs[case]]
+            if ref in runs:
+                entry["reference"] = ref
+            if ref in runs and name != ref and case in runs[ref].runs:
+                base_rates = [f["tok_s"] for f in runs[ref].runs[case]]
                 rates = [f["tok_s"] for f in figures]
                 entry["gain"] = statistics.median(rates) / statistics.median(base_rates) - 1.0
                 entry["gain_ci95"] = bootstrap_gain(rates, base_rates)
-            if base in runs:
-                same = arm.tokens.get(case) == runs[base].tokens.get(case)
-                entry["text_equal_to_" + base] = same if compare_text else None
+            if ref in runs:
+                same = arm.tokens.get(case) == runs[ref].tokens.get(case)
+                entry["text_equal_to_" + ref] = same if compare_text else None
             cases[case] = entry
         summary[name] = cases
     return summary

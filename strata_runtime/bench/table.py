@@ -131,8 +131,9 @@ def render_table(
     base: str = "serial",
     depth: int = 0,
 ) -> str:
-    """The bench's table: each arm's medians, its gain over ``base`` (``serial`` where it ran, else the
-    first arm) and whether its text equals ``base``'s."""
+    """The bench's table: each arm's medians, its gain over its reference (``base``, ``serial`` where it
+    ran, else the first arm; for an arm on other weights or routing, the arm of ``base``'s kind on its own,
+    `references`) and whether its text equals the reference's."""
     what = f"{tokens} tokens per request, {sampling}"
     if depth:
         what += f", each after a prompt of {depth} tokens (decoding from KV that deep; tok/s counts its read)"
@@ -158,7 +159,8 @@ def render_table(
         )
     lines = [f"workload {workload}: {what}, medians of {repeats} interleaved repeats", ""]
     aw = max(10, *(len(n) for n in summary))  # arm names of --vary variants run longer
-    gain_head = f"gain vs {base} [95% CI]"
+    refs = {e.get("reference", base) for cases in summary.values() for e in cases.values()}
+    gain_head = f"gain vs {base} [95% CI]" if refs <= {base} else "gain vs its reference [95% CI]"
     gw = max(28, len(gain_head))
     head = f"{'arm':<{aw}} {'case':<18} {'tok/s':>9} {gain_head:>{gw}} "
     head += f"{'ms/win':>8} {'rows/win':>8} {'accept':>7}  text"
@@ -170,11 +172,12 @@ def render_table(
             if "gain" in e:
                 lo, hi = e["gain_ci95"]
                 gain = f"{100 * e['gain']:+.1f}% [{100 * lo:+.1f}, {100 * hi:+.1f}]"
+            ref = e.get("reference", base)
             text = (
-                {True: f"= {base}", False: "differs (peer)" if name not in plans else "DIFFERS", None: ""}[
-                    e.get(f"text_equal_to_{base}")
+                {True: f"= {ref}", False: "differs (peer)" if name not in plans else "DIFFERS", None: ""}[
+                    e.get(f"text_equal_to_{ref}")
                 ]
-                if name != base
+                if name != ref
                 else "(reference)"
             )
             extra = ""
@@ -197,6 +200,11 @@ def render_table(
                 f"{name:<{aw}} {case:<18} {m['tok_s']:9.1f} {gain:>{gw}} {m['ms_per_window']:8.2f} "
                 f"{m['rows_per_window']:8.2f} {m['accepted_pct']:6.1f}%  {text}{extra}"
             )
+    if not refs <= {base}:
+        lines.append(
+            "each arm against the arm of its kind on the same weights and routing (other models give other "
+            "text)"
+        )
     lines += spread_notes(summary)
     lines += compile_notes(summary)
     if workload != "prompt":

@@ -56,6 +56,7 @@ from ..bench.harness import (
     driver_for,
     mean_prompt_tokens,
     run_bench,
+    references,
     summarise,
 )
 from ..bench.preparing import WARM_STREAMS, settle, settling_line, taught_line, teach, warm_up
@@ -257,7 +258,8 @@ def run(args: argparse.Namespace) -> int:
             write_window_records(trace, runs)
         print(f"strata bench: every window written to {args.windows}", file=sys.stderr)
     base = "serial" if "serial" in plans else next(iter(plans))
-    summary = summarise(runs, base=base, compare_text=sampling.temperature <= 0)
+    refs = references(plans, base)
+    summary = summarise(runs, base=base, compare_text=sampling.temperature <= 0, refs=refs)
     ceiling = ceiling_report(args.workload, plans, summary, rates, args, tokenizer)
     budgets = {
         name: {g.device: g.budget_mib for g in plan.gpus if g.role != "idle"} for name, plan in plans.items()
@@ -329,7 +331,9 @@ def run(args: argparse.Namespace) -> int:
         if llama is not None and llama["lines"]:
             print("\n" + "\n".join(llama["lines"]))
     # A peer computes in other precision and order, so its text may drift; only the runtime's arms must agree.
-    equal = all(case.get(f"text_equal_to_{base}") is not False for n in plans for case in summary[n].values())
+    equal = all(
+        case.get(f"text_equal_to_{refs[n]}") is not False for n in plans for case in summary[n].values()
+    )
     return 0 if equal else 1
 
 
