@@ -636,13 +636,24 @@ port = 8000
 """
 
 
-def test_vary_over_the_routing_compares_each_arm_with_the_arm_of_its_kind_on_the_same_routing(tmp_path) -> None:
+def test_vary_over_the_routing_compares_each_arm_with_the_arm_of_its_kind_on_the_same_routing(
+    tmp_path,
+) -> None:
     """Other routing is another model with other text: batch MTP under calibrated routing is measured
     against serial windows under calibrated routing, for its gain and its text, and the run succeeds. Against
     the first arm (uniform routing) its text would differ and the run would fail."""
     profile = tmp_path / "tiny.toml"
     profile.write_text(TINY_TWO_SLOTS)
-    args = ("bench", str(profile), "--workload", "two-decodes", "--arms", "serial,batch-mtp", "--repeats", "2")
+    args = (
+        "bench",
+        str(profile),
+        "--workload",
+        "two-decodes",
+        "--arms",
+        "serial,batch-mtp",
+        "--repeats",
+        "2",
+    )
     args += ("--tokens", "16", "--vary", "model.routing=uniform,calibrated")
     out = strata(*args, "--json")
     assert out.returncode == 0, out.stderr

@@ -122,6 +122,39 @@ def test_the_bench_sets_the_measured_windows_beside_their_byte_time():
     assert batch_mtp_roofline({"serial": plans["serial"]}, _two_decodes(0, 3.8, None), 300, COPY) == {}
 
 
+def test_under_a_routing_sweep_each_batch_mtp_arm_is_set_beside_the_serial_arm_on_its_routing():
+    """`--vary model.routing=uniform,calibrated` runs two models: each batch-MTP arm's byte rooflines are
+    those of its own routing, at its own acceptance, beside the serial windows measured on that routing."""
+    plans, summary = {}, {}
+    for mtp, routing, pct, ms in (
+        (False, "uniform", 0.0, 3.8),
+        (False, "calibrated", 0.0, 4.2),
+        (True, "uniform", 71.0, 5.4),
+        (True, "calibrated", 83.0, 5.9),
+    ):
+        name = f"{'batch-mtp' if mtp else 'serial'}@routing:{routing}"
+        plans[name] = resolve_profile(PROFILE, [("batch.mtp", mtp), ("model.routing", routing)])
+        kind = "batch-mtp" if mtp else "serial"
+        by_kind = {kind: {"windows": 10, "ms_per_window": ms, "tokens_per_window": 2.0}}
+        summary[name] = {"two-decodes": {"median": {"accepted_pct": pct}, "windows_by_kind": by_kind}}
+    out = batch_mtp_roofline(plans, summary, positions=300, copy=COPY)
+    uniform, calibrated = (out["by_arm"][f"batch-mtp@routing:{r}"] for r in ("uniform", "calibrated"))
+    assert out["accepted"] == uniform["accepted"] == pytest.approx(0.71)
+    assert calibrated["accepted"] == pytest.approx(0.83)
+    assert uniform["measured_ms"] == {"serial": 3.8, "batch-mtp": 5.4}
+    assert calibrated["measured_ms"] == {"serial": 4.2, "batch-mtp": 5.9}
+    text = "\n".join(out["lines"])
+    assert (
+        "(batch-mtp@routing:calibrated against serial@routing:calibrated), two streams, 83.0% accepted"
+        in text
+    )
+    assert "(calibrated routing, this plan's)" in text and "(uniform routing, this plan's)" in text
+    # one model, one pair: the lines name no arms
+    one = {n: plans[n] for n in ("serial@routing:uniform", "batch-mtp@routing:uniform")}
+    single = batch_mtp_roofline(one, summary, positions=300, copy=COPY)
+    assert "by_arm" not in single and " against " not in single["lines"][0]
+
+
 def test_the_two_decodes_ceiling_carries_the_rooflines_and_other_workloads_do_not():
     import argparse
 

@@ -24,6 +24,7 @@ from .ceilings import (
     prompt_flops,
     si,
 )
+from .harness import same_model
 from .preparing import WARM_STREAMS
 from .window_roofline import table
 
@@ -145,16 +146,43 @@ def batch_mtp_roofline(
 ) -> dict[str, Any]:
     """Two streams' serial and batch-MTP windows at their byte time (`strata_runtime.bench.window_roofline`),
     at the acceptance the run's batch-MTP arm measured, under both routings, beside what each arm's windows
-    took: what batch MTP can gain once both windows run at the roofline. {} without a serial and a batch-MTP
-    arm, or a model without routed experts."""
-
-    def first(name: str, mtp: bool) -> str | None:  # the arm of that name, else the first of its kind
-        kind = [n for n, p in plans.items() if p.batch.mtp == mtp and n in summary]
-        return name if name in kind else next(iter(kind), None)
-
-    serial, batch = first("serial", False), first("batch-mtp", True)
-    if serial is None or batch is None or not plans[batch].model.facts.num_experts:
+    took: what batch MTP can gain once both windows run at the roofline. Each batch-MTP arm is set beside the
+    serial arm on its model (``serial`` where it is one, else the first; under ``--vary model.routing`` one
+    pair per routing); the first pair's figures are the result's, each pair's under ``by_arm`` where there
+    are several. {} without a serial and a batch-MTP arm on one model, or a model without routed experts."""
+    pairs = []
+    for batch, plan in plans.items():
+        if not plan.batch.mtp or batch not in summary or not plan.model.facts.num_experts:
+            continue
+        kind = [n for n, p in plans.items() if not p.batch.mtp and n in summary and same_model(p, plan)]
+        serial = next((n for n in kind if n.split("@", 1)[0] == "serial"), next(iter(kind), None))
+        if serial is not None:
+            pairs.append((serial, batch))
+    if not pairs:
         return {}
+    named = len(pairs) > 1
+    each = {
+        batch: _pair_roofline(plans, summary, serial, batch, positions, copy, named)
+        for serial, batch in pairs
+    }
+    out = dict(next(iter(each.values())))
+    out["lines"] = [line for r in each.values() for line in r["lines"]]
+    if named:
+        out["by_arm"] = {b: {k: v for k, v in r.items() if k != "lines"} for b, r in each.items()}
+    return out
+
+
+def _pair_roofline(
+    plans: dict[str, LaunchPlan],
+    summary: dict[str, Any],
+    serial: str,
+    batch: str,
+    positions: int,
+    copy: float,
+    named: bool,
+) -> dict[str, Any]:
+    """`batch_mtp_roofline` for one batch-MTP arm and the serial arm beside it (``named``: its lines name
+    both)."""
     plan = plans[batch]
     accepted = summary[batch]["two-decodes"]["median"]["accepted_pct"] / 100
     rows = table(
@@ -175,8 +203,9 @@ def batch_mtp_roofline(
         kind: summary[arm]["two-decodes"].get("windows_by_kind", {}).get(kind, {}).get("ms_per_window")
         for arm, kind in ((serial, "serial"), (batch, "batch-mtp"))
     }
+    which = f" ({batch} against {serial})" if named else ""
     lines = [
-        f"batch MTP at the byte rooflines, two streams, {accepted:.1%} accepted as measured "
+        f"batch MTP at the byte rooflines{which}, two streams, {accepted:.1%} accepted as measured "
         f"({plan.model.routing} routing, this plan's): serial windows {s_win['rows']} rows, "
         f"{s_win['distinct_experts']:.1f} experts a layer, {s_win['ms']:.3f} ms; batch-MTP windows "
         f"{b_win['rows']} rows and the drafting head, {b_win['distinct_experts']:.1f} experts, "

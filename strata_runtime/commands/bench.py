@@ -55,8 +55,8 @@ from ..bench.harness import (
     cuda_devices,
     driver_for,
     mean_prompt_tokens,
-    run_bench,
     references,
+    run_bench,
     summarise,
 )
 from ..bench.preparing import WARM_STREAMS, settle, settling_line, taught_line, teach, warm_up
