@@ -172,6 +172,44 @@ def test_a_request_held_by_a_second_failed_step_is_ended_and_the_others_carried_
     for h in early:
         last = _drain(h)[-1]
         assert last.finished == "error" and "the second" in last.error
+        assert "carried on through an earlier failed step and decoded " in last.error
+        assert f" of {scheduler.RESTART_FORGOTTEN} tokens since, so it may be what makes" in last.error
+
+
+def test_a_request_that_served_on_after_a_recovery_is_carried_through_a_later_one(monkeypatch):
+    """A recovery counts against a request only until it decodes `RESTART_FORGOTTEN` tokens after it: a
+    later failure, once both requests have, carries them on again, each to its text alone. One that fails
+    again sooner is ended (the test before)."""
+    monkeypatch.setattr(scheduler, "RESTART_FORGOTTEN", 4)
+    tokens = 24
+    eng = _engine("serial", 1)
+    handles = [eng.submit(Request(p, tokens)) for p in PROMPTS[:2]]
+    _plant(eng, "launch", 6)
+    with pytest.raises(Planted):
+        while eng.step():
+            pass
+    del eng.executor.launch
+    assert eng.recover(Planted("the first")) == Recovery(resumed=2, ended=0)
+    restarted = [s.restarted_at for s in eng._restarting]
+
+    def since(i: int) -> int:
+        slot = eng.slots[handles[i].slot] if handles[i].slot is not None else None
+        return -1 if slot is None or slot.handle is not handles[i] else len(slot.generated) - restarted[i]
+
+    while min(since(0), since(1)) < 4:
+        assert eng.step()
+    assert max(since(0), since(1)) < tokens - max(restarted)  # neither has ended
+    _plant(eng, "launch", 1)
+    with pytest.raises(Planted):
+        while eng.step():
+            pass
+    del eng.executor.launch
+    assert eng.recover(Planted("the second")) == Recovery(resumed=2, ended=0)
+    assert [s.restarts for s in eng._restarting] == [2, 2]
+    for h, prompt in zip(handles, PROMPTS, strict=False):
+        events = _drain_all(eng, h)
+        assert events[-1].finished == "length"
+        assert tuple(t for ev in events for t in ev.token_ids) == _reference(prompt, tokens)
 
 
 @pytest.mark.parametrize(("mode", "stages"), [("serial", 1), ("pipelined", 2), ("batch-mtp", 2)])

@@ -349,10 +349,10 @@ class ServeSection(Section):
     captured (default true; nothing to do on CPU devices)."""
     recoveries: int | None = Field(default=None, ge=0)
     """Failed engine steps the server recovers from within ten minutes: the requests the engine was running
-    are carried on (a request held by a second failed step is ended with an error), the queue is served on,
-    and nothing is loaded again (default 3). One more within the
-    ten minutes, or any that a self-check finds left the model computing something else, ends the server,
-    as a failure to load does; 0 ends it at the first."""
+    are carried on (a request held by a second failed step within 64 tokens of the first is ended with an
+    error), the queue is served on, and nothing is loaded again (default 3). One more within the ten
+    minutes, or any that a self-check finds left the model computing something else, ends the server, as a
+    failure to load does; 0 ends it at the first."""
     step_timeout_s: float | None = Field(default=None, ge=0)
     """Seconds one step of the engine may take before the server counts it as hung and ends, so that its
     supervisor starts it again (default 300; 0: never). A GPU or kernel that hangs never gives the step

@@ -91,8 +91,13 @@ CHECK_STEPS = 1000
 """Steps the self-check request may take (`Engine.self_check`): it needs a few."""
 
 RESTARTS_MOST = 1
-"""Recoveries a request is carried through (`Engine.recover`): one held when a step fails again after it
-was carried on is ended with the error instead, since it may be what makes the steps fail."""
+"""Recoveries in a row a request is carried through (`Engine.recover`): one held when a step fails again
+soon after it was carried on is ended with the error instead, since it may be what makes the steps fail."""
+
+RESTART_FORGOTTEN = 64
+"""Tokens a request carried through a recovery decodes after it before that recovery counts no more: a
+request that makes steps fail does so again while it reads its tokens again or soon after, and one that
+served this many more tokens is not taken for it when a later, unrelated failure comes."""
 
 
 class Engine:
@@ -238,7 +243,8 @@ class Engine:
         there). Events a window decided before the failure and not yet delivered are delivered first. Every
         slot forgets its KV and what it kept for prefix reuse, and the prefix store is emptied: a window
         that failed part-way may have written any of it. A request is ended with an error event instead
-        where it was carried through a recovery before (`RESTARTS_MOST`: it may be what fails), or where it
+        where it was carried through a recovery shortly before (`RESTARTS_MOST` in a row, with fewer than
+        `RESTART_FORGOTTEN` tokens decoded since: it may be what fails), or where it
         was decided tokens that cannot be sent on as they were (with their log-probabilities, or with the
         request's end). What the engine learned of window times and drafting, and what the expert caches
         hold, stay. Whether the model still computes what it computed at start is `self_check`'s to say; the
@@ -257,13 +263,22 @@ class Engine:
             sent = self._sent_on(slot, undelivered)
             if slot.told:  # its last event was decided before the failure
                 continue
-            if sent and slot.finished is None and slot.restarts < RESTARTS_MOST:
+            again = slot.restarted_lately(RESTART_FORGOTTEN) and slot.restarts_close >= RESTARTS_MOST
+            if sent and slot.finished is None and not again:
                 slot.restart()
                 self._restarting.append(slot)
                 resumed += 1
+                continue
+            if again:
+                since = len(slot.generated) - slot.restarted_at
+                how = (
+                    f"; it was carried on through an earlier failed step and decoded {since} of "
+                    f"{RESTART_FORGOTTEN} tokens since, so it may be what makes the steps fail"
+                )
             else:
-                slot.tell(slot.finish("error", why))
-                ended += 1
+                how = "; tokens decided for it in the failed window could not be sent as they were"
+            slot.tell(slot.finish("error", why + how))
+            ended += 1
         self.forget_prefixes()  # and the store
         self._routed.clear()
         self._idle_since.clear()

@@ -70,6 +70,10 @@ class Slot:
     resume_token: int | None = None
     restarts: int = 0
     """Recoveries this request was carried through."""
+    restarts_close: int = 0
+    """Of them, those in a row without `RESTART_FORGOTTEN` tokens decoded between (`Engine.recover`)."""
+    restarted_at: int = 0
+    """Tokens the request had generated when it was last carried on (`restart`)."""
     told_tokens: int = 0
     """Generated tokens in the events put so far (`tell`)."""
     told_chars: int = 0
@@ -256,6 +260,15 @@ class Slot:
         self.sampler.on_device, self.sampler.uncounted = False, []
         self.sampler.take_back()
         self.restarts += 1
+        self.restarts_close += 1
+        self.restarted_at = len(self.generated)
+
+    def restarted_lately(self, forgotten: int) -> bool:
+        """Whether the request was carried through a recovery and has not decoded ``forgotten`` tokens
+        since; where it has, the recoveries before count no more (`restarts_close` goes back to 0)."""
+        if self.restarts_close and len(self.generated) - self.restarted_at >= forgotten:
+            self.restarts_close = 0
+        return self.restarts_close > 0
 
     def finish(self, reason: FinishReason, error: str | None = None) -> TokenEvent:
         self.finished = reason
