@@ -168,3 +168,24 @@ def test_the_tuis_engine_is_not_ready_when_another_server_answers_on_its_port(ot
     assert not engine.look().ready  # "someone-else" holds the port
     handler.answer = {"status": "ok", "engine_id": run.engine_id()}
     assert engine.look().ready
+
+
+def test_an_engine_that_answers_nothing_is_taken_for_hung_and_started_again(tmp_path):
+    """An engine whose process runs no Python at all (here stopped by SIGSTOP; in practice a driver call
+    that never returns while it holds the interpreter's lock) answers nothing, and its own step watchdog
+    cannot act. The supervisor, which asks ``/health``, stops it once nothing answered for
+    ``--liveness-timeout`` and starts it again; while the engine answers it is left alone."""
+    launched = launch(tmp_path, extra=("--liveness-timeout", "2", "--grace", "1"))
+    try:
+        first = launched.engine_pid()
+        time.sleep(4)  # twice the bound, answering: kept
+        assert launched.engine_pid() == first and "taking it for hung" not in launched.output()
+        os.kill(first, signal.SIGSTOP)
+        wait_for(lambda: "ready again" in launched.output(), 60, "the engine started again")
+        assert not alive(first) and launched.engine_pid() != first
+    finally:
+        launched.stop()
+    out = launched.output()
+    said = next(line for line in out.splitlines() if "has not answered" in line)
+    assert "/health for " in said and "(the bound: 2 s, --liveness-timeout); taking it for hung" in said
+    assert "the engine was killed by SIGKILL" in out  # SIGTERM waits while it is stopped; SIGKILL does not

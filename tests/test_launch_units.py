@@ -21,7 +21,7 @@ from strata_cfg.cli import build_parser
 from strata_cfg.commands import stop
 from strata_cfg.commands.launch import launch_options
 from strata_cfg.launch.engine_process import exit_reason, log_tail
-from strata_cfg.launch.options import LaunchOptions
+from strata_cfg.launch.options import LIVENESS_MARGIN_S, LaunchOptions
 from strata_cfg.launch.preflight import port_problem
 from strata_cfg.launch.run_dir import RunDir, live_supervisor, new_run_dir, open_log
 from strata_cfg.plan.from_profile import resolve_profile
@@ -138,12 +138,25 @@ def test_a_recycled_pid_that_is_not_strata_is_not_a_supervisor(tmp_path, demo_pl
         other.wait()
 
 
-def test_a_detached_supervisor_is_given_the_options_of_the_launch():
+@pytest.mark.parametrize("liveness", [None, 0.0, 42.5])
+def test_a_detached_supervisor_is_given_the_options_of_the_launch(liveness):
     # `strata launch --detach` hands its options on as flags; parsed back they must be the same options.
-    options = LaunchOptions(max_restarts=2, grace_s=3.5, start_timeout_s=77.0)
+    options = LaunchOptions(max_restarts=2, grace_s=3.5, start_timeout_s=77.0, liveness_s=liveness)
     parser, _ = build_parser("launch")
     args = parser.parse_args(["--supervise", "runs/x", *options.argv()])
     assert launch_options(args) == options
+
+
+def test_the_liveness_bound_follows_the_step_watchdog_unless_given():
+    """By default the supervisor waits a minute longer than the engine's own step watchdog, which says where
+    a step hung, and not at all where that watchdog is off; ``--liveness-timeout`` sets it (0: never)."""
+    assert LaunchOptions().liveness(300.0) == 300.0 + LIVENESS_MARGIN_S
+    assert LaunchOptions().liveness(0.0) == 0.0
+    assert LaunchOptions(liveness_s=5.0).liveness(0.0) == 5.0
+    assert LaunchOptions(liveness_s=0.0).liveness(300.0) == 0.0
+    for bad in ("-1", "nan", "soon"):
+        result = strata("launch", "profiles/demo.toml", "--liveness-timeout", bad, "--dry-run", timeout=30)
+        assert result.returncode == 2 and "--liveness-timeout" in result.stderr, result.stderr
 
 
 @pytest.mark.parametrize("seconds", ["nan", "inf", "soon"])

@@ -16,3 +16,14 @@ def positive_seconds(text: str) -> float:
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"{text!r}: give a finite number of seconds above 0")
     return value
+
+
+def seconds_or_off(text: str) -> float:
+    """A finite number of seconds, 0 or above (0: off)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a finite number of seconds, 0 or above (0: off)")
+    return value

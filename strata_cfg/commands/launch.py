@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ..launch.engine_process import engine_command, log_tail
 from ..launch.health import taken_message, wait_ready
-from ..launch.options import LaunchOptions
+from ..launch.options import LIVENESS_MARGIN_S, LaunchOptions
 from ..launch.preflight import base_url, preflight
 from ..launch.run_dir import RUNS_ROOT, RunDir, new_run_dir
 from ..launch.summary import client_snippet, notices, summary
@@ -27,7 +27,7 @@ from ..launch.supervisor import Supervisor, spawn_detached, stop_run
 from ..schema.errors import ProfileError
 from ..schema.plan import LaunchPlan
 from ..schema.plan_file import PLAN_FILE, PlanFileError, write_plan
-from ._arg_types import positive_seconds
+from ._arg_types import positive_seconds, seconds_or_off
 from ._common import add_profile_argument, add_resolve_options, print_problems, resolve_args
 
 
@@ -62,6 +62,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=defaults.start_timeout_s,
         help=f"seconds loading may take (default {defaults.start_timeout_s:g})",
     )
+    parser.add_argument(
+        "--liveness-timeout",
+        type=seconds_or_off,
+        default=None,
+        metavar="S",
+        help="seconds a ready engine may go without answering /health before it is taken for hung and "
+        f"restarted; 0: never (default: serve.step_timeout_s + {LIVENESS_MARGIN_S:g})",
+    )
     parser.add_argument("--supervise", type=Path, metavar="RUN_DIR", help=argparse.SUPPRESS)
 
 
@@ -77,7 +85,10 @@ def _error(message: str) -> int:
 def launch_options(args: argparse.Namespace) -> LaunchOptions:
     """The supervisor's options from the flags (`LaunchOptions.argv` writes them back for ``--detach``)."""
     return LaunchOptions(
-        max_restarts=args.max_restarts, grace_s=args.grace, start_timeout_s=args.start_timeout
+        max_restarts=args.max_restarts,
+        grace_s=args.grace,
+        start_timeout_s=args.start_timeout,
+        liveness_s=args.liveness_timeout,
     )
 
 

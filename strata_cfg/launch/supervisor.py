@@ -22,7 +22,7 @@ from types import FrameType
 
 from ..schema.plan import LaunchPlan
 from .engine_process import die_with_parent, engine_command, exit_reason, log_tail
-from .health import ReadyOutcome, Say, taken_message, wait_ready
+from .health import ReadyOutcome, Say, health, taken_message, wait_ready
 from .options import LaunchOptions
 from .preflight import base_url
 from .run_dir import RunDir, live_supervisor, open_log, pid_alive, read_pid
@@ -98,12 +98,31 @@ class Supervisor:
         )
 
     def wait_exit(self, proc: subprocess.Popen[bytes]) -> int | None:
-        """Wait for the engine to exit; None when the supervisor was asked to stop first."""
+        """Wait for the ready engine to exit, asking its ``/health`` every `LaunchOptions.health_every_s`;
+        None when the supervisor was asked to stop first. An engine that answers nothing for the
+        liveness bound (`LaunchOptions.liveness`) is taken for hung: it is stopped, and its exit code
+        returned as if it had exited."""
+        assert self.plan.serve is not None
+        bound = self.options.liveness(self.plan.serve.step_timeout_s)
+        every = min(self.options.health_every_s, bound / 3)  # asked at least three times within the bound
+        answered = asked = time.monotonic()
         while not self.stopping:
             try:
                 return proc.wait(timeout=self.options.poll_s)
             except subprocess.TimeoutExpired:
+                pass
+            now = time.monotonic()
+            if not bound or now - asked < every:
                 continue
+            asked = now
+            if health(self.url, timeout=min(2.0, every)) is not None:
+                answered = time.monotonic()
+            elif time.monotonic() - answered >= bound:
+                self.say(
+                    f"the engine has not answered {self.url}/health for {time.monotonic() - answered:.0f} s "
+                    f"(the bound: {bound:g} s, --liveness-timeout); taking it for hung and stopping it"
+                )
+                return self.stop_engine(proc)
         return None
 
     def stop_engine(self, proc: subprocess.Popen[bytes]) -> int:
