@@ -1332,6 +1332,32 @@ def test_bench_measures_the_engine_beside_another_openai_server_interleaved(engi
     assert _metrics(engine)[ok] - before.get(ok, 0) == 4
 
 
+def test_strata_status_reports_the_launch_and_what_its_engine_served(engine: Launched, client: openai.OpenAI):
+    """`strata status RUN_DIR`: the launch ready at its address, its pids, and from ``/v1/status`` (read with
+    the key the profile names) its slots and the tokens it generated; without the key, the status part is
+    left out and the line names the variable."""
+    run = str(engine.run_dir)
+    bare = strata("status", run, "--json")
+    assert bare.returncode == 0, bare.stderr
+    (only,) = json.loads(bare.stdout)["launches"]
+    assert only["state"] == "ready" and only["url"] == f"{engine.url}/v1" and only["status"] is None
+    assert "set STRATA_TEST_KEY to read its /v1/status" in only["note"]
+    assert only["engine_pid"] == engine.engine_pid() and only["launcher_pid"] == engine.proc.pid
+    key = {"STRATA_TEST_KEY": engine.key or ""}
+    before = json.loads(strata("status", run, "--json", env=key).stdout)["launches"][0]["status"]
+    _served(client.completions.create(model="demo", prompt=_prompt(), max_tokens=6), 6)
+    out = strata("status", run, "--json", env=key)
+    (after,) = json.loads(out.stdout)["launches"]
+    st = after["status"]
+    assert st["slots"] == 2 and st["slots_busy"] == 0 and st["queued"] == 0
+    assert st["tokens"] >= before["tokens"] + 6 and st["windows"] > before["windows"]
+    assert after["engine_starts"] >= 1 and st["uptime_s"] > 0
+    text = strata("status", run, env=key)
+    assert text.returncode == 0
+    assert text.stdout.startswith(f"demo: ready at {engine.url}/v1, model `demo`\n")
+    assert "slots 0 of 2 busy, 0 queued; " in text.stdout and " tokens generated in " in text.stdout
+
+
 def test_a_killed_engine_is_restarted_by_the_launcher(engine: Launched, client: openai.OpenAI):
     old = engine.engine_pid()
     os.kill(old, signal.SIGKILL)

@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _profile_name(target: str) -> str:
+def profile_name(target: str) -> str:
     path = Path(target)
     return path.stem if path.suffix == ".toml" else target
 
@@ -49,7 +49,7 @@ def choose(target: str | None, root: Path) -> tuple[RunDir | None, str, bool]:
         return run, "", False
     runs = find_runs(root)
     if target is not None:
-        name = _profile_name(target)
+        name = profile_name(target)
         runs = [r for r in runs if run_profile_name(r) == name or r.path.name.startswith(f"{name}-")]
         if not runs:
             return None, f"no launch of profile `{name}` under {root}/", False
@@ -57,7 +57,7 @@ def choose(target: str | None, root: Path) -> tuple[RunDir | None, str, bool]:
         return None, f"no launch under {root}/", False
     running = [r for r in runs if live_supervisor(r) is not None]
     if not running:
-        which = f"of profile `{_profile_name(target)}` " if target is not None else ""
+        which = f"of profile `{profile_name(target)}` " if target is not None else ""
         return None, f"every launch {which}under {root}/ is already stopped", True
     return running[0], "", False
 
