@@ -210,6 +210,17 @@ def test_structured_outputs_hold_replies_to_a_choice_a_regex_or_a_grammar(client
         info.value.body["param"] == "structured_outputs.regex"
         and "cannot be followed" in info.value.body["message"]
     )
+    # vLLM's earlier fields, as older clients send them: held the same way, and refused by their own name
+    guided = client.chat.completions.create(
+        model="demo", messages=messages, max_tokens=40, extra_body={"guided_choice": ["yes", "no"]}
+    )
+    assert guided.choices[0].message.content in ("yes", "no")
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="demo", prompt="x", extra_body={"guided_regex": "(unclosed"})
+    assert info.value.body["param"] == "guided_regex" and "cannot be followed" in info.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="demo", prompt="x", extra_body={"min_p": 0.1})
+    assert info.value.body["param"] == "min_p" and "not supported" in info.value.body["message"]
 
 
 WEATHER_TOOL = {

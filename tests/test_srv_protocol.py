@@ -479,8 +479,23 @@ REFUSED = [
         "chat",
         {"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
         "structured_outputs",
-        ["not both"],
+        ["give one of `response_format`, `structured_outputs`, not several"],
     ),
+    (
+        "completions",
+        {"structured_outputs": {"regex": "a"}, "guided_choice": ["a"]},
+        "guided_choice",
+        ["give one of `structured_outputs`, `guided_choice`, not several"],
+    ),
+    ("chat", {"guided_choice": []}, "guided_choice", ["one or more non-empty"]),
+    ("chat", {"guided_json": "{nope"}, "guided_json", ["`guided_json` is not JSON"]),
+    ("completions", {"guided_regex": 7}, "guided_regex", ["non-empty string"]),
+    ("chat", {"min_p": 0.05}, "min_p", ["`min_p` is not supported by this server (leave it out or send 0)"]),
+    ("completions", {"repetition_penalty": 1.1}, "repetition_penalty", ["send 1)"]),
+    ("completions", {"min_tokens": 4}, "min_tokens", ["`min_tokens`"]),
+    ("chat", {"use_beam_search": True}, "use_beam_search", ["send false)"]),
+    ("chat", {"allowed_token_ids": [1, 2]}, "allowed_token_ids", ["(leave it out)"]),
+    ("completions", {"repeat_penalty": 1.2}, "repeat_penalty", ["`repeat_penalty`"]),
     ("chat", {"presence_penalty": 2.5}, "presence_penalty", ["`presence_penalty`", "less than"]),
     ("completions", {"frequency_penalty": -3}, "frequency_penalty", ["`frequency_penalty`"]),
     ("completions", {"logit_bias": {"65": "up"}}, "logit_bias", ["`logit_bias`", "number"]),
@@ -497,6 +512,52 @@ def test_fields_that_would_change_the_answer_are_refused_by_name(endpoint, extra
     assert (info.value.status, info.value.param) == (400, param)
     for w in words:
         assert w in info.value.message
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_sampling_fields_this_server_lacks_are_accepted_where_they_ask_for_nothing(endpoint):
+    """A client that always sends vLLM's or llama.cpp's sampling extras at their neutral values (``min_p``
+    0, ``repetition_penalty`` 1, ...) is served; the same fields asking for anything are refused above."""
+    base = {"prompt": "x"} if endpoint == "completions" else {"messages": [{"role": "user", "content": "x"}]}
+    parse = p.parse_completion if endpoint == "completions" else p.parse_chat
+    neutral = {name: values[0] for name, values in p.NOT_SAMPLED_HERE.items() if values}
+    neutral |= {"min_p": 0.0, "repetition_penalty": 1.0, "allowed_token_ids": None}
+    body = parse({"model": "m", **base, **neutral})
+    got = p.prepare(body, [1, 2], context=64, vocab_size=300, default_max_tokens=None)
+    assert (
+        got.request.sampling
+        == p.prepare(
+            parse({"model": "m", **base}), [1, 2], context=64, vocab_size=300, default_max_tokens=None
+        ).request.sampling
+    )
+
+
+def test_vllms_earlier_guided_fields_hold_the_reply_as_structured_outputs_does():
+    """``guided_json``, ``guided_regex``, ``guided_choice`` and ``guided_grammar`` (vLLM's fields before
+    ``structured_outputs``, which older clients still send) give the same grammar as the key they stand
+    for; ignored, they would leave the reply free."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    cases = [
+        ("guided_json", schema, {"json": schema}),
+        ("guided_json", json.dumps(schema), {"json": schema}),
+        ("guided_regex", "[a-z]+", {"regex": "[a-z]+"}),
+        ("guided_choice", ["yes", "no"], {"choice": ["yes", "no"]}),
+        ("guided_grammar", 'root ::= "a" | "b"', {"grammar": 'root ::= "a" | "b"'}),
+    ]
+    for name, value, same in cases:
+        for endpoint in ("completions", "chat"):
+            base = (
+                {"prompt": "x"}
+                if endpoint == "completions"
+                else {"messages": [{"role": "user", "content": "x"}]}
+            )
+            parse = p.parse_completion if endpoint == "completions" else p.parse_chat
+            guided = parse({"model": "m", **base, name: value})
+            grammar = p.grammar_of(guided)
+            assert grammar is not None and grammar == p.grammar_of(
+                parse({"model": "m", **base, "structured_outputs": same})
+            )
+            assert p.grammar_field(guided) == name
 
 
 def test_response_format_asks_the_engine_for_json_that_follows_its_schema():

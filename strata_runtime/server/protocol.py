@@ -301,10 +301,35 @@ def _check_text(text: str, path: tuple[str | int, ...]) -> None:
         ) from None
 
 
+NOT_SAMPLED_HERE: dict[str, tuple[Any, ...]] = {
+    "min_p": (0, 0.0),
+    "repetition_penalty": (1, 1.0),
+    "min_tokens": (0,),
+    "typical_p": (1, 1.0),
+    "top_a": (0, 0.0),
+    "tfs_z": (1, 1.0),
+    "mirostat": (0,),
+    "repeat_penalty": (1, 1.0),
+    "dry_multiplier": (0, 0.0),
+    "xtc_probability": (0, 0.0),
+    "use_beam_search": (False,),
+    "length_penalty": (1, 1.0),
+    "bad_words": ([],),
+    "allowed_token_ids": (),
+    "include_stop_str_in_output": (False,),
+    "truncate_prompt_tokens": (),
+    "logits_processors": (),
+    "guided_whitespace_pattern": (),
+}
+"""Sampling fields other servers take (vLLM's extensions, llama.cpp's server's) that would change the reply
+and that this server does not implement: each with the values that ask for nothing, which are accepted
+(absent and null always are). Any other value is a 400 naming the field, never silently ignored."""
+
+
 def parse_completion(raw: Any) -> CompletionBody:
     """Validate a ``/v1/completions`` body."""
     body: CompletionBody = _parse(CompletionBody, raw)
-    _refuse_unsupported(body, {"best_of": (1,)})
+    _refuse_unsupported(body, {"best_of": (1,), **NOT_SAMPLED_HERE})
     return body
 
 
@@ -318,6 +343,7 @@ def parse_chat(raw: Any) -> ChatBody:
         # Completion fields that some servers also take on chat: refused here rather than ignored.
         "echo": (False,),
         "best_of": (1,),
+        **NOT_SAMPLED_HERE,
     }
     _refuse_unsupported(body, neutral)
     return body
@@ -333,7 +359,8 @@ def _refuse_unsupported(body: _Body, neutral: dict[str, tuple[Any, ...]]) -> Non
         value = extra.get(name)
         # `type(v) is type(value)`: 0 is not false here, and 1.0 is not 1.
         if value is not None and not any(type(v) is type(value) and v == value for v in values):
-            raise ApiError(400, f"`{name}` is not supported by this server", name)
+            instead = f"leave it out or send {json.dumps(values[0])}" if values else "leave it out"
+            raise ApiError(400, f"`{name}` is not supported by this server ({instead})", name)
     grammar_of(body)
 
 
@@ -386,23 +413,52 @@ _SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 SCHEMA_FIELD = "response_format.json_schema.schema"
 
 
+GUIDED_FIELDS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+"""vLLM's earlier fields for structured output, each the ``structured_outputs`` key it stands for."""
+
+
+def _asked_shape(body: _Body) -> tuple[str, Any] | None:
+    """The one field of a body that asks for a shape beside ``response_format`` (``structured_outputs`` or
+    a `GUIDED_FIELDS` field) and its value, or None; a 400 where there are several."""
+    extra = body.model_extra or {}
+    given = [name for name in ("structured_outputs", *GUIDED_FIELDS) if extra.get(name) is not None]
+    if not given:
+        return None
+    shaped = _check_response_format(extra.get("response_format")) is not None
+    if len(given) > 1 or shaped:
+        names = ", ".join(f"`{n}`" for n in (["response_format"] if shaped else []) + given)
+        raise ApiError(400, f"give one of {names}, not several", given[-1])
+    return given[0], extra[given[0]]
+
+
 def grammar_of(body: _Body) -> str | None:
     """The grammar a validated body asks the reply to follow (None: free text): its ``response_format``,
-    or its ``structured_outputs`` (`_structured_outputs`); not both."""
-    extra = body.model_extra or {}
-    asked = extra.get("structured_outputs")
+    its ``structured_outputs`` (`_structured_outputs`) or one of vLLM's earlier `GUIDED_FIELDS`; one of
+    them."""
+    asked = _asked_shape(body)
     if asked is None:
-        return _check_response_format(extra.get("response_format"))
-    if _check_response_format(extra.get("response_format")) is not None:
-        raise ApiError(400, "give `response_format` or `structured_outputs`, not both", "structured_outputs")
-    return _structured_outputs(asked)
+        return _check_response_format((body.model_extra or {}).get("response_format"))
+    name, value = asked
+    if name == "structured_outputs":
+        return _structured_outputs(value)
+    return _structured(GUIDED_FIELDS[name], value, name)
 
 
 def grammar_field(body: _Body) -> str:
     """The field a 400 names where a body's grammar does not compile over the model's vocabulary."""
-    asked = (body.model_extra or {}).get("structured_outputs")
-    if isinstance(asked, dict) and len(asked) == 1:
-        return f"structured_outputs.{next(iter(asked))}"
+    asked = _asked_shape(body)
+    if asked is None:
+        return SCHEMA_FIELD
+    name, value = asked
+    if name != "structured_outputs":
+        return name
+    if isinstance(value, dict) and len(value) == 1:
+        return f"structured_outputs.{next(iter(value))}"
     return SCHEMA_FIELD
 
 
@@ -426,7 +482,12 @@ def _structured_outputs(value: Any) -> str:
             "structured_outputs",
         )
     key, spec = next(iter(value.items()))
-    field = f"structured_outputs.{key}"
+    return _structured(key, spec, f"structured_outputs.{key}")
+
+
+def _structured(key: str, spec: Any, field: str) -> str:
+    """The grammar of one `STRUCTURED_KEYS` kind of shape, ``spec`` as ``structured_outputs`` holds it;
+    a 400 names ``field`` where it is malformed."""
     if key == "json":
         if isinstance(spec, str):
             try:
