@@ -14,6 +14,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
@@ -231,3 +232,22 @@ def streamed_reply(chunks: list[dict]) -> tuple[str, str, list[dict], str | None
                     calls[-1]["function"]["arguments"] += part["function"]["arguments"]
             finish = choice["finish_reason"] or finish
     return reasoning, content, calls, finish
+
+
+class HealthStandIn(BaseHTTPRequestHandler):
+    """A stand-in server's handler: every GET answers ``code`` with ``answer`` as JSON (subclass it with
+    ``type(...)`` to set both, as another engine's ``/health`` would answer)."""
+
+    answer: dict[str, Any] = {}
+    code = 200
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        body = json.dumps(self.answer).encode()
+        self.send_response(self.code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass

@@ -8,18 +8,16 @@ engine cannot listen, and the launch exits 1 saying that the port is taken.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
 
 import pytest
-from srv_helpers import alive, launch, wait_for
+from srv_helpers import HealthStandIn, alive, launch, wait_for
 
 from strata_cfg.launch.engine_process import engine_command
 from strata_cfg.launch.health import wait_ready
@@ -30,25 +28,10 @@ from strata_cfg.plan.from_profile import resolve_profile
 from strata_cfg.schema.plan_file import write_plan
 
 
-class _Health(BaseHTTPRequestHandler):
-    answer: dict[str, Any] = {}
-
-    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-        body = json.dumps(self.answer).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-
 @pytest.fixture
-def other_server() -> Iterator[tuple[int, type[_Health]]]:
+def other_server() -> Iterator[tuple[int, type[HealthStandIn]]]:
     """A server on a port of its own that answers /health 200 with the engine id the test sets."""
-    handler = type("Health", (_Health,), {"answer": {"status": "ok", "engine_id": "someone-else"}})
+    handler = type("Health", (HealthStandIn,), {"answer": {"status": "ok", "engine_id": "someone-else"}})
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -118,7 +101,7 @@ def test_a_launch_whose_port_another_engine_holds_exits_1_and_never_says_ready(t
     assert "restarting" not in text  # a restart cannot help while the port is taken
 
 
-def _bind_when_free(port: int, handler: type[_Health]) -> ThreadingHTTPServer:
+def _bind_when_free(port: int, handler: type[HealthStandIn]) -> ThreadingHTTPServer:
     """A server on ``port`` as soon as a killed engine's listener is gone: its main thread shows as exited a
     moment before its other threads have closed their files."""
     deadline = time.monotonic() + 0.8
@@ -138,7 +121,9 @@ def test_a_supervisor_whose_port_is_taken_while_it_restarts_gives_up_instead_of_
         engine = launched.engine_pid()
         os.kill(engine, signal.SIGKILL)
         wait_for(lambda: not alive(engine), 10, "the engine to die")
-        handler = type("Health", (_Health,), {"answer": {"status": "ok", "engine_id": "the-other-launch"}})
+        handler = type(
+            "Health", (HealthStandIn,), {"answer": {"status": "ok", "engine_id": "the-other-launch"}}
+        )
         server = _bind_when_free(port, handler)  # in the port before the restart, a second later
         threading.Thread(target=server.serve_forever, daemon=True).start()
         try:

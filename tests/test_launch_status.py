@@ -10,12 +10,12 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
-from srv_helpers import DEMO, free_port
+from srv_helpers import DEMO, HealthStandIn, free_port
 
 from strata_cfg.commands import status
 from strata_cfg.launch.run_dir import RunDir
@@ -23,25 +23,9 @@ from strata_cfg.plan.from_profile import resolve_profile
 from strata_cfg.schema.plan_file import write_plan
 
 
-class _Health(BaseHTTPRequestHandler):
-    answer: dict[str, Any] = {}
-    code = 200
-
-    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-        body = json.dumps(self.answer).encode()
-        self.send_response(self.code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-
 @pytest.fixture
-def serving() -> Iterator[tuple[int, type[_Health]]]:
-    handler = type("Health", (_Health,), {"answer": {}})
+def serving() -> Iterator[tuple[int, type[HealthStandIn]]]:
+    handler = type("Health", (HealthStandIn,), {"answer": {}})
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield server.server_address[1], handler

@@ -46,6 +46,15 @@ def _plant(eng: Engine, where: str, at: int) -> list[int]:
     return plant(eng.executor if where == "launch" else eng.model.stages[-1], where, at)
 
 
+def _run_into_fault(eng: Engine, at: int) -> None:
+    """Step ``eng`` until the ``at``-th launch from now raises `Planted`, then take the fault out again."""
+    _plant(eng, "launch", at)
+    with pytest.raises(Planted):
+        while eng.step():
+            pass
+    del eng.executor.launch
+
+
 def _drain(handle: Any) -> list[Any]:
     events = []
     while not handle.events.empty():
@@ -148,22 +157,14 @@ def test_a_request_held_by_a_second_failed_step_is_ended_and_the_others_carried_
     the text it gets alone."""
     eng = _engine("serial", 1)
     early = [eng.submit(Request(p, TOKENS)) for p in PROMPTS[: eng.n_slots - 1]]
-    _plant(eng, "launch", 3)
-    with pytest.raises(Planted):
-        while eng.step():
-            pass
-    del eng.executor.launch
+    _run_into_fault(eng, 3)
     assert eng.recover(Planted("the first")) == Recovery(resumed=len(early), ended=0)
     late = eng.submit(Request(PROMPTS[-1], TOKENS))
     eng.step()  # the carried-on requests take their slots back, before the queued one
     states = [eng.stats()["slots"][h.slot] for h in early]
     assert [s["restarts"] for s in states] == [1] * len(early)
     assert "reread" in {s["state"] for s in states}  # (one that was reading its prompt: "prefill")
-    _plant(eng, "launch", 3)
-    with pytest.raises(Planted):
-        while eng.step():
-            pass
-    del eng.executor.launch
+    _run_into_fault(eng, 3)
     assert late.slot is not None and all(eng.slots[h.slot].handle is h for h in (*early, late))
     assert eng.recover(Planted("the second")) == Recovery(resumed=1, ended=len(early))
     while eng.step():
@@ -184,11 +185,7 @@ def test_a_request_that_served_on_after_a_recovery_is_carried_through_a_later_on
     tokens = 24
     eng = _engine("serial", 1)
     handles = [eng.submit(Request(p, tokens)) for p in PROMPTS[:2]]
-    _plant(eng, "launch", 6)
-    with pytest.raises(Planted):
-        while eng.step():
-            pass
-    del eng.executor.launch
+    _run_into_fault(eng, 6)
     assert eng.recover(Planted("the first")) == Recovery(resumed=2, ended=0)
     restarted = [s.restarted_at for s in eng._restarting]
 
@@ -199,11 +196,7 @@ def test_a_request_that_served_on_after_a_recovery_is_carried_through_a_later_on
     while min(since(0), since(1)) < 4:
         assert eng.step()
     assert max(since(0), since(1)) < tokens - max(restarted)  # neither has ended
-    _plant(eng, "launch", 1)
-    with pytest.raises(Planted):
-        while eng.step():
-            pass
-    del eng.executor.launch
+    _run_into_fault(eng, 1)
     assert eng.recover(Planted("the second")) == Recovery(resumed=2, ended=0)
     assert [s.restarts for s in eng._restarting] == [2, 2]
     for h, prompt in zip(handles, PROMPTS, strict=False):
@@ -233,11 +226,7 @@ def test_replies_with_penalties_a_grammar_and_stop_strings_are_carried_on_to_the
     alone[2] = _reference_of(requests[2])
     for at in (5, 8):
         handles = [eng.submit(r) for r in requests]
-        _plant(eng, "launch", at)
-        with pytest.raises(Planted):
-            while eng.step():
-                pass
-        del eng.executor.launch
+        _run_into_fault(eng, at)
         assert eng.recover(Planted("planted")).ended == 0
         while eng.step():
             pass
@@ -290,18 +279,10 @@ def test_with_more_restarts_allowed_a_request_failing_again_while_it_reads_again
     monkeypatch.setattr(scheduler, "RESTARTS_MOST", 2)
     eng = _engine("serial", 1)
     handles = [eng.submit(Request(p, TOKENS)) for p in PROMPTS[:2]]
-    _plant(eng, "launch", 9)
-    with pytest.raises(Planted):
-        while eng.step():
-            pass
-    del eng.executor.launch
+    _run_into_fault(eng, 9)
     assert eng.recover(Planted("the first")) == Recovery(resumed=2, ended=0)
     assert all(s.resume for s in eng._restarting), "each was given tokens before the fault"
-    _plant(eng, "launch", 1)  # the first re-read chunk
-    with pytest.raises(Planted):
-        while eng.step():
-            pass
-    del eng.executor.launch
+    _run_into_fault(eng, 1)  # the first re-read chunk
     assert eng.recover(Planted("the second")) == Recovery(resumed=2, ended=0)
     while eng.step():
         assert_kv_consistent(eng)
@@ -383,11 +364,7 @@ def test_after_recovering_the_prefix_store_lends_nothing():
     eng.submit(Request(PROMPTS[3], TOKENS))  # takes the one slot: the first prompt goes to the store
     eng.step()
     assert eng.store.best(prompt, (None, ""))[1] >= len(prompt) - 1
-    _plant(eng, "launch", 1)
-    with pytest.raises(Planted):
-        while eng.step():
-            pass
-    del eng.executor.launch
+    _run_into_fault(eng, 1)
     eng.recover(Planted("planted"))
     assert not eng.store.entries
     handle = eng.submit(Request(prompt, TOKENS))
@@ -472,11 +449,7 @@ def test_a_request_arriving_while_the_self_check_runs_waits_for_it_and_for_those
     eng = _engine("serial", 1)
     assert eng.self_check() is None
     handles = [eng.submit(Request(p, TOKENS)) for p in PROMPTS[: eng.n_slots]]
-    _plant(eng, "launch", 6)
-    with pytest.raises(Planted):
-        while eng.step():
-            pass
-    del eng.executor.launch
+    _run_into_fault(eng, 6)
     assert eng.recover(Planted("planted")).resumed == eng.n_slots
     launch, arrived = eng.executor.launch, []
 
