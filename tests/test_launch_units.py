@@ -247,3 +247,12 @@ def test_loadtest_requests_carry_the_sampling_and_a_seed_each(monkeypatch):
         "http://x", clients=1, requests_per_client=1, max_tokens=8, sampling={"presence_penalty": 1.0}
     )
     assert ", greedy, presence penalty 1, " in penalised.lines()[0]
+
+
+def test_the_engine_a_launcher_starts_does_not_inherit_systemds_notification_variables():
+    """Where systemd runs `strata launch`, its notification socket and watchdog are the launcher's: the
+    engine it starts must not tell systemd it is ready, nor ping its watchdog, as `strata serve` does."""
+    from strata_cfg.launch.supervisor import engine_env
+
+    env = {"PATH": "/bin", "NOTIFY_SOCKET": "/run/x", "WATCHDOG_USEC": "1", "WATCHDOG_PID": "7", "HOME": "/h"}
+    assert engine_env(env) == {"PATH": "/bin", "HOME": "/h"}

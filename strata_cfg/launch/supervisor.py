@@ -17,7 +17,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from types import FrameType
 
 from ..schema.plan import LaunchPlan
@@ -26,6 +26,16 @@ from .health import ReadyOutcome, Say, health, taken_message, wait_ready
 from .options import LaunchOptions
 from .preflight import base_url
 from .run_dir import RunDir, live_supervisor, open_log, pid_alive, read_pid
+
+SYSTEMD_VARS = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
+"""What systemd passes the process it runs: meant for the launcher, which is that process, not for its
+engine (which would otherwise tell systemd it is ready, or take over its watchdog, as `strata serve` run by a
+unit of its own does)."""
+
+
+def engine_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The environment the supervisor starts an engine with: its own, without `SYSTEMD_VARS`."""
+    return {k: v for k, v in env.items() if k not in SYSTEMD_VARS}
 
 
 class Supervisor:
@@ -82,7 +92,7 @@ class Supervisor:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # its own process group: one signal reaches all of it
                 preexec_fn=die_with_parent(os.getpid()),
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                env={**engine_env(os.environ), "PYTHONUNBUFFERED": "1"},
             )
         self.run_dir.engine_pid.write_text(f"{self.proc.pid}\n")
         return self.proc

@@ -12,6 +12,7 @@ import asyncio
 import hmac
 import json
 import logging
+import os
 import signal
 import time
 import uuid
@@ -39,6 +40,7 @@ from .chat_request import chat_prompt, check_grammar, prepare_chat
 from .connection import AccessLog, JsonErrorRunner
 from .engine_loop import EngineFactory, EngineLoop, Stream
 from .metrics import ServerCounters, expert_cache, render
+from .notify import Notifier
 from .openai_stream import finish_reason, stream_reply, usage
 from .replies import Piece, Whole, read_reply, think_count
 from .tools import ToolUse, tool_use
@@ -648,15 +650,24 @@ class Server:
                 loop.add_signal_handler(sig, stop.set)
         serve = self.plan.serve
         recoveries, timeout = (serve.recoveries, serve.step_timeout_s) if serve is not None else (0, 0.0)
+        notifier = Notifier.from_env()
+        notifier.send(f"STATUS=loading `{self.options.model_name}`", f"MAINPID={os.getpid()}")
         self.engine = EngineLoop(self._factory, loop, recoveries, timeout)
         self.engine.start()
+        engine = self.engine
+        address = f"http://{self.options.host}:{self.port}"
+        notify = asyncio.ensure_future(
+            notifier.run(
+                lambda: engine.state == "ready", lambda: f"serving `{self.options.model_name}` on {address}"
+            )
+        )
         failed = asyncio.ensure_future(self._wait_failed())
         stopped = asyncio.ensure_future(stop.wait())
         await asyncio.wait({failed, stopped}, return_when=asyncio.FIRST_COMPLETED)
-        for task in (failed, stopped):
+        for task in (failed, stopped, notify):
             task.cancel()
-
         code = 1 if self.engine.state == "failed" else 0
+        notifier.send("STOPPING=1", "STATUS=" + ("the engine failed" if code else "stopping"))
         if code == 0:
             log.info("stopping: no new requests; draining %d in flight", self.engine.in_flight)
         await self._drain()
