@@ -327,6 +327,7 @@ def test_tokens_decided_but_not_sent_are_sent_on_unless_they_need_their_log_prob
         assert tuple(t for ev in events for t in ev.token_ids) == _reference(prompt)
     events = _drain(b)
     assert events[-1].finished == "error" and "planted in deciding" in events[-1].error
+    assert "tokens decided for it in the failed window could not be sent as they were" in events[-1].error
     sent = [t for ev in events for t in ev.token_ids]
     assert sent == list(_reference(PROMPTS[1])[: len(sent)])  # what it was sent before stands
     assert all(len(ev.logprobs) == len(ev.token_ids) for ev in events)

@@ -263,20 +263,23 @@ class Engine:
             sent = self._sent_on(slot, undelivered)
             if slot.told:  # its last event was decided before the failure
                 continue
-            again = slot.restarted_lately(RESTART_FORGOTTEN) and slot.restarts_close >= RESTARTS_MOST
+            slot.forget_restarts(RESTART_FORGOTTEN)
+            again = slot.restarts_close >= RESTARTS_MOST
             if sent and slot.finished is None and not again:
                 slot.restart()
                 self._restarting.append(slot)
                 resumed += 1
                 continue
-            if again:
+            if not again:
+                how = "; tokens decided for it in the failed window could not be sent as they were"
+            elif slot.restarts:
                 since = len(slot.generated) - slot.restarted_at
                 how = (
                     f"; it was carried on through an earlier failed step and decoded {since} of "
                     f"{RESTART_FORGOTTEN} tokens since, so it may be what makes the steps fail"
                 )
-            else:
-                how = "; tokens decided for it in the failed window could not be sent as they were"
+            else:  # `RESTARTS_MOST` 0: nothing is carried on
+                how = ""
             slot.tell(slot.finish("error", why + how))
             ended += 1
         self.forget_prefixes()  # and the store

@@ -263,12 +263,11 @@ class Slot:
         self.restarts_close += 1
         self.restarted_at = len(self.generated)
 
-    def restarted_lately(self, forgotten: int) -> bool:
-        """Whether the request was carried through a recovery and has not decoded ``forgotten`` tokens
-        since; where it has, the recoveries before count no more (`restarts_close` goes back to 0)."""
-        if self.restarts_close and len(self.generated) - self.restarted_at >= forgotten:
+    def forget_restarts(self, forgotten: int) -> None:
+        """Where the request has decoded ``forgotten`` tokens since it was last carried on, the recoveries
+        before count no more: `restarts_close` goes back to 0."""
+        if len(self.generated) - self.restarted_at >= forgotten:
             self.restarts_close = 0
-        return self.restarts_close > 0
 
     def finish(self, reason: FinishReason, error: str | None = None) -> TokenEvent:
         self.finished = reason
