@@ -82,7 +82,7 @@ def test_a_launch_whose_engine_answers_nothing_or_whose_launcher_is_gone(tmp_pat
 def test_which_launches_are_listed_and_the_exit_code(tmp_path, serving, monkeypatch, capsys):
     port, handler = serving
     handler.answer = {"status": "ok", "engine_id": "this-run"}
-    monkeypatch.setattr(status, "_status", lambda url, key: None)  # a stand-in has no /v1/status
+    monkeypatch.setattr(status, "_status", lambda url, key: {})  # a stand-in has no /v1/status
     old = _run(tmp_path, "demo-20261201-000000", free_port())
     ready = _run(tmp_path, "demo-20261207-000000", port)
     other = _run(tmp_path, "other-20261207-000000", free_port())

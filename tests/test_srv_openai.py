@@ -1363,6 +1363,11 @@ def test_strata_status_reports_the_launch_and_what_its_engine_served(engine: Lau
     assert st["slots"] == 2 and st["slots_busy"] == 0 and st["queued"] == 0
     assert st["tokens"] >= before["tokens"] + 6 and st["windows"] > before["windows"]
     assert after["engine_starts"] >= 1 and st["uptime_s"] > 0
+    wrong = json.loads(strata("status", run, "--json", env={"STRATA_TEST_KEY": "wrong"}).stdout)
+    assert (
+        wrong["launches"][0]["note"]
+        == "its /v1/status did not answer: the key in STRATA_TEST_KEY was refused"
+    )
     text = strata("status", run, env=key)
     assert text.returncode == 0
     assert text.stdout.startswith(f"demo: ready at {engine.url}/v1, model `demo`\n")

@@ -121,20 +121,28 @@ def report(run: RunDir) -> dict[str, Any]:
     key = os.environ.get(key_env) if key_env else None
     if key_env and not key:
         return out | {"status": None, "note": f"set {key_env} to read its /v1/status"}
-    out["status"] = _status(url, key)
+    try:
+        out["status"] = _status(url, key)
+    except urllib.error.HTTPError as exc:
+        why = (
+            f"the key in {key_env} was refused" if exc.code in (401, 403) and key_env else f"HTTP {exc.code}"
+        )
+        out |= {"status": None, "note": f"its /v1/status did not answer: {why}"}
+    except (OSError, ValueError) as exc:
+        out |= {"status": None, "note": f"its /v1/status did not answer: {exc}"}
     return out
 
 
-def _status(url: str, key: str | None) -> dict[str, Any] | None:
-    """The parts of ``/v1/status`` this command shows; None where it does not answer."""
+def _status(url: str, key: str | None) -> dict[str, Any]:
+    """The parts of ``/v1/status`` this command shows (raises what `urllib.request.urlopen` or the JSON
+    parser raise where it does not answer with them)."""
     request = urllib.request.Request(f"{url}/v1/status")
     if key:
         request.add_header("Authorization", f"Bearer {key}")
-    try:
-        with urllib.request.urlopen(request, timeout=5.0) as r:
-            body = json.loads(r.read())
-    except (OSError, ValueError):
-        return None
+    with urllib.request.urlopen(request, timeout=5.0) as r:
+        body = json.loads(r.read())
+    if not isinstance(body, dict):
+        raise ValueError("not a JSON object")
     engine = body.get("engine") or {}
     slots = engine.get("slots") or []
     totals = engine.get("totals") or {}
