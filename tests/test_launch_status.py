@@ -63,9 +63,9 @@ def test_a_launch_is_ready_only_when_its_own_engine_answers(tmp_path, serving, m
     handler.code, handler.answer = 503, {"status": "loading", "progress": "layers", "engine_id": "this-run"}
     assert status.report(run)["state"] == "loading"
     assert status.run(_args(str(run.path), tmp_path)) == 1  # listed, running, not ready
-    handler.answer = {"status": "recovering", "error": "RuntimeError: x", "engine_id": "this-run"}
+    handler.answer = {"status": "failed", "error": "RuntimeError: x", "engine_id": "this-run"}
     got = status.report(run)
-    assert got["state"] == "recovering" and got["error"] == "RuntimeError: x"
+    assert got["state"] == "failed" and got["error"] == "RuntimeError: x"
     assert "  RuntimeError: x" in status.lines(got)
     capsys.readouterr()
 
