@@ -8,7 +8,7 @@ and recoveries. Where the serving profile asks for an API key, the key is read f
 without it the status part is left out and the line says so.
 
 Exit codes: 0 when every launch listed that runs is ready; 1 when there is none to list, or one is not ready
-(loading, recovering, not answering, stopped); 2 for a usage error.
+(loading, failed, not answering, another server); 2 for a usage error.
 """
 
 from __future__ import annotations
