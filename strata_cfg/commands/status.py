@@ -27,14 +27,13 @@ from ..launch.preflight import base_url
 from ..launch.run_dir import (
     RUNS_ROOT,
     RunDir,
-    find_runs,
+    launches_of,
     live_supervisor,
     pid_alive,
+    profile_name,
     read_pid,
-    run_profile_name,
 )
 from ..schema.plan_file import PLAN_FILE, PlanFileError
-from .stop import profile_name
 
 START_MARK = b"--- strata launch: engine start "
 """How the supervisor marks each engine start in ``engine.log``."""
@@ -53,22 +52,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def chosen(target: str | None, root: Path, everything: bool) -> tuple[list[RunDir], str]:
     """The runs to report, most recent first, or none and one sentence saying why."""
-    if target is not None and (Path(target) / PLAN_FILE).is_file():
-        return [RunDir(Path(target))], ""
-    runs = find_runs(root)
-    if target is not None:
-        name = profile_name(target)
-        runs = [r for r in runs if run_profile_name(r) == name or r.path.name.startswith(f"{name}-")]
-        if not runs:
-            return [], f"no launch of profile `{name}` under {root}/"
-    if not everything:
-        runs = [r for r in runs if live_supervisor(r) is not None]
-        if not runs:
-            which = f"of profile `{profile_name(target)}` " if target is not None else ""
-            return [], f"no launch {which}under {root}/ is running (--all lists the stopped ones)"
-    if not runs:
-        return [], f"no launch under {root}/"
-    return runs, ""
+    runs, why = launches_of(target, root)
+    if not runs or everything or (target is not None and (Path(target) / PLAN_FILE).is_file()):
+        return runs, why
+    runs = [r for r in runs if live_supervisor(r) is not None]
+    which = f"of profile `{profile_name(target)}` " if target is not None else ""
+    return runs, "" if runs else f"no launch {which}under {root}/ is running (--all lists the stopped ones)"
 
 
 def engine_starts(run: RunDir) -> int:

@@ -13,7 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..launch.run_dir import RUNS_ROOT, RunDir, find_runs, live_supervisor, run_profile_name
+from ..launch.run_dir import RUNS_ROOT, RunDir, launches_of, live_supervisor, profile_name
 from ..launch.supervisor import stop_run
 from ..schema.plan_file import PLAN_FILE
 from ._arg_types import positive_seconds
@@ -34,32 +34,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def profile_name(target: str) -> str:
-    path = Path(target)
-    return path.stem if path.suffix == ".toml" else target
-
-
 def choose(target: str | None, root: Path) -> tuple[RunDir | None, str, bool]:
     """The run to stop; or None, one sentence saying why there is none, and whether that is because the
     runs asked for are already stopped (not an error) rather than missing."""
-    if target is not None and (Path(target) / PLAN_FILE).is_file():
-        run = RunDir(Path(target))
-        if live_supervisor(run) is None:
-            return None, f"{run.path} is already stopped", True
-        return run, "", False
-    runs = find_runs(root)
-    if target is not None:
-        name = profile_name(target)
-        runs = [r for r in runs if run_profile_name(r) == name or r.path.name.startswith(f"{name}-")]
-        if not runs:
-            return None, f"no launch of profile `{name}` under {root}/", False
-    elif not runs:
-        return None, f"no launch under {root}/", False
+    runs, why = launches_of(target, root)
+    if not runs:
+        return None, why, False
     running = [r for r in runs if live_supervisor(r) is not None]
-    if not running:
-        which = f"of profile `{profile_name(target)}` " if target is not None else ""
-        return None, f"every launch {which}under {root}/ is already stopped", True
-    return running[0], "", False
+    if running:
+        return running[0], "", False
+    if target is not None and (Path(target) / PLAN_FILE).is_file():
+        return None, f"{runs[0].path} is already stopped", True
+    which = f"of profile `{profile_name(target)}` " if target is not None else ""
+    return None, f"every launch {which}under {root}/ is already stopped", True
 
 
 def run(args: argparse.Namespace) -> int:

@@ -147,3 +147,23 @@ def run_profile_name(run: RunDir) -> str | None:
         return run.load_plan().profile
     except PlanFileError:
         return None
+
+
+def profile_name(target: str) -> str:
+    """The profile a command's target names: a profile file's stem, or the name itself."""
+    path = Path(target)
+    return path.stem if path.suffix == ".toml" else target
+
+
+def launches_of(target: str | None, root: Path = RUNS_ROOT) -> tuple[list[RunDir], str]:
+    """The run directories a command's ``target`` names, most recent first: the run directory itself, the
+    launches under ``root`` of the profile it names (by name or file), or, without one, every launch under
+    ``root``. None: [] and one sentence saying why."""
+    if target is not None and (Path(target) / PLAN_FILE).is_file():
+        return [RunDir(Path(target))], ""
+    runs = find_runs(root)
+    if target is None:
+        return runs, "" if runs else f"no launch under {root}/"
+    name = profile_name(target)
+    runs = [r for r in runs if run_profile_name(r) == name or r.path.name.startswith(f"{name}-")]
+    return runs, "" if runs else f"no launch of profile `{name}` under {root}/"
