@@ -33,6 +33,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("strata_cfg.commands.serve", "run the engine's HTTP server from a plan file, unsupervised"),
     "stop": ("strata_cfg.commands.stop", "stop an engine started by `strata launch` (default: the latest)"),
     "status": ("strata_cfg.commands.status", "what the engines `strata launch` started are doing"),
+    "logs": ("strata_cfg.commands.logs", "a launch's engine log: its last lines, or followed with -f"),
     "launch": ("strata_cfg.commands.launch", "start a profile's engine, wait until it serves, supervise it"),
     "loadtest": ("strata_cfg.commands.loadtest", "N clients for T seconds against a running engine"),
     "generate": ("strata_cfg.commands.generate", "one request through the engine: text, or JSON with --json"),

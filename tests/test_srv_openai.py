@@ -1374,6 +1374,29 @@ def test_strata_status_reports_the_launch_and_what_its_engine_served(engine: Lau
     assert "slots 0 of 2 busy, 0 queued; " in text.stdout and " tokens generated in " in text.stdout
 
 
+def test_strata_logs_follows_the_engine_log_as_it_serves(engine: Launched, client: openai.OpenAI):
+    """`strata logs RUN_DIR -f`: the log's last line, then each line the engine writes as it serves (here
+    the access log's line of a completion); Ctrl-C ends it with 0."""
+    import select
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "strata_cfg", "logs", str(engine.run_dir), "-f", "-n", "1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    try:
+        assert proc.stdout.readline()  # the last line so far
+        _served(client.completions.create(model="demo", prompt=_prompt(), max_tokens=3), 3)
+        deadline, seen = time.monotonic() + 30, []
+        while not any('"POST /v1/completions HTTP/1.1" 200' in line for line in seen):
+            assert time.monotonic() < deadline, seen
+            if select.select([proc.stdout], [], [], 0.5)[0]:
+                seen.append(proc.stdout.readline())
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=10) == 0, proc.stderr.read() if proc.stderr else ""
+
+
 def test_a_killed_engine_is_restarted_by_the_launcher(engine: Launched, client: openai.OpenAI):
     old = engine.engine_pid()
     os.kill(old, signal.SIGKILL)
