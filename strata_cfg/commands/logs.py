@@ -17,18 +17,14 @@ import time
 from pathlib import Path
 
 from ..launch.engine_process import log_tail
-from ..launch.run_dir import RUNS_ROOT, RunDir, launches_of, live_supervisor
+from ..launch.run_dir import RunDir, launches_of, live_supervisor
+from ._launches import add_launch_target
 
 FOLLOW_POLL_S = 0.25
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "target", nargs="?", help="a run directory, or a profile name or file (default: the latest launch)"
-    )
-    parser.add_argument(
-        "--runs-root", type=Path, default=RUNS_ROOT, help="where launches keep their run directories (runs/)"
-    )
+    add_launch_target(parser, "the latest launch")
     parser.add_argument(
         "-n", "--lines", type=_count, default=40, help="how many of the log's last lines (default 40; 0: all)"
     )

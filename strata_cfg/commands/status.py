@@ -25,7 +25,6 @@ from typing import Any
 from ..launch.health import health
 from ..launch.preflight import base_url
 from ..launch.run_dir import (
-    RUNS_ROOT,
     RunDir,
     launches_of,
     live_supervisor,
@@ -34,18 +33,14 @@ from ..launch.run_dir import (
     read_pid,
 )
 from ..schema.plan_file import PLAN_FILE, PlanFileError
+from ._launches import add_launch_target
 
 START_MARK = b"--- strata launch: engine start "
 """How the supervisor marks each engine start in ``engine.log``."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "target", nargs="?", help="a run directory, or a profile name or file (default: every running launch)"
-    )
-    parser.add_argument(
-        "--runs-root", type=Path, default=RUNS_ROOT, help="where launches keep their run directories (runs/)"
-    )
+    add_launch_target(parser, "every running launch")
     parser.add_argument("--all", action="store_true", help="list stopped launches too")
     parser.add_argument("--json", action="store_true", help='print {"launches": [{run_dir, state, ...}]}')
 

@@ -13,19 +13,15 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..launch.run_dir import RUNS_ROOT, RunDir, launches_of, live_supervisor, profile_name
+from ..launch.run_dir import RunDir, launches_of, live_supervisor, profile_name
 from ..launch.supervisor import stop_run
 from ..schema.plan_file import PLAN_FILE
 from ._arg_types import positive_seconds
+from ._launches import add_launch_target
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "target", nargs="?", help="a run directory, or a profile name or file (default: latest)"
-    )
-    parser.add_argument(
-        "--runs-root", type=Path, default=RUNS_ROOT, help="where launches keep their run directories (runs/)"
-    )
+    add_launch_target(parser, "latest")
     parser.add_argument(
         "--grace",
         type=positive_seconds,
