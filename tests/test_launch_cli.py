@@ -142,6 +142,12 @@ def test_detach_returns_when_ready_and_strata_stop_ends_it(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"engine ready: http://127.0.0.1:{port}/v1" in result.stdout
     assert f"strata stop {run}" in result.stdout
+    assert f"(strata logs -f {run}); state: strata status;" in result.stdout
+    # What the launch says to run: its log, and its state, found by profile under the runs root.
+    logged = strata("logs", str(run), "-n", "50")
+    assert logged.returncode == 0 and "engine ready in" in logged.stdout, logged.stderr
+    state = strata("status", "demo", "--runs-root", str(runs))
+    assert state.returncode == 0 and state.stdout.startswith(f"demo: ready at http://127.0.0.1:{port}/v1")
     url = f"http://127.0.0.1:{port}"
     assert http("GET", f"{url}/health")[0] == 200
     supervisor = int((run / "launch.pid").read_text())
@@ -158,6 +164,7 @@ def test_detach_returns_when_ready_and_strata_stop_ends_it(tmp_path):
     wait_for(lambda: not alive(supervisor) and not alive(engine), 30, "the detached launch to end")
     assert not (run / "launch.pid").exists()
     assert "the engine stopped cleanly" in (run / "launch.log").read_text()
+    assert strata("status", "--runs-root", str(runs)).returncode == 1  # nothing runs any more
     # A second stop of the same run has nothing to do, which is not an error.
     again = strata("stop", str(run))
     assert again.returncode == 0, again.stderr

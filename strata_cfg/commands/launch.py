@@ -138,7 +138,7 @@ def _announce(plan: LaunchPlan, run_dir: RunDir, *, detached: bool, load_s: floa
     for line in client_snippet(plan):
         _say(line)
     stop_how = f"strata stop {run_dir.path}" if detached else f"Ctrl-C (or strata stop {run_dir.path})"
-    _say(f"log: {run_dir.engine_log}; stop: {stop_how}")
+    _say(f"log: {run_dir.engine_log} (strata logs -f {run_dir.path}); state: strata status; stop: {stop_how}")
 
 
 def _detach(run_dir: RunDir, plan: LaunchPlan, options: LaunchOptions) -> int:
