@@ -68,6 +68,25 @@ def test_log_tail_reads_only_what_was_written_after_the_offset(tmp_path):
     assert log_tail(tmp_path / "missing.log") == []
 
 
+@pytest.mark.parametrize("block", [1, 7, 64, 1 << 16])
+def test_log_tail_read_back_in_blocks_gives_the_lines_a_whole_read_gives(tmp_path, monkeypatch, block):
+    """`log_tail` reads from the end back a block at a time: whatever the block, the offset, the count and
+    the file's last line (ended or not, multi-byte text in it), the lines are those of reading it whole."""
+    from strata_cfg.launch import engine_process
+
+    monkeypatch.setattr(engine_process, "TAIL_BLOCK", block)
+    rng = random.Random(block)
+    log = tmp_path / "engine.log"
+    for _ in range(20):
+        body = [("é" * rng.randrange(0, 4)) + f"line {i} " + "x" * rng.randrange(0, 90) for i in range(60)]
+        text = "\n".join(body) + rng.choice(["\n", ""])
+        log.write_bytes(text.encode())
+        start = rng.choice([0, rng.randrange(0, len(text.encode()))])
+        whole = log.read_bytes()[start:].decode(errors="replace").splitlines()
+        for lines in (0, 1, 5, 59, 61):
+            assert log_tail(log, start, lines) == whole[-lines:], (block, start, lines)
+
+
 def test_percentile_matches_the_inclusive_quantiles():
     rng = random.Random()
     xs = [rng.uniform(0.001, 5.0) for _ in range(rng.randrange(5, 200))]

@@ -62,8 +62,7 @@ def run(args: argparse.Namespace) -> int:
     if not path.is_file():
         print(f"strata logs: {path} does not exist yet", file=sys.stderr)
         return 1
-    lines = log_tail(path, 0, args.lines) if args.lines else path.read_text(errors="replace").splitlines()
-    for line in lines:
+    for line in log_tail(path, 0, args.lines):
         print(line)
     if not args.follow:
         return 0

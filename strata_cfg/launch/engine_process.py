@@ -88,12 +88,24 @@ def exit_reason(code: int) -> str:
     return f"exited with code {code}"
 
 
+TAIL_BLOCK = 64 << 10
+"""Bytes `log_tail` reads at a time, from the end back."""
+
+
 def log_tail(path: Path, start: int = 0, lines: int = 15) -> list[str]:
-    """The last ``lines`` lines of ``path`` written after byte offset ``start``."""
+    """The last ``lines`` lines of ``path`` written after byte offset ``start`` (``lines`` 0: all of them).
+    It reads back from the end only as far as they need, so a long-running engine's log costs the TUI's
+    polls and `strata logs` its last lines, not the whole file."""
     try:
         with path.open("rb") as f:
-            f.seek(start)
-            text = f.read().decode(errors="replace")
+            pos = f.seek(0, os.SEEK_END)
+            data = b""
+            # More than `lines` newlines: the partial line the read may start in is not among the last.
+            while pos > start and (lines <= 0 or data.count(b"\n") <= lines):
+                step = min(TAIL_BLOCK, pos - start)
+                pos -= step
+                f.seek(pos)
+                data = f.read(step) + data
     except OSError:
         return []
-    return text.splitlines()[-lines:]
+    return data.decode(errors="replace").splitlines()[-lines:]
