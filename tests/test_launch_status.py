@@ -18,7 +18,7 @@ import pytest
 from srv_helpers import DEMO, HealthStandIn, free_port
 
 from strata_cfg.commands import status
-from strata_cfg.launch.run_dir import RunDir
+from strata_cfg.launch.run_dir import ENGINE_START_MARK, RunDir
 from strata_cfg.plan.from_profile import resolve_profile
 from strata_cfg.schema.plan_file import write_plan
 
@@ -38,7 +38,7 @@ def _run(root: Path, name: str, port: int, engine_id: str = "this-run") -> RunDi
     run.path.mkdir(parents=True)
     write_plan(resolve_profile(DEMO, [("serve.port", port)]), run.plan)
     run.engine_id_file.write_text(f"{engine_id}\n")
-    run.engine_log.write_bytes(status.START_MARK + b"1 at ...\nloading\n" + status.START_MARK + b"2 at ...\n")
+    run.engine_log.write_bytes(ENGINE_START_MARK + b"1 at ...\nloading\n" + ENGINE_START_MARK + b"2 at ...\n")
     return run
 
 

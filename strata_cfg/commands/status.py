@@ -25,6 +25,7 @@ from typing import Any
 from ..launch.health import health
 from ..launch.preflight import base_url
 from ..launch.run_dir import (
+    ENGINE_START_MARK,
     RunDir,
     launches_of,
     live_supervisor,
@@ -34,9 +35,6 @@ from ..launch.run_dir import (
 )
 from ..schema.plan_file import PLAN_FILE, PlanFileError
 from ._launches import add_launch_target
-
-START_MARK = b"--- strata launch: engine start "
-"""How the supervisor marks each engine start in ``engine.log``."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,9 +54,11 @@ def chosen(target: str | None, root: Path, everything: bool) -> tuple[list[RunDi
 
 
 def engine_starts(run: RunDir) -> int:
-    """How many times the supervisor started the run's engine (the marks in its log)."""
+    """How many times the supervisor started the run's engine (the marks in its log, read a line at a
+    time: a long-running engine's log is not held whole)."""
     try:
-        return run.engine_log.read_bytes().count(START_MARK)
+        with run.engine_log.open("rb") as f:
+            return sum(line.startswith(ENGINE_START_MARK) for line in f)
     except OSError:
         return 0
 

@@ -26,6 +26,9 @@ LAUNCH_LOG = "launch.log"
 LAUNCH_PID = "launch.pid"
 ENGINE_PID = "engine.pid"
 ENGINE_ID = "engine.id"
+ENGINE_START_MARK = b"--- strata launch: engine start "
+"""How each start of the engine begins in ``engine.log``: the mark, then the start's number, when and the
+command."""
 LOG_MODE = 0o600
 """Logs are read and written by their owner only."""
 RUNS_ROOT = Path("runs")

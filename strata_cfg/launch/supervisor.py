@@ -25,7 +25,7 @@ from .engine_process import die_with_parent, engine_command, exit_reason, log_ta
 from .health import ReadyOutcome, Say, health, taken_message, wait_ready
 from .options import LaunchOptions
 from .preflight import base_url
-from .run_dir import RunDir, live_supervisor, open_log, pid_alive, read_pid
+from .run_dir import ENGINE_START_MARK, RunDir, live_supervisor, open_log, pid_alive, read_pid
 
 SYSTEMD_VARS = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
 """What systemd passes the process it runs: meant for the launcher, which is that process, not for its
@@ -83,7 +83,7 @@ class Supervisor:
         with open_log(self.run_dir.engine_log) as log:
             self._log_offset = log.tell()
             stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-            log.write(f"--- strata launch: engine start {self.starts} at {stamp}: {' '.join(cmd)}\n".encode())
+            log.write(ENGINE_START_MARK + f"{self.starts} at {stamp}: {' '.join(cmd)}\n".encode())
             log.flush()
             self.proc = subprocess.Popen(
                 cmd,
