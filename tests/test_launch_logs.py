@@ -83,7 +83,9 @@ def test_following_prints_whole_lines_as_they_come_and_ends_with_the_launch(tmp_
     assert not any(w.endswith("half") for w in out.writes)  # a line is printed whole, once it is
 
 
-@pytest.mark.parametrize("bad", ["-1", "many"])
-def test_a_bad_line_count_is_a_usage_error(bad):
+@pytest.mark.parametrize(
+    ("bad", "why"), [("-1", "'-1': give 0 or more lines"), ("many", "'many' is not a number")]
+)
+def test_a_bad_line_count_is_a_usage_error(bad, why):
     out = strata("logs", "--lines", bad, timeout=30)
-    assert out.returncode == 2 and "--lines" in out.stderr
+    assert out.returncode == 2 and f"argument -n/--lines: {why}" in out.stderr, out.stderr

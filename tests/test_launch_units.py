@@ -173,9 +173,15 @@ def test_the_liveness_bound_follows_the_step_watchdog_unless_given():
     assert LaunchOptions().liveness(0.0) == 0.0
     assert LaunchOptions(liveness_s=5.0).liveness(0.0) == 5.0
     assert LaunchOptions(liveness_s=0.0).liveness(300.0) == 0.0
-    for bad in ("-1", "nan", "soon"):
+    for bad, why in (
+        ("-1", "'-1': give a finite number of seconds, 0 or above (0: off)"),
+        ("nan", "'nan': give a finite number of seconds, 0 or above (0: off)"),
+        ("soon", "'soon' is not a number of seconds"),
+    ):
         result = strata("launch", "profiles/demo.toml", "--liveness-timeout", bad, "--dry-run", timeout=30)
-        assert result.returncode == 2 and "--liveness-timeout" in result.stderr, result.stderr
+        assert result.returncode == 2 and f"argument --liveness-timeout: {why}" in result.stderr, (
+            result.stderr
+        )
 
 
 @pytest.mark.parametrize("seconds", ["nan", "inf", "soon"])
