@@ -7,12 +7,16 @@ import argparse
 import math
 
 
-def positive_seconds(text: str) -> float:
-    """A finite number of seconds above 0; ``nan`` and ``inf`` are usage errors (a bound that never ends)."""
+def _seconds(text: str) -> float:
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+
+
+def positive_seconds(text: str) -> float:
+    """A finite number of seconds above 0; ``nan`` and ``inf`` are usage errors (a bound that never ends)."""
+    value = _seconds(text)
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"{text!r}: give a finite number of seconds above 0")
     return value
@@ -20,10 +24,7 @@ def positive_seconds(text: str) -> float:
 
 def seconds_or_off(text: str) -> float:
     """A finite number of seconds, 0 or above (0: off)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    value = _seconds(text)
     if not math.isfinite(value) or value < 0:
         raise argparse.ArgumentTypeError(f"{text!r}: give a finite number of seconds, 0 or above (0: off)")
     return value
