@@ -40,6 +40,16 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     """(token id, bias) pairs added to the logits; OpenAI's ``logit_bias`` map, as pairs so that the
     parameters stay hashable."""
+    repetition_penalty: float = 1.0
+    """vLLM's and transformers' rule: the logit l of every token in the prompt or generated so far becomes
+    l / r where it is above 0, else l * r (after the logit bias, before the presence and frequency
+    penalties). 1: none; above 1 discourages repeating, below 1 encourages it."""
+    min_p: float = 0.0
+    """After temperature: a token whose probability is below ``min_p`` times the most likely token's gets
+    nothing (before top-p, which then weighs what stays). 0: no cut."""
+    min_tokens: int = 0
+    """No stop token (the model's end-of-text ids, ``stop_ids``) is chosen, and no stop string ends the reply,
+    before this many tokens are generated. 0: none."""
     logprobs: int | None = None
     """Report each generated token's log-probability and those of this many most likely tokens at its
     position (0 to `MAX_TOP_LOGPROBS`); None reports none. They are the model's own (its raw logits' log
@@ -103,6 +113,11 @@ float32 (a penalty once per time its token came, up to a context's length), wher
 infinity and the distribution to NaN. A bias of 1e30 bans or forces a token as surely as OpenAI's 100."""
 
 
+REPETITION_RANGE = (1e-3, 1e3)
+"""The repetition penalties `sampling_problem` lets through: a logit divided or multiplied by one stays well
+inside float32's range, and nothing outside it is a penalty anyone asks for (vLLM takes any above 0)."""
+
+
 def _whole(v: Any) -> bool:
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
@@ -125,6 +140,8 @@ def request_problem(r: Request) -> str | None:
         return f"stop_ids: token ids, not {r.stop_ids!r}"
     if not all(isinstance(t, str) and t for t in r.stop_strings):
         return f"stop_strings: non-empty strings, not {r.stop_strings!r}"
+    if _whole(r.max_tokens) and _whole(r.sampling.min_tokens) and r.sampling.min_tokens > r.max_tokens:
+        return f"min_tokens: at most max_tokens ({r.max_tokens}), not {r.sampling.min_tokens!r}"
     if not _whole(r.priority):
         return f"priority: a whole number, not {r.priority!r}"
     if not isinstance(r.cache_salt, str):
@@ -149,6 +166,14 @@ def sampling_problem(s: SamplingParams) -> str | None:
         v = getattr(s, name)
         if not _finite(v) or abs(v) > ADJUST_MOST:
             return f"{name}: a number of magnitude at most {ADJUST_MOST:g} (float32 logits), not {v!r}"
+    r = s.repetition_penalty
+    if not _finite(r) or not REPETITION_RANGE[0] <= r <= REPETITION_RANGE[1]:
+        low, high = REPETITION_RANGE
+        return f"repetition_penalty: a number from {low:g} to {high:g} (1 is none), not {r!r}"
+    if not _finite(s.min_p) or not 0 <= s.min_p <= 1:
+        return f"min_p: a number from 0 to 1 (0 cuts nothing), not {s.min_p!r}"
+    if not _whole(s.min_tokens) or s.min_tokens < 0:
+        return f"min_tokens: a whole number at least 0, not {s.min_tokens!r}"
     for pair in s.logit_bias:
         if len(pair) != 2 or not _whole(pair[0]) or not _finite(pair[1]) or abs(pair[1]) > ADJUST_MOST:
             return f"logit_bias: (token id, bias of magnitude at most {ADJUST_MOST:g}) pairs, not {pair!r}"

@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 from kernel_checks import rel_err, rng
 
+from strata_runtime.models.ops.distribution import log_min_p
+
 pytestmark = pytest.mark.gpu
 
 REL = 2e-4
@@ -841,7 +843,8 @@ def test_choose_gathering_keeps_the_token(gpu, v):
     """A row whose top-k or top-p is known to keep few tokens has a superset of them gathered into shared
     memory before its cuts and draw: the token must be the one the whole-row path draws, bit for bit, with
     ties at the k-th logit and at the top-p cut, a u of 0 and just under 1, top-k that leaves more than the
-    gather holds, and logits flat (top-p keeps thousands) and peaked (top-p keeps a few). The split form
+    gather holds, min-p on half the rows, and logits flat (top-p keeps thousands) and peaked (top-p keeps a
+    few). The split form
     (the passes before the gather over slices of the row in parallel) draws the same token as one block."""
     from strata_runtime.cuda.choices import CHOOSE_GATHER
 
@@ -862,12 +865,13 @@ def test_choose_gathering_keeps_the_token(gpu, v):
         top_p[2:4] = 1e-30  # the top token alone stays
         u = g.random(rows).astype(np.float32)
         u[:2] = [0.0, np.float32(1.0) - np.float32(2**-24)]
+        min_p = np.where(g.random(rows) < 0.5, -np.inf, np.log(g.uniform(0.01, 0.5, rows))).astype(np.float32)
         gathered_rows += int(((top_k < v) & (top_k < CHOOSE_GATHER)).sum())
         args = [cp.asarray(a) for a in (logits, inv_temp, u, top_k, top_p)]
         outs = []
         for gather, split in ((True, True), (True, False), (False, False)):
             out_d = cp.full(rows, -1, cp.int64)
-            kern.choose(*args, out_d, gather=gather, split=split)
+            kern.choose(*args, out_d, gather=gather, split=split, log_min_p=cp.asarray(min_p))
             outs.append(out_d.get())
         np.testing.assert_array_equal(outs[0], outs[1], err_msg="split against one block")
         np.testing.assert_array_equal(outs[1], outs[2], err_msg="gathered against the whole row")
@@ -917,7 +921,8 @@ def test_split_choice_gathers_where_a_cut_fits(gpu):
 
 @pytest.mark.parametrize(("rows", "v"), [(1, 151936), (6, 5000), (3, 33)])
 def test_choose_matches_twin(gpu, rows, v):
-    """Argmax rows exactly; draws (with and without top-k and top-p) exactly but where u falls within float32
+    """Argmax rows exactly; draws (with and without top-k, top-p and min-p, whose cut the twin computes as
+    the kernel does, in float32) exactly but where u falls within float32
     rounding of a boundary between two staying tokens' cumulative weights (the kernel computes weights in
     float32, the twin in float64)."""
     cp, kern, ref = gpu
@@ -929,6 +934,7 @@ def test_choose_matches_twin(gpu, rows, v):
         inv_temp = np.where(g.random(rows) < 0.3, 0.0, g.uniform(0.3, 2.0, rows))
         top_k = np.where(g.random(rows) < 0.5, 0, g.integers(1, min(v, 200), rows)).astype(np.int32)
         top_p = np.where(g.random(rows) < 0.5, 1.0, g.uniform(0.05, 0.99, rows)).astype(np.float32)
+        lmp = np.where(g.random(rows) < 0.5, -np.inf, np.log(g.uniform(0.005, 0.6, rows))).astype(np.float32)
         if trial == 1:
             logits[:, : v // 3] = logits[:, :1]  # many ties at one logit
         if trial == 2:
@@ -944,36 +950,41 @@ def test_choose_matches_twin(gpu, rows, v):
             cp.asarray(top_k),
             cp.asarray(top_p),
             out_d,
+            log_min_p=cp.asarray(lmp),
         )
         u32 = u.astype(np.float32)
-        got, want = out_d.get(), ref.choose_tokens(logits, inv_temp.astype(np.float32), u32, top_k, top_p)
+        t32 = inv_temp.astype(np.float32)
+        got, want = out_d.get(), ref.choose_tokens(logits, t32, u32, top_k, top_p, lmp)
         for r in range(rows):
             if got[r] == want[r]:
                 continue
             assert inv_temp[r] > 0, f"argmax row {r} differs"
-            w = ref.staying_weights(logits[r], float(np.float32(inv_temp[r])), int(top_k[r]), float(top_p[r]))
+            w = ref.staying_weights(logits[r], float(t32[r]), int(top_k[r]), float(top_p[r]), float(lmp[r]))
             assert w[got[r]] > 0, f"row {r}: the kernel drew a token the cuts remove"
             cdf = np.cumsum(w)
             edge = cdf[min(got[r], want[r])]
             assert abs(edge - float(u32[r]) * cdf[-1]) < 1e-5 * cdf[-1], (r, got[r], want[r])
 
 
-DISTRIBUTION_CASES = [  # (temperature, top_k, top_p): Qwen3's sampling, top-p alone, top-k alone, neither
-    (0.7, 20, 0.8),
-    (1.0, 0, 0.95),
-    (0.6, 0, 0.5),
-    (1.3, 300, 1.0),
-    (0.5, 0, 1.0),
-    (1.0, 1, 0.5),
-    (2.0, -1, 0.05),  # top_k -1: V - 1
-    (0.8, 50, 0.999),
+DISTRIBUTION_CASES = [  # (temperature, top_k, top_p, min_p): Qwen3's sampling, each cut alone, none
+    (0.7, 20, 0.8, 0.0),
+    (1.0, 0, 0.95, 0.0),
+    (0.6, 0, 0.5, 0.0),
+    (1.3, 300, 1.0, 0.0),
+    (0.5, 0, 1.0, 0.0),
+    (1.0, 1, 0.5, 0.0),
+    (2.0, -1, 0.05, 0.0),  # top_k -1: V - 1
+    (0.8, 50, 0.999, 0.0),
+    (1.0, 0, 1.0, 0.05),  # min-p alone, and with top-p and top-k
+    (0.7, 0, 0.9, 0.1),
+    (1.5, 40, 1.0, 0.02),
 ]
 
 
-def _mass_before(ref, row: np.ndarray, inv_temp: float, top_k: int) -> np.ndarray:
-    """For each token of a row of logits, the share of the weight top-k keeps that lies before it in the
-    top-p cut's order (descending logit, then ascending index)."""
-    w = ref.staying_weights(row, inv_temp, top_k, 1.0)
+def _mass_before(ref, row: np.ndarray, inv_temp: float, top_k: int, lmp: float) -> np.ndarray:
+    """For each token of a row of logits, the share of the weight top-k and min-p keep that lies before it in
+    the top-p cut's order (descending logit, then ascending index)."""
+    w = ref.staying_weights(row, inv_temp, top_k, 1.0, lmp)
     order = np.lexsort((np.arange(row.size), -row.astype(np.float64)))
     before = np.empty_like(w)
     before[order] = np.cumsum(w[order]) - w[order]
@@ -983,7 +994,7 @@ def _mass_before(ref, row: np.ndarray, inv_temp: float, top_k: int) -> np.ndarra
 @pytest.mark.parametrize("v", [151_936, 5_000, 37])
 def test_distribution_is_the_one_choose_draws_from(gpu, v):
     """``distribution_rows`` against its twin on flat, coarse (ties at every cut) and peaked logits, over
-    temperature, top-k and top-p together and alone: the same tokens stay, but where the mass before a
+    temperature, top-k, top-p and min-p together and alone: the same tokens stay, but where the mass before a
     token is within float32 rounding of top-p (the kernel's cut sums float32 weights); the probabilities
     agree to float32 rounding (the kernel's weights) and sum to 1; every element is written; the gathered
     path and the split form give the whole row's bits; and draws at the same uniforms from it and by
@@ -998,24 +1009,27 @@ def test_distribution_is_the_one_choose_draws_from(gpu, v):
             logits = np.round(logits * 2) / 2
         logits = np.asarray(logits, np.float32)
         logits_d = cp.asarray(logits)
-        for temperature, top_k, top_p in DISTRIBUTION_CASES:
+        for temperature, top_k, top_p, min_p in DISTRIBUTION_CASES:
             k, inv_temp = v - 1 if top_k < 0 else top_k, float(np.float32(1 / temperature))
+            lmp = log_min_p(min_p)
             outs = []
             for gather, split in ((True, True), (True, False), (False, False)):
                 out_d = cp.full((rows, v), np.nan, cp.float64)
-                kern.distribution(logits_d, inv_temp, k, top_p, out_d, gather=gather, split=split)
+                kern.distribution(
+                    logits_d, inv_temp, k, top_p, out_d, gather=gather, split=split, log_min_p=lmp
+                )
                 outs.append(out_d.get())
             got = outs[0]
             assert np.array_equal(outs[1], got), "the split form differs from one block's"
             assert np.array_equal(outs[2], got), "the gathered path differs from the whole row's"
             want = np.empty((rows, v))
-            ref.distribution(logits, inv_temp, k, top_p, want)
+            ref.distribution(logits, inv_temp, k, top_p, want, log_min_p=lmp)
             assert np.isfinite(got).all()
             np.testing.assert_allclose(got.sum(axis=1), 1.0, rtol=0, atol=1e-12)
             for r in range(rows):
                 differ = np.flatnonzero((got[r] > 0) != (want[r] > 0))
                 if differ.size:
-                    gap = np.abs(_mass_before(ref, logits[r], inv_temp, k)[differ] - np.float32(top_p))
+                    gap = np.abs(_mass_before(ref, logits[r], inv_temp, k, lmp)[differ] - np.float32(top_p))
                     assert top_p < 1 and gap.max() < 1e-5, (kind, temperature, k, top_p, r, differ[:5])
                     edges += 1
                     continue
@@ -1024,7 +1038,7 @@ def test_distribution_is_the_one_choose_draws_from(gpu, v):
             u = g.random(rows).astype(np.float32)
             chosen = cp.full(rows, -1, cp.int64)
             t_d, k_d, p_d = (cp.full(rows, x, dt) for x, dt in ((inv_temp, "f4"), (k, "i4"), (top_p, "f4")))
-            kern.choose(logits_d, t_d, cp.asarray(u), k_d, p_d, chosen)
+            kern.choose(logits_d, t_d, cp.asarray(u), k_d, p_d, chosen, log_min_p=cp.full(rows, lmp, "f4"))
             drawn = [int(np.searchsorted(np.cumsum(got[r]), u[r], side="right")) for r in range(rows)]
             assert sum(a == b for a, b in zip(chosen.get().tolist(), drawn, strict=True)) >= rows - 1
     assert cut_rows > 80 and edges <= 2

@@ -12,7 +12,7 @@ import pytest
 from strata_runtime.api import SamplingParams
 from strata_runtime.engine.sampling import Sampler, distribution
 from strata_runtime.models.ops.choose import choose_tokens
-from strata_runtime.models.ops.distribution import TEMPERATURE_FLOOR
+from strata_runtime.models.ops.distribution import TEMPERATURE_FLOOR, log_min_p
 
 P_THRESHOLD = 1e-3
 """A correct sampler fails a chi-square test this often (seeded, so a failure reproduces)."""
@@ -64,9 +64,19 @@ def test_a_sampler_adjusts_only_with_a_bias_or_penalty_and_gives_the_device_its_
 
 
 @pytest.mark.parametrize(
-    ("top_k", "top_p"), [(4, 1.0), (0, 0.7), (6, 0.8), (0, 0.05)], ids=["k4", "p0.7", "k6-p0.8", "p0.05"]
+    ("top_k", "top_p", "min_p"),
+    [
+        (4, 1.0, 0.0),
+        (0, 0.7, 0.0),
+        (6, 0.8, 0.0),
+        (0, 0.05, 0.0),
+        (0, 1.0, 0.1),
+        (0, 0.8, 0.2),
+        (6, 1.0, 0.3),
+    ],
+    ids=["k4", "p0.7", "k6-p0.8", "p0.05", "minp0.1", "p0.8-minp0.2", "k6-minp0.3"],
 )
-def test_top_k_and_top_p_draws_follow_the_hosts_distribution(top_k, top_p) -> None:
+def test_top_k_top_p_and_min_p_draws_follow_the_hosts_distribution(top_k, top_p, min_p) -> None:
     """The device's cuts keep what `distribution` keeps, and its draws follow what that leaves."""
     torch = pytest.importorskip("torch")  # for the chi-square survival function
     g = np.random.default_rng(9)
@@ -79,8 +89,15 @@ def test_top_k_and_top_p_draws_follow_the_hosts_distribution(top_k, top_p) -> No
         g.random(trials),
         np.full(trials, top_k),
         np.full(trials, top_p),
+        np.full(trials, log_min_p(min_p), np.float32),
     )
-    p = distribution(logits[None, :], SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p))[0]
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    p = distribution(logits[None, :], params)[0]
+    if min_p:  # the cut removes some of what top-k and top-p alone keep
+        wider = distribution(
+            logits[None, :], SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+        )
+        assert np.count_nonzero(p) < np.count_nonzero(wider[0])
     counts = np.bincount(got, minlength=v)
     assert (counts[p == 0] == 0).all(), "a token the cuts remove was drawn"
     live = p > 0
@@ -92,6 +109,33 @@ def test_top_k_and_top_p_draws_follow_the_hosts_distribution(top_k, top_p) -> No
         assert p_value > P_THRESHOLD, f"chi2 {chi2:.1f}, p = {p_value:.2e}"
     else:
         assert counts[live].sum() == trials
+
+
+def test_min_p_keeps_the_tokens_at_least_min_p_times_as_likely_as_the_top_after_temperature() -> None:
+    """Min-p weighs probabilities after temperature (vLLM's order): at temperature 1 a token of 0.04 beside a
+    top of 0.5 falls under min-p 0.1, at temperature 2 its share of the top (0.28) keeps it; what stays is
+    renormalised, and top-p then weighs only that: min-p 0.45 leaves 0.5 and 0.26, where the top's 0.66
+    reaches top-p 0.6 alone (over the whole row it takes two tokens). The device's twin keeps the same
+    tokens."""
+    from strata_runtime.reference.kernels import staying_weights
+
+    probs = np.array([0.5, 0.2, 0.04, 0.26])
+    logits = np.log(probs).astype(np.float32)[None, :]
+    cold = distribution(logits, SamplingParams(temperature=1.0, min_p=0.1))[0]
+    assert np.flatnonzero(cold).tolist() == [0, 1, 3]
+    np.testing.assert_allclose(cold[[0, 1, 3]], probs[[0, 1, 3]] / 0.96, rtol=1e-6)
+    warm = distribution(logits, SamplingParams(temperature=2.0, min_p=0.1))[0]
+    assert np.count_nonzero(warm) == 4
+    narrow = distribution(logits, SamplingParams(temperature=1.0, min_p=0.45, top_p=0.6))[0]
+    assert np.flatnonzero(narrow).tolist() == [0]
+    wide = distribution(logits, SamplingParams(temperature=1.0, top_p=0.6))[0]
+    assert np.flatnonzero(wide).tolist() == [0, 3]
+    for t, min_p, top_p, kept in [(1.0, 0.1, 1.0, [0, 1, 3]), (0.5, 0.2, 1.0, [0, 3]), (1.0, 0.45, 0.6, [0])]:
+        w = staying_weights(logits[0], 1 / t, 0, top_p, log_min_p(min_p))
+        assert np.flatnonzero(w).tolist() == kept, (t, min_p, top_p)
+    assert log_min_p(0.0) == -np.inf
+    ones = distribution(logits, SamplingParams(temperature=1.0, min_p=1.0))[0]
+    assert np.flatnonzero(ones).tolist() == [0]  # min-p 1 keeps the top token (and its ties) alone
 
 
 def test_ties_at_the_cuts_stay_as_the_host_keeps_them() -> None:
@@ -195,23 +239,26 @@ def test_the_devices_distribution_is_the_hosts_but_at_a_cuts_rounding(kind) -> N
     v, rows = 5_000, 4
     logits = _logit_rows(g, kind, rows, v)
     edges = cut = 0
-    for temperature, top_k, top_p in [
-        (0.7, 20, 0.8),
-        (1.0, 0, 0.95),
-        (0.6, 0, 0.5),
-        (1.3, 300, 1.0),
-        (2.0, 1, 0.3),
+    for temperature, top_k, top_p, min_p in [
+        (0.7, 20, 0.8, 0.0),
+        (1.0, 0, 0.95, 0.0),
+        (0.6, 0, 0.5, 0.0),
+        (1.3, 300, 1.0, 0.0),
+        (2.0, 1, 0.3, 0.0),
+        (1.0, 0, 1.0, 0.05),
+        (0.7, 0, 0.9, 0.1),
+        (1.5, 300, 1.0, 0.02),
     ]:
-        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
         want = distribution(logits, params)
         got = np.empty((rows, v))
-        reference.distribution(logits, 1 / temperature, top_k, top_p, got)
+        reference.distribution(logits, 1 / temperature, top_k, top_p, got, log_min_p=log_min_p(min_p))
         np.testing.assert_allclose(got.sum(axis=1), 1.0)
         for r in range(rows):
             differ = np.flatnonzero((got[r] > 0) != (want[r] > 0))
             if differ.size:
                 untrimmed = distribution(
-                    logits[r : r + 1], SamplingParams(temperature=temperature, top_k=top_k)
+                    logits[r : r + 1], SamplingParams(temperature=temperature, top_k=top_k, min_p=min_p)
                 )[0]
                 order = np.argsort(-untrimmed, kind="stable")
                 before = np.empty(v)
@@ -221,4 +268,4 @@ def test_the_devices_distribution_is_the_hosts_but_at_a_cuts_rounding(kind) -> N
                 continue
             cut += int((want[r] == 0).any())
             np.testing.assert_allclose(got[r], want[r], rtol=1e-5, atol=1e-12)
-    assert cut >= 12 and edges <= 1
+    assert cut >= 20 and edges <= 1

@@ -303,3 +303,23 @@ def test_a_think_budget_closes_the_block_where_it_runs_out_while_windows_run_ahe
     assert spy.chained  # windows ran ahead
     if draft_tokens:
         assert any(e.proposals.tokens for job in spy.chained for e in job.entries if job.spec_on_device)
+
+
+@pytest.mark.parametrize(
+    ("stages", "ahead", "draft_tokens"),
+    [(1, 1, 0), (2, 3, 0), (1, 1, 3), (2, 3, 3)],
+    ids=["one-at-a-time", "ahead-2-stages", "drafting", "drafting-ahead-2-stages"],
+)
+def test_min_p_of_one_leaves_only_the_top_token_in_every_window_mode(stages, ahead, draft_tokens) -> None:
+    """Min-p 1 keeps only the tokens as likely as the most likely one: a hot sampled request gives the greedy
+    text, whether its tokens are drawn on the device with windows running ahead, one window at a time, or
+    drafted and verified by rejection sampling; the same request without min-p does not."""
+    hot = SamplingParams(temperature=1.8, top_p=0.99, seed=21)
+    pinned = SamplingParams(temperature=1.8, top_p=0.99, seed=21, min_p=1.0)
+    requests = [
+        (0, Request(tuple(PROMPTS[0]), 24, sampling=pinned)),
+        (0, Request(tuple(PROMPTS[1]), 16, sampling=hot)),
+    ]
+    got = collect(engine(stages, 2, ahead, draft_tokens), requests)
+    assert got[0] == list(alone(PROMPTS[0], 24))
+    assert got[1] != list(alone(PROMPTS[1], 16))

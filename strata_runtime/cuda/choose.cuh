@@ -5,6 +5,8 @@
 // twin. inv_temp[r] == 0: the argmax (lowest index on ties). Otherwise, on the weights w = exp((l - max l) *
 // inv_temp) of the row's logits l:
 //  * top_k[r] in (0, V): only the tokens whose logit is at least the k-th largest stay (ties at it all stay);
+//  * lmp[r] > -inf (min-p, as ln(min_p)): only the tokens with (l - max l) * inv_temp >= lmp[r] stay, in float32
+//    without contraction, as the NumPy twin computes it; top-p then weighs only what top-k and min-p leave;
 //  * top_p[r] < 1: a token stays while the weight of the staying tokens before it, in descending order of
 //    logit and then ascending index, is below top_p times their total. Weights are summed for this cut in
 //    2^-40 fixed point: integer sums do not depend on the order the threads add them, so the cut is the same
@@ -23,12 +25,19 @@ __device__ __forceinline__ unsigned order_key(float v) {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-// Whether token i of logit v stays through a row's cuts: its key at least the top-k cut's, and, with a top-p
-// cut (by_p), above the cut's key or at it and at most the index of the last tie the cut keeps.
-__device__ __forceinline__ bool keeps_token(int i, float v, unsigned cut_k, bool by_p, unsigned cut_p,
-                                            int cut_tie) {
+// Whether a token of logit v passes a row's min-p cut lmp (ln(min_p), -inf: none) below its largest logit mx at
+// 1 / temperature t: (v - mx) * t >= lmp, rounded as the NumPy twin rounds it.
+__device__ __forceinline__ bool min_p_keeps(float v, float mx, float t, float lmp) {
+  return lmp == -STRATA_INF || __fmul_rn(__fsub_rn(v, mx), t) >= lmp;
+}
+
+// Whether token i of logit v stays through a row's cuts: its key at least the top-k cut's, through the min-p
+// cut (min_p_keeps), and, with a top-p cut (by_p), above the cut's key or at it and at most the index of the
+// last tie the cut keeps.
+__device__ __forceinline__ bool keeps_token(int i, float v, unsigned cut_k, bool by_p, unsigned cut_p, int cut_tie,
+                                            float mx, float t, float lmp) {
   const unsigned kv = order_key(v);
-  return kv >= cut_k && (!by_p || kv > cut_p || (kv == cut_p && i <= cut_tie));
+  return kv >= cut_k && min_p_keeps(v, mx, t, lmp) && (!by_p || kv > cut_p || (kv == cut_p && i <= cut_tie));
 }
 
 // Block-wide inclusive scan of one value per thread (T float or int); *total gets the block's sum.
@@ -243,7 +252,7 @@ struct ChoosePrep {
   u64 mass[SPLIT_MAX][CHOOSE_CUTS + 1];
   float cv[CHOOSE_CAP];
   int ci[CHOOSE_CAP];
-  float t;
+  float t, lmp;
   unsigned cut_k, cut_p;
   int cut_tie, by_p;
   double dtotal;
@@ -263,14 +272,14 @@ __device__ __forceinline__ u64 fixed_weight(float v, float mx, float t) {
 }
 
 // One row of choose_rows (token: its chosen token) or of distribution_rows (dist: its distribution [V]), by
-// one block of 1024 threads: l the row's logits, t its 1 / temperature, k its top-k, p its top-p, u its
-// uniform (a draw only). With prep (the split kernels' findings for the row), the row's max and its first
+// one block of 1024 threads: l the row's logits, t its 1 / temperature, k its top-k, p its top-p, lmp its
+// min-p cut (ln(min_p), -inf: none), u its uniform (a draw only). With prep (the split kernels' findings for the row), the row's max and its first
 // gather come from there instead of passes of this block over the row; every later step is the same, so the
 // token and the distribution are the same bit for bit. With prep and neither token nor dist, the
 // distribution's cuts and total go to prep, and distribution_split_write writes the row.
-__device__ __forceinline__ void choose_row(const float* __restrict__ l, int V, float t, int k, float p, float u,
-                                           int cap, long long* __restrict__ token, double* __restrict__ dist,
-                                           ChoosePrep* __restrict__ prep = nullptr) {
+__device__ __forceinline__ void choose_row(const float* __restrict__ l, int V, float t, int k, float p, float lmp,
+                                           float u, int cap, long long* __restrict__ token,
+                                           double* __restrict__ dist, ChoosePrep* __restrict__ prep = nullptr) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int warps = (int)(blockDim.x >> 5);
   float best = -STRATA_INF;
@@ -395,7 +404,7 @@ __device__ __forceinline__ void choose_row(const float* __restrict__ l, int V, f
   auto index = [&](int j) -> int { return compact ? ci[j] : j; };  // the token at vals[j]
   if (by_p) {
     auto fixed = [&](float v) -> u64 {
-      return order_key(v) >= cut_k ? fixed_weight(v, mx, t) : 0ull;
+      return order_key(v) >= cut_k && min_p_keeps(v, mx, t, lmp) ? fixed_weight(v, mx, t) : 0ull;
     };
     // The cut weighs from the top; with the weight of the tokens above each candidate cut (in logits over
     // inv_temp), the tightest one that holds need and fits in cv is gathered first.
@@ -440,7 +449,7 @@ __device__ __forceinline__ void choose_row(const float* __restrict__ l, int V, f
   }
   const unsigned cut_p = pkey;
   const int cut_tie = tie_cut;
-  auto stays = [&](int i, float v) { return keeps_token(i, v, cut_k, by_p, cut_p, cut_tie); };
+  auto stays = [&](int i, float v) { return keeps_token(i, v, cut_k, by_p, cut_p, cut_tie, mx, t, lmp); };
   if (dist != nullptr || stats) {
     // The distribution the draw below takes: the same float32 weights of the staying tokens, over their sum
     // in float64 (each thread its share of vals in order, then the block's in order: the same in every run).
@@ -454,6 +463,7 @@ __device__ __forceinline__ void choose_row(const float* __restrict__ l, int V, f
     if (stats) {  // distribution_split_write writes the row
       if (tid == 0) {
         prep->t = t;
+        prep->lmp = lmp;
         prep->cut_k = cut_k;
         prep->cut_p = cut_p;
         prep->cut_tie = cut_tie;
@@ -497,21 +507,24 @@ __device__ __forceinline__ void choose_row(const float* __restrict__ l, int V, f
   if (tid == 0) *token = found != 0x7fffffff ? found : last;  // u * total rounded up to the total: the last
 }
 
+// lmp: each row's min-p cut, or null for none.
 __global__ void __launch_bounds__(1024) choose_rows(const float* __restrict__ logits, int V,
                                                     const float* __restrict__ inv_temp,
                                                     const int* __restrict__ top_k, const float* __restrict__ top_p,
                                                     const float* __restrict__ u, long long* __restrict__ out,
-                                                    int cap) {
+                                                    int cap, const float* __restrict__ lmp) {
   const int r = blockIdx.x;
-  choose_row(logits + (size_t)r * V, V, inv_temp[r], top_k[r], top_p[r], u[r], cap, out + r, nullptr);
+  const float m = lmp != nullptr ? lmp[r] : -STRATA_INF;
+  choose_row(logits + (size_t)r * V, V, inv_temp[r], top_k[r], top_p[r], m, u[r], cap, out + r, nullptr);
 }
 
-// out[r] (float64 [V]) = the distribution choose_rows draws row r's token from, at one inv_temp (> 0), top_k
-// and top_p for every row: its float32 weights exp((l - max l) * inv_temp) of the tokens that stay after both
-// cuts, over their sum in float64. A sampled window decided on the device verifies its proposals against it and draws them from
+// out[r] (float64 [V]) = the distribution choose_rows draws row r's token from, at one inv_temp (> 0), top_k,
+// top_p and min-p cut lmp for every row: its float32 weights exp((l - max l) * inv_temp) of the tokens that
+// stay after the cuts, over their sum in float64. A sampled window decided on the device verifies its proposals against it and draws them from
 // it (models/ops/choose.py).
 __global__ void __launch_bounds__(1024) distribution_rows(const float* __restrict__ logits, int V, float inv_temp,
-                                                          int top_k, float top_p, int cap, double* __restrict__ out) {
+                                                          int top_k, float top_p, int cap, double* __restrict__ out,
+                                                          float lmp) {
   const int r = blockIdx.x;
-  choose_row(logits + (size_t)r * V, V, inv_temp, top_k, top_p, 0.f, cap, nullptr, out + (size_t)r * V);
+  choose_row(logits + (size_t)r * V, V, inv_temp, top_k, top_p, lmp, 0.f, cap, nullptr, out + (size_t)r * V);
 }

@@ -17,14 +17,16 @@
 // Every sum is over the same terms in the same order as one block's, or an integer sum: the token and the
 // distribution are the same bit for bit (tests/test_cuda_kernels.py compares the two forms).
 
-// Row r's 1 / temperature, top-k and top-p: from the arrays where given (choose_rows' per-row settings), else
-// the scalars (one setting for every row, as distribution_rows takes).
+// Row r's 1 / temperature, top-k, top-p and min-p cut: from the arrays where given (choose_rows' per-row
+// settings), else the scalars (one setting for every row, as distribution_rows takes).
 __device__ __forceinline__ void row_params(int r, const float* __restrict__ ta, float t0, const int* __restrict__ ka,
-                                           int k0, const float* __restrict__ pa, float p0, float& t, int& k,
-                                           float& p) {
+                                           int k0, const float* __restrict__ pa, float p0,
+                                           const float* __restrict__ ma, float m0, float& t, int& k, float& p,
+                                           float& m) {
   t = ta != nullptr ? ta[r] : t0;
   k = ka != nullptr ? ka[r] : k0;
   p = pa != nullptr ? pa[r] : p0;
+  m = ma != nullptr ? ma[r] : m0;
 }
 
 __global__ void __launch_bounds__(256) choose_split_cuts(const float* __restrict__ logits, int V, int NB,
@@ -32,13 +34,14 @@ __global__ void __launch_bounds__(256) choose_split_cuts(const float* __restrict
                                                          const int* __restrict__ part_i,
                                                          const float* __restrict__ ta, float t0,
                                                          const int* __restrict__ ka, int k0,
-                                                         const float* __restrict__ pa, float p0, int cap,
+                                                         const float* __restrict__ pa, float p0,
+                                                         const float* __restrict__ ma, float m0, int cap,
                                                          void* __restrict__ prep) {
   const int b = blockIdx.x, r = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   ChoosePrep* pr = prep_row(prep, r);
-  float t, p;
+  float t, p, lmp;
   int k;
-  row_params(r, ta, t0, ka, k0, pa, p0, t, k, p);
+  row_params(r, ta, t0, ka, k0, pa, p0, ma, m0, t, k, p, lmp);
   __shared__ float smx;
   if (warp == 0) {
     float best = -STRATA_INF;
@@ -71,7 +74,7 @@ __global__ void __launch_bounds__(256) choose_split_cuts(const float* __restrict
     for (int j = 0; j < U; ++j) {
       if (i0 + j * 256 >= hi) break;
       const unsigned kv = order_key(v[j]);
-      const u64 w = topk ? 0ull : fixed_weight(v[j], mx, t);
+      const u64 w = topk || !min_p_keeps(v[j], mx, t, lmp) ? 0ull : fixed_weight(v[j], mx, t);
       m[CHOOSE_CUTS] += w;
 #pragma unroll
       for (int q = 0; q < CHOOSE_CUTS; ++q)
@@ -97,13 +100,15 @@ __global__ void __launch_bounds__(256) choose_split_cuts(const float* __restrict
 __global__ void __launch_bounds__(256) choose_split_gather(const float* __restrict__ logits, int V, int NB,
                                                            const float* __restrict__ ta, float t0,
                                                            const int* __restrict__ ka, int k0,
-                                                           const float* __restrict__ pa, float p0, int cap,
+                                                           const float* __restrict__ pa, float p0,
+                                                           const float* __restrict__ ma, float m0, int cap,
                                                            void* __restrict__ prep) {
   const int b = blockIdx.x, r = blockIdx.y, tid = threadIdx.x;
   ChoosePrep* pr = prep_row(prep, r);
-  float t, p;
+  float t, p, lmp;
   int k;
-  row_params(r, ta, t0, ka, k0, pa, p0, t, k, p);
+  row_params(r, ta, t0, ka, k0, pa, p0, ma, m0, t, k, p, lmp);
+  (void)lmp;  // the cuts' weights already left out what min-p cuts
   const bool topk = k > 0 && k < V;
   const int room = min(cap, CHOOSE_CAP);
   if (t <= 0.f || !(topk || p < 1.f) || room <= 0) {
@@ -167,17 +172,20 @@ __global__ void __launch_bounds__(1024) choose_split_rows(const float* __restric
                                                           const int* __restrict__ top_k,
                                                           const float* __restrict__ top_p,
                                                           const float* __restrict__ u, long long* __restrict__ out,
-                                                          int cap, void* __restrict__ prep) {
+                                                          int cap, void* __restrict__ prep,
+                                                          const float* __restrict__ lmp) {
   const int r = blockIdx.x;
-  choose_row(logits + (size_t)r * V, V, inv_temp[r], top_k[r], top_p[r], u[r], cap, out + r, nullptr,
+  const float m = lmp != nullptr ? lmp[r] : -STRATA_INF;
+  choose_row(logits + (size_t)r * V, V, inv_temp[r], top_k[r], top_p[r], m, u[r], cap, out + r, nullptr,
              prep_row(prep, r));
 }
 
 __global__ void __launch_bounds__(1024) distribution_split_rows(const float* __restrict__ logits, int V,
                                                                 float inv_temp, int top_k, float top_p, int cap,
-                                                                void* __restrict__ prep) {
+                                                                void* __restrict__ prep, float lmp) {
   const int r = blockIdx.x;
-  choose_row(logits + (size_t)r * V, V, inv_temp, top_k, top_p, 0.f, cap, nullptr, nullptr, prep_row(prep, r));
+  choose_row(logits + (size_t)r * V, V, inv_temp, top_k, top_p, lmp, 0.f, cap, nullptr, nullptr,
+             prep_row(prep, r));
 }
 
 __global__ void __launch_bounds__(256) distribution_split_write(const float* __restrict__ logits, int V, int NB,
@@ -194,14 +202,15 @@ __global__ void __launch_bounds__(256) distribution_split_write(const float* __r
     for (int i = lo + (int)threadIdx.x; i < hi; i += 256) dist[i] = i == arg ? 1.0 : 0.0;
     return;
   }
-  const float mx = pr->mx;
+  const float mx = pr->mx, lmp = pr->lmp;
   const unsigned cut_k = pr->cut_k, cut_p = pr->cut_p;
   const int cut_tie = pr->cut_tie;
   const bool by_p = pr->by_p;
   const double dtotal = pr->dtotal;
   for (int i = lo + (int)threadIdx.x; i < hi; i += 256) {  // choose_row's value
     const float v = l[i];
-    dist[i] = keeps_token(i, v, cut_k, by_p, cut_p, cut_tie) ? (double)__expf((v - mx) * t) / dtotal : 0.0;
+    const bool stays = keeps_token(i, v, cut_k, by_p, cut_p, cut_tie, mx, t, lmp);
+    dist[i] = stays ? (double)__expf((v - mx) * t) / dtotal : 0.0;
   }
 }
 

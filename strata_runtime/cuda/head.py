@@ -14,7 +14,7 @@ from strata_cfg.schema.windows import MAX_WINDOW_ROWS
 
 from ..backend import upload_into
 from ..models.ops.choose import Draws
-from ..models.ops.distribution import inv_temperature
+from ..models.ops.distribution import inv_temperature, log_min_p
 from .blas import matmul_nt
 from .ops import argmax_scratch, kernels_for
 
@@ -70,23 +70,28 @@ class CudaHead:
         choose`); the host arrays go up through pinned memory, on the current stream."""
         with cp.cuda.Device(self.device_id):
             rows = logits.shape[0]
-            t, u, p = (cp.empty(rows, cp.float32) for _ in range(3))
+            t, u, p, m = (cp.empty(rows, cp.float32) for _ in range(4))
             k = cp.empty(rows, cp.int32)
             upload_into(t, draws.inv_temp.astype(np.float32))
             upload_into(u, draws.uniform.astype(np.float32))
             upload_into(k, draws.top_k.astype(np.int32))
             upload_into(p, draws.top_p.astype(np.float32))
+            upload_into(m, draws.log_min_p.astype(np.float32))
             out = cp.empty(rows, cp.int64)
-            self.kern.choose(logits, t, u, k, p, out)
+            self.kern.choose(logits, t, u, k, p, out, log_min_p=m)
             return out
 
-    def distribution(self, logits: Any, temperature: float, top_k: int, top_p: float) -> cp.ndarray:
+    def distribution(
+        self, logits: Any, temperature: float, top_k: int, top_p: float, min_p: float = 0.0
+    ) -> cp.ndarray:
         """The distribution [R, V] (float64) `choose` draws each row of logits [R, V] from at this temperature
-        (> 0), top-k and top-p (`strata_runtime.cuda.ops.Kernels.distribution`), on the current stream."""
+        (> 0), top-k, top-p and min-p (`strata_runtime.cuda.ops.Kernels.distribution`), on the current
+        stream."""
         with cp.cuda.Device(self.device_id):
             out = cp.empty(logits.shape, cp.float64)
             rows = cp.ascontiguousarray(logits, dtype=cp.float32)
-            self.kern.distribution(rows, inv_temperature(temperature), top_k, top_p, out)
+            lmp = log_min_p(min_p)
+            self.kern.distribution(rows, inv_temperature(temperature), top_k, top_p, out, log_min_p=lmp)
             return out
 
     def draw(self, probs: Any, uniforms: Any) -> cp.ndarray:

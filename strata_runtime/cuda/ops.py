@@ -466,10 +466,12 @@ class Kernels(KernelCache):
         gather: bool = True,
         split: bool = True,
         scratch: tuple[Array, Array, Array] | None = None,
+        log_min_p: Array | None = None,
     ) -> None:
         """out[R] (int64) = each row's chosen token of logits [R, V]: the argmax where inv_temp [R] is 0,
         else the draw at uniform [R] (fp32) from the tempered weights of the tokens that stay after top_k [R]
-        (int32, 0: none) and top_p [R] (fp32, 1: none) (``choose_rows`` of kernels.cu).
+        (int32, 0: none), the min-p cut ``log_min_p`` [R] (fp32 ln(min_p), minus infinity or None: none)
+        and top_p [R] (fp32, 1: none) (``choose_rows`` of kernels.cu).
 
         With ``gather``, once at most `CHOOSE_GATHER` tokens are known to hold all that top-k or top-p can
         keep (a cut below the largest logit with k tokens, or top-p's weight, above it; or top-k's first two
@@ -483,12 +485,14 @@ class Kernels(KernelCache):
         here when None, which a graph capture must not do."""
         rows, v = logits.shape
         cap = np.int32(CHOOSE_GATHER if gather else 0)
+        lmp = log_min_p if log_min_p is not None else _NULL
         if split and gather and argmax_slices(v) > 1:
-            prep = self._split_prep(logits, inv_temp, 0.0, top_k, 0, top_p, 1.0, cap, scratch)
-            merge = (logits, np.int32(v), inv_temp, top_k, top_p, uniform, out, cap, prep)
+            cuts = (inv_temp, 0.0, top_k, 0, top_p, 1.0, log_min_p, -math.inf)
+            prep = self._split_prep(logits, *cuts, cap, scratch)
+            merge = (logits, np.int32(v), inv_temp, top_k, top_p, uniform, out, cap, prep, lmp)
             self.fn("choose_split_rows")((rows,), (1024,), merge)
             return
-        args = (logits, np.int32(v), inv_temp, top_k, top_p, uniform, out, cap)
+        args = (logits, np.int32(v), inv_temp, top_k, top_p, uniform, out, cap, lmp)
         self.fn("choose_rows")((rows,), (1024,), args)
 
     def _split_prep(
@@ -500,6 +504,8 @@ class Kernels(KernelCache):
         k0: int,
         top_p: Array | None,
         p0: float,
+        log_min_p: Array | None,
+        m0: float,
         cap: np.int32,
         scratch: tuple[Array, Array, Array] | None = None,
     ) -> Array:
@@ -519,6 +525,8 @@ class Kernels(KernelCache):
             np.int32(k0),
             top_p if top_p is not None else _NULL,
             np.float32(p0),
+            log_min_p if log_min_p is not None else _NULL,
+            np.float32(m0),
         )
         sizes = (np.int32(v), np.int32(nb))
         self.fn("argmax_part")((nb, rows), (256,), (logits, *sizes, part_v, part_i))
@@ -537,26 +545,31 @@ class Kernels(KernelCache):
         gather: bool = True,
         split: bool = True,
         scratch: tuple[Array, Array, Array] | None = None,
+        log_min_p: float = -math.inf,
     ) -> None:
         """out [R, V] (float64) = the distribution `choose` draws each row of logits [R, V] (fp32, contiguous)
-        from, at one ``inv_temp`` (1 / temperature), ``top_k`` (0: none) and ``top_p`` (1: none) for every
-        row: the same cuts and float32 weights exp((l - max l) * inv_temp) of the staying tokens, over their
-        sum in float64 (``distribution_rows`` of kernels.cu). ``gather``, ``split`` and ``scratch`` as for
-        `choose`; split, the row's values are written by slices in parallel too
-        (``distribution_split_write``)."""
+        from, at one ``inv_temp`` (1 / temperature), ``top_k`` (0: none), ``top_p`` (1: none) and min-p cut
+        ``log_min_p`` (ln(min_p) as a float32, minus infinity: none) for every row: the same cuts and float32
+        weights exp((l - max l) * inv_temp) of the staying tokens, over their sum in float64
+        (``distribution_rows`` of kernels.cu). ``gather``, ``split`` and ``scratch`` as for `choose`; split,
+        the row's values are written by slices in parallel too (``distribution_split_write``)."""
         rows, v = logits.shape
         if tuple(out.shape) != (rows, v) or out.dtype != np.float64:
             raise ValueError(f"distribution out {out.shape} {out.dtype}: float64 {(rows, v)} wanted")
         cap = np.int32(CHOOSE_GATHER if gather else 0)
         if split and gather and argmax_slices(v) > 1:
-            prep = self._split_prep(logits, None, inv_temp, None, top_k, None, top_p, cap, scratch)
+            cuts = (None, inv_temp, None, top_k, None, top_p, None, log_min_p)
+            prep = self._split_prep(logits, *cuts, cap, scratch)
             settings = (np.float32(inv_temp), np.int32(top_k), np.float32(top_p), cap)
-            self.fn("distribution_split_rows")((rows,), (1024,), (logits, np.int32(v), *settings, prep))
+            merge = (logits, np.int32(v), *settings, prep, np.float32(log_min_p))
+            self.fn("distribution_split_rows")((rows,), (1024,), merge)
             nb = np.int32(argmax_slices(v))
             self.fn("distribution_split_write")((int(nb), rows), (256,), (logits, np.int32(v), nb, prep, out))
             return
-        args = (logits, np.int32(v), np.float32(inv_temp), np.int32(top_k), np.float32(top_p), cap, out)
-        self.fn("distribution_rows")((rows,), (1024,), args)
+        settings = (np.float32(inv_temp), np.int32(top_k), np.float32(top_p), cap)
+        self.fn("distribution_rows")(
+            (rows,), (1024,), (logits, np.int32(v), *settings, out, np.float32(log_min_p))
+        )
 
     def inverse_cdf(self, w: Array, u: Array, out: Array) -> None:
         """out[R] (int64) = the draw from each row of weights w [R, V] (float64, contiguous) at u [R]

@@ -13,7 +13,7 @@ from typing import Literal
 import numpy as np
 
 from ..layout import Layout
-from ..model import Adjusts, Draws
+from ..model import Adjusts, Draws, log_min_p
 from .device_spec import DeviceSpec
 from .slot import Slot
 from .speculative import Proposals
@@ -161,7 +161,8 @@ class Job:
 
     def draws(self) -> Draws | None:
         """For each needed row, what the device draws it with (`strata_runtime.models.ops.choose.Draws`:
-        1 / temperature, a uniform drawn now from the slot's generator, in launch order, top-k, top-p), or
+        1 / temperature, a uniform drawn now from the slot's generator, in launch order, top-k, top-p,
+        min-p), or
         the argmax (1 / temperature 0); None when no row is drawn there."""
         if not any(e.chosen_on_device and not e.slot.sampler.greedy for e in self.entries):
             return None
@@ -169,6 +170,7 @@ class Job:
         uniform: list[float] = []
         top_k: list[int] = []
         top_p: list[float] = []
+        min_p: list[float] = []
         for e in self.entries:
             rows = len(e.tokens) if e.kind == "decode" else int(e.ends_prompt)
             sampler = e.slot.sampler
@@ -177,7 +179,9 @@ class Job:
             uniform += [sampler.uniform() if drawn else 0.0 for _ in range(rows)]
             top_k += [sampler.params.top_k if drawn else 0] * rows
             top_p += [sampler.params.top_p if drawn else 1.0] * rows
-        return Draws(np.array(inv_temp), np.array(uniform), np.array(top_k, np.int64), np.array(top_p))
+            min_p += [log_min_p(sampler.params.min_p if drawn else 0.0)] * rows
+        arrays = (np.array(inv_temp), np.array(uniform), np.array(top_k, np.int64), np.array(top_p))
+        return Draws(*arrays, np.array(min_p, np.float32))
 
     def adjusts(self) -> Adjusts | None:
         """The adjustments of the rows the device chooses or decides for requests with a logit bias or

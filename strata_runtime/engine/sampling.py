@@ -29,9 +29,10 @@ from ..structured import GrammarError, Matcher
 
 
 def distribution(logits: Array, params: SamplingParams, xp: Any = np, *, sort_rows: bool = False) -> Array:
-    """Next-token probabilities [n, V] (float64) at a request's temperature, top-k and top-p: the rule of
-    `strata_runtime.models.ops.distribution`, on ``xp`` arrays (NumPy on the host)."""
-    return rule(logits, params.temperature, params.top_k, params.top_p, xp, sort_rows=sort_rows)
+    """Next-token probabilities [n, V] (float64) at a request's temperature, top-k, min-p and top-p: the rule
+    of `strata_runtime.models.ops.distribution`, on ``xp`` arrays (NumPy on the host)."""
+    t, k, p = params.temperature, params.top_k, params.top_p
+    return rule(logits, t, k, p, xp, min_p=params.min_p, sort_rows=sort_rows)
 
 
 class ThinkBudget:

@@ -8,7 +8,7 @@ stage's device.
 
 from ..models.ops.adjust import Adjusts, adjust_row, mask_logits
 from ..models.ops.choose import Draws
-from ..models.ops.distribution import distribution, inv_temperature, inverse_cdf, verify_sampled
+from ..models.ops.distribution import distribution, inv_temperature, inverse_cdf, log_min_p, verify_sampled
 from .placed import Model
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
     "distribution",
     "inv_temperature",
     "inverse_cdf",
+    "log_min_p",
     "mask_logits",
     "verify_sampled",
 ]

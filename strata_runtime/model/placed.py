@@ -523,9 +523,10 @@ class Model:
         return self.last.choose(logits, draws)
 
     def distribution(self, logits: Array, params: SamplingParams) -> Array:
-        """Each row's next-token distribution [R, V] (float64) at a request's temperature, top-k and top-p,
-        on the last stage's device (`strata_runtime.model.stage.Stage.distribution`)."""
-        return self.last.distribution(logits, params.temperature, params.top_k, params.top_p)
+        """Each row's next-token distribution [R, V] (float64) at a request's temperature, top-k, top-p and
+        min-p, on the last stage's device (`strata_runtime.model.stage.Stage.distribution`)."""
+        p = params
+        return self.last.distribution(logits, p.temperature, p.top_k, p.top_p, p.min_p)
 
     def draw(self, probs: Array, uniforms: Array) -> Array:
         """Each row's draw [R] (int64) from probs [R, V] (float64) at uniforms [R] (float64), both on the last

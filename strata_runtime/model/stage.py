@@ -347,16 +347,18 @@ class Stage:
         with self.device.use():
             return self.device.xp.argmax(logits, axis=-1)
 
-    def distribution(self, logits: Array, temperature: float, top_k: int, top_p: float) -> Array:
+    def distribution(
+        self, logits: Array, temperature: float, top_k: int, top_p: float, min_p: float = 0.0
+    ) -> Array:
         """Each row's next-token distribution [R, V] (float64) of logits [R, V] on this device (last stage
-        only), at a sampled request's temperature, top-k and top-p. With the CUDA head, the distribution its
-        device choice draws from (`strata_runtime.models.ops.choose`); otherwise the rule's own steps on this
-        device's arrays (`strata_runtime.models.ops.distribution`). The two differ only where a cut falls
-        within rounding of a token's edge."""
+        only), at a sampled request's temperature, top-k, top-p and min-p. With the CUDA head, the
+        distribution its device choice draws from (`strata_runtime.models.ops.choose`); otherwise the rule's
+        own steps on this device's arrays (`strata_runtime.models.ops.distribution`). The two differ only
+        where a cut falls within rounding of a token's edge."""
         if self.cuda_head is not None:
-            return self.cuda_head.distribution(logits, temperature, top_k, top_p)
+            return self.cuda_head.distribution(logits, temperature, top_k, top_p, min_p)
         with self.device.use():
-            return distribution(logits, temperature, top_k, top_p, self.device.xp)
+            return distribution(logits, temperature, top_k, top_p, self.device.xp, min_p=min_p)
 
     def draw(self, probs: Array, uniforms: Array) -> Array:
         """Each row's draw [R] (int64) from probs [R, V] (float64) at uniforms [R] on this device (last stage

@@ -238,31 +238,46 @@ def choose_tokens(
     uniform: np.ndarray,
     top_k: np.ndarray | None = None,
     top_p: np.ndarray | None = None,
+    log_min_p: np.ndarray | None = None,
 ) -> np.ndarray:
     """The chosen token of each row of ``logits`` [R, V] (`strata_runtime.models.ops.choose`): the argmax
     (lowest index on ties) where ``inv_temp`` [R] is 0, else the draw at ``uniform`` [R] (in [0, 1)) from the
-    weights exp((l - max l) * inv_temp) of the tokens that stay after ``top_k`` [R] (0: no cut) and
-    ``top_p`` [R] (1: no cut)."""
+    weights exp((l - max l) * inv_temp) of the tokens that stay after ``top_k`` [R] (0: no cut), the min-p
+    cut ``log_min_p`` [R] (minus infinity: none) and ``top_p`` [R] (1: no cut)."""
     rows = logits.shape[0]
     k_of = np.zeros(rows, np.int64) if top_k is None else np.asarray(top_k)
     p_of = np.ones(rows, np.float32) if top_p is None else np.asarray(top_p, np.float32)
+    m_of = np.full(rows, -np.inf, np.float32) if log_min_p is None else np.asarray(log_min_p, np.float32)
     out = np.empty(rows, dtype=np.int64)
     for r, row in enumerate(np.asarray(logits, dtype=np.float32)):
         if inv_temp[r] <= 0:
             out[r] = int(np.argmax(row))
             continue
-        weights = staying_weights(row, float(inv_temp[r]), int(k_of[r]), float(p_of[r]))
+        weights = staying_weights(row, float(inv_temp[r]), int(k_of[r]), float(p_of[r]), float(m_of[r]))
         cdf = np.cumsum(weights)
         at = int(np.searchsorted(cdf, float(uniform[r]) * cdf[-1], side="right"))
         out[r] = min(at, int(np.flatnonzero(weights)[-1]))  # u * total rounded up to the total: the last
     return out
 
 
-def staying_weights(row: np.ndarray, inv_temp: float, top_k: int, top_p: float) -> np.ndarray:
+def min_p_keeps(row: np.ndarray, inv_temp: float, log_min_p: float) -> np.ndarray:
+    """Which tokens of logits ``row`` [V] (float32) the min-p cut keeps, [V] bool: (l - max l) * inv_temp,
+    in float32 as the kernel computes it, at least ``log_min_p`` (float32; minus infinity keeps all)."""
+    if log_min_p == -np.inf:
+        return np.ones(row.shape, dtype=bool)
+    x = np.asarray(row, np.float32)
+    keeps: np.ndarray = (x - x.max()) * np.float32(inv_temp) >= np.float32(log_min_p)
+    return keeps
+
+
+def staying_weights(
+    row: np.ndarray, inv_temp: float, top_k: int, top_p: float, log_min_p: float = -np.inf
+) -> np.ndarray:
     """The weights [V] (float64) a draw from logits ``row`` [V] (float32) takes: exp((l - max l) * inv_temp)
-    for the tokens that stay after the top-k and top-p cuts, 0 for the others."""
+    for the tokens that stay after the top-k, min-p and top-p cuts, 0 for the others. Top-p weighs only
+    what the first two leave."""
     v = row.shape[0]
-    stays = np.ones(v, dtype=bool)
+    stays = min_p_keeps(row, inv_temp, log_min_p)
     if 0 < top_k < v:
         stays &= row >= np.partition(row, -top_k)[-top_k]  # ties at the k-th largest all stay
     x = row.astype(np.float64)
@@ -289,10 +304,11 @@ def choose(
     gather: bool = True,
     split: bool = True,
     scratch: Any = None,
+    log_min_p: np.ndarray | None = None,
 ) -> None:
     """The launcher's twin; ``gather`` (the kernel's shared-memory shortcut) and ``split`` (its passes over
     slices of the row in parallel, into ``scratch``) do not change the token."""
-    out[...] = choose_tokens(logits, inv_temp, uniform, top_k, top_p)
+    out[...] = choose_tokens(logits, inv_temp, uniform, top_k, top_p, log_min_p)
 
 
 def distribution(
@@ -304,6 +320,7 @@ def distribution(
     gather: bool = True,
     split: bool = True,
     scratch: Any = None,
+    log_min_p: float = -np.inf,
 ) -> None:
     """The launcher's twin: out [R, V] (float64) = the distribution `choose_tokens` draws each row from,
     `staying_weights` over their sum (the argmax's one-hot where ``inv_temp`` is 0). ``gather``, ``split``
@@ -312,7 +329,8 @@ def distribution(
         if inv_temp <= 0:
             out[r] = np.arange(row.shape[0]) == int(np.argmax(row))
             continue
-        weights = staying_weights(row, float(np.float32(inv_temp)), int(top_k), float(top_p))
+        t = float(np.float32(inv_temp))
+        weights = staying_weights(row, t, int(top_k), float(top_p), float(np.float32(log_min_p)))
         out[r] = weights / weights.sum()
 
 

@@ -4,7 +4,8 @@ A row without proposals to verify has its token chosen on the last stage's devic
 bias and penalties, `strata_runtime.models.ops.adjust`), so that a decode window can be queued before the
 host has read the token the window before it chose. Sampled, the row's weights are
 ``exp((logit - max) / temperature)`` of the tokens that stay after its top-k cut (the k largest logits and
-their ties) and its top-p cut (in descending order of logit, then ascending index, a token stays while the
+their ties), its min-p cut (``(logit - max) / temperature`` at least ln(min_p), in float32: a weight at
+least min_p) and its top-p cut (in descending order of logit, then ascending index, a token stays while the
 weight before it is below top_p times the total), which is what the host's
 `strata_runtime.engine.sampling.distribution` keeps. The draw takes the first staying token whose cumulative
 weight, in token order, exceeds ``u`` times their total: the inverse of the distribution's CDF at ``u``, the
@@ -37,14 +38,17 @@ from ...reference.kernels import choose_tokens
 
 class Draws(NamedTuple):
     """What the device needs to choose each needed row of a window: 1 / temperature (0: the argmax), the
-    uniform the host drew, and the row's top-k (0: none) and top-p (1: none); each [R]."""
+    uniform the host drew, and the row's top-k (0: none), top-p (1: none) and min-p cut (its float32 log,
+    `strata_runtime.models.ops.distribution.log_min_p`; minus infinity: none); each [R]."""
 
     inv_temp: np.ndarray
     uniform: np.ndarray
     top_k: np.ndarray
     top_p: np.ndarray
+    log_min_p: np.ndarray
 
 
 def choose_on_host(logits: np.ndarray, draws: Draws) -> np.ndarray:
     """The chosen token of each row of ``logits`` [R, V] by the NumPy rule."""
-    return choose_tokens(logits, draws.inv_temp, draws.uniform, draws.top_k, draws.top_p)
+    d = draws
+    return choose_tokens(logits, d.inv_temp, d.uniform, d.top_k, d.top_p, d.log_min_p)

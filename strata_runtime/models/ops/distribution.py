@@ -4,6 +4,8 @@ Temperature, top-k and top-p shape a row of logits into next-token probabilities
 
 * x = logits / temperature, in float64;
 * top-k (0 < k < V): a token whose x is below the k-th largest x gets nothing (ties at the k-th all stay);
+* min-p (> 0): a token whose x is below max x + ln(min_p), whose probability is below min_p times the
+  largest, gets nothing;
 * p = exp(x - max x) over what stays, normalised;
 * top-p (< 1): in order of probability, largest first and ties by token id, a token keeps its p while the
   mass strictly before it is below top_p (the smallest such prefix, never empty); what stays is normalised
@@ -23,6 +25,7 @@ Such a window's draws and acceptance run as one kernel each there (``inverse_cdf
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -39,18 +42,34 @@ def inv_temperature(temperature: float) -> float:
     return 1.0 / max(temperature, TEMPERATURE_FLOOR)
 
 
+def log_min_p(min_p: float) -> float:
+    """The min-p cut as a device's choice takes it: ln(min_p) rounded to float32, minus infinity for none
+    (0). A token stays there while (logit - max logit) * (1 / temperature), in float32, is at least this."""
+    return float(np.float32(np.log(min_p))) if min_p > 0 else -math.inf
+
+
 def distribution(
-    logits: Any, temperature: float, top_k: int, top_p: float, xp: Any = np, *, sort_rows: bool = False
+    logits: Any,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    xp: Any = np,
+    *,
+    min_p: float = 0.0,
+    sort_rows: bool = False,
 ) -> Any:
-    """Next-token probabilities [n, V] (float64) of logits [n, V] after temperature, top-k and top-p, on
-    ``xp`` arrays: NumPy on the host, CuPy where a GPU runs the same steps without the kernel. Top-p sorts
+    """Next-token probabilities [n, V] (float64) of logits [n, V] after temperature, top-k, min-p and top-p,
+    on ``xp`` arrays: NumPy on the host, CuPy where a GPU runs the same steps without the kernel. Top-p sorts
     each whole row on the GPU and with ``sort_rows``; on the host it otherwise sorts a row's likeliest
     tokens (`nucleus_host`), for the same distribution."""
     x = xp.asarray(logits, dtype=xp.float64) / max(temperature, TEMPERATURE_FLOOR)  # [n, V]
     if 0 < top_k < x.shape[-1]:
         kth = xp.partition(x, -top_k, axis=-1)[:, -top_k][:, None]  # [n, 1]
         x = xp.where(x < kth, -xp.inf, x)  # ties at the k-th largest all stay
-    p = xp.exp(x - x.max(axis=-1, keepdims=True))
+    top = x.max(axis=-1, keepdims=True)
+    if min_p > 0:
+        x = xp.where(x - top < math.log(min_p), -xp.inf, x)  # the largest always stays
+    p = xp.exp(x - top)
     p /= p.sum(axis=-1, keepdims=True)  # [n, V]
     if top_p < 1.0:
         keep = nucleus(p, top_p, xp) if sort_rows or xp is not np else nucleus_host(p, top_p)
