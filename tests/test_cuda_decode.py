@@ -317,8 +317,9 @@ def _run_ahead(plan, run_ahead: int):
 
 @pytest.mark.parametrize("split", [None, 2])
 def test_windows_running_ahead_on_gpu_give_the_text_of_windows_one_at_a_time(cp, split):
-    """Greedy and seeded sampling (with top-k and top-p too), one and several slots, on one stage and on two
-    stages of one GPU (the chained window's tokens then cross from the last stage's stream to the first's)."""
+    """Greedy and seeded sampling (with top-k and top-p too, and min-p), one and several slots, on one stage
+    and on two stages of one GPU (the chained window's tokens then cross from the last stage's stream to the
+    first's). Min-p 1 leaves a hot request the greedy text."""
     from strata_runtime.api import Request, SamplingParams
     from strata_runtime.engine import Engine
 
@@ -328,6 +329,7 @@ def test_windows_running_ahead_on_gpu_give_the_text_of_windows_one_at_a_time(cp,
         SamplingParams(temperature=0.0),
         SamplingParams(temperature=0.9, seed=5),
         SamplingParams(temperature=1.2, top_p=0.9, top_k=50, seed=6),
+        SamplingParams(temperature=1.3, min_p=0.1, top_p=0.95, seed=7),
     ]
     for slots in (1, 3):
         plan = _plan(cp, model="tiny", slots=slots, split=split)
@@ -335,7 +337,7 @@ def test_windows_running_ahead_on_gpu_give_the_text_of_windows_one_at_a_time(cp,
         for ahead in (1, 3):
             engine = Engine(_run_ahead(plan, ahead))
             handles = [
-                engine.submit(Request(tuple(p), 30, sampling=samplings[(i + slots) % 3]))
+                engine.submit(Request(tuple(p), 30, sampling=samplings[(i + slots) % 4]))
                 for i, p in enumerate(prompts[:slots])
             ]
             most = 0
@@ -345,6 +347,13 @@ def test_windows_running_ahead_on_gpu_give_the_text_of_windows_one_at_a_time(cp,
             texts.append([[t for ev in list(h.events.queue) for t in ev.token_ids] for h in handles])
         assert texts[0] == texts[1]
         assert all(len(t) == 30 for t in texts[0])
+    greedy, _ = _generate(_plan(cp, model="tiny", slots=1, split=split), prompts[:1], max_tokens=30)
+    pinned = SamplingParams(temperature=1.5, min_p=1.0, seed=8)
+    engine = Engine(_plan(cp, model="tiny", slots=1, split=split))
+    handle = engine.submit(Request(tuple(prompts[0]), 30, sampling=pinned))
+    while engine.step():
+        pass
+    assert [t for ev in list(handle.events.queue) for t in ev.token_ids] == greedy[0]
 
 
 @pytest.mark.parametrize(("split", "slots", "batch_mtp"), [(None, 3, False), (2, 2, True), (None, 1, False)])
@@ -472,9 +481,11 @@ def test_schema_replies_on_gpu_read_what_the_grammar_forces_as_proposals_and_kee
 
 
 def test_penalised_requests_on_gpu_run_ahead_with_the_text_the_host_verifies(cp):
-    """Requests with a logit bias and penalties have their rows adjusted and chosen on the GPU, so their
-    windows run ahead; greedy, their text is the text of solo drafting, whose windows the host verifies
-    with its own arithmetic, and sampled (seeded) it is the same one window at a time or run ahead."""
+    """Requests with a logit bias and penalties (a repetition penalty over the prompt and the reply among
+    them) have their rows adjusted and chosen on the GPU, so their windows run ahead; greedy, their text is
+    the text of solo drafting, whose windows the host verifies with its own arithmetic, and sampled (seeded)
+    it is the same one window at a time or run ahead. ``min_tokens`` holds off an end-of-text pushed to the
+    top."""
     from strata_runtime.api import Request, SamplingParams
     from strata_runtime.engine import Engine
 
@@ -483,7 +494,12 @@ def test_penalised_requests_on_gpu_run_ahead_with_the_text_the_host_verifies(cp)
     plan = _plan(cp, model="tiny", slots=3)
     engine = Engine(plan)
     endless = tuple((t, -100.0) for t in engine.tokenizer.eos_ids)  # every reply runs to its 40 tokens
-    adjust = {"presence_penalty": 1.2, "frequency_penalty": 0.6, "logit_bias": ((65, 2.0), *endless)}
+    adjust = {
+        "presence_penalty": 1.2,
+        "frequency_penalty": 0.6,
+        "repetition_penalty": 1.3,
+        "logit_bias": ((65, 2.0), *endless),
+    }
     samplings = [
         SamplingParams(temperature=0.0, **adjust),
         SamplingParams(temperature=0.9, seed=5, **adjust),
@@ -510,6 +526,14 @@ def test_penalised_requests_on_gpu_run_ahead_with_the_text_the_host_verifies(cp)
     assert solo.totals["proposals"] > 0
     plain, _ = _generate(_plan(cp, model="tiny", slots=1), prompts[:1], max_tokens=40)
     assert plain[0] != texts[0][0]  # the penalties changed the greedy reply
+    pushed = tuple((t, 100.0) for t in engine.tokenizer.eos_ids)
+    held = solo.submit(
+        Request(tuple(prompts[1]), 40, sampling=SamplingParams(logit_bias=pushed, min_tokens=7))
+    )
+    while solo.step():
+        pass
+    events = list(held.events.queue)
+    assert len([t for ev in events for t in ev.token_ids]) == 7 and events[-1].finished == "stop"
 
 
 def test_leading_matches_on_gpu_equal_numpy(cp):

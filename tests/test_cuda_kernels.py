@@ -1141,8 +1141,9 @@ def test_mask_logits_matches_twin(gpu, v):
 @pytest.mark.parametrize("v", [151936, 1000, 37])
 def test_adjust_logits_and_count_tokens_match_twin(gpu, v):
     """The logit bias and penalties of some rows of a window, in place, bit for bit against the NumPy twin
-    (both compute in float64 without fused multiply-adds and round once); the token counts, with a slot and
-    token repeated, exactly."""
+    (both compute in float64 without fused multiply-adds and round once), with and without a repetition
+    penalty over counts that mark prompt tokens; the token counts, with a slot and token repeated,
+    exactly."""
     cp, kern, ref = gpu
     g = rng()
     slots, rows = 4, 6
@@ -1178,6 +1179,19 @@ def test_adjust_logits_and_count_tokens_match_twin(gpu, v):
         ref.adjust_logits(with_extras, adjusted, slot, counts, bias, freq, pres, *proposals)
         assert np.array_equal(out_d.get(), with_extras)
         assert not np.array_equal(with_extras, want)  # the proposals counted
+
+        # A repetition penalty per row (1 on some: none), over counts with prompt tokens marked (alone, and
+        # beside times generated), with the proposals counted as seen too.
+        marked = counts + np.where(g.random((slots, v)) < 0.1, ref.PROMPT_SEEN, 0).astype(np.int32)
+        reps = np.where(g.random(adjusted.size) < 0.3, 1.0, g.uniform(0.5, 2.0, adjusted.size))
+        reps[0] = 1.3
+        dev_marked = [cp.asarray(a) for a in (adjusted, slot, marked, bias, freq, pres)]
+        out_d = cp.asarray(logits)
+        kern.adjust_logits(out_d, *dev_marked, *extras, repetition=cp.asarray(reps))
+        repeated = logits.copy()
+        ref.adjust_logits(repeated, adjusted, slot, marked, bias, freq, pres, *proposals, repetition=reps)
+        assert np.array_equal(out_d.get(), repeated)
+        assert not np.array_equal(repeated, with_extras)  # the repetition penalty changed rows
 
         n = 300
         cs = g.integers(0, slots, n).astype(np.int64)

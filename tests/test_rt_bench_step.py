@@ -22,6 +22,7 @@ from strata_cfg.schema.facts import ModelFacts
 from strata_cfg.schema.presets import preset_config
 from strata_runtime.bench.step import KernelModel, step_memory_bytes
 from strata_runtime.cuda.layers import step_applies
+from strata_runtime.models.ops.distribution import log_min_p
 from strata_runtime.reference import kernels as reference
 
 
@@ -182,13 +183,19 @@ def test_the_step_times_each_way_of_choosing_tokens_on_its_own_logits() -> None:
         return 1e-6 * len(calls)
 
     res = model.time_choices(4, 7, 5, timer=once, seed=3)
-    draws = [name for name, (inv_temp, _, _) in CHOICES.items() if inv_temp > 0]
+    draws = [name for name, (inv_temp, *_) in CHOICES.items() if inv_temp > 0]
     assert list(res) == list(CHOICES) and calls == [5] * (len(CHOICES) + 3 * len(draws))
     # each draw: the one-block choice, the split one, the one-block distribution, the split one
-    assert [c["us"] for c in res.values()] == pytest.approx([1.0, 3.0, 7.0, 11.0, 15.0])
-    assert [res[name]["one_block_us"] for name in draws] == pytest.approx([2.0, 6.0, 10.0, 14.0])
-    assert [res[name]["one_block_distribution_us"] for name in draws] == pytest.approx([4.0, 8.0, 12.0, 16.0])
-    assert [res[name]["distribution_us"] for name in draws] == pytest.approx([5.0, 9.0, 13.0, 17.0])
+    assert [c["us"] for c in res.values()] == pytest.approx([1.0, *(3.0 + 4 * i for i in range(len(draws)))])
+    assert [res[name]["one_block_us"] for name in draws] == pytest.approx(
+        [2.0 + 4 * i for i in range(len(draws))]
+    )
+    assert [res[name]["one_block_distribution_us"] for name in draws] == pytest.approx(
+        [4.0 + 4 * i for i in range(len(draws))]
+    )
+    assert [res[name]["distribution_us"] for name in draws] == pytest.approx(
+        [5.0 + 4 * i for i in range(len(draws))]
+    )
     u = np.linspace(0.1, 0.9, 4, dtype=np.float32)
     for name in draws:
         dist = res[name]["distribution"]
@@ -196,12 +203,15 @@ def test_the_step_times_each_way_of_choosing_tokens_on_its_own_logits() -> None:
         drawn = [int(np.searchsorted(np.cumsum(d), x, side="right")) for d, x in zip(dist, u, strict=True)]
         assert drawn == res[name]["tokens"], name
     assert res["argmax"]["tokens"] == logits.argmax(-1).tolist()
-    for name, (inv_temp, top_k, top_p) in CHOICES.items():
+    for name, (inv_temp, top_k, top_p, min_p) in CHOICES.items():
         if inv_temp == 0:
             continue
         for row, token in zip(logits, res[name]["tokens"], strict=True):
-            w = reference.staying_weights(row.astype(np.float32), float(np.float32(inv_temp)), top_k, top_p)
+            t = float(np.float32(inv_temp))
+            w = reference.staying_weights(row.astype(np.float32), t, top_k, top_p, log_min_p(min_p))
             assert w[token] > 0, (name, token)
+            if min_p:  # (the tiny model's flat rows keep every token)
+                assert w[token] >= min_p * w.max() * (1 - 1e-6), name
             if top_k:
                 assert row[token] >= np.sort(row)[-top_k], name
     assert len(set(res["temperature 0.7"]["tokens"])) > 1  # the rows draw at different uniforms

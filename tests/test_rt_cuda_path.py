@@ -603,9 +603,9 @@ def test_sampled_drafting_on_the_cuda_path_takes_every_distribution_from_the_ker
     shapes: list[tuple[int, ...]] = []
     twin = reference.distribution
 
-    def counted(logits, *args):
+    def counted(logits, *args, **kw):
         shapes.append(tuple(logits.shape))
-        twin(logits, *args)
+        twin(logits, *args, **kw)
 
     def array_steps(*args, **kw):
         raise AssertionError("a distribution on the CUDA path ran the rule's array steps")

@@ -64,6 +64,55 @@ def test_adjusted_rows_follow_openai_with_the_proposals_counted_as_generated() -
         np.testing.assert_array_max_ulp(one[0].astype(np.float32), want.astype(np.float32), maxulp=1)
 
 
+def test_the_repetition_penalty_is_transformers_over_the_prompt_and_what_was_generated() -> None:
+    """transformers' ``RepetitionPenaltyLogitsProcessor`` (vLLM's rule too) reads the prompt and the tokens
+    generated so far, dividing a positive logit by the penalty and multiplying a negative one; each row of a
+    speculative window counts the proposals before it. Float32 there, float64 rounded once here: within one
+    float32 step. Then OpenAI's presence and frequency penalties, by hand: a seen token of logit 2 and r = 2
+    is 1, a generated one of logit -1 is -2 - (0.1 + 0.2)."""
+    torch = pytest.importorskip("torch")
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    rng = np.random.default_rng(53)
+    v = 50
+    for r in (1.3, 0.7, 2.0):
+        prompt = [int(t) for t in rng.integers(0, v, 15)]
+        history = [int(t) for t in rng.integers(0, v, 6)]
+        proposals = [int(t) for t in rng.integers(0, v, 3)]
+        sampler = Sampler(SamplingParams(repetition_penalty=r), seed=0, prompt=prompt)
+        sampler.record(history)
+        logits = rng.normal(0, 3, size=(4, v)).astype(np.float32)
+        got = sampler.adjusted(logits, proposals)
+        processor = RepetitionPenaltyLogitsProcessor(penalty=r)
+        for j in range(4):
+            ids = torch.tensor([prompt + history + proposals[:j]])
+            want = processor(ids, torch.from_numpy(logits[j : j + 1].copy())).numpy()[0]
+            np.testing.assert_array_max_ulp(got[j].astype(np.float32), want, maxulp=1)
+        unseen = sorted(set(range(v)) - set(prompt + history + proposals))
+        assert unseen and np.array_equal(got[3][unseen], logits[3][unseen])
+    worked = Sampler(
+        SamplingParams(repetition_penalty=2.0, frequency_penalty=0.1, presence_penalty=0.2), 0, None, [0]
+    )
+    worked.record([1])
+    out = worked.adjusted(np.array([[2.0, -1.0, 0.5]], np.float32))[0]
+    assert out.tolist() == [1.0, float(np.float32(-2.3)), 0.5]
+
+
+def test_a_repetition_penalty_keeps_the_greedy_reply_off_the_prompts_tokens_and_its_own() -> None:
+    """A penalty of 1000 leaves a positive logit of a seen token near 0 and makes a negative one far lower:
+    the reply does not repeat the prompt's tokens or its own, where the plain reply does, in every window
+    mode (drafted windows verified on the host and decided on the device; run on one and two stages)."""
+    prompt = tuple(b"The quick brown fox")
+    [plain] = generate(engine(0, 1), [Request(prompt, 30)])
+    assert set(plain) & set(prompt) or len(set(plain)) < len(plain)
+    sampling = SamplingParams(repetition_penalty=1000.0)
+    replies = [
+        generate(engine(d, s), [Request(prompt, 30, sampling)])[0] for d, s in ((0, 1), (4, 1), (3, 2))
+    ]
+    assert replies[0] == replies[1] == replies[2]
+    assert not set(replies[0]) & set(prompt) and len(set(replies[0])) == 30
+
+
 def test_without_penalties_or_bias_the_logits_are_untouched() -> None:
     rng = np.random.default_rng(5)
     sampler = Sampler(SamplingParams(temperature=0.5), seed=0)
@@ -201,6 +250,7 @@ PENALTIES = st.builds(
     SamplingParams,
     presence_penalty=st.floats(-2, 2),
     frequency_penalty=st.floats(-2, 2),
+    repetition_penalty=st.sampled_from([1.0]) | st.floats(0.5, 2.0),
     logit_bias=st.lists(
         st.tuples(st.integers(0, 255), st.floats(-5, 5)), max_size=4, unique_by=lambda x: x[0]
     ).map(tuple),
@@ -229,7 +279,10 @@ def test_greedy_with_penalties_is_the_same_in_batch_mtp_windows() -> None:
     for k in range(2):
         prompt = tuple(int(t) for t in rng.integers(32, 127, size=12))
         sampling = SamplingParams(
-            presence_penalty=1.5 - k, frequency_penalty=0.5 + k, logit_bias=((A + k, 2.0),)
+            presence_penalty=1.5 - k,
+            frequency_penalty=0.5 + k,
+            logit_bias=((A + k, 2.0),),
+            repetition_penalty=1.0 + 0.3 * k,
         )
         requests.append(Request(prompt, 30, sampling))
     together = generate(engine(2, 2, slots=2), requests)

@@ -11,7 +11,7 @@ from strata_runtime.api import SamplingParams
 from strata_runtime.backend import Device
 from strata_runtime.engine.sampling import Sampler
 from strata_runtime.model.adjust import TokenCounts
-from strata_runtime.models.ops.adjust import Adjusts
+from strata_runtime.models.ops.adjust import PROMPT_SEEN, Adjusts
 
 V, SLOTS = 64, 3
 
@@ -36,6 +36,7 @@ def _window(samplers: dict[int, Sampler], n: int, g: np.random.Generator) -> tup
         np.repeat(np.array(list(samplers), np.int64), n),
         np.repeat([p.frequency_penalty for p in ps], n),
         np.repeat([p.presence_penalty for p in ps], n),
+        np.repeat([p.repetition_penalty for p in ps], n),
         np.array(extra_from, np.int64),
         np.array(extra_count, np.int32),
         np.full(len(rows), n == 1),
@@ -51,17 +52,25 @@ def _params(g: np.random.Generator) -> SamplingParams:
         presence_penalty=float(g.uniform(-2, 2)),
         frequency_penalty=float(g.uniform(-2, 2)),
         logit_bias=tuple((int(t), float(g.uniform(-20, 20))) for t in ids),
+        repetition_penalty=float(g.choice([1.0, g.uniform(0.5, 2.0)])),
     )
+
+
+def _sampler(g: np.random.Generator, seed: int) -> Sampler:
+    """A request with a bias and penalties, and a prompt of tokens the rows' counts and others: its tokens
+    count as seen for its repetition penalty (where it has one)."""
+    return Sampler(_params(g), seed=seed, prompt=[int(t) for t in g.integers(0, V, 12)])
 
 
 def test_device_counts_adjust_rows_as_the_host_does_bit_for_bit() -> None:
     g = np.random.default_rng(11)
     counts = TokenCounts(Device.parse("cpu:0"), SLOTS, V)
-    samplers = {s: Sampler(_params(g), seed=s) for s in range(SLOTS)}
+    samplers = {s: _sampler(g, s) for s in range(SLOTS)}
+    assert any(s.params.repetition_penalty != 1.0 for s in samplers.values())
     changed = 0
     for step in range(60):
         if step in (20, 41):  # slot 1 gets a new request: its counts and bias start again
-            samplers[1] = Sampler(_params(g), seed=step)
+            samplers[1] = _sampler(g, step)
         for s in samplers.values():  # tokens the host decided (a prompt's first, a verified window's)
             if g.random() < 0.3:
                 s.record([int(t) for t in g.integers(0, 8, size=int(g.integers(1, 4)))])
@@ -91,5 +100,6 @@ def test_device_counts_adjust_rows_as_the_host_does_bit_for_bit() -> None:
         want_counts = np.zeros(V, np.int64)
         for t, c in s.counts.items():
             want_counts[t] = c
+        want_counts[s.seen] += PROMPT_SEEN  # the prompt's tokens, marked for the repetition penalty
         assert counts.counts is not None
         assert np.array_equal(counts.counts[slot], want_counts)

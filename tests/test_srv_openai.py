@@ -219,8 +219,22 @@ def test_structured_outputs_hold_replies_to_a_choice_a_regex_or_a_grammar(client
         client.completions.create(model="demo", prompt="x", extra_body={"guided_regex": "(unclosed"})
     assert info.value.body["param"] == "guided_regex" and "cannot be followed" in info.value.body["message"]
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model="demo", prompt="x", extra_body={"min_p": 0.1})
-    assert info.value.body["param"] == "min_p" and "not supported" in info.value.body["message"]
+        client.completions.create(model="demo", prompt="x", extra_body={"typical_p": 0.5})
+    assert info.value.body["param"] == "typical_p" and "not supported" in info.value.body["message"]
+    # vLLM's sampling extensions: min-p 1 leaves a hot request the greedy text; min_tokens holds off the end
+    greedy = client.completions.create(model="demo", prompt="It is ", max_tokens=12, temperature=0)
+    pinned = client.completions.create(
+        model="demo", prompt="It is ", max_tokens=12, temperature=1.5, seed=3, extra_body={"min_p": 1.0}
+    )
+    assert pinned.choices[0].text == greedy.choices[0].text
+    eos = {"logit_bias": {"256": 100}}  # the demo's end-of-text token, pushed to the top
+    assert (
+        client.completions.create(model="demo", prompt="It is ", max_tokens=12, **eos).choices[0].text == ""
+    )
+    held = client.completions.create(
+        model="demo", prompt="It is ", max_tokens=12, extra_body={"min_tokens": 5}, **eos
+    )
+    assert held.usage.completion_tokens == 5 and held.choices[0].finish_reason == "stop"
 
 
 WEATHER_TOOL = {

@@ -490,9 +490,15 @@ REFUSED = [
     ("chat", {"guided_choice": []}, "guided_choice", ["one or more non-empty"]),
     ("chat", {"guided_json": "{nope"}, "guided_json", ["`guided_json` is not JSON"]),
     ("completions", {"guided_regex": 7}, "guided_regex", ["non-empty string"]),
-    ("chat", {"min_p": 0.05}, "min_p", ["`min_p` is not supported by this server (leave it out or send 0)"]),
-    ("completions", {"repetition_penalty": 1.1}, "repetition_penalty", ["send 1)"]),
-    ("completions", {"min_tokens": 4}, "min_tokens", ["`min_tokens`"]),
+    (
+        "chat",
+        {"typical_p": 0.5},
+        "typical_p",
+        ["`typical_p` is not supported by this server (leave it out or send 1)"],
+    ),
+    ("chat", {"min_p": 1.5}, "min_p", ["`min_p`", "less than or equal to 1"]),
+    ("completions", {"repetition_penalty": 0}, "repetition_penalty", ["`repetition_penalty`", "0.001"]),
+    ("completions", {"min_tokens": -1}, "min_tokens", ["`min_tokens`"]),
     ("chat", {"use_beam_search": True}, "use_beam_search", ["send false)"]),
     ("chat", {"allowed_token_ids": [1, 2]}, "allowed_token_ids", ["(leave it out)"]),
     ("completions", {"repeat_penalty": 1.2}, "repeat_penalty", ["`repeat_penalty`"]),
@@ -521,7 +527,7 @@ def test_sampling_fields_this_server_lacks_are_accepted_where_they_ask_for_nothi
     base = {"prompt": "x"} if endpoint == "completions" else {"messages": [{"role": "user", "content": "x"}]}
     parse = p.parse_completion if endpoint == "completions" else p.parse_chat
     neutral = {name: values[0] for name, values in p.NOT_SAMPLED_HERE.items() if values}
-    neutral |= {"min_p": 0.0, "repetition_penalty": 1.0, "allowed_token_ids": None}
+    neutral |= {"min_p": 0.0, "repetition_penalty": 1.0, "min_tokens": 0, "allowed_token_ids": None}
     body = parse({"model": "m", **base, **neutral})
     got = p.prepare(body, [1, 2], context=64, vocab_size=300, default_max_tokens=None)
     assert (
@@ -530,6 +536,25 @@ def test_sampling_fields_this_server_lacks_are_accepted_where_they_ask_for_nothi
             parse({"model": "m", **base}), [1, 2], context=64, vocab_size=300, default_max_tokens=None
         ).request.sampling
     )
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_min_p_the_repetition_penalty_and_min_tokens_reach_the_request(endpoint):
+    """vLLM's ``min_p``, ``repetition_penalty`` and ``min_tokens`` are the request's; ``min_tokens`` past
+    the tokens the reply may have (``max_tokens``, or what the context leaves) is refused by name."""
+    base = {"prompt": "x"} if endpoint == "completions" else {"messages": [{"role": "user", "content": "x"}]}
+    parse = p.parse_completion if endpoint == "completions" else p.parse_chat
+    extra = {"min_p": 0.05, "repetition_penalty": 1.1, "min_tokens": 4}
+    got = p.prepare(
+        parse({"model": "m", **base, **extra}), [1, 2], context=64, vocab_size=300, default_max_tokens=None
+    )
+    s = got.request.sampling
+    assert (s.min_p, s.repetition_penalty, s.min_tokens) == (0.05, 1.1, 4)
+    for body, room in (({"max_tokens": 3}, 3), ({}, 62)):
+        asked = parse({"model": "m", **base, **body, "min_tokens": room + 1})
+        with pytest.raises(p.ApiError) as info:
+            p.prepare(asked, [1, 2], context=64, vocab_size=300, default_max_tokens=None)
+        assert info.value.param == "min_tokens" and f"({room})" in info.value.message
 
 
 def test_vllms_earlier_guided_fields_hold_the_reply_as_structured_outputs_does():

@@ -53,21 +53,24 @@ from ..cuda.layers import (
 from ..cuda.ops import Kernels, argmax_scratch, choose_scratch
 from ..cuda.routing import DeviceRouting, RowBias
 from ..model.placed import routing_tables
+from ..models.ops.distribution import log_min_p
 from ..models.qwen3_moe import ModelArgs
 from .ceilings import copy_bandwidth, decode_step_bytes
 
 ROWS = (1, 2, 4, 8)
 KERNEL_ROWS = (1, 8)  # the row counts whose kernels are timed one by one
 
-CHOICES: dict[str, tuple[float, int, float]] = {
-    "argmax": (0.0, 0, 1.0),
-    "temperature 0.7": (1 / 0.7, 0, 1.0),
-    "top-k 20": (1 / 0.7, 20, 1.0),
-    "top-p 0.8": (1 / 0.7, 0, 0.8),
-    "top-k 20 + top-p 0.8": (1 / 0.7, 20, 0.8),
+CHOICES: dict[str, tuple[float, int, float, float]] = {
+    "argmax": (0.0, 0, 1.0, 0.0),
+    "temperature 0.7": (1 / 0.7, 0, 1.0, 0.0),
+    "top-k 20": (1 / 0.7, 20, 1.0, 0.0),
+    "top-p 0.8": (1 / 0.7, 0, 0.8, 0.0),
+    "top-k 20 + top-p 0.8": (1 / 0.7, 20, 0.8, 0.0),
+    "min-p 0.05": (1 / 0.7, 0, 1.0, 0.05),
+    "top-k 20 + min-p 0.05": (1 / 0.7, 20, 1.0, 0.05),
 }
 """The ways of choosing a window's tokens `KernelModel.time_choices` times: (inverse temperature, top-k,
-top-p) for the draw, the greedy argmax where the inverse temperature is 0."""
+top-p, min-p) for the draw, the greedy argmax where the inverse temperature is 0."""
 SLOTS = 8  # one KV slot per row of the largest window
 ATTENTION_ROUNDS = 3
 """Rounds of `KernelModel.time_kernel_arms`: each times every arm once, in turn."""
@@ -434,27 +437,34 @@ class KernelModel:
         u = cp.asarray(np.linspace(0.1, 0.9, rows, dtype=np.float32))
         scratch = choose_scratch(cp, *w.logits.shape)
         out: dict[str, dict[str, Any]] = {}
-        for name, (inv_temp, top_k, top_p) in CHOICES.items():
+        for name, (inv_temp, top_k, top_p, min_p) in CHOICES.items():
             chosen = cp.zeros(rows, cp.int32 if inv_temp == 0 else np.int64)
+            lmp = log_min_p(min_p)
             if inv_temp == 0:
                 body = partial(k.argmax, w.logits, chosen, w.scratch)
             else:
-                t, kk, pp = (
+                t, kk, pp, mm = (
                     cp.asarray(np.full(rows, v, dtype))
-                    for v, dtype in ((inv_temp, np.float32), (top_k, np.int32), (top_p, np.float32))
+                    for v, dtype in (
+                        (inv_temp, np.float32),
+                        (top_k, np.int32),
+                        (top_p, np.float32),
+                        (lmp, np.float32),
+                    )
                 )
-                one = partial(k.choose, w.logits, t, u, kk, pp, chosen, split=False)
+                one = partial(k.choose, w.logits, t, u, kk, pp, chosen, split=False, log_min_p=mm)
                 one_us = timer(cp, one, repeats) * 1e6
-                body = partial(k.choose, w.logits, t, u, kk, pp, chosen, scratch=scratch)
+                body = partial(k.choose, w.logits, t, u, kk, pp, chosen, scratch=scratch, log_min_p=mm)
             us = timer(cp, body, repeats) * 1e6
             tokens = chosen.get() if hasattr(chosen, "get") else chosen
             out[name] = {"us": us, "tokens": [int(x) for x in tokens]}
             if inv_temp > 0:
                 out[name]["one_block_us"] = one_us
                 dist = cp.zeros(w.logits.shape, np.float64)
-                one = partial(k.distribution, w.logits, inv_temp, top_k, top_p, dist, split=False)
+                cuts = (inv_temp, top_k, top_p, dist)
+                one = partial(k.distribution, w.logits, *cuts, split=False, log_min_p=lmp)
                 out[name]["one_block_distribution_us"] = timer(cp, one, repeats) * 1e6
-                body = partial(k.distribution, w.logits, inv_temp, top_k, top_p, dist, scratch=scratch)
+                body = partial(k.distribution, w.logits, *cuts, scratch=scratch, log_min_p=lmp)
                 out[name]["distribution_us"] = timer(cp, body, repeats) * 1e6
                 out[name]["distribution"] = dist.get() if hasattr(dist, "get") else dist
         return out

@@ -68,17 +68,21 @@ __global__ void argmax_merge(const float* __restrict__ part_v, const int* __rest
 
 // ---- a request's logit bias and penalties, before its token is chosen ----------------------------------
 // models/ops/adjust.py states the rule, reference/kernels.py is the NumPy twin. Adjusted row a is window row
-// rows[a] of slot slot[a]: x = (l + bias[s, t]) - (frequency[a] * c + presence[a]) where the count c of token
-// t is above 0, else l + bias[s, t]; in double without fused multiply-adds, rounded once to float, so that
-// the host's NumPy arithmetic gives the same value bit for bit. c is the slot's count plus the row's
-// occurrences among tokens[extra_from[a] ...] (extra_count[a] of them: the proposals a speculative row
-// follows; tokens may be null where no row has any).
+// rows[a] of slot slot[a]: x = l + bias[s, t]; where the token was seen (its count nonzero: ADJUST_SEEN marks a
+// prompt token) and repetition[a] is not 1, x / r above 0 and x * r otherwise; then x - (frequency[a] * c +
+// presence[a]) where the count c of times generated (below ADJUST_SEEN) is above 0; in double without fused
+// multiply-adds, rounded once to float, so that the host's NumPy arithmetic gives the same value bit for bit.
+// c is the slot's count plus the row's occurrences among tokens[extra_from[a] ...] (extra_count[a] of them:
+// the proposals a speculative row follows; tokens may be null where no row has any); repetition may be null
+// (1 for every row).
 constexpr int ADJUST_EXTRA = 8;
+constexpr int ADJUST_SEEN = 1 << 30;
 __global__ void adjust_logits(float* __restrict__ logits, int V, const long long* __restrict__ rows,
                               const long long* __restrict__ slot, const int* __restrict__ counts,
                               const double* __restrict__ bias, const double* __restrict__ frequency,
                               const double* __restrict__ presence, const long long* __restrict__ tokens,
-                              const long long* __restrict__ extra_from, const int* __restrict__ extra_count) {
+                              const long long* __restrict__ extra_from, const int* __restrict__ extra_count,
+                              const double* __restrict__ repetition) {
   const int a = blockIdx.y;
   __shared__ long long extra[ADJUST_EXTRA];
   __shared__ int n_extra;
@@ -89,12 +93,14 @@ __global__ void adjust_logits(float* __restrict__ logits, int V, const long long
   __syncthreads();
   float* l = logits + (size_t)rows[a] * V;
   const size_t s = (size_t)slot[a] * V;
-  const double f = frequency[a], p = presence[a];
+  const double f = frequency[a], p = presence[a], r = repetition != nullptr ? repetition[a] : 1.0;
   const int ne = n_extra;
   for (int t = blockIdx.x * blockDim.x + threadIdx.x; t < V; t += gridDim.x * blockDim.x) {
     double x = __dadd_rn((double)l[t], bias[s + t]);
-    int c = counts[s + t];
+    const int raw = counts[s + t];
+    int c = raw & (ADJUST_SEEN - 1);
     for (int k = 0; k < ne; ++k) c += extra[k] == t;
+    if (r != 1.0 && (raw != 0 || c > 0)) x = x > 0.0 ? __ddiv_rn(x, r) : __dmul_rn(x, r);
     if (c > 0) x = __dsub_rn(x, __dadd_rn(__dmul_rn(f, (double)c), p));
     l[t] = __double2float_rn(x);
   }

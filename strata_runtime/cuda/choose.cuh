@@ -6,7 +6,9 @@
 // inv_temp) of the row's logits l:
 //  * top_k[r] in (0, V): only the tokens whose logit is at least the k-th largest stay (ties at it all stay);
 //  * lmp[r] > -inf (min-p, as ln(min_p)): only the tokens with (l - max l) * inv_temp >= lmp[r] stay, in float32
-//    without contraction, as the NumPy twin computes it; top-p then weighs only what top-k and min-p leave;
+//    without contraction, as the NumPy twin computes it. Those are the tokens at or above one key (the test is
+//    monotone in l), which one pass over the row finds and the top-k cut then includes; top-p weighs only
+//    what both leave;
 //  * top_p[r] < 1: a token stays while the weight of the staying tokens before it, in descending order of
 //    logit and then ascending index, is below top_p times their total. Weights are summed for this cut in
 //    2^-40 fixed point: integer sums do not depend on the order the threads add them, so the cut is the same
@@ -31,13 +33,31 @@ __device__ __forceinline__ bool min_p_keeps(float v, float mx, float t, float lm
   return lmp == -STRATA_INF || __fmul_rn(__fsub_rn(v, mx), t) >= lmp;
 }
 
-// Whether token i of logit v stays through a row's cuts: its key at least the top-k cut's, through the min-p
-// cut (min_p_keeps), and, with a top-p cut (by_p), above the cut's key or at it and at most the index of the
-// last tie the cut keeps.
-__device__ __forceinline__ bool keeps_token(int i, float v, unsigned cut_k, bool by_p, unsigned cut_p, int cut_tie,
-                                            float mx, float t, float lmp) {
+// Block-wide: the least key of a token of l[V] that passes the min-p cut lmp (min_p_keeps; the largest logit mx
+// always does), so that the tokens passing are those whose key is at least it. Every thread gets it. Not
+// inlined: the callers' loops keep their registers.
+__device__ __forceinline__ unsigned min_p_key(const float* __restrict__ l, int V, float mx, float t, float lmp) {
+  __shared__ unsigned least_key;  // (the split kernels find it over slices: choose_split_cuts)
+  if (threadIdx.x == 0) least_key = ~0u;
+  __syncthreads();
+  unsigned least = ~0u;
+#pragma unroll 4
+  for (int i = threadIdx.x; i < V; i += blockDim.x)
+    if (min_p_keeps(l[i], mx, t, lmp)) least = min(least, order_key(l[i]));
+  least = __reduce_min_sync(0xffffffffu, least);
+  if ((threadIdx.x & 31) == 0) atomicMin(&least_key, least);
+  __syncthreads();
+  const unsigned key = least_key;
+  __syncthreads();  // read by every thread before another call resets it
+  return key;
+}
+
+// Whether token i of logit v stays through a row's cuts: its key at least the top-k and min-p cut's, and, with
+// a top-p cut (by_p), above the cut's key or at it and at most the index of the last tie the cut keeps.
+__device__ __forceinline__ bool keeps_token(int i, float v, unsigned cut_k, bool by_p, unsigned cut_p,
+                                            int cut_tie) {
   const unsigned kv = order_key(v);
-  return kv >= cut_k && min_p_keeps(v, mx, t, lmp) && (!by_p || kv > cut_p || (kv == cut_p && i <= cut_tie));
+  return kv >= cut_k && (!by_p || kv > cut_p || (kv == cut_p && i <= cut_tie));
 }
 
 // Block-wide inclusive scan of one value per thread (T float or int); *total gets the block's sum.
@@ -252,10 +272,12 @@ struct ChoosePrep {
   u64 mass[SPLIT_MAX][CHOOSE_CUTS + 1];
   float cv[CHOOSE_CAP];
   int ci[CHOOSE_CAP];
-  float t, lmp;
+  float t;
   unsigned cut_k, cut_p;
   int cut_tie, by_p;
   double dtotal;
+  unsigned mkey[SPLIT_MAX];  // each slice's least key through the min-p cut (choose_split_cuts)
+  unsigned cut_m;            // the row's: the least of them (choose_split_gather)
 };
 constexpr int CHOOSE_PREP_BYTES = 32768;  // ops.py's choose_scratch allocates this much a row
 static_assert(sizeof(ChoosePrep) <= CHOOSE_PREP_BYTES, "choices.py's CHOOSE_PREP_BYTES is too small");
@@ -276,7 +298,9 @@ __device__ __forceinline__ u64 fixed_weight(float v, float mx, float t) {
 // min-p cut (ln(min_p), -inf: none), u its uniform (a draw only). With prep (the split kernels' findings for the row), the row's max and its first
 // gather come from there instead of passes of this block over the row; every later step is the same, so the
 // token and the distribution are the same bit for bit. With prep and neither token nor dist, the
-// distribution's cuts and total go to prep, and distribution_split_write writes the row.
+// distribution's cuts and total go to prep, and distribution_split_write writes the row. SPLIT: prep is given
+// (the split kernels'), and holds the min-p cut's key too.
+template <bool SPLIT = false>
 __device__ __forceinline__ void choose_row(const float* __restrict__ l, int V, float t, int k, float p, float lmp,
                                            float u, int cap, long long* __restrict__ token,
                                            double* __restrict__ dist, ChoosePrep* __restrict__ prep = nullptr) {
@@ -294,7 +318,13 @@ __device__ __forceinline__ void choose_row(const float* __restrict__ l, int V, f
   __shared__ u64 hist[8 * 256];
   __shared__ unsigned kth, pkey;
   if (lane == 0) { sv[warp] = best; si[warp] = bi; }
-  if (tid == 0) { found = 0x7fffffff; last = -1; tie_cut = 0x7fffffff; kth = 0u; pkey = 0u; }
+  if (tid == 0) {
+    found = 0x7fffffff;
+    last = -1;
+    tie_cut = 0x7fffffff;
+    kth = SPLIT ? prep->cut_m : 0u;  // (split: the min-p cut's key, which the split kernels found)
+    pkey = 0u;
+  }
   __syncthreads();
   if (tid == 0) {
     if (prep != nullptr) {
@@ -315,6 +345,11 @@ __device__ __forceinline__ void choose_row(const float* __restrict__ l, int V, f
   }
   const float mx = sv[0];
   const bool by_p = p < 1.f;
+  if (!SPLIT && lmp > -STRATA_INF) {  // min-p's cut, a key: the top-k cut is the larger of it and its own
+    const unsigned m = min_p_key(l, V, mx, t, lmp);
+    if (tid == 0) kth = m;
+    __syncthreads();
+  }
   // The row the rest reads: all V logits, or, once at most `cap` (<= CHOOSE_CAP) tokens are known to hold
   // every token top-k or top-p can keep, those, gathered in index order into shared memory (cv values, ci
   // their indices). Thread tid gathers from the same contiguous chunk of V the draw below sums, so its share
@@ -396,7 +431,7 @@ __device__ __forceinline__ void choose_row(const float* __restrict__ l, int V, f
     key = ks.prefix;
     above = ks.over;
     at = ks.bin_weight;
-    if (tid == 0) kth = key;
+    if (tid == 0) kth = max(kth, key);
     __syncthreads();
   }
   const unsigned cut_k = kth;
@@ -404,7 +439,7 @@ __device__ __forceinline__ void choose_row(const float* __restrict__ l, int V, f
   auto index = [&](int j) -> int { return compact ? ci[j] : j; };  // the token at vals[j]
   if (by_p) {
     auto fixed = [&](float v) -> u64 {
-      return order_key(v) >= cut_k && min_p_keeps(v, mx, t, lmp) ? fixed_weight(v, mx, t) : 0ull;
+      return order_key(v) >= cut_k ? fixed_weight(v, mx, t) : 0ull;
     };
     // The cut weighs from the top; with the weight of the tokens above each candidate cut (in logits over
     // inv_temp), the tightest one that holds need and fits in cv is gathered first.
@@ -449,7 +484,7 @@ __device__ __forceinline__ void choose_row(const float* __restrict__ l, int V, f
   }
   const unsigned cut_p = pkey;
   const int cut_tie = tie_cut;
-  auto stays = [&](int i, float v) { return keeps_token(i, v, cut_k, by_p, cut_p, cut_tie, mx, t, lmp); };
+  auto stays = [&](int i, float v) { return keeps_token(i, v, cut_k, by_p, cut_p, cut_tie); };
   if (dist != nullptr || stats) {
     // The distribution the draw below takes: the same float32 weights of the staying tokens, over their sum
     // in float64 (each thread its share of vals in order, then the block's in order: the same in every run).
@@ -463,7 +498,6 @@ __device__ __forceinline__ void choose_row(const float* __restrict__ l, int V, f
     if (stats) {  // distribution_split_write writes the row
       if (tid == 0) {
         prep->t = t;
-        prep->lmp = lmp;
         prep->cut_k = cut_k;
         prep->cut_p = cut_p;
         prep->cut_tie = cut_tie;

@@ -58,9 +58,11 @@ __global__ void __launch_bounds__(256) choose_split_cuts(const float* __restrict
   }
   __syncthreads();
   const bool topk = k > 0 && k < V;
+  const int per = (V + NB - 1) / NB, lo = b * per, hi = min(V, lo + per);
+  if (t > 0.f && lmp > -STRATA_INF)  // the least key through the min-p cut, in this slice
+    pr->mkey[b] = min_p_key(logits + (size_t)r * V + lo, hi - lo, smx, t, lmp);
   if (t <= 0.f || !(topk || p < 1.f) || min(cap, CHOOSE_CAP) <= 0) return;
   const float mx = smx, gap = topk ? 1.f : 1.f / t;
-  const int per = (V + NB - 1) / NB, lo = b * per, hi = min(V, lo + per);
   unsigned key[CHOOSE_CUTS];
   int c[CHOOSE_CUTS];
   u64 m[CHOOSE_CUTS + 1];
@@ -108,7 +110,12 @@ __global__ void __launch_bounds__(256) choose_split_gather(const float* __restri
   float t, p, lmp;
   int k;
   row_params(r, ta, t0, ka, k0, pa, p0, ma, m0, t, k, p, lmp);
-  (void)lmp;  // the cuts' weights already left out what min-p cuts
+  if (b == 0 && tid == 0) {  // the row's min-p key: the least of the slices' (0: no cut)
+    unsigned m = t > 0.f && lmp > -STRATA_INF ? ~0u : 0u;
+    if (m)
+      for (int s = 0; s < NB; ++s) m = min(m, pr->mkey[s]);
+    pr->cut_m = m;
+  }
   const bool topk = k > 0 && k < V;
   const int room = min(cap, CHOOSE_CAP);
   if (t <= 0.f || !(topk || p < 1.f) || room <= 0) {
@@ -176,16 +183,16 @@ __global__ void __launch_bounds__(1024) choose_split_rows(const float* __restric
                                                           const float* __restrict__ lmp) {
   const int r = blockIdx.x;
   const float m = lmp != nullptr ? lmp[r] : -STRATA_INF;
-  choose_row(logits + (size_t)r * V, V, inv_temp[r], top_k[r], top_p[r], m, u[r], cap, out + r, nullptr,
-             prep_row(prep, r));
+  choose_row<true>(logits + (size_t)r * V, V, inv_temp[r], top_k[r], top_p[r], m, u[r], cap, out + r, nullptr,
+                   prep_row(prep, r));
 }
 
 __global__ void __launch_bounds__(1024) distribution_split_rows(const float* __restrict__ logits, int V,
                                                                 float inv_temp, int top_k, float top_p, int cap,
                                                                 void* __restrict__ prep, float lmp) {
   const int r = blockIdx.x;
-  choose_row(logits + (size_t)r * V, V, inv_temp, top_k, top_p, lmp, 0.f, cap, nullptr, nullptr,
-             prep_row(prep, r));
+  choose_row<true>(logits + (size_t)r * V, V, inv_temp, top_k, top_p, lmp, 0.f, cap, nullptr, nullptr,
+                   prep_row(prep, r));
 }
 
 __global__ void __launch_bounds__(256) distribution_split_write(const float* __restrict__ logits, int V, int NB,
@@ -202,15 +209,14 @@ __global__ void __launch_bounds__(256) distribution_split_write(const float* __r
     for (int i = lo + (int)threadIdx.x; i < hi; i += 256) dist[i] = i == arg ? 1.0 : 0.0;
     return;
   }
-  const float mx = pr->mx, lmp = pr->lmp;
+  const float mx = pr->mx;
   const unsigned cut_k = pr->cut_k, cut_p = pr->cut_p;
   const int cut_tie = pr->cut_tie;
   const bool by_p = pr->by_p;
   const double dtotal = pr->dtotal;
   for (int i = lo + (int)threadIdx.x; i < hi; i += 256) {  // choose_row's value
     const float v = l[i];
-    const bool stays = keeps_token(i, v, cut_k, by_p, cut_p, cut_tie, mx, t, lmp);
-    dist[i] = stays ? (double)__expf((v - mx) * t) / dtotal : 0.0;
+    dist[i] = keeps_token(i, v, cut_k, by_p, cut_p, cut_tie) ? (double)__expf((v - mx) * t) / dtotal : 0.0;
   }
 }
 

@@ -626,16 +626,18 @@ class Kernels(KernelCache):
         tokens: Array | None = None,
         extra_from: Array | None = None,
         extra_count: Array | None = None,
+        repetition: Array | None = None,
     ) -> None:
         """Rows ``rows`` [A] (int64) of logits [R, V] (fp32), in place, after their slots' logit bias and
         penalties (``adjust_logits`` of kernels.cu; the rule: `strata_runtime.models.ops.adjust`): ``slot``
-        [A] (int64), ``frequency`` and ``presence`` [A] (float64) per adjusted row; ``counts`` [S, V] (int32)
-        and ``bias`` [S, V] (float64) per slot. With ``tokens`` (int64), row a also counts ``extra_count[a]``
-        (int32, at most 8) of them from ``extra_from[a]`` (int64) on."""
+        [A] (int64), ``frequency``, ``presence`` and ``repetition`` [A] (float64; None: 1) per adjusted row;
+        ``counts`` [S, V] (int32) and ``bias`` [S, V] (float64) per slot. With ``tokens`` (int64), row a also
+        counts ``extra_count[a]`` (int32, at most 8) of them from ``extra_from[a]`` (int64) on."""
         _, v = logits.shape
         blocks = (max(1, min(64, math.ceil(v / 1024))), int(rows.shape[0]))
         extra = (_NULL, _NULL, _NULL) if tokens is None else (tokens, extra_from, extra_count)
-        args = (logits, np.int32(v), rows, slot, counts, bias, frequency, presence, *extra)
+        rep = repetition if repetition is not None else _NULL
+        args = (logits, np.int32(v), rows, slot, counts, bias, frequency, presence, *extra, rep)
         self.fn("adjust_logits")(blocks, (256,), args)
 
     def mask_logits(self, logits: Array, rows: Array, bits: Array) -> None:

@@ -62,10 +62,11 @@ class DeviceSpec:
     """The window's positions [S n] (on the last device)."""
     params: tuple[SamplingParams | None, ...] | None = None
     """Each slot's sampling (None for a greedy slot); None when every slot is greedy."""
-    penalties: tuple[tuple[float, float] | None, ...] | None = None
-    """Each slot's (frequency, presence) penalties where its request has a logit bias or penalty (None for
-    the others); None when no slot has: its rows' logits are adjusted before they are chosen, its drafts'
-    before they are drawn, and the tokens it keeps are counted (`strata_runtime.model.adjust`)."""
+    penalties: tuple[tuple[float, float, float] | None, ...] | None = None
+    """Each slot's (frequency, presence, repetition) penalties where its request has a logit bias or
+    penalty (None for the others); None when no slot has: its rows' logits are adjusted before they are
+    chosen, its drafts' before they are drawn, and the tokens it keeps are counted
+    (`strata_runtime.model.adjust`)."""
     uniforms: Any = None
     """Sampled windows: each slot's draws [S, 2n - 1] (host array at launch, then on the last device):
     n - 1 to accept the proposals, one for the token after them, n - 1 for the next window's proposals."""
@@ -208,6 +209,7 @@ def _adjust(
         tokens,
         np.array([start for _, _, start, _ in at], np.int64),
         np.array([count for *_, count in at], np.int32),
+        np.array([p[2] for p in pens if p is not None], np.float64),
     )
 
 

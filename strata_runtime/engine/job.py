@@ -120,7 +120,9 @@ class Job:
         samplers = [e.slot.sampler for e in self.entries]
         if any(s.adjusts for s in samplers):
             spec.penalties = tuple(
-                (s.params.frequency_penalty, s.params.presence_penalty) if s.adjusts else None
+                (s.params.frequency_penalty, s.params.presence_penalty, s.params.repetition_penalty)
+                if s.adjusts
+                else None
                 for s in samplers
             )
         if any(not s.greedy for s in samplers):
@@ -194,6 +196,7 @@ class Job:
         slots: list[int] = []
         freq: list[float] = []
         pres: list[float] = []
+        reps: list[float] = []
         extra_from: list[int] = []
         extra_count: list[int] = []
         chosen: list[bool] = []
@@ -216,6 +219,7 @@ class Job:
                 slots += [e.slot.id] * n
                 freq += [sampler.params.frequency_penalty] * n
                 pres += [sampler.params.presence_penalty] * n
+                reps += [sampler.params.repetition_penalty] * n
             at += n
         if not rows:
             return None
@@ -225,6 +229,7 @@ class Job:
             np.array(slots, np.int64),
             np.array(freq, np.float64),
             np.array(pres, np.float64),
+            np.array(reps, np.float64),
             np.array(extra_from, np.int64),
             np.array(extra_count, np.int32),
             np.array(chosen, bool),

@@ -1,10 +1,12 @@
-"""Choosing tokens: greedy argmax, or temperature / top-k / top-p sampling from a per-request seeded RNG,
-after a request's logit bias and presence / frequency penalties.
+"""Choosing tokens: greedy argmax, or temperature / top-k / min-p / top-p sampling from a per-request seeded
+RNG, after a request's logit bias and repetition, presence and frequency penalties.
 
 The adjustments come first, on the raw logits, as OpenAI and vLLM define them: ``logit_bias[t]`` is added to
-token t's logit, and a token generated c > 0 times so far loses ``frequency_penalty * c + presence_penalty``
-(`strata_runtime.models.ops.adjust`, whose arithmetic the device's kernel shares bit for bit). Temperature,
-top-k and top-p then shape what is left; greedy takes the argmax of the adjusted logits.
+token t's logit; a token in the prompt or generated so far has that divided by ``repetition_penalty`` where
+it is above 0 and multiplied by it otherwise; and a token generated c > 0 times so far loses
+``frequency_penalty * c + presence_penalty`` (`strata_runtime.models.ops.adjust`, whose arithmetic the
+device's kernel shares bit for bit). Temperature, top-k, min-p and top-p then shape what is left; greedy
+takes the argmax of the adjusted logits.
 
 The target's and the drafter's logits go through the same adjustments and the same `distribution`, so
 speculative rejection sampling reproduces exactly the distribution a user asked for. A row of a speculative
@@ -23,7 +25,7 @@ import numpy as np
 
 from ..api import Reasoning, SamplingParams
 from ..backend import Array
-from ..model import adjust_row, inv_temperature, inverse_cdf, mask_logits
+from ..model import PROMPT_SEEN, adjust_row, inv_temperature, inverse_cdf, mask_logits
 from ..model import distribution as rule
 from ..structured import GrammarError, Matcher
 
@@ -95,10 +97,18 @@ class Sampler:
     until the first such window (``on_device`` is then False), then those the host decided.
     """
 
-    def __init__(self, params: SamplingParams, seed: int, grammar: Matcher | None = None) -> None:
+    def __init__(
+        self,
+        params: SamplingParams,
+        seed: int,
+        grammar: Matcher | None = None,
+        prompt: Sequence[int] = (),
+        stops: Iterable[int] = (),
+    ) -> None:
         """``grammar``: the reply's place in its grammar (`strata_runtime.structured`), where the request
         has one: its tokens are chosen and its proposals drawn and verified on the host, over the tokens the
-        grammar allows."""
+        grammar allows. ``prompt``: the request's prompt, whose tokens a repetition penalty counts as seen.
+        ``stops``: the tokens that end the reply, which ``min_tokens`` holds off."""
         self.params = params
         self.grammar = grammar
         r = params.reasoning
@@ -111,7 +121,12 @@ class Sampler:
         self.kept = 0
         """Of them, those drawn for the windows that decided the reply's tokens so far (the rest were drawn
         for windows queued ahead; `take_back` undoes them)."""
-        self.adjusts = bool(params.presence_penalty or params.frequency_penalty or params.logit_bias)
+        self.adjusts = bool(
+            params.presence_penalty
+            or params.frequency_penalty
+            or params.logit_bias
+            or params.repetition_penalty != 1.0
+        )
         """The logits change before a token is chosen (a bias or a penalty is set)."""
         self.counts: Counter[int] = Counter()
         """How often each token was generated for this request so far."""
@@ -120,6 +135,12 @@ class Sampler:
             bias[token] = bias.get(token, 0.0) + value
         self.bias_ids = np.array(list(bias), dtype=np.int64)
         self.bias = np.array(list(bias.values()), dtype=np.float64)
+        repeats = params.repetition_penalty != 1.0
+        self.seen = np.unique(np.asarray(prompt, np.int64)) if repeats else np.zeros(0, np.int64)
+        """The prompt's distinct tokens, which a repetition penalty counts as seen (none without one)."""
+        self.stops = np.array(sorted(set(stops)), dtype=np.int64)
+        self.generated = 0
+        """Tokens recorded for the reply so far."""
         self.on_device = False
         """Whether the last stage's device holds this request's counts and bias (after its first window
         that adjusts there)."""
@@ -142,8 +163,16 @@ class Sampler:
     def host_only(self) -> bool:
         """The host chooses and verifies every token (a grammar's allowed tokens follow from the tokens
         before), so no window runs ahead of it or is decided on the device; or the next token is the one a
-        spent think budget forces."""
-        return self.grammar is not None or (self.think is not None and self.think.forcing)
+        spent think budget forces; or the reply is still short of its ``min_tokens`` (`holding_stops`)."""
+        return (
+            self.grammar is not None or (self.think is not None and self.think.forcing) or self.holding_stops
+        )
+
+    @property
+    def holding_stops(self) -> bool:
+        """The reply is shorter than its ``min_tokens`` and has stop tokens to hold off: the host chooses its
+        tokens with those masked (`adjusted`) until it is not."""
+        return self.generated < self.params.min_tokens and self.stops.size > 0
 
     @property
     def hold_at(self) -> int | None:
@@ -153,23 +182,26 @@ class Sampler:
     def record(self, tokens: Iterable[int], counted: bool = False) -> None:
         """Tokens now generated for the request (the penalties count them, the grammar goes on with them);
         ``counted``: the device chose them and has counted them already."""
+        tokens = list(tokens)
+        self.generated += len(tokens)
         if self.grammar is not None:
-            tokens = list(tokens)
             self.grammar.accept(tokens)
         if self.think is not None:
-            tokens = list(tokens)
             self.think.record(tokens)
         if self.adjusts:
-            tokens = list(tokens)
             self.counts.update(tokens)
             if self.on_device and not counted:
                 self.uncounted += tokens
 
     def device_update(self) -> tuple[bool, dict[int, int]]:
         """What the device's counts lack before this request's next row adjusts there: (whether they start
-        afresh, with the bias, token -> times to add). Called once for each such window, in launch order."""
+        afresh, with the bias, token -> times to add). Called once for each such window, in launch order.
+        Counts that start afresh mark the prompt's tokens (`PROMPT_SEEN`) for a repetition penalty."""
         fresh = not self.on_device
         add = dict(self.counts) if fresh else dict(Counter(self.uncounted))
+        if fresh:
+            for t in self.seen.tolist():
+                add[t] = add.get(t, 0) + PROMPT_SEEN
         self.on_device, self.uncounted = True, []
         return fresh, add
 
@@ -182,6 +214,13 @@ class Sampler:
         row follows its whole chain so far). They count as generated for the rows that follow them.
         """
         out = self._biased(logits, drafted)
+        if self.holding_stops:  # rows short of min_tokens: no stop token
+            if np.may_share_memory(out, logits):
+                out = out.copy()
+            first_row = out.shape[0] - len(drafted)
+            for j in range(out.shape[0]):
+                if self.generated + max(0, j - first_row + 1) < self.params.min_tokens:
+                    out[j, self.stops[self.stops < out.shape[1]]] = -np.inf
         if self.think is not None and self.think.forcing:  # the budget is spent: the block's close alone
             if np.may_share_memory(out, logits):
                 out = out.copy()
@@ -203,12 +242,13 @@ class Sampler:
         if not self.adjusts:
             return np.asarray(logits, dtype=np.float64)
         rows = np.asarray(logits)
-        freq, presence = self.params.frequency_penalty, self.params.presence_penalty
+        p = self.params
         first_row = rows.shape[0] - len(drafted)  # the first row that follows drafted[0]
         out = np.empty(rows.shape, dtype=np.float64)
         for j in range(rows.shape[0]):
             counts = self.counts + Counter(drafted[: max(0, j - first_row + 1)])
-            out[j] = adjust_row(rows[j], counts, self.bias_ids, self.bias, freq, presence)
+            penalties = (p.frequency_penalty, p.presence_penalty, p.repetition_penalty, self.seen)
+            out[j] = adjust_row(rows[j], counts, self.bias_ids, self.bias, *penalties)
         return out
 
     def draw(self, probs: np.ndarray) -> int:

@@ -558,12 +558,13 @@ class Engine:
         self._admitted += 1
         handle.slot = i
         self.model.admit(i, req.prompt_ids)
-        sampler = Sampler(req.sampling, seed, handle.grammar)
+        stop_ids = frozenset(req.stop_ids) | frozenset(() if req.ignore_eos else self.tokenizer.eos_ids)
+        sampler = Sampler(req.sampling, seed, handle.grammar, req.prompt_ids, stop_ids)
         self.slots[i] = Slot(
             i,
             handle,
             sampler,
-            frozenset(req.stop_ids) | frozenset(() if req.ignore_eos else self.tokenizer.eos_ids),
+            stop_ids,
             self.tokenizer,
             self._admitted,
             prefilled=reuse,

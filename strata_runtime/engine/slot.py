@@ -80,7 +80,8 @@ class Slot:
     """Characters of ``sent_text`` in the events put so far."""
 
     def __post_init__(self) -> None:
-        self._stops = StopText(self.handle.request.stop_strings)
+        held = self.handle.request.sampling.min_tokens > len(self.generated)
+        self._stops = StopText(self.handle.request.stop_strings, held=held)
 
     @property
     def prompt(self) -> tuple[int, ...]:
@@ -163,6 +164,9 @@ class Slot:
                 self.finished = "length"
                 break
         self.generated.extend(kept)
+        least = req.sampling.min_tokens
+        if self._stops.after is None and len(self.generated) >= least:  # stop strings count from here
+            self._stops.arm(len(self.tokenizer.decode(self.generated[:least]).rstrip("\ufffd")))
         error = None
         try:
             self.sampler.record(kept, counted)  # the penalties of the next window count these

@@ -23,8 +23,13 @@ class StopText:
     decides it, so what was sent is always a prefix of the final, cut reply. Empty stop strings are ignored.
     """
 
-    def __init__(self, stops: tuple[str, ...]) -> None:
+    def __init__(self, stops: tuple[str, ...], held: bool = False) -> None:
+        """``held``: no stop string counts until `arm` says from where (a reply short of its
+        ``min_tokens``)."""
         self.stops = tuple(s for s in stops if s)
+        self.after: int | None = None if held else 0
+        """A stop string counts only where it ends past this many characters of the reply; None: none counts
+        yet."""
         self.pending = ""
         self.stopped = False
         self.hit: str | None = None
@@ -41,7 +46,7 @@ class StopText:
         offset = self._seen - len(self.pending)  # where ``buf`` begins in the reply's text
         self._seen += len(text)
         # (end, start) of each stop string's first occurrence: the earliest end wins, then the longest.
-        hits = [(i + len(s), i) for s in self.stops if (i := buf.find(s)) >= 0]
+        hits = [(i + len(s), i) for s in self.stops if (i := self._find(buf, s, offset)) >= 0]
         if hits:
             end, start = min(hits)
             self.stopped, self.pending, self.hit = True, "", buf[start:end]
@@ -50,6 +55,18 @@ class StopText:
         hold = max((_overlap(buf, s) for s in self.stops), default=0)
         self.pending = buf[len(buf) - hold :]
         return buf[: len(buf) - hold]
+
+    def arm(self, after: int) -> None:
+        """Stop strings count from now on where they end past ``after`` characters of the reply (the text of
+        its first ``min_tokens`` tokens)."""
+        self.after = after
+
+    def _find(self, buf: str, stop: str, offset: int) -> int:
+        """Where ``stop`` first occurs in ``buf`` (which begins ``offset`` characters into the reply) and
+        counts; -1 where it does not."""
+        if self.after is None:
+            return -1
+        return buf.find(stop, max(0, self.after - offset - len(stop) + 1))
 
     def flush(self) -> str:
         """What was held back, once the reply ended without a stop string."""

@@ -6,12 +6,13 @@
 stage's device.
 """
 
-from ..models.ops.adjust import Adjusts, adjust_row, mask_logits
+from ..models.ops.adjust import PROMPT_SEEN, Adjusts, adjust_row, mask_logits
 from ..models.ops.choose import Draws
 from ..models.ops.distribution import distribution, inv_temperature, inverse_cdf, log_min_p, verify_sampled
 from .placed import Model
 
 __all__ = [
+    "PROMPT_SEEN",
     "Adjusts",
     "Draws",
     "Model",

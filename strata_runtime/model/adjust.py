@@ -3,7 +3,8 @@
 A penalised or biased request's decode rows are adjusted and chosen on the device like any other's
 (`strata_runtime.models.ops.adjust` states the rule), so its windows can be queued before the host has read
 the token the window before chose. What the rule reads is kept here, per slot: how often each token was
-generated (int32 [S, V]) and the request's logit bias (float64 [S, V]). Both arrays are made the first time
+generated (int32 [S, V]; for a request with a repetition penalty, its prompt's tokens marked there too) and
+the request's logit bias (float64 [S, V]). Both arrays are made the first time
 a window adjusts: 12 bytes a slot per word of the vocabulary (1.8 MB a slot for a 151,936-word
 vocabulary), which the plan counts in the last stage's workspace (`strata_cfg.resolve.sizes`).
 """
@@ -71,6 +72,7 @@ class TokenCounts:
                 tokens if extras else None,
                 adj.extra_from,
                 adj.extra_count,
+                adj.repetition,
             )
             if not adj.chosen_counts.any():
                 return None
@@ -87,22 +89,28 @@ class TokenCounts:
         tokens: Array | None = None,
         extra_from: np.ndarray | None = None,
         extra_count: np.ndarray | None = None,
+        repetition: np.ndarray | None = None,
     ) -> None:
         """Adjust rows ``rows`` of logits [R, V] in place for their slots (host arrays [A], uploaded); with
-        ``tokens`` (on this device), row a also counts ``extra_count[a]`` of them from ``extra_from[a]``."""
+        ``tokens`` (on this device), row a also counts ``extra_count[a]`` of them from ``extra_from[a]``;
+        ``repetition`` [A]: each row's repetition penalty (None, or all 1: none)."""
         counts, bias = self._arrays()
         dev = self.device
         up = dev.upload
         with dev.use():
             args = [up(rows.astype(np.int64)), up(slot.astype(np.int64)), counts, bias]
             args += [up(frequency.astype(np.float64)), up(presence.astype(np.float64))]
+            extra: dict[str, Any] = {}
             if tokens is not None:
                 assert extra_from is not None and extra_count is not None
-                args += [tokens, up(extra_from.astype(np.int64)), up(extra_count.astype(np.int32))]
+                extra.update(tokens=tokens, extra_from=up(extra_from.astype(np.int64)))
+                extra.update(extra_count=up(extra_count.astype(np.int32)))
+            if repetition is not None and (repetition != 1.0).any():
+                extra.update(repetition=up(repetition.astype(np.float64)))
             if self._kern is not None:
-                self._kern.adjust_logits(logits, *args)
+                self._kern.adjust_logits(logits, *args, **extra)
             else:
-                adjust_logits(logits, *args)
+                adjust_logits(logits, *args, **extra)
 
     def count_chosen(self, rows: Array, slot: Array, chosen: Array) -> None:
         """Count each of ``rows``' chosen token (chosen [R] on this device) for its slot: what `adjust`

@@ -386,25 +386,37 @@ def adjust_logits(
     tokens: np.ndarray | None = None,
     extra_from: np.ndarray | None = None,
     extra_count: np.ndarray | None = None,
+    repetition: np.ndarray | None = None,
 ) -> None:
     """Each of ``rows`` [A] of logits [R, V] (fp32), in place, after its slot's logit bias and penalties
-    (`strata_runtime.models.ops.adjust`): ``(l + bias[s]) - (frequency * c + presence)`` where the count c of
-    the token is above 0, else ``l + bias[s]``, in float64 and rounded once to float32; ``slot``,
-    ``frequency`` and ``presence`` [A] are each adjusted row's, ``counts`` [S, V] (int32) and ``bias`` [S, V]
-    (float64) each slot's. A row's c also counts the ``extra_count[a]`` tokens of ``tokens`` from
-    ``extra_from[a]`` on (the proposals a speculative row follows; at most `EXTRA_MOST`)."""
+    (`strata_runtime.models.ops.adjust`): x = l + bias[s]; where the token's count is nonzero (seen in the
+    prompt, `PROMPT_SEEN`, or generated) and ``repetition`` [A] is not 1, x / r above 0 and x * r otherwise;
+    then x - (frequency * c + presence) where the count c of times generated is above 0; in float64 and
+    rounded once to float32. ``slot``, ``frequency`` and ``presence`` [A] are each adjusted row's, ``counts``
+    [S, V] (int32) and ``bias`` [S, V] (float64) each slot's; ``repetition`` None is 1 for every row. A
+    row's c also counts the ``extra_count[a]`` tokens of ``tokens`` from ``extra_from[a]`` on (the proposals
+    a speculative row follows; at most `EXTRA_MOST`)."""
     for i, r in enumerate(np.asarray(rows)):
         s = int(slot[i])
         x = logits[r].astype(np.float64) + bias[s]  # [V]
-        c = counts[s].astype(np.int64)
+        raw = counts[s].astype(np.int64)
+        c = raw & (PROMPT_SEEN - 1)
         if tokens is not None and extra_count is not None and extra_from is not None and extra_count[i]:
             at = int(extra_from[i])
-            c = c.copy()
             np.add.at(c, np.asarray(tokens[at : at + int(extra_count[i])], np.int64), 1)
+        rep = 1.0 if repetition is None else float(repetition[i])
+        if rep != 1.0:
+            seen = (raw != 0) | (c > 0)
+            x[seen] = np.where(x[seen] > 0, x[seen] / rep, x[seen] * rep)
         hit = c > 0
         x[hit] -= float(frequency[i]) * c[hit].astype(np.float64) + float(presence[i])
         logits[r] = x.astype(np.float32)
 
+
+PROMPT_SEEN = 1 << 30
+"""Added to a device count for each distinct prompt token of a request with a repetition penalty
+(`strata_runtime.models.ops.adjust`): the times the token was generated lie below it (kernels.cu's
+ADJUST_SEEN)."""
 
 EXTRA_MOST = 8
 """Tokens an adjusted row may count beyond its slot's counts (`adjust_logits`): a window's rows follow at most

@@ -18,7 +18,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from strata_cfg.schema.sampling_options import PENALTY_BOUND, TEMPERATURE_MOST
 
-from ..api import MAX_TOP_LOGPROBS, Request, SamplingParams, Tokenizer, TokenLogprob, token_name
+from ..api import (
+    MAX_TOP_LOGPROBS,
+    REPETITION_RANGE,
+    Request,
+    SamplingParams,
+    Tokenizer,
+    TokenLogprob,
+    token_name,
+)
 from ..chat import ToolCall
 from ..structured import GrammarError, choice_grammar, json_grammar, regex_grammar, text_grammar
 from .errors import ApiError as ApiError
@@ -70,6 +78,15 @@ class _Body(_Strict):
     """An extension: 0 is no top-k cut."""
     presence_penalty: float = Field(default=0.0, ge=-PENALTY_BOUND, le=PENALTY_BOUND)
     frequency_penalty: float = Field(default=0.0, ge=-PENALTY_BOUND, le=PENALTY_BOUND)
+    repetition_penalty: float = Field(default=1.0, ge=REPETITION_RANGE[0], le=REPETITION_RANGE[1])
+    """An extension (as vLLM takes it): the logit of each token in the prompt or the reply so far is divided
+    by it where positive and multiplied by it where not. 1: none."""
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    """An extension (as vLLM and llama.cpp's server take it): after temperature, a token less likely than
+    ``min_p`` times the most likely one is cut, before top-p. 0: no cut."""
+    min_tokens: int = Field(default=0, ge=0)
+    """An extension (as vLLM takes it): no end-of-text or stop token is chosen, and no stop string ends the
+    reply, before it has this many tokens."""
     logit_bias: dict[str, float] | None = None
     """Token id (as a string, a JSON object's key) -> bias in [-100, 100], added to that token's logit."""
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
@@ -302,9 +319,6 @@ def _check_text(text: str, path: tuple[str | int, ...]) -> None:
 
 
 NOT_SAMPLED_HERE: dict[str, tuple[Any, ...]] = {
-    "min_p": (0, 0.0),
-    "repetition_penalty": (1, 1.0),
-    "min_tokens": (0,),
     "typical_p": (1, 1.0),
     "top_a": (0, 0.0),
     "tfs_z": (1, 1.0),
@@ -726,6 +740,12 @@ def prepare(
         raise ApiError(
             400, f"`{name}` must be at least 1 (0 only with `echo`, which returns the prompt alone)", name
         )
+    if body.min_tokens > max_tokens:
+        raise ApiError(
+            400,
+            f"`min_tokens` ({body.min_tokens}) must be at most the tokens the reply may have ({max_tokens})",
+            "min_tokens",
+        )
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > MAX_STOP_STRINGS or any(s == "" for s in stop):
         raise ApiError(400, f"`stop` must be {_EXPECTED['stop']}, none of them empty", "stop")
@@ -739,6 +759,9 @@ def prepare(
             seed=body.seed,
             presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repetition_penalty,
+            min_p=body.min_p,
+            min_tokens=body.min_tokens,
             logit_bias=logit_bias(body.logit_bias or {}, vocab_size),
             logprobs=asked_logprobs(body),
             prompt_logprobs=body.logprobs if isinstance(body, CompletionBody) and body.echo else None,

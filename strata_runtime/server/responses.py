@@ -39,13 +39,17 @@ PASSED = (
     "seed",
     "presence_penalty",
     "frequency_penalty",
+    "repetition_penalty",
+    "min_p",
+    "min_tokens",
     "stream",
     "thinking_token_budget",
     "ignore_eos",
     "priority",
 )
-"""Fields a Responses body gives the chat path as they are (``top_k``, ``seed``, ``thinking_token_budget``,
-``ignore_eos`` and ``priority`` as extensions, as the chat path takes them)."""
+"""Fields a Responses body gives the chat path as they are (``top_k``, ``seed``, the repetition penalty,
+``min_p``, ``min_tokens``, ``thinking_token_budget``, ``ignore_eos`` and ``priority`` as extensions, as the
+chat path takes them)."""
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
 """A message item's parts that are text (a refusal's text is in its ``refusal``)."""
 
