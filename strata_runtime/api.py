@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from strata_cfg.schema.sampling_options import MAX_TOP_LOGPROBS as MAX_TOP_LOGPROBS
+from strata_cfg.schema.sampling_options import REPETITION_BOUNDS as REPETITION_RANGE
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
@@ -111,11 +112,6 @@ ADJUST_MOST = 1e30
 """The largest logit bias or penalty, in magnitude, `sampling_problem` lets through: logits are adjusted in
 float32 (a penalty once per time its token came, up to a context's length), where a larger one overflows to
 infinity and the distribution to NaN. A bias of 1e30 bans or forces a token as surely as OpenAI's 100."""
-
-
-REPETITION_RANGE = (1e-3, 1e3)
-"""The repetition penalties `sampling_problem` lets through: a logit divided or multiplied by one stays well
-inside float32's range, and nothing outside it is a penalty anyone asks for (vLLM takes any above 0)."""
 
 
 def _whole(v: Any) -> bool:

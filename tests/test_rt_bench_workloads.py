@@ -393,6 +393,8 @@ def test_sampled_bench_requests_draw_with_the_options_and_the_same_seed_in_every
         "top_k": 0,
         "presence_penalty": 0.0,
         "frequency_penalty": 0.0,
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
     }
     assert res["seeded"]
     assert res["arms"]["batch-mtp"]["two-decodes"]["text_equal_to_serial"] is None
@@ -413,6 +415,8 @@ def test_sampled_bench_requests_draw_with_the_options_and_the_same_seed_in_every
             "--presence-penalty must be in [-2, 2], as OpenAI defines it, not 2.5",
         ),
         (("--frequency-penalty", "nan"), "--frequency-penalty must be in [-2, 2]"),
+        (("--min-p", "-0.1"), "--min-p must be in [0, 1]"),
+        (("--repetition-penalty", "nan"), "--repetition-penalty must be in [0.001, 1000]"),
         (("--frequency-penalty", "0.5", "--peer", "transformers"), "--peer runs greedy decoding only"),
         (("--tokens", "0"), "--tokens must be at least 1, not 0"),
         (("--repeats", "0"), "--repeats must be at least 1, not 0"),

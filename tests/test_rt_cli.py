@@ -138,6 +138,8 @@ def test_bench_holds_every_reply_to_a_shape_in_every_arm_with_equal_text() -> No
         (("--top-k", "-1"), "--top-k must be at least 0"),
         (("--presence-penalty", "3"), "--presence-penalty must be in [-2, 2], as OpenAI defines it, not 3.0"),
         (("--frequency-penalty", "-2.5"), "--frequency-penalty must be in [-2, 2]"),
+        (("--min-p", "1.5"), "--min-p must be in [0, 1] (0: no cut), not 1.5"),
+        (("--repetition-penalty", "0"), "--repetition-penalty must be in [0.001, 1000] (1: none), not 0.0"),
         (("--max-tokens", "0"), "--max-tokens must be at least 1, not 0"),
         (("--seed", "-1"), "--seed must be in [0, 2^63), not -1"),
         (("--logprobs", "21"), "--logprobs must be in [0, 20]"),
@@ -148,6 +150,29 @@ def test_bench_holds_every_reply_to_a_shape_in_every_arm_with_equal_text() -> No
 def test_generate_refuses_bad_sampling_options_naming_them(option, needle) -> None:
     out = strata("generate", "--prompt", "Hello", "--max-tokens", "4", *option)
     assert out.returncode == 2 and needle in out.stderr, out.stderr
+
+
+def test_generate_takes_min_p_and_the_repetition_penalty() -> None:
+    """``--min-p 1`` leaves a hot sample the greedy text; ``--repetition-penalty`` changes the greedy reply."""
+    greedy = strata("generate", "--prompt", "Hello", "--max-tokens", "12", "--json")
+    pinned = strata(
+        "generate",
+        "--prompt",
+        "Hello",
+        "--max-tokens",
+        "12",
+        "--json",
+        "--temperature",
+        "1.5",
+        "--min-p",
+        "1",
+    )
+    repeats = strata(
+        "generate", "--prompt", "Hello", "--max-tokens", "12", "--json", "--repetition-penalty", "5"
+    )
+    assert greedy.returncode == pinned.returncode == repeats.returncode == 0, pinned.stderr + repeats.stderr
+    text = [json.loads(out.stdout)["text"] for out in (greedy, pinned, repeats)]
+    assert text[0] == text[1] != text[2]
 
 
 def test_a_schema_file_that_is_not_a_json_object_is_refused_naming_the_file_and_place(tmp_path) -> None:

@@ -420,6 +420,10 @@ def bench_argv(args: argparse.Namespace) -> list[str]:
         repr(args.presence_penalty),
         "--frequency-penalty",
         repr(args.frequency_penalty),
+        "--min-p",
+        repr(args.min_p),
+        "--repetition-penalty",
+        repr(args.repetition_penalty),
     ]
     argv += ["--unseeded"] if args.unseeded else []
     argv += ["--json-schema", str(Path(args.json_schema).resolve())] if args.json_schema is not None else []

@@ -19,12 +19,20 @@ both bounds; the engine's own check (`strata_runtime.api.sampling_problem`) take
 penalty a float32 logit can hold, for callers of its Python API."""
 
 
+REPETITION_BOUNDS = (1e-3, 1e3)
+"""The repetition penalties a command, the engine and the server take (1 is none): a logit divided or
+multiplied by one stays well inside float32's range, and nothing outside it is a penalty anyone asks for
+(vLLM takes any above 0)."""
+
+
 def sampling_problem(
     temperature: float,
     top_p: float,
     top_k: int,
     presence_penalty: float = 0.0,
     frequency_penalty: float = 0.0,
+    min_p: float = 0.0,
+    repetition_penalty: float = 1.0,
 ) -> str | None:
     """Why sampling options are not valid: a bench's or a load test's (every request draws with them), or a
     generate command's."""
@@ -34,13 +42,26 @@ def sampling_problem(
         return f"--top-p must be in (0, 1], not {top_p}"
     if top_k < 0:
         return f"--top-k must be at least 0 (0: no cut), not {top_k}"
+    if not 0 <= min_p <= 1:  # also refuses nan
+        return f"--min-p must be in [0, 1] (0: no cut), not {min_p}"
     for flag, value in (("--presence-penalty", presence_penalty), ("--frequency-penalty", frequency_penalty)):
         if not -PENALTY_BOUND <= value <= PENALTY_BOUND:  # also refuses nan
             return f"{flag} must be in [-2, 2], as OpenAI defines it, not {value}"
+    low, high = REPETITION_BOUNDS
+    if not low <= repetition_penalty <= high:  # also refuses nan
+        return f"--repetition-penalty must be in [{low:g}, {high:g}] (1: none), not {repetition_penalty}"
     return None
 
 
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty")
+SAMPLING_KEYS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "presence_penalty",
+    "frequency_penalty",
+    "min_p",
+    "repetition_penalty",
+)
 """The sampling options, by their names in a request (OpenAI's, and `SamplingParams`')."""
 
 
@@ -60,9 +81,13 @@ def describe_sampling(options: dict[str, Any]) -> str:
             parts.append(f"top-k {options['top_k']}")
         if options.get("top_p", 1.0) < 1:
             parts.append(f"top-p {options['top_p']:g}")
+        if options.get("min_p", 0.0) > 0:
+            parts.append(f"min-p {options['min_p']:g}")
     for key in ("presence_penalty", "frequency_penalty"):
         if options.get(key, 0.0):
             parts.append(f"{key.replace('_', ' ')} {options[key]:g}")
+    if options.get("repetition_penalty", 1.0) != 1.0:
+        parts.append(f"repetition penalty {options['repetition_penalty']:g}")
     if not parts:
         return "greedy"
     return ("sampled at " if options.get("temperature", 0.0) > 0 else "greedy, ") + ", ".join(parts)
@@ -122,7 +147,14 @@ def add_sampling_arguments(parser: Any, seeded: str) -> None:
 
 
 def add_penalty_arguments(parser: Any) -> None:
-    """``--presence-penalty`` and ``--frequency-penalty`` on a command's parser."""
+    """``--min-p`` and the penalties (``--presence-penalty``, ``--frequency-penalty``,
+    ``--repetition-penalty``) on a command's parser."""
+    parser.add_argument(
+        "--min-p",
+        type=float,
+        default=0.0,
+        help="with --temperature: cut tokens less likely than this times the most likely one (default 0)",
+    )
     for name, what in (
         ("presence", "once it has been generated"),
         ("frequency", "each time it was generated"),
@@ -134,6 +166,13 @@ def add_penalty_arguments(parser: Any) -> None:
             help=f"{name} penalty in [-2, 2], as OpenAI defines it: a token's logit loses it {what} "
             "(default 0)",
         )
+    parser.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="as vLLM defines it: a token of the prompt or the reply has its logit divided by it where "
+        "positive, multiplied where not (default 1: none)",
+    )
 
 
 def add_json_arguments(parser: Any) -> None:

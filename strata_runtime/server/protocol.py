@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from strata_cfg.schema.sampling_options import PENALTY_BOUND, TEMPERATURE_MOST
+from strata_cfg.schema.sampling_options import REPETITION_BOUNDS as REPETITION_RANGE
 
 from ..api import (
     MAX_TOP_LOGPROBS,
-    REPETITION_RANGE,
     Request,
     SamplingParams,
     Tokenizer,
