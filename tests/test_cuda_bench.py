@@ -42,7 +42,8 @@ prefill_chunk = 64
     return str(path)
 
 
-def bench(profile: str, *args: str) -> dict:
+def bench_run(profile: str, *args: str) -> tuple[dict, str]:
+    """``strata bench PROFILE ARGS --json``: its figures, and what it said on stderr as it ran."""
     out = subprocess.run(
         [sys.executable, "-m", "strata_cfg", "bench", profile, *args, "--json"],
         capture_output=True,
@@ -50,7 +51,11 @@ def bench(profile: str, *args: str) -> dict:
         timeout=600,
     )
     assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)
+    return json.loads(out.stdout), out.stderr
+
+
+def bench(profile: str, *args: str) -> dict:
+    return bench_run(profile, *args)[0]
 
 
 def test_step_times_each_decode_attention_kernel_in_one_run(profile: str) -> None:
@@ -68,7 +73,11 @@ def test_step_times_each_decode_attention_kernel_in_one_run(profile: str) -> Non
 
 
 def test_step_times_every_row_count_against_the_roofline(profile: str) -> None:
-    res = bench(profile, "--workload", "step")
+    res, said = bench_run(profile, "--workload", "step")
+    # it says each part as it ends, in order (the whole takes minutes on a large model)
+    parts = ["weights of 4 layers made", *(f"the step at {r} row" for r in (1, 2, 4, 8)), "the token choices"]
+    at = [said.find(f"[step] {p}") for p in parts]
+    assert -1 not in at and at == sorted(at), said
     assert res["device"] == "cuda:0" and res["model"]["layers"] == 4 and res["copy_gbs"] > 0
     assert [r["rows"] for r in res["rows"]] == [1, 2, 4, 8]
     copy = res["copy_gbs"] * 1e9

@@ -153,7 +153,8 @@ def test_generate_refuses_bad_sampling_options_naming_them(option, needle) -> No
 
 
 def test_generate_takes_min_p_and_the_repetition_penalty() -> None:
-    """``--min-p 1`` leaves a hot sample the greedy text; ``--repetition-penalty`` changes the greedy reply."""
+    """``--min-p 1`` leaves a hot sample the greedy text; ``--repetition-penalty`` changes the greedy
+    reply."""
     greedy = strata("generate", "--prompt", "Hello", "--max-tokens", "12", "--json")
     pinned = strata(
         "generate",

@@ -537,10 +537,19 @@ def run_step(
     position: int = 300,
     repeats: int = 20,
     versus: Mapping[str, LaunchPlan] | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Time the kernel step of the plan's model on GPU ``device_index``; the figures as a JSON-able dict.
     ``versus``: several plans by name (``plan`` among them, first), which differ only in
-    ``model.decode_attention``: the whole step is also timed with each one's kernel (`kernel_arms`)."""
+    ``model.decode_attention``: the whole step is also timed with each one's kernel (`kernel_arms`).
+    ``progress`` is told each part as it ends, with the seconds since the start (the whole takes minutes on
+    a large model)."""
+    begun = time.perf_counter()
+
+    def done(what: str) -> None:
+        if progress is not None:
+            progress(f"{what} ({time.perf_counter() - begun:.0f} s)")
+
     import cupy as cp
 
     from ..cuda.ops import kernels_for
@@ -569,16 +578,23 @@ def run_step(
         model = KernelModel(cp, f, context, kern, device_index, routing, attention_tc=tc)
         cp.cuda.Device().synchronize()
         made_s = time.perf_counter() - t0
-        table = [model.time_rows(rows, position, repeats, copy) for rows in ROWS]
+        done(f"weights of {f.num_hidden_layers} layers made")
+        table = []
+        for rows in ROWS:
+            table.append(model.time_rows(rows, position, repeats, copy))
+            done(f"the step at {rows} row{'s' * (rows > 1)} timed, eager and as a graph")
         kernels = {
             str(rows): model.time_kernels(position, max(repeats // 2, 3), rows) for rows in KERNEL_ROWS
         }
+        done("each kernel timed alone")
         in_step = {
             str(rows): model.time_in_step(rows, position, max(repeats // 2, 3)) for rows in KERNEL_ROWS
         }
+        done("each kernel group timed inside the step")
         choices = {
             str(rows): model.time_choices(rows, position, max(repeats // 2, 3)) for rows in KERNEL_ROWS
         }
+        done("the token choices timed")
         by_arm = None
         if arms is not None:
             named = {
@@ -587,6 +603,7 @@ def run_step(
             }
             timed = [model.time_kernel_arms(rows, position, repeats, arms) for rows in ROWS]
             by_arm = {"kernels": named, "rounds": ATTENTION_ROUNDS, "rows": timed}
+            done("the attention arms timed")
         name = gpu_name(cp, device_index)
     del model, routing
     with cp.cuda.Device(device_index):

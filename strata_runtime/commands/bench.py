@@ -497,7 +497,13 @@ def run_gpu_workload(args: argparse.Namespace, plans: dict[str, LaunchPlan]) -> 
         from ..bench.step_table import render_step
 
         try:
-            res = run_step(plan, plan.stages[0].gpu, position=args.position, versus=plans)
+            res = run_step(
+                plan,
+                plan.stages[0].gpu,
+                position=args.position,
+                versus=plans,
+                progress=lambda line: print(f"[step] {line}", file=sys.stderr, flush=True),
+            )
         except (MemoryError, ValueError) as exc:
             print(f"strata bench: {exc}", file=sys.stderr)
             return EXIT_REFUSED
