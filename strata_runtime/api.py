@@ -95,7 +95,10 @@ class Request:
     stop_ids: tuple[int, ...] = ()
     """Token ids that end generation (the model's EOS ids are added by the engine)."""
     stop_strings: tuple[str, ...] = ()
-    """Strings that end generation; the text is cut before them."""
+    """Strings that end generation; the text is cut before them (after them with ``keep_stop``)."""
+    keep_stop: bool = False
+    """The stop string that ended the reply is the end of its text, not cut off (vLLM's
+    ``include_stop_str_in_output``)."""
     request_id: str = ""
     ignore_eos: bool = False
     """Generate past the model's EOS ids (they are emitted as tokens), until ``max_tokens``, a stop id or a

@@ -40,11 +40,15 @@ def pieces(text: str, cuts: list[int]) -> list[str]:
     return [text[a:b] for a, b in itertools.pairwise(bounds)]
 
 
-def stream_stop_text(parts: list[str], stops: tuple[str, ...]) -> tuple[str, bool]:
+def stream_stop_text(parts: list[str], stops: tuple[str, ...], keep: bool = False) -> tuple[str, bool]:
     """Feed ``parts`` to a `StopText`; what was sent, checking after each piece that it is a prefix of the
-    final reply (nothing of a stop string ever leaks)."""
-    final, _ = cut_char_by_char("".join(parts), stops)
-    cutter, sent = StopText(stops), ""
+    final reply (nothing of a stop string ever leaks). ``keep``: the reply keeps the stop string it ends at,
+    up to where generating one character at a time would have stopped."""
+    text = "".join(parts)
+    final, hit = cut_char_by_char(text, stops)
+    if keep and hit:
+        final = text[: stop_end(text, stops)]
+    cutter, sent = StopText(stops, keep=keep), ""
     for part in parts:
         sent += cutter.feed(part)
         assert final.startswith(sent), (sent, final)
@@ -108,6 +112,10 @@ def test_of_two_stop_strings_ending_together_the_longer_is_cut():
 @example(text="ab", stops=("abc",), cuts=[1])  # held back, then sent when the reply ends
 def test_any_split_gives_the_text_cut_character_by_character(text, stops, cuts):
     assert stream_stop_text(pieces(text, cuts), stops) == cut_char_by_char(text, stops)
+    # vLLM's include_stop_str_in_output: the same cut, with the stop string it was cut at kept
+    cut, hit = cut_char_by_char(text, stops)
+    kept = text[: stop_end(text, stops)] if hit else cut
+    assert stream_stop_text(pieces(text, cuts), stops, keep=True) == (kept, hit)
 
 
 def test_every_two_window_split_of_a_slot_cuts_the_same():

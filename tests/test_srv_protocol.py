@@ -557,6 +557,41 @@ def test_min_p_the_repetition_penalty_and_min_tokens_reach_the_request(endpoint)
         assert info.value.param == "min_tokens" and f"({room})" in info.value.message
 
 
+def test_truncate_prompt_tokens_reads_the_prompts_end_and_include_stop_str_keeps_the_stop():
+    """vLLM's ``truncate_prompt_tokens``: the prompt's last k tokens (-1: as many as the context holds with
+    room for a token), counted as the prompt in the usage; 0, or with ``echo``, is refused by name.
+    ``include_stop_str_in_output`` reaches the request."""
+    ids = list(range(1, 11))
+    base = {"model": "m", "prompt": "x"}
+
+    def prepared(**extra):
+        return p.prepare(
+            p.parse_completion({**base, **extra}), ids, context=8, vocab_size=300, default_max_tokens=1
+        )
+
+    got = prepared(truncate_prompt_tokens=4)
+    assert got.request.prompt_ids == (7, 8, 9, 10) and got.prompt_tokens == 4
+    assert prepared(truncate_prompt_tokens=-1).request.prompt_ids == tuple(range(4, 11))
+    with pytest.raises(p.ApiError) as info:  # more than the prompt holds: the whole prompt, too long here
+        prepared(truncate_prompt_tokens=20)
+    assert info.value.code == "context_length_exceeded"
+    with pytest.raises(p.ApiError) as info:
+        prepared(truncate_prompt_tokens=0)
+    assert info.value.param == "truncate_prompt_tokens"
+    with pytest.raises(p.ApiError) as info:
+        p.prepare(
+            p.parse_completion({**base, "truncate_prompt_tokens": 3, "echo": True, "max_tokens": 1}),
+            ids,
+            context=64,
+            vocab_size=300,
+            default_max_tokens=1,
+            echo="x",
+        )
+    assert info.value.param == "echo"
+    assert not prepared(truncate_prompt_tokens=4).request.keep_stop
+    assert prepared(truncate_prompt_tokens=4, include_stop_str_in_output=True).request.keep_stop
+
+
 def test_vllms_earlier_guided_fields_hold_the_reply_as_structured_outputs_does():
     """``guided_json``, ``guided_regex``, ``guided_choice`` and ``guided_grammar`` (vLLM's fields before
     ``structured_outputs``, which older clients still send) give the same grammar as the key they stand

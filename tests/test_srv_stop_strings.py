@@ -54,8 +54,9 @@ def nested_stops(text: str) -> tuple[str, str]:
     raise AssertionError(f"no nested stop strings in {text!r}")
 
 
-def http_replies(plan: Any, stops: list[str]) -> tuple[str, str, str | None]:
-    """The reply to the same request over HTTP: whole, streamed (chunks joined), and its finish reason."""
+def http_replies(plan: Any, stops: list[str], keep: bool = False) -> tuple[str, str, str | None]:
+    """The reply to the same request over HTTP: whole, streamed (chunks joined), and its finish reason;
+    ``keep``: with vLLM's ``include_stop_str_in_output``."""
 
     async def scenario() -> tuple[str, str, str | None]:
         options = ServeOptions(host="127.0.0.1", port=0, model_name="demo", api_key=None)
@@ -69,6 +70,8 @@ def http_replies(plan: Any, stops: list[str]) -> tuple[str, str, str | None]:
             await asyncio.sleep(0.05)
         url = f"http://127.0.0.1:{server.port}/v1/completions"
         body = {"model": "demo", "prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0, "stop": stops}
+        if keep:
+            body["include_stop_str_in_output"] = True
         async with aiohttp.ClientSession() as s:
             async with s.post(url, json=body) as r:
                 assert r.status == 200, await r.text()
@@ -98,3 +101,6 @@ def test_generate_and_the_http_api_cut_stop_strings_the_same():
     whole, streamed, finish = http_replies(resolve_profile(DEMO), [long, short])
     assert cli["text"] == whole == streamed == expected
     assert cli["finish_reason"] == finish == "stop"
+    # include_stop_str_in_output: the reply ends with the stop string it was cut at
+    whole, streamed, finish = http_replies(resolve_profile(DEMO), [long, short], keep=True)
+    assert whole == streamed == expected + short and finish == "stop"

@@ -81,7 +81,8 @@ class Slot:
 
     def __post_init__(self) -> None:
         held = self.handle.request.sampling.min_tokens > len(self.generated)
-        self._stops = StopText(self.handle.request.stop_strings, held=held)
+        request = self.handle.request
+        self._stops = StopText(request.stop_strings, held=held, keep=request.keep_stop)
 
     @property
     def prompt(self) -> tuple[int, ...]:

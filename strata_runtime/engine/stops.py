@@ -23,10 +23,11 @@ class StopText:
     decides it, so what was sent is always a prefix of the final, cut reply. Empty stop strings are ignored.
     """
 
-    def __init__(self, stops: tuple[str, ...], held: bool = False) -> None:
+    def __init__(self, stops: tuple[str, ...], held: bool = False, keep: bool = False) -> None:
         """``held``: no stop string counts until `arm` says from where (a reply short of its
-        ``min_tokens``)."""
+        ``min_tokens``). ``keep``: the reply ends with the stop string it is cut at, instead of before it."""
         self.stops = tuple(s for s in stops if s)
+        self.keep = keep
         self.after: int | None = None if held else 0
         """A stop string counts only where it ends past this many characters of the reply; None: none counts
         yet."""
@@ -51,7 +52,7 @@ class StopText:
             end, start = min(hits)
             self.stopped, self.pending, self.hit = True, "", buf[start:end]
             self.end = offset + end
-            return buf[:start]
+            return buf[: end if self.keep else start]
         hold = max((_overlap(buf, s) for s in self.stops), default=0)
         self.pending = buf[len(buf) - hold :]
         return buf[: len(buf) - hold]

@@ -87,6 +87,11 @@ class _Body(_Strict):
     min_tokens: int = Field(default=0, ge=0)
     """An extension (as vLLM takes it): no end-of-text or stop token is chosen, and no stop string ends the
     reply, before it has this many tokens."""
+    include_stop_str_in_output: bool = False
+    """An extension (as vLLM takes it): a reply a stop string ended keeps that string at its end."""
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    """An extension (as vLLM takes it): read only the prompt's last this many tokens (-1: as many as the
+    context holds with room for one generated token); None reads it whole."""
     logit_bias: dict[str, float] | None = None
     """Token id (as a string, a JSON object's key) -> bias in [-100, 100], added to that token's logit."""
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
@@ -330,8 +335,6 @@ NOT_SAMPLED_HERE: dict[str, tuple[Any, ...]] = {
     "length_penalty": (1, 1.0),
     "bad_words": ([],),
     "allowed_token_ids": (),
-    "include_stop_str_in_output": (False,),
-    "truncate_prompt_tokens": (),
     "logits_processors": (),
     "guided_whitespace_pattern": (),
 }
@@ -706,6 +709,21 @@ def prepare(
     text, which a completion with ``echo`` returns before its reply. ``tools``: a chat's tools, whose calls
     the reply is read for, and which hold it to calls where it must make one.
     """
+    cut = body.truncate_prompt_tokens
+    if cut is not None:  # the prompt's last tokens only
+        if cut == 0:
+            raise ApiError(
+                400,
+                "`truncate_prompt_tokens` must be at least 1, or -1 for as many as the context holds",
+                "truncate_prompt_tokens",
+            )
+        if echo is not None:
+            raise ApiError(
+                400,
+                "`truncate_prompt_tokens` cannot be given with `echo` (which returns the whole prompt)",
+                "echo",
+            )
+        ids = ids[-(context - 1 if cut == -1 else cut) :]
     n = len(ids)
     if n == 0:
         raise ApiError(400, "the prompt is empty after tokenization", "prompt")
@@ -769,6 +787,7 @@ def prepare(
         ),
         # The engine cuts stop strings (`strata_runtime.engine.stops`), as it does for `strata generate`.
         stop_strings=tuple(stop),
+        keep_stop=body.include_stop_str_in_output,
         stop_ids=tuple(_checked_ids(body.stop_token_ids or [], vocab_size, "stop_token_ids")),
         request_id=new_id("chatcmpl" if isinstance(body, ChatBody) else "cmpl"),
         ignore_eos=body.ignore_eos,
