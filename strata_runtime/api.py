@@ -48,6 +48,9 @@ class SamplingParams:
     min_p: float = 0.0
     """After temperature: a token whose probability is below ``min_p`` times the most likely token's gets
     nothing (before top-p, which then weighs what stays). 0: no cut."""
+    allowed_token_ids: tuple[int, ...] | None = None
+    """Only these tokens may be chosen (vLLM's ``allowed_token_ids``): every other one's logit is minus
+    infinity, as a logit bias would make it. None: any."""
     min_tokens: int = 0
     """No stop token (the model's end-of-text ids, ``stop_ids``) is chosen, and no stop string ends the reply,
     before this many tokens are generated. 0: none."""
@@ -173,6 +176,9 @@ def sampling_problem(s: SamplingParams) -> str | None:
         return f"min_p: a number from 0 to 1 (0 cuts nothing), not {s.min_p!r}"
     if not _whole(s.min_tokens) or s.min_tokens < 0:
         return f"min_tokens: a whole number at least 0, not {s.min_tokens!r}"
+    allowed = s.allowed_token_ids
+    if allowed is not None and (not allowed or not all(_whole(t) and t >= 0 for t in allowed)):
+        return f"allowed_token_ids: None or one or more token ids, not {allowed!r}"
     for pair in s.logit_bias:
         if len(pair) != 2 or not _whole(pair[0]) or not _finite(pair[1]) or abs(pair[1]) > ADJUST_MOST:
             return f"logit_bias: (token id, bias of magnitude at most {ADJUST_MOST:g}) pairs, not {pair!r}"

@@ -324,10 +324,31 @@ def test_greedy_with_penalties_is_the_same_when_drafting_pauses_and_probes() -> 
     assert paused == plain
 
 
+@pytest.mark.parametrize(("draft_tokens", "stages"), [(0, 1), (4, 1), (3, 2)])
+@pytest.mark.parametrize("temperature", [0.0, 1.5])
+def test_allowed_token_ids_hold_every_token_of_the_reply(draft_tokens, stages, temperature) -> None:
+    """vLLM's ``allowed_token_ids``: every other token's logit is minus infinity, as a bias would make it, so
+    the reply (run past end-of-text, which is not allowed) holds only those, greedy and sampled, drafted or
+    not; with a bias on one of them and a repetition penalty beside, greedy, the same in every mode."""
+    allowed = (A, A + 1, A + 2, 32)
+    eng = engine(draft_tokens, stages)
+    sampling = SamplingParams(temperature=temperature, seed=11, allowed_token_ids=allowed)
+    [tokens] = generate(eng, [Request(tuple(b"Once upon a time"), 30, sampling)])
+    assert len(tokens) == 30 and set(tokens) <= set(allowed)
+    assert temperature == 0 or len(set(tokens)) > 1
+    both = SamplingParams(allowed_token_ids=allowed, logit_bias=((A + 1, 1.0),), repetition_penalty=1.2)
+    [biased] = generate(eng, [Request(tuple(b"Once upon a time"), 30, both)])
+    [plain] = generate(engine(0, 1), [Request(tuple(b"Once upon a time"), 30, both)])
+    assert biased == plain and set(biased) <= set(allowed)
+
+
 def test_the_engine_refuses_a_logit_bias_outside_the_vocabulary() -> None:
     eng = engine(0, 1)
     vocab = eng.model.args.vocab_size
     handle = eng.submit(Request((1, 2), 3, SamplingParams(logit_bias=((vocab, 1.0),))))
     event = handle.events.get_nowait()
     assert event.finished == "error" and f"[0, {vocab})" in (event.error or "")
+    handle = eng.submit(Request((1, 2), 3, SamplingParams(allowed_token_ids=(1, vocab))))
+    event = handle.events.get_nowait()
+    assert event.finished == "error" and (event.error or "").startswith("allowed_token_ids")
     assert generate(eng, [Request((1, 2), 3)])[0]  # and it keeps serving

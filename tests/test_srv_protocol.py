@@ -500,7 +500,8 @@ REFUSED = [
     ("completions", {"repetition_penalty": 0}, "repetition_penalty", ["`repetition_penalty`", "0.001"]),
     ("completions", {"min_tokens": -1}, "min_tokens", ["`min_tokens`"]),
     ("chat", {"use_beam_search": True}, "use_beam_search", ["send false)"]),
-    ("chat", {"allowed_token_ids": [1, 2]}, "allowed_token_ids", ["(leave it out)"]),
+    ("chat", {"allowed_token_ids": []}, "allowed_token_ids", ["`allowed_token_ids`"]),
+    ("chat", {"bad_words": ["no"]}, "bad_words", ["(leave it out or send [])"]),
     ("completions", {"repeat_penalty": 1.2}, "repeat_penalty", ["`repeat_penalty`"]),
     ("chat", {"presence_penalty": 2.5}, "presence_penalty", ["`presence_penalty`", "less than"]),
     ("completions", {"frequency_penalty": -3}, "frequency_penalty", ["`frequency_penalty`"]),
@@ -557,10 +558,11 @@ def test_min_p_the_repetition_penalty_and_min_tokens_reach_the_request(endpoint)
         assert info.value.param == "min_tokens" and f"({room})" in info.value.message
 
 
-def test_truncate_prompt_tokens_reads_the_prompts_end_and_include_stop_str_keeps_the_stop():
+def test_truncate_prompt_tokens_include_stop_str_and_allowed_token_ids_reach_the_request():
     """vLLM's ``truncate_prompt_tokens``: the prompt's last k tokens (-1: as many as the context holds with
     room for a token), counted as the prompt in the usage; 0, or with ``echo``, is refused by name.
-    ``include_stop_str_in_output`` reaches the request."""
+    ``include_stop_str_in_output`` reaches the request, and so does ``allowed_token_ids``, whose ids outside the
+    vocabulary are refused by name."""
     ids = list(range(1, 11))
     base = {"model": "m", "prompt": "x"}
 
@@ -588,6 +590,12 @@ def test_truncate_prompt_tokens_reads_the_prompts_end_and_include_stop_str_keeps
             echo="x",
         )
     assert info.value.param == "echo"
+    assert prepared(
+        truncate_prompt_tokens=4, allowed_token_ids=[5, 7]
+    ).request.sampling.allowed_token_ids == (5, 7)
+    with pytest.raises(p.ApiError) as info:
+        prepared(truncate_prompt_tokens=4, allowed_token_ids=[5, 300])
+    assert info.value.param == "allowed_token_ids" and "outside the vocabulary" in info.value.message
     assert not prepared(truncate_prompt_tokens=4).request.keep_stop
     assert prepared(truncate_prompt_tokens=4, include_stop_str_in_output=True).request.keep_stop
 

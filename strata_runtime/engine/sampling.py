@@ -104,11 +104,13 @@ class Sampler:
         grammar: Matcher | None = None,
         prompt: Sequence[int] = (),
         stops: Iterable[int] = (),
+        vocab: int = 0,
     ) -> None:
         """``grammar``: the reply's place in its grammar (`strata_runtime.structured`), where the request
         has one: its tokens are chosen and its proposals drawn and verified on the host, over the tokens the
         grammar allows. ``prompt``: the request's prompt, whose tokens a repetition penalty counts as seen.
-        ``stops``: the tokens that end the reply, which ``min_tokens`` holds off."""
+        ``stops``: the tokens that end the reply, which ``min_tokens`` holds off. ``vocab``: the vocabulary's
+        size, whose tokens outside ``allowed_token_ids`` get a bias of minus infinity."""
         self.params = params
         self.grammar = grammar
         r = params.reasoning
@@ -126,6 +128,7 @@ class Sampler:
             or params.frequency_penalty
             or params.logit_bias
             or params.repetition_penalty != 1.0
+            or params.allowed_token_ids is not None
         )
         """The logits change before a token is chosen (a bias or a penalty is set)."""
         self.counts: Counter[int] = Counter()
@@ -133,6 +136,10 @@ class Sampler:
         bias: dict[int, float] = {}
         for token, value in params.logit_bias:  # a token named twice gets both biases
             bias[token] = bias.get(token, 0.0) + value
+        if params.allowed_token_ids is not None:  # every other token banned, whatever its bias
+            assert vocab > 0, "allowed_token_ids needs the vocabulary's size"
+            banned = np.setdiff1d(np.arange(vocab), np.asarray(params.allowed_token_ids, np.int64))
+            bias.update(dict.fromkeys(banned.tolist(), -np.inf))
         self.bias_ids = np.array(list(bias), dtype=np.int64)
         self.bias = np.array(list(bias.values()), dtype=np.float64)
         repeats = params.repetition_penalty != 1.0

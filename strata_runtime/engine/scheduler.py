@@ -479,6 +479,8 @@ class Engine:
             return f"prompt_ids: every id must be in [0, {vocab})"
         if any(not 0 <= t < vocab for t, _ in r.sampling.logit_bias):
             return f"logit_bias: every token id must be in [0, {vocab})"
+        if any(not 0 <= t < vocab for t in r.sampling.allowed_token_ids or ()):
+            return f"allowed_token_ids: every token id must be in [0, {vocab})"
         think = r.sampling.reasoning
         if think is not None and not (0 <= think.open_id < vocab and 0 <= think.close_id < vocab):
             return f"reasoning: the think block's open_id and close_id must be in [0, {vocab})"
@@ -559,7 +561,9 @@ class Engine:
         handle.slot = i
         self.model.admit(i, req.prompt_ids)
         stop_ids = frozenset(req.stop_ids) | frozenset(() if req.ignore_eos else self.tokenizer.eos_ids)
-        sampler = Sampler(req.sampling, seed, handle.grammar, req.prompt_ids, stop_ids)
+        sampler = Sampler(
+            req.sampling, seed, handle.grammar, req.prompt_ids, stop_ids, self.model.args.vocab_size
+        )
         self.slots[i] = Slot(
             i,
             handle,

@@ -87,6 +87,8 @@ class _Body(_Strict):
     min_tokens: int = Field(default=0, ge=0)
     """An extension (as vLLM takes it): no end-of-text or stop token is chosen, and no stop string ends the
     reply, before it has this many tokens."""
+    allowed_token_ids: list[int] | None = Field(default=None, min_length=1)
+    """An extension (as vLLM takes it): only these tokens may be chosen."""
     include_stop_str_in_output: bool = False
     """An extension (as vLLM takes it): a reply a stop string ended keeps that string at its end."""
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
@@ -334,7 +336,6 @@ NOT_SAMPLED_HERE: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (False,),
     "length_penalty": (1, 1.0),
     "bad_words": ([],),
-    "allowed_token_ids": (),
     "logits_processors": (),
     "guided_whitespace_pattern": (),
 }
@@ -780,6 +781,11 @@ def prepare(
             repetition_penalty=body.repetition_penalty,
             min_p=body.min_p,
             min_tokens=body.min_tokens,
+            allowed_token_ids=(
+                None
+                if body.allowed_token_ids is None
+                else tuple(_checked_ids(body.allowed_token_ids, vocab_size, "allowed_token_ids"))
+            ),
             logit_bias=logit_bias(body.logit_bias or {}, vocab_size),
             logprobs=asked_logprobs(body),
             prompt_logprobs=body.logprobs if isinstance(body, CompletionBody) and body.echo else None,
