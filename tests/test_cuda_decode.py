@@ -534,6 +534,17 @@ def test_penalised_requests_on_gpu_run_ahead_with_the_text_the_host_verifies(cp)
         pass
     events = list(held.events.queue)
     assert len([t for ev in events for t in ev.token_ids]) == 7 and events[-1].finished == "stop"
+    allowed = (65, 66, 67, 32)  # every other token's logit minus infinity, on the GPU's bias
+    engine = Engine(_run_ahead(plan, 3))
+    only = engine.submit(
+        Request(
+            tuple(prompts[2]), 30, sampling=SamplingParams(temperature=1.5, seed=4, allowed_token_ids=allowed)
+        )
+    )
+    while engine.step():
+        pass
+    drawn = [t for ev in list(only.events.queue) for t in ev.token_ids]
+    assert len(drawn) == 30 and set(drawn) <= set(allowed) and len(set(drawn)) > 1
 
 
 def test_leading_matches_on_gpu_equal_numpy(cp):

@@ -561,8 +561,8 @@ def test_min_p_the_repetition_penalty_and_min_tokens_reach_the_request(endpoint)
 def test_truncate_prompt_tokens_include_stop_str_and_allowed_token_ids_reach_the_request():
     """vLLM's ``truncate_prompt_tokens``: the prompt's last k tokens (-1: as many as the context holds with
     room for a token), counted as the prompt in the usage; 0, or with ``echo``, is refused by name.
-    ``include_stop_str_in_output`` reaches the request, and so does ``allowed_token_ids``, whose ids outside the
-    vocabulary are refused by name."""
+    ``include_stop_str_in_output`` reaches the request, and so does ``allowed_token_ids``, whose ids
+    outside the vocabulary are refused by name."""
     ids = list(range(1, 11))
     base = {"model": "m", "prompt": "x"}
 
