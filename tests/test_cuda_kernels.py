@@ -896,7 +896,7 @@ def test_split_choice_gathers_where_a_cut_fits(gpu):
     cap = np.int32(CHOOSE_GATHER)
 
     def prep(t: float, k: int, p: float) -> np.ndarray:
-        words = kern._split_prep(logits_d, None, t, None, k, None, p, cap).get()
+        words = kern._split_prep(logits_d, None, t, None, k, None, p, None, -np.inf, cap).get()
         return words.view(np.uint8).reshape(rows, CHOOSE_PREP_BYTES)
 
     for t, k, p in ((1 / 0.7, 20, 0.8), (1 / 0.7, 0, 0.8)):
@@ -964,6 +964,27 @@ def test_choose_matches_twin(gpu, rows, v):
             cdf = np.cumsum(w)
             edge = cdf[min(got[r], want[r])]
             assert abs(edge - float(u32[r]) * cdf[-1]) < 1e-5 * cdf[-1], (r, got[r], want[r])
+
+
+@pytest.mark.parametrize("v", [8, 151_936])
+def test_signed_zeros_tie_at_the_cuts_as_the_twin_orders_them(gpu, v):
+    """-0.0 and +0.0 are equal logits: at a top-k or top-p cut they tie and go by index, as the twin (and the
+    host's rule) order them. The kernel's keys once put +0 above -0: top-k 2 then cut the -0 tokens it must
+    keep, and a top-p cut inside the zeros kept the +0 ones before the -0 ones before them."""
+    cp, kern, ref = gpu
+    row = np.full(v, -20.0, np.float32)
+    row[:8] = [1.0, -0.0, 0.0, -0.0, 0.0, -3.0, -4.0, -5.0]
+    logits = np.repeat(row[None, :], 2, axis=0)
+    w = np.exp(row.astype(np.float64) - 1.0)
+    inside = float(np.float32((w[0] + 1.5 * w[1]) / w.sum()))  # the cut falls among the four zeros
+    for top_k, top_p, kept in ((2, 1.0, [0, 1, 2, 3, 4]), (0, inside, [0, 1, 2]), (3, inside, [0, 1, 2])):
+        want = np.empty(logits.shape)
+        ref.distribution(logits, 1.0, top_k, top_p, want)
+        assert np.flatnonzero(want[0]).tolist() == kept, (top_k, top_p)
+        for split in (True, False):
+            got = cp.full(logits.shape, np.nan, cp.float64)
+            kern.distribution(cp.asarray(logits), 1.0, top_k, top_p, got, split=split)
+            assert np.flatnonzero(got.get()[0]).tolist() == kept, (top_k, top_p, split)
 
 
 DISTRIBUTION_CASES = [  # (temperature, top_k, top_p, min_p): Qwen3's sampling, each cut alone, none

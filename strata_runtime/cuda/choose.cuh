@@ -22,8 +22,9 @@
 typedef unsigned long long u64;
 
 __device__ __forceinline__ unsigned order_key(float v) {
-  // A float's bits as an unsigned key with the float's order (larger float, larger key).
-  const unsigned u = __float_as_uint(v);
+  // A float's bits as an unsigned key with the float's order (larger float, larger key). -0 takes +0's key:
+  // the two are equal, so they tie and go by index, as the NumPy twin and the host's rule order them.
+  const unsigned u = __float_as_uint(v) == 0x80000000u ? 0u : __float_as_uint(v);
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
