@@ -35,8 +35,7 @@ __device__ __forceinline__ bool min_p_keeps(float v, float mx, float t, float lm
 }
 
 // Block-wide: the least key of a token of l[V] that passes the min-p cut lmp (min_p_keeps; the largest logit mx
-// always does), so that the tokens passing are those whose key is at least it. Every thread gets it. Not
-// inlined: the callers' loops keep their registers.
+// always does), so that the tokens passing are those whose key is at least it. Every thread gets it.
 __device__ __forceinline__ unsigned min_p_key(const float* __restrict__ l, int V, float mx, float t, float lmp) {
   __shared__ unsigned least_key;  // (the split kernels find it over slices: choose_split_cuts)
   if (threadIdx.x == 0) least_key = ~0u;
@@ -296,11 +295,11 @@ __device__ __forceinline__ u64 fixed_weight(float v, float mx, float t) {
 
 // One row of choose_rows (token: its chosen token) or of distribution_rows (dist: its distribution [V]), by
 // one block of 1024 threads: l the row's logits, t its 1 / temperature, k its top-k, p its top-p, lmp its
-// min-p cut (ln(min_p), -inf: none), u its uniform (a draw only). With prep (the split kernels' findings for the row), the row's max and its first
-// gather come from there instead of passes of this block over the row; every later step is the same, so the
-// token and the distribution are the same bit for bit. With prep and neither token nor dist, the
-// distribution's cuts and total go to prep, and distribution_split_write writes the row. SPLIT: prep is given
-// (the split kernels'), and holds the min-p cut's key too.
+// min-p cut (ln(min_p), -inf: none), u its uniform (a draw only). With prep (the split kernels' findings for
+// the row), the row's max and its first gather come from there instead of passes of this block over the row;
+// every later step is the same, so the token and the distribution are the same bit for bit. With prep and
+// neither token nor dist, the distribution's cuts and total go to prep, and distribution_split_write writes
+// the row. SPLIT: prep is given (the split kernels'), and holds the min-p cut's key too.
 template <bool SPLIT = false>
 __device__ __forceinline__ void choose_row(const float* __restrict__ l, int V, float t, int k, float p, float lmp,
                                            float u, int cap, long long* __restrict__ token,
@@ -555,8 +554,8 @@ __global__ void __launch_bounds__(1024) choose_rows(const float* __restrict__ lo
 
 // out[r] (float64 [V]) = the distribution choose_rows draws row r's token from, at one inv_temp (> 0), top_k,
 // top_p and min-p cut lmp for every row: its float32 weights exp((l - max l) * inv_temp) of the tokens that
-// stay after the cuts, over their sum in float64. A sampled window decided on the device verifies its proposals against it and draws them from
-// it (models/ops/choose.py).
+// stay after the cuts, over their sum in float64. A sampled window decided on the device verifies its
+// proposals against it and draws them from it (models/ops/choose.py).
 __global__ void __launch_bounds__(1024) distribution_rows(const float* __restrict__ logits, int V, float inv_temp,
                                                           int top_k, float top_p, int cap, double* __restrict__ out,
                                                           float lmp) {

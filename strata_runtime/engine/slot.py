@@ -80,8 +80,8 @@ class Slot:
     """Characters of ``sent_text`` in the events put so far."""
 
     def __post_init__(self) -> None:
-        held = self.handle.request.sampling.min_tokens > len(self.generated)
         request = self.handle.request
+        held = request.sampling.min_tokens > len(self.generated)
         self._stops = StopText(request.stop_strings, held=held, keep=request.keep_stop)
 
     @property
