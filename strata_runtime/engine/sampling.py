@@ -136,16 +136,22 @@ class Sampler:
         bias: dict[int, float] = {}
         for token, value in params.logit_bias:  # a token named twice gets both biases
             bias[token] = bias.get(token, 0.0) + value
-        if params.allowed_token_ids is not None:  # every other token banned, whatever its bias
-            assert vocab > 0, "allowed_token_ids needs the vocabulary's size"
-            banned = np.setdiff1d(np.arange(vocab), np.asarray(params.allowed_token_ids, np.int64))
-            bias.update(dict.fromkeys(banned.tolist(), -np.inf))
         self.bias_ids = np.array(list(bias), dtype=np.int64)
         self.bias = np.array(list(bias.values()), dtype=np.float64)
+        if params.allowed_token_ids is not None:  # every other token banned, whatever its bias
+            # In array steps: a vocabulary's worth of Python objects would hold the engine's thread for tens
+            # of milliseconds.
+            assert vocab > 0, "allowed_token_ids needs the vocabulary's size"
+            allowed = np.zeros(vocab, dtype=bool)
+            allowed[np.asarray(params.allowed_token_ids, np.int64)] = True
+            kept = allowed[self.bias_ids]
+            banned = np.flatnonzero(~allowed)
+            self.bias_ids = np.concatenate([self.bias_ids[kept], banned])
+            self.bias = np.concatenate([self.bias[kept], np.full(banned.size, -np.inf)])
         repeats = params.repetition_penalty != 1.0
         self.seen = np.unique(np.asarray(prompt, np.int64)) if repeats else np.zeros(0, np.int64)
         """The prompt's distinct tokens, which a repetition penalty counts as seen (none without one)."""
-        self.stops = np.array(sorted(set(stops)), dtype=np.int64)
+        self.stops = np.array(sorted(t for t in set(stops) if t >= 0), dtype=np.int64)
         self.generated = 0
         """Tokens recorded for the reply so far."""
         self.on_device = False
