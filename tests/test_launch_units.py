@@ -272,6 +272,11 @@ def test_loadtest_requests_carry_the_sampling_and_a_seed_each(monkeypatch):
         "http://x", clients=1, requests_per_client=1, max_tokens=8, sampling={"presence_penalty": 1.0}
     )
     assert ", greedy, presence penalty 1, " in penalised.lines()[0]
+    bodies.clear()
+    cut = {"temperature": 0.7, "min_p": 0.05, "repetition_penalty": 1.1}
+    trimmed = load_test.run_load("http://x", clients=1, requests_per_client=1, max_tokens=8, sampling=cut)
+    assert bodies[0].items() >= cut.items()  # the fields go in the request's body, as vLLM takes them
+    assert "sampled at temperature 0.7, min-p 0.05, repetition penalty 1.1" in trimmed.lines()[0]
 
 
 def test_the_engine_a_launcher_starts_does_not_inherit_systemds_notification_variables():

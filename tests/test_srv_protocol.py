@@ -579,7 +579,7 @@ def test_truncate_prompt_tokens_include_stop_str_and_allowed_token_ids_reach_the
     assert info.value.code == "context_length_exceeded"
     with pytest.raises(p.ApiError) as info:
         prepared(truncate_prompt_tokens=0)
-    assert info.value.param == "truncate_prompt_tokens"
+    assert info.value.param == "truncate_prompt_tokens" and "must be at least 1, or -1" in info.value.message
     with pytest.raises(p.ApiError) as info:
         p.prepare(
             p.parse_completion({**base, "truncate_prompt_tokens": 3, "echo": True, "max_tokens": 1}),
@@ -589,7 +589,7 @@ def test_truncate_prompt_tokens_include_stop_str_and_allowed_token_ids_reach_the
             default_max_tokens=1,
             echo="x",
         )
-    assert info.value.param == "echo"
+    assert info.value.param == "echo" and "cannot be given with `echo`" in info.value.message
     assert prepared(
         truncate_prompt_tokens=4, allowed_token_ids=[5, 7]
     ).request.sampling.allowed_token_ids == (5, 7)
