@@ -508,13 +508,15 @@ def test_peer_access_counts_as_enabled_only_when_the_driver_says_it_already_is(f
 def test_windows_running_ahead_on_the_cuda_path_give_the_array_paths_text(fake_gpu):
     """Greedy and seeded plain sampling through the CUDA path's head (the device's choice, the chained
     window's tokens crossing from the last stage to the first) give the same tokens running ahead on a split
-    as one at a time on one stage."""
+    as one at a time on one stage; a hot request at min-p 1 gives the greedy text."""
     from strata_runtime.api import SamplingParams
     from strata_runtime.engine import Engine
 
     requests = [
         Request((72, 101, 108, 108, 111), 12),
         Request(tuple(range(40, 60)), 12, sampling=SamplingParams(temperature=0.8, seed=9)),
+        Request(tuple(range(60, 75)), 12, sampling=SamplingParams(temperature=1.5, min_p=1.0, seed=4)),
+        Request(tuple(range(60, 75)), 12),
     ]
 
     def generate(plan, run_ahead: int) -> list[list[int]]:
@@ -532,6 +534,7 @@ def test_windows_running_ahead_on_the_cuda_path_give_the_array_paths_text(fake_g
     # Greedy text is the array path's. A draw can land on the other side of a boundary the two paths'
     # float32 logits place a rounding apart, so the sampled text is compared within the CUDA path only.
     assert alone[0] == cpu[0]
+    assert alone[2] == alone[3]  # min-p 1, through the head's upload of the cut: the top token alone
 
 
 def test_a_reply_with_a_grammar_on_the_cuda_path_is_chosen_by_the_host_beside_windows_that_run_ahead(

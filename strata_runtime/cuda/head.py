@@ -70,13 +70,16 @@ class CudaHead:
         choose`); the host arrays go up through pinned memory, on the current stream."""
         with cp.cuda.Device(self.device_id):
             rows = logits.shape[0]
-            t, u, p, m = (cp.empty(rows, cp.float32) for _ in range(4))
+            t, u, p = (cp.empty(rows, cp.float32) for _ in range(3))
             k = cp.empty(rows, cp.int32)
             upload_into(t, draws.inv_temp.astype(np.float32))
             upload_into(u, draws.uniform.astype(np.float32))
             upload_into(k, draws.top_k.astype(np.int32))
             upload_into(p, draws.top_p.astype(np.float32))
-            upload_into(m, draws.log_min_p.astype(np.float32))
+            m = None  # no row cuts by min-p: nothing more to copy up
+            if not np.isneginf(draws.log_min_p).all():
+                m = cp.empty(rows, cp.float32)
+                upload_into(m, draws.log_min_p.astype(np.float32))
             out = cp.empty(rows, cp.int64)
             self.kern.choose(logits, t, u, k, p, out, log_min_p=m)
             return out
