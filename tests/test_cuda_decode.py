@@ -485,7 +485,7 @@ def test_penalised_requests_on_gpu_run_ahead_with_the_text_the_host_verifies(cp)
     them) have their rows adjusted and chosen on the GPU, so their windows run ahead; greedy, their text is
     the text of solo drafting, whose windows the host verifies with its own arithmetic, and sampled (seeded)
     it is the same one window at a time or run ahead. ``min_tokens`` holds off an end-of-text pushed to the
-    top."""
+    top, drafting and running ahead."""
     from strata_runtime.api import Request, SamplingParams
     from strata_runtime.engine import Engine
 
@@ -534,6 +534,19 @@ def test_penalised_requests_on_gpu_run_ahead_with_the_text_the_host_verifies(cp)
         pass
     events = list(held.events.queue)
     assert len([t for ev in events for t in ev.token_ids]) == 7 and events[-1].finished == "stop"
+    held_texts = []
+    for ahead in (1, 3):  # held off on the GPU's bias, windows running ahead up to the 7th token
+        engine = Engine(_run_ahead(plan, ahead))
+        sampling = SamplingParams(temperature=0.8, seed=3, logit_bias=pushed, min_tokens=7)
+        held = engine.submit(Request(tuple(prompts[1]), 40, sampling=sampling))
+        most = 0
+        while engine.step():
+            most = max(most, len(engine._chain))
+        assert (most > 0) == (ahead > 1)
+        events = list(held.events.queue)
+        held_texts.append([t for ev in events for t in ev.token_ids])
+        assert len(held_texts[-1]) == 7 and events[-1].finished == "stop"
+    assert held_texts[0] == held_texts[1]
     allowed = (65, 66, 67, 32)  # every other token's logit minus infinity, on the GPU's bias
     engine = Engine(_run_ahead(plan, 3))
     only = engine.submit(

@@ -1,6 +1,8 @@
 """``min_tokens`` (vLLM's): no stop token is chosen, and no stop string ends the reply, before the reply has
-that many tokens. The host chooses those tokens with the stop tokens masked (`Sampler.holding_stops`), in
-every window mode; from there on the request runs as any other."""
+that many tokens. Those tokens are chosen with the stop tokens masked (`Sampler.holding_stops`), on the
+device as any biased request's are, with windows running ahead up to the ``min_tokens``-th token and not past
+it; in every window mode the text is the text of windows one at a time, and from there on the request runs as
+any other."""
 
 from __future__ import annotations
 
@@ -41,24 +43,37 @@ def run(eng: Engine, request: Request) -> tuple[list[int], str | None, str | int
     return tokens, finished, stop, text
 
 
-def test_rows_short_of_min_tokens_lose_the_stop_tokens_and_the_host_chooses_them() -> None:
+def test_rows_short_of_min_tokens_lose_the_stop_tokens_on_the_host_and_the_device() -> None:
     """Row j of a window follows the proposals before it: it is the reply's token ``generated + j``, and
-    only rows short of ``min_tokens`` are masked. The host chooses until the reply reaches it; a request with
-    no stop token to hold off (``ignore_eos``, no stop ids) is not held."""
-    sampler = Sampler(SamplingParams(min_tokens=3), seed=0, stops=[2, 5])
-    assert sampler.host_only and sampler.needs_logits
+    only rows short of ``min_tokens`` are masked. The device adds minus infinity to the stop tokens through
+    the request's bias until the reply reaches ``min_tokens``, where windows wait for the host (`hold_at`)
+    and the bias starts afresh without the ban; a request with no stop token to hold off (``ignore_eos``, no
+    stop ids) is not held."""
+    sampler = Sampler(SamplingParams(min_tokens=3, logit_bias=((5, 2.5), (6, -1.0))), seed=0, stops=[2, 5])
+    assert not sampler.host_only and sampler.adjusts and sampler.needs_logits and sampler.hold_at == 3
+    ids, values = sampler.device_bias()
+    assert dict(zip(ids.tolist(), values.tolist(), strict=True)) == {6: -1.0, 2: -np.inf, 5: -np.inf}
     logits = np.arange(24, dtype=np.float32).reshape(3, 8)
     out = sampler.adjusted(logits, [1, 4])
-    assert np.isneginf(out[:, [2, 5]]).all() and np.array_equal(
-        out[:, [0, 1, 3, 4, 6, 7]], logits[:, [0, 1, 3, 4, 6, 7]]
-    )
+    assert np.isneginf(out[:, [2, 5]]).all() and np.array_equal(out[:, 6], logits[:, 6] - 1.0)
+    assert np.array_equal(out[:, [0, 1, 3, 4, 7]], logits[:, [0, 1, 3, 4, 7]])
+    assert sampler.device_update()[0]  # the device's first window: its bias (with the ban) is sent
     sampler.record([7])
     out = sampler.adjusted(logits, [1, 4])  # rows are the reply's tokens 1, 2 and 3
-    assert np.isneginf(out[:2, [2, 5]]).all() and np.array_equal(out[2], logits[2])
+    assert np.isneginf(out[:2, [2, 5]]).all()
+    assert out[2, 2] == logits[2, 2] and out[2, 5] == logits[2, 5] + 2.5
+    assert sampler.on_device and sampler.hold_at == 3
     sampler.record([7, 7])
-    assert not sampler.holding_stops and not sampler.host_only and not sampler.needs_logits
-    assert np.array_equal(sampler.adjusted(logits, [1, 4]), logits)
-    assert not Sampler(SamplingParams(min_tokens=3), seed=0).host_only  # nothing to hold off
+    assert not sampler.holding_stops and sampler.hold_at is None and not sampler.on_device
+    ids, values = sampler.device_bias()  # the request's own bias again, sent afresh with the counts
+    assert dict(zip(ids.tolist(), values.tolist(), strict=True)) == {5: 2.5, 6: -1.0}
+    assert sampler.device_update() == (True, {7: 3})
+    plain = Sampler(SamplingParams(min_tokens=2), seed=0, stops=[2])
+    assert plain.adjusts and plain.hold_at == 2
+    plain.record([7, 7])
+    assert not plain.adjusts and not plain.needs_logits and plain.hold_at is None
+    assert np.array_equal(plain.adjusted(logits, [1, 4]), logits)
+    assert not Sampler(SamplingParams(min_tokens=3), seed=0).adjusts  # nothing to hold off
 
 
 def test_a_stop_string_counts_only_where_it_ends_past_the_held_text() -> None:
@@ -94,7 +109,9 @@ def test_min_tokens_holds_off_an_end_of_text_the_model_is_pushed_to(mode, stages
     tokens, finished, stop, _ = run(eng, Request(prompt, 30, pushed))
     assert len(tokens) == 6 and eos not in tokens and (finished, stop) == ("stop", eos)
     free, *_ = run(eng, Request(prompt, 6, banned))
-    if not temperature:  # (a sampled request draws its numbers in another order when the host chooses)
+    if not temperature or mode not in ("solo", "batch-mtp"):
+        # Held on the device as a ban by a bias is, with the same draws; a sampled request that drafts draws
+        # by its windows' shapes, which the hold shortens near min_tokens.
         assert tokens == free
     assert run(eng, Request(prompt, 30, SamplingParams(logit_bias=((eos, 100.0),), **seeded)))[:2] == (
         [],
@@ -107,7 +124,7 @@ def test_min_tokens_holds_off_an_end_of_text_the_model_is_pushed_to(mode, stages
         eng, [(0, Request(prompt, 12, pushed)), (0, Request(tuple(b"Another"), 12, ignore_eos=True))]
     )
     assert len(side[0]) == 6 and eos not in side[0] and len(side[1]) == 12
-    if not temperature:
+    if not temperature or mode not in ("solo", "batch-mtp"):
         assert side[0] == tokens
 
 
@@ -143,3 +160,36 @@ def test_min_tokens_past_max_tokens_is_refused_by_name() -> None:
     ):
         problem = request_problem(Request((1, 2), 5, bad))
         assert problem is not None and problem.startswith(field + ":"), (bad, problem)
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+@pytest.mark.parametrize("draft_tokens", [0, 4])
+def test_held_tokens_are_chosen_on_the_device_running_ahead_up_to_min_tokens(stages, draft_tokens) -> None:
+    """End-of-text pushed by a bias of 100, with ``min_tokens`` of 3, 7 and 11: windows (serial, or solo
+    windows drafting and decided on the device) run ahead with the stop token banned on the device, up to
+    the reply's ``min_tokens``-th token and never past it, where the host lets it back. Each reply has
+    exactly ``min_tokens`` tokens, then stops; the text is the text of windows one at a time."""
+    from test_rt_run_ahead import PROMPTS, Spy
+    from test_rt_run_ahead import engine as ahead_engine
+
+    least = [3, 7, 11]
+
+    def requests(eng: Engine) -> list[tuple[int, Request]]:
+        eos = min(eng.tokenizer.eos_ids)
+        return [
+            (at, Request(tuple(PROMPTS[i]), 24, SamplingParams(logit_bias=((eos, 100.0),), min_tokens=n)))
+            for i, (at, n) in enumerate(zip([0, 0, 2], least, strict=True))
+        ]
+
+    slots = 1 if draft_tokens else 3
+    one_at_a_time = ahead_engine(stages, slots, 1, draft_tokens)
+    base = collect(one_at_a_time, requests(one_at_a_time))
+    eng = ahead_engine(stages, slots, 3, draft_tokens)
+    eos = min(eng.tokenizer.eos_ids)
+    spy = Spy(eng)
+    got = collect(eng, requests(eng))
+    assert got == base
+    assert [len(tokens) for tokens in got] == least and all(eos not in tokens for tokens in got)
+    assert spy.chained  # windows ran ahead while the stop token was held off
+    if draft_tokens:
+        assert any(e.proposals.tokens for job in spy.chained for e in job.entries if job.spec_on_device)

@@ -209,7 +209,7 @@ class Job:
             if sampler.adjusts and (e.on_device or e.masked or self.spec_on_device):
                 new, add = sampler.device_update()
                 if new:
-                    fresh.append((e.slot.id, sampler.bias_ids, sampler.bias))
+                    fresh.append((e.slot.id, *sampler.device_bias()))
                 counted += [(e.slot.id, token, times) for token, times in add.items()]
                 for j in range(n):
                     rows.append(at + j)

@@ -123,14 +123,14 @@ class Sampler:
         self.kept = 0
         """Of them, those drawn for the windows that decided the reply's tokens so far (the rest were drawn
         for windows queued ahead; `take_back` undoes them)."""
-        self.adjusts = bool(
+        self.penalised = bool(
             params.presence_penalty
             or params.frequency_penalty
             or params.logit_bias
             or params.repetition_penalty != 1.0
             or params.allowed_token_ids is not None
         )
-        """The logits change before a token is chosen (a bias or a penalty is set)."""
+        """A logit bias or a penalty is set."""
         self.counts: Counter[int] = Counter()
         """How often each token was generated for this request so far."""
         bias: dict[int, float] = {}
@@ -151,7 +151,9 @@ class Sampler:
         repeats = params.repetition_penalty != 1.0
         self.seen = np.unique(np.asarray(prompt, np.int64)) if repeats else np.zeros(0, np.int64)
         """The prompt's distinct tokens, which a repetition penalty counts as seen (none without one)."""
-        self.stops = np.array(sorted(t for t in set(stops) if t >= 0), dtype=np.int64)
+        self.stops = np.array(
+            sorted(t for t in set(stops) if t >= 0 and (vocab <= 0 or t < vocab)), dtype=np.int64
+        )
         self.generated = 0
         """Tokens recorded for the reply so far."""
         self.on_device = False
@@ -159,6 +161,12 @@ class Sampler:
         that adjusts there)."""
         self.uncounted: list[int] = []
         """Tokens the host decided since the device's counts were last brought up to date."""
+
+    @property
+    def adjusts(self) -> bool:
+        """The logits change before a token is chosen: a bias or a penalty is set (`penalised`), or the
+        reply is short of its ``min_tokens`` (`holding_stops`)."""
+        return self.penalised or self.holding_stops
 
     @property
     def inv_temperature(self) -> float:
@@ -176,27 +184,47 @@ class Sampler:
     def host_only(self) -> bool:
         """The host chooses and verifies every token (a grammar's allowed tokens follow from the tokens
         before), so no window runs ahead of it or is decided on the device; or the next token is the one a
-        spent think budget forces; or the reply is still short of its ``min_tokens`` (`holding_stops`)."""
-        return (
-            self.grammar is not None or (self.think is not None and self.think.forcing) or self.holding_stops
-        )
+        spent think budget forces."""
+        return self.grammar is not None or (self.think is not None and self.think.forcing)
 
     @property
     def holding_stops(self) -> bool:
-        """The reply is shorter than its ``min_tokens`` and has stop tokens to hold off: the host chooses its
-        tokens with those masked (`adjusted`) until it is not."""
+        """The reply is shorter than its ``min_tokens`` and has stop tokens to hold off: its rows lose them,
+        on the host (`adjusted`) and on the device (`device_bias`), until it is not. No window reaches the
+        token where they come back (`hold_at`) before the host has read the ones before it."""
         return self.generated < self.params.min_tokens and self.stops.size > 0
 
     @property
     def hold_at(self) -> int | None:
-        """The index of the reply's token that the host must choose (`ThinkBudget.hold_at`), or None."""
-        return self.think.hold_at if self.think is not None else None
+        """The index of the first of the reply's tokens that no window may reach before the host has read
+        every token before it, or None: where a spent think budget forces the block's close, which the host
+        chooses (`ThinkBudget.hold_at`), or, while the stop tokens are held off, ``min_tokens``, where they
+        come back and the device's bias for the request changes (`device_bias`)."""
+        think = self.think.hold_at if self.think is not None else None
+        if not self.holding_stops:
+            return think
+        return self.params.min_tokens if think is None else min(think, self.params.min_tokens)
+
+    def device_bias(self) -> tuple[np.ndarray, np.ndarray]:
+        """The logit bias the device adds to the request's rows, as (token ids, values): the request's own,
+        and minus infinity on the stop tokens while they are held off (`holding_stops`). The windows that
+        use it never reach the reply's ``min_tokens``-th token (`hold_at`), so every row they adjust is
+        short of it, as `adjusted` masks on the host."""
+        if not self.holding_stops:
+            return self.bias_ids, self.bias
+        own = ~np.isin(self.bias_ids, self.stops)
+        ids = np.concatenate([self.bias_ids[own], self.stops])
+        return ids, np.concatenate([self.bias[own], np.full(self.stops.size, -np.inf)])
 
     def record(self, tokens: Iterable[int], counted: bool = False) -> None:
         """Tokens now generated for the request (the penalties count them, the grammar goes on with them);
         ``counted``: the device chose them and has counted them already."""
         tokens = list(tokens)
+        held = self.holding_stops
         self.generated += len(tokens)
+        if held and not self.holding_stops and self.on_device:
+            # The stop tokens come back: the device's bias for the request starts afresh without their ban.
+            self.on_device, self.uncounted = False, []
         if self.grammar is not None:
             self.grammar.accept(tokens)
         if self.think is not None:

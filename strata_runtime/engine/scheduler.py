@@ -898,9 +898,10 @@ class Engine:
         return Job(job.kind, entries, spec_on_device=True, looked=looked, rates=rates), None
 
     def _past_hold(self, slot: Slot, rows: int) -> bool:
-        """A window of ``rows`` rows for ``slot`` after the windows in flight could give it the token its
-        host must choose (`Sampler.hold_at`: where a think budget may be spent), or one past it: the chain
-        ends, and the host reads what comes before that token first."""
+        """A window of ``rows`` rows for ``slot`` after the windows in flight could give it the token no
+        window may reach unread (`Sampler.hold_at`: where a think budget may be spent, or where
+        ``min_tokens`` lets the stop tokens back), or one past it: the chain ends, and the host reads what
+        comes before that token first."""
         hold = slot.sampler.hold_at
         return hold is not None and len(slot.generated) + self._reach(slot) - slot.length + rows > hold
 
@@ -1335,7 +1336,7 @@ class Engine:
 
     def room(self, slot: Slot) -> int:
         """Proposals that still fit the slot's context after its token, and that keep a window before the
-        token its host must choose (`Sampler.hold_at`)."""
+        token no window may reach unread (`Sampler.hold_at`)."""
         room = self.plan.memory.context - slot.length - 1
         hold = slot.sampler.hold_at
         if hold is not None:
