@@ -51,6 +51,10 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None
     """Only these tokens may be chosen (vLLM's ``allowed_token_ids``): every other one's logit is minus
     infinity, as a logit bias would make it. None: any."""
+    bad_words: tuple[str, ...] = ()
+    """Words the reply may not generate (vLLM's ``bad_words``): each word's tokens, as the text's start and
+    after a space, never come in a row in the reply (`strata_runtime.bad_words`: a word's last token is
+    banned where the reply's last tokens are the rest of it). Empty: none."""
     min_tokens: int = 0
     """No stop token (the model's end-of-text ids, ``stop_ids``) is chosen, and no stop string ends the reply,
     before this many tokens are generated. 0: none."""
@@ -176,6 +180,8 @@ def sampling_problem(s: SamplingParams) -> str | None:
         return f"min_p: a number from 0 to 1 (0 cuts nothing), not {s.min_p!r}"
     if not _whole(s.min_tokens) or s.min_tokens < 0:
         return f"min_tokens: a whole number at least 0, not {s.min_tokens!r}"
+    if not all(isinstance(w, str) and w.strip() for w in s.bad_words):
+        return f"bad_words: words that are not blank, not {s.bad_words!r}"
     allowed = s.allowed_token_ids
     if allowed is not None and (not allowed or not all(_whole(t) and t >= 0 for t in allowed)):
         return f"allowed_token_ids: None or one or more token ids, not {allowed!r}"
@@ -232,7 +238,11 @@ class RequestHandle:
     events: queue.Queue[TokenEvent] = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     grammar: Any = None
-    """The engine's: the reply's place in the request's grammar (`strata_runtime.structured.Matcher`)."""
+    """The engine's: the reply's place in the request's grammar (`strata_runtime.structured.Matcher`), its
+    bad words of several tokens (`strata_runtime.bad_words.BadWords`) or both."""
+    banned: tuple[int, ...] = ()
+    """The engine's: the tokens of one-token bad words, where the request has no others and no grammar
+    (they go into its logit bias)."""
     slot: int | None = None
     """The slot serving it, once admitted."""
     prompt_tokens: int = 0

@@ -223,6 +223,10 @@ def grammars_for(tokenizer: Tokenizer, vocab_size: int) -> Grammars:
 class Matcher:
     """One reply's place in its grammar."""
 
+    holds_think = True
+    """A think budget, where the request has one, is the grammar's (`reasoning_grammar`), not the
+    sampler's."""
+
     def __init__(self, ll: Any, vocab_size: int, words: int | None = None, ends: _Ends | None = None) -> None:
         self._ll, self.vocab_size = ll, vocab_size
         self._ends = _Ends(()) if ends is None else ends
@@ -231,6 +235,11 @@ class Matcher:
         vocabulary needs where its size is a multiple of 32)."""
         self._lost = False
         """A token moved this copy off the grammar or past its end (`_move`); never a reply's own place."""
+
+    @property
+    def width(self) -> int:
+        """The packed masks' width in 32-bit words."""
+        return self._words
 
     def allowed(self) -> np.ndarray:
         """Which tokens may come next: a bool array [vocab_size]."""

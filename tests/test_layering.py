@@ -334,12 +334,13 @@ RUNTIME_MAY_IMPORT: dict[str, set[str]] = {
     "xml_calls": {"chat"},
     "thinking": {"chat"},
     "structured": {"api", "thinking"},
+    "bad_words": {"api"},
     "models": {"layout", "reference"},
     "experts": {"backend", "layout", "reference"},
     "weights": {"backend", "chat", "experts", "models", "reference", "xml_calls"},
     "cuda": {"backend", "layout", "models", "reference", "experts"},
     "model": {"api", "backend", "layout", "models", "weights", "cuda", "experts"},
-    "engine": {"api", "backend", "experts", "layout", "model", "structured", "weights"},
+    "engine": {"api", "backend", "bad_words", "experts", "layout", "model", "structured", "weights"},
     "server": {"api", "chat", "structured", "thinking", "xml_calls"},
     "bench": {"api", "backend", "cuda", "engine", "experts", "model", "models", "weights"},
     "commands": {
@@ -358,9 +359,9 @@ RUNTIME_MAY_IMPORT: dict[str, set[str]] = {
     "strata_runtime": set(),
 }
 """The runtime's own layering: the foundation (the request interface, devices, a window's rows, the kernels'
-references, the chat layouts of tools and reasoning, grammars over a tokenizer), then the architecture, its
-weights and its CUDA path, the placed model, the engine, and the server, bench and commands on top. The
-server reaches the engine only through `api.EngineCore`."""
+references, the chat layouts of tools and reasoning, grammars and bad words over a tokenizer), then the
+architecture, its weights and its CUDA path, the placed model, the engine, and the server, bench and
+commands on top. The server reaches the engine only through `api.EngineCore`."""
 
 
 def test_each_part_of_the_runtime_imports_only_the_parts_before_it(runtime_graph):

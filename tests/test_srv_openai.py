@@ -235,6 +235,17 @@ def test_structured_outputs_hold_replies_to_a_choice_a_regex_or_a_grammar(client
         model="demo", prompt="It is ", max_tokens=12, extra_body={"min_tokens": 5}, **eos
     )
     assert held.usage.completion_tokens == 5 and held.choices[0].finish_reason == "stop"
+    # bad_words: a piece of the greedy text never comes, and the text is the same until it would
+    text = greedy.choices[0].text
+    word = text[4:7]
+    kept = (
+        client.completions.create(
+            model="demo", prompt="It is ", max_tokens=12, temperature=0, extra_body={"bad_words": [word]}
+        )
+        .choices[0]
+        .text
+    )
+    assert word not in kept and kept[:5] == text[:5] and kept[6] != text[6]
 
 
 WEATHER_TOOL = {

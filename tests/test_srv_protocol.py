@@ -501,7 +501,9 @@ REFUSED = [
     ("completions", {"min_tokens": -1}, "min_tokens", ["`min_tokens`"]),
     ("chat", {"use_beam_search": True}, "use_beam_search", ["send false)"]),
     ("chat", {"allowed_token_ids": []}, "allowed_token_ids", ["`allowed_token_ids`"]),
-    ("chat", {"bad_words": ["no"]}, "bad_words", ["(leave it out or send [])"]),
+    ("chat", {"bad_words": "no"}, "bad_words", ["`bad_words`"]),
+    ("chat", {"bad_words": ["fine", 7]}, "bad_words.1", ["`bad_words.1`"]),
+    ("completions", {"bad_words": ["x"] * 257}, "bad_words", ["`bad_words`"]),
     ("completions", {"repeat_penalty": 1.2}, "repeat_penalty", ["`repeat_penalty`"]),
     ("chat", {"presence_penalty": 2.5}, "presence_penalty", ["`presence_penalty`", "less than"]),
     ("completions", {"frequency_penalty": -3}, "frequency_penalty", ["`frequency_penalty`"]),
@@ -537,6 +539,29 @@ def test_sampling_fields_this_server_lacks_are_accepted_where_they_ask_for_nothi
             parse({"model": "m", **base}), [1, 2], context=64, vocab_size=300, default_max_tokens=None
         ).request.sampling
     )
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_bad_words_reach_the_request_and_a_blank_one_is_refused(endpoint):
+    base = {"prompt": "x"} if endpoint == "completions" else {"messages": [{"role": "user", "content": "x"}]}
+    parse = p.parse_completion if endpoint == "completions" else p.parse_chat
+    got = p.prepare(
+        parse({"model": "m", **base, "bad_words": ["sorry", " I cannot"]}),
+        [1, 2],
+        context=64,
+        vocab_size=300,
+        default_max_tokens=None,
+    )
+    assert got.request.sampling.bad_words == ("sorry", " I cannot")
+    with pytest.raises(p.ApiError) as info:
+        p.prepare(
+            parse({"model": "m", **base, "bad_words": ["ok", "  "]}),
+            [1, 2],
+            context=64,
+            vocab_size=300,
+            default_max_tokens=None,
+        )
+    assert info.value.param == "bad_words" and "blank" in info.value.message
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])

@@ -25,9 +25,10 @@ import numpy as np
 
 from ..api import Reasoning, SamplingParams
 from ..backend import Array
+from ..bad_words import Grammar
 from ..model import PROMPT_SEEN, adjust_row, inv_temperature, inverse_cdf, mask_logits
 from ..model import distribution as rule
-from ..structured import GrammarError, Matcher
+from ..structured import GrammarError
 
 
 def distribution(logits: Array, params: SamplingParams, xp: Any = np, *, sort_rows: bool = False) -> Array:
@@ -101,21 +102,25 @@ class Sampler:
         self,
         params: SamplingParams,
         seed: int,
-        grammar: Matcher | None = None,
+        grammar: Grammar | None = None,
         prompt: Sequence[int] = (),
         stops: Iterable[int] = (),
         vocab: int = 0,
+        banned: Iterable[int] = (),
     ) -> None:
         """``grammar``: the reply's place in its grammar (`strata_runtime.structured`), where the request
         has one: its tokens are chosen and its proposals drawn and verified on the host, over the tokens the
         grammar allows. ``prompt``: the request's prompt, whose tokens a repetition penalty counts as seen.
         ``stops``: the tokens that end the reply, which ``min_tokens`` holds off. ``vocab``: the vocabulary's
-        size, whose tokens outside ``allowed_token_ids`` get a bias of minus infinity."""
+        size, whose tokens outside ``allowed_token_ids`` get a bias of minus infinity. ``banned``: tokens
+        that get one too (one-token bad words, `strata_runtime.bad_words`)."""
         self.params = params
         self.grammar = grammar
         r = params.reasoning
-        self.think = ThinkBudget(r) if r is not None and r.budget is not None and grammar is None else None
-        """A think block's budget, where no grammar holds the reply (a grammar holds the budget itself)."""
+        sampler_thinks = grammar is None or not grammar.holds_think
+        self.think = ThinkBudget(r) if r is not None and r.budget is not None and sampler_thinks else None
+        """A think block's budget, where no grammar holds the reply (a grammar holds the budget itself; bad
+        words, held as one, do not)."""
         self.greedy = params.temperature <= 0.0
         self.rng = np.random.default_rng(seed)
         self.drawn = 0
@@ -123,12 +128,14 @@ class Sampler:
         self.kept = 0
         """Of them, those drawn for the windows that decided the reply's tokens so far (the rest were drawn
         for windows queued ahead; `take_back` undoes them)."""
+        banned = np.unique(np.asarray(list(banned), np.int64))
         self.penalised = bool(
             params.presence_penalty
             or params.frequency_penalty
             or params.logit_bias
             or params.repetition_penalty != 1.0
             or params.allowed_token_ids is not None
+            or banned.size
         )
         """A logit bias or a penalty is set."""
         self.counts: Counter[int] = Counter()
@@ -138,6 +145,10 @@ class Sampler:
             bias[token] = bias.get(token, 0.0) + value
         self.bias_ids = np.array(list(bias), dtype=np.int64)
         self.bias = np.array(list(bias.values()), dtype=np.float64)
+        if banned.size:  # whatever their bias
+            own = ~np.isin(self.bias_ids, banned)
+            self.bias_ids = np.concatenate([self.bias_ids[own], banned])
+            self.bias = np.concatenate([self.bias[own], np.full(banned.size, -np.inf)])
         if params.allowed_token_ids is not None:  # every other token banned, whatever its bias
             # In array steps: a vocabulary's worth of Python objects would hold the engine's thread for tens
             # of milliseconds.

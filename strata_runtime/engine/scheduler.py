@@ -64,6 +64,7 @@ from strata_cfg.schema.windows import (
 )
 
 from ..api import PlanMismatch, Recovery, Request, RequestHandle, TokenEvent, request_problem
+from ..bad_words import BadWords, WithGrammar, word_ids
 from ..experts.cache import Snapshot
 from ..model import Model
 from ..model.placed import WeightStore
@@ -204,12 +205,32 @@ class Engine:
                 handle.grammar = self.grammars.matcher(sampling.grammar, sampling.reasoning)
             except GrammarError as exc:
                 problem = f"grammar: {exc}"
+        if problem is None and sampling.bad_words:
+            problem = self._hold_off_bad_words(handle)
         if problem:
             handle.events.put(TokenEvent((), "", "error", 0, problem))
             return handle
         with self._lock:
             self._enqueue(handle)
         return handle
+
+    def _hold_off_bad_words(self, handle: RequestHandle) -> str | None:
+        """Tokenize a request's bad words (`strata_runtime.bad_words`) on the caller's thread: one-token words
+        alone, with no grammar, become a ban in its bias (``handle.banned``); otherwise the words are held
+        as a grammar is (``handle.grammar``), beside the grammar where it has one. What is wrong with them,
+        naming the field, or None."""
+        vocab = self.model.args.vocab_size
+        words = word_ids(handle.request.sampling.bad_words, self.tokenizer)
+        outside = sorted({t for w in words for t in w if not 0 <= t < vocab})
+        if outside:
+            return f"bad_words: they tokenize to ids outside the model's vocabulary of {vocab}: {outside[:8]}"
+        if handle.grammar is None and all(len(w) == 1 for w in words):
+            handle.banned = tuple(sorted({w[0] for w in words}))
+            return None
+        width = None if handle.grammar is None else handle.grammar.width
+        held = BadWords(words, vocab, width)
+        handle.grammar = held if handle.grammar is None else WithGrammar(handle.grammar, held)
+        return None
 
     def _enqueue(self, handle: RequestHandle) -> None:
         """Queue ``handle`` behind every request waiting of its priority or a lower one (under the lock)."""
@@ -562,7 +583,13 @@ class Engine:
         self.model.admit(i, req.prompt_ids)
         stop_ids = frozenset(req.stop_ids) | frozenset(() if req.ignore_eos else self.tokenizer.eos_ids)
         sampler = Sampler(
-            req.sampling, seed, handle.grammar, req.prompt_ids, stop_ids, self.model.args.vocab_size
+            req.sampling,
+            seed,
+            handle.grammar,
+            req.prompt_ids,
+            stop_ids,
+            self.model.args.vocab_size,
+            handle.banned,
         )
         self.slots[i] = Slot(
             i,
@@ -1226,6 +1253,8 @@ class Engine:
         is known (`Slot.resume_token`), nothing is chosen there."""
         sampler = slot.sampler
         if not self.masks_on_device or sampler.grammar is None:
+            return False
+        if sampler.think is not None and sampler.think.forcing:  # the host forces the block's close
             return False
         if proposals is None and slot.resume_token is not None:
             return False

@@ -40,6 +40,8 @@ MAX_DEPTH = 64
 """How deeply a body's arrays and objects may nest; the deepest valid body nests 4 deep."""
 MAX_STOP_TOKEN_IDS = 64
 """The most ``stop_token_ids`` a request may give."""
+MAX_BAD_WORDS = 256
+"""The most ``bad_words`` a request may give."""
 MAX_LOGIT_BIAS = 100.0
 """OpenAI's bound on a ``logit_bias`` value: -100 bans a token, +100 all but forces it."""
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -89,6 +91,9 @@ class _Body(_Strict):
     reply, before it has this many tokens."""
     allowed_token_ids: list[int] | None = Field(default=None, min_length=1)
     """An extension (as vLLM takes it): only these tokens may be chosen."""
+    bad_words: list[str] | None = Field(default=None, max_length=MAX_BAD_WORDS)
+    """An extension (as vLLM takes it): words the reply may not generate, each as the text's start and after
+    a space (`strata_runtime.bad_words`)."""
     include_stop_str_in_output: bool = False
     """An extension (as vLLM takes it): a reply a stop string ended keeps that string at its end."""
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
@@ -335,7 +340,6 @@ NOT_SAMPLED_HERE: dict[str, tuple[Any, ...]] = {
     "xtc_probability": (0, 0.0),
     "use_beam_search": (False,),
     "length_penalty": (1, 1.0),
-    "bad_words": ([],),
     "logits_processors": (),
     "guided_whitespace_pattern": (),
 }
@@ -765,6 +769,8 @@ def prepare(
             f"`min_tokens` ({body.min_tokens}) must be at most the tokens the reply may have ({max_tokens})",
             "min_tokens",
         )
+    if any(not w.strip() for w in body.bad_words or ()):
+        raise ApiError(400, "`bad_words` must be words, none of them blank", "bad_words")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > MAX_STOP_STRINGS or any(s == "" for s in stop):
         raise ApiError(400, f"`stop` must be {_EXPECTED['stop']}, none of them empty", "stop")
@@ -787,6 +793,7 @@ def prepare(
                 else tuple(_checked_ids(body.allowed_token_ids, vocab_size, "allowed_token_ids"))
             ),
             logit_bias=logit_bias(body.logit_bias or {}, vocab_size),
+            bad_words=tuple(body.bad_words or ()),
             logprobs=asked_logprobs(body),
             prompt_logprobs=body.logprobs if isinstance(body, CompletionBody) and body.echo else None,
             grammar=(tools.grammar if tools is not None else None) or grammar_of(body),

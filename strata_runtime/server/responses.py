@@ -42,14 +42,15 @@ PASSED = (
     "repetition_penalty",
     "min_p",
     "min_tokens",
+    "bad_words",
     "stream",
     "thinking_token_budget",
     "ignore_eos",
     "priority",
 )
 """Fields a Responses body gives the chat path as they are (``top_k``, ``seed``, the repetition penalty,
-``min_p``, ``min_tokens``, ``thinking_token_budget``, ``ignore_eos`` and ``priority`` as extensions, as the
-chat path takes them)."""
+``min_p``, ``min_tokens``, ``bad_words``, ``thinking_token_budget``, ``ignore_eos`` and ``priority`` as
+extensions, as the chat path takes them)."""
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
 """A message item's parts that are text (a refusal's text is in its ``refusal``)."""
 
