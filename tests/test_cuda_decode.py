@@ -560,6 +560,38 @@ def test_penalised_requests_on_gpu_run_ahead_with_the_text_the_host_verifies(cp)
     assert len(drawn) == 30 and set(drawn) <= set(allowed) and len(set(drawn)) > 1
 
 
+def test_bad_words_on_gpu_keep_the_free_text_until_a_word_would_come(cp):
+    """A word of three tokens from the free greedy reply, and one of one token: masked and chosen on the GPU
+    (the longer word as a grammar is, windows running ahead; the shorter in the bias), the reply is the free
+    one up to where it would complete the word, and neither word comes; solo drafting gives the same text."""
+    from strata_runtime.api import Request, SamplingParams
+    from strata_runtime.engine import Engine
+
+    g = np.random.default_rng(41)
+    prompt = tuple(g.integers(1, 250, 12).tolist())
+    plan = _plan(cp, model="tiny", slots=2)
+    free, _ = _generate(plan, [prompt], max_tokens=40)
+    free = free[0]
+    printable = [i for i in range(len(free) - 2) if all(33 <= t <= 126 for t in free[i : i + 3])]
+    assert printable, "the free reply holds three printable bytes in a row"
+    word = tuple(free[printable[0] : printable[0] + 3])  # the byte-level tokenizer spells it so
+    first = printable[0]
+    single = next(t for t in free[first + 3 :] if 33 <= t <= 126 and t not in word)
+    words = (bytes(word).decode(), chr(single))
+    texts = []
+    for p in (_run_ahead(plan, 3), _plan(cp, model="tiny", slots=1, draft_tokens=6)):
+        engine = Engine(p)
+        handle = engine.submit(Request(prompt, 40, SamplingParams(bad_words=words), ignore_eos=True))
+        while engine.step():
+            pass
+        texts.append([t for ev in list(handle.events.queue) for t in ev.token_ids])
+    got = texts[0]
+    assert texts[1] == got and len(got) == 40 and single not in got
+    assert not any(tuple(got[i : i + 3]) == word for i in range(len(got) - 2))
+    cut = min(first + 2, free.index(single))
+    assert got[:cut] == free[:cut] and got[cut] != free[cut]
+
+
 def test_leading_matches_on_gpu_equal_numpy(cp):
     from strata_runtime.engine.device_spec import leading_matches
 

@@ -26,6 +26,14 @@ def allowed(bits: np.ndarray, vocab: int) -> set[int]:
     return set(np.flatnonzero(unpacked).tolist())
 
 
+def printable(tokens: list[int], n: int, after: int = 0) -> tuple[int, ...]:
+    """The first ``n`` tokens in a row at or after ``after`` that are printable ASCII bytes other than a
+    blank (a word the byte-level tokenizer spells with those very tokens)."""
+    runs = range(after, len(tokens) - n + 1)
+    start = next(i for i in runs if all(33 <= t <= 126 for t in tokens[i : i + n]))
+    return tuple(tokens[start : start + n])
+
+
 def contains(tokens: list[int], word: tuple[int, ...]) -> bool:
     n = len(word)
     return any(tuple(tokens[i : i + n]) == word for i in range(len(tokens) - n + 1))
@@ -149,16 +157,17 @@ def test_a_word_of_the_free_reply_never_comes_and_the_reply_is_the_same_until_it
     never comes. A word of several tokens and one of a single token, in each window mode, next to a plain
     request."""
     free = list(free_reply())
-    word = tuple(free[5:8])  # three bytes of the free reply
+    word = printable(free, 3, 4)  # three bytes of the free reply
     first = next(i for i in range(len(free)) if tuple(free[i : i + 3]) == word)
     eng = engine(mode, stages)
-    text = bytes(word).decode("latin-1")
+    text = bytes(word).decode()
     got = reply(eng, SamplingParams(bad_words=(text,)))
     assert not contains(got, word) and len(got) == 40
     assert got[: first + 2] == free[: first + 2] and got[first + 2] != free[first + 2]
-    single = free[3]
-    alone = reply(eng, SamplingParams(bad_words=(bytes([single]).decode("latin-1"),)))
-    assert single not in alone and alone[:3] == free[:3]
+    (single,) = printable(free, 1, 2)
+    at = free.index(single)
+    alone = reply(eng, SamplingParams(bad_words=(chr(single),)))
+    assert single not in alone and alone[:at] == free[:at]
     side = collect(
         eng,
         [
@@ -177,13 +186,12 @@ def test_sampled_replies_never_hold_the_words_and_a_seed_gives_the_same_text(mod
     eng = engine(mode, 1)
     hot = SamplingParams(temperature=1.5, seed=3)
     free = reply(eng, hot, 60)
-    pair = next(
-        tuple(free[i : i + 2]) for i in range(len(free) - 1) if free[i] != free[i + 1] and free[i] < 128
-    )
-    words = (bytes(pair).decode("latin-1"), bytes([free[-1]]).decode("latin-1"))
+    pair = printable(free, 2)
+    (single,) = printable(free, 1, free.index(pair[0]) + 2)
+    words = (bytes(pair).decode(), chr(single))
     held = SamplingParams(temperature=1.5, seed=3, bad_words=words)
     got = reply(eng, held, 60)
-    assert not contains(got, pair) and free[-1] not in got
+    assert not contains(got, pair) and single not in got
     assert reply(eng, held, 60) == got
 
 
@@ -193,7 +201,8 @@ def test_a_word_of_several_tokens_is_held_as_a_grammar_while_windows_run_ahead(a
     window before chose; a one-token word alone runs ahead on the device's bias."""
     plan = make_plan(stages=1, slots=2, groups=1, context=160, prefill_chunk=16, run_ahead=ahead)
     free = list(free_reply())
-    word = tuple(free[5:8])
+    word = printable(free, 3, 4)
+    (single,) = printable(free, 1, 2)
     eng = Engine(plan)
     seen = launches(eng)
     got = collect(
@@ -208,8 +217,8 @@ def test_a_word_of_several_tokens_is_held_as_a_grammar_while_windows_run_ahead(a
             (0, Request(tuple(b"Another"), 30, SamplingParams(bad_words=(chr(free[3]),)), ignore_eos=True)),
         ],
     )
-    assert not contains(got[0], word) and free[3] not in got[1]
-    assert got[0] == reply(engine("serial", 1), SamplingParams(bad_words=(bytes(word).decode("latin-1"),)))
+    assert not contains(got[0], word) and single not in got[1]
+    assert got[0] == reply(engine("serial", 1), SamplingParams(bad_words=(bytes(word).decode(),)))
     assert any(after is not None for _, after, _ in seen) == (ahead > 1)
 
 
@@ -234,7 +243,7 @@ def test_a_think_budget_beside_bad_words_closes_the_block_where_it_runs_out(draf
 
     close, budget = 300, 6
     free = list(free_reply())
-    word = bytes(free[5:8]).decode("latin-1")
+    word = bytes(printable(free, 3, 4)).decode()
 
     def requests() -> list[tuple[int, Request]]:
         thinking = Reasoning(299, close, True, budget)
@@ -245,4 +254,4 @@ def test_a_think_budget_beside_bad_words_closes_the_block_where_it_runs_out(draf
     base = collect(ahead_engine(1, 1, 1, draft_tokens), requests())
     got = collect(ahead_engine(1, 1, 3, draft_tokens), requests())
     assert got == base
-    assert got[0].index(close) == budget and not contains(got[0], tuple(free[5:8]))
+    assert got[0].index(close) == budget and not contains(got[0], tuple(word.encode()))
