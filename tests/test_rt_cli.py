@@ -145,6 +145,7 @@ def test_bench_holds_every_reply_to_a_shape_in_every_arm_with_equal_text() -> No
         (("--logprobs", "21"), "--logprobs must be in [0, 20]"),
         (("--logprobs", "-1"), "--logprobs must be in [0, 20]"),
         (("--stop", ""), "--stop must not be empty"),
+        (("--bad-word", " "), "--bad-word must not be blank"),
     ],
 )
 def test_generate_refuses_bad_sampling_options_naming_them(option, needle) -> None:
@@ -152,9 +153,9 @@ def test_generate_refuses_bad_sampling_options_naming_them(option, needle) -> No
     assert out.returncode == 2 and needle in out.stderr, out.stderr
 
 
-def test_generate_takes_min_p_and_the_repetition_penalty() -> None:
+def test_generate_takes_min_p_the_repetition_penalty_and_bad_words() -> None:
     """``--min-p 1`` leaves a hot sample the greedy text; ``--repetition-penalty`` changes the greedy
-    reply."""
+    reply; ``--bad-word`` keeps a word of the greedy reply out of it."""
     greedy = strata("generate", "--prompt", "Hello", "--max-tokens", "12", "--json")
     pinned = strata(
         "generate",
@@ -174,6 +175,10 @@ def test_generate_takes_min_p_and_the_repetition_penalty() -> None:
     assert greedy.returncode == pinned.returncode == repeats.returncode == 0, pinned.stderr + repeats.stderr
     text = [json.loads(out.stdout)["text"] for out in (greedy, pinned, repeats)]
     assert text[0] == text[1] != text[2]
+    word = next(w for w in text[0].split() if len(w) >= 2)  # a word of the greedy reply, which it bans
+    banned = strata("generate", "--prompt", "Hello", "--max-tokens", "12", "--json", "--bad-word", word)
+    assert banned.returncode == 0, banned.stderr
+    assert word not in json.loads(banned.stdout)["text"]
 
 
 def test_a_schema_file_that_is_not_a_json_object_is_refused_naming_the_file_and_place(tmp_path) -> None:

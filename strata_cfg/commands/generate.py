@@ -18,6 +18,7 @@ from ..plan.from_profile import resolve_text
 from ..schema.errors import ProfileError
 from ..schema.plan import LaunchPlan
 from ..schema.sampling_options import (
+    add_bad_word_argument,
     add_json_arguments,
     add_logprobs_argument,
     add_penalty_arguments,
@@ -48,6 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_penalty_arguments(parser)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    add_bad_word_argument(parser)
     parser.add_argument(
         "--ignore-eos",
         action="store_true",
@@ -81,6 +83,8 @@ def runtime_args(args: argparse.Namespace) -> list[str]:
         out += ["--" + key.replace("_", "-"), repr(value)]
     for s in args.stop:
         out += ["--stop", s]
+    for word in args.bad_word:
+        out += ["--bad-word", word]
     if args.logprobs is not None:
         out += ["--logprobs", str(args.logprobs)]
     if args.json_schema is not None:
@@ -108,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
         print("strata generate: give a PROFILE or --model DIR, not both")
         return EXIT_USAGE
     problem = (
-        generation_problem(args.max_tokens, args.seed, args.stop)
+        generation_problem(args.max_tokens, args.seed, args.stop, args.bad_word)
         or options_problem(args)
         or logprobs_problem(args.logprobs)
         or (None if args.json_schema is None else json_schema_of(args.json_schema)[1])

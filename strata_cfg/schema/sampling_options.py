@@ -98,15 +98,32 @@ def options_problem(args: Any) -> str | None:
     return sampling_problem(**sampling_options(args))
 
 
-def generation_problem(max_tokens: int, seed: int, stops: Sequence[str] = ()) -> str | None:
-    """Why ``--max-tokens``, ``--seed`` or a ``--stop`` of a generate command is not valid."""
+def generation_problem(
+    max_tokens: int, seed: int, stops: Sequence[str] = (), bad_words: Sequence[str] = ()
+) -> str | None:
+    """Why ``--max-tokens``, ``--seed``, a ``--stop`` or a ``--bad-word`` of a generate command is not
+    valid."""
     if max_tokens < 1:
         return f"--max-tokens must be at least 1, not {max_tokens}"
     if not 0 <= seed < 2**63:
         return f"--seed must be in [0, 2^63), not {seed}"
     if any(not stop for stop in stops):
         return "--stop must not be empty"
+    if any(not word.strip() for word in bad_words):
+        return "--bad-word must not be blank"
     return None
+
+
+def add_bad_word_argument(parser: Any) -> None:
+    """``--bad-word WORD`` (repeatable) on a generate command's parser."""
+    parser.add_argument(
+        "--bad-word",
+        action="append",
+        default=[],
+        metavar="WORD",
+        help="a word the reply may not generate, as vLLM's bad_words bans it: at the text's start and after "
+        "a space (repeatable)",
+    )
 
 
 MAX_TOP_LOGPROBS = 20

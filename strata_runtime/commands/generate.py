@@ -15,6 +15,7 @@ from pathlib import Path
 
 from strata_cfg.schema.plan_file import read_plan
 from strata_cfg.schema.sampling_options import (
+    add_bad_word_argument,
     add_json_arguments,
     add_logprobs_argument,
     add_penalty_arguments,
@@ -43,6 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_penalty_arguments(parser)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    add_bad_word_argument(parser)
     parser.add_argument(
         "--ignore-eos",
         action="store_true",
@@ -82,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     from ..weights.progress import stderr_progress
 
     problem = (
-        generation_problem(args.max_tokens, args.seed, args.stop)
+        generation_problem(args.max_tokens, args.seed, args.stop, args.bad_word)
         or options_problem(args)
         or logprobs_problem(args.logprobs)
         or shape_problem(args)
@@ -105,7 +107,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         prompt = tuple(tok.encode(args.prompt))
     options = sampling_options(args)
-    sampling = SamplingParams(**options, seed=args.seed, logprobs=args.logprobs, grammar=grammar)
+    sampling = SamplingParams(
+        **options, seed=args.seed, logprobs=args.logprobs, grammar=grammar, bad_words=tuple(args.bad_word)
+    )
     request = Request(
         prompt, args.max_tokens, sampling, stop_strings=tuple(args.stop), ignore_eos=args.ignore_eos
     )
