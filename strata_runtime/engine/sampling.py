@@ -117,10 +117,11 @@ class Sampler:
         self.params = params
         self.grammar = grammar
         r = params.reasoning
-        sampler_thinks = grammar is None or not grammar.holds_think
-        self.think = ThinkBudget(r) if r is not None and r.budget is not None and sampler_thinks else None
+        self.think: ThinkBudget | None = None
         """A think block's budget, where no grammar holds the reply (a grammar holds the budget itself; bad
         words, held as one, do not)."""
+        if r is not None and r.budget is not None and (grammar is None or not grammar.holds_think):
+            self.think = ThinkBudget(r)
         self.greedy = params.temperature <= 0.0
         self.rng = np.random.default_rng(seed)
         self.drawn = 0
