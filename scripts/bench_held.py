@@ -50,9 +50,8 @@ def main() -> None:
         return tokens, seconds
 
     free = run(SamplingParams(), True)[0]
-    single = next(
-        (w for w in ONE_TOKEN_WORDS if len(ids := engine.tokenizer.encode(w)) == 1 and ids[0] not in free), None
-    )
+    spelled = {w: engine.tokenizer.encode(w) for w in ONE_TOKEN_WORDS}
+    single = next((w for w, ids in spelled.items() if len(ids) == 1 and ids[0] not in free), None)
     arms: dict[str, tuple[SamplingParams, bool]] = {
         "free": (SamplingParams(), True),
         "min_tokens": (SamplingParams(min_tokens=args.tokens), False),
