@@ -108,9 +108,10 @@ class Sampler:
         vocab: int = 0,
         banned: Iterable[int] = (),
     ) -> None:
-        """``grammar``: the reply's place in its grammar (`strata_runtime.structured`), where the request
-        has one: its tokens are chosen and its proposals drawn and verified on the host, over the tokens the
-        grammar allows. ``prompt``: the request's prompt, whose tokens a repetition penalty counts as seen.
+        """``grammar``: the reply's place in its grammar (`strata_runtime.structured`), or among its bad
+        words of several tokens (`strata_runtime.bad_words`), or both, where the request has them: its rows
+        are masked to the tokens they allow, and its proposals drawn and verified by the host. ``prompt``:
+        the request's prompt, whose tokens a repetition penalty counts as seen.
         ``stops``: the tokens that end the reply, which ``min_tokens`` holds off. ``vocab``: the vocabulary's
         size, whose tokens outside ``allowed_token_ids`` get a bias of minus infinity. ``banned``: tokens
         that get one too (one-token bad words, `strata_runtime.bad_words`)."""
