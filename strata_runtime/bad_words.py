@@ -11,6 +11,7 @@ the reply stands, as a grammar's is (`BadWords`, which the engine holds in a gra
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
@@ -100,9 +101,7 @@ class BadWords:
 
     def copy(self) -> BadWords:
         """Another place among the same words, where this one stands now, that moves on its own."""
-        other = object.__new__(BadWords)
-        other.__dict__.update(self.__dict__)  # the words are shared; `recent` is a tuple, replaced on a move
-        return other
+        return copy.copy(self)  # the words are shared; `recent` is a tuple, replaced on a move
 
     def forced(self, most: int) -> list[int]:
         """Bad words force nothing."""
