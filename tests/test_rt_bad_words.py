@@ -277,3 +277,19 @@ def test_the_held_bench_runs_every_arm_to_the_same_text_on_the_demo_profile() ->
     for arm in ("min_tokens", "bad word 'Zqxjv Wkpfq'", "(one token)"):
         assert any(arm in line and "/ free:" in line for line in lines), (arm, lines)
     assert lines[-1] == "the same text in every arm, 30 tokens"
+
+
+def test_a_spent_think_budget_forces_the_close_even_where_a_ban_holds_it() -> None:
+    """The budget's close is the engine's structure, not a choice: forced where ``allowed_token_ids`` (or a
+    one-token bad word) bans it, so the row never has nothing to choose."""
+    from strata_runtime.api import Reasoning
+
+    for params in (
+        SamplingParams(reasoning=Reasoning(5, 6, True, 1), allowed_token_ids=(1, 2)),
+        SamplingParams(reasoning=Reasoning(5, 6, True, 1)),
+    ):
+        sampler = Sampler(params, seed=0, vocab=8, banned=[6] if params.allowed_token_ids is None else [])
+        sampler.record([1])
+        assert sampler.think is not None and sampler.think.forcing
+        row = sampler.adjusted(np.arange(8, dtype=np.float32)[None, :])[0]
+        assert np.isfinite(row[6]) and np.isneginf(np.delete(row, 6)).all()

@@ -169,10 +169,25 @@ def test_held_tokens_are_chosen_on_the_device_running_ahead_up_to_min_tokens(sta
     windows drafting and decided on the device) run ahead with the stop token banned on the device, up to
     the reply's ``min_tokens``-th token and never past it, where the host lets it back. Each reply has
     exactly ``min_tokens`` tokens, then stops; the text is the text of windows one at a time."""
+    from rt_plans import make_plan
     from test_rt_run_ahead import PROMPTS, Spy
-    from test_rt_run_ahead import engine as ahead_engine
 
     least = [3, 7, 11]
+
+    def ahead_engine(stages: int, slots: int, run_ahead: int, draft_tokens: int) -> Engine:
+        # Drafting windows carry all their proposals (the adaptive depth follows measured times).
+        kw = {"adaptive_depth": False} if draft_tokens else {}
+        plan = make_plan(
+            stages=stages,
+            slots=slots,
+            groups=1,
+            draft_tokens=draft_tokens,
+            context=128,
+            prefill_chunk=8,
+            run_ahead=run_ahead,
+            **kw,
+        )
+        return Engine(plan)
 
     def requests(eng: Engine) -> list[tuple[int, Request]]:
         eos = min(eng.tokenizer.eos_ids)
@@ -193,3 +208,86 @@ def test_held_tokens_are_chosen_on_the_device_running_ahead_up_to_min_tokens(sta
     assert spy.chained  # windows ran ahead while the stop token was held off
     if draft_tokens:
         assert any(e.proposals.tokens for job in spy.chained for e in job.entries if job.spec_on_device)
+
+
+def test_under_a_grammar_the_stop_tokens_are_held_off_by_its_masks_which_give_way_to_an_end() -> None:
+    """A grammar's rows short of ``min_tokens`` lose the stop tokens in their masks (`HoldStops`), counted
+    as the place moves; where the grammar allows nothing but an end, its mask stands, and the reply ends
+    there complete rather than with nothing to choose."""
+    from strata_runtime.bad_words import mask_width
+    from strata_runtime.engine.sampling import HoldStops
+
+    vocab = 40
+
+    class Two:
+        """Allows {1, 2} for its first two tokens, then only the end (2)."""
+
+        holds_think = True
+
+        def __init__(self, count: int = 0) -> None:
+            self.count = count
+
+        def _bits(self, count: int) -> np.ndarray:
+            bits = np.zeros(mask_width(vocab), np.uint32)
+            for t in (1, 2) if count < 2 else (2,):
+                bits[0] |= np.uint32(1 << t)
+            return bits
+
+        def bitmasks_after(self, drafted):
+            return np.stack([self._bits(self.count + j) for j in range(len(drafted) + 1)])
+
+        def bitmask_last(self, drafted):
+            return self._bits(self.count + len(drafted))[None, :]
+
+        def bitmask_after(self, token):
+            self.count += 1
+            return self._bits(self.count)
+
+        def copy(self):
+            return Two(self.count)
+
+        def forced(self, most):
+            return [1, 2][:most]
+
+        def ends_within(self, tokens):
+            return None
+
+        def accept(self, tokens):
+            self.count += len(list(tokens))
+
+        finished = False
+
+    held = HoldStops(Two(), np.array([2, 7]), least=3)
+
+    def allows(bits: np.ndarray) -> set[int]:
+        return {t for t in range(vocab) if bits[t // 32] >> np.uint32(t % 32) & np.uint32(1)}
+
+    assert [allows(r) for r in held.bitmasks_after([1, 1])] == [{1}, {1}, {2}]  # the third: the end alone
+    assert held.forced(2) == [1]  # the end the grammar forces second is held off
+    ahead = held.copy()
+    ahead.bitmask_after(1)
+    assert allows(ahead.bitmask_after(1)) == {2} and held.count == 0
+    held.accept([1, 1, 2])
+    assert allows(held.bitmask_last([])[0]) == {2} and held.count == 3
+    sampler = Sampler(SamplingParams(min_tokens=3), seed=0, grammar=Two(), stops=[2])
+    assert isinstance(sampler.grammar, HoldStops) and not sampler.holding_stops and not sampler.adjusts
+    eng = engine("serial", 1)
+    for n in (2, 6):  # the grammar's text is whole after 2 tokens: min_tokens past it gives way
+        sampling = SamplingParams(grammar="start: /ab/", min_tokens=n)
+        tokens, finished, _, text = run(eng, Request(tuple(b"Say ab:"), 20, sampling))
+        assert (text, finished) == ("ab", "stop")
+    eos = min(eng.tokenizer.eos_ids)
+    for mode, stages in (("serial", 1), ("solo", 1), ("batch-mtp", 1)):  # an end pushed to the top: held
+        pushed = SamplingParams(grammar="start: /[ab]+/", logit_bias=((eos, 100.0),), min_tokens=5)
+        tokens, finished, stop, text = run(engine(mode, stages), Request(tuple(b"Say ab:"), 20, pushed))
+        assert len(tokens) == 5 and set(text) <= {"a", "b"} and (finished, stop) == ("stop", eos)
+
+
+def test_requests_that_would_leave_nothing_to_choose_are_refused_by_name() -> None:
+    eng = engine("serial", 1)
+    eos = min(eng.tokenizer.eos_ids)
+    held = Request(tuple(b"x"), 8, SamplingParams(min_tokens=2, allowed_token_ids=(eos, A)), stop_ids=(A,))
+    banned = Request(tuple(b"x"), 8, SamplingParams(allowed_token_ids=(A, A + 1), bad_words=("A", "B")))
+    for request, field in ((held, "min_tokens"), (banned, "bad_words")):
+        ev = eng.submit(request).events.get()
+        assert ev.finished == "error" and ev.error is not None and ev.error.startswith(field + ":"), ev.error

@@ -44,7 +44,7 @@ import functools
 import json
 import os
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pytest
@@ -54,6 +54,7 @@ from rt_plans import float16_profile_text, make_plan
 from strata_cfg.plan.from_profile import resolve_text
 from strata_cfg.schema.plan import LaunchPlan
 from strata_runtime.api import Reasoning, Recovery, Request, RequestHandle, SamplingParams, TokenEvent
+from strata_runtime.bad_words import word_ids
 from strata_runtime.engine import Engine
 from strata_runtime.structured import json_grammar
 from strata_runtime.weights.tokenizer import ByteTokenizer
@@ -204,6 +205,26 @@ def _sampling(g: random.Random) -> SamplingParams:
     return SamplingParams(**kw)
 
 
+def _extras(g: random.Random, sampling: SamplingParams, max_tokens: int) -> SamplingParams:
+    """The sampling controls added after the scenarios were first numbered, drawn from a stream of their own
+    (so every other draw of a numbered scenario stays as it was): min-p, a repetition penalty, a reply held
+    off its stop tokens for its first tokens (``min_tokens``) and bad words of one to three printable
+    bytes."""
+    kw: dict[str, Any] = {}
+    if sampling.temperature > 0 and g.random() < 0.3:
+        kw["min_p"] = g.choice([0.05, 0.3, 1.0])
+    if g.random() < 0.15:
+        kw["repetition_penalty"] = g.choice([0.8, 1.3, 5.0])
+    if g.random() < 0.2:
+        kw["min_tokens"] = g.randint(1, max_tokens)
+    if g.random() < 0.2:
+        kw["bad_words"] = tuple(
+            "".join(chr(g.choice(range(33, 127))) for _ in range(g.randint(1, 3)))
+            for _ in range(g.randint(1, 3))
+        )
+    return replace(sampling, **kw)
+
+
 def draw(number: int) -> Scenario:
     """Scenario ``number``: the same plan and requests every time."""
     g, helper_draw = random.Random(number), random.Random(f"{number} helper")
@@ -231,10 +252,16 @@ def draw(number: int) -> Scenario:
                 "".join(chr(g.choice(PRINTABLE)) for _ in range(g.randint(1, 2)))
                 for _ in range(g.randint(1, 2))
             )
-        request = Request(
+        prompt, max_tokens, sampling = (
             _prompt(g, context, shared, loop),
             g.choice([1, 2, 5, 16, 40, 90]),
             _sampling(g),
+        )
+        sampling = _extras(random.Random(f"{number} {i} sampling extras"), sampling, max_tokens)
+        request = Request(
+            prompt,
+            max_tokens,
+            sampling,
             request_id=f"s{number}-{i}",
             priority=g.choice([0, 0, 0, 1]),
             ignore_eos=g.random() < 0.1,
@@ -409,7 +436,12 @@ def check_reply(a: Arrival, reply: Reply, context: int) -> None:
     if isinstance(stop, str):
         assert finished == "stop" and stop in req.stop_strings, stop
     assert not any(t in req.stop_ids for t in reply.tokens), "a stop token ends a reply and is not emitted"
-    assert not any(s in reply.text for s in req.stop_strings), "no stop string is emitted"
+    # No stop string is emitted, but within the text of the first min_tokens tokens, where none counts.
+    held = len(ByteTokenizer(VOCAB).decode(reply.tokens[: req.sampling.min_tokens]))
+    ends = [
+        i + len(s) for s in req.stop_strings for i in range(len(reply.text)) if reply.text.startswith(s, i)
+    ]
+    assert all(end <= held for end in ends), "no stop string is emitted past the held text"
     if req.sampling.logprobs is not None:
         for ev in reply.events:
             assert len(ev.logprobs) == len(ev.token_ids)
@@ -421,6 +453,11 @@ def check_reply(a: Arrival, reply: Reply, context: int) -> None:
         assert not isinstance(stop, int) or stop not in EOS or stop in req.stop_ids
     if req.sampling.grammar is not None and finished == "stop" and not req.stop_ids and not req.stop_strings:
         assert json.loads(reply.text).keys() == {"n", "t"}, "the grammar's reply is complete"
+    if isinstance(stop, int):  # no stop token before min_tokens
+        assert len(reply.tokens) >= req.sampling.min_tokens, (len(reply.tokens), req.sampling.min_tokens)
+    for word in word_ids(req.sampling.bad_words, ByteTokenizer(VOCAB)):
+        n = len(word)
+        assert all(tuple(reply.tokens[i : i + n]) != word for i in range(len(reply.tokens) - n + 1)), word
     budget = req.sampling.reasoning.budget if req.sampling.reasoning is not None else None
     if budget is not None and len(reply.tokens) > budget and finished != "cancelled":
         assert THINK[1] in reply.tokens[: budget + 1], "the think block closes where its budget runs out"

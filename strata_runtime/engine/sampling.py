@@ -90,6 +90,60 @@ class ThinkBudget:
                 self.used += 1
 
 
+class HoldStops:
+    """A grammar whose reply is held off its stop tokens for its first ``least`` tokens (``min_tokens``): each
+    row's mask also clears the stop tokens while the row is short of them, except where that would leave
+    the row nothing (a grammar that allows only the end once its text is complete: the grammar wins). The
+    count moves with the place (`accept`, `bitmask_after`), so masks of drafted rows, of chained windows and
+    of a drafter's chain hold exactly the rows short of ``least``."""
+
+    def __init__(self, grammar: Grammar, stops: np.ndarray, least: int, count: int = 0) -> None:
+        self.grammar, self.stops, self.least, self.count = grammar, stops, least, count
+        self.holds_think = grammar.holds_think
+
+    def _held(self, bits: np.ndarray, count: int) -> np.ndarray:
+        if count >= self.least or not self.stops.size:
+            return bits
+        held = bits.copy()
+        np.bitwise_and.at(held, self.stops // 32, ~(np.uint32(1) << (self.stops % 32).astype(np.uint32)))
+        return held if held.any() else bits
+
+    def bitmasks_after(self, drafted: Sequence[int]) -> np.ndarray:
+        rows = self.grammar.bitmasks_after(drafted)
+        return np.stack([self._held(row, self.count + j) for j, row in enumerate(rows)])
+
+    def bitmask_last(self, drafted: Sequence[int]) -> np.ndarray:
+        return self._held(self.grammar.bitmask_last(drafted)[0], self.count + len(drafted))[None, :]
+
+    def bitmask_after(self, token: int) -> np.ndarray:
+        self.count += 1
+        return self._held(self.grammar.bitmask_after(token), self.count)
+
+    def copy(self) -> HoldStops:
+        return HoldStops(self.grammar.copy(), self.stops, self.least, self.count)
+
+    def forced(self, most: int) -> list[int]:
+        """What the grammar forces, up to the first stop token a row short of ``least`` would choose."""
+        out = []
+        for j, t in enumerate(self.grammar.forced(most)):
+            if self.count + j < self.least and t in self.stops:
+                break
+            out.append(t)
+        return out
+
+    def ends_within(self, tokens: Sequence[int]) -> int | None:
+        return self.grammar.ends_within(tokens)
+
+    def accept(self, tokens: Iterable[int]) -> None:
+        tokens = list(tokens)
+        self.grammar.accept(tokens)
+        self.count += len(tokens)
+
+    @property
+    def finished(self) -> bool:
+        return self.grammar.finished
+
+
 class Sampler:
     """One request's token chooser: greedy, or seeded sampling, after its logit bias and penalties.
 
@@ -167,6 +221,9 @@ class Sampler:
         self.stops = np.array(
             sorted(t for t in set(stops) if t >= 0 and (vocab <= 0 or t < vocab)), dtype=np.int64
         )
+        if grammar is not None and params.min_tokens > 0 and self.stops.size:
+            # Held off by the grammar's masks, which give way where the grammar allows only an end.
+            self.grammar = HoldStops(grammar, self.stops, params.min_tokens)
         self.generated = 0
         """Tokens recorded for the reply so far."""
         self.on_device = False
@@ -202,10 +259,11 @@ class Sampler:
 
     @property
     def holding_stops(self) -> bool:
-        """The reply is shorter than its ``min_tokens`` and has stop tokens to hold off: its rows lose them,
+        """The reply is shorter than its ``min_tokens``, has stop tokens to hold off and no grammar (a
+        grammar's masks hold them off: `HoldStops`): its rows lose them,
         on the host (`adjusted`) and on the device (`device_bias`), until it is not. No window reaches the
         token where they come back (`hold_at`) before the host has read the ones before it."""
-        return self.generated < self.params.min_tokens and self.stops.size > 0
+        return self.generated < self.params.min_tokens and self.stops.size > 0 and self.grammar is None
 
     @property
     def hold_at(self) -> int | None:
@@ -281,7 +339,7 @@ class Sampler:
             close = self.think.reasoning.close_id
             kept = out[:, close].copy()
             out[:] = -np.inf
-            out[:, close] = kept
+            out[:, close] = np.where(np.isneginf(kept), 0.0, kept)  # forced even where a bias bans it
         if self.grammar is not None:  # each row over the tokens its grammar allows after what it follows
             if np.may_share_memory(out, logits):
                 out = out.copy()  # the masks are written in place, never into the caller's logits

@@ -224,8 +224,12 @@ class Engine:
         outside = sorted({t for w in words for t in w if not 0 <= t < vocab})
         if outside:
             return f"bad_words: they tokenize to ids outside the model's vocabulary of {vocab}: {outside[:8]}"
+        singles = {w[0] for w in words if len(w) == 1}
+        allowed = handle.request.sampling.allowed_token_ids
+        if allowed is not None and set(allowed) <= singles:
+            return "bad_words: they ban every token allowed_token_ids allows"
         if handle.grammar is None and all(len(w) == 1 for w in words):
-            handle.banned = tuple(sorted({w[0] for w in words}))
+            handle.banned = tuple(sorted(singles))
             return None
         width = None if handle.grammar is None else handle.grammar.width
         held = BadWords(words, vocab, width)
@@ -502,6 +506,10 @@ class Engine:
             return f"logit_bias: every token id must be in [0, {vocab})"
         if any(not 0 <= t < vocab for t in r.sampling.allowed_token_ids or ()):
             return f"allowed_token_ids: every token id must be in [0, {vocab})"
+        allowed = set(r.sampling.allowed_token_ids or ())
+        stops = set(r.stop_ids) | set(() if r.ignore_eos else self.tokenizer.eos_ids)
+        if allowed and r.sampling.min_tokens > 0 and allowed <= stops:
+            return "min_tokens: every token allowed_token_ids allows ends the reply, so none could come first"
         think = r.sampling.reasoning
         if think is not None and not (0 <= think.open_id < vocab and 0 <= think.close_id < vocab):
             return f"reasoning: the think block's open_id and close_id must be in [0, {vocab})"
