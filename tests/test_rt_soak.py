@@ -453,7 +453,8 @@ def check_reply(a: Arrival, reply: Reply, context: int) -> None:
         assert not isinstance(stop, int) or stop not in EOS or stop in req.stop_ids
     if req.sampling.grammar is not None and finished == "stop" and not req.stop_ids and not req.stop_strings:
         assert json.loads(reply.text).keys() == {"n", "t"}, "the grammar's reply is complete"
-    if isinstance(stop, int):  # no stop token before min_tokens
+    if isinstance(stop, int) and req.sampling.grammar is None:  # no stop token before min_tokens (a
+        # grammar's end wins over it: `HoldStops`)
         assert len(reply.tokens) >= req.sampling.min_tokens, (len(reply.tokens), req.sampling.min_tokens)
     for word in word_ids(req.sampling.bad_words, ByteTokenizer(VOCAB)):
         n = len(word)
