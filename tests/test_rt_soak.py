@@ -456,7 +456,8 @@ def check_reply(a: Arrival, reply: Reply, context: int) -> None:
     if isinstance(stop, int) and req.sampling.grammar is None:  # no stop token before min_tokens (a
         # grammar's end wins over it: `HoldStops`)
         assert len(reply.tokens) >= req.sampling.min_tokens, (len(reply.tokens), req.sampling.min_tokens)
-    for word in word_ids(req.sampling.bad_words, ByteTokenizer(VOCAB)):
+    words = word_ids(req.sampling.bad_words, ByteTokenizer(VOCAB)) if req.sampling.grammar is None else []
+    for word in words:  # (where a grammar allows only a banned token, the grammar wins)
         n = len(word)
         assert all(tuple(reply.tokens[i : i + n]) != word for i in range(len(reply.tokens) - n + 1)), word
     budget = req.sampling.reasoning.budget if req.sampling.reasoning is not None else None
