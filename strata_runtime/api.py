@@ -243,6 +243,9 @@ class RequestHandle:
     banned: tuple[int, ...] = ()
     """The engine's: the tokens of one-token bad words, where the request has no others and no grammar
     (they go into its logit bias)."""
+    allowed_in_masks: bool = False
+    """The engine's: ``allowed_token_ids`` are held by ``grammar``'s masks (beside a grammar), not the
+    logit bias."""
     slot: int | None = None
     """The slot serving it, once admitted."""
     prompt_tokens: int = 0

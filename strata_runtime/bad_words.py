@@ -45,12 +45,25 @@ class BadWords:
     """One reply's place among its bad words of several tokens (and its one-token ones, which every row's
     mask clears): the grammar-like interface the engine asks of `strata_runtime.structured.Matcher`."""
 
-    def __init__(self, sequences: Sequence[Sequence[int]], vocab_size: int, width: int | None = None) -> None:
+    def __init__(
+        self,
+        sequences: Sequence[Sequence[int]],
+        vocab_size: int,
+        width: int | None = None,
+        allowed: Sequence[int] | None = None,
+    ) -> None:
+        """``allowed``: the only tokens that may come at all (``allowed_token_ids``, held here beside a
+        grammar rather than in the logit bias); None: any."""
         self.vocab_size = vocab_size
         self.width = mask_width(vocab_size) if width is None else width
         singles = sorted({s[0] for s in sequences if len(s) == 1})
         self.base = np.full(self.width, 0xFFFFFFFF, dtype=np.uint32)
-        """The mask before the reply's last tokens are read: every token but the one-token words'."""
+        """The mask before the reply's last tokens are read: every token but the one-token words' (of
+        ``allowed``, where given)."""
+        if allowed is not None:
+            self.base[:] = 0
+            ids = np.unique(np.asarray(allowed, np.int64))
+            np.bitwise_or.at(self.base, ids // 32, np.uint32(1) << (ids % 32).astype(np.uint32))
         for t in singles:
             self.base[t // 32] &= ~np.uint32(1 << (t % 32))
         self.by_end: dict[int, list[tuple[tuple[int, ...], int]]] = {}

@@ -293,3 +293,22 @@ def test_a_spent_think_budget_forces_the_close_even_where_a_ban_holds_it() -> No
         assert sampler.think is not None and sampler.think.forcing
         row = sampler.adjusted(np.arange(8, dtype=np.float32)[None, :])[0]
         assert np.isfinite(row[6]) and np.isneginf(np.delete(row, 6)).all()
+
+
+@pytest.mark.parametrize(("mode", "stages"), [("serial", 1), ("solo", 1), ("batch-mtp", 1)])
+def test_under_a_grammar_allowed_token_ids_are_masks_that_give_way_where_they_would_leave_nothing(
+    mode, stages
+):
+    """``allowed_token_ids`` beside a grammar are held by the masks (not the bias): the reply keeps to them
+    where the grammar allows them, and where it allows none of them the grammar's mask stands alone, so a
+    row never has nothing to choose; greedy and sampled."""
+    eng = engine(mode, stages)
+    c = ord("c")
+    for temperature in (0.0, 0.8):
+        free = SamplingParams(
+            temperature=temperature, seed=1, grammar="start: /[abc]+/", allowed_token_ids=(c,)
+        )
+        assert reply(eng, free, 10) == [c] * 10
+        fixed = SamplingParams(temperature=temperature, seed=1, grammar="start: /ab/", allowed_token_ids=(c,))
+        tokens = collect(eng, [(0, Request(tuple(b"Say ab:"), 10, fixed))])[0]
+        assert bytes(tokens) == b"ab"

@@ -161,6 +161,7 @@ class Sampler:
         stops: Iterable[int] = (),
         vocab: int = 0,
         banned: Iterable[int] = (),
+        allowed_in_masks: bool = False,
     ) -> None:
         """``grammar``: the reply's place in its grammar (`strata_runtime.structured`), or among its bad
         words of several tokens (`strata_runtime.bad_words`), or both, where the request has them: its rows
@@ -168,7 +169,9 @@ class Sampler:
         the request's prompt, whose tokens a repetition penalty counts as seen.
         ``stops``: the tokens that end the reply, which ``min_tokens`` holds off. ``vocab``: the vocabulary's
         size, whose tokens outside ``allowed_token_ids`` get a bias of minus infinity. ``banned``: tokens
-        that get one too (one-token bad words, `strata_runtime.bad_words`)."""
+        that get one too (one-token bad words, `strata_runtime.bad_words`). ``allowed_in_masks``: the
+        ``grammar``'s masks hold ``allowed_token_ids`` instead (beside a grammar, where they give way rather
+        than leave a row nothing)."""
         self.params = params
         self.grammar = grammar
         r = params.reasoning
@@ -190,7 +193,7 @@ class Sampler:
             or params.frequency_penalty
             or params.logit_bias
             or params.repetition_penalty != 1.0
-            or params.allowed_token_ids is not None
+            or (params.allowed_token_ids is not None and not allowed_in_masks)
             or banned.size
         )
         """A logit bias or a penalty is set."""
@@ -205,7 +208,7 @@ class Sampler:
             own = ~np.isin(self.bias_ids, banned)
             self.bias_ids = np.concatenate([self.bias_ids[own], banned])
             self.bias = np.concatenate([self.bias[own], np.full(banned.size, -np.inf)])
-        if params.allowed_token_ids is not None:  # every other token banned, whatever its bias
+        if params.allowed_token_ids is not None and not allowed_in_masks:  # the rest banned, whatever bias
             # In array steps: a vocabulary's worth of Python objects would hold the engine's thread for tens
             # of milliseconds.
             assert vocab > 0, "allowed_token_ids needs the vocabulary's size"

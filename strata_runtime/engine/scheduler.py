@@ -205,7 +205,8 @@ class Engine:
                 handle.grammar = self.grammars.matcher(sampling.grammar, sampling.reasoning)
             except GrammarError as exc:
                 problem = f"grammar: {exc}"
-        if problem is None and sampling.bad_words:
+        masked_ids = handle.grammar is not None and sampling.allowed_token_ids is not None
+        if problem is None and (sampling.bad_words or masked_ids):
             problem = self._hold_off_bad_words(handle)
         if problem:
             handle.events.put(TokenEvent((), "", "error", 0, problem))
@@ -217,8 +218,9 @@ class Engine:
     def _hold_off_bad_words(self, handle: RequestHandle) -> str | None:
         """Tokenize a request's bad words (`strata_runtime.bad_words`) on the caller's thread: one-token words
         alone, with no grammar, become a ban in its bias (``handle.banned``); otherwise the words are held
-        as a grammar is (``handle.grammar``), beside the grammar where it has one. What is wrong with them,
-        naming the field, or None."""
+        as a grammar is (``handle.grammar``), beside the grammar where it has one, and so is
+        ``allowed_token_ids`` under a grammar (``handle.allowed_in_masks``), whose masks give way where
+        they would leave the grammar nothing. What is wrong with them, naming the field, or None."""
         vocab = self.model.args.vocab_size
         words = word_ids(handle.request.sampling.bad_words, self.tokenizer)
         outside = sorted({t for w in words for t in w if not 0 <= t < vocab})
@@ -231,9 +233,11 @@ class Engine:
         if handle.grammar is None and all(len(w) == 1 for w in words):
             handle.banned = tuple(sorted(singles))
             return None
-        width = None if handle.grammar is None else handle.grammar.width
-        held = BadWords(words, vocab, width)
-        handle.grammar = held if handle.grammar is None else WithGrammar(handle.grammar, held)
+        if handle.grammar is None:
+            handle.grammar = BadWords(words, vocab)
+            return None
+        held = BadWords(words, vocab, handle.grammar.width, allowed)
+        handle.grammar, handle.allowed_in_masks = WithGrammar(handle.grammar, held), allowed is not None
         return None
 
     def _enqueue(self, handle: RequestHandle) -> None:
@@ -598,6 +602,7 @@ class Engine:
             stop_ids,
             self.model.args.vocab_size,
             handle.banned,
+            handle.allowed_in_masks,
         )
         self.slots[i] = Slot(
             i,
