@@ -205,11 +205,14 @@ def _sampling(g: random.Random) -> SamplingParams:
     return SamplingParams(**kw)
 
 
-def _extras(g: random.Random, sampling: SamplingParams, max_tokens: int) -> SamplingParams:
+def _extras(
+    g: random.Random, sampling: SamplingParams, max_tokens: int, stop_ids: tuple[int, ...] = ()
+) -> SamplingParams:
     """The sampling controls added after the scenarios were first numbered, drawn from a stream of their own
     (so every other draw of a numbered scenario stays as it was): min-p, a repetition penalty, a reply held
-    off its stop tokens for its first tokens (``min_tokens``) and bad words of one to three printable
-    bytes."""
+    off its stop tokens for its first tokens (``min_tokens``), bad words of one to three printable bytes,
+    and ``allowed_token_ids`` (printable bytes, one at least neither a stop token nor a one-byte bad word,
+    and sometimes end-of-text)."""
     kw: dict[str, Any] = {}
     if sampling.temperature > 0 and g.random() < 0.3:
         kw["min_p"] = g.choice([0.05, 0.3, 1.0])
@@ -222,6 +225,11 @@ def _extras(g: random.Random, sampling: SamplingParams, max_tokens: int) -> Samp
             "".join(chr(g.choice(range(33, 127))) for _ in range(g.randint(1, 3)))
             for _ in range(g.randint(1, 3))
         )
+    if g.random() < 0.12:
+        banned = {ord(w) for w in kw.get("bad_words", ()) if len(w) == 1} | set(stop_ids)
+        some = [t for t in PRINTABLE if t not in banned and t != 32]
+        allowed = {g.choice(some)} | {g.choice(PRINTABLE) for _ in range(g.randint(2, 12))}
+        kw["allowed_token_ids"] = tuple(sorted(allowed | ({EOS[0]} if g.random() < 0.5 else set())))
     return replace(sampling, **kw)
 
 
@@ -257,7 +265,9 @@ def draw(number: int) -> Scenario:
             g.choice([1, 2, 5, 16, 40, 90]),
             _sampling(g),
         )
-        sampling = _extras(random.Random(f"{number} {i} sampling extras"), sampling, max_tokens)
+        sampling = _extras(
+            random.Random(f"{number} {i} sampling extras"), sampling, max_tokens, stops.get("stop_ids", ())
+        )
         request = Request(
             prompt,
             max_tokens,
@@ -456,6 +466,10 @@ def check_reply(a: Arrival, reply: Reply, context: int) -> None:
     if isinstance(stop, int) and req.sampling.grammar is None:  # no stop token before min_tokens (a
         # grammar's end wins over it: `HoldStops`)
         assert len(reply.tokens) >= req.sampling.min_tokens, (len(reply.tokens), req.sampling.min_tokens)
+    allowed = req.sampling.allowed_token_ids
+    if allowed is not None and req.sampling.grammar is None:  # (a spent think budget's close is forced)
+        closes = {THINK[1]} if req.sampling.reasoning is not None else set()
+        assert set(reply.tokens) <= set(allowed) | closes, sorted(set(reply.tokens) - set(allowed))
     words = word_ids(req.sampling.bad_words, ByteTokenizer(VOCAB)) if req.sampling.grammar is None else []
     for word in words:  # (where a grammar allows only a banned token, the grammar wins)
         n = len(word)
