@@ -40,15 +40,17 @@ def arguments(doc: str) -> argparse.ArgumentParser:
     return parser
 
 
-def runner(args: argparse.Namespace) -> tuple[Engine, Callable[[SamplingParams], tuple[list[int], float]]]:
-    """The profile's engine, and a run of `PROMPT` to ``--tokens`` (``ignore_eos``) under given sampling:
-    its tokens and seconds, the prompt read each time."""
+def runner(
+    args: argparse.Namespace,
+) -> tuple[Engine, Callable[..., tuple[list[int], float]]]:
+    """The profile's engine, and a run of `PROMPT` to ``--tokens`` (``ignore_eos`` unless the run says
+    otherwise) under given sampling: its tokens and seconds, the prompt read each time."""
     engine = Engine(resolve_path(args.profile, tuple(args.set)).plan)
     prompt = tuple(engine.tokenizer.encode(PROMPT))
 
-    def run(sampling: SamplingParams) -> tuple[list[int], float]:
+    def run(sampling: SamplingParams, ignore_eos: bool = True) -> tuple[list[int], float]:
         engine.forget_prefixes()  # each run reads its prompt
-        handle = engine.submit(Request(prompt, args.tokens, sampling, ignore_eos=True))
+        handle = engine.submit(Request(prompt, args.tokens, sampling, ignore_eos=ignore_eos))
         t0 = time.perf_counter()
         while engine.step():
             pass

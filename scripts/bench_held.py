@@ -16,15 +16,11 @@ Usage: ``python scripts/bench_held.py [PROFILE] [--tokens N] [--repeats N] [--se
 from __future__ import annotations
 
 import statistics
-import time
 
-from bench_grammar_cost import arguments, report
+from bench_grammar_cost import arguments, report, runner
 
-from strata_cfg.plan.from_profile import resolve_path
-from strata_runtime.api import Request, SamplingParams
-from strata_runtime.engine import Engine
+from strata_runtime.api import SamplingParams
 
-PROMPT = "The old man looked at the sea and said"
 LONG_WORD = "Zqxjv Wkpfq"
 """A bad word of several tokens in any tokenizer, which no reply holds."""
 ONE_TOKEN_WORDS = ("Zanzibar", "Quixote", "Xerxes", "zq", "Q", "~")
@@ -34,17 +30,10 @@ reply does not hold."""
 
 def main() -> None:
     args = arguments(__doc__).parse_args()
-    engine = Engine(resolve_path(args.profile, tuple(args.set)).plan)
-    prompt = tuple(engine.tokenizer.encode(PROMPT))
+    engine, timed = runner(args)
 
     def run(sampling: SamplingParams, ignore_eos: bool) -> tuple[list[int], float]:
-        engine.forget_prefixes()  # each run reads its prompt
-        handle = engine.submit(Request(prompt, args.tokens, sampling, ignore_eos=ignore_eos))
-        t0 = time.perf_counter()
-        while engine.step():
-            pass
-        seconds = time.perf_counter() - t0
-        tokens = [t for _ in range(handle.events.qsize()) for t in handle.events.get().token_ids]
+        tokens, seconds = timed(sampling, ignore_eos)
         if len(tokens) != args.tokens:
             raise SystemExit(f"a reply of {len(tokens)} tokens, not {args.tokens}")
         return tokens, seconds

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable, Sequence
-from typing import Any, Protocol
 
 import numpy as np
 
 from .api import Tokenizer
+from .masks import Layered, Place, mask_width
 
 
 def word_ids(words: Iterable[str], tokenizer: Tokenizer) -> list[tuple[int, ...]]:
@@ -35,15 +35,9 @@ def word_ids(words: Iterable[str], tokenizer: Tokenizer) -> list[tuple[int, ...]
     return out
 
 
-def mask_width(vocab_size: int) -> int:
-    """32-bit words of a packed mask over ``vocab_size`` tokens, laid out as llguidance lays a grammar's (one
-    more than the vocabulary needs where its size is a multiple of 32), so both kinds stack in one window."""
-    return vocab_size // 32 + 1
-
-
-class BadWords:
+class BadWords(Place):
     """One reply's place among its bad words of several tokens (and its one-token ones, which every row's
-    mask clears): the grammar-like interface the engine asks of `strata_runtime.structured.Matcher`."""
+    mask clears), held as a grammar's place is (`strata_runtime.masks.Place`)."""
 
     def __init__(
         self,
@@ -74,9 +68,6 @@ class BadWords:
         self.recent: tuple[int, ...] = ()
         """The reply's last tokens, as many as the longest word's beginning."""
 
-    holds_think = False
-    """A think budget is the sampler's to keep (a grammar built with one holds it itself)."""
-
     def _packed(self) -> np.ndarray:
         out = self.base.copy()
         if self.recent:
@@ -93,24 +84,6 @@ class BadWords:
         """Which tokens may come next: a bool array [vocab_size]."""
         bits = np.unpackbits(self._packed().view(np.uint8), bitorder="little")
         return bits[: self.vocab_size].astype(bool)
-
-    def bitmasks_after(self, drafted: Sequence[int]) -> np.ndarray:
-        """The packed masks [len(drafted) + 1, W] of what may come after each prefix of ``drafted``
-        (proposals not accepted yet); the reply's own place does not move."""
-        ahead = self.copy()
-        return np.stack([ahead._packed(), *(ahead.bitmask_after(t) for t in drafted)])
-
-    def bitmask_last(self, drafted: Sequence[int]) -> np.ndarray:
-        """`bitmasks_after`'s last row alone [1, W]."""
-        ahead = self.copy()
-        for t in drafted:
-            ahead._move(t)
-        return ahead._packed()[None, :]
-
-    def bitmask_after(self, token: int) -> np.ndarray:
-        """Move on by ``token`` and return the packed mask of what may follow it."""
-        self._move(token)
-        return self._packed()
 
     def copy(self) -> BadWords:
         """Another place among the same words, where this one stands now, that moves on its own."""
@@ -134,76 +107,20 @@ class BadWords:
         return False
 
 
-class Grammar(Protocol):
-    """What the engine asks of a reply's place in its grammar (`strata_runtime.structured.Matcher`)."""
+class WithGrammar(Layered):
+    """A reply held to a grammar and kept off bad words (or held to ``allowed_token_ids`` beside a grammar):
+    a token may come where both allow it; where the words would leave the grammar nothing, the grammar's
+    mask stands alone."""
 
-    holds_think: bool
+    def __init__(self, grammar: Place, words: BadWords) -> None:
+        super().__init__(grammar)
+        self.words = words
 
-    def bitmasks_after(self, drafted: Sequence[int]) -> np.ndarray: ...
+    def _layer(self) -> np.ndarray:
+        return self.words._packed()
 
-    def bitmask_last(self, drafted: Sequence[int]) -> np.ndarray: ...
-
-    def bitmask_after(self, token: int) -> np.ndarray: ...
-
-    def copy(self) -> Any: ...
-
-    def forced(self, most: int) -> list[int]: ...
-
-    def ends_within(self, tokens: Sequence[int]) -> int | None: ...
-
-    def accept(self, tokens: Iterable[int]) -> None: ...
-
-    @property
-    def finished(self) -> bool: ...
-
-
-class WithGrammar:
-    """A reply held to a grammar and kept off bad words: a token may come next where both allow it. Where
-    the bad words would leave nothing the grammar allows, the grammar's mask stands alone (the reply must
-    go on in its grammar)."""
-
-    def __init__(self, grammar: Grammar, words: BadWords) -> None:
-        self.grammar, self.words = grammar, words
-        self.holds_think = grammar.holds_think
-
-    @staticmethod
-    def _both(grammar: np.ndarray, words: np.ndarray) -> np.ndarray:
-        both = grammar & words
-        empty = ~both.any(axis=-1)
-        return np.where(empty[..., None], grammar, both) if both.ndim > 1 else (grammar if empty else both)
-
-    def bitmasks_after(self, drafted: Sequence[int]) -> np.ndarray:
-        return self._both(self.grammar.bitmasks_after(drafted), self.words.bitmasks_after(drafted))
-
-    def bitmask_last(self, drafted: Sequence[int]) -> np.ndarray:
-        return self._both(self.grammar.bitmask_last(drafted), self.words.bitmask_last(drafted))
-
-    def bitmask_after(self, token: int) -> np.ndarray:
-        return self._both(self.grammar.bitmask_after(token), self.words.bitmask_after(token))
+    def _layer_move(self, token: int) -> None:
+        self.words._move(token)
 
     def copy(self) -> WithGrammar:
         return WithGrammar(self.grammar.copy(), self.words.copy())
-
-    def forced(self, most: int) -> list[int]:
-        """What the grammar forces, up to the first token a bad word bans there."""
-        ahead = self.words.copy()
-        out: list[int] = []
-        for t in self.grammar.forced(most):
-            packed = ahead._packed()
-            if not packed[t // 32] >> np.uint32(t % 32) & np.uint32(1):
-                break
-            out.append(t)
-            ahead._move(t)
-        return out
-
-    def ends_within(self, tokens: Sequence[int]) -> int | None:
-        return self.grammar.ends_within(tokens)
-
-    def accept(self, tokens: Iterable[int]) -> None:
-        tokens = list(tokens)
-        self.grammar.accept(tokens)
-        self.words.accept(tokens)
-
-    @property
-    def finished(self) -> bool:
-        return self.grammar.finished

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from .api import Reasoning, Tokenizer
+from .masks import Place
 from .thinking import think_ids
 
 
@@ -220,7 +221,7 @@ def grammars_for(tokenizer: Tokenizer, vocab_size: int) -> Grammars:
         return found
 
 
-class Matcher:
+class Matcher(Place):
     """One reply's place in its grammar."""
 
     holds_think = True
@@ -251,31 +252,11 @@ class Matcher:
         token is allowed: the rows that follow it are never used, since that proposal cannot be accepted."""
         return [_unpacked(bits.tobytes(), self.vocab_size) for bits in self.bitmasks_after(drafted)]
 
-    def bitmasks_after(self, drafted: Sequence[int]) -> np.ndarray:
-        """`allowed_after` packed as llguidance computes it, for the device (`strata_runtime.reference.
-        kernels.mask_logits`): uint32 [len(drafted) + 1, W], token t at bit t % 32 of word t // 32."""
-        ahead = self.copy()  # the reply's own place stays where it is
-        return np.stack([ahead._packed(), *(ahead.bitmask_after(t) for t in drafted)])
-
-    def bitmask_last(self, drafted: Sequence[int]) -> np.ndarray:
-        """`bitmasks_after`'s last row alone [1, W]: what may follow all of ``drafted``."""
-        ahead = self.copy()
-        for t in drafted:
-            ahead._move(t)
-        return ahead._packed()[None, :]
-
     def copy(self) -> Matcher:
         """Another place in the same grammar, where this one stands now, that moves on its own."""
         other = Matcher(self._ll.deep_copy(), self.vocab_size, self._words, self._ends)
         other._lost = self._lost
         return other
-
-    def bitmask_after(self, token: int) -> np.ndarray:
-        """Move on by ``token`` and return the packed mask of what may follow (`bitmasks_after`'s row);
-        every token where ``token`` is not allowed or the grammar had ended before it (such a row is never
-        used: the reply ends, or its own place fails on that token with `GrammarError`)."""
-        self._move(token)
-        return self._packed()
 
     def _move(self, token: int) -> None:
         """Move on by ``token``; off the grammar or past its end the place is lost (`_packed` allows all)."""

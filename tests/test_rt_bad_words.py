@@ -16,6 +16,7 @@ from strata_runtime.api import Request, SamplingParams, request_problem
 from strata_runtime.bad_words import BadWords, WithGrammar, mask_width, word_ids
 from strata_runtime.engine import Engine
 from strata_runtime.engine.sampling import Sampler
+from strata_runtime.masks import Place
 
 PROMPT = tuple(b"Once upon a time there was")
 
@@ -81,10 +82,11 @@ def test_the_mask_bans_single_tokens_always_and_a_words_last_token_after_the_res
     assert fresh.forced(4) == [] and fresh.ends_within([1, 2, 3]) is None and not fresh.finished
 
 
-class Forcing:
+class Forcing(Place):
     """A grammar that allows only ``allows`` and forces ``forces``."""
 
     holds_think = True
+    finished = False
 
     def __init__(self, allows: set[int], forces: list[int], vocab: int) -> None:
         self.bits = np.zeros(mask_width(vocab), np.uint32)
@@ -92,14 +94,11 @@ class Forcing:
             self.bits[t // 32] |= np.uint32(1 << (t % 32))
         self.forces = forces
 
-    def bitmasks_after(self, drafted):
-        return np.stack([self.bits] * (len(drafted) + 1))
+    def _packed(self):
+        return self.bits.copy()
 
-    def bitmask_last(self, drafted):
-        return self.bits[None, :]
-
-    def bitmask_after(self, token):
-        return self.bits
+    def _move(self, token):
+        pass
 
     def copy(self):
         return self
@@ -112,8 +111,6 @@ class Forcing:
 
     def accept(self, tokens):
         pass
-
-    finished = False
 
 
 def test_with_a_grammar_a_token_comes_where_both_allow_it_and_the_grammar_wins_an_empty_row() -> None:

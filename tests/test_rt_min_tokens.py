@@ -214,34 +214,28 @@ def test_under_a_grammar_the_stop_tokens_are_held_off_by_its_masks_which_give_wa
     """A grammar's rows short of ``min_tokens`` lose the stop tokens in their masks (`HoldStops`), counted
     as the place moves; where the grammar allows nothing but an end, its mask stands, and the reply ends
     there complete rather than with nothing to choose."""
-    from strata_runtime.bad_words import mask_width
     from strata_runtime.engine.sampling import HoldStops
+    from strata_runtime.masks import Place, mask_width
 
     vocab = 40
 
-    class Two:
+    class Two(Place):
         """Allows {1, 2} for its first two tokens, then only the end (2)."""
 
         holds_think = True
+        finished = False
 
         def __init__(self, count: int = 0) -> None:
             self.count = count
 
-        def _bits(self, count: int) -> np.ndarray:
+        def _packed(self) -> np.ndarray:
             bits = np.zeros(mask_width(vocab), np.uint32)
-            for t in (1, 2) if count < 2 else (2,):
+            for t in (1, 2) if self.count < 2 else (2,):
                 bits[0] |= np.uint32(1 << t)
             return bits
 
-        def bitmasks_after(self, drafted):
-            return np.stack([self._bits(self.count + j) for j in range(len(drafted) + 1)])
-
-        def bitmask_last(self, drafted):
-            return self._bits(self.count + len(drafted))[None, :]
-
-        def bitmask_after(self, token):
+        def _move(self, token):
             self.count += 1
-            return self._bits(self.count)
 
         def copy(self):
             return Two(self.count)
@@ -254,8 +248,6 @@ def test_under_a_grammar_the_stop_tokens_are_held_off_by_its_masks_which_give_wa
 
         def accept(self, tokens):
             self.count += len(list(tokens))
-
-        finished = False
 
     held = HoldStops(Two(), np.array([2, 7]), least=3)
 

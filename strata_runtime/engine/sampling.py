@@ -17,6 +17,7 @@ ever used when they are.
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -25,7 +26,7 @@ import numpy as np
 
 from ..api import Reasoning, SamplingParams
 from ..backend import Array
-from ..bad_words import Grammar
+from ..masks import Layered, Place
 from ..model import PROMPT_SEEN, adjust_row, inv_temperature, inverse_cdf, mask_logits
 from ..model import distribution as rule
 from ..structured import GrammarError
@@ -90,58 +91,31 @@ class ThinkBudget:
                 self.used += 1
 
 
-class HoldStops:
+class HoldStops(Layered):
     """A grammar whose reply is held off its stop tokens for its first ``least`` tokens (``min_tokens``): each
     row's mask also clears the stop tokens while the row is short of them, except where that would leave
-    the row nothing (a grammar that allows only the end once its text is complete: the grammar wins). The
-    count moves with the place (`accept`, `bitmask_after`), so masks of drafted rows, of chained windows and
-    of a drafter's chain hold exactly the rows short of ``least``."""
+    the row nothing (a grammar that allows only the end once its text is complete: the grammar wins,
+    `strata_runtime.masks.Layered`). The count moves with the place, so masks of drafted rows, of chained
+    windows and of a drafter's chain hold exactly the rows short of ``least``."""
 
-    def __init__(self, grammar: Grammar, stops: np.ndarray, least: int, count: int = 0) -> None:
-        self.grammar, self.stops, self.least, self.count = grammar, stops, least, count
-        self.holds_think = grammar.holds_think
+    def __init__(self, grammar: Place, stops: np.ndarray, least: int, count: int = 0) -> None:
+        super().__init__(grammar)
+        self.stops, self.least, self.count = stops, least, count
+        held = np.full(grammar._packed().shape, 0xFFFFFFFF, dtype=np.uint32)
+        np.bitwise_and.at(held, stops // 32, ~(np.uint32(1) << (stops % 32).astype(np.uint32)))
+        self.held = held
+        """Every token but the stop tokens, packed."""
 
-    def _held(self, bits: np.ndarray, count: int) -> np.ndarray:
-        if count >= self.least or not self.stops.size:
-            return bits
-        held = bits.copy()
-        np.bitwise_and.at(held, self.stops // 32, ~(np.uint32(1) << (self.stops % 32).astype(np.uint32)))
-        return held if held.any() else bits
+    def _layer(self) -> np.ndarray | None:
+        return self.held if self.count < self.least else None
 
-    def bitmasks_after(self, drafted: Sequence[int]) -> np.ndarray:
-        rows = self.grammar.bitmasks_after(drafted)
-        return np.stack([self._held(row, self.count + j) for j, row in enumerate(rows)])
-
-    def bitmask_last(self, drafted: Sequence[int]) -> np.ndarray:
-        return self._held(self.grammar.bitmask_last(drafted)[0], self.count + len(drafted))[None, :]
-
-    def bitmask_after(self, token: int) -> np.ndarray:
+    def _layer_move(self, token: int) -> None:
         self.count += 1
-        return self._held(self.grammar.bitmask_after(token), self.count)
 
     def copy(self) -> HoldStops:
-        return HoldStops(self.grammar.copy(), self.stops, self.least, self.count)
-
-    def forced(self, most: int) -> list[int]:
-        """What the grammar forces, up to the first stop token a row short of ``least`` would choose."""
-        out = []
-        for j, t in enumerate(self.grammar.forced(most)):
-            if self.count + j < self.least and t in self.stops:
-                break
-            out.append(t)
-        return out
-
-    def ends_within(self, tokens: Sequence[int]) -> int | None:
-        return self.grammar.ends_within(tokens)
-
-    def accept(self, tokens: Iterable[int]) -> None:
-        tokens = list(tokens)
-        self.grammar.accept(tokens)
-        self.count += len(tokens)
-
-    @property
-    def finished(self) -> bool:
-        return self.grammar.finished
+        other = copy.copy(self)
+        other.grammar = self.grammar.copy()
+        return other
 
 
 class Sampler:
@@ -156,7 +130,7 @@ class Sampler:
         self,
         params: SamplingParams,
         seed: int,
-        grammar: Grammar | None = None,
+        grammar: Place | None = None,
         prompt: Sequence[int] = (),
         stops: Iterable[int] = (),
         vocab: int = 0,

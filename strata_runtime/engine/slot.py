@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..api import FinishReason, RequestHandle, TokenEvent, Tokenizer, TokenLogprob
-from ..bad_words import Grammar
+from ..masks import Place
 from ..structured import GrammarError
 from .lookup import TextLookup
 from .sampling import Sampler
@@ -42,7 +42,7 @@ class Slot:
     alone is set a little before, where a window's events are decided, and they are put once delivered."""
     gauge: DraftGauge = field(default_factory=DraftGauge)
     """Whether drafting pays for this request: how often its windows' first proposal held."""
-    ahead: Grammar | None = None
+    ahead: Place | None = None
     """Under a grammar, with windows running ahead of the host: the reply's place in its grammar after the
     tokens the windows in flight chose, moved on as each next window's masks are computed
     (`strata_runtime.engine.executor.Executor._chained_masks`); the host's own place (the sampler's) moves
