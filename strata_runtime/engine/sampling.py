@@ -229,9 +229,9 @@ class Sampler:
 
     @property
     def host_only(self) -> bool:
-        """The host chooses and verifies every token (a grammar's allowed tokens follow from the tokens
-        before), so no window runs ahead of it or is decided on the device; or the next token is the one a
-        spent think budget forces."""
+        """The host decides every window (a grammar's allowed tokens, or bad words', follow from the tokens
+        before: it computes each row's mask, which the device may apply), so no speculative window is
+        decided on the device; or the next token is the one a spent think budget forces."""
         return self.grammar is not None or (self.think is not None and self.think.forcing)
 
     @property

@@ -23,7 +23,8 @@ from .speculative import DraftGauge, drafting_pays
 def request_kind(sampler: Sampler) -> str:
     """``greedy`` or ``sampled``, with ``, penalised`` for a logit bias or a penalty, or stop tokens held off
     by ``min_tokens`` (`Sampler.adjusts`), and ``, grammar`` for windows the host decides
-    (`Sampler.host_only`: a grammar, and the window of a spent think budget's close): requests whose solo
+    (`Sampler.host_only`: a grammar or bad words of several tokens, and the window of a spent think budget's
+    close): requests whose solo
     windows take different times to decide, and whose drafts hold differently often."""
     kind = ("greedy" if sampler.greedy else "sampled") + (", penalised" if sampler.adjusts else "")
     return kind + (", grammar" if sampler.host_only else "")
