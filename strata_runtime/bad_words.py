@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from .api import Tokenizer
-from .masks import Layered, Place, mask_width
+from .masks import Layered, Place, clear_bits, mask_width, set_bits
 
 
 def word_ids(words: Iterable[str], tokenizer: Tokenizer) -> list[tuple[int, ...]]:
@@ -48,18 +48,14 @@ class BadWords(Place):
     ) -> None:
         """``allowed``: the only tokens that may come at all (``allowed_token_ids``, held here beside a
         grammar rather than in the logit bias); None: any."""
-        self.vocab_size = vocab_size
         self.width = mask_width(vocab_size) if width is None else width
-        singles = sorted({s[0] for s in sequences if len(s) == 1})
-        self.base = np.full(self.width, 0xFFFFFFFF, dtype=np.uint32)
-        """The mask before the reply's last tokens are read: every token but the one-token words' (of
-        ``allowed``, where given)."""
-        if allowed is not None:
-            self.base[:] = 0
-            ids = np.unique(np.asarray(allowed, np.int64))
-            np.bitwise_or.at(self.base, ids // 32, np.uint32(1) << (ids % 32).astype(np.uint32))
-        for t in singles:
-            self.base[t // 32] &= ~np.uint32(1 << (t % 32))
+        if allowed is None:
+            self.base = np.full(self.width, 0xFFFFFFFF, dtype=np.uint32)
+        else:
+            self.base = set_bits(np.zeros(self.width, dtype=np.uint32), allowed)
+        clear_bits(self.base, [s[0] for s in sequences if len(s) == 1])
+        """The mask before the reply's last tokens are read: every token (of ``allowed``, where given) but
+        the one-token words'."""
         self.by_end: dict[int, list[tuple[tuple[int, ...], int]]] = {}
         """Each word of several tokens as (its tokens but the last, the last), under its second-to-last."""
         for s in {tuple(s) for s in sequences if len(s) > 1}:
@@ -72,18 +68,13 @@ class BadWords(Place):
         out = self.base.copy()
         if self.recent:
             for prefix, last in self.by_end.get(self.recent[-1], ()):
-                if self.recent[-len(prefix) :] == prefix and len(self.recent) >= len(prefix):
-                    out[last // 32] &= ~np.uint32(1 << (last % 32))
+                if self.recent[-len(prefix) :] == prefix:  # (a shorter reply's tail is no match)
+                    clear_bits(out, [last])
         return out
 
     def _move(self, token: int) -> None:
         if self.longest:
             self.recent = (*self.recent, int(token))[-self.longest :]
-
-    def allowed(self) -> np.ndarray:
-        """Which tokens may come next: a bool array [vocab_size]."""
-        bits = np.unpackbits(self._packed().view(np.uint8), bitorder="little")
-        return bits[: self.vocab_size].astype(bool)
 
     def copy(self) -> BadWords:
         """Another place among the same words, where this one stands now, that moves on its own."""

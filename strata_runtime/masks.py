@@ -28,12 +28,32 @@ def allows(packed: np.ndarray, token: int) -> bool:
     return bool(packed[token // 32] >> np.uint32(token % 32) & np.uint32(1))
 
 
+def _bits(ids: np.ndarray) -> np.ndarray:
+    return np.uint32(1) << (ids % 32).astype(np.uint32)
+
+
+def set_bits(packed: np.ndarray, ids: Iterable[int] | np.ndarray) -> np.ndarray:
+    """``packed`` [W], in place, with tokens ``ids`` allowed (an id may repeat); returns it."""
+    ids = np.asarray(ids, np.int64)
+    np.bitwise_or.at(packed, ids // 32, _bits(ids))
+    return packed
+
+
+def clear_bits(packed: np.ndarray, ids: Iterable[int] | np.ndarray) -> np.ndarray:
+    """``packed`` [W], in place, with tokens ``ids`` not allowed (an id may repeat); returns it."""
+    ids = np.asarray(ids, np.int64)
+    np.bitwise_and.at(packed, ids // 32, ~_bits(ids))
+    return packed
+
+
 class Place:
     """A reply's place: what the engine asks of a grammar. Subclasses give `copy`, `_move`, `_packed`,
     `accept`, `forced`, `ends_within` and `finished`."""
 
     holds_think = False
     """Whether a think budget is this place's to keep (a grammar built with one), not the sampler's."""
+    width: int
+    """The packed masks' width in 32-bit words."""
 
     def copy(self) -> Any:
         """Another place where this one stands now, that moves on its own."""
@@ -91,6 +111,7 @@ class Layered(Place):
     def __init__(self, grammar: Place) -> None:
         self.grammar = grammar
         self.holds_think = grammar.holds_think
+        self.width = grammar.width
 
     def _layer(self) -> np.ndarray | None:
         """The layer's packed mask where the place stands (None: it allows everything)."""

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from .api import Reasoning, Tokenizer
-from .masks import Place
+from .masks import Place, allows, set_bits
 from .thinking import think_ids
 
 
@@ -195,8 +195,8 @@ class _Ends:
     def widen(self, packed: np.ndarray) -> np.ndarray:
         """``packed`` (uint32 words, token t at bit t % 32 of word t // 32) with the other end-of-text ids'
         bits set where the first's is."""
-        if len(self.others) and packed[self.first // 32] >> np.uint32(self.first % 32) & np.uint32(1):
-            np.bitwise_or.at(packed, self.others // 32, np.uint32(1) << (self.others % 32).astype(np.uint32))
+        if len(self.others) and allows(packed, self.first):
+            set_bits(packed, self.others)
         return packed
 
 
@@ -231,16 +231,11 @@ class Matcher(Place):
     def __init__(self, ll: Any, vocab_size: int, words: int | None = None, ends: _Ends | None = None) -> None:
         self._ll, self.vocab_size = ll, vocab_size
         self._ends = _Ends(()) if ends is None else ends
-        self._words = len(ll.compute_bitmask()) // 4 if words is None else words
+        self.width = len(ll.compute_bitmask()) // 4 if words is None else words
         """The packed masks' width in 32-bit words, as llguidance lays them out (one more than the
         vocabulary needs where its size is a multiple of 32)."""
         self._lost = False
         """A token moved this copy off the grammar or past its end (`_move`); never a reply's own place."""
-
-    @property
-    def width(self) -> int:
-        """The packed masks' width in 32-bit words."""
-        return self._words
 
     def allowed(self) -> np.ndarray:
         """Which tokens may come next: a bool array [vocab_size]."""
@@ -254,7 +249,7 @@ class Matcher(Place):
 
     def copy(self) -> Matcher:
         """Another place in the same grammar, where this one stands now, that moves on its own."""
-        other = Matcher(self._ll.deep_copy(), self.vocab_size, self._words, self._ends)
+        other = Matcher(self._ll.deep_copy(), self.vocab_size, self.width, self._ends)
         other._lost = self._lost
         return other
 
@@ -266,7 +261,7 @@ class Matcher(Place):
     def _packed(self) -> np.ndarray:
         """The packed mask [W] of what may come next: every token once the place is lost."""
         if self._lost:
-            return np.full(self._words, 0xFFFFFFFF, dtype=np.uint32)
+            return np.full(self.width, 0xFFFFFFFF, dtype=np.uint32)
         return self._ends.widen(np.frombuffer(self._ll.compute_bitmask(), dtype="<u4").copy())
 
     def forced(self, most: int) -> list[int]:

@@ -89,7 +89,8 @@ class Forcing(Place):
     finished = False
 
     def __init__(self, allows: set[int], forces: list[int], vocab: int) -> None:
-        self.bits = np.zeros(mask_width(vocab), np.uint32)
+        self.width = mask_width(vocab)
+        self.bits = np.zeros(self.width, np.uint32)
         for t in allows:
             self.bits[t // 32] |= np.uint32(1 << (t % 32))
         self.forces = forces

@@ -224,6 +224,7 @@ def test_under_a_grammar_the_stop_tokens_are_held_off_by_its_masks_which_give_wa
 
         holds_think = True
         finished = False
+        width = mask_width(vocab)
 
         def __init__(self, count: int = 0) -> None:
             self.count = count

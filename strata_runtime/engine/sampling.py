@@ -26,7 +26,7 @@ import numpy as np
 
 from ..api import Reasoning, SamplingParams
 from ..backend import Array
-from ..masks import Layered, Place
+from ..masks import Layered, Place, clear_bits
 from ..model import PROMPT_SEEN, adjust_row, inv_temperature, inverse_cdf, mask_logits
 from ..model import distribution as rule
 from ..structured import GrammarError
@@ -101,9 +101,7 @@ class HoldStops(Layered):
     def __init__(self, grammar: Place, stops: np.ndarray, least: int, count: int = 0) -> None:
         super().__init__(grammar)
         self.stops, self.least, self.count = stops, least, count
-        held = np.full(grammar._packed().shape, 0xFFFFFFFF, dtype=np.uint32)
-        np.bitwise_and.at(held, stops // 32, ~(np.uint32(1) << (stops % 32).astype(np.uint32)))
-        self.held = held
+        self.held = clear_bits(np.full(self.width, 0xFFFFFFFF, dtype=np.uint32), stops)
         """Every token but the stop tokens, packed."""
 
     def _layer(self) -> np.ndarray | None:
