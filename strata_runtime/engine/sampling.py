@@ -91,6 +91,16 @@ class ThinkBudget:
                 self.used += 1
 
 
+def banning(ids: np.ndarray, values: np.ndarray, banned: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A logit bias as (token ids, values) with tokens ``banned`` at minus infinity, whatever their bias
+    was. In array steps (a membership table over the ids' range): ``banned`` may be most of a vocabulary,
+    whose Python objects would hold the engine's thread for tens of milliseconds."""
+    if not banned.size:
+        return ids, values
+    own = ~np.isin(ids, banned, kind="table")
+    return np.concatenate([ids[own], banned]), np.concatenate([values[own], np.full(banned.size, -np.inf)])
+
+
 class HoldStops(Layered):
     """A grammar whose reply is held off its stop tokens for its first ``least`` tokens (``min_tokens``): each
     row's mask also clears the stop tokens while the row is short of them, except where that would leave
@@ -176,20 +186,12 @@ class Sampler:
             bias[token] = bias.get(token, 0.0) + value
         self.bias_ids = np.array(list(bias), dtype=np.int64)
         self.bias = np.array(list(bias.values()), dtype=np.float64)
-        if banned.size:  # whatever their bias
-            own = ~np.isin(self.bias_ids, banned)
-            self.bias_ids = np.concatenate([self.bias_ids[own], banned])
-            self.bias = np.concatenate([self.bias[own], np.full(banned.size, -np.inf)])
-        if params.allowed_token_ids is not None and not allowed_in_masks:  # the rest banned, whatever bias
-            # In array steps: a vocabulary's worth of Python objects would hold the engine's thread for tens
-            # of milliseconds.
+        self.bias_ids, self.bias = banning(self.bias_ids, self.bias, banned)
+        if params.allowed_token_ids is not None and not allowed_in_masks:  # every other token banned
             assert vocab > 0, "allowed_token_ids needs the vocabulary's size"
             allowed = np.zeros(vocab, dtype=bool)
             allowed[np.asarray(params.allowed_token_ids, np.int64)] = True
-            kept = allowed[self.bias_ids]
-            banned = np.flatnonzero(~allowed)
-            self.bias_ids = np.concatenate([self.bias_ids[kept], banned])
-            self.bias = np.concatenate([self.bias[kept], np.full(banned.size, -np.inf)])
+            self.bias_ids, self.bias = banning(self.bias_ids, self.bias, np.flatnonzero(~allowed))
         repeats = params.repetition_penalty != 1.0
         self.seen = np.unique(np.asarray(prompt, np.int64)) if repeats else np.zeros(0, np.int64)
         """The prompt's distinct tokens, which a repetition penalty counts as seen (none without one)."""
@@ -258,9 +260,7 @@ class Sampler:
         short of it, as `adjusted` masks on the host."""
         if not self.holding_stops:
             return self.bias_ids, self.bias
-        own = ~np.isin(self.bias_ids, self.stops)
-        ids = np.concatenate([self.bias_ids[own], self.stops])
-        return ids, np.concatenate([self.bias[own], np.full(self.stops.size, -np.inf)])
+        return banning(self.bias_ids, self.bias, self.stops)
 
     def record(self, tokens: Iterable[int], counted: bool = False) -> None:
         """Tokens now generated for the request (the penalties count them, the grammar goes on with them);
