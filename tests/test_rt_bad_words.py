@@ -310,3 +310,12 @@ def test_under_a_grammar_allowed_token_ids_are_masks_that_give_way_where_they_wo
         fixed = SamplingParams(temperature=temperature, seed=1, grammar="start: /ab/", allowed_token_ids=(c,))
         tokens = collect(eng, [(0, Request(tuple(b"Say ab:"), 10, fixed))])[0]
         assert bytes(tokens) == b"ab"
+
+
+def test_bad_words_the_tokenizer_spells_outside_the_vocabulary_are_refused_by_name(monkeypatch) -> None:
+    eng = engine("serial", 1)
+    vocab = eng.model.args.vocab_size
+    monkeypatch.setattr(eng.tokenizer, "encode", lambda text: [vocab + 3])
+    ev = eng.submit(Request(tuple(b"x"), 8, SamplingParams(bad_words=("zz",)))).events.get()
+    assert ev.finished == "error" and ev.error is not None
+    assert ev.error.startswith(f"bad_words: they tokenize to ids outside the model's vocabulary of {vocab}")

@@ -281,6 +281,9 @@ def test_requests_that_would_leave_nothing_to_choose_are_refused_by_name() -> No
     eos = min(eng.tokenizer.eos_ids)
     held = Request(tuple(b"x"), 8, SamplingParams(min_tokens=2, allowed_token_ids=(eos, A)), stop_ids=(A,))
     banned = Request(tuple(b"x"), 8, SamplingParams(allowed_token_ids=(A, A + 1), bad_words=("A", "B")))
-    for request, field in ((held, "min_tokens"), (banned, "bad_words")):
+    for request, text in (
+        (held, "min_tokens: every token allowed_token_ids allows ends the reply"),
+        (banned, "bad_words: they ban every token allowed_token_ids allows"),
+    ):
         ev = eng.submit(request).events.get()
-        assert ev.finished == "error" and ev.error is not None and ev.error.startswith(field + ":"), ev.error
+        assert ev.finished == "error" and ev.error is not None and ev.error.startswith(text), ev.error

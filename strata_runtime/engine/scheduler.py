@@ -207,7 +207,7 @@ class Engine:
                 problem = f"grammar: {exc}"
         masked_ids = handle.grammar is not None and sampling.allowed_token_ids is not None
         if problem is None and (sampling.bad_words or masked_ids):
-            problem = self._hold_off_bad_words(handle)
+            problem = self._layer_masks(handle)
         if problem:
             handle.events.put(TokenEvent((), "", "error", 0, problem))
             return handle
@@ -215,7 +215,7 @@ class Engine:
             self._enqueue(handle)
         return handle
 
-    def _hold_off_bad_words(self, handle: RequestHandle) -> str | None:
+    def _layer_masks(self, handle: RequestHandle) -> str | None:
         """Tokenize a request's bad words (`strata_runtime.bad_words`) on the caller's thread: one-token words
         alone, with no grammar, become a ban in its bias (``handle.banned``); otherwise the words are held
         as a grammar is (``handle.grammar``), beside the grammar where it has one, and so is
