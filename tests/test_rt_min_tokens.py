@@ -169,25 +169,16 @@ def test_held_tokens_are_chosen_on_the_device_running_ahead_up_to_min_tokens(sta
     windows drafting and decided on the device) run ahead with the stop token banned on the device, up to
     the reply's ``min_tokens``-th token and never past it, where the host lets it back. Each reply has
     exactly ``min_tokens`` tokens, then stops; the text is the text of windows one at a time."""
-    from rt_plans import make_plan
     from test_rt_run_ahead import PROMPTS, Spy
+    from test_rt_run_ahead import engine as run_ahead_engine
 
     least = [3, 7, 11]
 
     def ahead_engine(stages: int, slots: int, run_ahead: int, draft_tokens: int) -> Engine:
         # Drafting windows carry all their proposals (the adaptive depth follows measured times).
-        kw = {"adaptive_depth": False} if draft_tokens else {}
-        plan = make_plan(
-            stages=stages,
-            slots=slots,
-            groups=1,
-            draft_tokens=draft_tokens,
-            context=128,
-            prefill_chunk=8,
-            run_ahead=run_ahead,
-            **kw,
+        return run_ahead_engine(
+            stages, slots, run_ahead, draft_tokens, adaptive_depth=False if draft_tokens else None
         )
-        return Engine(plan)
 
     def requests(eng: Engine) -> list[tuple[int, Request]]:
         eos = min(eng.tokenizer.eos_ids)

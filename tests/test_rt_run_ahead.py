@@ -30,8 +30,15 @@ from strata_runtime.engine.job import CHAINED, Job
 PROMPTS = [b"The river", b"A second, longer prompt here", b"Third", b"x" * 20]
 
 
-def engine(stages: int, slots: int, run_ahead: int, draft_tokens: int = 0, context: int = 128) -> Engine:
-    """An engine whose profile sets ``batch.run_ahead``."""
+def engine(
+    stages: int,
+    slots: int,
+    run_ahead: int,
+    draft_tokens: int = 0,
+    context: int = 128,
+    adaptive_depth: bool | None = None,
+) -> Engine:
+    """An engine whose profile sets ``batch.run_ahead`` (and ``spec.adaptive_depth``, where given)."""
     plan = make_plan(
         stages=stages,
         slots=slots,
@@ -40,6 +47,7 @@ def engine(stages: int, slots: int, run_ahead: int, draft_tokens: int = 0, conte
         context=context,
         prefill_chunk=8,
         run_ahead=run_ahead,
+        adaptive_depth=adaptive_depth,
     )
     return Engine(plan)
 
