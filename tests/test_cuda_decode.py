@@ -560,6 +560,35 @@ def test_penalised_requests_on_gpu_run_ahead_with_the_text_the_host_verifies(cp)
     assert len(drawn) == 30 and set(drawn) <= set(allowed) and len(set(drawn)) > 1
 
 
+@pytest.mark.parametrize("slots", [1, 3])
+def test_first_tokens_chosen_on_gpu_are_the_ones_the_host_chooses_from_the_logits(cp, slots):
+    """A prompt's first token is the GPU's choice for sampled, penalised and grammar requests (its logits
+    never reach the host), and every reply is the one the host's own choice of that token gives."""
+    from rt_engine_helpers import collect, launches
+    from test_rt_first_token import KINDS
+
+    from strata_runtime.api import Request
+    from strata_runtime.engine import Engine
+
+    g = np.random.default_rng(31)
+    schedule = [
+        (i % 2, Request(tuple(g.integers(1, 250, int(n)).tolist()), 24, sampling, request_id=name))
+        for i, ((name, sampling), n) in enumerate(
+            zip(KINDS.items(), g.integers(3, 90, len(KINDS)), strict=True)
+        )
+    ]
+    plan = _plan(cp, model="tiny", slots=slots, draft_tokens=3 if slots == 1 else 0)
+    engine = Engine(plan)
+    seen = launches(engine)
+    replies = collect(engine, schedule, check_kv=False)
+    ends = [(e, flight) for job, _, flight in seen for e in job.entries if e.ends_prompt]
+    assert len(ends) == len(schedule)
+    assert all(e.chosen_on_device and flight.logits is None for e, flight in ends)
+    reference = Engine(plan)
+    reference.first_tokens_on_device = False
+    assert replies == collect(reference, schedule, check_kv=False)
+
+
 def test_bad_words_on_gpu_keep_the_free_text_until_a_word_would_come(cp):
     """A word of three tokens from the free greedy reply, and one of one token: masked and chosen on the GPU
     (the longer word as a grammar is, windows running ahead; the shorter in the bias), the reply is the free

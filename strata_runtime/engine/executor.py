@@ -8,8 +8,9 @@ over from its device (a peer copy, on the receiving stream); every stage runs it
 event. The last stage adds the final norm, the LM head of the rows that decide a token, each one's chosen
 token (the argmax, or for a sampled row a draw at a uniform the host drew at launch:
 `strata_runtime.models.ops.choose`, after the request's logit bias and penalties where it has them:
-`strata_runtime.model.adjust`) and, for rows the host chooses (proposals to verify on the host, a prompt's
-first token), the logits, copied into pinned host buffers without the host waiting,
+`strata_runtime.model.adjust`; a prompt's last row is chosen so too) and, for rows the host chooses
+(proposals it verifies, a grammar's rows it masks itself), the logits, copied into pinned host buffers
+without the host waiting,
 and the flight's ``done`` event. A speculative window decided on the device
 (`strata_runtime.engine.device_spec`) is accepted, caught up and drafted there too, right after its
 logits. A chained window (`strata_runtime.engine.flight.Chained`) embeds the tokens the window before it
@@ -660,7 +661,7 @@ class Executor:
         if e.kind == "prefill":
             # Only the last row of the prompt's last chunk has logits; an earlier chunk decides nothing.
             at = logit_row.get(row + n - 1)
-            if at is not None and e.masked:  # under a grammar, the first token is the device's choice
+            if at is not None and e.chosen_on_device:  # the first token is the device's choice
                 return self._finish_prefill(
                     flight, slot, n, None, normed[row : row + n], at, int(flight.chosen_host[at])
                 )
@@ -760,8 +761,9 @@ class Executor:
         chosen: int | None = None,
     ) -> list[tuple[Slot, TokenEvent]]:
         """Commit a prompt chunk; ``target`` is its last row's argmax or logits, only in the last chunk, whose
-        last row is needed row ``at``; or ``chosen``, the first token the device chose there. A slot reading
-        its prompt and tokens again after a recovery (`Slot.restart`) has its next token already."""
+        last row is needed row ``at``; or ``chosen``, the first token the device chose there (and counted,
+        where the request's penalties count tokens there). A slot reading its prompt and tokens again after a
+        recovery (`Slot.restart`) has its next token already."""
         p, reading, again = slot.prefilled, slot.reading, slot.resume_token
         done = p + n == len(reading)
         first: int | None = None
@@ -784,5 +786,5 @@ class Executor:
         lps: tuple[TokenLogprob, ...] = ()
         if first is not None and at is not None and again is None:
             lps = self._logprobs(flight, slot, at, [first])
-        event = slot.prefilled_chunk(n, first, lps)
+        event = slot.prefilled_chunk(n, first, lps, counted=chosen is not None)
         return [] if event is None else [(slot, event)]

@@ -40,6 +40,9 @@ class Entry:
     """Rows of a request held to a grammar (its decode rows, or the last row of its prompt), chosen on the
     device over the tokens the grammar allows (`Job.masks`): the host reads the chosen tokens, not the
     logits, and verifies the proposals by them."""
+    by_host: bool = False
+    """A prompt's last row whose token the host chooses from its logits, as it chooses a verified row's (the
+    scheduler's `first_tokens_on_device` off, for comparison); else the device chooses it (`on_device`)."""
     drawn_to: int = 0
     """Its request's numbers drawn (`Sampler.drawn`) once the window was launched: what deciding the rows
     adds to them follows (`Sampler.kept`)."""
@@ -50,10 +53,20 @@ class Entry:
 
     @property
     def on_device(self) -> bool:
-        """A decode row with no proposals: the device chooses its token (after the request's logit bias and
-        penalties, `strata_runtime.model.adjust`), and the host reads the chosen token and neither the logits
-        nor a verification; not for a request with a grammar, whose tokens the host chooses."""
-        return self.kind == "decode" and not self.proposals.tokens and not self.slot.sampler.host_only
+        """A decode row with no proposals, or the last row of a prompt: the device chooses its token (after
+        the request's logit bias and penalties, `strata_runtime.model.adjust`, and counts it for them), and
+        the host reads the chosen token and neither the logits nor a verification; not for a request with a
+        grammar (its rows are `masked`), nor where a spent think budget forces the next token, nor for a
+        prompt read again after a recovery, whose next token is known (`Slot.resume_token`)."""
+        sampler = self.slot.sampler
+        if self.kind == "prefill":
+            return (
+                self.ends_prompt
+                and not self.by_host
+                and self.slot.resume_token is None
+                and not sampler.host_only
+            )
+        return not self.proposals.tokens and not sampler.host_only
 
     @property
     def compared(self) -> bool:

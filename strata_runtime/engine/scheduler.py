@@ -136,6 +136,10 @@ class Engine:
         self.masks_on_device = True
         """Whether a grammar's rows are masked and chosen on the device (`Entry.masked`); off, the host reads
         their logits and chooses (`scripts/bench_grammar_cost.py` compares)."""
+        self.first_tokens_on_device = True
+        """Whether a prompt's first token is chosen on the device (`Entry.on_device`, `Entry.masked`); off,
+        the host reads the prompt's last row's logits and chooses (`scripts/bench_first_token.py`
+        compares)."""
         self.pipelined = plan.batch.mode == "pipelined"
         self.executor = Executor(self.model, self.tracked, overlap=self.pipelined)
         self.store = PrefixStore(plan.prefix_store_pages, self.executor.page_bytes)
@@ -1075,7 +1079,13 @@ class Engine:
         tokens = list(reading[start : start + n])
         ends = start + n == len(reading)
         entry = Entry(
-            slot, "prefill", tokens, pos=start, ends_prompt=ends, masked=ends and self._masked(slot)
+            slot,
+            "prefill",
+            tokens,
+            pos=start,
+            ends_prompt=ends,
+            masked=ends and self._masked(slot),
+            by_host=not self.first_tokens_on_device,
         )
         return Job("prefill", [entry])
 
@@ -1092,9 +1102,16 @@ class Engine:
             if slot is first or not 0 < rest <= room:
                 continue
             tokens = list(slot.reading[slot.length :])
-            masked = self._masked(slot)
             job.entries.append(
-                Entry(slot, "prefill", tokens, pos=slot.length, ends_prompt=True, masked=masked)
+                Entry(
+                    slot,
+                    "prefill",
+                    tokens,
+                    pos=slot.length,
+                    ends_prompt=True,
+                    masked=self._masked(slot),
+                    by_host=not self.first_tokens_on_device,
+                )
             )
             room -= rest
         return job
@@ -1260,19 +1277,19 @@ class Engine:
         token without) are masked to its grammar and chosen on the device (`Entry.masked`): with
         `masks_on_device` and a grammar; proposals, if any, forced or verified greedily (a sampled drafter's
         need the distribution they were drawn from, which only the host has); and where a logit bias or
-        penalty adjusts the request, only a decode row without proposals, which the device adjusts and whose
-        token it counts as it does any such row's (the host adjusts the others, with the proposals they
-        follow). Not the prompt's last row where a recovery has the slot read its tokens again: its token
-        is known (`Slot.resume_token`), nothing is chosen there."""
+        penalty adjusts the request, only a row without proposals (a prompt's last, or a decode row), which
+        the device adjusts and whose token it counts as it does any such row's (the host adjusts the others,
+        with the proposals they follow). Not the prompt's last row where a recovery has the slot read its
+        tokens again: its token is known (`Slot.resume_token`), nothing is chosen there."""
         sampler = slot.sampler
         if not self.masks_on_device or sampler.grammar is None:
             return False
         if sampler.think is not None and sampler.think.forcing:  # the host forces the block's close
             return False
-        if proposals is None and slot.resume_token is not None:
+        if proposals is None and (slot.resume_token is not None or not self.first_tokens_on_device):
             return False
-        if sampler.adjusts:  # adjusted and counted on the device only as a decode row without proposals
-            return proposals is not None and not proposals.tokens
+        if sampler.adjusts:  # adjusted and counted on the device only as a row without proposals
+            return proposals is None or not proposals.tokens
         return proposals is None or not proposals.tokens or proposals.certain or sampler.greedy
 
     def _batch_mtp_serves(self, decoding: int) -> bool:

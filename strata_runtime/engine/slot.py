@@ -104,10 +104,11 @@ class Slot:
         return self.token is None and self.finished is None
 
     def prefilled_chunk(
-        self, n: int, first: int | None, logprobs: tuple[TokenLogprob, ...] = ()
+        self, n: int, first: int | None, logprobs: tuple[TokenLogprob, ...] = (), counted: bool = False
     ) -> TokenEvent | None:
         """A prompt chunk of ``n`` tokens is now in the KV. ``first`` is the first generated token when the
-        chunk was the prompt's last (it becomes the next input); returns the event to send, if any."""
+        chunk was the prompt's last (it becomes the next input); ``counted``: the device chose it and counted
+        it for the penalties. Returns the event to send, if any."""
         self.length += n
         self.prefilled += n
         if first is None:
@@ -117,7 +118,7 @@ class Slot:
             self.token, self.resume, self.resume_token = first, (), None
             return None
         self.token = first
-        event = self.emit([first], 0, logprobs=logprobs)
+        event = self.emit([first], 0, counted, logprobs)
         if self.prompt_logprobs:
             event = replace(event, prompt_logprobs=tuple(self.prompt_logprobs))
             self.prompt_logprobs = []
