@@ -91,3 +91,28 @@ def test_the_first_token_counts_once_for_the_penalties(mode) -> None:
     (reply,) = collect(engine(mode, 1, on_device=True), schedule)
     assert reply[:3].count(40) == 2 and reply[:2] == [40, 40], reply
     assert [reply] == collect(engine(mode, 1, on_device=False), schedule)
+
+
+def test_the_first_token_bench_times_both_choices_of_every_request_on_the_demo_profile() -> None:
+    """`scripts/bench_first_token.py`: every request's first token chosen on the device and by the host, the
+    same token in each pair (the script exits non-zero otherwise), with a time for each."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    argv = ["--prompt-tokens", "20", "--repeats", "1", "--json"]
+    out = subprocess.run(
+        [sys.executable, str(root / "scripts" / "bench_first_token.py"), *argv],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout)
+    assert result["prompt_tokens"] == 20
+    names = [r["request"] for r in result["rows"]]
+    assert names[0] == "greedy" and len(names) == 4 and any("top-p" in n for n in names)
+    assert all(r["device_ms"] > 0 and r["host_ms"] > 0 for r in result["rows"])
