@@ -88,6 +88,12 @@ class Place:
         self._move(token)
         return self._packed()
 
+    def move(self, tokens: Iterable[int]) -> None:
+        """Move on by ``tokens`` (a copy's place ahead of the reply's: tokens chosen under its masks, or past
+        where it was lost, never checked as `accept` checks them)."""
+        for t in tokens:
+            self._move(int(t))
+
     def bitmasks_after(self, drafted: Sequence[int]) -> np.ndarray:
         """The packed masks [len(drafted) + 1, W] of what may come after each prefix of ``drafted``
         (proposals not accepted yet), for the device (`strata_runtime.reference.kernels.mask_logits`); the

@@ -256,7 +256,12 @@ class Matcher(Place):
     def _move(self, token: int) -> None:
         """Move on by ``token``; off the grammar or past its end the place is lost (`_packed` allows all)."""
         if not self._lost:
-            self._lost = self._ll.is_stopped() or not self._ll.consume_token(self._ends.token(int(token)))
+            t = self._ends.token(int(token))
+            # Checked first: llguidance logs every token its matcher refuses, and a drafter's proposals
+            # (which a place ahead follows) are often off the grammar.
+            self._lost = (
+                self._ll.is_stopped() or not self._ll.validate_tokens([t]) or not self._ll.consume_token(t)
+            )
 
     def _packed(self) -> np.ndarray:
         """The packed mask [W] of what may come next: every token once the place is lost."""

@@ -480,6 +480,48 @@ def test_schema_replies_on_gpu_read_what_the_grammar_forces_as_proposals_and_kee
             assert set(json.loads(bytes(tokens))) == {"name", "n"}
 
 
+@pytest.mark.parametrize("slots", [1, 2])
+def test_drafted_schema_replies_on_gpu_are_decided_there_running_ahead_with_the_undrafted_text(cp, slots):
+    """Greedy replies under a JSON schema, drafting (solo windows, or batch MTP for two): where the grammar
+    forces nothing their speculative windows are masked and decided on the GPU, and the windows chained to
+    them compute their masks from the tokens the GPU kept and drafted; the text is the text of the same
+    replies without drafting, and JSON of the schema."""
+    from rt_engine_helpers import collect, launches
+
+    from strata_runtime.api import Request, SamplingParams
+    from strata_runtime.engine import Engine
+    from strata_runtime.structured import json_grammar
+
+    schema = {
+        "type": "object",
+        "properties": {"story": {"type": "string", "maxLength": 60}, "n": {"type": "integer"}},
+        "required": ["story", "n"],
+        "additionalProperties": False,
+    }
+    g = np.random.default_rng(41)
+    reqs = [
+        (
+            0,
+            Request(
+                tuple(g.integers(33, 126, 12 + 5 * i).tolist()),
+                50,
+                SamplingParams(grammar=json_grammar(schema)),
+            ),
+        )
+        for i in range(slots)
+    ]
+    drafted = _plan(cp, model="tiny", slots=slots, batch_mtp=slots > 1, draft_tokens=3)
+    engine = Engine(drafted)
+    seen = launches(engine)
+    got = collect(engine, reqs, check_kv=False)
+    plain = Engine(_plan(cp, model="tiny", slots=slots))
+    assert got == collect(plain, reqs, check_kv=False)
+    decided = [after is not None for job, after, _ in seen if job.spec_on_device and job.entries[0].masked]
+    assert False in decided and True in decided, decided
+    for tokens in got:
+        assert set(json.loads(bytes(tokens))) == {"story", "n"}
+
+
 def test_penalised_requests_on_gpu_run_ahead_with_the_text_the_host_verifies(cp):
     """Requests with a logit bias and penalties (a repetition penalty over the prompt and the reply among
     them) have their rows adjusted and chosen on the GPU, so their windows run ahead; greedy, their text is

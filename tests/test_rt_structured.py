@@ -650,18 +650,28 @@ def test_drafted_replies_with_a_schema_are_the_greedy_replies_without_drafting(m
     """Requests with a schema draft like any other (their proposals drawn and verified over the tokens the
     grammar allows after the proposals before them), and greedy, what they keep is what a model that does not
     draft decodes: the drafting changes the speed, never the text. (Every drafting window drafts its full
-    depth here, so that whether proposals are made does not depend on measured window times.)"""
+    depth here, so that whether proposals are made does not depend on measured window times.)
+
+    Where their drafter proposes (the grammar forces nothing), their windows are decided on the device with
+    their rows masked there, and windows run ahead of the host: a chained window's masks follow the
+    proposals the device kept, the token after them and the proposals it drafted next."""
     eng = Engine(mode_plan(mode, 2, preset="small", context=192, prefill_chunk=16, adaptive_depth=False))
     plain = _undrafted_small()
     grammar = json_grammar(PERSON)
     prompts = _prompts(41, 3)
     reqs = [(i, Request(p, 80, SamplingParams(grammar=grammar))) for i, p in enumerate(prompts)]
     before = eng.totals["accepted"]
-    got = collect(eng, reqs)
+    seen = launches(eng)
+    try:
+        got = collect(eng, reqs)
+    finally:
+        del eng.executor.launch
     assert got == [collect(plain, [(0, r)])[0] for _, r in reqs]
     for tokens in got:
         _follows_person(bytes(tokens))
     assert eng.totals["accepted"] > before  # proposals were drafted and held
+    decided = [after is not None for job, after, _ in seen if job.spec_on_device and job.entries[0].masked]
+    assert decided.count(False) >= 1 and decided.count(True) >= 1, decided  # launched, then chained
 
 
 @functools.cache

@@ -399,6 +399,8 @@ class Executor:
         source = after.take()
         if source.error is not None:
             raise RuntimeError("the window this chained window follows failed") from source.error
+        if any(e.masked for e in flight.job.entries):
+            flight.source = source  # its tokens move the grammars on before this window's masks
         if after.rows is None:  # the source decided a speculative window on the device
             assert source.spec is not None and flight.spec is not None
             flight.spec.tokens, flight.spec.positions = source.spec.next_tokens, source.spec.next_positions
@@ -407,8 +409,6 @@ class Executor:
             )
             flight.positions.append(positions)
             return first.embed(tokens)
-        if any(e.masked for e in flight.job.entries):
-            flight.source = source  # its tokens move the grammars on before this window's masks
         chosen = source.chosen  # [needed rows of the source] on the last stage's device
         (chosen,) = self._from_last(flight, source, stream, chosen)
         if after.rows != tuple(range(len(chosen))):
@@ -512,6 +512,8 @@ class Executor:
             }
             if spec.found is not None:
                 read["found"] = spec.found
+            if any(e.masked for e in flight.job.entries):  # a window chained to it masks after them
+                read["next_tokens"] = spec.next_tokens
             spec.host = {name: download(a) if dev.is_cuda else np.asarray(a) for name, a in read.items()}
             flight.keep += [*read.values(), spec.uniforms, spec.next_tokens, spec.next_positions]
         if dev.is_cuda:
@@ -524,22 +526,42 @@ class Executor:
 
     @staticmethod
     def _chained_masks(flight: Flight) -> tuple[np.ndarray, np.ndarray]:
-        """The masks of a chained window's rows under a grammar (one row a slot), computed on its last stage
-        once its forward pass is queued: wait for the window before it (the GPU runs this one's layers
-        meanwhile), read the token each row follows, and move each reply's place ahead
-        (`Slot.ahead`) on by it. The host so never holds up the device between two such windows."""
-        source, rows = flight.source, flight.after.rows if flight.after is not None else None
-        assert source is not None and rows is not None
+        """The masks of a chained window's rows under a grammar, computed on its last stage once its forward
+        pass is queued: wait for the window before it (the GPU runs this one's layers meanwhile), read the
+        tokens the device decided there, and move each reply's place ahead (`Slot.ahead`) on by them.
+        The host so never holds up the device between two such windows.
+
+        After a window of one row a slot, each row follows the token the source chose at its row. After a
+        speculative window decided on the device, a slot's place moves on by the proposals it kept and the
+        token after them (the new window's first), and its rows follow the proposals drafted after that one,
+        row j the first j of them: the place ahead then stands after the window's first token."""
+        source, after = flight.source, flight.after
+        assert source is not None and after is not None
         flight.source = None
         source.done.wait()
         masked, bits = [], []
+        if after.rows is not None:
+            for i, e in enumerate(flight.job.entries):
+                if e.masked:
+                    ahead = e.slot.ahead
+                    assert ahead is not None, "a chained row under a grammar moves a place ahead"
+                    masked.append(i)
+                    bits.append(ahead.bitmask_after(int(source.chosen_host[after.rows[i]])))
+            return np.array(masked, np.int64), np.stack(bits)
+        spec = source.spec
+        assert spec is not None and flight.spec is not None
+        n = spec.n
+        window = spec.host["tokens"].reshape(len(spec.slots), n)
+        following = spec.host["next_tokens"].reshape(len(spec.slots), n)
         for i, e in enumerate(flight.job.entries):
             if e.masked:
                 ahead = e.slot.ahead
-                assert ahead is not None, "a chained row under a grammar moves a place ahead"
-                masked.append(i)
-                bits.append(ahead.bitmask_after(int(source.chosen_host[rows[i]])))
-        return np.array(masked, np.int64), np.stack(bits)
+                assert ahead is not None, "a chained window under a grammar moves a place ahead"
+                kept = int(spec.host["accepted"][i])
+                ahead.move([*window[i, 1 : 1 + kept].tolist(), int(spec.host["first"][i])])
+                masked += range(i * n, (i + 1) * n)
+                bits.append(ahead.bitmasks_after(following[i, 1:].tolist()))
+        return np.array(masked, np.int64), np.concatenate(bits)
 
     def _release_workspace(self, flight: Flight, stage: Stage) -> None:
         """Give a long prefill chunk's activation memory on this stage's GPU back to the driver.

@@ -38,8 +38,10 @@ class Entry:
     """A prefill chunk that ends its prompt: its last row decides the first generated token."""
     masked: bool = False
     """Rows of a request held to a grammar (its decode rows, or the last row of its prompt), chosen on the
-    device over the tokens the grammar allows (`Job.masks`): the host reads the chosen tokens, not the
-    logits, and verifies the proposals by them."""
+    device over the tokens the grammar allows (`Job.masks`, or for a chained window
+    `strata_runtime.engine.executor.Executor._chained_masks`): the host reads the chosen tokens, not the
+    logits, and verifies the proposals by them, or the device decides them (a speculative window decided
+    there)."""
     by_host: bool = False
     """A prompt's last row whose token the host chooses from its logits, as it chooses a verified row's (the
     scheduler's `first_tokens_on_device` off, for comparison); else the device chooses it (`on_device`)."""

@@ -229,9 +229,11 @@ class Sampler:
 
     @property
     def host_only(self) -> bool:
-        """The host decides every window (a grammar's allowed tokens, or bad words', follow from the tokens
-        before: it computes each row's mask, which the device may apply), so no speculative window is
-        decided on the device; or the next token is the one a spent think budget forces."""
+        """The host computes what each row may choose (a grammar's allowed tokens, or bad words', follow from
+        the tokens before: it computes each row's mask, which the device applies), so a speculative window
+        is decided on the device only where the host masks it there (a greedy request without a bias or
+        penalty: `strata_runtime.engine.scheduler.Engine._device_decides`); or the next token is the one a
+        spent think budget forces."""
         return self.grammar is not None or (self.think is not None and self.think.forcing)
 
     @property

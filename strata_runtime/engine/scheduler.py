@@ -932,9 +932,17 @@ class Engine:
                 return None
             if self._reach(slot) + n > self.plan.memory.context:
                 return None
+        if any(e.masked for e in job.entries) and not self._grammars_run_ahead(before, group):
+            return None
         looked_up = before.spec.lookup is not None
         entries = [
-            Entry(e.slot, "decode", [CHAINED] * n, Proposals([CHAINED] * (n - 1), [], looked_up=looked_up))
+            Entry(
+                e.slot,
+                "decode",
+                [CHAINED] * n,
+                Proposals([CHAINED] * (n - 1), [], looked_up=looked_up),
+                masked=e.masked,
+            )
             for e in job.entries
         ]
         looked = set(job.slot_ids) if looked_up else set()
@@ -1179,9 +1187,15 @@ class Engine:
                     spare -= len(given.tokens)
         if self.lookup and kind in ("serial", "pipelined"):
             self._look_up_spare_rows(kind, len(rows), by_id, depths, forced, looked_for)
-        host_only = any(by_id[sid].sampler.host_only for sid in depths)  # a grammar's: the host decides
+        for sid, depth in depths.items():  # a batch-MTP window's proposal too, where a grammar forces one
+            given = forced.get(sid) or speculative.forced(by_id[sid].sampler, depth if self.forcing else 0)
+            if given is not None and len(given.tokens) == depth:
+                forced[sid] = given
+            else:
+                forced.pop(sid, None)
         looked_up = all(sid in forced and forced[sid].looked_up for sid in depths)
-        on_device = not host_only and self._decided_on_device(
+        on_device = all(self._device_decides(by_id[sid], sid in forced) for sid in depths)
+        on_device = on_device and self._decided_on_device(
             kind, [1 + d for d in depths.values()], [by_id[sid] for sid in depths], looked_up
         )
         entries = []
@@ -1189,9 +1203,8 @@ class Engine:
         for sid, depth in depths.items():
             slot, token = by_id[sid], by_id[sid].token
             assert token is not None  # a decoding slot has its next input
-            given = forced.get(sid) or speculative.forced(slot.sampler, depth if self.forcing else 0)
-            if given is not None and len(given.tokens) == depth:
-                proposals = given  # a batch-MTP window's proposal too, where the grammar forces one
+            if sid in forced:
+                proposals = forced[sid]
             elif depth > 0:
                 proposals = self.executor.draft(sid, token, depth, slot.sampler, on_device)
             else:
@@ -1316,6 +1329,20 @@ class Engine:
         if self.plan.batch.mtp:
             shapes |= {(s, 2) for s in range(1, min(self.n_slots, BATCH_MTP_SLOTS_PER_WINDOW) + 1)}
         return shapes
+
+    def _device_decides(self, slot: Slot, given: bool) -> bool:
+        """Whether ``slot``'s rows in a speculative window may be decided on the device
+        (`_decided_on_device` says whether the window's shape may): any request the host does not hold
+        (`Sampler.host_only`), and a greedy one under a grammar (or bad words of several tokens) whose
+        proposals are its drafter's (not ``given``: what its grammar forces, which the host reads as
+        proposals), with no logit bias or penalty: its rows are masked on the device (`Entry.masked`) and
+        chosen there, and a window chained to it has its masks computed from the tokens the device decided
+        (`strata_runtime.engine.executor.Executor._chained_masks`)."""
+        sampler = slot.sampler
+        if not sampler.host_only:
+            return True
+        forcing = sampler.think is not None and sampler.think.forcing
+        return self.masks_on_device and sampler.greedy and not sampler.adjusts and not forcing and not given
 
     def _decided_on_device(
         self,
