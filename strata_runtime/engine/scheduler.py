@@ -1209,7 +1209,7 @@ class Engine:
                 proposals = self.executor.draft(sid, token, depth, slot.sampler, on_device)
             else:
                 proposals = Proposals([], [])
-            masked = self._masked(slot, proposals)
+            masked = self._masked(slot, proposals, on_device)
             entries.append(Entry(slot, "decode", [token, *proposals.tokens], proposals, masked=masked))
         job = Job(kind, entries, paused=paused, spec_on_device=on_device, looked=looked_for, rates=rates)
         job.caught_up, job.draft_ms = self._caught_up() - caught_up, (time.perf_counter() - t0) * 1e3
@@ -1285,11 +1285,12 @@ class Engine:
             return most
         return max(range(most + 1), key=lambda d: (values[d] or 0.0, d))
 
-    def _masked(self, slot: Slot, proposals: Proposals | None = None) -> bool:
+    def _masked(self, slot: Slot, proposals: Proposals | None = None, decided: bool = False) -> bool:
         """Whether ``slot``'s rows in a window (its next token, after ``proposals``; a prompt's first
         token without) are masked to its grammar and chosen on the device (`Entry.masked`): with
-        `masks_on_device` and a grammar; proposals, if any, forced or verified greedily (a sampled drafter's
-        need the distribution they were drawn from, which only the host has); and where a logit bias or
+        `masks_on_device` and a grammar; proposals, if any, forced, verified greedily, or in a window
+        ``decided`` on the device (a sampled drafter's need the distribution they were drawn from, which the
+        host has only where it drew them); and where a logit bias or
         penalty adjusts the request, only a row without proposals (a prompt's last, or a decode row), which
         the device adjusts and whose token it counts as it does any such row's (the host adjusts the others,
         with the proposals they follow). Not the prompt's last row where a recovery has the slot read its
@@ -1303,7 +1304,7 @@ class Engine:
             return False
         if sampler.adjusts:  # adjusted and counted on the device only as a row without proposals
             return proposals is None or not proposals.tokens
-        return proposals is None or not proposals.tokens or proposals.certain or sampler.greedy
+        return proposals is None or not proposals.tokens or proposals.certain or sampler.greedy or decided
 
     def _batch_mtp_serves(self, decoding: int) -> bool:
         """Whether ``decoding`` slots (of a group) take batch-MTP windows rather than serial ones.
@@ -1333,16 +1334,18 @@ class Engine:
     def _device_decides(self, slot: Slot, given: bool) -> bool:
         """Whether ``slot``'s rows in a speculative window may be decided on the device
         (`_decided_on_device` says whether the window's shape may): any request the host does not hold
-        (`Sampler.host_only`), and a greedy one under a grammar (or bad words of several tokens) whose
-        proposals are its drafter's (not ``given``: what its grammar forces, which the host reads as
-        proposals), with no logit bias or penalty: its rows are masked on the device (`Entry.masked`) and
-        chosen there, and a window chained to it has its masks computed from the tokens the device decided
+        (`Sampler.host_only`), and one under a grammar (or bad words of several tokens) whose proposals are
+        its drafter's (not ``given``: what its grammar forces, which the host reads as proposals), with no
+        logit bias or penalty: its rows are masked on the device (`Entry.masked`) and decided there, greedy
+        or sampled (a sampled drafter's proposals drawn there too, from the head's own distribution, which
+        rejection sampling against the masked target's keeps exact), and a window chained to it has its
+        masks computed from the tokens the device decided
         (`strata_runtime.engine.executor.Executor._chained_masks`)."""
         sampler = slot.sampler
         if not sampler.host_only:
             return True
         forcing = sampler.think is not None and sampler.think.forcing
-        return self.masks_on_device and sampler.greedy and not sampler.adjusts and not forcing and not given
+        return self.masks_on_device and not sampler.adjusts and not forcing and not given
 
     def _decided_on_device(
         self,
