@@ -91,3 +91,15 @@ def test_any_prompt_length_temperature_and_mode_gets_a_reply(
         assert error is None, error
         assert reason in ("length", "stop")
         assert 1 <= len(tokens) <= max_tokens or reason == "stop"
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_top_k_past_the_vocabulary_cuts_nothing_and_fits_the_devices_arrays(mode) -> None:
+    """A top-k larger than any 64-bit integer (the schema takes any whole number) is a cut that keeps every
+    token: the replies are those of no cut, seeded, in every mode, and the engine's step does not fail on
+    it (its device arrays once overflowed)."""
+    eng = engine(2, mode)
+    cuts = [SamplingParams(temperature=1.0, top_k=k, seed=7) for k in (2**70, 0, 384)]
+    replies = [run(eng, [Request(prompt(11, 4), 6, s, request_id=f"k{i}")]) for i, s in enumerate(cuts)]
+    assert replies[0] == replies[1] == replies[2]
+    assert replies[0][0][2] is None and len(replies[0][0][0]) >= 1

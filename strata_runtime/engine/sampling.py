@@ -18,6 +18,7 @@ ever used when they are.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -154,6 +155,8 @@ class Sampler:
         that get one too (one-token bad words, `strata_runtime.bad_words`). ``allowed_in_masks``: the
         ``grammar``'s masks hold ``allowed_token_ids`` instead (beside a grammar, where they give way rather
         than leave a row nothing)."""
+        if 0 < vocab <= params.top_k:  # a cut at the vocabulary's size or past it cuts nothing (the device's
+            params = dataclasses.replace(params, top_k=0)  # arrays take the cut as a 64-bit integer)
         self.params = params
         self.grammar = grammar
         r = params.reasoning
