@@ -3,10 +3,11 @@
 One greedy request, free and under a grammar that allows any text (llguidance's regex ``(?s:.*)``), so
 both arms choose the same tokens from the same logits; the arms alternate in one engine (A B C A B C ...),
 after a warm-up of each, and the medians are printed with their ratio. Under a grammar the device masks
-each row to the allowed tokens and chooses, the host verifying drafted windows by the chosen tokens; a
-third arm has the host read the logits and choose, as before that (``Engine.masks_on_device`` off), and
-must give the grammar arm's text (docs/RUNTIME.md, "Replies that follow a grammar"). Every reply runs to
-``--tokens`` (``ignore_eos``), so the arms generate as many tokens.
+each row to the allowed tokens and chooses, and decides drafted windows there, which run ahead of the
+host; a third arm has the host verify each drafted window before it launches the next
+(``Engine.grammar_drafts_on_device`` off), and a fourth has the host read the logits and choose
+(``Engine.masks_on_device`` off). Both must give the grammar arm's text (docs/RUNTIME.md, "Replies that
+follow a grammar"). Every reply runs to ``--tokens`` (``ignore_eos``), so the arms generate as many tokens.
 
 On a synthetic preset the arms' texts part: its vocabulary is far larger than its byte-level tokenizer, a
 random model often prefers an id the tokenizer has no text for, and no grammar allows a token without text.
@@ -73,28 +74,33 @@ def main() -> None:
     engine, run = runner(args)
     free_params = SamplingParams()
     held = SamplingParams(grammar=llguidance.LLMatcher.grammar_from_regex(r"(?s:.*)"))
-    arms = {"free": (free_params, True), "under a grammar": (held, True), "masks on the host": (held, False)}
-    for sampling, on_device in arms.values():  # the warm-up
-        engine.masks_on_device = on_device
+    arms = {  # (sampling, masks on the device, drafted windows decided there)
+        "free": (free_params, True, True),
+        "under a grammar": (held, True, True),
+        "drafts verified by the host": (held, True, False),
+        "masks on the host": (held, False, False),
+    }
+    for sampling, masks, drafts in arms.values():  # the warm-up
+        engine.masks_on_device, engine.grammar_drafts_on_device = masks, drafts
         run(sampling)
     rates: dict[str, list[float]] = {arm: [] for arm in arms}
     parted: list[int] = []
     for _ in range(args.repeats):
         replies = {}
-        for arm, (sampling, on_device) in arms.items():
-            engine.masks_on_device = on_device
+        for arm, (sampling, masks, drafts) in arms.items():
+            engine.masks_on_device, engine.grammar_drafts_on_device = masks, drafts
             replies[arm], seconds = run(sampling)
             rates[arm].append(len(replies[arm]) / seconds)
         free, shaped = replies["free"], replies["under a grammar"]
         if free != shaped:
             parted.append(next(i for i, (a, b) in enumerate(zip(free, shaped, strict=True)) if a != b))
-        if replies["masks on the host"] != shaped:
-            raise SystemExit(
-                "the grammar's reply with masks on the host is not its reply with masks on the device"
-            )
+        for arm in ("drafts verified by the host", "masks on the host"):
+            if replies[arm] != shaped:
+                raise SystemExit(f"the grammar's reply with {arm} is not its reply decided on the device")
     print(f"under a grammar / free: {report(rates):.2f}x, {args.tokens} tokens")
-    host, device = (statistics.median(rates[arm]) for arm in ("masks on the host", "under a grammar"))
-    print(f"masks on the device / on the host: {device / host:.2f}x (the same text)")
+    device = statistics.median(rates["under a grammar"])
+    for arm in ("drafts verified by the host", "masks on the host"):
+        print(f"under a grammar / {arm}: {device / statistics.median(rates[arm]):.2f}x (the same text)")
     if parted:
         print(f"the texts parted in {len(parted)} of {args.repeats} repeats, first at tokens {parted}")
     else:

@@ -672,6 +672,14 @@ def test_drafted_replies_with_a_schema_are_the_greedy_replies_without_drafting(m
     assert eng.totals["accepted"] > before  # proposals were drafted and held
     decided = [after is not None for job, after, _ in seen if job.spec_on_device and job.entries[0].masked]
     assert decided.count(False) >= 1 and decided.count(True) >= 1, decided  # launched, then chained
+    eng.grammar_drafts_on_device = False  # the host verifies each drafted window: the same text
+    seen = launches(eng)
+    try:
+        assert collect(eng, reqs) == got
+    finally:
+        del eng.executor.launch
+        eng.grammar_drafts_on_device = True
+    assert not any(job.spec_on_device and job.entries[0].masked for job, _, _ in seen)
 
 
 @functools.cache
@@ -883,3 +891,26 @@ def test_a_grammar_that_names_a_part_as_its_wrapper_does_is_refused_by_name():
     strict = {"type": "function", "function": {"name": "f", "strict": True}}
     with pytest.raises(GrammarError, match="may not name one of its parts `calls`"):
         _ = ToolUse((strict,), "auto", call_tokens=(261, 262), reply_format=calls).grammar
+
+
+def test_the_grammar_cost_bench_runs_every_arm_to_the_same_text_on_the_demo_profile() -> None:
+    """`scripts/bench_grammar_cost.py`: the free reply, the reply under a grammar that allows any text, the
+    same with its drafted windows verified by the host and with the host choosing from the logits; the last
+    two must give the grammar arm's text (the script exits non-zero otherwise)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run(
+        [sys.executable, str(root / "scripts" / "bench_grammar_cost.py"), "--tokens", "30", "--repeats", "1"],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    for arm in ("free", "under a grammar", "drafts verified by the host", "masks on the host"):
+        assert any(line.startswith(f"{arm}: ") and "tok/s" in line for line in lines), (arm, lines)
+    assert sum("(the same text)" in line for line in lines) == 2

@@ -136,6 +136,10 @@ class Engine:
         self.masks_on_device = True
         """Whether a grammar's rows are masked and chosen on the device (`Entry.masked`); off, the host reads
         their logits and chooses (`scripts/bench_grammar_cost.py` compares)."""
+        self.grammar_drafts_on_device = True
+        """Whether drafted windows of requests under a grammar (or bad words of several tokens) are decided
+        on the device and run ahead (`_device_decides`); off, the host verifies each one before it launches
+        the next (`scripts/bench_grammar_cost.py` compares)."""
         self.first_tokens_on_device = True
         """Whether a prompt's first token is chosen on the device (`Entry.on_device`, `Entry.masked`); off,
         the host reads the prompt's last row's logits and chooses (`scripts/bench_first_token.py`
@@ -1345,7 +1349,13 @@ class Engine:
         if not sampler.host_only:
             return True
         forcing = sampler.think is not None and sampler.think.forcing
-        return self.masks_on_device and not sampler.adjusts and not forcing and not given
+        return (
+            self.masks_on_device
+            and self.grammar_drafts_on_device
+            and not sampler.adjusts
+            and not forcing
+            and not given
+        )
 
     def _decided_on_device(
         self,
