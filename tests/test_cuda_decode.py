@@ -494,7 +494,10 @@ def test_drafted_schema_replies_on_gpu_are_decided_there_running_ahead_with_the_
 
     schema = {
         "type": "object",
-        "properties": {"story": {"type": "string", "maxLength": 60}, "n": {"type": "integer"}},
+        "properties": {
+            "story": {"type": "string", "maxLength": 24},
+            "n": {"type": "integer", "maximum": 999},
+        },
         "required": ["story", "n"],
         "additionalProperties": False,
     }

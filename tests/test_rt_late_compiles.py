@@ -82,3 +82,35 @@ def test_the_engine_reports_kernels_compiled_at_launch(nvrtc) -> None:
     after = engine.stats()["compiled_at_launch"]
     assert after["kernels"] == before["kernels"] + 1 and after["recent"][-1] == "late<7>"
     assert after["seconds"] >= before["seconds"]
+
+
+def test_a_kernel_maker_runs_once_however_many_threads_ask_at_once() -> None:
+    """`locked_cache`: eight threads asking at once for what is not made yet get one object, made once
+    (two kernels made at once, one dropped, would unload a module whose kernel another thread launched)."""
+    import threading
+    import time
+
+    from strata_runtime.models.ops import locked_cache
+
+    made: list[int] = []
+
+    @locked_cache
+    def make(device: int) -> object:
+        made.append(device)
+        time.sleep(0.05)  # long enough for every thread to ask while the first makes it
+        return object()
+
+    start = threading.Barrier(8)
+    got: list[object] = []
+
+    def ask() -> None:
+        start.wait()
+        got.append(make(3))
+
+    threads = [threading.Thread(target=ask) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert made == [3] and len(got) == 8 and all(g is got[0] for g in got)
+    assert make(4) is not got[0] and made == [3, 4]

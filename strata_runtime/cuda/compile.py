@@ -18,8 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from ..backend import cupy_module
+from ..models.ops import COMPILE_LOCK
 
 log = logging.getLogger("strata_runtime")
+
 
 OPTIONS = ("-std=c++17", "--use_fast_math")
 """NVRTC options of every kernel source."""
@@ -94,33 +96,42 @@ class KernelCache:
         self._code, self._options = code, options
         self._fns: dict[str, Any] = {}
         self._shared: dict[str, int] = {}
+        self._modules: list[Any] = []
+        """Every module loaded, kept for the cache's life: none is unloaded while a kernel of it may run."""
 
     def prepare(self, expressions: Iterable[str]) -> None:
         """Compile every listed template instantiation not yet compiled, in one module (one NVRTC run)."""
-        todo = [e for e in dict.fromkeys(expressions) if e not in self._fns]
-        if not todo:
-            return
-        mod = cupy_module().RawModule(code=self._code, options=self._options, name_expressions=todo)
-        for e in todo:
-            self._fns[e] = mod.get_function(e)
+        with COMPILE_LOCK:
+            todo = [e for e in dict.fromkeys(expressions) if e not in self._fns]
+            if not todo:
+                return
+            mod = cupy_module().RawModule(code=self._code, options=self._options, name_expressions=todo)
+            self._modules.append(mod)
+            for e in todo:
+                self._fns[e] = mod.get_function(e)
 
     def fn(self, expression: str) -> Any:
         """The compiled function of ``expression``, compiling it now if it was not prepared (which is
         recorded as a `LateCompile`)."""
-        if expression not in self._fns:
-            t0 = time.perf_counter()
-            self.prepare([expression])
-            late = LateCompile(expression, time.perf_counter() - t0)
-            with _LATE_LOCK:
-                _LATE.append(late)
-            log.info("compiled %s at its first launch (%.2f s)", expression, late.seconds)
-        return self._fns[expression]
+        fn = self._fns.get(expression)
+        if fn is not None:
+            return fn
+        with COMPILE_LOCK:
+            if expression not in self._fns:  # (another thread may have compiled it meanwhile)
+                t0 = time.perf_counter()
+                self.prepare([expression])
+                late = LateCompile(expression, time.perf_counter() - t0)
+                with _LATE_LOCK:
+                    _LATE.append(late)
+                log.info("compiled %s at its first launch (%.2f s)", expression, late.seconds)
+            return self._fns[expression]
 
     def fn_with_shared(self, expression: str, shared_bytes: int) -> Any:
         """The compiled function of ``expression``, allowed ``shared_bytes`` of dynamic shared memory (a
         block may take more than the default 48 KiB only with this attribute set); set once per size."""
         fn = self.fn(expression)
         if self._shared.get(expression) != shared_bytes:
-            fn.max_dynamic_shared_size_bytes = shared_bytes  # CuPy's RawKernel sets the function attribute
-            self._shared[expression] = shared_bytes
+            with COMPILE_LOCK:
+                fn.max_dynamic_shared_size_bytes = shared_bytes  # CuPy's RawKernel sets the attribute
+                self._shared[expression] = shared_bytes
         return fn

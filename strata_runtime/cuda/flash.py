@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from ..backend import cupy_module
+from ..models.ops import locked_cache
 from ..reference.flash import check_args
 from .compile import KernelCache, source
 
@@ -97,7 +98,7 @@ def sm_shared_bytes(device_id: int) -> int:
     return int(props["sharedMemPerMultiprocessor"])
 
 
-@cache
+@locked_cache
 def flash_kernels_for(device_id: int) -> KernelCache:
     """The flash kernels of CUDA device ``device_id``, one instantiation per head dim and q precision
     (`kernel_expr`)."""

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-from functools import cache
 from typing import Any
 
 import numpy as np
@@ -22,6 +21,7 @@ import numpy as np
 from strata_cfg.schema.windows import decode_attention_partials
 
 from ..backend import Array, cupy_module
+from ..models.ops import locked_cache
 from . import pdl
 from .choices import (
     ATTENTION_WIDE_ROWS,
@@ -751,7 +751,7 @@ class Kernels(KernelCache):
         )
 
 
-@cache
+@locked_cache
 def kernels_for(device_id: int) -> Kernels:
     """The kernel set of CUDA device ``device_id`` (compiled functions are per context)."""
     with cupy_module().cuda.Device(device_id):

@@ -7,7 +7,38 @@ its reference on fresh random inputs of several shapes (``gpu``-marked).
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+COMPILE_LOCK = threading.RLock()
+"""Held while a kernel is compiled and loaded, and while a per-device kernel set is made. Stage threads
+launch kernels of one device at once; two that compiled the same kernel at once would each load a module,
+and the one whose module was dropped would unload it while the kernel it launched still runs (an illegal
+memory access on the GPU, and only where a kernel is first used while another thread is busy)."""
+
+
+def locked_cache(make: Callable[..., T]) -> Callable[..., T]:
+    """``functools.cache`` for the makers of kernels and kernel sets, made once under `COMPILE_LOCK`: the
+    first caller makes it, any other waits and gets the same object (``functools.cache`` alone may make it
+    twice and drop one, whose module then unloads)."""
+    made: dict[tuple[Any, ...], T] = {}
+
+    @functools.wraps(make)
+    def cached(*args: Any) -> T:
+        try:
+            return made[args]
+        except KeyError:
+            pass
+        with COMPILE_LOCK:
+            if args not in made:
+                made[args] = make(*args)
+            return made[args]
+
+    return cached
 
 
 def on_gpu(arr: Any) -> bool:

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 from ...reference import ops as reference
-from . import on_gpu
+from . import locked_cache, on_gpu
 
 
-@functools.cache
+@locked_cache
 def _kernel() -> Any:
     import cupy
 

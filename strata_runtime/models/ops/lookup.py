@@ -14,12 +14,11 @@ scans its history once (one launch, no host round trip).
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import numpy as np
 
-from . import on_gpu
+from . import locked_cache, on_gpu
 
 
 def lookup_propose(history: Any, lengths: Any, shortest: int, longest: int, most: int) -> tuple[Any, Any]:
@@ -97,11 +96,13 @@ extern "C" __global__ void lookup_propose(const long long* history, int stride, 
 THREADS = 256
 
 
-@functools.cache
+@locked_cache
 def _kernel() -> Any:
     import cupy
 
-    return cupy.RawKernel(_SOURCE, "lookup_propose")
+    kernel = cupy.RawKernel(_SOURCE, "lookup_propose")
+    kernel.compile()  # loaded here, under the lock, not at a first launch on some thread
+    return kernel
 
 
 def _lookup_gpu(history: Any, lengths: Any, shortest: int, longest: int, most: int) -> tuple[Any, Any]:

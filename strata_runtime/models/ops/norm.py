@@ -8,13 +8,12 @@ NumPy reference.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import numpy as np
 
 from ...reference import ops as reference
-from . import on_gpu
+from . import locked_cache, on_gpu
 
 _SOURCE = r"""
 #include <cuda_fp16.h>
@@ -50,11 +49,13 @@ extern "C" __global__ void rms_norm(const T* x, const T* w, T* y, int n, float e
 _CTYPES = {"float32": "float", "float16": "__half"}
 
 
-@functools.cache
+@locked_cache
 def _kernel(dtype_name: str) -> Any:
     import cupy
 
-    return cupy.RawKernel(f"#define T {_CTYPES[dtype_name]}\n" + _SOURCE, "rms_norm")
+    kernel = cupy.RawKernel(f"#define T {_CTYPES[dtype_name]}\n" + _SOURCE, "rms_norm")
+    kernel.compile()  # loaded here, under the lock, not at a first launch on some thread
+    return kernel
 
 
 def rms_norm_in_dtype(x: Any, weight: Any, eps: float) -> Any:

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import numpy as np
 
 from ...reference import ops as reference
-from . import on_gpu
+from . import locked_cache, on_gpu
 
 
-@functools.cache
+@locked_cache
 def _kernel() -> Any:
     import cupy
 
