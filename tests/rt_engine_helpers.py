@@ -3,7 +3,9 @@
 `MODES` gives each window mode's plan keywords for `rt_plans.make_plan`; `mode_plan` adapts them to the
 number of stages (pipelined groups need a split). `collect` submits requests at given steps and steps the
 engine until every request has finished, checking after every step that each stage's KV (and each drafter)
-holds exactly what its slot has committed. `handed_to_cache` records what an expert cache is told.
+holds exactly what its slot has committed, and `collect_launched` also returns the windows it launched.
+`run_script` runs one of `scripts/` and returns what it printed. `handed_to_cache` records what an expert
+cache is told.
 `bench_with_and_without` runs the bench's CLI with and without one flag. `generate` runs one request to its
 end; `chi_square_p` is the p-value of counts against the counts a distribution expects, `two_sample_p` of
 two samples' counts against their drawing from one distribution. `plant` makes one call of an engine's
@@ -65,6 +67,32 @@ def launches(eng: Engine) -> list[tuple[Any, Any, Any]]:
 
     eng.executor.launch = launching  # type: ignore[method-assign]
     return seen
+
+
+def collect_launched(
+    eng: Engine, schedule: list[tuple[int, Request]]
+) -> tuple[list[list[int]], list[tuple[Any, Any, Any]]]:
+    """`collect`, with every window it launched as `launches` records them (the recording stops after)."""
+    seen = launches(eng)
+    try:
+        return collect(eng, schedule), seen
+    finally:
+        del eng.executor.launch
+
+
+def run_script(name: str, *argv: str) -> str:
+    """The standard output of ``scripts/NAME`` run with ``argv`` from the repository's root, which must exit
+    0 (its standard error's tail is the failure's message otherwise)."""
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run(
+        [sys.executable, str(root / "scripts" / name), *argv],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
 
 
 def chained_grammar_windows(seen: list[tuple[Any, Any, Any]]) -> list[int]:

@@ -9,7 +9,7 @@ import functools
 
 import numpy as np
 import pytest
-from rt_engine_helpers import MODES, collect, launches, mode_plan
+from rt_engine_helpers import MODES, collect, launches, mode_plan, run_script
 from rt_plans import make_plan
 
 from strata_runtime.api import Request, SamplingParams, request_problem
@@ -258,20 +258,7 @@ def test_a_think_budget_beside_bad_words_closes_the_block_where_it_runs_out(draf
 def test_the_held_bench_runs_every_arm_to_the_same_text_on_the_demo_profile() -> None:
     """`scripts/bench_held.py`: ``min_tokens`` over the whole reply and bad words the free reply lacks (of one
     token and of several) choose the free reply's tokens, each arm's rate beside the free one's."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parent.parent
-    out = subprocess.run(
-        [sys.executable, str(root / "scripts" / "bench_held.py"), "--tokens", "30", "--repeats", "1"],
-        capture_output=True,
-        text=True,
-        cwd=root,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    lines = out.stdout.splitlines()
+    lines = run_script("bench_held.py", "--tokens", "30", "--repeats", "1").splitlines()
     for arm in ("min_tokens", "bad word 'Zqxjv Wkpfq'", "(one token)"):
         assert any(arm in line and "/ free:" in line for line in lines), (arm, lines)
     assert lines[-1] == "the same text in every arm, 30 tokens"

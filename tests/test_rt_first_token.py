@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 
 import pytest
-from rt_engine_helpers import MODES, collect, launches, mode_plan
+from rt_engine_helpers import MODES, collect, collect_launched, mode_plan, run_script
 
 from strata_runtime.api import Request, SamplingParams
 from strata_runtime.engine import Engine
@@ -54,12 +54,7 @@ def requests(salt: int) -> list[tuple[int, Request]]:
 @pytest.mark.parametrize("mode", list(MODES))
 def test_every_first_token_is_chosen_on_the_device_as_the_host_would_choose_it(mode, stages):
     schedule = requests(salt=stages)
-    eng = engine(mode, stages, on_device=True)
-    seen = launches(eng)
-    try:
-        replies = collect(eng, schedule)
-    finally:
-        del eng.executor.launch
+    replies, seen = collect_launched(engine(mode, stages, on_device=True), schedule)
     prompt_ends = [(job, flight) for job, _, flight in seen if any(e.ends_prompt for e in job.entries)]
     assert len(prompt_ends) >= 1
     ends = [e for job, _ in prompt_ends for e in job.entries if e.ends_prompt]
@@ -69,12 +64,7 @@ def test_every_first_token_is_chosen_on_the_device_as_the_host_would_choose_it(m
     grammar = [e for e in ends if e.slot.sampler.grammar is not None]
     assert grammar and all(e.masked for e in grammar), "under a grammar, penalised or not, the row is masked"
 
-    host = engine(mode, stages, on_device=False)
-    seen = launches(host)
-    try:
-        reference = collect(host, schedule)
-    finally:
-        del host.executor.launch
+    reference, seen = collect_launched(engine(mode, stages, on_device=False), schedule)
     read = [flight for job, _, flight in seen if any(e.ends_prompt for e in job.entries)]
     assert all(flight.logits is not None for flight in read), "the host chose from the logits"
     assert replies == reference
@@ -97,21 +87,10 @@ def test_the_first_token_bench_times_both_choices_of_every_request_on_the_demo_p
     """`scripts/bench_first_token.py`: every request's first token chosen on the device and by the host, the
     same token in each pair (the script exits non-zero otherwise), with a time for each."""
     import json
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
-    argv = ["--prompt-tokens", "20", "--repeats", "1", "--json"]
-    out = subprocess.run(
-        [sys.executable, str(root / "scripts" / "bench_first_token.py"), *argv],
-        capture_output=True,
-        text=True,
-        cwd=root,
-        timeout=600,
+    result = json.loads(
+        run_script("bench_first_token.py", "--prompt-tokens", "20", "--repeats", "1", "--json")
     )
-    assert out.returncode == 0, out.stderr[-2000:]
-    result = json.loads(out.stdout)
     assert result["prompt_tokens"] == 20
     names = [r["request"] for r in result["rows"]]
     assert names[0] == "greedy" and len(names) == 4 and any("top-p" in n for n in names)

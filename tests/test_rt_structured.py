@@ -15,7 +15,16 @@ from types import MappingProxyType
 
 import numpy as np
 import pytest
-from rt_engine_helpers import MODES, chained_grammar_windows, collect, launches, mode_plan, run_checking_kv
+from rt_engine_helpers import (
+    MODES,
+    chained_grammar_windows,
+    collect,
+    collect_launched,
+    launches,
+    mode_plan,
+    run_checking_kv,
+    run_script,
+)
 from rt_plans import make_plan
 
 from strata_runtime.api import Reasoning, Request, SamplingParams
@@ -661,11 +670,7 @@ def test_drafted_replies_with_a_schema_are_the_greedy_replies_without_drafting(m
     prompts = _prompts(41, 3)
     reqs = [(i, Request(p, 80, SamplingParams(grammar=grammar))) for i, p in enumerate(prompts)]
     before = eng.totals["accepted"]
-    seen = launches(eng)
-    try:
-        got = collect(eng, reqs)
-    finally:
-        del eng.executor.launch
+    got, seen = collect_launched(eng, reqs)
     assert got == [collect(plain, [(0, r)])[0] for _, r in reqs]
     for tokens in got:
         _follows_person(bytes(tokens))
@@ -673,12 +678,8 @@ def test_drafted_replies_with_a_schema_are_the_greedy_replies_without_drafting(m
     decided = [after is not None for job, after, _ in seen if job.spec_on_device and job.entries[0].masked]
     assert decided.count(False) >= 1 and decided.count(True) >= 1, decided  # launched, then chained
     eng.grammar_drafts_on_device = False  # the host verifies each drafted window: the same text
-    seen = launches(eng)
-    try:
-        assert collect(eng, reqs) == got
-    finally:
-        del eng.executor.launch
-        eng.grammar_drafts_on_device = True
+    again, seen = collect_launched(eng, reqs)
+    assert again == got
     assert not any(job.spec_on_device and job.entries[0].masked for job, _, _ in seen)
 
 
@@ -897,20 +898,7 @@ def test_the_grammar_cost_bench_runs_every_arm_to_the_same_text_on_the_demo_prof
     """`scripts/bench_grammar_cost.py`: the free reply, the reply under a grammar that allows any text, the
     same with its drafted windows verified by the host and with the host choosing from the logits; the last
     two must give the grammar arm's text (the script exits non-zero otherwise)."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parent.parent
-    out = subprocess.run(
-        [sys.executable, str(root / "scripts" / "bench_grammar_cost.py"), "--tokens", "30", "--repeats", "1"],
-        capture_output=True,
-        text=True,
-        cwd=root,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    lines = out.stdout.splitlines()
+    lines = run_script("bench_grammar_cost.py", "--tokens", "30", "--repeats", "1").splitlines()
     for arm in ("free", "under a grammar", "drafts verified by the host", "masks on the host"):
         assert any(line.startswith(f"{arm}: ") and "tok/s" in line for line in lines), (arm, lines)
     assert sum("(the same text)" in line for line in lines) == 2
