@@ -683,6 +683,33 @@ def test_drafted_replies_with_a_schema_are_the_greedy_replies_without_drafting(m
     assert not any(job.spec_on_device and job.entries[0].masked for job, _, _ in seen)
 
 
+@pytest.mark.parametrize("mode", ["solo", "batch-mtp"])
+def test_drafted_penalised_replies_with_a_schema_are_decided_on_the_device_as_without_drafting(mode):
+    """Replies under a schema with a logit bias and presence, frequency and repetition penalties, drafting:
+    their windows are masked, adjusted (each row counting the proposals before it) and decided on the
+    device, which counts what they keep once; greedy, what they keep is what the model decodes without
+    drafting, and what the host's verification of each window gives."""
+    eng = Engine(mode_plan(mode, 2, preset="small", context=192, prefill_chunk=16, adaptive_depth=False))
+    grammar = json_grammar(PERSON)
+    sampling = SamplingParams(
+        grammar=grammar,
+        presence_penalty=0.6,
+        frequency_penalty=0.8,
+        repetition_penalty=1.2,
+        logit_bias=((ord("e"), 2.0),),
+    )
+    reqs = [(i, Request(p, 80, sampling)) for i, p in enumerate(_prompts(43, 2))]
+    got, seen = collect_launched(eng, reqs)
+    assert got == [collect(_undrafted_small(), [(0, r)])[0] for _, r in reqs]
+    decided = [f for job, _, f in seen if job.spec_on_device and job.entries[0].masked]
+    assert decided and all(f.adjusts is not None for f in decided)
+    assert any(f.after is not None for f in decided)  # and windows ran ahead of the host
+    eng.grammar_drafts_on_device = False
+    assert collect(eng, reqs) == got
+    for tokens in got:
+        _follows_person(bytes(tokens))
+
+
 @functools.cache
 def _alone(preset: str) -> Engine:
     """One slot, one stage, no drafting: a request alone."""

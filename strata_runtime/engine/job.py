@@ -230,7 +230,8 @@ class Job:
                     rows.append(at + j)
                     extra_from.append(at + 1)
                     extra_count.append(j)
-                chosen += [e.on_device or e.masked] * n
+                counts_choice = (e.on_device or e.masked) and not self.spec_on_device  # (decided: its kept)
+                chosen += [counts_choice] * n
                 slots += [e.slot.id] * n
                 freq += [sampler.params.frequency_penalty] * n
                 pres += [sampler.params.presence_penalty] * n

@@ -1296,9 +1296,10 @@ class Engine:
         ``decided`` on the device (a sampled drafter's need the distribution they were drawn from, which the
         host has only where it drew them); and where a logit bias or
         penalty adjusts the request, only a row without proposals (a prompt's last, or a decode row), which
-        the device adjusts and whose token it counts as it does any such row's (the host adjusts the others,
-        with the proposals they follow). Not the prompt's last row where a recovery has the slot read its
-        tokens again: its token is known (`Slot.resume_token`), nothing is chosen there."""
+        the device adjusts and whose token it counts as it does any such row's, or a window ``decided``
+        there, which adjusts each row after the proposals before it and counts what it keeps (the host
+        adjusts the others, with the proposals they follow). Not the prompt's last row where a recovery has
+        the slot read its tokens again: its token is known (`Slot.resume_token`), nothing is chosen there."""
         sampler = slot.sampler
         if not self.masks_on_device or sampler.grammar is None:
             return False
@@ -1306,8 +1307,8 @@ class Engine:
             return False
         if proposals is None and (slot.resume_token is not None or not self.first_tokens_on_device):
             return False
-        if sampler.adjusts:  # adjusted and counted on the device only as a row without proposals
-            return proposals is None or not proposals.tokens
+        if sampler.adjusts:  # adjusted and counted on the device as a row without proposals, or decided there
+            return proposals is None or not proposals.tokens or decided
         return proposals is None or not proposals.tokens or proposals.certain or sampler.greedy or decided
 
     def _batch_mtp_serves(self, decoding: int) -> bool:
@@ -1339,23 +1340,17 @@ class Engine:
         """Whether ``slot``'s rows in a speculative window may be decided on the device
         (`_decided_on_device` says whether the window's shape may): any request the host does not hold
         (`Sampler.host_only`), and one under a grammar (or bad words of several tokens) whose proposals are
-        its drafter's (not ``given``: what its grammar forces, which the host reads as proposals), with no
-        logit bias or penalty: its rows are masked on the device (`Entry.masked`) and decided there, greedy
-        or sampled (a sampled drafter's proposals drawn there too, from the head's own distribution, which
-        rejection sampling against the masked target's keeps exact), and a window chained to it has its
-        masks computed from the tokens the device decided
+        its drafter's (not ``given``: what its grammar forces, which the host reads as proposals): its rows
+        are masked on the device (`Entry.masked`), adjusted there where it has a logit bias or penalties,
+        and decided there, greedy or sampled (a sampled drafter's proposals drawn there too, from the head's
+        own distribution, which rejection sampling against the masked target's keeps exact), and a window
+        chained to it has its masks computed from the tokens the device decided
         (`strata_runtime.engine.executor.Executor._chained_masks`)."""
         sampler = slot.sampler
         if not sampler.host_only:
             return True
         forcing = sampler.think is not None and sampler.think.forcing
-        return (
-            self.masks_on_device
-            and self.grammar_drafts_on_device
-            and not sampler.adjusts
-            and not forcing
-            and not given
-        )
+        return self.masks_on_device and self.grammar_drafts_on_device and not forcing and not given
 
     def _decided_on_device(
         self,
