@@ -480,12 +480,15 @@ def test_schema_replies_on_gpu_read_what_the_grammar_forces_as_proposals_and_kee
             assert set(json.loads(bytes(tokens))) == {"name", "n"}
 
 
+@pytest.mark.parametrize("penalised", [False, True])
 @pytest.mark.parametrize("slots", [1, 2])
-def test_drafted_schema_replies_on_gpu_are_decided_there_running_ahead_with_the_undrafted_text(cp, slots):
-    """Greedy replies under a JSON schema, drafting (solo windows, or batch MTP for two): where the grammar
-    forces nothing their speculative windows are masked and decided on the GPU, and the windows chained to
-    them compute their masks from the tokens the GPU kept and drafted; the text is the text of the same
-    replies without drafting, and JSON of the schema."""
+def test_drafted_schema_replies_on_gpu_are_decided_there_running_ahead_with_the_undrafted_text(
+    cp, slots, penalised
+):
+    """Greedy replies under a JSON schema, drafting (solo windows, or batch MTP for two), with penalties or
+    not: where the grammar forces nothing their speculative windows are masked (and adjusted) and decided on
+    the GPU, and the windows chained to them compute their masks from the tokens the GPU kept and drafted;
+    the text is the text of the same replies without drafting, and JSON of the schema."""
     from rt_engine_helpers import collect, launches
 
     from strata_runtime.api import Request, SamplingParams
@@ -501,6 +504,9 @@ def test_drafted_schema_replies_on_gpu_are_decided_there_running_ahead_with_the_
         "required": ["story", "n"],
         "additionalProperties": False,
     }
+    penalties = (
+        {"presence_penalty": 0.6, "frequency_penalty": 0.8, "repetition_penalty": 1.2} if penalised else {}
+    )
     g = np.random.default_rng(41)
     reqs = [
         (
@@ -508,7 +514,7 @@ def test_drafted_schema_replies_on_gpu_are_decided_there_running_ahead_with_the_
             Request(
                 tuple(g.integers(33, 126, 12 + 5 * i).tolist()),
                 50,
-                SamplingParams(grammar=json_grammar(schema)),
+                SamplingParams(grammar=json_grammar(schema), **penalties),
             ),
         )
         for i in range(slots)
@@ -519,8 +525,9 @@ def test_drafted_schema_replies_on_gpu_are_decided_there_running_ahead_with_the_
     got = collect(engine, reqs, check_kv=False)
     plain = Engine(_plan(cp, model="tiny", slots=slots))
     assert got == collect(plain, reqs, check_kv=False)
-    decided = [after is not None for job, after, _ in seen if job.spec_on_device and job.entries[0].masked]
-    assert False in decided and True in decided, decided
+    decided = [(after, f) for job, after, f in seen if job.spec_on_device and job.entries[0].masked]
+    assert any(a is None for a, _ in decided) and any(a is not None for a, _ in decided), decided
+    assert all((f.adjusts is not None) == penalised for _, f in decided)
     for tokens in got:
         assert set(json.loads(bytes(tokens))) == {"story", "n"}
 
