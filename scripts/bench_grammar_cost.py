@@ -13,11 +13,15 @@ On a synthetic preset the arms' texts part: its vocabulary is far larger than it
 random model often prefers an id the tokenizer has no text for, and no grammar allows a token without text.
 The script then says where the texts first differ, and the rates still compare equal numbers of tokens.
 ``--set spec.adaptive_depth=false`` keeps every window's shape the same in both arms.
-Usage: ``python scripts/bench_grammar_cost.py [PROFILE] [--tokens N] [--repeats N] [--set KEY=VALUE ...]``
-(default: the demo profile, 200 tokens, 5 repeats).
+With ``--schema FILE`` the grammar arms follow a JSON schema instead, as a structured-output request does;
+each arm's windows and the share of its proposals that held are printed too (a drafter's proposals hold less
+often under a schema that allows little, and more where the host masks them than where the GPU drafts).
+Usage: ``python scripts/bench_grammar_cost.py [PROFILE] [--tokens N] [--repeats N] [--schema FILE]
+[--set KEY=VALUE ...]`` (default: the demo profile, 200 tokens, 5 repeats).
 """
 
 import argparse
+import json
 import statistics
 import time
 from collections.abc import Callable
@@ -27,6 +31,7 @@ import llguidance
 from strata_cfg.plan.from_profile import resolve_path
 from strata_runtime.api import Request, SamplingParams
 from strata_runtime.engine import Engine
+from strata_runtime.structured import json_grammar
 
 PROMPT = "The old man looked at the sea and said"
 
@@ -70,10 +75,21 @@ def report(rates: dict[str, list[float]]) -> float:
 
 
 def main() -> None:
-    args = arguments(__doc__).parse_args()
+    parser = arguments(__doc__)
+    parser.add_argument(
+        "--schema",
+        metavar="FILE",
+        help="a JSON schema the grammar arms follow instead of any text (their replies end when the JSON is "
+        "complete, and part from the free reply's)",
+    )
+    args = parser.parse_args()
     engine, run = runner(args)
     free_params = SamplingParams()
-    held = SamplingParams(grammar=llguidance.LLMatcher.grammar_from_regex(r"(?s:.*)"))
+    if args.schema:
+        with open(args.schema, encoding="utf-8") as f:
+            held = SamplingParams(grammar=json_grammar(json.load(f)))
+    else:
+        held = SamplingParams(grammar=llguidance.LLMatcher.grammar_from_regex(r"(?s:.*)"))
     arms = {  # (sampling, masks on the device, drafted windows decided there)
         "free": (free_params, True, True),
         "under a grammar": (held, True, True),
@@ -84,19 +100,26 @@ def main() -> None:
         engine.masks_on_device, engine.grammar_drafts_on_device = masks, drafts
         run(sampling)
     rates: dict[str, list[float]] = {arm: [] for arm in arms}
+    drafted: dict[str, list[int]] = {arm: [0, 0, 0] for arm in arms}  # windows, proposals, accepted
     parted: list[int] = []
     for _ in range(args.repeats):
         replies = {}
         for arm, (sampling, masks, drafts) in arms.items():
             engine.masks_on_device, engine.grammar_drafts_on_device = masks, drafts
+            before = [engine.totals[k] for k in ("windows", "proposals", "accepted")]
             replies[arm], seconds = run(sampling)
             rates[arm].append(len(replies[arm]) / seconds)
+            for i, k in enumerate(("windows", "proposals", "accepted")):
+                drafted[arm][i] += engine.totals[k] - before[i]
         free, shaped = replies["free"], replies["under a grammar"]
         if free != shaped:
             parted.append(next(i for i, (a, b) in enumerate(zip(free, shaped, strict=True)) if a != b))
         for arm in ("drafts verified by the host", "masks on the host"):
             if replies[arm] != shaped:
                 raise SystemExit(f"the grammar's reply with {arm} is not its reply decided on the device")
+    for arm, (windows, proposals, accepted) in drafted.items():
+        held_share = f"{accepted / proposals:.0%}" if proposals else "none"
+        print(f"{arm}: {windows} windows, {accepted} of {proposals} proposals held ({held_share})")
     print(f"under a grammar / free: {report(rates):.2f}x, {args.tokens} tokens")
     device = statistics.median(rates["under a grammar"])
     for arm in ("drafts verified by the host", "masks on the host"):

@@ -921,11 +921,18 @@ def test_a_grammar_that_names_a_part_as_its_wrapper_does_is_refused_by_name():
         _ = ToolUse((strict,), "auto", call_tokens=(261, 262), reply_format=calls).grammar
 
 
-def test_the_grammar_cost_bench_runs_every_arm_to_the_same_text_on_the_demo_profile() -> None:
+@pytest.mark.parametrize("schema", [False, True])
+def test_the_grammar_cost_bench_runs_every_arm_to_the_same_text_on_the_demo_profile(schema, tmp_path) -> None:
     """`scripts/bench_grammar_cost.py`: the free reply, the reply under a grammar that allows any text, the
     same with its drafted windows verified by the host and with the host choosing from the logits; the last
-    two must give the grammar arm's text (the script exits non-zero otherwise)."""
-    lines = run_script("bench_grammar_cost.py", "--tokens", "30", "--repeats", "1").splitlines()
+    two must give the grammar arm's text (the script exits non-zero otherwise); with ``--schema``, under a
+    JSON schema, each arm's windows and proposals held counted."""
+    argv = ["--tokens", "30", "--repeats", "1"]
+    if schema:
+        (tmp_path / "person.json").write_text(json.dumps(PERSON))
+        argv += ["--schema", str(tmp_path / "person.json")]
+    lines = run_script("bench_grammar_cost.py", *argv).splitlines()
     for arm in ("free", "under a grammar", "drafts verified by the host", "masks on the host"):
         assert any(line.startswith(f"{arm}: ") and "tok/s" in line for line in lines), (arm, lines)
     assert sum("(the same text)" in line for line in lines) == 2
+    assert sum(" windows, " in line and " proposals held " in line for line in lines) == 4
