@@ -22,7 +22,6 @@ from ..models.ops import COMPILE_LOCK
 
 log = logging.getLogger("strata_runtime")
 
-
 OPTIONS = ("-std=c++17", "--use_fast_math")
 """NVRTC options of every kernel source."""
 

@@ -121,4 +121,4 @@ def _lookup_gpu(history: Any, lengths: Any, shortest: int, longest: int, most: i
 
 def prepare_gpu() -> None:
     """Compile the kernel now (a window decided on the device must not wait for NVRTC)."""
-    _kernel().compile()
+    _kernel()
