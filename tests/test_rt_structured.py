@@ -208,6 +208,19 @@ def test_a_place_ahead_gives_masks_as_wide_as_llguidance_lays_them_out_wherever_
     assert m.allowed()[ord("7")] and m.allowed().sum() == 1  # the reply's own place did not move
 
 
+def test_a_place_ahead_moved_off_its_grammar_is_lost_without_a_word_from_llguidance(capfd):
+    """A place ahead follows a drafter's proposals the device did not mask (`Place.move`), often off the
+    grammar: it is then lost (every token allowed after it) and llguidance, asked first whether it takes
+    the token, logs nothing (consuming it would print a parser error for each one)."""
+    v = 512
+    m = Grammars(ByteTokenizer(v), v).matcher(json_grammar({"enum": [71, 72]}))
+    ahead = m.copy()
+    ahead.move([ord("7"), ord("x"), ord("1")])
+    assert np.unpackbits(ahead._packed().view(np.uint8), bitorder="little")[:v].all()
+    assert "Parser Error" not in capfd.readouterr().err
+    assert m.allowed()[ord("7")] and not m.allowed()[ord("x")]  # the reply's own place did not move
+
+
 def test_a_greedy_proposal_under_a_grammar_is_the_argmax_over_what_it_allows_after_the_chain():
     """A drafter's greedy proposal under a grammar is masked and chosen where its logits are (a token comes
     back, not the row): the argmax over the tokens the grammar allows after the proposals before it, which
