@@ -447,13 +447,15 @@ def test_small_elementwise_kernels_match_the_reference(gpu):
 def test_argmax_over_slices_matches_numpy(gpu, v):
     """A row is cut into slices searched in parallel: the maximum must win wherever it lies, an equal
     maximum in a later slice must lose to the first (ties to the lower index), and rows of -inf or with
-    NaNs must give what the one-block kernel gave (the first -inf; NaNs never win)."""
+    NaNs must give what the one-block kernel gave (the first -inf; NaNs never win over a number, -inf
+    included). A row of NaNs alone still gets an index of its own, its first: a token the next window's
+    embedding can read (no candidate winning gave 2^31 - 1, which read far outside the table)."""
     from strata_runtime.cuda.choices import argmax_slices
     from strata_runtime.cuda.ops import argmax_scratch
 
     cp, kern, ref = gpu
     g = rng()
-    rows = 6
+    rows = 8
     logits = g.standard_normal((rows, v)).astype(np.float32)
     nb = argmax_slices(v)
     per = -(-v // nb)
@@ -464,10 +466,21 @@ def test_argmax_over_slices_matches_numpy(gpu, v):
     logits[3, :] = -np.inf
     logits[4, ::2] = np.nan
     logits[4, 1] = top
+    logits[6, :] = np.nan
+    logits[7, :] = np.nan
+    logits[7, v // 2] = -np.inf  # -inf wins over a NaN
     am_d = cp.full(rows, -1, cp.int32)
     kern.argmax(cp.asarray(logits), am_d, argmax_scratch(cp, *logits.shape))
-    want = np.array([np.argmax(np.where(np.isnan(row), -np.inf, row)) for row in logits], np.int32)
-    np.testing.assert_array_equal(am_d.get(), want)
+    np.testing.assert_array_equal(am_d.get(), [argmax_below_nan(row) for row in logits])
+
+
+def argmax_below_nan(row: np.ndarray) -> int:
+    """The argmax kernels' rule: the first largest number, a NaN ranking below every number (-inf too); the
+    first index where the row holds only NaNs."""
+    numbers = ~np.isnan(row)
+    if not numbers.any():
+        return 0
+    return int(np.flatnonzero(numbers & (row == row[numbers].max()))[0])
 
 
 @pytest.mark.parametrize(
@@ -964,6 +977,94 @@ def test_choose_matches_twin(gpu, rows, v):
             cdf = np.cumsum(w)
             edge = cdf[min(got[r], want[r])]
             assert abs(edge - float(u32[r]) * cdf[-1]) < 1e-5 * cdf[-1], (r, got[r], want[r])
+
+
+@pytest.mark.parametrize("v", [151_936, 5_000, 33])
+def test_choose_gives_a_token_of_the_vocabulary_for_rows_holding_nan(gpu, v):
+    """NaN logits (a model whose activations overflowed) never make a row choose outside the vocabulary:
+    greedy rows take the argmax kernels' rule (a NaN below every number, the first index of a row of NaNs),
+    and sampled rows, whose weights then hold no total to draw from, a staying token, or the argmax. Before,
+    such a row chose -1 (sampled) or 2^31 - 1 (greedy), which the next chained window's embedding read far
+    outside its table: an illegal address that ends every later launch in the process. Both the split and
+    the one-block kernels, with and without the cuts."""
+    cp, kern, _ = gpu
+    g = rng()
+    rows = 6
+    logits = (g.standard_normal((rows, v)) * 3).astype(np.float32)
+    logits[0, :] = np.nan  # every logit
+    logits[1, v // 2] = np.nan  # one, among numbers
+    logits[2, ::3] = np.nan
+    logits[3, :] = np.nan
+    logits[3, v - 1] = -np.inf
+    logits[4, 1:] = np.nan
+    logits[5, :] = np.nan
+    logits[5, v // 3] = 2.0
+    for inv_temp, top_k, top_p in (
+        (0.0, 0, 1.0),
+        (1.0, 0, 1.0),
+        (0.7, 20, 0.8),
+        (1.3, 0, 0.5),
+        (1.0, 3, 1.0),
+    ):
+        for split in (True, False):
+            out_d = cp.full(rows, -7, cp.int64)
+            kern.choose(
+                cp.asarray(logits),
+                cp.full(rows, inv_temp, cp.float32),
+                cp.asarray(g.random(rows), cp.float32),
+                cp.full(rows, top_k, cp.int32),
+                cp.full(rows, top_p, cp.float32),
+                out_d,
+                split=split,
+            )
+            got = out_d.get()
+            assert ((got >= 0) & (got < v)).all(), (inv_temp, top_k, top_p, split, got)
+            want = [argmax_below_nan(row) for row in logits]
+            if inv_temp == 0:
+                np.testing.assert_array_equal(got, want)
+            else:  # the rows without a number, or with one alone: that one, or the first NaN
+                assert got[0] == 0 and got[5] == v // 3, (inv_temp, top_k, top_p, split, got)
+
+
+@pytest.mark.parametrize(("rows", "e", "k"), [(4, 8, 2), (4, 128, 8), (3, 60, 4)])
+def test_routing_rows_holding_nan_choose_distinct_experts_as_the_twin_ranks_them(gpu, rows, e, k):
+    """A router row holding NaN still routes to k distinct experts of the layer: a NaN ranks below every
+    number, NaNs among themselves by index, as the twin's stable sort of the negated logits orders them.
+    Before, a NaN counted no logit above it, so the NaNs shared rank 0 and some of the top k had no expert:
+    ``moe_gate_up_any`` (small models, routing inside) then read the address table at an index its shared
+    memory held from before, and jumped to whatever it found there."""
+    from strata_runtime.cuda.experts import resident_experts
+
+    cp, kern, ref = gpu
+    g = rng()
+    logits = g.standard_normal((rows, e)).astype(np.float32)
+    logits[0, :] = np.nan
+    logits[1, ::2] = np.nan
+    logits[2, 1:] = np.nan
+    idx_d, w_d = cp.full((rows, k), -1, cp.int32), cp.full((rows, k), cp.nan, cp.float32)
+    kern.route_topk(cp.asarray(logits), True, idx_d, w_d)
+    idx, w = np.empty((rows, k), np.int32), np.empty((rows, k), np.float32)
+    ref.route_topk(logits, True, idx, w)
+    np.testing.assert_array_equal(idx_d.get(), idx)
+    h, inter = 64, 64  # small: the kernels that route inside
+    x, nw, _, gate_up, down, resid = _moe_inputs(g, rows, e, h, inter)
+    experts = resident_experts(cp.asarray(gate_up), cp.asarray(down), cp)
+    idx_d = cp.full((rows, k), -1, cp.int32)
+    h_d = cp.zeros((rows * k, inter), cp.float32)
+    kern.moe(
+        cp.asarray(x),
+        cp.asarray(nw),
+        cp.asarray(logits),
+        True,
+        1e-6,
+        experts,
+        cp.asarray(resid),
+        idx_d,
+        w_d,
+        h_d,
+    )
+    cp.cuda.get_current_stream().synchronize()  # an address read off the table faults here
+    np.testing.assert_array_equal(idx_d.get(), idx)
 
 
 @pytest.mark.parametrize("v", [8, 151_936])

@@ -12,9 +12,16 @@ __global__ void embed(const half* __restrict__ table, const int* __restrict__ id
 // and writes the slice's (max, index) to part_v / part_i [R, NB]; each thread has all its loads in flight
 // before it compares any (one block per row read a 151,936-word row in 33 us, one load at a time).
 // argmax_merge: one warp per row takes the NB candidates in order.
+// (best, bi) starts as (-inf, ARGMAX_NONE). A NaN never wins (every comparison with it is false), so a row of
+// NaNs alone leaves ARGMAX_NONE, which each kernel's last step turns into the row's first index (argmax_index):
+// every row gets an index of the vocabulary, never 2^31 - 1, which as a token would send the next window's
+// embedding far outside its table.
+constexpr int ARGMAX_NONE = 0x7fffffff;
 __device__ __forceinline__ void better(float v, int i, float& best, int& bi) {
   if (v > best || (v == best && i < bi)) { best = v; bi = i; }
 }
+
+__device__ __forceinline__ int argmax_index(int bi) { return bi == ARGMAX_NONE ? 0 : bi; }
 
 __device__ __forceinline__ void warp_argmax(float& best, int& bi) {
 #pragma unroll
@@ -32,7 +39,7 @@ __global__ void __launch_bounds__(256) argmax_part(const float* __restrict__ log
   const int per = (V + NB - 1) / NB, lo = b * per, hi = min(V, lo + per);
   const float* l = logits + (size_t)r * V;
   float best = -STRATA_INF;
-  int bi = 0x7fffffff;
+  int bi = ARGMAX_NONE;
   for (int i0 = lo + (int)threadIdx.x; i0 < hi; i0 += U * B) {
     float v[U];
 #pragma unroll
@@ -60,10 +67,10 @@ __global__ void argmax_merge(const float* __restrict__ part_v, const int* __rest
                              int* __restrict__ out) {
   const int r = blockIdx.x;
   float best = -STRATA_INF;
-  int bi = 0x7fffffff;
+  int bi = ARGMAX_NONE;
   for (int b = threadIdx.x; b < NB; b += 32) better(part_v[(size_t)r * NB + b], part_i[(size_t)r * NB + b], best, bi);
   warp_argmax(best, bi);
-  if (threadIdx.x == 0) out[r] = bi;
+  if (threadIdx.x == 0) out[r] = argmax_index(bi);
 }
 
 // ---- a request's logit bias and penalties, before its token is chosen ----------------------------------

@@ -307,7 +307,7 @@ __device__ __forceinline__ void choose_row(const float* __restrict__ l, int V, f
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int warps = (int)(blockDim.x >> 5);
   float best = -STRATA_INF;
-  int bi = 0x7fffffff;
+  int bi = ARGMAX_NONE;
   if (prep == nullptr) {
 #pragma unroll 4
     for (int i = tid; i < V; i += blockDim.x) better(l[i], i, best, bi);
@@ -332,6 +332,7 @@ __device__ __forceinline__ void choose_row(const float* __restrict__ l, int V, f
       si[0] = prep->arg;
     } else {
       for (int w = 1; w < warps; ++w) better(sv[w], si[w], sv[0], si[0]);
+      si[0] = argmax_index(si[0]);
     }
   }
   __syncthreads();
@@ -538,7 +539,9 @@ __device__ __forceinline__ void choose_row(const float* __restrict__ l, int V, f
     atomicMin(&found, at_i);
   }
   __syncthreads();
-  if (tid == 0) *token = found != 0x7fffffff ? found : last;  // u * total rounded up to the total: the last
+  // u * total rounded up to the total: the last staying token; none (the weights are NaN: a NaN logit, or
+  // every logit NaN): the argmax, so the row still chooses a token of the vocabulary
+  if (tid == 0) *token = found != 0x7fffffff ? found : last >= 0 ? last : si[0];
 }
 
 // lmp: each row's min-p cut, or null for none.

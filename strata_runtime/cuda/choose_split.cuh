@@ -45,14 +45,14 @@ __global__ void __launch_bounds__(256) choose_split_cuts(const float* __restrict
   __shared__ float smx;
   if (warp == 0) {
     float best = -STRATA_INF;
-    int bi = 0x7fffffff;
+    int bi = ARGMAX_NONE;
     for (int j = lane; j < NB; j += 32) better(part_v[(size_t)r * NB + j], part_i[(size_t)r * NB + j], best, bi);
     warp_argmax(best, bi);
     if (lane == 0) {
       smx = best;
       if (b == 0) {
         pr->mx = best;
-        pr->arg = bi;
+        pr->arg = argmax_index(bi);
       }
     }
   }

@@ -41,7 +41,12 @@ __device__ __forceinline__ Ranked block_rank(const float* __restrict__ l, int E,
   // 16-byte shared load that every thread of the warp reads alike, into four counters: a fourth of the
   // loads and four independent chains instead of one.
   int rank = 0;
-  if (tid < E) {
+  if (tid < E && strata_isnan(v)) {
+    // A NaN ranks below every number (-inf too) and after the NaNs of lower index, as a stable sort of the
+    // negated logits orders it: the ranks stay a permutation of 0..E-1, so each of the top k has an expert.
+    // (A number never counts a NaN above it: every comparison with a NaN is false.)
+    for (int e = 0; e < E; ++e) rank += !strata_isnan(ls[e]) || e < tid;
+  } else if (tid < E) {
     const float4* l4 = reinterpret_cast<const float4*>(ls);
     int c0 = 0, c1 = 0, c2 = 0, c3 = 0;
     const int E4 = E / 4;

@@ -30,6 +30,9 @@
 
 #define STRATA_INF __int_as_float(0x7f800000)
 
+// Whether v is a NaN, from its bits (a test no compiler option can fold away).
+__device__ __forceinline__ bool strata_isnan(float v) { return (__float_as_uint(v) & 0x7fffffffu) > 0x7f800000u; }
+
 // Programmatic dependent launch (sm_90 and later). Launched with the PDL attribute (ops.py, `pdl.py`), a
 // decode kernel may start while the kernel before it in the stream is still finishing: each one lets the
 // next launch once all its own blocks have started (STRATA_PDL_LAUNCH, first thing), issues nothing before
