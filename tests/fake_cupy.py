@@ -98,6 +98,28 @@ class _Recorder(threading.local):
 RECORDER = _Recorder()
 
 
+NAN_CHOICES: list[str] = []
+"""Each run of a kernel that picks indices (experts, tokens) from rows holding NaN, by name. Unwritten memory
+is NaN here (`empty`), so an entry means a window chose from memory nothing wrote: on a GPU that memory holds
+whatever was there, and a choice from it is wrong, or (NaN) made no index at all before the kernels learned to
+make one."""
+
+CHOOSING = {"moe": 2, "route_topk": 0, "argmax": 0, "choose": 0, "distribution": 0}
+"""The references that pick indices, and where their rows of logits are among their arguments."""
+
+
+def _choosing(name: str, fn: Callable[..., None]) -> Callable[..., None]:
+    """``fn``, noting in `NAN_CHOICES` each run whose rows of logits hold NaN."""
+    at = CHOOSING[name]
+
+    def run(*a: Any, **k: Any) -> None:
+        if np.isnan(np.asarray(a[at], dtype=np.float64)).any():
+            NAN_CHOICES.append(name)
+        fn(*a, **k)
+
+    return run
+
+
 class _Graph:
     def __init__(self, calls: list[tuple[Callable[..., None], tuple[Any, ...], dict[str, Any]]]) -> None:
         self.calls = calls
@@ -312,7 +334,7 @@ class ReferenceKernels:
         keep = getattr(experts, "keep", None) is not None
         for expr in moe_expressions(x.shape[1], h_buf.shape[1], idx.shape[1], keep):
             self._launched(expr)
-        RECORDER.launch(reference_kernels.moe, x, norm, logits, *rest)
+        RECORDER.launch(_choosing("moe", reference_kernels.moe), x, norm, logits, *rest)
 
     def attention(self, q: Any, k_cache: Any, *rest: Any, tensor_cores: bool = True) -> None:
         """As the launcher: records the kernel it would launch in `attention_kernels`."""
@@ -335,6 +357,8 @@ class ReferenceKernels:
 
     def __getattr__(self, name: str) -> Callable[..., None]:
         fn = getattr(reference_kernels, name)
+        if name in CHOOSING:
+            fn = _choosing(name, fn)
         return lambda *a, **k: RECORDER.launch(fn, *a, **k)
 
 

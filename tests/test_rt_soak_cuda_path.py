@@ -1,0 +1,66 @@
+"""The GPU soak's scenarios through the CUDA path on the CPU: `tests/fake_cupy.py` stands in for CuPy, so the
+engine runs its GPU code (windows captured and replayed as graphs, decided on the device and chained, the
+prefill graphs, the streams and their marks) with the kernels' NumPy references, as the GPU soak runs it on
+one card (`test_rt_soak.test_a_random_mix_of_requests_on_the_gpu_runs_as_each_would_alone`).
+
+Each scenario's requests must give what each gives alone, as in the soak, and no kernel that picks indices
+(the routing's experts, a row's token) may read a row holding NaN: on the stand-in every element nothing wrote
+is NaN, so such a read is a window choosing from memory nothing wrote, which on a GPU holds whatever the
+memory held before (`fake_cupy.NAN_CHOICES`). ``STRATA_SOAK_CUDA_PATH_SCENARIOS`` runs more of them (from
+``STRATA_SOAK_FROM``, as the soak numbers them).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import test_rt_soak
+from fake_cupy import NAN_CHOICES, installed
+
+SCENARIOS = int(os.environ.get("STRATA_SOAK_CUDA_PATH_SCENARIOS", "24"))
+
+
+@pytest.fixture(scope="module")
+def fake_gpu() -> Iterator[int]:
+    """The stand-in installed for the module; yields its card's VRAM in MiB. The requests' engines alone are
+    made again after it (they ran on the stand-in)."""
+    test_rt_soak._alone_engine.cache_clear()
+    with installed(), np.errstate(all="ignore"):
+        cp = importlib.import_module("cupy")
+        yield int(cp.cuda.runtime.memGetInfo()[1] // (1 << 20))
+    test_rt_soak._alone_engine.cache_clear()
+
+
+@pytest.mark.parametrize("number", range(test_rt_soak.FIRST, test_rt_soak.FIRST + SCENARIOS))
+def test_a_random_mix_through_the_cuda_path_runs_as_each_would_alone_choosing_only_from_written_rows(
+    fake_gpu: int, number: int
+) -> None:
+    NAN_CHOICES.clear()
+    test_rt_soak.soak(test_rt_soak.draw(number), fake_gpu)
+    assert not NAN_CHOICES, f"kernels picked indices from rows holding unwritten memory: {NAN_CHOICES[:8]}"
+
+
+def test_the_stand_in_notes_each_choice_made_from_rows_holding_nan(fake_gpu: int) -> None:
+    """The check above holds: the routing, a greedy choice and a sampled one each note a run over rows that
+    hold NaN, and none over rows without."""
+    from fake_cupy import ReferenceKernels
+
+    kern = ReferenceKernels()
+    g = np.random.default_rng(7)
+    rows = g.standard_normal((2, 8)).astype(np.float32)
+    idx, wts, out = np.zeros((2, 2), np.int32), np.zeros((2, 2), np.float32), np.zeros(2, np.int64)
+    one = np.ones(2, np.float32)
+    for poisoned in (False, True):
+        NAN_CHOICES.clear()
+        logits = rows.copy()
+        if poisoned:
+            logits[1, 3] = np.nan
+        kern.route_topk(logits, True, idx, wts)
+        kern.argmax(logits, out)
+        kern.choose(logits, one, one * 0.5, np.zeros(2, np.int32), one, out)
+        want = ["route_topk", "argmax", "choose"] if poisoned else []
+        assert list(NAN_CHOICES) == want, poisoned
