@@ -113,7 +113,7 @@ def _choosing(name: str, fn: Callable[..., None]) -> Callable[..., None]:
     at = CHOOSING[name]
 
     def run(*a: Any, **k: Any) -> None:
-        if np.isnan(np.asarray(a[at], dtype=np.float64)).any():
+        if np.isnan(a[at]).any():  # (float rows: no copy)
             NAN_CHOICES.append(name)
         fn(*a, **k)
 
