@@ -7,9 +7,12 @@ mistake in it (a wrong buffer, weight, step order or graph replay) shows up as w
 modelled as recording the launches and replay as running them again, which is what a CUDA graph does.
 
 Streams and events run everything at once: work is done when it is queued, every event is done, and a
-stream's wait for an event has nothing to wait for. Pinned host memory is a host buffer this module
-remembers, so that a test can tell whether an upload (``ndarray.set``) came from pinned or pageable memory
-(`UPLOADS`). Peer copies and the runtime's asynchronous copies move the bytes between the addresses given.
+stream's wait for an event has nothing to wait for. What a GPU would order instead is followed, where a test
+asks, by `stream_order` (every queued operation is reported to `ORDER`).
+
+Pinned host memory is a host buffer this module remembers, so that a test can tell whether an upload
+(``ndarray.set``) came from pinned or pageable memory (`UPLOADS`). Peer copies and the runtime's
+asynchronous copies move the bytes between the addresses given.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import functools
 import sys
 import threading
 import types
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -55,6 +59,11 @@ def alloc_pinned_memory(size: int) -> bytearray:
     return buf
 
 
+ORDER: Any = None
+"""Where a test follows stream order (`stream_order.tracking`): the `stream_order.Order` that every queued
+operation is reported to; None otherwise."""
+
+
 class FakeArray(np.ndarray):
     """A host array with CuPy's ``get``/``set`` and ``data.ptr``."""
 
@@ -63,6 +72,11 @@ class FakeArray(np.ndarray):
         return types.SimpleNamespace(ptr=self.ctypes.data)
 
     def get(self, stream: Any = None, out: np.ndarray | None = None, blocking: bool = True) -> np.ndarray:
+        if ORDER is not None:
+            on = stream or get_current_stream()
+            ORDER.op(on, [self], [], "ndarray.get")
+            if blocking:
+                ORDER.synced(on)
         if out is None:
             return np.array(self)
         out[...] = self
@@ -70,7 +84,9 @@ class FakeArray(np.ndarray):
 
     def set(self, host: np.ndarray, stream: Any = None) -> None:
         UPLOADS.append(is_pinned(host))
-        self[...] = host
+        np.ndarray.__setitem__(self, Ellipsis, host)
+        if ORDER is not None:
+            ORDER.op(stream or get_current_stream(), [], [self], "ndarray.set")
 
 
 def _wrap(x: Any) -> Any:
@@ -86,11 +102,14 @@ class _Recorder(threading.local):
     captures on its own stream)."""
 
     def __init__(self) -> None:
-        self.capturing: list[list[tuple[Callable[..., None], tuple[Any, ...], dict[str, Any]]]] = []
+        self.capturing: list[list[tuple[Callable[..., None], tuple[Any, ...], dict[str, Any], str]]] = []
 
     def launch(self, fn: Callable[..., None], *a: Any, **k: Any) -> None:
+        what = "" if ORDER is None else ORDER.label(fn)
         if self.capturing:
-            self.capturing[-1].append((fn, a, k))
+            self.capturing[-1].append((fn, a, k, what))
+        elif ORDER is not None:
+            ORDER.kernel(fn, a, k, get_current_stream(), what)
         else:
             fn(*a, **k)
 
@@ -121,12 +140,17 @@ def _choosing(name: str, fn: Callable[..., None]) -> Callable[..., None]:
 
 
 class _Graph:
-    def __init__(self, calls: list[tuple[Callable[..., None], tuple[Any, ...], dict[str, Any]]]) -> None:
+    def __init__(self, calls: list[tuple[Callable[..., None], tuple[Any, ...], dict[str, Any], str]]) -> None:
         self.calls = calls
 
     def launch(self, stream: Any = None) -> None:
-        for fn, a, k in self.calls:
-            fn(*a, **k)
+        replayed = "" if ORDER is None else ORDER.made_here()
+        for fn, a, k, what in self.calls:
+            if ORDER is not None:
+                name = what.split(" at ", 1)[0]
+                ORDER.kernel(fn, a, k, stream or get_current_stream(), f"{name} in a graph at {replayed}")
+            else:
+                fn(*a, **k)
 
 
 class _Event:
@@ -136,13 +160,18 @@ class _Event:
     def __init__(self, block: bool = False, disable_timing: bool = False, interprocess: bool = False) -> None:
         self.device_id = _CURRENT.devices[-1]
 
-    done = True
+    @property
+    def done(self) -> bool:
+        if ORDER is not None:
+            ORDER.synced(self)
+        return True
 
     def record(self, stream: Any = None) -> None:
         (stream or get_current_stream()).record(self)
 
     def synchronize(self) -> None:
-        pass
+        if ORDER is not None:
+            ORDER.synced(self)
 
 
 class _Current(threading.local):
@@ -156,13 +185,21 @@ _CURRENT = _Current()
 
 class _Stream:
     ptr = 0
-    done = True
     _made = [0]
+    BY_PTR: weakref.WeakValueDictionary[int, _Stream] = weakref.WeakValueDictionary()
 
     def __init__(self, non_blocking: bool = False) -> None:
         self.device_id = _CURRENT.devices[-1]
         self._made[0] += 1
         self.ptr = self._made[0]  # the null stream keeps 0
+        self.BY_PTR[self.ptr] = self
+        self.made_at = "" if ORDER is None else ORDER.made_here()
+
+    @property
+    def done(self) -> bool:
+        if ORDER is not None:
+            ORDER.synced(self)
+        return True
 
     def __enter__(self) -> _Stream:
         assert self.device_id == _CURRENT.devices[-1], "a stream made current on another device"
@@ -178,10 +215,14 @@ class _Stream:
         assert event.device_id == device, (
             f"an event of device {event.device_id} recorded on a stream of device {device}"
         )
+        if ORDER is not None:
+            ORDER.record(self, event)
         return event
 
     def wait_event(self, event: _Event) -> None:
         assert event is not None, "a stream waits for an event that was never recorded"
+        if ORDER is not None:
+            ORDER.wait(self, event)
 
     def begin_capture(self) -> None:
         RECORDER.capturing.append([])
@@ -190,10 +231,15 @@ class _Stream:
         return _Graph(RECORDER.capturing.pop())
 
     def synchronize(self) -> None:
-        pass
+        if ORDER is not None:
+            ORDER.synced(self)
 
 
 _NULL_STREAM = _Stream()
+
+
+def _stream_at(ptr: int) -> _Stream:
+    return _Stream.BY_PTR.get(ptr, _NULL_STREAM) if ptr else _NULL_STREAM
 
 
 def get_current_stream() -> _Stream:
@@ -216,7 +262,8 @@ class _Device:
         _CURRENT.devices.pop()
 
     def synchronize(self) -> None:
-        pass
+        if ORDER is not None:
+            ORDER.device_synced(self.id)
 
 
 class CUDARuntimeError(RuntimeError):
@@ -247,11 +294,15 @@ class _Runtime:
         self.peer.add(pair)
 
     def memcpyPeerAsync(self, dst: int, dst_dev: int, src: int, src_dev: int, size: int, stream: int) -> None:  # noqa: N802
+        if ORDER is not None:
+            ORDER.raw_copy([(dst, src, size)], _stream_at(stream), "memcpyPeerAsync")
         ctypes.memmove(dst, src, size)
 
     memcpyHostToDevice, memcpyDefault = 1, 4  # noqa: N815
 
     def memcpyAsync(self, dst: int, src: int, size: int, kind: int, stream: int) -> None:  # noqa: N802
+        if ORDER is not None:
+            ORDER.raw_copy([(dst, src, size)], _stream_at(stream), "memcpyAsync")
         ctypes.memmove(dst, src, size)
 
     COPIES_2D: list[tuple[int, bool]] = []
@@ -264,6 +315,9 @@ class _Runtime:
         if width > min(dpitch, spitch):
             raise CUDARuntimeError(1)  # cudaErrorInvalidValue: rows would overlap
         self.COPIES_2D.append((height, any(_pinned_at(p) for p in (dst, src))))
+        if ORDER is not None:
+            runs = [(dst + r * dpitch, src + r * spitch, width) for r in range(height)]
+            ORDER.raw_copy(runs, _stream_at(stream), "memcpy2DAsync")
         for r in range(height):
             ctypes.memmove(dst + r * dpitch, src + r * spitch, width)
 
@@ -398,6 +452,14 @@ def _flash_prefill(
     RECORDER.launch(run)
 
 
+def _route_bias(*a: Any, **k: Any) -> None:
+    reference_routing.route_bias(*a, **k)
+
+
+_route_bias.rows_read = {3: 2, 4: 2}  # type: ignore[attr-defined]
+"""Each slot's tables (cdf, seeds) are read at the rows' slots only (`stream_order` reads it)."""
+
+
 def module(devices: int = 4) -> types.ModuleType:
     """The stand-in ``cupy`` module, with ``devices`` GPUs."""
     cp = types.ModuleType("cupy")
@@ -472,7 +534,7 @@ def installed() -> Iterator[None]:
         grouped = ReferenceGrouped()
         patch(prefill, "grouped_kernels_for", lambda device_id: grouped)
         patch(routing, "routing_kernels_for", lambda device_id: kernels)
-        patch(routing, "route_bias", lambda *a, **k: RECORDER.launch(reference_routing.route_bias, *a, **k))
+        patch(routing, "route_bias", lambda *a, **k: RECORDER.launch(_route_bias, *a, **k))
         yield
     finally:
         for mod, name, value in reversed(patched):
