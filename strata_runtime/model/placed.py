@@ -449,6 +449,11 @@ class Model:
         tokenizer = plan_tokenizer(plan, ckpt)
         model = cls(stages, args, mtp, drafters, tokenizer, routing)
         model.peer_access = peer_access
+        # Loading filled the weights, the expert tables and the caches on each device's default stream, which
+        # the engine's non-blocking streams do not wait for: a window queued before those copies landed
+        # would read stale memory (an expert table's addresses among it).
+        for d in dict.fromkeys(devices + helper_devices):
+            d.wait_idle()
         return model
 
     # ---- running windows ---------------------------------------------------------------------------
