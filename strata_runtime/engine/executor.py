@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -97,12 +98,20 @@ class Executor:
         self.stages: list[Stage] = list(model.stages)
         self.gpu = any(s.device.is_cuda for s in self.stages)
         self._streams: list[Any] = [self._new_stream(s) for s in self.stages]
-        self._draft_stream = self._new_stream(self.stages[-1])
-        """The drafters' stream on the last device: drafting and catching up, after the flights they read."""
+        mtp = model.mtp
+        shares_cache = mtp is not None and getattr(mtp, "stage", None) is not None
+        self._draft_stream = self._streams[-1] if shares_cache else self._new_stream(self.stages[-1])
+        """The drafters' stream on the last device: drafting and catching up, after the flights they read.
+        Where the MTP head reads its experts through the last stage's expert cache, that stage's own stream:
+        the cache's swaps rewrite the tables the head's kernels read, and its counters are read and cleared
+        there, so both run in the one stream's order."""
         self._workers: list[StageWorker] | None = None
         if overlap and self.gpu and len(self.stages) > 1:
             self._workers = [StageWorker(f"strata-stage-{s.index}") for s in self.stages]
         self._retired: deque[tuple[Any, Flight]] = deque()
+        self._drafters_lock = threading.RLock()
+        self._drafted: Any = None
+        """An event after the newest work on the drafters queued on the last device (`_drafting`)."""
         self._copy_error: BaseException | None = None
         """A prefix copy that failed on a stage's thread, raised by the next `finish`."""
         self._store: list[HostRows] = []
@@ -128,10 +137,23 @@ class Executor:
             return cupy_module().cuda.Stream(non_blocking=True)
 
     def close(self) -> None:
-        """Stop the stage threads (the engine is being dropped)."""
+        """Stop the stage threads and wait for every device to run what was queued (the engine is being
+        dropped: its memory goes back to the pools of the streams it was allocated on, where the next
+        allocation may take it while this engine's streams still use it)."""
         for w in self._workers or []:
             w.close()
         self._workers = None
+        for device in dict.fromkeys(stage.device for stage in self.stages):
+            device.wait_idle()
+
+    def settle_experts(self) -> None:
+        """Hand each GPU stage's expert cache what its kernels counted since the last read (the engine is
+        idle), on the stage's stream: the swaps this starts rewrite tables the stage's windows read, so
+        they are queued in that stream's order."""
+        for s, stage in enumerate(self.stages):
+            if stage.cuda_experts is not None:
+                with stage.device.use(), _using(self._streams[s]), self._lock_for(s):
+                    stage.cuda_experts.settle()
 
     def quiesce(self, timeout_s: float = QUIESCE_S) -> None:
         """After a window failed: wait until every stage's thread has queued what it was given and every
@@ -312,10 +334,27 @@ class Executor:
         event = cupy_module().cuda.Event
         draft = self._draft_stream
         draft.wait_event(stream.record(event(disable_timing=True)))
-        with draft:
+        with draft, self._drafting(draft):
             out = copy()
         stream.wait_event(draft.record(event(disable_timing=True)))
         return out
+
+    @contextlib.contextmanager
+    def _drafting(self, stream: Any) -> Iterator[None]:
+        """Work on the drafters (their states, their KV, the MTP head's graph buffers) queued in the block on
+        ``stream``, ordered after such work queued before on any stream of the last device, and before such
+        work queued after. The drafters' stream drafts for windows the host decides, while a window decided
+        on the device drafts on the last stage's stream; one slot's drafter passes from one to the other,
+        and every slot's drafting runs the one head through the same buffers. (A lock keeps the threads
+        that queue them, the engine's and the last stage's, apart.) None: a CPU device, nothing to order."""
+        if stream is None:
+            yield
+            return
+        with self._drafters_lock:
+            if self._drafted is not None:
+                stream.wait_event(self._drafted)
+            yield
+            self._drafted = stream.record(cupy_module().cuda.Event(disable_timing=True))
 
     # ---- launching ----------------------------------------------------------------------------------
 
@@ -503,7 +542,8 @@ class Executor:
         if spec is not None:
             if spec.uniforms is not None:
                 spec.uniforms = dev.upload(spec.uniforms)
-            decide(self.model, spec, chosen, logits, normed, flight.layout)
+            with self._drafting(cupy_module().cuda.get_current_stream() if dev.is_cuda else None):
+                decide(self.model, spec, chosen, logits, normed, flight.layout)
             read = {
                 "accepted": spec.accepted,
                 "first": spec.first,
@@ -590,7 +630,7 @@ class Executor:
         """The drafters' device and stream, ordered after ``after``'s work on the last stage."""
         last = self.stages[-1]
         stream = self._draft_stream
-        with last.device.use(), _using(stream):
+        with last.device.use(), _using(stream), self._drafting(stream):
             if stream is not None and after is not None:
                 done = after.done
                 assert isinstance(done, StageMark)

@@ -481,10 +481,7 @@ class Engine:
     def _settle_experts(self) -> None:
         """With nothing left to run, hand each GPU stage's expert cache what its kernels counted since the
         last read, so that what the caches served is exact while the engine is idle."""
-        for stage in self.model.stages:
-            if stage.cuda_experts is not None:
-                with stage.device.use():
-                    stage.cuda_experts.settle()
+        self.executor.settle_experts()
 
     # ---- reporting -----------------------------------------------------------------------------------
 
