@@ -22,7 +22,11 @@ import numpy as np
 import pytest
 import test_rt_soak
 from fake_cupy import NAN_CHOICES, installed
+from rt_plans import float16_profile_text
 from stream_order import tracking
+
+from strata_cfg.plan.from_profile import resolve_text
+from strata_cfg.schema.plan import LaunchPlan
 
 SCENARIOS = int(os.environ.get("STRATA_SOAK_CUDA_PATH_SCENARIOS", "24"))
 RACED = (61, 67, 68, 72, 97)
@@ -52,6 +56,30 @@ def test_a_random_mix_through_the_cuda_path_runs_as_each_would_alone_choosing_on
     with tracking() as order:
         test_rt_soak.soak(test_rt_soak.draw(number), fake_gpu)
     assert not NAN_CHOICES, f"kernels picked indices from rows holding unwritten memory: {NAN_CHOICES[:8]}"
+    assert not order.races, "streams race:\n" + "\n".join(order.races[:6])
+
+
+SPREAD = [
+    n for n in range(test_rt_soak.FIRST, test_rt_soak.FIRST + SCENARIOS) if test_rt_soak.draw(n).stages > 1
+]
+
+
+@pytest.mark.parametrize("number", SPREAD)
+def test_a_random_mix_with_each_stage_on_a_gpu_of_its_own_keeps_its_streams_apart(
+    fake_gpu: int, number: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As above with the stages on GPUs of their own (the stand-in has four): the hidden rows a stage hands
+    on, a chained window's tokens and positions, and the drafters' copies cross devices by peer copies,
+    each ordered by an event of the stage before."""
+
+    def spread(vram_mib: int, **kw: object) -> LaunchPlan:
+        return resolve_text(float16_profile_text(vram_mib=vram_mib, **kw), "soak.toml").plan
+
+    monkeypatch.setattr(test_rt_soak, "on_one_gpu", spread)
+    scenario = test_rt_soak.draw(number)
+    assert len({s.device for s in scenario.plan(fake_gpu).stages}) == scenario.stages
+    with tracking() as order:
+        test_rt_soak.soak(scenario, fake_gpu)
     assert not order.races, "streams race:\n" + "\n".join(order.races[:6])
 
 
