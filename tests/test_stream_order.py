@@ -127,3 +127,36 @@ def test_a_graph_replays_its_kernels_on_the_stream_it_is_launched_on(cp: Any) ->
         with a:
             x[...] = 0.0  # a rewrites what b's replay read, without waiting for it
     assert len(order.races) == 1 and "in a graph" in order.races[0], order.races
+
+
+def test_closing_an_engine_waits_for_its_gpus_and_logs_a_fault_left_on_one(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`Executor.close` waits for every device (the memory the engine lets go of returns to its streams'
+    pools), and a device holding a kernel's fault is logged, not raised: the engine is being dropped."""
+    from types import SimpleNamespace
+
+    from strata_runtime.engine.executor import Executor
+
+    waited: list[str] = []
+
+    class Gpu:
+        def __init__(self, name: str, fault: bool) -> None:
+            self.name, self.fault = name, fault
+
+        def __str__(self) -> str:
+            return self.name
+
+        def wait_idle(self) -> None:
+            waited.append(self.name)
+            if self.fault:
+                raise RuntimeError("cudaErrorIllegalAddress: an illegal memory access was encountered")
+
+    healthy, faulty = Gpu("cuda:0", False), Gpu("cuda:1", True)
+    executor = object.__new__(Executor)
+    executor._workers = None
+    executor.stages = [SimpleNamespace(device=d) for d in (healthy, healthy, faulty)]
+    with caplog.at_level("WARNING", logger="strata_runtime"):
+        executor.close()
+    assert waited == ["cuda:0", "cuda:1"]
+    assert "cuda:1 reports cudaErrorIllegalAddress" in caplog.text

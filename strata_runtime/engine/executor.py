@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import threading
 import time
 from collections import deque
@@ -67,6 +68,8 @@ from .prefix import PAGE, Stored, page_runs
 from .sampling import Sampler
 from .slot import Slot
 from .speculative import Proposals, Verdict, catch_up, commit, draft, verify, verify_choices
+
+log = logging.getLogger("strata_runtime")
 
 Run = tuple[int, int, int]
 """A run of a prefix's positions in the prefix store's pages (`strata_runtime.engine.prefix.page_runs`)."""
@@ -144,7 +147,10 @@ class Executor:
             w.close()
         self._workers = None
         for device in dict.fromkeys(stage.device for stage in self.stages):
-            device.wait_idle()
+            try:
+                device.wait_idle()
+            except Exception as exc:  # a kernel's fault stays on its device: nothing queued there runs now
+                log.warning("closing the engine: %s reports %s", device, exc)
 
     def settle_experts(self) -> None:
         """Hand each GPU stage's expert cache what its kernels counted since the last read (the engine is
