@@ -22,11 +22,14 @@ import numpy as np
 import pytest
 import test_rt_soak
 from fake_cupy import NAN_CHOICES, installed
+from rt_engine_helpers import collect
 from rt_plans import float16_profile_text
 from stream_order import tracking
 
 from strata_cfg.plan.from_profile import resolve_text
 from strata_cfg.schema.plan import LaunchPlan
+from strata_runtime.api import Request
+from strata_runtime.engine import Engine
 
 SCENARIOS = int(os.environ.get("STRATA_SOAK_CUDA_PATH_SCENARIOS", "24"))
 RACED = (61, 67, 68, 72, 97)
@@ -81,6 +84,23 @@ def test_a_random_mix_with_each_stage_on_a_gpu_of_its_own_keeps_its_streams_apar
     with tracking() as order:
         test_rt_soak.soak(scenario, fake_gpu)
     assert not order.races, "streams race:\n" + "\n".join(order.races[:6])
+
+
+@pytest.mark.parametrize("number", [9, 25])
+def test_a_warm_up_keeps_its_windows_apart_from_the_engines_streams(fake_gpu: int, number: int) -> None:
+    """`Engine.warm_up` runs requests through the engine's streams (and, pipelined, the stages' threads),
+    copies a prefix, then captures the shapes they did not run on each device's own stream: those windows
+    come after the copy and before the first request's windows (scenario 9: pipelined batch MTP on three
+    stages, each with its thread; 25: solo windows on three stages)."""
+    scenario = test_rt_soak.draw(number)
+    request = Request(prompt_ids=(72, 105, 33), max_tokens=12)
+    with tracking() as order:
+        eng = Engine(scenario.plan(fake_gpu))
+        assert eng.warm_up() > 0
+        (tokens,) = collect(eng, [(0, request)], check_kv=False)
+        eng.close()
+    assert not order.races, "streams race:\n" + "\n".join(order.races[:6])
+    assert tokens == list(test_rt_soak.alone(request, scenario, fake_gpu))
 
 
 def test_the_stand_in_notes_each_choice_made_from_rows_holding_nan(fake_gpu: int) -> None:

@@ -166,13 +166,18 @@ class Executor:
         device has run what was queued on it, then forget the failure and what finished flights held for
         the drafters. Raises where a stage's thread does not come back within ``timeout_s`` or a device
         reports an error (a kernel's fault stays on its device: nothing more can run there)."""
+        self.idle(timeout_s)
+        self._retired.clear()
+        self._copy_error = None
+
+    def idle(self, timeout_s: float = QUIESCE_S) -> None:
+        """Wait until every stage's thread has queued what it was given and every device has run what was
+        queued on it: work queued after, on any stream, comes after it. Raises as `quiesce` does."""
         for s, worker in enumerate(self._workers or []):
             if not worker.drain(timeout_s):
                 raise RuntimeError(f"stage {s}'s thread did not come back within {timeout_s:.0f} s")
-        for stage in self.stages:
-            stage.device.wait_idle()
-        self._retired.clear()
-        self._copy_error = None
+        for device in dict.fromkeys(stage.device for stage in self.stages):
+            device.wait_idle()
 
     # ---- copying a prefix between slots ------------------------------------------------------------
 

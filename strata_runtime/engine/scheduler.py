@@ -416,6 +416,7 @@ class Engine:
         run_staggered(self, warm_requests(self.plan, self.model.args.vocab_size, cached), report)
         ran = int(self.window_stats.counts["windows"]) - windows
         self._warm_copy()
+        self.executor.idle()  # the copy, queued by the stages' threads, before the capture's windows
         self.forget_prefixes()  # the capture writes slot 0's KV, and no request begins as these did
         ran += self.model.capture_window_graphs()  # shapes the mix did not run twice; every slot is free
         self.forget_requests()

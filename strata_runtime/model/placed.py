@@ -486,6 +486,11 @@ class Model:
             raise RuntimeError(
                 f"capturing window graphs writes slot 0's KV, which holds {self.kv_lengths(0)} positions"
             )
+        # These windows run on each device's current stream, not the engine's: they wait for what the
+        # engine's streams queued (a warm-up's windows and copies), and what is queued after waits for them.
+        devices = list(dict.fromkeys(stage.device for stage in self.stages))
+        for device in devices:
+            device.wait_idle()
         ran = 0
         for rows in range(1, MAX_WINDOW_ROWS + 1):
             layout = Layout.of([(0, rows, 0)])
@@ -504,6 +509,8 @@ class Model:
                     ran += _until_captured(head.layers, rows, partial(head.forward, zeros, zeros, layout))
                     run = partial(head.forward, zeros, zeros, layout, positions)
                     ran += _until_captured(head.device_layers, rows, run)
+        for device in devices:
+            device.wait_idle()
         return ran
 
     @staticmethod
