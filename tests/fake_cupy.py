@@ -75,11 +75,13 @@ class FakeArray(np.ndarray):
         if ORDER is not None:
             on = stream or get_current_stream()
             ORDER.op(on, [self], [], "ndarray.get")
+            if out is not None:
+                ORDER.filled(out, on)
             if blocking:
                 ORDER.synced(on)
         if out is None:
             return np.array(self)
-        out[...] = self
+        np.copyto(out.view(np.ndarray), self)  # (the host does not read ``out`` here: the device writes it)
         return out
 
     def set(self, host: np.ndarray, stream: Any = None) -> None:

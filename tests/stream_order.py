@@ -99,6 +99,9 @@ class Order:
         self._by_start: dict[int, _Buf] = {}
         self.local = threading.local()
         self.on = True
+        self._filled: dict[int, tuple[Any, int, int]] = {}
+        """Page-locked host arrays a copy from a device fills, by their memory's id: (a reference to it, the
+        copy's stream and step)."""
 
     # ---- clocks -------------------------------------------------------------------------------------
 
@@ -285,6 +288,35 @@ class Order:
             self._race(
                 first, verb, what, buf, f"{self.name(int(ws[i]))} step {int(wn[i])}; on {self.name(sid)}"
             )
+
+    # ---- the host's reads of what copies from a device fill -------------------------------------------
+
+    def filled(self, host: np.ndarray, stream: Any) -> None:
+        """``host`` (page-locked) is filled by the copy just queued on ``stream``."""
+        with self.lock:
+            sid = self.sid(stream)
+            root = _root(host)
+            self._filled[id(root)] = (weakref.ref(root), sid, self.clock(stream)[sid])
+
+    def host_read(self, host: np.ndarray, what: str) -> None:
+        """The host reads ``host``: it must have waited for the copy that fills it."""
+        if not self.on:
+            return
+        with self.lock:
+            root = _root(host)
+            entry = self._filled.get(id(root))
+            if entry is None or entry[0]() is not root:
+                return
+            _, sid, n = entry
+            if self.host.get(sid, 0) < n:
+                first = self.sites.get((sid, n), "?")
+                key = (first, "fills", what)
+                if key not in self._seen:
+                    self._seen.add(key)
+                    self.races.append(
+                        f"{what} on the host reads an array {list(host.shape)} {host.dtype} that {first} "
+                        f"fills ({self.name(sid)} step {n}) before the host waited for it"
+                    )
 
     # ---- the operations -----------------------------------------------------------------------------
 
@@ -521,6 +553,49 @@ def _reading(name: str) -> Callable[..., Any]:
     return run
 
 
+class _Pending(np.ndarray):
+    """A page-locked host array (`strata_runtime.backend.pinned_empty`), whose reads on the host are checked
+    against the copies from a device that fill it (`Order.host_read`)."""
+
+
+def _host_reading(name: str) -> Callable[..., Any]:
+    method = getattr(np.ndarray, name)
+
+    def run(self: Any, *a: Any, **k: Any) -> Any:
+        o = fake_cupy.ORDER
+        if o is not None:
+            o.host_read(self, f"{name} at {_site(2)}")
+        return method(self, *a, **k)
+
+    return run
+
+
+def _pending_ufunc(self: Any, ufunc: Any, method: str, *inputs: Any, out: Any = None, **kw: Any) -> Any:
+    o = fake_cupy.ORDER
+    if o is not None:
+        for x in inputs:
+            if isinstance(x, _Pending):
+                o.host_read(x, f"{ufunc.__name__} at {_site(2)}")
+    if out is not None:
+        kw["out"] = tuple(x.view(np.ndarray) if isinstance(x, _Pending) else x for x in out)
+    plain = [x.view(np.ndarray) if isinstance(x, _Pending) else x for x in inputs]
+    result = getattr(ufunc, method)(*plain, **kw)
+    return (out[0] if len(out) == 1 else out) if out is not None else result
+
+
+_HOST_READS = ("__getitem__", "__int__", "__float__", "__index__", "__bool__", "__iter__")
+for _name in (*_HOST_READS, "item", "tolist", "copy"):
+    setattr(_Pending, _name, _host_reading(_name))
+_Pending.__array_ufunc__ = _pending_ufunc  # type: ignore[method-assign]
+
+
+def _pending(make: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
+    def run(*a: Any, **k: Any) -> np.ndarray:
+        return make(*a, **k).view(_Pending)
+
+    return run
+
+
 _METHODS: dict[str, Any] = {
     "__array_ufunc__": _ufunc,
     "__setitem__": _setitem,
@@ -582,12 +657,21 @@ def tracking() -> Iterator[Order]:
     cp.get_default_memory_pool = lambda: _Pool(pool(), released)
     for n, m in _METHODS.items():
         setattr(FakeArray, n, m)
+    from strata_runtime import backend
+    from strata_runtime.cuda import experts
+
+    host_arrays = [(backend, "pinned_empty"), (experts, "_pinned")]
+    made = [getattr(mod, n) for mod, n in host_arrays]
+    for (mod, n), make in zip(host_arrays, made, strict=True):
+        setattr(mod, n, _pending(make))
     fake_cupy.ORDER = order
     try:
         yield order
     finally:
         order.on = False
         fake_cupy.ORDER = saved
+        for (mod, n), make in zip(host_arrays, made, strict=True):
+            setattr(mod, n, make)
         for n in _METHODS:
             delattr(FakeArray, n)
         for n, v in module_saved.items():

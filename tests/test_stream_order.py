@@ -160,3 +160,23 @@ def test_closing_an_engine_waits_for_its_gpus_and_logs_a_fault_left_on_one(
         executor.close()
     assert waited == ["cuda:0", "cuda:1"]
     assert "cuda:1 reports cudaErrorIllegalAddress" in caplog.text
+
+
+@pytest.mark.parametrize("waits", [False, True])
+def test_the_host_reading_a_download_before_waiting_for_its_copy_races(cp: Any, waits: bool) -> None:
+    """`strata_runtime.backend.download` queues a copy into page-locked memory and returns at once: the host
+    may read it only once it has waited for that copy (here an event after it)."""
+    from strata_runtime.backend import download
+
+    a, _ = _streams(cp)
+    with tracking() as order:
+        x = _written(cp, a, order)
+        with a:
+            host = download(x)
+            done = a.record()
+        if waits:
+            done.synchronize()
+        assert float(host[1, 2]) == 1.5
+    assert bool(order.races) is not waits, order.races
+    if not waits:
+        assert "before the host waited for it" in order.races[0]
