@@ -85,19 +85,26 @@ class Order:
     """The vector clocks of the streams and the host, and the accesses of every live device array."""
 
     def __init__(self) -> None:
-        self.lock = threading.RLock()
+        self.lock = threading.RLock()  # the engine queues from several threads
         self.host: dict[int, int] = {}
+        """The host's clock: each stream's last step the host has waited for."""
         self.bufs: dict[int, _Buf] = {}
+        """Every live device allocation seen, by the id of its root array."""
         self.sites: dict[tuple[int, int], str] = {}
+        """What each (stream, step) was and where it was queued."""
         self.races: list[str] = []
         self._seen: set[tuple[str, str, str]] = set()
         self._sids = 0
         self._streams: list[Any] = []
         self._by_stream: dict[int, tuple[int, dict[int, int]]] = {}
+        """Each stream's number and clock, by its id (the stream is held in `_streams`)."""
         self._events: dict[int, tuple[Any, dict[int, int]]] = {}
+        """Each recorded event's clock, by its id (with the event, so that no other takes the id)."""
         self._starts: list[int] = []
         self._by_start: dict[int, _Buf] = {}
+        """The allocations by their first address (sorted in `_starts`), for copies between addresses."""
         self.local = threading.local()
+        """``inside``: this thread runs a kernel's reference, whose own array operations are not accesses."""
         self.on = True
         self._filled: dict[int, tuple[Any, int, int]] = {}
         """Page-locked host arrays a copy from a device fills, by their memory's id: (a reference to it, the
@@ -235,37 +242,36 @@ class Order:
         """``what`` on ``stream`` reads ``reads`` and writes ``writes``: (array, mask of the elements or None
         for every one)."""
         with self.lock:
-            sid, n, clock = self._enqueue(stream, what)
+            step = self._enqueue(stream, what)
             for arr, mask in writes:
-                buf = self._buf(_root(arr), stream, what)
-                el = self._elements(arr, buf)
-                if mask is not None:
-                    el = (np.arange(buf.w_n.size)[el] if isinstance(el, slice) else el)[mask.ravel()]
-                ws, wn = buf.w_sid[el], buf.w_n[el]
-                self._check(ws, wn, sid, clock, what, "writes", buf)
-                for r, rn in buf.reads.items():
-                    if r != sid:
-                        self._check(
-                            np.full(1, r),
-                            rn[el].max(initial=0, keepdims=True),
-                            sid,
-                            clock,
-                            what,
-                            "reads",
-                            buf,
-                        )
-                    rn[el] = 0
-                buf.w_sid[el], buf.w_n[el] = sid, n
+                self._write(*self._covered(arr, mask, stream, what), step, what)
             for arr, mask in reads:
-                buf = self._buf(_root(arr), stream, what)
-                el = self._elements(arr, buf)
-                if mask is not None:
-                    el = (np.arange(buf.w_n.size)[el] if isinstance(el, slice) else el)[mask.ravel()]
-                self._check(buf.w_sid[el], buf.w_n[el], sid, clock, what, "writes", buf)
-                rn = buf.reads.get(sid)
-                if rn is None:
-                    rn = buf.reads[sid] = np.zeros(buf.w_n.size, np.int64)
-                rn[el] = n
+                self._read(*self._covered(arr, mask, stream, what), step, what)
+
+    def _covered(self, arr: Any, mask: Any, stream: Any, what: str) -> tuple[_Buf, Any]:
+        """The allocation under ``arr`` and the elements of it that ``arr`` (where ``mask`` holds) covers."""
+        buf = self._buf(_root(arr), stream, what)
+        el = self._elements(arr, buf)
+        if mask is not None:
+            el = (np.arange(buf.w_n.size)[el] if isinstance(el, slice) else el)[mask.ravel()]
+        return buf, el
+
+    def _write(self, buf: _Buf, el: Any, step: tuple[int, int, dict[int, int]], what: str) -> None:
+        """A write of elements ``el``: after every other stream's last write and reads of them."""
+        sid, n, clock = step
+        self._check(buf.w_sid[el], buf.w_n[el], sid, clock, what, "writes", buf)
+        for r, rn in buf.reads.items():
+            if r != sid:
+                last = rn[el].max(initial=0, keepdims=True)
+                self._check(np.full(1, r), last, sid, clock, what, "reads", buf)
+            rn[el] = 0
+        buf.w_sid[el], buf.w_n[el] = sid, n
+
+    def _read(self, buf: _Buf, el: Any, step: tuple[int, int, dict[int, int]], what: str) -> None:
+        """A read of elements ``el``: after every other stream's last write of them."""
+        sid, n, clock = step
+        self._check(buf.w_sid[el], buf.w_n[el], sid, clock, what, "writes", buf)
+        buf.reads.setdefault(sid, np.zeros(buf.w_n.size, np.int64))[el] = n
 
     def _check(
         self, ws: np.ndarray, wn: np.ndarray, sid: int, clock: dict[int, int], what: str, verb: str, buf: _Buf
@@ -378,25 +384,11 @@ class Order:
                     buf = self._at(at)
                     if buf is not None:
                         into.append(_span(buf, at, size))
-            sid, n, clock = self._enqueue(stream, what)
+            step = self._enqueue(stream, what)
             for buf, el in writes:
-                self._check(buf.w_sid[el], buf.w_n[el], sid, clock, what, "writes", buf)
-                for r, rn in buf.reads.items():
-                    if r != sid:
-                        self._check(
-                            np.full(1, r),
-                            rn[el].max(initial=0, keepdims=True),
-                            sid,
-                            clock,
-                            what,
-                            "reads",
-                            buf,
-                        )
-                    rn[el] = 0
-                buf.w_sid[el], buf.w_n[el] = sid, n
+                self._write(buf, el, step, what)
             for buf, el in reads:
-                self._check(buf.w_sid[el], buf.w_n[el], sid, clock, what, "writes", buf)
-                buf.reads.setdefault(sid, np.zeros(buf.w_n.size, np.int64))[el] = n
+                self._read(buf, el, step, what)
 
     def _at(self, address: int) -> _Buf | None:
         i = bisect.bisect_right(self._starts, address) - 1
