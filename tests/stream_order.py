@@ -304,8 +304,9 @@ class Order:
             root = _root(host)
             self._filled[id(root)] = (weakref.ref(root), sid, self.clock(stream)[sid])
 
-    def host_read(self, host: np.ndarray, what: str) -> None:
-        """The host reads ``host``: it must have waited for the copy that fills it."""
+    def host_read(self, host: np.ndarray, name: str) -> None:
+        """The host reads ``host`` (by ``name``, a method or ufunc): it must have waited for the copy that
+        fills it."""
         if not self.on:
             return
         with self.lock:
@@ -315,6 +316,7 @@ class Order:
                 return
             _, sid, n = entry
             if self.host.get(sid, 0) < n:
+                what = f"{name} at {_site(3)}"
                 first = self.sites.get((sid, n), "?")
                 key = (first, "fills", what)
                 if key not in self._seen:
@@ -556,7 +558,7 @@ def _host_reading(name: str) -> Callable[..., Any]:
     def run(self: Any, *a: Any, **k: Any) -> Any:
         o = fake_cupy.ORDER
         if o is not None:
-            o.host_read(self, f"{name} at {_site(2)}")
+            o.host_read(self, name)
         return method(self, *a, **k)
 
     return run
@@ -567,7 +569,7 @@ def _pending_ufunc(self: Any, ufunc: Any, method: str, *inputs: Any, out: Any = 
     if o is not None:
         for x in inputs:
             if isinstance(x, _Pending):
-                o.host_read(x, f"{ufunc.__name__} at {_site(2)}")
+                o.host_read(x, ufunc.__name__)
     if out is not None:
         kw["out"] = tuple(x.view(np.ndarray) if isinstance(x, _Pending) else x for x in out)
     plain = [x.view(np.ndarray) if isinstance(x, _Pending) else x for x in inputs]
