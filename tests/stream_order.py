@@ -340,11 +340,17 @@ class Order:
             return fn(*a, **k)
         arrays = _device_arrays([*a, *k.values()])
         before = [x.tobytes() for x in arrays]
+        touched: list[tuple[Any, bytes]] = []
+        a = tuple(_Touching(x, touched) if _holds_experts(x) else x for x in a)
         self.local.inside = True
         try:
             out = fn(*a, **k)
         finally:
             self.local.inside = False
+        for x, b in touched:  # the experts' weights the kernel read through its tables (and kept)
+            if all(x is not y for y in arrays):
+                arrays.append(x)
+                before.append(b)
         writes = []
         for x, b in zip(arrays, before, strict=True):
             if x.tobytes() != b:
@@ -403,6 +409,38 @@ class Order:
 def _span(buf: _Buf, address: int, size: int) -> tuple[_Buf, slice]:
     lo = (address - buf.start) // buf.itemsize
     return buf, slice(lo, lo + max(size // buf.itemsize, 1))
+
+
+def _holds_experts(x: Any) -> bool:
+    """An expert kernel's view of a layer's experts (`strata_runtime.cuda.experts.LayerExperts`)."""
+    return callable(getattr(x, "weights", None)) and not isinstance(x, np.ndarray)
+
+
+class _Touching:
+    """A layer's experts as a kernel's reference reads them: each expert's weights it takes through the
+    tables (``weights``) and each cache slot it writes a kept expert into (``keep.slot``) are noted, with
+    their bytes then, as accesses of the kernel (which reads them through addresses, not arguments)."""
+
+    def __init__(self, inner: Any, touched: list[tuple[Any, bytes]]) -> None:
+        object.__setattr__(self, "_inner", inner)
+        object.__setattr__(self, "_touched", touched)
+
+    def _touch(self, arrays: Any) -> Any:
+        for x in arrays:
+            if isinstance(x, fake_cupy.FakeArray) and x.size:
+                self._touched.append((x, x.tobytes()))
+        return arrays
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._inner, name)
+        if name in ("weights", "slot"):
+            return lambda i: self._touch(value(i))
+        if name == "keep" and value is not None:
+            return _Touching(value, self._touched)
+        return value
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._inner, name, value)
 
 
 def _masked(values: list[Any]) -> list[tuple[np.ndarray, Any]]:
