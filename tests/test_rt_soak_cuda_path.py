@@ -87,6 +87,16 @@ def test_a_random_mix_with_each_stage_on_a_gpu_of_its_own_keeps_its_streams_apar
     assert not order.races, "streams race:\n" + "\n".join(order.races[:6])
 
 
+@pytest.mark.parametrize("number", range(test_rt_soak.FIRST, test_rt_soak.FIRST + 8))
+def test_a_random_mix_with_a_failed_step_keeps_its_streams_apart(fake_gpu: int, number: int) -> None:
+    """The soak's planted faults through the CUDA path (`test_rt_soak.fault_soak`): a failed window or
+    share, the engine's recovery (its threads drained, its devices waited for, its caches restored) and the
+    self-check after it race no stream either."""
+    with tracking() as order:
+        test_rt_soak.fault_soak(test_rt_soak.draw(number), fake_gpu)
+    assert not order.races, "streams race:\n" + "\n".join(order.races[:6])
+
+
 @pytest.mark.parametrize("number", [9, 25])
 def test_a_warm_up_keeps_its_windows_apart_from_the_engines_streams(fake_gpu: int, number: int) -> None:
     """`Engine.warm_up` runs requests through the engine's streams (and, pipelined, the stages' threads),
