@@ -22,7 +22,9 @@ wait for a stream.
 `Executor.finish` waits for ``done``, then verifies each slot's rows and commits (accept/rewind) through
 `strata_runtime.engine.speculative`, or, for a window decided on the device, reads its decision and
 accounts the KV it kept (`_settle`); the drafters' work runs on one more stream of the last device, after
-the flight. A serial window is `launch` then `finish`. On virtual CPU devices a flight has run by the time
+the flight (a window decided on the device drafts on the last stage's stream, and `_drafting` keeps all
+work on the drafters in the order the host queued it, across the two). A serial window is `launch` then
+`finish`. On virtual CPU devices a flight has run by the time
 `launch` returns; the code path is the same.
 
 Reuse of device memory: everything a flight's stage share writes into a buffer it shares with other windows
