@@ -65,7 +65,8 @@ def test_a_random_mix_through_the_cuda_path_runs_as_each_would_alone_choosing_on
 
 SPREAD = [
     n for n in range(test_rt_soak.FIRST, test_rt_soak.FIRST + SCENARIOS) if test_rt_soak.draw(n).stages > 1
-]
+][:6]
+"""The first six scenarios of more than one stage, run with each stage on a GPU of its own."""
 
 
 @pytest.mark.parametrize("number", SPREAD)
@@ -87,7 +88,7 @@ def test_a_random_mix_with_each_stage_on_a_gpu_of_its_own_keeps_its_streams_apar
     assert not order.races, "streams race:\n" + "\n".join(order.races[:6])
 
 
-@pytest.mark.parametrize("number", range(test_rt_soak.FIRST, test_rt_soak.FIRST + 8))
+@pytest.mark.parametrize("number", [0, 3, 6])
 def test_a_random_mix_with_a_failed_step_keeps_its_streams_apart(fake_gpu: int, number: int) -> None:
     """The soak's planted faults through the CUDA path (`test_rt_soak.fault_soak`): a failed window or
     share, the engine's recovery (its threads drained, its devices waited for, its caches restored) and the
