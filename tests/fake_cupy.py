@@ -104,14 +104,13 @@ class _Recorder(threading.local):
     captures on its own stream)."""
 
     def __init__(self) -> None:
-        self.capturing: list[list[tuple[Callable[..., None], tuple[Any, ...], dict[str, Any], str]]] = []
+        self.capturing: list[list[tuple[Callable[..., None], tuple[Any, ...], dict[str, Any]]]] = []
 
     def launch(self, fn: Callable[..., None], *a: Any, **k: Any) -> None:
-        what = "" if ORDER is None else ORDER.label(fn)
         if self.capturing:
-            self.capturing[-1].append((fn, a, k, what))
+            self.capturing[-1].append((fn, a, k))
         elif ORDER is not None:
-            ORDER.kernel(fn, a, k, get_current_stream(), what)
+            ORDER.kernel(fn, a, k, get_current_stream(), ORDER.label(fn))
         else:
             fn(*a, **k)
 
@@ -133,6 +132,7 @@ def _choosing(name: str, fn: Callable[..., None]) -> Callable[..., None]:
     """``fn``, noting in `NAN_CHOICES` each run whose rows of logits hold NaN."""
     at = CHOOSING[name]
 
+    @functools.wraps(fn)  # (named as the kernel in `stream_order`'s reports)
     def run(*a: Any, **k: Any) -> None:
         if np.isnan(a[at]).any():  # (float rows: no copy)
             NAN_CHOICES.append(name)
@@ -142,15 +142,15 @@ def _choosing(name: str, fn: Callable[..., None]) -> Callable[..., None]:
 
 
 class _Graph:
-    def __init__(self, calls: list[tuple[Callable[..., None], tuple[Any, ...], dict[str, Any], str]]) -> None:
+    def __init__(self, calls: list[tuple[Callable[..., None], tuple[Any, ...], dict[str, Any]]]) -> None:
         self.calls = calls
 
     def launch(self, stream: Any = None) -> None:
         replayed = "" if ORDER is None else ORDER.made_here()
-        for fn, a, k, what in self.calls:
+        for fn, a, k in self.calls:
             if ORDER is not None:
-                name = what.split(" at ", 1)[0]
-                ORDER.kernel(fn, a, k, stream or get_current_stream(), f"{name} in a graph at {replayed}")
+                what = f"{getattr(fn, '__name__', 'kernel')} in a graph at {replayed}"
+                ORDER.kernel(fn, a, k, stream or get_current_stream(), what)
             else:
                 fn(*a, **k)
 

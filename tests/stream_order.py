@@ -230,11 +230,13 @@ class Order:
         return view.ravel()
 
     def _race(self, first: str, verb: str, second: str, buf: _Buf, detail: str = "") -> None:
-        key = (first, verb, second)
-        if key in self._seen:
-            return
-        self._seen.add(key)
-        self.races.append(f"{second} races {first}, which {verb} {buf.describe()} ({detail})")
+        self._note((first, verb, second), f"{second} races {first}, which {verb} {buf.describe()} ({detail})")
+
+    def _note(self, key: tuple[str, str, str], message: str) -> None:
+        """A race, noted once per pair of places (``key``)."""
+        if key not in self._seen:
+            self._seen.add(key)
+            self.races.append(message)
 
     def access(
         self, stream: Any, reads: list[tuple[Any, Any]], writes: list[tuple[Any, Any]], what: str
@@ -280,20 +282,11 @@ class Order:
         if not other.any():
             return
         ws, wn = ws[other], wn[other]
-        seen = np.array([clock.get(int(s), 0) for s in ws.tolist()], np.int64) if ws.size < 64 else None
-        if seen is None:
-            table = np.zeros(int(ws.max()) + 1, np.int64)
-            for k, v in clock.items():
-                if k < table.size:
-                    table[k] = v
-            seen = table[ws]
-        late = wn > seen
-        if late.any():
-            i = int(np.argmax(late))
-            first = self.sites.get((int(ws[i]), int(wn[i])), "?")
-            self._race(
-                first, verb, what, buf, f"{self.name(int(ws[i]))} step {int(wn[i])}; on {self.name(sid)}"
-            )
+        for s in np.unique(ws).tolist():  # (a few streams)
+            n = int(wn[ws == s].max())
+            if n > clock.get(s, 0):
+                first = self.sites.get((s, n), "?")
+                self._race(first, verb, what, buf, f"{self.name(s)} step {n}; on {self.name(sid)}")
 
     # ---- the host's reads of what copies from a device fill -------------------------------------------
 
@@ -318,13 +311,11 @@ class Order:
             if self.host.get(sid, 0) < n:
                 what = f"{name} at {_site(3)}"
                 first = self.sites.get((sid, n), "?")
-                key = (first, "fills", what)
-                if key not in self._seen:
-                    self._seen.add(key)
-                    self.races.append(
-                        f"{what} on the host reads an array {list(host.shape)} {host.dtype} that {first} "
-                        f"fills ({self.name(sid)} step {n}) before the host waited for it"
-                    )
+                self._note(
+                    (first, "fills", what),
+                    f"{what} on the host reads an array {list(host.shape)} {host.dtype} that {first} "
+                    f"fills ({self.name(sid)} step {n}) before the host waited for it",
+                )
 
     # ---- the operations -----------------------------------------------------------------------------
 
@@ -376,9 +367,7 @@ class Order:
         """An array operation or copy: reads and writes whole arrays, or (array, mask) pairs."""
         if self.quiet:
             return
-        if " at " not in what:
-            what = f"{what} at {_site(3)}"
-        self.access(stream, _masked(reads), _masked(writes), what)
+        self.access(stream, _masked(reads), _masked(writes), f"{what} at {_site(3)}")
 
     def raw_copy(self, rows: list[tuple[int, int, int]], stream: Any, what: str) -> None:
         """A copy between device addresses (``rows``: (dst, src, bytes) runs); host addresses are skipped."""
