@@ -359,8 +359,9 @@ class Executor:
         work queued after. The drafters' stream drafts for windows the host decides, while a window decided
         on the device drafts on the last stage's stream; one slot's drafter passes from one to the other,
         and every slot's drafting runs the one head through the same buffers. (A lock keeps the threads
-        that queue them, the engine's and the last stage's, apart.) None: a CPU device, nothing to order."""
-        if stream is None:
+        that queue them, the engine's and the last stage's, apart.) Nothing to order on a CPU device (None)
+        or for a model that drafts with no head."""
+        if stream is None or not self.model.drafters:
             yield
             return
         with self._drafters_lock:
