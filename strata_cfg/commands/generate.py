@@ -18,10 +18,7 @@ from ..plan.from_profile import resolve_text
 from ..schema.errors import ProfileError
 from ..schema.plan import LaunchPlan
 from ..schema.sampling_options import (
-    add_bad_word_argument,
-    add_json_arguments,
-    add_logprobs_argument,
-    add_penalty_arguments,
+    add_generate_arguments,
     generation_problem,
     json_schema_of,
     logprobs_problem,
@@ -38,27 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--model", type=Path, help="a model directory instead of a profile")
     add_resolve_options(parser)
-    what = parser.add_mutually_exclusive_group()
-    what.add_argument("--prompt", help="prompt text")
-    what.add_argument("--prompt-ids", help="prompt token ids, comma-separated (1,2,3)")
-    parser.add_argument("--chat", action="store_true", help="wrap --prompt in the model's chat template")
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
-    parser.add_argument("--top-p", type=float, default=1.0, help="with --temperature: top-p (default 1)")
-    parser.add_argument("--top-k", type=int, default=0, help="with --temperature: top-k (default 0: none)")
-    add_penalty_arguments(parser)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
-    add_bad_word_argument(parser)
-    parser.add_argument(
-        "--ignore-eos",
-        action="store_true",
-        help="generate past the model's end-of-text tokens, to --max-tokens or a stop string",
-    )
-    add_logprobs_argument(parser)
-    add_json_arguments(parser)
-    parser.add_argument("--json", action="store_true", help="print token_ids, text and accepted_proposals")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar, start-up log or summary")
+    add_generate_arguments(parser, None, "print token_ids, text and accepted_proposals")
 
 
 def model_profile_text(directory: Path) -> str:

@@ -266,6 +266,34 @@ def json_schema_of(path: str) -> tuple[dict[str, Any] | None, str | None]:
     return value, None
 
 
+def add_generate_arguments(parser: Any, prompt_default: str | None, json_help: str) -> None:
+    """A one-request command's options (`strata generate` and the runtime's ``generate``): the prompt as
+    text or ids, the sampling, the stops, the shape of the reply, and the output (``--json`` as
+    ``json_help`` says)."""
+    what = parser.add_mutually_exclusive_group()
+    prompt_help = "prompt text" if prompt_default is None else f"prompt text (default: {prompt_default})"
+    what.add_argument("--prompt", default=prompt_default, help=prompt_help)
+    what.add_argument("--prompt-ids", help="prompt token ids, comma-separated (1,2,3)")
+    parser.add_argument("--chat", action="store_true", help="wrap --prompt in the model's chat template")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="with --temperature: top-p (default 1)")
+    parser.add_argument("--top-k", type=int, default=0, help="with --temperature: top-k (default 0: none)")
+    add_penalty_arguments(parser)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    add_bad_word_argument(parser)
+    parser.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="generate past the model's end-of-text tokens, to --max-tokens or a stop string",
+    )
+    add_logprobs_argument(parser)
+    add_json_arguments(parser)
+    parser.add_argument("--json", action="store_true", help=json_help)
+    parser.add_argument("--quiet", action="store_true", help="no progress bar, start-up log or summary")
+
+
 def add_chat_arguments(parser: Any) -> None:
     """A terminal chat's options (`strata chat` and the runtime's ``chat``): the system message, the
     sampling (by default as Qwen3's model cards recommend without reasoning), the seed, and the output."""

@@ -15,10 +15,7 @@ from pathlib import Path
 
 from strata_cfg.schema.plan_file import read_plan
 from strata_cfg.schema.sampling_options import (
-    add_bad_word_argument,
-    add_json_arguments,
-    add_logprobs_argument,
-    add_penalty_arguments,
+    add_generate_arguments,
     generation_problem,
     json_schema_of,
     logprobs_problem,
@@ -33,27 +30,7 @@ from ..structured import choice_grammar, json_grammar, regex_grammar
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan", required=True, type=Path, help="a resolved plan (strata plan --json)")
-    what = parser.add_mutually_exclusive_group()
-    what.add_argument("--prompt", default="Hello", help="prompt text (default: Hello)")
-    what.add_argument("--prompt-ids", help="prompt token ids, comma-separated (1,2,3)")
-    parser.add_argument("--chat", action="store_true", help="wrap --prompt in the model's chat template")
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    add_penalty_arguments(parser)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
-    add_bad_word_argument(parser)
-    parser.add_argument(
-        "--ignore-eos",
-        action="store_true",
-        help="generate past the model's end-of-text tokens, to --max-tokens or a stop string",
-    )
-    add_logprobs_argument(parser)
-    add_json_arguments(parser)
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar, start-up log or summary")
+    add_generate_arguments(parser, "Hello", "print one JSON object")
 
 
 def grammar_of_options(args: argparse.Namespace) -> tuple[str | None, str | None]:
