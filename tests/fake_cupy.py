@@ -17,6 +17,7 @@ asynchronous copies move the bytes between the addresses given.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import ctypes
 import functools
@@ -41,21 +42,36 @@ CUDA_MODULES = tuple(f"strata_runtime.cuda.{m}" for m in ("decode", "prefill", "
 
 UPLOADS: list[bool] = []
 """For every ``ndarray.set`` since the list was last cleared: whether its source was pinned memory."""
-_PINNED: list[tuple[int, int, bytearray]] = []  # (address, size, buffer): kept, so no address is reused
+_PINNED: dict[int, tuple[int, bytearray]] = {}  # address: (size, buffer), kept so that no address is reused
+_PINNED_STARTS: list[int] = []  # the addresses of _PINNED, sorted
+
+
+def _pinned_region(address: int) -> tuple[int, int] | None:
+    """(start, size) of the pinned buffer that holds ``address``, if any."""
+    i = bisect.bisect_right(_PINNED_STARTS, address) - 1
+    if i < 0:
+        return None
+    start = _PINNED_STARTS[i]
+    size = _PINNED[start][0]
+    return (start, size) if address < start + size else None
 
 
 def is_pinned(host: np.ndarray) -> bool:
     at = host.ctypes.data
-    return any(start <= at and at + host.nbytes <= start + size for start, size, _ in _PINNED)
+    region = _pinned_region(at)
+    return region is not None and at + host.nbytes <= region[0] + region[1]
 
 
 def _pinned_at(address: int) -> bool:
-    return any(start <= address < start + size for start, size, _ in _PINNED)
+    return _pinned_region(address) is not None
 
 
 def alloc_pinned_memory(size: int) -> bytearray:
     buf = bytearray(size)
-    _PINNED.append((np.frombuffer(buf, np.uint8).ctypes.data, size, buf))
+    at = np.frombuffer(buf, np.uint8).ctypes.data
+    if at not in _PINNED:  # (an empty buffer's address may be another's)
+        bisect.insort(_PINNED_STARTS, at)
+    _PINNED[at] = (size, buf)
     return buf
 
 
@@ -337,7 +353,8 @@ class _Runtime:
         return int(np.frombuffer(alloc_pinned_memory(max(size, 1)), np.uint8).ctypes.data)
 
     def freeHost(self, ptr: int) -> None:  # noqa: N802
-        _PINNED[:] = [p for p in _PINNED if p[0] != ptr]
+        if _PINNED.pop(ptr, None) is not None:
+            _PINNED_STARTS.remove(ptr)
 
 
 class ReferenceKernels:

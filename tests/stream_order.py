@@ -223,11 +223,10 @@ class Order:
         if v.itemsize != isz or off % isz or any(s % isz for s in v.strides):
             lo = max(off // isz, 0)
             return slice(lo, lo + max(v.nbytes // isz, 1))
-        base = np.arange(buf.w_n.size, dtype=np.int64)
-        view = np.lib.stride_tricks.as_strided(
-            base[off // isz :], shape=v.shape, strides=[s // isz * 8 for s in v.strides]
-        )
-        return view.ravel()
+        index: Any = np.int64(off // isz)
+        for n, stride in zip(v.shape, v.strides, strict=True):
+            index = np.add.outer(index, np.arange(n, dtype=np.int64) * (stride // isz))
+        return np.ravel(index)
 
     def _race(self, first: str, verb: str, second: str, buf: _Buf, detail: str = "") -> None:
         self._note((first, verb, second), f"{second} races {first}, which {verb} {buf.describe()} ({detail})")
@@ -273,7 +272,10 @@ class Order:
         """A read of elements ``el``: after every other stream's last write of them."""
         sid, n, clock = step
         self._check(buf.w_sid[el], buf.w_n[el], sid, clock, what, "writes", buf)
-        buf.reads.setdefault(sid, np.zeros(buf.w_n.size, np.int64))[el] = n
+        reads = buf.reads.get(sid)
+        if reads is None:
+            reads = buf.reads[sid] = np.zeros(buf.w_n.size, np.int64)
+        reads[el] = n
 
     def _check(
         self, ws: np.ndarray, wn: np.ndarray, sid: int, clock: dict[int, int], what: str, verb: str, buf: _Buf
@@ -282,8 +284,10 @@ class Order:
         if not other.any():
             return
         ws, wn = ws[other], wn[other]
-        for s in np.unique(ws).tolist():  # (a few streams)
-            n = int(wn[ws == s].max())
+        one = int(ws[0])
+        streams = [one] if (ws == one).all() else np.unique(ws).tolist()  # (a few streams, most often one)
+        for s in streams:
+            n = int(wn.max() if len(streams) == 1 else wn[ws == s].max())
             if n > clock.get(s, 0):
                 first = self.sites.get((s, n), "?")
                 self._race(first, verb, what, buf, f"{self.name(s)} step {n}; on {self.name(sid)}")
