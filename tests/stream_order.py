@@ -140,7 +140,7 @@ class Order:
         sid, c = self.sid(stream), self.clock(stream)
         _merge(c, self.host)
         c[sid] = c.get(sid, 0) + 1
-        self.sites[(sid, c[sid])] = what
+        self.sites[(sid, c[sid])] = f"{what} [{threading.current_thread().name}]"
         return sid, c[sid], c
 
     def record(self, stream: Any, event: Any) -> None:
@@ -229,6 +229,7 @@ class Order:
         return np.ravel(index)
 
     def _race(self, first: str, verb: str, second: str, buf: _Buf, detail: str = "") -> None:
+        second = f"{second} [{threading.current_thread().name}]"
         self._note((first, verb, second), f"{second} races {first}, which {verb} {buf.describe()} ({detail})")
 
     def _note(self, key: tuple[str, str, str], message: str) -> None:

@@ -135,3 +135,30 @@ def test_the_stand_in_notes_each_choice_made_from_rows_holding_nan(fake_gpu: int
         kern.choose(logits, one, one * 0.5, np.zeros(2, np.int32), one, out)
         want = ["route_topk", "argmax", "choose"] if poisoned else []
         assert list(NAN_CHOICES) == want, poisoned
+
+
+@pytest.mark.parametrize("admit", ["executor", "model"])
+def test_a_slots_routing_is_copied_after_the_windows_queued_for_its_last_request(
+    fake_gpu: int, admit: str
+) -> None:
+    """Under calibrated routing a request's tables go into its slot's rows of each stage's tables as it is
+    admitted. The slot's last request may still have windows queued on the stages' streams (run ahead past
+    its end, or not yet reached by a stage's thread), and those read the rows: the engine's copy
+    (`Executor.admit`) is queued on each stage's stream after them. The model's own copy, which waits only
+    for itself, races them, as the check sees."""
+    plan = test_rt_soak.draw(44).plan(fake_gpu)  # pipelined batch MTP on three stages, calibrated routing
+    assert plan.model.routing == "calibrated" and len(plan.stages) == 3
+    with tracking() as order:
+        eng = Engine(plan)
+        handle = eng.submit(Request(prompt_ids=(72, 105, 33, 40), max_tokens=24))
+        while not (eng.in_flight and handle.slot is not None and eng.slots[handle.slot] is not None):
+            eng.step()
+        for flight in (*eng._flights, *eng._chain):  # every stage's share queued, none waited for
+            flight.wait_queued()
+        owner = eng.executor if admit == "executor" else eng.model
+        owner.admit(handle.slot, (9, 8, 7, 6, 5))
+        while eng.step():
+            pass
+        eng.close()
+    routing = [r for r in order.races if "route_bias" in r]
+    assert bool(routing) == (admit == "model"), "\n".join(order.races[:4])

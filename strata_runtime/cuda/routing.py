@@ -101,12 +101,23 @@ class DeviceRouting:
             with device.use():  # compiled now, never inside a capture, and loaded in this device's context
                 routing_kernels_for(device.index).prepare([KERNEL])
 
-    def load(self, slot: int) -> None:
-        """Copy ``slot``'s tables from the host tables (after `RoutingTables.admit`). Waits for the copy, so
-        a graph replayed on any stream afterwards reads the new tables; never call it inside a capture."""
+    def rows(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
+        """A copy of ``slot``'s host tables as they are now (after `RoutingTables.admit`), for `put`."""
+        return self.tables.cdf[slot].copy(), self.tables.seeds[slot : slot + 1].copy()
+
+    def put(self, slot: int, rows: tuple[np.ndarray, np.ndarray]) -> None:
+        """Queue the copy of ``rows`` (`rows`) into ``slot``'s tables on the current stream: windows queued
+        after it on that stream read them. Never inside a capture."""
+        cdf, seeds = rows
         with self.device.use():
-            self.cdf[slot] = self.device.asarray(self.tables.cdf[slot])
-            self.seeds[slot : slot + 1] = self.device.asarray(self.tables.seeds[slot : slot + 1])
+            self.cdf[slot] = self.device.asarray(cdf)
+            self.seeds[slot : slot + 1] = self.device.asarray(seeds)
+
+    def load(self, slot: int) -> None:
+        """Copy ``slot``'s tables from the host tables (after `RoutingTables.admit`) and wait for the copy,
+        so a graph replayed on any stream afterwards reads the new tables; never call it inside a capture.
+        An engine queues `put` on each stage's stream instead (`Executor.admit`)."""
+        self.put(slot, self.rows(slot))
         self.device.synchronize()
 
     def apply(self, logits: Array, layer: int, pos: Array, slot: Array) -> None:

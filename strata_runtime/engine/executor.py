@@ -118,7 +118,8 @@ class Executor:
         self._drafted: Any = None
         """An event after the newest work on the drafters queued on the last device (`_drafting`)."""
         self._copy_error: BaseException | None = None
-        """A prefix copy that failed on a stage's thread, raised by the next `finish`."""
+        """A copy queued on a stage's thread (a prefix's, a slot's routing) that failed, raised by the next
+        `finish`."""
         self._store: list[HostRows] = []
         """The prefix store's host memory of each stage (`open_store`), and a drafter's."""
         self._store_drafter: HostRows | None = None
@@ -265,6 +266,31 @@ class Executor:
         runs = page_runs(entry.pages, n)
         for s in range(len(self.stages)):
             self._on_stage(s, functools.partial(self._restore_share, s, slot, runs))
+
+    def admit(self, slot: int, prompt_ids: tuple[int, ...]) -> None:
+        """A request with these prompt ids now holds ``slot``: its routing (calibrated routing only) goes into
+        the host tables now, and into each GPU stage's tables on the stage's stream, after every window
+        queued there before (the slot's last request's windows still queued read its own tables) and before
+        every window queued after (this request's). `Model.admit` does the same for a model without an
+        engine, waiting for each copy."""
+        routing = self.model.routing
+        if routing is None:
+            return
+        routing.admit(slot, prompt_ids)
+        for s, stage in enumerate(self.stages):
+            if stage.cuda_routing is not None:
+                rows = stage.cuda_routing.rows(slot)  # as admitted: the host tables change with the next
+                self._on_stage(s, functools.partial(self._routing_share, s, slot, rows))
+
+    def _routing_share(self, s: int, slot: int, rows: tuple[Any, Any]) -> None:
+        """Stage ``s``'s part of `admit`."""
+        stage = self.stages[s]
+        assert stage.cuda_routing is not None
+        try:
+            with stage.device.use(), _using(self._streams[s]), self._lock_for(s):
+                stage.cuda_routing.put(slot, rows)
+        except BaseException as exc:
+            self._copy_error = exc
 
     def expert_scores(self) -> list[Any] | None:
         """What each stage's expert cache has learned of the routing (`Stage.expert_scores`), for

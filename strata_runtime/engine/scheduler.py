@@ -543,7 +543,7 @@ class Engine:
             assert self.slots[slot.id] is None, "a request carried on takes its own slot back"
             self._rewind_slot(slot.id, 0)
             self.prefixes.kept[slot.id] = None
-            self.model.admit(slot.id, slot.prompt)
+            self.executor.admit(slot.id, slot.prompt)
             self.slots[slot.id] = self._restarting.pop(0)
         with self._lock:
             waiting: list[RequestHandle] = []
@@ -598,7 +598,7 @@ class Engine:
         seed = req.sampling.seed if req.sampling.seed is not None else int.from_bytes(os.urandom(4), "little")
         self._admitted += 1
         handle.slot = i
-        self.model.admit(i, req.prompt_ids)
+        self.executor.admit(i, req.prompt_ids)
         stop_ids = frozenset(req.stop_ids) | frozenset(() if req.ignore_eos else self.tokenizer.eos_ids)
         sampler = Sampler(
             req.sampling,

@@ -586,7 +586,9 @@ class Model:
 
     def admit(self, slot: int, prompt_ids: tuple[int, ...]) -> None:
         """A request with these prompt ids now holds ``slot``: give it its routing (calibrated routing only;
-        its tables follow from the prompt, so the same prompt routes the same way in any slot or mode)."""
+        its tables follow from the prompt, so the same prompt routes the same way in any slot or mode),
+        waiting for each GPU's copy. An engine queues the copies on its stages' streams instead
+        (`Executor.admit`)."""
         if self.routing is None:
             return
         self.routing.admit(slot, prompt_ids)
