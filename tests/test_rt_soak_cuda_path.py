@@ -32,10 +32,11 @@ from strata_runtime.api import Request
 from strata_runtime.engine import Engine
 
 SCENARIOS = int(os.environ.get("STRATA_SOAK_CUDA_PATH_SCENARIOS", "24"))
-RACED = (33, 61, 67, 68, 72, 97)
+RACED = (33, 44, 61, 67, 68, 72, 97)
 """Scenarios past the first `SCENARIOS` that met a race between streams before it was closed (an expert
-cache's swaps and the MTP head, the idle caches' counters, a slot's drafter on two streams), or whose cache
-swaps experts on its copy stream while windows read them (33, 72), run too."""
+cache's swaps and the MTP head, the idle caches' counters, a slot's drafter on two streams, a slot's
+calibrated routing copied beside its last request's windows), or whose cache swaps experts on its copy
+stream while windows read them (33, 72), run too."""
 
 
 @pytest.fixture(scope="module")
