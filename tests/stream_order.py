@@ -286,9 +286,11 @@ class Order:
             return
         ws, wn = ws[other], wn[other]
         one = int(ws[0])
-        streams = [one] if (ws == one).all() else np.unique(ws).tolist()  # (a few streams, most often one)
-        for s in streams:
-            n = int(wn.max() if len(streams) == 1 else wn[ws == s].max())
+        if (ws == one).all():  # most often one stream
+            last = [(one, int(wn.max()))]
+        else:
+            last = [(s, int(wn[ws == s].max())) for s in np.unique(ws).tolist()]
+        for s, n in last:
             if n > clock.get(s, 0):
                 first = self.sites.get((s, n), "?")
                 self._race(first, verb, what, buf, f"{self.name(s)} step {n}; on {self.name(sid)}")
