@@ -376,7 +376,7 @@ def unplant(eng: Engine, fault: Fault) -> None:
 
 
 def _owner(eng: Engine, fault: Fault) -> Any:
-    return {"launch": eng.executor, "admit": eng.executor}.get(fault.where, eng.model.stages[fault.stage])
+    return eng.executor if fault.where in ("launch", "admit") else eng.model.stages[fault.stage]
 
 
 def run(eng: Engine, arrivals: tuple[Arrival, ...], held: set[int] | None = None) -> list[Reply]:
