@@ -1,19 +1,22 @@
-"""Time the whole decode step with other decode attention kernels, in one process on one model: each arm's
-decode attention and its split of a row.
+"""Time the whole decode step with other decode kernels, in one process on one model: each arm's decode
+attention, its split of a row, and what the expert kernels bring into L2.
 
     python scripts/step_arms.py PROFILE [--set KEY=VALUE ...] [--positions 64,150,300] [--rows 1,2]
         [--rounds 2] [--repeats 30] [--in-step] [--json] ARM [ARM ...]
 
 Each ARM is NAME=SPEC, SPEC one of ``cuda_cores`` (attn_split), ``tc`` (attn_tc, each row split as the
 engine splits it) or ``tc:ONE_RUN_CHUNKS/SHORT_SPLITS/SHORT_CHUNKS/SPLITS``
-(`strata_runtime.cuda.choices.AttentionSplit`; fields left out keep the engine's). For example
-``kept=tc one=tc:128 split=cuda_cores``. At every position and row count the step graph runs with each arm in
-turn, ``--rounds`` rounds on the same weights and window (`KernelModel.time_arms`, as ``strata bench
---workload step --vary model.decode_attention=auto,cuda_cores`` times the plans' kernels, without splits or
-several positions); the table gives each arm's median ms with its change from the first arm, and whether
-every arm chose the same argmax tokens; with ``--in-step``, also what each kernel group costs inside the step
-in every arm (`KernelModel.time_in_step`), so that an arm's effect shows in the group it changes.
-Needs CuPy and a GPU. docs/PERFORMANCE.md's tables of attention splits measure the same way.
+(`strata_runtime.cuda.choices.AttentionSplit`; fields left out keep the engine's), then optionally
+``,warm:ROWS``, ``,warm:ROWS/early`` or ``,warm:off``: how the expert kernels bring the next layer's q/k/v
+weights into L2 (`strata_runtime.cuda.choices.L2Warm`; left out, the engine's). For example
+``kept=tc one=tc:128 split=cuda_cores warm=tc,warm:2``. At every position and row count the step graph
+runs with each arm in turn, ``--rounds`` rounds on the same weights and window (`KernelModel.time_arms`,
+as ``strata bench --workload step --vary model.decode_attention=auto,cuda_cores`` times the plans'
+kernels, without splits or several positions); the table gives each arm's median ms with its change from
+the first arm, and whether every arm chose the same argmax tokens; with ``--in-step``, also what each
+kernel group costs inside the step in every arm (`KernelModel.time_in_step`), so that an arm's effect
+shows in the group it changes. Needs CuPy and a GPU. docs/PERFORMANCE.md's tables of attention splits
+measure the same way.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from strata_cfg.plan.from_profile import resolve_profile
 from strata_cfg.schema.errors import ProfileError
 from strata_runtime.backend import Device
 from strata_runtime.bench.step import KernelArm, KernelModel, graph_seconds, step_routing
-from strata_runtime.cuda.choices import AttentionSplit
+from strata_runtime.cuda.choices import AttentionSplit, L2Warm
 from strata_runtime.cuda.ops import kernels_for
 
 
@@ -40,31 +43,38 @@ class Arm:
     name: str
     tensor_cores: bool = True
     split: AttentionSplit | None = None  # None: the engine's
+    warm: L2Warm | None = None  # None: the engine's
 
     @classmethod
     def parse(cls, text: str) -> Arm:
         name, eq, spec = text.partition("=")
         if not eq or not name or not spec:
             raise ValueError(f"arm {text!r}: expected NAME=SPEC, as one=tc:3/16/128/64 or split=cuda_cores")
+        spec, comma, extra = spec.partition(",")
+        warm = None
+        if comma:
+            if not extra.startswith("warm:"):
+                raise ValueError(f"arm {text!r}: after the comma, expected warm:ROWS, not {extra!r}")
+            warm = L2Warm.parse(extra[5:])
         if spec == "cuda_cores":
-            return cls(name, False)
+            return cls(name, False, None, warm)
         if spec == "tc":
-            return cls(name)
+            return cls(name, True, None, warm)
         if spec.startswith("tc:"):
-            return cls(name, True, AttentionSplit.parse(spec[3:]))
+            return cls(name, True, AttentionSplit.parse(spec[3:]), warm)
         raise ValueError(
             f"arm {text!r}: SPEC is cuda_cores, tc or tc:ONE_RUN_CHUNKS/SHORT_SPLITS/..., not {spec!r}"
         )
 
     def describe(self) -> str:
-        """The arm's kernel in words."""
-        if not self.tensor_cores:
-            return "CUDA cores"
-        return f"tensor cores, split {self.split or AttentionSplit()}"
+        """The arm's kernels in words."""
+        split = self.split or AttentionSplit()
+        out = f"tensor cores, split {split}" if self.tensor_cores else "CUDA cores"
+        return out + (f", L2 warming {self.warm}" if self.warm is not None else "")
 
     def context(self, model: KernelModel) -> contextlib.AbstractContextManager[None]:
-        """This arm's kernel in force on ``model`` inside the block."""
-        return model.arm(KernelArm(self.tensor_cores, self.split))
+        """This arm's kernels in force on ``model`` inside the block."""
+        return model.arm(KernelArm(self.tensor_cores, self.split, self.warm))
 
 
 def sweep(
@@ -170,7 +180,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         print(
             json.dumps(
-                {"arms": [a.__dict__ | {"split": str(a.split or "")} for a in arms], "results": results}
+                {
+                    "arms": [
+                        a.__dict__ | {"split": str(a.split or ""), "warm": str(a.warm or "")} for a in arms
+                    ],
+                    "results": results,
+                }
             )
         )
     else:

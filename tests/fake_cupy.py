@@ -399,8 +399,8 @@ class ReferenceKernels:
         self._launched(launch[0] if launch else self.gemv_expr(x.shape[0], *w.shape, True))
         RECORDER.launch(reference_kernels.qkv_rope, w, x, qkv, norm, eps, *rest)
 
-    def moe(self, x: Any, norm: Any, logits: Any, *rest: Any) -> None:
-        """As the launcher: the expert kernels' instantiations."""
+    def moe(self, x: Any, norm: Any, logits: Any, *rest: Any, warm: Any = None) -> None:
+        """As the launcher: the expert kernels' instantiations (``warm`` only moves weights into L2)."""
         from strata_runtime.cuda.choices import moe_expressions
 
         experts, idx, h_buf = rest[2], rest[4], rest[6]  # after logits: norm_topk, eps, experts, resid, ...

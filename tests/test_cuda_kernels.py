@@ -352,6 +352,39 @@ def test_moe_rows_are_batch_invariant(gpu, e, k, h, inter):
     np.testing.assert_array_equal(run(slice(2, 5)), window[2:5])
 
 
+@pytest.mark.parametrize("warm", ["1", "1/early", "8", "8/early"])
+@pytest.mark.parametrize("rows", [1, 2, 8])
+def test_moe_warming_l2_gives_the_same_bits(gpu, warm, rows):
+    """The down products bringing other weights into L2 (before or after their own wait and loads, in
+    windows the policy covers or not) change no bit of the routing or the residual, and leave the warmed
+    weights as they were."""
+    from strata_runtime.cuda.choices import L2Warm, l2_warm
+    from strata_runtime.cuda.experts import resident_experts
+
+    cp, kern, _ = gpu
+    g = rng()
+    e, k, h, inter = 128, 8, 2048, 768
+    x, nw, logits, gate_up, down, resid = _moe_inputs(g, rows, e, h, inter)
+    experts = resident_experts(cp.asarray(gate_up), cp.asarray(down), cp)
+    next_qkv = cp.asarray(half(g.standard_normal((5120, h))))
+    before = next_qkv.get()
+
+    def run(heat) -> tuple[np.ndarray, np.ndarray]:
+        r_d = cp.asarray(resid)
+        idx_d, w_d = cp.zeros((rows, k), cp.int32), cp.zeros((rows, k), cp.float32)
+        h_d = cp.zeros((rows * k, inter), cp.float32)
+        args = (cp.asarray(x), cp.asarray(nw), cp.asarray(logits), True, 1e-6, experts, r_d, idx_d, w_d, h_d)
+        kern.moe(*args, warm=heat)
+        return r_d.get(), idx_d.get()
+
+    plain = run(None)
+    with l2_warm(L2Warm.parse(warm)):
+        warmed = run(next_qkv)
+    np.testing.assert_array_equal(warmed[1], plain[1])
+    np.testing.assert_array_equal(warmed[0], plain[0])
+    np.testing.assert_array_equal(next_qkv.get(), before)
+
+
 def _half_on_host(cp, g, gate_up, down, counts, misses):
     """An expert cache's tables for a layer with about half its experts (at random) in pinned host memory
     and the rest in VRAM: the `LayerExperts`, which experts are on the host, and the arrays its addresses

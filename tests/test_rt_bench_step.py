@@ -73,7 +73,7 @@ def _expected_logits(model: KernelModel, ids: np.ndarray, position: int) -> tupl
             f.name: None if getattr(lay, f.name) is None else getattr(lay, f.name).astype(f64)
             for f in fields(lay)
             # the routed experts' address tables (gate_up and down are the weights), and the kernels' choices
-            if f.name not in ("experts", "attention_tc")
+            if f.name not in ("experts", "attention_tc", "warm")
         }
         qkv = _rms(x, w["ln1"]) @ w["qkv"].T  # [R, (NQ + 2 NKV) D]
         q = rope(_rms(qkv[:, : nq * d].reshape(-1, nq, d), w["q_norm"]))  # [R, NQ, D]
@@ -278,7 +278,7 @@ def test_step_memory_counts_every_weight_and_the_kv_of_eight_slots() -> None:
         getattr(lay, f.name).nbytes
         for lay in model.stack.layers
         for f in fields(lay)
-        if getattr(lay, f.name) is not None and f.name not in ("experts", "attention_tc")
+        if getattr(lay, f.name) is not None and f.name not in ("experts", "attention_tc", "warm")
     )
     held += model.stack.k_cache.nbytes + model.stack.v_cache.nbytes
     held += model.emb.nbytes + model.head.nbytes + model.final_norm.nbytes
@@ -483,7 +483,9 @@ def test_step_arms_times_each_arm_with_its_own_kernels(monkeypatch) -> None:
         ("x=tc:1/2/3/4/5", "up to four integers"),
         ("x=tc:3/65", "short_splits <= splits <= 64"),
         ("x=tc:-1", "cannot be negative"),
-        ("x=tc,cuda_cores", "SPEC is cuda_cores, tc or tc:"),
+        ("x=tc:3,cuda_cores", "after the comma, expected warm:ROWS"),
+        ("x=gpu,warm:2", "SPEC is cuda_cores, tc or tc:"),
+        ("x=tc,warm:0", "expected off, ROWS or ROWS/early"),
     ]:
         with pytest.raises(ValueError, match=why):
             script.Arm.parse(bad)
@@ -580,3 +582,46 @@ def test_step_arms_refuses_bad_input_before_it_needs_a_gpu(monkeypatch, capsys) 
         assert exit_info.value.code == 2 and why in capsys.readouterr().err
     assert script.main([h200, "--positions", "64", "a=tc"]) == 2
     assert capsys.readouterr().err == "step_arms: needs CuPy and a GPU\n"
+
+
+def test_step_arms_warm_l2_as_each_arm_says_with_the_next_layers_weights(monkeypatch) -> None:
+    """`scripts/step_arms.py`: an arm's ``,warm:`` part is the L2 warming in force at every expert launch of
+    its timings, each layer's expert kernels are handed the next layer's q/k/v weights (the last layer's
+    none), and the engine's policy holds again after."""
+    from strata_runtime.cuda import choices
+
+    script = load_script("step_arms")
+    arms = [
+        script.Arm.parse("a=tc"),
+        script.Arm.parse("b=tc,warm:2/early"),
+        script.Arm.parse("c=tc:0,warm:off"),
+    ]
+    assert (
+        arms[0].warm is None and arms[1].warm == choices.L2Warm(2, True) and arms[2].warm == choices.L2Warm()
+    )
+    assert arms[1].describe().endswith(", L2 warming 2/early") and arms[1].split is None
+    facts = ModelFacts.from_config(preset_config("tiny"), source="synthetic:tiny", dtype="float16")
+    model = KernelModel(_numpy_as_cupy(seed=6), facts, 64, reference)
+    layers = model.stack.layers
+    assert [lay.warm for lay in layers[:-1]] == [lay.qkv for lay in layers[1:]] and layers[-1].warm is None
+    launched: list[tuple[object, object]] = []
+    real = reference.moe
+    monkeypatch.setattr(
+        reference,
+        "moe",
+        lambda *a, warm=None: launched.append((warm, choices.l2_warm_in_force())) or real(*a, warm=warm),
+    )
+    seen: list[list[tuple[object, object]]] = []
+
+    def timer(cp: object, body, repeats: int) -> float:
+        launched.clear()
+        body()
+        seen.append(list(launched))
+        return 1e-3
+
+    script.sweep(model, arms, [5], [1], repeats=1, rounds=1, timer=timer)
+    sparse = [lay for lay in layers if lay.router is not None]
+    for arm, got in zip(arms, seen, strict=True):
+        assert [w for w, _ in got] == [lay.warm for lay in sparse]
+        assert {policy for _, policy in got} == {arm.warm or choices.L2_WARM}
+    assert choices.l2_warm_in_force() is choices.L2_WARM

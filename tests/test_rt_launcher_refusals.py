@@ -119,3 +119,60 @@ def test_the_step_workload_refuses_a_gpu_the_kernels_cannot_run_on(kern_cp, monk
     monkeypatch.setattr(type(cp.cuda.Device()), "compute_capability", "75")
     with pytest.raises(ValueError, match=r"cannot run here: cuda:0 has compute capability 7\.5"):
         run_step(plan, 0)
+
+
+def test_the_down_products_warm_l2_only_as_the_policy_in_force_says(kern_cp, monkeypatch) -> None:
+    """`Kernels.moe` hands ``moe_down`` the next weights to warm (an address, its 128-byte lines, whether
+    before the programmatic-launch wait) only in windows the policy in force covers; otherwise a null
+    address. The kernels that take any shape are launched as before."""
+    from strata_runtime.cuda.choices import L2Warm, l2_warm
+
+    kern, cp, ops = kern_cp
+    launched: list[tuple[str, tuple]] = []
+    monkeypatch.setattr(kern, "fn", lambda expr: lambda grid, block, args: launched.append((expr, args)))
+    warm = cp.zeros((5, 1000), cp.float16)  # 10,000 bytes: 78 whole lines
+
+    def down_tail(rows: int, h: int = 256) -> tuple:
+        launched.clear()
+        kern.moe(*_moe_args(cp, rows=rows, topk=2, experts=8, h=h, inter=256), warm=warm)
+        (args,) = [args for expr, args in launched if expr.startswith("moe_down")]
+        return args[-3:]
+
+    def lines(tail: tuple) -> tuple:
+        return tail[0] is warm, int(tail[1]), int(tail[2])
+
+    assert down_tail(1) == (ops._NULL, 0, 0)  # the engine's policy: off
+    with l2_warm(L2Warm(2)):
+        assert lines(down_tail(1)) == (True, 78, 0) and lines(down_tail(2)) == (True, 78, 0)
+        assert down_tail(3) == (ops._NULL, 0, 0)
+    with l2_warm(L2Warm(1, early=True)):
+        assert lines(down_tail(1)) == (True, 78, 1)
+    assert down_tail(1) == (ops._NULL, 0, 0)  # the policy ends with its block
+    launched.clear()
+    with l2_warm(L2Warm(8)):
+        kern.moe(*_moe_args(cp, rows=1, topk=2, experts=8, h=64, inter=64), warm=warm)
+    assert [expr for expr, _ in launched] == ["moe_gate_up_any", "moe_down_any"]
+    assert all(a is not warm for _, args in launched for a in args)
+
+
+def test_an_l2_warming_policy_is_parsed_with_clear_errors() -> None:
+    from strata_runtime.cuda.choices import L2Warm
+
+    assert L2Warm.parse("off") == L2Warm() and str(L2Warm()) == "off"
+    assert L2Warm.parse("2") == L2Warm(2) and L2Warm.parse("4/early") == L2Warm(4, True)
+    assert str(L2Warm(4, True)) == "4/early" and L2Warm(2).applies(2) and not L2Warm(2).applies(3)
+    for bad in ("", "0", "-1", "2/late", "x", "2/early/1"):
+        with pytest.raises(ValueError, match="expected off, ROWS or ROWS/early"):
+            L2Warm.parse(bad)
+
+
+def test_the_engines_l2_warming_comes_from_strata_l2_warm(monkeypatch) -> None:
+    from strata_runtime.cuda import choices
+
+    monkeypatch.delenv("STRATA_L2_WARM", raising=False)
+    assert choices._engine_l2_warm() == choices.L2Warm()
+    monkeypatch.setenv("STRATA_L2_WARM", "2/early")
+    assert choices._engine_l2_warm() == choices.L2Warm(2, True)
+    monkeypatch.setenv("STRATA_L2_WARM", "two")
+    with pytest.raises(ValueError, match="STRATA_L2_WARM=two: L2 warming 'two': expected off, ROWS"):
+        choices._engine_l2_warm()

@@ -38,7 +38,9 @@ from ..backend import Device
 from ..cuda.choices import (
     PDL_ROWS,
     AttentionSplit,
+    L2Warm,
     attention_split,
+    l2_warm,
 )
 from ..cuda.experts import resident_experts
 from ..cuda.layers import (
@@ -200,12 +202,17 @@ class KernelArm:
 
     tensor_cores: bool = True
     split: AttentionSplit | None = None
+    warm: L2Warm | None = None
+    """How the expert kernels warm L2 (None: the engine's)."""
 
     def label(self) -> str:
-        """A short name of the arm: ``tensor cores`` or ``CUDA cores``, with the split where given."""
+        """A short name of the arm: ``tensor cores`` or ``CUDA cores``, with the split and the L2 warming
+        where given."""
         out = "tensor cores" if self.tensor_cores else "CUDA cores"
         if self.split is not None:
             out += f" {self.split}"
+        if self.warm is not None:
+            out += f", L2 warming {self.warm}"
         return out
 
 
@@ -270,8 +277,11 @@ class KernelModel:
         before = self.stack.attention_tc
         self.use_attention(kernels.tensor_cores)
         try:
-            split = kernels.split
-            with attention_split(split) if split is not None else contextlib.nullcontext():
+            split, warm = kernels.split, kernels.warm
+            with (
+                attention_split(split) if split is not None else contextlib.nullcontext(),
+                l2_warm(warm) if warm is not None else contextlib.nullcontext(),
+            ):
                 yield
         finally:
             self.use_attention(before)

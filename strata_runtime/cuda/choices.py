@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
+import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
@@ -144,6 +145,57 @@ def attention_split(split: AttentionSplit) -> contextlib.AbstractContextManager[
 def attention_split_in_force() -> AttentionSplit:
     """The split ``attn_tc`` launches with on this thread now."""
     return _ATTENTION_SPLIT.get()
+
+
+@dataclass(frozen=True)
+class L2Warm:
+    """What ``moe_down`` brings into L2 for the kernels after it: the next layer's q/k/v weights, read by
+    the projection that runs next, in windows of up to ``rows`` rows (0: none), issued before the kernel's
+    programmatic-launch wait where ``early``, else once its own weight loads are out. The down products of
+    a short window wait on memory latency and leave the DRAM part idle; the next projection's blocks start
+    only once those products are done. Values do not depend on it."""
+
+    rows: int = 0
+    early: bool = False
+
+    def __str__(self) -> str:
+        return "off" if not self.rows else f"{self.rows}{'/early' if self.early else ''}"
+
+    @classmethod
+    def parse(cls, text: str) -> L2Warm:
+        """``off``, or ``ROWS`` or ``ROWS/early``: warm in windows of up to ROWS rows."""
+        if text == "off":
+            return cls()
+        rows, _, when = text.partition("/")
+        if not rows.isdigit() or int(rows) < 1 or when not in ("", "early"):
+            raise ValueError(f"L2 warming {text!r}: expected off, ROWS or ROWS/early, as 2/early")
+        return cls(int(rows), when == "early")
+
+    def applies(self, rows: int) -> bool:
+        return rows <= self.rows
+
+
+def _engine_l2_warm() -> L2Warm:
+    text = os.environ.get("STRATA_L2_WARM", "off")
+    try:
+        return L2Warm.parse(text)
+    except ValueError as e:
+        raise ValueError(f"STRATA_L2_WARM={text}: {e}") from None
+
+
+L2_WARM = _engine_l2_warm()
+"""What the engine's windows warm: ``STRATA_L2_WARM`` (`L2Warm.parse`), off where unset."""
+_L2_WARM: contextvars.ContextVar[L2Warm] = contextvars.ContextVar("strata_l2_warm", default=L2_WARM)
+
+
+def l2_warm(warm: L2Warm) -> contextlib.AbstractContextManager[None]:
+    """Launch ``moe_down`` warming L2 as ``warm`` says in this block (on this thread)."""
+    return in_force(_L2_WARM, warm)
+
+
+def l2_warm_in_force() -> L2Warm:
+    """How ``moe_down`` warms L2 on this thread now."""
+    return _L2_WARM.get()
 
 
 def attention_on_tensor_cores(head_dim: int, group: int, tensor_cores: bool = True) -> bool:

@@ -309,6 +309,14 @@ __global__ void __launch_bounds__(256) moe_gate_up(const unsigned long long* __r
                               KEEP ? reinterpret_cast<half*>(keeps[KEEP ? a : 0]) : nullptr);
 }
 
+// warm_lines lines of 128 bytes from warm brought into L2, kept there ahead of lines loaded without a hint,
+// one line per thread of the grid in turn (moe_down's ``warm``).
+__device__ __forceinline__ void warm_l2(const char* warm, int warm_lines) {
+  const int threads = gridDim.x * blockDim.x;
+  for (int line = blockIdx.x * blockDim.x + threadIdx.x; line < warm_lines; line += threads)
+    asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(warm + ((size_t)line << 7)));
+}
+
 // Blocks of moe_down an SM should hold, for its launch bounds: 2 where a lane's K I / 256 loads of 16 bytes
 // fit in registers beside the rest (at most 128 a thread). Without the bound ptxas places most loads beside
 // their first use (58 registers at the 30B preset's widths), so a lane has only a few in flight and at one
@@ -321,15 +329,23 @@ __host__ __device__ constexpr int moe_down_blocks(int I, int K) { return K * (I 
 // kernel, ptxas keeps that order, so they are all in flight together.
 // KEEP: fill [E] and slot_dn [C] (the slots' down addresses) as the header says; the rows read of an expert
 // being kept are written into its slot.
+// warm (null: none): warm_lines lines of 128 bytes that the next kernels read, brought into L2 by the grid's
+// threads, one 128-byte line each in turn: before the programmatic-launch wait where warm_early, else once the
+// block's own weight loads are out. It changes no value, only where the next kernels find their weights.
 template <int H, int I, int K, bool KEEP = false>
 __global__ void __launch_bounds__(256, moe_down_blocks(I, K))
     moe_down(const unsigned long long* __restrict__ Dp, const float* __restrict__ h, const int* __restrict__ idx,
-             const float* __restrict__ wts, int R, float* __restrict__ resid, const int* __restrict__ fill = nullptr,
-             const unsigned long long* __restrict__ slot_dn = nullptr) {
+             const float* __restrict__ wts, int R, float* __restrict__ resid, const int* __restrict__ fill,
+             const unsigned long long* __restrict__ slot_dn, const char* __restrict__ warm, int warm_lines,
+             int warm_early) {
   STRATA_PDL_LAUNCH();
+  if (warm != nullptr && warm_early) warm_l2(warm, warm_lines);
   STRATA_PDL_WAIT();
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
-  if (warp >= R * H) return;
+  if (warp >= R * H) {
+    if (warm != nullptr && !warm_early) warm_l2(warm, warm_lines);
+    return;
+  }
   const int r = warp / H, n = warp % H;
   constexpr int STEPS = I / 256;
   uint4 pk[K][STEPS];
@@ -340,6 +356,7 @@ __global__ void __launch_bounds__(256, moe_down_blocks(I, K))
 #pragma unroll
     for (int s = 0; s < STEPS; ++s) pk[j][s] = __ldg(w + s * 32 + lane);
   }
+  if (warm != nullptr && !warm_early) warm_l2(warm, warm_lines);
   if (KEEP) {
 #pragma unroll
     for (int j = 0; j < K; ++j) {

@@ -96,6 +96,9 @@ class LayerWeights:
     attention_tc: bool = True
     """Decode attention on tensor cores where the shape allows (``model.decode_attention``), else CUDA cores:
     the layer's own choice, not the device's `Kernels`, which every stack of the device shares."""
+    warm: Array | None = None
+    """The next layer's q/k/v weights where the same stack runs it (set by `LayerStack`): the expert kernels
+    may bring them into L2 while they finish (`strata_runtime.cuda.choices.L2Warm`)."""
 
     @classmethod
     def of(cls, layer: DecoderLayer, xp: Any, router_bias: RowBias | None = None) -> LayerWeights:
@@ -257,6 +260,7 @@ def _moe(k: Kernels, a: ModelArgs, lay: LayerWeights, b: WindowBuffers, kc: Arra
         b.idx,
         b.wts,
         b.h,
+        warm=lay.warm,
     )
 
 
@@ -312,6 +316,10 @@ class LayerStack:
     k_cache: Array
     v_cache: Array
     kern: Kernels
+
+    def __post_init__(self) -> None:
+        for lay, after in zip(self.layers[:-1], self.layers[1:], strict=True):
+            lay.warm = after.qkv
 
     @classmethod
     def of(

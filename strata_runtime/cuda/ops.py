@@ -42,6 +42,7 @@ from .choices import (
     gemv_i8_launch,
     gemv_launch,
     in_force,
+    l2_warm_in_force,
     moe_expressions,
     qkv_rope_launch,
 )
@@ -366,6 +367,7 @@ class Kernels(KernelCache):
         idx: Array,
         wts: Array,
         h_buf: Array,
+        warm: Array | None = None,
     ) -> None:
         """Route and run the experts: resid[R, H] += sum_j wts[r, j] * expert_{idx[r, j]}(x'[r]).
 
@@ -384,6 +386,9 @@ class Kernels(KernelCache):
         and their gate/up products run in order of expert (``moe_gate_up``), so that an expert several rows
         share is read from memory about once. Each assignment's sums do not depend on the window: a row
         gets the same bits in any window.
+
+        ``warm``: weights the next kernels read (the next layer's q/k/v), which the down products bring into
+        L2 where `l2_warm_in_force` applies to the window (the wide kernels only; values do not change).
         """
         rows, h = x.shape
         topk = idx.shape[1]
@@ -421,7 +426,12 @@ class Kernels(KernelCache):
             (THREADS,),
             (gu, x, norm, idx, np.int32(a), np.int32(topk), np.float32(eps), h_buf, *tally, *kept_gu),
         )
-        self.fn(down_expr)(blocks_d, (THREADS,), (down, h_buf, idx, wts, np.int32(rows), resid, *kept_dn))
+        policy = l2_warm_in_force()
+        heat = (_NULL, np.int32(0), np.int32(0))
+        if warm is not None and policy.applies(rows):
+            heat = (warm, np.int32(warm.nbytes // 128), np.int32(policy.early))
+        args = (down, h_buf, idx, wts, np.int32(rows), resid, *kept_dn, *heat)
+        self.fn(down_expr)(blocks_d, (THREADS,), args)
 
     def silu_mul(self, gu: Array, out: Array) -> None:
         """out[R, I] = silu(gu[:, :I]) * gu[:, I:]."""

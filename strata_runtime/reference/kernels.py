@@ -178,9 +178,11 @@ def moe(
     idx: np.ndarray,
     wts: np.ndarray,
     h_buf: np.ndarray,
+    warm: np.ndarray | None = None,
 ) -> None:
     """``experts.weights(e)``: expert e's gate/up [2I, H] and down [H, I] (the kernel reads the same through
-    ``experts``' address tables); ``counts``, ``slot_of``, ``misses`` and ``keep`` as the launcher's."""
+    ``experts``' address tables); ``counts``, ``slot_of``, ``misses`` and ``keep`` as the launcher's. ``warm``
+    only moves weights into a GPU's L2, so it changes nothing here."""
     rows, topk = idx.shape
     inter = h_buf.shape[1]
     p = np.exp(logits - logits.max(-1, keepdims=True))
