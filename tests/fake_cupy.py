@@ -401,11 +401,12 @@ class ReferenceKernels:
 
     def moe(self, x: Any, norm: Any, logits: Any, *rest: Any, warm: Any = None) -> None:
         """As the launcher: the expert kernels' instantiations (``warm`` only moves weights into L2)."""
-        from strata_runtime.cuda.choices import moe_expressions
+        from strata_runtime.cuda.choices import l2_warm_in_force, moe_expressions
 
         experts, idx, h_buf = rest[2], rest[4], rest[6]  # after logits: norm_topk, eps, experts, resid, ...
         keep = getattr(experts, "keep", None) is not None
-        for expr in moe_expressions(x.shape[1], h_buf.shape[1], idx.shape[1], keep):
+        mode = l2_warm_in_force().mode(x.shape[0]) if warm is not None else 0
+        for expr in moe_expressions(x.shape[1], h_buf.shape[1], idx.shape[1], keep, mode):
             self._launched(expr)
         RECORDER.launch(_choosing("moe", reference_kernels.moe), x, norm, logits, *rest)
 

@@ -122,9 +122,10 @@ def test_the_step_workload_refuses_a_gpu_the_kernels_cannot_run_on(kern_cp, monk
 
 
 def test_the_down_products_warm_l2_only_as_the_policy_in_force_says(kern_cp, monkeypatch) -> None:
-    """`Kernels.moe` hands ``moe_down`` the next weights to warm (an address, its 128-byte lines, whether
-    before the programmatic-launch wait) only in windows the policy in force covers; otherwise a null
-    address. The kernels that take any shape are launched as before."""
+    """`Kernels.moe` launches the ``moe_down`` instantiation that warms L2 (after its loads, or early), with
+    the next weights' address and their 128-byte lines, only in windows the policy in force covers;
+    otherwise the plain instantiation with a null address. The kernels that take any shape are launched as
+    before."""
     from strata_runtime.cuda.choices import L2Warm, l2_warm
 
     kern, cp, ops = kern_cp
@@ -132,22 +133,20 @@ def test_the_down_products_warm_l2_only_as_the_policy_in_force_says(kern_cp, mon
     monkeypatch.setattr(kern, "fn", lambda expr: lambda grid, block, args: launched.append((expr, args)))
     warm = cp.zeros((5, 1000), cp.float16)  # 10,000 bytes: 78 whole lines
 
-    def down_tail(rows: int, h: int = 256) -> tuple:
+    def down(rows: int, heat=warm) -> tuple[str, bool, int]:
         launched.clear()
-        kern.moe(*_moe_args(cp, rows=rows, topk=2, experts=8, h=h, inter=256), warm=warm)
-        (args,) = [args for expr, args in launched if expr.startswith("moe_down")]
-        return args[-3:]
+        kern.moe(*_moe_args(cp, rows=rows, topk=2, experts=8, h=256, inter=256), warm=heat)
+        ((expr, args),) = [(expr, args) for expr, args in launched if expr.startswith("moe_down")]
+        return expr, args[-2] is heat, int(args[-1])
 
-    def lines(tail: tuple) -> tuple:
-        return tail[0] is warm, int(tail[1]), int(tail[2])
-
-    assert down_tail(1) == (ops._NULL, 0, 0)  # the engine's policy: off
+    plain = ("moe_down<256,256,2>", False, 0)
+    assert down(1) == plain  # the engine's policy: off
     with l2_warm(L2Warm(2)):
-        assert lines(down_tail(1)) == (True, 78, 0) and lines(down_tail(2)) == (True, 78, 0)
-        assert down_tail(3) == (ops._NULL, 0, 0)
+        assert down(1) == down(2) == ("moe_down<256,256,2,false,1>", True, 78)
+        assert down(3) == plain and down(1, None) == plain
     with l2_warm(L2Warm(1, early=True)):
-        assert lines(down_tail(1)) == (True, 78, 1)
-    assert down_tail(1) == (ops._NULL, 0, 0)  # the policy ends with its block
+        assert down(1) == ("moe_down<256,256,2,false,2>", True, 78)
+    assert down(1) == plain  # the policy ends with its block
     launched.clear()
     with l2_warm(L2Warm(8)):
         kern.moe(*_moe_args(cp, rows=1, topk=2, experts=8, h=64, inter=64), warm=warm)
@@ -160,7 +159,8 @@ def test_an_l2_warming_policy_is_parsed_with_clear_errors() -> None:
 
     assert L2Warm.parse("off") == L2Warm() and str(L2Warm()) == "off"
     assert L2Warm.parse("2") == L2Warm(2) and L2Warm.parse("4/early") == L2Warm(4, True)
-    assert str(L2Warm(4, True)) == "4/early" and L2Warm(2).applies(2) and not L2Warm(2).applies(3)
+    assert str(L2Warm(4, True)) == "4/early" and L2Warm(2).mode(2) == 1 and L2Warm(2).mode(3) == 0
+    assert L2Warm(4, True).mode(4) == 2 and L2Warm().mode(1) == 0
     for bad in ("", "0", "-1", "2/late", "x", "2/early/1"):
         with pytest.raises(ValueError, match="expected off, ROWS or ROWS/early"):
             L2Warm.parse(bad)

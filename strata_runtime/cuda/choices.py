@@ -171,8 +171,11 @@ class L2Warm:
             raise ValueError(f"L2 warming {text!r}: expected off, ROWS or ROWS/early, as 2/early")
         return cls(int(rows), when == "early")
 
-    def applies(self, rows: int) -> bool:
-        return rows <= self.rows
+    def mode(self, rows: int) -> int:
+        """``moe_down``'s WARM for a window of ``rows`` rows: 0 (none), 1 (after its loads), 2 (early)."""
+        if rows > self.rows:
+            return 0
+        return 2 if self.early else 1
 
 
 def _engine_l2_warm() -> L2Warm:
@@ -397,14 +400,17 @@ def gemv_expression(rows: int, n: int, k: int, norm: bool, tensor_cores: bool) -
     return gemv_launch(rows, n, k, norm, tensor_cores)[0]
 
 
-def moe_expressions(h: int, i: int, topk: int, keep: bool = False) -> tuple[str, ...]:
+def moe_expressions(h: int, i: int, topk: int, keep: bool = False, warm: int = 0) -> tuple[str, ...]:
     """The instantiations `Kernels.moe` launches for these shapes, at any row count: the gate/up kernel, the
     down kernel, then any others. ``keep``: under a cache that keeps its misses (``moe_admit`` between the
-    routing and the experts, which write the experts they keep)."""
+    routing and the experts, which write the experts they keep); ``warm``: the down kernel's warming of L2
+    (`L2Warm.mode`; the kernels that take any shape warm nothing)."""
     if _wide(h) and _wide(i) and topk <= 16:
+        tail = f",{'true' if keep else 'false'},{warm}" if warm else ",true" * keep
+        down = f"moe_down<{h},{i},{topk}{tail}>"
         if keep:
-            return f"moe_gate_up<{h},{i},true>", f"moe_down<{h},{i},{topk},true>", "route_topk", "moe_admit"
-        return f"moe_gate_up<{h},{i}>", f"moe_down<{h},{i},{topk}>", "route_topk"
+            return f"moe_gate_up<{h},{i},true>", down, "route_topk", "moe_admit"
+        return f"moe_gate_up<{h},{i}>", down, "route_topk"
     return ("moe_gate_up_any", "moe_down_any") + (("route_topk", "moe_admit") if keep else ())
 
 
@@ -442,6 +448,7 @@ def decode_expressions(
     max_rows: int = MAX_WINDOW_ROWS,
     attention_tc: bool | None = None,
     keep: bool = False,
+    warm: L2Warm | None = None,
 ) -> list[str]:
     """Every instantiation of kernels.cu that windows of 1 to ``max_rows`` rows through layers of these
     shapes (and a head) launch: the decode graphs compile them all before the first window
@@ -449,8 +456,10 @@ def decode_expressions(
     shared experts; ``gemv_shapes``: (out features, reduction, fused norm) of further GEMVs on the same rows
     (the LM head on normalised rows, the MTP head's input projections). ``attention_tc``: whether attention
     may run on tensor cores (``model.decode_attention``; None: where ``tensor_cores``). ``keep``: the layers'
-    expert cache keeps its misses (`moe_expressions`)."""
+    expert cache keeps its misses (`moe_expressions`). ``warm``: how the expert kernels warm L2 (None: the
+    policy in force, `l2_warm_in_force`)."""
     a = args
+    warm = l2_warm_in_force() if warm is None else warm
     attention_tc = tensor_cores if attention_tc is None else attention_tc
     h, q = a.hidden_size, a.num_attention_heads * a.head_dim
     qkv = (a.num_attention_heads + 2 * a.num_key_value_heads) * a.head_dim
@@ -461,6 +470,8 @@ def decode_expressions(
     out += attention_expressions(a.head_dim, a.num_attention_heads // a.num_key_value_heads, attention_tc)
     if a.num_experts:
         out += moe_expressions(h, a.moe_intermediate_size, a.num_experts_per_tok, keep)
+        if warm.rows:  # the engine's windows of up to warm.rows rows warm L2
+            out += moe_expressions(h, a.moe_intermediate_size, a.num_experts_per_tok, keep, warm.mode(1))[1:2]
     # (out features, reduction, fused norm) of every projection: q/k/v, output, router, the dense MLP or
     # shared expert (gate/up, down, gate), and the LM head.
     shapes = [(qkv, h, True), (h, q, False), (a.vocab_size, h, True), (1, h, True)]

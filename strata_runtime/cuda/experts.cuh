@@ -329,21 +329,21 @@ __host__ __device__ constexpr int moe_down_blocks(int I, int K) { return K * (I 
 // kernel, ptxas keeps that order, so they are all in flight together.
 // KEEP: fill [E] and slot_dn [C] (the slots' down addresses) as the header says; the rows read of an expert
 // being kept are written into its slot.
-// warm (null: none): warm_lines lines of 128 bytes that the next kernels read, brought into L2 by the grid's
-// threads, one 128-byte line each in turn: before the programmatic-launch wait where warm_early, else once the
-// block's own weight loads are out. It changes no value, only where the next kernels find their weights.
-template <int H, int I, int K, bool KEEP = false>
+// WARM (`L2Warm` in choices.py): 0, none (warm and warm_lines unused); 1, the warm_lines lines of 128 bytes at
+// warm that the next kernels read are brought into L2 by the grid's threads, one line each in turn, once the
+// block's own weight loads are out; 2, the same before the programmatic-launch wait. It changes no value,
+// only where the next kernels find their weights.
+template <int H, int I, int K, bool KEEP = false, int WARM = 0>
 __global__ void __launch_bounds__(256, moe_down_blocks(I, K))
     moe_down(const unsigned long long* __restrict__ Dp, const float* __restrict__ h, const int* __restrict__ idx,
              const float* __restrict__ wts, int R, float* __restrict__ resid, const int* __restrict__ fill,
-             const unsigned long long* __restrict__ slot_dn, const char* __restrict__ warm, int warm_lines,
-             int warm_early) {
+             const unsigned long long* __restrict__ slot_dn, const char* __restrict__ warm, int warm_lines) {
   STRATA_PDL_LAUNCH();
-  if (warm != nullptr && warm_early) warm_l2(warm, warm_lines);
+  if (WARM == 2) warm_l2(warm, warm_lines);
   STRATA_PDL_WAIT();
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
   if (warp >= R * H) {
-    if (warm != nullptr && !warm_early) warm_l2(warm, warm_lines);
+    if (WARM == 1) warm_l2(warm, warm_lines);
     return;
   }
   const int r = warp / H, n = warp % H;
@@ -356,7 +356,7 @@ __global__ void __launch_bounds__(256, moe_down_blocks(I, K))
 #pragma unroll
     for (int s = 0; s < STEPS; ++s) pk[j][s] = __ldg(w + s * 32 + lane);
   }
-  if (warm != nullptr && !warm_early) warm_l2(warm, warm_lines);
+  if (WARM == 1) warm_l2(warm, warm_lines);
   if (KEEP) {
 #pragma unroll
     for (int j = 0; j < K; ++j) {

@@ -388,7 +388,8 @@ class Kernels(KernelCache):
         gets the same bits in any window.
 
         ``warm``: weights the next kernels read (the next layer's q/k/v), which the down products bring into
-        L2 where `l2_warm_in_force` applies to the window (the wide kernels only; values do not change).
+        L2 where the policy in force covers the window (`l2_warm_in_force`, `L2Warm.mode`: another
+        instantiation of the down kernel; the wide kernels only; values do not change).
         """
         rows, h = x.shape
         topk = idx.shape[1]
@@ -398,7 +399,8 @@ class Kernels(KernelCache):
         tally = _tally(experts)
         a = rows * topk
         keep = getattr(experts, "keep", None)
-        gu_expr, down_expr, *_ = moe_expressions(h, inter, topk, keep is not None)
+        warm_mode = l2_warm_in_force().mode(rows) if warm is not None else 0
+        gu_expr, down_expr, *_ = moe_expressions(h, inter, topk, keep is not None, warm_mode)
         tiles = (math.ceil(inter / WARPS_PER_BLOCK), a)
         blocks_d = (math.ceil(rows * h / WARPS_PER_BLOCK),)
         gu, down = experts.gate_up, experts.down
@@ -426,10 +428,9 @@ class Kernels(KernelCache):
             (THREADS,),
             (gu, x, norm, idx, np.int32(a), np.int32(topk), np.float32(eps), h_buf, *tally, *kept_gu),
         )
-        policy = l2_warm_in_force()
-        heat = (_NULL, np.int32(0), np.int32(0))
-        if warm is not None and policy.applies(rows):
-            heat = (warm, np.int32(warm.nbytes // 128), np.int32(policy.early))
+        heat = (
+            (warm, np.int32(warm.nbytes // 128)) if warm is not None and warm_mode else (_NULL, np.int32(0))
+        )
         args = (down, h_buf, idx, wts, np.int32(rows), resid, *kept_dn, *heat)
         self.fn(down_expr)(blocks_d, (THREADS,), args)
 
