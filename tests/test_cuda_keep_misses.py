@@ -77,8 +77,13 @@ def _new_queue(cp, tables, rng: np.random.Generator, learned: bool) -> None:
     tables._upload_queue(cp.cuda.get_current_stream())
 
 
+@pytest.mark.parametrize("warm", ["off", "8", "8/early"])
 @pytest.mark.parametrize("shape", [(256, 256, 32, 4), (64, 64, 12, 3)], ids=["wide", "any"])
-def test_the_admission_and_the_expert_kernels_keep_misses_as_their_numpy_twin_does(cp, shape):
+def test_the_admission_and_the_expert_kernels_keep_misses_as_their_numpy_twin_does(cp, shape, warm):
+    """The admission and the expert kernels of a cache that keeps its misses keep, count and sum as their
+    NumPy twins, also where the down products bring other weights into L2 (``warm``, the policy in force:
+    another instantiation of the down kernel)."""
+    from strata_runtime.cuda.choices import L2Warm, l2_warm
     from strata_runtime.cuda.experts import CudaExperts
     from strata_runtime.cuda.ops import kernels_for
     from strata_runtime.reference import kernels as ref
@@ -92,51 +97,56 @@ def test_the_admission_and_the_expert_kernels_keep_misses_as_their_numpy_twin_do
     kern = kernels_for(0)
     norm = (1.0 + 0.1 * rng.standard_normal(h)).astype(np.float16)
     kept = 0
-    for w, rows in enumerate((1, 4, 1, 8, 2, 1, 8, 1)):
-        if w % 3 == 0:
-            _new_queue(cp, tables, rng, learned=w > 0 and w % 2 == 0)
-        for j in range(layers):
-            x = rng.standard_normal((rows, h)).astype(np.float32)
-            logits = rng.standard_normal((rows, n_exp)).astype(np.float32)
-            resid = cp.zeros((rows, h), cp.float32)
-            idx, wts = cp.zeros((rows, topk), cp.int32), cp.zeros((rows, topk), cp.float32)
-            h_buf = cp.zeros((rows * topk, inter), cp.float32)
-            twin = _mirror(tables)
-            experts = tables.layers[j]
-            kern.moe(
-                cp.asarray(x),
-                cp.asarray(norm),
-                cp.asarray(logits),
-                True,
-                1e-6,
-                experts,
-                resid,
-                idx,
-                wts,
-                h_buf,
-            )
-            cp.cuda.Device(0).synchronize()
-            moe_admit(SimpleNamespace(owner=twin, layer=j), idx.get())
-            for name in MIRRORED:  # the counters' first two columns are the expert kernels' counts
-                got, want = getattr(tables, name).get(), getattr(twin, name)
-                if name == "misses":
-                    got, want = got[:, 2], want[:, 2]
-                np.testing.assert_array_equal(got, want, err_msg=f"{name}, window {w}, layer {j}")
-            # The layer's output against the float32 reference over the experts' own weights.
-            want = np.zeros((rows, h), np.float32)
-            own = SimpleNamespace(weights=lambda e, j=j: store.host_weights(j, e), counts=None)
-            ref.moe(
-                x,
-                norm,
-                logits,
-                True,
-                1e-6,
-                own,
-                want,
-                *(np.zeros(a.shape, a.dtype) for a in (idx, wts, h_buf)),
-            )
-            np.testing.assert_allclose(resid.get(), want, rtol=2e-3, atol=2e-3)
-        kept = int(tables.misses[:, 2].sum())
+    heat = cp.asarray(
+        np.random.default_rng(18).standard_normal((4 * h, h)).astype(np.float16)
+    )  # "next layer"
+    with l2_warm(L2Warm.parse(warm)):
+        for w, rows in enumerate((1, 4, 1, 8, 2, 1, 8, 1)):
+            if w % 3 == 0:
+                _new_queue(cp, tables, rng, learned=w > 0 and w % 2 == 0)
+            for j in range(layers):
+                x = rng.standard_normal((rows, h)).astype(np.float32)
+                logits = rng.standard_normal((rows, n_exp)).astype(np.float32)
+                resid = cp.zeros((rows, h), cp.float32)
+                idx, wts = cp.zeros((rows, topk), cp.int32), cp.zeros((rows, topk), cp.float32)
+                h_buf = cp.zeros((rows * topk, inter), cp.float32)
+                twin = _mirror(tables)
+                experts = tables.layers[j]
+                kern.moe(
+                    cp.asarray(x),
+                    cp.asarray(norm),
+                    cp.asarray(logits),
+                    True,
+                    1e-6,
+                    experts,
+                    resid,
+                    idx,
+                    wts,
+                    h_buf,
+                    warm=heat,
+                )
+                cp.cuda.Device(0).synchronize()
+                moe_admit(SimpleNamespace(owner=twin, layer=j), idx.get())
+                for name in MIRRORED:  # the counters' first two columns are the expert kernels' counts
+                    got, want = getattr(tables, name).get(), getattr(twin, name)
+                    if name == "misses":
+                        got, want = got[:, 2], want[:, 2]
+                    np.testing.assert_array_equal(got, want, err_msg=f"{name}, window {w}, layer {j}")
+                # The layer's output against the float32 reference over the experts' own weights.
+                want = np.zeros((rows, h), np.float32)
+                own = SimpleNamespace(weights=lambda e, j=j: store.host_weights(j, e), counts=None)
+                ref.moe(
+                    x,
+                    norm,
+                    logits,
+                    True,
+                    1e-6,
+                    own,
+                    want,
+                    *(np.zeros(a.shape, a.dtype) for a in (idx, wts, h_buf)),
+                )
+                np.testing.assert_allclose(resid.get(), want, rtol=2e-3, atol=2e-3)
+            kept = int(tables.misses[:, 2].sum())
     assert kept > 0, "no expert was kept"
     slots = held(tables.slot_of.get(), tables.fill.get())
     assert sorted(slots[slots >= 0].tolist()) == list(range(store.slots))  # each slot held once
