@@ -1542,3 +1542,26 @@ def test_prompts_through_per_expert_products_read_the_devices_tables_where_the_c
         texts[keep] = text
         assert engine.model.stages[0].experts.stats.kept > 0 or not keep
     assert texts[True] == texts[False]
+
+
+def test_the_engine_says_when_its_expert_kernels_warm_l2(fake_gpu, monkeypatch):
+    """A stage whose windows warm L2 (the policy in force as its graphs are prepared, on expert kernels that
+    can) says so in its start-up line, with the setting that asked for it; a stage whose kernels cannot
+    (the tiny preset's narrow experts) or under the default policy says nothing of it."""
+    from strata_runtime.cuda import decode
+    from strata_runtime.cuda.choices import L2Warm, l2_warm
+    from strata_runtime.engine import Engine
+
+    def line(eng) -> str:
+        (found,) = [x for x in eng.startup if x.startswith("decode windows on cuda:0")]
+        return found
+
+    plan = _plan("cuda", "tiny")
+    assert line(Engine(plan)) == "decode windows on cuda:0: CUDA graphs"
+    with l2_warm(L2Warm(2, early=True)):
+        assert line(Engine(plan)) == "decode windows on cuda:0: CUDA graphs"  # narrow: nothing warms
+        monkeypatch.setattr(decode, "moe_wide", lambda h, i, k: True)
+        assert line(Engine(plan)) == (
+            "decode windows on cuda:0: CUDA graphs; the expert kernels bring the next layer's q/k/v into L2 "
+            "in windows of up to 2 row(s), before they wait (STRATA_L2_WARM=2/early)"
+        )

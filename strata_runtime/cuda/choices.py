@@ -400,12 +400,19 @@ def gemv_expression(rows: int, n: int, k: int, norm: bool, tensor_cores: bool) -
     return gemv_launch(rows, n, k, norm, tensor_cores)[0]
 
 
+def moe_wide(h: int, i: int, topk: int) -> bool:
+    """Whether `Kernels.moe` takes the wide expert kernels for these shapes (H and I multiples of 256, k <=
+    16): routed first, in order of expert, and able to warm L2 (`L2Warm`); else the kernels that take any
+    shape."""
+    return _wide(h) and _wide(i) and topk <= 16
+
+
 def moe_expressions(h: int, i: int, topk: int, keep: bool = False, warm: int = 0) -> tuple[str, ...]:
     """The instantiations `Kernels.moe` launches for these shapes, at any row count: the gate/up kernel, the
     down kernel, then any others. ``keep``: under a cache that keeps its misses (``moe_admit`` between the
     routing and the experts, which write the experts they keep); ``warm``: the down kernel's warming of L2
     (`L2Warm.mode`; the kernels that take any shape warm nothing)."""
-    if _wide(h) and _wide(i) and topk <= 16:
+    if moe_wide(h, i, topk):
         tail = f",{'true' if keep else 'false'},{warm}" if warm else ",true" * keep
         down = f"moe_down<{h},{i},{topk}{tail}>"
         if keep:

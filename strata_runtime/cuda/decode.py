@@ -25,7 +25,7 @@ from strata_cfg.schema.windows import MAX_WINDOW_ROWS
 
 from ..backend import device_lock
 from ..layout import Layout
-from .choices import PDL_ROWS, attention_scratch_size, decode_expressions
+from .choices import PDL_ROWS, attention_scratch_size, decode_expressions, l2_warm_in_force, moe_wide
 from .compile import record_graph_build
 from .layers import LayerStack, WindowBuffers
 
@@ -41,6 +41,19 @@ class CudaLayers:
             self.capture_stream = cp.cuda.Stream(non_blocking=True)
             # Compile every kernel any window can need in one NVRTC run now, not window by window later.
             stack.kern.prepare(self.expressions())
+        warm, a = l2_warm_in_force(), stack.args
+        sparse = any(lay.warm is not None and lay.experts is not None for lay in stack.layers)
+        wide = moe_wide(a.hidden_size, a.moe_intermediate_size, a.num_experts_per_tok)
+        when = ", before they wait" if warm.early else ""
+        self.notes = (
+            [
+                f"the expert kernels bring the next layer's q/k/v into L2 in windows of up to {warm.rows} "
+                f"row(s){when} (STRATA_L2_WARM={warm})"
+            ]
+            if warm.rows and sparse and wide
+            else []
+        )
+        """What the start-up line of the stage says of these windows beyond their graphs."""
         self._bufs: dict[int, WindowBuffers] = {}
         self._scratch: cp.ndarray | None = None
         self._graphs: dict[int, Any] = {}

@@ -239,6 +239,7 @@ def startup_lines(engine: EngineView) -> list[str]:
     for stage in engine.model.stages:
         if stage.device.is_cuda:
             path = "CUDA graphs" if stage.cuda is not None else f"array path ({stage.cuda_refused})"
+            path += "".join(f"; {note}" for note in getattr(stage.cuda, "notes", ()))
             lines.append(f"decode windows on {stage.device}: {path}")
         store = stage.experts
         if store.cached:
