@@ -894,3 +894,7 @@ def test_the_draft_heads_vary_as_arms_of_one_run_with_the_same_text(tmp_path) ->
     shared = next(name for name, head in heads.items() if head == "shared")
     assert arms[int8]["solo"][f"text_equal_to_{shared}"] is True
     assert "8-bit copy of the LM head" in out.stderr  # the int8 arm's engine says what its drafts read
+    # and each arm's JSON keeps its own engine's start-up lines, as the figures' record of what ran
+    assert any("8-bit copy of the LM head" in line for line in arms[int8]["startup"])
+    assert not any("8-bit copy" in line for line in arms[shared]["startup"])
+    assert all(arm["startup"][0].startswith("stages: cpu:0") for arm in arms.values())

@@ -292,6 +292,7 @@ def run(args: argparse.Namespace) -> int:
                         "draft_head": p.spec.draft_head,
                     },
                     "note": notes.get(n),
+                    "startup": engines[n].startup,
                     "budget_mib": budgets[n],
                     **summary[n],
                 }
