@@ -207,6 +207,7 @@ def run(args: argparse.Namespace) -> int:
     weights = WeightStore()
     engines = {name: Engine(plan, progress=stderr_progress, weights=weights) for name, plan in plans.items()}
     report_engines(engines)
+    startup = {name: engine.startup for name, engine in engines.items()}  # a peer may release the engines
     context = min(p.memory.context for p in plans.values())
     contenders: dict[str, Arm] = dict(engines)
     if args.peer:
@@ -292,7 +293,7 @@ def run(args: argparse.Namespace) -> int:
                         "draft_head": p.spec.draft_head,
                     },
                     "note": notes.get(n),
-                    "startup": engines[n].startup,
+                    "startup": startup[n],
                     "budget_mib": budgets[n],
                     **summary[n],
                 }
